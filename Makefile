@@ -1,0 +1,36 @@
+# The two commands a newcomer runs (as root): `make demo` and `make test`.
+# Both install what they need first (scripts/setup.sh, idempotent).
+PY := .venv/bin/python
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: setup demo test unit kernel lint golden bench clean-lab cleanup
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(PY) -m tests.lab.demo
+
+test: setup lint
+	$(PY) -m pytest -q tests
+
+# Pure tests only: no root, no kernel.
+unit:
+	$(PY) -m pytest -q tests -m "not kernel"
+
+lint:
+	.venv/bin/ruff check agent tests bench
+	.venv/bin/ruff format --check agent tests bench
+	.venv/bin/mypy
+	.venv/bin/lint-imports
+
+# Regenerates every golden file from the current code; review the diff before committing.
+golden:
+	EKP_REGEN_GOLDEN=1 $(PY) -m pytest -q tests -k golden
+
+bench: setup
+	$(PY) -m bench
+
+# Removes lab namespaces and processes left behind by a killed run.
+clean-lab:
+	$(PY) -m tests.lab cleanup

@@ -1,0 +1,80 @@
+"""The agent's configuration: what the flags say, as one frozen value.
+
+Flag names follow kube-proxy where the meaning is the same (`--hostname-override`,
+`--cluster-cidr`, `--masquerade-all`, `--nodeport-addresses`, `--iptables-sync-period`, ...);
+the eBPF-only knobs carry a `--bpf-` prefix as in Cilium. `NodeContext` holds what is learnt
+at run time about the node (its addresses) and is passed to the pure planners beside the state.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Mode(StrEnum):
+    EBPF = "ebpf"
+    IPTABLES = "iptables"
+
+
+DEFAULT_PIN_PATH = "/sys/fs/bpf/ebpf-kube-proxy"
+DEFAULT_POD_INTERFACES = "lxc*,veth*,cali*"
+
+
+@dataclass(frozen=True)
+class MapSizes:
+    """Maximum entries of the eBPF maps (kube-proxy scale by default)."""
+
+    fe: int = 65536
+    slot: int = 262144
+    be: int = 65536
+    rnat: int = 65536
+    ct: int = 524288
+    aff: int = 65536
+    srcr: int = 16384
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: Mode = Mode.EBPF
+    hostname: str = ""
+    services_file: str = ""
+    kubeconfig: str = ""
+    netns: str = ""  # network namespace the agent programs; "" = its own
+    dry_run: bool = False
+    cleanup: bool = False
+    cluster_cidr: tuple[str, ...] = ()
+    masquerade_all: bool = False
+    masquerade_bit: int = 14
+    nodeport_addresses: tuple[str, ...] = ()  # CIDRs; () = every node address
+    sync_period_s: float = 30.0
+    min_sync_period_s: float = 1.0
+    # eBPF mode
+    devices: tuple[str, ...] = ()  # external devices; () = those holding the node's addresses
+    pod_interfaces: tuple[str, ...] = tuple(DEFAULT_POD_INTERFACES.split(","))
+    pin_path: str = DEFAULT_PIN_PATH
+    map_sizes: MapSizes = field(default_factory=MapSizes)
+    snat_ports: tuple[int, int] = (32768, 65535)
+    # iptables mode
+    iptables_backend: str = "auto"  # auto | nft | legacy
+
+    @property
+    def masquerade_mark(self) -> str:
+        """`0x4000` for the default bit 14, as kube-proxy prints it."""
+        return f"{1 << self.masquerade_bit:#x}"
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """Facts about the node found at run time, inputs to the pure planners."""
+
+    node_ips: tuple[str, ...] = ()  # IPv4 addresses of the node (its external devices)
+    primary_ip: str = ""  # the address used as SNAT source toward other nodes
+
+    def nodeport_ips(self, cidrs: tuple[str, ...]) -> tuple[str, ...]:
+        """Node addresses NodePorts answer on: all of them, or those inside `cidrs`."""
+        if not cidrs:
+            return self.node_ips
+        nets = [ipaddress.ip_network(c, strict=False) for c in cidrs]
+        return tuple(ip for ip in self.node_ips if any(ipaddress.ip_address(ip) in n for n in nets))

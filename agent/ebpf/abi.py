@@ -1,0 +1,265 @@
+"""Python mirror of bpf/ekp_abi.h: the keys and values of every BPF map, and the map registry.
+
+One ctypes Structure per C struct, fields in the same order and width; tests/ebpf/test_abi.py
+compiles a probe from the header and checks every size and offset against these classes.
+Byte order follows the header: fields named `addr`, `port`, `saddr`... marked "be" there hold
+network-order values; use the helpers below to convert, never by hand.
+
+`MAPS` is the one registry of map names: the C side declares the same names in bpf/ekp_maps.h,
+and every name carries the ABI version so a changed layout never reuses an old pinned map.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import socket
+from dataclasses import dataclass
+from enum import IntEnum
+
+ABI_VERSION = 1
+PREFIX = "ekp_"
+
+u8, u16, u32, u64 = ctypes.c_uint8, ctypes.c_uint16, ctypes.c_uint32, ctypes.c_uint64
+
+
+def ip_be(ip: str) -> int:
+    """Dotted quad to the integer whose in-memory bytes are the address in network order."""
+    return int.from_bytes(ipaddress.IPv4Address(ip).packed, "little")
+
+
+def ip_str(be: int) -> str:
+    return str(ipaddress.IPv4Address(be.to_bytes(4, "little")))
+
+
+def port_be(port: int) -> int:
+    return socket.htons(port)
+
+
+def port_host(be: int) -> int:
+    return socket.ntohs(be)
+
+
+class Scope(IntEnum):
+    EXTERNAL = 0
+    INTERNAL = 1
+
+
+class FrontendFlag(IntEnum):
+    NODEPORT = 1 << 0
+    EXTERNAL_IP = 1 << 1
+    LOADBALANCER = 1 << 2
+    LOCAL = 1 << 3
+    SNAT_REMOTE = 1 << 4
+    NO_ENDPOINTS = 1 << 5
+    SOURCE_RANGES = 1 << 6
+    AFFINITY = 1 << 7
+
+
+class BackendFlag(IntEnum):
+    LOCAL = 1 << 0
+    TERMINATING = 1 << 1
+
+
+class CtDir(IntEnum):
+    FORWARD = 0
+    REPLY = 1
+
+
+class CtFlag(IntEnum):
+    SNAT = 1 << 0
+    CLOSING = 1 << 1
+
+
+class Stat(IntEnum):
+    PACKETS = 0
+    NEW_FLOWS = 1
+    CT_FORWARD = 2
+    CT_REPLY = 3
+    SNAT = 4
+    AFFINITY_HIT = 5
+    PASS = 6
+    DROP_MALFORMED = 7
+    DROP_NO_ENDPOINTS = 8
+    DROP_NO_LOCAL = 9
+    DROP_NO_BACKEND = 10
+    DROP_SOURCE_RANGE = 11
+    DROP_FIB = 12
+    DROP_SNAT_PORTS = 13
+    DROP_CT_FULL = 14
+    DROP_REVNAT_MISSING = 15
+    DROP_FRAGMENT = 16
+
+
+STAT_DROP_FIRST = Stat.DROP_MALFORMED
+STAT_COUNT = 17
+
+
+class _Struct(ctypes.Structure):
+    """Equality and repr by field values, so planned entries compare with dumped ones."""
+
+    def values(self) -> tuple[object, ...]:
+        return tuple(
+            tuple(v) if isinstance(v := getattr(self, name), ctypes.Array) else v
+            for name, *_ in self._fields_
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Struct) and type(self) is type(other) and self.values() == other.values()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.values()))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(
+            f"{name}={getattr(self, name)!r}" for name, *_ in self._fields_ if "pad" not in name
+        )
+        return f"{type(self).__name__}({inner})"
+
+
+class FrontendKey(_Struct):
+    _fields_ = [("addr", u32), ("port", u16), ("proto", u8), ("scope", u8)]
+
+
+class Frontend(_Struct):
+    _fields_ = [
+        ("set_id", u32),
+        ("count", u16),
+        ("flags", u16),
+        ("affinity_timeout", u32),
+        ("rev_nat_id", u16),
+        ("pad", u16),
+    ]
+
+
+class SlotKey(_Struct):
+    _fields_ = [("set_id", u32), ("slot", u32)]
+
+
+class Slot(_Struct):
+    _fields_ = [("backend_id", u32)]
+
+
+class BackendKey(_Struct):
+    _fields_ = [("id", u32)]
+
+
+class Backend(_Struct):
+    _fields_ = [("addr", u32), ("port", u16), ("proto", u8), ("flags", u8)]
+
+
+class RevNatKey(_Struct):
+    _fields_ = [("id", u32)]
+
+
+class RevNat(_Struct):
+    _fields_ = [("addr", u32), ("port", u16), ("pad", u16)]
+
+
+class CtKey(_Struct):
+    _fields_ = [
+        ("saddr", u32),
+        ("daddr", u32),
+        ("sport", u16),
+        ("dport", u16),
+        ("proto", u8),
+        ("pad", u8 * 3),
+    ]
+
+
+class CtEntry(_Struct):
+    _fields_ = [
+        ("last_seen_ns", u64),
+        ("nat_addr", u32),
+        ("snat_addr", u32),
+        ("nat_port", u16),
+        ("snat_port", u16),
+        ("backend_id", u32),
+        ("rev_nat_id", u16),
+        ("dir", u8),
+        ("flags", u8),
+        ("pad", u32),
+    ]
+
+
+class AffinityKey(_Struct):
+    _fields_ = [("client", u32), ("set_id", u32)]
+
+
+class Affinity(_Struct):
+    _fields_ = [("last_seen_ns", u64), ("backend_id", u32), ("pad", u32)]
+
+
+class SrcRangeKey(_Struct):
+    _fields_ = [("prefixlen", u32), ("rev_nat_id", u16), ("pad", u16), ("addr", u32)]
+
+
+class SrcRange(_Struct):
+    _fields_ = [("allow", u8), ("pad", u8 * 3)]
+
+
+class Config(_Struct):
+    _fields_ = [
+        ("node_addr", u32),
+        ("snat_port_min", u16),
+        ("snat_port_max", u16),
+        ("tcp_timeout_s", u32),
+        ("udp_timeout_s", u32),
+        ("closing_timeout_s", u32),
+        ("flags", u32),
+    ]
+
+
+# Every struct of the header, by its C name; the ABI test walks this.
+STRUCTS: dict[str, type[_Struct]] = {
+    "ekp_frontend_key": FrontendKey,
+    "ekp_frontend": Frontend,
+    "ekp_slot_key": SlotKey,
+    "ekp_slot": Slot,
+    "ekp_backend_key": BackendKey,
+    "ekp_backend": Backend,
+    "ekp_revnat_key": RevNatKey,
+    "ekp_revnat": RevNat,
+    "ekp_ct_key": CtKey,
+    "ekp_ct_entry": CtEntry,
+    "ekp_affinity_key": AffinityKey,
+    "ekp_affinity": Affinity,
+    "ekp_srcrange_key": SrcRangeKey,
+    "ekp_srcrange": SrcRange,
+    "ekp_config": Config,
+}
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    """One BPF map: its kernel name (version included), kind, layout and default size."""
+
+    role: str  # short name used in code, flags and the inspect command
+    kind: str  # bcc table type: hash, lru_hash, array, percpu_array, lpm_trie
+    key: type[ctypes.Structure] | type[ctypes.c_uint32]
+    value: type[ctypes.Structure] | type[ctypes.c_uint64]
+    default_size: int
+    size_macro: str  # the -D macro the C side reads the size from
+
+    @property
+    def name(self) -> str:
+        return f"{PREFIX}{self.role}_v{ABI_VERSION}"
+
+
+MAPS: dict[str, MapSpec] = {
+    spec.role: spec
+    for spec in (
+        MapSpec("fe", "hash", FrontendKey, Frontend, 65536, "EKP_FE_MAX"),
+        MapSpec("slot", "hash", SlotKey, Slot, 262144, "EKP_SLOT_MAX"),
+        MapSpec("be", "hash", BackendKey, Backend, 65536, "EKP_BE_MAX"),
+        MapSpec("rnat", "hash", RevNatKey, RevNat, 65536, "EKP_RNAT_MAX"),
+        MapSpec("ct", "lru_hash", CtKey, CtEntry, 524288, "EKP_CT_MAX"),
+        MapSpec("aff", "lru_hash", AffinityKey, Affinity, 65536, "EKP_AFF_MAX"),
+        MapSpec("srcr", "lpm_trie", SrcRangeKey, SrcRange, 16384, "EKP_SRCR_MAX"),
+        MapSpec("cfg", "array", ctypes.c_uint32, Config, 1, "EKP_CFG_MAX"),
+        MapSpec("stats", "percpu_array", ctypes.c_uint32, ctypes.c_uint64, STAT_COUNT, "EKP_STATS_MAX"),
+    )
+}
+
+# Names fit the kernel's BPF_OBJ_NAME_LEN (16 with the NUL).
+assert all(len(s.name) <= 15 for s in MAPS.values())

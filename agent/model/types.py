@@ -1,0 +1,174 @@
+"""Frozen value types of the desired proxy state.
+
+These mirror kube-proxy's `ServicePortName`, `BaseServicePortInfo` and `BaseEndpointInfo`
+(pkg/proxy/serviceport.go, endpoint.go): the Kubernetes objects are reduced once, at the edge,
+to small immutable records that both backends (eBPF and iptables) consume. Nothing here knows
+about the kernel or the API server.
+
+IPv4 only for now: addresses are dotted-quad strings, exactly as the API carries them, so that
+rendered iptables rules and decoded map dumps read like the objects they came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Protocol(StrEnum):
+    TCP = "TCP"
+    UDP = "UDP"
+    SCTP = "SCTP"
+
+    @property
+    def number(self) -> int:
+        """IANA protocol number, as the kernel and the BPF maps carry it."""
+        return _PROTO_NUMBERS[self]
+
+
+_PROTO_NUMBERS = {Protocol.TCP: 6, Protocol.UDP: 17, Protocol.SCTP: 132}
+
+
+class SessionAffinity(StrEnum):
+    NONE = "None"
+    CLIENT_IP = "ClientIP"
+
+
+# kube-proxy's default for sessionAffinityConfig.clientIP.timeoutSeconds (3 hours).
+DEFAULT_AFFINITY_TIMEOUT_SECONDS = 10800
+
+
+@dataclass(frozen=True, order=True)
+class ServicePortName:
+    """`namespace/name:port`, the identity of one service port (kube-proxy's ServicePortName).
+
+    `port` is the port's *name* (often empty for single-port services), not its number.
+    """
+
+    namespace: str
+    name: str
+    port: str
+    protocol: Protocol
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}" + (f":{self.port}" if self.port else "")
+
+    @property
+    def service(self) -> str:
+        """`namespace/name` of the owning Service."""
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class ServicePort:
+    """One port of one Service, with everything the proxy needs to program it."""
+
+    name: ServicePortName
+    cluster_ip: str
+    port: int
+    protocol: Protocol
+    node_port: int = 0
+    external_ips: tuple[str, ...] = ()
+    load_balancer_ips: tuple[str, ...] = ()
+    load_balancer_source_ranges: tuple[str, ...] = ()
+    external_policy_local: bool = False
+    internal_policy_local: bool = False
+    session_affinity: SessionAffinity = SessionAffinity.NONE
+    affinity_timeout_seconds: int = 0
+    health_check_node_port: int = 0
+
+    @property
+    def externally_accessible(self) -> bool:
+        """NodePort, externalIPs or load-balancer IPs make a port reachable from off the cluster."""
+        return self.node_port != 0 or bool(self.external_ips) or bool(self.load_balancer_ips)
+
+    @property
+    def uses_cluster_endpoints(self) -> bool:
+        """Some traffic to this port may go to any endpoint in the cluster."""
+        return not self.internal_policy_local or (
+            self.externally_accessible and not self.external_policy_local
+        )
+
+    @property
+    def uses_local_endpoints(self) -> bool:
+        """Some traffic to this port may only go to endpoints on this node."""
+        return self.internal_policy_local or (self.externally_accessible and self.external_policy_local)
+
+    @property
+    def affinity_timeout(self) -> int:
+        """Seconds a client sticks to its backend; 0 when affinity is off."""
+        return self.affinity_timeout_seconds if self.session_affinity is SessionAffinity.CLIENT_IP else 0
+
+
+@dataclass(frozen=True, order=True)
+class Endpoint:
+    """One backend address of one service port (kube-proxy's BaseEndpointInfo).
+
+    Ordering and equality are by `ip:port` first, so sorted endpoint lists match kube-proxy's
+    (which sorts by the `ip:port` string, so "10.0.0.10:80" sorts before "10.0.0.2:80").
+    """
+
+    ip: str
+    port: int
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    node_name: str = ""
+    zone: str = ""
+    zone_hints: frozenset[str] = field(default=frozenset(), compare=False)
+    node_hints: frozenset[str] = field(default=frozenset(), compare=False)
+    is_local: bool = field(default=False, compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.ip}:{self.port}"
+
+    @property
+    def sort_key(self) -> str:
+        return str(self)
+
+
+@dataclass(frozen=True)
+class ServiceEndpoints:
+    """The endpoints chosen for one service port by the traffic policies (see topology.py).
+
+    - `cluster`: for traffic that may go anywhere in the cluster (empty when unused).
+    - `local`: for traffic that must stay on this node (empty when unused or none local).
+    - `all_reachable`: the union; the iptables mode writes a KUBE-SEP chain for each.
+    - `has_any`: some endpoint anywhere could serve (decides REJECT vs DROP for Local policy).
+    """
+
+    cluster: tuple[Endpoint, ...] = ()
+    local: tuple[Endpoint, ...] = ()
+    all_reachable: tuple[Endpoint, ...] = ()
+    has_any: bool = False
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """The node this agent acts for."""
+
+    name: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def zone(self) -> str:
+        return dict(self.labels).get("topology.kubernetes.io/zone", "")
+
+
+@dataclass(frozen=True)
+class ProxyState:
+    """Everything both backends need: service ports and the endpoints chosen for each.
+
+    `services` and `endpoints` are keyed by ServicePortName; every key of `services` is in
+    `endpoints` (possibly with an empty ServiceEndpoints). Iterate `sorted_ports()` for a
+    deterministic order.
+    """
+
+    node: NodeInfo
+    services: dict[ServicePortName, ServicePort]
+    endpoints: dict[ServicePortName, ServiceEndpoints]
+    # Raw (unfiltered) endpoint lists as the slices gave them, sorted like kube-proxy's.
+    raw_endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = field(default_factory=dict)
+
+    def sorted_ports(self) -> list[ServicePort]:
+        return [self.services[k] for k in sorted(self.services, key=lambda n: (str(n), n.protocol))]

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Installs what the demo, the tests and the benchmarks need, idempotently.
+# Run as root on Debian 12. A second run checks stamps and returns in seconds.
+# Usage: scripts/setup.sh [--no-system]   (--no-system: only the virtualenv)
+set -euo pipefail
+
+top=$(cd "$(dirname "$0")/.." && pwd)
+build="$top/build"
+venv="$top/.venv"
+mkdir -p "$build"
+
+APT_PACKAGES=(
+  python3-bpfcc bpfcc-tools bpftool linux-headers-amd64
+  iptables conntrack nftables iproute2 ethtool
+  dnsmasq-base nginx-light socat curl wrk apache2-utils iperf3 tcpdump dnsutils
+)
+
+log() { printf 'setup: %s\n' "$*"; }
+
+install_system() {
+  local missing=()
+  for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    log "apt-get install ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+  # bcc compiles against kernel headers found under /lib/modules/$(uname -r)/{build,source}.
+  # This kernel ships none; Debian's headers serve networking programs (ENVIRONMENT.md).
+  local mod="/lib/modules/$(uname -r)"
+  if [[ ! -e "$mod/build/include" ]]; then
+    local arch common
+    arch=$(ls -d /usr/src/linux-headers-*-amd64 | sort -V | tail -n1)
+    common=$(ls -d /usr/src/linux-headers-*-common | sort -V | tail -n1)
+    log "linking kernel headers: $mod/build -> $arch, $mod/source -> $common"
+    mkdir -p "$mod"
+    ln -sfn "$arch" "$mod/build"
+    ln -sfn "$common" "$mod/source"
+  fi
+  mountpoint -q /sys/fs/bpf || { log "mounting bpffs on /sys/fs/bpf"; mount -t bpf bpf /sys/fs/bpf; }
+}
+
+install_venv() {
+  local py
+  # Debian's python3-bpfcc is built for Debian's Python 3.11; any 3.11 can import it.
+  py=$(command -v python3.11 || command -v python3)
+  if [[ ! -x "$venv/bin/python" ]]; then
+    log "creating virtualenv $venv"
+    "$py" -m venv "$venv"
+  fi
+  local site
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  [[ -e "$site/bcc" ]] || ln -sfn /usr/lib/python3/dist-packages/bcc "$site/bcc"
+  local stamp="$build/.pip-stamp"
+  if [[ ! -f "$stamp" || "$top/pyproject.toml" -nt "$stamp" ]]; then
+    log "pip install -e .[dev]"
+    "$venv/bin/pip" install -q --disable-pip-version-check -e "$top[dev]"
+    touch "$stamp"
+  fi
+}
+
+if [[ "${1:-}" != "--no-system" ]]; then
+  [[ $(id -u) -eq 0 ]] || { echo "setup: run as root (apt, kernel headers, bpffs)" >&2; exit 1; }
+  install_system
+fi
+install_venv
