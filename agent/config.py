@@ -48,6 +48,7 @@ class Config:
     masquerade_all: bool = False
     masquerade_bit: int = 14
     nodeport_addresses: tuple[str, ...] = ()  # CIDRs; () = every node address
+    node_ips: tuple[str, ...] = ()  # --node-ip: the node's addresses; () = found on --devices
     sync_period_s: float = 30.0
     min_sync_period_s: float = 1.0
     # eBPF mode
