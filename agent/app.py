@@ -1,0 +1,164 @@
+"""Wiring: source -> desired state -> the chosen backend, on a bounded-frequency runner.
+
+The only module that knows every layer. It owns the process lifecycle: start the source, run
+syncs until SIGTERM/SIGINT, and stop without removing anything (programs, maps and rules keep
+serving traffic while the agent is down; `--cleanup` is the explicit way to remove them).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+
+from agent import metrics
+from agent.config import Config, Mode, NodeContext
+from agent.model import NodeInfo, ProxyState, build_state
+from agent.model.state import Problem
+from agent.proxier import Proxier
+from agent.sources.file import FileSource, Snapshot, load_file
+
+log = logging.getLogger("agent")
+
+
+def make_proxier(config: Config) -> Proxier:
+    if config.mode is Mode.IPTABLES:
+        from agent.iptables import IptablesProxier
+
+        return IptablesProxier(config)
+    from agent.ebpf import EbpfProxier
+
+    return EbpfProxier(config)
+
+
+def render_dry_run(config: Config, state: ProxyState, node: NodeContext) -> str:
+    if config.mode is Mode.IPTABLES:
+        from agent.iptables import render_dry_run as render_iptables
+
+        return render_iptables(state, node, config)
+    from agent.ebpf import render_dry_run as render_ebpf
+
+    return render_ebpf(state, node, config)
+
+
+def node_context(config: Config) -> NodeContext:
+    """The node's addresses: --node-ip, else what the external devices hold."""
+    if config.node_ips:
+        return NodeContext(node_ips=config.node_ips, primary_ip=config.node_ips[0])
+    from agent.ebpf.node import discover_node
+
+    return discover_node(config)
+
+
+class ProblemReporter:
+    """Logs and counts each malformed object once per distinct problem, not once per sync."""
+
+    def __init__(self) -> None:
+        self._seen: set[Problem] = set()
+
+    def report(self, problems: tuple[Problem, ...]) -> None:
+        current = set(problems)
+        for p in sorted(current - self._seen, key=str):
+            log.error("skipping %s (every other object is still programmed)", p)
+            metrics.SKIPPED_OBJECTS.labels(kind=p.ref.split(" ", 1)[0]).inc()
+        self._seen = current
+        metrics.INVALID_OBJECTS.set(len(current))
+
+
+def build(config: Config, snap: Snapshot) -> tuple[ProxyState, tuple[Problem, ...]]:
+    result = build_state(snap.services, snap.endpoint_slices, NodeInfo(config.hostname))
+    return result.state, result.problems
+
+
+def dry_run(config: Config) -> int:
+    if not config.services_file:
+        print("agent: --dry-run needs --services-file (API server dry runs come later)", file=sys.stderr)
+        return 2
+    state, problems = build(config, load_file(config.services_file))
+    ProblemReporter().report(problems)
+    node = NodeContext(node_ips=config.node_ips, primary_ip=config.node_ips[0] if config.node_ips else "")
+    sys.stdout.write(render_dry_run(config, state, node))
+    return 0
+
+
+def cleanup(config: Config) -> int:
+    """Both modes' cleanup: an operator switching modes wants no leftovers of either."""
+    from agent.ebpf import EbpfProxier
+    from agent.iptables import IptablesProxier
+
+    failed = False
+    for proxier in (EbpfProxier(config), IptablesProxier(config)):
+        try:
+            proxier.cleanup()
+        except Exception as exc:
+            failed = True
+            log.error("cleanup of %s failed: %s", type(proxier).__name__, exc)
+    return 1 if failed else 0
+
+
+def run(config: Config) -> int:
+    if config.dry_run:
+        return dry_run(config)
+    if config.cleanup:
+        return cleanup(config)
+    if not config.services_file:
+        log.error("no source of Services: pass --services-file FILE (API server watching comes later)")
+        return 2
+
+    proxier = make_proxier(config)
+    node = node_context(config)
+    log.info(
+        "starting: mode=%s node=%s node IPs=%s netns=%s",
+        config.mode.value,
+        config.hostname,
+        ",".join(node.node_ips) or "none",
+        config.netns or "(own)",
+    )
+    problems = ProblemReporter()
+    source: FileSource
+
+    def sync() -> None:
+        start = time.monotonic()
+        state, found = build(config, source.snapshot())
+        problems.report(found)
+        proxier.sync(state, node)
+        elapsed = time.monotonic() - start
+        metrics.SYNC_SECONDS.observe(elapsed)
+        endpoints = sum(len(e.all_reachable) for e in state.endpoints.values())
+        log.info(
+            "sync done: %d service ports, %d endpoints, %.1f ms",
+            len(state.services),
+            endpoints,
+            elapsed * 1000,
+        )
+
+    from agent.runner import BoundedFrequencyRunner
+
+    runner = BoundedFrequencyRunner(
+        sync, min_interval=config.min_sync_period_s, max_interval=config.sync_period_s
+    )
+    source = FileSource(config.services_file, on_change=runner.request)
+    try:
+        source.start()
+    except Exception as exc:
+        log.error("cannot read --services-file %s: %s", config.services_file, exc)
+        return 1
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info(
+            "received %s: stopping (programs, maps and rules stay in place)", signal.Signals(signum).name
+        )
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    runner.start()
+    stop.wait()
+    runner.stop()
+    source.stop()
+    return 0
