@@ -122,14 +122,16 @@ def run(config: Config) -> int:
 
     def sync() -> None:
         start = time.monotonic()
-        state, found = build(config, source.snapshot())
+        snap = source.snapshot()
+        state, found = build(config, snap)
         problems.report(found)
         proxier.sync(state, node)
         elapsed = time.monotonic() - start
         metrics.SYNC_SECONDS.observe(elapsed)
         endpoints = sum(len(e.all_reachable) for e in state.endpoints.values())
         log.info(
-            "sync done: %d service ports, %d endpoints, %.1f ms",
+            "sync done: version=%s, %d service ports, %d endpoints, %.1f ms",
+            snap.version,
             len(state.services),
             endpoints,
             elapsed * 1000,

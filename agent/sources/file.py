@@ -2,8 +2,10 @@
 
 The embedded default source: `agent --services-file FILE` with the file holding one or more YAML
 documents, or `kind: List` documents as `kubectl get -o yaml` prints them. The file is re-read when
-its modification time, size or inode changes (an editor's rename-over counts), polled twice a
-second: cheap, and it works the same on every filesystem and inside containers.
+its modification time, size or inode changes (an editor's rename-over counts), polled ten times a
+second: a stat() is cheap, and polling works the same on every filesystem and inside containers.
+Each snapshot carries a version (a hash of the file's bytes) that the sync log line repeats, so an
+operator, or a test, can tell exactly which content is in force.
 
 A file that does not parse keeps the last good content in force, so a half-saved edit never empties
 the proxy; the error is logged once per change.
@@ -11,6 +13,7 @@ the proxy; the error is logged once per change.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -32,6 +35,7 @@ class Snapshot:
     services: tuple[Obj, ...] = ()
     endpoint_slices: tuple[Obj, ...] = ()
     complete: bool = False
+    version: str = ""
 
 
 def split_objects(docs: Iterable[Any]) -> tuple[list[Obj], list[Obj], list[str]]:
@@ -63,8 +67,9 @@ def split_objects(docs: Iterable[Any]) -> tuple[list[Obj], list[Obj], list[str]]
 
 def load_file(path: str) -> Snapshot:
     """Read and split one file; raises OSError or yaml.YAMLError."""
-    with open(path, encoding="utf-8") as f:
-        docs = list(yaml.safe_load_all(f))
+    with open(path, "rb") as f:
+        data = f.read()
+    docs = list(yaml.safe_load_all(data.decode("utf-8")))
     services, slices, ignored = split_objects(docs)
     if ignored:
         log.info(
@@ -73,7 +78,12 @@ def load_file(path: str) -> Snapshot:
             len(ignored),
             ", ".join(sorted(set(ignored))),
         )
-    return Snapshot(tuple(services), tuple(slices), complete=True)
+    return Snapshot(tuple(services), tuple(slices), complete=True, version=content_version(data))
+
+
+def content_version(data: bytes) -> str:
+    """The version a sync reports for this file content: the first 12 hex digits of its sha256."""
+    return hashlib.sha256(data).hexdigest()[:12]
 
 
 class FileSource:
@@ -83,7 +93,7 @@ class FileSource:
     the flag fails fast) and starts the polling thread.
     """
 
-    def __init__(self, path: str, on_change: Callable[[], None], interval_s: float = 0.5) -> None:
+    def __init__(self, path: str, on_change: Callable[[], None], interval_s: float = 0.1) -> None:
         self.path = path
         self._on_change = on_change
         self._interval = interval_s
@@ -115,7 +125,7 @@ class FileSource:
             return False
         try:
             snap = load_file(self.path)
-        except (OSError, yaml.YAMLError) as exc:
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             log.error("services file %s does not parse, keeping the last good content: %s", self.path, exc)
             return False
         with self._lock:

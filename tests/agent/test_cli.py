@@ -1,0 +1,70 @@
+"""Flags: kube-proxy names, durations, validation messages that say what is right."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.cli import build_parser, config_from_args, parse_duration
+from agent.config import Mode
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("30s", 30), ("1m", 60), ("1m30s", 90), ("500ms", 0.5), ("2", 2), ("1h", 3600), ("0", 0)],
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+def test_config_from_flags() -> None:
+    ns = build_parser().parse_args(
+        [
+            "--mode=iptables",
+            "--hostname-override=Node1",
+            "--cluster-cidr=10.244.0.0/16",
+            "--nodeport-addresses=192.168.0.0/24",
+            "--node-ip=192.168.0.11",
+            "--iptables-min-sync-period=0",
+            "--bpf-ct-max=1000",
+            "--bpf-snat-ports=40000-50000",
+            "--devices=eth0,eth1",
+        ]
+    )
+    cfg = config_from_args(ns)
+    assert cfg.mode is Mode.IPTABLES
+    assert cfg.hostname == "node1"
+    assert cfg.cluster_cidr == ("10.244.0.0/16",)
+    assert cfg.node_ips == ("192.168.0.11",)
+    assert cfg.min_sync_period_s == 0
+    assert cfg.map_sizes.ct == 1000 and cfg.map_sizes.fe == 65536
+    assert cfg.snat_ports == (40000, 50000)
+    assert cfg.devices == ("eth0", "eth1")
+    assert cfg.masquerade_mark == "0x4000"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mode=ipvs"], "invalid choice: 'ipvs'"),
+        (["--cluster-cidr=10.244.0.0/33"], "is not a CIDR"),
+        (["--node-ip=node1"], "is not an IPv4 address"),
+        (["--bpf-ct-max=0"], "is not a positive whole number"),
+        (["--bpf-snat-ports=70000-80000"], "is not a port range"),
+        (["--iptables-sync-period=soon"], "is not a duration"),
+    ],
+)
+def test_bad_flags_say_what_is_wrong(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_ends_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("decode the live service maps of this node")
+    assert "--hostname-override" in out and "--bpf-ct-max" in out
