@@ -1,0 +1,129 @@
+"""Traffic clients run *inside* lab namespaces (`ip netns exec NS python -m ... client.py ...`).
+
+Standalone on purpose (standard library only): it is executed by path in pod and client
+namespaces. Every mode prints one JSON object on stdout.
+
+  http   --url U --count N           N fresh connections, body counts {"bodies": {...}, "errors": n}
+  loop   --url U --stop-file F        new connection per request until F exists (bounded by --max-s)
+  udp    --addr A --port P --count N  N request/response pairs, reply counts
+  blob   --url U                      download, {"bytes": n, "sha256": "..."}
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
+
+def fetch(url: str, timeout: float) -> bytes:
+    # urllib opens a new TCP connection per call (no keep-alive pool), which is what we want.
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        data: bytes = resp.read()
+        return data
+
+
+def cmd_http(a: argparse.Namespace) -> dict[str, object]:
+    bodies: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    for _ in range(a.count):
+        try:
+            bodies[fetch(a.url, a.timeout).decode().strip()] += 1
+        except (OSError, urllib.error.URLError) as exc:
+            errors[type(getattr(exc, "reason", exc)).__name__ + ": " + str(getattr(exc, "reason", exc))] += 1
+    return {"bodies": dict(bodies), "errors": sum(errors.values()), "error_kinds": dict(errors)}
+
+
+def cmd_loop(a: argparse.Namespace) -> dict[str, object]:
+    ok = 0
+    errors: Counter[str] = Counter()
+    bodies: Counter[str] = Counter()
+    first_error_at: list[float] = []
+    start = time.monotonic()
+    while not os.path.exists(a.stop_file) and time.monotonic() - start < a.max_s:
+        try:
+            bodies[fetch(a.url, a.timeout).decode().strip()] += 1
+            ok += 1
+        except (OSError, urllib.error.URLError) as exc:
+            errors[str(getattr(exc, "reason", exc))] += 1
+            if len(first_error_at) < 5:
+                first_error_at.append(round(time.monotonic() - start, 3))
+        if a.interval:
+            time.sleep(a.interval)
+    return {
+        "ok": ok,
+        "errors": sum(errors.values()),
+        "error_kinds": dict(errors),
+        "bodies": dict(bodies),
+        "first_error_at": first_error_at,
+        "seconds": round(time.monotonic() - start, 3),
+    }
+
+
+def cmd_udp(a: argparse.Namespace) -> dict[str, object]:
+    replies: Counter[str] = Counter()
+    lost = 0
+    for i in range(a.count):
+        # A new socket (new source port) per request: a new flow for the proxy each time.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.settimeout(a.timeout)
+            payload = f"ping-{i}"
+            s.sendto(payload.encode(), (a.addr, a.port))
+            try:
+                data, _ = s.recvfrom(65535)
+            except OSError:
+                lost += 1
+                continue
+            text = data.decode()
+            name, _, echoed = text.partition(" ")
+            replies[name if echoed == payload else f"bad:{text}"] += 1
+    return {"replies": dict(replies), "lost": lost}
+
+
+def cmd_blob(a: argparse.Namespace) -> dict[str, object]:
+    h = hashlib.sha256()
+    n = 0
+    with urllib.request.urlopen(a.url, timeout=a.timeout) as resp:
+        while chunk := resp.read(1 << 20):
+            h.update(chunk)
+            n += len(chunk)
+    return {"bytes": n, "sha256": h.hexdigest()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    h = sub.add_parser("http")
+    h.add_argument("--url", required=True)
+    h.add_argument("--count", type=int, default=1)
+    h.add_argument("--timeout", type=float, default=3.0)
+    lp = sub.add_parser("loop")
+    lp.add_argument("--url", required=True)
+    lp.add_argument("--stop-file", required=True)
+    lp.add_argument("--max-s", type=float, default=120.0)
+    lp.add_argument("--timeout", type=float, default=3.0)
+    lp.add_argument("--interval", type=float, default=0.0)
+    u = sub.add_parser("udp")
+    u.add_argument("--addr", required=True)
+    u.add_argument("--port", type=int, required=True)
+    u.add_argument("--count", type=int, default=1)
+    u.add_argument("--timeout", type=float, default=2.0)
+    b = sub.add_parser("blob")
+    b.add_argument("--url", required=True)
+    b.add_argument("--timeout", type=float, default=60.0)
+    a = p.parse_args()
+    result = {"http": cmd_http, "loop": cmd_loop, "udp": cmd_udp, "blob": cmd_blob}[a.cmd](a)
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

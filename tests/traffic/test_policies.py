@@ -1,0 +1,114 @@
+"""Traffic policies, affinity, rejects, hairpin and UDP flows across endpoint changes, per mode.
+
+Same fixture and lab as test_services.py: each test replaces the cluster's whole set of objects.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.traffic.harness import Cluster
+from tests.traffic.objects import Ep, Port, service, with_endpoints
+
+pytestmark = pytest.mark.kernel
+
+N1, N2, CLIENT_IP = "192.168.0.11", "192.168.0.12", "192.168.0.100"
+
+
+def ep(cluster: Cluster, pod: str) -> Ep:
+    p = cluster.lab.pod(pod)
+    return Ep(p.ip, cluster.lab.nodes[p.node - 1].name)
+
+
+def test_etp_local_preserves_client_source_ip(cluster: Cluster) -> None:
+    """ "should preserve source IP with externalTrafficPolicy Local": only this node's endpoints."""
+    svc = service(
+        "web-local",
+        "10.96.2.1",
+        [Port("http", 80, 8080, node_port=30090)],
+        type="NodePort",
+        externalTrafficPolicy="Local",
+    )
+    cluster.apply(with_endpoints(svc, [ep(cluster, "pod-1-1"), ep(cluster, "pod-2-1")]))
+    via1 = cluster.http("client", f"http://{N1}:30090/", count=20)
+    via2 = cluster.http("client", f"http://{N2}:30090/", count=20)
+    assert set(via1["bodies"]) == {"pod-1-1"}, via1
+    assert set(via2["bodies"]) == {"pod-2-1"}, via2
+    seen = cluster.http("client", f"http://{N1}:30090/ip")
+    assert set(seen["bodies"]) == {CLIENT_IP}, "the backend sees the external client's own address"
+
+
+def test_session_affinity_client_ip(cluster: Cluster) -> None:
+    """ "should have session affinity work for service with type clusterIP"."""
+    svc = service(
+        "sticky",
+        "10.96.2.2",
+        [Port("http", 80, 8080)],
+        sessionAffinity="ClientIP",
+        sessionAffinityConfig={"clientIP": {"timeoutSeconds": 300}},
+    )
+    backends = ["pod-1-2", "pod-2-1", "pod-2-2"]
+    cluster.apply(with_endpoints(svc, [ep(cluster, b) for b in backends]))
+    for client in ("pod-1-1", "pod-1-3"):
+        result = cluster.http(client, "http://10.96.2.2/", count=30)
+        assert result["errors"] == 0, result
+        assert len(result["bodies"]) == 1, f"{client} was spread over {result['bodies']}"
+
+
+def test_service_without_endpoints_rejects(cluster: Cluster) -> None:
+    """ "should be rejected when no endpoints exist": connection refused at once, not a timeout."""
+    cluster.apply(with_endpoints(service("empty", "10.96.2.3", [Port("http", 80, 8080)]), []))
+    start = time.monotonic()
+    result = cluster.http("pod-1-1", "http://10.96.2.3/", count=3, timeout=5)
+    elapsed = time.monotonic() - start
+    assert result["errors"] == 3
+    assert all("Connection refused" in k for k in result["error_kinds"]), result
+    assert elapsed < 4, f"rejects took {elapsed:.1f}s: packets were dropped, not refused"
+
+
+def test_hairpin_pod_reaches_itself_through_its_service(cluster: Cluster) -> None:
+    """ "should allow pods to hairpin back to themselves through services"."""
+    cluster.apply(
+        with_endpoints(service("self", "10.96.2.4", [Port("http", 80, 8080)]), [ep(cluster, "pod-1-1")])
+    )
+    result = cluster.http("pod-1-1", "http://10.96.2.4/", count=5)
+    assert result["errors"] == 0, result
+    assert set(result["bodies"]) == {"pod-1-1"}
+
+
+def test_udp_dns_client_survives_dns_pod_replacement(cluster: Cluster) -> None:
+    """kube-proxy clears stale UDP conntrack entries: a resolver that keeps its source port
+    reaches the new DNS pod as soon as the old one leaves the endpoints."""
+    lab = cluster.lab
+    ports = [Port("dns", 53, 53, "UDP"), Port("dns-tcp", 53, 53, "TCP")]
+    dns_svc = service("kube-dns", "10.96.0.10", ports)
+    old = lab.add_pod(2)
+    lab.start_dns(old)
+    cluster.apply(with_endpoints(dns_svc, [Ep(old.ip, "node2")]))
+
+    def query() -> str:
+        # The same source port every time: the same conntrack tuple, as a long-lived resolver.
+        res = lab.run(
+            "pod-1-1",
+            "dig",
+            "-b",
+            f"{lab.pod('pod-1-1').ip}#5353",
+            "@10.96.0.10",
+            "whoami.lab",
+            "TXT",
+            "+short",
+            "+time=1",
+            "+tries=1",
+            check=False,
+        )
+        return res.stdout.strip().strip('"')
+
+    assert query() == old.name
+    new = lab.add_pod(2)
+    lab.start_dns(new)
+    cluster.apply(with_endpoints(dns_svc, [Ep(new.ip, "node2")]))
+    lab.remove_pod(old)
+    answers = [query() for _ in range(3)]
+    assert answers == [new.name] * 3, answers

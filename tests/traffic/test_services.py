@@ -1,0 +1,229 @@
+"""The behaviour suite: real traffic through a two-node lab, once per mode (ebpf, iptables).
+
+Each test names the kube-proxy behaviour it stands for (and the upstream e2e test where one
+exists). The `cluster` fixture (conftest.py) runs one agent per node; every test replaces the whole
+set of Services and EndpointSlices, so tests do not depend on each other.
+
+Lab addressing: node1 192.168.0.11 (pods 10.244.1.2..), node2 192.168.0.12 (pods 10.244.2.2..),
+external client 192.168.0.100. Pod servers: HTTP 8080 answers the pod name, /ip the peer address
+it sees, /blob a 50 MB file; UDP echo on 9000; dnsmasq on 53 where started.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from tests.traffic.harness import CLIENT, Cluster, uniformity_p_value
+from tests.traffic.objects import Ep, Port, service, with_endpoints
+
+pytestmark = pytest.mark.kernel
+
+HTTP = Port("http", 80, 8080)
+ECHO = Port("echo", 9000, 9000, "UDP")
+N1, N2 = "192.168.0.11", "192.168.0.12"
+
+
+def ep(cluster: Cluster, pod: str) -> Ep:
+    p = cluster.lab.pod(pod)
+    return Ep(p.ip, cluster.lab.nodes[p.node - 1].name)
+
+
+def names(result: dict[str, Any]) -> set[str]:
+    return set(result["bodies"])
+
+
+def test_clusterip_from_pod_reaches_every_backend_uniformly(cluster: Cluster) -> None:
+    """ "should serve a basic endpoint from pods"; backends chosen uniformly per connection."""
+    backends = ["pod-1-2", "pod-2-1", "pod-2-2"]
+    cluster.apply(with_endpoints(service("web", "10.96.0.10", [HTTP]), [ep(cluster, b) for b in backends]))
+    result = cluster.http("pod-1-1", "http://10.96.0.10/", count=600)
+    assert result["errors"] == 0, result
+    assert names(result) == set(backends)
+    counts = [result["bodies"][b] for b in backends]
+    p = uniformity_p_value(counts)
+    assert p > 0.01, f"distribution {dict(zip(backends, counts, strict=True))} is not uniform (p={p:.4f})"
+
+
+def test_nodeport_from_external_client(cluster: Cluster) -> None:
+    """ "should be able to create a functioning NodePort service" (both nodes, both backends)."""
+    svc = service("web-np", "10.96.0.11", [Port("http", 80, 8080, node_port=30080)], type="NodePort")
+    cluster.apply(with_endpoints(svc, [ep(cluster, "pod-1-1"), ep(cluster, "pod-2-1")]))
+    for node_ip in (N1, N2):
+        result = cluster.http("client", f"http://{node_ip}:30080/", count=40)
+        assert result["errors"] == 0, (node_ip, result)
+        assert names(result) == {"pod-1-1", "pod-2-1"}, node_ip
+    # the ClusterIP of a NodePort service works from pods too
+    assert names(cluster.http("pod-1-2", "http://10.96.0.11/", count=20)) <= {"pod-1-1", "pod-2-1"}
+
+
+def test_external_ip_from_external_client(cluster: Cluster) -> None:
+    """ "should be able to reach a service through its externalIPs" (traffic routed to node1)."""
+    cluster.lab.add_client_route("203.0.113.0/24", via_node=1)
+    svc = service("web-ext", "10.96.0.12", [HTTP], externalIPs=["203.0.113.10"])
+    cluster.apply(with_endpoints(svc, [ep(cluster, "pod-1-1"), ep(cluster, "pod-2-2")]))
+    result = cluster.http("client", "http://203.0.113.10/", count=40)
+    assert result["errors"] == 0, result
+    assert names(result) == {"pod-1-1", "pod-2-2"}
+
+
+def test_etp_cluster_with_only_backend_on_other_node(cluster: Cluster) -> None:
+    """externalTrafficPolicy Cluster: node1 forwards to node2's pod, source translated to node1."""
+    svc = service(
+        "web-remote",
+        "10.96.0.13",
+        [Port("http", 80, 8080, node_port=30081)],
+        type="NodePort",
+        externalTrafficPolicy="Cluster",
+    )
+    cluster.apply(with_endpoints(svc, [ep(cluster, "pod-2-1")]))
+    result = cluster.http("client", f"http://{N1}:30081/", count=20)
+    assert result["errors"] == 0, result
+    assert names(result) == {"pod-2-1"}
+    seen = cluster.http("client", f"http://{N1}:30081/ip", count=1)
+    assert names(seen) == {N1}, "the remote backend sees node1's address, so replies return through node1"
+
+
+def test_udp_request_response_through_service(cluster: Cluster) -> None:
+    """ "should serve a basic endpoint over UDP": each new flow picks a backend, replies come back."""
+    backends = ["pod-1-2", "pod-2-1"]
+    cluster.apply(with_endpoints(service("echo", "10.96.0.14", [ECHO]), [ep(cluster, b) for b in backends]))
+    result = cluster.udp("pod-1-1", "10.96.0.14", 9000, count=100)
+    assert result["lost"] == 0, result
+    assert set(result["replies"]) == set(backends), result
+
+
+def test_dns_over_udp_and_tcp(cluster: Cluster) -> None:
+    """kube-dns' shape: one Service, DNS on UDP and TCP port 53, answered by dnsmasq in a pod."""
+    dns_pod = "pod-2-2"
+    ports = [Port("dns", 53, 53, "UDP"), Port("dns-tcp", 53, 53, "TCP")]
+    cluster.apply(with_endpoints(service("kube-dns", "10.96.0.53", ports), [ep(cluster, dns_pod)]))
+    for transport in ("+notcp", "+tcp"):
+        out = cluster.lab.run(
+            "pod-1-1", "dig", "@10.96.0.53", "whoami.lab", "TXT", "+short", "+time=2", "+tries=1", transport
+        ).stdout
+        assert out.strip().strip('"') == dns_pod, (transport, out)
+
+
+def test_large_transfer_keeps_checksum(cluster: Cluster, blob_sha256: str) -> None:
+    """50 MB through a ClusterIP: every byte arrives intact (checksums fixed up by the data path)."""
+    cluster.apply(with_endpoints(service("blob", "10.96.0.15", [HTTP]), [ep(cluster, "pod-2-1")]))
+    result = cluster.client("pod-1-1", "blob", "--url", "http://10.96.0.15/blob")
+    assert result["bytes"] == 50_000_000
+    assert result["sha256"] == blob_sha256
+
+
+def _start_loop(cluster: Cluster, pod: str, url: str, name: str) -> tuple[subprocess.Popen[bytes], Any]:
+    assert cluster.lab.tmpdir is not None
+    stop = cluster.lab.tmpdir / f"stop-{name}"
+    stop.unlink(missing_ok=True)
+    out = cluster.lab.tmpdir / f"loop-{name}.json"
+    with open(out, "wb") as f:
+        proc = cluster.lab.popen(
+            pod,
+            sys.executable,
+            CLIENT,
+            "loop",
+            "--url",
+            url,
+            "--stop-file",
+            str(stop),
+            "--max-s",
+            "240",
+            "--timeout",
+            "5",
+            "--interval",
+            "0.005",
+            name=f"loop-{name}",
+            stdout=f,
+            stderr=subprocess.DEVNULL,
+        )
+    return proc, (stop, out)
+
+
+def _finish_loop(proc: subprocess.Popen[bytes], handle: Any) -> dict[str, Any]:
+    import json
+
+    stop, out = handle
+    stop.touch()
+    proc.wait(timeout=30)
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def test_no_disruption_while_other_services_churn_and_own_endpoints_scale(cluster: Cluster) -> None:
+    """Reprogramming never drops a packet of a service that is not changing, nor of one scaling."""
+    a_svc = service("a", "10.96.1.1", [HTTP])
+    # The loop runs in the last pod, which never backs A (no hairpin in this test); A scales over
+    # the first ten pods of both nodes.
+    *pods, client = [p.name for p in cluster.lab.pods][:11]
+    assert len(pods) == 10
+    a2 = with_endpoints(a_svc, [ep(cluster, p) for p in pods[:2]])
+    cluster.apply(a2)
+    proc, handle = _start_loop(cluster, client, "http://10.96.1.1/", "a")
+    try:
+        time.sleep(0.3)
+        for i in range(100):
+            b_svc = service("b", "10.96.1.2", [HTTP])
+            step = i % 3
+            if step == 0:
+                objs = a2 + with_endpoints(b_svc, [ep(cluster, pods[2])])
+            elif step == 1:
+                objs = a2 + with_endpoints(b_svc, [ep(cluster, p) for p in pods[2:6]])
+            else:
+                objs = a2
+            cluster.apply(objs)
+        for n in [*range(3, len(pods) + 1), *range(len(pods) - 1, 1, -1)]:
+            cluster.apply(with_endpoints(a_svc, [ep(cluster, p) for p in pods[:n]]))
+            time.sleep(0.05)
+        # after scaling back, new connections reach only the current endpoints
+        assert names(cluster.http(client, "http://10.96.1.1/", count=30)) <= set(pods[:2])
+    finally:
+        result = _finish_loop(proc, handle)
+    assert result["ok"] > 200, result
+    assert result["errors"] == 0, result
+    assert set(result["bodies"]) == set(pods), "every endpoint A scaled to served some request"
+
+
+def test_restart_keeps_traffic_flowing(cluster: Cluster) -> None:
+    """An agent killed with SIGKILL, down for 10 s, then restarted: no request fails."""
+    svc = service("steady", "10.96.1.3", [HTTP])
+    cluster.apply(with_endpoints(svc, [ep(cluster, "pod-1-2"), ep(cluster, "pod-2-1")]))
+    proc, handle = _start_loop(cluster, "pod-1-1", "http://10.96.1.3/", "restart")
+    try:
+        time.sleep(1)
+        for agent in cluster.agents:
+            agent.kill9()
+        time.sleep(10)
+        for agent in cluster.agents:
+            agent.start()
+        for agent in cluster.agents:
+            agent.wait_version(cluster.version)
+        time.sleep(1)
+    finally:
+        result = _finish_loop(proc, handle)
+    assert result["errors"] == 0, result
+    assert result["ok"] > 100, result
+
+
+def test_clusterip_of_changed_endpoints_follows_update(cluster: Cluster) -> None:
+    """Endpoints replaced: new connections go only to the new set, immediately after the sync."""
+    svc = service("moving", "10.96.1.4", [HTTP])
+    cluster.apply(with_endpoints(svc, [ep(cluster, "pod-1-1")]))
+    assert names(cluster.http("pod-2-2", "http://10.96.1.4/", count=10)) == {"pod-1-1"}
+    cluster.apply(with_endpoints(svc, [ep(cluster, "pod-2-1")]))
+    assert names(cluster.http("pod-2-2", "http://10.96.1.4/", count=10)) == {"pod-2-1"}
+
+
+def test_blob_fixture_is_what_pods_serve(cluster: Cluster, blob_sha256: str, blob_path: str) -> None:
+    """Guards the checksum test: the expected digest is computed from the file pods serve."""
+    h = hashlib.sha256()
+    with open(blob_path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    assert h.hexdigest() == blob_sha256
