@@ -9,7 +9,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(PY) -m tests.lab.demo
+	$(PY) -m tests.demo
 
 test: setup lint
 	$(PY) -m pytest -q tests
