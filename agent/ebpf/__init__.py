@@ -1,0 +1,32 @@
+"""The eBPF mode: plan the service maps, write them in a safe order, attach the tc programs.
+
+Layers (pure ones import neither bcc nor pyroute2):
+
+* `abi`     ctypes mirror of bpf/ekp_abi.h and the map registry (pure)
+* `plan`    ProxyState + NodeContext + Config (+ previous ids) -> MapContents (pure)
+* `delta`   old MapContents, new MapContents -> ordered, batched map writes (pure)
+* `render`  MapContents, conntrack, affinity, counters -> sorted text (pure)
+* `loader`, `maps`   compile, load and pin (bcc), typed map access
+* `attach`  clsact + direct-action cls_bpf filters, pod-device watcher (pyroute2)
+* `node`    the node's addresses on its external devices (pyroute2)
+* `proxier` EbpfProxier: the Proxier of this mode, tying the above together
+
+Importing this package stays cheap: `EbpfProxier` (which pulls in bcc and pyroute2) is loaded on
+first use.
+"""
+
+from __future__ import annotations
+
+from agent.config import Config, NodeContext
+from agent.model.types import ProxyState
+
+__all__ = ["render_dry_run"]
+
+
+def render_dry_run(state: ProxyState, node: NodeContext, config: Config) -> str:
+    """What a first sync on an empty node would write, as sorted decoded map entries."""
+    from agent.ebpf.plan import plan
+    from agent.ebpf.render import render_contents
+
+    contents = plan(state, node, config)
+    return render_contents(contents, contents.fe_names)

@@ -1,0 +1,197 @@
+"""Map entries as sorted, decoded text: the `--dry-run` output, golden files and `agent inspect`.
+
+Pure. One entry a line, addresses and ports in host notation, flags by name, lines sorted by
+their numeric fields (so `10.96.0.2` comes before `10.96.0.10`), sections in a fixed order:
+
+    cfg node=192.168.0.11 snat_ports=32768-65535 tcp_timeout=86400s udp_timeout=120s closing_timeout=10s
+    fe 10.96.0.10:53/UDP internal -> set=3 count=2 rnat=5 flags=AFFINITY affinity=10800s
+    slot 3#1 -> be 7
+    be 7 -> 10.244.1.2:53/UDP local
+    rnat 5 -> 10.96.0.10:53
+    srcr rnat=5 203.0.113.0/24 -> allow
+
+The same text comes from a plan (dry run) and from dumping live maps (inspect), so the two can be
+compared with `diff`. A dry run may add `# ns/name:port` after each frontend (`names`).
+Conntrack, affinity and counters render here too, for `agent inspect`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping, Sequence
+from enum import IntEnum
+
+from agent.ebpf.abi import (
+    Affinity,
+    AffinityKey,
+    Backend,
+    BackendFlag,
+    BackendKey,
+    CtDir,
+    CtEntry,
+    CtFlag,
+    CtKey,
+    Frontend,
+    FrontendFlag,
+    FrontendKey,
+    RevNat,
+    RevNatKey,
+    Scope,
+    Slot,
+    SlotKey,
+    SrcRange,
+    SrcRangeKey,
+    Stat,
+    ip_str,
+    port_host,
+)
+from agent.ebpf.abi import Config as CfgEntry
+from agent.ebpf.plan import MapContents
+
+_PROTOS = {6: "TCP", 17: "UDP", 132: "SCTP"}
+
+
+def proto_name(proto: int) -> str:
+    return _PROTOS.get(proto, str(proto))
+
+
+def flag_names(value: int, flags: type[IntEnum], sep: str = "|") -> str:
+    """`NODEPORT|SNAT_REMOTE`; unknown bits as hex; `-` for none."""
+    names = [f.name for f in flags if value & f.value]
+    rest = value & ~sum(f.value for f in flags)
+    if rest:
+        names.append(f"{rest:#x}")
+    return sep.join(names) or "-"
+
+
+def _ip_sort(be: int) -> int:
+    return int(ipaddress.IPv4Address(ip_str(be)))
+
+
+def _scope(scope: int) -> str:
+    try:
+        return Scope(scope).name.lower()
+    except ValueError:
+        return f"scope{scope}"
+
+
+def cfg_line(cfg: CfgEntry) -> str:
+    line = (
+        f"cfg node={ip_str(cfg.node_addr)} snat_ports={cfg.snat_port_min}-{cfg.snat_port_max}"
+        f" tcp_timeout={cfg.tcp_timeout_s}s udp_timeout={cfg.udp_timeout_s}s"
+        f" closing_timeout={cfg.closing_timeout_s}s"
+    )
+    return line + (f" flags={cfg.flags:#x}" if cfg.flags else "")
+
+
+def fe_line(key: FrontendKey, fe: Frontend, name: str = "") -> str:
+    line = (
+        f"fe {ip_str(key.addr)}:{port_host(key.port)}/{proto_name(key.proto)} {_scope(key.scope)}"
+        f" -> set={fe.set_id} count={fe.count} rnat={fe.rev_nat_id}"
+        f" flags={flag_names(fe.flags, FrontendFlag)} affinity={fe.affinity_timeout}s"
+    )
+    return line + (f"  # {name}" if name else "")
+
+
+def slot_line(key: SlotKey, slot: Slot) -> str:
+    return f"slot {key.set_id}#{key.slot} -> be {slot.backend_id}"
+
+
+def be_line(key: BackendKey, be: Backend) -> str:
+    line = f"be {key.id} -> {ip_str(be.addr)}:{port_host(be.port)}/{proto_name(be.proto)}"
+    if be.flags:
+        line += " " + flag_names(be.flags, BackendFlag, ",").lower()
+    return line
+
+
+def rnat_line(key: RevNatKey, rnat: RevNat) -> str:
+    return f"rnat {key.id} -> {ip_str(rnat.addr)}:{port_host(rnat.port)}"
+
+
+def srcr_line(key: SrcRangeKey, value: SrcRange) -> str:
+    verdict = "allow" if value.allow else f"allow={value.allow}"
+    return f"srcr rnat={key.rev_nat_id} {ip_str(key.addr)}/{key.prefixlen - 32} -> {verdict}"
+
+
+def render_contents(contents: MapContents, names: Mapping[FrontendKey, str] | None = None) -> str:
+    """Every entry of `contents`, one a line, sorted; `names` annotate the frontends."""
+    lines: list[str] = []
+    if contents.cfg is not None:
+        lines.append(cfg_line(contents.cfg))
+    for fkey, fe in sorted(
+        contents.fe.items(),
+        key=lambda kv: (_ip_sort(kv[0].addr), port_host(kv[0].port), kv[0].proto, kv[0].scope),
+    ):
+        lines.append(fe_line(fkey, fe, (names or {}).get(fkey, "")))
+    for skey, slot in sorted(contents.slot.items(), key=lambda kv: (kv[0].set_id, kv[0].slot)):
+        lines.append(slot_line(skey, slot))
+    for bkey, be in sorted(contents.be.items(), key=lambda kv: kv[0].id):
+        lines.append(be_line(bkey, be))
+    for rkey, rnat in sorted(contents.rnat.items(), key=lambda kv: kv[0].id):
+        lines.append(rnat_line(rkey, rnat))
+    for srkey, sr in sorted(
+        contents.srcr.items(), key=lambda kv: (kv[0].rev_nat_id, _ip_sort(kv[0].addr), kv[0].prefixlen)
+    ):
+        lines.append(srcr_line(srkey, sr))
+    return "".join(line + "\n" for line in lines)
+
+
+# ---------------------------------------------------------------------------------- inspect
+
+
+def _age(last_seen_ns: int, now_ns: int) -> str:
+    return f"{max(0, now_ns - last_seen_ns) // 1_000_000_000}s"
+
+
+def ct_line(key: CtKey, ct: CtEntry, now_ns: int) -> str:
+    """One conntrack entry; `now_ns` is CLOCK_MONOTONIC (the clock of bpf_ktime_get_ns)."""
+    try:
+        direction = CtDir(ct.dir).name.lower()
+    except ValueError:
+        direction = f"dir{ct.dir}"
+    line = (
+        f"ct {ip_str(key.saddr)}:{port_host(key.sport)} -> {ip_str(key.daddr)}:{port_host(key.dport)}"
+        f"/{proto_name(key.proto)} {direction}"
+    )
+    if ct.nat_addr:
+        line += f" nat={ip_str(ct.nat_addr)}:{port_host(ct.nat_port)}"
+    if ct.snat_addr:
+        line += f" snat={ip_str(ct.snat_addr)}:{port_host(ct.snat_port)}"
+    return (
+        line + f" be={ct.backend_id} rnat={ct.rev_nat_id} flags={flag_names(ct.flags, CtFlag)}"
+        f" idle={_age(ct.last_seen_ns, now_ns)}"
+    )
+
+
+def render_conntrack(entries: Iterable[tuple[CtKey, CtEntry]], now_ns: int) -> str:
+    items = sorted(
+        entries,
+        key=lambda kv: (
+            _ip_sort(kv[0].saddr),
+            port_host(kv[0].sport),
+            _ip_sort(kv[0].daddr),
+            port_host(kv[0].dport),
+            kv[0].proto,
+        ),
+    )
+    return "".join(ct_line(k, v, now_ns) + "\n" for k, v in items)
+
+
+def aff_line(key: AffinityKey, aff: Affinity, now_ns: int) -> str:
+    idle = _age(aff.last_seen_ns, now_ns)
+    return f"aff {ip_str(key.client)} set={key.set_id} -> be {aff.backend_id} idle={idle}"
+
+
+def render_affinity(entries: Iterable[tuple[AffinityKey, Affinity]], now_ns: int) -> str:
+    items = sorted(entries, key=lambda kv: (kv[0].set_id, _ip_sort(kv[0].client)))
+    return "".join(aff_line(k, v, now_ns) + "\n" for k, v in items)
+
+
+def render_stats(counters: Mapping[int, int | Sequence[int]]) -> str:
+    """Counters by enum ekp_stat index; per-CPU lists are summed. Every known counter is listed."""
+    lines = []
+    for stat in Stat:
+        raw = counters.get(int(stat), 0)
+        total = raw if isinstance(raw, int) else sum(raw)
+        lines.append(f"stat {stat.name.lower()} {total}")
+    return "".join(line + "\n" for line in lines)

@@ -1,0 +1,282 @@
+"""plan: which frontends, sets, slots and backends a state becomes, and stable ids across syncs.
+
+Golden cases: tests/ebpf/golden/<case>.yaml (Services and EndpointSlices) -> <case>.maps (the
+dry-run text). Regenerate with `make golden` (EKP_REGEN_GOLDEN=1) and review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from agent.config import Config, NodeContext
+from agent.ebpf import plan as plan_module
+from agent.ebpf import render_dry_run
+from agent.ebpf.abi import FrontendFlag, FrontendKey, Scope, SlotKey, ip_be, port_be
+from agent.ebpf.delta import diff, write_op
+from agent.ebpf.plan import MapContents, PlanError, plan, read_contents
+from agent.ebpf.render import render_contents
+from agent.model import ProxyState
+from tests.ebpf.support import GOLDEN, NODE, assert_ids_valid, broken, fake_maps, state_from_yaml
+
+CASES = sorted(p.stem for p in GOLDEN.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_golden_dry_run(case: str) -> None:
+    state = state_from_yaml((GOLDEN / f"{case}.yaml").read_text())
+    got = render_dry_run(state, NODE, Config())
+    expected_file = GOLDEN / f"{case}.maps"
+    if os.environ.get("EKP_REGEN_GOLDEN") == "1":
+        expected_file.write_text(got)
+    assert expected_file.exists(), f"{expected_file} missing: run `make golden`"
+    assert got == expected_file.read_text()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_golden_cases_are_whole_and_survive_a_dump(case: str) -> None:
+    """What the maps hold after writing a plan renders like the plan, and re-plans to no ops."""
+    state = state_from_yaml((GOLDEN / f"{case}.yaml").read_text())
+    planned = plan(state, NODE, Config())
+    assert not broken(planned)
+    assert_ids_valid(planned)
+    maps = fake_maps()
+    for op in diff(MapContents(), planned):
+        write_op(maps, op)
+    dumped = read_contents(maps, planned.cfg)
+    assert render_contents(dumped) == render_contents(planned)
+    assert diff(dumped, plan(state, NODE, Config(), dumped)) == []
+
+
+def test_golden_case_count() -> None:
+    assert len(CASES) >= 7
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+SVC = """
+apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: default}}
+spec:
+  type: {type}
+  clusterIP: {ip}
+  {extra}
+  ports: [{{port: 80, targetPort: 8080, protocol: TCP{nodeport}}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: {name}-1, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: IPv4
+ports: [{{port: 8080, protocol: TCP}}]
+endpoints:
+{endpoints}
+"""
+
+
+def svc(
+    name: str,
+    ip: str,
+    endpoints: list[str],
+    *,
+    type: str = "ClusterIP",
+    extra: str = "",
+    nodeport: int = 0,
+) -> str:
+    eps = "".join(
+        f"  - addresses: [{e}]\n    nodeName: {'node1' if '.1.' in e else 'node2'}\n" for e in endpoints
+    )
+    return SVC.format(
+        name=name,
+        ip=ip,
+        type=type,
+        extra=extra,
+        nodeport=f", nodePort: {nodeport}" if nodeport else "",
+        endpoints=eps or "  []\n",
+    )
+
+
+def states(*docs: str) -> ProxyState:
+    return state_from_yaml("\n---\n".join(docs))
+
+
+def fe_key(addr: str, port: int, scope: Scope, proto: int = 6) -> FrontendKey:
+    return FrontendKey(addr=ip_be(addr), port=port_be(port), proto=proto, scope=int(scope))
+
+
+def backend_ids(c: MapContents) -> dict[str, int]:
+    from agent.ebpf.abi import ip_str
+
+    return {ip_str(v.addr): k.id for k, v in c.be.items()}
+
+
+# ---------------------------------------------------------------------------------- frontends
+
+
+def test_nodeport_answers_only_on_nodeport_addresses() -> None:
+    node = NodeContext(node_ips=("192.168.0.11", "10.0.0.11"), primary_ip="192.168.0.11")
+    state = states(svc("np", "10.96.0.5", ["10.244.1.2"], type="NodePort", nodeport=30005))
+    every = plan(state, node, Config())
+    assert fe_key("10.0.0.11", 30005, Scope.EXTERNAL) in every.fe
+    only = plan(state, node, Config(nodeport_addresses=("192.168.0.0/24",)))
+    assert fe_key("10.0.0.11", 30005, Scope.EXTERNAL) not in only.fe
+    assert fe_key("192.168.0.11", 30005, Scope.EXTERNAL) in only.fe
+
+
+def test_masquerade_all_and_cluster_cidr_snat_cluster_ip_traffic() -> None:
+    state = states(svc("a", "10.96.0.5", ["10.244.2.2"]))
+    ext, internal = fe_key("10.96.0.5", 80, Scope.EXTERNAL), fe_key("10.96.0.5", 80, Scope.INTERNAL)
+    plain = plan(state, NODE, Config())
+    assert not plain.fe[ext].flags & FrontendFlag.SNAT_REMOTE
+    cidr = plan(state, NODE, Config(cluster_cidr=("10.244.0.0/16",)))
+    assert cidr.fe[ext].flags & FrontendFlag.SNAT_REMOTE
+    assert not cidr.fe[internal].flags & FrontendFlag.SNAT_REMOTE
+    masq = plan(state, NODE, Config(masquerade_all=True))
+    assert masq.fe[ext].flags & masq.fe[internal].flags & FrontendFlag.SNAT_REMOTE
+
+
+def test_a_frontend_two_services_claim_goes_to_the_first() -> None:
+    state = states(
+        svc("a", "10.96.0.5", ["10.244.1.2"], extra="externalIPs: [192.168.0.200]"),
+        svc("b", "10.96.0.6", ["10.244.1.3"], extra="externalIPs: [192.168.0.200]"),
+    )
+    c = plan(state, NODE, Config())
+    key = fe_key("192.168.0.200", 80, Scope.EXTERNAL)
+    assert c.fe_names[key] == "default/a"
+    assert not broken(c)
+
+
+def test_source_range_holding_the_node_admits_the_lb_ip() -> None:
+    lb = svc(
+        "lb",
+        "10.96.0.5",
+        ["10.244.1.2"],
+        type="LoadBalancer",
+        nodeport=30007,
+        extra="loadBalancerSourceRanges: [192.168.0.0/24]",
+    ).replace(
+        "---",
+        "status: {loadBalancer: {ingress: [{ip: 203.0.113.7}]}}\n---",
+        1,
+    )
+    text = render_contents(plan(states(lb), NODE, Config()))
+    assert "srcr rnat=3 192.168.0.0/24 -> allow" in text
+    assert "srcr rnat=3 203.0.113.7/32 -> allow" in text
+
+
+def test_cfg_entry() -> None:
+    c = plan(states(), NodeContext(("192.168.0.12",), "192.168.0.12"), Config(snat_ports=(40000, 40999)))
+    assert render_contents(c) == (
+        "cfg node=192.168.0.12 snat_ports=40000-40999 tcp_timeout=86400s udp_timeout=120s"
+        " closing_timeout=10s\n"
+    )
+
+
+# ---------------------------------------------------------------------------------- ids
+
+
+def test_ids_are_re_adopted_from_a_dump_whatever_the_order() -> None:
+    """A restart with new services sorted before the old ones keeps every old id."""
+    old_state = states(svc("m", "10.96.0.5", ["10.244.1.2", "10.244.2.2"]))
+    first = plan(old_state, NODE, Config())
+    maps = fake_maps()
+    for op in diff(MapContents(), first):
+        write_op(maps, op)
+    dumped = read_contents(maps, first.cfg)
+    new_state = states(
+        svc("a", "10.96.0.4", ["10.244.1.9", "10.244.2.2"]),
+        svc("m", "10.96.0.5", ["10.244.1.2", "10.244.2.2"]),
+    )
+    second = plan(new_state, NODE, Config(), dumped)
+    for role in ("fe", "slot", "be", "rnat"):
+        for key, value in first.table(role).items():
+            assert second.table(role)[key] == value
+    # only the new service's entries are written; its shared backend 10.244.2.2 keeps its id
+    assert backend_ids(second)["10.244.2.2"] == backend_ids(first)["10.244.2.2"]
+    written = {op.role: op for op in diff(dumped, second)}
+    assert set(written) == {"be", "rnat", "slot", "fe"}
+    assert len(written["be"].entries) == 1  # 10.244.1.9 only
+
+
+def test_fresh_ids_never_reuse_a_previous_id_in_the_same_sync() -> None:
+    first = plan(states(svc("a", "10.96.0.5", ["10.244.1.2"])), NODE, Config())
+    second = plan(states(svc("b", "10.96.0.6", ["10.244.1.3"])), NODE, Config(), first)
+    assert {fe.set_id for fe in second.fe.values()}.isdisjoint({fe.set_id for fe in first.fe.values()})
+    assert set(second.be).isdisjoint(set(first.be))
+    assert set(second.rnat).isdisjoint(set(first.rnat))
+
+
+def test_fresh_ids_continue_above_the_high_water_mark() -> None:
+    a, b, c = (
+        svc("a", "10.96.0.5", ["10.244.1.2"]),
+        svc("b", "10.96.0.6", ["10.244.1.3"]),
+        svc("c", "10.96.0.7", ["10.244.1.4"]),
+    )
+    first = plan(states(a, b), NODE, Config())
+    second = plan(states(a), NODE, Config(), first)  # b (set 2, backend 2, rnat 2) goes away
+    third = plan(states(a, c), NODE, Config(), second)
+    assert sorted({fe.set_id for fe in third.fe.values()}) == [1, 3]
+    assert sorted(k.id for k in third.be) == [1, 3]
+
+
+def test_ids_wrap_to_the_lowest_free_at_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_module, "REVNAT_ID_MAX", 3)
+    a, b = svc("a", "10.96.0.5", ["10.244.1.2"]), svc("b", "10.96.0.6", ["10.244.1.3"])
+    first = plan(states(a, b), NODE, Config())  # rnat 1, 2
+    second = plan(states(b), NODE, Config(), first)  # rnat 2 stays
+    third = plan(states(b, svc("c", "10.96.0.7", ["10.244.1.4"])), NODE, Config(), second)  # 3
+    fourth = plan(states(svc("d", "10.96.0.8", []), b), NODE, Config(), third)  # c gone: 1 is free
+    assert sorted(k.id for k in third.rnat) == [2, 3]
+    assert sorted(k.id for k in fourth.rnat) == [1, 2]
+    with pytest.raises(PlanError):
+        plan(states(a, b, svc("c", "10.96.0.7", []), svc("d", "10.96.0.8", [])), NODE, Config())
+
+
+def test_surviving_backends_keep_their_slots() -> None:
+    first = plan(states(svc("a", "10.96.0.5", ["10.244.1.2", "10.244.1.3", "10.244.1.4"])), NODE, Config())
+    second = plan(
+        states(svc("a", "10.96.0.5", ["10.244.1.3", "10.244.1.4", "10.244.1.5"])),
+        NODE,
+        Config(),
+        first,
+    )
+    ids = backend_ids(second)
+    # 10.244.1.2 left slot 1; the newcomer takes it, 10.244.1.3 and .4 stay in slots 2 and 3
+    assert second.slot[SlotKey(set_id=1, slot=1)].backend_id == ids["10.244.1.5"]
+    assert second.slot[SlotKey(set_id=1, slot=2)] == first.slot[SlotKey(set_id=1, slot=2)]
+    assert second.slot[SlotKey(set_id=1, slot=3)] == first.slot[SlotKey(set_id=1, slot=3)]
+
+
+def test_set_kind_change_gets_a_new_set() -> None:
+    """Switching ITP to Local moves the ClusterIP to another set; the old one is not rewritten in place."""
+    cluster = plan(states(svc("a", "10.96.0.5", ["10.244.1.2", "10.244.2.2"])), NODE, Config())
+    local = plan(
+        states(svc("a", "10.96.0.5", ["10.244.1.2", "10.244.2.2"], extra="internalTrafficPolicy: Local")),
+        NODE,
+        Config(),
+        cluster,
+    )
+    key = fe_key("10.96.0.5", 80, Scope.INTERNAL)
+    assert local.fe[key].set_id != cluster.fe[key].set_id
+    assert local.fe[key].flags & FrontendFlag.LOCAL and local.fe[key].count == 1
+
+
+def test_read_contents_high_water_from_dump() -> None:
+    maps = fake_maps()
+    c = plan(
+        states(svc("a", "10.96.0.5", ["10.244.1.2"]), svc("b", "10.96.0.6", ["10.244.1.3"])), NODE, Config()
+    )
+    for op in diff(MapContents(), c):
+        write_op(maps, op)
+    assert read_contents(maps).high == c.high
+
+
+def test_dry_run_uses_node_context_for_nodeports(tmp_path: Path) -> None:
+    text = render_dry_run(
+        states(svc("np", "10.96.0.5", ["10.244.1.2"], type="NodePort", nodeport=30005)),
+        NodeContext(("192.168.0.12",), "192.168.0.12"),
+        Config(),
+    )
+    assert "fe 192.168.0.12:30005/TCP external -> set=1 count=1 rnat=2 flags=NODEPORT|SNAT_REMOTE" in text
