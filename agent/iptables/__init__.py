@@ -1,0 +1,35 @@
+"""The iptables mode: kube-proxy's iptables chain layout, byte for byte, applied atomically.
+
+* `chains.py`  chain names (kube-proxy's hashing), the built-in-chain jumps; pure.
+* `rules.py`   ProxyState + NodeContext + options -> iptables-restore text; pure.
+* `runner.py`  the IptablesRunner interface; SubprocessRunner (netns, `-w`, nft/legacy detection).
+* `proxier.py` IptablesProxier: full/partial syncs, canary, stale chains, conntrack cleanup.
+* `conntrack.py` stale UDP conntrack entries after endpoint changes.
+* `cleanup.py` `agent --cleanup`: our chains and jumps only.
+* `bench.py`   `measure(n_services)`: render and apply N services in a throwaway netns.
+
+The CLI uses `IptablesProxier(config)` (`sync(state, node)`, `cleanup()`) and
+`render_dry_run(state, node, config)` for `--dry-run` and the golden tests.
+"""
+
+from agent.config import Config, NodeContext
+from agent.iptables.proxier import IptablesProxier, SyncStats
+from agent.iptables.rules import Rendered, RenderOptions, render, render_text
+from agent.model.types import ProxyState
+
+
+def render_dry_run(state: ProxyState, node: NodeContext, config: Config) -> str:
+    """The full iptables-restore input (filter table, then nat) a first sync would pass to
+    iptables-restore, assuming a modern host (iptables >= 1.6.2, nf_conntrack_tcp_be_liberal
+    unset). Touches nothing; needs no root."""
+    return render_text(state, node, config)
+
+
+__all__ = [
+    "IptablesProxier",
+    "RenderOptions",
+    "Rendered",
+    "SyncStats",
+    "render",
+    "render_dry_run",
+]

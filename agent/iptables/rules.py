@@ -1,0 +1,534 @@
+"""Desired state -> the iptables-restore text kube-proxy's iptables proxier would write. Pure.
+
+A transcription of the rule-writing half of upstream `syncProxyRules` (pkg/proxy/iptables/
+proxier.go, v1.31+ layout): the same chains, the same rule text, the same order of lines for a
+given order of services. Nothing here runs a command; `proxier.py` applies the text.
+
+Layout (filter table, then nat table, one `iptables-restore --noflush` input):
+
+* filter: KUBE-SERVICES (REJECT/DROP for service IPs without usable endpoints),
+  KUBE-EXTERNAL-SERVICES (the same for external IPs, LB IPs and NodePorts), KUBE-FORWARD (INVALID
+  drop, accept marked and established traffic), KUBE-NODEPORTS (health-check node ports),
+  KUBE-PROXY-FIREWALL (loadBalancerSourceRanges drops), KUBE-FIREWALL (localhost martian drop).
+* nat: KUBE-SERVICES -> KUBE-SVC/KUBE-SVL (cluster IP), KUBE-EXT (external IP, NodePort),
+  KUBE-FW (LB IP with source ranges); KUBE-SVC/SVL pick a KUBE-SEP by probability (or by
+  `-m recent` affinity); KUBE-SEP DNATs. KUBE-MARK-MASQ sets the mark, KUBE-POSTROUTING
+  masquerades marked packets once.
+
+Deliberate choices where upstream is not deterministic or depends on the host:
+
+* Service order: upstream iterates a Go map (random order; its tests sort the output). We write
+  service ports sorted by ServicePortName string (`ProxyState.sorted_ports()`), so the text is
+  stable and diffable. Within a service upstream's order is kept exactly.
+* When the cluster and local endpoint lists must be merged, upstream again iterates a map; we
+  keep the model's sorted `ip:port` order.
+* `--random-fully` on MASQUERADE, the mark's spelling (`%#08x` gives `0x00004000`), nfacct
+  counters and the INVALID drop depend on the host; they are explicit `RenderOptions` fields.
+  nfacct matches are never written: upstream writes them only after creating nfacct counters,
+  which we do not do (upstream behaves the same on kernels without nfnetlink_acct).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field, replace
+
+from agent.config import Config, NodeContext
+from agent.iptables.chains import (
+    FILTER_TOP_CHAINS,
+    KUBE_EXTERNAL_SERVICES,
+    KUBE_FIREWALL,
+    KUBE_FORWARD,
+    KUBE_MARK_MASQ,
+    KUBE_NODEPORTS,
+    KUBE_POSTROUTING,
+    KUBE_PROXY_FIREWALL,
+    KUBE_SERVICES,
+    MARTIAN_COMMENT,
+    MASQUERADE_COMMENT,
+    NAT_TOP_CHAINS,
+    NODEPORTS_TAIL_COMMENT,
+    endpoint_chain,
+    external_chain,
+    firewall_chain,
+    is_service_chain,
+    local_chain,
+    service_chain,
+)
+from agent.model.topology import categorize_endpoints
+from agent.model.types import Endpoint, ProxyState, ServiceEndpoints, ServicePort, SessionAffinity
+
+# Above this many endpoints (all endpoints of all service ports, ready or not) upstream drops the
+# per-endpoint comments to keep the restore input small ("large cluster mode").
+LARGE_CLUSTER_ENDPOINTS_THRESHOLD = 1000
+
+_LOOPBACK_START = ipaddress.IPv4Address("127.0.0.0")
+_LOOPBACK_NET = ipaddress.IPv4Network("127.0.0.0/8")
+
+
+def masquerade_mark(bit: int) -> str:
+    """The mark as kube-proxy spells it in its rules: Go's `%#08x`, e.g. `0x00004000` for bit 14."""
+    return f"0x{1 << bit:08x}"
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """Everything besides the state that changes the rule text (flags and host facts)."""
+
+    masquerade_all: bool = False
+    masquerade_mark: str = "0x00004000"
+    # The local traffic detector (--cluster-cidr): `-s CIDR` is pod traffic; "" = no detector,
+    # which (as upstream) drops the off-cluster masquerade and the pod short-circuit rules.
+    cluster_cidr: str = ""
+    # --nodeport-addresses: () = every local address (one `--dst-type LOCAL` jump), else CIDRs
+    # (or the keyword "primary") giving one `-d IP` jump per matching node address.
+    nodeport_addresses: tuple[str, ...] = ()
+    # --iptables-localhost-nodeports (upstream default true): NodePorts answer on 127.0.0.1 when
+    # the node-port addresses include loopback; needs route_localnet=1 and the martian drop.
+    localhost_nodeports: bool = True
+    # iptables >= 1.6.2 supports MASQUERADE --random-fully; kube-proxy uses it when available.
+    random_fully: bool = True
+    # nf_conntrack_tcp_be_liberal=1 on the host: upstream then omits the INVALID drop.
+    conntrack_tcp_liberal: bool = False
+
+    @classmethod
+    def from_config(
+        cls, config: Config, *, random_fully: bool = True, conntrack_tcp_liberal: bool = False
+    ) -> RenderOptions:
+        ipv4_cidrs = [c.strip() for c in config.cluster_cidr if _is_ipv4_cidr(c)]
+        # Config has no --iptables-localhost-nodeports flag (yet); honour one if it appears.
+        localhost = bool(getattr(config, "iptables_localhost_nodeports", True))
+        return cls(
+            masquerade_all=config.masquerade_all,
+            masquerade_mark=masquerade_mark(config.masquerade_bit),
+            cluster_cidr=ipv4_cidrs[0] if ipv4_cidrs else "",
+            nodeport_addresses=tuple(config.nodeport_addresses),
+            localhost_nodeports=localhost,
+            random_fully=random_fully,
+            conntrack_tcp_liberal=conntrack_tcp_liberal,
+        )
+
+    @property
+    def nodeports_match_all(self) -> bool:
+        return not self.nodeport_addresses
+
+    @property
+    def localhost_nodeports_enabled(self) -> bool:
+        """Upstream turns localhost NodePorts off unless the node-port addresses include 127.0.0.0/8."""
+        if not self.localhost_nodeports:
+            return False
+        if self.nodeports_match_all:
+            return True
+        for text in self.nodeport_addresses:
+            if not _is_ipv4_cidr(text):
+                continue
+            net = ipaddress.IPv4Network(text.strip(), strict=False)
+            if net.network_address.is_loopback or _LOOPBACK_START in net:
+                return True
+        return False
+
+
+def _is_ipv4_cidr(text: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_network(text.strip(), strict=False), ipaddress.IPv4Network)
+    except ValueError:
+        return False
+
+
+def nodeport_ips(options: RenderOptions, node: NodeContext) -> list[str]:
+    """Addresses that get their own NodePort jump when --nodeport-addresses is set (upstream order:
+    loopback first, as the `lo` interface comes first, then the node's addresses)."""
+    nets = [
+        ipaddress.IPv4Network(c.strip(), strict=False) for c in options.nodeport_addresses if _is_ipv4_cidr(c)
+    ]
+    out: list[str] = []
+    if any(ipaddress.IPv4Address("127.0.0.1") in n for n in nets):
+        out.append("127.0.0.1")
+    for ip in node.node_ips:
+        addr = ipaddress.ip_address(ip)
+        if any(addr in n for n in nets) or (
+            "primary" in options.nodeport_addresses and ip == node.primary_ip
+        ):
+            out.append(ip)
+    return list(dict.fromkeys(out))
+
+
+def _probability(n: int) -> str:
+    """Upstream's `fmt.Sprintf("%0.10f", 1.0/float64(n))` (both round the exact binary value)."""
+    return f"{1.0 / n:0.10f}"
+
+
+def upstream_uses_cluster_endpoints(sp: ServicePort) -> bool:
+    """kube-proxy's UsesClusterEndpoints: Cluster internal policy, or any external access at all
+    (even with externalTrafficPolicy Local, cluster endpoints serve the short-circuit of pod and
+    host traffic to external addresses)."""
+    return not sp.internal_policy_local or sp.externally_accessible
+
+
+def categorized(state: ProxyState, sp: ServicePort) -> ServiceEndpoints:
+    """The model's choice of endpoints, made to agree with upstream's CategorizeEndpoints.
+
+    The model treats a port with both traffic policies Local as not using cluster endpoints;
+    upstream does use them (for the KUBE-EXT short-circuit to KUBE-SVC). For that one case we ask
+    the pure topology function again as if the internal policy were Cluster, which yields exactly
+    upstream's cluster, local and merged lists.
+    """
+    chosen = state.endpoints.get(sp.name, ServiceEndpoints())
+    if upstream_uses_cluster_endpoints(sp) == sp.uses_cluster_endpoints:
+        return chosen
+    probe = replace(sp, internal_policy_local=False)
+    return categorize_endpoints(state.raw_endpoints.get(sp.name, ()), probe, state.node)
+
+
+def total_endpoints(state: ProxyState) -> int:
+    return sum(len(state.raw_endpoints.get(spn, ())) for spn in state.services)
+
+
+@dataclass
+class Rendered:
+    """One restore input and the facts the proxier and the metrics need about it."""
+
+    text: str
+    filter_rules: int  # rule lines in the filter table
+    nat_rules: int  # rule lines in nat as written (partial syncs leave unchanged services out)
+    nat_rules_total: int  # rule lines nat holds after the restore (written + kept)
+    active_nat_chains: frozenset[str]
+    deleted_chains: tuple[str, ...]
+    large_cluster: bool
+    written_services: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def rule_count(self) -> int:
+        """Rules programmed in filter and nat after the restore (kube-proxy's rules-total metric)."""
+        return self.filter_rules + self.nat_rules_total - len(self.deleted_chains)
+
+
+class _Writer:
+    """Accumulates lines for one sync. Every line is a complete string; one join at the end."""
+
+    def __init__(self) -> None:
+        self.filter_chains: list[str] = [f":{c} - [0:0]" for c in FILTER_TOP_CHAINS]
+        self.filter_rules: list[str] = []
+        self.nat_chains: list[str] = [f":{c} - [0:0]" for c in NAT_TOP_CHAINS]
+        self.nat_rules: list[str] = []
+        # Chains and rules of services left out of a partial sync: counted, never written.
+        self.skipped_chains: list[str] = []
+        self.skipped_rules: list[str] = []
+        self.active_nat_chains: set[str] = set()
+
+
+def render(
+    state: ProxyState,
+    node: NodeContext,
+    options: RenderOptions,
+    *,
+    changed: Collection[str] | None = None,
+    existing_nat_chains: Iterable[str] = (),
+) -> Rendered:
+    """The restore input for `state`.
+
+    `changed`: for a partial sync, the services (`namespace/name`) whose own chains are rewritten;
+    every other service's SVC/SVL/EXT/FW/SEP chains are left out of the text (they stay as they
+    are in the kernel) while KUBE-SERVICES, KUBE-NODEPORTS and the filter table are rewritten in
+    full. None = full sync.
+    `existing_nat_chains`: chain names iptables-save reported for nat; service chains among them
+    that the state no longer uses are flushed and deleted (`-X`) in the same restore.
+    """
+    w = _Writer()
+    mark = options.masquerade_mark
+    localhost = options.localhost_nodeports_enabled
+    large = total_endpoints(state) > LARGE_CLUSTER_ENDPOINTS_THRESHOLD
+
+    w.nat_rules.append(f"-A {KUBE_POSTROUTING} -m mark ! --mark {mark}/{mark} -j RETURN")
+    w.nat_rules.append(f"-A {KUBE_POSTROUTING} -j MARK --xor-mark {mark}")
+    masq = f'-A {KUBE_POSTROUTING} -m comment --comment "{MASQUERADE_COMMENT}" -j MASQUERADE'
+    w.nat_rules.append(masq + (" --random-fully" if options.random_fully else ""))
+    w.nat_rules.append(f"-A {KUBE_MARK_MASQ} -j MARK --or-mark {mark}")
+    if localhost:
+        w.filter_chains.append(f":{KUBE_FIREWALL} - [0:0]")
+        w.filter_rules.append(
+            f'-A {KUBE_FIREWALL} -m comment --comment "{MARTIAN_COMMENT}" -d 127.0.0.0/8 ! -s 127.0.0.0/8 '
+            "-m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP"
+        )
+
+    written: set[str] = set()
+    for sp in state.sorted_ports():
+        write_own = changed is None or sp.name.service in changed
+        if write_own:
+            written.add(sp.name.service)
+        _service_port(w, state, node, options, sp, large=large, write_own=write_own)
+
+    deleted: list[str] = []
+    for chain in sorted(set(existing_nat_chains) - w.active_nat_chains):
+        if is_service_chain(chain):
+            w.nat_chains.append(f":{chain} - [0:0]")
+            w.nat_rules.append(f"-X {chain}")
+            deleted.append(chain)
+
+    tail = f'-A {KUBE_SERVICES} -m comment --comment "{NODEPORTS_TAIL_COMMENT}"'
+    if options.nodeports_match_all:
+        dst = "-m addrtype --dst-type LOCAL" + ("" if localhost else " ! -d 127.0.0.0/8")
+        w.nat_rules.append(f"{tail} {dst} -j {KUBE_NODEPORTS}")
+    else:
+        for ip in nodeport_ips(options, node):
+            if ipaddress.IPv4Address(ip) in _LOOPBACK_NET and not localhost:
+                continue
+            w.nat_rules.append(f"{tail} -d {ip} -j {KUBE_NODEPORTS}")
+
+    if not options.conntrack_tcp_liberal:
+        w.filter_rules.append(f"-A {KUBE_FORWARD} -m conntrack --ctstate INVALID -j DROP")
+    w.filter_rules.append(
+        f'-A {KUBE_FORWARD} -m comment --comment "kubernetes forwarding rules" '
+        f"-m mark --mark {mark}/{mark} -j ACCEPT"
+    )
+    w.filter_rules.append(
+        f'-A {KUBE_FORWARD} -m comment --comment "kubernetes forwarding conntrack rule" '
+        "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
+    )
+
+    lines = [
+        "*filter",
+        *w.filter_chains,
+        *w.filter_rules,
+        "COMMIT",
+        "*nat",
+        *w.nat_chains,
+        *w.nat_rules,
+        "COMMIT",
+        "",
+    ]
+    return Rendered(
+        text="\n".join(lines),
+        filter_rules=len(w.filter_rules),
+        nat_rules=len(w.nat_rules),
+        nat_rules_total=len(w.nat_rules) + len(w.skipped_rules),
+        active_nat_chains=frozenset(w.active_nat_chains),
+        deleted_chains=tuple(deleted),
+        large_cluster=large,
+        written_services=frozenset(written),
+    )
+
+
+def _service_port(
+    w: _Writer,
+    state: ProxyState,
+    node: NodeContext,
+    options: RenderOptions,
+    sp: ServicePort,
+    *,
+    large: bool,
+    write_own: bool,
+) -> None:
+    """All rules for one service port, in upstream's order."""
+    spn = sp.name
+    name = str(spn)
+    proto = sp.protocol.value.lower()
+    match = f"-m {proto} -p {proto}"
+    eps = categorized(state, sp)
+    has_endpoints = eps.has_any
+
+    cluster_chain = service_chain(spn)
+    svl_chain = local_chain(spn)
+    ext_chain = external_chain(spn)
+    fw_chain = firewall_chain(spn)
+    uses_cluster_chain = bool(eps.cluster) and upstream_uses_cluster_endpoints(sp)
+    uses_local_chain = bool(eps.local) and sp.uses_local_endpoints
+
+    internal_chain = cluster_chain
+    has_internal = has_endpoints
+    if sp.internal_policy_local:
+        internal_chain = svl_chain
+        has_internal = has_internal and bool(eps.local)
+    external_policy_chain = cluster_chain
+    has_external = has_endpoints
+    if sp.external_policy_local:
+        external_policy_chain = svl_chain
+        has_external = has_external and bool(eps.local)
+    # Built on has_endpoints, not has_external: the short-circuit rules for pod and host traffic
+    # are needed even when no local endpoint serves external traffic.
+    uses_ext_chain = has_endpoints and sp.externally_accessible
+    uses_fw_chain = has_endpoints and bool(sp.load_balancer_ips) and bool(sp.load_balancer_source_ranges)
+    lb_chain = fw_chain if uses_fw_chain else ext_chain
+
+    if not has_endpoints:
+        internal_target = external_target = "REJECT"
+        internal_comment = external_comment = f'"{name} has no endpoints"'
+    else:
+        internal_target = external_target = "DROP"
+        internal_comment = external_comment = f'"{name} has no local endpoints"'
+
+    nat = w.nat_rules
+    flt = w.filter_rules
+    cluster_ip_match = (
+        f'-m comment --comment "{name} cluster IP" {match} -d {sp.cluster_ip} --dport {sp.port}'
+    )
+    if has_internal:
+        nat.append(f"-A {KUBE_SERVICES} {cluster_ip_match} -j {internal_chain}")
+    else:
+        flt.append(
+            f"-A {KUBE_SERVICES} -m comment --comment {internal_comment} {match} "
+            f"-d {sp.cluster_ip} --dport {sp.port} -j {internal_target}"
+        )
+
+    for ip in sp.external_ips:
+        if has_endpoints:
+            nat.append(
+                f'-A {KUBE_SERVICES} -m comment --comment "{name} external IP" {match} '
+                f"-d {ip} --dport {sp.port} -j {ext_chain}"
+            )
+        if not has_external:
+            flt.append(
+                f"-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {external_comment} {match} "
+                f"-d {ip} --dport {sp.port} -j {external_target}"
+            )
+
+    for ip in sp.load_balancer_ips:
+        if has_endpoints:
+            nat.append(
+                f'-A {KUBE_SERVICES} -m comment --comment "{name} loadbalancer IP" {match} '
+                f"-d {ip} --dport {sp.port} -j {lb_chain}"
+            )
+        if uses_fw_chain:
+            flt.append(
+                f'-A {KUBE_PROXY_FIREWALL} -m comment --comment "{name} traffic not accepted by {fw_chain}" '
+                f"{match} -d {ip} --dport {sp.port} -j DROP"
+            )
+    if not has_external:
+        for ip in sp.load_balancer_ips:
+            flt.append(
+                f"-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {external_comment} {match} "
+                f"-d {ip} --dport {sp.port} -j {external_target}"
+            )
+
+    if sp.node_port:
+        if has_endpoints:
+            nat.append(
+                f"-A {KUBE_NODEPORTS} -m comment --comment {name} {match} "
+                f"--dport {sp.node_port} -j {ext_chain}"
+            )
+        if not has_external:
+            flt.append(
+                f"-A {KUBE_EXTERNAL_SERVICES} -m comment --comment {external_comment} "
+                f"-m addrtype --dst-type LOCAL {match} --dport {sp.node_port} -j {external_target}"
+            )
+
+    if sp.health_check_node_port:
+        flt.append(
+            f'-A {KUBE_NODEPORTS} -m comment --comment "{name} health check node port" '
+            f"-m tcp -p tcp --dport {sp.health_check_node_port} -j ACCEPT"
+        )
+
+    # From here on: the service's own chains, left out of a partial sync when unchanged.
+    if write_own:
+        chains, rules = w.nat_chains, w.nat_rules
+    else:
+        chains, rules = w.skipped_chains, w.skipped_rules
+    active = w.active_nat_chains
+
+    if has_internal:
+        if options.masquerade_all:
+            rules.append(f"-A {internal_chain} {cluster_ip_match} -j {KUBE_MARK_MASQ}")
+        elif options.cluster_cidr:
+            # Off-cluster traffic to a service IP (a static route to any node) may leave this
+            # node again, so masquerade it.
+            rules.append(
+                f"-A {internal_chain} {cluster_ip_match} ! -s {options.cluster_cidr} -j {KUBE_MARK_MASQ}"
+            )
+
+    if uses_ext_chain:
+        chains.append(f":{ext_chain} - [0:0]")
+        active.add(ext_chain)
+        if not sp.external_policy_local:
+            rules.append(
+                f'-A {ext_chain} -m comment --comment "masquerade traffic for {name} external destinations" '
+                f"-j {KUBE_MARK_MASQ}"
+            )
+        else:
+            if options.cluster_cidr:
+                # Pod traffic to an external address acts as if it went out to the load
+                # balancer and came back: neither traffic policy applies to it.
+                rules.append(
+                    f'-A {ext_chain} -m comment --comment "pod traffic for {name} external destinations" '
+                    f"-s {options.cluster_cidr} -j {cluster_chain}"
+                )
+            rules.append(
+                f'-A {ext_chain} -m comment --comment "masquerade LOCAL traffic for {name} external '
+                f'destinations" -m addrtype --src-type LOCAL -j {KUBE_MARK_MASQ}'
+            )
+            rules.append(
+                f'-A {ext_chain} -m comment --comment "route LOCAL traffic for {name} external destinations" '
+                f"-m addrtype --src-type LOCAL -j {cluster_chain}"
+            )
+        if has_external:
+            rules.append(f"-A {ext_chain} -j {external_policy_chain}")
+
+    if uses_fw_chain:
+        chains.append(f":{fw_chain} - [0:0]")
+        active.add(fw_chain)
+        fw_args = f'-A {fw_chain} -m comment --comment "{name} loadbalancer IP"'
+        allow_from_node = False
+        node_ip = ipaddress.ip_address(node.primary_ip) if node.primary_ip else None
+        for text in sp.load_balancer_source_ranges:
+            cidr = ipaddress.ip_network(text.strip(), strict=False)
+            rules.append(f"{fw_args} -s {cidr} -j {ext_chain}")
+            if node_ip is not None and node_ip in cidr:
+                allow_from_node = True
+        # A VIP-like load balancer often makes the LB IP local: the node's own requests to it
+        # then loop back with the LB IP as source; let them through.
+        if allow_from_node:
+            for ip in sp.load_balancer_ips:
+                rules.append(f"{fw_args} -s {ip} -j {ext_chain}")
+        rules.append(
+            f'-A {fw_chain} -m comment --comment "other traffic to {name} will be dropped by '
+            f'{KUBE_PROXY_FIREWALL}"'
+        )
+
+    if uses_cluster_chain:
+        chains.append(f":{cluster_chain} - [0:0]")
+        active.add(cluster_chain)
+        _endpoint_jumps(rules, sp, cluster_chain, eps.cluster, name, large)
+    if uses_local_chain:
+        chains.append(f":{svl_chain} - [0:0]")
+        active.add(svl_chain)
+        _endpoint_jumps(rules, sp, svl_chain, eps.local, name, large)
+
+    comment = "" if large else f" -m comment --comment {name}"
+    affinity = sp.session_affinity is SessionAffinity.CLIENT_IP
+    for ep in eps.all_reachable:
+        sep = endpoint_chain(spn, str(ep))
+        chains.append(f":{sep} - [0:0]")
+        active.add(sep)
+        args = f"-A {sep}{comment}"
+        # Hairpin: an endpoint reaching itself through the service must be masqueraded.
+        rules.append(f"{args} -s {ep.ip} -j {KUBE_MARK_MASQ}")
+        recent = f" -m recent --name {sep} --set" if affinity else ""
+        rules.append(f"{args}{recent} {match} -j DNAT --to-destination {ep.ip}:{ep.port}")
+
+
+def _endpoint_jumps(
+    rules: list[str], sp: ServicePort, chain: str, endpoints: tuple[Endpoint, ...], name: str, large: bool
+) -> None:
+    """Affinity checks first, then one probabilistic jump per endpoint, the last unconditional."""
+    seps = [endpoint_chain(sp.name, str(ep)) for ep in endpoints]
+    comments = ["" if large else f' -m comment --comment "{name} -> {ep}"' for ep in endpoints]
+    if sp.session_affinity is SessionAffinity.CLIENT_IP:
+        for sep, comment in zip(seps, comments, strict=True):
+            rules.append(
+                f"-A {chain}{comment} -m recent --name {sep} --rcheck "
+                f"--seconds {sp.affinity_timeout_seconds} --reap -j {sep}"
+            )
+    n = len(endpoints)
+    for i, (sep, comment) in enumerate(zip(seps, comments, strict=True)):
+        if i < n - 1:
+            rules.append(
+                f"-A {chain}{comment} -m statistic --mode random --probability {_probability(n - i)} -j {sep}"
+            )
+        else:
+            rules.append(f"-A {chain}{comment} -j {sep}")
+
+
+def render_text(state: ProxyState, node: NodeContext, config: Config) -> str:
+    """The full restore input a first sync would apply, with the options a modern host gives
+    (iptables >= 1.6.2, nf_conntrack_tcp_be_liberal unset). The --dry-run output."""
+    return render(state, node, RenderOptions.from_config(config)).text
