@@ -1,0 +1,229 @@
+"""Running iptables: the small interface the proxier uses, and the real subprocess implementation.
+
+`IptablesRunner` is all the proxier and the cleanup need: `restore` (one iptables-restore
+--noflush per sync), `save` (iptables-save, to find existing chains), `run` (one iptables command,
+always with the xtables lock `-w`) and `command` (any other tool, e.g. conntrack or sysctl, in the
+same network namespace). Tests pass a fake; `SubprocessRunner` is the real thing.
+
+Choosing the binary family as kube-proxy's users expect (the iptables-wrapper logic shipped in
+kube-proxy's image): the node's other components (kubelet, the CNI) have already written rules with
+one of iptables-nft and iptables-legacy, and kube-proxy must use the same one or its rules are
+invisible to half of the system. `choose_backend` looks, in order, for kubelet's hint chains
+(KUBE-IPTABLES-HINT, KUBE-KUBELET-CANARY) or our own canary in nft's mangle table, then in legacy's
+output, then compares rule counts; with nothing anywhere it picks nft. `--iptables-backend=nft|legacy`
+skips the detection. The choice is logged once.
+
+Base-chain jumps are managed like upstream's EnsureRule: `-C` to check, `-I` to insert only when
+missing, so repeated syncs never duplicate a jump (an iptables-restore --noflush would).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from agent.config import Config
+
+log = logging.getLogger(__name__)
+
+# Seconds to wait for the xtables lock, as kube-proxy (`-w 5`).
+LOCK_WAIT_SECONDS = "5"
+RANDOM_FULLY_MIN_VERSION = (1, 6, 2)
+_HINT_RE = re.compile(r"^:(KUBE-IPTABLES-HINT|KUBE-KUBELET-CANARY|KUBE-PROXY-CANARY) ", re.MULTILINE)
+
+
+class IptablesError(RuntimeError):
+    """An iptables command failed; the message carries its stderr."""
+
+
+@dataclass(frozen=True)
+class Result:
+    returncode: int
+    stdout: str = ""
+    stderr: str = ""
+
+
+class IptablesRunner(Protocol):
+    @property
+    def backend(self) -> str:
+        """ "nft" or "legacy"."""
+
+    def restore(self, text: str) -> None:
+        """iptables-restore --noflush --counters with the xtables lock; raise IptablesError on failure."""
+
+    def save(self, table: str | None = None) -> str:
+        """iptables-save output (one table, or all); raise IptablesError on failure."""
+
+    def run(self, *args: str) -> Result:
+        """One `iptables -w 5 ARGS...`; the caller interprets the return code."""
+
+    def command(self, argv: Sequence[str]) -> Result:
+        """Any other command, in the same network namespace."""
+
+    def version(self) -> tuple[int, ...]:
+        """The iptables version, e.g. (1, 8, 9)."""
+
+
+def choose_backend(nft_mangle: str, legacy_all: str, nft_all: str | None = None) -> tuple[str, str]:
+    """(backend, reason) from iptables-save outputs, as kube-proxy's iptables-wrapper decides.
+
+    `nft_all` (the whole nft ruleset) is needed only when neither output holds a hint chain; with
+    None the function returns ("", "need nft_all") in that case, so callers fetch it lazily.
+    """
+    if _HINT_RE.search(nft_mangle):
+        return "nft", "kubelet/kube-proxy hint chains found in iptables-nft"
+    if _HINT_RE.search(legacy_all):
+        return "legacy", "kubelet/kube-proxy hint chains found in iptables-legacy"
+    if nft_all is None:
+        return "", "need nft_all"
+    legacy_rules = sum(1 for line in legacy_all.splitlines() if line.startswith("-"))
+    nft_rules = sum(1 for line in nft_all.splitlines() if line.startswith("-"))
+    if legacy_rules > nft_rules:
+        return "legacy", f"{legacy_rules} legacy rules vs {nft_rules} nft rules"
+    if nft_rules:
+        return "nft", f"{nft_rules} nft rules vs {legacy_rules} legacy rules"
+    return "nft", "no rules in either; nft is the default"
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """`iptables v1.8.9 (nf_tables)` -> (1, 8, 9); () when unreadable."""
+    m = re.search(r"v(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not m:
+        return ()
+    return tuple(int(g) for g in m.groups() if g is not None)
+
+
+def supports_random_fully(version: tuple[int, ...]) -> bool:
+    return version >= RANDOM_FULLY_MIN_VERSION
+
+
+class SubprocessRunner:
+    """The real runner: the chosen iptables binaries, inside `Config.netns` when set.
+
+    No side effect at construction; the backend is detected on first use.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self._netns = config.netns
+        self._wanted = config.iptables_backend
+        self._backend = ""
+
+    def _prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self._netns] if self._netns else []
+
+    def command(self, argv: Sequence[str], stdin: str | None = None) -> Result:
+        try:
+            p = subprocess.run(
+                [*self._prefix(), *argv],
+                input=stdin,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+        except FileNotFoundError as exc:
+            return Result(127, "", str(exc))
+        return Result(p.returncode, p.stdout, p.stderr)
+
+    @property
+    def backend(self) -> str:
+        if not self._backend:
+            if self._wanted in ("nft", "legacy"):
+                self._backend = self._wanted
+                reason = "--iptables-backend"
+            else:
+                self._backend, reason = self._detect()
+            where = f" in netns {self._netns}" if self._netns else ""
+            log.info("iptables mode: using iptables-%s%s (%s)", self._backend, where, reason)
+        return self._backend
+
+    def _detect(self) -> tuple[str, str]:
+        # Only nft is asked for mangle alone: `iptables-legacy-save -t mangle` would make the
+        # kernel create a legacy mangle table that nobody uses.
+        nft_mangle = self.command(["iptables-nft-save", "-t", "mangle"]).stdout
+        legacy_all = self.command(["iptables-legacy-save"]).stdout
+        backend, reason = choose_backend(nft_mangle, legacy_all)
+        if not backend:
+            backend, reason = choose_backend(
+                nft_mangle, legacy_all, self.command(["iptables-nft-save"]).stdout
+            )
+        return backend, reason
+
+    def _tool(self, suffix: str) -> str:
+        # iptables-nft, iptables-nft-save, iptables-nft-restore (and -legacy likewise).
+        return f"iptables-{self.backend}{suffix}"
+
+    def restore(self, text: str) -> None:
+        argv = [self._tool("-restore"), "-w", LOCK_WAIT_SECONDS, "--noflush", "--counters"]
+        r = self.command(argv, stdin=text)
+        if r.returncode != 0:
+            raise IptablesError(f"{' '.join(argv)} failed (exit {r.returncode}): {r.stderr.strip()}")
+
+    def save(self, table: str | None = None) -> str:
+        argv = [self._tool("-save")] + (["-t", table] if table else [])
+        r = self.command(argv)
+        if r.returncode != 0:
+            raise IptablesError(f"{' '.join(argv)} failed (exit {r.returncode}): {r.stderr.strip()}")
+        return r.stdout
+
+    def run(self, *args: str) -> Result:
+        return self.command([self._tool(""), "-w", LOCK_WAIT_SECONDS, *args])
+
+    def version(self) -> tuple[int, ...]:
+        r = self.command([self._tool(""), "--version"])
+        return parse_version(r.stdout + r.stderr)
+
+
+# ----------------------------------------------------------------------------- helpers on any runner
+
+
+def chains_by_table(save_output: str) -> dict[str, set[str]]:
+    """Chain names per table from iptables-save output (`*nat`, then `:CHAIN POLICY [p:b]` lines)."""
+    out: dict[str, set[str]] = {}
+    current: set[str] | None = None
+    for line in save_output.splitlines():
+        if line.startswith("*"):
+            current = out.setdefault(line[1:].strip(), set())
+        elif line.startswith(":") and current is not None:
+            current.add(line[1:].split(" ", 1)[0])
+    return out
+
+
+def ensure_chain(runner: IptablesRunner, table: str, chain: str) -> bool:
+    """Create `chain` unless it exists; True when it already existed."""
+    r = runner.run("-t", table, "-N", chain)
+    if r.returncode == 0:
+        return False
+    if "exists" in r.stderr:
+        return True
+    raise IptablesError(f"iptables -t {table} -N {chain}: {r.stderr.strip()}")
+
+
+def ensure_rule(
+    runner: IptablesRunner, table: str, chain: str, args: Sequence[str], *, prepend: bool
+) -> bool:
+    """Add the rule unless an identical one is there (`-C`); True when it already existed."""
+    check = runner.run("-t", table, "-C", chain, *args)
+    if check.returncode == 0:
+        return True
+    if check.returncode != 1:
+        raise IptablesError(f"iptables -t {table} -C {chain}: {check.stderr.strip()}")
+    add = runner.run("-t", table, "-I" if prepend else "-A", chain, *args)
+    if add.returncode != 0:
+        raise IptablesError(f"iptables -t {table} -I {chain}: {add.stderr.strip()}")
+    return False
+
+
+def delete_rule(runner: IptablesRunner, table: str, chain: str, args: Sequence[str]) -> int:
+    """Delete every copy of the rule; the number deleted (0 when it was not there)."""
+    deleted = 0
+    while deleted < 100:  # a copy per iteration; bounded in case -D keeps succeeding
+        if runner.run("-t", table, "-C", chain, *args).returncode != 0:
+            break
+        if runner.run("-t", table, "-D", chain, *args).returncode != 0:
+            break
+        deleted += 1
+    return deleted
