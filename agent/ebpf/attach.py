@@ -1,0 +1,316 @@
+"""Attach the tc programs: clsact + a direct-action cls_bpf filter on each device that needs one.
+
+Effects (pyroute2). Which devices, in the network namespace Config.netns:
+
+* external devices (Config.devices, or every device holding one of NodeContext.node_ips) get
+  `ekp_from_net` on ingress: traffic from other nodes and clients, scope EXTERNAL;
+* pod devices (names matching a Config.pod_interfaces glob, not external) get `ekp_from_pod` on
+  ingress: traffic leaving pods, scope INTERNAL.
+
+Our filter is recognisable and alone at its spot: kind bpf, priority FILTER_PRIO, handle
+FILTER_HANDLE, name = the program's name (`tc filter show dev X ingress` lists it). Attaching
+uses "replace", so a restarted agent swaps its new program in atomically, with no moment without
+a filter. An existing `ingress` qdisc serves as well as clsact (both own ffff:fff2).
+
+The namespace is opened with `IPRoute(netns=..., flags=0)`: a missing namespace is an error, not
+silently created. Pod devices come and go; `Attacher.start_watcher()` runs a thread that attaches
+on RTM_NEWLINK of a matching device and forgets it on RTM_DELLINK. `detach_all` removes only our
+filters, and the clsact qdisc only when it then holds no filter at all.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import logging
+import select
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+from pyroute2.netlink.rtnl import RTMGRP_LINK
+
+from agent.config import Config, NodeContext
+
+log = logging.getLogger(__name__)
+
+PROG_FROM_NET = "ekp_from_net"
+PROG_FROM_POD = "ekp_from_pod"
+OUR_NAME_PREFIX = "ekp_"
+
+FILTER_PRIO = 17  # lower runs first; a fixed spot no one else is likely to take
+FILTER_HANDLE = 0xEB
+TC_H_INGRESS_QDISC = 0xFFFFFFF1  # parent of the clsact / ingress qdisc
+TC_H_INGRESS = 0xFFFFFFF2  # clsact ingress hook (`tc filter ... ingress`)
+TC_H_EGRESS = 0xFFFFFFF3  # clsact egress hook
+
+
+@contextmanager
+def netns_route(netns: str) -> Iterator[Any]:
+    """An IPRoute in `netns` ("" = our own); a missing namespace raises FileNotFoundError."""
+    ipr = IPRoute(netns=netns, flags=0) if netns else IPRoute()
+    try:
+        yield ipr
+    finally:
+        ipr.close()
+
+
+def matches_pod_pattern(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns if p)
+
+
+@dataclass(frozen=True)
+class Link:
+    index: int
+    name: str
+
+
+def list_links(ipr: Any) -> list[Link]:
+    return [Link(int(m["index"]), str(m.get("ifname"))) for m in ipr.get_links()]
+
+
+def devices_with_addresses(ipr: Any, addresses: Iterable[str]) -> set[int]:
+    wanted = set(addresses)
+    return {int(m["index"]) for m in ipr.get_addr(family=2) if m.get("address") in wanted}
+
+
+def wanted_devices(ipr: Any, config: Config, node: NodeContext) -> dict[int, tuple[str, str]]:
+    """ifindex -> (device name, program name) for every device that should carry a program."""
+    links = list_links(ipr)
+    if config.devices:
+        names = set(config.devices)
+        external = {link.index for link in links if link.name in names}
+        missing = names - {link.name for link in links}
+        if missing:
+            log.warning(
+                "--devices names %s, not found in netns %s",
+                ",".join(sorted(missing)),
+                config.netns or "(own)",
+            )
+    else:
+        external = devices_with_addresses(ipr, node.node_ips)
+    out: dict[int, tuple[str, str]] = {}
+    for link in links:
+        if link.name == "lo":
+            continue
+        if link.index in external:
+            out[link.index] = (link.name, PROG_FROM_NET)
+        elif matches_pod_pattern(link.name, config.pod_interfaces):
+            out[link.index] = (link.name, PROG_FROM_POD)
+    return out
+
+
+def _is_ours(msg: Any) -> bool:
+    name = msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME")
+    return (
+        msg.get("kind") == "bpf"
+        and (msg["info"] >> 16) == FILTER_PRIO
+        and msg["handle"] == FILTER_HANDLE
+        and isinstance(name, str)
+        and name.startswith(OUR_NAME_PREFIX)
+    )
+
+
+def _filters(ipr: Any, index: int, parent: int) -> list[Any]:
+    """Filters on one hook, without the per-priority chain headers (handle 0)."""
+    try:
+        return [m for m in ipr.get_filters(index=index, parent=parent) if m["handle"] != 0]
+    except NetlinkError as exc:
+        if exc.code == errno.EINVAL:  # no clsact/ingress qdisc: no hook
+            return []
+        raise
+
+
+def our_filter(ipr: Any, index: int) -> str | None:
+    """Name of our filter on the device's ingress hook, or None."""
+    for msg in _filters(ipr, index, TC_H_INGRESS):
+        if _is_ours(msg):
+            name = msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME")
+            return str(name)
+    return None
+
+
+def ensure_clsact(ipr: Any, index: int) -> None:
+    kinds = {q.get("kind") for q in ipr.get_qdiscs(index) if q["parent"] == TC_H_INGRESS_QDISC}
+    if kinds & {"clsact", "ingress"}:
+        return
+    try:
+        ipr.tc("add", "clsact", index)
+    except NetlinkError as exc:
+        if exc.code != errno.EEXIST:
+            raise
+
+
+def attach(ipr: Any, index: int, prog_name: str, fd: int) -> None:
+    """clsact (if missing) and our direct-action filter, replacing whatever held our spot."""
+    ensure_clsact(ipr, index)
+    ipr.tc(
+        "replace-filter",
+        "bpf",
+        index,
+        FILTER_HANDLE,
+        fd=fd,
+        name=prog_name,
+        parent=TC_H_INGRESS,
+        prio=FILTER_PRIO,
+        classid=1,
+        direct_action=True,
+    )
+
+
+def detach(ipr: Any, index: int) -> bool:
+    """Remove our filter from one device (and clsact if nothing else is left); True if one was there."""
+    if our_filter(ipr, index) is None:
+        return False
+    ipr.tc("del-filter", "bpf", index, FILTER_HANDLE, parent=TC_H_INGRESS, prio=FILTER_PRIO)
+    if not _filters(ipr, index, TC_H_INGRESS) and not _filters(ipr, index, TC_H_EGRESS):
+        kinds = {q.get("kind") for q in ipr.get_qdiscs(index) if q["parent"] == TC_H_INGRESS_QDISC}
+        if "clsact" in kinds:
+            ipr.tc("del", "clsact", index)
+    return True
+
+
+def detach_all(netns: str) -> list[str]:
+    """Remove our filters from every device of `netns`; names of the devices that had one.
+
+    A namespace that no longer exists holds nothing of ours: returns [].
+    """
+    try:
+        with netns_route(netns) as ipr:
+            done = []
+            for link in list_links(ipr):
+                try:
+                    if detach(ipr, link.index):
+                        done.append(link.name)
+                except NetlinkError as exc:
+                    if exc.code not in (errno.ENODEV, errno.ENOENT):
+                        raise
+            return done
+    except FileNotFoundError:
+        log.info("netns %s does not exist: nothing to detach", netns)
+        return []
+
+
+class Attacher:
+    """Keeps our programs on the devices that need them, in one network namespace.
+
+    `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD) to loaded program fds; they
+    must stay open while the Attacher is used. The constructor does nothing; `reconcile` attaches
+    (called by every sync) and `start_watcher` starts the pod-device thread.
+    """
+
+    def __init__(self, config: Config, prog_fds: Mapping[str, int]) -> None:
+        self._config = config
+        self._fds = dict(prog_fds)
+        self._lock = threading.Lock()
+        self._attached: dict[int, tuple[str, str]] = {}  # ifindex -> (name, program)
+        self._external: set[int] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self.on_attach: Callable[[str, str], None] | None = None  # (device, program), for tests
+
+    @property
+    def attached(self) -> dict[int, tuple[str, str]]:
+        with self._lock:
+            return dict(self._attached)
+
+    def reconcile(self, node: NodeContext, *, full: bool = False) -> None:
+        """Attach where missing. `full` (first sync): replace every filter of ours with the
+        current programs, and detach from devices that no longer match."""
+        with netns_route(self._config.netns) as ipr:
+            wanted = wanted_devices(ipr, self._config, node)
+            with self._lock:
+                self._external = {i for i, (_, prog) in wanted.items() if prog == PROG_FROM_NET}
+            if not self._external:
+                log.warning(
+                    "no external device found in netns %s (node IPs %s, --devices %s): "
+                    "traffic from other nodes is not translated",
+                    self._config.netns or "(own)",
+                    ",".join(node.node_ips) or "none",
+                    ",".join(self._config.devices) or "auto",
+                )
+            if full:
+                for link in list_links(ipr):
+                    if link.index not in wanted and detach(ipr, link.index):
+                        log.info("detached from %s (no longer matches)", link.name)
+            for index, (name, prog) in sorted(wanted.items()):
+                if not full and our_filter(ipr, index) == prog:
+                    self._remember(index, name, prog)
+                    continue
+                self._attach(ipr, index, name, prog)
+            with self._lock:
+                for index in set(self._attached) - set(wanted):
+                    del self._attached[index]
+
+    def _attach(self, ipr: Any, index: int, name: str, prog: str) -> None:
+        attach(ipr, index, prog, self._fds[prog])
+        log.info("attached %s to %s ingress", prog, name)
+        self._remember(index, name, prog)
+        if self.on_attach is not None:
+            self.on_attach(name, prog)
+
+    def _remember(self, index: int, name: str, prog: str) -> None:
+        with self._lock:
+            self._attached[index] = (name, prog)
+
+    # ------------------------------------------------------------------ pod-device watcher
+
+    def start_watcher(self, timeout: float = 5.0) -> None:
+        """Start the thread that attaches to new pod devices; returns once it listens."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._ready.clear()
+        self._thread = threading.Thread(target=self._watch, name="ekp-link-watcher", daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout)
+
+    def stop_watcher(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _watch(self) -> None:
+        try:
+            with netns_route(self._config.netns) as ipr:
+                ipr.bind(groups=RTMGRP_LINK)
+                self._ready.set()
+                # Devices created between the last reconcile and the bind.
+                for link in list_links(ipr):
+                    self._on_new_link(ipr, link.index, link.name)
+                while not self._stop.is_set():
+                    readable, _, _ = select.select([ipr.fileno()], [], [], 0.5)
+                    if not readable:
+                        continue
+                    for msg in ipr.get():
+                        index, name = int(msg["index"]), str(msg.get("ifname"))
+                        if msg["event"] == "RTM_NEWLINK":
+                            self._on_new_link(ipr, index, name)
+                        elif msg["event"] == "RTM_DELLINK":
+                            with self._lock:
+                                if self._attached.pop(index, None) is not None:
+                                    log.info("pod device %s is gone", name)
+        except Exception:
+            log.exception(
+                "link watcher of netns %s stopped; pods get programs at the next sync", self._config.netns
+            )
+        finally:
+            self._ready.set()
+
+    def _on_new_link(self, ipr: Any, index: int, name: str) -> None:
+        if name == "lo" or not matches_pod_pattern(name, self._config.pod_interfaces):
+            return
+        with self._lock:
+            if index in self._attached or index in self._external:
+                return
+        try:
+            self._attach(ipr, index, name, PROG_FROM_POD)
+        except NetlinkError as exc:
+            # The device may be gone again, or be moving to another namespace.
+            log.warning("cannot attach %s to %s: %s", PROG_FROM_POD, name, exc)

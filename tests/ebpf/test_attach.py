@@ -1,0 +1,169 @@
+"""attach: clsact + our direct-action filter on external and pod devices, a watcher, a careful detach.
+
+Kernel tests: a throwaway namespace `ekpt-<hex>` with veth pairs and two trivial SCHED_CLS programs
+named like the real ones (the attach code does not care what the programs do).
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agent.config import Config, NodeContext
+from agent.ebpf.attach import (
+    PROG_FROM_NET,
+    PROG_FROM_POD,
+    Attacher,
+    detach_all,
+    matches_pod_pattern,
+    netns_route,
+)
+
+
+def test_pod_patterns() -> None:
+    assert matches_pod_pattern("lxc-p1", ("lxc*", "veth*"))
+    assert matches_pod_pattern("veth12ab", ("lxc*", "veth*"))
+    assert not matches_pod_pattern("eth0", ("lxc*", "veth*"))
+    assert not matches_pod_pattern("eth0", ("",))
+
+
+def sh(*argv: str) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    name = f"ekpt-{secrets.token_hex(3)}"
+    sh("ip", "netns", "add", name)
+    try:
+        sh("ip", "-n", name, "link", "add", "eth0", "type", "veth", "peer", "name", "peer0")
+        sh("ip", "-n", name, "addr", "add", "192.168.0.11/24", "dev", "eth0")
+        sh("ip", "-n", name, "link", "add", "lxc-a", "type", "veth", "peer", "name", "pod-a")
+        sh("ip", "-n", name, "link", "add", "other1", "type", "veth", "peer", "name", "other2")
+        for dev in ("eth0", "peer0", "lxc-a", "pod-a"):
+            sh("ip", "-n", name, "link", "set", dev, "up")
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@pytest.fixture(scope="module")
+def progs() -> Iterator[dict[str, int]]:
+    from bcc import BPF
+
+    text = """
+#include <uapi/linux/pkt_cls.h>
+int ekp_from_net(struct __sk_buff *skb) { return TC_ACT_OK; }
+int ekp_from_pod(struct __sk_buff *skb) { return TC_ACT_OK; }
+"""
+    bpf: Any = BPF(text=text.encode())
+    fds = {name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd for name in (PROG_FROM_NET, PROG_FROM_POD)}
+    yield fds
+    bpf.cleanup()
+
+
+def ingress(ns: str, dev: str) -> str:
+    return sh("tc", "-n", ns, "filter", "show", "dev", dev, "ingress")
+
+
+def qdiscs(ns: str, dev: str) -> str:
+    return sh("tc", "-n", ns, "qdisc", "show", "dev", dev)
+
+
+def wait_for(cond: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return bool(cond())
+
+
+NODE = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
+
+
+@pytest.mark.kernel
+def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
+    config = Config(netns=netns, pod_interfaces=("lxc*",))
+    attacher = Attacher(config, progs)
+    attacher.reconcile(NODE, full=True)
+    assert "ekp_from_net" in ingress(netns, "eth0") and "direct-action" in ingress(netns, "eth0")
+    assert "pref 17" in ingress(netns, "eth0") and "handle 0xeb" in ingress(netns, "eth0")
+    assert "ekp_from_pod" in ingress(netns, "lxc-a")
+    assert ingress(netns, "other1") == "" and ingress(netns, "pod-a") == ""
+    assert sorted(attacher.attached.values()) == [("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)]
+
+    # a second reconcile finds everything in place and attaches nothing
+    seen: list[tuple[str, str]] = []
+    attacher.on_attach = lambda dev, prog: seen.append((dev, prog))
+    attacher.reconcile(NODE)
+    assert seen == []
+
+    # the watcher attaches to a new pod device and forgets a deleted one
+    attacher.start_watcher()
+    try:
+        sh("ip", "-n", netns, "link", "add", "lxc-b", "type", "veth", "peer", "name", "pod-b")
+        assert wait_for(lambda: "ekp_from_pod" in ingress(netns, "lxc-b")), ingress(netns, "lxc-b")
+        assert wait_for(lambda: ("lxc-b", PROG_FROM_POD) in attacher.attached.values())
+        sh("ip", "-n", netns, "link", "add", "nomatch", "type", "veth", "peer", "name", "nomatch2")
+        sh("ip", "-n", netns, "link", "del", "lxc-b")
+        assert wait_for(lambda: ("lxc-b", PROG_FROM_POD) not in attacher.attached.values())
+        assert ingress(netns, "nomatch") == ""
+    finally:
+        attacher.stop_watcher()
+
+    # detach leaves a foreign filter (and so the qdisc) in place
+    sh(
+        "tc", "-n", netns, "filter", "add", "dev", "eth0", "ingress", "prio", "5", "protocol", "ip",
+        "u32", "match", "ip", "dst", "1.2.3.4/32", "flowid", "1:1",
+    )  # fmt: skip
+    assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]
+    assert "ekp_" not in ingress(netns, "eth0") and "u32" in ingress(netns, "eth0")
+    assert "clsact" in qdiscs(netns, "eth0")
+    assert "clsact" not in qdiscs(netns, "lxc-a")
+    assert detach_all(netns) == []
+
+
+@pytest.mark.kernel
+def test_replace_keeps_a_filter_in_place_and_full_reconcile_detaches_strays(
+    netns: str, progs: dict[str, int]
+) -> None:
+    config = Config(netns=netns, pod_interfaces=("lxc*", "other*"))
+    Attacher(config, progs).reconcile(NODE, full=True)
+    assert "ekp_from_pod" in ingress(netns, "other1")
+
+    # a restarted agent with other settings: full reconcile swaps programs and drops the stray
+    gaps: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            if "ekp_from_net" not in ingress(netns, "eth0"):
+                gaps.append("eth0 without a filter")
+            time.sleep(0.01)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs).reconcile(NODE, full=True)
+    finally:
+        stop.set()
+        t.join()
+    assert gaps == []
+    assert ingress(netns, "other1") == ""
+    assert "ekp_from_pod" in ingress(netns, "lxc-a")
+
+
+@pytest.mark.kernel
+def test_missing_netns_is_an_error_not_created() -> None:
+    name = f"ekpt-{secrets.token_hex(3)}"
+    with pytest.raises(FileNotFoundError), netns_route(name):
+        pass
+    assert name not in sh("ip", "netns", "list")
+    assert detach_all(name) == []
