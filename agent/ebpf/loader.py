@@ -1,0 +1,264 @@
+"""Compiling and loading the tc data path (bpf/ekp_tc.c) with bcc, and its pinned maps.
+
+    dp = Datapath("/sys/fs/bpf/ebpf-kube-proxy", MapSizes())
+    dp.load()                       # compile, create or re-adopt the pinned maps, load programs
+    fd = dp.prog_fd("ekp_from_pod") # attach it with tc (clsact ingress, direct-action)
+    dp.maps["fe"].update(key, value)
+    for path in stale_pins(dp.pin_path): os.unlink(path)   # maps of an older ABI version
+    dp.close()
+
+Every map is pinned under `pin_path` by bcc's BPF_TABLE_PINNED: a restarted agent compiles again
+and bcc re-opens the pins, so conntrack, affinity and counters survive the restart. bcc would
+reuse a pin silently even when its layout changed, so `load()` first compares every existing pin
+with what is about to be compiled and refuses a mismatch (`PinMismatchError`); the ABI version in
+each map name keeps old layouts apart (`stale_pins` lists them).
+
+Parameters reach the C only as cflags (`-DEKP_PIN_DIR="..."`, `-DEKP_CT_MAX=...`); `source_text()`
+returns the full program as compiled (includes inlined, cflags on top) for debugging, the way bcc
+tools print their generated C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from agent.config import MapSizes
+from agent.ebpf.abi import ABI_VERSION, MAPS, PREFIX, MapSpec, Scope
+from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get
+
+log = logging.getLogger(__name__)
+
+ENTRY_FILE = "ekp_tc.c"
+BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)
+
+# Program name -> the scope its frontends are looked up with. Attach ekp_from_pod on the ingress
+# of the node side of every pod veth, ekp_from_net on the ingress of each external device.
+PROGRAMS: dict[str, Scope] = {"ekp_from_pod": Scope.INTERNAL, "ekp_from_net": Scope.EXTERNAL}
+
+_PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9]+_v(\d+)$")
+_REMEDY = "run `agent --cleanup` or remove the pin"
+
+
+class DatapathError(RuntimeError):
+    """The data path could not be compiled or loaded."""
+
+
+class PinMismatchError(DatapathError):
+    """An existing pinned map differs from the map about to be compiled."""
+
+
+def default_bpf_dir() -> Path:
+    env = os.environ.get(BPF_DIR_ENV)
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "bpf"  # agent/ebpf/loader.py -> <repo>/bpf
+
+
+def map_size(spec: MapSpec, sizes: MapSizes) -> int:
+    """max_entries of a map: from MapSizes when it has the role, else the registry's default."""
+    size = getattr(sizes, spec.role, spec.default_size)
+    return int(size)
+
+
+def expected_info(spec: MapSpec, sizes: MapSizes) -> dict[str, int]:
+    """What bpf_obj_get_info must report for a map compiled with `sizes`."""
+    return {
+        "type": MAP_TYPES[spec.kind],
+        "key_size": _sizeof(spec.key),
+        "value_size": _sizeof(spec.value),
+        "max_entries": map_size(spec, sizes),
+        "flags": MAP_FLAGS.get(spec.kind, 0),
+    }
+
+
+def _sizeof(t: Any) -> int:
+    return ctypes.sizeof(t)
+
+
+def info_mismatches(spec: MapSpec, sizes: MapSizes, info: MapInfo) -> list[str]:
+    """Human-readable differences between a live map and what we compile; [] when it fits."""
+    want = expected_info(spec, sizes)
+    have = {k: getattr(info, k) for k in want}
+    return [f"{k} is {have[k]}, expected {want[k]}" for k in want if have[k] != want[k]]
+
+
+def check_pins(pin_path: str, sizes: MapSizes) -> None:
+    """Raises PinMismatchError when an existing pin would be silently re-used with another shape."""
+    problems = []
+    for spec in MAPS.values():
+        path = os.path.join(pin_path, spec.name)
+        if not os.path.exists(path):
+            continue
+        try:
+            fd = obj_get(path)
+        except OSError as e:
+            problems.append(f"{path}: cannot open ({e.strerror})")
+            continue
+        try:
+            diffs = info_mismatches(spec, sizes, map_info(fd))
+        finally:
+            os.close(fd)
+        if diffs:
+            problems.append(f"{path}: " + ", ".join(diffs))
+    if problems:
+        for p in problems:
+            log.error("pinned map does not match the data path: %s", p)
+        raise PinMismatchError(
+            "pinned BPF maps do not match this agent's data path (a changed --bpf-*-max flag?): "
+            + "; ".join(problems)
+            + f". To start over: {_REMEDY} (this drops conntrack state)."
+        )
+
+
+def stale_pins(pin_path: str) -> list[str]:
+    """Pins in `pin_path` that are ekp maps but not this ABI version's (full paths, sorted)."""
+    current = {spec.name for spec in MAPS.values()}
+    try:
+        names = os.listdir(pin_path)
+    except FileNotFoundError:
+        return []
+    return sorted(os.path.join(pin_path, n) for n in names if _PIN_NAME.match(n) and n not in current)
+
+
+def _on_bpffs(path: str) -> bool:
+    """Whether `path` (or the existing directory holding it) is on a bpf filesystem."""
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) < 3:
+                continue
+            mnt = parts[1].replace("\\040", " ")
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, fstype = mnt, parts[2]
+    return fstype == "bpf"
+
+
+def compile_cflags(pin_path: str, sizes: MapSizes, bpf_dir: Path) -> list[str]:
+    if not os.path.isabs(pin_path) or any(c in pin_path for c in '"\\\n'):
+        raise ValueError(f"pin path must be absolute, without quotes or backslashes: {pin_path!r}")
+    flags = [f'-DEKP_PIN_DIR="{pin_path}"', f"-I{bpf_dir}"]
+    flags += [f"-D{spec.size_macro}={map_size(spec, sizes)}" for spec in MAPS.values()]
+    return flags
+
+
+class Datapath:
+    """The compiled tc programs and their pinned maps. Construction has no side effects."""
+
+    def __init__(self, pin_path: str, sizes: MapSizes | None = None, *, bpf_dir: str | Path | None = None):
+        self.pin_path = os.path.abspath(pin_path)
+        self.sizes = sizes if sizes is not None else MapSizes()
+        self.bpf_dir = Path(bpf_dir) if bpf_dir is not None else default_bpf_dir()
+        self._bpf: Any = None
+        self._prog_fds: dict[str, int] = {}
+        self._maps: dict[str, BpfMap] = {}
+
+    @property
+    def entry_file(self) -> Path:
+        return self.bpf_dir / ENTRY_FILE
+
+    def cflags(self) -> list[str]:
+        return compile_cflags(self.pin_path, self.sizes, self.bpf_dir)
+
+    def source_text(self) -> str:
+        """The program exactly as bcc compiles it: cflags, then ekp_tc.c with local includes inlined."""
+        header = [
+            f"// bcc: BPF(src_file={str(self.entry_file)!r}, cflags=[...]) with cflags:",
+            *(f"//   {flag}" for flag in self.cflags()),
+            "",
+        ]
+        return "\n".join(header) + _inline_includes(self.entry_file, set())
+
+    @property
+    def loaded(self) -> bool:
+        return self._bpf is not None
+
+    def load(self) -> None:
+        """Compiles, creates or re-adopts the pinned maps, loads both programs, opens the maps."""
+        if self.loaded:
+            return
+        from bcc import BPF  # lazy: importing the agent needs no bcc
+
+        if not self.entry_file.is_file():
+            raise DatapathError(f"{self.entry_file} not found (set {BPF_DIR_ENV} to the bpf/ directory)")
+        os.makedirs(self.pin_path, exist_ok=True)
+        if not _on_bpffs(self.pin_path):
+            raise DatapathError(
+                f"{self.pin_path} is not on a bpf filesystem: mount one first (mount -t bpf bpf /sys/fs/bpf)"
+            )
+        check_pins(self.pin_path, self.sizes)
+
+        started = time.monotonic()
+        try:
+            self._bpf = BPF(src_file=str(self.entry_file).encode(), cflags=self.cflags())
+            for name in PROGRAMS:
+                self._prog_fds[name] = self._bpf.load_func(name.encode(), BPF.SCHED_CLS).fd
+        except Exception as e:
+            self.close()
+            raise DatapathError(f"compiling or loading {self.entry_file} failed: {e}") from e
+        log.info(
+            "data path loaded in %.1fs (ABI v%d, maps pinned under %s)",
+            time.monotonic() - started,
+            ABI_VERSION,
+            self.pin_path,
+        )
+        try:
+            for role, spec in MAPS.items():
+                m = BpfMap.open_pinned(spec, self.pin_path)
+                self._maps[role] = m
+                diffs = info_mismatches(spec, self.sizes, m.info())
+                if diffs:
+                    raise PinMismatchError(f"{spec.name}: " + ", ".join(diffs) + f"; {_REMEDY}")
+        except Exception:
+            self.close()
+            raise
+
+    def prog_fd(self, name: str) -> int:
+        if name not in self._prog_fds:
+            raise KeyError(f"no program {name!r} loaded (programs: {', '.join(PROGRAMS)})")
+        return self._prog_fds[name]
+
+    @property
+    def maps(self) -> Mapping[str, BpfMap]:
+        """Role ("fe", "ct", ...) -> the pinned map, opened on our own fds."""
+        return self._maps
+
+    def close(self) -> None:
+        """Closes our fds; pinned maps and attached programs stay in the kernel."""
+        for m in self._maps.values():
+            m.close()
+        self._maps = {}
+        self._prog_fds = {}
+        if self._bpf is not None:
+            self._bpf.cleanup()
+            self._bpf = None
+
+    def __enter__(self) -> Datapath:
+        self.load()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _inline_includes(path: Path, seen: set[Path]) -> str:
+    out = [f"// ---- {path.name} ----"]
+    for line in path.read_text().splitlines():
+        m = re.match(r'\s*#include\s+"([^"]+)"', line)
+        if m:
+            inc = path.parent / m.group(1)
+            if inc.is_file():
+                if inc not in seen:
+                    seen.add(inc)
+                    out.append(_inline_includes(inc, seen))
+                continue
+        out.append(line)
+    return "\n".join(out)

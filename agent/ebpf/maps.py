@@ -1,0 +1,486 @@
+"""Reading and writing BPF maps: the only module that touches map contents.
+
+`BpfMap` wraps one map file descriptor (usually opened from its pin with `BpfMap.open_pinned`)
+and speaks in the ctypes types of `agent.ebpf.abi`: keys and values go in and come out as
+`FrontendKey`, `CtEntry`, ... instances, checked against the map's `MapSpec`. The calls go
+through libbcc (`bpf_lookup_elem`, `bpf_update_elem`, `bpf_get_next_key`, `bpf_delete_elem`,
+`bpf_update_batch`, `bpf_delete_batch`, `bpf_lookup_batch`); batch calls fall back to loops on
+map types without batch support (the LPM trie). Per-CPU maps (the stats map) are summed
+across CPUs on lookup.
+
+Errors become `MapError` (an OSError with the map's name in the message); a full map becomes
+`MapFullError`, which names the flag that sizes it (`--bpf-ct-max`, ...).
+
+`MapWriter` is the protocol the control plane programs against; `FakeMap` is its dict-backed
+twin for unit tests (same flags semantics, same size limit, same exceptions), so planners and
+backends are tested without root. libbcc is loaded lazily: importing this module needs no bcc.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import errno
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Protocol, TypeAlias
+
+from agent.ebpf.abi import MapSpec, Stat
+
+CData: TypeAlias = ct.Structure | ct.c_uint32 | ct.c_uint64
+
+ENOTSUPP = 524  # the kernel's internal "operation not supported" for missing batch ops
+
+# Kernel map types (enum bpf_map_type) and creation flags, by MapSpec.kind.
+MAP_TYPES: dict[str, int] = {"hash": 1, "array": 2, "percpu_array": 6, "lru_hash": 9, "lpm_trie": 11}
+MAP_FLAGS: dict[str, int] = {"lpm_trie": 1}  # BPF_F_NO_PREALLOC (required by the LPM trie)
+_PERCPU_KINDS = frozenset({"percpu_array", "percpu_hash", "lru_percpu_hash"})
+_ARRAY_KINDS = frozenset({"array", "percpu_array"})
+_BATCH_KINDS = frozenset({"hash", "lru_hash", "array"})
+
+
+class UpdateFlag(IntEnum):
+    ANY = 0  # create or replace
+    NOEXIST = 1  # create only
+    EXIST = 2  # replace only
+
+
+def size_flag(spec: MapSpec) -> str:
+    """The agent flag that sets a map's size, as error messages name it."""
+    return f"--bpf-{spec.role}-max"
+
+
+class MapError(OSError):
+    """A BPF map operation failed; `errno` holds the kernel's error."""
+
+    def __init__(self, name: str, op: str, err: int, hint: str = "") -> None:
+        msg = f"BPF map {name}: {op} failed: {os.strerror(err)} (errno {err})"
+        super().__init__(err, msg + (f"; {hint}" if hint else ""))
+
+
+class MapFullError(MapError):
+    """The map has no room for a new entry."""
+
+    def __init__(self, spec: MapSpec, max_entries: int, op: str, err: int) -> None:
+        hint = f"the map is full ({max_entries} entries): raise {size_flag(spec)}"
+        super().__init__(spec.name, op, err, hint)
+        self.spec = spec
+        self.max_entries = max_entries
+
+
+class MapWriter(Protocol):
+    """What the control plane needs from a map; `BpfMap` and `FakeMap` both provide it."""
+
+    @property
+    def spec(self) -> MapSpec: ...
+
+    def lookup(self, key: CData) -> CData | None: ...
+
+    def update(self, key: CData, value: CData, flags: UpdateFlag = UpdateFlag.ANY) -> None: ...
+
+    def delete(self, key: CData) -> bool: ...
+
+    def items(self) -> list[tuple[CData, CData]]: ...
+
+    def update_batch(self, entries: Sequence[tuple[CData, CData]]) -> None: ...
+
+    def delete_batch(self, keys: Sequence[CData]) -> int: ...
+
+
+def _check_type(spec: MapSpec, what: str, obj: object, want: type[Any]) -> None:
+    if type(obj) is not want:
+        raise TypeError(f"{spec.name}: {what} must be {want.__name__}, not {type(obj).__name__}")
+
+
+def _copy(obj: CData) -> CData:
+    return type(obj).from_buffer_copy(bytes(obj))
+
+
+def _full_error(err: int) -> bool:
+    return err in (errno.E2BIG, errno.ENOSPC)
+
+
+# ---- the fake -----------------------------------------------------------------------------
+
+
+class FakeMap:
+    """A dict-backed `MapWriter` with the kernel's semantics: copies in and out, BPF_NOEXIST /
+    BPF_EXIST, a size limit raising `MapFullError` (except LRU maps, which evict the oldest)."""
+
+    def __init__(self, spec: MapSpec, max_entries: int | None = None) -> None:
+        self.spec = spec
+        self.max_entries = spec.default_size if max_entries is None else max_entries
+        self._data: dict[bytes, tuple[CData, CData]] = {}
+
+    def lookup(self, key: CData) -> CData | None:
+        _check_type(self.spec, "key", key, self.spec.key)
+        hit = self._data.get(bytes(key))
+        return None if hit is None else _copy(hit[1])
+
+    def update(self, key: CData, value: CData, flags: UpdateFlag = UpdateFlag.ANY) -> None:
+        _check_type(self.spec, "key", key, self.spec.key)
+        _check_type(self.spec, "value", value, self.spec.value)
+        kb = bytes(key)
+        exists = kb in self._data
+        if flags == UpdateFlag.NOEXIST and exists:
+            raise MapError(self.spec.name, "update", errno.EEXIST)
+        if flags == UpdateFlag.EXIST and not exists:
+            raise MapError(self.spec.name, "update", errno.ENOENT)
+        if not exists and len(self._data) >= self.max_entries:
+            if self.spec.kind != "lru_hash":
+                raise MapFullError(self.spec, self.max_entries, "update", errno.E2BIG)
+            del self._data[next(iter(self._data))]
+        self._data[kb] = (_copy(key), _copy(value))
+
+    def delete(self, key: CData) -> bool:
+        _check_type(self.spec, "key", key, self.spec.key)
+        return self._data.pop(bytes(key), None) is not None
+
+    def items(self) -> list[tuple[CData, CData]]:
+        return [(_copy(k), _copy(v)) for k, v in self._data.values()]
+
+    def update_batch(self, entries: Sequence[tuple[CData, CData]]) -> None:
+        for key, value in entries:
+            self.update(key, value)
+
+    def delete_batch(self, keys: Sequence[CData]) -> int:
+        return sum(self.delete(key) for key in keys)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+# ---- the kernel ---------------------------------------------------------------------------
+
+
+class _BpfMapInfo(ct.Structure):
+    """The head of struct bpf_map_info (the kernel fills what fits)."""
+
+    _fields_ = [
+        ("type", ct.c_uint32),
+        ("id", ct.c_uint32),
+        ("key_size", ct.c_uint32),
+        ("value_size", ct.c_uint32),
+        ("max_entries", ct.c_uint32),
+        ("map_flags", ct.c_uint32),
+        ("name", ct.c_char * 16),
+    ]
+
+
+@dataclass(frozen=True)
+class MapInfo:
+    """What the kernel says about a map (bpf_obj_get_info_by_fd)."""
+
+    id: int
+    type: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    flags: int
+    name: str
+
+
+_lib_cache: list[Any] = []
+
+
+def libbcc() -> Any:
+    """libbcc through bcc's own ctypes handle, with the prototypes bcc 0.26 leaves out."""
+    if not _lib_cache:
+        from bcc import libbcc as bcc_lib  # lazy: unit tests run without bcc
+
+        lib = bcc_lib.lib
+        # bpf_obj_get comes from libbpf, reached through libbcc's handle (dlsym searches deps).
+        lib.bpf_obj_get.restype = ct.c_int
+        lib.bpf_obj_get.argtypes = [ct.c_char_p]
+        lib.bpf_obj_get_info.restype = ct.c_int
+        lib.bpf_obj_get_info.argtypes = [ct.c_int, ct.c_void_p, ct.POINTER(ct.c_uint32)]
+        _lib_cache.append(lib)
+    return _lib_cache[0]
+
+
+def _errno_of(ret: int) -> int:
+    """libbpf 1.x returns -errno and also sets errno; take whichever is informative."""
+    if ret < -1:
+        return -ret
+    return ct.get_errno() or errno.EIO
+
+
+def possible_cpus() -> int:
+    """Number of possible CPUs (the per-CPU value count), from /sys/devices/system/cpu/possible."""
+    with open("/sys/devices/system/cpu/possible") as f:
+        text = f.read().strip()
+    count = 0
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        count += int(hi or lo) - int(lo) + 1
+    return count
+
+
+def map_info(fd: int) -> MapInfo:
+    info = _BpfMapInfo()
+    size = ct.c_uint32(ct.sizeof(info))
+    ret = libbcc().bpf_obj_get_info(fd, ct.byref(info), ct.byref(size))
+    if ret < 0:
+        err = _errno_of(ret)
+        raise OSError(err, f"bpf_obj_get_info(fd {fd}): {os.strerror(err)}")
+    return MapInfo(
+        id=info.id,
+        type=info.type,
+        key_size=info.key_size,
+        value_size=info.value_size,
+        max_entries=info.max_entries,
+        flags=info.map_flags,
+        name=info.name.decode(errors="replace"),
+    )
+
+
+def obj_get(path: str) -> int:
+    """Opens a pinned BPF object; returns its fd."""
+    fd: int = libbcc().bpf_obj_get(os.fsencode(path))
+    if fd < 0:
+        err = _errno_of(fd)
+        raise OSError(err, f"bpf_obj_get({path}): {os.strerror(err)}", path)
+    return fd
+
+
+class BpfMap:
+    """One BPF map, by fd, with keys and values typed by its `MapSpec`."""
+
+    def __init__(self, spec: MapSpec, fd: int, *, owns_fd: bool = True) -> None:
+        self.spec = spec
+        self.fd = fd
+        self._owns_fd = owns_fd
+        self._ncpus = possible_cpus() if spec.kind in _PERCPU_KINDS else 1
+        self._info: MapInfo | None = None
+
+    @classmethod
+    def open_pinned(cls, spec: MapSpec, pin_path: str) -> BpfMap:
+        return cls(spec, obj_get(os.path.join(pin_path, spec.name)))
+
+    def close(self) -> None:
+        if self._owns_fd and self.fd >= 0:
+            os.close(self.fd)
+        self.fd = -1
+
+    def __enter__(self) -> BpfMap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def info(self) -> MapInfo:
+        if self._info is None:
+            self._info = map_info(self.fd)
+        return self._info
+
+    @property
+    def percpu(self) -> bool:
+        return self.spec.kind in _PERCPU_KINDS
+
+    # -- helpers
+
+    def _error(self, op: str, err: int) -> MapError:
+        if _full_error(err) and self.spec.kind not in _ARRAY_KINDS:
+            return MapFullError(self.spec, self.info().max_entries, op, err)
+        return MapError(self.spec.name, op, err)
+
+    def _value_stride(self) -> int:
+        size = ct.sizeof(self.spec.value)
+        return (size + 7) & ~7 if self.percpu else size
+
+    def _value_buf(self) -> ct.Array[ct.c_char]:
+        return ct.create_string_buffer(self._value_stride() * self._ncpus)
+
+    def _decode_value(self, raw: bytes) -> CData:
+        """Per-CPU maps: the sum across CPUs (integer values only)."""
+        if not self.percpu:
+            return self.spec.value.from_buffer_copy(raw)
+        stride = self._value_stride()
+        if self.spec.value is not ct.c_uint64:
+            raise TypeError(f"{self.spec.name}: per-CPU values are summed only for u64; use lookup_percpu")
+        total = sum(int.from_bytes(raw[i * stride : i * stride + 8], "little") for i in range(self._ncpus))
+        return ct.c_uint64(total & (2**64 - 1))
+
+    def _encode_value(self, value: CData) -> bytes:
+        """Per-CPU maps: the value on CPU 0 and zeros elsewhere, so the sum equals `value`."""
+        raw = bytes(value)
+        if not self.percpu:
+            return raw
+        stride = self._value_stride()
+        return raw.ljust(stride, b"\0") + b"\0" * (stride * (self._ncpus - 1))
+
+    # -- single elements
+
+    def lookup(self, key: CData) -> CData | None:
+        _check_type(self.spec, "key", key, self.spec.key)
+        buf = self._value_buf()
+        ret = libbcc().bpf_lookup_elem(self.fd, ct.byref(key), buf)
+        if ret < 0:
+            err = _errno_of(ret)
+            if err == errno.ENOENT:
+                return None
+            raise self._error("lookup", err)
+        return self._decode_value(buf.raw)
+
+    def lookup_percpu(self, key: CData) -> list[CData]:
+        """Per-CPU maps: one value per possible CPU."""
+        _check_type(self.spec, "key", key, self.spec.key)
+        buf = self._value_buf()
+        ret = libbcc().bpf_lookup_elem(self.fd, ct.byref(key), buf)
+        if ret < 0:
+            raise self._error("lookup", _errno_of(ret))
+        stride = self._value_stride()
+        size = ct.sizeof(self.spec.value)
+        raw = buf.raw
+        value = self.spec.value
+        return [value.from_buffer_copy(raw[i * stride : i * stride + size]) for i in range(self._ncpus)]
+
+    def update(self, key: CData, value: CData, flags: UpdateFlag = UpdateFlag.ANY) -> None:
+        _check_type(self.spec, "key", key, self.spec.key)
+        _check_type(self.spec, "value", value, self.spec.value)
+        raw = ct.create_string_buffer(self._encode_value(value))
+        ret = libbcc().bpf_update_elem(self.fd, ct.byref(key), raw, int(flags))
+        if ret < 0:
+            raise self._error("update", _errno_of(ret))
+
+    def delete(self, key: CData) -> bool:
+        """Deletes one entry; False when it was not there."""
+        _check_type(self.spec, "key", key, self.spec.key)
+        ret = libbcc().bpf_delete_elem(self.fd, ct.byref(key))
+        if ret < 0:
+            err = _errno_of(ret)
+            if err == errno.ENOENT:
+                return False
+            raise self._error("delete", err)
+        return True
+
+    # -- whole map
+
+    def keys(self) -> list[CData]:
+        """Every key, by bpf_get_next_key (a key deleted meanwhile restarts the walk: deduplicated)."""
+        lib = libbcc()
+        seen: dict[bytes, CData] = {}
+        cur: CData | None = None
+        nxt = self.spec.key()
+        limit = 2 * self.info().max_entries + 16
+        for _ in range(limit):
+            ret = lib.bpf_get_next_key(self.fd, None if cur is None else ct.byref(cur), ct.byref(nxt))
+            if ret < 0:
+                err = _errno_of(ret)
+                if err == errno.ENOENT:
+                    break
+                raise self._error("get_next_key", err)
+            cur = _copy(nxt)
+            seen.setdefault(bytes(cur), cur)
+        return list(seen.values())
+
+    def items(self) -> list[tuple[CData, CData]]:
+        if self.spec.kind in _BATCH_KINDS:
+            batched = self._items_batch()
+            if batched is not None:
+                return batched
+        out = []
+        for key in self.keys():
+            value = self.lookup(key)
+            if value is not None:  # deleted since the walk
+                out.append((key, value))
+        return out
+
+    def _items_batch(self) -> list[tuple[CData, CData]] | None:
+        """bpf_lookup_batch in chunks; None when the kernel has no batch support for this map."""
+        lib = libbcc()
+        ksize, vsize = ct.sizeof(self.spec.key), ct.sizeof(self.spec.value)
+        chunk = 256
+        out: list[tuple[CData, CData]] = []
+        in_batch, out_batch = ct.c_uint32(0), ct.c_uint32(0)
+        first = True
+        while True:
+            keys = ct.create_string_buffer(ksize * chunk)
+            values = ct.create_string_buffer(vsize * chunk)
+            count = ct.c_uint32(chunk)
+            start = None if first else ct.byref(in_batch)
+            ret = lib.bpf_lookup_batch(self.fd, start, ct.byref(out_batch), keys, values, ct.byref(count))
+            err = _errno_of(ret) if ret < 0 else 0
+            if err in (errno.EINVAL, ENOTSUPP, errno.EOPNOTSUPP) and first:
+                return None
+            if err == errno.ENOSPC and count.value == 0:  # a hash bucket larger than the chunk
+                chunk *= 4
+                continue
+            if err not in (0, errno.ENOENT):
+                raise self._error("lookup_batch", err)
+            for i in range(count.value):
+                key = self.spec.key.from_buffer_copy(keys.raw[i * ksize : (i + 1) * ksize])
+                out.append((key, self.spec.value.from_buffer_copy(values.raw[i * vsize : (i + 1) * vsize])))
+            if err == errno.ENOENT:
+                return out
+            in_batch.value = out_batch.value
+            first = False
+
+    def update_batch(self, entries: Sequence[tuple[CData, CData]]) -> None:
+        """Creates or replaces every entry (BPF_ANY), in one syscall where the map type allows."""
+        if not entries:
+            return
+        for key, value in entries:
+            _check_type(self.spec, "key", key, self.spec.key)
+            _check_type(self.spec, "value", value, self.spec.value)
+        if self.percpu or self.spec.kind not in _BATCH_KINDS:
+            for key, value in entries:
+                self.update(key, value)
+            return
+        keys = ct.create_string_buffer(b"".join(bytes(k) for k, _ in entries))
+        values = ct.create_string_buffer(b"".join(bytes(v) for _, v in entries))
+        count = ct.c_uint32(len(entries))
+        ret = libbcc().bpf_update_batch(self.fd, keys, values, ct.byref(count))
+        if ret < 0:
+            err = _errno_of(ret)
+            if err in (errno.EINVAL, ENOTSUPP, errno.EOPNOTSUPP) and count.value == 0:
+                for key, value in entries:
+                    self.update(key, value)
+                return
+            raise self._error(f"update_batch (entry {count.value} of {len(entries)})", err)
+
+    def delete_batch(self, keys: Sequence[CData]) -> int:
+        """Deletes every key that exists; returns how many were deleted."""
+        for key in keys:
+            _check_type(self.spec, "key", key, self.spec.key)
+        if self.spec.kind not in _BATCH_KINDS - _ARRAY_KINDS:
+            return sum(self.delete(key) for key in keys)
+        deleted, start = 0, 0
+        lib = libbcc()
+        while start < len(keys):
+            rest = keys[start:]
+            buf = ct.create_string_buffer(b"".join(bytes(k) for k in rest))
+            count = ct.c_uint32(len(rest))
+            ret = lib.bpf_delete_batch(self.fd, buf, ct.byref(count))
+            done = count.value
+            deleted += done
+            if ret >= 0:
+                break
+            err = _errno_of(ret)
+            if err == errno.ENOENT:  # the kernel stops at a missing key: skip it, go on
+                start += done + 1
+                continue
+            if err in (errno.EINVAL, ENOTSUPP, errno.EOPNOTSUPP) and done == 0:
+                return deleted + sum(self.delete(key) for key in rest)
+            raise self._error("delete_batch", err)
+        return deleted
+
+    def clear(self) -> None:
+        """Empties the map (arrays: every element zeroed)."""
+        if self.spec.kind in _ARRAY_KINDS:
+            zero = self.spec.value()
+            for i in range(self.info().max_entries):
+                self.update(self.spec.key(i), zero)
+            return
+        self.delete_batch(self.keys())
+
+
+def read_stats(stats: MapWriter) -> dict[Stat, int]:
+    """The counters of ekp_stats, summed across CPUs, by `Stat`."""
+    out = dict.fromkeys(Stat, 0)
+    for key, value in stats.items():
+        index = int(getattr(key, "value", -1))
+        if index in Stat._value2member_map_:
+            out[Stat(index)] = int(getattr(value, "value", 0))
+    return out

@@ -1,0 +1,90 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * ekp_lb.h: service lookup and backend choice for a packet that starts a new flow.
+ *
+ *   frontend  ekp_fe_v1 {daddr, dport, proto, scope of the program}
+ *   ranges    ekp_srcr_v1 {64, rev_nat_id, saddr} (LPM) when EKP_FE_SOURCE_RANGES
+ *   affinity  ekp_aff_v1 {saddr, set_id} when EKP_FE_AFFINITY and affinity_timeout > 0
+ *   slot      ekp_slot_v1 {set_id, 1 + random % count} -> backend_id
+ *   backend   ekp_be_v1 {backend_id}
+ */
+#ifndef EKP_LB_H
+#define EKP_LB_H
+
+#include "ekp_ct.h"
+#include "ekp_maps.h"
+#include "ekp_parse.h"
+
+static __always_inline struct ekp_frontend *ekp_frontend_lookup(const struct ekp_pkt *p, __u8 scope)
+{
+	struct ekp_frontend_key k = {};
+
+	k.addr = p->daddr;
+	k.port = p->dport;
+	k.proto = p->proto;
+	k.scope = scope;
+	return ekp_fe_lookup(&k);
+}
+
+/* loadBalancerSourceRanges: the key's first 32 bits (rev_nat_id + pad) always match exactly. */
+static __always_inline int ekp_source_allowed(__u16 rev_nat_id, __be32 saddr)
+{
+	struct ekp_srcrange_key k = {};
+
+	k.prefixlen = 32 + 32;
+	k.rev_nat_id = rev_nat_id;
+	k.addr = saddr;
+	return ekp_srcr_lookup(&k) != NULL;
+}
+
+/* Fills f->backend_*; sets *aff_hit when the client's remembered backend was used.
+ * Returns 0 or a drop reason. */
+static __always_inline int ekp_pick_backend(const struct ekp_frontend *fe, const struct ekp_pkt *p, __u64 now,
+					    struct ekp_flow *f, __u32 *aff_hit)
+{
+	struct ekp_affinity_key ak = {};
+	struct ekp_backend_key bk = {};
+	struct ekp_backend *be = NULL;
+	int affinity = (fe->flags & EKP_FE_AFFINITY) && fe->affinity_timeout;
+
+	ak.client = p->saddr;
+	ak.set_id = fe->set_id;
+	if (affinity) {
+		struct ekp_affinity *a = ekp_aff_lookup(&ak);
+		if (a) {
+			__u64 last = a->last_seen_ns;
+			if (now <= last || now - last < (__u64)fe->affinity_timeout * EKP_NSEC) {
+				bk.id = a->backend_id;
+				be = ekp_be_lookup(&bk); /* gone: choose again */
+				if (be)
+					*aff_hit = 1;
+			}
+		}
+	}
+	if (!be) {
+		struct ekp_slot_key sk = {};
+		sk.set_id = fe->set_id;
+		sk.slot = bpf_get_prandom_u32() % fe->count + 1;
+		struct ekp_slot *s = ekp_slot_lookup(&sk);
+		if (!s)
+			return EKP_DROP_NO_BACKEND;
+		bk.id = s->backend_id;
+		be = ekp_be_lookup(&bk);
+		if (!be)
+			return EKP_DROP_NO_BACKEND;
+	}
+	f->backend_id = bk.id;
+	f->be_addr = be->addr;
+	f->be_port = be->port;
+	f->be_flags = be->flags;
+
+	if (affinity) {
+		struct ekp_affinity a = {};
+		a.last_seen_ns = now;
+		a.backend_id = bk.id;
+		ekp_aff_update(&ak, &a); /* LRU: cannot be full; a failure only loses affinity */
+	}
+	return 0;
+}
+
+#endif /* EKP_LB_H */
