@@ -1,0 +1,163 @@
+"""The iptables mode against real iptables (nft and legacy), in a throwaway network namespace.
+
+Each test makes its own namespace `ekpt-<random>` and deletes it in a finally block, so nothing
+on the host is touched: iptables rules and conntrack entries are per network namespace.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import subprocess
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from agent.config import Config
+from agent.iptables import IptablesProxier, chains
+from agent.iptables.conntrack import ConntrackCleaner
+from agent.iptables.runner import SubprocessRunner
+from agent.model.types import Protocol, ServicePortName
+from tests.iptables.golden_cases import case_inputs, case_names
+from tests.iptables.objects import CONFIG, NODE, endpoints, service, state
+
+pytestmark = pytest.mark.kernel
+
+BACKENDS = ["nft", "legacy"]
+
+
+def sh(*argv: str, check: bool = True) -> str:
+    p = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} failed: {p.stderr}")
+    return p.stdout
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    name = f"ekpt-{secrets.token_hex(4)}"
+    sh("ip", "netns", "add", name)
+    try:
+        yield name
+    finally:
+        sh("ip", "netns", "delete", name, check=False)
+
+
+def save(ns: str, backend: str) -> str:
+    """iptables-save without comments and counters, for comparisons."""
+    out = sh("ip", "netns", "exec", ns, f"iptables-{backend}-save")
+    return "\n".join(line for line in out.splitlines() if not line.startswith("#"))
+
+
+def rules_of(saved: str, chain: str) -> list[str]:
+    return [line for line in saved.splitlines() if line.startswith(f"-A {chain} ")]
+
+
+def web(endpoint: str = "10.244.2.5") -> object:
+    return state(
+        service("web", "10.96.0.5", ("http", 80, "TCP"), type="NodePort", node_port=30080),
+        endpoints("web", [("http", 80, "TCP")], endpoint),
+        service("dns", "10.96.0.10", ("dns", 53, "UDP")),
+        endpoints("dns", [("dns", 53, "UDP")], "10.244.2.2"),
+    )
+
+
+def cfg(ns: str, backend: str) -> Config:
+    return replace(CONFIG, netns=ns, iptables_backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sync_is_idempotent_and_cleanup_keeps_foreign_rules(netns: str, backend: str) -> None:
+    ipt = ["ip", "netns", "exec", netns, f"iptables-{backend}", "-w", "5"]
+    sh(*ipt, "-A", "INPUT", "-s", "1.2.3.4", "-j", "ACCEPT")
+    sh(*ipt, "-N", "FOREIGN-CHAIN")
+    sh(*ipt, "-A", "FOREIGN-CHAIN", "-p", "tcp", "--dport", "22", "-j", "ACCEPT")
+    sh(*ipt, "-t", "nat", "-N", "KUBE-KUBELET-CANARY")  # a KUBE- chain that is not ours
+
+    # full_sync_period_s=0: every sync is a full one, so the jumps are re-ensured each time.
+    p = IptablesProxier(cfg(netns, backend), full_sync_period_s=0.0)
+    p.sync(web(), NODE)  # type: ignore[arg-type]
+    first = save(netns, backend)
+    svc = chains.service_chain(ServicePortName("ns", "web", "http", Protocol.TCP))
+    for chain in (
+        "KUBE-SERVICES",
+        "KUBE-NODEPORTS",
+        "KUBE-POSTROUTING",
+        "KUBE-MARK-MASQ",
+        svc,
+        "KUBE-PROXY-CANARY",
+    ):
+        assert f":{chain} " in first, chain
+    assert "KUBE-SEP-" in first and "KUBE-EXT-" in first
+    assert rules_of(first, "PREROUTING") == [
+        '-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES'
+    ]
+
+    p.sync(web(), NODE)  # type: ignore[arg-type]
+    p.sync(web(), NODE)  # type: ignore[arg-type]
+    assert save(netns, backend) == first  # no duplicated jumps, no drift
+    for base in ("INPUT", "FORWARD", "OUTPUT", "PREROUTING", "POSTROUTING"):
+        rules = rules_of(first, base)
+        assert len(rules) == len(set(rules)), (base, rules)
+
+    p.cleanup()
+    after = save(netns, backend)
+    assert not re.search(r"^:KUBE-(?!KUBELET-CANARY)", after, re.MULTILINE), after
+    assert "-A INPUT -s 1.2.3.4/32 -j ACCEPT" in after
+    assert "-A FOREIGN-CHAIN -p tcp -m tcp --dport 22 -j ACCEPT" in after
+    assert ":KUBE-KUBELET-CANARY" in after
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_partial_sync_replaces_the_endpoint_chain_in_the_kernel(netns: str, backend: str) -> None:
+    p = IptablesProxier(cfg(netns, backend))
+    p.sync(web("10.244.2.5"), NODE)  # type: ignore[arg-type]
+    p.sync(web("10.244.2.6"), NODE)  # type: ignore[arg-type]
+    assert p.last_sync is not None and not p.last_sync.full
+    saved = save(netns, backend)
+    spn = ServicePortName("ns", "web", "http", Protocol.TCP)
+    assert f":{chains.endpoint_chain(spn, '10.244.2.6:80')} " in saved
+    assert f":{chains.endpoint_chain(spn, '10.244.2.5:80')} " not in saved
+    assert "--to-destination 10.244.2.6:80" in saved
+
+
+def test_auto_backend_follows_the_rules_already_there(netns: str) -> None:
+    IptablesProxier(cfg(netns, "legacy")).sync(web(), NODE)  # type: ignore[arg-type]
+    assert SubprocessRunner(cfg(netns, "auto")).backend == "legacy"
+    IptablesProxier(cfg(netns, "legacy")).cleanup()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", case_names())
+def test_every_golden_file_loads_into_real_iptables(netns: str, backend: str, case: str) -> None:
+    st, node, config = case_inputs(case)
+    p = IptablesProxier(replace(config, netns=netns, iptables_backend=backend))
+    p.sync(st, node)
+    saved = save(netns, backend)
+    assert "-A KUBE-SERVICES" in saved
+    assert "--or-mark 0x4000" in saved or "--set-xmark 0x4000/0x4000" in saved
+
+
+def test_stale_udp_conntrack_entries_are_deleted_and_serving_ones_kept(netns: str) -> None:
+    def insert(reply_src: str, sport: int) -> None:
+        sh(
+            "ip", "netns", "exec", netns, "conntrack", "-I", "-p", "udp",
+            "-s", "10.244.1.5", "-d", "10.96.0.10", "--sport", str(sport), "--dport", "53",
+            "--reply-src", reply_src, "--reply-dst", "10.244.1.5",
+            "--reply-port-src", "53", "--reply-port-dst", str(sport), "-t", "120",
+        )  # fmt: skip
+
+    insert("10.244.2.2", 40000)  # the DNS pod that was replaced
+    insert("10.244.2.3", 40001)  # the new one
+    runner = SubprocessRunner(cfg(netns, "nft"))
+    applied = ConntrackCleaner(runner.command).clean(
+        state(
+            service("dns", "10.96.0.10", ("dns", 53, "UDP")),
+            endpoints("dns", [("dns", 53, "UDP")], "10.244.2.3"),
+        )
+    )
+    assert len(applied) == 1
+    listed = sh("ip", "netns", "exec", netns, "conntrack", "-L", "-p", "udp")
+    assert "sport=40001" in listed
+    assert "sport=40000" not in listed
