@@ -17,10 +17,15 @@ first use.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from agent.config import Config, NodeContext
 from agent.model.types import ProxyState
 
-__all__ = ["render_dry_run"]
+if TYPE_CHECKING:
+    from agent.ebpf.proxier import EbpfProxier
+
+__all__ = ["EbpfProxier", "render_dry_run"]
 
 
 def render_dry_run(state: ProxyState, node: NodeContext, config: Config) -> str:
@@ -30,3 +35,11 @@ def render_dry_run(state: ProxyState, node: NodeContext, config: Config) -> str:
 
     contents = plan(state, node, config)
     return render_contents(contents, contents.fe_names)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "EbpfProxier":
+        from agent.ebpf.proxier import EbpfProxier
+
+        return EbpfProxier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -102,15 +102,15 @@ def apply_ops(contents: MapContents, ops: Sequence[Op]) -> MapContents:
     return out
 
 
-class MapWriter(Protocol):
-    """The writes a map must offer for `write_op`; loader's BpfMap and tests' fakes have them."""
+class BatchWriter(Protocol):
+    """The writes `write_op` needs of a map (agent.ebpf.maps.BpfMap and FakeMap have them)."""
 
-    def update_batch(self, items: Sequence[tuple[Any, Any]]) -> None: ...
+    def update_batch(self, entries: Sequence[tuple[Any, Any]], /) -> object: ...
 
-    def delete_batch(self, keys: Sequence[Any]) -> None: ...
+    def delete_batch(self, keys: Sequence[Any], /) -> object: ...
 
 
-def write_op(maps: Mapping[str, MapWriter], op: Op) -> None:
+def write_op(maps: Mapping[str, BatchWriter], op: Op) -> None:
     """Perform one op on real (or fake) maps."""
     target = maps[op.role]
     if op.kind is OpKind.UPDATE:

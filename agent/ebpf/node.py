@@ -1,0 +1,92 @@
+"""The node's IPv4 addresses, found on its external devices in the agent's network namespace.
+
+Effects (pyroute2, read only). The external devices are Config.devices in the order given;
+without them, every device holding a global IPv4 address except loopback and pod devices
+(Config.pod_interfaces), the device of the default route first, then by interface index. The
+primary address (SNAT source toward other nodes) is the first address of the first device.
+`pick_node_addresses` is the pure core, tested with literal netlink-like records.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agent.config import Config, NodeContext
+from agent.ebpf.attach import matches_pod_pattern, netns_route
+
+log = logging.getLogger(__name__)
+
+RT_SCOPE_UNIVERSE = 0
+
+
+@dataclass(frozen=True)
+class AddrInfo:
+    index: int
+    device: str
+    address: str
+    scope: int = RT_SCOPE_UNIVERSE
+
+
+def pick_node_addresses(
+    addrs: Sequence[AddrInfo],
+    devices: Sequence[str],
+    pod_patterns: Iterable[str],
+    default_route_indexes: Iterable[int] = (),
+) -> NodeContext:
+    """NodeContext from the namespace's addresses (kernel order within a device kept)."""
+    patterns = tuple(pod_patterns)
+    if devices:
+        order = {name: i for i, name in enumerate(devices)}
+        chosen = [a for a in addrs if a.device in order]
+        chosen.sort(key=lambda a: order[a.device])  # stable: kernel order within a device
+    else:
+        first = set(default_route_indexes)
+        chosen = [
+            a
+            for a in addrs
+            if a.device != "lo"
+            and a.scope == RT_SCOPE_UNIVERSE
+            and not a.address.startswith("127.")
+            and not matches_pod_pattern(a.device, patterns)
+        ]
+        chosen.sort(key=lambda a: (a.index not in first, a.index))
+    ips = tuple(dict.fromkeys(a.address for a in chosen))
+    return NodeContext(node_ips=ips, primary_ip=ips[0] if ips else "")
+
+
+def _records(ipr: Any) -> tuple[list[AddrInfo], list[int]]:
+    names = {int(m["index"]): str(m.get("ifname")) for m in ipr.get_links()}
+    addrs = [
+        AddrInfo(
+            index=int(m["index"]),
+            device=names.get(int(m["index"]), "?"),
+            address=str(m.get("address")),
+            scope=int(m["scope"]),
+        )
+        for m in ipr.get_addr(family=socket.AF_INET)
+    ]
+    defaults = []
+    for r in ipr.get_routes(family=socket.AF_INET, table=254):
+        if r["dst_len"] == 0 and r.get("oif") is not None:
+            defaults.append(int(r.get("oif")))
+    return addrs, defaults
+
+
+def discover_node(config: Config) -> NodeContext:
+    """The node's addresses in Config.netns; a missing namespace raises FileNotFoundError."""
+    with netns_route(config.netns) as ipr:
+        addrs, defaults = _records(ipr)
+    node = pick_node_addresses(addrs, config.devices, config.pod_interfaces, defaults)
+    if not node.node_ips:
+        log.warning(
+            "no IPv4 address found on %s in netns %s: NodePorts answer nowhere; pass --node-ip",
+            ",".join(config.devices) or "any external device",
+            config.netns or "(own)",
+        )
+    else:
+        log.info("node addresses %s (primary %s)", ",".join(node.node_ips), node.primary_ip)
+    return node

@@ -1,0 +1,324 @@
+"""EbpfProxier: the eBPF mode's Proxier. Plan, write the delta in order, keep the programs attached.
+
+Lifecycle (kube-proxy's contract, agent/proxier.py):
+
+* The constructor only remembers its arguments.
+* The first `sync` loads the data path (bcc compiles bpf/ekp_tc.c; maps are pinned under
+  Config.pin_path and reused when they exist), removes pins of other ABI versions, dumps the
+  service maps as the "previous" contents so ids are re-adopted and only differences are written
+  (stale entries are pruned: the caller only syncs complete states), writes cfg[0], applies the
+  delta, sets the sysctls it needs in Config.netns, attaches the programs (replacing older ones
+  atomically) and starts the pod-device watcher. Conntrack and affinity are never flushed.
+* Later syncs plan against the contents last written (kept in memory) and write the delta only.
+  When a write fails, what the maps hold is no longer known: the next sync dumps them again.
+* Stopping the agent removes nothing: `close()` only stops the watcher and lets the fds go;
+  pinned maps and attached programs keep serving traffic until the next agent re-adopts them.
+* `cleanup()` detaches our filters, removes our pins and the pin directory, and nothing else.
+
+The data path and the attacher are passed in as factories (real ones by default) so the tests
+swap in fakes; there is no test branch in here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Protocol
+
+from agent.config import Config, MapSizes, NodeContext
+from agent.ebpf import abi
+from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
+from agent.ebpf.delta import apply_op, diff, summary, write_op
+from agent.ebpf.maps import MapWriter
+from agent.ebpf.plan import MapContents, plan, read_contents
+from agent.model.types import ProxyState
+
+log = logging.getLogger(__name__)
+
+SERVICE_ROLES = ("fe", "slot", "be", "rnat", "srcr")
+
+# sysctl (as a /proc/sys path) -> (value, why); set in Config.netns at the first sync.
+SYSCTLS: dict[str, tuple[str, str]] = {
+    "net/ipv4/ip_forward": ("1", "forwarding service traffic between pods, nodes and clients"),
+}
+
+
+class DatapathLike(Protocol):
+    """agent.ebpf.loader.Datapath: compile, load, pin; program fds and maps by role."""
+
+    @property
+    def maps(self) -> Mapping[str, MapWriter]: ...
+
+    def load(self) -> None: ...
+
+    def prog_fd(self, name: str) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class AttacherLike(Protocol):
+    def reconcile(self, node: NodeContext, *, full: bool = False) -> None: ...
+
+    def start_watcher(self, timeout: float = 5.0) -> None: ...
+
+    def stop_watcher(self) -> None: ...
+
+
+def default_datapath(pin_path: str, sizes: MapSizes) -> DatapathLike:
+    from agent.ebpf.loader import Datapath
+
+    datapath: DatapathLike = Datapath(pin_path, sizes)
+    return datapath
+
+
+def default_attacher(config: Config, prog_fds: Mapping[str, int]) -> AttacherLike:
+    return Attacher(config, prog_fds)
+
+
+CFG_KEY = ctypes.c_uint32(0)
+
+
+class EbpfProxier:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        datapath_factory: Callable[[str, MapSizes], DatapathLike] = default_datapath,
+        attacher_factory: Callable[[Config, Mapping[str, int]], AttacherLike] = default_attacher,
+        sysctl_writer: Callable[[str, str, str], str | None] | None = None,
+    ) -> None:
+        self._config = config
+        self._datapath_factory = datapath_factory
+        self._attacher_factory = attacher_factory
+        self._sysctl_writer = sysctl_writer or write_sysctl
+        self._lock = threading.Lock()
+        self._datapath: DatapathLike | None = None
+        self._attacher: AttacherLike | None = None
+        self._written: MapContents | None = None  # what the maps hold, None = unknown (dump)
+        self._attached_once = False
+        self.last_ops: list[str] = []  # summary of the last sync's writes, for logs and tests
+
+    # ------------------------------------------------------------------ Proxier
+
+    def sync(self, state: ProxyState, node: NodeContext) -> None:
+        with self._lock:
+            start = time.monotonic()
+            datapath = self._ensure_loaded()
+            maps = datapath.maps
+            first = self._written is None
+            previous = self._written if self._written is not None else self._dump(maps)
+            desired = plan(state, node, self._config, previous)
+
+            if desired.cfg is not None and previous.cfg != desired.cfg:
+                maps["cfg"].update(CFG_KEY, desired.cfg)
+            ops = diff(previous, desired)
+            written = previous.copy()
+            self._written = None  # unknown until every op went through
+            for op in ops:
+                write_op(maps, op)
+                apply_op(written, op)
+            written.cfg, written.high, written.fe_names = desired.cfg, desired.high, desired.fe_names
+            self._written = written
+            self.last_ops = [str(op) for op in ops]
+
+            self._attach(datapath, node, full=not self._attached_once)
+            elapsed_ms = (time.monotonic() - start) * 1000
+            level = logging.INFO if ops or first else logging.DEBUG
+            log.log(
+                level,
+                "eBPF sync%s: %s (%d frontends, %d backends, %.1f ms)",
+                " (first, from the pinned maps)" if first else "",
+                summary(ops),
+                len(desired.fe),
+                len(desired.be),
+                elapsed_ms,
+            )
+
+    def cleanup(self) -> None:
+        """Detach our filters, remove our pins and the pin directory; nothing else."""
+        with self._lock:
+            self._stop_watcher()
+            self._release()
+            detached = detach_all(self._config.netns)
+            if detached:
+                log.info("detached from %s", ",".join(sorted(detached)))
+            removed = remove_pins(self._config.pin_path)
+            if removed:
+                log.info("removed pins %s", ",".join(removed))
+
+    # ------------------------------------------------------------------ keep in place
+
+    def close(self) -> None:
+        """Stop the watcher and drop our references; programs and maps stay as they are."""
+        with self._lock:
+            self._stop_watcher()
+            self._release()
+
+    @property
+    def written(self) -> MapContents | None:
+        """What the service maps hold as far as this proxier knows (None before a sync)."""
+        return self._written
+
+    # ------------------------------------------------------------------ internals
+
+    def _ensure_loaded(self) -> DatapathLike:
+        if self._datapath is not None:
+            return self._datapath
+        pin_path = self._config.pin_path
+        self._set_sysctls()
+        datapath = self._datapath_factory(pin_path, self._config.map_sizes)
+        datapath.load()
+        stale = remove_stale_pins(pin_path)
+        if stale:
+            log.info("removed pins of other ABI versions: %s", ",".join(stale))
+        self._datapath = datapath
+        self._written = None
+        return datapath
+
+    def _dump(self, maps: Mapping[str, MapWriter]) -> MapContents:
+        cfg: abi.Config | None = None
+        try:
+            value = maps["cfg"].lookup(CFG_KEY)
+            if isinstance(value, abi.Config) and any(value.values()):
+                cfg = value
+        except KeyError:
+            cfg = None
+        contents = read_contents({role: maps[role] for role in SERVICE_ROLES if role in maps}, cfg)
+        log.info(
+            "pinned maps hold %d frontends, %d slots, %d backends, %d reverse-NAT entries: "
+            "re-adopting their ids",
+            len(contents.fe),
+            len(contents.slot),
+            len(contents.be),
+            len(contents.rnat),
+        )
+        return contents
+
+    def _attach(self, datapath: DatapathLike, node: NodeContext, *, full: bool) -> None:
+        if self._attacher is None:
+            fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD)}
+            self._attacher = self._attacher_factory(self._config, fds)
+            full = True
+        self._attacher.reconcile(node, full=full)
+        if not self._attached_once:
+            self._attacher.start_watcher()
+            self._attached_once = True
+
+    def _release(self) -> None:
+        if self._datapath is not None:
+            self._datapath.close()
+            self._datapath = None
+        self._written = None
+
+    def _stop_watcher(self) -> None:
+        if self._attacher is not None:
+            self._attacher.stop_watcher()
+            self._attacher = None
+        self._attached_once = False
+
+    def _set_sysctls(self) -> None:
+        where = self._config.netns or "(own)"
+        for path, (value, why) in SYSCTLS.items():
+            old = self._sysctl_writer(self._config.netns, path, value)
+            if old is not None and old != value:
+                log.info(
+                    "set sysctl %s=%s in netns %s (needed for %s; was %s)",
+                    _dotted(path),
+                    value,
+                    where,
+                    why,
+                    old,
+                )
+
+
+def _dotted(path: str) -> str:
+    return path.replace("/", ".")
+
+
+# ---------------------------------------------------------------------------------- sysctls
+
+_libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNET = 0x40000000
+NETNS_RUN_DIR = "/run/netns"
+
+
+def _in_netns(netns: str, fn: Callable[[], str | None]) -> str | None:
+    """Run `fn` on a short-lived thread that joined `netns` (setns is per thread)."""
+    if not netns:
+        return fn()
+    result: list[str | None] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fd = os.open(os.path.join(NETNS_RUN_DIR, netns), os.O_RDONLY)
+            try:
+                if _libc.setns(fd, CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns({netns}): {os.strerror(err)}")
+            finally:
+                os.close(fd)
+            result.append(fn())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"ekp-netns-{netns}")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+def write_sysctl(netns: str, path: str, value: str) -> str | None:
+    """Set /proc/sys/`path` to `value` in `netns` when it differs; returns the old value."""
+
+    def run() -> str | None:
+        proc = Path("/proc/sys") / path
+        old = proc.read_text().strip()
+        if old != value:
+            proc.write_text(value + "\n")
+        return old
+
+    return _in_netns(netns, run)
+
+
+# ---------------------------------------------------------------------------------- pins
+
+
+def remove_stale_pins(pin_path: str) -> list[str]:
+    """Remove pinned maps of other ABI versions (loader.stale_pins); their names."""
+    from agent.ebpf.loader import stale_pins
+
+    removed = []
+    for path in stale_pins(pin_path):
+        os.unlink(path)
+        removed.append(os.path.basename(path))
+    return removed
+
+
+def remove_pins(pin_path: str) -> list[str]:
+    """Remove every `ekp_*` pin, then the directory if nothing else is in it."""
+    try:
+        names = sorted(os.listdir(pin_path))
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in names:
+        if name.startswith(abi.PREFIX):
+            os.unlink(os.path.join(pin_path, name))
+            removed.append(name)
+    try:
+        os.rmdir(pin_path)
+    except OSError as exc:
+        if exc.errno == errno.ENOTEMPTY:
+            log.warning("pin directory %s holds files that are not ours: left in place", pin_path)
+        elif exc.errno != errno.ENOENT:
+            raise
+    return removed

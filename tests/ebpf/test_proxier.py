@@ -1,0 +1,332 @@
+"""EbpfProxier: first sync from the pinned maps, deltas after, restart without churn, careful cleanup.
+
+Unit tests run it over FakeMaps and a recording attacher; the kernel test runs the real data path
+(bcc) in a throwaway namespace with a throwaway bpffs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import subprocess
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.config import Config, MapSizes, NodeContext
+from agent.ebpf import EbpfProxier
+from agent.ebpf.abi import MAPS, CtEntry, CtKey, FrontendKey, Scope, ip_be, port_be
+from agent.ebpf.delta import diff, write_op
+from agent.ebpf.maps import FakeMap, MapWriter
+from agent.ebpf.plan import MapContents, plan, read_contents
+from agent.ebpf.proxier import CFG_KEY, remove_pins
+from agent.ebpf.render import render_contents
+from agent.model import ProxyState
+from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
+
+STATE = state_from_yaml((GOLDEN / "loadbalancer-etp-local.yaml").read_text())
+MORE = state_from_yaml(
+    (GOLDEN / "loadbalancer-etp-local.yaml").read_text()
+    + "\n---\n"
+    + (GOLDEN / "multi-port-dns.yaml").read_text()
+)
+
+
+class FakeDatapath:
+    def __init__(self, maps: dict[str, FakeMap]) -> None:
+        self._maps = maps
+        self.loads = 0
+        self.closed = 0
+
+    @property
+    def maps(self) -> Mapping[str, MapWriter]:
+        return self._maps
+
+    def load(self) -> None:
+        self.loads += 1
+
+    def prog_fd(self, name: str) -> int:
+        return {"ekp_from_net": 100, "ekp_from_pod": 101}[name]
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class FakeAttacher:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def reconcile(self, node: NodeContext, *, full: bool = False) -> None:
+        self.log.append(f"reconcile full={full}")
+
+    def start_watcher(self, timeout: float = 5.0) -> None:
+        self.log.append("watch")
+
+    def stop_watcher(self) -> None:
+        self.log.append("stop")
+
+
+class Rig:
+    """One node's kernel state (maps survive proxier instances, as pins do)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.maps = {role: FakeMap(spec) for role, spec in MAPS.items()}
+        self.events: list[str] = []
+        self.sysctls: list[tuple[str, str, str]] = []
+        self.datapaths: list[FakeDatapath] = []
+        self.config = Config(netns="node1", pin_path=str(tmp / "pins"))
+
+    def proxier(self) -> EbpfProxier:
+        def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
+            dp = FakeDatapath(self.maps)
+            self.datapaths.append(dp)
+            return dp
+
+        def sysctl(netns: str, path: str, value: str) -> str:
+            self.sysctls.append((netns, path, value))
+            return "0"
+
+        return EbpfProxier(
+            self.config,
+            datapath_factory=datapath,
+            attacher_factory=lambda config, fds: FakeAttacher(self.events),
+            sysctl_writer=sysctl,
+        )
+
+    def contents(self) -> MapContents:
+        return read_contents(self.maps, self.maps["cfg"].lookup(CFG_KEY))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Rig:
+    return Rig(tmp_path)
+
+
+def test_constructor_has_no_side_effects(rig: Rig) -> None:
+    rig.proxier()
+    assert rig.datapaths == [] and rig.events == [] and rig.sysctls == []
+
+
+def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    want = plan(STATE, NODE, rig.config)
+    assert rig.contents().same_entries(want)
+    assert render_contents(rig.contents()) == render_contents(want)
+    assert rig.events == ["reconcile full=True", "watch"]
+    assert rig.sysctls == [("node1", "net/ipv4/ip_forward", "1")]
+    # the same state again: nothing written, attachments only checked
+    p.sync(STATE, NODE)
+    assert p.last_ops == []
+    assert rig.events[-1] == "reconcile full=False"
+    assert rig.datapaths[0].loads == 1
+
+
+def test_later_syncs_write_deltas(rig: Rig) -> None:
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    p.sync(MORE, NODE)
+    assert p.last_ops == ["update be x6", "update rnat x3", "update slot x6", "update fe x6"]
+    assert rig.contents().same_entries(plan(MORE, NODE, rig.config, plan(STATE, NODE, rig.config)))
+    p.sync(STATE, NODE)
+    assert p.last_ops == ["delete fe x6", "delete slot x6", "delete rnat x3", "delete be x6"]
+
+
+def test_restart_re_adopts_ids_and_writes_nothing(rig: Rig) -> None:
+    first = rig.proxier()
+    first.sync(MORE, NODE)
+    before = render_contents(rig.contents())
+    first.close()  # the agent stops: nothing removed
+    assert render_contents(rig.contents()) == before
+
+    second = rig.proxier()
+    second.sync(MORE, NODE)
+    assert second.last_ops == []
+    assert render_contents(rig.contents()) == before
+
+
+def test_restart_prunes_what_went_away_but_keeps_flows(rig: Rig) -> None:
+    rig.proxier().sync(MORE, NODE)
+    ct_key = CtKey(
+        saddr=ip_be("10.244.1.9"),
+        daddr=ip_be("10.96.0.10"),
+        sport=port_be(40000),
+        dport=port_be(53),
+        proto=17,
+    )
+    rig.maps["ct"].update(ct_key, CtEntry(backend_id=1, rev_nat_id=1))
+    kept = set(plan(STATE, NODE, rig.config).fe)
+
+    second = rig.proxier()  # kube-dns was deleted while the agent was down
+    second.sync(STATE, NODE)
+    assert second.last_ops == ["delete fe x6", "delete slot x6", "delete rnat x3", "delete be x6"]
+    assert set(rig.contents().fe) == kept
+    assert rig.maps["ct"].lookup(ct_key) is not None
+
+
+def test_a_failed_write_is_recovered_from_the_maps(rig: Rig) -> None:
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+
+    class Boom(FakeMap):
+        fail = False
+
+        def update_batch(self, entries: Sequence[tuple[Any, Any]]) -> None:
+            if Boom.fail:
+                Boom.fail = False
+                super().update_batch(list(entries)[:1])  # half of the batch went in
+                raise OSError(12, "ENOMEM")
+            super().update_batch(entries)
+
+    boom = Boom(MAPS["slot"])
+    boom.update_batch(rig.maps["slot"].items())
+    Boom.fail = True
+    rig.maps["slot"] = boom
+    rig.datapaths[0]._maps = rig.maps
+    with pytest.raises(OSError):
+        p.sync(MORE, NODE)
+    assert p.written is None
+    p.sync(MORE, NODE)  # dumps the maps again, writes what is missing
+    assert not diff(rig.contents(), plan(MORE, NODE, rig.config, rig.contents()))
+    p.sync(MORE, NODE)
+    assert p.last_ops == []
+
+
+def test_cleanup_detaches_and_removes_only_our_pins(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    detached: list[str] = []
+
+    def detach_all(netns: str) -> list[str]:
+        detached.append(netns)
+        return ["eth0"]
+
+    monkeypatch.setattr("agent.ebpf.proxier.detach_all", detach_all)
+    pins = Path(rig.config.pin_path)
+    pins.mkdir()
+    for name in ("ekp_fe_v1", "ekp_fe_v0", "ekp_ct_v1"):
+        (pins / name).write_text("")
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    p.cleanup()
+    assert detached == ["node1"]
+    assert not pins.exists()
+    assert rig.datapaths[0].closed == 1
+    assert "stop" in rig.events
+
+    pins.mkdir()
+    (pins / "ekp_fe_v1").write_text("")
+    (pins / "theirs").write_text("")
+    assert remove_pins(str(pins)) == ["ekp_fe_v1"]
+    assert sorted(os.listdir(pins)) == ["theirs"]
+    assert remove_pins(str(pins / "nowhere")) == []
+
+
+# ---------------------------------------------------------------------------------- kernel
+
+
+def sh(*argv: str) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def node_ns() -> Iterator[str]:
+    name = f"ekpt-{secrets.token_hex(3)}"
+    sh("ip", "netns", "add", name)
+    try:
+        for cmd in (
+            "link add eth0 type veth peer name uplink",
+            "addr add 192.168.0.11/24 dev eth0",
+            "link add lxc-a type veth peer name pod-a",
+            "link set eth0 up",
+            "link set lxc-a up",
+        ):
+            sh("ip", "-n", name, *cmd.split())
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@pytest.fixture
+def bpffs(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "bpffs"
+    mnt.mkdir()
+    sh("mount", "-t", "bpf", "bpf", str(mnt))
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def live(config: Config) -> MapContents:
+    from agent.ebpf.maps import BpfMap
+
+    maps = {
+        role: BpfMap.open_pinned(MAPS[role], config.pin_path)
+        for role in ("fe", "slot", "be", "rnat", "srcr", "cfg")
+    }
+    try:
+        return read_contents(maps, maps["cfg"].lookup(CFG_KEY))  # type: ignore[arg-type]
+    finally:
+        for m in maps.values():
+            m.close()
+
+
+def small_sizes() -> MapSizes:
+    return MapSizes(fe=1024, slot=4096, be=1024, rnat=1024, ct=4096, aff=1024, srcr=256)
+
+
+@pytest.mark.kernel
+def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path) -> None:
+    config = Config(
+        netns=node_ns, pin_path=str(bpffs / "ekp"), pod_interfaces=("lxc*",), map_sizes=small_sizes()
+    )
+    node = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
+    sh("ip", "netns", "exec", node_ns, "sysctl", "-qw", "net.ipv4.ip_forward=0")
+
+    first = EbpfProxier(config)
+    try:
+        first.sync(STATE, node)
+        want = plan(STATE, node, config)
+        assert render_contents(live(config)) == render_contents(want)
+        assert "ekp_from_net" in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
+        assert "ekp_from_pod" in sh("tc", "-n", node_ns, "filter", "show", "dev", "lxc-a", "ingress")
+        assert sh("ip", "netns", "exec", node_ns, "sysctl", "-n", "net.ipv4.ip_forward").strip() == "1"
+        first.sync(MORE, node)
+        after_more = render_contents(live(config))
+    finally:
+        first.close()  # the agent stops; everything stays
+    assert render_contents(live(config)) == after_more
+    assert "ekp_from_net" in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
+
+    second = EbpfProxier(config)
+    try:
+        second.sync(MORE, node)
+        assert second.last_ops == []  # same ids, no churn
+        assert render_contents(live(config)) == after_more
+        second.sync(STATE, node)
+        key = FrontendKey(addr=ip_be("10.96.0.10"), port=port_be(53), proto=17, scope=int(Scope.INTERNAL))
+        assert key not in live(config).fe
+    finally:
+        second.cleanup()
+    assert not os.path.exists(config.pin_path)
+    assert "ekp_" not in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
+    assert "ekp_" not in sh("tc", "-n", node_ns, "filter", "show", "dev", "lxc-a", "ingress")
+
+
+def test_cfg_key_is_the_array_index() -> None:
+    assert isinstance(CFG_KEY, ctypes.c_uint32) and CFG_KEY.value == 0
+
+
+def states_differ(a: ProxyState, b: ProxyState) -> bool:
+    return set(a.services) != set(b.services)
+
+
+def test_fixtures_differ() -> None:
+    assert states_differ(STATE, MORE)
+    assert diff(MapContents(), plan(MORE, NODE, Config()))
+    maps = {role: FakeMap(MAPS[role]) for role in ("fe", "slot", "be", "rnat", "srcr")}
+    for op in diff(MapContents(), plan(MORE, NODE, Config())):
+        write_op(maps, op)
+    assert len(maps["fe"]) == 12
