@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -322,3 +322,60 @@ def remove_pins(pin_path: str) -> list[str]:
         elif exc.errno != errno.ENOENT:
             raise
     return removed
+
+
+# ---------------------------------------------------------------------------------- inspect
+
+INSPECT_SECTIONS = ("services", "ct", "aff", "stats")
+
+
+def render_live_maps(
+    pin_path: str, sections: Sequence[str] = ("services",), now_ns: int | None = None
+) -> str:
+    """Decoded text of the pinned maps under `pin_path` (for `agent inspect maps`).
+
+    `services` prints the same lines as `--dry-run` (cfg, fe, slot, be, rnat, srcr), so a live
+    node can be diffed against a plan; `ct`, `aff` and `stats` print conntrack, affinity and the
+    counters. Opens the pins read-only in effect (nothing is written); needs no compiler.
+    """
+    from agent.ebpf.maps import BpfMap, read_stats
+    from agent.ebpf.render import render_affinity, render_conntrack, render_contents, render_stats
+
+    unknown = [s for s in sections if s not in INSPECT_SECTIONS]
+    if unknown:
+        raise ValueError(f"unknown section {','.join(unknown)} (known: {', '.join(INSPECT_SECTIONS)})")
+    roles = {
+        "services": ("fe", "slot", "be", "rnat", "srcr", "cfg"),
+        "ct": ("ct",),
+        "aff": ("aff",),
+        "stats": ("stats",),
+    }
+    needed = sorted({role for s in sections for role in roles[s]})
+    maps: dict[str, BpfMap] = {}
+    try:
+        for role in needed:
+            path = os.path.join(pin_path, abi.MAPS[role].name)
+            if not os.path.exists(path):
+                raise FileNotFoundError(
+                    errno.ENOENT, "no pinned map (is the agent running in eBPF mode?)", path
+                )
+            maps[role] = BpfMap.open_pinned(abi.MAPS[role], pin_path)
+        now = time.monotonic_ns() if now_ns is None else now_ns
+        out: list[str] = []
+        for section in sections:
+            if section == "services":
+                cfg = maps["cfg"].lookup(CFG_KEY)
+                contents = read_contents(
+                    {r: maps[r] for r in SERVICE_ROLES}, cfg if isinstance(cfg, abi.Config) else None
+                )
+                out.append(render_contents(contents))
+            elif section == "ct":
+                out.append(render_conntrack(maps["ct"].items(), now))  # type: ignore[arg-type]
+            elif section == "aff":
+                out.append(render_affinity(maps["aff"].items(), now))  # type: ignore[arg-type]
+            else:
+                out.append(render_stats({int(k): v for k, v in read_stats(maps["stats"]).items()}))
+        return "".join(out)
+    finally:
+        for m in maps.values():
+            m.close()

@@ -22,7 +22,7 @@ from agent.ebpf.abi import MAPS, CtEntry, CtKey, FrontendKey, Scope, ip_be, port
 from agent.ebpf.delta import diff, write_op
 from agent.ebpf.maps import FakeMap, MapWriter
 from agent.ebpf.plan import MapContents, plan, read_contents
-from agent.ebpf.proxier import CFG_KEY, remove_pins
+from agent.ebpf.proxier import CFG_KEY, INSPECT_SECTIONS, remove_pins, render_live_maps
 from agent.ebpf.render import render_contents
 from agent.model import ProxyState
 from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
@@ -290,6 +290,9 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path) -> None:
         first.sync(STATE, node)
         want = plan(STATE, node, config)
         assert render_contents(live(config)) == render_contents(want)
+        assert render_live_maps(config.pin_path) == render_contents(want)
+        text = render_live_maps(config.pin_path, INSPECT_SECTIONS)
+        assert "stat packets " in text and "stat drop_no_backend 0" in text
         assert "ekp_from_net" in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
         assert "ekp_from_pod" in sh("tc", "-n", node_ns, "filter", "show", "dev", "lxc-a", "ingress")
         assert sh("ip", "netns", "exec", node_ns, "sysctl", "-n", "net.ipv4.ip_forward").strip() == "1"
@@ -313,6 +316,13 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path) -> None:
     assert not os.path.exists(config.pin_path)
     assert "ekp_" not in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
     assert "ekp_" not in sh("tc", "-n", node_ns, "filter", "show", "dev", "lxc-a", "ingress")
+
+
+def test_inspect_without_pins_says_so(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="eBPF mode"):
+        render_live_maps(str(tmp_path))
+    with pytest.raises(ValueError, match="known: services"):
+        render_live_maps(str(tmp_path), ("nope",))
 
 
 def test_cfg_key_is_the_array_index() -> None:

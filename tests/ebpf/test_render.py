@@ -1,0 +1,82 @@
+"""render: one decoded line per entry, sorted numerically, flags by name."""
+
+from __future__ import annotations
+
+from agent.ebpf.abi import (
+    Affinity,
+    AffinityKey,
+    Backend,
+    BackendKey,
+    CtDir,
+    CtEntry,
+    CtFlag,
+    CtKey,
+    Frontend,
+    FrontendFlag,
+    FrontendKey,
+    Stat,
+    ip_be,
+    port_be,
+)
+from agent.ebpf.plan import MapContents
+from agent.ebpf.render import render_affinity, render_conntrack, render_contents, render_stats
+
+S = 1_000_000_000
+
+
+def fe(addr: str) -> FrontendKey:
+    return FrontendKey(addr=ip_be(addr), port=port_be(80), proto=6, scope=1)
+
+
+def test_frontends_sort_by_address_value_not_text() -> None:
+    c = MapContents()
+    for addr in ("10.96.0.10", "10.96.0.2"):
+        c.fe[fe(addr)] = Frontend(
+            set_id=1, count=0, flags=int(FrontendFlag.NO_ENDPOINTS) | 0x100, rev_nat_id=1
+        )
+    assert render_contents(c, {fe("10.96.0.2"): "ns/a"}).splitlines() == [
+        "fe 10.96.0.2:80/TCP internal -> set=1 count=0 rnat=1 flags=NO_ENDPOINTS|0x100 affinity=0s  # ns/a",
+        "fe 10.96.0.10:80/TCP internal -> set=1 count=0 rnat=1 flags=NO_ENDPOINTS|0x100 affinity=0s",
+    ]
+
+
+def test_backend_flags_and_unknown_protocol() -> None:
+    c = MapContents()
+    c.be[BackendKey(id=10)] = Backend(addr=ip_be("10.244.1.2"), port=port_be(53), proto=17, flags=3)
+    c.be[BackendKey(id=9)] = Backend(addr=ip_be("10.244.1.3"), port=port_be(9), proto=99, flags=0)
+    assert render_contents(c) == "be 9 -> 10.244.1.3:9/99\nbe 10 -> 10.244.1.2:53/UDP local,terminating\n"
+
+
+def test_conntrack_lines() -> None:
+    key = CtKey(
+        saddr=ip_be("10.244.1.5"),
+        daddr=ip_be("10.96.0.10"),
+        sport=port_be(40000),
+        dport=port_be(53),
+        proto=17,
+    )
+    entry = CtEntry(
+        last_seen_ns=5 * S,
+        nat_addr=ip_be("10.244.2.3"),
+        nat_port=port_be(53),
+        snat_addr=ip_be("192.168.0.11"),
+        snat_port=port_be(40001),
+        backend_id=7,
+        rev_nat_id=5,
+        dir=int(CtDir.FORWARD),
+        flags=int(CtFlag.SNAT),
+    )
+    assert render_conntrack([(key, entry)], now_ns=8 * S) == (
+        "ct 10.244.1.5:40000 -> 10.96.0.10:53/UDP forward nat=10.244.2.3:53 snat=192.168.0.11:40001"
+        " be=7 rnat=5 flags=SNAT idle=3s\n"
+    )
+
+
+def test_affinity_and_stats() -> None:
+    key = AffinityKey(client=ip_be("10.244.1.5"), set_id=3)
+    assert render_affinity([(key, Affinity(last_seen_ns=S, backend_id=7))], now_ns=11 * S) == (
+        "aff 10.244.1.5 set=3 -> be 7 idle=10s\n"
+    )
+    text = render_stats({int(Stat.PACKETS): [1, 2], int(Stat.DROP_FIB): 4})
+    assert "stat packets 3\n" in text and "stat drop_fib 4\n" in text and "stat snat 0\n" in text
+    assert len(text.splitlines()) == len(Stat)
