@@ -40,10 +40,12 @@ static __always_inline int ekp_deliver(struct __sk_buff *skb, struct ekp_pkt *p,
 	fib.ifindex = skb->ingress_ifindex;
 
 	long rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
-	if (rc == BPF_FIB_LKUP_RET_NOT_FWDED)
-		return TC_ACT_OK; /* a local destination (the node itself): the stack delivers it */
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH) {
-		*outcome = EKP_DROP_FIB; /* unreachable, blackhole, forwarding disabled, MTU... */
+		/* NOT_FWDED means no route *or* a local destination (a backend on the node's own
+		 * address); the stack could deliver the latter, but its reply would leave without
+		 * reverse NAT, so both drop until host-network backends are handled. Also
+		 * unreachable, blackhole, forwarding disabled on the ingress device, MTU. */
+		*outcome = EKP_DROP_FIB;
 		return TC_ACT_SHOT;
 	}
 	if (ekp_dec_ttl(skb, p) < 0) {

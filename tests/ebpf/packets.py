@@ -1,0 +1,255 @@
+"""Helpers for the packet-level data path tests: a private bpffs, a private network namespace,
+BPF_PROG_TEST_RUN through libbpf, and scapy packet builders and checks.
+
+Context managers rather than fixtures, so each test module declares its own fixtures and no
+conftest is shared with other test files.
+
+* `bpffs()` mounts a bpf filesystem on a temporary directory: tests never touch real pins.
+* `private_netns()` moves the calling thread into a fresh, anonymous network namespace (unshare)
+  and back (setns) afterwards; bpf_fib_lookup inside BPF_PROG_TEST_RUN resolves routes and
+  neighbours in the namespace of the thread that runs the test, so the lab's devices, routes and
+  neighbours are set up there. The namespace dies with its last reference: nothing to clean up,
+  nothing visible in `ip netns`.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TC_ACT_OK = 0
+TC_ACT_SHOT = 2
+TC_ACT_REDIRECT = 7
+
+CLONE_NEWNET = 0x40000000
+
+_libc = ct.CDLL(None, use_errno=True)
+
+
+def sh(*argv: str) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+
+
+@contextmanager
+def bpffs() -> Iterator[Path]:
+    """A bpf filesystem mounted on a fresh temporary directory, unmounted and removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="ekp-bpffs-"))
+    try:
+        sh("mount", "-t", "bpf", "bpf", str(path))
+        try:
+            yield path
+        finally:
+            subprocess.run(["umount", str(path)], check=False)
+    finally:
+        os.rmdir(path)
+
+
+@contextmanager
+def private_netns() -> Iterator[None]:
+    """Runs the body in a new network namespace (this thread only), then returns to the old one."""
+    old = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        if _libc.unshare(CLONE_NEWNET) != 0:
+            err = ct.get_errno()
+            raise OSError(err, f"unshare(CLONE_NEWNET): {os.strerror(err)}")
+        try:
+            yield
+        finally:
+            if _libc.setns(old, CLONE_NEWNET) != 0:
+                err = ct.get_errno()
+                raise OSError(err, f"setns back to the original namespace: {os.strerror(err)}")
+    finally:
+        os.close(old)
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    ifindex: int
+    mac: str
+
+
+def link(name: str) -> Link:
+    """A device of the current namespace (read with `ip -j`: /sys shows the host's namespace)."""
+    info = json.loads(sh("ip", "-j", "link", "show", "dev", name))[0]
+    return Link(name, int(info["ifindex"]), str(info["address"]))
+
+
+# ---- BPF_PROG_TEST_RUN -----------------------------------------------------------------
+
+
+class _TestRunOpts(ct.Structure):
+    """libbpf's struct bpf_test_run_opts (libbpf 1.x)."""
+
+    _fields_ = [
+        ("sz", ct.c_size_t),
+        ("data_in", ct.c_void_p),
+        ("data_out", ct.c_void_p),
+        ("data_size_in", ct.c_uint32),
+        ("data_size_out", ct.c_uint32),
+        ("ctx_in", ct.c_void_p),
+        ("ctx_out", ct.c_void_p),
+        ("ctx_size_in", ct.c_uint32),
+        ("ctx_size_out", ct.c_uint32),
+        ("retval", ct.c_uint32),
+        ("repeat", ct.c_int),
+        ("duration", ct.c_uint32),
+        ("flags", ct.c_uint32),
+        ("cpu", ct.c_uint32),
+        ("batch_size", ct.c_uint32),
+    ]
+
+
+class _SkBuffHead(ct.Structure):
+    """struct __sk_buff up to ifindex: all a test sets (the kernel zero-fills the rest)."""
+
+    _fields_ = [
+        ("len", ct.c_uint32),
+        ("pkt_type", ct.c_uint32),
+        ("mark", ct.c_uint32),
+        ("queue_mapping", ct.c_uint32),
+        ("protocol", ct.c_uint32),
+        ("vlan_present", ct.c_uint32),
+        ("vlan_tci", ct.c_uint32),
+        ("vlan_proto", ct.c_uint32),
+        ("priority", ct.c_uint32),
+        ("ingress_ifindex", ct.c_uint32),
+        ("ifindex", ct.c_uint32),
+    ]
+
+
+def prog_run(prog_fd: int, frame: bytes, ifindex: int) -> tuple[int, bytes]:
+    """Runs a SCHED_CLS program on `frame` as if it arrived on `ifindex`; (verdict, frame out)."""
+    from bcc import libbcc
+
+    fn = libbcc.lib.bpf_prog_test_run_opts  # libbpf's, reached through libbcc's handle
+    fn.restype = ct.c_int
+    fn.argtypes = [ct.c_int, ct.POINTER(_TestRunOpts)]
+    data_in = ct.create_string_buffer(frame, len(frame))
+    data_out = ct.create_string_buffer(len(frame) + 256)
+    ctx = _SkBuffHead(ingress_ifindex=ifindex, ifindex=ifindex)
+    opts = _TestRunOpts(
+        sz=ct.sizeof(_TestRunOpts),
+        data_in=ct.cast(data_in, ct.c_void_p),
+        data_out=ct.cast(data_out, ct.c_void_p),
+        data_size_in=len(frame),
+        data_size_out=len(data_out),
+        ctx_in=ct.cast(ct.pointer(ctx), ct.c_void_p),
+        ctx_size_in=ct.sizeof(ctx),
+        repeat=1,
+    )
+    ret = fn(prog_fd, ct.byref(opts))
+    if ret < 0:
+        err = -ret if ret < -1 else ct.get_errno()
+        raise OSError(err, f"BPF_PROG_TEST_RUN: {os.strerror(err)}")
+    return int(opts.retval), data_out.raw[: opts.data_size_out]
+
+
+# ---- scapy ------------------------------------------------------------------------------
+
+
+def tcp(
+    src: str,
+    dst: str,
+    sport: int,
+    dport: int,
+    *,
+    flags: str = "S",
+    smac: str = "02:00:00:00:aa:01",
+    dmac: str = "02:00:00:00:aa:02",
+    ttl: int = 64,
+    payload: bytes = b"",
+    **ip: Any,
+) -> bytes:
+    from scapy.layers.inet import IP, TCP
+    from scapy.layers.l2 import Ether
+
+    return bytes(
+        Ether(src=smac, dst=dmac)
+        / IP(src=src, dst=dst, ttl=ttl, **ip)
+        / TCP(sport=sport, dport=dport, flags=flags)
+        / payload
+    )
+
+
+def udp(
+    src: str,
+    dst: str,
+    sport: int,
+    dport: int,
+    *,
+    chksum: int | None = None,
+    smac: str = "02:00:00:00:aa:01",
+    dmac: str = "02:00:00:00:aa:02",
+    ttl: int = 64,
+    payload: bytes = b"hello",
+    **ip: Any,
+) -> bytes:
+    from scapy.layers.inet import IP, UDP
+    from scapy.layers.l2 import Ether
+
+    l4 = UDP(sport=sport, dport=dport) if chksum is None else UDP(sport=sport, dport=dport, chksum=chksum)
+    return bytes(Ether(src=smac, dst=dmac) / IP(src=src, dst=dst, ttl=ttl, **ip) / l4 / payload)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    smac: str
+    dmac: str
+    src: str
+    dst: str
+    sport: int
+    dport: int
+    ttl: int
+    ip_chksum: int
+    l4_chksum: int
+    flags: str
+
+
+def parse(frame: bytes) -> Parsed:
+    from scapy.layers.inet import IP, TCP, UDP
+    from scapy.layers.l2 import Ether
+
+    pkt = Ether(frame)
+    ip = pkt[IP]
+    l4 = ip[TCP] if TCP in ip else ip[UDP]
+    return Parsed(
+        smac=pkt.src,
+        dmac=pkt.dst,
+        src=ip.src,
+        dst=ip.dst,
+        sport=l4.sport,
+        dport=l4.dport,
+        ttl=ip.ttl,
+        ip_chksum=ip.chksum,
+        l4_chksum=l4.chksum,
+        flags=str(l4.flags) if TCP in ip else "",
+    )
+
+
+def checksums_valid(frame: bytes) -> bool:
+    """IP and TCP/UDP checksums equal scapy's recomputation (a UDP checksum of 0 means none)."""
+    from scapy.layers.inet import IP, TCP, UDP
+    from scapy.layers.l2 import Ether
+
+    pkt = Ether(frame)
+    ip = pkt[IP]
+    l4 = ip[TCP] if TCP in ip else ip[UDP]
+    want_ip, want_l4 = ip.chksum, l4.chksum
+    fresh = Ether(frame)
+    del fresh[IP].chksum
+    l4_fresh = fresh[IP][TCP] if TCP in ip else fresh[IP][UDP]
+    del l4_fresh.chksum
+    again = Ether(bytes(fresh))
+    l4_again = again[IP][TCP] if TCP in ip else again[IP][UDP]
+    if UDP in ip and want_l4 == 0:
+        return bool(again[IP].chksum == want_ip)
+    return bool(again[IP].chksum == want_ip and l4_again.chksum == want_l4)

@@ -1,0 +1,502 @@
+"""The tc data path, packet by packet, through BPF_PROG_TEST_RUN.
+
+One compile per module (pins in a private bpffs), one private network namespace holding the lab
+the FIB lookups resolve in:
+
+    ext0  192.168.0.11/24   node's external device; neighbours node2 .12, client .100
+                            route 10.244.2.0/24 via 192.168.0.12 (pods on node2)
+    pod0  10.244.1.1/24     node side of the pods' veth; neighbours for pods .5 .6 .8 .9
+                            (10.244.1.7 has none: the bpf_redirect_neigh path)
+
+Packets from pods run ekp_from_pod with ingress pod0; packets from outside run ekp_from_net with
+ingress ext0. After each test the counters must balance: PACKETS == sum of the outcomes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from agent.config import MapSizes
+from agent.ebpf import abi
+from agent.ebpf.abi import BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
+from agent.ebpf.loader import Datapath
+from agent.ebpf.maps import read_stats
+from tests.ebpf.packets import (
+    TC_ACT_OK,
+    TC_ACT_REDIRECT,
+    TC_ACT_SHOT,
+    Link,
+    bpffs,
+    checksums_valid,
+    link,
+    parse,
+    private_netns,
+    prog_run,
+    sh,
+    tcp,
+    udp,
+)
+
+pytestmark = pytest.mark.kernel
+
+NODE, NODE2, CLIENT = "192.168.0.11", "192.168.0.12", "192.168.0.100"
+POD_CLIENT, BE1, BE2, BE3, BE4 = "10.244.1.9", "10.244.1.5", "10.244.1.6", "10.244.1.8", "10.244.1.10"
+BE_NO_NEIGH, REMOTE_BE = "10.244.1.7", "10.244.2.7"
+VIP = "10.96.0.10"
+MAC = {
+    NODE2: "02:00:00:00:00:12",
+    CLIENT: "02:00:00:00:01:00",
+    BE1: "02:00:0a:f4:01:05",
+    BE2: "02:00:0a:f4:01:06",
+    BE3: "02:00:0a:f4:01:08",
+    BE4: "02:00:0a:f4:01:0a",
+    POD_CLIENT: "02:00:0a:f4:01:09",
+}
+SNAT_MIN, SNAT_MAX = 40000, 40999
+SIZES = MapSizes(fe=256, slot=1024, be=256, rnat=256, ct=4096, aff=256, srcr=64)
+TCP, UDP = 6, 17
+OUTCOMES = (
+    Stat.PASS,
+    Stat.NEW_FLOWS,
+    Stat.CT_FORWARD,
+    Stat.CT_REPLY,
+    *(s for s in Stat if s >= Stat.DROP_MALFORMED),
+)
+
+
+@dataclass(frozen=True)
+class Lab:
+    pod: Link
+    ext: Link
+
+
+@pytest.fixture(scope="module")
+def dp() -> Iterator[Datapath]:
+    with bpffs() as root:
+        datapath = Datapath(str(root / "ekp"), SIZES)
+        datapath.load()
+        try:
+            yield datapath
+        finally:
+            datapath.close()
+
+
+@pytest.fixture(scope="module")
+def lab(dp: Datapath) -> Iterator[Lab]:
+    with private_netns():
+        sh("ip", "link", "add", "ext0", "type", "veth", "peer", "name", "ext0p")
+        sh("ip", "link", "add", "pod0", "type", "veth", "peer", "name", "pod0p")
+        sh("ip", "addr", "add", f"{NODE}/24", "dev", "ext0")
+        sh("ip", "addr", "add", "10.244.1.1/24", "dev", "pod0")
+        for dev in ("ext0", "ext0p", "pod0", "pod0p"):
+            sh("ip", "link", "set", dev, "up")
+        sh("ip", "route", "add", "10.244.2.0/24", "via", NODE2)
+        for addr, mac in MAC.items():
+            dev = "ext0" if addr.startswith("192.168.") else "pod0"
+            sh("ip", "neigh", "replace", addr, "lladdr", mac, "dev", dev, "nud", "permanent")
+        sh("sysctl", "-qw", "net.ipv4.ip_forward=1")  # bpf_fib_lookup needs forwarding on ingress
+        yield Lab(pod=link("pod0"), ext=link("ext0"))
+
+
+CFG = abi.Config(
+    node_addr=ip_be(NODE),
+    snat_port_min=SNAT_MIN,
+    snat_port_max=SNAT_MAX,
+    tcp_timeout_s=3600,
+    udp_timeout_s=60,
+    closing_timeout_s=10,
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
+    for role in ("fe", "slot", "be", "rnat", "ct", "aff", "srcr", "stats"):
+        dp.maps[role].clear()
+    dp.maps["cfg"].update(ctypes.c_uint32(0), CFG)
+    yield
+    stats = read_stats(dp.maps["stats"])
+    assert stats[Stat.PACKETS] == sum(stats[s] for s in OUTCOMES), stats
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def net(dp: Datapath, lab: Lab) -> Net:
+    return Net(dp, lab)
+
+
+class Net:
+    def __init__(self, dp: Datapath, lab: Lab) -> None:
+        self.dp, self.lab = dp, lab
+
+    def from_pod(self, frame: bytes) -> tuple[int, bytes]:
+        return prog_run(self.dp.prog_fd("ekp_from_pod"), frame, self.lab.pod.ifindex)
+
+    def from_net(self, frame: bytes) -> tuple[int, bytes]:
+        return prog_run(self.dp.prog_fd("ekp_from_net"), frame, self.lab.ext.ifindex)
+
+    def stats(self) -> dict[Stat, int]:
+        return read_stats(self.dp.maps["stats"])
+
+    def ct(self, saddr: str, daddr: str, sport: int, dport: int, proto: int = TCP) -> abi.CtEntry | None:
+        key = abi.CtKey(ip_be(saddr), ip_be(daddr), port_be(sport), port_be(dport), proto)
+        entry = self.dp.maps["ct"].lookup(key)
+        assert entry is None or isinstance(entry, abi.CtEntry)
+        return entry
+
+    def add_service(
+        self,
+        addr: str = VIP,
+        port: int = 80,
+        backends: tuple[tuple[int, str, int, int], ...] = ((1, BE1, 8080, BackendFlag.LOCAL),),
+        *,
+        proto: int = TCP,
+        scope: Scope = Scope.INTERNAL,
+        flags: int = 0,
+        set_id: int = 1,
+        rev_nat_id: int = 1,
+        affinity_timeout: int = 0,
+        count: int | None = None,
+        slots: bool = True,
+    ) -> None:
+        """Backends first, then slots 1..n, the reverse NAT entry, and the frontend last."""
+        maps = self.dp.maps
+        for slot, (backend_id, be_addr, be_port, be_flags) in enumerate(backends, 1):
+            value = abi.Backend(ip_be(be_addr), port_be(be_port), proto, be_flags)
+            maps["be"].update(abi.BackendKey(backend_id), value)
+            if slots:
+                maps["slot"].update(abi.SlotKey(set_id, slot), abi.Slot(backend_id))
+        maps["rnat"].update(abi.RevNatKey(rev_nat_id), abi.RevNat(ip_be(addr), port_be(port)))
+        fe = abi.Frontend(
+            set_id=set_id,
+            count=len(backends) if count is None else count,
+            flags=flags,
+            affinity_timeout=affinity_timeout,
+            rev_nat_id=rev_nat_id,
+        )
+        maps["fe"].update(abi.FrontendKey(ip_be(addr), port_be(port), proto, scope), fe)
+
+
+# ---- pass -------------------------------------------------------------------------------
+
+
+def test_frontend_miss_passes_the_packet_unchanged(net: Net) -> None:
+    net.add_service()
+    frame = tcp(POD_CLIENT, "10.96.0.99", 12345, 80)
+    verdict, out = net.from_pod(frame)
+    assert verdict == TC_ACT_OK
+    assert out == frame
+    assert net.stats()[Stat.PASS] == 1
+
+
+def test_frontend_of_the_other_scope_is_not_matched(net: Net) -> None:
+    net.add_service(scope=Scope.INTERNAL)
+    frame = tcp(CLIENT, VIP, 12345, 80)
+    assert net.from_net(frame) == (TC_ACT_OK, frame)
+
+
+def test_non_ip_icmp_and_ttl_1_pass(net: Net) -> None:
+    from scapy.layers.inet import ICMP, IP
+    from scapy.layers.l2 import ARP, Ether
+
+    net.add_service()
+    arp = bytes(Ether() / ARP(pdst=VIP))
+    icmp = bytes(Ether() / IP(src=POD_CLIENT, dst=VIP) / ICMP())
+    ttl1 = tcp(POD_CLIENT, VIP, 12345, 80, ttl=1)
+    for frame in (arp, icmp, ttl1):
+        assert net.from_pod(frame) == (TC_ACT_OK, frame)
+    assert net.stats()[Stat.PASS] == 3
+
+
+# ---- new flows, conntrack, replies ---------------------------------------------------------
+
+
+def test_clusterip_tcp_syn_is_translated_and_redirected(net: Net, lab: Lab) -> None:
+    net.add_service()
+    verdict, out = net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))
+    assert verdict == TC_ACT_REDIRECT
+    p = parse(out)
+    assert (p.src, p.sport, p.dst, p.dport) == (POD_CLIENT, 12345, BE1, 8080)
+    assert (p.smac, p.dmac, p.ttl) == (lab.pod.mac, MAC[BE1], 63)
+    assert checksums_valid(out)
+
+    fwd = net.ct(POD_CLIENT, VIP, 12345, 80)
+    assert fwd is not None
+    assert (fwd.dir, fwd.flags, fwd.backend_id, fwd.rev_nat_id) == (CtDir.FORWARD, 0, 1, 1)
+    assert (fwd.nat_addr, fwd.nat_port, fwd.snat_addr, fwd.snat_port) == (ip_be(BE1), port_be(8080), 0, 0)
+    assert 0 < fwd.last_seen_ns <= time.monotonic_ns()
+    rep = net.ct(BE1, POD_CLIENT, 8080, 12345)
+    assert rep is not None
+    assert (rep.dir, rep.flags, rep.backend_id, rep.rev_nat_id) == (CtDir.REPLY, 0, 1, 1)
+    assert (rep.nat_addr, rep.nat_port) == (0, 0)
+    assert net.stats()[Stat.NEW_FLOWS] == 1
+
+
+def test_later_packets_of_a_flow_keep_their_backend(net: Net) -> None:
+    net.add_service(backends=((1, BE1, 8080, BackendFlag.LOCAL), (2, BE2, 8080, BackendFlag.LOCAL)))
+    first = parse(net.from_pod(tcp(POD_CLIENT, VIP, 23456, 80))[1]).dst
+    for _ in range(10):
+        verdict, out = net.from_pod(tcp(POD_CLIENT, VIP, 23456, 80, flags="A", payload=b"data"))
+        assert verdict == TC_ACT_REDIRECT
+        assert parse(out).dst == first
+        assert checksums_valid(out)
+    assert net.stats()[Stat.NEW_FLOWS] == 1
+    assert net.stats()[Stat.CT_FORWARD] == 10
+
+
+def test_backend_choice_is_spread_over_the_slots(net: Net) -> None:
+    backends = tuple((i, addr, 8080, BackendFlag.LOCAL) for i, addr in enumerate((BE1, BE2, BE3, BE4), 1))
+    net.add_service(backends=backends)
+    chosen = {parse(net.from_pod(tcp(POD_CLIENT, VIP, 30000 + i, 80))[1]).dst for i in range(32)}
+    assert len(chosen) >= 2  # 4 equally likely backends: all 32 on one has probability 4^-31
+
+
+def test_reply_from_the_backend_appears_to_come_from_the_service(net: Net, lab: Lab) -> None:
+    net.add_service()
+    net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))
+    verdict, out = net.from_pod(tcp(BE1, POD_CLIENT, 8080, 12345, flags="SA", payload=b"x"))
+    assert verdict == TC_ACT_REDIRECT
+    p = parse(out)
+    assert (p.src, p.sport, p.dst, p.dport) == (VIP, 80, POD_CLIENT, 12345)
+    assert (p.smac, p.dmac) == (lab.pod.mac, MAC[POD_CLIENT])
+    assert checksums_valid(out)
+    assert net.stats()[Stat.CT_REPLY] == 1
+
+
+def test_udp_is_translated_both_ways(net: Net) -> None:
+    net.add_service(port=53, backends=((1, BE2, 5353, BackendFlag.LOCAL),), proto=UDP)
+    verdict, out = net.from_pod(udp(POD_CLIENT, VIP, 40001, 53))
+    assert verdict == TC_ACT_REDIRECT
+    p = parse(out)
+    assert (p.dst, p.dport) == (BE2, 5353)
+    assert p.l4_chksum != 0 and checksums_valid(out)
+    verdict, out = net.from_pod(udp(BE2, POD_CLIENT, 5353, 40001))
+    assert verdict == TC_ACT_REDIRECT
+    p = parse(out)
+    assert (p.src, p.sport) == (VIP, 53)
+    assert checksums_valid(out)
+
+
+def test_udp_checksum_zero_stays_zero(net: Net) -> None:
+    net.add_service(port=53, backends=((1, BE2, 5353, BackendFlag.LOCAL),), proto=UDP)
+    verdict, out = net.from_pod(udp(POD_CLIENT, VIP, 40002, 53, chksum=0))
+    assert verdict == TC_ACT_REDIRECT
+    p = parse(out)
+    assert (p.dst, p.dport, p.l4_chksum) == (BE2, 5353, 0)
+    assert checksums_valid(out)  # the IP header checksum
+    verdict, out = net.from_pod(udp(BE2, POD_CLIENT, 5353, 40002, chksum=0))
+    assert verdict == TC_ACT_REDIRECT
+    assert parse(out).l4_chksum == 0
+
+
+def test_unresolved_neighbour_goes_through_redirect_neigh(net: Net) -> None:
+    net.add_service(backends=((1, BE_NO_NEIGH, 8080, BackendFlag.LOCAL),))
+    frame = tcp(POD_CLIENT, VIP, 12346, 80)
+    verdict, out = net.from_pod(frame)
+    assert verdict == TC_ACT_REDIRECT  # the 4-argument helper accepted our parameters
+    p, before = parse(out), parse(frame)
+    assert (p.dst, p.ttl) == (BE_NO_NEIGH, 63)
+    assert (p.smac, p.dmac) == (before.smac, before.dmac)  # the kernel fills them on transmit
+    assert checksums_valid(out)
+
+
+# ---- SNAT -------------------------------------------------------------------------------
+
+
+def test_nodeport_to_remote_backend_is_source_translated_and_replies_are_restored(net: Net, lab: Lab) -> None:
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    net.add_service(NODE, 30080, ((7, REMOTE_BE, 8080, 0),), scope=Scope.EXTERNAL, flags=flags, rev_nat_id=3)
+    verdict, out = net.from_net(tcp(CLIENT, NODE, 5555, 30080, smac=MAC[CLIENT], dmac=lab.ext.mac))
+    assert verdict == TC_ACT_REDIRECT
+    p = parse(out)
+    assert (p.src, p.dst, p.dport) == (NODE, REMOTE_BE, 8080)
+    assert SNAT_MIN <= p.sport <= SNAT_MAX
+    assert (p.smac, p.dmac) == (lab.ext.mac, MAC[NODE2])  # via node2, the route's gateway
+    assert checksums_valid(out)
+    snat_port = p.sport
+
+    fwd = net.ct(CLIENT, NODE, 5555, 30080)
+    assert fwd is not None
+    assert (fwd.flags, fwd.snat_addr, fwd.snat_port) == (CtFlag.SNAT, ip_be(NODE), port_be(snat_port))
+    rep = net.ct(REMOTE_BE, NODE, 8080, snat_port)
+    assert rep is not None
+    assert (rep.dir, rep.flags, rep.rev_nat_id) == (CtDir.REPLY, CtFlag.SNAT, 3)
+    assert (rep.nat_addr, rep.nat_port) == (ip_be(CLIENT), port_be(5555))
+
+    verdict, out = net.from_net(tcp(REMOTE_BE, NODE, 8080, snat_port, flags="SA", smac=MAC[NODE2]))
+    assert verdict == TC_ACT_REDIRECT
+    p = parse(out)
+    assert (p.src, p.sport, p.dst, p.dport) == (NODE, 30080, CLIENT, 5555)
+    assert p.dmac == MAC[CLIENT]
+    assert checksums_valid(out)
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.SNAT], stats[Stat.CT_REPLY]) == (1, 1, 1)
+
+
+def test_local_backend_keeps_the_client_source(net: Net, lab: Lab) -> None:
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    net.add_service(NODE, 30080, scope=Scope.EXTERNAL, flags=flags)
+    verdict, out = net.from_net(tcp(CLIENT, NODE, 5556, 30080))
+    assert verdict == TC_ACT_REDIRECT
+    p = parse(out)
+    assert (p.src, p.sport, p.dst, p.dport) == (CLIENT, 5556, BE1, 8080)
+    assert (p.smac, p.dmac) == (lab.pod.mac, MAC[BE1])
+    assert net.stats()[Stat.SNAT] == 0
+
+
+def test_snat_port_exhaustion_drops(net: Net, dp: Datapath) -> None:
+    one_port = abi.Config(
+        node_addr=ip_be(NODE), snat_port_min=SNAT_MIN, snat_port_max=SNAT_MIN, tcp_timeout_s=3600
+    )
+    dp.maps["cfg"].update(ctypes.c_uint32(0), one_port)
+    net.add_service(
+        NODE, 30080, ((7, REMOTE_BE, 8080, 0),), scope=Scope.EXTERNAL, flags=FrontendFlag.SNAT_REMOTE
+    )
+    assert net.from_net(tcp(CLIENT, NODE, 5557, 30080))[0] == TC_ACT_REDIRECT
+    assert net.from_net(tcp("192.168.0.101", NODE, 5557, 30080))[0] == TC_ACT_SHOT
+    assert net.stats()[Stat.DROP_SNAT_PORTS] == 1
+
+
+# ---- drops ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (FrontendFlag.NO_ENDPOINTS, Stat.DROP_NO_ENDPOINTS),
+        (FrontendFlag.LOCAL, Stat.DROP_NO_LOCAL),
+        (0, Stat.DROP_NO_ENDPOINTS),
+    ],
+)
+def test_frontend_without_backends_drops(net: Net, flags: int, reason: Stat) -> None:
+    net.add_service(backends=(), flags=flags)
+    assert net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))[0] == TC_ACT_SHOT
+    assert net.stats()[reason] == 1
+
+
+def test_source_ranges(net: Net) -> None:
+    net.add_service(NODE, 30080, scope=Scope.EXTERNAL, flags=FrontendFlag.SOURCE_RANGES, rev_nat_id=9)
+    allow = abi.SrcRangeKey(prefixlen=32 + 24, rev_nat_id=9, addr=ip_be("192.168.0.0"))
+    net.dp.maps["srcr"].update(allow, abi.SrcRange(1))
+    assert net.from_net(tcp(CLIENT, NODE, 5558, 30080))[0] == TC_ACT_REDIRECT
+    assert net.from_net(tcp("172.16.0.1", NODE, 5558, 30080))[0] == TC_ACT_SHOT
+    assert net.stats()[Stat.DROP_SOURCE_RANGE] == 1
+
+
+def test_missing_slot_or_backend_drops(net: Net) -> None:
+    net.add_service(slots=False)  # backend 1 written, slot 1 not
+    assert net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))[0] == TC_ACT_SHOT
+    net.dp.maps["slot"].update(abi.SlotKey(1, 1), abi.Slot(99))  # a slot to a missing backend
+    assert net.from_pod(tcp(POD_CLIENT, VIP, 12346, 80))[0] == TC_ACT_SHOT
+    assert net.stats()[Stat.DROP_NO_BACKEND] == 2
+
+
+def test_reply_of_a_deleted_frontend_drops(net: Net) -> None:
+    net.add_service(rev_nat_id=4)
+    net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))
+    net.dp.maps["rnat"].delete(abi.RevNatKey(4))
+    assert net.from_pod(tcp(BE1, POD_CLIENT, 8080, 12345, flags="SA"))[0] == TC_ACT_SHOT
+    assert net.stats()[Stat.DROP_REVNAT_MISSING] == 1
+
+
+def test_backend_without_route_drops(net: Net) -> None:
+    net.add_service(backends=((1, "10.99.0.5", 8080, 0),))  # no default route in the lab
+    assert net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))[0] == TC_ACT_SHOT
+    assert net.stats()[Stat.DROP_FIB] == 1
+
+
+def test_malformed_headers_drop(net: Net) -> None:
+    from scapy.layers.inet import IP
+    from scapy.layers.inet import TCP as ScapyTCP
+    from scapy.layers.l2 import Ether
+
+    bad_ihl = bytes(Ether() / IP(src=POD_CLIENT, dst=VIP, ihl=4) / ScapyTCP(dport=80))
+    truncated = tcp(POD_CLIENT, VIP, 12345, 80)[: 14 + 20 + 10]
+    for frame in (bad_ihl, truncated):
+        assert net.from_pod(frame)[0] == TC_ACT_SHOT
+    assert net.stats()[Stat.DROP_MALFORMED] == 2
+
+
+def test_fragments(net: Net) -> None:
+    net.add_service(proto=UDP, port=53)
+    first = udp(POD_CLIENT, VIP, 40003, 53, flags="MF")
+    later = udp(POD_CLIENT, VIP, 40003, 53, frag=100)
+    other = udp(POD_CLIENT, "10.96.0.99", 40003, 53, flags="MF")
+    assert net.from_pod(first)[0] == TC_ACT_SHOT
+    assert net.from_pod(later) == (TC_ACT_OK, later)
+    assert net.from_pod(other) == (TC_ACT_OK, other)
+    stats = net.stats()
+    assert (stats[Stat.DROP_FRAGMENT], stats[Stat.PASS]) == (1, 2)
+
+
+# ---- affinity, expiry, closing ------------------------------------------------------------
+
+
+def test_affinity_keeps_the_backend_across_new_flows(net: Net) -> None:
+    backends = tuple((i, addr, 8080, BackendFlag.LOCAL) for i, addr in enumerate((BE1, BE2, BE3, BE4), 1))
+    net.add_service(backends=backends, flags=FrontendFlag.AFFINITY, affinity_timeout=10800)
+    chosen = {parse(net.from_pod(tcp(POD_CLIENT, VIP, 31000 + i, 80))[1]).dst for i in range(8)}
+    assert len(chosen) == 1
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.AFFINITY_HIT]) == (8, 7)
+    entry = net.dp.maps["aff"].lookup(abi.AffinityKey(ip_be(POD_CLIENT), 1))
+    assert isinstance(entry, abi.Affinity)
+    assert entry.backend_id == next(b[0] for b in backends if b[1] in chosen)
+
+
+def test_expired_affinity_chooses_again(net: Net) -> None:
+    net.add_service(flags=FrontendFlag.AFFINITY, affinity_timeout=10)
+    net.dp.maps["aff"].update(
+        abi.AffinityKey(ip_be(POD_CLIENT), 1), abi.Affinity(last_seen_ns=1, backend_id=1)
+    )
+    assert net.from_pod(tcp(POD_CLIENT, VIP, 31100, 80))[0] == TC_ACT_REDIRECT
+    assert net.stats()[Stat.AFFINITY_HIT] == 0
+    entry = net.dp.maps["aff"].lookup(abi.AffinityKey(ip_be(POD_CLIENT), 1))
+    assert isinstance(entry, abi.Affinity) and entry.last_seen_ns > 1
+
+
+def test_expired_conntrack_entry_starts_a_new_flow(net: Net, dp: Datapath) -> None:
+    short = abi.Config(node_addr=ip_be(NODE), tcp_timeout_s=5)  # the machine may be up < 1 h
+    dp.maps["cfg"].update(ctypes.c_uint32(0), short)
+    net.add_service()
+    net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))
+    key = abi.CtKey(ip_be(POD_CLIENT), ip_be(VIP), port_be(12345), port_be(80), TCP)
+    old = net.ct(POD_CLIENT, VIP, 12345, 80)
+    assert old is not None
+    old.last_seen_ns = time.monotonic_ns() - 6 * 10**9  # bpf_ktime_get_ns is CLOCK_MONOTONIC
+    net.dp.maps["ct"].update(key, old)
+    assert net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80, flags="A"))[0] == TC_ACT_REDIRECT
+    assert net.stats()[Stat.NEW_FLOWS] == 2
+
+
+def test_fin_marks_the_flow_closing_and_a_new_syn_reopens_it(net: Net) -> None:
+    net.add_service()
+    net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))
+    net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80, flags="FA"))
+    fwd = net.ct(POD_CLIENT, VIP, 12345, 80)
+    assert fwd is not None and fwd.flags & CtFlag.CLOSING
+    assert net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80, flags="A"))[0] == TC_ACT_REDIRECT  # still the flow
+    assert net.stats()[Stat.CT_FORWARD] == 2
+    assert net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80, flags="S"))[0] == TC_ACT_REDIRECT
+    fwd = net.ct(POD_CLIENT, VIP, 12345, 80)
+    assert fwd is not None and not fwd.flags & CtFlag.CLOSING
+    assert net.stats()[Stat.NEW_FLOWS] == 2
+
+
+def test_closing_flow_expires_after_the_closing_timeout(net: Net) -> None:
+    net.add_service()
+    net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))
+    net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80, flags="R"))
+    key = abi.CtKey(ip_be(POD_CLIENT), ip_be(VIP), port_be(12345), port_be(80), TCP)
+    fwd = net.ct(POD_CLIENT, VIP, 12345, 80)
+    assert fwd is not None and fwd.flags & CtFlag.CLOSING
+    fwd.last_seen_ns = time.monotonic_ns() - 11 * 10**9  # closing_timeout_s is 10
+    net.dp.maps["ct"].update(key, fwd)
+    net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80, flags="A"))
+    assert net.stats()[Stat.NEW_FLOWS] == 2
