@@ -1,0 +1,242 @@
+"""The ABI contract: bpf/ekp_abi.h and bpf/ekp_maps.h against agent/ebpf/abi.py.
+
+* A probe generated from the ctypes `_fields_` is compiled from ekp_abi.h with the host gcc and
+  prints sizeof/offsetof of every field and the value of every constant: any layout drift fails.
+* ekp_maps.h is parsed: the map names, kinds, key/value structs and size macros are the MAPS
+  registry's, and every name fits the kernel's 15 characters.
+* Kernel-marked: the loaded maps, as bpftool shows them, have those names and sizes, and BTF
+  gives `bpftool map dump` named fields.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from enum import IntEnum
+from pathlib import Path
+
+import pytest
+
+from agent.config import MapSizes
+from agent.ebpf import abi
+from agent.ebpf.loader import PROGRAMS, Datapath, default_bpf_dir, expected_info, stale_pins
+from tests.ebpf.packets import bpffs
+
+BPF_DIR = default_bpf_dir()
+C_TYPES = {ctypes.c_uint32: "u32", ctypes.c_uint64: "u64"}
+
+
+# ---- constants: Python name -> C name -------------------------------------------------------
+
+
+def c_constants() -> dict[str, int]:
+    """Every constant abi.py mirrors, by its C name, with the Python value."""
+    out: dict[str, int] = {"EKP_ABI_VERSION": abi.ABI_VERSION}
+    groups: list[tuple[type[IntEnum], str]] = [
+        (abi.Scope, "EKP_SCOPE_"),
+        (abi.FrontendFlag, "EKP_FE_"),
+        (abi.BackendFlag, "EKP_BE_"),
+        (abi.CtDir, "EKP_CT_"),
+        (abi.CtFlag, "EKP_CT_"),
+    ]
+    for enum, prefix in groups:
+        out.update({prefix + m.name: int(m) for m in enum})
+    for stat in abi.Stat:
+        out[("EKP_" if stat.name.startswith("DROP_") else "EKP_STAT_") + stat.name] = int(stat)
+    out["EKP_STAT_DROP_FIRST"] = int(abi.STAT_DROP_FIRST)
+    out["EKP_STAT_MAX"] = abi.STAT_COUNT
+    out["EKP_STAT_COUNT"] = abi.STAT_COUNT
+    return out
+
+
+def probe_source() -> str:
+    lines = ["#include <stddef.h>", "#include <stdio.h>", '#include "ekp_abi.h"', "int main(void) {"]
+    for cname, cls in abi.STRUCTS.items():
+        lines.append(f'  printf("S {cname} %zu\\n", sizeof(struct {cname}));')
+        for fname, *_ in cls._fields_:
+            lines.append(
+                f'  printf("F {cname} {fname} %zu %zu\\n", offsetof(struct {cname}, {fname}), '
+                f"sizeof(((struct {cname} *)0)->{fname}));"
+            )
+    for name in c_constants():
+        lines.append(f'  printf("C {name} %lld\\n", (long long)({name}));')
+    lines += ["  return 0;", "}"]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        pytest.skip("no C compiler for the ABI probe")
+    tmp = tmp_path_factory.mktemp("abi_probe")
+    (tmp / "probe.c").write_text(probe_source())
+    subprocess.run(
+        [gcc, "-Wall", "-Werror", "-I", str(BPF_DIR), "-o", str(tmp / "probe"), str(tmp / "probe.c")],
+        check=True,
+    )
+    out = subprocess.run([str(tmp / "probe")], check=True, capture_output=True, text=True).stdout
+    by_kind: dict[str, list[str]] = {"S": [], "F": [], "C": []}
+    for line in out.splitlines():
+        kind, rest = line.split(" ", 1)
+        by_kind[kind].append(rest)
+    return by_kind
+
+
+def test_struct_sizes_match(probe: dict[str, list[str]]) -> None:
+    c_sizes = {name: int(size) for name, size in (line.split() for line in probe["S"])}
+    py_sizes = {name: ctypes.sizeof(cls) for name, cls in abi.STRUCTS.items()}
+    assert c_sizes == py_sizes
+
+
+def test_field_offsets_and_sizes_match(probe: dict[str, list[str]]) -> None:
+    c_fields = {(s, f): (int(o), int(n)) for s, f, o, n in (line.split() for line in probe["F"])}
+    py_fields = {
+        (sname, fname): (getattr(cls, fname).offset, getattr(cls, fname).size)
+        for sname, cls in abi.STRUCTS.items()
+        for fname, *_ in cls._fields_
+    }
+    assert c_fields == py_fields
+
+
+def test_constants_match(probe: dict[str, list[str]]) -> None:
+    c_values = {name: int(value) for name, value in (line.split() for line in probe["C"])}
+    assert c_values == c_constants()
+
+
+def test_every_c_constant_is_mirrored() -> None:
+    """A constant added to the header without its Python twin fails here (the probe checks values)."""
+    text = (BPF_DIR / "ekp_abi.h").read_text()
+    names = set(re.findall(r"\b(EKP_(?:SCOPE|FE|BE|CT|STAT|DROP)_[A-Z0-9_]+)\b", text))
+    assert names - set(c_constants()) == set()
+
+
+def test_every_header_struct_is_mirrored() -> None:
+    text = (BPF_DIR / "ekp_abi.h").read_text()
+    assert set(re.findall(r"^struct (ekp_\w+) \{", text, re.M)) == set(abi.STRUCTS)
+
+
+# ---- map declarations -----------------------------------------------------------------------
+
+_DECL = re.compile(
+    r'BPF_TABLE_PINNED\(\s*"(?P<kind>\w+)",\s*(?P<key>[\w ]+?),\s*(?P<value>[\w ]+?),\s*(?P<name>\w+),\s*'
+    r"(?P<macro>\w+),\s*EKP_PIN\((?P<pin>\w+)\)",
+)
+
+
+def declared_maps() -> dict[str, dict[str, str]]:
+    text = (BPF_DIR / "ekp_maps.h").read_text()
+    return {m["name"]: m.groupdict() for m in _DECL.finditer(text)}
+
+
+def c_type_name(t: type) -> str:
+    if t in C_TYPES:
+        return C_TYPES[t]
+    names = {cls: name for name, cls in abi.STRUCTS.items()}
+    return f"struct {names[t]}"
+
+
+def test_map_declarations_match_the_registry() -> None:
+    declared = declared_maps()
+    assert set(declared) == {spec.name for spec in abi.MAPS.values()}
+    for spec in abi.MAPS.values():
+        decl = declared[spec.name]
+        assert decl["kind"] == spec.kind, spec.name
+        assert decl["key"] == c_type_name(spec.key), spec.name
+        assert decl["value"] == c_type_name(spec.value), spec.name
+        assert decl["macro"] == spec.size_macro, spec.name
+        assert decl["pin"] == spec.name, spec.name
+
+
+def test_map_names_fit_the_kernel_and_carry_the_version() -> None:
+    for spec in abi.MAPS.values():
+        assert len(spec.name) <= 15
+        assert spec.name == f"ekp_{spec.role}_v{abi.ABI_VERSION}"
+
+
+def test_stale_pins_lists_other_versions_only(tmp_path: Path) -> None:
+    for name in ("ekp_ct_v1", "ekp_ct_v0", "ekp_fe_v7", "ekp_gone_v1", "other", "ekp_x"):
+        (tmp_path / name).touch()
+    assert stale_pins(str(tmp_path)) == [str(tmp_path / n) for n in ("ekp_ct_v0", "ekp_fe_v7", "ekp_gone_v1")]
+    assert stale_pins(str(tmp_path / "missing")) == []
+
+
+def test_source_text_inlines_every_header() -> None:
+    text = Datapath("/sys/fs/bpf/x", MapSizes()).source_text()
+    assert '-DEKP_PIN_DIR="/sys/fs/bpf/x"' in text
+    for header in BPF_DIR.glob("ekp_*.h"):
+        assert f"// ---- {header.name} ----" in text
+    assert '#include "' not in text
+
+
+# ---- the loaded maps, as bpftool sees them ------------------------------------------------
+
+SMALL = MapSizes(fe=128, slot=256, be=128, rnat=128, ct=1024, aff=128, srcr=32)
+
+
+@pytest.fixture(scope="module")
+def loaded() -> Iterator[Datapath]:
+    with bpffs() as root:
+        datapath = Datapath(str(root / "ekp"), SMALL)
+        datapath.load()
+        try:
+            yield datapath
+        finally:
+            datapath.close()
+
+
+def bpftool(*argv: str) -> object:
+    return json.loads(subprocess.run(["bpftool", "-j", *argv], check=True, capture_output=True).stdout)
+
+
+def prog_id(fd: int) -> int:
+    from agent.ebpf.maps import libbcc
+
+    info = (ctypes.c_uint32 * 64)()  # struct bpf_prog_info: type, id, ...
+    size = ctypes.c_uint32(ctypes.sizeof(info))
+    assert libbcc().bpf_obj_get_info(fd, info, ctypes.byref(size)) == 0
+    return int(info[1])
+
+
+@pytest.mark.kernel
+def test_bpftool_shows_every_map_with_its_layout(loaded: Datapath) -> None:
+    for role, spec in abi.MAPS.items():
+        shown = bpftool("map", "show", "id", str(loaded.maps[role].info().id))
+        assert isinstance(shown, dict)
+        want = expected_info(spec, SMALL)
+        assert shown["name"] == spec.name
+        assert shown["type"] == spec.kind  # bpftool spells map types as bcc does
+        assert (shown["bytes_key"], shown["bytes_value"]) == (want["key_size"], want["value_size"])
+        assert shown["max_entries"] == want["max_entries"]
+
+
+@pytest.mark.kernel
+def test_both_programs_use_the_maps(loaded: Datapath) -> None:
+    map_ids = {m.info().id for m in loaded.maps.values()}
+    for name in PROGRAMS:
+        shown = bpftool("prog", "show", "id", str(prog_id(loaded.prog_fd(name))))
+        assert isinstance(shown, dict)
+        assert (shown["name"], shown["type"]) == (name, "sched_cls")
+        assert set(shown["map_ids"]) <= map_ids
+        assert len(shown["map_ids"]) == len(map_ids)
+
+
+@pytest.mark.kernel
+def test_map_dump_has_named_fields(loaded: Datapath) -> None:
+    fe = loaded.maps["fe"]
+    fe.update(
+        abi.FrontendKey(abi.ip_be("10.96.0.10"), abi.port_be(80), 6, abi.Scope.INTERNAL),
+        abi.Frontend(set_id=1, count=2, rev_nat_id=1),
+    )
+    try:
+        dumped = bpftool("map", "dump", "id", str(fe.info().id))
+    finally:
+        fe.clear()
+    assert isinstance(dumped, list) and len(dumped) == 1
+    formatted = dumped[0]["formatted"]
+    assert set(formatted["key"]) == {"addr", "port", "proto", "scope"}
+    assert set(formatted["value"]) >= {"set_id", "count", "flags", "affinity_timeout", "rev_nat_id"}
