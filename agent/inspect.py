@@ -1,0 +1,50 @@
+"""`agent inspect`: decode what a node's pinned BPF maps hold, without the running agent.
+
+`maps` prints the same lines as `agent --mode=ebpf --dry-run`, so a live node can be diffed against
+the plan for a services file; `conntrack`, `affinity` and `stats` show flows, sticky clients and the
+data path's counters (drops by reason included). Reads only; needs root for the bpf() syscall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from agent.config import DEFAULT_PIN_PATH
+
+SECTIONS = {"maps": "services", "conntrack": "ct", "affinity": "aff", "stats": "stats"}
+
+EPILOG = """\
+examples:
+  agent inspect maps                 frontends, slots, backends, reverse NAT, source ranges, config
+  agent inspect conntrack            every tracked flow: tuple, direction, rewrite, backend, age
+  agent inspect stats                packets, flows, SNAT, affinity hits and drops by reason
+  agent inspect maps conntrack --bpf-pin-path /sys/fs/bpf/ebpf-kube-proxy-node2
+"""
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="agent inspect",
+        description="Decode the pinned BPF maps of ebpf-kube-proxy on this node.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "what", nargs="*", choices=sorted(SECTIONS), default=["maps"], help="what to show (default: maps)"
+    )
+    p.add_argument("--bpf-pin-path", default=DEFAULT_PIN_PATH, help="bpffs directory of the agent's pins")
+    args = p.parse_args(argv)
+    from agent.ebpf.proxier import render_live_maps
+
+    try:
+        text = render_live_maps(args.bpf_pin_path, [SECTIONS[w] for w in args.what])
+    except FileNotFoundError as exc:
+        print(f"agent inspect: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 1
+    except PermissionError as exc:
+        print(f"agent inspect: {exc} (reading BPF maps needs root)", file=sys.stderr)
+        return 1
+    sys.stdout.write(text)
+    return 0
