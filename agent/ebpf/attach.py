@@ -78,28 +78,42 @@ def devices_with_addresses(ipr: Any, addresses: Iterable[str]) -> set[int]:
     return {int(m["index"]) for m in ipr.get_addr(family=2) if m.get("address") in wanted}
 
 
-def wanted_devices(ipr: Any, config: Config, node: NodeContext) -> dict[int, tuple[str, str]]:
-    """ifindex -> (device name, program name) for every device that should carry a program."""
-    links = list_links(ipr)
+def external_devices(ipr: Any, config: Config, node: NodeContext) -> dict[int, str]:
+    """ifindex -> name of the external devices: --devices, else those holding a node IP.
+
+    Looks devices up one by one (no dump of every link: a node may have hundreds of pod veths).
+    """
+    out: dict[int, str] = {}
     if config.devices:
-        names = set(config.devices)
-        external = {link.index for link in links if link.name in names}
-        missing = names - {link.name for link in links}
+        missing = []
+        for name in config.devices:
+            found = ipr.link_lookup(ifname=name)
+            if found:
+                out[int(found[0])] = name
+            else:
+                missing.append(name)
         if missing:
             log.warning(
-                "--devices names %s, not found in netns %s",
-                ",".join(sorted(missing)),
-                config.netns or "(own)",
+                "--devices names %s, not found in netns %s", ",".join(missing), config.netns or "(own)"
             )
-    else:
-        external = devices_with_addresses(ipr, node.node_ips)
-    out: dict[int, tuple[str, str]] = {}
-    for link in links:
-        if link.name == "lo":
-            continue
-        if link.index in external:
-            out[link.index] = (link.name, PROG_FROM_NET)
-        elif matches_pod_pattern(link.name, config.pod_interfaces):
+        return out
+    for index in sorted(devices_with_addresses(ipr, node.node_ips)):
+        for msg in ipr.get_links(index):
+            name = str(msg.get("ifname"))
+            if name != "lo":
+                out[index] = name
+    return out
+
+
+def wanted_devices(ipr: Any, config: Config, node: NodeContext) -> dict[int, tuple[str, str]]:
+    """ifindex -> (device name, program name) for every device that should carry a program."""
+    out = {index: (name, PROG_FROM_NET) for index, name in external_devices(ipr, config, node).items()}
+    for link in list_links(ipr):
+        if (
+            link.index not in out
+            and link.name != "lo"
+            and matches_pod_pattern(link.name, config.pod_interfaces)
+        ):
             out[link.index] = (link.name, PROG_FROM_POD)
     return out
 
@@ -219,14 +233,26 @@ class Attacher:
         with self._lock:
             return dict(self._attached)
 
-    def reconcile(self, node: NodeContext, *, full: bool = False) -> None:
-        """Attach where missing. `full` (first sync): replace every filter of ours with the
-        current programs, and detach from devices that no longer match."""
+    def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
+        """Attach where missing.
+
+        * default (every sync): only the external devices are looked up and checked; pod devices
+          are the watcher's job, so a sync on a node with hundreds of pods stays cheap;
+        * `verify` (now and then): every wanted device's filter is checked, in case ours was
+          removed behind our back or the watcher missed a device;
+        * `full` (first sync): every filter of ours is replaced with the current programs and
+          devices that no longer match are detached.
+        """
         with netns_route(self._config.netns) as ipr:
-            wanted = wanted_devices(ipr, self._config, node)
+            if full or verify:
+                wanted = wanted_devices(ipr, self._config, node)
+            else:
+                wanted = {i: (n, PROG_FROM_NET) for i, n in external_devices(ipr, self._config, node).items()}
+            external = {i for i, (_, prog) in wanted.items() if prog == PROG_FROM_NET}
             with self._lock:
-                self._external = {i for i, (_, prog) in wanted.items() if prog == PROG_FROM_NET}
-            if not self._external:
+                self._external = external
+                known = dict(self._attached)
+            if not external:
                 log.warning(
                     "no external device found in netns %s (node IPs %s, --devices %s): "
                     "traffic from other nodes is not translated",
@@ -234,18 +260,33 @@ class Attacher:
                     ",".join(node.node_ips) or "none",
                     ",".join(self._config.devices) or "auto",
                 )
+            gone: set[int] = set()
             if full:
+                gone = set(known) - set(wanted)
                 for link in list_links(ipr):
                     if link.index not in wanted and detach(ipr, link.index):
                         log.info("detached from %s (no longer matches)", link.name)
+            else:
+                # Devices we attached that no longer qualify (a node IP moved, a pod device renamed).
+                if verify:
+                    gone = set(known) - set(wanted)
+                else:
+                    gone = {i for i, (_, prog) in known.items() if prog == PROG_FROM_NET} - external
+                for index in gone:
+                    try:
+                        if detach(ipr, index):
+                            log.info("detached from %s (no longer matches)", known[index][0])
+                    except NetlinkError as exc:
+                        if exc.code != errno.ENODEV:
+                            raise
             for index, (name, prog) in sorted(wanted.items()):
                 if not full and our_filter(ipr, index) == prog:
                     self._remember(index, name, prog)
                     continue
                 self._attach(ipr, index, name, prog)
             with self._lock:
-                for index in set(self._attached) - set(wanted):
-                    del self._attached[index]
+                for index in gone:
+                    self._attached.pop(index, None)
 
     def _attach(self, ipr: Any, index: int, name: str, prog: str) -> None:
         attach(ipr, index, prog, self._fds[prog])

@@ -63,7 +63,7 @@ class DatapathLike(Protocol):
 
 
 class AttacherLike(Protocol):
-    def reconcile(self, node: NodeContext, *, full: bool = False) -> None: ...
+    def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None: ...
 
     def start_watcher(self, timeout: float = 5.0) -> None: ...
 
@@ -102,6 +102,7 @@ class EbpfProxier:
         self._attacher: AttacherLike | None = None
         self._written: MapContents | None = None  # what the maps hold, None = unknown (dump)
         self._attached_once = False
+        self._verified_at = 0.0  # monotonic time of the last full check of every device
         self.last_ops: list[str] = []  # summary of the last sync's writes, for logs and tests
 
     # ------------------------------------------------------------------ Proxier
@@ -205,7 +206,11 @@ class EbpfProxier:
             fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD)}
             self._attacher = self._attacher_factory(self._config, fds)
             full = True
-        self._attacher.reconcile(node, full=full)
+        now = time.monotonic()
+        verify = now - self._verified_at >= self._config.sync_period_s
+        self._attacher.reconcile(node, full=full, verify=verify)
+        if full or verify:
+            self._verified_at = now
         if not self._attached_once:
             self._attacher.start_watcher()
             self._attached_once = True

@@ -105,6 +105,15 @@ def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
     attacher.reconcile(NODE)
     assert seen == []
 
+    # filters removed behind our back: external devices are checked every sync, pods when verifying
+    for dev in ("eth0", "lxc-a"):
+        sh("tc", "-n", netns, "filter", "del", "dev", dev, "ingress", "prio", "17", "handle", "0xeb", "bpf")
+    attacher.reconcile(NODE)
+    assert seen == [("eth0", PROG_FROM_NET)]
+    attacher.reconcile(NODE, verify=True)
+    assert seen == [("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)]
+    seen.clear()
+
     # the watcher attaches to a new pod device and forgets a deleted one
     attacher.start_watcher()
     try:

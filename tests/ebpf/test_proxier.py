@@ -59,8 +59,8 @@ class FakeAttacher:
     def __init__(self, log: list[str]) -> None:
         self.log = log
 
-    def reconcile(self, node: NodeContext, *, full: bool = False) -> None:
-        self.log.append(f"reconcile full={full}")
+    def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
+        self.log.append(f"reconcile full={full}" + (" verify" if verify and not full else ""))
 
     def start_watcher(self, timeout: float = 5.0) -> None:
         self.log.append("watch")
