@@ -86,11 +86,13 @@ static __always_inline int ekp_new_flow(struct __sk_buff *skb, struct ekp_pkt *p
 	if (reason)
 		return ekp_drop(outcome, reason);
 
-	/* Hairpin (p->saddr == f.be_addr: a pod reaching itself through its service) needs a source
-	 * the pod accepts (kube-proxy masquerades it); not handled yet: the flow goes out as is. */
-
 	f.rev_nat_id = fe->rev_nat_id;
 	if ((fe->flags & EKP_FE_SNAT_REMOTE) && !(f.be_flags & EKP_BE_LOCAL))
+		f.ct_flags |= EKP_CT_SNAT;
+	/* Hairpin: a pod reaching itself through its service would get a packet from its own
+	 * address, which its stack drops; like kube-proxy (KUBE-MARK-MASQ for the endpoint's own
+	 * source), translate the source to the node so the reply comes back through us. */
+	if (p->saddr == f.be_addr)
 		f.ct_flags |= EKP_CT_SNAT;
 	if (p->tcp_flags & (EKP_TCP_FIN | EKP_TCP_RST))
 		f.ct_flags |= EKP_CT_CLOSING;

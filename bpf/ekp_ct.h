@@ -62,17 +62,27 @@ static __always_inline int ekp_ct_expired(const struct ekp_ct_entry *e, const st
 	return now > last && now - last > ekp_ct_timeout_ns(cfg, proto, e->flags);
 }
 
-/* A hit that may be used: alive, and not a new SYN on a closing flow (the client reuses the
- * port after TIME_WAIT: a new flow, a new backend choice, as nf_conntrack does). */
+/* A hit that may be used: alive; not a new SYN on a closing flow (the client reuses the port
+ * after TIME_WAIT: a new flow, a new backend choice, as nf_conntrack does); and for UDP, a
+ * backend still in ekp_be_v1 at the same address. kube-proxy deletes the conntrack entries of
+ * a removed UDP endpoint so a resolver keeping its source port moves on; TCP flows keep their
+ * backend (a terminating pod finishes its connections), as with kube-proxy. */
 static __always_inline int ekp_ct_usable(const struct ekp_ct_entry *e, const struct ekp_pkt *p,
 					 const struct ekp_config *cfg, __u64 now)
 {
 	if (ekp_ct_expired(e, cfg, p->proto, now))
 		return 0;
-	if (e->dir == EKP_CT_FORWARD && (e->flags & EKP_CT_CLOSING) &&
-	    (p->tcp_flags & (EKP_TCP_SYN | EKP_TCP_ACK)) == EKP_TCP_SYN)
-		return 0;
-	return 1;
+	if (e->dir != EKP_CT_FORWARD)
+		return 1;
+	if (p->proto == IPPROTO_TCP) {
+		int syn_only = (p->tcp_flags & (EKP_TCP_SYN | EKP_TCP_ACK)) == EKP_TCP_SYN;
+		return !((e->flags & EKP_CT_CLOSING) && syn_only);
+	}
+
+	struct ekp_backend_key bk = {};
+	bk.id = e->backend_id;
+	struct ekp_backend *be = ekp_be_lookup(&bk);
+	return be && be->addr == e->nat_addr && be->port == e->nat_port;
 }
 
 /* In-place refresh of a hit: coarse last_seen, and the closing mark on FIN/RST. */

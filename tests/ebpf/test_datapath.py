@@ -500,3 +500,41 @@ def test_closing_flow_expires_after_the_closing_timeout(net: Net) -> None:
     net.dp.maps["ct"].update(key, fwd)
     net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80, flags="A"))
     assert net.stats()[Stat.NEW_FLOWS] == 2
+
+
+# ---- hairpin, removed backends -------------------------------------------------------------
+
+
+def test_hairpin_is_source_translated_to_the_node(net: Net, lab: Lab) -> None:
+    """A pod reaching itself through its service gets the packet from the node, not from itself."""
+    net.add_service(backends=((1, POD_CLIENT, 8080, BackendFlag.LOCAL),))
+    verdict, out = net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))
+    assert verdict == TC_ACT_REDIRECT
+    p = parse(out)
+    assert (p.src, p.dst, p.dport) == (NODE, POD_CLIENT, 8080)
+    assert (p.dmac, checksums_valid(out)) == (MAC[POD_CLIENT], True)
+    verdict, out = net.from_pod(tcp(POD_CLIENT, NODE, 8080, p.sport, flags="SA"))
+    assert verdict == TC_ACT_REDIRECT
+    back = parse(out)
+    assert (back.src, back.sport, back.dst, back.dport) == (VIP, 80, POD_CLIENT, 12345)
+    assert net.stats()[Stat.SNAT] == 1
+
+
+def test_udp_flow_moves_when_its_backend_is_removed(net: Net) -> None:
+    """kube-proxy clears a removed UDP endpoint's conntrack entries: same tuple, new backend."""
+    net.add_service(port=53, backends=((1, BE1, 53, BackendFlag.LOCAL),), proto=UDP)
+    assert parse(net.from_pod(udp(POD_CLIENT, VIP, 5353, 53))[1]).dst == BE1
+    net.add_service(port=53, backends=((2, BE2, 53, BackendFlag.LOCAL),), proto=UDP)
+    net.dp.maps["be"].delete(abi.BackendKey(1))
+    assert parse(net.from_pod(udp(POD_CLIENT, VIP, 5353, 53))[1]).dst == BE2
+    assert net.stats()[Stat.NEW_FLOWS] == 2
+
+
+def test_tcp_flow_keeps_its_backend_when_it_is_removed(net: Net) -> None:
+    """A terminating endpoint finishes its TCP connections, as with kube-proxy."""
+    net.add_service(backends=((1, BE1, 8080, BackendFlag.LOCAL),))
+    net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))
+    net.add_service(backends=((2, BE2, 8080, BackendFlag.LOCAL),))
+    net.dp.maps["be"].delete(abi.BackendKey(1))
+    assert parse(net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80, flags="A"))[1]).dst == BE1
+    assert net.stats()[Stat.CT_FORWARD] == 1
