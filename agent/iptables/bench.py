@@ -1,0 +1,108 @@
+"""What the benchmark calls for the iptables mode: `measure(n_services)`.
+
+Builds a synthetic state (every tenth service a NodePort, `endpoints_per_service` remote
+endpoints each), renders it, and, with `apply=True` (root needed), syncs it into a throwaway
+network namespace `ekpt-bench-<random>` with the real runner: a full sync, then a partial sync
+after one service's endpoint changed. The namespace is deleted afterwards. Returns plain numbers:
+
+    services, endpoints, rules (filter + nat after the sync), restore_bytes, render_seconds,
+    and with apply: backend, full_sync_seconds, full_restore_seconds, partial_sync_seconds,
+    partial_restore_seconds, partial_restore_bytes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+import subprocess
+import time
+from dataclasses import replace
+
+from agent.config import Config, Mode, NodeContext
+from agent.iptables.proxier import IptablesProxier
+from agent.iptables.rules import RenderOptions, render
+from agent.model.topology import categorize_endpoints
+from agent.model.types import Endpoint, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
+
+_SERVICE_BASE = int(ipaddress.IPv4Address("10.96.0.0"))
+_POD_BASE = int(ipaddress.IPv4Address("10.244.0.0"))
+NODE = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
+CONFIG = Config(mode=Mode.IPTABLES, hostname="node1", cluster_cidr=("10.244.0.0/16",))
+
+
+def synthetic_state(n_services: int, endpoints_per_service: int = 2, *, shift: int = 0) -> ProxyState:
+    """`n_services` single-port TCP services; `shift` moves service 0's endpoints (a change)."""
+    node = NodeInfo("node1")
+    services: dict[ServicePortName, ServicePort] = {}
+    chosen = {}
+    raw = {}
+    for i in range(n_services):
+        spn = ServicePortName(f"ns{i // 100}", f"svc{i}", "http", Protocol.TCP)
+        node_port = 30000 + i // 10 if i % 10 == 0 and i // 10 < 2767 else 0
+        sp = ServicePort(
+            name=spn,
+            cluster_ip=str(ipaddress.IPv4Address(_SERVICE_BASE + i + 1)),
+            port=80,
+            protocol=Protocol.TCP,
+            node_port=node_port,
+        )
+        first = _POD_BASE + i * endpoints_per_service + 1 + (shift * 7919 if i == 0 else 0)
+        eps = tuple(
+            sorted(
+                (
+                    Endpoint(ip=str(ipaddress.IPv4Address(first + k)), port=8080, node_name="node2")
+                    for k in range(endpoints_per_service)
+                ),
+                key=lambda e: e.sort_key,
+            )
+        )
+        services[spn] = sp
+        raw[spn] = eps
+        chosen[spn] = categorize_endpoints(eps, sp, node)
+    return ProxyState(node=node, services=services, endpoints=chosen, raw_endpoints=raw)
+
+
+def measure(
+    n_services: int, endpoints_per_service: int = 2, *, apply: bool = True, backend: str = "nft"
+) -> dict[str, float | int | str]:
+    st = synthetic_state(n_services, endpoints_per_service)
+    start = time.perf_counter()
+    rendered = render(st, NODE, RenderOptions.from_config(CONFIG))
+    result: dict[str, float | int | str] = {
+        "services": n_services,
+        "endpoints": n_services * endpoints_per_service,
+        "rules": rendered.rule_count,
+        "restore_bytes": len(rendered.text),
+        "render_seconds": time.perf_counter() - start,
+    }
+    if not apply:
+        return result
+
+    ns = f"ekpt-bench-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        proxier = IptablesProxier(replace(CONFIG, netns=ns, iptables_backend=backend))
+        start = time.perf_counter()
+        proxier.sync(st, NODE)
+        full = proxier.last_sync
+        result["full_sync_seconds"] = time.perf_counter() - start
+        start = time.perf_counter()
+        proxier.sync(synthetic_state(n_services, endpoints_per_service, shift=1), NODE)
+        partial = proxier.last_sync
+        result["partial_sync_seconds"] = time.perf_counter() - start
+        assert full is not None and partial is not None and full.full and not partial.full
+        result["backend"] = backend
+        result["rules"] = full.rules
+        result["full_restore_seconds"] = full.restore_seconds
+        result["partial_restore_seconds"] = partial.restore_seconds
+        result["partial_services_written"] = partial.services_written
+    finally:
+        subprocess.run(["ip", "netns", "delete", ns], check=False)
+    return result
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 10000), indent=2))
