@@ -47,3 +47,25 @@ def test_golden(case: str) -> None:
             difflib.unified_diff(want.splitlines(True), got.splitlines(True), "golden", "rendered")
         )
         pytest.fail(f"{case}: rendered rules differ from {path.name}:\n{diff}")
+
+
+def test_cli_dry_run_prints_the_golden_text(capsys: pytest.CaptureFixture[str]) -> None:
+    """`agent --mode=iptables --dry-run` goes through the same renderer, needs no root."""
+    from agent.cli import main
+
+    rc = main(
+        [
+            "--mode=iptables",
+            "--dry-run",
+            "--services-file",
+            str(GOLDEN_DIR / "loadbalancer-local.yaml"),
+            "--hostname-override",
+            "node1",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+            "--node-ip",
+            "192.168.0.11",
+        ]
+    )
+    assert rc == 0
+    assert capsys.readouterr().out == (GOLDEN_DIR / "loadbalancer-local.rules").read_text()
