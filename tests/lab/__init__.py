@@ -1,0 +1,107 @@
+"""The network-namespace lab: a small cluster built from network namespaces, for tests, demo and benchmarks.
+
+Topology (fixed; other code relies on it). Every namespace is `<prefix>-<role>`, prefix = `ekp` + 6 hex:
+
+    <prefix>-net      the switch: bridge br0 (no IP), ports sw-node1, sw-node2, sw-client
+    <prefix>-node1    eth0 192.168.0.11/24; lxc-p1, lxc-p2 ... (one per pod, each 10.244.1.1/32)
+                      routes 10.244.1.(j+1)/32 dev lxc-p<j>, 10.244.2.0/24 via 192.168.0.12; ip_forward=1
+    <prefix>-node2    eth0 192.168.0.12/24; likewise with 10.244.2.0/24, 10.244.1.0/24 via 192.168.0.11
+    <prefix>-client   eth0 192.168.0.100/24; only the routes tests add (`add_client_route`)
+    <prefix>-pod-N-j  eth0 10.244.N.(j+1)/24 noprefixroute; 10.244.N.1 dev eth0; default via 10.244.N.1
+
+Pods are point-to-point like the CNI ptp plugin (kindnet): even same-node pod traffic goes through the
+node. Nothing else is tuned (rp_filter, accept_local, ... keep their defaults). The host namespace gets
+no address, route, link or program: veths are created directly inside their namespaces.
+
+Per lab, also: a tmp dir (logs, configs, blobs), cgroup v2 directories when cgroup2 is mounted
+(`<cgroup2>/<prefix>/node1/{host,pod-1-1,...}`, `<prefix>/client`; every process the lab starts is put
+in the one of its namespace, so node N's agent can attach cgroup programs to `Node.cgroup_root`
+(node and its pods) or `Node.cgroup` (host-network processes only) without touching other nodes), and
+a bpffs pin directory name per node (`Node.pin_dir`, not created, removed on teardown).
+
+Use:
+
+    from tests.lab import Lab
+
+    with Lab(nodes=2, pods_per_node=2) as lab:          # up() on enter, down() on exit, always
+        lab.start_podservers()                          # HTTP :8080 + UDP echo :9000 on every pod
+        p11, p12, p21, p22 = lab.pods
+        assert lab.http_get(p11, p21.ip) == "pod-2-1\\n"  # in-process client inside p11's namespace
+        assert lab.udp_echo(p11, p22.ip, payload="hi") == "pod-2-2 hi"
+        lab.add_client_route("203.0.113.0/24", via_node=1)
+        lab.curl(lab.client, "http://192.168.0.11:30080/")
+        lab.start_dns(p21); lab.dns_whoami(p11, p21.ip, tcp=True)   # -> "pod-2-1"
+
+In pytest use the fixtures from tests/conftest.py: `lab1`, `lab2`, `make_lab`, `kernel_required`.
+
+Safety net: `down()` is idempotent and also runs from atexit; SIGTERM/SIGHUP become KeyboardInterrupt
+once a lab is up. Leftovers of a killed run: `python -m tests.lab cleanup` (or `make clean-lab`).
+Manual poking: `python -m tests.lab up --nodes 2`.
+"""
+
+from .core import (
+    BRIDGE,
+    CLIENT_IP,
+    CREATED_PREFIXES,
+    DNS_PORT,
+    DNS_SVC_ADDR,
+    DNS_SVC_DOMAIN,
+    DNS_TXT_NAME,
+    HTTP_PORT,
+    NGINX_PORT,
+    NODE_SUBNET,
+    POD_SUPERNET,
+    STARTED,
+    UDP_PORT,
+    Client,
+    CommandError,
+    Host,
+    Lab,
+    LabFactory,
+    Node,
+    NsLike,
+    Pod,
+    Process,
+    live_labs,
+    node_gateway,
+    node_ip,
+    node_pod_cidr,
+    pod_ip,
+)
+from .netns import LabError, cleanup_leftovers, find_leaks, in_netns, kernel_problem, ns_socket
+
+__all__ = [
+    "BRIDGE",
+    "CLIENT_IP",
+    "CREATED_PREFIXES",
+    "DNS_PORT",
+    "DNS_SVC_ADDR",
+    "DNS_SVC_DOMAIN",
+    "DNS_TXT_NAME",
+    "HTTP_PORT",
+    "NGINX_PORT",
+    "NODE_SUBNET",
+    "POD_SUPERNET",
+    "STARTED",
+    "UDP_PORT",
+    "Client",
+    "CommandError",
+    "Host",
+    "Lab",
+    "LabError",
+    "LabFactory",
+    "Node",
+    "NsLike",
+    "Pod",
+    "Process",
+    "cleanup_leftovers",
+    "find_leaks",
+    "in_netns",
+    "kernel_problem",
+    "live_labs",
+    "node_gateway",
+    "node_ip",
+    "node_pod_cidr",
+    "ns_socket",
+    "pod_ip",
+]

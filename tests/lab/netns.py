@@ -1,0 +1,438 @@
+"""Low-level helpers for the lab: `ip` batches, namespace sockets, cgroups, leftovers and the kernel gate.
+
+Nothing here knows the lab's topology; `tests.lab.core` builds on it.
+
+* `ip_batch(lines, ns=None)` runs many `ip` commands in one process (`ip [-n NS] -batch -`).
+* `in_netns(ns, fn)` runs `fn` on a short-lived thread that has joined network namespace `ns`
+  (setns(2) is per thread, so the rest of the process stays where it is). Sockets created there
+  belong to `ns` for their whole life, whichever thread uses them later: that is how the lab's
+  in-process clients (`Lab.http_get`, `Lab.udp_echo`, readiness polls) talk from inside a namespace
+  without forking.
+* `cleanup_leftovers()` / `find_leaks()` find what a lab run may leave behind: namespaces named
+  `ekp<6 hex>-<role>`, cgroups `<cgroup2>/ekp<6 hex>`, bpffs pins `/sys/fs/bpf/ebpf-kube-proxy-lab-ekp...`,
+  temporary directories `<tmp>/ekp<6 hex>-*`.
+* `kernel_problem()` says why kernel tests cannot run here, or None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import functools
+import glob
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+NETNS_DIR = "/run/netns"
+BPFFS = "/sys/fs/bpf"
+PIN_PREFIX = "ebpf-kube-proxy-lab-"
+PREFIX_RE = re.compile(r"^ekp[0-9a-f]{6}$")
+NS_RE = re.compile(r"^(ekp[0-9a-f]{6})-")
+
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class LabError(RuntimeError):
+    """A lab operation failed (command error, server not ready, teardown left something)."""
+
+
+def new_prefix() -> str:
+    """A fresh per-lab prefix: `ekp` + 6 random hex digits."""
+    return "ekp" + secrets.token_hex(3)
+
+
+# ---------------------------------------------------------------------------------------------- ip
+
+
+def ip_batch(lines: Iterable[str], ns: str | None = None, *, force: bool = False) -> None:
+    """Run `ip` commands, one per line, in a single `ip -batch -` process (inside `ns` if given).
+
+    With `force`, errors do not stop the batch and are not raised (used by teardown).
+    """
+    text = "".join(line + "\n" for line in lines)
+    if not text:
+        return
+    argv = ["ip"]
+    if ns is not None:
+        argv += ["-n", ns]
+    if force:
+        argv.append("-force")
+    argv += ["-batch", "-"]
+    res = subprocess.run(argv, input=text, capture_output=True, text=True, check=False)
+    if res.returncode != 0 and not force:
+        raise LabError(f"{' '.join(argv)} failed ({res.returncode}): {res.stderr.strip()}\nbatch:\n{text}")
+
+
+def ip_batches(batches: dict[str, list[str]]) -> None:
+    """Run one `ip -n NS -batch -` per namespace, all processes at once; raise on the first failure."""
+    procs: list[tuple[str, str, subprocess.Popen[str]]] = []
+    for ns, lines in batches.items():
+        text = "".join(line + "\n" for line in lines)
+        if not text:
+            continue
+        p = subprocess.Popen(
+            ["ip", "-n", ns, "-batch", "-"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        procs.append((ns, text, p))
+    errors: list[str] = []
+    for ns, text, p in procs:
+        _, err = p.communicate(text)
+        if p.returncode != 0:
+            errors.append(f"ip -n {ns} -batch failed ({p.returncode}): {err.strip()}\nbatch:\n{text}")
+    if errors:
+        raise LabError("\n".join(errors))
+
+
+# ------------------------------------------------------------------------------------- namespaces
+
+
+def netns_path(ns: str) -> str:
+    return os.path.join(NETNS_DIR, ns)
+
+
+def list_netns() -> list[str]:
+    """Names of the named network namespaces (those under /run/netns)."""
+    try:
+        return sorted(os.listdir(NETNS_DIR))
+    except FileNotFoundError:
+        return []
+
+
+def netns_pids(ns: str) -> list[int]:
+    """Pids of every process whose network namespace is `ns` (`ip netns pids`)."""
+    res = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False)
+    return [int(tok) for tok in res.stdout.split() if tok.isdigit()]
+
+
+def delete_netns(names: Iterable[str]) -> None:
+    """Delete namespaces, ignoring ones already gone."""
+    ip_batch((f"netns del {ns}" for ns in names), force=True)
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+def in_netns(ns: str, fn: Callable[[], T]) -> T:
+    """Call `fn` on a fresh thread that has joined network namespace `ns`; return its result.
+
+    Only that thread moves (network namespaces may be joined per thread), so the caller and every
+    other thread stay in their namespace. Whatever `fn` creates that is bound to a namespace at
+    creation time (sockets, /proc/sys/net files opened there) stays bound to `ns`.
+    """
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                dest = os.open(netns_path(ns), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    _setns(dest)
+                finally:
+                    os.close(dest)
+                try:
+                    result.append(fn())
+                finally:
+                    _setns(own)
+            finally:
+                os.close(own)
+        except BaseException as exc:
+            error.append(exc)
+
+    thread = threading.Thread(target=target, name=f"netns:{ns}", daemon=True)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def ns_socket(ns: str, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM) -> socket.socket:
+    """A socket that lives in network namespace `ns` (usable from any thread)."""
+    return in_netns(ns, lambda: socket.socket(family, type))
+
+
+# ------------------------------------------------------------------------------------- processes
+
+
+def proc_starttime(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot (field 22 of /proc/PID/stat), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    # fields[0] is the state (field 3), so field 22 is fields[19].
+    if len(fields) < 20 or fields[0] == "Z":
+        return None
+    return int(fields[19])
+
+
+def alive(pid: int, starttime: int | None = None) -> bool:
+    """True if `pid` runs (not a zombie) and, when given, still has the same start time."""
+    st = proc_starttime(pid)
+    return st is not None and (starttime is None or st == starttime)
+
+
+def kill_pids(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def kill_netns(ns: str, *, timeout: float = 2.0) -> list[int]:
+    """SIGKILL every process in namespace `ns` until none is left (or `timeout`); return the pids seen."""
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = [p for p in netns_pids(ns) if p != os.getpid()]
+        if not pids:
+            return seen
+        seen += [p for p in pids if p not in seen]
+        kill_pids(pids)
+        if time.monotonic() > deadline:
+            return seen
+        time.sleep(0.01)
+
+
+# --------------------------------------------------------------------------------------- cgroups
+
+
+@functools.cache
+def cgroup2_root() -> str | None:
+    """Mount point of the cgroup v2 hierarchy (`/sys/fs/cgroup` or `/sys/fs/cgroup/unified`), or None."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and parts[2] == "cgroup2" and os.access(parts[1], os.W_OK):
+                    return parts[1]
+    except OSError:
+        pass
+    return None
+
+
+def cgroup_procs(path: str) -> list[int]:
+    """Pids in cgroup `path` and all its descendants."""
+    pids: list[int] = []
+    for dirpath, _dirs, _files in os.walk(path):
+        with contextlib.suppress(OSError), open(os.path.join(dirpath, "cgroup.procs"), encoding="ascii") as f:
+            pids += [int(x) for x in f.read().split()]
+    return pids
+
+
+def remove_cgroup_tree(path: str, *, timeout: float = 2.0) -> bool:
+    """Kill every process in cgroup tree `path` and remove it; return True when it is gone."""
+    if not os.path.isdir(path):
+        return True
+    deadline = time.monotonic() + timeout
+    while True:
+        kill_file = os.path.join(path, "cgroup.kill")
+        if os.path.exists(kill_file):
+            with contextlib.suppress(OSError), open(kill_file, "w", encoding="ascii") as f:
+                f.write("1")
+        else:
+            kill_pids(cgroup_procs(path))
+        busy = False
+        for dirpath, _dirs, _files in os.walk(path, topdown=False):
+            try:
+                os.rmdir(dirpath)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                    raise
+                busy = True
+        if not busy or time.monotonic() > deadline:
+            return not os.path.isdir(path)
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------------------------- leftovers
+
+
+def pin_dirs(prefix: str | None = None) -> list[str]:
+    """bpffs entries `/sys/fs/bpf/ebpf-kube-proxy-lab-<prefix>-*` (any prefix when None)."""
+    pattern = f"{PIN_PREFIX}{prefix}-*" if prefix else f"{PIN_PREFIX}ekp*"
+    return sorted(glob.glob(os.path.join(BPFFS, pattern)))
+
+
+def tmp_dirs(prefix: str | None = None) -> list[str]:
+    pattern = f"{prefix}-*" if prefix else "ekp??????-*"
+    return sorted(d for d in glob.glob(os.path.join(tempfile.gettempdir(), pattern)) if os.path.isdir(d))
+
+
+def lab_cgroups(prefix: str | None = None) -> list[str]:
+    root = cgroup2_root()
+    if root is None:
+        return []
+    if prefix is not None:
+        path = os.path.join(root, prefix)
+        return [path] if os.path.isdir(path) else []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(os.path.join(root, n) for n in names if PREFIX_RE.match(n))
+
+
+HOST_LINK_RE = re.compile(r"^(sw-(node\d+|client)|lxc-p\d+)$")
+
+
+def host_lab_links() -> list[str]:
+    """Links in the caller's namespace that look like lab veths (`sw-*`, `lxc-p*`, peer in a lab ns)."""
+    res = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=False)
+    found = []
+    for line in res.stdout.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) < 3:
+            continue
+        name = parts[1].strip().split("@", 1)[0]
+        if HOST_LINK_RE.match(name) or re.search(r"link-netns ekp[0-9a-f]{6}-", line):
+            found.append(name)
+    return found
+
+
+def host_veths() -> set[str]:
+    """Names of every veth in the caller's namespace."""
+    res = subprocess.run(["ip", "-o", "link", "show", "type", "veth"], capture_output=True, text=True)
+    return {line.split(":", 2)[1].strip().split("@", 1)[0] for line in res.stdout.splitlines() if ":" in line}
+
+
+def find_leaks(
+    prefixes: Iterable[str], pids: Iterable[tuple[int, int | None]] = (), *, host_links: bool = True
+) -> list[str]:
+    """What labs with these prefixes left behind: namespaces, cgroups, pins, tmp dirs, live processes.
+
+    `pids` are (pid, start time) pairs; `host_links` also reports lab-like links in the host namespace.
+    """
+    leaks: list[str] = []
+    prefixes = sorted(set(prefixes))
+    namespaces = list_netns()
+    for prefix in prefixes:
+        leaks += [f"network namespace {ns}" for ns in namespaces if ns.startswith(prefix + "-")]
+        leaks += [f"cgroup {cg}" for cg in lab_cgroups(prefix)]
+        leaks += [f"bpffs pin {p}" for p in pin_dirs(prefix)]
+        leaks += [f"temporary directory {d}" for d in tmp_dirs(prefix)]
+    for pid, start in pids:
+        if alive(pid, start):
+            leaks.append(f"process {pid} ({_cmdline(pid)})")
+    if host_links:
+        leaks += [f"lab-like link {name} in the host namespace" for name in host_lab_links()]
+    return leaks
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+def cleanup_leftovers(prefix: str | None = None, *, dry_run: bool = False) -> list[str]:
+    """Remove lab leftovers (of one prefix, or of every `ekp<6 hex>` prefix); return what was removed.
+
+    Kills processes in each namespace first, then deletes namespaces, cgroups, pins and tmp dirs.
+    """
+    removed: list[str] = []
+    if prefix is not None and not PREFIX_RE.match(prefix):
+        raise ValueError(f"not a lab prefix: {prefix!r}")
+    namespaces = [
+        ns
+        for ns in list_netns()
+        if (m := NS_RE.match(ns)) is not None and (prefix is None or m.group(1) == prefix)
+    ]
+    for ns in namespaces:
+        pids = netns_pids(ns)
+        if not dry_run:
+            kill_netns(ns)
+        removed.append(f"network namespace {ns}" + (f" (killed pids {pids})" if pids else ""))
+    for cg in lab_cgroups(prefix):
+        procs = cgroup_procs(cg)
+        if not dry_run:
+            remove_cgroup_tree(cg)
+        removed.append(f"cgroup {cg}" + (f" (killed pids {procs})" if procs else ""))
+    if not dry_run:
+        delete_netns(namespaces)
+    for pin in pin_dirs(prefix):
+        if not dry_run:
+            remove_path(pin)
+        removed.append(f"bpffs pin {pin}")
+    for d in tmp_dirs(prefix):
+        if not dry_run:
+            shutil.rmtree(d, ignore_errors=True)
+        removed.append(f"temporary directory {d}")
+    return removed
+
+
+def remove_path(path: str) -> None:
+    """Remove a file or directory tree (bpffs pins are unpinned by unlink)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+# ---------------------------------------------------------------------------------- kernel gate
+
+
+def _bpffs_mounted() -> bool:
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            return any(len(p) >= 3 and p[1] == BPFFS and p[2] == "bpf" for p in (ln.split() for ln in f))
+    except OSError:
+        return False
+
+
+@functools.cache
+def kernel_problem() -> str | None:
+    """Why kernel tests (root, network namespaces, BPF) cannot run here, or None when they can.
+
+    Mounts bpffs on /sys/fs/bpf when it is missing (idempotent, as scripts/setup.sh does).
+    """
+    if os.geteuid() != 0:
+        return "kernel tests need root"
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    probe = f"{new_prefix()}-probe"
+    res = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        return f"cannot create a network namespace: {res.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    if not _bpffs_mounted():
+        res = subprocess.run(
+            ["mount", "-t", "bpf", "bpf", BPFFS], capture_output=True, text=True, check=False
+        )
+        if res.returncode != 0:
+            return f"bpffs is not mounted on {BPFFS} and mounting failed: {res.stderr.strip()}"
+    if shutil.which("bpftool") is None:
+        return "bpftool is not installed"
+    res = subprocess.run(["bpftool", "prog", "show"], capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        return f"BPF is not usable (`bpftool prog show`: {res.stderr.strip()})"
+    return None

@@ -1,0 +1,122 @@
+"""The lab's pod server: standard library only, started as a script inside a pod's namespace.
+
+HTTP (HTTP/1.0, one request per connection) on every `--http-port` (default 8080), bound to 0.0.0.0:
+  GET /       -> "<name>\\n"
+  GET /ip     -> "<client source IP as seen by the server>\\n"
+  GET /blob   -> the file given with `--blob` (application/octet-stream, sendfile), 404 without it
+  GET /healthz -> "ok\\n"
+UDP echo on every `--udp-port` (default 9000): a datagram `<payload>` is answered `<name> <payload>`.
+
+UDP sockets are bound before the HTTP sockets listen, so a successful TCP connect means the whole
+server is ready. SIGTERM ends it.
+
+Usage: python podserver.py --name pod-1-1 [--http-port 8080 ...] [--udp-port 9000 ...] [--blob FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import socketserver
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    allow_reuse_port = False  # a second server on the same port must fail, not share it
+    request_queue_size = 1024
+    pod_name = ""
+    blob: str | None = None
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind calls socket.getfqdn(), a DNS lookup that can stall in a namespace.
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name = str(host)
+        self.server_port = int(port)
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "ekp-podserver/1"
+    protocol_version = "HTTP/1.0"
+    server: Server
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/":
+            self._text(self.server.pod_name + "\n")
+        elif path == "/ip":
+            self._text(f"{self.client_address[0]}\n")
+        elif path == "/healthz":
+            self._text("ok\n")
+        elif path == "/blob" and self.server.blob:
+            self._blob(self.server.blob)
+        else:
+            self._text("not found\n", 404)
+
+    def _text(self, body: str, status: int = 200) -> None:
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _blob(self, path: str) -> None:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(size))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.flush()
+            self.connection.sendfile(f)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def udp_echo(sock: socket.socket, name: bytes) -> None:
+    while True:
+        data, peer = sock.recvfrom(65535)
+        sock.sendto(name + b" " + data, peer)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--http-port", type=int, action="append")
+    ap.add_argument("--udp-port", type=int, action="append")
+    ap.add_argument("--blob")
+    args = ap.parse_args(argv)
+    http_ports = args.http_port or [8080]
+    udp_ports = args.udp_port if args.udp_port is not None else [9000]
+
+    threads: list[threading.Thread] = []
+    for port in udp_ports:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("0.0.0.0", port))
+        threads.append(threading.Thread(target=udp_echo, args=(sock, args.name.encode()), daemon=True))
+    for port in http_ports:
+        server = Server(("0.0.0.0", port), Handler)
+        server.pod_name = args.name
+        server.blob = args.blob
+        threads.append(threading.Thread(target=server.serve_forever, daemon=True))
+    for t in threads:
+        t.start()
+    print(f"podserver ready: {args.name} http {http_ports} udp {udp_ports}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

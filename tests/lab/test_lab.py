@@ -1,0 +1,242 @@
+"""The lab itself: topology, reachability, servers, clients, pod churn, host isolation, cleanup."""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.lab import CommandError, Lab, LabError, LabFactory, cleanup_leftovers, netns
+
+pytestmark = pytest.mark.kernel
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ip_json(lab: Lab | None, ns: Any, *args: str) -> list[dict[str, Any]]:
+    argv = ["ip", "-j", *args]
+    out = lab.run(ns, *argv).stdout if lab else subprocess.run(argv, capture_output=True, text=True).stdout
+    result: list[dict[str, Any]] = json.loads(out or "[]")
+    return result
+
+
+def test_build_is_fast_and_named_by_prefix(lab2: Lab) -> None:
+    assert lab2.build_seconds is not None and lab2.build_seconds < 2.0
+    assert re.fullmatch(r"ekp[0-9a-f]{6}", lab2.prefix)
+    roles = [ns.removeprefix(lab2.prefix + "-") for ns in lab2.namespaces]
+    assert sorted(roles) == sorted(
+        ["net", "client", "node1", "node2", "pod-1-1", "pod-1-2", "pod-2-1", "pod-2-2"]
+    )
+    existing = set(netns.list_netns())
+    assert set(lab2.namespaces) <= existing
+    assert [p.name for p in lab2.pods] == ["pod-1-1", "pod-1-2", "pod-2-1", "pod-2-2"]
+    assert [p.ip for p in lab2.pods] == ["10.244.1.2", "10.244.1.3", "10.244.2.2", "10.244.2.3"]
+    assert lab2.nodes[1].pod_ifaces == ["lxc-p1", "lxc-p2"]
+    assert lab2.pod(2, 1) is lab2.pod("pod-2-1") is lab2.pods[2]
+
+
+def test_addressing_and_routes(lab2: Lab) -> None:
+    for node in lab2.nodes:
+        eth0 = ip_json(lab2, node, "addr", "show", "dev", "eth0")[0]["addr_info"]
+        assert {(a["local"], a["prefixlen"]) for a in eth0 if a["family"] == "inet"} == {(node.ip, 24)}
+        routes = {r["dst"]: r for r in ip_json(lab2, node, "route", "show")}
+        other = lab2.nodes[1 - (node.index - 1)]
+        assert routes[other.pod_cidr]["gateway"] == other.ip
+        for pod in node.pods:
+            lxc = ip_json(lab2, node, "addr", "show", "dev", pod.host_iface)[0]["addr_info"]
+            assert {(a["local"], a["prefixlen"]) for a in lxc if a["family"] == "inet"} == {
+                (node.gateway, 32)
+            }
+            assert routes[pod.ip]["dev"] == pod.host_iface and routes[pod.ip]["scope"] == "link"
+        assert lab2.get_sysctl(node, "net.ipv4.ip_forward") == "1"
+    for pod in lab2.pods:
+        addrs = ip_json(lab2, pod, "addr", "show", "dev", "eth0")[0]["addr_info"]
+        assert {(a["local"], a["prefixlen"]) for a in addrs if a["family"] == "inet"} == {(pod.ip, 24)}
+        routes = {r["dst"]: r for r in ip_json(lab2, pod, "route", "show")}
+        assert routes["default"]["gateway"] == pod.gateway
+    client = ip_json(lab2, lab2.client, "addr", "show", "dev", "eth0")[0]["addr_info"]
+    assert {(a["local"], a["prefixlen"]) for a in client if a["family"] == "inet"} == {("192.168.0.100", 24)}
+    assert lab2.client.ip == "192.168.0.100"
+
+
+def test_pods_reach_each_other_on_one_node(lab2: Lab) -> None:
+    p11, p12 = lab2.nodes[0].pods
+    assert lab2.http_get(p11, p12.ip) == "pod-1-2\n"
+    assert lab2.http_get(p12, p11.ip, path="/ip") == f"{p12.ip}\n"
+
+
+def test_pods_reach_each_other_across_nodes(lab2: Lab) -> None:
+    for src in lab2.pods:
+        for dst in lab2.pods:
+            assert lab2.http_get(src, dst.ip) == f"{dst.name}\n"
+    # No NAT on the way: the server sees the pod's own address.
+    assert lab2.http_get(lab2.pod("pod-1-1"), lab2.pod("pod-2-2").ip, path="/ip") == "10.244.1.2\n"
+
+
+def test_udp_echo(lab2: Lab) -> None:
+    assert lab2.udp_echo(lab2.pod("pod-1-2"), lab2.pod("pod-2-1").ip, payload="hello") == "pod-2-1 hello"
+    assert lab2.udp_echo(lab2.nodes[0], lab2.pod("pod-1-1").ip) == "pod-1-1 ping"
+
+
+def test_nodes_reach_pods_and_each_other(lab2: Lab) -> None:
+    n1, n2 = lab2.nodes
+    assert lab2.http_get(n1, lab2.pod("pod-2-1").ip) == "pod-2-1\n"
+    assert lab2.tcp_probe(n1, n2.ip, 1) == "refused"
+
+
+def test_client_reaches_node_ips_only_until_routed(lab2: Lab) -> None:
+    for node in lab2.nodes:
+        assert lab2.tcp_probe(lab2.client, node.ip, 1) == "refused"  # a RST: the node answered
+    pod = lab2.pod("pod-2-1")
+    assert lab2.tcp_probe(lab2.client, pod.ip, 8080) == "unreachable"
+    lab2.add_client_route("10.244.0.0/16", via_node=2)
+    try:
+        assert lab2.http_get(lab2.client, pod.ip, path="/ip") == "192.168.0.100\n"
+        assert lab2.curl(lab2.client, f"http://{pod.ip}:8080/") == "pod-2-1\n"
+    finally:
+        lab2.del_client_route("10.244.0.0/16")
+    assert lab2.tcp_probe(lab2.client, pod.ip, 8080) == "unreachable"
+
+
+def test_dns_over_udp_and_tcp(lab2: Lab) -> None:
+    server = lab2.pod("pod-2-2")
+    dns = lab2.start_dns(server)
+    try:
+        client = lab2.pod("pod-1-1")
+        assert lab2.dig(client, server.ip) == '"pod-2-2"'
+        assert lab2.dns_whoami(client, server.ip, tcp=True) == "pod-2-2"
+        assert lab2.dig(client, server.ip, "anything.svc.lab", "A") == "10.0.0.1"
+        assert lab2.dig(client, server.ip, "pod-2-2.lab", "A", tcp=True) == server.ip
+    finally:
+        assert lab2.stop(dns) is not None
+    with pytest.raises(CommandError):
+        lab2.dig(lab2.pod("pod-1-1"), server.ip, timeout=1)
+
+
+def test_nginx(lab2: Lab) -> None:
+    pod = lab2.pod("pod-1-2")
+    proc = lab2.start_nginx(pod)
+    try:
+        assert lab2.curl(lab2.pod("pod-2-1"), f"http://{pod.ip}:8081/") == "pod-1-2\n"
+        assert lab2.http_get(lab2.pod("pod-2-1"), pod.ip, 8081, "/ip") == "10.244.2.2\n"
+    finally:
+        lab2.stop(proc)
+    assert lab2.tcp_probe(lab2.pod("pod-2-1"), pod.ip, 8081) == "refused"
+
+
+def test_server_failure_is_reported_fast(lab2: Lab) -> None:
+    pod = lab2.pod("pod-1-1")
+    with pytest.raises(LabError, match="Address already in use"):
+        lab2.start_podserver(pod, http_ports=(8080,), udp_ports=())
+
+
+def test_add_and_remove_pod_with_blob(lab2: Lab, tmp_path: Path) -> None:
+    node2 = lab2.node(2)
+    pod = lab2.add_pod(2)
+    assert (pod.name, pod.ip, pod.host_iface) == ("pod-2-3", "10.244.2.4", "lxc-p3")
+    blob, digest = lab2.make_blob(3 << 20)
+    lab2.start_podserver(pod, blob=blob)
+    src = lab2.pod("pod-1-1")
+    status, body = lab2.http_fetch(src, pod.ip, path="/blob")
+    assert status == 200 and hashlib.sha256(body).hexdigest() == digest
+    out = tmp_path / "blob"
+    lab2.curl(src, f"http://{pod.ip}:8080/blob", args=["-o", str(out)])
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == digest
+
+    lab2.remove_pod(pod)
+    assert pod.ns not in netns.list_netns()
+    assert "lxc-p3" not in lab2.run(node2, "ip", "-o", "link").stdout
+    assert pod not in lab2.pods and not any(p.ns == pod.ns for p in lab2.processes)
+    assert lab2.tcp_probe(src, pod.ip, 8080) != "open"
+
+    again = lab2.add_pod(node2, 3)  # the index is free again at once
+    try:
+        lab2.start_podserver(again)
+        assert lab2.http_get(src, again.ip) == "pod-2-3\n"
+    finally:
+        lab2.remove_pod(again)
+
+
+def test_processes_tracked_logged_and_in_cgroups(lab2: Lab) -> None:
+    node = lab2.nodes[0]
+    proc = lab2.popen(node, "sh", "-c", "echo started; exec sleep 60", name="sleeper")
+    assert any(p.popen is proc for p in lab2.processes)
+    lab2.wait_log(proc, "started")
+    assert proc.pid in netns.netns_pids(node.ns)
+    assert lab2.stop(proc) == -15
+    assert not any(p.popen is proc for p in lab2.processes)
+    assert lab2.log_of(proc) == "started\n"
+    if lab2.cgroup_root is None:
+        pytest.skip("no cgroup2 hierarchy")
+    pod = lab2.pod("pod-2-1")
+    assert f"0::/{lab2.prefix}/node2/pod-2-1" in lab2.run(pod, "cat", "/proc/self/cgroup").stdout.splitlines()
+    assert f"0::/{lab2.prefix}/node1/host" in lab2.run(node, "cat", "/proc/self/cgroup").stdout.splitlines()
+    assert node.cgroup_root == os.path.dirname(node.cgroup or "")
+
+
+def test_run_errors(lab2: Lab) -> None:
+    with pytest.raises(CommandError, match=lab2.nodes[0].ns):
+        lab2.run(lab2.nodes[0], "sh", "-c", "echo oops >&2; exit 3")
+    assert lab2.run("node1", "sh", "-c", "exit 4", check=False).returncode == 4
+
+
+def _host_state() -> tuple[list[str], list[str], set[str]]:
+    routes = sorted(
+        json.dumps(r, sort_keys=True) for r in ip_json(None, None, "route", "show", "table", "all")
+    )
+    addrs = sorted(
+        f"{i['ifname']} {a['local']}/{a['prefixlen']}"
+        for i in ip_json(None, None, "addr")
+        for a in i["addr_info"]
+    )
+    links = {i["ifname"] for i in ip_json(None, None, "link")}
+    return routes, addrs, links
+
+
+def test_host_namespace_untouched(make_lab: LabFactory) -> None:
+    before = _host_state()
+    lab = make_lab(nodes=2, pods_per_node=1)
+    lab.add_client_route("203.0.113.0/24", via_node=1)
+    lab.add_pod(1)
+    after = _host_state()
+    assert after == before
+    lab_nets = [ipaddress.ip_network("10.244.0.0/16"), ipaddress.ip_network("192.168.0.0/24")]
+    for r in ip_json(None, None, "route", "show", "table", "all"):
+        if r["dst"] in ("default", "multicast") or ":" in r["dst"]:
+            continue
+        dst = ipaddress.ip_network(r["dst"], strict=False)
+        assert not any(dst.overlaps(n) for n in lab_nets), r
+    assert netns.host_lab_links() == []
+
+
+def test_cleanup_command_removes_leftovers() -> None:
+    prefix = netns.new_prefix()
+    ns = f"{prefix}-node1"
+    pin = Path(netns.BPFFS) / f"{netns.PIN_PREFIX}{prefix}-node1"
+    try:
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+        sleeper = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "60"], start_new_session=True)
+        pin.mkdir()
+        assert sleeper.pid in netns.netns_pids(ns) or sleeper.poll() is None
+        res = subprocess.run(
+            [sys.executable, "-m", "tests.lab", "cleanup", "--prefix", prefix],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert res.returncode == 0, res.stderr
+        assert f"removed network namespace {ns}" in res.stdout
+        assert f"removed bpffs pin {pin}" in res.stdout
+        assert sleeper.wait(5) == -9
+        assert netns.find_leaks([prefix]) == []
+    finally:
+        cleanup_leftovers(prefix)
