@@ -161,3 +161,91 @@ def test_stale_udp_conntrack_entries_are_deleted_and_serving_ones_kept(netns: st
     listed = sh("ip", "netns", "exec", netns, "conntrack", "-L", "-p", "udp")
     assert "sport=40001" in listed
     assert "sport=40000" not in listed
+
+
+ECHO_SERVER = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", 5353))
+print("ready", flush=True)
+while True:
+    data, peer = s.recvfrom(512)
+    s.sendto(sys.argv[1].encode(), peer)
+"""
+
+CLIENT = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", 40000))
+s.settimeout(2)
+for line in sys.stdin:
+    s.sendto(b"q", ("10.96.0.10", 53))
+    try:
+        print(s.recvfrom(512)[0].decode(), flush=True)
+    except socket.timeout:
+        print("timeout", flush=True)
+"""
+
+
+def test_udp_client_follows_a_replaced_dns_pod(netns: str) -> None:
+    """kube-dns through the rules: a client keeping its source port reaches the new pod after the
+    endpoint changes, because the stale conntrack entry is cleared (without the cleanup it would
+    keep talking to the old pod)."""
+    pods = {"pod1": ("10.244.1.2", f"{netns}-p1"), "pod2": ("10.244.1.3", f"{netns}-p2")}
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        ip = ["ip", "-n", netns]
+        sh(*ip, "link", "set", "lo", "up")
+        sh(*ip, "addr", "add", "192.168.0.11/32", "dev", "lo")
+        for i, (name, (addr, pod_ns)) in enumerate(pods.items()):
+            sh("ip", "netns", "add", pod_ns)
+            host_if = f"veth{i}"
+            sh(*ip, "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", pod_ns)
+            sh(*ip, "addr", "add", "10.244.1.1/32", "dev", host_if)
+            sh(*ip, "link", "set", host_if, "up")
+            sh(*ip, "route", "add", f"{addr}/32", "dev", host_if)
+            sh("ip", "-n", pod_ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            sh("ip", "-n", pod_ns, "link", "set", "eth0", "up")
+            sh("ip", "-n", pod_ns, "route", "add", "default", "via", "10.244.1.1", "dev", "eth0", "onlink")
+            server = subprocess.Popen(
+                ["ip", "netns", "exec", pod_ns, "python3", "-c", ECHO_SERVER, name],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            procs.append(server)
+            assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        sh(*ip, "route", "add", "10.96.0.0/12", "dev", "veth0")  # any route: DNAT re-routes
+
+        def dns(*eps: str) -> object:
+            return state(
+                service("dns", "10.96.0.10", ("dns", 53, "UDP"), namespace="kube-system"),
+                endpoints("dns", [("dns", 5353, "UDP")], *eps, namespace="kube-system"),
+            )
+
+        p = IptablesProxier(cfg(netns, "nft"))
+        p.sync(dns("10.244.1.2"), NODE)  # type: ignore[arg-type]
+        client = subprocess.Popen(
+            ["ip", "netns", "exec", netns, "python3", "-c", CLIENT],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(client)
+        assert client.stdin is not None and client.stdout is not None
+
+        def ask() -> str:
+            client.stdin.write("\n")  # type: ignore[union-attr]
+            client.stdin.flush()  # type: ignore[union-attr]
+            return client.stdout.readline().strip()  # type: ignore[union-attr]
+
+        assert ask() == "pod1"
+        assert ask() == "pod1"
+        p.sync(dns("10.244.1.3"), NODE)  # the DNS pod is replaced (pod1 still answers if reached)
+        assert p.last_sync is not None and p.last_sync.conntrack_filters == 1
+        assert ask() == "pod2"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        for _, pod_ns in pods.values():
+            sh("ip", "netns", "delete", pod_ns, check=False)
