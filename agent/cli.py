@@ -74,7 +74,7 @@ def _ipv4(text: str) -> str:
 def _port_range(text: str) -> tuple[int, int]:
     m = re.fullmatch(r"(\d+)-(\d+)", text)
     if not m or not 1024 <= int(m[1]) <= int(m[2]) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port range like 32768-65535 (within 1024-65535)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port range like 61000-65535 (within 1024-65535)")
     return int(m[1]), int(m[2])
 
 
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bpf-snat-ports",
         type=_port_range,
-        default=(32768, 65535),
+        default=(61000, 65535),
         help="source ports for SNAT to remote backends",
     )
     for role, default in vars(MapSizes()).items():

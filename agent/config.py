@@ -56,7 +56,7 @@ class Config:
     pod_interfaces: tuple[str, ...] = tuple(DEFAULT_POD_INTERFACES.split(","))
     pin_path: str = DEFAULT_PIN_PATH
     map_sizes: MapSizes = field(default_factory=MapSizes)
-    snat_ports: tuple[int, int] = (32768, 65535)
+    snat_ports: tuple[int, int] = (61000, 65535)  # above the kernel's ephemeral 32768-60999
     # iptables mode
     iptables_backend: str = "auto"  # auto | nft | legacy
 
