@@ -390,6 +390,10 @@ class Lab:
         for node in self.nodes:
             lines = ["link set lo up", "link set eth0 up", f"addr add {node.ip}/24 dev eth0"]
             lines += [f"route add {o.pod_cidr} via {o.ip}" for o in self.nodes if o is not node]
+            # Real nodes have a default route, so traffic to an unknown destination (a service VIP
+            # without rules) is forwarded through netfilter rather than refused by routing. The
+            # external client stands in as the upstream router; it does not forward.
+            lines.append(f"route add default via {self.client.ip}")
             for pod in node.pods:
                 lines += self._node_pod_lines(pod)
             batches[node.ns] = lines
