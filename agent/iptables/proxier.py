@@ -159,7 +159,16 @@ class IptablesProxier:
                 if fingerprints.get(k) != self._fingerprints.get(k)
             }
 
-        rendered = render(state, node, options, changed=changed, existing_nat_chains=chains.get("nat", set()))
+        existing_nat = chains.get("nat", set())
+        rendered = render(state, node, options, changed=changed, existing_nat_chains=existing_nat)
+        if not full and not rendered.kept_chains <= existing_nat:
+            # Chains of unchanged services vanished behind our back: the partial restore would
+            # fail on the jumps to them. Write everything instead.
+            log.info("iptables full sync: %d kept chain(s) missing", len(rendered.kept_chains - existing_nat))
+            full = True
+            self._need_full = True
+            self._ensure_base(options)
+            rendered = render(state, node, options, existing_nat_chains=existing_nat)
         rendered_at = self._clock()
         try:
             self._runner.restore(rendered.text)

@@ -197,6 +197,8 @@ class Rendered:
     deleted_chains: tuple[str, ...]
     large_cluster: bool
     written_services: frozenset[str] = field(default_factory=frozenset)
+    # Service chains a partial sync relies on without writing them (they must exist already).
+    kept_chains: frozenset[str] = field(default_factory=frozenset)
 
     @property
     def rule_count(self) -> int:
@@ -216,6 +218,7 @@ class _Writer:
         self.skipped_chains: list[str] = []
         self.skipped_rules: list[str] = []
         self.active_nat_chains: set[str] = set()
+        self.kept_chains: set[str] = set()
 
 
 def render(
@@ -307,6 +310,7 @@ def render(
         deleted_chains=tuple(deleted),
         large_cluster=large,
         written_services=frozenset(written),
+        kept_chains=frozenset(w.kept_chains),
     )
 
 
@@ -424,7 +428,7 @@ def _service_port(
         chains, rules = w.nat_chains, w.nat_rules
     else:
         chains, rules = w.skipped_chains, w.skipped_rules
-    active = w.active_nat_chains
+    active: set[str] = set()
 
     if has_internal:
         if options.masquerade_all:
@@ -504,6 +508,9 @@ def _service_port(
         rules.append(f"{args} -s {ep.ip} -j {KUBE_MARK_MASQ}")
         recent = f" -m recent --name {sep} --set" if affinity else ""
         rules.append(f"{args}{recent} {match} -j DNAT --to-destination {ep.ip}:{ep.port}")
+    w.active_nat_chains |= active
+    if not write_own:
+        w.kept_chains |= active
 
 
 def _endpoint_jumps(

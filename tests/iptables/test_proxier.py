@@ -252,3 +252,14 @@ def test_conntrack_failure_does_not_fail_the_sync() -> None:
     p.sync(dns_state("10.244.2.2"), NODE)
     assert p.last_sync is not None and p.last_sync.conntrack_filters == 0
     assert len(fake.restores) == 1
+
+
+def test_kept_chain_deleted_behind_our_back_turns_the_partial_sync_into_a_full_one() -> None:
+    p, fake = make()
+    p.sync(two_services(), NODE)
+    # Someone removes service a's chain (and the KUBE-SERVICES jump to it) by hand.
+    fake.tables["nat"]["KUBE-SERVICES"] = [r for r in fake.rules("nat", "KUBE-SERVICES") if svc("a") not in r]
+    del fake.tables["nat"][svc("a")]
+    p.sync(two_services(), NODE)  # nothing changed in the state: would be partial, and fail
+    assert p.last_sync is not None and p.last_sync.full
+    assert svc("a") in fake.chains("nat")
