@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from agent.config import Config, NodeContext
 from agent.iptables.chains import (
@@ -56,7 +56,6 @@ from agent.iptables.chains import (
     local_chain,
     service_chain,
 )
-from agent.model.topology import categorize_endpoints
 from agent.model.types import Endpoint, ProxyState, ServiceEndpoints, ServicePort, SessionAffinity
 
 # Above this many endpoints (all endpoints of all service ports, ready or not) upstream drops the
@@ -159,26 +158,9 @@ def _probability(n: int) -> str:
     return f"{1.0 / n:0.10f}"
 
 
-def upstream_uses_cluster_endpoints(sp: ServicePort) -> bool:
-    """kube-proxy's UsesClusterEndpoints: Cluster internal policy, or any external access at all
-    (even with externalTrafficPolicy Local, cluster endpoints serve the short-circuit of pod and
-    host traffic to external addresses)."""
-    return not sp.internal_policy_local or sp.externally_accessible
-
-
 def categorized(state: ProxyState, sp: ServicePort) -> ServiceEndpoints:
-    """The model's choice of endpoints, made to agree with upstream's CategorizeEndpoints.
-
-    The model treats a port with both traffic policies Local as not using cluster endpoints;
-    upstream does use them (for the KUBE-EXT short-circuit to KUBE-SVC). For that one case we ask
-    the pure topology function again as if the internal policy were Cluster, which yields exactly
-    upstream's cluster, local and merged lists.
-    """
-    chosen = state.endpoints.get(sp.name, ServiceEndpoints())
-    if upstream_uses_cluster_endpoints(sp) == sp.uses_cluster_endpoints:
-        return chosen
-    probe = replace(sp, internal_policy_local=False)
-    return categorize_endpoints(state.raw_endpoints.get(sp.name, ()), probe, state.node)
+    """The endpoints the model chose for this port (kube-proxy's CategorizeEndpoints)."""
+    return state.endpoints.get(sp.name, ServiceEndpoints())
 
 
 def total_endpoints(state: ProxyState) -> int:
@@ -336,7 +318,7 @@ def _service_port(
     svl_chain = local_chain(spn)
     ext_chain = external_chain(spn)
     fw_chain = firewall_chain(spn)
-    uses_cluster_chain = bool(eps.cluster) and upstream_uses_cluster_endpoints(sp)
+    uses_cluster_chain = bool(eps.cluster) and sp.uses_cluster_endpoints
     uses_local_chain = bool(eps.local) and sp.uses_local_endpoints
 
     internal_chain = cluster_chain

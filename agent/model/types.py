@@ -84,10 +84,12 @@ class ServicePort:
 
     @property
     def uses_cluster_endpoints(self) -> bool:
-        """Some traffic to this port may go to any endpoint in the cluster."""
-        return not self.internal_policy_local or (
-            self.externally_accessible and not self.external_policy_local
-        )
+        """Some traffic to this port may go to any endpoint in the cluster.
+
+        True for any externally reachable port, even with externalTrafficPolicy Local: pods and the
+        node reaching an external address are short-circuited to the cluster endpoints.
+        """
+        return not self.internal_policy_local or self.externally_accessible
 
     @property
     def uses_local_endpoints(self) -> bool:

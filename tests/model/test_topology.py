@@ -191,8 +191,19 @@ CASES = [
         True,
     ),
     (
-        "ETP and ITP Local: only local",
+        # Externally reachable: the cluster set still serves the short-circuit of pod traffic
+        # to the external addresses (kube-proxy's UsesClusterEndpoints).
+        "ETP and ITP Local on a NodePort: cluster set kept for short-circuit",
         svc(node_port=30080, external_policy_local=True, internal_policy_local=True),
+        [ep("10.0.0.1"), ep("10.0.0.2", local=True)],
+        {"10.0.0.1", "10.0.0.2"},
+        {"10.0.0.2"},
+        {"10.0.0.1", "10.0.0.2"},
+        True,
+    ),
+    (
+        "ITP Local on a ClusterIP: no cluster set",
+        svc(internal_policy_local=True, external_policy_local=True),
         [ep("10.0.0.1"), ep("10.0.0.2", local=True)],
         set(),
         {"10.0.0.2"},
