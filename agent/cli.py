@@ -78,6 +78,13 @@ def _port_range(text: str) -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
+def _bool(text: str) -> bool:
+    """kube-proxy's boolean flags take `--flag=true|false`."""
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return text.lower() in ("true", "1")
+
+
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
@@ -134,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="iptables binary family (auto: the one the node already uses)",
     )
+    p.add_argument(
+        "--iptables-localhost-nodeports",
+        type=_bool,
+        default=True,
+        metavar="true|false",
+        help="NodePorts also answer on 127.0.0.1 (iptables; sets route_localnet)",
+    )
     p.add_argument("--netns", default="", help="network namespace to program (default: the agent's own)")
     p.add_argument("--devices", type=_csv, default=(), help="external devices (default: those with node IPs)")
     p.add_argument(
@@ -186,6 +200,7 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         map_sizes=sizes,
         snat_ports=ns.bpf_snat_ports,
         iptables_backend=ns.iptables_backend,
+        iptables_localhost_nodeports=ns.iptables_localhost_nodeports,
     )
 
 

@@ -59,11 +59,7 @@ class Config:
     snat_ports: tuple[int, int] = (61000, 65535)  # above the kernel's ephemeral 32768-60999
     # iptables mode
     iptables_backend: str = "auto"  # auto | nft | legacy
-
-    @property
-    def masquerade_mark(self) -> str:
-        """`0x4000` for the default bit 14, as kube-proxy prints it."""
-        return f"{1 << self.masquerade_bit:#x}"
+    iptables_localhost_nodeports: bool = True  # NodePorts answer on 127.0.0.1 too (route_localnet)
 
 
 @dataclass(frozen=True)

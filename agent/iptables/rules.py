@@ -97,7 +97,7 @@ class RenderOptions:
     ) -> RenderOptions:
         ipv4_cidrs = [c.strip() for c in config.cluster_cidr if _is_ipv4_cidr(c)]
         # Config has no --iptables-localhost-nodeports flag (yet); honour one if it appears.
-        localhost = bool(getattr(config, "iptables_localhost_nodeports", True))
+        localhost = config.iptables_localhost_nodeports
         return cls(
             masquerade_all=config.masquerade_all,
             masquerade_mark=masquerade_mark(config.masquerade_bit),

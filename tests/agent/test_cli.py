@@ -39,7 +39,9 @@ def test_config_from_flags() -> None:
     assert cfg.map_sizes.ct == 1000 and cfg.map_sizes.fe == 65536
     assert cfg.snat_ports == (40000, 50000)
     assert cfg.devices == ("eth0", "eth1")
-    assert cfg.masquerade_mark == "0x4000"
+    assert cfg.iptables_localhost_nodeports is True
+    off = config_from_args(build_parser().parse_args(["--iptables-localhost-nodeports=false"]))
+    assert off.iptables_localhost_nodeports is False
 
 
 @pytest.mark.parametrize(
