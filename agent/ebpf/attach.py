@@ -20,15 +20,19 @@ filters, and the clsact qdisc only when it then holds no filter at all.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fnmatch
 import logging
+import os
 import select
+import socket
+import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
@@ -57,6 +61,103 @@ def netns_route(netns: str) -> Iterator[Any]:
         yield ipr
     finally:
         ipr.close()
+
+
+T = TypeVar("T")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNET = 0x40000000
+NETNS_RUN_DIR = "/run/netns"
+
+
+def run_in_netns(netns: str, fn: Callable[[], T]) -> T:
+    """Run `fn` on a short-lived thread that joined `netns` ("" = here); setns(2) is per thread.
+
+    Sockets created by `fn` stay in `netns` for their whole life, whichever thread uses them.
+    """
+    if not netns:
+        return fn()
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fd = os.open(os.path.join(NETNS_RUN_DIR, netns), os.O_RDONLY)
+            try:
+                if _libc.setns(fd, CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns({netns}): {os.strerror(err)}")
+            finally:
+                os.close(fd)
+            result.append(fn())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"ekp-netns-{netns}")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+# rtnetlink link events, read from a plain socket: pyroute2's buffered reader does not mix with
+# select(), and a watcher must never sit on an event it has already read.
+RTM_NEWLINK = 16
+RTM_DELLINK = 17
+IFLA_IFNAME = 3
+_NLMSG_HDR = struct.Struct("=IHHII")
+_IFINFO = struct.Struct("=BxHiII")
+_RTA = struct.Struct("=HH")
+
+
+def link_event_socket() -> socket.socket:
+    """A non-blocking rtnetlink socket subscribed to link events, in the caller's netns."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        sock.bind((0, RTMGRP_LINK))
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def parse_link_events(data: bytes) -> list[tuple[int, int, str]]:
+    """(message type, ifindex, ifname) of each RTM_NEWLINK / RTM_DELLINK in a netlink datagram."""
+    out: list[tuple[int, int, str]] = []
+    off = 0
+    while off + _NLMSG_HDR.size <= len(data):
+        length, mtype, _, _, _ = _NLMSG_HDR.unpack_from(data, off)
+        if length < _NLMSG_HDR.size or off + length > len(data):
+            break
+        body = off + _NLMSG_HDR.size
+        if mtype in (RTM_NEWLINK, RTM_DELLINK) and length >= _NLMSG_HDR.size + _IFINFO.size:
+            _, _, index, _, _ = _IFINFO.unpack_from(data, body)
+            name = ""
+            attr, end = body + _IFINFO.size, off + length
+            while attr + _RTA.size <= end:
+                alen, atype = _RTA.unpack_from(data, attr)
+                if alen < _RTA.size:
+                    break
+                if atype & 0x3FFF == IFLA_IFNAME:
+                    name = data[attr + _RTA.size : attr + alen].split(b"\0", 1)[0].decode(errors="replace")
+                attr += (alen + 3) & ~3
+            out.append((mtype, index, name))
+        off += (length + 3) & ~3
+    return out
+
+
+def read_link_events(sock: socket.socket) -> list[tuple[int, int, str]]:
+    """Every link event queued on `sock` (empty when none)."""
+    out: list[tuple[int, int, str]] = []
+    while True:
+        try:
+            data = sock.recv(1 << 16)
+        except BlockingIOError:
+            return out
+        out += parse_link_events(data)
 
 
 def matches_pod_pattern(name: str, patterns: Iterable[str]) -> bool:
@@ -301,9 +402,14 @@ class Attacher:
 
     # ------------------------------------------------------------------ pod-device watcher
 
+    @property
+    def watching(self) -> bool:
+        """The pod-device watcher thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start_watcher(self, timeout: float = 5.0) -> None:
-        """Start the thread that attaches to new pod devices; returns once it listens."""
-        if self._thread is not None:
+        """Start (or restart) the thread that attaches to new pod devices; returns once it listens."""
+        if self.watching:
             return
         self._stop.clear()
         self._ready.clear()
@@ -319,30 +425,40 @@ class Attacher:
 
     def _watch(self) -> None:
         try:
-            with netns_route(self._config.netns) as ipr:
-                ipr.bind(groups=RTMGRP_LINK)
+            events = run_in_netns(self._config.netns, link_event_socket)
+            with events, netns_route(self._config.netns) as ipr:
                 self._ready.set()
-                # Devices created between the last reconcile and the bind.
-                for link in list_links(ipr):
-                    self._on_new_link(ipr, link.index, link.name)
+                self._catch_up(ipr)  # devices created between the last reconcile and the bind
                 while not self._stop.is_set():
-                    readable, _, _ = select.select([ipr.fileno()], [], [], 0.5)
+                    readable, _, _ = select.select([events], [], [], 0.5)
                     if not readable:
                         continue
-                    for msg in ipr.get():
-                        index, name = int(msg["index"]), str(msg.get("ifname"))
-                        if msg["event"] == "RTM_NEWLINK":
+                    try:
+                        batch = read_link_events(events)
+                    except OSError as exc:
+                        if exc.errno != errno.ENOBUFS:
+                            raise
+                        log.warning("link events overflowed: checking every device")
+                        self._catch_up(ipr)
+                        continue
+                    for event, index, name in batch:
+                        if event == RTM_NEWLINK:
                             self._on_new_link(ipr, index, name)
-                        elif msg["event"] == "RTM_DELLINK":
+                        elif event == RTM_DELLINK:
                             with self._lock:
                                 if self._attached.pop(index, None) is not None:
                                     log.info("pod device %s is gone", name)
         except Exception:
             log.exception(
-                "link watcher of netns %s stopped; pods get programs at the next sync", self._config.netns
+                "link watcher of netns %s stopped; the next sync restarts it and checks every device",
+                self._config.netns,
             )
         finally:
             self._ready.set()
+
+    def _catch_up(self, ipr: Any) -> None:
+        for link in list_links(ipr):
+            self._on_new_link(ipr, link.index, link.name)
 
     def _on_new_link(self, ipr: Any, index: int, name: str) -> None:
         if name == "lo" or not matches_pod_pattern(name, self._config.pod_interfaces):

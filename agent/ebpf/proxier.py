@@ -33,7 +33,7 @@ from typing import Protocol
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
-from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
+from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all, run_in_netns
 from agent.ebpf.delta import apply_op, diff, summary, write_op
 from agent.ebpf.maps import MapWriter
 from agent.ebpf.plan import MapContents, plan, read_contents
@@ -64,6 +64,9 @@ class DatapathLike(Protocol):
 
 class AttacherLike(Protocol):
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None: ...
+
+    @property
+    def watching(self) -> bool: ...
 
     def start_watcher(self, timeout: float = 5.0) -> None: ...
 
@@ -207,7 +210,11 @@ class EbpfProxier:
             self._attacher = self._attacher_factory(self._config, fds)
             full = True
         now = time.monotonic()
-        verify = now - self._verified_at >= self._config.sync_period_s
+        restart = self._attached_once and not self._attacher.watching
+        if restart:
+            log.warning("the pod-device watcher had stopped: restarting it and checking every device")
+            self._attacher.start_watcher()
+        verify = restart or now - self._verified_at >= self._config.sync_period_s
         self._attacher.reconcile(node, full=full, verify=verify)
         if full or verify:
             self._verified_at = now
@@ -248,38 +255,6 @@ def _dotted(path: str) -> str:
 
 # ---------------------------------------------------------------------------------- sysctls
 
-_libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNET = 0x40000000
-NETNS_RUN_DIR = "/run/netns"
-
-
-def _in_netns(netns: str, fn: Callable[[], str | None]) -> str | None:
-    """Run `fn` on a short-lived thread that joined `netns` (setns is per thread)."""
-    if not netns:
-        return fn()
-    result: list[str | None] = []
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fd = os.open(os.path.join(NETNS_RUN_DIR, netns), os.O_RDONLY)
-            try:
-                if _libc.setns(fd, CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"setns({netns}): {os.strerror(err)}")
-            finally:
-                os.close(fd)
-            result.append(fn())
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name=f"ekp-netns-{netns}")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
-    return result[0]
-
 
 def write_sysctl(netns: str, path: str, value: str) -> str | None:
     """Set /proc/sys/`path` to `value` in `netns` when it differs; returns the old value."""
@@ -291,7 +266,7 @@ def write_sysctl(netns: str, path: str, value: str) -> str | None:
             proc.write_text(value + "\n")
         return old
 
-    return _in_netns(netns, run)
+    return run_in_netns(netns, run)
 
 
 # ---------------------------------------------------------------------------------- pins

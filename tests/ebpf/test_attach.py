@@ -7,6 +7,7 @@ named like the real ones (the attach code does not care what the programs do).
 from __future__ import annotations
 
 import secrets
+import struct
 import subprocess
 import threading
 import time
@@ -19,10 +20,13 @@ from agent.config import Config, NodeContext
 from agent.ebpf.attach import (
     PROG_FROM_NET,
     PROG_FROM_POD,
+    RTM_DELLINK,
+    RTM_NEWLINK,
     Attacher,
     detach_all,
     matches_pod_pattern,
     netns_route,
+    parse_link_events,
 )
 
 
@@ -31,6 +35,18 @@ def test_pod_patterns() -> None:
     assert matches_pod_pattern("veth12ab", ("lxc*", "veth*"))
     assert not matches_pod_pattern("eth0", ("lxc*", "veth*"))
     assert not matches_pod_pattern("eth0", ("",))
+
+
+def test_parse_link_events() -> None:
+    def msg(mtype: int, index: int, name: str) -> bytes:
+        attr = struct.pack("=HH", 4 + len(name) + 1, 3) + name.encode() + b"\0"
+        attr += b"\0" * (-len(attr) % 4)
+        body = struct.pack("=BxHiII", 0, 1, index, 0, 0) + struct.pack("=HH", 8, 4) + b"\0" * 4 + attr
+        return struct.pack("=IHHII", 16 + len(body), mtype, 0, 0, 0) + body
+
+    data = msg(RTM_NEWLINK, 7, "lxc-a") + msg(RTM_DELLINK, 8, "veth1") + msg(20, 1, "addr")
+    assert parse_link_events(data) == [(RTM_NEWLINK, 7, "lxc-a"), (RTM_DELLINK, 8, "veth1")]
+    assert parse_link_events(data[:10]) == []
 
 
 def sh(*argv: str) -> str:
@@ -124,6 +140,12 @@ def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
         sh("ip", "-n", netns, "link", "del", "lxc-b")
         assert wait_for(lambda: ("lxc-b", PROG_FROM_POD) not in attacher.attached.values())
         assert ingress(netns, "nomatch") == ""
+        # a burst of pods: none is missed
+        batch = "".join(f"link add lxc-c{i} type veth peer name pod-c{i}\n" for i in range(20))
+        subprocess.run(["ip", "-n", netns, "-batch", "-"], input=batch, text=True, check=True)
+        want = {(f"lxc-c{i}", PROG_FROM_POD) for i in range(20)}
+        assert wait_for(lambda: want <= set(attacher.attached.values()))
+        assert all("ekp_from_pod" in ingress(netns, f"lxc-c{i}") for i in range(20))
     finally:
         attacher.stop_watcher()
 
@@ -132,7 +154,7 @@ def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
         "tc", "-n", netns, "filter", "add", "dev", "eth0", "ingress", "prio", "5", "protocol", "ip",
         "u32", "match", "ip", "dst", "1.2.3.4/32", "flowid", "1:1",
     )  # fmt: skip
-    assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]
+    assert sorted(detach_all(netns)) == ["eth0", "lxc-a", *sorted(f"lxc-c{i}" for i in range(20))]
     assert "ekp_" not in ingress(netns, "eth0") and "u32" in ingress(netns, "eth0")
     assert "clsact" in qdiscs(netns, "eth0")
     assert "clsact" not in qdiscs(netns, "lxc-a")

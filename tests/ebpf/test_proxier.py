@@ -58,15 +58,18 @@ class FakeDatapath:
 class FakeAttacher:
     def __init__(self, log: list[str]) -> None:
         self.log = log
+        self.watching = False
 
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
         self.log.append(f"reconcile full={full}" + (" verify" if verify and not full else ""))
 
     def start_watcher(self, timeout: float = 5.0) -> None:
         self.log.append("watch")
+        self.watching = True
 
     def stop_watcher(self) -> None:
         self.log.append("stop")
+        self.watching = False
 
 
 class Rig:
@@ -77,6 +80,7 @@ class Rig:
         self.events: list[str] = []
         self.sysctls: list[tuple[str, str, str]] = []
         self.datapaths: list[FakeDatapath] = []
+        self.attachers: list[FakeAttacher] = []
         self.config = Config(netns="node1", pin_path=str(tmp / "pins"))
 
     def proxier(self) -> EbpfProxier:
@@ -89,11 +93,12 @@ class Rig:
             self.sysctls.append((netns, path, value))
             return "0"
 
+        def attacher(config: Config, fds: Mapping[str, int]) -> FakeAttacher:
+            self.attachers.append(FakeAttacher(self.events))
+            return self.attachers[-1]
+
         return EbpfProxier(
-            self.config,
-            datapath_factory=datapath,
-            attacher_factory=lambda config, fds: FakeAttacher(self.events),
-            sysctl_writer=sysctl,
+            self.config, datapath_factory=datapath, attacher_factory=attacher, sysctl_writer=sysctl
         )
 
     def contents(self) -> MapContents:
@@ -123,6 +128,10 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     assert p.last_ops == []
     assert rig.events[-1] == "reconcile full=False"
     assert rig.datapaths[0].loads == 1
+    # a watcher that died is restarted, and every device checked
+    rig.attachers[0].watching = False
+    p.sync(STATE, NODE)
+    assert rig.events[-2:] == ["watch", "reconcile full=False verify"]
 
 
 def test_later_syncs_write_deltas(rig: Rig) -> None:
