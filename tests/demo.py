@@ -30,7 +30,7 @@ def title(text: str) -> None:
 
 def show_counts(label: str, bodies: dict[str, int], errors: int) -> None:
     spread = ", ".join(f"{name} x{n}" for name, n in sorted(bodies.items()))
-    print(f"  {label:<46} -> {spread}" + (f"  ({errors} FAILED)" if errors else ""))
+    print(f"  {label:<48} -> {spread}" + (f"  ({errors} FAILED)" if errors else ""))
 
 
 def main() -> int:
@@ -56,7 +56,7 @@ def main() -> int:
             title("traffic: which pod answered")
             for label, target, url in [
                 ("pod-1-1 -> ClusterIP 10.96.0.10:80 (web)", "pod-1-1", "http://10.96.0.10/"),
-                ("pod-2-1 -> ClusterIP 10.96.0.10:80 (web)", "pod-2-1", "http://10.96.0.10/"),
+                ("pod-1-2 -> ClusterIP 10.96.0.11:80 (both nodes)", "pod-1-2", "http://10.96.0.11/"),
                 ("client -> NodePort 192.168.0.11:30080", "client", "http://192.168.0.11:30080/"),
             ]:
                 r = cluster.http(target, url, count=20)
@@ -98,7 +98,7 @@ def main() -> int:
                     text=True,
                     check=False,
                 ).stdout
-                print("\n".join(raw.splitlines()[:24]))
+                print("\n".join(raw.splitlines()[:16]) + "\n  ...")
                 title("the maps, decoded: agent inspect maps")
                 decoded = subprocess.run(
                     [sys.executable, "-m", "agent", "inspect", "maps", f"--bpf-pin-path={agent.pin_path}"],
