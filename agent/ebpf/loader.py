@@ -142,6 +142,27 @@ def _on_bpffs(path: str) -> bool:
     return fstype == "bpf"
 
 
+BPFFS_ROOT = "/sys/fs/bpf"
+
+
+def ensure_bpffs(pin_path: str) -> bool:
+    """Mount bpffs on /sys/fs/bpf when the pins go there and nothing is mounted yet.
+
+    A fresh machine (and many container hosts) boots without it; kube-proxy replacements are
+    expected to mount it themselves. Returns True when this call mounted it. Pins elsewhere are
+    the operator's business: we only check them (see Datapath.load).
+    """
+    real = os.path.realpath(pin_path)
+    if not (real == BPFFS_ROOT or real.startswith(BPFFS_ROOT + "/")) or _on_bpffs(BPFFS_ROOT):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"bpf", BPFFS_ROOT.encode(), b"bpf", 0, None) != 0:
+        err = ctypes.get_errno()
+        raise DatapathError(f"cannot mount bpffs on {BPFFS_ROOT}: {os.strerror(err)} (the agent needs root)")
+    log.info("mounted bpffs on %s (it was missing; pinned maps live there)", BPFFS_ROOT)
+    return True
+
+
 def compile_cflags(pin_path: str, sizes: MapSizes, bpf_dir: Path) -> list[str]:
     if not os.path.isabs(pin_path) or any(c in pin_path for c in '"\\\n'):
         raise ValueError(f"pin path must be absolute, without quotes or backslashes: {pin_path!r}")
@@ -189,6 +210,7 @@ class Datapath:
 
         if not self.entry_file.is_file():
             raise DatapathError(f"{self.entry_file} not found (set {BPF_DIR_ENV} to the bpf/ directory)")
+        ensure_bpffs(self.pin_path)
         os.makedirs(self.pin_path, exist_ok=True)
         if not _on_bpffs(self.pin_path):
             raise DatapathError(
