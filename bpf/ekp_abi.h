@@ -177,7 +177,9 @@ enum ekp_stat {
 	/* drop reasons: keep EKP_STAT_DROP_FIRST first, update agent/ebpf/abi.py */
 	EKP_STAT_DROP_FIRST,
 	EKP_DROP_MALFORMED = EKP_STAT_DROP_FIRST, /* truncated or invalid headers */
-	EKP_DROP_NO_ENDPOINTS,    /* service has no endpoints (TCP answered by RST when possible) */
+	EKP_DROP_NO_ENDPOINTS,    /* service has no endpoints: refused, counts the rejects answered with an
+	                           * ICMP port unreachable (verdict redirect) and the packets dropped
+	                           * unanswered (TCP RST, non-unicast source, reshaping failed) */
 	EKP_DROP_NO_LOCAL,        /* Local policy and no endpoint on this node */
 	EKP_DROP_NO_BACKEND,      /* a slot or backend entry missing (mid-update race) */
 	EKP_DROP_SOURCE_RANGE,    /* client outside loadBalancerSourceRanges */

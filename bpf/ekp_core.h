@@ -7,6 +7,7 @@
  *   parse -> conntrack hit?  FORWARD: DNAT (+SNAT)   REPLY: reverse NAT (+un-SNAT)
  *         -> frontend hit?   source ranges, endpoints, backend, SNAT, conntrack, DNAT
  *         -> deliver (fib lookup + redirect)
+ *   no endpoints: ICMP port unreachable back out of the ingress device (ekp_icmp.h)
  * Each path sets exactly one outcome stat (see ekp_stats.h).
  */
 #ifndef EKP_CORE_H
@@ -16,6 +17,7 @@
 
 #include "ekp_abi.h"
 #include "ekp_ct.h"
+#include "ekp_icmp.h"
 #include "ekp_lb.h"
 #include "ekp_maps.h"
 #include "ekp_nat.h"
@@ -60,14 +62,24 @@ static __always_inline int ekp_ct_reply(struct __sk_buff *skb, struct ekp_pkt *p
 	return ekp_deliver(skb, p, outcome);
 }
 
-/* A frontend with no usable backend (count == 0). This is where kube-proxy's REJECT (TCP RST /
- * ICMP port unreachable) for services without endpoints will go; for now: drop. */
+/* A frontend with no usable backend (count == 0). NO_ENDPOINTS: kube-proxy's `-j REJECT`, an ICMP
+ * port unreachable from the frontend to the client, sent back out of the device the packet came
+ * in on (its egress: the pod's veth, or the external wire); counted DROP_NO_ENDPOINTS, the flow
+ * is refused. Packets not worth an answer (ekp_icmp_wanted) and skbs that could not be reshaped
+ * are dropped under the same counter. LOCAL alone (endpoints exist on other nodes, Local traffic
+ * policy): drop, as kube-proxy does. Neither flag (not written by the agent): drop. */
 static __always_inline int ekp_no_endpoints(struct __sk_buff *skb, const struct ekp_pkt *p,
 					    const struct ekp_frontend *fe, __u32 *outcome)
 {
-	if (!(fe->flags & EKP_FE_NO_ENDPOINTS) && (fe->flags & EKP_FE_LOCAL))
-		return ekp_drop(outcome, EKP_DROP_NO_LOCAL); /* Local policy: none on this node */
-	return ekp_drop(outcome, EKP_DROP_NO_ENDPOINTS);
+	if (!(fe->flags & EKP_FE_NO_ENDPOINTS)) {
+		if (fe->flags & EKP_FE_LOCAL)
+			return ekp_drop(outcome, EKP_DROP_NO_LOCAL); /* Local policy: none on this node */
+		return ekp_drop(outcome, EKP_DROP_NO_ENDPOINTS);
+	}
+	if (!ekp_icmp_wanted(p) || ekp_icmp_port_unreach(skb, p) < 0)
+		return ekp_drop(outcome, EKP_DROP_NO_ENDPOINTS);
+	*outcome = EKP_DROP_NO_ENDPOINTS;
+	return bpf_redirect(skb->ifindex, 0);
 }
 
 static __always_inline int ekp_new_flow(struct __sk_buff *skb, struct ekp_pkt *p, const struct ekp_frontend *fe,

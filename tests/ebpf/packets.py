@@ -253,3 +253,50 @@ def checksums_valid(frame: bytes) -> bool:
     if UDP in ip and want_l4 == 0:
         return bool(again[IP].chksum == want_ip)
     return bool(again[IP].chksum == want_ip and l4_again.chksum == want_l4)
+
+
+@dataclass(frozen=True)
+class IcmpError:
+    """An ICMP error frame as the data path built it, checked byte by byte."""
+
+    smac: str
+    dmac: str
+    src: str
+    dst: str
+    ttl: int
+    tos: int
+    ip_id: int
+    type: int
+    code: int
+    quote: bytes  # the ICMP data: the offending packet's IP header and the start of its payload
+    ip_chksum_ok: bool  # the IPv4 header sums to zero
+    icmp_chksum_ok: bool  # the ICMP message (header + quote) sums to zero
+    length_ok: bool  # tot_len covers exactly the frame after the Ethernet header
+
+
+def icmp_error(frame: bytes) -> IcmpError:
+    from scapy.layers.inet import ICMP, IP
+    from scapy.layers.l2 import Ether
+    from scapy.utils import checksum
+
+    pkt = Ether(frame)
+    ip = pkt[IP]
+    icmp = ip[ICMP]
+    ihl = ip.ihl * 4
+    raw_ip = frame[14 : 14 + ihl]
+    raw_icmp = frame[14 + ihl : 14 + ip.len]
+    return IcmpError(
+        smac=pkt.src,
+        dmac=pkt.dst,
+        src=ip.src,
+        dst=ip.dst,
+        ttl=ip.ttl,
+        tos=ip.tos,
+        ip_id=ip.id,
+        type=icmp.type,
+        code=icmp.code,
+        quote=raw_icmp[8:],
+        ip_chksum_ok=checksum(raw_ip) == 0,
+        icmp_chksum_ok=checksum(raw_icmp) == 0,
+        length_ok=ip.len == len(frame) - 14,
+    )

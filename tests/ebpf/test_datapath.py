@@ -33,6 +33,7 @@ from tests.ebpf.packets import (
     Link,
     bpffs,
     checksums_valid,
+    icmp_error,
     link,
     parse,
     private_netns,
@@ -369,15 +370,97 @@ def test_snat_port_exhaustion_drops(net: Net, dp: Datapath) -> None:
 @pytest.mark.parametrize(
     ("flags", "reason"),
     [
-        (FrontendFlag.NO_ENDPOINTS, Stat.DROP_NO_ENDPOINTS),
-        (FrontendFlag.LOCAL, Stat.DROP_NO_LOCAL),
-        (0, Stat.DROP_NO_ENDPOINTS),
+        (FrontendFlag.LOCAL, Stat.DROP_NO_LOCAL),  # Local policy, endpoints elsewhere: kube-proxy drops
+        (0, Stat.DROP_NO_ENDPOINTS),  # neither flag (the agent never writes it): drop
     ],
 )
 def test_frontend_without_backends_drops(net: Net, flags: int, reason: Stat) -> None:
     net.add_service(backends=(), flags=flags)
     assert net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))[0] == TC_ACT_SHOT
     assert net.stats()[reason] == 1
+
+
+# ---- reject: services without endpoints ------------------------------------------------------
+
+
+def assert_port_unreachable(frame: bytes, out: bytes, src: str, dst: str, ihl: int = 20) -> None:
+    """`out` is the ICMP port unreachable answering `frame`, from `src` (the frontend) to `dst`."""
+    from scapy.layers.l2 import Ether
+
+    e, before = icmp_error(out), Ether(frame)
+    assert (e.type, e.code) == (3, 3)
+    assert (e.src, e.dst, e.ttl) == (src, dst, 64)
+    assert (e.smac, e.dmac) == (before.dst, before.src)  # back where it came from
+    assert e.ip_chksum_ok and e.icmp_chksum_ok and e.length_ok
+    assert e.quote == frame[14 : 14 + ihl + 8]  # RFC 792: the IP header + 64 bits of data
+    assert len(out) == 14 + 20 + 8 + ihl + 8
+
+
+@pytest.mark.parametrize("flags", ["S", "PA"])
+def test_tcp_to_a_service_without_endpoints_gets_port_unreachable(net: Net, lab: Lab, flags: str) -> None:
+    """A SYN, or any other segment but a RST; the quote cuts the TCP header after 8 bytes."""
+    net.add_service(backends=(), flags=FrontendFlag.NO_ENDPOINTS)
+    frame = tcp(
+        POD_CLIENT, VIP, 12345, 80, flags=flags, smac=MAC[POD_CLIENT], dmac=lab.pod.mac, payload=b"x" * 100
+    )
+    verdict, out = net.from_pod(frame)
+    assert verdict == TC_ACT_REDIRECT  # bpf_redirect(ingress ifindex): back out to the pod
+    assert_port_unreachable(frame, out, VIP, POD_CLIENT)
+    assert net.ct(POD_CLIENT, VIP, 12345, 80) is None
+    stats = net.stats()
+    assert (stats[Stat.DROP_NO_ENDPOINTS], stats[Stat.NEW_FLOWS]) == (1, 0)
+
+
+@pytest.mark.parametrize("options", [b"", b"\x01" * 4, b"\x01" * 40], ids=["ihl5", "ihl6", "ihl15"])
+def test_udp_to_a_service_without_endpoints_gets_port_unreachable(net: Net, lab: Lab, options: bytes) -> None:
+    """The quote is the whole IP header, options included (here NOPs), and 8 bytes of UDP."""
+    from scapy.layers.inet import IPOption
+
+    net.add_service(port=53, proto=UDP, backends=(), flags=FrontendFlag.NO_ENDPOINTS)
+    ip_opts = {"options": [IPOption(options)]} if options else {}
+    frame = udp(POD_CLIENT, VIP, 40000, 53, smac=MAC[POD_CLIENT], dmac=lab.pod.mac, tos=0x10, **ip_opts)
+    verdict, out = net.from_pod(frame)
+    assert verdict == TC_ACT_REDIRECT
+    assert_port_unreachable(frame, out, VIP, POD_CLIENT, ihl=20 + len(options))
+    assert icmp_error(out).tos == 0xC0 | 0x10  # as icmp_send: internetwork control + the TOS bits
+    assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 1
+
+
+def test_nodeport_without_endpoints_answers_from_the_node_address(net: Net, lab: Lab) -> None:
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE | FrontendFlag.NO_ENDPOINTS
+    net.add_service(NODE, 30080, (), scope=Scope.EXTERNAL, flags=flags)
+    frame = tcp(CLIENT, NODE, 5555, 30080, smac=MAC[CLIENT], dmac=lab.ext.mac)
+    verdict, out = net.from_net(frame)
+    assert verdict == TC_ACT_REDIRECT
+    assert_port_unreachable(frame, out, NODE, CLIENT)
+
+
+def test_rejects_carry_fresh_ip_ids(net: Net) -> None:
+    net.add_service(backends=(), flags=FrontendFlag.NO_ENDPOINTS)
+    ids = {icmp_error(net.from_pod(tcp(POD_CLIENT, VIP, 20000 + i, 80, id=7))[1]).ip_id for i in range(8)}
+    assert len(ids) > 1  # random 16-bit ids: 8 equal ones have probability 2^-112
+
+
+def test_what_is_not_answered(net: Net) -> None:
+    """No ICMP for an ICMP, a TCP RST or a source that is not a unicast host (dropped); a first
+    fragment drops as before. (A Local-only frontend drops: test_frontend_without_backends_drops.)"""
+    from scapy.layers.inet import ICMP, IP
+    from scapy.layers.l2 import Ether
+
+    net.add_service(backends=(), flags=FrontendFlag.NO_ENDPOINTS)
+    net.add_service(port=53, proto=UDP, backends=(), flags=FrontendFlag.NO_ENDPOINTS)
+    icmp = bytes(Ether() / IP(src=POD_CLIENT, dst=VIP) / ICMP())
+    quoted = IP(src=VIP, dst=POD_CLIENT)
+    unreach = bytes(Ether() / IP(src=POD_CLIENT, dst=VIP) / ICMP(type=3, code=3) / quoted)
+    for frame in (icmp, unreach):
+        assert net.from_pod(frame) == (TC_ACT_OK, frame)  # not parsed: the stack's business
+    assert net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80, flags="R"))[0] == TC_ACT_SHOT
+    assert net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80, flags="RA"))[0] == TC_ACT_SHOT
+    for src in ("0.0.0.0", "127.0.0.1", "224.0.0.1", "255.255.255.255"):
+        assert net.from_pod(udp(src, VIP, 40000, 53))[0] == TC_ACT_SHOT
+    assert net.from_pod(udp(POD_CLIENT, VIP, 40003, 53, flags="MF"))[0] == TC_ACT_SHOT
+    stats = net.stats()
+    assert (stats[Stat.PASS], stats[Stat.DROP_NO_ENDPOINTS], stats[Stat.DROP_FRAGMENT]) == (2, 6, 1)
 
 
 def test_source_ranges(net: Net) -> None:

@@ -1,0 +1,132 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * ekp_icmp.h: turning a packet to a service without endpoints into the ICMP destination
+ * unreachable / port unreachable (type 3 code 3) kube-proxy's `-j REJECT` would send, in place.
+ *
+ *   in:  | eth | IP (ihl*4) | L4 ... payload |
+ *   out: | eth, MACs swapped | IP: frontend -> client, ICMP | ICMP 3/3 | IP (ihl*4) | 8 bytes |
+ *
+ * Shaping: bpf_skb_change_tail trims the frame to Ethernet + the quote (the original IP header,
+ * options included, and the first 8 bytes of its payload, RFC 792), then
+ * bpf_skb_adjust_room(+28, BPF_ADJ_ROOM_MAC) opens the new IP and ICMP headers between the
+ * Ethernet header and the quote, which therefore never moves. Trimming first also clears GSO
+ * state (adjust_room refuses to grow a UDP GSO skb); adjust_room then turns CHECKSUM_UNNECESSARY
+ * into CHECKSUM_NONE, and the header stores keep a CHECKSUM_COMPLETE sum right.
+ *
+ * Checksum offload: an skb from a local socket (every pod behind a veth) is CHECKSUM_PARTIAL and
+ * bpf_skb_change_tail refuses to cut it before its L4 checksum field (__bpf_skb_min_len), 18
+ * bytes into a TCP header. For TCP the quote then keeps the whole 20-byte TCP base header (RFC
+ * 1812 allows quoting more than 8 bytes; Linux itself quotes up to 576 bytes). UDP's checksum
+ * field ends at byte 8, so a UDP quote is always 8 bytes. The skb stays CHECKSUM_PARTIAL (no
+ * helper clears it) with csum_start on the quoted L4 header: the receiving stack takes the ICMP
+ * checksum as verified; a device that would compute that offload in software on the way out (a
+ * veth with tx checksumming turned off) would spoil the ICMP checksum.
+ *
+ * Not answered (the caller drops): a TCP RST; a source that is not a unicast host (0/8,
+ * 127/8, multicast, class E, broadcast), as icmp_send refuses. Never called for ICMP (not
+ * parsed) or for fragments. Unlike the kernel's icmp_send there is no rate limit.
+ */
+#ifndef EKP_ICMP_H
+#define EKP_ICMP_H
+
+#include <linux/icmp.h>
+#include <linux/in.h>
+#include <linux/ip.h>
+#include <linux/pkt_cls.h>
+
+#include "ekp_parse.h"
+
+#define EKP_ICMP_L4_QUOTE 8      /* RFC 792: the first 64 bits of the datagram's data */
+#define EKP_ICMP_L4_QUOTE_TCP 20 /* a CHECKSUM_PARTIAL TCP skb: the whole TCP base header */
+#define EKP_ICMP_QUOTE_MAX (60 + EKP_ICMP_L4_QUOTE_TCP)
+#define EKP_ICMP_TTL 64
+#define EKP_IPTOS_TOS_MASK 0x1e             /* IPTOS_TOS_MASK */
+#define EKP_IPTOS_PREC_INTERNETCONTROL 0xc0 /* what icmp_send gives its errors */
+
+/* The headers put in front of the quote; 28 bytes, no padding. */
+struct ekp_icmp_hdrs {
+	struct iphdr ip;
+	struct icmphdr icmp;
+};
+
+_Static_assert(sizeof(struct ekp_icmp_hdrs) == 28, "IPv4 header + ICMP header");
+
+static __always_inline __u16 ekp_csum_fold(__s64 sum)
+{
+	__u32 s = (__u32)sum;
+
+	s = (s & 0xffff) + (s >> 16);
+	s = (s & 0xffff) + (s >> 16);
+	return (__u16)~s;
+}
+
+/* Whether the client gets an answer: any UDP, TCP without RST, from a unicast host address. */
+static __always_inline int ekp_icmp_wanted(const struct ekp_pkt *p)
+{
+	__u32 src = ntohl(p->saddr);
+	__u8 first = src >> 24;
+
+	if (p->proto == IPPROTO_TCP && (p->tcp_flags & EKP_TCP_RST))
+		return 0;
+	if (first == 0 || first == 127 || first >= 224) /* this network, loopback, multicast, E */
+		return 0;
+	return 1;
+}
+
+/* Rewrites the skb into the ICMP port unreachable answering `p` (see the top of this file); the
+ * caller redirects it to the egress of the device it came in on. 0, or -1 when the skb could not
+ * be shaped: drop it then (the frame may be half rewritten). */
+static __always_inline int ekp_icmp_port_unreach(struct __sk_buff *skb, const struct ekp_pkt *p)
+{
+	__u8 macs[2 * ETH_ALEN];
+	__u8 quote[EKP_ICMP_QUOTE_MAX] = {}; /* zero tail: adds nothing to the checksum */
+	struct ekp_icmp_hdrs h = {};
+	__u32 ihl = p->l4_off - EKP_IP_OFF;
+	__u32 qlen = ihl + EKP_ICMP_L4_QUOTE;
+
+	if (bpf_skb_load_bytes(skb, 0, macs, sizeof(macs)) < 0)
+		return -1;
+	if (bpf_skb_change_tail(skb, EKP_IP_OFF + qlen, 0) < 0) {
+		/* CHECKSUM_PARTIAL keeps the TCP checksum field (bytes 16-17) in the frame. */
+		if (p->proto != IPPROTO_TCP)
+			return -1;
+		qlen = ihl + EKP_ICMP_L4_QUOTE_TCP;
+		if (bpf_skb_change_tail(skb, EKP_IP_OFF + qlen, 0) < 0)
+			return -1;
+	}
+	if (qlen < sizeof(struct iphdr) + EKP_ICMP_L4_QUOTE || qlen > EKP_ICMP_QUOTE_MAX)
+		return -1; /* the parser bounds ihl to 20..60: this only tells the verifier */
+	if (bpf_skb_load_bytes(skb, EKP_IP_OFF, quote, qlen) < 0)
+		return -1;
+	if (bpf_skb_adjust_room(skb, sizeof(h), BPF_ADJ_ROOM_MAC, 0) < 0)
+		return -1;
+
+	h.ip.version = 4;
+	h.ip.ihl = sizeof(h.ip) / 4;
+	h.ip.tos = (p->tos & EKP_IPTOS_TOS_MASK) | EKP_IPTOS_PREC_INTERNETCONTROL;
+	h.ip.tot_len = htons(sizeof(h) + qlen);
+	h.ip.id = (__be16)bpf_get_prandom_u32();
+	h.ip.ttl = EKP_ICMP_TTL;
+	h.ip.protocol = IPPROTO_ICMP;
+	h.ip.saddr = p->daddr; /* the frontend the client targeted */
+	h.ip.daddr = p->saddr;
+	h.ip.check = ekp_csum_fold(bpf_csum_diff(0, 0, (void *)&h.ip, sizeof(h.ip), 0));
+
+	h.icmp.type = ICMP_DEST_UNREACH;
+	h.icmp.code = ICMP_PORT_UNREACH;
+	__s64 sum = bpf_csum_diff(0, 0, (void *)&h.icmp, sizeof(h.icmp), 0);
+	if (sum < 0)
+		return -1;
+	sum = bpf_csum_diff(0, 0, (void *)quote, sizeof(quote), (__u32)sum);
+	if (sum < 0)
+		return -1;
+	h.icmp.checksum = ekp_csum_fold(sum);
+
+	if (bpf_skb_store_bytes(skb, EKP_IP_OFF, &h, sizeof(h), BPF_F_RECOMPUTE_CSUM) < 0 ||
+	    bpf_skb_store_bytes(skb, 0, macs + ETH_ALEN, ETH_ALEN, 0) < 0 ||
+	    bpf_skb_store_bytes(skb, ETH_ALEN, macs, ETH_ALEN, 0) < 0)
+		return -1;
+	return 0;
+}
+
+#endif /* EKP_ICMP_H */
