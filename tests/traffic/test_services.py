@@ -197,6 +197,7 @@ def test_restart_keeps_traffic_flowing(cluster: Cluster) -> None:
     proc, handle = _start_loop(cluster, "pod-1-1", "http://10.96.1.3/", "restart")
     try:
         time.sleep(1)
+        before = _conntrack_keys(cluster) if cluster.mode == "ebpf" else set()
         for agent in cluster.agents:
             agent.kill9()
         time.sleep(10)
@@ -205,10 +206,30 @@ def test_restart_keeps_traffic_flowing(cluster: Cluster) -> None:
         for agent in cluster.agents:
             agent.wait_version(cluster.version)
         time.sleep(1)
+        after = _conntrack_keys(cluster) if cluster.mode == "ebpf" else set()
     finally:
         result = _finish_loop(proc, handle)
     assert result["errors"] == 0, result
     assert result["ok"] > 100, result
+    if cluster.mode == "ebpf":
+        assert before, "the load loop created conntrack entries"
+        assert before <= after, f"{len(before - after)} conntrack entries were lost across the restart"
+
+
+def _conntrack_keys(cluster: Cluster) -> set[tuple[object, ...]]:
+    """The tuple and direction of every conntrack entry in node1's pinned map.
+
+    Not the backend: the loop's closed connections reuse client ports, and a reused tuple is a new
+    flow that may pick another backend. A flushed or recreated map loses the tuples themselves.
+    """
+    from agent.ebpf.abi import MAPS
+    from agent.ebpf.maps import BpfMap
+
+    ct = BpfMap.open_pinned(MAPS["ct"], cluster.agents[0].pin_path)
+    try:
+        return {(k.values(), v.dir) for k, v in ct.items()}  # type: ignore[attr-defined]
+    finally:
+        ct.close()
 
 
 def test_clusterip_of_changed_endpoints_follows_update(cluster: Cluster) -> None:
