@@ -108,6 +108,14 @@ def run(config: Config) -> int:
         log.error("no source of Services: pass --services-file FILE (API server watching comes later)")
         return 2
 
+    if config.mode is Mode.EBPF:
+        from agent.ebpf import preflight
+
+        found = preflight.problems(config.pin_path)
+        for p in found:
+            (log.warning if p.startswith(preflight.WARNINGS_PREFIX) else log.error)("%s", p)
+        if any(not p.startswith(preflight.WARNINGS_PREFIX) for p in found):
+            return 1
     proxier = make_proxier(config)
     node = node_context(config)
     log.info(
