@@ -248,3 +248,13 @@ def test_blob_fixture_is_what_pods_serve(cluster: Cluster, blob_sha256: str, blo
         while chunk := f.read(1 << 20):
             h.update(chunk)
     assert h.hexdigest() == blob_sha256
+
+
+def test_malformed_service_is_skipped_and_others_keep_working(cluster: Cluster) -> None:
+    """Bad input loses nothing: the malformed Service is logged and skipped, the rest is served."""
+    good = with_endpoints(service("good", "10.96.1.5", [HTTP]), [ep(cluster, "pod-2-1")])
+    bad = service("broken", "10.96.1.6", [Port("http", 70000, 8080)])
+    cluster.apply([*good, bad])
+    assert names(cluster.http("pod-1-1", "http://10.96.1.5/", count=5)) == {"pod-2-1"}
+    for agent in cluster.agents:
+        assert "skipping Service default/broken: spec.ports[0].port: 70000 is out of range" in agent.log()
