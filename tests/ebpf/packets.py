@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.config import MapSizes
+from agent.ebpf.loader import Datapath
+
 TC_ACT_OK = 0
 TC_ACT_SHOT = 2
 TC_ACT_REDIRECT = 7
@@ -50,6 +53,18 @@ def bpffs() -> Iterator[Path]:
             subprocess.run(["umount", str(path)], check=False)
     finally:
         os.rmdir(path)
+
+
+@contextmanager
+def loaded_datapath(sizes: MapSizes) -> Iterator[Datapath]:
+    """The real data path compiled and loaded, its maps pinned in a throwaway bpffs."""
+    with bpffs() as root:
+        datapath = Datapath(str(root / "ekp"), sizes)
+        datapath.load()
+        try:
+            yield datapath
+        finally:
+            datapath.close()
 
 
 @contextmanager

@@ -24,7 +24,7 @@ import pytest
 from agent.config import MapSizes
 from agent.ebpf import abi
 from agent.ebpf.loader import PROGRAMS, Datapath, default_bpf_dir, expected_info, stale_pins
-from tests.ebpf.packets import bpffs
+from tests.ebpf.packets import loaded_datapath
 
 BPF_DIR = default_bpf_dir()
 C_TYPES = {ctypes.c_uint32: "u32", ctypes.c_uint64: "u64"}
@@ -180,13 +180,8 @@ SMALL = MapSizes(fe=128, slot=256, be=128, rnat=128, ct=1024, aff=128, srcr=32)
 
 @pytest.fixture(scope="module")
 def loaded() -> Iterator[Datapath]:
-    with bpffs() as root:
-        datapath = Datapath(str(root / "ekp"), SMALL)
-        datapath.load()
-        try:
-            yield datapath
-        finally:
-            datapath.close()
+    with loaded_datapath(SMALL) as datapath:
+        yield datapath
 
 
 def bpftool(*argv: str) -> object:

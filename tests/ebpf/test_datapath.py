@@ -31,10 +31,10 @@ from tests.ebpf.packets import (
     TC_ACT_REDIRECT,
     TC_ACT_SHOT,
     Link,
-    bpffs,
     checksums_valid,
     icmp_error,
     link,
+    loaded_datapath,
     parse,
     private_netns,
     prog_run,
@@ -78,13 +78,8 @@ class Lab:
 
 @pytest.fixture(scope="module")
 def dp() -> Iterator[Datapath]:
-    with bpffs() as root:
-        datapath = Datapath(str(root / "ekp"), SIZES)
-        datapath.load()
-        try:
-            yield datapath
-        finally:
-            datapath.close()
+    with loaded_datapath(SIZES) as datapath:
+        yield datapath
 
 
 @pytest.fixture(scope="module")

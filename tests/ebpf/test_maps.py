@@ -13,7 +13,7 @@ from agent.ebpf import abi
 from agent.ebpf.abi import MAPS, Stat
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import BpfMap, FakeMap, MapError, MapFullError, MapWriter, UpdateFlag, read_stats
-from tests.ebpf.packets import bpffs
+from tests.ebpf.packets import loaded_datapath
 
 SIZES = MapSizes(fe=8, slot=16, be=8, rnat=8, ct=64, aff=8, srcr=8)
 
@@ -73,13 +73,8 @@ def test_fake_map_stores_copies() -> None:
 
 @pytest.fixture(scope="module")
 def dp() -> Iterator[Datapath]:
-    with bpffs() as root:
-        datapath = Datapath(str(root / "ekp"), SIZES)
-        datapath.load()
-        try:
-            yield datapath
-        finally:
-            datapath.close()
+    with loaded_datapath(SIZES) as datapath:
+        yield datapath
 
 
 @pytest.mark.kernel
