@@ -23,6 +23,7 @@ import yaml
 from agent.sources.file import content_version
 from tests.lab import Lab
 from tests.lab.core import Node
+from tests.traffic.objects import Ep
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENT = str(Path(__file__).with_name("client.py"))
@@ -196,6 +197,12 @@ class Cluster:
             res = self.lab.run(node, *argv, check=False)
             parts.append(res.stdout)
         return "\n".join(parts)
+
+
+def ep(cluster: Cluster, pod: str) -> Ep:
+    """The endpoint of a lab pod, on the node that runs it."""
+    p = cluster.lab.pod(pod)
+    return Ep(p.ip, cluster.lab.nodes[p.node - 1].name)
 
 
 def chi2_sf(x: float, df: int) -> float:

@@ -9,17 +9,12 @@ import time
 
 import pytest
 
-from tests.traffic.harness import Cluster
+from tests.traffic.harness import Cluster, ep
 from tests.traffic.objects import Ep, Port, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
 
 N1, N2, CLIENT_IP = "192.168.0.11", "192.168.0.12", "192.168.0.100"
-
-
-def ep(cluster: Cluster, pod: str) -> Ep:
-    p = cluster.lab.pod(pod)
-    return Ep(p.ip, cluster.lab.nodes[p.node - 1].name)
 
 
 def test_etp_local_preserves_client_source_ip(cluster: Cluster) -> None:

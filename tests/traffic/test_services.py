@@ -19,19 +19,14 @@ from typing import Any
 
 import pytest
 
-from tests.traffic.harness import CLIENT, Cluster, uniformity_p_value
-from tests.traffic.objects import Ep, Port, service, with_endpoints
+from tests.traffic.harness import CLIENT, Cluster, ep, uniformity_p_value
+from tests.traffic.objects import Port, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
 
 HTTP = Port("http", 80, 8080)
 ECHO = Port("echo", 9000, 9000, "UDP")
 N1, N2 = "192.168.0.11", "192.168.0.12"
-
-
-def ep(cluster: Cluster, pod: str) -> Ep:
-    p = cluster.lab.pod(pod)
-    return Ep(p.ip, cluster.lab.nodes[p.node - 1].name)
 
 
 def names(result: dict[str, Any]) -> set[str]:
@@ -222,12 +217,13 @@ def _conntrack_keys(cluster: Cluster) -> set[tuple[object, ...]]:
     Not the backend: the loop's closed connections reuse client ports, and a reused tuple is a new
     flow that may pick another backend. A flushed or recreated map loses the tuples themselves.
     """
-    from agent.ebpf.abi import MAPS
+    from agent.ebpf.abi import MAPS, CtEntry, CtKey
     from agent.ebpf.maps import BpfMap
 
     ct = BpfMap.open_pinned(MAPS["ct"], cluster.agents[0].pin_path)
     try:
-        return {(k.values(), v.dir) for k, v in ct.items()}  # type: ignore[attr-defined]
+        entries = [(k, v) for k, v in ct.items() if isinstance(k, CtKey) and isinstance(v, CtEntry)]
+        return {(k.values(), v.dir) for k, v in entries}
     finally:
         ct.close()
 
