@@ -49,7 +49,7 @@ def main() -> int:
         cluster.start()
         with open(EXAMPLES) as f:
             services, slices, _ = split_objects(yaml.safe_load_all(f))
-        cluster.apply([*services, *slices])
+        cluster.apply([dict(o) for o in (*services, *slices)])
         print("  " + next(line for line in agent.log().splitlines()[::-1] if "sync done" in line))
 
         try:

@@ -16,9 +16,9 @@ def test_all_present_on_this_machine_when_root() -> None:
 
 
 def test_missing_pieces_name_the_remedy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(preflight.os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(preflight.platform, "release", lambda: "0.0-nonexistent")
+    monkeypatch.setattr("agent.ebpf.preflight.os.geteuid", lambda: 1000)
+    monkeypatch.setattr("agent.ebpf.preflight.importlib.util.find_spec", lambda name: None)
+    monkeypatch.setattr("agent.ebpf.preflight.platform.release", lambda: "0.0-nonexistent")
     found = preflight.problems("relative/pins")
     text = "\n".join(found)
     assert "run the agent as root" in text

@@ -18,6 +18,7 @@ import ctypes
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -412,7 +413,7 @@ def test_udp_to_a_service_without_endpoints_gets_port_unreachable(net: Net, lab:
     from scapy.layers.inet import IPOption
 
     net.add_service(port=53, proto=UDP, backends=(), flags=FrontendFlag.NO_ENDPOINTS)
-    ip_opts = {"options": [IPOption(options)]} if options else {}
+    ip_opts: dict[str, Any] = {"options": [IPOption(options)]} if options else {}
     frame = udp(POD_CLIENT, VIP, 40000, 53, smac=MAC[POD_CLIENT], dmac=lab.pod.mac, tos=0x10, **ip_opts)
     verdict, out = net.from_pod(frame)
     assert verdict == TC_ACT_REDIRECT

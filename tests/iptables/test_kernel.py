@@ -18,6 +18,7 @@ from agent.config import Config
 from agent.iptables import IptablesProxier, chains
 from agent.iptables.conntrack import ConntrackCleaner
 from agent.iptables.runner import SubprocessRunner
+from agent.model import ProxyState
 from agent.model.types import Protocol, ServicePortName
 from tests.iptables.golden_cases import case_inputs, case_names
 from tests.iptables.objects import CONFIG, NODE, endpoints, service, state
@@ -216,14 +217,14 @@ def test_udp_client_follows_a_replaced_dns_pod(netns: str) -> None:
             assert server.stdout is not None and server.stdout.readline().strip() == "ready"
         sh(*ip, "route", "add", "10.96.0.0/12", "dev", "veth0")  # any route: DNAT re-routes
 
-        def dns(*eps: str) -> object:
+        def dns(*eps: str) -> ProxyState:
             return state(
                 service("dns", "10.96.0.10", ("dns", 53, "UDP"), namespace="kube-system"),
                 endpoints("dns", [("dns", 5353, "UDP")], *eps, namespace="kube-system"),
             )
 
         p = IptablesProxier(cfg(netns, "nft"))
-        p.sync(dns("10.244.1.2"), NODE)  # type: ignore[arg-type]
+        p.sync(dns("10.244.1.2"), NODE)
         client = subprocess.Popen(
             ["ip", "netns", "exec", netns, "python3", "-c", CLIENT],
             stdin=subprocess.PIPE,

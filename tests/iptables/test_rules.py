@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,8 +34,9 @@ def test_probabilities_are_upstreams_and_the_last_jump_is_unconditional() -> Non
     )
     jumps = lines(render(s, NODE, OPTS).text, f'-A {svc_chain("a")} -m comment --comment "ns/a:http -> ')
     assert [
-        re.search(r"--probability (\S+)", j).group(1) if "--probability" in j else None for j in jumps
-    ] == [  # type: ignore[union-attr]
+        re.search(r"--probability (\S+)", j).group(1) if "--probability" in j else None  # type: ignore[union-attr]
+        for j in jumps
+    ] == [
         "0.2500000000",
         "0.3333333333",
         "0.5000000000",
@@ -273,7 +275,7 @@ def _service_objects(draw: st.DrawFn, index: int) -> list[dict[str, object]]:
     name = f"s{index}"
     port = draw(_ports)
     kind = draw(st.sampled_from(["ClusterIP", "NodePort", "LoadBalancer"]))
-    spec: dict[str, object] = {"type": kind}
+    spec: dict[str, Any] = {"type": kind}
     if kind != "ClusterIP":
         spec["externalTrafficPolicy"] = draw(st.sampled_from(["Cluster", "Local"]))
         spec["ports"] = [{"name": port[0], "port": port[1], "protocol": port[2], "nodePort": 30000 + index}]
@@ -287,7 +289,7 @@ def _service_objects(draw: st.DrawFn, index: int) -> list[dict[str, object]]:
     if kind == "LoadBalancer":
         obj["status"] = {"loadBalancer": {"ingress": [{"ip": f"198.51.100.{index + 1}"}]}}
         if draw(st.booleans()):
-            obj["spec"]["loadBalancerSourceRanges"] = ["203.0.113.0/25", "192.168.0.0/24"]  # type: ignore[index]
+            obj["spec"]["loadBalancerSourceRanges"] = ["203.0.113.0/25", "192.168.0.0/24"]
     eps = draw(st.lists(_endpoint, max_size=4, unique_by=lambda e: e[0]))
     if not eps and draw(st.booleans()):
         return [obj]
@@ -309,7 +311,7 @@ def _states(draw: st.DrawFn) -> list[dict[str, object]]:
 def test_every_jump_target_is_declared_and_no_chain_twice(
     objs: list[dict[str, object]], masq_all: bool
 ) -> None:
-    text = render(state(*objs), NODE, replace(OPTS, masquerade_all=masq_all)).text  # type: ignore[arg-type]
+    text = render(state(*objs), NODE, replace(OPTS, masquerade_all=masq_all)).text
     for table in text.split("COMMIT\n")[:2]:
         declared = [line[1:].split()[0] for line in table.splitlines() if line.startswith(":")]
         assert len(declared) == len(set(declared))

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from agent.iptables import runner as runner_mod
 from agent.iptables.runner import (
     SubprocessRunner,
     chains_by_table,
@@ -97,7 +96,7 @@ def test_subprocess_runner_prefixes_netns_uses_lock_and_chosen_backend(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rec = Recorder()
-    monkeypatch.setattr(runner_mod.subprocess, "run", rec)
+    monkeypatch.setattr(subprocess, "run", rec)
     r = SubprocessRunner(replace(CONFIG, netns="ekp-node1", iptables_backend="legacy"))
     assert rec.calls == []  # nothing at construction
     r.restore("*nat\nCOMMIT\n")
@@ -126,7 +125,7 @@ def test_subprocess_runner_prefixes_netns_uses_lock_and_chosen_backend(
 
 def test_subprocess_runner_auto_detects_from_existing_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     rec = Recorder({"iptables-legacy-save": LEGACY_CANARY})
-    monkeypatch.setattr(runner_mod.subprocess, "run", rec)
+    monkeypatch.setattr(subprocess, "run", rec)
     r = SubprocessRunner(CONFIG)
     assert r.backend == "legacy"
     assert r.backend == "legacy"
