@@ -1,0 +1,20 @@
+"""`make bench` (`python -m bench`): the data path's and the control plane's cost, in one run.
+
+For each mode (ebpf, iptables) a fresh one-node lab: nginx in pod-1-2 is the server, pod-1-1 the
+client, so ClusterIP traffic enters the node through the client's veth (ekp_from_pod in eBPF mode,
+PREROUTING's KUBE-SERVICES in iptables mode). One real `agent` process acts for the node
+(tests/traffic/harness.py). Measured, in this order:
+
+1. the pod IP with no agent running (the direct reference);
+2. 1 service installed: pod IP and ClusterIP, alternately;
+3. N services installed (default 10,000: the measured one sorted last, the rest filler with 1-2
+   endpoints each, bench/workload.py): pod IP and ClusterIP, alternately;
+4. the pod IP again after the agent stopped and cleaned up.
+
+Per target: new TCP connections per second (wrk, `Connection: close`) and connect() latency p50/p99
+(bench/probe.py). eBPF mode also reads the programs' own cost per packet with
+kernel.bpf_stats_enabled (bench/bpfstats.py). Every sync reports what the agent logged (read time,
+sync time, iptables restore time) and what the kernel holds (rule count, map entries).
+
+Output: aligned tables on stdout and the same in Markdown in build/bench.md.
+"""

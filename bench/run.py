@@ -1,0 +1,644 @@
+"""`make bench`: one run, both modes, one table. See bench/__init__.py for what is measured and how."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from agent.ebpf import abi
+from bench import bpfstats
+from bench.report import Table, num, ratio
+from bench.traffic import Load, children, connect_samples, percentile, pinned, wrk
+from bench.workload import MEASURED_PORT, MEASURED_VIP, ServicesFile, services_file
+from tests.lab import NGINX_PORT, Lab, kernel_problem
+from tests.lab.core import Node, Pod
+from tests.traffic.harness import REPO, Agent, Cluster
+
+MODES = ("ebpf", "iptables")
+# Client source ports: pod-IP and ClusterIP traffic never share a 4-tuple (see `use_ports`).
+PORTS_DIRECT = "32768 46999"
+PORTS_VIP = "47000 60999"
+OUT = REPO / "build" / "bench.md"
+SYNC_TIMEOUT_S = 600.0
+RESYNC = "1h"
+PROBE_CPU = 0
+
+
+@dataclass
+class Settings:
+    services: int
+    seconds: int
+    rounds: int
+    threads: int
+    connections: int
+    probes: int
+    modes: Sequence[str]
+    iptables_backend: str | None
+    legacy_compare: bool
+
+
+# --------------------------------------------------------------------------------- results
+
+
+@dataclass
+class Target:
+    """One target in one state: every wrk round and every connect() sample."""
+
+    loads: list[Load] = field(default_factory=list)
+    samples_ns: list[int] = field(default_factory=list)
+    probe_errors: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def conns_per_s(self) -> float:
+        return statistics.median(load.conns_per_s for load in self.loads)
+
+    @property
+    def spread_pct(self) -> float:
+        rates = [load.conns_per_s for load in self.loads]
+        return 100.0 * (max(rates) - min(rates)) / self.conns_per_s
+
+    @property
+    def errors(self) -> int:
+        return sum(load.errors for load in self.loads) + sum(self.probe_errors.values())
+
+    def p(self, q: float) -> float:
+        """Connect latency percentile, microseconds."""
+        return percentile(sorted(self.samples_ns), q) / 1000
+
+
+@dataclass
+class State:
+    """What was measured with one set of services in force (or with no agent at all)."""
+
+    mode: str
+    label: str  # "none (before)", "1", "10,000", "none (after)"
+    services: int | None  # None: no agent running
+    pod: Target = field(default_factory=Target)
+    vip: Target | None = None
+
+    @property
+    def loads(self) -> list[Load]:
+        return self.pod.loads + (self.vip.loads if self.vip else [])
+
+    @property
+    def server_cpu_pct(self) -> float:
+        return max(load.server_cpu_pct for load in self.loads)
+
+    @property
+    def busy_pct(self) -> float:
+        return statistics.mean(load.machine_busy_pct for load in self.loads)
+
+    @property
+    def others_pct(self) -> float:
+        return statistics.mean(load.others_pct for load in self.loads)
+
+    @property
+    def errors(self) -> int:
+        return self.pod.errors + (self.vip.errors if self.vip else 0)
+
+
+@dataclass
+class SyncFacts:
+    mode: str
+    services: int
+    endpoints: int
+    wall_s: float  # file written -> the agent logged `sync done` for its version
+    read_s: float  # file written -> the agent logged that it read and parsed it
+    sync_ms: float  # the agent's own figure from `sync done: ... X ms`
+    kernel: str  # what the kernel holds afterwards
+    restore_s: float | None = None  # iptables: iptables-restore; eBPF: EbpfProxier.sync (plan + writes)
+    full: bool | None = None
+
+
+@dataclass
+class StatsWindow:
+    mode: str
+    services: int
+    target: str
+    connections: int
+    costs: list[bpfstats.Cost]
+
+
+@dataclass
+class Results:
+    states: list[State] = field(default_factory=list)
+    syncs: list[SyncFacts] = field(default_factory=list)
+    stats: list[StatsWindow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    stats_sysctl_before: str | None = None
+
+
+# --------------------------------------------------------------------------------- steps
+
+
+class Bench:
+    def __init__(self, settings: Settings) -> None:
+        self.s = settings
+        self.results = Results()
+
+    def run(self) -> Results:
+        for mode in self.s.modes:
+            self.run_mode(mode)
+        if "iptables" in self.s.modes and self.s.legacy_compare:
+            self.legacy_comparison()
+        return self.results
+
+    def run_mode(self, mode: str) -> None:
+        print(f"== {mode}: lab with 1 node, client pod-1-1, nginx in pod-1-2", flush=True)
+        with Lab(nodes=1, pods_per_node=2) as lab:
+            client, server = lab.pods
+            node = lab.nodes[0]
+            nginx = lab.start_nginx(server)
+            workers = children(nginx.pid)
+            if not workers:
+                raise RuntimeError("nginx started no worker process")
+            self.measure(lab, client, server, workers, State(mode, "none (before)", None))
+            # --v=4: the SyncStats line with the restore time; a long resync period keeps the agent's
+            # periodic full resync (30 s by default) out of the measurement windows.
+            extra = [f"--iptables-sync-period={RESYNC}"] + (["--v=4"] if mode == "iptables" else [])
+            if self.s.iptables_backend:
+                extra.append(f"--iptables-backend={self.s.iptables_backend}")
+            cluster = Cluster(lab, mode, agent_nodes=[1], extra=extra)
+            try:
+                cluster.start()
+                agent = cluster.agents[0]
+                for count in (1, self.s.services):
+                    f = services_file(server.ip, NGINX_PORT, node.name, count)
+                    print(
+                        f"   {mode}: applying {count:,} service(s) ({len(f.data) / 1e6:.1f} MB)", flush=True
+                    )
+                    facts = self.apply(lab, node, cluster, agent, f, mode)
+                    print(
+                        f"   {mode}: synced {facts.wall_s:.1f} s after the write "
+                        f"(agent sync {facts.sync_ms:,.0f} ms)",
+                        flush=True,
+                    )
+                    body = lab.http_get(client, MEASURED_VIP, MEASURED_PORT)
+                    if body.strip() != server.name:
+                        raise RuntimeError(f"ClusterIP answered {body!r}, not {server.name}")
+                    self.measure(lab, client, server, workers, State(mode, num(count), count, vip=Target()))
+                    if mode == "ebpf":
+                        self.bpf_costs(lab, node, client, server, count)
+            finally:
+                t0 = time.monotonic()
+                failures = cluster.stop()
+                print(f"   {mode}: agent stopped and cleaned up in {time.monotonic() - t0:.1f} s", flush=True)
+            if failures:
+                self.results.notes.append(f"{mode}: agent --cleanup failed: {'; '.join(failures)}")
+            self.measure(lab, client, server, workers, State(mode, "none (after)", None))
+
+    def measure(self, lab: Lab, client: Pod, server: Pod, workers: list[int], state: State) -> None:
+        """Rounds of wrk, then of connect probes, per target; targets alternate (order flipped each round)."""
+        targets = [(state.pod, server.ip, NGINX_PORT)]
+        if state.vip is not None:
+            targets.append((state.vip, MEASURED_VIP, MEASURED_PORT))
+        per_round = max(1, self.s.probes // self.s.rounds)
+        for r in range(self.s.rounds):
+            order = targets if r % 2 == 0 else targets[::-1]
+            for t, addr, port in order:
+                use_ports(lab, client, addr)
+                t.loads.append(
+                    wrk(
+                        lab,
+                        client,
+                        addr,
+                        port,
+                        seconds=self.s.seconds,
+                        threads=self.s.threads,
+                        connections=self.s.connections,
+                        server_pids=workers,
+                        lab_cgroup=lab.cgroup_root,
+                    )
+                )
+            # Connect latency with the probe and nginx on one CPU: a wake-up of nginx on the other CPU
+            # (an IPI, costly in a VM) otherwise lands in some connects and not others, a bimodal
+            # 8 / 22 µs spread that has nothing to do with the proxy.
+            with pinned(workers, PROBE_CPU):
+                for t, addr, port in order:
+                    use_ports(lab, client, addr)
+                    samples, errors = connect_samples(
+                        lab, client, addr, port, count=per_round, max_s=20.0, cpu=PROBE_CPU
+                    )
+                    t.samples_ns += samples
+                    for kind, n in errors.items():
+                        t.probe_errors[kind] = t.probe_errors.get(kind, 0) + n
+        for name, got in (("pod IP", state.pod), ("ClusterIP", state.vip)):
+            if got is not None:
+                print(
+                    f"   {state.mode:<8} services {state.label:<13} {name:<9} {got.conns_per_s:>9,.0f} conn/s"
+                    f"  connect p50 {got.p(0.5):6.1f} us  p99 {got.p(0.99):6.1f} us  errors {got.errors}",
+                    flush=True,
+                )
+        self.results.states.append(state)
+
+    def apply(
+        self, lab: Lab, node: Node, cluster: Cluster, agent: Agent, f: ServicesFile, mode: str
+    ) -> SyncFacts:
+        offset = len(agent.log())
+        written_at = time.time()
+        tmp = cluster.services_file.with_suffix(".tmp")
+        tmp.write_bytes(f.data)
+        os.replace(tmp, cluster.services_file)
+        agent.wait_version(f.version, timeout=SYNC_TIMEOUT_S)
+        wall = time.time() - written_at
+        cluster.version = f.version
+        log = agent.log()[offset:]
+        done = re.search(
+            rf"^(\S+ \S+) I agent: sync done: version={f.version}, .*, ([\d.]+) ms$", log, re.MULTILINE
+        )
+        if done is None:
+            raise RuntimeError(f"no sync line for {f.version} in the agent log:\n{log[-2000:]}")
+        head = log[: done.start()]
+        reads = re.findall(r"^(\S+ \S+) I agent\.sources\.file: services file .*$", head, re.MULTILINE)
+        read_s = _log_time(reads[-1]) - written_at if reads else float("nan")
+        facts = SyncFacts(mode, f.services, f.endpoints, wall, read_s, float(done.group(2)), "")
+        if mode == "iptables":
+            stats = re.findall(r"iptables sync: SyncStats\((.*)\)$", head, re.MULTILINE)
+            if stats:
+                fields = dict(kv.split("=", 1) for kv in stats[-1].split(", "))
+                facts.restore_s = float(fields["restore_seconds"])
+                facts.full = fields["full"] == "True"
+            facts.kernel = self.iptables_facts(lab, node, agent)
+        else:
+            ebpf = re.findall(r"eBPF sync: .*, ([\d.]+) ms\)$", head, re.MULTILINE)
+            if ebpf:
+                facts.restore_s = float(ebpf[-1]) / 1000
+            facts.kernel = ebpf_facts(agent)
+        self.results.syncs.append(facts)
+        return facts
+
+    def iptables_facts(self, lab: Lab, node: Node, agent: Agent) -> str:
+        m = re.search(r"iptables \S+ \((nft|legacy)\)", agent.log())
+        backend = m.group(1) if m else "nft"
+        counts = {}
+        position = ""
+        for table in ("nat", "filter"):
+            text = lab.run(node, f"iptables-{backend}-save", "-t", table, timeout=120).stdout
+            rules = [ln for ln in text.splitlines() if ln.startswith("-A ")]
+            counts[table] = len(rules)
+            if table == "nat":
+                services = [ln for ln in rules if ln.startswith("-A KUBE-SERVICES ")]
+                hit = [i for i, ln in enumerate(services, 1) if f"-d {MEASURED_VIP}/32" in ln]
+                if hit:
+                    position = f"; measured service is rule {hit[0]:,} of {len(services):,} in KUBE-SERVICES"
+        return f"iptables-{backend}: nat {counts['nat']:,} rules, filter {counts['filter']:,}{position}"
+
+    def bpf_costs(self, lab: Lab, node: Node, client: Pod, server: Pod, services: int) -> None:
+        progs = bpfstats.attached_programs(lab, node)
+        if not progs:
+            self.results.notes.append("eBPF: no program found on the node's tc ingress hooks")
+            return
+        with bpfstats.enabled() as old:
+            if self.results.stats_sysctl_before is None:
+                self.results.stats_sysctl_before = old
+            for target, addr, port in (
+                ("ClusterIP", MEASURED_VIP, MEASURED_PORT),
+                ("pod IP", server.ip, NGINX_PORT),
+            ):
+                use_ports(lab, client, addr)
+                before = bpfstats.snapshot(progs)
+                load = wrk(
+                    lab,
+                    client,
+                    addr,
+                    port,
+                    seconds=self.s.seconds,
+                    threads=self.s.threads,
+                    connections=self.s.connections,
+                    server_pids=[],
+                    lab_cgroup=None,
+                )
+                after = bpfstats.snapshot(progs)
+                costs = bpfstats.costs(progs, before, after)
+                self.results.stats.append(StatsWindow("ebpf", services, target, load.requests, costs))
+                shown = ", ".join(f"{c.name} {c.ns_per_run:.0f} ns x {c.runs:,}" for c in costs)
+                print(f"   ebpf {services:>6,} svc {target:<10} per run: {shown}", flush=True)
+
+    def legacy_comparison(self) -> None:
+        """agent/iptables/bench.py: the same service count restored with iptables-legacy (throwaway netns)."""
+        from agent.iptables.bench import measure
+
+        print(f"== iptables-legacy comparison: agent.iptables.bench.measure({self.s.services})", flush=True)
+        r = measure(self.s.services, backend="legacy")
+        self.results.syncs.append(
+            SyncFacts(
+                mode="iptables (legacy, synthetic)",
+                services=int(r["services"]),
+                endpoints=int(r["endpoints"]),
+                wall_s=float("nan"),
+                read_s=float("nan"),
+                sync_ms=1000 * float(r["full_sync_seconds"]),
+                kernel=(
+                    f"iptables-legacy: {int(r['rules']):,} rules (filter + nat); one-endpoint change: "
+                    f"partial sync {1000 * float(r['partial_sync_seconds']):.0f} ms, "
+                    f"restore {1000 * float(r['partial_restore_seconds']):.0f} ms"
+                ),
+                restore_s=float(r["full_restore_seconds"]),
+                full=True,
+            )
+        )
+
+
+def use_ports(lab: Lab, client: Pod, addr: str) -> None:
+    """Give the client's pod-IP and ClusterIP connections disjoint source port ranges.
+
+    Workaround for an eBPF-mode data path bug the benchmark ran into: after a ClusterIP connection
+    from client port P ends, a *direct* connection from the same port P to the same backend gets its
+    SYN-ACK reverse-translated to the VIP by the closing flow's reply conntrack entry (bpf/ekp_ct.h,
+    ekp_ct_usable: reply entries are used even for a SYN-ACK on a CLOSING flow, and every retried
+    SYN-ACK refreshes the entry), so the connect() never completes. iptables mode (nf_conntrack)
+    has no such problem. With disjoint ranges no 4-tuple is shared and every row measures speed only.
+    """
+    lab.set_sysctl(
+        client, "net.ipv4.ip_local_port_range", PORTS_VIP if addr == MEASURED_VIP else PORTS_DIRECT
+    )
+
+
+def ebpf_facts(agent: Agent) -> str:
+    """Entries of the service maps, counted by bpftool from the pins."""
+    counts = []
+    for role in ("fe", "slot", "be", "rnat"):
+        path = os.path.join(agent.pin_path, abi.MAPS[role].name)
+        res = subprocess.run(
+            ["bpftool", "-j", "map", "dump", "pinned", path],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        counts.append(f"{abi.MAPS[role].name} {len(json.loads(res.stdout)):,}")
+    return "map entries: " + ", ".join(counts)
+
+
+def _log_time(stamp: str) -> float:
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+# --------------------------------------------------------------------------------- report
+
+
+def machine() -> str:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^model name\s*:\s*(.*)$", f.read(), re.MULTILINE)
+            model = m.group(1).strip() if m else ""
+    except OSError:
+        pass
+    load = os.getloadavg()
+    return (
+        f"{os.cpu_count()} vCPU ({model or platform.machine()}), kernel {platform.release()}, "
+        f"load average {load[0]:.2f} at start"
+    )
+
+
+def _r(x: float) -> str:
+    return ratio(x)
+
+
+def traffic_table(results: Results, s: Settings) -> Table:
+    rows = []
+    verdicts = []
+    for mode in dict.fromkeys(st.mode for st in results.states):
+        states = [st for st in results.states if st.mode == mode]
+        bases = [st.pod for st in states if st.services is None]
+        base = statistics.mean(t.conns_per_s for t in bases)
+        base_p50 = statistics.mean(t.p(0.5) for t in bases)
+        base_p99 = statistics.mean(t.p(0.99) for t in bases)
+        for st in states:
+            pod, vip = st.pod, st.vip
+            row = [mode, st.label, num(pod.conns_per_s), f"{pod.spread_pct:.0f}%"]
+            if vip is not None:
+                row += [
+                    num(vip.conns_per_s),
+                    f"{vip.spread_pct:.0f}%",
+                    _r(vip.conns_per_s / pod.conns_per_s),
+                    _r(vip.conns_per_s / base),
+                ]
+            else:
+                row += ["-", "-", "-", "-"]
+            row += [num(pod.p(0.5), 1), num(vip.p(0.5), 1) if vip else "-"]
+            row += [_r(pod.p(0.5) / vip.p(0.5)) if vip else "-"]
+            row += [num(pod.p(0.99), 1), num(vip.p(0.99), 1) if vip else "-"]
+            row += [_r(pod.p(0.99) / vip.p(0.99)) if vip else "-"]
+            row += [
+                f"{st.server_cpu_pct:.0f}%",
+                f"{st.busy_pct:.0f}%",
+                f"{st.others_pct:.0f}%",
+                str(st.errors),
+            ]
+            rows.append(row)
+            for name, t in (("pod IP", pod), ("ClusterIP", vip)):
+                if t is not None and t.errors:
+                    kinds = [load.error_kinds for load in t.loads if load.errors]
+                    probe = ", ".join(f"{k} x{n}" for k, n in t.probe_errors.items())
+                    verdicts.append(
+                        f"errors, {mode} {st.label} {name}: wrk: {' | '.join(kinds) or 'none'}; "
+                        f"connect probe: {probe or 'none'}"
+                    )
+            if vip is not None and st.services == s.services:
+                same = {
+                    "conn/s": vip.conns_per_s / pod.conns_per_s,
+                    "p50": pod.p(0.5) / vip.p(0.5),
+                    "p99": pod.p(0.99) / vip.p(0.99),
+                }
+                bare = {
+                    "conn/s": vip.conns_per_s / base,
+                    "p50": base_p50 / vip.p(0.5),
+                    "p99": base_p99 / vip.p(0.99),
+                }
+                met = min(*same.values(), *bare.values()) >= 0.9
+                verdicts.append(
+                    f"{mode}, {s.services:,} services: ClusterIP / pod IP in the same state: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in same.items())
+                    + "; ClusterIP / pod IP with no agent: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in bare.items())
+                    + f" -> target (all >= 0.90) {'met' if met else 'NOT met'}"
+                )
+    return Table(
+        title="New TCP connections per second and connect latency: client pod -> nginx pod on the same node",
+        headers=[
+            "mode",
+            "services",
+            "pod IP conn/s",
+            "±",
+            "ClusterIP conn/s",
+            "±",
+            "ratio",
+            "vs no agent",
+            "p50 pod IP",
+            "p50 ClusterIP",
+            "ratio",
+            "p99 pod IP",
+            "p99 ClusterIP",
+            "ratio",
+            "nginx CPU",
+            "busy",
+            "others",
+            "errors",
+        ],
+        rows=rows,
+        right=[False, False, *[True] * 16],
+        notes=[
+            f"conn/s: wrk -t{s.threads} -c{s.connections} -H 'Connection: close' (every request a new TCP "
+            f"connection), median of {s.rounds} rounds of {s.seconds:g} s; ± = (max - min) / median",
+            f"p50/p99 (µs): {s.probes:,} sequential connect() calls per target from bench/probe.py, "
+            "timed around connect() alone (SYN out, SYN-ACK back)",
+            "ratio: ClusterIP against the pod IP in the same state, measured alternately; for latency "
+            "pod IP / ClusterIP, so 1.00 = as fast as direct and the target is >= 0.90",
+            "vs no agent: ClusterIP conn/s against the mean pod-IP conn/s of the 'none' rows (no agent "
+            "running: before it started, after its --cleanup)",
+            "nginx CPU: its worker's CPU time over wall time, highest of the state's windows (100% = one "
+            "core); busy: all CPUs of the machine; others: busy outside the lab's processes (other jobs, "
+            "kernel threads), % of all CPUs",
+            *verdicts,
+        ],
+    )
+
+
+def tables(results: Results, s: Settings) -> list[Table]:
+    out: list[Table] = [traffic_table(results, s)]
+    if results.stats:
+        srows = []
+        for w in results.stats:
+            for c in w.costs:
+                srows.append(
+                    [
+                        num(w.services),
+                        w.target,
+                        c.name,
+                        num(c.runs),
+                        num(c.ns_per_run, 1),
+                        num(c.runs / w.connections, 1) if w.connections else "-",
+                    ]
+                )
+        before = results.stats_sysctl_before
+        out.append(
+            Table(
+                title="eBPF programs' own cost per packet (kernel.bpf_stats_enabled: run_time_ns / run_cnt)",
+                headers=["services", "traffic", "program", "runs", "ns/run", "runs/conn"],
+                rows=srows,
+                right=[True, False, False, True, True, True],
+                notes=[
+                    f"a separate {s.seconds:g} s wrk window per row with stats on (off for the table above); "
+                    f"the sysctl was {before} before and is restored",
+                    "programs: the ids attached to tc ingress in the lab node (eth0, lxc-p1, lxc-p2)",
+                ],
+            )
+        )
+    crow = []
+    for f in results.syncs:
+        crow.append(
+            [
+                f.mode,
+                num(f.services),
+                num(f.endpoints),
+                "-" if f.wall_s != f.wall_s else f"{f.wall_s:.1f} s",
+                "-" if f.read_s != f.read_s else f"{f.read_s:.1f} s",
+                num(f.sync_ms),
+                "-"
+                if f.restore_s is None
+                else f"{f.restore_s * 1000:,.0f} ms" + (" (full)" if f.full else ""),
+                f.kernel,
+            ]
+        )
+    out.append(
+        Table(
+            title="Control plane: the sync that installed the services",
+            headers=[
+                "mode",
+                "services",
+                "endpoints",
+                "file->synced",
+                "file read",
+                "agent sync ms",
+                "kernel update",
+                "kernel holds",
+            ],
+            rows=crow,
+            right=[False, True, True, True, True, True, True, False],
+            notes=[
+                "file->synced: services file replaced -> the agent logged `sync done` for its version; "
+                "file read: -> the agent logged that it parsed the file (agent/sources/file.py, PyYAML)",
+                "agent sync ms: the agent's own `sync done: ... X ms` "
+                "(state build + proxier sync, after the read)",
+                "kernel update: iptables mode: iptables-restore alone, from the agent's SyncStats (--v=4); "
+                "eBPF mode: the proxier's sync (plan, map writes, attach check) from its `eBPF sync` line",
+            ],
+        )
+    )
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--services", type=int, default=10_000, help="services in the large state (default 10000)")
+    p.add_argument("--seconds", type=int, default=1, help="seconds per wrk round (default 1)")
+    p.add_argument("--rounds", type=int, default=6, help="wrk rounds per target (default 6)")
+    p.add_argument("--threads", type=int, default=2, help="wrk threads (default 2)")
+    p.add_argument("--connections", type=int, default=64, help="wrk connections (default 64)")
+    p.add_argument("--probes", type=int, default=6000, help="connect() samples per target (default 6000)")
+    p.add_argument("--modes", default=",".join(MODES), help="ebpf,iptables (default both)")
+    p.add_argument(
+        "--iptables-backend", choices=("nft", "legacy"), help="passed to the agent (default: its choice)"
+    )
+    p.add_argument(
+        "--no-legacy-compare", action="store_true", help="skip the iptables-legacy restore comparison"
+    )
+    p.add_argument("--out", type=Path, default=OUT, help=f"Markdown output (default {OUT.relative_to(REPO)})")
+    a = p.parse_args(argv)
+    modes = [m for m in a.modes.split(",") if m]
+    if any(m not in MODES for m in modes) or not 1 <= a.services <= 60_000 or a.rounds < 1:
+        p.error("bad --modes, --services (1..60000) or --rounds")
+    if os.geteuid() != 0:
+        print("bench: needs root (network namespaces, BPF, iptables)", file=sys.stderr)
+        return 2
+    problem = kernel_problem()
+    if problem:
+        print(f"bench: {problem}", file=sys.stderr)
+        return 2
+    s = Settings(
+        services=a.services,
+        seconds=a.seconds,
+        rounds=a.rounds,
+        threads=a.threads,
+        connections=a.connections,
+        probes=a.probes,
+        modes=modes,
+        iptables_backend=a.iptables_backend,
+        legacy_compare=not a.no_legacy_compare,
+    )
+    header = f"ebpf-kube-proxy benchmark, {datetime.now():%Y-%m-%d %H:%M}: {machine()}"
+    print(header, flush=True)
+    start = time.monotonic()
+    results = Bench(s).run()
+    took = time.monotonic() - start
+    out = tables(results, s)
+    footer = f"whole run: {took:.0f} s"
+    print()
+    print(header)
+    for t in out:
+        print()
+        print(t.text(), end="")
+    for note in results.notes:
+        print(f"NOTE: {note}")
+    print(f"\n{footer}")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    md = [f"_{header}; {footer}_", ""]
+    for t in out:
+        md += [t.markdown()]
+    md += [f"- NOTE: {n}" for n in results.notes]
+    a.out.write_text("\n".join(md))
+    print(f"written {a.out}")
+    return 0
