@@ -1,9 +1,9 @@
 """Services and EndpointSlices from a YAML file that the agent watches.
 
 The embedded default source: `agent --services-file FILE` with the file holding one or more YAML
-documents, or `kind: List` documents as `kubectl get -o yaml` prints them. The file is re-read when
-its modification time, size or inode changes (an editor's rename-over counts), polled ten times a
-second: a stat() is cheap, and polling works the same on every filesystem and inside containers.
+documents, or `kind: List` documents as `kubectl get -o yaml` (or `-o json`) prints them. The file
+is re-read when its modification time, size or inode changes (an editor's rename-over counts),
+polled ten times a second: a stat() is cheap, and polling works the same on every filesystem and inside containers.
 Each snapshot carries a version (a hash of the file's bytes) that the sync log line repeats, so an
 operator, or a test, can tell exactly which content is in force.
 
@@ -14,6 +14,7 @@ the proxy; the error is logged once per change.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -26,6 +27,10 @@ import yaml
 log = logging.getLogger(__name__)
 
 Obj = Mapping[str, Any]
+
+# libyaml's C loader when PyYAML was built with it (the PyPI wheels are): about ten times faster
+# than the pure-Python one, which matters at 10,000 Services. Same safe subset of YAML.
+_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,16 @@ def load_file(path: str) -> Snapshot:
     """Read and split one file; raises OSError or yaml.YAMLError."""
     with open(path, "rb") as f:
         data = f.read()
-    docs = list(yaml.safe_load_all(data.decode("utf-8")))
+    text = data.decode("utf-8")
+    docs: list[Any]
+    if text.lstrip()[:1] in ("{", "["):
+        # JSON (`kubectl get -o json`) is YAML too, but the json module reads it ~20x faster.
+        try:
+            docs = [json.loads(text)]
+        except json.JSONDecodeError:
+            docs = list(yaml.load_all(text, Loader=_LOADER))
+    else:
+        docs = list(yaml.load_all(text, Loader=_LOADER))
     services, slices, ignored = split_objects(docs)
     if ignored:
         log.info(

@@ -69,3 +69,17 @@ def test_poll_rereads_on_change_and_keeps_last_good(tmp_path: Path) -> None:
     path.unlink()
     assert src.poll() is False
     assert src.snapshot() is good
+
+
+def test_json_file_is_read_too(tmp_path: Path) -> None:
+    """`kubectl get -o json` output: JSON is YAML, read by the json module for speed."""
+    import json
+
+    import yaml
+
+    doc = {"apiVersion": "v1", "kind": "List", "items": [yaml.safe_load(SVC), yaml.safe_load(SLICE)]}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(doc))
+    snap = load_file(str(path))
+    assert [s["metadata"]["name"] for s in snap.services] == ["web"]
+    assert [s["metadata"]["name"] for s in snap.endpoint_slices] == ["web-1"]
