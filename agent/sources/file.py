@@ -1,11 +1,11 @@
 """Services and EndpointSlices from a YAML file that the agent watches.
 
 The embedded default source: `agent --services-file FILE` with the file holding one or more YAML
-documents, or `kind: List` documents as `kubectl get -o yaml` (or `-o json`) prints them. The file
-is re-read when its modification time, size or inode changes (an editor's rename-over counts),
-polled ten times a second: a stat() is cheap, and polling works the same on every filesystem and inside containers.
-Each snapshot carries a version (a hash of the file's bytes) that the sync log line repeats, so an
-operator, or a test, can tell exactly which content is in force.
+documents, or `kind: List` documents as `kubectl get -o yaml` (or `-o json`) prints them. The
+file is re-read when its modification time, size or inode changes (an editor's rename-over
+counts), polled ten times a second: a stat() is cheap, and polling works the same on every
+filesystem and inside containers. Each snapshot carries a version (a hash of the file's bytes)
+that the sync log line repeats, so an operator, or a test, can tell which content is in force.
 
 A file that does not parse keeps the last good content in force, so a half-saved edit never empties
 the proxy; the error is logged once per change.
