@@ -184,6 +184,7 @@ class Bench:
                         f"(agent sync {facts.sync_ms:,.0f} ms)",
                         flush=True,
                     )
+                    use_ports(lab, client, MEASURED_VIP)  # this check is ClusterIP traffic too
                     body = lab.http_get(client, MEASURED_VIP, MEASURED_PORT)
                     if body.strip() != server.name:
                         raise RuntimeError(f"ClusterIP answered {body!r}, not {server.name}")
@@ -570,7 +571,7 @@ def tables(results: Results, s: Settings) -> list[Table]:
             right=[False, True, True, True, True, True, True, False],
             notes=[
                 "file->synced: services file replaced -> the agent logged `sync done` for its version; "
-                "file read: -> the agent logged that it parsed the file (agent/sources/file.py, PyYAML)",
+                "file read: -> the agent logged that it had read and parsed it (agent/sources/file.py)",
                 "agent sync ms: the agent's own `sync done: ... X ms` "
                 "(state build + proxier sync, after the read)",
                 "kernel update: iptables mode: iptables-restore alone, from the agent's SyncStats (--v=4); "
