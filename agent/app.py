@@ -8,6 +8,7 @@ serving traffic while the agent is down; `--cleanup` is the explicit way to remo
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -159,7 +160,12 @@ def run(config: Config) -> int:
 
     stop = threading.Event()
 
+    agent_pid = os.getpid()
+
     def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if os.getpid() != agent_pid:
+            # A forked helper (pyroute2's netns worker) inherits this handler: let it just exit.
+            os._exit(0)
         log.info(
             "received %s: stopping (programs, maps and rules stay in place)", signal.Signals(signum).name
         )
