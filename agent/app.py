@@ -20,7 +20,7 @@ from agent.config import Config, Mode, NodeContext
 from agent.model import NodeInfo, ProxyState, build_state
 from agent.model.state import Problem
 from agent.proxier import Proxier
-from agent.sources.file import FileSource, Snapshot, load_file
+from agent.sources.file import LOAD_ERRORS, FileSource, Snapshot, load_file
 
 log = logging.getLogger("agent")
 
@@ -45,10 +45,15 @@ def render_dry_run(config: Config, state: ProxyState, node: NodeContext) -> str:
     return render_ebpf(state, node, config)
 
 
+def static_node(config: Config) -> NodeContext:
+    """The node as the flags describe it (--node-ip), without looking at the kernel."""
+    return NodeContext(node_ips=config.node_ips, primary_ip=config.node_ips[0] if config.node_ips else "")
+
+
 def node_context(config: Config) -> NodeContext:
     """The node's addresses: --node-ip, else what the external devices hold."""
     if config.node_ips:
-        return NodeContext(node_ips=config.node_ips, primary_ip=config.node_ips[0])
+        return static_node(config)
     from agent.ebpf.node import discover_node
 
     return discover_node(config)
@@ -78,10 +83,14 @@ def dry_run(config: Config) -> int:
     if not config.services_file:
         print("agent: --dry-run needs --services-file (API server dry runs come later)", file=sys.stderr)
         return 2
-    state, problems = build(config, load_file(config.services_file))
+    try:
+        snap = load_file(config.services_file)
+    except LOAD_ERRORS as exc:
+        print(f"agent: cannot read --services-file {config.services_file}: {exc}", file=sys.stderr)
+        return 1
+    state, problems = build(config, snap)
     ProblemReporter().report(problems)
-    node = NodeContext(node_ips=config.node_ips, primary_ip=config.node_ips[0] if config.node_ips else "")
-    sys.stdout.write(render_dry_run(config, state, node))
+    sys.stdout.write(render_dry_run(config, state, static_node(config)))
     return 0
 
 
@@ -112,10 +121,12 @@ def run(config: Config) -> int:
     if config.mode is Mode.EBPF:
         from agent.ebpf import preflight
 
-        found = preflight.problems(config.pin_path)
-        for p in found:
-            (log.warning if p.startswith(preflight.WARNINGS_PREFIX) else log.error)("%s", p)
-        if any(not p.startswith(preflight.WARNINGS_PREFIX) for p in found):
+        findings = preflight.check(config.pin_path)
+        for text in findings.warnings:
+            log.warning("%s", text)
+        for text in findings.errors:
+            log.error("%s", text)
+        if findings.errors:
             return 1
     proxier = make_proxier(config)
     node = node_context(config)
@@ -154,7 +165,7 @@ def run(config: Config) -> int:
     source = FileSource(config.services_file, on_change=runner.request)
     try:
         source.start()
-    except Exception as exc:
+    except LOAD_ERRORS as exc:
         log.error("cannot read --services-file %s: %s", config.services_file, exc)
         return 1
 

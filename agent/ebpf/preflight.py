@@ -9,11 +9,19 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+from dataclasses import dataclass, field
 
 
-def problems(pin_path: str) -> list[str]:
-    """Everything that would stop eBPF mode from loading, with the remedy; [] when all is there."""
-    found: list[str] = []
+@dataclass
+class Findings:
+    errors: list[str] = field(default_factory=list)  # eBPF mode cannot start
+    warnings: list[str] = field(default_factory=list)  # it works, an operator sees less
+
+
+def check(pin_path: str) -> Findings:
+    """Everything that would stop or degrade eBPF mode, each with its remedy."""
+    out = Findings()
+    found = out.errors
     if os.geteuid() != 0:
         found.append("eBPF mode needs root (CAP_BPF, CAP_NET_ADMIN): run the agent as root")
     if importlib.util.find_spec("bcc") is None:
@@ -27,12 +35,8 @@ def problems(pin_path: str) -> list[str]:
             f"no kernel headers at {build}: bcc compiles the data path against them. Install "
             "linux-headers-amd64 and link build/source there (scripts/setup.sh does), or run --mode=iptables"
         )
-    if not os.path.exists("/sys/kernel/btf/vmlinux"):
-        found.append("the kernel has no BTF (/sys/kernel/btf/vmlinux): maps will dump without field names")
     if not pin_path.startswith("/"):
         found.append(f"--bpf-pin-path must be absolute, got {pin_path!r}")
-    return found
-
-
-# Problems that still let eBPF mode work (only degrade what an operator sees).
-WARNINGS_PREFIX = ("the kernel has no BTF",)
+    if not os.path.exists("/sys/kernel/btf/vmlinux"):
+        out.warnings.append("the kernel has no BTF (/sys/kernel/btf/vmlinux): bpftool dumps lack field names")
+    return out

@@ -32,6 +32,9 @@ Obj = Mapping[str, Any]
 # than the pure-Python one, which matters at 10,000 Services. Same safe subset of YAML.
 _LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
+# What reading a services file can raise: missing or unreadable, not UTF-8, not YAML.
+LOAD_ERRORS = (OSError, UnicodeDecodeError, yaml.YAMLError)
+
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -71,7 +74,7 @@ def split_objects(docs: Iterable[Any]) -> tuple[list[Obj], list[Obj], list[str]]
 
 
 def load_file(path: str) -> Snapshot:
-    """Read and split one file; raises OSError or yaml.YAMLError."""
+    """Read and split one file; raises one of LOAD_ERRORS."""
     with open(path, "rb") as f:
         data = f.read()
     text = data.decode("utf-8")
@@ -139,7 +142,7 @@ class FileSource:
             return False
         try:
             snap = load_file(self.path)
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        except LOAD_ERRORS as exc:
             log.error("services file %s does not parse, keeping the last good content: %s", self.path, exc)
             return False
         with self._lock:

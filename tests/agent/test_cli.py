@@ -70,3 +70,27 @@ def test_help_ends_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert out.rstrip().endswith("decode the live service maps of this node")
     assert "--hostname-override" in out and "--bpf-ct-max" in out
+
+
+def test_dry_run_with_a_missing_file_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.cli import main
+
+    assert main(["--dry-run", "--services-file=/nonexistent/services.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot read --services-file /nonexistent/services.yaml" in err
+    assert "No such file or directory" in err
+
+
+def test_dry_run_of_the_examples_needs_no_root(capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    from agent.cli import main
+
+    examples = Path(__file__).resolve().parents[2] / "examples" / "services.yaml"
+    argv = ["--dry-run", f"--services-file={examples}", "--hostname-override=node1"]
+    assert main([*argv, "--mode=ebpf", "--node-ip=192.168.0.11"]) == 0
+    out = capsys.readouterr().out
+    assert "fe 192.168.0.11:30080/TCP external" in out and "flags=NODEPORT|SNAT_REMOTE" in out
+    assert main([*argv, "--mode=iptables"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("*filter\n") and "-A KUBE-SERVICES" in out and out.rstrip().endswith("COMMIT")

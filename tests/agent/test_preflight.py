@@ -12,14 +12,14 @@ def test_all_present_on_this_machine_when_root() -> None:
 
     if os.geteuid() != 0:
         pytest.skip("checks root")
-    assert preflight.problems("/sys/fs/bpf/ebpf-kube-proxy") == []
+    assert preflight.check("/sys/fs/bpf/ebpf-kube-proxy").errors == []
 
 
 def test_missing_pieces_name_the_remedy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("agent.ebpf.preflight.os.geteuid", lambda: 1000)
     monkeypatch.setattr("agent.ebpf.preflight.importlib.util.find_spec", lambda name: None)
     monkeypatch.setattr("agent.ebpf.preflight.platform.release", lambda: "0.0-nonexistent")
-    found = preflight.problems("relative/pins")
+    found = preflight.check("relative/pins").errors
     text = "\n".join(found)
     assert "run the agent as root" in text
     assert "install Debian's python3-bpfcc" in text
