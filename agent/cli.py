@@ -8,6 +8,7 @@ and a message that says what is wrong and what would be right.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import re
 import socket
@@ -51,8 +52,6 @@ def _csv(text: str) -> tuple[str, ...]:
 
 
 def _cidrs(text: str) -> tuple[str, ...]:
-    import ipaddress
-
     out = _csv(text)
     for c in out:
         try:
@@ -63,8 +62,6 @@ def _cidrs(text: str) -> tuple[str, ...]:
 
 
 def _ipv4(text: str) -> str:
-    import ipaddress
-
     try:
         return str(ipaddress.IPv4Address(text))
     except ValueError:
