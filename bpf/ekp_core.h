@@ -160,8 +160,11 @@ static __always_inline int ekp_handle(struct __sk_buff *skb, __u8 scope, __u32 *
 	}
 
 	struct ekp_frontend *fep = ekp_frontend_lookup(&p, scope);
-	if (!fep)
+	if (!fep) {
+		if (p.proto == IPPROTO_TCP && (p.tcp_flags & (EKP_TCP_SYN | EKP_TCP_ACK)) == EKP_TCP_SYN)
+			ekp_ct_reclaim(&p, &cfg, now); /* a new direct flow: clear an ended flow's tuple */
 		return TC_ACT_OK;
+	}
 	struct ekp_frontend fe = *fep;
 	return ekp_new_flow(skb, &p, &fe, &cfg, now, outcome);
 }

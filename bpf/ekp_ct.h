@@ -10,8 +10,10 @@
  * ekp_from_pod, replies from a remote one through ekp_from_net.
  *
  * Expiry is computed on lookup (last_seen_ns + timeout from ekp_config); an expired entry is a
- * miss and is overwritten by the next flow on that tuple; the LRU evicts the rest.
- * last_seen_ns is refreshed at most once a second to limit writes.
+ * miss and is overwritten by the next flow on that tuple; the LRU evicts the rest (one LRU list
+ * per CPU, BPF_F_NO_COMMON_LRU: see ekp_maps.h). last_seen_ns is refreshed at most once a second
+ * to limit writes. The one deletion: a direct (untranslated) TCP SYN on the backend-side tuple of
+ * an ended flow removes that flow's pair (ekp_ct_reclaim).
  */
 #ifndef EKP_CT_H
 #define EKP_CT_H
@@ -62,22 +64,28 @@ static __always_inline int ekp_ct_expired(const struct ekp_ct_entry *e, const st
 	return now > last && now - last > ekp_ct_timeout_ns(cfg, proto, e->flags);
 }
 
-/* A hit that may be used: alive; not a new SYN on a closing flow (the client reuses the port
- * after TIME_WAIT: a new flow, a new backend choice, as nf_conntrack does); and for UDP, a
- * backend still in ekp_be_v1 at the same address. kube-proxy deletes the conntrack entries of
- * a removed UDP endpoint so a resolver keeping its source port moves on; TCP flows keep their
- * backend (a terminating pod finishes its connections), as with kube-proxy. */
+/* A hit that may be used: alive; for TCP, no SYN on a closing flow: a SYN (without ACK) on a
+ * closing FORWARD entry is the client reusing its port after TIME_WAIT (a new flow, a new backend
+ * choice, as nf_conntrack does), and a SYN-ACK on a closing REPLY entry answers some other flow on
+ * that tuple (a direct connection from the client's old port, see ekp_ct_reclaim): it passes
+ * untranslated and does not refresh the entry. For UDP, a FORWARD entry needs its backend still in
+ * ekp_be_v1 at the same address: kube-proxy deletes the conntrack entries of a removed UDP
+ * endpoint so a resolver keeping its source port moves on; TCP flows keep their backend (a
+ * terminating pod finishes its connections), as with kube-proxy. */
 static __always_inline int ekp_ct_usable(const struct ekp_ct_entry *e, const struct ekp_pkt *p,
 					 const struct ekp_config *cfg, __u64 now)
 {
 	if (ekp_ct_expired(e, cfg, p->proto, now))
 		return 0;
+	if (p->proto == IPPROTO_TCP) {
+		if (!(e->flags & EKP_CT_CLOSING))
+			return 1;
+		if (e->dir == EKP_CT_REPLY)
+			return !(p->tcp_flags & EKP_TCP_SYN);
+		return (p->tcp_flags & (EKP_TCP_SYN | EKP_TCP_ACK)) != EKP_TCP_SYN;
+	}
 	if (e->dir != EKP_CT_FORWARD)
 		return 1;
-	if (p->proto == IPPROTO_TCP) {
-		int syn_only = (p->tcp_flags & (EKP_TCP_SYN | EKP_TCP_ACK)) == EKP_TCP_SYN;
-		return !((e->flags & EKP_CT_CLOSING) && syn_only);
-	}
 
 	struct ekp_backend_key bk = {};
 	bk.id = e->backend_id;
@@ -198,6 +206,81 @@ static __always_inline int ekp_ct_create(const struct ekp_pkt *p, struct ekp_flo
 		return EKP_DROP_CT_FULL;
 	}
 	return 0;
+}
+
+/* The FORWARD key of the flow that owns the REPLY entry `r` stored under `rkey`: the client is the
+ * entry's nat address when the flow was source-translated, else the REPLY key's destination; the
+ * frontend is the flow's reverse NAT target. */
+static __always_inline void ekp_ct_forward_key(struct ekp_ct_key *fkey, const struct ekp_ct_key *rkey,
+					       const struct ekp_ct_entry *r, const struct ekp_revnat *rn)
+{
+	int snat = r->flags & EKP_CT_SNAT;
+
+	fkey->saddr = snat ? r->nat_addr : rkey->daddr;
+	fkey->sport = snat ? r->nat_port : rkey->dport;
+	fkey->daddr = rn->addr;
+	fkey->dport = rn->port;
+	fkey->proto = rkey->proto;
+}
+
+/* Whether the FORWARD entry `f` belongs to the same flow as the REPLY entry `r` under `rkey`
+ * (the FORWARD key may since have been taken by a later flow to another backend). */
+static __always_inline int ekp_ct_twins(const struct ekp_ct_entry *f, const struct ekp_ct_key *rkey,
+					const struct ekp_ct_entry *r)
+{
+	if (f->dir != EKP_CT_FORWARD || f->rev_nat_id != r->rev_nat_id || f->nat_addr != rkey->saddr ||
+	    f->nat_port != rkey->sport)
+		return 0;
+	return !(f->flags & EKP_CT_SNAT) || (f->snat_addr == rkey->daddr && f->snat_port == rkey->dport);
+}
+
+/* A TCP SYN that is no service flow (it missed conntrack and the frontends), client:P ->
+ * server:port, may reuse the tuple of a translated flow seen from the server's side: the flow
+ * client:P -> frontend -> server:port left the REPLY entry {server, client, port, P}. If that
+ * flow has ended, its REPLY entry would reverse-translate the new connection's SYN-ACK to come
+ * from the frontend, the client would never accept it, and each retransmitted SYN-ACK would
+ * refresh the entry. So the old pair is deleted when it is stale: the REPLY entry expired or
+ * closing, or its FORWARD twin missing, taken by another flow, expired or closing, or its
+ * frontend's reverse NAT entry gone. A live pair (neither direction closed) stays: the server
+ * then holds a connection on this very 4-tuple, which the new one cannot share (nf_conntrack
+ * would move the newcomer to another source port; we do not rewrite untranslated flows), and the
+ * established flow is kept. One lookup per such SYN, a miss unless the tuple was used before. */
+static __always_inline void ekp_ct_reclaim(const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now)
+{
+	struct ekp_ct_key rkey = {};
+
+	rkey.saddr = p->daddr;
+	rkey.daddr = p->saddr;
+	rkey.sport = p->dport;
+	rkey.dport = p->sport;
+	rkey.proto = p->proto;
+	struct ekp_ct_entry *rp = ekp_ct_lookup(&rkey);
+	if (!rp || rp->dir != EKP_CT_REPLY)
+		return;
+	struct ekp_ct_entry r = *rp;
+	int stale = (r.flags & EKP_CT_CLOSING) || ekp_ct_expired(&r, cfg, p->proto, now);
+	int twin = 0;
+	struct ekp_ct_key fkey = {};
+	struct ekp_revnat_key nk = {};
+
+	nk.id = r.rev_nat_id;
+	struct ekp_revnat *rn = ekp_rnat_lookup(&nk);
+	if (rn) {
+		ekp_ct_forward_key(&fkey, &rkey, &r, rn);
+		struct ekp_ct_entry *f = ekp_ct_lookup(&fkey);
+		if (f && ekp_ct_twins(f, &rkey, &r)) {
+			twin = 1;
+			if ((f->flags & EKP_CT_CLOSING) || ekp_ct_expired(f, cfg, p->proto, now))
+				stale = 1;
+		}
+	}
+	if (!twin)
+		stale = 1;
+	if (!stale)
+		return;
+	ekp_ct_delete(&rkey);
+	if (twin)
+		ekp_ct_delete(&fkey);
 }
 
 #endif /* EKP_CT_H */

@@ -10,8 +10,10 @@
 Every map is pinned under `pin_path` by bcc's BPF_TABLE_PINNED: a restarted agent compiles again
 and bcc re-opens the pins, so conntrack, affinity and counters survive the restart. bcc would
 reuse a pin silently even when its layout changed, so `load()` first compares every existing pin
-with what is about to be compiled and refuses a mismatch (`PinMismatchError`); the ABI version in
-each map name keeps old layouts apart (`stale_pins` lists them).
+with what is about to be compiled (type, key and value size, max_entries, map_flags) and refuses a
+mismatch (`PinMismatchError`); the ABI version in each map name keeps old layouts apart
+(`stale_pins` lists them). A map_flags mismatch is how pins made before the LRU maps got
+BPF_F_NO_COMMON_LRU show up: `agent --cleanup` once, which drops their conntrack entries.
 
 Parameters reach the C only as cflags (`-DEKP_PIN_DIR="..."`, `-DEKP_CT_MAX=...`); `source_text()`
 returns the full program as compiled (includes inlined, cflags on top) for debugging, the way bcc
@@ -31,7 +33,7 @@ from typing import Any
 
 from agent.config import MapSizes
 from agent.ebpf.abi import ABI_VERSION, MAPS, PREFIX, MapSpec, Scope
-from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get
+from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, possible_cpus
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,14 @@ BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent
 # Program name -> the scope its frontends are looked up with. Attach ekp_from_pod on the ingress
 # of the node side of every pod veth, ekp_from_net on the ingress of each external device.
 PROGRAMS: dict[str, Scope] = {"ekp_from_pod": Scope.INTERNAL, "ekp_from_net": Scope.EXTERNAL}
+
+BPF_F_NO_COMMON_LRU = 1 << 1
+_U32_MAX = (1 << 32) - 1
+# Creation flags of single maps, beyond those every map of its kind has (maps.MAP_FLAGS), exactly as
+# declared in bpf/ekp_maps.h (tests/ebpf/test_abi.py compares the two). The LRU maps keep one LRU
+# list per CPU: with the kernel's common list, every 128th insert on a CPU refills its free nodes
+# under the map-wide lock, a stall that was most of the ClusterIP connect() p99 (README Benchmarks).
+ROLE_FLAGS: dict[str, int] = {"ct": BPF_F_NO_COMMON_LRU, "aff": BPF_F_NO_COMMON_LRU}
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9]+_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
@@ -67,14 +77,31 @@ def map_size(spec: MapSpec, sizes: MapSizes) -> int:
     return int(size)
 
 
+def map_flags(spec: MapSpec) -> int:
+    """The map_flags a map is created with (and that an existing pin must have)."""
+    return MAP_FLAGS.get(spec.kind, 0) | ROLE_FLAGS.get(spec.role, 0)
+
+
+def kernel_max_entries(spec: MapSpec, sizes: MapSizes) -> int:
+    """max_entries as the kernel reports it. A map with per-CPU LRU lists (BPF_F_NO_COMMON_LRU) is
+    rounded up to a multiple of the possible CPUs, each CPU's list getting an equal share, in u32
+    arithmetic, and down instead when that wraps: htab_map_alloc's roundup/rounddown."""
+    size = map_size(spec, sizes)
+    if not map_flags(spec) & BPF_F_NO_COMMON_LRU:
+        return size
+    cpus = possible_cpus()
+    up = ((size + cpus - 1) & _U32_MAX) // cpus * cpus
+    return up if up >= size else size // cpus * cpus
+
+
 def expected_info(spec: MapSpec, sizes: MapSizes) -> dict[str, int]:
     """What bpf_obj_get_info must report for a map compiled with `sizes`."""
     return {
         "type": MAP_TYPES[spec.kind],
         "key_size": _sizeof(spec.key),
         "value_size": _sizeof(spec.value),
-        "max_entries": map_size(spec, sizes),
-        "flags": MAP_FLAGS.get(spec.kind, 0),
+        "max_entries": kernel_max_entries(spec, sizes),
+        "flags": map_flags(spec),
     }
 
 
@@ -111,7 +138,8 @@ def check_pins(pin_path: str, sizes: MapSizes) -> None:
         for p in problems:
             log.error("pinned map does not match the data path: %s", p)
         raise PinMismatchError(
-            "pinned BPF maps do not match this agent's data path (a changed --bpf-*-max flag?): "
+            "pinned BPF maps do not match this agent's data path (a changed --bpf-*-max flag, or pins "
+            "left by an older agent?): "
             + "; ".join(problems)
             + f". To start over: {_REMEDY} (this drops conntrack state)."
         )

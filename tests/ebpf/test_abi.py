@@ -3,7 +3,8 @@
 * A probe generated from the ctypes `_fields_` is compiled from ekp_abi.h with the host gcc and
   prints sizeof/offsetof of every field and the value of every constant: any layout drift fails.
 * ekp_maps.h is parsed: the map names, kinds, key/value structs and size macros are the MAPS
-  registry's, and every name fits the kernel's 15 characters.
+  registry's, every name fits the kernel's 15 characters, and the declared map_flags are those
+  the loader checks existing pins for.
 * Kernel-marked: the loaded maps, as bpftool shows them, have those names and sizes, and BTF
   gives `bpftool map dump` named fields.
 """
@@ -22,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from agent.config import MapSizes
-from agent.ebpf import abi
-from agent.ebpf.loader import PROGRAMS, Datapath, default_bpf_dir, expected_info, stale_pins
+from agent.ebpf import abi, loader
+from agent.ebpf.loader import PROGRAMS, Datapath, default_bpf_dir, expected_info, map_flags, stale_pins
 from tests.ebpf.packets import loaded_datapath
 
 BPF_DIR = default_bpf_dir()
@@ -150,6 +151,32 @@ def test_map_declarations_match_the_registry() -> None:
         assert decl["value"] == c_type_name(spec.value), spec.name
         assert decl["macro"] == spec.size_macro, spec.name
         assert decl["pin"] == spec.name, spec.name
+
+
+_FLAGS_DECL = re.compile(r"EKP_PIN\((?P<pin>\w+)\)(?:,\s*(?P<flags>[\w |]+?))?\s*\);")
+_FLAG_VALUES = {"BPF_F_NO_PREALLOC": 1 << 0, "BPF_F_NO_COMMON_LRU": 1 << 1}
+
+
+def test_map_flags_declared_are_the_ones_pins_are_checked_for() -> None:
+    """The 7th BPF_TABLE_PINNED argument (map_flags) is what the loader expects of a pin."""
+    text = (BPF_DIR / "ekp_maps.h").read_text()
+    declared = {
+        m["pin"]: sum(_FLAG_VALUES[f.strip()] for f in (m["flags"] or "").split("|") if f.strip())
+        for m in _FLAGS_DECL.finditer(text)
+    }
+    assert declared == {spec.name: map_flags(spec) for spec in abi.MAPS.values()}
+    assert declared["ekp_ct_v1"] == declared["ekp_aff_v1"] == loader.BPF_F_NO_COMMON_LRU
+
+
+def test_per_cpu_lru_maps_are_expected_rounded_to_the_possible_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """htab_map_alloc gives each CPU's LRU list the same share: max_entries rounds up."""
+    monkeypatch.setattr(loader, "possible_cpus", lambda: 3)
+    sizes = MapSizes(fe=1000, ct=1000, aff=999)
+    assert expected_info(abi.MAPS["ct"], sizes)["max_entries"] == 1002
+    assert expected_info(abi.MAPS["aff"], sizes)["max_entries"] == 999
+    assert expected_info(abi.MAPS["fe"], sizes)["max_entries"] == 1000  # a common hash: as asked
+    huge = MapSizes(ct=(1 << 32) - 2)  # rounding up would overflow u32: the kernel rounds down
+    assert expected_info(abi.MAPS["ct"], huge)["max_entries"] == (1 << 32) - 4
 
 
 def test_map_names_fit_the_kernel_and_carry_the_version() -> None:

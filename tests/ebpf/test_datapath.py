@@ -617,3 +617,138 @@ def test_tcp_flow_keeps_its_backend_when_it_is_removed(net: Net) -> None:
     net.dp.maps["be"].delete(abi.BackendKey(1))
     assert parse(net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80, flags="A"))[1]).dst == BE1
     assert net.stats()[Stat.CT_FORWARD] == 1
+
+
+# ---- a direct connection from the port of an ended service flow ----------------------------
+
+
+def open_service_flow(net: Net, port: int) -> None:
+    """POD_CLIENT:port -> VIP:80 -> BE1:8080, handshake done: both conntrack entries written."""
+    assert net.from_pod(tcp(POD_CLIENT, VIP, port, 80))[0] == TC_ACT_REDIRECT
+    assert parse(net.from_pod(tcp(BE1, POD_CLIENT, 8080, port, flags="SA"))[1]).src == VIP
+    assert net.from_pod(tcp(POD_CLIENT, VIP, port, 80, flags="A"))[0] == TC_ACT_REDIRECT
+
+
+ENDINGS = {
+    # the packets that ended the service flow, each (from the client?, TCP flags)
+    "client-rst": [(True, "R")],  # bench/probe.py's abortive close: only the FORWARD entry closes
+    "client-fin-first": [(True, "FA"), (False, "FA"), (True, "A")],
+    "backend-fin-first": [(False, "FA"), (True, "FA"), (False, "A")],
+    "backend-rst": [(False, "R")],  # only the REPLY entry closes
+}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_direct_connection_from_an_ended_flows_port_is_answered_untranslated(net: Net, ending: str) -> None:
+    """The bench's sequence: a ClusterIP connection from client port P to VIP:80 (DNAT to BE1:8080)
+    ends; then the client connects from P straight to BE1:8080. The SYN clears the ended flow's
+    pair, so the backend's SYN-ACK reaches the client as it was sent, not rewritten to VIP:80."""
+    net.add_service()
+    open_service_flow(net, 12345)
+    for from_client, flags in ENDINGS[ending]:
+        frame = (
+            tcp(POD_CLIENT, VIP, 12345, 80, flags=flags)
+            if from_client
+            else tcp(BE1, POD_CLIENT, 8080, 12345, flags=flags)
+        )
+        assert net.from_pod(frame)[0] == TC_ACT_REDIRECT
+    assert net.ct(BE1, POD_CLIENT, 8080, 12345) is not None
+
+    syn = tcp(POD_CLIENT, BE1, 12345, 8080)
+    assert net.from_pod(syn) == (TC_ACT_OK, syn)
+    assert net.ct(BE1, POD_CLIENT, 8080, 12345) is None
+    assert net.ct(POD_CLIENT, VIP, 12345, 80) is None
+    for flags in ("SA", "A", "PA", "FA"):
+        reply = tcp(BE1, POD_CLIENT, 8080, 12345, flags=flags)
+        assert net.from_pod(reply) == (TC_ACT_OK, reply), flags
+        forward = tcp(POD_CLIENT, BE1, 12345, 8080, flags="A" if flags == "SA" else flags)
+        assert net.from_pod(forward) == (TC_ACT_OK, forward), flags
+
+    # and the ClusterIP works again from the same port afterwards (a new flow)
+    assert parse(net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))[1]).dst == BE1
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.PASS]) == (2, 9)
+
+
+def test_syn_ack_on_a_closing_reply_entry_passes_untranslated_and_does_not_refresh_it(net: Net) -> None:
+    """Even without the SYN that clears it (the client's SYN took another path), a SYN-ACK is never
+    part of a closing flow: it passes as it is and leaves the entry to its closing timeout."""
+    net.add_service()
+    open_service_flow(net, 12346)
+    assert net.from_pod(tcp(BE1, POD_CLIENT, 8080, 12346, flags="FA"))[0] == TC_ACT_REDIRECT
+    key = abi.CtKey(ip_be(BE1), ip_be(POD_CLIENT), port_be(8080), port_be(12346), TCP)
+    rep = net.ct(BE1, POD_CLIENT, 8080, 12346)
+    assert rep is not None and rep.flags & CtFlag.CLOSING
+    rep.last_seen_ns = time.monotonic_ns() - 5 * 10**9
+    net.dp.maps["ct"].update(key, rep)
+    for _ in range(3):  # retransmitted SYN-ACKs
+        frame = tcp(BE1, POD_CLIENT, 8080, 12346, flags="SA")
+        assert net.from_pod(frame) == (TC_ACT_OK, frame)
+    after = net.ct(BE1, POD_CLIENT, 8080, 12346)
+    assert after is not None and after.last_seen_ns == rep.last_seen_ns
+    # the flow's own closing packets still go through it
+    assert parse(net.from_pod(tcp(BE1, POD_CLIENT, 8080, 12346, flags="A"))[1]).src == VIP
+
+
+def test_direct_syn_from_the_port_of_a_live_service_flow_keeps_the_flow(net: Net) -> None:
+    """Neither direction closed: the backend holds a connection on this very 4-tuple, which the
+    direct one cannot share. The established flow keeps its entries (the SYN passes)."""
+    net.add_service()
+    open_service_flow(net, 12347)
+    syn = tcp(POD_CLIENT, BE1, 12347, 8080)
+    assert net.from_pod(syn) == (TC_ACT_OK, syn)
+    assert net.ct(BE1, POD_CLIENT, 8080, 12347) is not None
+    assert net.ct(POD_CLIENT, VIP, 12347, 80) is not None
+    assert parse(net.from_pod(tcp(BE1, POD_CLIENT, 8080, 12347, flags="PA"))[1]).src == VIP
+
+
+@pytest.mark.parametrize("why", ["forward-gone", "forward-taken", "reply-expired", "revnat-gone"])
+def test_direct_syn_clears_an_orphaned_or_expired_reply_entry(net: Net, dp: Datapath, why: str) -> None:
+    backends = ((1, BE1, 8080, BackendFlag.LOCAL), (2, BE2, 8080, BackendFlag.LOCAL))
+    net.add_service(backends=backends)
+    port = 12348
+    while parse(net.from_pod(tcp(POD_CLIENT, VIP, port, 80))[1]).dst != BE1:  # the choice is random
+        port += 1
+    fkey = abi.CtKey(ip_be(POD_CLIENT), ip_be(VIP), port_be(port), port_be(80), TCP)
+    rkey = abi.CtKey(ip_be(BE1), ip_be(POD_CLIENT), port_be(8080), port_be(port), TCP)
+    if why == "forward-gone":  # evicted by the LRU, say
+        dp.maps["ct"].delete(fkey)
+    elif why == "forward-taken":  # the FORWARD key now belongs to a flow to BE2
+        fwd = net.ct(POD_CLIENT, VIP, port, 80)
+        assert fwd is not None
+        fwd.nat_addr, fwd.backend_id = ip_be(BE2), 2
+        dp.maps["ct"].update(fkey, fwd)
+    elif why == "reply-expired":
+        dp.maps["cfg"].update(ctypes.c_uint32(0), abi.Config(node_addr=ip_be(NODE), tcp_timeout_s=5))
+        rep = net.ct(BE1, POD_CLIENT, 8080, port)
+        assert rep is not None
+        rep.last_seen_ns = time.monotonic_ns() - 6 * 10**9  # the machine may be up < 1 h
+        dp.maps["ct"].update(rkey, rep)
+    else:
+        dp.maps["rnat"].delete(abi.RevNatKey(1))
+    syn = tcp(POD_CLIENT, BE1, port, 8080)
+    assert net.from_pod(syn) == (TC_ACT_OK, syn)
+    assert net.ct(BE1, POD_CLIENT, 8080, port) is None
+    fwd_left = net.ct(POD_CLIENT, VIP, port, 80)
+    if why == "forward-taken":
+        assert fwd_left is not None and fwd_left.nat_addr == ip_be(BE2)  # not ours to delete
+    elif why == "revnat-gone":
+        assert fwd_left is not None  # its key holds the frontend address, now unknown: it times out
+    elif why != "forward-gone":
+        assert fwd_left is None
+    reply = tcp(BE1, POD_CLIENT, 8080, port, flags="SA")
+    assert net.from_pod(reply) == (TC_ACT_OK, reply)
+
+
+def test_direct_syn_clears_an_ended_source_translated_flow(net: Net, lab: Lab) -> None:
+    """The same for a NodePort flow to a remote backend: its REPLY entry is keyed by the node's
+    address and SNAT port, and its FORWARD twin is found through the entry's client address."""
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    net.add_service(NODE, 30080, ((7, REMOTE_BE, 8080, 0),), scope=Scope.EXTERNAL, flags=flags, rev_nat_id=3)
+    out = net.from_net(tcp(CLIENT, NODE, 5555, 30080))[1]
+    snat_port = parse(out).sport
+    assert net.from_net(tcp(CLIENT, NODE, 5555, 30080, flags="R"))[0] == TC_ACT_REDIRECT
+    syn = tcp(NODE, REMOTE_BE, snat_port, 8080)  # as if from the node's SNAT port (test only)
+    assert net.from_net(syn) == (TC_ACT_OK, syn)
+    assert net.ct(REMOTE_BE, NODE, 8080, snat_port) is None
+    assert net.ct(CLIENT, NODE, 5555, 30080) is None

@@ -128,3 +128,37 @@ def test_reload_reuses_pins_and_refuses_other_sizes(dp: Datapath) -> None:
     with pytest.raises(Exception, match=r"ekp_ct_v1: max_entries is 64, expected 128.*--cleanup"):
         Datapath(dp.pin_path, MapSizes(fe=8, slot=16, be=8, rnat=8, ct=128, aff=8, srcr=8)).load()
     dp.maps["ct"].clear()
+
+
+@pytest.mark.kernel
+def test_pin_made_with_other_map_flags_is_refused() -> None:
+    """A conntrack pin from before BPF_F_NO_COMMON_LRU (same layout, common LRU list) is not reused."""
+    import subprocess
+
+    from agent.ebpf.loader import PinMismatchError
+    from tests.ebpf.packets import bpffs
+
+    spec = MAPS["ct"]
+    with bpffs() as root:
+        pins = root / "ekp"
+        pins.mkdir()
+        argv = ["bpftool", "map", "create", str(pins / spec.name), "type", "lru_hash"]
+        argv += ["key", str(ctypes.sizeof(spec.key)), "value", str(ctypes.sizeof(spec.value))]
+        argv += ["entries", str(SIZES.ct), "name", spec.name, "flags", "0"]
+        subprocess.run(argv, check=True, capture_output=True)
+        with pytest.raises(PinMismatchError, match=r"ekp_ct_v1: flags is 0, expected 2.*--cleanup"):
+            Datapath(str(pins), SIZES).load()
+
+
+@pytest.mark.kernel
+def test_per_cpu_lru_size_rounded_by_the_kernel_is_accepted_on_reload() -> None:
+    """max_entries of a per-CPU LRU map is a multiple of the possible CPUs: 63 asked, 64 on 2 CPUs."""
+    from agent.ebpf.maps import possible_cpus
+
+    odd = MapSizes(fe=8, slot=16, be=8, rnat=8, ct=63, aff=7, srcr=8)
+    cpus = possible_cpus()
+    with loaded_datapath(odd) as first:
+        assert first.maps["ct"].info().max_entries == -(-63 // cpus) * cpus
+        assert first.maps["aff"].info().max_entries == -(-7 // cpus) * cpus
+        with Datapath(first.pin_path, odd) as again:
+            assert again.maps["ct"].info().id == first.maps["ct"].info().id
