@@ -568,6 +568,33 @@ def test_fin_marks_the_flow_closing_and_a_new_syn_reopens_it(net: Net) -> None:
     assert net.stats()[Stat.NEW_FLOWS] == 2
 
 
+@pytest.mark.parametrize("same_backend", [True, False])
+def test_new_flow_on_a_closing_tuple_rewrites_both_entries(net: Net, same_backend: bool) -> None:
+    """Port reuse: the new flow's entries replace the closing ones (rewritten in place when they
+    translate the same way, replaced otherwise); the other backend's REPLY entry is left to time out."""
+    net.add_service(backends=((1, BE1, 8080, BackendFlag.LOCAL), (2, BE2, 8080, BackendFlag.LOCAL)))
+    first = parse(net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))[1]).dst
+    for _ in range(64):
+        assert net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80, flags="FA"))[0] == TC_ACT_REDIRECT
+        old_fwd = net.ct(POD_CLIENT, VIP, 12345, 80)
+        assert old_fwd is not None and old_fwd.flags == CtFlag.CLOSING
+        net.from_pod(tcp(BE1 if first == BE1 else BE2, POD_CLIENT, 8080, 12345, flags="FA"))
+        again = parse(net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))[1]).dst
+        if (again == first) == same_backend:
+            break
+        first = again
+    else:
+        pytest.fail("64 random backend choices all went the other way")
+    fwd = net.ct(POD_CLIENT, VIP, 12345, 80)
+    rep = net.ct(again, POD_CLIENT, 8080, 12345)
+    assert fwd is not None and rep is not None
+    assert (fwd.flags, rep.flags) == (0, 0)
+    assert fwd.last_seen_ns > old_fwd.last_seen_ns and rep.last_seen_ns >= fwd.last_seen_ns - 10**9
+    backend_id = 1 if again == BE1 else 2
+    assert (fwd.nat_addr, fwd.backend_id, rep.backend_id) == (ip_be(again), backend_id, backend_id)
+    assert parse(net.from_pod(tcp(again, POD_CLIENT, 8080, 12345, flags="SA"))[1]).src == VIP
+
+
 def test_closing_flow_expires_after_the_closing_timeout(net: Net) -> None:
     net.add_service()
     net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))
