@@ -354,12 +354,10 @@ class Bench:
 def use_ports(lab: Lab, client: Pod, addr: str) -> None:
     """Give the client's pod-IP and ClusterIP connections disjoint source port ranges.
 
-    Workaround for an eBPF-mode data path bug the benchmark ran into: after a ClusterIP connection
-    from client port P ends, a *direct* connection from the same port P to the same backend gets its
-    SYN-ACK reverse-translated to the VIP by the closing flow's reply conntrack entry (bpf/ekp_ct.h,
-    ekp_ct_usable: reply entries are used even for a SYN-ACK on a CLOSING flow, and every retried
-    SYN-ACK refreshes the entry), so the connect() never completes. iptables mode (nf_conntrack)
-    has no such problem. With disjoint ranges no 4-tuple is shared and every row measures speed only.
+    So no row meets the other's sockets in TIME_WAIT on the backend (both target the same
+    backend ip:port), and each row measures only its own path. This once also hid an eBPF bug
+    (a closed ClusterIP flow's reply entry caught a later direct connection from the same port),
+    fixed since in bpf/ekp_ct.h (ekp_ct_reclaim) and covered by packet and lab tests.
     """
     lab.set_sysctl(
         client, "net.ipv4.ip_local_port_range", PORTS_VIP if addr == MEASURED_VIP else PORTS_DIRECT
