@@ -99,24 +99,16 @@ def main() -> int:
                     check=False,
                 ).stdout
                 print("\n".join(raw.splitlines()[:16]) + "\n  ...")
-                title("the maps, decoded: agent inspect maps")
-                decoded = subprocess.run(
-                    [sys.executable, "-m", "agent", "inspect", "maps", f"--bpf-pin-path={agent.pin_path}"],
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                    cwd=str(REPO),
-                )
-                print(decoded.stdout or decoded.stderr)
-                title("counters: agent inspect stats")
-                stats = subprocess.run(
-                    [sys.executable, "-m", "agent", "inspect", "stats", f"--bpf-pin-path={agent.pin_path}"],
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                    cwd=str(REPO),
-                )
-                print(stats.stdout or stats.stderr)
+                for what, heading in (("maps", "the maps, decoded"), ("stats", "counters")):
+                    title(f"{heading}: agent inspect {what}")
+                    shown = subprocess.run(
+                        [sys.executable, "-m", "agent", "inspect", what, f"--bpf-pin-path={agent.pin_path}"],
+                        capture_output=True,
+                        text=True,
+                        check=False,
+                        cwd=str(REPO),
+                    )
+                    print(shown.stdout or shown.stderr)
                 title("netfilter in node1 holds no service rule")
                 rules = cluster.ruleset(lab.nodes[0])
                 kube = [line for line in rules.splitlines() if "KUBE-" in line or "10.96." in line]
