@@ -199,6 +199,23 @@ class Bench:
                 self.results.notes.append(f"{mode}: agent --cleanup failed: {'; '.join(failures)}")
             self.measure(lab, client, server, workers, State(mode, "none (after)", None))
 
+    def load(
+        self, lab: Lab, client: Pod, addr: str, port: int, *, server_pids: list[int], lab_cgroup: str | None
+    ) -> Load:
+        """One wrk window from the client to addr:port with this run's settings (ports set for addr)."""
+        use_ports(lab, client, addr)
+        return wrk(
+            lab,
+            client,
+            addr,
+            port,
+            seconds=self.s.seconds,
+            threads=self.s.threads,
+            connections=self.s.connections,
+            server_pids=server_pids,
+            lab_cgroup=lab_cgroup,
+        )
+
     def measure(self, lab: Lab, client: Pod, server: Pod, workers: list[int], state: State) -> None:
         """Rounds of wrk, then of connect probes, per target; targets alternate (order flipped each round)."""
         targets = [(state.pod, server.ip, NGINX_PORT)]
@@ -208,19 +225,8 @@ class Bench:
         for r in range(self.s.rounds):
             order = targets if r % 2 == 0 else targets[::-1]
             for t, addr, port in order:
-                use_ports(lab, client, addr)
                 t.loads.append(
-                    wrk(
-                        lab,
-                        client,
-                        addr,
-                        port,
-                        seconds=self.s.seconds,
-                        threads=self.s.threads,
-                        connections=self.s.connections,
-                        server_pids=workers,
-                        lab_cgroup=lab.cgroup_root,
-                    )
+                    self.load(lab, client, addr, port, server_pids=workers, lab_cgroup=lab.cgroup_root)
                 )
             # Connect latency with the probe and nginx on one CPU: a wake-up of nginx on the other CPU
             # (an IPI, costly in a VM) otherwise lands in some connects and not others, a bimodal
@@ -307,19 +313,8 @@ class Bench:
                 ("ClusterIP", MEASURED_VIP, MEASURED_PORT),
                 ("pod IP", server.ip, NGINX_PORT),
             ):
-                use_ports(lab, client, addr)
                 before = bpfstats.snapshot(progs)
-                load = wrk(
-                    lab,
-                    client,
-                    addr,
-                    port,
-                    seconds=self.s.seconds,
-                    threads=self.s.threads,
-                    connections=self.s.connections,
-                    server_pids=[],
-                    lab_cgroup=None,
-                )
+                load = self.load(lab, client, addr, port, server_pids=[], lab_cgroup=None)
                 after = bpfstats.snapshot(progs)
                 costs = bpfstats.costs(progs, before, after)
                 self.results.stats.append(StatsWindow("ebpf", services, target, load.requests, costs))
