@@ -18,7 +18,7 @@ from types import FrameType
 from agent import metrics
 from agent.config import Config, Mode, NodeContext
 from agent.model import NodeInfo, ProxyState, build_state
-from agent.model.state import Problem
+from agent.model.problem import Problem
 from agent.proxier import Proxier
 from agent.sources.file import LOAD_ERRORS, FileSource, Snapshot, load_file
 
@@ -69,7 +69,7 @@ class ProblemReporter:
         current = set(problems)
         for p in sorted(current - self._seen, key=str):
             log.error("skipping %s (every other object is still programmed)", p)
-            metrics.SKIPPED_OBJECTS.labels(kind=p.ref.split(" ", 1)[0]).inc()
+            metrics.SKIPPED_OBJECTS.labels(kind=p.kind).inc()
         self._seen = current
         metrics.INVALID_OBJECTS.set(len(current))
 

@@ -36,11 +36,32 @@ class MapSizes:
 
 
 @dataclass(frozen=True)
+class ConntrackSettings:
+    """kube-proxy's `conntrack` configuration (KubeProxyConfiguration.conntrack), in seconds.
+
+    iptables mode writes them to the node's nf_conntrack sysctls as kube-proxy does; eBPF mode
+    applies the same timeouts to the flows its own conntrack tracks. 0 leaves a value unchanged.
+    """
+
+    max_per_core: int = 32768
+    min: int = 131072
+    tcp_established_timeout_s: float = 86400.0
+    tcp_close_wait_timeout_s: float = 3600.0
+    tcp_be_liberal: bool = False
+    udp_timeout_s: float = 0.0
+    udp_stream_timeout_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class Config:
     mode: Mode = Mode.EBPF
     hostname: str = ""
     services_file: str = ""
-    kubeconfig: str = ""
+    kubeconfig: str = ""  # --kubeconfig; "" = in-cluster service account, else --master
+    master: str = ""  # --master: API server URL (overrides the kubeconfig's server)
+    healthz_bind_address: str = "0.0.0.0:10256"  # "" disables; bound in `netns`
+    metrics_bind_address: str = "127.0.0.1:10249"  # "" disables; bound in `netns`
+    conntrack: ConntrackSettings = field(default_factory=ConntrackSettings)
     netns: str = ""  # network namespace the agent programs; "" = its own
     dry_run: bool = False
     cleanup: bool = False

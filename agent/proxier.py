@@ -1,21 +1,42 @@
 """The interface both backends implement, so the runner and the CLI treat the modes alike.
 
-A Proxier's constructor has no side effects; `sync` makes the kernel match the desired state (it
-may be called with the same state again after a failure, and must converge); `cleanup` removes
-everything this mode ever installed and nothing else.
+A Proxier's constructor has no side effects. `sync` makes the kernel match the desired state:
+
+* `changed` names the service ports whose Service or endpoints changed since the last successful
+  sync (kube-proxy's partial sync); `None` asks for a full sync, which also reads the kernel back
+  and repairs whatever differs from the desired state (counted in `SyncResult.repaired`).
+* A failure confined to some service ports (a full map, a rejected rule) programs every other
+  port and names the failed ones in `SyncResult.failed`; the runner retries them. A failure of the
+  whole sync raises (the runner retries it with backoff); `agent.errors.FatalError` ends the agent.
+* It may be called with the same state again after a failure, and must converge.
+
+`cleanup` removes everything this mode ever installed and nothing else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from agent.config import NodeContext
-from agent.model.types import ProxyState
+from agent.model.types import ProxyState, ServicePortName
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    full: bool = False
+    # Service ports that could not be programmed, with the reason (a full map, a rejected restore).
+    failed: Mapping[ServicePortName, str] = field(default_factory=dict)
+    # Differences between the kernel and the desired state found and repaired (full syncs only).
+    repaired: int = 0
 
 
 class Proxier(Protocol):
-    def sync(self, state: ProxyState, node: NodeContext) -> None:
-        """Program the kernel for `state`; raise on failure (the runner retries)."""
+    def sync(
+        self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
+    ) -> SyncResult:
+        """Program the kernel for `state`; raise on failure of the whole sync (the runner retries)."""
 
     def cleanup(self) -> None:
         """Remove every rule, program, map and pin this mode created."""

@@ -37,7 +37,8 @@ from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.delta import apply_op, diff, summary, write_op
 from agent.ebpf.maps import MapWriter
 from agent.ebpf.plan import MapContents, plan, read_contents
-from agent.model.types import ProxyState
+from agent.model.types import ProxyState, ServicePortName
+from agent.proxier import SyncResult
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,9 @@ class EbpfProxier:
 
     # ------------------------------------------------------------------ Proxier
 
-    def sync(self, state: ProxyState, node: NodeContext) -> None:
+    def sync(
+        self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
+    ) -> SyncResult:
         with self._lock:
             start = time.monotonic()
             datapath = self._ensure_loaded()
@@ -143,6 +146,7 @@ class EbpfProxier:
                 len(desired.be),
                 elapsed_ms,
             )
+            return SyncResult(full=first)
 
     def cleanup(self) -> None:
         """Detach our filters, remove our pins and the pin directory; nothing else."""

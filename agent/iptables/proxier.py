@@ -47,7 +47,8 @@ from agent.iptables.runner import (
     ensure_rule,
     supports_random_fully,
 )
-from agent.model.types import ProxyState, ServiceEndpoints, ServicePort
+from agent.model.types import ProxyState, ServiceEndpoints, ServicePort, ServicePortName
+from agent.proxier import SyncResult
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,9 @@ class IptablesProxier:
 
     # ----------------------------------------------------------------------------------- Proxier
 
-    def sync(self, state: ProxyState, node: NodeContext) -> None:
+    def sync(
+        self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
+    ) -> SyncResult:
         start = self._clock()
         host = self._host_facts()
         options = self._options(host)
@@ -147,20 +150,20 @@ class IptablesProxier:
             reason = "periodic full sync"
         full = bool(reason)
 
-        changed: set[str] | None = None
+        changed_services: set[str] | None = None
         if full:
             log.info("iptables full sync: %s", reason)
             self._need_full = True
             self._ensure_base(options)
         else:
-            changed = {
+            changed_services = {
                 k
                 for k in fingerprints.keys() | self._fingerprints.keys()
                 if fingerprints.get(k) != self._fingerprints.get(k)
             }
 
         existing_nat = chains.get("nat", set())
-        rendered = render(state, node, options, changed=changed, existing_nat_chains=existing_nat)
+        rendered = render(state, node, options, changed=changed_services, existing_nat_chains=existing_nat)
         if not full and not rendered.kept_chains <= existing_nat:
             # Chains of unchanged services vanished behind our back: the partial restore would
             # fail on the jumps to them. Write everything instead.
@@ -196,6 +199,7 @@ class IptablesProxier:
             conntrack_filters=filters,
         )
         log.debug("iptables sync: %s", self.last_sync)
+        return SyncResult(full=full)
 
     def cleanup(self) -> None:
         """Remove our chains and jumps: from the given runner, or from each iptables backend that

@@ -4,7 +4,8 @@ Imports no kernel, API-client or subprocess module (checked by import-linter, se
 """
 
 from agent.model.parse import ParseError, parse_endpoint_slice, parse_service
-from agent.model.state import BuildResult, Problem, build_state
+from agent.model.problem import Problem
+from agent.model.state import BuildResult, build_state
 from agent.model.topology import categorize_endpoints
 from agent.model.types import (
     Endpoint,

@@ -8,36 +8,33 @@ still built.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from agent.model.parse import (
     Obj,
     ParsedSlice,
     ParseError,
-    object_ref,
     parse_endpoint_slice,
     parse_service,
 )
+from agent.model.problem import Problem, printable
 from agent.model.topology import categorize_endpoints
 from agent.model.types import Endpoint, NodeInfo, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
-
-
-@dataclass(frozen=True)
-class Problem:
-    """An object left out of the state, and why."""
-
-    ref: str  # "Service ns/name" or "EndpointSlice ns/name"
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.ref}: {self.reason}"
 
 
 @dataclass(frozen=True)
 class BuildResult:
     state: ProxyState
     problems: tuple[Problem, ...]
+
+
+def problem_of(kind: str, obj: Obj, exc: Exception) -> Problem:
+    """The Problem of an object that failed to parse, tolerant of any shape of metadata."""
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    meta = meta if isinstance(meta, Mapping) else {}
+    namespace, name = meta.get("namespace") or "default", meta.get("name") or "?"
+    return Problem(kind, str(namespace), str(name), printable(str(exc), 400))
 
 
 def merge_slices(
@@ -70,13 +67,13 @@ def build_state(services: Iterable[Obj], slices: Iterable[Obj], node: NodeInfo) 
             for sp in parse_service(svc):
                 ports[sp.name] = sp
         except (ParseError, TypeError, ValueError, AttributeError) as exc:
-            problems.append(Problem(object_ref({"kind": "Service", **svc}), str(exc)))
+            problems.append(problem_of("Service", svc, exc))
     parsed: list[ParsedSlice] = []
     for eps in slices:
         try:
             sl = parse_endpoint_slice(eps)
         except (ParseError, TypeError, ValueError, AttributeError) as exc:
-            problems.append(Problem(object_ref({"kind": "EndpointSlice", **eps}), str(exc)))
+            problems.append(problem_of("EndpointSlice", eps, exc))
             continue
         if sl is not None:
             parsed.append(sl)
