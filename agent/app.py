@@ -54,7 +54,7 @@ def node_context(config: Config) -> NodeContext:
     """The node's addresses: --node-ip, else what the external devices hold."""
     if config.node_ips:
         return static_node(config)
-    from agent.ebpf.node import discover_node
+    from agent.node import discover_node
 
     return discover_node(config)
 

@@ -8,7 +8,6 @@ Layers (pure ones import neither bcc nor pyroute2):
 * `render`  MapContents, conntrack, affinity, counters -> sorted text (pure)
 * `loader`, `maps`   compile, load and pin (bcc), typed map access
 * `attach`  clsact + direct-action cls_bpf filters, pod-device watcher (pyroute2)
-* `node`    the node's addresses on its external devices (pyroute2)
 * `proxier` EbpfProxier: the Proxier of this mode, tying the above together
 
 Importing this package stays cheap: `EbpfProxier` (which pulls in bcc and pyroute2) is loaded on

@@ -20,25 +20,22 @@ filters, and the clsact qdisc only when it then holds no filter at all.
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import fnmatch
 import logging
-import os
 import select
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl import RTMGRP_LINK
 
 from agent.config import Config, NodeContext
+from agent.netns import netns_route, run_in_netns
+from agent.node import matches_pod_pattern
 
 log = logging.getLogger(__name__)
 
@@ -51,54 +48,6 @@ FILTER_HANDLE = 0xEB
 TC_H_INGRESS_QDISC = 0xFFFFFFF1  # parent of the clsact / ingress qdisc
 TC_H_INGRESS = 0xFFFFFFF2  # clsact ingress hook (`tc filter ... ingress`)
 TC_H_EGRESS = 0xFFFFFFF3  # clsact egress hook
-
-
-@contextmanager
-def netns_route(netns: str) -> Iterator[Any]:
-    """An IPRoute in `netns` ("" = our own); a missing namespace raises FileNotFoundError."""
-    ipr = IPRoute(netns=netns, flags=0) if netns else IPRoute()
-    try:
-        yield ipr
-    finally:
-        ipr.close()
-
-
-T = TypeVar("T")
-
-_libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNET = 0x40000000
-NETNS_RUN_DIR = "/run/netns"
-
-
-def run_in_netns(netns: str, fn: Callable[[], T]) -> T:
-    """Run `fn` on a short-lived thread that joined `netns` ("" = here); setns(2) is per thread.
-
-    Sockets created by `fn` stay in `netns` for their whole life, whichever thread uses them.
-    """
-    if not netns:
-        return fn()
-    result: list[T] = []
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fd = os.open(os.path.join(NETNS_RUN_DIR, netns), os.O_RDONLY)
-            try:
-                if _libc.setns(fd, CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"setns({netns}): {os.strerror(err)}")
-            finally:
-                os.close(fd)
-            result.append(fn())
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name=f"ekp-netns-{netns}")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
-    return result[0]
 
 
 # rtnetlink link events, read from a plain socket: pyroute2's buffered reader does not mix with
@@ -158,10 +107,6 @@ def read_link_events(sock: socket.socket) -> list[tuple[int, int, str]]:
         except BlockingIOError:
             return out
         out += parse_link_events(data)
-
-
-def matches_pod_pattern(name: str, patterns: Iterable[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns if p)
 
 
 @dataclass(frozen=True)

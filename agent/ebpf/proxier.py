@@ -33,11 +33,12 @@ from typing import Protocol
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
-from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all, run_in_netns
+from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.delta import apply_op, diff, summary, write_op
 from agent.ebpf.maps import MapWriter
 from agent.ebpf.plan import MapContents, plan, read_contents
 from agent.model.types import ProxyState, ServicePortName
+from agent.netns import run_in_netns
 from agent.proxier import SyncResult
 
 log = logging.getLogger(__name__)

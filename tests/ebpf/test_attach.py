@@ -24,10 +24,10 @@ from agent.ebpf.attach import (
     RTM_NEWLINK,
     Attacher,
     detach_all,
-    matches_pod_pattern,
-    netns_route,
     parse_link_events,
 )
+from agent.netns import netns_route
+from agent.node import matches_pod_pattern
 
 
 def test_pod_patterns() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agent.config import NodeContext
-from agent.ebpf.node import AddrInfo, pick_node_addresses
+from agent.node import AddrInfo, pick_node_addresses
 
 ADDRS = [
     AddrInfo(1, "lo", "127.0.0.1", scope=254),

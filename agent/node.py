@@ -9,6 +9,7 @@ primary address (SNAT source toward other nodes) is the first address of the fir
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import socket
 from collections.abc import Iterable, Sequence
@@ -16,11 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.config import Config, NodeContext
-from agent.ebpf.attach import matches_pod_pattern, netns_route
+from agent.netns import netns_route
 
 log = logging.getLogger(__name__)
 
 RT_SCOPE_UNIVERSE = 0
+
+
+def matches_pod_pattern(name: str, patterns: Iterable[str]) -> bool:
+    """Whether a device name matches one of the --pod-interfaces globs."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns if p)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,66 @@
+"""Running code in another network namespace: the one the agent programs (`--netns`).
+
+The lab runs one agent per node from the host namespace (it needs /sys/fs/bpf, which `ip netns
+exec` hides), so everything that touches a node's network, netlink, sysctls and the sockets of the
+health and metrics servers, goes through these two helpers. setns(2) acts on one thread, so
+`run_in_netns` uses a short-lived thread; a socket created there stays in that namespace for life.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from pyroute2 import IPRoute
+
+
+@contextmanager
+def netns_route(netns: str) -> Iterator[Any]:
+    """An IPRoute in `netns` ("" = our own); a missing namespace raises FileNotFoundError."""
+    ipr = IPRoute(netns=netns, flags=0) if netns else IPRoute()
+    try:
+        yield ipr
+    finally:
+        ipr.close()
+
+
+T = TypeVar("T")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNET = 0x40000000
+NETNS_RUN_DIR = "/run/netns"
+
+
+def run_in_netns(netns: str, fn: Callable[[], T]) -> T:
+    """Run `fn` on a short-lived thread that joined `netns` ("" = here); setns(2) is per thread.
+
+    Sockets created by `fn` stay in `netns` for their whole life, whichever thread uses them.
+    """
+    if not netns:
+        return fn()
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fd = os.open(os.path.join(NETNS_RUN_DIR, netns), os.O_RDONLY)
+            try:
+                if _libc.setns(fd, CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns({netns}): {os.strerror(err)}")
+            finally:
+                os.close(fd)
+            result.append(fn())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"ekp-netns-{netns}")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
