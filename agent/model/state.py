@@ -1,26 +1,23 @@
-"""Build the whole desired proxy state from Services, EndpointSlices and this node.
+"""Build the whole desired proxy state at once from Services, EndpointSlices and this node.
 
-`build_state` is the single entry point of the pure layer: the sources (file, API server) hand it
-plain dicts, both backends consume the ProxyState it returns. A malformed object becomes a
-Problem (kept for the log line, the event and the metric) and is left out; everything else is
-still built.
+`build_state` is the one-shot form of `agent.model.tracker.ProxyModel` (which the daemon keeps
+alive and feeds object by object): `--dry-run`, the golden tests and the benchmarks use it, and
+since it is the same code, they see exactly what a running agent programs. A malformed object
+becomes a Problem and is left out; everything else is still built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from agent.model.parse import (
-    Obj,
-    ParsedSlice,
-    ParseError,
-    parse_endpoint_slice,
-    parse_service,
-)
-from agent.model.problem import Problem, printable
-from agent.model.topology import categorize_endpoints
-from agent.model.types import Endpoint, NodeInfo, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
+from agent.model.parse import Obj
+from agent.model.problem import Problem
+from agent.model.tracker import ProxyModel, merge_slices
+from agent.model.types import NodeInfo, ProxyState
+from agent.sources.base import Kind, object_key
+
+__all__ = ["BuildResult", "build_state", "merge_slices"]
 
 
 @dataclass(frozen=True)
@@ -29,60 +26,13 @@ class BuildResult:
     problems: tuple[Problem, ...]
 
 
-def problem_of(kind: str, obj: Obj, exc: Exception) -> Problem:
-    """The Problem of an object that failed to parse, tolerant of any shape of metadata."""
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    meta = meta if isinstance(meta, Mapping) else {}
-    namespace, name = meta.get("namespace") or "default", meta.get("name") or "?"
-    return Problem(kind, str(namespace), str(name), printable(str(exc), 400))
-
-
-def merge_slices(
-    slices: Iterable[ParsedSlice], node_name: str
-) -> dict[ServicePortName, tuple[Endpoint, ...]]:
-    """Endpoints per service port across all slices, deduplicated and sorted as kube-proxy does.
-
-    Duplicates (the same ip:port in two slices, as during a slice hand-over) collapse to one,
-    preferring the copy that says it is on this node.
-    """
-    by_port: dict[ServicePortName, dict[str, Endpoint]] = {}
-    for sl in sorted(slices, key=lambda s: (s.namespace, s.service, s.name)):
-        for port in sl.ports:
-            spn = ServicePortName(sl.namespace, sl.service, port.name, port.protocol)
-            seen = by_port.setdefault(spn, {})
-            for ep in sl.endpoints:
-                local = bool(node_name) and ep.node_name == node_name
-                info = replace(ep, port=port.port, is_local=local)
-                key = str(info)
-                if key not in seen or local:
-                    seen[key] = info
-    return {spn: tuple(sorted(eps.values(), key=lambda e: e.sort_key)) for spn, eps in by_port.items()}
-
-
 def build_state(services: Iterable[Obj], slices: Iterable[Obj], node: NodeInfo) -> BuildResult:
-    problems: list[Problem] = []
-    ports: dict[ServicePortName, ServicePort] = {}
+    """The state a fresh agent programs for these objects (a later duplicate key replaces an
+    earlier one, as a MODIFIED event would)."""
+    model = ProxyModel(node)
     for svc in services:
-        try:
-            for sp in parse_service(svc):
-                ports[sp.name] = sp
-        except (ParseError, TypeError, ValueError, AttributeError) as exc:
-            problems.append(problem_of("Service", svc, exc))
-    parsed: list[ParsedSlice] = []
+        model.set_service(object_key(Kind.SERVICE, svc), svc)
     for eps in slices:
-        try:
-            sl = parse_endpoint_slice(eps)
-        except (ParseError, TypeError, ValueError, AttributeError) as exc:
-            problems.append(problem_of("EndpointSlice", eps, exc))
-            continue
-        if sl is not None:
-            parsed.append(sl)
-    raw = merge_slices(parsed, node.name)
-    chosen: dict[ServicePortName, ServiceEndpoints] = {}
-    raw_for_ports: dict[ServicePortName, tuple[Endpoint, ...]] = {}
-    for spn, sp in ports.items():
-        port_eps = raw.get(spn, ())
-        raw_for_ports[spn] = port_eps
-        chosen[spn] = categorize_endpoints(port_eps, sp, node)
-    state = ProxyState(node=node, services=ports, endpoints=chosen, raw_endpoints=raw_for_ports)
-    return BuildResult(state=state, problems=tuple(problems))
+        model.set_slice(object_key(Kind.ENDPOINT_SLICE, eps), eps)
+    model.commit()
+    return BuildResult(state=model.state, problems=tuple(model.problems()))

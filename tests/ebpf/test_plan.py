@@ -137,17 +137,6 @@ def test_masquerade_all_and_cluster_cidr_snat_cluster_ip_traffic() -> None:
     assert masq.fe[ext].flags & masq.fe[internal].flags & FrontendFlag.SNAT_REMOTE
 
 
-def test_a_frontend_two_services_claim_goes_to_the_first() -> None:
-    state = states(
-        svc("a", "10.96.0.5", ["10.244.1.2"], extra="externalIPs: [192.168.0.200]"),
-        svc("b", "10.96.0.6", ["10.244.1.3"], extra="externalIPs: [192.168.0.200]"),
-    )
-    c = plan(state, NODE, Config())
-    key = fe_key("192.168.0.200", 80, Scope.EXTERNAL)
-    assert c.fe_names[key] == "default/a"
-    assert not broken(c)
-
-
 def test_source_range_holding_the_node_admits_the_lb_ip() -> None:
     lb = svc(
         "lb",

@@ -1,0 +1,477 @@
+"""The desired proxy state, kept up to date one object at a time (kube-proxy's change trackers).
+
+`ProxyModel` is pure and single-threaded (the agent's sync thread owns it). Sources feed it object
+by object (`set_service`, `set_slice`, `set_node`; `None` deletes); nothing is computed until
+`commit()`, which re-evaluates only the Services that were touched since the last commit (by their
+own events, by an event of one of their EndpointSlices, or by a conflict they take part in) and
+returns the service ports whose `ServicePort` or chosen endpoints really changed. As in kube-proxy,
+a change that is undone before the commit (a Service edited and edited back) produces nothing, so
+a burst of events costs one comparison per Service, and the cost of a commit grows with the change,
+not with the cluster. A change of this node's zone label re-evaluates everything (`changed` None).
+
+Cross-object rules live here, because no single object can decide them, and both modes consume
+the result, so they cannot resolve them differently:
+
+* **Conflicts.** Two service ports claiming the same frontend: one `IP:port/protocol` (cluster IP,
+  external IP or load-balancer IP) or one `nodePort/protocol`. The API server refuses the second
+  Service for cluster IPs and nodePorts; nothing refuses two Services with the same external IP.
+  The claimant whose Service is oldest (creationTimestamp, then namespace/name, then port name)
+  keeps the frontend; every other claimant port is left out whole, with a Problem naming the
+  winner, until the winner goes away. Deterministic across restarts and modes.
+* **Size.** A service port with more than `MAX_ENDPOINTS_PER_PORT` endpoints programs the first
+  that many in kube-proxy's order (by `ip:port` string) and reports a Problem: the eBPF data path
+  counts backend slots in 16 bits, and both modes must agree on which endpoints serve.
+* **Bad updates lose nothing.** An object that stops being valid keeps its last valid version in
+  force (with a Problem saying so) until it is fixed or deleted; an object never valid is absent.
+
+Problems are kept per object (and per conflict), so `commit()` can report only what appeared or
+went away, and `problems()` lists what is wrong now.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from agent.model.parse import (
+    Obj,
+    ParsedSlice,
+    ParseError,
+    parse_endpoint_slice,
+    parse_service,
+)
+from agent.model.problem import Problem, printable
+from agent.model.topology import categorize_endpoints
+from agent.model.types import (
+    Endpoint,
+    NodeInfo,
+    ProxyState,
+    ServicePort,
+    ServicePortName,
+)
+
+# The eBPF frontend counts its backend slots in 16 bits; both modes program at most this many.
+MAX_ENDPOINTS_PER_PORT = 65535
+TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+
+# A frontend a service port claims: ("ip", address, port, protocol) or ("nodePort", port, protocol).
+Claim = tuple[str, ...]
+# Older Services win conflicts: (creationTimestamp, namespace, name, port name, protocol).
+Seniority = tuple[str, str, str, str, str]
+ProblemKey = tuple[str, ...]  # ("Service", key) / ("EndpointSlice", key) / ("Conflict", key, port...)
+
+
+@dataclass(frozen=True)
+class _Service:
+    ports: tuple[ServicePort, ...]
+    created: str  # creationTimestamp as the API wrote it ("" when absent)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What one `ProxyModel.commit()` changed.
+
+    `health_check_ports` and `local_endpoints` cover the Services evaluated in this commit (all of
+    them on a full commit), for the healthCheckNodePort servers: 0 closes a port.
+    """
+
+    changed: frozenset[ServicePortName] | None  # None: every service port (first commit, zone)
+    problems_added: tuple[Problem, ...] = ()
+    problems_cleared: tuple[Problem, ...] = ()
+    # Epoch seconds from `last-change-trigger-time` of the EndpointSlices whose changes reached the
+    # state in this commit (kube-proxy's network programming latency starts there).
+    trigger_times: tuple[float, ...] = ()
+    services_changed: int = 0  # Services (namespace/name) whose ports or endpoints changed
+    health_check_ports: Mapping[str, int] = field(default_factory=dict)  # touched: ns/name -> port or 0
+    local_endpoints: Mapping[str, int] = field(default_factory=dict)  # touched: ns/name -> ready local
+
+
+def _seniority(created: str, sp: ServicePort) -> Seniority:
+    return (created, sp.name.namespace, sp.name.name, sp.name.port, str(sp.protocol))
+
+
+def claims_of(sp: ServicePort) -> frozenset[Claim]:
+    """The frontends a service port needs to itself (node addresses are not known here)."""
+    proto = str(sp.protocol)
+    out: set[Claim] = {("ip", sp.cluster_ip, str(sp.port), proto)}
+    out.update(("ip", ip, str(sp.port), proto) for ip in (*sp.external_ips, *sp.load_balancer_ips))
+    if sp.node_port:
+        out.add(("nodePort", str(sp.node_port), proto))
+    return frozenset(out)
+
+
+def describe_claim(claim: Claim) -> str:
+    if claim[0] == "nodePort":
+        return f"nodePort {claim[1]}/{claim[2]}"
+    return f"{claim[1]}:{claim[2]}/{claim[3]}"
+
+
+def _trigger_time(obj: Obj) -> float | None:
+    meta = obj.get("metadata")
+    annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
+    text = annotations.get(TRIGGER_TIME_ANNOTATION) if isinstance(annotations, Mapping) else None
+    if not isinstance(text, str):
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        return None
+    return when.timestamp()
+
+
+def _meta_names(obj: Obj) -> tuple[str, str, str]:
+    """(namespace, name, creationTimestamp) of any object, tolerant of every malformation."""
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    if not isinstance(meta, Mapping):
+        return "default", "?", ""
+    ns, name, created = meta.get("namespace"), meta.get("name"), meta.get("creationTimestamp")
+    return (
+        ns if isinstance(ns, str) and ns else "default",
+        name if isinstance(name, str) and name else "?",
+        created if isinstance(created, str) else "",
+    )
+
+
+class ProxyModel:
+    """Services, EndpointSlices and this node in; ProxyState and per-commit changes out."""
+
+    def __init__(self, node: NodeInfo) -> None:
+        self._node = node
+        self._services: dict[str, _Service] = {}  # "ns/name" -> last valid version
+        self._slices: dict[str, ParsedSlice] = {}  # "ns/name" of the slice -> last valid version
+        self._slice_owner: dict[str, str] = {}  # slice key -> owning Service key
+        self._owned: dict[str, set[str]] = {}  # Service key -> its slice keys
+        self._touched: set[str] = set()  # Service keys to re-evaluate at the next commit
+        self._triggers: dict[str, float] = {}  # Service key -> earliest pending trigger time
+        self._full = True
+        # Problems by (kind, key) for objects, (kind, key, port) for conflicts and sizes; the value
+        # each changed key had at the last commit, so a commit reports only real changes.
+        self._problems: dict[ProblemKey, Problem] = {}
+        self._port_problems: dict[str, set[ProblemKey]] = {}  # Service key -> its port problem keys
+        self._problems_then: dict[ProblemKey, Problem | None] = {}
+        # Conflicts: the claimants of every claimed frontend, each port's claims, each Service's ports.
+        self._claimants: dict[Claim, dict[ServicePortName, Seniority]] = {}
+        self._claims: dict[ServicePortName, tuple[frozenset[Claim], Seniority]] = {}
+        self._claimed: dict[str, set[ServicePortName]] = {}
+        self._ports_of: dict[str, tuple[ServicePortName, ...]] = {}  # Service key -> ports in state
+        self.state = ProxyState(node=node, services={}, endpoints={}, raw_endpoints={})
+        # Object events since the last commit, for kube-proxy's pending-change metrics.
+        self.pending_service_changes = 0
+        self.pending_endpoint_changes = 0
+
+    # ------------------------------------------------------------------ input
+
+    @property
+    def node(self) -> NodeInfo:
+        return self._node
+
+    def set_node(self, node: NodeInfo) -> None:
+        """This node's name and labels; a name or zone change re-evaluates every service port."""
+        if node == self._node:
+            return
+        if node.zone != self._node.zone or node.name != self._node.name:
+            self._full = True
+        self._node = node
+        self.state = ProxyState(
+            node=node,
+            services=self.state.services,
+            endpoints=self.state.endpoints,
+            raw_endpoints=self.state.raw_endpoints,
+        )
+
+    def set_service(self, key: str, obj: Obj | None) -> None:
+        """A Service was added or changed (`obj`), or deleted (None)."""
+        self.pending_service_changes += 1
+        self._touched.add(key)
+        pkey = ("Service", key)
+        if obj is None:
+            self._services.pop(key, None)
+            self._set_problem(pkey, None)
+            return
+        ns, name, created = _meta_names(obj)
+        try:
+            ports = tuple(parse_service(obj))
+        except ParseError as exc:
+            kept = "; its last valid version stays in force" if key in self._services else ""
+            self._set_problem(pkey, Problem("Service", ns, name, f"{exc}{kept}"))
+            return
+        self._set_problem(pkey, None)
+        self._services[key] = _Service(ports, created)
+
+    def set_slice(self, key: str, obj: Obj | None) -> None:
+        """An EndpointSlice was added or changed (`obj`), or deleted (None)."""
+        self.pending_endpoint_changes += 1
+        pkey = ("EndpointSlice", key)
+        if obj is None:
+            self._set_problem(pkey, None)
+            self._drop_slice(key)
+            return
+        ns, name, _ = _meta_names(obj)
+        try:
+            parsed = parse_endpoint_slice(obj)
+        except ParseError as exc:
+            kept = "; its last valid version stays in force" if key in self._slices else ""
+            self._set_problem(pkey, Problem("EndpointSlice", ns, name, f"{exc}{kept}"))
+            return
+        self._set_problem(pkey, None)
+        self._drop_slice(key)
+        if parsed is None:  # not ours (IPv6, FQDN, headless): as if it did not exist
+            return
+        owner = f"{parsed.namespace}/{parsed.service}"
+        self._slices[key] = parsed
+        self._slice_owner[key] = owner
+        self._owned.setdefault(owner, set()).add(key)
+        self._touched.add(owner)
+        when = _trigger_time(obj)
+        if when is not None:
+            self._triggers[owner] = min(when, self._triggers.get(owner, when))
+
+    def _drop_slice(self, key: str) -> None:
+        owner = self._slice_owner.pop(key, None)
+        if self._slices.pop(key, None) is None or owner is None:
+            return
+        self._touched.add(owner)
+        keys = self._owned[owner]
+        keys.discard(key)
+        if not keys:
+            del self._owned[owner]
+
+    # ------------------------------------------------------------------ output
+
+    def problems(self) -> list[Problem]:
+        """Every problem that holds now, sorted."""
+        return sorted(self._problems.values(), key=str)
+
+    def commit(self) -> Commit:
+        """Re-evaluate what was touched; the changed service ports and problems since last time."""
+        full = self._full
+        self._full = False
+        touched = set(self._services) | set(self._ports_of) if full else self._touched
+        self._touched = set()
+        self.pending_service_changes = self.pending_endpoint_changes = 0
+
+        # 1. Register the claims of the touched Services. Services sharing a claim whose holders
+        #    changed are evaluated too: a loser may now win, a winner may now lose.
+        evaluate = set(touched)
+        for key in touched:
+            evaluate |= self._reclaim(key)
+
+        # 2. Evaluate every Service concerned: conflicts, endpoints, size, the state's entries.
+        changed: set[ServicePortName] = set()
+        services_changed = 0
+        hc_ports: dict[str, int] = {}
+        local_ready: dict[str, int] = {}
+        triggers: list[float] = []
+        for key in sorted(evaluate):
+            spns = self._evaluate(key)
+            if spns:
+                changed |= spns
+                services_changed += 1
+                when = self._triggers.get(key)
+                if when is not None:
+                    triggers.append(when)
+            hc_ports[key], local_ready[key] = self._health_of(key)
+        for key in touched:
+            self._triggers.pop(key, None)
+
+        added: list[Problem] = []
+        cleared: list[Problem] = []
+        for pkey, then in self._problems_then.items():
+            now = self._problems.get(pkey)
+            if now == then:
+                continue
+            if then is not None:
+                cleared.append(then)
+            if now is not None:
+                added.append(now)
+        self._problems_then = {}
+        return Commit(
+            changed=None if full else frozenset(changed),
+            problems_added=tuple(sorted(added, key=str)),
+            problems_cleared=tuple(sorted(cleared, key=str)),
+            trigger_times=tuple(triggers),
+            services_changed=services_changed,
+            health_check_ports=hc_ports,
+            local_endpoints=local_ready,
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _set_problem(self, pkey: ProblemKey, problem: Problem | None) -> None:
+        if pkey not in self._problems_then:
+            self._problems_then[pkey] = self._problems.get(pkey)
+        if problem is None:
+            self._problems.pop(pkey, None)
+        else:
+            self._problems[pkey] = problem
+
+    def _reclaim(self, key: str) -> set[str]:
+        """Bring the claims of Service `key` up to date; the other Services this may affect."""
+        svc = self._services.get(key)
+        wanted = {sp.name: sp for sp in svc.ports} if svc is not None else {}
+        affected: set[str] = set()
+        for spn in list(self._claimed.get(key, ())):
+            sp = wanted.get(spn)
+            if (
+                sp is not None
+                and svc is not None
+                and self._claims[spn] == (claims_of(sp), _seniority(svc.created, sp))
+            ):
+                continue
+            self._unclaim(spn, affected)
+        for spn, sp in wanted.items():
+            if spn in self._claims or svc is None:
+                continue
+            claims, rank = claims_of(sp), _seniority(svc.created, sp)
+            self._claims[spn] = (claims, rank)
+            self._claimed.setdefault(key, set()).add(spn)
+            for claim in claims:
+                holders = self._claimants.setdefault(claim, {})
+                affected.update(other.service for other in holders)
+                holders[spn] = rank
+        affected.discard(key)
+        return affected
+
+    def _unclaim(self, spn: ServicePortName, affected: set[str]) -> None:
+        claims, _ = self._claims.pop(spn)
+        for claim in claims:
+            holders = self._claimants[claim]
+            del holders[spn]
+            affected.update(other.service for other in holders)
+            if not holders:
+                del self._claimants[claim]
+        ports = self._claimed[spn.service]
+        ports.discard(spn)
+        if not ports:
+            del self._claimed[spn.service]
+
+    def _loses_to(self, spn: ServicePortName) -> tuple[Claim, ServicePortName] | None:
+        """The first claim `spn` loses and who wins it; None when it holds all its claims."""
+        claims, _ = self._claims[spn]
+        for claim in sorted(claims):
+            holders = self._claimants[claim]
+            if len(holders) == 1:
+                continue
+            winner = min(holders, key=holders.__getitem__)
+            if winner != spn:
+                return claim, winner
+        return None
+
+    def _set_port_problem(self, key: str, pkey: ProblemKey, problem: Problem) -> None:
+        self._set_problem(pkey, problem)
+        self._port_problems.setdefault(key, set()).add(pkey)
+
+    def _evaluate(self, key: str) -> set[ServicePortName]:
+        """Bring the state of Service `key` up to date; the service ports that changed."""
+        svc = self._services.get(key)
+        wanted = {sp.name: sp for sp in svc.ports} if svc is not None else {}
+        old_problems = self._port_problems.pop(key, set())
+        active: dict[ServicePortName, ServicePort] = {}
+        for spn, sp in wanted.items():
+            lost = self._loses_to(spn)
+            if lost is None:
+                active[spn] = sp
+                continue
+            claim, winner = lost
+            pkey: ProblemKey = ("Conflict", key, str(spn), str(spn.protocol))
+            self._set_port_problem(
+                key,
+                pkey,
+                Problem(
+                    "Service",
+                    spn.namespace,
+                    spn.name,
+                    f"port {printable(spn.port or '(unnamed)')}/{spn.protocol}: {describe_claim(claim)} "
+                    f"is already used by the older Service {winner.service}; this port is not "
+                    "programmed until that one changes or goes away",
+                ),
+            )
+        raw = self._endpoints_of(key, active)
+        for pkey in old_problems - self._port_problems.get(key, set()):
+            self._set_problem(pkey, None)
+
+        state = self.state
+        changed: set[ServicePortName] = set()
+        for spn in self._ports_of.get(key, ()):
+            if spn not in active:
+                del state.services[spn]
+                del state.endpoints[spn]
+                del state.raw_endpoints[spn]
+                changed.add(spn)
+        for spn, sp in active.items():
+            eps = raw.get(spn, ())
+            chosen = categorize_endpoints(eps, sp, self._node)
+            if state.services.get(spn) != sp or state.endpoints.get(spn) != chosen:
+                changed.add(spn)
+            state.services[spn] = sp
+            state.endpoints[spn] = chosen
+            state.raw_endpoints[spn] = eps
+        if active:
+            self._ports_of[key] = tuple(sorted(active))
+        else:
+            self._ports_of.pop(key, None)
+        return changed
+
+    def _endpoints_of(
+        self, key: str, ports: Mapping[ServicePortName, ServicePort]
+    ) -> dict[ServicePortName, tuple[Endpoint, ...]]:
+        if not ports:
+            return {}
+        merged = merge_slices((self._slices[k] for k in self._owned.get(key, ())), self._node.name)
+        out: dict[ServicePortName, tuple[Endpoint, ...]] = {}
+        for spn in ports:
+            eps = merged.get(spn, ())
+            if len(eps) > MAX_ENDPOINTS_PER_PORT:
+                self._set_port_problem(
+                    key,
+                    ("Size", key, str(spn), str(spn.protocol)),
+                    Problem(
+                        "Service",
+                        spn.namespace,
+                        spn.name,
+                        f"port {printable(spn.port or '(unnamed)')}/{spn.protocol} has {len(eps)} "
+                        f"endpoints; only the first {MAX_ENDPOINTS_PER_PORT} (by address) are programmed",
+                    ),
+                )
+                eps = eps[:MAX_ENDPOINTS_PER_PORT]
+            out[spn] = eps
+        return out
+
+    def _health_of(self, key: str) -> tuple[int, int]:
+        """(healthCheckNodePort, ready local endpoint IPs) of a Service, counted as kube-proxy's
+        `LocalReadyEndpoints`: distinct IPs over all its ports, ready ones only (a node whose
+        only local endpoints are terminating fails the health check)."""
+        hc_port = 0
+        ready_local: set[str] = set()
+        for spn in self._ports_of.get(key, ()):
+            hc_port = hc_port or self.state.services[spn].health_check_node_port
+            ready_local.update(e.ip for e in self.state.raw_endpoints[spn] if e.is_local and e.ready)
+        return hc_port, len(ready_local)
+
+
+def merge_slices(
+    slices: Iterable[ParsedSlice], node_name: str
+) -> dict[ServicePortName, tuple[Endpoint, ...]]:
+    """Endpoints per service port across all slices, deduplicated and sorted as kube-proxy does.
+
+    Duplicates (the same ip:port in two slices, as during a slice hand-over) collapse to one,
+    preferring the copy that says it is on this node.
+    """
+    from dataclasses import replace
+
+    by_port: dict[ServicePortName, dict[str, Endpoint]] = {}
+    for sl in sorted(slices, key=lambda s: (s.namespace, s.service, s.name)):
+        for port in sl.ports:
+            spn = ServicePortName(sl.namespace, sl.service, port.name, port.protocol)
+            seen = by_port.setdefault(spn, {})
+            for ep in sl.endpoints:
+                local = bool(node_name) and ep.node_name == node_name
+                info = replace(ep, port=port.port, is_local=local)
+                key = str(info)
+                if key not in seen or local:
+                    seen[key] = info
+    return {spn: tuple(sorted(eps.values(), key=lambda e: e.sort_key)) for spn, eps in by_port.items()}
