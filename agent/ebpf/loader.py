@@ -33,7 +33,7 @@ from typing import Any
 
 from agent.config import MapSizes
 from agent.ebpf.abi import ABI_VERSION, MAPS, PREFIX, MapSpec, Scope
-from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, possible_cpus
+from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, obj_pin, possible_cpus
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +280,38 @@ class Datapath:
     def maps(self) -> Mapping[str, BpfMap]:
         """Role ("fe", "ct", ...) -> the pinned map, opened on our own fds."""
         return self._maps
+
+    def repair_pins(self) -> list[str]:
+        """Pins again every map whose pin is gone or now names another map (removed or replaced
+        behind our back): the programs keep using the maps we hold, so the pins must name them too,
+        or a restarted agent would start over with empty maps. Returns the names repaired."""
+        repaired = []
+        for spec in MAPS.values():
+            m = self._maps.get(spec.role)
+            if m is None:
+                continue
+            path = os.path.join(self.pin_path, spec.name)
+            try:
+                fd = obj_get(path)
+            except FileNotFoundError:
+                fd = -1
+            except OSError as exc:
+                log.warning("pin %s cannot be opened (%s): pinning our map again", path, exc.strerror)
+                fd = -1
+            if fd >= 0:
+                try:
+                    if map_info(fd).id == m.info().id:
+                        continue
+                finally:
+                    os.close(fd)
+                log.warning("pin %s names another map (replaced behind our back): pinning ours again", path)
+                os.unlink(path)
+            else:
+                log.warning("pin %s is missing (removed behind our back): pinning our map again", path)
+            os.makedirs(self.pin_path, mode=0o700, exist_ok=True)
+            obj_pin(m.fd, path)
+            repaired.append(spec.name)
+        return repaired
 
     def close(self) -> None:
         """Closes our fds; pinned maps and attached programs stay in the kernel."""

@@ -87,6 +87,12 @@ class MapWriter(Protocol):
 
     def delete_batch(self, keys: Sequence[CData]) -> int: ...
 
+    def items_raw(self) -> list[tuple[bytes, bytes]]: ...
+
+    def update_raw(self, keys: Sequence[bytes], values: Sequence[bytes]) -> int: ...
+
+    def delete_raw(self, keys: Sequence[bytes]) -> None: ...
+
 
 def _check_type(spec: MapSpec, what: str, obj: object, want: type[Any]) -> None:
     if type(obj) is not want:
@@ -147,6 +153,22 @@ class FakeMap:
     def delete_batch(self, keys: Sequence[CData]) -> int:
         return sum(self.delete(key) for key in keys)
 
+    def items_raw(self) -> list[tuple[bytes, bytes]]:
+        return [(kb, bytes(v)) for kb, (_, v) in self._data.items()]
+
+    def update_raw(self, keys: Sequence[bytes], values: Sequence[bytes]) -> int:
+        """Writes in order; stops at the first entry that finds no room and returns the count."""
+        for i, (kb, vb) in enumerate(zip(keys, values, strict=True)):
+            try:
+                self.update(self.spec.key.from_buffer_copy(kb), self.spec.value.from_buffer_copy(vb))
+            except MapFullError:
+                return i
+        return len(keys)
+
+    def delete_raw(self, keys: Sequence[bytes]) -> None:
+        for kb in keys:
+            self._data.pop(kb, None)
+
     def __len__(self) -> int:
         return len(self._data)
 
@@ -193,6 +215,8 @@ def libbcc() -> Any:
         # bpf_obj_get comes from libbpf, reached through libbcc's handle (dlsym searches deps).
         lib.bpf_obj_get.restype = ct.c_int
         lib.bpf_obj_get.argtypes = [ct.c_char_p]
+        lib.bpf_obj_pin.restype = ct.c_int
+        lib.bpf_obj_pin.argtypes = [ct.c_int, ct.c_char_p]
         lib.bpf_obj_get_info.restype = ct.c_int
         lib.bpf_obj_get_info.argtypes = [ct.c_int, ct.c_void_p, ct.POINTER(ct.c_uint32)]
         _lib_cache.append(lib)
@@ -242,6 +266,14 @@ def obj_get(path: str) -> int:
         err = _errno_of(fd)
         raise OSError(err, f"bpf_obj_get({path}): {os.strerror(err)}", path)
     return fd
+
+
+def obj_pin(fd: int, path: str) -> None:
+    """Pins the BPF object behind `fd` at `path` (which must not exist)."""
+    ret: int = libbcc().bpf_obj_pin(fd, os.fsencode(path))
+    if ret < 0:
+        err = _errno_of(ret)
+        raise OSError(err, f"bpf_obj_pin({path}): {os.strerror(err)}", path)
 
 
 class BpfMap:
@@ -376,10 +408,11 @@ class BpfMap:
         return list(seen.values())
 
     def items(self) -> list[tuple[CData, CData]]:
+        key_t, value_t = self.spec.key, self.spec.value
         if self.spec.kind in _BATCH_KINDS:
             batched = self._items_batch()
             if batched is not None:
-                return batched
+                return [(key_t.from_buffer_copy(k), value_t.from_buffer_copy(v)) for k, v in batched]
         out = []
         for key in self.keys():
             value = self.lookup(key)
@@ -387,17 +420,33 @@ class BpfMap:
                 out.append((key, value))
         return out
 
-    def _items_batch(self) -> list[tuple[CData, CData]] | None:
+    def items_raw(self) -> list[tuple[bytes, bytes]]:
+        """Every entry as (key bytes, value bytes); per-CPU maps are not supported here."""
+        if self.percpu:
+            raise TypeError(f"{self.spec.name}: items_raw of a per-CPU map")
+        if self.spec.kind in _BATCH_KINDS:
+            batched = self._items_batch()
+            if batched is not None:
+                return batched
+        out = []
+        for key in self.keys():
+            buf = self._value_buf()
+            ret = libbcc().bpf_lookup_elem(self.fd, ct.byref(key), buf)
+            if ret >= 0:
+                out.append((bytes(key), buf.raw[: ct.sizeof(self.spec.value)]))
+        return out
+
+    def _items_batch(self) -> list[tuple[bytes, bytes]] | None:
         """bpf_lookup_batch in chunks; None when the kernel has no batch support for this map."""
         lib = libbcc()
         ksize, vsize = ct.sizeof(self.spec.key), ct.sizeof(self.spec.value)
-        chunk = 256
-        out: list[tuple[CData, CData]] = []
+        chunk = 4096
+        out: list[tuple[bytes, bytes]] = []
         in_batch, out_batch = ct.c_uint32(0), ct.c_uint32(0)
         first = True
+        keys = ct.create_string_buffer(ksize * chunk)
+        values = ct.create_string_buffer(vsize * chunk)
         while True:
-            keys = ct.create_string_buffer(ksize * chunk)
-            values = ct.create_string_buffer(vsize * chunk)
             count = ct.c_uint32(chunk)
             start = None if first else ct.byref(in_batch)
             ret = lib.bpf_lookup_batch(self.fd, start, ct.byref(out_batch), keys, values, ct.byref(count))
@@ -406,12 +455,16 @@ class BpfMap:
                 return None
             if err == errno.ENOSPC and count.value == 0:  # a hash bucket larger than the chunk
                 chunk *= 4
+                keys = ct.create_string_buffer(ksize * chunk)
+                values = ct.create_string_buffer(vsize * chunk)
                 continue
             if err not in (0, errno.ENOENT):
                 raise self._error("lookup_batch", err)
-            for i in range(count.value):
-                key = self.spec.key.from_buffer_copy(keys.raw[i * ksize : (i + 1) * ksize])
-                out.append((key, self.spec.value.from_buffer_copy(values.raw[i * vsize : (i + 1) * vsize])))
+            kraw, vraw = keys.raw, values.raw
+            out.extend(
+                (kraw[i * ksize : (i + 1) * ksize], vraw[i * vsize : (i + 1) * vsize])
+                for i in range(count.value)
+            )
             if err == errno.ENOENT:
                 return out
             in_batch.value = out_batch.value
@@ -465,6 +518,43 @@ class BpfMap:
                 return deleted + sum(self.delete(key) for key in rest)
             raise self._error("delete_batch", err)
         return deleted
+
+    def update_raw(self, keys: Sequence[bytes], values: Sequence[bytes]) -> int:
+        """Creates or replaces entries given as raw bytes, in order (BPF_ANY), batched where the map
+        type allows. Returns how many were written before one found no room (all on success);
+        any other error raises MapError."""
+        if not keys:
+            return 0
+        if len(keys) != len(values):
+            raise ValueError("update_raw: as many keys as values")
+        if self.percpu:
+            raise TypeError(f"{self.spec.name}: update_raw of a per-CPU map")
+        lib = libbcc()
+        if self.spec.kind in _BATCH_KINDS:
+            kbuf = ct.create_string_buffer(b"".join(keys))
+            vbuf = ct.create_string_buffer(b"".join(values))
+            count = ct.c_uint32(len(keys))
+            ret = lib.bpf_update_batch(self.fd, kbuf, vbuf, ct.byref(count))
+            if ret >= 0:
+                return len(keys)
+            err = _errno_of(ret)
+            if _full_error(err):
+                return int(count.value)
+            if not (err in (errno.EINVAL, ENOTSUPP, errno.EOPNOTSUPP) and count.value == 0):
+                raise self._error(f"update_batch (entry {count.value} of {len(keys)})", err)
+        for i, (kb, vb) in enumerate(zip(keys, values, strict=True)):
+            ret = lib.bpf_update_elem(self.fd, ct.create_string_buffer(kb), ct.create_string_buffer(vb), 0)
+            if ret < 0:
+                err = _errno_of(ret)
+                if _full_error(err):
+                    return i
+                raise self._error("update", err)
+        return len(keys)
+
+    def delete_raw(self, keys: Sequence[bytes]) -> None:
+        """Deletes every key given as raw bytes; missing keys are fine."""
+        ksize = ct.sizeof(self.spec.key)
+        self.delete_batch([self.spec.key.from_buffer_copy(k[:ksize]) for k in keys])
 
     def clear(self) -> None:
         """Empties the map (arrays: every element zeroed)."""

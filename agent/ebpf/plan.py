@@ -1,110 +1,43 @@
-"""Desired map contents: ProxyState + NodeContext + Config (+ what the maps held) -> MapContents.
+"""Decoded map contents (`MapContents`): what `--dry-run`, the golden files and `agent inspect` print.
 
-Pure: no kernel, no bcc, no pyroute2. The eBPF proxier feeds it the state of one sync and the
-contents it last wrote (or, on start, what it dumped from the pinned maps) and hands the result
-to `delta.diff`, which orders the writes.
+Pure. The planner (`agent.ebpf.planner`) keeps entries as plain tuples; this module turns them, or
+the entries of live maps, into ctypes keys and values that `agent.ebpf.render` prints, so a plan
+and a live node render the same text and can be compared with `diff`.
 
-What the entries say (the data path's contract, see bpf/ekp_abi.h):
-
-* Every service port has up to two backend *sets*, one per traffic policy view: "cluster"
-  (ServiceEndpoints.cluster) and "local" (ServiceEndpoints.local). A set is a run of slots
-  `{set_id, 1..count} -> backend_id`; only sets some frontend uses are written.
-* Frontends follow kube-proxy's iptables chains:
-  - ClusterIP, both scopes: ITP Local ? local set (LOCAL) : cluster set.
-  - NodePort (each NodeContext.nodeport_ips address), externalIPs, load-balancer IPs:
-    EXTERNAL scope: ETP Local ? local set (LOCAL) : cluster set + SNAT_REMOTE;
-    INTERNAL scope (pods): the cluster set (kube-proxy short-circuits pod traffic to the
-    cluster chain, "pod traffic for svc external destinations").
-  - masquerade-all (ClusterIP traffic, both scopes) and cluster-cidr (ClusterIP traffic from
-    outside the pods, approximated by the EXTERNAL scope) add SNAT_REMOTE as kube-proxy's
-    KUBE-MARK-MASQ rules for the cluster IP do.
-  - An empty set: NO_ENDPOINTS (reject) when nothing anywhere could serve, or when the cluster
-    view is empty; a local set that is empty while others could serve keeps LOCAL alone (drop).
-  - loadBalancerSourceRanges: SOURCE_RANGES on the load-balancer frontends of both scopes
-    (kube-proxy's KUBE-FW chain sees pod traffic too) and one `srcr` entry per CIDR; like
-    kube-proxy, a range holding the node's address also admits the LB IP itself as a source.
-* Ids are stable. A set keeps the id of the frontend that used it (matched by frontend key and
-  the LOCAL flag), a backend the id its (ip, port, proto) had, a reverse-NAT entry the id its
-  frontend (addr, port, proto) pointed at. Fresh ids never reuse an id the previous contents
-  hold (so no live frontend or slot ever points at a reused id mid-update) and count up from the
-  high-water mark, wrapping to the lowest free id only at the field's limit, so conntrack and
-  affinity entries of a just-removed service do not meet a new one under the same id.
-  Reverse-NAT ids are per (addr, port, proto), so two services sharing an LB IP on one port
-  with two protocols keep separate source ranges.
-* Slots change little: a backend that stays keeps its slot when it still fits the new count;
-  newcomers fill the holes, in kube-proxy's endpoint order.
+    plan(state, node, config)   the contents a first sync on an empty node writes
+    read_contents(maps, cfg)    the contents of live (or fake) maps
 """
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NewType, Protocol
+from typing import Any, Protocol
 
 from agent.config import Config, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.abi import (
     Backend,
-    BackendFlag,
     BackendKey,
     Frontend,
-    FrontendFlag,
     FrontendKey,
     RevNat,
     RevNatKey,
-    Scope,
     Slot,
     SlotKey,
     SrcRange,
     SrcRangeKey,
-    ip_be,
-    port_be,
 )
-from agent.model.types import Endpoint, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
-
-SetId = NewType("SetId", int)
-BackendId = NewType("BackendId", int)
-RevNatId = NewType("RevNatId", int)
-
-SetKind = Literal["cluster", "local"]
-
-# Conntrack timeouts written to cfg[0]. TCP: kube-proxy's --conntrack-tcp-timeout-established
-# default (24h); UDP: the kernel's nf_conntrack_udp_timeout_stream (kube-proxy leaves it); closing:
-# a short grace after FIN/RST.
-TCP_TIMEOUT_S = 86400
-UDP_TIMEOUT_S = 120
-CLOSING_TIMEOUT_S = 10
-
-# Largest id each field can carry (ekp_frontend.rev_nat_id is a __u16).
-SET_ID_MAX = 0xFFFFFFFF
-BACKEND_ID_MAX = 0xFFFFFFFF
-REVNAT_ID_MAX = 0xFFFF
-
-# The map roles MapContents holds, in the order they are rendered.
-ROLES = ("fe", "slot", "be", "rnat", "srcr")
-
-
-class PlanError(RuntimeError):
-    """The desired state cannot be expressed in the maps (ids exhausted)."""
-
-
-@dataclass(frozen=True)
-class HighWater:
-    """Largest id ever handed out per kind; not stored in any map (recomputed from a dump)."""
-
-    set_id: int = 0
-    backend_id: int = 0
-    rev_nat_id: int = 0
+from agent.ebpf.codec import KEYS, VALUES
+from agent.ebpf.planner import ROLES, Planner
+from agent.model.types import ProxyState
 
 
 @dataclass
 class MapContents:
     """Entries of the service maps, by role, as ctypes keys and values (equal by field values).
 
-    Built by `plan` or read back from live maps (`read_contents`). Treat as immutable once built;
-    `copy()` before changing. `fe_names` (frontend -> "ns/name:port") annotates dry-run output
-    and is not part of any map.
+    `fe_names` (frontend -> "ns/name:port") annotates dry-run output and is not part of any map.
     """
 
     fe: dict[FrontendKey, Frontend] = field(default_factory=dict)
@@ -113,7 +46,6 @@ class MapContents:
     rnat: dict[RevNatKey, RevNat] = field(default_factory=dict)
     srcr: dict[SrcRangeKey, SrcRange] = field(default_factory=dict)
     cfg: abi.Config | None = None
-    high: HighWater = field(default_factory=HighWater)
     fe_names: dict[FrontendKey, str] = field(default_factory=dict)
 
     def table(self, role: str) -> dict[Any, Any]:
@@ -135,7 +67,7 @@ class MapContents:
         )
 
     def same_entries(self, other: MapContents) -> bool:
-        """Equal map entries (cfg included); high-water marks and names are not compared."""
+        """Equal map entries (cfg included); names are not compared."""
         return self.cfg == other.cfg and all(self.table(r) == other.table(r) for r in ROLES)
 
 
@@ -146,10 +78,7 @@ class MapReader(Protocol):
 
 
 def read_contents(maps: Mapping[str, MapReader], cfg: abi.Config | None = None) -> MapContents:
-    """MapContents of live (or fake) maps, keyed by role; missing roles read as empty.
-
-    The high-water marks are the largest ids found, so fresh ids continue above them.
-    """
+    """MapContents of live (or fake) maps, keyed by role; missing roles read as empty."""
     out = MapContents(cfg=cfg)
     for role in ROLES:
         reader = maps.get(role)
@@ -158,11 +87,6 @@ def read_contents(maps: Mapping[str, MapReader], cfg: abi.Config | None = None) 
         table = out.table(role)
         for key, value in reader.items():
             table[copy_struct(key)] = copy_struct(value)
-    out.high = HighWater(
-        set_id=max([k.set_id for k in out.slot] + [v.set_id for v in out.fe.values()], default=0),
-        backend_id=max([k.id for k in out.be] + [v.backend_id for v in out.slot.values()], default=0),
-        rev_nat_id=max([k.id for k in out.rnat] + [v.rev_nat_id for v in out.fe.values()], default=0),
-    )
     return out
 
 
@@ -172,321 +96,22 @@ def copy_struct(value: Any) -> Any:
     return cls.from_buffer_copy(bytes(value))
 
 
-def config_entry(node: NodeContext, config: Config) -> abi.Config:
-    """cfg[0]: the node's SNAT source, the SNAT port range and conntrack timeouts."""
-    lo, hi = config.snat_ports
-    return abi.Config(
-        node_addr=ip_be(node.primary_ip) if node.primary_ip else 0,
-        snat_port_min=lo,
-        snat_port_max=hi,
-        tcp_timeout_s=TCP_TIMEOUT_S,
-        udp_timeout_s=UDP_TIMEOUT_S,
-        closing_timeout_s=CLOSING_TIMEOUT_S,
-        flags=0,
-    )
-
-
-# ---------------------------------------------------------------------------------- ids
-
-
-class _Ids:
-    """Hands out fresh ids of one kind: above the high-water mark, never one `taken`."""
-
-    def __init__(self, taken: Iterable[int], high: int, limit: int, what: str) -> None:
-        self._taken = set(taken)
-        self._next = max(high, max(self._taken, default=0)) + 1
-        self._limit = limit
-        self._what = what
-        self._low = 1  # lowest id that may still be free once wrapped
-        self._claimed: set[int] = set()
-        self.high = high
-
-    def claim(self, ident: int) -> bool:
-        """Reserve an id the previous contents held; False when another user claimed it first."""
-        if ident in self._claimed:
-            return False
-        self._claimed.add(ident)
-        self.high = max(self.high, ident)
-        return True
-
-    def fresh(self) -> int:
-        while self._next <= self._limit:
-            ident = self._next
-            self._next += 1
-            if ident not in self._taken and ident not in self._claimed:
-                return self._take(ident)
-        while self._low <= self._limit:
-            ident = self._low
-            self._low += 1
-            if ident not in self._taken and ident not in self._claimed:
-                return self._take(ident)
-        raise PlanError(f"no free {self._what} id left (limit {self._limit})")
-
-    def _take(self, ident: int) -> int:
-        self._claimed.add(ident)
-        self.high = max(self.high, ident)
-        return ident
-
-
-# ---------------------------------------------------------------------------------- frontends
-
-
-@dataclass(frozen=True)
-class _Fe:
-    """A frontend before ids are known."""
-
-    key: FrontendKey
-    spn: ServicePortName
-    kind: SetKind
-    flags: int
-    affinity: int
-    rnat: tuple[str, int, int]  # (addr, port, proto): the reverse-NAT identity
-
-
-def _key(addr: str, port: int, proto: int, scope: Scope) -> FrontendKey:
-    return FrontendKey(addr=ip_be(addr), port=port_be(port), proto=proto, scope=int(scope))
-
-
-def _frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[_Fe]:
-    proto = sp.protocol.number
-    affinity = sp.affinity_timeout
-    base = int(FrontendFlag.AFFINITY) if affinity else 0
-    out: list[_Fe] = []
-
-    # ClusterIP: the internal traffic policy, whatever the scope.
-    kind: SetKind = "local" if sp.internal_policy_local else "cluster"
-    local = int(FrontendFlag.LOCAL) if kind == "local" else 0
-    snat_int = int(FrontendFlag.SNAT_REMOTE) if config.masquerade_all else 0
-    snat_ext = int(FrontendFlag.SNAT_REMOTE) if config.masquerade_all or config.cluster_cidr else 0
-    rnat = (sp.cluster_ip, sp.port, proto)
-    for scope, snat in ((Scope.EXTERNAL, snat_ext), (Scope.INTERNAL, snat_int)):
-        out.append(
-            _Fe(
-                _key(sp.cluster_ip, sp.port, proto, scope), sp.name, kind, base | local | snat, affinity, rnat
-            )
-        )
-
-    # External frontends: ETP for traffic from outside, the cluster set for pods.
-    externals: list[tuple[str, int, int]] = []
-    if sp.node_port:
-        externals += [
-            (ip, sp.node_port, FrontendFlag.NODEPORT) for ip in node.nodeport_ips(config.nodeport_addresses)
-        ]
-    externals += [(ip, sp.port, FrontendFlag.EXTERNAL_IP) for ip in sp.external_ips]
-    ranges = int(FrontendFlag.SOURCE_RANGES) if sp.load_balancer_source_ranges else 0
-    externals += [(ip, sp.port, FrontendFlag.LOADBALANCER | ranges) for ip in sp.load_balancer_ips]
-    for addr, port, what in externals:
-        rnat = (addr, port, proto)
-        if sp.external_policy_local:
-            ext_kind: SetKind = "local"
-            ext_flags = base | what | FrontendFlag.LOCAL
-        else:
-            ext_kind = "cluster"
-            ext_flags = base | what | FrontendFlag.SNAT_REMOTE
-        out.append(_Fe(_key(addr, port, proto, Scope.EXTERNAL), sp.name, ext_kind, ext_flags, affinity, rnat))
-        out.append(
-            _Fe(_key(addr, port, proto, Scope.INTERNAL), sp.name, "cluster", base | what, affinity, rnat)
-        )
+def planner_contents(planner: Planner) -> MapContents:
+    """What the planner wants the maps to hold, decoded."""
+    out = MapContents()
+    for role in ROLES:
+        kc, vc = KEYS[role], VALUES[role]
+        table = out.table(role)
+        for key, value in planner.desired[role].items():
+            table[kc.to_ctype(key)] = vc.to_ctype(value)
+    if planner.cfg is not None:
+        out.cfg = VALUES["cfg"].to_ctype(planner.cfg)
+    out.fe_names = {KEYS["fe"].to_ctype(k): name for k, name in planner.fe_names().items()}
     return out
 
 
-def _set_endpoints(eps: ServiceEndpoints, kind: SetKind) -> tuple[Endpoint, ...]:
-    return eps.cluster if kind == "cluster" else eps.local
-
-
-def _source_ranges(sp: ServicePort, node: NodeContext) -> list[tuple[int, str]]:
-    """(prefix length, network address) the LB frontends of `sp` admit."""
-    out: list[tuple[int, str]] = []
-    node_in_range = False
-    for text in sp.load_balancer_source_ranges:
-        net = ipaddress.ip_network(text, strict=False)
-        if not isinstance(net, ipaddress.IPv4Network):
-            continue
-        out.append((net.prefixlen, str(net.network_address)))
-        node_in_range = node_in_range or any(ipaddress.ip_address(ip) in net for ip in node.node_ips)
-    if node_in_range:
-        # kube-proxy: a VIP-like LB IP bound on the node loops back with itself as the source.
-        out += [(32, ip) for ip in sp.load_balancer_ips]
-    return out
-
-
-# ---------------------------------------------------------------------------------- plan
-
-
-def plan(
-    state: ProxyState,
-    node: NodeContext,
-    config: Config,
-    previous: MapContents | None = None,
-) -> MapContents:
-    """The map contents that program `state` on this node, re-adopting the ids of `previous`."""
-    prev = previous if previous is not None else MapContents()
-
-    # Frontends (without ids) and the sets they use. A key two services claim (an invalid
-    # state, e.g. the same external IP and port) goes to the first in sorted order.
-    fes: dict[FrontendKey, _Fe] = {}
-    sets: dict[_SetRef, tuple[Endpoint, ...]] = {}
-    ports = state.sorted_ports()
-    for sp in ports:
-        eps = state.endpoints.get(sp.name, ServiceEndpoints())
-        for fe in _frontends(sp, node, config):
-            if fe.key not in fes:
-                fes[fe.key] = fe
-                sets.setdefault((fe.spn, fe.kind), _set_endpoints(eps, fe.kind))
-    set_order = sorted(sets, key=lambda s: (str(s[0]), s[0].protocol, s[1]))
-
-    backends, be_high = _backend_ids(set_order, sets, prev)
-    set_id, set_high = _set_ids(set_order, fes, prev)
-    rnat_id, rnat_high = _rev_nat_ids(fes, prev)
-
-    out = MapContents(cfg=config_entry(node, config))
-    out.high = HighWater(set_id=set_high, backend_id=be_high, rev_nat_id=rnat_high)
-    for (addr, port, proto), (bid, flags) in backends.items():
-        out.be[BackendKey(id=bid)] = Backend(addr=addr, port=port, proto=proto, flags=flags)
-
-    prev_slots: dict[int, dict[int, int]] = {}
-    for slot_key, slot in prev.slot.items():
-        prev_slots.setdefault(slot_key.set_id, {})[slot_key.slot] = slot.backend_id
-    counts: dict[_SetRef, int] = {}
-    for ref in set_order:
-        proto = ref[0].protocol.number
-        members = list(dict.fromkeys(backends[_ep_ident(ep, proto)][0] for ep in sets[ref]))
-        sid = set_id[ref]
-        for pos, bid in _layout(members, prev_slots.get(sid, {})).items():
-            out.slot[SlotKey(set_id=sid, slot=pos)] = Slot(backend_id=bid)
-        counts[ref] = len(members)
-
-    by_name = {sp.name: sp for sp in ports}
-    for fe in fes.values():
-        ref = (fe.spn, fe.kind)
-        flags = fe.flags
-        if counts[ref] == 0:
-            has_any = state.endpoints.get(fe.spn, ServiceEndpoints()).has_any
-            if fe.kind == "cluster" or not has_any:
-                flags |= FrontendFlag.NO_ENDPOINTS
-        rid = rnat_id[fe.rnat]
-        out.fe[fe.key] = Frontend(
-            set_id=set_id[ref], count=counts[ref], flags=flags, affinity_timeout=fe.affinity, rev_nat_id=rid
-        )
-        out.fe_names[fe.key] = str(fe.spn)
-        fe_addr, fe_port, _ = fe.rnat
-        out.rnat[RevNatKey(id=rid)] = RevNat(addr=ip_be(fe_addr), port=port_be(fe_port))
-        if fe.flags & FrontendFlag.SOURCE_RANGES:
-            for plen, net in _source_ranges(by_name[fe.spn], node):
-                key = SrcRangeKey(prefixlen=32 + plen, rev_nat_id=rid, addr=ip_be(net))
-                out.srcr[key] = SrcRange(allow=1)
-    return out
-
-
-_SetRef = tuple[ServicePortName, SetKind]
-_BeIdent = tuple[int, int, int]  # (addr be, port be, proto) as the backend map holds them
-
-
-def _ep_ident(ep: Endpoint, proto: int) -> _BeIdent:
-    return (ip_be(ep.ip), port_be(ep.port), proto)
-
-
-def _backend_ids(
-    set_order: list[_SetRef], sets: Mapping[_SetRef, tuple[Endpoint, ...]], prev: MapContents
-) -> tuple[dict[_BeIdent, tuple[int, int]], int]:
-    """(ip, port, proto) -> (backend id, flags) in order of first use; and the high-water mark."""
-    prev_be: dict[_BeIdent, int] = {}
-    for bkey, bval in sorted(prev.be.items(), key=lambda kv: kv[0].id):
-        prev_be.setdefault((bval.addr, bval.port, bval.proto), bkey.id)
-    ids = _Ids(
-        [k.id for k in prev.be] + [v.backend_id for v in prev.slot.values()],
-        prev.high.backend_id,
-        BACKEND_ID_MAX,
-        "backend",
-    )
-    backends: dict[_BeIdent, tuple[int, int]] = {}
-    for ref in set_order:
-        proto = ref[0].protocol.number
-        for ep in sets[ref]:
-            ident = _ep_ident(ep, proto)
-            flags = (BackendFlag.LOCAL if ep.is_local else 0) | (
-                BackendFlag.TERMINATING if ep.terminating else 0
-            )
-            if ident in backends:
-                bid, seen = backends[ident]
-                backends[ident] = (bid, seen | flags)
-                continue
-            adopted = prev_be.get(ident)
-            bid = adopted if adopted is not None and ids.claim(adopted) else ids.fresh()
-            backends[ident] = (bid, int(flags))
-    return backends, ids.high
-
-
-def _set_ids(
-    set_order: list[_SetRef], fes: Mapping[FrontendKey, _Fe], prev: MapContents
-) -> tuple[dict[_SetRef, int], int]:
-    """Set ids, re-adopted through the frontends that used them (same key, same LOCAL-ness)."""
-    ids = _Ids(
-        [v.set_id for v in prev.fe.values()] + [k.set_id for k in prev.slot],
-        prev.high.set_id,
-        SET_ID_MAX,
-        "backend set",
-    )
-    users: dict[_SetRef, list[FrontendKey]] = {}
-    for fe in fes.values():
-        users.setdefault((fe.spn, fe.kind), []).append(fe.key)
-    out: dict[_SetRef, int] = {}
-    for ref in set_order:
-        want_local = ref[1] == "local"
-        chosen = 0
-        for fkey in users[ref]:
-            old = prev.fe.get(fkey)
-            if old is None or old.set_id == 0 or bool(old.flags & FrontendFlag.LOCAL) != want_local:
-                continue
-            if ids.claim(old.set_id):
-                chosen = old.set_id
-                break
-        out[ref] = chosen or ids.fresh()
-    return out, ids.high
-
-
-def _rev_nat_ids(
-    fes: Mapping[FrontendKey, _Fe], prev: MapContents
-) -> tuple[dict[tuple[str, int, int], int], int]:
-    """Reverse-NAT ids per frontend (addr, port, proto), re-adopted through the frontends."""
-    ids = _Ids(
-        [k.id for k in prev.rnat] + [v.rev_nat_id for v in prev.fe.values()],
-        prev.high.rev_nat_id,
-        REVNAT_ID_MAX,
-        "reverse-NAT",
-    )
-    users: dict[tuple[str, int, int], list[FrontendKey]] = {}
-    for fe in fes.values():
-        users.setdefault(fe.rnat, []).append(fe.key)
-    out: dict[tuple[str, int, int], int] = {}
-    for ident, keys in users.items():
-        addr, port, _ = ident
-        want = RevNat(addr=ip_be(addr), port=port_be(port))
-        chosen = 0
-        for fkey in keys:
-            old = prev.fe.get(fkey)
-            if old is None or not old.rev_nat_id:
-                continue
-            held = prev.rnat.get(RevNatKey(id=old.rev_nat_id))
-            if (held is None or held == want) and ids.claim(old.rev_nat_id):
-                chosen = old.rev_nat_id
-                break
-        out[ident] = chosen or ids.fresh()
-    return out, ids.high
-
-
-def _layout(members: list[int], previous: Mapping[int, int]) -> dict[int, int]:
-    """Slot -> backend for one set: survivors keep their slot when it is within the new count."""
-    count = len(members)
-    wanted = set(members)
-    slots: dict[int, int] = {}
-    placed: set[int] = set()
-    for pos, bid in sorted(previous.items()):
-        if 1 <= pos <= count and bid in wanted and bid not in placed:
-            slots[pos] = bid
-            placed.add(bid)
-    free = (pos for pos in range(1, count + 1) if pos not in slots)
-    for bid in members:
-        if bid not in placed:
-            slots[next(free)] = bid
-    return slots
+def plan(state: ProxyState, node: NodeContext, config: Config) -> MapContents:
+    """The contents a first sync of `state` on an empty node writes (the `--dry-run` output)."""
+    planner = Planner(config)
+    planner.update(state, node, None)
+    return planner_contents(planner)

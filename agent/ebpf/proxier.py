@@ -1,16 +1,19 @@
-"""EbpfProxier: the eBPF mode's Proxier. Plan, write the delta in order, keep the programs attached.
+"""EbpfProxier: the eBPF mode's Proxier. Plan, write what changed in order, keep the programs attached.
 
 Lifecycle (kube-proxy's contract, agent/proxier.py):
 
 * The constructor only remembers its arguments.
 * The first `sync` loads the data path (bcc compiles bpf/ekp_tc.c; maps are pinned under
-  Config.pin_path and reused when they exist), removes pins of other ABI versions, dumps the
-  service maps as the "previous" contents so ids are re-adopted and only differences are written
-  (stale entries are pruned: the caller only syncs complete states), writes cfg[0], applies the
-  delta, sets the sysctls it needs in Config.netns, attaches the programs (replacing older ones
-  atomically) and starts the pod-device watcher. Conntrack and affinity are never flushed.
-* Later syncs plan against the contents last written (kept in memory) and write the delta only.
-  When a write fails, what the maps hold is no longer known: the next sync dumps them again.
+  Config.pin_path and reused when they exist), removes pins of other ABI versions, reads the
+  service maps back so the planner re-adopts their ids and writes only differences (stale entries
+  are pruned: the agent syncs only once every kind was listed), writes cfg[0], sets the sysctls it
+  needs in Config.netns, attaches the programs (replacing older ones atomically) and starts the
+  pod-device watcher. Conntrack and affinity are never flushed.
+* Later syncs re-plan only the changed service ports (`agent.ebpf.planner`) and write their entries.
+  A full sync (`changed` None, every sync period) reads the maps back first and repairs whatever
+  differs from the plan, re-pinning maps whose pin was removed (counted in SyncResult.repaired).
+  When a write fails outright, what the maps hold is no longer known: the next sync reads them back.
+  A map too full for a service port's entries fails that port only (SyncResult.failed).
 * Stopping the agent removes nothing: `close()` only stops the watcher and lets the fds go;
   pinned maps and attached programs keep serving traffic until the next agent re-adopts them.
 * `cleanup()` detaches our filters, removes our pins and the pin directory, and nothing else.
@@ -29,21 +32,22 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
-from agent.ebpf.delta import apply_op, diff, summary, write_op
+from agent.ebpf.codec import VALUES, Key, Value
 from agent.ebpf.maps import MapWriter
-from agent.ebpf.plan import MapContents, plan, read_contents
+from agent.ebpf.plan import MapContents, planner_contents, read_contents
+from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap, decode
 from agent.model.types import ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
 
 log = logging.getLogger(__name__)
 
-SERVICE_ROLES = ("fe", "slot", "be", "rnat", "srcr")
+SERVICE_ROLES = ROLES
 
 # sysctl (as a /proc/sys path) -> (value, why); set in Config.netns at the first sync.
 SYSCTLS: dict[str, tuple[str, str]] = {
@@ -60,6 +64,9 @@ class DatapathLike(Protocol):
     def load(self) -> None: ...
 
     def prog_fd(self, name: str) -> int: ...
+
+    def repair_pins(self) -> list[str]:
+        """Pin again every map whose pin was removed or replaced; the names repaired."""
 
     def close(self) -> None: ...
 
@@ -105,49 +112,59 @@ class EbpfProxier:
         self._lock = threading.Lock()
         self._datapath: DatapathLike | None = None
         self._attacher: AttacherLike | None = None
-        self._written: MapContents | None = None  # what the maps hold, None = unknown (dump)
+        self._planner: Planner | None = None
+        self._unsure = True  # what the maps hold is unknown: read them back before writing
+        self._cfg_written: Value | None = None
         self._attached_once = False
         self._verified_at = 0.0  # monotonic time of the last full check of every device
-        self.last_ops: list[str] = []  # summary of the last sync's writes, for logs and tests
+        self.last_flush = FlushResult()  # what the last sync wrote, for logs and tests
 
     # ------------------------------------------------------------------ Proxier
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
     ) -> SyncResult:
+        """Write what changed; with `changed` None, also read the maps back and repair them."""
         with self._lock:
             start = time.monotonic()
             datapath = self._ensure_loaded()
             maps = datapath.maps
-            first = self._written is None
-            previous = self._written if self._written is not None else self._dump(maps)
-            desired = plan(state, node, self._config, previous)
-
-            if desired.cfg is not None and previous.cfg != desired.cfg:
-                maps["cfg"].update(CFG_KEY, desired.cfg)
-            ops = diff(previous, desired)
-            written = previous.copy()
-            self._written = None  # unknown until every op went through
-            for op in ops:
-                write_op(maps, op)
-                apply_op(written, op)
-            written.cfg, written.high, written.fe_names = desired.cfg, desired.high, desired.fe_names
-            self._written = written
-            self.last_ops = [str(op) for op in ops]
+            first = self._planner is None
+            planner = self._planner or Planner(self._config)
+            self._planner = planner
+            repaired = 0
+            if first or self._unsure or changed is None:
+                if changed is None and not first:
+                    repaired += len(datapath.repair_pins())
+                differ = planner.reconcile(self._dump(maps, first), adopt=first)
+                repaired += 0 if first or self._unsure else differ
+                changed = None
+            planner.update(state, node, changed)
+            if first:
+                planner.forget_hints()
+            self._unsure = True  # until every write went through
+            if planner.cfg is not None and planner.cfg != self._cfg_written:
+                maps["cfg"].update(CFG_KEY, VALUES["cfg"].to_ctype(planner.cfg))
+                self._cfg_written = planner.cfg
+            result = planner.flush(cast(Mapping[str, RawMap], maps))
+            self._unsure = False
+            self.last_flush = result
 
             self._attach(datapath, node, full=not self._attached_once)
             elapsed_ms = (time.monotonic() - start) * 1000
-            level = logging.INFO if ops or first else logging.DEBUG
+            level = logging.INFO if result.writes or first or repaired or result.failed else logging.DEBUG
             log.log(
                 level,
-                "eBPF sync%s: %s (%d frontends, %d backends, %.1f ms)",
+                "eBPF sync%s: %s (%d frontends, %d backends%s%s, %.1f ms)",
                 " (first, from the pinned maps)" if first else "",
-                summary(ops),
-                len(desired.fe),
-                len(desired.be),
+                result.summary(),
+                len(planner.desired["fe"]),
+                len(planner.desired["be"]),
+                f", {repaired} difference(s) with the kernel repaired" if repaired else "",
+                f", {len(result.failed)} service port(s) not programmed" if result.failed else "",
                 elapsed_ms,
             )
-            return SyncResult(full=first)
+            return SyncResult(full=changed is None, failed=dict(result.failed), repaired=repaired)
 
     def cleanup(self) -> None:
         """Detach our filters, remove our pins and the pin directory; nothing else."""
@@ -169,10 +186,11 @@ class EbpfProxier:
             self._stop_watcher()
             self._release()
 
-    @property
-    def written(self) -> MapContents | None:
-        """What the service maps hold as far as this proxier knows (None before a sync)."""
-        return self._written
+    def contents(self) -> MapContents | None:
+        """What the service maps should hold now, decoded (None before the first sync)."""
+        if self._planner is None:
+            return None
+        return planner_contents(self._planner)
 
     # ------------------------------------------------------------------ internals
 
@@ -187,27 +205,20 @@ class EbpfProxier:
         if stale:
             log.info("removed pins of other ABI versions: %s", ",".join(stale))
         self._datapath = datapath
-        self._written = None
+        self._unsure = True
         return datapath
 
-    def _dump(self, maps: Mapping[str, MapWriter]) -> MapContents:
-        cfg: abi.Config | None = None
-        try:
+    def _dump(self, maps: Mapping[str, MapWriter], first: bool) -> dict[str, list[tuple[Key, Value]]]:
+        dump = {role: decode(role, maps[role].items_raw()) for role in ROLES if role in maps}
+        if first:
             value = maps["cfg"].lookup(CFG_KEY)
-            if isinstance(value, abi.Config) and any(value.values()):
-                cfg = value
-        except KeyError:
-            cfg = None
-        contents = read_contents({role: maps[role] for role in SERVICE_ROLES if role in maps}, cfg)
-        log.info(
-            "pinned maps hold %d frontends, %d slots, %d backends, %d reverse-NAT entries: "
-            "re-adopting their ids",
-            len(contents.fe),
-            len(contents.slot),
-            len(contents.be),
-            len(contents.rnat),
-        )
-        return contents
+            self._cfg_written = VALUES["cfg"].of_ctype(value) if value is not None else None
+            log.info(
+                "pinned maps hold %d frontends, %d slots, %d backends, %d reverse-NAT entries: "
+                "re-adopting their ids",
+                *(len(dump.get(r, ())) for r in ("fe", "slot", "be", "rnat")),
+            )
+        return dump
 
     def _attach(self, datapath: DatapathLike, node: NodeContext, *, full: bool) -> None:
         if self._attacher is None:
@@ -231,7 +242,8 @@ class EbpfProxier:
         if self._datapath is not None:
             self._datapath.close()
             self._datapath = None
-        self._written = None
+        self._planner = None
+        self._unsure = True
 
     def _stop_watcher(self) -> None:
         if self._attacher is not None:

@@ -2,29 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 from hypothesis import strategies as st
 
-from agent.config import NodeContext
+from agent.config import Config, NodeContext
 from agent.ebpf.abi import (
-    Backend,
+    MAPS,
     BackendKey,
-    Frontend,
     FrontendFlag,
-    FrontendKey,
-    RevNat,
     RevNatKey,
-    Slot,
     SlotKey,
-    SrcRange,
-    SrcRangeKey,
 )
-from agent.ebpf.delta import Op, apply_op
-from agent.ebpf.plan import MapContents
+from agent.ebpf.maps import FakeMap
+from agent.ebpf.plan import MapContents, read_contents
+from agent.ebpf.planner import ROLES, FlushResult, Planner, decode
 from agent.model import NodeInfo, ProxyState, build_state
 from agent.model.topology import categorize_endpoints
 from agent.model.types import Endpoint, Protocol, ServicePort, ServicePortName, SessionAffinity
@@ -54,30 +49,6 @@ def state_from_yaml(text: str, node_name: str = "node1") -> ProxyState:
     return result.state
 
 
-class DictMap:
-    """A dict-backed map with the loader's BpfMap surface (enough of it for these tests)."""
-
-    def __init__(self) -> None:
-        self.data: dict[Any, Any] = {}
-        self.calls: list[tuple[str, int]] = []
-
-    def items(self) -> list[tuple[Any, Any]]:
-        return list(self.data.items())
-
-    def update_batch(self, items: Sequence[tuple[Any, Any]]) -> None:
-        self.calls.append(("update", len(items)))
-        self.data.update(items)
-
-    def delete_batch(self, keys: Sequence[Any]) -> None:
-        self.calls.append(("delete", len(keys)))
-        for k in keys:
-            del self.data[k]
-
-
-def fake_maps() -> dict[str, DictMap]:
-    return {role: DictMap() for role in ("fe", "slot", "be", "rnat", "srcr")}
-
-
 # ---------------------------------------------------------------------------------- invariants
 
 
@@ -100,13 +71,61 @@ def broken(contents: MapContents) -> list[str]:
     return problems
 
 
-def replay(old: MapContents, ops: Sequence[Op]) -> MapContents:
-    """Apply `ops` one by one, asserting the invariants after each."""
-    cur = old.copy()
-    for i, op in enumerate(ops):
-        apply_op(cur, op)
-        assert not broken(cur), f"after op {i} ({op}): {broken(cur)}"
-    return cur
+class WatchedMap:
+    """A FakeMap whose raw writes go in one entry at a time, each followed by `check()`: a flush
+    through these maps proves that no packet could ever meet a half-written service."""
+
+    def __init__(self, inner: FakeMap, check: Callable[[], None]) -> None:
+        self.inner = inner
+        self.check = check
+
+    def update_raw(self, keys: Sequence[bytes], values: Sequence[bytes]) -> int:
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            if self.inner.update_raw([k], [v]) == 0:
+                return i
+            self.check()
+        return len(keys)
+
+    def delete_raw(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            self.inner.delete_raw([k])
+            self.check()
+
+
+class PlanRig:
+    """A planner over fake maps that outlive it, as pins do; `sizes` limits map entries."""
+
+    def __init__(self, config: Config | None = None, sizes: dict[str, int] | None = None) -> None:
+        self.config = config or Config()
+        self.maps = {role: FakeMap(MAPS[role], (sizes or {}).get(role)) for role in ROLES}
+        self.planner = Planner(self.config)
+        self.writes: list[str] = []
+
+    def _check(self) -> None:
+        problems = broken(self.contents())
+        assert not problems, problems
+
+    def watched(self) -> dict[str, WatchedMap]:
+        return {role: WatchedMap(m, self._check) for role, m in self.maps.items()}
+
+    def sync(
+        self, state: ProxyState, changed: Iterable[ServicePortName] | None = None, *, watch: bool = True
+    ) -> FlushResult:
+        """Plan and flush; `watch` checks every service is whole after every single write (costs a
+        read of all maps per write: turn it off for large states)."""
+        self.planner.update(state, NODE, None if changed is None else frozenset(changed))
+        return self.planner.flush(self.watched() if watch else self.maps)
+
+    def contents(self) -> MapContents:
+        return read_contents(self.maps)
+
+    def dump(self) -> dict[str, list[tuple[Any, Any]]]:
+        return {role: decode(role, m.items_raw()) for role, m in self.maps.items()}
+
+    def restart(self) -> None:
+        """A new planner (a restarted agent) over the same maps."""
+        self.planner = Planner(self.config)
+        self.planner.reconcile(self.dump(), adopt=True)
 
 
 def assert_ids_valid(contents: MapContents) -> None:
@@ -171,40 +190,3 @@ def proxy_states(draw: st.DrawFn) -> ProxyState:
         services[sp.name] = sp
         endpoints[sp.name] = categorize_endpoints(eps, sp, node)
     return ProxyState(node=node, services=services, endpoints=endpoints)
-
-
-@st.composite
-def valid_contents(draw: st.DrawFn) -> MapContents:
-    """Arbitrary self-consistent contents over small id pools, so two draws overlap a lot."""
-    out = MapContents()
-    be_ids = draw(st.lists(st.integers(1, 8), unique=True, max_size=6))
-    for bid in be_ids:
-        out.be[BackendKey(id=bid)] = Backend(
-            addr=draw(st.integers(1, 4)), port=draw(st.sampled_from([80, 81])), proto=6, flags=0
-        )
-    sets: dict[int, int] = {}
-    for sid in draw(st.lists(st.integers(1, 4), unique=True, max_size=4)):
-        members = draw(st.lists(st.sampled_from(be_ids), max_size=4)) if be_ids else []
-        for pos, bid in enumerate(members, start=1):
-            out.slot[SlotKey(set_id=sid, slot=pos)] = Slot(backend_id=bid)
-        sets[sid] = len(members)
-    rnat_ids = draw(st.lists(st.integers(1, 5), unique=True, min_size=1, max_size=4))
-    for rid in rnat_ids:
-        out.rnat[RevNatKey(id=rid)] = RevNat(addr=draw(st.integers(1, 3)), port=80)
-    if sets:
-        for addr in draw(st.lists(st.integers(1, 5), unique=True, max_size=5)):
-            sid = draw(st.sampled_from(sorted(sets)))
-            rid = draw(st.sampled_from(rnat_ids))
-            ranges = draw(st.booleans())
-            flags = int(FrontendFlag.SOURCE_RANGES) if ranges else 0
-            if ranges:
-                key = SrcRangeKey(prefixlen=32 + 24, rev_nat_id=rid, addr=draw(st.integers(1, 2)))
-                out.srcr[key] = SrcRange(allow=1)
-            out.fe[FrontendKey(addr=addr, port=80, proto=6, scope=draw(st.integers(0, 1)))] = Frontend(
-                set_id=sid,
-                count=draw(st.integers(0, sets[sid])),
-                flags=flags | draw(st.sampled_from([0, int(FrontendFlag.AFFINITY)])),
-                affinity_timeout=0,
-                rev_nat_id=rid,
-            )
-    return out

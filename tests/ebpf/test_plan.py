@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from agent.config import Config, NodeContext
-from agent.ebpf import plan as plan_module
+from agent.ebpf import planner as planner_module
 from agent.ebpf import render_dry_run
 from agent.ebpf.abi import FrontendFlag, FrontendKey, Scope, SlotKey, ip_be, port_be
-from agent.ebpf.delta import diff, write_op
-from agent.ebpf.plan import MapContents, PlanError, plan, read_contents
+from agent.ebpf.plan import MapContents, plan
+from agent.ebpf.planner import PlanError
 from agent.ebpf.render import render_contents
 from agent.model import ProxyState
-from tests.ebpf.support import GOLDEN, NODE, assert_ids_valid, broken, fake_maps, state_from_yaml
+from tests.ebpf.support import GOLDEN, NODE, PlanRig, assert_ids_valid, broken, state_from_yaml
 
 CASES = sorted(p.stem for p in GOLDEN.glob("*.yaml"))
 
@@ -37,17 +37,18 @@ def test_golden_dry_run(case: str) -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_golden_cases_are_whole_and_survive_a_dump(case: str) -> None:
-    """What the maps hold after writing a plan renders like the plan, and re-plans to no ops."""
+    """What the maps hold after a flush renders like the plan; a restart over them writes nothing."""
     state = state_from_yaml((GOLDEN / f"{case}.yaml").read_text())
     planned = plan(state, NODE, Config())
     assert not broken(planned)
     assert_ids_valid(planned)
-    maps = fake_maps()
-    for op in diff(MapContents(), planned):
-        write_op(maps, op)
-    dumped = read_contents(maps, planned.cfg)
+    rig = PlanRig()
+    rig.sync(state)
+    dumped = rig.contents()
+    dumped.cfg = planned.cfg
     assert render_contents(dumped) == render_contents(planned)
-    assert diff(dumped, plan(state, NODE, Config(), dumped)) == []
+    rig.restart()
+    assert rig.sync(state).writes == 0
 
 
 def test_golden_case_count() -> None:
@@ -168,55 +169,61 @@ def test_cfg_entry() -> None:
 
 def test_ids_are_re_adopted_from_a_dump_whatever_the_order() -> None:
     """A restart with new services sorted before the old ones keeps every old id."""
-    old_state = states(svc("m", "10.96.0.5", ["10.244.1.2", "10.244.2.2"]))
-    first = plan(old_state, NODE, Config())
-    maps = fake_maps()
-    for op in diff(MapContents(), first):
-        write_op(maps, op)
-    dumped = read_contents(maps, first.cfg)
+    rig = PlanRig()
+    rig.sync(states(svc("m", "10.96.0.5", ["10.244.1.2", "10.244.2.2"])))
+    first = rig.contents()
+    rig.restart()
     new_state = states(
         svc("a", "10.96.0.4", ["10.244.1.9", "10.244.2.2"]),
         svc("m", "10.96.0.5", ["10.244.1.2", "10.244.2.2"]),
     )
-    second = plan(new_state, NODE, Config(), dumped)
+    result = rig.sync(new_state)
+    second = rig.contents()
     for role in ("fe", "slot", "be", "rnat"):
         for key, value in first.table(role).items():
             assert second.table(role)[key] == value
     # only the new service's entries are written; its shared backend 10.244.2.2 keeps its id
     assert backend_ids(second)["10.244.2.2"] == backend_ids(first)["10.244.2.2"]
-    written = {op.role: op for op in diff(dumped, second)}
-    assert set(written) == {"be", "rnat", "slot", "fe"}
-    assert len(written["be"].entries) == 1  # 10.244.1.9 only
+    assert result.updates == {"be": 1, "rnat": 1, "srcr": 0, "slot": 2, "fe": 2}
+    assert sum(result.deletes.values()) == 0
 
 
-def test_fresh_ids_never_reuse_a_previous_id_in_the_same_sync() -> None:
-    first = plan(states(svc("a", "10.96.0.5", ["10.244.1.2"])), NODE, Config())
-    second = plan(states(svc("b", "10.96.0.6", ["10.244.1.3"])), NODE, Config(), first)
+def test_fresh_ids_never_reuse_an_id_the_kernel_still_holds() -> None:
+    rig = PlanRig()
+    rig.sync(states(svc("a", "10.96.0.5", ["10.244.1.2"])))
+    first = rig.contents()
+    rig.sync(states(svc("b", "10.96.0.6", ["10.244.1.3"])))
+    second = rig.contents()
     assert {fe.set_id for fe in second.fe.values()}.isdisjoint({fe.set_id for fe in first.fe.values()})
     assert set(second.be).isdisjoint(set(first.be))
     assert set(second.rnat).isdisjoint(set(first.rnat))
 
 
-def test_fresh_ids_continue_above_the_high_water_mark() -> None:
+def test_fresh_ids_continue_above_the_last_one_handed_out() -> None:
     a, b, c = (
         svc("a", "10.96.0.5", ["10.244.1.2"]),
         svc("b", "10.96.0.6", ["10.244.1.3"]),
         svc("c", "10.96.0.7", ["10.244.1.4"]),
     )
-    first = plan(states(a, b), NODE, Config())
-    second = plan(states(a), NODE, Config(), first)  # b (set 2, backend 2, rnat 2) goes away
-    third = plan(states(a, c), NODE, Config(), second)
+    rig = PlanRig()
+    rig.sync(states(a, b))
+    rig.sync(states(a))  # b (set 2, backend 2, rnat 2) goes away
+    rig.sync(states(a, c))
+    third = rig.contents()
     assert sorted({fe.set_id for fe in third.fe.values()}) == [1, 3]
     assert sorted(k.id for k in third.be) == [1, 3]
 
 
 def test_ids_wrap_to_the_lowest_free_at_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plan_module, "REVNAT_ID_MAX", 3)
+    monkeypatch.setattr(planner_module, "REVNAT_ID_MAX", 3)
     a, b = svc("a", "10.96.0.5", ["10.244.1.2"]), svc("b", "10.96.0.6", ["10.244.1.3"])
-    first = plan(states(a, b), NODE, Config())  # rnat 1, 2
-    second = plan(states(b), NODE, Config(), first)  # rnat 2 stays
-    third = plan(states(b, svc("c", "10.96.0.7", ["10.244.1.4"])), NODE, Config(), second)  # 3
-    fourth = plan(states(svc("d", "10.96.0.8", []), b), NODE, Config(), third)  # c gone: 1 is free
+    rig = PlanRig()
+    rig.sync(states(a, b))  # rnat 1, 2
+    rig.sync(states(b))  # rnat 2 stays
+    rig.sync(states(b, svc("c", "10.96.0.7", ["10.244.1.4"])))  # 3
+    third = rig.contents()
+    rig.sync(states(svc("d", "10.96.0.8", []), b))  # c gone: 1 is free
+    fourth = rig.contents()
     assert sorted(k.id for k in third.rnat) == [2, 3]
     assert sorted(k.id for k in fourth.rnat) == [1, 2]
     with pytest.raises(PlanError):
@@ -224,13 +231,11 @@ def test_ids_wrap_to_the_lowest_free_at_the_limit(monkeypatch: pytest.MonkeyPatc
 
 
 def test_surviving_backends_keep_their_slots() -> None:
-    first = plan(states(svc("a", "10.96.0.5", ["10.244.1.2", "10.244.1.3", "10.244.1.4"])), NODE, Config())
-    second = plan(
-        states(svc("a", "10.96.0.5", ["10.244.1.3", "10.244.1.4", "10.244.1.5"])),
-        NODE,
-        Config(),
-        first,
-    )
+    rig = PlanRig()
+    rig.sync(states(svc("a", "10.96.0.5", ["10.244.1.2", "10.244.1.3", "10.244.1.4"])))
+    first = rig.contents()
+    rig.sync(states(svc("a", "10.96.0.5", ["10.244.1.3", "10.244.1.4", "10.244.1.5"])))
+    second = rig.contents()
     ids = backend_ids(second)
     # 10.244.1.2 left slot 1; the newcomer takes it, 10.244.1.3 and .4 stay in slots 2 and 3
     assert second.slot[SlotKey(set_id=1, slot=1)].backend_id == ids["10.244.1.5"]
@@ -240,26 +245,16 @@ def test_surviving_backends_keep_their_slots() -> None:
 
 def test_set_kind_change_gets_a_new_set() -> None:
     """Switching ITP to Local moves the ClusterIP to another set; the old one is not rewritten in place."""
-    cluster = plan(states(svc("a", "10.96.0.5", ["10.244.1.2", "10.244.2.2"])), NODE, Config())
-    local = plan(
-        states(svc("a", "10.96.0.5", ["10.244.1.2", "10.244.2.2"], extra="internalTrafficPolicy: Local")),
-        NODE,
-        Config(),
-        cluster,
+    rig = PlanRig()
+    rig.sync(states(svc("a", "10.96.0.5", ["10.244.1.2", "10.244.2.2"])))
+    cluster = rig.contents()
+    rig.sync(
+        states(svc("a", "10.96.0.5", ["10.244.1.2", "10.244.2.2"], extra="internalTrafficPolicy: Local"))
     )
+    local = rig.contents()
     key = fe_key("10.96.0.5", 80, Scope.INTERNAL)
     assert local.fe[key].set_id != cluster.fe[key].set_id
     assert local.fe[key].flags & FrontendFlag.LOCAL and local.fe[key].count == 1
-
-
-def test_read_contents_high_water_from_dump() -> None:
-    maps = fake_maps()
-    c = plan(
-        states(svc("a", "10.96.0.5", ["10.244.1.2"]), svc("b", "10.96.0.6", ["10.244.1.3"])), NODE, Config()
-    )
-    for op in diff(MapContents(), c):
-        write_op(maps, op)
-    assert read_contents(maps).high == c.high
 
 
 def test_dry_run_uses_node_context_for_nodeports(tmp_path: Path) -> None:

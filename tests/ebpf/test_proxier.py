@@ -12,19 +12,16 @@ import secrets
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import EbpfProxier
 from agent.ebpf.abi import MAPS, CtEntry, CtKey, FrontendKey, Scope, ip_be, port_be
-from agent.ebpf.delta import diff, write_op
 from agent.ebpf.maps import FakeMap, MapWriter
 from agent.ebpf.plan import MapContents, plan, read_contents
 from agent.ebpf.proxier import CFG_KEY, INSPECT_SECTIONS, remove_pins, render_live_maps
 from agent.ebpf.render import render_contents
-from agent.model import ProxyState
 from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
 
 STATE = state_from_yaml((GOLDEN / "loadbalancer-etp-local.yaml").read_text())
@@ -40,6 +37,8 @@ class FakeDatapath:
         self._maps = maps
         self.loads = 0
         self.closed = 0
+        self.pin_checks = 0
+        self.missing_pins: list[str] = []
 
     @property
     def maps(self) -> Mapping[str, MapWriter]:
@@ -50,6 +49,11 @@ class FakeDatapath:
 
     def prog_fd(self, name: str) -> int:
         return {"ekp_from_net": 100, "ekp_from_pod": 101}[name]
+
+    def repair_pins(self) -> list[str]:
+        self.pin_checks += 1
+        repaired, self.missing_pins = self.missing_pins, []
+        return repaired
 
     def close(self) -> None:
         self.closed += 1
@@ -124,24 +128,41 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     assert rig.events == ["reconcile full=True", "watch"]
     assert rig.sysctls == [("node1", "net/ipv4/ip_forward", "1")]
     # the same state again: nothing written, attachments only checked
-    p.sync(STATE, NODE)
-    assert p.last_ops == []
+    p.sync(STATE, NODE, frozenset())
+    assert p.last_flush.writes == 0
     assert rig.events[-1] == "reconcile full=False"
     assert rig.datapaths[0].loads == 1
     # a watcher that died is restarted, and every device checked
     rig.attachers[0].watching = False
-    p.sync(STATE, NODE)
+    p.sync(STATE, NODE, frozenset())
     assert rig.events[-2:] == ["watch", "reconcile full=False verify"]
 
 
-def test_later_syncs_write_deltas(rig: Rig) -> None:
+def test_later_syncs_write_what_changed(rig: Rig) -> None:
     p = rig.proxier()
     p.sync(STATE, NODE)
-    p.sync(MORE, NODE)
-    assert p.last_ops == ["update be x6", "update rnat x3", "update slot x6", "update fe x6"]
-    assert rig.contents().same_entries(plan(MORE, NODE, rig.config, plan(STATE, NODE, rig.config)))
+    added = frozenset(MORE.services) - frozenset(STATE.services)
+    p.sync(MORE, NODE, added)
+    assert p.last_flush.summary() == "update be x6, update rnat x3, update slot x6, update fe x6"
+    want = p.contents()
+    assert want is not None and rig.contents().same_entries(want)
+    p.sync(STATE, NODE, added)
+    assert p.last_flush.summary() == "delete fe x6, delete slot x6, delete be x6, delete rnat x3"
+
+
+def test_a_full_sync_repairs_what_changed_behind_our_back(rig: Rig) -> None:
+    p = rig.proxier()
     p.sync(STATE, NODE)
-    assert p.last_ops == ["delete fe x6", "delete slot x6", "delete rnat x3", "delete be x6"]
+    key, _ = rig.maps["fe"].items_raw()[0]
+    rig.maps["fe"].delete_raw([key])
+    p.sync(STATE, NODE, frozenset())  # a partial sync trusts what it wrote
+    assert p.last_flush.writes == 0 and rig.datapaths[0].pin_checks == 0
+    rig.datapaths[0].missing_pins = ["ekp_fe_v1"]
+    result = p.sync(STATE, NODE)  # the periodic full sync reads the maps back
+    assert result.full and result.repaired == 2  # the frontend, and the pin
+    assert p.last_flush.summary() == "update fe x1"
+    assert rig.datapaths[0].pin_checks == 1
+    assert p.sync(STATE, NODE).repaired == 0
 
 
 def test_restart_re_adopts_ids_and_writes_nothing(rig: Rig) -> None:
@@ -153,7 +174,7 @@ def test_restart_re_adopts_ids_and_writes_nothing(rig: Rig) -> None:
 
     second = rig.proxier()
     second.sync(MORE, NODE)
-    assert second.last_ops == []
+    assert second.last_flush.writes == 0
     assert render_contents(rig.contents()) == before
 
 
@@ -171,7 +192,7 @@ def test_restart_prunes_what_went_away_but_keeps_flows(rig: Rig) -> None:
 
     second = rig.proxier()  # kube-dns was deleted while the agent was down
     second.sync(STATE, NODE)
-    assert second.last_ops == ["delete fe x6", "delete slot x6", "delete rnat x3", "delete be x6"]
+    assert second.last_flush.summary() == "delete fe x6, delete slot x6, delete be x6, delete rnat x3"
     assert set(rig.contents().fe) == kept
     assert rig.maps["ct"].lookup(ct_key) is not None
 
@@ -183,25 +204,27 @@ def test_a_failed_write_is_recovered_from_the_maps(rig: Rig) -> None:
     class Boom(FakeMap):
         fail = False
 
-        def update_batch(self, entries: Sequence[tuple[Any, Any]]) -> None:
+        def update_raw(self, keys: Sequence[bytes], values: Sequence[bytes]) -> int:
             if Boom.fail:
                 Boom.fail = False
-                super().update_batch(list(entries)[:1])  # half of the batch went in
+                super().update_raw(keys[:1], values[:1])  # half of the batch went in
                 raise OSError(12, "ENOMEM")
-            super().update_batch(entries)
+            return super().update_raw(keys, values)
 
     boom = Boom(MAPS["slot"])
     boom.update_batch(rig.maps["slot"].items())
     Boom.fail = True
     rig.maps["slot"] = boom
     rig.datapaths[0]._maps = rig.maps
+    added = frozenset(MORE.services) - frozenset(STATE.services)
     with pytest.raises(OSError):
-        p.sync(MORE, NODE)
-    assert p.written is None
-    p.sync(MORE, NODE)  # dumps the maps again, writes what is missing
-    assert not diff(rig.contents(), plan(MORE, NODE, rig.config, rig.contents()))
-    p.sync(MORE, NODE)
-    assert p.last_ops == []
+        p.sync(MORE, NODE, added)
+    p.sync(MORE, NODE, frozenset())  # reads the maps back, writes what is missing
+    want = p.contents()
+    assert want is not None and rig.contents().same_entries(want)
+    assert p.last_flush.updates["fe"] == 6
+    p.sync(MORE, NODE, frozenset())
+    assert p.last_flush.writes == 0
 
 
 def test_cleanup_detaches_and_removes_only_our_pins(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -315,7 +338,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path) -> None:
     second = EbpfProxier(config)
     try:
         second.sync(MORE, node)
-        assert second.last_ops == []  # same ids, no churn
+        assert second.last_flush.writes == 0  # same ids, no churn
         assert render_contents(live(config)) == after_more
         second.sync(STATE, node)
         key = FrontendKey(addr=ip_be("10.96.0.10"), port=port_be(53), proto=17, scope=int(Scope.INTERNAL))
@@ -338,14 +361,6 @@ def test_cfg_key_is_the_array_index() -> None:
     assert isinstance(CFG_KEY, ctypes.c_uint32) and CFG_KEY.value == 0
 
 
-def states_differ(a: ProxyState, b: ProxyState) -> bool:
-    return set(a.services) != set(b.services)
-
-
 def test_fixtures_differ() -> None:
-    assert states_differ(STATE, MORE)
-    assert diff(MapContents(), plan(MORE, NODE, Config()))
-    maps = {role: FakeMap(MAPS[role]) for role in ("fe", "slot", "be", "rnat", "srcr")}
-    for op in diff(MapContents(), plan(MORE, NODE, Config())):
-        write_op(maps, op)
-    assert len(maps["fe"]) == 12
+    assert set(STATE.services) < set(MORE.services)
+    assert len(plan(MORE, NODE, Config()).fe) == 12

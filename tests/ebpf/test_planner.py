@@ -1,0 +1,209 @@
+"""The persistent planner: incremental re-plans, safe write order, full maps, repairs, restarts.
+
+Every flush here goes through `WatchedMap`s, which write one entry at a time and check after each
+that no frontend points at a missing slot or reverse-NAT entry and no slot at a missing backend:
+the order is proven on every test, not only on the ones about order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.config import Config
+from agent.ebpf.planner import Planner
+from agent.model import ProxyState
+from agent.model.types import ServicePortName
+from tests.ebpf.support import NODE, PlanRig, broken, proxy_states
+from tests.ebpf.test_plan import states, svc
+
+
+def many(n: int, endpoints: int = 2, first: int = 0) -> ProxyState:
+    docs = [
+        svc(
+            f"s{i:04d}",
+            f"10.96.{i // 250}.{i % 250 + 1}",
+            [f"10.244.1.{(i + e) % 250 + 1}" for e in range(endpoints)],
+        )
+        for i in range(first, first + n)
+    ]
+    return states(*docs)
+
+
+def changed_between(a: ProxyState, b: ProxyState) -> set[ServicePortName]:
+    return {
+        spn
+        for spn in set(a.services) | set(b.services)
+        if a.services.get(spn) != b.services.get(spn) or a.endpoints.get(spn) != b.endpoints.get(spn)
+    }
+
+
+def test_a_flush_writes_exactly_the_plan_and_then_nothing() -> None:
+    rig = PlanRig()
+    state = many(20)
+    result = rig.sync(state)
+    assert rig.planner.written == rig.planner.desired
+    assert {r: dict(v) for r, v in rig.dump().items()} == rig.planner.desired
+    assert result.failed == {}
+    assert rig.sync(state, changed=()).writes == 0
+    assert rig.sync(state).writes == 0, "a full re-plan of the same state changes nothing"
+
+
+def test_one_endpoint_change_re_plans_one_port_and_writes_a_handful_of_entries() -> None:
+    rig = PlanRig()
+    before = many(300)
+    rig.sync(before, watch=False)
+    spn = ServicePortName("default", "s0150", "", before.services[next(iter(before.services))].protocol)
+    doc = svc("s0150", "10.96.0.151", ["10.244.1.151", "10.244.1.152", "10.244.9.9"])
+    after = states(
+        *[
+            svc(
+                f"s{i:04d}",
+                f"10.96.{i // 250}.{i % 250 + 1}",
+                [f"10.244.1.{(i + e) % 250 + 1}" for e in range(2)],
+            )
+            for i in range(300)
+            if i != 150
+        ],
+        doc,
+    )
+    assert changed_between(before, after) == {spn}
+    result = rig.sync(after, changed={spn})
+    assert result.updates == {"be": 1, "rnat": 0, "srcr": 0, "slot": 1, "fe": 2}
+    assert sum(result.deletes.values()) == 0
+    assert rig.planner.written == rig.planner.desired
+
+
+def test_a_removed_service_is_unlinked_before_its_slots_and_backends_go() -> None:
+    rig = PlanRig()
+    rig.sync(
+        states(svc("a", "10.96.0.5", ["10.244.1.2", "10.244.1.3"]), svc("b", "10.96.0.6", ["10.244.1.3"]))
+    )
+    result = rig.sync(states(svc("b", "10.96.0.6", ["10.244.1.3"])))
+    # the shared backend 10.244.1.3 stays; a's frontends, slots, rev-NAT entry and own backend go
+    assert result.deletes == {"be": 1, "rnat": 1, "srcr": 0, "slot": 2, "fe": 2}
+    assert len(rig.contents().be) == 1
+
+
+def test_replacing_every_service_in_full_maps_reaches_the_new_state() -> None:
+    """Capacity never deadlocks: deletions that make room go first."""
+    sizes = {"fe": 40, "slot": 40, "be": 40, "rnat": 20}
+    rig = PlanRig(sizes=sizes)
+    assert rig.sync(many(20, endpoints=2)).failed == {}
+    assert len(rig.maps["fe"]) == 40 and len(rig.maps["slot"]) == 40
+    result = rig.sync(many(20, endpoints=2, first=100))
+    assert result.failed == {}
+    assert rig.planner.written == rig.planner.desired
+    assert (
+        sorted(k.set_id for k in rig.contents().slot)
+        == sorted(fe.set_id for fe in rig.contents().fe.values() if fe.count)
+        or len(rig.contents().slot) == 40
+    )
+
+
+def test_what_does_not_fit_is_reported_and_everything_else_programmed() -> None:
+    rig = PlanRig(sizes={"fe": 10})
+    result = rig.sync(many(8))
+    # 8 services x 2 frontends: 5 fit (in sorted order), 3 do not
+    assert sorted(str(s) for s in result.failed) == ["default/s0005", "default/s0006", "default/s0007"]
+    assert all("ekp_fe_v1 is full: raise --bpf-fe-max" in why for why in result.failed.values())
+    assert not broken(rig.contents())
+    programmed = {name.split(":")[0] for name in rig.planner.fe_names().values()}
+    assert len(rig.contents().fe) == 10
+    assert "default/s0004" in programmed
+    # room appears (two services deleted): the next sync programs the ones that failed
+    smaller = states(
+        *[
+            svc(
+                f"s{i:04d}",
+                f"10.96.{i // 250}.{i % 250 + 1}",
+                [f"10.244.1.{(i + e) % 250 + 1}" for e in range(2)],
+            )
+            for i in range(2, 7)
+        ]
+    )
+    again = rig.sync(smaller)
+    assert again.failed == {}
+    assert rig.planner.written == rig.planner.desired
+
+
+def test_resync_repairs_entries_changed_behind_our_back() -> None:
+    rig = PlanRig()
+    state = many(10)
+    rig.sync(state)
+    fe_key, _ = rig.maps["fe"].items_raw()[0]
+    rig.maps["fe"].delete_raw([fe_key])
+    be_key, be_val = rig.maps["be"].items_raw()[0]
+    rig.maps["be"].update_raw([be_key], [be_val[:-1] + b"\x07"])  # flags mangled
+    rig.maps["slot"].update_raw([b"\x63\x00\x00\x00\x01\x00\x00\x00"], [b"\x01\x00\x00\x00"])  # stray
+    repaired = rig.planner.reconcile(rig.dump())
+    assert repaired == 3
+    result = rig.sync(state, changed=())
+    assert result.updates["fe"] == 1 and result.updates["be"] == 1 and result.deletes["slot"] == 1
+    assert rig.planner.reconcile(rig.dump()) == 0
+
+
+def test_a_restart_re_adopts_everything_and_prunes_only_what_went_away() -> None:
+    rig = PlanRig()
+    rig.sync(many(30))
+    before = rig.contents()
+    rig.restart()
+    assert rig.sync(many(30)).writes == 0
+    assert rig.contents().same_entries(before)
+    rig.restart()
+    result = rig.sync(many(29))
+    assert result.deletes["fe"] == 2 and sum(result.updates.values()) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(proxy_states(), min_size=2, max_size=4), st.booleans(), st.booleans(), st.data())
+def test_any_sequence_of_states_incremental_or_full_with_restarts(
+    seq: list[ProxyState], masq: bool, restart: bool, data: st.DataObject
+) -> None:
+    """Incremental updates (only what changed) reach exactly what a fresh plan of the same state
+    holds, entry for entry up to ids; every single write keeps every service whole."""
+    rig = PlanRig(Config(masquerade_all=masq))
+    prev: ProxyState | None = None
+    for state in seq:
+        if restart and data.draw(st.booleans()):
+            rig.restart()
+            rig.sync(state)
+        elif prev is None or data.draw(st.booleans()):
+            rig.sync(state)
+        else:
+            rig.sync(state, changed=changed_between(prev, state))
+        prev = state
+        assert rig.planner.written == rig.planner.desired
+        fresh = Planner(rig.config)
+        fresh.update(state, NODE, None)
+        assert _shape(rig.planner) == _shape(fresh)
+        assert not broken(rig.contents())
+
+
+def _shape(p: Planner) -> dict[str, object]:
+    """Entries with ids replaced by what they stand for, so two plans compare across ids (and slot
+    positions, which keep a survivor in place and so depend on history)."""
+    be = {k[0]: v for k, v in p.desired["be"].items()}
+    sets: dict[int, list[tuple[Any, ...]]] = {}
+    for (set_id, _), (bid,) in p.desired["slot"].items():
+        sets.setdefault(set_id, []).append(be[bid])
+    rnat = {k[0]: v for k, v in p.desired["rnat"].items()}
+    fe = {
+        key: (sorted(sets.get(v[0], [])), v[1], v[2], v[3], rnat[v[4]]) for key, v in p.desired["fe"].items()
+    }
+    srcr = sorted((k[0], rnat[k[1]], k[2]) for k in p.desired["srcr"])
+    return {"fe": fe, "srcr": srcr, "be": sorted(be.values())}
+
+
+def test_the_shape_helper_sees_a_difference() -> None:
+    a = Planner(Config())
+    a.update(states(svc("a", "10.96.0.5", ["10.244.1.2"])), NODE, None)
+    b = Planner(Config())
+    b.update(states(svc("a", "10.96.0.5", ["10.244.1.3"])), NODE, None)
+    assert _shape(a) != _shape(b)
+    c = Planner(replace(Config(), masquerade_all=True))
+    c.update(states(svc("a", "10.96.0.5", ["10.244.1.2"])), NODE, None)
+    assert _shape(a) != _shape(c)
