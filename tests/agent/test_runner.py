@@ -38,7 +38,9 @@ def test_failure_retries() -> None:
         if fail[0]:
             raise RuntimeError("boom")
 
-    r = BoundedFrequencyRunner(fn, min_interval=0.5, max_interval=30.0, retry_interval=2.0, clock=clock)
+    r = BoundedFrequencyRunner(
+        fn, min_interval=0.5, max_interval=30.0, retry_interval=2.0, clock=clock, jitter=lambda: 1.0
+    )
     assert r.run_once() is False
     assert r.failures == 1
     assert r.next_run_at() == 102.0
@@ -46,3 +48,61 @@ def test_failure_retries() -> None:
     fail[0] = False
     assert r.run_once() is True
     assert r.next_run_at() == 132.0
+
+
+def test_failures_back_off_exponentially_up_to_the_sync_period_with_jitter() -> None:
+    clock = Clock()
+
+    def fn() -> None:
+        raise RuntimeError("api down")
+
+    jitters = iter([1.0, 1.0, 1.2, 0.8, 1.0, 1.0, 1.0])
+    r = BoundedFrequencyRunner(
+        fn, min_interval=0.0, max_interval=8.0, retry_interval=1.0, clock=clock, jitter=lambda: next(jitters)
+    )
+    delays = []
+    for _ in range(6):
+        r.run_once()
+        delays.append(round(r.next_run_at() - clock.now, 3))
+        clock.now = r.next_run_at()
+    assert delays == [1.0, 2.0, 4.8, 6.4, 8.0, 8.0]
+    assert r.failures == 6
+
+
+def test_success_resets_the_backoff_and_retry_soon_is_no_failure() -> None:
+    clock = Clock()
+    outcomes = iter(["fail", "fail", "partial", "ok"])
+    r: BoundedFrequencyRunner
+
+    def fn() -> None:
+        what = next(outcomes)
+        if what == "fail":
+            raise RuntimeError("boom")
+        if what == "partial":
+            r.retry_soon()
+
+    r = BoundedFrequencyRunner(
+        fn, min_interval=0.0, max_interval=30.0, retry_interval=1.0, clock=clock, jitter=lambda: 1.0
+    )
+    r.run_once()
+    r.run_once()
+    assert r.next_run_at() == clock.now + 2.0
+    assert r.run_once() is True, "a run that retries some ports succeeded"
+    assert r.failures == 2
+    assert r.next_run_at() == clock.now + 4.0, "its retry keeps backing off"
+    r.run_once()
+    assert r.next_run_at() == clock.now + 30.0, "all went through: only the periodic resync is next"
+
+
+def test_a_fatal_error_stops_the_loop_and_is_reported() -> None:
+    from agent.errors import FatalError
+
+    seen: list[str] = []
+
+    def fn() -> None:
+        raise FatalError("pin path is not on bpffs: mount one")
+
+    r = BoundedFrequencyRunner(fn, min_interval=0.0, max_interval=1.0, on_fatal=lambda e: seen.append(str(e)))
+    r.loop()  # returns: the fatal error stopped it
+    assert seen == ["pin path is not on bpffs: mount one"]
+    assert r.runs == 1 and r.failures == 0

@@ -1,0 +1,331 @@
+"""The long-running agent: one object owns the source, the model, the sync loop and the proxier.
+
+    source (file | API) --events--> Agent.deliver (any thread: enqueue, mark the health check
+                                    "update queued", wake the runner)
+    runner thread:  drain the queue into ProxyModel -> commit (changed service ports)
+                    -> proxier.sync(state, node, changed | None) -> health, metrics, events, log
+
+* **First-sync gate.** Nothing is synced, so nothing already programmed is pruned, until the source
+  has delivered a complete list of every kind it watches (`Synced` for each of `source.kinds`): a
+  restart whose API server is away, or whose first list fails, leaves the maps and rules alone.
+* **Incremental, with a periodic full sync.** A sync hands the proxier only the service ports that
+  changed (plus those that failed last time); every `sync_period` (and when the node's zone or
+  addresses change) it asks for a full sync, which also reads the kernel back and repairs it.
+* **Failures.** A sync that raises is retried by the runner with backoff; service ports the
+  proxier could not program are retried at the next sync and logged once each; an
+  `agent.errors.FatalError` stops the agent with exit status 1 and its message.
+* **Problems** (malformed objects, conflicts) are logged and counted once when they appear,
+  reported as Kubernetes Events through `events`, and logged again when they go away.
+
+Construction has no side effects; `start()` starts the source, the servers and the runner;
+`run()` also handles SIGTERM/SIGINT and returns the exit status. Stopping removes nothing: programs,
+maps and rules keep serving traffic while the agent is away.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Protocol
+
+from agent import metrics
+from agent.config import Config, NodeContext
+from agent.errors import FatalError
+from agent.model.problem import Problem, printable
+from agent.model.tracker import Commit, ProxyModel
+from agent.model.types import NodeInfo, ServicePortName
+from agent.proxier import Proxier, SyncResult
+from agent.runner import BoundedFrequencyRunner
+from agent.sources.base import Event, EventType, Kind, ObjectEvent, Source, Synced
+
+log = logging.getLogger("agent")
+
+
+class ProxierHealth(Protocol):
+    """kube-proxy's proxier health (agent.health): /healthz and /livez follow it."""
+
+    def queued_update(self) -> None: ...
+
+    def updated(self) -> None: ...
+
+    def sync_node(self, node: Mapping[str, Any] | None) -> None: ...
+
+
+class ServiceHealth(Protocol):
+    """kube-proxy's healthCheckNodePort servers (agent.health)."""
+
+    def sync_services(self, ports: Mapping[str, int]) -> None: ...
+
+    def sync_endpoints(self, local: Mapping[str, int]) -> None: ...
+
+
+class EventSink(Protocol):
+    """Kubernetes Events for problems (agent.kube.events), or nothing (the file source)."""
+
+    def warn(self, problem: Problem, uid: str | None = None) -> None: ...
+
+
+class Service(Protocol):
+    """A server or helper the agent starts and stops with itself (health, metrics, events)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class _NoEvents:
+    def warn(self, problem: Problem, uid: str | None = None) -> None:
+        return None
+
+
+@dataclass
+class Parts:
+    """What an Agent is made of; the app wires real ones, tests pass fakes."""
+
+    source: Source
+    proxier: Proxier
+    node_context: Callable[[], NodeContext]  # the node's addresses (re-read at full syncs)
+    health: ProxierHealth | None = None
+    service_health: ServiceHealth | None = None
+    events: EventSink = field(default_factory=_NoEvents)
+    services: Sequence[Service] = ()  # started before the source, stopped after it
+    close: Callable[[], None] | None = None  # release the proxier's resources on stop
+
+
+class Agent:
+    def __init__(
+        self,
+        config: Config,
+        parts: Parts,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self._parts = parts
+        self._clock = clock
+        self._wall = wall
+        self._model = ProxyModel(NodeInfo(config.hostname))
+        self._lock = threading.Lock()
+        self._queue: list[Event] = []
+        self._synced: set[Kind] = set()
+        self._version = ""
+        self._waiting_logged = False
+        self._node: NodeContext | None = None
+        self._last_full = float("-inf")
+        self._retry: dict[ServicePortName, str] = {}
+        self._hc_ports: dict[str, int] = {}
+        self._local_ready: dict[str, int] = {}
+        self._stopped = threading.Event()
+        self.exit_code = 0
+        self.syncs = 0
+        self.last_result: SyncResult | None = None
+        self._runner = BoundedFrequencyRunner(
+            self.sync_once,
+            min_interval=config.min_sync_period_s,
+            max_interval=config.sync_period_s,
+            clock=clock,
+            on_fatal=self._fatal,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def runner(self) -> BoundedFrequencyRunner:
+        return self._runner
+
+    @property
+    def model(self) -> ProxyModel:
+        return self._model
+
+    def start(self) -> None:
+        for svc in self._parts.services:
+            svc.start()
+        self._parts.source.start(self.deliver)
+        self._runner.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+    def shutdown(self) -> None:
+        """Stop everything this agent started; nothing programmed is removed."""
+        self._runner.stop()
+        self._parts.source.stop()
+        for svc in reversed(self._parts.services):
+            svc.stop()
+        if self._parts.close is not None:
+            self._parts.close()
+
+    def run(self) -> int:
+        """start(), serve until SIGTERM/SIGINT or a fatal error, shutdown(); the exit status."""
+        agent_pid = os.getpid()
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            if os.getpid() != agent_pid:
+                os._exit(0)  # a forked helper (pyroute2's netns worker) inherited this handler
+            log.info(
+                "received %s: stopping (programs, maps and rules stay in place)", signal.Signals(signum).name
+            )
+            self.stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        try:
+            self.start()
+            while not self._stopped.wait(1.0):
+                pass
+        finally:
+            self.shutdown()
+        return self.exit_code
+
+    def _fatal(self, exc: FatalError) -> None:
+        log.error("%s", exc)
+        self.exit_code = 1
+        self.stop()
+
+    # ------------------------------------------------------------------ input (any thread)
+
+    def deliver(self, events: Sequence[Event]) -> None:
+        """The source's sink: enqueue, and ask for a sync."""
+        if not events:
+            return
+        with self._lock:
+            self._queue.extend(events)
+        if self._parts.health is not None:
+            self._parts.health.queued_update()
+        self._runner.request()
+
+    # ------------------------------------------------------------------ the sync (runner thread)
+
+    def sync_once(self) -> None:
+        with self._lock:
+            events, self._queue = self._queue, []
+        for event in events:
+            self._apply(event)
+        missing = self._parts.source.kinds - self._synced
+        if missing:
+            if not self._waiting_logged:
+                log.info(
+                    "waiting for the first complete list of %s before programming anything "
+                    "(what is programmed stays as it is)",
+                    ", ".join(sorted(missing)),
+                )
+                self._waiting_logged = True
+            return
+        start = self._clock()
+        commit = self._model.commit()
+        self._report(commit)
+        full = commit.changed is None or start - self._last_full >= self._config.sync_period_s
+        if full or self._node is None:
+            node = self._parts.node_context()
+            if node != self._node and self._node is not None:
+                log.info("node addresses changed: %s", ",".join(node.node_ips) or "none")
+            self._node = node
+        changed: frozenset[ServicePortName] | None = None
+        if not full:
+            changed = (commit.changed or frozenset()) | frozenset(self._retry)
+        result = self._parts.proxier.sync(self._model.state, self._node, changed)
+        self.last_result = result
+        self.syncs += 1
+        elapsed = self._clock() - start
+        if full:
+            self._last_full = start
+        self._after_sync(commit, result, elapsed, full)
+
+    def _apply(self, event: Event) -> None:
+        if isinstance(event, Synced):
+            self._synced.add(event.kind)
+            if event.version:
+                self._version = event.version
+            return
+        assert isinstance(event, ObjectEvent)
+        obj = None if event.type is EventType.DELETED else event.obj
+        if event.kind is Kind.SERVICE:
+            self._model.set_service(event.key, obj)
+        elif event.kind is Kind.ENDPOINT_SLICE:
+            self._model.set_slice(event.key, obj)
+        elif event.kind is Kind.NODE:
+            self._model.set_node(NodeInfo(self._config.hostname, _labels(obj)))
+            if self._parts.health is not None:
+                self._parts.health.sync_node(obj)
+
+    def _report(self, commit: Commit) -> None:
+        for problem in commit.problems_cleared:
+            log.info("resolved: %s", problem)
+        for problem in commit.problems_added:
+            log.error("skipping %s (every other object is still programmed)", problem)
+            metrics.SKIPPED_OBJECTS.labels(kind=problem.kind).inc()
+            self._parts.events.warn(problem)
+        if commit.problems_added or commit.problems_cleared:
+            metrics.INVALID_OBJECTS.set(len(self._model.problems()))
+
+    def _after_sync(self, commit: Commit, result: SyncResult, elapsed: float, full: bool) -> None:
+        for spn, why in result.failed.items():
+            if self._retry.get(spn) != why:
+                log.error("could not program %s: %s (retried; every other service is programmed)", spn, why)
+        for spn in self._retry.keys() - result.failed.keys():
+            log.info("programmed %s after all", spn)
+        self._retry = dict(result.failed)
+        if result.failed:
+            self._runner.retry_soon()
+        if result.repaired:
+            log.warning(
+                "full sync repaired %d difference(s) between the kernel and the desired state "
+                "(changed behind the agent's back)",
+                result.repaired,
+            )
+        if self._parts.health is not None:
+            self._parts.health.updated()
+        self._sync_service_health(commit)
+        metrics.SYNC_SECONDS.observe(elapsed)
+        now = self._wall()
+        for when in commit.trigger_times:
+            metrics.observe_network_programming(max(0.0, now - when))
+        changed = "all" if commit.changed is None else str(len(commit.changed))
+        log.info(
+            "sync done: version=%s, %s sync, %s service port(s) changed, %d in all, %.1f ms",
+            printable(self._version),
+            "full" if full else "partial",
+            changed,
+            len(self._model.state.services),
+            elapsed * 1000,
+        )
+
+    def _sync_service_health(self, commit: Commit) -> None:
+        """healthCheckNodePort servers: pass on only what changed among services that have one."""
+        svc_health = self._parts.service_health
+        if svc_health is None:
+            return
+        ports_changed = endpoints_changed = False
+        for key, port in commit.health_check_ports.items():
+            if self._hc_ports.get(key, 0) != port:
+                ports_changed = True
+                if port:
+                    self._hc_ports[key] = port
+                else:
+                    self._hc_ports.pop(key, None)
+                    self._local_ready.pop(key, None)
+            if port and self._local_ready.get(key) != commit.local_endpoints.get(key, 0):
+                self._local_ready[key] = commit.local_endpoints.get(key, 0)
+                endpoints_changed = True
+        if ports_changed:
+            svc_health.sync_services(dict(self._hc_ports))
+        if ports_changed or endpoints_changed:
+            svc_health.sync_endpoints(dict(self._local_ready))
+
+
+def _labels(obj: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
+    meta = obj.get("metadata") if obj is not None else None
+    labels = meta.get("labels") if isinstance(meta, Mapping) else None
+    if not isinstance(labels, Mapping):
+        return ()
+    return tuple(sorted((str(k), str(v)) for k, v in labels.items() if isinstance(v, str)))

@@ -1,0 +1,256 @@
+"""The Agent: first-sync gate, incremental syncs, periodic full syncs, retries, problems, health."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from agent.config import Config, NodeContext
+from agent.daemon import Agent, Parts
+from agent.errors import FatalError
+from agent.model.problem import Problem
+from agent.model.types import ProxyState, ServicePortName
+from agent.proxier import SyncResult
+from agent.sources.base import Event, EventType, Kind, ObjectEvent, Sink, Synced, object_key
+from tests.model.test_state import endpoint, service, slice_
+
+NODE = NodeContext(("192.168.0.11",), "192.168.0.11")
+
+
+@pytest.fixture(autouse=True)
+def _info_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeSource:
+    kinds = frozenset({Kind.SERVICE, Kind.ENDPOINT_SLICE})
+
+    def __init__(self) -> None:
+        self.sink: Sink | None = None
+
+    def start(self, sink: Sink) -> None:
+        self.sink = sink
+
+    def stop(self) -> None:
+        self.sink = None
+
+
+class FakeProxier:
+    def __init__(self) -> None:
+        self.calls: list[frozenset[ServicePortName] | None] = []
+        self.fail: dict[ServicePortName, str] = {}
+        self.raise_: BaseException | None = None
+
+    def sync(
+        self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
+    ) -> SyncResult:
+        if self.raise_ is not None:
+            raise self.raise_
+        self.calls.append(changed)
+        return SyncResult(full=changed is None, failed=dict(self.fail))
+
+    def cleanup(self) -> None:
+        pass
+
+
+class FakeHealth:
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.services: list[dict[str, int]] = []
+        self.endpoints: list[dict[str, int]] = []
+
+    def queued_update(self) -> None:
+        self.log.append("queued")
+
+    def updated(self) -> None:
+        self.log.append("updated")
+
+    def sync_node(self, node: Mapping[str, Any] | None) -> None:
+        self.log.append(f"node {None if node is None else node['metadata']['name']}")
+
+    def sync_services(self, ports: Mapping[str, int]) -> None:
+        self.services.append(dict(ports))
+
+    def sync_endpoints(self, local: Mapping[str, int]) -> None:
+        self.endpoints.append(dict(local))
+
+
+class FakeEvents:
+    def __init__(self) -> None:
+        self.warned: list[Problem] = []
+
+    def warn(self, problem: Problem, uid: str | None = None) -> None:
+        self.warned.append(problem)
+
+
+class Rig:
+    def __init__(self, sync_period: float = 30.0) -> None:
+        self.clock = Clock()
+        self.source = FakeSource()
+        self.proxier = FakeProxier()
+        self.health = FakeHealth()
+        self.events = FakeEvents()
+        config = Config(hostname="node1", sync_period_s=sync_period, min_sync_period_s=0.0)
+        self.agent = Agent(
+            config,
+            Parts(
+                source=self.source,
+                proxier=self.proxier,
+                node_context=lambda: NODE,
+                health=self.health,
+                service_health=self.health,
+                events=self.events,
+            ),
+            clock=self.clock,
+            wall=lambda: 2000.0,
+        )
+
+    def send(self, *objs: dict[str, Any], deleted: bool = False, synced: str = "") -> None:
+        events: list[Event] = []
+        for obj in objs:
+            kind = Kind(obj["kind"])
+            etype = EventType.DELETED if deleted else EventType.MODIFIED
+            events.append(ObjectEvent(kind, etype, object_key(kind, obj), obj))
+        if synced:
+            events += [Synced(Kind.SERVICE, synced), Synced(Kind.ENDPOINT_SLICE, synced)]
+        self.agent.deliver(events)
+
+    def sync(self) -> bool:
+        return self.agent.runner.run_once()
+
+
+def spn(name: str) -> ServicePortName:
+    from agent.model.types import Protocol
+
+    return ServicePortName("default", name, "http", Protocol.TCP)
+
+
+def test_nothing_is_synced_before_every_kind_was_listed() -> None:
+    rig = Rig()
+    rig.send(service("web"), slice_("web-1", endpoints=[endpoint("10.244.1.2")]))
+    rig.agent.deliver([Synced(Kind.SERVICE, "v1")])
+    rig.sync()
+    assert rig.proxier.calls == [], "the EndpointSlices were not listed yet: nothing may be pruned"
+    rig.agent.deliver([Synced(Kind.ENDPOINT_SLICE, "v1")])
+    rig.sync()
+    assert rig.proxier.calls == [None], "the first sync is a full one"
+    assert set(rig.agent.model.state.services) == {spn("web")}
+
+
+def test_later_syncs_hand_over_only_what_changed_and_the_period_brings_a_full_one() -> None:
+    rig = Rig(sync_period=30.0)
+    rig.send(service("web"), service("api", clusterIP="10.96.0.11"), synced="v1")
+    rig.sync()
+    rig.clock.now += 1
+    rig.send(slice_("web-1", endpoints=[endpoint("10.244.1.2")]))
+    rig.sync()
+    assert rig.proxier.calls[-1] == frozenset({spn("web")})
+    rig.clock.now += 1
+    rig.sync()
+    assert rig.proxier.calls[-1] == frozenset(), "nothing changed: nothing handed over"
+    rig.clock.now += 30
+    rig.sync()
+    assert rig.proxier.calls[-1] is None, "every sync period: a full sync that repairs the kernel"
+
+
+def test_service_ports_that_failed_are_retried_until_they_go_through(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rig = Rig()
+    rig.send(service("web"), service("api", clusterIP="10.96.0.11"), synced="v1")
+    rig.proxier.fail = {spn("api"): "BPF map ekp_fe_v1 is full: raise --bpf-fe-max"}
+    rig.sync()
+    assert rig.agent.runner.next_run_at() <= rig.clock.now + 1.2, "a retry within a second or so"
+    rig.sync()
+    assert rig.proxier.calls[-1] == frozenset({spn("api")})
+    assert caplog.text.count("could not program default/api:http") == 1, "logged once, not per retry"
+    rig.proxier.fail = {}
+    rig.sync()
+    assert "programmed default/api:http after all" in caplog.text
+    rig.sync()
+    assert rig.proxier.calls[-1] == frozenset()
+
+
+def test_a_malformed_object_is_reported_once_as_log_metric_and_event(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from agent import metrics
+
+    before = metrics.SKIPPED_OBJECTS.labels(kind="Service")._value.get()
+    rig = Rig()
+    rig.send(service("web"), service("bad", clusterIP="10.96.0.300"), synced="v1")
+    rig.sync()
+    rig.send(service("bad", clusterIP="10.96.0.301"))
+    rig.sync()
+    assert [p.ref for p in rig.events.warned] == ["Service default/bad", "Service default/bad"]
+    assert metrics.SKIPPED_OBJECTS.labels(kind="Service")._value.get() == before + 2
+    rig.send(service("bad", clusterIP="10.96.0.31"))
+    rig.sync()
+    assert "resolved: Service default/bad" in caplog.text
+    assert set(rig.agent.model.state.services) == {spn("web"), spn("bad")}
+
+
+def test_health_hears_of_queued_and_applied_updates_and_of_health_check_ports() -> None:
+    rig = Rig()
+    lb = service(
+        "lb",
+        type="LoadBalancer",
+        externalTrafficPolicy="Local",
+        healthCheckNodePort=31000,
+        ports=[{"name": "http", "port": 80, "nodePort": 30080}],
+    )
+    rig.send(lb, service("web", clusterIP="10.96.0.11"), synced="v1")
+    assert rig.health.log == ["queued"]
+    rig.sync()
+    assert rig.health.log == ["queued", "updated"]
+    assert rig.health.services == [{"default/lb": 31000}]
+    assert rig.health.endpoints == [{"default/lb": 0}]
+    rig.send(slice_("lb-1", svc="lb", endpoints=[endpoint("10.244.1.2", node="node1")]))
+    rig.sync()
+    assert rig.health.services == [{"default/lb": 31000}], "ports unchanged: not passed again"
+    assert rig.health.endpoints[-1] == {"default/lb": 1}
+    rig.send(slice_("web-1", svc="web", endpoints=[endpoint("10.244.1.3", node="node1")]))
+    rig.sync()
+    assert len(rig.health.endpoints) == 2, "a service without a health check port changes nothing"
+    rig.send(lb, deleted=True)
+    rig.sync()
+    assert rig.health.services[-1] == {}
+
+
+def test_the_node_object_feeds_the_zone_and_the_health_check() -> None:
+    rig = Rig()
+    rig.send(service("web"), synced="v1")
+    rig.sync()
+    node = {"kind": "Node", "metadata": {"name": "node1", "labels": {"topology.kubernetes.io/zone": "b"}}}
+    rig.agent.deliver([ObjectEvent(Kind.NODE, EventType.ADDED, "node1", node)])
+    rig.sync()
+    assert rig.agent.model.node.zone == "b"
+    assert rig.proxier.calls[-1] is None, "a zone change re-evaluates every topology hint"
+    assert "node node1" in rig.health.log
+
+
+def test_a_fatal_error_stops_the_agent_with_status_1(caplog: pytest.LogCaptureFixture) -> None:
+    rig = Rig()
+    rig.send(service("web"), synced="v1")
+    rig.proxier.raise_ = FatalError("--bpf-pin-path /tmp/x is not on a bpf filesystem: mount one")
+    rig.sync()
+    assert rig.agent.exit_code == 1 and rig.agent.wait(0)
+    assert "not on a bpf filesystem" in caplog.text
+
+
+def test_sync_done_line_names_the_source_version(caplog: pytest.LogCaptureFixture) -> None:
+    rig = Rig()
+    rig.send(service("web"), synced="abc123")
+    rig.sync()
+    assert "sync done: version=abc123, full sync" in caplog.text
