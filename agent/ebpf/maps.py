@@ -3,8 +3,8 @@
 `BpfMap` wraps one map file descriptor (usually opened from its pin with `BpfMap.open_pinned`)
 and speaks in the ctypes types of `agent.ebpf.abi`: keys and values go in and come out as
 `FrontendKey`, `CtEntry`, ... instances, checked against the map's `MapSpec`. The calls go
-through libbcc (`bpf_lookup_elem`, `bpf_update_elem`, `bpf_get_next_key`, `bpf_delete_elem`,
-`bpf_update_batch`, `bpf_delete_batch`, `bpf_lookup_batch`); batch calls fall back to loops on
+through the bpf(2) system call (`agent.ebpf.bpfsys`: lookup, update, delete, get_next_key and the
+batch commands), never through libbcc, so the agent needs no compiler; batch calls fall back to loops on
 map types without batch support (the LPM trie). Per-CPU maps (the stats map) are summed
 across CPUs on lookup.
 
@@ -13,7 +13,7 @@ Errors become `MapError` (an OSError with the map's name in the message); a full
 
 `MapWriter` is the protocol the control plane programs against; `FakeMap` is its dict-backed
 twin for unit tests (same flags semantics, same size limit, same exceptions), so planners and
-backends are tested without root. libbcc is loaded lazily: importing this module needs no bcc.
+backends are tested without root. Nothing here imports bcc.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol, TypeAlias
 
+from agent.ebpf import bpfsys
 from agent.ebpf.abi import MapSpec, Stat
 
 CData: TypeAlias = ct.Structure | ct.c_uint32 | ct.c_uint64
@@ -203,31 +204,9 @@ class MapInfo:
     name: str
 
 
-_lib_cache: list[Any] = []
-
-
-def libbcc() -> Any:
-    """libbcc through bcc's own ctypes handle, with the prototypes bcc 0.26 leaves out."""
-    if not _lib_cache:
-        from bcc import libbcc as bcc_lib  # lazy: unit tests run without bcc
-
-        lib = bcc_lib.lib
-        # bpf_obj_get comes from libbpf, reached through libbcc's handle (dlsym searches deps).
-        lib.bpf_obj_get.restype = ct.c_int
-        lib.bpf_obj_get.argtypes = [ct.c_char_p]
-        lib.bpf_obj_pin.restype = ct.c_int
-        lib.bpf_obj_pin.argtypes = [ct.c_int, ct.c_char_p]
-        lib.bpf_obj_get_info.restype = ct.c_int
-        lib.bpf_obj_get_info.argtypes = [ct.c_int, ct.c_void_p, ct.POINTER(ct.c_uint32)]
-        _lib_cache.append(lib)
-    return _lib_cache[0]
-
-
 def _errno_of(ret: int) -> int:
-    """libbpf 1.x returns -errno and also sets errno; take whichever is informative."""
-    if ret < -1:
-        return -ret
-    return ct.get_errno() or errno.EIO
+    """bpfsys returns -errno."""
+    return -ret if ret < 0 else errno.EIO
 
 
 def possible_cpus() -> int:
@@ -243,8 +222,7 @@ def possible_cpus() -> int:
 
 def map_info(fd: int) -> MapInfo:
     info = _BpfMapInfo()
-    size = ct.c_uint32(ct.sizeof(info))
-    ret = libbcc().bpf_obj_get_info(fd, ct.byref(info), ct.byref(size))
+    ret = bpfsys.obj_get_info_by_fd(fd, info)
     if ret < 0:
         err = _errno_of(ret)
         raise OSError(err, f"bpf_obj_get_info(fd {fd}): {os.strerror(err)}")
@@ -261,7 +239,7 @@ def map_info(fd: int) -> MapInfo:
 
 def obj_get(path: str) -> int:
     """Opens a pinned BPF object; returns its fd."""
-    fd: int = libbcc().bpf_obj_get(os.fsencode(path))
+    fd = bpfsys.obj_get(path)
     if fd < 0:
         err = _errno_of(fd)
         raise OSError(err, f"bpf_obj_get({path}): {os.strerror(err)}", path)
@@ -270,7 +248,7 @@ def obj_get(path: str) -> int:
 
 def obj_pin(fd: int, path: str) -> None:
     """Pins the BPF object behind `fd` at `path` (which must not exist)."""
-    ret: int = libbcc().bpf_obj_pin(fd, os.fsencode(path))
+    ret = bpfsys.obj_pin(fd, path)
     if ret < 0:
         err = _errno_of(ret)
         raise OSError(err, f"bpf_obj_pin({path}): {os.strerror(err)}", path)
@@ -347,7 +325,7 @@ class BpfMap:
     def lookup(self, key: CData) -> CData | None:
         _check_type(self.spec, "key", key, self.spec.key)
         buf = self._value_buf()
-        ret = libbcc().bpf_lookup_elem(self.fd, ct.byref(key), buf)
+        ret = bpfsys.map_lookup_elem(self.fd, key, buf)
         if ret < 0:
             err = _errno_of(ret)
             if err == errno.ENOENT:
@@ -359,7 +337,7 @@ class BpfMap:
         """Per-CPU maps: one value per possible CPU."""
         _check_type(self.spec, "key", key, self.spec.key)
         buf = self._value_buf()
-        ret = libbcc().bpf_lookup_elem(self.fd, ct.byref(key), buf)
+        ret = bpfsys.map_lookup_elem(self.fd, key, buf)
         if ret < 0:
             raise self._error("lookup", _errno_of(ret))
         stride = self._value_stride()
@@ -372,14 +350,14 @@ class BpfMap:
         _check_type(self.spec, "key", key, self.spec.key)
         _check_type(self.spec, "value", value, self.spec.value)
         raw = ct.create_string_buffer(self._encode_value(value))
-        ret = libbcc().bpf_update_elem(self.fd, ct.byref(key), raw, int(flags))
+        ret = bpfsys.map_update_elem(self.fd, key, raw, int(flags))
         if ret < 0:
             raise self._error("update", _errno_of(ret))
 
     def delete(self, key: CData) -> bool:
         """Deletes one entry; False when it was not there."""
         _check_type(self.spec, "key", key, self.spec.key)
-        ret = libbcc().bpf_delete_elem(self.fd, ct.byref(key))
+        ret = bpfsys.map_delete_elem(self.fd, key)
         if ret < 0:
             err = _errno_of(ret)
             if err == errno.ENOENT:
@@ -391,13 +369,12 @@ class BpfMap:
 
     def keys(self) -> list[CData]:
         """Every key, by bpf_get_next_key (a key deleted meanwhile restarts the walk: deduplicated)."""
-        lib = libbcc()
         seen: dict[bytes, CData] = {}
         cur: CData | None = None
         nxt = self.spec.key()
         limit = 2 * self.info().max_entries + 16
         for _ in range(limit):
-            ret = lib.bpf_get_next_key(self.fd, None if cur is None else ct.byref(cur), ct.byref(nxt))
+            ret = bpfsys.map_get_next_key(self.fd, cur, nxt)
             if ret < 0:
                 err = _errno_of(ret)
                 if err == errno.ENOENT:
@@ -431,14 +408,13 @@ class BpfMap:
         out = []
         for key in self.keys():
             buf = self._value_buf()
-            ret = libbcc().bpf_lookup_elem(self.fd, ct.byref(key), buf)
+            ret = bpfsys.map_lookup_elem(self.fd, key, buf)
             if ret >= 0:
                 out.append((bytes(key), buf.raw[: ct.sizeof(self.spec.value)]))
         return out
 
     def _items_batch(self) -> list[tuple[bytes, bytes]] | None:
         """bpf_lookup_batch in chunks; None when the kernel has no batch support for this map."""
-        lib = libbcc()
         ksize, vsize = ct.sizeof(self.spec.key), ct.sizeof(self.spec.value)
         chunk = 4096
         out: list[tuple[bytes, bytes]] = []
@@ -448,8 +424,8 @@ class BpfMap:
         values = ct.create_string_buffer(vsize * chunk)
         while True:
             count = ct.c_uint32(chunk)
-            start = None if first else ct.byref(in_batch)
-            ret = lib.bpf_lookup_batch(self.fd, start, ct.byref(out_batch), keys, values, ct.byref(count))
+            start = None if first else in_batch
+            ret = bpfsys.map_lookup_batch(self.fd, start, out_batch, keys, values, count)
             err = _errno_of(ret) if ret < 0 else 0
             if err in (errno.EINVAL, ENOTSUPP, errno.EOPNOTSUPP) and first:
                 return None
@@ -484,7 +460,7 @@ class BpfMap:
         keys = ct.create_string_buffer(b"".join(bytes(k) for k, _ in entries))
         values = ct.create_string_buffer(b"".join(bytes(v) for _, v in entries))
         count = ct.c_uint32(len(entries))
-        ret = libbcc().bpf_update_batch(self.fd, keys, values, ct.byref(count))
+        ret = bpfsys.map_update_batch(self.fd, keys, values, count)
         if ret < 0:
             err = _errno_of(ret)
             if err in (errno.EINVAL, ENOTSUPP, errno.EOPNOTSUPP) and count.value == 0:
@@ -500,12 +476,11 @@ class BpfMap:
         if self.spec.kind not in _BATCH_KINDS - _ARRAY_KINDS:
             return sum(self.delete(key) for key in keys)
         deleted, start = 0, 0
-        lib = libbcc()
         while start < len(keys):
             rest = keys[start:]
             buf = ct.create_string_buffer(b"".join(bytes(k) for k in rest))
             count = ct.c_uint32(len(rest))
-            ret = lib.bpf_delete_batch(self.fd, buf, ct.byref(count))
+            ret = bpfsys.map_delete_batch(self.fd, buf, count)
             done = count.value
             deleted += done
             if ret >= 0:
@@ -529,12 +504,11 @@ class BpfMap:
             raise ValueError("update_raw: as many keys as values")
         if self.percpu:
             raise TypeError(f"{self.spec.name}: update_raw of a per-CPU map")
-        lib = libbcc()
         if self.spec.kind in _BATCH_KINDS:
             kbuf = ct.create_string_buffer(b"".join(keys))
             vbuf = ct.create_string_buffer(b"".join(values))
             count = ct.c_uint32(len(keys))
-            ret = lib.bpf_update_batch(self.fd, kbuf, vbuf, ct.byref(count))
+            ret = bpfsys.map_update_batch(self.fd, kbuf, vbuf, count)
             if ret >= 0:
                 return len(keys)
             err = _errno_of(ret)
@@ -543,7 +517,7 @@ class BpfMap:
             if not (err in (errno.EINVAL, ENOTSUPP, errno.EOPNOTSUPP) and count.value == 0):
                 raise self._error(f"update_batch (entry {count.value} of {len(keys)})", err)
         for i, (kb, vb) in enumerate(zip(keys, values, strict=True)):
-            ret = lib.bpf_update_elem(self.fd, ct.create_string_buffer(kb), ct.create_string_buffer(vb), 0)
+            ret = bpfsys.map_update_elem(self.fd, ct.create_string_buffer(kb), ct.create_string_buffer(vb), 0)
             if ret < 0:
                 err = _errno_of(ret)
                 if _full_error(err):

@@ -216,11 +216,10 @@ def bpftool(*argv: str) -> object:
 
 
 def prog_id(fd: int) -> int:
-    from agent.ebpf.maps import libbcc
+    from agent.ebpf import bpfsys
 
     info = (ctypes.c_uint32 * 64)()  # struct bpf_prog_info: type, id, ...
-    size = ctypes.c_uint32(ctypes.sizeof(info))
-    assert libbcc().bpf_obj_get_info(fd, info, ctypes.byref(size)) == 0
+    assert bpfsys.obj_get_info_by_fd(fd, info) == 0
     return int(info[1])
 
 

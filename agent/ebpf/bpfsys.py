@@ -1,0 +1,119 @@
+"""The bpf(2) system call through libc, for what the agent does with maps and pinned objects.
+
+The long-running agent never compiles (a short-lived child does, `agent.ebpf.compile`), so it must
+not need libbcc either: loading libbcc maps LLVM into the process, tens of MiB of resident memory
+for nothing. These few commands are all the agent uses, each a thin wrapper over one `bpf()` call
+with its `union bpf_attr` member packed by hand (layouts from include/uapi/linux/bpf.h; the kernel
+accepts an attr shorter than its own union as long as unknown tail bytes are zero).
+
+The functions mirror libbpf's low-level API (`bpf_map_lookup_elem`, `bpf_map_update_batch`, ...):
+they return 0 (or an fd) on success and `-errno` on failure, so callers translate errors in one
+place (agent.ebpf.maps).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import struct
+from typing import Any
+
+# enum bpf_cmd
+MAP_LOOKUP_ELEM = 1
+MAP_UPDATE_ELEM = 2
+MAP_DELETE_ELEM = 3
+MAP_GET_NEXT_KEY = 4
+OBJ_PIN = 6
+OBJ_GET = 7
+OBJ_GET_INFO_BY_FD = 15
+MAP_LOOKUP_BATCH = 24
+MAP_UPDATE_BATCH = 26
+MAP_DELETE_BATCH = 27
+
+_SYSCALL_NR = {"x86_64": 321, "aarch64": 280}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+# struct { __u32 map_fd; __u32 pad; __aligned_u64 key; __aligned_u64 value/next_key; __u64 flags; }
+_ELEM = struct.Struct("=IIQQQ")
+# struct { __aligned_u64 in_batch, out_batch, keys, values; __u32 count, map_fd; __u64 elem_flags, flags; }
+_BATCH = struct.Struct("=QQQQIIQQ")
+# struct { __aligned_u64 pathname; __u32 bpf_fd; __u32 file_flags; __s32 path_fd; __u32 pad; }
+_OBJ = struct.Struct("=QIIiI")
+# struct { __u32 bpf_fd; __u32 info_len; __aligned_u64 info; }
+_INFO = struct.Struct("=IIQ")
+
+
+def _nr() -> int:
+    machine = platform.machine()
+    if machine not in _SYSCALL_NR:
+        raise OSError(f"bpf(2): unknown syscall number on {machine}")
+    return _SYSCALL_NR[machine]
+
+
+def _addr(buf: Any) -> int:
+    """The address of a ctypes buffer or object (0 for None)."""
+    return 0 if buf is None else ctypes.addressof(buf)
+
+
+def _call(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
+    ret = int(_libc.syscall(_nr(), cmd, attr, len(attr.raw)))
+    return ret if ret >= 0 else -ctypes.get_errno()
+
+
+def _attr(layout: struct.Struct, *values: int) -> ctypes.Array[ctypes.c_char]:
+    return ctypes.create_string_buffer(layout.pack(*values), layout.size)
+
+
+def map_lookup_elem(fd: int, key: Any, value: Any) -> int:
+    return _call(MAP_LOOKUP_ELEM, _attr(_ELEM, fd, 0, _addr(key), _addr(value), 0))
+
+
+def map_update_elem(fd: int, key: Any, value: Any, flags: int = 0) -> int:
+    return _call(MAP_UPDATE_ELEM, _attr(_ELEM, fd, 0, _addr(key), _addr(value), flags))
+
+
+def map_delete_elem(fd: int, key: Any) -> int:
+    return _call(MAP_DELETE_ELEM, _attr(_ELEM, fd, 0, _addr(key), 0, 0))
+
+
+def map_get_next_key(fd: int, key: Any, next_key: Any) -> int:
+    return _call(MAP_GET_NEXT_KEY, _attr(_ELEM, fd, 0, _addr(key), _addr(next_key), 0))
+
+
+def _batch(cmd: int, fd: int, in_batch: Any, out_batch: Any, keys: Any, values: Any, count: Any) -> int:
+    """One batch command; `count` (a c_uint32) is updated with how many elements were processed."""
+    attr = _attr(_BATCH, _addr(in_batch), _addr(out_batch), _addr(keys), _addr(values), count.value, fd, 0, 0)
+    ret = _call(cmd, attr)
+    count.value = _BATCH.unpack(attr.raw)[4]
+    return ret
+
+
+def map_lookup_batch(fd: int, in_batch: Any, out_batch: Any, keys: Any, values: Any, count: Any) -> int:
+    return _batch(MAP_LOOKUP_BATCH, fd, in_batch, out_batch, keys, values, count)
+
+
+def map_update_batch(fd: int, keys: Any, values: Any, count: Any) -> int:
+    return _batch(MAP_UPDATE_BATCH, fd, None, None, keys, values, count)
+
+
+def map_delete_batch(fd: int, keys: Any, count: Any) -> int:
+    return _batch(MAP_DELETE_BATCH, fd, None, None, keys, None, count)
+
+
+def obj_pin(fd: int, path: str) -> int:
+    name = ctypes.create_string_buffer(os.fsencode(path))
+    return _call(OBJ_PIN, _attr(_OBJ, _addr(name), fd, 0, 0, 0))
+
+
+def obj_get(path: str) -> int:
+    name = ctypes.create_string_buffer(os.fsencode(path))
+    return _call(OBJ_GET, _attr(_OBJ, _addr(name), 0, 0, 0, 0))
+
+
+def obj_get_info_by_fd(fd: int, info: Any) -> int:
+    """Fill `info` (a ctypes Structure: the head of bpf_map_info or bpf_prog_info)."""
+    attr = _attr(_INFO, fd, ctypes.sizeof(info), _addr(info))
+    return _call(OBJ_GET_INFO_BY_FD, attr)
