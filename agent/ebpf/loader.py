@@ -1,14 +1,17 @@
-"""Compiling and loading the tc data path (bpf/ekp_tc.c) with bcc, and its pinned maps.
+"""The tc data path (bpf/ekp_tc.c): its pinned programs and maps, compiled by bcc when needed.
 
     dp = Datapath("/sys/fs/bpf/ebpf-kube-proxy", MapSizes())
-    dp.load()                       # compile, create or re-adopt the pinned maps, load programs
+    dp.load()                       # reuse or compile the programs, open the pinned maps
     fd = dp.prog_fd("ekp_from_pod") # attach it with tc (clsact ingress, direct-action)
     dp.maps["fe"].update(key, value)
     for path in stale_pins(dp.pin_path): os.unlink(path)   # maps of an older ABI version
     dp.close()
 
-Every map is pinned under `pin_path` by bcc's BPF_TABLE_PINNED: a restarted agent compiles again
-and bcc re-opens the pins, so conntrack, affinity and counters survive the restart. bcc would
+The agent never compiles in its own process (`agent.ebpf.compile`): a short-lived child compiles
+with bcc, pins the programs beside the maps, and exits; an agent restarted with the same source,
+sizes, kernel and bcc reuses the pinned programs without compiling at all. Every map is pinned
+under `pin_path` by bcc's BPF_TABLE_PINNED, so conntrack, affinity and counters survive restarts
+and upgrades of the agent. bcc would
 reuse a pin silently even when its layout changed, so `load()` first compares every existing pin
 with what is about to be compiled (type, key and value size, max_entries, map_flags) and refuses a
 mismatch (`PinMismatchError`); the ABI version in each map name keeps old layouts apart
@@ -32,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from agent.config import MapSizes
+from agent.ebpf import bpfsys
 from agent.ebpf.abi import ABI_VERSION, MAPS, PREFIX, MapSpec, Scope
+from agent.ebpf.compile import build_id, compile_in_child, open_pinned_programs, remove_other_builds
 from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, obj_pin, possible_cpus
 
 log = logging.getLogger(__name__)
@@ -43,6 +48,8 @@ BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent
 # Program name -> the scope its frontends are looked up with. Attach ekp_from_pod on the ingress
 # of the node side of every pod veth, ekp_from_net on the ingress of each external device.
 PROGRAMS: dict[str, Scope] = {"ekp_from_pod": Scope.INTERNAL, "ekp_from_net": Scope.EXTERNAL}
+BPF_PROG_TYPE_SCHED_CLS = 3  # bcc's BPF.SCHED_CLS
+PROG_TYPES = dict.fromkeys(PROGRAMS, BPF_PROG_TYPE_SCHED_CLS)
 
 BPF_F_NO_COMMON_LRU = 1 << 1
 _U32_MAX = (1 << 32) - 1
@@ -206,7 +213,6 @@ class Datapath:
         self.pin_path = os.path.abspath(pin_path)
         self.sizes = sizes if sizes is not None else MapSizes()
         self.bpf_dir = Path(bpf_dir) if bpf_dir is not None else default_bpf_dir()
-        self._bpf: Any = None
         self._prog_fds: dict[str, int] = {}
         self._maps: dict[str, BpfMap] = {}
 
@@ -228,14 +234,25 @@ class Datapath:
 
     @property
     def loaded(self) -> bool:
-        return self._bpf is not None
+        return bool(self._prog_fds)
+
+    def _pinned_map_ids(self) -> set[int]:
+        """Ids of the maps pinned now (empty when one is missing: the programs must be rebuilt)."""
+        ids = set()
+        for spec in MAPS.values():
+            fd = bpfsys.obj_get(os.path.join(self.pin_path, spec.name))
+            if fd < 0:
+                return set()
+            try:
+                ids.add(map_info(fd).id)
+            finally:
+                os.close(fd)
+        return ids
 
     def load(self) -> None:
         """Compiles, creates or re-adopts the pinned maps, loads both programs, opens the maps."""
         if self.loaded:
             return
-        from bcc import BPF  # lazy: importing the agent needs no bcc
-
         if not self.entry_file.is_file():
             raise DatapathError(f"{self.entry_file} not found (set {BPF_DIR_ENV} to the bpf/ directory)")
         ensure_bpffs(self.pin_path)
@@ -247,18 +264,29 @@ class Datapath:
         check_pins(self.pin_path, self.sizes)
 
         started = time.monotonic()
-        try:
-            self._bpf = BPF(src_file=str(self.entry_file).encode(), cflags=self.cflags())
-            for name in PROGRAMS:
-                self._prog_fds[name] = self._bpf.load_func(name.encode(), BPF.SCHED_CLS).fd
-        except Exception as e:
-            self.close()
-            raise DatapathError(f"compiling or loading {self.entry_file} failed: {e}") from e
+        build = build_id(self.source_text(), self.cflags(), ABI_VERSION)
+        fds = open_pinned_programs(self.pin_path, build, list(PROGRAMS), self._pinned_map_ids())
+        how = "reused (unchanged since it was compiled)"
+        if fds is None:
+            try:
+                seconds = compile_in_child(self.entry_file, self.cflags(), self.pin_path, build, PROG_TYPES)
+            except Exception as e:
+                raise DatapathError(f"compiling or loading {self.entry_file} failed: {e}") from e
+            fds = open_pinned_programs(self.pin_path, build, list(PROGRAMS), self._pinned_map_ids())
+            if fds is None:
+                raise DatapathError(f"the compiler child pinned no programs under {self.pin_path}")
+            how = f"compiled in {seconds:.1f}s"
+        self._prog_fds = fds
+        old = remove_other_builds(self.pin_path, build)
+        if old:
+            log.info("unpinned programs of an older build: %s", ", ".join(old))
         log.info(
-            "data path loaded in %.1fs (ABI v%d, maps pinned under %s)",
-            time.monotonic() - started,
+            "data path %s, build %s (ABI v%d, maps pinned under %s), ready in %.2fs",
+            how,
+            build,
             ABI_VERSION,
             self.pin_path,
+            time.monotonic() - started,
         )
         try:
             for role, spec in MAPS.items():
@@ -318,10 +346,9 @@ class Datapath:
         for m in self._maps.values():
             m.close()
         self._maps = {}
+        for fd in self._prog_fds.values():
+            os.close(fd)
         self._prog_fds = {}
-        if self._bpf is not None:
-            self._bpf.cleanup()
-            self._bpf = None
 
     def __enter__(self) -> Datapath:
         self.load()

@@ -1,0 +1,102 @@
+"""The compiler child: programs compiled once, pinned, reused by the next agent; no bcc in the agent."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from agent.config import MapSizes
+from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids
+from agent.ebpf.loader import PROGRAMS, Datapath
+from tests.ebpf.packets import bpffs
+
+SMALL = MapSizes(fe=128, slot=256, be=128, rnat=128, ct=1024, aff=128, srcr=32)
+
+
+def test_the_build_id_follows_source_flags_and_abi() -> None:
+    base = build_id("int x;", ["-DA=1"], 1)
+    assert base == build_id("int x;", ["-DA=1"], 1)
+    assert (
+        len(
+            {
+                base,
+                build_id("int y;", ["-DA=1"], 1),
+                build_id("int x;", ["-DA=2"], 1),
+                build_id("int x;", ["-DA=1"], 2),
+            }
+        )
+        == 4
+    )
+
+
+def test_importing_and_using_the_agent_s_ebpf_modules_never_loads_bcc() -> None:
+    code = (
+        "import sys, agent.cli, agent.ebpf.proxier, agent.ebpf.loader, agent.ebpf.maps, agent.inspect; "
+        "assert 'bcc' not in sys.modules, sorted(m for m in sys.modules if m.startswith('bcc'))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _prog_pins(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith(PROG_PIN_PREFIX))
+
+
+@pytest.mark.kernel
+def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    with bpffs() as root:
+        pins = str(root / "ekp")
+        first = Datapath(pins, SMALL)
+        first.load()
+        try:
+            assert "bcc" not in sys.modules, "compiling happens in a child process"
+            built = _prog_pins(pins)
+            assert len(built) == len(PROGRAMS)
+            ids = {m.info().id for m in first.maps.values()}
+            for name in PROGRAMS:
+                assert prog_map_ids(first.prog_fd(name)) <= ids
+        finally:
+            first.close()
+        assert "data path compiled in" in caplog.text
+        caplog.clear()
+
+        again = Datapath(pins, SMALL)
+        again.load()
+        again.close()
+        assert "data path reused" in caplog.text
+        assert _prog_pins(pins) == built
+
+        # Other sizes make other programs (the sizes are compiled in): rebuilt, old ones unpinned.
+        # The existing pins must match the sizes, so start from an empty directory of maps.
+        for name in os.listdir(pins):
+            if not name.startswith(PROG_PIN_PREFIX):
+                os.unlink(os.path.join(pins, name))
+        caplog.clear()
+        bigger = Datapath(pins, MapSizes(fe=256, slot=256, be=128, rnat=128, ct=1024, aff=128, srcr=32))
+        bigger.load()
+        bigger.close()
+        assert "data path compiled in" in caplog.text
+        rebuilt = _prog_pins(pins)
+        assert len(rebuilt) == len(PROGRAMS) and not set(rebuilt) & set(built)
+
+
+@pytest.mark.kernel
+def test_programs_whose_maps_were_replaced_are_compiled_again(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    with bpffs() as root:
+        pins = str(root / "ekp")
+        first = Datapath(pins, SMALL)
+        first.load()
+        first.close()
+        os.unlink(os.path.join(pins, "ekp_fe_v1"))  # a new, empty map will be made
+        caplog.clear()
+        second = Datapath(pins, SMALL)
+        second.load()
+        second.close()
+        assert "data path compiled in" in caplog.text
