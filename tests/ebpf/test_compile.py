@@ -52,10 +52,15 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
     caplog.set_level(logging.INFO)
     with bpffs() as root:
         pins = str(root / "ekp")
+        loads_without_bcc = (
+            "import sys; from agent.ebpf.loader import Datapath; from agent.config import MapSizes; "
+            f"d = Datapath({pins!r}, MapSizes(**{SMALL.__dict__!r})); d.load(); d.close(); "
+            "assert 'bcc' not in sys.modules, 'compiling must happen in a child process'"
+        )
+        subprocess.run([sys.executable, "-c", loads_without_bcc], check=True)
         first = Datapath(pins, SMALL)
         first.load()
         try:
-            assert "bcc" not in sys.modules, "compiling happens in a child process"
             built = _prog_pins(pins)
             assert len(built) == len(PROGRAMS)
             ids = {m.info().id for m in first.maps.values()}
