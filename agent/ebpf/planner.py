@@ -52,16 +52,17 @@ it is needed, so a desired state that fits the maps is always reached):
 from __future__ import annotations
 
 import ipaddress
-import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from socket import inet_aton
+from typing import Any, Literal, NamedTuple, Protocol
 
 from agent.config import Config, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.abi import BackendFlag, FrontendFlag, Scope
 from agent.ebpf.codec import KEYS, VALUES, Key, Value
 from agent.model.types import Endpoint, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
+from agent.model.types import Protocol as L4
 
 SetKind = Literal["cluster", "local"]
 KINDS: tuple[SetKind, ...] = ("cluster", "local")
@@ -83,6 +84,9 @@ SET_ID_MAX = 0xFFFFFFFF
 BACKEND_ID_MAX = 0xFFFFFFFF
 REVNAT_ID_MAX = 0xFFFF
 
+_BE_LOCAL = int(BackendFlag.LOCAL)
+_BE_TERMINATING = int(BackendFlag.TERMINATING)
+
 BeIdent = tuple[int, int, int]  # (addr be, port be, proto) as ekp_be holds them
 RnatIdent = tuple[int, int, int]  # (addr be, port be, proto) of a frontend
 
@@ -94,7 +98,7 @@ class PlanError(RuntimeError):
 def ip_be(ip: str) -> int:
     """Dotted quad to the int whose little-endian bytes are the address in network order (fast
     path of abi.ip_be for the model's canonical addresses)."""
-    return int.from_bytes(socket.inet_aton(ip), "little")
+    return int.from_bytes(inet_aton(ip), "little")
 
 
 def port_be(port: int) -> int:
@@ -128,16 +132,19 @@ class IdPool:
     def take(self, hint: int = 0) -> int:
         """`hint` when no one else uses it (re-adoption of an id the kernel holds), else the next
         free id."""
-        if 0 < hint <= self._limit and (hint not in self._used or hint in self._released):
+        used = self._used
+        if 0 < hint <= self._limit and (hint not in used or hint in self._released):
             self._released.discard(hint)
             self.reserve(hint)
             return hint
         for _ in range(2):
-            start = self._next
-            for ident in range(start, self._limit + 1):
-                if ident not in self._used:
-                    self.reserve(ident)
+            ident = self._next
+            while ident <= self._limit:
+                if ident not in used:
+                    used.add(ident)
+                    self._next = ident + 1
                     return ident
+                ident += 1
             self._next = 1  # wrap once
         raise PlanError(f"no free {self._what} id left (limit {self._limit})")
 
@@ -156,8 +163,7 @@ class IdPool:
 # ---------------------------------------------------------------------------------- fragments
 
 
-@dataclass(frozen=True)
-class _Fe:
+class _Fe(NamedTuple):
     """A frontend before ids are known."""
 
     key: Key  # (addr, port, proto, scope)
@@ -180,12 +186,6 @@ class Fragment:
     rnats: dict[RnatIdent, int] = field(default_factory=dict)  # frontend -> reverse-NAT id
     blocked: set[Key] = field(default_factory=set)  # frontends a port before this one holds
     taken_from: set[ServicePortName] = field(default_factory=set)  # ports after it that held one
-
-
-@dataclass
-class _Backend:
-    id: int
-    users: dict[ServicePortName, int]  # service port -> flags it contributes
 
 
 @dataclass
@@ -312,6 +312,9 @@ class FlushResult:
 # ---------------------------------------------------------------------------------- planner
 
 
+_EMPTY = Fragment(ServicePortName("", "", "", L4.TCP))
+
+
 class Planner:
     """Desired and written entries of the service maps, kept between syncs (see module doc)."""
 
@@ -326,8 +329,11 @@ class Planner:
         self._waits: dict[ServicePortName, set[Key]] = {}
         self._srcr_users: dict[Key, set[ServicePortName]] = {}
         self._set_owner: dict[int, ServicePortName] = {}
-        self._backends: dict[BeIdent, _Backend] = {}
+        self._be_ids: dict[BeIdent, int] = {}
+        # Per backend: [ports using it, of which say it is local, of which say it is terminating].
+        self._be_refs: dict[BeIdent, list[int]] = {}
         self._be_by_id: dict[int, BeIdent] = {}
+        self._replanned: set[ServicePortName] = set()  # since the last flush (failure attribution)
         self._rnats: dict[RnatIdent, _RevNat] = {}
         self._rnat_by_id: dict[int, RnatIdent] = {}
         self.set_ids = IdPool(SET_ID_MAX, "backend set")
@@ -387,6 +393,7 @@ class Planner:
     ) -> bool:
         old = self._frags.get(spn) or Fragment(spn)
         new = Fragment(spn) if sp is None or eps is None else self._build(old, sp, eps)
+        self._replanned.add(spn)
         if sp is None:
             self._frags.pop(spn, None)
         else:
@@ -469,16 +476,21 @@ class Planner:
             new.sets[kind] = old.sets.get(kind) or self.set_ids.take(self._set_hint(fes, kind))
         proto = sp.protocol.number
         counts: dict[SetKind, int] = {}
+        backends = new.backends
+        backend_id = self._backend_id
+        be_ids = self._be_ids
+        from_bytes = int.from_bytes
         for kind in kinds:
             members: list[int] = []
-            for ep in _endpoints(eps, kind):
-                ident = (ip_be(ep.ip), port_be(ep.port), proto)
-                flags = (BackendFlag.LOCAL if ep.is_local else 0) | (
-                    BackendFlag.TERMINATING if ep.terminating else 0
-                )
-                new.backends[ident] = new.backends.get(ident, 0) | int(flags)
-                members.append(self._backend_id(ident))
-            members = list(dict.fromkeys(members))
+            for ep in eps.cluster if kind == "cluster" else eps.local:
+                p = ep.port
+                ident = (from_bytes(inet_aton(ep.ip), "little"), ((p & 0xFF) << 8) | (p >> 8), proto)
+                flags = (_BE_LOCAL if ep.is_local else 0) | (_BE_TERMINATING if ep.terminating else 0)
+                backends[ident] = backends.get(ident, 0) | flags
+                bid = be_ids.get(ident)
+                members.append(backend_id(ident) if bid is None else bid)
+            if len(set(members)) != len(members):
+                members = list(dict.fromkeys(members))
             set_id = new.sets[kind]
             previous = {k[1]: v[0] for k, v in old.slot.items() if k[0] == set_id}
             for pos, bid in layout(members, previous).items():
@@ -507,11 +519,12 @@ class Planner:
         return 0
 
     def _backend_id(self, ident: BeIdent) -> int:
-        rec = self._backends.get(ident)
-        if rec is not None:
-            return rec.id
+        bid = self._be_ids.get(ident)
+        if bid is not None:
+            return bid
         bid = self.backend_ids.take(self._be_hints.get(ident, 0))
-        self._backends[ident] = _Backend(bid, {})
+        self._be_ids[ident] = bid
+        self._be_refs[ident] = [0, 0, 0]
         self._be_by_id[bid] = ident
         return bid
 
@@ -531,31 +544,45 @@ class Planner:
     def _update_backends(
         self, spn: ServicePortName, old: Mapping[BeIdent, int], new: Mapping[BeIdent, int]
     ) -> bool:
+        """Refcount the backends `spn` stopped or started using (or whose flags it changed) and
+        desire their entries with the flags all their users give them."""
         changed = False
-        for ident in old.keys() | new.keys():
-            if old.get(ident) == new.get(ident):
+        desired, dirty = self.desired["be"], self.dirty["be"]
+        refs_of, ids = self._be_refs, self._be_ids
+        for ident, flags in new.items():
+            before = old.get(ident)
+            if before == flags:
                 continue
             changed = True
-            rec = self._backends[ident]
-            if ident in new:
-                rec.users[spn] = new[ident]
+            refs = refs_of[ident]
+            if before is None:
+                refs[0] += 1
             else:
-                rec.users.pop(spn, None)
-            key = (rec.id,)
-            if rec.users:
-                flags = 0
-                for f in rec.users.values():
-                    flags |= f
-                value = (*ident, flags)
-                if self.desired["be"].get(key) != value:
-                    self.desired["be"][key] = value
-                    self.dirty["be"].add(key)
-            else:
-                del self._backends[ident]
-                del self._be_by_id[rec.id]
-                self.backend_ids.release(rec.id)
-                self.desired["be"].pop(key, None)
-                self.dirty["be"].add(key)
+                refs[1] -= before & _BE_LOCAL
+                refs[2] -= (before & _BE_TERMINATING) >> 1
+            refs[1] += flags & _BE_LOCAL
+            refs[2] += (flags & _BE_TERMINATING) >> 1
+            value = (*ident, (_BE_LOCAL if refs[1] else 0) | (_BE_TERMINATING if refs[2] else 0))
+            key = (ids[ident],)
+            if desired.get(key) != value:
+                desired[key] = value
+                dirty.add(key)
+        for ident in old.keys() - new.keys():
+            changed = True
+            refs = refs_of[ident]
+            before = old[ident]
+            refs[0] -= 1
+            refs[1] -= before & _BE_LOCAL
+            refs[2] -= (before & _BE_TERMINATING) >> 1
+            bid = ids[ident]
+            key = (bid,)
+            dirty.add(key)
+            if refs[0]:
+                desired[key] = (*ident, (_BE_LOCAL if refs[1] else 0) | (_BE_TERMINATING if refs[2] else 0))
+                continue
+            del ids[ident], refs_of[ident], self._be_by_id[bid]
+            self.backend_ids.release(bid)
+            desired.pop(key, None)
         return changed
 
     def _update_rnats(
@@ -690,8 +717,9 @@ class Planner:
             owner = self._set_owner.get(key[0])
         elif role == "be":
             ident = self._be_by_id.get(key[0])
-            rec = self._backends.get(ident) if ident is not None else None
-            return set(rec.users) if rec is not None else set()
+            if ident is None:
+                return set()
+            return {spn for spn in self._replanned if ident in self._frags.get(spn, _EMPTY).backends}
         elif role == "rnat":
             ident = self._rnat_by_id.get(key[0])
             rnat = self._rnats.get(ident) if ident is not None else None
@@ -719,6 +747,8 @@ class Planner:
         for role in ROLES:
             desired, written = self.desired[role], self.written[role]
             self.dirty[role] = {k for k in self.dirty[role] if desired.get(k) != written.get(k)}
+        if not any(self.dirty.values()):
+            self._replanned = set()
         self.set_ids.settle(lambda s: s in self._w_set_fes or s in self._w_set_slots)
         self.backend_ids.settle(lambda b: (b,) in self.written["be"] or b in self._w_be_slots)
         self.rnat_ids.settle(

@@ -25,16 +25,19 @@ def topology_mode(endpoints: Sequence[Endpoint], node: NodeInfo) -> str:
     """Node hints win over zone hints; either applies only if every ready endpoint has them."""
     all_node_hints = all_zone_hints = True
     node_match = zone_match = False
+    name, zone = node.name, node.zone
     for ep in endpoints:
         if not ep.ready:
             continue
+        if not ep.node_hints and not ep.zone_hints:
+            return TOPOLOGY_NONE  # the common case: no hints at all
         if not ep.node_hints:
             all_node_hints = False
-        elif node.name in ep.node_hints:
+        elif name in ep.node_hints:
             node_match = True
         if not ep.zone_hints:
             all_zone_hints = False
-        elif node.zone in ep.zone_hints:
+        elif zone in ep.zone_hints:
             zone_match = True
     if all_node_hints and node_match:
         return TOPOLOGY_NODE
@@ -43,12 +46,14 @@ def topology_mode(endpoints: Sequence[Endpoint], node: NodeInfo) -> str:
     return TOPOLOGY_NONE
 
 
-def _available(ep: Endpoint, mode: str, node: NodeInfo) -> bool:
+def _available(endpoints: Sequence[Endpoint], mode: str, node: NodeInfo) -> tuple[Endpoint, ...]:
+    """The ready endpoints the topology mode lets this node use."""
     if mode == TOPOLOGY_NODE:
-        return node.name in ep.node_hints
+        return tuple(ep for ep in endpoints if ep.ready and node.name in ep.node_hints)
     if mode == TOPOLOGY_ZONE:
-        return node.zone in ep.zone_hints
-    return True
+        zone = node.zone
+        return tuple(ep for ep in endpoints if ep.ready and zone in ep.zone_hints)
+    return tuple(ep for ep in endpoints if ep.ready)
 
 
 def _pick(endpoints: Sequence[Endpoint], keep: Callable[[Endpoint], bool]) -> tuple[Endpoint, ...]:
@@ -65,7 +70,7 @@ def categorize_endpoints(endpoints: Sequence[Endpoint], svc: ServicePort, node: 
     if svc.uses_cluster_endpoints:
         mode = topology_mode(endpoints, node)
         use_topology = mode != TOPOLOGY_NONE
-        cluster = _pick(endpoints, lambda ep: ep.ready and _available(ep, mode, node))
+        cluster = _available(endpoints, mode, node)
         if not cluster:
             # No ready endpoint anywhere (topology never hides every ready one): fall back to
             # endpoints that are terminating but still serving, so connections drain gracefully.

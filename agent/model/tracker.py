@@ -461,17 +461,16 @@ def merge_slices(
     Duplicates (the same ip:port in two slices, as during a slice hand-over) collapse to one,
     preferring the copy that says it is on this node.
     """
-    from dataclasses import replace
-
     by_port: dict[ServicePortName, dict[str, Endpoint]] = {}
     for sl in sorted(slices, key=lambda s: (s.namespace, s.service, s.name)):
         for port in sl.ports:
             spn = ServicePortName(sl.namespace, sl.service, port.name, port.protocol)
             seen = by_port.setdefault(spn, {})
+            number = port.port
+            suffix = f":{number}"
             for ep in sl.endpoints:
                 local = bool(node_name) and ep.node_name == node_name
-                info = replace(ep, port=port.port, is_local=local)
-                key = str(info)
+                key = ep.ip + suffix
                 if key not in seen or local:
-                    seen[key] = info
-    return {spn: tuple(sorted(eps.values(), key=lambda e: e.sort_key)) for spn, eps in by_port.items()}
+                    seen[key] = ep._replace(port=number, is_local=local)
+    return {spn: tuple(eps[k] for k in sorted(eps)) for spn, eps in by_port.items()}
