@@ -26,7 +26,7 @@ import select
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,7 +272,7 @@ class Attacher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
-        self.on_attach: Callable[[str, str], None] | None = None  # (device, program), for tests
+        self.attachments = 0  # filters attached (or replaced) since construction
 
     @property
     def attached(self) -> dict[int, tuple[str, str]]:
@@ -338,8 +338,7 @@ class Attacher:
         attach(ipr, index, prog, self._fds[prog])
         log.info("attached %s to %s ingress", prog, name)
         self._remember(index, name, prog)
-        if self.on_attach is not None:
-            self.on_attach(name, prog)
+        self.attachments += 1
 
     def _remember(self, index: int, name: str, prog: str) -> None:
         with self._lock:
