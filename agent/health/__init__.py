@@ -1,0 +1,47 @@
+"""kube-proxy's health endpoints: the proxy's own /healthz and /livez, and healthCheckNodePorts.
+
+As upstream's pkg/proxy/healthcheck, two parts:
+
+* `proxy.py`: `ProxyHealth`, the state the sync loop feeds (`updated`, `queued_update`,
+  `sync_node`), and the /healthz and /livez answers built from it;
+* `services.py`: `ServiceHealthServer`, one listener per `externalTrafficPolicy: Local` load
+  balancer's healthCheckNodePort, answering from the local endpoint counts;
+* `server.py`: the healthz port itself.
+
+Every answer is a pure function of the state (tested without sockets); `agent.httpserve` moves
+the bytes.
+"""
+
+from agent.health.proxy import (
+    IPV4,
+    TO_BE_DELETED_TAINT,
+    HealthStatus,
+    ProxyHealth,
+    ProxyHealthHandlers,
+    health_timeout_s,
+    node_eligible,
+)
+from agent.health.server import healthz_server
+from agent.health.services import (
+    ServiceHealthServer,
+    health_check_addresses,
+    health_check_node_ports,
+    local_ready_endpoints,
+    service_response,
+)
+
+__all__ = [
+    "IPV4",
+    "TO_BE_DELETED_TAINT",
+    "HealthStatus",
+    "ProxyHealth",
+    "ProxyHealthHandlers",
+    "ServiceHealthServer",
+    "health_check_addresses",
+    "health_check_node_ports",
+    "health_timeout_s",
+    "healthz_server",
+    "local_ready_endpoints",
+    "node_eligible",
+    "service_response",
+]
