@@ -104,8 +104,8 @@ def parse_address(text: str) -> Address:
         ip = ipaddress.ip_address(host)
     except ValueError:
         raise ValueError(f"{text!r}: {host!r} is not an IP address") from None
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{text!r}: {port!r} is not a port (1-65535)")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{text!r}: {port!r} is not a port (1-65535; 0 picks a free one)")
     return Address(str(ip), int(port))
 
 
