@@ -196,9 +196,21 @@ class _Bridge:
     handler: Handler
 
 
+@dataclass
+class _Running:
+    """What exists only between start() and stop()."""
+
+    selector: selectors.BaseSelector
+    wake_r: socket.socket
+    wake_w: socket.socket
+    pool: ThreadPoolExecutor
+    thread: threading.Thread
+
+
 class HttpServer:
     """Serves any number of listening sockets, each with its own handler, from one acceptor
-    thread and `workers` worker threads. Construction has no side effects; `start` runs it."""
+    thread and `workers` worker threads. Construction has no side effects; `start` runs it and
+    must come before `add`."""
 
     def __init__(
         self,
@@ -213,24 +225,23 @@ class HttpServer:
         self._idle_timeout_s = idle_timeout_s
         self._max_queued = max_queued
         self._lock = threading.Lock()
-        self._selector = selectors.DefaultSelector()
         self._handlers: dict[int, tuple[socket.socket, Handler]] = {}
         self._queued = 0
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._pool: ThreadPoolExecutor | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._run: _Running | None = None
+        self._stopping = threading.Event()
 
     # -- listeners
 
     def add(self, sock: socket.socket, handler: Handler) -> None:
         """Serve `handler` on a listening socket (the server owns and closes it from now on)."""
+        run = self._run
+        if run is None:
+            sock.close()
+            raise RuntimeError(f"{self.name}: add() before start() or after stop()")
         sock.setblocking(False)
         with self._lock:
             self._handlers[sock.fileno()] = (sock, handler)
-            self._selector.register(sock, selectors.EVENT_READ, handler)
+            run.selector.register(sock, selectors.EVENT_READ, handler)
 
     def remove(self, sock: socket.socket) -> None:
         """Stop serving `sock` and close it: its port is free again when this returns."""
@@ -238,8 +249,9 @@ class HttpServer:
             fd = sock.fileno()
             if fd >= 0 and self._handlers.get(fd, (None,))[0] is sock:
                 del self._handlers[fd]
-                with contextlib.suppress(KeyError, ValueError):
-                    self._selector.unregister(sock)
+                if self._run is not None:
+                    with contextlib.suppress(KeyError, ValueError):
+                        self._run.selector.unregister(sock)
         sock.close()
 
     def listening(self) -> int:
@@ -249,51 +261,57 @@ class HttpServer:
     # -- lifecycle
 
     def start(self) -> None:
-        if self._thread is not None:
+        if self._run is not None:
             return
-        self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=f"{self.name}-http")
-        self._thread = threading.Thread(target=self._accept_loop, name=f"{self.name}-accept", daemon=True)
-        self._thread.start()
+        selector = selectors.DefaultSelector()
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        selector.register(wake_r, selectors.EVENT_READ, None)
+        pool = ThreadPoolExecutor(self._workers, thread_name_prefix=f"{self.name}-http")
+        thread = threading.Thread(target=self._accept_loop, name=f"{self.name}-accept", daemon=True)
+        self._run = _Running(selector, wake_r, wake_w, pool, thread)
+        thread.start()
 
     def stop(self) -> None:
         """Close every listening socket; connections in progress finish on their own."""
-        self._stopping = True
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        run, self._run = self._run, None
+        self._stopping.set()
         with self._lock:
             socks = [s for s, _ in self._handlers.values()]
             self._handlers.clear()
+        if run is not None:
+            with contextlib.suppress(OSError):
+                run.wake_w.send(b"x")
+            run.thread.join(timeout=5)
+            for sock in socks:
+                with contextlib.suppress(KeyError, ValueError):
+                    run.selector.unregister(sock)
+            run.pool.shutdown(wait=False, cancel_futures=True)
+            run.selector.close()
+            run.wake_r.close()
+            run.wake_w.close()
         for sock in socks:
-            with contextlib.suppress(KeyError, ValueError):
-                self._selector.unregister(sock)
             sock.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        self._selector.close()
-        self._wake_r.close()
-        self._wake_w.close()
 
     # -- the acceptor
 
     def _accept_loop(self) -> None:
-        while not self._stopping:
+        run = self._run
+        assert run is not None
+        while not self._stopping.is_set():
             try:
-                ready = self._selector.select(timeout=1.0)
-            except OSError as exc:  # the selector was closed under us by stop()
-                if self._stopping:
-                    return
+                ready = run.selector.select(timeout=1.0)
+            except OSError as exc:
                 log.error("%s: select failed: %s", self.name, exc)
                 continue
             for key, _ in ready:
                 if key.data is None:
                     with contextlib.suppress(OSError):
-                        self._wake_r.recv(64)
+                        run.wake_r.recv(64)
                     continue
-                self._accept(key.fileobj)  # type: ignore[arg-type]
+                self._accept(key.fileobj, run.pool)  # type: ignore[arg-type]
 
-    def _accept(self, sock: socket.socket) -> None:
+    def _accept(self, sock: socket.socket, pool: ThreadPoolExecutor) -> None:
         while True:
             with self._lock:
                 entry = self._handlers.get(sock.fileno()) if sock.fileno() >= 0 else None
@@ -310,18 +328,18 @@ class HttpServer:
                         "%s: cannot accept a connection: %s (raise the open-file limit)", self.name, exc
                     )
                 return
-            self._dispatch(conn, peer, handler)
+            self._dispatch(conn, peer, handler, pool)
 
-    def _dispatch(self, conn: socket.socket, peer: Any, handler: Handler) -> None:
+    def _dispatch(self, conn: socket.socket, peer: Any, handler: Handler, pool: ThreadPoolExecutor) -> None:
         with self._lock:
-            if self._queued >= self._max_queued or self._pool is None:
+            if self._queued >= self._max_queued:
                 conn.close()  # overloaded: refuse rather than queue without bound
                 return
             self._queued += 1
         conn.setblocking(True)
         conn.settimeout(self._idle_timeout_s)
         try:
-            self._pool.submit(self._serve_connection, conn, peer, handler)
+            pool.submit(self._serve_connection, conn, peer, handler)
         except RuntimeError:  # the pool is shut down
             conn.close()
             with self._lock:
@@ -405,8 +423,11 @@ class AddressServer:
         (result,) = self._listen([addr], self._netns)
         if isinstance(result, OSError):
             return result
+        try:
+            self._server.add(result, self._handler)
+        except RuntimeError:  # stop() won the race with a retry
+            return None
         self._sock = result
-        self._server.add(result, self._handler)
         log.info(
             "%s server listening on %s%s", self.name, addr, f" in netns {self._netns}" if self._netns else ""
         )

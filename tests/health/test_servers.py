@@ -96,3 +96,14 @@ def test_parse_address_errors(text: str, error: str) -> None:
     with pytest.raises(ValueError, match=error):
         parse_address(text)
     assert str(parse_address("[::1]:10249")) == "[::1]:10249"
+
+
+def test_http_server_has_no_side_effects_before_start() -> None:
+    from agent.httpserve import HttpServer
+
+    server = HttpServer("t")
+    sock = socket.socket()
+    with pytest.raises(RuntimeError, match="add\\(\\) before start\\(\\)"):
+        server.add(sock, lambda r: Response(200))
+    assert sock.fileno() == -1, "the socket it was handed is closed, not leaked"
+    server.stop()  # stopping a server that never started is fine
