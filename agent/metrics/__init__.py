@@ -15,6 +15,7 @@ existing dashboards and alerts keep working. Details that show in a scrape of ku
   registers the full/partial histograms in eBPF mode too, since its eBPF syncs are partial or full
   as well; every other iptables name stays out of eBPF mode.
 
+The `process_*` families (CPU, memory, file descriptors) have the names of Go's process collector.
 The project's own metrics start with `ekp_`. Values owned by the kernel (BPF map fill, the data
 path's counters, nfacct counters) are read at scrape time by collectors (`agent.metrics.bpf`,
 `NfacctCollector` here), never copied on a timer.
@@ -30,7 +31,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -230,6 +231,9 @@ class Metrics:
         )
         if mode is Mode.IPTABLES:
             self._iptables(r, nfacct)
+        # process_cpu_seconds_total, process_resident_memory_bytes, ...: the names and help texts
+        # of Go's process collector, which kube-proxy's registry has too.
+        ProcessCollector(registry=r)
         self.skipped_objects = Counter(
             "ekp_skipped_objects_total",
             "Kubernetes objects skipped because they could not be understood (see the log for which and why)",

@@ -149,6 +149,15 @@ OURS = {
     "ekp_sync_failures_total",
     "ekp_failed_service_ports",
 }
+# Go's process collector, which kube-proxy registers too (prometheus_client writes the same names).
+PROCESS = {
+    "process_cpu_seconds_total",
+    "process_max_fds",
+    "process_open_fds",
+    "process_resident_memory_bytes",
+    "process_start_time_seconds",
+    "process_virtual_memory_bytes",
+}
 NFACCT = {"ct_state_invalid_dropped_pkts": 7, "localhost_nps_accepted_pkts": 3}
 
 
@@ -176,7 +185,7 @@ def test_names_help_types_and_labels_are_upstreams(mode: Mode) -> None:
         m.set_iptables_rules({"nat": 1}, {"nat": 1})
         m.record_conntrack_cleanup(0.01, 2)
     got = families(registry)
-    assert set(got) == {e[0] for e in expected} | OURS
+    assert set(got) == {e[0] for e in expected} | OURS | PROCESS
     for name, kind, text, labels in expected:
         fam = got[name]
         assert fam.type == kind, name
