@@ -143,7 +143,11 @@ def listen_all(
 
     if not addrs:
         return []
-    return run_in_netns(netns, bind_each)
+    try:
+        return run_in_netns(netns, bind_each)
+    except OSError as exc:  # the namespace itself is missing or cannot be joined
+        failed = OSError(exc.errno, f"network namespace {netns}: {exc.strerror or exc}")
+        return [failed for _ in addrs]
 
 
 def raise_open_file_limit() -> int:

@@ -107,3 +107,11 @@ def test_http_server_has_no_side_effects_before_start() -> None:
         server.add(sock, lambda r: Response(200))
     assert sock.fileno() == -1, "the socket it was handed is closed, not leaked"
     server.stop()  # stopping a server that never started is fine
+
+
+def test_a_missing_namespace_is_a_bind_error_not_a_crash() -> None:
+    from agent.httpserve import Address, listen_all
+
+    (result,) = listen_all([Address("0.0.0.0", 10256)], "ekp-no-such-netns")
+    assert isinstance(result, OSError)
+    assert "network namespace ekp-no-such-netns: No such file or directory" in str(result)
