@@ -10,6 +10,19 @@ As upstream's pkg/proxy/healthcheck, two parts:
 
 Every answer is a pure function of the state (tested without sockets); `agent.httpserve` moves
 the bytes.
+
+Driven from one sync loop in kube-proxy's order (pkg/proxy/iptables/proxier.go):
+
+    health = ProxyHealth(health_timeout_s(config.sync_period_s))
+    healthz = healthz_server(config, health, metrics.count_health_probe)
+    services = ServiceHealthServer.for_node(config, node, health)
+    healthz.start(); services.start()
+    health.updated()                          # the loop starts (kube-proxy's SyncLoop does this)
+    # a Service / EndpointSlice change queued:   health.queued_update()
+    # a Node event for this node:                health.sync_node(obj)  (None once deleted)
+    # a sync succeeded:                          health.updated()
+    #     services.sync_services(health_check_node_ports(state))
+    #     services.sync_endpoints(local_ready_endpoints(state))
 """
 
 from agent.health.proxy import (
