@@ -19,6 +19,7 @@ class Mode(StrEnum):
 
 
 DEFAULT_PIN_PATH = "/sys/fs/bpf/ebpf-kube-proxy"
+NODEPORT_PRIMARY = "primary"  # --nodeport-addresses keyword: the node's primary address
 DEFAULT_POD_INTERFACES = "lxc*,veth*,cali*"
 
 
@@ -61,6 +62,7 @@ class Config:
     master: str = ""  # --master: API server URL (overrides the kubeconfig's server)
     healthz_bind_address: str = "0.0.0.0:10256"  # "" disables; bound in `netns`
     metrics_bind_address: str = "127.0.0.1:10249"  # "" disables; bound in `netns`
+    bind_address_hard_fail: bool = False  # a healthz/metrics port that cannot be bound stops the agent
     conntrack: ConntrackSettings = field(default_factory=ConntrackSettings)
     netns: str = ""  # network namespace the agent programs; "" = its own
     dry_run: bool = False
@@ -68,7 +70,7 @@ class Config:
     cluster_cidr: tuple[str, ...] = ()
     masquerade_all: bool = False
     masquerade_bit: int = 14
-    nodeport_addresses: tuple[str, ...] = ()  # CIDRs; () = every node address
+    nodeport_addresses: tuple[str, ...] = ()  # CIDRs and/or "primary"; () = every node address
     node_ips: tuple[str, ...] = ()  # --node-ip: the node's addresses; () = found on --devices
     sync_period_s: float = 30.0
     min_sync_period_s: float = 1.0
@@ -91,8 +93,14 @@ class NodeContext:
     primary_ip: str = ""  # the address used as SNAT source toward other nodes
 
     def nodeport_ips(self, cidrs: tuple[str, ...]) -> tuple[str, ...]:
-        """Node addresses NodePorts answer on: all of them, or those inside `cidrs`."""
+        """Node addresses NodePorts answer on: all of them, or those inside `cidrs`; the keyword
+        `primary` (kube-proxy's `--nodeport-addresses primary`) selects the primary address."""
         if not cidrs:
             return self.node_ips
-        nets = [ipaddress.ip_network(c, strict=False) for c in cidrs]
-        return tuple(ip for ip in self.node_ips if any(ipaddress.ip_address(ip) in n for n in nets))
+        nets = [ipaddress.ip_network(c, strict=False) for c in cidrs if c != NODEPORT_PRIMARY]
+        primary = NODEPORT_PRIMARY in cidrs
+        return tuple(
+            ip
+            for ip in self.node_ips
+            if any(ipaddress.ip_address(ip) in n for n in nets) or (primary and ip == self.primary_ip)
+        )

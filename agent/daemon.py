@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
 
-from agent import metrics
+from prometheus_client import CollectorRegistry
+
 from agent.config import Config, NodeContext
 from agent.errors import FatalError
+from agent.metrics import Metrics, no_local_endpoints
 from agent.model.problem import Problem, printable
 from agent.model.tracker import Commit, ProxyModel
 from agent.model.types import NodeInfo, ServicePortName
@@ -91,6 +93,7 @@ class Parts:
     source: Source
     proxier: Proxier
     node_context: Callable[[], NodeContext]  # the node's addresses (re-read at full syncs)
+    metrics: Metrics = field(default_factory=lambda: Metrics(CollectorRegistry()))
     health: ProxierHealth | None = None
     service_health: ServiceHealth | None = None
     events: EventSink = field(default_factory=_NoEvents)
@@ -122,6 +125,7 @@ class Agent:
         self._retry: dict[ServicePortName, str] = {}
         self._hc_ports: dict[str, int] = {}
         self._local_ready: dict[str, int] = {}
+        self._no_local: dict[ServicePortName, tuple[int, int]] = {}
         self._stopped = threading.Event()
         self.exit_code = 0
         self.syncs = 0
@@ -200,8 +204,10 @@ class Agent:
             return
         with self._lock:
             self._queue.extend(events)
-        if self._parts.health is not None:
-            self._parts.health.queued_update()
+        if any(isinstance(e, ObjectEvent) for e in events):
+            if self._parts.health is not None:
+                self._parts.health.queued_update()
+            self._parts.metrics.record_queued()
         self._runner.request()
 
     # ------------------------------------------------------------------ the sync (runner thread)
@@ -211,6 +217,10 @@ class Agent:
             events, self._queue = self._queue, []
         for event in events:
             self._apply(event)
+        metrics = self._parts.metrics
+        metrics.record_changes(
+            services=self._model.pending_service_changes, endpoints=self._model.pending_endpoint_changes
+        )
         missing = self._parts.source.kinds - self._synced
         if missing:
             if not self._waiting_logged:
@@ -233,7 +243,11 @@ class Agent:
         changed: frozenset[ServicePortName] | None = None
         if not full:
             changed = (commit.changed or frozenset()) | frozenset(self._retry)
-        result = self._parts.proxier.sync(self._model.state, self._node, changed)
+        try:
+            result = self._parts.proxier.sync(self._model.state, self._node, changed)
+        except Exception:
+            metrics.record_sync(full, self._clock() - start, ok=False)
+            raise
         self.last_result = result
         self.syncs += 1
         elapsed = self._clock() - start
@@ -263,10 +277,10 @@ class Agent:
             log.info("resolved: %s", problem)
         for problem in commit.problems_added:
             log.error("skipping %s (every other object is still programmed)", problem)
-            metrics.SKIPPED_OBJECTS.labels(kind=problem.kind).inc()
+            self._parts.metrics.record_skipped(problem.kind)
             self._parts.events.warn(problem)
         if commit.problems_added or commit.problems_cleared:
-            metrics.INVALID_OBJECTS.set(len(self._model.problems()))
+            self._parts.metrics.set_invalid_objects(len(self._model.problems()))
 
     def _after_sync(self, commit: Commit, result: SyncResult, elapsed: float, full: bool) -> None:
         for spn, why in result.failed.items():
@@ -286,10 +300,12 @@ class Agent:
         if self._parts.health is not None:
             self._parts.health.updated()
         self._sync_service_health(commit)
-        metrics.SYNC_SECONDS.observe(elapsed)
-        now = self._wall()
-        for when in commit.trigger_times:
-            metrics.observe_network_programming(max(0.0, now - when))
+        metrics = self._parts.metrics
+        metrics.record_sync(full, elapsed)
+        metrics.record_network_programming(commit.trigger_times)
+        metrics.set_failed_service_ports(len(result.failed))
+        metrics.set_pending(services=0, endpoints=0)
+        self._count_no_local(commit)
         changed = "all" if commit.changed is None else str(len(commit.changed))
         log.info(
             "sync done: version=%s, %s sync, %s service port(s) changed, %d in all, %.1f ms",
@@ -298,6 +314,23 @@ class Agent:
             changed,
             len(self._model.state.services),
             elapsed * 1000,
+        )
+
+    def _count_no_local(self, commit: Commit) -> None:
+        """kube-proxy's sync_proxy_rules_no_local_endpoints_total, kept per changed service port."""
+        state = self._model.state
+        ports = state.services if commit.changed is None else commit.changed
+        if commit.changed is None:
+            self._no_local = {}
+        for spn in ports:
+            sp, eps = state.services.get(spn), state.endpoints.get(spn)
+            counts = (0, 0) if sp is None or eps is None else no_local_endpoints(sp, eps)
+            if counts == (0, 0):
+                self._no_local.pop(spn, None)
+            else:
+                self._no_local[spn] = counts
+        self._parts.metrics.set_no_local_endpoints(
+            sum(i for i, _ in self._no_local.values()), sum(e for _, e in self._no_local.values())
         )
 
     def _sync_service_health(self, commit: Commit) -> None:

@@ -94,3 +94,83 @@ def test_dry_run_of_the_examples_needs_no_root(capsys: pytest.CaptureFixture[str
     assert main([*argv, "--mode=iptables"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("*filter\n") and "-A KUBE-SERVICES" in out and out.rstrip().endswith("COMMIT")
+
+
+def test_kube_proxy_flags_map_to_the_config() -> None:
+    from agent.cli import resolve
+    from agent.config import ConntrackSettings
+
+    cfg = resolve(
+        [
+            "--kubeconfig=/var/lib/kube-proxy/kubeconfig.conf",
+            "--master=https://10.0.0.1:6443",
+            "--healthz-bind-address=0.0.0.0",
+            "--metrics-bind-address=0.0.0.0:9999",
+            "--bind-address-hard-fail",
+            "--masquerade-all=true",
+            "--conntrack-max-per-core=0",
+            "--conntrack-min=65536",
+            "--conntrack-tcp-timeout-established=12h",
+            "--conntrack-tcp-timeout-close-wait=30m",
+            "--conntrack-tcp-be-liberal=true",
+            "--conntrack-udp-timeout=30s",
+            "--conntrack-udp-timeout-stream=2m",
+            "--sync-period=45s",
+            "--min-sync-period=3s",
+            "--nodeport-addresses=primary",
+        ]
+    ).config
+    assert cfg.kubeconfig == "/var/lib/kube-proxy/kubeconfig.conf" and cfg.master == "https://10.0.0.1:6443"
+    assert cfg.healthz_bind_address == "0.0.0.0:10256" and cfg.metrics_bind_address == "0.0.0.0:9999"
+    assert cfg.bind_address_hard_fail is True and cfg.masquerade_all is True
+    assert cfg.conntrack == ConntrackSettings(0, 65536, 43200.0, 1800.0, True, 30.0, 120.0)
+    assert (cfg.sync_period_s, cfg.min_sync_period_s) == (45.0, 3.0)
+    assert cfg.nodeport_addresses == ("primary",)
+
+
+def test_empty_bind_address_turns_a_server_off() -> None:
+    from agent.cli import resolve
+
+    cfg = resolve(["--healthz-bind-address=", "--metrics-bind-address", ""]).config
+    assert cfg.healthz_bind_address == "" and cfg.metrics_bind_address == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--healthz-bind-address=node1"], "'node1' is not IP or IP:port"),
+        (["--metrics-bind-address=127.0.0.1:70000"], "'70000' is not a port"),
+        (["--conntrack-min=-1"], "is not a whole number >= 0"),
+        (["--conntrack-tcp-timeout-established=-1h"], "must not be negative"),
+        (["--conntrack-udp-timeout=5x"], "unknown unit 'x'"),
+        (["--masquerade-all=maybe"], "'maybe' is not true or false"),
+        (["--nodeport-addresses=eth0"], "'eth0' is not a CIDR or one of primary, localhost, all"),
+    ],
+)
+def test_bad_kube_proxy_flags_say_what_is_wrong(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_boolean_flags_take_pflag_forms() -> None:
+    for argv, value in (
+        (["--cleanup"], True),
+        (["--cleanup=true"], True),
+        (["--cleanup=false"], False),
+        ([], False),
+    ):
+        assert config_from_args(build_parser().parse_args(argv)).cleanup is value
+
+
+def test_given_dests_sees_flags_equal_to_their_default() -> None:
+    from agent.cli import given_dests
+
+    assert given_dests(["--mode=ebpf", "--sync-period", "30s", "-v", "2"]) == {
+        "mode",
+        "iptables_sync_period",
+        "verbosity",
+    }

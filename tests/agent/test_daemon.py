@@ -7,10 +7,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from agent.config import Config, NodeContext
 from agent.daemon import Agent, Parts
 from agent.errors import FatalError
+from agent.metrics import Metrics
 from agent.model.problem import Problem
 from agent.model.types import ProxyState, ServicePortName
 from agent.proxier import SyncResult
@@ -101,6 +103,7 @@ class Rig:
         self.proxier = FakeProxier()
         self.health = FakeHealth()
         self.events = FakeEvents()
+        self.registry = CollectorRegistry()
         config = Config(hostname="node1", sync_period_s=sync_period, min_sync_period_s=0.0)
         self.agent = Agent(
             config,
@@ -108,6 +111,7 @@ class Rig:
                 source=self.source,
                 proxier=self.proxier,
                 node_context=lambda: NODE,
+                metrics=Metrics(self.registry),
                 health=self.health,
                 service_health=self.health,
                 events=self.events,
@@ -185,16 +189,14 @@ def test_service_ports_that_failed_are_retried_until_they_go_through(
 def test_a_malformed_object_is_reported_once_as_log_metric_and_event(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from agent import metrics
-
-    before = metrics.SKIPPED_OBJECTS.labels(kind="Service")._value.get()
     rig = Rig()
     rig.send(service("web"), service("bad", clusterIP="10.96.0.300"), synced="v1")
     rig.sync()
     rig.send(service("bad", clusterIP="10.96.0.301"))
     rig.sync()
     assert [p.ref for p in rig.events.warned] == ["Service default/bad", "Service default/bad"]
-    assert metrics.SKIPPED_OBJECTS.labels(kind="Service")._value.get() == before + 2
+    assert rig.registry.get_sample_value("ekp_skipped_objects_total", {"kind": "Service"}) == 2
+    assert rig.registry.get_sample_value("ekp_invalid_objects") == 1
     rig.send(service("bad", clusterIP="10.96.0.31"))
     rig.sync()
     assert "resolved: Service default/bad" in caplog.text

@@ -210,3 +210,8 @@ def test_trigger_times_of_changed_services_are_reported() -> None:
     result = m.commit()
     assert result.trigger_times == (1767323045.0,)
     assert m.commit().trigger_times == ()
+    sl["metadata"]["annotations"] = {"endpoints.kubernetes.io/last-change-trigger-time": "yesterday"}
+    sl["endpoints"] = [endpoint("10.244.1.3")]
+    m.set_slice("default/web-1", sl)
+    unparsable = m.commit()
+    assert unparsable.changed and unparsable.trigger_times == ()
