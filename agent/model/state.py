@@ -8,17 +8,18 @@ still built.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from agent.model.parse import (
     Obj,
     ParsedSlice,
     ParseError,
+    object_key,
     parse_endpoint_slice,
     parse_service,
 )
-from agent.model.problem import Problem, printable
+from agent.model.problem import Problem
 from agent.model.topology import categorize_endpoints
 from agent.model.types import Endpoint, NodeInfo, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 
@@ -29,12 +30,13 @@ class BuildResult:
     problems: tuple[Problem, ...]
 
 
-def problem_of(kind: str, obj: Obj, exc: Exception) -> Problem:
-    """The Problem of an object that failed to parse, tolerant of any shape of metadata."""
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    meta = meta if isinstance(meta, Mapping) else {}
-    namespace, name = meta.get("namespace") or "default", meta.get("name") or "?"
-    return Problem(kind, str(namespace), str(name), printable(str(exc), 400))
+def problem_of(kind: str, obj: Obj, exc: ParseError) -> Problem:
+    """The Problem of an object that failed to parse, tolerant of any shape of metadata.
+
+    The parser quotes caller text through `printable` already; the reason is used as it is.
+    """
+    namespace, name = object_key(obj)
+    return Problem(kind, namespace, name, str(exc))
 
 
 def merge_slices(
@@ -66,13 +68,13 @@ def build_state(services: Iterable[Obj], slices: Iterable[Obj], node: NodeInfo) 
         try:
             for sp in parse_service(svc):
                 ports[sp.name] = sp
-        except (ParseError, TypeError, ValueError, AttributeError) as exc:
+        except ParseError as exc:
             problems.append(problem_of("Service", svc, exc))
     parsed: list[ParsedSlice] = []
     for eps in slices:
         try:
             sl = parse_endpoint_slice(eps)
-        except (ParseError, TypeError, ValueError, AttributeError) as exc:
+        except ParseError as exc:
             problems.append(problem_of("EndpointSlice", eps, exc))
             continue
         if sl is not None:
