@@ -28,19 +28,18 @@ import ipaddress
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-_DIGITS = frozenset("0123456789")
 _HEX = frozenset("0123456789abcdefABCDEF")
-_LINK_LOCAL_MULTICAST_V4 = ipaddress.IPv4Network("224.0.0.0/24")
 
 
 def _decimal(text: str, maximum: int) -> int | None:
     """Go's `dtoi` as ParseIPSloppy uses it: ASCII digits only, leading zeros free, <= maximum."""
-    if not text or not set(text) <= _DIGITS:
+    if not (text.isascii() and text.isdigit()):
         return None
-    significant = text.lstrip("0") or "0"
-    if len(significant) > len(str(maximum)):
-        return None
-    value = int(significant)
+    if len(text) > 3:  # only leading zeros may make it longer (int() of 5,000 digits would raise)
+        text = text.lstrip("0") or "0"
+        if len(text) > 3:
+            return None
+    value = int(text)
     return value if value <= maximum else None
 
 
@@ -121,15 +120,15 @@ def special_ip_reason(ip: IPAddress) -> str | None:
         return "may not be unspecified (0.0.0.0, ::)"
     if ip.is_loopback:
         return "may not be in the loopback range (127.0.0.0/8, ::1/128)"
+    value = int(ip)
     if isinstance(ip, ipaddress.IPv4Address):
-        if ip in ipaddress.IPv4Network("169.254.0.0/16"):
+        if value >> 16 == 0xA9FE:  # 169.254.0.0/16
             return "may not be in the link-local range (169.254.0.0/16, fe80::/10)"
-        if ip in _LINK_LOCAL_MULTICAST_V4:
+        if value >> 8 == 0xE00000:  # 224.0.0.0/24
             return "may not be in the link-local multicast range (224.0.0.0/24, ff02::/10)"
         return None
-    if ip in ipaddress.IPv6Network("fe80::/10"):
+    if value >> 118 == 0x3FA:  # fe80::/10
         return "may not be in the link-local range (169.254.0.0/16, fe80::/10)"
-    packed = ip.packed
-    if packed[0] == 0xFF and packed[1] & 0x0F == 0x02:  # Go's IsLinkLocalMulticast: ffx2::/16
+    if value >> 120 == 0xFF and (value >> 112) & 0x0F == 0x02:  # Go's IsLinkLocalMulticast: ffx2::/16
         return "may not be in the link-local multicast range (224.0.0.0/24, ff02::/10)"
     return None

@@ -559,15 +559,19 @@ def _endpoint(item: Any, address_type: str, where: str) -> Endpoint | None:
     if hostname is not None:
         text = require_str(hostname, f"{where}.hostname")
         check_name(text, f"{where}.hostname", is_dns1123_label(text), DNS1123_LABEL_RULE)
-    hints = opt_map(ep, "hints", f"{where}.hints") or {}
-    zone_hints = _hint_names(hints, "forZones", f"{where}.hints.forZones", is_label_value, LABEL_VALUE_RULE)
-    node_hints = _hint_names(
-        hints,
-        "forNodes",
-        f"{where}.hints.forNodes",
-        is_dns1123_subdomain,
-        "must be a node name: " + DNS1123_SUBDOMAIN_RULE,
-    )
+    hints = opt_map(ep, "hints", f"{where}.hints")
+    zone_hints = node_hints = frozenset[str]()
+    if hints:
+        zone_hints = _hint_names(
+            hints, "forZones", f"{where}.hints.forZones", is_label_value, LABEL_VALUE_RULE
+        )
+        node_hints = _hint_names(
+            hints,
+            "forNodes",
+            f"{where}.hints.forNodes",
+            is_dns1123_subdomain,
+            "must be a node name: " + DNS1123_SUBDOMAIN_RULE,
+        )
     if address_type != "IPv4":
         return None
     ready_now = True if ready is None else ready
