@@ -22,17 +22,20 @@ Two steps per object, in the order a real cluster applies them:
    without a number (`endpointInfoByServicePort`, pkg/proxy/endpointslicecache.go). Ignored is
    not a problem: nothing is reported.
 
-   The label rule is the one kube-proxy applied through 1.33: one informer factory with the
-   selector `!service-proxy-name,!headless` for both kinds (cmd/kube-proxy/app/server.go). Newer
-   upstream splits it (Services: `!service-proxy-name` plus the field selector
-   `spec.clusterIP!=None`; EndpointSlices: `!headless`); the two differ only for a Service that
-   carries the headless label itself, or a slice that carries service-proxy-name alone.
+   The label rule is the one kube-proxy applied for many releases: one informer factory with the
+   selector `!service-proxy-name,!headless` for both kinds (cmd/kube-proxy/app/server.go, `Run`).
+   The newest server.go read (the one with statusz and flagz) splits it: Services
+   `!service-proxy-name` plus the field selector `spec.clusterIP!=None`, EndpointSlices
+   `!headless`. The two differ only for a Service that carries the headless label itself (ignored
+   here, programmed without endpoints there) or a slice that carries service-proxy-name while its
+   Service does not (ignored here, used there).
 
 Two rules go beyond the API server because a backend cannot program what it accepts: an
 EndpointSlice port outside 1-65535 (the API only requires an int32; kube-proxy would write it and
 have iptables-restore refuse the whole ruleset), and load-balancer ingress on a Service that is
-not of type LoadBalancer (refused by the API server since 1.29, so never programmed here, but
-not reported either, as such a Service may be a legacy object that is otherwise fine).
+not of type LoadBalancer (refused by the API server unless the deprecated
+AllowServiceLBStatusOnNonLB gate is on, so never programmed here, but not reported either: such a
+Service may be a legacy object that is otherwise fine).
 
 Addresses are read as kube-proxy reads them (`addresses.parse_ip_sloppy`: leading zeros allowed
 in stored objects) and kept in canonical form, so renderers never see the raw text.
@@ -196,7 +199,7 @@ class _Port:
 
 
 def _cluster_ips(spec: Obj, svc_type: str) -> tuple[bool, list[IPAddress]]:
-    """(headless, addresses) after ValidateServiceClusterIPsRelatedFields; ([], False) when unset."""
+    """(headless, addresses) after ValidateServiceClusterIPsRelatedFields; (False, []) when unset."""
     cluster_ip = opt_str(spec, "clusterIP", "spec.clusterIP")
     listed = [
         require_str(v, f"spec.clusterIPs[{i}]")
