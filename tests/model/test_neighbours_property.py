@@ -9,11 +9,12 @@ family, strings for booleans, nesting thousands of levels deep. Then:
 * `build_state` never raises, whatever the neighbour;
 * when the model reports a Problem for the neighbour, both renderings of the valid objects plus
   the neighbour are byte-identical to the renderings without it;
-* whether the model reports or accepts the neighbour, both renderers render the state it builds
-  (the model never hands them something they cannot program).
+* when the model accepts the neighbour, both renderers render the state it builds, and the
+  iptables text is made of well-formed lines only (the model never hands a renderer something it
+  cannot program, nor text that forges a rule).
 
 Each valid object is its own test case (so every one of them is mutated, not just the ones a random
-draw favours), with `EKP_PROPERTY_EXAMPLES` examples each (default 20: 340 per property), no
+draw favours), with `EKP_PROPERTY_EXAMPLES` examples each (default 15: 255 per property), no
 deadline, derandomized so a `make test` run is reproducible; raise the count locally to search
 harder (`EKP_PROPERTY_EXAMPLES=500`).
 """
@@ -34,7 +35,7 @@ from agent.ebpf import render_dry_run as render_ebpf
 from agent.iptables import render_dry_run as render_iptables
 from agent.model import BuildResult, NodeInfo, build_state
 
-EXAMPLES = int(os.environ.get("EKP_PROPERTY_EXAMPLES", "20"))
+EXAMPLES = int(os.environ.get("EKP_PROPERTY_EXAMPLES", "15"))
 SETTINGS = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -382,8 +383,11 @@ def test_a_reported_neighbour_changes_no_byte_of_either_rendering(origin: Obj, d
 @pytest.mark.parametrize("origin", VALID, ids=IDS)
 @SETTINGS
 @given(data=st.data())
-def test_both_renderers_render_whatever_the_model_builds(origin: Obj, data: st.DataObject) -> None:
-    iptables_text, ebpf_text = render(with_neighbour(data.draw(neighbours(origin), label="neighbour")))
+def test_an_accepted_neighbour_renders_cleanly_in_both_modes(origin: Obj, data: st.DataObject) -> None:
+    result = with_neighbour(data.draw(neighbours(origin), label="neighbour"))
+    if result.problems:
+        return  # reported: the test above compares its renderings byte for byte
+    iptables_text, ebpf_text = render(result)
     assert "6.6.6.6" not in iptables_text
     for line in iptables_text.splitlines():
         assert IPTABLES_LINE.fullmatch(line), line
