@@ -262,11 +262,18 @@ class Agent:
                 self._version = event.version
             return
         assert isinstance(event, ObjectEvent)
-        obj = None if event.type is EventType.DELETED else event.obj
+        deleted = event.type is EventType.DELETED
+        obj = None if deleted else event.obj
         if event.kind is Kind.SERVICE:
-            self._model.set_service(event.key, obj)
+            if deleted:
+                self._model.delete_service(event.key)
+            else:
+                self._model.set_service(event.key, event.obj)
         elif event.kind is Kind.ENDPOINT_SLICE:
-            self._model.set_slice(event.key, obj)
+            if deleted:
+                self._model.delete_slice(event.key)
+            else:
+                self._model.set_slice(event.key, event.obj)
         elif event.kind is Kind.NODE:
             self._model.set_node(NodeInfo(self._config.hostname, _labels(obj)))
             if self._parts.health is not None:

@@ -1,19 +1,54 @@
-"""Kubernetes objects (plain dicts in the API's JSON shape) to frozen proxy types.
+"""Kubernetes objects (plain dicts in the API's JSON shape) to frozen proxy types, validated first.
 
-Follows kube-proxy's `newBaseServiceInfo` and `endpointSliceCache.addEndpoints`: which services are
-ignored (headless, ExternalName, `service.kubernetes.io/service-proxy-name`), which addresses are
-kept (IPv4 only), what the defaults of absent conditions are (ready=true, serving=ready,
-terminating=false). An object that cannot be understood raises ParseError naming the field; the
-caller skips that one object and keeps the rest.
+Two steps per object, in the order a real cluster applies them:
+
+1. **Validate as the API server does** (pkg/apis/core/validation/validation.go `ValidateService`,
+   pkg/apis/discovery/validation/validation.go `ValidateEndpointSlice`, after the defaulting of
+   pkg/apis/core/v1/defaults.go and the registry's allocators). Absent fields the API server
+   would default or allocate are taken as defaulted (`type` ClusterIP, `protocol` TCP,
+   `sessionAffinity` None with a 10800 s timeout for ClientIP, the traffic policies Cluster,
+   `ipMode` VIP, `clusterIPs` from `clusterIP`) or as not yet allocated (`nodePort`,
+   `healthCheckNodePort` 0). Everything the model reads, and every rule that decides how it is
+   read, is checked; a field it never reads (selector, annotations, loadBalancerClass, ...) is
+   not. An object the API server would refuse raises ParseError naming the field and what would
+   be right: the caller reports it and programs everything else. Nothing but ParseError is ever
+   raised, whatever the input.
+2. **Ignore as kube-proxy does**: objects its informers never receive (labelled
+   `service.kubernetes.io/service-proxy-name` or `service.kubernetes.io/headless`, Services and
+   EndpointSlices alike), Services without a cluster IP, headless and ExternalName Services
+   (`ShouldSkipService`, pkg/proxy/util/utils.go), IPv6-only Services, IPv6 and FQDN
+   EndpointSlices, load-balancer ingress IPs with `ipMode: Proxy` (`IsVIPMode`), addresses of
+   the other family (`newBaseServiceInfo`, pkg/proxy/serviceport.go), and EndpointSlice ports
+   without a number (`endpointInfoByServicePort`, pkg/proxy/endpointslicecache.go). Ignored is
+   not a problem: nothing is reported.
+
+   The label rule is the one kube-proxy applied for many releases: one informer factory with the
+   selector `!service-proxy-name,!headless` for both kinds (cmd/kube-proxy/app/server.go, `Run`).
+   The newest server.go read (the one with statusz and flagz) splits it: Services
+   `!service-proxy-name` plus the field selector `spec.clusterIP!=None`, EndpointSlices
+   `!headless`. The two differ only for a Service that carries the headless label itself (ignored
+   here, programmed without endpoints there) or a slice that carries service-proxy-name while its
+   Service does not (ignored here, used there).
+
+Two rules go beyond the API server because a backend cannot program what it accepts: an
+EndpointSlice port outside 1-65535 (the API only requires an int32; kube-proxy would write it and
+have iptables-restore refuse the whole ruleset), and load-balancer ingress on a Service that is
+not of type LoadBalancer (refused by the API server unless the deprecated
+AllowServiceLBStatusOnNonLB gate is on, so never programmed here, but not reported either: such a
+Service may be a legacy object that is otherwise fine).
+
+Addresses are read as kube-proxy reads them (`addresses.parse_ip_sloppy`: leading zeros allowed
+in stored objects) and kept in canonical form, so renderers never see the raw text.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from agent.model.addresses import IPAddress, parse_cidr_sloppy, parse_ip_sloppy, special_ip_reason
 from agent.model.types import (
     DEFAULT_AFFINITY_TIMEOUT_SECONDS,
     Endpoint,
@@ -22,6 +57,49 @@ from agent.model.types import (
     ServicePortName,
     SessionAffinity,
 )
+from agent.model.validate import (
+    DNS1035_LABEL_RULE,
+    DNS1123_LABEL_RULE,
+    DNS1123_SUBDOMAIN_RULE,
+    IANA_SVC_NAME_RULE,
+    LABEL_VALUE_RULE,
+    QUALIFIED_NAME_RULE,
+    ParseError,
+    check_name,
+    describe,
+    invalid,
+    is_dns1035_label,
+    is_dns1123_label,
+    is_dns1123_subdomain,
+    is_fqdn,
+    is_iana_svc_name,
+    is_label_value,
+    is_qualified_name,
+    labels,
+    one_of,
+    opt_bool,
+    opt_int,
+    opt_list,
+    opt_map,
+    opt_str,
+    require_int,
+    require_map,
+    require_str,
+)
+
+__all__ = [
+    "HEADLESS_LABEL",
+    "SERVICE_NAME_LABEL",
+    "SERVICE_PROXY_NAME_LABEL",
+    "Obj",
+    "ParseError",
+    "ParsedSlice",
+    "SlicePort",
+    "object_key",
+    "parse_endpoint_slice",
+    "parse_service",
+    "should_skip_service",
+]
 
 SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
 HEADLESS_LABEL = "service.kubernetes.io/headless"
@@ -29,9 +107,19 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 Obj = Mapping[str, Any]
 
-
-class ParseError(ValueError):
-    """A Kubernetes object this proxy cannot program; the message says which field and why."""
+PROTOCOLS = ("TCP", "UDP", "SCTP")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+TRAFFIC_POLICIES = ("Cluster", "Local")
+IP_FAMILIES = ("IPv4", "IPv6")
+IP_FAMILY_POLICIES = ("SingleStack", "PreferDualStack", "RequireDualStack")
+IP_MODES = ("VIP", "Proxy")
+ADDRESS_TYPES = ("IPv4", "IPv6", "FQDN")
+MAX_AFFINITY_TIMEOUT_SECONDS = 86400  # core.MaxClientIPServiceAffinitySeconds
+# Per-slice limits, pkg/apis/discovery/validation/validation.go.
+MAX_SLICE_ENDPOINTS = 1000
+MAX_SLICE_PORTS = 20000
+MAX_ENDPOINT_ADDRESSES = 100
+MAX_HINTS = 8  # forZones, and forNodes, each
 
 
 @dataclass(frozen=True)
@@ -52,220 +140,518 @@ class ParsedSlice:
     endpoints: tuple[Endpoint, ...]  # port 0: the slice's ports apply to each address
 
 
-def object_ref(obj: Obj) -> str:
-    """`Kind namespace/name` for log lines and events, tolerant of missing fields."""
-    meta = obj.get("metadata") or {}
-    return f"{obj.get('kind', 'Object')} {meta.get('namespace', 'default')}/{meta.get('name', '?')}"
+def object_key(obj: object) -> tuple[str, str]:
+    """(namespace, name) of any object, for a Problem: "default" and "?" where unusable."""
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    if not isinstance(meta, Mapping):
+        return "default", "?"
+    namespace, name = meta.get("namespace"), meta.get("name")
+    return (
+        namespace if isinstance(namespace, str) and namespace else "default",
+        name if isinstance(name, str) and name else "?",
+    )
 
 
-def _meta(obj: Obj) -> tuple[str, str, Mapping[str, str]]:
-    meta = obj.get("metadata")
-    if not isinstance(meta, Mapping) or not meta.get("name"):
-        raise ParseError("metadata.name is missing")
-    labels = meta.get("labels") or {}
-    if not isinstance(labels, Mapping):
-        raise ParseError("metadata.labels is not a map")
-    return str(meta.get("namespace") or "default"), str(meta["name"]), labels
+# ---- metadata and the informers' label selector -----------------------------------------------
 
 
-def _is_ipv4(value: str) -> bool:
-    try:
-        return isinstance(ipaddress.ip_address(value), ipaddress.IPv4Address)
-    except ValueError:
-        return False
+@dataclass(frozen=True)
+class _Meta:
+    namespace: str
+    name: str
+    labels: Mapping[str, str]
 
 
-def _check_ip(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise ParseError(f"{where}: {value!r} is not an IP address")
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        raise ParseError(f"{where}: {value!r} is not an IP address") from None
-    return value
+def _metadata(obj: object, name_ok: Callable[[str], bool], name_rule: str) -> _Meta:
+    meta = require_map(require_map(obj, "object").get("metadata"), "metadata")
+    name = opt_str(meta, "name", "metadata.name")
+    if not name:
+        raise invalid("metadata.name", f"is required: it {name_rule}")
+    check_name(name, "metadata.name", name_ok(name), name_rule)
+    # A file may leave the namespace out, as `kubectl apply` does: the API server fills it in.
+    namespace = opt_str(meta, "namespace", "metadata.namespace") or "default"
+    check_name(namespace, "metadata.namespace", is_dns1123_label(namespace), DNS1123_LABEL_RULE)
+    return _Meta(namespace, name, labels(meta, "metadata.labels"))
 
 
-def _protocol(value: Any, where: str) -> Protocol:
-    try:
-        return Protocol(value or "TCP")
-    except ValueError:
-        raise ParseError(f"{where}: unknown protocol {value!r} (want TCP, UDP or SCTP)") from None
-
-
-def _port_number(value: Any, where: str, *, allow_zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ParseError(f"{where}: {value!r} is not a port number")
-    if not (0 if allow_zero else 1) <= value <= 65535:
-        raise ParseError(f"{where}: {value} is out of range 1-65535")
-    return value
-
-
-def _source_ranges(values: Iterable[Any]) -> tuple[str, ...]:
-    out: list[str] = []
-    for raw in values:
-        text = str(raw).strip()
-        try:
-            net = ipaddress.ip_network(text, strict=False)
-        except ValueError:
-            raise ParseError(f"spec.loadBalancerSourceRanges: {raw!r} is not a CIDR") from None
-        if isinstance(net, ipaddress.IPv4Network):
-            out.append(text)
-    return tuple(out)
-
-
-def should_skip_service(svc: Obj) -> str | None:
-    """Why kube-proxy ignores this Service, or None when it programs it."""
-    _, _, labels = _meta(svc)
-    spec = svc.get("spec") or {}
-    if SERVICE_PROXY_NAME_LABEL in labels:
+def _not_for_this_proxy(object_labels: Mapping[str, str]) -> str | None:
+    if SERVICE_PROXY_NAME_LABEL in object_labels:
         return f"labelled {SERVICE_PROXY_NAME_LABEL}: another proxy handles it"
-    if spec.get("type") == "ExternalName":
-        return "type ExternalName"
-    cluster_ip = spec.get("clusterIP")
-    if cluster_ip in (None, "", "None"):
-        return "headless (no cluster IP)"
+    if HEADLESS_LABEL in object_labels:
+        return f"labelled {HEADLESS_LABEL}: DNS serves it, no proxy does"
     return None
 
 
-def parse_service(svc: Obj) -> list[ServicePort]:
-    """One Service to its ports; [] when the proxy ignores it (see should_skip_service)."""
-    namespace, name, _ = _meta(svc)
-    if should_skip_service(svc) is not None:
-        return []
-    spec = svc.get("spec")
-    if not isinstance(spec, Mapping):
-        raise ParseError("spec is missing")
-    svc_type = spec.get("type") or "ClusterIP"
-    if svc_type not in ("ClusterIP", "NodePort", "LoadBalancer"):
-        raise ParseError(f"spec.type: unknown type {svc_type!r}")
+# ---- Services ----------------------------------------------------------------------------------
 
-    cluster_ips = [_check_ip(ip, "spec.clusterIPs") for ip in (spec.get("clusterIPs") or [])]
-    cluster_ips.append(_check_ip(spec.get("clusterIP"), "spec.clusterIP"))
-    ipv4 = [ip for ip in cluster_ips if _is_ipv4(ip)]
-    if not ipv4:
-        return []  # an IPv6-only service: not ours to program in an IPv4 proxy
-    cluster_ip = ipv4[0]
 
-    external_ips = tuple(
-        ip
-        for ip in (_check_ip(ip, "spec.externalIPs") for ip in (spec.get("externalIPs") or []))
-        if _is_ipv4(ip)
-    )
-    lb_ips: list[str] = []
-    status = svc.get("status") or {}
-    for ing in (status.get("loadBalancer") or {}).get("ingress") or []:
-        ip = ing.get("ip")
-        # Proxy-mode load balancers deliver to the node themselves; kube-proxy skips them.
-        if not ip or ing.get("ipMode") == "Proxy":
-            continue
-        if _is_ipv4(_check_ip(ip, "status.loadBalancer.ingress.ip")):
-            lb_ips.append(ip)
+@dataclass(frozen=True)
+class _Skip:
+    reason: str
 
-    externally_accessible_type = svc_type in ("NodePort", "LoadBalancer") or bool(external_ips)
-    etp_local = externally_accessible_type and spec.get("externalTrafficPolicy") == "Local"
-    itp_local = spec.get("internalTrafficPolicy") == "Local"
-    affinity = SessionAffinity.NONE
-    timeout = 0
-    if spec.get("sessionAffinity") == "ClientIP":
-        affinity = SessionAffinity.CLIENT_IP
-        cfg = ((spec.get("sessionAffinityConfig") or {}).get("clientIP") or {}).get("timeoutSeconds")
-        timeout = DEFAULT_AFFINITY_TIMEOUT_SECONDS if cfg is None else int(cfg)
-        if not 0 < timeout <= 86400:
-            raise ParseError(f"spec.sessionAffinityConfig.clientIP.timeoutSeconds: {timeout} not in 1-86400")
-    elif spec.get("sessionAffinity") not in (None, "None"):
-        raise ParseError(f"spec.sessionAffinity: unknown value {spec.get('sessionAffinity')!r}")
-    hc_port = 0
-    if svc_type == "LoadBalancer" and etp_local:
-        hc_port = _port_number(
-            spec.get("healthCheckNodePort") or 0, "spec.healthCheckNodePort", allow_zero=True
-        )
-    ranges = _source_ranges(spec.get("loadBalancerSourceRanges") or [])
 
-    ports = spec.get("ports") or []
-    if not isinstance(ports, list):
-        raise ParseError("spec.ports is not a list")
-    out: list[ServicePort] = []
-    for i, p in enumerate(ports):
-        where = f"spec.ports[{i}]"
-        if not isinstance(p, Mapping):
-            raise ParseError(f"{where} is not a map")
-        proto = _protocol(p.get("protocol"), f"{where}.protocol")
-        node_port = 0
-        if svc_type in ("NodePort", "LoadBalancer"):
-            node_port = _port_number(p.get("nodePort") or 0, f"{where}.nodePort", allow_zero=True)
-        out.append(
-            ServicePort(
-                name=ServicePortName(namespace, name, str(p.get("name") or ""), proto),
-                cluster_ip=cluster_ip,
-                port=_port_number(p.get("port"), f"{where}.port"),
-                protocol=proto,
-                node_port=node_port,
-                external_ips=external_ips,
-                load_balancer_ips=tuple(lb_ips),
-                load_balancer_source_ranges=ranges,
-                external_policy_local=etp_local,
-                internal_policy_local=itp_local,
-                session_affinity=affinity,
-                affinity_timeout_seconds=timeout,
-                health_check_node_port=hc_port,
+@dataclass(frozen=True)
+class _Port:
+    name: str
+    port: int
+    protocol: Protocol
+    node_port: int
+
+
+def _cluster_ips(spec: Obj, svc_type: str) -> tuple[bool, list[IPAddress]]:
+    """(headless, addresses) after ValidateServiceClusterIPsRelatedFields; (False, []) when unset."""
+    cluster_ip = opt_str(spec, "clusterIP", "spec.clusterIP")
+    listed = [
+        require_str(v, f"spec.clusterIPs[{i}]")
+        for i, v in enumerate(opt_list(spec, "clusterIPs", "spec.clusterIPs"))
+    ]
+    families = [
+        one_of(require_str(v, f"spec.ipFamilies[{i}]"), IP_FAMILIES, f"spec.ipFamilies[{i}]")
+        for i, v in enumerate(opt_list(spec, "ipFamilies", "spec.ipFamilies"))
+    ]
+    if len(set(families)) != len(families):
+        raise invalid("spec.ipFamilies", "may hold each family once")
+    policy = spec.get("ipFamilyPolicy")
+    if policy is not None:
+        one_of(require_str(policy, "spec.ipFamilyPolicy"), IP_FAMILY_POLICIES, "spec.ipFamilyPolicy")
+    if svc_type == "ExternalName":
+        for key, value in (("clusterIP", cluster_ip), ("clusterIPs", listed), ("ipFamilies", families)):
+            if value:
+                raise invalid(f"spec.{key}", "may not be set for ExternalName services")
+        if policy is not None:
+            raise invalid("spec.ipFamilyPolicy", "may not be set for ExternalName services")
+        return False, []
+    where = "spec.clusterIPs"
+    if cluster_ip:
+        if not listed:
+            listed = [cluster_ip]  # the API server's strategy copies the singular field
+            where = "spec.clusterIP"
+        elif listed[0] != cluster_ip:
+            raise invalid(
+                "spec.clusterIPs",
+                f"first value {describe(listed[0])} must match spec.clusterIP {describe(cluster_ip)}",
             )
+    elif listed:
+        raise invalid("spec.clusterIPs", "must be empty when spec.clusterIP is not set")
+    if len(listed) > 2:
+        raise invalid("spec.clusterIPs", f"may only hold up to 2 values, not {len(listed)}")
+    if listed == ["None"]:
+        if svc_type in ("NodePort", "LoadBalancer"):
+            raise invalid("spec.clusterIPs[0]", f"may not be set to 'None' for {svc_type} services")
+        return True, []
+    addresses: list[IPAddress] = []
+    for i, text in enumerate(listed):
+        ip = parse_ip_sloppy(text)
+        path = where if where == "spec.clusterIP" else f"{where}[{i}]"
+        if text == "None":
+            raise invalid(path, "'None' (headless) must be the first and only value")
+        if ip is None:
+            raise invalid(path, f"{describe(text)} must be a valid IP address, e.g. 10.96.0.10")
+        addresses.append(ip)
+    if len(addresses) == 2 and addresses[0].version == addresses[1].version:
+        raise invalid("spec.clusterIPs", "may specify no more than one IP for each IP family")
+    for i, (ip, family) in enumerate(zip(addresses, families, strict=False)):
+        if family != f"IPv{ip.version}":
+            raise invalid(
+                f"spec.clusterIPs[{i}]", f"expected an {family} value as indicated by spec.ipFamilies[{i}]"
+            )
+    return False, addresses
+
+
+def _target_port(value: Any, path: str) -> None:
+    """ValidatePortNumOrName; 0 and "" are what the defaulter replaces by `port`."""
+    if value is None or value == 0 or value == "":
+        return
+    if isinstance(value, str):
+        check_name(value, path, is_iana_svc_name(value), IANA_SVC_NAME_RULE)
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(path, f"{describe(value)} is not valid: {IANA_SVC_NAME_RULE}")
+    require_int(value, path, 1, 65535)
+
+
+def _app_protocol(port: Obj, path: str) -> None:
+    value = port.get("appProtocol")
+    if value is not None:
+        text = require_str(value, path)
+        check_name(text, path, is_qualified_name(text), QUALIFIED_NAME_RULE)
+
+
+def _service_ports(spec: Obj, svc_type: str, headless: bool) -> list[_Port]:
+    raw = opt_list(spec, "ports", "spec.ports")
+    if not raw and not headless and svc_type != "ExternalName":
+        raise invalid("spec.ports", "at least one port is required")
+    names: set[str] = set()
+    seen_ports: set[tuple[int, str]] = set()
+    seen_node_ports: set[tuple[int, str]] = set()
+    out: list[_Port] = []
+    for i, item in enumerate(raw):
+        where = f"spec.ports[{i}]"
+        p = require_map(item, where)
+        name = opt_str(p, "name", f"{where}.name")
+        if name:
+            check_name(name, f"{where}.name", is_dns1123_label(name), DNS1123_LABEL_RULE)
+            if name in names:
+                raise invalid(f"{where}.name", f"duplicate name {describe(name)}: port names must be unique")
+            names.add(name)
+        elif len(raw) > 1:
+            raise invalid(
+                f"{where}.name", f"is required when a Service has more than one port: it {DNS1123_LABEL_RULE}"
+            )
+        number = require_int(p.get("port"), f"{where}.port", 1, 65535)
+        protocol = one_of(
+            opt_str(p, "protocol", f"{where}.protocol") or "TCP", PROTOCOLS, f"{where}.protocol"
         )
-    names = [sp.name for sp in out]
-    if len(set(names)) != len(names):
-        raise ParseError("spec.ports: two ports share a name and protocol")
+        _target_port(p.get("targetPort"), f"{where}.targetPort")
+        _app_protocol(p, f"{where}.appProtocol")
+        node_port = opt_int(p, "nodePort", f"{where}.nodePort", 0, 65535)
+        if (number, protocol) in seen_ports:
+            raise invalid(where, f"duplicate port {number}/{protocol}: each port and protocol once")
+        seen_ports.add((number, protocol))
+        if node_port:
+            if svc_type == "ClusterIP":
+                raise invalid(f"{where}.nodePort", "may not be used when spec.type is ClusterIP")
+            if (node_port, protocol) in seen_node_ports:
+                raise invalid(f"{where}.nodePort", f"duplicate nodePort {node_port}/{protocol}")
+            seen_node_ports.add((node_port, protocol))
+        out.append(_Port(name, number, Protocol(protocol), node_port))
     return out
 
 
-def _condition(conditions: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = conditions.get(key)
-    return default if value is None else bool(value)
+def _affinity_timeout(spec: Obj) -> int:
+    """The ClientIP affinity timeout in seconds, 0 without affinity (validateClientIPAffinityConfig)."""
+    affinity = opt_str(spec, "sessionAffinity", "spec.sessionAffinity") or "None"
+    one_of(affinity, ("ClientIP", "None"), "spec.sessionAffinity")
+    if affinity == "None":
+        if spec.get("sessionAffinityConfig") is not None:
+            raise invalid("spec.sessionAffinityConfig", "must not be set when spec.sessionAffinity is None")
+        return 0
+    config = opt_map(spec, "sessionAffinityConfig", "spec.sessionAffinityConfig") or {}
+    client = opt_map(config, "clientIP", "spec.sessionAffinityConfig.clientIP") or {}
+    timeout = client.get("timeoutSeconds")
+    if timeout is None:
+        return DEFAULT_AFFINITY_TIMEOUT_SECONDS
+    return require_int(
+        timeout, "spec.sessionAffinityConfig.clientIP.timeoutSeconds", 1, MAX_AFFINITY_TIMEOUT_SECONDS
+    )
 
 
-def _hint_names(hints: Mapping[str, Any], key: str) -> frozenset[str]:
-    return frozenset(str(h.get("name")) for h in (hints.get(key) or []) if h.get("name"))
+def _ip_list(obj: Obj, key: str, path: str, *, non_special: bool) -> list[IPAddress]:
+    out: list[IPAddress] = []
+    for i, value in enumerate(opt_list(obj, key, path)):
+        text = require_str(value, f"{path}[{i}]")
+        ip = parse_ip_sloppy(text)
+        if ip is None:
+            raise invalid(f"{path}[{i}]", f"{describe(text)} must be a valid IP address, e.g. 203.0.113.7")
+        reason = special_ip_reason(ip) if non_special else None
+        if reason:
+            raise invalid(f"{path}[{i}]", f"{describe(text)} {reason}")
+        out.append(ip)
+    return out
 
 
-def parse_endpoint_slice(eps: Obj) -> ParsedSlice | None:
-    """One EndpointSlice; None when it is not ours (not IPv4, or marked headless)."""
-    namespace, name, labels = _meta(eps)
-    if HEADLESS_LABEL in labels:
+def _external_policy_local(spec: Obj, accessible: bool) -> bool:
+    policy = opt_str(spec, "externalTrafficPolicy", "spec.externalTrafficPolicy")
+    if not accessible:
+        if policy:
+            raise invalid(
+                "spec.externalTrafficPolicy",
+                "may only be set for externally-accessible services (type NodePort or LoadBalancer, "
+                "or with spec.externalIPs)",
+            )
+        return False
+    return one_of(policy or "Cluster", TRAFFIC_POLICIES, "spec.externalTrafficPolicy") == "Local"
+
+
+def _health_check_node_port(spec: Obj, needs: bool) -> int:
+    """NeedsHealthCheck (LoadBalancer + Local): the allocated port, or 0 until it is allocated."""
+    port = opt_int(spec, "healthCheckNodePort", "spec.healthCheckNodePort")
+    if port and not needs:
+        raise invalid(
+            "spec.healthCheckNodePort",
+            "may only be set when spec.type is LoadBalancer and spec.externalTrafficPolicy is Local",
+        )
+    return require_int(port, "spec.healthCheckNodePort", 0, 65535)
+
+
+def _source_ranges(spec: Obj, svc_type: str) -> list[str]:
+    raw = opt_list(spec, "loadBalancerSourceRanges", "spec.loadBalancerSourceRanges")
+    if raw and svc_type != "LoadBalancer":
+        raise invalid("spec.loadBalancerSourceRanges", "may only be used when spec.type is LoadBalancer")
+    out: list[str] = []
+    for i, value in enumerate(raw):
+        path = f"spec.loadBalancerSourceRanges[{i}]"
+        # Space padding is allowed, a historical accident the API server keeps (ValidateService).
+        text = require_str(value, path).strip()
+        net = parse_cidr_sloppy(text)
+        if net is None:
+            raise invalid(path, f"{describe(value)} must be a valid CIDR, e.g. 198.51.100.0/24")
+        if isinstance(net, ipaddress.IPv4Network) and str(net) not in out:
+            out.append(str(net))
+    return out
+
+
+def _ingress_ips(svc: Obj, svc_type: str) -> list[IPAddress]:
+    """status.loadBalancer.ingress as ValidateLoadBalancerStatus checks it; VIP-mode IPs kept."""
+    status = opt_map(svc, "status", "status") or {}
+    balancer = opt_map(status, "loadBalancer", "status.loadBalancer") or {}
+    out: list[IPAddress] = []
+    for i, item in enumerate(opt_list(balancer, "ingress", "status.loadBalancer.ingress")):
+        where = f"status.loadBalancer.ingress[{i}]"
+        ingress = require_map(item, where)
+        text = opt_str(ingress, "ip", f"{where}.ip")
+        ip = parse_ip_sloppy(text) if text else None
+        if text and ip is None:
+            raise invalid(f"{where}.ip", f"{describe(text)} must be a valid IP address")
+        mode = ingress.get("ipMode")
+        if mode is not None:
+            one_of(require_str(mode, f"{where}.ipMode"), IP_MODES, f"{where}.ipMode")
+            if not text:
+                raise invalid(f"{where}.ip", "must be specified when ipMode is set")
+        hostname = opt_str(ingress, "hostname", f"{where}.hostname")
+        if hostname:
+            check_name(hostname, f"{where}.hostname", is_dns1123_subdomain(hostname), DNS1123_SUBDOMAIN_RULE)
+            if parse_ip_sloppy(hostname) is not None:
+                raise invalid(
+                    f"{where}.hostname", f"{describe(hostname)} must be a DNS name, not an IP address"
+                )
+        if ip is None or mode == "Proxy" or svc_type != "LoadBalancer":
+            continue  # Proxy mode: the load balancer delivers to the node itself (IsVIPMode)
+        if ip not in out:
+            out.append(ip)
+    return out
+
+
+def _service(svc: object) -> list[ServicePort] | _Skip:
+    meta = _metadata(svc, is_dns1035_label, DNS1035_LABEL_RULE)
+    skip = _not_for_this_proxy(meta.labels)
+    if skip:
+        return _Skip(skip)
+    assert isinstance(svc, Mapping)  # _metadata checked it
+    spec = opt_map(svc, "spec", "spec") or {}
+    svc_type = one_of(opt_str(spec, "type", "spec.type") or "ClusterIP", SERVICE_TYPES, "spec.type")
+    headless, cluster_ips = _cluster_ips(spec, svc_type)
+    if svc_type == "ExternalName":
+        target = opt_str(spec, "externalName", "spec.externalName").removesuffix(".")
+        if not target:
+            raise invalid("spec.externalName", "is required for ExternalName services")
+        check_name(target, "spec.externalName", is_dns1123_subdomain(target), DNS1123_SUBDOMAIN_RULE)
+    ports = _service_ports(spec, svc_type, headless)
+    timeout = _affinity_timeout(spec)
+    external_ips = _ip_list(spec, "externalIPs", "spec.externalIPs", non_special=True)
+    # apiservice.ExternallyAccessible: the type, or externalIPs of any family on a ClusterIP.
+    accessible = svc_type in ("NodePort", "LoadBalancer") or (svc_type == "ClusterIP" and bool(external_ips))
+    etp_local = _external_policy_local(spec, accessible)
+    hc_port = _health_check_node_port(spec, svc_type == "LoadBalancer" and etp_local)
+    itp = opt_str(spec, "internalTrafficPolicy", "spec.internalTrafficPolicy") or "Cluster"
+    itp_local = one_of(itp, TRAFFIC_POLICIES, "spec.internalTrafficPolicy") == "Local"
+    ranges = _source_ranges(spec, svc_type)
+    lb_ips = _ingress_ips(svc, svc_type)
+
+    if svc_type == "ExternalName":
+        return _Skip("type ExternalName")
+    if headless:
+        return _Skip("headless (clusterIP None)")
+    if not cluster_ips:
+        return _Skip("no cluster IP allocated")
+    ipv4 = [ip for ip in cluster_ips if ip.version == 4]
+    if not ipv4:
+        return _Skip("no IPv4 cluster IP (this proxy programs IPv4)")
+    ext_v4 = tuple(dict.fromkeys(str(ip) for ip in external_ips if ip.version == 4))
+    lb_v4 = tuple(str(ip) for ip in lb_ips if ip.version == 4)
+    affinity = SessionAffinity.CLIENT_IP if timeout else SessionAffinity.NONE
+    return [
+        ServicePort(
+            name=ServicePortName(meta.namespace, meta.name, p.name, p.protocol),
+            cluster_ip=str(ipv4[0]),
+            port=p.port,
+            protocol=p.protocol,
+            node_port=p.node_port if svc_type in ("NodePort", "LoadBalancer") else 0,
+            external_ips=ext_v4,
+            load_balancer_ips=lb_v4,
+            load_balancer_source_ranges=tuple(ranges),
+            external_policy_local=etp_local,
+            internal_policy_local=itp_local,
+            session_affinity=affinity,
+            affinity_timeout_seconds=timeout,
+            health_check_node_port=hc_port,
+        )
+        for p in ports
+    ]
+
+
+def parse_service(svc: object) -> list[ServicePort]:
+    """One Service to its ports; [] when the proxy ignores it (see should_skip_service).
+
+    Raises ParseError, and only ParseError, when the API server would refuse the object.
+    """
+    result = _service(svc)
+    return [] if isinstance(result, _Skip) else result
+
+
+def should_skip_service(svc: object) -> str | None:
+    """Why kube-proxy ignores this valid Service, or None when it programs it; ParseError if invalid."""
+    result = _service(svc)
+    return result.reason if isinstance(result, _Skip) else None
+
+
+# ---- EndpointSlices ----------------------------------------------------------------------------
+
+
+def _slice_address(text: str, address_type: str, path: str) -> str:
+    """One address checked against the slice's addressType; the canonical IPv4 text, or ""."""
+    if address_type == "FQDN":
+        check_name(text, path, is_fqdn(text), "must be a fully qualified domain name (addressType FQDN)")
+        return ""
+    ip = parse_ip_sloppy(text)
+    if ip is None or f"IPv{ip.version}" != address_type:
+        raise invalid(
+            path, f"{describe(text)} must be a valid {address_type} address (the slice's addressType)"
+        )
+    reason = special_ip_reason(ip)
+    if reason:
+        raise invalid(path, f"{describe(text)} {reason}")
+    return str(ip)
+
+
+def _node_name(value: Any, path: str) -> str:
+    text = require_str(value, path)
+    return check_name(
+        text, path, is_dns1123_subdomain(text), "must be a node name: " + DNS1123_SUBDOMAIN_RULE
+    )
+
+
+def _hint_names(hints: Obj, key: str, path: str, valid: Callable[[str], bool], rule: str) -> frozenset[str]:
+    raw = opt_list(hints, key, path)
+    if len(raw) > MAX_HINTS:
+        raise invalid(path, f"has {len(raw)} entries: at most {MAX_HINTS} are allowed")
+    names: set[str] = set()
+    for i, item in enumerate(raw):
+        where = f"{path}[{i}].name"
+        name = opt_str(require_map(item, f"{path}[{i}]"), "name", where)
+        check_name(name, where, valid(name), rule)
+        if name in names:
+            raise invalid(where, f"duplicate {describe(name)}")
+        names.add(name)
+    # An empty zone name is valid but names no zone: it never matches (as before this validation).
+    return frozenset(n for n in names if n)
+
+
+def _endpoint(item: Any, address_type: str, where: str) -> Endpoint | None:
+    ep = require_map(item, where)
+    addresses = opt_list(ep, "addresses", f"{where}.addresses")
+    if not addresses:
+        raise invalid(f"{where}.addresses", "must contain at least 1 address")
+    if len(addresses) > MAX_ENDPOINT_ADDRESSES:
+        raise invalid(
+            f"{where}.addresses",
+            f"has {len(addresses)} addresses: at most {MAX_ENDPOINT_ADDRESSES} are allowed",
+        )
+    canonical = [
+        _slice_address(require_str(a, f"{where}.addresses[{j}]"), address_type, f"{where}.addresses[{j}]")
+        for j, a in enumerate(addresses)
+    ]
+    conditions = opt_map(ep, "conditions", f"{where}.conditions") or {}
+    ready = opt_bool(conditions, "ready", f"{where}.conditions.ready")
+    serving = opt_bool(conditions, "serving", f"{where}.conditions.serving")
+    terminating = opt_bool(conditions, "terminating", f"{where}.conditions.terminating")
+    node_name = ep.get("nodeName")
+    node = "" if node_name is None else _node_name(node_name, f"{where}.nodeName")
+    zone = opt_str(ep, "zone", f"{where}.zone")
+    hostname = ep.get("hostname")
+    if hostname is not None:
+        text = require_str(hostname, f"{where}.hostname")
+        check_name(text, f"{where}.hostname", is_dns1123_label(text), DNS1123_LABEL_RULE)
+    hints = opt_map(ep, "hints", f"{where}.hints")
+    zone_hints = node_hints = frozenset[str]()
+    if hints:
+        zone_hints = _hint_names(
+            hints, "forZones", f"{where}.hints.forZones", is_label_value, LABEL_VALUE_RULE
+        )
+        node_hints = _hint_names(
+            hints,
+            "forNodes",
+            f"{where}.hints.forNodes",
+            is_dns1123_subdomain,
+            "must be a node name: " + DNS1123_SUBDOMAIN_RULE,
+        )
+    if address_type != "IPv4":
         return None
-    service = labels.get(SERVICE_NAME_LABEL)
+    ready_now = True if ready is None else ready
+    return Endpoint(
+        ip=canonical[0],  # kube-proxy uses the first address; the others are fungible
+        port=0,
+        ready=ready_now,
+        serving=ready_now if serving is None else serving,
+        terminating=bool(terminating),
+        node_name=node,
+        zone=zone,
+        zone_hints=zone_hints,
+        node_hints=node_hints,
+    )
+
+
+def _slice_ports(eps: Obj) -> list[SlicePort]:
+    raw = opt_list(eps, "ports", "ports")
+    if len(raw) > MAX_SLICE_PORTS:
+        raise invalid("ports", f"has {len(raw)} ports: at most {MAX_SLICE_PORTS} are allowed")
+    names: set[str] = set()
+    out: list[SlicePort] = []
+    for i, item in enumerate(raw):
+        where = f"ports[{i}]"
+        p = require_map(item, where)
+        name = opt_str(p, "name", f"{where}.name")
+        if name:
+            check_name(name, f"{where}.name", is_dns1123_label(name), DNS1123_LABEL_RULE)
+        if name in names:
+            raise invalid(
+                f"{where}.name", f"duplicate name {describe(name)}: port names must be unique in a slice"
+            )
+        names.add(name)
+        protocol = one_of(
+            opt_str(p, "protocol", f"{where}.protocol") or "TCP", PROTOCOLS, f"{where}.protocol"
+        )
+        _app_protocol(p, f"{where}.appProtocol")
+        number = opt_int(p, "port", f"{where}.port")
+        if number == 0:
+            continue  # kube-proxy ignores a port without a number
+        if not 1 <= number <= 65535:
+            raise invalid(
+                f"{where}.port", f"{number} is out of range 1-65535: no data path can forward to it"
+            )
+        out.append(SlicePort(name, number, Protocol(protocol)))
+    return out
+
+
+def parse_endpoint_slice(eps: object) -> ParsedSlice | None:
+    """One EndpointSlice; None when it is not ours (IPv6, FQDN, or labelled away).
+
+    Raises ParseError, and only ParseError, when the API server would refuse the object.
+    """
+    meta = _metadata(eps, is_dns1123_subdomain, DNS1123_SUBDOMAIN_RULE)
+    if _not_for_this_proxy(meta.labels):
+        return None
+    assert isinstance(eps, Mapping)  # _metadata checked it
+    label_path = f"metadata.labels[{SERVICE_NAME_LABEL}]"
+    service = meta.labels.get(SERVICE_NAME_LABEL, "")
     if not service:
-        raise ParseError(f"label {SERVICE_NAME_LABEL} is missing: cannot tell which Service owns it")
-    if (eps.get("addressType") or "IPv4") != "IPv4":
+        raise invalid(label_path, "is required: the name of the Service the slice belongs to")
+    check_name(service, label_path, is_dns1035_label(service), "must name a Service: " + DNS1035_LABEL_RULE)
+    address_type = opt_str(eps, "addressType", "addressType")
+    if not address_type:
+        raise invalid("addressType", f"is required: one of {', '.join(ADDRESS_TYPES)}")
+    one_of(address_type, ADDRESS_TYPES, "addressType")
+    raw = opt_list(eps, "endpoints", "endpoints")
+    if len(raw) > MAX_SLICE_ENDPOINTS:
+        raise invalid("endpoints", f"has {len(raw)} endpoints: at most {MAX_SLICE_ENDPOINTS} are allowed")
+    endpoints = [_endpoint(item, address_type, f"endpoints[{i}]") for i, item in enumerate(raw)]
+    ports = _slice_ports(eps)
+    if address_type != "IPv4":
         return None
-    ports: list[SlicePort] = []
-    for i, p in enumerate(eps.get("ports") or []):
-        if p.get("port") is None:
-            continue  # kube-proxy ignores ports without a number
-        ports.append(
-            SlicePort(
-                name=str(p.get("name") or ""),
-                port=_port_number(p.get("port"), f"ports[{i}].port"),
-                protocol=_protocol(p.get("protocol"), f"ports[{i}].protocol"),
-            )
-        )
-    endpoints: list[Endpoint] = []
-    for i, ep in enumerate(eps.get("endpoints") or []):
-        addresses = ep.get("addresses") or []
-        if not addresses:
-            continue
-        ip = _check_ip(addresses[0], f"endpoints[{i}].addresses[0]")
-        conditions = ep.get("conditions") or {}
-        ready = _condition(conditions, "ready", True)
-        hints = ep.get("hints") or {}
-        endpoints.append(
-            Endpoint(
-                ip=ip,
-                port=0,
-                ready=ready,
-                serving=_condition(conditions, "serving", ready),
-                terminating=_condition(conditions, "terminating", False),
-                node_name=str(ep.get("nodeName") or ""),
-                zone=str(ep.get("zone") or ""),
-                zone_hints=_hint_names(hints, "forZones"),
-                node_hints=_hint_names(hints, "forNodes"),
-            )
-        )
-    return ParsedSlice(namespace, name, service, tuple(ports), tuple(endpoints))
+    return ParsedSlice(
+        meta.namespace,
+        meta.name,
+        service,
+        tuple(ports),
+        tuple(ep for ep in endpoints if ep is not None),
+    )

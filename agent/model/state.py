@@ -8,7 +8,7 @@ becomes a Problem and is left out; everything else is still built.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from agent.model.parse import Obj
@@ -28,11 +28,20 @@ class BuildResult:
 
 def build_state(services: Iterable[Obj], slices: Iterable[Obj], node: NodeInfo) -> BuildResult:
     """The state a fresh agent programs for these objects (a later duplicate key replaces an
-    earlier one, as a MODIFIED event would)."""
+    earlier one, as a MODIFIED event would; an object without a usable name is its own key)."""
     model = ProxyModel(node)
-    for svc in services:
-        model.set_service(object_key(Kind.SERVICE, svc), svc)
-    for eps in slices:
-        model.set_slice(object_key(Kind.ENDPOINT_SLICE, eps), eps)
+    for i, svc in enumerate(services):
+        model.set_service(_key(Kind.SERVICE, svc, i), svc)
+    for i, eps in enumerate(slices):
+        model.set_slice(_key(Kind.ENDPOINT_SLICE, eps, i), eps)
     model.commit()
     return BuildResult(state=model.state, problems=tuple(model.problems()))
+
+
+def _key(kind: Kind, obj: object, index: int) -> str:
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("name"), str):
+        return f"\0unnamed-{index}"
+    if not isinstance(meta.get("namespace"), str | None):
+        return f"\0unnamed-{index}"
+    return object_key(kind, obj)

@@ -1,7 +1,8 @@
 """The desired proxy state, kept up to date one object at a time (kube-proxy's change trackers).
 
 `ProxyModel` is pure and single-threaded (the agent's sync thread owns it). Sources feed it object
-by object (`set_service`, `set_slice`, `set_node`; `None` deletes); nothing is computed until
+by object (`set_service`, `set_slice`, `delete_service`, `delete_slice`, `set_node`); nothing is
+computed until
 `commit()`, which re-evaluates only the Services that were touched since the last commit (by their
 own events, by an event of one of their EndpointSlices, or by a conflict they take part in) and
 returns the service ports whose `ServicePort` or chosen endpoints really changed. As in kube-proxy,
@@ -35,9 +36,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from agent.model.parse import (
-    Obj,
     ParsedSlice,
     ParseError,
+    object_key,
     parse_endpoint_slice,
     parse_service,
 )
@@ -108,8 +109,8 @@ def describe_claim(claim: Claim) -> str:
     return f"{claim[1]}:{claim[2]}/{claim[3]}"
 
 
-def _trigger_time(obj: Obj) -> float | None:
-    meta = obj.get("metadata")
+def _trigger_time(obj: object) -> float | None:
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
     annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
     text = annotations.get(TRIGGER_TIME_ANNOTATION) if isinstance(annotations, Mapping) else None
     if not isinstance(text, str):
@@ -123,17 +124,12 @@ def _trigger_time(obj: Obj) -> float | None:
     return when.timestamp()
 
 
-def _meta_names(obj: Obj) -> tuple[str, str, str]:
+def _meta_names(obj: object) -> tuple[str, str, str]:
     """(namespace, name, creationTimestamp) of any object, tolerant of every malformation."""
+    namespace, name = object_key(obj)
     meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    if not isinstance(meta, Mapping):
-        return "default", "?", ""
-    ns, name, created = meta.get("namespace"), meta.get("name"), meta.get("creationTimestamp")
-    return (
-        ns if isinstance(ns, str) and ns else "default",
-        name if isinstance(name, str) and name else "?",
-        created if isinstance(created, str) else "",
-    )
+    created = meta.get("creationTimestamp") if isinstance(meta, Mapping) else None
+    return namespace, name, created if isinstance(created, str) else ""
 
 
 class ProxyModel:
@@ -183,15 +179,11 @@ class ProxyModel:
             raw_endpoints=self.state.raw_endpoints,
         )
 
-    def set_service(self, key: str, obj: Obj | None) -> None:
-        """A Service was added or changed (`obj`), or deleted (None)."""
+    def set_service(self, key: str, obj: object) -> None:
+        """A Service was added or changed (any JSON value: the parser decides what it is)."""
         self.pending_service_changes += 1
         self._touched.add(key)
         pkey = ("Service", key)
-        if obj is None:
-            self._services.pop(key, None)
-            self._set_problem(pkey, None)
-            return
         ns, name, created = _meta_names(obj)
         try:
             ports = tuple(parse_service(obj))
@@ -202,14 +194,16 @@ class ProxyModel:
         self._set_problem(pkey, None)
         self._services[key] = _Service(ports, created)
 
-    def set_slice(self, key: str, obj: Obj | None) -> None:
-        """An EndpointSlice was added or changed (`obj`), or deleted (None)."""
+    def delete_service(self, key: str) -> None:
+        self.pending_service_changes += 1
+        self._touched.add(key)
+        self._services.pop(key, None)
+        self._set_problem(("Service", key), None)
+
+    def set_slice(self, key: str, obj: object) -> None:
+        """An EndpointSlice was added or changed (any JSON value: the parser decides)."""
         self.pending_endpoint_changes += 1
         pkey = ("EndpointSlice", key)
-        if obj is None:
-            self._set_problem(pkey, None)
-            self._drop_slice(key)
-            return
         ns, name, _ = _meta_names(obj)
         try:
             parsed = parse_endpoint_slice(obj)
@@ -229,6 +223,11 @@ class ProxyModel:
         when = _trigger_time(obj)
         if when is not None:
             self._triggers[owner] = min(when, self._triggers.get(owner, when))
+
+    def delete_slice(self, key: str) -> None:
+        self.pending_endpoint_changes += 1
+        self._set_problem(("EndpointSlice", key), None)
+        self._drop_slice(key)
 
     def _drop_slice(self, key: str) -> None:
         owner = self._slice_owner.pop(key, None)

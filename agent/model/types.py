@@ -5,8 +5,10 @@ These mirror kube-proxy's `ServicePortName`, `BaseServicePortInfo` and `BaseEndp
 to small immutable records that both backends (eBPF and iptables) consume. Nothing here knows
 about the kernel or the API server.
 
-IPv4 only for now: addresses are dotted-quad strings, exactly as the API carries them, so that
-rendered iptables rules and decoded map dumps read like the objects they came from.
+IPv4 only for now: addresses are canonical dotted-quad strings (parse.py reads the API's text as
+kube-proxy does, leading zeros included, and writes it back canonically), so that rendered
+iptables rules and decoded map dumps read like the objects they came from and never carry raw
+caller text. Source ranges are canonical CIDRs (`10.0.0.0/8`, host bits cleared).
 """
 
 from __future__ import annotations

@@ -69,9 +69,10 @@ class Source(Protocol):
     def stop(self) -> None: ...
 
 
-def object_key(kind: Kind, obj: Mapping[str, Any]) -> str:
-    """`namespace/name` of a namespaced object, `name` of a Node; tolerant of malformed metadata."""
-    meta = obj.get("metadata")
+def object_key(kind: Kind, obj: object) -> str:
+    """`namespace/name` of a namespaced object, `name` of a Node; tolerant of malformed metadata
+    (anything unusable reads as "default" and "")."""
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
     if not isinstance(meta, Mapping):
         meta = {}
     name = meta.get("name")

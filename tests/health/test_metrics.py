@@ -349,7 +349,8 @@ def test_network_programming_from_trigger_times() -> None:
 
 def test_no_local_endpoints_as_kube_proxy() -> None:
     def svc(name: str, ip: str, node_port: int, **spec: Any) -> dict[str, Any]:
-        base = {"clusterIP": ip, "ports": [{"port": 80, "nodePort": node_port}], **spec}
+        port: dict[str, int] = {"port": 80, "nodePort": node_port} if spec.get("type") else {"port": 80}
+        base = {"clusterIP": ip, "ports": [port], **spec}
         return {"kind": "Service", "metadata": {"name": name, "namespace": "ns"}, "spec": base}
 
     def slc(svc: str, node: str) -> dict[str, Any]:

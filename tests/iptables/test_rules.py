@@ -46,7 +46,10 @@ def test_probabilities_are_upstreams_and_the_last_jump_is_unconditional() -> Non
 
 def test_endpoint_comments_dropped_above_1000_endpoints() -> None:
     eps = [f"10.244.{i // 250}.{i % 250 + 1}" for i in range(1001)]
-    s = state(service("big", "10.96.0.6", ("http", 80, "TCP")), endpoints("big", TCP80, *eps))
+    # The API server allows at most 1000 endpoints in one EndpointSlice: two slices.
+    second = endpoints("big", TCP80, *eps[1000:])
+    second["metadata"]["name"] = "big-2"
+    s = state(service("big", "10.96.0.6", ("http", 80, "TCP")), endpoints("big", TCP80, *eps[:1000]), second)
     r = render(s, NODE, OPTS)
     assert r.large_cluster
     sep_rules = [line for line in r.text.splitlines() if line.startswith("-A KUBE-SEP-")]

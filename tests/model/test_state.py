@@ -102,11 +102,11 @@ def test_malformed_service_skipped_others_kept() -> None:
     r = build_state([*bad, service("good")], [], NODE)
     assert list(r.state.services) == [ServicePortName("default", "good", "http", Protocol.TCP)]
     reasons = {p.ref: p.reason for p in r.problems}
-    assert "70000 is out of range" in reasons["Service default/badport"]
-    assert "unknown protocol 'ICMP'" in reasons["Service default/badproto"]
-    assert "not an IP address" in reasons["Service default/badip"]
-    assert "metadata.name is missing" in reasons["Service default/?"]
-    assert "sessionAffinity" in reasons["Service default/badaffinity"]
+    assert reasons["Service default/badport"].startswith("spec.ports[0].port: 70000 is out of range 1-65535")
+    assert reasons["Service default/badproto"].startswith('spec.ports[0].protocol: "ICMP" is not supported')
+    assert reasons["Service default/badip"].startswith('spec.clusterIP: "10.96.0.300" must be a valid IP')
+    assert reasons["Service default/?"].startswith("metadata.name: is required")
+    assert reasons["Service default/badaffinity"].startswith("spec.sessionAffinity: ")
 
 
 def test_malformed_slice_skipped() -> None:
@@ -157,11 +157,16 @@ def test_service_fields() -> None:
     assert dns.protocol is Protocol.UDP and dns.node_port == 30053
 
 
-def test_affinity_default_timeout_and_etp_needs_external_type() -> None:
-    svc = service(sessionAffinity="ClientIP", externalTrafficPolicy="Local")
-    sp = build_state([svc], [], NODE).state.services[SPN]
+def test_affinity_default_timeout() -> None:
+    sp = build_state([service(sessionAffinity="ClientIP")], [], NODE).state.services[SPN]
     assert sp.affinity_timeout == 10800
-    assert not sp.external_policy_local, "ETP only applies to externally reachable services"
+
+
+def test_etp_on_a_service_not_reachable_from_outside_is_refused_as_the_api_server_does() -> None:
+    r = build_state([service(externalTrafficPolicy="Local")], [], NODE)
+    assert r.state.services == {}
+    (problem,) = r.problems
+    assert problem.reason.startswith("spec.externalTrafficPolicy: may only be set for externally-accessible")
 
 
 def test_ipv6_slices_and_headless_slices_ignored() -> None:

@@ -54,7 +54,7 @@ def test_a_change_undone_before_the_commit_changes_nothing() -> None:
 def test_deleting_a_service_removes_its_ports_and_keeps_its_slices_waiting() -> None:
     m = model(service("web"), web_slice("10.244.1.2"))
     m.commit()
-    m.set_service("default/web", None)
+    m.delete_service("default/web")
     assert m.commit().changed == frozenset({WEB})
     assert WEB not in m.state.services and WEB not in m.state.endpoints
     m.set_service("default/web", service("web"))
@@ -132,7 +132,7 @@ def test_the_loser_takes_over_when_the_winner_goes_away() -> None:
     m.commit()
     assert set(m.state.services) == {WEB}
     assert "nodePort 30080/TCP" in m.problems()[0].reason
-    m.set_service("default/web", None)
+    m.delete_service("default/web")
     result = m.commit()
     assert result.changed == frozenset({WEB, API})
     assert set(m.state.services) == {API}
