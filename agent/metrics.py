@@ -31,9 +31,10 @@ INVALID_OBJECTS = Gauge(
 
 WATCH_RESTARTS = Counter(
     "ekp_watch_restarts_total",
-    "Watch streams reopened, by kind and why the previous one ended: closed (server timeout), "
-    "dropped (connection broke), read_timeout, error (HTTP error or no connection), gone (410), "
-    "decode (unreadable event), too_large (resourceVersion ahead of the server)",
+    "Watch streams that ended and were reopened, by kind and why: closed (the server ended it, "
+    "normally its timeout), dropped (the connection broke), read_timeout, error (an ERROR event "
+    "other than 410), gone (410: relist), decode (an unreadable event: relist), too_large "
+    "(resourceVersion ahead of the server: relist)",
     ["kind", "reason"],
 )
 RELISTS = Counter(
@@ -45,7 +46,8 @@ RELISTS = Counter(
 API_ERRORS = Counter(
     "ekp_api_request_errors_total",
     "Failed list/watch requests, by kind, verb and reason (http_<status>, connect, read_timeout, "
-    "dropped, decode, other); retried with backoff",
+    "dropped, decode, closed_early (a watch closed at once without events), other); retried "
+    "with backoff",
     ["kind", "verb", "reason"],
 )
 LIST_SECONDS = Histogram(

@@ -2,7 +2,7 @@
 
 `python -m bench.apilist` starts the fake API server (tests/fakeapi) in this process, fills it
 with `--services` Services and as many EndpointSlices of `--endpoints` endpoints each
-(tests/fakeapi/objects.py: realistic fields, ~1.3 KB and ~3.5 KB of JSON), then lists both kinds
+(tests/fakeapi/objects.py: realistic fields, ~0.8 KB and ~3.5 KB of JSON), then lists both kinds
 in a fresh child process per run through the real `kubernetes` client, paginated:
 
 * `models`: the client's default, responses deserialised into V1Service/V1EndpointSlice objects;
@@ -11,10 +11,11 @@ in a fresh child process per run through the real `kubernetes` client, paginated
 * `source`: the agent's own path (ApiSource and its reflectors: orjson, reconcile, sink) until
   both kinds report Synced.
 
-Each child reports wall seconds from the first request to the last item, its peak RSS above what
-it held before the first request (VmHWM after resetting it; imports and the client are in the
-baseline), and the RSS still
-held at the end with every item kept (as an informer cache keeps them). The server runs in the
+Each child reports wall seconds from the first request to the last item, its own CPU seconds
+(user + system: the decoding cost, and steadier than wall time on a shared machine), its peak RSS
+above what it held before the first request (VmHWM after resetting it; imports and the client
+are in the baseline), and the RSS still held at the end with every item kept (as an informer
+cache keeps them). The server runs in the
 parent, so its CPU and memory are not in the child's figures; on a 2-CPU machine the two
 processes each get a core. The median of `--runs` runs is printed per variant.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -72,6 +74,7 @@ def child(variant: str, url: str, page_size: int) -> dict[str, Any]:
     kept: list[Any] = []
     _reset_peak()
     base = _status_mib("VmRSS")
+    cpu0 = os.times()
     start = time.perf_counter()
     if variant == "source":
         done = threading.Event()
@@ -111,8 +114,10 @@ def child(variant: str, url: str, page_size: int) -> dict[str, Any]:
                 if not token:
                     break
         elapsed = time.perf_counter() - start
+    cpu1 = os.times()
     items = sum(1 for k in kept if not isinstance(k, Synced))
     return {
+        "cpu_s": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system),
         "variant": variant,
         "page_size": page_size,
         "seconds": elapsed,
@@ -160,21 +165,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                         check=True, capture_output=True, text=True, timeout=900,
                     )  # fmt: skip
                     runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-                med = {k: statistics.median(r[k] for r in runs) for k in ("seconds", "peak_mib", "held_mib")}
+                med = {
+                    k: statistics.median(r[k] for r in runs)
+                    for k in ("seconds", "cpu_s", "peak_mib", "held_mib")
+                }
                 rows.append((variant, page_size, runs[0]["items"], med))
                 print(
                     f"{variant:7} page {page_size or 'all':>5}: {med['seconds']:6.2f} s  "
+                    f"cpu {med['cpu_s']:6.2f} s  "
                     f"peak +{med['peak_mib']:6.0f} MiB  held +{med['held_mib']:6.0f} MiB  "
                     f"({runs[0]['items']} items, median of {len(runs)})",
                     flush=True,
                 )
     finally:
         srv.stop()
-    print("\n| decode | page size | items | seconds | peak RSS above baseline | RSS held with items kept |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "\n| decode | page size | items | wall s | client CPU s | peak RSS above baseline "
+        "| RSS held with items kept |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for variant, page_size, items, med in rows:
         print(
-            f"| {variant} | {page_size or 'all'} | {items:,} | {med['seconds']:.2f} | "
+            f"| {variant} | {page_size or 'all'} | {items:,} | {med['seconds']:.2f} | {med['cpu_s']:.2f} | "
             f"{med['peak_mib']:.0f} MiB | {med['held_mib']:.0f} MiB |"
         )
     return 0

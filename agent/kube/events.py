@@ -362,7 +362,9 @@ class EventRecorder:
             retriable = status == 0 or status == 429 or status >= 500
             if not retriable or attempt == s.max_tries:
                 with self._lock:
-                    series.failed = series.sent == 0 or series.failed
+                    # A refused write is final; an Event the server never got cannot grow a
+                    # series. An unreachable server only delays a series update to the next flush.
+                    series.failed = series.failed or not retriable or series.sent == 0
                 metrics.KUBE_EVENTS.labels("failed").inc()
                 self.counters.failed += 1
                 if self._episode.fail():

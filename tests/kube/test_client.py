@@ -7,12 +7,14 @@ bearer token, and for the in-cluster case serves TLS that the client must verify
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client as k8s
+from prometheus_client import REGISTRY
 
 from agent.config import Config
 from agent.errors import FatalError
@@ -20,7 +22,7 @@ from agent.kube.client import api_client, client_configuration, describe
 from agent.sources.base import Kind
 from tests.fakeapi import FakeApiServer
 from tests.fakeapi.objects import service
-from tests.kube.conftest import FAST, Recorded, wait_until
+from tests.kube.conftest import FAST, Recorded, SourceFactory, wait_until
 
 
 def list_services(api: k8s.ApiClient) -> list[str]:
@@ -175,3 +177,33 @@ def test_broken_kubeconfig_is_fatal_and_names_the_file(
         api_client(Config(kubeconfig=str(path)))
     assert str(path) in str(err.value)
     assert expected in str(err.value)
+
+
+def test_rejected_credentials_are_logged_once_with_a_hint_then_recover(
+    start_source: SourceFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="agent.kube")
+    with FakeApiServer(tokens=("good",)) as server:
+        before = REGISTRY.get_sample_value(
+            "ekp_api_request_errors_total", {"kind": "Service", "verb": "list", "reason": "http_401"}
+        )
+        _, sink = start_source(server, token="stale")
+        wait_until(
+            lambda: (
+                (
+                    REGISTRY.get_sample_value(
+                        "ekp_api_request_errors_total",
+                        {"kind": "Service", "verb": "list", "reason": "http_401"},
+                    )
+                    or 0
+                )
+                >= (before or 0) + 3
+            ),
+            what="three rejected lists",
+        )
+        server.tokens.add("stale")  # the operator fixes the credentials
+        sink.wait(lambda: bool(sink.synced(Kind.SERVICE)))
+        lines = [r for r in caplog.records if r.getMessage().startswith("Service list")]
+        assert [r.levelname for r in lines] == ["WARNING", "INFO"]
+        assert "rejected the credentials" in lines[0].getMessage()
+        assert "recovered after" in lines[1].getMessage()
