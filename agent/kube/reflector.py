@@ -9,12 +9,13 @@ explicit:
   changed, nothing when it did not; after the last page, DELETED for every delivered key the list
   no longer holds, then `Synced(kind, resourceVersion)`. The first list and every relist take this
   one path, so a relist never flushes. A continue token that expired mid-list (410 Expired)
-  restarts the list; after two expiries in a row the list is fetched in one request, so a
+  restarts the list; after two expiries within one list it is fetched in one request, so a
   compaction faster than our paging cannot starve us.
 * **Watch** from the list's resourceVersion with `allowWatchBookmarks=true` and a random
   `timeoutSeconds` in [5, 10] min (client-go's reflector). Every event and bookmark advances the
   resourceVersion, so a watch that breaks resumes where it stopped, and a quiet kind still moves
-  forward past compactions. A stream the server ends is reopened at once; one that breaks, times
+  forward past compactions. A stream the server ends is reopened at once (unless it ended within
+  a second without a line: client-go's "very short watch", backed off); one that breaks, times
   out or fails to open is reopened after a backoff (backoff.py).
 * **410 Gone** (as a status or as an ERROR event), a resourceVersion the server reports as too
   large (a restored etcd), or an event that is not JSON: relist and reconcile as above.
@@ -26,9 +27,10 @@ An object without a usable name cannot be keyed: it is skipped, logged once and 
 objects as Problems). If the sink raises, the batch's changes to the delivered map are rolled
 back before the error is handled, so a retry reconciles against what the sink really received.
 
-Responses are decoded straight from bytes into plain dicts (`_preload_content=False`), never into
-the client's model classes, which cost several times the time and memory (see the README's
-"Running against an API server" for the measurement).
+Responses are decoded straight from bytes into plain dicts (`_preload_content=False`, orjson),
+never into the client's model classes, which cost several times the time and memory
+(bench/apilist.py measures it). `metadata.managedFields` and the kubectl last-applied annotation
+are dropped on arrival: the proxy never reads them and they are often most of an object.
 """
 
 from __future__ import annotations

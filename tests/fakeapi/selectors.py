@@ -11,7 +11,7 @@ any other field is a 400 "field label not supported", as upstream answers.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +138,3 @@ class Selector:
 
 def build_selector(label_text: str, field_text: str, supported_fields: frozenset[str]) -> Selector:
     return Selector(parse_label_selector(label_text), parse_field_selector(field_text, supported_fields))
-
-
-Matcher = Callable[[Obj], bool]

@@ -62,7 +62,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -73,13 +73,11 @@ from urllib.parse import parse_qs, urlsplit
 import yaml
 
 from tests.fakeapi.events import merge_patch, validate_v1_event
-from tests.fakeapi.selectors import SelectorError, build_selector
+from tests.fakeapi.selectors import Selector, SelectorError, build_selector
 from tests.fakeapi.store import (
     BY_PATH,
     CORE_EVENTS,
     EVENTS_V1,
-    NODES,
-    TYPES,
     ResourceType,
     Store,
     StoreError,
@@ -697,7 +695,7 @@ class FakeApiServer:
         h: _Handler,
         t: ResourceType,
         namespace: str,
-        selector: Any,
+        selector: Selector,
         bookmarks: bool,
         seq: int,
         start: float,
@@ -815,11 +813,8 @@ class FakeApiServer:
                 )
         h.send_json(200, self.store.update(merged))
 
-    def types(self) -> Iterator[ResourceType]:
-        return iter(TYPES)
 
-
-def _watch_line(ev: WatchEvent, namespace: str, selector: Any) -> bytes | None:
+def _watch_line(ev: WatchEvent, namespace: str, selector: Selector) -> bytes | None:
     """The watch event one watcher gets for one write, or None (cacher's convertToWatchEvent)."""
     if namespace and ev.namespace != namespace:
         return None
@@ -850,6 +845,3 @@ def _peer_gone(sock: Any) -> bool:
 def _hard_close(conn: Any) -> None:
     with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_RDWR)
-
-
-NODE_TYPE = NODES  # re-exported for tests that build Node objects by type

@@ -22,10 +22,12 @@ import bisect
 import json
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+
+from tests.fakeapi.selectors import Selector
 
 Obj = dict[str, Any]
 
@@ -311,7 +313,7 @@ class Store:
         self,
         t: ResourceType,
         namespace: str,
-        match: Any,  # Selector
+        match: Selector,
         limit: int,
         start_key: str,
         at_rv: int | None,
@@ -355,7 +357,9 @@ class Store:
     def window(self, t: ResourceType) -> Window:
         return self._windows[t]
 
-    def current_objects_json(self, t: ResourceType, namespace: str, match: Any) -> list[tuple[Obj, bytes]]:
+    def current_objects_json(
+        self, t: ResourceType, namespace: str, match: Selector
+    ) -> list[tuple[Obj, bytes]]:
         """Every live object (for a watch without resourceVersion: synthetic ADDED events)."""
         out = []
         for key in self._keys[t]:
@@ -394,9 +398,6 @@ class Store:
             for w in self._windows.values():
                 w.clear(self.rv)
             self.cond.notify_all()
-
-    def iter_types(self) -> Iterator[ResourceType]:
-        return iter(TYPES)
 
 
 def encode_continue(rv: int, start: str) -> str:
