@@ -195,6 +195,12 @@ class EventRecorder:
 
     def warn(self, problem: Problem, uid: str | None = None) -> None:
         """Record a Warning about `problem`'s object; never blocks, never raises."""
+        try:
+            self._warn(problem, uid)
+        except Exception:  # an Event is a courtesy: it must never fail the sync that reports it
+            log.exception("event recorder: cannot record %s", problem.ref)
+
+    def _warn(self, problem: Problem, uid: str | None) -> None:
         note_key = problem.reason
         key = (problem.kind, problem.namespace, problem.name, uid or "", note_key)
         now = self._clock()
