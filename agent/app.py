@@ -13,13 +13,17 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import Any
 
 from agent import metrics
 from agent.config import Config, Mode, NodeContext
+from agent.errors import FatalError
 from agent.model import NodeInfo, ProxyState, build_state
 from agent.model.problem import Problem
 from agent.proxier import Proxier
+from agent.sources.base import Event, EventType, Kind, ObjectEvent, Synced
 from agent.sources.file import LOAD_ERRORS, FileSource, Snapshot, load_file
 
 log = logging.getLogger("agent")
@@ -74,6 +78,45 @@ class ProblemReporter:
         metrics.INVALID_OBJECTS.set(len(current))
 
 
+class ObjectStore:
+    """The objects a source delivered, by kind and key, and the first-sync gate.
+
+    The sink of the source (it only stores, under a lock); `snapshot()` is None until every kind
+    of the source was `Synced` once, so nothing is synced, and nothing already programmed is
+    pruned, before the first complete read.
+    """
+
+    def __init__(self, kinds: frozenset[Kind]) -> None:
+        self._lock = threading.Lock()
+        self._kinds = kinds
+        self._objects: dict[Kind, dict[str, Mapping[str, Any]]] = {k: {} for k in kinds}
+        self._synced: set[Kind] = set()
+        self._version = ""
+
+    def apply(self, events: Sequence[Event]) -> None:
+        with self._lock:
+            for event in events:
+                if isinstance(event, Synced):
+                    self._synced.add(event.kind)
+                    self._version = event.version
+                elif isinstance(event, ObjectEvent) and event.kind in self._objects:
+                    if event.type is EventType.DELETED:
+                        self._objects[event.kind].pop(event.key, None)
+                    else:
+                        self._objects[event.kind][event.key] = event.obj
+
+    def snapshot(self) -> Snapshot | None:
+        with self._lock:
+            if self._synced != set(self._kinds):
+                return None
+            return Snapshot(
+                tuple(self._objects.get(Kind.SERVICE, {}).values()),
+                tuple(self._objects.get(Kind.ENDPOINT_SLICE, {}).values()),
+                complete=True,
+                version=self._version,
+            )
+
+
 def build(config: Config, snap: Snapshot) -> tuple[ProxyState, tuple[Problem, ...]]:
     result = build_state(snap.services, snap.endpoint_slices, NodeInfo(config.hostname))
     return result.state, result.problems
@@ -95,18 +138,41 @@ def dry_run(config: Config) -> int:
 
 
 def cleanup(config: Config) -> int:
-    """Both modes' cleanup: an operator switching modes wants no leftovers of either."""
+    """Both modes' cleanup: an operator switching modes wants no leftovers of either.
+
+    Refused while an agent runs for the same node (namespace or pin path): it would remove what
+    that agent serves with.
+    """
     from agent.ebpf import EbpfProxier
     from agent.iptables import IptablesProxier
+    from agent.lock import acquire
 
-    failed = False
-    for proxier in (EbpfProxier(config), IptablesProxier(config)):
-        try:
-            proxier.cleanup()
-        except Exception as exc:
-            failed = True
-            log.error("cleanup of %s failed: %s", type(proxier).__name__, exc)
-    return 1 if failed else 0
+    try:
+        node_lock = acquire(config)
+    except FatalError as exc:
+        log.error("cleanup refused: %s", exc)
+        return 1
+    with node_lock:
+        failed = False
+        for proxier in (EbpfProxier(config), IptablesProxier(config)):
+            try:
+                proxier.cleanup()
+            except Exception as exc:
+                failed = True
+                log.error("cleanup of %s failed: %s", type(proxier).__name__, exc)
+        return 1 if failed else 0
+
+
+def preflight(config: Config) -> None:
+    """What no retry fixes, checked before anything is created; raises FatalError."""
+    if config.mode is Mode.EBPF:
+        from agent.ebpf import preflight as ebpf_preflight
+
+        ebpf_preflight.require(config.pin_path)
+    else:
+        from agent.iptables.runner import preflight as iptables_preflight
+
+        iptables_preflight(config)
 
 
 def run(config: Config) -> int:
@@ -118,16 +184,20 @@ def run(config: Config) -> int:
         log.error("no source of Services: pass --services-file FILE (API server watching comes later)")
         return 2
 
-    if config.mode is Mode.EBPF:
-        from agent.ebpf import preflight
+    from agent.lock import acquire
 
-        findings = preflight.check(config.pin_path)
-        for text in findings.warnings:
-            log.warning("%s", text)
-        for text in findings.errors:
-            log.error("%s", text)
-        if findings.errors:
-            return 1
+    try:
+        preflight(config)
+        node_lock = acquire(config)
+    except FatalError as exc:
+        log.error("%s", exc)
+        return 1
+    with node_lock:
+        return serve(config)
+
+
+def serve(config: Config) -> int:
+    """Run syncs until a signal (0) or a FatalError (1); the node lock is held by the caller."""
     proxier = make_proxier(config)
     node = node_context(config)
     log.info(
@@ -138,14 +208,26 @@ def run(config: Config) -> int:
         config.netns or "(own)",
     )
     problems = ProblemReporter()
-    source: FileSource
+    source = FileSource(config.services_file)
+    store = ObjectStore(source.kinds)
+    stop = threading.Event()
+    fatal: list[FatalError] = []
 
     def sync() -> None:
         start = time.monotonic()
-        snap = source.snapshot()
+        snap = store.snapshot()
+        if snap is None:
+            log.debug("no sync before the first complete read of the services file")
+            return
         state, found = build(config, snap)
         problems.report(found)
-        proxier.sync(state, node)
+        try:
+            proxier.sync(state, node)
+        except FatalError as exc:
+            # No retry can fix it: stop the agent with the message (the runner would retry forever).
+            fatal.append(exc)
+            stop.set()
+            return
         elapsed = time.monotonic() - start
         metrics.SYNC_SECONDS.observe(elapsed)
         endpoints = sum(len(e.all_reachable) for e in state.endpoints.values())
@@ -162,14 +244,16 @@ def run(config: Config) -> int:
     runner = BoundedFrequencyRunner(
         sync, min_interval=config.min_sync_period_s, max_interval=config.sync_period_s
     )
-    source = FileSource(config.services_file, on_change=runner.request)
+
+    def sink(events: Sequence[Event]) -> None:
+        store.apply(events)
+        runner.request()
+
     try:
-        source.start()
+        source.start(sink)
     except LOAD_ERRORS as exc:
         log.error("cannot read --services-file %s: %s", config.services_file, exc)
         return 1
-
-    stop = threading.Event()
 
     agent_pid = os.getpid()
 
@@ -188,4 +272,7 @@ def run(config: Config) -> int:
     stop.wait()
     runner.stop()
     source.stop()
+    if fatal:
+        log.error("stopping: %s", fatal[0])
+        return 1
     return 0

@@ -22,3 +22,13 @@ INVALID_OBJECTS = Gauge(
     "ekp_invalid_objects",
     "Kubernetes objects currently left out of the proxy state because they are malformed",
 )
+SERVICES_FILE_REJECTED = Counter(
+    "ekp_services_file_rejected_total",
+    "Reads of the services file that were not applied, by reason (the last good content stays in force; "
+    "the log says why and what to do)",
+    ["reason"],
+)
+SERVICES_FILE_STALE = Gauge(
+    "ekp_services_file_stale",
+    "1 while the services file on disk is not the content in force (refused, missing or unreadable), else 0",
+)
