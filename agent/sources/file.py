@@ -91,7 +91,17 @@ def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
             raise Refused(Reason.UNREADABLE, "not a regular file")
         if st.st_size > max_bytes:
             raise Refused(Reason.TOO_LARGE, f"{st.st_size} bytes, more than the limit of {max_bytes}")
-        data = f.read(max_bytes + 1)  # the file may grow while we read
+        # Sized by what stat() said (read(n) allocates n bytes up front), then on in steps while
+        # the file grows under us, never past the limit.
+        chunks = [f.read(st.st_size + 1)]
+        total = len(chunks[0])
+        while total > st.st_size and total <= max_bytes:
+            chunk = f.read(min(1 << 20, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    data = b"".join(chunks)
     if len(data) > max_bytes:
         raise Refused(Reason.TOO_LARGE, f"more than the limit of {max_bytes} bytes")
     return data
