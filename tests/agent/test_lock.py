@@ -143,11 +143,16 @@ def _hold_in_child(
         lock = acquire(Config(mode=Mode({config.mode.value!r}), pin_path={config.pin_path!r}),
                        lock_dir={lock_dir!r})
         if {fork_grandchild!r}:
+            pid_file = {lock_dir!r} + "/../grandchild.pid"
             if os.fork() == 0:
-                with open({lock_dir!r} + "/../grandchild.pid", "w") as f:
+                # Past fork's after-in-child hooks: the state the agent's forked helpers run in.
+                with open(pid_file + ".tmp", "w") as f:
                     f.write(str(os.getpid()))
+                os.replace(pid_file + ".tmp", pid_file)
                 time.sleep(60)
                 os._exit(0)
+            while not os.path.exists(pid_file):
+                time.sleep(0.01)
         print("held", flush=True)
         time.sleep(60)
         """
