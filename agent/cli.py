@@ -188,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
         p, "--bind-address-hard-fail", default=False, help="exit when a healthz/metrics port cannot be bound"
     )
     _flag_bool(p, "--cleanup", default=False, help="remove everything either mode installed, then exit")
+    p.add_argument(
+        "--cleanup-kube-proxy",
+        action="store_true",
+        help="remove what a previous kube-proxy left on this node (its KUBE-* chains in both iptables "
+        "backends, its nftables tables), then exit; the Helm chart's init container runs this",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would be written and exit (no root)")
     p.add_argument(
         "--cluster-cidr", type=_cidrs, default=(), help="pod CIDRs; traffic from elsewhere is masqueraded"
@@ -344,6 +350,7 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         netns=ns.netns,
         dry_run=ns.dry_run,
         cleanup=ns.cleanup,
+        cleanup_kube_proxy=ns.cleanup_kube_proxy,
         cluster_cidr=ns.cluster_cidr,
         masquerade_all=ns.masquerade_all,
         masquerade_bit=ns.iptables_masquerade_bit,
@@ -457,9 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("agent").warning("%s", warning)
     if resolved.namespace.write_config_to:
         return write_config(resolved, resolved.namespace.write_config_to)
+    from agent import configfile
     from agent.app import run
 
-    return run(resolved.config)
+    return run(resolved.config, configz=lambda: configfile.configz(resolved.document()))
 
 
 if __name__ == "__main__":

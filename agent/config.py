@@ -67,6 +67,7 @@ class Config:
     netns: str = ""  # network namespace the agent programs; "" = its own
     dry_run: bool = False
     cleanup: bool = False
+    cleanup_kube_proxy: bool = False  # remove what a previous kube-proxy left, then exit
     cluster_cidr: tuple[str, ...] = ()
     masquerade_all: bool = False
     masquerade_bit: int = 14

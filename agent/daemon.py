@@ -24,6 +24,7 @@ maps and rules keep serving traffic while the agent is away.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -151,6 +152,8 @@ class Agent:
     def start(self) -> None:
         for svc in self._parts.services:
             svc.start()
+        if self._parts.health is not None:
+            self._parts.health.updated()  # as kube-proxy's SyncLoop: healthy until a change waits
         self._parts.source.start(self.deliver)
         self._runner.start()
 
@@ -187,6 +190,9 @@ class Agent:
             self.start()
             while not self._stopped.wait(1.0):
                 pass
+        except FatalError as exc:
+            log.error("%s", exc)
+            self.exit_code = 1
         finally:
             self.shutdown()
         return self.exit_code
@@ -252,6 +258,10 @@ class Agent:
         self.syncs += 1
         elapsed = self._clock() - start
         if full:
+            if self._last_full == float("-inf"):
+                # The state of a whole cluster now lives for the agent's life: keep the collector
+                # from walking it again and again (gc.freeze: into the permanent generation).
+                gc.freeze()
             self._last_full = start
         self._after_sync(commit, result, elapsed, full)
 

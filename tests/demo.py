@@ -14,9 +14,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import yaml
-
-from agent.sources.file import split_objects
+from agent.sources.file import load_file
 from tests.lab import Lab
 from tests.traffic.harness import REPO, Cluster
 
@@ -47,9 +45,8 @@ def main() -> int:
         title(f"agent --mode={MODE} for node1 with {EXAMPLES.relative_to(REPO)}")
         print("  " + " ".join(["agent", f"--services-file={EXAMPLES.name}", *agent.flags()]))
         cluster.start()
-        with open(EXAMPLES) as f:
-            services, slices, _ = split_objects(yaml.safe_load_all(f))
-        cluster.apply([dict(o) for o in (*services, *slices)])
+        snap = load_file(str(EXAMPLES))
+        cluster.apply([dict(o) for o in (*snap.services, *snap.endpoint_slices)])
         print("  " + next(line for line in agent.log().splitlines()[::-1] if "sync done" in line))
 
         try:

@@ -9,9 +9,11 @@
 
 The agent never compiles in its own process (`agent.ebpf.compile`): a short-lived child compiles
 with bcc, pins the programs beside the maps, and exits; an agent restarted with the same source,
-sizes, kernel and bcc reuses the pinned programs without compiling at all. Every map is pinned
-under `pin_path` by bcc's BPF_TABLE_PINNED, so conntrack, affinity and counters survive restarts
-and upgrades of the agent. bcc would
+sizes, kernel and bcc reuses the pinned programs without compiling at all. The pin directory must
+be on bpffs (checked before anything is created; `FatalError` otherwise) and is created 0700 and
+checked to be ours (agent/ebpf/pindir.py): /sys/fs/bpf is world-writable. Every map is pinned under
+`pin_path` by bcc's BPF_TABLE_PINNED, so conntrack, affinity and counters survive restarts and
+upgrades of the agent. bcc would
 reuse a pin silently even when its layout changed, so `load()` first compares every existing pin
 with what is about to be compiled (type, key and value size, max_entries, map_flags) and refuses a
 mismatch (`PinMismatchError`); the ABI version in each map name keeps old layouts apart
@@ -39,6 +41,8 @@ from agent.ebpf import bpfsys
 from agent.ebpf.abi import ABI_VERSION, MAPS, PREFIX, MapSpec, Scope
 from agent.ebpf.compile import build_id, compile_in_child, open_pinned_programs, remove_other_builds
 from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, obj_pin, possible_cpus
+from agent.ebpf.pindir import ensure_pin_dir
+from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
 
@@ -162,19 +166,33 @@ def stale_pins(pin_path: str) -> list[str]:
     return sorted(os.path.join(pin_path, n) for n in names if _PIN_NAME.match(n) and n not in current)
 
 
+def mount_type(path: str, mounts: str) -> str:
+    """The filesystem type of the mount holding `path` (already resolved), from /proc/self/mounts text.
+
+    The last of equally long mount points wins: a later mount hides an earlier one on the same
+    directory. A path that does not exist yet is on the filesystem of its nearest existing
+    directory, which is what the longest matching mount point gives.
+    """
+    best, fstype = "", ""
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mnt = parts[1].replace("\\040", " ")
+        if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, fstype = mnt, parts[2]
+    return fstype
+
+
+def fs_type(path: str) -> str:
+    """The filesystem type at `path`, or at the nearest existing directory that would hold it."""
+    with open("/proc/self/mounts") as f:
+        return mount_type(os.path.realpath(path), f.read())
+
+
 def _on_bpffs(path: str) -> bool:
     """Whether `path` (or the existing directory holding it) is on a bpf filesystem."""
-    real = os.path.realpath(path)
-    best, fstype = "", ""
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) < 3:
-                continue
-            mnt = parts[1].replace("\\040", " ")
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, fstype = mnt, parts[2]
-    return fstype == "bpf"
+    return fs_type(path) == "bpf"
 
 
 BPFFS_ROOT = "/sys/fs/bpf"
@@ -256,11 +274,14 @@ class Datapath:
         if not self.entry_file.is_file():
             raise DatapathError(f"{self.entry_file} not found (set {BPF_DIR_ENV} to the bpf/ directory)")
         ensure_bpffs(self.pin_path)
-        os.makedirs(self.pin_path, exist_ok=True)
+        # Checked before anything is created: a pin path elsewhere is an operator's mistake that no
+        # retry fixes (the pre-flight said so already when the agent started).
         if not _on_bpffs(self.pin_path):
-            raise DatapathError(
-                f"{self.pin_path} is not on a bpf filesystem: mount one first (mount -t bpf bpf /sys/fs/bpf)"
+            raise FatalError(
+                f"--bpf-pin-path {self.pin_path} is not on a bpf filesystem: use a directory under "
+                f"{BPFFS_ROOT}, or mount one first (mount -t bpf bpf DIR)"
             )
+        ensure_pin_dir(self.pin_path)
         check_pins(self.pin_path, self.sizes)
 
         started = time.monotonic()

@@ -1,15 +1,27 @@
-"""What eBPF mode needs from the machine, checked before the first sync.
+"""What eBPF mode needs from the machine, checked before the first sync and before anything is created.
 
 Each missing piece becomes one sentence saying what is wrong and what to do, so an operator reads
-"install python3-bpfcc" at start-up instead of a traceback repeated by the sync retry loop.
+"install python3-bpfcc" at start-up instead of a traceback repeated by the sync retry loop. None
+of these is fixed by retrying, so `require` turns the errors into one `FatalError`. The pin path
+is checked here, before the loader creates it: it must be on a bpf filesystem (or under
+/sys/fs/bpf, which the loader mounts when it is missing), and what exists of it must be ours
+(agent/ebpf/pindir.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import platform
 from dataclasses import dataclass, field
+
+from agent.config import DEFAULT_PIN_PATH
+from agent.ebpf.loader import BPFFS_ROOT, fs_type
+from agent.ebpf.pindir import pin_dir_problems
+from agent.errors import FatalError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +49,31 @@ def check(pin_path: str) -> Findings:
         )
     if not pin_path.startswith("/"):
         found.append(f"--bpf-pin-path must be absolute, got {pin_path!r}")
+    else:
+        found += pin_path_problems(pin_path)
     if not os.path.exists("/sys/kernel/btf/vmlinux"):
         out.warnings.append("the kernel has no BTF (/sys/kernel/btf/vmlinux): bpftool dumps lack field names")
     return out
+
+
+def pin_path_problems(pin_path: str) -> list[str]:
+    """Why maps cannot be pinned at `pin_path` ([] when they can); looks, creates nothing."""
+    real = os.path.realpath(pin_path)
+    under_root = real == BPFFS_ROOT or real.startswith(BPFFS_ROOT + "/")
+    fstype = fs_type(real)
+    if fstype != "bpf" and not (under_root and fs_type(BPFFS_ROOT) != "bpf"):
+        return [
+            f"--bpf-pin-path {pin_path} is not on a bpf filesystem (it is on {fstype or 'nothing known'}): "
+            f"pinned maps can only live on bpffs. Use a directory under {BPFFS_ROOT} (the default is "
+            f"{DEFAULT_PIN_PATH}), or mount one first: mount -t bpf bpf DIR"
+        ]
+    return pin_dir_problems(pin_path)
+
+
+def require(pin_path: str) -> None:
+    """Log the warnings of `check`; raise FatalError with every error in one message."""
+    findings = check(pin_path)
+    for text in findings.warnings:
+        log.warning("%s", text)
+    if findings.errors:
+        raise FatalError("eBPF mode cannot start: " + "; ".join(findings.errors))

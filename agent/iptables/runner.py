@@ -13,6 +13,13 @@ invisible to half of the system. `choose_backend` looks, in order, for kubelet's
 output, then compares rule counts; with nothing anywhere it picks nft. `--iptables-backend=nft|legacy`
 skips the detection. The choice is logged once.
 
+What no retry fixes is checked before the first command (`preflight`, also run by the runner on
+first use): the capability to change netfilter (CAP_NET_ADMIN; CAP_SYS_ADMIN too to enter
+`--netns`) and the binaries of the chosen family (`iptables`, `-save`, `-restore`, plus `ip` for
+`--netns` and `sysctl` for localhost NodePorts). Each missing piece raises `FatalError` with the
+fix; a failed command after that is transient (`IptablesError`) and retried by the runner. With
+only one family installed, auto-detection takes it instead of asking the one that is not there.
+
 Base-chain jumps are managed like upstream's EnsureRule: `-C` to check, `-I` to insert only when
 missing, so repeated syncs never duplicate a jump (an iptables-restore --noflush would).
 """
@@ -21,12 +28,15 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from agent import caps
 from agent.config import Config
+from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +111,73 @@ def supports_random_fully(version: tuple[int, ...]) -> bool:
     return version >= RANDOM_FULLY_MIN_VERSION
 
 
+FAMILIES = ("nft", "legacy")
+
+
+def family_tools(backend: str) -> tuple[str, ...]:
+    return (f"iptables-{backend}", f"iptables-{backend}-save", f"iptables-{backend}-restore")
+
+
+def installed_families(which: Callable[[str], str | None] = shutil.which) -> list[str]:
+    """The iptables families whose three binaries are all on PATH."""
+    return [b for b in FAMILIES if all(which(tool) for tool in family_tools(b))]
+
+
+def preflight(
+    config: Config,
+    *,
+    which: Callable[[str], str | None] = shutil.which,
+    cap_mask: Callable[[], int] = caps.effective,
+) -> None:
+    """Raise FatalError when iptables mode cannot work here whatever is retried; say what to do."""
+    problems: list[str] = []
+    wanted = (caps.CAP_NET_ADMIN, caps.CAP_SYS_ADMIN) if config.netns else (caps.CAP_NET_ADMIN,)
+    lacking = caps.missing(wanted, cap_mask())
+    if lacking:
+        problems.append(
+            f"the agent lacks {' and '.join(lacking)}, which writing iptables rules needs: run it as root "
+            "(in a container: privileged, or with the NET_ADMIN capability)"
+        )
+    if config.iptables_backend in FAMILIES:
+        absent = [tool for tool in family_tools(config.iptables_backend) if not which(tool)]
+        if absent:
+            problems.append(
+                f"{', '.join(absent)} not found on PATH (--iptables-backend={config.iptables_backend}): "
+                "install the iptables package (Debian: apt-get install iptables), or choose the other "
+                "--iptables-backend"
+            )
+    elif not installed_families(which):
+        problems.append(
+            "neither iptables-nft nor iptables-legacy (with their -save and -restore) is on PATH: install "
+            "the iptables package (Debian: apt-get install iptables), or run --mode=ebpf"
+        )
+    others = [("ip", bool(config.netns), "--netns needs `ip netns exec`: install iproute2")]
+    others.append(
+        ("sysctl", config.iptables_localhost_nodeports, "localhost NodePorts need it: install procps")
+    )
+    problems += [
+        f"{tool} not found on PATH ({why})" for tool, needed, why in others if needed and not which(tool)
+    ]
+    if problems:
+        raise FatalError("iptables mode cannot start: " + "; ".join(problems))
+
+
 class SubprocessRunner:
     """The real runner: the chosen iptables binaries, inside `Config.netns` when set.
 
     No side effect at construction; the backend is detected on first use.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        which: Callable[[str], str | None] = shutil.which,
+        cap_mask: Callable[[], int] = caps.effective,
+    ) -> None:
+        self._config = config
+        self._which = which
+        self._cap_mask = cap_mask
         self._netns = config.netns
         self._wanted = config.iptables_backend
         self._backend = ""
@@ -131,6 +201,7 @@ class SubprocessRunner:
     @property
     def backend(self) -> str:
         if not self._backend:
+            preflight(self._config, which=self._which, cap_mask=self._cap_mask)
             if self._wanted in ("nft", "legacy"):
                 self._backend = self._wanted
                 reason = "--iptables-backend"
@@ -141,6 +212,9 @@ class SubprocessRunner:
         return self._backend
 
     def _detect(self) -> tuple[str, str]:
+        installed = installed_families(self._which)
+        if len(installed) == 1:
+            return installed[0], f"only iptables-{installed[0]} is installed"
         # Only nft is asked for mangle alone: `iptables-legacy-save -t mangle` would make the
         # kernel create a legacy mangle table that nobody uses.
         nft_mangle = self.command(["iptables-nft-save", "-t", "mangle"]).stdout

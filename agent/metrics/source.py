@@ -10,7 +10,7 @@ a steady relist rate means the watch keeps falling behind.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class SourceMetrics:
@@ -63,6 +63,31 @@ class SourceMetrics:
         self.unnamed_objects = Counter(
             "ekp_watch_unnamed_objects_total",
             "Objects the API server sent without a usable metadata.name, skipped by kind",
+            ["kind"],
+            registry=registry,
+        )
+
+
+class FileMetrics:
+    """Metrics of the services file source (agent/sources/file.py)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.rejected = Counter(
+            "ekp_services_file_rejected_total",
+            "Reads of the services file that were not applied, by reason (the last good content "
+            "stays in force; the log says why and what to do)",
+            ["reason"],
+            registry=registry,
+        )
+        self.stale = Gauge(
+            "ekp_services_file_stale",
+            "1 while the services file on disk is not the content in force (refused, missing or "
+            "unreadable), else 0",
+            registry=registry,
+        )
+        self.duplicates = Counter(
+            "ekp_services_file_duplicates_total",
+            "Objects defined twice in the services file (the first is used), by kind",
             ["kind"],
             registry=registry,
         )

@@ -1,44 +1,74 @@
-"""Services and EndpointSlices from a YAML file that the agent watches.
+"""Services and EndpointSlices from a file the agent watches: `agent --services-file FILE`.
 
-The embedded default source: `agent --services-file FILE` with the file holding one or more YAML
-documents, or `kind: List` documents as `kubectl get -o yaml` (or `-o json`) prints them. The
-file is re-read when its modification time, size or inode changes (an editor's rename-over
-counts), polled ten times a second: a stat() is cheap, and polling works the same on every
-filesystem and inside containers. Each snapshot carries a version (a hash of the file's bytes)
-that the sync log line repeats, so an operator, or a test, can tell which content is in force.
+The file holds one or more YAML documents, or `kind: List` documents as `kubectl get -o yaml` (or
+`-o json`) prints them. `FileSource` implements the source contract of agent/sources/base.py:
+`kinds` = {Service, EndpointSlice}; `start(sink)` starts a thread that reads the file, and again
+whenever it changes, and delivers each successfully read content as the differences against what
+it delivered before (ADDED / MODIFIED / DELETED `ObjectEvent`s, agent/sources/relist.py) followed
+by `Synced(kind, version)` for both kinds. The version is `content_version(data)`, a hash of the
+file's bytes, which the agent's `sync done: version=...` log line repeats, so an operator, or a
+test, can tell which content is in force. One content is delivered in one `sink` call, so the
+agent never programs a mix of two versions of the file.
 
-A file that does not parse keeps the last good content in force, so a half-saved edit never empties
-the proxy; the error is logged once per change.
+Change detection polls stat() ten times a second (device, inode, size, mtime and ctime: an
+editor's rename-over and a ConfigMap volume's symlink swap both count): a stat() is cheap, and
+polling works the same on every filesystem and inside containers.
+
+The file is the whole desired set, so a bad read must never be applied. A content that cannot be
+read, decoded (agent/sources/decode.py: aliases, depth, numbers, tags, size, encoding) or that is
+not a complete List or complete objects (agent/sources/content.py) is refused: the last good
+content stays in force, one log line says why and what to do (write the new content to a temporary
+file and rename it over: a rename is atomic, so the agent only ever sees whole files), and
+`ekp_services_file_rejected_total{reason}` counts it; `ekp_services_file_stale` is 1 until a good
+content is read. Each content is judged once (the stat stamp must change before the next read), so
+a refused file costs nothing while it stays. Nothing the file holds can stop the watching thread:
+a last-resort handler logs any unexpected error, counts it (reason `internal`) and retries after a
+growing pause.
+
+A file that cannot be opened when the agent starts is an error at start (a typo in the flag fails
+fast); after that, a missing or unreadable file only keeps the last good content. A file that opens
+but is refused at start delivers nothing: the agent's first-sync gate keeps whatever is already
+programmed until a good content appears.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
-import json
 import logging
 import os
+import stat
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
+from prometheus_client import CollectorRegistry
+
+from agent.metrics.source import FileMetrics
+from agent.sources.base import Event, Kind, Sink, Synced
+from agent.sources.content import KINDS, Content, collect
+from agent.sources.decode import MAX_FILE_BYTES, Reason, Refused, decode
+from agent.sources.relist import relist_events
 
 log = logging.getLogger(__name__)
 
 Obj = Mapping[str, Any]
 
-# libyaml's C loader when PyYAML was built with it (the PyPI wheels are): about ten times faster
-# than the pure-Python one, which matters at 10,000 Services. Same safe subset of YAML.
-_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# What reading a services file can raise: missing or unreadable (OSError), or refused.
+LOAD_ERRORS = (OSError, Refused)
 
-# What reading a services file can raise: missing or unreadable, not UTF-8, not YAML.
-LOAD_ERRORS = (OSError, UnicodeDecodeError, yaml.YAMLError)
+SAFE_WRITE = (
+    "to replace the file safely, write the new content to a temporary file in the same directory and "
+    "rename it over the services file (mv, os.replace)"
+)
+RETRY_MIN_S = 1.0  # pause after an unexpected error, doubled on each one in a row
+RETRY_MAX_S = 60.0
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The objects a source holds at one moment; `complete` once the first full read succeeded."""
+    """The objects of one file content (what `--dry-run` renders); `complete` once read in full."""
 
     services: tuple[Obj, ...] = ()
     endpoint_slices: tuple[Obj, ...] = ()
@@ -46,127 +76,247 @@ class Snapshot:
     version: str = ""
 
 
-def split_objects(docs: Iterable[Any]) -> tuple[list[Obj], list[Obj], list[str]]:
-    """Services and EndpointSlices out of YAML documents; `kind: List` items are flattened.
-
-    Returns (services, slices, ignored) where ignored names what was neither, for the log.
-    """
-    services: list[Obj] = []
-    slices: list[Obj] = []
-    ignored: list[str] = []
-    stack = [d for d in docs if d is not None]
-    stack.reverse()
-    while stack:
-        doc = stack.pop()
-        if not isinstance(doc, Mapping):
-            ignored.append(f"a {type(doc).__name__} document")
-            continue
-        kind = doc.get("kind")
-        if kind == "List" or (isinstance(kind, str) and kind.endswith("List") and "items" in doc):
-            stack.extend(reversed([i for i in doc.get("items") or [] if i is not None]))
-        elif kind == "Service":
-            services.append(doc)
-        elif kind == "EndpointSlice":
-            slices.append(doc)
-        else:
-            ignored.append(f"kind {kind!r}")
-    return services, slices, ignored
-
-
-def load_file(path: str) -> Snapshot:
-    """Read and split one file; raises one of LOAD_ERRORS."""
-    with open(path, "rb") as f:
-        data = f.read()
-    text = data.decode("utf-8")
-    docs: list[Any]
-    if text.lstrip()[:1] in ("{", "["):
-        # JSON (`kubectl get -o json`) is YAML too, but the json module reads it ~20x faster.
-        try:
-            docs = [json.loads(text)]
-        except json.JSONDecodeError:
-            docs = list(yaml.load_all(text, Loader=_LOADER))
-    else:
-        docs = list(yaml.load_all(text, Loader=_LOADER))
-    services, slices, ignored = split_objects(docs)
-    if ignored:
-        log.info(
-            "%s: ignoring %d object(s) that are not Services or EndpointSlices: %s",
-            path,
-            len(ignored),
-            ", ".join(sorted(set(ignored))),
-        )
-    return Snapshot(tuple(services), tuple(slices), complete=True, version=content_version(data))
-
-
 def content_version(data: bytes) -> str:
     """The version a sync reports for this file content: the first 12 hex digits of its sha256."""
     return hashlib.sha256(data).hexdigest()[:12]
 
 
-class FileSource:
-    """Watches one YAML file; calls `on_change()` after each successful re-read.
+def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+    """The file's bytes; OSError when it cannot be opened, Refused when not a regular file or too big.
 
-    Construction reads nothing; `start()` reads the file once (raising if it cannot, so a typo in
-    the flag fails fast) and starts the polling thread.
+    Opened non-blocking, so a FIFO or a device named by mistake is refused instead of hanging.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(Reason.UNREADABLE, "not a regular file")
+        if st.st_size > max_bytes:
+            raise Refused(Reason.TOO_LARGE, f"{st.st_size} bytes, more than the limit of {max_bytes}")
+        # Sized by what stat() said (read(n) allocates n bytes up front), then on in steps while
+        # the file grows under us, never past the limit.
+        chunks = [f.read(st.st_size + 1)]
+        total = len(chunks[0])
+        while total > st.st_size and total <= max_bytes:
+            chunk = f.read(min(1 << 20, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise Refused(Reason.TOO_LARGE, f"more than the limit of {max_bytes} bytes")
+    return data
+
+
+def parse(data: bytes, max_bytes: int = MAX_FILE_BYTES) -> Content:
+    """Decode and check one content (agent/sources/decode.py, content.py); raises Refused."""
+    return collect(decode(data, max_bytes=max_bytes))
+
+
+def report(path: str, content: Content, metrics: FileMetrics | None = None) -> None:
+    """Log what a read content leaves out: kinds not ours, and duplicates (counted)."""
+    if content.ignored:
+        log.info(
+            "services file %s: ignoring %d object(s) that are not Services or EndpointSlices: %s",
+            path,
+            len(content.ignored),
+            ", ".join(sorted(set(content.ignored))),
+        )
+    for dup in content.duplicates:
+        log.warning(
+            "services file %s: %s %s is defined twice, at %s and at %s: the first is used and the "
+            "second ignored; remove one of them",
+            path,
+            dup.kind.value,
+            dup.key,
+            dup.kept,
+            dup.dropped,
+        )
+        if metrics is not None:
+            metrics.duplicates.labels(kind=dup.kind.value).inc()
+
+
+def load_file(path: str, max_bytes: int = MAX_FILE_BYTES) -> Snapshot:
+    """Read, decode and check one file (for `--dry-run`); raises one of LOAD_ERRORS."""
+    data = read_bytes(path, max_bytes)
+    content = parse(data, max_bytes)
+    report(path, content)
+    return Snapshot(
+        tuple(content.of(Kind.SERVICE).values()),
+        tuple(content.of(Kind.ENDPOINT_SLICE).values()),
+        complete=True,
+        version=content_version(data),
+    )
+
+
+Stamp = tuple[int, ...]
+
+
+class FileWatch:
+    """One services file's reading state, synchronous: what was delivered, the stat stamp last judged.
+
+    `poll(sink)` reads the file when its stamp changed and hands the differences to `sink`; it
+    handles every refusal itself (log, counter, gauge) and raises only on a bug, after which
+    `forget()` makes the next poll read again. FileSource runs it on a thread; tests call it.
     """
 
-    def __init__(self, path: str, on_change: Callable[[], None], interval_s: float = 0.1) -> None:
+    def __init__(
+        self, path: str, max_bytes: int = MAX_FILE_BYTES, metrics: FileMetrics | None = None
+    ) -> None:
         self.path = path
-        self._on_change = on_change
-        self._interval = interval_s
-        self._lock = threading.Lock()
-        self._snapshot = Snapshot()
-        self._stamp: tuple[int, int, int] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.max_bytes = max_bytes
+        self.metrics = metrics or FileMetrics(CollectorRegistry())
+        self._stamp: Stamp | None = None
+        self._delivered: dict[Kind, Mapping[str, Obj]] = {k: {} for k in KINDS}
+        self.version = ""  # of the content in force ("" before the first good read)
+        self.stale = False  # the file on disk is not the content in force
 
-    def snapshot(self) -> Snapshot:
-        with self._lock:
-            return self._snapshot
+    def check_readable(self) -> None:
+        """Raises OSError unless the file can be opened and is a regular file (the start-up check)."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            mode = os.fstat(fd).st_mode
+        finally:
+            os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", self.path)
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file", self.path)
 
-    def _stat(self) -> tuple[int, int, int] | None:
+    def forget(self) -> None:
+        """Judge the file again at the next poll (after an unexpected error, counted by the caller)."""
+        self._stamp = None
+        self._set_stale(True)
+
+    def _current_stamp(self) -> Stamp:
         try:
             st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError as exc:
+            return (-1, exc.errno or 0)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
-    def poll(self) -> bool:
-        """Re-read the file if it changed; True when the snapshot changed."""
-        stamp = self._stat()
+    def poll(self, sink: Sink) -> bool:
+        """Read the file if it changed and deliver what differs; True when something was delivered."""
+        stamp = self._current_stamp()
         if stamp == self._stamp:
             return False
         self._stamp = stamp
-        if stamp is None:
-            log.error("services file %s disappeared; keeping the last good content", self.path)
+        try:
+            data = read_bytes(self.path, self.max_bytes)
+        except FileNotFoundError:
+            self._refuse(Reason.MISSING, "the file does not exist (deleted, or being replaced)", "")
+            return False
+        except OSError as exc:
+            self._refuse(Reason.UNREADABLE, f"cannot be read: {exc.strerror or exc}", "")
+            return False
+        except Refused as exc:
+            self._refuse(exc.reason, str(exc), "")
+            return False
+        version = content_version(data)
+        if version == self.version:
+            if self.stale:
+                log.info("services file %s: back to the content in force (version %s)", self.path, version)
+            self._set_stale(False)
             return False
         try:
-            snap = load_file(self.path)
-        except LOAD_ERRORS as exc:
-            log.error("services file %s does not parse, keeping the last good content: %s", self.path, exc)
+            content = parse(data, self.max_bytes)
+        except Refused as exc:
+            self._refuse(exc.reason, str(exc), version)
             return False
-        with self._lock:
-            self._snapshot = snap
+        report(self.path, content, self.metrics)
+        events: list[Event] = []
+        for kind in KINDS:
+            events += relist_events(kind, self._delivered[kind], content.of(kind))
+        events += [Synced(kind, version) for kind in KINDS]
+        sink(events)
+        self._delivered = {kind: content.of(kind) for kind in KINDS}
+        self.version = version
+        self._set_stale(False)
         log.info(
-            "services file %s: %d Service(s), %d EndpointSlice(s)",
+            "services file %s: %d Service(s), %d EndpointSlice(s), version %s (%d object change(s))",
             self.path,
-            len(snap.services),
-            len(snap.endpoint_slices),
+            len(content.of(Kind.SERVICE)),
+            len(content.of(Kind.ENDPOINT_SLICE)),
+            version,
+            len(events) - len(KINDS),
         )
         return True
 
-    def start(self) -> None:
-        self._stamp = self._stat()
-        snap = load_file(self.path)
-        with self._lock:
-            self._snapshot = snap
-        self._thread = threading.Thread(target=self._loop, name="file-source", daemon=True)
+    def _set_stale(self, stale: bool) -> None:
+        self.stale = stale
+        self.metrics.stale.set(1 if stale else 0)
+
+    def _refuse(self, reason: Reason, why: str, version: str) -> None:
+        self.metrics.rejected.labels(reason=reason.value).inc()
+        self._set_stale(True)
+        in_force = (
+            f"the last good content (version {self.version}) stays in force"
+            if self.version
+            else "nothing is applied until a good content is read"
+        )
+        log.error(
+            "services file %s%s not applied: %s. %s; %s",
+            self.path,
+            f" (content {version})" if version else "",
+            why,
+            in_force,
+            SAFE_WRITE,
+        )
+
+
+class FileSource:
+    """The file source (agent/sources/base.py `Source`). Construction reads nothing."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        interval_s: float = 0.1,
+        max_bytes: int = MAX_FILE_BYTES,
+        metrics: FileMetrics | None = None,
+    ) -> None:
+        self.path = path
+        self._interval = interval_s
+        self._watch = FileWatch(path, max_bytes, metrics)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def kinds(self) -> frozenset[Kind]:
+        return frozenset(KINDS)
+
+    @property
+    def version(self) -> str:
+        """The version of the content in force ("" before the first good read)."""
+        return self._watch.version
+
+    def start(self, sink: Sink) -> None:
+        """Check the file opens (raising OSError if not), then read and watch it on a thread."""
+        self._watch.check_readable()
+        self._thread = threading.Thread(target=self._run, args=(sink,), name="file-source", daemon=True)
         self._thread.start()
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
-            if self.poll():
-                self._on_change()
+    def _run(self, sink: Sink) -> None:
+        pause = RETRY_MIN_S
+        while not self._stop.is_set():
+            wait = self._interval
+            try:
+                self._watch.poll(sink)
+                pause = RETRY_MIN_S
+            except Exception:
+                # Last resort: nothing in a file may end the watcher. A bug, not a bad file (those
+                # are refused above): logged with its traceback, counted, retried after a pause.
+                log.exception(
+                    "services file %s: unexpected error while reading it (a bug, please report it); "
+                    "the last good content stays in force, retrying in %.0fs",
+                    self.path,
+                    pause,
+                )
+                self._watch.metrics.rejected.labels(reason=Reason.INTERNAL.value).inc()
+                self._watch.forget()
+                wait, pause = pause, min(pause * 2, RETRY_MAX_S)
+            self._stop.wait(wait)
 
     def stop(self) -> None:
         self._stop.set()

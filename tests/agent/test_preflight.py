@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from agent.ebpf import preflight
+from agent.errors import FatalError
 
 
 def test_all_present_on_this_machine_when_root() -> None:
@@ -26,3 +29,55 @@ def test_missing_pieces_name_the_remedy(monkeypatch: pytest.MonkeyPatch) -> None
     assert "no kernel headers at /lib/modules/0.0-nonexistent/build" in text
     assert "--bpf-pin-path must be absolute" in text
     assert all("--mode=iptables" in p for p in found if "bcc" in p or "headers" in p)
+
+
+MOUNTS = """\
+sysfs /sys sysfs rw 0 0
+tmpfs /tmp tmpfs rw 0 0
+bpf /sys/fs/bpf bpf rw 0 0
+bpf /srv/my\\040pins bpf rw 0 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "fstype"),
+    [
+        ("/sys/fs/bpf", "bpf"),
+        ("/sys/fs/bpf/ebpf-kube-proxy", "bpf"),  # not there yet: the filesystem that would hold it
+        ("/sys/fs/bpfx", "sysfs"),
+        ("/tmp/x", "tmpfs"),
+        ("/srv/my pins/ekp", "bpf"),
+        ("/srv", ""),
+    ],
+)
+def test_mount_type(path: str, fstype: str) -> None:
+    from agent.ebpf.loader import mount_type
+
+    assert mount_type(path, MOUNTS) == fstype
+
+
+def test_pin_path_off_bpffs_is_an_error_before_anything_is_created(tmp_path: Path) -> None:
+    wanted = tmp_path / "x" / "pins"
+    [problem] = preflight.pin_path_problems(str(wanted))
+    assert f"--bpf-pin-path {wanted} is not on a bpf filesystem" in problem
+    assert "mount -t bpf bpf DIR" in problem
+    assert not (tmp_path / "x").exists()
+
+
+def test_pin_path_under_an_unmounted_sys_fs_bpf_is_left_to_the_loader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """/sys/fs/bpf not mounted yet: the loader mounts it (agent/ebpf/loader.py ensure_bpffs)."""
+    monkeypatch.setattr(preflight, "fs_type", lambda path: "sysfs")
+    monkeypatch.setattr(preflight, "pin_dir_problems", lambda path: [])
+    assert preflight.pin_path_problems("/sys/fs/bpf/ebpf-kube-proxy") == []
+    assert preflight.pin_path_problems("/var/pins")[0].startswith("--bpf-pin-path /var/pins is not on")
+
+
+def test_require_raises_one_fatal_error_with_every_remedy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("agent.ebpf.preflight.os.geteuid", lambda: 1000)
+    with pytest.raises(FatalError) as info:
+        preflight.require("/tmp/not-bpffs")
+    text = str(info.value)
+    assert text.startswith("eBPF mode cannot start: ")
+    assert "run the agent as root" in text and "is not on a bpf filesystem" in text

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from agent import caps
+from agent.errors import FatalError
 from agent.iptables.runner import (
     SubprocessRunner,
     chains_by_table,
@@ -16,6 +18,7 @@ from agent.iptables.runner import (
     ensure_chain,
     ensure_rule,
     parse_version,
+    preflight,
     supports_random_fully,
 )
 from tests.iptables.fakes import FakeRunner
@@ -23,6 +26,11 @@ from tests.iptables.objects import CONFIG
 
 HINT_NFT = "*mangle\n:PREROUTING ACCEPT [0:0]\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n"
 LEGACY_CANARY = "*mangle\n:KUBE-KUBELET-CANARY - [0:0]\nCOMMIT\n*filter\n-A INPUT -j ACCEPT\nCOMMIT\n"
+
+
+ALL_CAPS = (1 << 41) - 1
+# A machine with every binary and capability: the runner's pre-flight passes.
+PRESENT: dict[str, Any] = {"which": lambda tool: f"/usr/sbin/{tool}", "cap_mask": lambda: ALL_CAPS}
 
 
 def rules(n: int) -> str:
@@ -97,7 +105,7 @@ def test_subprocess_runner_prefixes_netns_uses_lock_and_chosen_backend(
 ) -> None:
     rec = Recorder()
     monkeypatch.setattr(subprocess, "run", rec)
-    r = SubprocessRunner(replace(CONFIG, netns="ekp-node1", iptables_backend="legacy"))
+    r = SubprocessRunner(replace(CONFIG, netns="ekp-node1", iptables_backend="legacy"), **PRESENT)
     assert rec.calls == []  # nothing at construction
     r.restore("*nat\nCOMMIT\n")
     r.run("-t", "nat", "-C", "PREROUTING", "-j", "KUBE-SERVICES")
@@ -126,7 +134,69 @@ def test_subprocess_runner_prefixes_netns_uses_lock_and_chosen_backend(
 def test_subprocess_runner_auto_detects_from_existing_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     rec = Recorder({"iptables-legacy-save": LEGACY_CANARY})
     monkeypatch.setattr(subprocess, "run", rec)
-    r = SubprocessRunner(CONFIG)
+    r = SubprocessRunner(CONFIG, **PRESENT)
     assert r.backend == "legacy"
     assert r.backend == "legacy"
     assert [c[0] for c in rec.calls] == ["iptables-nft-save", "iptables-legacy-save"]  # detected once
+
+
+def test_only_installed_family_is_chosen_without_asking_the_missing_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rec = Recorder()
+    monkeypatch.setattr(subprocess, "run", rec)
+    r = SubprocessRunner(
+        CONFIG, which=lambda tool: None if "nft" in tool else f"/usr/sbin/{tool}", cap_mask=lambda: ALL_CAPS
+    )
+    assert r.backend == "legacy"
+    assert rec.calls == []
+
+
+@pytest.mark.parametrize(
+    ("config", "missing_tools", "cap_mask", "message"),
+    [
+        (CONFIG, set(), 0, "lacks CAP_NET_ADMIN, which writing iptables rules needs: run it as root"),
+        (replace(CONFIG, netns="n1"), set(), 1 << 12, "lacks CAP_SYS_ADMIN"),
+        (
+            replace(CONFIG, iptables_backend="nft"),
+            {"iptables-nft-restore"},
+            ALL_CAPS,
+            "iptables-nft-restore not found on PATH (--iptables-backend=nft): install the iptables package",
+        ),
+        (
+            CONFIG,
+            {"iptables-nft", "iptables-legacy-save"},
+            ALL_CAPS,
+            "neither iptables-nft nor iptables-legacy",
+        ),
+        (replace(CONFIG, netns="n1"), {"ip"}, ALL_CAPS, "ip not found on PATH (--netns needs"),
+        (CONFIG, {"sysctl"}, ALL_CAPS, "sysctl not found on PATH (localhost NodePorts"),
+    ],
+)
+def test_preflight_failures_are_fatal_and_say_what_to_do(
+    config: Any, missing_tools: set[str], cap_mask: int, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rec = Recorder()
+    monkeypatch.setattr(subprocess, "run", rec)
+
+    def which(tool: str) -> str | None:
+        return None if tool in missing_tools else f"/usr/sbin/{tool}"
+
+    with pytest.raises(FatalError, match=r"^iptables mode cannot start: ") as info:
+        preflight(config, which=which, cap_mask=lambda: cap_mask)
+    assert message in str(info.value)
+    runner = SubprocessRunner(config, which=which, cap_mask=lambda: cap_mask)
+    with pytest.raises(FatalError):
+        runner.restore("*nat\nCOMMIT\n")
+    assert rec.calls == [], "nothing was run"
+
+
+def test_preflight_passes_with_everything_present() -> None:
+    preflight(CONFIG, **PRESENT)
+
+
+def test_effective_capabilities_are_read_from_proc_status() -> None:
+    text = "Name:\tpython\nCapInh:\t0000000000000000\nCapEff:\t0000000000001000\n"
+    assert caps.parse_effective(text) == 1 << caps.CAP_NET_ADMIN
+    assert caps.missing((caps.CAP_NET_ADMIN, caps.CAP_BPF), 1 << 12) == ["CAP_BPF"]
+    assert caps.parse_effective("Name: x\n") == 0
