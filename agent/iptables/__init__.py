@@ -2,6 +2,7 @@
 
 * `chains.py`  chain names (kube-proxy's hashing), the built-in-chain jumps; pure.
 * `rules.py`   ProxyState + NodeContext + options -> iptables-restore text; pure.
+* `safety.py`  refuses service ports whose values could break out of their arguments; pure.
 * `runner.py`  the IptablesRunner interface; SubprocessRunner (netns, `-w`, nft/legacy detection).
 * `proxier.py` IptablesProxier: full/partial syncs, canary, stale chains, conntrack cleanup.
 * `conntrack.py` stale UDP conntrack entries after endpoint changes.
