@@ -87,7 +87,9 @@ def measure(
         full = proxier.last_sync
         result["full_sync_seconds"] = time.perf_counter() - start
         start = time.perf_counter()
-        proxier.sync(synthetic_state(n_services, endpoints_per_service, shift=1), NODE)
+        shifted = synthetic_state(n_services, endpoints_per_service, shift=1)
+        changed = frozenset(k for k in shifted.services if shifted.endpoints[k] != st.endpoints.get(k))
+        proxier.sync(shifted, NODE, changed)
         partial = proxier.last_sync
         result["partial_sync_seconds"] = time.perf_counter() - start
         assert full is not None and partial is not None and full.full and not partial.full
