@@ -41,6 +41,7 @@ class FakeRunner:
         self.refuse: set[str] = set()
         self.tests: list[str] = []
         self.saves = 0
+        self.iptables_version: tuple[int, ...] = (1, 8, 9)  # >= 1.6.2: --random-fully
         # `sysctl -n/-w` answered from here (unless `responses` has a handler for "sysctl").
         self.sysctls: dict[str, str] = {}
 
@@ -167,7 +168,7 @@ class FakeRunner:
         return Result(0)
 
     def version(self) -> tuple[int, ...]:
-        return (1, 8, 9)
+        return self.iptables_version
 
     # ---------------------------------------------------------------------- test helpers
 
