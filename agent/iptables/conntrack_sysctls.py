@@ -106,7 +106,9 @@ def apply_conntrack_settings(
             report.unchanged.append(setting.key)
         else:
             w = command(["sysctl", "-w", f"{setting.key}={setting.value}"])
-            if w.returncode == 0:
+            # procps sysctl exits 0 even when the kernel refuses the write: read it back.
+            after = command(["sysctl", "-n", setting.key])
+            if w.returncode == 0 and after.returncode == 0 and after.stdout.strip() == str(setting.value):
                 report.written.append((setting.key, old, setting.value))
                 log.info("conntrack: set %s=%d in %s (was %s)", setting.key, setting.value, where, old or "?")
             else:
