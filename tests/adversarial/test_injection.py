@@ -19,7 +19,11 @@ One lab for the module (1 node, 2 pods); one agent per test, stopped and cleaned
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,9 +31,8 @@ import pytest
 
 from tests.conftest import require_kernel
 from tests.lab import Lab
-from tests.traffic.harness import Cluster, ep
+from tests.traffic.harness import CLIENT, Cluster, ep
 from tests.traffic.objects import Ep, Port, endpoint_slice, service, with_endpoints
-from tests.traffic.test_services import _finish_loop, _start_loop
 
 pytestmark = pytest.mark.kernel
 
@@ -62,6 +65,44 @@ def netfilter(cluster: Cluster) -> str:
     return cluster.ruleset(cluster.lab.nodes[0])
 
 
+class Loop:
+    """New connections to a URL from a pod, one after the other, until stopped (client.py loop)."""
+
+    def __init__(self, cluster: Cluster, pod: str, url: str, name: str) -> None:
+        assert cluster.lab.tmpdir is not None
+        self.lab = cluster.lab
+        self.stop_file = cluster.lab.tmpdir / f"stop-{name}"
+        self.ready_file = cluster.lab.tmpdir / f"ready-{name}"
+        self.out = cluster.lab.tmpdir / f"loop-{name}.json"
+        for path in (self.stop_file, self.ready_file):
+            path.unlink(missing_ok=True)
+        argv = [
+            "loop",
+            "--url",
+            url,
+            "--stop-file",
+            str(self.stop_file),
+            "--ready-file",
+            str(self.ready_file),
+        ]
+        argv += ["--max-s", "120", "--timeout", "5", "--interval", "0.005"]
+        with open(self.out, "wb") as out:
+            self.proc = cluster.lab.popen(
+                pod, sys.executable, CLIENT, *argv, name=f"loop-{name}", stdout=out, stderr=subprocess.DEVNULL
+            )
+        deadline = time.monotonic() + 20
+        while not self.ready_file.exists():
+            assert self.proc.poll() is None and time.monotonic() < deadline, "the request loop did not start"
+            time.sleep(0.02)
+
+    def finish(self, *, at_least_s: float = 0.5) -> dict[str, Any]:
+        time.sleep(at_least_s)  # some requests strictly after the last change
+        self.stop_file.touch()
+        self.proc.wait(timeout=30)
+        result: dict[str, Any] = json.loads(self.out.read_text())
+        return result
+
+
 @pytest.mark.parametrize("mode", ["iptables", "ebpf"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_hostile_service_name_injects_nothing_and_valid_services_keep_serving(
@@ -77,14 +118,14 @@ def test_hostile_service_name_injects_nothing_and_valid_services_keep_serving(
         first = cluster.http("pod-1-1", f"http://{WEB_IP}/", count=5)
         assert first["errors"] == 0, first
 
-        loop, handle = _start_loop(cluster, "pod-1-1", f"http://{WEB_IP}/", f"{mode}-{case}")
+        loop = Loop(cluster, "pod-1-1", f"http://{WEB_IP}/", f"{mode}-{case}")
         cluster.apply(web + bad_objects(name, with_eps, ep(cluster, "pod-1-2")))
         # A further change after the bad input: syncs still go through.
         web2 = with_endpoints(
             service("web", WEB_IP, [HTTP]), [ep(cluster, "pod-1-2"), ep(cluster, "pod-1-1")]
         )
         cluster.apply(web2 + bad_objects(name, with_eps, ep(cluster, "pod-1-2")))
-        during = _finish_loop(loop, handle)
+        during = loop.finish()
         assert during["errors"] == 0 and during["ok"] > 0, during
         after = cluster.http("pod-1-1", f"http://{WEB_IP}/", count=20)
         assert after["errors"] == 0 and set(after["bodies"]) <= {"pod-1-1", "pod-1-2"}, after
