@@ -158,6 +158,7 @@ class IptablesProxier:
         self._rejected: dict[ServicePortName, str] = {}
         self._reported: dict[ServicePortName, str] = {}
         self._udp: UdpFrontends | None = None
+        self._digests = canonical.DigestCache()
         self.last_sync: SyncStats | None = None
 
     @property
@@ -285,8 +286,9 @@ class IptablesProxier:
         start: float,
     ) -> _Outcome:
         self._rejected.clear()  # a full sync retries every port
+        self._digests.age()
         kernel = canonical.parse(self._runner.save())
-        kernel_digests = canonical.chain_digests(kernel)
+        kernel_digests = canonical.chain_digests(kernel, cache=self._digests)
         repaired = self._drift(kernel_digests)
         repaired += self._ensure_base(options, kernel)
         cleanup_due = self._cleanup_due(large)
@@ -297,8 +299,8 @@ class IptablesProxier:
         rendered_at = self._clock()
 
         to_write: Rendered | None = desired
+        want = canonical.chain_digests(canonical.parse(desired.text), cache=self._digests)
         if not complete:
-            want = canonical.chain_digests(canonical.parse(desired.text))
             differing = {key for key, d in want.items() if kernel_digests.get(key) != d}
             if not differing and not desired.deleted_chains:
                 to_write = None
@@ -308,7 +310,7 @@ class IptablesProxier:
                 owners = {desired.chain_owner[c] for t, c in differing if c in desired.chain_owner}
                 to_write = self._render(state, node, options, changed=owners, existing=existing)
         if to_write is None:
-            self._programmed = canonical.chain_digests(canonical.parse(desired.text))
+            self._programmed = want
             if cleanup_due:
                 self._last_cleanup = start
             return _Outcome(True, desired, False, repaired, rendered_at, self._clock())
@@ -393,7 +395,10 @@ class IptablesProxier:
         services = dict(state.services)
         endpoints = dict(state.endpoints)
         raw = dict(state.raw_endpoints)
-        for spn in self._rejected:
+        for spn in list(self._rejected):
+            if spn not in state.services:
+                del self._rejected[spn]  # deleted meanwhile: nothing to stand in for
+                continue
             old = self._last_good.get(spn)
             if old is None:
                 services.pop(spn, None)
@@ -420,7 +425,7 @@ class IptablesProxier:
 
     def _record(self, text: str, *, complete: bool) -> None:
         written = canonical.parse(text)
-        digests = canonical.chain_digests(written)
+        digests = canonical.chain_digests(written, cache=self._digests)
         if complete or self._programmed is None:
             self._programmed = digests
             return

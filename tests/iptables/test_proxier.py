@@ -270,6 +270,18 @@ def test_a_rejected_update_keeps_the_last_programmed_version() -> None:
     assert dnat_targets(fake) == {"10.244.2.5:80", "10.244.2.6:80"}
 
 
+def test_a_rejected_port_deleted_meanwhile_is_not_brought_back() -> None:
+    p, fake = make()
+    p.sync(two_services(), NODE)
+    fake.refuse = {"10.244.2.66"}
+    p.sync(two_services(b_endpoint="10.244.2.66"), NODE, frozenset({B}))
+    only_a = state(service("a", "10.96.0.5", ("http", 80, "TCP")), endpoints("a", TCP80, "10.244.2.5"))
+    result = p.sync(only_a, NODE, frozenset({A}))
+    assert result.failed == {}
+    assert svc("b") not in fake.chains("nat")
+    assert dnat_targets(fake) == {"10.244.2.5:80"}
+
+
 def test_a_failure_of_the_rules_common_to_all_raises() -> None:
     p, fake = make()
     fake.refuse = {"KUBE-MARK-MASQ -j MARK"}
