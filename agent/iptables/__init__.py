@@ -10,7 +10,8 @@
 * `nfacct.py`  kube-proxy's nfacct counters: created for the rules, `read_nfacct_counters` for metrics.
 * `conntrack_sysctls.py` kube-proxy's conntrack settings (nf_conntrack_max, timeouts) on the node.
 * `conntrack.py` stale UDP conntrack entries after endpoint changes.
-* `cleanup.py` `agent --cleanup`: our chains and jumps only.
+* `cleanup.py` `agent --cleanup`: our chains and every rule jumping to them, nothing else.
+* `kube_proxy_cleanup.py` `cleanup_kube_proxy(config)`: what a previous kube-proxy left, nothing else.
 * `bench.py`   `measure(n_services)`: render and apply N services in a throwaway netns.
 
 The CLI uses `IptablesProxier(config)` (`sync(state, node, changed)`, `cleanup()`) and
@@ -18,6 +19,7 @@ The CLI uses `IptablesProxier(config)` (`sync(state, node, changed)`, `cleanup()
 """
 
 from agent.config import Config, NodeContext
+from agent.iptables.kube_proxy_cleanup import KubeProxyCleanupReport, cleanup_kube_proxy
 from agent.iptables.nfacct import read_nfacct_counters
 from agent.iptables.proxier import IptablesProxier, SyncStats
 from agent.iptables.rules import Rendered, RenderOptions, render, render_text
@@ -33,9 +35,11 @@ def render_dry_run(state: ProxyState, node: NodeContext, config: Config) -> str:
 
 __all__ = [
     "IptablesProxier",
+    "KubeProxyCleanupReport",
     "RenderOptions",
     "Rendered",
     "SyncStats",
+    "cleanup_kube_proxy",
     "read_nfacct_counters",
     "render",
     "render_dry_run",
