@@ -21,7 +21,9 @@ and one rejected service port never keeps the others from being programmed.
   found with `iptables-restore --test` over halves of them (isolate.py); every other port is
   programmed, and the rejected ones keep their last programmed version, if any, and are returned in
   `SyncResult.failed` with the restore's error, as are ports the renderer refused (safety.py). A
-  failed partial restore is retried at once as a complete one (upstream retries it one sync later).
+  rejected port is tried again when the caller names it in `changed` (the runner's retry), or at a
+  full sync once its version changed. A failed partial restore is retried at once as a complete
+  one (upstream retries it one sync later).
 * **Large clusters** (more than 1000 endpoints): as upstream, crossing the threshold does not force a
   full sync, and stale chains are deleted at most once per `--iptables-sync-period`.
 * After the rules: stale UDP conntrack entries (conntrack.py), only when UDP ports changed.
@@ -113,6 +115,13 @@ class _Version:
     raw: tuple[Endpoint, ...]
 
 
+def _version(state: ProxyState, spn: ServicePortName) -> _Version | None:
+    sp = state.services.get(spn)
+    if sp is None:
+        return None
+    return _Version(sp, state.endpoints.get(spn, ServiceEndpoints()), state.raw_endpoints.get(spn, ()))
+
+
 def _jump_text(jump: Jump) -> str:
     return " ".join(f'"{a}"' if " " in a else a for a in jump.rule_args())
 
@@ -155,7 +164,8 @@ class IptablesProxier:
         self._globals: tuple[object, ...] | None = None
         self._last_cleanup = float("-inf")
         self._last_good: dict[ServicePortName, _Version] = {}
-        self._rejected: dict[ServicePortName, str] = {}
+        # Ports iptables-restore rejected: the reason, and the version that was rejected.
+        self._rejected: dict[ServicePortName, tuple[str, _Version]] = {}
         self._reported: dict[ServicePortName, str] = {}
         self._udp: UdpFrontends | None = None
         self._digests = canonical.DigestCache()
@@ -201,7 +211,7 @@ class IptablesProxier:
         self._remember_good(state, None if outcome.full else changed)
 
         filters = self._clean_conntrack(state, changed)
-        failed = {**outcome.rendered.refused, **self._rejected}
+        failed = {**outcome.rendered.refused, **{k: why for k, (why, _) in self._rejected.items()}}
         self._report_failures(failed)
         r = outcome.rendered
         self.last_sync = SyncStats(
@@ -285,7 +295,11 @@ class IptablesProxier:
         large: bool,
         start: float,
     ) -> _Outcome:
-        self._rejected.clear()  # a full sync retries every port
+        # Retry each rejected port whose version changed since; an unchanged one stays out (its
+        # last good version stands in) rather than costing a bisection on every full sync.
+        for spn, (_, version) in list(self._rejected.items()):
+            if _version(state, spn) != version:
+                del self._rejected[spn]
         self._digests.age()
         kernel = canonical.parse(self._runner.save())
         kernel_digests = canonical.chain_digests(kernel, cache=self._digests)
@@ -359,7 +373,9 @@ class IptablesProxier:
             raise IptablesError(f"iptables-restore failed and no single service port is to blame: {error}")
         for spn in bad:
             reason = self._runner.restore_test(render(_subset(state, [spn]), node, options).text)
-            self._rejected[spn] = f"iptables-restore rejected its rules: {reason or error}"
+            version = _version(state, spn)
+            assert version is not None  # `bad` holds ports of `state`
+            self._rejected[spn] = (f"iptables-restore rejected its rules: {reason or error}", version)
         rendered = self._render(state, node, options, changed=None, existing=existing)
         try:
             self._runner.restore(rendered.text)
@@ -412,13 +428,11 @@ class IptablesProxier:
         """Keep each programmed port's version (only the changed ones after a partial sync)."""
         ports = state.services.keys() if changed is None else changed
         for spn in ports:
-            sp = state.services.get(spn)
-            if sp is None:
+            version = _version(state, spn)
+            if version is None:
                 self._last_good.pop(spn, None)
             elif spn not in self._rejected:
-                self._last_good[spn] = _Version(
-                    sp, state.endpoints.get(spn, ServiceEndpoints()), state.raw_endpoints.get(spn, ())
-                )
+                self._last_good[spn] = version
         if changed is None:
             for spn in [s for s in self._last_good if s not in state.services]:
                 del self._last_good[spn]

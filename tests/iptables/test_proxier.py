@@ -270,6 +270,19 @@ def test_a_rejected_update_keeps_the_last_programmed_version() -> None:
     assert dnat_targets(fake) == {"10.244.2.5:80", "10.244.2.6:80"}
 
 
+def test_an_unchanged_rejected_port_is_not_bisected_again_by_every_full_sync() -> None:
+    p, fake = make()
+    fake.refuse = {"10.244.2.66"}
+    p.sync(two_services(b_endpoint="10.244.2.66"), NODE)
+    tests = len(fake.tests)
+    again = p.sync(two_services(b_endpoint="10.244.2.66"), NODE)
+    assert set(again.failed) == {B} and len(fake.tests) == tests
+    # A new version of it is tried at the next full sync.
+    fake.refuse = set()
+    assert p.sync(two_services(b_endpoint="10.244.2.67"), NODE).failed == {}
+    assert "10.244.2.67:80" in dnat_targets(fake)
+
+
 def test_a_rejected_port_deleted_meanwhile_is_not_brought_back() -> None:
     p, fake = make()
     p.sync(two_services(), NODE)
