@@ -1016,15 +1016,24 @@ def _unregister(lab: Lab) -> None:
         _LIVE.discard(lab)
 
 
+_HANDLER_PID = 0
+
+
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    if os.getpid() != _HANDLER_PID:
+        # A forked helper (pyroute2's netns worker, for one) inherits this handler. Raising there
+        # would unwind the copy of the test runner's stack in the child and run its fixture
+        # teardowns (deleting the parent's namespaces, unmounting its bpffs): just exit.
+        os._exit(128 + signum)
     raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
 
 
 def _install_signal_handlers() -> None:
     """SIGTERM/SIGHUP raise KeyboardInterrupt (so `with`, fixtures and atexit tear labs down)."""
-    global _handlers_installed
+    global _handlers_installed, _HANDLER_PID
     if _handlers_installed or threading.current_thread() is not threading.main_thread():
         return
+    _HANDLER_PID = os.getpid()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
             signal.signal(sig, _raise_interrupt)
