@@ -113,6 +113,28 @@ def cleanup(config: Config) -> int:
         return 1 if failed else 0
 
 
+def cleanup_kube_proxy(config: Config) -> int:
+    """What a previous kube-proxy left on this node (the Helm chart's init container)."""
+    from agent.iptables import cleanup_kube_proxy as remove
+
+    report = remove(config)
+    for backend, done in report.iptables.items():
+        if done.chains_deleted or done.jumps_deleted:
+            log.info(
+                "iptables-%s: removed kube-proxy's chains %s and %d jump(s)",
+                backend,
+                ",".join(done.chains_deleted) or "none",
+                done.jumps_deleted,
+            )
+    for table in report.nft_tables:
+        log.info("nftables: removed kube-proxy's table %s", table)
+    if not report.removed_anything:
+        log.info("no kube-proxy rules found on this node")
+    for error in report.errors:
+        log.error("cleaning up kube-proxy's rules: %s", error)
+    return 1 if report.errors else 0
+
+
 def preflight(config: Config) -> None:
     """What no retry fixes, checked before anything is created; raises FatalError."""
     if config.mode is Mode.EBPF:
@@ -155,7 +177,14 @@ def build_agent(config: Config, configz: Callable[[], Mapping[str, Any]] | None 
     from agent.metrics.source import FileMetrics, SourceMetrics
 
     registry = CollectorRegistry()
-    metrics = Metrics(registry, config.mode)
+    nfacct = None
+    if config.mode is Mode.IPTABLES:
+        from agent.iptables import read_nfacct_counters
+
+        def nfacct() -> Mapping[str, int]:
+            return read_nfacct_counters(config.netns)
+
+    metrics = Metrics(registry, config.mode, nfacct=nfacct)
     if config.mode is Mode.EBPF:
         from agent.metrics.bpf import BpfMapsCollector, pinned_opener
 
@@ -221,6 +250,8 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         return dry_run(config)
     if config.cleanup:
         return cleanup(config)
+    if config.cleanup_kube_proxy:
+        return cleanup_kube_proxy(config)
 
     from agent.lock import acquire
 

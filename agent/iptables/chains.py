@@ -56,6 +56,12 @@ MASQUERADE_COMMENT = "kubernetes service traffic requiring SNAT"
 NODEPORTS_TAIL_COMMENT = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
 MARTIAN_COMMENT = "block incoming localnet connections"
 
+# kube-proxy's nfacct counters (pkg/proxy/metrics: IPTablesCTStateInvalidDroppedNFAcctCounter,
+# LocalhostNodePortAcceptedNFAcctCounter), read back for the two packet-count metrics.
+INVALID_DROPPED_COUNTER = "ct_state_invalid_dropped_pkts"
+LOCALHOST_NODEPORTS_COUNTER = "localhost_nps_accepted_pkts"
+NFACCT_COUNTERS = (INVALID_DROPPED_COUNTER, LOCALHOST_NODEPORTS_COUNTER)
+
 
 def _hash16(text: str) -> str:
     return base64.b32encode(hashlib.sha256(text.encode()).digest()).decode()[:16]

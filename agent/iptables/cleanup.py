@@ -1,33 +1,40 @@
-"""`agent --cleanup` for the iptables mode: remove our chains and jumps, nothing else.
+"""`agent --cleanup` for the iptables mode: remove our chains and the rules that jump to them.
 
-Follows kube-proxy's cleanupLeftoversForFamily: delete the jump rules from the built-in chains
-(each exact rule, every copy), then flush and delete, in one iptables-restore --noflush per run,
-the top-level chains we own and every per-service chain (KUBE-SVC/SVL/EXT/FW/SEP), then the
-mangle canary. Other rules in INPUT, FORWARD, OUTPUT, PREROUTING and POSTROUTING, and chains with
+Follows kube-proxy's cleanupLeftoversForFamily, made robust: instead of deleting each jump by its
+exact current spelling (a jump written by an older version, or a second copy, would then keep its
+chain alive and make the whole `-X` restore fail), every rule outside the chains being removed that
+jumps to one of them is deleted by the spec iptables-save printed for it. Then the chains are
+flushed and deleted, in one iptables-restore --noflush per table: the top-level chains we own and
+every per-service chain (KUBE-SVC/SVL/EXT/FW/SEP), in nat and filter, and the canary in mangle,
+nat and filter. Other rules in INPUT, FORWARD, OUTPUT, PREROUTING and POSTROUTING, and chains with
 other names, are untouched.
 
 KUBE-FIREWALL is shared history: kubelet used to create it and may still on old nodes. We remove
 only our martian-drop rule from it, and the chain and its two jumps only when that leaves it empty.
 (Upstream never deletes KUBE-FIREWALL; we do when it is certainly ours alone, so a node handed back
 to another proxy keeps no rules of ours.)
+
+`remove_chains` is shared with `kube_proxy_cleanup.py`, which removes a previous kube-proxy's.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import shlex
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from agent.iptables import canonical
 from agent.iptables.chains import (
     CLEANUP_FILTER_CHAINS,
     CLEANUP_NAT_CHAINS,
-    FIREWALL_JUMPS,
-    JUMPS,
     KUBE_FIREWALL,
     KUBE_PROXY_CANARY,
     MARTIAN_COMMENT,
     is_service_chain,
 )
-from agent.iptables.runner import IptablesRunner, chains_by_table, delete_rule
+from agent.iptables.runner import IptablesError, IptablesRunner, chains_by_table, delete_rule
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,7 @@ MARTIAN_RULE_ARGS = (
     "-j",
     "DROP",
 )
+_TARGET = re.compile(r"(?:^|\s)-[jg] (\S+)")
 
 
 @dataclass
@@ -59,66 +67,65 @@ class CleanupReport:
 
 def owns_something(save_output: str) -> bool:
     """Does this ruleset hold any chain we create? (Cheap test before cleaning a backend.)"""
+    ours = {KUBE_PROXY_CANARY} | set(CLEANUP_NAT_CHAINS) | set(CLEANUP_FILTER_CHAINS)
     for table, chains in chains_by_table(save_output).items():
-        ours = {KUBE_PROXY_CANARY} | set(CLEANUP_NAT_CHAINS) | set(CLEANUP_FILTER_CHAINS)
         if table in ("nat", "filter", "mangle") and any(c in ours or is_service_chain(c) for c in chains):
             return True
     return False
 
 
-def _rules_in(save_output: str, table: str, chain: str) -> list[str]:
-    rules: list[str] = []
-    current = ""
-    prefix = f"-A {chain} "
-    for line in save_output.splitlines():
-        if line.startswith("*"):
-            current = line[1:].strip()
-        elif current == table and line.startswith(prefix):
-            rules.append(line)
-    return rules
+def remove_chains(
+    runner: IptablesRunner, saved: canonical.Dump, targets: Mapping[str, Iterable[str]], report: CleanupReport
+) -> None:
+    """Delete every rule that jumps into `targets` (per table) from elsewhere, then flush and
+    delete the target chains that exist. Raises IptablesError when a table's restore fails."""
+    for table, wanted in targets.items():
+        existing = saved.table(table)
+        chains = [c for c in dict.fromkeys(wanted) if c in existing]
+        if not chains:
+            continue
+        doomed = set(chains)
+        for chain, rules in existing.items():
+            if chain in doomed:
+                continue
+            for rule in rules:
+                m = _TARGET.search(rule)
+                if m is None or m.group(1) not in doomed:
+                    continue
+                r = runner.run("-t", table, "-D", chain, *shlex.split(rule))
+                if r.returncode == 0:
+                    report.jumps_deleted += 1
+                else:
+                    log.warning("cleanup: cannot delete `-A %s %s` (%s)", chain, rule, r.stderr.strip())
+        lines = [f"*{table}", *(f":{c} - [0:0]" for c in chains), *(f"-X {c}" for c in chains), "COMMIT", ""]
+        runner.restore("\n".join(lines))
+        report.chains_deleted.setdefault(table, []).extend(chains)
 
 
 def cleanup(runner: IptablesRunner) -> CleanupReport:
     report = CleanupReport()
-    for jump in JUMPS:
-        report.jumps_deleted += delete_rule(runner, jump.table, jump.src_chain, jump.rule_args())
-
-    before = runner.save()
-    existing = chains_by_table(before)
-    drop_firewall = False
-    if KUBE_FIREWALL in existing.get("filter", set()):
+    saved = canonical.parse(runner.save())
+    filter_chains = list(CLEANUP_FILTER_CHAINS)
+    if KUBE_FIREWALL in saved.table("filter"):
         delete_rule(runner, "filter", KUBE_FIREWALL, MARTIAN_RULE_ARGS)
-        if not _rules_in(runner.save("filter"), "filter", KUBE_FIREWALL):
-            drop_firewall = True
-            for jump in FIREWALL_JUMPS:
-                report.jumps_deleted += delete_rule(runner, jump.table, jump.src_chain, jump.rule_args())
-
-    nat_have = existing.get("nat", set())
-    nat = [c for c in CLEANUP_NAT_CHAINS if c in nat_have]
-    nat += sorted(c for c in nat_have if is_service_chain(c))
-    filter_have = existing.get("filter", set())
-    flt = [c for c in CLEANUP_FILTER_CHAINS if c in filter_have]
-    if drop_firewall:
-        flt.append(KUBE_FIREWALL)
-
-    lines: list[str] = []
-    for table, chains in (("nat", nat), ("filter", flt)):
-        if not chains:
-            continue
-        lines.append(f"*{table}")
-        lines += [f":{c} - [0:0]" for c in chains]
-        lines += [f"-X {c}" for c in chains]
-        lines.append("COMMIT")
-        report.chains_deleted[table] = chains
-    if lines:
-        runner.restore("\n".join(lines) + "\n")
-
-    if KUBE_PROXY_CANARY in existing.get("mangle", set()):
-        runner.run("-t", "mangle", "-X", KUBE_PROXY_CANARY)
-        report.chains_deleted["mangle"] = [KUBE_PROXY_CANARY]
+        if not _rules_in(runner.save("filter"), KUBE_FIREWALL):
+            filter_chains.append(KUBE_FIREWALL)  # empty now: ours alone, its jumps go with it
+    nat = list(CLEANUP_NAT_CHAINS) + sorted(c for c in saved.table("nat") if is_service_chain(c))
+    errors: list[str] = []
+    for table, chains in (("nat", nat), ("filter", filter_chains), ("mangle", [KUBE_PROXY_CANARY])):
+        try:
+            remove_chains(runner, saved, {table: chains}, report)
+        except IptablesError as exc:
+            errors.append(f"{table}: {exc}")
     log.info(
         "iptables cleanup: %d jump rule(s) and %d chain(s) removed",
         report.jumps_deleted,
         sum(len(v) for v in report.chains_deleted.values()),
     )
+    if errors:
+        raise IptablesError("cleanup incomplete: " + "; ".join(errors))
     return report
+
+
+def _rules_in(filter_save: str, chain: str) -> list[str]:
+    return [line for line in filter_save.splitlines() if line.startswith(f"-A {chain} ")]

@@ -1,40 +1,66 @@
-"""The iptables-mode Proxier: render, apply atomically, delete stale chains, clear UDP conntrack.
+"""The iptables-mode Proxier: partial syncs that cost what changed, full syncs that repair drift,
+and one rejected service port never keeps the others from being programmed.
 
-One `sync(state, node)`:
+`sync(state, node, changed)`:
 
-1. Learn the host facts once (iptables version for `--random-fully`, nf_conntrack_tcp_be_liberal)
-   and read the current ruleset with one iptables-save (all tables).
-2. Decide full or partial, as kube-proxy does. Full at the first sync, after a failed sync, every
-   `full_sync_period_s` (kube-proxy: one hour), when KUBE-PROXY-CANARY is missing from mangle, nat
-   or filter (someone flushed the tables), and when anything global to the rules changed (flags,
-   node addresses, large-cluster mode). A full sync first ensures the top-level chains, the jumps
-   from the built-in chains (`-C`, then `-I` when missing: never duplicated), the canaries, and
-   route_localnet=1 when localhost NodePorts are on.
-3. Render (rules.py, pure): a partial sync rewrites only the chains of services whose ports or
-   chosen endpoints changed; KUBE-SERVICES, KUBE-NODEPORTS, KUBE-EXTERNAL-SERVICES and the rest of
-   the filter table always. Service chains that exist but are no longer used are flushed and
-   deleted in the same input.
-4. Apply: one `iptables-restore --noflush --counters -w 5`, filter then nat, atomic per table.
-   On failure the next sync is a full one and the error propagates (the runner retries).
-5. When the UDP frontends or their serving endpoints changed, delete the stale UDP conntrack
-   entries (conntrack.py). Its failure is logged, not raised: the rules are already right.
+* **Partial** (`changed` = the service ports changed since the last successful sync): render the
+  chains of those Services, plus KUBE-SERVICES, KUBE-NODEPORTS and the filter table (always whole,
+  as upstream), and restore. No iptables-save: which chains exist is known from what we programmed
+  (`_programmed`, a digest per chain), so stale chains are found without reading the kernel. No
+  pass over unchanged services beyond writing their KUBE-SERVICES jumps, which upstream's layout
+  needs.
+* **Full** (`changed=None`; the runner asks for one every sync period; also the first sync, after a
+  failure, and when flags or node addresses change): ensure the jumps from the built-in chains, the
+  canaries, route_localnet and the nfacct counters; read the kernel back with one iptables-save;
+  compare every chain by meaning (canonical.py) with what we last programmed, and count each chain
+  that changed behind our back (`SyncResult.repaired`: a `nat -F` that left KUBE-PROXY-CANARY
+  behind, a rule inserted or deleted by hand); then write only the chains whose kernel content
+  differs from the desired state (all of them when the previous sync failed). A full sync with
+  nothing to repair or change restores nothing.
+* **Failure isolation**: when iptables-restore rejects the input, the service ports to blame are
+  found with `iptables-restore --test` over halves of them (isolate.py); every other port is
+  programmed, and the rejected ones keep their last programmed version, if any, and are returned in
+  `SyncResult.failed` with the restore's error, as are ports the renderer refused (safety.py). A
+  rejected port is tried again when the caller names it in `changed` (the runner's retry), or at a
+  full sync once its version changed. A failed partial restore is retried at once as a complete
+  one (upstream retries it one sync later).
+* **Large clusters** (more than 1000 endpoints): as upstream, crossing the threshold does not force a
+  full sync, and stale chains are deleted at most once per `--iptables-sync-period`.
+* After the rules: stale UDP conntrack entries (conntrack.py), only when UDP ports changed.
+
+kube-proxy's conntrack sysctls (`Config.conntrack`) are applied once, before the first sync reads
+nf_conntrack_tcp_be_liberal, as kube-proxy applies them before creating its proxier.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 
 from agent.config import Config, NodeContext
-from agent.iptables.chains import CANARY_TABLES, FIREWALL_JUMPS, JUMPS, KUBE_PROXY_CANARY
+from agent.iptables import canonical
+from agent.iptables.chains import (
+    CANARY_TABLES,
+    FIREWALL_JUMPS,
+    INVALID_DROPPED_COUNTER,
+    JUMPS,
+    KUBE_PROXY_CANARY,
+    LOCALHOST_NODEPORTS_COUNTER,
+    NFACCT_COUNTERS,
+    Jump,
+    is_service_chain,
+)
 from agent.iptables.cleanup import CleanupReport, cleanup, owns_something
 from agent.iptables.conntrack import ConntrackCleaner, UdpFrontends, udp_frontends
+from agent.iptables.conntrack_sysctls import apply_conntrack_settings
+from agent.iptables.isolate import isolate
+from agent.iptables.nfacct import Counters, NetlinkCounters
 from agent.iptables.rules import (
     LARGE_CLUSTER_ENDPOINTS_THRESHOLD,
+    Rendered,
     RenderOptions,
-    categorized,
     render,
     total_endpoints,
 )
@@ -42,20 +68,17 @@ from agent.iptables.runner import (
     IptablesError,
     IptablesRunner,
     SubprocessRunner,
-    chains_by_table,
     ensure_chain,
     ensure_rule,
     supports_random_fully,
 )
-from agent.model.types import ProxyState, ServiceEndpoints, ServicePort, ServicePortName
+from agent.model.problem import printable
+from agent.model.types import Endpoint, Protocol, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 from agent.proxier import SyncResult
 
 log = logging.getLogger(__name__)
 
-# kube-proxy's proxyutil.FullSyncPeriod.
-FULL_SYNC_PERIOD_S = 3600.0
-
-Fingerprint = tuple[tuple[ServicePort, ServiceEndpoints], ...]
+ChainKey = tuple[str, str]  # (table, chain)
 
 
 @dataclass(frozen=True)
@@ -78,14 +101,39 @@ class SyncStats:
     render_seconds: float
     restore_seconds: float
     conntrack_filters: int
+    restored: bool = True  # False: a full sync found nothing to write
+    repaired: int = 0
+    failed: int = 0
 
 
-def service_fingerprints(state: ProxyState) -> dict[str, Fingerprint]:
-    """Per Service (`namespace/name`): everything its own chains are rendered from."""
-    parts: dict[str, list[tuple[ServicePort, ServiceEndpoints]]] = {}
-    for sp in state.sorted_ports():
-        parts.setdefault(sp.name.service, []).append((sp, categorized(state, sp)))
-    return {k: tuple(v) for k, v in parts.items()}
+@dataclass(frozen=True)
+class _Version:
+    """A service port as last programmed, kept to stand in for it while a new version is rejected."""
+
+    port: ServicePort
+    endpoints: ServiceEndpoints
+    raw: tuple[Endpoint, ...]
+
+
+def _version(state: ProxyState, spn: ServicePortName) -> _Version | None:
+    sp = state.services.get(spn)
+    if sp is None:
+        return None
+    return _Version(sp, state.endpoints.get(spn, ServiceEndpoints()), state.raw_endpoints.get(spn, ()))
+
+
+def _jump_text(jump: Jump) -> str:
+    return " ".join(f'"{a}"' if " " in a else a for a in jump.rule_args())
+
+
+def _subset(state: ProxyState, ports: Collection[ServicePortName]) -> ProxyState:
+    keep = set(ports)
+    return ProxyState(
+        node=state.node,
+        services={k: v for k, v in state.services.items() if k in keep},
+        endpoints={k: v for k, v in state.endpoints.items() if k in keep},
+        raw_endpoints={k: v for k, v in state.raw_endpoints.items() if k in keep},
+    )
 
 
 class IptablesProxier:
@@ -96,21 +144,31 @@ class IptablesProxier:
         config: Config,
         *,
         runner: IptablesRunner | None = None,
+        counters: Counters | None = None,
         clock: Callable[[], float] = time.monotonic,
-        full_sync_period_s: float = FULL_SYNC_PERIOD_S,
+        cpus: int | None = None,
     ) -> None:
         self._config = config
         self._runner_given = runner is not None
         self._runner: IptablesRunner = runner if runner is not None else SubprocessRunner(config)
+        self._counters: Counters = counters if counters is not None else NetlinkCounters(config.netns)
         self._conntrack = ConntrackCleaner(self._runner.command)
         self._clock = clock
-        self._full_sync_period_s = full_sync_period_s
+        self._cpus = cpus
         self._host: HostFacts | None = None
-        self._need_full = True
-        self._last_full = float("-inf")
+        self._nfacct = dict.fromkeys(NFACCT_COUNTERS, False)
+        # Digest per (table, chain) of every chain of ours as we last wrote it; None before the
+        # first successful sync.
+        self._programmed: dict[ChainKey, bytes] | None = None
+        self._need_complete = True
         self._globals: tuple[object, ...] | None = None
-        self._fingerprints: dict[str, Fingerprint] = {}
+        self._last_cleanup = float("-inf")
+        self._last_good: dict[ServicePortName, _Version] = {}
+        # Ports iptables-restore rejected: the reason, and the version that was rejected.
+        self._rejected: dict[ServicePortName, tuple[str, _Version]] = {}
+        self._reported: dict[ServicePortName, str] = {}
         self._udp: UdpFrontends | None = None
+        self._digests = canonical.DigestCache()
         self.last_sync: SyncStats | None = None
 
     @property
@@ -132,74 +190,47 @@ class IptablesProxier:
     ) -> SyncResult:
         start = self._clock()
         host = self._host_facts()
+        full = changed is None or self._need_complete
+        if full:
+            self._ensure_counters()
         options = self._options(host)
-        chains = chains_by_table(self._runner.save())
-        missing_canary = [t for t in CANARY_TABLES if KUBE_PROXY_CANARY not in chains.get(t, set())]
-        fingerprints = service_fingerprints(state)
+        complete = self._need_complete
+        if self._globals is not None and (options, node) != self._globals:
+            log.info("iptables: flags, host facts or node addresses changed; rewriting every chain")
+            complete = full = True
         large = total_endpoints(state) > LARGE_CLUSTER_ENDPOINTS_THRESHOLD
-        global_inputs: tuple[object, ...] = (options, node, large)
 
-        reason = ""
-        if self._need_full:
-            reason = "first sync" if self._globals is None else "previous sync failed"
-        elif missing_canary and self._globals is not None:
-            reason = f"canary chain missing from {','.join(missing_canary)} (tables flushed?)"
-        elif global_inputs != self._globals:
-            reason = "options or node addresses changed"
-        elif start - self._last_full >= self._full_sync_period_s:
-            reason = "periodic full sync"
-        full = bool(reason)
-
-        changed_services: set[str] | None = None
+        self._need_complete = True  # until this sync succeeds: the kernel may hold anything
         if full:
-            log.info("iptables full sync: %s", reason)
-            self._need_full = True
-            self._ensure_base(options)
+            outcome = self._full(state, node, options, complete=complete, large=large, start=start)
         else:
-            changed_services = {
-                k
-                for k in fingerprints.keys() | self._fingerprints.keys()
-                if fingerprints.get(k) != self._fingerprints.get(k)
-            }
+            assert changed is not None
+            outcome = self._partial(state, node, options, changed, large=large, start=start)
+        self._need_complete = False
+        self._globals = (options, node)
+        self._remember_good(state, None if outcome.full else changed)
 
-        existing_nat = chains.get("nat", set())
-        rendered = render(state, node, options, changed=changed_services, existing_nat_chains=existing_nat)
-        if not full and not rendered.kept_chains <= existing_nat:
-            # Chains of unchanged services vanished behind our back: the partial restore would
-            # fail on the jumps to them. Write everything instead.
-            log.info("iptables full sync: %d kept chain(s) missing", len(rendered.kept_chains - existing_nat))
-            full = True
-            self._need_full = True
-            self._ensure_base(options)
-            rendered = render(state, node, options, existing_nat_chains=existing_nat)
-        rendered_at = self._clock()
-        try:
-            self._runner.restore(rendered.text)
-        except Exception:
-            self._need_full = True  # the kernel may hold anything now
-            raise
-        restored_at = self._clock()
-        self._need_full = False
-        if full:
-            self._last_full = start
-        self._globals = global_inputs
-        self._fingerprints = fingerprints
-
-        filters = self._clean_conntrack(state)
+        filters = self._clean_conntrack(state, changed)
+        failed = {**outcome.rendered.refused, **{k: why for k, (why, _) in self._rejected.items()}}
+        self._report_failures(failed)
+        r = outcome.rendered
         self.last_sync = SyncStats(
-            full=full,
-            rules=rendered.rule_count,
-            filter_rules=rendered.filter_rules,
-            nat_rules_written=rendered.nat_rules,
-            services_written=len(rendered.written_services),
-            deleted_chains=len(rendered.deleted_chains),
-            large_cluster=rendered.large_cluster,
-            render_seconds=rendered_at - start,
-            restore_seconds=restored_at - rendered_at,
+            full=outcome.full,
+            rules=r.rule_count,
+            filter_rules=r.filter_rules,
+            nat_rules_written=r.nat_rules if outcome.restored else 0,
+            services_written=len(r.written_services) if outcome.restored else 0,
+            deleted_chains=len(r.deleted_chains) if outcome.restored else 0,
+            large_cluster=r.large_cluster,
+            render_seconds=outcome.rendered_at - start,
+            restore_seconds=outcome.restored_at - outcome.rendered_at,
             conntrack_filters=filters,
+            restored=outcome.restored,
+            repaired=outcome.repaired,
+            failed=len(failed),
         )
         log.debug("iptables sync: %s", self.last_sync)
-        return SyncResult(full=full)
+        return SyncResult(full=outcome.full, failed=failed, repaired=outcome.repaired)
 
     def cleanup(self) -> None:
         """Remove our chains and jumps: from the given runner, or from each iptables backend that
@@ -218,15 +249,285 @@ class IptablesProxier:
                 report: CleanupReport = cleanup(runner)
                 log.info("iptables-%s: removed %s", backend, report.chains_deleted)
 
-    # ------------------------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------------------ the two syncs
+
+    def _partial(
+        self,
+        state: ProxyState,
+        node: NodeContext,
+        options: RenderOptions,
+        changed: frozenset[ServicePortName],
+        *,
+        large: bool,
+        start: float,
+    ) -> _Outcome:
+        assert self._programmed is not None
+        for spn in changed:
+            self._rejected.pop(spn, None)  # the caller retries these: try their new version
+        services = {spn.service for spn in changed}
+        programmed_nat = {c for t, c in self._programmed if t == "nat"}
+        cleanup_due = self._cleanup_due(large)
+        existing = programmed_nat if cleanup_due else ()
+        rendered = self._render(state, node, options, changed=services, existing=existing)
+        missing = rendered.kept_chains - programmed_nat
+        if missing:
+            # Chains we never wrote (a service that failed before): write their services too.
+            services |= {rendered.chain_owner[c] for c in missing}
+            rendered = self._render(state, node, options, changed=services, existing=existing)
+        rendered_at = self._clock()
+        try:
+            self._runner.restore(rendered.text)
+        except IptablesError as exc:
+            log.warning("iptables: partial restore failed, writing every chain instead: %s", exc)
+            return self._full(state, node, options, complete=True, large=large, start=start)
+        self._record(rendered.text, complete=False)
+        if cleanup_due:
+            self._last_cleanup = start
+        return _Outcome(False, rendered, True, 0, rendered_at, self._clock())
+
+    def _full(
+        self,
+        state: ProxyState,
+        node: NodeContext,
+        options: RenderOptions,
+        *,
+        complete: bool,
+        large: bool,
+        start: float,
+    ) -> _Outcome:
+        # Retry each rejected port whose version changed since; an unchanged one stays out (its
+        # last good version stands in) rather than costing a bisection on every full sync.
+        for spn, (_, version) in list(self._rejected.items()):
+            if _version(state, spn) != version:
+                del self._rejected[spn]
+        self._digests.age()
+        kernel = canonical.parse(self._runner.save())
+        kernel_digests = canonical.chain_digests(kernel, cache=self._digests)
+        repaired = self._drift(kernel_digests)
+        repaired += self._ensure_base(options, kernel)
+        cleanup_due = self._cleanup_due(large)
+        existing = (
+            {c for t, c in kernel_digests if t == "nat" and is_service_chain(c)} if cleanup_due else set()
+        )
+        desired = self._render(state, node, options, changed=None, existing=existing)
+        rendered_at = self._clock()
+
+        to_write: Rendered | None = desired
+        want = canonical.chain_digests(canonical.parse(desired.text), cache=self._digests)
+        if not complete:
+            differing = {key for key, d in want.items() if kernel_digests.get(key) != d}
+            if not differing and not desired.deleted_chains:
+                to_write = None
+            else:
+                # The Services owning a differing chain; KUBE-SERVICES, KUBE-NODEPORTS and the
+                # filter table are written in any case.
+                owners = {desired.chain_owner[c] for t, c in differing if c in desired.chain_owner}
+                to_write = self._render(state, node, options, changed=owners, existing=existing)
+        if to_write is None:
+            self._programmed = want
+            if cleanup_due:
+                self._last_cleanup = start
+            return _Outcome(True, desired, False, repaired, rendered_at, self._clock())
+
+        complete_text = to_write is desired
+        try:
+            self._runner.restore(to_write.text)
+        except IptablesError as exc:
+            to_write = self._restore_isolating(state, node, options, existing, desired, exc, complete_text)
+            complete_text = True
+        self._record(to_write.text, complete=complete_text)
+        if cleanup_due:
+            self._last_cleanup = start
+        return _Outcome(True, to_write, True, repaired, rendered_at, self._clock())
+
+    # ------------------------------------------------------------------------- failure isolation
+
+    def _restore_isolating(
+        self,
+        state: ProxyState,
+        node: NodeContext,
+        options: RenderOptions,
+        existing: Collection[str],
+        desired: Rendered,
+        error: IptablesError,
+        tried_desired: bool,
+    ) -> Rendered:
+        """After a rejected restore: restore everything but the service ports iptables-restore
+        rejects; their names and errors go to `_rejected`. Raises when no single port is to blame."""
+        if not tried_desired:
+            log.warning("iptables: restore of the differing chains failed, writing every chain: %s", error)
+            try:
+                self._runner.restore(desired.text)
+                return desired
+            except IptablesError as exc:
+                error = exc
+        ports = sorted((p for p in state.services if p not in desired.refused), key=str)
+
+        def passes(subset: Collection[ServicePortName]) -> bool:
+            return self._runner.restore_test(render(_subset(state, subset), node, options).text) is None
+
+        if not passes(()):
+            raise IptablesError(f"iptables-restore rejects our rules even without any service: {error}")
+        bad = isolate(ports, passes)
+        if not bad:
+            raise IptablesError(f"iptables-restore failed and no single service port is to blame: {error}")
+        for spn in bad:
+            reason = self._runner.restore_test(render(_subset(state, [spn]), node, options).text)
+            version = _version(state, spn)
+            assert version is not None  # `bad` holds ports of `state`
+            self._rejected[spn] = (f"iptables-restore rejected its rules: {reason or error}", version)
+        rendered = self._render(state, node, options, changed=None, existing=existing)
+        try:
+            self._runner.restore(rendered.text)
+        except IptablesError:
+            # A last programmed version that no longer goes in either: leave those ports out.
+            kept = _subset(state, [p for p in state.services if p not in self._rejected])
+            rendered = render(kept, node, options, existing_nat_chains=existing)
+            self._runner.restore(rendered.text)
+        log.warning(
+            "iptables: iptables-restore rejected %d service port(s), all others programmed: %s",
+            len(bad),
+            error,
+        )
+        return rendered
+
+    # ----------------------------------------------------------------------------------- helpers
+
+    def _render(
+        self,
+        state: ProxyState,
+        node: NodeContext,
+        options: RenderOptions,
+        *,
+        changed: Collection[str] | None,
+        existing: Collection[str],
+    ) -> Rendered:
+        """Render, with each rejected port replaced by its last programmed version (or left out)."""
+        if self._rejected:
+            state = self._with_fallbacks(state)
+        return render(state, node, options, changed=changed, existing_nat_chains=existing)
+
+    def _with_fallbacks(self, state: ProxyState) -> ProxyState:
+        services = dict(state.services)
+        endpoints = dict(state.endpoints)
+        raw = dict(state.raw_endpoints)
+        for spn in list(self._rejected):
+            if spn not in state.services:
+                del self._rejected[spn]  # deleted meanwhile: nothing to stand in for
+                continue
+            old = self._last_good.get(spn)
+            if old is None:
+                services.pop(spn, None)
+                endpoints.pop(spn, None)
+                raw.pop(spn, None)
+            else:
+                services[spn], endpoints[spn], raw[spn] = old.port, old.endpoints, old.raw
+        return ProxyState(node=state.node, services=services, endpoints=endpoints, raw_endpoints=raw)
+
+    def _remember_good(self, state: ProxyState, changed: Collection[ServicePortName] | None) -> None:
+        """Keep each programmed port's version (only the changed ones after a partial sync)."""
+        ports = state.services.keys() if changed is None else changed
+        for spn in ports:
+            version = _version(state, spn)
+            if version is None:
+                self._last_good.pop(spn, None)
+            elif spn not in self._rejected:
+                self._last_good[spn] = version
+        if changed is None:
+            for spn in [s for s in self._last_good if s not in state.services]:
+                del self._last_good[spn]
+
+    def _record(self, text: str, *, complete: bool) -> None:
+        written = canonical.parse(text)
+        digests = canonical.chain_digests(written, cache=self._digests)
+        if complete or self._programmed is None:
+            self._programmed = digests
+            return
+        self._programmed.update(digests)
+        for table, chains in written.deleted.items():
+            for chain in chains:
+                self._programmed.pop((table, chain), None)
+
+    def _drift(self, kernel: Mapping[ChainKey, bytes]) -> int:
+        """Chains of ours whose kernel content is not what we last wrote (each one a repair)."""
+        if self._programmed is None:
+            return 0
+        drifted = sorted(key for key, d in self._programmed.items() if kernel.get(key) != d)
+        if drifted:
+            shown = ", ".join(f"{t}/{c}" for t, c in drifted[:8]) + (" ..." if len(drifted) > 8 else "")
+            log.warning(
+                "iptables: %d chain(s) changed behind the agent's back (flushed, edited or deleted by "
+                "someone else); rewriting them: %s",
+                len(drifted),
+                shown,
+            )
+        return len(drifted)
+
+    def _ensure_base(self, options: RenderOptions, kernel: canonical.Dump) -> int:
+        """Jumps from the built-in chains, the canaries, route_localnet: added when missing
+        (`-C` then `-I`, never duplicated). The number added, after the first sync (repairs)."""
+        added = 0
+        jumps = JUMPS + (FIREWALL_JUMPS if options.localhost_nodeports_enabled else ())
+        for jump in jumps:
+            rules = kernel.table(jump.table).get(jump.src_chain, [])
+            want = canonical.canonical_rule(_jump_text(jump))
+            if any(canonical.canonical_rule(r) == want for r in rules):
+                continue
+            ensure_chain(self._runner, jump.table, jump.dst_chain)
+            if not ensure_rule(self._runner, jump.table, jump.src_chain, jump.rule_args(), prepend=True):
+                added += 1
+        for table in CANARY_TABLES:
+            if KUBE_PROXY_CANARY not in kernel.table(table) and not ensure_chain(
+                self._runner, table, KUBE_PROXY_CANARY
+            ):
+                added += 1
+        if options.localhost_nodeports_enabled:
+            # NodePorts on 127.0.0.1 need the kernel to route loopback-destined DNATed packets;
+            # KUBE-FIREWALL's martian drop closes the hole this opens (CVE-2020-8558).
+            key = "net.ipv4.conf.all.route_localnet"
+            if self._runner.command(["sysctl", "-n", key]).stdout.strip() != "1":
+                r = self._runner.command(["sysctl", "-w", f"{key}=1"])
+                if r.returncode != 0:
+                    raise IptablesError(f"cannot set {key}=1: {r.stderr.strip()}")
+                added += 1
+        return added if self._programmed is not None else 0
+
+    def _ensure_counters(self) -> None:
+        """kube-proxy's nfacct counters, created on every full sync (Ensure is idempotent)."""
+        for name in NFACCT_COUNTERS:
+            try:
+                self._counters.ensure(name)
+            except OSError as exc:
+                if self._nfacct[name] or self._host is None:
+                    log.warning(
+                        "nfacct counter %s unavailable (%s): its metric will not be updated and the "
+                        "rules go without the nfacct match",
+                        name,
+                        exc,
+                    )
+                self._nfacct[name] = False
+            else:
+                self._nfacct[name] = True
+
+    def _cleanup_due(self, large: bool) -> bool:
+        """Delete stale chains now? Always, except in large-cluster mode, where upstream does it at
+        most once per sync period (finding them costs an iptables-save of a big table)."""
+        return not large or self._clock() - self._last_cleanup > self._config.sync_period_s
 
     def _options(self, host: HostFacts) -> RenderOptions:
         return RenderOptions.from_config(
-            self._config, random_fully=host.random_fully, conntrack_tcp_liberal=host.conntrack_tcp_liberal
+            self._config,
+            random_fully=host.random_fully,
+            conntrack_tcp_liberal=host.conntrack_tcp_liberal,
+            nfacct_invalid_dropped=self._nfacct[INVALID_DROPPED_COUNTER],
+            nfacct_localhost_nodeports=self._nfacct[LOCALHOST_NODEPORTS_COUNTER],
         )
 
     def _host_facts(self) -> HostFacts:
         if self._host is None:
+            apply_conntrack_settings(
+                self._config.conntrack, self._runner.command, netns=self._config.netns, cpus=self._cpus
+            )
             version = self._runner.version()
             liberal = self._runner.command(["sysctl", "-n", "net.netfilter.nf_conntrack_tcp_be_liberal"])
             self._host = HostFacts(
@@ -242,22 +543,23 @@ class IptablesProxier:
             )
         return self._host
 
-    def _ensure_base(self, options: RenderOptions) -> None:
-        """Top-level chains, the jumps into them, the canaries, and route_localnet when needed."""
-        jumps = JUMPS + (FIREWALL_JUMPS if options.localhost_nodeports_enabled else ())
-        for jump in jumps:
-            ensure_chain(self._runner, jump.table, jump.dst_chain)
-            ensure_rule(self._runner, jump.table, jump.src_chain, jump.rule_args(), prepend=True)
-        for table in CANARY_TABLES:
-            ensure_chain(self._runner, table, KUBE_PROXY_CANARY)
-        if options.localhost_nodeports_enabled:
-            # NodePorts on 127.0.0.1 need the kernel to route loopback-destined DNATed packets;
-            # KUBE-FIREWALL's martian drop closes the hole this opens (CVE-2020-8558).
-            r = self._runner.command(["sysctl", "-w", "net.ipv4.conf.all.route_localnet=1"])
-            if r.returncode != 0:
-                raise IptablesError(f"cannot set net.ipv4.conf.all.route_localnet=1: {r.stderr.strip()}")
+    def _report_failures(self, failed: Mapping[ServicePortName, str]) -> None:
+        for spn in sorted(failed.keys() - self._reported.keys(), key=str):
+            log.error(
+                "iptables: Service %s/%s port %s (%s) not programmed: %s; every other service port is",
+                printable(spn.namespace),
+                printable(spn.name),
+                printable(spn.port) or "(unnamed)",
+                spn.protocol.value,
+                failed[spn],
+            )
+        for spn in sorted(self._reported.keys() - failed.keys(), key=str):
+            log.info("iptables: Service %s/%s port %s programmed again", spn.namespace, spn.name, spn.port)
+        self._reported = dict(failed)
 
-    def _clean_conntrack(self, state: ProxyState) -> int:
+    def _clean_conntrack(self, state: ProxyState, changed: Collection[ServicePortName] | None) -> int:
+        if changed is not None and not any(spn.protocol is Protocol.UDP for spn in changed):
+            return 0  # nothing UDP changed: no pass over the services
         frontends = udp_frontends(state)
         if frontends == self._udp:
             return 0
@@ -268,3 +570,13 @@ class IptablesProxier:
             return 0
         self._udp = frontends
         return len(filters)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    full: bool
+    rendered: Rendered
+    restored: bool
+    repaired: int
+    rendered_at: float
+    restored_at: float

@@ -22,10 +22,14 @@ Deliberate choices where upstream is not deterministic or depends on the host:
   stable and diffable. Within a service upstream's order is kept exactly.
 * When the cluster and local endpoint lists must be merged, upstream again iterates a map; we
   keep the model's sorted `ip:port` order.
-* `--random-fully` on MASQUERADE, the mark's spelling (`%#08x` gives `0x00004000`), nfacct
-  counters and the INVALID drop depend on the host; they are explicit `RenderOptions` fields.
-  nfacct matches are never written: upstream writes them only after creating nfacct counters,
-  which we do not do (upstream behaves the same on kernels without nfnetlink_acct).
+* `--random-fully` on MASQUERADE, the mark's spelling (`%#08x` gives `0x00004000`), the nfacct
+  counters and the INVALID drop depend on the host; they are explicit `RenderOptions` fields. The
+  `-m nfacct` matches are written, as upstream writes them, only for counters the proxier created
+  (`nfacct.py`); without them the rules are upstream's rules on a kernel without nfnetlink_acct.
+
+Nothing caller-controlled reaches the text unchecked: a service port with a value the API server
+would refuse (a name with a newline or a space, an address that is not a canonical IPv4 address, ...)
+is left out and reported in `Rendered.refused` (`safety.py`); every other port is rendered as usual.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 from agent.config import Config, NodeContext
 from agent.iptables.chains import (
     FILTER_TOP_CHAINS,
+    INVALID_DROPPED_COUNTER,
     KUBE_EXTERNAL_SERVICES,
     KUBE_FIREWALL,
     KUBE_FORWARD,
@@ -45,6 +50,7 @@ from agent.iptables.chains import (
     KUBE_POSTROUTING,
     KUBE_PROXY_FIREWALL,
     KUBE_SERVICES,
+    LOCALHOST_NODEPORTS_COUNTER,
     MARTIAN_COMMENT,
     MASQUERADE_COMMENT,
     NAT_TOP_CHAINS,
@@ -56,7 +62,15 @@ from agent.iptables.chains import (
     local_chain,
     service_chain,
 )
-from agent.model.types import Endpoint, ProxyState, ServiceEndpoints, ServicePort, SessionAffinity
+from agent.iptables.safety import refusal
+from agent.model.types import (
+    Endpoint,
+    ProxyState,
+    ServiceEndpoints,
+    ServicePort,
+    ServicePortName,
+    SessionAffinity,
+)
 
 # Above this many endpoints (all endpoints of all service ports, ready or not) upstream drops the
 # per-endpoint comments to keep the restore input small ("large cluster mode").
@@ -90,42 +104,61 @@ class RenderOptions:
     random_fully: bool = True
     # nf_conntrack_tcp_be_liberal=1 on the host: upstream then omits the INVALID drop.
     conntrack_tcp_liberal: bool = False
+    # The nfacct counters the proxier created (kube-proxy's nfAcctCounters): the INVALID drop and
+    # the localhost NodePort jumps then count their packets (`-m nfacct --nfacct-name ...`).
+    nfacct_invalid_dropped: bool = False
+    nfacct_localhost_nodeports: bool = False
 
     @classmethod
     def from_config(
-        cls, config: Config, *, random_fully: bool = True, conntrack_tcp_liberal: bool = False
+        cls,
+        config: Config,
+        *,
+        random_fully: bool = True,
+        conntrack_tcp_liberal: bool = False,
+        nfacct_invalid_dropped: bool = False,
+        nfacct_localhost_nodeports: bool = False,
     ) -> RenderOptions:
         ipv4_cidrs = [c.strip() for c in config.cluster_cidr if _is_ipv4_cidr(c)]
-        # Config has no --iptables-localhost-nodeports flag (yet); honour one if it appears.
-        localhost = config.iptables_localhost_nodeports
         return cls(
             masquerade_all=config.masquerade_all,
             masquerade_mark=masquerade_mark(config.masquerade_bit),
             cluster_cidr=ipv4_cidrs[0] if ipv4_cidrs else "",
             nodeport_addresses=tuple(config.nodeport_addresses),
-            localhost_nodeports=localhost,
+            localhost_nodeports=config.iptables_localhost_nodeports,
             random_fully=random_fully,
             conntrack_tcp_liberal=conntrack_tcp_liberal,
+            nfacct_invalid_dropped=nfacct_invalid_dropped,
+            nfacct_localhost_nodeports=nfacct_localhost_nodeports,
+        )
+
+    @property
+    def nodeport_networks(self) -> tuple[ipaddress.IPv4Network, ...]:
+        """The IPv4 CIDRs of --nodeport-addresses (upstream's NewNodePortAddresses drops the other
+        family's; `primary` is resolved against the node, not here)."""
+        return tuple(
+            ipaddress.IPv4Network(c.strip(), strict=False)
+            for c in self.nodeport_addresses
+            if _is_ipv4_cidr(c)
         )
 
     @property
     def nodeports_match_all(self) -> bool:
-        return not self.nodeport_addresses
+        """No IPv4 CIDR given (IPv6-only lists included), or 0.0.0.0/0 among them: every address."""
+        if "primary" in self.nodeport_addresses:
+            return False
+        nets = self.nodeport_networks
+        return not nets or any(n.prefixlen == 0 for n in nets)
 
     @property
     def localhost_nodeports_enabled(self) -> bool:
-        """Upstream turns localhost NodePorts off unless the node-port addresses include 127.0.0.0/8."""
+        """Upstream turns localhost NodePorts off unless the node-port addresses include loopback
+        (`cidr.IP.IsLoopback() || cidr.Contains(127.0.0.0)`, proxy/util/nodeport_addresses.go)."""
         if not self.localhost_nodeports:
             return False
         if self.nodeports_match_all:
             return True
-        for text in self.nodeport_addresses:
-            if not _is_ipv4_cidr(text):
-                continue
-            net = ipaddress.IPv4Network(text.strip(), strict=False)
-            if net.network_address.is_loopback or _LOOPBACK_START in net:
-                return True
-        return False
+        return any(n.network_address.is_loopback or _LOOPBACK_START in n for n in self.nodeport_networks)
 
 
 def _is_ipv4_cidr(text: str) -> bool:
@@ -138,9 +171,7 @@ def _is_ipv4_cidr(text: str) -> bool:
 def nodeport_ips(options: RenderOptions, node: NodeContext) -> list[str]:
     """Addresses that get their own NodePort jump when --nodeport-addresses is set (upstream order:
     loopback first, as the `lo` interface comes first, then the node's addresses)."""
-    nets = [
-        ipaddress.IPv4Network(c.strip(), strict=False) for c in options.nodeport_addresses if _is_ipv4_cidr(c)
-    ]
+    nets = options.nodeport_networks
     out: list[str] = []
     if any(ipaddress.IPv4Address("127.0.0.1") in n for n in nets):
         out.append("127.0.0.1")
@@ -172,20 +203,24 @@ class Rendered:
     """One restore input and the facts the proxier and the metrics need about it."""
 
     text: str
-    filter_rules: int  # rule lines in the filter table
-    nat_rules: int  # rule lines in nat as written (partial syncs leave unchanged services out)
-    nat_rules_total: int  # rule lines nat holds after the restore (written + kept)
+    filter_rules: int  # `-A` lines in the filter table
+    nat_rules: int  # `-A` lines in nat as written (partial syncs leave unchanged services out)
+    nat_rules_total: int  # `-A` lines nat holds after the restore (written + kept)
     active_nat_chains: frozenset[str]
     deleted_chains: tuple[str, ...]
     large_cluster: bool
     written_services: frozenset[str] = field(default_factory=frozenset)
     # Service chains a partial sync relies on without writing them (they must exist already).
     kept_chains: frozenset[str] = field(default_factory=frozenset)
+    # Service ports left out because a value of theirs could break out of its argument (safety.py).
+    refused: dict[ServicePortName, str] = field(default_factory=dict)
+    # Every active per-service nat chain -> the Service (`namespace/name`) it belongs to.
+    chain_owner: dict[str, str] = field(default_factory=dict)
 
     @property
     def rule_count(self) -> int:
         """Rules programmed in filter and nat after the restore (kube-proxy's rules-total metric)."""
-        return self.filter_rules + self.nat_rules_total - len(self.deleted_chains)
+        return self.filter_rules + self.nat_rules_total
 
 
 class _Writer:
@@ -201,6 +236,7 @@ class _Writer:
         self.skipped_rules: list[str] = []
         self.active_nat_chains: set[str] = set()
         self.kept_chains: set[str] = set()
+        self.chain_owner: dict[str, str] = {}
 
 
 def render(
@@ -217,14 +253,18 @@ def render(
     every other service's SVC/SVL/EXT/FW/SEP chains are left out of the text (they stay as they
     are in the kernel) while KUBE-SERVICES, KUBE-NODEPORTS and the filter table are rewritten in
     full. None = full sync.
-    `existing_nat_chains`: chain names iptables-save reported for nat; service chains among them
-    that the state no longer uses are flushed and deleted (`-X`) in the same restore.
+    `existing_nat_chains`: the nat chains known to exist (iptables-save, or what the proxier
+    programmed); service chains among them that the state no longer uses are flushed and deleted
+    (`-X`) in the same restore.
+
+    Service ports whose values could break out of their arguments are skipped (`Rendered.refused`).
     """
     w = _Writer()
     mark = options.masquerade_mark
     localhost = options.localhost_nodeports_enabled
     large = total_endpoints(state) > LARGE_CLUSTER_ENDPOINTS_THRESHOLD
 
+    refused: dict[ServicePortName, str] = {}
     w.nat_rules.append(f"-A {KUBE_POSTROUTING} -m mark ! --mark {mark}/{mark} -j RETURN")
     w.nat_rules.append(f"-A {KUBE_POSTROUTING} -j MARK --xor-mark {mark}")
     masq = f'-A {KUBE_POSTROUTING} -m comment --comment "{MASQUERADE_COMMENT}" -j MASQUERADE'
@@ -239,6 +279,11 @@ def render(
 
     written: set[str] = set()
     for sp in state.sorted_ports():
+        eps = categorized(state, sp)
+        reason = refusal(sp, (*eps.all_reachable, *eps.cluster, *eps.local))
+        if reason is not None:
+            refused[sp.name] = reason
+            continue
         write_own = changed is None or sp.name.service in changed
         if write_own:
             written.add(sp.name.service)
@@ -262,7 +307,10 @@ def render(
             w.nat_rules.append(f"{tail} -d {ip} -j {KUBE_NODEPORTS}")
 
     if not options.conntrack_tcp_liberal:
-        w.filter_rules.append(f"-A {KUBE_FORWARD} -m conntrack --ctstate INVALID -j DROP")
+        count = (
+            f" -m nfacct --nfacct-name {INVALID_DROPPED_COUNTER}" if options.nfacct_invalid_dropped else ""
+        )
+        w.filter_rules.append(f"-A {KUBE_FORWARD} -m conntrack --ctstate INVALID{count} -j DROP")
     w.filter_rules.append(
         f'-A {KUBE_FORWARD} -m comment --comment "kubernetes forwarding rules" '
         f"-m mark --mark {mark}/{mark} -j ACCEPT"
@@ -283,16 +331,19 @@ def render(
         "COMMIT",
         "",
     ]
+    nat_written = len(w.nat_rules) - len(deleted)  # the `-X` lines are not rules
     return Rendered(
         text="\n".join(lines),
         filter_rules=len(w.filter_rules),
-        nat_rules=len(w.nat_rules),
-        nat_rules_total=len(w.nat_rules) + len(w.skipped_rules),
+        nat_rules=nat_written,
+        nat_rules_total=nat_written + len(w.skipped_rules),
         active_nat_chains=frozenset(w.active_nat_chains),
         deleted_chains=tuple(deleted),
         large_cluster=large,
         written_services=frozenset(written),
         kept_chains=frozenset(w.kept_chains),
+        refused=refused,
+        chain_owner=w.chain_owner,
     )
 
 
@@ -389,6 +440,13 @@ def _service_port(
 
     if sp.node_port:
         if has_endpoints:
+            if options.localhost_nodeports_enabled and options.nfacct_localhost_nodeports:
+                # Counted separately, for kubeproxy_iptables_localhost_nodeports_accepted_packets_total.
+                nat.append(
+                    f"-A {KUBE_NODEPORTS} -m comment --comment {name} {match} -d 127.0.0.0/8 "
+                    f"--dport {sp.node_port} -m nfacct --nfacct-name {LOCALHOST_NODEPORTS_COUNTER} "
+                    f"-j {ext_chain}"
+                )
             nat.append(
                 f"-A {KUBE_NODEPORTS} -m comment --comment {name} {match} "
                 f"--dport {sp.node_port} -j {ext_chain}"
@@ -491,6 +549,8 @@ def _service_port(
         recent = f" -m recent --name {sep} --set" if affinity else ""
         rules.append(f"{args}{recent} {match} -j DNAT --to-destination {ep.ip}:{ep.port}")
     w.active_nat_chains |= active
+    for chain in active:
+        w.chain_owner[chain] = spn.service
     if not write_own:
         w.kept_chains |= active
 

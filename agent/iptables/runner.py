@@ -1,9 +1,10 @@
 """Running iptables: the small interface the proxier uses, and the real subprocess implementation.
 
 `IptablesRunner` is all the proxier and the cleanup need: `restore` (one iptables-restore
---noflush per sync), `save` (iptables-save, to find existing chains), `run` (one iptables command,
-always with the xtables lock `-w`) and `command` (any other tool, e.g. conntrack or sysctl, in the
-same network namespace). Tests pass a fake; `SubprocessRunner` is the real thing.
+--noflush per sync), `restore_test` (the same with --test, to find a rejected service), `save`
+(iptables-save, to read the kernel back), `run` (one iptables command, always with the xtables
+lock `-w`) and `command` (any other tool, e.g. conntrack or sysctl, in the same network namespace).
+Tests pass a fake; `SubprocessRunner` is the real thing.
 
 Choosing the binary family as kube-proxy's users expect (the iptables-wrapper logic shipped in
 kube-proxy's image): the node's other components (kubelet, the CNI) have already written rules with
@@ -64,6 +65,10 @@ class IptablesRunner(Protocol):
 
     def restore(self, text: str) -> None:
         """iptables-restore --noflush --counters with the xtables lock; raise IptablesError on failure."""
+
+    def restore_test(self, text: str) -> str | None:
+        """iptables-restore --test: parse and build the ruleset without committing it. The error
+        message when it would be rejected, else None (how a failing service is found)."""
 
     def save(self, table: str | None = None) -> str:
         """iptables-save output (one table, or all); raise IptablesError on failure."""
@@ -235,6 +240,11 @@ class SubprocessRunner:
         r = self.command(argv, stdin=text)
         if r.returncode != 0:
             raise IptablesError(f"{' '.join(argv)} failed (exit {r.returncode}): {r.stderr.strip()}")
+
+    def restore_test(self, text: str) -> str | None:
+        argv = [self._tool("-restore"), "-w", LOCK_WAIT_SECONDS, "--noflush", "--test"]
+        r = self.command(argv, stdin=text)
+        return None if r.returncode == 0 else f"exit {r.returncode}: {r.stderr.strip()}"
 
     def save(self, table: str | None = None) -> str:
         argv = [self._tool("-save")] + (["-t", table] if table else [])

@@ -364,14 +364,15 @@ def _external_policy_local(spec: Obj, accessible: bool) -> bool:
 
 
 def _health_check_node_port(spec: Obj, needs: bool) -> int:
-    """NeedsHealthCheck (LoadBalancer + Local): the allocated port, or 0 until it is allocated."""
-    port = opt_int(spec, "healthCheckNodePort", "spec.healthCheckNodePort")
-    if port and not needs:
-        raise invalid(
-            "spec.healthCheckNodePort",
-            "may only be set when spec.type is LoadBalancer and spec.externalTrafficPolicy is Local",
-        )
-    return require_int(port, "spec.healthCheckNodePort", 0, 65535)
+    """NeedsHealthCheck (LoadBalancer + Local): the allocated port, or 0 until it is allocated.
+
+    The API server refuses a port on any other Service, but kube-proxy only ignores it (its own
+    proxier tests carry one on an `externalTrafficPolicy: Cluster` load balancer), and a port
+    nobody serves cannot break a backend: ignored, not refused."""
+    port = require_int(
+        opt_int(spec, "healthCheckNodePort", "spec.healthCheckNodePort"), "spec.healthCheckNodePort", 0, 65535
+    )
+    return port if needs else 0
 
 
 def _source_ranges(spec: Obj, svc_type: str) -> list[str]:

@@ -1,15 +1,17 @@
 """A fake IptablesRunner: an in-memory iptables that understands what the proxier and cleanup use.
 
-It keeps tables -> chains -> rule texts, applies iptables-restore --noflush input the way the
-kernel does (a `:CHAIN` line creates or flushes, `-A` appends, `-X` deletes, all-or-nothing per
-call), answers `-N/-C/-I/-A/-D/-X` commands and renders iptables-save output. Commands other than
-iptables (sysctl, conntrack) are recorded and answered from `responses`.
+It keeps tables -> chains -> rule texts and applies iptables-restore --noflush input the way the
+kernel does: a `:CHAIN` line creates or flushes, `-A` appends, `-X` deletes an unreferenced chain,
+all or nothing per call; rule lines containing a string of `refuse` fail the restore (and --test),
+as a kernel refusing a rule would. It answers `-N/-C/-I/-A/-D/-X` commands and renders
+iptables-save output. Other commands are recorded and answered from `responses`; `sysctl -n/-w`
+default to the `sysctls` dict.
 """
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from agent.iptables.runner import IptablesError, Result
 
@@ -34,6 +36,14 @@ class FakeRunner:
         self.iptables_calls: list[tuple[str, ...]] = []
         self.fail_next_restore = False
         self.responses: dict[str, Callable[[list[str]], Result]] = {}
+        # A kernel that refuses some rules: rule lines containing any of these strings fail the
+        # whole restore (and --test), as a rejected rule fails a real iptables-restore.
+        self.refuse: set[str] = set()
+        self.tests: list[str] = []
+        self.saves = 0
+        self.iptables_version: tuple[int, ...] = (1, 8, 9)  # >= 1.6.2: --random-fully
+        # `sysctl -n/-w` answered from here (unless `responses` has a handler for "sysctl").
+        self.sysctls: dict[str, str] = {}
 
     # ---------------------------------------------------------------------- IptablesRunner
 
@@ -42,6 +52,20 @@ class FakeRunner:
         if self.fail_next_restore:
             self.fail_next_restore = False
             raise IptablesError("iptables-restore: line 3 failed (fake)")
+        self.tables = self._apply(text)
+
+    def restore_test(self, text: str) -> str | None:
+        self.tests.append(text)
+        try:
+            self._apply(text)
+        except IptablesError as exc:
+            return str(exc)
+        return None
+
+    def _apply(self, text: str) -> dict[str, dict[str, list[str]]]:
+        for n, line in enumerate(text.splitlines(), 1):
+            if any(marker in line for marker in self.refuse):
+                raise IptablesError(f"iptables-restore: line {n} failed (fake refusal)")
         staged = {t: {c: list(r) for c, r in chains.items()} for t, chains in self.tables.items()}
         table: dict[str, list[str]] | None = None
         for raw in text.splitlines():
@@ -69,12 +93,16 @@ class FakeRunner:
                 chain = line[3:].strip()
                 if chain not in table:
                     raise IptablesError(f"fake restore: -X of missing chain {chain}")
+                users = [c for c, rules in table.items() for r in rules if r.endswith(f"-j {chain}")]
+                if users:
+                    raise IptablesError(f"fake restore: -X {chain}: still referenced from {users[0]}")
                 del table[chain]
             else:
                 raise IptablesError(f"fake restore: cannot parse {line!r}")
-        self.tables = staged
+        return staged
 
     def save(self, table: str | None = None) -> str:
+        self.saves += 1
         out: list[str] = []
         for name, chains in self.tables.items():
             if table and name != table:
@@ -125,10 +153,22 @@ class FakeRunner:
     def command(self, argv: Sequence[str]) -> Result:
         self.commands.append(list(argv))
         handler = self.responses.get(argv[0])
-        return handler(list(argv)) if handler else Result(0)
+        if handler:
+            return handler(list(argv))
+        if argv[:2] == ["sysctl", "-n"]:
+            value = self.sysctls.get(argv[2])
+            return (
+                Result(0, f"{value}\n")
+                if value is not None
+                else Result(255, "", f"sysctl: cannot stat {argv[2]}")
+            )
+        if argv[:2] == ["sysctl", "-w"]:
+            key, _, value = argv[2].partition("=")
+            self.sysctls[key] = value
+        return Result(0)
 
     def version(self) -> tuple[int, ...]:
-        return (1, 8, 9)
+        return self.iptables_version
 
     # ---------------------------------------------------------------------- test helpers
 
@@ -143,3 +183,20 @@ class FakeRunner:
         for line in argv_lines.strip().splitlines():
             r = self.run(*shlex.split(line))
             assert r.returncode == 0, (line, r)
+
+
+class FakeCounters:
+    """nfacct counters in memory; `missing` makes ensure fail as on a kernel without nfnetlink_acct."""
+
+    def __init__(self, *, missing: bool = False) -> None:
+        self.missing = missing
+        self.counters: dict[str, int] = {}
+
+    def ensure(self, name: str) -> None:
+        if self.missing:
+            raise OSError(2, "No such file or directory (fake: no nfnetlink_acct)")
+        self.counters.setdefault(name, 0)
+
+    def read(self, names: Iterable[str] = ()) -> dict[str, int]:
+        wanted = set(names) or set(self.counters)
+        return {k: v for k, v in self.counters.items() if k in wanted}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from agent.iptables import IptablesProxier
 from agent.iptables.chains import KUBE_FIREWALL, is_service_chain
-from tests.iptables.fakes import FakeRunner
+from tests.iptables.fakes import FakeCounters, FakeRunner
 from tests.iptables.objects import CONFIG, NODE, endpoints, service, state
 
 FOREIGN = """
@@ -21,7 +21,7 @@ FOREIGN = """
 def synced() -> tuple[IptablesProxier, FakeRunner]:
     fake = FakeRunner()
     fake.load(FOREIGN)
-    p = IptablesProxier(CONFIG, runner=fake)
+    p = IptablesProxier(CONFIG, runner=fake, counters=FakeCounters())
     s = state(
         service("a", "10.96.0.5", ("http", 80, "TCP"), type="NodePort", node_port=30080),
         endpoints("a", [("http", 80, "TCP")], "10.244.2.5"),
@@ -58,6 +58,6 @@ def test_cleanup_of_a_clean_node_changes_nothing() -> None:
     fake = FakeRunner()
     fake.load(FOREIGN)
     before = fake.save()
-    IptablesProxier(CONFIG, runner=fake).cleanup()
+    IptablesProxier(CONFIG, runner=fake, counters=FakeCounters()).cleanup()
     assert fake.save() == before
     assert fake.restores == []

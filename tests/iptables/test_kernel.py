@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from agent.config import Config
-from agent.iptables import IptablesProxier, chains
+from agent.iptables import IptablesProxier, canonical, chains
 from agent.iptables.conntrack import ConntrackCleaner
 from agent.iptables.runner import SubprocessRunner
 from agent.model import ProxyState
@@ -76,8 +76,8 @@ def test_sync_is_idempotent_and_cleanup_keeps_foreign_rules(netns: str, backend:
     sh(*ipt, "-A", "FOREIGN-CHAIN", "-p", "tcp", "--dport", "22", "-j", "ACCEPT")
     sh(*ipt, "-t", "nat", "-N", "KUBE-KUBELET-CANARY")  # a KUBE- chain that is not ours
 
-    # full_sync_period_s=0: every sync is a full one, so the jumps are re-ensured each time.
-    p = IptablesProxier(cfg(netns, backend), full_sync_period_s=0.0)
+    # Every sync without a change set is a full one: the kernel is read back and compared.
+    p = IptablesProxier(cfg(netns, backend))
     p.sync(web(), NODE)  # type: ignore[arg-type]
     first = save(netns, backend)
     svc = chains.service_chain(ServicePortName("ns", "web", "http", Protocol.TCP))
@@ -95,8 +95,11 @@ def test_sync_is_idempotent_and_cleanup_keeps_foreign_rules(netns: str, backend:
         '-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES'
     ]
 
-    p.sync(web(), NODE)  # type: ignore[arg-type]
-    p.sync(web(), NODE)  # type: ignore[arg-type]
+    for _ in range(2):
+        result = p.sync(web(), NODE)  # type: ignore[arg-type]
+        # What iptables-save printed back means what we wrote: nothing to repair or rewrite.
+        assert result.full and result.repaired == 0
+        assert p.last_sync is not None and not p.last_sync.restored
     assert save(netns, backend) == first  # no duplicated jumps, no drift
     for base in ("INPUT", "FORWARD", "OUTPUT", "PREROUTING", "POSTROUTING"):
         rules = rules_of(first, base)
@@ -113,11 +116,11 @@ def test_sync_is_idempotent_and_cleanup_keeps_foreign_rules(netns: str, backend:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_partial_sync_replaces_the_endpoint_chain_in_the_kernel(netns: str, backend: str) -> None:
     p = IptablesProxier(cfg(netns, backend))
+    spn = ServicePortName("ns", "web", "http", Protocol.TCP)
     p.sync(web("10.244.2.5"), NODE)  # type: ignore[arg-type]
-    p.sync(web("10.244.2.6"), NODE)  # type: ignore[arg-type]
+    p.sync(web("10.244.2.6"), NODE, frozenset({spn}))  # type: ignore[arg-type]
     assert p.last_sync is not None and not p.last_sync.full
     saved = save(netns, backend)
-    spn = ServicePortName("ns", "web", "http", Protocol.TCP)
     assert f":{chains.endpoint_chain(spn, '10.244.2.6:80')} " in saved
     assert f":{chains.endpoint_chain(spn, '10.244.2.5:80')} " not in saved
     assert "--to-destination 10.244.2.6:80" in saved
@@ -138,6 +141,12 @@ def test_every_golden_file_loads_into_real_iptables(netns: str, backend: str, ca
     saved = save(netns, backend)
     assert "-A KUBE-SERVICES" in saved
     assert "--or-mark 0x4000" in saved or "--set-xmark 0x4000/0x4000" in saved
+    # Every chain read back from the kernel compares equal, by meaning, to the text we wrote.
+    written = canonical.chain_digests(canonical.parse(p.render(st, node)))
+    kernel = canonical.chain_digests(canonical.parse(saved))
+    assert {k for k, d in written.items() if kernel.get(k) != d} == set()
+    result = p.sync(st, node)
+    assert result.repaired == 0 and p.last_sync is not None and not p.last_sync.restored
 
 
 def test_stale_udp_conntrack_entries_are_deleted_and_serving_ones_kept(netns: str) -> None:

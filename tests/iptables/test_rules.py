@@ -324,3 +324,37 @@ def test_every_jump_target_is_declared_and_no_chain_twice(
                 assert m.group(1) in declared, line
             if line.startswith("-A "):
                 assert line.split()[1] in declared, line
+
+
+def test_nfacct_counters_are_matched_only_when_the_proxier_created_them() -> None:
+    s = state(
+        service("a", "10.96.0.5", ("http", 80, "TCP"), type="NodePort", node_port=30005),
+        endpoints("a", TCP80, "10.244.2.5"),
+    )
+    plain = render(s, NODE, OPTS).text
+    assert "nfacct" not in plain
+    counted = render(
+        s, NODE, replace(OPTS, nfacct_invalid_dropped=True, nfacct_localhost_nodeports=True)
+    ).text
+    assert (
+        "-A KUBE-FORWARD -m conntrack --ctstate INVALID "
+        "-m nfacct --nfacct-name ct_state_invalid_dropped_pkts -j DROP" in counted.splitlines()
+    )
+    ext = chains.external_chain(ServicePortName("ns", "a", "http", Protocol.TCP))
+    assert lines(counted, "-A KUBE-NODEPORTS ") == [
+        "-A KUBE-NODEPORTS -m comment --comment ns/a:http -m tcp -p tcp -d 127.0.0.0/8 --dport 30005 "
+        f"-m nfacct --nfacct-name localhost_nps_accepted_pkts -j {ext}",
+        f"-A KUBE-NODEPORTS -m comment --comment ns/a:http -m tcp -p tcp --dport 30005 -j {ext}",
+    ]
+    # No localhost NodePorts, no localhost counting rule.
+    off = render(s, NODE, replace(OPTS, nfacct_localhost_nodeports=True, localhost_nodeports=False)).text
+    assert "localhost_nps_accepted_pkts" not in off
+
+
+def test_nodeport_addresses_of_the_other_family_or_zero_cidr_mean_every_address() -> None:
+    for addresses in (("2001:db8::/64",), ("0.0.0.0/0", "192.168.0.0/24")):
+        opts = RenderOptions.from_config(replace(CONFIG, nodeport_addresses=addresses))
+        assert opts.nodeports_match_all, addresses
+        assert lines(render(state(), NODE, opts).text, "NOTE: this must be the last rule")[0].endswith(
+            "-m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"
+        )

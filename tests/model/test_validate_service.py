@@ -282,16 +282,6 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
         'spec.externalTrafficPolicy: "Foo" is not',
     ),
     (
-        "HCNP on NodePort",
-        svc({**NODEPORT, "healthCheckNodePort": 31000}),
-        "spec.healthCheckNodePort: may only be set",
-    ),
-    (
-        "HCNP with ETP Cluster",
-        svc({**LB_LOCAL, "externalTrafficPolicy": "Cluster"}),
-        "spec.healthCheckNodePort: may only be set when spec.type is LoadBalancer",
-    ),
-    (
         "HCNP too big",
         svc({**LB_LOCAL, "healthCheckNodePort": 70000}),
         "spec.healthCheckNodePort: 70000 is out of range",
@@ -488,3 +478,16 @@ def test_duplicate_external_ips_are_programmed_once() -> None:
 def test_a_service_name_of_63_characters_is_valid() -> None:
     (sp,) = ports_of(svc(meta={"name": "a" * 63}))
     assert sp.name.name == "a" * 63
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [{**NODEPORT, "healthCheckNodePort": 31000}, {**LB_LOCAL, "externalTrafficPolicy": "Cluster"}],
+    ids=["on NodePort", "with ETP Cluster"],
+)
+def test_a_health_check_node_port_nothing_needs_is_ignored_as_kube_proxy_ignores_it(
+    spec: dict[str, Any],
+) -> None:
+    """The API server refuses it; kube-proxy ignores it (its own proxier tests carry one)."""
+    ports = parse_service(svc(spec))
+    assert ports and all(p.health_check_node_port == 0 for p in ports)

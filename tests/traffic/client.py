@@ -4,7 +4,8 @@ Standalone on purpose (standard library only): it is executed by path in pod and
 namespaces. Every mode prints one JSON object on stdout.
 
   http   --url U --count N           N fresh connections, body counts {"bodies": {...}, "errors": n}
-  loop   --url U --stop-file F        new connection per request until F exists (bounded by --max-s)
+  loop   --url U --stop-file F        new connection per request until F exists (bounded by --max-s);
+                                     --ready-file R is created once the first request is answered
   udp    --addr A --port P --count N  N request/response pairs, reply counts
   blob   --url U                      download, {"bytes": n, "sha256": "..."}
 """
@@ -51,6 +52,8 @@ def cmd_loop(a: argparse.Namespace) -> dict[str, object]:
         try:
             bodies[fetch(a.url, a.timeout).decode().strip()] += 1
             ok += 1
+            if ok == 1 and a.ready_file:
+                open(a.ready_file, "w").close()  # the loop is running: the caller may go on
         except (OSError, urllib.error.URLError) as exc:
             errors[str(getattr(exc, "reason", exc))] += 1
             if len(first_error_at) < 5:
@@ -110,6 +113,7 @@ def main() -> int:
     lp.add_argument("--max-s", type=float, default=120.0)
     lp.add_argument("--timeout", type=float, default=3.0)
     lp.add_argument("--interval", type=float, default=0.0)
+    lp.add_argument("--ready-file", default="", help="created after the first answered request")
     u = sub.add_parser("udp")
     u.add_argument("--addr", required=True)
     u.add_argument("--port", type=int, required=True)

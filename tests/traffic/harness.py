@@ -68,6 +68,9 @@ class Agent:
         ]
 
     def start(self) -> None:
+        # The log file outlives a restart: only what this run writes answers `wait_version` (a
+        # previous run's "sync done" for the same content would otherwise match at once).
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
             self.proc = self.lab.popen(
@@ -91,11 +94,18 @@ class Agent:
         except FileNotFoundError:
             return ""
 
+    def log_since_start(self) -> str:
+        """What the current run wrote to the log."""
+        try:
+            return self.log_path.read_bytes()[self._log_offset :].decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
     def wait_version(self, version: str, timeout: float = 60.0) -> None:
         marker = f"sync done: version={version}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if marker in self.log():
+            if marker in self.log_since_start():
                 return
             if self.proc is not None and self.proc.poll() is not None:
                 raise AgentDied(

@@ -1,0 +1,69 @@
+"""kube-proxy's conntrack settings on a lab node, in the style of upstream's e2e test
+"KubeProxy should set TCP CLOSE_WAIT timeout" (test/e2e/network/kube_proxy.go): a real agent in
+iptables mode for the node, a client that leaves a connection half-closed by the server, and the
+node's conntrack entry for it in CLOSE_WAIT with kube-proxy's one-hour timeout."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from tests.lab import LabFactory
+from tests.traffic.harness import Cluster, ep
+from tests.traffic.objects import Port, service, with_endpoints
+
+pytestmark = pytest.mark.kernel
+
+# Connects, sends an HTTP/1.0 request (the pod server closes after answering), reads to the end
+# and then keeps its side open: the connection stays in CLOSE_WAIT on the client side.
+HALF_CLOSED_CLIENT = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], 80), timeout=5)
+s.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+while s.recv(4096):
+    pass
+print("half-closed", flush=True)
+time.sleep(60)
+"""
+
+
+def test_tcp_close_wait_timeout_is_kube_proxys(make_lab: LabFactory) -> None:
+    lab = make_lab(nodes=1, pods_per_node=2)
+    cluster = Cluster(lab, "iptables")
+    cluster.start()
+    try:
+        node = lab.nodes[0]
+        sysctl = {
+            key: lab.run(node, "sysctl", "-n", f"net.netfilter.{key}").stdout.strip()
+            for key in ("nf_conntrack_tcp_timeout_established", "nf_conntrack_tcp_timeout_close_wait")
+        }
+        assert sysctl == {
+            "nf_conntrack_tcp_timeout_established": "86400",
+            "nf_conntrack_tcp_timeout_close_wait": "3600",
+        }
+        assert "cannot set net.netfilter.nf_conntrack_max" in cluster.agents[0].log()  # read-only here
+
+        cluster.apply(
+            with_endpoints(service("web", "10.96.0.10", [Port("http", 80, 8080)]), [ep(cluster, "pod-1-2")])
+        )
+        client = lab.popen(
+            "pod-1-1", sys.executable, "-c", HALF_CLOSED_CLIENT, "10.96.0.10", name="half-closed"
+        )
+        lab.wait_log(client, "half-closed", timeout=10)
+        entry = ""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not entry:
+            listed = lab.run(
+                node, "conntrack", "-L", "-p", "tcp", "--orig-dst", "10.96.0.10", check=False
+            ).stdout
+            entry = next((line for line in listed.splitlines() if "CLOSE_WAIT" in line), "")
+            time.sleep(0.1)
+        assert entry, "no CLOSE_WAIT conntrack entry for the connection"
+        timeout = int(entry.split()[2])
+        # upstream: the timeout must be within the last 100 s below one hour
+        assert 3500 < timeout <= 3600, entry
+        lab.stop(client)
+    finally:
+        assert cluster.stop() == []
