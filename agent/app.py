@@ -37,11 +37,11 @@ log = logging.getLogger("agent")
 GC_THRESHOLDS = (100_000, 50, 1_000)
 
 
-def make_proxier(config: Config) -> Proxier:
+def make_proxier(config: Config, metrics: Metrics | None = None) -> Proxier:
     if config.mode is Mode.IPTABLES:
         from agent.iptables import IptablesProxier
 
-        return IptablesProxier(config)
+        return IptablesProxier(config, metrics=metrics)
     from agent.ebpf import EbpfProxier
 
     return EbpfProxier(config)
@@ -227,7 +227,7 @@ def build_agent(config: Config, configz: Callable[[], Mapping[str, Any]] | None 
         services.append(_Server("metrics", metrics_server(config, registry, configz=configz), hard))
     services.append(service_health)
 
-    proxier = make_proxier(config)
+    proxier = make_proxier(config, metrics)
     close = getattr(proxier, "close", None)
     return Agent(
         config,

@@ -72,6 +72,7 @@ from agent.iptables.runner import (
     ensure_rule,
     supports_random_fully,
 )
+from agent.metrics import Metrics
 from agent.model.problem import printable
 from agent.model.types import Endpoint, Protocol, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 from agent.proxier import SyncResult
@@ -144,13 +145,19 @@ class IptablesProxier:
         config: Config,
         *,
         runner: IptablesRunner | None = None,
+        backend_runner: Callable[[str], IptablesRunner] | None = None,
         counters: Counters | None = None,
         clock: Callable[[], float] = time.monotonic,
         cpus: int | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self._config = config
-        self._runner_given = runner is not None
         self._runner: IptablesRunner = runner if runner is not None else SubprocessRunner(config)
+        # A runner for one named backend ("nft", "legacy"), for the cleanup of both.
+        self._backend_runner = backend_runner or (
+            lambda backend: SubprocessRunner(replace(config, iptables_backend=backend))
+        )
+        self._metrics = metrics
         self._counters: Counters = counters if counters is not None else NetlinkCounters(config.netns)
         self._conntrack = ConntrackCleaner(self._runner.command)
         self._clock = clock
@@ -230,16 +237,22 @@ class IptablesProxier:
             failed=len(failed),
         )
         log.debug("iptables sync: %s", self.last_sync)
+        if self._metrics is not None:
+            filter_rules = r.filter_rules
+            self._metrics.set_iptables_rules(
+                {"filter": filter_rules, "nat": r.rule_count - filter_rules},
+                {"filter": filter_rules if outcome.restored else 0, "nat": self.last_sync.nat_rules_written},
+            )
         return SyncResult(full=outcome.full, failed=failed, repaired=outcome.repaired)
 
     def cleanup(self) -> None:
-        """Remove our chains and jumps: from the given runner, or from each iptables backend that
-        holds any of them (an operator may have switched backends since)."""
-        if self._runner_given or self._config.iptables_backend in ("nft", "legacy"):
+        """Remove our chains and jumps: from the backend `--iptables-backend` names, or (auto) from
+        each backend that holds any of them (an operator may have switched backends since)."""
+        if self._config.iptables_backend in ("nft", "legacy"):
             cleanup(self._runner)
             return
         for backend in ("nft", "legacy"):
-            runner = SubprocessRunner(replace(self._config, iptables_backend=backend))
+            runner = self._backend_runner(backend)
             try:
                 save = runner.save()
             except IptablesError as exc:
@@ -278,6 +291,8 @@ class IptablesProxier:
         try:
             self._runner.restore(rendered.text)
         except IptablesError as exc:
+            if self._metrics is not None:
+                self._metrics.record_restore_failure(partial=True)
             log.warning("iptables: partial restore failed, writing every chain instead: %s", exc)
             return self._full(state, node, options, complete=True, large=large, start=start)
         self._record(rendered.text, complete=False)
@@ -333,6 +348,8 @@ class IptablesProxier:
         try:
             self._runner.restore(to_write.text)
         except IptablesError as exc:
+            if self._metrics is not None:
+                self._metrics.record_restore_failure(partial=False)
             to_write = self._restore_isolating(state, node, options, existing, desired, exc, complete_text)
             complete_text = True
         self._record(to_write.text, complete=complete_text)

@@ -21,7 +21,7 @@ FOREIGN = """
 def synced() -> tuple[IptablesProxier, FakeRunner]:
     fake = FakeRunner()
     fake.load(FOREIGN)
-    p = IptablesProxier(CONFIG, runner=fake, counters=FakeCounters())
+    p = IptablesProxier(CONFIG, runner=fake, backend_runner=lambda _: fake, counters=FakeCounters())
     s = state(
         service("a", "10.96.0.5", ("http", 80, "TCP"), type="NodePort", node_port=30080),
         endpoints("a", [("http", 80, "TCP")], "10.244.2.5"),
@@ -58,6 +58,6 @@ def test_cleanup_of_a_clean_node_changes_nothing() -> None:
     fake = FakeRunner()
     fake.load(FOREIGN)
     before = fake.save()
-    IptablesProxier(CONFIG, runner=fake, counters=FakeCounters()).cleanup()
+    IptablesProxier(CONFIG, runner=fake, backend_runner=lambda _: fake, counters=FakeCounters()).cleanup()
     assert fake.save() == before
     assert fake.restores == []

@@ -37,7 +37,7 @@ def kube_proxy_node() -> FakeRunner:
         endpoints("a", [("http", 80, "TCP")], "10.244.2.5"),
         service("lonely", "10.96.0.6", ("http", 80, "TCP")),  # no endpoints: filter rules only
     )
-    IptablesProxier(CONFIG, runner=fake, counters=FakeCounters()).sync(s, NODE)
+    IptablesProxier(CONFIG, runner=fake, backend_runner=lambda _: fake, counters=FakeCounters()).sync(s, NODE)
     fake.load(OLD_KUBE_PROXY)
     return fake
 
