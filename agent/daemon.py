@@ -119,7 +119,9 @@ class Agent:
         self._lock = threading.Lock()
         self._queue: list[Event] = []
         self._synced: set[Kind] = set()
-        self._version = ""
+        # What the source says it delivered, per kind: the list's version (a file's content hash,
+        # an API list's resourceVersion), then the resourceVersion of each object event after it.
+        self._versions: dict[Kind, str] = {}
         self._waiting_logged = False
         self._node: NodeContext | None = None
         self._last_full = float("-inf")
@@ -148,6 +150,15 @@ class Agent:
     @property
     def model(self) -> ProxyModel:
         return self._model
+
+    @property
+    def version(self) -> str:
+        """What the last sync included: one version when every kind has the same (a services
+        file's content hash), else `Kind=version` per kind (API resourceVersions advance per kind)."""
+        distinct = set(self._versions.values())
+        if len(distinct) == 1:
+            return distinct.pop()
+        return ",".join(f"{kind}={v}" for kind, v in sorted(self._versions.items()))
 
     def start(self) -> None:
         for svc in self._parts.services:
@@ -269,9 +280,12 @@ class Agent:
         if isinstance(event, Synced):
             self._synced.add(event.kind)
             if event.version:
-                self._version = event.version
+                self._versions[event.kind] = event.version
             return
         assert isinstance(event, ObjectEvent)
+        rv = _resource_version(event.obj)
+        if rv:
+            self._versions[event.kind] = rv
         deleted = event.type is EventType.DELETED
         obj = None if deleted else event.obj
         if event.kind is Kind.SERVICE:
@@ -326,7 +340,7 @@ class Agent:
         changed = "all" if commit.changed is None else str(len(commit.changed))
         log.info(
             "sync done: version=%s, %s sync, %s service port(s) changed, %d in all, %.1f ms",
-            printable(self._version),
+            printable(self.version),
             "full" if full else "partial",
             changed,
             len(self._model.state.services),
@@ -371,6 +385,12 @@ class Agent:
             svc_health.sync_services(dict(self._hc_ports))
         if ports_changed or endpoints_changed:
             svc_health.sync_endpoints(dict(self._local_ready))
+
+
+def _resource_version(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+    return rv if isinstance(rv, str) else ""
 
 
 def _labels(obj: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:

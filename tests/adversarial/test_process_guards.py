@@ -65,7 +65,9 @@ def run_agent(argv: Sequence[str], prefix: Sequence[str] = ()) -> tuple[int, str
 
 
 def second_agent(cluster: Cluster, node: int, mode: str, *extra: str) -> tuple[int, str, float]:
-    other = Agent(cluster.lab, cluster.lab.nodes[node - 1], mode, cluster.services_file, extra)
+    other = Agent(
+        cluster.lab, cluster.lab.nodes[node - 1], mode, [f"--services-file={cluster.services_file}"], extra
+    )
     return run_agent([f"--services-file={cluster.services_file}", *other.flags()])
 
 
@@ -134,7 +136,7 @@ def test_pin_path_off_bpffs_exits_fast_and_creates_nothing(cluster: Cluster) -> 
 def test_iptables_mode_without_net_admin_exits_fast(cluster: Cluster) -> None:
     """Root without capabilities (a container without NET_ADMIN) used to retry every second forever."""
     node2 = cluster.lab.nodes[1]
-    other = Agent(cluster.lab, node2, "iptables", cluster.services_file)
+    other = Agent(cluster.lab, node2, "iptables", [f"--services-file={cluster.services_file}"])
     status, out, took = run_agent(
         [f"--services-file={cluster.services_file}", *other.flags()],
         prefix=["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"],
@@ -149,7 +151,13 @@ def test_pin_directory_made_by_another_user_is_refused(cluster: Cluster) -> None
     mnt = Path(tempfile.mkdtemp(prefix="ekp-guard-"))
     mnt.chmod(0o755)
     node2 = cluster.lab.nodes[1]
-    other = Agent(cluster.lab, node2, "ebpf", cluster.services_file, [f"--bpf-pin-path={mnt}/ekp"])
+    other = Agent(
+        cluster.lab,
+        node2,
+        "ebpf",
+        [f"--services-file={cluster.services_file}"],
+        [f"--bpf-pin-path={mnt}/ekp"],
+    )
     script = (
         'mount -t bpf bpf "$1" && setpriv --reuid=65534 --regid=65534 --clear-groups mkdir "$1/ekp" && '
         'shift && "$@"; status=$?; echo "pinned: $(ls -A "$MNT/ekp")"; exit $status'

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,12 @@ class Agent:
     """One `agent` process acting for one lab node."""
 
     def __init__(
-        self, lab: Lab, node: Node, mode: str, services_file: Path, extra: Sequence[str] = ()
+        self, lab: Lab, node: Node, mode: str, source: Sequence[str], extra: Sequence[str] = ()
     ) -> None:
         self.lab = lab
         self.node = node
         self.mode = mode
-        self.services_file = services_file
+        self.source = list(source)  # --services-file=... or --kubeconfig=...
         self.extra = list(extra)
         self.proc: subprocess.Popen[bytes] | None = None
         assert lab.tmpdir is not None
@@ -78,7 +79,7 @@ class Agent:
                 sys.executable,
                 "-m",
                 "agent",
-                f"--services-file={self.services_file}",
+                *self.source,
                 *self.flags(),
                 name=f"agent-{self.node.name}",
                 stdout=log,
@@ -102,10 +103,29 @@ class Agent:
             return ""
 
     def wait_version(self, version: str, timeout: float = 60.0) -> None:
+        """Until this run logged a sync of `version` (a services file's content hash)."""
         marker = f"sync done: version={version}"
+        self._wait(lambda log: marker in log, f"version {version}", timeout)
+
+    def wait_resource_versions(self, wanted: Mapping[str, int], timeout: float = 60.0) -> None:
+        """Until this run logged a sync that includes, for each kind, its resourceVersion in `wanted`
+        (or a later one). The agent logs `version=Kind=rv,...`, or one rv when all kinds agree."""
+
+        def seen(log: str) -> bool:
+            for text in re.findall(r"sync done: version=(\S+?),? ", log):
+                have = dict(p.split("=", 1) for p in text.split(",") if "=" in p)
+                if all(
+                    int(have.get(kind, text if text.isdigit() else 0)) >= rv for kind, rv in wanted.items()
+                ):
+                    return True
+            return False
+
+        self._wait(seen, f"resourceVersions {dict(wanted)}", timeout)
+
+    def _wait(self, done: Callable[[str], bool], what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if marker in self.log_since_start():
+            if done(self.log_since_start()):
                 return
             if self.proc is not None and self.proc.poll() is not None:
                 raise AgentDied(
@@ -113,7 +133,7 @@ class Agent:
                 )
             time.sleep(0.05)
         raise AssertionError(
-            f"agent for {self.node.name} did not sync version {version} in {timeout}s:\n{self.log()[-4000:]}"
+            f"agent for {self.node.name} did not sync {what} in {timeout}s:\n{self.log()[-4000:]}"
         )
 
     def kill9(self) -> None:
@@ -149,7 +169,9 @@ class Cluster:
         self.services_file.write_text("")
         wanted = set(agent_nodes) if agent_nodes is not None else {i + 1 for i in range(len(lab.nodes))}
         self.agents = [
-            Agent(lab, n, mode, self.services_file, extra) for i, n in enumerate(lab.nodes) if i + 1 in wanted
+            Agent(lab, n, mode, [f"--services-file={self.services_file}"], extra)
+            for i, n in enumerate(lab.nodes)
+            if i + 1 in wanted
         ]
         self.version = ""
 
@@ -205,6 +227,43 @@ class Cluster:
             res = self.lab.run(node, *argv, check=False)
             parts.append(res.stdout)
         return "\n".join(parts)
+
+
+class Loop:
+    """A client in a lab pod making one new connection per request to `url` until `finish()`."""
+
+    def __init__(self, lab: Lab, pod: str, url: str, name: str, max_s: float = 240.0) -> None:
+        assert lab.tmpdir is not None
+        self._stop = lab.tmpdir / f"stop-{name}"
+        self._stop.unlink(missing_ok=True)
+        self._out = lab.tmpdir / f"loop-{name}.json"
+        with open(self._out, "wb") as f:
+            self._proc = lab.popen(
+                pod,
+                sys.executable,
+                CLIENT,
+                "loop",
+                "--url",
+                url,
+                "--stop-file",
+                str(self._stop),
+                "--max-s",
+                str(max_s),
+                "--timeout",
+                "5",
+                "--interval",
+                "0.005",
+                name=f"loop-{name}",
+                stdout=f,
+                stderr=subprocess.DEVNULL,
+            )
+
+    def finish(self) -> dict[str, Any]:
+        """Stop the loop; its counts: ok, errors, error_kinds, bodies, first_error_at, seconds."""
+        self._stop.touch()
+        self._proc.wait(timeout=30)
+        result: dict[str, Any] = json.loads(self._out.read_text())
+        return result
 
 
 def ep(cluster: Cluster, pod: str) -> Ep:

@@ -12,14 +12,13 @@ it sees, /blob a 50 MB file; UDP echo on 9000; dnsmasq on 53 where started.
 from __future__ import annotations
 
 import hashlib
-import subprocess
 import sys
 import time
 from typing import Any
 
 import pytest
 
-from tests.traffic.harness import CLIENT, Cluster, ep, uniformity_p_value
+from tests.traffic.harness import Cluster, Loop, ep, uniformity_p_value
 from tests.traffic.objects import Port, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
@@ -125,44 +124,6 @@ def test_large_transfer_keeps_checksum(cluster: Cluster, blob_sha256: str) -> No
     assert result["sha256"] == blob_sha256
 
 
-def _start_loop(cluster: Cluster, pod: str, url: str, name: str) -> tuple[subprocess.Popen[bytes], Any]:
-    assert cluster.lab.tmpdir is not None
-    stop = cluster.lab.tmpdir / f"stop-{name}"
-    stop.unlink(missing_ok=True)
-    out = cluster.lab.tmpdir / f"loop-{name}.json"
-    with open(out, "wb") as f:
-        proc = cluster.lab.popen(
-            pod,
-            sys.executable,
-            CLIENT,
-            "loop",
-            "--url",
-            url,
-            "--stop-file",
-            str(stop),
-            "--max-s",
-            "240",
-            "--timeout",
-            "5",
-            "--interval",
-            "0.005",
-            name=f"loop-{name}",
-            stdout=f,
-            stderr=subprocess.DEVNULL,
-        )
-    return proc, (stop, out)
-
-
-def _finish_loop(proc: subprocess.Popen[bytes], handle: Any) -> dict[str, Any]:
-    import json
-
-    stop, out = handle
-    stop.touch()
-    proc.wait(timeout=30)
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
-
-
 def test_no_disruption_while_other_services_churn_and_own_endpoints_scale(cluster: Cluster) -> None:
     """Reprogramming never drops a packet of a service that is not changing, nor of one scaling."""
     a_svc = service("a", "10.96.1.1", [HTTP])
@@ -172,7 +133,7 @@ def test_no_disruption_while_other_services_churn_and_own_endpoints_scale(cluste
     assert len(pods) == 10
     a2 = with_endpoints(a_svc, [ep(cluster, p) for p in pods[:2]])
     cluster.apply(a2)
-    proc, handle = _start_loop(cluster, client, "http://10.96.1.1/", "a")
+    loop = Loop(cluster.lab, client, "http://10.96.1.1/", "a")
     try:
         time.sleep(0.3)
         for i in range(100):
@@ -193,7 +154,7 @@ def test_no_disruption_while_other_services_churn_and_own_endpoints_scale(cluste
         # after scaling back, new connections reach only the current endpoints
         assert names(cluster.http(client, "http://10.96.1.1/", count=30)) <= set(pods[:2])
     finally:
-        result = _finish_loop(proc, handle)
+        result = loop.finish()
     assert result["ok"] > 200, result
     assert result["errors"] == 0, result
     assert set(result["bodies"]) == set(pods), "every endpoint A scaled to served some request"
@@ -203,7 +164,7 @@ def test_restart_keeps_traffic_flowing(cluster: Cluster) -> None:
     """An agent killed with SIGKILL, down for 10 s, then restarted: no request fails."""
     svc = service("steady", "10.96.1.3", [HTTP])
     cluster.apply(with_endpoints(svc, [ep(cluster, "pod-1-2"), ep(cluster, "pod-2-1")]))
-    proc, handle = _start_loop(cluster, "pod-1-1", "http://10.96.1.3/", "restart")
+    loop = Loop(cluster.lab, "pod-1-1", "http://10.96.1.3/", "restart")
     try:
         time.sleep(1)
         before = _conntrack_keys(cluster) if cluster.mode == "ebpf" else set()
@@ -217,7 +178,7 @@ def test_restart_keeps_traffic_flowing(cluster: Cluster) -> None:
         time.sleep(1)
         after = _conntrack_keys(cluster) if cluster.mode == "ebpf" else set()
     finally:
-        result = _finish_loop(proc, handle)
+        result = loop.finish()
     assert result["errors"] == 0, result
     assert result["ok"] > 100, result
     if cluster.mode == "ebpf":

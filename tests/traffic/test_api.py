@@ -1,0 +1,205 @@
+"""The agent follows an API server: objects created, scaled and deleted there program the data path,
+and watch faults (dropped streams, 410 relists, a restarted server, a server down for 30 s) leave it
+correct, with no failed connection for a service that did not change and nothing flushed while the
+API is away. Also kube-proxy's health, healthCheckNodePort and metrics endpoints of a running agent,
+and the Event a malformed object gets. Both modes, real traffic, the real kubernetes client.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import require_kernel
+from tests.lab import Lab
+from tests.traffic.apicluster import ApiCluster
+from tests.traffic.harness import Loop, ep
+from tests.traffic.objects import Port, endpoint_slice, service, with_endpoints
+
+pytestmark = pytest.mark.kernel
+
+HTTP = Port("http", 80, 8080)
+N1, N2 = "192.168.0.11", "192.168.0.12"
+
+
+@pytest.fixture(scope="module", params=["ebpf", "iptables"])
+def api(request: pytest.FixtureRequest) -> Iterator[ApiCluster]:
+    require_kernel()
+    with Lab(nodes=2, pods_per_node=3) as lab:
+        lab.start_podservers()
+        cluster = ApiCluster(lab, request.param)
+        cluster.start()
+        try:
+            yield cluster
+        finally:
+            failures = cluster.stop()
+        assert not failures, f"agent --cleanup failed: {failures}"
+
+
+def names(result: dict[str, Any]) -> set[str]:
+    return set(result["bodies"])
+
+
+def test_a_service_created_on_the_api_server_serves_scales_and_goes_away(api: ApiCluster) -> None:
+    """ "should serve a basic endpoint from pods", driven through the API: create, scale, delete."""
+    svc = service("web", "10.96.2.1", [HTTP])
+    api.apply(with_endpoints(svc, [ep(api, "pod-1-2")]))
+    assert names(api.http("pod-1-1", "http://10.96.2.1/", count=10)) == {"pod-1-2"}
+
+    api.apply([endpoint_slice("web", [HTTP], [ep(api, "pod-1-2"), ep(api, "pod-2-1"), ep(api, "pod-2-2")])])
+    result = api.http("pod-1-1", "http://10.96.2.1/", count=60)
+    assert result["errors"] == 0 and names(result) == {"pod-1-2", "pod-2-1", "pod-2-2"}
+
+    api.apply([endpoint_slice("web", [HTTP], [ep(api, "pod-2-2")])])
+    assert names(api.http("pod-1-1", "http://10.96.2.1/", count=20)) == {"pod-2-2"}
+
+    api.delete([svc])
+    gone = api.http("pod-1-1", "http://10.96.2.1/", count=1, timeout=1.0)
+    assert gone["errors"] == 1 and not gone["bodies"], "a deleted Service is no longer served"
+
+
+def test_watch_faults_never_disturb_a_service_that_does_not_change(api: ApiCluster) -> None:
+    """A dropped watch, a 410 relist, an API server restart and 30 s without one: the unchanged
+    service keeps answering every request, and changes made in between are applied after each."""
+    steady = service("steady", "10.96.2.2", [HTTP])
+    moving = service("moving", "10.96.2.3", [HTTP])
+    api.apply(
+        [*with_endpoints(steady, [ep(api, "pod-1-3"), ep(api, "pod-2-3")]), *with_endpoints(moving, [])]
+    )
+    loop = Loop(api.lab, "pod-1-1", "http://10.96.2.2/", f"faults-{api.mode}")
+    try:
+        backends = ["pod-1-2", "pod-2-1", "pod-2-2", "pod-1-3"]
+
+        def move_to(i: int) -> None:
+            api.apply([endpoint_slice("moving", [HTTP], [ep(api, backends[i])])])
+            assert names(api.http("pod-1-1", "http://10.96.2.3/", count=5)) == {backends[i]}
+
+        api.server.drop_streams()  # dropped watch: resumed from the last resourceVersion
+        move_to(0)
+        api.server.compact()  # history gone: the resumed watch gets 410 and relists
+        api.server.drop_streams()
+        move_to(1)
+        api.server.restart()  # same objects, same resourceVersions
+        move_to(2)
+        api.server.down_for(30)  # the API away: nothing is flushed, traffic keeps flowing
+        time.sleep(30)
+        deadline = time.monotonic() + 30
+        while not api.server.running and time.monotonic() < deadline:
+            time.sleep(0.1)
+        move_to(3)
+    finally:
+        result = loop.finish()
+    assert result["errors"] == 0, result
+    assert result["ok"] > 500, result
+    assert names(result) == {"pod-1-3", "pod-2-3"}
+    for node in ("node1", "node2"):
+        relists = scrape(api, node, "ekp_relists_total")
+        assert any(labels.get("reason") == "gone" and v >= 1 for labels, v in relists), relists
+        restarts = scrape(api, node, "ekp_watch_restarts_total")
+        assert sum(v for _, v in restarts) >= 3 * 3, "every kind's watch was reopened after each fault"
+
+
+def scrape(api: ApiCluster, node: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of one metric family from a node's agent (its metrics port on the node's loopback)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = api.lab.run(node, "curl", "-s", "--max-time", "3", "http://127.0.0.1:10249/metrics").stdout
+    return [
+        (dict(sample.labels), sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    ]
+
+
+def _curl(api: ApiCluster, target: str, url: str) -> tuple[int, dict[str, str], str]:
+    """Status, headers (lower-case names) and body of one GET, from a lab namespace."""
+    out = api.lab.run(target, "curl", "-s", "-i", "--max-time", "3", url, check=False).stdout
+    head, _, body = out.replace("\r\n", "\n").partition("\n\n")
+    lines = head.split("\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return status, headers, body
+
+
+def test_health_endpoints_answer_as_kube_proxys(api: ApiCluster) -> None:
+    """kube-proxy's /healthz and /livez on 10256 (bound in the node's namespace, on every address)."""
+    for path in ("/healthz", "/livez"):
+        status, headers, body = _curl(api, "client", f"http://{N1}:10256{path}")
+        assert status == 200, body
+        assert headers["content-type"] == "application/json"
+        assert headers["x-content-type-options"] == "nosniff"
+        doc = json.loads(body)
+        assert set(doc) >= {"lastUpdated", "currentTime", "healthy", "status"}
+        assert doc["healthy"] is True and doc["status"]["IPv4"]["healthy"] is True
+        assert ("nodeEligible" in doc) == (path == "/healthz")
+
+
+def test_health_check_node_port_says_which_node_has_a_ready_local_endpoint(api: ApiCluster) -> None:
+    """An externalTrafficPolicy: Local load balancer's healthCheckNodePort: 200 with the count on
+    the node with a local endpoint, 503 on the other (kube-proxy's body and headers)."""
+    lb = service(
+        "lb-local",
+        "10.96.2.4",
+        [Port("http", 80, 8080, node_port=30400)],
+        type="LoadBalancer",
+        externalTrafficPolicy="Local",
+        healthCheckNodePort=32400,
+    )
+    api.apply(with_endpoints(lb, [ep(api, "pod-1-2")]))
+    status, headers, body = _curl(api, "client", f"http://{N1}:32400/")
+    assert status == 200, body
+    assert headers["content-type"] == "application/json"
+    assert headers["x-load-balancing-endpoint-weight"] == "1"
+    assert json.loads(body) == {
+        "service": {"namespace": "default", "name": "lb-local"},
+        "localEndpoints": 1,
+        "serviceProxyHealthy": True,
+    }
+    status, _, body = _curl(api, "client", f"http://{N2}:32400/")
+    assert status == 503 and json.loads(body)["localEndpoints"] == 0
+    api.delete([lb])
+    out = api.lab.run("client", "curl", "-s", "--max-time", "2", f"http://{N1}:32400/", check=False)
+    assert out.returncode != 0, "the port closes with its Service"
+
+
+def test_metrics_and_proxy_mode_on_the_node_loopback(api: ApiCluster) -> None:
+    status, headers, body = _curl(api, "node1", "http://127.0.0.1:10249/proxyMode")
+    assert status == 200 and body.strip() == api.mode
+    status, headers, body = _curl(api, "node1", "http://127.0.0.1:10249/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+    for name in (
+        "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
+        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+        "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+        "kubeproxy_sync_proxy_rules_service_changes_total",
+        "ekp_watch_events_total",
+    ):
+        assert f"\n{name}" in body, name
+    if api.mode == "ebpf":
+        assert 'ekp_bpf_map_entries{map="ekp_fe_v1"}' in body
+    out = api.lab.run("client", "curl", "-s", "--max-time", "2", f"http://{N1}:10249/metrics", check=False)
+    assert out.returncode != 0, "metrics listen on the node's loopback only, as kube-proxy's default"
+
+
+def test_a_malformed_service_gets_a_warning_event_and_the_others_keep_working(api: ApiCluster) -> None:
+    good = service("fine", "10.96.2.5", [HTTP])
+    bad = service("broken", "10.96.2.6", [HTTP], sessionAffinity="Sticky")
+    api.apply([*with_endpoints(good, [ep(api, "pod-2-1")]), bad])
+    assert names(api.http("pod-1-1", "http://10.96.2.5/", count=5)) == {"pod-2-1"}
+    deadline = time.monotonic() + 20
+    events: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        events = [e for e in api.server.events() if e.get("regarding", {}).get("name") == "broken"]
+        if len(events) >= 1:
+            break
+        time.sleep(0.2)
+    assert events, "no Event about the malformed Service"
+    event = events[0]
+    assert event["type"] == "Warning" and event["reason"] == "InvalidService"
+    assert "spec.sessionAffinity" in event["note"]
+    assert event["regarding"]["kind"] == "Service" and event["regarding"]["namespace"] == "default"
