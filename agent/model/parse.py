@@ -43,7 +43,9 @@ in stored objects) and kept in canonical form, so renderers never see the raw te
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -499,8 +501,20 @@ def should_skip_service(svc: object) -> str | None:
 # ---- EndpointSlices ----------------------------------------------------------------------------
 
 
+# A canonical dotted quad (no leading zeros) outside the special ranges below needs no more work:
+# nearly every endpoint address of a cluster. Anything else takes the full ParseIPSloppy path.
+_CANONICAL_V4 = re.compile(r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?:\.(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3}")
+_SPECIAL_V4_PREFIXES = ("0.", "127.", "169.254.", "224.0.0.")
+
+
 def _slice_address(text: str, address_type: str, path: str) -> str:
     """One address checked against the slice's addressType; the canonical IPv4 text, or ""."""
+    if (
+        address_type == "IPv4"
+        and _CANONICAL_V4.fullmatch(text) is not None
+        and not text.startswith(_SPECIAL_V4_PREFIXES)
+    ):
+        return text
     if address_type == "FQDN":
         check_name(text, path, is_fqdn(text), "must be a fully qualified domain name (addressType FQDN)")
         return ""
@@ -517,9 +531,13 @@ def _slice_address(text: str, address_type: str, path: str) -> str:
 
 def _node_name(value: Any, path: str) -> str:
     text = require_str(value, path)
-    return check_name(
-        text, path, is_dns1123_subdomain(text), "must be a node name: " + DNS1123_SUBDOMAIN_RULE
-    )
+    return check_name(text, path, _is_node_name(text), "must be a node name: " + DNS1123_SUBDOMAIN_RULE)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_node_name(text: str) -> bool:
+    """Cached: a cluster's endpoints name the same few node names a hundred thousand times."""
+    return is_dns1123_subdomain(text)
 
 
 def _hint_names(hints: Obj, key: str, path: str, valid: Callable[[str], bool], rule: str) -> frozenset[str]:
@@ -538,7 +556,70 @@ def _hint_names(hints: Obj, key: str, path: str, valid: Callable[[str], bool], r
     return frozenset(n for n in names if n)
 
 
+_NO_HINTS: frozenset[str] = frozenset()
+_COMMON_KEYS = frozenset({"addresses", "conditions", "nodeName", "zone", "targetRef"})
+
+
+def _common_endpoint(item: Any) -> Endpoint | None:
+    """The endpoint every cluster is full of, read without the per-field checks: a dict with one
+    canonical IPv4 address, boolean (or absent) conditions, a valid node name and zone, and nothing
+    else that needs checking. None for anything else: `_endpoint` then validates it in full (and
+    gives the same answer for what this accepts; tests/model test both on the same inputs)."""
+    if type(item) is not dict or not item.keys() <= _COMMON_KEYS:
+        return None
+    addresses = item.get("addresses")
+    if type(addresses) is not list or len(addresses) != 1:
+        return None
+    ip = addresses[0]
+    if type(ip) is not str or _CANONICAL_V4.fullmatch(ip) is None or ip.startswith(_SPECIAL_V4_PREFIXES):
+        return None
+    conditions = item.get("conditions")
+    if conditions is None:
+        ready = serving = terminating = None
+    elif type(conditions) is dict:
+        ready, serving, terminating = (
+            conditions.get("ready"),
+            conditions.get("serving"),
+            conditions.get("terminating"),
+        )
+        for value in (ready, serving, terminating):
+            if value is not None and type(value) is not bool:
+                return None
+    else:
+        return None
+    node = item.get("nodeName")
+    if node is None:
+        node = ""
+    elif type(node) is not str or not _is_node_name(node):
+        return None
+    zone = item.get("zone")
+    if zone is None:
+        zone = ""
+    elif type(zone) is not str:
+        return None
+    ready_now = True if ready is None else ready
+    return Endpoint(
+        ip,
+        0,
+        ready_now,
+        ready_now if serving is None else serving,
+        bool(terminating),
+        node,
+        zone,
+        _NO_HINTS,
+        _NO_HINTS,
+    )
+
+
 def _endpoint(item: Any, address_type: str, where: str) -> Endpoint | None:
+    if address_type == "IPv4":
+        common = _common_endpoint(item)
+        if common is not None:
+            return common
+    return _endpoint_checked(item, address_type, where)
+
+
+def _endpoint_checked(item: Any, address_type: str, where: str) -> Endpoint | None:
     ep = require_map(item, where)
     addresses = opt_list(ep, "addresses", f"{where}.addresses")
     if not addresses:
