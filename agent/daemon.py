@@ -165,6 +165,7 @@ class Agent:
             svc.start()
         if self._parts.health is not None:
             self._parts.health.updated()  # as kube-proxy's SyncLoop: healthy until a change waits
+        threading.Thread(target=self._prepare, name="prepare-proxier", daemon=True).start()
         self._parts.source.start(self.deliver)
         self._runner.start()
 
@@ -207,6 +208,17 @@ class Agent:
         finally:
             self.shutdown()
         return self.exit_code
+
+    def _prepare(self) -> None:
+        """The proxier's slow set-up (compiling the data path), while the source lists."""
+        try:
+            self._parts.proxier.prepare()
+        except FatalError as exc:
+            self._fatal(exc)
+        except Exception as exc:
+            log.warning(
+                "preparing the %s data path failed (the first sync tries again): %s", self._config.mode, exc
+            )
 
     def _fatal(self, exc: FatalError) -> None:
         log.error("%s", exc)

@@ -17,7 +17,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,7 +178,7 @@ def wrk(
     )
 
 
-def percentile(sorted_values: list[int], q: float) -> float:
+def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile of an ascending list (NaN when empty)."""
     if not sorted_values:
         return float("nan")

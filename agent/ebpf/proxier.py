@@ -116,10 +116,15 @@ class EbpfProxier:
         self._unsure = True  # what the maps hold is unknown: read them back before writing
         self._cfg_written: Value | None = None
         self._attached_once = False
-        self._verified_at = 0.0  # monotonic time of the last full check of every device
+        self._attached_node: NodeContext | None = None  # the node the attachments were checked for
         self.last_flush = FlushResult()  # what the last sync wrote, for logs and tests
 
     # ------------------------------------------------------------------ Proxier
+
+    def prepare(self) -> None:
+        """Compile (or reuse) and load the data path before the first desired state exists."""
+        with self._lock:
+            self._ensure_loaded()
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
@@ -127,6 +132,7 @@ class EbpfProxier:
         """Write what changed; with `changed` None, also read the maps back and repair them."""
         with self._lock:
             start = time.monotonic()
+            periodic = changed is None
             datapath = self._ensure_loaded()
             maps = datapath.maps
             first = self._planner is None
@@ -150,7 +156,7 @@ class EbpfProxier:
             self._unsure = False
             self.last_flush = result
 
-            self._attach(datapath, node, full=not self._attached_once)
+            self._attach(datapath, node, periodic=periodic)
             elapsed_ms = (time.monotonic() - start) * 1000
             level = logging.INFO if result.writes or first or repaired or result.failed else logging.DEBUG
             log.log(
@@ -220,20 +226,24 @@ class EbpfProxier:
             )
         return dump
 
-    def _attach(self, datapath: DatapathLike, node: NodeContext, *, full: bool) -> None:
+    def _attach(self, datapath: DatapathLike, node: NodeContext, *, periodic: bool) -> None:
+        """Keep the programs attached. The first sync attaches everywhere (replacing an older
+        agent's programs); after that, pod devices are the watcher's and the attachments are
+        checked only by full syncs (every sync period, or when the node's addresses changed), so a
+        one-endpoint change costs no netlink round trip into the node's namespace."""
+        full = not self._attached_once
         if self._attacher is None:
             fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD)}
             self._attacher = self._attacher_factory(self._config, fds)
             full = True
-        now = time.monotonic()
         restart = self._attached_once and not self._attacher.watching
         if restart:
             log.warning("the pod-device watcher had stopped: restarting it and checking every device")
             self._attacher.start_watcher()
-        verify = restart or now - self._verified_at >= self._config.sync_period_s
-        self._attacher.reconcile(node, full=full, verify=verify)
-        if full or verify:
-            self._verified_at = now
+        verify = restart or periodic
+        if full or verify or node != self._attached_node:
+            self._attacher.reconcile(node, full=full, verify=verify and not full)
+            self._attached_node = node
         if not self._attached_once:
             self._attacher.start_watcher()
             self._attached_once = True

@@ -35,6 +35,7 @@ nf_conntrack_tcp_be_liberal, as kube-proxy applies them before creating its prox
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
@@ -163,6 +164,7 @@ class IptablesProxier:
         self._clock = clock
         self._cpus = cpus
         self._host: HostFacts | None = None
+        self._host_lock = threading.Lock()
         self._nfacct = dict.fromkeys(NFACCT_COUNTERS, False)
         # Digest per (table, chain) of every chain of ours as we last wrote it; None before the
         # first successful sync.
@@ -244,6 +246,10 @@ class IptablesProxier:
                 {"filter": filter_rules if outcome.restored else 0, "nat": self.last_sync.nat_rules_written},
             )
         return SyncResult(full=outcome.full, failed=failed, repaired=outcome.repaired)
+
+    def prepare(self) -> None:
+        """Learn the host's iptables (version, backend, conntrack leniency) before the first sync."""
+        self._host_facts()
 
     def cleanup(self) -> None:
         """Remove our chains and jumps: from the backend `--iptables-backend` names, or (auto) from
@@ -541,6 +547,10 @@ class IptablesProxier:
         )
 
     def _host_facts(self) -> HostFacts:
+        with self._host_lock:  # `prepare` may run on another thread while the first sync starts
+            return self._learn_host()
+
+    def _learn_host(self) -> HostFacts:
         if self._host is None:
             apply_conntrack_settings(
                 self._config.conntrack, self._runner.command, netns=self._config.netns, cpus=self._cpus

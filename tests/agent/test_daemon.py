@@ -50,6 +50,7 @@ class FakeSource:
 
 class FakeProxier:
     def __init__(self) -> None:
+        self.prepared = 0
         self.calls: list[frozenset[ServicePortName] | None] = []
         self.fail: dict[ServicePortName, str] = {}
         self.raise_: BaseException | None = None
@@ -61,6 +62,9 @@ class FakeProxier:
             raise self.raise_
         self.calls.append(changed)
         return SyncResult(full=changed is None, failed=dict(self.fail))
+
+    def prepare(self) -> None:
+        self.prepared += 1
 
     def cleanup(self) -> None:
         pass

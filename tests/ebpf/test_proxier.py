@@ -127,14 +127,21 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     assert render_contents(rig.contents()) == render_contents(want)
     assert rig.events == ["reconcile full=True", "watch"]
     assert rig.sysctls == [("node1", "net/ipv4/ip_forward", "1")]
-    # the same state again: nothing written, attachments only checked
+    # the same state again: nothing written; a partial sync leaves the attachments to the watcher
     p.sync(STATE, NODE, frozenset())
     assert p.last_flush.writes == 0
-    assert rig.events[-1] == "reconcile full=False"
+    assert rig.events == ["reconcile full=True", "watch"]
     assert rig.datapaths[0].loads == 1
+    # a full sync (every sync period) checks every device
+    p.sync(STATE, NODE)
+    assert rig.events[-1] == "reconcile full=False verify"
+    # so does a partial one when the node's addresses changed
+    moved = NodeContext(node_ips=("192.168.0.21",), primary_ip="192.168.0.21")
+    p.sync(STATE, moved, frozenset())
+    assert rig.events[-1] == "reconcile full=False"
     # a watcher that died is restarted, and every device checked
     rig.attachers[0].watching = False
-    p.sync(STATE, NODE, frozenset())
+    p.sync(STATE, moved, frozenset())
     assert rig.events[-2:] == ["watch", "reconcile full=False verify"]
 
 
