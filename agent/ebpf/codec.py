@@ -55,26 +55,26 @@ class Codec:
                         names.append(name)
                 else:
                     raise TypeError(f"{ctype.__name__}.{name}: no codec for {ftype.__name__}")
-        self._struct = struct.Struct("=" + fmt)
+        self.struct = struct.Struct("=" + fmt)
         self.fields = tuple(names)
-        self.size = self._struct.size
+        self.size = self.struct.size
         if self.size != ctypes.sizeof(ctype):
             raise TypeError(
                 f"{ctype.__name__}: packs to {self.size} bytes, ctypes says {ctypes.sizeof(ctype)}"
             )
 
     def pack(self, values: Sequence[Any]) -> bytes:
-        return self._struct.pack(*values)
+        return self.struct.pack(*values)
 
     def pack_many(self, rows: Iterable[Sequence[Any]]) -> bytes:
-        pack = self._struct.pack
+        pack = self.struct.pack
         return b"".join(pack(*row) for row in rows)
 
     def unpack(self, data: bytes) -> tuple[Any, ...]:
-        return self._struct.unpack(data)
+        return self.struct.unpack(data)
 
     def unpack_many(self, data: bytes, count: int) -> list[tuple[Any, ...]]:
-        return list(self._struct.iter_unpack(data[: count * self.size]))
+        return list(self.struct.iter_unpack(data[: count * self.size]))
 
     def to_ctype(self, values: Sequence[Any]) -> Any:
         """The ctypes value of a tuple (for rendering and the typed map API)."""

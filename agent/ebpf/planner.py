@@ -54,6 +54,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import starmap
 from socket import inet_aton
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -352,6 +353,7 @@ class Planner:
         self.node = NodeContext()
         self.cfg: Value | None = None
         self._failed_now: set[ServicePortName] = set()
+        self._be_owners: dict[BeIdent, set[ServicePortName]] | None = None
 
     # ------------------------------------------------------------------ planning
 
@@ -688,6 +690,19 @@ class Planner:
             written[key] = value
             self._index(role, key, value, +1)
 
+    def _wrote_many(self, role: str, entries: Sequence[tuple[Key, Value]]) -> None:
+        """`_wrote` for a batch that went in whole; entries new to the map skip the unindexing."""
+        written = self.written[role]
+        if role in ("be", "rnat"):  # nothing indexes them
+            written.update(entries)
+            return
+        for key, value in entries:
+            old = written.get(key)
+            if old is not None:
+                self._index(role, key, old, -1)
+            written[key] = value
+            self._index(role, key, value, +1)
+
     # ------------------------------------------------------------------ flushing
 
     def _deletable(self, role: str, key: Key, late: bool) -> bool:
@@ -719,7 +734,12 @@ class Planner:
             ident = self._be_by_id.get(key[0])
             if ident is None:
                 return set()
-            return {spn for spn in self._replanned if ident in self._frags.get(spn, _EMPTY).backends}
+            if self._be_owners is None:  # built once per flush, and only on the failure path
+                self._be_owners = {}
+                for spn in self._replanned:
+                    for used in self._frags.get(spn, _EMPTY).backends:
+                        self._be_owners.setdefault(used, set()).add(spn)
+            return set(self._be_owners.get(ident, ()))
         elif role == "rnat":
             ident = self._rnat_by_id.get(key[0])
             rnat = self._rnats.get(ident) if ident is not None else None
@@ -734,6 +754,7 @@ class Planner:
         """Write what differs between desired and written, in the safe order (module doc)."""
         result = FlushResult(updates=dict.fromkeys(WRITE_ORDER, 0), deletes=dict.fromkeys(DELETE_ORDER, 0))
         self._failed_now = set()
+        self._be_owners = None
         self._delete_safe(maps, result, late=False)
         self._write(maps, result)
         self._failed_now = set(result.failed)
@@ -758,11 +779,11 @@ class Planner:
 
     def _delete_safe(self, maps: Mapping[str, RawMap], result: FlushResult, *, late: bool) -> None:
         for role in DELETE_ORDER:
-            keys = [k for k in self.dirty[role] if self._deletable(role, k, late)]
+            candidates = (self.dirty[role] - self.desired[role].keys()) & self.written[role].keys()
+            keys = [k for k in candidates if self._deletable(role, k, late)]
             if not keys:
                 continue
-            codec = KEYS[role]
-            maps[role].delete_raw([codec.pack(k) for k in keys])
+            maps[role].delete_raw(list(starmap(KEYS[role].struct.pack, keys)))
             for key in keys:
                 self._wrote(role, key, None)
             result.deletes[role] += len(keys)
@@ -774,24 +795,31 @@ class Planner:
         for role in WRITE_ORDER:
             desired, written = self.desired[role], self.written[role]
             entries: list[tuple[Key, Value]] = []
+            filtering = only is not None or bool(failed)  # owners matter only after a failure
             for key in self.dirty[role]:
                 value = desired.get(key)
                 if value is None or written.get(key) == value:
                     continue
-                owners = self._owners(role, key)
-                if only is not None and not owners & only:
-                    continue
-                if owners and owners <= failed.keys():
-                    continue  # every user of it already failed: do not point further at it
+                if filtering:
+                    owners = self._owners(role, key)
+                    if only is not None and not owners & only:
+                        continue
+                    if owners and owners <= failed.keys():
+                        continue  # every user of it already failed: do not point further at it
                 entries.append((key, value))
             if not entries:
                 continue
-            entries.sort()
+            if role == "fe":
+                # A full map takes whole services in kube-proxy's order of addresses: both scopes of
+                # a frontend sort next to each other (the other maps' order decides nothing).
+                entries.sort()
             kc, vc = KEYS[role], VALUES[role]
             target = maps[role]
-            done = target.update_raw([kc.pack(k) for k, _ in entries], [vc.pack(v) for _, v in entries])
-            for key, value in entries[:done]:
-                self._wrote(role, key, value)
+            done = target.update_raw(
+                list(starmap(kc.struct.pack, (k for k, _ in entries))),
+                list(starmap(vc.struct.pack, (v for _, v in entries))),
+            )
+            self._wrote_many(role, entries[:done])
             result.updates[role] += done
             for key, value in entries[done:]:
                 if target.update_raw([kc.pack(key)], [vc.pack(value)]) == 1:
