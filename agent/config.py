@@ -29,7 +29,7 @@ class MapSizes:
 
     fe: int = 65536
     slot: int = 262144
-    be: int = 65536
+    be: int = 262144  # one per endpoint address:port: 10,000 services of 10 endpoints need 100,000
     rnat: int = 65536
     ct: int = 524288
     aff: int = 65536

@@ -162,7 +162,7 @@ def _changes(
                         out.change_ms.append((time.perf_counter() - t0) * 1000)
                         break
                     if time.perf_counter() > deadline:
-                        raise RuntimeError(f"change {i} not in the map after 10 s")
+                        raise RuntimeError(f"change {i} not in the map after 10 s:\n{agent.log()[-3000:]}")
             rv = int(stored["metadata"]["resourceVersion"])
             agent.wait_resource_versions({"EndpointSlice": rv}, timeout=30)
             line = [ln for ln in agent.log_since_start().splitlines() if "sync done:" in ln][-1]

@@ -251,7 +251,7 @@ MAPS: dict[str, MapSpec] = {
     for spec in (
         MapSpec("fe", "hash", FrontendKey, Frontend, 65536, "EKP_FE_MAX"),
         MapSpec("slot", "hash", SlotKey, Slot, 262144, "EKP_SLOT_MAX"),
-        MapSpec("be", "hash", BackendKey, Backend, 65536, "EKP_BE_MAX"),
+        MapSpec("be", "hash", BackendKey, Backend, 262144, "EKP_BE_MAX"),
         MapSpec("rnat", "hash", RevNatKey, RevNat, 65536, "EKP_RNAT_MAX"),
         MapSpec("ct", "lru_hash", CtKey, CtEntry, 524288, "EKP_CT_MAX"),
         MapSpec("aff", "lru_hash", AffinityKey, Affinity, 65536, "EKP_AFF_MAX"),

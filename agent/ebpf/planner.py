@@ -314,6 +314,7 @@ class FlushResult:
 
 
 _EMPTY = Fragment(ServicePortName("", "", "", L4.TCP))
+_ORPHAN = ServicePortName("", "", "", L4.TCP)  # owner of an entry no service port claims
 
 
 class Planner:
@@ -815,19 +816,58 @@ class Planner:
                 entries.sort()
             kc, vc = KEYS[role], VALUES[role]
             target = maps[role]
+            new_keys = [k for k, _ in entries if k not in written]  # what takes room in the map
             done = target.update_raw(
                 list(starmap(kc.struct.pack, (k for k, _ in entries))),
                 list(starmap(vc.struct.pack, (v for _, v in entries))),
             )
-            self._wrote_many(role, entries[:done])
-            result.updates[role] += done
-            for key, value in entries[done:]:
-                if target.update_raw([kc.pack(key)], [vc.pack(value)]) == 1:
-                    self._wrote(role, key, value)
-                    result.updates[role] += 1
-                    continue
-                for spn in self._owners(role, key):
-                    failed.setdefault(spn, f"BPF map {abi.MAPS[role].name} is full: raise --bpf-{role}-max")
+            if done == len(entries):
+                self._wrote_many(role, entries)
+                result.updates[role] += done
+                continue
+            # The map is full. What went in first is arbitrary, and a service port missing one entry
+            # is as unprogrammed as one missing all: take back this batch's new entries and write
+            # whole service ports instead, in kube-proxy's order, as many as fit.
+            fresh = set(new_keys)
+            self._wrote_many(role, [e for e in entries[:done] if e[0] not in fresh])
+            target.delete_raw(list(starmap(kc.struct.pack, (k for k, _ in entries[:done] if k in fresh))))
+            result.updates[role] += self._write_by_service_port(role, target, entries, failed)
+
+    def _write_by_service_port(
+        self,
+        role: str,
+        target: RawMap,
+        entries: Sequence[tuple[Key, Value]],
+        failed: dict[ServicePortName, str],
+    ) -> int:
+        """Write `entries` service port by service port (sorted), each port's entries all or none; a
+        port whose entries do not fit is taken back out and reported. Returns the entries written."""
+        kc, vc = KEYS[role], VALUES[role]
+        written = self.written[role]
+        by_port: dict[ServicePortName, list[tuple[Key, Value]]] = {}
+        for key, value in entries:
+            for spn in self._owners(role, key) or {_ORPHAN}:
+                by_port.setdefault(spn, []).append((key, value))
+        count = 0
+        why = f"BPF map {abi.MAPS[role].name} is full: raise --bpf-{role}-max"
+        for spn in sorted(by_port, key=_order):
+            todo = [(k, v) for k, v in by_port[spn] if written.get(k) != v]
+            done = target.update_raw(
+                list(starmap(kc.struct.pack, (k for k, _ in todo))),
+                list(starmap(vc.struct.pack, (v for _, v in todo))),
+            )
+            if done == len(todo):
+                self._wrote_many(role, todo)
+                count += done
+                continue
+            fresh = [k for k, _ in todo[:done] if k not in written]
+            target.delete_raw(list(starmap(kc.struct.pack, fresh)))
+            kept = [(k, v) for k, v in todo[:done] if k in written]  # overwrites of existing entries
+            self._wrote_many(role, kept)
+            count += len(kept)
+            if spn is not _ORPHAN:
+                failed.setdefault(spn, why)
+        return count
 
     # ------------------------------------------------------------------ views
 

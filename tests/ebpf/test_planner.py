@@ -207,3 +207,25 @@ def test_the_shape_helper_sees_a_difference() -> None:
     c = Planner(replace(Config(), masquerade_all=True))
     c.update(states(svc("a", "10.96.0.5", ["10.244.1.2"])), NODE, None)
     assert _shape(a) != _shape(c)
+
+
+def test_a_full_backend_map_programs_whole_service_ports_not_a_bit_of_each() -> None:
+    """Ten services of ten backends each, room for 65 backends: six whole services are programmed
+    (in kube-proxy's order), four are reported; none is left with part of its backends."""
+    state = states(
+        *[svc(f"s{i:02d}", f"10.96.0.{i + 1}", [f"10.244.{i}.{e + 1}" for e in range(10)]) for i in range(10)]
+    )
+    rig = PlanRig(sizes={"be": 65})
+    result = rig.sync(state)
+    assert sorted(str(s) for s in result.failed) == [f"default/s{i:02d}" for i in range(6, 10)]
+    assert len(rig.maps["be"]) == 60, "the backends of failed ports were taken back out"
+    assert {n.split(":")[0] for n in rig.planner.fe_names().values()} >= {
+        f"default/s{i:02d}" for i in range(6)
+    }
+    contents = rig.contents()
+    assert not broken(contents)
+    assert {fe.count for fe in contents.fe.values()} == {10}, "every programmed port has all its slots"
+    # room appears: the failed ones go in at the next sync
+    rig.maps["be"].max_entries = 100
+    assert rig.sync(state, changed=set(result.failed)).failed == {}
+    assert rig.planner.written == rig.planner.desired
