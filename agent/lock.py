@@ -19,12 +19,12 @@ The lock files live under /run/ebpf-kube-proxy/ (tmpfs, gone at reboot; bpffs ca
 files), a directory the agent creates with mode 0700, owned by the agent's user: a directory another
 user could write into would let them hold our lock (and so stop the agent from starting) or unlink
 it. An existing directory is refused only when group or others may write to it: the kubelet creates
-a `DirectoryOrCreate` hostPath (pkg/volume/hostpath/host_path.go, `makeDir`; the Helm chart shares this directory between an agent's pods, so
-one agent per node holds across a rolling update) with mode 0755, which is as safe, since the lock
-files themselves are 0600. `release()`
-unlinks the file while still holding it; an acquirer that locked a file somebody unlinked in the
-meantime notices (the path no longer names its descriptor's inode) and tries again, so two agents
-can never both believe they hold the lock.
+a `DirectoryOrCreate` hostPath (pkg/volume/hostpath/host_path.go, `makeDir`; the Helm chart shares
+this directory between an agent's pods, so one agent per node holds across a rolling update) with
+mode 0755, which is as safe, since the lock files themselves are 0600. `release()` unlinks the file
+while still holding it; an acquirer that locked a file somebody unlinked in the meantime notices
+(the path no longer names its descriptor's inode) and tries again, so two agents can never both
+believe they hold the lock.
 """
 
 from __future__ import annotations
