@@ -48,11 +48,17 @@ app.kubernetes.io/component: node-proxy
 {{- end }}
 {{- end }}
 
-{{/* The cleanup-kube-proxy init container runs unless turned off; null follows replaceKubeProxy. */}}
+{{/* The cleanup-kube-proxy init container: null follows replaceKubeProxy, in eBPF mode only. In
+iptables mode the agent's own chains are kube-proxy's (same names): the init container would delete
+the live rules at every pod restart, so it is refused there. */}}
 {{- define "ekp.cleanupKubeProxy" -}}
 {{- if kindIs "invalid" .Values.cleanupKubeProxy.enabled }}
-{{- if .Values.replaceKubeProxy }}true{{ end }}
-{{- else if .Values.cleanupKubeProxy.enabled }}true{{ end }}
+{{- if and .Values.replaceKubeProxy (eq .Values.mode "ebpf") }}true{{ end }}
+{{- else if .Values.cleanupKubeProxy.enabled }}
+{{- if ne .Values.mode "ebpf" }}
+{{- fail "cleanupKubeProxy.enabled=true needs mode=ebpf: in iptables mode the agent writes kube-proxy's own KUBE-* chains (it takes kube-proxy's over), and the init container would delete them at every restart of the pod" }}
+{{- end }}true
+{{- end }}
 {{- end }}
 
 {{/* The metrics Service exists for the Service itself or for a ServiceMonitor. */}}
