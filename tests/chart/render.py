@@ -77,8 +77,15 @@ class Rendered:
     def init_names(self) -> list[str]:
         return [c["name"] for c in self.pod.get("initContainers", [])]
 
+    @property
+    def config_map(self) -> Obj:
+        """The ConfigMap holding the agent's configuration file (the dashboard has its own)."""
+        found = [c for c in self.all("ConfigMap") if "config.conf" in c.get("data", {})]
+        assert len(found) == 1, found
+        return found[0]
+
     def config_text(self) -> str:
-        text: str = self.one("ConfigMap")["data"]["config.conf"]
+        text: str = self.config_map["data"]["config.conf"]
         return text
 
 

@@ -81,7 +81,7 @@ class PodRun:
             netns=self.node.ns,
             workdir=self.workdir / f"{name}-{self.starts}",
             hostpaths={"/sys/fs/bpf": str(self.bpffs), "/run/ebpf-kube-proxy": str(self.lock_dir)},
-            config_maps={self.rendered.one("ConfigMap")["metadata"]["name"]: self.rendered.one("ConfigMap")["data"]},
+            config_maps={self.rendered.config_map["metadata"]["name"]: self.rendered.config_map["data"]},
             service_account={
                 "token": TOKEN.encode(),
                 "ca.crt": self.api.ca_path.read_bytes(),
