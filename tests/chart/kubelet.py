@@ -224,11 +224,12 @@ def _mount_script(mounts: Sequence[tuple[str, str, bool]], workdir: Path, *, rea
         opts = f"lowerdir={parent},upperdir={ovl / 'upper'},workdir={ovl / 'work'}"
         lines.append(f"mount -t overlay overlay -o {q(opts)} {q(parent)}")
         overlaid.append(parent)
+
     # A mount that hides the source of another (the /tmp emptyDir over a work dir in /tmp) goes last.
     def hides_a_source(m: tuple[str, str, bool]) -> bool:
-        return any(src.startswith(m[1].rstrip("/") + "/") for src, _, _ in mounts) or str(
-            workdir
-        ).startswith(m[1].rstrip("/") + "/")
+        return any(src.startswith(m[1].rstrip("/") + "/") for src, _, _ in mounts) or str(workdir).startswith(
+            m[1].rstrip("/") + "/"
+        )
 
     for source, target, read_only in sorted(mounts, key=hides_a_source):
         src = str(stage / os.path.relpath(source, "/run")) if source.startswith("/run/") else source

@@ -94,8 +94,12 @@ class PodRun:
         """Each init container to completion, in order, as the kubelet does; their output."""
         out = {}
         for name in self.rendered.init_names():
-            res = subprocess.run(self.launch(name).argv, capture_output=True, text=True, timeout=120, check=False)
-            assert res.returncode == 0, f"init container {name} exited {res.returncode}:\n{res.stdout}{res.stderr}"
+            res = subprocess.run(
+                self.launch(name).argv, capture_output=True, text=True, timeout=120, check=False
+            )
+            assert res.returncode == 0, (
+                f"init container {name} exited {res.returncode}:\n{res.stdout}{res.stderr}"
+            )
             out[name] = res.stdout + res.stderr
         return out
 
@@ -118,7 +122,9 @@ class PodRun:
             time.sleep(0.1)
 
     def get(self, port: int, path: str) -> tuple[int, bytes]:
-        return self.lab.http_fetch(self.node, self.node.ip if port == HEALTHZ_PORT else "127.0.0.1", port, path)
+        return self.lab.http_fetch(
+            self.node, self.node.ip if port == HEALTHZ_PORT else "127.0.0.1", port, path
+        )
 
 
 def wait_for(what: str, check: Any, timeout: float = 30.0) -> Any:
@@ -154,7 +160,15 @@ def pod(kernel_required: None) -> Iterator[PodRun]:
                 api.create(endpoint_slice("web", [lab.pod("pod-1-2").ip], node=n.name))
                 assert lab.tmpdir is not None
                 values = {"apiServer": {"host": "127.0.0.1", "port": api.port}}
-                run = PodRun(lab, n, api, render(values), bpffs, lab.tmpdir / "host-run-ebpf-kube-proxy", lab.tmpdir / "pod")
+                run = PodRun(
+                    lab,
+                    n,
+                    api,
+                    render(values),
+                    bpffs,
+                    lab.tmpdir / "host-run-ebpf-kube-proxy",
+                    lab.tmpdir / "pod",
+                )
                 yield run
                 if run.agent is not None and run.agent.poll() is None:
                     assert lab.stop(run.agent, timeout=30) == 0, run.log()

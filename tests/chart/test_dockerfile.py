@@ -89,7 +89,9 @@ def test_every_apt_package_exists_in_bookworm(steps: list[tuple[str, str]]) -> N
     )
     assert os_release["VERSION_CODENAME"] == "bookworm", "apt-cache answers for this machine's release"
     pkgs = apt_packages(steps)
-    assert {"python3-bpfcc", "bpftool", "iptables", "conntrack", "nftables", "iproute2", "procps"} <= set(pkgs)
+    assert {"python3-bpfcc", "bpftool", "iptables", "conntrack", "nftables", "iproute2", "procps"} <= set(
+        pkgs
+    )
     missing = []
     for pkg in pkgs:
         res = subprocess.run(
@@ -139,6 +141,11 @@ def test_the_pip_install_resolves_against_pyproject(steps: list[tuple[str, str]]
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout)
-    resolved = {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"] for i in report["install"]}
-    assert resolved.pop("ebpf-kube-proxy") == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    resolved = {
+        i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"] for i in report["install"]
+    }
+    assert (
+        resolved.pop("ebpf-kube-proxy")
+        == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    )
     assert resolved == pins, "the pins are the whole runtime closure, nothing more, nothing less"

@@ -55,7 +55,9 @@ def rendered() -> dict[str, Rendered]:
         start = time.monotonic()
         out[name] = render(values)
         times.append(time.monotonic() - start)
-    print(f"\nhelm template: {len(times)} value sets, {sum(times) / len(times) * 1000:.0f} ms each on average")
+    print(
+        f"\nhelm template: {len(times)} value sets, {sum(times) / len(times) * 1000:.0f} ms each on average"
+    )
     return out
 
 
@@ -181,7 +183,7 @@ def test_iptables_mode(rendered: dict[str, Rendered]) -> None:
     assert "/run/xtables.lock" in mounts(agent)
     assert r.init_names() == ["prepare-node"], "kube-proxy's chains are the agent's own in this mode"
     assert "sysctl -w net.ipv4.conf.all.route_localnet=1" in r.container("prepare-node")["args"][0]
-    with pytest.raises(HelmError, match="cleanupKubeProxy.enabled=true needs mode=ebpf"):
+    with pytest.raises(HelmError, match=r"cleanupKubeProxy\.enabled=true needs mode=ebpf"):
         render({**VALUE_SETS["iptables"], "cleanupKubeProxy": {"enabled": True}})
 
 
@@ -206,7 +208,9 @@ def test_monitoring(rendered: dict[str, Rendered]) -> None:
     r = rendered["monitoring"]
     svc = r.one("Service")
     assert svc["spec"]["clusterIP"] == "None"
-    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 10249, "targetPort": "metrics", "protocol": "TCP"}]
+    assert svc["spec"]["ports"] == [
+        {"name": "metrics", "port": 10249, "targetPort": "metrics", "protocol": "TCP"}
+    ]
     assert svc["spec"]["selector"] == r.one("DaemonSet")["spec"]["selector"]["matchLabels"]
     sm = r.one("ServiceMonitor")
     assert sm["metadata"]["labels"]["release"] == "prometheus"
@@ -225,8 +229,8 @@ def test_monitoring(rendered: dict[str, Rendered]) -> None:
     assert len(dashboards) == 1 and dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
     shipped = (CHART / "dashboards" / "ebpf-kube-proxy.json").read_text()
     assert json.loads(dashboards[0]["data"]["ebpf-kube-proxy.json"]) == json.loads(shipped)
-    assert "metricsBindAddress: \"0.0.0.0:10249\"" in r.config_text(), "Prometheus must reach it"
-    with pytest.raises(HelmError, match="metrics.host is 127.0.0.1, which Prometheus cannot reach"):
+    assert 'metricsBindAddress: "0.0.0.0:10249"' in r.config_text(), "Prometheus must reach it"
+    with pytest.raises(HelmError, match=r"metrics\.host is 127\.0\.0\.1, which Prometheus cannot reach"):
         render({"metrics": {"host": "127.0.0.1", "service": {"enabled": True}}})
 
 
@@ -234,14 +238,18 @@ def test_nodeports_and_tuned_flags(rendered: dict[str, Rendered]) -> None:
     args = rendered["nodeports"].container("agent")["args"]
     assert "--devices=eth0,eth1" in args
     tuned = rendered["tuned"].container("agent")
-    assert {"--bpf-ct-max=1048576", "--bpf-fe-max=131072", "--bpf-snat-ports=62000-65000"} <= set(tuned["args"])
+    assert {"--bpf-ct-max=1048576", "--bpf-fe-max=131072", "--bpf-snat-ports=62000-65000"} <= set(
+        tuned["args"]
+    )
     assert tuned["args"][-1] == "--node-ip=192.168.0.11"
     assert tuned["image"] == "ebpf-kube-proxy@sha256:" + "a" * 64
 
 
 EXPECTED = {
     "default": dict(mode=Mode.EBPF, nodeport_addresses=(), metrics="127.0.0.1:10249", cidr=()),
-    "iptables": dict(mode=Mode.IPTABLES, nodeport_addresses=(), metrics="127.0.0.1:10249", cidr=("10.244.0.0/16",)),
+    "iptables": dict(
+        mode=Mode.IPTABLES, nodeport_addresses=(), metrics="127.0.0.1:10249", cidr=("10.244.0.0/16",)
+    ),
     "monitoring": dict(mode=Mode.EBPF, nodeport_addresses=(), metrics="0.0.0.0:10249", cidr=()),
     "privileged": dict(mode=Mode.EBPF, nodeport_addresses=(), metrics="127.0.0.1:10249", cidr=()),
     "nodeports": dict(
@@ -312,7 +320,15 @@ BAD_VALUES = [
     ({"iptables": {"syncPeriod": "30 seconds"}}, "syncPeriod"),
     ({"bpf": {"mapSizes": {"ct": "big"}}}, "ct"),
     ({"replaceKubeProxy": "yes"}, "replaceKubeProxy"),
-    ({"securityContext": {"privileged": True, "capabilities": {"ebpf": ["BPF"], "iptables": [], "nft": []}}}, "nft"),
+    (
+        {
+            "securityContext": {
+                "privileged": True,
+                "capabilities": {"ebpf": ["BPF"], "iptables": [], "nft": []},
+            }
+        },
+        "nft",
+    ),
 ]
 
 
