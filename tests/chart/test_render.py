@@ -339,3 +339,17 @@ def test_the_schema_rejects_typos_and_wrong_types(values: dict[str, Any], key: s
     text = str(err.value)
     assert "values don't meet the specifications of the schema" in text, text
     assert key in text, text
+
+
+def notes(*sets: str) -> str:
+    out = helm("install", "ekp", str(CHART), "--namespace", NAMESPACE, "--dry-run=client", *sets)
+    return out[out.index("NOTES:") :]
+
+
+def test_notes_warn_about_the_api_server_address_and_fit_the_mode() -> None:
+    default = notes()
+    assert "WARNING: apiServer.host is empty" in default
+    assert "cleanup-kube-proxy" in default and "agent inspect maps" in default
+    given = notes("--set", "apiServer.host=10.0.0.1", "--set", "mode=iptables")
+    assert "WARNING" not in given
+    assert "cleanup-kube-proxy" not in given and "should be gone before this" in given
