@@ -16,11 +16,15 @@ helpers) close their inherited copies at fork (`os.register_at_fork`), so only t
 holds the lock, and exec'd ones never get it (O_CLOEXEC).
 
 The lock files live under /run/ebpf-kube-proxy/ (tmpfs, gone at reboot; bpffs cannot hold regular
-files), a directory of mode 0700 owned by the agent's user: a directory another user could write
-into would let them hold our lock (and so stop the agent from starting) or unlink it. `release()`
-unlinks the file while still holding it; an acquirer that locked a file somebody unlinked in the
-meantime notices (the path no longer names its descriptor's inode) and tries again, so two agents
-can never both believe they hold the lock.
+files), a directory the agent creates with mode 0700, owned by the agent's user: a directory another
+user could write into would let them hold our lock (and so stop the agent from starting) or unlink
+it. An existing directory is refused only when group or others may write to it: the kubelet creates
+a `DirectoryOrCreate` hostPath (pkg/volume/hostpath/host_path.go, `makeDir`; the Helm chart shares
+this directory between an agent's pods, so one agent per node holds across a rolling update) with
+mode 0755, which is as safe, since the lock files themselves are 0600. `release()` unlinks the file
+while still holding it; an acquirer that locked a file somebody unlinked in the meantime notices
+(the path no longer names its descriptor's inode) and tries again, so two agents can never both
+believe they hold the lock.
 """
 
 from __future__ import annotations
@@ -147,7 +151,8 @@ def acquire(config: Config, *, lock_dir: str = LOCK_DIR) -> Lock:
 
 
 def ensure_lock_dir(lock_dir: str) -> None:
-    """Create the lock directory 0700; refuse one that is a symlink, foreign or writable by others."""
+    """Create the lock directory 0700; refuse one that is a symlink, foreign or writable by others
+    (0755, as the kubelet creates a hostPath directory, is fine)."""
     try:
         os.mkdir(lock_dir, 0o700)
     except FileExistsError:
@@ -163,8 +168,8 @@ def ensure_lock_dir(lock_dir: str) -> None:
         problem = "is not a directory (a symlink?)"
     elif st.st_uid != os.geteuid():
         problem = f"is owned by uid {st.st_uid}, not by the agent's uid {os.geteuid()}"
-    elif st.st_mode & 0o077:
-        problem = f"has mode {stat.S_IMODE(st.st_mode):04o}, open to other users"
+    elif st.st_mode & 0o022:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):04o}, writable by other users"
     if problem:
         raise FatalError(
             f"the lock directory {lock_dir} {problem}: another user could hold or remove the lock that "

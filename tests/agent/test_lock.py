@@ -111,8 +111,13 @@ def test_the_lock_directory_must_be_ours(tmp_path: Path) -> None:
     open_dir = tmp_path / "open"
     open_dir.mkdir()
     open_dir.chmod(0o777)
-    with pytest.raises(FatalError, match=r"has mode 0777, open to other users.*rm -r"):
+    with pytest.raises(FatalError, match=r"has mode 0777, writable by other users.*rm -r"):
         acquire(EBPF, lock_dir=str(open_dir))
+    group = tmp_path / "group"
+    group.mkdir()
+    group.chmod(0o770)
+    with pytest.raises(FatalError, match=r"has mode 0770, writable by other users"):
+        acquire(EBPF, lock_dir=str(group))
     link = tmp_path / "link"
     link.symlink_to(tmp_path)
     with pytest.raises(FatalError, match="is not a directory"):
@@ -123,6 +128,17 @@ def test_the_lock_directory_must_be_ours(tmp_path: Path) -> None:
         os.chown(foreign, 65534, 65534)
         with pytest.raises(FatalError, match="is owned by uid 65534"):
             acquire(EBPF, lock_dir=str(foreign))
+
+
+def test_a_hostpath_directory_made_by_the_kubelet_is_accepted(tmp_path: Path) -> None:
+    """The Helm chart mounts /run/ebpf-kube-proxy from the host (type DirectoryOrCreate, which
+    the kubelet creates 0755): readable by others, writable by nobody else, so usable."""
+    kubelet_made = tmp_path / "run-ebpf-kube-proxy"
+    kubelet_made.mkdir()
+    kubelet_made.chmod(0o755)
+    with acquire(EBPF, lock_dir=str(kubelet_made)) as lock:
+        assert len(lock.paths) == 2
+        assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in lock.paths)
 
 
 def test_a_missing_network_namespace_is_fatal(tmp_path: Path) -> None:

@@ -1,0 +1,281 @@
+"""The DaemonSet the chart renders, run for a lab node as the kubelet would run its pod.
+
+The chart is rendered with the values an operator replacing kube-proxy would give
+(`apiServer.host/port`), and the pod's containers are started from the rendered spec alone
+(tests/chart/kubelet.py): init containers first (prepare-node, cleanup-kube-proxy), each to
+completion, then the agent, with the rendered command, args and env, its capabilities, its mounts
+and the service-account token. The agent finds the API server through KUBERNETES_SERVICE_HOST
+and the pod's token and CA, exactly the in-cluster path.
+
+What differs from a real node, and why:
+* the API server is the fake one (tests/fakeapi, TLS, bearer token), listening on 127.0.0.1 inside
+  the node's network namespace, so `apiServer.host=127.0.0.1` and its port are the values given;
+  nothing is attached to the machine's own interfaces;
+* hostPath sources are substituted as a kubelet on another machine would see them: /sys/fs/bpf
+  is a per-test bpffs (so pins never touch the machine's), /run/ebpf-kube-proxy a per-test
+  directory made 0755 as the kubelet makes it; /run/xtables.lock, /lib/modules and /usr/src are
+  the machine's own;
+* the image's filesystem is the machine's, with the repository's virtualenv first on PATH.
+No flag, value or environment variable differs from what the pod gets; there is no `--netns`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.chart import kubelet
+from tests.chart.render import NAMESPACE, REPO, Rendered, render
+from tests.fakeapi import FakeApiServer
+from tests.fakeapi.objects import endpoint_slice, node, service
+from tests.lab import Lab, in_netns
+from tests.lab.core import Node
+from tests.traffic.harness import CLIENT
+
+pytestmark = pytest.mark.kernel
+
+TOKEN = "chart-lab-token"
+VIP = "10.96.0.10"
+VIP2 = "10.96.0.11"
+HEALTHZ_PORT = 10256
+METRICS_PORT = 10249
+IMAGE_ENV = {
+    "PATH": f"{REPO / '.venv' / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "EKP_BPF_DIR": str(REPO / "bpf"),
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+@dataclass
+class PodRun:
+    """One lab node running the rendered pod."""
+
+    lab: Lab
+    node: Node
+    api: FakeApiServer
+    rendered: Rendered
+    bpffs: Path
+    lock_dir: Path
+    workdir: Path
+    agent: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    def launch(self, name: str, extra_args: tuple[str, ...] = ()) -> kubelet.Launch:
+        container = self.rendered.container(name)
+        container["args"] = [*container.get("args", []), *extra_args]
+        return kubelet.launch(
+            self.rendered.pod,
+            container,
+            pod=kubelet.PodFacts(node_name=self.node.name, host_ip=self.node.ip, namespace=NAMESPACE),
+            netns=self.node.ns,
+            workdir=self.workdir / f"{name}-{self.starts}",
+            hostpaths={"/sys/fs/bpf": str(self.bpffs), "/run/ebpf-kube-proxy": str(self.lock_dir)},
+            config_maps={self.rendered.config_map["metadata"]["name"]: self.rendered.config_map["data"]},
+            service_account={
+                "token": TOKEN.encode(),
+                "ca.crt": self.api.ca_path.read_bytes(),
+                "namespace": NAMESPACE.encode(),
+            },
+            image_env=IMAGE_ENV,
+        )
+
+    def run_init_containers(self) -> dict[str, str]:
+        """Each init container to completion, in order, as the kubelet does; their output."""
+        out = {}
+        for name in self.rendered.init_names():
+            res = subprocess.run(
+                self.launch(name).argv, capture_output=True, text=True, timeout=120, check=False
+            )
+            assert res.returncode == 0, (
+                f"init container {name} exited {res.returncode}:\n{res.stdout}{res.stderr}"
+            )
+            out[name] = res.stdout + res.stderr
+        return out
+
+    def start(self) -> None:
+        self.starts += 1
+        self.run_init_containers()
+        self.agent = self.lab.popen(None, *self.launch("agent").argv, name="agent", cgroup=self.node.cgroup)
+
+    def log(self) -> str:
+        assert self.agent is not None
+        return self.lab.log_of(self.agent)
+
+    def wait_synced(self, timeout: float = 90.0) -> None:
+        """Until this run of the agent logged a completed sync."""
+        assert self.agent is not None
+        deadline = time.monotonic() + timeout
+        while "sync done" not in self.log():
+            assert self.agent.poll() is None, f"agent exited {self.agent.returncode}:\n{self.log()}"
+            assert time.monotonic() < deadline, f"no sync in {timeout}s:\n{self.log()}"
+            time.sleep(0.1)
+
+    def get(self, port: int, path: str) -> tuple[int, bytes]:
+        return self.lab.http_fetch(
+            self.node, self.node.ip if port == HEALTHZ_PORT else "127.0.0.1", port, path
+        )
+
+
+def wait_for(what: str, check: Any, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except OSError as exc:
+            last = exc
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not within {timeout}s (last: {last!r})")
+
+
+@pytest.fixture(scope="module")
+def pod(kernel_required: None) -> Iterator[PodRun]:
+    bpffs = Path(tempfile.mkdtemp(prefix="ekp-chart-bpffs-"))
+    subprocess.run(["mount", "-t", "bpf", "bpf", str(bpffs)], check=True)
+    try:
+        with Lab(nodes=1, pods_per_node=2) as lab:
+            lab.start_podservers()
+            n = lab.nodes[0]
+            # What a kube-proxy that ran here would have left: the init container must remove it.
+            lab.run(n, "iptables-legacy", "-t", "nat", "-N", "KUBE-SERVICES")
+            lab.run(n, "iptables-legacy", "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES")
+            api = FakeApiServer(tls=True, tokens=(TOKEN,), bookmark_interval_s=5.0)
+            in_netns(n.ns, api.start)  # listens on 127.0.0.1 of the node's namespace
+            try:
+                api.create(node(n.name, n.ip))
+                api.create(service("web", VIP))
+                api.create(endpoint_slice("web", [lab.pod("pod-1-2").ip], node=n.name))
+                assert lab.tmpdir is not None
+                values = {"apiServer": {"host": "127.0.0.1", "port": api.port}}
+                run = PodRun(
+                    lab,
+                    n,
+                    api,
+                    render(values),
+                    bpffs,
+                    lab.tmpdir / "host-run-ebpf-kube-proxy",
+                    lab.tmpdir / "pod",
+                )
+                yield run
+                if run.agent is not None and run.agent.poll() is None:
+                    assert lab.stop(run.agent, timeout=30) == 0, run.log()
+            finally:
+                api.stop()
+    finally:
+        subprocess.run(["umount", str(bpffs)], check=False)
+        os.rmdir(bpffs)
+
+
+def test_the_rendered_pod_starts_answers_its_probes_and_serves(pod: PodRun) -> None:
+    started = time.monotonic()
+    init = pod.run_init_containers()
+    assert list(init) == ["prepare-node", "cleanup-kube-proxy"]
+    ruleset = pod.lab.run(pod.node, "iptables-legacy-save", "-t", "nat").stdout
+    assert "KUBE-SERVICES" not in ruleset, "cleanup-kube-proxy removed kube-proxy's leftovers"
+    pod.starts += 1
+    pod.agent = pod.lab.popen(None, *pod.launch("agent").argv, name="agent", cgroup=pod.node.cgroup)
+    pod.wait_synced()
+    log = pod.log()
+    assert "API server https://127.0.0.1:" in log and "(bearer token)" in log, log
+    assert f"node={pod.node.name}" in log, "--hostname-override came from spec.nodeName"
+    print(f"\nrendered pod: init containers + first sync in {time.monotonic() - started:.1f}s")
+
+    agent = pod.rendered.container("agent")
+    for probe, path in (("livenessProbe", "/livez"), ("readinessProbe", "/healthz")):
+        assert agent[probe]["httpGet"]["path"] == path
+        status, body = pod.get(HEALTHZ_PORT, path)
+        assert status == 200, (path, status, body)
+        assert json.loads(body)["healthy"] is True
+
+    assert pod.lab.http_get("pod-1-1", VIP, 80).strip() == "pod-1-2"
+    # A Service created after the agent started reaches the data path through the watch.
+    pod.api.create(service("api", VIP2, ports=(("http", 8080, 8080),)))
+    pod.api.create(endpoint_slice("api", [pod.lab.pod("pod-1-2").ip], node=pod.node.name))
+    wait_for("the new Service answers", lambda: pod.lab.http_get("pod-1-1", VIP2, 8080).strip() == "pod-1-2")
+
+    status, text = pod.get(METRICS_PORT, "/metrics")
+    assert status == 200
+    assert b"kubeproxy_sync_proxy_rules_duration_seconds_bucket" in text
+    assert b'ekp_bpf_map_up{map="ekp_fe_v1"} 1' in text
+    pins = os.listdir(pod.bpffs / "ebpf-kube-proxy")
+    assert "ekp_fe_v1" in pins, pins
+    assert os.listdir(pod.lock_dir), "the node lock lives in the host directory the pods share"
+
+
+def test_rolling_update_keeps_clusterip_traffic_flowing(pod: PodRun) -> None:
+    """SIGTERM the pod's agent, start a new pod from the same spec (init containers included),
+    while a client in a lab pod opens a new connection to the ClusterIP per request."""
+    assert pod.agent is not None and pod.agent.poll() is None, "runs after the test above"
+    assert pod.lab.tmpdir is not None
+    stop_file = pod.lab.tmpdir / "loop.stop"
+    ready_file = pod.lab.tmpdir / "loop.ready"
+    out_path = pod.lab.tmpdir / "loop.json"
+    with open(out_path, "wb") as out:
+        client = pod.lab.popen(
+            "pod-1-1",
+            sys.executable,
+            CLIENT,
+            "loop",
+            "--url",
+            f"http://{VIP}/",
+            "--stop-file",
+            str(stop_file),
+            "--ready-file",
+            str(ready_file),
+            "--max-s",
+            "120",
+            "--timeout",
+            "2",
+            "--interval",
+            "0.01",
+            name="loop",
+            stdout=out,
+        )
+    wait_for("the client loop answering", ready_file.exists)
+    time.sleep(1.0)
+    old = pod.agent
+    stopped = time.monotonic()
+    assert pod.lab.stop(old, timeout=30) == 0, "SIGTERM ends the agent cleanly"
+    down_s = time.monotonic() - stopped
+    time.sleep(2.0)  # the node without an agent for a moment, as between two pods
+    pod.start()
+    pod.wait_synced()
+    time.sleep(2.0)
+    stop_file.touch()
+    assert client.wait(timeout=30) == 0
+    result = json.loads(out_path.read_text())
+    print(
+        f"\nrolling update: {result['ok'] + result['errors']} requests in {result['seconds']}s, "
+        f"{result['errors']} failed (agent stopped in {down_s:.2f}s, new pod synced)"
+    )
+    assert result["ok"] > 100, result
+    assert result["errors"] == 0, result
+    assert set(result["bodies"]) == {"pod-1-2"}, result
+    new_log = pod.log()
+    assert "already running" not in new_log
+
+
+def test_the_rendered_command_with_cleanup_removes_everything(pod: PodRun) -> None:
+    """`agent --cleanup` with the pod's own flags (the roll-back step) leaves no pin behind."""
+    if pod.agent is not None and pod.agent.poll() is None:
+        assert pod.lab.stop(pod.agent, timeout=30) == 0
+    res = subprocess.run(
+        pod.launch("agent", ("--cleanup",)).argv, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not (pod.bpffs / "ebpf-kube-proxy").exists()
+    with pytest.raises(OSError):
+        pod.lab.http_fetch("pod-1-1", VIP, 80, timeout=1.0)
