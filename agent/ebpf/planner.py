@@ -780,8 +780,14 @@ class Planner:
 
     def _delete_safe(self, maps: Mapping[str, RawMap], result: FlushResult, *, late: bool) -> None:
         for role in DELETE_ORDER:
-            candidates = (self.dirty[role] - self.desired[role].keys()) & self.written[role].keys()
-            keys = [k for k in candidates if self._deletable(role, k, late)]
+            desired, written = self.desired[role], self.written[role]
+            # Walk the dirty keys (a few after one change), never the maps: `set - dict.keys()`
+            # would iterate every key of the dict.
+            keys = [
+                k
+                for k in self.dirty[role]
+                if k not in desired and k in written and self._deletable(role, k, late)
+            ]
             if not keys:
                 continue
             maps[role].delete_raw(list(starmap(KEYS[role].struct.pack, keys)))
