@@ -896,10 +896,11 @@ def _bump(counter: dict[int, int], key: int, sign: int) -> None:
         counter.pop(key, None)
 
 
-def decode(role: str, entries: Iterable[tuple[bytes, bytes]]) -> list[tuple[Key, Value]]:
-    """Raw (key, value) bytes of a map dump as codec tuples."""
-    kc, vc = KEYS[role], VALUES[role]
-    return [(kc.unpack(k), vc.unpack(v)) for k, v in entries]
+def decode(role: str, keys: bytes, values: bytes) -> list[tuple[Key, Value]]:
+    """A map dump (every key, every value, each concatenated: `dump_raw`) as codec tuples."""
+    return list(
+        zip(KEYS[role].struct.iter_unpack(keys), VALUES[role].struct.iter_unpack(values), strict=True)
+    )
 
 
 def as_ctypes(role: str, entries: Mapping[Key, Value]) -> dict[Any, Any]:

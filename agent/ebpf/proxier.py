@@ -215,7 +215,7 @@ class EbpfProxier:
         return datapath
 
     def _dump(self, maps: Mapping[str, MapWriter], first: bool) -> dict[str, list[tuple[Key, Value]]]:
-        dump = {role: decode(role, maps[role].items_raw()) for role in ROLES if role in maps}
+        dump = {role: decode(role, *maps[role].dump_raw()) for role in ROLES if role in maps}
         if first:
             value = maps["cfg"].lookup(CFG_KEY)
             self._cfg_written = VALUES["cfg"].of_ctype(value) if value is not None else None

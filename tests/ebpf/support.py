@@ -120,7 +120,7 @@ class PlanRig:
         return read_contents(self.maps)
 
     def dump(self) -> dict[str, list[tuple[Any, Any]]]:
-        return {role: decode(role, m.items_raw()) for role, m in self.maps.items()}
+        return {role: decode(role, *m.dump_raw()) for role, m in self.maps.items()}
 
     def restart(self) -> None:
         """A new planner (a restarted agent) over the same maps."""
