@@ -3,13 +3,17 @@
 PY := .venv/bin/python
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup demo test unit kernel lint golden bench clean-lab cleanup
+.PHONY: setup demo demo-api test unit kernel lint golden bench clean-lab cleanup
 
 setup:
 	@bash scripts/setup.sh
 
 demo: setup
 	$(PY) -m tests.demo
+
+# The agent following a (fake) API server: create, scale, watch faults, health, metrics, Events.
+demo-api: setup
+	$(PY) -m tests.demo_api
 
 test: setup lint
 	$(PY) -m pytest -q tests
