@@ -3,14 +3,15 @@
 Pure. The order is what keeps a packet from ever seeing a half-written service (Katran's and
 Cilium's rule: write what is pointed at before what points at it, unlink before deleting):
 
-1. backends, reverse-NAT entries and source ranges that are new or changed;
+1. backends, their membership, reverse-NAT entries and source ranges that are new or changed;
 2. slots that are new or changed (a set that grows gets its new slots before its count grows;
    a slot whose backend changes points at a backend written in step 1);
 3. frontends that are new or changed (counts grow after their slots exist, shrink before the
    slots beyond them go; a frontend moving to another set finds that set complete);
 4. frontends that are gone;
 5. slots that are gone (beyond the new counts, or of sets no frontend uses any more);
-6. source ranges that are gone;
+6. membership and source ranges that are gone (a backend that left a service port stops
+   being honoured by affinity and UDP flows once no slot holds it);
 7. reverse-NAT entries that are gone (no frontend points at them after step 4);
 8. backends that are gone (no slot points at them after step 5).
 
@@ -63,12 +64,14 @@ def diff(old: MapContents, new: MapContents) -> list[Op]:
     """The ordered, batched writes that make maps holding `old` hold `new`."""
     steps: list[tuple[str, OpKind, list[tuple[Any, Any]]]] = [
         ("be", OpKind.UPDATE, _updates(old.be, new.be)),
+        ("member", OpKind.UPDATE, _updates(old.member, new.member)),
         ("rnat", OpKind.UPDATE, _updates(old.rnat, new.rnat)),
         ("srcr", OpKind.UPDATE, _updates(old.srcr, new.srcr)),
         ("slot", OpKind.UPDATE, _updates(old.slot, new.slot)),
         ("fe", OpKind.UPDATE, _updates(old.fe, new.fe)),
         ("fe", OpKind.DELETE, _deletes(old.fe, new.fe)),
         ("slot", OpKind.DELETE, _deletes(old.slot, new.slot)),
+        ("member", OpKind.DELETE, _deletes(old.member, new.member)),
         ("srcr", OpKind.DELETE, _deletes(old.srcr, new.srcr)),
         ("rnat", OpKind.DELETE, _deletes(old.rnat, new.rnat)),
         ("be", OpKind.DELETE, _deletes(old.be, new.be)),

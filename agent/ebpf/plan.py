@@ -23,9 +23,17 @@ What the entries say (the data path's contract, see bpf/ekp_abi.h):
   - loadBalancerSourceRanges: SOURCE_RANGES on the load-balancer frontends of both scopes
     (kube-proxy's KUBE-FW chain sees pod traffic too) and one `srcr` entry per CIDR; like
     kube-proxy, a range holding the node's address also admits the LB IP itself as a source.
+* Every service port has a `svc_id`, carried by all its frontends: the data path checks
+  membership `{svc_id, backend_id} -> CLUSTER|LOCAL` (one `member` entry per backend of the
+  port's sets) before it honours an affinity entry or moves a UDP flow, and keys affinity by
+  (client, svc_id), so affinity spans every frontend of the port as kube-proxy's does.
+* External frontends with ETP Cluster masquerade toward every backend (SNAT_ALL, kube-proxy's
+  KUBE-MARK-MASQ), or only toward remote ones (SNAT_REMOTE) with
+  `--bpf-keep-client-ip-for-local-backends`.
 * Ids are stable. A set keeps the id of the frontend that used it (matched by frontend key and
-  the LOCAL flag), a backend the id its (ip, port, proto) had, a reverse-NAT entry the id its
-  frontend (addr, port, proto) pointed at. Fresh ids never reuse an id the previous contents
+  the LOCAL flag), a service port the svc_id any of its frontends had, a backend the id its
+  (ip, port, proto) had, a reverse-NAT entry the id its frontend (addr, port, proto) pointed at.
+  Fresh ids never reuse an id the previous contents
   hold (so no live frontend or slot ever points at a reused id mid-update) and count up from the
   high-water mark, wrapping to the lowest free id only at the field's limit, so conntrack and
   affinity entries of a just-removed service do not meet a new one under the same id.
@@ -51,6 +59,9 @@ from agent.ebpf.abi import (
     Frontend,
     FrontendFlag,
     FrontendKey,
+    Member,
+    MemberFlag,
+    MemberKey,
     RevNat,
     RevNatKey,
     Scope,
@@ -69,20 +80,28 @@ RevNatId = NewType("RevNatId", int)
 
 SetKind = Literal["cluster", "local"]
 
-# Conntrack timeouts written to cfg[0]. TCP: kube-proxy's --conntrack-tcp-timeout-established
-# default (24h); UDP: the kernel's nf_conntrack_udp_timeout_stream (kube-proxy leaves it); closing:
-# a short grace after FIN/RST.
-TCP_TIMEOUT_S = 86400
-UDP_TIMEOUT_S = 120
-CLOSING_TIMEOUT_S = 10
+# Conntrack timeouts of the config entry that kube-proxy's settings do not cover, or cover with 0
+# ("leave the kernel's value"): the kernel's defaults (nf_conntrack_udp_timeout 30 s,
+# nf_conntrack_udp_timeout_stream 120 s) and Cilium's for the TCP states kube-proxy leaves alone
+# (CT_SYN_TIMEOUT 60 s for a handshake not completed, CT_CLOSE_TIMEOUT 10 s after a RST or FINs
+# both ways).
+TCP_SYN_TIMEOUT_S = 60
+TCP_CLOSED_TIMEOUT_S = 10
+UDP_TIMEOUT_S = 30
+UDP_STREAM_TIMEOUT_S = 120
+# ICMP rejects per second and burst, per CPU: the kernel's net.ipv4.icmp_msgs_per_sec and
+# icmp_msgs_burst defaults (its global limit on the ICMP errors a node sends).
+ICMP_RATE = 1000
+ICMP_BURST = 50
 
 # Largest id each field can carry (ekp_frontend.rev_nat_id is a __u16).
+SVC_ID_MAX = 0xFFFFFFFF
 SET_ID_MAX = 0xFFFFFFFF
 BACKEND_ID_MAX = 0xFFFFFFFF
 REVNAT_ID_MAX = 0xFFFF
 
 # The map roles MapContents holds, in the order they are rendered.
-ROLES = ("fe", "slot", "be", "rnat", "srcr")
+ROLES = ("fe", "slot", "be", "rnat", "member", "srcr")
 
 
 class PlanError(RuntimeError):
@@ -96,6 +115,7 @@ class HighWater:
     set_id: int = 0
     backend_id: int = 0
     rev_nat_id: int = 0
+    svc_id: int = 0
 
 
 @dataclass
@@ -111,13 +131,14 @@ class MapContents:
     slot: dict[SlotKey, Slot] = field(default_factory=dict)
     be: dict[BackendKey, Backend] = field(default_factory=dict)
     rnat: dict[RevNatKey, RevNat] = field(default_factory=dict)
+    member: dict[MemberKey, Member] = field(default_factory=dict)
     srcr: dict[SrcRangeKey, SrcRange] = field(default_factory=dict)
     cfg: abi.Config | None = None
     high: HighWater = field(default_factory=HighWater)
     fe_names: dict[FrontendKey, str] = field(default_factory=dict)
 
     def table(self, role: str) -> dict[Any, Any]:
-        """The entries of one map role ("fe", "slot", "be", "rnat" or "srcr")."""
+        """The entries of one map role ("fe", "slot", "be", "rnat", "member" or "srcr")."""
         if role not in ROLES:
             raise KeyError(role)
         table: dict[Any, Any] = getattr(self, role)
@@ -130,6 +151,7 @@ class MapContents:
             slot=dict(self.slot),
             be=dict(self.be),
             rnat=dict(self.rnat),
+            member=dict(self.member),
             srcr=dict(self.srcr),
             fe_names=dict(self.fe_names),
         )
@@ -162,6 +184,7 @@ def read_contents(maps: Mapping[str, MapReader], cfg: abi.Config | None = None) 
         set_id=max([k.set_id for k in out.slot] + [v.set_id for v in out.fe.values()], default=0),
         backend_id=max([k.id for k in out.be] + [v.backend_id for v in out.slot.values()], default=0),
         rev_nat_id=max([k.id for k in out.rnat] + [v.rev_nat_id for v in out.fe.values()], default=0),
+        svc_id=max([v.svc_id for v in out.fe.values()] + [k.svc_id for k in out.member], default=0),
     )
     return out
 
@@ -173,17 +196,30 @@ def copy_struct(value: Any) -> Any:
 
 
 def config_entry(node: NodeContext, config: Config) -> abi.Config:
-    """cfg[0]: the node's SNAT source, the SNAT port range and conntrack timeouts."""
+    """The config entry: the node's SNAT source, the SNAT port range, the conntrack timeouts (kube-
+    proxy's conntrack settings where they say something, as iptables mode applies them to
+    nf_conntrack) and the reject rate limit."""
     lo, hi = config.snat_ports
+    ct = config.conntrack
     return abi.Config(
         node_addr=ip_be(node.primary_ip) if node.primary_ip else 0,
         snat_port_min=lo,
         snat_port_max=hi,
-        tcp_timeout_s=TCP_TIMEOUT_S,
-        udp_timeout_s=UDP_TIMEOUT_S,
-        closing_timeout_s=CLOSING_TIMEOUT_S,
+        tcp_established_s=_seconds(ct.tcp_established_timeout_s, 86400),
+        tcp_close_wait_s=_seconds(ct.tcp_close_wait_timeout_s, 3600),
+        tcp_syn_s=TCP_SYN_TIMEOUT_S,
+        tcp_closed_s=TCP_CLOSED_TIMEOUT_S,
+        udp_s=_seconds(ct.udp_timeout_s, UDP_TIMEOUT_S),
+        udp_stream_s=_seconds(ct.udp_stream_timeout_s, UDP_STREAM_TIMEOUT_S),
+        icmp_rate=ICMP_RATE,
+        icmp_burst=ICMP_BURST,
         flags=0,
     )
+
+
+def _seconds(value: float, default: int) -> int:
+    """A kube-proxy timeout in whole seconds; 0 ("leave it") becomes the default."""
+    return max(1, round(value)) if value > 0 else default
 
 
 # ---------------------------------------------------------------------------------- ids
@@ -256,8 +292,9 @@ def _frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[_Fe]:
     # ClusterIP: the internal traffic policy, whatever the scope.
     kind: SetKind = "local" if sp.internal_policy_local else "cluster"
     local = int(FrontendFlag.LOCAL) if kind == "local" else 0
-    snat_int = int(FrontendFlag.SNAT_REMOTE) if config.masquerade_all else 0
-    snat_ext = int(FrontendFlag.SNAT_REMOTE) if config.masquerade_all or config.cluster_cidr else 0
+    # kube-proxy's KUBE-MARK-MASQ for the cluster IP masquerades whatever the backend.
+    snat_int = int(FrontendFlag.SNAT_ALL) if config.masquerade_all else 0
+    snat_ext = int(FrontendFlag.SNAT_ALL) if config.masquerade_all or config.cluster_cidr else 0
     rnat = (sp.cluster_ip, sp.port, proto)
     for scope, snat in ((Scope.EXTERNAL, snat_ext), (Scope.INTERNAL, snat_int)):
         out.append(
@@ -281,8 +318,11 @@ def _frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[_Fe]:
             ext_kind: SetKind = "local"
             ext_flags = base | what | FrontendFlag.LOCAL
         else:
+            # ETP Cluster: kube-proxy masquerades all of it (KUBE-EXT-* -> KUBE-MARK-MASQ); keeping
+            # the client's address toward local backends is an explicit choice.
             ext_kind = "cluster"
-            ext_flags = base | what | FrontendFlag.SNAT_REMOTE
+            masq = FrontendFlag.SNAT_REMOTE if config.bpf_keep_client_ip_local else FrontendFlag.SNAT_ALL
+            ext_flags = base | what | masq
         out.append(_Fe(_key(addr, port, proto, Scope.EXTERNAL), sp.name, ext_kind, ext_flags, affinity, rnat))
         out.append(
             _Fe(_key(addr, port, proto, Scope.INTERNAL), sp.name, "cluster", base | what, affinity, rnat)
@@ -338,9 +378,10 @@ def plan(
     backends, be_high = _backend_ids(set_order, sets, prev)
     set_id, set_high = _set_ids(set_order, fes, prev)
     rnat_id, rnat_high = _rev_nat_ids(fes, prev)
+    svc_id, svc_high = _svc_ids(fes, prev)
 
     out = MapContents(cfg=config_entry(node, config))
-    out.high = HighWater(set_id=set_high, backend_id=be_high, rev_nat_id=rnat_high)
+    out.high = HighWater(set_id=set_high, backend_id=be_high, rev_nat_id=rnat_high, svc_id=svc_high)
     for (addr, port, proto), (bid, flags) in backends.items():
         out.be[BackendKey(id=bid)] = Backend(addr=addr, port=port, proto=proto, flags=flags)
 
@@ -355,6 +396,7 @@ def plan(
         for pos, bid in _layout(members, prev_slots.get(sid, {})).items():
             out.slot[SlotKey(set_id=sid, slot=pos)] = Slot(backend_id=bid)
         counts[ref] = len(members)
+        _add_members(out, svc_id[ref[0]], ref[1], members)
 
     by_name = {sp.name: sp for sp in ports}
     for fe in fes.values():
@@ -366,7 +408,12 @@ def plan(
                 flags |= FrontendFlag.NO_ENDPOINTS
         rid = rnat_id[fe.rnat]
         out.fe[fe.key] = Frontend(
-            set_id=set_id[ref], count=counts[ref], flags=flags, affinity_timeout=fe.affinity, rev_nat_id=rid
+            svc_id=svc_id[fe.spn],
+            set_id=set_id[ref],
+            count=counts[ref],
+            flags=flags,
+            affinity_timeout=fe.affinity,
+            rev_nat_id=rid,
         )
         out.fe_names[fe.key] = str(fe.spn)
         fe_addr, fe_port, _ = fe.rnat
@@ -442,6 +489,38 @@ def _set_ids(
                 chosen = old.set_id
                 break
         out[ref] = chosen or ids.fresh()
+    return out, ids.high
+
+
+def _add_members(out: MapContents, sid: int, kind: SetKind, members: list[int]) -> None:
+    """member {svc_id, backend} -> the sets of the service port that hold the backend."""
+    bit = int(MemberFlag.LOCAL if kind == "local" else MemberFlag.CLUSTER)
+    for bid in members:
+        key = MemberKey(svc_id=sid, backend_id=bid)
+        held = out.member.get(key)
+        out.member[key] = Member(flags=(held.flags if held is not None else 0) | bit)
+
+
+def _svc_ids(fes: Mapping[FrontendKey, _Fe], prev: MapContents) -> tuple[dict[ServicePortName, int], int]:
+    """Service-port ids, re-adopted through the frontends that carried them (any of the port's)."""
+    ids = _Ids(
+        [v.svc_id for v in prev.fe.values()] + [k.svc_id for k in prev.member],
+        prev.high.svc_id,
+        SVC_ID_MAX,
+        "service port",
+    )
+    users: dict[ServicePortName, list[FrontendKey]] = {}
+    for fe in fes.values():
+        users.setdefault(fe.spn, []).append(fe.key)
+    out: dict[ServicePortName, int] = {}
+    for spn in sorted(users, key=lambda n: (str(n), n.protocol)):
+        chosen = 0
+        for fkey in sorted(users[spn], key=bytes):
+            old = prev.fe.get(fkey)
+            if old is not None and old.svc_id and ids.claim(old.svc_id):
+                chosen = old.svc_id
+                break
+        out[spn] = chosen or ids.fresh()
     return out, ids.high
 
 

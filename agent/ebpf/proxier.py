@@ -3,12 +3,16 @@
 Lifecycle (kube-proxy's contract, agent/proxier.py):
 
 * The constructor only remembers its arguments.
-* The first `sync` loads the data path (bcc compiles bpf/ekp_tc.c; maps are pinned under
-  Config.pin_path and reused when they exist), removes pins of other ABI versions, dumps the
-  service maps as the "previous" contents so ids are re-adopted and only differences are written
-  (stale entries are pruned: the caller only syncs complete states), writes cfg[0], applies the
-  delta, sets the sysctls it needs in Config.netns, attaches the programs (replacing older ones
-  atomically) and starts the pod-device watcher. Conntrack and affinity are never flushed.
+* The first `sync` checks the SNAT port range against the NodePort range and the node's local
+  port range (a FatalError naming both), loads the data path (bcc compiles bpf/ekp_tc.c; maps
+  are pinned under Config.pin_path and reused when they exist; the conntrack tables keep the
+  size they were pinned with), dumps the service maps as the "previous" contents so ids are
+  re-adopted and only differences are written (stale entries are pruned: the caller only syncs
+  complete states), writes the config entry (double-buffered, agent.ebpf.maps.write_config),
+  applies the delta, sets the sysctls it needs in Config.netns, carries the conntrack of an ABI v1
+  agent over (agent/ebpf/upgrade.py), attaches the programs (replacing older ones atomically),
+  carries over what the old programs added meanwhile, removes pins of other ABI versions and
+  starts the pod-device watcher. Conntrack and affinity are never flushed.
 * Later syncs plan against the contents last written (kept in memory) and write the delta only.
   When a write fails, what the maps hold is no longer known: the next sync dumps them again.
 * Stopping the agent removes nothing: `close()` only stops the watcher and lets the fds go;
@@ -35,15 +39,19 @@ from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.delta import apply_op, diff, summary, write_op
-from agent.ebpf.maps import MapWriter
-from agent.ebpf.plan import MapContents, plan, read_contents
+from agent.ebpf.maps import MapWriter, read_config, write_config
+from agent.ebpf.plan import ROLES, MapContents, plan, read_contents
+from agent.ebpf.ports import parse_port_range, snat_ports_problem
+from agent.ebpf.upgrade import Upgrade
+from agent.errors import FatalError
 from agent.model.types import ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
 
 log = logging.getLogger(__name__)
 
-SERVICE_ROLES = ("fe", "slot", "be", "rnat", "srcr")
+SERVICE_ROLES = ROLES
+LOCAL_PORT_RANGE = "net/ipv4/ip_local_port_range"
 
 # sysctl (as a /proc/sys path) -> (value, why); set in Config.netns at the first sync.
 SYSCTLS: dict[str, tuple[str, str]] = {
@@ -64,6 +72,14 @@ class DatapathLike(Protocol):
     def close(self) -> None: ...
 
 
+class UpgradeLike(Protocol):
+    """agent.ebpf.upgrade.Upgrade: the conntrack of an older ABI carried over around the first attach."""
+
+    def before_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
+
+    def after_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
+
+
 class AttacherLike(Protocol):
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None: ...
 
@@ -82,6 +98,17 @@ def default_datapath(pin_path: str, sizes: MapSizes) -> DatapathLike:
     return datapath
 
 
+def default_pinned_sizes(pin_path: str) -> dict[str, int]:
+    from agent.ebpf.loader import pinned_sizes
+
+    return pinned_sizes(pin_path)
+
+
+def read_sysctl(netns: str, path: str) -> str:
+    """/proc/sys/`path` in `netns`."""
+    return run_in_netns(netns, lambda: (Path("/proc/sys") / path).read_text().strip())
+
+
 def default_attacher(config: Config, prog_fds: Mapping[str, int]) -> AttacherLike:
     return Attacher(config, prog_fds)
 
@@ -97,11 +124,17 @@ class EbpfProxier:
         datapath_factory: Callable[[str, MapSizes], DatapathLike] = default_datapath,
         attacher_factory: Callable[[Config, Mapping[str, int]], AttacherLike] = default_attacher,
         sysctl_writer: Callable[[str, str, str], str | None] | None = None,
+        sysctl_reader: Callable[[str, str], str] = read_sysctl,
+        sizes_reader: Callable[[str], dict[str, int]] = default_pinned_sizes,
+        upgrade_factory: Callable[[str], UpgradeLike] = Upgrade,
     ) -> None:
         self._config = config
         self._datapath_factory = datapath_factory
         self._attacher_factory = attacher_factory
         self._sysctl_writer = sysctl_writer or write_sysctl
+        self._sysctl_reader = sysctl_reader
+        self._sizes_reader = sizes_reader
+        self._upgrade = upgrade_factory(config.pin_path)
         self._lock = threading.Lock()
         self._datapath: DatapathLike | None = None
         self._attacher: AttacherLike | None = None
@@ -124,7 +157,7 @@ class EbpfProxier:
             desired = plan(state, node, self._config, previous)
 
             if desired.cfg is not None and previous.cfg != desired.cfg:
-                maps["cfg"].update(CFG_KEY, desired.cfg)
+                write_config(maps, desired.cfg)
             ops = diff(previous, desired)
             written = previous.copy()
             self._written = None  # unknown until every op went through
@@ -180,22 +213,34 @@ class EbpfProxier:
         if self._datapath is not None:
             return self._datapath
         pin_path = self._config.pin_path
+        self._check_snat_ports()
         self._set_sysctls()
-        datapath = self._datapath_factory(pin_path, self._config.map_sizes)
+        sizes = self._config.map_sizes.with_conntrack(
+            self._config.conntrack, os.cpu_count() or 1, self._sizes_reader(pin_path)
+        )
+        datapath = self._datapath_factory(pin_path, sizes)
         datapath.load()
-        stale = remove_stale_pins(pin_path)
-        if stale:
-            log.info("removed pins of other ABI versions: %s", ",".join(stale))
         self._datapath = datapath
         self._written = None
         return datapath
 
-    def _dump(self, maps: Mapping[str, MapWriter]) -> MapContents:
-        cfg: abi.Config | None = None
+    def _check_snat_ports(self) -> None:
+        """FatalError when --bpf-snat-ports overlaps the NodePorts or the node's local ports."""
+        netns = self._config.netns
+        text = self._sysctl_reader(netns, LOCAL_PORT_RANGE)
         try:
-            value = maps["cfg"].lookup(CFG_KEY)
-            if isinstance(value, abi.Config) and any(value.values()):
-                cfg = value
+            local = parse_port_range(text)
+        except ValueError as exc:
+            raise FatalError(
+                f"cannot read net.ipv4.ip_local_port_range in netns {netns or '(own)'}: {text!r}"
+            ) from exc
+        problem = snat_ports_problem(self._config.snat_ports, self._config.nodeport_range, local, netns)
+        if problem:
+            raise FatalError(problem)
+
+    def _dump(self, maps: Mapping[str, MapWriter]) -> MapContents:
+        try:
+            cfg = read_config(maps)
         except KeyError:
             cfg = None
         contents = read_contents({role: maps[role] for role in SERVICE_ROLES if role in maps}, cfg)
@@ -210,6 +255,9 @@ class EbpfProxier:
         return contents
 
     def _attach(self, datapath: DatapathLike, node: NodeContext, *, full: bool) -> None:
+        first = not self._attached_once
+        if first:
+            self._upgrade.before_attach(datapath.maps)
         if self._attacher is None:
             fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD)}
             self._attacher = self._attacher_factory(self._config, fds)
@@ -223,7 +271,11 @@ class EbpfProxier:
         self._attacher.reconcile(node, full=full, verify=verify)
         if full or verify:
             self._verified_at = now
-        if not self._attached_once:
+        if first:
+            self._upgrade.after_attach(datapath.maps)
+            stale = remove_stale_pins(self._config.pin_path)
+            if stale:
+                log.info("removed pins of other ABI versions: %s", ",".join(stale))
             self._attacher.start_watcher()
             self._attached_once = True
 
@@ -311,7 +363,7 @@ def remove_pins(pin_path: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- inspect
 
-INSPECT_SECTIONS = ("services", "ct", "aff", "stats")
+INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity")
 
 
 def render_live_maps(
@@ -323,6 +375,7 @@ def render_live_maps(
     node can be diffed against a plan; `ct`, `aff` and `stats` print conntrack, affinity and the
     counters. Opens the pins read-only in effect (nothing is written); needs no compiler.
     """
+    from agent.ebpf.capacity import read_fill, render_capacity
     from agent.ebpf.maps import BpfMap, read_stats
     from agent.ebpf.render import render_affinity, render_conntrack, render_contents, render_stats
 
@@ -330,10 +383,11 @@ def render_live_maps(
     if unknown:
         raise ValueError(f"unknown section {','.join(unknown)} (known: {', '.join(INSPECT_SECTIONS)})")
     roles = {
-        "services": ("fe", "slot", "be", "rnat", "srcr", "cfg"),
-        "ct": ("ct",),
+        "services": (*SERVICE_ROLES, "cfg", "cfgsel"),
+        "ct": abi.CT_ROLES,
         "aff": ("aff",),
         "stats": ("stats",),
+        "capacity": tuple(abi.MAPS),
     }
     needed = sorted({role for s in sections for role in roles[s]})
     maps: dict[str, BpfMap] = {}
@@ -349,13 +403,14 @@ def render_live_maps(
         out: list[str] = []
         for section in sections:
             if section == "services":
-                cfg = maps["cfg"].lookup(CFG_KEY)
-                contents = read_contents(
-                    {r: maps[r] for r in SERVICE_ROLES}, cfg if isinstance(cfg, abi.Config) else None
-                )
+                contents = read_contents({r: maps[r] for r in SERVICE_ROLES}, read_config(maps))
                 out.append(render_contents(contents))
             elif section == "ct":
-                out.append(render_conntrack(maps["ct"].items(), now))  # type: ignore[arg-type]
+                flows = [kv for role in abi.CT_ROLES for kv in maps[role].items()]
+                out.append(render_conntrack(flows, now))  # type: ignore[arg-type]
+            elif section == "capacity":
+                capacities = {role: m.info().max_entries for role, m in maps.items()}
+                out.append(render_capacity(read_fill(maps, capacities, read_config(maps), now)))
             elif section == "aff":
                 out.append(render_affinity(maps["aff"].items(), now))  # type: ignore[arg-type]
             else:

@@ -24,7 +24,7 @@ from agent.ebpf.abi import (
     SrcRangeKey,
 )
 from agent.ebpf.delta import Op, apply_op
-from agent.ebpf.plan import MapContents
+from agent.ebpf.plan import ROLES, MapContents
 from agent.model import NodeInfo, ProxyState, build_state
 from agent.model.topology import categorize_endpoints
 from agent.model.types import Endpoint, Protocol, ServicePort, ServicePortName, SessionAffinity
@@ -75,7 +75,7 @@ class DictMap:
 
 
 def fake_maps() -> dict[str, DictMap]:
-    return {role: DictMap() for role in ("fe", "slot", "be", "rnat", "srcr")}
+    return {role: DictMap() for role in ROLES}
 
 
 # ---------------------------------------------------------------------------------- invariants
@@ -97,6 +97,9 @@ def broken(contents: MapContents) -> list[str]:
     for skey, slot in contents.slot.items():
         if BackendKey(id=slot.backend_id) not in contents.be:
             problems.append(f"slot {skey.set_id}#{skey.slot}: backend {slot.backend_id} missing")
+    for mkey in contents.member:
+        if BackendKey(id=mkey.backend_id) not in contents.be:
+            problems.append(f"member svc={mkey.svc_id}: backend {mkey.backend_id} missing")
     return problems
 
 

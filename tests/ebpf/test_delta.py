@@ -149,6 +149,12 @@ endpoints:
     # drop the first endpoint: the last one moves into its slot, the count shrinks
     second = plan(state_from_yaml(base + "".join(eps[1:])), NODE, Config(), first)
     ops = diff(first, second)
-    assert kinds(ops) == [("slot", "update"), ("fe", "update"), ("slot", "delete"), ("be", "delete")]
-    assert len(ops[0].entries) == 1 and len(ops[2].entries) == 1
+    assert kinds(ops) == [
+        ("slot", "update"),
+        ("fe", "update"),
+        ("slot", "delete"),
+        ("member", "delete"),
+        ("be", "delete"),
+    ]
+    assert len(ops[0].entries) == 1 and len(ops[2].entries) == len(ops[3].entries) == 1
     assert replay(first, ops).same_entries(second)
