@@ -328,7 +328,8 @@ static __always_inline int ekp_ct_write(struct ekp_ct_key *k, struct ekp_ct_entr
 /* Puts the REPLY entry `rent` under `rkey`. A free tuple is claimed with BPF_NOEXIST (another CPU
  * may have taken it since the lookup: the packet drops then, its retransmission tries again); an
  * entry of another flow there (dead, or early-dropped) is replaced and its twin deleted; an entry
- * of this very tuple's earlier flow is rewritten (in place when it translates the same). */
+ * of this very tuple's earlier flow (same frontend, same client) is rewritten (in place when it
+ * translates the same), its FORWARD twin being the key the new flow writes next. */
 static __always_inline int ekp_ct_place(struct ekp_ct_key *rkey, struct ekp_ct_entry *rent)
 {
 	struct ekp_ct_entry *old = ekp_ct_lookup(rkey);
@@ -336,7 +337,8 @@ static __always_inline int ekp_ct_place(struct ekp_ct_key *rkey, struct ekp_ct_e
 	if (!old)
 		return ekp_ct_insert(rkey, rent) == 0 ? 0 : EKP_DROP_SNAT_PORTS;
 	if (old->fe_addr != rent->fe_addr || old->fe_port != rent->fe_port ||
-	    (old->flags & EKP_CT_SNAT) != (rent->flags & EKP_CT_SNAT))
+	    (old->flags & EKP_CT_SNAT) != (rent->flags & EKP_CT_SNAT) || old->nat_addr != rent->nat_addr ||
+	    old->nat_port != rent->nat_port)
 		ekp_ct_delete_twin(old, rkey);
 	return ekp_ct_write(rkey, rent) == 0 ? 0 : EKP_DROP_CT_FULL;
 }

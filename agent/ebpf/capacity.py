@@ -103,7 +103,7 @@ def read_fill(
             items = m.items()
             out.append(fill_of(spec, len(items), capacity, live_entries(items, cfg, now_ns)))
         else:
-            out.append(fill_of(spec, len(m.keys()), capacity))
+            out.append(fill_of(spec, len(m.items()), capacity))  # batch dumps: faster than keys
     return out
 
 

@@ -7,6 +7,7 @@ is shared. The namespace holds what the FIB lookups resolve in:
                             route 10.244.2.0/24 via 192.168.0.12 (pods on node2)
     pod0  10.244.1.1/24     node side of the pods' veth; neighbours for pods .5 .6 .8 .9 .10
                             (10.244.1.7 has none: the bpf_redirect_neigh path)
+    small0 10.244.3.1/24    MTU 1280: the path to a backend (.5) and a client (.6) behind a smaller MTU
 
 Packets from pods run ekp_from_pod with ingress pod0; packets from outside run ekp_from_net with
 ingress ext0. `assert_balanced` checks the counters after each test: PACKETS == sum of outcomes.
@@ -28,6 +29,7 @@ from tests.ebpf.packets import Link, link, private_netns, prog_run, sh
 NODE, NODE2, CLIENT = "192.168.0.11", "192.168.0.12", "192.168.0.100"
 POD_CLIENT, BE1, BE2, BE3, BE4 = "10.244.1.9", "10.244.1.5", "10.244.1.6", "10.244.1.8", "10.244.1.10"
 BE_NO_NEIGH, REMOTE_BE = "10.244.1.7", "10.244.2.7"
+BE_SMALL_MTU, CLIENT_SMALL_MTU, SMALL_MTU = "10.244.3.5", "10.244.3.6", 1280
 VIP = "10.96.0.10"
 MAC = {
     NODE2: "02:00:00:00:00:12",
@@ -37,6 +39,8 @@ MAC = {
     BE3: "02:00:0a:f4:01:08",
     BE4: "02:00:0a:f4:01:0a",
     POD_CLIENT: "02:00:0a:f4:01:09",
+    BE_SMALL_MTU: "02:00:0a:f4:03:05",
+    CLIENT_SMALL_MTU: "02:00:0a:f4:03:06",
 }
 SNAT_MIN, SNAT_MAX = 40000, 40999
 SIZES = MapSizes(
@@ -78,6 +82,7 @@ CFG = abi.Config(
 class Lab:
     pod: Link
     ext: Link
+    small: Link
 
 
 @contextmanager
@@ -86,16 +91,20 @@ def packet_lab() -> Iterator[Lab]:
     with private_netns():
         sh("ip", "link", "add", "ext0", "type", "veth", "peer", "name", "ext0p")
         sh("ip", "link", "add", "pod0", "type", "veth", "peer", "name", "pod0p")
+        sh("ip", "link", "add", "small0", "type", "veth", "peer", "name", "small0p")
         sh("ip", "addr", "add", f"{NODE}/24", "dev", "ext0")
         sh("ip", "addr", "add", "10.244.1.1/24", "dev", "pod0")
-        for dev in ("ext0", "ext0p", "pod0", "pod0p"):
+        sh("ip", "addr", "add", "10.244.3.1/24", "dev", "small0")
+        sh("ip", "link", "set", "small0", "mtu", str(SMALL_MTU))
+        for dev in ("ext0", "ext0p", "pod0", "pod0p", "small0", "small0p"):
             sh("ip", "link", "set", dev, "up")
         sh("ip", "route", "add", "10.244.2.0/24", "via", NODE2)
+        devices = {"192.168.0": "ext0", "10.244.1": "pod0", "10.244.3": "small0"}
         for addr, mac in MAC.items():
-            dev = "ext0" if addr.startswith("192.168.") else "pod0"
+            dev = devices[addr.rsplit(".", 1)[0]]
             sh("ip", "neigh", "replace", addr, "lladdr", mac, "dev", dev, "nud", "permanent")
         sh("sysctl", "-qw", "net.ipv4.ip_forward=1")  # bpf_fib_lookup needs forwarding on ingress
-        yield Lab(pod=link("pod0"), ext=link("ext0"))
+        yield Lab(pod=link("pod0"), ext=link("ext0"), small=link("small0"))
 
 
 def reset_maps(dp: Datapath) -> None:
