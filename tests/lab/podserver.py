@@ -5,6 +5,7 @@ HTTP (HTTP/1.0, one request per connection) on every `--http-port` (default 8080
   GET /ip     -> "<client source IP as seen by the server>\\n"
   GET /blob   -> the file given with `--blob` (application/octet-stream, sendfile), 404 without it
   GET /healthz -> "ok\\n"
+  POST /sink  -> reads the whole body, answers "<bytes received>\\n" (uploads, path-MTU tests)
 UDP echo on every `--udp-port` (default 9000): a datagram `<payload>` is answered `<name> <payload>`.
 
 UDP sockets are bound before the HTTP sockets listen, so a successful TCP connect means the whole
@@ -57,6 +58,20 @@ class Handler(BaseHTTPRequestHandler):
             self._blob(self.server.blob)
         else:
             self._text("not found\n", 404)
+
+    def do_POST(self) -> None:
+        if self.path.split("?", 1)[0] != "/sink":
+            self._text("not found\n", 404)
+            return
+        left = int(self.headers.get("Content-Length", "0"))
+        received = 0
+        while left > 0:
+            chunk = self.rfile.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            received += len(chunk)
+            left -= len(chunk)
+        self._text(f"{received}\n")
 
     def _text(self, body: str, status: int = 200) -> None:
         data = body.encode()
