@@ -26,7 +26,7 @@ def checksum(data: bytes) -> int:
     total = sum(struct.unpack(f"!{len(data) // 2}H", data))
     while total >> 16:
         total = (total & 0xFFFF) + (total >> 16)
-    return ~total & 0xFFFF
+    return int(~total & 0xFFFF)
 
 
 def syn_frame(src_mac: bytes, dst_mac: bytes, src: bytes, dst: bytes, sport: int, dport: int) -> bytes:
