@@ -8,6 +8,8 @@ namespaces. Every mode prints one JSON object on stdout.
   udp    --addr A --port P --count N  N request/response pairs, reply counts (--size: datagram bytes)
   blob   --url U                      download, {"bytes": n, "sha256": "..."}
   upload --url U --bytes N            POST N bytes to /sink, {"sent": n, "received": n, "seconds": s}
+  hold   --addr A --port P --stop-file F   one TCP connection to a line echo server, a line every
+                                      --interval s until F exists: {"exchanges": n, "errors": n}
 """
 
 from __future__ import annotations
@@ -102,6 +104,28 @@ def cmd_upload(a: argparse.Namespace) -> dict[str, object]:
     return {"sent": len(body), "received": received, "seconds": round(time.monotonic() - start, 3)}
 
 
+def cmd_hold(a: argparse.Namespace) -> dict[str, object]:
+    """A long-lived connection: one established flow across whatever happens to the proxy."""
+    exchanges, errors, first_error = 0, 0, ""
+    start = time.monotonic()
+    try:
+        with socket.create_connection((a.addr, a.port), timeout=a.timeout) as s:
+            reader = s.makefile("rb")
+            while not os.path.exists(a.stop_file) and time.monotonic() - start < a.max_s:
+                line = f"ping-{exchanges}\n".encode()
+                s.sendall(line)
+                if reader.readline() != line:
+                    errors += 1
+                    first_error = first_error or f"bad echo at exchange {exchanges}"
+                    break
+                exchanges += 1
+                time.sleep(a.interval)
+    except OSError as exc:
+        errors += 1
+        first_error = first_error or f"{type(exc).__name__}: {exc} after {exchanges} exchanges"
+    return {"exchanges": exchanges, "errors": errors, "first_error": first_error}
+
+
 def cmd_blob(a: argparse.Namespace) -> dict[str, object]:
     h = hashlib.sha256()
     n = 0
@@ -138,8 +162,22 @@ def main() -> int:
     up.add_argument("--url", required=True)
     up.add_argument("--bytes", type=int, required=True)
     up.add_argument("--timeout", type=float, default=20.0)
+    h = sub.add_parser("hold")
+    h.add_argument("--addr", required=True)
+    h.add_argument("--port", type=int, required=True)
+    h.add_argument("--stop-file", required=True)
+    h.add_argument("--interval", type=float, default=0.05)
+    h.add_argument("--timeout", type=float, default=5.0)
+    h.add_argument("--max-s", type=float, default=120.0)
     a = p.parse_args()
-    commands = {"http": cmd_http, "loop": cmd_loop, "udp": cmd_udp, "blob": cmd_blob, "upload": cmd_upload}
+    commands = {
+        "http": cmd_http,
+        "loop": cmd_loop,
+        "udp": cmd_udp,
+        "blob": cmd_blob,
+        "upload": cmd_upload,
+        "hold": cmd_hold,
+    }
     result = commands[a.cmd](a)
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")
