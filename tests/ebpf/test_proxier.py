@@ -355,6 +355,11 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path) -> None:
         assert render_live_maps(config.pin_path) == render_contents(want)
         text = render_live_maps(config.pin_path, INSPECT_SECTIONS)
         assert "stat packets " in text and "stat drop_no_backend 0" in text
+        capacity = render_live_maps(config.pin_path, ("capacity",)).splitlines()
+        assert [line.split()[0] for line in capacity] == [spec.name for spec in MAPS.values()]
+        fe_line = next(line for line in capacity if line.startswith(MAPS["fe"].name))
+        assert f"{len(want.fe)}/1024 " in fe_line
+        assert " live 0 0.0%" in next(line for line in capacity if line.startswith(MAPS["ct_tcp"].name))
         assert "ekp_from_net" in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
         assert "ekp_from_pod" in sh("tc", "-n", node_ns, "filter", "show", "dev", "lxc-a", "ingress")
         assert sh("ip", "netns", "exec", node_ns, "sysctl", "-n", "net.ipv4.ip_forward").strip() == "1"
