@@ -15,7 +15,13 @@ from collections.abc import Sequence
 
 from agent.config import DEFAULT_PIN_PATH
 
-SECTIONS = {"maps": "services", "conntrack": "ct", "affinity": "aff", "stats": "stats", "capacity": "capacity"}
+SECTIONS = {
+    "maps": "services",
+    "conntrack": "ct",
+    "affinity": "aff",
+    "stats": "stats",
+    "capacity": "capacity",
+}
 
 EPILOG = """\
 examples:
