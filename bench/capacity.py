@@ -25,8 +25,8 @@ import os
 import struct
 import sys
 import time
-from socket import inet_aton
 from dataclasses import dataclass
+from socket import inet_aton
 
 from agent.config import ConntrackSettings, MapSizes, conntrack_max
 from agent.ebpf.abi import BackendFlag
@@ -131,7 +131,7 @@ def measure(limit_flows: int | None = None, one_cpu: bool = False) -> Result:
                 capacity=capacity,
                 flows_at_first_eviction=first_gone,
                 entries_at_first_eviction=entries,
-                memlock_bytes=memlock(getattr(table, "fd")),
+                memlock_bytes=memlock(table.fd),
                 seconds=time.monotonic() - started,
             )
         finally:
@@ -147,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.capacity needs root (BPF, network namespaces)", file=sys.stderr)
         return 2
     r = measure(args.limit_flows, args.one_cpu)
+    share = 2 * r.flows_at_first_eviction / r.capacity
     eviction = (
-        f"{r.flows_at_first_eviction:,} flows ({2 * r.flows_at_first_eviction / r.capacity:.1%} of the entries)"
+        f"{r.flows_at_first_eviction:,} flows ({share:.1%} of the entries)"
         if r.flows_at_first_eviction
         else "none"
     )
