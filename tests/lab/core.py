@@ -996,6 +996,7 @@ class LabFactory(Protocol):
 _LIVE: set[Lab] = set()
 _LIVE_LOCK = threading.Lock()
 _handlers_installed = False
+_handlers_pid = 0  # the process that installed the handlers (forked children inherit them)
 
 
 def live_labs() -> list[Lab]:
@@ -1017,6 +1018,11 @@ def _unregister(lab: Lab) -> None:
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    if os.getpid() != _handlers_pid:
+        # A forked child (pyroute2's netns helper) inherits the handler. Raising there would unwind
+        # the parent's copied stack in the child and run its `finally`s and fixture teardowns (an
+        # `ip netns del`, an `umount`) under the feet of the still-running parent: just exit.
+        os._exit(128 + signum)
     raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
 
 
@@ -1025,6 +1031,8 @@ def _install_signal_handlers() -> None:
     global _handlers_installed
     if _handlers_installed or threading.current_thread() is not threading.main_thread():
         return
+    global _handlers_pid
+    _handlers_pid = os.getpid()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
             signal.signal(sig, _raise_interrupt)

@@ -7,8 +7,10 @@ import ipaddress
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +242,30 @@ def test_cleanup_command_removes_leftovers() -> None:
         assert netns.find_leaks([prefix]) == []
     finally:
         cleanup_leftovers(prefix)
+
+
+def test_a_forked_child_killed_by_sigterm_runs_none_of_the_parents_teardown(
+    lab2: Lab, tmp_path: Path
+) -> None:
+    """The lab's SIGTERM handler is inherited by forked children (pyroute2's netns helpers); there it
+    must end the child, not raise KeyboardInterrupt through the parent's copied stack, whose
+    `finally` blocks are fixture teardowns (`ip netns del`, `umount`) of the running parent."""
+    marker = tmp_path / "teardown-ran"
+    ready = tmp_path / "child-ready"
+    pid = os.fork()
+    if pid == 0:  # the child: a `finally` standing for a fixture teardown
+        try:
+            try:
+                ready.touch()
+                time.sleep(30)
+            finally:
+                marker.touch()
+        finally:
+            os._exit(0)  # never back into pytest's stack in the child
+    deadline = time.monotonic() + 10
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGTERM)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGTERM
+    assert not marker.exists(), "the child ran the parent's teardown"
