@@ -30,6 +30,7 @@ from typing import Any
 
 from agent import configfile
 from agent.config import DEFAULT_PIN_PATH, DEFAULT_POD_INTERFACES, Config, ConntrackSettings, MapSizes, Mode
+from agent.ebpf.abi import MAPS
 from agent.goformat import DurationError, format_duration
 from agent.goformat import parse_duration as parse_go_duration
 
@@ -140,6 +141,16 @@ def _positive(text: str) -> int:
     if not text.isdigit() or int(text) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
     return int(text)
+
+
+def _size_help(role: str, default: int) -> str:
+    spec = MAPS[role]
+    if default == 0:
+        return (
+            f"entries of map {spec.name} (default: 2 x kube-proxy's conntrack max for TCP, 1 x for the"
+            " rest: max(conntrack.maxPerCore x CPUs, conntrack.min) flows; a pinned table keeps its size)"
+        )
+    return f"entries of map {spec.name} (default {default})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -299,15 +310,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--bpf-snat-ports",
         type=_port_range,
         default=(61000, 65535),
-        help="source ports for SNAT to remote backends",
+        help="source ports for SNAT (must not overlap --node-port-range nor the node's ip_local_port_range)",
+    )
+    p.add_argument(
+        "--node-port-range",
+        type=_port_range,
+        default=(30000, 32767),
+        help="the cluster's NodePort range (the apiserver's --service-node-port-range)",
+    )
+    p.add_argument(
+        "--bpf-keep-client-ip-for-local-backends",
+        dest="bpf_keep_client_ip_local",
+        type=_bool,
+        default=False,
+        metavar="true|false",
+        help="externalTrafficPolicy Cluster: keep the client's address toward backends on this node"
+        " (kube-proxy masquerades it; default false)",
     )
     for role, default in vars(MapSizes()).items():
         p.add_argument(
-            f"--bpf-{role}-max",
+            MAPS[role].size_flag,
+            dest=f"bpf_{role}_max",
             type=_positive,
             default=default,
             metavar="N",
-            help=f"entries of map ekp_{role} (default {default})",
+            help=_size_help(role, default),
         )
     p.add_argument(
         "-v", "--v", dest="verbosity", type=int, default=2, help="log verbosity (kube-proxy style)"
@@ -363,6 +390,8 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         pin_path=ns.bpf_pin_path,
         map_sizes=sizes,
         snat_ports=ns.bpf_snat_ports,
+        nodeport_range=ns.node_port_range,
+        bpf_keep_client_ip_local=ns.bpf_keep_client_ip_local,
         iptables_backend=ns.iptables_backend,
         iptables_localhost_nodeports=ns.iptables_localhost_nodeports,
     )

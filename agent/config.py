@@ -9,7 +9,8 @@ at run time about the node (its addresses) and is passed to the pure planners be
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 
@@ -23,17 +24,58 @@ NODEPORT_PRIMARY = "primary"  # --nodeport-addresses keyword: the node's primary
 DEFAULT_POD_INTERFACES = "lxc*,veth*,cali*"
 
 
+# Conntrack entries when kube-proxy's conntrack.maxPerCore is 0 ("leave the kernel's limit"):
+# Cilium's --bpf-ct-global-tcp-max / --bpf-ct-global-any-max defaults.
+FALLBACK_CT_TCP = 524288
+FALLBACK_CT_ANY = 262144
+
+
 @dataclass(frozen=True)
 class MapSizes:
-    """Maximum entries of the eBPF maps (kube-proxy scale by default)."""
+    """Maximum entries of the eBPF maps (kube-proxy scale by default).
+
+    `ct_tcp` and `ct_any` (`--bpf-ct-global-tcp-max`, `--bpf-ct-global-any-max`) are 0 by default:
+    derived at start (`with_conntrack`) from kube-proxy's conntrack settings, as nf_conntrack_max
+    is in iptables mode, or kept at the size of the tables already pinned.
+    """
 
     fe: int = 65536
     slot: int = 262144
     be: int = 262144  # one per endpoint address:port: 10,000 services of 10 endpoints need 100,000
     rnat: int = 65536
-    ct: int = 524288
+    member: int = 262144
+    ct_tcp: int = 0
+    ct_any: int = 0
+    frag: int = 8192
     aff: int = 65536
     srcr: int = 16384
+
+    def with_conntrack(
+        self, conntrack: ConntrackSettings, cpus: int, pinned: Mapping[str, int] | None = None
+    ) -> MapSizes:
+        """Concrete conntrack sizes: as set; else the size of the pinned table (a restart must not
+        resize, which would mean a new table and every flow lost); else derived from kube-proxy's
+        getConntrackMax, max(maxPerCore x CPUs, min) flows. Each flow takes two entries (one per
+        direction), so ct_tcp holds 2 x that and ct_any (UDP, SCTP) as many again as flows,
+        the half Cilium gives its non-TCP table."""
+        flows = conntrack_max(conntrack, cpus)
+        derived = {
+            "ct_tcp": 2 * flows if flows else FALLBACK_CT_TCP,
+            "ct_any": flows if flows else FALLBACK_CT_ANY,
+        }
+        held = pinned or {}
+        sizes = {
+            role: getattr(self, role) or held.get(role, 0) or derived[role] for role in ("ct_tcp", "ct_any")
+        }
+        return replace(self, **sizes)
+
+
+def conntrack_max(conntrack: ConntrackSettings, cpus: int) -> int:
+    """kube-proxy's getConntrackMax (cmd/kube-proxy/app/server_linux.go): max(maxPerCore x CPUs,
+    min) when maxPerCore > 0, else 0 (leave the kernel's value)."""
+    if conntrack.max_per_core <= 0:
+        return 0
+    return max(conntrack.max_per_core * cpus, conntrack.min)
 
 
 @dataclass(frozen=True)
@@ -81,6 +123,10 @@ class Config:
     pin_path: str = DEFAULT_PIN_PATH
     map_sizes: MapSizes = field(default_factory=MapSizes)
     snat_ports: tuple[int, int] = (61000, 65535)  # above the kernel's ephemeral 32768-60999
+    nodeport_range: tuple[int, int] = (30000, 32767)  # --node-port-range: the apiserver's NodePort range
+    # --bpf-keep-client-ip-for-local-backends: externalTrafficPolicy Cluster traffic to a backend on
+    # this node keeps the client's address (kube-proxy masquerades it; off by default)
+    bpf_keep_client_ip_local: bool = False
     # iptables mode
     iptables_backend: str = "auto"  # auto | nft | legacy
     iptables_localhost_nodeports: bool = True  # NodePorts answer on 127.0.0.1 too (route_localnet)

@@ -2,7 +2,9 @@
 
 `maps` prints the same lines as `agent --mode=ebpf --dry-run`, so a live node can be diffed against
 the plan for a services file; `conntrack`, `affinity` and `stats` show flows, sticky clients and the
-data path's counters (drops by reason included). Reads only; needs root for the bpf() syscall.
+data path's counters (drops by reason included); `capacity` shows how full every map is, and how
+many conntrack entries are live (agent/ebpf/capacity.py). Reads only; needs root for the bpf()
+syscall.
 """
 
 from __future__ import annotations
@@ -13,13 +15,20 @@ from collections.abc import Sequence
 
 from agent.config import DEFAULT_PIN_PATH
 
-SECTIONS = {"maps": "services", "conntrack": "ct", "affinity": "aff", "stats": "stats"}
+SECTIONS = {
+    "maps": "services",
+    "conntrack": "ct",
+    "affinity": "aff",
+    "stats": "stats",
+    "capacity": "capacity",
+}
 
 EPILOG = """\
 examples:
   agent inspect maps                 frontends, slots, backends, reverse NAT, source ranges, config
   agent inspect conntrack            every tracked flow: tuple, direction, rewrite, backend, age
   agent inspect stats                packets, flows, SNAT, affinity hits and drops by reason
+  agent inspect capacity             entries / capacity of every map, live conntrack entries
   agent inspect maps conntrack --bpf-pin-path /sys/fs/bpf/ebpf-kube-proxy-node2
 """
 

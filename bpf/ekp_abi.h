@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * ekp_abi.h: every key and value stored in an ebpf-kube-proxy BPF map.
+ * ekp_abi.h: every key and value stored in an ebpf-kube-proxy BPF map (ABI v2).
  *
  * This is the contract between the C data path and the Python agent. agent/ebpf/abi.py mirrors
  * it once, and tests/ebpf/test_abi.py compiles a probe from this header and checks every size and
@@ -11,6 +11,15 @@
  * EKP_ABI_VERSION: the version is part of every map name, so an old pinned map is never reused
  * with a new layout (bcc's BPF_TABLE_PINNED would reuse it silently).
  *
+ * IPv6, later: Cilium's v4/v6 pairs. Every struct below that holds an address is the IPv4 member
+ * of a pair; IPv6 adds its own maps beside these (ekp_fe6, ekp_be6, ekp_ct6_tcp, ekp_frag6,
+ * ekp_aff6, ekp_srcr6) with 16-byte addresses, and changes none of the v2 layouts. The maps keyed
+ * by ids (slots, membership) and the config, counters and rate limiter carry no address and are
+ * shared by both families: a v6 frontend's slots point at backend ids that live in ekp_be6. Pairs
+ * rather than 16-byte unions because the per-packet keys (conntrack, frontend, fragments) stay
+ * 16 bytes for IPv4: a 40-byte union key would cost every IPv4 lookup a longer hash and every
+ * conntrack entry 24 more bytes, for a family that is not served yet.
+ *
  * Includable by bcc programs and by a plain userspace compiler (only <linux/types.h>).
  */
 #ifndef EKP_ABI_H
@@ -18,9 +27,9 @@
 
 #include <linux/types.h>
 
-#define EKP_ABI_VERSION 1
+#define EKP_ABI_VERSION 2
 
-/* ---- frontends: (address, port, protocol, scope) -> service ------------------------------- */
+/* ---- frontends: (address, port, protocol, scope) -> service port ------------------------- */
 
 /* Where the packet entered the node: decides which endpoints a Local traffic policy allows. */
 enum ekp_scope {
@@ -44,13 +53,15 @@ struct ekp_frontend_key {
 #define EKP_FE_NO_ENDPOINTS  (1 << 5) /* count == 0 because the service has none: reject */
 #define EKP_FE_SOURCE_RANGES (1 << 6) /* check the client against ekp_srcr (loadBalancerSourceRanges) */
 #define EKP_FE_AFFINITY      (1 << 7) /* sessionAffinity ClientIP: see affinity_timeout */
+#define EKP_FE_SNAT_ALL      (1 << 8) /* source-translate to the node whatever the backend (KUBE-MARK-MASQ) */
 
 struct ekp_frontend {
+	__u32 svc_id;           /* host: the service port (membership, affinity, conntrack); never 0 */
 	__u32 set_id;           /* host: backend set; slots are ekp_slot_key{set_id, 1..count} */
 	__u16 count;            /* host: live slots; 0 = no usable backend (see flags) */
 	__u16 flags;            /* host: EKP_FE_* */
 	__u32 affinity_timeout; /* host: seconds a client keeps its backend; 0 = no affinity */
-	__u16 rev_nat_id;       /* host: key of ekp_revnat for replies; never 0 */
+	__u16 rev_nat_id;       /* host: key prefix of ekp_srcr (source ranges); never 0 */
 	__u16 pad;              /* zero */
 };
 
@@ -62,7 +73,7 @@ struct ekp_slot_key {
 };
 
 struct ekp_slot {
-	__u32 backend_id; /* host: key of ekp_backends */
+	__u32 backend_id; /* host: key of ekp_be */
 };
 
 /* ---- backends: id -> address ----------------------------------------------------------- */
@@ -81,7 +92,22 @@ struct ekp_backend {
 	__u8 flags;  /* EKP_BE_* */
 };
 
-/* ---- reverse NAT: id -> the frontend a reply must appear to come from ------------------- */
+/* ---- membership: (service port, backend) -> which of its sets hold the backend ---------- */
+
+#define EKP_MEMBER_CLUSTER (1 << 0) /* in the service port's cluster set (frontends without LOCAL) */
+#define EKP_MEMBER_LOCAL   (1 << 1) /* in its local set (frontends with EKP_FE_LOCAL) */
+
+struct ekp_member_key {
+	__u32 svc_id;     /* host: struct ekp_frontend.svc_id */
+	__u32 backend_id; /* host: key of ekp_be */
+};
+
+struct ekp_member {
+	__u8 flags;  /* EKP_MEMBER_*; an entry with no flag set means "not a member" */
+	__u8 pad[3]; /* zero */
+};
+
+/* ---- reverse NAT: id -> the frontend (written by the agent; not read by the data path) ---- */
 
 struct ekp_revnat_key {
 	__u32 id; /* host: struct ekp_frontend.rev_nat_id */
@@ -93,48 +119,75 @@ struct ekp_revnat {
 	__u16 pad;   /* zero */
 };
 
-/* ---- conntrack (LRU): the tuple of a packet as it arrives -> what to rewrite ----------- */
+/* ---- conntrack (LRU, TCP and non-TCP tables): a tuple as it arrives -> what to rewrite --- */
 
 enum ekp_ct_dir {
 	EKP_CT_FORWARD = 0, /* client -> frontend: rewrite destination (and source when SNAT) */
-	EKP_CT_REPLY = 1,   /* backend -> client: source from ekp_revnat, destination when SNAT */
+	EKP_CT_REPLY = 1,   /* backend -> client: source to the frontend, destination when SNAT */
 };
 
-#define EKP_CT_SNAT    (1 << 0) /* the flow's source was translated to the node */
-#define EKP_CT_CLOSING (1 << 1) /* a FIN or RST was seen: short timeout */
+/* Flow state, kept alike on both entries of a flow (struct ekp_ct_entry.flags). */
+#define EKP_CT_SNAT        (1 << 0) /* source translated: to the node, or the client's own address
+				     * with another port (a reply tuple that was taken) */
+#define EKP_CT_SEEN_REPLY  (1 << 1) /* a packet came back from the backend */
+#define EKP_CT_ESTABLISHED (1 << 2) /* TCP: the client acked the backend's answer; UDP: replied and
+				     * older than 2 s. Never early-dropped; the long timeout */
+#define EKP_CT_FIN_FWD     (1 << 3) /* the client sent a FIN */
+#define EKP_CT_FIN_REPLY   (1 << 4) /* the backend sent a FIN */
+#define EKP_CT_RST         (1 << 5) /* either side sent a RST */
+#define EKP_CT_MIGRATED    (1 << 6) /* copied from an ABI v1 entry by the upgrade */
 
 struct ekp_ct_key {
 	__be32 saddr; /* be: source address as on the wire */
 	__be32 daddr; /* be: destination address as on the wire */
 	__be16 sport; /* be */
 	__be16 dport; /* be */
-	__u8 proto;   /* IPPROTO_* */
-	__u8 pad[3];  /* zero */
+	__u8 proto;   /* IPPROTO_*: TCP entries live in ekp_ct_tcp, the others in ekp_ct_any */
+	__u8 dir;     /* enum ekp_ct_dir: an original tuple never matches a reply entry */
+	__u16 pad;    /* zero */
 };
 
 struct ekp_ct_entry {
-	__u64 last_seen_ns; /* host: bpf_ktime_get_ns() of the last packet (refreshed coarsely) */
+	__u64 last_seen_ns; /* host: bpf_ktime_get_ns() of the last packet (refreshed once a second) */
 	__be32 nat_addr;    /* be: FORWARD: backend address; REPLY: client address if SNAT, else 0 */
-	__be32 snat_addr;   /* be: FORWARD: node address if SNAT, else 0; REPLY: 0 */
+	__be32 snat_addr;   /* be: FORWARD: source after SNAT (node, or client) if SNAT, else 0; REPLY: 0 */
+	__be32 fe_addr;     /* be: the frontend: FORWARD key's daddr, the source replies get */
 	__be16 nat_port;    /* be: FORWARD: backend port; REPLY: client port if SNAT, else 0 */
-	__be16 snat_port;   /* be: FORWARD: translated source port if SNAT, else 0; REPLY: 0 */
-	__u32 backend_id;   /* host: backend chosen when the flow began (for inspect) */
-	__u16 rev_nat_id;   /* host: frontend of the flow (ekp_revnat key) */
-	__u8 dir;           /* enum ekp_ct_dir */
-	__u8 flags;         /* EKP_CT_* */
-	__u32 pad;          /* zero */
+	__be16 snat_port;   /* be: FORWARD: source port after SNAT if SNAT, else 0; REPLY: 0 */
+	__be16 fe_port;     /* be: the frontend port */
+	__u16 flags;        /* host: EKP_CT_* */
+	__u32 svc_id;       /* host: service port of the flow (membership); 0 = none (a remapped
+			     * direct connection) */
+	__u32 backend_id;   /* host: backend chosen when the flow began; 0 = none */
+	__u32 created_s;    /* host: bpf_ktime_get_ns() / 1e9 when the flow began */
 };
 
-/* ---- session affinity (LRU): (client, backend set) -> backend ---------------------------- */
+/* ---- IPv4 fragments (LRU): the first fragment's ports for the later ones ----------------- */
+
+struct ekp_frag_key {
+	__be32 saddr; /* be: source address as on the wire */
+	__be32 daddr; /* be: destination address as on the wire */
+	__be16 id;    /* be: IPv4 identification */
+	__u8 proto;   /* IPPROTO_TCP / IPPROTO_UDP */
+	__u8 pad;     /* zero */
+};
+
+struct ekp_frag {
+	__be16 sport; /* be: the datagram's L4 ports, from its first fragment */
+	__be16 dport; /* be */
+	__u32 pad;    /* zero */
+};
+
+/* ---- session affinity (LRU): (client, service port) -> backend ---------------------------- */
 
 struct ekp_affinity_key {
 	__be32 client; /* be: client source address */
-	__u32 set_id;  /* host: backend set of the service port */
+	__u32 svc_id;  /* host: struct ekp_frontend.svc_id (affinity spans the port's frontends) */
 };
 
 struct ekp_affinity {
 	__u64 last_seen_ns; /* host: bpf_ktime_get_ns() of the client's last new flow */
-	__u32 backend_id;   /* host */
+	__u32 backend_id;   /* host; honoured only while ekp_member{svc_id, backend_id} holds it */
 	__u32 pad;          /* zero */
 };
 
@@ -152,28 +205,52 @@ struct ekp_srcrange {
 	__u8 pad[3];
 };
 
-/* ---- per-node configuration (array, one element) ------------------------------------- */
+/* ---- per-node configuration: two slots and a selector (double buffer) ------------------- */
+
+/* ekp_cfg holds two configs; ekp_cfgsel[0] says which one programs read. The agent writes the
+ * other slot, then flips the selector: a program never reads a config while it is rewritten. */
+struct ekp_config_sel {
+	__u32 slot; /* host: 0 or 1, the live element of ekp_cfg */
+};
 
 struct ekp_config {
-	__be32 node_addr;     /* be: source address for SNAT to remote backends */
-	__u16 snat_port_min;  /* host: first port for SNAT (inclusive) */
-	__u16 snat_port_max;  /* host: last port for SNAT (inclusive) */
-	__u32 tcp_timeout_s;  /* host: idle timeout of an established TCP flow */
-	__u32 udp_timeout_s;  /* host: idle timeout of a UDP/SCTP flow */
-	__u32 closing_timeout_s; /* host: timeout after FIN/RST */
-	__u32 flags;          /* host: reserved, zero */
+	__be32 node_addr;         /* be: source address for SNAT (remote backends, masquerade, hairpin) */
+	__u16 snat_port_min;      /* host: first port for SNAT (inclusive) */
+	__u16 snat_port_max;      /* host: last port for SNAT (inclusive) */
+	__u32 tcp_established_s;  /* host: idle timeout of an established TCP flow (conntrack.tcpEstablishedTimeout) */
+	__u32 tcp_close_wait_s;   /* host: after a FIN from one side (conntrack.tcpCloseWaitTimeout) */
+	__u32 tcp_syn_s;          /* host: handshake not completed (SYN sent, or SYN-ACK not yet acked) */
+	__u32 tcp_closed_s;       /* host: after a RST, or FINs both ways */
+	__u32 udp_s;              /* host: unreplied or short UDP/SCTP flow (conntrack.udpTimeout) */
+	__u32 udp_stream_s;       /* host: replied and older than 2 s (conntrack.udpStreamTimeout) */
+	__u32 icmp_rate;          /* host: ICMP rejects per second, per CPU (token bucket refill) */
+	__u32 icmp_burst;         /* host: ICMP rejects a CPU may send at once (bucket depth) */
+	__u32 flags;              /* host: reserved, zero */
+	__u32 pad;                /* zero */
+};
+
+/* ---- the reject rate limiter (per-CPU array, one element, written by the data path) ------ */
+
+struct ekp_ratelimit {
+	__u64 last_ns;   /* host: bpf_ktime_get_ns() of the last refill */
+	__u64 tokens_ns; /* host: credit in ns; one ICMP costs 1e9 / icmp_rate */
 };
 
 /* ---- counters (per-CPU array indexed by enum ekp_stat) ------------------------------- */
 
 enum ekp_stat {
 	EKP_STAT_PACKETS = 0,     /* packets seen by an ekp program */
-	EKP_STAT_NEW_FLOWS,       /* flows translated for the first time */
-	EKP_STAT_CT_FORWARD,      /* packets translated by a forward conntrack hit */
-	EKP_STAT_CT_REPLY,        /* replies reverse-translated */
-	EKP_STAT_SNAT,            /* new flows source-translated to the node */
-	EKP_STAT_AFFINITY_HIT,    /* new flows that kept their client's backend */
-	EKP_STAT_PASS,            /* packets not for a service, passed to the stack */
+	EKP_STAT_NEW_FLOWS,       /* outcome: flows translated for the first time */
+	EKP_STAT_CT_FORWARD,      /* outcome: packets translated by a forward conntrack hit */
+	EKP_STAT_CT_REPLY,        /* outcome: replies reverse-translated */
+	EKP_STAT_SNAT,            /* mark: new flows source-translated */
+	EKP_STAT_AFFINITY_HIT,    /* mark: new flows that kept their client's backend */
+	EKP_STAT_PASS,            /* outcome: packets not for a service, passed to the stack */
+	EKP_STAT_CT_RELATED,      /* outcome: ICMP errors about a translated flow, translated back */
+	EKP_STAT_EARLY_DROP,      /* mark: unanswered flows evicted to free a SNAT port */
+	EKP_STAT_CT_REBUILT,      /* mark: conntrack entries re-created from their surviving twin */
+	EKP_STAT_PORT_REMAP,      /* mark: flows given another source port (their reply tuple was taken) */
+	EKP_STAT_FRAGMENTS,       /* mark: non-first fragments translated */
 	/* drop reasons: keep EKP_STAT_DROP_FIRST first, update agent/ebpf/abi.py */
 	EKP_STAT_DROP_FIRST,
 	EKP_DROP_MALFORMED = EKP_STAT_DROP_FIRST, /* truncated or invalid headers */
@@ -184,10 +261,14 @@ enum ekp_stat {
 	EKP_DROP_NO_BACKEND,      /* a slot or backend entry missing (mid-update race) */
 	EKP_DROP_SOURCE_RANGE,    /* client outside loadBalancerSourceRanges */
 	EKP_DROP_FIB,             /* no route to the backend or client */
-	EKP_DROP_SNAT_PORTS,      /* no free SNAT port */
+	EKP_DROP_SNAT_PORTS,      /* no free source port, none to take over (range full of live flows) */
 	EKP_DROP_CT_FULL,         /* conntrack insert failed */
-	EKP_DROP_REVNAT_MISSING,  /* reply of a flow whose frontend is gone */
-	EKP_DROP_FRAGMENT,        /* IP fragment of a service flow (not translated) */
+	EKP_DROP_FRAG_NO_FIRST,   /* a later fragment whose first fragment was not seen (out of order, evicted) */
+	EKP_DROP_NO_FLOW,         /* a mid-flow TCP segment (or later fragment) to a frontend without conntrack:
+	                           * never sent to a new backend (an evicted or expired flow) */
+	EKP_DROP_BACKEND_GONE,    /* a TCP flow whose backend is no longer on the node (not in ekp_be) */
+	EKP_DROP_ICMP_RATE,       /* a reject over the ICMP rate limit: dropped unanswered */
+	EKP_DROP_FRAG_NEEDED,     /* too big for the egress MTU with DF: answered with ICMP frag needed */
 	EKP_STAT_MAX,
 };
 

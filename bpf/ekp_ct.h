@@ -1,19 +1,27 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * ekp_ct.h: connection tracking of translated flows (ekp_ct_v1, an LRU hash).
+ * ekp_ct.h: connection tracking of translated flows (ekp_ct_tcp_v2 / ekp_ct_any_v2, LRU hashes).
  *
  * A flow owns two entries, each keyed by a tuple exactly as it appears on the wire when the
- * packet reaches an ekp program:
- *   FORWARD  {client, frontend, cport, fport}        -> backend (and node:snat_port if SNAT)
- *   REPLY    {backend, client|node, bport, cport|snat_port} -> rev_nat_id (and client if SNAT)
- * Lookups do not depend on the program's scope: replies from a local backend arrive through
- * ekp_from_pod, replies from a remote one through ekp_from_net.
+ * packet reaches an ekp program, and by its direction (so an original tuple never matches a
+ * reply entry):
+ *   FORWARD  {client, frontend, cport, fport, FORWARD}                 -> backend (+ SNAT source)
+ *   REPLY    {backend, client|snat addr, bport, cport|snat port, REPLY} -> frontend (+ client)
+ * Each entry holds everything needed to rebuild the other (its "twin"): the frontend, the
+ * backend, the client and the SNAT source. Replies need no service map: a flow keeps working
+ * while its Service is deleted and created again.
  *
- * Expiry is computed on lookup (last_seen_ns + timeout from ekp_config); an expired entry is a
- * miss and is overwritten by the next flow on that tuple; the LRU evicts the rest (one LRU list
- * per CPU, BPF_F_NO_COMMON_LRU: see ekp_maps.h). last_seen_ns is refreshed at most once a second
- * to limit writes. The one deletion: a direct (untranslated) TCP SYN on the backend-side tuple of
- * an ended flow removes that flow's pair (ekp_ct_reclaim).
+ * State (EKP_CT_*), kept alike on both entries (a change is written to the twin too, at most a
+ * few times per flow): SEEN_REPLY, ESTABLISHED (the client acked the backend's answer: the
+ * kernel's "assured"), FIN_FWD / FIN_REPLY, RST. The timeout follows the state, as the kernel's
+ * and Cilium's conntrack do: handshake not completed tcp_syn_s (60 s), established
+ * tcp_established_s (24 h), one FIN tcp_close_wait_s (1 h), RST or FINs both ways tcp_closed_s
+ * (10 s); UDP udp_s (30 s) until replied and older than 2 s, then udp_stream_s (120 s).
+ *
+ * Expiry is computed on lookup (last_seen_ns + timeout); an expired entry is a miss and is
+ * overwritten by the next flow on its tuple; the LRU evicts the rest. last_seen_ns is refreshed
+ * at most once a second; the refresh also checks that the twin exists (re-creating it when the
+ * LRU evicted it: EKP_STAT_CT_REBUILT) and, for TCP, that the backend is still on the node.
  */
 #ifndef EKP_CT_H
 #define EKP_CT_H
@@ -23,35 +31,65 @@
 
 #define EKP_NSEC 1000000000ULL
 #define EKP_CT_REFRESH_NS EKP_NSEC
-/* Used when ekp_config holds 0 (the agent has not written it yet): Cilium's defaults. */
-#define EKP_DEFAULT_TCP_TIMEOUT_S 21600
-#define EKP_DEFAULT_UDP_TIMEOUT_S 60
-#define EKP_DEFAULT_CLOSING_TIMEOUT_S 10
-/* How many SNAT ports a new flow tries before giving up (EKP_DROP_SNAT_PORTS). */
-#define EKP_SNAT_PROBES 16
+/* Used when ekp_config holds 0 (the agent has not written it yet): kube-proxy's and the kernel's
+ * defaults, as agent/ebpf/plan.py's config_entry writes them. */
+#define EKP_DEFAULT_TCP_ESTABLISHED_S 86400
+#define EKP_DEFAULT_TCP_CLOSE_WAIT_S 3600
+#define EKP_DEFAULT_TCP_SYN_S 60
+#define EKP_DEFAULT_TCP_CLOSED_S 10
+#define EKP_DEFAULT_UDP_S 30
+#define EKP_DEFAULT_UDP_STREAM_S 120
+/* A replied UDP flow becomes a stream (long timeout) once it is this old (the kernel's rule). */
+#define EKP_UDP_STREAM_AFTER_S 2
+
+#define EKP_CT_ENDING (EKP_CT_FIN_FWD | EKP_CT_FIN_REPLY | EKP_CT_RST)
 
 /* The decision taken for a new flow, from backend choice to conntrack entries. */
 struct ekp_flow {
+	__u32 svc_id;
 	__u32 backend_id;
 	__be32 be_addr;
-	__be16 be_port;
-	__u8 be_flags;
-	__u8 ct_flags;  /* EKP_CT_* */
+	__be32 fe_addr;
 	__be32 snat_addr;
+	__be16 be_port;
+	__be16 fe_port;
 	__be16 snat_port; /* chosen by ekp_ct_create when EKP_CT_SNAT */
-	__u16 rev_nat_id;
+	__u16 ct_flags;   /* EKP_CT_* */
+	__u8 be_flags;
+	__u8 remapped;    /* the reply tuple was taken: moved to another source port */
+	__u8 early_drop;  /* an unanswered flow was evicted for the port */
+	__u8 pad;
 };
 
-static __always_inline __u64 ekp_ct_timeout_ns(const struct ekp_config *cfg, __u8 proto, __u8 flags)
+static __always_inline __u32 ekp_cfg_or(__u32 value, __u32 dflt)
+{
+	return value ? value : dflt;
+}
+
+/* Closed: a RST, or FINs both ways. */
+static __always_inline int ekp_ct_closed(__u16 flags)
+{
+	return (flags & EKP_CT_RST) || ((flags & EKP_CT_FIN_FWD) && (flags & EKP_CT_FIN_REPLY));
+}
+
+static __always_inline __u64 ekp_ct_timeout_ns(const struct ekp_config *cfg, __u8 proto, __u16 flags)
 {
 	__u32 s;
 
-	if (flags & EKP_CT_CLOSING)
-		s = cfg->closing_timeout_s ? cfg->closing_timeout_s : EKP_DEFAULT_CLOSING_TIMEOUT_S;
-	else if (proto == IPPROTO_TCP)
-		s = cfg->tcp_timeout_s ? cfg->tcp_timeout_s : EKP_DEFAULT_TCP_TIMEOUT_S;
-	else
-		s = cfg->udp_timeout_s ? cfg->udp_timeout_s : EKP_DEFAULT_UDP_TIMEOUT_S;
+	if (proto == IPPROTO_TCP) {
+		if (ekp_ct_closed(flags))
+			s = ekp_cfg_or(cfg->tcp_closed_s, EKP_DEFAULT_TCP_CLOSED_S);
+		else if (flags & (EKP_CT_FIN_FWD | EKP_CT_FIN_REPLY))
+			s = ekp_cfg_or(cfg->tcp_close_wait_s, EKP_DEFAULT_TCP_CLOSE_WAIT_S);
+		else if (flags & EKP_CT_ESTABLISHED)
+			s = ekp_cfg_or(cfg->tcp_established_s, EKP_DEFAULT_TCP_ESTABLISHED_S);
+		else
+			s = ekp_cfg_or(cfg->tcp_syn_s, EKP_DEFAULT_TCP_SYN_S);
+	} else if (flags & EKP_CT_ESTABLISHED) {
+		s = ekp_cfg_or(cfg->udp_stream_s, EKP_DEFAULT_UDP_STREAM_S);
+	} else {
+		s = ekp_cfg_or(cfg->udp_s, EKP_DEFAULT_UDP_S);
+	}
 	return (__u64)s * EKP_NSEC;
 }
 
@@ -64,55 +102,178 @@ static __always_inline int ekp_ct_expired(const struct ekp_ct_entry *e, const st
 	return now > last && now - last > ekp_ct_timeout_ns(cfg, proto, e->flags);
 }
 
-/* A hit that may be used: alive; for TCP, no SYN on a closing flow: a SYN (without ACK) on a
- * closing FORWARD entry is the client reusing its port after TIME_WAIT (a new flow, a new backend
- * choice, as nf_conntrack does), and a SYN-ACK on a closing REPLY entry answers some other flow on
- * that tuple (a direct connection from the client's old port, see ekp_ct_reclaim): it passes
- * untranslated and does not refresh the entry. For UDP, a FORWARD entry needs its backend still in
- * ekp_be_v1 at the same address: kube-proxy deletes the conntrack entries of a removed UDP
- * endpoint so a resolver keeping its source port moves on; TCP flows keep their backend (a
- * terminating pod finishes its connections), as with kube-proxy. */
-static __always_inline int ekp_ct_usable(const struct ekp_ct_entry *e, const struct ekp_pkt *p,
-					 const struct ekp_config *cfg, __u64 now)
+static __always_inline int ekp_pure_syn(const struct ekp_pkt *p)
 {
-	if (ekp_ct_expired(e, cfg, p->proto, now))
-		return 0;
-	if (p->proto == IPPROTO_TCP) {
-		if (!(e->flags & EKP_CT_CLOSING))
-			return 1;
-		if (e->dir == EKP_CT_REPLY)
-			return !(p->tcp_flags & EKP_TCP_SYN);
-		return (p->tcp_flags & (EKP_TCP_SYN | EKP_TCP_ACK)) != EKP_TCP_SYN;
-	}
-	if (e->dir != EKP_CT_FORWARD)
-		return 1;
-
-	struct ekp_backend_key bk = {};
-	bk.id = e->backend_id;
-	struct ekp_backend *be = ekp_be_lookup(&bk);
-	return be && be->addr == e->nat_addr && be->port == e->nat_port;
+	return p->proto == IPPROTO_TCP && (p->tcp_flags & (EKP_TCP_SYN | EKP_TCP_ACK)) == EKP_TCP_SYN;
 }
 
-/* In-place refresh of a hit: coarse last_seen, and the closing mark on FIN/RST. */
-static __always_inline void ekp_ct_touch(struct ekp_ct_entry *e, const struct ekp_pkt *p, __u64 now)
-{
-	if ((p->tcp_flags & (EKP_TCP_FIN | EKP_TCP_RST)) && !(e->flags & EKP_CT_CLOSING)) {
-		e->flags |= EKP_CT_CLOSING;
-		e->last_seen_ns = now;
-		return;
-	}
-	if (now > e->last_seen_ns + EKP_CT_REFRESH_NS)
-		e->last_seen_ns = now;
-}
-
-static __always_inline void ekp_ct_key_of(struct ekp_ct_key *k, const struct ekp_pkt *p)
+static __always_inline void ekp_ct_key_of(struct ekp_ct_key *k, const struct ekp_pkt *p, __u8 dir)
 {
 	k->saddr = p->saddr;
 	k->daddr = p->daddr;
 	k->sport = p->sport;
 	k->dport = p->dport;
 	k->proto = p->proto;
+	k->dir = dir;
 }
+
+/* The key of the other entry of the flow that stores `e` under `k`. */
+static __always_inline void ekp_ct_twin_key(struct ekp_ct_key *t, const struct ekp_ct_key *k,
+					    const struct ekp_ct_entry *e)
+{
+	int snat = e->flags & EKP_CT_SNAT;
+
+	t->proto = k->proto;
+	if (k->dir == EKP_CT_FORWARD) {
+		t->dir = EKP_CT_REPLY;
+		t->saddr = e->nat_addr;
+		t->sport = e->nat_port;
+		t->daddr = snat ? e->snat_addr : k->saddr;
+		t->dport = snat ? e->snat_port : k->sport;
+	} else {
+		t->dir = EKP_CT_FORWARD;
+		t->saddr = snat ? e->nat_addr : k->daddr;
+		t->sport = snat ? e->nat_port : k->dport;
+		t->daddr = e->fe_addr;
+		t->dport = e->fe_port;
+	}
+}
+
+/* The twin's value, rebuilt from `e` stored under `k` (the state and times are shared). */
+static __always_inline void ekp_ct_twin_value(struct ekp_ct_entry *t, const struct ekp_ct_key *k,
+					      const struct ekp_ct_entry *e)
+{
+	int snat = e->flags & EKP_CT_SNAT;
+
+	*t = *e;
+	if (k->dir == EKP_CT_FORWARD) { /* build the REPLY entry */
+		t->nat_addr = snat ? k->saddr : 0;
+		t->nat_port = snat ? k->sport : 0;
+		t->snat_addr = 0;
+		t->snat_port = 0;
+	} else { /* build the FORWARD entry */
+		t->nat_addr = k->saddr;
+		t->nat_port = k->sport;
+		t->snat_addr = snat ? k->daddr : 0;
+		t->snat_port = snat ? k->dport : 0;
+	}
+}
+
+/* Whether `t` stored under `tk` is the twin of `e` stored under `k` (not a later flow that took
+ * the key): its own twin key is `k`, and it serves the same frontend and backend. */
+static __always_inline int ekp_ct_is_twin(const struct ekp_ct_entry *t, const struct ekp_ct_key *tk,
+					  const struct ekp_ct_entry *e, const struct ekp_ct_key *k)
+{
+	struct ekp_ct_key back = {};
+
+	if (t->fe_addr != e->fe_addr || t->fe_port != e->fe_port || t->backend_id != e->backend_id ||
+	    (t->flags & EKP_CT_SNAT) != (e->flags & EKP_CT_SNAT))
+		return 0;
+	ekp_ct_twin_key(&back, tk, t);
+	return back.saddr == k->saddr && back.daddr == k->daddr && back.sport == k->sport &&
+	       back.dport == k->dport && back.dir == k->dir;
+}
+
+/* Sets `set` on the entry `e` under `k` and on its twin (found, checked, left alone if absent). */
+static __always_inline void ekp_ct_mark(struct ekp_ct_entry *e, const struct ekp_ct_key *k, __u16 set)
+{
+	struct ekp_ct_key tk = {};
+
+	e->flags |= set;
+	ekp_ct_twin_key(&tk, k, e);
+	struct ekp_ct_entry *t = ekp_ct_lookup(&tk);
+	if (t && ekp_ct_is_twin(t, &tk, e, k))
+		t->flags |= set;
+}
+
+/* Deletes the twin of `e` under `k` when it is still its twin. */
+static __always_inline void ekp_ct_delete_twin(const struct ekp_ct_entry *e, const struct ekp_ct_key *k)
+{
+	struct ekp_ct_key tk = {};
+
+	ekp_ct_twin_key(&tk, k, e);
+	struct ekp_ct_entry *t = ekp_ct_lookup(&tk);
+	if (t && ekp_ct_is_twin(t, &tk, e, k))
+		ekp_ct_delete(&tk);
+}
+
+/* Once a second per entry: refresh last_seen, re-create a missing twin. Returns 1 when the twin
+ * was rebuilt. */
+static __always_inline int ekp_ct_refresh(struct ekp_ct_entry *e, const struct ekp_ct_key *k, __u64 now)
+{
+	if (now <= e->last_seen_ns + EKP_CT_REFRESH_NS)
+		return 0;
+	e->last_seen_ns = now;
+
+	struct ekp_ct_key tk = {};
+	ekp_ct_twin_key(&tk, k, e);
+	if (ekp_ct_lookup(&tk))
+		return 0; /* present (ours, or a later flow's: then not ours to replace) */
+	struct ekp_ct_entry twin;
+	ekp_ct_twin_value(&twin, k, e);
+	return ekp_ct_insert(&tk, &twin) == 0;
+}
+
+/* ---- using a hit -------------------------------------------------------------------------- */
+
+/* Whether a FORWARD hit may translate this packet. Not when expired; not for a TCP SYN (without
+ * ACK) on a flow that saw a FIN or RST: the client reusing its port is a new flow and a new
+ * backend choice, as nf_conntrack does. UDP flows follow their backend's membership: kube-proxy
+ * deletes the conntrack entries of a UDP endpoint that left the service, so a resolver that keeps
+ * its source port moves on (TCP flows keep their backend while it is on the node, as with
+ * kube-proxy: a terminating pod finishes its connections). */
+static __always_inline int ekp_ct_usable_forward(const struct ekp_ct_entry *e, const struct ekp_pkt *p,
+						 const struct ekp_config *cfg, __u64 now)
+{
+	if (ekp_ct_expired(e, cfg, p->proto, now))
+		return 0;
+	if (p->proto == IPPROTO_TCP)
+		return !(ekp_pure_syn(p) && (e->flags & EKP_CT_ENDING));
+	if (!e->svc_id || !e->backend_id)
+		return 1; /* a remapped direct flow: no service to be a member of */
+
+	struct ekp_member_key mk = {};
+	mk.svc_id = e->svc_id;
+	mk.backend_id = e->backend_id;
+	struct ekp_member *m = ekp_member_lookup(&mk);
+	return m && m->flags;
+}
+
+/* Whether a REPLY hit may translate this packet: alive, and no SYN-ACK on a flow that saw a FIN
+ * or RST: that answers some other connection on the tuple (a direct connection from the client's
+ * old port, see ekp_ct_reclaim), passes untranslated and does not refresh the entry. */
+static __always_inline int ekp_ct_usable_reply(const struct ekp_ct_entry *e, const struct ekp_pkt *p,
+					       const struct ekp_config *cfg, __u64 now)
+{
+	if (ekp_ct_expired(e, cfg, p->proto, now))
+		return 0;
+	return !(p->proto == IPPROTO_TCP && (p->tcp_flags & EKP_TCP_SYN) && (e->flags & EKP_CT_ENDING));
+}
+
+/* The state a packet moves its flow to (flags to add to both entries), 0 when none. */
+static __always_inline __u16 ekp_ct_transition(const struct ekp_ct_entry *e, const struct ekp_pkt *p, __u8 dir,
+					       __u64 now)
+{
+	__u16 set = 0, f = e->flags;
+
+	if (dir == EKP_CT_REPLY)
+		set |= EKP_CT_SEEN_REPLY;
+	if (p->proto == IPPROTO_TCP) {
+		if (p->tcp_flags & EKP_TCP_RST)
+			set |= EKP_CT_RST;
+		if (p->tcp_flags & EKP_TCP_FIN)
+			set |= dir == EKP_CT_FORWARD ? EKP_CT_FIN_FWD : EKP_CT_FIN_REPLY;
+		/* The client's ACK of the backend's SYN-ACK completes the handshake. */
+		if (dir == EKP_CT_FORWARD && (f & EKP_CT_SEEN_REPLY) && (p->tcp_flags & EKP_TCP_ACK) &&
+		    !(p->tcp_flags & EKP_TCP_SYN))
+			set |= EKP_CT_ESTABLISHED;
+	} else if ((f & EKP_CT_SEEN_REPLY) && (__u32)(now / EKP_NSEC) - e->created_s >= EKP_UDP_STREAM_AFTER_S) {
+		set |= EKP_CT_ESTABLISHED;
+	}
+	return set & ~f;
+}
+
+/* ---- new flows ---------------------------------------------------------------------------- */
 
 static __always_inline __u32 ekp_flow_hash(const struct ekp_pkt *p)
 {
@@ -129,54 +290,67 @@ static __always_inline __u32 ekp_flow_hash(const struct ekp_pkt *p)
 	return h;
 }
 
-/* Claims a SNAT port by inserting the REPLY entry {backend, node, bport, port} with BPF_NOEXIST:
- * the insert is the lock. An expired holder is overwritten. Returns 0 or a drop reason. */
-static __always_inline int ekp_snat_claim(struct ekp_ct_key *rkey, struct ekp_ct_entry *rent,
-					  const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now)
+/* Whether an entry holding a reply tuple a new flow wants may be taken over: dead (expired), or
+ * a TCP flow that closed while the newcomer is a SYN (the kernel's NAT takes a TIME_WAIT tuple
+ * the same way, nf_nat_used_tuple_harder). */
+static __always_inline int ekp_ct_reusable(const struct ekp_ct_entry *e, const struct ekp_pkt *p,
+					   const struct ekp_config *cfg, __u64 now)
 {
-	__u32 min = cfg->snat_port_min, max = cfg->snat_port_max;
-
-	if (!cfg->node_addr || !min || max < min)
-		return EKP_DROP_SNAT_PORTS;
-	__u32 range = max - min + 1;
-	__u32 h = ekp_flow_hash(p);
-
-	for (int i = 0; i < EKP_SNAT_PROBES; i++) {
-		rkey->dport = htons((__u16)(min + (h + i) % range));
-		if (ekp_ct_insert(rkey, rent) == 0)
-			return 0;
-		struct ekp_ct_entry *old = ekp_ct_lookup(rkey);
-		if (old && ekp_ct_expired(old, cfg, p->proto, now) && ekp_ct_update(rkey, rent) == 0)
-			return 0;
-	}
-	return EKP_DROP_SNAT_PORTS;
+	if (ekp_ct_expired(e, cfg, p->proto, now))
+		return 1;
+	return ekp_pure_syn(p) && ekp_ct_closed(e->flags);
 }
+
+#include "ekp_snat.h"
 
 /* Writes a new flow's entry under `k`. When the entry there already translates exactly the same
  * way (the tuple of an ended flow reused for the same backend, the common case of a busy client:
- * its ports come round again while the last flow on them is still closing), only last_seen and
- * flags are rewritten in place, which a concurrent reader may see in either order. Any other
+ * its ports come round again while the last flow on them is still closing), only the state and
+ * times are rewritten in place, which a concurrent reader may see in either order. Any other
  * entry is replaced by a map update: an LRU map update takes a new node and frees the old one,
  * ~2 us more per connect() in the bench when both entries of every flow were replaced. */
 static __always_inline int ekp_ct_write(struct ekp_ct_key *k, struct ekp_ct_entry *v)
 {
 	struct ekp_ct_entry *old = ekp_ct_lookup(k);
 
-	if (old && old->dir == v->dir && old->nat_addr == v->nat_addr && old->nat_port == v->nat_port &&
-	    old->snat_addr == v->snat_addr && old->snat_port == v->snat_port &&
-	    old->backend_id == v->backend_id && old->rev_nat_id == v->rev_nat_id &&
+	if (old && old->nat_addr == v->nat_addr && old->nat_port == v->nat_port && old->snat_addr == v->snat_addr &&
+	    old->snat_port == v->snat_port && old->fe_addr == v->fe_addr && old->fe_port == v->fe_port &&
+	    old->backend_id == v->backend_id && old->svc_id == v->svc_id &&
 	    (old->flags & EKP_CT_SNAT) == (v->flags & EKP_CT_SNAT)) {
 		old->last_seen_ns = v->last_seen_ns;
+		old->created_s = v->created_s;
 		old->flags = v->flags;
 		return 0;
 	}
 	return ekp_ct_update(k, v);
 }
 
+/* Puts the REPLY entry `rent` under `rkey`. A free tuple is claimed with BPF_NOEXIST (another CPU
+ * may have taken it since the lookup: the packet drops then, its retransmission tries again); an
+ * entry of another flow there (dead, or early-dropped) is replaced and its twin deleted; an entry
+ * of this very tuple's earlier flow (same frontend, same client) is rewritten (in place when it
+ * translates the same), its FORWARD twin being the key the new flow writes next. */
+static __always_inline int ekp_ct_place(struct ekp_ct_key *rkey, struct ekp_ct_entry *rent)
+{
+	struct ekp_ct_entry *old = ekp_ct_lookup(rkey);
+
+	if (!old)
+		return ekp_ct_insert(rkey, rent) == 0 ? 0 : EKP_DROP_SNAT_PORTS;
+	if (old->fe_addr != rent->fe_addr || old->fe_port != rent->fe_port ||
+	    (old->flags & EKP_CT_SNAT) != (rent->flags & EKP_CT_SNAT) || old->nat_addr != rent->nat_addr ||
+	    old->nat_port != rent->nat_port)
+		ekp_ct_delete_twin(old, rkey);
+	return ekp_ct_write(rkey, rent) == 0 ? 0 : EKP_DROP_CT_FULL;
+}
+
 /* Inserts the REPLY then the FORWARD entry of a new flow (a reply can never beat its entry).
- * With EKP_CT_SNAT, chooses f->snat_port. Returns 0 or a drop reason. */
-static __always_inline int ekp_ct_create(const struct ekp_pkt *p, struct ekp_flow *f,
-					 const struct ekp_config *cfg, __u64 now)
+ * Source-translated flows (EKP_CT_SNAT) get a port from the SNAT range. An untranslated flow
+ * whose reply tuple is held by a live flow of another frontend (one client port reaching one
+ * backend through two frontends; a direct connection on a live flow's tuple) keeps its client
+ * address but gets another source port (EKP_STAT_PORT_REMAP), as the kernel's NAT would: a
+ * hijacked reply is never an option. Returns 0 or a drop reason. */
+static __always_inline int ekp_ct_create(const struct ekp_pkt *p, struct ekp_flow *f, const struct ekp_config *cfg,
+					 __u64 now)
 {
 	struct ekp_ct_key rkey = {};
 	struct ekp_ct_entry rent = {};
@@ -185,88 +359,72 @@ static __always_inline int ekp_ct_create(const struct ekp_pkt *p, struct ekp_flo
 	rkey.saddr = f->be_addr;
 	rkey.sport = f->be_port;
 	rkey.proto = p->proto;
-	rent.last_seen_ns = now;
-	rent.backend_id = f->backend_id;
-	rent.rev_nat_id = f->rev_nat_id;
-	rent.dir = EKP_CT_REPLY;
-	rent.flags = f->ct_flags;
+	rkey.dir = EKP_CT_REPLY;
 
-	if (f->ct_flags & EKP_CT_SNAT) {
-		rkey.daddr = cfg->node_addr;
-		rent.nat_addr = p->saddr;
-		rent.nat_port = p->sport;
-		reason = ekp_snat_claim(&rkey, &rent, p, cfg, now);
-		if (reason)
-			return reason;
-		f->snat_addr = cfg->node_addr;
-		f->snat_port = rkey.dport;
-	} else {
-		/* Overwrites: a stale entry of an earlier flow on this tuple (port reuse). Known limit:
-		 * one client port reaching one backend through two frontends at once shares this key. */
+	if (!(f->ct_flags & EKP_CT_SNAT)) {
 		rkey.daddr = p->saddr;
 		rkey.dport = p->sport;
-		if (ekp_ct_write(&rkey, &rent))
-			return EKP_DROP_CT_FULL;
+		struct ekp_ct_entry *old = ekp_ct_lookup(&rkey);
+		/* Taken by a live flow of another frontend: keep the client's address, move its port. */
+		if (old && (old->fe_addr != f->fe_addr || old->fe_port != f->fe_port || (old->flags & EKP_CT_SNAT)) &&
+		    !ekp_ct_reusable(old, p, cfg, now)) {
+			f->ct_flags |= EKP_CT_SNAT;
+			f->remapped = 1;
+			f->snat_addr = p->saddr;
+		}
+	} else if (!f->remapped) { /* a remapped direct connection keeps its own address */
+		f->snat_addr = cfg->node_addr;
+		if (!f->snat_addr)
+			return EKP_DROP_SNAT_PORTS;
 	}
+	if (f->ct_flags & EKP_CT_SNAT) {
+		rkey.daddr = f->snat_addr;
+		reason = ekp_snat_find(&rkey, p, cfg, now, &f->early_drop);
+		if (reason)
+			return reason;
+		f->snat_port = rkey.dport;
+		rent.nat_addr = p->saddr;
+		rent.nat_port = p->sport;
+	}
+	rent.last_seen_ns = now;
+	rent.created_s = now / EKP_NSEC;
+	rent.fe_addr = f->fe_addr;
+	rent.fe_port = f->fe_port;
+	rent.svc_id = f->svc_id;
+	rent.backend_id = f->backend_id;
+	rent.flags = f->ct_flags;
+	reason = ekp_ct_place(&rkey, &rent);
+	if (reason)
+		return reason;
 
+	/* The FORWARD entry: the REPLY one rebuilt from its own key (ekp_ct_twin_value). */
 	struct ekp_ct_key fkey = {};
-	struct ekp_ct_entry fent = {};
-
-	ekp_ct_key_of(&fkey, p);
-	fent.last_seen_ns = now;
-	fent.nat_addr = f->be_addr;
-	fent.nat_port = f->be_port;
-	fent.snat_addr = f->snat_addr;
-	fent.snat_port = f->snat_port;
-	fent.backend_id = f->backend_id;
-	fent.rev_nat_id = f->rev_nat_id;
-	fent.dir = EKP_CT_FORWARD;
-	fent.flags = f->ct_flags;
-	if (ekp_ct_write(&fkey, &fent)) {
+	ekp_ct_key_of(&fkey, p, EKP_CT_FORWARD);
+	ekp_ct_twin_value(&rent, &rkey, &rent);
+	if (ekp_ct_write(&fkey, &rent)) {
 		ekp_ct_delete(&rkey);
 		return EKP_DROP_CT_FULL;
 	}
 	return 0;
 }
 
-/* The FORWARD key of the flow that owns the REPLY entry `r` stored under `rkey`: the client is the
- * entry's nat address when the flow was source-translated, else the REPLY key's destination; the
- * frontend is the flow's reverse NAT target. */
-static __always_inline void ekp_ct_forward_key(struct ekp_ct_key *fkey, const struct ekp_ct_key *rkey,
-					       const struct ekp_ct_entry *r, const struct ekp_revnat *rn)
-{
-	int snat = r->flags & EKP_CT_SNAT;
+/* ---- a direct connection on a translated flow's tuple ------------------------------------ */
 
-	fkey->saddr = snat ? r->nat_addr : rkey->daddr;
-	fkey->sport = snat ? r->nat_port : rkey->dport;
-	fkey->daddr = rn->addr;
-	fkey->dport = rn->port;
-	fkey->proto = rkey->proto;
-}
-
-/* Whether the FORWARD entry `f` belongs to the same flow as the REPLY entry `r` under `rkey`
- * (the FORWARD key may since have been taken by a later flow to another backend). */
-static __always_inline int ekp_ct_twins(const struct ekp_ct_entry *f, const struct ekp_ct_key *rkey,
-					const struct ekp_ct_entry *r)
-{
-	if (f->dir != EKP_CT_FORWARD || f->rev_nat_id != r->rev_nat_id || f->nat_addr != rkey->saddr ||
-	    f->nat_port != rkey->sport)
-		return 0;
-	return !(f->flags & EKP_CT_SNAT) || (f->snat_addr == rkey->daddr && f->snat_port == rkey->dport);
-}
+enum ekp_reclaim {
+	EKP_RECLAIM_NONE = 0, /* no flow of ours holds the tuple, or a stale one was cleared */
+	EKP_RECLAIM_LIVE = 1, /* a live translated flow holds it: the newcomer needs another port */
+};
 
 /* A TCP SYN that is no service flow (it missed conntrack and the frontends), client:P ->
  * server:port, may reuse the tuple of a translated flow seen from the server's side: the flow
  * client:P -> frontend -> server:port left the REPLY entry {server, client, port, P}. If that
- * flow has ended, its REPLY entry would reverse-translate the new connection's SYN-ACK to come
- * from the frontend, the client would never accept it, and each retransmitted SYN-ACK would
- * refresh the entry. So the old pair is deleted when it is stale: the REPLY entry expired or
- * closing, or its FORWARD twin missing, taken by another flow, expired or closing, or its
- * frontend's reverse NAT entry gone. A live pair (neither direction closed) stays: the server
- * then holds a connection on this very 4-tuple, which the new one cannot share (nf_conntrack
- * would move the newcomer to another source port; we do not rewrite untranslated flows), and the
- * established flow is kept. One lookup per such SYN, a miss unless the tuple was used before. */
-static __always_inline void ekp_ct_reclaim(const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now)
+ * flow has ended (the REPLY entry expired or closing, or its FORWARD twin missing, taken by
+ * another flow, expired or closing), its REPLY entry would reverse-translate the new connection's
+ * SYN-ACK to come from the frontend: both entries are deleted. If it is live, the server holds a
+ * connection on this very 4-tuple, which the newcomer cannot share: the caller gives the newcomer
+ * another source port (nf_conntrack does the same). One lookup per such SYN, a miss unless the
+ * tuple was used before. */
+static __always_inline int ekp_ct_reclaim(const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now)
 {
 	struct ekp_ct_key rkey = {};
 
@@ -275,33 +433,27 @@ static __always_inline void ekp_ct_reclaim(const struct ekp_pkt *p, const struct
 	rkey.sport = p->dport;
 	rkey.dport = p->sport;
 	rkey.proto = p->proto;
+	rkey.dir = EKP_CT_REPLY;
 	struct ekp_ct_entry *rp = ekp_ct_lookup(&rkey);
-	if (!rp || rp->dir != EKP_CT_REPLY)
-		return;
-	struct ekp_ct_entry r = *rp;
-	int stale = (r.flags & EKP_CT_CLOSING) || ekp_ct_expired(&r, cfg, p->proto, now);
+	if (!rp)
+		return EKP_RECLAIM_NONE;
+	int stale = (rp->flags & EKP_CT_ENDING) || ekp_ct_expired(rp, cfg, p->proto, now);
 	int twin = 0;
 	struct ekp_ct_key fkey = {};
-	struct ekp_revnat_key nk = {};
 
-	nk.id = r.rev_nat_id;
-	struct ekp_revnat *rn = ekp_rnat_lookup(&nk);
-	if (rn) {
-		ekp_ct_forward_key(&fkey, &rkey, &r, rn);
-		struct ekp_ct_entry *f = ekp_ct_lookup(&fkey);
-		if (f && ekp_ct_twins(f, &rkey, &r)) {
-			twin = 1;
-			if ((f->flags & EKP_CT_CLOSING) || ekp_ct_expired(f, cfg, p->proto, now))
-				stale = 1;
-		}
+	ekp_ct_twin_key(&fkey, &rkey, rp);
+	struct ekp_ct_entry *fp = ekp_ct_lookup(&fkey);
+	if (fp && ekp_ct_is_twin(fp, &fkey, rp, &rkey)) {
+		twin = 1;
+		if ((fp->flags & EKP_CT_ENDING) || ekp_ct_expired(fp, cfg, p->proto, now))
+			stale = 1;
 	}
-	if (!twin)
-		stale = 1;
-	if (!stale)
-		return;
+	if (twin && !stale)
+		return EKP_RECLAIM_LIVE;
 	ekp_ct_delete(&rkey);
 	if (twin)
 		ekp_ct_delete(&fkey);
+	return EKP_RECLAIM_NONE;
 }
 
 #endif /* EKP_CT_H */

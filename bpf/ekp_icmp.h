@@ -1,10 +1,15 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * ekp_icmp.h: turning a packet to a service without endpoints into the ICMP destination
- * unreachable / port unreachable (type 3 code 3) kube-proxy's `-j REJECT` would send, in place.
+ * ekp_icmp.h: turning a packet into the ICMP error that answers it, in place:
+ *   - destination unreachable / port unreachable (type 3 code 3), the answer of kube-proxy's
+ *     `-j REJECT` for a service without endpoints, from the frontend the client targeted;
+ *   - destination unreachable / fragmentation needed (type 3 code 4) with the next-hop MTU, when
+ *     a translated packet with DF set is too big for the device it would leave by, from the
+ *     address the sender targeted, quoting the packet as the sender sent it (before our
+ *     translation), so the sender's stack matches it to its socket and lowers its path MTU.
  *
  *   in:  | eth | IP (ihl*4) | L4 ... payload |
- *   out: | eth, MACs swapped | IP: frontend -> client, ICMP | ICMP 3/3 | IP (ihl*4) | 8 bytes |
+ *   out: | eth, MACs swapped | IP: target -> sender, ICMP | ICMP 3/x | IP (ihl*4) | 8 bytes |
  *
  * Shaping: bpf_skb_change_tail trims the frame to Ethernet + the quote (the original IP header,
  * options included, and the first 8 bytes of its payload, RFC 792), then
@@ -23,8 +28,8 @@
  * veth with tx checksumming turned off) would spoil the ICMP checksum.
  *
  * Not answered (the caller drops): a TCP RST; a source that is not a unicast host (0/8,
- * 127/8, multicast, class E, broadcast), as icmp_send refuses. Never called for ICMP (not
- * parsed) or for fragments. Unlike the kernel's icmp_send there is no rate limit.
+ * 127/8, multicast, class E, broadcast), as icmp_send refuses. Never called for ICMP. Rejects
+ * are rate-limited by the caller (ekp_ratelimit.h); fragmentation needed is not, as in the kernel.
  */
 #ifndef EKP_ICMP_H
 #define EKP_ICMP_H
@@ -34,6 +39,7 @@
 #include <linux/ip.h>
 #include <linux/pkt_cls.h>
 
+#include "ekp_nat.h"
 #include "ekp_parse.h"
 
 #define EKP_ICMP_L4_QUOTE 8      /* RFC 792: the first 64 bits of the datagram's data */
@@ -51,14 +57,12 @@ struct ekp_icmp_hdrs {
 
 _Static_assert(sizeof(struct ekp_icmp_hdrs) == 28, "IPv4 header + ICMP header");
 
-static __always_inline __u16 ekp_csum_fold(__s64 sum)
-{
-	__u32 s = (__u32)sum;
-
-	s = (s & 0xffff) + (s >> 16);
-	s = (s & 0xffff) + (s >> 16);
-	return (__u16)~s;
-}
+/* Working memory of ekp_icmp_unreach, kept off the 512-byte stack (ekp_tc_scratch.h). */
+struct ekp_icmp_work {
+	struct ekp_icmp_hdrs h;
+	__u8 macs[2 * ETH_ALEN];
+	__u8 quote[EKP_ICMP_QUOTE_MAX]; /* zero tail: adds nothing to the checksum */
+};
 
 /* Whether the client gets an answer: any UDP, TCP without RST, from a unicast host address. */
 static __always_inline int ekp_icmp_wanted(const struct ekp_pkt *p)
@@ -73,58 +77,62 @@ static __always_inline int ekp_icmp_wanted(const struct ekp_pkt *p)
 	return 1;
 }
 
-/* Rewrites the skb into the ICMP port unreachable answering `p` (see the top of this file); the
- * caller redirects it to the egress of the device it came in on. 0, or -1 when the skb could not
- * be shaped: drop it then (the frame may be half rewritten). */
-static __always_inline int ekp_icmp_port_unreach(struct __sk_buff *skb, const struct ekp_pkt *p)
+/* Rewrites the skb into the ICMP error (type 3, `code`; `mtu` for fragmentation needed) answering
+ * `p` (see the top of this file); the caller redirects it to the egress of the device it came in
+ * on. 0, or -1 when the skb could not be shaped: drop it then (the frame may be half rewritten). */
+static __always_inline int ekp_icmp_unreach(struct __sk_buff *skb, const struct ekp_pkt *p, __u8 code, __u16 mtu,
+					    struct ekp_icmp_work *w)
 {
-	__u8 macs[2 * ETH_ALEN];
-	__u8 quote[EKP_ICMP_QUOTE_MAX] = {}; /* zero tail: adds nothing to the checksum */
-	struct ekp_icmp_hdrs h = {};
-	__u32 ihl = p->l4_off - EKP_IP_OFF;
+	/* The parser bounds ihl to 20..60 in steps of 4; the mask tells the verifier, which does not
+	 * follow values through the per-CPU work area. */
+	__u32 ihl = (p->l4_off - EKP_IP_OFF) & 0x3c;
 	__u32 qlen = ihl + EKP_ICMP_L4_QUOTE;
 
-	if (bpf_skb_load_bytes(skb, 0, macs, sizeof(macs)) < 0)
+	__builtin_memset(w, 0, sizeof(*w));
+	if (bpf_skb_load_bytes(skb, 0, w->macs, sizeof(w->macs)) < 0)
 		return -1;
 	if (bpf_skb_change_tail(skb, EKP_IP_OFF + qlen, 0) < 0) {
 		/* CHECKSUM_PARTIAL keeps the TCP checksum field (bytes 16-17) in the frame. */
-		if (p->proto != IPPROTO_TCP)
+		if (p->proto != IPPROTO_TCP || p->frag == EKP_FRAG_LATER)
 			return -1;
 		qlen = ihl + EKP_ICMP_L4_QUOTE_TCP;
 		if (bpf_skb_change_tail(skb, EKP_IP_OFF + qlen, 0) < 0)
 			return -1;
 	}
-	if (qlen < sizeof(struct iphdr) + EKP_ICMP_L4_QUOTE || qlen > EKP_ICMP_QUOTE_MAX)
-		return -1; /* the parser bounds ihl to 20..60: this only tells the verifier */
-	if (bpf_skb_load_bytes(skb, EKP_IP_OFF, quote, qlen) < 0)
+	if (ihl < sizeof(struct iphdr))
 		return -1;
-	if (bpf_skb_adjust_room(skb, sizeof(h), BPF_ADJ_ROOM_MAC, 0) < 0)
+	if (bpf_skb_load_bytes(skb, EKP_IP_OFF, w->quote, qlen) < 0)
+		return -1;
+	if (bpf_skb_adjust_room(skb, sizeof(w->h), BPF_ADJ_ROOM_MAC, 0) < 0)
 		return -1;
 
-	h.ip.version = 4;
-	h.ip.ihl = sizeof(h.ip) / 4;
-	h.ip.tos = (p->tos & EKP_IPTOS_TOS_MASK) | EKP_IPTOS_PREC_INTERNETCONTROL;
-	h.ip.tot_len = htons(sizeof(h) + qlen);
-	h.ip.id = (__be16)bpf_get_prandom_u32();
-	h.ip.ttl = EKP_ICMP_TTL;
-	h.ip.protocol = IPPROTO_ICMP;
-	h.ip.saddr = p->daddr; /* the frontend the client targeted */
-	h.ip.daddr = p->saddr;
-	h.ip.check = ekp_csum_fold(bpf_csum_diff(0, 0, (void *)&h.ip, sizeof(h.ip), 0));
+	struct ekp_icmp_hdrs *h = &w->h;
+	h->ip.version = 4;
+	h->ip.ihl = sizeof(h->ip) / 4;
+	h->ip.tos = (p->tos & EKP_IPTOS_TOS_MASK) | EKP_IPTOS_PREC_INTERNETCONTROL;
+	h->ip.tot_len = htons(sizeof(*h) + qlen);
+	h->ip.id = (__be16)bpf_get_prandom_u32();
+	h->ip.ttl = EKP_ICMP_TTL;
+	h->ip.protocol = IPPROTO_ICMP;
+	h->ip.saddr = p->daddr; /* the address the sender targeted (the frontend, for a reject) */
+	h->ip.daddr = p->saddr;
+	h->ip.check = ekp_csum_fold(bpf_csum_diff(0, 0, (void *)&h->ip, sizeof(h->ip), 0));
 
-	h.icmp.type = ICMP_DEST_UNREACH;
-	h.icmp.code = ICMP_PORT_UNREACH;
-	__s64 sum = bpf_csum_diff(0, 0, (void *)&h.icmp, sizeof(h.icmp), 0);
+	h->icmp.type = ICMP_DEST_UNREACH;
+	h->icmp.code = code;
+	if (code == ICMP_FRAG_NEEDED)
+		h->icmp.un.frag.mtu = htons(mtu);
+	__s64 sum = bpf_csum_diff(0, 0, (void *)&h->icmp, sizeof(h->icmp), 0);
 	if (sum < 0)
 		return -1;
-	sum = bpf_csum_diff(0, 0, (void *)quote, sizeof(quote), (__u32)sum);
+	sum = bpf_csum_diff(0, 0, (void *)w->quote, sizeof(w->quote), (__u32)sum);
 	if (sum < 0)
 		return -1;
-	h.icmp.checksum = ekp_csum_fold(sum);
+	h->icmp.checksum = ekp_csum_fold(sum);
 
-	if (bpf_skb_store_bytes(skb, EKP_IP_OFF, &h, sizeof(h), BPF_F_RECOMPUTE_CSUM) < 0 ||
-	    bpf_skb_store_bytes(skb, 0, macs + ETH_ALEN, ETH_ALEN, 0) < 0 ||
-	    bpf_skb_store_bytes(skb, ETH_ALEN, macs, ETH_ALEN, 0) < 0)
+	if (bpf_skb_store_bytes(skb, EKP_IP_OFF, h, sizeof(*h), BPF_F_RECOMPUTE_CSUM) < 0 ||
+	    bpf_skb_store_bytes(skb, 0, w->macs + ETH_ALEN, ETH_ALEN, 0) < 0 ||
+	    bpf_skb_store_bytes(skb, ETH_ALEN, w->macs, ETH_ALEN, 0) < 0)
 		return -1;
 	return 0;
 }

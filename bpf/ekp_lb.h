@@ -2,11 +2,16 @@
 /*
  * ekp_lb.h: service lookup and backend choice for a packet that starts a new flow.
  *
- *   frontend  ekp_fe_v1 {daddr, dport, proto, scope of the program}
- *   ranges    ekp_srcr_v1 {64, rev_nat_id, saddr} (LPM) when EKP_FE_SOURCE_RANGES
- *   affinity  ekp_aff_v1 {saddr, set_id} when EKP_FE_AFFINITY and affinity_timeout > 0
- *   slot      ekp_slot_v1 {set_id, 1 + random % count} -> backend_id
- *   backend   ekp_be_v1 {backend_id}
+ *   frontend    ekp_fe_v2 {daddr, dport, proto, scope of the program}
+ *   ranges      ekp_srcr_v2 {64, rev_nat_id, saddr} (LPM) when EKP_FE_SOURCE_RANGES
+ *   affinity    ekp_aff_v2 {saddr, svc_id} when EKP_FE_AFFINITY and affinity_timeout > 0,
+ *               honoured only while ekp_member_v2 {svc_id, backend} holds the backend in the set
+ *               this frontend uses (EKP_MEMBER_LOCAL for EKP_FE_LOCAL frontends, else CLUSTER)
+ *   slot        ekp_slot_v2 {set_id, 1 + random % count} -> backend_id
+ *   backend     ekp_be_v2 {backend_id}
+ *
+ * Backend ids are shared between services, so "the id still exists" says nothing about whether
+ * the backend still serves *this* service port: membership does (Cilium's LB_AFFINITY_MATCH_MAP).
  */
 #ifndef EKP_LB_H
 #define EKP_LB_H
@@ -37,6 +42,19 @@ static __always_inline int ekp_source_allowed(__u16 rev_nat_id, __be32 saddr)
 	return ekp_srcr_lookup(&k) != NULL;
 }
 
+/* Whether `backend_id` is in the set frontend `fe` chooses from. */
+static __always_inline int ekp_is_member(const struct ekp_frontend *fe, __u32 backend_id)
+{
+	struct ekp_member_key k = {};
+
+	k.svc_id = fe->svc_id;
+	k.backend_id = backend_id;
+	struct ekp_member *m = ekp_member_lookup(&k);
+	if (!m)
+		return 0;
+	return m->flags & ((fe->flags & EKP_FE_LOCAL) ? EKP_MEMBER_LOCAL : EKP_MEMBER_CLUSTER);
+}
+
 /* Fills f->backend_*; sets *aff_hit when the client's remembered backend was used.
  * Returns 0 or a drop reason. */
 static __always_inline int ekp_pick_backend(const struct ekp_frontend *fe, const struct ekp_pkt *p, __u64 now,
@@ -48,13 +66,15 @@ static __always_inline int ekp_pick_backend(const struct ekp_frontend *fe, const
 	int affinity = (fe->flags & EKP_FE_AFFINITY) && fe->affinity_timeout;
 
 	ak.client = p->saddr;
-	ak.set_id = fe->set_id;
+	ak.svc_id = fe->svc_id;
 	if (affinity) {
 		struct ekp_affinity *a = ekp_aff_lookup(&ak);
 		if (a) {
 			__u64 last = a->last_seen_ns;
-			if (now <= last || now - last < (__u64)fe->affinity_timeout * EKP_NSEC) {
-				bk.id = a->backend_id;
+			__u32 remembered = a->backend_id;
+			if ((now <= last || now - last < (__u64)fe->affinity_timeout * EKP_NSEC) &&
+			    ekp_is_member(fe, remembered)) {
+				bk.id = remembered;
 				be = ekp_be_lookup(&bk); /* gone: choose again */
 				if (be)
 					*aff_hit = 1;

@@ -3,7 +3,7 @@
  * ekp_maps.h: every BPF map of the data path, declared once.
  *
  * Names are exactly agent/ebpf/abi.py's MAPS (`ekp_<role>_v<EKP_ABI_VERSION>`); test_abi.py parses
- * this file and checks names, kinds, key/value structs and size macros against the registry.
+ * this file and checks names, kinds, key/value structs, size macros and flags against the registry.
  *
  * Every map is pinned under EKP_PIN_DIR (a string macro given by the loader, for example
  * -DEKP_PIN_DIR=\"/sys/fs/bpf/ebpf-kube-proxy\"): bcc creates the pin or silently reuses an
@@ -21,59 +21,74 @@
 #ifndef EKP_PIN_DIR
 #error "EKP_PIN_DIR must be defined, e.g. -DEKP_PIN_DIR=\"/sys/fs/bpf/ebpf-kube-proxy\""
 #endif
-#if !defined(EKP_FE_MAX) || !defined(EKP_SLOT_MAX) || !defined(EKP_BE_MAX) || !defined(EKP_RNAT_MAX) || \
-	!defined(EKP_CT_MAX) || !defined(EKP_AFF_MAX) || !defined(EKP_SRCR_MAX) || !defined(EKP_CFG_MAX) || \
-	!defined(EKP_STATS_MAX)
+#if !defined(EKP_FE_MAX) || !defined(EKP_SLOT_MAX) || !defined(EKP_BE_MAX) || !defined(EKP_RNAT_MAX) ||         \
+	!defined(EKP_MEMBER_MAX) || !defined(EKP_CT_TCP_MAX) || !defined(EKP_CT_ANY_MAX) ||                     \
+	!defined(EKP_FRAG_MAX) || !defined(EKP_AFF_MAX) || !defined(EKP_SRCR_MAX) || !defined(EKP_CFG_MAX) ||  \
+	!defined(EKP_CFGSEL_MAX) || !defined(EKP_ICMPRL_MAX) || !defined(EKP_STATS_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
-_Static_assert(EKP_STATS_MAX == EKP_STAT_MAX, "ekp_stats_v1 must have one slot per enum ekp_stat");
-_Static_assert(EKP_CFG_MAX == 1, "ekp_cfg_v1 holds exactly one struct ekp_config");
+_Static_assert(EKP_STATS_MAX == EKP_STAT_MAX, "ekp_stats_v2 must have one slot per enum ekp_stat");
+_Static_assert(EKP_CFG_MAX == 2, "ekp_cfg_v2 holds exactly two struct ekp_config (double buffer)");
+_Static_assert(EKP_CFGSEL_MAX == 1, "ekp_cfgsel_v2 holds exactly one selector");
+_Static_assert(EKP_ICMPRL_MAX == 1, "ekp_icmprl_v2 holds one bucket per CPU");
 
 #define EKP_PIN(name) EKP_PIN_DIR "/" #name
 
 /* Service tables, written by the agent only. */
-BPF_TABLE_PINNED("hash", struct ekp_frontend_key, struct ekp_frontend, ekp_fe_v1, EKP_FE_MAX, EKP_PIN(ekp_fe_v1));
-BPF_TABLE_PINNED("hash", struct ekp_slot_key, struct ekp_slot, ekp_slot_v1, EKP_SLOT_MAX, EKP_PIN(ekp_slot_v1));
-BPF_TABLE_PINNED("hash", struct ekp_backend_key, struct ekp_backend, ekp_be_v1, EKP_BE_MAX, EKP_PIN(ekp_be_v1));
-BPF_TABLE_PINNED("hash", struct ekp_revnat_key, struct ekp_revnat, ekp_rnat_v1, EKP_RNAT_MAX, EKP_PIN(ekp_rnat_v1));
-BPF_TABLE_PINNED("lpm_trie", struct ekp_srcrange_key, struct ekp_srcrange, ekp_srcr_v1, EKP_SRCR_MAX,
-		 EKP_PIN(ekp_srcr_v1), BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("array", u32, struct ekp_config, ekp_cfg_v1, EKP_CFG_MAX, EKP_PIN(ekp_cfg_v1));
+BPF_TABLE_PINNED("hash", struct ekp_frontend_key, struct ekp_frontend, ekp_fe_v2, EKP_FE_MAX, EKP_PIN(ekp_fe_v2));
+BPF_TABLE_PINNED("hash", struct ekp_slot_key, struct ekp_slot, ekp_slot_v2, EKP_SLOT_MAX, EKP_PIN(ekp_slot_v2));
+BPF_TABLE_PINNED("hash", struct ekp_backend_key, struct ekp_backend, ekp_be_v2, EKP_BE_MAX, EKP_PIN(ekp_be_v2));
+BPF_TABLE_PINNED("hash", struct ekp_revnat_key, struct ekp_revnat, ekp_rnat_v2, EKP_RNAT_MAX, EKP_PIN(ekp_rnat_v2));
+BPF_TABLE_PINNED("hash", struct ekp_member_key, struct ekp_member, ekp_member_v2, EKP_MEMBER_MAX,
+		 EKP_PIN(ekp_member_v2));
+BPF_TABLE_PINNED("lpm_trie", struct ekp_srcrange_key, struct ekp_srcrange, ekp_srcr_v2, EKP_SRCR_MAX,
+		 EKP_PIN(ekp_srcr_v2), BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("array", u32, struct ekp_config, ekp_cfg_v2, EKP_CFG_MAX, EKP_PIN(ekp_cfg_v2));
+BPF_TABLE_PINNED("array", u32, struct ekp_config_sel, ekp_cfgsel_v2, EKP_CFGSEL_MAX, EKP_PIN(ekp_cfgsel_v2));
 
-/* Flow state, written by the data path (LRU: a full table evicts the oldest flows). One LRU list
- * per CPU (BPF_F_NO_COMMON_LRU): with the kernel's common list, ClusterIP connect() p99 was ~49 us
- * against ~20 us direct, even with the table far from full (README Benchmarks); likely the common
- * list's refill of a CPU's free nodes, 128 at a time under the map-wide lock, every 128 inserts.
- * The price: each CPU owns max_entries / possible CPUs entries (the kernel rounds max_entries up
- * to a multiple) and evicts its own oldest when they run out, even while other CPUs have room.
- * The loader checks an existing pin's map_flags (agent/ebpf/loader.py). */
-BPF_TABLE_PINNED("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_v1, EKP_CT_MAX, EKP_PIN(ekp_ct_v1),
-		 BPF_F_NO_COMMON_LRU);
-BPF_TABLE_PINNED("lru_hash", struct ekp_affinity_key, struct ekp_affinity, ekp_aff_v1, EKP_AFF_MAX,
-		 EKP_PIN(ekp_aff_v1), BPF_F_NO_COMMON_LRU);
+/* Flow state, written by the data path (LRU: a full table evicts the least recently used). The
+ * kernel's common LRU list (no BPF_F_NO_COMMON_LRU): every CPU can use every entry, so the tables
+ * hold what their size says (see bpf/README.md, "Conntrack capacity", for the measurement that
+ * decided it). TCP and the other protocols have separate tables, as Cilium's, so a UDP flood
+ * cannot evict TCP flows. */
+BPF_TABLE_PINNED("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_tcp_v2, EKP_CT_TCP_MAX,
+		 EKP_PIN(ekp_ct_tcp_v2));
+BPF_TABLE_PINNED("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_any_v2, EKP_CT_ANY_MAX,
+		 EKP_PIN(ekp_ct_any_v2));
+BPF_TABLE_PINNED("lru_hash", struct ekp_frag_key, struct ekp_frag, ekp_frag_v2, EKP_FRAG_MAX, EKP_PIN(ekp_frag_v2));
+BPF_TABLE_PINNED("lru_hash", struct ekp_affinity_key, struct ekp_affinity, ekp_aff_v2, EKP_AFF_MAX,
+		 EKP_PIN(ekp_aff_v2));
 
-/* Counters: per-CPU, indexed by enum ekp_stat; userspace sums the CPUs. */
-BPF_TABLE_PINNED("percpu_array", u32, u64, ekp_stats_v1, EKP_STATS_MAX, EKP_PIN(ekp_stats_v1));
+/* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
+BPF_TABLE_PINNED("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX, EKP_PIN(ekp_icmprl_v2));
+BPF_TABLE_PINNED("percpu_array", u32, u64, ekp_stats_v2, EKP_STATS_MAX, EKP_PIN(ekp_stats_v2));
 
 /*
  * Map access. bcc rewrites `map.lookup(...)` into helper calls only inside the main source file
  * (its rewrite of an included header is discarded, leaving an indirect call the verifier rejects
  * as "unknown opcode 8d"), so the headers reach the maps only through these one-line functions,
- * defined in ekp_tc.c. update = BPF_ANY, insert = BPF_NOEXIST.
+ * defined in ekp_tc.c. update = BPF_ANY, insert = BPF_NOEXIST. The conntrack accessors pick the
+ * TCP or the other table by the key's protocol.
  */
 static __always_inline struct ekp_frontend *ekp_fe_lookup(struct ekp_frontend_key *k);
 static __always_inline struct ekp_slot *ekp_slot_lookup(struct ekp_slot_key *k);
 static __always_inline struct ekp_backend *ekp_be_lookup(struct ekp_backend_key *k);
-static __always_inline struct ekp_revnat *ekp_rnat_lookup(struct ekp_revnat_key *k);
+static __always_inline struct ekp_member *ekp_member_lookup(struct ekp_member_key *k);
 static __always_inline struct ekp_srcrange *ekp_srcr_lookup(struct ekp_srcrange_key *k);
 static __always_inline struct ekp_config *ekp_cfg_lookup(u32 *k);
+static __always_inline struct ekp_config_sel *ekp_cfgsel_lookup(u32 *k);
 static __always_inline struct ekp_ct_entry *ekp_ct_lookup(struct ekp_ct_key *k);
+static __always_inline struct ekp_ct_entry *ekp_ct_tcp_lookup(struct ekp_ct_key *k);
+static __always_inline struct ekp_ct_entry *ekp_ct_any_lookup(struct ekp_ct_key *k);
 static __always_inline int ekp_ct_update(struct ekp_ct_key *k, struct ekp_ct_entry *v);
 static __always_inline int ekp_ct_insert(struct ekp_ct_key *k, struct ekp_ct_entry *v);
 static __always_inline int ekp_ct_delete(struct ekp_ct_key *k);
+static __always_inline struct ekp_frag *ekp_frag_lookup(struct ekp_frag_key *k);
+static __always_inline int ekp_frag_update(struct ekp_frag_key *k, struct ekp_frag *v);
 static __always_inline struct ekp_affinity *ekp_aff_lookup(struct ekp_affinity_key *k);
 static __always_inline int ekp_aff_update(struct ekp_affinity_key *k, struct ekp_affinity *v);
+static __always_inline struct ekp_ratelimit *ekp_icmprl_lookup(u32 *k);
 static __always_inline u64 *ekp_stats_lookup(u32 *k);
 
 #endif /* EKP_MAPS_H */

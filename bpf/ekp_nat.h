@@ -8,8 +8,16 @@
  * a zero UDP checksum ("none") stays zero, and a result of zero is written as 0xffff.
  * These helpers also keep CHECKSUM_PARTIAL (veth) and CHECKSUM_COMPLETE skbs consistent.
  *
- * All writes go through skb offsets; each successful rewrite updates `p` so later stages
- * (FIB lookup) see the translated tuple.
+ * A later fragment has no L4 header: only its addresses and the IP checksum change (the
+ * datagram's L4 checksum, which covers the pseudo header, is fixed in its first fragment).
+ *
+ * An ICMP error about a translated flow changes its quote (the packet it is about) as well:
+ * the quoted IP header and L4 ports and checksum are plain payload of the ICMP message, so they
+ * are rewritten with stores and explicit one's-complement arithmetic (ekp_csum_apply), and the
+ * ICMP checksum absorbs every byte changed in its message. Every change is compensated inside
+ * the same checksummed region, so a CHECKSUM_COMPLETE skb->csum stays right without being told.
+ *
+ * All writes go through skb offsets; callers pass the new tuple from the decision.
  */
 #ifndef EKP_NAT_H
 #define EKP_NAT_H
@@ -32,14 +40,37 @@ static __always_inline __u64 ekp_l4_csum_flags(const struct ekp_pkt *p)
 	return p->proto == IPPROTO_UDP ? BPF_F_MARK_MANGLED_0 : 0;
 }
 
-/* Replaces the address at `off` (EKP_IP_SADDR_OFF / EKP_IP_DADDR_OFF). 0 or a negative error. */
+/* One's complement fold of a bpf_csum_diff() result, complemented: a checksum field value. */
+static __always_inline __u16 ekp_csum_fold(__s64 sum)
+{
+	__u32 s = (__u32)sum;
+
+	s = (s & 0xffff) + (s >> 16);
+	s = (s & 0xffff) + (s >> 16);
+	return (__u16)~s;
+}
+
+/* A checksum field (as stored) after the data it covers changed by `diff` (bpf_csum_diff of
+ * old -> new): the kernel's csum_replace_by_diff. */
+static __always_inline __u16 ekp_csum_apply(__u16 check, __u32 diff)
+{
+	__u64 s = (__u64)(__u16)~check + diff;
+
+	s = (s & 0xffff) + (s >> 16);
+	s = (s & 0xffff) + (s >> 16);
+	s = (s & 0xffff) + (s >> 16);
+	return (__u16)~s;
+}
+
+/* Replaces the address at `off` (EKP_IP_SADDR_OFF / EKP_IP_DADDR_OFF); `l4` = 0 for a later
+ * fragment (no L4 checksum to fix). 0 or -1. */
 static __always_inline int ekp_set_addr(struct __sk_buff *skb, const struct ekp_pkt *p, __u32 off,
-					__be32 old, __be32 new)
+					__be32 old, __be32 new, int l4)
 {
 	if (old == new)
 		return 0;
-	if (bpf_l4_csum_replace(skb, ekp_l4_csum_off(p), old, new,
-				ekp_l4_csum_flags(p) | BPF_F_PSEUDO_HDR | sizeof(new)) < 0)
+	if (l4 && bpf_l4_csum_replace(skb, ekp_l4_csum_off(p), old, new,
+				      ekp_l4_csum_flags(p) | BPF_F_PSEUDO_HDR | sizeof(new)) < 0)
 		return -1;
 	if (bpf_l3_csum_replace(skb, EKP_IP_CSUM_OFF, old, new, sizeof(new)) < 0)
 		return -1;
@@ -57,30 +88,25 @@ static __always_inline int ekp_set_port(struct __sk_buff *skb, const struct ekp_
 	return bpf_skb_store_bytes(skb, p->l4_off + port_off, &new, sizeof(new), 0) < 0 ? -1 : 0;
 }
 
-/* Destination translation (DNAT, or the un-SNAT of a reply). */
-static __always_inline int ekp_nat_dst(struct __sk_buff *skb, struct ekp_pkt *p, __be32 addr, __be16 port)
+/* Rewrites a TCP/UDP packet (or fragment) to the tuple saddr:sport -> daddr:dport. 0 or -1. */
+static __always_inline int ekp_rewrite(struct __sk_buff *skb, const struct ekp_pkt *p, __be32 saddr,
+				       __be16 sport, __be32 daddr, __be16 dport)
 {
-	if (ekp_set_addr(skb, p, EKP_IP_DADDR_OFF, p->daddr, addr) < 0 ||
-	    ekp_set_port(skb, p, __builtin_offsetof(struct udphdr, dest), p->dport, port) < 0)
-		return -1;
-	p->daddr = addr;
-	p->dport = port;
-	return 0;
-}
+	int l4 = p->frag != EKP_FRAG_LATER;
 
-/* Source translation (SNAT, or the reverse NAT of a reply to the frontend). */
-static __always_inline int ekp_nat_src(struct __sk_buff *skb, struct ekp_pkt *p, __be32 addr, __be16 port)
-{
-	if (ekp_set_addr(skb, p, EKP_IP_SADDR_OFF, p->saddr, addr) < 0 ||
-	    ekp_set_port(skb, p, __builtin_offsetof(struct udphdr, source), p->sport, port) < 0)
+	if (ekp_set_addr(skb, p, EKP_IP_SADDR_OFF, p->saddr, saddr, l4) < 0 ||
+	    ekp_set_addr(skb, p, EKP_IP_DADDR_OFF, p->daddr, daddr, l4) < 0)
 		return -1;
-	p->saddr = addr;
-	p->sport = port;
+	if (!l4)
+		return 0;
+	if (ekp_set_port(skb, p, __builtin_offsetof(struct udphdr, source), p->sport, sport) < 0 ||
+	    ekp_set_port(skb, p, __builtin_offsetof(struct udphdr, dest), p->dport, dport) < 0)
+		return -1;
 	return 0;
 }
 
 /* Decrements the TTL as a router does (the caller checked ttl > 1). */
-static __always_inline int ekp_dec_ttl(struct __sk_buff *skb, struct ekp_pkt *p)
+static __always_inline int ekp_dec_ttl(struct __sk_buff *skb, const struct ekp_pkt *p)
 {
 	/* The TTL shares a 16-bit checksum word with the protocol byte. */
 	__be16 old = htons(((__u16)p->ttl << 8) | p->proto);
@@ -89,10 +115,107 @@ static __always_inline int ekp_dec_ttl(struct __sk_buff *skb, struct ekp_pkt *p)
 
 	if (bpf_l3_csum_replace(skb, EKP_IP_CSUM_OFF, old, new, sizeof(new)) < 0)
 		return -1;
-	if (bpf_skb_store_bytes(skb, EKP_IP_TTL_OFF, &ttl, sizeof(ttl), 0) < 0)
+	return bpf_skb_store_bytes(skb, EKP_IP_TTL_OFF, &ttl, sizeof(ttl), 0) < 0 ? -1 : 0;
+}
+
+/* ---- ICMP errors: the quote ------------------------------------------------------------ */
+
+/* Bytes 8..19 of an IPv4 header: ttl, protocol, checksum, source, destination. */
+struct ekp_ip_tail {
+	__u8 ttl;
+	__u8 proto;
+	__u16 check;
+	__be32 saddr;
+	__be32 daddr;
+};
+
+/* The first 8 bytes of a UDP header, and the two 4-byte words of a TCP header we touch. */
+struct ekp_l4_head {
+	__be16 sport;
+	__be16 dport;
+	__u16 w1; /* UDP: length; TCP: first half of the sequence number (untouched) */
+	__u16 w2; /* UDP: checksum; TCP: second half of the sequence number (untouched) */
+};
+
+struct ekp_tcp_csum_word {
+	__u16 check; /* TCP checksum (bytes 16-17) */
+	__u16 urg;   /* urgent pointer (untouched) */
+};
+
+/* Rewrites an ICMP error: outer addresses, and the quote's addresses and ports (with the quoted
+ * IP checksum, the quoted UDP/TCP checksum when it is in the quote, and the ICMP checksum).
+ * `in_*` is the quoted tuple after translation. 0 or -1. */
+static __always_inline int ekp_rewrite_icmp_err(struct __sk_buff *skb, const struct ekp_pkt *p, __be32 saddr,
+						__be32 daddr, __be32 in_saddr, __be16 in_sport, __be32 in_daddr,
+						__be16 in_dport)
+{
+	struct ekp_ip_tail ip_old, ip_new;
+	struct ekp_l4_head l4_old, l4_new;
+	__u32 icmp_diff = 0, l4_diff;
+	__u16 icmp_check;
+
+	/* Outer header: addresses and the IP checksum (ICMP has no pseudo header). */
+	if (ekp_set_addr(skb, p, EKP_IP_SADDR_OFF, p->saddr, saddr, 0) < 0 ||
+	    ekp_set_addr(skb, p, EKP_IP_DADDR_OFF, p->daddr, daddr, 0) < 0)
 		return -1;
-	p->ttl = ttl;
-	return 0;
+
+	/* Quoted IP header. */
+	if (bpf_skb_load_bytes(skb, p->in_off + 8, &ip_old, sizeof(ip_old)) < 0)
+		return -1;
+	ip_new = ip_old;
+	ip_new.saddr = in_saddr;
+	ip_new.daddr = in_daddr;
+	__s64 addr_diff = bpf_csum_diff(&ip_old.saddr, 8, &ip_new.saddr, 8, 0);
+	if (addr_diff < 0)
+		return -1;
+	ip_new.check = ekp_csum_apply(ip_old.check, (__u32)addr_diff);
+	__s64 d = bpf_csum_diff((void *)&ip_old, sizeof(ip_old), (void *)&ip_new, sizeof(ip_new), 0);
+	if (d < 0)
+		return -1;
+	icmp_diff = (__u32)d;
+
+	/* Quoted L4 header: ports, and the checksum the pseudo header and ports feed. */
+	if (bpf_skb_load_bytes(skb, p->in_l4_off, &l4_old, sizeof(l4_old)) < 0)
+		return -1;
+	l4_new = l4_old;
+	l4_new.sport = in_sport;
+	l4_new.dport = in_dport;
+	d = bpf_csum_diff((void *)&l4_old, 4, (void *)&l4_new, 4, (__u32)addr_diff);
+	if (d < 0)
+		return -1;
+	l4_diff = (__u32)d;
+	if (p->in_proto == IPPROTO_UDP && l4_old.w2) {
+		l4_new.w2 = ekp_csum_apply(l4_old.w2, l4_diff);
+		if (!l4_new.w2)
+			l4_new.w2 = 0xffff; /* 0 means "no checksum" in UDP */
+	}
+	d = bpf_csum_diff((void *)&l4_old, sizeof(l4_old), (void *)&l4_new, sizeof(l4_new), icmp_diff);
+	if (d < 0)
+		return -1;
+	icmp_diff = (__u32)d;
+	if (p->in_proto == IPPROTO_TCP && p->in_l4_len >= EKP_INNER_TCP_LEN) {
+		struct ekp_tcp_csum_word c_old, c_new;
+		if (bpf_skb_load_bytes(skb, p->in_l4_off + 16, &c_old, sizeof(c_old)) < 0)
+			return -1;
+		c_new = c_old;
+		c_new.check = ekp_csum_apply(c_old.check, l4_diff);
+		d = bpf_csum_diff((void *)&c_old, sizeof(c_old), (void *)&c_new, sizeof(c_new), icmp_diff);
+		if (d < 0)
+			return -1;
+		icmp_diff = (__u32)d;
+		if (bpf_skb_store_bytes(skb, p->in_l4_off + 16, &c_new, sizeof(c_new), 0) < 0)
+			return -1;
+	}
+	if (bpf_skb_store_bytes(skb, p->in_off + 8, &ip_new, sizeof(ip_new), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, p->in_l4_off, &l4_new, sizeof(l4_new), 0) < 0)
+		return -1;
+
+	/* The ICMP checksum covers the whole message, quote included. */
+	__u32 icmp_csum_off = p->l4_off + __builtin_offsetof(struct icmphdr, checksum);
+	if (bpf_skb_load_bytes(skb, icmp_csum_off, &icmp_check, sizeof(icmp_check)) < 0)
+		return -1;
+	icmp_check = ekp_csum_apply(icmp_check, icmp_diff);
+	return bpf_skb_store_bytes(skb, icmp_csum_off, &icmp_check, sizeof(icmp_check), 0) < 0 ? -1 : 0;
 }
 
 #endif /* EKP_NAT_H */

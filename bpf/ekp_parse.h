@@ -1,15 +1,22 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * ekp_parse.h: Ethernet / IPv4 / TCP-UDP parsing into a small value (struct ekp_pkt).
+ * ekp_parse.h: Ethernet / IPv4 / TCP-UDP (and ICMP errors) parsing into a small value
+ * (struct ekp_pkt), the only input of the decision (ekp_decide.h).
  *
  * The result holds copies and offsets, never packet pointers: every helper that writes the packet
  * (csum, store_bytes, pull) invalidates pointers, so later stages work with skb offsets.
  * One bounds check per header advance (Katran's habit); a packet whose headers are not in the
  * linear part is pulled once, up to the largest header stack we read.
+ *
+ * What is ours: IPv4 TCP and UDP, including fragments (the first carries the ports; the later
+ * ones get them from ekp_frag, see ekp_frag.h), and ICMP errors (destination unreachable, time
+ * exceeded, parameter problem) that quote a TCP or UDP packet: those may be about a translated
+ * flow. Everything else (ARP, IPv6, ICMP echo, other protocols) is PASS before any map lookup.
  */
 #ifndef EKP_PARSE_H
 #define EKP_PARSE_H
 
+#include <linux/icmp.h>
 #include <linux/if_ether.h>
 #include <linux/in.h>
 #include <linux/ip.h>
@@ -17,6 +24,7 @@
 #include <linux/udp.h>
 
 #define EKP_IP_OFF ETH_HLEN
+#define EKP_IP_DF 0x4000     /* host order: don't fragment */
 #define EKP_IP_MF 0x2000     /* host order: more fragments */
 #define EKP_IP_OFFSET 0x1fff /* host order: fragment offset mask */
 
@@ -25,27 +33,90 @@
 #define EKP_TCP_RST 0x04
 #define EKP_TCP_ACK 0x10
 
-/* Ethernet + the longest IPv4 header + a TCP header without options: all we ever read. */
-#define EKP_PULL_LEN (ETH_HLEN + 60 + sizeof(struct tcphdr))
+/* The quoted TCP header bytes we read from an ICMP error: the ports, and the checksum when the
+ * quote is long enough (bytes 16-17). */
+#define EKP_INNER_TCP_LEN 20
+
+/* Ethernet + IPv4 header (<= 60) + ICMP header + quoted IPv4 header (<= 60) + a TCP header: the
+ * longest header stack we read (an ICMP error); a plain TCP packet needs less. */
+#define EKP_PULL_LEN (ETH_HLEN + 60 + sizeof(struct icmphdr) + 60 + EKP_INNER_TCP_LEN)
 
 enum ekp_parse_result {
-	EKP_PARSE_OK = 0,    /* IPv4 TCP/UDP, not a fragment: tuple valid */
-	EKP_PARSE_FRAG,      /* first fragment of a TCP/UDP datagram: tuple valid, not translated */
-	EKP_PARSE_PASS,      /* not ours: not IPv4, not TCP/UDP, or a non-first fragment */
-	EKP_PARSE_MALFORMED, /* IPv4 TCP/UDP with truncated or invalid headers */
+	EKP_PARSE_OK = 0,    /* IPv4 TCP/UDP, a whole datagram or its first fragment: tuple valid */
+	EKP_PARSE_LATER,     /* a later fragment of a TCP/UDP datagram: no ports (ekp_frag has them) */
+	EKP_PARSE_ICMP_ERR,  /* an ICMP error quoting a TCP/UDP packet: outer addresses and quote valid */
+	EKP_PARSE_PASS,      /* not ours: not IPv4, not TCP/UDP/ICMP error */
+	EKP_PARSE_MALFORMED, /* IPv4 TCP/UDP/ICMP with truncated or invalid headers */
+};
+
+enum ekp_frag_kind {
+	EKP_FRAG_NONE = 0,  /* a whole datagram */
+	EKP_FRAG_FIRST = 1, /* offset 0, more fragments follow: carries the L4 header */
+	EKP_FRAG_LATER = 2, /* offset > 0: payload only */
 };
 
 struct ekp_pkt {
-	__u32 l4_off;   /* offset of the TCP/UDP header from the start of the frame */
-	__be32 saddr;   /* be */
-	__be32 daddr;   /* be */
-	__be16 sport;   /* be */
-	__be16 dport;   /* be */
-	__u8 proto;     /* IPPROTO_TCP / IPPROTO_UDP */
+	__u32 l4_off;     /* offset of the TCP/UDP/ICMP header (a later fragment: of its payload) */
+	__be32 saddr;     /* be */
+	__be32 daddr;     /* be */
+	__be16 sport;     /* be; a later fragment: from ekp_frag */
+	__be16 dport;     /* be */
+	__be16 ip_id;     /* be: IPv4 identification (fragments) */
+	__u8 proto;       /* IPPROTO_TCP / IPPROTO_UDP / IPPROTO_ICMP */
 	__u8 ttl;
 	__u8 tos;
-	__u8 tcp_flags; /* byte 13 of the TCP header (EKP_TCP_*); 0 for UDP */
+	__u8 tcp_flags;   /* byte 13 of the TCP header (EKP_TCP_*); 0 for UDP and later fragments */
+	__u8 frag;        /* enum ekp_frag_kind */
+	__u8 df;          /* 1 when DF is set */
+	__u8 icmp_type;   /* ICMP errors: type and code */
+	__u8 icmp_code;
+	/* An ICMP error's quote: the packet it is about, as it was sent (after our translation when
+	 * it is about a translated flow). */
+	__u8 in_proto;    /* IPPROTO_TCP / IPPROTO_UDP */
+	__u8 in_l4_len;   /* quoted L4 bytes we may read and rewrite: 8, or EKP_INNER_TCP_LEN */
+	__u32 in_off;     /* offset of the quoted IPv4 header */
+	__u32 in_l4_off;  /* offset of the quoted L4 header */
+	__be32 in_saddr;  /* be */
+	__be32 in_daddr;  /* be */
+	__be16 in_sport;  /* be */
+	__be16 in_dport;  /* be */
 };
+
+static __always_inline int ekp_icmp_is_error(__u8 type)
+{
+	return type == ICMP_DEST_UNREACH || type == ICMP_TIME_EXCEEDED || type == ICMP_PARAMETERPROB;
+}
+
+/* The quote of an ICMP error starting at `inner` (`l4` is the ICMP header). PASS when it is not
+ * about a TCP/UDP packet we could have translated. */
+static __always_inline int ekp_parse_quote(struct ekp_pkt *p, void *data, void *data_end, void *inner)
+{
+	struct iphdr *ip = inner;
+
+	if ((void *)(ip + 1) > data_end)
+		return EKP_PARSE_PASS; /* a quote too short to be about a flow of ours */
+	if (ip->version != 4 || (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP))
+		return EKP_PARSE_PASS;
+	if (ntohs(ip->frag_off) & EKP_IP_OFFSET)
+		return EKP_PARSE_PASS; /* a later fragment: no ports quoted */
+	__u32 ihl = ip->ihl * 4;
+	if (ihl < sizeof(struct iphdr) || ihl > 60)
+		return EKP_PARSE_PASS;
+	__u8 *l4 = (void *)ip + ihl;
+	if ((void *)(l4 + 8) > data_end)
+		return EKP_PARSE_PASS; /* RFC 792 quotes 8 bytes: anything shorter is not usable */
+	p->in_off = (void *)ip - data;
+	p->in_l4_off = (void *)l4 - data;
+	p->in_proto = ip->protocol;
+	p->in_saddr = ip->saddr;
+	p->in_daddr = ip->daddr;
+	p->in_sport = *(__be16 *)l4;
+	p->in_dport = *(__be16 *)(l4 + 2);
+	p->in_l4_len = 8;
+	if (ip->protocol == IPPROTO_TCP && (void *)(l4 + EKP_INNER_TCP_LEN) <= data_end)
+		p->in_l4_len = EKP_INNER_TCP_LEN;
+	return EKP_PARSE_ICMP_ERR;
+}
 
 static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
 {
@@ -69,22 +140,29 @@ static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
 	struct iphdr *ip = (void *)(eth + 1);
 	if ((void *)(ip + 1) > data_end)
 		return EKP_PARSE_MALFORMED;
-	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP)
+	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP && ip->protocol != IPPROTO_ICMP)
 		return EKP_PARSE_PASS;
 	__u32 ihl = ip->ihl * 4;
-	if (ip->version != 4 || ihl < sizeof(struct iphdr))
+	if (ip->version != 4 || ihl < sizeof(struct iphdr) || ihl > 60)
 		return EKP_PARSE_MALFORMED;
 
 	__u16 frag = ntohs(ip->frag_off);
-	if (frag & EKP_IP_OFFSET)
-		return EKP_PARSE_PASS; /* no L4 header to match on */
-
 	p->l4_off = EKP_IP_OFF + ihl;
 	p->saddr = ip->saddr;
 	p->daddr = ip->daddr;
 	p->proto = ip->protocol;
 	p->ttl = ip->ttl;
 	p->tos = ip->tos;
+	p->ip_id = ip->id;
+	p->df = (frag & EKP_IP_DF) ? 1 : 0;
+	p->tcp_flags = 0;
+	if (frag & EKP_IP_OFFSET) {
+		if (p->proto == IPPROTO_ICMP)
+			return EKP_PARSE_PASS; /* a piece of a large ICMP message: the stack's business */
+		p->frag = EKP_FRAG_LATER;
+		return EKP_PARSE_LATER;
+	}
+	p->frag = (frag & EKP_IP_MF) ? EKP_FRAG_FIRST : EKP_FRAG_NONE;
 
 	void *l4 = (void *)ip + ihl;
 	if (p->proto == IPPROTO_TCP) {
@@ -94,15 +172,25 @@ static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
 		p->sport = tcp->source;
 		p->dport = tcp->dest;
 		p->tcp_flags = ((__u8 *)tcp)[13];
-	} else {
+		return EKP_PARSE_OK;
+	}
+	if (p->proto == IPPROTO_UDP) {
 		struct udphdr *udp = l4;
 		if ((void *)(udp + 1) > data_end)
 			return EKP_PARSE_MALFORMED;
 		p->sport = udp->source;
 		p->dport = udp->dest;
-		p->tcp_flags = 0;
+		return EKP_PARSE_OK;
 	}
-	return (frag & EKP_IP_MF) ? EKP_PARSE_FRAG : EKP_PARSE_OK;
+
+	struct icmphdr *icmp = l4;
+	if ((void *)(icmp + 1) > data_end)
+		return EKP_PARSE_MALFORMED;
+	if (!ekp_icmp_is_error(icmp->type) || p->frag != EKP_FRAG_NONE)
+		return EKP_PARSE_PASS;
+	p->icmp_type = icmp->type;
+	p->icmp_code = icmp->code;
+	return ekp_parse_quote(p, data, data_end, (void *)(icmp + 1));
 }
 
 #endif /* EKP_PARSE_H */

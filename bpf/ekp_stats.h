@@ -3,9 +3,10 @@
  * ekp_stats.h: per-CPU counters indexed by enum ekp_stat.
  *
  * Accounting rule: every packet counts EKP_STAT_PACKETS and exactly one outcome
- * (PASS, NEW_FLOWS, CT_FORWARD, CT_REPLY or one EKP_DROP_*), so
- *   PACKETS == PASS + NEW_FLOWS + CT_FORWARD + CT_REPLY + sum(drops).
- * SNAT and AFFINITY_HIT are extra marks on new flows, outside that sum.
+ * (PASS, NEW_FLOWS, CT_FORWARD, CT_REPLY, CT_RELATED or one EKP_DROP_*), so
+ *   PACKETS == PASS + NEW_FLOWS + CT_FORWARD + CT_REPLY + CT_RELATED + sum(drops).
+ * SNAT, AFFINITY_HIT, EARLY_DROP, CT_REBUILT, PORT_REMAP and FRAGMENTS are extra marks,
+ * outside that sum.
  */
 #ifndef EKP_STATS_H
 #define EKP_STATS_H
@@ -17,6 +18,23 @@ static __always_inline void ekp_count(__u32 stat)
 	u64 *v = ekp_stats_lookup(&stat);
 	if (v)
 		*v += 1; /* per-CPU slot: no atomic needed */
+}
+
+/* The marks of a decision (a bit per stat index, see struct ekp_decision.marks). */
+static __always_inline void ekp_count_marks(__u32 marks)
+{
+	if (marks & (1 << EKP_STAT_SNAT))
+		ekp_count(EKP_STAT_SNAT);
+	if (marks & (1 << EKP_STAT_AFFINITY_HIT))
+		ekp_count(EKP_STAT_AFFINITY_HIT);
+	if (marks & (1 << EKP_STAT_EARLY_DROP))
+		ekp_count(EKP_STAT_EARLY_DROP);
+	if (marks & (1 << EKP_STAT_CT_REBUILT))
+		ekp_count(EKP_STAT_CT_REBUILT);
+	if (marks & (1 << EKP_STAT_PORT_REMAP))
+		ekp_count(EKP_STAT_PORT_REMAP);
+	if (marks & (1 << EKP_STAT_FRAGMENTS))
+		ekp_count(EKP_STAT_FRAGMENTS);
 }
 
 #endif /* EKP_STATS_H */

@@ -10,73 +10,124 @@
  * file holds only what bcc needs in its main file: the map accessors (see ekp_maps.h) and the
  * program entry points.
  */
+#include <linux/in.h>
+
 #include "ekp_maps.h"
+#include "ekp_tc_scratch.h"
+
+/* Working memory of the apply step (ekp_tc_scratch.h): private to this load, not pinned. */
+BPF_PERCPU_ARRAY(ekp_scratch, struct ekp_tc_scratch, 1);
 
 /* ---- map accessors: bcc rewrites these `map.op()` calls because they are in the main file ---- */
 
 static __always_inline struct ekp_frontend *ekp_fe_lookup(struct ekp_frontend_key *k)
 {
-	return ekp_fe_v1.lookup(k);
+	return ekp_fe_v2.lookup(k);
 }
 
 static __always_inline struct ekp_slot *ekp_slot_lookup(struct ekp_slot_key *k)
 {
-	return ekp_slot_v1.lookup(k);
+	return ekp_slot_v2.lookup(k);
 }
 
 static __always_inline struct ekp_backend *ekp_be_lookup(struct ekp_backend_key *k)
 {
-	return ekp_be_v1.lookup(k);
+	return ekp_be_v2.lookup(k);
 }
 
-static __always_inline struct ekp_revnat *ekp_rnat_lookup(struct ekp_revnat_key *k)
+static __always_inline struct ekp_member *ekp_member_lookup(struct ekp_member_key *k)
 {
-	return ekp_rnat_v1.lookup(k);
+	return ekp_member_v2.lookup(k);
 }
 
 static __always_inline struct ekp_srcrange *ekp_srcr_lookup(struct ekp_srcrange_key *k)
 {
-	return ekp_srcr_v1.lookup(k);
+	return ekp_srcr_v2.lookup(k);
 }
 
 static __always_inline struct ekp_config *ekp_cfg_lookup(u32 *k)
 {
-	return ekp_cfg_v1.lookup(k);
+	return ekp_cfg_v2.lookup(k);
+}
+
+static __always_inline struct ekp_config_sel *ekp_cfgsel_lookup(u32 *k)
+{
+	return ekp_cfgsel_v2.lookup(k);
+}
+
+/* TCP flows and the others live in separate tables (a UDP flood cannot evict TCP flows). */
+static __always_inline struct ekp_ct_entry *ekp_ct_tcp_lookup(struct ekp_ct_key *k)
+{
+	return ekp_ct_tcp_v2.lookup(k);
+}
+
+static __always_inline struct ekp_ct_entry *ekp_ct_any_lookup(struct ekp_ct_key *k)
+{
+	return ekp_ct_any_v2.lookup(k);
 }
 
 static __always_inline struct ekp_ct_entry *ekp_ct_lookup(struct ekp_ct_key *k)
 {
-	return ekp_ct_v1.lookup(k);
+	if (k->proto == IPPROTO_TCP)
+		return ekp_ct_tcp_v2.lookup(k);
+	return ekp_ct_any_v2.lookup(k);
 }
 
 static __always_inline int ekp_ct_update(struct ekp_ct_key *k, struct ekp_ct_entry *v)
 {
-	return ekp_ct_v1.update(k, v);
+	if (k->proto == IPPROTO_TCP)
+		return ekp_ct_tcp_v2.update(k, v);
+	return ekp_ct_any_v2.update(k, v);
 }
 
 static __always_inline int ekp_ct_insert(struct ekp_ct_key *k, struct ekp_ct_entry *v)
 {
-	return ekp_ct_v1.insert(k, v);
+	if (k->proto == IPPROTO_TCP)
+		return ekp_ct_tcp_v2.insert(k, v);
+	return ekp_ct_any_v2.insert(k, v);
 }
 
 static __always_inline int ekp_ct_delete(struct ekp_ct_key *k)
 {
-	return ekp_ct_v1.delete(k);
+	if (k->proto == IPPROTO_TCP)
+		return ekp_ct_tcp_v2.delete(k);
+	return ekp_ct_any_v2.delete(k);
+}
+
+static __always_inline struct ekp_frag *ekp_frag_lookup(struct ekp_frag_key *k)
+{
+	return ekp_frag_v2.lookup(k);
+}
+
+static __always_inline int ekp_frag_update(struct ekp_frag_key *k, struct ekp_frag *v)
+{
+	return ekp_frag_v2.update(k, v);
 }
 
 static __always_inline struct ekp_affinity *ekp_aff_lookup(struct ekp_affinity_key *k)
 {
-	return ekp_aff_v1.lookup(k);
+	return ekp_aff_v2.lookup(k);
 }
 
 static __always_inline int ekp_aff_update(struct ekp_affinity_key *k, struct ekp_affinity *v)
 {
-	return ekp_aff_v1.update(k, v);
+	return ekp_aff_v2.update(k, v);
+}
+
+static __always_inline struct ekp_ratelimit *ekp_icmprl_lookup(u32 *k)
+{
+	return ekp_icmprl_v2.lookup(k);
 }
 
 static __always_inline u64 *ekp_stats_lookup(u32 *k)
 {
-	return ekp_stats_v1.lookup(k);
+	return ekp_stats_v2.lookup(k);
+}
+
+static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
+{
+	u32 zero = 0;
+	return ekp_scratch.lookup(&zero);
 }
 
 /* ---- programs ---- */

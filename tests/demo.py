@@ -14,6 +14,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from agent.ebpf.abi import MAPS
 from agent.sources.file import load_file
 from tests.lab import Lab
 from tests.traffic.harness import REPO, Cluster
@@ -88,15 +89,20 @@ def main() -> int:
                 )
 
             if MODE == "ebpf":
-                title("the maps, raw: bpftool map dump name ekp_fe_v1 (first entries)")
+                fe_map = MAPS["fe"].name
+                title(f"the maps, raw: bpftool map dump name {fe_map} (first entries)")
                 raw = subprocess.run(
-                    ["bpftool", "map", "dump", "name", "ekp_fe_v1"],
+                    ["bpftool", "map", "dump", "name", fe_map],
                     capture_output=True,
                     text=True,
                     check=False,
                 ).stdout
                 print("\n".join(raw.splitlines()[:16]) + "\n  ...")
-                for what, heading in (("maps", "the maps, decoded"), ("stats", "counters")):
+                for what, heading in (
+                    ("maps", "the maps, decoded"),
+                    ("stats", "counters"),
+                    ("capacity", "map fill"),
+                ):
                     title(f"{heading}: agent inspect {what}")
                     shown = subprocess.run(
                         [sys.executable, "-m", "agent", "inspect", what, f"--bpf-pin-path={agent.pin_path}"],

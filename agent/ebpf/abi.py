@@ -1,4 +1,4 @@
-"""Python mirror of bpf/ekp_abi.h: the keys and values of every BPF map, and the map registry.
+"""Python mirror of bpf/ekp_abi.h (ABI v2): the keys and values of every BPF map, and the map registry.
 
 One ctypes Structure per C struct, fields in the same order and width; tests/ebpf/test_abi.py
 compiles a probe from the header and checks every size and offset against these classes.
@@ -6,7 +6,10 @@ Byte order follows the header: fields named `addr`, `port`, `saddr`... marked "b
 network-order values; use the helpers below to convert, never by hand.
 
 `MAPS` is the one registry of map names: the C side declares the same names in bpf/ekp_maps.h,
-and every name carries the ABI version so a changed layout never reuses an old pinned map.
+and every name carries the ABI version so a changed layout never reuses an old pinned map. Each
+`MapSpec` says who writes the map (`writer`): the agent (service tables, config) or the data path
+(flow state, counters); `inspect capacity` and the metrics collector read fill and pressure of
+every map through this registry.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import ctypes
 import ipaddress
 import socket
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 PREFIX = "ekp_"
 
 u8, u16, u32, u64 = ctypes.c_uint8, ctypes.c_uint16, ctypes.c_uint32, ctypes.c_uint64
@@ -54,11 +57,17 @@ class FrontendFlag(IntEnum):
     NO_ENDPOINTS = 1 << 5
     SOURCE_RANGES = 1 << 6
     AFFINITY = 1 << 7
+    SNAT_ALL = 1 << 8
 
 
 class BackendFlag(IntEnum):
     LOCAL = 1 << 0
     TERMINATING = 1 << 1
+
+
+class MemberFlag(IntEnum):
+    CLUSTER = 1 << 0
+    LOCAL = 1 << 1
 
 
 class CtDir(IntEnum):
@@ -68,7 +77,12 @@ class CtDir(IntEnum):
 
 class CtFlag(IntEnum):
     SNAT = 1 << 0
-    CLOSING = 1 << 1
+    SEEN_REPLY = 1 << 1
+    ESTABLISHED = 1 << 2
+    FIN_FWD = 1 << 3
+    FIN_REPLY = 1 << 4
+    RST = 1 << 5
+    MIGRATED = 1 << 6
 
 
 class Stat(IntEnum):
@@ -79,20 +93,37 @@ class Stat(IntEnum):
     SNAT = 4
     AFFINITY_HIT = 5
     PASS = 6
-    DROP_MALFORMED = 7
-    DROP_NO_ENDPOINTS = 8
-    DROP_NO_LOCAL = 9
-    DROP_NO_BACKEND = 10
-    DROP_SOURCE_RANGE = 11
-    DROP_FIB = 12
-    DROP_SNAT_PORTS = 13
-    DROP_CT_FULL = 14
-    DROP_REVNAT_MISSING = 15
-    DROP_FRAGMENT = 16
+    CT_RELATED = 7
+    EARLY_DROP = 8
+    CT_REBUILT = 9
+    PORT_REMAP = 10
+    FRAGMENTS = 11
+    DROP_MALFORMED = 12
+    DROP_NO_ENDPOINTS = 13
+    DROP_NO_LOCAL = 14
+    DROP_NO_BACKEND = 15
+    DROP_SOURCE_RANGE = 16
+    DROP_FIB = 17
+    DROP_SNAT_PORTS = 18
+    DROP_CT_FULL = 19
+    DROP_FRAG_NO_FIRST = 20
+    DROP_NO_FLOW = 21
+    DROP_BACKEND_GONE = 22
+    DROP_ICMP_RATE = 23
+    DROP_FRAG_NEEDED = 24
 
 
 STAT_DROP_FIRST = Stat.DROP_MALFORMED
-STAT_COUNT = 17
+STAT_COUNT = 25
+# Every packet counts PACKETS and exactly one of these (bpf/ekp_stats.h); the rest are marks.
+OUTCOMES: tuple[Stat, ...] = (
+    Stat.PASS,
+    Stat.NEW_FLOWS,
+    Stat.CT_FORWARD,
+    Stat.CT_REPLY,
+    Stat.CT_RELATED,
+    *(s for s in Stat if s >= STAT_DROP_FIRST),
+)
 
 
 class _Struct(ctypes.Structure):
@@ -123,6 +154,7 @@ class FrontendKey(_Struct):
 
 class Frontend(_Struct):
     _fields_ = [
+        ("svc_id", u32),
         ("set_id", u32),
         ("count", u16),
         ("flags", u16),
@@ -148,6 +180,14 @@ class Backend(_Struct):
     _fields_ = [("addr", u32), ("port", u16), ("proto", u8), ("flags", u8)]
 
 
+class MemberKey(_Struct):
+    _fields_ = [("svc_id", u32), ("backend_id", u32)]
+
+
+class Member(_Struct):
+    _fields_ = [("flags", u8), ("pad", u8 * 3)]
+
+
 class RevNatKey(_Struct):
     _fields_ = [("id", u32)]
 
@@ -163,7 +203,8 @@ class CtKey(_Struct):
         ("sport", u16),
         ("dport", u16),
         ("proto", u8),
-        ("pad", u8 * 3),
+        ("dir", u8),
+        ("pad", u16),
     ]
 
 
@@ -172,18 +213,27 @@ class CtEntry(_Struct):
         ("last_seen_ns", u64),
         ("nat_addr", u32),
         ("snat_addr", u32),
+        ("fe_addr", u32),
         ("nat_port", u16),
         ("snat_port", u16),
+        ("fe_port", u16),
+        ("flags", u16),
+        ("svc_id", u32),
         ("backend_id", u32),
-        ("rev_nat_id", u16),
-        ("dir", u8),
-        ("flags", u8),
-        ("pad", u32),
+        ("created_s", u32),
     ]
 
 
+class FragKey(_Struct):
+    _fields_ = [("saddr", u32), ("daddr", u32), ("id", u16), ("proto", u8), ("pad", u8)]
+
+
+class Frag(_Struct):
+    _fields_ = [("sport", u16), ("dport", u16), ("pad", u32)]
+
+
 class AffinityKey(_Struct):
-    _fields_ = [("client", u32), ("set_id", u32)]
+    _fields_ = [("client", u32), ("svc_id", u32)]
 
 
 class Affinity(_Struct):
@@ -198,16 +248,30 @@ class SrcRange(_Struct):
     _fields_ = [("allow", u8), ("pad", u8 * 3)]
 
 
+class ConfigSel(_Struct):
+    _fields_ = [("slot", u32)]
+
+
 class Config(_Struct):
     _fields_ = [
         ("node_addr", u32),
         ("snat_port_min", u16),
         ("snat_port_max", u16),
-        ("tcp_timeout_s", u32),
-        ("udp_timeout_s", u32),
-        ("closing_timeout_s", u32),
+        ("tcp_established_s", u32),
+        ("tcp_close_wait_s", u32),
+        ("tcp_syn_s", u32),
+        ("tcp_closed_s", u32),
+        ("udp_s", u32),
+        ("udp_stream_s", u32),
+        ("icmp_rate", u32),
+        ("icmp_burst", u32),
         ("flags", u32),
+        ("pad", u32),
     ]
+
+
+class RateLimit(_Struct):
+    _fields_ = [("last_ns", u64), ("tokens_ns", u64)]
 
 
 # Every struct of the header, by its C name; the ABI test walks this.
@@ -218,33 +282,53 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_slot": Slot,
     "ekp_backend_key": BackendKey,
     "ekp_backend": Backend,
+    "ekp_member_key": MemberKey,
+    "ekp_member": Member,
     "ekp_revnat_key": RevNatKey,
     "ekp_revnat": RevNat,
     "ekp_ct_key": CtKey,
     "ekp_ct_entry": CtEntry,
+    "ekp_frag_key": FragKey,
+    "ekp_frag": Frag,
     "ekp_affinity_key": AffinityKey,
     "ekp_affinity": Affinity,
     "ekp_srcrange_key": SrcRangeKey,
     "ekp_srcrange": SrcRange,
+    "ekp_config_sel": ConfigSel,
     "ekp_config": Config,
+    "ekp_ratelimit": RateLimit,
 }
+
+
+class Writer(StrEnum):
+    AGENT = "agent"  # the planner (service tables) or the proxier (config)
+    DATAPATH = "datapath"  # the programs: flow state, rate limiter, counters
 
 
 @dataclass(frozen=True)
 class MapSpec:
-    """One BPF map: its kernel name (version included), kind, layout and default size."""
+    """One BPF map: its kernel name (version included), kind, layout, default size and writer."""
 
-    role: str  # short name used in code, flags and the inspect command
+    role: str  # short name used in code and the inspect command
     kind: str  # bcc table type: hash, lru_hash, array, percpu_array, lpm_trie
     key: type[ctypes.Structure] | type[ctypes.c_uint32]
     value: type[ctypes.Structure] | type[ctypes.c_uint64]
-    default_size: int
+    default_size: int  # 0: derived at start (the conntrack tables, agent/config.py MapSizes)
     size_macro: str  # the -D macro the C side reads the size from
+    writer: Writer = Writer.AGENT
+    flag: str = ""  # the agent flag that sets the size, when there is one
+    version: int = ABI_VERSION  # an older layout's maps are described with their own version
 
     @property
     def name(self) -> str:
-        return f"{PREFIX}{self.role}_v{ABI_VERSION}"
+        return f"{PREFIX}{self.role}_v{self.version}"
 
+    @property
+    def size_flag(self) -> str:
+        return self.flag or f"--bpf-{self.role}-max"
+
+
+_DP = Writer.DATAPATH
 
 MAPS: dict[str, MapSpec] = {
     spec.role: spec
@@ -253,13 +337,27 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("slot", "hash", SlotKey, Slot, 262144, "EKP_SLOT_MAX"),
         MapSpec("be", "hash", BackendKey, Backend, 262144, "EKP_BE_MAX"),
         MapSpec("rnat", "hash", RevNatKey, RevNat, 65536, "EKP_RNAT_MAX"),
-        MapSpec("ct", "lru_hash", CtKey, CtEntry, 524288, "EKP_CT_MAX"),
-        MapSpec("aff", "lru_hash", AffinityKey, Affinity, 65536, "EKP_AFF_MAX"),
+        MapSpec("member", "hash", MemberKey, Member, 262144, "EKP_MEMBER_MAX"),
         MapSpec("srcr", "lpm_trie", SrcRangeKey, SrcRange, 16384, "EKP_SRCR_MAX"),
-        MapSpec("cfg", "array", ctypes.c_uint32, Config, 1, "EKP_CFG_MAX"),
-        MapSpec("stats", "percpu_array", ctypes.c_uint32, ctypes.c_uint64, STAT_COUNT, "EKP_STATS_MAX"),
+        MapSpec("cfg", "array", ctypes.c_uint32, Config, 2, "EKP_CFG_MAX"),
+        MapSpec("cfgsel", "array", ctypes.c_uint32, ConfigSel, 1, "EKP_CFGSEL_MAX"),
+        MapSpec("ct_tcp", "lru_hash", CtKey, CtEntry, 0, "EKP_CT_TCP_MAX", _DP, "--bpf-ct-global-tcp-max"),
+        MapSpec("ct_any", "lru_hash", CtKey, CtEntry, 0, "EKP_CT_ANY_MAX", _DP, "--bpf-ct-global-any-max"),
+        MapSpec("frag", "lru_hash", FragKey, Frag, 8192, "EKP_FRAG_MAX", _DP),
+        MapSpec("aff", "lru_hash", AffinityKey, Affinity, 65536, "EKP_AFF_MAX", _DP),
+        MapSpec("icmprl", "percpu_array", ctypes.c_uint32, RateLimit, 1, "EKP_ICMPRL_MAX", _DP),
+        MapSpec("stats", "percpu_array", ctypes.c_uint32, ctypes.c_uint64, STAT_COUNT, "EKP_STATS_MAX", _DP),
     )
 }
+
+# The conntrack tables, by protocol: TCP flows in ct_tcp, every other protocol in ct_any.
+CT_ROLES = ("ct_tcp", "ct_any")
+
+
+def ct_role(proto: int) -> str:
+    """The conntrack table that holds flows of IP protocol `proto`."""
+    return "ct_tcp" if proto == socket.IPPROTO_TCP else "ct_any"
+
 
 # Names fit the kernel's BPF_OBJ_NAME_LEN (16 with the NUL).
 assert all(len(s.name) <= 15 for s in MAPS.values())

@@ -5,8 +5,9 @@ LLVM resident afterwards. The agent therefore never compiles itself:
 
 * `build_id(...)` hashes what decides the programs' bytes: the C source with its headers inlined,
   the cflags (pin directory, map sizes), the ABI version, the kernel release and the bcc version.
-* `ensure_programs(...)` looks for programs pinned under that id (`ekp_prog_<id>_<name>` in the pin
-  directory) whose maps are the maps pinned there now; when they are all present, nothing is
+* `open_pinned_programs(...)` looks for programs pinned under that id (`ekp_prog_<id>_<name>` in the
+  pin directory) whose maps are the maps pinned there now, plus the load's private (unpinned) maps
+  such as its scratch memory; when they are all present, nothing is
   compiled (an agent restart takes milliseconds). Otherwise it runs `python -m agent.ebpf.compile`,
   which compiles with bcc, creates or re-adopts the pinned maps, loads and pins the programs, and
   exits, giving its memory back. A program pinned by an older build is removed once the new one is
@@ -84,10 +85,15 @@ def prog_pin(pin_path: str, build: str, name: str) -> str:
 
 
 def open_pinned_programs(
-    pin_path: str, build: str, names: Sequence[str], map_ids: set[int]
+    pin_path: str, build: str, names: Sequence[str], map_ids: set[int], private_maps: int
 ) -> dict[str, int] | None:
     """Fds of the programs of `build`, when every one is pinned and uses only maps in `map_ids`
-    (the maps pinned now); None when any is missing or stale."""
+    (the maps pinned now) besides at most `private_maps` unpinned ones of its own load; None when
+    any is missing or stale.
+
+    The private maps cannot be told apart by name without CAP_SYS_ADMIN (BPF_MAP_GET_FD_BY_ID), so
+    they are counted: a program still using a map that was unpinned and recreated has one more
+    unknown map than its load's own, and is compiled again."""
     fds: dict[str, int] = {}
     ok = False
     try:
@@ -96,7 +102,7 @@ def open_pinned_programs(
             if fd < 0:
                 return None
             fds[name] = fd
-            if not prog_map_ids(fd) <= map_ids:
+            if not map_ids or len(prog_map_ids(fd) - map_ids) > private_maps:
                 log.info("pinned program %s uses maps that are no longer pinned: compiling again", name)
                 return None
         ok = True

@@ -17,8 +17,12 @@ upgrades of the agent. bcc would
 reuse a pin silently even when its layout changed, so `load()` first compares every existing pin
 with what is about to be compiled (type, key and value size, max_entries, map_flags) and refuses a
 mismatch (`PinMismatchError`); the ABI version in each map name keeps old layouts apart
-(`stale_pins` lists them). A map_flags mismatch is how pins made before the LRU maps got
-BPF_F_NO_COMMON_LRU show up: `agent --cleanup` once, which drops their conntrack entries.
+(`stale_pins` lists them; agent/ebpf/upgrade.py carries the conntrack of ABI v1 pins over before
+they are removed).
+
+The conntrack tables' sizes may be derived at start (MapSizes.with_conntrack): `pinned_sizes`
+reads the sizes of the tables already pinned, so a restart keeps them rather than refusing to start
+on a machine whose CPU count changed.
 
 Parameters reach the C only as cflags (`-DEKP_PIN_DIR="..."`, `-DEKP_CT_MAX=...`); `source_text()`
 returns the full program as compiled (includes inlined, cflags on top) for debugging, the way bcc
@@ -36,7 +40,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from agent.config import MapSizes
+from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys
 from agent.ebpf.abi import ABI_VERSION, MAPS, PREFIX, MapSpec, Scope
 from agent.ebpf.compile import build_id, compile_in_child, open_pinned_programs, remove_other_builds
@@ -54,16 +58,18 @@ BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent
 PROGRAMS: dict[str, Scope] = {"ekp_from_pod": Scope.INTERNAL, "ekp_from_net": Scope.EXTERNAL}
 BPF_PROG_TYPE_SCHED_CLS = 3  # bcc's BPF.SCHED_CLS
 PROG_TYPES = dict.fromkeys(PROGRAMS, BPF_PROG_TYPE_SCHED_CLS)
+# Unpinned maps each program's load owns (ekp_tc.c: ekp_scratch); a reused program keeps its own.
+PRIVATE_MAPS = 1
 
 BPF_F_NO_COMMON_LRU = 1 << 1
 _U32_MAX = (1 << 32) - 1
 # Creation flags of single maps, beyond those every map of its kind has (maps.MAP_FLAGS), exactly as
-# declared in bpf/ekp_maps.h (tests/ebpf/test_abi.py compares the two). The LRU maps keep one LRU
-# list per CPU: with the kernel's common list, every 128th insert on a CPU refills its free nodes
-# under the map-wide lock, a stall that was most of the ClusterIP connect() p99 (README Benchmarks).
-ROLE_FLAGS: dict[str, int] = {"ct": BPF_F_NO_COMMON_LRU, "aff": BPF_F_NO_COMMON_LRU}
+# declared in bpf/ekp_maps.h (tests/ebpf/test_abi.py compares the two). None in ABI v2: the LRU
+# maps use the kernel's common LRU list, so every CPU can use every entry (ABI v1 had one list per
+# CPU, each CPU owning max_entries / CPUs; bpf/README.md, "Conntrack capacity", has the measurement).
+ROLE_FLAGS: dict[str, int] = {}
 
-_PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9]+_v(\d+)$")
+_PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
 
 
@@ -83,9 +89,32 @@ def default_bpf_dir() -> Path:
 
 
 def map_size(spec: MapSpec, sizes: MapSizes) -> int:
-    """max_entries of a map: from MapSizes when it has the role, else the registry's default."""
-    size = getattr(sizes, spec.role, spec.default_size)
-    return int(size)
+    """max_entries of a map: from MapSizes when it has the role, else the registry's default. A
+    size left to be derived (0) that nobody resolved takes kube-proxy's default conntrack
+    settings on this machine's CPUs (the proxier resolves it from Config.conntrack first)."""
+    size = int(getattr(sizes, spec.role, spec.default_size))
+    if size == 0:
+        resolved = sizes.with_conntrack(ConntrackSettings(), os.cpu_count() or 1)
+        size = int(getattr(resolved, spec.role))
+    return size
+
+
+def pinned_sizes(pin_path: str) -> dict[str, int]:
+    """max_entries of the maps already pinned under `pin_path`, by role (unreadable pins skipped)."""
+    out: dict[str, int] = {}
+    for role, spec in MAPS.items():
+        path = os.path.join(pin_path, spec.name)
+        if not os.path.exists(path):
+            continue
+        try:
+            fd = obj_get(path)
+        except OSError:
+            continue
+        try:
+            out[role] = map_info(fd).max_entries
+        finally:
+            os.close(fd)
+    return out
 
 
 def map_flags(spec: MapSpec) -> int:
@@ -286,14 +315,16 @@ class Datapath:
 
         started = time.monotonic()
         build = build_id(self.source_text(), self.cflags(), ABI_VERSION)
-        fds = open_pinned_programs(self.pin_path, build, list(PROGRAMS), self._pinned_map_ids())
+        fds = open_pinned_programs(self.pin_path, build, list(PROGRAMS), self._pinned_map_ids(), PRIVATE_MAPS)
         how = "reused (unchanged since it was compiled)"
         if fds is None:
             try:
                 seconds = compile_in_child(self.entry_file, self.cflags(), self.pin_path, build, PROG_TYPES)
             except Exception as e:
                 raise DatapathError(f"compiling or loading {self.entry_file} failed: {e}") from e
-            fds = open_pinned_programs(self.pin_path, build, list(PROGRAMS), self._pinned_map_ids())
+            fds = open_pinned_programs(
+                self.pin_path, build, list(PROGRAMS), self._pinned_map_ids(), PRIVATE_MAPS
+            )
             if fds is None:
                 raise DatapathError(f"the compiler child pinned no programs under {self.pin_path}")
             how = f"compiled in {seconds:.1f}s"

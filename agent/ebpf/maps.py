@@ -9,7 +9,7 @@ map types without batch support (the LPM trie). Per-CPU maps (the stats map) are
 across CPUs on lookup.
 
 Errors become `MapError` (an OSError with the map's name in the message); a full map becomes
-`MapFullError`, which names the flag that sizes it (`--bpf-ct-max`, ...).
+`MapFullError`, which names the flag that sizes it (`--bpf-fe-max`, ...).
 
 `MapWriter` is the protocol the control plane programs against; `FakeMap` is its dict-backed
 twin for unit tests (same flags semantics, same size limit, same exceptions), so planners and
@@ -21,13 +21,13 @@ from __future__ import annotations
 import ctypes as ct
 import errno
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol, TypeAlias
 
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import MapSpec, Stat
+from agent.ebpf.abi import Config, ConfigSel, MapSpec, Stat
 
 CData: TypeAlias = ct.Structure | ct.c_uint32 | ct.c_uint64
 
@@ -49,7 +49,7 @@ class UpdateFlag(IntEnum):
 
 def size_flag(spec: MapSpec) -> str:
     """The agent flag that sets a map's size, as error messages name it."""
-    return f"--bpf-{spec.role}-max"
+    return spec.size_flag
 
 
 class MapError(OSError):
@@ -119,7 +119,8 @@ class FakeMap:
 
     def __init__(self, spec: MapSpec, max_entries: int | None = None) -> None:
         self.spec = spec
-        self.max_entries = spec.default_size if max_entries is None else max_entries
+        # a size derived at start (default_size 0, the conntrack tables) gets a fixed stand-in
+        self.max_entries = (spec.default_size or 65536) if max_entries is None else max_entries
         self._data: dict[bytes, tuple[CData, CData]] = {}
 
     def lookup(self, key: CData) -> CData | None:
@@ -576,6 +577,34 @@ class BpfMap:
                 self.update(self.spec.key(i), zero)
             return
         self.delete_batch(self.keys())
+
+
+CFG_SEL_KEY = 0
+
+
+def read_config(maps: Mapping[str, MapWriter]) -> Config | None:
+    """The config the programs read: the ekp_cfg slot ekp_cfgsel names; None when never written."""
+    sel = maps["cfgsel"].lookup(ct.c_uint32(CFG_SEL_KEY))
+    slot = int(getattr(sel, "slot", 0)) & 1
+    value = maps["cfg"].lookup(ct.c_uint32(slot))
+    if not isinstance(value, Config) or not any(value.values()):
+        return None
+    return value
+
+
+def write_config(maps: Mapping[str, MapWriter], cfg: Config) -> bool:
+    """Makes `cfg` the live config without ever rewriting the slot programs read (a torn read):
+    write the other slot, then flip the selector (one aligned 4-byte value). False when `cfg` was
+    live already. Two writes in a row are a syscall apart, far longer than a program holds its
+    pointer to the old slot (one packet)."""
+    sel = maps["cfgsel"].lookup(ct.c_uint32(CFG_SEL_KEY))
+    live = int(getattr(sel, "slot", 0)) & 1
+    if maps["cfg"].lookup(ct.c_uint32(live)) == cfg and sel is not None:
+        return False
+    spare = 1 - live
+    maps["cfg"].update(ct.c_uint32(spare), cfg)
+    maps["cfgsel"].update(ct.c_uint32(CFG_SEL_KEY), ConfigSel(slot=spare))
+    return True
 
 
 def read_stats(stats: MapWriter) -> dict[Stat, int]:

@@ -21,6 +21,8 @@ from agent.ebpf.abi import (
     BackendKey,
     Frontend,
     FrontendKey,
+    Member,
+    MemberKey,
     RevNat,
     RevNatKey,
     Slot,
@@ -44,12 +46,13 @@ class MapContents:
     slot: dict[SlotKey, Slot] = field(default_factory=dict)
     be: dict[BackendKey, Backend] = field(default_factory=dict)
     rnat: dict[RevNatKey, RevNat] = field(default_factory=dict)
+    member: dict[MemberKey, Member] = field(default_factory=dict)
     srcr: dict[SrcRangeKey, SrcRange] = field(default_factory=dict)
     cfg: abi.Config | None = None
     fe_names: dict[FrontendKey, str] = field(default_factory=dict)
 
     def table(self, role: str) -> dict[Any, Any]:
-        """The entries of one map role ("fe", "slot", "be", "rnat" or "srcr")."""
+        """The entries of one map role ("fe", "slot", "be", "rnat", "member" or "srcr")."""
         if role not in ROLES:
             raise KeyError(role)
         table: dict[Any, Any] = getattr(self, role)
@@ -62,6 +65,7 @@ class MapContents:
             slot=dict(self.slot),
             be=dict(self.be),
             rnat=dict(self.rnat),
+            member=dict(self.member),
             srcr=dict(self.srcr),
             fe_names=dict(self.fe_names),
         )

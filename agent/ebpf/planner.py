@@ -10,10 +10,16 @@ What the entries say is the data path's contract (bpf/ekp_abi.h, bpf/README.md):
 
 * Every service port has up to two backend *sets*, "cluster" (ServiceEndpoints.cluster) and "local"
   (ServiceEndpoints.local): a run of slots `{set_id, 1..count} -> backend_id`.
+* Every service port has a `svc_id`, carried by all its frontends: the data path keys affinity by
+  (client, svc_id), so affinity spans every frontend of the port as kube-proxy's does, and checks
+  membership `{svc_id, backend_id} -> CLUSTER|LOCAL` (one `member` entry per backend of the
+  port's sets) before it honours an affinity entry or moves a UDP flow.
 * Frontends follow kube-proxy's chains. ClusterIP, both scopes: ITP Local ? local set (LOCAL) :
   cluster set. NodePort (each node address), externalIPs, LB IPs: EXTERNAL scope: ETP Local ?
-  local set (LOCAL) : cluster set + SNAT_REMOTE; INTERNAL scope (pods): the cluster set.
-  masquerade-all (both scopes) and cluster-cidr (EXTERNAL scope) add SNAT_REMOTE to the ClusterIP.
+  local set (LOCAL) : cluster set + SNAT_ALL (kube-proxy's KUBE-MARK-MASQ; SNAT_REMOTE, toward
+  remote backends only, with --bpf-keep-client-ip-for-local-backends); INTERNAL scope (pods): the
+  cluster set. masquerade-all (both scopes) and cluster-cidr (EXTERNAL scope) add SNAT_ALL to
+  the ClusterIP.
   An empty set: NO_ENDPOINTS (reject) when nothing could serve or the cluster view is empty; an
   empty local set while others could serve keeps LOCAL alone (drop). loadBalancerSourceRanges:
   SOURCE_RANGES on the LB frontends of both scopes and one `srcr` entry per CIDR (plus the LB IP
@@ -27,26 +33,29 @@ State kept between syncs, all plain ints and tuples (`agent.ebpf.codec` packs th
   periodic resync, then updated by every successful write), with reverse indexes (which frontends
   point at a set, which slots at a backend, ...) that decide when a deletion is safe;
 * `dirty[role]`: the keys where the two may differ; a flush looks at nothing else.
-* Ids: a set keeps its id while its service port keeps that kind of set; a backend keeps its id
+* Ids: a service port keeps its svc_id for its life; a set keeps its id while its service port
+  keeps that kind of set; a backend keeps its id
   while any service port uses its (ip, port, protocol), refcounted; a reverse-NAT id belongs to a
   frontend (addr, port, protocol). Fresh ids count up from where the last one was handed out and
   wrap only at the field's limit, so conntrack and affinity entries of a service just removed do
   not meet a new one under the same id; an id returns to the pool only once the kernel holds no
-  entry under it. On start, `reconcile` re-adopts the ids the pinned maps hold (a frontend's set
-  and reverse-NAT ids, a backend's id), so a restart rewrites nothing that is still right.
+  entry under it. On start, `reconcile` re-adopts the ids the pinned maps hold (a frontend's
+  service port, set and reverse-NAT ids, a backend's id), so a restart rewrites nothing that is still right.
 
 Flush order (nothing a packet can reach ever points at something missing, and room is made before
 it is needed, so a desired state that fits the maps is always reached):
 
 1. deletions that are safe now: frontends that are no longer wanted, source ranges, slots no
-   written frontend can reach, backends no written slot points at, reverse-NAT entries no written
-   frontend uses;
-2. writes, in the order backends, reverse NAT, source ranges, slots, frontends (a set that grows
-   gets its slots before its count grows; a frontend moving to another set finds it complete).
+   written frontend can reach, membership no written slot of the port backs, backends no written
+   slot points at, reverse-NAT entries no written frontend uses;
+2. writes, in the order backends, membership, reverse NAT, source ranges, slots, frontends (a set
+   that grows gets its slots before its count grows, a backend its membership before a slot
+   points at it; a frontend moving to another set finds it complete).
    One batch per map; when a batch fails (a full map), the rest is written entry by entry and the
    service ports whose entries failed are left out of the later maps and reported;
-3. deletions made safe by step 2 (slots beyond a shrunk count, backends and reverse NAT left
-   unreferenced), then once more the writes that failed, now that room may have been made.
+3. deletions made safe by step 2 (slots beyond a shrunk count, membership of backends that left,
+   backends and reverse NAT left unreferenced), then once more the writes that failed, now that
+   room may have been made.
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 from agent.config import Config, NodeContext
 from agent.ebpf import abi
-from agent.ebpf.abi import BackendFlag, FrontendFlag, Scope
+from agent.ebpf.abi import BackendFlag, FrontendFlag, MemberFlag, Scope
 from agent.ebpf.codec import KEYS, VALUES, Key, Value
 from agent.model.types import Endpoint, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 from agent.model.types import Protocol as L4
@@ -69,24 +78,35 @@ SetKind = Literal["cluster", "local"]
 KINDS: tuple[SetKind, ...] = ("cluster", "local")
 
 # The service maps, in the order they are rendered, and the order writes go in.
-ROLES = ("fe", "slot", "be", "rnat", "srcr")
-WRITE_ORDER = ("be", "rnat", "srcr", "slot", "fe")
-DELETE_ORDER = ("fe", "srcr", "slot", "be", "rnat")
+ROLES = ("fe", "slot", "be", "rnat", "member", "srcr")
+WRITE_ORDER = ("be", "member", "rnat", "srcr", "slot", "fe")
+DELETE_ORDER = ("fe", "srcr", "slot", "member", "be", "rnat")
 
-# Conntrack timeouts written to cfg[0]. TCP: kube-proxy's --conntrack-tcp-timeout-established
-# default (24h); UDP: the kernel's nf_conntrack_udp_timeout_stream (kube-proxy leaves it); closing:
-# a short grace after FIN/RST.
-TCP_TIMEOUT_S = 86400
-UDP_TIMEOUT_S = 120
-CLOSING_TIMEOUT_S = 10
+# Conntrack timeouts of the config entry that kube-proxy's settings do not cover, or cover with 0
+# ("leave the kernel's value"): the kernel's defaults (nf_conntrack_udp_timeout 30 s,
+# nf_conntrack_udp_timeout_stream 120 s) and Cilium's for the TCP states kube-proxy leaves alone
+# (CT_SYN_TIMEOUT 60 s for a handshake not completed, CT_CLOSE_TIMEOUT 10 s after a RST or FINs
+# both ways). kube-proxy's own defaults for the rest: established 24 h, close-wait 1 h.
+TCP_ESTABLISHED_TIMEOUT_S = 86400
+TCP_CLOSE_WAIT_TIMEOUT_S = 3600
+TCP_SYN_TIMEOUT_S = 60
+TCP_CLOSED_TIMEOUT_S = 10
+UDP_TIMEOUT_S = 30
+UDP_STREAM_TIMEOUT_S = 120
+# ICMP rejects per second and burst, per CPU: the kernel's net.ipv4.icmp_msgs_per_sec and
+# icmp_msgs_burst defaults (its global limit on the ICMP errors a node sends).
+ICMP_RATE = 1000
+ICMP_BURST = 50
 
 # Largest id each field can carry (ekp_frontend.rev_nat_id is a __u16).
+SVC_ID_MAX = 0xFFFFFFFF
 SET_ID_MAX = 0xFFFFFFFF
 BACKEND_ID_MAX = 0xFFFFFFFF
 REVNAT_ID_MAX = 0xFFFF
 
 _BE_LOCAL = int(BackendFlag.LOCAL)
 _BE_TERMINATING = int(BackendFlag.TERMINATING)
+_MEMBER_FLAG: dict[SetKind, int] = {"cluster": int(MemberFlag.CLUSTER), "local": int(MemberFlag.LOCAL)}
 
 BeIdent = tuple[int, int, int]  # (addr be, port be, proto) as ekp_be holds them
 RnatIdent = tuple[int, int, int]  # (addr be, port be, proto) of a frontend
@@ -179,8 +199,10 @@ class Fragment:
     """Everything one service port contributes to the maps."""
 
     spn: ServicePortName
+    svc_id: int = 0
     fe: dict[Key, Value] = field(default_factory=dict)
     slot: dict[Key, Value] = field(default_factory=dict)
+    member: dict[Key, Value] = field(default_factory=dict)  # (svc_id, backend id) -> (flags,)
     srcr: dict[Key, Value] = field(default_factory=dict)
     sets: dict[SetKind, int] = field(default_factory=dict)
     backends: dict[BeIdent, int] = field(default_factory=dict)  # ident -> flags this port gives it
@@ -205,8 +227,9 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[_Fe]:
     # ClusterIP: the internal traffic policy, whatever the scope.
     kind: SetKind = "local" if sp.internal_policy_local else "cluster"
     local = int(FrontendFlag.LOCAL) if kind == "local" else 0
-    snat_int = int(FrontendFlag.SNAT_REMOTE) if config.masquerade_all else 0
-    snat_ext = int(FrontendFlag.SNAT_REMOTE) if config.masquerade_all or config.cluster_cidr else 0
+    # kube-proxy's KUBE-MARK-MASQ for the cluster IP masquerades whatever the backend.
+    snat_int = int(FrontendFlag.SNAT_ALL) if config.masquerade_all else 0
+    snat_ext = int(FrontendFlag.SNAT_ALL) if config.masquerade_all or config.cluster_cidr else 0
     vip, port = ip_be(sp.cluster_ip), port_be(sp.port)
     for scope, snat in ((Scope.EXTERNAL, snat_ext), (Scope.INTERNAL, snat_int)):
         out.append(
@@ -221,6 +244,7 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[_Fe]:
         ]
     externals += [(ip, sp.port, FrontendFlag.EXTERNAL_IP) for ip in sp.external_ips]
     ranges = int(FrontendFlag.SOURCE_RANGES) if sp.load_balancer_source_ranges else 0
+    snat_all, snat_keep_local = int(FrontendFlag.SNAT_ALL), int(FrontendFlag.SNAT_REMOTE)
     externals += [(ip, sp.port, FrontendFlag.LOADBALANCER | ranges) for ip in sp.load_balancer_ips]
     for addr_text, fe_port, what in externals:
         addr, p = ip_be(addr_text), port_be(fe_port)
@@ -229,8 +253,10 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[_Fe]:
             ext_kind: SetKind = "local"
             ext_flags = base | what | FrontendFlag.LOCAL
         else:
+            # ETP Cluster: kube-proxy masquerades all of it (KUBE-EXT-* -> KUBE-MARK-MASQ); keeping
+            # the client's address toward local backends is an explicit choice.
             ext_kind = "cluster"
-            ext_flags = base | what | FrontendFlag.SNAT_REMOTE
+            ext_flags = base | what | (snat_keep_local if config.bpf_keep_client_ip_local else snat_all)
         out.append(_Fe((addr, p, proto, int(Scope.EXTERNAL)), ext_kind, ext_flags, affinity, rnat))
         out.append(_Fe((addr, p, proto, int(Scope.INTERNAL)), "cluster", base | what, affinity, rnat))
     return out
@@ -270,10 +296,30 @@ def layout(members: Sequence[int], previous: Mapping[int, int]) -> dict[int, int
 
 
 def config_entry(node: NodeContext, config: Config) -> Value:
-    """cfg[0]: the node's SNAT source, the SNAT port range and conntrack timeouts (codec tuple)."""
+    """The config entry (codec tuple of abi.Config): the node's SNAT source, the SNAT port range,
+    the conntrack timeouts (kube-proxy's conntrack settings where they say something, as iptables
+    mode applies them to nf_conntrack) and the reject rate limit."""
     lo, hi = config.snat_ports
-    node_addr = ip_be(node.primary_ip) if node.primary_ip else 0
-    return (node_addr, lo, hi, TCP_TIMEOUT_S, UDP_TIMEOUT_S, CLOSING_TIMEOUT_S, 0)
+    ct = config.conntrack
+    return (
+        ip_be(node.primary_ip) if node.primary_ip else 0,
+        lo,
+        hi,
+        _seconds(ct.tcp_established_timeout_s, TCP_ESTABLISHED_TIMEOUT_S),
+        _seconds(ct.tcp_close_wait_timeout_s, TCP_CLOSE_WAIT_TIMEOUT_S),
+        TCP_SYN_TIMEOUT_S,
+        TCP_CLOSED_TIMEOUT_S,
+        _seconds(ct.udp_timeout_s, UDP_TIMEOUT_S),
+        _seconds(ct.udp_stream_timeout_s, UDP_STREAM_TIMEOUT_S),
+        ICMP_RATE,
+        ICMP_BURST,
+        0,
+    )
+
+
+def _seconds(value: float, default: int) -> int:
+    """A kube-proxy timeout in whole seconds; 0 ("leave it") becomes the default."""
+    return max(1, round(value)) if value > 0 else default
 
 
 def _endpoints(eps: ServiceEndpoints, kind: SetKind) -> tuple[Endpoint, ...]:
@@ -331,6 +377,7 @@ class Planner:
         self._waits: dict[ServicePortName, set[Key]] = {}
         self._srcr_users: dict[Key, set[ServicePortName]] = {}
         self._set_owner: dict[int, ServicePortName] = {}
+        self._svc_owner: dict[int, ServicePortName] = {}
         self._be_ids: dict[BeIdent, int] = {}
         # Per backend: [ports using it, of which say it is local, of which say it is terminating].
         self._be_refs: dict[BeIdent, list[int]] = {}
@@ -338,12 +385,13 @@ class Planner:
         self._replanned: set[ServicePortName] = set()  # since the last flush (failure attribution)
         self._rnats: dict[RnatIdent, _RevNat] = {}
         self._rnat_by_id: dict[int, RnatIdent] = {}
+        self.svc_ids = IdPool(SVC_ID_MAX, "service port")
         self.set_ids = IdPool(SET_ID_MAX, "backend set")
         self.backend_ids = IdPool(BACKEND_ID_MAX, "backend")
         self.rnat_ids = IdPool(REVNAT_ID_MAX, "reverse-NAT")
         # Re-adoption hints from the kernel's contents (start only): frontend -> (set id, local
-        # flag, rev-NAT id); backend ident -> id.
-        self._fe_hints: dict[Key, tuple[int, bool, int]] = {}
+        # flag, rev-NAT id, service port id); backend ident -> id.
+        self._fe_hints: dict[Key, tuple[int, bool, int, int]] = {}
         self._be_hints: dict[BeIdent, int] = {}
         # Indexes over `written`, deciding when a deletion is safe.
         self._w_set_fes: dict[int, dict[Key, int]] = {}  # set id -> {frontend key: count}
@@ -351,6 +399,9 @@ class Planner:
         self._w_be_slots: dict[int, int] = {}  # backend id -> slots pointing at it
         self._w_rnat_fes: dict[int, int] = {}  # rev-NAT id -> frontends using it
         self._w_rnat_srcr: dict[int, int] = {}  # rev-NAT id -> source range entries under it
+        self._w_svc_sets: dict[int, dict[int, int]] = {}  # svc id -> {set id: frontends}
+        self._w_set_be: dict[tuple[int, int], int] = {}  # (set id, backend id) -> slots
+        self._w_svc_members: dict[int, int] = {}  # svc id -> member entries
         self.node = NodeContext()
         self.cfg: Value | None = None
         self._failed_now: set[ServicePortName] = set()
@@ -425,14 +476,17 @@ class Planner:
             if desired.get(key) != value:
                 desired[key] = value
                 dirty.add(key)
-        if old.slot != new.slot:
+        for role in ("slot", "member"):  # keyed by the port's own set and service ids: not shared
+            before, after = getattr(old, role), getattr(new, role)
+            if before == after:
+                continue
             changed = True
-            desired, dirty = self.desired["slot"], self.dirty["slot"]
-            for key in old.slot.keys() - new.slot.keys():
+            desired, dirty = self.desired[role], self.dirty[role]
+            for key in before.keys() - after.keys():
                 desired.pop(key, None)
                 dirty.add(key)
-            for key, value in new.slot.items():
-                if old.slot.get(key) != value:
+            for key, value in after.items():
+                if before.get(key) != value:
                     desired[key] = value
                     dirty.add(key)
         if old.srcr != new.srcr:
@@ -458,6 +512,11 @@ class Planner:
                 self.set_ids.release(set_id)
         for set_id in new.sets.values():
             self._set_owner[set_id] = spn
+        if old.svc_id and old.svc_id != new.svc_id:
+            self._svc_owner.pop(old.svc_id, None)
+            self.svc_ids.release(old.svc_id)
+        if new.svc_id:
+            self._svc_owner[new.svc_id] = spn
         changed |= self._update_backends(spn, old.backends, new.backends)
         changed |= self._update_rnats(spn, old.rnats, new.rnats)
         return changed
@@ -474,6 +533,9 @@ class Planner:
                     new.taken_from.add(owner)
             else:
                 new.blocked.add(fe.key)
+        # One id for every frontend of the port: the data path keys affinity and membership by it.
+        new.svc_id = old.svc_id or self.svc_ids.take(self._svc_hint(fes))
+        svc_id = new.svc_id
         kinds = [k for k in KINDS if any(fe.kind == k for fe in fes)]
         for kind in kinds:
             new.sets[kind] = old.sets.get(kind) or self.set_ids.take(self._set_hint(fes, kind))
@@ -499,6 +561,11 @@ class Planner:
             for pos, bid in layout(members, previous).items():
                 new.slot[(set_id, pos)] = (bid,)
             counts[kind] = len(members)
+            bit = _MEMBER_FLAG[kind]
+            member = new.member
+            for bid in members:
+                held = member.get((svc_id, bid))
+                member[(svc_id, bid)] = (held[0] | bit,) if held is not None else (bit,)
         for fe in fes:
             if fe.rnat not in new.rnats:
                 new.rnats[fe.rnat] = old.rnats.get(fe.rnat) or self._rnat_id(fe.rnat, fe.key)
@@ -508,7 +575,7 @@ class Planner:
             if counts[fe.kind] == 0 and (fe.kind == "cluster" or not eps.has_any):
                 flags |= FrontendFlag.NO_ENDPOINTS
             rid = new.rnats[fe.rnat]
-            new.fe[fe.key] = (new.sets[fe.kind], counts[fe.kind], flags, fe.affinity, rid)
+            new.fe[fe.key] = (svc_id, new.sets[fe.kind], counts[fe.kind], flags, fe.affinity, rid)
             if fe.flags & FrontendFlag.SOURCE_RANGES:
                 for plen, net in ranges:
                     new.srcr[(32 + plen, rid, net)] = (1,)
@@ -519,6 +586,14 @@ class Planner:
             hint = self._fe_hints.get(fe.key)
             if hint is not None and fe.kind == kind and hint[1] == (kind == "local"):
                 return hint[0]
+        return 0
+
+    def _svc_hint(self, fes: Sequence[_Fe]) -> int:
+        """The service port id the kernel's frontends of this port carried (start only)."""
+        for fe in sorted(fes, key=lambda f: f.key):
+            hint = self._fe_hints.get(fe.key)
+            if hint is not None and hint[3]:
+                return hint[3]
         return 0
 
     def _backend_id(self, ident: BeIdent) -> int:
@@ -623,6 +698,7 @@ class Planner:
         # Ids the kernel holds that the plan does not own stay taken until the kernel lets go of
         # them (or a re-adoption claims them).
         held = (
+            (self.svc_ids, self._w_svc_sets.keys() | self._w_svc_members.keys(), self._svc_owner),
             (self.set_ids, self._w_set_slots.keys() | self._w_set_fes.keys(), self._set_owner),
             (self.backend_ids, {k[0] for k in self.written["be"]} | self._w_be_slots.keys(), self._be_by_id),
             (
@@ -638,7 +714,7 @@ class Planner:
                     pool.release(ident)
         if adopt:
             self._fe_hints = {
-                k: (v[0], bool(v[2] & FrontendFlag.LOCAL), v[4]) for k, v in self.written["fe"].items()
+                k: (v[1], bool(v[3] & FrontendFlag.LOCAL), v[5], v[0]) for k, v in self.written["fe"].items()
             }
             hints: dict[BeIdent, int] = {}
             for (bid,), value in sorted(self.written["be"].items()):
@@ -660,23 +736,32 @@ class Planner:
     def _rebuild_indexes(self) -> None:
         self._w_set_fes, self._w_set_slots, self._w_be_slots = {}, {}, {}
         self._w_rnat_fes, self._w_rnat_srcr = {}, {}
+        self._w_svc_sets, self._w_set_be, self._w_svc_members = {}, {}, {}
         for role in ROLES:
             for key, value in self.written[role].items():
                 self._index(role, key, value, +1)
 
     def _index(self, role: str, key: Key, value: Value, sign: int) -> None:
         if role == "fe":
-            fes = self._w_set_fes.setdefault(value[0], {})
+            svc_id, set_id, count = value[0], value[1], value[2]
+            fes = self._w_set_fes.setdefault(set_id, {})
             if sign > 0:
-                fes[key] = value[1]
+                fes[key] = count
             else:
                 fes.pop(key, None)
                 if not fes:
-                    del self._w_set_fes[value[0]]
-            _bump(self._w_rnat_fes, value[4], sign)
+                    del self._w_set_fes[set_id]
+            sets = self._w_svc_sets.setdefault(svc_id, {})
+            _bump(sets, set_id, sign)
+            if not sets:
+                del self._w_svc_sets[svc_id]
+            _bump(self._w_rnat_fes, value[5], sign)
         elif role == "slot":
             _bump(self._w_set_slots, key[0], sign)
             _bump(self._w_be_slots, value[0], sign)
+            _bump(self._w_set_be, (key[0], value[0]), sign)
+        elif role == "member":
+            _bump(self._w_svc_members, key[0], sign)
         elif role == "srcr":
             _bump(self._w_rnat_srcr, key[1], sign)
 
@@ -724,6 +809,12 @@ class Planner:
             return not self._w_be_slots.get(key[0])
         if role == "rnat":
             return not self._w_rnat_fes.get(key[0])
+        if role == "member":
+            # Kept while a written frontend of the port can still reach the backend through a slot:
+            # the data path honours affinity and UDP flows only toward members.
+            svc_id, bid = key
+            set_be = self._w_set_be
+            return not any((set_id, bid) in set_be for set_id in self._w_svc_sets.get(svc_id, ()))
         return True  # frontends: nothing points at them
 
     def _owners(self, role: str, key: Key) -> set[ServicePortName]:
@@ -731,6 +822,8 @@ class Planner:
             owner = self._fe_owner.get(key)
         elif role == "slot":
             owner = self._set_owner.get(key[0])
+        elif role == "member":
+            owner = self._svc_owner.get(key[0])
         elif role == "be":
             ident = self._be_by_id.get(key[0])
             if ident is None:
@@ -771,6 +864,7 @@ class Planner:
             self.dirty[role] = {k for k in self.dirty[role] if desired.get(k) != written.get(k)}
         if not any(self.dirty.values()):
             self._replanned = set()
+        self.svc_ids.settle(lambda s: s in self._w_svc_sets or s in self._w_svc_members)
         self.set_ids.settle(lambda s: s in self._w_set_fes or s in self._w_set_slots)
         self.backend_ids.settle(lambda b: (b,) in self.written["be"] or b in self._w_be_slots)
         self.rnat_ids.settle(
@@ -855,7 +949,7 @@ class Planner:
             for spn in self._owners(role, key) or {_ORPHAN}:
                 by_port.setdefault(spn, []).append((key, value))
         count = 0
-        why = f"BPF map {abi.MAPS[role].name} is full: raise --bpf-{role}-max"
+        why = f"BPF map {abi.MAPS[role].name} is full: raise {abi.MAPS[role].size_flag}"
         for spn in sorted(by_port, key=_order):
             todo = [(k, v) for k, v in by_port[spn] if written.get(k) != v]
             done = target.update_raw(
@@ -888,7 +982,7 @@ def _order(spn: ServicePortName) -> tuple[str, str]:
     return str(spn), str(spn.protocol)
 
 
-def _bump(counter: dict[int, int], key: int, sign: int) -> None:
+def _bump(counter: dict[Any, int], key: Any, sign: int) -> None:
     n = counter.get(key, 0) + sign
     if n > 0:
         counter[key] = n

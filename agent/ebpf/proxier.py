@@ -3,12 +3,16 @@
 Lifecycle (kube-proxy's contract, agent/proxier.py):
 
 * The constructor only remembers its arguments.
-* The first `sync` loads the data path (bcc compiles bpf/ekp_tc.c; maps are pinned under
-  Config.pin_path and reused when they exist), removes pins of other ABI versions, reads the
-  service maps back so the planner re-adopts their ids and writes only differences (stale entries
-  are pruned: the agent syncs only once every kind was listed), writes cfg[0], sets the sysctls it
-  needs in Config.netns, attaches the programs (replacing older ones atomically) and starts the
-  pod-device watcher. Conntrack and affinity are never flushed.
+* The first `sync` checks the SNAT port range against the NodePort range and the node's local
+  port range (a FatalError naming both), loads the data path (bcc compiles bpf/ekp_tc.c; maps are
+  pinned under Config.pin_path and reused when they exist; the conntrack tables keep the size they
+  were pinned with), reads the service maps back so the planner re-adopts their ids and writes
+  only differences (stale entries are pruned: the agent syncs only once every kind was listed),
+  writes the config entry (double-buffered, agent.ebpf.maps.write_config), sets the sysctls it
+  needs in Config.netns, carries the conntrack of an ABI v1 agent over (agent/ebpf/upgrade.py),
+  attaches the programs (replacing older ones atomically), carries over what the old programs
+  added meanwhile, removes pins of other ABI versions and starts the pod-device watcher.
+  Conntrack and affinity are never flushed.
 * Later syncs re-plan only the changed service ports (`agent.ebpf.planner`) and write their entries.
   A full sync (`changed` None, every sync period) reads the maps back first and repairs whatever
   differs from the plan, re-pinning maps whose pin was removed (counted in SyncResult.repaired).
@@ -24,7 +28,6 @@ swap in fakes; there is no test branch in here.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -38,9 +41,12 @@ from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import VALUES, Key, Value
-from agent.ebpf.maps import MapWriter
+from agent.ebpf.maps import MapWriter, read_config, write_config
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap, decode
+from agent.ebpf.ports import parse_port_range, snat_ports_problem
+from agent.ebpf.upgrade import Upgrade
+from agent.errors import FatalError
 from agent.model.types import ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
@@ -48,6 +54,7 @@ from agent.proxier import SyncResult
 log = logging.getLogger(__name__)
 
 SERVICE_ROLES = ROLES
+LOCAL_PORT_RANGE = "net/ipv4/ip_local_port_range"
 
 # sysctl (as a /proc/sys path) -> (value, why); set in Config.netns at the first sync.
 SYSCTLS: dict[str, tuple[str, str]] = {
@@ -71,6 +78,14 @@ class DatapathLike(Protocol):
     def close(self) -> None: ...
 
 
+class UpgradeLike(Protocol):
+    """agent.ebpf.upgrade.Upgrade: the conntrack of an older ABI carried over around the first attach."""
+
+    def before_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
+
+    def after_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
+
+
 class AttacherLike(Protocol):
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None: ...
 
@@ -89,11 +104,19 @@ def default_datapath(pin_path: str, sizes: MapSizes) -> DatapathLike:
     return datapath
 
 
+def default_pinned_sizes(pin_path: str) -> dict[str, int]:
+    from agent.ebpf.loader import pinned_sizes
+
+    return pinned_sizes(pin_path)
+
+
+def read_sysctl(netns: str, path: str) -> str:
+    """/proc/sys/`path` in `netns`."""
+    return run_in_netns(netns, lambda: (Path("/proc/sys") / path).read_text().strip())
+
+
 def default_attacher(config: Config, prog_fds: Mapping[str, int]) -> AttacherLike:
     return Attacher(config, prog_fds)
-
-
-CFG_KEY = ctypes.c_uint32(0)
 
 
 class EbpfProxier:
@@ -104,11 +127,17 @@ class EbpfProxier:
         datapath_factory: Callable[[str, MapSizes], DatapathLike] = default_datapath,
         attacher_factory: Callable[[Config, Mapping[str, int]], AttacherLike] = default_attacher,
         sysctl_writer: Callable[[str, str, str], str | None] | None = None,
+        sysctl_reader: Callable[[str, str], str] = read_sysctl,
+        sizes_reader: Callable[[str], dict[str, int]] = default_pinned_sizes,
+        upgrade_factory: Callable[[str], UpgradeLike] = Upgrade,
     ) -> None:
         self._config = config
         self._datapath_factory = datapath_factory
         self._attacher_factory = attacher_factory
         self._sysctl_writer = sysctl_writer or write_sysctl
+        self._sysctl_reader = sysctl_reader
+        self._sizes_reader = sizes_reader
+        self._upgrade = upgrade_factory(config.pin_path)
         self._lock = threading.Lock()
         self._datapath: DatapathLike | None = None
         self._attacher: AttacherLike | None = None
@@ -150,7 +179,7 @@ class EbpfProxier:
                 planner.forget_hints()
             self._unsure = True  # until every write went through
             if planner.cfg is not None and planner.cfg != self._cfg_written:
-                maps["cfg"].update(CFG_KEY, VALUES["cfg"].to_ctype(planner.cfg))
+                write_config(maps, VALUES["cfg"].to_ctype(planner.cfg))
                 self._cfg_written = planner.cfg
             result = planner.flush(cast(Mapping[str, RawMap], maps))
             self._unsure = False
@@ -204,21 +233,36 @@ class EbpfProxier:
         if self._datapath is not None:
             return self._datapath
         pin_path = self._config.pin_path
+        self._check_snat_ports()
         self._set_sysctls()
-        datapath = self._datapath_factory(pin_path, self._config.map_sizes)
+        sizes = self._config.map_sizes.with_conntrack(
+            self._config.conntrack, os.cpu_count() or 1, self._sizes_reader(pin_path)
+        )
+        datapath = self._datapath_factory(pin_path, sizes)
         datapath.load()
-        stale = remove_stale_pins(pin_path)
-        if stale:
-            log.info("removed pins of other ABI versions: %s", ",".join(stale))
         self._datapath = datapath
         self._unsure = True
         return datapath
 
+    def _check_snat_ports(self) -> None:
+        """FatalError when --bpf-snat-ports overlaps the NodePorts or the node's local ports."""
+        netns = self._config.netns
+        text = self._sysctl_reader(netns, LOCAL_PORT_RANGE)
+        try:
+            local = parse_port_range(text)
+        except ValueError as exc:
+            raise FatalError(
+                f"cannot read net.ipv4.ip_local_port_range in netns {netns or '(own)'}: {text!r}"
+            ) from exc
+        problem = snat_ports_problem(self._config.snat_ports, self._config.nodeport_range, local, netns)
+        if problem:
+            raise FatalError(problem)
+
     def _dump(self, maps: Mapping[str, MapWriter], first: bool) -> dict[str, list[tuple[Key, Value]]]:
         dump = {role: decode(role, *maps[role].dump_raw()) for role in ROLES if role in maps}
         if first:
-            value = maps["cfg"].lookup(CFG_KEY)
-            self._cfg_written = VALUES["cfg"].of_ctype(value) if value is not None else None
+            live = read_config(maps)
+            self._cfg_written = VALUES["cfg"].of_ctype(live) if live is not None else None
             log.info(
                 "pinned maps hold %d frontends, %d slots, %d backends, %d reverse-NAT entries: "
                 "re-adopting their ids",
@@ -228,10 +272,14 @@ class EbpfProxier:
 
     def _attach(self, datapath: DatapathLike, node: NodeContext, *, periodic: bool) -> None:
         """Keep the programs attached. The first sync attaches everywhere (replacing an older
-        agent's programs); after that, pod devices are the watcher's and the attachments are
-        checked only by full syncs (every sync period, or when the node's addresses changed), so a
-        one-endpoint change costs no netlink round trip into the node's namespace."""
-        full = not self._attached_once
+        agent's programs, carrying an older ABI's conntrack over around it); after that, pod
+        devices are the watcher's and the attachments are checked only by full syncs (every sync
+        period, or when the node's addresses changed), so a one-endpoint change costs no netlink
+        round trip into the node's namespace."""
+        first = not self._attached_once
+        full = first
+        if first:
+            self._upgrade.before_attach(datapath.maps)
         if self._attacher is None:
             fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD)}
             self._attacher = self._attacher_factory(self._config, fds)
@@ -244,7 +292,11 @@ class EbpfProxier:
         if full or verify or node != self._attached_node:
             self._attacher.reconcile(node, full=full, verify=verify and not full)
             self._attached_node = node
-        if not self._attached_once:
+        if first:
+            self._upgrade.after_attach(datapath.maps)
+            stale = remove_stale_pins(self._config.pin_path)
+            if stale:
+                log.info("removed pins of other ABI versions: %s", ",".join(stale))
             self._attacher.start_watcher()
             self._attached_once = True
 
@@ -333,7 +385,7 @@ def remove_pins(pin_path: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- inspect
 
-INSPECT_SECTIONS = ("services", "ct", "aff", "stats")
+INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity")
 
 
 def render_live_maps(
@@ -345,6 +397,7 @@ def render_live_maps(
     node can be diffed against a plan; `ct`, `aff` and `stats` print conntrack, affinity and the
     counters. Opens the pins read-only in effect (nothing is written); needs no compiler.
     """
+    from agent.ebpf.capacity import read_fill, render_capacity
     from agent.ebpf.maps import BpfMap, read_stats
     from agent.ebpf.render import render_affinity, render_conntrack, render_contents, render_stats
 
@@ -352,10 +405,11 @@ def render_live_maps(
     if unknown:
         raise ValueError(f"unknown section {','.join(unknown)} (known: {', '.join(INSPECT_SECTIONS)})")
     roles = {
-        "services": ("fe", "slot", "be", "rnat", "srcr", "cfg"),
-        "ct": ("ct",),
+        "services": (*SERVICE_ROLES, "cfg", "cfgsel"),
+        "ct": abi.CT_ROLES,
         "aff": ("aff",),
         "stats": ("stats",),
+        "capacity": tuple(abi.MAPS),
     }
     needed = sorted({role for s in sections for role in roles[s]})
     maps: dict[str, BpfMap] = {}
@@ -371,13 +425,14 @@ def render_live_maps(
         out: list[str] = []
         for section in sections:
             if section == "services":
-                cfg = maps["cfg"].lookup(CFG_KEY)
-                contents = read_contents(
-                    {r: maps[r] for r in SERVICE_ROLES}, cfg if isinstance(cfg, abi.Config) else None
-                )
+                contents = read_contents({r: maps[r] for r in SERVICE_ROLES}, read_config(maps))
                 out.append(render_contents(contents))
             elif section == "ct":
-                out.append(render_conntrack(maps["ct"].items(), now))  # type: ignore[arg-type]
+                flows = [kv for role in abi.CT_ROLES for kv in maps[role].items()]
+                out.append(render_conntrack(flows, now))  # type: ignore[arg-type]
+            elif section == "capacity":
+                capacities = {role: m.info().max_entries for role, m in maps.items()}
+                out.append(render_capacity(read_fill(maps, capacities, read_config(maps), now)))
             elif section == "aff":
                 out.append(render_affinity(maps["aff"].items(), now))  # type: ignore[arg-type]
             else:

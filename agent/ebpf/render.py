@@ -3,12 +3,16 @@
 Pure. One entry a line, addresses and ports in host notation, flags by name, lines sorted by
 their numeric fields (so `10.96.0.2` comes before `10.96.0.10`), sections in a fixed order:
 
-    cfg node=192.168.0.11 snat_ports=32768-65535 tcp_timeout=86400s udp_timeout=120s closing_timeout=10s
-    fe 10.96.0.10:53/UDP internal -> set=3 count=2 rnat=5 flags=AFFINITY affinity=10800s
+    cfg node=192.168.0.11 snat_ports=61000-65535 tcp=86400s/3600s/60s/10s udp=30s/120s icmp=1000/s,50
+    fe 10.96.0.10:53/UDP internal -> svc=2 set=3 count=2 rnat=5 flags=AFFINITY affinity=10800s
     slot 3#1 -> be 7
     be 7 -> 10.244.1.2:53/UDP local
+    member svc=2 be 7 -> cluster|local
     rnat 5 -> 10.96.0.10:53
     srcr rnat=5 203.0.113.0/24 -> allow
+
+(tcp= established/close-wait/syn/closed timeouts; udp= unreplied/stream; icmp= rejects per
+second and burst, per CPU.)
 
 The same text comes from a plan (dry run) and from dumping live maps (inspect), so the two can be
 compared with `diff`. A dry run may add `# ns/name:port` after each frontend (`names`).
@@ -34,6 +38,9 @@ from agent.ebpf.abi import (
     Frontend,
     FrontendFlag,
     FrontendKey,
+    Member,
+    MemberFlag,
+    MemberKey,
     RevNat,
     RevNatKey,
     Scope,
@@ -78,8 +85,8 @@ def _scope(scope: int) -> str:
 def cfg_line(cfg: CfgEntry) -> str:
     line = (
         f"cfg node={ip_str(cfg.node_addr)} snat_ports={cfg.snat_port_min}-{cfg.snat_port_max}"
-        f" tcp_timeout={cfg.tcp_timeout_s}s udp_timeout={cfg.udp_timeout_s}s"
-        f" closing_timeout={cfg.closing_timeout_s}s"
+        f" tcp={cfg.tcp_established_s}s/{cfg.tcp_close_wait_s}s/{cfg.tcp_syn_s}s/{cfg.tcp_closed_s}s"
+        f" udp={cfg.udp_s}s/{cfg.udp_stream_s}s icmp={cfg.icmp_rate}/s,{cfg.icmp_burst}"
     )
     return line + (f" flags={cfg.flags:#x}" if cfg.flags else "")
 
@@ -87,7 +94,7 @@ def cfg_line(cfg: CfgEntry) -> str:
 def fe_line(key: FrontendKey, fe: Frontend, name: str = "") -> str:
     line = (
         f"fe {ip_str(key.addr)}:{port_host(key.port)}/{proto_name(key.proto)} {_scope(key.scope)}"
-        f" -> set={fe.set_id} count={fe.count} rnat={fe.rev_nat_id}"
+        f" -> svc={fe.svc_id} set={fe.set_id} count={fe.count} rnat={fe.rev_nat_id}"
         f" flags={flag_names(fe.flags, FrontendFlag)} affinity={fe.affinity_timeout}s"
     )
     return line + (f"  # {name}" if name else "")
@@ -102,6 +109,10 @@ def be_line(key: BackendKey, be: Backend) -> str:
     if be.flags:
         line += " " + flag_names(be.flags, BackendFlag, ",").lower()
     return line
+
+
+def member_line(key: MemberKey, member: Member) -> str:
+    return f"member svc={key.svc_id} be {key.backend_id} -> {flag_names(member.flags, MemberFlag).lower()}"
 
 
 def rnat_line(key: RevNatKey, rnat: RevNat) -> str:
@@ -127,6 +138,8 @@ def render_contents(contents: MapContents, names: Mapping[FrontendKey, str] | No
         lines.append(slot_line(skey, slot))
     for bkey, be in sorted(contents.be.items(), key=lambda kv: kv[0].id):
         lines.append(be_line(bkey, be))
+    for mkey, member in sorted(contents.member.items(), key=lambda kv: (kv[0].svc_id, kv[0].backend_id)):
+        lines.append(member_line(mkey, member))
     for rkey, rnat in sorted(contents.rnat.items(), key=lambda kv: kv[0].id):
         lines.append(rnat_line(rkey, rnat))
     for srkey, sr in sorted(
@@ -146,20 +159,20 @@ def _age(last_seen_ns: int, now_ns: int) -> str:
 def ct_line(key: CtKey, ct: CtEntry, now_ns: int) -> str:
     """One conntrack entry; `now_ns` is CLOCK_MONOTONIC (the clock of bpf_ktime_get_ns)."""
     try:
-        direction = CtDir(ct.dir).name.lower()
+        direction = CtDir(key.dir).name.lower()
     except ValueError:
-        direction = f"dir{ct.dir}"
+        direction = f"dir{key.dir}"
     line = (
         f"ct {ip_str(key.saddr)}:{port_host(key.sport)} -> {ip_str(key.daddr)}:{port_host(key.dport)}"
-        f"/{proto_name(key.proto)} {direction}"
+        f"/{proto_name(key.proto)} {direction} fe={ip_str(ct.fe_addr)}:{port_host(ct.fe_port)}"
     )
     if ct.nat_addr:
         line += f" nat={ip_str(ct.nat_addr)}:{port_host(ct.nat_port)}"
     if ct.snat_addr:
         line += f" snat={ip_str(ct.snat_addr)}:{port_host(ct.snat_port)}"
     return (
-        line + f" be={ct.backend_id} rnat={ct.rev_nat_id} flags={flag_names(ct.flags, CtFlag)}"
-        f" idle={_age(ct.last_seen_ns, now_ns)}"
+        line + f" svc={ct.svc_id} be={ct.backend_id} flags={flag_names(ct.flags, CtFlag)}"
+        f" idle={_age(ct.last_seen_ns, now_ns)} age={max(0, now_ns // 1_000_000_000 - ct.created_s)}s"
     )
 
 
@@ -172,6 +185,7 @@ def render_conntrack(entries: Iterable[tuple[CtKey, CtEntry]], now_ns: int) -> s
             _ip_sort(kv[0].daddr),
             port_host(kv[0].dport),
             kv[0].proto,
+            kv[0].dir,
         ),
     )
     return "".join(ct_line(k, v, now_ns) + "\n" for k, v in items)
@@ -179,11 +193,11 @@ def render_conntrack(entries: Iterable[tuple[CtKey, CtEntry]], now_ns: int) -> s
 
 def aff_line(key: AffinityKey, aff: Affinity, now_ns: int) -> str:
     idle = _age(aff.last_seen_ns, now_ns)
-    return f"aff {ip_str(key.client)} set={key.set_id} -> be {aff.backend_id} idle={idle}"
+    return f"aff {ip_str(key.client)} svc={key.svc_id} -> be {aff.backend_id} idle={idle}"
 
 
 def render_affinity(entries: Iterable[tuple[AffinityKey, Affinity]], now_ns: int) -> str:
-    items = sorted(entries, key=lambda kv: (kv[0].set_id, _ip_sort(kv[0].client)))
+    items = sorted(entries, key=lambda kv: (kv[0].svc_id, _ip_sort(kv[0].client)))
     return "".join(aff_line(k, v, now_ns) + "\n" for k, v in items)
 
 

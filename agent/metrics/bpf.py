@@ -4,17 +4,20 @@ A `prometheus_client` Collector: nothing is copied on a timer, every scrape open
 them and closes them again, so the numbers are the kernel's at that moment and a restarted agent
 (or `agent inspect` in another process) sees the same.
 
-Families (`map` is the kernel name, e.g. `ekp_ct_v1`):
+Families (`map` is the kernel name, e.g. `ekp_ct_tcp_v2`):
 
 * `ekp_bpf_map_entries{map}`, `ekp_bpf_map_capacity{map}` (max_entries) and
-  `ekp_bpf_map_fill_ratio{map}` for every map; `ekp_conntrack_entries` repeats the conntrack map's
-  count under the name operators look for. Arrays are always full (the kernel preallocates every
-  slot). The LRU maps use per-CPU free lists, so each CPU evicts once its share (capacity / CPUs)
-  is used: a fill ratio near 1/CPUs on a busy CPU already means evictions.
+  `ekp_bpf_map_fill_ratio{map}` for every map; `ekp_conntrack_entries` repeats the conntrack
+  tables' count (TCP and the rest) under the name operators look for. Arrays are always full (the
+  kernel preallocates every slot). An LRU table near full is normal (dead entries stay until their
+  room is needed): `agent inspect capacity` tells live entries from expired ones, and
+  `ekp_datapath_drops_total{reason="no_flow"}` counts the live flows an eviction cost.
 * `ekp_bpf_map_up{map}`: 1 when the map could be read at this scrape, 0 otherwise (not pinned
   yet, or pinned by a different layout).
-* the data path's counters from `ekp_stats_v1`, summed over CPUs: packets, new flows, conntrack
-  hits by direction, SNAT, affinity hits, packets passed to the stack, and drops by reason.
+* the data path's counters from `ekp_stats_v2`, summed over CPUs: packets, new flows, conntrack
+  hits by direction (ICMP errors about a flow count as `related`), SNAT, affinity hits, packets
+  passed to the stack, drops by reason, and flow events (SNAT port early drops and remaps,
+  conntrack entries rebuilt, fragments translated).
 * `ekp_bpf_maps_scrape_duration_seconds`: what this scrape cost.
 
 Counting a hash map's entries has no kernel call, so `BpfMap.count` walks it with
@@ -37,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from agent.ebpf.abi import MAPS, MapSpec, Stat
+from agent.ebpf.abi import CT_ROLES, MAPS, STAT_DROP_FIRST, MapSpec, Stat
 from agent.ebpf.maps import BpfMap, FakeMap, MapWriter, read_stats
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,7 @@ _ARRAYS = frozenset({"array", "percpu_array"})
 _BATCHABLE = frozenset({"hash", "lru_hash"})
 CHUNK = 16384
 
+# Label values of every drop counter (tests/health/test_bpf_metrics.py checks none is missing).
 _DROP_REASONS = {
     Stat.DROP_MALFORMED: "malformed",
     Stat.DROP_NO_ENDPOINTS: "no_endpoints",
@@ -57,8 +61,18 @@ _DROP_REASONS = {
     Stat.DROP_FIB: "fib_lookup",
     Stat.DROP_SNAT_PORTS: "snat_ports_exhausted",
     Stat.DROP_CT_FULL: "conntrack_full",
-    Stat.DROP_REVNAT_MISSING: "revnat_missing",
-    Stat.DROP_FRAGMENT: "fragment",
+    Stat.DROP_FRAG_NO_FIRST: "fragment_without_first",
+    Stat.DROP_NO_FLOW: "no_flow",
+    Stat.DROP_BACKEND_GONE: "backend_gone",
+    Stat.DROP_ICMP_RATE: "icmp_rate_limited",
+    Stat.DROP_FRAG_NEEDED: "fragmentation_needed",
+}
+assert set(_DROP_REASONS) == {s for s in Stat if s >= STAT_DROP_FIRST}
+_FLOW_EVENTS = {
+    Stat.EARLY_DROP: "snat_early_drop",
+    Stat.PORT_REMAP: "snat_port_remap",
+    Stat.CT_REBUILT: "conntrack_rebuilt",
+    Stat.FRAGMENTS: "fragment_translated",
 }
 
 
@@ -119,6 +133,12 @@ class _Families:
         self.drops = c(
             "ekp_datapath_drops", "Packets the eBPF data path dropped, by reason", labels=["reason"]
         )
+        self.events = c(
+            "ekp_datapath_flow_events",
+            "Flow events of the eBPF data path (SNAT port early drops and remaps, conntrack entries"
+            " rebuilt from their twin, non-first fragments translated)",
+            labels=["event"],
+        )
 
     def all(self) -> list[Metric]:
         return [
@@ -134,6 +154,7 @@ class _Families:
             self.affinity,
             self.passed,
             self.drops,
+            self.events,
         ]
 
     def add_stats(self, values: dict[Stat, int]) -> None:
@@ -141,11 +162,14 @@ class _Families:
         self.flows.add_metric([], values[Stat.NEW_FLOWS])
         self.hits.add_metric(["forward"], values[Stat.CT_FORWARD])
         self.hits.add_metric(["reply"], values[Stat.CT_REPLY])
+        self.hits.add_metric(["related"], values[Stat.CT_RELATED])
         self.snat.add_metric([], values[Stat.SNAT])
         self.affinity.add_metric([], values[Stat.AFFINITY_HIT])
         self.passed.add_metric([], values[Stat.PASS])
         for stat, reason in _DROP_REASONS.items():
             self.drops.add_metric([reason], values[stat])
+        for stat, event in _FLOW_EVENTS.items():
+            self.events.add_metric([event], values[stat])
 
 
 class BpfMapsCollector(Collector):
@@ -163,6 +187,7 @@ class BpfMapsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         start = time.perf_counter()
         f = _Families()
+        conntrack: int | None = None
         for spec in self._specs:
             read = self._read(spec, f)
             f.up.add_metric([spec.name], 1 if read is not None else 0)
@@ -172,8 +197,10 @@ class BpfMapsCollector(Collector):
             f.entries.add_metric([spec.name], n)
             f.capacity.add_metric([spec.name], size)
             f.fill.add_metric([spec.name], n / size if size else 0.0)
-            if spec.role == "ct":
-                f.conntrack.add_metric([], n)
+            if spec.role in CT_ROLES:
+                conntrack = (conntrack or 0) + n
+        if conntrack is not None:
+            f.conntrack.add_metric([], conntrack)
         yield from f.all()
         yield self._took(time.perf_counter() - start)
 

@@ -25,7 +25,9 @@ def test_config_from_flags() -> None:
             "--nodeport-addresses=192.168.0.0/24",
             "--node-ip=192.168.0.11",
             "--iptables-min-sync-period=0",
-            "--bpf-ct-max=1000",
+            "--bpf-ct-global-tcp-max=1000",
+            "--node-port-range=20000-22767",
+            "--bpf-keep-client-ip-for-local-backends=true",
             "--bpf-snat-ports=40000-50000",
             "--devices=eth0,eth1",
         ]
@@ -36,7 +38,10 @@ def test_config_from_flags() -> None:
     assert cfg.cluster_cidr == ("10.244.0.0/16",)
     assert cfg.node_ips == ("192.168.0.11",)
     assert cfg.min_sync_period_s == 0
-    assert cfg.map_sizes.ct == 1000 and cfg.map_sizes.fe == 65536
+    assert cfg.map_sizes.ct_tcp == 1000 and cfg.map_sizes.fe == 65536
+    assert cfg.map_sizes.ct_any == 0  # derived at start from kube-proxy's conntrack settings
+    assert cfg.nodeport_range == (20000, 22767)
+    assert cfg.bpf_keep_client_ip_local is True
     assert cfg.snat_ports == (40000, 50000)
     assert cfg.devices == ("eth0", "eth1")
     assert cfg.iptables_localhost_nodeports is True
@@ -50,7 +55,7 @@ def test_config_from_flags() -> None:
         (["--mode=ipvs"], "invalid choice: 'ipvs'"),
         (["--cluster-cidr=10.244.0.0/33"], "is not a CIDR"),
         (["--node-ip=node1"], "is not an IPv4 address"),
-        (["--bpf-ct-max=0"], "is not a positive whole number"),
+        (["--bpf-ct-global-any-max=0"], "is not a positive whole number"),
         (["--bpf-snat-ports=70000-80000"], "is not a port range"),
         (["--iptables-sync-period=soon"], "is not a duration"),
     ],
@@ -69,7 +74,7 @@ def test_help_ends_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
     assert out.rstrip().endswith("decode the live service maps of this node")
-    assert "--hostname-override" in out and "--bpf-ct-max" in out
+    assert "--hostname-override" in out and "--bpf-ct-global-tcp-max" in out and "--bpf-fe-max" in out
 
 
 def test_dry_run_with_a_missing_file_says_so(capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,7 +95,7 @@ def test_dry_run_of_the_examples_needs_no_root(capsys: pytest.CaptureFixture[str
     argv = ["--dry-run", f"--services-file={examples}", "--hostname-override=node1"]
     assert main([*argv, "--mode=ebpf", "--node-ip=192.168.0.11"]) == 0
     out = capsys.readouterr().out
-    assert "fe 192.168.0.11:30080/TCP external" in out and "flags=NODEPORT|SNAT_REMOTE" in out
+    assert "fe 192.168.0.11:30080/TCP external" in out and "flags=NODEPORT|SNAT_ALL" in out
     assert main([*argv, "--mode=iptables"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("*filter\n") and "-A KUBE-SERVICES" in out and out.rstrip().endswith("COMMIT")

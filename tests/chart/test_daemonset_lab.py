@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,7 @@ class PodRun:
     workdir: Path
     agent: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    image_env: dict[str, str] = field(default_factory=lambda: dict(IMAGE_ENV))
 
     def launch(self, name: str, extra_args: tuple[str, ...] = ()) -> kubelet.Launch:
         container = self.rendered.container(name)
@@ -87,7 +89,7 @@ class PodRun:
                 "ca.crt": self.api.ca_path.read_bytes(),
                 "namespace": NAMESPACE.encode(),
             },
-            image_env=IMAGE_ENV,
+            image_env=self.image_env,
         )
 
     def run_init_containers(self) -> dict[str, str]:
@@ -209,17 +211,27 @@ def test_the_rendered_pod_starts_answers_its_probes_and_serves(pod: PodRun) -> N
     status, text = pod.get(METRICS_PORT, "/metrics")
     assert status == 200
     assert b"kubeproxy_sync_proxy_rules_duration_seconds_bucket" in text
-    assert b'ekp_bpf_map_up{map="ekp_fe_v1"} 1' in text
+    assert b'ekp_bpf_map_up{map="ekp_fe_v2"} 1' in text
     pins = os.listdir(pod.bpffs / "ebpf-kube-proxy")
-    assert "ekp_fe_v1" in pins, pins
+    assert "ekp_fe_v2" in pins, pins
     assert os.listdir(pod.lock_dir), "the node lock lives in the host directory the pods share"
 
 
-def test_rolling_update_keeps_clusterip_traffic_flowing(pod: PodRun) -> None:
+def test_rolling_update_keeps_clusterip_traffic_flowing(pod: PodRun, request: pytest.FixtureRequest) -> None:
     """SIGTERM the pod's agent, start a new pod from the same spec (init containers included),
-    while a client in a lab pod opens a new connection to the ClusterIP per request."""
+    while a client in a lab pod opens a new connection to the ClusterIP per request.
+
+    The new pod is a new image: its C source differs (a comment), so it compiles new programs
+    against the maps the old pod pinned, with the chart's capabilities, as an upgrade does."""
     assert pod.agent is not None and pod.agent.poll() is None, "runs after the test above"
     assert pod.lab.tmpdir is not None
+    # Not under /tmp: the pod's /tmp is its own emptyDir.
+    image = Path(tempfile.mkdtemp(prefix="ekp-image-2-", dir="/var/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(image, ignore_errors=True))
+    new_bpf = image / "bpf"
+    shutil.copytree(REPO / "bpf", new_bpf)
+    with open(new_bpf / "ekp_tc.c", "a") as f:
+        f.write("/* image 2 */\n")
     stop_file = pod.lab.tmpdir / "loop.stop"
     ready_file = pod.lab.tmpdir / "loop.ready"
     out_path = pod.lab.tmpdir / "loop.json"
@@ -251,6 +263,7 @@ def test_rolling_update_keeps_clusterip_traffic_flowing(pod: PodRun) -> None:
     assert pod.lab.stop(old, timeout=30) == 0, "SIGTERM ends the agent cleanly"
     down_s = time.monotonic() - stopped
     time.sleep(2.0)  # the node without an agent for a moment, as between two pods
+    pod.image_env["EKP_BPF_DIR"] = str(new_bpf)
     pod.start()
     pod.wait_synced()
     time.sleep(2.0)
@@ -266,6 +279,7 @@ def test_rolling_update_keeps_clusterip_traffic_flowing(pod: PodRun) -> None:
     assert set(result["bodies"]) == {"pod-1-2"}, result
     new_log = pod.log()
     assert "already running" not in new_log
+    assert "data path compiled in" in new_log, "the new image's programs were built on the old maps"
 
 
 def test_the_rendered_command_with_cleanup_removes_everything(pod: PodRun) -> None:

@@ -37,7 +37,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "nodeports": {"nodePortAddresses": ["192.168.0.0/24", "primary"], "bpf": {"devices": ["eth0", "eth1"]}},
     "no-replacement": {"replaceKubeProxy": False, "apiServer": {"host": "10.0.0.1", "port": 443}},
     "tuned": {
-        "bpf": {"mapSizes": {"ct": 1048576, "fe": 131072}, "snatPorts": "62000-65000"},
+        "bpf": {
+            "mapSizes": {"ctGlobalTcp": 1048576, "fe": 131072},
+            "snatPorts": "62000-65000",
+            "nodePortRange": "20000-22767",
+            "keepClientIpForLocalBackends": True,
+        },
         "conntrack": {"tcpEstablishedTimeout": "2h0m0s", "udpTimeout": "30s"},
         "iptables": {"minSyncPeriod": "250ms"},
         "extraArgs": ["--node-ip=192.168.0.11"],
@@ -144,7 +149,7 @@ def test_default_daemonset(rendered: dict[str, Rendered]) -> None:
     assert {p["name"]: p["containerPort"] for p in agent["ports"]} == {"healthz": 10256, "metrics": 10249}
     sc = agent["securityContext"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
-    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["BPF", "PERFMON", "NET_ADMIN"]}
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["BPF", "PERFMON", "NET_ADMIN", "SYS_ADMIN"]}
     assert sc["seccompProfile"] == {"type": "Unconfined"}, "RuntimeDefault refuses bpf(2) without SYS_ADMIN"
     assert sc["readOnlyRootFilesystem"] is True
     assert set(agent["resources"]) == {"requests", "limits"}
@@ -222,6 +227,7 @@ def test_monitoring(rendered: dict[str, Rendered]) -> None:
         "EbpfKubeProxyServicePortsNotProgrammed",
         "EbpfKubeProxyNetworkProgrammingSlow",
         "EbpfKubeProxyMapNearlyFull",
+        "EbpfKubeProxyConntrackEvictingLiveFlows",
         "EbpfKubeProxyWatchRelisting",
         "EbpfKubeProxyWatchRestarting",
     ]
@@ -238,9 +244,13 @@ def test_nodeports_and_tuned_flags(rendered: dict[str, Rendered]) -> None:
     args = rendered["nodeports"].container("agent")["args"]
     assert "--devices=eth0,eth1" in args
     tuned = rendered["tuned"].container("agent")
-    assert {"--bpf-ct-max=1048576", "--bpf-fe-max=131072", "--bpf-snat-ports=62000-65000"} <= set(
-        tuned["args"]
-    )
+    assert {
+        "--bpf-ct-global-tcp-max=1048576",
+        "--bpf-fe-max=131072",
+        "--bpf-snat-ports=62000-65000",
+        "--node-port-range=20000-22767",
+        "--bpf-keep-client-ip-for-local-backends=true",
+    } <= set(tuned["args"])
     assert tuned["args"][-1] == "--node-ip=192.168.0.11"
     assert tuned["image"] == "ebpf-kube-proxy@sha256:" + "a" * 64
 
@@ -284,7 +294,8 @@ def test_the_agent_accepts_the_rendered_configuration(
     assert c.cluster_cidr == want["cidr"]
     assert c.pin_path == "/sys/fs/bpf/ebpf-kube-proxy"
     if name == "tuned":
-        assert c.map_sizes.ct == 1048576 and c.snat_ports == (62000, 65000)
+        assert c.map_sizes.ct_tcp == 1048576 and c.snat_ports == (62000, 65000)
+        assert c.nodeport_range == (20000, 22767) and c.bpf_keep_client_ip_local
         assert c.conntrack.tcp_established_timeout_s == 7200 and c.conntrack.udp_timeout_s == 30
         assert c.min_sync_period_s == 0.25 and c.node_ips == ("192.168.0.11",)
     else:
@@ -318,7 +329,8 @@ BAD_VALUES = [
     ({"healthz": {"port": "10256"}}, "port"),
     ({"mode": "ipvs"}, "mode"),
     ({"iptables": {"syncPeriod": "30 seconds"}}, "syncPeriod"),
-    ({"bpf": {"mapSizes": {"ct": "big"}}}, "ct"),
+    ({"bpf": {"mapSizes": {"ctGlobalTcp": "big"}}}, "ctGlobalTcp"),
+    ({"bpf": {"mapSizes": {"ct": 1024}}}, "ct"),
     ({"replaceKubeProxy": "yes"}, "replaceKubeProxy"),
     (
         {

@@ -315,3 +315,73 @@ def icmp_error(frame: bytes) -> IcmpError:
         icmp_chksum_ok=checksum(raw_icmp) == 0,
         length_ok=ip.len == len(frame) - 14,
     )
+
+
+# ---- fragments ----------------------------------------------------------------------------
+
+
+def fragments(
+    src: str,
+    dst: str,
+    sport: int,
+    dport: int,
+    payload: bytes,
+    *,
+    ip_id: int = 4242,
+    fragsize: int = 1480,
+    proto: str = "udp",
+    smac: str = "02:00:00:00:aa:01",
+    dmac: str = "02:00:00:00:aa:02",
+) -> list[bytes]:
+    """The Ethernet frames of one UDP (or TCP) datagram cut into IPv4 fragments, in order."""
+    from scapy.layers.inet import IP, TCP, UDP, fragment
+    from scapy.layers.l2 import Ether
+
+    l4 = UDP(sport=sport, dport=dport) if proto == "udp" else TCP(sport=sport, dport=dport, flags="PA")
+    datagram = IP(src=src, dst=dst, id=ip_id, ttl=64) / l4 / payload
+    pieces = fragment(IP(bytes(datagram)), fragsize=fragsize)  # type: ignore[no-untyped-call]
+    return [bytes(Ether(src=smac, dst=dmac) / piece) for piece in pieces]
+
+
+@dataclass(frozen=True)
+class Datagram:
+    """A datagram put back together from its fragments, as the receiver's stack would."""
+
+    src: str
+    dst: str
+    ip_id: int
+    l4: bytes  # the L4 header and payload
+    headers_ok: bool  # every fragment's IP header checksum is right
+
+    @property
+    def ports(self) -> tuple[int, int]:
+        return int.from_bytes(self.l4[0:2], "big"), int.from_bytes(self.l4[2:4], "big")
+
+    def l4_checksum_ok(self, proto: int = 17) -> bool:
+        """The UDP/TCP checksum over the pseudo header and the whole reassembled segment."""
+        import socket
+
+        from scapy.utils import checksum
+
+        pseudo = (
+            socket.inet_aton(self.src)
+            + socket.inet_aton(self.dst)
+            + bytes([0, proto])
+            + len(self.l4).to_bytes(2, "big")
+        )
+        return checksum(pseudo + self.l4) == 0
+
+
+def reassemble(frames: list[bytes]) -> Datagram:
+    from scapy.layers.inet import IP
+    from scapy.layers.l2 import Ether
+    from scapy.utils import checksum
+
+    ips = [Ether(f)[IP] for f in frames]
+    assert len({(ip.src, ip.dst, ip.id, ip.proto) for ip in ips}) == 1, "fragments of different datagrams"
+    data = b""
+    for ip in sorted(ips, key=lambda ip: ip.frag):
+        assert ip.frag * 8 == len(data), "a gap or overlap between fragments"
+        data += bytes(ip.payload)[: ip.len - ip.ihl * 4]
+    headers_ok = all(checksum(bytes(f)[14 : 14 + ip.ihl * 4]) == 0 for f, ip in zip(frames, ips, strict=True))
+    return Datagram(ips[0].src, ips[0].dst, ips[0].id, data, headers_ok)

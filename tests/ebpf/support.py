@@ -68,6 +68,9 @@ def broken(contents: MapContents) -> list[str]:
     for skey, slot in contents.slot.items():
         if BackendKey(id=slot.backend_id) not in contents.be:
             problems.append(f"slot {skey.set_id}#{skey.slot}: backend {slot.backend_id} missing")
+    for mkey in contents.member:
+        if BackendKey(id=mkey.backend_id) not in contents.be:
+            problems.append(f"member svc={mkey.svc_id}: backend {mkey.backend_id} missing")
     return problems
 
 
@@ -131,7 +134,7 @@ class PlanRig:
 def assert_ids_valid(contents: MapContents) -> None:
     assert all(k.id != 0 for k in contents.be)
     assert all(k.id != 0 for k in contents.rnat)
-    assert all(fe.rev_nat_id != 0 and fe.set_id != 0 for fe in contents.fe.values())
+    assert all(fe.rev_nat_id != 0 and fe.set_id != 0 and fe.svc_id != 0 for fe in contents.fe.values())
     assert all(k.slot >= 1 for k in contents.slot)
 
 

@@ -41,6 +41,7 @@ def c_constants() -> dict[str, int]:
         (abi.Scope, "EKP_SCOPE_"),
         (abi.FrontendFlag, "EKP_FE_"),
         (abi.BackendFlag, "EKP_BE_"),
+        (abi.MemberFlag, "EKP_MEMBER_"),
         (abi.CtDir, "EKP_CT_"),
         (abi.CtFlag, "EKP_CT_"),
     ]
@@ -112,7 +113,7 @@ def test_constants_match(probe: dict[str, list[str]]) -> None:
 def test_every_c_constant_is_mirrored() -> None:
     """A constant added to the header without its Python twin fails here (the probe checks values)."""
     text = (BPF_DIR / "ekp_abi.h").read_text()
-    names = set(re.findall(r"\b(EKP_(?:SCOPE|FE|BE|CT|STAT|DROP)_[A-Z0-9_]+)\b", text))
+    names = set(re.findall(r"\b(EKP_(?:SCOPE|FE|BE|MEMBER|CT|STAT|DROP)_[A-Z0-9_]+)\b", text))
     assert names - set(c_constants()) == set()
 
 
@@ -165,18 +166,23 @@ def test_map_flags_declared_are_the_ones_pins_are_checked_for() -> None:
         for m in _FLAGS_DECL.finditer(text)
     }
     assert declared == {spec.name: map_flags(spec) for spec in abi.MAPS.values()}
-    assert declared["ekp_ct_v1"] == declared["ekp_aff_v1"] == loader.BPF_F_NO_COMMON_LRU
+    # ABI v2: the LRU maps share the kernel's common LRU list (bpf/README.md, "Conntrack capacity")
+    assert declared["ekp_ct_tcp_v2"] == declared["ekp_ct_any_v2"] == declared["ekp_aff_v2"] == 0
 
 
-def test_per_cpu_lru_maps_are_expected_rounded_to_the_possible_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    """htab_map_alloc gives each CPU's LRU list the same share: max_entries rounds up."""
+def test_per_cpu_lru_maps_would_be_expected_rounded_to_the_possible_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """htab_map_alloc gives each CPU's LRU list the same share: max_entries rounds up (for a map
+    declared with BPF_F_NO_COMMON_LRU; none is in ABI v2, the rule stays for whoever adds one)."""
     monkeypatch.setattr(loader, "possible_cpus", lambda: 3)
-    sizes = MapSizes(fe=1000, ct=1000, aff=999)
-    assert expected_info(abi.MAPS["ct"], sizes)["max_entries"] == 1002
+    monkeypatch.setattr(loader, "ROLE_FLAGS", {"ct_tcp": loader.BPF_F_NO_COMMON_LRU})
+    sizes = MapSizes(fe=1000, ct_tcp=1000, aff=999)
+    assert expected_info(abi.MAPS["ct_tcp"], sizes)["max_entries"] == 1002
     assert expected_info(abi.MAPS["aff"], sizes)["max_entries"] == 999
     assert expected_info(abi.MAPS["fe"], sizes)["max_entries"] == 1000  # a common hash: as asked
-    huge = MapSizes(ct=(1 << 32) - 2)  # rounding up would overflow u32: the kernel rounds down
-    assert expected_info(abi.MAPS["ct"], huge)["max_entries"] == (1 << 32) - 4
+    huge = MapSizes(ct_tcp=(1 << 32) - 2)  # rounding up would overflow u32: the kernel rounds down
+    assert expected_info(abi.MAPS["ct_tcp"], huge)["max_entries"] == (1 << 32) - 4
 
 
 def test_map_names_fit_the_kernel_and_carry_the_version() -> None:
@@ -186,9 +192,11 @@ def test_map_names_fit_the_kernel_and_carry_the_version() -> None:
 
 
 def test_stale_pins_lists_other_versions_only(tmp_path: Path) -> None:
-    for name in ("ekp_ct_v1", "ekp_ct_v0", "ekp_fe_v7", "ekp_gone_v1", "other", "ekp_x"):
+    for name in ("ekp_ct_tcp_v2", "ekp_ct_v1", "ekp_ct_v0", "ekp_fe_v7", "ekp_gone_v1", "other", "ekp_x"):
         (tmp_path / name).touch()
-    assert stale_pins(str(tmp_path)) == [str(tmp_path / n) for n in ("ekp_ct_v0", "ekp_fe_v7", "ekp_gone_v1")]
+    assert stale_pins(str(tmp_path)) == [
+        str(tmp_path / n) for n in ("ekp_ct_v0", "ekp_ct_v1", "ekp_fe_v7", "ekp_gone_v1")
+    ]
     assert stale_pins(str(tmp_path / "missing")) == []
 
 
@@ -202,7 +210,9 @@ def test_source_text_inlines_every_header() -> None:
 
 # ---- the loaded maps, as bpftool sees them ------------------------------------------------
 
-SMALL = MapSizes(fe=128, slot=256, be=128, rnat=128, ct=1024, aff=128, srcr=32)
+SMALL = MapSizes(
+    fe=128, slot=256, be=128, rnat=128, member=256, ct_tcp=1024, ct_any=512, frag=64, aff=128, srcr=32
+)
 
 
 @pytest.fixture(scope="module")
@@ -237,13 +247,19 @@ def test_bpftool_shows_every_map_with_its_layout(loaded: Datapath) -> None:
 
 @pytest.mark.kernel
 def test_both_programs_use_the_maps(loaded: Datapath) -> None:
-    map_ids = {m.info().id for m in loaded.maps.values()}
+    """Every pinned map but ekp_rnat (written for the agent, read by no program since v2), and one
+    unpinned map of their own: the per-CPU working memory (bpf/ekp_tc_scratch.h)."""
+    pinned = {role: m.info().id for role, m in loaded.maps.items()}
+    read = {ident for role, ident in pinned.items() if role != "rnat"}
     for name in PROGRAMS:
         shown = bpftool("prog", "show", "id", str(prog_id(loaded.prog_fd(name))))
         assert isinstance(shown, dict)
         assert (shown["name"], shown["type"]) == (name, "sched_cls")
-        assert set(shown["map_ids"]) <= map_ids
-        assert len(shown["map_ids"]) == len(map_ids)
+        used = set(shown["map_ids"])
+        assert used & set(pinned.values()) == read
+        (own,) = used - read
+        scratch = bpftool("map", "show", "id", str(own))
+        assert isinstance(scratch, dict) and scratch["name"] == "ekp_scratch"
 
 
 @pytest.mark.kernel

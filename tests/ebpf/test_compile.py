@@ -6,15 +6,19 @@ import logging
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from agent.config import MapSizes
+from agent.ebpf.abi import MAPS
 from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids
-from agent.ebpf.loader import PROGRAMS, Datapath
+from agent.ebpf.loader import PRIVATE_MAPS, PROGRAMS, Datapath
 from tests.ebpf.packets import bpffs
 
-SMALL = MapSizes(fe=128, slot=256, be=128, rnat=128, ct=1024, aff=128, srcr=32)
+SMALL = MapSizes(
+    fe=128, slot=256, be=128, rnat=128, member=256, ct_tcp=1024, ct_any=1024, frag=64, aff=128, srcr=32
+)
 
 
 def test_the_build_id_follows_source_flags_and_abi() -> None:
@@ -65,7 +69,9 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
             assert len(built) == len(PROGRAMS)
             ids = {m.info().id for m in first.maps.values()}
             for name in PROGRAMS:
-                assert prog_map_ids(first.prog_fd(name)) <= ids
+                used = prog_map_ids(first.prog_fd(name))
+                assert used & ids, "the programs use the pinned maps"
+                assert len(used - ids) == PRIVATE_MAPS, "besides them, only their load's own scratch"
         finally:
             first.close()
         assert "data path reused" in caplog.text, "the first agent compiled; this one (a restart) reuses"
@@ -77,7 +83,7 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
             if not name.startswith(PROG_PIN_PREFIX):
                 os.unlink(os.path.join(pins, name))
         caplog.clear()
-        bigger = Datapath(pins, MapSizes(fe=256, slot=256, be=128, rnat=128, ct=1024, aff=128, srcr=32))
+        bigger = Datapath(pins, replace(SMALL, fe=256))
         bigger.load()
         bigger.close()
         assert "data path compiled in" in caplog.text
@@ -93,7 +99,7 @@ def test_programs_whose_maps_were_replaced_are_compiled_again(caplog: pytest.Log
         first = Datapath(pins, SMALL)
         first.load()
         first.close()
-        os.unlink(os.path.join(pins, "ekp_fe_v1"))  # a new, empty map will be made
+        os.unlink(os.path.join(pins, MAPS["fe"].name))  # a new, empty map will be made
         caplog.clear()
         second = Datapath(pins, SMALL)
         second.load()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -15,7 +16,7 @@ from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import BpfMap, FakeMap, MapError, MapFullError, MapWriter, UpdateFlag, read_stats
 from tests.ebpf.packets import loaded_datapath
 
-SIZES = MapSizes(fe=8, slot=16, be=8, rnat=8, ct=64, aff=8, srcr=8)
+SIZES = MapSizes(fe=8, slot=16, be=8, rnat=8, member=8, ct_tcp=64, ct_any=64, frag=8, aff=8, srcr=8)
 
 
 def fe_key(i: int) -> abi.FrontendKey:
@@ -57,7 +58,7 @@ def test_fake_map_contract() -> None:
 
 
 def test_fake_lru_map_evicts_instead_of_failing() -> None:
-    ct = FakeMap(MAPS["ct"], max_entries=2)
+    ct = FakeMap(MAPS["ct_tcp"], max_entries=2)
     for port in range(3):
         ct.update(abi.CtKey(sport=port), abi.CtEntry())
     assert [bytes(k) for k, _ in ct.items()] == [bytes(abi.CtKey(sport=p)) for p in (1, 2)]
@@ -121,44 +122,46 @@ def test_reopening_a_pin_sees_the_same_map(dp: Datapath) -> None:
 def test_reload_reuses_pins_and_refuses_other_sizes(dp: Datapath) -> None:
     """A restarted agent re-adopts the pinned maps (conntrack survives); a resized one is refused."""
     key = abi.CtKey(abi.ip_be("10.244.1.9"), abi.ip_be("10.96.0.10"), 1, 2, 6)
-    dp.maps["ct"].update(key, abi.CtEntry(backend_id=3))
+    dp.maps["ct_tcp"].update(key, abi.CtEntry(backend_id=3))
     with Datapath(dp.pin_path, SIZES) as again:
-        assert again.maps["ct"].info().id == dp.maps["ct"].info().id
-        assert again.maps["ct"].lookup(key) == abi.CtEntry(backend_id=3)
-    with pytest.raises(Exception, match=r"ekp_ct_v1: max_entries is 64, expected 128.*--cleanup"):
-        Datapath(dp.pin_path, MapSizes(fe=8, slot=16, be=8, rnat=8, ct=128, aff=8, srcr=8)).load()
-    dp.maps["ct"].clear()
+        assert again.maps["ct_tcp"].info().id == dp.maps["ct_tcp"].info().id
+        assert again.maps["ct_tcp"].lookup(key) == abi.CtEntry(backend_id=3)
+    with pytest.raises(Exception, match=r"ekp_ct_tcp_v2: max_entries is 64, expected 128.*--cleanup"):
+        Datapath(dp.pin_path, replace(SIZES, ct_tcp=128)).load()
+    dp.maps["ct_tcp"].clear()
+
+
+@pytest.mark.kernel
+def test_pinned_sizes_keep_derived_conntrack_sizes_across_restarts(dp: Datapath) -> None:
+    """A derived (unset) conntrack size takes the pinned table's, so a restart on a machine whose
+    CPU count changed neither resizes (a new, empty table) nor refuses to start."""
+    from agent.config import ConntrackSettings
+    from agent.ebpf.loader import pinned_sizes
+
+    held = pinned_sizes(dp.pin_path)
+    assert (held["ct_tcp"], held["ct_any"], held["fe"]) == (64, 64, 8)
+    unset = replace(SIZES, ct_tcp=0, ct_any=0)
+    resolved = unset.with_conntrack(ConntrackSettings(max_per_core=1 << 20), 64, held)
+    assert (resolved.ct_tcp, resolved.ct_any) == (64, 64)
+    with Datapath(dp.pin_path, resolved) as again:
+        assert again.maps["ct_tcp"].info().id == dp.maps["ct_tcp"].info().id
 
 
 @pytest.mark.kernel
 def test_pin_made_with_other_map_flags_is_refused() -> None:
-    """A conntrack pin from before BPF_F_NO_COMMON_LRU (same layout, common LRU list) is not reused."""
+    """A conntrack pin with per-CPU LRU lists (same layout, BPF_F_NO_COMMON_LRU) is not reused."""
     import subprocess
 
     from agent.ebpf.loader import PinMismatchError
     from tests.ebpf.packets import bpffs
 
-    spec = MAPS["ct"]
+    spec = MAPS["ct_tcp"]
     with bpffs() as root:
         pins = root / "ekp"
         pins.mkdir()
         argv = ["bpftool", "map", "create", str(pins / spec.name), "type", "lru_hash"]
         argv += ["key", str(ctypes.sizeof(spec.key)), "value", str(ctypes.sizeof(spec.value))]
-        argv += ["entries", str(SIZES.ct), "name", spec.name, "flags", "0"]
+        argv += ["entries", str(SIZES.ct_tcp), "name", spec.name, "flags", "2"]
         subprocess.run(argv, check=True, capture_output=True)
-        with pytest.raises(PinMismatchError, match=r"ekp_ct_v1: flags is 0, expected 2.*--cleanup"):
+        with pytest.raises(PinMismatchError, match=r"ekp_ct_tcp_v2: flags is 2, expected 0.*--cleanup"):
             Datapath(str(pins), SIZES).load()
-
-
-@pytest.mark.kernel
-def test_per_cpu_lru_size_rounded_by_the_kernel_is_accepted_on_reload() -> None:
-    """max_entries of a per-CPU LRU map is a multiple of the possible CPUs: 63 asked, 64 on 2 CPUs."""
-    from agent.ebpf.maps import possible_cpus
-
-    odd = MapSizes(fe=8, slot=16, be=8, rnat=8, ct=63, aff=7, srcr=8)
-    cpus = possible_cpus()
-    with loaded_datapath(odd) as first:
-        assert first.maps["ct"].info().max_entries == -(-63 // cpus) * cpus
-        assert first.maps["aff"].info().max_entries == -(-7 // cpus) * cpus
-        with Datapath(first.pin_path, odd) as again:
-            assert again.maps["ct"].info().id == first.maps["ct"].info().id

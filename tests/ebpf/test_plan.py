@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import Config, NodeContext
+from agent.config import Config, ConntrackSettings, NodeContext
 from agent.ebpf import planner as planner_module
 from agent.ebpf import render_dry_run
-from agent.ebpf.abi import FrontendFlag, FrontendKey, Scope, SlotKey, ip_be, port_be
+from agent.ebpf.abi import FrontendFlag, FrontendKey, MemberFlag, Scope, SlotKey, ip_be, port_be
+from agent.ebpf.codec import VALUES
 from agent.ebpf.plan import MapContents, plan
-from agent.ebpf.planner import PlanError
+from agent.ebpf.planner import PlanError, config_entry
 from agent.ebpf.render import render_contents
 from agent.model import ProxyState
 from tests.ebpf.support import GOLDEN, NODE, PlanRig, assert_ids_valid, broken, state_from_yaml
@@ -127,15 +128,66 @@ def test_nodeport_answers_only_on_nodeport_addresses() -> None:
 
 
 def test_masquerade_all_and_cluster_cidr_snat_cluster_ip_traffic() -> None:
+    """kube-proxy's KUBE-MARK-MASQ for the cluster IP: every backend, local ones too (SNAT_ALL)."""
     state = states(svc("a", "10.96.0.5", ["10.244.2.2"]))
     ext, internal = fe_key("10.96.0.5", 80, Scope.EXTERNAL), fe_key("10.96.0.5", 80, Scope.INTERNAL)
+    snat = FrontendFlag.SNAT_ALL | FrontendFlag.SNAT_REMOTE
     plain = plan(state, NODE, Config())
-    assert not plain.fe[ext].flags & FrontendFlag.SNAT_REMOTE
+    assert not plain.fe[ext].flags & snat
     cidr = plan(state, NODE, Config(cluster_cidr=("10.244.0.0/16",)))
-    assert cidr.fe[ext].flags & FrontendFlag.SNAT_REMOTE
-    assert not cidr.fe[internal].flags & FrontendFlag.SNAT_REMOTE
+    assert cidr.fe[ext].flags & snat == FrontendFlag.SNAT_ALL
+    assert not cidr.fe[internal].flags & snat
     masq = plan(state, NODE, Config(masquerade_all=True))
-    assert masq.fe[ext].flags & masq.fe[internal].flags & FrontendFlag.SNAT_REMOTE
+    assert masq.fe[ext].flags & masq.fe[internal].flags & snat == FrontendFlag.SNAT_ALL
+
+
+def test_etp_cluster_masquerades_toward_local_backends_unless_told_to_keep_the_client() -> None:
+    """kube-proxy masquerades all externalTrafficPolicy Cluster traffic (the backend sees a node
+    address); --bpf-keep-client-ip-for-local-backends keeps the client's address toward this
+    node's backends (remote ones still need the node's address for replies to come back)."""
+    state = states(svc("np", "10.96.0.5", ["10.244.1.2"], type="NodePort", nodeport=30005))
+    ext = fe_key("192.168.0.11", 30005, Scope.EXTERNAL)
+    assert plan(state, NODE, Config()).fe[ext].flags & FrontendFlag.SNAT_ALL
+    kept = plan(state, NODE, Config(bpf_keep_client_ip_local=True)).fe[ext].flags
+    assert kept & (FrontendFlag.SNAT_ALL | FrontendFlag.SNAT_REMOTE) == FrontendFlag.SNAT_REMOTE
+
+
+def test_svc_id_and_membership_per_service_port() -> None:
+    """One svc_id for every frontend of a service port; a member entry per backend, flagged with
+    each set (cluster, local) that holds it; a backend shared by two services is a member of each."""
+    state = states(
+        svc(
+            "a",
+            "10.96.0.5",
+            ["10.244.1.2", "10.244.2.2"],
+            type="NodePort",
+            nodeport=30005,
+            extra="externalTrafficPolicy: Local",
+        ),
+        svc("b", "10.96.0.6", ["10.244.1.2"]),
+    )
+    c = plan(state, NODE, Config())
+    ids = {fe.svc_id for key, fe in c.fe.items() if key.addr != ip_be("10.96.0.6")}
+    assert len(ids) == 1 and 0 not in ids
+    (a_id,) = ids
+    b_id = c.fe[fe_key("10.96.0.6", 80, Scope.INTERNAL)].svc_id
+    assert b_id not in (0, a_id)
+    be = backend_ids(c)
+    members = {(k.svc_id, k.backend_id): m.flags for k, m in c.member.items()}
+    assert members == {
+        (a_id, be["10.244.1.2"]): MemberFlag.CLUSTER | MemberFlag.LOCAL,
+        (a_id, be["10.244.2.2"]): MemberFlag.CLUSTER,
+        (b_id, be["10.244.1.2"]): MemberFlag.CLUSTER,
+    }
+    # ids are re-adopted: a restart plans the same svc ids and writes nothing
+    rig = PlanRig()
+    rig.sync(state)
+    written = rig.contents()
+    written.cfg = c.cfg
+    assert written.same_entries(c)
+    rig.restart()
+    assert rig.sync(state).writes == 0
+    assert rig.contents().member == c.member
 
 
 def test_source_range_holding_the_node_admits_the_lb_ip() -> None:
@@ -159,9 +211,22 @@ def test_source_range_holding_the_node_admits_the_lb_ip() -> None:
 def test_cfg_entry() -> None:
     c = plan(states(), NodeContext(("192.168.0.12",), "192.168.0.12"), Config(snat_ports=(40000, 40999)))
     assert render_contents(c) == (
-        "cfg node=192.168.0.12 snat_ports=40000-40999 tcp_timeout=86400s udp_timeout=120s"
-        " closing_timeout=10s\n"
+        "cfg node=192.168.0.12 snat_ports=40000-40999 tcp=86400s/3600s/60s/10s udp=30s/120s icmp=1000/s,50\n"
     )
+
+
+def test_cfg_entry_honours_kube_proxys_conntrack_settings() -> None:
+    """tcpEstablishedTimeout, tcpCloseWaitTimeout, udpTimeout and udpStreamTimeout apply to the
+    flows eBPF mode tracks; 0 (kube-proxy's "leave it") keeps the kernel's default."""
+    conntrack = ConntrackSettings(
+        tcp_established_timeout_s=7200.0,
+        tcp_close_wait_timeout_s=90.0,
+        udp_timeout_s=15.0,
+        udp_stream_timeout_s=0.0,
+    )
+    cfg = VALUES["cfg"].to_ctype(config_entry(NODE, Config(conntrack=conntrack)))
+    assert (cfg.tcp_established_s, cfg.tcp_close_wait_s, cfg.udp_s, cfg.udp_stream_s) == (7200, 90, 15, 120)
+    assert (cfg.tcp_syn_s, cfg.tcp_closed_s) == (60, 10)
 
 
 # ---------------------------------------------------------------------------------- ids
@@ -179,12 +244,12 @@ def test_ids_are_re_adopted_from_a_dump_whatever_the_order() -> None:
     )
     result = rig.sync(new_state)
     second = rig.contents()
-    for role in ("fe", "slot", "be", "rnat"):
+    for role in ("fe", "slot", "be", "rnat", "member"):
         for key, value in first.table(role).items():
             assert second.table(role)[key] == value
     # only the new service's entries are written; its shared backend 10.244.2.2 keeps its id
     assert backend_ids(second)["10.244.2.2"] == backend_ids(first)["10.244.2.2"]
-    assert result.updates == {"be": 1, "rnat": 1, "srcr": 0, "slot": 2, "fe": 2}
+    assert result.updates == {"be": 1, "member": 2, "rnat": 1, "srcr": 0, "slot": 2, "fe": 2}
     assert sum(result.deletes.values()) == 0
 
 
@@ -263,4 +328,4 @@ def test_dry_run_uses_node_context_for_nodeports(tmp_path: Path) -> None:
         NodeContext(("192.168.0.12",), "192.168.0.12"),
         Config(),
     )
-    assert "fe 192.168.0.12:30005/TCP external -> set=1 count=1 rnat=2 flags=NODEPORT|SNAT_REMOTE" in text
+    assert "fe 192.168.0.12:30005/TCP external -> svc=1 set=1 count=1 rnat=2 flags=NODEPORT|SNAT_ALL" in text

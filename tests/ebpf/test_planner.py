@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.config import Config
+from agent.ebpf.abi import MAPS
 from agent.ebpf.planner import Planner
 from agent.model import ProxyState
 from agent.model.types import ServicePortName
@@ -72,7 +73,7 @@ def test_one_endpoint_change_re_plans_one_port_and_writes_a_handful_of_entries()
     )
     assert changed_between(before, after) == {spn}
     result = rig.sync(after, changed={spn})
-    assert result.updates == {"be": 1, "rnat": 0, "srcr": 0, "slot": 1, "fe": 2}
+    assert result.updates == {"be": 1, "member": 1, "rnat": 0, "srcr": 0, "slot": 1, "fe": 2}
     assert sum(result.deletes.values()) == 0
     assert rig.planner.written == rig.planner.desired
 
@@ -84,7 +85,7 @@ def test_a_removed_service_is_unlinked_before_its_slots_and_backends_go() -> Non
     )
     result = rig.sync(states(svc("b", "10.96.0.6", ["10.244.1.3"])))
     # the shared backend 10.244.1.3 stays; a's frontends, slots, rev-NAT entry and own backend go
-    assert result.deletes == {"be": 1, "rnat": 1, "srcr": 0, "slot": 2, "fe": 2}
+    assert result.deletes == {"be": 1, "member": 2, "rnat": 1, "srcr": 0, "slot": 2, "fe": 2}
     assert len(rig.contents().be) == 1
 
 
@@ -109,7 +110,7 @@ def test_what_does_not_fit_is_reported_and_everything_else_programmed() -> None:
     result = rig.sync(many(8))
     # 8 services x 2 frontends: 5 fit (in sorted order), 3 do not
     assert sorted(str(s) for s in result.failed) == ["default/s0005", "default/s0006", "default/s0007"]
-    assert all("ekp_fe_v1 is full: raise --bpf-fe-max" in why for why in result.failed.values())
+    assert all(f"{MAPS['fe'].name} is full: raise --bpf-fe-max" in why for why in result.failed.values())
     assert not broken(rig.contents())
     programmed = {name.split(":")[0] for name in rig.planner.fe_names().values()}
     assert len(rig.contents().fe) == 10
@@ -191,8 +192,12 @@ def _shape(p: Planner) -> dict[str, object]:
     for (set_id, _), (bid,) in p.desired["slot"].items():
         sets.setdefault(set_id, []).append(be[bid])
     rnat = {k[0]: v for k, v in p.desired["rnat"].items()}
+    members: dict[int, list[tuple[Any, ...]]] = {}
+    for (svc_id, bid), (flags,) in p.desired["member"].items():
+        members.setdefault(svc_id, []).append((be[bid], flags))
     fe = {
-        key: (sorted(sets.get(v[0], [])), v[1], v[2], v[3], rnat[v[4]]) for key, v in p.desired["fe"].items()
+        key: (sorted(sets.get(v[1], [])), sorted(members.get(v[0], [])), v[2], v[3], v[4], rnat[v[5]])
+        for key, v in p.desired["fe"].items()
     }
     srcr = sorted((k[0], rnat[k[1]], k[2]) for k in p.desired["srcr"])
     return {"fe": fe, "srcr": srcr, "be": sorted(be.values())}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import secrets
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
@@ -17,10 +18,11 @@ import pytest
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import EbpfProxier
-from agent.ebpf.abi import MAPS, CtEntry, CtKey, FrontendKey, Scope, ip_be, port_be
-from agent.ebpf.maps import FakeMap, MapWriter
+from agent.ebpf.abi import MAPS, ConfigSel, CtEntry, CtKey, FrontendKey, Scope, ip_be, port_be
+from agent.ebpf.maps import FakeMap, MapWriter, read_config
 from agent.ebpf.plan import MapContents, plan, read_contents
-from agent.ebpf.proxier import CFG_KEY, INSPECT_SECTIONS, remove_pins, render_live_maps
+from agent.ebpf.planner import ROLES
+from agent.ebpf.proxier import INSPECT_SECTIONS, remove_pins, render_live_maps
 from agent.ebpf.render import render_contents
 from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
 
@@ -76,6 +78,17 @@ class FakeAttacher:
         self.watching = False
 
 
+class FakeUpgrade:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
+        self.log.append("carry v1 conntrack")
+
+    def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
+        self.log.append("carry v1 conntrack again")
+
+
 class Rig:
     """One node's kernel state (maps survive proxier instances, as pins do)."""
 
@@ -86,9 +99,13 @@ class Rig:
         self.datapaths: list[FakeDatapath] = []
         self.attachers: list[FakeAttacher] = []
         self.config = Config(netns="node1", pin_path=str(tmp / "pins"))
+        self.local_ports = "32768\t60999"  # net.ipv4.ip_local_port_range in the node's namespace
+        self.pinned: dict[str, int] = {}
+        self.sizes: list[MapSizes] = []  # what each data path was created with
 
     def proxier(self) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
+            self.sizes.append(sizes)
             dp = FakeDatapath(self.maps)
             self.datapaths.append(dp)
             return dp
@@ -101,12 +118,22 @@ class Rig:
             self.attachers.append(FakeAttacher(self.events))
             return self.attachers[-1]
 
+        def sysctl_read(netns: str, path: str) -> str:
+            assert (netns, path) == (self.config.netns, "net/ipv4/ip_local_port_range")
+            return self.local_ports
+
         return EbpfProxier(
-            self.config, datapath_factory=datapath, attacher_factory=attacher, sysctl_writer=sysctl
+            self.config,
+            datapath_factory=datapath,
+            attacher_factory=attacher,
+            sysctl_writer=sysctl,
+            sysctl_reader=sysctl_read,
+            sizes_reader=lambda pin_path: dict(self.pinned),
+            upgrade_factory=lambda pin_path: FakeUpgrade(self.events),
         )
 
     def contents(self) -> MapContents:
-        return read_contents(self.maps, self.maps["cfg"].lookup(CFG_KEY))  # type: ignore[arg-type]
+        return read_contents(self.maps, read_config(self.maps))
 
 
 @pytest.fixture
@@ -125,12 +152,13 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     want = plan(STATE, NODE, rig.config)
     assert rig.contents().same_entries(want)
     assert render_contents(rig.contents()) == render_contents(want)
-    assert rig.events == ["reconcile full=True", "watch"]
+    # the conntrack of an ABI v1 agent is carried over before and after the programs change
+    assert rig.events == ["carry v1 conntrack", "reconcile full=True", "carry v1 conntrack again", "watch"]
     assert rig.sysctls == [("node1", "net/ipv4/ip_forward", "1")]
     # the same state again: nothing written; a partial sync leaves the attachments to the watcher
     p.sync(STATE, NODE, frozenset())
     assert p.last_flush.writes == 0
-    assert rig.events == ["reconcile full=True", "watch"]
+    assert rig.events == ["carry v1 conntrack", "reconcile full=True", "carry v1 conntrack again", "watch"]
     assert rig.datapaths[0].loads == 1
     # a full sync (every sync period) checks every device
     p.sync(STATE, NODE)
@@ -150,11 +178,17 @@ def test_later_syncs_write_what_changed(rig: Rig) -> None:
     p.sync(STATE, NODE)
     added = frozenset(MORE.services) - frozenset(STATE.services)
     p.sync(MORE, NODE, added)
-    assert p.last_flush.summary() == "update be x6, update rnat x3, update slot x6, update fe x6"
+    assert (
+        p.last_flush.summary()
+        == "update be x6, update member x6, update rnat x3, update slot x6, update fe x6"
+    )
     want = p.contents()
     assert want is not None and rig.contents().same_entries(want)
     p.sync(STATE, NODE, added)
-    assert p.last_flush.summary() == "delete fe x6, delete slot x6, delete be x6, delete rnat x3"
+    assert (
+        p.last_flush.summary()
+        == "delete fe x6, delete slot x6, delete member x6, delete be x6, delete rnat x3"
+    )
 
 
 def test_a_full_sync_repairs_what_changed_behind_our_back(rig: Rig) -> None:
@@ -164,7 +198,7 @@ def test_a_full_sync_repairs_what_changed_behind_our_back(rig: Rig) -> None:
     rig.maps["fe"].delete_raw([key])
     p.sync(STATE, NODE, frozenset())  # a partial sync trusts what it wrote
     assert p.last_flush.writes == 0 and rig.datapaths[0].pin_checks == 0
-    rig.datapaths[0].missing_pins = ["ekp_fe_v1"]
+    rig.datapaths[0].missing_pins = [MAPS["fe"].name]
     result = p.sync(STATE, NODE)  # the periodic full sync reads the maps back
     assert result.full and result.repaired == 2  # the frontend, and the pin
     assert p.last_flush.summary() == "update fe x1"
@@ -194,14 +228,16 @@ def test_restart_prunes_what_went_away_but_keeps_flows(rig: Rig) -> None:
         dport=port_be(53),
         proto=17,
     )
-    rig.maps["ct"].update(ct_key, CtEntry(backend_id=1, rev_nat_id=1))
+    rig.maps["ct_any"].update(ct_key, CtEntry(backend_id=1, svc_id=1))
     kept = set(plan(STATE, NODE, rig.config).fe)
 
     second = rig.proxier()  # kube-dns was deleted while the agent was down
     second.sync(STATE, NODE)
-    assert second.last_flush.summary() == "delete fe x6, delete slot x6, delete be x6, delete rnat x3"
+    assert second.last_flush.summary() == (
+        "delete fe x6, delete slot x6, delete member x6, delete be x6, delete rnat x3"
+    )
     assert set(rig.contents().fe) == kept
-    assert rig.maps["ct"].lookup(ct_key) is not None
+    assert rig.maps["ct_any"].lookup(ct_key) is not None
 
 
 def test_a_failed_write_is_recovered_from_the_maps(rig: Rig) -> None:
@@ -301,19 +337,27 @@ def bpffs(tmp_path: Path) -> Iterator[Path]:
 def live(config: Config) -> MapContents:
     from agent.ebpf.maps import BpfMap
 
-    maps = {
-        role: BpfMap.open_pinned(MAPS[role], config.pin_path)
-        for role in ("fe", "slot", "be", "rnat", "srcr", "cfg")
-    }
+    maps = {role: BpfMap.open_pinned(MAPS[role], config.pin_path) for role in (*ROLES, "cfg", "cfgsel")}
     try:
-        return read_contents(maps, maps["cfg"].lookup(CFG_KEY))  # type: ignore[arg-type]
+        return read_contents(maps, read_config(maps))
     finally:
         for m in maps.values():
             m.close()
 
 
 def small_sizes() -> MapSizes:
-    return MapSizes(fe=1024, slot=4096, be=1024, rnat=1024, ct=4096, aff=1024, srcr=256)
+    return MapSizes(
+        fe=1024,
+        slot=4096,
+        be=1024,
+        rnat=1024,
+        member=4096,
+        ct_tcp=4096,
+        ct_any=4096,
+        frag=256,
+        aff=1024,
+        srcr=256,
+    )
 
 
 @pytest.mark.kernel
@@ -332,6 +376,11 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path) -> None:
         assert render_live_maps(config.pin_path) == render_contents(want)
         text = render_live_maps(config.pin_path, INSPECT_SECTIONS)
         assert "stat packets " in text and "stat drop_no_backend 0" in text
+        capacity = render_live_maps(config.pin_path, ("capacity",)).splitlines()
+        assert [line.split()[0] for line in capacity] == [spec.name for spec in MAPS.values()]
+        fe_line = next(line for line in capacity if line.startswith(MAPS["fe"].name))
+        assert f"{len(want.fe)}/1024 " in fe_line
+        assert " live 0 0.0%" in next(line for line in capacity if line.startswith(MAPS["ct_tcp"].name))
         assert "ekp_from_net" in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
         assert "ekp_from_pod" in sh("tc", "-n", node_ns, "filter", "show", "dev", "lxc-a", "ingress")
         assert sh("ip", "netns", "exec", node_ns, "sysctl", "-n", "net.ipv4.ip_forward").strip() == "1"
@@ -364,8 +413,64 @@ def test_inspect_without_pins_says_so(tmp_path: Path) -> None:
         render_live_maps(str(tmp_path), ("nope",))
 
 
-def test_cfg_key_is_the_array_index() -> None:
-    assert isinstance(CFG_KEY, ctypes.c_uint32) and CFG_KEY.value == 0
+@pytest.mark.parametrize(
+    ("snat", "local", "named"),
+    [
+        ((31000, 31999), "32768\t60999", "NodePort range 30000-32767"),
+        ((50000, 60000), "32768\t60999", "net.ipv4.ip_local_port_range 32768-60999 of netns node1"),
+        ((30000, 65535), "32768 60999", "NodePort range 30000-32767 (--node-port-range) and net.ipv4"),
+    ],
+)
+def test_snat_ports_overlapping_nodeports_or_local_ports_stop_the_agent(
+    rig: Rig, snat: tuple[int, int], local: str, named: str
+) -> None:
+    """A clear FatalError at start, naming the range it overlaps; nothing is loaded."""
+    from dataclasses import replace
+
+    from agent.errors import FatalError
+
+    rig.config = replace(rig.config, snat_ports=snat)
+    rig.local_ports = local
+    with pytest.raises(FatalError, match=re.escape(named)):
+        rig.proxier().sync(STATE, NODE)
+    assert rig.datapaths == []
+
+
+def test_snat_ports_are_checked_against_the_configured_nodeport_range(rig: Rig) -> None:
+    from dataclasses import replace
+
+    rig.config = replace(rig.config, snat_ports=(31000, 31999), nodeport_range=(20000, 22767))
+    rig.proxier().sync(STATE, NODE)
+    assert rig.datapaths
+
+
+def test_config_entry_is_written_to_the_spare_slot_then_switched(rig: Rig) -> None:
+    """Double buffer: the slot programs read is never rewritten; the selector flips."""
+    from dataclasses import replace
+
+    rig.proxier().sync(STATE, NODE)
+    sel = rig.maps["cfgsel"].lookup(ctypes.c_uint32(0))
+    assert isinstance(sel, ConfigSel)
+    first_slot = sel.slot
+    first = rig.maps["cfg"].lookup(ctypes.c_uint32(first_slot))
+    rig.config = replace(rig.config, snat_ports=(62000, 65535))
+    rig.proxier().sync(STATE, NODE)
+    sel = rig.maps["cfgsel"].lookup(ctypes.c_uint32(0))
+    assert isinstance(sel, ConfigSel) and sel.slot == 1 - first_slot
+    assert rig.maps["cfg"].lookup(ctypes.c_uint32(first_slot)) == first  # untouched
+    cfg = read_config(rig.maps)
+    assert cfg is not None and (cfg.snat_port_min, cfg.snat_port_max) == (62000, 65535)
+
+
+def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:
+    """Unset conntrack sizes: the pinned tables' sizes when they exist (no resize on restart),
+    else kube-proxy's max(maxPerCore x CPUs, min) flows, two entries each for TCP."""
+    rig.proxier().sync(STATE, NODE)
+    flows = max(32768 * (os.cpu_count() or 1), 131072)
+    assert (rig.sizes[0].ct_tcp, rig.sizes[0].ct_any) == (2 * flows, flows)
+    rig.pinned = {"ct_tcp": 1000, "ct_any": 500}
+    rig.proxier().sync(STATE, NODE)
+    assert (rig.sizes[1].ct_tcp, rig.sizes[1].ct_any) == (1000, 500)
 
 
 def test_fixtures_differ() -> None:

@@ -14,6 +14,9 @@ from agent.ebpf.abi import (
     Frontend,
     FrontendFlag,
     FrontendKey,
+    Member,
+    MemberFlag,
+    MemberKey,
     Stat,
     ip_be,
     port_be,
@@ -32,12 +35,20 @@ def test_frontends_sort_by_address_value_not_text() -> None:
     c = MapContents()
     for addr in ("10.96.0.10", "10.96.0.2"):
         c.fe[fe(addr)] = Frontend(
-            set_id=1, count=0, flags=int(FrontendFlag.NO_ENDPOINTS) | 0x100, rev_nat_id=1
+            svc_id=4, set_id=1, count=0, flags=int(FrontendFlag.NO_ENDPOINTS) | 0x8000, rev_nat_id=1
         )
+    line = "-> svc=4 set=1 count=0 rnat=1 flags=NO_ENDPOINTS|0x8000 affinity=0s"
     assert render_contents(c, {fe("10.96.0.2"): "ns/a"}).splitlines() == [
-        "fe 10.96.0.2:80/TCP internal -> set=1 count=0 rnat=1 flags=NO_ENDPOINTS|0x100 affinity=0s  # ns/a",
-        "fe 10.96.0.10:80/TCP internal -> set=1 count=0 rnat=1 flags=NO_ENDPOINTS|0x100 affinity=0s",
+        f"fe 10.96.0.2:80/TCP internal {line}  # ns/a",
+        f"fe 10.96.0.10:80/TCP internal {line}",
     ]
+
+
+def test_membership_lines() -> None:
+    c = MapContents()
+    c.member[MemberKey(svc_id=2, backend_id=7)] = Member(flags=int(MemberFlag.CLUSTER | MemberFlag.LOCAL))
+    c.member[MemberKey(svc_id=1, backend_id=9)] = Member(flags=int(MemberFlag.LOCAL))
+    assert render_contents(c) == "member svc=1 be 9 -> local\nmember svc=2 be 7 -> cluster|local\n"
 
 
 def test_backend_flags_and_unknown_protocol() -> None:
@@ -54,6 +65,7 @@ def test_conntrack_lines() -> None:
         sport=port_be(40000),
         dport=port_be(53),
         proto=17,
+        dir=int(CtDir.FORWARD),
     )
     entry = CtEntry(
         last_seen_ns=5 * S,
@@ -61,21 +73,23 @@ def test_conntrack_lines() -> None:
         nat_port=port_be(53),
         snat_addr=ip_be("192.168.0.11"),
         snat_port=port_be(40001),
+        fe_addr=ip_be("10.96.0.10"),
+        fe_port=port_be(53),
+        svc_id=3,
         backend_id=7,
-        rev_nat_id=5,
-        dir=int(CtDir.FORWARD),
-        flags=int(CtFlag.SNAT),
+        created_s=2,
+        flags=int(CtFlag.SNAT | CtFlag.SEEN_REPLY),
     )
     assert render_conntrack([(key, entry)], now_ns=8 * S) == (
-        "ct 10.244.1.5:40000 -> 10.96.0.10:53/UDP forward nat=10.244.2.3:53 snat=192.168.0.11:40001"
-        " be=7 rnat=5 flags=SNAT idle=3s\n"
+        "ct 10.244.1.5:40000 -> 10.96.0.10:53/UDP forward fe=10.96.0.10:53 nat=10.244.2.3:53"
+        " snat=192.168.0.11:40001 svc=3 be=7 flags=SNAT|SEEN_REPLY idle=3s age=6s\n"
     )
 
 
 def test_affinity_and_stats() -> None:
-    key = AffinityKey(client=ip_be("10.244.1.5"), set_id=3)
+    key = AffinityKey(client=ip_be("10.244.1.5"), svc_id=3)
     assert render_affinity([(key, Affinity(last_seen_ns=S, backend_id=7))], now_ns=11 * S) == (
-        "aff 10.244.1.5 set=3 -> be 7 idle=10s\n"
+        "aff 10.244.1.5 svc=3 -> be 7 idle=10s\n"
     )
     text = render_stats({int(Stat.PACKETS): [1, 2], int(Stat.DROP_FIB): 4})
     assert "stat packets 3\n" in text and "stat drop_fib 4\n" in text and "stat snat 0\n" in text

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 
@@ -22,16 +20,19 @@ from agent.metrics.exposition import render
 
 
 def fake_maps() -> dict[str, FakeMap]:
-    maps = {role: FakeMap(spec, max_entries=spec.default_size) for role, spec in MAPS.items()}
+    maps = {role: FakeMap(spec) for role, spec in MAPS.items()}
     for i in range(3):
         maps["fe"].update(
             abi.FrontendKey(abi.ip_be(f"10.96.0.{i + 1}"), abi.port_be(80), 6, abi.Scope.INTERNAL),
-            abi.Frontend(set_id=i + 1, count=1, rev_nat_id=i + 1),
+            abi.Frontend(svc_id=i + 1, set_id=i + 1, count=1, rev_nat_id=i + 1),
         )
     for i in range(5):
-        maps["ct"].update(abi.CtKey(saddr=i + 1, daddr=7, sport=1000 + i, dport=80, proto=6), abi.CtEntry())
+        key = abi.CtKey(saddr=i + 1, daddr=7, sport=1000 + i, dport=80, proto=6)
+        maps["ct_tcp"].update(key, abi.CtEntry())
+    maps["ct_any"].update(abi.CtKey(saddr=9, daddr=7, sport=1000, dport=53, proto=17), abi.CtEntry())
     counters = {Stat.PACKETS: 100, Stat.NEW_FLOWS: 10, Stat.CT_FORWARD: 40, Stat.CT_REPLY: 45}
     counters |= {Stat.DROP_NO_ENDPOINTS: 2, Stat.DROP_SOURCE_RANGE: 1, Stat.PASS: 5}
+    counters |= {Stat.CT_RELATED: 3, Stat.DROP_BACKEND_GONE: 4, Stat.PORT_REMAP: 6}
     for stat, value in counters.items():
         maps["stats"].update(ctypes.c_uint32(stat), ctypes.c_uint64(value))
     return maps
@@ -50,21 +51,25 @@ def test_entries_capacity_fill_and_counters_from_fake_maps() -> None:
     registry = CollectorRegistry()
     registry.register(BpfMapsCollector(opener(fake_maps())))
     get = registry.get_sample_value
-    assert get("ekp_bpf_map_entries", {"map": "ekp_fe_v1"}) == 3
-    assert get("ekp_bpf_map_capacity", {"map": "ekp_fe_v1"}) == 65536
-    assert get("ekp_bpf_map_fill_ratio", {"map": "ekp_fe_v1"}) == 3 / 65536
-    assert get("ekp_bpf_map_entries", {"map": "ekp_ct_v1"}) == 5
-    assert get("ekp_conntrack_entries") == 5
-    assert get("ekp_bpf_map_entries", {"map": "ekp_cfg_v1"}) == 1  # arrays are always full
-    assert get("ekp_bpf_map_up", {"map": "ekp_srcr_v1"}) == 1
+    fe, ct_tcp = MAPS["fe"].name, MAPS["ct_tcp"].name
+    assert get("ekp_bpf_map_entries", {"map": fe}) == 3
+    assert get("ekp_bpf_map_capacity", {"map": fe}) == 65536
+    assert get("ekp_bpf_map_fill_ratio", {"map": fe}) == 3 / 65536
+    assert get("ekp_bpf_map_entries", {"map": ct_tcp}) == 5
+    assert get("ekp_conntrack_entries") == 6  # both tables
+    assert get("ekp_bpf_map_entries", {"map": MAPS["cfg"].name}) == 2  # arrays are always full
+    assert get("ekp_bpf_map_up", {"map": MAPS["srcr"].name}) == 1
     assert get("ekp_datapath_packets_total") == 100
     assert get("ekp_datapath_conntrack_hits_total", {"direction": "reply"}) == 45
     assert get("ekp_datapath_drops_total", {"reason": "no_endpoints"}) == 2
     assert get("ekp_datapath_drops_total", {"reason": "source_range"}) == 1
     assert get("ekp_datapath_drops_total", {"reason": "conntrack_full"}) == 0
     assert get("ekp_datapath_passed_total") == 5
+    assert get("ekp_datapath_conntrack_hits_total", {"direction": "related"}) == 3
+    assert get("ekp_datapath_drops_total", {"reason": "backend_gone"}) == 4
+    assert get("ekp_datapath_flow_events_total", {"event": "snat_port_remap"}) == 6
     text = render(registry).decode()
-    assert 'ekp_bpf_map_fill_ratio{map="ekp_ct_v1"} 9.5367431640625e-06\n' in text
+    assert f'ekp_bpf_map_fill_ratio{{map="{ct_tcp}"}} 7.62939453125e-05\n' in text
     assert "# TYPE ekp_datapath_drops_total counter\n" in text
 
 
@@ -72,9 +77,9 @@ def test_values_are_read_at_every_scrape() -> None:
     maps = fake_maps()
     registry = CollectorRegistry()
     registry.register(BpfMapsCollector(opener(maps)))
-    assert registry.get_sample_value("ekp_conntrack_entries") == 5
-    maps["ct"].update(abi.CtKey(saddr=99, daddr=7, sport=1, dport=80, proto=6), abi.CtEntry())
     assert registry.get_sample_value("ekp_conntrack_entries") == 6
+    maps["ct_tcp"].update(abi.CtKey(saddr=99, daddr=7, sport=1, dport=80, proto=6), abi.CtEntry())
+    assert registry.get_sample_value("ekp_conntrack_entries") == 7
 
 
 def test_registering_reads_no_map() -> None:
@@ -91,54 +96,41 @@ def test_registering_reads_no_map() -> None:
 def test_missing_maps_are_down_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="agent.metrics.bpf")
     maps = fake_maps()
-    missing = {"ct", "stats"}
+    missing = {"ct_tcp", "ct_any", "stats"}
+    ct_tcp = MAPS["ct_tcp"].name
     registry = CollectorRegistry()
     registry.register(BpfMapsCollector(opener(maps, missing)))
     for _ in range(3):
-        assert registry.get_sample_value("ekp_bpf_map_up", {"map": "ekp_ct_v1"}) == 0
-    assert registry.get_sample_value("ekp_bpf_map_up", {"map": "ekp_fe_v1"}) == 1
+        assert registry.get_sample_value("ekp_bpf_map_up", {"map": ct_tcp}) == 0
+    assert registry.get_sample_value("ekp_bpf_map_up", {"map": MAPS["fe"].name}) == 1
     assert registry.get_sample_value("ekp_conntrack_entries") is None
     assert registry.get_sample_value("ekp_datapath_packets_total") is None
-    assert caplog.text.count("cannot read eBPF map ekp_ct_v1 for /metrics: No such file or directory") == 1
+    assert caplog.text.count(f"cannot read eBPF map {ct_tcp} for /metrics: No such file or directory") == 1
     missing.clear()
-    assert registry.get_sample_value("ekp_bpf_map_up", {"map": "ekp_ct_v1"}) == 1
-    assert "eBPF map ekp_ct_v1 is readable again" in caplog.text
+    assert registry.get_sample_value("ekp_bpf_map_up", {"map": ct_tcp}) == 1
+    assert f"eBPF map {ct_tcp} is readable again" in caplog.text
 
 
 @pytest.mark.kernel
 def test_counting_500000_conntrack_entries_is_cheap_enough_for_a_10s_scrape() -> None:
     from tests.ebpf.packets import loaded_datapath
 
-    sizes = MapSizes(fe=64, slot=64, be=64, rnat=64, ct=524288, aff=64, srcr=64)
-    total = 500_000
+    sizes = MapSizes(
+        fe=64, slot=64, be=64, rnat=64, member=64, ct_tcp=524288, ct_any=64, frag=64, aff=64, srcr=64
+    )
+    expected = 500_000
     with loaded_datapath(sizes) as dp:
-        ct = dp.maps["ct"]
-        cpus = sorted(os.sched_getaffinity(0))
-
-        # The map has per-CPU LRU lists: each CPU holds max_entries / CPUs before it evicts, so
-        # each share is written from a thread pinned to its CPU.
-        def fill(cpu: int, lo: int, hi: int) -> None:
-            os.sched_setaffinity(0, {cpu})
-            entries = [
-                (
-                    abi.CtKey(saddr=i, daddr=0x0A60000A, sport=i & 0xFFFF, dport=80, proto=6),
-                    abi.CtEntry(backend_id=1),
-                )
-                for i in range(lo, hi)
-            ]
-            for start in range(0, len(entries), 50_000):
-                ct.update_batch(entries[start : start + 50_000])
-
-        share = total // len(cpus)
-        threads = [
-            threading.Thread(target=fill, args=(cpu, 1 + n * share, 1 + (n + 1) * share))
-            for n, cpu in enumerate(cpus)
+        ct = dp.maps["ct_tcp"]
+        # One LRU list for all CPUs (ABI v2): one writer can fill the whole table.
+        entries = [
+            (
+                abi.CtKey(saddr=i, daddr=0x0A60000A, sport=i & 0xFFFF, dport=80, proto=6),
+                abi.CtEntry(backend_id=1),
+            )
+            for i in range(1, expected + 1)
         ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        expected = share * len(cpus)
+        for start in range(0, len(entries), 50_000):
+            ct.update_batch(entries[start : start + 50_000])
         t0 = time.perf_counter()
         assert count_entries(ct) == expected
         counted = time.perf_counter() - t0
@@ -148,7 +140,7 @@ def test_counting_500000_conntrack_entries_is_cheap_enough_for_a_10s_scrape() ->
         t0 = time.perf_counter()
         assert registry.get_sample_value("ekp_conntrack_entries") == expected
         scrape = time.perf_counter() - t0
-        assert registry.get_sample_value("ekp_bpf_map_capacity", {"map": "ekp_ct_v1"}) == 524288
+        assert registry.get_sample_value("ekp_bpf_map_capacity", {"map": MAPS["ct_tcp"].name}) == 524288
         assert registry.get_sample_value("ekp_datapath_drops_total", {"reason": "malformed"}) == 0
         print(
             f"\ncounting {expected:,} conntrack entries: {counted * 1e3:.0f} ms; "

@@ -5,7 +5,9 @@ HTTP (HTTP/1.0, one request per connection) on every `--http-port` (default 8080
   GET /ip     -> "<client source IP as seen by the server>\\n"
   GET /blob   -> the file given with `--blob` (application/octet-stream, sendfile), 404 without it
   GET /healthz -> "ok\\n"
+  POST /sink  -> reads the whole body, answers "<bytes received>\\n" (uploads, path-MTU tests)
 UDP echo on every `--udp-port` (default 9000): a datagram `<payload>` is answered `<name> <payload>`.
+TCP line echo on every `--tcp-echo-port` (none by default): each line comes back as it went.
 
 UDP sockets are bound before the HTTP sockets listen, so a successful TCP connect means the whole
 server is ready. SIGTERM ends it.
@@ -58,6 +60,20 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._text("not found\n", 404)
 
+    def do_POST(self) -> None:
+        if self.path.split("?", 1)[0] != "/sink":
+            self._text("not found\n", 404)
+            return
+        left = int(self.headers.get("Content-Length", "0"))
+        received = 0
+        while left > 0:
+            chunk = self.rfile.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            received += len(chunk)
+            left -= len(chunk)
+        self._text(f"{received}\n")
+
     def _text(self, body: str, status: int = 200) -> None:
         data = body.encode()
         self.send_response(status)
@@ -88,12 +104,25 @@ def udp_echo(sock: socket.socket, name: bytes) -> None:
         sock.sendto(name + b" " + data, peer)
 
 
+class LineEcho(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        for line in self.rfile:
+            self.wfile.write(line)
+            self.wfile.flush()
+
+
+class EchoServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", required=True)
     ap.add_argument("--http-port", type=int, action="append")
     ap.add_argument("--udp-port", type=int, action="append")
     ap.add_argument("--blob")
+    ap.add_argument("--tcp-echo-port", type=int, action="append", default=[])
     args = ap.parse_args(argv)
     http_ports = args.http_port or [8080]
     udp_ports = args.udp_port if args.udp_port is not None else [9000]
@@ -109,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
         server.pod_name = args.name
         server.blob = args.blob
         threads.append(threading.Thread(target=server.serve_forever, daemon=True))
+    for port in args.tcp_echo_port:
+        echo = EchoServer(("0.0.0.0", port), LineEcho)
+        threads.append(threading.Thread(target=echo.serve_forever, daemon=True))
     for t in threads:
         t.start()
     print(f"podserver ready: {args.name} http {http_ports} udp {udp_ports}", flush=True)

@@ -6,8 +6,11 @@ namespaces. Every mode prints one JSON object on stdout.
   http   --url U --count N           N fresh connections, body counts {"bodies": {...}, "errors": n}
   loop   --url U --stop-file F        new connection per request until F exists (bounded by --max-s);
                                      --ready-file R is created once the first request is answered
-  udp    --addr A --port P --count N  N request/response pairs, reply counts
+  udp    --addr A --port P --count N  N request/response pairs, reply counts (--size: datagram bytes)
   blob   --url U                      download, {"bytes": n, "sha256": "..."}
+  upload --url U --bytes N            POST N bytes to /sink, {"sent": n, "received": n, "seconds": s}
+  hold   --addr A --port P --stop-file F   one TCP connection to a line echo server, a line every
+                                      --interval s until F exists: {"exchanges": n, "errors": n}
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ def cmd_udp(a: argparse.Namespace) -> dict[str, object]:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.settimeout(a.timeout)
             payload = f"ping-{i}"
+            if a.size:  # a large datagram: fragmented on its way (EDNS0, NFS)
+                payload = (payload + "-" + "0123456789" * (a.size // 10 + 1))[: a.size]
             s.sendto(payload.encode(), (a.addr, a.port))
             try:
                 data, _ = s.recvfrom(65535)
@@ -88,6 +93,40 @@ def cmd_udp(a: argparse.Namespace) -> dict[str, object]:
             name, _, echoed = text.partition(" ")
             replies[name if echoed == payload else f"bad:{text}"] += 1
     return {"replies": dict(replies), "lost": lost}
+
+
+def cmd_upload(a: argparse.Namespace) -> dict[str, object]:
+    start = time.monotonic()
+    body = os.urandom(1 << 20) * (a.bytes >> 20) + os.urandom(a.bytes & ((1 << 20) - 1))
+    req = urllib.request.Request(a.url, data=body, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=a.timeout) as resp:
+            received = int(resp.read().decode().strip())
+    except (OSError, urllib.error.URLError) as exc:
+        return {"sent": len(body), "error": str(exc), "seconds": round(time.monotonic() - start, 3)}
+    return {"sent": len(body), "received": received, "seconds": round(time.monotonic() - start, 3)}
+
+
+def cmd_hold(a: argparse.Namespace) -> dict[str, object]:
+    """A long-lived connection: one established flow across whatever happens to the proxy."""
+    exchanges, errors, first_error = 0, 0, ""
+    start = time.monotonic()
+    try:
+        with socket.create_connection((a.addr, a.port), timeout=a.timeout) as s:
+            reader = s.makefile("rb")
+            while not os.path.exists(a.stop_file) and time.monotonic() - start < a.max_s:
+                line = f"ping-{exchanges}\n".encode()
+                s.sendall(line)
+                if reader.readline() != line:
+                    errors += 1
+                    first_error = first_error or f"bad echo at exchange {exchanges}"
+                    break
+                exchanges += 1
+                time.sleep(a.interval)
+    except OSError as exc:
+        errors += 1
+        first_error = first_error or f"{type(exc).__name__}: {exc} after {exchanges} exchanges"
+    return {"exchanges": exchanges, "errors": errors, "first_error": first_error}
 
 
 def cmd_blob(a: argparse.Namespace) -> dict[str, object]:
@@ -119,11 +158,31 @@ def main() -> int:
     u.add_argument("--port", type=int, required=True)
     u.add_argument("--count", type=int, default=1)
     u.add_argument("--timeout", type=float, default=2.0)
+    u.add_argument("--size", type=int, default=0)
     b = sub.add_parser("blob")
     b.add_argument("--url", required=True)
     b.add_argument("--timeout", type=float, default=60.0)
+    up = sub.add_parser("upload")
+    up.add_argument("--url", required=True)
+    up.add_argument("--bytes", type=int, required=True)
+    up.add_argument("--timeout", type=float, default=20.0)
+    h = sub.add_parser("hold")
+    h.add_argument("--addr", required=True)
+    h.add_argument("--port", type=int, required=True)
+    h.add_argument("--stop-file", required=True)
+    h.add_argument("--interval", type=float, default=0.05)
+    h.add_argument("--timeout", type=float, default=5.0)
+    h.add_argument("--max-s", type=float, default=120.0)
     a = p.parse_args()
-    result = {"http": cmd_http, "loop": cmd_loop, "udp": cmd_udp, "blob": cmd_blob}[a.cmd](a)
+    commands = {
+        "http": cmd_http,
+        "loop": cmd_loop,
+        "udp": cmd_udp,
+        "blob": cmd_blob,
+        "upload": cmd_upload,
+        "hold": cmd_hold,
+    }
+    result = commands[a.cmd](a)
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")
     return 0

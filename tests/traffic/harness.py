@@ -217,8 +217,17 @@ class Cluster:
     def http(self, target: Any, url: str, count: int = 1, timeout: float = 3.0) -> dict[str, Any]:
         return self.client(target, "http", "--url", url, "--count", str(count), "--timeout", str(timeout))
 
-    def udp(self, target: Any, addr: str, port: int, count: int = 1) -> dict[str, Any]:
-        return self.client(target, "udp", "--addr", addr, "--port", str(port), "--count", str(count))
+    def udp(self, target: Any, addr: str, port: int, count: int = 1, size: int = 0) -> dict[str, Any]:
+        args = ["udp", "--addr", addr, "--port", str(port), "--count", str(count)]
+        return self.client(target, *args, *(["--size", str(size)] if size else []))
+
+    def bpf_stats(self, node_index: int = 1) -> dict[str, int]:
+        """eBPF mode: the data path's counters on a node (as `agent inspect stats` shows them)."""
+        from agent.ebpf.abi import MAPS
+        from agent.ebpf.maps import BpfMap, read_stats
+
+        with BpfMap.open_pinned(MAPS["stats"], self.agents[node_index - 1].pin_path) as stats:
+            return {stat.name.lower(): count for stat, count in read_stats(stats).items()}
 
     def ruleset(self, node: Node) -> str:
         """Everything netfilter holds in a node: both iptables backends and nftables."""

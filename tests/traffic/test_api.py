@@ -181,7 +181,7 @@ def test_metrics_and_proxy_mode_on_the_node_loopback(api: ApiCluster) -> None:
     ):
         assert f"\n{name}" in body, name
     if api.mode == "ebpf":
-        assert 'ekp_bpf_map_entries{map="ekp_fe_v1"}' in body
+        assert 'ekp_bpf_map_entries{map="ekp_fe_v2"}' in body
     out = api.lab.run("client", "curl", "-s", "--max-time", "2", f"http://{N1}:10249/metrics", check=False)
     assert out.returncode != 0, "metrics listen on the node's loopback only, as kube-proxy's default"
 

@@ -35,6 +35,26 @@ def test_etp_local_preserves_client_source_ip(cluster: Cluster) -> None:
     assert set(seen["bodies"]) == {CLIENT_IP}, "the backend sees the external client's own address"
 
 
+def test_etp_cluster_masquerades_traffic_to_a_local_backend(cluster: Cluster) -> None:
+    """externalTrafficPolicy Cluster: kube-proxy masquerades external traffic whatever the backend
+    (KUBE-EXT-* -> KUBE-MARK-MASQ), so a backend on the node that got it sees a node address, not
+    the client's; replies go back through that node either way. eBPF mode does the same by default
+    (--bpf-keep-client-ip-for-local-backends keeps the client's address instead)."""
+    svc = service(
+        "web-masq",
+        "10.96.2.5",
+        [Port("http", 80, 8080, node_port=30091)],
+        type="NodePort",
+        externalTrafficPolicy="Cluster",
+    )
+    cluster.apply(with_endpoints(svc, [ep(cluster, "pod-1-1")]))
+    seen = cluster.http("client", f"http://{N1}:30091/ip", count=5)
+    assert seen["errors"] == 0, seen
+    node1_addresses = {N1, cluster.lab.node(1).gateway}  # MASQUERADE picks the route's source
+    assert set(seen["bodies"]) <= node1_addresses, seen
+    assert CLIENT_IP not in seen["bodies"]
+
+
 def test_session_affinity_client_ip(cluster: Cluster) -> None:
     """ "should have session affinity work for service with type clusterIP"."""
     svc = service(

@@ -1,0 +1,349 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * ekp_decide.h: what to do with a packet, decided from its parsed tuple alone (no skb): the
+ * lookups, the backend and slot choice, conntrack, policy. The result (struct ekp_decision) is
+ * applied by the hook that runs it: ekp_tc_apply.h for the tc programs; an XDP program or a
+ * cgroup socket program shares this file and differs only in how it applies a decision.
+ *
+ *   ICMP error quoting TCP/UDP -> conntrack of the quoted flow -> RELATED (translate it back)
+ *   later fragment             -> ports of its first fragment (ekp_frag), or drop FRAG_NO_FIRST
+ *   TTL <= 1                   -> PASS (the stack answers with time exceeded, quoting the packet
+ *                                 as its sender sent it)
+ *   conntrack FORWARD hit      -> TRANSLATE to the backend (and the SNAT source)
+ *   conntrack REPLY hit        -> TRANSLATE from the frontend (and back to the client if SNAT)
+ *   frontend hit               -> policy (source ranges, no endpoints: REJECT or DROP, mid-flow
+ *                                 TCP: DROP NO_FLOW), backend, SNAT, conntrack -> TRANSLATE
+ *   nothing                    -> PASS (a TCP SYN first checks that its reverse tuple is not a
+ *                                 translated flow's, ekp_ct_reclaim)
+ *
+ * A packet that cannot belong to a translated flow leaves as early as its kind allows: anything
+ * but IPv4 TCP/UDP/ICMP errors after the parse, without a map lookup; a TCP/UDP packet after the
+ * three lookups that could claim it (FORWARD, REPLY, frontend); the FORWARD and REPLY tables are
+ * apart only by the key's direction byte, so a flow's original tuple can never match its reply.
+ */
+#ifndef EKP_DECIDE_H
+#define EKP_DECIDE_H
+
+#include "ekp_abi.h"
+#include "ekp_ct.h"
+#include "ekp_frag.h"
+#include "ekp_icmp.h"
+#include "ekp_lb.h"
+#include "ekp_maps.h"
+#include "ekp_parse.h"
+#include "ekp_ratelimit.h"
+
+enum ekp_action {
+	EKP_ACT_PASS = 0,  /* hand the packet to the stack unchanged */
+	EKP_ACT_DROP,      /* drop it (outcome: the reason) */
+	EKP_ACT_TRANSLATE, /* rewrite it to the decided tuple and deliver it */
+	EKP_ACT_REJECT,    /* answer it with an ICMP port unreachable from its destination */
+	EKP_ACT_RELATED,   /* an ICMP error: rewrite outer and quoted tuples, deliver it */
+};
+
+struct ekp_decision {
+	__u32 outcome;    /* enum ekp_stat the packet counts under (apply may turn it into a drop) */
+	__u32 marks;      /* 1 << EKP_STAT_* of the marks to count (SNAT, AFFINITY_HIT, ...) */
+	__be32 saddr;     /* the packet after translation (an ICMP error: its outer header) */
+	__be32 daddr;
+	__be16 sport;
+	__be16 dport;
+	__be16 in_sport;  /* ICMP errors: the quoted packet after translation */
+	__be16 in_dport;
+	__be32 in_saddr;
+	__be32 in_daddr;
+	__u8 action;      /* enum ekp_action */
+	__u8 pad[3];
+};
+
+/* Everything a decision works on, kept by the caller in a per-CPU array rather than on the stack:
+ * the verifier does not track the contents of map memory, so values set on one path (an
+ * affinity hit, a remapped port, the fragment kind) do not split its states where the paths
+ * meet, which the SNAT port walk would otherwise be explored once for each of (it exceeded the
+ * verifier's million instructions). It also keeps the 512-byte stack for the rest. */
+struct ekp_work {
+	struct ekp_pkt pkt;
+	struct ekp_decision dec;
+	struct ekp_flow flow;
+};
+
+static __always_inline void ekp_verdict(struct ekp_decision *d, __u8 action, __u32 outcome)
+{
+	d->action = action;
+	d->outcome = outcome;
+}
+
+/* The live config: the slot ekp_cfgsel_v2 names (see struct ekp_config_sel). */
+static __always_inline const struct ekp_config *ekp_config_get(void)
+{
+	__u32 zero = 0;
+	struct ekp_config_sel *sel = ekp_cfgsel_lookup(&zero);
+	__u32 slot = sel ? (sel->slot & 1) : 0;
+
+	return ekp_cfg_lookup(&slot);
+}
+
+/* A usable conntrack hit: move the flow's state, refresh, and translate. */
+static __always_inline void ekp_decide_hit(struct ekp_ct_entry *ep, struct ekp_ct_key *k, const struct ekp_pkt *p,
+					   __u64 now, struct ekp_decision *d)
+{
+	__u16 set = ekp_ct_transition(ep, p, k->dir, now);
+
+	if (set) {
+		ep->last_seen_ns = now; /* the new state's timeout runs from here */
+		ekp_ct_mark(ep, k, set);
+	} else if (ekp_ct_refresh(ep, k, now)) {
+		d->marks |= 1 << EKP_STAT_CT_REBUILT;
+	}
+	const struct ekp_ct_entry *e = ep;
+	int snat = e->flags & EKP_CT_SNAT;
+
+	if (k->dir == EKP_CT_FORWARD) {
+		/* Refreshed just now (once a second): is a TCP flow's backend still on the node? A
+		 * backend that left the service keeps its connections (kube-proxy); one that is gone
+		 * from the node ends them: its address may be another pod's by now. */
+		if (p->proto == IPPROTO_TCP && e->backend_id && e->last_seen_ns == now) {
+			struct ekp_backend_key bk = {};
+			bk.id = e->backend_id;
+			struct ekp_backend *be = ekp_be_lookup(&bk);
+			if (!be || be->addr != e->nat_addr || be->port != e->nat_port) {
+				ekp_ct_delete_twin(e, k);
+				ekp_ct_delete(k);
+				ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_BACKEND_GONE);
+				return;
+			}
+		}
+		d->saddr = snat ? e->snat_addr : p->saddr;
+		d->sport = snat ? e->snat_port : p->sport;
+		d->daddr = e->nat_addr;
+		d->dport = e->nat_port;
+		ekp_verdict(d, EKP_ACT_TRANSLATE, EKP_STAT_CT_FORWARD);
+	} else {
+		d->saddr = e->fe_addr;
+		d->sport = e->fe_port;
+		d->daddr = snat ? e->nat_addr : p->daddr;
+		d->dport = snat ? e->nat_port : p->dport;
+		ekp_verdict(d, EKP_ACT_TRANSLATE, EKP_STAT_CT_REPLY);
+	}
+	if (p->frag == EKP_FRAG_LATER)
+		d->marks |= 1 << EKP_STAT_FRAGMENTS;
+}
+
+/* A frontend with no usable backend (count == 0). NO_ENDPOINTS: kube-proxy's `-j REJECT`, an ICMP
+ * port unreachable from the frontend to the client (rate-limited per CPU as the kernel's
+ * icmp_send); counted DROP_NO_ENDPOINTS, the flow is refused. Packets not worth an answer
+ * (ekp_icmp_wanted) drop under the same counter, rejects over the rate limit under
+ * DROP_ICMP_RATE. LOCAL alone (endpoints exist on other nodes, Local traffic policy): drop, as
+ * kube-proxy does. Neither flag (not written by the agent): drop. */
+static __always_inline void ekp_decide_no_endpoints(const struct ekp_pkt *p, __u16 fe_flags,
+						    const struct ekp_config *cfg, __u64 now,
+						    struct ekp_decision *d)
+{
+	if (!(fe_flags & EKP_FE_NO_ENDPOINTS)) {
+		ekp_verdict(d, EKP_ACT_DROP, (fe_flags & EKP_FE_LOCAL) ? EKP_DROP_NO_LOCAL : EKP_DROP_NO_ENDPOINTS);
+		return;
+	}
+	if (!ekp_icmp_wanted(p)) {
+		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_NO_ENDPOINTS);
+		return;
+	}
+	if (!ekp_icmp_allowed(cfg, now)) {
+		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_ICMP_RATE);
+		return;
+	}
+	ekp_verdict(d, EKP_ACT_REJECT, EKP_DROP_NO_ENDPOINTS);
+}
+
+/* Writes the flow `f` (conntrack) and decides its first packet's translation. */
+static __always_inline void ekp_decide_create(const struct ekp_pkt *p, struct ekp_flow *f,
+					      const struct ekp_config *cfg, __u64 now, struct ekp_decision *d)
+{
+	int reason = ekp_ct_create(p, f, cfg, now);
+
+	if (reason) {
+		ekp_verdict(d, EKP_ACT_DROP, reason);
+		return;
+	}
+	d->saddr = (f->ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr;
+	d->sport = (f->ct_flags & EKP_CT_SNAT) ? f->snat_port : p->sport;
+	d->daddr = f->be_addr;
+	d->dport = f->be_port;
+	if (f->remapped)
+		d->marks |= 1 << EKP_STAT_PORT_REMAP;
+	else if (f->ct_flags & EKP_CT_SNAT)
+		d->marks |= 1 << EKP_STAT_SNAT;
+	if (f->early_drop)
+		d->marks |= 1 << EKP_STAT_EARLY_DROP;
+	ekp_verdict(d, EKP_ACT_TRANSLATE, EKP_STAT_NEW_FLOWS);
+}
+
+/* A packet to a frontend, without a usable conntrack entry. Returns 1 with `f` filled when it
+ * starts a flow (the caller creates it), 0 when `d` already holds the verdict. */
+static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct ekp_frontend *fe,
+					  const struct ekp_config *cfg, __u64 now, struct ekp_flow *f,
+					  struct ekp_decision *d)
+{
+	__u32 aff_hit = 0;
+
+	if ((fe->flags & EKP_FE_SOURCE_RANGES) && !ekp_source_allowed(fe->rev_nat_id, p->saddr)) {
+		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_SOURCE_RANGE);
+		return 0;
+	}
+	if (fe->count == 0) {
+		ekp_decide_no_endpoints(p, fe->flags, cfg, now, d);
+		return 0;
+	}
+	/* Only a SYN starts a TCP flow. Any other segment to a frontend without conntrack belongs to
+	 * a flow we no longer have (evicted, expired): never sent to a newly chosen backend, which
+	 * could only reset it; dropped and counted while the flow may still come back (the
+	 * surviving entry rebuilds its twin within a second). Later fragments never start flows. */
+	if (p->frag == EKP_FRAG_LATER || (p->proto == IPPROTO_TCP && !ekp_pure_syn(p))) {
+		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_NO_FLOW);
+		return 0;
+	}
+	int reason = ekp_pick_backend(fe, p, now, f, &aff_hit);
+	if (reason) {
+		ekp_verdict(d, EKP_ACT_DROP, reason);
+		return 0;
+	}
+	d->marks |= aff_hit << EKP_STAT_AFFINITY_HIT;
+	f->svc_id = fe->svc_id;
+	f->fe_addr = p->daddr;
+	f->fe_port = p->dport;
+	/* Masquerade: always (SNAT_ALL, kube-proxy's KUBE-MARK-MASQ), or toward backends on other
+	 * nodes only (SNAT_REMOTE: the client address kept for local backends). Hairpin: a pod
+	 * reaching itself through its service would get a packet from its own address, which its
+	 * stack drops; like kube-proxy, translate the source to the node so the reply comes back. */
+	if ((fe->flags & EKP_FE_SNAT_ALL) || ((fe->flags & EKP_FE_SNAT_REMOTE) && !(f->be_flags & EKP_BE_LOCAL)) ||
+	    p->saddr == f->be_addr)
+		f->ct_flags |= EKP_CT_SNAT;
+	return 1;
+}
+
+/* A TCP SYN to no frontend whose reverse tuple is a live translated flow's: the server already
+ * has a connection on this 4-tuple. The newcomer keeps its addresses and gets another source
+ * port (a flow of its own, translated to itself), as nf_conntrack's NAT does. */
+static __always_inline void ekp_flow_direct(struct ekp_flow *f, const struct ekp_pkt *p)
+{
+	f->be_addr = p->daddr;
+	f->be_port = p->dport;
+	f->fe_addr = p->daddr;
+	f->fe_port = p->dport;
+	f->ct_flags = EKP_CT_SNAT;
+	f->remapped = 1;
+	f->snat_addr = p->saddr;
+}
+
+/* An ICMP error quoting a packet of a translated flow, as that packet left us (translated). The
+ * quote reversed is the key of the flow's other direction:
+ *   a FORWARD packet (client -> backend) quoted: its REPLY entry; the error goes back to the
+ *     client: quote to client -> frontend, outer source the frontend, destination the client;
+ *   a REPLY packet (frontend -> client) quoted: its FORWARD entry; the error goes on to the
+ *     backend: quote to backend -> client (or the SNAT source), outer destination the backend.
+ * As nf_nat_icmp_reply_translation does; the entries are not refreshed. */
+static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now,
+					       struct ekp_decision *d)
+{
+	struct ekp_ct_key k = {};
+
+	k.saddr = p->in_daddr;
+	k.daddr = p->in_saddr;
+	k.sport = p->in_dport;
+	k.dport = p->in_sport;
+	k.proto = p->in_proto;
+	k.dir = EKP_CT_REPLY;
+	struct ekp_ct_entry *ep = ekp_ct_lookup(&k);
+	if (ep && !ekp_ct_expired(ep, cfg, p->in_proto, now)) {
+		int snat = ep->flags & EKP_CT_SNAT;
+		d->in_saddr = snat ? ep->nat_addr : p->in_saddr;
+		d->in_sport = snat ? ep->nat_port : p->in_sport;
+		d->in_daddr = ep->fe_addr;
+		d->in_dport = ep->fe_port;
+		d->saddr = ep->fe_addr;
+		d->daddr = snat ? ep->nat_addr : p->daddr;
+		ekp_verdict(d, EKP_ACT_RELATED, EKP_STAT_CT_RELATED);
+		return;
+	}
+	k.dir = EKP_CT_FORWARD;
+	ep = ekp_ct_lookup(&k);
+	if (ep && !ekp_ct_expired(ep, cfg, p->in_proto, now)) {
+		int snat = ep->flags & EKP_CT_SNAT;
+		d->in_saddr = ep->nat_addr;
+		d->in_sport = ep->nat_port;
+		d->in_daddr = snat ? ep->snat_addr : p->in_daddr;
+		d->in_dport = snat ? ep->snat_port : p->in_dport;
+		d->saddr = snat ? ep->snat_addr : p->saddr;
+		d->daddr = ep->nat_addr;
+		ekp_verdict(d, EKP_ACT_RELATED, EKP_STAT_CT_RELATED);
+	}
+}
+
+/* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result). */
+static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scope)
+{
+	struct ekp_pkt *p = &w->pkt;
+	struct ekp_decision *d = &w->dec;
+	struct ekp_flow *f = &w->flow;
+
+	__builtin_memset(d, 0, sizeof(*d));
+	__builtin_memset(f, 0, sizeof(*f));
+	d->saddr = p->saddr;
+	d->daddr = p->daddr;
+	d->sport = p->sport;
+	d->dport = p->dport;
+	ekp_verdict(d, EKP_ACT_PASS, EKP_STAT_PASS);
+	if (parsed == EKP_PARSE_PASS)
+		return;
+	if (parsed == EKP_PARSE_MALFORMED) {
+		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_MALFORMED);
+		return;
+	}
+	if (p->ttl <= 1)
+		return;
+	const struct ekp_config *cfg = ekp_config_get();
+	if (!cfg)
+		return;
+	__u64 now = bpf_ktime_get_ns();
+
+	if (parsed == EKP_PARSE_ICMP_ERR) {
+		ekp_decide_related(p, cfg, now, d);
+		return;
+	}
+	if (parsed == EKP_PARSE_LATER) {
+		if (!ekp_frag_ports(p)) {
+			ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_FRAG_NO_FIRST);
+			return;
+		}
+		d->sport = p->sport;
+		d->dport = p->dport;
+	} else if (p->frag == EKP_FRAG_FIRST) {
+		ekp_frag_record(p);
+	}
+
+	struct ekp_ct_key key = {};
+	ekp_ct_key_of(&key, p, EKP_CT_FORWARD);
+	struct ekp_ct_entry *ct = ekp_ct_lookup(&key);
+	if (ct && ekp_ct_usable_forward(ct, p, cfg, now)) {
+		ekp_decide_hit(ct, &key, p, now, d);
+		return;
+	}
+	key.dir = EKP_CT_REPLY;
+	ct = ekp_ct_lookup(&key);
+	if (ct && ekp_ct_usable_reply(ct, p, cfg, now)) {
+		ekp_decide_hit(ct, &key, p, now, d);
+		return;
+	}
+
+	struct ekp_frontend *fe = ekp_frontend_lookup(p, scope);
+	if (fe) {
+		if (!ekp_decide_new(p, fe, cfg, now, f, d))
+			return;
+	} else {
+		if (p->frag == EKP_FRAG_LATER || !ekp_pure_syn(p) || ekp_ct_reclaim(p, cfg, now) != EKP_RECLAIM_LIVE)
+			return;
+		ekp_flow_direct(f, p);
+	}
+	ekp_decide_create(p, f, cfg, now, d);
+}
+
+#endif /* EKP_DECIDE_H */

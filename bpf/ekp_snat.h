@@ -1,0 +1,122 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * ekp_snat.h: choosing the source port of a source-translated flow, as the kernel's NAT does.
+ *
+ * A port is free for a flow when no live flow holds the reply tuple {backend, snat addr, bport,
+ * port, REPLY}: uniqueness is per backend, so the range serves every backend in full. The search
+ * follows nf_nat_l4proto_unique_tuple: start at an offset (here a hash of the flow's tuple), walk
+ * up to 128 consecutive ports, then up to 64, 32 and 16 more from fresh random offsets (240
+ * probes at most; a range of 128 ports or fewer is walked once, whole). The insert of the REPLY
+ * entry with BPF_NOEXIST is the lock (ekp_ct_place): two CPUs never get the same port; the one
+ * that loses the race drops its packet (the client's retransmission tries again).
+ *
+ * Probes only look up: on an LRU map a failed insert still takes a free node (evicting some other
+ * flow when the map is full), so probing by insert would evict up to 240 flows per new flow on a
+ * full table.
+ *
+ * A holder may be taken over when it is dead (expired, or a closed TCP flow and the newcomer is a
+ * SYN, ekp_ct_reusable). When the walk finds neither a free nor a dead port, it takes the first
+ * unanswered one it saw (a flow that never completed its handshake, or a UDP flow without a
+ * reply): the kernel's early drop, which keeps a flood of spoofed SYNs from locking real clients
+ * out. Only when every probed port holds an established flow is the flow refused
+ * (EKP_DROP_SNAT_PORTS). A taken-over holder loses both entries.
+ *
+ * bcc 0.26 cannot pass a callback to bpf_loop (its loader leaves the function pointer a plain
+ * scalar: "R2 type=scalar expected=func") nor load BPF-to-BPF calls, so this is a bounded loop,
+ * verified once per iteration.
+ */
+#ifndef EKP_SNAT_H
+#define EKP_SNAT_H
+
+/* Included by ekp_ct.h, after the conntrack helpers it uses (ekp_ct_reusable, ekp_ct_delete_twin,
+ * ekp_flow_hash). */
+#include "ekp_maps.h"
+#include "ekp_parse.h"
+
+#define EKP_SNAT_ATTEMPTS 128 /* NF_NAT_MAX_ATTEMPTS */
+#define EKP_SNAT_PROBES 240   /* 128 + 64 + 32 + 16 */
+
+/* The port of probe `i`: rounds of 128, 64, 32 and 16 consecutive ports from their own offsets. */
+static __always_inline __u32 ekp_snat_probe_port(__u32 i, __u32 off0, __u32 off1, __u32 off2, __u32 off3,
+						 __u32 min, __u32 range)
+{
+	__u32 off;
+
+	if (i < 128)
+		off = off0 + i;
+	else if (i < 192)
+		off = off1 + (i - 128);
+	else if (i < 224)
+		off = off2 + (i - 192);
+	else
+		off = off3 + (i - 224);
+	return min + off % range;
+}
+
+/* Finds a source port for a new flow: sets rkey->dport to a port whose reply tuple is free, or
+ * held by an entry that may be taken over (dead, or the first unanswered one when nothing else
+ * is left: *early is set then). `rkey` carries backend, SNAT address, protocol and direction.
+ * Returns 0 or EKP_DROP_SNAT_PORTS. The caller claims the port (ekp_ct_place).
+ *
+ * The walk itself only notes candidates with one-line tests (the verifier explores every
+ * iteration, and a branchy body overflows its 8192 pending states): a port held by a flow that
+ * saw a FIN or RST, or idle longer than any timeout of its protocol (dead for sure), and the
+ * first port held by a flow that never completed its handshake. The exact check of the
+ * candidate (ekp_ct_reusable) runs once, after the walk. The walk is written once per
+ * conntrack table (`tcp` is a constant at both call sites): a table chosen inside the loop would
+ * leave the verifier two states per probe, 2^240 paths. */
+static __always_inline int ekp_snat_walk(struct ekp_ct_key *rkey, const struct ekp_pkt *p,
+					 const struct ekp_config *cfg, __u64 now, __u8 *early, const int tcp)
+{
+	__u32 min = cfg->snat_port_min, max = cfg->snat_port_max;
+
+	if (!min || max < min)
+		return EKP_DROP_SNAT_PORTS;
+	__u32 range = max - min + 1;
+	__u32 total = range <= EKP_SNAT_ATTEMPTS ? range : EKP_SNAT_PROBES;
+	__u32 off0 = ekp_flow_hash(p);
+	__u32 off1 = bpf_get_prandom_u32(), off2 = bpf_get_prandom_u32(), off3 = bpf_get_prandom_u32();
+	/* Past this idle time an entry is dead whatever its state (the longest timeout). */
+	__u64 dead_ns = ekp_ct_timeout_ns(cfg, p->proto, EKP_CT_ESTABLISHED);
+	__u16 candidate = 0, victim = 0;
+
+#pragma clang loop unroll(disable)
+	for (__u32 i = 0; i < EKP_SNAT_PROBES; i++) {
+		/* Opaque to the compiler, which would otherwise turn `i >= total` into `i == total`:
+		 * an exit the verifier cannot bound (it does not know total <= 240). */
+		asm volatile("" : "+r"(total));
+		if (i >= total)
+			break;
+		__u16 port = ekp_snat_probe_port(i, off0, off1, off2, off3, min, range);
+		rkey->dport = htons(port);
+		struct ekp_ct_entry *old = tcp ? ekp_ct_tcp_lookup(rkey) : ekp_ct_any_lookup(rkey);
+		if (!old)
+			return 0;
+		__u16 flags = old->flags;
+		if (!candidate && ((flags & EKP_CT_ENDING) || now - old->last_seen_ns > dead_ns))
+			candidate = port;
+		if (!victim && !(flags & EKP_CT_ESTABLISHED))
+			victim = port;
+	}
+	if (candidate) {
+		rkey->dport = htons(candidate);
+		struct ekp_ct_entry *old = ekp_ct_lookup(rkey);
+		if (!old || ekp_ct_reusable(old, p, cfg, now))
+			return 0;
+	}
+	if (!victim)
+		return EKP_DROP_SNAT_PORTS;
+	rkey->dport = htons(victim);
+	*early = 1;
+	return 0;
+}
+
+static __always_inline int ekp_snat_find(struct ekp_ct_key *rkey, const struct ekp_pkt *p,
+					 const struct ekp_config *cfg, __u64 now, __u8 *early)
+{
+	if (p->proto == IPPROTO_TCP)
+		return ekp_snat_walk(rkey, p, cfg, now, early, 1);
+	return ekp_snat_walk(rkey, p, cfg, now, early, 0);
+}
+
+#endif /* EKP_SNAT_H */

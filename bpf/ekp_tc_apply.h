@@ -1,0 +1,86 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * ekp_tc_apply.h: carrying out a decision (ekp_decide.h) on a tc skb.
+ *
+ *   PASS      TC_ACT_OK
+ *   DROP      TC_ACT_SHOT
+ *   REJECT    the skb becomes an ICMP port unreachable (ekp_icmp.h), redirected out of the device
+ *             it came in on
+ *   TRANSLATE route the translated tuple (bpf_fib_lookup, before any byte changes), rewrite,
+ *             TTL - 1, redirect (ekp_redirect.h)
+ *   RELATED   the same for an ICMP error: outer and quoted headers
+ *
+ * The route lookup says "fragmentation needed" when the packet is too big for the egress device
+ * (GSO-aware). With DF set the sender is told with an ICMP fragmentation needed carrying the MTU
+ * (EKP_DROP_FRAG_NEEDED), quoting the packet before translation, so path-MTU discovery works
+ * through a ClusterIP or NodePort exactly as through a router. Without DF the packet is
+ * translated and handed to the stack, which fragments it on its way (a packet source-translated
+ * to the node's own address is then dropped by the stack as a martian: such a sender is lost as
+ * it would be behind a router that cannot fragment).
+ */
+#ifndef EKP_TC_APPLY_H
+#define EKP_TC_APPLY_H
+
+#include <linux/pkt_cls.h>
+
+#include "ekp_decide.h"
+#include "ekp_icmp.h"
+#include "ekp_nat.h"
+#include "ekp_redirect.h"
+#include "ekp_tc_scratch.h"
+
+static __always_inline int ekp_tc_drop(struct ekp_decision *d, __u32 reason)
+{
+	d->outcome = reason;
+	return TC_ACT_SHOT;
+}
+
+static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scratch *w)
+{
+	const struct ekp_pkt *p = &w->work.pkt;
+	struct ekp_decision *d = &w->work.dec;
+
+	if (d->action == EKP_ACT_PASS)
+		return TC_ACT_OK;
+	if (d->action == EKP_ACT_DROP)
+		return TC_ACT_SHOT;
+	if (d->action == EKP_ACT_REJECT) {
+		if (ekp_icmp_unreach(skb, p, ICMP_PORT_UNREACH, 0, &w->icmp) < 0)
+			return TC_ACT_SHOT;
+		return bpf_redirect(skb->ifindex, 0);
+	}
+
+	int related = d->action == EKP_ACT_RELATED;
+	struct bpf_fib_lookup *fib = &w->fib;
+	__builtin_memset(fib, 0, sizeof(*fib));
+	long rc = related ? ekp_fib(skb, fib, IPPROTO_ICMP, p->tos, d->saddr, d->daddr, 0, 0)
+			  : ekp_fib(skb, fib, p->proto, p->tos, d->saddr, d->daddr, d->sport, d->dport);
+
+	if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED && !related) {
+		if (p->df) {
+			__u16 mtu = fib->mtu_result;
+			if (!ekp_icmp_wanted(p) || ekp_icmp_unreach(skb, p, ICMP_FRAG_NEEDED, mtu, &w->icmp) < 0)
+				return ekp_tc_drop(d, EKP_DROP_FRAG_NEEDED);
+			d->outcome = EKP_DROP_FRAG_NEEDED;
+			return bpf_redirect(skb->ifindex, 0);
+		}
+		if (ekp_rewrite(skb, p, d->saddr, d->sport, d->daddr, d->dport) < 0)
+			return ekp_tc_drop(d, EKP_DROP_MALFORMED);
+		return TC_ACT_OK; /* the stack fragments it */
+	}
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH) {
+		/* NOT_FWDED means no route *or* a local destination (a backend on the node's own
+		 * address); the stack could deliver the latter, but its reply would leave without
+		 * reverse NAT, so both drop until host-network backends are handled. Also
+		 * unreachable, blackhole, forwarding disabled on the ingress device. */
+		return ekp_tc_drop(d, EKP_DROP_FIB);
+	}
+	int rewritten = related ? ekp_rewrite_icmp_err(skb, p, d->saddr, d->daddr, d->in_saddr, d->in_sport,
+						       d->in_daddr, d->in_dport)
+				: ekp_rewrite(skb, p, d->saddr, d->sport, d->daddr, d->dport);
+	if (rewritten < 0)
+		return ekp_tc_drop(d, EKP_DROP_MALFORMED);
+	return ekp_redirect(skb, p, fib, rc, &d->outcome);
+}
+
+#endif /* EKP_TC_APPLY_H */

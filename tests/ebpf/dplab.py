@@ -1,0 +1,220 @@
+"""The packet lab of the data path tests: a compiled data path, a private namespace, and `Net`.
+
+Each test module (test_datapath*.py) declares its own fixtures from these pieces, so no conftest
+is shared. The namespace holds what the FIB lookups resolve in:
+
+    ext0  192.168.0.11/24   node's external device; neighbours node2 .12, client .100
+                            route 10.244.2.0/24 via 192.168.0.12 (pods on node2)
+    pod0  10.244.1.1/24     node side of the pods' veth; neighbours for pods .5 .6 .8 .9 .10
+                            (10.244.1.7 has none: the bpf_redirect_neigh path)
+    small0 10.244.3.1/24    MTU 1280: the path to a backend (.5) and a client (.6) behind a smaller MTU
+
+Packets from pods run ekp_from_pod with ingress pod0; packets from outside run ekp_from_net with
+ingress ext0. `assert_balanced` checks the counters after each test: PACKETS == sum of outcomes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from agent.config import MapSizes
+from agent.ebpf import abi
+from agent.ebpf.abi import OUTCOMES, BackendFlag, CtDir, FrontendFlag, Scope, Stat, ct_role, ip_be, port_be
+from agent.ebpf.loader import Datapath
+from agent.ebpf.maps import read_stats, write_config
+from tests.ebpf.packets import Link, link, private_netns, prog_run, sh
+
+NODE, NODE2, CLIENT = "192.168.0.11", "192.168.0.12", "192.168.0.100"
+POD_CLIENT, BE1, BE2, BE3, BE4 = "10.244.1.9", "10.244.1.5", "10.244.1.6", "10.244.1.8", "10.244.1.10"
+BE_NO_NEIGH, REMOTE_BE = "10.244.1.7", "10.244.2.7"
+BE_SMALL_MTU, CLIENT_SMALL_MTU, SMALL_MTU = "10.244.3.5", "10.244.3.6", 1280
+VIP = "10.96.0.10"
+MAC = {
+    NODE2: "02:00:00:00:00:12",
+    CLIENT: "02:00:00:00:01:00",
+    BE1: "02:00:0a:f4:01:05",
+    BE2: "02:00:0a:f4:01:06",
+    BE3: "02:00:0a:f4:01:08",
+    BE4: "02:00:0a:f4:01:0a",
+    POD_CLIENT: "02:00:0a:f4:01:09",
+    BE_SMALL_MTU: "02:00:0a:f4:03:05",
+    CLIENT_SMALL_MTU: "02:00:0a:f4:03:06",
+}
+SNAT_MIN, SNAT_MAX = 40000, 40999
+SIZES = MapSizes(
+    fe=256, slot=1024, be=256, rnat=256, member=1024, ct_tcp=4096, ct_any=4096, frag=256, aff=256, srcr=64
+)
+TCP, UDP = 6, 17
+# Every map the data path reads or writes that a test may have filled.
+TEST_ROLES = (
+    "fe",
+    "slot",
+    "be",
+    "rnat",
+    "member",
+    "ct_tcp",
+    "ct_any",
+    "frag",
+    "aff",
+    "srcr",
+    "icmprl",
+    "stats",
+)
+
+CFG = abi.Config(
+    node_addr=ip_be(NODE),
+    snat_port_min=SNAT_MIN,
+    snat_port_max=SNAT_MAX,
+    tcp_established_s=3600,
+    tcp_close_wait_s=600,
+    tcp_syn_s=60,
+    tcp_closed_s=10,
+    udp_s=30,
+    udp_stream_s=120,
+    icmp_rate=1000,
+    icmp_burst=50,
+)
+
+
+@dataclass(frozen=True)
+class Lab:
+    pod: Link
+    ext: Link
+    small: Link
+
+
+@contextmanager
+def packet_lab() -> Iterator[Lab]:
+    """The namespace above, entered by the calling thread for the duration."""
+    with private_netns():
+        sh("ip", "link", "add", "ext0", "type", "veth", "peer", "name", "ext0p")
+        sh("ip", "link", "add", "pod0", "type", "veth", "peer", "name", "pod0p")
+        sh("ip", "link", "add", "small0", "type", "veth", "peer", "name", "small0p")
+        sh("ip", "addr", "add", f"{NODE}/24", "dev", "ext0")
+        sh("ip", "addr", "add", "10.244.1.1/24", "dev", "pod0")
+        sh("ip", "addr", "add", "10.244.3.1/24", "dev", "small0")
+        sh("ip", "link", "set", "small0", "mtu", str(SMALL_MTU))
+        for dev in ("ext0", "ext0p", "pod0", "pod0p", "small0", "small0p"):
+            sh("ip", "link", "set", dev, "up")
+        sh("ip", "route", "add", "10.244.2.0/24", "via", NODE2)
+        devices = {"192.168.0": "ext0", "10.244.1": "pod0", "10.244.3": "small0"}
+        for addr, mac in MAC.items():
+            dev = devices[addr.rsplit(".", 1)[0]]
+            sh("ip", "neigh", "replace", addr, "lladdr", mac, "dev", dev, "nud", "permanent")
+        sh("sysctl", "-qw", "net.ipv4.ip_forward=1")  # bpf_fib_lookup needs forwarding on ingress
+        yield Lab(pod=link("pod0"), ext=link("ext0"), small=link("small0"))
+
+
+def reset_maps(dp: Datapath) -> None:
+    """Empty every map a test may have filled, and make CFG the live config."""
+    for role in TEST_ROLES:
+        dp.maps[role].clear()
+    write_config(dp.maps, CFG)
+
+
+def assert_balanced(dp: Datapath) -> None:
+    stats = read_stats(dp.maps["stats"])
+    assert stats[Stat.PACKETS] == sum(stats[s] for s in OUTCOMES), stats
+
+
+def set_config(dp: Datapath, **fields: int) -> abi.Config:
+    """CFG with `fields` changed, made live through the double buffer."""
+    cfg = abi.Config.from_buffer_copy(bytes(CFG))
+    for name, value in fields.items():
+        setattr(cfg, name, value)
+    write_config(dp.maps, cfg)
+    return cfg
+
+
+def ct_key(
+    saddr: str, daddr: str, sport: int, dport: int, proto: int = TCP, reply: bool = False
+) -> abi.CtKey:
+    direction = CtDir.REPLY if reply else CtDir.FORWARD
+    return abi.CtKey(ip_be(saddr), ip_be(daddr), port_be(sport), port_be(dport), proto, direction)
+
+
+class Net:
+    """Runs frames through the programs and reads and writes the maps, in test vocabulary."""
+
+    def __init__(self, dp: Datapath, lab: Lab) -> None:
+        self.dp, self.lab = dp, lab
+
+    def from_pod(self, frame: bytes) -> tuple[int, bytes]:
+        return prog_run(self.dp.prog_fd("ekp_from_pod"), frame, self.lab.pod.ifindex)
+
+    def from_net(self, frame: bytes) -> tuple[int, bytes]:
+        return prog_run(self.dp.prog_fd("ekp_from_net"), frame, self.lab.ext.ifindex)
+
+    def stats(self) -> dict[Stat, int]:
+        return read_stats(self.dp.maps["stats"])
+
+    def ct(
+        self, saddr: str, daddr: str, sport: int, dport: int, proto: int = TCP, *, reply: bool = False
+    ) -> abi.CtEntry | None:
+        """The conntrack entry of this tuple: the FORWARD one, or the REPLY one with reply=True."""
+        entry = self.dp.maps[ct_role(proto)].lookup(ct_key(saddr, daddr, sport, dport, proto, reply))
+        assert entry is None or isinstance(entry, abi.CtEntry)
+        return entry
+
+    def ct_put(
+        self,
+        saddr: str,
+        daddr: str,
+        sport: int,
+        dport: int,
+        entry: abi.CtEntry,
+        proto: int = TCP,
+        *,
+        reply: bool = False,
+    ) -> None:
+        self.dp.maps[ct_role(proto)].update(ct_key(saddr, daddr, sport, dport, proto, reply), entry)
+
+    def ct_del(
+        self, saddr: str, daddr: str, sport: int, dport: int, proto: int = TCP, *, reply: bool = False
+    ) -> bool:
+        return self.dp.maps[ct_role(proto)].delete(ct_key(saddr, daddr, sport, dport, proto, reply))
+
+    def ct_count(self, proto: int = TCP) -> int:
+        return len(self.dp.maps[ct_role(proto)].keys())
+
+    def add_service(
+        self,
+        addr: str = VIP,
+        port: int = 80,
+        backends: tuple[tuple[int, str, int, int], ...] = ((1, BE1, 8080, BackendFlag.LOCAL),),
+        *,
+        proto: int = TCP,
+        scope: Scope = Scope.INTERNAL,
+        flags: int = 0,
+        set_id: int = 1,
+        svc_id: int = 1,
+        rev_nat_id: int = 1,
+        affinity_timeout: int = 0,
+        count: int | None = None,
+        slots: bool = True,
+    ) -> None:
+        """Backends first, then their membership, slots 1..n, the reverse NAT entry, and the
+        frontend last. Members are in the set the frontend uses (LOCAL or CLUSTER)."""
+        maps = self.dp.maps
+        member = abi.MemberFlag.LOCAL if flags & FrontendFlag.LOCAL else abi.MemberFlag.CLUSTER
+        for slot, (backend_id, be_addr, be_port, be_flags) in enumerate(backends, 1):
+            value = abi.Backend(ip_be(be_addr), port_be(be_port), proto, be_flags)
+            maps["be"].update(abi.BackendKey(backend_id), value)
+            maps["member"].update(abi.MemberKey(svc_id, backend_id), abi.Member(flags=member))
+            if slots:
+                maps["slot"].update(abi.SlotKey(set_id, slot), abi.Slot(backend_id))
+        maps["rnat"].update(abi.RevNatKey(rev_nat_id), abi.RevNat(ip_be(addr), port_be(port)))
+        fe = abi.Frontend(
+            svc_id=svc_id,
+            set_id=set_id,
+            count=len(backends) if count is None else count,
+            flags=flags,
+            affinity_timeout=affinity_timeout,
+            rev_nat_id=rev_nat_id,
+        )
+        maps["fe"].update(abi.FrontendKey(ip_be(addr), port_be(port), proto, scope), fe)
+
+    def remove_member(self, svc_id: int, backend_id: int) -> None:
+        self.dp.maps["member"].delete(abi.MemberKey(svc_id, backend_id))

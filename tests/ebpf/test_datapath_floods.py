@@ -1,0 +1,185 @@
+"""Floods, packet by packet: spoofed SYNs cannot lock real clients out of a NodePort, and rejects
+are rate-limited so the node is no amplifier for spoofed sources.
+
+The lab cases of tests/adversarial/test_floods.py, reduced to what the programs do with each packet:
+an unanswered flow has the short handshake timeout and is the first to go when the SNAT range is
+full (the kernel's early drop); a reject over the per-CPU token bucket is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from agent.ebpf.abi import CtFlag, FrontendFlag, Scope, Stat
+from agent.ebpf.loader import Datapath
+from tests.ebpf.dplab import (
+    CLIENT,
+    MAC,
+    NODE,
+    NODE2,
+    REMOTE_BE,
+    SIZES,
+    SNAT_MIN,
+    UDP,
+    Lab,
+    Net,
+    assert_balanced,
+    packet_lab,
+    reset_maps,
+    set_config,
+)
+from tests.ebpf.packets import TC_ACT_REDIRECT, TC_ACT_SHOT, icmp_error, loaded_datapath, parse, tcp, udp
+
+pytestmark = pytest.mark.kernel
+
+PORTS = 64  # a small SNAT range the flood fills
+
+
+@pytest.fixture(scope="module")
+def dp() -> Iterator[Datapath]:
+    with loaded_datapath(SIZES) as datapath:
+        yield datapath
+
+
+@pytest.fixture(scope="module")
+def lab(dp: Datapath) -> Iterator[Lab]:
+    with packet_lab() as built:
+        yield built
+
+
+@pytest.fixture(autouse=True)
+def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
+    reset_maps(dp)
+    yield
+    assert_balanced(dp)
+
+
+@pytest.fixture
+def net(dp: Datapath, lab: Lab) -> Net:
+    return Net(dp, lab)
+
+
+def nodeport(net: Net) -> None:
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_ALL
+    net.add_service(NODE, 30080, ((7, REMOTE_BE, 8080, 0),), scope=Scope.EXTERNAL, flags=flags)
+
+
+def spoofed(i: int) -> str:
+    return f"198.18.{i // 250}.{i % 250 + 1}"
+
+
+def flood(net: Net, count: int, *, answered: bool = True) -> None:
+    """`count` SYNs from spoofed sources; the backend answers each (its SYN-ACK comes back through
+    the node) but no ACK ever follows."""
+    for i in range(count):
+        out = net.from_net(tcp(spoofed(i), NODE, 1024 + i, 30080))
+        if out[0] != TC_ACT_REDIRECT or not answered:
+            continue
+        snat_port = parse(out[1]).sport
+        net.from_net(tcp(REMOTE_BE, NODE, 8080, snat_port, flags="SA", smac=MAC[NODE2]))
+
+
+def test_unanswered_and_half_open_flows_carry_the_short_timeout(net: Net) -> None:
+    nodeport(net)
+    flood(net, 20)
+    for i in range(20):
+        entry = net.ct(spoofed(i), NODE, 1024 + i, 30080)
+        assert entry is not None
+        assert entry.flags == CtFlag.SNAT | CtFlag.SEEN_REPLY  # never ESTABLISHED: tcp_syn_s, 60 s
+    key = (spoofed(0), NODE, 1024, 30080)
+    entry = net.ct(*key)
+    assert entry is not None
+    entry.last_seen_ns = time.monotonic_ns() - 61 * 10**9
+    net.ct_put(*key, entry)
+    # expired after 61 s: its retransmitted SYN is a new flow, no longer the old one
+    assert net.from_net(tcp(spoofed(0), NODE, 1024, 30080))[0] == TC_ACT_REDIRECT
+    assert net.stats()[Stat.NEW_FLOWS] == 21
+
+
+def test_a_full_range_evicts_an_unanswered_flow_for_a_real_client(net: Net, dp: Datapath) -> None:
+    """64 SNAT ports, 64 half-open spoofed flows hold them all: a real client still gets a port
+    (the kernel's early drop), its handshake completes, and the flood cannot take it back."""
+    set_config(dp, snat_port_max=SNAT_MIN + PORTS - 1)
+    nodeport(net)
+    flood(net, PORTS)
+    assert net.stats()[Stat.EARLY_DROP] == 0
+    out = net.from_net(tcp(CLIENT, NODE, 5000, 30080))
+    assert out[0] == TC_ACT_REDIRECT
+    port = parse(out[1]).sport
+    assert net.stats()[Stat.EARLY_DROP] == 1
+    victims = [i for i in range(PORTS) if net.ct(spoofed(i), NODE, 1024 + i, 30080) is None]
+    assert len(victims) == 1  # the evicted flow lost both entries
+    assert net.from_net(tcp(REMOTE_BE, NODE, 8080, port, flags="SA", smac=MAC[NODE2]))[0] == TC_ACT_REDIRECT
+    assert net.from_net(tcp(CLIENT, NODE, 5000, 30080, flags="A"))[0] == TC_ACT_REDIRECT
+    real = net.ct(CLIENT, NODE, 5000, 30080)
+    assert real is not None and real.flags & CtFlag.ESTABLISHED
+    flood(net, 3 * PORTS)  # the flood goes on, evicting itself
+    assert net.ct(CLIENT, NODE, 5000, 30080) is not None
+    back = parse(net.from_net(tcp(REMOTE_BE, NODE, 8080, port, flags="PA", smac=MAC[NODE2]))[1])
+    assert (back.dst, back.dport) == (CLIENT, 5000)
+
+
+def test_a_range_full_of_established_flows_refuses_the_next(net: Net, dp: Datapath) -> None:
+    set_config(dp, snat_port_max=SNAT_MIN + 3)
+    nodeport(net)
+    for i in range(4):
+        out = net.from_net(tcp(spoofed(i), NODE, 2000 + i, 30080))
+        port = parse(out[1]).sport
+        net.from_net(tcp(REMOTE_BE, NODE, 8080, port, flags="SA", smac=MAC[NODE2]))
+        net.from_net(tcp(spoofed(i), NODE, 2000 + i, 30080, flags="A"))
+    assert net.from_net(tcp(CLIENT, NODE, 5001, 30080))[0] == TC_ACT_SHOT
+    stats = net.stats()
+    assert (stats[Stat.DROP_SNAT_PORTS], stats[Stat.EARLY_DROP]) == (1, 0)
+
+
+@contextmanager
+def on_one_cpu() -> Iterator[None]:
+    """BPF_PROG_TEST_RUN runs the program on the caller's CPU: stay on one, one bucket."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_rejects_are_rate_limited_per_cpu(net: Net, dp: Datapath, lab: Lab) -> None:
+    """A burst of 10, 100 per second: 300 datagrams to a NodePort without endpoints in a few ms
+    get about 10 port unreachables; the rest are dropped and counted, and the bucket refills."""
+    set_config(dp, icmp_rate=100, icmp_burst=10)
+    net.add_service(NODE, 30053, (), proto=UDP, scope=Scope.EXTERNAL, flags=FrontendFlag.NO_ENDPOINTS)
+    with on_one_cpu():
+        started = time.monotonic()
+        answered = sum(
+            net.from_net(udp(spoofed(i), NODE, 3000 + i, 30053, smac=MAC[CLIENT], dmac=lab.ext.mac))[0]
+            == TC_ACT_REDIRECT
+            for i in range(300)
+        )
+        elapsed = time.monotonic() - started
+    assert 10 <= answered <= 10 + 100 * elapsed + 1
+    stats = net.stats()
+    assert stats[Stat.DROP_NO_ENDPOINTS] == answered and stats[Stat.DROP_ICMP_RATE] == 300 - answered
+    time.sleep(0.05)  # 5 tokens
+    out = net.from_net(udp(CLIENT, NODE, 4000, 30053, smac=MAC[CLIENT], dmac=lab.ext.mac))
+    assert out[0] == TC_ACT_REDIRECT and (icmp_error(out[1]).type, icmp_error(out[1]).code) == (3, 3)
+
+
+def test_the_default_limit_is_the_kernels(net: Net, dp: Datapath, lab: Lab) -> None:
+    """CFG carries icmp_msgs_per_sec 1000 and icmp_msgs_burst 50: 5,000 datagrams at once get the
+    burst and what a second of refill allows, not 5,000 answers."""
+    net.add_service(NODE, 30053, (), proto=UDP, scope=Scope.EXTERNAL, flags=FrontendFlag.NO_ENDPOINTS)
+    with on_one_cpu():
+        started = time.monotonic()
+        answered = sum(
+            net.from_net(udp(spoofed(i), NODE, 3000, 30053, smac=MAC[CLIENT], dmac=lab.ext.mac))[0]
+            == TC_ACT_REDIRECT
+            for i in range(5000)
+        )
+        elapsed = time.monotonic() - started
+    assert 50 <= answered <= 50 + 1000 * elapsed + 1
+    assert net.stats()[Stat.DROP_ICMP_RATE] == 5000 - answered

@@ -1,0 +1,407 @@
+"""Flow state of the data path, packet by packet: membership, the direction byte, timeouts by
+state, a full conntrack table and what an evicted flow does, reply-tuple collisions, and the
+SNAT port search.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from agent.config import MapSizes
+from agent.ebpf import abi
+from agent.ebpf.abi import BackendFlag, CtFlag, FrontendFlag, MemberFlag, Scope, Stat, ip_be, port_be
+from agent.ebpf.loader import Datapath
+from tests.ebpf.dplab import (
+    BE1,
+    BE2,
+    BE3,
+    CLIENT,
+    NODE,
+    POD_CLIENT,
+    REMOTE_BE,
+    SIZES,
+    SNAT_MAX,
+    SNAT_MIN,
+    TCP,
+    UDP,
+    VIP,
+    Lab,
+    Net,
+    assert_balanced,
+    packet_lab,
+    reset_maps,
+    set_config,
+)
+from tests.ebpf.packets import (
+    TC_ACT_OK,
+    TC_ACT_REDIRECT,
+    TC_ACT_SHOT,
+    checksums_valid,
+    loaded_datapath,
+    parse,
+    tcp,
+    udp,
+)
+
+pytestmark = pytest.mark.kernel
+
+VIP2 = "10.96.0.20"
+LOCAL = BackendFlag.LOCAL
+
+
+@pytest.fixture(scope="module")
+def dp() -> Iterator[Datapath]:
+    with loaded_datapath(SIZES) as datapath:
+        yield datapath
+
+
+@pytest.fixture(scope="module")
+def lab(dp: Datapath) -> Iterator[Lab]:
+    with packet_lab() as built:
+        yield built
+
+
+@pytest.fixture(autouse=True)
+def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
+    reset_maps(dp)
+    yield
+    assert_balanced(dp)
+
+
+@pytest.fixture
+def net(dp: Datapath, lab: Lab) -> Net:
+    return Net(dp, lab)
+
+
+def handshake(net: Net, client: str, port: int, frontend: str = VIP, fport: int = 80) -> str:
+    """A TCP handshake through the frontend from the pod network; the backend it reached."""
+    out = net.from_pod(tcp(client, frontend, port, fport))
+    assert out[0] == TC_ACT_REDIRECT
+    be = parse(out[1])
+    assert net.from_pod(tcp(be.dst, client, be.dport, port, flags="SA"))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(tcp(client, frontend, port, fport, flags="A"))[0] == TC_ACT_REDIRECT
+    return be.dst
+
+
+def age(
+    net: Net, key: tuple[str, str, int, int], seconds: float, *, proto: int = TCP, reply: bool = False
+) -> None:
+    entry = net.ct(*key, proto, reply=reply)
+    assert entry is not None
+    entry.last_seen_ns = time.monotonic_ns() - int(seconds * 1e9)
+    net.ct_put(*key, entry, proto, reply=reply)
+
+
+# ---- membership ---------------------------------------------------------------------------
+
+
+def test_affinity_to_a_backend_that_left_the_service_is_not_honoured(net: Net) -> None:
+    """Backend ids are shared between services: the id still existing (another service uses it)
+    does not make it a backend of this one. Affinity follows membership."""
+    backends = ((1, BE1, 8080, LOCAL), (2, BE2, 8080, LOCAL))
+    net.add_service(backends=backends, flags=FrontendFlag.AFFINITY, affinity_timeout=600)
+    first = parse(net.from_pod(tcp(POD_CLIENT, VIP, 31000, 80))[1]).dst
+    gone, stays = (1, 2) if first == BE1 else (2, 1)
+    # the service keeps only the other backend; the one that left is still in ekp_be
+    net.add_service(backends=(backends[stays - 1],), flags=FrontendFlag.AFFINITY, affinity_timeout=600)
+    net.remove_member(1, gone)
+    for port in range(31001, 31011):
+        assert parse(net.from_pod(tcp(POD_CLIENT, VIP, port, 80))[1]).dst != first
+    assert net.stats()[Stat.AFFINITY_HIT] == 9  # the new backend is sticky from the second flow
+
+
+def test_affinity_spans_every_frontend_of_the_service_port(net: Net) -> None:
+    """kube-proxy's affinity is per service port: a client that reached a backend through the
+    ClusterIP keeps it through the NodePort (same svc_id, other set id)."""
+    backends = tuple((i, addr, 8080, LOCAL) for i, addr in enumerate((BE1, BE2, BE3), 1))
+    flags = FrontendFlag.AFFINITY
+    net.add_service(backends=backends, flags=flags, affinity_timeout=600, set_id=1, rev_nat_id=1)
+    net.add_service(
+        NODE,
+        30080,
+        backends,
+        flags=flags | FrontendFlag.NODEPORT,
+        affinity_timeout=600,
+        set_id=2,
+        rev_nat_id=2,
+    )
+    first = parse(net.from_pod(tcp(POD_CLIENT, VIP, 32000, 80))[1]).dst
+    for port in range(32001, 32009):
+        assert parse(net.from_pod(tcp(POD_CLIENT, NODE, port, 30080))[1]).dst == first
+    assert net.stats()[Stat.AFFINITY_HIT] == 8
+
+
+def test_a_local_frontend_ignores_affinity_to_a_backend_outside_its_local_set(net: Net) -> None:
+    """A backend in the cluster set only (remote) is not honoured by an ETP=Local frontend."""
+    net.add_service(backends=((7, REMOTE_BE, 8080, 0),), flags=FrontendFlag.AFFINITY, affinity_timeout=600)
+    assert parse(net.from_pod(tcp(POD_CLIENT, VIP, 33000, 80))[1]).dst == REMOTE_BE
+    flags = FrontendFlag.AFFINITY | FrontendFlag.LOCAL | FrontendFlag.NODEPORT
+    net.add_service(
+        NODE,
+        30081,
+        ((1, BE1, 8080, LOCAL),),
+        scope=Scope.EXTERNAL,
+        flags=flags,
+        affinity_timeout=600,
+        set_id=2,
+        rev_nat_id=2,
+    )
+    out = net.from_net(tcp(POD_CLIENT, NODE, 33001, 30081))[1]
+    assert parse(out).dst == BE1
+    member = net.dp.maps["member"].lookup(abi.MemberKey(1, 7))
+    assert isinstance(member, abi.Member) and member.flags == MemberFlag.CLUSTER
+
+
+# ---- the direction byte -------------------------------------------------------------------
+
+
+def test_an_original_tuple_never_matches_a_reply_entry(net: Net) -> None:
+    """Two entries on one tuple, one per direction: each packet is matched as what it is."""
+    net.add_service()
+    handshake(net, POD_CLIENT, 34000)
+    fwd = net.ct(POD_CLIENT, VIP, 34000, 80)
+    assert fwd is not None
+    stranger = abi.CtEntry.from_buffer_copy(bytes(fwd))
+    stranger.fe_addr, stranger.fe_port, stranger.nat_addr = ip_be("10.96.9.9"), port_be(99), 0
+    net.ct_put(POD_CLIENT, VIP, 34000, 80, stranger, reply=True)  # the same tuple, as a REPLY entry
+    out = parse(net.from_pod(tcp(POD_CLIENT, VIP, 34000, 80, flags="PA"))[1])
+    assert (out.src, out.dst, out.dport) == (POD_CLIENT, BE1, 8080)
+
+
+# ---- state and timeouts -------------------------------------------------------------------
+
+
+def test_a_flow_moves_through_its_states_on_both_entries(net: Net) -> None:
+    net.add_service()
+    net.from_pod(tcp(POD_CLIENT, VIP, 35000, 80))
+    states = []
+    for frame in (
+        tcp(BE1, POD_CLIENT, 8080, 35000, flags="SA"),
+        tcp(POD_CLIENT, VIP, 35000, 80, flags="A"),
+        tcp(BE1, POD_CLIENT, 8080, 35000, flags="FA"),
+        tcp(POD_CLIENT, VIP, 35000, 80, flags="FA"),
+    ):
+        net.from_pod(frame)
+        fwd, rep = net.ct(POD_CLIENT, VIP, 35000, 80), net.ct(BE1, POD_CLIENT, 8080, 35000, reply=True)
+        assert fwd is not None and rep is not None and fwd.flags == rep.flags
+        states.append(fwd.flags)
+    seen = CtFlag.SEEN_REPLY
+    assert states == [
+        seen,
+        seen | CtFlag.ESTABLISHED,
+        seen | CtFlag.ESTABLISHED | CtFlag.FIN_REPLY,
+        seen | CtFlag.ESTABLISHED | CtFlag.FIN_REPLY | CtFlag.FIN_FWD,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("steps", "alive_after", "dead_after"),
+    [
+        ("S", 59, 61),  # handshake not completed: tcp_syn_s
+        ("S,SA", 59, 61),  # answered but never acked (a spoofed SYN): still tcp_syn_s
+        ("S,SA,A", 3599, 3601),  # established: tcp_established_s
+        ("S,SA,A,cFA", 599, 601),  # one FIN: tcp_close_wait_s (half closed)
+        ("S,SA,A,cFA,bFA", 9, 11),  # FINs both ways: tcp_closed_s
+        ("S,SA,A,cR", 9, 11),  # RST: tcp_closed_s
+    ],
+)
+def test_tcp_timeouts_follow_the_state(net: Net, steps: str, alive_after: int, dead_after: int) -> None:
+    """CFG: established 3600, close-wait 600, syn 60, closed 10 (kube-proxy's settings where it has
+    them, as the config entry carries them)."""
+    net.add_service()
+    frames = {
+        "S": tcp(POD_CLIENT, VIP, 36000, 80),
+        "SA": tcp(BE1, POD_CLIENT, 8080, 36000, flags="SA"),
+        "A": tcp(POD_CLIENT, VIP, 36000, 80, flags="A"),
+        "cFA": tcp(POD_CLIENT, VIP, 36000, 80, flags="FA"),
+        "bFA": tcp(BE1, POD_CLIENT, 8080, 36000, flags="FA"),
+        "cR": tcp(POD_CLIENT, VIP, 36000, 80, flags="R"),
+    }
+    for step in steps.split(","):
+        assert net.from_pod(frames[step])[0] == TC_ACT_REDIRECT
+    key = (BE1, POD_CLIENT, 8080, 36000)
+    reply = tcp(BE1, POD_CLIENT, 8080, 36000, flags="A")
+    age(net, key, alive_after, reply=True)
+    assert net.from_pod(reply)[0] == TC_ACT_REDIRECT
+    age(net, key, dead_after, reply=True)
+    assert net.from_pod(reply) == (TC_ACT_OK, reply)  # expired: the reply is no longer ours
+
+
+def test_udp_flows_become_streams_after_a_reply_and_two_seconds(net: Net) -> None:
+    """The kernel's rule: unreplied (or replied within 2 s) udp_s 30 s, a stream udp_stream_s 120 s."""
+    net.add_service(port=53, backends=((2, BE2, 5353, LOCAL),), proto=UDP)
+    net.from_pod(udp(POD_CLIENT, VIP, 37000, 53))
+    net.from_pod(udp(BE2, POD_CLIENT, 5353, 37000))
+    fwd = net.ct(POD_CLIENT, VIP, 37000, 53, UDP)
+    assert fwd is not None and fwd.flags == CtFlag.SEEN_REPLY
+    fwd.created_s -= 3  # begun 3 s ago
+    net.ct_put(POD_CLIENT, VIP, 37000, 53, fwd, UDP)
+    net.from_pod(udp(POD_CLIENT, VIP, 37000, 53))
+    for reply in (False, True):
+        entry = net.ct(
+            *((BE2, POD_CLIENT, 5353, 37000) if reply else (POD_CLIENT, VIP, 37000, 53)), UDP, reply=reply
+        )
+        assert entry is not None and entry.flags == CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED
+    age(net, (POD_CLIENT, VIP, 37000, 53), 100, proto=UDP)
+    assert parse(net.from_pod(udp(POD_CLIENT, VIP, 37000, 53))[1]).dst == BE2
+    assert net.stats()[Stat.NEW_FLOWS] == 1
+
+
+# ---- a full table, evictions, rebuilding --------------------------------------------------
+
+
+def test_a_lost_entry_is_rebuilt_from_its_twin_and_the_flow_keeps_its_backend(net: Net) -> None:
+    """The LRU evicted the FORWARD entry of an established flow: its next segments are dropped
+    (counted), never sent to another backend; the backend's next packet (the REPLY entry, refreshed
+    once a second) rebuilds it, and the flow goes on to the same backend."""
+    backends = tuple((i, addr, 8080, LOCAL) for i, addr in enumerate((BE1, BE2, BE3), 1))
+    net.add_service(backends=backends)
+    backend = handshake(net, POD_CLIENT, 38000)
+    assert net.ct_del(POD_CLIENT, VIP, 38000, 80)
+    assert net.from_pod(tcp(POD_CLIENT, VIP, 38000, 80, flags="PA"))[0] == TC_ACT_SHOT
+    assert net.stats()[Stat.DROP_NO_FLOW] == 1
+    age(net, (backend, POD_CLIENT, 8080, 38000), 2, reply=True)
+    assert parse(net.from_pod(tcp(backend, POD_CLIENT, 8080, 38000, flags="A"))[1]).src == VIP
+    assert net.stats()[Stat.CT_REBUILT] == 1
+    rebuilt = net.ct(POD_CLIENT, VIP, 38000, 80)
+    assert rebuilt is not None and rebuilt.nat_addr == ip_be(backend)
+    assert parse(net.from_pod(tcp(POD_CLIENT, VIP, 38000, 80, flags="PA"))[1]).dst == backend
+
+
+def test_a_lost_reply_entry_is_rebuilt_from_the_forward_one(net: Net) -> None:
+    net.add_service()
+    handshake(net, POD_CLIENT, 38100)
+    assert net.ct_del(BE1, POD_CLIENT, 8080, 38100, reply=True)
+    age(net, (POD_CLIENT, VIP, 38100, 80), 2)
+    assert net.from_pod(tcp(POD_CLIENT, VIP, 38100, 80, flags="PA"))[0] == TC_ACT_REDIRECT
+    assert parse(net.from_pod(tcp(BE1, POD_CLIENT, 8080, 38100, flags="A"))[1]).src == VIP
+
+
+def test_a_full_conntrack_table_evicts_the_least_recently_used(lab: Lab) -> None:
+    """A 256-entry TCP table (128 flows): 400 more flows evict the oldest; a segment of an evicted
+    flow is dropped (NO_FLOW), recent flows go on."""
+    small = MapSizes(
+        fe=16, slot=16, be=16, rnat=16, member=16, ct_tcp=256, ct_any=64, frag=16, aff=16, srcr=16
+    )
+    with loaded_datapath(small) as tiny:
+        reset_maps(tiny)
+        net = Net(tiny, lab)
+        net.add_service()
+        for port in range(40000, 40400):
+            assert net.from_pod(tcp(POD_CLIENT, VIP, port, 80))[0] == TC_ACT_REDIRECT
+        assert net.ct_count() <= 256
+        assert net.ct(POD_CLIENT, VIP, 40000, 80) is None  # the first flow was evicted
+        assert net.from_pod(tcp(POD_CLIENT, VIP, 40000, 80, flags="PA"))[0] == TC_ACT_SHOT
+        assert net.from_pod(tcp(POD_CLIENT, VIP, 40399, 80, flags="PA"))[0] == TC_ACT_REDIRECT
+        stats = net.stats()
+        assert (stats[Stat.NEW_FLOWS], stats[Stat.DROP_NO_FLOW]) == (400, 1)
+        assert_balanced(tiny)
+
+
+# ---- reply tuples taken ---------------------------------------------------------------------
+
+
+def test_one_client_port_to_one_backend_through_two_frontends(net: Net) -> None:
+    """Both flows would own the reply tuple {backend, client, 8080, P}: the second keeps its client
+    address but moves to another port, and each flow's replies come from its own frontend."""
+    net.add_service(VIP, 80, ((1, BE1, 8080, LOCAL),), set_id=1, svc_id=1, rev_nat_id=1)
+    net.add_service(VIP2, 80, ((1, BE1, 8080, LOCAL),), set_id=2, svc_id=2, rev_nat_id=2)
+    handshake(net, POD_CLIENT, 39000, VIP)
+    verdict, out = net.from_pod(tcp(POD_CLIENT, VIP2, 39000, 80))
+    assert verdict == TC_ACT_REDIRECT
+    moved = parse(out)
+    assert (moved.src, moved.dst) == (POD_CLIENT, BE1) and moved.sport != 39000 and checksums_valid(out)
+    assert SNAT_MIN <= moved.sport <= SNAT_MAX
+    first = parse(net.from_pod(tcp(BE1, POD_CLIENT, 8080, 39000, flags="PA"))[1])
+    second = parse(net.from_pod(tcp(BE1, POD_CLIENT, 8080, moved.sport, flags="SA"))[1])
+    assert (first.src, first.dport) == (VIP, 39000)
+    assert (second.src, second.dst, second.dport) == (VIP2, POD_CLIENT, 39000)
+    assert net.stats()[Stat.PORT_REMAP] == 1
+
+
+def test_one_udp_client_port_through_two_frontends(net: Net) -> None:
+    net.add_service(VIP, 53, ((1, BE2, 53, LOCAL),), proto=UDP, set_id=1, svc_id=1, rev_nat_id=1)
+    net.add_service(VIP2, 53, ((1, BE2, 53, LOCAL),), proto=UDP, set_id=2, svc_id=2, rev_nat_id=2)
+    net.from_pod(udp(POD_CLIENT, VIP, 5353, 53))
+    moved = parse(net.from_pod(udp(POD_CLIENT, VIP2, 5353, 53))[1])
+    assert moved.sport != 5353
+    assert parse(net.from_pod(udp(BE2, POD_CLIENT, 53, 5353))[1]).src == VIP
+    assert parse(net.from_pod(udp(BE2, POD_CLIENT, 53, moved.sport))[1]).src == VIP2
+
+
+def test_a_reply_tuple_of_a_dead_flow_is_taken_over_and_its_twin_removed(net: Net, dp: Datapath) -> None:
+    set_config(dp, tcp_syn_s=5)
+    net.add_service(VIP, 80, ((1, BE1, 8080, LOCAL),), set_id=1, svc_id=1, rev_nat_id=1)
+    net.add_service(VIP2, 80, ((1, BE1, 8080, LOCAL),), set_id=2, svc_id=2, rev_nat_id=2)
+    net.from_pod(tcp(POD_CLIENT, VIP, 39100, 80))  # never answered
+    age(net, (BE1, POD_CLIENT, 8080, 39100), 6, reply=True)
+    out = parse(net.from_pod(tcp(POD_CLIENT, VIP2, 39100, 80))[1])
+    assert out.sport == 39100  # the dead flow's tuple, taken over: no remap
+    assert net.ct(POD_CLIENT, VIP, 39100, 80) is None
+    rep = net.ct(BE1, POD_CLIENT, 8080, 39100, reply=True)
+    assert rep is not None and rep.fe_addr == ip_be(VIP2)
+
+
+# ---- the SNAT port search ------------------------------------------------------------------
+
+
+def fill_ports(net: Net, backend: str, bport: int, ports: range, flags: int) -> None:
+    """REPLY entries of live flows holding {backend, node, bport, port}."""
+    for port in ports:
+        entry = abi.CtEntry(
+            last_seen_ns=time.monotonic_ns(),
+            nat_addr=ip_be("192.168.0.200"),
+            nat_port=port_be(port),
+            fe_addr=ip_be(NODE),
+            fe_port=port_be(30080),
+            flags=int(CtFlag.SNAT | flags),
+            svc_id=9,
+            backend_id=9,
+        )
+        net.ct_put(backend, NODE, bport, port, entry, reply=True)
+
+
+def test_the_port_search_walks_the_range_like_the_kernel(net: Net, dp: Datapath) -> None:
+    """1,000 ports, 999 held by established flows: the free one is found (v1 tried 16 hashed
+    ports and gave up)."""
+    net.add_service(
+        NODE, 30080, ((7, REMOTE_BE, 8080, 0),), scope=Scope.EXTERNAL, flags=FrontendFlag.SNAT_ALL
+    )
+    free = SNAT_MIN + 617
+    fill_ports(net, REMOTE_BE, 8080, range(SNAT_MIN, SNAT_MAX + 1), CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED)
+    net.ct_del(REMOTE_BE, NODE, 8080, free, reply=True)
+    found = 0
+    for client_port in range(6000, 6040):
+        out = net.from_net(tcp(CLIENT, NODE, client_port, 30080))
+        if out[0] == TC_ACT_REDIRECT:
+            found += 1
+            assert parse(out[1]).sport == free
+            assert net.ct_del(CLIENT, NODE, client_port, 30080) and net.ct_del(
+                REMOTE_BE, NODE, 8080, free, reply=True
+            )
+    # 240 probes of 1,000 ports find the one free port 24% of the time, as the kernel's walk would
+    assert 0 < found < 40
+    assert net.stats()[Stat.DROP_SNAT_PORTS] == 40 - found
+
+
+def test_ports_are_unique_per_backend(net: Net, dp: Datapath) -> None:
+    """The reply tuple includes the backend: a range of one port serves one flow per backend."""
+    set_config(dp, snat_port_max=SNAT_MIN)
+    net.add_service(
+        NODE, 30080, ((7, REMOTE_BE, 8080, 0),), scope=Scope.EXTERNAL, flags=FrontendFlag.SNAT_ALL
+    )
+    net.add_service(
+        NODE,
+        30081,
+        ((8, "10.244.2.8", 8080, 0),),
+        scope=Scope.EXTERNAL,
+        flags=FrontendFlag.SNAT_ALL,
+        set_id=2,
+        svc_id=2,
+        rev_nat_id=2,
+    )
+    assert parse(net.from_net(tcp(CLIENT, NODE, 6100, 30080))[1]).sport == SNAT_MIN
+    assert parse(net.from_net(tcp(CLIENT, NODE, 6101, 30081))[1]).sport == SNAT_MIN
