@@ -16,5 +16,10 @@ Per target: new TCP connections per second (wrk, `Connection: close`) and connec
 kernel.bpf_stats_enabled (bench/bpfstats.py). Every sync reports what the agent logged (read time,
 sync time, iptables restore time) and what the kernel holds (rule count, map entries).
 
+The second part (`--parts api`, bench/api.py) runs the agent against a fake API server holding
+10,000 Services with 10 endpoints each: list -> first sync, start -> first sync, a restart over
+its own pins, one EndpointSlice change p50/p99/max over 200 changes, and the agent's peak RSS.
+`--parts traffic,api` is the default; `--parts api` alone takes a few minutes.
+
 Output: aligned tables on stdout and the same in Markdown in build/bench.md.
 """

@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 from agent.ebpf import abi
-from bench import bpfstats
+from bench import api, bpfstats
 from bench.report import Table, num, ratio
 from bench.traffic import Load, children, connect_samples, percentile, pinned, wrk
 from bench.workload import MEASURED_PORT, MEASURED_VIP, ServicesFile, services_file
@@ -26,6 +26,7 @@ from tests.lab.core import Node, Pod
 from tests.traffic.harness import REPO, Agent, Cluster
 
 MODES = ("ebpf", "iptables")
+PARTS = ("traffic", "api")
 # Client source ports: pod-IP and ClusterIP traffic never share a 4-tuple (see `use_ports`).
 PORTS_DIRECT = "32768 46999"
 PORTS_VIP = "47000 60999"
@@ -590,11 +591,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--no-legacy-compare", action="store_true", help="skip the iptables-legacy restore comparison"
     )
+    p.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="traffic (data path and file-sourced sync), api (the agent following an API server at "
+        "scale: bench/api.py); default both",
+    )
+    p.add_argument(
+        "--api-services", type=int, default=10_000, help="services on the API server (default 10000)"
+    )
+    p.add_argument("--api-endpoints", type=int, default=10, help="endpoints per service (default 10)")
+    p.add_argument("--api-changes", type=int, default=200, help="EndpointSlice changes timed (default 200)")
     p.add_argument("--out", type=Path, default=OUT, help=f"Markdown output (default {OUT.relative_to(REPO)})")
     a = p.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
+    parts = [x for x in a.parts.split(",") if x]
     if any(m not in MODES for m in modes) or not 1 <= a.services <= 60_000 or a.rounds < 1:
         p.error("bad --modes, --services (1..60000) or --rounds")
+    if not parts or any(x not in PARTS for x in parts):
+        p.error(f"bad --parts: choose from {','.join(PARTS)}")
+    if a.api_services < 1 or a.api_endpoints < 1 or a.api_changes < 1:
+        p.error("--api-services, --api-endpoints and --api-changes must be at least 1")
     if os.geteuid() != 0:
         print("bench: needs root (network namespaces, BPF, iptables)", file=sys.stderr)
         return 2
@@ -616,9 +633,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = f"ebpf-kube-proxy benchmark, {datetime.now():%Y-%m-%d %H:%M}: {machine()}"
     print(header, flush=True)
     start = time.monotonic()
-    results = Bench(s).run()
+    results = Bench(s).run() if "traffic" in parts else Results()
+    out = tables(results, s) if "traffic" in parts else []
+    if "api" in parts:
+        scales = []
+        for mode in modes:
+            print(
+                f"== {mode}: {a.api_services:,} services x {a.api_endpoints} endpoints from the API server",
+                flush=True,
+            )
+            scales.append(api.measure(mode, a.api_services, a.api_endpoints, a.api_changes))
+        out.append(api.table(scales))
     took = time.monotonic() - start
-    out = tables(results, s)
     footer = f"whole run: {took:.0f} s"
     print()
     print(header)
