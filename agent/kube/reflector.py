@@ -27,6 +27,12 @@ An object without a usable name cannot be keyed: it is skipped, logged once and 
 objects as Problems). If the sink raises, the batch's changes to the delivered map are rolled
 back before the error is handled, so a retry reconciles against what the sink really received.
 
+The delivered map holds each object's resourceVersion, not the object: the model keeps what it
+parsed, and at 100,000 endpoints the raw dicts were the agent's largest resident item. (An object
+without a resourceVersion, which no API server sends, is remembered by a digest of its bytes.)
+A DELETED found by a relist therefore carries the object's identity and last resourceVersion
+only; a DELETED from the watch carries what the server sent.
+
 Responses are decoded straight from bytes into plain dicts (`_preload_content=False`, orjson),
 never into the client's model classes, which cost several times the time and memory
 (bench/apilist.py measures it). `metadata.managedFields` and the kubectl last-applied annotation
@@ -35,6 +41,7 @@ are dropped on arrival: the proxy never reads them and they are often most of an
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import threading
@@ -176,7 +183,7 @@ class Reflector:
         self._clock = clock
         self._backoff = BackoffState(settings.backoff, self._rand, clock)
         self._episode = Episode(clock)
-        self._delivered: dict[str, Mapping[str, Any]] = {}
+        self._delivered: dict[str, str] = {}  # key -> resourceVersion (or digest): what was delivered
         self._undo: list[tuple[str, Any]] = []
         self._response: Any = None
         self._response_lock = threading.Lock()
@@ -272,7 +279,28 @@ class Reflector:
         if obj is None:
             self._delivered.pop(key, None)
         else:
-            self._delivered[key] = obj
+            self._delivered[key] = self._version_of(obj)
+
+    @classmethod
+    def _version_of(cls, obj: Mapping[str, Any]) -> str:
+        """What tells two states of an object apart: its resourceVersion, else a digest."""
+        rv = cls._rv_of(obj)
+        if rv:
+            return rv
+        return (
+            "#" + hashlib.blake2b(orjson.dumps(obj, option=orjson.OPT_SORT_KEYS), digest_size=16).hexdigest()
+        )
+
+    def _tombstone(self, key: str) -> Obj:
+        """The last known identity of `key`, for a DELETED that a relist found."""
+        namespace, _, name = key.rpartition("/")
+        meta: Obj = {"name": name}
+        if namespace:
+            meta["namespace"] = namespace
+        version = self._delivered.get(key, "")
+        if version and not version.startswith("#"):
+            meta["resourceVersion"] = version
+        return {"apiVersion": self.resource.api_version, "kind": self.kind.value, "metadata": meta}
 
     def _deliver(self, batch: list[Event]) -> None:
         """Hand `batch` to the sink; the delivered map keeps its changes only if that worked."""
@@ -398,7 +426,7 @@ class Reflector:
                 rv = meta.get("resourceVersion")
                 rv = rv if isinstance(rv, str) else ""
                 for key in [k for k in self._delivered if k not in seen]:
-                    batch.append(ObjectEvent(self.kind, EventType.DELETED, key, self._delivered[key]))
+                    batch.append(ObjectEvent(self.kind, EventType.DELETED, key, self._tombstone(key)))
                     self._set(key, None)
                 batch.append(Synced(self.kind, rv))
                 self._deliver(batch)
@@ -425,7 +453,7 @@ class Reflector:
         old = self._delivered.get(key)
         if old is None:
             batch.append(ObjectEvent(self.kind, EventType.ADDED, key, item))
-        elif self._rv_of(old) != self._rv_of(item) or (not self._rv_of(item) and old != item):
+        elif old != self._version_of(item):
             batch.append(ObjectEvent(self.kind, EventType.MODIFIED, key, item))
         else:
             return

@@ -4,7 +4,9 @@ A source (the YAML file, the API server) turns whatever it reads into a stream o
 
 * `ObjectEvent(kind, type, key, obj)`: one object was added, changed or deleted. `key` is
   `namespace/name` (`name` for cluster-scoped kinds: Node). `obj` is the object as plain JSON data
-  (dicts, lists, strings, numbers); for DELETED, the last state the source knew.
+  (dicts, lists, strings, numbers); for DELETED, what the source still knows of it: the whole
+  last state (the file source, a watch's DELETED) or only its identity and last resourceVersion
+  (the API source's relist, which keeps versions, not objects).
 * `Synced(kind)`: every object of `kind` that exists has been delivered (the initial list, or a
   relist after `410 Gone` or a file re-read, is complete). A source that relists diffs the new list
   against what it delivered before and sends ADDED / MODIFIED / DELETED for the differences, so
