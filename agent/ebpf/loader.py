@@ -77,8 +77,10 @@ class DatapathError(RuntimeError):
     """The data path could not be compiled or loaded."""
 
 
-class PinMismatchError(DatapathError):
-    """An existing pinned map differs from the map about to be compiled."""
+class PinMismatchError(DatapathError, FatalError):
+    """An existing pinned map differs from the map about to be compiled. Fatal: a pinned table
+    cannot be resized or re-flagged in place, so retrying would fail forever; the operator chooses
+    to drop the state (`agent --cleanup`) or to start with the old sizes."""
 
 
 def default_bpf_dir() -> Path:

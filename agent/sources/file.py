@@ -45,6 +45,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from agent.errors import FatalError
 from agent.metrics.source import FileMetrics
 from agent.sources.base import Event, Kind, Sink, Synced
 from agent.sources.content import KINDS, Content, collect
@@ -292,8 +293,15 @@ class FileSource:
         return self._watch.version
 
     def start(self, sink: Sink) -> None:
-        """Check the file opens (raising OSError if not), then read and watch it on a thread."""
-        self._watch.check_readable()
+        """Check the file opens (FatalError if not: no retry makes a wrong path right), then read
+        and watch it on a thread. Once started, a file that goes away is refused and waited for."""
+        try:
+            self._watch.check_readable()
+        except OSError as exc:
+            raise FatalError(
+                f"--services-file {self.path}: {exc.strerror or exc}: give the path of a readable "
+                "YAML or JSON file of Services and EndpointSlices (write it before the agent starts)"
+            ) from exc
         self._thread = threading.Thread(target=self._run, args=(sink,), name="file-source", daemon=True)
         self._thread.start()
 

@@ -9,7 +9,9 @@ the fix in the message, having created nothing, where they used to retry every s
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -184,3 +186,38 @@ def test_pin_directory_made_by_another_user_is_refused(cluster: Cluster) -> None
     assert status == 1 and took < FAST_S, (status, took, out)
     assert f"{mnt}/ekp is owned by uid 65534, not root" in out
     assert "pinned: \n" in out or out.rstrip().endswith("pinned:"), out
+
+
+def test_a_pinned_map_of_another_size_is_fatal_with_what_to_do(cluster: Cluster) -> None:
+    """A frontend map pinned with other max_entries (a changed --bpf-fe-max): no retry can resize
+    a pinned table, so the agent exits 1 at once naming the map and `agent --cleanup`."""
+    from agent.ebpf.abi import MAPS
+
+    spec = MAPS["fe"]
+    key_size, value_size = ctypes.sizeof(spec.key), ctypes.sizeof(spec.value)
+    mnt = Path(tempfile.mkdtemp(prefix="ekp-guard-"))
+    node2 = cluster.lab.nodes[1]
+    other = Agent(
+        cluster.lab,
+        node2,
+        "ebpf",
+        [f"--services-file={cluster.services_file}"],
+        [f"--bpf-pin-path={mnt}/ekp"],
+    )
+    script = (
+        'mount -t bpf bpf "$1" && mkdir -m 0700 "$1/ekp" && '
+        f'bpftool map create "$1/ekp/{spec.name}" type hash key {key_size} value {value_size} '
+        f"entries 1000 name {spec.name} && "
+        'shift && "$@"'
+    )
+    try:
+        status, out, took = run_agent(
+            [f"--services-file={cluster.services_file}", *other.flags()],
+            prefix=["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", str(mnt)],
+        )
+    finally:
+        mnt.rmdir()
+    assert status == 1 and took < FAST_S + 10, (status, took, out)
+    assert "pinned BPF maps do not match this agent's data path" in out, out
+    assert re.search(rf"{spec.name}: [^;]*max_entries is 1000", out) and "run `agent --cleanup`" in out, out
+    assert "Traceback" not in out, out

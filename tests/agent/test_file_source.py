@@ -13,6 +13,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from agent.errors import FatalError
 from agent.metrics.source import FileMetrics
 from agent.sources import file as file_source
 from agent.sources.base import Event, EventType, Kind, ObjectEvent, Synced
@@ -209,14 +210,16 @@ def test_duplicate_objects_first_wins_with_both_positions_logged_and_counted(
 
 
 def test_start_fails_fast_on_a_file_that_cannot_be_opened(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
-        FileSource(str(tmp_path / "typo.yaml")).start(Recorder())
-    with pytest.raises(IsADirectoryError):
-        FileSource(str(tmp_path)).start(Recorder())
+    """Fatal (the agent exits 1 with the message), not a traceback: no retry fixes a wrong path."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    with pytest.raises(OSError, match="not a regular file"):
-        FileSource(str(fifo)).start(Recorder())
+    for path, why in (
+        (tmp_path / "typo.yaml", "No such file or directory"),
+        (tmp_path, "is a directory, not a file"),
+        (fifo, "not a regular file"),
+    ):
+        with pytest.raises(FatalError, match=rf"--services-file {path}: {why}: give the path of a readable"):
+            FileSource(str(path)).start(Recorder())
 
 
 def test_a_refused_file_at_start_delivers_nothing_until_a_good_one_appears(tmp_path: Path) -> None:
