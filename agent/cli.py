@@ -209,8 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cluster-cidr", type=_cidrs, default=(), help="pod CIDRs; traffic from elsewhere is masqueraded"
     )
-    _flag_bool(p, "--masquerade-all", default=False, help="SNAT all traffic to service IPs (iptables)")
-    p.add_argument("--iptables-masquerade-bit", type=int, default=14, choices=range(32), metavar="0-31")
+    _flag_bool(p, "--masquerade-all", default=False, help="SNAT all traffic to service IPs (both modes)")
+    p.add_argument(
+        "--iptables-masquerade-bit",
+        type=int,
+        default=14,
+        choices=range(32),
+        metavar="0-31",
+        help="the fwmark bit KUBE-MARK-MASQ sets on packets to masquerade (iptables mode; "
+        "kube-proxy's default 14)",
+    )
     p.add_argument(
         "--nodeport-addresses",
         type=_nodeport_addresses,

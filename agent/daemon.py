@@ -122,6 +122,8 @@ class Agent:
         # What the source says it delivered, per kind: the list's version (a file's content hash,
         # an API list's resourceVersion), then the resourceVersion of each object event after it.
         self._versions: dict[Kind, str] = {}
+        # metadata.uid by (kind, key): an Event's `regarding.uid` is what `kubectl describe` matches.
+        self._uids: dict[tuple[str, str], str] = {}
         self._waiting_logged = False
         self._node: NodeContext | None = None
         self._last_full = float("-inf")
@@ -300,6 +302,7 @@ class Agent:
             self._versions[event.kind] = rv
         deleted = event.type is EventType.DELETED
         obj = None if deleted else event.obj
+        self._remember_uid(event.kind, event.key, obj)
         if event.kind is Kind.SERVICE:
             if deleted:
                 self._model.delete_service(event.key)
@@ -315,13 +318,25 @@ class Agent:
             if self._parts.health is not None:
                 self._parts.health.sync_node(obj)
 
+    def _remember_uid(self, kind: Kind, key: str, obj: object) -> None:
+        meta = obj.get("metadata") if isinstance(obj, dict) else None
+        uid = meta.get("uid") if isinstance(meta, dict) else None
+        if isinstance(uid, str) and uid:
+            self._uids[(kind.value, key)] = uid
+        else:
+            self._uids.pop((kind.value, key), None)
+
+    def _uid_of(self, problem: Problem) -> str | None:
+        key = f"{problem.namespace}/{problem.name}" if problem.kind != Kind.NODE.value else problem.name
+        return self._uids.get((problem.kind, key))
+
     def _report(self, commit: Commit) -> None:
         for problem in commit.problems_cleared:
             log.info("resolved: %s", problem)
         for problem in commit.problems_added:
             log.error("skipping %s (every other object is still programmed)", problem)
             self._parts.metrics.record_skipped(problem.kind)
-            self._parts.events.warn(problem)
+            self._parts.events.warn(problem, self._uid_of(problem))
         if commit.problems_added or commit.problems_cleared:
             self._parts.metrics.set_invalid_objects(len(self._model.problems()))
 

@@ -23,7 +23,7 @@ explicit:
 Watch events are reconciled against the delivered objects too: an ADDED for a known key goes out
 as MODIFIED, a DELETED for an unknown key is dropped, so the sink always sees a consistent story.
 An object without a usable name cannot be keyed: it is skipped, logged once and counted in
-`ekp_skipped_objects_total`; everything else in it is the model's business (it reports malformed
+`ekp_watch_unnamed_objects_total`; everything else in it is the model's business (it reports malformed
 objects as Problems). If the sink raises, the batch's changes to the delivered map are rolled
 back before the error is handled, so a retry reconciles against what the sink really received.
 
@@ -331,7 +331,7 @@ class Reflector:
                 self._logged_unnamed = True
                 log.warning(
                     "%s without a usable metadata.name skipped: %s (further ones are only counted "
-                    "in ekp_skipped_objects_total)",
+                    "in ekp_watch_unnamed_objects_total)",
                     self.kind.value,
                     printable(obj, 200),
                 )

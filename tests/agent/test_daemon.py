@@ -95,9 +95,11 @@ class FakeHealth:
 class FakeEvents:
     def __init__(self) -> None:
         self.warned: list[Problem] = []
+        self.uids: list[str | None] = []
 
     def warn(self, problem: Problem, uid: str | None = None) -> None:
         self.warned.append(problem)
+        self.uids.append(uid)
 
 
 class Rig:
@@ -194,11 +196,15 @@ def test_a_malformed_object_is_reported_once_as_log_metric_and_event(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     rig = Rig()
-    rig.send(service("web"), service("bad", clusterIP="10.96.0.300"), synced="v1")
+    bad = service("bad", clusterIP="10.96.0.300")
+    bad["metadata"]["uid"] = "0b1d-uid"
+    rig.send(service("web"), bad, synced="v1")
     rig.sync()
     rig.send(service("bad", clusterIP="10.96.0.301"))
     rig.sync()
     assert [p.ref for p in rig.events.warned] == ["Service default/bad", "Service default/bad"]
+    # The Event names the object's uid (kubectl describe matches on it) while the object has one.
+    assert rig.events.uids == ["0b1d-uid", None]
     assert rig.registry.get_sample_value("ekp_skipped_objects_total", {"kind": "Service"}) == 2
     assert rig.registry.get_sample_value("ekp_invalid_objects") == 1
     rig.send(service("bad", clusterIP="10.96.0.31"))

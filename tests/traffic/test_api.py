@@ -203,3 +203,6 @@ def test_a_malformed_service_gets_a_warning_event_and_the_others_keep_working(ap
     assert event["type"] == "Warning" and event["reason"] == "InvalidService"
     assert "spec.sessionAffinity" in event["note"]
     assert event["regarding"]["kind"] == "Service" and event["regarding"]["namespace"] == "default"
+    stored = api.server.get("Service", "default", "broken")
+    assert stored is not None
+    assert event["regarding"]["uid"] == stored["metadata"]["uid"], "kubectl describe matches Events by uid"
