@@ -18,6 +18,7 @@ table-tested; `ConntrackCleaner` runs `conntrack -L` / `conntrack -D` through th
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -138,6 +139,9 @@ def stale_filters(frontends: UdpFrontends, entries: Iterable[FlowEntry]) -> list
     return sorted(out)
 
 
+_DELETED = re.compile(r"(\d+) flow entr(?:y|ies) ha(?:s|ve) been deleted")
+
+
 class ConntrackError(RuntimeError):
     pass
 
@@ -147,10 +151,12 @@ class ConntrackCleaner:
 
     def __init__(self, command: Callable[[Sequence[str]], Result]) -> None:
         self._command = command
+        self.deleted = 0  # entries the last clean() deleted, as the conntrack tool reported them
 
     def clean(self, state: ProxyState) -> list[StaleFilter]:
         """Delete stale entries for `state`; the filters applied. Raises ConntrackError when the
         table cannot be listed; a failed deletion is logged and the others still run."""
+        self.deleted = 0
         frontends = udp_frontends(state)
         if not frontends:
             return []
@@ -160,6 +166,8 @@ class ConntrackCleaner:
         filters = stale_filters(frontends, parse_entries(listed.stdout))
         for f in filters:
             r = self._command(f.delete_args())
+            m = _DELETED.search(r.stderr)
+            self.deleted += int(m.group(1)) if m else 0
             # Exit 1 with "0 flow entries have been deleted": the entry expired meanwhile.
             if r.returncode not in (0, 1):
                 log.warning("conntrack delete %s failed: %s", " ".join(f.delete_args()), r.stderr.strip())

@@ -590,11 +590,14 @@ class IptablesProxier:
         frontends = udp_frontends(state)
         if frontends == self._udp:
             return 0
+        started = time.monotonic()
         try:
             filters = self._conntrack.clean(state)
         except Exception as exc:
             log.warning("UDP conntrack cleanup failed (retried at the next sync): %s", exc)
             return 0
+        if self._metrics is not None:  # kube-proxy's conntrack reconciler metrics
+            self._metrics.record_conntrack_cleanup(time.monotonic() - started, self._conntrack.deleted)
         self._udp = frontends
         return len(filters)
 

@@ -6,10 +6,12 @@ import logging
 from dataclasses import replace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from agent.config import ConntrackSettings, NodeContext
+from agent.config import ConntrackSettings, Mode, NodeContext
 from agent.iptables import IptablesProxier, chains
 from agent.iptables.runner import Result
+from agent.metrics import Metrics
 from agent.model.types import Protocol, ProxyState, ServicePortName
 from tests.iptables.fakes import FakeCounters, FakeRunner
 from tests.iptables.objects import CONFIG, NODE, endpoints, service, state
@@ -358,6 +360,35 @@ def test_udp_endpoint_change_clears_entries_to_the_old_endpoint() -> None:
         ]
     ]
     assert p.last_sync is not None and p.last_sync.conntrack_filters == 1
+
+
+def test_conntrack_cleanup_is_measured_as_kube_proxys_reconciler() -> None:
+    fake = FakeRunner()
+    registry = CollectorRegistry()
+    p = IptablesProxier(
+        CONFIG,
+        runner=fake,
+        counters=FakeCounters(),
+        clock=Clock(),
+        cpus=2,
+        metrics=Metrics(registry, Mode.IPTABLES),
+    )
+    listed = {"text": ""}
+
+    def conntrack(argv: list[str]) -> Result:
+        if "-L" in argv:
+            return Result(0, listed["text"])
+        return Result(0, "", "conntrack v1.4.7 (conntrack-tools): 2 flow entries have been deleted.\n")
+
+    fake.responses["conntrack"] = conntrack
+    p.sync(dns_state("10.244.2.2"), NODE)
+    listed["text"] = KUBE_DNS_ENTRY.format(reply="10.244.2.2")
+    p.sync(dns_state("10.244.2.3"), NODE, frozenset({DNS_PORT}))
+    labels = {"ip_family": "IPv4"}
+    assert registry.get_sample_value("kubeproxy_conntrack_reconciler_deleted_entries_total", labels) == 2
+    assert (
+        registry.get_sample_value("kubeproxy_conntrack_reconciler_sync_duration_seconds_count", labels) == 2
+    )
 
 
 def test_no_conntrack_work_when_no_udp_port_changed() -> None:

@@ -1,0 +1,75 @@
+"""Faults behind the agent's back, repaired by its periodic full sync (issue 8, item 5), in the lab.
+
+An operator (or another tool) deletes a frontend entry with `bpftool map delete` and removes a
+pinned map's file: the service is dead until the next full sync, which reads the maps back,
+writes what differs and pins the map again. The full-sync period is 3 s here (kube-proxy's
+`--iptables-sync-period`, 30 s by default).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from agent.ebpf import abi
+from tests.conftest import require_kernel
+from tests.lab import Lab
+from tests.traffic.harness import Cluster, ep
+from tests.traffic.objects import Port, service, with_endpoints
+
+pytestmark = pytest.mark.kernel
+
+VIP = "10.96.7.10"
+HTTP = Port("http", 80, 8080)
+SYNC_PERIOD_S = 3
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    require_kernel()
+    with Lab(nodes=1, pods_per_node=2) as lab:
+        lab.start_podservers()
+        c = Cluster(lab, "ebpf", extra=[f"--iptables-sync-period={SYNC_PERIOD_S}s"])
+        c.start()
+        try:
+            yield c
+        finally:
+            assert not c.stop(), "agent --cleanup failed"
+
+
+def serves(cluster: Cluster) -> bool:
+    try:
+        return cluster.lab.http_get("pod-1-1", VIP, 80, timeout=0.5).strip() == "pod-1-2"
+    except OSError:
+        return False
+
+
+def test_a_deleted_frontend_and_a_removed_pin_are_repaired_by_the_next_full_sync(cluster: Cluster) -> None:
+    cluster.apply(with_endpoints(service("repair", VIP, [HTTP]), [ep(cluster, "pod-1-2")]))
+    assert serves(cluster)
+    (agent,) = cluster.agents
+    key = abi.FrontendKey(addr=abi.ip_be(VIP), port=abi.port_be(80), proto=6, scope=int(abi.Scope.INTERNAL))
+    fe_pin = os.path.join(agent.pin_path, abi.MAPS["fe"].name)
+    subprocess.run(
+        ["bpftool", "map", "delete", "pinned", fe_pin, "key", "hex", *(f"{b:02x}" for b in bytes(key))],
+        check=True,
+        capture_output=True,
+    )
+    slot_pin = os.path.join(agent.pin_path, abi.MAPS["slot"].name)
+    os.unlink(slot_pin)
+    assert not serves(cluster), "the frontend entry is gone from the kernel: the ClusterIP is dead"
+
+    deadline = time.monotonic() + 4 * SYNC_PERIOD_S
+    while not serves(cluster):
+        assert time.monotonic() < deadline, (
+            f"not repaired within {4 * SYNC_PERIOD_S} s:\n{agent.log()[-3000:]}"
+        )
+        time.sleep(0.2)
+    assert os.path.exists(slot_pin), "the removed pin was made again"
+    log = agent.log()
+    assert "full sync repaired" in log, log[-3000:]
+    assert f"pin {slot_pin} is missing (removed behind our back): pinning our map again" in log, log[-3000:]
