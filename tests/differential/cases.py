@@ -167,7 +167,11 @@ SERVICES = (
     Svc(
         "zoned",
         "10.96.10.13",
-        (Backend("pod-1-2", hint="zone-a"), Backend("pod-1-3", hint="zone-a"), Backend("pod-2-2", hint="zone-b")),
+        (
+            Backend("pod-1-2", hint="zone-a"),
+            Backend("pod-1-3", hint="zone-a"),
+            Backend("pod-2-2", hint="zone-b"),
+        ),
     ),
     Svc("external", "10.96.10.14", BOTH, external_ip="203.0.113.14"),
     Svc("lb-open", "10.96.10.15", BOTH, node_port=30715, lb_ip="198.51.100.15"),
@@ -231,6 +235,7 @@ class Case:
     rounds: int = 1
     gap_s: float = 0.0
     phase: str = DEFAULT
+    timeout_s: float = 1.5  # per attempt
     why: str = ""  # the kube-proxy rule that decides the expectation, where it is not obvious
     svc: Svc = field(init=False, repr=False, compare=False)
 
@@ -309,8 +314,20 @@ CASES = (
         size=4000,
     ),
     # ---- externalTrafficPolicy Local
-    Case("etp-local-node1-from-client", "client", "etp-local", "nodeport@node1", answered(["pod-1-2"], "client")),
-    Case("etp-local-node2-from-client", "client", "etp-local", "nodeport@node2", answered(["pod-2-2"], "client")),
+    Case(
+        "etp-local-node1-from-client",
+        "client",
+        "etp-local",
+        "nodeport@node1",
+        answered(["pod-1-2"], "client"),
+    ),
+    Case(
+        "etp-local-node2-from-client",
+        "client",
+        "etp-local",
+        "nodeport@node2",
+        answered(["pod-2-2"], "client"),
+    ),
     Case(
         "etp-local-node1-from-pod1",
         "pod-1-1",
@@ -378,9 +395,22 @@ CASES = (
         why="timeoutSeconds 1: a flow 2.2 s after the last one is balanced anew (P(no change) = 4^-7)",
     ),
     # ---- no endpoints: rejected at once, TCP and UDP
-    Case("no-endpoints-cip-from-pod1", "pod-1-1", "empty", "cluster-ip", REFUSE, count=3),
-    Case("no-endpoints-np-node1-from-client", "client", "empty", "nodeport@node1", REFUSE, count=3),
-    Case("no-endpoints-udp-cip-from-pod1", "pod-1-1", "empty-udp", "cluster-ip", REFUSE, count=3),
+    Case("no-endpoints-cip-from-pod1", "pod-1-1", "empty", "cluster-ip", REFUSE, count=3, timeout_s=3.5),
+    Case(
+        "no-endpoints-np-node1-from-client",
+        "client",
+        "empty",
+        "nodeport@node1",
+        REFUSE,
+        count=3,
+        timeout_s=3.5,
+        why="REJECT's ICMP shares the kernel's per-peer ICMP budget (1/s after a burst of 6) with the"
+        " redirects node1 sends the client for the flows it forwards back out of eth0 (iptables mode):"
+        " a reject can take a SYN retransmission (1 s, 3 s) to get through, hence 3.5 s per attempt",
+    ),
+    Case(
+        "no-endpoints-udp-cip-from-pod1", "pod-1-1", "empty-udp", "cluster-ip", REFUSE, count=3, timeout_s=3.5
+    ),
     # ---- terminating endpoints (pkg/proxy/topology.go: Cluster and Local fall back independently)
     Case(
         "terminating-only-cip-from-pod1",
@@ -421,7 +451,13 @@ CASES = (
         why="cluster traffic: a ready endpoint exists, so terminating ones are not used",
     ),
     # ---- topology hints (node1 is in zone-a, node2 in zone-b)
-    Case("topology-zone-a-from-pod1", "pod-1-1", "zoned", "cluster-ip", answered(["pod-1-2", "pod-1-3"], "pod-1-1")),
+    Case(
+        "topology-zone-a-from-pod1",
+        "pod-1-1",
+        "zoned",
+        "cluster-ip",
+        answered(["pod-1-2", "pod-1-3"], "pod-1-1"),
+    ),
     Case("topology-zone-b-from-pod2", "pod-2-1", "zoned", "cluster-ip", answered(["pod-2-2"], "pod-2-1")),
     # ---- external IPs and load-balancer IPs, source ranges
     Case("external-ip-from-client", "client", "external", "external-ip", answered(PAIR, "node1")),

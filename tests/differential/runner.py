@@ -54,7 +54,6 @@ HERE = Path(__file__).resolve().parent
 PROBE = str(HERE / "probe.py")
 WHOAMI = str(HERE / "whoami.py")
 WORKERS = 4
-ATTEMPT_TIMEOUT_S = 1.5
 
 Attempt = tuple[int, str, str, str]  # round, verdict ("ok", "refused", "timeout", ...), backend, seen
 
@@ -104,7 +103,9 @@ class Observation:
             elif case.compare == STICKY:
                 text += " by one backend" if len(names) == 1 else f" by {len(names)} backends"
             else:
-                per_round = [{a[2] for a in self.attempts if a[0] == r and a[1] == "ok"} for r in range(case.rounds)]
+                per_round = [
+                    {a[2] for a in self.attempts if a[0] == r and a[1] == "ok"} for r in range(case.rounds)
+                ]
                 if any(len(s) > 1 for s in per_round):
                     text += " by several backends within a round"
                 else:
@@ -170,14 +171,14 @@ def probe(lab: Lab, case: Case) -> Observation:
         f"--addr={addr}",
         f"--port={port}",
         f"--count={case.count}",
-        f"--timeout={ATTEMPT_TIMEOUT_S}",
+        f"--timeout={case.timeout_s}",
         f"--rounds={case.rounds}",
         f"--gap={case.gap_s}",
     ]
     if case.size:
         argv.append(f"--size={case.size}")
     start = time.monotonic()
-    limit = case.rounds * (case.count * (ATTEMPT_TIMEOUT_S + 0.5) + case.gap_s) + 30
+    limit = case.rounds * (case.count * (case.timeout_s + 0.5) + case.gap_s) + 30
     res = lab.run(case.source, *argv, timeout=limit)
     attempts = tuple((int(r), str(v), str(b), str(s)) for r, v, b, s in json.loads(res.stdout)["attempts"])
     return Observation(attempts, round(time.monotonic() - start, 2))
@@ -194,7 +195,16 @@ class ModeRun:
 def _lab() -> Iterator[Lab]:
     with Lab(nodes=2, pods_per_node=PODS_PER_NODE) as lab:
         servers = [
-            lab.popen(pod, sys.executable, "-I", "-S", WHOAMI, f"--name={pod}", f"--port={TARGET_PORT}", name="whoami")
+            lab.popen(
+                pod,
+                sys.executable,
+                "-I",
+                "-S",
+                WHOAMI,
+                f"--name={pod}",
+                f"--port={TARGET_PORT}",
+                name="whoami",
+            )
             for pod in BACKEND_PODS
         ]
         for pod, proc in zip(BACKEND_PODS, servers, strict=True):
@@ -204,7 +214,9 @@ def _lab() -> Iterator[Lab]:
             lab.add_client_route(cidr, via_node=1)
         for node in lab.nodes:
             # As tests/traffic/conftest.py: the rule kube-proxy and Docker install; both modes cope.
-            lab.run(node, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP")
+            lab.run(
+                node, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"
+            )
         yield lab
 
 
@@ -226,7 +238,7 @@ def run_mode(mode: str, cases: Sequence[Case] = CASES) -> ModeRun:
                     cluster.restart_agents(PHASE_FLAGS[phase], Svc(f"phase-{i}", f"10.96.11.{i}", ()))
                 todo = [c for c in cases if c.phase == phase]
                 # the slow ones first, so they overlap with the rest
-                todo.sort(key=lambda c: -(c.rounds * c.gap_s + (c.expect.verdict == TIMED_OUT)))
+                todo.sort(key=lambda c: -(c.rounds * c.gap_s + (c.expect.verdict != ANSWERED) * c.timeout_s))
                 with ThreadPoolExecutor(WORKERS) as pool:
                     for case, obs in zip(todo, pool.map(lambda c: probe(lab, c), todo), strict=True):
                         observations[case.id] = obs
