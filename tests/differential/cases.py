@@ -192,6 +192,11 @@ SERVICES = (
         source_ranges=("172.16.0.0/12",),
     ),
     Svc("masq", "10.96.10.20", BOTH),
+    Svc("hairpin", "10.96.10.21", (Backend("pod-1-2"),)),
+    Svc("sticky-udp", "10.96.10.22", FOUR, protocol="UDP", affinity_s=300),
+    Svc("external-local", "10.96.10.23", BOTH, external_ip="203.0.113.23", etp_local=True),
+    Svc("zoned-partly", "10.96.10.24", (Backend("pod-1-2", hint="zone-a"), Backend("pod-2-2"))),
+    Svc("itp-draining", "10.96.10.25", (draining("pod-1-3"), Backend("pod-2-2")), itp_local=True),
 )
 SERVICE_BY_NAME = {s.name: s for s in SERVICES}
 
@@ -394,6 +399,24 @@ CASES = (
         gap_s=2.2,
         why="timeoutSeconds 1: a flow 2.2 s after the last one is balanced anew (P(no change) = 4^-7)",
     ),
+    Case(
+        "affinity-udp-cip-from-pod1",
+        "pod-1-1",
+        "sticky-udp",
+        "cluster-ip",
+        answered(POOL, "pod-1-1"),
+        count=16,
+        compare=STICKY,
+    ),
+    # ---- hairpin: a backend reaching itself through its service
+    Case(
+        "hairpin-cip-from-backend",
+        "pod-1-2",
+        "hairpin",
+        "cluster-ip",
+        answered(["pod-1-2"], "node1"),
+        why="KUBE-SEP-*: -s <endpoint IP> -> KUBE-MARK-MASQ, so the reply comes back through the node",
+    ),
     # ---- no endpoints: rejected at once, TCP and UDP
     Case("no-endpoints-cip-from-pod1", "pod-1-1", "empty", "cluster-ip", REFUSE, count=3, timeout_s=3.5),
     Case(
@@ -450,6 +473,14 @@ CASES = (
         answered(["pod-2-2"], "pod-1-1"),
         why="cluster traffic: a ready endpoint exists, so terminating ones are not used",
     ),
+    Case(
+        "itp-local-terminating-fallback-from-pod1",
+        "pod-1-1",
+        "itp-draining",
+        "cluster-ip",
+        answered(["pod-1-3"], "pod-1-1"),
+        why="ITP Local: no local ready endpoint on node1, so its serving-and-terminating one",
+    ),
     # ---- topology hints (node1 is in zone-a, node2 in zone-b)
     Case(
         "topology-zone-a-from-pod1",
@@ -459,6 +490,14 @@ CASES = (
         answered(["pod-1-2", "pod-1-3"], "pod-1-1"),
     ),
     Case("topology-zone-b-from-pod2", "pod-2-1", "zoned", "cluster-ip", answered(["pod-2-2"], "pod-2-1")),
+    Case(
+        "topology-ignored-unless-every-endpoint-has-hints",
+        "pod-1-1",
+        "zoned-partly",
+        "cluster-ip",
+        answered(PAIR, "pod-1-1"),
+        why="topologyModeFromHints: one ready endpoint without a zone hint turns hints off",
+    ),
     # ---- external IPs and load-balancer IPs, source ranges
     Case("external-ip-from-client", "client", "external", "external-ip", answered(PAIR, "node1")),
     Case(
@@ -468,6 +507,13 @@ CASES = (
         "external-ip",
         answered(PAIR, "node1"),
         why="KUBE-SERVICES -d externalIP -> KUBE-EXT-* -> KUBE-MARK-MASQ, pods included",
+    ),
+    Case(
+        "external-ip-etp-local-from-client",
+        "client",
+        "external-local",
+        "external-ip",
+        answered(["pod-1-2"], "client"),
     ),
     Case("lb-ip-from-client", "client", "lb-open", "lb-ip", answered(PAIR, "node1")),
     Case("lb-ip-from-pod1", "pod-1-1", "lb-open", "lb-ip", answered(PAIR, "node1")),
