@@ -18,8 +18,9 @@ What the entries say is the data path's contract (bpf/ekp_abi.h, bpf/README.md):
   cluster set. NodePort (each node address), externalIPs, LB IPs: EXTERNAL scope: ETP Local ?
   local set (LOCAL) : cluster set + SNAT_ALL (kube-proxy's KUBE-MARK-MASQ; SNAT_REMOTE, toward
   remote backends only, with --bpf-keep-client-ip-for-local-backends); INTERNAL scope (pods): the
-  cluster set. masquerade-all (both scopes) and cluster-cidr (EXTERNAL scope) add SNAT_ALL to
-  the ClusterIP.
+  cluster set, with the EXTERNAL scope's SNAT under ETP Cluster (kube-proxy sends pods' traffic to
+  these addresses through the same masquerading KUBE-EXT-* chain), untranslated under ETP Local.
+  masquerade-all (both scopes) and cluster-cidr (EXTERNAL scope) add SNAT_ALL to the ClusterIP.
   An empty set: NO_ENDPOINTS (reject) when nothing could serve or the cluster view is empty; an
   empty local set while others could serve keeps LOCAL alone (drop). loadBalancerSourceRanges:
   SOURCE_RANGES on the LB frontends of both scopes and one `srcr` entry per CIDR (plus the LB IP
@@ -252,13 +253,17 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[_Fe]:
         if sp.external_policy_local:
             ext_kind: SetKind = "local"
             ext_flags = base | what | FrontendFlag.LOCAL
+            # Pods reach every endpoint, untranslated (KUBE-EXT-*: -s clusterCIDR -> KUBE-SVC-*).
+            pod_flags = base | what
         else:
-            # ETP Cluster: kube-proxy masquerades all of it (KUBE-EXT-* -> KUBE-MARK-MASQ); keeping
+            # ETP Cluster: kube-proxy masquerades all of it (KUBE-EXT-* -> KUBE-MARK-MASQ), traffic
+            # from pods included (KUBE-SERVICES sends it to the same KUBE-EXT-* chain); keeping
             # the client's address toward local backends is an explicit choice.
             ext_kind = "cluster"
             ext_flags = base | what | (snat_keep_local if config.bpf_keep_client_ip_local else snat_all)
+            pod_flags = ext_flags
         out.append(_Fe((addr, p, proto, int(Scope.EXTERNAL)), ext_kind, ext_flags, affinity, rnat))
-        out.append(_Fe((addr, p, proto, int(Scope.INTERNAL)), "cluster", base | what, affinity, rnat))
+        out.append(_Fe((addr, p, proto, int(Scope.INTERNAL)), "cluster", pod_flags, affinity, rnat))
     return out
 
 

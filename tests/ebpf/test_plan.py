@@ -152,6 +152,32 @@ def test_etp_cluster_masquerades_toward_local_backends_unless_told_to_keep_the_c
     assert kept & (FrontendFlag.SNAT_ALL | FrontendFlag.SNAT_REMOTE) == FrontendFlag.SNAT_REMOTE
 
 
+def test_pods_reaching_an_etp_cluster_nodeport_are_masqueraded_as_kube_proxy_does() -> None:
+    """kube-proxy's KUBE-SERVICES sends a pod's packet to a NodePort, external IP or LB IP into the
+    same KUBE-EXT-* chain as an external client's, which masquerades under ETP Cluster and lets
+    pod traffic through untranslated (to every endpoint) under ETP Local. Found by the
+    differential suite (tests/differential, cases np-node1-from-pod1, lb-ip-from-pod1)."""
+    snat = FrontendFlag.SNAT_ALL | FrontendFlag.SNAT_REMOTE
+    pod = fe_key("192.168.0.11", 30005, Scope.INTERNAL)
+    for policy, want in (("Cluster", FrontendFlag.SNAT_ALL), ("Local", 0)):
+        state = states(
+            svc(
+                "np",
+                "10.96.0.5",
+                ["10.244.1.2"],
+                type="NodePort",
+                nodeport=30005,
+                extra=f"externalTrafficPolicy: {policy}",
+            )
+        )
+        c = plan(state, NODE, Config())
+        assert c.fe[pod].flags & snat == want, policy
+        assert c.fe[pod].set_id == c.fe[fe_key("10.96.0.5", 80, Scope.INTERNAL)].set_id, "the cluster set"
+    state = states(svc("np", "10.96.0.5", ["10.244.1.2"], type="NodePort", nodeport=30005))
+    kept = plan(state, NODE, Config(bpf_keep_client_ip_local=True)).fe[pod].flags
+    assert kept & snat == FrontendFlag.SNAT_REMOTE
+
+
 def test_svc_id_and_membership_per_service_port() -> None:
     """One svc_id for every frontend of a service port; a member entry per backend, flagged with
     each set (cluster, local) that holds it; a backend shared by two services is a member of each."""

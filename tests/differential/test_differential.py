@@ -1,0 +1,128 @@
+"""The differential suite: the table of tests/differential/cases.py in eBPF and iptables mode.
+
+One module-scoped fixture runs the whole table in each mode (a fresh two-node lab each, about 30 s
+per mode) and prints both modes' observations side by side. The tests then hold every case to:
+
+* kube-proxy's outcome (the case's `Expect`): so both modes being equally wrong fails too;
+* the other mode: the same verdict, the same backends, the same roles of source address;
+
+unless DIFFERENCES.md has a row for the case, which must then state both modes' outcomes exactly
+as observed (a row that no longer holds, or names no case, fails: the list cannot drift).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_kernel
+from tests.differential import differences
+from tests.differential.cases import CASE_IDS, CASES, Case
+from tests.differential.runner import ModeRun, expected_summary, run_mode
+
+MODES = ("ebpf", "iptables")
+WALL_BUDGET_S = 90.0  # per mode, lab and agents included
+
+
+def table(runs: dict[str, ModeRun]) -> str:
+    """Both modes side by side, one block per case, for an operator reading `pytest -s`."""
+    rows = differences.load()
+    lines = ["", "differential suite: observations per case (ebpf | iptables | kube-proxy)"]
+    for case in CASES:
+        obs = {m: runs[m].observations[case.id] for m in MODES}
+        sums = {m: obs[m].summary(case) for m in MODES}
+        want = expected_summary(case)
+        mark = "ok  " if sums["ebpf"] == sums["iptables"] == want else "DIFF"
+        row = rows.get(case.id)
+        addr, port = case.address()
+        lines.append(
+            f"{mark} {case.id}: {case.source} -> {case.dest} {addr}:{port}/{case.protocol}"
+            + (f" ({case.size} B)" if case.size else "")
+            + (f"  [DIFFERENCES.md: {row.kind}]" if row else "")
+        )
+        for m in MODES:
+            detail = obs[m].detail()
+            lines.append(f"       {m:<9} {sums[m]}  ({obs[m].seconds}s{'; ' + detail if detail else ''})")
+        lines.append(f"       {'expected':<9} {want}")
+    for m in MODES:
+        lines.append(f"timings {m}: {runs[m].timings}")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def runs() -> Iterator[dict[str, ModeRun]]:
+    require_kernel()
+    result = {mode: run_mode(mode) for mode in MODES}
+    print(table(result))
+    yield result
+
+
+def outcome(runs: dict[str, ModeRun], case: Case) -> tuple[str, str]:
+    return runs["ebpf"].observations[case.id].summary(case), runs["iptables"].observations[case.id].summary(
+        case
+    )
+
+
+@pytest.mark.kernel
+def test_modes_agree_with_each_other_and_with_kube_proxy(runs: dict[str, ModeRun]) -> None:
+    """Every case without a DIFFERENCES.md row: both modes give kube-proxy's outcome."""
+    documented = differences.load()
+    failures = []
+    for case in CASES:
+        if case.id in documented:
+            continue
+        ebpf, iptables = outcome(runs, case)
+        want = expected_summary(case)
+        if not ebpf == iptables == want:
+            failures.append(f"{case.id}:\n  ebpf:     {ebpf}\n  iptables: {iptables}\n  expected: {want}")
+    assert not failures, (
+        "undocumented differences (fix them, or list them in tests/differential/DIFFERENCES.md):\n"
+        + "\n".join(failures)
+    )
+
+
+@pytest.mark.kernel
+def test_documented_differences_still_hold_exactly(runs: dict[str, ModeRun]) -> None:
+    """Each DIFFERENCES.md row names a case, is a real difference, and matches what was observed."""
+    failures = []
+    for row in differences.load().values():
+        if row.case not in CASE_IDS:
+            failures.append(f"{row.case}: no such case in tests/differential/cases.py")
+            continue
+        case = next(c for c in CASES if c.id == row.case)
+        ebpf, iptables = outcome(runs, case)
+        want = expected_summary(case)
+        if row.ebpf == row.iptables == want:
+            failures.append(f"{row.case}: the row records no difference; remove it")
+        if (ebpf, iptables) != (row.ebpf, row.iptables):
+            failures.append(
+                f"{row.case} ({row.kind}) changed:\n  ebpf:     {ebpf}\n            (listed: {row.ebpf})"
+                f"\n  iptables: {iptables}\n            (listed: {row.iptables})\n  expected: {want}"
+            )
+    assert not failures, "DIFFERENCES.md is out of date:\n" + "\n".join(failures)
+
+
+@pytest.mark.kernel
+def test_each_mode_runs_the_table_within_its_budget(runs: dict[str, ModeRun]) -> None:
+    for mode in MODES:
+        assert runs[mode].timings["total"] < WALL_BUDGET_S, (mode, runs[mode].timings)
+        assert set(runs[mode].observations) == set(CASE_IDS), mode
+
+
+def test_differences_file_parses_and_rejects_bad_rows(tmp_path: Path) -> None:
+    """The reader refuses what would let the list and the suite drift apart silently."""
+    differences.load()  # the real file parses
+    head = "| case | kind | ebpf | iptables | reason |\n| --- | --- | --- | --- | --- |\n"
+    bad = {
+        "| x | maybe | a | b | r |\n": "kind",
+        "| x | bug | a | b |  |\n": "reason",
+        "| x | bug | a | b | r |\n| x | bug | a | b | r |\n": "twice",
+        "| x | bug | a | b |\n": "cells",
+    }
+    for body, word in bad.items():
+        path = tmp_path / "d.md"
+        path.write_text(head + body)
+        with pytest.raises(ValueError, match=word):
+            differences.load(path)
