@@ -21,9 +21,9 @@ from bench import bpfstats
 from bench.report import Table, num, ratio
 from bench.traffic import Load, children, connect_samples, percentile, pinned, wrk
 from bench.workload import MEASURED_PORT, MEASURED_VIP, ServicesFile, services_file
-from tests.lab import NGINX_PORT, Lab, kernel_problem
-from tests.lab.core import Node, Pod
-from tests.traffic.harness import REPO, Agent, Cluster
+from lab import NGINX_PORT, Lab, kernel_problem
+from lab.core import Node, Pod
+from lab.harness import REPO, Agent, Cluster
 
 MODES = ("ebpf", "iptables")
 # Client source ports: pod-IP and ClusterIP traffic never share a 4-tuple (see `use_ports`).

@@ -113,7 +113,7 @@ def test_missing_maps_are_down_and_logged_once(caplog: pytest.LogCaptureFixture)
 
 @pytest.mark.kernel
 def test_counting_500000_conntrack_entries_is_cheap_enough_for_a_10s_scrape() -> None:
-    from tests.ebpf.packets import loaded_datapath
+    from lab.packets import loaded_datapath
 
     sizes = MapSizes(
         fe=64, slot=64, be=64, rnat=64, member=64, ct_tcp=524288, ct_any=64, frag=64, aff=64, srcr=64

@@ -18,8 +18,8 @@ from agent.config import Config
 from agent.kube.client import api_client
 from agent.kube.events import EventRecorder, EventSettings, NullRecorder, event_body, micro_time
 from agent.model.problem import Problem
-from tests.fakeapi import FakeApiServer
-from tests.fakeapi.events import validate_v1_event
+from lab.fakeapi import FakeApiServer
+from lab.fakeapi.events import validate_v1_event
 from tests.kube.conftest import wait_until
 
 BAD_PORT = Problem("Service", "shop", "web", "spec.ports[0].port: 70000 is out of range 1-65535")

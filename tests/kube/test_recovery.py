@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import pytest
 
 from agent.sources.base import EventType, Kind, ObjectEvent, Synced
-from tests.fakeapi import FakeApiServer, Request
-from tests.fakeapi.objects import endpoint_slice, service
+from lab.fakeapi import FakeApiServer, Request
+from lab.fakeapi.objects import endpoint_slice, service
 from tests.kube.conftest import REGISTRY, SourceFactory, wait_until
 
 

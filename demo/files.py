@@ -16,8 +16,8 @@ from pathlib import Path
 
 from agent.ebpf.abi import MAPS
 from agent.sources.file import load_file
-from tests.lab import Lab
-from tests.traffic.harness import REPO, Cluster
+from lab import Lab
+from lab.harness import REPO, Cluster
 
 EXAMPLES = REPO / "examples" / "services.yaml"
 MODE = sys.argv[1] if len(sys.argv) > 1 else "ebpf"

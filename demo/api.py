@@ -1,6 +1,6 @@
 """`make demo-api`: the agent following an API server, as it runs in a cluster.
 
-A fake kube-apiserver (tests/fakeapi, real HTTP, the real kubernetes client on the agent's side)
+A fake kube-apiserver (lab/fakeapi, real HTTP, the real kubernetes client on the agent's side)
 and a two-node lab with one `agent --kubeconfig` per node, eBPF mode. The demo creates a Service
 and its EndpointSlice on the server, shows which pods answer, scales the endpoints and shows how
 fast the change reached the data path (the agent's own log line), drops the watch streams and
@@ -14,11 +14,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.demo import show_counts, title
-from tests.lab import Lab
-from tests.traffic.apicluster import ApiCluster
-from tests.traffic.harness import Loop, ep
-from tests.traffic.objects import Port, endpoint_slice, service, with_endpoints
+from demo.files import show_counts, title
+from lab import Lab
+from lab.apicluster import ApiCluster
+from lab.harness import Loop, ep
+from lab.objects import Port, endpoint_slice, service, with_endpoints
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "ebpf"
 HTTP = Port("http", 80, 8080)
