@@ -322,10 +322,10 @@ class Bench:
                 print(f"   ebpf {services:>6,} svc {target:<10} per run: {shown}", flush=True)
 
     def legacy_comparison(self) -> None:
-        """agent/iptables/bench.py: the same service count restored with iptables-legacy (throwaway netns)."""
-        from agent.iptables.bench import measure
+        """bench/iptables_restore.py: as many services restored by iptables-legacy (throwaway netns)."""
+        from bench.iptables_restore import measure
 
-        print(f"== iptables-legacy comparison: agent.iptables.bench.measure({self.s.services})", flush=True)
+        print(f"== iptables-legacy comparison: bench.iptables_restore.measure({self.s.services})", flush=True)
         r = measure(self.s.services, backend="legacy")
         self.results.syncs.append(
             SyncFacts(
