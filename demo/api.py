@@ -12,9 +12,8 @@ failure.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from demo.files import show_counts, title
+from demo.files import show_counts, teardown, title, verdict
 from lab import Lab
 from lab.apicluster import ApiCluster
 from lab.harness import Loop, ep
@@ -91,14 +90,8 @@ def main() -> int:
             failures += r["errors"]
             show_counts("web still answers", r["bodies"], r["errors"])
         finally:
-            title("teardown: agent --cleanup, lab down, API server stopped")
-            cleanup_failures = cluster.stop()
-            failures += len(cleanup_failures)
-            for text in cleanup_failures:
-                print("  cleanup failed:", text)
-            print(f"  pins left: {[a.pin_path for a in cluster.agents if Path(a.pin_path).exists()]}")
-    print(f"\n{'demo OK' if failures == 0 else f'demo FAILED ({failures} failures)'}")
-    return 0 if failures == 0 else 1
+            failures += teardown(cluster, "agent --cleanup, lab down, API server stopped")
+    return verdict(failures)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ through the generated `create_namespaced_event` wrapper: that one coerces the bo
 V1Event model and re-serialises `eventTime` with Python's isoformat, which drops the fraction
 when the microseconds are zero, and kube-apiserver's MicroTime parser then rejects the Event.
 
-`NullRecorder` has the same interface and does nothing (the file source has no API server).
+Runs without an API server (the file source) record nothing: `agent.daemon.NoEvents`.
 This module imports the kubernetes client only when an `EventRecorder` starts.
 """
 
@@ -67,26 +67,13 @@ _EVENTS_PATH = "/apis/events.k8s.io/v1/namespaces/{namespace}/events"
 
 
 class Recorder(Protocol):
-    """What the daemon calls; `EventRecorder` and `NullRecorder` implement it."""
+    """What the daemon calls; `EventRecorder` implements it."""
 
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
 
     def warn(self, problem: Problem, uid: str | None = None) -> None: ...
-
-
-class NullRecorder:
-    """A recorder for runs without an API server: every call does nothing."""
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def warn(self, problem: Problem, uid: str | None = None) -> None:
-        pass
 
 
 @dataclass(frozen=True)
