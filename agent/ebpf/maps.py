@@ -94,6 +94,12 @@ class MapWriter(Protocol):
 
     def delete_raw(self, keys: Sequence[bytes]) -> None: ...
 
+    def capacity(self) -> int:
+        """max_entries, as the kernel reports it."""
+
+    def count(self) -> int:
+        """Entries in the map now; an array is always full (the kernel preallocates every slot)."""
+
 
 def _check_type(spec: MapSpec, what: str, obj: object, want: type[Any]) -> None:
     if type(obj) is not want:
@@ -169,6 +175,12 @@ class FakeMap:
     def delete_raw(self, keys: Sequence[bytes]) -> None:
         for kb in keys:
             self._data.pop(kb, None)
+
+    def capacity(self) -> int:
+        return self.max_entries
+
+    def count(self) -> int:
+        return self.max_entries if self.spec.kind in _ARRAY_KINDS else len(self._data)
 
     def __len__(self) -> int:
         return len(self._data)
@@ -437,6 +449,9 @@ class BpfMap:
                 return b"".join(keys), b"".join(values)
         pairs = self.items_raw()
         return b"".join(k for k, _ in pairs), b"".join(v for _, v in pairs)
+
+    def capacity(self) -> int:
+        return self.info().max_entries
 
     def count(self) -> int:
         """Entries in the map now: arrays are always full; hashes are walked in batches, with

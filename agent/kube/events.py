@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from agent.kube.backoff import Episode
 from agent.kube.tokenbucket import TokenBucket
@@ -64,16 +64,6 @@ API_VERSIONS = {"Service": "v1", "EndpointSlice": "discovery.k8s.io/v1", "Node":
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _EVENTS_PATH = "/apis/events.k8s.io/v1/namespaces/{namespace}/events"
-
-
-class Recorder(Protocol):
-    """What the daemon calls; `EventRecorder` implements it."""
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-    def warn(self, problem: Problem, uid: str | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -153,7 +143,8 @@ class Counters:
 
 
 class EventRecorder:
-    """Posts Warning Events from a background thread; see the module docstring."""
+    """Posts Warning Events from a background thread; see the module docstring. The daemon calls it as
+    its `EventSink` (`warn`) and starts and stops it as one of its `Service`s."""
 
     def __init__(
         self,

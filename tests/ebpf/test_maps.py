@@ -39,7 +39,9 @@ def check_writer(m: MapWriter, size: int) -> None:
     with pytest.raises(MapError) as missing:
         m.update(fe_key(2), fe_value(2), UpdateFlag.EXIST)
     assert missing.value.errno == errno.ENOENT
+    assert (m.count(), m.capacity()) == (1, size)
     m.update_batch([(fe_key(i), fe_value(i)) for i in range(2, size + 1)])
+    assert m.count() == size
     assert sorted(m.items(), key=lambda kv: bytes(kv[0])) == sorted(
         [(fe_key(i), fe_value(i)) for i in range(1, size + 1)], key=lambda kv: bytes(kv[0])
     )
