@@ -9,11 +9,11 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(PY) -m tests.demo
+	$(PY) -m demo.files
 
 # The agent following a (fake) API server: create, scale, watch faults, health, metrics, Events.
 demo-api: setup
-	$(PY) -m tests.demo_api
+	$(PY) -m demo.api
 
 test: setup lint
 	$(PY) -m pytest -q tests
@@ -23,8 +23,8 @@ unit:
 	$(PY) -m pytest -q tests -m "not kernel"
 
 lint:
-	.venv/bin/ruff check agent tests bench
-	.venv/bin/ruff format --check agent tests bench
+	.venv/bin/ruff check agent tests bench lab demo
+	.venv/bin/ruff format --check agent tests bench lab demo
 	.venv/bin/mypy
 	.venv/bin/lint-imports
 
@@ -37,4 +37,4 @@ bench: setup
 
 # Removes lab namespaces and processes left behind by a killed run.
 clean-lab:
-	$(PY) -m tests.lab cleanup
+	$(PY) -m lab cleanup

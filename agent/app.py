@@ -22,11 +22,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config, Mode, NodeContext
-from agent.daemon import Agent, Parts, Service
+from agent.daemon import Agent, EventSink, NoEvents, Parts, Service
 from agent.errors import FatalError
 from agent.metrics import Metrics
 from agent.model import NodeInfo, ProxyState, build_state
 from agent.proxier import Proxier
+from agent.sources.base import Source
 from agent.sources.file import LOAD_ERRORS, load_file
 
 log = logging.getLogger("agent")
@@ -192,11 +193,10 @@ def build_agent(config: Config, configz: Callable[[], Mapping[str, Any]] | None 
 
     services: list[Service] = []
     if config.services_file:
-        from agent.kube.events import NullRecorder
         from agent.sources.file import FileSource
 
-        source: Any = FileSource(config.services_file, metrics=FileMetrics(registry))
-        events: Any = NullRecorder()
+        source: Source = FileSource(config.services_file, metrics=FileMetrics(registry))
+        events: EventSink = NoEvents()
     else:
         from agent.kube.client import api_client, describe
         from agent.kube.events import EventRecorder
@@ -206,8 +206,9 @@ def build_agent(config: Config, configz: Callable[[], Mapping[str, Any]] | None 
         log.info("API server %s", describe(api))
         source_metrics = SourceMetrics(registry)
         source = ApiSource(config, api, metrics=source_metrics)
-        events = EventRecorder(api, config.hostname, metrics=source_metrics)
-        services.append(events)
+        recorder = EventRecorder(api, config.hostname, metrics=source_metrics)
+        services.append(recorder)
+        events = recorder
 
     node = node_context(config)
     log.info(

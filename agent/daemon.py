@@ -82,7 +82,9 @@ class Service(Protocol):
     def stop(self) -> None: ...
 
 
-class _NoEvents:
+class NoEvents:
+    """Events for runs without an API server (the file source): none."""
+
     def warn(self, problem: Problem, uid: str | None = None) -> None:
         return None
 
@@ -97,7 +99,7 @@ class Parts:
     metrics: Metrics = field(default_factory=lambda: Metrics(CollectorRegistry()))
     health: ProxierHealth | None = None
     service_health: ServiceHealth | None = None
-    events: EventSink = field(default_factory=_NoEvents)
+    events: EventSink = field(default_factory=NoEvents)
     services: Sequence[Service] = ()  # started before the source, stopped after it
     close: Callable[[], None] | None = None  # release the proxier's resources on stop
 

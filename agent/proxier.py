@@ -45,8 +45,3 @@ class Proxier(Protocol):
 
     def cleanup(self) -> None:
         """Remove every rule, program, map and pin this mode created."""
-
-
-class DryRun(Protocol):
-    def render(self, state: ProxyState, node: NodeContext) -> str:
-        """What `sync` would write, as stable text (the --dry-run output and golden files)."""

@@ -3,7 +3,7 @@
 For each mode (ebpf, iptables) a fresh one-node lab: nginx in pod-1-2 is the server, pod-1-1 the
 client, so ClusterIP traffic enters the node through the client's veth (ekp_from_pod in eBPF mode,
 PREROUTING's KUBE-SERVICES in iptables mode). One real `agent` process acts for the node
-(tests/traffic/harness.py). Measured, in this order:
+(lab/harness.py). Measured, in this order:
 
 1. the pod IP with no agent running (the direct reference);
 2. 1 service installed: pod IP and ClusterIP, alternately;

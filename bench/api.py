@@ -1,6 +1,6 @@
 """The control plane at scale, through an API server: `python -m bench --parts api`.
 
-One fresh one-node lab per mode and a fake kube-apiserver (tests/fakeapi) holding N Services with
+One fresh one-node lab per mode and a fake kube-apiserver (lab/fakeapi) holding N Services with
 one EndpointSlice of E endpoints each (default 10,000 x 10: 100,000 endpoints, the objects
 realistic: managedFields, labels, selectors). A real `agent --kubeconfig` acts for the node.
 Measured:
@@ -32,11 +32,11 @@ from typing import Any
 from agent.ebpf import abi
 from bench.report import Table, num
 from bench.traffic import percentile
-from tests.fakeapi import FakeApiServer
-from tests.fakeapi.objects import node as node_object
-from tests.fakeapi.objects import scale_objects
-from tests.lab import Lab
-from tests.traffic.harness import Agent
+from lab import Lab
+from lab.fakeapi import FakeApiServer
+from lab.fakeapi.objects import node as node_object
+from lab.fakeapi.objects import scale_objects
+from lab.harness import Agent
 
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", re.M)
 

@@ -1,8 +1,8 @@
 """How fast, and at what memory cost, the agent lists a large cluster from the API server.
 
-`python -m bench.apilist` starts the fake API server (tests/fakeapi) in this process, fills it
+`python -m bench.apilist` starts the fake API server (lab/fakeapi) in this process, fills it
 with `--services` Services and as many EndpointSlices of `--endpoints` endpoints each
-(tests/fakeapi/objects.py: realistic fields, ~0.8 KB and ~3.5 KB of JSON), then lists both kinds
+(lab/fakeapi/objects.py: realistic fields, ~0.8 KB and ~3.5 KB of JSON), then lists both kinds
 in a fresh child process per run through the real `kubernetes` client, paginated:
 
 * `models`: the client's default, responses deserialised into V1Service/V1EndpointSlice objects;
@@ -141,8 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(child(args.child, args.url, int(args.page_sizes))))
         return 0
 
-    from tests.fakeapi import FakeApiServer
-    from tests.fakeapi.objects import scale_objects
+    from lab.fakeapi import FakeApiServer
+    from lab.fakeapi.objects import scale_objects
 
     srv = FakeApiServer().start()
     t0 = time.perf_counter()

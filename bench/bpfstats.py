@@ -17,8 +17,8 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tests.lab import Lab
-from tests.lab.core import Node
+from lab import Lab
+from lab.core import Node
 
 SYSCTL = "/proc/sys/kernel/bpf_stats_enabled"
 

@@ -1,7 +1,7 @@
 """`python -m bench.capacity`: how many concurrent flows the default conntrack sizing holds.
 
 A benchmark, not a test: nothing in `make test` depends on its numbers. As root, in a throwaway
-bpffs and a private network namespace (tests/ebpf/dplab.py's packet lab), the real data path is
+bpffs and a private network namespace (lab/dplab.py's packet lab), the real data path is
 loaded with the sizes the agent would derive on this machine (MapSizes.with_conntrack from
 kube-proxy's default conntrack settings and this machine's CPUs), and TCP flows are opened
 through a ClusterIP with BPF_PROG_TEST_RUN: SYN, SYN-ACK, ACK each, so every flow is established
@@ -31,8 +31,8 @@ from socket import inet_aton
 from agent.config import ConntrackSettings, MapSizes, conntrack_max
 from agent.ebpf.abi import BackendFlag
 from agent.ebpf.loader import Datapath
-from tests.ebpf.dplab import BE1, VIP, Net, packet_lab, reset_maps
-from tests.ebpf.packets import TC_ACT_REDIRECT, bpffs, sh
+from lab.dplab import BE1, VIP, Net, packet_lab, reset_maps
+from lab.packets import TC_ACT_REDIRECT, bpffs, sh
 
 BATCH = 4096
 FINE = 32  # flows between checks once the table is nearly full

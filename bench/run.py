@@ -21,9 +21,9 @@ from bench import api, bpfstats
 from bench.report import Table, num, ratio
 from bench.traffic import Load, children, connect_samples, percentile, pinned, wrk
 from bench.workload import MEASURED_PORT, MEASURED_VIP, ServicesFile, services_file
-from tests.lab import NGINX_PORT, Lab, kernel_problem
-from tests.lab.core import Node, Pod
-from tests.traffic.harness import REPO, Agent, Cluster
+from lab import NGINX_PORT, Lab, kernel_problem
+from lab.core import Node, Pod
+from lab.harness import REPO, Agent, Cluster
 
 MODES = ("ebpf", "iptables")
 PARTS = ("traffic", "api")
@@ -323,10 +323,10 @@ class Bench:
                 print(f"   ebpf {services:>6,} svc {target:<10} per run: {shown}", flush=True)
 
     def legacy_comparison(self) -> None:
-        """agent/iptables/bench.py: the same service count restored with iptables-legacy (throwaway netns)."""
-        from agent.iptables.bench import measure
+        """bench/iptables_restore.py: as many services restored by iptables-legacy (throwaway netns)."""
+        from bench.iptables_restore import measure
 
-        print(f"== iptables-legacy comparison: agent.iptables.bench.measure({self.s.services})", flush=True)
+        print(f"== iptables-legacy comparison: bench.iptables_restore.measure({self.s.services})", flush=True)
         r = measure(self.s.services, backend="legacy")
         self.results.syncs.append(
             SyncFacts(

@@ -21,8 +21,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.lab import Lab
-from tests.lab.core import Host
+from lab import Lab
+from lab.core import Host
 
 PROBE = str(Path(__file__).with_name("probe.py"))
 _CLK_TCK = os.sysconf("SC_CLK_TCK")

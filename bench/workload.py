@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.sources.file import content_version
-from tests.traffic.objects import Ep, Port, service, with_endpoints
+from lab.objects import Ep, Port, service, with_endpoints
 
 Obj = dict[str, Any]
 

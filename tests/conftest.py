@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.lab import CREATED_PREFIXES, STARTED, Lab, LabFactory, find_leaks, kernel_problem, live_labs
+from lab import CREATED_PREFIXES, STARTED, Lab, LabFactory, find_leaks, kernel_problem, live_labs
 
 
 def require_kernel() -> None:

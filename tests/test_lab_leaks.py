@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.lab import CREATED_PREFIXES, STARTED, Lab, cleanup_leftovers, find_leaks, live_labs, netns
+from lab import CREATED_PREFIXES, STARTED, Lab, cleanup_leftovers, find_leaks, live_labs, netns
 
 pytestmark = pytest.mark.kernel
 

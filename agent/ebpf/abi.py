@@ -19,6 +19,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
+from typing import TypeAlias
 
 ABI_VERSION = 2
 PREFIX = "ekp_"
@@ -41,6 +42,15 @@ def port_be(port: int) -> int:
 
 def port_host(be: int) -> int:
     return socket.ntohs(be)
+
+
+# A map key or value: one of the structures below, or a bare u32/u64.
+CData: TypeAlias = ctypes.Structure | ctypes.c_uint32 | ctypes.c_uint64
+
+
+def copy_struct(value: CData) -> CData:
+    """A private copy of a map key or value (a map iterator may reuse its buffers)."""
+    return type(value).from_buffer_copy(bytes(value))
 
 
 class Scope(IntEnum):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from agent.ebpf.abi import MAPS
@@ -66,15 +66,8 @@ class Codec:
     def pack(self, values: Sequence[Any]) -> bytes:
         return self.struct.pack(*values)
 
-    def pack_many(self, rows: Iterable[Sequence[Any]]) -> bytes:
-        pack = self.struct.pack
-        return b"".join(pack(*row) for row in rows)
-
     def unpack(self, data: bytes) -> tuple[Any, ...]:
         return self.struct.unpack(data)
-
-    def unpack_many(self, data: bytes, count: int) -> list[tuple[Any, ...]]:
-        return list(self.struct.iter_unpack(data[: count * self.size]))
 
     def to_ctype(self, values: Sequence[Any]) -> Any:
         """The ctypes value of a tuple (for rendering and the typed map API)."""

@@ -24,12 +24,10 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol
 
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import Config, ConfigSel, MapSpec, Stat
-
-CData: TypeAlias = ct.Structure | ct.c_uint32 | ct.c_uint64
+from agent.ebpf.abi import CData, Config, ConfigSel, MapSpec, Stat, copy_struct
 
 ENOTSUPP = 524  # the kernel's internal "operation not supported" for missing batch ops
 
@@ -96,14 +94,16 @@ class MapWriter(Protocol):
 
     def delete_raw(self, keys: Sequence[bytes]) -> None: ...
 
+    def capacity(self) -> int:
+        """max_entries, as the kernel reports it."""
+
+    def count(self) -> int:
+        """Entries in the map now; an array is always full (the kernel preallocates every slot)."""
+
 
 def _check_type(spec: MapSpec, what: str, obj: object, want: type[Any]) -> None:
     if type(obj) is not want:
         raise TypeError(f"{spec.name}: {what} must be {want.__name__}, not {type(obj).__name__}")
-
-
-def _copy(obj: CData) -> CData:
-    return type(obj).from_buffer_copy(bytes(obj))
 
 
 def _full_error(err: int) -> bool:
@@ -126,7 +126,7 @@ class FakeMap:
     def lookup(self, key: CData) -> CData | None:
         _check_type(self.spec, "key", key, self.spec.key)
         hit = self._data.get(bytes(key))
-        return None if hit is None else _copy(hit[1])
+        return None if hit is None else copy_struct(hit[1])
 
     def update(self, key: CData, value: CData, flags: UpdateFlag = UpdateFlag.ANY) -> None:
         _check_type(self.spec, "key", key, self.spec.key)
@@ -141,14 +141,14 @@ class FakeMap:
             if self.spec.kind != "lru_hash":
                 raise MapFullError(self.spec, self.max_entries, "update", errno.E2BIG)
             del self._data[next(iter(self._data))]
-        self._data[kb] = (_copy(key), _copy(value))
+        self._data[kb] = (copy_struct(key), copy_struct(value))
 
     def delete(self, key: CData) -> bool:
         _check_type(self.spec, "key", key, self.spec.key)
         return self._data.pop(bytes(key), None) is not None
 
     def items(self) -> list[tuple[CData, CData]]:
-        return [(_copy(k), _copy(v)) for k, v in self._data.values()]
+        return [(copy_struct(k), copy_struct(v)) for k, v in self._data.values()]
 
     def update_batch(self, entries: Sequence[tuple[CData, CData]]) -> None:
         for key, value in entries:
@@ -175,6 +175,12 @@ class FakeMap:
     def delete_raw(self, keys: Sequence[bytes]) -> None:
         for kb in keys:
             self._data.pop(kb, None)
+
+    def capacity(self) -> int:
+        return self.max_entries
+
+    def count(self) -> int:
+        return self.max_entries if self.spec.kind in _ARRAY_KINDS else len(self._data)
 
     def __len__(self) -> int:
         return len(self._data)
@@ -387,7 +393,7 @@ class BpfMap:
                 if err == errno.ENOENT:
                     break
                 raise self._error("get_next_key", err)
-            cur = _copy(nxt)
+            cur = copy_struct(nxt)
             seen.setdefault(bytes(cur), cur)
         return list(seen.values())
 
@@ -443,6 +449,9 @@ class BpfMap:
                 return b"".join(keys), b"".join(values)
         pairs = self.items_raw()
         return b"".join(k for k, _ in pairs), b"".join(v for _, v in pairs)
+
+    def capacity(self) -> int:
+        return self.info().max_entries
 
     def count(self) -> int:
         """Entries in the map now: arrays are always full; hashes are walked in batches, with

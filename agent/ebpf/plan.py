@@ -90,14 +90,8 @@ def read_contents(maps: Mapping[str, MapReader], cfg: abi.Config | None = None) 
             continue
         table = out.table(role)
         for key, value in reader.items():
-            table[copy_struct(key)] = copy_struct(value)
+            table[abi.copy_struct(key)] = abi.copy_struct(value)
     return out
-
-
-def copy_struct(value: Any) -> Any:
-    """A private copy of a ctypes value (a map iterator may reuse its buffers)."""
-    cls = type(value)
-    return cls.from_buffer_copy(bytes(value))
 
 
 def planner_contents(planner: Planner) -> MapContents:

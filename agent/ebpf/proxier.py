@@ -53,7 +53,6 @@ from agent.proxier import SyncResult
 
 log = logging.getLogger(__name__)
 
-SERVICE_ROLES = ROLES
 LOCAL_PORT_RANGE = "net/ipv4/ip_local_port_range"
 
 # sysctl (as a /proc/sys path) -> (value, why); set in Config.netns at the first sync.
@@ -405,7 +404,7 @@ def render_live_maps(
     if unknown:
         raise ValueError(f"unknown section {','.join(unknown)} (known: {', '.join(INSPECT_SECTIONS)})")
     roles = {
-        "services": (*SERVICE_ROLES, "cfg", "cfgsel"),
+        "services": (*ROLES, "cfg", "cfgsel"),
         "ct": abi.CT_ROLES,
         "aff": ("aff",),
         "stats": ("stats",),
@@ -425,7 +424,7 @@ def render_live_maps(
         out: list[str] = []
         for section in sections:
             if section == "services":
-                contents = read_contents({r: maps[r] for r in SERVICE_ROLES}, read_config(maps))
+                contents = read_contents({r: maps[r] for r in ROLES}, read_config(maps))
                 out.append(render_contents(contents))
             elif section == "ct":
                 flows = [kv for role in abi.CT_ROLES for kv in maps[role].items()]

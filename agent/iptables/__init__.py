@@ -12,7 +12,6 @@
 * `conntrack.py` stale UDP conntrack entries after endpoint changes.
 * `cleanup.py` `agent --cleanup`: our chains and every rule jumping to them, nothing else.
 * `kube_proxy_cleanup.py` `cleanup_kube_proxy(config)`: what a previous kube-proxy left, nothing else.
-* `bench.py`   `measure(n_services)`: render and apply N services in a throwaway netns.
 
 The CLI uses `IptablesProxier(config)` (`sync(state, node, changed)`, `cleanup()`) and
 `render_dry_run(state, node, config)` for `--dry-run` and the golden tests.

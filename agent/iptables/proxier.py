@@ -139,7 +139,7 @@ def _subset(state: ProxyState, ports: Collection[ServicePortName]) -> ProxyState
 
 
 class IptablesProxier:
-    """agent.proxier.Proxier (and DryRun) for `--mode=iptables`. No side effect at construction."""
+    """agent.proxier.Proxier for `--mode=iptables`. No side effect at construction."""
 
     def __init__(
         self,
@@ -184,7 +184,7 @@ class IptablesProxier:
     def runner(self) -> IptablesRunner:
         return self._runner
 
-    # ------------------------------------------------------------------------------------ DryRun
+    # ------------------------------------------------------------------------------------ render
 
     def render(self, state: ProxyState, node: NodeContext) -> str:
         """The full restore input a full sync would apply now (host facts as last seen, else a

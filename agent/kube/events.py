@@ -31,7 +31,7 @@ through the generated `create_namespaced_event` wrapper: that one coerces the bo
 V1Event model and re-serialises `eventTime` with Python's isoformat, which drops the fraction
 when the microseconds are zero, and kube-apiserver's MicroTime parser then rejects the Event.
 
-`NullRecorder` has the same interface and does nothing (the file source has no API server).
+Runs without an API server (the file source) record nothing: `agent.daemon.NoEvents`.
 This module imports the kubernetes client only when an `EventRecorder` starts.
 """
 
@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from agent.kube.backoff import Episode
 from agent.kube.tokenbucket import TokenBucket
@@ -64,29 +64,6 @@ API_VERSIONS = {"Service": "v1", "EndpointSlice": "discovery.k8s.io/v1", "Node":
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _EVENTS_PATH = "/apis/events.k8s.io/v1/namespaces/{namespace}/events"
-
-
-class Recorder(Protocol):
-    """What the daemon calls; `EventRecorder` and `NullRecorder` implement it."""
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-    def warn(self, problem: Problem, uid: str | None = None) -> None: ...
-
-
-class NullRecorder:
-    """A recorder for runs without an API server: every call does nothing."""
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def warn(self, problem: Problem, uid: str | None = None) -> None:
-        pass
 
 
 @dataclass(frozen=True)
@@ -166,7 +143,8 @@ class Counters:
 
 
 class EventRecorder:
-    """Posts Warning Events from a background thread; see the module docstring."""
+    """Posts Warning Events from a background thread; see the module docstring. The daemon calls it as
+    its `EventSink` (`warn`) and starts and stops it as one of its `Service`s."""
 
     def __init__(
         self,

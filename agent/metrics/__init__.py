@@ -360,11 +360,3 @@ class Metrics:
         self.conntrack_reconciler_seconds.labels(IPV4).observe(seconds)
         if deleted:
             self.conntrack_reconciler_deleted.labels(IPV4).inc(deleted)
-
-
-# agent/app.py (until the daemon replaces it) records through these module attributes; they live
-# in a private registry that nothing serves, so they never clash with a daemon's own Metrics.
-_LEGACY = Metrics(CollectorRegistry())
-SKIPPED_OBJECTS = _LEGACY.skipped_objects
-INVALID_OBJECTS = _LEGACY.invalid_objects
-SYNC_SECONDS = _LEGACY.sync_seconds.labels(IPV4)

@@ -41,15 +41,12 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from agent.ebpf.abi import CT_ROLES, MAPS, STAT_DROP_FIRST, MapSpec, Stat
-from agent.ebpf.maps import BpfMap, FakeMap, MapWriter, read_stats
+from agent.ebpf.maps import BpfMap, MapWriter, read_stats
 
 log = logging.getLogger(__name__)
 
 MapOpener = Callable[[MapSpec], MapWriter]
 
-_ARRAYS = frozenset({"array", "percpu_array"})
-_BATCHABLE = frozenset({"hash", "lru_hash"})
-CHUNK = 16384
 
 # Label values of every drop counter (tests/health/test_bpf_metrics.py checks none is missing).
 _DROP_REASONS = {
@@ -83,25 +80,6 @@ def pinned_opener(pin_path: str) -> MapOpener:
         return BpfMap.open_pinned(spec, pin_path)
 
     return open_map
-
-
-def capacity(m: MapWriter) -> int:
-    if isinstance(m, BpfMap):
-        return m.info().max_entries
-    if isinstance(m, FakeMap):
-        return m.max_entries
-    return m.spec.default_size
-
-
-def count_entries(m: MapWriter) -> int:
-    """Entries in the map now."""
-    if m.spec.kind in _ARRAYS:
-        return capacity(m)
-    if isinstance(m, BpfMap):
-        return m.count()
-    if isinstance(m, FakeMap):
-        return len(m)
-    return len(m.items())
 
 
 class _Families:
@@ -214,7 +192,7 @@ class BpfMapsCollector(Collector):
             self._note_failure(spec, exc)
             return None
         try:
-            n, size = count_entries(m), capacity(m)
+            n, size = m.count(), m.capacity()
             if spec.role == "stats":
                 f.add_stats(read_stats(m))
         except OSError as exc:

@@ -37,10 +37,10 @@ from agent.metrics.source import FileMetrics
 from agent.sources.base import Event, Kind, ObjectEvent
 from agent.sources.decode import MAX_FILE_BYTES, Reason
 from agent.sources.file import FileWatch, content_version
+from lab import Lab
+from lab.harness import Agent, Cluster, ep
+from lab.objects import Port, service, with_endpoints
 from tests.conftest import require_kernel
-from tests.lab import Lab
-from tests.traffic.harness import Agent, Cluster, ep
-from tests.traffic.objects import Port, service, with_endpoints
 
 REGISTRY = CollectorRegistry()
 METRICS = FileMetrics(REGISTRY)

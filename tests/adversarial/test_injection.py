@@ -29,10 +29,10 @@ from typing import Any
 
 import pytest
 
+from lab import Lab
+from lab.harness import CLIENT, Cluster, ep
+from lab.objects import Ep, Port, endpoint_slice, service, with_endpoints
 from tests.conftest import require_kernel
-from tests.lab import Lab
-from tests.traffic.harness import CLIENT, Cluster, ep
-from tests.traffic.objects import Ep, Port, endpoint_slice, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 
+from lab import Lab
+from lab.harness import Cluster, ep
+from lab.objects import Port, endpoint_slice, service, with_endpoints
 from tests.conftest import require_kernel
-from tests.lab import Lab
-from tests.traffic.harness import Cluster, ep
-from tests.traffic.objects import Port, endpoint_slice, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
 

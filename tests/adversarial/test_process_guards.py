@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab import Lab
-from tests.traffic.harness import REPO, Agent, Cluster, ep
-from tests.traffic.objects import Port, service, with_endpoints
+from lab import Lab
+from lab.harness import REPO, Agent, Cluster, ep
+from lab.objects import Port, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
 

@@ -15,7 +15,7 @@ import pytest
 from agent.config import Config, Mode
 from agent.errors import FatalError
 from agent.lock import acquire, lock_targets, netns_lock_name, pin_lock_name
-from tests.traffic.harness import REPO
+from lab.harness import REPO
 
 EBPF = Config(mode=Mode.EBPF, pin_path="/sys/fs/bpf/ebpf-kube-proxy")
 OWN_NETNS_INODE = os.stat("/proc/self/ns/net").st_ino

@@ -8,7 +8,7 @@ and the service-account token. The agent finds the API server through KUBERNETES
 and the pod's token and CA, exactly the in-cluster path.
 
 What differs from a real node, and why:
-* the API server is the fake one (tests/fakeapi, TLS, bearer token), listening on 127.0.0.1 inside
+* the API server is the fake one (lab/fakeapi, TLS, bearer token), listening on 127.0.0.1 inside
   the node's network namespace, so `apiServer.host=127.0.0.1` and its port are the values given;
   nothing is attached to the machine's own interfaces;
 * hostPath sources are substituted as a kubelet on another machine would see them: /sys/fs/bpf
@@ -35,13 +35,13 @@ from typing import Any
 
 import pytest
 
+from lab import Lab, in_netns
+from lab.core import Node
+from lab.fakeapi import FakeApiServer
+from lab.fakeapi.objects import endpoint_slice, node, service
+from lab.harness import CLIENT
 from tests.chart import kubelet
 from tests.chart.render import NAMESPACE, REPO, Rendered, render
-from tests.fakeapi import FakeApiServer
-from tests.fakeapi.objects import endpoint_slice, node, service
-from tests.lab import Lab, in_netns
-from tests.lab.core import Node
-from tests.traffic.harness import CLIENT
 
 pytestmark = pytest.mark.kernel
 

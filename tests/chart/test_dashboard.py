@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry
 
 from agent import app
 from agent.config import Config, Mode
+from lab.fakeapi import FakeApiServer
 from tests.chart.render import CHART, render
-from tests.fakeapi import FakeApiServer
 
 DASHBOARD = CHART / "dashboards" / "ebpf-kube-proxy.json"
 METRIC = re.compile(r"\b((?:kubeproxy|ekp|process)_[a-z0-9_]+)\b")

@@ -25,7 +25,7 @@ import pytest
 from agent.config import MapSizes
 from agent.ebpf import abi, loader
 from agent.ebpf.loader import PROGRAMS, Datapath, default_bpf_dir, expected_info, map_flags, stale_pins
-from tests.ebpf.packets import loaded_datapath
+from lab.packets import loaded_datapath
 
 BPF_DIR = default_bpf_dir()
 C_TYPES = {ctypes.c_uint32: "u32", ctypes.c_uint64: "u64"}

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.traffic.harness import REPO
+from lab.harness import REPO
 
 pytestmark = pytest.mark.kernel
 

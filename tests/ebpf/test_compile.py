@@ -14,7 +14,7 @@ from agent.config import MapSizes
 from agent.ebpf.abi import MAPS
 from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids
 from agent.ebpf.loader import PRIVATE_MAPS, PROGRAMS, Datapath
-from tests.ebpf.packets import bpffs
+from lab.packets import bpffs
 
 SMALL = MapSizes(
     fe=128, slot=256, be=128, rnat=128, member=256, ct_tcp=1024, ct_any=1024, frag=64, aff=128, srcr=32

@@ -1,6 +1,6 @@
 """The tc data path, packet by packet, through BPF_PROG_TEST_RUN: translation, conntrack,
 SNAT, rejects, affinity, policy drops. One compile per module (pins in a private bpffs); the lab
-(tests/ebpf/dplab.py) is a private network namespace the FIB lookups resolve in. After each test
+(lab/dplab.py) is a private network namespace the FIB lookups resolve in. After each test
 the counters must balance: PACKETS == sum of the outcomes.
 
 Focused modules beside this one: test_datapath_fragments.py, test_datapath_icmp.py,
@@ -18,7 +18,7 @@ import pytest
 from agent.ebpf import abi
 from agent.ebpf.abi import BackendFlag, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
-from tests.ebpf.dplab import (
+from lab.dplab import (
     BE1,
     BE2,
     BE3,
@@ -42,7 +42,7 @@ from tests.ebpf.dplab import (
     reset_maps,
     set_config,
 )
-from tests.ebpf.packets import (
+from lab.packets import (
     TC_ACT_OK,
     TC_ACT_REDIRECT,
     TC_ACT_SHOT,

@@ -17,7 +17,7 @@ import pytest
 
 from agent.ebpf.abi import CtFlag, FrontendFlag, Scope, Stat
 from agent.ebpf.loader import Datapath
-from tests.ebpf.dplab import (
+from lab.dplab import (
     CLIENT,
     MAC,
     NODE,
@@ -33,7 +33,7 @@ from tests.ebpf.dplab import (
     reset_maps,
     set_config,
 )
-from tests.ebpf.packets import TC_ACT_REDIRECT, TC_ACT_SHOT, icmp_error, loaded_datapath, parse, tcp, udp
+from lab.packets import TC_ACT_REDIRECT, TC_ACT_SHOT, icmp_error, loaded_datapath, parse, tcp, udp
 
 pytestmark = pytest.mark.kernel
 

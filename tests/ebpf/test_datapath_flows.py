@@ -14,7 +14,7 @@ from agent.config import MapSizes
 from agent.ebpf import abi
 from agent.ebpf.abi import BackendFlag, CtFlag, FrontendFlag, MemberFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
-from tests.ebpf.dplab import (
+from lab.dplab import (
     BE1,
     BE2,
     BE3,
@@ -35,7 +35,7 @@ from tests.ebpf.dplab import (
     reset_maps,
     set_config,
 )
-from tests.ebpf.packets import (
+from lab.packets import (
     TC_ACT_OK,
     TC_ACT_REDIRECT,
     TC_ACT_SHOT,

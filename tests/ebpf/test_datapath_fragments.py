@@ -14,7 +14,7 @@ import pytest
 
 from agent.ebpf.abi import BackendFlag, FrontendFlag, Scope, Stat
 from agent.ebpf.loader import Datapath
-from tests.ebpf.dplab import (
+from lab.dplab import (
     BE2,
     CLIENT,
     MAC,
@@ -33,7 +33,7 @@ from tests.ebpf.dplab import (
     packet_lab,
     reset_maps,
 )
-from tests.ebpf.packets import (
+from lab.packets import (
     TC_ACT_OK,
     TC_ACT_REDIRECT,
     TC_ACT_SHOT,

@@ -16,7 +16,7 @@ import pytest
 
 from agent.ebpf.abi import BackendFlag, FrontendFlag, Scope, Stat
 from agent.ebpf.loader import Datapath
-from tests.ebpf.dplab import (
+from lab.dplab import (
     BE1,
     BE2,
     BE_SMALL_MTU,
@@ -37,7 +37,7 @@ from tests.ebpf.dplab import (
     packet_lab,
     reset_maps,
 )
-from tests.ebpf.packets import (
+from lab.packets import (
     TC_ACT_OK,
     TC_ACT_REDIRECT,
     checksums_valid,

@@ -14,7 +14,7 @@ from agent.ebpf import abi
 from agent.ebpf.abi import MAPS, Stat
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import BpfMap, FakeMap, MapError, MapFullError, MapWriter, UpdateFlag, read_stats
-from tests.ebpf.packets import loaded_datapath
+from lab.packets import loaded_datapath
 
 SIZES = MapSizes(fe=8, slot=16, be=8, rnat=8, member=8, ct_tcp=64, ct_any=64, frag=8, aff=8, srcr=8)
 
@@ -39,7 +39,9 @@ def check_writer(m: MapWriter, size: int) -> None:
     with pytest.raises(MapError) as missing:
         m.update(fe_key(2), fe_value(2), UpdateFlag.EXIST)
     assert missing.value.errno == errno.ENOENT
+    assert (m.count(), m.capacity()) == (1, size)
     m.update_batch([(fe_key(i), fe_value(i)) for i in range(2, size + 1)])
+    assert m.count() == size
     assert sorted(m.items(), key=lambda kv: bytes(kv[0])) == sorted(
         [(fe_key(i), fe_value(i)) for i in range(1, size + 1)], key=lambda kv: bytes(kv[0])
     )
@@ -153,7 +155,7 @@ def test_pin_made_with_other_map_flags_is_refused() -> None:
     import subprocess
 
     from agent.ebpf.loader import PinMismatchError
-    from tests.ebpf.packets import bpffs
+    from lab.packets import bpffs
 
     spec = MAPS["ct_tcp"]
     with bpffs() as root:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent.ebpf.pindir import component_problem, pin_dir_problems
-from tests.traffic.harness import REPO
+from lab.harness import REPO
 
 ROOT = 0
 AGENT = 0

@@ -28,7 +28,7 @@ from agent.ebpf.upgrade import (
     V2Ids,
     convert_v1_entry,
 )
-from tests.ebpf.dplab import (
+from lab.dplab import (
     BE1,
     CLIENT,
     MAC,
@@ -42,7 +42,7 @@ from tests.ebpf.dplab import (
     packet_lab,
     reset_maps,
 )
-from tests.ebpf.packets import bpffs, parse, tcp
+from lab.packets import bpffs, parse, tcp
 
 S = 10**9
 IDS = V2Ids(

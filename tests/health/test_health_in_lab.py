@@ -15,8 +15,8 @@ from agent.config import Config, Mode, NodeContext
 from agent.health import ProxyHealth, ServiceHealthServer, healthz_server
 from agent.metrics import Metrics
 from agent.metrics.server import metrics_server
-from tests.lab import Lab
-from tests.lab.core import NsLike
+from lab import Lab
+from lab.core import NsLike
 
 pytestmark = pytest.mark.kernel
 

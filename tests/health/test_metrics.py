@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent import metrics as legacy
 from agent.clock import FakeClock
 from agent.config import Mode
 from agent.metrics import (
@@ -407,9 +406,3 @@ def test_iptables_names_stay_out_of_ebpf_mode() -> None:
     registry = CollectorRegistry()
     Metrics(registry, Mode.EBPF, nfacct=lambda: NFACCT)
     assert not [n for n in sample_names(registry) if "iptables" in n or "conntrack_reconciler" in n]
-
-
-def test_the_legacy_module_attributes_still_record() -> None:
-    legacy.SKIPPED_OBJECTS.labels(kind="Service").inc()
-    legacy.INVALID_OBJECTS.set(3)
-    legacy.SYNC_SECONDS.observe(0.1)

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from agent.iptables.bench import measure, synthetic_state
+from bench.iptables_restore import measure, synthetic_state
 
 
 def test_synthetic_state_shape_and_shift() -> None:

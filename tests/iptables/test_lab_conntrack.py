@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from tests.lab import LabFactory
-from tests.traffic.harness import Cluster, ep
-from tests.traffic.objects import Port, service, with_endpoints
+from lab import LabFactory
+from lab.harness import Cluster, ep
+from lab.objects import Port, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
 

@@ -23,7 +23,7 @@ from agent.kube.reflector import WatchSettings
 from agent.kube.source import ApiSource
 from agent.metrics.source import SourceMetrics
 from agent.sources.base import Event, EventType, Kind, ObjectEvent, Synced
-from tests.fakeapi import FakeApiServer
+from lab.fakeapi import FakeApiServer
 
 FAST = WatchSettings(
     page_size=3,

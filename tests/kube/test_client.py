@@ -19,8 +19,8 @@ from agent.config import Config
 from agent.errors import FatalError
 from agent.kube.client import api_client, client_configuration, describe
 from agent.sources.base import Kind
-from tests.fakeapi import FakeApiServer
-from tests.fakeapi.objects import service
+from lab.fakeapi import FakeApiServer
+from lab.fakeapi.objects import service
 from tests.kube.conftest import FAST, REGISTRY, Recorded, SourceFactory, wait_until
 
 

@@ -16,10 +16,10 @@ import pytest
 
 from agent.config import Config
 from agent.kube.client import api_client
-from agent.kube.events import EventRecorder, EventSettings, NullRecorder, event_body, micro_time
+from agent.kube.events import EventRecorder, EventSettings, event_body, micro_time
 from agent.model.problem import Problem
-from tests.fakeapi import FakeApiServer
-from tests.fakeapi.events import validate_v1_event
+from lab.fakeapi import FakeApiServer
+from lab.fakeapi.events import validate_v1_event
 from tests.kube.conftest import wait_until
 
 BAD_PORT = Problem("Service", "shop", "web", "spec.ports[0].port: 70000 is out of range 1-65535")
@@ -207,13 +207,6 @@ def test_stop_returns_promptly(server: FakeApiServer, recorder_factory: Factory)
     start = time.monotonic()
     rec.stop()
     assert time.monotonic() - start < 1.0
-
-
-def test_null_recorder_does_nothing() -> None:
-    rec = NullRecorder()
-    rec.start()
-    rec.warn(BAD_PORT, uid="x")
-    rec.stop()
 
 
 def test_event_time_is_the_wall_clock(server: FakeApiServer, recorder_factory: Factory) -> None:

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import urllib3
 
-from tests.fakeapi import FakeApiServer
-from tests.fakeapi.objects import node, service
-from tests.fakeapi.selectors import SelectorError, parse_label_selector
+from lab.fakeapi import FakeApiServer
+from lab.fakeapi.objects import node, service
+from lab.fakeapi.selectors import SelectorError, parse_label_selector
 
 http = urllib3.PoolManager(retries=False)
 
@@ -200,7 +200,7 @@ def test_bookmarks_and_timeout() -> None:
 
 
 def test_update_with_a_stale_resource_version_conflicts(server: FakeApiServer) -> None:
-    from tests.fakeapi.store import StoreError
+    from lab.fakeapi.store import StoreError
 
     stored = server.create(service("a", "10.96.0.1"))
     server.update(stored)

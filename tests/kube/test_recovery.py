@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import pytest
 
 from agent.sources.base import EventType, Kind, ObjectEvent, Synced
-from tests.fakeapi import FakeApiServer, Request
-from tests.fakeapi.objects import endpoint_slice, service
+from lab.fakeapi import FakeApiServer, Request
+from lab.fakeapi.objects import endpoint_slice, service
 from tests.kube.conftest import REGISTRY, SourceFactory, wait_until
 
 
@@ -209,15 +209,26 @@ def test_clean_stream_end_is_reopened_without_backoff_or_error(
 ) -> None:
     source, sink = start_source(server)
     sink.wait(lambda: bool(sink.synced(Kind.SERVICE)))
-    wait_until(lambda: server.open_streams("Service") == 1)
-    closed = metric("ekp_watch_restarts_total", kind="Service", reason="closed")
-    errors = metric("ekp_api_request_errors_total", kind="Service", verb="watch", reason="dropped")
-    time.sleep(1.1)  # past the "very short watch" guard
-    server.drop_streams(clean=True)
+    # An event on the stream first: a watch that carried a line is never client-go's "very short
+    # watch" (closed at once without any event, backed off), however slow the machine is.
     server.create(service("web", "10.96.0.1"))
-    sink.wait(lambda: "default/web" in sink.state(Kind.SERVICE))
+    sink.wait(lambda: "default/web" in sink.state(Kind.SERVICE), what="the Service on the first watch")
+    closed = metric("ekp_watch_restarts_total", kind="Service", reason="closed")
+    errors = {
+        reason: metric("ekp_api_request_errors_total", kind="Service", verb="watch", reason=reason)
+        for reason in ("dropped", "closed_early")
+    }
+    opened = server.watches_opened("Service")
+    server.drop_streams(clean=True)
+    # The source counts the restart before it asks for the next watch, so once the server has seen
+    # that request the count is final. (Waiting for an object instead is racy: the old stream may
+    # still deliver it before its end, and the count would be read before the end is.)
+    wait_until(lambda: server.watches_opened("Service") == opened + 1, what="the watch reopened")
+    server.create(service("api", "10.96.0.2"))
+    sink.wait(lambda: "default/api" in sink.state(Kind.SERVICE), what="the Service on the new watch")
     assert metric("ekp_watch_restarts_total", kind="Service", reason="closed") == closed + 1
-    assert metric("ekp_api_request_errors_total", kind="Service", verb="watch", reason="dropped") == errors
+    for reason, before in errors.items():
+        assert metric("ekp_api_request_errors_total", kind="Service", verb="watch", reason=reason) == before
     assert source.list_counts()[Kind.SERVICE] == 1
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from agent.kube.resources import PROXY_LABEL_SELECTOR
 from agent.sources.base import EventType, Kind, ObjectEvent, Synced
-from tests.fakeapi import FakeApiServer
-from tests.fakeapi.objects import endpoint_slice, node, service
+from lab.fakeapi import FakeApiServer
+from lab.fakeapi.objects import endpoint_slice, node, service
 from tests.kube.conftest import SourceFactory
 
 

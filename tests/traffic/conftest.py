@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from lab import Lab
+from lab.harness import Cluster
 from tests.conftest import require_kernel
-from tests.lab import Lab
-from tests.traffic.harness import Cluster
 
 MODES = ["ebpf", "iptables"]
 PODS_PER_NODE = 6

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.traffic.harness import Cluster, ep
-from tests.traffic.objects import Port, service, with_endpoints
+from lab.harness import Cluster, ep
+from lab.objects import Port, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tests.traffic.harness import Cluster, ep
-from tests.traffic.objects import Ep, Port, service, with_endpoints
+from lab.harness import Cluster, ep
+from lab.objects import Ep, Port, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.traffic.harness import Cluster, Loop, ep, uniformity_p_value
-from tests.traffic.objects import Port, service, with_endpoints
+from lab.harness import Cluster, Loop, ep, uniformity_p_value
+from lab.objects import Port, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
 

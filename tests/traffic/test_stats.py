@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.traffic.harness import chi2_sf, uniformity_p_value
+from lab.harness import chi2_sf, uniformity_p_value
 
 
 @pytest.mark.parametrize(

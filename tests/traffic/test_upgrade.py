@@ -26,11 +26,11 @@ from typing import Any
 
 import pytest
 
+from lab import Lab
+from lab.core import PODSERVER
+from lab.harness import CLIENT, REPO, Agent, Cluster, ep
+from lab.objects import Port, service, with_endpoints
 from tests.conftest import require_kernel
-from tests.lab import Lab
-from tests.lab.core import PODSERVER
-from tests.traffic.harness import CLIENT, REPO, Agent, Cluster, ep
-from tests.traffic.objects import Port, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from tests.lab import CommandError, Lab, LabError, LabFactory, cleanup_leftovers, netns
+from lab import CommandError, Lab, LabError, LabFactory, cleanup_leftovers, netns
 
 pytestmark = pytest.mark.kernel
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def ip_json(lab: Lab | None, ns: Any, *args: str) -> list[dict[str, Any]]:
@@ -229,7 +229,7 @@ def test_cleanup_command_removes_leftovers() -> None:
         pin.mkdir()
         assert sleeper.pid in netns.netns_pids(ns) or sleeper.poll() is None
         res = subprocess.run(
-            [sys.executable, "-m", "tests.lab", "cleanup", "--prefix", prefix],
+            [sys.executable, "-m", "lab", "cleanup", "--prefix", prefix],
             cwd=REPO,
             capture_output=True,
             text=True,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from agent.ebpf.abi import MAPS
 from agent.sources.file import load_file
-from tests.lab import Lab
-from tests.traffic.harness import REPO, Cluster
+from lab import Lab
+from lab.harness import REPO, Cluster
 
 EXAMPLES = REPO / "examples" / "services.yaml"
 MODE = sys.argv[1] if len(sys.argv) > 1 else "ebpf"
@@ -30,6 +30,21 @@ def title(text: str) -> None:
 def show_counts(label: str, bodies: dict[str, int], errors: int) -> None:
     spread = ", ".join(f"{name} x{n}" for name, n in sorted(bodies.items()))
     print(f"  {label:<48} -> {spread}" + (f"  ({errors} FAILED)" if errors else ""))
+
+
+def teardown(cluster: Cluster, what: str) -> int:
+    """Stop the cluster (agents clean up), print what failed and the pins left; the failure count."""
+    title(f"teardown: {what}")
+    cleanup_failures = cluster.stop()
+    for text in cleanup_failures:
+        print("  cleanup failed:", text)
+    print(f"  pins left: {[a.pin_path for a in cluster.agents if Path(a.pin_path).exists()]}")
+    return len(cleanup_failures)
+
+
+def verdict(failures: int) -> int:
+    print(f"\n{'demo OK' if failures == 0 else f'demo FAILED ({failures} failures)'}")
+    return 0 if failures == 0 else 1
 
 
 def main() -> int:
@@ -118,14 +133,8 @@ def main() -> int:
                 print(f"  lines mentioning KUBE- or 10.96.: {len(kube)}")
                 failures += len(kube)
         finally:
-            title("teardown: agent --cleanup, lab down")
-            cleanup_failures = cluster.stop()
-            failures += len(cleanup_failures)
-            for text in cleanup_failures:
-                print("  cleanup failed:", text)
-            print(f"  pins left: {[a.pin_path for a in cluster.agents if Path(a.pin_path).exists()]}")
-    print(f"\n{'demo OK' if failures == 0 else f'demo FAILED ({failures} failures)'}")
-    return 0 if failures == 0 else 1
+            failures += teardown(cluster, "agent --cleanup, lab down")
+    return verdict(failures)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A lab cluster whose agents follow a fake API server, as they would a real one.
 
-The fake kube-apiserver (tests/fakeapi) listens on the host's loopback, where the agents (run in
+The fake kube-apiserver (lab/fakeapi) listens on the host's loopback, where the agents (run in
 the host namespace, programming their node's namespace with `--netns`) reach it through a
 kubeconfig. Tests change the cluster with `apply` / `delete` on the server and wait until every
 agent logged a sync that includes the server's latest resourceVersion: no sleeps, no guessing.
@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from tests.fakeapi import FakeApiServer
-from tests.fakeapi.objects import node as node_object
-from tests.lab import Lab
-from tests.traffic.harness import Agent, Cluster
+from lab import Lab
+from lab.fakeapi import FakeApiServer
+from lab.fakeapi.objects import node as node_object
+from lab.harness import Agent, Cluster
 
 
 class ApiCluster(Cluster):

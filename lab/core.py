@@ -1,4 +1,4 @@
-"""The network-namespace lab: topology, processes, servers and clients. See `tests.lab` for the overview."""
+"""The network-namespace lab: topology, processes, servers and clients. See `lab` for the overview."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ class Process:
 
 
 class Lab:
-    """A throw-away cluster of network namespaces; see the `tests.lab` module docstring."""
+    """A throw-away cluster of network namespaces; see the `lab` module docstring."""
 
     def __init__(
         self,
@@ -682,7 +682,7 @@ class Lab:
         udp_ports: Sequence[int] = (UDP_PORT,),
         timeout: float = 5.0,
     ) -> subprocess.Popen[bytes]:
-        """Start tests/lab/podserver.py in a pod (or node/client): HTTP `/`, `/ip`, `/blob`; UDP echo.
+        """Start lab/podserver.py in a pod (or node/client): HTTP `/`, `/ip`, `/blob`; UDP echo.
 
         Returns once every HTTP port accepts connections (UDP ports are bound before that).
         """
@@ -858,7 +858,7 @@ http {{
     # ------------------------------------------------------------------------------ clients
 
     def in_netns(self, target: NsLike, fn: Callable[[], T]) -> T:
-        """Run `fn` on a thread inside the namespace (see `tests.lab.netns.in_netns`)."""
+        """Run `fn` on a thread inside the namespace (see `lab.netns.in_netns`)."""
         return nx.in_netns(self._require_ns(target), fn)
 
     def socket(
@@ -1061,4 +1061,4 @@ def _down_all() -> None:
         try:
             lab.down()
         except Exception as exc:
-            print(f"tests.lab: teardown at exit: {exc}", file=sys.stderr)
+            print(f"lab: teardown at exit: {exc}", file=sys.stderr)

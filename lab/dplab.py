@@ -24,7 +24,7 @@ from agent.ebpf import abi
 from agent.ebpf.abi import OUTCOMES, BackendFlag, CtDir, FrontendFlag, Scope, Stat, ct_role, ip_be, port_be
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import read_stats, write_config
-from tests.ebpf.packets import Link, link, private_netns, prog_run, sh
+from lab.packets import Link, link, private_netns, prog_run, sh
 
 NODE, NODE2, CLIENT = "192.168.0.11", "192.168.0.12", "192.168.0.100"
 POD_CLIENT, BE1, BE2, BE3, BE4 = "10.244.1.9", "10.244.1.5", "10.244.1.6", "10.244.1.8", "10.244.1.10"

@@ -72,9 +72,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
-from tests.fakeapi.events import merge_patch, validate_v1_event
-from tests.fakeapi.selectors import Selector, SelectorError, build_selector
-from tests.fakeapi.store import (
+from lab.fakeapi.events import merge_patch, validate_v1_event
+from lab.fakeapi.selectors import Selector, SelectorError, build_selector
+from lab.fakeapi.store import (
     BY_PATH,
     CORE_EVENTS,
     EVENTS_V1,
@@ -85,7 +85,7 @@ from tests.fakeapi.store import (
     decode_continue,
     type_of,
 )
-from tests.fakeapi.tls import server_certs
+from lab.fakeapi.tls import server_certs
 
 Obj = dict[str, Any]
 

@@ -1,5 +1,14 @@
 """The network-namespace lab: a small cluster built from network namespaces, for tests, demo and benchmarks.
 
+This package holds what tests/, bench/ and demo/ share (none of it is shipped or imported by agent/):
+
+    core.py, netns.py   the lab itself (this docstring); podserver.py, client.py run inside it by path
+    harness.py          `Cluster`/`Agent`: one real agent process per lab node, fed a services file
+    apicluster.py       `ApiCluster`: the same agents following the fake API server
+    objects.py          builders for the Services and EndpointSlices the clusters are fed
+    fakeapi/            a fake kube-apiserver (real HTTP) the real kubernetes client cannot tell apart
+    packets.py, dplab.py  the packet lab: BPF_PROG_TEST_RUN on the data path in a private namespace
+
 Topology (fixed; other code relies on it). Every namespace is `<prefix>-<role>`, prefix = `ekp` + 6 hex:
 
     <prefix>-net      the switch: bridge br0 (no IP), ports sw-node1, sw-node2, sw-client
@@ -21,7 +30,7 @@ a bpffs pin directory name per node (`Node.pin_dir`, not created, removed on tea
 
 Use:
 
-    from tests.lab import Lab
+    from lab import Lab
 
     with Lab(nodes=2, pods_per_node=2) as lab:          # up() on enter, down() on exit, always
         lab.start_podservers()                          # HTTP :8080 + UDP echo :9000 on every pod
@@ -32,11 +41,11 @@ Use:
         lab.curl(lab.client, "http://192.168.0.11:30080/")
         lab.start_dns(p21); lab.dns_whoami(p11, p21.ip, tcp=True)   # -> "pod-2-1"
 
-In pytest use the fixtures from tests/conftest.py: `lab1`, `lab2`, `make_lab`, `kernel_required`.
+In pytest, tests/conftest.py provides the fixtures `lab1`, `lab2`, `make_lab` and `kernel_required`.
 
 Safety net: `down()` is idempotent and also runs from atexit; SIGTERM/SIGHUP become KeyboardInterrupt
-once a lab is up. Leftovers of a killed run: `python -m tests.lab cleanup` (or `make clean-lab`).
-Manual poking: `python -m tests.lab up --nodes 2`.
+once a lab is up. Leftovers of a killed run: `python -m lab cleanup` (or `make clean-lab`).
+Manual poking: `python -m lab up --nodes 2`.
 """
 
 from .core import (

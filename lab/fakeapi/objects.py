@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tests.fakeapi.store import now_rfc3339
+from lab.fakeapi.store import now_rfc3339
 
 Obj = dict[str, Any]
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"

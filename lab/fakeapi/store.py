@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from tests.fakeapi.selectors import Selector
+from lab.fakeapi.selectors import Selector
 
 Obj = dict[str, Any]
 

@@ -1,6 +1,6 @@
 """`make demo-api`: the agent following an API server, as it runs in a cluster.
 
-A fake kube-apiserver (tests/fakeapi, real HTTP, the real kubernetes client on the agent's side)
+A fake kube-apiserver (lab/fakeapi, real HTTP, the real kubernetes client on the agent's side)
 and a two-node lab with one `agent --kubeconfig` per node, eBPF mode. The demo creates a Service
 and its EndpointSlice on the server, shows which pods answer, scales the endpoints and shows how
 fast the change reached the data path (the agent's own log line), drops the watch streams and
@@ -12,13 +12,12 @@ failure.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from tests.demo import show_counts, title
-from tests.lab import Lab
-from tests.traffic.apicluster import ApiCluster
-from tests.traffic.harness import Loop, ep
-from tests.traffic.objects import Port, endpoint_slice, service, with_endpoints
+from demo.files import show_counts, teardown, title, verdict
+from lab import Lab
+from lab.apicluster import ApiCluster
+from lab.harness import Loop, ep
+from lab.objects import Port, endpoint_slice, service, with_endpoints
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "ebpf"
 HTTP = Port("http", 80, 8080)
@@ -91,14 +90,8 @@ def main() -> int:
             failures += r["errors"]
             show_counts("web still answers", r["bodies"], r["errors"])
         finally:
-            title("teardown: agent --cleanup, lab down, API server stopped")
-            cleanup_failures = cluster.stop()
-            failures += len(cleanup_failures)
-            for text in cleanup_failures:
-                print("  cleanup failed:", text)
-            print(f"  pins left: {[a.pin_path for a in cluster.agents if Path(a.pin_path).exists()]}")
-    print(f"\n{'demo OK' if failures == 0 else f'demo FAILED ({failures} failures)'}")
-    return 0 if failures == 0 else 1
+            failures += teardown(cluster, "agent --cleanup, lab down, API server stopped")
+    return verdict(failures)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Command line for the lab.
 
-python -m tests.lab cleanup [--prefix ekpXXXXXX] [--dry-run]
+python -m lab cleanup [--prefix ekpXXXXXX] [--dry-run]
     Remove what killed runs left: namespaces `ekp<6 hex>-*` (their processes killed first),
     lab cgroups, bpffs pins /sys/fs/bpf/ebpf-kube-proxy-lab-ekp*, tmp dirs. Prints each item.
-python -m tests.lab up [--nodes 2] [--pods 2] [--no-servers]
+python -m lab up [--nodes 2] [--pods 2] [--no-servers]
     Build a lab, start podservers (and dnsmasq on the first pod of each node), print how to reach
     it, and wait for Ctrl-C (or SIGTERM), then tear it down.
 """
@@ -53,7 +53,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m tests.lab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m lab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("cleanup", help="remove leftovers of killed lab runs")

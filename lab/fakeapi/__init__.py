@@ -4,6 +4,6 @@
 and what it simplifies. `objects.py` builds the Services, EndpointSlices and Nodes tests create.
 """
 
-from tests.fakeapi.server import FakeApiServer, Request, status
+from lab.fakeapi.server import FakeApiServer, Request, status
 
 __all__ = ["FakeApiServer", "Request", "status"]

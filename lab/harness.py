@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from agent.sources.file import content_version
-from tests.lab import Lab
-from tests.lab.core import Node
-from tests.traffic.objects import Ep
+from lab import Lab
+from lab.core import Node
+from lab.objects import Ep
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 CLIENT = str(Path(__file__).with_name("client.py"))
 PIN_ROOT = "/sys/fs/bpf"
 CLUSTER_CIDR = "10.244.0.0/16"
@@ -209,7 +209,7 @@ class Cluster:
     # ---- traffic helpers -------------------------------------------------------------------
 
     def client(self, target: Any, *args: str, timeout: float = 120.0) -> dict[str, Any]:
-        """Run tests/traffic/client.py inside a namespace and decode its JSON result."""
+        """Run lab/client.py inside a namespace and decode its JSON result."""
         res = self.lab.run(target, sys.executable, CLIENT, *args, timeout=timeout)
         result: dict[str, Any] = json.loads(res.stdout)
         return result

@@ -1,6 +1,6 @@
 """Low-level helpers for the lab: `ip` batches, namespace sockets, cgroups, leftovers and the kernel gate.
 
-Nothing here knows the lab's topology; `tests.lab.core` builds on it.
+Nothing here knows the lab's topology; `lab.core` builds on it.
 
 * `ip_batch(lines, ns=None)` runs many `ip` commands in one process (`ip [-n NS] -batch -`).
 * `in_netns(ns, fn)` runs `fn` on a short-lived thread that has joined network namespace `ns`
