@@ -26,8 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.lab.core import CLIENT_IP, node_gateway, node_ip, pod_ip
-from tests.traffic.objects import Port, endpoint_slice, service
+from lab.core import CLIENT_IP, node_gateway, node_ip, pod_ip
+from lab.objects import Port, endpoint_slice, service
 
 TARGET_PORT = 7000
 SERVICE_PORT = 80

@@ -26,6 +26,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from lab import Lab
+from lab.apicluster import ApiCluster
+from lab.fakeapi.objects import node as node_object
 from tests.differential.cases import (
     ANSWERED,
     BACKEND_PODS,
@@ -46,9 +49,6 @@ from tests.differential.cases import (
     all_objects,
     role_of,
 )
-from tests.fakeapi.objects import node as node_object
-from tests.lab import Lab
-from tests.traffic.apicluster import ApiCluster
 
 HERE = Path(__file__).resolve().parent
 PROBE = str(HERE / "probe.py")
