@@ -104,10 +104,11 @@ def main() -> int:
                 )
 
             if MODE == "ebpf":
-                fe_map = MAPS["fe"].name
-                title(f"the maps, raw: bpftool map dump name {fe_map} (first entries)")
+                # By pin, not by name: every map of that name on the machine would match.
+                fe_pin = f"{agent.pin_path}/{MAPS['fe'].name}"
+                title(f"the maps, raw: bpftool map dump pinned {fe_pin} (first entries)")
                 raw = subprocess.run(
-                    ["bpftool", "map", "dump", "name", fe_map],
+                    ["bpftool", "map", "dump", "pinned", fe_pin],
                     capture_output=True,
                     text=True,
                     check=False,
