@@ -4,8 +4,9 @@ Each test toggles one thing on a Service that is serving and checks that traffic
 back exactly as kube-proxy would have it (agent/model/parse.py and agent/kube/resources.py give the
 upstream rules): the `service-proxy-name` label (Service ignored: its cluster IP is not programmed),
 the `headless` label (the Service stays, its slices go: the cluster IP rejects), `ipMode: Proxy`
-on an ingress IP (that VIP alone is left out), and type changes through ExternalName (no cluster
-IP: nothing programmed), NodePort and LoadBalancer. The fake API server has no EndpointSlice
+on an ingress IP (that VIP alone is left out), type changes through ExternalName (no cluster
+IP: nothing programmed), NodePort and LoadBalancer, and the health check node port as
+externalTrafficPolicy and endpoint conditions change. The fake API server has no EndpointSlice
 controller, so a test labels the slices as the controller would: it copies a Service's labels.
 
 Upstream e2e tests these stand for (test/e2e/network/service.go, loadbalancer.go) are named in
@@ -17,6 +18,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -274,3 +276,79 @@ def test_change_the_type_and_ports_of_a_udp_service(api: ApiCluster) -> None:
     assert api.udp("client", N1, 30316, count=2)["lost"] == 2
     assert api.udp("pod-2-1", "10.96.3.9", 91, count=5)["replies"] == {"pod-1-2": 5}
     api.delete([svc("ClusterIP")])
+
+
+def health(api: ApiCluster, node_ip: str, port: int) -> int:
+    """The HTTP status of a healthCheckNodePort, 0 when nothing answers."""
+    out = api.lab.run(
+        "client",
+        "curl",
+        "-s",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "--max-time",
+        "2",
+        f"http://{node_ip}:{port}/",
+        check=False,
+    )
+    return int(out.stdout or 0)
+
+
+def test_health_check_node_port_fails_with_only_terminating_endpoints(api: ApiCluster) -> None:
+    """ "should fail health check node port if there are only terminating endpoints": 200 while the
+    local endpoint is ready, 503 once it is only terminating, and the NodePort still reaches it
+    (the terminating fallback)."""
+
+    def lb(endpoint_ready: bool) -> list[Obj]:
+        svc = service(
+            "svc-proxy-terminating",
+            "10.96.3.11",
+            [Port("http", 80, 8080, node_port=30317)],
+            type="LoadBalancer",
+            externalTrafficPolicy="Local",
+            healthCheckNodePort=32401,
+        )
+        e = ep(api, "pod-1-2")
+        if not endpoint_ready:
+            e = replace(e, ready=False, serving=True, terminating=True)
+        return with_endpoints(svc, [e])
+
+    api.apply(lb(True))
+    assert health(api, N1, 32401) == 200
+    api.apply(lb(False))
+    assert health(api, N1, 32401) == 503
+    assert served(api, "client", f"http://{N1}:30317/", count=5) == {"pod-1-2"}
+    api.delete([lb(False)[0]])
+
+
+def test_updates_to_the_external_traffic_policy_field(api: ApiCluster) -> None:
+    """ESIPP "should handle updates to ExternalTrafficPolicy field": Local, the health port says 200
+    on the endpoint's node and the client's address reaches the backend; Cluster, the health port
+    closes, the other node forwards and the backend sees a node address; Local again (same health
+    port), the client's address is kept again."""
+
+    def svc(policy: str) -> Obj:
+        extra: dict[str, Any] = {"healthCheckNodePort": 32402} if policy == "Local" else {}
+        return service(
+            "external-local-update",
+            "10.96.3.12",
+            [Port("http", 80, 8080, node_port=30318)],
+            type="LoadBalancer",
+            externalTrafficPolicy=policy,
+            **extra,
+        )
+
+    client_ip = api.lab.client.ip
+    api.apply(with_endpoints(svc("Local"), [ep(api, "pod-1-3")]))
+    assert health(api, N1, 32402) == 200
+    assert served(api, "client", f"http://{N1}:30318/ip", count=3) == {client_ip}
+    api.apply([svc("Cluster")])
+    assert health(api, N1, 32402) == 0, "the health check node port closes with ETP Cluster"
+    assert served(api, "client", f"http://{N2}:30318/", count=3) == {"pod-1-3"}
+    assert client_ip not in served(api, "client", f"http://{N1}:30318/ip", count=3)
+    api.apply([svc("Local")])
+    assert health(api, N1, 32402) == 200
+    assert served(api, "client", f"http://{N1}:30318/ip", count=3) == {client_ip}
+    api.delete([svc("Local")])
