@@ -61,15 +61,18 @@ def child(variant: str, url: str, page_size: int) -> dict[str, Any]:
     from agent.config import Config
     from agent.kube.client import api_client
     from agent.kube.reflector import WatchSettings
-    from agent.kube.resources import PROXY_LABEL_SELECTOR
+    from agent.kube.resources import SERVICE_FIELD_SELECTOR, SERVICE_LABEL_SELECTOR, SLICE_LABEL_SELECTOR
     from agent.kube.source import ApiSource
     from agent.sources.base import Event, Kind, Synced
 
     api = api_client(Config(master=url))
     core, disco = k8s.CoreV1Api(api), k8s.DiscoveryV1Api(api)
-    calls: tuple[Callable[..., Any], ...] = (
-        core.list_service_for_all_namespaces,
-        disco.list_endpoint_slice_for_all_namespaces,
+    calls: tuple[tuple[Callable[..., Any], dict[str, str]], ...] = (
+        (
+            core.list_service_for_all_namespaces,
+            {"label_selector": SERVICE_LABEL_SELECTOR, "field_selector": SERVICE_FIELD_SELECTOR},
+        ),
+        (disco.list_endpoint_slice_for_all_namespaces, {"label_selector": SLICE_LABEL_SELECTOR}),
     )
     kept: list[Any] = []
     _reset_peak()
@@ -94,10 +97,10 @@ def child(variant: str, url: str, page_size: int) -> dict[str, Any]:
         elapsed = time.perf_counter() - start
         src.stop()
     else:
-        for call in calls:
+        for call, selectors in calls:
             token = None
             while True:
-                kw: dict[str, Any] = {"label_selector": PROXY_LABEL_SELECTOR, "limit": page_size or None}
+                kw: dict[str, Any] = {**selectors, "limit": page_size or None}
                 if token:
                     kw["_continue"] = token
                 if variant == "models":

@@ -6,7 +6,9 @@ namespaces. Every mode prints one JSON object on stdout.
   http   --url U --count N           N fresh connections, body counts {"bodies": {...}, "errors": n}
   loop   --url U --stop-file F        new connection per request until F exists (bounded by --max-s);
                                      --ready-file R is created once the first request is answered
-  udp    --addr A --port P --count N  N request/response pairs, reply counts (--size: datagram bytes)
+  udp    --addr A --port P --count N  N request/response pairs, reply counts (--size: datagram bytes;
+                                     --sport S: every request from source port S, one flow, as
+                                     upstream's `nc -u -p 12345` loops in conntrack.go)
   blob   --url U                      download, {"bytes": n, "sha256": "..."}
   upload --url U --bytes N            POST N bytes to /sink, {"sent": n, "received": n, "seconds": s}
   hold   --addr A --port P --stop-file F   one TCP connection to a line echo server, a line every
@@ -80,6 +82,9 @@ def cmd_udp(a: argparse.Namespace) -> dict[str, object]:
         # A new socket (new source port) per request: a new flow for the proxy each time.
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.settimeout(a.timeout)
+            if a.sport:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("", a.sport))
             payload = f"ping-{i}"
             if a.size:  # a large datagram: fragmented on its way (EDNS0, NFS)
                 payload = (payload + "-" + "0123456789" * (a.size // 10 + 1))[: a.size]
@@ -159,6 +164,7 @@ def main() -> int:
     u.add_argument("--count", type=int, default=1)
     u.add_argument("--timeout", type=float, default=2.0)
     u.add_argument("--size", type=int, default=0)
+    u.add_argument("--sport", type=int, default=0)
     b = sub.add_parser("blob")
     b.add_argument("--url", required=True)
     b.add_argument("--timeout", type=float, default=60.0)

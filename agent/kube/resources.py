@@ -1,16 +1,18 @@
 """What the agent watches, and with which selectors: kube-proxy's informers, written down once.
 
-kube-proxy (cmd/kube-proxy/app/server.go, `ProxyServer.Run`) builds one label selector from two
-"does not exist" requirements and gives it to the Service and EndpointSlice informers:
+kube-proxy (cmd/kube-proxy/app/server.go, `ProxyServer.Run`) gives each kind its own selectors:
 
-* `service.kubernetes.io/service-proxy-name`: the object belongs to another proxy;
-* `service.kubernetes.io/headless`: the EndpointSlice controller puts it on slices of headless
-  Services, which have no virtual IP to program.
+* Services: the label selector `!service.kubernetes.io/service-proxy-name` (the Service belongs to
+  another proxy) and the field selector `spec.clusterIP!=None` (headless Services have no virtual
+  IP: DNS serves them), `fields.OneTermNotEqualSelector` on the wire as `spec.clusterIP!=None`;
+* EndpointSlices: the label selector `!service.kubernetes.io/headless`, which the EndpointSlice
+  controller puts on the slices of headless Services (and copies from a Service that carries it).
 
-apimachinery's `labels.Selector.String()` sorts requirements by key, so the selector on the wire
-is `!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name`. The Node informer
-selects this node alone with the field selector `metadata.name=<hostname>`
-(`fields.OneTermEqualSelector`), and takes no label selector.
+Releases before that split gave both informers one selector, `!headless,!service-proxy-name`; the
+difference shows for a Service that carries the headless label itself: programmed without
+endpoints now (its cluster IP rejects), ignored whole then. agent/model/parse.py applies the same
+rules, so a file source and the API source program the same objects. The Node informer selects
+this node alone with the field selector `metadata.name=<hostname>` (`fields.OneTermEqualSelector`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from agent.sources.base import Kind
 
 LABEL_SERVICE_PROXY_NAME = "service.kubernetes.io/service-proxy-name"
 LABEL_HEADLESS = "service.kubernetes.io/headless"
-PROXY_LABEL_SELECTOR = f"!{LABEL_HEADLESS},!{LABEL_SERVICE_PROXY_NAME}"
+SERVICE_LABEL_SELECTOR = f"!{LABEL_SERVICE_PROXY_NAME}"
+SERVICE_FIELD_SELECTOR = "spec.clusterIP!=None"
+SLICE_LABEL_SELECTOR = f"!{LABEL_HEADLESS}"
 
 
 @dataclass(frozen=True)
@@ -54,12 +58,18 @@ def watched_resources(api: k8s.ApiClient, hostname: str) -> tuple[Resource, ...]
     core = k8s.CoreV1Api(api)
     discovery = k8s.DiscoveryV1Api(api)
     out = [
-        Resource(Kind.SERVICE, "v1", core.list_service_for_all_namespaces, PROXY_LABEL_SELECTOR),
+        Resource(
+            Kind.SERVICE,
+            "v1",
+            core.list_service_for_all_namespaces,
+            SERVICE_LABEL_SELECTOR,
+            SERVICE_FIELD_SELECTOR,
+        ),
         Resource(
             Kind.ENDPOINT_SLICE,
             "discovery.k8s.io/v1",
             discovery.list_endpoint_slice_for_all_namespaces,
-            PROXY_LABEL_SELECTOR,
+            SLICE_LABEL_SELECTOR,
         ),
     ]
     if hostname:

@@ -13,22 +13,23 @@ Two steps per object, in the order a real cluster applies them:
    not. An object the API server would refuse raises ParseError naming the field and what would
    be right: the caller reports it and programs everything else. Nothing but ParseError is ever
    raised, whatever the input.
-2. **Ignore as kube-proxy does**: objects its informers never receive (labelled
-   `service.kubernetes.io/service-proxy-name` or `service.kubernetes.io/headless`, Services and
-   EndpointSlices alike), Services without a cluster IP, headless and ExternalName Services
-   (`ShouldSkipService`, pkg/proxy/util/utils.go), IPv6-only Services, IPv6 and FQDN
-   EndpointSlices, load-balancer ingress IPs with `ipMode: Proxy` (`IsVIPMode`), addresses of
-   the other family (`newBaseServiceInfo`, pkg/proxy/serviceport.go), and EndpointSlice ports
-   without a number (`endpointInfoByServicePort`, pkg/proxy/endpointslicecache.go). Ignored is
-   not a problem: nothing is reported.
+2. **Ignore as kube-proxy does**: objects its informers never receive, Services without a cluster
+   IP, headless and ExternalName Services (`ShouldSkipService`, pkg/proxy/util/utils.go), IPv6-only
+   Services, IPv6 and FQDN EndpointSlices, load-balancer ingress IPs with `ipMode: Proxy`
+   (`IsVIPMode`), addresses of the other family (`newBaseServiceInfo`, pkg/proxy/serviceport.go),
+   and EndpointSlice ports without a number (`endpointInfoByServicePort`,
+   pkg/proxy/endpointslicecache.go). Ignored is not a problem: nothing is reported.
 
-   The label rule is the one kube-proxy applied for many releases: one informer factory with the
-   selector `!service-proxy-name,!headless` for both kinds (cmd/kube-proxy/app/server.go, `Run`).
-   The newest server.go read (the one with statusz and flagz) splits it: Services
-   `!service-proxy-name` plus the field selector `spec.clusterIP!=None`, EndpointSlices
-   `!headless`. The two differ only for a Service that carries the headless label itself (ignored
-   here, programmed without endpoints there) or a slice that carries service-proxy-name while its
-   Service does not (ignored here, used there).
+   The informers' selectors are per kind, as cmd/kube-proxy/app/server.go (`ProxyServer.Run`)
+   builds them: Services with the label selector `!service.kubernetes.io/service-proxy-name` and
+   the field selector `spec.clusterIP!=None`; EndpointSlices with `!service.kubernetes.io/headless`
+   alone. So a Service labelled `service-proxy-name` is ignored whole, and a slice labelled
+   `headless` is ignored, but a Service that carries the `headless` label itself (with a cluster
+   IP) is programmed, and since the EndpointSlice controller copies a Service's labels onto its
+   slices, it is programmed without endpoints: its cluster IP rejects, as kube-proxy's does. (The
+   releases before the split gave both informers one selector `!service-proxy-name,!headless`;
+   they ignored such a Service whole, which left its cluster IP unprogrammed instead of rejecting.)
+   A slice labelled `service-proxy-name` whose Service is not is used, as upstream uses it.
 
 Two rules go beyond the API server because a backend cannot program what it accepts: an
 EndpointSlice port outside 1-65535 (the API only requires an int32; kube-proxy would write it and
@@ -176,12 +177,16 @@ def _metadata(obj: object, name_ok: Callable[[str], bool], name_rule: str) -> _M
     return _Meta(namespace, name, labels(meta, "metadata.labels"))
 
 
-def _not_for_this_proxy(object_labels: Mapping[str, str]) -> str | None:
+def _service_not_for_this_proxy(object_labels: Mapping[str, str]) -> str | None:
+    """The Service informer's label selector, `!service-proxy-name` (any value, even "")."""
     if SERVICE_PROXY_NAME_LABEL in object_labels:
         return f"labelled {SERVICE_PROXY_NAME_LABEL}: another proxy handles it"
-    if HEADLESS_LABEL in object_labels:
-        return f"labelled {HEADLESS_LABEL}: DNS serves it, no proxy does"
     return None
+
+
+def _slice_not_for_this_proxy(object_labels: Mapping[str, str]) -> bool:
+    """The EndpointSlice informer's label selector, `!headless`: DNS serves those addresses."""
+    return HEADLESS_LABEL in object_labels
 
 
 # ---- Services ----------------------------------------------------------------------------------
@@ -427,7 +432,7 @@ def _ingress_ips(svc: Obj, svc_type: str) -> list[IPAddress]:
 
 def _service(svc: object) -> list[ServicePort] | _Skip:
     meta = _metadata(svc, is_dns1035_label, DNS1035_LABEL_RULE)
-    skip = _not_for_this_proxy(meta.labels)
+    skip = _service_not_for_this_proxy(meta.labels)
     if skip:
         return _Skip(skip)
     assert isinstance(svc, Mapping)  # _metadata checked it
@@ -711,7 +716,7 @@ def parse_endpoint_slice(eps: object) -> ParsedSlice | None:
     Raises ParseError, and only ParseError, when the API server would refuse the object.
     """
     meta = _metadata(eps, is_dns1123_subdomain, DNS1123_SUBDOMAIN_RULE)
-    if _not_for_this_proxy(meta.labels):
+    if _slice_not_for_this_proxy(meta.labels):
         return None
     assert isinstance(eps, Mapping)  # _metadata checked it
     label_path = f"metadata.labels[{SERVICE_NAME_LABEL}]"

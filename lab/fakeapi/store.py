@@ -45,7 +45,14 @@ class ResourceType:
         return self.kind + "List"
 
 
-SERVICES = ResourceType("Service", "v1", "services", True)
+# pkg/registry/core/service/strategy.go `SelectableFields`: kube-proxy selects on spec.clusterIP.
+SERVICES = ResourceType(
+    "Service",
+    "v1",
+    "services",
+    True,
+    frozenset({"metadata.name", "metadata.namespace", "spec.clusterIP", "spec.type"}),
+)
 ENDPOINT_SLICES = ResourceType("EndpointSlice", "discovery.k8s.io/v1", "endpointslices", True)
 NODES = ResourceType("Node", "v1", "nodes", False, frozenset({"metadata.name", "spec.unschedulable"}))
 EVENTS_V1 = ResourceType("Event", "events.k8s.io/v1", "events", True)

@@ -5,7 +5,7 @@ Each test names the kube-proxy behaviour it stands for.
 
 from __future__ import annotations
 
-from agent.kube.resources import PROXY_LABEL_SELECTOR
+from agent.kube.resources import SERVICE_FIELD_SELECTOR, SERVICE_LABEL_SELECTOR, SLICE_LABEL_SELECTOR
 from agent.sources.base import EventType, Kind, ObjectEvent, Synced
 from lab.fakeapi import FakeApiServer
 from lab.fakeapi.objects import endpoint_slice, node, service
@@ -83,25 +83,37 @@ def test_watch_delivers_adds_changes_deletes_in_order(
     assert sink.state(Kind.SERVICE).keys() == {"default/a", "default/c"}
 
 
-def test_label_selector_excludes_headless_and_other_proxies(
+def test_selectors_per_kind_as_kube_proxys_informers(
     server: FakeApiServer, start_source: SourceFactory
 ) -> None:
-    # kube-proxy: !service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name
+    # kube-proxy: Services `!service-proxy-name` + `spec.clusterIP!=None`, EndpointSlices `!headless`.
+    proxy_name, headless = "service.kubernetes.io/service-proxy-name", "service.kubernetes.io/headless"
     server.create(svc("plain", "10.96.0.1"))
-    server.create(svc("other-proxy", "10.96.0.2", **{"service.kubernetes.io/service-proxy-name": "cilium"}))
+    server.create(svc("other-proxy", "10.96.0.2", **{proxy_name: "cilium"}))
+    server.create(svc("dns-only", "None"))
+    server.create(svc("labelled-headless", "10.96.0.3", **{headless: ""}))
     server.create(endpoint_slice("plain", ["10.244.1.1"]))
-    server.create(endpoint_slice("db", ["10.244.1.2"], labels={"service.kubernetes.io/headless": ""}))
+    server.create(endpoint_slice("db", ["10.244.1.2"], labels={headless: ""}))
+    server.create(endpoint_slice("mirror", ["10.244.1.3"], labels={proxy_name: "cilium"}))
     _, sink = start_source(server)
     sink.wait(lambda: bool(sink.synced(Kind.SERVICE) and sink.synced(Kind.ENDPOINT_SLICE)))
-    assert sink.state(Kind.SERVICE).keys() == {"default/plain"}
-    assert sink.state(Kind.ENDPOINT_SLICE).keys() == {"default/plain-abcde"}
-    sent = {r.query.get("labelSelector") for r in server.requests if r.path == "/api/v1/services"}
-    assert sent == {PROXY_LABEL_SELECTOR}
+    assert sink.state(Kind.SERVICE).keys() == {"default/plain", "default/labelled-headless"}
+    assert sink.state(Kind.ENDPOINT_SLICE).keys() == {"default/plain-abcde", "default/mirror-abcde"}
+    sent = {
+        (r.path, r.query.get("labelSelector"), r.query.get("fieldSelector"))
+        for r in server.requests
+        if r.path in ("/api/v1/services", "/apis/discovery.k8s.io/v1/endpointslices")
+    }
+    assert sent == {
+        ("/api/v1/services", SERVICE_LABEL_SELECTOR, SERVICE_FIELD_SELECTOR),
+        ("/apis/discovery.k8s.io/v1/endpointslices", SLICE_LABEL_SELECTOR, None),
+    }
+    assert SERVICE_FIELD_SELECTOR == "spec.clusterIP!=None"
 
     # A Service that takes the label on leaves the selector: the watch says DELETED (cacher
     # semantics); one that drops it comes back as ADDED.
     mark = sink.mark()
-    server.apply(svc("plain", "10.96.0.1", **{"service.kubernetes.io/service-proxy-name": "cilium"}))
+    server.apply(svc("plain", "10.96.0.1", **{proxy_name: "cilium"}))
     server.apply(svc("other-proxy", "10.96.0.2"))
     sink.wait(lambda: len(sink.since(mark)) >= 2)
     assert [(e.type, e.key) for e in sink.since(mark) if isinstance(e, ObjectEvent)] == [

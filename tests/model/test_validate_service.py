@@ -399,10 +399,6 @@ def test_an_ipv6_only_service_is_ignored_not_reported() -> None:
             svc(meta={"labels": {"service.kubernetes.io/service-proxy-name": "x"}}),
             "labelled service.kubernetes.io/",
         ),
-        (
-            svc(meta={"labels": {"service.kubernetes.io/headless": ""}}),
-            "labelled service.kubernetes.io/headless",
-        ),
     ],
     ids=[
         "headless",
@@ -410,7 +406,6 @@ def test_an_ipv6_only_service_is_ignored_not_reported() -> None:
         "no-cluster-ip",
         "external-name",
         "proxy-name-label",
-        "headless-label",
     ],
 )
 def test_ignored_as_kube_proxy_ignores_it(obj: dict[str, Any], reason: str) -> None:

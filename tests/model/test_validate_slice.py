@@ -236,9 +236,8 @@ def test_addresses_with_leading_zeros_are_canonical() -> None:
         eps(ep(addresses=["fd00::2"]), addressType="IPv6"),
         eps(ep(addresses=["web.example.com"]), addressType="FQDN"),
         eps(ep(addresses=["bogus"]), labels={"service.kubernetes.io/headless": ""}),
-        eps(ep(addresses=["bogus"]), labels={"service.kubernetes.io/service-proxy-name": "other"}),
     ],
-    ids=["ipv6", "fqdn", "headless-label", "proxy-name-label"],
+    ids=["ipv6", "fqdn", "headless-label"],
 )
 def test_not_ours_is_ignored_not_reported(obj: dict[str, Any]) -> None:
     assert parse_endpoint_slice(obj) is None

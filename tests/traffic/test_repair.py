@@ -1,0 +1,97 @@
+"""Upstream's "should recreate its iptables rules if they are deleted" (test/e2e/network/
+networking.go), in both modes, on a one-node lab whose agent resyncs every 2 s.
+
+iptables mode: every jump into a KUBE-* chain is deleted and every KUBE-* chain flushed and
+deleted, in every table and both iptables backends, as the upstream test does over SSH. eBPF mode:
+the same loss for the data path, every frontend entry deleted from the pinned map. Either way the
+service stops answering, and the agent's next full sync (which reads the kernel back) brings it
+back without any change to the Service.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import require_kernel
+from tests.lab import Lab
+from tests.traffic.harness import Cluster, ep
+from tests.traffic.objects import Port, service, with_endpoints
+
+pytestmark = pytest.mark.kernel
+
+SYNC_PERIOD_S = 2
+
+
+@pytest.fixture(scope="module", params=["ebpf", "iptables"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    require_kernel()
+    with Lab(nodes=1, pods_per_node=3) as lab:
+        lab.start_podservers()
+        c = Cluster(lab, request.param, extra=[f"--sync-period={SYNC_PERIOD_S}s"])
+        c.start()
+        try:
+            yield c
+        finally:
+            failures = c.stop()
+        assert not failures, f"agent --cleanup failed: {failures}"
+
+
+def delete_kube_chains(cluster: Cluster) -> int:
+    """What the upstream test runs: the jumps into KUBE-* chains, then the chains. How many rules."""
+    node = cluster.lab.nodes[0]
+    done = 0
+    for binary in ("iptables-nft", "iptables-legacy"):
+        dump = cluster.lab.run(node, f"{binary}-save", check=False).stdout
+        rules, chains, table = [], [], ""
+        for line in dump.splitlines():
+            if line.startswith("*"):
+                table = line[1:]
+            elif not table:
+                continue
+            elif not line.startswith("-A KUBE-") and "-j KUBE-" in line:
+                rules.append((table, line[3:]))
+            elif line.startswith(":KUBE-"):
+                chains.append((table, line.split()[0][1:]))
+        for t, rule in rules:
+            cluster.lab.run(node, "sh", "-c", f"{binary} -t {t} -D {rule}", check=False)
+        for t, chain in chains:
+            cluster.lab.run(node, binary, "-t", t, "-F", chain, check=False)
+        for t, chain in chains:
+            cluster.lab.run(node, binary, "-t", t, "-X", chain, check=False)
+        done += len(rules) + len(chains)
+    return done
+
+
+def delete_frontends(cluster: Cluster) -> int:
+    from agent.ebpf.abi import MAPS
+    from agent.ebpf.maps import BpfMap
+
+    with BpfMap.open_pinned(MAPS["fe"], cluster.agents[0].pin_path) as fe:
+        keys = [k for k, _ in fe.items()]
+        for k in keys:
+            fe.delete(k)
+    return len(keys)
+
+
+def test_rules_deleted_behind_the_agents_back_are_recreated(cluster: Cluster) -> None:
+    svc = service("iptables-flush-test", "10.96.41.1", [Port("http", 80, 8080)])
+    cluster.apply(with_endpoints(svc, [ep(cluster, "pod-1-2"), ep(cluster, "pod-1-3")]))
+    url = "http://10.96.41.1/"
+    assert set(cluster.http("pod-1-1", url, count=20)["bodies"]) == {"pod-1-2", "pod-1-3"}
+
+    deleted = delete_kube_chains(cluster) if cluster.mode == "iptables" else delete_frontends(cluster)
+    assert deleted > 0
+    assert cluster.http("pod-1-1", url, count=1, timeout=1.0)["errors"] == 1, "the service went away"
+
+    deadline = time.monotonic() + 4 * SYNC_PERIOD_S + 5
+    while time.monotonic() < deadline:
+        result = cluster.http("pod-1-1", url, count=1, timeout=1.0)
+        if result["errors"] == 0:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"not recreated within {4 * SYNC_PERIOD_S + 5} s:\n{cluster.agents[0].log()[-3000:]}")
+    assert set(cluster.http("pod-1-1", url, count=20)["bodies"]) == {"pod-1-2", "pod-1-3"}
