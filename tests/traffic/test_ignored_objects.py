@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
+from lab import Lab
+from lab.apicluster import ApiCluster
+from lab.harness import ep
+from lab.objects import Obj, Port, endpoint_slice, service, with_endpoints
 from tests.conftest import require_kernel
-from tests.lab import Lab
-from tests.traffic.apicluster import ApiCluster
-from tests.traffic.harness import ep
-from tests.traffic.objects import Obj, Port, endpoint_slice, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
 

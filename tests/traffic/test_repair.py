@@ -15,10 +15,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from lab import Lab
+from lab.harness import Cluster, ep
+from lab.objects import Port, service, with_endpoints
 from tests.conftest import require_kernel
-from tests.lab import Lab
-from tests.traffic.harness import Cluster, ep
-from tests.traffic.objects import Port, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from tests.lab.core import PODSERVER
-from tests.traffic.harness import Cluster, ep
-from tests.traffic.objects import Obj, Port, endpoint_slice, service, with_endpoints
+from lab.core import PODSERVER
+from lab.harness import Cluster, ep
+from lab.objects import Obj, Port, endpoint_slice, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
 
@@ -531,7 +531,7 @@ def test_no_connectivity_disruption_during_a_rolling_update(cluster: Cluster, et
     Cluster" / "...=Local": a client hammers the ingress IP (one connection per request) while each
     node's backend is replaced as a DaemonSet rolls (the new pod ready, the old one terminating,
     then gone). Upstream accepts 95 %; kube-proxy's rules lose nothing, and neither may we."""
-    from tests.traffic.harness import Loop
+    from lab.harness import Loop
 
     cluster.lab.add_client_route("198.51.103.0/24", via_node=1)
     svc = lb_service("rolling", "10.96.40.24", 30714, externalTrafficPolicy=etp)
