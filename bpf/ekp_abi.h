@@ -266,7 +266,8 @@ enum ekp_stat {
 	EKP_DROP_FRAG_NO_FIRST,   /* a later fragment whose first fragment was not seen (out of order, evicted) */
 	EKP_DROP_NO_FLOW,         /* a mid-flow TCP segment (or later fragment) to a frontend without conntrack:
 	                           * never sent to a new backend (an evicted or expired flow) */
-	EKP_DROP_BACKEND_GONE,    /* a TCP flow whose backend is no longer on the node (not in ekp_be) */
+	EKP_DROP_BACKEND_GONE,    /* unused since TCP flows keep a removed backend (kube-proxy); kept so the
+	                           * indexes of the later counters stay as pinned */
 	EKP_DROP_ICMP_RATE,       /* a reject over the ICMP rate limit: dropped unanswered */
 	EKP_DROP_FRAG_NEEDED,     /* too big for the egress MTU with DF: answered with ICMP frag needed */
 	EKP_STAT_MAX,

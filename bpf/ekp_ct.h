@@ -220,8 +220,8 @@ static __always_inline int ekp_ct_refresh(struct ekp_ct_entry *e, const struct e
  * ACK) on a flow that saw a FIN or RST: the client reusing its port is a new flow and a new
  * backend choice, as nf_conntrack does. UDP flows follow their backend's membership: kube-proxy
  * deletes the conntrack entries of a UDP endpoint that left the service, so a resolver that keeps
- * its source port moves on (TCP flows keep their backend while it is on the node, as with
- * kube-proxy: a terminating pod finishes its connections). */
+ * its source port moves on (TCP flows keep their backend, as with kube-proxy: a terminating pod
+ * finishes its connections, a Service deleted and recreated keeps its streams). */
 static __always_inline int ekp_ct_usable_forward(const struct ekp_ct_entry *e, const struct ekp_pkt *p,
 						 const struct ekp_config *cfg, __u64 now)
 {

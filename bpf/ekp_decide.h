@@ -99,20 +99,10 @@ static __always_inline void ekp_decide_hit(struct ekp_ct_entry *ep, struct ekp_c
 	int snat = e->flags & EKP_CT_SNAT;
 
 	if (k->dir == EKP_CT_FORWARD) {
-		/* Refreshed just now (once a second): is a TCP flow's backend still on the node? A
-		 * backend that left the service keeps its connections (kube-proxy); one that is gone
-		 * from the node ends them: its address may be another pod's by now. */
-		if (p->proto == IPPROTO_TCP && e->backend_id && e->last_seen_ns == now) {
-			struct ekp_backend_key bk = {};
-			bk.id = e->backend_id;
-			struct ekp_backend *be = ekp_be_lookup(&bk);
-			if (!be || be->addr != e->nat_addr || be->port != e->nat_port) {
-				ekp_ct_delete_twin(e, k);
-				ekp_ct_delete(k);
-				ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_BACKEND_GONE);
-				return;
-			}
-		}
+		/* The entry holds the backend's address: a flow keeps it while its Service, slots and
+		 * backend entries come and go (a Service deleted and recreated, a restart), as kube-proxy's
+		 * DNAT in nf_conntrack does. UDP flows move off a backend that left the service
+		 * (ekp_ct_usable_forward), as kube-proxy clears their conntrack entries. */
 		d->saddr = snat ? e->snat_addr : p->saddr;
 		d->sport = snat ? e->snat_port : p->sport;
 		d->daddr = e->nat_addr;

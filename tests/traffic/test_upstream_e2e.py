@@ -137,20 +137,9 @@ def test_service_deleted_and_recreated_while_a_tcp_stream_runs(
     """ "should work after the service has been recreated", with a TCP connection through the
     Service held open across the deletion and the recreation: kube-proxy leaves established TCP
     conntrack entries alone, so the stream keeps exchanging lines, and new connections are served
-    again once the Service is back.
-
-    eBPF mode loses the stream at the deletion: the sync deletes the Service's reverse-NAT entry
-    ("delete rnat x1") while conntrack entries still reference it, so the backend's replies are no
-    longer translated back (issue 10, item 6). Marked as a strict expected failure in that mode:
-    the day it passes, the mark (and tests/upstream_e2e.md) must go."""
+    again once the Service is back. eBPF mode's conntrack entries hold the backend and the
+    frontend themselves, so the Service's map entries may all go and come back with other ids."""
     from tests.traffic.test_upgrade import finish, start
-
-    if cluster.mode == "ebpf":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True, reason="eBPF: reverse-NAT entry deleted under live flows (issue 10 item 6)"
-            )
-        )
 
     _start_echo(cluster, "pod-2-3", 7000)
     svc = service("recreated", "10.96.40.3", [HTTP, Port("echo", 7000, 7000)])
