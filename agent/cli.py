@@ -326,12 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=(30000, 32767),
         help="the cluster's NodePort range (the apiserver's --service-node-port-range)",
     )
-    p.add_argument(
+    _flag_bool(
+        p,
         "--bpf-keep-client-ip-for-local-backends",
-        dest="bpf_keep_client_ip_local",
-        type=_bool,
         default=False,
-        metavar="true|false",
         help="externalTrafficPolicy Cluster: keep the client's address toward backends on this node"
         " (kube-proxy masquerades it; default false)",
     )
@@ -399,7 +397,7 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         map_sizes=sizes,
         snat_ports=ns.bpf_snat_ports,
         nodeport_range=ns.node_port_range,
-        bpf_keep_client_ip_local=ns.bpf_keep_client_ip_local,
+        bpf_keep_client_ip_local=ns.bpf_keep_client_ip_for_local_backends,
         iptables_backend=ns.iptables_backend,
         iptables_localhost_nodeports=ns.iptables_localhost_nodeports,
     )

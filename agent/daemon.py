@@ -169,8 +169,10 @@ class Agent:
             svc.start()
         if self._parts.health is not None:
             self._parts.health.updated()  # as kube-proxy's SyncLoop: healthy until a change waits
-        threading.Thread(target=self._prepare, name="prepare-proxier", daemon=True).start()
+        # The source first: a source that cannot start (a --services-file that cannot be read) is
+        # fatal before the proxier's set-up has created pins or written sysctls.
         self._parts.source.start(self.deliver)
+        threading.Thread(target=self._prepare, name="prepare-proxier", daemon=True).start()
         self._runner.start()
 
     def stop(self) -> None:

@@ -168,8 +168,11 @@ def check_pins(pin_path: str, sizes: MapSizes) -> None:
         try:
             fd = obj_get(path)
         except OSError as e:
-            problems.append(f"{path}: cannot open ({e.strerror})")
-            continue
+            # Not a shape to drop with --cleanup: a permission or a foreign file, to look at first.
+            raise FatalError(
+                f"cannot open the pinned map {path} ({e.strerror}): check what the file is and that "
+                "the agent runs as root with CAP_BPF; remove it only if it is not a live map"
+            ) from e
         try:
             diffs = info_mismatches(spec, sizes, map_info(fd))
         finally:
@@ -328,21 +331,24 @@ class Datapath:
                 self.pin_path, build, list(PROGRAMS), self._pinned_map_ids(), PRIVATE_MAPS
             )
             if fds is None:
-                raise DatapathError(f"the compiler child pinned no programs under {self.pin_path}")
+                raise DatapathError(
+                    f"after compiling, the programs or maps pinned under {self.pin_path} are not all "
+                    "there (removed meanwhile?): the next sync tries again"
+                )
             how = f"compiled in {seconds:.1f}s"
         self._prog_fds = fds
-        old = remove_other_builds(self.pin_path, build)
-        if old:
-            log.info("unpinned programs of an older build: %s", ", ".join(old))
-        log.info(
-            "data path %s, build %s (ABI v%d, maps pinned under %s), ready in %.2fs",
-            how,
-            build,
-            ABI_VERSION,
-            self.pin_path,
-            time.monotonic() - started,
-        )
         try:
+            old = remove_other_builds(self.pin_path, build)
+            if old:
+                log.info("unpinned programs of an older build: %s", ", ".join(old))
+            log.info(
+                "data path %s, build %s (ABI v%d, maps pinned under %s), ready in %.2fs",
+                how,
+                build,
+                ABI_VERSION,
+                self.pin_path,
+                time.monotonic() - started,
+            )
             for role, spec in MAPS.items():
                 m = BpfMap.open_pinned(spec, self.pin_path)
                 self._maps[role] = m

@@ -13,8 +13,8 @@ v1 -> v2, per entry (`convert_v1_entry`, pure):
   * frontend: a FORWARD key's destination; a REPLY entry's rev-NAT id through `ekp_rnat_v1`
     (an entry whose id is unknown there is left behind: its flow cannot be reverse-translated);
   * backend id and service port id: the v2 ids the first v2 sync gave the backend's (address,
-    port, protocol) and the frontend; a backend the v2 maps do not have is gone from the node,
-    and its flow is left behind (v2 would end it at its first refresh anyway);
+    port, protocol) and the frontend; a flow whose backend the v2 maps do not have is left
+    behind (there is no v2 backend id to give it);
   * state: v1 tracked only SNAT and CLOSING. Every carried flow is marked SEEN_REPLY|ESTABLISHED
     (an established flow: the long timeout, never early-dropped) and MIGRATED; CLOSING becomes RST
     (the same 10 s closing timeout and port-reuse rule v1 applied).

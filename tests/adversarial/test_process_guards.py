@@ -135,6 +135,20 @@ def test_pin_path_off_bpffs_exits_fast_and_creates_nothing(cluster: Cluster) -> 
     assert not wanted.exists()
 
 
+def test_a_services_file_that_cannot_be_read_exits_fast_and_creates_nothing(cluster: Cluster) -> None:
+    """Checked before the data path is prepared: no pin directory, no compile, no traceback."""
+    pins = f"/sys/fs/bpf/ekp-guard-{secrets.token_hex(4)}"
+    missing = Path(tempfile.gettempdir()) / f"ekp-missing-{secrets.token_hex(4)}.yaml"
+    other = Agent(
+        cluster.lab, cluster.lab.nodes[1], "ebpf", [f"--services-file={missing}"], [f"--bpf-pin-path={pins}"]
+    )
+    status, out, took = run_agent([f"--services-file={missing}", *other.flags()])
+    assert status == 1 and took < FAST_S, (status, took, out)
+    assert f"--services-file {missing}: No such file or directory" in out, out
+    assert "Traceback" not in out, out
+    assert not Path(pins).exists(), "the proxier's set-up ran before the source was checked"
+
+
 def test_iptables_mode_without_net_admin_exits_fast(cluster: Cluster) -> None:
     """Root without capabilities (a container without NET_ADMIN) used to retry every second forever."""
     node2 = cluster.lab.nodes[1]

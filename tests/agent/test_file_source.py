@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -218,7 +219,9 @@ def test_start_fails_fast_on_a_file_that_cannot_be_opened(tmp_path: Path) -> Non
         (tmp_path, "is a directory, not a file"),
         (fifo, "not a regular file"),
     ):
-        with pytest.raises(FatalError, match=rf"--services-file {path}: {why}: give the path of a readable"):
+        with pytest.raises(
+            FatalError, match=rf"--services-file {re.escape(str(path))}: {why}: give the path"
+        ):
             FileSource(str(path)).start(Recorder())
 
 

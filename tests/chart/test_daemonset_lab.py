@@ -35,6 +35,8 @@ from typing import Any
 
 import pytest
 
+from agent.ebpf.abi import MAPS
+from agent.ebpf.maps import map_info, obj_get
 from lab import Lab, in_netns
 from lab.core import Node
 from lab.fakeapi import FakeApiServer
@@ -127,6 +129,18 @@ class PodRun:
         return self.lab.http_fetch(
             self.node, self.node.ip if port == HEALTHZ_PORT else "127.0.0.1", port, path
         )
+
+
+def pinned_map_ids(pod: PodRun) -> dict[str, int]:
+    """The kernel's id of every map pinned for the node (a map made anew gets a new id)."""
+    out = {}
+    for spec in MAPS.values():
+        fd = obj_get(str(pod.bpffs / "ebpf-kube-proxy" / spec.name))
+        try:
+            out[spec.name] = map_info(fd).id
+        finally:
+            os.close(fd)
+    return out
 
 
 def wait_for(what: str, check: Any, timeout: float = 30.0) -> Any:
@@ -228,6 +242,8 @@ def test_rolling_update_keeps_clusterip_traffic_flowing(pod: PodRun, request: py
     # Not under /tmp: the pod's /tmp is its own emptyDir.
     image = Path(tempfile.mkdtemp(prefix="ekp-image-2-", dir="/var/tmp"))
     request.addfinalizer(lambda: shutil.rmtree(image, ignore_errors=True))
+    request.addfinalizer(lambda: pod.image_env.update(EKP_BPF_DIR=IMAGE_ENV["EKP_BPF_DIR"]))
+    maps_before = pinned_map_ids(pod)
     new_bpf = image / "bpf"
     shutil.copytree(REPO / "bpf", new_bpf)
     with open(new_bpf / "ekp_tc.c", "a") as f:
@@ -279,7 +295,8 @@ def test_rolling_update_keeps_clusterip_traffic_flowing(pod: PodRun, request: py
     assert set(result["bodies"]) == {"pod-1-2"}, result
     new_log = pod.log()
     assert "already running" not in new_log
-    assert "data path compiled in" in new_log, "the new image's programs were built on the old maps"
+    assert "data path compiled in" in new_log, "the new image compiled its own programs"
+    assert pinned_map_ids(pod) == maps_before, "...against the maps the old pod pinned, not new ones"
 
 
 def test_the_rendered_command_with_cleanup_removes_everything(pod: PodRun) -> None:
