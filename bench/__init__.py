@@ -19,7 +19,8 @@ sync time, iptables restore time) and what the kernel holds (rule count, map ent
 The second part (`--parts api`, bench/api.py) runs the agent against a fake API server holding
 10,000 Services with 10 endpoints each: list -> first sync, start -> first sync, a restart over
 its own pins, one EndpointSlice change p50/p99/max over 200 changes, and the agent's peak RSS.
-`--parts traffic,api` is the default; `--parts api` alone takes a few minutes.
+The third part (`--parts capacity`, bench/capacity.py) opens TCP flows through a ClusterIP until
+the default conntrack table evicts its first live one. All three parts are the default.
 
 Output: aligned tables on stdout and the same in Markdown in build/bench.md.
 """

@@ -31,6 +31,7 @@ from socket import inet_aton
 from agent.config import ConntrackSettings, MapSizes, conntrack_max
 from agent.ebpf.abi import BackendFlag
 from agent.ebpf.loader import Datapath
+from bench.report import Table, num
 from lab.dplab import BE1, VIP, Net, packet_lab, reset_maps
 from lab.packets import TC_ACT_REDIRECT, bpffs, sh
 
@@ -136,6 +137,38 @@ def measure(limit_flows: int | None = None, one_cpu: bool = False) -> Result:
             )
         finally:
             dp.close()
+
+
+def table(r: Result) -> Table:
+    share = 2 * r.flows_at_first_eviction / r.capacity if r.capacity else 0.0
+    return Table(
+        "Conntrack capacity: concurrent TCP flows the default sizing holds (ekp_ct_tcp_v2)",
+        [
+            "CPUs",
+            "kube-proxy conntrack max",
+            "table entries",
+            "flows at the first live eviction",
+            "memory",
+            "per flow",
+        ],
+        [
+            [
+                num(r.cpus),
+                num(r.flows_configured),
+                num(r.capacity),
+                f"{num(r.flows_at_first_eviction)} ({share:.1%} of entries)"
+                if r.flows_at_first_eviction
+                else "none",
+                f"{r.memlock_bytes / 2**20:.1f} MiB",
+                f"{r.bytes_per_flow:.0f} B",
+            ]
+        ],
+        [True, True, True, True, True, True],
+        notes=[
+            "flows opened with BPF_PROG_TEST_RUN (SYN, SYN-ACK, ACK: established, 24 h timeout), "
+            "alternating CPUs; two entries per flow; memory is the kernel's memlock account of the table",
+        ],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

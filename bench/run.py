@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 from agent.ebpf import abi
-from bench import api, bpfstats
+from bench import api, bpfstats, capacity
 from bench.report import Table, num, ratio
 from bench.traffic import Load, children, connect_samples, percentile, pinned, wrk
 from bench.workload import MEASURED_PORT, MEASURED_VIP, ServicesFile, services_file
@@ -26,7 +26,7 @@ from lab.core import Node, Pod
 from lab.harness import REPO, Agent, Cluster
 
 MODES = ("ebpf", "iptables")
-PARTS = ("traffic", "api")
+PARTS = ("traffic", "api", "capacity")
 # Client source ports: pod-IP and ClusterIP traffic never share a 4-tuple (see `use_ports`).
 PORTS_DIRECT = "32768 46999"
 PORTS_VIP = "47000 60999"
@@ -595,7 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--parts",
         default=",".join(PARTS),
         help="traffic (data path and file-sourced sync), api (the agent following an API server at "
-        "scale: bench/api.py); default both",
+        "scale: bench/api.py), capacity (concurrent flows the default conntrack sizing holds: "
+        "bench/capacity.py); default all three",
     )
     p.add_argument(
         "--api-services", type=int, default=10_000, help="services on the API server (default 10000)"
@@ -644,6 +645,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             scales.append(api.measure(mode, a.api_services, a.api_endpoints, a.api_changes))
         out.append(api.table(scales))
+    if "capacity" in parts:
+        print("== capacity: TCP flows through a ClusterIP until the first live one is evicted", flush=True)
+        out.append(capacity.table(capacity.measure()))
     took = time.monotonic() - start
     footer = f"whole run: {took:.0f} s"
     print()
