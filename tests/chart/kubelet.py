@@ -121,8 +121,13 @@ def launch(
     config_maps: Mapping[str, Mapping[str, str]],
     service_account: Mapping[str, bytes],
     image_env: Mapping[str, str],
+    image_dirs: Sequence[str] = (),
 ) -> Launch:
     """The argv that starts `container` of `pod_spec` as described in the module docstring.
+
+    `image_dirs` are directories of the machine that stand in for the image's own files (the
+    repository and its virtualenv): visible in the container even where a volume (the /tmp
+    emptyDir, when the repository lives under /tmp) would cover them.
 
     `hostpaths` maps a hostPath volume's path to what stands in for it (paths not listed are
     used as they are); `config_maps` maps a ConfigMap name to its data; `service_account` holds
@@ -160,7 +165,7 @@ def launch(
             (sa / name).write_bytes(data)
         mounts.append((str(sa), SERVICE_ACCOUNT_DIR, True))
     caps = capabilities(container)
-    script = _mount_script(mounts, workdir, read_only_proc_sys=caps is not None)
+    script = _mount_script(mounts, workdir, read_only_proc_sys=caps is not None, image_dirs=image_dirs)
     exec_argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items()), *command]
     if caps is not None:
         bounding = ",".join(["-all", *(f"+{c.lower()}" for c in caps)])
@@ -196,7 +201,13 @@ def _under_run(path: str) -> bool:
     return path == "/run" or path.startswith(("/run/", "/var/run/"))
 
 
-def _mount_script(mounts: Sequence[tuple[str, str, bool]], workdir: Path, *, read_only_proc_sys: bool) -> str:
+def _mount_script(
+    mounts: Sequence[tuple[str, str, bool]],
+    workdir: Path,
+    *,
+    read_only_proc_sys: bool,
+    image_dirs: Sequence[str] = (),
+) -> str:
     """Shell run inside the new mount namespace before the container's command is exec'd.
 
     The host's /run is bind-mounted aside first, so host paths under /run (the xtables lock,
@@ -208,6 +219,15 @@ def _mount_script(mounts: Sequence[tuple[str, str, bool]], workdir: Path, *, rea
     stage.mkdir(exist_ok=True)
     q = shlex.quote
     lines = [f"mount --bind /run {q(str(stage))}", "mount -t tmpfs -o mode=0755 tmpfs /run"]
+    # The image's directories, set aside on the container's /run (no volume covers it) to be put
+    # back over whatever volume hides them.
+    hidden = [
+        d
+        for d in image_dirs
+        if any(d == t or d.startswith(t.rstrip("/") + "/") for _, t, _ in mounts if not _under_run(t))
+    ]
+    for i, d in enumerate(hidden):
+        lines += [f"mkdir -p /run/.image-{i}", f"mount --bind {q(d)} /run/.image-{i}"]
     overlaid: list[str] = []
     for _, target, _ in mounts:
         if _under_run(target) or os.path.exists(target):
@@ -240,6 +260,8 @@ def _mount_script(mounts: Sequence[tuple[str, str, bool]], workdir: Path, *, rea
         lines.append(f"mount --bind {q(src)} {q(target)}")
         if read_only:
             lines.append(f"mount -o remount,bind,ro {q(target)}")
+    for i, d in enumerate(hidden):
+        lines += [f"mkdir -p {q(d)}", f"mount --bind /run/.image-{i} {q(d)}"]
     if read_only_proc_sys:
         lines += ["mount --bind /proc/sys /proc/sys", "mount -o remount,bind,ro /proc/sys"]
     return "; ".join(lines) + ";"

@@ -92,6 +92,7 @@ class PodRun:
                 "namespace": NAMESPACE.encode(),
             },
             image_env=self.image_env,
+            image_dirs=(str(REPO), self.image_env["EKP_BPF_DIR"]),
         )
 
     def run_init_containers(self) -> dict[str, str]:
