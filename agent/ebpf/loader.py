@@ -167,6 +167,8 @@ def check_pins(pin_path: str, sizes: MapSizes) -> None:
             continue
         try:
             fd = obj_get(path)
+        except FileNotFoundError:
+            continue  # removed since the listing: it will be created
         except OSError as e:
             # Not a shape to drop with --cleanup: a permission or a foreign file, to look at first.
             raise FatalError(
