@@ -9,7 +9,9 @@ agent:
   (the watcher walked it forever at 100% CPU) and a 588-byte "billion laughs" file grew past 1 GB
   once walked. kubectl never writes aliases, so every alias is refused, not only expanding ones;
 * nesting deeper than MAX_DEPTH: libyaml's C composer recursed until it overflowed the C stack
-  (a segfault, not an exception, at 100,000 levels of `[`), and `json.loads` raised RecursionError;
+  (a segfault, not an exception, at 100,000 levels of `[`), and `json.loads` raised RecursionError.
+  Newer libyaml stops at its own limit (1,000 levels) with a scanner error: that is refused as
+  depth too, so the reason does not depend on the parser's version;
 * a timestamp-looking plain scalar (`x-date: 2001-02-30` raised ValueError in PyYAML's timestamp
   constructor): timestamps stay strings, as sigs.k8s.io/yaml (go-yaml v2) leaves them when it
   decodes into an untyped value;
@@ -69,6 +71,9 @@ _IMPLICIT = Resolver.yaml_implicit_resolvers
 # state for scalars, so one instance serves every thread.
 _NUMBERS = SafeConstructor()
 _LONG_DIGITS = re.compile(rf"\d{{{MAX_NUMBER_CHARS - 1},}}")
+# What libyaml (0.2.5 as bundled since PyYAML 6.0.4) says when its scanner's flow or block nesting
+# passes its own limit ("while increasing flow level exceeded maximum nesting depth").
+_PARSER_DEPTH = "exceeded maximum nesting depth"
 
 
 class Reason(StrEnum):
@@ -200,7 +205,12 @@ def yaml_documents(text: str) -> list[Any]:
                     "them, write the object out in full",
                 )
     except yaml.YAMLError as exc:
-        raise Refused(Reason.SYNTAX, f"not valid YAML: {' '.join(str(exc).split())}") from None
+        text = " ".join(str(exc).split())
+        if _PARSER_DEPTH in text:
+            # libyaml's own nesting limit (PyYAML 6.0.4's wheels: 1,000 levels) stopped the scanner
+            # before MAX_DEPTH could: the same refusal, whichever limit came first.
+            raise Refused(Reason.DEPTH, f"nested deeper than the YAML parser allows: {text}") from None
+        raise Refused(Reason.SYNTAX, f"not valid YAML: {text}") from None
     return docs
 
 
