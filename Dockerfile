@@ -15,8 +15,9 @@
 #
 # Reproducible: the base image is pinned to a Debian point release (replace the tag with its
 # digest, debian:12.11-slim@sha256:..., when publishing), apt installs without recommends and
-# leaves no lists or caches, and pip installs the exact versions of docker/constraints.txt
-# without a cache.
+# leaves no lists or caches, and pip installs requirements/agent.lock (exact versions and hashes,
+# the ones `make test` ran: `make lock` writes it) without a cache, then the agent without resolving
+# anything.
 ARG DEBIAN_IMAGE=debian:12.11-slim
 FROM ${DEBIAN_IMAGE}
 
@@ -29,11 +30,13 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/* /var/log/apt /var/log/dpkg.log
 
 # --system-site-packages: bcc is Debian's (/usr/lib/python3/dist-packages/bcc), not on PyPI.
-COPY pyproject.toml README.md docker/constraints.txt /src/
+COPY pyproject.toml README.md requirements/agent.lock /src/
 COPY agent /src/agent
 RUN python3 -m venv --system-site-packages /opt/ebpf-kube-proxy/venv \
  && /opt/ebpf-kube-proxy/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
-      --constraint /src/constraints.txt /src \
+      --require-hashes -r /src/agent.lock \
+ && /opt/ebpf-kube-proxy/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
+      --no-deps --no-build-isolation /src \
  && rm -rf /src /root/.cache
 
 # The C of the data path, compiled by bcc at start (agent/ebpf/loader.py reads EKP_BPF_DIR).

@@ -9,8 +9,9 @@ build="$top/build"
 venv="$top/.venv"
 mkdir -p "$build"
 
+# gcc: tests/ebpf/test_abi.py compiles a probe of bpf/ekp_abi.h to check the Python mirror.
 APT_PACKAGES=(
-  python3-bpfcc bpfcc-tools bpftool linux-headers-amd64
+  python3-bpfcc bpfcc-tools bpftool linux-headers-amd64 gcc
   iptables conntrack nftables iproute2 ethtool
   dnsmasq-base nginx-light socat curl wrk apache2-utils iperf3 tcpdump dnsutils
 )
@@ -59,10 +60,13 @@ install_venv() {
   local site
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   [[ -e "$site/bcc" ]] || ln -sfn /usr/lib/python3/dist-packages/bcc "$site/bcc"
-  local stamp="$build/.pip-stamp"
-  if [[ ! -f "$stamp" || "$top/pyproject.toml" -nt "$stamp" ]]; then
-    log "pip install -e .[dev]"
-    "$venv/bin/pip" install -q --disable-pip-version-check -e "$top[dev]"
+  # The exact versions and hashes of requirements/dev.lock (`make lock` regenerates it), then the
+  # project itself without resolving anything: a fresh machine gets the versions CI tested.
+  local stamp="$build/.pip-stamp" lock="$top/requirements/dev.lock"
+  if [[ ! -f "$stamp" || "$top/pyproject.toml" -nt "$stamp" || "$lock" -nt "$stamp" ]]; then
+    log "pip install --require-hashes -r requirements/dev.lock"
+    "$venv/bin/pip" install -q --disable-pip-version-check --require-hashes -r "$lock"
+    "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$top"
     touch "$stamp"
   fi
 }

@@ -3,7 +3,7 @@
 The file parses into instructions; the base is a pinned Debian bookworm slim; the entrypoint is the
 `agent` console script; every apt package it installs exists in Debian bookworm (`apt-cache show`
 on this bookworm machine), installed without recommends and without leaving lists behind; the
-pip install names exact versions that satisfy pyproject.toml and resolves with pip; what it
+pip install takes requirements/agent.lock with its hashes, then the agent without dependencies; what it
 copies exists; EKP_BPF_DIR points where bpf/ is copied.
 """
 
@@ -12,17 +12,14 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
-from packaging.requirements import Requirement
 
 from tests.chart.render import REPO
 
 DOCKERFILE = REPO / "Dockerfile"
-CONSTRAINTS = REPO / "docker" / "constraints.txt"
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -115,37 +112,12 @@ def test_every_copied_path_exists_and_bpf_dir_matches(steps: list[tuple[str, str
     assert (REPO / "bpf" / "ekp_tc.c").exists()
 
 
-def test_the_pip_install_resolves_against_pyproject(steps: list[tuple[str, str]]) -> None:
+def test_the_image_installs_the_agent_lock_and_the_agent_without_resolving(
+    steps: list[tuple[str, str]],
+) -> None:
+    """The lock itself is checked by tests/test_locks.py; here, that the image uses it as setup.sh does."""
     run = " ".join(a for w, a in steps if w == "RUN")
-    assert re.search(r"pip install --no-cache-dir .*--constraint /src/constraints.txt /src", run), run
-    pins = {}
-    for line in CONSTRAINTS.read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            req = Requirement(line)
-            spec = list(req.specifier)
-            assert len(spec) == 1 and spec[0].operator == "==", f"not an exact pin: {line}"
-            pins[req.name.lower().replace("_", "-")] = spec[0].version
-    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    for text in declared:
-        req = Requirement(text)
-        name = req.name.lower().replace("_", "-")
-        assert name in pins, f"{name} is a dependency but has no pin in {CONSTRAINTS.name}"
-        assert req.specifier.contains(pins[name]), f"{name}=={pins[name]} does not satisfy {req}"
-    # pip itself resolves the project with the pins (metadata only, nothing installed).
-    res = subprocess.run(
-        [
-            sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-            "--disable-pip-version-check", "--report", "-", "--constraint", str(CONSTRAINTS), str(REPO),
-        ],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    report = json.loads(res.stdout)
-    resolved = {
-        i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"] for i in report["install"]
-    }
-    assert (
-        resolved.pop("ebpf-kube-proxy")
-        == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    )
-    assert resolved == pins, "the pins are the whole runtime closure, nothing more, nothing less"
+    assert re.search(r"pip install --no-cache-dir .*--require-hashes -r /src/agent.lock", run), run
+    assert re.search(r"pip install --no-cache-dir .*--no-deps --no-build-isolation /src", run), run
+    copied = next(a.split() for w, a in steps if w == "COPY" and "requirements/agent.lock" in a)
+    assert copied[-1] == "/src/"
