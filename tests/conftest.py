@@ -1,7 +1,10 @@
 """Shared pytest glue: the `kernel` gate, network-namespace lab fixtures and the session leak check.
 
 * Tests marked `kernel` (and fixtures using `kernel_required`) need root, network namespaces and BPF.
-  Without them they are skipped, or fail when the environment variable CI is set (non-empty).
+  Without them they fail. Nothing in `make test` may skip: a run with any skipped item fails at the
+  end, naming them, so a machine where the lab cannot run is red, never green with the lab unrun.
+  The one opt-out is explicit: EKP_ALLOW_SKIP=1 (`make unit`, `make test-latest`), and CI ignores
+  it (a CI run skips nothing whatever the environment says).
 * `lab1`: module-scoped 1-node lab, 2 pods, podservers on every pod.
   `lab2`: module-scoped 2-node lab, 2 pods per node, podservers on every pod.
   Tests sharing a module-scoped lab should undo what they change (routes, extra pods, servers).
@@ -24,13 +27,22 @@ import pytest
 from lab import CREATED_PREFIXES, STARTED, Lab, LabFactory, find_leaks, kernel_problem, live_labs
 
 
+def skips_allowed() -> bool:
+    """Whoever runs the suite said skips are fine (EKP_ALLOW_SKIP=1), and this is not CI."""
+    return os.environ.get("EKP_ALLOW_SKIP") == "1" and not os.environ.get("CI")
+
+
 def require_kernel() -> None:
-    """Skip (fail when CI is set) unless root, network namespaces and BPF are available."""
+    """Fail (skip only where skips_allowed) unless root, network namespaces and BPF are available."""
     reason = kernel_problem()
     if reason is None:
         return
-    if os.environ.get("CI"):
-        pytest.fail(f"kernel test cannot run although CI is set: {reason}", pytrace=False)
+    if not skips_allowed():
+        pytest.fail(
+            f"kernel test cannot run: {reason} (run `make test` as root on a machine with BPF and "
+            "network namespaces; `make unit` runs the pure tests alone)",
+            pytrace=False,
+        )
     pytest.skip(reason)
 
 
@@ -58,9 +70,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Generator[
             problems.append(str(exc))
     if CREATED_PREFIXES:
         problems += find_leaks(CREATED_PREFIXES, STARTED)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = [r for r in reporter.stats.get("skipped", []) if r.when] if reporter is not None else []
+    if skipped and not skips_allowed():
+        problems.append(
+            f"{len(skipped)} item(s) skipped, and this run allows none (EKP_ALLOW_SKIP=1 outside CI "
+            "opts out): " + "; ".join(f"{r.nodeid}: {_skip_reason(r)}" for r in skipped[:20])
+        )
     if problems:
-        text = "lab leak check failed:\n  " + "\n  ".join(problems)
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        text = "the run is not clean:\n  " + "\n  ".join(problems)
         if reporter is not None:
             reporter.ensure_newline()
             reporter.write_line(text, red=True, bold=True)
@@ -68,6 +86,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Generator[
             print(text, file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     return result
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2]) if isinstance(longrepr, tuple) else str(longrepr)
 
 
 @pytest.fixture(scope="session")
