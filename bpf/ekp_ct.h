@@ -28,8 +28,8 @@
 
 #include "ekp_maps.h"
 #include "ekp_parse.h"
+#include "ekp_time.h"
 
-#define EKP_NSEC 1000000000ULL
 #define EKP_CT_REFRESH_NS EKP_NSEC
 /* Used when ekp_config holds 0 (the agent has not written it yet): kube-proxy's and the kernel's
  * defaults, as agent/ebpf/plan.py's config_entry writes them. */
@@ -96,10 +96,8 @@ static __always_inline __u64 ekp_ct_timeout_ns(const struct ekp_config *cfg, __u
 static __always_inline int ekp_ct_expired(const struct ekp_ct_entry *e, const struct ekp_config *cfg,
 					  __u8 proto, __u64 now)
 {
-	__u64 last = e->last_seen_ns;
-
-	/* another CPU may have refreshed it after we read the clock: not expired then */
-	return now > last && now - last > ekp_ct_timeout_ns(cfg, proto, e->flags);
+	/* another CPU may have refreshed it after we read the clock: a negative age, not expired */
+	return ekp_age_ns(now, e->last_seen_ns) > (__s64)ekp_ct_timeout_ns(cfg, proto, e->flags);
 }
 
 static __always_inline int ekp_pure_syn(const struct ekp_pkt *p)
@@ -201,7 +199,7 @@ static __always_inline void ekp_ct_delete_twin(const struct ekp_ct_entry *e, con
  * was rebuilt. */
 static __always_inline int ekp_ct_refresh(struct ekp_ct_entry *e, const struct ekp_ct_key *k, __u64 now)
 {
-	if (now <= e->last_seen_ns + EKP_CT_REFRESH_NS)
+	if (ekp_age_ns(now, e->last_seen_ns) <= (__s64)EKP_CT_REFRESH_NS)
 		return 0;
 	e->last_seen_ns = now;
 

@@ -72,7 +72,7 @@ static __always_inline int ekp_pick_backend(const struct ekp_frontend *fe, const
 		if (a) {
 			__u64 last = a->last_seen_ns;
 			__u32 remembered = a->backend_id;
-			if ((now <= last || now - last < (__u64)fe->affinity_timeout * EKP_NSEC) &&
+			if (ekp_age_ns(now, last) < (__s64)fe->affinity_timeout * (__s64)EKP_NSEC &&
 			    ekp_is_member(fe, remembered)) {
 				bk.id = remembered;
 				be = ekp_be_lookup(&bk); /* gone: choose again */

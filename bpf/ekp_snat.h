@@ -32,6 +32,7 @@
  * ekp_flow_hash). */
 #include "ekp_maps.h"
 #include "ekp_parse.h"
+#include "ekp_time.h"
 
 #define EKP_SNAT_ATTEMPTS 128 /* NF_NAT_MAX_ATTEMPTS */
 #define EKP_SNAT_PROBES 240   /* 128 + 64 + 32 + 16 */
@@ -93,7 +94,7 @@ static __always_inline int ekp_snat_walk(struct ekp_ct_key *rkey, const struct e
 		if (!old)
 			return 0;
 		__u16 flags = old->flags;
-		if (!candidate && ((flags & EKP_CT_ENDING) || now - old->last_seen_ns > dead_ns))
+		if (!candidate && ((flags & EKP_CT_ENDING) || ekp_age_ns(now, old->last_seen_ns) > (__s64)dead_ns))
 			candidate = port;
 		if (!victim && !(flags & EKP_CT_ESTABLISHED))
 			victim = port;
