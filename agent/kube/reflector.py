@@ -523,9 +523,10 @@ class Reflector:
                 if line.strip():
                     count += 1
                     self._handle_line(line, batch)
-            self._deliver(batch)
             if lines:
+                # Before the delivery: whoever sees these events applied also sees the recovery logged.
                 self._recovered("watch")
+            self._deliver(batch)
         return count
 
     def _handle_line(self, line: bytes, batch: list[Event]) -> None:
