@@ -24,8 +24,9 @@ from prometheus_client import CollectorRegistry
 from agent.config import Config, Mode, NodeContext
 from agent.daemon import Agent, EventSink, NoEvents, Parts, Service
 from agent.errors import FatalError
+from agent.featuregates import node_info
 from agent.metrics import Metrics
-from agent.model import NodeInfo, ProxyState, build_state
+from agent.model import ProxyState, build_state
 from agent.proxier import Proxier
 from agent.sources.base import Source
 from agent.sources.file import LOAD_ERRORS, load_file
@@ -81,7 +82,7 @@ def dry_run(config: Config) -> int:
     except LOAD_ERRORS as exc:
         print(f"agent: cannot read --services-file {config.services_file}: {exc}", file=sys.stderr)
         return 1
-    result = build_state(snap.services, snap.endpoint_slices, NodeInfo(config.hostname))
+    result = build_state(snap.services, snap.endpoint_slices, node_info(config))
     for problem in result.problems:
         log.error("skipping %s", problem)
     sys.stdout.write(render_dry_run(config, result.state, static_node(config)))
