@@ -4,6 +4,7 @@
     agent --dry-run                print what would be written for a services file
     agent --cleanup                remove what either mode installed (refused under a live agent)
     agent --cleanup-kube-proxy     remove what a previous kube-proxy left, then exit
+    agent --init-only              the privileged node set-up of the mode (sysctls, bpffs), then exit
 
 The only module that knows every layer. The long-running logic lives in agent/daemon.py; this
 module only decides which source (the services file, or the API server through `--kubeconfig` /
@@ -254,6 +255,16 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         return cleanup(config)
     if config.cleanup_kube_proxy:
         return cleanup_kube_proxy(config)
+    if config.init_only:
+        from agent.nodeinit import init_node
+
+        return init_node(config)
+
+    from agent.featuregates import log_gates
+    from agent.oom import apply_oom_score_adj
+
+    apply_oom_score_adj(config.oom_score_adj)
+    log_gates(config)
 
     from agent.lock import acquire
 
