@@ -4,6 +4,7 @@
     agent --dry-run                print what would be written for a services file
     agent --cleanup                remove what either mode installed (refused under a live agent)
     agent --cleanup-kube-proxy     remove what a previous kube-proxy left, then exit
+    agent --init-only              the privileged node set-up of the mode (sysctls, bpffs), then exit
 
 The only module that knows every layer. The long-running logic lives in agent/daemon.py; this
 module only decides which source (the services file, or the API server through `--kubeconfig` /
@@ -24,8 +25,9 @@ from prometheus_client import CollectorRegistry
 from agent.config import Config, Mode, NodeContext
 from agent.daemon import Agent, EventSink, NoEvents, Parts, Service
 from agent.errors import FatalError
+from agent.featuregates import node_info
 from agent.metrics import Metrics
-from agent.model import NodeInfo, ProxyState, build_state
+from agent.model import ProxyState, build_state
 from agent.proxier import Proxier
 from agent.sources.base import Source
 from agent.sources.file import LOAD_ERRORS, load_file
@@ -81,7 +83,7 @@ def dry_run(config: Config) -> int:
     except LOAD_ERRORS as exc:
         print(f"agent: cannot read --services-file {config.services_file}: {exc}", file=sys.stderr)
         return 1
-    result = build_state(snap.services, snap.endpoint_slices, NodeInfo(config.hostname))
+    result = build_state(snap.services, snap.endpoint_slices, node_info(config))
     for problem in result.problems:
         log.error("skipping %s", problem)
     sys.stdout.write(render_dry_run(config, result.state, static_node(config)))
@@ -253,6 +255,16 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         return cleanup(config)
     if config.cleanup_kube_proxy:
         return cleanup_kube_proxy(config)
+    if config.init_only:
+        from agent.nodeinit import init_node
+
+        return init_node(config)
+
+    from agent.featuregates import log_gates
+    from agent.oom import apply_oom_score_adj
+
+    apply_oom_score_adj(config.oom_score_adj)
+    log_gates(config)
 
     from agent.lock import acquire
 

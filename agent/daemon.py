@@ -39,10 +39,11 @@ from prometheus_client import CollectorRegistry
 
 from agent.config import Config, NodeContext
 from agent.errors import FatalError
+from agent.featuregates import node_info
 from agent.metrics import Metrics, no_local_endpoints
 from agent.model.problem import Problem, printable
 from agent.model.tracker import Commit, ProxyModel
-from agent.model.types import NodeInfo, ServicePortName
+from agent.model.types import ServicePortName
 from agent.proxier import Proxier, SyncResult
 from agent.runner import BoundedFrequencyRunner
 from agent.sources.base import Event, EventType, Kind, ObjectEvent, Source, Synced
@@ -117,7 +118,7 @@ class Agent:
         self._parts = parts
         self._clock = clock
         self._wall = wall
-        self._model = ProxyModel(NodeInfo(config.hostname))
+        self._model = ProxyModel(node_info(config))
         self._lock = threading.Lock()
         self._queue: list[Event] = []
         self._synced: set[Kind] = set()
@@ -318,7 +319,7 @@ class Agent:
             else:
                 self._model.set_slice(event.key, event.obj)
         elif event.kind is Kind.NODE:
-            self._model.set_node(NodeInfo(self._config.hostname, _labels(obj)))
+            self._model.set_node(node_info(self._config, _labels(obj)))
             if self._parts.health is not None:
                 self._parts.health.sync_node(obj)
 

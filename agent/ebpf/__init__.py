@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from agent.config import Config, NodeContext
-from agent.model.types import ProxyState
-
 if TYPE_CHECKING:
+    # Under TYPE_CHECKING: agent.config reads the map registry (agent.ebpf.abi) for its defaults,
+    # so importing it here at run time would be circular.
+    from agent.config import Config, NodeContext
     from agent.ebpf.proxier import EbpfProxier
+    from agent.model.types import ProxyState
 
 __all__ = ["EbpfProxier", "render_dry_run"]
 

@@ -37,7 +37,6 @@ otherwise each node address that `--nodeport-addresses` selects (`health_check_a
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import threading
@@ -59,15 +58,7 @@ def health_check_addresses(config: Config, node: NodeContext) -> tuple[str, ...]
     address `--nodeport-addresses` selects (loopback first, as `lo` is the first interface)."""
     if not config.nodeport_addresses:
         return ("0.0.0.0",)
-    out = []
-    for cidr in config.nodeport_addresses:
-        try:
-            net = ipaddress.ip_network(cidr, strict=False)
-        except ValueError:
-            continue
-        if ipaddress.ip_address("127.0.0.1") in net:
-            out.append("127.0.0.1")
-    out += node.nodeport_ips(config.nodeport_addresses)
+    out = node.nodeport_ips(config.nodeport_addresses, loopback=True)
     if not out:
         log.error(
             "no node address matches --nodeport-addresses %s: healthCheckNodePorts listen on every "
@@ -75,7 +66,7 @@ def health_check_addresses(config: Config, node: NodeContext) -> tuple[str, ...]
             ",".join(config.nodeport_addresses),
         )
         return ("0.0.0.0",)
-    return tuple(dict.fromkeys(out))
+    return out
 
 
 def service_response(service: str, local_endpoints: int, proxy_healthy: bool) -> Response:

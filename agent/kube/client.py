@@ -17,6 +17,13 @@ Like client-go, TCP keepalive is on (30 s idle, kubernetes.utils.keepalive), so 
 dead connection fails within minutes instead of hanging. urllib3's own retries are off: the
 source's backoff decides when to retry, and its metrics count every attempt.
 
+Requests are paced as client-go paces kube-proxy's (`--kube-api-qps`, `--kube-api-burst`,
+`clientConnection.qps/burst`): a token bucket of `burst` tokens refilled at `qps` a second, each
+request waiting for its token (`RateLimitedApiClient.call_api`, which every list, watch and Event
+write goes through); qps 0 means 5 and burst 0 means 10 (rest.Config's defaults), a negative qps
+no limit. The content type is JSON whatever `--kube-api-content-type` says (protobuf, upstream's
+default, is not something this client can decode); another value than JSON or protobuf is logged.
+
 Failures that no retry can fix (no credentials at all, a missing or unparsable kubeconfig, a
 missing CA or token file) raise `FatalError` naming the file and what is wrong.
 """
@@ -26,7 +33,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +45,16 @@ from kubernetes.config.config_exception import ConfigException
 
 from agent.config import Config
 from agent.errors import FatalError
+from agent.kube.tokenbucket import TokenBucket
 
 log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 USER_AGENT = "ebpf-kube-proxy/0.1 (linux/amd64) kubernetes-python"
+JSON = "application/json"
+PROTOBUF = "application/vnd.kubernetes.protobuf"
+DEFAULT_QPS = 5.0  # client-go rest.DefaultQPS / DefaultBurst, used for 0
+DEFAULT_BURST = 10
 _BEARER = "BearerToken"  # the api_key slot the generated client reads (Configuration.auth_settings)
 _load_kube_config: Any = kube_config.load_kube_config  # untyped in the client
 
@@ -183,17 +196,53 @@ def client_configuration(
     return kubeconfig_configuration(config.kubeconfig, config.master)
 
 
+class RateLimitedApiClient(k8s.ApiClient):
+    """The kubernetes client with client-go's request pacing; `sleep` is injectable for tests."""
+
+    def __init__(
+        self,
+        configuration: k8s.Configuration,
+        bucket: TokenBucket | None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        super().__init__(configuration)
+        self.bucket = bucket
+        self._sleep = sleep
+
+    def call_api(self, *args: Any, **kwargs: Any) -> Any:
+        if self.bucket is not None:
+            wait = self.bucket.reserve()
+            if wait > 0:
+                self._sleep(wait)
+        return super().call_api(*args, **kwargs)
+
+
+def rate_limit(qps: float, burst: int) -> TokenBucket | None:
+    """client-go's rest.Config defaulting: qps 0 = 5, burst 0 = 10, qps < 0 = no limit."""
+    qps = qps or DEFAULT_QPS
+    if qps < 0:
+        return None
+    return TokenBucket(qps, burst or DEFAULT_BURST)
+
+
 def api_client(
     config: Config,
     environ: Mapping[str, str] | None = None,
     service_account_dir: str = SERVICE_ACCOUNT_DIR,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> k8s.ApiClient:
     """An ApiClient for `config`; raises FatalError when no usable credentials are found.
 
     Opens no connection: the first request happens when the source or the recorder starts.
     """
     cfg = client_configuration(config, environ, service_account_dir)
-    api = k8s.ApiClient(cfg)
+    if config.api_content_type not in (JSON, PROTOBUF):
+        log.info(
+            "--kube-api-content-type %s: this client reads and writes %s only; using it",
+            config.api_content_type,
+            JSON,
+        )
+    api = RateLimitedApiClient(cfg, rate_limit(config.api_qps, config.api_burst), sleep)
     api.user_agent = USER_AGENT
     return api
 

@@ -39,9 +39,9 @@ def topology_mode(endpoints: Sequence[Endpoint], node: NodeInfo) -> str:
             all_zone_hints = False
         elif zone in ep.zone_hints:
             zone_match = True
-    if all_node_hints and node_match:
+    if node.node_hints and all_node_hints and node_match:
         return TOPOLOGY_NODE
-    if all_zone_hints and zone_match:
+    if node.zone_hints and all_zone_hints and zone_match:
         return TOPOLOGY_ZONE
     return TOPOLOGY_NONE
 

@@ -159,6 +159,10 @@ class NodeInfo:
 
     name: str
     labels: tuple[tuple[str, str], ...] = ()
+    # Topology hints this node uses (feature gates, agent/featuregates.py): node hints
+    # (PreferSameTrafficDistribution), zone hints (TopologyAwareHints / ServiceTrafficDistribution).
+    node_hints: bool = True
+    zone_hints: bool = True
 
     @cached_property
     def zone(self) -> str:
