@@ -23,7 +23,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config, Mode, NodeContext
-from agent.daemon import Agent, EventSink, NoEvents, Parts, Service
+from agent.daemon import Agent, EventSink, NoEvents, Parts, Service, frontend_guard
 from agent.errors import FatalError
 from agent.featuregates import node_info
 from agent.metrics import Metrics
@@ -83,10 +83,11 @@ def dry_run(config: Config) -> int:
     except LOAD_ERRORS as exc:
         print(f"agent: cannot read --services-file {config.services_file}: {exc}", file=sys.stderr)
         return 1
-    result = build_state(snap.services, snap.endpoint_slices, node_info(config))
+    node = static_node(config)
+    result = build_state(snap.services, snap.endpoint_slices, node_info(config), frontend_guard(config, node))
     for problem in result.problems:
-        log.error("skipping %s", problem)
-    sys.stdout.write(render_dry_run(config, result.state, static_node(config)))
+        log.error("%s %s", "refusing part of" if problem.refusal else "skipping", problem)
+    sys.stdout.write(render_dry_run(config, result.state, node))
     return 0
 
 

@@ -121,6 +121,8 @@ class Config:
     cleanup_kube_proxy: bool = default("cleanup_kube_proxy")
     init_only: bool = default("init_only")
     cluster_cidr: tuple[str, ...] = default("cluster_cidr")
+    service_cidrs: tuple[str, ...] = default("service_cidrs")
+    external_ip_cidrs: tuple[str, ...] = default("external_ip_cidrs")  # () = any address
     masquerade_all: bool = default("masquerade_all")
     masquerade_bit: int = default("masquerade_bit")
     nodeport_addresses: tuple[str, ...] = default("nodeport_addresses")  # () = every node address

@@ -15,7 +15,11 @@
   proxier could not program are retried at the next sync and logged once each; an
   `agent.errors.FatalError` stops the agent with exit status 1 and its message.
 * **Problems** (malformed objects, conflicts) are logged and counted once when they appear,
-  reported as Kubernetes Events through `events`, and logged again when they go away.
+  reported as Kubernetes Events through `events`, and logged again when they go away. So are
+  frontends the node refuses (`frontend_guard`: externalIPs and load-balancer IPs on its own
+  addresses, the pod or Service CIDRs or outside `--external-ip-cidrs`, node ports outside
+  `--node-port-range`), counted in `ekp_refused_frontends_total`; the guard follows the node's
+  addresses, read before the commit that needs them.
 
 Construction has no side effects; `start()` starts the source, the servers and the runner;
 `run()` also handles SIGTERM/SIGINT and returns the exit status. Stopping removes nothing: programs,
@@ -41,6 +45,7 @@ from agent.config import Config, NodeContext
 from agent.errors import FatalError
 from agent.featuregates import node_info
 from agent.metrics import Metrics, no_local_endpoints
+from agent.model.guard import FrontendGuard
 from agent.model.problem import Problem, printable
 from agent.model.tracker import Commit, ProxyModel
 from agent.model.types import ServicePortName
@@ -103,6 +108,18 @@ class Parts:
     events: EventSink = field(default_factory=NoEvents)
     services: Sequence[Service] = ()  # started before the source, stopped after it
     close: Callable[[], None] | None = None  # release the proxier's resources on stop
+
+
+def frontend_guard(config: Config, node: NodeContext) -> FrontendGuard:
+    """The node's rules for external frontends (agent/model/guard.py), from the flags and the
+    node's addresses."""
+    return FrontendGuard.of(
+        node_ips=node.node_ips,
+        cluster_cidrs=config.cluster_cidr,
+        service_cidrs=config.service_cidrs,
+        allowed_cidrs=config.external_ip_cidrs,
+        node_port_range=config.nodeport_range,
+    )
 
 
 class Agent:
@@ -268,14 +285,17 @@ class Agent:
                 self._waiting_logged = True
             return
         start = self._clock()
-        commit = self._model.commit()
-        self._report(commit)
-        full = commit.changed is None or start - self._last_full >= self._config.sync_period_s
-        if full or self._node is None:
+        periodic = start - self._last_full >= self._config.sync_period_s
+        if periodic or self._model.full_pending or self._node is None:
+            # Before the commit: the guard of external frontends depends on the node's addresses.
             node = self._parts.node_context()
             if node != self._node and self._node is not None:
                 log.info("node addresses changed: %s", ",".join(node.node_ips) or "none")
             self._node = node
+            self._model.set_guard(frontend_guard(self._config, node))
+        commit = self._model.commit()
+        self._report(commit)
+        full = commit.changed is None or periodic
         changed: frozenset[ServicePortName] | None = None
         if not full:
             changed = (commit.changed or frozenset()) | frozenset(self._retry)
@@ -339,11 +359,15 @@ class Agent:
         for problem in commit.problems_cleared:
             log.info("resolved: %s", problem)
         for problem in commit.problems_added:
-            log.error("skipping %s (every other object is still programmed)", problem)
-            self._parts.metrics.record_skipped(problem.kind)
+            if problem.refusal:
+                log.error("refusing part of %s", problem)
+                self._parts.metrics.record_refused(problem.refusal)
+            else:
+                log.error("skipping %s (every other object is still programmed)", problem)
+                self._parts.metrics.record_skipped(problem.kind)
             self._parts.events.warn(problem, self._uid_of(problem))
         if commit.problems_added or commit.problems_cleared:
-            self._parts.metrics.set_invalid_objects(len(self._model.problems()))
+            self._parts.metrics.set_invalid_objects(sum(1 for p in self._model.problems() if not p.refusal))
 
     def _after_sync(self, commit: Commit, result: SyncResult, elapsed: float, full: bool) -> None:
         for spn, why in result.failed.items():

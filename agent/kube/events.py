@@ -4,11 +4,13 @@ kube-proxy records through events.k8s.io/v1 (`events.NewBroadcaster(&events.Even
 Interface: client.EventsV1()})`), and so does `EventRecorder`. A Warning Event per problem:
 
 * `regarding` the object (kind, apiVersion, namespace, name, uid when known); `reason`
-  `InvalidService` / `InvalidEndpointSlice` / `InvalidNode`; `note` the Problem's reason; `action`
-  `SkipObject`; `reportingController` `ebpf-kube-proxy`; `reportingInstance`
-  `ebpf-kube-proxy-<node>` (client-go: controller + "-" + hostname). The Event lives in the
-  object's namespace (`default` for a Node) and is named `<object>.<hex nanoseconds>` as
-  client-go names it. `deprecatedSource` stays unset: events.k8s.io/v1 rejects it.
+  `InvalidService` / `InvalidEndpointSlice` / `InvalidNode`, or for a refused frontend the
+  refusal (`RefusedExternalIP`, `RefusedNodePort`, agent/model/guard.py); `note` the Problem's
+  reason; `action` `SkipObject` (`RefuseFrontend` for a refusal); `reportingController`
+  `ebpf-kube-proxy`; `reportingInstance` `ebpf-kube-proxy-<node>` (client-go: controller + "-" +
+  hostname). The Event lives in the object's namespace (`default` for a Node) and is named
+  `<object>.<hex nanoseconds>` as client-go names it. `deprecatedSource` stays unset:
+  events.k8s.io/v1 rejects it.
 * Deduplicated as client-go's events broadcaster does: the same object, reason and note again
   within `series_ttl_s` (client-go's finishTime, 6 min) does not make a new Event; it grows the
   first one's `series` (count, lastObservedTime). The first repeat is PATCHed at once (as
@@ -60,6 +62,7 @@ log = logging.getLogger(__name__)
 
 CONTROLLER = "ebpf-kube-proxy"
 ACTION = "SkipObject"
+REFUSE_ACTION = "RefuseFrontend"
 API_VERSIONS = {"Service": "v1", "EndpointSlice": "discovery.k8s.io/v1", "Node": "v1"}
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -105,8 +108,8 @@ def event_body(problem: Problem, uid: str | None, node: str, at: datetime) -> di
         "eventTime": micro_time(at),
         "reportingController": CONTROLLER,
         "reportingInstance": f"{CONTROLLER}-{node}"[:128],
-        "action": ACTION,
-        "reason": f"Invalid{problem.kind}"[:128],
+        "action": REFUSE_ACTION if problem.refusal else ACTION,
+        "reason": (problem.refusal or f"Invalid{problem.kind}")[:128],
         "regarding": regarding,
         "note": printable(f"{problem.reason} (node {node} leaves it out of its proxy rules)", 1000),
         "type": "Warning",

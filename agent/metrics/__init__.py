@@ -219,6 +219,13 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.refused_frontends = Counter(
+            "ekp_refused_frontends_total",
+            "Services whose externalIPs, load-balancer IPs or node ports this node refused to program "
+            "(reason RefusedExternalIP or RefusedNodePort; the log and the Service's Events say which)",
+            ["reason"],
+            registry=r,
+        )
         self.invalid_objects = Gauge(
             "ekp_invalid_objects",
             "Kubernetes objects currently left out of the proxy state because they are malformed",
@@ -339,6 +346,9 @@ class Metrics:
 
     def record_skipped(self, kind: str) -> None:
         self.skipped_objects.labels(kind=kind).inc()
+
+    def record_refused(self, reason: str) -> None:
+        self.refused_frontends.labels(reason=reason).inc()
 
     def set_invalid_objects(self, count: int) -> None:
         self.invalid_objects.set(count)

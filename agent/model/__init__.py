@@ -3,6 +3,7 @@
 Imports no kernel, API-client or subprocess module (checked by import-linter, see pyproject).
 """
 
+from agent.model.guard import FrontendGuard
 from agent.model.parse import ParseError, parse_endpoint_slice, parse_service
 from agent.model.problem import Problem
 from agent.model.state import BuildResult, build_state
@@ -21,6 +22,7 @@ from agent.model.types import (
 __all__ = [
     "BuildResult",
     "Endpoint",
+    "FrontendGuard",
     "NodeInfo",
     "ParseError",
     "Problem",

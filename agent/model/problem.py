@@ -25,12 +25,16 @@ class Problem:
 
     `kind` is "Service", "EndpointSlice" or "Node"; `namespace` and `name` as the object gave them
     (escaped when printed). The reason is written by our code and may quote values with `printable`.
+    `refusal` is empty when the object (or port) is left out whole; otherwise only some of its
+    frontends are refused (agent/model/guard.py) and it names the refusal, the Event's reason
+    (`RefusedExternalIP`, `RefusedNodePort`).
     """
 
     kind: str
     namespace: str
     name: str
     reason: str
+    refusal: str = ""
 
     @property
     def ref(self) -> str:

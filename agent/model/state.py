@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from agent.model.guard import FrontendGuard
 from agent.model.parse import Obj
 from agent.model.problem import Problem
 from agent.model.tracker import ProxyModel, merge_slices
@@ -26,10 +27,13 @@ class BuildResult:
     problems: tuple[Problem, ...]
 
 
-def build_state(services: Iterable[Obj], slices: Iterable[Obj], node: NodeInfo) -> BuildResult:
+def build_state(
+    services: Iterable[Obj], slices: Iterable[Obj], node: NodeInfo, guard: FrontendGuard | None = None
+) -> BuildResult:
     """The state a fresh agent programs for these objects (a later duplicate key replaces an
-    earlier one, as a MODIFIED event would; an object without a usable name is its own key)."""
-    model = ProxyModel(node)
+    earlier one, as a MODIFIED event would; an object without a usable name is its own key).
+    `guard`: the node's rules for external frontends (none refused without one)."""
+    model = ProxyModel(node, guard)
     for i, svc in enumerate(services):
         model.set_service(_key(Kind.SERVICE, svc, i), svc)
     for i, eps in enumerate(slices):

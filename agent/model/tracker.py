@@ -24,6 +24,12 @@ the result, so they cannot resolve them differently:
   counts backend slots in 16 bits, and both modes must agree on which endpoints serve.
 * **Bad updates lose nothing.** An object that stops being valid keeps its last valid version in
   force (with a Problem saying so) until it is fixed or deleted; an object never valid is absent.
+* **Guarded frontends.** externalIPs, load-balancer IPs and node ports that this node's
+  `FrontendGuard` refuses (agent/model/guard.py: its own addresses, the pod and Service CIDRs,
+  outside `--external-ip-cidrs` or `--node-port-range`) are taken out of the Service's ports before
+  anything else looks at them, conflicts included; the rest of the Service is programmed, and a
+  Problem with a `refusal` says what was refused. A new guard (the node's addresses changed)
+  re-checks every Service.
 
 Problems are kept per object (and per conflict), so `commit()` can report only what appeared or
 went away, and `problems()` lists what is wrong now.
@@ -35,6 +41,7 @@ import datetime
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from agent.model.guard import REFUSED_EXTERNAL_IP, REFUSED_NODE_PORT, FrontendGuard, refuse_ports
 from agent.model.parse import (
     ParsedSlice,
     ParseError,
@@ -66,8 +73,11 @@ ProblemKey = tuple[str, ...]  # ("Service", key) / ("EndpointSlice", key) / ("Co
 
 @dataclass(frozen=True)
 class _Service:
-    ports: tuple[ServicePort, ...]
+    ports: tuple[ServicePort, ...]  # as programmed: what the guard refused taken out
     created: str  # creationTimestamp as the API wrote it ("" when absent)
+    parsed: tuple[ServicePort, ...] = ()  # as the object says, for a later guard
+    namespace: str = ""
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,8 +145,9 @@ def _meta_names(obj: object) -> tuple[str, str, str]:
 class ProxyModel:
     """Services, EndpointSlices and this node in; ProxyState and per-commit changes out."""
 
-    def __init__(self, node: NodeInfo) -> None:
+    def __init__(self, node: NodeInfo, guard: FrontendGuard | None = None) -> None:
         self._node = node
+        self._guard = guard if guard is not None else FrontendGuard()
         self._services: dict[str, _Service] = {}  # "ns/name" -> last valid version
         self._slices: dict[str, ParsedSlice] = {}  # "ns/name" of the slice -> last valid version
         self._slice_owner: dict[str, str] = {}  # slice key -> owning Service key
@@ -179,6 +190,25 @@ class ProxyModel:
             raw_endpoints=self.state.raw_endpoints,
         )
 
+    @property
+    def guard(self) -> FrontendGuard:
+        return self._guard
+
+    @property
+    def full_pending(self) -> bool:
+        """The next commit re-evaluates every Service (first commit, zone or guard change)."""
+        return self._full
+
+    def set_guard(self, guard: FrontendGuard) -> None:
+        """New rules for external frontends (the node's addresses changed): every Service is
+        checked again against them at the next commit."""
+        if guard == self._guard:
+            return
+        self._guard = guard
+        self._full = True
+        for key, svc in self._services.items():
+            self._services[key] = self._guarded(key, svc.namespace, svc.name, svc.parsed, svc.created)
+
     def set_service(self, key: str, obj: object) -> None:
         """A Service was added or changed (any JSON value: the parser decides what it is)."""
         self.pending_service_changes += 1
@@ -192,13 +222,28 @@ class ProxyModel:
             self._set_problem(pkey, Problem("Service", ns, name, f"{exc}{kept}"))
             return
         self._set_problem(pkey, None)
-        self._services[key] = _Service(ports, created)
+        self._services[key] = self._guarded(key, ns, name, ports, created)
 
     def delete_service(self, key: str) -> None:
         self.pending_service_changes += 1
         self._touched.add(key)
         self._services.pop(key, None)
         self._set_problem(("Service", key), None)
+        for refusal in (REFUSED_EXTERNAL_IP, REFUSED_NODE_PORT):
+            self._set_problem(("Refused", key, refusal), None)
+
+    def _guarded(
+        self, key: str, ns: str, name: str, parsed: tuple[ServicePort, ...], created: str
+    ) -> _Service:
+        """The Service as this node programs it; its refusals become (or stop being) Problems."""
+        ports, refused = refuse_ports(parsed, self._guard)
+        for refusal, text in (
+            (REFUSED_EXTERNAL_IP, refused.external_ips),
+            (REFUSED_NODE_PORT, refused.node_ports),
+        ):
+            problem = Problem("Service", ns, name, text, refusal) if text else None
+            self._set_problem(("Refused", key, refusal), problem)
+        return _Service(ports, created, parsed, ns, name)
 
     def set_slice(self, key: str, obj: object) -> None:
         """An EndpointSlice was added or changed (any JSON value: the parser decides)."""

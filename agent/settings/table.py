@@ -453,6 +453,27 @@ SETTINGS: tuple[Setting, ...] = (
         group=NODE,
     ),
     Setting(
+        "service_cluster_ip_range",
+        StrList(cidr_list),
+        (),
+        "the cluster's Service CIDRs (kube-apiserver's --service-cluster-ip-range): never programmed as "
+        "externalIPs or load-balancer IPs",
+        flags=("--service-cluster-ip-range",),
+        attr="service_cidrs",
+        group=NODE,
+    ),
+    Setting(
+        "external_ip_cidrs",
+        StrList(cidr_list),
+        (),
+        "CIDRs spec.externalIPs and load-balancer ingress IPs must be in to be programmed (default: "
+        "any address, as kube-proxy); this node's addresses, --cluster-cidr and "
+        "--service-cluster-ip-range are refused whatever it says (a log line, an Event, a metric)",
+        flags=("--external-ip-cidrs",),
+        attr="external_ip_cidrs",
+        group=NODE,
+    ),
+    Setting(
         "detect_local_mode",
         Choice(
             ("", "ClusterCIDR"),
@@ -487,7 +508,8 @@ SETTINGS: tuple[Setting, ...] = (
         "node_port_range",
         PortRange(),
         (30000, 32767),
-        "the cluster's NodePort range (the API server's --service-node-port-range)",
+        "the cluster's NodePort range (the API server's --service-node-port-range); node ports "
+        "outside it are refused (a log line, an Event, a metric)",
         flags=("--node-port-range",),
         attr="nodeport_range",
         group=NODE,

@@ -103,20 +103,21 @@ class FakeEvents:
 
 
 class Rig:
-    def __init__(self, sync_period: float = 30.0) -> None:
+    def __init__(self, sync_period: float = 30.0, **settings: Any) -> None:
+        self.node = NODE
         self.clock = Clock()
         self.source = FakeSource()
         self.proxier = FakeProxier()
         self.health = FakeHealth()
         self.events = FakeEvents()
         self.registry = CollectorRegistry()
-        config = Config(hostname="node1", sync_period_s=sync_period, min_sync_period_s=0.0)
+        config = Config(hostname="node1", sync_period_s=sync_period, min_sync_period_s=0.0, **settings)
         self.agent = Agent(
             config,
             Parts(
                 source=self.source,
                 proxier=self.proxier,
-                node_context=lambda: NODE,
+                node_context=lambda: self.node,
                 metrics=Metrics(self.registry),
                 health=self.health,
                 service_health=self.health,
@@ -211,6 +212,36 @@ def test_a_malformed_object_is_reported_once_as_log_metric_and_event(
     rig.sync()
     assert "resolved: Service default/bad" in caplog.text
     assert set(rig.agent.model.state.services) == {spn("web"), spn("bad")}
+
+
+def test_a_refused_frontend_is_logged_counted_and_reported_and_follows_the_node_addresses(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rig = Rig(sync_period=30.0, cluster_cidr=("10.244.0.0/16",), nodeport_range=(30000, 32767))
+    hijack = service("hijack", externalIPs=["10.244.1.3", "192.168.0.20"], type="NodePort")
+    hijack["spec"]["ports"] = [{"name": "http", "port": 80, "nodePort": 10256}]
+    hijack["metadata"]["uid"] = "hj-uid"
+    rig.send(hijack, synced="v1")
+    rig.sync()
+    sp = rig.agent.model.state.services[spn("hijack")]
+    assert (sp.cluster_ip, sp.external_ips, sp.node_port) == ("10.96.0.10", ("192.168.0.20",), 0)
+    assert [(p.refusal, u) for p, u in zip(rig.events.warned, rig.events.uids, strict=True)] == [
+        ("RefusedExternalIP", "hj-uid"),
+        ("RefusedNodePort", "hj-uid"),
+    ]
+    assert "refusing part of Service default/hijack: spec.externalIPs 10.244.1.3 refused" in caplog.text
+    for reason in ("RefusedExternalIP", "RefusedNodePort"):
+        assert rig.registry.get_sample_value("ekp_refused_frontends_total", {"reason": reason}) == 1
+    assert rig.registry.get_sample_value("ekp_skipped_objects_total", {"kind": "Service"}) is None
+    assert rig.registry.get_sample_value("ekp_invalid_objects") in (None, 0), "not malformed"
+
+    # The node takes 192.168.0.20 on: the next full sync re-reads the addresses before its commit.
+    rig.node = NodeContext(("192.168.0.11", "192.168.0.20"), "192.168.0.11")
+    rig.clock.now += 31
+    rig.sync()
+    assert rig.proxier.calls[-1] is None
+    assert rig.agent.model.state.services[spn("hijack")].external_ips == ()
+    assert "spec.externalIPs 192.168.0.20 refused: an address of this node" in rig.events.warned[-1].reason
 
 
 def test_health_hears_of_queued_and_applied_updates_and_of_health_check_ports() -> None:

@@ -101,6 +101,19 @@ def test_node_and_odd_names_still_make_valid_events() -> None:
         assert validate_v1_event(body) == [], body
 
 
+def test_a_refused_frontend_is_a_refusal_event_not_an_invalid_object() -> None:
+    at = datetime(2026, 1, 2, tzinfo=UTC)
+    refused = Problem("Service", "shop", "web", "spec.externalIPs 10.244.1.3 refused", "RefusedExternalIP")
+    body = event_body(refused, "1234", "node1", at)
+    assert (body["reason"], body["action"], body["type"]) == (
+        "RefusedExternalIP",
+        "RefuseFrontend",
+        "Warning",
+    )
+    assert body["note"].startswith("spec.externalIPs 10.244.1.3 refused")
+    assert validate_v1_event(body) == []
+
+
 def test_the_same_problem_again_grows_a_series_instead_of_new_events(
     server: FakeApiServer, recorder_factory: Factory
 ) -> None:
