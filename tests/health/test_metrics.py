@@ -143,6 +143,7 @@ UPSTREAM_IPTABLES = [
 ]
 OURS = {
     "ekp_skipped_objects_total",
+    "ekp_refused_frontends_total",
     "ekp_invalid_objects",
     "ekp_sync_failures_total",
     "ekp_failed_service_ports",
