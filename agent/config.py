@@ -15,9 +15,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent.settings.kinds import NODEPORT_PRIMARY
-from agent.settings.table import BY_NAME, DEFAULT_PIN_PATH, SETTINGS, Mode, default
+from agent.settings.table import BY_NAME, DEFAULT_PIN_PATH, SETTINGS, HostRouting, Mode, default
 
-__all__ = ["DEFAULT_PIN_PATH", "NODEPORT_PRIMARY", "Config", "ConntrackSettings", "MapSizes", "Mode"]
+__all__ = [
+    "DEFAULT_PIN_PATH",
+    "NODEPORT_PRIMARY",
+    "Config",
+    "ConntrackSettings",
+    "HostRouting",
+    "MapSizes",
+    "Mode",
+]
 
 EBPF_MIN_SYNC_PERIOD_S = 0.1
 IPTABLES_MIN_SYNC_PERIOD_S = 1.0  # kube-proxy's default
@@ -48,6 +56,7 @@ class MapSizes:
     frag: int = default("map_sizes.frag")
     aff: int = default("map_sizes.aff")
     srcr: int = default("map_sizes.srcr")
+    hostnat: int = default("map_sizes.hostnat")
 
     def with_conntrack(
         self, conntrack: ConntrackSettings, cpus: int, pinned: Mapping[str, int] | None = None
@@ -137,6 +146,7 @@ class Config:
     snat_ports: tuple[int, int] = default("snat_ports")  # above the kernel's ephemeral 32768-60999
     nodeport_range: tuple[int, int] = default("nodeport_range")
     bpf_keep_client_ip_local: bool = default("bpf_keep_client_ip_local")
+    bpf_host_routing: HostRouting = default("bpf_host_routing")  # bpf/ekp_host.h
     # iptables mode
     iptables_backend: str = default("iptables_backend")  # auto | nft | legacy
     iptables_localhost_nodeports: bool = default("iptables_localhost_nodeports")

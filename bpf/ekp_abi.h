@@ -178,6 +178,33 @@ struct ekp_frag {
 	__u32 pad;    /* zero */
 };
 
+/* ---- legacy host routing (LRU, written by the data path): the source a packet gets at egress */
+
+/* With legacy host routing (EKP_CFG_HOST_LEGACY) a translated packet goes through the node's stack
+ * between its translations, as in iptables mode: the destination is translated at tc ingress
+ * (DNAT, or a reply's destination back to the client), the source at the tc egress of the device
+ * the stack routes it out of (SNAT, or a reply's source to the frontend). The ingress program
+ * leaves the new source here, under the tuple the packet leaves with and a tag it also writes in
+ * skb->tc_index; the egress program (ekp_egress) looks it up (bpf/ekp_host.h). */
+struct ekp_hostnat_key {
+	__be32 saddr; /* be: the packet's source as it leaves (untranslated) */
+	__be32 daddr; /* be: its destination as it leaves (translated at ingress) */
+	__be16 sport; /* be */
+	__be16 dport; /* be */
+	__u8 proto;   /* IPPROTO_TCP / IPPROTO_UDP */
+	__u8 pad;     /* zero */
+	__u16 tag;    /* host: the flow's tag (a hash of the tuple as it arrived; never 0), the
+	               * skb->tc_index the ingress program set: two flows whose packets leave
+	               * with the same tuple (a client port reaching one backend through two
+	               * frontends) are told apart */
+};
+
+struct ekp_hostnat {
+	__be32 saddr; /* be: the source the packet leaves with */
+	__be16 sport; /* be */
+	__u16 pad;    /* zero */
+};
+
 /* ---- session affinity (LRU): (client, service port) -> backend ---------------------------- */
 
 struct ekp_affinity_key {
@@ -225,9 +252,14 @@ struct ekp_config {
 	__u32 udp_stream_s;       /* host: replied and older than 2 s (conntrack.udpStreamTimeout) */
 	__u32 icmp_rate;          /* host: ICMP rejects per second, per CPU (token bucket refill) */
 	__u32 icmp_burst;         /* host: ICMP rejects a CPU may send at once (bucket depth) */
-	__u32 flags;              /* host: reserved, zero */
+	__u32 flags;              /* host: EKP_CFG_* */
 	__u32 pad;                /* zero */
 };
+
+/* Config flags (struct ekp_config.flags). */
+#define EKP_CFG_HOST_LEGACY (1 << 0) /* --bpf-host-routing=legacy: translated packets go through the
+				      * node's stack (its netfilter and reverse-path filter) rather
+				      * than being redirected (bpf/ekp_host.h) */
 
 /* ---- the reject rate limiter (per-CPU array, one element, written by the data path) ------ */
 
@@ -270,6 +302,9 @@ enum ekp_stat {
 	                           * indexes of the later counters stay as pinned */
 	EKP_DROP_ICMP_RATE,       /* a reject over the ICMP rate limit: dropped unanswered */
 	EKP_DROP_FRAG_NEEDED,     /* too big for the egress MTU with DF: answered with ICMP frag needed */
+	EKP_DROP_SPOOFED,         /* from a pod device, a source address the node does not route to that
+	                           * device, on a packet the program would deliver past the node's
+	                           * reverse-path filter (redirected: bpf host routing, ICMP errors) */
 	EKP_STAT_MAX,
 };
 

@@ -29,7 +29,7 @@ static __always_inline int ekp_main(struct __sk_buff *skb, __u8 scope)
 	int parsed = ekp_parse(skb, &w->work.pkt);
 
 	ekp_decide(&w->work, parsed, scope);
-	int verdict = ekp_tc_apply(skb, w);
+	int verdict = ekp_tc_apply(skb, w, scope);
 
 	ekp_count(EKP_STAT_PACKETS);
 	ekp_count(w->work.dec.outcome);

@@ -24,7 +24,8 @@
 #if !defined(EKP_FE_MAX) || !defined(EKP_SLOT_MAX) || !defined(EKP_BE_MAX) || !defined(EKP_RNAT_MAX) ||         \
 	!defined(EKP_MEMBER_MAX) || !defined(EKP_CT_TCP_MAX) || !defined(EKP_CT_ANY_MAX) ||                     \
 	!defined(EKP_FRAG_MAX) || !defined(EKP_AFF_MAX) || !defined(EKP_SRCR_MAX) || !defined(EKP_CFG_MAX) ||  \
-	!defined(EKP_CFGSEL_MAX) || !defined(EKP_ICMPRL_MAX) || !defined(EKP_STATS_MAX)
+	!defined(EKP_CFGSEL_MAX) || !defined(EKP_ICMPRL_MAX) || !defined(EKP_STATS_MAX) ||                     \
+	!defined(EKP_HOSTNAT_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -59,6 +60,10 @@ BPF_TABLE_PINNED("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_any_
 BPF_TABLE_PINNED("lru_hash", struct ekp_frag_key, struct ekp_frag, ekp_frag_v2, EKP_FRAG_MAX, EKP_PIN(ekp_frag_v2));
 BPF_TABLE_PINNED("lru_hash", struct ekp_affinity_key, struct ekp_affinity, ekp_aff_v2, EKP_AFF_MAX,
 		 EKP_PIN(ekp_aff_v2));
+/* Legacy host routing: the source each translated packet gets at egress (bpf/ekp_host.h). Every
+ * packet that needs one writes it back when it is missing, so an eviction costs an update. */
+BPF_TABLE_PINNED("lru_hash", struct ekp_hostnat_key, struct ekp_hostnat, ekp_hostnat_v2, EKP_HOSTNAT_MAX,
+		 EKP_PIN(ekp_hostnat_v2));
 
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
 BPF_TABLE_PINNED("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX, EKP_PIN(ekp_icmprl_v2));
@@ -88,6 +93,8 @@ static __always_inline struct ekp_frag *ekp_frag_lookup(struct ekp_frag_key *k);
 static __always_inline int ekp_frag_update(struct ekp_frag_key *k, struct ekp_frag *v);
 static __always_inline struct ekp_affinity *ekp_aff_lookup(struct ekp_affinity_key *k);
 static __always_inline int ekp_aff_update(struct ekp_affinity_key *k, struct ekp_affinity *v);
+static __always_inline struct ekp_hostnat *ekp_hostnat_lookup(struct ekp_hostnat_key *k);
+static __always_inline int ekp_hostnat_update(struct ekp_hostnat_key *k, struct ekp_hostnat *v);
 static __always_inline struct ekp_ratelimit *ekp_icmprl_lookup(u32 *k);
 static __always_inline u64 *ekp_stats_lookup(u32 *k);
 

@@ -45,6 +45,22 @@ static __always_inline long ekp_fib(struct __sk_buff *skb, struct bpf_fib_lookup
 	return bpf_fib_lookup(skb, fib, sizeof(*fib), 0);
 }
 
+/* What the stack's strict reverse-path filter checks (rp_filter=1), for a packet we deliver past
+ * it: the route back to the packet's source leaves by the device it came in on. For a pod device
+ * that is the pod's own address (and any other the node routes to it), read from the FIB at the
+ * moment the packet passes: no list of pod addresses to keep in step with the CNI. FRAG_NEEDED
+ * still names the device. 1 when it does. */
+static __always_inline int ekp_source_routed_here(struct __sk_buff *skb, const struct ekp_pkt *p,
+						  struct bpf_fib_lookup *fib)
+{
+	__builtin_memset(fib, 0, sizeof(*fib));
+	long rc = ekp_fib(skb, fib, p->proto, p->tos, p->daddr, p->saddr, p->dport, p->sport);
+
+	return (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ||
+		rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) &&
+	       fib->ifindex == skb->ingress_ifindex;
+}
+
 /* Sends a rewritten packet along the route `fib` found (rc SUCCESS or NO_NEIGH). Returns the TC
  * verdict; turns *outcome into EKP_DROP_MALFORMED when the frame could not be finished. */
 static __always_inline int ekp_redirect(struct __sk_buff *skb, const struct ekp_pkt *p, struct bpf_fib_lookup *fib,

@@ -1,9 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * ekp_tc.c: the two tc ingress programs (clsact, direct-action cls_bpf) of ebpf-kube-proxy.
+ * ekp_tc.c: the tc programs (clsact, direct-action cls_bpf) of ebpf-kube-proxy.
  *
  *   ekp_from_pod  ingress of the node side of every pod veth        (scope EKP_SCOPE_INTERNAL)
  *   ekp_from_net  ingress of the node's external devices (--devices) (scope EKP_SCOPE_EXTERNAL)
+ *   ekp_egress    egress of both, with legacy host routing only: the source translation of the
+ *                 packets the ingress programs handed to the stack (ekp_host.h)
  *
  * Built by agent/ebpf/loader.py with bcc: BPF(src_file=ekp_tc.c, cflags=[-DEKP_PIN_DIR=...,
  * -DEKP_<ROLE>_MAX=..., -I<bpf dir>]). The logic lives in the headers (ekp_core.h first); this
@@ -114,6 +116,16 @@ static __always_inline int ekp_aff_update(struct ekp_affinity_key *k, struct ekp
 	return ekp_aff_v2.update(k, v);
 }
 
+static __always_inline struct ekp_hostnat *ekp_hostnat_lookup(struct ekp_hostnat_key *k)
+{
+	return ekp_hostnat_v2.lookup(k);
+}
+
+static __always_inline int ekp_hostnat_update(struct ekp_hostnat_key *k, struct ekp_hostnat *v)
+{
+	return ekp_hostnat_v2.update(k, v);
+}
+
 static __always_inline struct ekp_ratelimit *ekp_icmprl_lookup(u32 *k)
 {
 	return ekp_icmprl_v2.lookup(k);
@@ -142,4 +154,9 @@ int ekp_from_pod(struct __sk_buff *skb)
 int ekp_from_net(struct __sk_buff *skb)
 {
 	return ekp_main(skb, EKP_SCOPE_EXTERNAL);
+}
+
+int ekp_egress(struct __sk_buff *skb)
+{
+	return ekp_host_egress(skb);
 }

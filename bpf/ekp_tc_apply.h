@@ -6,9 +6,18 @@
  *   DROP      TC_ACT_SHOT
  *   REJECT    the skb becomes an ICMP port unreachable (ekp_icmp.h), redirected out of the device
  *             it came in on
- *   TRANSLATE route the translated tuple (bpf_fib_lookup, before any byte changes), rewrite,
- *             TTL - 1, redirect (ekp_redirect.h)
- *   RELATED   the same for an ICMP error: outer and quoted headers
+ *   TRANSLATE route the translated tuple (bpf_fib_lookup, before any byte changes), then
+ *             bpf host routing: rewrite, TTL - 1, redirect (ekp_redirect.h);
+ *             legacy host routing (EKP_CFG_HOST_LEGACY): the destination now, the source at
+ *             egress, through the node's stack (ekp_host.h)
+ *   RELATED   an ICMP error: outer and quoted headers rewritten and redirected, with either host
+ *             routing (the stack's conntrack would not know the quoted flow)
+ *
+ * The only difference between the two host routings is here, in the apply step: decide is shared.
+ * A packet from a pod that this step redirects skips the node's reverse-path filter, so it first
+ * passes the same check (ekp_source_routed_here: the route back to its source leaves by the pod's
+ * device); one that fails drops as EKP_DROP_SPOOFED. Packets handed to the stack meet the node's
+ * own rp_filter instead.
  *
  * The route lookup says "fragmentation needed" when the packet is too big for the egress device
  * (GSO-aware). With DF set the sender is told with an ICMP fragmentation needed carrying the MTU
@@ -24,6 +33,7 @@
 #include <linux/pkt_cls.h>
 
 #include "ekp_decide.h"
+#include "ekp_host.h"
 #include "ekp_icmp.h"
 #include "ekp_nat.h"
 #include "ekp_redirect.h"
@@ -35,11 +45,12 @@ static __always_inline int ekp_tc_drop(struct ekp_decision *d, __u32 reason)
 	return TC_ACT_SHOT;
 }
 
-static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scratch *w)
+static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scratch *w, __u8 scope)
 {
 	const struct ekp_pkt *p = &w->work.pkt;
 	struct ekp_decision *d = &w->work.dec;
 
+	skb->tc_classid = 0; /* no tag for egress unless the host routing sets one (ekp_host.h) */
 	if (d->action == EKP_ACT_PASS)
 		return TC_ACT_OK;
 	if (d->action == EKP_ACT_DROP)
@@ -51,7 +62,11 @@ static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scr
 	}
 
 	int related = d->action == EKP_ACT_RELATED;
+	const struct ekp_config *cfg = ekp_config_get();
+	int legacy = !related && cfg && (cfg->flags & EKP_CFG_HOST_LEGACY);
 	struct bpf_fib_lookup *fib = &w->fib;
+	if (scope == EKP_SCOPE_INTERNAL && !legacy && !ekp_source_routed_here(skb, p, fib))
+		return ekp_tc_drop(d, EKP_DROP_SPOOFED);
 	__builtin_memset(fib, 0, sizeof(*fib));
 	long rc = related ? ekp_fib(skb, fib, IPPROTO_ICMP, p->tos, d->saddr, d->daddr, 0, 0)
 			  : ekp_fib(skb, fib, p->proto, p->tos, d->saddr, d->daddr, d->sport, d->dport);
@@ -64,6 +79,8 @@ static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scr
 			d->outcome = EKP_DROP_FRAG_NEEDED;
 			return bpf_redirect(skb->ifindex, 0);
 		}
+		if (legacy)
+			return ekp_host_hand_over(skb, p, d); /* the stack fragments it on its way */
 		if (ekp_rewrite(skb, p, d->saddr, d->sport, d->daddr, d->dport) < 0)
 			return ekp_tc_drop(d, EKP_DROP_MALFORMED);
 		return TC_ACT_OK; /* the stack fragments it */
@@ -75,6 +92,8 @@ static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scr
 		 * unreachable, blackhole, forwarding disabled on the ingress device. */
 		return ekp_tc_drop(d, EKP_DROP_FIB);
 	}
+	if (legacy)
+		return ekp_host_hand_over(skb, p, d);
 	int rewritten = related ? ekp_rewrite_icmp_err(skb, p, d->saddr, d->daddr, d->in_saddr, d->in_sport,
 						       d->in_daddr, d->in_dport)
 				: ekp_rewrite(skb, p, d->saddr, d->sport, d->daddr, d->dport);

@@ -61,6 +61,7 @@ TEST_ROLES = (
     "srcr",
     "icmprl",
     "stats",
+    "hostnat",
 )
 
 CFG = abi.Config(
@@ -141,8 +142,9 @@ class Net:
     def __init__(self, dp: Datapath, lab: Lab) -> None:
         self.dp, self.lab = dp, lab
 
-    def from_pod(self, frame: bytes) -> tuple[int, bytes]:
-        return prog_run(self.dp.prog_fd("ekp_from_pod"), frame, self.lab.pod.ifindex)
+    def from_pod(self, frame: bytes, via: Link | None = None) -> tuple[int, bytes]:
+        """ekp_from_pod on `frame` arriving on pod0, or on the pod device `via` (small0)."""
+        return prog_run(self.dp.prog_fd("ekp_from_pod"), frame, (via or self.lab.pod).ifindex)
 
     def from_net(self, frame: bytes) -> tuple[int, bytes]:
         return prog_run(self.dp.prog_fd("ekp_from_net"), frame, self.lab.ext.ifindex)

@@ -80,6 +80,10 @@ class MemberFlag(IntEnum):
     LOCAL = 1 << 1
 
 
+class ConfigFlag(IntEnum):
+    HOST_LEGACY = 1 << 0  # --bpf-host-routing=legacy
+
+
 class CtDir(IntEnum):
     FORWARD = 0
     REPLY = 1
@@ -121,10 +125,11 @@ class Stat(IntEnum):
     DROP_BACKEND_GONE = 22
     DROP_ICMP_RATE = 23
     DROP_FRAG_NEEDED = 24
+    DROP_SPOOFED = 25
 
 
 STAT_DROP_FIRST = Stat.DROP_MALFORMED
-STAT_COUNT = 25
+STAT_COUNT = 26
 # Every packet counts PACKETS and exactly one of these (bpf/ekp_stats.h); the rest are marks.
 OUTCOMES: tuple[Stat, ...] = (
     Stat.PASS,
@@ -242,6 +247,22 @@ class Frag(_Struct):
     _fields_ = [("sport", u16), ("dport", u16), ("pad", u32)]
 
 
+class HostNatKey(_Struct):
+    _fields_ = [
+        ("saddr", u32),
+        ("daddr", u32),
+        ("sport", u16),
+        ("dport", u16),
+        ("proto", u8),
+        ("pad", u8),
+        ("tag", u16),
+    ]
+
+
+class HostNat(_Struct):
+    _fields_ = [("saddr", u32), ("sport", u16), ("pad", u16)]
+
+
 class AffinityKey(_Struct):
     _fields_ = [("client", u32), ("svc_id", u32)]
 
@@ -300,6 +321,8 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_ct_entry": CtEntry,
     "ekp_frag_key": FragKey,
     "ekp_frag": Frag,
+    "ekp_hostnat_key": HostNatKey,
+    "ekp_hostnat": HostNat,
     "ekp_affinity_key": AffinityKey,
     "ekp_affinity": Affinity,
     "ekp_srcrange_key": SrcRangeKey,
@@ -355,6 +378,7 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("ct_any", "lru_hash", CtKey, CtEntry, 0, "EKP_CT_ANY_MAX", _DP, "--bpf-ct-global-any-max"),
         MapSpec("frag", "lru_hash", FragKey, Frag, 8192, "EKP_FRAG_MAX", _DP),
         MapSpec("aff", "lru_hash", AffinityKey, Affinity, 65536, "EKP_AFF_MAX", _DP),
+        MapSpec("hostnat", "lru_hash", HostNatKey, HostNat, 65536, "EKP_HOSTNAT_MAX", _DP),
         MapSpec("icmprl", "percpu_array", ctypes.c_uint32, RateLimit, 1, "EKP_ICMPRL_MAX", _DP),
         MapSpec("stats", "percpu_array", ctypes.c_uint32, ctypes.c_uint64, STAT_COUNT, "EKP_STATS_MAX", _DP),
     )

@@ -68,9 +68,9 @@ from itertools import starmap
 from socket import inet_aton
 from typing import Any, Literal, NamedTuple, Protocol
 
-from agent.config import Config, NodeContext
+from agent.config import Config, HostRouting, NodeContext
 from agent.ebpf import abi
-from agent.ebpf.abi import BackendFlag, FrontendFlag, MemberFlag, Scope
+from agent.ebpf.abi import BackendFlag, ConfigFlag, FrontendFlag, MemberFlag, Scope
 from agent.ebpf.codec import KEYS, VALUES, Key, Value
 from agent.model.types import Endpoint, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 from agent.model.types import Protocol as L4
@@ -303,7 +303,7 @@ def layout(members: Sequence[int], previous: Mapping[int, int]) -> dict[int, int
 def config_entry(node: NodeContext, config: Config) -> Value:
     """The config entry (codec tuple of abi.Config): the node's SNAT source, the SNAT port range,
     the conntrack timeouts (kube-proxy's conntrack settings where they say something, as iptables
-    mode applies them to nf_conntrack) and the reject rate limit."""
+    mode applies them to nf_conntrack), the reject rate limit and the host routing."""
     lo, hi = config.snat_ports
     ct = config.conntrack
     return (
@@ -318,7 +318,7 @@ def config_entry(node: NodeContext, config: Config) -> Value:
         _seconds(ct.udp_stream_timeout_s, UDP_STREAM_TIMEOUT_S),
         ICMP_RATE,
         ICMP_BURST,
-        0,
+        int(ConfigFlag.HOST_LEGACY) if config.bpf_host_routing is HostRouting.LEGACY else 0,
     )
 
 

@@ -39,7 +39,7 @@ from typing import Protocol, cast
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
-from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
+from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import VALUES, Key, Value
 from agent.ebpf.maps import MapWriter, read_config, write_config
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
@@ -177,14 +177,24 @@ class EbpfProxier:
             if first:
                 planner.forget_hints()
             self._unsure = True  # until every write went through
+            deferred: Value | None = None
             if planner.cfg is not None and planner.cfg != self._cfg_written:
-                write_config(maps, VALUES["cfg"].to_ctype(planner.cfg))
-                self._cfg_written = planner.cfg
+                cfg = VALUES["cfg"].to_ctype(planner.cfg)
+                if cfg.flags & abi.ConfigFlag.HOST_LEGACY and not self._legacy_live():
+                    # Legacy host routing only once every egress program is attached: a packet
+                    # handed to the stack without its egress half would leave half translated.
+                    deferred = planner.cfg
+                    cfg.flags &= ~abi.ConfigFlag.HOST_LEGACY
+                write_config(maps, cfg)
+                self._cfg_written = VALUES["cfg"].of_ctype(cfg)
             result = planner.flush(cast(Mapping[str, RawMap], maps))
             self._unsure = False
             self.last_flush = result
 
             self._attach(datapath, node, periodic=periodic)
+            if deferred is not None:
+                write_config(maps, VALUES["cfg"].to_ctype(deferred))
+                self._cfg_written = deferred
             elapsed_ms = (time.monotonic() - start) * 1000
             level = logging.INFO if result.writes or first or repaired or result.failed else logging.DEBUG
             log.log(
@@ -243,6 +253,14 @@ class EbpfProxier:
         self._unsure = True
         return datapath
 
+    def _legacy_live(self) -> bool:
+        """Legacy host routing is on in the maps, and so every device with our ingress program has
+        its egress program: we attached them, or the agent before us did (its config says legacy)."""
+        if self._cfg_written is None:
+            return False
+        live = VALUES["cfg"].to_ctype(self._cfg_written)
+        return bool(live.flags & abi.ConfigFlag.HOST_LEGACY)
+
     def _check_snat_ports(self) -> None:
         """FatalError when --bpf-snat-ports overlaps the NodePorts or the node's local ports."""
         netns = self._config.netns
@@ -280,7 +298,7 @@ class EbpfProxier:
         if first:
             self._upgrade.before_attach(datapath.maps)
         if self._attacher is None:
-            fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD)}
+            fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)}
             self._attacher = self._attacher_factory(self._config, fds)
             full = True
         restart = self._attached_once and not self._attacher.watching

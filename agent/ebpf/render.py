@@ -3,7 +3,8 @@
 Pure. One entry a line, addresses and ports in host notation, flags by name, lines sorted by
 their numeric fields (so `10.96.0.2` comes before `10.96.0.10`), sections in a fixed order:
 
-    cfg node=192.168.0.11 snat_ports=61000-65535 tcp=86400s/3600s/60s/10s udp=30s/120s icmp=1000/s,50
+    cfg node=192.168.0.11 snat_ports=61000-65535 tcp=86400s/3600s/60s/10s udp=30s/120s icmp=1000/s,50 \
+        host_routing=legacy
     fe 10.96.0.10:53/UDP internal -> svc=2 set=3 count=2 rnat=5 flags=AFFINITY affinity=10800s
     slot 3#1 -> be 7
     be 7 -> 10.244.1.2:53/UDP local
@@ -11,8 +12,8 @@ their numeric fields (so `10.96.0.2` comes before `10.96.0.10`), sections in a f
     rnat 5 -> 10.96.0.10:53
     srcr rnat=5 203.0.113.0/24 -> allow
 
-(tcp= established/close-wait/syn/closed timeouts; udp= unreplied/stream; icmp= rejects per
-second and burst, per CPU.)
+(one line; tcp= established/close-wait/syn/closed timeouts; udp= unreplied/stream; icmp= rejects
+per second and burst, per CPU; host_routing= --bpf-host-routing.)
 
 The same text comes from a plan (dry run) and from dumping live maps (inspect), so the two can be
 compared with `diff`. A dry run may add `# ns/name:port` after each frontend (`names`).
@@ -31,6 +32,7 @@ from agent.ebpf.abi import (
     Backend,
     BackendFlag,
     BackendKey,
+    ConfigFlag,
     CtDir,
     CtEntry,
     CtFlag,
@@ -88,7 +90,9 @@ def cfg_line(cfg: CfgEntry) -> str:
         f" tcp={cfg.tcp_established_s}s/{cfg.tcp_close_wait_s}s/{cfg.tcp_syn_s}s/{cfg.tcp_closed_s}s"
         f" udp={cfg.udp_s}s/{cfg.udp_stream_s}s icmp={cfg.icmp_rate}/s,{cfg.icmp_burst}"
     )
-    return line + (f" flags={cfg.flags:#x}" if cfg.flags else "")
+    line += " host_routing=" + ("legacy" if cfg.flags & ConfigFlag.HOST_LEGACY else "bpf")
+    rest = cfg.flags & ~ConfigFlag.HOST_LEGACY
+    return line + (f" flags={rest:#x}" if rest else "")
 
 
 def fe_line(key: FrontendKey, fe: Frontend, name: str = "") -> str:

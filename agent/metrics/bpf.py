@@ -63,6 +63,7 @@ _DROP_REASONS = {
     Stat.DROP_BACKEND_GONE: "backend_gone",
     Stat.DROP_ICMP_RATE: "icmp_rate_limited",
     Stat.DROP_FRAG_NEEDED: "fragmentation_needed",
+    Stat.DROP_SPOOFED: "spoofed_source",
 }
 assert set(_DROP_REASONS) == {s for s in Stat if s >= STAT_DROP_FIRST}
 _FLOW_EVENTS = {

@@ -67,7 +67,14 @@ class Mode(StrEnum):
     IPTABLES = "iptables"
 
 
-MAP_SIZE_ROLES = ("fe", "slot", "be", "rnat", "member", "ct_tcp", "ct_any", "frag", "aff", "srcr")
+class HostRouting(StrEnum):
+    """--bpf-host-routing: how eBPF mode delivers a translated packet (bpf/ekp_host.h)."""
+
+    LEGACY = "legacy"  # through the node's stack: netfilter and rp_filter see it
+    BPF = "bpf"  # redirected past the stack
+
+
+MAP_SIZE_ROLES = ("fe", "slot", "be", "rnat", "member", "ct_tcp", "ct_any", "frag", "aff", "srcr", "hostnat")
 
 
 @dataclass(frozen=True)
@@ -670,6 +677,18 @@ SETTINGS: tuple[Setting, ...] = (
         "source ports for SNAT; must not overlap --node-port-range nor the node's ip_local_port_range",
         flags=("--bpf-snat-ports",),
         attr="snat_ports",
+        group=EBPF,
+    ),
+    Setting(
+        "bpf_host_routing",
+        Choice(("legacy", "bpf"), metavar="legacy|bpf"),
+        "legacy",
+        "legacy: translated packets go through the node's stack, so its netfilter FORWARD chain (an "
+        "iptables-based NetworkPolicy engine) and rp_filter see them as in iptables mode; bpf: "
+        "redirected past the stack (faster), with the data path's own source check on pod devices",
+        flags=("--bpf-host-routing",),
+        attr="bpf_host_routing",
+        into=HostRouting,
         group=EBPF,
     ),
     Setting(

@@ -246,12 +246,16 @@ def test_bpftool_shows_every_map_with_its_layout(loaded: Datapath) -> None:
 
 
 @pytest.mark.kernel
-def test_both_programs_use_the_maps(loaded: Datapath) -> None:
-    """Every pinned map but ekp_rnat (written for the agent, read by no program since v2), and one
-    unpinned map of their own: the per-CPU working memory (bpf/ekp_tc_scratch.h)."""
+def test_the_programs_use_the_maps(loaded: Datapath) -> None:
+    """The ingress programs: every pinned map but ekp_rnat (written for the agent, read by no
+    program since v2); ekp_egress: the legacy host routing's sources and the fragments' ports. Each
+    has one unpinned map of its own: the per-CPU working memory (bpf/ekp_tc_scratch.h)."""
     pinned = {role: m.info().id for role, m in loaded.maps.items()}
-    read = {ident for role, ident in pinned.items() if role != "rnat"}
     for name in PROGRAMS:
+        if name == "ekp_egress":
+            read = {pinned["hostnat"], pinned["frag"]}
+        else:
+            read = {ident for role, ident in pinned.items() if role != "rnat"}
         shown = bpftool("prog", "show", "id", str(prog_id(loaded.prog_fd(name))))
         assert isinstance(shown, dict)
         assert (shown["name"], shown["type"]) == (name, "sched_cls")

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from agent.config import Config, NodeContext
+from agent.config import Config, HostRouting, NodeContext
 from agent.ebpf.attach import (
+    PROG_EGRESS,
     PROG_FROM_NET,
     PROG_FROM_POD,
     RTM_DELLINK,
@@ -77,15 +78,21 @@ def progs() -> Iterator[dict[str, int]]:
 #include <uapi/linux/pkt_cls.h>
 int ekp_from_net(struct __sk_buff *skb) { return TC_ACT_OK; }
 int ekp_from_pod(struct __sk_buff *skb) { return TC_ACT_OK; }
+int ekp_egress(struct __sk_buff *skb) { return TC_ACT_OK; }
 """
     bpf: Any = BPF(text=text.encode())
-    fds = {name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd for name in (PROG_FROM_NET, PROG_FROM_POD)}
+    names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)
+    fds = {name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd for name in names}
     yield fds
     bpf.cleanup()
 
 
 def ingress(ns: str, dev: str) -> str:
     return sh("tc", "-n", ns, "filter", "show", "dev", dev, "ingress")
+
+
+def egress(ns: str, dev: str) -> str:
+    return sh("tc", "-n", ns, "filter", "show", "dev", dev, "egress")
 
 
 def qdiscs(ns: str, dev: str) -> str:
@@ -189,6 +196,44 @@ def test_replace_keeps_a_filter_in_place_and_full_reconcile_detaches_strays(
     assert gaps == []
     assert ingress(netns, "other1") == ""
     assert "ekp_from_pod" in ingress(netns, "lxc-a")
+
+
+@pytest.mark.kernel
+def test_legacy_host_routing_attaches_the_egress_half_and_bpf_removes_it(
+    netns: str, progs: dict[str, int]
+) -> None:
+    """--bpf-host-routing=legacy: ekp_egress on the egress of every device with an ingress program,
+    new pod devices included; the same devices under `bpf`: the egress filter goes, ingress stays."""
+    legacy = Config(netns=netns, pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY)
+    attacher = Attacher(legacy, progs)
+    attacher.reconcile(NODE, full=True)
+    for dev in ("eth0", "lxc-a"):
+        assert "ekp_egress" in egress(netns, dev) and "direct-action" in egress(netns, dev), dev
+    assert egress(netns, "other1") == ""
+    attached = attacher.attachments
+    attacher.reconcile(NODE, verify=True)
+    assert attacher.attachments == attached, "in place: nothing attached again"
+    # an egress filter removed behind our back is put back by the check of the external devices
+    sh("tc", "-n", netns, "filter", "del", "dev", "eth0", "egress", "prio", "17", "handle", "0xeb", "bpf")
+    attacher.reconcile(NODE)
+    assert "ekp_egress" in egress(netns, "eth0")
+    attacher.start_watcher()
+    try:
+        sh("ip", "-n", netns, "link", "add", "lxc-e", "type", "veth", "peer", "name", "pod-e")
+        assert wait_for(lambda: "ekp_from_pod" in ingress(netns, "lxc-e"))
+        assert "ekp_egress" in egress(netns, "lxc-e"), "attached before the ingress program"
+    finally:
+        attacher.stop_watcher()
+        sh("ip", "-n", netns, "link", "del", "lxc-e")
+
+    bpf = Config(netns=netns, pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.BPF)
+    Attacher(bpf, progs).reconcile(NODE, full=True)
+    for dev in ("eth0", "lxc-a"):
+        assert egress(netns, dev) == "" and "ekp_from_" in ingress(netns, dev), dev
+
+    Attacher(legacy, progs).reconcile(NODE, full=True)
+    assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]
+    assert egress(netns, "eth0") == "" and "clsact" not in qdiscs(netns, "lxc-a")
 
 
 @pytest.mark.kernel

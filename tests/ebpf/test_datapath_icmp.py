@@ -245,7 +245,7 @@ def test_too_big_for_the_backends_path_with_df_answers_fragmentation_needed(net:
 def test_too_big_for_the_clients_path_tells_the_backend(net: Net, lab: Lab) -> None:
     """A reply too big for the client's path: the backend is told, about the packet it sent."""
     net.add_service()
-    net.from_pod(tcp(CLIENT_SMALL_MTU, VIP, 23456, 80))
+    net.from_pod(tcp(CLIENT_SMALL_MTU, VIP, 23456, 80), via=lab.small)  # the client's own device
     big = big_segment(BE1, CLIENT_SMALL_MTU, 8080, 23456, smac=MAC[BE1], dmac=lab.pod.mac)
     verdict, out = net.from_pod(big)
     assert verdict == TC_ACT_REDIRECT

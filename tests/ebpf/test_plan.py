@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import Config, ConntrackSettings, NodeContext
+from agent.config import Config, ConntrackSettings, HostRouting, NodeContext
+from agent.ebpf import abi, render_dry_run
 from agent.ebpf import planner as planner_module
-from agent.ebpf import render_dry_run
 from agent.ebpf.abi import FrontendFlag, FrontendKey, MemberFlag, Scope, SlotKey, ip_be, port_be
 from agent.ebpf.codec import VALUES
 from agent.ebpf.plan import MapContents, plan
@@ -237,8 +237,15 @@ def test_source_range_holding_the_node_admits_the_lb_ip() -> None:
 def test_cfg_entry() -> None:
     c = plan(states(), NodeContext(("192.168.0.12",), "192.168.0.12"), Config(snat_ports=(40000, 40999)))
     assert render_contents(c) == (
-        "cfg node=192.168.0.12 snat_ports=40000-40999 tcp=86400s/3600s/60s/10s udp=30s/120s icmp=1000/s,50\n"
+        "cfg node=192.168.0.12 snat_ports=40000-40999 tcp=86400s/3600s/60s/10s udp=30s/120s icmp=1000/s,50"
+        " host_routing=legacy\n"
     )
+    assert c.cfg is not None and c.cfg.flags == abi.ConfigFlag.HOST_LEGACY
+    bpf = plan(
+        states(), NodeContext(("192.168.0.12",), "192.168.0.12"), Config(bpf_host_routing=HostRouting.BPF)
+    )
+    assert bpf.cfg is not None and bpf.cfg.flags == 0
+    assert render_contents(bpf).endswith(" host_routing=bpf\n")
 
 
 def test_cfg_entry_honours_kube_proxys_conntrack_settings() -> None:

@@ -12,13 +12,14 @@ import re
 import secrets
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from agent.config import Config, MapSizes, NodeContext
+from agent.config import Config, HostRouting, MapSizes, NodeContext
 from agent.ebpf import EbpfProxier
-from agent.ebpf.abi import MAPS, ConfigSel, CtEntry, CtKey, FrontendKey, Scope, ip_be, port_be
+from agent.ebpf.abi import MAPS, ConfigFlag, ConfigSel, CtEntry, CtKey, FrontendKey, Scope, ip_be, port_be
 from agent.ebpf.maps import FakeMap, MapWriter, read_config
 from agent.ebpf.plan import MapContents, plan, read_contents
 from agent.ebpf.planner import ROLES
@@ -50,7 +51,7 @@ class FakeDatapath:
         self.loads += 1
 
     def prog_fd(self, name: str) -> int:
-        return {"ekp_from_net": 100, "ekp_from_pod": 101}[name]
+        return {"ekp_from_net": 100, "ekp_from_pod": 101, "ekp_egress": 102}[name]
 
     def repair_pins(self) -> list[str]:
         self.pin_checks += 1
@@ -460,6 +461,41 @@ def test_config_entry_is_written_to_the_spare_slot_then_switched(rig: Rig) -> No
     assert rig.maps["cfg"].lookup(ctypes.c_uint32(first_slot)) == first  # untouched
     cfg = read_config(rig.maps)
     assert cfg is not None and (cfg.snat_port_min, cfg.snat_port_max) == (62000, 65535)
+
+
+def test_legacy_host_routing_is_switched_on_once_the_egress_programs_are_attached(rig: Rig) -> None:
+    """A packet handed to the stack needs ekp_egress on its way out: the first sync writes the
+    config without EKP_CFG_HOST_LEGACY, attaches, then sets it; with bpf host routing (and once
+    legacy is live, at a restart) the config is written once."""
+    seen: list[int] = []
+
+    class Recording(FakeAttacher):
+        def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
+            live = read_config(rig.maps)
+            seen.append(-1 if live is None else live.flags)
+
+    def proxier(config: Config) -> EbpfProxier:
+        return EbpfProxier(
+            config,
+            datapath_factory=lambda pin_path, sizes: FakeDatapath(rig.maps),
+            attacher_factory=lambda config, fds: Recording(rig.events),
+            sysctl_writer=lambda netns, path, value: "1",
+            sysctl_reader=lambda netns, path: rig.local_ports,
+            sizes_reader=lambda pin_path: {},
+            upgrade_factory=lambda pin_path: FakeUpgrade(rig.events),
+        )
+
+    legacy = replace(rig.config, bpf_host_routing=HostRouting.LEGACY)
+    proxier(legacy).sync(STATE, NODE)
+    live = read_config(rig.maps)
+    assert seen == [0] and live is not None and live.flags == ConfigFlag.HOST_LEGACY
+    # The agent restarted, legacy again: the previous one attached the egress programs.
+    proxier(legacy).sync(STATE, NODE)
+    assert seen[-1] == ConfigFlag.HOST_LEGACY
+    # Back to bpf: the flag goes at once (the egress programs do no harm while they are detached).
+    proxier(replace(rig.config, bpf_host_routing=HostRouting.BPF)).sync(STATE, NODE)
+    live = read_config(rig.maps)
+    assert seen[-1] == 0 and live is not None and live.flags == 0
 
 
 def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:

@@ -1,0 +1,137 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * ekp_host.h: legacy host routing (--bpf-host-routing=legacy, EKP_CFG_HOST_LEGACY): a translated
+ * packet goes through the node's own stack, so its netfilter (the FORWARD chain an iptables-based
+ * NetworkPolicy engine fills) and its reverse-path filter see it as they see iptables mode's.
+ *
+ * The translations sit where netfilter's NAT puts them, so the stack sees one consistent flow
+ * client <-> backend in both directions:
+ *
+ *   tc ingress (ekp_from_pod / ekp_from_net)     the stack           tc egress (ekp_egress)
+ *   destination: DNAT to the backend, or a   ->  routing, rp_filter, -> source: SNAT to the node,
+ *   reply's destination back to the client       conntrack, FORWARD     or a reply's source to
+ *   (un-SNAT), then TC_ACT_OK                                           the frontend (un-DNAT)
+ *
+ * which is PREROUTING's and POSTROUTING's split in iptables mode. Translating everything at
+ * ingress instead runs into the node's checks (bpf/README.md, "Host routing"): a SNAT source is the
+ * node's own address (a martian unless accept_local), a reply's source is a VIP (strict rp_filter
+ * drops it) and nf_conntrack sees a SYN-ACK from an address it never saw a SYN to (`--ctstate
+ * INVALID -j DROP`). Here the stack only ever sees real pod and client addresses.
+ *
+ * What ingress decided for the source travels to egress in two pieces: the new source, in
+ * ekp_hostnat_v2 under the tuple the packet leaves with and a 16-bit tag (a hash of the tuple as
+ * it arrived, that is of its conntrack key); and the tag, in skb->tc_index, which the kernel keeps
+ * from tc ingress through forwarding, GRO/GSO and refragmentation (ip_copy_metadata) to tc egress
+ * (no qdisc reads it since Linux 6.3). A direct-action program cannot write tc_index for good:
+ * on TC_ACT_OK the kernel sets it from the classid, `skb->tc_index = TC_H_MIN(res.classid)`
+ * (tc_run), and cls_bpf takes the classid's minor from skb->tc_classid, which the program may
+ * write. So the ingress program writes the tag to tc_classid (0 for every other packet it passes,
+ * which also voids whatever came with it: a pod cannot forge one), and the kernel carries it to
+ * tc_index. Without the tag, two flows whose packets leave with the same tuple (one client port
+ * reaching one backend through two frontends: decide gives the second another source port) could
+ * not be told apart at egress. A packet without a tag (untranslated traffic, the node's own) costs
+ * the egress program one load.
+ *
+ * Each packet that needs a source at egress writes its entry when it is missing or stale, so an
+ * LRU eviction costs one update, never a packet. The egress program is attached to the same
+ * devices as the ingress programs (pod devices and --devices): a packet the stack routes out of
+ * another device (an overlay's tunnel) leaves without its source translated.
+ */
+#ifndef EKP_HOST_H
+#define EKP_HOST_H
+
+#include <linux/pkt_cls.h>
+
+#include "ekp_decide.h"
+#include "ekp_frag.h"
+#include "ekp_maps.h"
+#include "ekp_nat.h"
+#include "ekp_parse.h"
+#include "ekp_tc_scratch.h"
+
+#define EKP_HOST_MIX 0x9e3779b1u /* 2^32 / the golden ratio (Fibonacci hashing) */
+
+/* The tag of the flow direction `p` arrived on: its tuple hashed to 16 bits, never 0. */
+static __always_inline __u16 ekp_host_tag(const struct ekp_pkt *p)
+{
+	__u32 h = p->saddr * EKP_HOST_MIX;
+
+	h = (h ^ p->daddr) * EKP_HOST_MIX;
+	h = (h ^ (((__u32)p->sport << 16) | p->dport)) * EKP_HOST_MIX;
+	h = (h ^ p->proto) * EKP_HOST_MIX;
+	__u16 tag = h >> 16;
+	return tag ? tag : 1;
+}
+
+static __always_inline void ekp_hostnat_key_of(struct ekp_hostnat_key *k, __be32 saddr, __be32 daddr, __be16 sport,
+					       __be16 dport, __u8 proto, __u16 tag)
+{
+	k->saddr = saddr;
+	k->daddr = daddr;
+	k->sport = sport;
+	k->dport = dport;
+	k->proto = proto;
+	k->tag = tag;
+}
+
+/* Ingress: the decided destination now, the decided source left for egress; the packet goes to
+ * the stack (TC_ACT_OK). Turns d->outcome into a drop when it cannot. */
+static __always_inline int ekp_host_hand_over(struct __sk_buff *skb, const struct ekp_pkt *p, struct ekp_decision *d)
+{
+	if (d->saddr != p->saddr || d->sport != p->sport) {
+		struct ekp_hostnat_key k = {};
+		ekp_hostnat_key_of(&k, p->saddr, d->daddr, p->sport, d->dport, p->proto, ekp_host_tag(p));
+		struct ekp_hostnat *v = ekp_hostnat_lookup(&k);
+		if (!v || v->saddr != d->saddr || v->sport != d->sport) {
+			struct ekp_hostnat nv = {};
+			nv.saddr = d->saddr;
+			nv.sport = d->sport;
+			if (ekp_hostnat_update(&k, &nv) < 0) {
+				d->outcome = EKP_DROP_CT_FULL;
+				return TC_ACT_SHOT;
+			}
+		}
+		skb->tc_classid = k.tag; /* skb->tc_index at egress (see above) */
+	}
+	if (ekp_rewrite(skb, p, p->saddr, p->sport, d->daddr, d->dport) < 0) {
+		d->outcome = EKP_DROP_MALFORMED;
+		return TC_ACT_SHOT;
+	}
+	return TC_ACT_OK;
+}
+
+/* Egress (ekp_egress): a packet the ingress program tagged gets its source. Everything else, and a
+ * tagged packet whose entry is gone (evicted between ingress and egress), leaves as it is. */
+static __always_inline int ekp_host_egress(struct __sk_buff *skb)
+{
+	__u16 tag = skb->tc_index;
+
+	if (!tag)
+		return TC_ACT_OK;
+	struct ekp_tc_scratch *w = ekp_scratch_lookup();
+	if (!w)
+		return TC_ACT_OK; /* cannot happen: a one-element per-CPU array */
+	struct ekp_pkt *p = &w->work.pkt;
+	__builtin_memset(p, 0, sizeof(*p));
+	int parsed = ekp_parse(skb, p);
+	if (parsed == EKP_PARSE_LATER) {
+		if (!ekp_frag_ports(p))
+			return TC_ACT_OK;
+	} else if (parsed != EKP_PARSE_OK) {
+		return TC_ACT_OK;
+	}
+	struct ekp_hostnat_key k = {};
+	ekp_hostnat_key_of(&k, p->saddr, p->daddr, p->sport, p->dport, p->proto, tag);
+	struct ekp_hostnat *v = ekp_hostnat_lookup(&k);
+	if (!v)
+		return TC_ACT_OK;
+	__be32 saddr = v->saddr;
+	__be16 sport = v->sport;
+	if (p->frag == EKP_FRAG_FIRST)
+		ekp_frag_record(p); /* its later fragments leave with the same tuple, without ports */
+	if (ekp_rewrite(skb, p, saddr, sport, p->daddr, p->dport) < 0)
+		return TC_ACT_SHOT;
+	return TC_ACT_OK;
+}
+
+#endif /* EKP_HOST_H */
