@@ -25,7 +25,14 @@ from tests.chart.render import CHART, NAMESPACE, REPO, HelmError, Rendered, helm
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},
-    "iptables": {"mode": "iptables", "clusterCIDR": "10.244.0.0/16", "iptables": {"backend": "legacy"}},
+    "iptables": {
+        "mode": "iptables",
+        "clusterCIDR": "10.244.0.0/16",
+        "iptables": {"backend": "legacy"},
+        "bpf": {"nodePortRange": "20000-22767"},
+        "serviceClusterIPRange": "10.96.0.0/12",
+        "externalIPCIDRs": ["203.0.113.0/24", "198.51.100.0/24"],
+    },
     "monitoring": {
         "metrics": {
             "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
@@ -42,6 +49,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "snatPorts": "62000-65000",
             "nodePortRange": "20000-22767",
             "keepClientIpForLocalBackends": True,
+            "hostRouting": "bpf",
         },
         "conntrack": {"tcpEstablishedTimeout": "2h0m0s", "udpTimeout": "30s"},
         "iptables": {"minSyncPeriod": "250ms"},
@@ -250,7 +258,16 @@ def test_nodeports_and_tuned_flags(rendered: dict[str, Rendered]) -> None:
         "--bpf-snat-ports=62000-65000",
         "--node-port-range=20000-22767",
         "--bpf-keep-client-ip-for-local-backends=true",
+        "--bpf-host-routing=bpf",
     } <= set(tuned["args"])
+    assert "--bpf-host-routing=legacy" in rendered["default"].container("agent")["args"]
+    # The guard of external frontends is both modes'.
+    assert {
+        "--node-port-range=20000-22767",
+        "--service-cluster-ip-range=10.96.0.0/12",
+        "--external-ip-cidrs=203.0.113.0/24,198.51.100.0/24",
+    } <= set(rendered["iptables"].container("agent")["args"])
+    assert not [a for a in rendered["iptables"].container("agent")["args"] if a.startswith("--bpf-")]
     assert tuned["args"][-1] == "--node-ip=192.168.0.11"
     assert tuned["image"] == "ebpf-kube-proxy@sha256:" + "a" * 64
 
