@@ -45,17 +45,20 @@ class Prog:
 
 
 def attached_programs(lab: Lab, node: Node) -> list[Prog]:
-    """BPF programs attached to tc ingress of the node's devices (eth0 and every pod veth)."""
+    """BPF programs attached to tc ingress and egress of the node's devices (eth0 and every pod
+    veth; egress holds ekp_egress with legacy host routing)."""
     progs: dict[int, Prog] = {}
     for dev in [node.iface, *node.pod_ifaces]:
-        res = lab.run(node, "tc", "-j", "filter", "show", "dev", dev, "ingress", check=False)
-        if res.returncode != 0 or not res.stdout.strip():
-            continue
-        for flt in json.loads(res.stdout):
-            prog = flt.get("options", {}).get("prog")
-            if prog and "id" in prog:
+        for hook in ("ingress", "egress"):
+            res = lab.run(node, "tc", "-j", "filter", "show", "dev", dev, hook, check=False)
+            if res.returncode != 0 or not res.stdout.strip():
+                continue
+            for flt in json.loads(res.stdout):
+                prog = flt.get("options", {}).get("prog")
+                if not prog or "id" not in prog:
+                    continue
                 pid = int(prog["id"])
-                where = f"{dev} ingress"
+                where = f"{dev} {hook}"
                 if pid in progs:
                     where = f"{progs[pid].where}, {where}"
                 progs[pid] = Prog(pid, str(prog.get("name", "?")), where)

@@ -34,6 +34,7 @@ OUT = REPO / "build" / "bench.md"
 SYNC_TIMEOUT_S = 600.0
 RESYNC = "1h"
 PROBE_CPU = 0
+LEGACY, BPF = "legacy", "bpf"  # --bpf-host-routing: eBPF mode is measured with both, in one lab
 
 
 @dataclass
@@ -129,6 +130,7 @@ class StatsWindow:
     target: str
     connections: int
     costs: list[bpfstats.Cost]
+    routing: str  # --bpf-host-routing
 
 
 @dataclass
@@ -170,6 +172,8 @@ class Bench:
             extra = [f"--iptables-sync-period={RESYNC}"] + (["--v=4"] if mode == "iptables" else [])
             if self.s.iptables_backend:
                 extra.append(f"--iptables-backend={self.s.iptables_backend}")
+            if mode == "ebpf":
+                extra.append(f"--bpf-host-routing={LEGACY}")
             cluster = Cluster(lab, mode, agent_nodes=[1], extra=extra)
             try:
                 cluster.start()
@@ -189,9 +193,12 @@ class Bench:
                     body = lab.http_get(client, MEASURED_VIP, MEASURED_PORT)
                     if body.strip() != server.name:
                         raise RuntimeError(f"ClusterIP answered {body!r}, not {server.name}")
-                    self.measure(lab, client, server, workers, State(mode, num(count), count, vip=Target()))
+                    label = num(count) + (f", {LEGACY} routing" if mode == "ebpf" else "")
+                    self.measure(lab, client, server, workers, State(mode, label, count, vip=Target()))
                     if mode == "ebpf":
-                        self.bpf_costs(lab, node, client, server, count)
+                        self.bpf_costs(lab, node, client, server, count, LEGACY)
+                if mode == "ebpf":
+                    self.other_host_routing(lab, node, client, server, workers, agent)
             finally:
                 t0 = time.monotonic()
                 failures = cluster.stop()
@@ -199,6 +206,24 @@ class Bench:
             if failures:
                 self.results.notes.append(f"{mode}: agent --cleanup failed: {'; '.join(failures)}")
             self.measure(lab, client, server, workers, State(mode, "none (after)", None))
+
+    def other_host_routing(
+        self, lab: Lab, node: Node, client: Pod, server: Pod, workers: list[int], agent: Agent
+    ) -> None:
+        """The agent restarted with --bpf-host-routing=bpf over the same pins and services: the
+        same ClusterIP measured again, in the same lab, against the same 'none' rows."""
+        print(f"   ebpf: restarting the agent with --bpf-host-routing={BPF}", flush=True)
+        agent.stop()
+        agent.extra = [f for f in agent.extra if not f.startswith("--bpf-host-routing=")]
+        agent.extra.append(f"--bpf-host-routing={BPF}")
+        agent.start()
+        agent.wait_version(agent_version(agent), timeout=SYNC_TIMEOUT_S)
+        use_ports(lab, client, MEASURED_VIP)
+        if lab.http_get(client, MEASURED_VIP, MEASURED_PORT).strip() != server.name:
+            raise RuntimeError("the ClusterIP does not answer after the restart with bpf host routing")
+        label = f"{num(self.s.services)}, {BPF} routing"
+        self.measure(lab, client, server, workers, State("ebpf", label, self.s.services, vip=Target()))
+        self.bpf_costs(lab, node, client, server, self.s.services, BPF)
 
     def load(
         self, lab: Lab, client: Pod, addr: str, port: int, *, server_pids: list[int], lab_cgroup: str | None
@@ -302,7 +327,7 @@ class Bench:
                     position = f"; measured service is rule {hit[0]:,} of {len(services):,} in KUBE-SERVICES"
         return f"iptables-{backend}: nat {counts['nat']:,} rules, filter {counts['filter']:,}{position}"
 
-    def bpf_costs(self, lab: Lab, node: Node, client: Pod, server: Pod, services: int) -> None:
+    def bpf_costs(self, lab: Lab, node: Node, client: Pod, server: Pod, services: int, routing: str) -> None:
         progs = bpfstats.attached_programs(lab, node)
         if not progs:
             self.results.notes.append("eBPF: no program found on the node's tc ingress hooks")
@@ -318,9 +343,11 @@ class Bench:
                 load = self.load(lab, client, addr, port, server_pids=[], lab_cgroup=None)
                 after = bpfstats.snapshot(progs)
                 costs = bpfstats.costs(progs, before, after)
-                self.results.stats.append(StatsWindow("ebpf", services, target, load.requests, costs))
+                self.results.stats.append(
+                    StatsWindow("ebpf", services, target, load.requests, costs, routing)
+                )
                 shown = ", ".join(f"{c.name} {c.ns_per_run:.0f} ns x {c.runs:,}" for c in costs)
-                print(f"   ebpf {services:>6,} svc {target:<10} per run: {shown}", flush=True)
+                print(f"   ebpf {routing:<6} {services:>6,} svc {target:<10} per run: {shown}", flush=True)
 
     def legacy_comparison(self) -> None:
         """bench/iptables_restore.py: as many services restored by iptables-legacy (throwaway netns)."""
@@ -345,6 +372,14 @@ class Bench:
                 full=True,
             )
         )
+
+
+def agent_version(agent: Agent) -> str:
+    """The services file version the agent's last run synced (a restart syncs it again)."""
+    versions: list[str] = re.findall(r"sync done: version=(\w+),", agent.log())
+    if not versions:
+        raise RuntimeError("the agent never synced")
+    return versions[-1]
 
 
 def use_ports(lab: Lab, client: Pod, addr: str) -> None:
@@ -455,12 +490,13 @@ def traffic_table(results: Results, s: Settings) -> Table:
                 }
                 met = min(*same.values(), *bare.values()) >= 0.9
                 verdicts.append(
-                    f"{mode}, {s.services:,} services: ClusterIP / pod IP in the same state: "
+                    f"{mode}, {st.label} services: ClusterIP / pod IP in the same state: "
                     + ", ".join(f"{k} {v:.2f}" for k, v in same.items())
                     + "; ClusterIP / pod IP with no agent: "
                     + ", ".join(f"{k} {v:.2f}" for k, v in bare.items())
                     + f" -> target (all >= 0.90) {'met' if met else 'NOT met'}"
                 )
+    verdicts += host_routing_verdict(results, s)
     return Table(
         title="New TCP connections per second and connect latency: client pod -> nginx pod on the same node",
         headers=[
@@ -502,6 +538,42 @@ def traffic_table(results: Results, s: Settings) -> Table:
     )
 
 
+def host_routing_verdict(results: Results, s: Settings) -> list[str]:
+    """Legacy host routing against bpf host routing at the large state: the ClusterIP's conn/s and
+    connect latency, each against the pod IP with no agent (the 'none' rows of the same lab)."""
+    states = [st for st in results.states if st.mode == "ebpf"]
+    routed = {
+        routing: st
+        for st in states
+        for routing in (LEGACY, BPF)
+        if st.services == s.services and st.label.endswith(f"{routing} routing") and st.vip is not None
+    }
+    bases = [st.pod for st in states if st.services is None]
+    if len(routed) < 2 or not bases:
+        return []
+    base = statistics.mean(t.conns_per_s for t in bases)
+    p50 = statistics.mean(t.p(0.5) for t in bases)
+    p99 = statistics.mean(t.p(0.99) for t in bases)
+    parts = []
+    for routing in (LEGACY, BPF):
+        vip = routed[routing].vip
+        assert vip is not None
+        parts.append(
+            f"{routing}: {vip.conns_per_s:,.0f} conn/s ({vip.conns_per_s / base:.2f} of no agent), "
+            f"p50 {vip.p(0.5):.1f} µs ({p50 / vip.p(0.5):.2f}), "
+            f"p99 {vip.p(0.99):.1f} µs ({p99 / vip.p(0.99):.2f})"
+        )
+    legacy, bpf = (routed[r].vip for r in (LEGACY, BPF))
+    assert legacy is not None and bpf is not None
+    return [
+        f"host routing, ebpf, {s.services:,} services, ClusterIP (ratios: against the pod IP with no "
+        f"agent; latency no agent / ClusterIP): "
+        + "; ".join(parts)
+        + f"; legacy / bpf: conn/s {legacy.conns_per_s / bpf.conns_per_s:.2f}, "
+        f"p50 {bpf.p(0.5) / legacy.p(0.5):.2f}, p99 {bpf.p(0.99) / legacy.p(0.99):.2f}"
+    ]
+
+
 def tables(results: Results, s: Settings) -> list[Table]:
     out: list[Table] = [traffic_table(results, s)]
     if results.stats:
@@ -511,6 +583,7 @@ def tables(results: Results, s: Settings) -> list[Table]:
                 srows.append(
                     [
                         num(w.services),
+                        w.routing,
                         w.target,
                         c.name,
                         num(c.runs),
@@ -522,13 +595,14 @@ def tables(results: Results, s: Settings) -> list[Table]:
         out.append(
             Table(
                 title="eBPF programs' own cost per packet (kernel.bpf_stats_enabled: run_time_ns / run_cnt)",
-                headers=["services", "traffic", "program", "runs", "ns/run", "runs/conn"],
+                headers=["services", "host routing", "traffic", "program", "runs", "ns/run", "runs/conn"],
                 rows=srows,
-                right=[True, False, False, True, True, True],
+                right=[True, False, False, False, True, True, True],
                 notes=[
                     f"a separate {s.seconds:g} s wrk window per row with stats on (off for the table above); "
                     f"the sysctl was {before} before and is restored",
-                    "programs: the ids attached to tc ingress in the lab node (eth0, lxc-p1, lxc-p2)",
+                    "programs: the ids attached to tc ingress and egress in the lab node (eth0, lxc-p1, "
+                    "lxc-p2); ekp_egress runs with legacy host routing only",
                 ],
             )
         )
