@@ -28,7 +28,6 @@ import struct
 import sys
 import time
 
-
 IP_RECVERR = 11  # linux/in.h; the socket module of Python 3.11 does not name it
 SO_EE_ORIGIN_ICMP = 2
 ICMP_DEST_UNREACH, ICMP_PORT_UNREACH = 3, 3
