@@ -323,7 +323,8 @@ def tables(record: dict[str, Any]) -> list[Table]:
 
 def header(record: dict[str, Any], path: Path) -> list[str]:
     h = record["host"]
-    tools = h["tools"]
+    # versions as the tools print them, without wrk's copyright line or nginx's preamble
+    tools = {k: v.split(" Copyright")[0].removeprefix("nginx version: ") for k, v in h["tools"].items()}
     rel = path.relative_to(REPO) if path.is_absolute() and path.is_relative_to(REPO) else path
     dirty = " plus uncommitted changes" if record["dirty"] else ""
     return [
