@@ -266,14 +266,6 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
 
         return init_node(config)
 
-    from agent.featuregates import log_gates
-    from agent.oom import apply_oom_score_adj
-
-    apply_oom_score_adj(config.oom_score_adj)
-    log_gates(config)
-
-    from agent.lock import acquire
-
     # A bad --kubeconfig is a bad input file, as a bad --config: exit 2 before anything else.
     kubeconfig = None
     if config.kubeconfig and not config.services_file:
@@ -284,6 +276,15 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         except KubeconfigError as exc:
             log.error("%s", exc)
             return 2
+
+    from agent.featuregates import log_gates
+    from agent.oom import apply_oom_score_adj
+
+    apply_oom_score_adj(config.oom_score_adj)
+    log_gates(config)
+
+    from agent.lock import acquire
+
     gc.set_threshold(*GC_THRESHOLDS)
     try:
         preflight(config)
