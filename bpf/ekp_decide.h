@@ -332,7 +332,7 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 		d->dport = p->dport;
 	} else if (p->frag == EKP_FRAG_FIRST) {
 		ekp_frag_record(p);
-		d->release = ekp_frag_held(p);
+		d->release = ekp_frag_held(p, now);
 	}
 
 	struct ekp_ct_key key = {};

@@ -30,6 +30,11 @@
 
 #include "ekp_maps.h"
 #include "ekp_parse.h"
+#include "ekp_time.h"
+
+/* How long after the last hold a first fragment looks for held ones: the kernel's reassembly
+ * time (net.ipv4.ipfrag_time, 30 s); a fragment held longer is useless to the receiver anyway. */
+#define EKP_FRAGHOLD_WINDOW_NS (30 * EKP_NSEC)
 
 static __always_inline void ekp_frag_key_of(struct ekp_frag_key *k, const struct ekp_pkt *p)
 {
@@ -92,12 +97,19 @@ static __always_inline void ekp_fraghold_key_of(struct ekp_fraghold_key *k, cons
 	k->slot = slot;
 }
 
-/* A first fragment: whether later fragments of its datagram are held. Slots fill from 0, so slot 0
- * is there whenever any is (when the LRU took it, the datagram is incomplete anyway). */
-static __always_inline __u8 ekp_frag_held(const struct ekp_pkt *p)
+/* A first fragment: whether later fragments of its datagram are held. Looked up only when some
+ * fragment was held in the last EKP_FRAGHOLD_WINDOW_NS (ekp_fraglast: an array, which the JIT
+ * reads in place), so in-order fragments pay no hash lookup on a node that sees none out of
+ * order. Slots fill from 0, so slot 0 is there whenever any is (when the LRU took it, the
+ * datagram is incomplete anyway). */
+static __always_inline __u8 ekp_frag_held(const struct ekp_pkt *p, __u64 now)
 {
 	struct ekp_fraghold_key k = {};
+	__u32 zero = 0;
+	__u64 *last = ekp_fraglast_lookup(&zero);
 
+	if (!last || ekp_age_ns(now, *last) > (__s64)EKP_FRAGHOLD_WINDOW_NS)
+		return 0;
 	ekp_fraghold_key_of(&k, p, 0);
 	return ekp_fraghold_lookup(&k) ? 1 : 0;
 }

@@ -26,7 +26,7 @@
 	!defined(EKP_FRAG_MAX) || !defined(EKP_AFF_MAX) || !defined(EKP_SRCR_MAX) || !defined(EKP_CFG_MAX) ||  \
 	!defined(EKP_CFGSEL_MAX) || !defined(EKP_ICMPRL_MAX) || !defined(EKP_STATS_MAX) ||                      \
 	!defined(EKP_ADDR_MAX) || !defined(EKP_CTQ_TCP_MAX) || !defined(EKP_CTQ_ANY_MAX) ||                     \
-	!defined(EKP_CTQH_MAX) || !defined(EKP_FRAGHOLD_MAX)
+	!defined(EKP_CTQH_MAX) || !defined(EKP_FRAGHOLD_MAX) || !defined(EKP_FRAGLAST_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -35,6 +35,7 @@ _Static_assert(EKP_STAT_MAX <= EKP_STAT_SLOTS, "a counter beyond the slots of ek
 _Static_assert(EKP_STAT_MAX <= 32, "struct ekp_decision.marks is a 32-bit set of enum ekp_stat");
 _Static_assert(EKP_CTQH_MAX == 2, "ekp_ctqh holds one position per early-drop ring");
 _Static_assert(EKP_CTQ_TCP_MAX > 0 && EKP_CTQ_ANY_MAX > 0, "an early-drop ring needs a slot");
+_Static_assert(EKP_FRAGLAST_MAX == 1, "ekp_fraglast holds one time");
 _Static_assert(EKP_CFG_MAX == 2, "ekp_cfg_v2 holds exactly two struct ekp_config (double buffer)");
 _Static_assert(EKP_CFGSEL_MAX == 1, "ekp_cfgsel_v2 holds exactly one selector");
 _Static_assert(EKP_ICMPRL_MAX == 1, "ekp_icmprl_v2 holds one bucket per CPU");
@@ -73,6 +74,9 @@ BPF_TABLE_PINNED("array", u32, u64, ekp_ctqh_v2, EKP_CTQH_MAX, EKP_PIN(ekp_ctqh_
 BPF_TABLE_PINNED("lru_hash", struct ekp_frag_key, struct ekp_frag, ekp_frag_v2, EKP_FRAG_MAX, EKP_PIN(ekp_frag_v2));
 BPF_TABLE_PINNED("lru_hash", struct ekp_fraghold_key, struct ekp_fraghold, ekp_fraghold_v2, EKP_FRAGHOLD_MAX,
 		 EKP_PIN(ekp_fraghold_v2));
+/* When a fragment was last held (bpf_ktime_get_ns): a first fragment looks for held ones only
+ * within the kernel's reassembly time after it, so in-order fragments cost what they did. */
+BPF_TABLE_PINNED("array", u32, u64, ekp_fraglast_v2, EKP_FRAGLAST_MAX, EKP_PIN(ekp_fraglast_v2));
 BPF_TABLE_PINNED("lru_hash", struct ekp_affinity_key, struct ekp_affinity, ekp_aff_v2, EKP_AFF_MAX,
 		 EKP_PIN(ekp_aff_v2));
 
@@ -105,6 +109,7 @@ static __always_inline int ekp_frag_update(struct ekp_frag_key *k, struct ekp_fr
 static __always_inline struct ekp_fraghold *ekp_fraghold_lookup(struct ekp_fraghold_key *k);
 static __always_inline int ekp_fraghold_insert(struct ekp_fraghold_key *k, struct ekp_fraghold *v);
 static __always_inline int ekp_fraghold_delete(struct ekp_fraghold_key *k);
+static __always_inline u64 *ekp_fraglast_lookup(u32 *k);
 static __always_inline struct ekp_addr *ekp_addr_lookup(struct ekp_addr_key *k);
 static __always_inline struct ekp_ctq_slot *ekp_ctq_lookup(__u32 ring, __u32 *slot);
 static __always_inline u64 *ekp_ctqh_lookup(u32 *ring);

@@ -120,6 +120,11 @@ static __always_inline int ekp_fraghold_delete(struct ekp_fraghold_key *k)
 	return ekp_fraghold_v2.delete(k);
 }
 
+static __always_inline u64 *ekp_fraglast_lookup(u32 *k)
+{
+	return ekp_fraglast_v2.lookup(k);
+}
+
 static __always_inline struct ekp_addr *ekp_addr_lookup(struct ekp_addr_key *k)
 {
 	return ekp_addr_v2.lookup(k);

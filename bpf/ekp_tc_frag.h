@@ -75,8 +75,13 @@ static __always_inline int ekp_tc_frag_hold(struct __sk_buff *skb, const struct 
 		if (ekp_fraghold_lookup(&k))
 			continue;
 		/* BPF_NOEXIST: another CPU holding a fragment of the datagram may have taken it */
-		if (ekp_fraghold_insert(&k, v) == 0)
+		if (ekp_fraghold_insert(&k, v) == 0) {
+			__u32 zero = 0;
+			__u64 *last = ekp_fraglast_lookup(&zero);
+			if (last)
+				*last = bpf_ktime_get_ns(); /* first fragments look for held ones from now on */
 			return TC_ACT_SHOT; /* held: the copy goes back in when the first fragment comes */
+		}
 	}
 	d->outcome = EKP_DROP_FRAG_NO_FIRST;
 	return TC_ACT_SHOT;

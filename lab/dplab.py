@@ -58,6 +58,7 @@ TEST_ROLES = (
     "ct_any",
     "frag",
     "fraghold",
+    "fraglast",
     "addr",
     "ctq_tcp",
     "ctq_any",

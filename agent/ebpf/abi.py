@@ -429,6 +429,7 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("ctqh", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_CTQH_MAX", _DP),
         MapSpec("frag", "lru_hash", FragKey, Frag, 8192, "EKP_FRAG_MAX", _DP),
         MapSpec("fraghold", "lru_hash", FragHoldKey, FragHold, 1024, "EKP_FRAGHOLD_MAX", _DP),
+        MapSpec("fraglast", "array", ctypes.c_uint32, ctypes.c_uint64, 1, "EKP_FRAGLAST_MAX", _DP),
         MapSpec("aff", "lru_hash", AffinityKey, Affinity, 65536, "EKP_AFF_MAX", _DP),
         MapSpec("icmprl", "percpu_array", ctypes.c_uint32, RateLimit, 1, "EKP_ICMPRL_MAX", _DP),
         # v3: 64 slots (v2 had exactly its 25 counters, so a counter added grew the map)

@@ -12,6 +12,7 @@ with an AF_PACKET socket, then run through the program again as the kernel would
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 
 import pytest
@@ -174,6 +175,21 @@ def test_a_reversed_clusterip_datagram_is_held_then_translated_whole(net: Net, l
     stats = net.stats()
     assert (stats[Stat.FRAG_RELEASED], stats[Stat.FRAGMENTS], stats[Stat.DROP_FRAG_NO_FIRST]) == (2, 2, 0)
     assert (stats[Stat.NEW_FLOWS], stats[Stat.CT_FORWARD]) == (1, 2)
+
+
+def test_first_fragments_look_for_held_ones_only_within_the_reassembly_time(net: Net) -> None:
+    """A fragment held more than 30 s ago (net.ipv4.ipfrag_time: the receiver would have given the
+    datagram up) is not looked for: in-order fragments pay no lookup on a node that holds none."""
+    dns_service(net)
+    first, _middle, last = fragments(POD_CLIENT, VIP, 40013, 53, BIG, ip_id=9191)
+    assert net.from_pod(last)[0] == TC_ACT_SHOT
+    held_at = net.dp.maps["fraglast"].lookup(ctypes.c_uint32(0))
+    assert isinstance(held_at, ctypes.c_uint64) and held_at.value > 0
+    net.dp.maps["fraglast"].update(ctypes.c_uint32(0), ctypes.c_uint64(held_at.value - 31 * 10**9))
+    assert net.from_pod(first)[0] == TC_ACT_REDIRECT
+    stats = net.stats()
+    assert (stats[Stat.FRAG_HELD], stats[Stat.FRAG_RELEASED]) == (1, 0)
+    assert len(net.dp.maps["fraghold"].items()) == 1  # left to the LRU
 
 
 def test_a_reversed_reply_from_a_backend_is_held_then_translated(net: Net, lab: Lab) -> None:
