@@ -44,7 +44,7 @@ pytestmark = pytest.mark.kernel
 V1_COMMIT = "f55b07c1a19a86171a0b7b99a5c93591666582bd"
 # The last commit of main before the early-drop queues, ekp_addr, ekp_fraghold and ekp_stats_v3
 # (git merge-base of that branch and main when they were written).
-V2_STATS_COMMIT = "65e8fda688e7f173b2cf1e760356b0d8adf1b74c"
+V2_STATS_COMMIT = "1a1629f3862fe2ceeb0dda77d5d836c12f55a85c"
 ECHO_PORT = 7000
 
 
