@@ -50,7 +50,7 @@ class MapSizes:
     fraghold: int = default("map_sizes.fraghold")
     aff: int = default("map_sizes.aff")
     srcr: int = default("map_sizes.srcr")
-    # frontend and backend addresses (allocated as used: no preallocation)
+    # frontend and backend addresses (entries allocated as written; 4 MiB of hash buckets)
     addr: int = default("map_sizes.addr")
 
     def with_conntrack(
