@@ -54,6 +54,7 @@ class ApiScale:
     rss_mib: float = 0.0
     change_ms: list[float] = field(default_factory=list)  # server write -> data path (map poll)
     change_log_ms: list[float] = field(default_factory=list)  # server write -> agent's sync done line
+    iptables_backend: str = ""  # the iptables-mode agent's --iptables-backend ("" in eBPF mode)
 
 
 def _stamp(line: str) -> float:
@@ -154,8 +155,15 @@ def _serve(conn: Any, services: int, endpoints: int) -> None:
             conn.send(exc)
 
 
-def measure(mode: str, services: int, endpoints: int, changes: int, timeout_s: float = 900.0) -> ApiScale:
-    out = ApiScale(mode, services, endpoints)
+def measure(
+    mode: str,
+    services: int,
+    endpoints: int,
+    changes: int,
+    iptables_backend: str = "legacy",
+    timeout_s: float = 900.0,
+) -> ApiScale:
+    out = ApiScale(mode, services, endpoints, iptables_backend=iptables_backend if mode == "iptables" else "")
     server = ApiServerProcess(services, endpoints)
     try:
         with Lab(nodes=1, pods_per_node=1) as lab:
@@ -164,7 +172,7 @@ def measure(mode: str, services: int, endpoints: int, changes: int, timeout_s: f
             out.load_s = server.load_s
             server.call("node", node.name, node.ip)
             kubeconfig = server.call("kubeconfig", str(lab.tmpdir / "kubeconfig"))
-            extra = ["--iptables-backend=legacy"] if mode == "iptables" else []
+            extra = [f"--iptables-backend={iptables_backend}"] if mode == "iptables" else []
             agent = Agent(
                 lab, node, mode, [f"--kubeconfig={kubeconfig}"], ["--iptables-sync-period=1h", *extra]
             )
@@ -272,5 +280,10 @@ def table(results: list[ApiScale]) -> Table:
             "one change: an EndpointSlice gains an endpoint on the server; map: until the frontend's "
             "count in the pinned map changes (eBPF); log: until the agent's `sync done` line that "
             "includes it (ms timestamps)",
+            *[
+                f"the iptables-mode agent ran with --iptables-backend={r.iptables_backend}"
+                for r in results
+                if r.iptables_backend
+            ],
         ],
     )

@@ -74,7 +74,21 @@ class HostRouting(StrEnum):
     BPF = "bpf"  # redirected past the stack
 
 
-MAP_SIZE_ROLES = ("fe", "slot", "be", "rnat", "member", "ct_tcp", "ct_any", "frag", "aff", "srcr", "hostnat")
+MAP_SIZE_ROLES = (
+    "fe",
+    "slot",
+    "be",
+    "rnat",
+    "member",
+    "ct_tcp",
+    "ct_any",
+    "frag",
+    "fraghold",
+    "aff",
+    "srcr",
+    "addr",
+    "hostnat",
+)
 
 
 @dataclass(frozen=True)
