@@ -40,6 +40,7 @@ from typing import Protocol, cast
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
+from agent.ebpf.xdp import PROG_XDP
 from agent.ebpf.codec import VALUES, Key, Value
 from agent.ebpf.maps import MapWriter, read_config, write_config
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
@@ -280,7 +281,7 @@ class EbpfProxier:
         if first:
             self._upgrade.before_attach(datapath.maps)
         if self._attacher is None:
-            fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD)}
+            fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD, PROG_XDP)}
             self._attacher = self._attacher_factory(self._config, fds)
             full = True
         restart = self._attached_once and not self._attacher.watching
