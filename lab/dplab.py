@@ -10,7 +10,8 @@ is shared. The namespace holds what the FIB lookups resolve in:
     small0 10.244.3.1/24    MTU 1280: the path to a backend (.5) and a client (.6) behind a smaller MTU
 
 Packets from pods run ekp_from_pod with ingress pod0; packets from outside run ekp_from_net with
-ingress ext0, or ekp_xdp_net (XDP) on ext0. `assert_balanced` checks the counters after each test: PACKETS == sum of outcomes.
+ingress ext0, or ekp_xdp_net (XDP) on ext0. `assert_balanced` checks each hook's counters after
+each test: PACKETS == sum of outcomes.
 """
 
 from __future__ import annotations

@@ -226,7 +226,9 @@ def maglev_value(m: int) -> type[_Struct]:
     """The value type of ekp_maglev for tables of `m` positions."""
     if m == MAGLEV_TABLE_SIZE:
         return Maglev
-    return _maglev_types.setdefault(m, type(f"Maglev{m}", (_Struct,), {"_fields_": [("backend_id", u32 * m)]}))
+    return _maglev_types.setdefault(
+        m, type(f"Maglev{m}", (_Struct,), {"_fields_": [("backend_id", u32 * m)]})
+    )
 
 
 class Maglev(_Struct):

@@ -37,6 +37,7 @@ import os
 import re
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,9 @@ PROGRAMS: dict[str, Scope] = {
 }
 BPF_PROG_TYPE_SCHED_CLS = 3  # bcc's BPF.SCHED_CLS
 BPF_PROG_TYPE_XDP = 6  # bcc's BPF.XDP
-PROG_TYPES = {name: BPF_PROG_TYPE_XDP if name == "ekp_xdp_net" else BPF_PROG_TYPE_SCHED_CLS for name in PROGRAMS}
+PROG_TYPES = {
+    name: BPF_PROG_TYPE_XDP if name == "ekp_xdp_net" else BPF_PROG_TYPE_SCHED_CLS for name in PROGRAMS
+}
 # Unpinned maps each program's load owns (ekp_tc.c: ekp_scratch); a reused program keeps its own.
 PRIVATE_MAPS = 1
 
@@ -130,6 +133,13 @@ def pinned_sizes(pin_path: str) -> dict[str, int]:
         finally:
             os.close(fd)
     return out
+
+
+def sized_spec(spec: MapSpec, sizes: MapSizes) -> MapSpec:
+    """`spec` with the value type it is compiled with: a Maglev table's follows the table size."""
+    if spec.role == "maglev":
+        return replace(spec, value=maglev_value(sizes.maglev_table_size))
+    return spec
 
 
 def map_flags(spec: MapSpec) -> int:
@@ -367,7 +377,7 @@ class Datapath:
                 time.monotonic() - started,
             )
             for role, spec in MAPS.items():
-                m = BpfMap.open_pinned(spec, self.pin_path)
+                m = BpfMap.open_pinned(sized_spec(spec, self.sizes), self.pin_path)
                 self._maps[role] = m
                 diffs = info_mismatches(spec, self.sizes, m.info())
                 if diffs:

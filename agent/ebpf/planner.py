@@ -69,13 +69,14 @@ import ipaddress
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import starmap
-from socket import inet_aton
+from socket import inet_aton, inet_ntoa
 from typing import Any, Literal, NamedTuple, Protocol
 
 from agent.config import Config, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.abi import AddrFlag, BackendFlag, FrontendFlag, MemberFlag, Scope
 from agent.ebpf.codec import KEYS, VALUES, Key, Value
+from agent.ebpf.maglev import wanted_tables
 from agent.model.types import Endpoint, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 from agent.model.types import Protocol as L4
 
@@ -253,6 +254,8 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[_Fe]:
     externals += [(ip, sp.port, FrontendFlag.EXTERNAL_IP) for ip in sp.external_ips]
     ranges = int(FrontendFlag.SOURCE_RANGES) if sp.load_balancer_source_ranges else 0
     snat_all, snat_keep_local = int(FrontendFlag.SNAT_ALL), int(FrontendFlag.SNAT_REMOTE)
+    # Maglev chooses for traffic from outside only, as Cilium's loadBalancer.algorithm does.
+    maglev = int(FrontendFlag.MAGLEV) if config.bpf_lb_algorithm == "maglev" else 0
     externals += [(ip, sp.port, FrontendFlag.LOADBALANCER | ranges) for ip in sp.load_balancer_ips]
     for addr_text, fe_port, what in externals:
         addr, p = ip_be(addr_text), port_be(fe_port)
@@ -269,7 +272,7 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[_Fe]:
             ext_kind = "cluster"
             ext_flags = base | what | (snat_keep_local if config.bpf_keep_client_ip_local else snat_all)
             pod_flags = ext_flags
-        out.append(_Fe((addr, p, proto, int(Scope.EXTERNAL)), ext_kind, ext_flags, affinity, rnat))
+        out.append(_Fe((addr, p, proto, int(Scope.EXTERNAL)), ext_kind, ext_flags | maglev, affinity, rnat))
         out.append(_Fe((addr, p, proto, int(Scope.INTERNAL)), "cluster", pod_flags, affinity, rnat))
     return out
 
@@ -424,6 +427,23 @@ class Planner:
         self._addr_refs: dict[tuple[int, int], int] = {}
 
     # ------------------------------------------------------------------ planning
+
+    def maglev_tables(self) -> dict[int, tuple[tuple[str, ...], tuple[int, ...]]]:
+        """The Maglev tables the desired frontends need (agent/ebpf/maglev.py wanted_tables)."""
+        slots, bes = self.desired["slot"], self.desired["be"]
+
+        def slot_of(set_id: int, pos: int) -> int | None:
+            v = slots.get((set_id, pos))
+            return int(v[0]) if v else None
+
+        def backend_of(bid: int) -> tuple[str, int] | None:
+            v = bes.get((bid,))
+            if not v:
+                return None
+            return inet_ntoa(int(v[0]).to_bytes(4, "little")), port_be(int(v[1]))
+
+        fes = ((int(v[1]), int(v[2]), int(v[3])) for v in self.desired["fe"].values())
+        return wanted_tables(fes, slot_of, backend_of)
 
     def update(
         self, state: ProxyState, node: NodeContext, changed: Iterable[ServicePortName] | None

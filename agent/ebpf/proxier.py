@@ -40,13 +40,14 @@ from typing import Protocol, cast
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
-from agent.ebpf.xdp import PROG_XDP
 from agent.ebpf.codec import VALUES, Key, Value
+from agent.ebpf.maglev_writer import MaglevWriter
 from agent.ebpf.maps import MapWriter, read_config, write_config
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap, decode
 from agent.ebpf.ports import parse_port_range, snat_ports_problem
 from agent.ebpf.upgrade import Upgrade
+from agent.ebpf.xdp import PROG_XDP
 from agent.errors import FatalError
 from agent.model.types import ProxyState, ServicePortName
 from agent.netns import run_in_netns
@@ -147,6 +148,7 @@ class EbpfProxier:
         self._attached_once = False
         self._attached_node: NodeContext | None = None  # the node the attachments were checked for
         self.last_flush = FlushResult()  # what the last sync wrote, for logs and tests
+        self._maglev = MaglevWriter(config.map_sizes.maglev_table_size)
 
     # ------------------------------------------------------------------ Proxier
 
@@ -182,6 +184,9 @@ class EbpfProxier:
                 write_config(maps, VALUES["cfg"].to_ctype(planner.cfg))
                 self._cfg_written = planner.cfg
             result = planner.flush(cast(Mapping[str, RawMap], maps))
+            if "maglev" in maps:
+                wanted = planner.maglev_tables() if self._config.bpf_lb_algorithm == "maglev" else {}
+                repaired += self._maglev.sync(maps["maglev"], wanted, full=periodic and not first)
             self._unsure = False
             self.last_flush = result
 
@@ -301,6 +306,7 @@ class EbpfProxier:
             self._attached_once = True
 
     def _release(self) -> None:
+        self._maglev.forget()
         if self._datapath is not None:
             self._datapath.close()
             self._datapath = None

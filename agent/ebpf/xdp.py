@@ -107,7 +107,9 @@ def xdp_state(ipr: Any, index: int) -> XdpState:
     if xdp is None:
         return XdpState(ATTACHED_NONE, 0)
     mode = xdp.get_attr("IFLA_XDP_ATTACHED") or 0
-    mode = {"xdp": ATTACHED_DRV, "xdpgeneric": ATTACHED_SKB}.get(mode, mode) if isinstance(mode, str) else mode
+    mode = (
+        {"xdp": ATTACHED_DRV, "xdpgeneric": ATTACHED_SKB}.get(mode, mode) if isinstance(mode, str) else mode
+    )
     return XdpState(int(mode or 0), int(xdp.get_attr("IFLA_XDP_PROG_ID") or 0))
 
 

@@ -198,7 +198,10 @@ def test_map_names_fit_the_kernel_and_carry_the_version() -> None:
         assert len(spec.name) <= 15
         assert spec.name == f"ekp_{spec.role}_v{spec.version}"
         assert spec.version >= abi.ABI_VERSION
-    assert {s.name for s in abi.MAPS.values() if s.version != abi.ABI_VERSION} == {"ekp_stats_v3", "ekp_xstats_v3"}
+    assert {s.name for s in abi.MAPS.values() if s.version != abi.ABI_VERSION} == {
+        "ekp_stats_v3",
+        "ekp_xstats_v3",
+    }
 
 
 def test_stale_pins_lists_other_versions_only(tmp_path: Path) -> None:

@@ -83,7 +83,9 @@ def nodeport(net: Net, backends: tuple[tuple[int, str, int, int], ...], flags: i
     net.add_service(NODE, NODEPORT, backends, scope=Scope.EXTERNAL, flags=flags, rev_nat_id=3)
 
 
-def from_client(lab: Lab, sport: int = 5555, flags: str = "S", dst: str = NODE, dport: int = NODEPORT) -> bytes:
+def from_client(
+    lab: Lab, sport: int = 5555, flags: str = "S", dst: str = NODE, dport: int = NODEPORT
+) -> bytes:
     return tcp(CLIENT, dst, sport, dport, flags=flags, smac=MAC[CLIENT], dmac=lab.ext.mac)
 
 
