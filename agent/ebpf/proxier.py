@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
@@ -52,6 +52,9 @@ from agent.errors import FatalError
 from agent.model.types import ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
+
+if TYPE_CHECKING:
+    from agent.ebpf.maps import BpfMap
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +394,7 @@ def remove_pins(pin_path: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- inspect
 
-INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity")
+INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity", "maglev")
 
 
 def render_live_maps(
@@ -404,7 +407,7 @@ def render_live_maps(
     counters. Opens the pins read-only in effect (nothing is written); needs no compiler.
     """
     from agent.ebpf.capacity import read_fill, render_capacity
-    from agent.ebpf.maps import BpfMap, read_stats
+    from agent.ebpf.maps import open_pinned_as_held, read_stats
     from agent.ebpf.render import render_affinity, render_conntrack, render_contents, render_stats
 
     unknown = [s for s in sections if s not in INSPECT_SECTIONS]
@@ -414,8 +417,9 @@ def render_live_maps(
         "services": (*ROLES, "cfg", "cfgsel"),
         "ct": abi.CT_ROLES,
         "aff": ("aff",),
-        "stats": ("stats",),
+        "stats": ("stats", "xstats"),
         "capacity": tuple(abi.MAPS),
+        "maglev": ("maglev", "fe", "be"),
     }
     needed = sorted({role for s in sections for role in roles[s]})
     maps: dict[str, BpfMap] = {}
@@ -426,7 +430,7 @@ def render_live_maps(
                 raise FileNotFoundError(
                     errno.ENOENT, "no pinned map (is the agent running in eBPF mode?)", path
                 )
-            maps[role] = BpfMap.open_pinned(abi.MAPS[role], pin_path)
+            maps[role] = open_pinned_as_held(abi.MAPS[role], pin_path)
         now = time.monotonic_ns() if now_ns is None else now_ns
         out: list[str] = []
         for section in sections:
@@ -442,9 +446,39 @@ def render_live_maps(
                 out.append(render_capacity(fills, read_stats(maps["stats"])))
             elif section == "aff":
                 out.append(render_affinity(maps["aff"].items(), now))  # type: ignore[arg-type]
+            elif section == "maglev":
+                out.append(_render_maglev(maps))
             else:
                 out.append(render_stats({int(k): v for k, v in read_stats(maps["stats"]).items()}))
+                xdp = {int(k): v for k, v in read_stats(maps["xstats"]).items()}
+                out.append(render_stats(xdp, prefix="xdp"))
         return "".join(out)
     finally:
         for m in maps.values():
             m.close()
+
+
+def _render_maglev(maps: Mapping[str, BpfMap]) -> str:
+    """`agent inspect maps maglev`: every table, with the frontends that use it."""
+    from agent.ebpf.abi import ip_str, port_host
+    from agent.ebpf.render import proto_name, render_maglev
+
+    tables: dict[int, list[int]] = {}
+    for k, v in maps["maglev"].items():
+        if isinstance(k, abi.MaglevKey):
+            tables[int(k.set_id)] = list(getattr(v, "backend_id"))  # noqa: B009 (a per-size type)
+    backends = {
+        int(k.id): f"{ip_str(v.addr)}:{port_host(v.port)}"
+        for k, v in maps["be"].items()
+        if isinstance(k, abi.BackendKey) and isinstance(v, abi.Backend)
+    }
+    frontends: dict[int, list[str]] = {}
+    for k, v in maps["fe"].items():
+        if (
+            isinstance(k, abi.FrontendKey)
+            and isinstance(v, abi.Frontend)
+            and v.flags & abi.FrontendFlag.MAGLEV
+        ):
+            name = f"{ip_str(k.addr)}:{port_host(k.port)}/{proto_name(k.proto)}"
+            frontends.setdefault(int(v.set_id), []).append(name)
+    return render_maglev(tables, backends, frontends)
