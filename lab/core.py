@@ -23,6 +23,7 @@ from typing import IO, Any, Protocol, TypeVar
 
 from . import netns as nx
 from .netns import LabError
+from .wire import make_wire
 
 T = TypeVar("T")
 
@@ -402,6 +403,12 @@ class Lab:
         nx.ip_batches(batches)
         for node in self.nodes:
             self.set_sysctl(node, "net.ipv4.ip_forward", "1")
+        # A NIC's wire: full checksums on the external links, XDP_TX delivered (lab/wire.py).
+        make_wire(
+            self.switch_ns,
+            [f"sw-{n.name}" for n in self.nodes],
+            [self.client.ns, *(n.ns for n in self.nodes)],
+        )
 
     def _pod_veth_line(self, pod: Pod) -> str:
         node = self.node(pod.node)
