@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 
 from lab import Lab
-from lab.core import PODSERVER
-from lab.core import CommandError
+from lab.core import PODSERVER, CommandError
 from lab.harness import CLIENT as CLIENT_PY
 from lab.harness import Cluster, ep
 from lab.objects import Port, service, with_endpoints
