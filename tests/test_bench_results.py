@@ -178,3 +178,12 @@ def test_a_runs_file_renders_the_tables_of_the_run(tmp_path: Path) -> None:
     assert "traffic: nft (the agent's auto choice)" in rendered
     assert "api: legacy (--api-iptables-backend)" in rendered
     assert "- NOTE: one note" in rendered
+
+
+def test_the_readme_flood_block_is_what_the_newest_flood_run_renders() -> None:
+    text = README.read_text()
+    m = report.FLOOD_BLOCK.search(text)
+    assert m is not None, "README.md has no bench-flood block"
+    path = report.cited(text, report.FLOOD_BLOCK)
+    assert path == record.newest(part="flood"), "run `python -m bench.report --readme`"
+    assert m.group(0) == report.readme_block(path, "bench-flood")
