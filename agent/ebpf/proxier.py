@@ -40,10 +40,10 @@ from typing import Protocol, cast
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
-from agent.ebpf.codec import VALUES, Key, Value
+from agent.ebpf.codec import KEYS, VALUES, Value
 from agent.ebpf.maps import MapWriter, read_config, write_config
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
-from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap, decode
+from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
 from agent.ebpf.ports import parse_port_range, snat_ports_problem
 from agent.ebpf.upgrade import Upgrade
 from agent.errors import FatalError
@@ -257,15 +257,19 @@ class EbpfProxier:
         if problem:
             raise FatalError(problem)
 
-    def _dump(self, maps: Mapping[str, MapWriter], first: bool) -> dict[str, list[tuple[Key, Value]]]:
-        dump = {role: decode(role, *maps[role].dump_raw()) for role in ROLES if role in maps}
+    def _dump(self, maps: Mapping[str, MapWriter], first: bool) -> dict[str, tuple[bytes, bytes]]:
+        """Every service map's entries, read in batches, as raw bytes (decoded by the planner)."""
+        dump = {role: maps[role].dump_raw() for role in ROLES if role in maps}
         if first:
             live = read_config(maps)
             self._cfg_written = VALUES["cfg"].of_ctype(live) if live is not None else None
+            counts = [
+                len(dump[r][0]) // KEYS[r].size if r in dump else 0 for r in ("fe", "slot", "be", "rnat")
+            ]
             log.info(
                 "pinned maps hold %d frontends, %d slots, %d backends, %d reverse-NAT entries: "
                 "re-adopting their ids",
-                *(len(dump.get(r, ())) for r in ("fe", "slot", "be", "rnat")),
+                *counts,
             )
         return dump
 
