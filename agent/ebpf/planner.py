@@ -40,6 +40,7 @@ from agent.ebpf.entries import (
     BE_FLAGS,
     FE_PROTO,
     IDENT,
+    MEMBER_BACKEND,
     SLOT_POS,
     U32,
     Entries,
@@ -125,6 +126,7 @@ class Planner:
         self._svc_owner: dict[int, ServicePortName] = {}
         self._be_ids: dict[int, int] = {}  # backend ident (entries.ident) -> id
         self._be_refs: dict[int, int] = {}  # backend id -> users (packed, see _REF)
+        self._be_new: dict[int, int] = {}  # backend id -> ident, between its allocation and its entry
         self._rnats: dict[int, tuple[int, set[ServicePortName]]] = {}  # ident -> (id, users)
         self._rnat_by_id: dict[int, int] = {}
         self.svc_ids = IdPool(SVC_ID_MAX, "service port")
@@ -295,6 +297,9 @@ class Planner:
         be_ids = self._be_ids
         from_bytes = int.from_bytes
         put, drop = self._put, self._drop
+        sd, sp_ = self.desired["slot"], self.pending["slot"]
+        md, mp = self.desired["member"], self.pending["member"]
+        changes = 0
         members: dict[int, int] = {}  # backend id -> member flags
         counts: dict[SetKind, int] = {}
         for kind in KINDS:
@@ -319,8 +324,9 @@ class Planner:
                 previous = self._kernel_slots(set_id)
             self._set_owner[set_id] = spn
             placed = slots(order, previous)
-            for pos, bid in enumerate(placed, 1):
-                put("slot", set_id | pos << SLOT_POS, bid)
+            changes += _put_all(
+                sd, sp_, [(set_id | pos << SLOT_POS, bid) for pos, bid in enumerate(placed, 1)]
+            )
             for pos in range(len(placed) + 1, before + 1):
                 drop("slot", set_id | pos << SLOT_POS)
             new.sets[kind] = (set_id, len(placed))
@@ -328,8 +334,9 @@ class Planner:
             bit = _MEMBER_FLAG[kind]
             for bid in placed:
                 members[bid] = members.get(bid, 0) | bit
-        for bid, bits in members.items():
-            put("member", member_key(svc_id, bid), bits)
+        shift = MEMBER_BACKEND
+        changes += _put_all(md, mp, [(svc_id | bid << shift, bits) for bid, bits in members.items()])
+        self._changes += changes
         for fe in fes:
             if fe.rnat not in new.rnats:
                 new.rnats[fe.rnat] = old.rnats.get(fe.rnat) or self._rnat_id(fe.rnat, fe.key)
@@ -380,7 +387,7 @@ class Planner:
         bid = self.backend_ids.take(self._be_hints.get(ident, 0))
         self._be_ids[ident] = bid
         self._be_refs[bid] = 0
-        self._put("be", bid, ident)  # its flags follow once its users are counted
+        self._be_new[bid] = ident  # desired once its users are counted (_update_backends)
         return bid
 
     def _rnat_id(self, ident: int, fe_key: int) -> int:
@@ -414,7 +421,7 @@ class Planner:
                 refs -= _count(before)
             refs += _count(flags)
             refs_of[bid] = refs
-            ident = be[bid] & IDENT
+            ident = be[bid] & IDENT if before is not None or bid in be else self._be_new.pop(bid)
             self._put("be", bid, ident | _flags(refs) << BE_FLAGS)
         for bid, before in old.items():
             if bid in new:
@@ -550,6 +557,20 @@ class Planner:
 
     def fe_names(self) -> dict[int, str]:
         return {key: str(spn) for key, spn in self._fe_owner.items()}
+
+
+def _put_all(desired: Entries, pending: Pending, entries: list[tuple[int, int]]) -> int:
+    """`Planner._put` of many entries of one map (the hot loop of a first sync); returns how many
+    changed."""
+    changed = 0
+    for key, value in entries:
+        old = desired.get(key)
+        if old != value:
+            if key not in pending:
+                pending[key] = old
+            desired[key] = value
+            changed += 1
+    return changed
 
 
 def _count(flags: int) -> int:
