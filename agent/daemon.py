@@ -50,6 +50,10 @@ from agent.sources.base import Event, EventType, Kind, ObjectEvent, Source, Sync
 
 log = logging.getLogger("agent")
 
+# Service ports named one by one when they fail or recover in a sync; the rest are counted (a map
+# too small for 50,000 services fails thousands at once).
+FAILURES_LOGGED = 10
+
 
 class ProxierHealth(Protocol):
     """kube-proxy's proxier health (agent.health): /healthz and /livez follow it."""
@@ -346,11 +350,21 @@ class Agent:
             self._parts.metrics.set_invalid_objects(len(self._model.problems()))
 
     def _after_sync(self, commit: Commit, result: SyncResult, elapsed: float, full: bool) -> None:
-        for spn, why in result.failed.items():
-            if self._retry.get(spn) != why:
-                log.error("could not program %s: %s (retried; every other service is programmed)", spn, why)
-        for spn in self._retry.keys() - result.failed.keys():
+        fresh = [(spn, why) for spn, why in result.failed.items() if self._retry.get(spn) != why]
+        for spn, why in fresh[:FAILURES_LOGGED]:
+            log.error("could not program %s: %s (retried; every other service is programmed)", spn, why)
+        if len(fresh) > FAILURES_LOGGED:
+            log.error(
+                "could not program %d more service port(s) for the same kind of reason (retried); "
+                "%d in all are not programmed",
+                len(fresh) - FAILURES_LOGGED,
+                len(result.failed),
+            )
+        recovered = sorted(self._retry.keys() - result.failed.keys())
+        for spn in recovered[:FAILURES_LOGGED]:
             log.info("programmed %s after all", spn)
+        if len(recovered) > FAILURES_LOGGED:
+            log.info("programmed %d more service port(s) after all", len(recovered) - FAILURES_LOGGED)
         self._retry = dict(result.failed)
         if result.failed:
             self._runner.retry_soon()

@@ -146,6 +146,7 @@ class EbpfProxier:
         self._attached_once = False
         self._attached_node: NodeContext | None = None  # the node the attachments were checked for
         self.last_flush = FlushResult()  # what the last sync wrote, for logs and tests
+        self._short: dict[str, int] = {}  # map role -> entries wanted, while more than it holds
 
     # ------------------------------------------------------------------ Proxier
 
@@ -176,6 +177,7 @@ class EbpfProxier:
             planner.update(state, node, changed)
             if first:
                 planner.forget_hints()
+            self._check_room(planner, maps)
             self._unsure = True  # until every write went through
             if planner.cfg is not None and planner.cfg != self._cfg_written:
                 write_config(maps, VALUES["cfg"].to_ctype(planner.cfg))
@@ -242,6 +244,30 @@ class EbpfProxier:
         self._datapath = datapath
         self._unsure = True
         return datapath
+
+    def _check_room(self, planner: Planner, maps: Mapping[str, MapWriter]) -> None:
+        """An error naming the flag when the desired state has more entries than a map holds
+        (logged when it starts, and when it grows; the writer programs what fits, port by port)."""
+        for role in ROLES:
+            wanted, room = len(planner.desired[role]), maps[role].capacity()
+            if wanted <= room:
+                if self._short.pop(role, None) is not None:
+                    log.info("BPF map %s holds the desired state again", abi.MAPS[role].name)
+                continue
+            if wanted > self._short.get(role, 0):
+                spec = abi.MAPS[role]
+                log.error(
+                    "BPF map %s is too small: the desired state needs %d entries, it holds %d. Service "
+                    "ports that do not fit are not programmed (every other one is). Start the agent with "
+                    "%s=%d or more; a new size recreates the map, so run `agent --cleanup` first "
+                    "(this drops its conntrack state)",
+                    spec.name,
+                    wanted,
+                    room,
+                    spec.size_flag,
+                    _room_for(wanted),
+                )
+                self._short[role] = wanted
 
     def _check_snat_ports(self) -> None:
         """FatalError when --bpf-snat-ports overlaps the NodePorts or the node's local ports."""
@@ -329,6 +355,11 @@ class EbpfProxier:
                     why,
                     old,
                 )
+
+
+def _room_for(entries: int) -> int:
+    """A map size with a quarter to spare, rounded up to a power of two (as the defaults are)."""
+    return 1 << (entries + entries // 4 - 1).bit_length()
 
 
 def _dotted(path: str) -> str:
