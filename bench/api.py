@@ -55,6 +55,7 @@ class ApiScale:
     change_ms: list[float] = field(default_factory=list)  # server write -> data path (map poll)
     change_log_ms: list[float] = field(default_factory=list)  # server write -> agent's sync done line
     iptables_backend: str = ""  # the iptables-mode agent's --iptables-backend ("" in eBPF mode)
+    flags: str = ""  # map sizes passed to the agent (bench.api.map_size_flags)
 
 
 def _stamp(line: str) -> float:
@@ -155,6 +156,24 @@ def _serve(conn: Any, services: int, endpoints: int) -> None:
             conn.send(exc)
 
 
+def map_size_flags(services: int, endpoints: int) -> list[str]:
+    """`--bpf-*-max` for the maps the default sizes cannot hold (50,000 x 10: fe, slot, be, member):
+    the entries the state needs, plus the changes' 11th endpoint, rounded up to 65,536."""
+    need = {
+        "fe": 2 * services,
+        "slot": services * (endpoints + 1),
+        "be": services * (endpoints + 1),
+        "member": services * (endpoints + 1),
+        "rnat": services,
+    }
+    flags = []
+    for role, entries in need.items():
+        spec = abi.MAPS[role]
+        if entries > spec.default_size:
+            flags.append(f"{spec.size_flag}={-(-entries // 65536) * 65536}")
+    return flags
+
+
 def measure(
     mode: str,
     services: int,
@@ -172,7 +191,12 @@ def measure(
             out.load_s = server.load_s
             server.call("node", node.name, node.ip)
             kubeconfig = server.call("kubeconfig", str(lab.tmpdir / "kubeconfig"))
-            extra = [f"--iptables-backend={iptables_backend}"] if mode == "iptables" else []
+            extra = (
+                [f"--iptables-backend={iptables_backend}"]
+                if mode == "iptables"
+                else map_size_flags(services, endpoints)
+            )
+            out.flags = " ".join(extra) if mode == "ebpf" else ""
             agent = Agent(
                 lab, node, mode, [f"--kubeconfig={kubeconfig}"], ["--iptables-sync-period=1h", *extra]
             )
@@ -285,5 +309,6 @@ def table(results: list[ApiScale]) -> Table:
                 for r in results
                 if r.iptables_backend
             ],
+            *[f"{r.mode}, {num(r.services)} services: {r.flags}" for r in results if r.flags],
         ],
     )
