@@ -48,6 +48,7 @@ from agent.model.types import (
     Endpoint,
     NodeInfo,
     ProxyState,
+    ServiceEndpoints,
     ServicePort,
     ServicePortName,
 )
@@ -154,7 +155,11 @@ class ProxyModel:
         self._claims: dict[ServicePortName, tuple[frozenset[Claim], Seniority]] = {}
         self._claimed: dict[str, set[ServicePortName]] = {}
         self._ports_of: dict[str, tuple[ServicePortName, ...]] = {}  # Service key -> ports in state
-        self.state = ProxyState(node=node, services={}, endpoints={}, raw_endpoints={})
+        # The state's mappings: written here only (consumers get them read-only, see ProxyState).
+        self._sp: dict[ServicePortName, ServicePort] = {}
+        self._eps: dict[ServicePortName, ServiceEndpoints] = {}
+        self._raw: dict[ServicePortName, tuple[Endpoint, ...]] = {}
+        self.state = ProxyState(node=node, services=self._sp, endpoints=self._eps, raw_endpoints=self._raw)
         # Object events since the last commit, for kube-proxy's pending-change metrics.
         self.pending_service_changes = 0
         self.pending_endpoint_changes = 0
@@ -172,12 +177,7 @@ class ProxyModel:
         if node.zone != self._node.zone or node.name != self._node.name:
             self._full = True
         self._node = node
-        self.state = ProxyState(
-            node=node,
-            services=self.state.services,
-            endpoints=self.state.endpoints,
-            raw_endpoints=self.state.raw_endpoints,
-        )
+        self.state = ProxyState(node=node, services=self._sp, endpoints=self._eps, raw_endpoints=self._raw)
 
     def set_service(self, key: str, obj: object) -> None:
         """A Service was added or changed (any JSON value: the parser decides what it is)."""
@@ -206,7 +206,7 @@ class ProxyModel:
         pkey = ("EndpointSlice", key)
         ns, name, _ = _meta_names(obj)
         try:
-            parsed = parse_endpoint_slice(obj)
+            parsed = parse_endpoint_slice(obj, self._node.name)
         except ParseError as exc:
             kept = "; its last valid version stays in force" if key in self._slices else ""
             self._set_problem(pkey, Problem("EndpointSlice", ns, name, f"{exc}{kept}"))
@@ -393,22 +393,21 @@ class ProxyModel:
         for pkey in old_problems - self._port_problems.get(key, set()):
             self._set_problem(pkey, None)
 
-        state = self.state
+        services, endpoints, raw_endpoints = self._sp, self._eps, self._raw
         changed: set[ServicePortName] = set()
         for spn in self._ports_of.get(key, ()):
             if spn not in active:
-                del state.services[spn]
-                del state.endpoints[spn]
-                del state.raw_endpoints[spn]
+                del services[spn], endpoints[spn], raw_endpoints[spn]
                 changed.add(spn)
         for spn, sp in active.items():
             eps = raw.get(spn, ())
             chosen = categorize_endpoints(eps, sp, self._node)
-            if state.services.get(spn) != sp or state.endpoints.get(spn) != chosen:
+            if services.get(spn) != sp or endpoints.get(spn) != chosen:
                 changed.add(spn)
-            state.services[spn] = sp
-            state.endpoints[spn] = chosen
-            state.raw_endpoints[spn] = eps
+                services[spn] = sp
+                endpoints[spn] = chosen
+            # else the records already there stay: consumers see the same objects (cheap to compare)
+            raw_endpoints[spn] = eps
         if active:
             self._ports_of[key] = tuple(sorted(active))
         else:
@@ -471,5 +470,7 @@ def merge_slices(
                 local = bool(node_name) and ep.node_name == node_name
                 key = ep.ip + suffix
                 if key not in seen or local:
-                    seen[key] = ep._replace(port=number, is_local=local)
+                    # the parser's record itself when it says the same (one copy of each endpoint)
+                    same = ep.port == number and ep.is_local == local
+                    seen[key] = ep if same else ep._replace(port=number, is_local=local)
     return {spn: tuple(eps[k] for k in sorted(eps)) for spn, eps in by_port.items()}
