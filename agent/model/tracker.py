@@ -125,6 +125,49 @@ def _trigger_time(obj: object) -> float | None:
     return when.timestamp()
 
 
+@dataclass(frozen=True)
+class ServiceRecord:
+    """What the model needs of one Service object, read from it once (`read_service`)."""
+
+    namespace: str
+    name: str
+    created: str  # creationTimestamp as the API wrote it ("" when absent)
+    ports: tuple[ServicePort, ...] = ()
+    error: str | None = None  # why the API server would refuse it (ParseError)
+
+
+@dataclass(frozen=True)
+class SliceRecord:
+    """What the model needs of one EndpointSlice object, read from it once (`read_slice`)."""
+
+    namespace: str
+    name: str
+    parsed: ParsedSlice | None = None  # None: not ours (IPv6, FQDN, headless), or refused
+    error: str | None = None
+    trigger_time: float | None = None  # epoch seconds of last-change-trigger-time
+
+
+def read_service(obj: object) -> ServiceRecord:
+    """A Service object reduced to what the model keeps; pure, so the thread that decoded it can
+    call it and drop the object at once (a list of 10,000 is never held whole as dicts)."""
+    ns, name, created = _meta_names(obj)
+    try:
+        return ServiceRecord(ns, name, created, tuple(parse_service(obj)))
+    except ParseError as exc:
+        return ServiceRecord(ns, name, created, error=str(exc))
+
+
+def read_slice(obj: object, node_name: str) -> SliceRecord:
+    """An EndpointSlice object reduced to what the model keeps (`read_service`'s twin); `node_name`:
+    this node (see parse_endpoint_slice)."""
+    ns, name, _ = _meta_names(obj)
+    try:
+        parsed = parse_endpoint_slice(obj, node_name)
+    except ParseError as exc:
+        return SliceRecord(ns, name, error=str(exc))
+    return SliceRecord(ns, name, parsed, trigger_time=_trigger_time(obj) if parsed is not None else None)
+
+
 def _meta_names(obj: object) -> tuple[str, str, str]:
     """(namespace, name, creationTimestamp) of any object, tolerant of every malformation."""
     namespace, name = object_key(obj)
@@ -180,19 +223,18 @@ class ProxyModel:
         self.state = ProxyState(node=node, services=self._sp, endpoints=self._eps, raw_endpoints=self._raw)
 
     def set_service(self, key: str, obj: object) -> None:
-        """A Service was added or changed (any JSON value: the parser decides what it is)."""
+        """A Service was added or changed: any JSON value (the parser decides what it is), or what
+        `read_service` made of it already (on the thread that received it)."""
+        rec = obj if isinstance(obj, ServiceRecord) else read_service(obj)
         self.pending_service_changes += 1
         self._touched.add(key)
         pkey = ("Service", key)
-        ns, name, created = _meta_names(obj)
-        try:
-            ports = tuple(parse_service(obj))
-        except ParseError as exc:
+        if rec.error is not None:
             kept = "; its last valid version stays in force" if key in self._services else ""
-            self._set_problem(pkey, Problem("Service", ns, name, f"{exc}{kept}"))
+            self._set_problem(pkey, Problem("Service", rec.namespace, rec.name, f"{rec.error}{kept}"))
             return
         self._set_problem(pkey, None)
-        self._services[key] = _Service(ports, created)
+        self._services[key] = _Service(rec.ports, rec.created)
 
     def delete_service(self, key: str) -> None:
         self.pending_service_changes += 1
@@ -201,18 +243,18 @@ class ProxyModel:
         self._set_problem(("Service", key), None)
 
     def set_slice(self, key: str, obj: object) -> None:
-        """An EndpointSlice was added or changed (any JSON value: the parser decides)."""
+        """An EndpointSlice was added or changed: any JSON value (the parser decides), or what
+        `read_slice` made of it already."""
+        rec = obj if isinstance(obj, SliceRecord) else read_slice(obj, self._node.name)
         self.pending_endpoint_changes += 1
         pkey = ("EndpointSlice", key)
-        ns, name, _ = _meta_names(obj)
-        try:
-            parsed = parse_endpoint_slice(obj, self._node.name)
-        except ParseError as exc:
+        if rec.error is not None:
             kept = "; its last valid version stays in force" if key in self._slices else ""
-            self._set_problem(pkey, Problem("EndpointSlice", ns, name, f"{exc}{kept}"))
+            self._set_problem(pkey, Problem("EndpointSlice", rec.namespace, rec.name, f"{rec.error}{kept}"))
             return
         self._set_problem(pkey, None)
         self._drop_slice(key)
+        parsed = rec.parsed
         if parsed is None:  # not ours (IPv6, FQDN, headless): as if it did not exist
             return
         owner = f"{parsed.namespace}/{parsed.service}"
@@ -220,7 +262,7 @@ class ProxyModel:
         self._slice_owner[key] = owner
         self._owned.setdefault(owner, set()).add(key)
         self._touched.add(owner)
-        when = _trigger_time(obj)
+        when = rec.trigger_time
         if when is not None:
             self._triggers[owner] = min(when, self._triggers.get(owner, when))
 
