@@ -77,6 +77,13 @@ class IdPool:
         self.reserve(ident)
         self._released.add(ident)
 
+    def hold_all(self, idents: set[int]) -> None:
+        """`hold` of many (the whole kernel's ids on start)."""
+        if idents:
+            self._used |= idents
+            self._released |= idents
+            self._next = max(self._next, max(idents) + 1)
+
     def settle(self, still_held: Callable[[int], bool]) -> None:
         """Released ids the kernel no longer holds become free."""
         for ident in [i for i in self._released if not still_held(i)]:

@@ -376,12 +376,13 @@ class Planner:
         return 0
 
     def _svc_hint(self, fes: list[Fe]) -> int:
-        """The service port id the kernel's frontends of this port carried (start only)."""
-        for key in sorted((fe.key for fe in fes), key=fe_sort_key):
-            hint = self._fe_hints.get(key)
-            if hint is not None and fe_svc(hint):
-                return fe_svc(hint)
-        return 0
+        """The service port id the kernel's frontends of this port carried (start only): the
+        first frontend's, in kube-proxy's order."""
+        hints = self._fe_hints
+        if not hints:
+            return 0
+        held = [fe.key for fe in fes if fe_svc(hints.get(fe.key, 0))]
+        return fe_svc(hints[min(held, key=fe_sort_key)]) if held else 0
 
     def _new_backend(self, ident: int) -> int:
         bid = self.backend_ids.take(self._be_hints.get(ident, 0))
@@ -465,17 +466,22 @@ class Planner:
             if kernel == d:
                 self.pending[role] = {}
                 continue
-            p: Pending = {k: v for k, v in kernel.items() if d.get(k) != v}
-            for k in d.keys() - kernel.keys():
-                p[k] = None
+            if d:
+                p: Pending = {k: v for k, v in kernel.items() if d.get(k) != v}
+                p.update(dict.fromkeys(d.keys() - kernel.keys()))
+            else:
+                p = dict(kernel)  # a start: all of it differs from the nothing planned yet
             self.pending[role] = p
             differ += len(p)
         self._hold_kernel_ids()
         if adopt:
             self._fe_hints = {k: v for k, v in self.pending["fe"].items() if v is not None}
-            hints: dict[int, int] = {}
-            for bid, value in sorted((k, v) for k, v in self.pending["be"].items() if v is not None):
-                hints.setdefault(value & IDENT, bid)
+            held = [(k, v) for k, v in self.pending["be"].items() if v is not None]
+            hints = {v & IDENT: k for k, v in held}
+            if len(hints) != len(held):  # one backend under two ids: the lowest is re-adopted
+                hints = {}
+                for bid, value in sorted(held):
+                    hints.setdefault(value & IDENT, bid)
             self._be_hints = hints
             self._slot_hints = self.pending["slot"]
         return differ
@@ -507,9 +513,7 @@ class Planner:
             (self.backend_ids, bids, self._be_refs),
             (self.rnat_ids, rnat, self._rnat_by_id),
         ):
-            for ident in ids:
-                if ident not in owned:
-                    pool.hold(ident)
+            pool.hold_all(ids - owned.keys())
 
     def forget_hints(self) -> None:
         self._fe_hints = {}
