@@ -34,10 +34,11 @@ from collections.abc import Iterable, Mapping
 from socket import inet_aton
 
 from agent.config import Config, NodeContext
-from agent.ebpf.abi import BackendFlag, FrontendFlag, MemberFlag
+from agent.ebpf import backends
+from agent.ebpf.abi import FrontendFlag, MemberFlag
+from agent.ebpf.backends import Backends
 from agent.ebpf.codec import Value
 from agent.ebpf.entries import (
-    BE_FLAGS,
     FE_PROTO,
     IDENT,
     MEMBER_BACKEND,
@@ -73,18 +74,12 @@ __all__ = ["ROLES", "FlushResult", "PlanError", "Planner", "RawMap", "config_ent
 # The service maps, in the order they are rendered.
 ROLES = ("fe", "slot", "be", "rnat", "member", "srcr")
 
-_BE_LOCAL = int(BackendFlag.LOCAL)
-_BE_TERMINATING = int(BackendFlag.TERMINATING)
+_BE_LOCAL = backends.LOCAL
+_BE_TERMINATING = backends.TERMINATING
 _MEMBER_FLAG: dict[SetKind, int] = {"cluster": int(MemberFlag.CLUSTER), "local": int(MemberFlag.LOCAL)}
 _NO_ENDPOINTS = int(FrontendFlag.NO_ENDPOINTS)
 _LOCAL = int(FrontendFlag.LOCAL)
 _SOURCE_RANGES = int(FrontendFlag.SOURCE_RANGES)
-# A backend's users, packed in one int: all of them, those saying it is local, those saying it is
-# terminating (21 bits each).
-_REF = 1
-_REF_LOCAL = 1 << 21
-_REF_TERMINATING = 1 << 42
-_REF_MASK = (1 << 21) - 1
 _NO_EPS = ServiceEndpoints()
 _RNAT_VALUE = (1 << FE_PROTO) - 1  # a reverse-NAT entry: the frontend's address and port
 
@@ -124,19 +119,15 @@ class Planner:
         self._srcr_users: dict[int, set[ServicePortName]] = {}
         self._set_owner: dict[int, ServicePortName] = {}
         self._svc_owner: dict[int, ServicePortName] = {}
-        self._be_ids: dict[int, int] = {}  # backend ident (entries.ident) -> id
-        self._be_refs: dict[int, int] = {}  # backend id -> users (packed, see _REF)
-        self._be_new: dict[int, int] = {}  # backend id -> ident, between its allocation and its entry
+        self.backends = Backends(IdPool(BACKEND_ID_MAX, "backend"))
         self._rnats: dict[int, tuple[int, set[ServicePortName]]] = {}  # ident -> (id, users)
         self._rnat_by_id: dict[int, int] = {}
         self.svc_ids = IdPool(SVC_ID_MAX, "service port")
         self.set_ids = IdPool(SET_ID_MAX, "backend set")
-        self.backend_ids = IdPool(BACKEND_ID_MAX, "backend")
         self.rnat_ids = IdPool(REVNAT_ID_MAX, "reverse-NAT")
         # Re-adoption hints from the kernel's contents (start only): frontend key -> its value,
         # backend ident -> id, the kernel's slots.
         self._fe_hints: Entries = {}
-        self._be_hints: dict[int, int] = {}
         self._slot_hints: Pending = {}
         self._replanned: set[ServicePortName] = set()  # since the last complete flush
         self._be_owners: dict[int, set[ServicePortName]] | None = None
@@ -294,7 +285,7 @@ class Planner:
         self._svc_owner[svc_id] = spn
         proto = sp.protocol.number << 48
         backends = new.backends
-        be_ids = self._be_ids
+        be_ids, be_id = self.backends.ids, self.backends.id_of
         from_bytes = int.from_bytes
         put, drop = self._put, self._drop
         sd, sp_ = self.desired["slot"], self.pending["slot"]
@@ -309,7 +300,7 @@ class Planner:
             for ep in eps.cluster if kind == "cluster" else eps.local:
                 p = ep.port
                 ident = from_bytes(inet_aton(ep.ip), "little") | ((p & 0xFF) << 8 | p >> 8) << 32 | proto
-                bid = be_ids.get(ident) or self._new_backend(ident)
+                bid = be_ids.get(ident) or be_id(ident)
                 flags = (_BE_LOCAL if ep.is_local else 0) | (_BE_TERMINATING if ep.terminating else 0)
                 backends[bid] = backends.get(bid, 0) | flags
                 order.append(bid)
@@ -384,13 +375,6 @@ class Planner:
         held = [fe.key for fe in fes if fe_svc(hints.get(fe.key, 0))]
         return fe_svc(hints[min(held, key=fe_sort_key)]) if held else 0
 
-    def _new_backend(self, ident: int) -> int:
-        bid = self.backend_ids.take(self._be_hints.get(ident, 0))
-        self._be_ids[ident] = bid
-        self._be_refs[bid] = 0
-        self._be_new[bid] = ident  # desired once its users are counted (_update_backends)
-        return bid
-
     def _rnat_id(self, ident: int, fe_key: int) -> int:
         rec = self._rnats.get(ident)
         if rec is not None:
@@ -407,35 +391,11 @@ class Planner:
         return rid
 
     def _update_backends(self, old: Mapping[int, int], new: Mapping[int, int]) -> None:
-        """Refcount the backends a port stopped or started using (or whose flags it changed) and
-        desire their entries with the flags all their users give them."""
-        refs_of = self._be_refs
-        be = self.desired["be"]
-        for bid, flags in new.items():
-            before = old.get(bid)
-            if before == flags:
-                continue
-            refs = refs_of[bid]
-            if before is None:
-                refs += _REF
+        for bid, value in self.backends.update(old, new, self.desired["be"]):
+            if value is None:
+                self._drop("be", bid)
             else:
-                refs -= _count(before)
-            refs += _count(flags)
-            refs_of[bid] = refs
-            ident = be[bid] & IDENT if before is not None or bid in be else self._be_new.pop(bid)
-            self._put("be", bid, ident | _flags(refs) << BE_FLAGS)
-        for bid, before in old.items():
-            if bid in new:
-                continue
-            refs = refs_of[bid] - _REF - _count(before)
-            ident = be[bid] & IDENT
-            if refs & _REF_MASK:
-                refs_of[bid] = refs
-                self._put("be", bid, ident | _flags(refs) << BE_FLAGS)
-                continue
-            del self._be_ids[ident], refs_of[bid]
-            self.backend_ids.release(bid)
-            self._drop("be", bid)
+                self._put("be", bid, value)
 
     def _update_rnats(self, spn: ServicePortName, old: Mapping[int, int], new: Mapping[int, int]) -> None:
         for ident in old.keys() | new.keys():
@@ -482,7 +442,7 @@ class Planner:
                 hints = {}
                 for bid, value in sorted(held):
                     hints.setdefault(value & IDENT, bid)
-            self._be_hints = hints
+            self.backends.hints = hints
             self._slot_hints = self.pending["slot"]
         return differ
 
@@ -510,14 +470,14 @@ class Planner:
         for pool, ids, owned in (
             (self.svc_ids, svc, self._svc_owner),
             (self.set_ids, sets, self._set_owner),
-            (self.backend_ids, bids, self._be_refs),
+            (self.backends.pool, bids, self.backends.refs),
             (self.rnat_ids, rnat, self._rnat_by_id),
         ):
             pool.hold_all(ids - owned.keys())
 
     def forget_hints(self) -> None:
         self._fe_hints = {}
-        self._be_hints = {}
+        self.backends.hints = {}
         self._slot_hints = {}
 
     # ------------------------------------------------------------------ flushing
@@ -531,7 +491,7 @@ class Planner:
         svc, sets, bids, rnat = self._held()
         self.svc_ids.settle(svc.__contains__)
         self.set_ids.settle(sets.__contains__)
-        self.backend_ids.settle(bids.__contains__)
+        self.backends.pool.settle(bids.__contains__)
         self.rnat_ids.settle(rnat.__contains__)
         return result
 
@@ -575,13 +535,3 @@ def _put_all(desired: Entries, pending: Pending, entries: list[tuple[int, int]])
             desired[key] = value
             changed += 1
     return changed
-
-
-def _count(flags: int) -> int:
-    """A user's flags as its share of a backend's packed counts."""
-    return (_REF_LOCAL if flags & _BE_LOCAL else 0) + (_REF_TERMINATING if flags & _BE_TERMINATING else 0)
-
-
-def _flags(refs: int) -> int:
-    """The backend's flags from its packed counts: local or terminating if any user says so."""
-    return (_BE_LOCAL if refs >> 21 & _REF_MASK else 0) | (_BE_TERMINATING if refs >> 42 & _REF_MASK else 0)
