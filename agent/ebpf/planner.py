@@ -283,6 +283,10 @@ class Planner:
         # One id for every frontend of the port: the data path keys affinity and membership by it.
         svc_id = new.svc_id = old.svc_id or self.svc_ids.take(self._svc_hint(fes))
         self._svc_owner[svc_id] = spn
+        # The 16-bit reverse-NAT ids can run out (PlanError): taken before anything is desired.
+        for fe in fes:
+            if fe.rnat not in new.rnats:
+                new.rnats[fe.rnat] = old.rnats.get(fe.rnat) or self._rnat_id(fe.rnat, fe.key)
         proto = sp.protocol.number << 48
         backends = new.backends
         be_ids, be_id = self.backends.ids, self.backends.id_of
@@ -328,9 +332,6 @@ class Planner:
         shift = MEMBER_BACKEND
         changes += _put_all(md, mp, [(svc_id | bid << shift, bits) for bid, bits in members.items()])
         self._changes += changes
-        for fe in fes:
-            if fe.rnat not in new.rnats:
-                new.rnats[fe.rnat] = old.rnats.get(fe.rnat) or self._rnat_id(fe.rnat, fe.key)
         ranges = source_ranges(sp, self.node) if sp.load_balancer_source_ranges else []
         srcr: list[int] = []
         for fe in fes:
