@@ -56,6 +56,9 @@ class ApiScale:
     change_log_ms: list[float] = field(default_factory=list)  # server write -> agent's sync done line
     iptables_backend: str = ""  # the iptables-mode agent's --iptables-backend ("" in eBPF mode)
     flags: str = ""  # map sizes passed to the agent (bench.api.map_size_flags)
+    listed_s: float = 0.0  # first list request -> both lists complete (the agent's log)
+    waited_s: float = 0.0  # both lists complete -> the data path ready, when it came later (compile)
+    restart_list_to_sync_s: float = 0.0  # restarted agent: first list request -> first `sync done`
 
 
 def _stamp(line: str) -> float:
@@ -79,6 +82,17 @@ def _wait_log(agent: Agent, needle: str, timeout: float) -> str:
             raise RuntimeError(f"agent exited {agent.proc.returncode}:\n{agent.log()[-3000:]}")
         time.sleep(0.05)
     raise RuntimeError(f"no {needle!r} in the agent's log after {timeout}s:\n{agent.log()[-3000:]}")
+
+
+def _listed(log: str) -> float | None:
+    """When the first lists of Services and of EndpointSlices had both completed (the reflectors'
+    `listed N` lines)."""
+    stamps = []
+    for kind in ("Services (", "EndpointSlices ("):
+        lines = [ln for ln in log.splitlines() if LOG_TIME.match(ln) and kind in ln and "): listed " in ln]
+        if lines:
+            stamps.append(_stamp(lines[0]))
+    return max(stamps) if len(stamps) == 2 else None
 
 
 def _vm_hwm_mib(pid: int) -> float:
@@ -211,12 +225,21 @@ def measure(
                 out.start_to_sync_s = _stamp(done) - began
                 out.list_to_sync_s = _stamp(done) - _stamp(watching)
                 out.datapath = loader.split("data path ", 1)[1].split(",")[0] if loader else "n/a"
+                listed = _listed(log)
+                if listed is not None:
+                    out.listed_s = listed - _stamp(watching)
+                    if loader is not None:
+                        out.waited_s = max(0.0, _stamp(loader) - listed)
                 _changes(out, agent, server, changes, services)
                 out.rss_mib = _vm_hwm_mib(agent.proc.pid)
                 agent.stop()
                 began = time.time()
                 agent.start()
-                out.restart_to_sync_s = _stamp(_wait_log(agent, "sync done:", timeout_s)) - began
+                again = _wait_log(agent, "sync done:", timeout_s)
+                out.restart_to_sync_s = _stamp(again) - began
+                watching = _first(agent.log_since_start(), "watching ")
+                if watching is not None:
+                    out.restart_list_to_sync_s = _stamp(again) - _stamp(watching)
             finally:
                 agent.stop()
                 agent.cleanup()
@@ -310,5 +333,12 @@ def table(results: list[ApiScale]) -> Table:
                 if r.iptables_backend
             ],
             *[f"{r.mode}, {num(r.services)} services: {r.flags}" for r in results if r.flags],
+            *[
+                f"{r.mode}, {num(r.services)} services: both lists complete {r.listed_s:.2f} s after the "
+                f"first request; the first sync then waited {r.waited_s:.2f} s for the data path; "
+                f"restart: list -> synced {r.restart_list_to_sync_s:.2f} s"
+                for r in results
+                if r.listed_s
+            ],
         ],
     )
