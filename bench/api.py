@@ -335,8 +335,13 @@ def table(results: list[ApiScale]) -> Table:
             *[f"{r.mode}, {num(r.services)} services: {r.flags}" for r in results if r.flags],
             *[
                 f"{r.mode}, {num(r.services)} services: both lists complete {r.listed_s:.2f} s after the "
-                f"first request; the first sync then waited {r.waited_s:.2f} s for the data path; "
-                f"restart: list -> synced {r.restart_list_to_sync_s:.2f} s"
+                "first request"
+                + (
+                    f"; the first sync then waited {r.waited_s:.2f} s for the data path"
+                    if r.mode == "ebpf"
+                    else ""
+                )
+                + f"; restart: list -> synced {r.restart_list_to_sync_s:.2f} s"
                 for r in results
                 if r.listed_s
             ],
