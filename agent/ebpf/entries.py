@@ -15,6 +15,7 @@ description of the layout:
     member key  svc_id | backend_id << 32           val  flags
     rnat   key  id                                  val  addr | port << 32
     srcr   key  prefixlen | rev_nat_id << 32 | addr << 64      val  allow
+    addr   key  addr                                val  flags (AddrFlag)
 
 (`addr` and `port` are the network-order values the structs hold: `abi.ip_be`, `abi.port_be`.)
 """

@@ -19,6 +19,8 @@ State, compact on purpose (10,000 services of 10 endpoints are a third of a mill
 * `pending[role]`: the written side, only where it differs from `desired`: key -> what the map
   holds (None: nothing). Every change to `desired` records the value it replaces (what the map
   holds, since the two agreed there), a flush empties it, `reconcile` fills it from a read-back.
+* `desired["addr"]` (ekp_addr) is derived from the desired frontends and backends as they change:
+  one entry per address, a bit per scope it has frontends in and BACKEND when a backend is on it.
 * Per service port a `Fragment`: its service port id, its sets (id and count), the frontend keys it
   holds, the backends it uses (and the flags it gives them), its reverse-NAT ids.
 * Ids: a service port keeps its svc_id for its life; a set keeps its id while its service port
@@ -35,11 +37,12 @@ from socket import inet_aton
 
 from agent.config import Config, NodeContext
 from agent.ebpf import backends
-from agent.ebpf.abi import FrontendFlag, MemberFlag
+from agent.ebpf.abi import AddrFlag, FrontendFlag, MemberFlag
 from agent.ebpf.backends import Backends
 from agent.ebpf.codec import Value
 from agent.ebpf.entries import (
     FE_PROTO,
+    FE_SCOPE,
     IDENT,
     MEMBER_BACKEND,
     SLOT_POS,
@@ -71,8 +74,11 @@ from agent.model.types import ProxyState, ServiceEndpoints, ServicePort, Service
 
 __all__ = ["ROLES", "FlushResult", "PlanError", "Planner", "RawMap", "config_entry"]
 
-# The service maps, in the order they are rendered.
-ROLES = ("fe", "slot", "be", "rnat", "member", "srcr")
+# The service maps, in the order they are rendered. `addr` is derived from the others: one entry
+# per address of a desired frontend (a bit per scope) or backend (BACKEND).
+ROLES = ("fe", "slot", "be", "rnat", "member", "srcr", "addr")
+_ADDR_BACKEND = int(AddrFlag.BACKEND)
+_ADDR_FLAGS = tuple(int(f) for f in AddrFlag)
 
 _BE_LOCAL = backends.LOCAL
 _BE_TERMINATING = backends.TERMINATING
@@ -81,6 +87,7 @@ _NO_ENDPOINTS = int(FrontendFlag.NO_ENDPOINTS)
 _LOCAL = int(FrontendFlag.LOCAL)
 _SOURCE_RANGES = int(FrontendFlag.SOURCE_RANGES)
 _NO_EPS = ServiceEndpoints()
+_ADDRESSED = ("fe", "be")  # the roles `addr` is derived from
 _RNAT_VALUE = (1 << FE_PROTO) - 1  # a reverse-NAT entry: the frontend's address and port
 
 
@@ -132,6 +139,10 @@ class Planner:
         self._replanned: set[ServicePortName] = set()  # since the last complete flush
         self._be_owners: dict[int, set[ServicePortName]] | None = None
         self._changes = 0  # entries of `desired` changed so far (tells a re-plan that changed nothing)
+        # `addr`, derived: how many desired frontends and backends put each (address, flag) there
+        # (keyed address << 8 | flag), and the addresses whose count moved since the last update.
+        self._addr_refs: dict[int, int] = {}
+        self._addr_moved: set[int] = set()
         self.node = NodeContext()
         self.cfg: Value | None = None
 
@@ -147,6 +158,8 @@ class Planner:
             p[key] = old  # the map holds what was desired here
         d[key] = value
         self._changes += 1
+        if old is None and role in _ADDRESSED:
+            self._address(role, key, value, +1)
 
     def _drop(self, role: str, key: int) -> None:
         d = self.desired[role]
@@ -157,6 +170,32 @@ class Planner:
         if key not in p:
             p[key] = old
         self._changes += 1
+        if role in _ADDRESSED:
+            self._address(role, key, old, -1)
+
+    def _address(self, role: str, key: int, value: int, sign: int) -> None:
+        """Count what a frontend (its address, the bit of its scope) or a backend (its address,
+        BACKEND) puts into `addr`; `_derive_addresses` writes the sums."""
+        addr, flag = (key & U32, 1 << (key >> FE_SCOPE)) if role == "fe" else (value & U32, _ADDR_BACKEND)
+        ref = addr << 8 | flag
+        n = self._addr_refs.get(ref, 0) + sign
+        if n:
+            self._addr_refs[ref] = n
+        else:
+            del self._addr_refs[ref]
+        self._addr_moved.add(addr)
+
+    def _derive_addresses(self) -> None:
+        """`addr` in line with the desired frontends and backends: for the addresses whose counts
+        moved alone, so this costs what the change costs."""
+        refs = self._addr_refs
+        for addr in self._addr_moved:
+            flags = sum(flag for flag in _ADDR_FLAGS if addr << 8 | flag in refs)
+            if flags:
+                self._put("addr", addr, flags)
+            else:
+                self._drop("addr", addr)
+        self._addr_moved = set()
 
     @property
     def in_sync(self) -> bool:
@@ -200,6 +239,7 @@ class Planner:
                     touched.add(spn)
             queue = sorted((spn for spn in woken if spn in services), key=port_order)
             skip_same = False
+        self._derive_addresses()
         return touched
 
     def _replan(
@@ -512,6 +552,8 @@ class Planner:
                     for bid in self._frags.get(spn, _GONE).backends:
                         self._be_owners.setdefault(bid, set()).add(spn)
             return set(self._be_owners.get(key, ()))
+        elif role == "addr":
+            return set()  # shared by every frontend and backend on the address
         else:
             ident = self._rnat_by_id.get(key if role == "rnat" else srcr_rnat(key))
             rec = self._rnats.get(ident) if ident is not None else None

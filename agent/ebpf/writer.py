@@ -10,11 +10,13 @@ keys alone, never at a whole map: a flush after one EndpointSlice change looks a
 Order (nothing a packet can reach ever points at something missing, and room is made before it is
 needed, so a desired state that fits the maps is always reached):
 
-1. deletions that are safe now, in the order fe, srcr, slot, member, be, rnat: frontends no longer
+1. deletions that are safe now, in the order fe, srcr, slot, member, be, rnat, addr: frontends no longer
    wanted; slots beyond the count of every frontend still pointing at their set; membership of a
    port no written frontend of it can still reach through a written slot; backends no written slot
    or membership entry points at; reverse-NAT entries and source ranges no written frontend uses;
-2. writes, in the order be, member, rnat, srcr, slot, fe: backends before the slots that point at
+   addresses (ekp_addr) no written frontend or backend is on;
+2. writes, in the order addr, be, member, rnat, srcr, slot, fe: addresses first (ekp_addr names
+   every address the other maps use), backends before the slots that point at
    them and their membership before a slot does, slots before the count that reaches them grows (a
    shrinking count is written before its slots go, in step 3). One batch per map; when a batch
    finds the map full, the rest is written service port by service port (all of a port or none,
@@ -49,8 +51,8 @@ from agent.ebpf.entries import (
 from agent.model.types import Protocol as L4
 from agent.model.types import ServicePortName
 
-WRITE_ORDER = ("be", "member", "rnat", "srcr", "slot", "fe")
-DELETE_ORDER = ("fe", "srcr", "slot", "member", "be", "rnat")
+WRITE_ORDER = ("addr", "be", "member", "rnat", "srcr", "slot", "fe")
+DELETE_ORDER = ("fe", "srcr", "slot", "member", "be", "rnat", "addr")
 
 Pending = dict[int, int | None]  # key -> what the map holds where it differs from desired (None: nothing)
 Owners = Callable[[str, int], set[ServicePortName]]  # (role, key) -> the service ports it belongs to
@@ -183,6 +185,11 @@ class _Flush:
             bids = self._written_slot_backends()
             bids.update(k >> MEMBER_BACKEND for k, w in self.pending["member"].items() if w is not None)
             return [k for k in keys if k not in bids]
+        if role == "addr":
+            # Named while a written frontend or backend is on the address.
+            used = {k & U32 for k, w in self.pending["fe"].items() if w is not None}
+            used.update(w & U32 for w in self.pending["be"].values() if w is not None)
+            return [k for k in keys if k not in used]
         rnats = {fe_rnat(w) for w in self._written_fe()}
         if role == "rnat":
             return [k for k in keys if k not in rnats]

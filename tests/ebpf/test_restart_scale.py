@@ -99,6 +99,7 @@ def test_a_restart_over_unchanged_state_re_adopts_every_entry_and_writes_nothing
         "rnat": 10_000,
         "member": 100_000,
         "srcr": 0,
+        "addr": 110_000,  # the cluster IPs and the endpoints' addresses
     }
     assert sum(m.written for m in counting.values()) == sum(held.values())
     # A history the maps remember: one port's last endpoint replaced by one that sorts first takes
@@ -114,7 +115,8 @@ def test_a_restart_over_unchanged_state_re_adopts_every_entry_and_writes_nothing
     )
     first.sync(big, NODE, frozenset({spn}))
     assert first.last_flush.summary() == (
-        "update be x1, update member x1, update slot x1, delete member x1, delete be x1"
+        "update addr x1, update be x1, update member x1, update slot x1, delete member x1, delete be x1, "
+        "delete addr x1"
     )
     before = {role: dict(m.raw) for role, m in counting.items()}
     for m in counting.values():
@@ -136,5 +138,5 @@ def test_a_restart_over_unchanged_state_re_adopts_every_entry_and_writes_nothing
     )
     again.sync(changed, NODE, frozenset({one}))
     assert again.last_flush.summary() == (
-        "delete fe x2, delete slot x10, delete member x10, delete be x10, delete rnat x1"
+        "delete fe x2, delete slot x10, delete member x10, delete be x10, delete rnat x1, delete addr x11"
     )

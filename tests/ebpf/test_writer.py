@@ -63,6 +63,7 @@ def service(vip: int, svc: int, set_id: int, bids: list[int], rid: int) -> dict[
         "member": {member_key(svc, bid): 1 for bid in bids},
         "rnat": {rid: vip | 80 << 32},
         "srcr": {},
+        "addr": {vip: 2, **{0x0A000000 + bid: 4 for bid in bids}},  # INTERNAL scope, BACKEND
     }
 
 
@@ -90,8 +91,8 @@ def test_a_new_service_goes_in_backends_first_frontend_last() -> None:
     desired = service(1, 7, 3, [11, 12], 5)
     pending = diff({r: {} for r in ROLES}, desired)
     result = flush(desired, pending, maps, owners({}))
-    assert list(dict.fromkeys(log)) == ["be +", "member +", "rnat +", "slot +", "fe +"]
-    assert result.updates == {"be": 2, "member": 2, "rnat": 1, "srcr": 0, "slot": 2, "fe": 1}
+    assert list(dict.fromkeys(log)) == ["addr +", "be +", "member +", "rnat +", "slot +", "fe +"]
+    assert result.updates == {"addr": 3, "be": 2, "member": 2, "rnat": 1, "srcr": 0, "slot": 2, "fe": 1}
     assert not any(pending.values()), "the written side now agrees everywhere"
 
 
@@ -102,7 +103,7 @@ def test_a_shrinking_set_shrinks_its_count_first_and_its_backend_goes_last() -> 
     log.clear()
     after = service(1, 7, 3, [11, 12], 5)
     flush(after, diff(before, after), maps, owners({}))
-    assert log == ["fe +", "slot -", "member -", "be -"]
+    assert log == ["fe +", "slot -", "member -", "be -", "addr -"]
 
 
 def test_a_flush_looks_at_the_pending_keys_alone() -> None:
@@ -117,7 +118,7 @@ def test_a_flush_looks_at_the_pending_keys_alone() -> None:
 
 def test_room_is_made_before_it_is_needed() -> None:
     """Maps with room for one service: replacing it by another deletes the old first."""
-    maps, log, _ = rig({"fe": 1, "slot": 2, "be": 2, "member": 2, "rnat": 1})
+    maps, log, _ = rig({"fe": 1, "slot": 2, "be": 2, "member": 2, "rnat": 1, "addr": 3})
     old = service(1, 7, 3, [11, 12], 5)
     load(maps, old)
     log.clear()
@@ -125,7 +126,8 @@ def test_room_is_made_before_it_is_needed() -> None:
     result = flush(new, diff(old, new), maps, owners({}))
     assert result.failed == {}
     deletions = ["fe -", "slot -", "slot -", "member -", "member -", "be -", "be -", "rnat -"]
-    writes = ["be +", "be +", "member +", "member +", "rnat +", "slot +", "slot +", "fe +"]
+    deletions += ["addr -"] * 3
+    writes = ["addr +"] * 3 + ["be +", "be +", "member +", "member +", "rnat +", "slot +", "slot +", "fe +"]
     assert log == deletions + writes
 
 
