@@ -34,12 +34,13 @@ _SYSCALL_BPF = 321  # x86-64
 _PASS = struct.pack("<BBhi", 0xB7, 0x00, 0, 2) + struct.pack("<BBhi", 0x95, 0x00, 0, 0)
 
 
-def load_xdp_pass() -> int:
-    """An fd of a minimal XDP program that passes every frame."""
+def load_xdp_pass(name: str = "lab_wire_pass") -> int:
+    """An fd of a minimal XDP program that passes every frame, named `name` (15 characters at
+    most)."""
     libc = ctypes.CDLL(None, use_errno=True)
     insns = ctypes.create_string_buffer(_PASS, len(_PASS))
     license_ = ctypes.create_string_buffer(b"GPL")
-    name = b"lab_wire_pass".ljust(16, b"\0")
+    prog_name = name.encode()[:15].ljust(16, b"\0")
     # union bpf_attr for BPF_PROG_LOAD: prog_type, insn_cnt, insns, license, log_level, log_size,
     # log_buf, kern_version, prog_flags, prog_name[16]
     attr = struct.pack(
@@ -53,7 +54,7 @@ def load_xdp_pass() -> int:
         0,
         0,
         0,
-        name,
+        prog_name,
     )
     buf = ctypes.create_string_buffer(attr, 128)
     fd = int(libc.syscall(_SYSCALL_BPF, BPF_PROG_LOAD, buf, 128))
