@@ -242,7 +242,7 @@ def run_path(path: str, seconds: float, rounds: int, result: Result) -> None:
     extra = ["--sync-period=1h"]
     if mode == "ebpf":
         extra.append("--bpf-xdp=" + ("native" if path == "xdp" else "disabled"))
-    with Lab(nodes=2, pods_per_node=1) as lab:
+    with Lab(nodes=2, pods_per_node=1, wire=True) as lab:
         # node2 runs no agent: it only receives what node1 forwards, on CPU 0 (RPS), as a plain
         # host would (an XDP program there would run its NAPI on CPU 1 beside node1's work)
         c = Cluster(lab, mode, agent_nodes=[1], extra=extra)

@@ -6,8 +6,8 @@ Effects (pyroute2, through the IPRoute of the node's namespace the Attacher hold
   logged once per device, and that device keeps its tc program alone;
 * `generic`: XDP in the kernel's receive path (XDP_FLAGS_SKB_MODE), on any device: after the skb
   is allocated, so it saves less than native, but the verdicts are the same;
-* `best-effort` (the default): native where the driver takes it, else none, with one log line
-  per device;
+* `best-effort` (the default): native where the driver takes it and the device is no veth, else
+  none, with one log line per device;
 * `disabled`: none, and any program of ours still attached is removed.
 
 A device holds one XDP program per mode, and native and generic cannot be attached at once: ours in
@@ -130,9 +130,32 @@ def detach(ipr: Any, index: int) -> bool:
     return True
 
 
+def link_kind(ipr: Any, index: int) -> str:
+    """The device's rtnetlink kind ("veth", "bridge", ...; "" for a plain NIC)."""
+    msgs = ipr.get_links(index)
+    info = msgs[0].get_attr("IFLA_LINKINFO") if msgs else None
+    kind = info.get_attr("IFLA_INFO_KIND") if info is not None else None
+    return str(kind or "")
+
+
 def attach(ipr: Any, index: int, name: str, fd: int, mode: str) -> str:
     """Ours on the device in `mode` (not "disabled"); returns the mode it runs in ("native",
-    "generic"), or "" when it does not run there (logged)."""
+    "generic"), or "" when it does not run there (logged).
+
+    `best-effort` leaves a veth alone: its driver takes native XDP, but what XDP sends back out is
+    dropped unless the peer has NAPI (an XDP program or GRO), and frames a local socket sent
+    through it carry a partial checksum that XDP's rewrite cannot complete (a node that is a
+    container, kind's, sees exactly those). `native` and `generic` attach there anyway: the
+    operator says the peer and the senders are fit (the lab's wire, lab/wire.py)."""
+    if mode == "best-effort" and link_kind(ipr, index) == "veth":
+        log.info(
+            "%s is a veth: %s not attached (--bpf-xdp=best-effort; frames XDP sends back out need "
+            "an XDP program or GRO on its peer, and local senders' partial checksums a NIC's wire "
+            "would have completed); --bpf-xdp=native attaches it anyway",
+            name,
+            PROG_XDP,
+        )
+        return ""
     our_id = prog_info(fd)[0]
     state = xdp_state(ipr, index)
     want = XDP_FLAGS_SKB_MODE if mode == "generic" else XDP_FLAGS_DRV_MODE

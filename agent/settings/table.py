@@ -682,7 +682,8 @@ SETTINGS: tuple[Setting, ...] = (
         "XDP on the external devices, ahead of their tc program (NodePort, LoadBalancer and external "
         "IP traffic: source-range drops, flows to backends on other nodes): native (the driver's; "
         "fails where the driver has none), generic (any device, slower than native), best-effort "
-        "(native where the driver supports it, else none, with a log line), disabled",
+        "(native where the driver supports it and the device is no veth, else none, with a log "
+        "line), disabled",
         flags=("--bpf-xdp",),
         attr="bpf_xdp",
         group=EBPF,

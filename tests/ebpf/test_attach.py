@@ -211,16 +211,20 @@ def xdp_of(ns: str, dev: str) -> dict[str, Any]:
 
 @pytest.mark.kernel
 def test_xdp_on_the_external_devices_only_reconciled_and_detached(netns: str, progs: dict[str, int]) -> None:
-    """--bpf-xdp: ekp_xdp_net on the external device (native on a veth), not on pod devices; off with
-    `disabled`; removed by detach_all (agent --cleanup) and when the device is no longer external."""
+    """--bpf-xdp: ekp_xdp_net on the external device, not on pod devices (best-effort leaves a veth
+    alone; native attaches there); off with `disabled`; removed by detach_all (agent --cleanup) and
+    when the device is no longer external."""
     from lab.wire import load_xdp_pass
 
     fd = load_xdp_pass("ekp_xdp_net")
     try:
         with_xdp = {**progs, PROG_XDP: fd}
-        attacher = Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), with_xdp)
+        # best-effort (the default) leaves a veth alone
+        Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), with_xdp).reconcile(NODE, full=True)
+        assert xdp_of(netns, "eth0") == {}
+        attacher = Attacher(Config(netns=netns, pod_interfaces=("lxc*",), bpf_xdp="native"), with_xdp)
         attacher.reconcile(NODE, full=True)
-        assert xdp_of(netns, "eth0").get("mode") == 1  # XDP_ATTACHED_DRV: best-effort took native
+        assert xdp_of(netns, "eth0").get("mode") == 1  # XDP_ATTACHED_DRV
         assert xdp_of(netns, "lxc-a") == {}
         assert list(attacher.xdp_modes.values()) == ["native"]
         # removed behind our back: a verifying reconcile puts it back, a plain one trusts its memory

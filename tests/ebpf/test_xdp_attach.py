@@ -38,11 +38,22 @@ def index(ipr: IPRoute, name: str) -> int:
     return int(ipr.link_lookup(ifname=name)[0])
 
 
-def test_best_effort_runs_native_where_the_driver_has_it(ipr: IPRoute, ours: int) -> None:
+def test_native_on_a_veth(ipr: IPRoute, ours: int) -> None:
     ext0 = index(ipr, "ext0")
-    assert xdp.attach(ipr, ext0, "ext0", ours, "best-effort") == "native"
+    assert xdp.attach(ipr, ext0, "ext0", ours, "native") == "native"
     state = xdp.xdp_state(ipr, ext0)
     assert (state.mode, state.prog_id) == (xdp.ATTACHED_DRV, xdp.prog_info(ours)[0])
+
+
+def test_best_effort_leaves_a_veth_alone_and_says_why(
+    ipr: IPRoute, ours: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    ext0 = index(ipr, "ext0")
+    assert xdp.link_kind(ipr, ext0) == "veth"
+    assert xdp.attach(ipr, ext0, "ext0", ours, "best-effort") == ""
+    assert xdp.xdp_state(ipr, ext0).prog_id == 0
+    assert "ext0 is a veth" in caplog.text
 
 
 def test_best_effort_without_a_driver_runs_none_and_says_so(

@@ -38,7 +38,7 @@ CLIENT = "client"
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     require_kernel()
-    with Lab(nodes=2, pods_per_node=3) as lab:
+    with Lab(nodes=2, pods_per_node=3, wire=True) as lab:
         lab.start_podservers()
         for pod in (lab.pod("pod-2-1"), lab.pod("pod-2-2")):
             proc = lab.popen(
