@@ -22,12 +22,12 @@ import ctypes as ct
 import errno
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any, Protocol
 
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import CData, Config, ConfigSel, MapSpec, Stat, copy_struct
+from agent.ebpf.abi import CData, Config, ConfigSel, MapSpec, Stat, copy_struct, maglev_value
 
 ENOTSUPP = 524  # the kernel's internal "operation not supported" for missing batch ops
 
@@ -94,6 +94,10 @@ class MapWriter(Protocol):
 
     def delete_raw(self, keys: Sequence[bytes]) -> None: ...
 
+    def update_packed(self, keys: bytes, values: bytes) -> int: ...
+
+    def delete_packed(self, keys: bytes) -> None: ...
+
     def capacity(self) -> int:
         """max_entries, as the kernel reports it."""
 
@@ -106,8 +110,15 @@ def _check_type(spec: MapSpec, what: str, obj: object, want: type[Any]) -> None:
         raise TypeError(f"{spec.name}: {what} must be {want.__name__}, not {type(obj).__name__}")
 
 
+_BATCH_BYTES = 4 << 20  # the largest value buffer of one batch lookup
+
+
 def _full_error(err: int) -> bool:
     return err in (errno.E2BIG, errno.ENOSPC)
+
+
+def _split(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
 
 
 # ---- the fake -----------------------------------------------------------------------------
@@ -175,6 +186,15 @@ class FakeMap:
     def delete_raw(self, keys: Sequence[bytes]) -> None:
         for kb in keys:
             self._data.pop(kb, None)
+
+    def update_packed(self, keys: bytes, values: bytes) -> int:
+        """`update_raw` of concatenated keys and values."""
+        return self.update_raw(
+            _split(keys, ct.sizeof(self.spec.key)), _split(values, ct.sizeof(self.spec.value))
+        )
+
+    def delete_packed(self, keys: bytes) -> None:
+        self.delete_raw(_split(keys, ct.sizeof(self.spec.key)))
 
     def capacity(self) -> int:
         return self.max_entries
@@ -468,6 +488,8 @@ class BpfMap:
         """(keys buffer, values buffer, entries in them) per bpf_lookup_batch call, buffers reused;
         sets `_batch_supported` False (and yields nothing) when the kernel cannot batch this map."""
         ksize, vsize = ct.sizeof(self.spec.key), ct.sizeof(self.spec.value)
+        # values of 64 KiB (a Maglev table) would make the value buffer a gigabyte: a few MiB at most
+        chunk = max(1, min(chunk, _BATCH_BYTES // vsize))
         in_batch, out_batch = ct.c_uint32(0), ct.c_uint32(0)
         first = True
         self._batch_supported = True
@@ -575,8 +597,62 @@ class BpfMap:
 
     def delete_raw(self, keys: Sequence[bytes]) -> None:
         """Deletes every key given as raw bytes; missing keys are fine."""
+        self.delete_packed(b"".join(keys))
+
+    def update_packed(self, keys: bytes, values: bytes) -> int:
+        """`update_raw` of concatenated keys and values: one buffer each, as the batch call
+        takes them, with no per-entry work here."""
+        ksize, vsize = ct.sizeof(self.spec.key), ct.sizeof(self.spec.value)
+        n = len(keys) // ksize
+        if len(keys) != n * ksize or len(values) != n * vsize:
+            raise ValueError(
+                f"{self.spec.name}: update_packed of {len(keys)} key and {len(values)} value bytes"
+            )
+        if not n:
+            return 0
+        if self.spec.kind in _BATCH_KINDS and not self.percpu:
+            count = ct.c_uint32(n)
+            kbuf = ct.create_string_buffer(keys, len(keys))
+            vbuf = ct.create_string_buffer(values, len(values))
+            ret = bpfsys.map_update_batch(self.fd, kbuf, vbuf, count)
+            if ret >= 0:
+                return n
+            err = _errno_of(ret)
+            if _full_error(err):
+                return int(count.value)
+            if not (err in (errno.EINVAL, ENOTSUPP, errno.EOPNOTSUPP) and count.value == 0):
+                raise self._error(f"update_batch (entry {count.value} of {n})", err)
+        return self.update_raw(_split(keys, ksize), _split(values, vsize))
+
+    def delete_packed(self, keys: bytes) -> None:
+        """Deletes every key (concatenated); missing keys are fine."""
         ksize = ct.sizeof(self.spec.key)
-        self.delete_batch([self.spec.key.from_buffer_copy(k[:ksize]) for k in keys])
+        n = len(keys) // ksize
+        if not n:
+            return
+        if self.spec.kind not in _BATCH_KINDS - _ARRAY_KINDS:
+            for k in _split(keys, ksize):
+                ret = bpfsys.map_delete_elem(self.fd, ct.create_string_buffer(k, ksize))
+                if ret < 0 and _errno_of(ret) != errno.ENOENT:
+                    raise self._error("delete", _errno_of(ret))
+            return
+        start = 0
+        while start < n:
+            count = ct.c_uint32(n - start)
+            rest = keys[start * ksize :]
+            ret = bpfsys.map_delete_batch(self.fd, ct.create_string_buffer(rest, len(rest)), count)
+            if ret >= 0:
+                return
+            err = _errno_of(ret)
+            done = int(count.value)
+            if err == errno.ENOENT:  # the kernel stops at a missing key: skip it, go on
+                start += done + 1
+                continue
+            if err in (errno.EINVAL, ENOTSUPP, errno.EOPNOTSUPP) and done == 0:
+                for k in _split(keys[start * ksize :], ksize):
+                    self.delete(self.spec.key.from_buffer_copy(k))
+                return
+            raise self._error("delete_batch", err)
 
     def clear(self) -> None:
         """Empties the map (arrays: every element zeroed)."""
@@ -624,3 +700,16 @@ def read_stats(stats: MapWriter) -> dict[Stat, int]:
         if index in Stat._value2member_map_:
             out[Stat(index)] = int(getattr(value, "value", 0))
     return out
+
+
+def open_pinned_as_held(spec: MapSpec, pin_path: str) -> BpfMap:
+    """A pinned map opened with the value size it was created with: a Maglev table's follows
+    --bpf-lb-maglev-table-size, which a reader such as `agent inspect` or /metrics does not know."""
+    if spec.role == "maglev":
+        fd = obj_get(os.path.join(pin_path, spec.name))
+        try:
+            size = map_info(fd).value_size
+        finally:
+            os.close(fd)
+        spec = replace(spec, value=maglev_value(size // 4))
+    return BpfMap.open_pinned(spec, pin_path)

@@ -35,21 +35,26 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
-from agent.ebpf.codec import VALUES, Key, Value
+from agent.ebpf.codec import KEYS, VALUES, Value
+from agent.ebpf.maglev_writer import MaglevWriter
 from agent.ebpf.maps import MapWriter, read_config, write_config
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
-from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap, decode
+from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
 from agent.ebpf.ports import parse_port_range, snat_ports_problem
 from agent.ebpf.upgrade import Upgrade
+from agent.ebpf.xdp import PROG_XDP
 from agent.errors import FatalError
 from agent.model.types import ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
+
+if TYPE_CHECKING:
+    from agent.ebpf.maps import BpfMap
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +151,8 @@ class EbpfProxier:
         self._attached_once = False
         self._attached_node: NodeContext | None = None  # the node the attachments were checked for
         self.last_flush = FlushResult()  # what the last sync wrote, for logs and tests
+        self._short: dict[str, int] = {}  # map role -> entries wanted, while more than it holds
+        self._maglev = MaglevWriter(config.map_sizes.maglev_table_size)
 
     # ------------------------------------------------------------------ Proxier
 
@@ -176,6 +183,7 @@ class EbpfProxier:
             planner.update(state, node, changed)
             if first:
                 planner.forget_hints()
+            self._check_room(planner, maps)
             self._unsure = True  # until every write went through
             deferred: Value | None = None
             if planner.cfg is not None and planner.cfg != self._cfg_written:
@@ -188,6 +196,9 @@ class EbpfProxier:
                 write_config(maps, cfg)
                 self._cfg_written = VALUES["cfg"].of_ctype(cfg)
             result = planner.flush(cast(Mapping[str, RawMap], maps))
+            if "maglev" in maps:
+                wanted = planner.maglev_tables() if self._config.bpf_lb_algorithm == "maglev" else {}
+                repaired += self._maglev.sync(maps["maglev"], wanted, full=periodic and not first)
             self._unsure = False
             self.last_flush = result
 
@@ -261,6 +272,30 @@ class EbpfProxier:
         live = VALUES["cfg"].to_ctype(self._cfg_written)
         return bool(live.flags & abi.ConfigFlag.HOST_LEGACY)
 
+    def _check_room(self, planner: Planner, maps: Mapping[str, MapWriter]) -> None:
+        """An error naming the flag when the desired state has more entries than a map holds
+        (logged when it starts, and when it grows; the writer programs what fits, port by port)."""
+        for role in ROLES:
+            wanted, room = len(planner.desired[role]), maps[role].capacity()
+            if wanted <= room:
+                if self._short.pop(role, None) is not None:
+                    log.info("BPF map %s holds the desired state again", abi.MAPS[role].name)
+                continue
+            if wanted > self._short.get(role, 0):
+                spec = abi.MAPS[role]
+                log.error(
+                    "BPF map %s is too small: the desired state needs %d entries, it holds %d. Service "
+                    "ports that do not fit are not programmed (every other one is). Start the agent with "
+                    "%s=%d or more; a new size recreates the map, so run `agent --cleanup` first "
+                    "(this drops its conntrack state)",
+                    spec.name,
+                    wanted,
+                    room,
+                    spec.size_flag,
+                    _room_for(wanted),
+                )
+                self._short[role] = wanted
+
     def _check_snat_ports(self) -> None:
         """FatalError when --bpf-snat-ports overlaps the NodePorts or the node's local ports."""
         netns = self._config.netns
@@ -275,15 +310,19 @@ class EbpfProxier:
         if problem:
             raise FatalError(problem)
 
-    def _dump(self, maps: Mapping[str, MapWriter], first: bool) -> dict[str, list[tuple[Key, Value]]]:
-        dump = {role: decode(role, *maps[role].dump_raw()) for role in ROLES if role in maps}
+    def _dump(self, maps: Mapping[str, MapWriter], first: bool) -> dict[str, tuple[bytes, bytes]]:
+        """Every service map's entries, read in batches, as raw bytes (decoded by the planner)."""
+        dump = {role: maps[role].dump_raw() for role in ROLES if role in maps}
         if first:
             live = read_config(maps)
             self._cfg_written = VALUES["cfg"].of_ctype(live) if live is not None else None
+            counts = [
+                len(dump[r][0]) // KEYS[r].size if r in dump else 0 for r in ("fe", "slot", "be", "rnat")
+            ]
             log.info(
                 "pinned maps hold %d frontends, %d slots, %d backends, %d reverse-NAT entries: "
                 "re-adopting their ids",
-                *(len(dump.get(r, ())) for r in ("fe", "slot", "be", "rnat")),
+                *counts,
             )
         return dump
 
@@ -298,7 +337,9 @@ class EbpfProxier:
         if first:
             self._upgrade.before_attach(datapath.maps)
         if self._attacher is None:
-            fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)}
+            fds = {
+                name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD, PROG_XDP, PROG_EGRESS)
+            }
             self._attacher = self._attacher_factory(self._config, fds)
             full = True
         restart = self._attached_once and not self._attacher.watching
@@ -318,6 +359,7 @@ class EbpfProxier:
             self._attached_once = True
 
     def _release(self) -> None:
+        self._maglev.forget()
         if self._datapath is not None:
             self._datapath.close()
             self._datapath = None
@@ -343,6 +385,11 @@ class EbpfProxier:
                     why,
                     old,
                 )
+
+
+def _room_for(entries: int) -> int:
+    """A map size with a quarter to spare, rounded up to a power of two (as the defaults are)."""
+    return 1 << (entries + entries // 4 - 1).bit_length()
 
 
 def _dotted(path: str) -> str:
@@ -402,7 +449,7 @@ def remove_pins(pin_path: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- inspect
 
-INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity")
+INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity", "maglev")
 
 
 def render_live_maps(
@@ -415,7 +462,7 @@ def render_live_maps(
     counters. Opens the pins read-only in effect (nothing is written); needs no compiler.
     """
     from agent.ebpf.capacity import read_fill, render_capacity
-    from agent.ebpf.maps import BpfMap, read_stats
+    from agent.ebpf.maps import open_pinned_as_held, read_stats
     from agent.ebpf.render import render_affinity, render_conntrack, render_contents, render_stats
 
     unknown = [s for s in sections if s not in INSPECT_SECTIONS]
@@ -425,8 +472,9 @@ def render_live_maps(
         "services": (*ROLES, "cfg", "cfgsel"),
         "ct": abi.CT_ROLES,
         "aff": ("aff",),
-        "stats": ("stats",),
+        "stats": ("stats", "xstats"),
         "capacity": tuple(abi.MAPS),
+        "maglev": ("maglev", "fe", "be"),
     }
     needed = sorted({role for s in sections for role in roles[s]})
     maps: dict[str, BpfMap] = {}
@@ -437,7 +485,7 @@ def render_live_maps(
                 raise FileNotFoundError(
                     errno.ENOENT, "no pinned map (is the agent running in eBPF mode?)", path
                 )
-            maps[role] = BpfMap.open_pinned(abi.MAPS[role], pin_path)
+            maps[role] = open_pinned_as_held(abi.MAPS[role], pin_path)
         now = time.monotonic_ns() if now_ns is None else now_ns
         out: list[str] = []
         for section in sections:
@@ -453,9 +501,39 @@ def render_live_maps(
                 out.append(render_capacity(fills, read_stats(maps["stats"])))
             elif section == "aff":
                 out.append(render_affinity(maps["aff"].items(), now))  # type: ignore[arg-type]
+            elif section == "maglev":
+                out.append(_render_maglev(maps))
             else:
                 out.append(render_stats({int(k): v for k, v in read_stats(maps["stats"]).items()}))
+                xdp = {int(k): v for k, v in read_stats(maps["xstats"]).items()}
+                out.append(render_stats(xdp, prefix="xdp"))
         return "".join(out)
     finally:
         for m in maps.values():
             m.close()
+
+
+def _render_maglev(maps: Mapping[str, BpfMap]) -> str:
+    """`agent inspect maps maglev`: every table, with the frontends that use it."""
+    from agent.ebpf.abi import ip_str, port_host
+    from agent.ebpf.render import proto_name, render_maglev
+
+    tables: dict[int, list[int]] = {}
+    for k, v in maps["maglev"].items():
+        if isinstance(k, abi.MaglevKey):
+            tables[int(k.set_id)] = list(getattr(v, "backend_id"))  # noqa: B009 (a per-size type)
+    backends = {
+        int(k.id): f"{ip_str(v.addr)}:{port_host(v.port)}"
+        for k, v in maps["be"].items()
+        if isinstance(k, abi.BackendKey) and isinstance(v, abi.Backend)
+    }
+    frontends: dict[int, list[str]] = {}
+    for k, v in maps["fe"].items():
+        if (
+            isinstance(k, abi.FrontendKey)
+            and isinstance(v, abi.Frontend)
+            and v.flags & abi.FrontendFlag.MAGLEV
+        ):
+            name = f"{ip_str(k.addr)}:{port_host(k.port)}/{proto_name(k.proto)}"
+            frontends.setdefault(int(v.set_id), []).append(name)
+    return render_maglev(tables, backends, frontends)

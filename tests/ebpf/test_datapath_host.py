@@ -27,6 +27,7 @@ from lab.dplab import (
     MAC,
     NODE,
     POD_CLIENT,
+    REMOTE_BE,
     SIZES,
     SNAT_MAX,
     SNAT_MIN,
@@ -43,6 +44,7 @@ from lab.packets import (
     TC_ACT_OK,
     TC_ACT_REDIRECT,
     TC_ACT_SHOT,
+    XDP_PASS,
     checksums_valid,
     loaded_datapath,
     parse,
@@ -252,3 +254,25 @@ def test_switching_back_to_bpf_redirects_the_same_flow(net: Net, lab: Lab) -> No
     assert verdict == TC_ACT_REDIRECT
     assert (parse(out).dst, parse(out).ttl) == (BE1, 63)
     assert ip_be(BE1) == net.ct(POD_CLIENT, VIP, 12345, 80).nat_addr  # type: ignore[union-attr]
+
+
+def test_legacy_leaves_what_xdp_would_send_past_the_stack_to_tc(net: Net, lab: Lab) -> None:
+    """A NodePort flow to a backend on another node is XDP's to finish (XDP_TX) with bpf routing;
+    with legacy routing XDP leaves it to tc, which hands it to the node's stack, so netfilter sees
+    it there too."""
+    legacy(net.dp)
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_ALL
+    net.add_service(
+        NODE, 30080, ((7, REMOTE_BE, 8080, 0),), scope=abi.Scope.EXTERNAL, flags=flags, rev_nat_id=3
+    )
+    frame = tcp(CLIENT, NODE, 5555, 30080, smac=MAC[CLIENT], dmac=lab.ext.mac)
+    verdict, out = net.xdp(frame)
+    assert verdict == XDP_PASS and out == frame
+    assert net.xstats()[Stat.TO_TC] == 1
+    verdict, out = net.from_net(frame)
+    assert verdict == TC_ACT_OK
+    p = parse(out)
+    assert (p.src, p.sport, p.dst, p.dport, p.ttl) == (CLIENT, 5555, REMOTE_BE, 8080, 64)
+    ((key, (src, snat_port, _)),) = hostnat(net.dp).items()
+    assert key == (CLIENT, REMOTE_BE, 5555, 8080, 6)
+    assert src == NODE and SNAT_MIN <= snat_port <= SNAT_MAX
