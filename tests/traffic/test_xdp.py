@@ -3,8 +3,9 @@ XDP; its source ranges and NodePorts are the traffic suite's).
 
 Both agents run `--bpf-xdp=native --bpf-lb-algorithm=maglev --bpf-host-routing=bpf` (under legacy
 host routing XDP leaves translations to tc). The lab's switch is a wire (full checksums, XDP_TX
-delivered: lab/wire.py). The XDP program's own counters (ekp_xstats_v3) and the kernel's run count of the program (`bpftool prog show`, with BPF_ENABLE_STATS held open for the
-test) show which hook handled what; the tc program's counters show what it did not see.
+delivered: lab/wire.py). The XDP program's own counters (ekp_xstats_v3) and the kernel's run count
+of the program (`bpftool prog show`, with BPF_ENABLE_STATS held open for the test) show which hook
+handled what; the tc program's counters show what it did not see.
 """
 
 from __future__ import annotations
