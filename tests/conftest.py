@@ -13,6 +13,13 @@
 * At session end every namespace, cgroup, pin, tmp dir and process of every lab created in this
   process must be gone; otherwise the leftovers are printed and the session fails.
   tests/test_lab_leaks.py is moved to the end of the run.
+* In parallel (`make test` runs `pytest -n 2 --dist loadgroup`, pytest-xdist): every test carries a
+  group (`run_group`), and a group runs on one worker, one test after the other, in order: a
+  module, or for tests in one mode of a mode-parametrised fixture, that module's mode, and for the
+  traffic suites (which share session-scoped labs per mode) all of tests/traffic in that mode. So
+  a module-scoped lab is made once, and a test never shares its lab with a test running beside it.
+  The heaviest groups are queued first. Each worker runs the session-end check on its own labs and
+  hands what it found to the controller, which fails the run on it, and on any skipped item.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Generator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,14 +60,66 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         require_kernel()
 
 
+MODES = ("ebpf", "iptables")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def item_mode(item: pytest.Item) -> str | None:
+    """The mode a test runs in, when a parameter (of it or of a fixture it uses) names one."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    return next((v for v in callspec.params.values() if isinstance(v, str) and v in MODES), None)
+
+
+def run_group(item: pytest.Item) -> str:
+    """The tests that must run on one worker, in order (see the module docstring)."""
+    path = item.path.relative_to(ROOT).as_posix()
+    mode = item_mode(item)
+    if mode is not None and path.startswith("tests/traffic/"):
+        return f"tests/traffic-{mode}"
+    return f"{path}-{mode}" if mode else path
+
+
+def _queue_rank(item: pytest.Item) -> int:
+    """Where a group goes in the workers' queue: the traffic suites (the longest groups) first,
+    other lab modules next, pure ones after them, the leak check last."""
+    if item.path.name == "test_lab_leaks.py":
+        return 3
+    if run_group(item).startswith("tests/traffic"):
+        return 0
+    return (
+        1
+        if item.get_closest_marker("kernel") is not None
+        or "kernel_required" in getattr(item, "fixturenames", ())
+        else 2
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
-    # The leak check runs after everything else.
-    items.sort(key=lambda it: it.path.name == "test_lab_leaks.py")
+    if config.getoption("dist", "no") != "no" or hasattr(config, "workerinput"):
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(run_group(item)))
+        items.sort(key=_queue_rank)
+    else:
+        # The leak check runs after everything else.
+        items.sort(key=lambda it: it.path.name == "test_lab_leaks.py")
 
 
-@pytest.hookimpl(wrapper=True)
+# What each xdist worker's session-end check found, gathered by the controller.
+_WORKER_PROBLEMS: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    _WORKER_PROBLEMS.extend(getattr(node, "workeroutput", {}).get("ekp_problems", []))
+
+
+# trylast: inside xdist's own wrapper, so a worker's findings are in `workeroutput` before it is sent.
+@pytest.hookimpl(wrapper=True, trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Generator[None, None, None]:
     result = yield  # fixtures (session scope included) are torn down by now
     problems = [f"lab {lab.prefix} still up at session end" for lab in live_labs()]
@@ -70,6 +130,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Generator[
             problems.append(str(exc))
     if CREATED_PREFIXES:
         problems += find_leaks(CREATED_PREFIXES, STARTED)
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller reports, skips included
+        workeroutput["ekp_problems"] = problems
+        return result
+    problems += _WORKER_PROBLEMS
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = [r for r in reporter.stats.get("skipped", []) if r.when] if reporter is not None else []
     if skipped and not skips_allowed():
