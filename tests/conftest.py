@@ -15,11 +15,12 @@
   tests/test_lab_leaks.py is moved to the end of the run.
 * In parallel (`make test` runs `pytest -n 2 --dist loadgroup`, pytest-xdist): every test carries a
   group (`run_group`), and a group runs on one worker, one test after the other, in order: a
-  module, or for tests in one mode of a mode-parametrised fixture, that module's mode, and for the
-  traffic suites (which share session-scoped labs per mode) all of tests/traffic in that mode. So
-  a module-scoped lab is made once, and a test never shares its lab with a test running beside it.
-  The heaviest groups are queued first. Each worker runs the session-end check on its own labs and
-  hands what it found to the controller, which fails the run on it, and on any skipped item.
+  module; for tests in one mode of a mode-parametrised fixture, that module's mode; and for tests
+  whose mode comes from a session-scoped fixture (tests/traffic's `cluster` and `api`), every test
+  of that fixture in that mode, whatever its module. So each lab is made once, and a test never
+  shares its lab with a test running beside it. The groups sharing a session lab are queued
+  first. Each worker runs the session-end check on its own labs and hands what it found to the
+  controller, which fails the run on it, and on any skipped item.
 """
 
 from __future__ import annotations
@@ -72,28 +73,52 @@ def item_mode(item: pytest.Item) -> str | None:
     return next((v for v in callspec.params.values() if isinstance(v, str) and v in MODES), None)
 
 
+def _session_lab(item: pytest.Item, mode: str) -> str | None:
+    """The session-scoped fixture that gives `item` its mode (a lab shared across modules)."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    for name, fixturedefs in defs.items():
+        if fixturedefs and fixturedefs[-1].scope == "session" and params.get(name) == mode:
+            return str(name)
+    return None
+
+
 def run_group(item: pytest.Item) -> str:
     """The tests that must run on one worker, in order (see the module docstring)."""
     path = item.path.relative_to(ROOT).as_posix()
     mode = item_mode(item)
-    if mode is not None and path.startswith("tests/traffic/"):
-        return f"tests/traffic-{mode}"
-    return f"{path}-{mode}" if mode else path
+    if mode is None:
+        return path
+    shared = _session_lab(item, mode)
+    if shared is not None:
+        return f"{Path(path).parent.as_posix()}:{shared}-{mode}"
+    return f"{path}-{mode}"
 
 
-def _queue_rank(item: pytest.Item) -> int:
-    """Where a group goes in the workers' queue: the traffic suites (the longest groups) first,
-    other lab modules next, pure ones after them, the leak check last."""
-    if item.path.name == "test_lab_leaks.py":
-        return 3
-    if run_group(item).startswith("tests/traffic"):
-        return 0
-    return (
-        1
-        if item.get_closest_marker("kernel") is not None
-        or "kernel_required" in getattr(item, "fixturenames", ())
-        else 2
+def _is_lab_test(item: pytest.Item) -> bool:
+    return item.get_closest_marker("kernel") is not None or "kernel_required" in getattr(
+        item, "fixturenames", ()
     )
+
+
+def _queue_order(items: list[pytest.Item]) -> None:
+    """Sort `items` group by group, each group's tests in their order: groups sharing a session
+    lab (the longest) first, other groups with lab tests next, pure ones after them, the leak
+    check last."""
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        groups.setdefault(run_group(item), []).append(item)
+
+    def rank(group: str) -> int:
+        members = groups[group]
+        if any(it.path.name == "test_lab_leaks.py" for it in members):
+            return 3
+        if ":" in group:
+            return 0
+        return 1 if any(_is_lab_test(it) for it in members) else 2
+
+    items[:] = [it for group in sorted(groups, key=rank) for it in groups[group]]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
@@ -103,7 +128,7 @@ def pytest_collection_modifyitems(
     if config.getoption("dist", "no") != "no" or hasattr(config, "workerinput"):
         for item in items:
             item.add_marker(pytest.mark.xdist_group(run_group(item)))
-        items.sort(key=_queue_rank)
+        _queue_order(items)
     else:
         # The leak check runs after everything else.
         items.sort(key=lambda it: it.path.name == "test_lab_leaks.py")
