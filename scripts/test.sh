@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make test` (and CI): set up (idempotent), lint, then run the whole suite on two pytest-xdist
-# workers (tests/conftest.py says how tests are grouped), and print how long each step took.
+# workers (tests/parallel.py says how tests are grouped), and print how long each step took.
 # EKP_TEST_WORKERS sets the number of workers (1: one process, in the plain order); extra arguments
 # go to pytest.
 set -euo pipefail
@@ -13,7 +13,7 @@ bash scripts/setup.sh
 setup_done=$(now)
 make --no-print-directory lint
 lint_done=$(now)
-dist=(-n "$workers" --dist loadgroup)
+dist=(-n "$workers")
 [[ "$workers" == 1 ]] && dist=()
 status=0
 .venv/bin/python -m pytest -q "${dist[@]}" tests "$@" || status=$?

@@ -13,27 +13,24 @@
 * At session end every namespace, cgroup, pin, tmp dir and process of every lab created in this
   process must be gone; otherwise the leftovers are printed and the session fails.
   tests/test_lab_leaks.py is moved to the end of the run.
-* In parallel (`make test` runs `pytest -n 2 --dist loadgroup`, pytest-xdist): every test carries a
-  group (`run_group`), and a group runs on one worker, one test after the other, in order: a
-  module; for tests in one mode of a mode-parametrised fixture, that module's mode; and for tests
-  whose mode comes from a session-scoped fixture (tests/traffic's `cluster` and `api`), every test
-  of that fixture in that mode, whatever its module. So each lab is made once, and a test never
-  shares its lab with a test running beside it. The groups sharing a session lab are queued
-  first. Each worker runs the session-end check on its own labs and hands what it found to the
-  controller, which fails the run on it, and on any skipped item.
+* In parallel (`make test` runs `pytest -n 2`, pytest-xdist) tests go to workers in run groups that
+  share a lab (tests/parallel.py). Each worker runs the session-end check on its own labs and
+  hands what it found to the controller, which fails the run on it, and on any skipped item.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Generator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from lab import CREATED_PREFIXES, STARTED, Lab, LabFactory, find_leaks, kernel_problem, live_labs
+from tests import parallel
 
 
 def skips_allowed() -> bool:
@@ -61,74 +58,42 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         require_kernel()
 
 
-MODES = ("ebpf", "iptables")
-ROOT = Path(__file__).resolve().parent.parent
+def _parallel(config: pytest.Config) -> bool:
+    """This process schedules (the controller) or runs (a worker) tests on xdist workers."""
+    return config.getoption("dist", "no") != "no" or hasattr(config, "workerinput")
 
 
-def item_mode(item: pytest.Item) -> str | None:
-    """The mode a test runs in, when a parameter (of it or of a fixture it uses) names one."""
-    callspec = getattr(item, "callspec", None)
-    if callspec is None:
-        return None
-    return next((v for v in callspec.params.values() if isinstance(v, str) and v in MODES), None)
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput"):
+        config.stash[_GROUPS_PREFIX] = os.path.join(tempfile.mkdtemp(prefix="ekp-run-groups-"), "groups")
 
 
-def _session_lab(item: pytest.Item, mode: str) -> str | None:
-    """The session-scoped fixture that gives `item` its mode (a lab shared across modules)."""
-    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    callspec = getattr(item, "callspec", None)
-    params = callspec.params if callspec is not None else {}
-    for name, fixturedefs in defs.items():
-        if fixturedefs and fixturedefs[-1].scope == "session" and params.get(name) == mode:
-            return str(name)
-    return None
+_GROUPS_PREFIX = pytest.StashKey[str]()
 
 
-def run_group(item: pytest.Item) -> str:
-    """The tests that must run on one worker, in order (see the module docstring)."""
-    path = item.path.relative_to(ROOT).as_posix()
-    mode = item_mode(item)
-    if mode is None:
-        return path
-    shared = _session_lab(item, mode)
-    if shared is not None:
-        return f"{Path(path).parent.as_posix()}:{shared}-{mode}"
-    return f"{path}-{mode}"
+def pytest_unconfigure(config: pytest.Config) -> None:
+    prefix = config.stash.get(_GROUPS_PREFIX, None)
+    if prefix is not None:
+        shutil.rmtree(os.path.dirname(prefix), ignore_errors=True)
 
 
-def _is_lab_test(item: pytest.Item) -> bool:
-    return item.get_closest_marker("kernel") is not None or "kernel_required" in getattr(
-        item, "fixturenames", ()
-    )
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    node.workerinput[parallel.GROUPS_FILE] = node.config.stash[_GROUPS_PREFIX]
 
 
-def _queue_order(items: list[pytest.Item]) -> None:
-    """Sort `items` group by group, each group's tests in their order: groups sharing a session
-    lab (the longest) first, other groups with lab tests next, pure ones after them, the leak
-    check last."""
-    groups: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        groups.setdefault(run_group(item), []).append(item)
-
-    def rank(group: str) -> int:
-        members = groups[group]
-        if any(it.path.name == "test_lab_leaks.py" for it in members):
-            return 3
-        if ":" in group:
-            return 0
-        return 1 if any(_is_lab_test(it) for it in members) else 2
-
-    items[:] = [it for group in sorted(groups, key=rank) for it in groups[group]]
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist") not in ("load", "loadscope", "loadfile", "loadgroup"):
+        return None  # `each`, `worksteal`: xdist's own
+    return parallel.make_scheduler(config, log, config.stash[_GROUPS_PREFIX])
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
-    if config.getoption("dist", "no") != "no" or hasattr(config, "workerinput"):
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(run_group(item)))
-        _queue_order(items)
+    if _parallel(config):
+        parallel.write_groups(config, parallel.queue_order(items))
     else:
         # The leak check runs after everything else.
         items.sort(key=lambda it: it.path.name == "test_lab_leaks.py")
