@@ -4,11 +4,13 @@
     agent --dry-run                print what would be written for a services file
     agent --cleanup                remove what either mode installed (refused under a live agent)
     agent --cleanup-kube-proxy     remove what a previous kube-proxy left, then exit
+    agent --init-only              the privileged node set-up of the mode (sysctls, bpffs), then exit
 
 The only module that knows every layer. The long-running logic lives in agent/daemon.py; this
 module only decides which source (the services file, or the API server through `--kubeconfig` /
 `--master` / the pod's service account), which backend, and which servers, and turns everything
-that no retry can fix into one message and exit status 1 before anything is created.
+that no retry can fix into one message and exit status 1 before anything is created (a
+`--kubeconfig` that cannot be used is a bad input, as a bad `--config`: exit status 2).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from prometheus_client import CollectorRegistry
 from agent.config import Config, Mode, NodeContext
 from agent.daemon import Agent, EventSink, NoEvents, Parts, Service
 from agent.errors import FatalError
+from agent.featuregates import node_info
 from agent.metrics import Metrics
-from agent.model import NodeInfo, ProxyState, build_state
+from agent.model import ProxyState, build_state
 from agent.proxier import Proxier
 from agent.sources.base import Source
 from agent.sources.file import LOAD_ERRORS, load_file
@@ -81,7 +84,7 @@ def dry_run(config: Config) -> int:
     except LOAD_ERRORS as exc:
         print(f"agent: cannot read --services-file {config.services_file}: {exc}", file=sys.stderr)
         return 1
-    result = build_state(snap.services, snap.endpoint_slices, NodeInfo(config.hostname))
+    result = build_state(snap.services, snap.endpoint_slices, node_info(config))
     for problem in result.problems:
         log.error("skipping %s", problem)
     sys.stdout.write(render_dry_run(config, result.state, static_node(config)))
@@ -171,8 +174,13 @@ class _Server:
         self._server.stop()
 
 
-def build_agent(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) -> Agent:
-    """Every part of a running agent for `config`; raises FatalError (credentials, bad flags)."""
+def build_agent(
+    config: Config,
+    configz: Callable[[], Mapping[str, Any]] | None = None,
+    kubeconfig: Mapping[str, Any] | None = None,
+) -> Agent:
+    """Every part of a running agent for `config`; raises FatalError (credentials, bad flags).
+    `kubeconfig`: the `--kubeconfig` file as `run` loaded it (None: read it here)."""
     from agent.health import ProxyHealth, ServiceHealthServer, health_timeout_s, healthz_server
     from agent.metrics.server import metrics_server
     from agent.metrics.source import FileMetrics, SourceMetrics
@@ -202,7 +210,7 @@ def build_agent(config: Config, configz: Callable[[], Mapping[str, Any]] | None 
         from agent.kube.events import EventRecorder
         from agent.kube.source import ApiSource
 
-        api = api_client(config)
+        api = api_client(config, kubeconfig=kubeconfig)
         log.info("API server %s", describe(api))
         source_metrics = SourceMetrics(registry)
         source = ApiSource(config, api, metrics=source_metrics)
@@ -253,6 +261,27 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         return cleanup(config)
     if config.cleanup_kube_proxy:
         return cleanup_kube_proxy(config)
+    if config.init_only:
+        from agent.nodeinit import init_node
+
+        return init_node(config)
+
+    # A bad --kubeconfig is a bad input file, as a bad --config: exit 2 before anything else.
+    kubeconfig = None
+    if config.kubeconfig and not config.services_file:
+        from agent.kube.kubeconfig import KubeconfigError, load_kubeconfig
+
+        try:
+            kubeconfig = load_kubeconfig(config.kubeconfig)
+        except KubeconfigError as exc:
+            log.error("%s", exc)
+            return 2
+
+    from agent.featuregates import log_gates
+    from agent.oom import apply_oom_score_adj
+
+    apply_oom_score_adj(config.oom_score_adj)
+    log_gates(config)
 
     from agent.lock import acquire
 
@@ -265,7 +294,7 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         return 1
     with node_lock:
         try:
-            agent = build_agent(config, configz)
+            agent = build_agent(config, configz, kubeconfig)
         except FatalError as exc:
             log.error("%s", exc)
             return 1

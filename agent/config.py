@@ -9,19 +9,18 @@ at run time about the node (its addresses) and is passed to the pure planners be
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from typing import Any
 
+from agent.settings.kinds import NODEPORT_PRIMARY
+from agent.settings.table import BY_NAME, DEFAULT_PIN_PATH, SETTINGS, Mode, default
 
-class Mode(StrEnum):
-    EBPF = "ebpf"
-    IPTABLES = "iptables"
+__all__ = ["DEFAULT_PIN_PATH", "NODEPORT_PRIMARY", "Config", "ConntrackSettings", "MapSizes", "Mode"]
 
-
-DEFAULT_PIN_PATH = "/sys/fs/bpf/ebpf-kube-proxy"
-NODEPORT_PRIMARY = "primary"  # --nodeport-addresses keyword: the node's primary address
-DEFAULT_POD_INTERFACES = "lxc*,veth*,cali*"
+EBPF_MIN_SYNC_PERIOD_S = 0.1
+IPTABLES_MIN_SYNC_PERIOD_S = 1.0  # kube-proxy's default
 
 
 # Conntrack entries when kube-proxy's conntrack.maxPerCore is 0 ("leave the kernel's limit"):
@@ -39,16 +38,20 @@ class MapSizes:
     is in iptables mode, or kept at the size of the tables already pinned.
     """
 
-    fe: int = 65536
-    slot: int = 262144
-    be: int = 262144  # one per endpoint address:port: 10,000 services of 10 endpoints need 100,000
-    rnat: int = 65536
-    member: int = 262144
-    ct_tcp: int = 0
-    ct_any: int = 0
-    frag: int = 8192
-    aff: int = 65536
-    srcr: int = 16384
+    fe: int = default("map_sizes.fe")
+    slot: int = default("map_sizes.slot")
+    be: int = default("map_sizes.be")
+    rnat: int = default("map_sizes.rnat")
+    member: int = default("map_sizes.member")
+    ct_tcp: int = default("map_sizes.ct_tcp")
+    ct_any: int = default("map_sizes.ct_any")
+    frag: int = default("map_sizes.frag")
+    # fragments that came before their first, held until it comes (1.5 KiB each)
+    fraghold: int = default("map_sizes.fraghold")
+    aff: int = default("map_sizes.aff")
+    srcr: int = default("map_sizes.srcr")
+    # frontend and backend addresses (entries allocated as written; 4 MiB of hash buckets)
+    addr: int = default("map_sizes.addr")
 
     def with_conntrack(
         self, conntrack: ConntrackSettings, cpus: int, pinned: Mapping[str, int] | None = None
@@ -86,50 +89,103 @@ class ConntrackSettings:
     applies the same timeouts to the flows its own conntrack tracks. 0 leaves a value unchanged.
     """
 
-    max_per_core: int = 32768
-    min: int = 131072
-    tcp_established_timeout_s: float = 86400.0
-    tcp_close_wait_timeout_s: float = 3600.0
-    tcp_be_liberal: bool = False
-    udp_timeout_s: float = 0.0
-    udp_stream_timeout_s: float = 0.0
+    max_per_core: int = default("conntrack.max_per_core")
+    min: int = default("conntrack.min")
+    tcp_established_timeout_s: float = default("conntrack.tcp_established_timeout_s")
+    tcp_close_wait_timeout_s: float = default("conntrack.tcp_close_wait_timeout_s")
+    tcp_be_liberal: bool = default("conntrack.tcp_be_liberal")
+    udp_timeout_s: float = default("conntrack.udp_timeout_s")
+    udp_stream_timeout_s: float = default("conntrack.udp_stream_timeout_s")
 
 
 @dataclass(frozen=True)
 class Config:
-    mode: Mode = Mode.EBPF
-    hostname: str = ""
-    services_file: str = ""
-    kubeconfig: str = ""  # --kubeconfig; "" = in-cluster service account, else --master
-    master: str = ""  # --master: API server URL (overrides the kubeconfig's server)
-    healthz_bind_address: str = "0.0.0.0:10256"  # "" disables; bound in `netns`
-    metrics_bind_address: str = "127.0.0.1:10249"  # "" disables; bound in `netns`
-    bind_address_hard_fail: bool = False  # a healthz/metrics port that cannot be bound stops the agent
-    conntrack: ConntrackSettings = field(default_factory=ConntrackSettings)
-    netns: str = ""  # network namespace the agent programs; "" = its own
-    dry_run: bool = False
-    cleanup: bool = False
-    cleanup_kube_proxy: bool = False  # remove what a previous kube-proxy left, then exit
-    cluster_cidr: tuple[str, ...] = ()
-    masquerade_all: bool = False
-    masquerade_bit: int = 14
-    nodeport_addresses: tuple[str, ...] = ()  # CIDRs and/or "primary"; () = every node address
-    node_ips: tuple[str, ...] = ()  # --node-ip: the node's addresses; () = found on --devices
-    sync_period_s: float = 30.0
-    min_sync_period_s: float = 1.0
+    """What the settings say, typed, for the code that acts on them. Each field's default is the
+    setting's (agent/settings/table.py); `hostname` and `min_sync_period_s` are derived
+    (`from_values`)."""
+
+    mode: Mode = default("mode")
+    hostname: str = ""  # --hostname-override, else the host name (derived)
+    services_file: str = default("services_file")
+    kubeconfig: str = default("kubeconfig")  # "" = in-cluster service account, else --master
+    master: str = default("master")
+    api_qps: float = default("api_qps")  # client-go: 0 = 5, negative = no limit
+    api_burst: int = default("api_burst")  # client-go: 0 = 10
+    api_content_type: str = default("api_content_type")
+    config_sync_period_s: float = default("config_sync_period_s")
+    feature_gates: tuple[tuple[str, bool], ...] = default("feature_gates")
+    oom_score_adj: int = default("oom_score_adj")
+    healthz_bind_address: str = default("healthz_bind_address")  # "" disables; bound in `netns`
+    metrics_bind_address: str = default("metrics_bind_address")  # "" disables; bound in `netns`
+    bind_address_hard_fail: bool = default("bind_address_hard_fail")
+    conntrack: ConntrackSettings = field(default_factory=lambda: ConntrackSettings())
+    netns: str = default("netns")  # network namespace the agent programs; "" = its own
+    dry_run: bool = default("dry_run")
+    cleanup: bool = default("cleanup")
+    cleanup_kube_proxy: bool = default("cleanup_kube_proxy")
+    init_only: bool = default("init_only")
+    cluster_cidr: tuple[str, ...] = default("cluster_cidr")
+    masquerade_all: bool = default("masquerade_all")
+    masquerade_bit: int = default("masquerade_bit")
+    nodeport_addresses: tuple[str, ...] = default("nodeport_addresses")  # () = every node address
+    node_ips: tuple[str, ...] = default("node_ips")  # () = found on --devices
+    sync_period_s: float = default("sync_period_s")
+    min_sync_period_s: float = IPTABLES_MIN_SYNC_PERIOD_S  # derived from the mode when not set
     # eBPF mode
-    devices: tuple[str, ...] = ()  # external devices; () = those holding the node's addresses
-    pod_interfaces: tuple[str, ...] = tuple(DEFAULT_POD_INTERFACES.split(","))
-    pin_path: str = DEFAULT_PIN_PATH
-    map_sizes: MapSizes = field(default_factory=MapSizes)
-    snat_ports: tuple[int, int] = (61000, 65535)  # above the kernel's ephemeral 32768-60999
-    nodeport_range: tuple[int, int] = (30000, 32767)  # --node-port-range: the apiserver's NodePort range
-    # --bpf-keep-client-ip-for-local-backends: externalTrafficPolicy Cluster traffic to a backend on
-    # this node keeps the client's address (kube-proxy masquerades it; off by default)
-    bpf_keep_client_ip_local: bool = False
+    devices: tuple[str, ...] = default("devices")  # () = those holding the node's addresses
+    pod_interfaces: tuple[str, ...] = default("pod_interfaces")
+    pin_path: str = default("pin_path")
+    map_sizes: MapSizes = field(default_factory=lambda: MapSizes())
+    snat_ports: tuple[int, int] = default("snat_ports")  # above the kernel's ephemeral 32768-60999
+    nodeport_range: tuple[int, int] = default("nodeport_range")
+    bpf_keep_client_ip_local: bool = default("bpf_keep_client_ip_local")
     # iptables mode
-    iptables_backend: str = "auto"  # auto | nft | legacy
-    iptables_localhost_nodeports: bool = True  # NodePorts answer on 127.0.0.1 too (route_localnet)
+    iptables_backend: str = default("iptables_backend")  # auto | nft | legacy
+    iptables_localhost_nodeports: bool = default("iptables_localhost_nodeports")
+
+    def gate(self, name: str, default: bool) -> bool:
+        """A feature gate's value: as --feature-gates / featureGates set it, else `default`."""
+        return dict(self.feature_gates).get(name, default)
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> Config:
+        """The Config of resolved settings (agent/settings/resolve.py): each setting with an
+        `attr` lands there; nested attrs (`conntrack.min`) in their dataclass."""
+        flat: dict[str, Any] = {}
+        nested: dict[str, dict[str, Any]] = {"conntrack": {}, "map_sizes": {}}
+        for setting in SETTINGS:
+            if not setting.attr:
+                continue
+            value = values[setting.name]
+            if setting.into is not None:
+                value = setting.into(value)
+            head, _, leaf = setting.attr.partition(".")
+            if leaf:
+                nested[head][leaf] = value
+            else:
+                flat[head] = value
+        mode = Mode(flat["mode"])
+        # --healthz-port / --metrics-port (deprecated upstream): 0 turns the server off.
+        for port, address in (
+            ("healthz_port", "healthz_bind_address"),
+            ("metrics_port", "metrics_bind_address"),
+        ):
+            if values[port] == 0:
+                flat[address] = ""
+        min_sync = values[BY_NAME["iptables_min_sync_period"].name]
+        return cls(
+            **flat,
+            hostname=(values["hostname_override"] or socket.gethostname()).strip().lower(),
+            min_sync_period_s=default_min_sync_period(mode) if min_sync is None else min_sync,
+            conntrack=ConntrackSettings(**nested["conntrack"]),
+            map_sizes=MapSizes(**nested["map_sizes"]),
+        )
+
+
+def default_min_sync_period(mode: Mode) -> float:
+    """kube-proxy's 1 s in iptables mode; 100 ms in eBPF mode, where a sync writes only the map
+    entries that changed: the floor still turns a burst of events (a rollout) into one sync."""
+    return IPTABLES_MIN_SYNC_PERIOD_S if mode is Mode.IPTABLES else EBPF_MIN_SYNC_PERIOD_S
 
 
 @dataclass(frozen=True)
@@ -139,15 +195,27 @@ class NodeContext:
     node_ips: tuple[str, ...] = ()  # IPv4 addresses of the node (its external devices)
     primary_ip: str = ""  # the address used as SNAT source toward other nodes
 
-    def nodeport_ips(self, cidrs: tuple[str, ...]) -> tuple[str, ...]:
+    def nodeport_ips(self, cidrs: tuple[str, ...], *, loopback: bool = False) -> tuple[str, ...]:
         """Node addresses NodePorts answer on: all of them, or those inside `cidrs`; the keyword
-        `primary` (kube-proxy's `--nodeport-addresses primary`) selects the primary address."""
+        `primary` (kube-proxy's `--nodeport-addresses primary`) selects the primary address.
+        `loopback`: 127.0.0.1 first when a CIDR holds it (upstream's order, as `lo` is the first
+        interface), for the iptables rules and the healthCheckNodePort listeners. The one
+        implementation of the selection: both modes and the health servers call it."""
         if not cidrs:
             return self.node_ips
-        nets = [ipaddress.ip_network(c, strict=False) for c in cidrs if c != NODEPORT_PRIMARY]
+        nets = []
+        for c in cidrs:
+            if c == NODEPORT_PRIMARY:
+                continue
+            try:
+                nets.append(ipaddress.ip_network(c, strict=False))
+            except ValueError:
+                continue  # checked where the flag is read; nothing to match here
         primary = NODEPORT_PRIMARY in cidrs
-        return tuple(
+        out = ["127.0.0.1"] if loopback and any(ipaddress.ip_address("127.0.0.1") in n for n in nets) else []
+        out += [
             ip
             for ip in self.node_ips
             if any(ipaddress.ip_address(ip) in n for n in nets) or (primary and ip == self.primary_ip)
-        )
+        ]
+        return tuple(dict.fromkeys(out))

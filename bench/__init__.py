@@ -22,5 +22,7 @@ its own pins, one EndpointSlice change p50/p99/max over 200 changes, and the age
 The third part (`--parts capacity`, bench/capacity.py) opens TCP flows through a ClusterIP until
 the default conntrack table evicts its first live one. All three parts are the default.
 
-Output: aligned tables on stdout and the same in Markdown in build/bench.md.
+Output: aligned tables on stdout, and the run as a file: bench/results/<date>-<commit>.json (commit,
+host, date, parameters, iptables backends, raw results; bench/record.py) with its tables rendered
+beside it (.md). `python -m bench.report --readme` puts the newest run into the README.
 """

@@ -147,7 +147,7 @@ def table(r: Result) -> Table:
             "CPUs",
             "kube-proxy conntrack max",
             "table entries",
-            "flows at the first live eviction",
+            "flows open when the first live eviction was seen",
             "memory",
             "per flow",
         ],
@@ -167,6 +167,9 @@ def table(r: Result) -> Table:
         notes=[
             "flows opened with BPF_PROG_TEST_RUN (SYN, SYN-ACK, ACK: established, 24 h timeout), "
             "alternating CPUs; two entries per flow; memory is the kernel's memlock account of the table",
+            f"a table of N entries holds N / 2 flows; the oldest {OLDEST} flows are looked up after each "
+            f"batch ({BATCH:,} flows, {FINE} near the limit), so the eviction is seen up to one batch "
+            "after it happened",
         ],
     )
 

@@ -1,9 +1,19 @@
-"""Tables as aligned text (stdout) and as Markdown (build/bench.md, the README)."""
+"""Tables as aligned text (stdout) and as Markdown (bench/results/*.md, the README).
+
+`python -m bench.report --readme` puts the newest run of bench/results/ (or `--file`'s) into the
+README, between the two `bench-results` markers, exactly as `bench.record.render` renders it;
+tests/test_bench_results.py checks that the README holds what its cited file renders. Without
+`--readme` it prints the rendering.
+"""
 
 from __future__ import annotations
 
+import argparse
+import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -50,3 +60,49 @@ def num(value: float, digits: int = 0) -> str:
 
 def ratio(value: float) -> str:
     return "-" if value != value else f"{value:.2f}"
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCK = re.compile(r"<!-- bench-results: (\S+) -->\n.*?<!-- /bench-results -->\n", re.DOTALL)
+
+
+def readme_block(path: Path) -> str:
+    """The README's benchmark block for one results file, markers included."""
+    from bench import record
+
+    rel = path.resolve().relative_to(record.REPO)
+    return f"<!-- bench-results: {rel} -->\n{record.render(record.load(path), rel)}<!-- /bench-results -->\n"
+
+
+def cited(readme: str) -> Path:
+    """The results file the README's block names."""
+    from bench import record
+
+    m = BLOCK.search(readme)
+    if m is None:
+        raise ValueError("README.md has no bench-results block")
+    return record.REPO / m.group(1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from bench import record
+
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__)
+    p.add_argument("--file", type=Path, help="a results file (default: the newest in bench/results/)")
+    p.add_argument("--readme", action="store_true", help="rewrite README.md's benchmark block")
+    a = p.parse_args(argv)
+    path = a.file or record.newest()
+    if not a.readme:
+        sys.stdout.write(record.render(record.load(path), path))
+        return 0
+    text = README.read_text()
+    if BLOCK.search(text) is None:
+        print("README.md has no <!-- bench-results: ... --> block to rewrite", file=sys.stderr)
+        return 1
+    README.write_text(BLOCK.sub(lambda _: readme_block(path), text, count=1))
+    print(f"README.md: benchmark tables from {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

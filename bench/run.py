@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -30,7 +31,7 @@ PARTS = ("traffic", "api", "capacity")
 # Client source ports: pod-IP and ClusterIP traffic never share a 4-tuple (see `use_ports`).
 PORTS_DIRECT = "32768 46999"
 PORTS_VIP = "47000 60999"
-OUT = REPO / "build" / "bench.md"
+RESULTS_DIR = REPO / "bench" / "results"
 SYNC_TIMEOUT_S = 600.0
 RESYNC = "1h"
 PROBE_CPU = 0
@@ -59,6 +60,9 @@ class Target:
     loads: list[Load] = field(default_factory=list)
     samples_ns: list[int] = field(default_factory=list)
     probe_errors: dict[str, int] = field(default_factory=dict)
+    # Read back from a results file, which keeps the percentiles and the count, not every sample.
+    latency_us: dict[str, float] = field(default_factory=dict)
+    sample_count: int = 0
 
     @property
     def conns_per_s(self) -> float:
@@ -75,7 +79,16 @@ class Target:
 
     def p(self, q: float) -> float:
         """Connect latency percentile, microseconds."""
+        if not self.samples_ns and self.latency_us:
+            return self.latency_us[latency_key(q)]
         return percentile(sorted(self.samples_ns), q) / 1000
+
+
+LATENCY_QUANTILES = (0.5, 0.9, 0.99, 0.999)
+
+
+def latency_key(q: float) -> str:
+    return f"p{q * 100:g}"
 
 
 @dataclass
@@ -138,6 +151,7 @@ class Results:
     stats: list[StatsWindow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     stats_sysctl_before: str | None = None
+    iptables_backend: str | None = None  # what the iptables-mode agent chose (or was told)
 
 
 # --------------------------------------------------------------------------------- steps
@@ -289,6 +303,7 @@ class Bench:
     def iptables_facts(self, lab: Lab, node: Node, agent: Agent) -> str:
         m = re.search(r"iptables \S+ \((nft|legacy)\)", agent.log())
         backend = m.group(1) if m else "nft"
+        self.results.iptables_backend = backend
         counts = {}
         position = ""
         for table in ("nat", "filter"):
@@ -330,14 +345,17 @@ class Bench:
         r = measure(self.s.services, backend="legacy")
         self.results.syncs.append(
             SyncFacts(
-                mode="iptables (legacy, synthetic)",
+                mode="iptables-legacy, synthetic state",
                 services=int(r["services"]),
                 endpoints=int(r["endpoints"]),
                 wall_s=float("nan"),
                 read_s=float("nan"),
                 sync_ms=1000 * float(r["full_sync_seconds"]),
                 kernel=(
-                    f"iptables-legacy: {int(r['rules']):,} rules (filter + nat); one-endpoint change: "
+                    f"iptables-legacy: {int(r['rules']):,} rules (filter + nat) for "
+                    "bench/iptables_restore.py's state (every tenth Service a NodePort, 2 remote endpoints "
+                    "each: not the state above); "
+                    "one-endpoint change: "
                     f"partial sync {1000 * float(r['partial_sync_seconds']):.0f} ms, "
                     f"restore {1000 * float(r['partial_restore_seconds']):.0f} ms"
                 ),
@@ -502,8 +520,11 @@ def traffic_table(results: Results, s: Settings) -> Table:
     )
 
 
-def tables(results: Results, s: Settings) -> list[Table]:
-    out: list[Table] = [traffic_table(results, s)]
+def tables(results: Results, s: Settings, iptables_backend: str | None = None) -> list[Table]:
+    traffic = traffic_table(results, s)
+    if iptables_backend:
+        traffic = replace(traffic, notes=[*traffic.notes, f"iptables rows: iptables-{iptables_backend}"])
+    out: list[Table] = [traffic]
     if results.stats:
         srows = []
         for w in results.stats:
@@ -603,7 +624,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--api-endpoints", type=int, default=10, help="endpoints per service (default 10)")
     p.add_argument("--api-changes", type=int, default=200, help="EndpointSlice changes timed (default 200)")
-    p.add_argument("--out", type=Path, default=OUT, help=f"Markdown output (default {OUT.relative_to(REPO)})")
+    p.add_argument(
+        "--api-iptables-backend",
+        choices=("nft", "legacy"),
+        default="legacy",
+        help="the iptables-mode agent's --iptables-backend in the api part (default legacy)",
+    )
+    p.add_argument(
+        "--results-dir",
+        type=Path,
+        default=RESULTS_DIR,
+        help=f"where the run's <date>-<commit>.json and .md go (default {RESULTS_DIR.relative_to(REPO)})",
+    )
     a = p.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     parts = [x for x in a.parts.split(",") if x]
@@ -631,38 +663,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         iptables_backend=a.iptables_backend,
         legacy_compare=not a.no_legacy_compare,
     )
-    header = f"ebpf-kube-proxy benchmark, {datetime.now():%Y-%m-%d %H:%M}: {machine()}"
-    print(header, flush=True)
-    start = time.monotonic()
-    results = Bench(s).run() if "traffic" in parts else Results()
-    out = tables(results, s) if "traffic" in parts else []
+    from bench import record
+
+    started = datetime.now()
+    host = record.host_facts()
+    print(f"ebpf-kube-proxy benchmark, {started:%Y-%m-%d %H:%M}: {machine()}", flush=True)
+    t0 = time.monotonic()
+    results = Bench(s).run() if "traffic" in parts else None
+    scales = []
     if "api" in parts:
-        scales = []
         for mode in modes:
             print(
                 f"== {mode}: {a.api_services:,} services x {a.api_endpoints} endpoints from the API server",
                 flush=True,
             )
-            scales.append(api.measure(mode, a.api_services, a.api_endpoints, a.api_changes))
-        out.append(api.table(scales))
+            scales.append(
+                api.measure(mode, a.api_services, a.api_endpoints, a.api_changes, a.api_iptables_backend)
+            )
+    capacity_result = None
     if "capacity" in parts:
         print("== capacity: TCP flows through a ClusterIP until the first live one is evicted", flush=True)
-        out.append(capacity.table(capacity.measure()))
-    took = time.monotonic() - start
-    footer = f"whole run: {took:.0f} s"
-    print()
-    print(header)
-    for t in out:
-        print()
-        print(t.text(), end="")
-    for note in results.notes:
+        capacity_result = capacity.measure()
+    parameters = {**dataclasses.asdict(s), "modes": list(s.modes)}
+    parameters.update(
+        api_services=a.api_services,
+        api_endpoints=a.api_endpoints,
+        api_changes=a.api_changes,
+        api_iptables_backend=a.api_iptables_backend,
+    )
+    run = record.make(
+        argv=list(argv) if argv is not None else sys.argv[1:],
+        parameters=parameters,
+        parts=parts,
+        started=started,
+        seconds=time.monotonic() - t0,
+        host=host,
+        results=results,
+        scales=scales,
+        capacity_result=capacity_result,
+    )
+    path = record.save(run, a.results_dir)
+    print(f"\nwritten {path} ({run['seconds']:,.0f} s in all)\n")
+    for t in record.tables(record.load(path)):
+        print(t.text())
+    for note in results.notes if results is not None else []:
         print(f"NOTE: {note}")
-    print(f"\n{footer}")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    md = [f"_{header}; {footer}_", ""]
-    for t in out:
-        md += [t.markdown()]
-    md += [f"- NOTE: {n}" for n in results.notes]
-    a.out.write_text("\n".join(md))
-    print(f"written {a.out}")
+    print(f"written {record.save_markdown(path)}")
+    print("to put it in the README: python -m bench.report --readme")
     return 0

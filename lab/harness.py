@@ -95,17 +95,27 @@ class Agent:
         except FileNotFoundError:
             return ""
 
-    def log_since_start(self) -> str:
-        """What the current run wrote to the log."""
+    def log_since_start(self, after: int = 0) -> str:
+        """What the current run wrote to the log (from the log mark `after`, when that is later)."""
         try:
-            return self.log_path.read_bytes()[self._log_offset :].decode(errors="replace")
+            with open(self.log_path, "rb") as f:
+                f.seek(max(self._log_offset, after))
+                return f.read().decode(errors="replace")
         except FileNotFoundError:
             return ""
 
-    def wait_version(self, version: str, timeout: float = 60.0) -> None:
-        """Until this run logged a sync of `version` (a services file's content hash)."""
+    def log_mark(self) -> int:
+        """Where the log ends now: `wait_version(..., after=mark)` reads only what comes later."""
+        try:
+            return self.log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def wait_version(self, version: str, timeout: float = 60.0, *, after: int = 0) -> None:
+        """Until this run logged a sync of `version` (a services file's content hash), after the log
+        mark `after` when given: content applied earlier and again now has an older line."""
         marker = f"sync done: version={version}"
-        self._wait(lambda log: marker in log, f"version {version}", timeout)
+        self._wait(lambda log: marker in log, f"version {version}", timeout, after=after)
 
     def wait_resource_versions(self, wanted: Mapping[str, int], timeout: float = 60.0) -> None:
         """Until this run logged a sync that includes, for each kind, its resourceVersion in `wanted`
@@ -122,10 +132,10 @@ class Agent:
 
         self._wait(seen, f"resourceVersions {dict(wanted)}", timeout)
 
-    def _wait(self, done: Callable[[str], bool], what: str, timeout: float) -> None:
+    def _wait(self, done: Callable[[str], bool], what: str, timeout: float, *, after: int = 0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if done(self.log_since_start()):
+            if done(self.log_since_start(after)):
                 return
             if self.proc is not None and self.proc.poll() is not None:
                 raise AgentDied(
@@ -192,9 +202,17 @@ class Cluster:
         return content_version(data)
 
     def apply(self, objects: Sequence[dict[str, Any]], timeout: float = 60.0) -> None:
-        self.version = self.write(objects)
-        for a in self.agents:
-            a.wait_version(self.version, timeout)
+        """Write the services file and wait until every agent synced it. Content equal to the content
+        in force is not synced again (the file source skips it); any other content is waited for
+        from this write on, so returning to an earlier content waits for its new sync, not the old
+        line (the scale-down of test_no_disruption_... returned at once, before the sync)."""
+        marks = [a.log_mark() for a in self.agents]
+        version = self.write(objects)
+        if version == self.version:
+            return
+        self.version = version
+        for a, mark in zip(self.agents, marks, strict=True):
+            a.wait_version(version, timeout, after=mark)
 
     def stop(self) -> list[str]:
         """Stop agents and clean up what they installed; returns cleanup failures."""

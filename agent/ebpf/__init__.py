@@ -6,12 +6,14 @@ Layers (pure ones import neither bcc nor pyroute2):
 * `plan`    ProxyState + NodeContext + Config (+ previous ids) -> MapContents (pure)
 * `delta`   old MapContents, new MapContents -> ordered, batched map writes (pure)
 * `render`  MapContents, conntrack, affinity, counters -> sorted text (pure)
-* `capacity` fill and pressure of every map, live conntrack entries (`agent inspect capacity`)
+* `capacity` fill and pressure of every map, live conntrack entries by state, early drops
+  (`agent inspect capacity`)
 * `ports`   the SNAT port range against the NodePort and local port ranges (pure)
 * `loader`, `maps`   compile, load and pin, typed map access, the double-buffered config
 * `compile`, `bpfobject`, `objcache`, `link`   the compiler child (bcc) and what it hands back (a
             relocatable object, pure), kept per build on the machine, loaded against one pin path
-* `upgrade` conntrack of an ABI v1 agent carried into the v2 tables around the first attach
+* `upgrade` conntrack of an ABI v1 agent carried into the v2 tables around the first attach;
+  the counters of ekp_stats_v2 into ekp_stats_v3
 * `attach`  clsact + direct-action cls_bpf filters, pod-device watcher (pyroute2)
 * `proxier` EbpfProxier: the Proxier of this mode, tying the above together
 
@@ -23,11 +25,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from agent.config import Config, NodeContext
-from agent.model.types import ProxyState
-
 if TYPE_CHECKING:
+    # Under TYPE_CHECKING: agent.config reads the map registry (agent.ebpf.abi) for its defaults,
+    # so importing it here at run time would be circular.
+    from agent.config import Config, NodeContext
     from agent.ebpf.proxier import EbpfProxier
+    from agent.model.types import ProxyState
 
 __all__ = ["EbpfProxier", "render_dry_run"]
 

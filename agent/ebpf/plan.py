@@ -17,6 +17,8 @@ from typing import Any, Protocol
 from agent.config import Config, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.abi import (
+    Addr,
+    AddrKey,
     Backend,
     BackendKey,
     Frontend,
@@ -31,6 +33,7 @@ from agent.ebpf.abi import (
     SrcRangeKey,
 )
 from agent.ebpf.codec import KEYS, VALUES
+from agent.ebpf.entries import ORDER, to_ctypes
 from agent.ebpf.planner import ROLES, Planner
 from agent.model.types import ProxyState
 
@@ -48,11 +51,12 @@ class MapContents:
     rnat: dict[RevNatKey, RevNat] = field(default_factory=dict)
     member: dict[MemberKey, Member] = field(default_factory=dict)
     srcr: dict[SrcRangeKey, SrcRange] = field(default_factory=dict)
+    addr: dict[AddrKey, Addr] = field(default_factory=dict)
     cfg: abi.Config | None = None
     fe_names: dict[FrontendKey, str] = field(default_factory=dict)
 
     def table(self, role: str) -> dict[Any, Any]:
-        """The entries of one map role ("fe", "slot", "be", "rnat", "member" or "srcr")."""
+        """The entries of one map role ("fe", "slot", "be", "rnat", "member", "srcr" or "addr")."""
         if role not in ROLES:
             raise KeyError(role)
         table: dict[Any, Any] = getattr(self, role)
@@ -67,6 +71,7 @@ class MapContents:
             rnat=dict(self.rnat),
             member=dict(self.member),
             srcr=dict(self.srcr),
+            addr=dict(self.addr),
             fe_names=dict(self.fe_names),
         )
 
@@ -98,13 +103,13 @@ def planner_contents(planner: Planner) -> MapContents:
     """What the planner wants the maps to hold, decoded."""
     out = MapContents()
     for role in ROLES:
-        kc, vc = KEYS[role], VALUES[role]
-        table = out.table(role)
-        for key, value in planner.desired[role].items():
-            table[kc.to_ctype(key)] = vc.to_ctype(value)
+        out.table(role).update(to_ctypes(role, planner.desired[role]))
     if planner.cfg is not None:
         out.cfg = VALUES["cfg"].to_ctype(planner.cfg)
-    out.fe_names = {KEYS["fe"].to_ctype(k): name for k, name in planner.fe_names().items()}
+    fe_key, size = KEYS["fe"].ctype, KEYS["fe"].size
+    out.fe_names = {
+        fe_key.from_buffer_copy(k.to_bytes(size, ORDER)): name for k, name in planner.fe_names().items()
+    }
     return out
 
 

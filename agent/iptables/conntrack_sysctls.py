@@ -14,8 +14,9 @@ while the timeouts and `nf_conntrack_tcp_be_liberal` are per namespace and writa
 tolerates the read-only case (a read-only /sys is logged as an event and it goes on); we log each
 setting that could not be applied, say why and what value applies instead, and go on.
 
-`conntrack_max` and `plan` are pure; `apply_conntrack_settings` runs `sysctl` through the runner's
-`command` (so inside the node's namespace, and replaceable by a fake).
+`plan` is pure (`conntrack_max`, upstream's getConntrackMax, is agent.config's);
+`apply_conntrack_settings` runs `sysctl` through the runner's `command` (so inside the node's
+namespace, and replaceable by a fake).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from agent.config import ConntrackSettings
+from agent.config import ConntrackSettings, conntrack_max
 from agent.iptables.runner import Result
 
 log = logging.getLogger(__name__)
@@ -50,13 +51,6 @@ class ConntrackReport:
     written: list[tuple[str, str, int]] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     refused: list[tuple[str, int, str]] = field(default_factory=list)
-
-
-def conntrack_max(settings: ConntrackSettings, cpus: int) -> int:
-    """upstream getConntrackMax: maxPerCore x CPUs, floored at min; 0 when maxPerCore is 0."""
-    if settings.max_per_core <= 0:
-        return 0
-    return max(settings.max_per_core * cpus, settings.min)
 
 
 def plan(settings: ConntrackSettings, cpus: int) -> list[Setting]:

@@ -169,19 +169,10 @@ def _is_ipv4_cidr(text: str) -> bool:
 
 
 def nodeport_ips(options: RenderOptions, node: NodeContext) -> list[str]:
-    """Addresses that get their own NodePort jump when --nodeport-addresses is set (upstream order:
-    loopback first, as the `lo` interface comes first, then the node's addresses)."""
-    nets = options.nodeport_networks
-    out: list[str] = []
-    if any(ipaddress.IPv4Address("127.0.0.1") in n for n in nets):
-        out.append("127.0.0.1")
-    for ip in node.node_ips:
-        addr = ipaddress.ip_address(ip)
-        if any(addr in n for n in nets) or (
-            "primary" in options.nodeport_addresses and ip == node.primary_ip
-        ):
-            out.append(ip)
-    return list(dict.fromkeys(out))
+    """Addresses that get their own NodePort jump when --nodeport-addresses is set (loopback
+    first, as upstream; the selection itself is NodeContext.nodeport_ips, shared by both modes)."""
+    v4 = tuple(c for c in options.nodeport_addresses if c == "primary" or _is_ipv4_cidr(c))
+    return list(node.nodeport_ips(v4, loopback=True)) if v4 else []
 
 
 def _probability(n: int) -> str:

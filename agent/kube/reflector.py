@@ -17,6 +17,9 @@ explicit:
   forward past compactions. A stream the server ends is reopened at once (unless it ended within
   a second without a line: client-go's "very short watch", backed off); one that breaks, times
   out or fails to open is reopened after a backoff (backoff.py).
+* **Resync** (`--config-sync-period`): once that long has passed since the last list, the next
+  watch is cut short at that moment and the kind is listed again through the same reconciling
+  path, counted as a relist with reason "resync".
 * **410 Gone** (as a status or as an ERROR event), a resourceVersion the server reports as too
   large (a restored etcd), or an event that is not JSON: relist and reconcile as above.
 
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 import threading
 import time
@@ -55,6 +59,7 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry
 
+from agent.goformat import format_duration
 from agent.kube.backoff import Backoff, BackoffState, Episode
 from agent.kube.resources import Resource
 from agent.metrics.source import SourceMetrics
@@ -78,6 +83,10 @@ class WatchSettings:
     connect_timeout_s: float = 10.0
     list_timeout_s: float = 60.0  # per page read
     backoff: Backoff = field(default_factory=Backoff)
+    # --config-sync-period: list again this long after the last list (0: never). kube-proxy's
+    # informers resync on this period; here a relist reconciles against what was delivered, so
+    # an event a watch lost is found and only the differences reach the sink.
+    resync_s: float = 0.0
 
 
 def decode(data: bytes | str) -> Any:
@@ -190,6 +199,7 @@ class Reflector:
         self._logged_unnamed = False
         self.resource_version = ""
         self.lists = 0  # complete lists so far (the first one included)
+        self._listed_at = 0.0  # clock() at the end of the last complete list
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -209,6 +219,14 @@ class Reflector:
                     self._list()
                     need_list = False
                 self._watch()
+                if self._resync_due() <= 0:
+                    need_list = True
+                    self._metrics.relists.labels(self.kind.value, "resync").inc()
+                    log.info(
+                        "%s: %s since the last list (--config-sync-period); listing again",
+                        self.kind.value,
+                        format_duration(self._settings.resync_s),
+                    )
             except _Stopped:
                 raise
             except _Relist as r:
@@ -232,6 +250,12 @@ class Reflector:
                     )
                 self._metrics.api_errors.labels(self.kind.value, "watch", "other").inc()
                 self._sleep(self._backoff.next())
+
+    def _resync_due(self) -> float:
+        """Seconds until the next resync list (inf when resyncs are off)."""
+        if self._settings.resync_s <= 0:
+            return float("inf")
+        return self._listed_at + self._settings.resync_s - self._clock()
 
     def interrupt(self) -> None:
         """Unblock a read in progress (used by stop); the loop then sees `stopping` and ends."""
@@ -434,7 +458,8 @@ class Reflector:
                 break
             self._deliver(batch)
         self.lists += 1
-        elapsed = self._clock() - started
+        self._listed_at = self._clock()
+        elapsed = self._listed_at - started
         self._metrics.list_seconds.labels(self.kind.value).observe(elapsed)
         log.info(
             "%s: listed %d at resourceVersion %s in %.2f s (%d page(s))",
@@ -464,6 +489,8 @@ class Reflector:
     def _watch(self) -> None:
         s = self._settings
         timeout_s = self._rand.randint(*s.watch_timeout_s)
+        # The server ends the watch when the resync is due (whole seconds, at least 1).
+        timeout_s = max(1, min(timeout_s, math.ceil(self._resync_due()) if s.resync_s > 0 else timeout_s))
         try:
             resp = self._call(
                 watch=True,

@@ -17,6 +17,7 @@ import logging
 import random
 import threading
 import time
+from dataclasses import replace
 
 from kubernetes import client as k8s
 
@@ -43,7 +44,7 @@ class ApiSource:
         self._metrics = metrics
         self._resources: tuple[Resource, ...] = watched_resources(api, config.hostname)
         self._host = api.configuration.host
-        self._settings = settings or WatchSettings()
+        self._settings = replace(settings or WatchSettings(), resync_s=config.config_sync_period_s)
         self._rand = rand or random.Random()
         self._stopping = threading.Event()
         self._reflectors: list[Reflector] = []

@@ -1,4 +1,9 @@
-"""A token bucket: `burst` tokens at most, refilled at `per_s` tokens a second; `take` never waits.
+"""A token bucket: `burst` tokens at most, refilled at `per_s` tokens a second.
+
+`take` never waits. `reserve` always succeeds and says how long to wait first (the bucket may go
+negative: a reservation is a promise of a future token), the shape of client-go's
+flowcontrol.NewTokenBucketRateLimiter (golang.org/x/time/rate `Wait`), which paces the API client
+at `--kube-api-qps` with bursts of `--kube-api-burst`.
 
 The event recorder spends one token per write to the API server and drops what finds the bucket
 empty, as client-go's EventSourceObjectSpamFilter does (its default: burst 25, one token per five
@@ -34,3 +39,14 @@ class TokenBucket:
                 self._tokens -= 1.0
                 return True
             return False
+
+    def reserve(self) -> float:
+        """Spend one token, now or in the future: the seconds to wait before using it."""
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.per_s)
+            self._at = now
+            self._tokens -= 1.0
+            if self._tokens >= 0 or self.per_s <= 0:
+                return 0.0
+            return -self._tokens / self.per_s

@@ -27,7 +27,8 @@ class SourceMetrics:
         self.relists = Counter(
             "ekp_relists_total",
             "Full lists after the first, by kind and cause: gone (watch answered 410), continue_expired "
-            "(a paginated list's continue token expired, list restarted), decode, too_large",
+            "(a paginated list's continue token expired, list restarted), decode, too_large, resync "
+            "(--config-sync-period)",
             ["kind", "reason"],
             registry=registry,
         )

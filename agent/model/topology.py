@@ -39,9 +39,9 @@ def topology_mode(endpoints: Sequence[Endpoint], node: NodeInfo) -> str:
             all_zone_hints = False
         elif zone in ep.zone_hints:
             zone_match = True
-    if all_node_hints and node_match:
+    if node.node_hints and all_node_hints and node_match:
         return TOPOLOGY_NODE
-    if all_zone_hints and zone_match:
+    if node.zone_hints and all_zone_hints and zone_match:
         return TOPOLOGY_ZONE
     return TOPOLOGY_NONE
 
@@ -53,7 +53,10 @@ def _available(endpoints: Sequence[Endpoint], mode: str, node: NodeInfo) -> tupl
     if mode == TOPOLOGY_ZONE:
         zone = node.zone
         return tuple(ep for ep in endpoints if ep.ready and zone in ep.zone_hints)
-    return tuple(ep for ep in endpoints if ep.ready)
+    ready = tuple(ep for ep in endpoints if ep.ready)
+    if len(ready) == len(endpoints) and isinstance(endpoints, tuple):
+        return endpoints  # all of them (nearly always): the same tuple, not a copy
+    return ready
 
 
 def _pick(endpoints: Sequence[Endpoint], keep: Callable[[Endpoint], bool]) -> tuple[Endpoint, ...]:

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,6 +120,11 @@ def test_rejects_are_rate_limited(cluster: Cluster) -> None:
         f"the client's socket dropped answers: the count is not exact: {result}"
     )
     answered = result["unreachables"]
+    if cluster.mode == "iptables":
+        # The positive control of the bound below: every datagram met the agent's REJECT rule (the
+        # kernel's own answer for a closed port would obey the same ICMP limit with no rule at all).
+        matched = reject_rule_packets(cluster, 30401)
+        assert matched >= 4000, f"the agent's REJECT rule saw {matched} of 5,000 datagrams"
     if cluster.mode == "ebpf":
         # still refused: a client learns the service has no endpoints. (iptables mode: the
         # kernel's per-destination bucket, 6 then 1/s, is shared with every ICMP error the node
@@ -129,3 +135,12 @@ def test_rejects_are_rate_limited(cluster: Cluster) -> None:
     assert answered < 500, result
     if cluster.mode == "ebpf":
         assert cluster.bpf_stats()["drop_icmp_rate"] >= 5000 - answered - 10
+
+
+def reject_rule_packets(cluster: Cluster, node_port: int) -> int:
+    """Packets counted by node1's filter-table REJECT rule(s) for `node_port` (iptables mode)."""
+    rules = cluster.lab.run("node1", "iptables-save", "-c", "-t", "filter").stdout
+    return sum(
+        int(m.group(1))
+        for m in re.finditer(rf"^\[(\d+):\d+\] -A KUBE-\S+ .*--dport {node_port} .*-j REJECT", rules, re.M)
+    )

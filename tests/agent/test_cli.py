@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from agent.cli import build_parser, config_from_args, parse_duration
-from agent.config import Mode
+from agent.cli import build_parser, main, resolve
+from agent.config import Config, Mode
+from agent.settings.kinds import Duration
+
+
+def config_from_args(argv: list[str]) -> Config:
+    return resolve(argv).config
+
+
+def parse_duration(text: str) -> float:
+    value: float = Duration().flag(text)
+    return value
 
 
 @pytest.mark.parametrize(
@@ -17,7 +27,7 @@ def test_durations(text: str, seconds: float) -> None:
 
 
 def test_config_from_flags() -> None:
-    ns = build_parser().parse_args(
+    cfg = config_from_args(
         [
             "--mode=iptables",
             "--hostname-override=Node1",
@@ -32,7 +42,6 @@ def test_config_from_flags() -> None:
             "--devices=eth0,eth1",
         ]
     )
-    cfg = config_from_args(ns)
     assert cfg.mode is Mode.IPTABLES
     assert cfg.hostname == "node1"
     assert cfg.cluster_cidr == ("10.244.0.0/16",)
@@ -45,7 +54,7 @@ def test_config_from_flags() -> None:
     assert cfg.snat_ports == (40000, 50000)
     assert cfg.devices == ("eth0", "eth1")
     assert cfg.iptables_localhost_nodeports is True
-    off = config_from_args(build_parser().parse_args(["--iptables-localhost-nodeports=false"]))
+    off = config_from_args(["--iptables-localhost-nodeports=false"])
     assert off.iptables_localhost_nodeports is False
 
 
@@ -63,10 +72,9 @@ def test_config_from_flags() -> None:
 def test_bad_flags_say_what_is_wrong(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1
 
 
 def test_help_ends_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
@@ -155,10 +163,9 @@ def test_empty_bind_address_turns_a_server_off() -> None:
 def test_bad_kube_proxy_flags_say_what_is_wrong(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1
 
 
 def test_boolean_flags_take_pflag_forms() -> None:
@@ -168,13 +175,13 @@ def test_boolean_flags_take_pflag_forms() -> None:
         (["--cleanup=false"], False),
         ([], False),
     ):
-        assert config_from_args(build_parser().parse_args(argv)).cleanup is value
+        assert config_from_args(argv).cleanup is value
 
 
-def test_given_dests_sees_flags_equal_to_their_default() -> None:
-    from agent.cli import given_dests
+def test_given_flags_include_those_equal_to_their_default() -> None:
+    from agent.settings.flags import parse_flags
 
-    assert given_dests(["--mode=ebpf", "--sync-period", "30s", "-v", "2"]) == {
+    assert set(parse_flags(["--mode=ebpf", "--sync-period", "30s", "-v", "2"])) == {
         "mode",
         "iptables_sync_period",
         "verbosity",

@@ -175,8 +175,8 @@ def test_each_field_maps_to_the_config(
 
 def test_logging_verbosity_sets_v(tmp_path: Path) -> None:
     path = write(tmp_path, HEAD + "logging:\n  verbosity: 5\n")
-    assert resolve(["--config", path]).namespace.verbosity == 5
-    assert resolve(["--config", path, "-v", "1"]).namespace.verbosity == 1
+    assert resolve(["--config", path]).values["verbosity"] == 5
+    assert resolve(["--config", path, "-v", "1"]).values["verbosity"] == 1
 
 
 @pytest.mark.parametrize(
@@ -306,7 +306,22 @@ def test_invalid_files_are_refused_with_the_field_path(tmp_path: Path, body: str
         ),
         ("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: Pod\n", 'kind: Unsupported value: "Pod"'),
         ("- a\n- b\n", "expected a KubeProxyConfiguration object, got list"),
-        ("mode: [\n", "not YAML or JSON"),
+        ("mode: [\n", "not a usable YAML or JSON document: not valid YAML"),
+        (HEAD + "mode: iptables\nmode: ebpf\n", 'line 4: the key "mode" is given twice in one mapping'),
+        ('{"apiVersion": "x", "apiVersion": "y"}', 'the key "apiVersion" is given twice'),
+        (HEAD + "oomScoreAdj: " + "9" * 100_000 + "\n", "a number of 100000 characters (9999999999"),
+        (
+            HEAD + "conntrack:\n  min: 2147483648\n",
+            "conntrack.min: Invalid value: 2147483648: must fit in 32 bits",
+        ),
+        (
+            HEAD + "logging:\n  verbosity: 4294967296\n",
+            "must fit in 32 bits (within [-2147483648, 2147483647])",
+        ),
+        (HEAD + "clientConnection:\n  qps: .inf\n", "must be a finite number that fits in 32 bits"),
+        (HEAD + "mode: &m iptables\nhostnameOverride: *m\n", "a YAML alias (*m)"),
+        (HEAD + "---\n" + HEAD, "2 YAML documents"),
+        ("", "0 YAML documents"),
     ],
 )
 def test_wrong_documents_are_refused(tmp_path: Path, body: str, message: str) -> None:
@@ -332,11 +347,7 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
             "enableProfiling: true\n",
             "enableProfiling is set to true but does not apply: there is no Go profiler",
         ),
-        ("featureGates:\n  Foo: true\n", "featureGates is set to"),
-        ("oomScoreAdj: -500\n", "oomScoreAdj is set to -500 but does not apply"),
-        ("configSyncPeriod: 1m\n", 'configSyncPeriod is set to "1m" but does not apply'),
         ("logging:\n  format: json\n", 'logging.format is set to "json" but does not apply'),
-        ("clientConnection:\n  qps: 50\n", "clientConnection.qps is set to 50 but does not apply"),
         ("detectLocal:\n  bridgeInterface: cbr0\n", 'detectLocal.bridgeInterface is set to "cbr0"'),
         ("iptables:\n  snatNodeInternalIP: true\n", "iptables.snatNodeInternalIP is set to true"),
     ],
@@ -346,6 +357,24 @@ def test_fields_that_do_not_apply_warn_only_when_set(tmp_path: Path, body: str, 
     (text,) = resolved.warnings
     assert warning in text and text.endswith("; ignored")
     assert text.startswith(f"--config {tmp_path}/config.yaml: ")
+
+
+@pytest.mark.parametrize(
+    ("body", "key", "value"),
+    [
+        # Accepted and ignored before the settings table (issue 19); they do what kube-proxy does now.
+        ("featureGates:\n  Foo: true\n", "feature_gates", (("Foo", True),)),
+        ("oomScoreAdj: -500\n", "oom_score_adj", -500),
+        ("configSyncPeriod: 1m\n", "config_sync_period_s", 60.0),
+        ("clientConnection:\n  qps: 50\n", "api_qps", 50.0),
+        ("clientConnection:\n  burst: 0\n", "api_burst", 0),
+        ("clientConnection:\n  contentType: application/json\n", "api_content_type", "application/json"),
+    ],
+)
+def test_fields_that_apply_now_map_to_the_config(tmp_path: Path, body: str, key: str, value: Any) -> None:
+    resolved = resolve(["--config", write(tmp_path, HEAD + body)])
+    assert resolved.warnings == ()
+    assert getattr(resolved.config, key) == value
 
 
 def test_json_files_work(tmp_path: Path) -> None:
@@ -373,8 +402,8 @@ def test_cli_refuses_a_bad_file_with_status_2(tmp_path: Path, capsys: pytest.Cap
 def test_cli_says_when_the_file_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--config", "/nonexistent/kube-proxy.yaml"]) == 2
     assert (
-        "agent: --config /nonexistent/kube-proxy.yaml: cannot read it: [Errno 2] No such file"
-        in capsys.readouterr().err
+        "agent: --config /nonexistent/kube-proxy.yaml: cannot read it: No such file or directory; "
+        "give the path of one KubeProxyConfiguration document" in capsys.readouterr().err
     )
 
 
@@ -433,7 +462,7 @@ def test_written_config_round_trips(tmp_path: Path) -> None:
     assert again.config == first.config.__class__(
         **{**vars(first.config), "metrics_bind_address": "127.0.0.1:10249"}
     )
-    assert again.namespace.verbosity == 3
+    assert again.values["verbosity"] == 3
 
 
 def test_write_config_keeps_the_files_other_fields(tmp_path: Path) -> None:

@@ -198,6 +198,8 @@ def pod(kernel_required: None) -> Iterator[PodRun]:
 
 def test_the_rendered_pod_starts_answers_its_probes_and_serves(pod: PodRun) -> None:
     started = time.monotonic()
+    planted = pod.lab.run(pod.node, "iptables-legacy-save", "-t", "nat").stdout
+    assert ":KUBE-SERVICES" in planted, "the fixture's kube-proxy leftovers are there to remove"
     init = pod.run_init_containers()
     assert list(init) == ["prepare-node", "cleanup-kube-proxy"]
     ruleset = pod.lab.run(pod.node, "iptables-legacy-save", "-t", "nat").stdout
@@ -304,6 +306,8 @@ def test_the_rendered_command_with_cleanup_removes_everything(pod: PodRun) -> No
     """`agent --cleanup` with the pod's own flags (the roll-back step) leaves no pin behind."""
     if pod.agent is not None and pod.agent.poll() is None:
         assert pod.lab.stop(pod.agent, timeout=30) == 0
+    # The positive control of the refusal below: with the agent gone, its programs still serve.
+    assert pod.lab.http_get("pod-1-1", VIP, 80).strip() == "pod-1-2"
     res = subprocess.run(
         pod.launch("agent", ("--cleanup",)).argv, capture_output=True, text=True, timeout=120, check=False
     )

@@ -36,8 +36,9 @@ CLIENT_ROUTES = ("10.96.0.0/16", "203.0.113.0/24", "198.51.100.0/24")  # via nod
 BACKEND_PODS = ("pod-1-2", "pod-1-3", "pod-1-4", "pod-2-2", "pod-2-3", "pod-2-4")
 PODS_PER_NODE = 4
 
-# Verdicts of a case (and of each attempt, see probe.py)
-ANSWERED, REFUSED, TIMED_OUT = "answered", "refused", "timed out"
+# Verdicts of a case (and of each attempt, see probe.py). REFUSED is an ICMP port unreachable (a
+# reject); RESET a TCP RST, what a node's stack answers where nothing is programmed or listening.
+ANSWERED, REFUSED, RESET, TIMED_OUT = "answered", "refused", "reset", "timed out"
 
 # Phases: agent flags shared by a group of cases
 DEFAULT, MASQUERADE_ALL = "default", "masquerade-all"
@@ -189,7 +190,7 @@ SERVICES = (
         BOTH,
         node_port=30717,
         lb_ip="198.51.100.17",
-        source_ranges=("172.16.0.0/12",),
+        source_ranges=("172.16.0.0/12", "10.244.1.0/24"),  # node1's pods, not the external client
     ),
     Svc("masq", "10.96.10.20", BOTH),
     Svc("hairpin", "10.96.10.21", (Backend("pod-1-2"),)),
@@ -350,6 +351,15 @@ CASES = (
         why="KUBE-SVL-* without endpoints: KUBE-MARK-DROP ('has no local endpoints')",
     ),
     Case(
+        "etp-local-remote-node1-from-pod1",
+        "pod-1-1",
+        "etp-local-remote",
+        "nodeport@node1",
+        answered(["pod-2-2"], "pod-1-1"),
+        why="the positive control of the drop above: the same NodePort serves pod traffic, which"
+        " KUBE-EXT-* sends to every endpoint (-s clusterCIDR -> KUBE-SVC-*)",
+    ),
+    Case(
         "etp-local-remote-node2-from-client",
         "client",
         "etp-local-remote",
@@ -366,6 +376,14 @@ CASES = (
         "cluster-ip",
         DROP,
         why="filter KUBE-SERVICES: 'has no local endpoints' -> DROP (not REJECT: others could serve)",
+    ),
+    Case(
+        "itp-local-remote-from-pod2",
+        "pod-2-1",
+        "itp-local-remote",
+        "cluster-ip",
+        answered(["pod-2-2"], "pod-2-1"),
+        why="the positive control of the drop above: the same cluster IP serves node2's pods",
     ),
     # ---- session affinity
     Case(
@@ -527,6 +545,15 @@ CASES = (
         why="KUBE-FW-*: only the listed sources reach KUBE-EXT-*; KUBE-PROXY-FIREWALL drops the rest",
     ),
     Case("lb-source-range-denied-from-client", "client", "lb-denied", "lb-ip", DROP),
+    Case(
+        "lb-source-range-allowed-from-pod1",
+        "pod-1-1",
+        "lb-denied",
+        "lb-ip",
+        answered(PAIR, "node1"),
+        why="the positive control of the denial above: node1's pod CIDR is in the same Service's"
+        " ranges (KUBE-FW-*: -s 10.244.1.0/24 -> KUBE-EXT-*, which masquerades)",
+    ),
     Case(
         "lb-source-range-nodeport-unaffected",
         "client",

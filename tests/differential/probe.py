@@ -7,7 +7,10 @@ a node's host-network processes are probed from the node's own cgroup as a real 
 
 Each attempt is a new flow (a new socket, so a new source port) and ends as one of
   ok <backend> <address the backend saw>   an answer from the whoami server (UDP: payload intact)
-  refused        TCP RST or ICMP port unreachable (ECONNREFUSED on the connected socket)
+  refused        an ICMP port unreachable (kube-proxy's `-j REJECT`, eBPF mode's reject)
+  reset          TCP: a RST, what a node's own stack answers on a port nothing listens on; told
+                 apart from a reject by the ICMP error IP_RECVERR queues (ECONNREFUSED either way),
+                 so an unprogrammed NodePort cannot pass for a rejected one
   timeout        nothing within --timeout
   bad            a UDP answer whose echoed payload differs from what was sent
   error:<name>   anything else (unreachable, reset after connect, ...)
@@ -21,18 +24,43 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import struct
 import sys
 import time
+
+IP_RECVERR = 11  # linux/in.h; the socket module of Python 3.11 does not name it
+SO_EE_ORIGIN_ICMP = 2
+ICMP_DEST_UNREACH, ICMP_PORT_UNREACH = 3, 3
+
+
+def rejected_by_icmp(s: socket.socket) -> bool:
+    """Whether the error queue holds an ICMP port unreachable (struct sock_extended_err)."""
+    s.settimeout(0)
+    try:
+        _, ancillary, _, _ = s.recvmsg(512, 512, socket.MSG_ERRQUEUE)
+    except BlockingIOError:
+        return False  # nothing queued: the refusal was a RST
+    for level, kind, data in ancillary:
+        if level == socket.SOL_IP and kind == IP_RECVERR and len(data) >= 8:
+            _, origin, icmp_type, icmp_code = struct.unpack_from("=IBBB", data)
+            if (origin, icmp_type, icmp_code) == (SO_EE_ORIGIN_ICMP, ICMP_DEST_UNREACH, ICMP_PORT_UNREACH):
+                return True
+    return False
 
 
 def tcp_attempt(addr: str, port: int, timeout: float) -> list[str]:
     try:
-        with socket.create_connection((addr, port), timeout=timeout) as s:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_IP, IP_RECVERR, 1)
+            s.settimeout(timeout)
+            try:
+                s.connect((addr, port))
+            except ConnectionRefusedError:
+                return ["refused" if rejected_by_icmp(s) else "reset", "", ""]
+            s.setsockopt(socket.SOL_IP, IP_RECVERR, 0)  # connected: ICMP errors soft again, as by default
             chunks = []
             while chunk := s.recv(4096):
                 chunks.append(chunk)
-    except ConnectionRefusedError:
-        return ["refused", "", ""]
     except TimeoutError:
         return ["timeout", "", ""]
     except OSError as exc:

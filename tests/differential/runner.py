@@ -40,6 +40,7 @@ from tests.differential.cases import (
     PHASE_FLAGS,
     PODS_PER_NODE,
     REFUSED,
+    RESET,
     STICKY,
     TARGET_PORT,
     TIMED_OUT,
@@ -55,7 +56,7 @@ PROBE = str(HERE / "probe.py")
 WHOAMI = str(HERE / "whoami.py")
 WORKERS = 4
 
-Attempt = tuple[int, str, str, str]  # round, verdict ("ok", "refused", "timeout", ...), backend, seen
+Attempt = tuple[int, str, str, str]  # round, verdict ("ok", "refused", "reset", ...), backend, seen
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ class Observation:
             return ANSWERED
         if set(v) == {"refused"}:
             return REFUSED
+        if set(v) == {"reset"}:
+            return RESET
         if set(v) == {"timeout"}:
             return TIMED_OUT
         return "mixed " + " ".join(f"{k}={n}" for k, n in sorted(v.items()))

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import require_kernel
 from tests.differential import differences
-from tests.differential.cases import CASE_IDS, CASES, Case
+from tests.differential.cases import ANSWERED, CASE_IDS, CASES, REFUSED, TIMED_OUT, Case
 from tests.differential.runner import ModeRun, expected_summary, run_mode
 
 MODES = ("ebpf", "iptables")
@@ -109,6 +109,26 @@ def test_each_mode_runs_the_table_within_its_budget(runs: dict[str, ModeRun]) ->
     for mode in MODES:
         assert runs[mode].timings["total"] < WALL_BUDGET_S, (mode, runs[mode].timings)
         assert set(runs[mode].observations) == set(CASE_IDS), mode
+
+
+def test_every_drop_and_reject_has_a_positive_control() -> None:
+    """A drop is a timeout, and an address nothing programmed times out too (the lab routes a stray
+    cluster IP or LB IP nowhere): a dropped case proves nothing unless the same address, port and
+    protocol answers in another case, from a source the Service allows. A TCP reject is an ICMP port
+    unreachable, which probe.py tells from the RST a node's own stack sends on a NodePort nothing
+    programmed; a UDP one is not distinguishable at a node address, so it needs the same control."""
+    answered = {(c.address(), c.protocol) for c in CASES if c.expect.verdict == ANSWERED}
+    node_ips = {c.address()[0] for c in CASES if c.dest.startswith("nodeport@")}
+    missing = [
+        c.id
+        for c in CASES
+        if (
+            c.expect.verdict == TIMED_OUT
+            or (c.expect.verdict == REFUSED and c.protocol == "UDP" and c.address()[0] in node_ips)
+        )
+        and (c.address(), c.protocol) not in answered
+    ]
+    assert not missing, f"cases without a positive control at their address: {missing}"
 
 
 def test_differences_file_parses_and_rejects_bad_rows(tmp_path: Path) -> None:

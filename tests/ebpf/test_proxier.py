@@ -7,6 +7,7 @@ Unit tests run it over FakeMaps and a recording attacher; the kernel test runs t
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import secrets
@@ -180,14 +181,14 @@ def test_later_syncs_write_what_changed(rig: Rig) -> None:
     p.sync(MORE, NODE, added)
     assert (
         p.last_flush.summary()
-        == "update be x6, update member x6, update rnat x3, update slot x6, update fe x6"
+        == "update addr x3, update be x6, update member x6, update rnat x3, update slot x6, update fe x6"
     )
     want = p.contents()
     assert want is not None and rig.contents().same_entries(want)
     p.sync(STATE, NODE, added)
     assert (
         p.last_flush.summary()
-        == "delete fe x6, delete slot x6, delete member x6, delete be x6, delete rnat x3"
+        == "delete fe x6, delete slot x6, delete member x6, delete be x6, delete rnat x3, delete addr x3"
     )
 
 
@@ -234,7 +235,7 @@ def test_restart_prunes_what_went_away_but_keeps_flows(rig: Rig) -> None:
     second = rig.proxier()  # kube-dns was deleted while the agent was down
     second.sync(STATE, NODE)
     assert second.last_flush.summary() == (
-        "delete fe x6, delete slot x6, delete member x6, delete be x6, delete rnat x3"
+        "delete fe x6, delete slot x6, delete member x6, delete be x6, delete rnat x3, delete addr x3"
     )
     assert set(rig.contents().fe) == kept
     assert rig.maps["ct_any"].lookup(ct_key) is not None
@@ -377,7 +378,8 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path) -> None:
         text = render_live_maps(config.pin_path, INSPECT_SECTIONS)
         assert "stat packets " in text and "stat drop_no_backend 0" in text
         capacity = render_live_maps(config.pin_path, ("capacity",)).splitlines()
-        assert [line.split()[0] for line in capacity] == [spec.name for spec in MAPS.values()]
+        assert [line.split()[0] for line in capacity[:-1]] == [spec.name for spec in MAPS.values()]
+        assert capacity[-1] == "early drops unreplied 0 unassured 0 closed 0"
         fe_line = next(line for line in capacity if line.startswith(MAPS["fe"].name))
         assert f"{len(want.fe)}/1024 " in fe_line
         assert " live 0 0.0%" in next(line for line in capacity if line.startswith(MAPS["ct_tcp"].name))
@@ -476,3 +478,23 @@ def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:
 def test_fixtures_differ() -> None:
     assert set(STATE.services) < set(MORE.services)
     assert len(plan(MORE, NODE, Config()).fe) == 12
+
+
+def test_a_map_too_small_is_an_error_naming_the_flag_and_the_size(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    rig.maps["fe"].max_entries = 3
+    p = rig.proxier()
+    result = p.sync(MORE, NODE)
+    assert result.failed, "what does not fit is reported"
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1
+    assert f"BPF map {MAPS['fe'].name} is too small" in errors[0]
+    assert "needs 12 entries, it holds 3" in errors[0] and "--bpf-fe-max=16 or more" in errors[0]
+    caplog.clear()
+    p.sync(MORE, NODE)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], "said once, not at every sync"
+    rig.maps["fe"].max_entries = 65536
+    p.sync(MORE, NODE)
+    assert any("holds the desired state again" in r.getMessage() for r in caplog.records)

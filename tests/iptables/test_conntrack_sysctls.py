@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from agent.config import ConntrackSettings
-from agent.iptables.conntrack_sysctls import HASHSIZE_PATH, apply_conntrack_settings, conntrack_max, plan
+from agent.config import ConntrackSettings, conntrack_max
+from agent.iptables.conntrack_sysctls import HASHSIZE_PATH, apply_conntrack_settings, plan
 from agent.iptables.runner import Result
 from tests.iptables.fakes import FakeRunner
 

@@ -284,3 +284,19 @@ def test_properties(endpoints: list[Endpoint], service: ServicePort) -> None:
         assert got.cluster == ()
     if not service.uses_local_endpoints:
         assert got.local == ()
+
+
+def test_feature_gates_turn_node_and_zone_hints_off() -> None:
+    """PreferSameTrafficDistribution=false ignores forNodes hints (then zone hints apply);
+    TopologyAwareHints and ServiceTrafficDistribution both false ignore forZones hints."""
+    eps = [
+        ep("10.0.0.1", nodes=("node1",), zones=("zone-b",)),
+        ep("10.0.0.2", nodes=("node2",), zones=("zone-a",)),
+        ep("10.0.0.3", nodes=("node2",), zones=("zone-b",)),
+    ]
+    on = categorize_endpoints(eps, svc(), NODE)
+    assert ips(on.cluster) == {"10.0.0.1"}
+    no_node = categorize_endpoints(eps, svc(), replace(NODE, node_hints=False))
+    assert ips(no_node.cluster) == {"10.0.0.2"}
+    neither = categorize_endpoints(eps, svc(), replace(NODE, node_hints=False, zone_hints=False))
+    assert ips(neither.cluster) == {"10.0.0.1", "10.0.0.2", "10.0.0.3"}

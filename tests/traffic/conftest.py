@@ -101,4 +101,6 @@ def _no_service_rules_in_ebpf_mode(request: pytest.FixtureRequest) -> Iterator[N
         return
     for node in cluster.lab.nodes:
         rules = cluster.ruleset(node)
+        # The positive control: the reader sees the rule the fixture itself put there.
+        assert "--ctstate INVALID -j DROP" in rules, f"{node.name}: netfilter not read:\n{rules}"
         assert "KUBE-" not in rules and "10.96." not in rules, f"{node.name} has service rules:\n{rules}"

@@ -7,6 +7,7 @@ and the Event a malformed object gets. Both modes, real traffic, the real kubern
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from lab.apicluster import ApiCluster
+from lab.fakeapi.objects import node as node_object
 from lab.harness import Loop, ep
 from lab.objects import Port, endpoint_slice, service, with_endpoints
 
@@ -27,18 +29,25 @@ def names(result: dict[str, Any]) -> set[str]:
     return set(result["bodies"])
 
 
+def served(api: ApiCluster, target: str, url: str, count: int) -> set[str]:
+    """Who answered `count` new connections, every one of which must have been answered."""
+    result = api.http(target, url, count=count)
+    assert result["errors"] == 0, (url, result)
+    return names(result)
+
+
 def test_a_service_created_on_the_api_server_serves_scales_and_goes_away(api: ApiCluster) -> None:
     """ "should serve a basic endpoint from pods", driven through the API: create, scale, delete."""
     svc = service("web", "10.96.2.1", [HTTP])
     api.apply(with_endpoints(svc, [ep(api, "pod-1-2")]))
-    assert names(api.http("pod-1-1", "http://10.96.2.1/", count=10)) == {"pod-1-2"}
+    assert served(api, "pod-1-1", "http://10.96.2.1/", count=10) == {"pod-1-2"}
 
     api.apply([endpoint_slice("web", [HTTP], [ep(api, "pod-1-2"), ep(api, "pod-2-1"), ep(api, "pod-2-2")])])
     result = api.http("pod-1-1", "http://10.96.2.1/", count=60)
     assert result["errors"] == 0 and names(result) == {"pod-1-2", "pod-2-1", "pod-2-2"}
 
     api.apply([endpoint_slice("web", [HTTP], [ep(api, "pod-2-2")])])
-    assert names(api.http("pod-1-1", "http://10.96.2.1/", count=20)) == {"pod-2-2"}
+    assert served(api, "pod-1-1", "http://10.96.2.1/", count=20) == {"pod-2-2"}
 
     api.delete([svc])
     gone = api.http("pod-1-1", "http://10.96.2.1/", count=1, timeout=1.0)
@@ -75,7 +84,7 @@ def test_watch_faults_never_disturb_a_service_that_does_not_change(api: ApiClust
             return endpoint_slice("moving", [HTTP], [ep(api, backends[i])])
 
         def served_by(i: int) -> None:
-            assert names(api.http("pod-1-1", "http://10.96.2.3/", count=5)) == {backends[i]}
+            assert served(api, "pod-1-1", "http://10.96.2.3/", count=5) == {backends[i]}
 
         def move_to(i: int) -> None:
             api.apply([moved(i)])
@@ -163,9 +172,11 @@ def _curl(api: ApiCluster, target: str, url: str) -> tuple[int, dict[str, str], 
 
 
 def test_health_endpoints_answer_as_kube_proxys(api: ApiCluster) -> None:
-    """kube-proxy's /healthz and /livez on 10256 (bound in the node's namespace, on every address)."""
-    for path in ("/healthz", "/livez"):
-        status, headers, body = _curl(api, "client", f"http://{N1}:10256{path}")
+    """kube-proxy's /healthz and /livez on 10256 (bound in the node's namespace, on every address):
+    from the external client and from the node itself, as upstream's host-network pod asks."""
+    for where, path in itertools.product(("client", "node1"), ("/healthz", "/livez")):
+        host = N1 if where == "client" else "127.0.0.1"
+        status, headers, body = _curl(api, where, f"http://{host}:10256{path}")
         assert status == 200, body
         assert headers["content-type"] == "application/json"
         assert headers["x-content-type-options"] == "nosniff"
@@ -173,6 +184,36 @@ def test_health_endpoints_answer_as_kube_proxys(api: ApiCluster) -> None:
         assert set(doc) >= {"lastUpdated", "currentTime", "healthy", "status"}
         assert doc["healthy"] is True and doc["status"]["IPv4"]["healthy"] is True
         assert ("nodeEligible" in doc) == (path == "/healthz")
+
+
+def _wait_status(api: ApiCluster, url: str, want: int, timeout: float = 30.0) -> str:
+    """Until a GET of `url` from the external client answers `want`; the body of that answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, _, body = _curl(api, "client", url)
+        if status == want:
+            return body
+        assert time.monotonic() < deadline, f"{url} still answers {status}, not {want}: {body}"
+        time.sleep(0.1)
+
+
+def test_healthz_turns_503_when_the_nodes_node_object_is_deleted(api: ApiCluster) -> None:
+    """kube-proxy's node eligibility (`/healthz` 503 once this node's Node object is gone, so load
+    balancers stop sending to a node being removed): node1's Node deleted on the API server, its
+    agent's /healthz says 503 and `nodeEligible: false` while /livez and node2's /healthz stay 200;
+    the Node recreated, 200 again."""
+    healthz, livez = f"http://{N1}:10256/healthz", f"http://{N1}:10256/livez"
+    status, _, body = _curl(api, "client", healthz)
+    assert status == 200 and json.loads(body)["nodeEligible"] is True, body
+    api.server.delete("Node", "", "node1")
+    try:
+        doc = json.loads(_wait_status(api, healthz, 503))
+        assert doc["nodeEligible"] is False and doc["healthy"] is True, doc
+        assert _curl(api, "client", livez)[0] == 200, "liveness does not depend on the Node"
+        assert _curl(api, "client", f"http://{N2}:10256/healthz")[0] == 200, "node2's Node is still there"
+    finally:
+        api.server.apply(node_object("node1", N1))
+    assert json.loads(_wait_status(api, healthz, 200))["nodeEligible"] is True
 
 
 def test_health_check_node_port_says_which_node_has_a_ready_local_endpoint(api: ApiCluster) -> None:
@@ -198,6 +239,9 @@ def test_health_check_node_port_says_which_node_has_a_ready_local_endpoint(api: 
     }
     status, _, body = _curl(api, "client", f"http://{N2}:32400/")
     assert status == 503 and json.loads(body)["localEndpoints"] == 0
+    # from a pod too, as upstream's test container asks each node
+    assert _curl(api, "pod-2-1", f"http://{N1}:32400/")[0] == 200
+    assert _curl(api, "pod-2-1", f"http://{N2}:32400/")[0] == 503
     api.delete([lb])
     out = api.lab.run("client", "curl", "-s", "--max-time", "2", f"http://{N1}:32400/", check=False)
     assert out.returncode != 0, "the port closes with its Service"
@@ -226,7 +270,7 @@ def test_a_malformed_service_gets_a_warning_event_and_the_others_keep_working(ap
     good = service("fine", "10.96.2.5", [HTTP])
     bad = service("broken", "10.96.2.6", [HTTP], sessionAffinity="Sticky")
     api.apply([*with_endpoints(good, [ep(api, "pod-2-1")]), bad])
-    assert names(api.http("pod-1-1", "http://10.96.2.5/", count=5)) == {"pod-2-1"}
+    assert served(api, "pod-1-1", "http://10.96.2.5/", count=5) == {"pod-2-1"}
     deadline = time.monotonic() + 20
     events: list[dict[str, Any]] = []
     while time.monotonic() < deadline:

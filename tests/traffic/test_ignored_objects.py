@@ -81,6 +81,9 @@ def test_service_proxy_name_label_toggled_on_a_live_service(api: ApiCluster) -> 
     api.apply([t_svc, t_slice])
     assert served(api, "pod-1-1", "http://10.96.3.2/", count=20) == {"pod-1-2", "pod-2-2"}
     not_served(api, "pod-1-1", "http://10.96.3.1/")
+    # The positive control of the silence above: unlabelled, the same cluster IP serves.
+    api.apply([d_svc, d_slice])
+    assert served(api, "pod-1-1", "http://10.96.3.1/", count=20) == {"pod-1-2", "pod-2-2"}
     api.delete([d_svc, t_svc])
 
 
@@ -105,6 +108,9 @@ def test_headless_label_toggled_on_a_live_service(api: ApiCluster) -> None:
     api.apply([t_svc, t_slice])
     assert served(api, "pod-2-1", "http://10.96.3.4/", count=20) == {"pod-1-3", "pod-2-3"}
     refused(api, "pod-1-1", "http://10.96.3.3/")
+    # The positive control of the rejects above: unlabelled, the same cluster IP serves.
+    api.apply([b_svc, b_slice])
+    assert served(api, "pod-1-1", "http://10.96.3.3/", count=10) == {"pod-2-3"}
     api.delete([b_svc, t_svc])
 
 
@@ -120,10 +126,24 @@ def test_a_headless_service_programs_nothing_and_its_pods_stay_reachable_directl
     api.apply(with_endpoints(marker, [ep(api, "pod-1-2")]))
     assert served(api, "pod-1-1", "http://10.96.3.10/", count=3) == {"pod-1-2"}
     assert served(api, "pod-1-1", f"http://{ep(api, 'pod-2-2').ip}:8080/", count=3) == {"pod-2-2"}
-    for node in ("node1", "node2"):
-        assert "default/dns-only" not in api.lab.run(node, "iptables-save", check=False).stdout
+    for node, agent in zip(("node1", "node2"), api.agents, strict=True):
+        if api.mode == "iptables":  # the marker's rules are there, named as kube-proxy names them
+            rules = api.lab.run(node, "iptables-save", check=False).stdout
+            assert "default/marker" in rules and "default/dns-only" not in rules, rules
+        else:  # the marker's endpoint is a backend, the headless Service's endpoint is none
+            backends = programmed_backends(agent.pin_path)
+            assert ep(api, "pod-1-2").ip in backends and ep(api, "pod-2-2").ip not in backends, backends
     api.server.delete("Service", "default", "dns-only")
     api.delete([marker])
+
+
+def programmed_backends(pin_path: str) -> set[str]:
+    """The addresses of every backend in an eBPF-mode agent's maps."""
+    from agent.ebpf.abi import MAPS, Backend, ip_str
+    from agent.ebpf.maps import BpfMap
+
+    with BpfMap.open_pinned(MAPS["be"], pin_path) as be:
+        return {ip_str(v.addr) for _, v in be.items() if isinstance(v, Backend)}
 
 
 def external_name(name: str, target: str = "db.example.com") -> Obj:
@@ -212,7 +232,8 @@ def test_change_the_type_and_ports_of_a_tcp_service(api: ApiCluster) -> None:
     api.apply([svc("ClusterIP"), eps])
     assert served(api, "pod-1-1", "http://10.96.3.8/") == {"pod-2-3"}
     api.apply([svc("NodePort", node_port=30313)])
-    assert served(api, "client", f"http://{N1}:30313/") == {"pod-2-3"}
+    for node_ip in (N1, N2):
+        assert served(api, "client", f"http://{node_ip}:30313/") == {"pod-2-3"}
     api.apply([svc("LoadBalancer", node_port=30313, lb=True)])
     assert served(api, "client", f"http://{lb_ip}/") == {"pod-2-3"}
     api.apply([svc("LoadBalancer", node_port=30314, lb=True)])
@@ -261,10 +282,10 @@ def test_change_the_type_and_ports_of_a_udp_service(api: ApiCluster) -> None:
     api.delete([svc("ClusterIP")])
 
 
-def health(api: ApiCluster, node_ip: str, port: int) -> int:
+def health(api: ApiCluster, node_ip: str, port: int, source: str = "client") -> int:
     """The HTTP status of a healthCheckNodePort, 0 when nothing answers."""
     out = api.lab.run(
-        "client",
+        source,
         "curl",
         "-s",
         "-o",
@@ -301,8 +322,10 @@ def test_health_check_node_port_fails_with_only_terminating_endpoints(api: ApiCl
     api.apply(lb(True))
     assert health(api, N1, 32401) == 200
     api.apply(lb(False))
-    assert health(api, N1, 32401) == 503
-    assert served(api, "client", f"http://{N1}:30317/", count=5) == {"pod-1-2"}
+    # from the external client, and from a pod on the endpoint's node as upstream's pause pod
+    for source in ("client", "pod-1-1"):
+        assert health(api, N1, 32401, source) == 503, source
+        assert served(api, source, f"http://{N1}:30317/", count=5) == {"pod-1-2"}, source
     api.delete([lb(False)[0]])
 
 
@@ -329,7 +352,8 @@ def test_updates_to_the_external_traffic_policy_field(api: ApiCluster) -> None:
     assert served(api, "client", f"http://{N1}:30318/ip", count=3) == {client_ip}
     api.apply([svc("Cluster")])
     assert health(api, N1, 32402) == 0, "the health check node port closes with ETP Cluster"
-    assert served(api, "client", f"http://{N2}:30318/", count=3) == {"pod-1-3"}
+    for source in ("client", "pod-1-1"):  # node2 forwards, as upstream's test container sees it
+        assert served(api, source, f"http://{N2}:30318/", count=3) == {"pod-1-3"}, source
     assert client_ip not in served(api, "client", f"http://{N1}:30318/ip", count=3)
     api.apply([svc("Local")])
     assert health(api, N1, 32402) == 200

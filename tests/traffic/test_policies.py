@@ -29,8 +29,8 @@ def test_etp_local_preserves_client_source_ip(cluster: Cluster) -> None:
     cluster.apply(with_endpoints(svc, [ep(cluster, "pod-1-1"), ep(cluster, "pod-2-1")]))
     via1 = cluster.http("client", f"http://{N1}:30090/", count=20)
     via2 = cluster.http("client", f"http://{N2}:30090/", count=20)
-    assert set(via1["bodies"]) == {"pod-1-1"}, via1
-    assert set(via2["bodies"]) == {"pod-2-1"}, via2
+    assert via1["errors"] == 0 and set(via1["bodies"]) == {"pod-1-1"}, via1
+    assert via2["errors"] == 0 and set(via2["bodies"]) == {"pod-2-1"}, via2
     seen = cluster.http("client", f"http://{N1}:30090/ip")
     assert set(seen["bodies"]) == {CLIENT_IP}, "the backend sees the external client's own address"
 
@@ -73,8 +73,14 @@ def test_session_affinity_client_ip(cluster: Cluster) -> None:
 
 
 def test_service_without_endpoints_rejects(cluster: Cluster) -> None:
-    """ "should be rejected when no endpoints exist": connection refused at once, not a timeout."""
-    cluster.apply(with_endpoints(service("empty", "10.96.2.3", [Port("http", 80, 8080)]), []))
+    """ "should be rejected when no endpoints exist": connection refused at once, not a timeout.
+    The same Service answers first, with an endpoint: its cluster IP is programmed, and what
+    refuses it afterwards is the agent's reject, not an address nothing programmed."""
+    svc = service("empty", "10.96.2.3", [Port("http", 80, 8080)])
+    cluster.apply(with_endpoints(svc, [ep(cluster, "pod-2-1")]))
+    before = cluster.http("pod-1-1", "http://10.96.2.3/", count=3)
+    assert before["errors"] == 0 and set(before["bodies"]) == {"pod-2-1"}, before
+    cluster.apply(with_endpoints(svc, []))
     start = time.monotonic()
     result = cluster.http("pod-1-1", "http://10.96.2.3/", count=3, timeout=5)
     elapsed = time.monotonic() - start

@@ -10,6 +10,7 @@ back without any change to the Service.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 
@@ -80,11 +81,21 @@ def test_rules_deleted_behind_the_agents_back_are_recreated(cluster: Cluster) ->
     svc = service("iptables-flush-test", "10.96.41.1", [Port("http", 80, 8080)])
     cluster.apply(with_endpoints(svc, [ep(cluster, "pod-1-2"), ep(cluster, "pod-1-3")]))
     url = "http://10.96.41.1/"
-    assert set(cluster.http("pod-1-1", url, count=20)["bodies"]) == {"pod-1-2", "pod-1-3"}
+    before = cluster.http("pod-1-1", url, count=20)
+    assert before["errors"] == 0 and set(before["bodies"]) == {"pod-1-2", "pod-1-3"}, before
 
-    deleted = delete_kube_chains(cluster) if cluster.mode == "iptables" else delete_frontends(cluster)
-    assert deleted > 0
-    assert cluster.http("pod-1-1", url, count=1, timeout=1.0)["errors"] == 1, "the service went away"
+    # The agent is paused while its rules go and the loss is checked: its full sync every 2 s would
+    # otherwise race the check (seen under load: the rules were back before the request).
+    agent = cluster.agents[0]
+    assert agent.proc is not None
+    agent.proc.send_signal(signal.SIGSTOP)
+    try:
+        deleted = delete_kube_chains(cluster) if cluster.mode == "iptables" else delete_frontends(cluster)
+        assert deleted > 0
+        gone = cluster.http("pod-1-1", url, count=1, timeout=1.0)
+        assert gone["errors"] == 1 and not gone["bodies"], ("the service went away", gone)
+    finally:
+        agent.proc.send_signal(signal.SIGCONT)
 
     deadline = time.monotonic() + 4 * SYNC_PERIOD_S + 5
     while time.monotonic() < deadline:
@@ -94,4 +105,5 @@ def test_rules_deleted_behind_the_agents_back_are_recreated(cluster: Cluster) ->
         time.sleep(0.5)
     else:
         pytest.fail(f"not recreated within {4 * SYNC_PERIOD_S + 5} s:\n{cluster.agents[0].log()[-3000:]}")
-    assert set(cluster.http("pod-1-1", url, count=20)["bodies"]) == {"pod-1-2", "pod-1-3"}
+    after = cluster.http("pod-1-1", url, count=20)
+    assert after["errors"] == 0 and set(after["bodies"]) == {"pod-1-2", "pod-1-3"}, after

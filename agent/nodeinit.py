@@ -1,0 +1,71 @@
+"""`--init-only`: the node set-up that needs full privileges, done once, then exit.
+
+kube-proxy's `--init-only` (v1.29+) lets a privileged init container do what the long-running,
+CAP_NET_ADMIN-only proxy cannot: kernel settings written through /proc/sys, which a container
+runtime mounts read-only unless the container is privileged. This does the same for each mode:
+
+* both modes: `net.ipv4.ip_forward=1` (the node forwards Service traffic to pods on other nodes)
+  and kube-proxy's conntrack sysctls (`nf_conntrack_max` and the timeouts: `--conntrack-*`);
+* iptables mode with localhost NodePorts (`--iptables-localhost-nodeports`, the default):
+  `net.ipv4.conf.all.route_localnet=1`, as kube-proxy's iptables proxier sets it;
+* eBPF mode: bpffs mounted on /sys/fs/bpf when the pins go there and it is missing, so the pinned
+  maps outlive the agent's container.
+
+Every setting is read back; the exit status is 1 when a required one could not be made (the
+conntrack ones are logged and tolerated, as kube-proxy tolerates them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from agent.config import Config, Mode
+from agent.iptables.conntrack_sysctls import apply_conntrack_settings
+from agent.iptables.runner import Result, SubprocessRunner
+
+log = logging.getLogger(__name__)
+
+Command = Callable[[Sequence[str]], Result]
+
+
+def required_sysctls(config: Config) -> list[tuple[str, str]]:
+    out = [("net.ipv4.ip_forward", "1")]
+    if config.mode is Mode.IPTABLES and config.iptables_localhost_nodeports:
+        out.append(("net.ipv4.conf.all.route_localnet", "1"))
+    return out
+
+
+def set_sysctl(command: Command, key: str, value: str) -> str:
+    """Write and read back; returns "" when done, else why not."""
+    w = command(["sysctl", "-w", f"{key}={value}"])
+    after = command(["sysctl", "-n", key])
+    if after.returncode == 0 and after.stdout.strip() == value:
+        return ""
+    return (w.stderr or w.stdout or after.stderr).strip() or f"exit {w.returncode}"
+
+
+def init_node(config: Config, command: Command | None = None) -> int:
+    run = command or SubprocessRunner(config).command
+    where = f"netns {config.netns}" if config.netns else "the host"
+    failed = False
+    for key, value in required_sysctls(config):
+        why = set_sysctl(run, key, value)
+        if why:
+            failed = True
+            log.error("--init-only: cannot set %s=%s in %s: %s", key, value, where, why)
+        else:
+            log.info("--init-only: %s=%s in %s", key, value, where)
+    apply_conntrack_settings(config.conntrack, run, netns=config.netns)
+    if config.mode is Mode.EBPF:
+        from agent.ebpf.loader import DatapathError, ensure_bpffs
+
+        try:
+            ensure_bpffs(config.pin_path)
+        except (OSError, DatapathError) as exc:
+            failed = True
+            log.error("--init-only: %s", exc)
+    if failed:
+        return 1
+    log.info("--init-only: the node is ready for the %s mode; exiting", config.mode.value)
+    return 0

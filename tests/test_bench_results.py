@@ -1,0 +1,211 @@
+"""The README's benchmark figures come from a run's file, and only from there.
+
+`make bench` writes bench/results/<date>-<commit>.json; `python -m bench.report --readme` renders
+one of those files into the README between the `bench-results` markers. Checked here, without a
+kernel: the block is exactly what its cited file renders, the cited file is the newest run, every
+figure the benchmark prose around the block quotes is in that file, and a run's tables rendered
+from its file are the tables rendered from the live objects (nothing is lost on the way to JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from bench import api, capacity, record, report
+from bench.bpfstats import Cost
+from bench.run import Results, Settings, State, StatsWindow, SyncFacts, Target
+from bench.run import tables as live_tables
+from bench.traffic import Load
+
+README = record.REPO / "README.md"
+
+
+def benchmark_section() -> str:
+    text = README.read_text()
+    start = text.index("\n## Benchmarks\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_the_readme_block_is_what_its_cited_file_renders() -> None:
+    text = README.read_text()
+    m = report.BLOCK.search(text)
+    assert m is not None, "README.md has no bench-results block"
+    path = report.cited(text)
+    assert path.exists(), f"the README cites {path}, which is not in the repository"
+    assert m.group(0) == report.readme_block(path), "run `python -m bench.report --readme`"
+    beside = path.with_suffix(".md")
+    assert beside.read_text() == record.render(record.load(path), path), f"{beside} is stale"
+
+
+def test_the_readme_cites_the_newest_run() -> None:
+    assert report.cited(README.read_text()) == record.newest(), "run `python -m bench.report --readme`"
+
+
+FIGURE = re.compile(r"(?<![\w.-])(\d[\d,]*(?:\.\d+)?)(%|k(?![\w-]))?(?![\w-])")
+
+
+def figures(text: str) -> set[str]:
+    """Figures in prose: numbers with commas dropped, "50k" as 50000, a percentage kept with its
+    sign (it must be a percentage in the file); code spans and link targets are names, not figures."""
+    text = re.sub(r"`[^`]*`", " ", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    out = set()
+    for number, unit in FIGURE.findall(text):
+        plain = number.replace(",", "")
+        if unit == "k":
+            plain = f"{float(plain) * 1000:g}"
+        out.add(plain + "%" if unit == "%" else plain)
+    return out
+
+
+def file_figures(path: Path) -> set[str]:
+    """The figures a results file holds: its rendering's and its raw numbers, each also rounded
+    to fewer digits (prose may say 0.5 for 0.4993)."""
+    found = figures(record.render(record.load(path), path)) | {
+        n.replace(",", "") for n, _ in FIGURE.findall(path.read_text())
+    }
+    for value in list(found):
+        number = value.rstrip("%")
+        if "." in number:
+            found |= {f"{float(number):.{d}f}" + ("%" if value.endswith("%") else "") for d in range(3)}
+    return found
+
+
+def test_every_figure_in_the_benchmark_prose_is_in_the_cited_file() -> None:
+    """Outside the generated block the prose may only quote what the run it cites measured or was
+    given (its parameters, its host): a figure from an earlier host or run has no file behind it."""
+    section = benchmark_section()
+    prose = report.BLOCK.sub("", section + "\n")
+    path = report.cited(README.read_text())
+    missing = sorted(figures(prose) - file_figures(path), key=lambda f: float(f.rstrip("%")))
+    assert not missing, f"figures in the README's benchmark prose that {path.name} does not hold: {missing}"
+
+
+def test_the_prose_check_catches_a_figure_from_elsewhere() -> None:
+    path = report.cited(README.read_text())
+    assert "987654.3" not in file_figures(path)
+    assert figures("reached 987,654.3 conn/s with `wrk -t2`, 50k with wrk -t4, 64% of one core") == {
+        "987654.3",
+        "50000",
+        "64%",
+    }
+
+
+# ---- a run's file renders what the run printed ---------------------------------------------
+
+
+def load(rate: float, errors: int = 0) -> Load:
+    return Load(rate, int(rate), errors, 1.0, 40.0, 90.0, float("nan"), "")
+
+
+def target(rates: list[float], samples: list[int]) -> Target:
+    return Target(loads=[load(r) for r in rates], samples_ns=samples, probe_errors={"timeout": 1})
+
+
+def small_run() -> tuple[Results, Settings, list[api.ApiScale], capacity.Result]:
+    samples = [20_000 + 37 * i for i in range(200)]
+    results = Results(
+        states=[
+            State("ebpf", "none (before)", None, pod=target([1000.0, 1100.0], samples)),
+            State("ebpf", "5", 5, pod=target([900.0, 950.0], samples), vip=target([890.0, 940.0], samples)),
+            State("ebpf", "none (after)", None, pod=target([1010.0, 990.0], samples)),
+        ],
+        syncs=[
+            SyncFacts("ebpf", 5, 7, 0.25, 0.125, 3.0, "map entries: ekp_fe_v2 10", 0.002, None),
+            SyncFacts(
+                "iptables-legacy, synthetic state", 5, 10, float("nan"), float("nan"), 40.0, "x", 0.03, True
+            ),
+        ],
+        stats=[
+            StatsWindow(
+                "ebpf", 5, "ClusterIP", 900, [Cost("ekp_from_pod", 9000, 650.5), Cost("n", 0, float("nan"))]
+            )
+        ],
+        notes=["one note"],
+        stats_sysctl_before="0",
+        iptables_backend="nft",
+    )
+    settings = Settings(5, 1, 2, 2, 64, 200, ["ebpf"], None, True)
+    scales = [
+        api.ApiScale("ebpf", 5, 10, 0.5, 1.5, 1.0, "compiled in 1.0s", 1.2, 300.0, [1.0, 2.0], [1.5, 2.5]),
+        api.ApiScale("iptables", 5, 10, iptables_backend="legacy", change_log_ms=[30.0]),
+    ]
+    return results, settings, scales, capacity.Result(2, 131072, 262144, 131104, 262100, 31457280, 40.0)
+
+
+def test_a_runs_file_renders_the_tables_of_the_run(tmp_path: Path) -> None:
+    results, settings, scales, cap = small_run()
+    run = record.make(
+        argv=["--services", "5"],
+        parameters={**settings.__dict__, "modes": list(settings.modes), "api_services": 5},
+        parts=["traffic", "api", "capacity"],
+        started=__import__("datetime").datetime(2026, 11, 26, 12, 0),
+        seconds=12.5,
+        host={
+            "cpu_model": "CPU",
+            "cpus": 2,
+            "kernel": "k",
+            "os": "os",
+            "load_average_at_start": 1.0,
+            "tools": {
+                "wrk": "wrk 4.1.0",
+                "iptables": "iptables v1.8.9 (nf_tables)",
+                "nginx": "n",
+                "bcc": "0.26",
+            },
+        },
+        results=results,
+        scales=scales,
+        capacity_result=cap,
+    )
+    path = record.save(run, tmp_path)
+    text = path.read_text()
+    assert (
+        "NaN" not in text
+        and json.loads(text)["traffic"]["states"][0]["pod"]["loads"][0]["others_pct"] is None
+    )
+    from_file = record.tables(record.load(path))
+    live = [
+        *live_tables(results, settings, "nft (the agent's auto choice)"),
+        api.table(scales),
+        capacity.table(cap),
+    ]
+    assert [t.markdown() for t in from_file] == [t.markdown() for t in live]
+    rendered = record.save_markdown(path).read_text()
+    assert "traffic: nft (the agent's auto choice)" in rendered
+    assert "api: legacy (--api-iptables-backend)" in rendered
+    assert "- NOTE: one note" in rendered
+
+
+# ---- the control plane at scale (issue 18) -------------------------------------------------
+
+SCALE_TARGETS = {"2", "10", "300", "1", "18"}  # the issue's targets (2 s, 10 ms, 300 MiB, 1 GiB, 10 s)
+
+
+def scale_section() -> str:
+    text = README.read_text()
+    start = text.index("\n## The control plane at scale\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_every_figure_in_the_scale_section_is_in_a_file_it_cites() -> None:
+    """The section quotes runs kept in bench/results/scale/ (and bench.records' output there):
+    every figure in it is in one of the files it names, or is one of the issue's targets."""
+    section = scale_section()
+    cited = sorted(set(re.findall(r"`(bench/results/scale/[\w.-]+)`", section)))
+    assert cited, "the section names no results file"
+    held: set[str] = set()
+    for name in cited:
+        path = record.REPO / name
+        assert path.exists(), f"the README cites {name}, which is not in the repository"
+        if path.suffix == ".json":
+            held |= file_figures(path)
+            assert path.with_suffix(".md").read_text() == record.render(record.load(path), path)
+        else:
+            held |= {n.replace(",", "") for n, _ in FIGURE.findall(path.read_text())}
+    missing = sorted(figures(section) - held - SCALE_TARGETS, key=lambda f: float(f.rstrip("%")))
+    assert not missing, f"figures in the README's scale section that its files do not hold: {missing}"
