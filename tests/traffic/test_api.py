@@ -120,6 +120,7 @@ def test_watch_faults_never_disturb_a_service_that_does_not_change(api: ApiClust
         assert any(labels.get("reason") == "gone" and v >= 1 for labels, v in relists), relists
         restarts = scrape(api, node, "ekp_watch_restarts_total")
         assert sum(v for _, v in restarts) >= 3 * 3, "every kind's watch was reopened after each fault"
+    api.delete([steady, moving])  # the lab is shared (tests/traffic/conftest.py): leave it as found
 
 
 NODES = ("node1", "node2")
@@ -286,3 +287,4 @@ def test_a_malformed_service_gets_a_warning_event_and_the_others_keep_working(ap
     stored = api.server.get("Service", "default", "broken")
     assert stored is not None
     assert event["regarding"]["uid"] == stored["metadata"]["uid"], "kubectl describe matches Events by uid"
+    api.delete([good, bad])  # the lab is shared (tests/traffic/conftest.py): leave it as found
