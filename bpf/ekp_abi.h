@@ -9,10 +9,10 @@
  * Rules: fixed-width types only, explicit padding, no bitfields, every field commented with its
  * byte order ("be" = network order, "host" = CPU order). Changing any layout means bumping
  * EKP_ABI_VERSION: the version is part of every map name, so an old pinned map is never reused
- * with a new layout (bcc's BPF_TABLE_PINNED would reuse it silently). A change to one map alone
- * bumps that map's own suffix: the counters grew to ekp_stats_v3 (more slots) while every other
- * layout stayed v2. A map added beside the others needs no bump: no older program or pin knows
- * its name.
+ * with a new layout (the loader reuses a pinned map whose sizes match, and two layouts of one size
+ * would pass that check). A change to one map alone bumps that map's own suffix: the counters grew
+ * to ekp_stats_v3 (more slots) while every other layout stayed v2. A map added beside the others
+ * needs no bump: no older program or pin knows its name.
  *
  * IPv6, later: Cilium's v4/v6 pairs. Every struct below that holds an address is the IPv4 member
  * of a pair; IPv6 adds its own maps beside these (ekp_fe6, ekp_be6, ekp_ct6_tcp, ekp_frag6,
