@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry
 from agent.config import Config, NodeContext
 from agent.errors import FatalError
 from agent.featuregates import node_info
+from agent.localdetect import LocalMode
 from agent.metrics import Metrics, no_local_endpoints
 from agent.model.problem import Problem, printable
 from agent.model.tracker import Commit, ProxyModel
@@ -128,6 +129,7 @@ class Agent:
         # metadata.uid by (kind, key): an Event's `regarding.uid` is what `kubectl describe` matches.
         self._uids: dict[tuple[str, str], str] = {}
         self._waiting_logged = False
+        self._detector_logged = ""
         self._node: NodeContext | None = None
         self._last_full = float("-inf")
         self._retry: dict[ServicePortName, str] = {}
@@ -166,6 +168,8 @@ class Agent:
         return ",".join(f"{kind}={v}" for kind, v in sorted(self._versions.items()))
 
     def start(self) -> None:
+        if self._config.detect_local_mode is not LocalMode.NODE_CIDR:
+            self._log_detector()  # NodeCIDR: once the Node is listed
         for svc in self._parts.services:
             svc.start()
         if self._parts.health is not None:
@@ -319,9 +323,19 @@ class Agent:
             else:
                 self._model.set_slice(event.key, event.obj)
         elif event.kind is Kind.NODE:
-            self._model.set_node(node_info(self._config, _labels(obj)))
+            # A deleted Node keeps its pod CIDRs: kube-proxy's detector does not change until it restarts.
+            pod_cidrs = _pod_cidrs(obj) if obj is not None else self._model.node.pod_cidrs
+            self._model.set_node(node_info(self._config, _labels(obj), pod_cidrs))
+            self._log_detector()
             if self._parts.health is not None:
                 self._parts.health.sync_node(obj)
+
+    def _log_detector(self) -> None:
+        """One line when what counts as local traffic is first known or changes."""
+        described = self._config.local_detector(self._model.node.pod_cidrs).describe()
+        if described != self._detector_logged:
+            log.info("local traffic (--detect-local-mode) %s", described)
+            self._detector_logged = described
 
     def _remember_uid(self, kind: Kind, key: str, obj: object) -> None:
         meta = obj.get("metadata") if isinstance(obj, dict) else None
@@ -423,6 +437,18 @@ def _resource_version(obj: Mapping[str, Any]) -> str:
     meta = obj.get("metadata") if isinstance(obj, Mapping) else None
     rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
     return rv if isinstance(rv, str) else ""
+
+
+def _pod_cidrs(obj: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """spec.podCIDRs, else spec.podCIDR (a Node written before dual-stack), as strings."""
+    spec = obj.get("spec") if obj is not None else None
+    if not isinstance(spec, Mapping):
+        return ()
+    cidrs = spec.get("podCIDRs")
+    if isinstance(cidrs, list) and cidrs:
+        return tuple(c for c in cidrs if isinstance(c, str))
+    single = spec.get("podCIDR")
+    return (single,) if isinstance(single, str) and single else ()
 
 
 def _labels(obj: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:

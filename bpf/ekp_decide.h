@@ -268,6 +268,18 @@ static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const st
 	}
 }
 
+/* The frontends' scope of a packet: kube-proxy's local-traffic detector. By source (ClusterCIDR,
+ * NodeCIDR): INTERNAL when the source is in the detector's CIDR, EXTERNAL otherwise, whichever hook
+ * it entered by; otherwise the hook's (the agent attaches ekp_from_pod where traffic is local). */
+static __always_inline __u8 ekp_local_scope(const struct ekp_config *cfg, __be32 saddr, __u8 hook_scope)
+{
+	if (!cfg->local_by_src)
+		return hook_scope;
+	__u32 plen = cfg->local_plen;
+	__be32 mask = plen == 0 ? 0 : htonl(0xffffffffU << (32 - (plen > 32 ? 32 : plen)));
+	return (saddr & mask) == cfg->local_net ? EKP_SCOPE_INTERNAL : EKP_SCOPE_EXTERNAL;
+}
+
 /* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result). */
 static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scope)
 {
@@ -324,7 +336,7 @@ static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scop
 		return;
 	}
 
-	struct ekp_frontend *fe = ekp_frontend_lookup(p, scope);
+	struct ekp_frontend *fe = ekp_frontend_lookup(p, ekp_local_scope(cfg, p->saddr, scope));
 	if (fe) {
 		if (!ekp_decide_new(p, fe, cfg, now, f, d))
 			return;

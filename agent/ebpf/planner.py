@@ -72,6 +72,7 @@ from agent.config import Config, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.abi import BackendFlag, FrontendFlag, MemberFlag, Scope
 from agent.ebpf.codec import KEYS, VALUES, Key, Value
+from agent.localdetect import LocalDetector
 from agent.model.types import Endpoint, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 from agent.model.types import Protocol as L4
 
@@ -218,8 +219,11 @@ class _RevNat:
     users: set[ServicePortName]
 
 
-def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[_Fe]:
-    """The frontends of one service port, both scopes, before ids are known."""
+def frontends(sp: ServicePort, node: NodeContext, config: Config, detector: LocalDetector) -> list[_Fe]:
+    """The frontends of one service port, both scopes, before ids are known.
+
+    INTERNAL frontends serve traffic from this node's pods, EXTERNAL ones any other, as the
+    local-traffic detector `detector` tells them apart (see agent/localdetect.py)."""
     proto = sp.protocol.number
     affinity = sp.affinity_timeout
     base = int(FrontendFlag.AFFINITY) if affinity else 0
@@ -230,7 +234,9 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[_Fe]:
     local = int(FrontendFlag.LOCAL) if kind == "local" else 0
     # kube-proxy's KUBE-MARK-MASQ for the cluster IP masquerades whatever the backend.
     snat_int = int(FrontendFlag.SNAT_ALL) if config.masquerade_all else 0
-    snat_ext = int(FrontendFlag.SNAT_ALL) if config.masquerade_all or config.cluster_cidr else 0
+    # ... and traffic that is not local (KUBE-SVC-*: IfNotLocal -> KUBE-MARK-MASQ): none without a
+    # detector, as kube-proxy writes no such rule then.
+    snat_ext = int(FrontendFlag.SNAT_ALL) if config.masquerade_all or detector.implemented else 0
     vip, port = ip_be(sp.cluster_ip), port_be(sp.port)
     for scope, snat in ((Scope.EXTERNAL, snat_ext), (Scope.INTERNAL, snat_int)):
         out.append(
@@ -250,11 +256,15 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[_Fe]:
     for addr_text, fe_port, what in externals:
         addr, p = ip_be(addr_text), port_be(fe_port)
         rnat = (addr, p, proto)
+        pod_kind: SetKind = "cluster"
         if sp.external_policy_local:
             ext_kind: SetKind = "local"
             ext_flags = base | what | FrontendFlag.LOCAL
-            # Pods reach every endpoint, untranslated (KUBE-EXT-*: -s clusterCIDR -> KUBE-SVC-*).
+            # Pods reach every endpoint, untranslated (KUBE-EXT-*: IfLocal -> KUBE-SVC-*); without
+            # a detector that rule is missing and pods are held to the local endpoints too.
             pod_flags = base | what
+            if not detector.implemented:
+                pod_kind, pod_flags = ext_kind, ext_flags
         else:
             # ETP Cluster: kube-proxy masquerades all of it (KUBE-EXT-* -> KUBE-MARK-MASQ), traffic
             # from pods included (KUBE-SERVICES sends it to the same KUBE-EXT-* chain); keeping
@@ -263,7 +273,7 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[_Fe]:
             ext_flags = base | what | (snat_keep_local if config.bpf_keep_client_ip_local else snat_all)
             pod_flags = ext_flags
         out.append(_Fe((addr, p, proto, int(Scope.EXTERNAL)), ext_kind, ext_flags, affinity, rnat))
-        out.append(_Fe((addr, p, proto, int(Scope.INTERNAL)), "cluster", pod_flags, affinity, rnat))
+        out.append(_Fe((addr, p, proto, int(Scope.INTERNAL)), pod_kind, pod_flags, affinity, rnat))
     return out
 
 
@@ -300,12 +310,17 @@ def layout(members: Sequence[int], previous: Mapping[int, int]) -> dict[int, int
     return slots
 
 
-def config_entry(node: NodeContext, config: Config) -> Value:
+def config_entry(node: NodeContext, config: Config, local: LocalDetector | None = None) -> Value:
     """The config entry (codec tuple of abi.Config): the node's SNAT source, the SNAT port range,
     the conntrack timeouts (kube-proxy's conntrack settings where they say something, as iptables
-    mode applies them to nf_conntrack) and the reject rate limit."""
+    mode applies them to nf_conntrack), the reject rate limit and, for a detector by source
+    (ClusterCIDR, NodeCIDR), its CIDR: the programs then pick the frontends' scope by source."""
     lo, hi = config.snat_ports
     ct = config.conntrack
+    net, plen, by_src = 0, 0, 0
+    if local is not None and local.by_source:
+        cidr = ipaddress.IPv4Network(local.cidr)
+        net, plen, by_src = ip_be(str(cidr.network_address)), cidr.prefixlen, 1
     return (
         ip_be(node.primary_ip) if node.primary_ip else 0,
         lo,
@@ -318,7 +333,9 @@ def config_entry(node: NodeContext, config: Config) -> Value:
         _seconds(ct.udp_stream_timeout_s, UDP_STREAM_TIMEOUT_S),
         ICMP_RATE,
         ICMP_BURST,
-        0,
+        net,
+        plen,
+        by_src,
     )
 
 
@@ -408,6 +425,7 @@ class Planner:
         self._w_set_be: dict[tuple[int, int], int] = {}  # (set id, backend id) -> slots
         self._w_svc_members: dict[int, int] = {}  # svc id -> member entries
         self.node = NodeContext()
+        self.local = LocalDetector()
         self.cfg: Value | None = None
         self._failed_now: set[ServicePortName] = set()
         self._be_owners: dict[BeIdent, set[ServicePortName]] | None = None
@@ -419,12 +437,14 @@ class Planner:
     ) -> set[ServicePortName]:
         """Re-plan the service ports in `changed` (every port when None, or when the node's
         addresses changed); returns the ports whose entries changed."""
-        if changed is None or node != self.node:
+        local = self._config.local_detector(state.node.pod_cidrs)
+        if changed is None or node != self.node or local != self.local:
             wanted = set(state.services) | set(self._frags)
         else:
             wanted = set(changed)
         self.node = node
-        self.cfg = config_entry(node, self._config)
+        self.local = local
+        self.cfg = config_entry(node, self._config, local)
         touched: set[ServicePortName] = set()
         # Removals first (they free frontends and ids), then in kube-proxy's order, so the ids of
         # a fresh start follow the sorted ports as `--dry-run` and the golden files show them.
@@ -530,7 +550,7 @@ class Planner:
         spn = sp.name
         new = Fragment(spn)
         fes = []
-        for fe in frontends(sp, self.node, self._config):
+        for fe in frontends(sp, self.node, self._config, self.local):
             owner = self._fe_owner.get(fe.key, spn)
             if owner == spn or _order(spn) < _order(owner):
                 fes.append(fe)

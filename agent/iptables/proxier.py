@@ -190,7 +190,7 @@ class IptablesProxier:
         """The full restore input a full sync would apply now (host facts as last seen, else a
         modern host's)."""
         host = self._host or HostFacts(random_fully=True, conntrack_tcp_liberal=False)
-        return render(state, node, self._options(host)).text
+        return render(state, node, self._options(host, state)).text
 
     # ----------------------------------------------------------------------------------- Proxier
 
@@ -202,7 +202,7 @@ class IptablesProxier:
         full = changed is None or self._need_complete
         if full:
             self._ensure_counters()
-        options = self._options(host)
+        options = self._options(host, state)
         complete = self._need_complete
         if self._globals is not None and (options, node) != self._globals:
             log.info("iptables: flags, host facts or node addresses changed; rewriting every chain")
@@ -537,9 +537,10 @@ class IptablesProxier:
         most once per sync period (finding them costs an iptables-save of a big table)."""
         return not large or self._clock() - self._last_cleanup > self._config.sync_period_s
 
-    def _options(self, host: HostFacts) -> RenderOptions:
+    def _options(self, host: HostFacts, state: ProxyState) -> RenderOptions:
         return RenderOptions.from_config(
             self._config,
+            node_pod_cidrs=state.node.pod_cidrs,
             random_fully=host.random_fully,
             conntrack_tcp_liberal=host.conntrack_tcp_liberal,
             nfacct_invalid_dropped=self._nfacct[INVALID_DROPPED_COUNTER],

@@ -252,6 +252,32 @@ def test_the_node_object_feeds_the_zone_and_the_health_check() -> None:
     assert "node node1" in rig.health.log
 
 
+def test_the_nodes_pod_cidrs_reach_the_state_and_outlive_its_deletion(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--detect-local-mode=NodeCIDR reads spec.podCIDRs (spec.podCIDR on a Node without the list);
+    a change re-plans everything; a deleted Node keeps them (kube-proxy keeps its detector)."""
+    rig = Rig()
+    rig.send(service("web"), synced="v1")
+    rig.sync()
+    node: dict[str, Any] = {
+        "kind": "Node",
+        "metadata": {"name": "node1"},
+        "spec": {"podCIDR": "10.244.1.0/24"},
+    }
+    rig.agent.deliver([ObjectEvent(Kind.NODE, EventType.ADDED, "node1", node)])
+    rig.sync()
+    assert rig.agent.model.state.node.pod_cidrs == ("10.244.1.0/24",)
+    node["spec"] = {"podCIDR": "10.244.7.0/24", "podCIDRs": ["10.244.7.0/24", "fd00:7::/64"]}
+    rig.agent.deliver([ObjectEvent(Kind.NODE, EventType.MODIFIED, "node1", node)])
+    rig.sync()
+    assert rig.agent.model.state.node.pod_cidrs == ("10.244.7.0/24", "fd00:7::/64")
+    assert rig.proxier.calls[-1] is None, "the NodeCIDR detector changed: every port re-planned"
+    rig.agent.deliver([ObjectEvent(Kind.NODE, EventType.DELETED, "node1", node)])
+    rig.sync()
+    assert rig.agent.model.state.node.pod_cidrs == ("10.244.7.0/24", "fd00:7::/64")
+
+
 def test_a_fatal_error_stops_the_agent_with_status_1(caplog: pytest.LogCaptureFixture) -> None:
     rig = Rig()
     rig.send(service("web"), synced="v1")
