@@ -11,6 +11,8 @@
 * **Incremental, with a periodic full sync.** A sync hands the proxier only the service ports that
   changed (plus those that failed last time); every `sync_period` (and when the node's zone or
   addresses change) it asks for a full sync, which also reads the kernel back and repairs it.
+  The node's addresses are re-read at full syncs and whenever `node_events` (netlink,
+  agent/nodewatch.py) says they may have changed.
 * **Failures.** A sync that raises is retried by the runner with backoff; service ports the
   proxier could not program are retried at the next sync and logged once each; an
   `agent.errors.FatalError` stops the agent with exit status 1 and its message.
@@ -76,6 +78,14 @@ class EventSink(Protocol):
     def warn(self, problem: Problem, uid: str | None = None) -> None: ...
 
 
+class NodeEvents(Protocol):
+    """Tells the agent when the node's addresses may have changed (agent.nodewatch)."""
+
+    def start(self, notify: Callable[[], None]) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 class Service(Protocol):
     """A server or helper the agent starts and stops with itself (health, metrics, events)."""
 
@@ -98,6 +108,7 @@ class Parts:
     source: Source
     proxier: Proxier
     node_context: Callable[[], NodeContext]  # the node's addresses (re-read at full syncs)
+    node_events: NodeEvents | None = None  # and when these say they changed
     metrics: Metrics = field(default_factory=lambda: Metrics(CollectorRegistry()))
     health: ProxierHealth | None = None
     service_health: ServiceHealth | None = None
@@ -131,6 +142,7 @@ class Agent:
         self._waiting_logged = False
         self._detector_logged = ""
         self._node: NodeContext | None = None
+        self._node_stale = threading.Event()
         self._last_full = float("-inf")
         self._retry: dict[ServicePortName, str] = {}
         self._hc_ports: dict[str, int] = {}
@@ -177,6 +189,8 @@ class Agent:
         # The source first: a source that cannot start (a --services-file that cannot be read) is
         # fatal before the proxier's set-up has created pins or written sysctls.
         self._parts.source.start(self.deliver)
+        if self._parts.node_events is not None:
+            self._parts.node_events.start(self.refresh_node)
         threading.Thread(target=self._prepare, name="prepare-proxier", daemon=True).start()
         self._runner.start()
 
@@ -190,6 +204,8 @@ class Agent:
         """Stop everything this agent started; nothing programmed is removed."""
         self._runner.stop()
         self._parts.source.stop()
+        if self._parts.node_events is not None:
+            self._parts.node_events.stop()
         for svc in reversed(self._parts.services):
             svc.stop()
         if self._parts.close is not None:
@@ -250,6 +266,11 @@ class Agent:
             self._parts.metrics.record_queued()
         self._runner.request()
 
+    def refresh_node(self) -> None:
+        """The node's addresses may have changed: re-read them at the next sync (any thread)."""
+        self._node_stale.set()
+        self._runner.request()
+
     # ------------------------------------------------------------------ the sync (runner thread)
 
     def sync_once(self) -> None:
@@ -275,10 +296,12 @@ class Agent:
         commit = self._model.commit()
         self._report(commit)
         full = commit.changed is None or start - self._last_full >= self._config.sync_period_s
-        if full or self._node is None:
+        if full or self._node is None or self._node_stale.is_set():
+            self._node_stale.clear()  # before reading: a change while we read asks again
             node = self._parts.node_context()
             if node != self._node and self._node is not None:
                 log.info("node addresses changed: %s", ",".join(node.node_ips) or "none")
+                full = True  # NodePorts (and the SNAT source) change on every service port
             self._node = node
         changed: frozenset[ServicePortName] | None = None
         if not full:
