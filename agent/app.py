@@ -303,6 +303,9 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         log.error("%s", exc)
         return 1
     with node_lock:
+        from agent.nodeinit import setup_conntrack
+
+        setup_conntrack(config)  # kube-proxy's platformSetup, before the proxier reads the host
         try:
             agent = build_agent(config, configz, kubeconfig)
         except FatalError as exc:
