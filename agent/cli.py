@@ -1,4 +1,5 @@
-"""Command line: `agent [flags]` runs the proxy; `agent inspect ...` reads what a node holds.
+"""Command line: `agent [flags]` runs the proxy; `agent inspect ...` reads what a node holds;
+`agent doctor [flags]` checks the node for the mode (agent/doctor).
 
 Every flag comes from the settings table (agent/settings/table.py): kube-proxy's flags (v1.31)
 with their meaning, and the agent's own (`--bpf-*`, `--node-ip`, ...). Parsing follows pflag
@@ -52,6 +53,8 @@ examples:
         remove every rule, program, map and pin either mode installed
   agent inspect maps --bpf-pin-path /sys/fs/bpf/ebpf-kube-proxy
         decode the live service maps of this node
+  agent doctor --mode=ebpf --kubeconfig /etc/kubernetes/proxy.conf
+        check the node for the mode before switching (a checklist, exit 1 on a FAIL)
 """
 
 
@@ -184,6 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from agent.inspect import main as inspect_main
 
         return inspect_main(args[1:])
+    if args and args[0] == "doctor":
+        from agent.doctor import main as doctor_main
+
+        return doctor_main(args[1:])
     try:
         resolved = resolve(args)
     except UsageError as exc:
