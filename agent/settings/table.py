@@ -65,7 +65,20 @@ class Mode(StrEnum):
     IPTABLES = "iptables"
 
 
-MAP_SIZE_ROLES = ("fe", "slot", "be", "rnat", "member", "ct_tcp", "ct_any", "frag", "aff", "srcr")
+MAP_SIZE_ROLES = (
+    "fe",
+    "slot",
+    "be",
+    "rnat",
+    "member",
+    "ct_tcp",
+    "ct_any",
+    "frag",
+    "fraghold",
+    "aff",
+    "srcr",
+    "addr",
+)
 
 
 @dataclass(frozen=True)

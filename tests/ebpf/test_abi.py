@@ -44,6 +44,8 @@ def c_constants() -> dict[str, int]:
         (abi.MemberFlag, "EKP_MEMBER_"),
         (abi.CtDir, "EKP_CT_"),
         (abi.CtFlag, "EKP_CT_"),
+        (abi.CtqRing, "EKP_CTQ_"),
+        (abi.AddrFlag, "EKP_ADDR_"),
     ]
     for enum, prefix in groups:
         out.update({prefix + m.name: int(m) for m in enum})
@@ -52,6 +54,9 @@ def c_constants() -> dict[str, int]:
     out["EKP_STAT_DROP_FIRST"] = int(abi.STAT_DROP_FIRST)
     out["EKP_STAT_MAX"] = abi.STAT_COUNT
     out["EKP_STAT_COUNT"] = abi.STAT_COUNT
+    out["EKP_STAT_SLOTS"] = abi.STAT_SLOTS
+    out["EKP_FRAGHOLD_SLOTS"] = abi.FRAGHOLD_SLOTS
+    out["EKP_FRAGHOLD_LEN"] = abi.FRAGHOLD_LEN
     return out
 
 
@@ -113,7 +118,9 @@ def test_constants_match(probe: dict[str, list[str]]) -> None:
 def test_every_c_constant_is_mirrored() -> None:
     """A constant added to the header without its Python twin fails here (the probe checks values)."""
     text = (BPF_DIR / "ekp_abi.h").read_text()
-    names = set(re.findall(r"\b(EKP_(?:SCOPE|FE|BE|MEMBER|CT|STAT|DROP)_[A-Z0-9_]+)\b", text))
+    names = set(
+        re.findall(r"\b(EKP_(?:SCOPE|FE|BE|MEMBER|CT|CTQ|ADDR|FRAGHOLD|STAT|DROP)_[A-Z0-9_]+)\b", text)
+    )
     assert names - set(c_constants()) == set()
 
 
@@ -186,9 +193,12 @@ def test_per_cpu_lru_maps_would_be_expected_rounded_to_the_possible_cpus(
 
 
 def test_map_names_fit_the_kernel_and_carry_the_version() -> None:
+    """Every name carries the ABI version, or its own later one where its layout changed alone."""
     for spec in abi.MAPS.values():
         assert len(spec.name) <= 15
-        assert spec.name == f"ekp_{spec.role}_v{abi.ABI_VERSION}"
+        assert spec.name == f"ekp_{spec.role}_v{spec.version}"
+        assert spec.version >= abi.ABI_VERSION
+    assert {s.name for s in abi.MAPS.values() if s.version != abi.ABI_VERSION} == {"ekp_stats_v3"}
 
 
 def test_stale_pins_lists_other_versions_only(tmp_path: Path) -> None:
