@@ -21,6 +21,7 @@ PROGRAM_TYPE = "sched_cls"
 OPTIONAL_PROGRAM_TYPES = ("xdp", "cgroup_sock_addr")  # for the XDP and socket-level hooks
 MAP_KINDS = ("hash", "lru_hash", "lpm_trie", "array", "percpu_array")
 HELPERS = (
+    "bpf_clone_redirect",
     "bpf_csum_diff",
     "bpf_fib_lookup",
     "bpf_get_prandom_u32",
