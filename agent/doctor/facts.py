@@ -186,7 +186,7 @@ def _kube_proxy(config: Config) -> tuple[dict[str, list[str]], tuple[str, ...]]:
 def _foreign_hooks(config: Config) -> tuple[ForeignHook, ...]:
     """Programs of others on the tc ingress and XDP hooks of the devices eBPF mode attaches to."""
     from agent.app import node_context
-    from agent.ebpf.attach import FILTER_PRIO, TC_H_INGRESS, _filters, _is_ours, wanted_devices
+    from agent.ebpf.attach import FILTER_PRIO, foreign_filters, wanted_devices
     from agent.netns import netns_route
 
     out: list[ForeignHook] = []
@@ -194,11 +194,7 @@ def _foreign_hooks(config: Config) -> tuple[ForeignHook, ...]:
         node = node_context(config)
         with netns_route(config.netns) as ipr:
             for index, (name, _prog) in sorted(wanted_devices(ipr, config, node).items()):
-                for msg in _filters(ipr, index, TC_H_INGRESS):
-                    if _is_ours(msg):
-                        continue
-                    prio = msg["info"] >> 16
-                    label = msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME") or msg.get("kind")
+                for label, prio in foreign_filters(ipr, index):
                     out.append(ForeignHook(name, "tc ingress", f"{label} pref {prio}", prio < FILTER_PRIO))
                 for link in ipr.get_links(index):
                     xdp = link.get("IFLA_XDP")

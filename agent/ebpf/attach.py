@@ -236,6 +236,16 @@ def _filters(ipr: Any, index: int, parent: int) -> list[Any]:
         raise
 
 
+def foreign_filters(ipr: Any, index: int) -> list[tuple[str, int]]:
+    """(name or kind, priority) of every filter on the device's ingress hook that is not ours."""
+    out = []
+    for msg in _filters(ipr, index, TC_H_INGRESS):
+        if not _is_ours(msg):
+            name = msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME") or msg.get("kind")
+            out.append((str(name), int(msg["info"]) >> 16))
+    return out
+
+
 def our_filter(ipr: Any, index: int) -> str | None:
     """Name of our filter on the device's ingress hook, or None."""
     for msg in _filters(ipr, index, TC_H_INGRESS):
