@@ -226,8 +226,7 @@ def _api(config: Config, environ: Mapping[str, str]) -> ApiFacts:
     url = str(api.configuration.host)
     try:
         # Raw answers (`_preload_content=False`): the client's models would refuse a partial one.
-        raw: Any = k8s.VersionApi(api).get_code(_request_timeout=API_TIMEOUT_S, _preload_content=False)
-        raw.release_conn()
+        _read(k8s.VersionApi(api).get_code(_request_timeout=API_TIMEOUT_S, _preload_content=False))
         if not via and _kubernetes_service_ip(api) == urlparse(url).hostname:
             via = "the cluster IP of Service default/kubernetes"
         return _sizing(config, api, ApiFacts(url=url, via_service=via))
@@ -237,7 +236,6 @@ def _api(config: Config, environ: Mapping[str, str]) -> ApiFacts:
 
 def _kubernetes_service_ip(api: Any) -> str:
     """The cluster IP of Service default/kubernetes, "" when there is none."""
-    import orjson
     from kubernetes import client as k8s
     from kubernetes.client.exceptions import ApiException
 
@@ -249,8 +247,20 @@ def _kubernetes_service_ip(api: Any) -> str:
         if exc.status == 404:
             return ""
         raise
-    spec = orjson.loads(resp.data).get("spec") or {}
+    spec = _read(resp).get("spec") or {}
     return str(spec.get("clusterIP") or "")
+
+
+def _read(resp: Any) -> Any:
+    """The JSON of a raw answer, read whole before its connection goes back to the pool (one given
+    back unread fails the next request on it: "ResponseNotReady")."""
+    import orjson
+
+    try:
+        data = resp.data
+    finally:
+        resp.release_conn()
+    return orjson.loads(data)
 
 
 def _short(exc: BaseException) -> str:
@@ -260,7 +270,6 @@ def _short(exc: BaseException) -> str:
 
 def _sizing(config: Config, api: Any, facts: ApiFacts) -> ApiFacts:
     """Count what the API holds and plan it (the pure planner): the eBPF map entries it needs."""
-    import orjson
 
     from agent.featuregates import node_info
     from agent.kube.resources import watched_resources
@@ -279,7 +288,7 @@ def _sizing(config: Config, api: Any, facts: ApiFacts) -> ApiFacts:
                 _preload_content=False,
                 _request_timeout=API_TIMEOUT_S,
             )
-            body = orjson.loads(resp.data)
+            body = _read(resp)
             for item in body.get("items") or []:
                 item.setdefault("kind", res.kind.value)
                 item.setdefault("apiVersion", res.api_version)
