@@ -186,6 +186,7 @@ def _kube_proxy(config: Config) -> tuple[dict[str, list[str]], tuple[str, ...]]:
 def _foreign_hooks(config: Config) -> tuple[ForeignHook, ...]:
     """Programs of others on the tc ingress and XDP hooks of the devices eBPF mode attaches to."""
     from agent.app import node_context
+    from agent.ebpf import xdp
     from agent.ebpf.attach import FILTER_PRIO, foreign_filters, wanted_devices
     from agent.netns import netns_route
 
@@ -196,11 +197,10 @@ def _foreign_hooks(config: Config) -> tuple[ForeignHook, ...]:
             for index, (name, _prog) in sorted(wanted_devices(ipr, config, node).items()):
                 for label, prio in foreign_filters(ipr, index):
                     out.append(ForeignHook(name, "tc ingress", f"{label} pref {prio}", prio < FILTER_PRIO))
-                for link in ipr.get_links(index):
-                    xdp = link.get("IFLA_XDP")
-                    prog_id = xdp.get("IFLA_XDP_PROG_ID") if xdp is not None else None
-                    if prog_id:
-                        out.append(ForeignHook(name, "xdp", f"program id {prog_id} (runs before tc)", False))
+                state = xdp.xdp_state(ipr, index)
+                if state.prog_id and not xdp.is_ours(state):
+                    what = f"{xdp.prog_name(state.prog_id) or 'program'} id {state.prog_id} (runs before tc)"
+                    out.append(ForeignHook(name, "xdp", what, False))
     except (OSError, FatalError) as exc:
         out.append(ForeignHook("?", "tc ingress", f"could not be read: {exc}", False))
     return tuple(out)
