@@ -315,8 +315,13 @@ struct ekp_config {
 	__u32 udp_stream_s;       /* host: replied and older than 2 s (conntrack.udpStreamTimeout) */
 	__u32 icmp_rate;          /* host: ICMP rejects per second, per CPU (token bucket refill) */
 	__u32 icmp_burst;         /* host: ICMP rejects a CPU may send at once (bucket depth) */
-	__u32 flags;              /* host: reserved, zero */
-	__u32 pad;                /* zero */
+	__be32 local_net;         /* be: the local-traffic detector's network (local_by_src) */
+	__u8 local_plen;          /* host: its prefix length, 0..32 */
+	__u8 local_by_src;        /* host: 1: a packet is from a local pod when its source is in
+	                           * local_net/local_plen (--detect-local-mode ClusterCIDR, NodeCIDR)
+	                           * and looks up INTERNAL frontends, any other EXTERNAL ones, whatever
+	                           * the hook; 0: the hook's scope (the interface modes, no detector) */
+	__u16 pad;                /* zero */
 };
 
 /* ---- the reject rate limiter (per-CPU array, one element, written by the data path) ------ */

@@ -30,7 +30,9 @@ class ApiCluster(Cluster):
     def start(self) -> None:
         self.server.start()
         self.server.write_kubeconfig(self.kubeconfig)
-        wanted = self._record([self.server.apply(node_object(n.name, n.ip)) for n in self.lab.nodes])
+        wanted = self._record(
+            [self.server.apply(node_object(n.name, n.ip, pod_cidr=n.pod_cidr)) for n in self.lab.nodes]
+        )
         for a in self.agents:
             a.start()
         self.wait_synced(wanted)

@@ -213,7 +213,31 @@ def test_healthz_turns_503_when_the_nodes_node_object_is_deleted(api: ApiCluster
         assert _curl(api, "client", livez)[0] == 200, "liveness does not depend on the Node"
         assert _curl(api, "client", f"http://{N2}:10256/healthz")[0] == 200, "node2's Node is still there"
     finally:
-        api.server.apply(node_object("node1", N1))
+        api.server.apply(node_object("node1", N1, pod_cidr=api.lab.node(1).pod_cidr))
+    assert json.loads(_wait_status(api, healthz, 200))["nodeEligible"] is True
+
+
+def test_healthz_turns_503_while_the_node_carries_the_cluster_autoscalers_deletion_taint(
+    api: ApiCluster,
+) -> None:
+    """kube-proxy's node eligibility: the cluster autoscaler taints a node it is about to remove
+    with `ToBeDeletedByClusterAutoscaler`, and kube-proxy's /healthz turns 503 (`nodeEligible:
+    false`) so load balancers drain it first; /livez stays 200 (the proxy itself is fine), node2
+    stays 200; the taint removed (a scale-down cancelled), 200 again."""
+    healthz, livez = f"http://{N1}:10256/healthz", f"http://{N1}:10256/livez"
+    assert json.loads(_wait_status(api, healthz, 200))["nodeEligible"] is True
+    tainted = node_object("node1", N1, pod_cidr=api.lab.node(1).pod_cidr)
+    tainted["spec"]["taints"] = [
+        {"key": "ToBeDeletedByClusterAutoscaler", "value": "1732600000", "effect": "NoSchedule"}
+    ]
+    api.server.apply(tainted)
+    try:
+        doc = json.loads(_wait_status(api, healthz, 503))
+        assert doc["nodeEligible"] is False and doc["healthy"] is True, doc
+        assert _curl(api, "client", livez)[0] == 200, "liveness does not depend on the Node"
+        assert _curl(api, "client", f"http://{N2}:10256/healthz")[0] == 200, "node2 is not tainted"
+    finally:
+        api.server.apply(node_object("node1", N1, pod_cidr=api.lab.node(1).pod_cidr))
     assert json.loads(_wait_status(api, healthz, 200))["nodeEligible"] is True
 
 
