@@ -27,6 +27,8 @@ and one rejected service port never keeps the others from being programmed.
 * **Large clusters** (more than 1000 endpoints): as upstream, crossing the threshold does not force a
   full sync, and stale chains are deleted at most once per `--iptables-sync-period`.
 * After the rules: stale UDP conntrack entries (conntrack.py), only when UDP ports changed.
+* After the first sync's rules, on a node switched from eBPF mode: the eBPF conntrack's flows
+  handed to nf_conntrack, the programs detached and the pins removed (agent/takeover/out_of_ebpf.py).
 
 kube-proxy's conntrack sysctls (`Config.conntrack`) are applied once, before the first sync reads
 nf_conntrack_tcp_be_liberal, as kube-proxy applies them before creating its proxier.
@@ -58,6 +60,7 @@ from agent.iptables.conntrack import ConntrackCleaner, UdpFrontends, udp_fronten
 from agent.iptables.conntrack_sysctls import apply_conntrack_settings
 from agent.iptables.isolate import isolate
 from agent.iptables.nfacct import Counters, NetlinkCounters
+from agent.takeover.out_of_ebpf import EbpfHandback
 from agent.iptables.rules import (
     LARGE_CLUSTER_ENDPOINTS_THRESHOLD,
     Rendered,
@@ -151,8 +154,13 @@ class IptablesProxier:
         clock: Callable[[], float] = time.monotonic,
         cpus: int | None = None,
         metrics: Metrics | None = None,
+        take_over: Callable[[], None] | None = None,
     ) -> None:
         self._config = config
+        # Once the first sync put the rules in place: the eBPF data path's flows, programs and pins
+        # (a node switched from eBPF mode), agent/takeover/out_of_ebpf.py.
+        self._take_over = take_over if take_over is not None else EbpfHandback(config).run
+        self._taken_over = False
         self._runner: IptablesRunner = runner if runner is not None else SubprocessRunner(config)
         # A runner for one named backend ("nft", "legacy"), for the cleanup of both.
         self._backend_runner = backend_runner or (
@@ -217,6 +225,9 @@ class IptablesProxier:
             outcome = self._partial(state, node, options, changed, large=large, start=start)
         self._need_complete = False
         self._globals = (options, node)
+        if not self._taken_over:
+            self._take_over()
+            self._taken_over = True
         self._remember_good(state, None if outcome.full else changed)
 
         filters = self._clean_conntrack(state, changed)
