@@ -48,11 +48,11 @@ from agent.ebpf.plan import MapContents, planner_contents, read_contents
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
 from agent.ebpf.ports import parse_port_range, snat_ports_problem
 from agent.ebpf.upgrade import Upgrade
-from agent.takeover.into_ebpf import KernelTakeover
 from agent.errors import FatalError
 from agent.model.types import ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
+from agent.takeover.into_ebpf import KernelTakeover
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,6 @@ from agent.iptables.conntrack import ConntrackCleaner, UdpFrontends, udp_fronten
 from agent.iptables.conntrack_sysctls import apply_conntrack_settings
 from agent.iptables.isolate import isolate
 from agent.iptables.nfacct import Counters, NetlinkCounters
-from agent.takeover.out_of_ebpf import EbpfHandback
 from agent.iptables.rules import (
     LARGE_CLUSTER_ENDPOINTS_THRESHOLD,
     Rendered,
@@ -80,6 +79,7 @@ from agent.metrics import Metrics
 from agent.model.problem import printable
 from agent.model.types import Endpoint, Protocol, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 from agent.proxier import SyncResult
+from agent.takeover.out_of_ebpf import EbpfHandback
 
 log = logging.getLogger(__name__)
 

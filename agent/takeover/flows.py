@@ -165,7 +165,12 @@ def ebpf_entries(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[CtKey, 
         "created_s": now_ns // NSEC,
     }
     forward_key = CtKey(
-        saddr=ip_be(s), daddr=ip_be(d), sport=port_be(sp), dport=port_be(dp), proto=flow.proto, dir=CtDir.FORWARD
+        saddr=ip_be(s),
+        daddr=ip_be(d),
+        sport=port_be(sp),
+        dport=port_be(dp),
+        proto=flow.proto,
+        dir=CtDir.FORWARD,
     )
     forward = CtEntry(
         nat_addr=ip_be(rs),
@@ -175,7 +180,12 @@ def ebpf_entries(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[CtKey, 
         **common,
     )
     reply_key = CtKey(
-        saddr=ip_be(rs), daddr=ip_be(rd), sport=port_be(rsp), dport=port_be(rdp), proto=flow.proto, dir=CtDir.REPLY
+        saddr=ip_be(rs),
+        daddr=ip_be(rd),
+        sport=port_be(rsp),
+        dport=port_be(rdp),
+        proto=flow.proto,
+        dir=CtDir.REPLY,
     )
     reply = CtEntry(
         nat_addr=ip_be(s) if snat else 0,

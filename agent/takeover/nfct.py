@@ -4,8 +4,9 @@
 entries with their NAT bindings, so netfilter goes on translating them as the eBPF programs did.
 ctnetlink sets a created entry's NAT up from CTA_NAT_DST / CTA_NAT_SRC applied to the inverse of
 the original tuple (an entry given its translated reply tuple directly holds no NAT status bit,
-and the kernel would not rewrite its packets); a TCP entry is window-liberal (below). Each call joins `netns` on a short-lived thread
-(agent/netns.py), where the netlink socket is opened and used.
+and the kernel would not rewrite its packets); a TCP entry is window-liberal (below). Each call
+joins `netns` on a short-lived thread (agent/netns.py), where the netlink socket is opened and
+used.
 
 Measured here (Linux 6.18, pyroute2 0.9.7): a dump costs about 0.3 ms per entry, a create about
 2 ms per entry, both mostly pyroute2's own per-message work.

@@ -119,8 +119,9 @@ class EbpfHandback:
         for line in failed[:10]:
             log.warning("an eBPF flow could not be handed to nf_conntrack: %s", line)
         log.info(
-            "took over from eBPF mode: %d established flows handed to nf_conntrack (%d before the programs"
-            " were detached from %s, %d after; %d there already, %d failed), %d pins removed from %s, %.0f ms",
+            "took over from eBPF mode: %d established flows handed to nf_conntrack (%d before the"
+            " programs were detached from %s, %d after; %d there already, %d failed), %d pins removed"
+            " from %s, %.0f ms",
             done.created + more.created,
             done.created,
             ",".join(sorted(detached)) or "no device",

@@ -71,7 +71,9 @@ def lab() -> Iterator[Lab]:
 
 def objects(cluster: Cluster) -> list[dict[str, Any]]:
     eps = [ep(cluster, name) for name in BACKENDS]
-    echo = service("echo", ECHO_IP, [Port("echo", NAMED_PORT, NAMED_PORT, node_port=NODE_PORT)], type="NodePort")
+    echo = service(
+        "echo", ECHO_IP, [Port("echo", NAMED_PORT, NAMED_PORT, node_port=NODE_PORT)], type="NodePort"
+    )
     udp = service("udp", UDP_IP, [Port("udp", UDP_PORT, UDP_PORT, "UDP")])
     dns = service("kube-dns", DNS_IP, [Port("dns", 53, 53, "UDP"), Port("dns-tcp", 53, 53, "TCP")])
     return [*with_endpoints(echo, eps), *with_endpoints(udp, eps), *with_endpoints(dns, eps)]
@@ -96,7 +98,16 @@ def start_client(lab: Lab, where: str, name: str, *args: str) -> Client:
     stop, out = lab.tmpdir / f"stop-{name}", lab.tmpdir / f"{name}.json"
     with open(out, "wb") as f:
         proc = lab.popen(
-            where, sys.executable, CLIENT, *args, "--stop-file", str(stop), "--max-s", "90", name=name, stdout=f
+            where,
+            sys.executable,
+            CLIENT,
+            *args,
+            "--stop-file",
+            str(stop),
+            "--max-s",
+            "90",
+            name=name,
+            stdout=f,
         )
     return Client(name, proc, stop, out)
 
@@ -106,7 +117,9 @@ def start_traffic(lab: Lab) -> list[Client]:
     clients = [start_client(lab, "pod-1-1", f"clusterip-{i}", *named, ECHO_IP) for i in range(4)]
     nodeport = ["named", "--port", str(NODE_PORT), "--interval", "0.05", "--addr", lab.nodes[0].ip]
     clients += [start_client(lab, "client", f"nodeport-{i}", *nodeport) for i in range(2)]
-    clients.append(start_client(lab, "pod-1-1", "udpflow", "udpflow", "--addr", UDP_IP, "--port", str(UDP_PORT)))
+    clients.append(
+        start_client(lab, "pod-1-1", "udpflow", "udpflow", "--addr", UDP_IP, "--port", str(UDP_PORT))
+    )
     clients.append(start_client(lab, "pod-1-1", "dns", "dnsloop", "--addr", DNS_IP, "--timeout", "1"))
     return clients
 
