@@ -9,7 +9,9 @@ right after:
    FORWARD entry, with BPF_NOEXIST (an entry the data path holds already wins). Until the
    programs are attached, packets still go through netfilter, whose conntrack keeps translating
    these flows (its NAT bindings outlive any rule).
-2. after: the same again, for the flows the other data path started in between (milliseconds).
+   While the programs are being attached, nf_conntrack_tcp_be_liberal is 1 (below, in the code).
+2. after: the same again, for the flows the other data path started in between (milliseconds);
+   nf_conntrack_tcp_be_liberal back to what it was.
    From here the programs see every packet of those flows first and translate them from their
    own entries: same backend, same SNAT source and port.
 3. then, the node being served: the other data path's rules go (agent/iptables/
@@ -38,6 +40,8 @@ from agent.takeover.flows import EbpfIds, NatFlow, Skip, ebpf_entries, why_not_c
 
 log = logging.getLogger(__name__)
 
+TCP_BE_LIBERAL = "net/netfilter/nf_conntrack_tcp_be_liberal"
+
 
 def ebpf_ids(maps: Mapping[str, MapWriter]) -> EbpfIds:
     """Frontend and backend ids as the first sync wrote them."""
@@ -64,6 +68,12 @@ def _default_addresses(netns: str) -> frozenset[str]:
     return local_addresses(netns)
 
 
+def _default_sysctl(netns: str, path: str, value: str) -> str | None:
+    from agent.ebpf.proxier import write_sysctl
+
+    return write_sysctl(netns, path, value)
+
+
 def _default_cleanup(config: Config) -> Any:
     from agent.iptables.kube_proxy_cleanup import cleanup_kube_proxy
 
@@ -81,23 +91,37 @@ class KernelTakeover:
         dump: Callable[[str], Iterable[NatFlow]] = _default_dump,
         addresses: Callable[[str], Collection[str]] = _default_addresses,
         remove_rules: Callable[[Config], Any] = _default_cleanup,
+        sysctl: Callable[[str, str, str], str | None] = _default_sysctl,
         clock_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self._config = config
         self._dump = dump
         self._addresses = addresses
         self._remove_rules = remove_rules
+        self._sysctl = sysctl
         self._clock_ns = clock_ns  # CLOCK_MONOTONIC, as bpf_ktime_get_ns
+        self._liberal_was: str | None = None
         self.carried = 0
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
-        self._carry(maps, "before the programs are attached")
+        if self._carry(maps, "before the programs are attached"):
+            # While the programs are attached device by device, a carried flow can have one
+            # direction translated by a program (netfilter never sees it) and the other still in
+            # netfilter, whose window check then finds acks of data it never saw: INVALID, not
+            # translated back, and the client's stack answers with a RST. Window checks are off
+            # until every device has its program (kube-proxy's conntrack.tcpBeLiberal, for a
+            # moment); once they all have, netfilter sees no packet of these flows.
+            self._liberal_was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self._carry(maps, "after the programs were attached")
+        if self._liberal_was is not None and self._liberal_was != "1":
+            self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
+        self._liberal_was = None
         self._remove_rules(self._config)
 
-    def _carry(self, maps: Mapping[str, MapWriter], when: str) -> None:
+    def _carry(self, maps: Mapping[str, MapWriter], when: str) -> int:
+        """Carries what nf_conntrack holds; returns the number of flows it found to carry."""
         started = time.monotonic()
         netns = self._config.netns
         flows = list(self._dump(netns))
@@ -138,3 +162,4 @@ class KernelTakeover:
                 len(flows),
                 (time.monotonic() - started) * 1000,
             )
+        return inserted + present

@@ -223,6 +223,7 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
         dump=dump,
         addresses=lambda netns: {"192.168.0.11"},
         remove_rules=lambda config: events.append(f"remove rules {config.netns}"),
+        sysctl=lambda netns, path, value: events.append(f"{path}={value}") or "0",  # type: ignore[func-returns-value]
         clock_ns=lambda: NOW,
     )
     maps = fake_maps()
@@ -235,7 +236,8 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
     takeover.after_attach(maps)
     assert takeover.carried == 2 and len(maps["ct_tcp"].items()) == 4
     assert dict((bytes(k), bytes(v)) for k, v in maps["ct_tcp"].items())[bytes(fkey)] == bytes(mine)
-    assert events == ["dump node1", "dump node1", "remove rules node1"]
+    liberal = "net/netfilter/nf_conntrack_tcp_be_liberal"
+    assert events == ["dump node1", f"{liberal}=1", "dump node1", f"{liberal}=0", "remove rules node1"]
 
 
 def test_the_handback_writes_detaches_writes_the_late_flows_and_removes_the_pins(tmp_path: Path) -> None:
@@ -311,6 +313,7 @@ def test_flows_carried_from_nf_conntrack_go_on_through_the_programs(dp: Datapath
             dump=lambda netns: [CLUSTERIP, NODEPORT],
             addresses=lambda netns: (),
             remove_rules=lambda c: None,
+            sysctl=lambda netns, path, value: None,
         )
         takeover.before_attach(dp.maps)
         assert takeover.carried == 2

@@ -13,7 +13,8 @@ serving), and the agent of the other data path starts over the same node. Throug
 
 kube-proxy's iptables layout is this project's iptables mode run as if it were kube-proxy (it
 writes upstream's layout byte for byte) with the legacy backend, then stopped without cleanup;
-iptables mode itself runs with the nft backend. After the switch the old data path's state is
+iptables mode itself runs with the nft backend. kube-proxy's nftables mode is its `ip kube-proxy`
+table for the same Services (lab/kubeproxy_nft.py), loaded with the real `nft`. After the switch the old data path's state is
 gone: no KUBE- chain in either backend after a switch to eBPF mode, no pin and no tc filter of
 ours after a switch to iptables mode.
 """
@@ -33,8 +34,9 @@ import pytest
 
 from lab import Lab
 from lab.core import PODSERVER
-from lab.harness import CLIENT, Agent, Cluster, ep
-from lab.objects import Port, service, with_endpoints
+from lab.harness import CLIENT, CLUSTER_CIDR, Agent, Cluster, ep
+from lab.kubeproxy_nft import NftPort, ruleset
+from lab.objects import NS, Port, service, with_endpoints
 from tests.conftest import require_kernel
 
 pytestmark = pytest.mark.kernel
@@ -131,8 +133,11 @@ class Switch:
     before_flags: tuple[str, ...] = ()
 
 
+NFTABLES = "kube-proxy-nftables"  # no agent: kube-proxy's nftables table, written by lab/kubeproxy_nft.py
+
 SWITCHES = {
     "kube-proxy-iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=legacy",)),
+    "kube-proxy-nftables-to-ebpf": Switch(NFTABLES, "ebpf"),
     "ebpf-to-iptables": Switch("ebpf", "iptables"),
     "iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=nft",)),
 }
@@ -140,6 +145,37 @@ SWITCHES = {
 
 # The kubelet's (kube-proxy's own --cleanup leaves them too: agent/iptables/kube_proxy_cleanup.py).
 KUBELET_CHAINS = (":KUBE-FIREWALL ", ":KUBE-KUBELET-CANARY ", ":KUBE-IPTABLES-HINT ", ":KUBE-MARK-DROP ")
+
+
+def nft_ports(cluster: Cluster) -> list[NftPort]:
+    eps = tuple((cluster.lab.pod(name).ip, 0) for name in BACKENDS)
+
+    def port(name: str, port_name: str, proto: str, ip: str, port: int, node_port: int = 0) -> NftPort:
+        return NftPort(
+            NS, name, port_name, proto, ip, port, tuple((a, port) for a, _ in eps), node_port=node_port
+        )
+
+    return [
+        port("echo", "echo", "tcp", ECHO_IP, NAMED_PORT, NODE_PORT),
+        port("udp", "udp", "udp", UDP_IP, UDP_PORT),
+        port("kube-dns", "dns", "udp", DNS_IP, 53),
+        port("kube-dns", "dns-tcp", "tcp", DNS_IP, 53),
+    ]
+
+
+def run_kube_proxy_nftables(cluster: Cluster) -> None:
+    """kube-proxy in nftables mode has programmed the node (its table), and was stopped: the
+    table stays, as kube-proxy leaves it."""
+    lab, node = cluster.lab, cluster.lab.nodes[0]
+    assert lab.tmpdir is not None
+    script = lab.tmpdir / "kube-proxy.nft"
+    script.write_text(
+        ruleset(
+            nft_ports(cluster), cluster_cidr=CLUSTER_CIDR, service_cidr="10.96.0.0/12", node_ips=[node.ip]
+        )
+    )
+    lab.set_sysctl(node, "net.ipv4.ip_forward", "1")
+    lab.run(node, "nft", "-f", str(script))
 
 
 def kube_chains(cluster: Cluster) -> list[str]:
@@ -150,12 +186,17 @@ def kube_chains(cluster: Cluster) -> list[str]:
 
 @pytest.mark.parametrize("switch", list(SWITCHES.values()), ids=list(SWITCHES))
 def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: Switch) -> None:
-    cluster = Cluster(lab, switch.before, extra=switch.before_flags)
+    nftables = switch.before == NFTABLES
+    cluster = Cluster(lab, "iptables" if nftables else switch.before, extra=switch.before_flags)
     first = cluster.agents[0]
     second = Agent(lab, first.node, switch.after, first.source)
     second.log_path = first.log_path.with_name(f"agent-{switch.after}-{first.node.name}.log")
-    cluster.start()
-    cluster.apply(objects(cluster))
+    if nftables:
+        cluster.version = cluster.write(objects(cluster))
+        run_kube_proxy_nftables(cluster)
+    else:
+        cluster.start()
+        cluster.apply(objects(cluster))
     clients = start_traffic(lab)
     results: dict[str, dict[str, Any]] = {}
     try:
@@ -180,6 +221,10 @@ def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: S
         if switch.after == "ebpf":
             assert "took over established flows from nf_conntrack" in log, log[-3000:]
             assert kube_chains(cluster) == [], "the iptables data path's chains are removed once eBPF serves"
+            tables = lab.run(first.node, "nft", "list", "tables").stdout
+            assert "kube-proxy" not in tables, (
+                f"kube-proxy's nftables table is removed once eBPF serves: {tables}"
+            )
             assert cluster.bpf_stats()["drop_no_flow"] == 0
         else:
             assert "took over from eBPF mode" in log, log[-3000:]
