@@ -15,8 +15,8 @@ that no retry can fix into one message and exit status 1 before anything is crea
 
 from __future__ import annotations
 
-import gc
 import dataclasses
+import gc
 import logging
 import sys
 from collections.abc import Callable, Mapping

@@ -48,10 +48,14 @@ def _base(cluster_cidr: str, service_cidr: str, node_ips: Sequence[str]) -> list
         f'add table {t} {{ comment "rules for kube-proxy" ; }}',
         f'add set {t} cluster-ips {{ type ipv4_addr ; comment "Active ClusterIPs" ; }}',
         f'add set {t} nodeport-ips {{ type ipv4_addr ; comment "IPs that accept NodePort traffic" ; }}',
-        f'add map {t} firewall-ips {{ {addr_map} ; comment "destinations that are subject to LoadBalancerSourceRanges" ; }}',
-        f'add map {t} no-endpoint-nodeports {{ {port_map} ; comment "vmap to drop or reject packets to service nodeports with no endpoints" ; }}',
-        f'add map {t} no-endpoint-services {{ {addr_map} ; comment "vmap to drop or reject packets to services with no endpoints" ; }}',
-        f'add map {t} service-ips {{ {addr_map} ; comment "ClusterIP, ExternalIP and LoadBalancer IP traffic" ; }}',
+        f'add map {t} firewall-ips {{ {addr_map} ; comment "destinations that are subject'
+        f' to LoadBalancerSourceRanges" ; }}',
+        f'add map {t} no-endpoint-nodeports {{ {port_map} ; comment "vmap to drop or'
+        f' reject packets to service nodeports with no endpoints" ; }}',
+        f'add map {t} no-endpoint-services {{ {addr_map} ; comment "vmap to drop or'
+        f' reject packets to services with no endpoints" ; }}',
+        f'add map {t} service-ips {{ {addr_map} ; comment "ClusterIP, ExternalIP and'
+        f' LoadBalancer IP traffic" ; }}',
         f'add map {t} service-nodeports {{ {port_map} ; comment "NodePort traffic" ; }}',
         f"add chain {t} cluster-ips-check",
         f"add chain {t} filter-prerouting-pre-dnat {{ type filter hook prerouting priority -110 ; }}",
@@ -66,11 +70,14 @@ def _base(cluster_cidr: str, service_cidr: str, node_ips: Sequence[str]) -> list
         f"add chain {t} nat-postrouting {{ type nat hook postrouting priority 100 ; }}",
         f"add chain {t} nat-prerouting {{ type nat hook prerouting priority -100 ; }}",
         f"add chain {t} nodeport-endpoints-check",
-        f'add chain {t} reject-chain {{ comment "helper for @no-endpoint-services / @no-endpoint-nodeports" ; }}',
+        f'add chain {t} reject-chain {{ comment "helper for @no-endpoint-services /'
+        f' @no-endpoint-nodeports" ; }}',
         f"add chain {t} services",
         f"add chain {t} service-endpoints-check",
-        f'add rule {t} cluster-ips-check ip daddr @cluster-ips reject comment "Reject traffic to invalid ports of ClusterIPs"',
-        f'add rule {t} cluster-ips-check ip daddr {{ {service_cidr} }} drop comment "Drop traffic to unallocated ClusterIPs"',
+        f'add rule {t} cluster-ips-check ip daddr @cluster-ips reject comment "Reject'
+        f' traffic to invalid ports of ClusterIPs"',
+        f'add rule {t} cluster-ips-check ip daddr {{ {service_cidr} }} drop comment "Drop'
+        f' traffic to unallocated ClusterIPs"',
         f"add rule {t} filter-prerouting-pre-dnat ct state new jump firewall-check",
         f"add rule {t} filter-forward ct state new jump service-endpoints-check",
         f"add rule {t} filter-forward ct state new jump cluster-ips-check",
@@ -87,7 +94,8 @@ def _base(cluster_cidr: str, service_cidr: str, node_ips: Sequence[str]) -> list
         f"add rule {t} nat-output jump services",
         f"add rule {t} nat-postrouting jump masquerading",
         f"add rule {t} nat-prerouting jump services",
-        f"add rule {t} nodeport-endpoints-check ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports",
+        f"add rule {t} nodeport-endpoints-check ip daddr @nodeport-ips meta l4proto . th"
+        f" dport vmap @no-endpoint-nodeports",
         f"add rule {t} reject-chain reject",
         f"add rule {t} services ip daddr . meta l4proto . th dport vmap @service-ips",
         f"add rule {t} services ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports",

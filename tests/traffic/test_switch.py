@@ -13,10 +13,11 @@ serving), and the agent of the other data path starts over the same node. Throug
 
 kube-proxy's iptables layout is this project's iptables mode run as if it were kube-proxy (it
 writes upstream's layout byte for byte) with the legacy backend, then stopped without cleanup;
-iptables mode itself runs with the nft backend. kube-proxy's nftables mode is its `ip kube-proxy`
-table for the same Services (lab/kubeproxy_nft.py), loaded with the real `nft`. After the switch the old data path's state is
-gone: no KUBE- chain in either backend after a switch to eBPF mode, no pin and no tc filter of
-ours after a switch to iptables mode.
+iptables mode itself runs with the nft backend. kube-proxy's nftables mode is its
+`ip kube-proxy` table for the same Services (lab/kubeproxy_nft.py), loaded with the real `nft`.
+After the switch the old data path's state is gone: no KUBE- chain in either backend and no
+`ip kube-proxy` table after a switch to eBPF mode, no pin and no tc filter of ours after a switch
+to iptables mode.
 """
 
 from __future__ import annotations
