@@ -33,6 +33,8 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
+from pyroute2.netlink.exceptions import NetlinkError
+
 from agent.config import Config
 from agent.ebpf import abi
 from agent.ebpf.maps import MapError, MapWriter, UpdateFlag
@@ -124,7 +126,17 @@ class KernelTakeover:
         """Carries what nf_conntrack holds; returns the number of flows it found to carry."""
         started = time.monotonic()
         netns = self._config.netns
-        flows = list(self._dump(netns))
+        try:
+            flows = list(self._dump(netns))
+        except (OSError, NetlinkError) as exc:  # no nf_conntrack to read, or no NET_ADMIN
+            log.warning(
+                "cannot read nf_conntrack in netns %s (%s): flows established before this agent"
+                " (kube-proxy's, iptables mode's) are not carried over and their next segments are"
+                " dropped; the agent needs NET_ADMIN",
+                netns or "(own)",
+                exc,
+            )
+            return 0
         ids = ebpf_ids(maps)
         node = self._addresses(netns)
         skipped: Counter[Skip] = Counter()

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from pyroute2.netlink.exceptions import NetlinkError
+
 from agent.config import Config
 from agent.ebpf import abi
 from agent.takeover.flows import NatFlow, Timeouts, nat_flow
@@ -105,6 +107,19 @@ class EbpfHandback:
     def run(self) -> None:
         if not self.pending:
             return
+        try:
+            self._run()
+        except (OSError, NetlinkError) as exc:
+            log.error(
+                "cannot take over from eBPF mode at %s (%s): its programs stay attached and go on translating"
+                " in front of the rules. The agent needs CAP_BPF and a seccomp profile that allows bpf(2)"
+                " (the chart's takeOverFromEbpf); or run `agent --cleanup` on the node, which drops the"
+                " established connections",
+                self._config.pin_path,
+                exc,
+            )
+
+    def _run(self) -> None:
         started = time.monotonic()
         netns, pin_path = self._config.netns, self._config.pin_path
         timeouts = timeouts_of(self._config)

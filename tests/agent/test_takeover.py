@@ -352,3 +352,26 @@ def test_flows_written_into_nf_conntrack_carry_their_nat(netns: str) -> None:
         kernel = got[flow.orig]
         assert kernel.reply == flow.reply and kernel.tcp_state == TcpState.ESTABLISHED
         assert kernel.status & kernel_status(flow) == kernel_status(flow), hex(kernel.status)
+
+
+def test_a_takeover_that_cannot_read_the_other_side_logs_the_fix_and_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refused(_: str) -> list[NatFlow]:
+        raise PermissionError(1, "Operation not permitted")
+
+    takeover = KernelTakeover(
+        Config(netns="node1"),
+        dump=refused,
+        addresses=lambda netns: (),
+        remove_rules=lambda c: None,
+        sysctl=lambda netns, path, value: pytest.fail("no window to cover: nothing was carried"),
+    )
+    takeover.before_attach(fake_maps())
+    assert takeover.carried == 0 and "needs NET_ADMIN" in caplog.text
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_any"].name).touch()
+    handback = EbpfHandback(Config(pin_path=str(pins)), read=refused)
+    handback.run()
+    assert "takeOverFromEbpf" in caplog.text and "its programs stay attached" in caplog.text
