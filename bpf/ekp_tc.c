@@ -4,6 +4,7 @@
  *
  *   ekp_from_pod  ingress of the node side of every pod veth        (scope EKP_SCOPE_INTERNAL)
  *   ekp_from_net  ingress of the node's external devices (--devices) (scope EKP_SCOPE_EXTERNAL)
+ *   ekp_xdp_net   XDP of the same external devices (--bpf-xdp), ahead of ekp_from_net
  *
  * Built by agent/ebpf/loader.py with bcc: BPF(src_file=ekp_tc.c, cflags=[-DEKP_PIN_DIR=...,
  * -DEKP_<ROLE>_MAX=..., -I<bpf dir>]). The logic lives in the headers (ekp_core.h first); this
@@ -163,6 +164,16 @@ static __always_inline u64 *ekp_stats_lookup(u32 *k)
 	return ekp_stats_v3.lookup(k);
 }
 
+static __always_inline u64 *ekp_xstats_lookup(u32 *k)
+{
+	return ekp_xstats_v3.lookup(k);
+}
+
+static __always_inline struct ekp_maglev *ekp_maglev_lookup(struct ekp_maglev_key *k)
+{
+	return ekp_maglev_v2.lookup(k);
+}
+
 static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 {
 	u32 zero = 0;
@@ -172,6 +183,7 @@ static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 /* ---- programs ---- */
 
 #include "ekp_core.h"
+#include "ekp_xdp.h"
 
 int ekp_from_pod(struct __sk_buff *skb)
 {
@@ -181,4 +193,11 @@ int ekp_from_pod(struct __sk_buff *skb)
 int ekp_from_net(struct __sk_buff *skb)
 {
 	return ekp_main(skb, EKP_SCOPE_EXTERNAL);
+}
+
+/* XDP on the external devices (--bpf-xdp): before the skb exists, the part of ekp_from_net's work
+ * that needs no skb (ekp_xdp.h); everything else goes on to ekp_from_net. */
+int ekp_xdp_net(struct xdp_md *ctx)
+{
+	return ekp_xdp_main(ctx);
 }
