@@ -8,7 +8,8 @@ and the kernel would not rewrite its packets); a TCP entry is window-liberal (be
 joins `netns` on a short-lived thread (agent/netns.py), where the netlink socket is opened and
 used.
 
-Measured here (Linux 6.18, pyroute2 0.9.7): a dump costs about 0.3 ms per entry, a create about
+Measured here (Linux 6.18, pyroute2 0.9.7): a dump costs about 0.3 ms per entry it returns (the
+kernel filters on DST_NAT: 20 translated entries among 2,020 dumped in 21 ms), a create about
 2 ms per entry, both mostly pyroute2's own per-message work.
 """
 
@@ -25,7 +26,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple, NFCTSocket
 
 from agent.netns import netns_route, run_in_netns
-from agent.takeover.flows import TCP, UDP, NatFlow, TcpState, Timeouts, kernel_status, timeout_of
+from agent.takeover.flows import IPS_DST_NAT, TCP, UDP, NatFlow, TcpState, Timeouts, kernel_status, timeout_of
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,14 @@ def _flow(msg: Any) -> NatFlow | None:
 
 
 def dump_flows(netns: str) -> list[NatFlow]:
-    """Every IPv4 TCP and UDP entry of nf_conntrack in `netns`."""
+    """The IPv4 TCP and UDP entries of nf_conntrack in `netns` whose destination was translated:
+    the kernel filters on the status bit (Linux 5.15+), so a node's untranslated flows, however
+    many, cost nothing here."""
 
     def run() -> list[NatFlow]:
         with NFCTSocket(nfgen_family=socket.AF_INET) as ct:
-            return [f for f in (_flow(m) for m in ct.dump()) if f is not None]
+            dumped = ct.dump(status=IPS_DST_NAT, status_mask=IPS_DST_NAT)
+            return [f for f in (_flow(m) for m in dumped) if f is not None]
 
     return run_in_netns(netns, run)
 
