@@ -28,7 +28,8 @@ and one rejected service port never keeps the others from being programmed.
   full sync, and stale chains are deleted at most once per `--iptables-sync-period`.
 * After the rules: stale UDP conntrack entries (conntrack.py), only when UDP ports changed.
 * After the first sync's rules, on a node switched from eBPF mode: the eBPF conntrack's flows
-  handed to nf_conntrack, the programs detached and the pins removed (agent/takeover/out_of_ebpf.py).
+  handed to nf_conntrack, the programs detached and the pins removed (agent/takeover/out_of_ebpf.py);
+  on a node kube-proxy ran in nftables mode, its tables deleted.
 
 kube-proxy's conntrack sysctls (`Config.conntrack`) are applied once, before the first sync reads
 nf_conntrack_tcp_be_liberal, as kube-proxy applies them before creating its proxier.
@@ -59,6 +60,7 @@ from agent.iptables.cleanup import CleanupReport, cleanup, owns_something
 from agent.iptables.conntrack import ConntrackCleaner, UdpFrontends, udp_frontends
 from agent.iptables.conntrack_sysctls import apply_conntrack_settings
 from agent.iptables.isolate import isolate
+from agent.iptables.kube_proxy_cleanup import KubeProxyCleanupReport, cleanup_nft_tables
 from agent.iptables.nfacct import Counters, NetlinkCounters
 from agent.iptables.rules import (
     LARGE_CLUSTER_ENDPOINTS_THRESHOLD,
@@ -159,7 +161,7 @@ class IptablesProxier:
         self._config = config
         # Once the first sync put the rules in place: the eBPF data path's flows, programs and pins
         # (a node switched from eBPF mode), agent/takeover/out_of_ebpf.py.
-        self._take_over = take_over if take_over is not None else EbpfHandback(config).run
+        self._take_over = take_over if take_over is not None else self._take_over_node
         self._taken_over = False
         self._runner: IptablesRunner = runner if runner is not None else SubprocessRunner(config)
         # A runner for one named backend ("nft", "legacy"), for the cleanup of both.
@@ -187,6 +189,13 @@ class IptablesProxier:
         self._udp: UdpFrontends | None = None
         self._digests = canonical.DigestCache()
         self.last_sync: SyncStats | None = None
+
+    def _take_over_node(self) -> None:
+        """Another data path's state, once our rules serve: eBPF mode's programs and pins (their
+        flows handed to nf_conntrack first), kube-proxy's nftables tables (their flows are in
+        nf_conntrack already)."""
+        EbpfHandback(self._config).run()
+        cleanup_nft_tables(self._runner, KubeProxyCleanupReport())
 
     @property
     def runner(self) -> IptablesRunner:

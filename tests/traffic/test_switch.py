@@ -1,6 +1,7 @@
 """Switching a live node's data path keeps its established connections (issue 19, item 2).
 
-kube-proxy -> eBPF mode, eBPF mode -> iptables mode, iptables mode -> eBPF mode: the agent of one
+kube-proxy -> eBPF mode, eBPF mode -> iptables mode, iptables mode -> eBPF mode (and kube-proxy in
+nftables mode -> iptables mode, whose rules would otherwise run beside its table): the agent of one
 data path runs the node, long-lived connections and a resolver's lookups go through its Services,
 it stops as the chart stops a pod (SIGTERM: its rules, or its programs and pins, stay and keep
 serving), and the agent of the other data path starts over the same node. Through the switch:
@@ -139,6 +140,7 @@ NFTABLES = "kube-proxy-nftables"  # no agent: kube-proxy's nftables table, writt
 SWITCHES = {
     "kube-proxy-iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=legacy",)),
     "kube-proxy-nftables-to-ebpf": Switch(NFTABLES, "ebpf"),
+    "kube-proxy-nftables-to-iptables": Switch(NFTABLES, "iptables"),
     "ebpf-to-iptables": Switch("ebpf", "iptables"),
     "iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=nft",)),
 }
@@ -219,14 +221,16 @@ def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: S
         assert len(flow["backends"]) == 1 and flow["sent"] > 60 and flow["lost"] <= 1, flow
         dns = results["dns"]
         assert dns["failed"] == 0 and dns["lookups"] > 60, dns
+        tables = lab.run(first.node, "nft", "list", "tables").stdout
+        assert "kube-proxy" not in tables, (
+            f"kube-proxy's nftables table is removed once the agent serves: {tables}"
+        )
         if switch.after == "ebpf":
             assert "took over established flows from nf_conntrack" in log, log[-3000:]
             assert kube_chains(cluster) == [], "the iptables data path's chains are removed once eBPF serves"
-            tables = lab.run(first.node, "nft", "list", "tables").stdout
-            assert "kube-proxy" not in tables, (
-                f"kube-proxy's nftables table is removed once eBPF serves: {tables}"
-            )
             assert cluster.bpf_stats()["drop_no_flow"] == 0
+        elif nftables:
+            assert "deleted nftables table ip kube-proxy" in log, log[-3000:]
         else:
             assert "took over from eBPF mode" in log, log[-3000:]
             assert not Path(first.pin_path).exists(), "the eBPF pins are removed"
