@@ -221,6 +221,11 @@ def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: S
         assert len(flow["backends"]) == 1 and flow["sent"] > 60 and flow["lost"] <= 1, flow
         dns = results["dns"]
         assert dns["failed"] == 0 and dns["lookups"] > 60, dns
+        tcp = [r["exchanges"] for n, r in results.items() if n.startswith(("clusterip", "nodeport"))]
+        print(
+            f"\n{switch.before} -> {switch.after}: {len(tcp)} connections, {min(tcp)}-{max(tcp)} lines each;"
+            f" UDP flow {flow['sent']} sent, {flow['lost']} lost; DNS {dns['lookups']} lookups, {dns['retried']} retried"
+        )
         tables = lab.run(first.node, "nft", "list", "tables").stdout
         assert "kube-proxy" not in tables, (
             f"kube-proxy's nftables table is removed once the agent serves: {tables}"
