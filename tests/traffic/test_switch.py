@@ -224,7 +224,8 @@ def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: S
         tcp = [r["exchanges"] for n, r in results.items() if n.startswith(("clusterip", "nodeport"))]
         print(
             f"\n{switch.before} -> {switch.after}: {len(tcp)} connections, {min(tcp)}-{max(tcp)} lines each;"
-            f" UDP flow {flow['sent']} sent, {flow['lost']} lost; DNS {dns['lookups']} lookups, {dns['retried']} retried"
+            f" UDP flow {flow['sent']} sent, {flow['lost']} lost;"
+            f" DNS {dns['lookups']} lookups, {dns['retried']} retried"
         )
         tables = lab.run(first.node, "nft", "list", "tables").stdout
         assert "kube-proxy" not in tables, (
