@@ -86,7 +86,8 @@ class DatapathLike(Protocol):
 
 
 class UpgradeLike(Protocol):
-    """agent.ebpf.upgrade.Upgrade: the conntrack of an older ABI carried over around the first attach."""
+    """A step around the first attach (StartSteps): the conntrack of an older ABI carried over
+    (agent.ebpf.upgrade.Upgrade), nf_conntrack's flows taken over (agent.takeover.into_ebpf)."""
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
 
