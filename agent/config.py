@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agent.localdetect import LocalDetector, LocalMode, local_detector
 from agent.settings.kinds import NODEPORT_PRIMARY
 from agent.settings.table import BY_NAME, DEFAULT_PIN_PATH, SETTINGS, Mode, default
 
@@ -128,6 +129,9 @@ class Config:
     cleanup_kube_proxy: bool = default("cleanup_kube_proxy")
     init_only: bool = default("init_only")
     cluster_cidr: tuple[str, ...] = default("cluster_cidr")
+    detect_local_mode: LocalMode = default("detect_local_mode")
+    pod_bridge_interface: str = default("pod_bridge_interface")
+    pod_interface_name_prefix: str = default("pod_interface_name_prefix")
     masquerade_all: bool = default("masquerade_all")
     masquerade_bit: int = default("masquerade_bit")
     nodeport_addresses: tuple[str, ...] = default("nodeport_addresses")  # () = every node address
@@ -147,6 +151,17 @@ class Config:
     # iptables mode
     iptables_backend: str = default("iptables_backend")  # auto | nft | legacy
     iptables_localhost_nodeports: bool = default("iptables_localhost_nodeports")
+
+    def local_detector(self, node_pod_cidrs: Iterable[str] = ()) -> LocalDetector:
+        """kube-proxy's local-traffic detector; `node_pod_cidrs` (the Node's spec.podCIDRs) is
+        what NodeCIDR reads."""
+        return local_detector(
+            self.detect_local_mode,
+            cluster_cidrs=self.cluster_cidr,
+            node_pod_cidrs=node_pod_cidrs,
+            bridge_interface=self.pod_bridge_interface,
+            interface_name_prefix=self.pod_interface_name_prefix,
+        )
 
     def gate(self, name: str, default: bool) -> bool:
         """A feature gate's value: as --feature-gates / featureGates set it, else `default`."""

@@ -369,8 +369,10 @@ class Config(_Struct):
         ("udp_stream_s", u32),
         ("icmp_rate", u32),
         ("icmp_burst", u32),
-        ("flags", u32),
-        ("pad", u32),
+        ("local_net", u32),
+        ("local_plen", u8),
+        ("local_by_src", u8),
+        ("pad", u16),
     ]
 
 
