@@ -25,6 +25,15 @@ turns an eBPF FORWARD entry back into it. Which flows are carried:
   backend, known or not, as it would under kube-proxy.
 * eBPF -> kernel: FORWARD entries not expired and not closed (a RST, FINs both ways).
 
+With legacy host routing (--bpf-host-routing=legacy, bpf/ekp_host.h) the node's stack sees every
+packet of an eBPF flow between its two translations, as client:cport <-> backend:bport with real
+addresses both ways (`stack_flow`), and nf_conntrack tracks it as that plain flow. Its reply tuple
+is the reply tuple of the flow's NAT entry whenever the source was not translated, and the kernel
+holds one entry per tuple: while the NAT entry is there, the stack's NAT gives the plain flow's
+packets another source port (its null binding finds the reply tuple taken), and the backend resets
+the stranger; while the plain entry is there, ctnetlink refuses the NAT entry. So each side
+replaces the other's entry (agent/takeover/into_ebpf.py, out_of_ebpf.py).
+
 State is carried as far as the other table can hold it: an established TCP flow stays
 established (the long timeout), a flow with one FIN stays half-closed, a UDP flow that was
 replied stays replied (a stream when the kernel had it assured).
@@ -195,6 +204,20 @@ def ebpf_entries(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[CtKey, 
         **common,
     )
     return [(reply_key, reply), (forward_key, forward)]  # the REPLY entry first, as the data path
+
+
+def stack_flow(flow: NatFlow) -> NatFlow:
+    """`flow` as the node's stack tracks it under legacy host routing: client <-> backend, no
+    translation (module doc), in the same state."""
+    s, _, sp, _ = flow.orig
+    backend, bport = flow.reply[0], flow.reply[2]
+    return NatFlow(
+        proto=flow.proto,
+        orig=(s, backend, sp, bport),
+        reply=(backend, s, bport, sp),
+        status=flow.status,
+        tcp_state=flow.tcp_state,
+    )
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """nf_conntrack through ctnetlink (pyroute2), in the namespace the agent programs.
 
 `dump_flows` lists the IPv4 TCP and UDP entries as `NatFlow`s; `create_flows` writes flows as new
-entries with their NAT bindings, so netfilter goes on translating them as the eBPF programs did.
+entries with their NAT bindings, so netfilter goes on translating them as the eBPF programs did;
+`delete_flows` removes entries by tuple.
 ctnetlink sets a created entry's NAT up from CTA_NAT_DST / CTA_NAT_SRC applied to the inverse of
 the original tuple (an entry given its translated reply tuple directly holds no NAT status bit,
 and the kernel would not rewrite its packets); a TCP entry is window-liberal (below). Each call
@@ -18,7 +19,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,7 @@ class Created:
     created: int = 0
     present: int = 0  # an entry on that tuple existed (netfilter's own, or created by a pass before)
     failed: list[str] = field(default_factory=list)
+    taken: list[NatFlow] = field(default_factory=list)  # the flows counted in `present`
 
 
 def _nat(addr: str, port: int) -> dict[str, Any]:
@@ -106,10 +108,13 @@ def _entry(flow: NatFlow, timeouts: Timeouts) -> dict[str, Any]:
         "status": kernel_status(flow),
         "timeout": timeout_of(flow, timeouts),
     }
-    if flow.dnat:
-        attrs["nat_dst"] = _nat(rs, rsp)
-    if flow.snat:
-        attrs["nat_src"] = _nat(rd, rdp)
+    # Both bindings given, an untranslated side as itself: without one, ctnetlink sets that side up
+    # as netfilter's null binding, which takes another source port when an entry holds the reply
+    # tuple (under legacy host routing, the plain client <-> backend entry the stack made for this
+    # very flow: agent/takeover/flows.py). Pinned, the port cannot move and the kernel refuses the
+    # entry (EEXIST) instead of making one whose packets the backend resets.
+    attrs["nat_dst"] = _nat(rs, rsp)
+    attrs["nat_src"] = _nat(rd, rdp)
     if flow.proto == TCP:
         liberal = (TCP_FLAG_BE_LIBERAL, TCP_FLAG_BE_LIBERAL)  # (flags, mask)
         tcp = [
@@ -121,8 +126,16 @@ def _entry(flow: NatFlow, timeouts: Timeouts) -> dict[str, Any]:
     return attrs
 
 
-def create_flows(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Created:
-    """Create an nf_conntrack entry, NAT included, for each flow; one on the tuple already is kept."""
+def create_flows(
+    netns: str,
+    flows: Iterable[NatFlow],
+    timeouts: Timeouts,
+    *,
+    clear_first: Callable[[NatFlow], NatFlow] | None = None,
+) -> Created:
+    """Create an nf_conntrack entry, NAT included, for each flow; one on the tuple already is kept.
+    With `clear_first`, the entry on `clear_first(flow)`'s original tuple is deleted right before
+    the flow's own is created (the gap a packet could fill is one netlink round trip)."""
     wanted = list(flows)
 
     def run() -> Created:
@@ -131,17 +144,49 @@ def create_flows(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Cr
             return done
         with NFCTSocket(nfgen_family=socket.AF_INET) as ct:
             for flow in wanted:
+                if clear_first is not None:
+                    _delete(ct, clear_first(flow))
                 try:
                     ct.entry("add", **_entry(flow, timeouts))
                     done.created += 1
                 except NetlinkError as exc:
                     if exc.code == errno.EEXIST:
                         done.present += 1
+                        done.taken.append(flow)
                     else:
                         done.failed.append(f"{flow.describe()}: {exc}")
         return done
 
     return run_in_netns(netns, run)
+
+
+def delete_flows(netns: str, flows: Iterable[NatFlow]) -> int:
+    """Delete the entry on each flow's original tuple (the kernel finds it by either of an
+    entry's tuples); returns how many there were. A missing one is no error: the flow ended, or
+    the stack never tracked it."""
+    wanted = list(flows)
+
+    def run() -> int:
+        deleted = 0
+        if not wanted:
+            return deleted
+        with NFCTSocket(nfgen_family=socket.AF_INET) as ct:
+            for flow in wanted:
+                deleted += _delete(ct, flow)
+        return deleted
+
+    return run_in_netns(netns, run)
+
+
+def _delete(ct: NFCTSocket, flow: NatFlow) -> int:
+    s, d, sp, dp = flow.orig
+    try:
+        ct.entry("del", tuple_orig=NFCTAttrTuple(saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp))
+    except NetlinkError as exc:
+        if exc.code != errno.ENOENT:
+            raise
+        return 0
+    return 1
 
 
 def local_addresses(netns: str) -> frozenset[str]:
