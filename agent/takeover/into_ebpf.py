@@ -14,6 +14,15 @@ right after:
    nf_conntrack_tcp_be_liberal back to what it was.
    From here the programs see every packet of those flows first and translate them from their
    own entries: same backend, same SNAT source and port.
+   With bpf host routing netfilter sees no packet of these flows any more. With legacy host
+   routing it sees each one between the two translations, client <-> backend, and the flow's
+   NAT entry is in the way (agent/takeover/flows.py, `stack_flow`): its reply tuple is the plain
+   flow's, so the stack's NAT gives the packets another source port and the backend resets them
+   (seen in the lab: conntrack's `found` counter, plain entries whose reply port differs, created
+   and destroyed within microseconds). So each carried flow's entry is replaced by the plain one
+   the stack would have made, in the same state and window-liberal: the NAT entry deleted, then
+   the plain tuple's entry (one made since the attach holds another port), then the plain entry
+   created (one a packet made in between is kept).
 3. then, the node being served: the other data path's rules go (agent/iptables/
    kube_proxy_cleanup.py: kube-proxy's iptables chains in both backends, which are also iptables
    mode's, and kube-proxy's nftables tables). Done at every start: an eBPF node has none of them,
@@ -35,10 +44,11 @@ from typing import Any
 
 from pyroute2.netlink.exceptions import NetlinkError
 
-from agent.config import Config
+from agent.config import Config, HostRouting
 from agent.ebpf import abi
 from agent.ebpf.maps import MapError, MapWriter, UpdateFlag
-from agent.takeover.flows import EbpfIds, NatFlow, Skip, ebpf_entries, why_not_carried
+from agent.takeover.flows import EbpfIds, NatFlow, Skip, Timeouts, ebpf_entries, stack_flow, why_not_carried
+from agent.takeover.out_of_ebpf import timeouts_of
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +86,18 @@ def _default_sysctl(netns: str, path: str, value: str) -> str | None:
     return write_sysctl(netns, path, value)
 
 
+def _default_delete(netns: str, flows: Iterable[NatFlow]) -> int:
+    from agent.takeover.nfct import delete_flows
+
+    return delete_flows(netns, flows)
+
+
+def _default_create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Any:
+    from agent.takeover.nfct import create_flows
+
+    return create_flows(netns, flows, timeouts)
+
+
 def _default_cleanup(config: Config) -> Any:
     from agent.iptables.kube_proxy_cleanup import cleanup_kube_proxy
 
@@ -94,10 +116,14 @@ class KernelTakeover:
         addresses: Callable[[str], Collection[str]] = _default_addresses,
         remove_rules: Callable[[Config], Any] = _default_cleanup,
         sysctl: Callable[[str, str, str], str | None] = _default_sysctl,
+        delete: Callable[[str, Iterable[NatFlow]], int] = _default_delete,
+        create: Callable[[str, Iterable[NatFlow], Timeouts], Any] = _default_create,
         clock_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self._config = config
         self._dump = dump
+        self._delete = delete
+        self._create = create
         self._addresses = addresses
         self._remove_rules = remove_rules
         self._sysctl = sysctl
@@ -112,18 +138,57 @@ class KernelTakeover:
             # netfilter, whose window check then finds acks of data it never saw: INVALID, not
             # translated back, and the client's stack answers with a RST. Window checks are off
             # until every device has its program (kube-proxy's conntrack.tcpBeLiberal, for a
-            # moment); once they all have, netfilter sees no packet of these flows.
+            # moment); once they all have, netfilter's entries no longer translate these flows
+            # (with legacy host routing it tracks them as plain flows from after_attach on).
             self._liberal_was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
-        self._carry(maps, "after the programs were attached")
+        flows = self._carry(maps, "after the programs were attached")
+        if flows and self._config.bpf_host_routing == HostRouting.LEGACY:
+            self._to_stack(flows)
         if self._liberal_was is not None and self._liberal_was != "1":
             self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
         self._liberal_was = None
         self._remove_rules(self._config)
 
-    def _carry(self, maps: Mapping[str, MapWriter], when: str) -> int:
-        """Carries what nf_conntrack holds; returns the number of flows it found to carry."""
+    def _to_stack(self, flows: list[NatFlow]) -> None:
+        """Each carried flow's nf_conntrack entry replaced by the plain one legacy host routing's
+        stack tracks (module doc, step 2)."""
+        started = time.monotonic()
+        netns = self._config.netns
+        plain = [stack_flow(f) for f in flows]
+        try:
+            retired = self._delete(netns, flows)
+            stray = self._delete(netns, plain)
+            made = self._create(netns, plain, timeouts_of(self._config))
+        except (OSError, NetlinkError) as exc:
+            log.warning(
+                "cannot replace the NAT entries of the %d flows carried into eBPF conntrack in netns %s (%s):"
+                " with --bpf-host-routing=legacy the node's stack sees their packets as client <-> backend,"
+                " finds those entries in the way and gives the packets another source port, which the"
+                " backends reset; the agent needs NET_ADMIN (or run with --bpf-host-routing=bpf)",
+                len(flows),
+                netns or "(own)",
+                exc,
+            )
+            return
+        for line in made.failed[:10]:
+            log.warning("a carried flow's plain nf_conntrack entry could not be created: %s", line)
+        log.info(
+            "handed the %d carried flows to the node's stack (legacy host routing): %d NAT entries of"
+            " nf_conntrack replaced by client <-> backend entries (%d made by packets meanwhile, %d with"
+            " another source port removed, %d failed), %.0f ms",
+            len(flows),
+            retired,
+            made.present,
+            stray,
+            len(made.failed),
+            (time.monotonic() - started) * 1000,
+        )
+
+    def _carry(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:
+        """Carries what nf_conntrack holds; returns the flows it found to carry (carried now or
+        before)."""
         started = time.monotonic()
         netns = self._config.netns
         try:
@@ -136,17 +201,19 @@ class KernelTakeover:
                 netns or "(own)",
                 exc,
             )
-            return 0
+            return []
         ids = ebpf_ids(maps)
         node = self._addresses(netns)
         skipped: Counter[Skip] = Counter()
         inserted = present = 0
+        carried: list[NatFlow] = []
         now = self._clock_ns()
         for flow in flows:
             why = why_not_carried(flow, ids, node)
             if why is not None:
                 skipped[why] += 1
                 continue
+            carried.append(flow)
             added = False
             for key, entry in ebpf_entries(flow, ids, now):
                 try:
@@ -174,4 +241,4 @@ class KernelTakeover:
                 len(flows),
                 (time.monotonic() - started) * 1000,
             )
-        return inserted + present
+        return carried

@@ -9,9 +9,15 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
 
 1. every FORWARD entry of the pinned eBPF conntrack that is a live flow is written into
    nf_conntrack with its NAT bindings (agent/takeover/flows.py, agent/takeover/nfct.py): the
-   kernel translates it to the same backend and SNAT source from its first packet on;
-2. the programs are detached from every device of the node;
-3. the flows the programs started between 1 and 2 are written too (entries already there kept);
+   kernel translates it to the same backend and SNAT source from its first packet on. Under
+   legacy host routing nf_conntrack already tracks each of these flows as a plain client <->
+   backend flow (`stack_flow`), whose entry holds the NAT entry's reply tuple when the source
+   was not translated: it is deleted right before the flow's NAT entry is written. A packet the
+   programs translate in that gap makes it again and the write is refused (EEXIST: nfct.py pins
+   the ports); those flows get one more round at once;
+2. the programs are detached from every device of the node: no plain entry is made any more;
+3. the flows the programs started between 1 and 2, and those still refused, are written the same
+   way (entries already there kept);
 4. the pins go (maps, programs, the directory), as `agent --cleanup` removes them.
 
 Nothing happens where no eBPF conntrack is pinned at --bpf-pin-path.
@@ -29,7 +35,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.config import Config
 from agent.ebpf import abi
-from agent.takeover.flows import NatFlow, Timeouts, nat_flow
+from agent.takeover.flows import NatFlow, Timeouts, nat_flow, stack_flow
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +72,7 @@ def pinned_flows(pin_path: str) -> list[NatFlow]:
 def _create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Any:
     from agent.takeover.nfct import create_flows
 
-    return create_flows(netns, flows, timeouts)
+    return create_flows(netns, flows, timeouts, clear_first=stack_flow)
 
 
 def _detach(netns: str) -> list[str]:
@@ -125,23 +131,24 @@ class EbpfHandback:
         timeouts = timeouts_of(self._config)
         first = self._read(pin_path)
         done = self._create(netns, first, timeouts)
+        again = self._create(netns, done.taken, timeouts)
         detached = self._detach(netns)
-        seen = set(first)
-        late = [f for f in self._read(pin_path) if f not in seen]
-        more = self._create(netns, late, timeouts)
+        written = {f.orig for f in first} - {f.orig for f in again.taken}
+        more = self._create(netns, [f for f in self._read(pin_path) if f.orig not in written], timeouts)
         removed = self._remove_pins(pin_path)
-        failed = [*done.failed, *more.failed]
+        failed = [*done.failed, *again.failed, *more.failed]
         for line in failed[:10]:
             log.warning("an eBPF flow could not be handed to nf_conntrack: %s", line)
         log.info(
             "took over from eBPF mode: %d established flows handed to nf_conntrack (%d before the"
-            " programs were detached from %s, %d after; %d there already, %d failed), %d pins removed"
-            " from %s, %.0f ms",
-            done.created + more.created,
-            done.created,
+            " programs were detached from %s, %d of them in a second round, %d after; %d there"
+            " already, %d failed), %d pins removed from %s, %.0f ms",
+            done.created + again.created + more.created,
+            done.created + again.created,
             ",".join(sorted(detached)) or "no device",
+            again.created,
             more.created,
-            done.present + more.present,
+            more.present,
             len(failed),
             len(removed),
             pin_path,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import Config
+from agent.config import Config, HostRouting
 from agent.ebpf import abi
 from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
@@ -35,14 +35,16 @@ from agent.takeover.flows import (
     Skip,
     TcpState,
     Timeouts,
+    Tuple,
     ebpf_entries,
     kernel_status,
     nat_flow,
+    stack_flow,
     timeout_of,
     why_not_carried,
 )
 from agent.takeover.into_ebpf import KernelTakeover
-from agent.takeover.nfct import Created
+from agent.takeover.nfct import Created, create_flows, delete_flows, dump_flows
 from agent.takeover.out_of_ebpf import EbpfHandback
 from lab.dplab import (
     BE1,
@@ -196,6 +198,17 @@ def test_the_kernel_status_names_the_nat_it_carries() -> None:
     assert timeout_of(NatFlow(17, CLUSTERIP.orig, CLUSTERIP.reply, IPS_SEEN_REPLY), t) == 30
 
 
+def test_the_stack_tracks_a_flow_as_client_and_backend() -> None:
+    # legacy host routing: between ingress (destination) and egress (source), whatever the NAT
+    assert stack_flow(CLUSTERIP) == NatFlow(6, (POD_CLIENT, BE1, 40000, 8080), (BE1, POD_CLIENT, 8080, 40000))
+    plain = stack_flow(NODEPORT)
+    assert (plain.orig, plain.reply) == ((CLIENT, REMOTE_BE, 5555, 8080), (REMOTE_BE, CLIENT, 8080, 5555))
+    assert not plain.dnat and not plain.snat and plain.tcp_state == NODEPORT.tcp_state
+    assert kernel_status(plain) == IPS_CONFIRMED | IPS_SEEN_REPLY | IPS_ASSURED  # no NAT set up
+    # the clash: a flow whose source was not translated has the plain flow's reply tuple
+    assert stack_flow(CLUSTERIP).reply == CLUSTERIP.reply and stack_flow(NODEPORT).reply != NODEPORT.reply
+
+
 # ---- KernelTakeover and EbpfHandback with fakes --------------------------------------------------
 
 
@@ -210,7 +223,10 @@ def fake_maps() -> dict[str, MapWriter]:
     return maps
 
 
-def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules() -> None:
+@pytest.mark.parametrize("routing", list(HostRouting))
+def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules(
+    routing: HostRouting,
+) -> None:
     events: list[str] = []
     kernel = [CLUSTERIP, NatFlow(6, ("192.168.0.11", VIP, 1, 80), (BE1, "192.168.0.11", 8080, 1))]
 
@@ -218,12 +234,25 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
         events.append(f"dump {netns}")
         return list(kernel)
 
+    def delete(netns: str, flows: Iterable[NatFlow]) -> int:
+        got = [f.orig for f in flows]
+        events.append(f"delete {got}")
+        return len(got)
+
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Created:
+        got = list(flows)
+        assert all(not f.dnat and not f.snat for f in got)
+        events.append(f"create {[f.orig for f in got]}")
+        return Created(created=len(got))
+
     takeover = KernelTakeover(
-        Config(netns="node1"),
+        Config(netns="node1", bpf_host_routing=routing),
         dump=dump,
         addresses=lambda netns: {"192.168.0.11"},
         remove_rules=lambda config: events.append(f"remove rules {config.netns}"),
         sysctl=lambda netns, path, value: events.append(f"{path}={value}") or "0",  # type: ignore[func-returns-value]
+        delete=delete,
+        create=create,
         clock_ns=lambda: NOW,
     )
     maps = fake_maps()
@@ -237,7 +266,20 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
     assert takeover.carried == 2 and len(maps["ct_tcp"].items()) == 4
     assert dict((bytes(k), bytes(v)) for k, v in maps["ct_tcp"].items())[bytes(fkey)] == bytes(mine)
     liberal = "net/netfilter/nf_conntrack_tcp_be_liberal"
-    assert events == ["dump node1", f"{liberal}=1", "dump node1", f"{liberal}=0", "remove rules node1"]
+    # legacy host routing: the stack sees the carried flows again, as client <-> backend; their NAT
+    # entries go (the node's own client keeps its), then the plain tuples' (another source port,
+    # made since the attach), then the plain entries are made. bpf routing: netfilter sees none.
+    carried = [CLUSTERIP, NODEPORT]
+    plain = [stack_flow(f).orig for f in carried]
+    to_stack = [f"delete {[f.orig for f in carried]}", f"delete {plain}", f"create {plain}"]
+    assert events == [
+        "dump node1",
+        f"{liberal}=1",
+        "dump node1",
+        *(to_stack if routing == HostRouting.LEGACY else []),
+        f"{liberal}=0",
+        "remove rules node1",
+    ]
 
 
 def test_the_handback_writes_detaches_writes_the_late_flows_and_removes_the_pins(tmp_path: Path) -> None:
@@ -263,9 +305,41 @@ def test_the_handback_writes_detaches_writes_the_late_flows_and_removes_the_pins
     handback.run()
     assert events == [
         f"create node1 {[POD_CLIENT]}",
+        "create node1 []",  # none refused: no second round
         "detach node1",
         f"create node1 {[CLIENT]}",
         "remove pins",
+    ]
+
+
+def test_flows_whose_write_was_refused_are_written_again_before_and_after_the_detach(tmp_path: Path) -> None:
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_tcp"].name).touch()
+    events: list[tuple[str, list[Tuple]]] = []
+    # under legacy host routing a packet the programs translated made the plain entry again between
+    # its deletion and the write: refused (EEXIST), once for NODEPORT, twice for CLUSTERIP
+    refusals = [[CLUSTERIP, NODEPORT], [CLUSTERIP], []]
+
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Created:
+        got = list(flows)
+        events.append(("create", [f.orig for f in got]))
+        taken = refusals.pop(0)
+        return Created(created=len(got) - len(taken), present=len(taken), taken=taken)
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins)),
+        read=lambda pin_path: [CLUSTERIP, NODEPORT],
+        create=create,
+        detach=lambda netns: events.append(("detach", [])) or ["eth0"],  # type: ignore[func-returns-value]
+        remove_pins=lambda pin_path: [],
+    )
+    handback.run()
+    assert events == [
+        ("create", [CLUSTERIP.orig, NODEPORT.orig]),
+        ("create", [CLUSTERIP.orig, NODEPORT.orig]),
+        ("detach", []),
+        ("create", [CLUSTERIP.orig]),
     ]
 
 
@@ -340,9 +414,33 @@ def netns() -> Iterator[str]:
 
 
 @pytest.mark.kernel
-def test_flows_written_into_nf_conntrack_carry_their_nat(netns: str) -> None:
-    from agent.takeover.nfct import create_flows, dump_flows
+def test_a_nat_entry_and_the_stacks_plain_entry_exclude_each_other_until_one_is_deleted(netns: str) -> None:
+    # why each side of a switch deletes the other's entry under legacy host routing
+    t = Timeouts()
+    plain = stack_flow(CLUSTERIP)
+    assert create_flows(netns, [CLUSTERIP], t).created == 1
+    blocked = create_flows(netns, [plain], t)
+    assert (blocked.created, blocked.present) == (0, 1)  # its reply tuple is the NAT entry's
+    assert delete_flows(netns, [CLUSTERIP, CLUSTERIP]) == 1  # a missing entry is no error
+    assert create_flows(netns, [plain], t).created == 1
+    # refused, not made with another source port (which the backend would reset): nfct.py pins it
+    assert create_flows(netns, [CLUSTERIP], t).taken == [CLUSTERIP]
+    assert dump_flows(netns) == []
+    assert delete_flows(netns, [plain]) == 1
+    assert create_flows(netns, [CLUSTERIP], t).created == 1
+    assert [f.reply for f in dump_flows(netns)] == [CLUSTERIP.reply]
+    assert delete_flows(netns, [CLUSTERIP]) == 1
+    # the handback's write: the plain entry deleted right before the NAT entry is created
+    assert create_flows(netns, [plain], t).created == 1
+    assert create_flows(netns, [CLUSTERIP], t, clear_first=stack_flow).created == 1
+    assert delete_flows(netns, [plain]) == 0
+    # a masqueraded flow's plain entry holds no tuple of its NAT entry
+    assert create_flows(netns, [NODEPORT, stack_flow(NODEPORT)], t).created == 2
+    assert {f.orig for f in dump_flows(netns)} == {CLUSTERIP.orig, NODEPORT.orig}  # DST_NAT only
 
+
+@pytest.mark.kernel
+def test_flows_written_into_nf_conntrack_carry_their_nat(netns: str) -> None:
     t = Timeouts()
     assert create_flows(netns, [CLUSTERIP, NODEPORT], t).created == 2
     again = create_flows(netns, [NODEPORT], t)
