@@ -141,9 +141,17 @@ def test_410_relists_and_sends_only_the_differences(start_source: SourceFactory,
         assert int(sink.synced(Kind.SERVICE)[1].version) > int(before)
         assert source.list_counts()[Kind.SERVICE] == 2
         assert sink.state(Kind.SERVICE).keys() == {"default/a", "default/c", "default/d"}
+        # client-go: the first list from the watch cache (resourceVersion=0); the relist after a
+        # 410 reads consistently (no resourceVersion: the one it had is gone), in pages.
+        lists = [r for r in server.requests if is_service_list(r)]
+        assert lists[0].query.get("resourceVersion") == "0"
+        assert "resourceVersion" not in lists[-1].query and lists[-1].query.get("limit") == "3"
 
 
-def test_expired_continue_token_restarts_the_list(server: FakeApiServer, start_source: SourceFactory) -> None:
+def test_expired_continue_token_restarts_the_list(
+    paging_server: FakeApiServer, start_source: SourceFactory
+) -> None:
+    server = paging_server
     for i in range(10):
         server.create(service(f"web-{i}", f"10.96.0.{i + 1}"))
     expired: list[Request] = []
@@ -169,8 +177,9 @@ def test_expired_continue_token_restarts_the_list(server: FakeApiServer, start_s
 
 
 def test_continue_tokens_that_always_expire_fall_back_to_one_request(
-    server: FakeApiServer, start_source: SourceFactory
+    paging_server: FakeApiServer, start_source: SourceFactory
 ) -> None:
+    server = paging_server
     for i in range(7):
         server.create(service(f"web-{i}", f"10.96.0.{i + 1}"))
     server.on_request(
