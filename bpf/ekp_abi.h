@@ -161,6 +161,8 @@ enum ekp_ct_dir {
 #define EKP_CT_FIN_REPLY   (1 << 4) /* the backend sent a FIN */
 #define EKP_CT_RST         (1 << 5) /* either side sent a RST */
 #define EKP_CT_MIGRATED    (1 << 6) /* copied from an ABI v1 entry by the upgrade */
+#define EKP_CT_ADOPTED     (1 << 7) /* taken over from nf_conntrack at start (a flow kube-proxy or
+				     * iptables mode translated): agent/takeover/flows.py */
 
 struct ekp_ct_key {
 	__be32 saddr; /* be: source address as on the wire */

@@ -95,6 +95,7 @@ class CtFlag(IntEnum):
     FIN_REPLY = 1 << 4
     RST = 1 << 5
     MIGRATED = 1 << 6
+    ADOPTED = 1 << 7
 
 
 class CtqRing(IntEnum):
