@@ -474,9 +474,12 @@ class Reflector:
         token: str | None = None
         expired = 0
         pages = 0
+        asked: str | None = None  # the resourceVersion this list's first request asked for
         while True:
             rv, limit = self._list_options(expired)
-            if token is not None:
+            if token is None:
+                asked = rv
+            else:
                 rv, limit = None, self._settings.page_size  # continuing: the first page's snapshot
             try:
                 body = self._page(token, limit, rv)
@@ -500,8 +503,10 @@ class Reflector:
             token = meta.get("continue")
             if not isinstance(token, str) or not token:
                 token = None
-            elif limit:
-                self._paginated = True  # the server pages: later lists keep the limit (client-go)
+            elif asked == "0":
+                # client-go: only a paged answer at resourceVersion=0 says the server has no watch
+                # cache (a consistent read pages even with one): later lists keep the limit
+                self._paginated = True
             items = body.items or []
             size = max(1, self._settings.page_size)
             chunks = [items[i : i + size] for i in range(0, len(items), size)] or [[]]
