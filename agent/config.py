@@ -139,6 +139,7 @@ class Config:
     snat_ports: tuple[int, int] = default("snat_ports")  # above the kernel's ephemeral 32768-60999
     nodeport_range: tuple[int, int] = default("nodeport_range")
     bpf_keep_client_ip_local: bool = default("bpf_keep_client_ip_local")
+    ct_tcp_backend_gone_timeout_s: float = default("ct_tcp_backend_gone_timeout_s")
     # iptables mode
     iptables_backend: str = default("iptables_backend")  # auto | nft | legacy
     iptables_localhost_nodeports: bool = default("iptables_localhost_nodeports")

@@ -27,6 +27,7 @@
 #define EKP_DECIDE_H
 
 #include "ekp_abi.h"
+#include "ekp_act.h"
 #include "ekp_ct.h"
 #include "ekp_ctq.h"
 #include "ekp_frag.h"
@@ -99,8 +100,8 @@ static __always_inline void ekp_decide_hit(struct ekp_ct_entry *ep, struct ekp_c
 
 	if (set) {
 		int closes = !ekp_ct_closed(ep->flags) && ekp_ct_closed(ep->flags | set);
-		ep->last_seen_ns = now; /* the new state's timeout runs from here */
-		ekp_ct_mark(ep, k, set);
+		ekp_ct_stamp(ep, k, now); /* the new state's timeout runs from here */
+		ekp_ct_mark(ep, k, set, 0);
 		if (closes) {
 			struct ekp_ct_key fkey = *k;
 			if (k->dir == EKP_CT_REPLY)
@@ -263,7 +264,7 @@ static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const st
 	k.proto = p->in_proto;
 	k.dir = EKP_CT_REPLY;
 	struct ekp_ct_entry *ep = ekp_ct_lookup(&k);
-	if (ep && !ekp_ct_expired(ep, cfg, p->in_proto, now)) {
+	if (ep && ekp_ct_life(ep, &k, cfg, now) == EKP_CT_LIVE) {
 		int snat = ep->flags & EKP_CT_SNAT;
 		d->in_saddr = snat ? ep->nat_addr : p->in_saddr;
 		d->in_sport = snat ? ep->nat_port : p->in_sport;
@@ -276,7 +277,7 @@ static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const st
 	}
 	k.dir = EKP_CT_FORWARD;
 	ep = ekp_ct_lookup(&k);
-	if (ep && !ekp_ct_expired(ep, cfg, p->in_proto, now)) {
+	if (ep && ekp_ct_life(ep, &k, cfg, now) == EKP_CT_LIVE) {
 		int snat = ep->flags & EKP_CT_SNAT;
 		d->in_saddr = ep->nat_addr;
 		d->in_sport = ep->nat_port;
@@ -286,6 +287,24 @@ static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const st
 		d->daddr = ep->nat_addr;
 		ekp_verdict(d, EKP_ACT_RELATED, EKP_STAT_CT_RELATED);
 	}
+}
+
+/* Whether a whole datagram (no fragment, no ICMP error: those take the full path) may belong to a
+ * translated flow, by the cheapest checks there are: when no live flow stamped either of its
+ * endpoints in ekp_act (two array loads) and its destination is no frontend of this scope
+ * (ekp_addr, one hash lookup), it cannot, and leaves without a conntrack lookup. */
+static __always_inline int ekp_decide_may_translate(const struct ekp_pkt *p, __u8 scope, const struct ekp_config *cfg)
+{
+	if (!ekp_act_armed())
+		return 1;
+	__u32 t = ekp_act_stamp_of(bpf_ktime_get_coarse_ns()); /* lags the stamps' clock: errs "maybe" */
+	__u32 span = ekp_ct_longest_stamps(cfg);
+	if (!ekp_act_idle(p->daddr, p->dport, p->proto, t, span) || !ekp_act_idle(p->saddr, p->sport, p->proto, t, span))
+		return 1;
+	struct ekp_addr_key k = {};
+	k.addr = p->daddr;
+	struct ekp_addr *a = ekp_addr_lookup(&k);
+	return a && (a->flags & (1 << scope));
 }
 
 /* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result); a flow it
@@ -313,6 +332,8 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 	const struct ekp_config *cfg = ekp_config_get();
 	if (!cfg)
 		return;
+	if (parsed == EKP_PARSE_OK && p->frag == EKP_FRAG_NONE && !ekp_decide_may_translate(p, scope, cfg))
+		return;
 	__u64 now = bpf_ktime_get_ns();
 
 	if (parsed == EKP_PARSE_ICMP_ERR) {
@@ -338,13 +359,13 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 	struct ekp_ct_key key = {};
 	ekp_ct_key_of(&key, p, EKP_CT_FORWARD);
 	struct ekp_ct_entry *ct = ekp_ct_lookup(&key);
-	if (ct && ekp_ct_usable_forward(ct, p, cfg, now)) {
+	if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_forward(ct, p)) {
 		ekp_decide_hit(ct, &key, p, now, d, q);
 		return;
 	}
 	key.dir = EKP_CT_REPLY;
 	ct = ekp_ct_lookup(&key);
-	if (ct && ekp_ct_usable_reply(ct, p, cfg, now)) {
+	if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_reply(ct, p)) {
 		ekp_decide_hit(ct, &key, p, now, d, q);
 		return;
 	}

@@ -26,7 +26,8 @@
 	!defined(EKP_FRAG_MAX) || !defined(EKP_AFF_MAX) || !defined(EKP_SRCR_MAX) || !defined(EKP_CFG_MAX) ||  \
 	!defined(EKP_CFGSEL_MAX) || !defined(EKP_ICMPRL_MAX) || !defined(EKP_STATS_MAX) ||                      \
 	!defined(EKP_ADDR_MAX) || !defined(EKP_CTQ_TCP_MAX) || !defined(EKP_CTQ_ANY_MAX) ||                     \
-	!defined(EKP_CTQH_MAX) || !defined(EKP_FRAGHOLD_MAX) || !defined(EKP_FRAGLAST_MAX)
+	!defined(EKP_CTQH_MAX) || !defined(EKP_FRAGHOLD_MAX) || !defined(EKP_FRAGLAST_MAX) ||                   \
+	!defined(EKP_ACT_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -36,6 +37,7 @@ _Static_assert(EKP_STAT_MAX <= 32, "struct ekp_decision.marks is a 32-bit set of
 _Static_assert(EKP_CTQH_MAX == 2, "ekp_ctqh holds one position per early-drop ring");
 _Static_assert(EKP_CTQ_TCP_MAX > 0 && EKP_CTQ_ANY_MAX > 0, "an early-drop ring needs a slot");
 _Static_assert(EKP_FRAGLAST_MAX == 1, "ekp_fraglast holds one time");
+_Static_assert(EKP_ACT_MAX == EKP_ACT_SLOTS, "ekp_act has EKP_ACT_SLOTS slots (the slot hash masks with it)");
 _Static_assert(EKP_CFG_MAX == 2, "ekp_cfg_v2 holds exactly two struct ekp_config (double buffer)");
 _Static_assert(EKP_CFGSEL_MAX == 1, "ekp_cfgsel_v2 holds exactly one selector");
 _Static_assert(EKP_ICMPRL_MAX == 1, "ekp_icmprl_v2 holds one bucket per CPU");
@@ -80,6 +82,9 @@ BPF_TABLE_PINNED("lru_hash", struct ekp_fraghold_key, struct ekp_fraghold, ekp_f
 BPF_TABLE_PINNED("array", u32, u64, ekp_fraglast_v2, EKP_FRAGLAST_MAX, EKP_PIN(ekp_fraglast_v2));
 BPF_TABLE_PINNED("lru_hash", struct ekp_affinity_key, struct ekp_affinity, ekp_aff_v2, EKP_AFF_MAX,
 		 EKP_PIN(ekp_aff_v2));
+/* Flow activity: when a live flow last stamped each endpoint slot (bpf/ekp_act.h); read by every
+ * packet before any conntrack lookup, an array the JIT reads in place. */
+BPF_TABLE_PINNED("array", u32, struct ekp_act, ekp_act_v2, EKP_ACT_MAX, EKP_PIN(ekp_act_v2));
 
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
 BPF_TABLE_PINNED("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX, EKP_PIN(ekp_icmprl_v2));
@@ -114,6 +119,7 @@ static __always_inline u64 *ekp_fraglast_lookup(u32 *k);
 static __always_inline struct ekp_addr *ekp_addr_lookup(struct ekp_addr_key *k);
 static __always_inline struct ekp_ctq_slot *ekp_ctq_lookup(__u32 ring, __u32 *slot);
 static __always_inline u64 *ekp_ctqh_lookup(u32 *ring);
+static __always_inline struct ekp_act *ekp_act_lookup(u32 *k);
 static __always_inline struct ekp_affinity *ekp_aff_lookup(struct ekp_affinity_key *k);
 static __always_inline int ekp_aff_update(struct ekp_affinity_key *k, struct ekp_affinity *v);
 static __always_inline struct ekp_ratelimit *ekp_icmprl_lookup(u32 *k);

@@ -143,6 +143,11 @@ static __always_inline u64 *ekp_ctqh_lookup(u32 *ring)
 	return ekp_ctqh_v2.lookup(ring);
 }
 
+static __always_inline struct ekp_act *ekp_act_lookup(u32 *k)
+{
+	return ekp_act_v2.lookup(k);
+}
+
 static __always_inline struct ekp_affinity *ekp_aff_lookup(struct ekp_affinity_key *k)
 {
 	return ekp_aff_v2.lookup(k);

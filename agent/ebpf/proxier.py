@@ -11,7 +11,9 @@ Lifecycle (kube-proxy's contract, agent/proxier.py):
   writes the config entry (double-buffered, agent.ebpf.maps.write_config), sets the sysctls it
   needs in Config.netns, carries the conntrack of an ABI v1 agent over (agent/ebpf/upgrade.py),
   attaches the programs (replacing older ones atomically), carries over what the old programs
-  added meanwhile, removes pins of other ABI versions and starts the pod-device watcher.
+  added meanwhile, stamps the flows the conntrack tables hold and arms the flow-activity check
+  (agent/ebpf/activity.py; disarmed before the attach), removes pins of other ABI versions and
+  starts the pod-device watcher.
   Conntrack and affinity are never flushed.
 * Later syncs re-plan only the changed service ports (`agent.ebpf.planner`) and write their entries.
   A full sync (`changed` None, every sync period) reads the maps back first and repairs whatever
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Protocol, cast
 
 from agent.config import Config, MapSizes, NodeContext
-from agent.ebpf import abi
+from agent.ebpf import abi, activity
 from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import VALUES, Key, Value
 from agent.ebpf.maps import MapWriter, read_config, write_config
@@ -279,6 +281,7 @@ class EbpfProxier:
         full = first
         if first:
             self._upgrade.before_attach(datapath.maps)
+            activity.disarm(datapath.maps["act"])  # until every flow has its stamps (activity.py)
         if self._attacher is None:
             fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD)}
             self._attacher = self._attacher_factory(self._config, fds)
@@ -293,6 +296,7 @@ class EbpfProxier:
             self._attached_node = node
         if first:
             self._upgrade.after_attach(datapath.maps)
+            activity.arm(datapath.maps)  # only our programs run now: stamp what the tables hold
             stale = remove_stale_pins(self._config.pin_path)
             if stale:
                 log.info("removed pins of other ABI versions: %s", ",".join(stale))
