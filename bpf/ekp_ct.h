@@ -361,14 +361,16 @@ static __always_inline int ekp_ct_alive(struct ekp_ct_entry *e, struct ekp_ct_ke
 
 /* Whether a live FORWARD hit may translate this packet. Not for a TCP SYN (without ACK) on a flow
  * that saw a FIN or RST: the client reusing its port is a new flow and a new backend choice, as
- * nf_conntrack does. UDP and SCTP flows follow their backend's membership: kube-proxy deletes the
+ * nf_conntrack does. UDP flows follow their backend's membership: kube-proxy deletes the
  * conntrack entries of a UDP endpoint that left the service, so a resolver that keeps its source
- * port moves on (TCP flows keep their backend, as with kube-proxy: a terminating pod finishes its
- * connections, a Service deleted and recreated keeps its streams). */
+ * port moves on (TCP and SCTP flows keep their backend, as with kube-proxy: a terminating pod
+ * finishes its connections, a Service deleted and recreated keeps its streams). */
 static __always_inline int ekp_ct_usable_forward(const struct ekp_ct_entry *e, const struct ekp_pkt *p)
 {
 	if (p->proto == IPPROTO_TCP)
 		return !(ekp_pure_syn(p) && (e->flags & EKP_CT_ENDING));
+	if (p->proto != IPPROTO_UDP)
+		return 1; /* SCTP keeps its backend: kube-proxy clears the conntrack of UDP alone */
 	if (!e->svc_id || !e->backend_id)
 		return 1; /* a remapped direct flow: no service to be a member of */
 

@@ -204,11 +204,13 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 		ekp_decide_no_endpoints(p, fe->flags, cfg, now, d);
 		return 0;
 	}
-	/* Only a SYN starts a TCP flow. Any other segment to a frontend without conntrack belongs to
-	 * a flow we no longer have (evicted, expired): never sent to a newly chosen backend, which
-	 * could only reset it; dropped and counted while the flow may still come back (the
-	 * surviving entry rebuilds its twin within a second). Later fragments never start flows. */
-	if (p->frag == EKP_FRAG_LATER || (p->proto == IPPROTO_TCP && !ekp_pure_syn(p))) {
+	/* Only a SYN starts a TCP flow, only an INIT an SCTP one. Any other segment to a frontend
+	 * without conntrack belongs to a flow we no longer have (evicted, expired): never sent to a
+	 * newly chosen backend, which could only reset (or ABORT) it; dropped and counted while the
+	 * flow may still come back (the surviving entry rebuilds its twin within a second). Later
+	 * fragments never start flows. */
+	if (p->frag == EKP_FRAG_LATER || (p->proto == IPPROTO_TCP && !ekp_pure_syn(p)) ||
+	    (p->proto == IPPROTO_SCTP && p->chunk != EKP_SCTP_CID_INIT)) {
 		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_NO_FLOW);
 		return 0;
 	}

@@ -9,9 +9,10 @@
  * linear part is pulled once, up to the largest header stack we read.
  *
  * What is ours: IPv4 TCP and UDP, including fragments (the first carries the ports; the later
- * ones get them from ekp_frag, see ekp_frag.h), and ICMP errors (destination unreachable, time
- * exceeded, parameter problem) that quote a TCP or UDP packet: those may be about a translated
- * flow. Everything else (ARP, IPv6, ICMP echo, other protocols) is PASS before any map lookup.
+ * ones get them from ekp_frag, see ekp_frag.h), SCTP without fragments (ekp_sctp.h says why), and
+ * ICMP errors (destination unreachable, time exceeded, parameter problem) that quote a TCP, UDP
+ * or SCTP packet: those may be about a translated flow. Everything else (ARP, IPv6, ICMP echo,
+ * other protocols, SCTP fragments) is PASS before any map lookup.
  */
 #ifndef EKP_PARSE_H
 #define EKP_PARSE_H
@@ -22,6 +23,8 @@
 #include <linux/ip.h>
 #include <linux/tcp.h>
 #include <linux/udp.h>
+
+#include "ekp_sctp.h"
 
 #define EKP_IP_OFF ETH_HLEN
 #define EKP_IP_DF 0x4000     /* host order: don't fragment */
@@ -70,6 +73,9 @@ struct ekp_pkt {
 	__u8 df;          /* 1 when DF is set */
 	__u8 icmp_type;   /* ICMP errors: type and code */
 	__u8 icmp_code;
+	__u8 chunk;       /* SCTP: the type of the packet's first chunk (EKP_SCTP_CID_INIT starts a flow) */
+	__u8 pad;
+	__u16 l4_len;     /* SCTP: bytes from the SCTP header to the end of the IP packet */
 	/* An ICMP error's quote: the packet it is about, as it was sent (after our translation when
 	 * it is about a translated flow). */
 	__u8 in_proto;    /* IPPROTO_TCP / IPPROTO_UDP */
@@ -95,7 +101,8 @@ static __always_inline int ekp_parse_quote(struct ekp_pkt *p, void *data, void *
 
 	if ((void *)(ip + 1) > data_end)
 		return EKP_PARSE_PASS; /* a quote too short to be about a flow of ours */
-	if (ip->version != 4 || (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP))
+	if (ip->version != 4 ||
+	    (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP && ip->protocol != IPPROTO_SCTP))
 		return EKP_PARSE_PASS;
 	if (ntohs(ip->frag_off) & EKP_IP_OFFSET)
 		return EKP_PARSE_PASS; /* a later fragment: no ports quoted */
@@ -140,13 +147,16 @@ static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
 	struct iphdr *ip = (void *)(eth + 1);
 	if ((void *)(ip + 1) > data_end)
 		return EKP_PARSE_MALFORMED;
-	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP && ip->protocol != IPPROTO_ICMP)
+	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP && ip->protocol != IPPROTO_ICMP &&
+	    ip->protocol != IPPROTO_SCTP)
 		return EKP_PARSE_PASS;
 	__u32 ihl = ip->ihl * 4;
 	if (ip->version != 4 || ihl < sizeof(struct iphdr) || ihl > 60)
 		return EKP_PARSE_MALFORMED;
 
 	__u16 frag = ntohs(ip->frag_off);
+	if (ip->protocol == IPPROTO_SCTP && (frag & (EKP_IP_MF | EKP_IP_OFFSET)))
+		return EKP_PARSE_PASS; /* its checksum cannot follow a translation (ekp_sctp.h) */
 	p->l4_off = EKP_IP_OFF + ihl;
 	p->saddr = ip->saddr;
 	p->daddr = ip->daddr;
@@ -180,6 +190,18 @@ static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
 			return EKP_PARSE_MALFORMED;
 		p->sport = udp->source;
 		p->dport = udp->dest;
+		return EKP_PARSE_OK;
+	}
+	if (p->proto == IPPROTO_SCTP) {
+		__u8 *sctp = l4;
+		__u32 tot = ntohs(ip->tot_len);
+		/* the common header and the first chunk's type */
+		if ((void *)(sctp + EKP_SCTP_HDR_LEN + 1) > data_end || tot < ihl + EKP_SCTP_HDR_LEN)
+			return EKP_PARSE_MALFORMED;
+		p->sport = *(__be16 *)sctp;
+		p->dport = *(__be16 *)(sctp + 2);
+		p->chunk = sctp[EKP_SCTP_HDR_LEN];
+		p->l4_len = tot - ihl;
 		return EKP_PARSE_OK;
 	}
 
