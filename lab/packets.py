@@ -313,22 +313,13 @@ def sctp(
     )
 
 
-def crc32c(data: bytes) -> int:
-    """CRC32c (Castagnoli, RFC 9260 appendix A), bitwise: written here rather than taken from
-    scapy, so a check does not rest on the code that built the packet."""
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc ^= byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
-    return crc ^ 0xFFFFFFFF
-
-
 def sctp_checksum_ok(packet: bytes) -> bool:
-    """Whether an SCTP packet (from its common header to the end) carries its right CRC32c,
-    stored little-endian over the packet with the field zeroed."""
-    zeroed = packet[:8] + bytes(4) + packet[12:]
-    return int.from_bytes(packet[8:12], "little") == crc32c(zeroed)
+    """Whether an SCTP packet (from its common header to the end) carries its right CRC32c: the
+    bitwise CRC32c of lab/sctppeer.py, written apart from scapy's, so a check does not rest on the
+    code that built the packet."""
+    from lab.sctppeer import checksum_ok
+
+    return checksum_ok(packet)
 
 
 @dataclass(frozen=True)
