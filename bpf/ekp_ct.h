@@ -562,9 +562,10 @@ enum ekp_reclaim {
  * another flow, expired or closing), its REPLY entry would reverse-translate the new connection's
  * SYN-ACK to come from the frontend: both entries are deleted. If it is live, the server holds a
  * connection on this very 4-tuple, which the newcomer cannot share: the caller gives the newcomer
- * another source port (nf_conntrack does the same). One lookup per such SYN, a miss unless the
- * tuple was used before. */
-static __always_inline int ekp_ct_reclaim(const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now)
+ * another source port (nf_conntrack does the same; *held_by gets the live flow's flags). One
+ * lookup per such SYN, a miss unless the tuple was used before. */
+static __always_inline int ekp_ct_reclaim(const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now,
+					  __u16 *held_by)
 {
 	struct ekp_ct_key rkey = {};
 
@@ -588,8 +589,10 @@ static __always_inline int ekp_ct_reclaim(const struct ekp_pkt *p, const struct 
 		if ((fp->flags & EKP_CT_ENDING) || ekp_ct_life(fp, &fkey, cfg, now) != EKP_CT_LIVE)
 			stale = 1;
 	}
-	if (twin && !stale)
+	if (twin && !stale) {
+		*held_by = rp->flags;
 		return EKP_RECLAIM_LIVE;
+	}
 	ekp_ct_delete(&rkey);
 	if (twin)
 		ekp_ct_delete(&fkey);

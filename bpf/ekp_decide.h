@@ -60,7 +60,9 @@ struct ekp_decision {
 	__be32 in_daddr;
 	__u8 action;      /* enum ekp_action */
 	__u8 release;     /* a first fragment whose later fragments are held: put them back first */
-	__u8 pad[2];
+	__u8 host;        /* TRANSLATE to a backend on this node's own address (EKP_CT_HOST): hand the
+			   * packet to the node's stack, whose replies leave by tc egress */
+	__u8 pad;
 };
 
 /* Everything a decision works on, kept by the caller in a per-CPU array rather than on the stack:
@@ -123,6 +125,7 @@ static __always_inline void ekp_decide_hit(struct ekp_ct_entry *ep, struct ekp_c
 		d->sport = snat ? e->snat_port : p->sport;
 		d->daddr = e->nat_addr;
 		d->dport = e->nat_port;
+		d->host = (e->flags & EKP_CT_HOST) != 0;
 		ekp_verdict(d, EKP_ACT_TRANSLATE, EKP_STAT_CT_FORWARD);
 	} else {
 		d->saddr = e->fe_addr;
@@ -179,6 +182,7 @@ static __always_inline void ekp_decide_create(const struct ekp_pkt *p, struct ek
 	d->sport = (f->ct_flags & EKP_CT_SNAT) ? f->snat_port : p->sport;
 	d->daddr = f->be_addr;
 	d->dport = f->be_port;
+	d->host = (f->ct_flags & EKP_CT_HOST) != 0;
 	if (f->remapped)
 		d->marks |= 1 << EKP_STAT_PORT_REMAP;
 	else if (f->ct_flags & EKP_CT_SNAT)
@@ -223,6 +227,14 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 	f->svc_id = fe->svc_id;
 	f->fe_addr = p->daddr;
 	f->fe_port = p->dport;
+	/* A backend on this node's own address (a host-network endpoint: the API server behind
+	 * `kubernetes`) is reached through the node's stack, and its flows keep the client's address:
+	 * kube-proxy's DNAT in PREROUTING delivers them locally, where no POSTROUTING masquerade runs
+	 * (and a source translated to the node's own address would be a martian). */
+	if (f->be_flags & EKP_BE_HOST) {
+		f->ct_flags |= EKP_CT_HOST;
+		return 1;
+	}
 	/* Masquerade: always (SNAT_ALL, kube-proxy's KUBE-MARK-MASQ), or toward backends on other
 	 * nodes only (SNAT_REMOTE: the client address kept for local backends). Hairpin: a pod
 	 * reaching itself through its service would get a packet from its own address, which its
@@ -233,16 +245,17 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 	return 1;
 }
 
-/* A TCP SYN to no frontend whose reverse tuple is a live translated flow's: the server already
- * has a connection on this 4-tuple. The newcomer keeps its addresses and gets another source
- * port (a flow of its own, translated to itself), as nf_conntrack's NAT does. */
-static __always_inline void ekp_flow_direct(struct ekp_flow *f, const struct ekp_pkt *p)
+/* A TCP SYN to no frontend whose reverse tuple is a live translated flow's (`held_by`: its flags):
+ * the server already has a connection on this 4-tuple. The newcomer keeps its addresses and gets
+ * another source port (a flow of its own, translated to itself), as nf_conntrack's NAT does; a
+ * server on the node's own address (a host flow held it) is reached through the node's stack. */
+static __always_inline void ekp_flow_direct(struct ekp_flow *f, const struct ekp_pkt *p, __u16 held_by)
 {
 	f->be_addr = p->daddr;
 	f->be_port = p->dport;
 	f->fe_addr = p->daddr;
 	f->fe_port = p->dport;
-	f->ct_flags = EKP_CT_SNAT;
+	f->ct_flags = EKP_CT_SNAT | (held_by & EKP_CT_HOST); /* the server is the node's, as the flow's */
 	f->remapped = 1;
 	f->snat_addr = p->saddr;
 }
@@ -377,26 +390,92 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 		if (!ekp_decide_new(p, fe, cfg, now, f, d))
 			return;
 	} else {
-		if (p->frag == EKP_FRAG_LATER || !ekp_pure_syn(p) || ekp_ct_reclaim(p, cfg, now) != EKP_RECLAIM_LIVE)
+		__u16 held_by = 0;
+		if (p->frag == EKP_FRAG_LATER || !ekp_pure_syn(p) || ekp_ct_reclaim(p, cfg, now, &held_by) != EKP_RECLAIM_LIVE)
 			return;
-		ekp_flow_direct(f, p);
+		ekp_flow_direct(f, p, held_by);
 	}
 	ekp_decide_create(p, f, cfg, now, d, q);
 }
 
-/* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result), then queues
- * the flow it started or closed (ekp_ctq.h: written once, here, rather than on each path). */
-static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scope)
+/* A packet the node's own stack sends (tc egress, ekp_egress): the replies of flows handed to it
+ * (EKP_CT_HOST: a backend on the node's own address; a direct connection to it moved to another
+ * port around one) get their frontend back as their source, as a REPLY hit at ingress would give
+ * them; an ICMP error the stack sends about such a flow is translated back as one from a router
+ * would be; the fragments of a reply the stack fragmented follow their first. Anything else is the
+ * node's own business: PASS, after the activity check (ekp_act.h) for all but ICMP errors. */
+static __always_inline void ekp_decide_local_packet(struct ekp_work *w, int parsed)
 {
-	__builtin_memset(&w->dec, 0, sizeof(w->dec));
-	__builtin_memset(&w->flow, 0, sizeof(w->flow));
-	w->queue.want = 0;
-	ekp_decide_packet(w, parsed, scope);
+	struct ekp_pkt *p = &w->pkt;
+	struct ekp_decision *d = &w->dec;
+
+	d->saddr = p->saddr;
+	d->daddr = p->daddr;
+	d->sport = p->sport;
+	d->dport = p->dport;
+	ekp_verdict(d, EKP_ACT_PASS, EKP_STAT_PASS);
+	if (parsed != EKP_PARSE_OK && parsed != EKP_PARSE_ICMP_ERR && parsed != EKP_PARSE_LATER)
+		return;
+	/* A datagram the stack fragments leaves first fragment first (ip_do_fragment): the first
+	 * records its ports for the later ones, which find them under the same addresses and id. */
+	if (parsed == EKP_PARSE_LATER) {
+		if (!ekp_frag_ports(p))
+			return;
+	} else if (p->frag == EKP_FRAG_FIRST) {
+		ekp_frag_record(p);
+	}
+	const struct ekp_config *cfg = ekp_config_get();
+	if (!cfg)
+		return;
+	if (parsed != EKP_PARSE_ICMP_ERR && ekp_act_armed() &&
+	    ekp_act_idle(p->saddr, p->sport, p->proto, ekp_act_stamp_of(bpf_ktime_get_coarse_ns()),
+			 ekp_ct_longest_stamps(cfg)))
+		return;
+	__u64 now = bpf_ktime_get_ns();
+	if (parsed == EKP_PARSE_ICMP_ERR) {
+		ekp_decide_related(p, cfg, now, d);
+		return;
+	}
+	struct ekp_ct_key key = {};
+	ekp_ct_key_of(&key, p, EKP_CT_REPLY);
+	struct ekp_ct_entry *ct = ekp_ct_lookup(&key);
+	if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_reply(ct, p))
+		ekp_decide_hit(ct, &key, p, now, d, &w->queue);
+}
+
+/* Queues the flow a decision started or closed (ekp_ctq.h: written once, here, rather than on each
+ * path). */
+static __always_inline void ekp_decide_queue(struct ekp_work *w)
+{
 	if (w->queue.want) {
 		__u32 evicted = ekp_ctq_push(&w->queue);
 		if (evicted)
 			w->dec.marks |= 1 << evicted;
 	}
+}
+
+static __always_inline void ekp_decide_reset(struct ekp_work *w)
+{
+	__builtin_memset(&w->dec, 0, sizeof(w->dec));
+	__builtin_memset(&w->flow, 0, sizeof(w->flow));
+	w->queue.want = 0;
+}
+
+/* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result) as it enters
+ * by a device of `scope`, then queues the flow it started or closed. */
+static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scope)
+{
+	ekp_decide_reset(w);
+	ekp_decide_packet(w, parsed, scope);
+	ekp_decide_queue(w);
+}
+
+/* Decides w->dec for a packet the node's own stack sends (ekp_decide_local_packet). */
+static __always_inline void ekp_decide_local(struct ekp_work *w, int parsed)
+{
+	ekp_decide_reset(w);
+	ekp_decide_local_packet(w, parsed);
+	ekp_decide_queue(w);
 }
 
 #endif /* EKP_DECIDE_H */

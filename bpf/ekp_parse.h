@@ -6,7 +6,7 @@
  * The result holds copies and offsets, never packet pointers: every helper that writes the packet
  * (csum, store_bytes, pull) invalidates pointers, so later stages work with skb offsets.
  * One bounds check per header advance (Katran's habit); a packet whose headers are not in the
- * linear part is pulled once, up to the largest header stack we read.
+ * linear part is pulled, to the end of the headers it has (ekp_pull), never further.
  *
  * What is ours: IPv4 TCP and UDP, including fragments (the first carries the ports; the later
  * ones get them from ekp_frag, see ekp_frag.h), SCTP without fragments (ekp_sctp.h says why), and
@@ -40,9 +40,6 @@
  * quote is long enough (bytes 16-17). */
 #define EKP_INNER_TCP_LEN 20
 
-/* Ethernet + IPv4 header (<= 60) + ICMP header + quoted IPv4 header (<= 60) + a TCP header: the
- * longest header stack we read (an ICMP error); a plain TCP packet needs less. */
-#define EKP_PULL_LEN (ETH_HLEN + 60 + sizeof(struct icmphdr) + 60 + EKP_INNER_TCP_LEN)
 
 enum ekp_parse_result {
 	EKP_PARSE_OK = 0,    /* IPv4 TCP/UDP, a whole datagram or its first fragment: tuple valid */
@@ -125,18 +122,35 @@ static __always_inline int ekp_parse_quote(struct ekp_pkt *p, void *data, void *
 	return EKP_PARSE_ICMP_ERR;
 }
 
+/* The bytes past the IP header the parser reads, by protocol: the L4 header (SCTP: and the first
+ * chunk's type), for ICMP the error's quote too. */
+static __always_inline __u32 ekp_l4_need(__u8 proto)
+{
+	if (proto == IPPROTO_TCP)
+		return sizeof(struct tcphdr);
+	if (proto == IPPROTO_UDP)
+		return sizeof(struct udphdr);
+	if (proto == IPPROTO_SCTP)
+		return EKP_SCTP_HDR_LEN + 1;
+	return sizeof(struct icmphdr) + 60 + EKP_INNER_TCP_LEN;
+}
+
+/* Makes the first `want` bytes of the frame linear when they are not (headers in paged data: a
+ * GRO'd packet, a TSO segment of the node's own stack); a shorter frame keeps what it has. Pulls
+ * only what is read: a pull may copy and reallocate the skb's head. */
+static __always_inline void ekp_pull(struct __sk_buff *skb, __u32 want)
+{
+	__u32 linear = (void *)(long)skb->data_end - (void *)(long)skb->data;
+
+	if (linear < want && skb->len > linear)
+		bpf_skb_pull_data(skb, skb->len < want ? skb->len : want);
+}
+
 static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
 {
+	ekp_pull(skb, EKP_IP_OFF + sizeof(struct iphdr));
 	void *data = (void *)(long)skb->data;
 	void *data_end = (void *)(long)skb->data_end;
-	__u32 linear = data_end - data;
-
-	/* Headers may sit in paged data (GRO, some drivers): make the ones we read linear. */
-	if (linear < EKP_PULL_LEN && skb->len > linear) {
-		bpf_skb_pull_data(skb, skb->len < EKP_PULL_LEN ? skb->len : EKP_PULL_LEN);
-		data = (void *)(long)skb->data;
-		data_end = (void *)(long)skb->data_end;
-	}
 
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > data_end)
@@ -147,11 +161,19 @@ static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
 	struct iphdr *ip = (void *)(eth + 1);
 	if ((void *)(ip + 1) > data_end)
 		return EKP_PARSE_MALFORMED;
-	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP && ip->protocol != IPPROTO_ICMP &&
-	    ip->protocol != IPPROTO_SCTP)
+	__u8 proto = ip->protocol;
+	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_ICMP && proto != IPPROTO_SCTP)
 		return EKP_PARSE_PASS;
 	__u32 ihl = ip->ihl * 4;
 	if (ip->version != 4 || ihl < sizeof(struct iphdr) || ihl > 60)
+		return EKP_PARSE_MALFORMED;
+
+	/* the options and the L4 header (the pull moves the data: pointers are taken again) */
+	ekp_pull(skb, EKP_IP_OFF + ihl + ekp_l4_need(proto));
+	data = (void *)(long)skb->data;
+	data_end = (void *)(long)skb->data_end;
+	ip = data + EKP_IP_OFF;
+	if ((void *)(ip + 1) > data_end)
 		return EKP_PARSE_MALFORMED;
 
 	__u16 frag = ntohs(ip->frag_off);

@@ -1,9 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * ekp_tc.c: the two tc ingress programs (clsact, direct-action cls_bpf) of ebpf-kube-proxy.
+ * ekp_tc.c: the tc programs (clsact, direct-action cls_bpf) of ebpf-kube-proxy.
  *
  *   ekp_from_pod  ingress of the node side of every pod veth        (scope EKP_SCOPE_INTERNAL)
  *   ekp_from_net  ingress of the node's external devices (--devices) (scope EKP_SCOPE_EXTERNAL)
+ *   ekp_egress    egress of both: the replies the node's own stack sends for flows handed to it
+ *                 (a backend on the node's own address), translated back (ekp_core.h)
  *
  * Built by agent/ebpf/loader.py with bcc: BPF(src_file=ekp_tc.c, cflags=[-DEKP_PIN_DIR=...,
  * -DEKP_<ROLE>_MAX=..., -I<bpf dir>]). The logic lives in the headers (ekp_core.h first); this
@@ -186,4 +188,9 @@ int ekp_from_pod(struct __sk_buff *skb)
 int ekp_from_net(struct __sk_buff *skb)
 {
 	return ekp_main(skb, EKP_SCOPE_EXTERNAL);
+}
+
+int ekp_egress(struct __sk_buff *skb)
+{
+	return ekp_egress_main(skb);
 }

@@ -158,6 +158,15 @@ class Net:
     def from_net(self, frame: bytes) -> tuple[int, bytes]:
         return prog_run(self.dp.prog_fd("ekp_from_net"), frame, self.lab.ext.ifindex)
 
+    def to_pod(self, frame: bytes, *, came_in_by: int = 0) -> tuple[int, bytes]:
+        """ekp_egress on the pod device: a packet of the node's own stack (`came_in_by` 0), or one
+        forwarded from the device of that ifindex."""
+        return prog_run(self.dp.prog_fd("ekp_egress"), frame, self.lab.pod.ifindex, came_in_by)
+
+    def to_net(self, frame: bytes, *, came_in_by: int = 0) -> tuple[int, bytes]:
+        """ekp_egress on the external device (see to_pod)."""
+        return prog_run(self.dp.prog_fd("ekp_egress"), frame, self.lab.ext.ifindex, came_in_by)
+
     def stats(self) -> dict[Stat, int]:
         return read_stats(self.dp.maps["stats"])
 

@@ -141,8 +141,12 @@ class _SkBuffHead(ct.Structure):
     ]
 
 
-def prog_run(prog_fd: int, frame: bytes, ifindex: int) -> tuple[int, bytes]:
-    """Runs a SCHED_CLS program on `frame` as if it arrived on `ifindex`; (verdict, frame out)."""
+def prog_run(
+    prog_fd: int, frame: bytes, ifindex: int, ingress_ifindex: int | None = None
+) -> tuple[int, bytes]:
+    """Runs a SCHED_CLS program on `frame` as if it arrived on `ifindex` (an egress program: as if
+    it left by `ifindex`, having come in by `ingress_ifindex`, 0 for the node's own packets);
+    (verdict, frame out)."""
     from bcc import libbcc
 
     fn = libbcc.lib.bpf_prog_test_run_opts  # libbpf's, reached through libbcc's handle
@@ -150,7 +154,9 @@ def prog_run(prog_fd: int, frame: bytes, ifindex: int) -> tuple[int, bytes]:
     fn.argtypes = [ct.c_int, ct.POINTER(_TestRunOpts)]
     data_in = ct.create_string_buffer(frame, len(frame))
     data_out = ct.create_string_buffer(len(frame) + 256)
-    ctx = _SkBuffHead(ingress_ifindex=ifindex, ifindex=ifindex)
+    ctx = _SkBuffHead(
+        ingress_ifindex=ifindex if ingress_ifindex is None else ingress_ifindex, ifindex=ifindex
+    )
     opts = _TestRunOpts(
         sz=ct.sizeof(_TestRunOpts),
         data_in=ct.cast(data_in, ct.c_void_p),

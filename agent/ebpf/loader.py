@@ -53,9 +53,14 @@ log = logging.getLogger(__name__)
 ENTRY_FILE = "ekp_tc.c"
 BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)
 
-# Program name -> the scope its frontends are looked up with. Attach ekp_from_pod on the ingress
-# of the node side of every pod veth, ekp_from_net on the ingress of each external device.
-PROGRAMS: dict[str, Scope] = {"ekp_from_pod": Scope.INTERNAL, "ekp_from_net": Scope.EXTERNAL}
+# Program name -> the scope its frontends are looked up with (None: it looks none up). Attach
+# ekp_from_pod on the ingress of the node side of every pod veth, ekp_from_net on the ingress of
+# each external device, ekp_egress on the egress of both (the replies of the node's own stack).
+PROGRAMS: dict[str, Scope | None] = {
+    "ekp_from_pod": Scope.INTERNAL,
+    "ekp_from_net": Scope.EXTERNAL,
+    "ekp_egress": None,
+}
 BPF_PROG_TYPE_SCHED_CLS = 3  # bcc's BPF.SCHED_CLS
 PROG_TYPES = dict.fromkeys(PROGRAMS, BPF_PROG_TYPE_SCHED_CLS)
 # Unpinned maps each program's load owns (ekp_tc.c: ekp_scratch); a reused program keeps its own.

@@ -117,6 +117,7 @@ REVNAT_ID_MAX = 0xFFFF
 
 _BE_LOCAL = int(BackendFlag.LOCAL)
 _BE_TERMINATING = int(BackendFlag.TERMINATING)
+_BE_HOST = int(BackendFlag.HOST)
 _MEMBER_FLAG: dict[SetKind, int] = {"cluster": int(MemberFlag.CLUSTER), "local": int(MemberFlag.LOCAL)}
 
 BeIdent = tuple[int, int, int]  # (addr be, port be, proto) as ekp_be holds them
@@ -291,6 +292,18 @@ def source_ranges(sp: ServicePort, node: NodeContext) -> list[tuple[int, int]]:
         # kube-proxy: a VIP-like LB IP bound on the node loops back with itself as the source.
         out += [(32, ip_be(ip)) for ip in sp.load_balancer_ips]
     return out
+
+
+def _count_flags(refs: list[int], flags: int, sign: int) -> None:
+    """A backend's users by flag ([users, LOCAL, TERMINATING, HOST]): one user's flags in or out."""
+    refs[1] += sign * (flags & _BE_LOCAL)
+    refs[2] += sign * ((flags & _BE_TERMINATING) >> 1)
+    refs[3] += sign * ((flags & _BE_HOST) >> 2)
+
+
+def _flags_of(refs: list[int]) -> int:
+    """A backend entry's flags: each one some user gives it."""
+    return (_BE_LOCAL if refs[1] else 0) | (_BE_TERMINATING if refs[2] else 0) | (_BE_HOST if refs[3] else 0)
 
 
 def layout(members: Sequence[int], previous: Mapping[int, int]) -> dict[int, int]:
@@ -596,6 +609,7 @@ class Planner:
         for kind in kinds:
             new.sets[kind] = old.sets.get(kind) or self.set_ids.take(self._set_hint(fes, kind))
         proto = sp.protocol.number
+        node_ips = self.node.node_ips  # a host-network endpoint here: BackendFlag.HOST
         counts: dict[SetKind, int] = {}
         backends = new.backends
         backend_id = self._backend_id
@@ -607,6 +621,8 @@ class Planner:
                 p = ep.port
                 ident = (from_bytes(inet_aton(ep.ip), "little"), ((p & 0xFF) << 8) | (p >> 8), proto)
                 flags = (_BE_LOCAL if ep.is_local else 0) | (_BE_TERMINATING if ep.terminating else 0)
+                if ep.ip in node_ips:
+                    flags |= _BE_HOST
                 backends[ident] = backends.get(ident, 0) | flags
                 bid = be_ids.get(ident)
                 members.append(backend_id(ident) if bid is None else bid)
@@ -658,7 +674,7 @@ class Planner:
             return bid
         bid = self.backend_ids.take(self._be_hints.get(ident, 0))
         self._be_ids[ident] = bid
-        self._be_refs[ident] = [0, 0, 0]
+        self._be_refs[ident] = [0, 0, 0, 0]
         self._be_by_id[bid] = ident
         return bid
 
@@ -692,11 +708,9 @@ class Planner:
             if before is None:
                 refs[0] += 1
             else:
-                refs[1] -= before & _BE_LOCAL
-                refs[2] -= (before & _BE_TERMINATING) >> 1
-            refs[1] += flags & _BE_LOCAL
-            refs[2] += (flags & _BE_TERMINATING) >> 1
-            value = (*ident, (_BE_LOCAL if refs[1] else 0) | (_BE_TERMINATING if refs[2] else 0))
+                _count_flags(refs, before, -1)
+            _count_flags(refs, flags, 1)
+            value = (*ident, _flags_of(refs))
             key = (ids[ident],)
             if desired.get(key) != value:
                 desired[key] = value
@@ -704,15 +718,13 @@ class Planner:
         for ident in old.keys() - new.keys():
             changed = True
             refs = refs_of[ident]
-            before = old[ident]
             refs[0] -= 1
-            refs[1] -= before & _BE_LOCAL
-            refs[2] -= (before & _BE_TERMINATING) >> 1
+            _count_flags(refs, old[ident], -1)
             bid = ids[ident]
             key = (bid,)
             dirty.add(key)
             if refs[0]:
-                desired[key] = (*ident, (_BE_LOCAL if refs[1] else 0) | (_BE_TERMINATING if refs[2] else 0))
+                desired[key] = (*ident, _flags_of(refs))
                 continue
             del ids[ident], refs_of[ident], self._be_by_id[bid]
             self.backend_ids.release(bid)

@@ -41,7 +41,7 @@ from typing import Protocol, cast
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi, activity
-from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
+from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import VALUES, Key, Value
 from agent.ebpf.maps import MapWriter, read_config, write_config
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
@@ -283,7 +283,7 @@ class EbpfProxier:
             self._upgrade.before_attach(datapath.maps)
             activity.disarm(datapath.maps["act"])  # until every flow has its stamps (activity.py)
         if self._attacher is None:
-            fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD)}
+            fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)}
             self._attacher = self._attacher_factory(self._config, fds)
             full = True
         restart = self._attached_once and not self._attacher.watching

@@ -256,18 +256,25 @@ def test_bpftool_shows_every_map_with_its_layout(loaded: Datapath) -> None:
 
 
 @pytest.mark.kernel
-def test_both_programs_use_the_maps(loaded: Datapath) -> None:
-    """Every pinned map but ekp_rnat (written for the agent, read by no program since v2), and one
-    unpinned map of their own: the per-CPU working memory (bpf/ekp_tc_scratch.h)."""
+def test_the_programs_use_the_maps(loaded: Datapath) -> None:
+    """The ingress programs: every pinned map but ekp_rnat (written for the agent, read by no program
+    since v2). ekp_egress: conntrack, the activity stamps and what they read, but no service table
+    (it chooses no backend). Each has one unpinned map of its own: the per-CPU working memory
+    (bpf/ekp_tc_scratch.h)."""
     pinned = {role: m.info().id for role, m in loaded.maps.items()}
     read = {ident for role, ident in pinned.items() if role != "rnat"}
-    for name in PROGRAMS:
+    for name, scope in PROGRAMS.items():
         shown = bpftool("prog", "show", "id", str(prog_id(loaded.prog_fd(name))))
         assert isinstance(shown, dict)
         assert (shown["name"], shown["type"]) == (name, "sched_cls")
         used = set(shown["map_ids"])
-        assert used & set(pinned.values()) == read
-        (own,) = used - read
+        if scope is None:
+            roles = {role for role, ident in pinned.items() if ident in used}
+            assert {"ct_tcp", "ct_any", "act", "cfg", "cfgsel", "stats", "frag"} <= roles, roles
+            assert not roles & {"fe", "slot", "be", "srcr", "aff", "rnat"}, roles
+        else:
+            assert used & set(pinned.values()) == read
+        (own,) = used - set(pinned.values())
         scratch = bpftool("map", "show", "id", str(own))
         assert isinstance(scratch, dict) and scratch["name"] == "ekp_scratch"
 
