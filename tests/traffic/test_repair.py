@@ -31,6 +31,12 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     require_kernel()
     with Lab(nodes=1, pods_per_node=3) as lab:
         lab.start_podservers()
+        # As the suite's own `cluster` fixture: the after-test check of eBPF mode (conftest) finds
+        # this rule first, its proof that it read netfilter at all.
+        for node in lab.nodes:
+            lab.run(
+                node, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"
+            )
         c = Cluster(lab, request.param, extra=[f"--sync-period={SYNC_PERIOD_S}s"])
         c.start()
         try:

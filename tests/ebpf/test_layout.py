@@ -1,0 +1,27 @@
+"""The pure layout of one service port: slot order and frontends."""
+
+from __future__ import annotations
+
+from agent.config import Config, NodeContext
+from agent.ebpf.abi import FrontendFlag, Scope
+from agent.ebpf.entries import fe_key
+from agent.ebpf.layout import frontends, ip_be, port_be, slots
+from agent.model.types import Protocol, ServicePort, ServicePortName
+
+
+def test_slots_keep_survivors_in_place_and_fill_the_gaps_in_order() -> None:
+    assert slots([5, 6, 7], {}) == [5, 6, 7]
+    assert slots([6, 8, 9], {1: 5, 2: 6, 3: 7}) == [8, 6, 9]
+    assert slots([7, 5], {1: 5, 2: 6, 3: 7}) == [5, 7], "a survivor beyond the new count moves in"
+
+
+def test_a_nodeport_with_local_policy_has_both_scopes_per_node_address() -> None:
+    spn = ServicePortName("ns", "web", "", Protocol.TCP)
+    sp = ServicePort(spn, "10.96.0.10", 80, Protocol.TCP, node_port=30080, external_policy_local=True)
+    node = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
+    fes = {fe.key: fe for fe in frontends(sp, node, Config())}
+    ext = fes[fe_key(ip_be("192.168.0.11"), port_be(30080), 6, int(Scope.EXTERNAL))]
+    pod = fes[fe_key(ip_be("192.168.0.11"), port_be(30080), 6, int(Scope.INTERNAL))]
+    assert ext.kind == "local" and ext.flags & FrontendFlag.LOCAL
+    assert pod.kind == "cluster" and not pod.flags & FrontendFlag.SNAT_ALL
+    assert len(fes) == 4
