@@ -238,9 +238,11 @@ struct ekp_fraghold {
 
 /* ---- service addresses (hash, written by the agent): which addresses a flow may use ------ */
 
-/* One entry per address that is a frontend or a backend, with what it is. Read only for a later
- * fragment that came before its first: one that can belong to no translated flow is passed to the
- * stack untouched, which reassembles it (pod to pod, to the node itself, ...). Frontend bits are
+/* One entry per address that is a frontend or a backend, with what it is. Read for a later
+ * fragment that came before its first (one that can belong to no translated flow is passed to the
+ * stack untouched, which reassembles it: pod to pod, to the node itself, ...), by the activity
+ * check of a whole datagram (is its destination a frontend of this scope? ekp_act.h), and by a
+ * TCP flow's refresh (is its backend still some Service's? ekp_ct.h). Frontend bits are
  * 1 << enum ekp_scope. */
 #define EKP_ADDR_FRONTEND_EXTERNAL (1 << 0) /* a frontend of scope EXTERNAL is on this address */
 #define EKP_ADDR_FRONTEND_INTERNAL (1 << 1) /* a frontend of scope INTERNAL is on this address */

@@ -55,9 +55,9 @@ BPF_TABLE_PINNED("lpm_trie", struct ekp_srcrange_key, struct ekp_srcrange, ekp_s
 		 EKP_PIN(ekp_srcr_v2), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("array", u32, struct ekp_config, ekp_cfg_v2, EKP_CFG_MAX, EKP_PIN(ekp_cfg_v2));
 BPF_TABLE_PINNED("array", u32, struct ekp_config_sel, ekp_cfgsel_v2, EKP_CFGSEL_MAX, EKP_PIN(ekp_cfgsel_v2));
-/* Read only for fragments that came before their first, and holding a few thousand addresses:
- * entries are allocated as written (preallocated, 262,144 would take 20 MiB; the hash buckets
- * alone take 4 MiB, memlock as measured). */
+/* Holding a few thousand addresses: entries are allocated as written (preallocated, 262,144 would
+ * take 20 MiB; the hash buckets alone take 4 MiB, memlock as measured). Looked up once by a
+ * packet that no live flow's stamps claim (ekp_act.h): the frontend check. */
 BPF_TABLE_PINNED("hash", struct ekp_addr_key, struct ekp_addr, ekp_addr_v2, EKP_ADDR_MAX, EKP_PIN(ekp_addr_v2),
 		 BPF_F_NO_PREALLOC);
 
