@@ -27,6 +27,7 @@ from collections.abc import Mapping
 
 from agent.ebpf.abi import ACT_SHIFT, ACT_SLOTS, CT_ROLES, Act, CtDir, CtEntry, CtKey
 from agent.ebpf.capacity import ct_timeout_s
+from agent.ebpf.codec import KEYS, VALUES
 from agent.ebpf.maps import MapWriter, read_config
 
 log = logging.getLogger(__name__)
@@ -82,17 +83,26 @@ def arm(maps: Mapping[str, MapWriter], now_ns: int | None = None) -> int:
     started = time.monotonic()
     now = time.monotonic_ns() if now_ns is None else now_ns
     cfg = read_config(maps)
+    timeouts: dict[tuple[int, int], float] = {}  # (proto, flags) -> seconds
     slots: set[int] = set()
     entries = 0
     for role in CT_ROLES:
-        for key, entry in maps[role].items():
-            if not isinstance(key, CtKey) or not isinstance(entry, CtEntry):
-                continue
+        keys, values = maps[role].dump_raw()
+        key_codec, value_codec = KEYS[role], VALUES[role]
+        pairs = zip(key_codec.struct.iter_unpack(keys), value_codec.struct.iter_unpack(values), strict=True)
+        for (saddr, _daddr, sport, _dport, proto, direction), value in pairs:
             entries += 1
-            if age_ns(now, entry.last_seen_ns) / 1e9 > ct_timeout_s(cfg, key.proto, entry.flags):
+            last_seen, nat_addr, _snat_addr, fe_addr, nat_port, _snat_port, fe_port, flags = value[:8]
+            limit = timeouts.get((proto, flags))
+            if limit is None:
+                limit = timeouts[(proto, flags)] = ct_timeout_s(cfg, proto, flags) * 1e9
+            if age_ns(now, last_seen) > limit:
                 continue
-            for addr, port, proto in endpoints(key, entry):
-                slots.add(slot(addr, port, proto))
+            slots.add(slot(fe_addr, fe_port, proto))
+            if direction == CtDir.FORWARD:
+                slots.add(slot(nat_addr, nat_port, proto))
+            else:
+                slots.add(slot(saddr, sport, proto))
     stamp = Act(stamp=stamp_of(now))
     act = maps["act"]
     if slots:
