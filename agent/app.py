@@ -24,7 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config, Mode, NodeContext
-from agent.daemon import Agent, EventSink, NoEvents, Parts, Service
+from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service
 from agent.errors import FatalError
 from agent.featuregates import node_info
 from agent.metrics import Metrics
@@ -244,6 +244,7 @@ def build_agent(
             source=source,
             proxier=proxier,
             node_context=lambda: node_context(config),
+            node_events=_address_watcher(config),
             metrics=metrics,
             health=health,
             service_health=service_health,
@@ -252,6 +253,15 @@ def build_agent(
             close=close,
         ),
     )
+
+
+def _address_watcher(config: Config) -> NodeEvents | None:
+    """Netlink events for the node's addresses, unless --node-ip fixes them."""
+    if config.node_ips:
+        return None
+    from agent.nodewatch import AddressWatcher
+
+    return AddressWatcher(config)
 
 
 def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) -> int:
@@ -293,6 +303,9 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         log.error("%s", exc)
         return 1
     with node_lock:
+        from agent.nodeinit import setup_conntrack
+
+        setup_conntrack(config)  # kube-proxy's platformSetup, before the proxier reads the host
         try:
             agent = build_agent(config, configz, kubeconfig)
         except FatalError as exc:

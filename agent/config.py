@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agent.localdetect import LocalDetector, LocalMode, local_detector
 from agent.settings.kinds import NODEPORT_PRIMARY
 from agent.settings.table import BY_NAME, DEFAULT_PIN_PATH, SETTINGS, Mode, default
 
@@ -52,6 +53,9 @@ class MapSizes:
     srcr: int = default("map_sizes.srcr")
     # frontend and backend addresses (entries allocated as written; 4 MiB of hash buckets)
     addr: int = default("map_sizes.addr")
+    # Maglev tables (one per backend set of a Maglev frontend, allocated as written) and their size
+    maglev: int = default("map_sizes.maglev")
+    maglev_table_size: int = default("map_sizes.maglev_table_size")
 
     def with_conntrack(
         self, conntrack: ConntrackSettings, cpus: int, pinned: Mapping[str, int] | None = None
@@ -125,6 +129,9 @@ class Config:
     cleanup_kube_proxy: bool = default("cleanup_kube_proxy")
     init_only: bool = default("init_only")
     cluster_cidr: tuple[str, ...] = default("cluster_cidr")
+    detect_local_mode: LocalMode = default("detect_local_mode")
+    pod_bridge_interface: str = default("pod_bridge_interface")
+    pod_interface_name_prefix: str = default("pod_interface_name_prefix")
     masquerade_all: bool = default("masquerade_all")
     masquerade_bit: int = default("masquerade_bit")
     nodeport_addresses: tuple[str, ...] = default("nodeport_addresses")  # () = every node address
@@ -139,10 +146,23 @@ class Config:
     snat_ports: tuple[int, int] = default("snat_ports")  # above the kernel's ephemeral 32768-60999
     nodeport_range: tuple[int, int] = default("nodeport_range")
     bpf_keep_client_ip_local: bool = default("bpf_keep_client_ip_local")
+    bpf_xdp: str = default("bpf_xdp")
+    bpf_lb_algorithm: str = default("bpf_lb_algorithm")
     ct_tcp_backend_gone_timeout_s: float = default("ct_tcp_backend_gone_timeout_s")
     # iptables mode
     iptables_backend: str = default("iptables_backend")  # auto | nft | legacy
     iptables_localhost_nodeports: bool = default("iptables_localhost_nodeports")
+
+    def local_detector(self, node_pod_cidrs: Iterable[str] = ()) -> LocalDetector:
+        """kube-proxy's local-traffic detector; `node_pod_cidrs` (the Node's spec.podCIDRs) is
+        what NodeCIDR reads."""
+        return local_detector(
+            self.detect_local_mode,
+            cluster_cidrs=self.cluster_cidr,
+            node_pod_cidrs=node_pod_cidrs,
+            bridge_interface=self.pod_bridge_interface,
+            interface_name_prefix=self.pod_interface_name_prefix,
+        )
 
     def gate(self, name: str, default: bool) -> bool:
         """A feature gate's value: as --feature-gates / featureGates set it, else `default`."""

@@ -2,7 +2,8 @@
 
 Effects (pyroute2, read only). The external devices are Config.devices in the order given;
 without them, every device holding a global IPv4 address except loopback and pod devices
-(Config.pod_interfaces), the device of the default route first, then by interface index. The
+(Config.pod_interfaces, and the bridge or name prefix of --detect-local-mode's interface modes),
+the device of the default route first, then by interface index. The
 primary address (SNAT source toward other nodes) is the first address of the first device.
 `pick_node_addresses` is the pure core, tested with literal netlink-like records.
 """
@@ -10,6 +11,7 @@ primary address (SNAT source toward other nodes) is the first address of the fir
 from __future__ import annotations
 
 import fnmatch
+import glob
 import logging
 import socket
 from collections.abc import Iterable, Sequence
@@ -82,11 +84,21 @@ def _records(ipr: Any) -> tuple[list[AddrInfo], list[int]]:
     return addrs, defaults
 
 
+def pod_device_patterns(config: Config) -> tuple[str, ...]:
+    """Globs of the devices pods sit behind: --pod-interfaces, and the local-traffic detector's
+    bridge or name prefix (their addresses are pod gateways, not node addresses)."""
+    local = config.local_detector()
+    extra = (
+        (local.interface,) if local.interface else (f"{glob.escape(local.prefix)}*",) if local.prefix else ()
+    )
+    return (*config.pod_interfaces, *extra)
+
+
 def discover_node(config: Config) -> NodeContext:
     """The node's addresses in Config.netns; a missing namespace raises FileNotFoundError."""
     with netns_route(config.netns) as ipr:
         addrs, defaults = _records(ipr)
-    node = pick_node_addresses(addrs, config.devices, config.pod_interfaces, defaults)
+    node = pick_node_addresses(addrs, config.devices, pod_device_patterns(config), defaults)
     if not node.node_ips:
         log.warning(
             "no IPv4 address found on %s in netns %s: NodePorts answer nowhere; pass --node-ip",

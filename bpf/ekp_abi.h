@@ -9,10 +9,10 @@
  * Rules: fixed-width types only, explicit padding, no bitfields, every field commented with its
  * byte order ("be" = network order, "host" = CPU order). Changing any layout means bumping
  * EKP_ABI_VERSION: the version is part of every map name, so an old pinned map is never reused
- * with a new layout (bcc's BPF_TABLE_PINNED would reuse it silently). A change to one map alone
- * bumps that map's own suffix: the counters grew to ekp_stats_v3 (more slots) while every other
- * layout stayed v2. A map added beside the others needs no bump: no older program or pin knows
- * its name.
+ * with a new layout (the loader reuses a pinned map whose sizes match, and two layouts of one size
+ * would pass that check). A change to one map alone bumps that map's own suffix: the counters grew
+ * to ekp_stats_v3 (more slots) while every other layout stayed v2. A map added beside the others
+ * needs no bump: no older program or pin knows its name.
  *
  * IPv6, later: Cilium's v4/v6 pairs. Every struct below that holds an address is the IPv4 member
  * of a pair; IPv6 adds its own maps beside these (ekp_fe6, ekp_be6, ekp_ct6_tcp, ekp_frag6,
@@ -57,6 +57,8 @@ struct ekp_frontend_key {
 #define EKP_FE_SOURCE_RANGES (1 << 6) /* check the client against ekp_srcr (loadBalancerSourceRanges) */
 #define EKP_FE_AFFINITY      (1 << 7) /* sessionAffinity ClientIP: see affinity_timeout */
 #define EKP_FE_SNAT_ALL      (1 << 8) /* source-translate to the node whatever the backend (KUBE-MARK-MASQ) */
+#define EKP_FE_MAGLEV        (1 << 9) /* choose the backend with the Maglev table of set_id (ekp_maglev), and
+				      * let a TCP segment without conntrack resume its flow on it */
 
 struct ekp_frontend {
 	__u32 svc_id;           /* host: the service port (membership, affinity, conntrack); never 0 */
@@ -66,6 +68,26 @@ struct ekp_frontend {
 	__u32 affinity_timeout; /* host: seconds a client keeps its backend; 0 = no affinity */
 	__u16 rev_nat_id;       /* host: key prefix of ekp_srcr (source ranges); never 0 */
 	__u16 pad;              /* zero */
+};
+
+/* ---- Maglev lookup tables (hash, written by the agent): set -> backend id per table position */
+
+/* The table's size: a prime, the same on every node (--bpf-lb-maglev-table-size; Cilium's default).
+ * The loader passes -DEKP_MAGLEV_TABLE_SIZE; the map's value size follows it, so a pinned map keeps
+ * the size it was created with (a change is a pin mismatch, as a resized conntrack table is). */
+#ifndef EKP_MAGLEV_TABLE_SIZE
+#define EKP_MAGLEV_TABLE_SIZE 16381
+#endif
+
+struct ekp_maglev_key {
+	__u32 set_id; /* host: struct ekp_frontend.set_id of a frontend with EKP_FE_MAGLEV */
+};
+
+/* Position h % EKP_MAGLEV_TABLE_SIZE of a flow's hash (ekp_flow_hash of the tuple as it arrives)
+ * names its backend. Built by the agent with Maglev's permutations of the backends' addresses
+ * (agent/ebpf/maglev.py), so every node holding the same backends fills the same positions. */
+struct ekp_maglev {
+	__u32 backend_id[EKP_MAGLEV_TABLE_SIZE]; /* host: keys of ekp_be; never 0 in a written table */
 };
 
 /* ---- backend slots: (set, slot) -> backend id --------------------------------------------- */
@@ -324,10 +346,15 @@ struct ekp_config {
 	__u32 udp_stream_s;       /* host: replied and older than 2 s (conntrack.udpStreamTimeout) */
 	__u32 icmp_rate;          /* host: ICMP rejects per second, per CPU (token bucket refill) */
 	__u32 icmp_burst;         /* host: ICMP rejects a CPU may send at once (bucket depth) */
-	__u32 flags;              /* host: reserved, zero */
-	__u32 tcp_orphan_s;       /* host: most a TCP flow whose backend left every Service
-				   * (EKP_CT_ORPHAN) lives after the backend's last packet; 0 = 300
-				   * (nf_conntrack's unacknowledged-data timeout) */
+	__be32 local_net;         /* be: the local-traffic detector's network (local_by_src) */
+	__u8 local_plen;          /* host: its prefix length, 0..32 */
+	__u8 local_by_src;        /* host: 1: a packet is from a local pod when its source is in
+	                           * local_net/local_plen (--detect-local-mode ClusterCIDR, NodeCIDR)
+	                           * and looks up INTERNAL frontends, any other EXTERNAL ones, whatever
+	                           * the hook; 0: the hook's scope (the interface modes, no detector) */
+	__u16 tcp_orphan_s;       /* host: most a TCP flow whose backend left every Service
+				   * (EKP_CT_ORPHAN) lives after the backend's last packet, up to
+				   * 65,535; 0 = 300 (nf_conntrack's unacknowledged-data timeout) */
 };
 
 /* ---- the reject rate limiter (per-CPU array, one element, written by the data path) ------ */
@@ -380,6 +407,10 @@ enum ekp_stat {
 	EKP_STAT_EVICT_UNASSURED, /* mark: ... replied, never assured (TCP handshake not completed, UDP
 	                           * not a stream) */
 	EKP_STAT_EVICT_CLOSED,    /* mark: ... closed TCP flows (RST, or FINs both ways) */
+	EKP_STAT_TO_TC,           /* outcome (XDP only): a service packet XDP leaves to the tc program
+	                           * to carry out (a local backend, a reject, a route XDP cannot send) */
+	EKP_STAT_CT_RESUMED,      /* mark: a TCP segment without conntrack resumed its flow on the backend
+	                           * Maglev names (the entries were lost: evicted, a restart elsewhere) */
 	EKP_STAT_MAX,
 };
 

@@ -5,7 +5,7 @@
  * applied by the hook that runs it: ekp_tc_apply.h for the tc programs; an XDP program or a
  * cgroup socket program shares this file and differs only in how it applies a decision.
  *
- *   ICMP error quoting TCP/UDP -> conntrack of the quoted flow -> RELATED (translate it back)
+ *   ICMP error quoting TCP/UDP/SCTP -> conntrack of the quoted flow -> RELATED (translate it back)
  *   later fragment             -> ports of its first fragment (ekp_frag); none: HOLD when a
  *                                 translated flow may use its addresses (ekp_addr), else PASS
  *   first fragment             -> its ports recorded; `release` set when later ones are held
@@ -17,11 +17,18 @@
  *                                 TCP: DROP NO_FLOW), backend, SNAT, conntrack -> TRANSLATE
  *   nothing                    -> PASS (a TCP SYN first checks that its reverse tuple is not a
  *                                 translated flow's, ekp_ct_reclaim)
+ * Under XDP (enum ekp_hook) fragments, ICMP errors, misses, rejects and new flows to local
+ * backends PASS before any side effect: the tc program decides them as above.
  *
  * A packet that cannot belong to a translated flow leaves as early as its kind allows: anything
- * but IPv4 TCP/UDP/ICMP errors after the parse, without a map lookup; a TCP/UDP packet after the
- * three lookups that could claim it (FORWARD, REPLY, frontend); the FORWARD and REPLY tables are
- * apart only by the key's direction byte, so a flow's original tuple can never match its reply.
+ * but IPv4 TCP/UDP/SCTP/ICMP errors after the parse, without a map lookup; a whole datagram whose
+ * endpoints no live flow stamped and whose destination is no frontend after two array loads and
+ * one hash lookup (ekp_act.h); one that may belong to a flow after the three lookups that could
+ * claim it (FORWARD, REPLY, frontend); the FORWARD and REPLY tables are apart only by the key's
+ * direction byte, so a flow's original tuple can never match its reply.
+ *
+ * ekp_decide_local decides for a packet the node's own stack sends (tc egress): the replies of
+ * flows handed to the stack (a backend on the node's own address) get their frontend back.
  */
 #ifndef EKP_DECIDE_H
 #define EKP_DECIDE_H
@@ -45,6 +52,17 @@ enum ekp_action {
 	EKP_ACT_RELATED,   /* an ICMP error: rewrite outer and quoted tuples, deliver it */
 	EKP_ACT_HOLD,      /* a later fragment before its first: keep it, put it back when the first
 			    * comes (the hook's business: ekp_tc_frag.h for tc) */
+};
+
+/* The hook that runs a decision, a compile-time constant at each call site. XDP carries out only
+ * what it can before the skb exists; it leaves the rest, untouched and before any side effect
+ * (conntrack, affinity, rate limit), to the tc program behind it: fragments and ICMP errors,
+ * packets that claim no flow and no frontend, rejects, and new flows to a local backend (delivered
+ * into a pod's veth, which native XDP cannot do). What it does decide is this very code, on the
+ * same maps: an entry XDP created is the entry tc finds. */
+enum ekp_hook {
+	EKP_HOOK_TC = 0,
+	EKP_HOOK_XDP = 1,
 };
 
 struct ekp_decision {
@@ -196,7 +214,7 @@ static __always_inline void ekp_decide_create(const struct ekp_pkt *p, struct ek
  * starts a flow (the caller creates it), 0 when `d` already holds the verdict. */
 static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct ekp_frontend *fe,
 					  const struct ekp_config *cfg, __u64 now, struct ekp_flow *f,
-					  struct ekp_decision *d)
+					  struct ekp_decision *d, __u8 hook)
 {
 	__u32 aff_hit = 0;
 
@@ -205,6 +223,10 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 		return 0;
 	}
 	if (fe->count == 0) {
+		if (hook == EKP_HOOK_XDP && (fe->flags & EKP_FE_NO_ENDPOINTS)) {
+			ekp_verdict(d, EKP_ACT_PASS, EKP_STAT_TO_TC); /* the reject is built on the skb */
+			return 0;
+		}
 		ekp_decide_no_endpoints(p, fe->flags, cfg, now, d);
 		return 0;
 	}
@@ -212,8 +234,11 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 	 * without conntrack belongs to a flow we no longer have (evicted, expired): never sent to a
 	 * newly chosen backend, which could only reset (or ABORT) it; dropped and counted while the
 	 * flow may still come back (the surviving entry rebuilds its twin within a second). Later
-	 * fragments never start flows. */
-	if (p->frag == EKP_FRAG_LATER || (p->proto == IPPROTO_TCP && !ekp_pure_syn(p)) ||
+	 * fragments never start flows. Under Maglev the backend is not newly chosen: the table names
+	 * the one the flow had (on this node or any other with the same backends), so a TCP flow
+	 * resumes there. */
+	int resumes = p->proto == IPPROTO_TCP && !ekp_pure_syn(p);
+	if (p->frag == EKP_FRAG_LATER || (resumes && !(fe->flags & EKP_FE_MAGLEV)) ||
 	    (p->proto == IPPROTO_SCTP && p->chunk != EKP_SCTP_CID_INIT)) {
 		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_NO_FLOW);
 		return 0;
@@ -223,6 +248,12 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 		ekp_verdict(d, EKP_ACT_DROP, reason);
 		return 0;
 	}
+	if (hook == EKP_HOOK_XDP && (f->be_flags & EKP_BE_LOCAL)) {
+		ekp_verdict(d, EKP_ACT_PASS, EKP_STAT_TO_TC); /* into a pod's veth: tc's to deliver */
+		return 0;
+	}
+	if (resumes)
+		d->marks |= 1u << EKP_STAT_CT_RESUMED;
 	d->marks |= aff_hit << EKP_STAT_AFFINITY_HIT;
 	f->svc_id = fe->svc_id;
 	f->fe_addr = p->daddr;
@@ -304,6 +335,18 @@ static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const st
 	}
 }
 
+/* The frontends' scope of a packet: kube-proxy's local-traffic detector. By source (ClusterCIDR,
+ * NodeCIDR): INTERNAL when the source is in the detector's CIDR, EXTERNAL otherwise, whichever hook
+ * it entered by; otherwise the hook's (the agent attaches ekp_from_pod where traffic is local). */
+static __always_inline __u8 ekp_local_scope(const struct ekp_config *cfg, __be32 saddr, __u8 hook_scope)
+{
+	if (!cfg->local_by_src)
+		return hook_scope;
+	__u32 plen = cfg->local_plen;
+	__be32 mask = plen == 0 ? 0 : htonl(0xffffffffU << (32 - (plen > 32 ? 32 : plen)));
+	return (saddr & mask) == cfg->local_net ? EKP_SCOPE_INTERNAL : EKP_SCOPE_EXTERNAL;
+}
+
 /* Whether a whole datagram (no fragment, no ICMP error: those take the full path) may belong to a
  * translated flow, by the cheapest checks there are: when no live flow stamped either of its
  * endpoints in ekp_act (two array loads) and its destination is no frontend of this scope
@@ -324,7 +367,7 @@ static __always_inline int ekp_decide_may_translate(const struct ekp_pkt *p, __u
 
 /* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result); a flow it
  * starts or closes is left in w->queue. */
-static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __u8 scope)
+static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __u8 scope, __u8 hook)
 {
 	struct ekp_pkt *p = &w->pkt;
 	struct ekp_decision *d = &w->dec;
@@ -344,9 +387,15 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 	}
 	if (p->ttl <= 1)
 		return;
+	/* XDP leaves fragments and ICMP errors to tc: holding a fragment needs an skb, and a first
+	 * fragment's record must be written where its later fragments are decided. And SCTP: its
+	 * CRC32c is updated by tc's rewrite (ekp_nat.h), not by XDP's. */
+	if (hook == EKP_HOOK_XDP && (parsed != EKP_PARSE_OK || p->frag != EKP_FRAG_NONE || p->proto == IPPROTO_SCTP))
+		return;
 	const struct ekp_config *cfg = ekp_config_get();
 	if (!cfg)
 		return;
+	scope = ekp_local_scope(cfg, p->saddr, scope); /* the frontends this packet may use */
 	if (parsed == EKP_PARSE_OK && p->frag == EKP_FRAG_NONE && !ekp_decide_may_translate(p, scope, cfg))
 		return;
 	__u64 now = bpf_ktime_get_ns();
@@ -387,9 +436,11 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 
 	struct ekp_frontend *fe = ekp_frontend_lookup(p, scope);
 	if (fe) {
-		if (!ekp_decide_new(p, fe, cfg, now, f, d))
+		if (!ekp_decide_new(p, fe, cfg, now, f, d, hook))
 			return;
 	} else {
+		if (hook == EKP_HOOK_XDP) /* no flow of ours: tc looks for a direct flow's reclaim */
+			return;
 		__u16 held_by = 0;
 		if (p->frag == EKP_FRAG_LATER || !ekp_pure_syn(p) || ekp_ct_reclaim(p, cfg, now, &held_by) != EKP_RECLAIM_LIVE)
 			return;
@@ -461,12 +512,12 @@ static __always_inline void ekp_decide_reset(struct ekp_work *w)
 	w->queue.want = 0;
 }
 
-/* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result) as it enters
- * by a device of `scope`, then queues the flow it started or closed. */
-static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scope)
+/* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result) as `hook`
+ * runs it (enum ekp_hook), then queues the flow it started or closed. */
+static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scope, __u8 hook)
 {
 	ekp_decide_reset(w);
-	ekp_decide_packet(w, parsed, scope);
+	ekp_decide_packet(w, parsed, scope, hook);
 	ekp_decide_queue(w);
 }
 

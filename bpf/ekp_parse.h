@@ -122,36 +122,10 @@ static __always_inline int ekp_parse_quote(struct ekp_pkt *p, void *data, void *
 	return EKP_PARSE_ICMP_ERR;
 }
 
-/* The bytes past the IP header the parser reads, by protocol: the L4 header (SCTP: and the first
- * chunk's type), for ICMP the error's quote too. */
-static __always_inline __u32 ekp_l4_need(__u8 proto)
+/* The frame from its Ethernet header, whatever hook holds it (a tc skb's linear part, an XDP
+ * buffer): one parser for both. */
+static __always_inline int ekp_parse_frame(void *data, void *data_end, struct ekp_pkt *p)
 {
-	if (proto == IPPROTO_TCP)
-		return sizeof(struct tcphdr);
-	if (proto == IPPROTO_UDP)
-		return sizeof(struct udphdr);
-	if (proto == IPPROTO_SCTP)
-		return EKP_SCTP_HDR_LEN + 1;
-	return sizeof(struct icmphdr) + 60 + EKP_INNER_TCP_LEN;
-}
-
-/* Makes the first `want` bytes of the frame linear when they are not (headers in paged data: a
- * GRO'd packet, a TSO segment of the node's own stack); a shorter frame keeps what it has. Pulls
- * only what is read: a pull may copy and reallocate the skb's head. */
-static __always_inline void ekp_pull(struct __sk_buff *skb, __u32 want)
-{
-	__u32 linear = (void *)(long)skb->data_end - (void *)(long)skb->data;
-
-	if (linear < want && skb->len > linear)
-		bpf_skb_pull_data(skb, skb->len < want ? skb->len : want);
-}
-
-static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
-{
-	ekp_pull(skb, EKP_IP_OFF + sizeof(struct iphdr));
-	void *data = (void *)(long)skb->data;
-	void *data_end = (void *)(long)skb->data_end;
-
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > data_end)
 		return EKP_PARSE_PASS;
@@ -161,19 +135,11 @@ static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
 	struct iphdr *ip = (void *)(eth + 1);
 	if ((void *)(ip + 1) > data_end)
 		return EKP_PARSE_MALFORMED;
-	__u8 proto = ip->protocol;
-	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_ICMP && proto != IPPROTO_SCTP)
+	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP && ip->protocol != IPPROTO_ICMP &&
+	    ip->protocol != IPPROTO_SCTP)
 		return EKP_PARSE_PASS;
 	__u32 ihl = ip->ihl * 4;
 	if (ip->version != 4 || ihl < sizeof(struct iphdr) || ihl > 60)
-		return EKP_PARSE_MALFORMED;
-
-	/* the options and the L4 header (the pull moves the data: pointers are taken again) */
-	ekp_pull(skb, EKP_IP_OFF + ihl + ekp_l4_need(proto));
-	data = (void *)(long)skb->data;
-	data_end = (void *)(long)skb->data_end;
-	ip = data + EKP_IP_OFF;
-	if ((void *)(ip + 1) > data_end)
 		return EKP_PARSE_MALFORMED;
 
 	__u16 frag = ntohs(ip->frag_off);
@@ -235,6 +201,52 @@ static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
 	p->icmp_type = icmp->type;
 	p->icmp_code = icmp->code;
 	return ekp_parse_quote(p, data, data_end, (void *)(icmp + 1));
+}
+
+/* The bytes past the IP header the parser reads, by protocol: the L4 header (SCTP: and the first
+ * chunk's type), for ICMP the error's quote too. */
+static __always_inline __u32 ekp_l4_need(__u8 proto)
+{
+	if (proto == IPPROTO_TCP)
+		return sizeof(struct tcphdr);
+	if (proto == IPPROTO_UDP)
+		return sizeof(struct udphdr);
+	if (proto == IPPROTO_SCTP)
+		return EKP_SCTP_HDR_LEN + 1;
+	return sizeof(struct icmphdr) + 60 + EKP_INNER_TCP_LEN;
+}
+
+/* Makes the first `want` bytes of the frame linear when they are not (headers in paged data: a
+ * GRO'd packet, a TSO segment of the node's own stack); a shorter frame keeps what it has. Pulls
+ * only what is read: a pull may copy and reallocate the skb's head. */
+static __always_inline void ekp_pull(struct __sk_buff *skb, __u32 want)
+{
+	__u32 linear = (void *)(long)skb->data_end - (void *)(long)skb->data;
+
+	if (linear < want && skb->len > linear)
+		bpf_skb_pull_data(skb, skb->len < want ? skb->len : want);
+}
+
+static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
+{
+	/* Headers may sit in paged data (GRO, TSO, some drivers): the IP header first, then as far as
+	 * its options and L4 header reach (the pull moves the data: pointers are taken again). */
+	ekp_pull(skb, EKP_IP_OFF + sizeof(struct iphdr));
+	void *data = (void *)(long)skb->data;
+	void *data_end = (void *)(long)skb->data_end;
+	struct iphdr *ip = data + EKP_IP_OFF;
+	if ((void *)(ip + 1) <= data_end) {
+		ekp_pull(skb, EKP_IP_OFF + ip->ihl * 4 + ekp_l4_need(ip->protocol));
+		data = (void *)(long)skb->data;
+		data_end = (void *)(long)skb->data_end;
+	}
+	return ekp_parse_frame(data, data_end, p);
+}
+
+/* An XDP buffer is linear up to data_end (a multi-buffer frame's first buffer holds its headers). */
+static __always_inline int ekp_parse_xdp(struct xdp_md *ctx, struct ekp_pkt *p)
+{
+	return ekp_parse_frame((void *)(long)ctx->data, (void *)(long)ctx->data_end, p);
 }
 
 #endif /* EKP_PARSE_H */

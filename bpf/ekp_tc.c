@@ -6,9 +6,10 @@
  *   ekp_from_net  ingress of the node's external devices (--devices) (scope EKP_SCOPE_EXTERNAL)
  *   ekp_egress    egress of both: the replies the node's own stack sends for flows handed to it
  *                 (a backend on the node's own address), translated back (ekp_core.h)
+ *   ekp_xdp_net   XDP of the same external devices (--bpf-xdp), ahead of ekp_from_net
  *
- * Built by agent/ebpf/loader.py with bcc: BPF(src_file=ekp_tc.c, cflags=[-DEKP_PIN_DIR=...,
- * -DEKP_<ROLE>_MAX=..., -I<bpf dir>]). The logic lives in the headers (ekp_core.h first); this
+ * Built by agent/ebpf/compile.py with bcc: BPF(src_file=ekp_tc.c, cflags=[-DEKP_<ROLE>_MAX=...,
+ * -I<bpf dir>]), loaded against the pinned maps by agent/ebpf/link.py. The logic lives in the headers (ekp_core.h first); this
  * file holds only what bcc needs in its main file: the map accessors (see ekp_maps.h) and the
  * program entry points.
  */
@@ -170,6 +171,16 @@ static __always_inline u64 *ekp_stats_lookup(u32 *k)
 	return ekp_stats_v3.lookup(k);
 }
 
+static __always_inline u64 *ekp_xstats_lookup(u32 *k)
+{
+	return ekp_xstats_v3.lookup(k);
+}
+
+static __always_inline struct ekp_maglev *ekp_maglev_lookup(struct ekp_maglev_key *k)
+{
+	return ekp_maglev_v2.lookup(k);
+}
+
 static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 {
 	u32 zero = 0;
@@ -179,6 +190,7 @@ static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 /* ---- programs ---- */
 
 #include "ekp_core.h"
+#include "ekp_xdp.h"
 
 int ekp_from_pod(struct __sk_buff *skb)
 {
@@ -193,4 +205,11 @@ int ekp_from_net(struct __sk_buff *skb)
 int ekp_egress(struct __sk_buff *skb)
 {
 	return ekp_egress_main(skb);
+}
+
+/* XDP on the external devices (--bpf-xdp): before the skb exists, the part of ekp_from_net's work
+ * that needs no skb (ekp_xdp.h); everything else goes on to ekp_from_net. */
+int ekp_xdp_net(struct xdp_md *ctx)
+{
+	return ekp_xdp_main(ctx);
 }

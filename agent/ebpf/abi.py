@@ -69,6 +69,7 @@ class FrontendFlag(IntEnum):
     SOURCE_RANGES = 1 << 6
     AFFINITY = 1 << 7
     SNAT_ALL = 1 << 8
+    MAGLEV = 1 << 9
 
 
 class BackendFlag(IntEnum):
@@ -150,10 +151,12 @@ class Stat(IntEnum):
     EVICT_UNREPLIED = 27
     EVICT_UNASSURED = 28
     EVICT_CLOSED = 29
+    TO_TC = 30  # outcome, XDP only: left to the tc program to carry out
+    CT_RESUMED = 31  # mark: a TCP segment without conntrack resumed its flow on Maglev's backend
 
 
 STAT_DROP_FIRST = Stat.DROP_MALFORMED
-STAT_COUNT = 30
+STAT_COUNT = 32
 STAT_SLOTS = 64  # ekp_stats_v3's size: room for later counters without a new map
 # The drop reasons, by name (a reason added later goes at the end of the enum, after other kinds).
 DROPS: tuple[Stat, ...] = tuple(s for s in Stat if s.name.startswith("DROP_"))
@@ -165,6 +168,7 @@ OUTCOMES: tuple[Stat, ...] = (
     Stat.CT_REPLY,
     Stat.CT_RELATED,
     Stat.FRAG_HELD,
+    Stat.TO_TC,
     *DROPS,
 )
 # Flows the early-drop queues deleted, by the state they were in (bpf/ekp_ctq.h).
@@ -211,6 +215,32 @@ class Frontend(_Struct):
         ("rev_nat_id", u16),
         ("pad", u16),
     ]
+
+
+# Positions of a Maglev table (bpf/ekp_abi.h EKP_MAGLEV_TABLE_SIZE): a prime, Cilium's default. The
+# C is compiled with the configured size (-DEKP_MAGLEV_TABLE_SIZE); `maglev_value(m)` is the value
+# type of a table of m positions, `Maglev` the default's (what the ABI probe checks).
+MAGLEV_TABLE_SIZE = 16381
+
+
+class MaglevKey(_Struct):
+    _fields_ = [("set_id", u32)]
+
+
+def maglev_value(m: int) -> type[_Struct]:
+    """The value type of ekp_maglev for tables of `m` positions."""
+    if m == MAGLEV_TABLE_SIZE:
+        return Maglev
+    return _maglev_types.setdefault(
+        m, type(f"Maglev{m}", (_Struct,), {"_fields_": [("backend_id", u32 * m)]})
+    )
+
+
+class Maglev(_Struct):
+    _fields_ = [("backend_id", u32 * MAGLEV_TABLE_SIZE)]
+
+
+_maglev_types: dict[int, type[_Struct]] = {}
 
 
 class SlotKey(_Struct):
@@ -347,8 +377,10 @@ class Config(_Struct):
         ("udp_stream_s", u32),
         ("icmp_rate", u32),
         ("icmp_burst", u32),
-        ("flags", u32),
-        ("tcp_orphan_s", u32),
+        ("local_net", u32),
+        ("local_plen", u8),
+        ("local_by_src", u8),
+        ("tcp_orphan_s", u16),
     ]
 
 
@@ -360,6 +392,8 @@ class RateLimit(_Struct):
 STRUCTS: dict[str, type[_Struct]] = {
     "ekp_frontend_key": FrontendKey,
     "ekp_frontend": Frontend,
+    "ekp_maglev_key": MaglevKey,
+    "ekp_maglev": Maglev,
     "ekp_slot_key": SlotKey,
     "ekp_slot": Slot,
     "ekp_backend_key": BackendKey,
@@ -432,6 +466,8 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("cfg", "array", ctypes.c_uint32, Config, 2, "EKP_CFG_MAX"),
         MapSpec("cfgsel", "array", ctypes.c_uint32, ConfigSel, 1, "EKP_CFGSEL_MAX"),
         MapSpec("addr", "hash", AddrKey, Addr, 262144, "EKP_ADDR_MAX"),
+        # one table per backend set of a Maglev frontend, allocated as written (64 KiB each)
+        MapSpec("maglev", "hash", MaglevKey, Maglev, 16384, "EKP_MAGLEV_MAX"),
         MapSpec("ct_tcp", "lru_hash", CtKey, CtEntry, 0, "EKP_CT_TCP_MAX", _DP, "--bpf-ct-global-tcp-max"),
         MapSpec("ct_any", "lru_hash", CtKey, CtEntry, 0, "EKP_CT_ANY_MAX", _DP, "--bpf-ct-global-any-max"),
         MapSpec("ctq_tcp", "array", ctypes.c_uint32, CtqSlot, 0, "EKP_CTQ_TCP_MAX", _DP),
@@ -451,6 +487,17 @@ MAPS: dict[str, MapSpec] = {
             ctypes.c_uint64,
             STAT_SLOTS,
             "EKP_STATS_MAX",
+            _DP,
+            version=3,
+        ),
+        # the XDP program's counters, the same slots as ekp_stats_v3
+        MapSpec(
+            "xstats",
+            "percpu_array",
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            STAT_SLOTS,
+            "EKP_XSTATS_MAX",
             _DP,
             version=3,
         ),

@@ -2,7 +2,8 @@
 
 The long-running agent never compiles (a short-lived child does, `agent.ebpf.compile`), so it must
 not need libbcc either: loading libbcc maps LLVM into the process, tens of MiB of resident memory
-for nothing. These few commands are all the agent uses, each a thin wrapper over one `bpf()` call
+for nothing. It does load what the child compiled (agent.ebpf.link: BTF, maps, programs).
+These few commands are all the agent uses, each a thin wrapper over one `bpf()` call
 with its `union bpf_attr` member packed by hand (layouts from include/uapi/linux/bpf.h; the kernel
 accepts an attr shorter than its own union as long as unknown tail bytes are zero).
 
@@ -14,19 +15,25 @@ place (agent.ebpf.maps).
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import platform
 import struct
 from typing import Any
 
 # enum bpf_cmd
+MAP_CREATE = 0
 MAP_LOOKUP_ELEM = 1
 MAP_UPDATE_ELEM = 2
 MAP_DELETE_ELEM = 3
 MAP_GET_NEXT_KEY = 4
+PROG_LOAD = 5
 OBJ_PIN = 6
 OBJ_GET = 7
+PROG_GET_FD_BY_ID = 13
 OBJ_GET_INFO_BY_FD = 15
+BTF_LOAD = 18
+BTF_GET_FD_BY_ID = 19
 MAP_LOOKUP_BATCH = 24
 MAP_UPDATE_BATCH = 26
 MAP_DELETE_BATCH = 27
@@ -44,6 +51,21 @@ _BATCH = struct.Struct("=QQQQIIQQ")
 _OBJ = struct.Struct("=QIIiI")
 # struct { __u32 bpf_fd; __u32 info_len; __aligned_u64 info; }
 _INFO = struct.Struct("=IIQ")
+# struct { __u32 map_type, key_size, value_size, max_entries, map_flags, inner_map_fd, numa_node;
+#          char map_name[16]; __u32 map_ifindex, btf_fd, btf_key_type_id, btf_value_type_id,
+#          btf_vmlinux_value_type_id; __u64 map_extra; }
+_MAP_CREATE = struct.Struct("=IIIIIII16sIIIIIQ")
+# struct { __u32 prog_type, insn_cnt; __aligned_u64 insns, license; __u32 log_level, log_size;
+#          __aligned_u64 log_buf; __u32 kern_version, prog_flags; char prog_name[16];
+#          __u32 prog_ifindex, expected_attach_type; }   (no BTF: func_info_cnt 0 ignores prog_btf_fd)
+_PROG_LOAD = struct.Struct("=IIQQIIQII16sII")
+# struct { __aligned_u64 btf, btf_log_buf; __u32 btf_size, btf_log_size, btf_log_level; }
+_BTF_LOAD = struct.Struct("=QQIII")
+# struct { __u32 btf_id, next_id, open_flags; }
+_GET_FD_BY_ID = struct.Struct("=III")
+# struct bpf_btf_info { __aligned_u64 btf; __u32 btf_size, id; __aligned_u64 name; __u32 name_len,
+#                       kernel_btf; }
+_BTF_INFO = struct.Struct("=QIIQII")
 
 
 def _nr() -> int:
@@ -63,7 +85,7 @@ def _call(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
     return ret if ret >= 0 else -ctypes.get_errno()
 
 
-def _attr(layout: struct.Struct, *values: int) -> ctypes.Array[ctypes.c_char]:
+def _attr(layout: struct.Struct, *values: int | bytes) -> ctypes.Array[ctypes.c_char]:
     return ctypes.create_string_buffer(layout.pack(*values), layout.size)
 
 
@@ -117,3 +139,93 @@ def obj_get_info_by_fd(fd: int, info: Any) -> int:
     """Fill `info` (a ctypes Structure: the head of bpf_map_info or bpf_prog_info)."""
     attr = _attr(_INFO, fd, ctypes.sizeof(info), _addr(info))
     return _call(OBJ_GET_INFO_BY_FD, attr)
+
+
+def prog_get_fd_by_id(prog_id: int) -> int:
+    """An fd of the loaded program `prog_id` (needs CAP_SYS_ADMIN), or -errno."""
+    return _call(PROG_GET_FD_BY_ID, _attr(_GET_FD_BY_ID, prog_id, 0, 0))
+
+
+def map_create(
+    map_type: int,
+    key_size: int,
+    value_size: int,
+    max_entries: int,
+    flags: int,
+    name: str,
+    btf_fd: int = 0,
+    btf_key_type_id: int = 0,
+    btf_value_type_id: int = 0,
+) -> int:
+    """A new map; its fd. BTF ids are used only with a `btf_fd` (0: a map without BTF)."""
+    if not btf_fd:
+        btf_key_type_id = btf_value_type_id = 0
+    attr = _attr(
+        _MAP_CREATE,
+        map_type,
+        key_size,
+        value_size,
+        max_entries,
+        flags,
+        0,
+        0,
+        name.encode()[:15],
+        0,
+        btf_fd,
+        btf_key_type_id,
+        btf_value_type_id,
+        0,
+        0,
+    )
+    return _call(MAP_CREATE, attr)
+
+
+def prog_load(
+    prog_type: int, insns: bytes, license: str, name: str, kern_version: int = 0, log: Any = None
+) -> int:
+    """Load a program; its fd. `log` (a ctypes char buffer) receives the verifier's log when given."""
+    code = ctypes.create_string_buffer(insns, len(insns))
+    lic = ctypes.create_string_buffer(license.encode())
+    attr = _attr(
+        _PROG_LOAD,
+        prog_type,
+        len(insns) // 8,
+        _addr(code),
+        _addr(lic),
+        1 if log is not None else 0,
+        len(log) if log is not None else 0,
+        _addr(log),
+        kern_version,
+        0,
+        name.encode()[:15],
+        0,
+        0,
+    )
+    return _call(PROG_LOAD, attr)
+
+
+def btf_load(data: bytes) -> int:
+    """Load raw BTF (types and strings); its fd."""
+    buf = ctypes.create_string_buffer(data, len(data))
+    return _call(BTF_LOAD, _attr(_BTF_LOAD, _addr(buf), 0, len(data), 0, 0))
+
+
+def btf_get_fd_by_id(btf_id: int) -> int:
+    """An fd of the BTF object with this id (CAP_SYS_ADMIN)."""
+    return _call(BTF_GET_FD_BY_ID, _attr(_GET_FD_BY_ID, btf_id, 0, 0))
+
+
+def btf_data(fd: int) -> bytes | int:
+    """The raw BTF of a BTF object fd, or -errno."""
+    size = 0
+    for _ in range(2):  # the first call learns the size, the second copies
+        buf = ctypes.create_string_buffer(size) if size else None
+        info = ctypes.create_string_buffer(_BTF_INFO.pack(_addr(buf), size, 0, 0, 0, 0), _BTF_INFO.size)
+        ret = _call(OBJ_GET_INFO_BY_FD, _attr(_INFO, fd, _BTF_INFO.size, _addr(info)))
+        if ret < 0:
+            return ret
+        have = _BTF_INFO.unpack(info.raw)[1]
+        if buf is not None and have <= size:
+            return buf.raw[:have]
+        size = have
+    return -errno.EAGAIN  # the object grew between the two calls: not a BTF object of a program

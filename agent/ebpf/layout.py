@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping, Sequence
-from socket import inet_aton
+from socket import inet_aton, inet_ntoa
 from typing import Literal, NamedTuple
 
 from agent.config import Config, NodeContext
 from agent.ebpf.abi import FrontendFlag, Scope
 from agent.ebpf.codec import Value
-from agent.ebpf.entries import fe_key, ident
+from agent.ebpf.entries import BE_PORT, U16, U32, fe_count, fe_flags, fe_key, fe_set, ident, slot_key
+from agent.ebpf.maglev import wanted_tables
+from agent.localdetect import LocalDetector
 from agent.model.types import ServicePort
 
 SetKind = Literal["cluster", "local"]
@@ -53,6 +55,7 @@ UDP_STREAM_TIMEOUT_S = 120
 # A TCP flow whose backend left every Service: nf_conntrack's timeout for unacknowledged data
 # (nf_conntrack_tcp_timeout_unacknowledged), counted from the backend's last packet.
 TCP_ORPHAN_TIMEOUT_S = 300
+TCP_ORPHAN_TIMEOUT_MAX_S = 0xFFFF  # ekp_config.tcp_orphan_s is a __u16
 # ICMP rejects per second and burst, per CPU: the kernel's net.ipv4.icmp_msgs_per_sec and
 # icmp_msgs_burst defaults (its global limit on the ICMP errors a node sends).
 ICMP_RATE = 1000
@@ -79,8 +82,11 @@ class Fe(NamedTuple):
     rnat: int  # entries.ident of the address the replies must come from
 
 
-def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[Fe]:
-    """The frontends of one service port, both scopes, before ids are known."""
+def frontends(sp: ServicePort, node: NodeContext, config: Config, detector: LocalDetector) -> list[Fe]:
+    """The frontends of one service port, both scopes, before ids are known.
+
+    INTERNAL frontends serve traffic from this node's pods, EXTERNAL ones any other, as the
+    local-traffic detector `detector` tells them apart (see agent/localdetect.py)."""
     proto = sp.protocol.number
     affinity = sp.affinity_timeout
     base = int(FrontendFlag.AFFINITY) if affinity else 0
@@ -91,7 +97,9 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[Fe]:
     local = int(FrontendFlag.LOCAL) if kind == "local" else 0
     # kube-proxy's KUBE-MARK-MASQ for the cluster IP masquerades whatever the backend.
     snat_int = int(FrontendFlag.SNAT_ALL) if config.masquerade_all else 0
-    snat_ext = int(FrontendFlag.SNAT_ALL) if config.masquerade_all or config.cluster_cidr else 0
+    # ... and traffic that is not local (KUBE-SVC-*: IfNotLocal -> KUBE-MARK-MASQ): none without a
+    # detector, as kube-proxy writes no such rule then.
+    snat_ext = int(FrontendFlag.SNAT_ALL) if config.masquerade_all or detector.implemented else 0
     vip, port = ip_be(sp.cluster_ip), port_be(sp.port)
     rnat = ident(vip, port, proto)
     for scope, snat in ((Scope.EXTERNAL, snat_ext), (Scope.INTERNAL, snat_int)):
@@ -106,15 +114,21 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[Fe]:
     externals += [(ip, sp.port, FrontendFlag.EXTERNAL_IP) for ip in sp.external_ips]
     ranges = int(FrontendFlag.SOURCE_RANGES) if sp.load_balancer_source_ranges else 0
     snat_all, snat_keep_local = int(FrontendFlag.SNAT_ALL), int(FrontendFlag.SNAT_REMOTE)
+    # Maglev chooses for traffic from outside only, as Cilium's loadBalancer.algorithm does.
+    maglev = int(FrontendFlag.MAGLEV) if config.bpf_lb_algorithm == "maglev" else 0
     externals += [(ip, sp.port, FrontendFlag.LOADBALANCER | ranges) for ip in sp.load_balancer_ips]
     for addr_text, fe_port, what in externals:
         addr, p = ip_be(addr_text), port_be(fe_port)
         rnat = ident(addr, p, proto)
+        pod_kind: SetKind = "cluster"
         if sp.external_policy_local:
             ext_kind: SetKind = "local"
             ext_flags = base | what | FrontendFlag.LOCAL
-            # Pods reach every endpoint, untranslated (KUBE-EXT-*: -s clusterCIDR -> KUBE-SVC-*).
+            # Pods reach every endpoint, untranslated (KUBE-EXT-*: IfLocal -> KUBE-SVC-*); without
+            # a detector that rule is missing and pods are held to the local endpoints too.
             pod_flags = base | what
+            if not detector.implemented:
+                pod_kind, pod_flags = ext_kind, ext_flags
         else:
             # ETP Cluster: kube-proxy masquerades all of it (KUBE-EXT-* -> KUBE-MARK-MASQ), traffic
             # from pods included (KUBE-SERVICES sends it to the same KUBE-EXT-* chain); keeping
@@ -122,8 +136,10 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[Fe]:
             ext_kind = "cluster"
             ext_flags = base | what | (snat_keep_local if config.bpf_keep_client_ip_local else snat_all)
             pod_flags = ext_flags
-        out.append(Fe(fe_key(addr, p, proto, int(Scope.EXTERNAL)), ext_kind, int(ext_flags), affinity, rnat))
-        out.append(Fe(fe_key(addr, p, proto, int(Scope.INTERNAL)), "cluster", int(pod_flags), affinity, rnat))
+        out.append(
+            Fe(fe_key(addr, p, proto, int(Scope.EXTERNAL)), ext_kind, int(ext_flags) | maglev, affinity, rnat)
+        )
+        out.append(Fe(fe_key(addr, p, proto, int(Scope.INTERNAL)), pod_kind, int(pod_flags), affinity, rnat))
     return out
 
 
@@ -160,13 +176,18 @@ def slots(members: Sequence[int], previous: Mapping[int, int]) -> list[int]:
     return [bid or next(fresh) for bid in out]
 
 
-def config_entry(node: NodeContext, config: Config) -> Value:
+def config_entry(node: NodeContext, config: Config, detector: LocalDetector | None = None) -> Value:
     """The config entry (codec tuple of abi.Config): the node's SNAT source, the SNAT port range,
     the conntrack timeouts (kube-proxy's conntrack settings where they say something, as iptables
     mode applies them to nf_conntrack; --bpf-ct-timeout-tcp-backend-gone for flows whose backend
-    left) and the reject rate limit."""
+    left), the reject rate limit and, for a detector by source (ClusterCIDR, NodeCIDR), its CIDR:
+    the programs then pick the frontends' scope by source."""
     lo, hi = config.snat_ports
     ct = config.conntrack
+    net, plen, by_src = 0, 0, 0
+    if detector is not None and detector.by_source:
+        cidr = ipaddress.IPv4Network(detector.cidr)
+        net, plen, by_src = ip_be(str(cidr.network_address)), cidr.prefixlen, 1
     return (
         ip_be(node.primary_ip) if node.primary_ip else 0,
         lo,
@@ -179,11 +200,36 @@ def config_entry(node: NodeContext, config: Config) -> Value:
         _seconds(ct.udp_stream_timeout_s, UDP_STREAM_TIMEOUT_S),
         ICMP_RATE,
         ICMP_BURST,
-        0,
-        _seconds(config.ct_tcp_backend_gone_timeout_s, TCP_ORPHAN_TIMEOUT_S),
+        net,
+        plen,
+        by_src,
+        min(_seconds(config.ct_tcp_backend_gone_timeout_s, TCP_ORPHAN_TIMEOUT_S), TCP_ORPHAN_TIMEOUT_MAX_S),
     )
 
 
 def _seconds(value: float, default: int) -> int:
     """A kube-proxy timeout in whole seconds; 0 ("leave it") becomes the default."""
     return max(1, round(value)) if value > 0 else default
+
+
+def maglev_tables(
+    fe: Mapping[int, int], slot: Mapping[int, int], be: Mapping[int, int]
+) -> dict[int, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """The Maglev tables desired frontends need, from the desired entries (agent/ebpf/entries.py
+    ints): set id -> (backend names, ids) in slot order (agent/ebpf/maglev.py wanted_tables)."""
+
+    def slot_of(set_id: int, pos: int) -> int | None:
+        return slot.get(slot_key(set_id, pos))
+
+    def backend_of(bid: int) -> tuple[str, int] | None:
+        v = be.get(bid)
+        if v is None:
+            return None
+        return inet_ntoa((v & U32).to_bytes(4, "little")), port_host(v >> BE_PORT & U16)
+
+    frontends_ = ((fe_set(v), fe_count(v), fe_flags(v)) for v in fe.values())
+    return wanted_tables(frontends_, slot_of, backend_of)
+
+
+def port_host(port: int) -> int:
+    return ((port & 0xFF) << 8) | (port >> 8)

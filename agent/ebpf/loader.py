@@ -8,23 +8,24 @@
     dp.close()
 
 The agent never compiles in its own process (`agent.ebpf.compile`): a short-lived child compiles
-with bcc, pins the programs beside the maps, and exits; an agent restarted with the same source,
-sizes, kernel and bcc reuses the pinned programs without compiling at all. The pin directory must
-be on bpffs (checked before anything is created; `FatalError` otherwise) and is created 0700 and
-checked to be ours (agent/ebpf/pindir.py): /sys/fs/bpf is world-writable. Every map is pinned under
-`pin_path` by bcc's BPF_TABLE_PINNED, so conntrack, affinity and counters survive restarts and
-upgrades of the agent. bcc would
-reuse a pin silently even when its layout changed, so `load()` first compares every existing pin
-with what is about to be compiled (type, key and value size, max_entries, map_flags) and refuses a
-mismatch (`PinMismatchError`); the ABI version in each map name keeps old layouts apart
-(`stale_pins` lists them; agent/ebpf/upgrade.py carries the conntrack of ABI v1 pins over before
-they are removed).
+with bcc and exits, once per build on the machine (agent/ebpf/objcache.py keeps what it compiled);
+the agent loads that object against its own pinned maps (agent/ebpf/link.py) and pins the programs
+beside them. An agent restarted with the same source, sizes, kernel and bcc reuses the pinned
+programs without loading anything. The pin directory must be on bpffs (checked before anything is
+created; `FatalError` otherwise) and is created 0700 and checked to be ours (agent/ebpf/pindir.py):
+/sys/fs/bpf is world-writable. Every map of the registry is pinned under `pin_path`, so conntrack,
+affinity and counters survive restarts and upgrades of the agent. A pinned map is reused only when
+it is exactly the map about to be created: `load()` first compares every existing pin with the
+registry (type, key and value size, max_entries, map_flags) and refuses a mismatch
+(`PinMismatchError`), and the link compares each again with the compiled definition; the ABI
+version in each map name keeps old layouts apart (`stale_pins` lists them; agent/ebpf/upgrade.py
+carries the conntrack of ABI v1 pins over before they are removed).
 
 The conntrack tables' sizes may be derived at start (MapSizes.with_conntrack): `pinned_sizes`
 reads the sizes of the tables already pinned, so a restart keeps them rather than refusing to start
 on a machine whose CPU count changed.
 
-Parameters reach the C only as cflags (`-DEKP_PIN_DIR="..."`, `-DEKP_CT_MAX=...`); `source_text()`
+Parameters reach the C only as cflags (`-DEKP_CT_TCP_MAX=...`); `source_text()`
 returns the full program as compiled (includes inlined, cflags on top) for debugging, the way bcc
 tools print their generated C.
 """
@@ -37,14 +38,24 @@ import os
 import re
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import ABI_VERSION, CT_QUEUES, CTQ_DIVISOR, MAPS, PREFIX, MapSpec, Scope
-from agent.ebpf.compile import build_id, compile_in_child, open_pinned_programs, remove_other_builds
+from agent.ebpf.abi import ABI_VERSION, CT_QUEUES, CTQ_DIVISOR, MAPS, PREFIX, MapSpec, Scope, maglev_value
+from agent.ebpf.bpfobject import BpfObject
+from agent.ebpf.compile import (
+    build_id,
+    compile_in_child,
+    open_pinned_programs,
+    prog_pin,
+    remove_other_builds,
+)
+from agent.ebpf.link import LinkError, PinnedMapMismatch, link
 from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, obj_pin, possible_cpus
+from agent.ebpf.objcache import ObjectCache, default_cache_dir
 from agent.ebpf.pindir import ensure_pin_dir
 from agent.errors import FatalError
 
@@ -56,13 +67,18 @@ BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent
 # Program name -> the scope its frontends are looked up with (None: it looks none up). Attach
 # ekp_from_pod on the ingress of the node side of every pod veth, ekp_from_net on the ingress of
 # each external device, ekp_egress on the egress of both (the replies of the node's own stack).
+# ekp_xdp_net runs on the XDP hook of the external devices, ahead of ekp_from_net (--bpf-xdp).
 PROGRAMS: dict[str, Scope | None] = {
     "ekp_from_pod": Scope.INTERNAL,
     "ekp_from_net": Scope.EXTERNAL,
     "ekp_egress": None,
+    "ekp_xdp_net": Scope.EXTERNAL,
 }
 BPF_PROG_TYPE_SCHED_CLS = 3  # bcc's BPF.SCHED_CLS
-PROG_TYPES = dict.fromkeys(PROGRAMS, BPF_PROG_TYPE_SCHED_CLS)
+BPF_PROG_TYPE_XDP = 6  # bcc's BPF.XDP
+PROG_TYPES = {
+    name: BPF_PROG_TYPE_XDP if name == "ekp_xdp_net" else BPF_PROG_TYPE_SCHED_CLS for name in PROGRAMS
+}
 # Unpinned maps each program's load owns (ekp_tc.c: ekp_scratch); a reused program keeps its own.
 PRIVATE_MAPS = 1
 
@@ -73,8 +89,9 @@ _U32_MAX = (1 << 32) - 1
 # declared in bpf/ekp_maps.h (tests/ebpf/test_abi.py compares the two). The LRU maps use the
 # kernel's common LRU list, so every CPU can use every entry (ABI v1 had one list per CPU, each CPU
 # owning max_entries / CPUs; bpf/README.md, "Conntrack capacity", has the measurement). The
-# service addresses are allocated as written: a few thousand entries, read only for fragments.
-ROLE_FLAGS: dict[str, int] = {"addr": BPF_F_NO_PREALLOC}
+# service addresses are allocated as written: a few thousand entries, read only for fragments; so
+# are the Maglev tables (64 KiB each: only the sets of Maglev frontends have one).
+ROLE_FLAGS: dict[str, int] = {"addr": BPF_F_NO_PREALLOC, "maglev": BPF_F_NO_PREALLOC}
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
@@ -130,6 +147,13 @@ def pinned_sizes(pin_path: str) -> dict[str, int]:
     return out
 
 
+def sized_spec(spec: MapSpec, sizes: MapSizes) -> MapSpec:
+    """`spec` with the value type it is compiled with: a Maglev table's follows the table size."""
+    if spec.role == "maglev":
+        return replace(spec, value=maglev_value(sizes.maglev_table_size))
+    return spec
+
+
 def map_flags(spec: MapSpec) -> int:
     """The map_flags a map is created with (and that an existing pin must have)."""
     return MAP_FLAGS.get(spec.kind, 0) | ROLE_FLAGS.get(spec.role, 0)
@@ -149,10 +173,11 @@ def kernel_max_entries(spec: MapSpec, sizes: MapSizes) -> int:
 
 def expected_info(spec: MapSpec, sizes: MapSizes) -> dict[str, int]:
     """What bpf_obj_get_info must report for a map compiled with `sizes`."""
+    value = maglev_value(sizes.maglev_table_size) if spec.role == "maglev" else spec.value
     return {
         "type": MAP_TYPES[spec.kind],
         "key_size": _sizeof(spec.key),
-        "value_size": _sizeof(spec.value),
+        "value_size": _sizeof(value),
         "max_entries": kernel_max_entries(spec, sizes),
         "flags": map_flags(spec),
     }
@@ -263,21 +288,28 @@ def ensure_bpffs(pin_path: str) -> bool:
     return True
 
 
-def compile_cflags(pin_path: str, sizes: MapSizes, bpf_dir: Path) -> list[str]:
-    if not os.path.isabs(pin_path) or any(c in pin_path for c in '"\\\n'):
-        raise ValueError(f"pin path must be absolute, without quotes or backslashes: {pin_path!r}")
-    flags = [f'-DEKP_PIN_DIR="{pin_path}"', f"-I{bpf_dir}"]
+def compile_cflags(sizes: MapSizes, bpf_dir: Path) -> list[str]:
+    flags = [f"-I{bpf_dir}"]
     flags += [f"-D{spec.size_macro}={map_size(spec, sizes)}" for spec in MAPS.values()]
+    flags.append(f"-DEKP_MAGLEV_TABLE_SIZE={sizes.maglev_table_size}")
     return flags
 
 
 class Datapath:
     """The compiled tc programs and their pinned maps. Construction has no side effects."""
 
-    def __init__(self, pin_path: str, sizes: MapSizes | None = None, *, bpf_dir: str | Path | None = None):
+    def __init__(
+        self,
+        pin_path: str,
+        sizes: MapSizes | None = None,
+        *,
+        bpf_dir: str | Path | None = None,
+        cache: ObjectCache | None = None,
+    ):
         self.pin_path = os.path.abspath(pin_path)
         self.sizes = sizes if sizes is not None else MapSizes()
         self.bpf_dir = Path(bpf_dir) if bpf_dir is not None else default_bpf_dir()
+        self.cache = cache if cache is not None else ObjectCache(default_cache_dir())
         self._prog_fds: dict[str, int] = {}
         self._maps: dict[str, BpfMap] = {}
 
@@ -286,7 +318,11 @@ class Datapath:
         return self.bpf_dir / ENTRY_FILE
 
     def cflags(self) -> list[str]:
-        return compile_cflags(self.pin_path, self.sizes, self.bpf_dir)
+        return compile_cflags(self.sizes, self.bpf_dir)
+
+    def build(self) -> str:
+        """The build id of what this data path compiles (agent.ebpf.compile.build_id)."""
+        return build_id(_inline_includes(self.entry_file, set()), self.cflags(), ABI_VERSION)
 
     def source_text(self) -> str:
         """The program exactly as bcc compiles it: cflags, then ekp_tc.c with local includes inlined."""
@@ -332,23 +368,11 @@ class Datapath:
         check_pins(self.pin_path, self.sizes)
 
         started = time.monotonic()
-        build = build_id(self.source_text(), self.cflags(), ABI_VERSION)
+        build = self.build()
         fds = open_pinned_programs(self.pin_path, build, list(PROGRAMS), self._pinned_map_ids(), PRIVATE_MAPS)
         how = "reused (unchanged since it was compiled)"
         if fds is None:
-            try:
-                seconds = compile_in_child(self.entry_file, self.cflags(), self.pin_path, build, PROG_TYPES)
-            except Exception as e:
-                raise DatapathError(f"compiling or loading {self.entry_file} failed: {e}") from e
-            fds = open_pinned_programs(
-                self.pin_path, build, list(PROGRAMS), self._pinned_map_ids(), PRIVATE_MAPS
-            )
-            if fds is None:
-                raise DatapathError(
-                    f"after compiling, the programs or maps pinned under {self.pin_path} are not all "
-                    "there (removed meanwhile?): the next sync tries again"
-                )
-            how = f"compiled in {seconds:.1f}s"
+            fds, how = self._link(build)
         self._prog_fds = fds
         try:
             old = remove_other_builds(self.pin_path, build)
@@ -363,7 +387,7 @@ class Datapath:
                 time.monotonic() - started,
             )
             for role, spec in MAPS.items():
-                m = BpfMap.open_pinned(spec, self.pin_path)
+                m = BpfMap.open_pinned(sized_spec(spec, self.sizes), self.pin_path)
                 self._maps[role] = m
                 diffs = info_mismatches(spec, self.sizes, m.info())
                 if diffs:
@@ -371,6 +395,41 @@ class Datapath:
         except Exception:
             self.close()
             raise
+
+    def _compile(self, build: str) -> tuple[BpfObject, str]:
+        try:
+            obj, seconds = compile_in_child(self.entry_file, self.cflags(), build, PROG_TYPES)
+        except Exception as e:
+            raise DatapathError(f"compiling {self.entry_file} failed: {e}") from e
+        self.cache.put(obj)
+        return obj, f"compiled in {seconds:.1f}s"
+
+    def _link(self, build: str) -> tuple[dict[str, int], str]:
+        """Load `build` against our pins: from the cache, else compiled now; the program fds and how."""
+        obj = self.cache.get(build)
+        cached = obj is not None
+        if obj is None:
+            obj, how = self._compile(build)
+        else:
+            how = "loaded from the compile cache (compiled by an earlier agent)"
+        pinned = {spec.name for spec in MAPS.values()}
+
+        def pin_of(name: str) -> str:
+            return prog_pin(self.pin_path, build, name)
+
+        while True:
+            try:
+                return link(obj, self.pin_path, pinned, pin_of), how
+            except PinnedMapMismatch as e:
+                raise PinMismatchError(f"{e}; {_REMEDY}") from e
+            except (LinkError, OSError) as e:
+                if cached:
+                    # Whatever is wrong with the cached object, a fresh compile replaces it.
+                    log.warning("cached data path %s did not load: %s; compiling it again", build, e)
+                    obj, how = self._compile(build)
+                    cached = False
+                    continue
+                raise DatapathError(f"loading the data path (build {build}) failed: {e}") from e
 
     def prog_fd(self, name: str) -> int:
         if name not in self._prog_fds:

@@ -68,8 +68,9 @@ from agent.ebpf.ids import (
     IdPool,
     PlanError,
 )
-from agent.ebpf.layout import KINDS, Fe, SetKind, config_entry, frontends, slots, source_ranges
+from agent.ebpf.layout import KINDS, Fe, SetKind, config_entry, frontends, maglev_tables, slots, source_ranges
 from agent.ebpf.writer import FlushResult, Pending, RawMap, flush, port_order
+from agent.localdetect import LocalDetector
 from agent.model.types import ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 
 __all__ = ["ROLES", "FlushResult", "PlanError", "Planner", "RawMap", "config_entry"]
@@ -145,6 +146,7 @@ class Planner:
         self._addr_refs: dict[int, int] = {}
         self._addr_moved: set[int] = set()
         self.node = NodeContext()
+        self.local = LocalDetector()
         self.cfg: Value | None = None
 
     # ------------------------------------------------------------------ desired, and what it replaces
@@ -205,17 +207,23 @@ class Planner:
 
     # ------------------------------------------------------------------ planning
 
+    def maglev_tables(self) -> dict[int, tuple[tuple[str, ...], tuple[int, ...]]]:
+        """The Maglev tables the desired frontends need (agent.ebpf.layout.maglev_tables)."""
+        return maglev_tables(self.desired["fe"], self.desired["slot"], self.desired["be"])
+
     def update(
         self, state: ProxyState, node: NodeContext, changed: Iterable[ServicePortName] | None
     ) -> set[ServicePortName]:
         """Re-plan the service ports in `changed` (every port when None, or when the node's
         addresses changed: then ports whose service port and endpoints are as last planned are
         skipped unless the node changed); returns the ports whose entries changed."""
-        moved = node != self.node
+        detector = self._config.local_detector(state.node.pod_cidrs)
+        moved = node != self.node or detector != self.local  # every port's frontends may change
         every = changed is None or moved
         wanted = set(state.services) | set(self._frags) if every else set(changed or ())
         self.node = node
-        self.cfg = config_entry(node, self._config)
+        self.local = detector
+        self.cfg = config_entry(node, self._config, detector)
         touched: set[ServicePortName] = set()
         # Removals first (they free frontends and ids), then in kube-proxy's order, so the ids of
         # a fresh start follow the sorted ports as `--dry-run` and the golden files show them.
@@ -312,7 +320,7 @@ class Planner:
         fes: list[Fe] = []
         blocked: set[int] = set()
         taken: set[ServicePortName] = set()
-        for fe in frontends(sp, self.node, self._config):
+        for fe in frontends(sp, self.node, self._config, self.local):
             owner = self._fe_owner.get(fe.key, spn)
             if owner == spn or port_order(spn) < port_order(owner):
                 fes.append(fe)

@@ -55,7 +55,6 @@ from agent.iptables.chains import (
 )
 from agent.iptables.cleanup import CleanupReport, cleanup, owns_something
 from agent.iptables.conntrack import ConntrackCleaner, UdpFrontends, udp_frontends
-from agent.iptables.conntrack_sysctls import apply_conntrack_settings
 from agent.iptables.isolate import isolate
 from agent.iptables.nfacct import Counters, NetlinkCounters
 from agent.iptables.rules import (
@@ -149,7 +148,6 @@ class IptablesProxier:
         backend_runner: Callable[[str], IptablesRunner] | None = None,
         counters: Counters | None = None,
         clock: Callable[[], float] = time.monotonic,
-        cpus: int | None = None,
         metrics: Metrics | None = None,
     ) -> None:
         self._config = config
@@ -162,7 +160,6 @@ class IptablesProxier:
         self._counters: Counters = counters if counters is not None else NetlinkCounters(config.netns)
         self._conntrack = ConntrackCleaner(self._runner.command)
         self._clock = clock
-        self._cpus = cpus
         self._host: HostFacts | None = None
         self._host_lock = threading.Lock()
         self._nfacct = dict.fromkeys(NFACCT_COUNTERS, False)
@@ -190,7 +187,7 @@ class IptablesProxier:
         """The full restore input a full sync would apply now (host facts as last seen, else a
         modern host's)."""
         host = self._host or HostFacts(random_fully=True, conntrack_tcp_liberal=False)
-        return render(state, node, self._options(host)).text
+        return render(state, node, self._options(host, state)).text
 
     # ----------------------------------------------------------------------------------- Proxier
 
@@ -202,7 +199,7 @@ class IptablesProxier:
         full = changed is None or self._need_complete
         if full:
             self._ensure_counters()
-        options = self._options(host)
+        options = self._options(host, state)
         complete = self._need_complete
         if self._globals is not None and (options, node) != self._globals:
             log.info("iptables: flags, host facts or node addresses changed; rewriting every chain")
@@ -537,9 +534,10 @@ class IptablesProxier:
         most once per sync period (finding them costs an iptables-save of a big table)."""
         return not large or self._clock() - self._last_cleanup > self._config.sync_period_s
 
-    def _options(self, host: HostFacts) -> RenderOptions:
+    def _options(self, host: HostFacts, state: ProxyState) -> RenderOptions:
         return RenderOptions.from_config(
             self._config,
+            node_pod_cidrs=state.node.pod_cidrs,
             random_fully=host.random_fully,
             conntrack_tcp_liberal=host.conntrack_tcp_liberal,
             nfacct_invalid_dropped=self._nfacct[INVALID_DROPPED_COUNTER],
@@ -552,9 +550,8 @@ class IptablesProxier:
 
     def _learn_host(self) -> HostFacts:
         if self._host is None:
-            apply_conntrack_settings(
-                self._config.conntrack, self._runner.command, netns=self._config.netns, cpus=self._cpus
-            )
+            # kube-proxy's conntrack sysctls were written at start (agent.nodeinit.setup_conntrack),
+            # so the nf_conntrack_tcp_be_liberal read here is the one in force.
             version = self._runner.version()
             liberal = self._runner.command(["sysctl", "-n", "net.netfilter.nf_conntrack_tcp_be_liberal"])
             self._host = HostFacts(

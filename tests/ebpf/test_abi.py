@@ -131,9 +131,11 @@ def test_every_header_struct_is_mirrored() -> None:
 
 # ---- map declarations -----------------------------------------------------------------------
 
+# BPF_TABLE(kind, key, value, name, size) or BPF_F_TABLE(..., flags): no pin in the C (the loader pins
+# every map of the registry, agent/ebpf/link.py).
 _DECL = re.compile(
-    r'BPF_TABLE_PINNED\(\s*"(?P<kind>\w+)",\s*(?P<key>[\w ]+?),\s*(?P<value>[\w ]+?),\s*(?P<name>\w+),\s*'
-    r"(?P<macro>\w+),\s*EKP_PIN\((?P<pin>\w+)\)",
+    r'BPF_(?:F_)?TABLE\(\s*"(?P<kind>\w+)",\s*(?P<key>[\w ]+?),\s*(?P<value>[\w ]+?),\s*(?P<name>\w+),\s*'
+    r"(?P<macro>\w+)(?:,\s*(?P<flags>[\w |]+?))?\s*\);",
 )
 
 
@@ -158,19 +160,16 @@ def test_map_declarations_match_the_registry() -> None:
         assert decl["key"] == c_type_name(spec.key), spec.name
         assert decl["value"] == c_type_name(spec.value), spec.name
         assert decl["macro"] == spec.size_macro, spec.name
-        assert decl["pin"] == spec.name, spec.name
 
 
-_FLAGS_DECL = re.compile(r"EKP_PIN\((?P<pin>\w+)\)(?:,\s*(?P<flags>[\w |]+?))?\s*\);")
 _FLAG_VALUES = {"BPF_F_NO_PREALLOC": 1 << 0, "BPF_F_NO_COMMON_LRU": 1 << 1}
 
 
 def test_map_flags_declared_are_the_ones_pins_are_checked_for() -> None:
-    """The 7th BPF_TABLE_PINNED argument (map_flags) is what the loader expects of a pin."""
-    text = (BPF_DIR / "ekp_maps.h").read_text()
+    """The 6th BPF_F_TABLE argument (map_flags) is what the loader expects of a pin."""
     declared = {
-        m["pin"]: sum(_FLAG_VALUES[f.strip()] for f in (m["flags"] or "").split("|") if f.strip())
-        for m in _FLAGS_DECL.finditer(text)
+        name: sum(_FLAG_VALUES[f.strip()] for f in (m["flags"] or "").split("|") if f.strip())
+        for name, m in declared_maps().items()
     }
     assert declared == {spec.name: map_flags(spec) for spec in abi.MAPS.values()}
     # ABI v2: the LRU maps share the kernel's common LRU list (bpf/README.md, "Conntrack capacity")
@@ -198,7 +197,10 @@ def test_map_names_fit_the_kernel_and_carry_the_version() -> None:
         assert len(spec.name) <= 15
         assert spec.name == f"ekp_{spec.role}_v{spec.version}"
         assert spec.version >= abi.ABI_VERSION
-    assert {s.name for s in abi.MAPS.values() if s.version != abi.ABI_VERSION} == {"ekp_stats_v3"}
+    assert {s.name for s in abi.MAPS.values() if s.version != abi.ABI_VERSION} == {
+        "ekp_stats_v3",
+        "ekp_xstats_v3",
+    }
 
 
 def test_stale_pins_lists_other_versions_only(tmp_path: Path) -> None:
@@ -212,7 +214,8 @@ def test_stale_pins_lists_other_versions_only(tmp_path: Path) -> None:
 
 def test_source_text_inlines_every_header() -> None:
     text = Datapath("/sys/fs/bpf/x", MapSizes()).source_text()
-    assert '-DEKP_PIN_DIR="/sys/fs/bpf/x"' in text
+    assert "-DEKP_FE_MAX=" in text
+    assert "/sys/fs/bpf/x" not in text, "the pin directory never reaches the C (one build serves all)"
     for header in BPF_DIR.glob("ekp_*.h"):
         assert f"// ---- {header.name} ----" in text
     assert '#include "' not in text
@@ -255,25 +258,34 @@ def test_bpftool_shows_every_map_with_its_layout(loaded: Datapath) -> None:
         assert shown["max_entries"] == want["max_entries"]
 
 
+# What the XDP program never reads: it counts in its own map. (The code that records and holds
+# fragments is compiled into it but never runs: XDP passes fragments on before it. It reads ekp_addr
+# for the activity check's frontend test, bpf/ekp_act.h.)
+XDP_UNUSED = {"rnat", "stats"}
+
+
 @pytest.mark.kernel
 def test_the_programs_use_the_maps(loaded: Datapath) -> None:
-    """The ingress programs: every pinned map but ekp_rnat (written for the agent, read by no program
-    since v2). ekp_egress: conntrack, the activity stamps and what they read, but no service table
-    (it chooses no backend). Each has one unpinned map of its own: the per-CPU working memory
-    (bpf/ekp_tc_scratch.h)."""
+    """The tc ingress programs: every pinned map but ekp_rnat (written for the agent, read by no
+    program since v2) and the XDP counters; the XDP program: the same but for what it leaves to tc,
+    with its own counters; ekp_egress: conntrack, the activity stamps and what they read, but no
+    service table (it chooses no backend). Each with one unpinned map of its load: the per-CPU
+    working memory (bpf/ekp_tc_scratch.h)."""
     pinned = {role: m.info().id for role, m in loaded.maps.items()}
-    read = {ident for role, ident in pinned.items() if role != "rnat"}
     for name, scope in PROGRAMS.items():
+        xdp = name == "ekp_xdp_net"
+        unused = XDP_UNUSED if xdp else {"rnat", "xstats"}
+        read = {ident for role, ident in pinned.items() if role not in unused}
         shown = bpftool("prog", "show", "id", str(prog_id(loaded.prog_fd(name))))
         assert isinstance(shown, dict)
-        assert (shown["name"], shown["type"]) == (name, "sched_cls")
+        assert (shown["name"], shown["type"]) == (name, "xdp" if xdp else "sched_cls")
         used = set(shown["map_ids"])
         if scope is None:
             roles = {role for role, ident in pinned.items() if ident in used}
             assert {"ct_tcp", "ct_any", "act", "cfg", "cfgsel", "stats", "frag"} <= roles, roles
-            assert not roles & {"fe", "slot", "be", "srcr", "aff", "rnat"}, roles
+            assert not roles & {"fe", "slot", "be", "srcr", "aff", "rnat", "xstats"}, roles
         else:
-            assert used & set(pinned.values()) == read
+            assert used & set(pinned.values()) == read, name
         (own,) = used - set(pinned.values())
         scratch = bpftool("map", "show", "id", str(own))
         assert isinstance(scratch, dict) and scratch["name"] == "ekp_scratch"

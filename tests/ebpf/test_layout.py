@@ -19,9 +19,14 @@ def test_a_nodeport_with_local_policy_has_both_scopes_per_node_address() -> None
     spn = ServicePortName("ns", "web", "", Protocol.TCP)
     sp = ServicePort(spn, "10.96.0.10", 80, Protocol.TCP, node_port=30080, external_policy_local=True)
     node = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
-    fes = {fe.key: fe for fe in frontends(sp, node, Config())}
+    config = Config(cluster_cidr=("10.244.0.0/16",))
+    fes = {fe.key: fe for fe in frontends(sp, node, config, config.local_detector())}
     ext = fes[fe_key(ip_be("192.168.0.11"), port_be(30080), 6, int(Scope.EXTERNAL))]
     pod = fes[fe_key(ip_be("192.168.0.11"), port_be(30080), 6, int(Scope.INTERNAL))]
     assert ext.kind == "local" and ext.flags & FrontendFlag.LOCAL
     assert pod.kind == "cluster" and not pod.flags & FrontendFlag.SNAT_ALL
     assert len(fes) == 4
+    # without a detector (no --cluster-cidr) pods are held to the local endpoints too
+    bare = {fe.key: fe for fe in frontends(sp, node, Config(), Config().local_detector())}
+    pod = bare[fe_key(ip_be("192.168.0.11"), port_be(30080), 6, int(Scope.INTERNAL))]
+    assert pod.kind == "local" and pod.flags & FrontendFlag.LOCAL

@@ -52,7 +52,7 @@ class FakeDatapath:
         self.loads += 1
 
     def prog_fd(self, name: str) -> int:
-        return {"ekp_from_net": 100, "ekp_from_pod": 101, "ekp_egress": 102}[name]
+        return {"ekp_from_net": 100, "ekp_from_pod": 101, "ekp_egress": 102, "ekp_xdp_net": 103}[name]
 
     def repair_pins(self) -> list[str]:
         self.pin_checks += 1
