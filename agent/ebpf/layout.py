@@ -55,7 +55,6 @@ UDP_STREAM_TIMEOUT_S = 120
 # A TCP flow whose backend left every Service: nf_conntrack's timeout for unacknowledged data
 # (nf_conntrack_tcp_timeout_unacknowledged), counted from the backend's last packet.
 TCP_ORPHAN_TIMEOUT_S = 300
-TCP_ORPHAN_TIMEOUT_MAX_S = 0xFFFF  # ekp_config.tcp_orphan_s is a __u16
 # ICMP rejects per second and burst, per CPU: the kernel's net.ipv4.icmp_msgs_per_sec and
 # icmp_msgs_burst defaults (its global limit on the ICMP errors a node sends).
 ICMP_RATE = 1000
@@ -203,7 +202,7 @@ def config_entry(node: NodeContext, config: Config, detector: LocalDetector | No
         net,
         plen,
         by_src,
-        min(_seconds(config.ct_tcp_backend_gone_timeout_s, TCP_ORPHAN_TIMEOUT_S), TCP_ORPHAN_TIMEOUT_MAX_S),
+        _seconds(config.ct_tcp_backend_gone_timeout_s, TCP_ORPHAN_TIMEOUT_S),  # at most 65,535: the setting
     )
 
 

@@ -709,7 +709,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "bpf_ct_timeout_tcp_backend_gone",
-        Duration(),
+        Duration(most=65535.0),  # ekp_config.tcp_orphan_s is a __u16
         300.0,
         "TCP flows whose backend left every Service: how long they live after the backend's last "
         "packet (only its packets renew them; nf_conntrack's unacknowledged-data timeout)",
