@@ -15,6 +15,7 @@ that no retry can fix into one message and exit status 1 before anything is crea
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import sys
@@ -67,12 +68,13 @@ def static_node(config: Config) -> NodeContext:
 
 
 def node_context(config: Config) -> NodeContext:
-    """The node's addresses: --node-ip, else what the external devices hold."""
-    if config.node_ips:
-        return static_node(config)
-    from agent.node import discover_node
+    """The node's addresses: --node-ip, else what the external devices hold; and what the node
+    listens on at its other addresses (NodeLocal DNSCache)."""
+    from agent.node import discover_node, local_listeners
 
-    return discover_node(config)
+    node = static_node(config) if config.node_ips else discover_node(config)
+    listeners = local_listeners(config.netns, node.node_ips)
+    return dataclasses.replace(node, local_listeners=listeners) if listeners else node
 
 
 def dry_run(config: Config) -> int:

@@ -215,6 +215,13 @@ class NodeContext:
 
     node_ips: tuple[str, ...] = ()  # IPv4 addresses of the node (its external devices)
     primary_ip: str = ""  # the address used as SNAT source toward other nodes
+    # (address, port, protocol) the node itself listens on, on an address of its own other than
+    # node_ips (NodeLocal DNSCache on the kube-dns ClusterIP): eBPF mode leaves such a ClusterIP
+    # port to the local listener, as node-local-dns's NOTRACK rules do in iptables mode.
+    local_listeners: frozenset[tuple[str, int, int]] = frozenset()
+
+    def listens_locally(self, address: str, port: int, protocol: int) -> bool:
+        return (address, port, protocol) in self.local_listeners
 
     def nodeport_ips(self, cidrs: tuple[str, ...], *, loopback: bool = False) -> tuple[str, ...]:
         """Node addresses NodePorts answer on: all of them, or those inside `cidrs`; the keyword

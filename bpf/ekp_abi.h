@@ -165,10 +165,12 @@ enum ekp_ct_dir {
 #define EKP_CT_FIN_REPLY   (1 << 4) /* the backend sent a FIN */
 #define EKP_CT_RST         (1 << 5) /* either side sent a RST */
 #define EKP_CT_MIGRATED    (1 << 6) /* copied from an ABI v1 entry by the upgrade */
-#define EKP_CT_ORPHAN      (1 << 7) /* TCP: the backend's address is no Service's backend any more
+#define EKP_CT_ADOPTED     (1 << 7) /* taken over from nf_conntrack at start (a flow kube-proxy or
+				     * iptables mode translated): agent/takeover/flows.py */
+#define EKP_CT_ORPHAN      (1 << 8) /* TCP: the backend's address is no Service's backend any more
 				     * (ekp_addr): only the backend's packets renew the flow, whose
 				     * timeout is at most tcp_orphan_s (a live stream keeps answering) */
-#define EKP_CT_HOST        (1 << 8) /* the backend is this node's own address (EKP_BE_HOST): packets
+#define EKP_CT_HOST        (1 << 9) /* the backend is this node's own address (EKP_BE_HOST): packets
 				     * are handed to the node's stack, replies leave by tc egress */
 
 struct ekp_ct_key {

@@ -250,7 +250,11 @@ def _kube_proxy(f: Facts) -> Line:
     found += [f"nftables table {t}" for t in f.kube_proxy_tables]
     if not found:
         return Line(Verdict.OK, "kube-proxy", "none of kube-proxy's rules or tables")
-    fix = "stop kube-proxy (kubectl -n kube-system delete ds kube-proxy), then run agent --cleanup-kube-proxy"
+    fix = (
+        "stop kube-proxy (kubectl -n kube-system delete ds kube-proxy); the agent carries its established"
+        " flows over and removes its rules and tables once it serves (agent --cleanup-kube-proxy removes them"
+        " at once, and new connections fail until an agent serves)"
+    )
     if f.mode is Mode.IPTABLES and not f.kube_proxy_tables:
         return Line(
             Verdict.WARN,

@@ -96,8 +96,9 @@ class CtFlag(IntEnum):
     FIN_REPLY = 1 << 4
     RST = 1 << 5
     MIGRATED = 1 << 6
-    ORPHAN = 1 << 7  # TCP: the backend left every Service; only its packets renew the flow
-    HOST = 1 << 8  # the backend is this node's own address (BackendFlag.HOST)
+    ADOPTED = 1 << 7
+    ORPHAN = 1 << 8  # TCP: the backend left every Service; only its packets renew the flow
+    HOST = 1 << 9  # the backend is this node's own address (BackendFlag.HOST)
 
 
 class CtqRing(IntEnum):

@@ -101,8 +101,13 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config, detector: Loca
     snat_ext = int(FrontendFlag.SNAT_ALL) if config.masquerade_all or detector.implemented else 0
     vip, port = ip_be(sp.cluster_ip), port_be(sp.port)
     rnat = ident(vip, port, proto)
-    for scope, snat in ((Scope.EXTERNAL, snat_ext), (Scope.INTERNAL, snat_int)):
-        out.append(Fe(fe_key(vip, port, proto, int(scope)), kind, base | local | snat, affinity, rnat))
+    # A ClusterIP port the node itself listens on (NodeLocal DNSCache binds the kube-dns ClusterIP
+    # on a dummy device) has no frontend: its packets reach the node's stack, which delivers them
+    # to the listener, as node-local-dns's NOTRACK rules keep kube-proxy's DNAT off it. Once the
+    # listener or the address goes, the frontend is back (the next sync that reads the node).
+    if not node.listens_locally(sp.cluster_ip, sp.port, proto):
+        for scope, snat in ((Scope.EXTERNAL, snat_ext), (Scope.INTERNAL, snat_int)):
+            out.append(Fe(fe_key(vip, port, proto, int(scope)), kind, base | local | snat, affinity, rnat))
 
     # External frontends: ETP for traffic from outside, the cluster set for pods.
     externals: list[tuple[str, int, int]] = []

@@ -27,6 +27,9 @@ and one rejected service port never keeps the others from being programmed.
 * **Large clusters** (more than 1000 endpoints): as upstream, crossing the threshold does not force a
   full sync, and stale chains are deleted at most once per `--iptables-sync-period`.
 * After the rules: stale UDP conntrack entries (conntrack.py), only when UDP ports changed.
+* After the first sync's rules, on a node switched from eBPF mode: the eBPF conntrack's flows
+  handed to nf_conntrack, the programs detached and the pins removed (agent/takeover/out_of_ebpf.py);
+  on a node kube-proxy ran in nftables mode, its tables deleted.
 
 kube-proxy's conntrack sysctls (`Config.conntrack`) are applied once, before the first sync reads
 nf_conntrack_tcp_be_liberal, as kube-proxy applies them before creating its proxier.
@@ -56,6 +59,7 @@ from agent.iptables.chains import (
 from agent.iptables.cleanup import CleanupReport, cleanup, owns_something
 from agent.iptables.conntrack import ConntrackCleaner, UdpFrontends, udp_frontends
 from agent.iptables.isolate import isolate
+from agent.iptables.kube_proxy_cleanup import KubeProxyCleanupReport, cleanup_nft_tables
 from agent.iptables.nfacct import Counters, NetlinkCounters
 from agent.iptables.rules import (
     LARGE_CLUSTER_ENDPOINTS_THRESHOLD,
@@ -76,6 +80,7 @@ from agent.metrics import Metrics
 from agent.model.problem import printable
 from agent.model.types import Endpoint, Protocol, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 from agent.proxier import SyncResult
+from agent.takeover.out_of_ebpf import EbpfHandback
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +154,13 @@ class IptablesProxier:
         counters: Counters | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: Metrics | None = None,
+        take_over: Callable[[], None] | None = None,
     ) -> None:
         self._config = config
+        # Once the first sync put the rules in place: the eBPF data path's flows, programs and pins
+        # (a node switched from eBPF mode), agent/takeover/out_of_ebpf.py.
+        self._take_over = take_over if take_over is not None else self._take_over_node
+        self._taken_over = False
         self._runner: IptablesRunner = runner if runner is not None else SubprocessRunner(config)
         # A runner for one named backend ("nft", "legacy"), for the cleanup of both.
         self._backend_runner = backend_runner or (
@@ -176,6 +186,13 @@ class IptablesProxier:
         self._udp: UdpFrontends | None = None
         self._digests = canonical.DigestCache()
         self.last_sync: SyncStats | None = None
+
+    def _take_over_node(self) -> None:
+        """Another data path's state, once our rules serve: eBPF mode's programs and pins (their
+        flows handed to nf_conntrack first), kube-proxy's nftables tables (their flows are in
+        nf_conntrack already)."""
+        EbpfHandback(self._config).run()
+        cleanup_nft_tables(self._runner, KubeProxyCleanupReport())
 
     @property
     def runner(self) -> IptablesRunner:
@@ -214,6 +231,9 @@ class IptablesProxier:
             outcome = self._partial(state, node, options, changed, large=large, start=start)
         self._need_complete = False
         self._globals = (options, node)
+        if not self._taken_over:
+            self._take_over()
+            self._taken_over = True
         self._remember_good(state, None if outcome.full else changed)
 
         filters = self._clean_conntrack(state, changed)

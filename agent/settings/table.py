@@ -301,7 +301,9 @@ SETTINGS: tuple[Setting, ...] = (
         Bool(),
         False,
         "remove what a previous kube-proxy left (its KUBE-* chains in both iptables backends, its "
-        "nftables tables), then exit; the Helm chart's init container runs this",
+        "nftables tables), then exit. An eBPF-mode agent does this itself once its programs serve, "
+        "after carrying kube-proxy's established flows over; run before the agent, new connections "
+        "fail until it serves",
         flags=("--cleanup-kube-proxy",),
         attr="cleanup_kube_proxy",
         group=SOURCE,

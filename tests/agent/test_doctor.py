@@ -181,7 +181,7 @@ def test_the_helper_list_is_every_helper_the_data_path_calls() -> None:
     called = set(re.findall(r"\b(bpf_[a-z0-9_]+)\(", source))
     called |= {f"bpf_{m}" for m in re.findall(r"BPF_FUNC_([a-z0-9_]+)", source)}
     assert called == set(HELPERS)
-    kinds = set(re.findall(r'BPF_TABLE_PINNED\("([a-z_]+)"', source))
+    kinds = set(re.findall(r'BPF_(?:F_)?TABLE(?:_PINNED)?\("([a-z_]+)"', source))
     assert kinds == set(MAP_KINDS)
 
 

@@ -30,3 +30,25 @@ def test_a_nodeport_with_local_policy_has_both_scopes_per_node_address() -> None
     bare = {fe.key: fe for fe in frontends(sp, node, Config(), Config().local_detector())}
     pod = bare[fe_key(ip_be("192.168.0.11"), port_be(30080), 6, int(Scope.INTERNAL))]
     assert pod.kind == "local" and pod.flags & FrontendFlag.LOCAL
+
+
+def test_a_cluster_ip_port_the_node_listens_on_has_no_frontend() -> None:
+    """NodeLocal DNSCache: the kube-dns ClusterIP bound on the node with a listener on 53 is left to
+    the node's stack; its other ports (metrics), and the same port of another protocol without a
+    listener, keep their frontends."""
+    dns = ServicePort(
+        ServicePortName("kube-system", "kube-dns", "dns", Protocol.UDP), "10.96.0.10", 53, Protocol.UDP
+    )
+    metrics = ServicePort(
+        ServicePortName("kube-system", "kube-dns", "metrics", Protocol.TCP), "10.96.0.10", 9153, Protocol.TCP
+    )
+    dns_tcp = ServicePort(
+        ServicePortName("kube-system", "kube-dns", "dns-tcp", Protocol.TCP), "10.96.0.10", 53, Protocol.TCP
+    )
+    node = NodeContext(node_ips=("192.168.0.11",), local_listeners=frozenset({("10.96.0.10", 53, 17)}))
+    config = Config(cluster_cidr=("10.244.0.0/16",))
+    detector = config.local_detector()
+    assert frontends(dns, node, config, detector) == []
+    assert len(frontends(metrics, node, config, detector)) == 2
+    assert len(frontends(dns_tcp, node, config, detector)) == 2
+    assert len(frontends(dns, NodeContext(node_ips=("192.168.0.11",)), config, detector)) == 2
