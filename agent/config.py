@@ -161,6 +161,7 @@ class Config:
     bpf_xdp: str = default("bpf_xdp")
     bpf_lb_algorithm: str = default("bpf_lb_algorithm")
     bpf_host_routing: HostRouting = default("bpf_host_routing")  # bpf/ekp_host.h
+    ct_tcp_backend_gone_timeout_s: float = default("ct_tcp_backend_gone_timeout_s")
     # iptables mode
     iptables_backend: str = default("iptables_backend")  # auto | nft | legacy
     iptables_localhost_nodeports: bool = default("iptables_localhost_nodeports")

@@ -44,12 +44,11 @@ class Prog:
     where: str  # "lxc-p1 ingress"
 
 
-def attached_programs(lab: Lab, node: Node) -> list[Prog]:
-    """BPF programs attached to tc ingress and egress of the node's devices (eth0 and every pod
-    veth; egress holds ekp_egress with legacy host routing)."""
+def attached_programs(lab: Lab, node: Node, hooks: tuple[str, ...] = ("ingress", "egress")) -> list[Prog]:
+    """BPF programs attached to tc `hooks` of the node's devices (eth0 and every pod veth)."""
     progs: dict[int, Prog] = {}
     for dev in [node.iface, *node.pod_ifaces]:
-        for hook in ("ingress", "egress"):
+        for hook in hooks:
             res = lab.run(node, "tc", "-j", "filter", "show", "dev", dev, hook, check=False)
             if res.returncode != 0 or not res.stdout.strip():
                 continue

@@ -29,8 +29,8 @@
  * which also voids whatever came with it: a pod cannot forge one), and the kernel carries it to
  * tc_index. Without the tag, two flows whose packets leave with the same tuple (one client port
  * reaching one backend through two frontends: decide gives the second another source port) could
- * not be told apart at egress. A packet without a tag (untranslated traffic, the node's own) costs
- * the egress program one load.
+ * not be told apart at egress. A forwarded packet without a tag (untranslated traffic) costs the
+ * egress program two loads (tc_index, then ingress_ifindex: ekp_core.h).
  *
  * Each packet that needs a source at egress writes its entry when it is missing or stale, so an
  * LRU eviction costs one update, never a packet. The egress program is attached to the same
@@ -100,14 +100,11 @@ static __always_inline int ekp_host_hand_over(struct __sk_buff *skb, const struc
 	return TC_ACT_OK;
 }
 
-/* Egress (ekp_egress): a packet the ingress program tagged gets its source. Everything else, and a
- * tagged packet whose entry is gone (evicted between ingress and egress), leaves as it is. */
-static __always_inline int ekp_host_egress(struct __sk_buff *skb)
+/* Egress (ekp_egress, ekp_core.h): a packet the ingress program tagged (`tag`, its skb->tc_index,
+ * nonzero) gets its source. A tagged packet whose entry is gone (evicted between ingress and
+ * egress) leaves as it is. */
+static __always_inline int ekp_host_egress(struct __sk_buff *skb, __u16 tag)
 {
-	__u16 tag = skb->tc_index;
-
-	if (!tag)
-		return TC_ACT_OK;
 	struct ekp_tc_scratch *w = ekp_scratch_lookup();
 	if (!w)
 		return TC_ACT_OK; /* cannot happen: a one-element per-CPU array */

@@ -4,8 +4,10 @@
  *
  *   ekp_from_pod  ingress of the node side of every pod veth        (scope EKP_SCOPE_INTERNAL)
  *   ekp_from_net  ingress of the node's external devices (--devices) (scope EKP_SCOPE_EXTERNAL)
- *   ekp_egress    egress of both, with legacy host routing only: the source translation of the
- *                 packets the ingress programs handed to the stack (ekp_host.h)
+ *   ekp_egress    egress of both: packets the ingress programs handed to the stack with a tag
+ *                 (legacy host routing) get their source (ekp_host.h); the node's own replies
+ *                 for flows handed to its stack (a backend on the node's own address) get their
+ *                 frontend back (ekp_core.h)
  *   ekp_xdp_net   XDP of the same external devices (--bpf-xdp), ahead of ekp_from_net
  *
  * Built by agent/ebpf/compile.py with bcc: BPF(src_file=ekp_tc.c, cflags=[-DEKP_<ROLE>_MAX=...,
@@ -146,6 +148,11 @@ static __always_inline u64 *ekp_ctqh_lookup(u32 *ring)
 	return ekp_ctqh_v2.lookup(ring);
 }
 
+static __always_inline struct ekp_act *ekp_act_lookup(u32 *k)
+{
+	return ekp_act_v2.lookup(k);
+}
+
 static __always_inline struct ekp_affinity *ekp_aff_lookup(struct ekp_affinity_key *k)
 {
 	return ekp_aff_v2.lookup(k);
@@ -209,7 +216,7 @@ int ekp_from_net(struct __sk_buff *skb)
 
 int ekp_egress(struct __sk_buff *skb)
 {
-	return ekp_host_egress(skb);
+	return ekp_egress_main(skb);
 }
 
 /* XDP on the external devices (--bpf-xdp): before the skb exists, the part of ekp_from_net's work

@@ -8,10 +8,11 @@ Effects (pyroute2). Which devices, in the network namespace Config.netns:
   `ekp_xdp_net` on XDP unless --bpf-xdp=disabled;
 * pod devices (names matching a Config.pod_interfaces glob, not external) get `ekp_from_pod` on
   ingress: traffic leaving pods, scope INTERNAL;
-* with legacy host routing (Config.bpf_host_routing, bpf/ekp_host.h), both also get `ekp_egress`
-  on egress: the source translation of what the ingress programs handed to the stack. It is
-  attached before the ingress program (a device never hands packets to the stack without it) and
-  removed when the agent runs with `bpf` host routing.
+* both get `ekp_egress` on egress, in both host routings: what the node's own stack sends out of
+  them, where the replies of flows handed to it (a backend on the node's own address) get their
+  frontend back, and, with legacy host routing (bpf/ekp_host.h), the source translation of what
+  the ingress programs handed to the stack. It is attached before the ingress program: a device
+  never hands the stack a packet whose egress half is missing.
 
 The local-traffic detector (agent/localdetect.py) moves that line in its interface modes, where
 the device decides what kube-proxy counts as pod traffic (`-i BRIDGE`, `-i PREFIX+`):
@@ -29,9 +30,8 @@ device carries does not matter; it gets `ekp_from_pod` as before.
 Our filter is recognisable and alone at its spot: kind bpf, priority FILTER_PRIO, handle
 FILTER_HANDLE, name = the program's name (`tc filter show dev X ingress` lists it). Attaching
 uses "replace", so a restarted agent swaps its new program in atomically, with no moment without
-a filter. An existing `ingress` qdisc serves as well as clsact (both own ffff:fff2) for the
-ingress programs; `ekp_egress` needs clsact (an `ingress` qdisc has no egress hook): on such a
-device the attach fails before the ingress program is attached, and the error is retried as any.
+a filter. The egress hook needs clsact (an `ingress` qdisc has none): on a device with an `ingress`
+qdisc the attach fails before the ingress program is attached, and is retried as any failure.
 
 The namespace is opened with `IPRoute(netns=..., flags=0)`: a missing namespace is an error, not
 silently created. Pod devices come and go; `Attacher.start_watcher()` runs a thread that attaches
@@ -54,7 +54,7 @@ from typing import Any
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl import RTMGRP_LINK
 
-from agent.config import Config, HostRouting, NodeContext
+from agent.config import Config, NodeContext
 from agent.ebpf import xdp
 from agent.localdetect import LocalDetector
 from agent.netns import netns_route, run_in_netns
@@ -295,8 +295,8 @@ def attach(ipr: Any, index: int, prog_name: str, fd: int, parent: int = TC_H_ING
 
 
 def detach(ipr: Any, index: int) -> bool:
-    """Remove our filters from one device, both hooks (and clsact if nothing else is left); True
-    if one was there."""
+    """Remove our filters from one device, ingress first, then egress (and clsact if nothing else
+    is left); True if one was there."""
     found = False
     for parent in (TC_H_INGRESS, TC_H_EGRESS):
         if our_filter(ipr, index, parent) is not None:
@@ -307,14 +307,6 @@ def detach(ipr: Any, index: int) -> bool:
         if "clsact" in kinds:
             ipr.tc("del", "clsact", index)
     return found
-
-
-def detach_egress(ipr: Any, index: int) -> bool:
-    """Remove our egress filter from one device (back to bpf host routing); True if one was there."""
-    if our_filter(ipr, index, TC_H_EGRESS) is None:
-        return False
-    ipr.tc("del-filter", "bpf", index, FILTER_HANDLE, parent=TC_H_EGRESS, prio=FILTER_PRIO)
-    return True
 
 
 def detach_all(netns: str) -> list[str]:
@@ -343,16 +335,14 @@ def detach_all(netns: str) -> list[str]:
 class Attacher:
     """Keeps our programs on the devices that need them, in one network namespace.
 
-    `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD, and PROG_EGRESS with legacy host
-    routing) to loaded program fds; they must stay open while the Attacher is used. The
-    constructor does nothing; `reconcile` attaches (called by every sync) and `start_watcher`
-    starts the pod-device thread.
+    `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS) to loaded program
+    fds; they must stay open while the Attacher is used. The constructor does nothing; `reconcile` attaches
+    (called by every sync) and `start_watcher` starts the pod-device thread.
     """
 
     def __init__(self, config: Config, prog_fds: Mapping[str, int]) -> None:
         self._config = config
         self._fds = dict(prog_fds)
-        self._egress = config.bpf_host_routing is HostRouting.LEGACY
         self._lock = threading.Lock()
         self._attached: dict[int, tuple[str, str]] = {}  # ifindex -> (name, program)
         self._external: set[int] = set()
@@ -414,7 +404,11 @@ class Attacher:
                         if exc.code != errno.ENODEV:
                             raise
             for index, (name, prog) in sorted(wanted.items()):
-                if not full and self._in_place(ipr, index, prog):
+                if (
+                    not full
+                    and our_filter(ipr, index) == prog
+                    and our_filter(ipr, index, TC_H_EGRESS) == PROG_EGRESS
+                ):
                     self._remember(index, name, prog)
                     continue
                 self._attach(ipr, index, name, prog)
@@ -425,11 +419,6 @@ class Attacher:
             with self._lock:
                 for index in gone:
                     self._attached.pop(index, None)
-
-    def _in_place(self, ipr: Any, index: int, prog: str) -> bool:
-        """Our filters on the device are the ones the host routing wants."""
-        egress = our_filter(ipr, index, TC_H_EGRESS)
-        return our_filter(ipr, index) == prog and egress == (PROG_EGRESS if self._egress else None)
 
     @property
     def xdp_modes(self) -> dict[int, str]:
@@ -477,15 +466,11 @@ class Attacher:
             self._xdp.pop(index, None)
 
     def _attach(self, ipr: Any, index: int, name: str, prog: str) -> None:
-        if self._egress:
-            # Before the ingress program: nothing is handed to the stack without its egress half.
-            attach(ipr, index, PROG_EGRESS, self._fds[PROG_EGRESS], TC_H_EGRESS)
+        # Egress first: nothing is handed to the node's stack before its replies (and, with legacy
+        # host routing, its own source translation) can be translated.
+        attach(ipr, index, PROG_EGRESS, self._fds[PROG_EGRESS], TC_H_EGRESS)
         attach(ipr, index, prog, self._fds[prog])
-        if not self._egress and detach_egress(ipr, index):
-            log.info("detached %s from %s egress (bpf host routing)", PROG_EGRESS, name)
-        log.info(
-            "attached %s to %s ingress%s", prog, name, f" and {PROG_EGRESS} to egress" if self._egress else ""
-        )
+        log.info("attached %s to %s ingress and %s to its egress", prog, name, PROG_EGRESS)
         self._remember(index, name, prog)
         self.attachments += 1
 

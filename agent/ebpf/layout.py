@@ -52,6 +52,9 @@ TCP_SYN_TIMEOUT_S = 60
 TCP_CLOSED_TIMEOUT_S = 10
 UDP_TIMEOUT_S = 30
 UDP_STREAM_TIMEOUT_S = 120
+# A TCP flow whose backend left every Service: nf_conntrack's timeout for unacknowledged data
+# (nf_conntrack_tcp_timeout_unacknowledged), counted from the backend's last packet.
+TCP_ORPHAN_TIMEOUT_S = 300
 # ICMP rejects per second and burst, per CPU: the kernel's net.ipv4.icmp_msgs_per_sec and
 # icmp_msgs_burst defaults (its global limit on the ICMP errors a node sends).
 ICMP_RATE = 1000
@@ -180,15 +183,18 @@ def slots(members: Sequence[int], previous: Mapping[int, int]) -> list[int]:
 def config_entry(node: NodeContext, config: Config, detector: LocalDetector | None = None) -> Value:
     """The config entry (codec tuple of abi.Config): the node's SNAT source, the SNAT port range,
     the conntrack timeouts (kube-proxy's conntrack settings where they say something, as iptables
-    mode applies them to nf_conntrack), the reject rate limit, the host routing and, for a
-    detector by source (ClusterCIDR, NodeCIDR), its CIDR: the programs then pick the frontends'
-    scope by source."""
+    mode applies them to nf_conntrack; --bpf-ct-timeout-tcp-backend-gone for flows whose backend
+    left), the reject rate limit and the flags: the host routing and, for a detector by source
+    (ClusterCIDR, NodeCIDR), LOCAL_BY_SRC with its CIDR (the programs then pick the frontends'
+    scope by source)."""
     lo, hi = config.snat_ports
     ct = config.conntrack
-    net, plen, by_src = 0, 0, 0
+    net, plen, flags = 0, 0, 0
     if detector is not None and detector.by_source:
         cidr = ipaddress.IPv4Network(detector.cidr)
-        net, plen, by_src = ip_be(str(cidr.network_address)), cidr.prefixlen, 1
+        net, plen, flags = ip_be(str(cidr.network_address)), cidr.prefixlen, int(ConfigFlag.LOCAL_BY_SRC)
+    if config.bpf_host_routing is HostRouting.LEGACY:
+        flags |= ConfigFlag.HOST_LEGACY
     return (
         ip_be(node.primary_ip) if node.primary_ip else 0,
         lo,
@@ -203,8 +209,8 @@ def config_entry(node: NodeContext, config: Config, detector: LocalDetector | No
         ICMP_BURST,
         net,
         plen,
-        by_src,
-        int(ConfigFlag.HOST_LEGACY) if config.bpf_host_routing is HostRouting.LEGACY else 0,
+        flags,
+        _seconds(config.ct_tcp_backend_gone_timeout_s, TCP_ORPHAN_TIMEOUT_S),  # at most 65,535: the setting
     )
 
 

@@ -66,13 +66,13 @@ BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent
 
 # Program name -> the scope its frontends are looked up with (None: it looks none up). Attach
 # ekp_from_pod on the ingress of the node side of every pod veth, ekp_from_net on the ingress of
-# each external device, and with legacy host routing ekp_egress on the egress of both.
+# each external device, ekp_egress on the egress of both (the replies of the node's own stack).
 # ekp_xdp_net runs on the XDP hook of the external devices, ahead of ekp_from_net (--bpf-xdp).
 PROGRAMS: dict[str, Scope | None] = {
     "ekp_from_pod": Scope.INTERNAL,
     "ekp_from_net": Scope.EXTERNAL,
-    "ekp_xdp_net": Scope.EXTERNAL,
     "ekp_egress": None,
+    "ekp_xdp_net": Scope.EXTERNAL,
 }
 BPF_PROG_TYPE_SCHED_CLS = 3  # bcc's BPF.SCHED_CLS
 BPF_PROG_TYPE_XDP = 6  # bcc's BPF.XDP

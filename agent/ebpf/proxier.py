@@ -12,8 +12,9 @@ Lifecycle (kube-proxy's contract, agent/proxier.py):
   needs in Config.netns, carries the conntrack of an ABI v1 agent over (agent/ebpf/upgrade.py) and
   the established flows of nf_conntrack (kube-proxy's, iptables mode's: agent/takeover/into_ebpf.py),
   attaches the programs (replacing older ones atomically), carries over what the old programs or
-  netfilter added meanwhile, removes the other data path's rules and pins of other ABI versions,
-  and starts the pod-device watcher.
+  netfilter added meanwhile, stamps the flows the conntrack tables hold and arms the flow-activity
+  check (agent/ebpf/activity.py; disarmed before the attach), removes the other data path's rules
+  and pins of other ABI versions, and starts the pod-device watcher.
   Conntrack and affinity are never flushed.
 * Later syncs re-plan only the changed service ports (`agent.ebpf.planner`) and write their entries.
   A full sync (`changed` None, every sync period) reads the maps back first and repairs whatever
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
 from agent.config import Config, MapSizes, NodeContext
-from agent.ebpf import abi
+from agent.ebpf import abi, activity
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import KEYS, VALUES, Value
 from agent.ebpf.maglev_writer import MaglevWriter
@@ -360,10 +361,10 @@ class EbpfProxier:
         full = first
         if first:
             self._upgrade.before_attach(datapath.maps)
+            activity.disarm(datapath.maps["act"])  # until every flow has its stamps (activity.py)
         if self._attacher is None:
-            fds = {
-                name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD, PROG_XDP, PROG_EGRESS)
-            }
+            names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS, PROG_XDP)
+            fds = {name: datapath.prog_fd(name) for name in names}
             self._attacher = self._attacher_factory(self._config, fds)
             full = True
         restart = self._attached_once and not self._attacher.watching
@@ -376,6 +377,7 @@ class EbpfProxier:
             self._attached_node = node
         if first:
             self._upgrade.after_attach(datapath.maps)
+            activity.arm(datapath.maps)  # only our programs run now: stamp what the tables hold
             stale = remove_stale_pins(self._config.pin_path)
             if stale:
                 log.info("removed pins of other ABI versions: %s", ",".join(stale))

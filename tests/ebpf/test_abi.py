@@ -46,6 +46,7 @@ def c_constants() -> dict[str, int]:
         (abi.CtFlag, "EKP_CT_"),
         (abi.CtqRing, "EKP_CTQ_"),
         (abi.AddrFlag, "EKP_ADDR_"),
+        (abi.ConfigFlag, "EKP_CFG_"),
     ]
     for enum, prefix in groups:
         out.update({prefix + m.name: int(m) for m in enum})
@@ -258,31 +259,36 @@ def test_bpftool_shows_every_map_with_its_layout(loaded: Datapath) -> None:
         assert shown["max_entries"] == want["max_entries"]
 
 
-# What the XDP program never reads: it passes fragments before their first to tc (ekp_addr is read
-# only for them), and it counts in its own map. (The code that records and holds fragments is
-# compiled into it but never runs: XDP passes fragments on before it.)
-XDP_UNUSED = {"rnat", "addr", "stats", "hostnat"}
+# What the XDP program never reads: it counts in its own map, and hands nothing to the stack for
+# egress (ekp_hostnat). (The code that records and holds fragments is compiled into it but never
+# runs: XDP passes fragments on before it. It reads ekp_addr for the activity check's frontend test,
+# bpf/ekp_act.h.)
+XDP_UNUSED = {"rnat", "stats", "hostnat"}
 
 
 @pytest.mark.kernel
 def test_the_programs_use_the_maps(loaded: Datapath) -> None:
-    """The tc programs: every pinned map but ekp_rnat (written for the agent, read by no program
-    since v2) and the XDP counters; the XDP program: the same but for what it leaves to tc, with
-    its own counters; ekp_egress: legacy host routing's sources and the fragments' ports. Each with
-    one unpinned map of its load: the per-CPU working memory (bpf/ekp_tc_scratch.h)."""
+    """The tc ingress programs: every pinned map but ekp_rnat (written for the agent, read by no
+    program since v2) and the XDP counters; the XDP program: the same but for what it leaves to tc,
+    with its own counters; ekp_egress: legacy host routing's sources, conntrack, the activity stamps
+    and what they read, but no service table (it chooses no backend). Each with one unpinned map of
+    its load: the per-CPU working memory (bpf/ekp_tc_scratch.h)."""
     pinned = {role: m.info().id for role, m in loaded.maps.items()}
-    for name in PROGRAMS:
+    for name, scope in PROGRAMS.items():
         xdp = name == "ekp_xdp_net"
         unused = XDP_UNUSED if xdp else {"rnat", "xstats"}
         read = {ident for role, ident in pinned.items() if role not in unused}
-        if name == "ekp_egress":  # legacy host routing's sources, and the fragments' ports
-            read = {pinned["hostnat"], pinned["frag"]}
         shown = bpftool("prog", "show", "id", str(prog_id(loaded.prog_fd(name))))
         assert isinstance(shown, dict)
         assert (shown["name"], shown["type"]) == (name, "xdp" if xdp else "sched_cls")
         used = set(shown["map_ids"])
-        assert used & set(pinned.values()) == read, name
-        (own,) = used - read
+        if scope is None:
+            roles = {role for role, ident in pinned.items() if ident in used}
+            assert {"ct_tcp", "ct_any", "act", "cfg", "cfgsel", "stats", "frag", "hostnat"} <= roles, roles
+            assert not roles & {"fe", "slot", "be", "srcr", "aff", "rnat", "xstats"}, roles
+        else:
+            assert used & set(pinned.values()) == read, name
+        (own,) = used - set(pinned.values())
         scratch = bpftool("map", "show", "id", str(own))
         assert isinstance(scratch, dict) and scratch["name"] == "ekp_scratch"
 

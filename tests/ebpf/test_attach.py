@@ -164,6 +164,10 @@ def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
     assert "ekp_from_pod" in ingress(netns, "lxc-a")
     assert ingress(netns, "other1") == "" and ingress(netns, "pod-a") == ""
     assert sorted(attacher.attached.values()) == [("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)]
+    # the replies of the node's own stack leave through ekp_egress on both kinds of device
+    for dev in ("eth0", "lxc-a"):
+        assert "ekp_egress" in egress(netns, dev) and "direct-action" in egress(netns, dev), dev
+    assert egress(netns, "other1") == ""
 
     # a second reconcile finds everything in place and attaches nothing
     attached = attacher.attachments
@@ -179,12 +183,17 @@ def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
     attacher.reconcile(NODE, verify=True)
     assert attacher.attachments == attached + 2
     assert "ekp_from_pod" in ingress(netns, "lxc-a")
+    # an egress filter removed behind our back comes back at the next check as well
+    sh("tc", "-n", netns, "filter", "del", "dev", "eth0", "egress", "prio", "17", "handle", "0xeb", "bpf")
+    attacher.reconcile(NODE)
+    assert attacher.attachments == attached + 3 and "ekp_egress" in egress(netns, "eth0")
 
     # the watcher attaches to a new pod device and forgets a deleted one
     attacher.start_watcher()
     try:
         sh("ip", "-n", netns, "link", "add", "lxc-b", "type", "veth", "peer", "name", "pod-b")
         assert wait_for(lambda: "ekp_from_pod" in ingress(netns, "lxc-b")), ingress(netns, "lxc-b")
+        assert "ekp_egress" in egress(netns, "lxc-b")
         assert wait_for(lambda: ("lxc-b", PROG_FROM_POD) in attacher.attached.values())
         sh("ip", "-n", netns, "link", "add", "nomatch", "type", "veth", "peer", "name", "nomatch2")
         sh("ip", "-n", netns, "link", "del", "lxc-b")
@@ -206,6 +215,7 @@ def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
     )  # fmt: skip
     assert sorted(detach_all(netns)) == ["eth0", "lxc-a", *sorted(f"lxc-c{i}" for i in range(20))]
     assert "ekp_" not in ingress(netns, "eth0") and "u32" in ingress(netns, "eth0")
+    assert egress(netns, "eth0") == "" and egress(netns, "lxc-a") == ""
     assert "clsact" in qdiscs(netns, "eth0")
     assert "clsact" not in qdiscs(netns, "lxc-a")
     assert detach_all(netns) == []
@@ -242,11 +252,10 @@ def test_replace_keeps_a_filter_in_place_and_full_reconcile_detaches_strays(
 
 
 @pytest.mark.kernel
-def test_legacy_host_routing_attaches_the_egress_half_and_bpf_removes_it(
-    netns: str, progs: dict[str, int]
-) -> None:
+def test_both_host_routings_keep_the_egress_half_on_every_device(netns: str, progs: dict[str, int]) -> None:
     """--bpf-host-routing=legacy: ekp_egress on the egress of every device with an ingress program,
-    new pod devices included; the same devices under `bpf`: the egress filter goes, ingress stays."""
+    new pod devices included; the same devices under `bpf` keep it (the replies of backends on the
+    node's own address need it there too), and a switch back finds it in place."""
     legacy = Config(netns=netns, pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY)
     attacher = Attacher(legacy, progs)
     attacher.reconcile(NODE, full=True)
@@ -272,9 +281,11 @@ def test_legacy_host_routing_attaches_the_egress_half_and_bpf_removes_it(
     bpf = Config(netns=netns, pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.BPF)
     Attacher(bpf, progs).reconcile(NODE, full=True)
     for dev in ("eth0", "lxc-a"):
-        assert egress(netns, dev) == "" and "ekp_from_" in ingress(netns, dev), dev
+        assert "ekp_egress" in egress(netns, dev) and "ekp_from_" in ingress(netns, dev), dev
 
-    Attacher(legacy, progs).reconcile(NODE, full=True)
+    back = Attacher(legacy, progs)
+    back.reconcile(NODE)
+    assert back.attachments == 0, "in place under either host routing: nothing attached again"
     assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]
     assert egress(netns, "eth0") == "" and "clsact" not in qdiscs(netns, "lxc-a")
 

@@ -1,6 +1,6 @@
 """The local-traffic detector by source in the programs (`ekp_local_scope`): with
-`local_by_src`, a packet whose source is in the detector's CIDR looks up INTERNAL frontends and any
-other EXTERNAL ones, whichever program it entered by; without, the program's own scope decides.
+`EKP_CFG_LOCAL_BY_SRC`, a packet whose source is in the detector's CIDR looks up INTERNAL frontends
+and any other EXTERNAL ones, whichever program it entered by; without, the program's own scope decides.
 A service with both scopes on one VIP tells them apart: the EXTERNAL frontend masquerades
 (kube-proxy's `IfNotLocal -j KUBE-MARK-MASQ`), the INTERNAL one does not."""
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent.ebpf.abi import FrontendFlag, Scope, ip_be
+from agent.ebpf.abi import ConfigFlag, FrontendFlag, Scope, ip_be
 from agent.ebpf.loader import Datapath
 from lab.dplab import (
     CLIENT,
@@ -80,7 +80,7 @@ def test_without_a_detector_by_source_the_program_decides(net: Net) -> None:
 def test_a_source_in_the_cidr_is_local_whichever_program_it_entered_by(
     net: Net, cidr: str, plen: int
 ) -> None:
-    set_config(net.dp, local_net=ip_be(cidr), local_plen=plen, local_by_src=1)
+    set_config(net.dp, local_net=ip_be(cidr), local_plen=plen, flags=ConfigFlag.LOCAL_BY_SRC)
     assert not masqueraded(*net.from_net(tcp(POD_CLIENT, VIP, 1000, 80)))
     assert not masqueraded(*net.from_pod(tcp(POD_CLIENT, VIP, 1001, 80)))
     assert masqueraded(*net.from_pod(tcp(OUTSIDE_POD, VIP, 1002, 80)))
@@ -89,11 +89,11 @@ def test_a_source_in_the_cidr_is_local_whichever_program_it_entered_by(
 
 def test_node_cidr_tells_this_nodes_pods_from_another_nodes(net: Net) -> None:
     # NodeCIDR: 10.244.1.0/24 here; a pod of node2 (10.244.2.0/24) is not local.
-    set_config(net.dp, local_net=ip_be("10.244.1.0"), local_plen=24, local_by_src=1)
+    set_config(net.dp, local_net=ip_be("10.244.1.0"), local_plen=24, flags=ConfigFlag.LOCAL_BY_SRC)
     assert masqueraded(*net.from_net(tcp(REMOTE_BE, VIP, 1000, 80)))
     assert not masqueraded(*net.from_pod(tcp(POD_CLIENT, VIP, 1001, 80)))
 
 
 def test_a_zero_length_prefix_makes_every_source_local(net: Net) -> None:
-    set_config(net.dp, local_net=0, local_plen=0, local_by_src=1)
+    set_config(net.dp, local_net=0, local_plen=0, flags=ConfigFlag.LOCAL_BY_SRC)
     assert not masqueraded(*net.from_net(tcp(CLIENT, VIP, 1000, 80)))

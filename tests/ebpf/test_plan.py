@@ -166,7 +166,11 @@ def test_a_detector_by_source_goes_into_the_config_entry(
     state = replace(state, node=replace(state.node, pod_cidrs=pod_cidrs))
     planned = plan(state, NODE, config)
     assert planned.cfg is not None
-    got = (ip_str(planned.cfg.local_net), planned.cfg.local_plen) if planned.cfg.local_by_src else None
+    got = (
+        (ip_str(planned.cfg.local_net), planned.cfg.local_plen)
+        if planned.cfg.flags & abi.ConfigFlag.LOCAL_BY_SRC
+        else None
+    )
     assert got == by_source
     # and the cluster IP's EXTERNAL frontend masquerades exactly when there is a detector
     ext = planned.fe[fe_key("10.96.0.5", 80, Scope.EXTERNAL)]
@@ -291,8 +295,8 @@ def test_source_range_holding_the_node_admits_the_lb_ip() -> None:
 def test_cfg_entry() -> None:
     c = plan(states(), NodeContext(("192.168.0.12",), "192.168.0.12"), Config(snat_ports=(40000, 40999)))
     assert render_contents(c) == (
-        "cfg node=192.168.0.12 snat_ports=40000-40999 tcp=86400s/3600s/60s/10s udp=30s/120s icmp=1000/s,50"
-        " host_routing=legacy\n"
+        "cfg node=192.168.0.12 snat_ports=40000-40999 tcp=86400s/3600s/60s/10s tcp_backend_gone=300s"
+        " udp=30s/120s icmp=1000/s,50 host_routing=legacy\n"
     )
     assert c.cfg is not None and c.cfg.flags == abi.ConfigFlag.HOST_LEGACY
     bpf = plan(
@@ -300,6 +304,13 @@ def test_cfg_entry() -> None:
     )
     assert bpf.cfg is not None and bpf.cfg.flags == 0
     assert render_contents(bpf).endswith(" host_routing=bpf\n")
+
+
+def test_cfg_entry_carries_the_backend_gone_timeout() -> None:
+    """--bpf-ct-timeout-tcp-backend-gone reaches the data path (tcp_orphan_s), 300 s by default."""
+    cfg = VALUES["cfg"].to_ctype(config_entry(NODE, Config(ct_tcp_backend_gone_timeout_s=7.0)))
+    assert cfg.tcp_orphan_s == 7
+    assert VALUES["cfg"].to_ctype(config_entry(NODE, Config())).tcp_orphan_s == 300
 
 
 def test_cfg_entry_honours_kube_proxys_conntrack_settings() -> None:

@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import subprocess
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -19,8 +20,19 @@ from pathlib import Path
 import pytest
 
 from agent.config import Config, HostRouting, MapSizes, NodeContext
-from agent.ebpf import EbpfProxier
-from agent.ebpf.abi import MAPS, ConfigFlag, ConfigSel, CtEntry, CtKey, FrontendKey, Scope, ip_be, port_be
+from agent.ebpf import EbpfProxier, activity
+from agent.ebpf.abi import (
+    MAPS,
+    Act,
+    ConfigFlag,
+    ConfigSel,
+    CtEntry,
+    CtKey,
+    FrontendKey,
+    Scope,
+    ip_be,
+    port_be,
+)
 from agent.ebpf.maps import FakeMap, MapWriter, read_config
 from agent.ebpf.plan import MapContents, plan, read_contents
 from agent.ebpf.planner import ROLES
@@ -52,7 +64,7 @@ class FakeDatapath:
         self.loads += 1
 
     def prog_fd(self, name: str) -> int:
-        return {"ekp_from_net": 100, "ekp_from_pod": 101, "ekp_xdp_net": 102, "ekp_egress": 103}[name]
+        return {"ekp_from_net": 100, "ekp_from_pod": 101, "ekp_egress": 102, "ekp_xdp_net": 103}[name]
 
     def repair_pins(self) -> list[str]:
         self.pin_checks += 1
@@ -64,12 +76,15 @@ class FakeDatapath:
 
 
 class FakeAttacher:
-    def __init__(self, log: list[str]) -> None:
+    def __init__(self, log: list[str], maps: Mapping[str, MapWriter]) -> None:
         self.log = log
+        self.maps = maps
         self.watching = False
+        self.armed_at_reconcile: list[bool] = []  # the flow-activity check, when programs changed
 
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
         self.log.append(f"reconcile full={full}" + (" verify" if verify and not full else ""))
+        self.armed_at_reconcile.append(activity.armed(self.maps["act"]))
 
     def start_watcher(self, timeout: float = 5.0) -> None:
         self.log.append("watch")
@@ -117,7 +132,7 @@ class Rig:
             return "0"
 
         def attacher(config: Config, fds: Mapping[str, int]) -> FakeAttacher:
-            self.attachers.append(FakeAttacher(self.events))
+            self.attachers.append(FakeAttacher(self.events, self.maps))
             return self.attachers[-1]
 
         def sysctl_read(netns: str, path: str) -> str:
@@ -146,6 +161,26 @@ def rig(tmp_path: Path) -> Rig:
 def test_constructor_has_no_side_effects(rig: Rig) -> None:
     rig.proxier()
     assert rig.datapaths == [] and rig.events == [] and rig.sysctls == []
+
+
+def test_the_flow_activity_check_is_armed_only_once_our_programs_run(rig: Rig) -> None:
+    """Disarmed before the first attach (older programs may have left flows without stamps),
+    armed after it with the live conntrack entries stamped (agent/ebpf/activity.py); a restarted
+    agent does the same."""
+    entry = CtEntry(
+        last_seen_ns=time.monotonic_ns(), fe_addr=ip_be("10.96.0.10"), fe_port=port_be(80), flags=4
+    )
+    key = CtKey(ip_be("10.244.1.5"), ip_be("10.244.1.9"), port_be(8080), port_be(40000), 6, 1)
+    rig.maps["ct_tcp"].update(key, entry)
+    rig.maps["act"].update(ctypes.c_uint32(activity.ARMED), Act(stamp=1))  # an earlier agent's
+    for _ in range(2):
+        p = rig.proxier()
+        p.sync(STATE, NODE)
+        assert rig.attachers[-1].armed_at_reconcile == [False]
+        assert activity.armed(rig.maps["act"])
+        backend = rig.maps["act"].lookup(ctypes.c_uint32(activity.slot(key.saddr, key.sport, 6)))
+        assert isinstance(backend, Act) and backend.stamp == activity.stamp_of(time.monotonic_ns())
+        p.close()
 
 
 def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
@@ -480,7 +515,7 @@ def test_legacy_host_routing_is_switched_on_once_the_egress_programs_are_attache
         return EbpfProxier(
             config,
             datapath_factory=lambda pin_path, sizes: FakeDatapath(rig.maps),
-            attacher_factory=lambda config, fds: Recording(rig.events),
+            attacher_factory=lambda config, fds: Recording(rig.events, rig.maps),
             sysctl_writer=lambda netns, path, value: "1",
             sysctl_reader=lambda netns, path: rig.local_ports,
             sizes_reader=lambda pin_path: {},
@@ -494,7 +529,7 @@ def test_legacy_host_routing_is_switched_on_once_the_egress_programs_are_attache
     # The agent restarted, legacy again: the previous one attached the egress programs.
     proxier(legacy).sync(STATE, NODE)
     assert seen[-1] == ConfigFlag.HOST_LEGACY
-    # Back to bpf: the flag goes at once (the egress programs do no harm while they are detached).
+    # Back to bpf: the flag goes at once (ekp_egress stays attached; no packet is tagged any more).
     proxier(replace(rig.config, bpf_host_routing=HostRouting.BPF)).sync(STATE, NODE)
     live = read_config(rig.maps)
     assert seen[-1] == 0 and live is not None and live.flags == 0
