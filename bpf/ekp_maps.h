@@ -24,7 +24,8 @@
 #if !defined(EKP_FE_MAX) || !defined(EKP_SLOT_MAX) || !defined(EKP_BE_MAX) || !defined(EKP_RNAT_MAX) ||         \
 	!defined(EKP_MEMBER_MAX) || !defined(EKP_CT_TCP_MAX) || !defined(EKP_CT_ANY_MAX) ||                     \
 	!defined(EKP_FRAG_MAX) || !defined(EKP_AFF_MAX) || !defined(EKP_SRCR_MAX) || !defined(EKP_CFG_MAX) ||  \
-	!defined(EKP_CFGSEL_MAX) || !defined(EKP_ICMPRL_MAX) || !defined(EKP_STATS_MAX)
+	!defined(EKP_CFGSEL_MAX) || !defined(EKP_ICMPRL_MAX) || !defined(EKP_STATS_MAX) ||                     \
+	!defined(EKP_SKNAT_MAX) || !defined(EKP_SKCFG_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -32,6 +33,7 @@ _Static_assert(EKP_STATS_MAX == EKP_STAT_MAX, "ekp_stats_v2 must have one slot p
 _Static_assert(EKP_CFG_MAX == 2, "ekp_cfg_v2 holds exactly two struct ekp_config (double buffer)");
 _Static_assert(EKP_CFGSEL_MAX == 1, "ekp_cfgsel_v2 holds exactly one selector");
 _Static_assert(EKP_ICMPRL_MAX == 1, "ekp_icmprl_v2 holds one bucket per CPU");
+_Static_assert(EKP_SKCFG_MAX == 1, "ekp_skcfg_v2 holds one struct ekp_sock_config");
 
 #define EKP_PIN(name) EKP_PIN_DIR "/" #name
 
@@ -59,6 +61,13 @@ BPF_TABLE_PINNED("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_any_
 BPF_TABLE_PINNED("lru_hash", struct ekp_frag_key, struct ekp_frag, ekp_frag_v2, EKP_FRAG_MAX, EKP_PIN(ekp_frag_v2));
 BPF_TABLE_PINNED("lru_hash", struct ekp_affinity_key, struct ekp_affinity, ekp_aff_v2, EKP_AFF_MAX,
 		 EKP_PIN(ekp_aff_v2));
+
+/* Socket-level load balancing: its settings (written by the agent) and what each socket was sent to
+ * (written by the socket programs; LRU: a full table forgets the least recently used sockets, whose
+ * recvmsg() and getpeername() then show the backend). */
+BPF_TABLE_PINNED("array", u32, struct ekp_sock_config, ekp_skcfg_v2, EKP_SKCFG_MAX, EKP_PIN(ekp_skcfg_v2));
+BPF_TABLE_PINNED("lru_hash", struct ekp_sock_key, struct ekp_sock_nat, ekp_sknat_v2, EKP_SKNAT_MAX,
+		 EKP_PIN(ekp_sknat_v2));
 
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
 BPF_TABLE_PINNED("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX, EKP_PIN(ekp_icmprl_v2));
@@ -90,5 +99,9 @@ static __always_inline struct ekp_affinity *ekp_aff_lookup(struct ekp_affinity_k
 static __always_inline int ekp_aff_update(struct ekp_affinity_key *k, struct ekp_affinity *v);
 static __always_inline struct ekp_ratelimit *ekp_icmprl_lookup(u32 *k);
 static __always_inline u64 *ekp_stats_lookup(u32 *k);
+static __always_inline struct ekp_sock_config *ekp_skcfg_lookup(u32 *k);
+static __always_inline struct ekp_sock_nat *ekp_sknat_lookup(struct ekp_sock_key *k);
+static __always_inline int ekp_sknat_update(struct ekp_sock_key *k, struct ekp_sock_nat *v);
+static __always_inline int ekp_sknat_delete(struct ekp_sock_key *k);
 
 #endif /* EKP_MAPS_H */

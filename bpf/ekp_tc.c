@@ -1,9 +1,14 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * ekp_tc.c: the two tc ingress programs (clsact, direct-action cls_bpf) of ebpf-kube-proxy.
+ * ekp_tc.c: the programs of ebpf-kube-proxy, bcc's main file (the name is the tc programs', the first
+ * ones; every program shares the maps declared once in ekp_maps.h and one build):
  *
- *   ekp_from_pod  ingress of the node side of every pod veth        (scope EKP_SCOPE_INTERNAL)
- *   ekp_from_net  ingress of the node's external devices (--devices) (scope EKP_SCOPE_EXTERNAL)
+ *   ekp_from_pod  tc ingress of the node side of every pod veth        (scope EKP_SCOPE_INTERNAL)
+ *   ekp_from_net  tc ingress of the node's external devices (--devices) (scope EKP_SCOPE_EXTERNAL)
+ *   ekp_sock_conn, ekp_sock_send, ekp_sock_recv, ekp_sock_peer
+ *                 cgroup connect4, sendmsg4, recvmsg4, getpeername4 of the node's sockets
+ *                 (--bpf-socket-lb-cgroup; ekp_sock.h)
+ *   ekp_sock_term iter/udp: ends connected UDP sockets whose backend left (ekp_sock.h)
  *
  * Built by agent/ebpf/loader.py with bcc: BPF(src_file=ekp_tc.c, cflags=[-DEKP_PIN_DIR=...,
  * -DEKP_<ROLE>_MAX=..., -I<bpf dir>]). The logic lives in the headers (ekp_core.h first); this
@@ -124,6 +129,26 @@ static __always_inline u64 *ekp_stats_lookup(u32 *k)
 	return ekp_stats_v2.lookup(k);
 }
 
+static __always_inline struct ekp_sock_config *ekp_skcfg_lookup(u32 *k)
+{
+	return ekp_skcfg_v2.lookup(k);
+}
+
+static __always_inline struct ekp_sock_nat *ekp_sknat_lookup(struct ekp_sock_key *k)
+{
+	return ekp_sknat_v2.lookup(k);
+}
+
+static __always_inline int ekp_sknat_update(struct ekp_sock_key *k, struct ekp_sock_nat *v)
+{
+	return ekp_sknat_v2.update(k, v);
+}
+
+static __always_inline int ekp_sknat_delete(struct ekp_sock_key *k)
+{
+	return ekp_sknat_v2.delete(k);
+}
+
 static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 {
 	u32 zero = 0;
@@ -142,4 +167,31 @@ int ekp_from_pod(struct __sk_buff *skb)
 int ekp_from_net(struct __sk_buff *skb)
 {
 	return ekp_main(skb, EKP_SCOPE_EXTERNAL);
+}
+
+#include "ekp_sock.h"
+
+int ekp_sock_conn(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_forward(ctx);
+}
+
+int ekp_sock_send(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_forward(ctx);
+}
+
+int ekp_sock_recv(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_reverse(ctx);
+}
+
+int ekp_sock_peer(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_reverse(ctx);
+}
+
+int ekp_sock_term(struct ekp_iter_udp *ctx)
+{
+	return ekp_sock_iter_udp(ctx);
 }

@@ -13,6 +13,14 @@ namespaces. Every mode prints one JSON object on stdout.
   upload --url U --bytes N            POST N bytes to /sink, {"sent": n, "received": n, "seconds": s}
   hold   --addr A --port P --stop-file F   one TCP connection to a line echo server, a line every
                                       --interval s until F exists: {"exchanges": n, "errors": n}
+  peer   --addr A --port P            one TCP connection: the peer getpeername() reports and the
+                                      podserver's answer to GET /, or the errno name it failed with
+  resolver --addr A --port P --stop-file F   a long-lived client on one connected UDP socket, as a
+                                      resolver holds one: a query every --interval s (a DNS TXT query
+                                      for whoami.lab with --dns, else a podserver echo); a failed or
+                                      unanswered query opens a new socket and asks again (a resolver's
+                                      retry). {"answers": {...}, "failures": {...}, "sockets": n,
+                                      "longest_gap": s} (gap: between two answers)
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ def cmd_loop(a: argparse.Namespace) -> dict[str, object]:
 
 def cmd_udp(a: argparse.Namespace) -> dict[str, object]:
     replies: Counter[str] = Counter()
+    sources: Counter[str] = Counter()  # the address each reply came from, as recvfrom() says
     lost = 0
     for i in range(a.count):
         # A new socket (new source port) per request: a new flow for the proxy each time.
@@ -90,14 +99,124 @@ def cmd_udp(a: argparse.Namespace) -> dict[str, object]:
                 payload = (payload + "-" + "0123456789" * (a.size // 10 + 1))[: a.size]
             s.sendto(payload.encode(), (a.addr, a.port))
             try:
-                data, _ = s.recvfrom(65535)
+                data, src = s.recvfrom(65535)
             except OSError:
                 lost += 1
                 continue
+            sources[f"{src[0]}:{src[1]}"] += 1
             text = data.decode()
             name, _, echoed = text.partition(" ")
             replies[name if echoed == payload else f"bad:{text}"] += 1
-    return {"replies": dict(replies), "lost": lost}
+    return {"replies": dict(replies), "lost": lost, "sources": dict(sources)}
+
+
+def errno_name(exc: OSError) -> str:
+    import errno
+
+    return errno.errorcode.get(exc.errno or 0, type(exc).__name__) if exc.errno else type(exc).__name__
+
+
+def cmd_peer(a: argparse.Namespace) -> dict[str, object]:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(a.timeout)
+        try:
+            s.connect((a.addr, a.port))
+            peer = s.getpeername()
+            s.sendall(f"GET / HTTP/1.0\r\nHost: {a.addr}\r\n\r\n".encode())
+            chunks = []
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        except OSError as exc:
+            return {"error": errno_name(exc)}
+    body = b"".join(chunks).partition(b"\r\n\r\n")[2].decode(errors="replace").strip()
+    return {"peer": f"{peer[0]}:{peer[1]}", "body": body}
+
+
+def dns_query(qid: int, name: str) -> bytes:
+    """A DNS query for `name` TXT, recursion desired."""
+    qname = b"".join(bytes([len(part)]) + part.encode() for part in name.split(".")) + b"\0"
+    return qid.to_bytes(2, "big") + b"\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00" + qname + b"\x00\x10\x00\x01"
+
+
+def dns_txt(reply: bytes, qid: int) -> str:
+    """The first TXT string of the answer to query `qid` ("" when it is not one)."""
+    try:
+        return _dns_txt(reply, qid)
+    except IndexError:
+        return ""  # truncated
+
+
+def _dns_txt(reply: bytes, qid: int) -> str:
+    if len(reply) < 12 or int.from_bytes(reply[:2], "big") != qid or not int.from_bytes(reply[6:8], "big"):
+        return ""
+    off = 12
+    while reply[off]:  # the question's name
+        off += reply[off] + 1
+    off += 5  # its end, type and class
+    if reply[off] & 0xC0 == 0xC0:  # the answer's name: a pointer, or labels
+        off += 2
+    else:
+        while reply[off]:
+            off += reply[off] + 1
+        off += 1
+    rtype = int.from_bytes(reply[off : off + 2], "big")
+    off += 10  # type, class, ttl, rdlength
+    if rtype != 16:
+        return ""
+    return reply[off + 1 : off + 1 + reply[off]].decode(errors="replace")
+
+
+def cmd_resolver(a: argparse.Namespace) -> dict[str, object]:
+    answers: Counter[str] = Counter()
+    failures: Counter[str] = Counter()
+    sockets = 0
+    start = last = time.monotonic()
+    longest = 0.0
+    s: socket.socket | None = None
+    qid = 0
+    ready = False
+    while not os.path.exists(a.stop_file) and time.monotonic() - start < a.max_s:
+        qid = (qid + 1) & 0xFFFF
+        try:
+            if s is None:  # a resolver connects its socket once and keeps it
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                s.settimeout(a.timeout)
+                sockets += 1
+                s.connect((a.addr, a.port))
+            if a.dns:
+                s.send(dns_query(qid, "whoami.lab"))
+                answer = dns_txt(s.recv(4096), qid)
+            else:
+                s.send(f"q{qid}".encode())
+                name, _, echoed = s.recv(4096).decode(errors="replace").partition(" ")
+                answer = name if echoed == f"q{qid}" else ""
+            if not answer:
+                raise OSError(0, "a reply that is not the answer")
+            answers[answer] += 1
+            now = time.monotonic()
+            longest = max(longest, now - last)
+            last = now
+            if not ready and a.ready_file:
+                open(a.ready_file, "w").close()
+                ready = True
+        except OSError as exc:
+            failures["timeout" if isinstance(exc, TimeoutError) else errno_name(exc)] += 1
+            if s is not None:
+                s.close()
+            s = None  # a resolver retries on a new socket
+            if not isinstance(exc, TimeoutError):
+                time.sleep(a.interval)  # a failure at once: not a busy loop
+            continue
+        time.sleep(a.interval)
+    if s is not None:
+        s.close()
+    longest = max(longest, time.monotonic() - last) if answers else longest
+    return {
+        "answers": dict(answers),
+        "failures": dict(failures),
+        "sockets": sockets,
+        "longest_gap": round(longest, 3),
+    }
 
 
 def cmd_upload(a: argparse.Namespace) -> dict[str, object]:
@@ -179,6 +298,19 @@ def main() -> int:
     h.add_argument("--interval", type=float, default=0.05)
     h.add_argument("--timeout", type=float, default=5.0)
     h.add_argument("--max-s", type=float, default=120.0)
+    pe = sub.add_parser("peer")
+    pe.add_argument("--addr", required=True)
+    pe.add_argument("--port", type=int, required=True)
+    pe.add_argument("--timeout", type=float, default=3.0)
+    r = sub.add_parser("resolver")
+    r.add_argument("--addr", required=True)
+    r.add_argument("--port", type=int, required=True)
+    r.add_argument("--stop-file", required=True)
+    r.add_argument("--ready-file", default="", help="created after the first answer")
+    r.add_argument("--dns", action="store_true", help="DNS TXT queries for whoami.lab (dnsmasq)")
+    r.add_argument("--interval", type=float, default=0.05)
+    r.add_argument("--timeout", type=float, default=1.0, help="a query unanswered this long is retried")
+    r.add_argument("--max-s", type=float, default=120.0)
     a = p.parse_args()
     commands = {
         "http": cmd_http,
@@ -187,6 +319,8 @@ def main() -> int:
         "blob": cmd_blob,
         "upload": cmd_upload,
         "hold": cmd_hold,
+        "peer": cmd_peer,
+        "resolver": cmd_resolver,
     }
     result = commands[a.cmd](a)
     json.dump(result, sys.stdout)

@@ -80,6 +80,10 @@ class MemberFlag(IntEnum):
     LOCAL = 1 << 1
 
 
+class SockFlag(IntEnum):
+    HOST_ONLY = 1 << 0
+
+
 class CtDir(IntEnum):
     FORWARD = 0
     REPLY = 1
@@ -121,18 +125,30 @@ class Stat(IntEnum):
     DROP_BACKEND_GONE = 22
     DROP_ICMP_RATE = 23
     DROP_FRAG_NEEDED = 24
+    SOCK_CALLS = 25
+    SOCK_PASS = 26
+    SOCK_TRANSLATED = 27
+    SOCK_REVNAT = 28
+    SOCK_DESTROYED = 29
 
 
 STAT_DROP_FIRST = Stat.DROP_MALFORMED
-STAT_COUNT = 25
-# Every packet counts PACKETS and exactly one of these (bpf/ekp_stats.h); the rest are marks.
+STAT_COUNT = 30
+# Drop reasons are named DROP_* (C: EKP_DROP_*), wherever they sit in the enum.
+DROPS: tuple[Stat, ...] = tuple(s for s in Stat if s.name.startswith("DROP_"))
+# Every packet counts PACKETS and every connect()/sendmsg() the socket programs see counts
+# SOCK_CALLS; each of them counts exactly one of OUTCOMES (bpf/ekp_stats.h, ekp_abi.h), so
+# PACKETS + SOCK_CALLS == sum(OUTCOMES). The rest are marks.
+CALLS: tuple[Stat, ...] = (Stat.PACKETS, Stat.SOCK_CALLS)
 OUTCOMES: tuple[Stat, ...] = (
     Stat.PASS,
     Stat.NEW_FLOWS,
     Stat.CT_FORWARD,
     Stat.CT_REPLY,
     Stat.CT_RELATED,
-    *(s for s in Stat if s >= STAT_DROP_FIRST),
+    Stat.SOCK_PASS,
+    Stat.SOCK_TRANSLATED,
+    *DROPS,
 )
 
 
@@ -284,6 +300,18 @@ class RateLimit(_Struct):
     _fields_ = [("last_ns", u64), ("tokens_ns", u64)]
 
 
+class SockKey(_Struct):
+    _fields_ = [("cookie", u64), ("addr", u32), ("port", u16), ("proto", u8), ("pad", u8)]
+
+
+class SockNat(_Struct):
+    _fields_ = [("fe_addr", u32), ("fe_port", u16), ("pad", u16), ("svc_id", u32), ("backend_id", u32)]
+
+
+class SockConfig(_Struct):
+    _fields_ = [("host_netns", u64), ("flags", u32), ("pad", u32)]
+
+
 # Every struct of the header, by its C name; the ABI test walks this.
 STRUCTS: dict[str, type[_Struct]] = {
     "ekp_frontend_key": FrontendKey,
@@ -307,6 +335,9 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_config_sel": ConfigSel,
     "ekp_config": Config,
     "ekp_ratelimit": RateLimit,
+    "ekp_sock_key": SockKey,
+    "ekp_sock_nat": SockNat,
+    "ekp_sock_config": SockConfig,
 }
 
 
@@ -357,6 +388,8 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("aff", "lru_hash", AffinityKey, Affinity, 65536, "EKP_AFF_MAX", _DP),
         MapSpec("icmprl", "percpu_array", ctypes.c_uint32, RateLimit, 1, "EKP_ICMPRL_MAX", _DP),
         MapSpec("stats", "percpu_array", ctypes.c_uint32, ctypes.c_uint64, STAT_COUNT, "EKP_STATS_MAX", _DP),
+        MapSpec("skcfg", "array", ctypes.c_uint32, SockConfig, 1, "EKP_SKCFG_MAX"),
+        MapSpec("sknat", "lru_hash", SockKey, SockNat, 65536, "EKP_SKNAT_MAX", _DP),
     )
 }
 

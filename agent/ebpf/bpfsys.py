@@ -63,7 +63,7 @@ def _call(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
     return ret if ret >= 0 else -ctypes.get_errno()
 
 
-def _attr(layout: struct.Struct, *values: int) -> ctypes.Array[ctypes.c_char]:
+def _attr(layout: struct.Struct, *values: int | bytes) -> ctypes.Array[ctypes.c_char]:
     return ctypes.create_string_buffer(layout.pack(*values), layout.size)
 
 
@@ -117,3 +117,96 @@ def obj_get_info_by_fd(fd: int, info: Any) -> int:
     """Fill `info` (a ctypes Structure: the head of bpf_map_info or bpf_prog_info)."""
     attr = _attr(_INFO, fd, ctypes.sizeof(info), _addr(info))
     return _call(OBJ_GET_INFO_BY_FD, attr)
+
+
+# ---- programs, links and iterators (the socket programs, agent/ebpf/sockattach.py, sockterm.py)
+
+PROG_LOAD = 5
+PROG_QUERY = 16
+LINK_CREATE = 28
+LINK_UPDATE = 29
+ITER_CREATE = 33
+LINK_DETACH = 34
+
+# The head of the BPF_PROG_LOAD member, up to attach_btf_id / attach_prog_fd:
+# prog_type, insn_cnt, insns, license, log_level, log_size, log_buf, kern_version, prog_flags,
+# prog_name[16], prog_ifindex, expected_attach_type, prog_btf_fd, func_info_rec_size, func_info,
+# func_info_cnt, line_info_rec_size, line_info, line_info_cnt, attach_btf_id, attach_prog_fd
+_PROG_LOAD = struct.Struct("=IIQQIIQII16sIIIIQIIQIII")
+# link_create: prog_fd, target_fd, attach_type, flags, then (iterators) iter_info, iter_info_len
+_LINK_CREATE = struct.Struct("=IIIIQI")
+# link_update: link_fd, new_prog_fd, flags, old_prog_fd
+_LINK_UPDATE = struct.Struct("=IIII")
+# iter_create: link_fd, flags; link_detach: link_fd
+_ITER_CREATE = struct.Struct("=II")
+_LINK_DETACH = struct.Struct("=I")
+# prog_query: target_fd, attach_type, query_flags, attach_flags, prog_ids, prog_cnt
+_PROG_QUERY = struct.Struct("=IIIIQI")
+
+
+def prog_load(
+    prog_type: int,
+    insns: bytes,
+    license: bytes,
+    name: str,
+    *,
+    expected_attach_type: int = 0,
+    attach_btf_id: int = 0,
+    log: Any = None,
+) -> int:
+    """Load a program; its fd, or -errno. `log`: a ctypes char buffer for the verifier's log."""
+    code = ctypes.create_string_buffer(insns, len(insns))
+    lic = ctypes.create_string_buffer(license)
+    attr = _attr(
+        _PROG_LOAD,
+        prog_type,
+        len(insns) // 8,
+        _addr(code),
+        _addr(lic),
+        1 if log is not None else 0,
+        len(log) if log is not None else 0,
+        _addr(log),
+        0,
+        0,
+        name.encode()[:15],
+        0,
+        expected_attach_type,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        attach_btf_id,
+        0,
+    )
+    return _call(PROG_LOAD, attr)
+
+
+def link_create(prog_fd: int, target_fd: int, attach_type: int) -> int:
+    """A bpf_link of `prog_fd` on `target_fd` (a cgroup directory; 0 for an iterator); fd or -errno."""
+    return _call(LINK_CREATE, _attr(_LINK_CREATE, prog_fd, target_fd, attach_type, 0, 0, 0))
+
+
+def link_update(link_fd: int, new_prog_fd: int) -> int:
+    """Swap the program of a link in place (atomically: no moment without one)."""
+    return _call(LINK_UPDATE, _attr(_LINK_UPDATE, link_fd, new_prog_fd, 0, 0))
+
+
+def link_detach(link_fd: int) -> int:
+    """Detach a link from its hook (the link object lives on, empty, while fds or pins hold it)."""
+    return _call(LINK_DETACH, _attr(_LINK_DETACH, link_fd))
+
+
+def iter_create(link_fd: int) -> int:
+    """An iterator over the iterator link's target, in the caller's network namespace: an fd whose
+    read() runs the program over every object."""
+    return _call(ITER_CREATE, _attr(_ITER_CREATE, link_fd, 0))
+
+
+def prog_query(target_fd: int, attach_type: int, ids: Any) -> tuple[int, int]:
+    """Ids of the programs attached to a cgroup hook, into `ids` (a ctypes u32 array): (ret, count)."""
+    attr = _attr(_PROG_QUERY, target_fd, attach_type, 0, 0, _addr(ids), len(ids))
+    ret = _call(PROG_QUERY, attr)
+    return ret, _PROG_QUERY.unpack(attr.raw)[5]

@@ -30,6 +30,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from agent.ebpf import bpfsys
+from agent.ebpf.btf import vmlinux_func_ids
+from agent.ebpf.kfunc import patch_kfunc_calls
+from agent.ebpf.programs import ProgSpec
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +127,7 @@ def remove_other_builds(pin_path: str, build: str) -> list[str]:
 
 
 def compile_in_child(
-    entry_file: Path, cflags: Sequence[str], pin_path: str, build: str, programs: Mapping[str, int]
+    entry_file: Path, cflags: Sequence[str], pin_path: str, build: str, programs: Mapping[str, ProgSpec]
 ) -> float:
     """Run the compiler child; returns its wall time. Raises RuntimeError with its stderr."""
     args = {
@@ -132,7 +135,7 @@ def compile_in_child(
         "cflags": list(cflags),
         "pin_path": pin_path,
         "build": build,
-        "programs": dict(programs),
+        "programs": {name: spec.as_json() for name, spec in programs.items()},
     }
     started = time.monotonic()
     proc = subprocess.run(
@@ -147,19 +150,59 @@ def compile_in_child(
     return time.monotonic() - started
 
 
+def load_patched(
+    prog_type: int,
+    insns: bytes,
+    license: bytes,
+    name: str,
+    attach_type: int,
+    iter_target: str,
+    kfuncs: Sequence[tuple[int, str]],
+) -> int:
+    """Load a program bcc compiled but cannot load itself (an iterator named as we name programs,
+    kfunc calls patched in, agent/ebpf/kfunc.py); its fd. RuntimeError with the verifier's log."""
+    wanted = [name for _, name in kfuncs] + ([f"bpf_iter_{iter_target}"] if iter_target else [])
+    ids = vmlinux_func_ids(wanted)
+    code, patched = patch_kfunc_calls(insns, {mark: ids[fn] for mark, fn in kfuncs})
+    unused = [fn for mark, fn in kfuncs if not patched[mark]]
+    if unused:
+        raise RuntimeError(f"{name}: no call of {', '.join(unused)} to patch")
+    target = ids[f"bpf_iter_{iter_target}"] if iter_target else 0
+    kw = {"expected_attach_type": max(attach_type, 0), "attach_btf_id": target}
+    fd = bpfsys.prog_load(prog_type, code, license, name, **kw)
+    if fd < 0:
+        log = ctypes.create_string_buffer(1 << 20)
+        bpfsys.prog_load(prog_type, code, license, name, log=log, **kw)
+        raise RuntimeError(
+            f"loading {name}: {os.strerror(-fd)}\n{log.value.decode(errors='replace')[-4000:]}"
+        )
+    return fd
+
+
 def _child(raw: str) -> int:
     """The child: compile with bcc, pin the programs, exit."""
-    from bcc import BPF
+    from bcc import BPF, libbcc
 
     args = json.loads(raw)
     bpf = BPF(src_file=args["entry_file"].encode(), cflags=args["cflags"])
     try:
-        for name, prog_type in args["programs"].items():
-            fn = bpf.load_func(name.encode(), prog_type)
+        for name, spec in args["programs"].items():
+            kfuncs = [(int(mark), str(fn)) for mark, fn in spec["kfuncs"]]
+            if spec["iter"] or kfuncs:
+                lib, fname = libbcc.lib, name.encode()
+                start, size = (
+                    lib.bpf_function_start(bpf.module, fname),
+                    lib.bpf_function_size(bpf.module, fname),
+                )
+                insns = ctypes.string_at(start, size)
+                license = lib.bpf_module_license(bpf.module)
+                fd = load_patched(spec["type"], insns, license, name, spec["attach"], spec["iter"], kfuncs)
+            else:
+                fd = bpf.load_func(name.encode(), spec["type"], attach_type=spec["attach"]).fd
             path = prog_pin(args["pin_path"], args["build"], name)
             if os.path.exists(path):
                 os.unlink(path)
-            ret = bpfsys.obj_pin(fn.fd, path)
+            ret = bpfsys.obj_pin(fd, path)
             if ret < 0:
                 print(f"pinning {name} at {path}: {os.strerror(-ret)}", file=sys.stderr)
                 return 1

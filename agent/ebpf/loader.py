@@ -42,10 +42,11 @@ from typing import Any
 
 from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import ABI_VERSION, MAPS, PREFIX, MapSpec, Scope
+from agent.ebpf.abi import ABI_VERSION, MAPS, PREFIX, MapSpec
 from agent.ebpf.compile import build_id, compile_in_child, open_pinned_programs, remove_other_builds
 from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, obj_pin, possible_cpus
 from agent.ebpf.pindir import ensure_pin_dir
+from agent.ebpf.programs import PROGRAMS
 from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,6 @@ log = logging.getLogger(__name__)
 ENTRY_FILE = "ekp_tc.c"
 BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)
 
-# Program name -> the scope its frontends are looked up with. Attach ekp_from_pod on the ingress
-# of the node side of every pod veth, ekp_from_net on the ingress of each external device.
-PROGRAMS: dict[str, Scope] = {"ekp_from_pod": Scope.INTERNAL, "ekp_from_net": Scope.EXTERNAL}
-BPF_PROG_TYPE_SCHED_CLS = 3  # bcc's BPF.SCHED_CLS
-PROG_TYPES = dict.fromkeys(PROGRAMS, BPF_PROG_TYPE_SCHED_CLS)
 # Unpinned maps each program's load owns (ekp_tc.c: ekp_scratch); a reused program keeps its own.
 PRIVATE_MAPS = 1
 
@@ -326,7 +322,7 @@ class Datapath:
         how = "reused (unchanged since it was compiled)"
         if fds is None:
             try:
-                seconds = compile_in_child(self.entry_file, self.cflags(), self.pin_path, build, PROG_TYPES)
+                seconds = compile_in_child(self.entry_file, self.cflags(), self.pin_path, build, PROGRAMS)
             except Exception as e:
                 raise DatapathError(f"compiling or loading {self.entry_file} failed: {e}") from e
             fds = open_pinned_programs(

@@ -28,6 +28,7 @@ swap in fakes; there is no test branch in here.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -39,12 +40,15 @@ from typing import Protocol, cast
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
+from agent.ebpf.abi import Stat
 from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import VALUES, Key, Value
-from agent.ebpf.maps import MapWriter, read_config, write_config
+from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap, decode
 from agent.ebpf.ports import parse_port_range, snat_ports_problem
+from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
+from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
 from agent.errors import FatalError
 from agent.model.types import ProxyState, ServicePortName
@@ -85,6 +89,23 @@ class UpgradeLike(Protocol):
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
 
 
+class SocketAttacherLike(Protocol):
+    """agent.ebpf.sockattach.SocketAttacher: the socket programs linked to one cgroup."""
+
+    @property
+    def cgroup(self) -> str: ...
+
+    def reconcile(self) -> list[str]: ...
+
+
+class TerminatorLike(Protocol):
+    """agent.ebpf.sockterm.SocketTerminator: ends connected UDP sockets whose backend left."""
+
+    def run(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class AttacherLike(Protocol):
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None: ...
 
@@ -118,6 +139,30 @@ def default_attacher(config: Config, prog_fds: Mapping[str, int]) -> AttacherLik
     return Attacher(config, prog_fds)
 
 
+def default_socket_attacher(config: Config, prog_fds: Mapping[str, int]) -> SocketAttacherLike:
+    from agent.ebpf.sockattach import SocketAttacher, socket_cgroup
+
+    return SocketAttacher(config.pin_path, socket_cgroup(config.socket_lb_cgroup), prog_fds)
+
+
+def default_terminator(config: Config, cgroup: str, prog_fd: int, ended: Callable[[], int]) -> TerminatorLike:
+    from agent.ebpf.sockterm import SocketTerminator
+
+    return SocketTerminator(prog_fd, config.netns, cgroup, pods=not config.socket_lb_host_only, ended=ended)
+
+
+def default_netns_cookie(netns: str) -> int:
+    from agent.ebpf.sockattach import netns_cookie
+
+    return netns_cookie(netns)
+
+
+def default_socket_detach(pin_path: str) -> list[str]:
+    from agent.ebpf.sockattach import detach_all
+
+    return detach_all(pin_path)
+
+
 class EbpfProxier:
     def __init__(
         self,
@@ -129,6 +174,14 @@ class EbpfProxier:
         sysctl_reader: Callable[[str, str], str] = read_sysctl,
         sizes_reader: Callable[[str], dict[str, int]] = default_pinned_sizes,
         upgrade_factory: Callable[[str], UpgradeLike] = Upgrade,
+        socket_attacher_factory: Callable[[Config, Mapping[str, int]], SocketAttacherLike] = (
+            default_socket_attacher
+        ),
+        terminator_factory: Callable[[Config, str, int, Callable[[], int]], TerminatorLike] = (
+            default_terminator
+        ),
+        netns_cookie_reader: Callable[[str], int] = default_netns_cookie,
+        socket_detach: Callable[[str], list[str]] = default_socket_detach,
     ) -> None:
         self._config = config
         self._datapath_factory = datapath_factory
@@ -137,6 +190,12 @@ class EbpfProxier:
         self._sysctl_reader = sysctl_reader
         self._sizes_reader = sizes_reader
         self._upgrade = upgrade_factory(config.pin_path)
+        self._socket_attacher_factory = socket_attacher_factory
+        self._terminator_factory = terminator_factory
+        self._netns_cookie_reader = netns_cookie_reader
+        self._socket_detach = socket_detach
+        self._socket_attacher: SocketAttacherLike | None = None
+        self._terminator: TerminatorLike | None = None
         self._lock = threading.Lock()
         self._datapath: DatapathLike | None = None
         self._attacher: AttacherLike | None = None
@@ -185,6 +244,8 @@ class EbpfProxier:
             self.last_flush = result
 
             self._attach(datapath, node, periodic=periodic)
+            if self._terminator is not None and (periodic or result.deletes.get("member")):
+                self._end_stale_sockets()
             elapsed_ms = (time.monotonic() - start) * 1000
             level = logging.INFO if result.writes or first or repaired or result.failed else logging.DEBUG
             log.log(
@@ -208,6 +269,9 @@ class EbpfProxier:
             detached = detach_all(self._config.netns)
             if detached:
                 log.info("detached from %s", ",".join(sorted(detached)))
+            hooks = self._socket_detach(self._config.pin_path)
+            if hooks:
+                log.info("detached the socket programs (%s)", ",".join(hooks))
             removed = remove_pins(self._config.pin_path)
             if removed:
                 log.info("removed pins %s", ",".join(removed))
@@ -291,6 +355,8 @@ class EbpfProxier:
         if full or verify or node != self._attached_node:
             self._attacher.reconcile(node, full=full, verify=verify and not full)
             self._attached_node = node
+        if first or periodic:
+            self._attach_sockets(datapath)
         if first:
             self._upgrade.after_attach(datapath.maps)
             stale = remove_stale_pins(self._config.pin_path)
@@ -299,7 +365,45 @@ class EbpfProxier:
             self._attacher.start_watcher()
             self._attached_once = True
 
+    def _attach_sockets(self, datapath: DatapathLike) -> None:
+        """The socket programs: their settings written, then linked to the cgroup (first sync: a
+        restarted agent swaps its build into the links it finds; periodic syncs: put back what
+        was removed behind our back). Off (--bpf-socket-lb=false): links of an earlier run removed."""
+        if not self._config.socket_lb:
+            if self._socket_attacher is None and not self._attached_once:
+                hooks = self._socket_detach(self._config.pin_path)
+                if hooks:
+                    log.info("--bpf-socket-lb=false: detached the socket programs (%s)", ",".join(hooks))
+            return
+        if self._socket_attacher is None:
+            fds = {name: datapath.prog_fd(name) for name, _ in SOCK_HOOKS.values()}
+            self._socket_attacher = self._socket_attacher_factory(self._config, fds)
+            cookie = self._netns_cookie_reader(self._config.netns)
+            datapath.maps["skcfg"].update(
+                ctypes.c_uint32(0), sock_config(cookie, self._config.socket_lb_host_only)
+            )
+            stats = datapath.maps["stats"]
+            self._terminator = self._terminator_factory(
+                self._config,
+                self._socket_attacher.cgroup,
+                datapath.prog_fd(PROG_SOCK_TERM),
+                lambda: read_stats(stats)[Stat.SOCK_DESTROYED],
+            )
+        self._socket_attacher.reconcile()
+
+    def _end_stale_sockets(self) -> None:
+        assert self._terminator is not None
+        try:
+            self._terminator.run()
+        except OSError as exc:
+            # The sockets stay on their backend until the next try: a sync is not failed for it.
+            log.warning("could not end the UDP sockets of backends that left: %s", exc)
+
     def _release(self) -> None:
+        if self._terminator is not None:
+            self._terminator.close()
+            self._terminator = None
+        self._socket_attacher = None
         if self._datapath is not None:
             self._datapath.close()
             self._datapath = None
@@ -384,7 +488,7 @@ def remove_pins(pin_path: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- inspect
 
-INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity")
+INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity", "sockets")
 
 
 def render_live_maps(
@@ -394,11 +498,19 @@ def render_live_maps(
 
     `services` prints the same lines as `--dry-run` (cfg, fe, slot, be, rnat, srcr), so a live
     node can be diffed against a plan; `ct`, `aff` and `stats` print conntrack, affinity and the
-    counters. Opens the pins read-only in effect (nothing is written); needs no compiler.
+    counters; `sockets` the socket programs' settings, links and where each socket was sent.
+    Opens the pins read-only in effect (nothing is written); needs no compiler.
     """
     from agent.ebpf.capacity import read_fill, render_capacity
     from agent.ebpf.maps import BpfMap, read_stats
-    from agent.ebpf.render import render_affinity, render_conntrack, render_contents, render_stats
+    from agent.ebpf.render import (
+        render_affinity,
+        render_conntrack,
+        render_contents,
+        render_sockets,
+        render_stats,
+    )
+    from agent.ebpf.sockattach import pinned_links
 
     unknown = [s for s in sections if s not in INSPECT_SECTIONS]
     if unknown:
@@ -409,6 +521,7 @@ def render_live_maps(
         "aff": ("aff",),
         "stats": ("stats",),
         "capacity": tuple(abi.MAPS),
+        "sockets": ("skcfg", "sknat"),
     }
     needed = sorted({role for s in sections for role in roles[s]})
     maps: dict[str, BpfMap] = {}
@@ -432,6 +545,14 @@ def render_live_maps(
             elif section == "capacity":
                 capacities = {role: m.info().max_entries for role, m in maps.items()}
                 out.append(render_capacity(read_fill(maps, capacities, read_config(maps), now)))
+            elif section == "sockets":
+                cfg = maps["skcfg"].lookup(ctypes.c_uint32(0))
+                links = {
+                    hook: (state.link_id, state.prog_id, state.cgroup_id)
+                    for hook, state in pinned_links(pin_path).items()
+                }
+                live = cfg if isinstance(cfg, abi.SockConfig) and cfg.host_netns else None
+                out.append(render_sockets(live, links, maps["sknat"].items()))  # type: ignore[arg-type]
             elif section == "aff":
                 out.append(render_affinity(maps["aff"].items(), now))  # type: ignore[arg-type]
             else:

@@ -17,7 +17,9 @@ Families (`map` is the kernel name, e.g. `ekp_ct_tcp_v2`):
 * the data path's counters from `ekp_stats_v2`, summed over CPUs: packets, new flows, conntrack
   hits by direction (ICMP errors about a flow count as `related`), SNAT, affinity hits, packets
   passed to the stack, drops by reason, and flow events (SNAT port early drops and remaps,
-  conntrack entries rebuilt, fragments translated).
+  conntrack entries rebuilt, fragments translated); the socket programs' connect()/sendmsg()
+  calls by outcome (their refusals count among the drops, by the same reasons), reverse
+  translations and UDP sockets ended.
 * `ekp_bpf_maps_scrape_duration_seconds`: what this scrape cost.
 
 Counting a hash map's entries has no kernel call, so `BpfMap.count` walks it with
@@ -40,7 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from agent.ebpf.abi import CT_ROLES, MAPS, STAT_DROP_FIRST, MapSpec, Stat
+from agent.ebpf.abi import CT_ROLES, DROPS, MAPS, MapSpec, Stat
 from agent.ebpf.maps import BpfMap, MapWriter, read_stats
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,7 @@ _DROP_REASONS = {
     Stat.DROP_ICMP_RATE: "icmp_rate_limited",
     Stat.DROP_FRAG_NEEDED: "fragmentation_needed",
 }
-assert set(_DROP_REASONS) == {s for s in Stat if s >= STAT_DROP_FIRST}
+assert set(_DROP_REASONS) == set(DROPS)
 _FLOW_EVENTS = {
     Stat.EARLY_DROP: "snat_early_drop",
     Stat.PORT_REMAP: "snat_port_remap",
@@ -117,6 +119,20 @@ class _Families:
             " rebuilt from their twin, non-first fragments translated)",
             labels=["event"],
         )
+        self.sock_calls = c(
+            "ekp_socket_lb_calls",
+            "connect() and sendmsg() calls of the node's sockets seen by the socket programs, by outcome"
+            " (translated: sent to a backend; passed: not a frontend; refused: see ekp_datapath_drops)",
+            labels=["outcome"],
+        )
+        self.sock_revnat = c(
+            "ekp_socket_lb_reverse_translations",
+            "recvmsg() and getpeername() calls shown the frontend address instead of the backend's",
+        )
+        self.sock_ended = c(
+            "ekp_socket_lb_udp_sockets_ended",
+            "Connected UDP sockets ended because the backend chosen at connect() left its service",
+        )
 
     def all(self) -> list[Metric]:
         return [
@@ -133,6 +149,9 @@ class _Families:
             self.passed,
             self.drops,
             self.events,
+            self.sock_calls,
+            self.sock_revnat,
+            self.sock_ended,
         ]
 
     def add_stats(self, values: dict[Stat, int]) -> None:
@@ -148,6 +167,12 @@ class _Families:
             self.drops.add_metric([reason], values[stat])
         for stat, event in _FLOW_EVENTS.items():
             self.events.add_metric([event], values[stat])
+        translated, passed = values[Stat.SOCK_TRANSLATED], values[Stat.SOCK_PASS]
+        self.sock_calls.add_metric(["translated"], translated)
+        self.sock_calls.add_metric(["passed"], passed)
+        self.sock_calls.add_metric(["refused"], max(0, values[Stat.SOCK_CALLS] - translated - passed))
+        self.sock_revnat.add_metric([], values[Stat.SOCK_REVNAT])
+        self.sock_ended.add_metric([], values[Stat.SOCK_DESTROYED])
 
 
 class BpfMapsCollector(Collector):

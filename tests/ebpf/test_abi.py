@@ -24,7 +24,8 @@ import pytest
 
 from agent.config import MapSizes
 from agent.ebpf import abi, loader
-from agent.ebpf.loader import PROGRAMS, Datapath, default_bpf_dir, expected_info, map_flags, stale_pins
+from agent.ebpf.loader import Datapath, default_bpf_dir, expected_info, map_flags, stale_pins
+from agent.ebpf.programs import PROGRAMS
 from lab.packets import loaded_datapath
 
 BPF_DIR = default_bpf_dir()
@@ -44,6 +45,7 @@ def c_constants() -> dict[str, int]:
         (abi.MemberFlag, "EKP_MEMBER_"),
         (abi.CtDir, "EKP_CT_"),
         (abi.CtFlag, "EKP_CT_"),
+        (abi.SockFlag, "EKP_SOCK_"),
     ]
     for enum, prefix in groups:
         out.update({prefix + m.name: int(m) for m in enum})
@@ -113,7 +115,7 @@ def test_constants_match(probe: dict[str, list[str]]) -> None:
 def test_every_c_constant_is_mirrored() -> None:
     """A constant added to the header without its Python twin fails here (the probe checks values)."""
     text = (BPF_DIR / "ekp_abi.h").read_text()
-    names = set(re.findall(r"\b(EKP_(?:SCOPE|FE|BE|MEMBER|CT|STAT|DROP)_[A-Z0-9_]+)\b", text))
+    names = set(re.findall(r"\b(EKP_(?:SCOPE|FE|BE|MEMBER|CT|STAT|DROP|SOCK)_[A-Z0-9_]+)\b", text))
     assert names - set(c_constants()) == set()
 
 
@@ -245,20 +247,40 @@ def test_bpftool_shows_every_map_with_its_layout(loaded: Datapath) -> None:
         assert shown["max_entries"] == want["max_entries"]
 
 
+# The pinned maps each program reads or writes (bpftool's program type besides).
+_SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
+PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
+    # every pinned map but ekp_rnat (written for the agent, read by no program since v2) and the
+    # socket programs' own
+    "ekp_from_pod": ("sched_cls", set(abi.MAPS) - {"rnat", "skcfg", "sknat"}),
+    "ekp_from_net": ("sched_cls", set(abi.MAPS) - {"rnat", "skcfg", "sknat"}),
+    "ekp_sock_conn": ("cgroup_sock_addr", _SOCK_FORWARD),
+    "ekp_sock_send": ("cgroup_sock_addr", _SOCK_FORWARD),
+    "ekp_sock_recv": ("cgroup_sock_addr", {"sknat", "fe", "stats"}),
+    "ekp_sock_peer": ("cgroup_sock_addr", {"sknat", "fe", "stats"}),
+    "ekp_sock_term": ("tracing", {"sknat", "member", "stats"}),
+}
+
+
 @pytest.mark.kernel
-def test_both_programs_use_the_maps(loaded: Datapath) -> None:
-    """Every pinned map but ekp_rnat (written for the agent, read by no program since v2), and one
-    unpinned map of their own: the per-CPU working memory (bpf/ekp_tc_scratch.h)."""
+def test_every_program_uses_its_maps(loaded: Datapath) -> None:
+    """Each program's pinned maps as PROGRAM_MAPS lists them; the tc programs also one unpinned map
+    of their own, the per-CPU working memory (bpf/ekp_tc_scratch.h), which the socket programs never
+    touch (they run preemptible, in process context)."""
+    assert set(PROGRAM_MAPS) == set(PROGRAMS)
     pinned = {role: m.info().id for role, m in loaded.maps.items()}
-    read = {ident for role, ident in pinned.items() if role != "rnat"}
-    for name in PROGRAMS:
+    for name, (kind, roles) in PROGRAM_MAPS.items():
         shown = bpftool("prog", "show", "id", str(prog_id(loaded.prog_fd(name))))
         assert isinstance(shown, dict)
-        assert (shown["name"], shown["type"]) == (name, "sched_cls")
+        assert (shown["name"], shown["type"]) == (name, kind)
         used = set(shown["map_ids"])
-        assert used & set(pinned.values()) == read
-        (own,) = used - read
-        scratch = bpftool("map", "show", "id", str(own))
+        assert used & set(pinned.values()) == {pinned[r] for r in roles}, name
+        own = used - set(pinned.values())
+        if kind != "sched_cls":
+            assert not own, name
+            continue
+        (scratch_id,) = own
+        scratch = bpftool("map", "show", "id", str(scratch_id))
         assert isinstance(scratch, dict) and scratch["name"] == "ekp_scratch"
 
 

@@ -1,0 +1,70 @@
+"""The programs of the data path (bpf/ekp_tc.c), how each is loaded and where it attaches. Pure.
+
+* tc: `ekp_from_pod` on the ingress of every pod veth, `ekp_from_net` on the node's external
+  devices (agent/ebpf/attach.py);
+* cgroup: the socket programs on `--bpf-socket-lb-cgroup` (agent/ebpf/sockattach.py), each loaded
+  for its hook (the kernel wants the hook, `expected_attach_type`, at load);
+* an iterator: `ekp_sock_term` (iter/udp) ends connected UDP sockets whose backend left
+  (agent/ebpf/sockterm.py). It calls the kernel function bpf_sock_destroy, which bcc 0.26 cannot
+  compile a call to: the C calls a marker helper number and the loader patches the call
+  (agent/ebpf/kfunc.py), then loads it itself with the iterator's target (`bpf_iter_udp`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# enum bpf_prog_type
+PROG_SCHED_CLS = 3
+PROG_CGROUP_SOCK_ADDR = 18
+PROG_TRACING = 26
+# enum bpf_attach_type
+ATTACH_CGROUP_INET4_CONNECT = 10
+ATTACH_CGROUP_UDP4_SENDMSG = 14
+ATTACH_CGROUP_UDP4_RECVMSG = 19
+ATTACH_TRACE_ITER = 28
+ATTACH_CGROUP_INET4_GETPEERNAME = 29
+
+# bpf/ekp_sock.h EKP_KFUNC_SOCK_DESTROY: the helper number standing for bpf_sock_destroy
+KFUNC_SOCK_DESTROY_MARK = 0x1EA7
+
+
+@dataclass(frozen=True)
+class ProgSpec:
+    prog_type: int
+    attach_type: int = -1  # expected_attach_type at load; -1: none (tc)
+    iter_target: str = ""  # an iterator's target: the kernel's bpf_iter_<target>
+    kfuncs: tuple[tuple[int, str], ...] = ()  # (marker helper number, kernel function) to patch in
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "type": self.prog_type,
+            "attach": self.attach_type,
+            "iter": self.iter_target,
+            "kfuncs": [list(k) for k in self.kfuncs],
+        }
+
+
+PROG_FROM_POD = "ekp_from_pod"
+PROG_FROM_NET = "ekp_from_net"
+PROG_SOCK_TERM = "ekp_sock_term"
+
+# The socket programs by hook name (as `bpftool cgroup show` names the hooks), with their attach type.
+SOCK_HOOKS: dict[str, tuple[str, int]] = {
+    "connect4": ("ekp_sock_conn", ATTACH_CGROUP_INET4_CONNECT),
+    "sendmsg4": ("ekp_sock_send", ATTACH_CGROUP_UDP4_SENDMSG),
+    "recvmsg4": ("ekp_sock_recv", ATTACH_CGROUP_UDP4_RECVMSG),
+    "getpeername4": ("ekp_sock_peer", ATTACH_CGROUP_INET4_GETPEERNAME),
+}
+
+PROGRAMS: dict[str, ProgSpec] = {
+    PROG_FROM_POD: ProgSpec(PROG_SCHED_CLS),
+    PROG_FROM_NET: ProgSpec(PROG_SCHED_CLS),
+    **{name: ProgSpec(PROG_CGROUP_SOCK_ADDR, attach) for name, attach in SOCK_HOOKS.values()},
+    PROG_SOCK_TERM: ProgSpec(
+        PROG_TRACING,
+        ATTACH_TRACE_ITER,
+        iter_target="udp",
+        kfuncs=((KFUNC_SOCK_DESTROY_MARK, "bpf_sock_destroy"),),
+    ),
+}
