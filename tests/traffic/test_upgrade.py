@@ -78,6 +78,10 @@ class V1Agent(Agent):
         self.tree = tree
         self.log_path = agent.log_path.with_name(f"agent-v1-{agent.node.name}.log")
 
+    def flags(self) -> list[str]:
+        # v1 has no socket programs, nor their flags (it would refuse to start)
+        return [f for f in super().flags() if not f.startswith("--bpf-socket-lb")]
+
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
