@@ -6,7 +6,10 @@
  * (PASS, NEW_FLOWS, CT_FORWARD, CT_REPLY, CT_RELATED or one EKP_DROP_*), so
  *   PACKETS == PASS + NEW_FLOWS + CT_FORWARD + CT_REPLY + CT_RELATED + sum(drops).
  * SNAT, AFFINITY_HIT, EARLY_DROP, CT_REBUILT, PORT_REMAP and FRAGMENTS are extra marks,
- * outside that sum.
+ * outside that sum. The socket programs count their calls alike (ekp_sock.h): SOCK_CALLS and one of
+ * SOCK_PASS, SOCK_TRANSLATED or a drop reason, so with both
+ *   PACKETS + SOCK_CALLS == PASS + NEW_FLOWS + CT_FORWARD + CT_REPLY + CT_RELATED + SOCK_PASS
+ *                           + SOCK_TRANSLATED + sum(drops).
  */
 #ifndef EKP_STATS_H
 #define EKP_STATS_H

@@ -301,3 +301,65 @@ def test_the_iterator_ends_connected_udp_sockets_of_a_backend_that_left(sl: Sock
     assert set(out["answers"]) == {"pod-1-1", "pod-1-2"}
     assert out["longest_gap"] < 1.0, out  # no lookup waited for a timeout
     assert kept["failures"] == {} and kept["sockets"] == 1 and set(kept["answers"]) == {"pod-1-1"}, kept
+
+
+def test_the_iterator_walks_pods_namespaces_when_pods_are_balanced_too(sl: SockLab) -> None:
+    """Without hostNamespaceOnly a pod's connected UDP socket is translated at connect() too: ending
+    it when its backend leaves means walking the pod's network namespace (found through the
+    processes of the attached cgroup); the node's namespace alone does not hold it."""
+    sl.settings(host_only=False)
+    add_service(sl.maps, VIP, 90, ((1, sl.pod_ip("pod-1-2"), 9000, BackendFlag.LOCAL),), proto=UDP)
+    assert sl.lab.tmpdir is not None
+    stop, ready = sl.lab.tmpdir / "pod-resolver-stop", sl.lab.tmpdir / "pod-resolver-ready"
+    for f in (stop, ready):
+        f.unlink(missing_ok=True)
+    proc = sl.lab.popen(
+        "pod-1-1",
+        sys.executable,
+        CLIENT,
+        "resolver",
+        "--addr",
+        VIP,
+        "--port",
+        "90",
+        "--interval",
+        "0.02",
+        "--timeout",
+        "1",
+        "--max-s",
+        "60",
+        "--stop-file",
+        str(stop),
+        "--ready-file",
+        str(ready),
+        stdout=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 10
+    while not ready.exists():
+        assert time.monotonic() < deadline, "the pod's client got no first answer"
+        time.sleep(0.02)
+    node = sl.lab.node(1)
+    assert node.cgroup_root is not None
+
+    def terminator(pods: bool) -> SocketTerminator:
+        ended = lambda: read_stats(sl.maps["stats"])[Stat.SOCK_DESTROYED]  # noqa: E731
+        return SocketTerminator(
+            sl.dp.prog_fd(PROG_SOCK_TERM), node.ns, node.cgroup_root or "", pods=pods, ended=ended
+        )
+
+    node_only, with_pods = terminator(False), terminator(True)
+    try:
+        pod1 = abi.Backend(ip_be(sl.pod_ip("pod-1-1")), port_be(9000), UDP, BackendFlag.LOCAL)
+        sl.maps["be"].update(abi.BackendKey(2), pod1)
+        sl.maps["member"].update(abi.MemberKey(1, 2), abi.Member(flags=abi.MemberFlag.CLUSTER))
+        sl.maps["slot"].update(abi.SlotKey(1, 1), abi.Slot(2))
+        sl.maps["member"].delete(abi.MemberKey(1, 1))
+        assert node_only.run() == 0
+        assert with_pods.run() == 1
+        time.sleep(0.3)
+    finally:
+        node_only.close()
+        with_pods.close()
+        stop.touch()
+    out = json.loads(proc.communicate(timeout=30)[0])
+    assert set(out["answers"]) == {"pod-1-2", "pod-1-1"} and out["sockets"] == 2, out

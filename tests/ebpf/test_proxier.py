@@ -519,6 +519,9 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
         assert "ekp_from_pod" in sh("tc", "-n", node_ns, "filter", "show", "dev", "lxc-a", "ingress")
         assert sh("ip", "netns", "exec", node_ns, "sysctl", "-n", "net.ipv4.ip_forward").strip() == "1"
         assert cgroup_programs(cgroup) == sockets
+        shown = render_live_maps(config.pin_path, ("sockets",))
+        assert "sockcfg host_netns=" in shown and " host-namespace-only" in shown
+        assert "socklink connect4 " in shown and f"cgroup={os.stat(cgroup).st_ino}" in shown
         links = pinned_links(config.pin_path)
         assert set(links) == {"connect4", "sendmsg4", "recvmsg4", "getpeername4"}
         first.sync(MORE, node)
