@@ -9,7 +9,8 @@
 The only module that knows every layer. The long-running logic lives in agent/daemon.py; this
 module only decides which source (the services file, or the API server through `--kubeconfig` /
 `--master` / the pod's service account), which backend, and which servers, and turns everything
-that no retry can fix into one message and exit status 1 before anything is created.
+that no retry can fix into one message and exit status 1 before anything is created (a
+`--kubeconfig` that cannot be used is a bad input, as a bad `--config`: exit status 2).
 """
 
 from __future__ import annotations
@@ -173,8 +174,13 @@ class _Server:
         self._server.stop()
 
 
-def build_agent(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) -> Agent:
-    """Every part of a running agent for `config`; raises FatalError (credentials, bad flags)."""
+def build_agent(
+    config: Config,
+    configz: Callable[[], Mapping[str, Any]] | None = None,
+    kubeconfig: Mapping[str, Any] | None = None,
+) -> Agent:
+    """Every part of a running agent for `config`; raises FatalError (credentials, bad flags).
+    `kubeconfig`: the `--kubeconfig` file as `run` loaded it (None: read it here)."""
     from agent.health import ProxyHealth, ServiceHealthServer, health_timeout_s, healthz_server
     from agent.metrics.server import metrics_server
     from agent.metrics.source import FileMetrics, SourceMetrics
@@ -204,7 +210,7 @@ def build_agent(config: Config, configz: Callable[[], Mapping[str, Any]] | None 
         from agent.kube.events import EventRecorder
         from agent.kube.source import ApiSource
 
-        api = api_client(config)
+        api = api_client(config, kubeconfig=kubeconfig)
         log.info("API server %s", describe(api))
         source_metrics = SourceMetrics(registry)
         source = ApiSource(config, api, metrics=source_metrics)
@@ -260,6 +266,17 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
 
         return init_node(config)
 
+    # A bad --kubeconfig is a bad input file, as a bad --config: exit 2 before anything else.
+    kubeconfig = None
+    if config.kubeconfig and not config.services_file:
+        from agent.kube.kubeconfig import KubeconfigError, load_kubeconfig
+
+        try:
+            kubeconfig = load_kubeconfig(config.kubeconfig)
+        except KubeconfigError as exc:
+            log.error("%s", exc)
+            return 2
+
     from agent.featuregates import log_gates
     from agent.oom import apply_oom_score_adj
 
@@ -277,7 +294,7 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         return 1
     with node_lock:
         try:
-            agent = build_agent(config, configz)
+            agent = build_agent(config, configz, kubeconfig)
         except FatalError as exc:
             log.error("%s", exc)
             return 1

@@ -15,6 +15,11 @@ defaults.go). Each field is one of:
   (Upstream decodes v1alpha1 leniently after a strict failure and only logs; refusing here turns a
   typo such as `nodePortAdresses` into an error instead of a silently ignored setting.)
 
+The file itself must be a regular file of at most 1 MiB holding one document; it is decoded by
+the services file's hardened decoder (agent/sources/decode.py: no aliases, tags or endless
+numbers) with duplicate keys refused, as kube-proxy's strict decoding (sigs.k8s.io/yaml) refuses
+them; integers must fit the int32 and uint32 fields they fill.
+
 Values upstream accepts but this agent cannot honour are refused, not ignored: `mode: ipvs` or
 `nftables`, `detectLocalMode` other than ClusterCIDR. `mode: ""` means this agent's default (eBPF),
 not kube-proxy's iptables.
@@ -36,12 +41,16 @@ from typing import Any
 
 import yaml
 
+from agent.readfile import read_regular, reason
 from agent.settings.table import BY_PATH, SETTINGS, Setting
+from agent.sources.decode import Refused, decode
 
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
 
-_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# A KubeProxyConfiguration is about 2 KB with every field set.
+MAX_BYTES = 1 << 20
+WANTED = f"give the path of one {KIND} document (YAML or JSON, at most {MAX_BYTES >> 20} MiB)"
 
 
 class ConfigFileError(ValueError):
@@ -73,17 +82,19 @@ class FileSettings:
 
 
 def load(path: str) -> FileSettings:
-    """Read and check a KubeProxyConfiguration file (YAML or JSON)."""
+    """Read and check a KubeProxyConfiguration file (YAML or JSON): a regular file of at most
+    MAX_BYTES, decoded by the services file's hardened decoder with duplicate keys refused."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigFileError(path, [f"cannot read it: {exc}"]) from None
+        data = read_regular(path, MAX_BYTES)
+    except OSError as exc:
+        raise ConfigFileError(path, [f"cannot read it: {reason(exc)}; {WANTED}"]) from None
     try:
-        doc = yaml.load(text, Loader=_LOADER)
-    except yaml.YAMLError as exc:
-        raise ConfigFileError(path, [f"not YAML or JSON: {exc}".replace("\n", " ")]) from None
-    return parse(doc, path)
+        docs = decode(data, max_bytes=MAX_BYTES, unique_keys=True)
+    except Refused as exc:
+        raise ConfigFileError(path, [f"not a usable YAML or JSON document: {exc}"]) from None
+    if len(docs) != 1:
+        raise ConfigFileError(path, [f"{len(docs)} YAML documents; {WANTED}"])
+    return parse(docs[0], path)
 
 
 def parse(doc: Any, source: str = "config") -> FileSettings:

@@ -1,39 +1,49 @@
-"""The small HTTP server behind /healthz, the healthCheckNodePorts and /metrics.
+"""The HTTP servers behind /healthz, the healthCheckNodePorts and /metrics.
 
-Design, for a node with 10,000 `externalTrafficPolicy: Local` load balancers:
+Design, for a port open to anyone (10256 listens on 0.0.0.0) on a node with 10,000
+`externalTrafficPolicy: Local` load balancers:
 
 * Handlers are pure functions `Request -> Response`, so every body, status and header the agent
   serves is tested without a socket; this module only moves bytes.
-* One acceptor thread watches every listening socket of a server with epoll (one socket per
-  healthCheckNodePort and node address), and a small bounded pool of workers answers the accepted
-  connections (HTTP/1.1, keep-alive until idle). Ten thousand ports cost ten thousand file
-  descriptors, not ten thousand threads; a flood of connections queues up to a limit and is then
-  refused, never grows without bound.
+* aiohttp does the HTTP (its C parser, keep-alive, pipelining, header size limits, lingering
+  close). Each `HttpServer` runs one asyncio event loop on its own thread, and every connection is
+  a protocol object on that loop, as kube-proxy serves each connection on its own goroutine: no
+  pool of workers that slow clients can fill, so no number of them delays an honest probe.
+  Ten thousand listening sockets cost ten thousand file descriptors and one thread.
+* What a connection may cost is bounded (`Limits`): its request head must be complete within
+  `head_timeout_s` of the connection's start or of its previous answer, so a client dripping one
+  header line at a time and an idle keep-alive connection are both closed then (aiohttp's
+  keep-alive timer, which it also arms at the start of a connection); a client that stops reading
+  its answer is cut off after `write_timeout_s`; a request body nobody reads is drained for at
+  most `head_timeout_s`; one source address holds at most `per_source` connections to a server
+  at a time, further ones are closed as soon as they are accepted.
 * Sockets are created by `listen_all`, on a short-lived thread that joined `--netns` when one is
   given (`agent.netns.run_in_netns`): a socket keeps the namespace it was created in, so the lab's
   agents, which run in the host namespace, serve inside their node's namespace. One namespace hop
-  binds a whole batch.
+  binds a whole batch, and one call hands a whole batch to the loop (`add_all`, `remove_all`).
 * Answers look like Go's net/http: no `Server` header, a `Date`, a `Content-Length`, and Go's
   `404 page not found` for unknown paths (`not_found`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import email.utils
 import errno
+import functools
 import ipaddress
 import logging
 import resource
-import selectors
 import socket
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler
-from typing import Any, cast
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
+
+from aiohttp import web
 
 from agent.netns import run_in_netns
 
@@ -109,6 +119,10 @@ def parse_address(text: str) -> Address:
     return Address(str(ip), int(port))
 
 
+# As Go's listeners, which take the kernel's net.core.somaxconn.
+BACKLOG = socket.SOMAXCONN
+
+
 def _listen(addr: Address, backlog: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in addr.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -127,7 +141,7 @@ def _listen(addr: Address, backlog: int) -> socket.socket:
 
 
 def listen_all(
-    addrs: Sequence[Address], netns: str = "", backlog: int = 128
+    addrs: Sequence[Address], netns: str = "", backlog: int = BACKLOG
 ) -> list[socket.socket | OSError]:
     """Listening sockets for `addrs`, created in `netns` ("" = ours); an OSError in place of each
     socket that could not be bound, so one taken port never costs the others."""
@@ -164,201 +178,351 @@ def raise_open_file_limit() -> int:
 # ------------------------------------------------------------------------------------- serving
 
 
-class _Connection(BaseHTTPRequestHandler):
-    """http.server's request parsing, with our handler and Go's answer format."""
+@dataclass(frozen=True)
+class Limits:
+    """What one connection may cost; the defaults serve probes, load balancers and Prometheus."""
 
-    protocol_version = "HTTP/1.1"
-    server: Any  # the _Bridge below
+    # A complete request head within this long of the connection's start or of its previous
+    # answer; a keep-alive connection idle this long is closed. Probes send their head in one
+    # segment; a scraper that keeps its connection between scrapes simply opens a new one.
+    head_timeout_s: float = 5.0
+    # A client whose unread answer has filled the socket buffers for this long is cut off.
+    write_timeout_s: float = 5.0
+    # Open connections from one source address to one server (every healthCheckNodePort counts
+    # towards the same one). High enough for a cloud's health checkers, which probe every node's
+    # ports from a handful of addresses (Azure: one, 168.63.129.16), low enough that one address
+    # cannot take a meaningful share of the node's file descriptors.
+    per_source: int = 128
 
-    def _serve(self) -> None:
-        request = request_from_target(self.command, self.path, dict(self.headers.items()))
+
+REFUSAL_LOG_INTERVAL_S = 60.0
+
+
+def _source(peer: Any) -> str:
+    """The address a connection comes from; an IPv4-mapped IPv6 peer counts as its IPv4 address."""
+    host = peer[0] if isinstance(peer, tuple) and peer else str(peer)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return str(host)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
+
+
+class _Connection(asyncio.Protocol):
+    """One accepted connection: admitted under the per-source cap, then handed to aiohttp's
+    protocol; aborted when its client stops reading for `write_timeout_s`."""
+
+    def __init__(self, serving: _Serving, handler: Handler) -> None:
+        self._serving = serving
+        self._handler = handler
+        self._inner: asyncio.Protocol | None = None
+        self._transport: asyncio.Transport | None = None
+        self._source = ""
+        self._stalled: asyncio.TimerHandle | None = None
+        self._first_head: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._source = _source(transport.get_extra_info("peername"))
+        if not self._serving.admit(self._source):
+            transport.abort()
+            return
+        self._transport = transport
+        self._serving.connections[transport] = self
+        # aiohttp's keep-alive timer bounds every head after an answer (and, in recent versions,
+        # the first one too); this bounds the first head whatever the version.
+        self._first_head = self._serving.loop.call_later(self._serving.limits.head_timeout_s, transport.abort)
+        self._inner = self._serving.protocol()
+        self._inner.connection_made(transport)
+
+    def head_complete(self) -> Handler:
+        """A request head arrived: the first-head deadline is met; the handler to answer it."""
+        if self._first_head is not None:
+            self._first_head.cancel()
+            self._first_head = None
+        return self._handler
+
+    def data_received(self, data: bytes) -> None:
+        if self._inner is not None:
+            self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self._inner is not None else None
+
+    def pause_writing(self) -> None:
+        # The client is not reading what we send: give it write_timeout_s to start again.
+        if self._transport is not None and self._stalled is None:
+            self._stalled = self._serving.loop.call_later(
+                self._serving.limits.write_timeout_s, self._transport.abort
+            )
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+        if self._inner is not None:
+            self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._stalled, self._first_head):
+            if timer is not None:
+                timer.cancel()
+        self._stalled = self._first_head = None
+        if self._inner is None:
+            return
+        self._serving.release(self._source)
+        if self._transport is not None:
+            self._serving.connections.pop(self._transport, None)
+        self._inner.connection_lost(exc)
+
+
+class _Serving:
+    """The loop-side state of a running HttpServer; touched only on its loop thread."""
+
+    def __init__(
+        self, name: str, loop: asyncio.AbstractEventLoop, runner: web.AppRunner, limits: Limits
+    ) -> None:
+        self.name = name
+        self.loop = loop
+        self.runner = runner
+        self.limits = limits
+        self.listeners: dict[socket.socket, asyncio.AbstractServer] = {}
+        self.connections: dict[asyncio.Transport, _Connection] = {}  # the admitted ones
+        self.per_source: dict[str, int] = {}
+        self.refused = 0
+        self._refused_since_log = 0
+        self._last_refusal_log = float("-inf")
+
+    def protocol(self) -> asyncio.Protocol:
+        server = self.runner.server
+        assert server is not None
+        proto: asyncio.Protocol = server()
+        return proto
+
+    def admit(self, source: str) -> bool:
+        count = self.per_source.get(source, 0)
+        if count < self.limits.per_source:
+            self.per_source[source] = count + 1
+            return True
+        self.refused += 1
+        self._refused_since_log += 1
+        now = time.monotonic()
+        if now - self._last_refusal_log >= REFUSAL_LOG_INTERVAL_S:
+            log.warning(
+                "%s: closing new connections from %s: it has %d open already, the limit per source "
+                "address (%d closed since this was last logged; logged at most once a minute). A "
+                "client that opens so many is misbehaving or hostile: find it, or firewall it",
+                self.name,
+                source,
+                count,
+                self._refused_since_log,
+            )
+            self._last_refusal_log = now
+            self._refused_since_log = 0
+        return False
+
+    def release(self, source: str) -> None:
+        count = self.per_source.get(source, 0) - 1
+        if count > 0:
+            self.per_source[source] = count
+        else:
+            self.per_source.pop(source, None)
+
+    async def dispatch(self, request: web.Request) -> web.StreamResponse:
+        conn = self.connections.get(request.transport) if request.transport is not None else None
+        if conn is None:  # the connection closed while its request waited: nobody reads this
+            return web.Response(status=503)
+        handler = conn.head_complete()
+        ours = request_from_target(request.method, request.raw_path, dict(request.headers.items()))
         try:
-            response = self.server.handler(request)
+            response = handler(ours)
         except Exception:
-            log.exception("HTTP handler for %s %s failed", self.command, self.path)
+            log.exception("%s: HTTP handler for %s %s failed", self.name, request.method, request.raw_path)
             response = Response(500, b"internal error\n", (("Content-Type", TEXT_PLAIN), NOSNIFF))
-        self.send_response_only(response.status)
-        for key, value in response.headers:
-            self.send_header(key, value)
-        self.send_header("Date", email.utils.formatdate(usegmt=True))
-        self.send_header("Content-Length", str(len(response.body)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(response.body)
+        headers = list(response.headers)
+        if response.body and response.header("Content-Type") is None:
+            headers.append(("Content-Type", TEXT_PLAIN))  # what Go sniffs from the text bodies here
+        return web.Response(status=response.status, body=response.body, headers=headers)
 
-    # Go's handlers answer any method; so do ours.
-    do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _serve
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s: " + format, self.client_address[0], *args)
-
-
-@dataclass
-class _Bridge:
-    """What BaseHTTPRequestHandler expects of `server`."""
-
-    handler: Handler
+    def on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            log.error(
+                "%s: cannot accept connections: %s; retrying in 1 s. Raise the agent's open-file "
+                "limit (nofile)",
+                self.name,
+                exc.strerror,
+            )
+            return
+        log.error("%s: %s: %s", self.name, context.get("message", "event loop error"), exc or "")
 
 
-@dataclass
-class _Running:
-    """What exists only between start() and stop()."""
-
-    selector: selectors.BaseSelector
-    wake_r: socket.socket
-    wake_w: socket.socket
-    pool: ThreadPoolExecutor
-    thread: threading.Thread
+T = TypeVar("T")
 
 
 class HttpServer:
-    """Serves any number of listening sockets, each with its own handler, from one acceptor
-    thread and `workers` worker threads. Construction has no side effects; `start` runs it and
-    must come before `add`."""
+    """Serves any number of listening sockets, each with its own handler, from one event loop on
+    one thread. Construction has no side effects; `start` runs it and must come before `add`.
+    Thread-safe: add, remove and stop may be called from any thread but the loop's own."""
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        workers: int = 8,
-        idle_timeout_s: float = 10.0,
-        max_queued: int = 1024,
-    ) -> None:
+    def __init__(self, name: str, *, limits: Limits | None = None) -> None:
         self.name = name
-        self._workers = workers
-        self._idle_timeout_s = idle_timeout_s
-        self._max_queued = max_queued
+        self.limits = limits or Limits()
         self._lock = threading.Lock()
-        self._handlers: dict[int, tuple[socket.socket, Handler]] = {}
-        self._queued = 0
-        self._run: _Running | None = None
-        self._stopping = threading.Event()
+        self._serving: _Serving | None = None
+        self._thread: threading.Thread | None = None
 
     # -- listeners
 
     def add(self, sock: socket.socket, handler: Handler) -> None:
         """Serve `handler` on a listening socket (the server owns and closes it from now on)."""
-        run = self._run
-        if run is None:
-            sock.close()
-            raise RuntimeError(f"{self.name}: add() before start() or after stop()")
-        sock.setblocking(False)
-        with self._lock:
-            self._handlers[sock.fileno()] = (sock, handler)
-            run.selector.register(sock, selectors.EVENT_READ, handler)
+        self.add_all([(sock, handler)])
+
+    def add_all(self, pairs: Sequence[tuple[socket.socket, Handler]]) -> None:
+        """`add` for a batch, in one hop to the loop thread."""
+        if not pairs:
+            return
+        try:
+            self._call(self._add_all, pairs)
+        except RuntimeError:
+            for sock, _ in pairs:
+                sock.close()
+            raise
 
     def remove(self, sock: socket.socket) -> None:
-        """Stop serving `sock` and close it: its port is free again when this returns."""
-        with self._lock:
-            fd = sock.fileno()
-            if fd >= 0 and self._handlers.get(fd, (None,))[0] is sock:
-                del self._handlers[fd]
-                if self._run is not None:
-                    with contextlib.suppress(KeyError, ValueError):
-                        self._run.selector.unregister(sock)
-        sock.close()
+        """Stop serving `sock` and close it: its port is free again when this returns.
+        Connections it accepted finish on their own (within the limits)."""
+        self.remove_all([sock])
+
+    def remove_all(self, socks: Iterable[socket.socket]) -> None:
+        socks = list(socks)
+        try:
+            self._call(self._remove_all, socks)
+        except RuntimeError:  # not running: nothing serves them
+            for sock in socks:
+                sock.close()
 
     def listening(self) -> int:
-        with self._lock:
-            return len(self._handlers)
+        serving = self._serving
+        return 0 if serving is None else len(serving.listeners)
+
+    def connections(self) -> int:
+        """Connections open now (admitted ones)."""
+        serving = self._serving
+        return 0 if serving is None else sum(serving.per_source.values())
+
+    def refused(self) -> int:
+        """Connections closed on arrival so far because their source had `per_source` open."""
+        serving = self._serving
+        return 0 if serving is None else serving.refused
 
     # -- lifecycle
 
     def start(self) -> None:
-        if self._run is not None:
-            return
-        selector = selectors.DefaultSelector()
-        wake_r, wake_w = socket.socketpair()
-        wake_r.setblocking(False)
-        selector.register(wake_r, selectors.EVENT_READ, None)
-        pool = ThreadPoolExecutor(self._workers, thread_name_prefix=f"{self.name}-http")
-        thread = threading.Thread(target=self._accept_loop, name=f"{self.name}-accept", daemon=True)
-        self._run = _Running(selector, wake_r, wake_w, pool, thread)
-        thread.start()
+        with self._lock:
+            if self._thread is not None:
+                return
+            loop = asyncio.new_event_loop()
+            ready: Future[_Serving] = Future()
+            thread = threading.Thread(
+                target=self._run, args=(loop, ready), name=f"{self.name}-http", daemon=True
+            )
+            thread.start()
+            self._serving = ready.result(timeout=30)
+            self._thread = thread
 
     def stop(self) -> None:
-        """Close every listening socket; connections in progress finish on their own."""
-        run, self._run = self._run, None
-        self._stopping.set()
+        """Close every listening socket and every connection, then end the loop thread."""
         with self._lock:
-            socks = [s for s, _ in self._handlers.values()]
-            self._handlers.clear()
-        if run is not None:
-            with contextlib.suppress(OSError):
-                run.wake_w.send(b"x")
-            run.thread.join(timeout=5)
-            for sock in socks:
-                with contextlib.suppress(KeyError, ValueError):
-                    run.selector.unregister(sock)
-            run.pool.shutdown(wait=False, cancel_futures=True)
-            run.selector.close()
-            run.wake_r.close()
-            run.wake_w.close()
-        for sock in socks:
-            sock.close()
+            serving, thread = self._serving, self._thread
+            self._serving = self._thread = None
+        if serving is None or thread is None:
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._shutdown(serving), serving.loop).result(timeout=10)
+        serving.loop.call_soon_threadsafe(serving.loop.stop)
+        thread.join(timeout=10)
 
-    # -- the acceptor
+    # -- on the loop thread
 
-    def _accept_loop(self) -> None:
-        run = self._run
-        assert run is not None
-        while not self._stopping.is_set():
-            try:
-                ready = run.selector.select(timeout=1.0)
-            except OSError as exc:
-                log.error("%s: select failed: %s", self.name, exc)
-                continue
-            for key, _ in ready:
-                if key.data is None:
-                    with contextlib.suppress(OSError):
-                        run.wake_r.recv(64)
-                    continue
-                self._accept(key.fileobj, run.pool)  # type: ignore[arg-type]
-
-    def _accept(self, sock: socket.socket, pool: ThreadPoolExecutor) -> None:
-        while True:
-            with self._lock:
-                entry = self._handlers.get(sock.fileno()) if sock.fileno() >= 0 else None
-                if entry is None or entry[0] is not sock:
-                    return  # removed since select() reported it
-                handler = entry[1]
-            try:
-                conn, peer = sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
-                    log.error(
-                        "%s: cannot accept a connection: %s (raise the open-file limit)", self.name, exc
-                    )
-                return
-            self._dispatch(conn, peer, handler, pool)
-
-    def _dispatch(self, conn: socket.socket, peer: Any, handler: Handler, pool: ThreadPoolExecutor) -> None:
-        with self._lock:
-            if self._queued >= self._max_queued:
-                conn.close()  # overloaded: refuse rather than queue without bound
-                return
-            self._queued += 1
-        conn.setblocking(True)
-        conn.settimeout(self._idle_timeout_s)
+    def _run(self, loop: asyncio.AbstractEventLoop, ready: Future[_Serving]) -> None:
+        asyncio.set_event_loop(loop)
         try:
-            pool.submit(self._serve_connection, conn, peer, handler)
-        except RuntimeError:  # the pool is shut down
-            conn.close()
-            with self._lock:
-                self._queued -= 1
-
-    def _serve_connection(self, conn: socket.socket, peer: Any, handler: Handler) -> None:
+            serving = loop.run_until_complete(self._setup(loop))
+        except BaseException as exc:
+            ready.set_exception(exc)
+            loop.close()
+            return
+        ready.set_result(serving)
         try:
-            _Connection(conn, peer, cast(Any, _Bridge(handler)))
-        except (OSError, ValueError):
-            pass  # the client went away or timed out while idle
+            loop.run_forever()
         finally:
-            with contextlib.suppress(OSError):
-                conn.close()
-            with self._lock:
-                self._queued -= 1
+            loop.close()
+
+    async def _setup(self, loop: asyncio.AbstractEventLoop) -> _Serving:
+        limits = self.limits
+        serving: _Serving | None = None
+
+        @web.middleware
+        async def answer(request: web.Request, handler: Any) -> web.StreamResponse:
+            # Every path goes to the listener's own handler; aiohttp's router (and its 404) is
+            # never used.
+            assert serving is not None
+            return await serving.dispatch(request)
+
+        async def go_headers(_request: web.Request, response: web.StreamResponse) -> None:
+            response.headers.popall("Server", None)  # Go's net/http sends none
+
+        app = web.Application(middlewares=[answer])
+        app.on_response_prepare.append(go_headers)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            keepalive_timeout=limits.head_timeout_s,
+            lingering_time=limits.head_timeout_s,
+            shutdown_timeout=1.0,
+        )
+        await runner.setup()
+        serving = _Serving(self.name, loop, runner, limits)
+        loop.set_exception_handler(serving.on_loop_error)
+        return serving
+
+    async def _add_all(self, serving: _Serving, pairs: Sequence[tuple[socket.socket, Handler]]) -> None:
+        for i, (sock, handler) in enumerate(pairs):
+            try:
+                server = await serving.loop.create_server(
+                    functools.partial(_Connection, serving, handler), sock=sock, backlog=BACKLOG
+                )
+            except BaseException:
+                for later, _ in pairs[i:]:
+                    later.close()
+                raise
+            serving.listeners[sock] = server
+
+    async def _remove_all(self, serving: _Serving, socks: Sequence[socket.socket]) -> None:
+        for sock in socks:
+            server = serving.listeners.pop(sock, None)
+            if server is not None:
+                server.close()  # closes the listening socket now; accepted connections live on
+            else:
+                sock.close()
+
+    async def _shutdown(self, serving: _Serving) -> None:
+        for server in serving.listeners.values():
+            server.close()
+        serving.listeners.clear()
+        await serving.runner.cleanup()
+        for transport in list(serving.connections):
+            transport.abort()
+
+    def _call(self, fn: Callable[[_Serving, T], Any], arg: T) -> None:
+        serving = self._serving
+        if serving is None:
+            raise RuntimeError(f"{self.name}: add() before start() or after stop()")
+        asyncio.run_coroutine_threadsafe(fn(serving, arg), serving.loop).result(timeout=60)
 
 
 class AddressServer:
@@ -386,7 +550,7 @@ class AddressServer:
         self._hard_fail = hard_fail
         self._retry_s = retry_s
         self._listen = listen
-        self._server = server or HttpServer(name, workers=4)
+        self._server = server or HttpServer(name)
         self._stop = threading.Event()
         self._retry: threading.Thread | None = None
         self._sock: socket.socket | None = None

@@ -32,7 +32,9 @@ tests/health/test_service_health.py); nothing is reopened unless its port change
 
 Listeners bind where kube-proxy binds them: 0.0.0.0 when every node address takes NodePorts,
 otherwise each node address that `--nodeport-addresses` selects (`health_check_addresses`), in
-`Config.netns`. All listeners share one `HttpServer` (one acceptor thread, a few workers).
+`Config.netns`. All listeners share one `HttpServer`: one event loop thread, one file descriptor
+per listener, each connection on its own (so slow clients of one port delay no other probe), and
+one hop to the loop per sync however many ports open or close.
 """
 
 from __future__ import annotations
@@ -40,12 +42,21 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from agent.config import Config, NodeContext
 from agent.health.proxy import JSON, ProxyHealth
-from agent.httpserve import NOSNIFF, Address, HttpServer, Request, Response, listen_all, raise_open_file_limit
+from agent.httpserve import (
+    NOSNIFF,
+    Address,
+    Handler,
+    HttpServer,
+    Request,
+    Response,
+    listen_all,
+    raise_open_file_limit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +157,7 @@ class ServiceHealthServer:
         with self._lock:
             opened = list(self._open.values())
             self._open.clear()
-        for entry in opened:
-            for sock in entry.sockets:
-                self._server.remove(sock)
+        self._server.remove_all(sock for entry in opened for sock in entry.sockets)
         self._server.stop()
 
     # -------------------------------------------------------------------------------- syncing
@@ -163,8 +172,8 @@ class ServiceHealthServer:
         gone = old.items() - new.items()  # removed, or their port changed
         came = new.items() - old.items()
         self._wanted = new
-        for service, port in gone:
-            self._close(service, port)
+        self._close_all(gone)
+        for service, _ in gone:
             self._failed.pop(service, None)
         retry = [(s, new[s]) for s in self._failed if s in new and (s, new[s]) not in came]
         self._failed = {s: e for s, e in self._failed.items() if s in new}
@@ -206,15 +215,17 @@ class ServiceHealthServer:
 
     # -------------------------------------------------------------------------------- details
 
-    def _close(self, service: str, port: int) -> None:
+    def _close_all(self, gone: Iterable[tuple[str, int]]) -> None:
+        closing: list[socket.socket] = []
         with self._lock:
-            entry = self._open.get(service)
-            if entry is None or entry.port != port:
-                return
-            del self._open[service]
-        log.info("closing healthCheckNodePort %d of Service %s", port, service)
-        for sock in entry.sockets:
-            self._server.remove(sock)
+            for service, port in gone:
+                entry = self._open.get(service)
+                if entry is None or entry.port != port:
+                    continue
+                del self._open[service]
+                log.info("closing healthCheckNodePort %d of Service %s", port, service)
+                closing += entry.sockets
+        self._server.remove_all(closing)
 
     def _open_all(self, wanted: list[tuple[str, int]]) -> None:
         if not wanted:
@@ -222,6 +233,7 @@ class ServiceHealthServer:
         addrs = [Address(host, port) for _, port in wanted for host in self._addresses]
         results = self._listen(addrs, self._netns)
         per = len(self._addresses)
+        serve: list[tuple[socket.socket, Handler]] = []
         for i, (service, port) in enumerate(wanted):
             got = results[i * per : (i + 1) * per]
             errors = [r for r in got if isinstance(r, OSError)]
@@ -238,11 +250,12 @@ class ServiceHealthServer:
             with self._lock:
                 self._open[service] = entry
                 self._fresh.add(service)
-            for sock in socks:
-                self._server.add(sock, self._handler(service))
+            answer = self._handler(service)
+            serve += [(sock, answer) for sock in socks]
             log.debug(
                 "opened healthCheckNodePort %d of Service %s on %s", port, service, ",".join(self._addresses)
             )
+        self._server.add_all(serve)
 
     def _report_failure(self, service: str, port: int, exc: OSError) -> None:
         text = exc.strerror or str(exc)
@@ -260,7 +273,7 @@ class ServiceHealthServer:
                 self._on_listen_error(service, port, text)
         self._failed[service] = text
 
-    def _handler(self, service: str) -> Callable[[Request], Response]:
+    def _handler(self, service: str) -> Handler:
         def answer(_request: Request) -> Response:
             entry = self._open.get(service)
             # Upstream answers an empty 200 for a Service closed while a request was in flight;

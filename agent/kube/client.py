@@ -24,28 +24,31 @@ write goes through); qps 0 means 5 and burst 0 means 10 (rest.Config's defaults)
 no limit. The content type is JSON whatever `--kube-api-content-type` says (protobuf, upstream's
 default, is not something this client can decode); another value than JSON or protobuf is logged.
 
-Failures that no retry can fix (no credentials at all, a missing or unparsable kubeconfig, a
-missing CA or token file) raise `FatalError` naming the file and what is wrong.
+Every file is read through agent/readfile.py (regular files only, bounded), the kubeconfig and
+the files it names by agent/kube/kubeconfig.py, once, before the client sees them. Failures that
+no retry can fix (no credentials at all, a missing or unparsable kubeconfig, a missing CA or
+token file) raise `FatalError` naming the file and what is wrong.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
-import yaml
 from kubernetes import client as k8s
 from kubernetes.config import kube_config
 from kubernetes.config.config_exception import ConfigException
 
 from agent.config import Config
 from agent.errors import FatalError
+from agent.kube.kubeconfig import KubeconfigError, load_kubeconfig
 from agent.kube.tokenbucket import TokenBucket
+from agent.readfile import read_regular, reason
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,9 @@ PROTOBUF = "application/vnd.kubernetes.protobuf"
 DEFAULT_QPS = 5.0  # client-go rest.DefaultQPS / DefaultBurst, used for 0
 DEFAULT_BURST = 10
 _BEARER = "BearerToken"  # the api_key slot the generated client reads (Configuration.auth_settings)
-_load_kube_config: Any = kube_config.load_kube_config  # untyped in the client
+_load_kube_config_from_dict: Any = kube_config.load_kube_config_from_dict  # untyped in the client
+# The service account's token is a JWT of a few kilobytes, its CA bundle a few certificates.
+MAX_CREDENTIAL_BYTES = 1 << 20
 
 
 class TokenFile:
@@ -71,7 +76,7 @@ class TokenFile:
     def read(self) -> str:
         """Read now; raises OSError or FatalError (empty file)."""
         st = os.stat(self.path)
-        text = Path(self.path).read_text().strip()
+        text = read_regular(self.path, MAX_CREDENTIAL_BYTES).decode("utf-8", errors="replace").strip()
         if not text:
             raise FatalError(f"service account token file {self.path} is empty")
         self._stamp = (st.st_mtime_ns, st.st_ino, st.st_size)
@@ -128,14 +133,14 @@ def in_cluster_configuration(
     except OSError as exc:
         raise FatalError(
             f"in-cluster credentials: cannot read the service account token {token_path}: "
-            f"{exc.strerror or exc}; is automountServiceAccountToken disabled for this pod?"
+            f"{reason(exc)}; is automountServiceAccountToken disabled for this pod?"
         ) from exc
     try:
-        if not Path(ca_path).read_text().strip():
+        if not read_regular(ca_path, MAX_CREDENTIAL_BYTES).strip():
             raise FatalError(f"in-cluster credentials: the service account CA {ca_path} is empty")
     except OSError as exc:
         raise FatalError(
-            f"in-cluster credentials: cannot read the service account CA {ca_path}: {exc}"
+            f"in-cluster credentials: cannot read the service account CA {ca_path}: {reason(exc)}"
         ) from exc
     cfg = _base_configuration()
     hostport = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -146,23 +151,23 @@ def in_cluster_configuration(
     return cfg
 
 
-def kubeconfig_configuration(path: str, master: str = "") -> k8s.Configuration:
+def kubeconfig_configuration(
+    path: str, master: str = "", loaded: Mapping[str, Any] | None = None
+) -> k8s.Configuration:
+    """From the kubeconfig at `path` (`loaded`: what `load_kubeconfig(path)` returned already)."""
     cfg = _base_configuration()
     if path:
+        if loaded is None:
+            try:
+                loaded = load_kubeconfig(path)
+            except KubeconfigError as exc:
+                raise FatalError(str(exc)) from exc
         try:
-            with open(path, "rb") as f:
-                doc = yaml.safe_load(f)
-        except OSError as exc:
-            raise FatalError(f"--kubeconfig {path}: cannot read it: {exc.strerror or exc}") from exc
-        except yaml.YAMLError as exc:
-            raise FatalError(f"--kubeconfig {path}: not valid YAML: {exc}") from exc
-        if not isinstance(doc, dict):
-            raise FatalError(
-                f"--kubeconfig {path}: not a kubeconfig (a YAML map with clusters, users, contexts)"
+            # A copy: the loader keeps and may rewrite what it is given (token refreshes).
+            _load_kube_config_from_dict(
+                config_dict=copy.deepcopy(dict(loaded)), client_configuration=cfg, persist_config=False
             )
-        try:
-            _load_kube_config(config_file=path, client_configuration=cfg, persist_config=False)
-        except (ConfigException, ValueError, KeyError, TypeError, OSError) as exc:
+        except (ConfigException, ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
             raise FatalError(f"--kubeconfig {path}: {exc}") from exc
         # load_kube_config copies the loaded settings into `cfg` but not our transport choices.
         cfg.keep_alive = True
@@ -189,11 +194,13 @@ def client_configuration(
     config: Config,
     environ: Mapping[str, str] | None = None,
     service_account_dir: str = SERVICE_ACCOUNT_DIR,
+    kubeconfig: Mapping[str, Any] | None = None,
 ) -> k8s.Configuration:
-    """The client configuration kube-proxy would build from these flags (see the module docstring)."""
+    """The client configuration kube-proxy would build from these flags (see the module docstring);
+    `kubeconfig`: the file `config.kubeconfig` names, loaded already (`load_kubeconfig`)."""
     if not config.kubeconfig and not config.master:
         return in_cluster_configuration(os.environ if environ is None else environ, service_account_dir)
-    return kubeconfig_configuration(config.kubeconfig, config.master)
+    return kubeconfig_configuration(config.kubeconfig, config.master, kubeconfig)
 
 
 class RateLimitedApiClient(k8s.ApiClient):
@@ -230,12 +237,13 @@ def api_client(
     environ: Mapping[str, str] | None = None,
     service_account_dir: str = SERVICE_ACCOUNT_DIR,
     sleep: Callable[[float], None] = time.sleep,
+    kubeconfig: Mapping[str, Any] | None = None,
 ) -> k8s.ApiClient:
     """An ApiClient for `config`; raises FatalError when no usable credentials are found.
 
     Opens no connection: the first request happens when the source or the recorder starts.
     """
-    cfg = client_configuration(config, environ, service_account_dir)
+    cfg = client_configuration(config, environ, service_account_dir, kubeconfig)
     if config.api_content_type not in (JSON, PROTOBUF):
         log.info(
             "--kube-api-content-type %s: this client reads and writes %s only; using it",

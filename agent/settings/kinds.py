@@ -13,6 +13,7 @@ Pure: no I/O, imports nothing of the agent but `goformat`.
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -91,9 +92,14 @@ class Bool(Kind):
         return raw
 
 
+# Upstream's integer settings are int32 (a few uint32): a number outside fits no field of theirs.
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclass(frozen=True)
 class Int(Kind):
-    """A whole number within [lo, hi] (None: unbounded)."""
+    """A whole number within [lo, hi] (None: only the int32 range)."""
 
     lo: int | None = None
     hi: int | None = None
@@ -109,11 +115,14 @@ class Int(Kind):
         return "is not a whole number"
 
     def flag(self, text: str) -> Any:
-        if not re.fullmatch(r"[+-]?\d+", text.strip()):
+        # 20 characters hold any int32 and keep int() from 4,300-digit work (and its own error).
+        if not re.fullmatch(r"[+-]?\d{1,19}", text.strip()):
             raise ValueError(f"{text!r} {self._flag_rule()}")
         value = int(text)
         if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
             raise ValueError(f"{text!r} {self._flag_rule()}")
+        if not INT32_MIN <= value <= INT32_MAX:
+            raise ValueError(f"{text!r} does not fit in 32 bits (within [{INT32_MIN}, {INT32_MAX}])")
         return value
 
     def file(self, raw: Any) -> Any:
@@ -123,6 +132,8 @@ class Int(Kind):
             raise ValueError(f"must be within the range [{self.lo}, {self.hi}]")
         if self.lo is not None and raw < self.lo:
             raise ValueError(f"must be greater than or equal to {self.lo}")
+        if not INT32_MIN <= raw <= INT32_MAX:
+            raise ValueError(f"must fit in 32 bits (within [{INT32_MIN}, {INT32_MAX}])")
         return raw
 
 
@@ -134,13 +145,18 @@ class Float(Kind):
 
     def flag(self, text: str) -> Any:
         try:
-            return float(text)
+            value = float(text)
         except ValueError:
             raise ValueError(f"{text!r} is not a number (e.g. 5 or 0.5)") from None
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+            raise ValueError(f"{text!r} is not a finite number that fits in 32 bits")
+        return value
 
     def file(self, raw: Any) -> Any:
         if isinstance(raw, bool) or not isinstance(raw, int | float):
             raise ValueError("must be a number")
+        if not math.isfinite(raw) or abs(raw) > FLOAT32_MAX:
+            raise ValueError("must be a finite number that fits in 32 bits")
         return float(raw)
 
     def dump(self, value: Any) -> Any:

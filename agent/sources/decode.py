@@ -19,7 +19,10 @@ agent:
   and spends quadratic time below that; no Kubernetes field holds more than a 64-bit integer);
 * a tag that is not one of JSON's types (`!!binary`, `!!set`, `!!timestamp`, local `!tags`), and a
   mapping key that is a list or mapping;
-* more than `max_bytes` of input, and bytes that are not UTF-8.
+* more than `max_bytes` of input, and bytes that are not UTF-8;
+* with `unique_keys=True`, a key repeated in one mapping (the agent's own configuration files, as
+  kube-proxy's strict decoding refuses them; the services file keeps "the last one wins", as
+  PyYAML and encoding/json do).
 
 YAML is read from libyaml's event stream (`yaml.parse` with the C parser, a state machine with its
 own heap stack, so it does not recurse) and the documents are built here, iteratively: no
@@ -88,6 +91,7 @@ class Reason(StrEnum):
     DEPTH = "depth"
     NUMBER = "number"
     TAG = "tag"  # a tag or a key that JSON cannot hold
+    DUPLICATE_KEY = "duplicate_key"  # only with unique_keys (configuration files, not services files)
     EMPTY = "empty"  # no document at all
     SHAPE = "shape"  # a top-level document that is not a complete List or object
     INTERNAL = "internal"  # a bug: caught by the watcher's last-resort handler
@@ -101,8 +105,9 @@ class Refused(ValueError):
         self.reason = reason
 
 
-def decode(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> list[Any]:
-    """The documents of a services file as JSON values (None for an empty document); raises Refused."""
+def decode(data: bytes, *, max_bytes: int = MAX_FILE_BYTES, unique_keys: bool = False) -> list[Any]:
+    """The documents of a services file as JSON values (None for an empty document); raises Refused.
+    `unique_keys`: a key given twice in one mapping is refused instead of the last one winning."""
     if len(data) > max_bytes:
         raise Refused(Reason.TOO_LARGE, f"{len(data)} bytes, more than the limit of {max_bytes}")
     try:
@@ -115,6 +120,8 @@ def decode(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> list[Any]:
         hooks: dict[str, Any] = {}
         if _LONG_DIGITS.search(text):
             hooks = {"parse_int": _json_int, "parse_float": _json_float}
+        if unique_keys:
+            hooks["object_pairs_hook"] = _json_object
         try:
             doc = json.loads(text, **hooks)
         except json.JSONDecodeError:
@@ -125,7 +132,26 @@ def decode(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> list[Any]:
             if _deeper_than(doc, MAX_DEPTH):
                 raise Refused(Reason.DEPTH, f"JSON nested deeper than {MAX_DEPTH} levels")
             return [doc]
-    return yaml_documents(text)
+    return yaml_documents(text, unique_keys=unique_keys)
+
+
+def _duplicate(key: str, line: str = "") -> Refused:
+    return Refused(
+        Reason.DUPLICATE_KEY,
+        f"{line}the key {json.dumps(key)} is given twice in one mapping: remove one (which one was "
+        "meant cannot be told)",
+    )
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _duplicate(key)
+            seen.add(key)
+    return out
 
 
 def _number_too_long(text: str, line: str = "") -> Refused:
@@ -164,7 +190,7 @@ def _deeper_than(root: Any, limit: int) -> bool:
     return bool(frontier)
 
 
-def yaml_documents(text: str) -> list[Any]:
+def yaml_documents(text: str, *, unique_keys: bool = False) -> list[Any]:
     """Every YAML document of `text` as JSON values, built from libyaml's events; raises Refused."""
     docs: list[Any] = []
     # Open collections, innermost last; for a mapping, the key waiting for its value (None: the
@@ -176,6 +202,8 @@ def yaml_documents(text: str) -> list[Any]:
             if isinstance(event, ev.ScalarEvent):
                 if stack and type(stack[-1]) is dict and keys[-1] is None:
                     _check_tag(event, _SCALAR_TAGS)
+                    if unique_keys and event.value in stack[-1]:
+                        raise _duplicate(event.value, _line(event))
                     keys[-1] = event.value
                 else:
                     _add(docs, stack, keys, _scalar(event))

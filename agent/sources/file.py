@@ -33,11 +33,9 @@ programmed until a good content appears.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import os
-import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,6 +45,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.errors import FatalError
 from agent.metrics.source import FileMetrics
+from agent.readfile import FileTooLarge, NotRegularFile, check_regular, read_regular, reason
 from agent.sources.base import Event, Kind, Sink, Synced
 from agent.sources.content import KINDS, Content, collect
 from agent.sources.decode import MAX_FILE_BYTES, Reason, Refused, decode
@@ -83,31 +82,14 @@ def content_version(data: bytes) -> str:
 
 
 def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
-    """The file's bytes; OSError when it cannot be opened, Refused when not a regular file or too big.
-
-    Opened non-blocking, so a FIFO or a device named by mistake is refused instead of hanging.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise Refused(Reason.UNREADABLE, "not a regular file")
-        if st.st_size > max_bytes:
-            raise Refused(Reason.TOO_LARGE, f"{st.st_size} bytes, more than the limit of {max_bytes}")
-        # Sized by what stat() said (read(n) allocates n bytes up front), then on in steps while
-        # the file grows under us, never past the limit.
-        chunks = [f.read(st.st_size + 1)]
-        total = len(chunks[0])
-        while total > st.st_size and total <= max_bytes:
-            chunk = f.read(min(1 << 20, max_bytes + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    data = b"".join(chunks)
-    if len(data) > max_bytes:
-        raise Refused(Reason.TOO_LARGE, f"more than the limit of {max_bytes} bytes")
-    return data
+    """The file's bytes; OSError when it cannot be opened, Refused when not a regular file or too big
+    (agent/readfile.py: a FIFO or a device named by mistake is refused instead of hanging)."""
+    try:
+        return read_regular(path, max_bytes)
+    except NotRegularFile as exc:
+        raise Refused(Reason.UNREADABLE, reason(exc)) from None
+    except FileTooLarge as exc:
+        raise Refused(Reason.TOO_LARGE, reason(exc)) from None
 
 
 def parse(data: bytes, max_bytes: int = MAX_FILE_BYTES) -> Content:
@@ -175,15 +157,7 @@ class FileWatch:
 
     def check_readable(self) -> None:
         """Raises OSError unless the file can be opened and is a regular file (the start-up check)."""
-        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            mode = os.fstat(fd).st_mode
-        finally:
-            os.close(fd)
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", self.path)
-        if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, "not a regular file", self.path)
+        check_regular(self.path)
 
     def forget(self) -> None:
         """Judge the file again at the next poll (after an unexpected error, counted by the caller)."""

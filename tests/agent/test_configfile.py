@@ -306,7 +306,22 @@ def test_invalid_files_are_refused_with_the_field_path(tmp_path: Path, body: str
         ),
         ("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: Pod\n", 'kind: Unsupported value: "Pod"'),
         ("- a\n- b\n", "expected a KubeProxyConfiguration object, got list"),
-        ("mode: [\n", "not YAML or JSON"),
+        ("mode: [\n", "not a usable YAML or JSON document: not valid YAML"),
+        (HEAD + "mode: iptables\nmode: ebpf\n", 'line 4: the key "mode" is given twice in one mapping'),
+        ('{"apiVersion": "x", "apiVersion": "y"}', 'the key "apiVersion" is given twice'),
+        (HEAD + "oomScoreAdj: " + "9" * 100_000 + "\n", "a number of 100000 characters (9999999999"),
+        (
+            HEAD + "conntrack:\n  min: 2147483648\n",
+            "conntrack.min: Invalid value: 2147483648: must fit in 32 bits",
+        ),
+        (
+            HEAD + "logging:\n  verbosity: 4294967296\n",
+            "must fit in 32 bits (within [-2147483648, 2147483647])",
+        ),
+        (HEAD + "clientConnection:\n  qps: .inf\n", "must be a finite number that fits in 32 bits"),
+        (HEAD + "mode: &m iptables\nhostnameOverride: *m\n", "a YAML alias (*m)"),
+        (HEAD + "---\n" + HEAD, "2 YAML documents"),
+        ("", "0 YAML documents"),
     ],
 )
 def test_wrong_documents_are_refused(tmp_path: Path, body: str, message: str) -> None:
@@ -387,8 +402,8 @@ def test_cli_refuses_a_bad_file_with_status_2(tmp_path: Path, capsys: pytest.Cap
 def test_cli_says_when_the_file_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--config", "/nonexistent/kube-proxy.yaml"]) == 2
     assert (
-        "agent: --config /nonexistent/kube-proxy.yaml: cannot read it: [Errno 2] No such file"
-        in capsys.readouterr().err
+        "agent: --config /nonexistent/kube-proxy.yaml: cannot read it: No such file or directory; "
+        "give the path of one KubeProxyConfiguration document" in capsys.readouterr().err
     )
 
 

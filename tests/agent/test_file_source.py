@@ -216,8 +216,8 @@ def test_start_fails_fast_on_a_file_that_cannot_be_opened(tmp_path: Path) -> Non
     os.mkfifo(fifo)
     for path, why in (
         (tmp_path / "typo.yaml", "No such file or directory"),
-        (tmp_path, "is a directory, not a file"),
-        (fifo, "not a regular file"),
+        (tmp_path, r"not a regular file \(a directory\)"),
+        (fifo, r"not a regular file \(a FIFO\)"),
     ):
         with pytest.raises(
             FatalError, match=rf"--services-file {re.escape(str(path))}: {why}: give the path"

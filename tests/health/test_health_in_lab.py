@@ -5,6 +5,9 @@ and from the node itself, never from the host namespace."""
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -103,5 +106,42 @@ def test_health_check_node_ports_on_the_node_address(lab: Lab) -> None:
         assert curl(lab, node, "http://127.0.0.1:32000/")[0] == 0
         hcs.sync_services({})
         assert curl(lab, lab.client, url)[0] == 0
+    finally:
+        hcs.stop()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_10000_local_load_balancers_cost_descriptors_not_threads(lab: Lab) -> None:
+    """10,000 healthCheckNodePorts: 10,000 listening sockets served by the one thread the server
+    started with; ports answer, a change touches only what changed, and closing them all gives
+    every descriptor back. (One node address: this machine's open-file limit is 20,000 and the
+    agent cannot raise it, CAP_SYS_RESOURCE is not ours; two addresses would double the sockets.)"""
+    node = lab.node(1)
+    config = Config(netns=node.ns, nodeport_addresses=("192.168.0.0/24",))
+    health = ProxyHealth(60.0, FakeClock())
+    hcs = ServiceHealthServer.for_node(config, NodeContext(node_ips=(node.ip,), primary_ip=node.ip), health)
+    ports = {f"ns/lb-{i}": 20000 + i for i in range(10_000)}
+    hcs.start()
+    try:
+        threads, fds = threading.active_count(), open_fds()
+        start = time.perf_counter()
+        hcs.sync_services(ports)
+        opened = time.perf_counter() - start
+        hcs.sync_endpoints({"ns/lb-0": 1, "ns/lb-9999": 2})
+        assert hcs.open_services() == ports and hcs.failed_services() == {}
+        assert open_fds() - fds == 10_000
+        assert threading.active_count() == threads, "no thread per port"
+        assert curl(lab, lab.client, f"http://{node.ip}:20000/")[0] == 200
+        assert curl(lab, lab.client, f"http://{node.ip}:29999/")[0] == 200
+        assert curl(lab, lab.client, f"http://{node.ip}:25000/")[0] == 503
+        hcs.sync_services({**ports, "ns/lb-5": 30005})
+        assert curl(lab, lab.client, f"http://{node.ip}:20005/")[0] == 0
+        assert curl(lab, lab.client, f"http://{node.ip}:30005/")[0] == 503
+        print(f"\n10,000 listeners opened in {opened:.2f} s")
+        hcs.sync_services({})
+        assert open_fds() == fds and threading.active_count() == threads
     finally:
         hcs.stop()

@@ -40,7 +40,12 @@ def test_metrics_is_the_go_text_format(handlers: MetricsHandlers) -> None:
     assert b'kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family="IPv4"} 1\n' in body
     status, headers, zipped = get(handlers, "/metrics", **{"Accept-Encoding": "gzip, deflate"})
     assert headers["Content-Encoding"] == "gzip"
-    assert gzip.decompress(zipped) == body
+    # The process collector reads RSS at each render, and gzip's buffers move it in between.
+    assert without_process(gzip.decompress(zipped)) == without_process(body)
+
+
+def without_process(text: bytes) -> list[bytes]:
+    return [line for line in text.splitlines() if b"process_" not in line]
 
 
 def test_proxy_mode_is_plain_text(handlers: MetricsHandlers) -> None:

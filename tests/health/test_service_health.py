@@ -9,7 +9,7 @@ import http.client
 import json
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -22,7 +22,7 @@ from agent.health import (
     health_check_addresses,
     service_response,
 )
-from agent.httpserve import Address
+from agent.httpserve import Address, Handler, HttpServer
 
 
 class FakeListen:
@@ -270,6 +270,22 @@ def _ep(ip: str, node: str, ready: bool = True, terminating: bool = False) -> di
     }
 
 
+class Recorded(HttpServer):
+    """Keeps what it is handed instead of serving it (real listeners: test_health_in_lab.py)."""
+
+    def __init__(self) -> None:
+        super().__init__("recorded")
+        self.served: dict[socket.socket, Handler] = {}
+
+    def add_all(self, pairs: Sequence[tuple[socket.socket, Handler]]) -> None:
+        self.served.update(pairs)
+
+    def remove_all(self, socks: Iterable[socket.socket]) -> None:
+        for sock in socks:
+            del self.served[sock]
+            sock.close()
+
+
 def test_cost_at_10000_services_grows_with_the_change_not_the_cluster() -> None:
     health = ProxyHealth(10.0, FakeClock())
     asked: list[str] = []
@@ -278,7 +294,8 @@ def test_cost_at_10000_services_grows_with_the_change_not_the_cluster() -> None:
         asked.extend(str(a) for a in addrs)
         return [socket.socket() for _ in addrs]  # an fd each, never bound: no port is used
 
-    hcs = ServiceHealthServer(health, ("0.0.0.0",), listen=cheap)
+    server = Recorded()
+    hcs = ServiceHealthServer(health, ("0.0.0.0",), listen=cheap, server=server)
     hcs.start()
     try:
         ports = {f"ns/svc-{i}": 20000 + i for i in range(10_000)}
@@ -300,6 +317,7 @@ def test_cost_at_10000_services_grows_with_the_change_not_the_cluster() -> None:
         hcs.sync_endpoints(dict(counts2))
         t3 = time.perf_counter()
         assert asked[10_000:] == ["0.0.0.0:29999"]  # only the moved Service was touched
+        assert len(server.served) == 10_000
         assert hcs._open["ns/svc-8"].endpoints == 0 and hcs._open["ns/svc-9"].endpoints == 1 + 9 % 3
         print(
             f"\n10,000 Services: sync_services with 1 change {1e3 * (t1 - t0):.2f} ms, "
