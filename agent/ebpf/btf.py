@@ -61,6 +61,16 @@ def func_ids(data: bytes, names: Iterable[str]) -> dict[str, int]:
     return found
 
 
+def vmlinux_has(names: Iterable[str], path: Path = VMLINUX) -> set[str]:
+    """Which of the kernel functions `names` the running kernel has (none when its BTF is unreadable:
+    what needs them cannot be loaded without it either)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return set()
+    return set(func_ids(data, names))
+
+
 def vmlinux_func_ids(names: Iterable[str], path: Path = VMLINUX) -> dict[str, int]:
     """Type ids of kernel functions by name; BtfError names any that the kernel lacks."""
     wanted = list(names)

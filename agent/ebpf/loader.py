@@ -43,10 +43,11 @@ from typing import Any
 from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys
 from agent.ebpf.abi import ABI_VERSION, MAPS, PREFIX, MapSpec
+from agent.ebpf.btf import vmlinux_has
 from agent.ebpf.compile import build_id, compile_in_child, open_pinned_programs, remove_other_builds
 from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, obj_pin, possible_cpus
 from agent.ebpf.pindir import ensure_pin_dir
-from agent.ebpf.programs import PROGRAMS
+from agent.ebpf.programs import PROGRAMS, ProgSpec, available_programs, kernel_needs
 from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
@@ -265,6 +266,7 @@ class Datapath:
         self.bpf_dir = Path(bpf_dir) if bpf_dir is not None else default_bpf_dir()
         self._prog_fds: dict[str, int] = {}
         self._maps: dict[str, BpfMap] = {}
+        self._programs: dict[str, ProgSpec] = {}
 
     @property
     def entry_file(self) -> Path:
@@ -317,16 +319,25 @@ class Datapath:
         check_pins(self.pin_path, self.sizes)
 
         started = time.monotonic()
-        build = build_id(self.source_text(), self.cflags(), ABI_VERSION)
-        fds = open_pinned_programs(self.pin_path, build, list(PROGRAMS), self._pinned_map_ids(), PRIVATE_MAPS)
+        has = vmlinux_has(kernel_needs())
+        programs = available_programs(has)
+        missing = sorted(set(PROGRAMS) - set(programs))
+        if missing:
+            log.warning(
+                "this kernel lacks %s: loading the data path without %s",
+                ", ".join(sorted(kernel_needs() - has)),
+                ", ".join(missing),
+            )
+        build = build_id(self.source_text(), [*self.cflags(), *sorted(programs)], ABI_VERSION)
+        fds = open_pinned_programs(self.pin_path, build, list(programs), self._pinned_map_ids(), PRIVATE_MAPS)
         how = "reused (unchanged since it was compiled)"
         if fds is None:
             try:
-                seconds = compile_in_child(self.entry_file, self.cflags(), self.pin_path, build, PROGRAMS)
+                seconds = compile_in_child(self.entry_file, self.cflags(), self.pin_path, build, programs)
             except Exception as e:
                 raise DatapathError(f"compiling or loading {self.entry_file} failed: {e}") from e
             fds = open_pinned_programs(
-                self.pin_path, build, list(PROGRAMS), self._pinned_map_ids(), PRIVATE_MAPS
+                self.pin_path, build, list(programs), self._pinned_map_ids(), PRIVATE_MAPS
             )
             if fds is None:
                 raise DatapathError(
@@ -335,6 +346,7 @@ class Datapath:
                 )
             how = f"compiled in {seconds:.1f}s"
         self._prog_fds = fds
+        self._programs = programs
         try:
             old = remove_other_builds(self.pin_path, build)
             if old:
@@ -359,8 +371,12 @@ class Datapath:
 
     def prog_fd(self, name: str) -> int:
         if name not in self._prog_fds:
-            raise KeyError(f"no program {name!r} loaded (programs: {', '.join(PROGRAMS)})")
+            raise KeyError(f"no program {name!r} loaded (programs: {', '.join(self._prog_fds)})")
         return self._prog_fds[name]
+
+    def has_program(self, name: str) -> bool:
+        """Whether `name` was loaded (a kernel lacking what it needs loads the rest without it)."""
+        return name in self._prog_fds
 
     @property
     def maps(self) -> Mapping[str, BpfMap]:

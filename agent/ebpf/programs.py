@@ -35,6 +35,9 @@ class ProgSpec:
     attach_type: int = -1  # expected_attach_type at load; -1: none (tc)
     iter_target: str = ""  # an iterator's target: the kernel's bpf_iter_<target>
     kfuncs: tuple[tuple[int, str], ...] = ()  # (marker helper number, kernel function) to patch in
+    # Kernel functions (BTF FUNC names: helpers, kfuncs, iterator targets) the program cannot load
+    # without; a kernel lacking one loads the data path without it (available_programs)
+    needs: tuple[str, ...] = ()
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -57,14 +60,34 @@ SOCK_HOOKS: dict[str, tuple[str, int]] = {
     "getpeername4": ("ekp_sock_peer", ATTACH_CGROUP_INET4_GETPEERNAME),
 }
 
+# What the socket programs call that older kernels lack: bpf_set_retval (Linux 5.18, refusing a call
+# with an errno) and bpf_get_netns_cookie for sock_addr programs (5.7); the iterator bpf_sock_destroy
+# (6.5) and the UDP socket iterator (5.9).
+SOCK_NEEDS = ("bpf_set_retval", "bpf_get_netns_cookie_sock_addr")
+TERM_NEEDS = ("bpf_sock_destroy", "bpf_iter_udp")
+
 PROGRAMS: dict[str, ProgSpec] = {
     PROG_FROM_POD: ProgSpec(PROG_SCHED_CLS),
     PROG_FROM_NET: ProgSpec(PROG_SCHED_CLS),
-    **{name: ProgSpec(PROG_CGROUP_SOCK_ADDR, attach) for name, attach in SOCK_HOOKS.values()},
+    **{
+        name: ProgSpec(PROG_CGROUP_SOCK_ADDR, attach, needs=SOCK_NEEDS)
+        for name, attach in SOCK_HOOKS.values()
+    },
     PROG_SOCK_TERM: ProgSpec(
         PROG_TRACING,
         ATTACH_TRACE_ITER,
         iter_target="udp",
         kfuncs=((KFUNC_SOCK_DESTROY_MARK, "bpf_sock_destroy"),),
+        needs=TERM_NEEDS,
     ),
 }
+
+
+def kernel_needs() -> set[str]:
+    """Every kernel function some program needs."""
+    return {fn for spec in PROGRAMS.values() for fn in spec.needs}
+
+
+def available_programs(kernel_has: set[str]) -> dict[str, ProgSpec]:
+    """The programs this kernel can load: those whose needs are all in `kernel_has`."""
+    return {name: spec for name, spec in PROGRAMS.items() if set(spec.needs) <= kernel_has}

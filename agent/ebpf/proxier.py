@@ -75,6 +75,9 @@ class DatapathLike(Protocol):
 
     def prog_fd(self, name: str) -> int: ...
 
+    def has_program(self, name: str) -> bool:
+        """Whether the program was loaded (a kernel lacking what it needs loads the rest)."""
+
     def repair_pins(self) -> list[str]:
         """Pin again every map whose pin was removed or replaced; the names repaired."""
 
@@ -369,11 +372,19 @@ class EbpfProxier:
         """The socket programs: their settings written, then linked to the cgroup (first sync: a
         restarted agent swaps its build into the links it finds; periodic syncs: put back what
         was removed behind our back). Off (--bpf-socket-lb=false): links of an earlier run removed."""
-        if not self._config.socket_lb:
+        names = [name for name, _ in SOCK_HOOKS.values()]
+        serving = self._config.socket_lb and all(datapath.has_program(n) for n in names)
+        if not serving:
             if self._socket_attacher is None and not self._attached_once:
+                if self._config.socket_lb:
+                    log.error(
+                        "this kernel cannot load the socket programs (they need Linux 5.18): clients "
+                        "on the node's own network (host-network pods, node processes) reach no "
+                        "Service; --bpf-socket-lb=false says that is intended"
+                    )
                 hooks = self._socket_detach(self._config.pin_path)
                 if hooks:
-                    log.info("--bpf-socket-lb=false: detached the socket programs (%s)", ",".join(hooks))
+                    log.info("detached the socket programs of an earlier run (%s)", ",".join(hooks))
             return
         if self._socket_attacher is None:
             fds = {name: datapath.prog_fd(name) for name, _ in SOCK_HOOKS.values()}
@@ -383,12 +394,19 @@ class EbpfProxier:
                 ctypes.c_uint32(0), sock_config(cookie, self._config.socket_lb_host_only)
             )
             stats = datapath.maps["stats"]
-            self._terminator = self._terminator_factory(
-                self._config,
-                self._socket_attacher.cgroup,
-                datapath.prog_fd(PROG_SOCK_TERM),
-                lambda: read_stats(stats)[Stat.SOCK_DESTROYED],
-            )
+            if datapath.has_program(PROG_SOCK_TERM):
+                self._terminator = self._terminator_factory(
+                    self._config,
+                    self._socket_attacher.cgroup,
+                    datapath.prog_fd(PROG_SOCK_TERM),
+                    lambda: read_stats(stats)[Stat.SOCK_DESTROYED],
+                )
+            else:
+                log.warning(
+                    "this kernel has no bpf_sock_destroy (Linux 6.5): a node's connected UDP socket "
+                    "(a resolver's) stays on its backend after that backend leaves its Service, until "
+                    "the application opens a new one"
+                )
         self._socket_attacher.reconcile()
 
     def _end_stale_sockets(self) -> None:

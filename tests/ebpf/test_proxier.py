@@ -36,7 +36,7 @@ from agent.ebpf.abi import (
 from agent.ebpf.maps import FakeMap, MapWriter, read_config
 from agent.ebpf.plan import MapContents, plan, read_contents
 from agent.ebpf.planner import ROLES
-from agent.ebpf.programs import PROGRAMS
+from agent.ebpf.programs import PROG_SOCK_TERM, PROGRAMS, SOCK_HOOKS
 from agent.ebpf.proxier import INSPECT_SECTIONS, remove_pins, render_live_maps
 from agent.ebpf.render import render_contents
 from agent.ebpf.sockattach import pinned_links
@@ -58,6 +58,7 @@ class FakeDatapath:
         self.closed = 0
         self.pin_checks = 0
         self.missing_pins: list[str] = []
+        self.unavailable: set[str] = set()  # programs the kernel could not load
 
     @property
     def maps(self) -> Mapping[str, MapWriter]:
@@ -68,6 +69,9 @@ class FakeDatapath:
 
     def prog_fd(self, name: str) -> int:
         return PROG_FDS[name]
+
+    def has_program(self, name: str) -> bool:
+        return name in PROG_FDS and name not in self.unavailable
 
     def repair_pins(self) -> list[str]:
         self.pin_checks += 1
@@ -151,11 +155,13 @@ class Rig:
         self.local_ports = "32768\t60999"  # net.ipv4.ip_local_port_range in the node's namespace
         self.pinned: dict[str, int] = {}
         self.sizes: list[MapSizes] = []  # what each data path was created with
+        self.unavailable: set[str] = set()  # programs the kernel cannot load
 
     def proxier(self) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
             self.sizes.append(sizes)
             dp = FakeDatapath(self.maps)
+            dp.unavailable = self.unavailable
             self.datapaths.append(dp)
             return dp
 
@@ -265,6 +271,32 @@ def test_udp_sockets_are_ended_after_a_sync_that_removed_a_backend(rig: Rig) -> 
     p.sync(STATE, NODE, added)
     assert p.last_flush.deletes.get("member")
     assert rig.events[-1] == "end stale sockets (3 so far)"
+
+
+def test_a_kernel_without_the_socket_programs_serves_the_rest(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kernel older than the socket programs' helpers loads the data path without them: the
+    services are written and the tc programs attached, the socket links of an earlier run removed,
+    and the log says what the node's own clients lose."""
+    rig.unavailable = {name for name, _ in SOCK_HOOKS.values()} | {PROG_SOCK_TERM}
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    assert rig.contents().same_entries(plan(STATE, NODE, rig.config))
+    assert "link sockets" not in rig.events and "unlink sockets" in rig.events
+    assert "reconcile full=True" in rig.events
+    assert not any(e.startswith("end stale") for e in rig.events)
+    assert "cannot load the socket programs" in caplog.text
+
+
+def test_a_kernel_without_bpf_sock_destroy_links_the_socket_programs_and_says_what_it_lacks(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig.unavailable = {PROG_SOCK_TERM}
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    assert "link sockets" in rig.events and not any(e.startswith("end stale") for e in rig.events)
+    assert "no bpf_sock_destroy" in caplog.text
 
 
 def test_socket_lb_off_unlinks_what_an_earlier_run_left(rig: Rig) -> None:
