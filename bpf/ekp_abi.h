@@ -302,10 +302,11 @@ enum ekp_stat {
 	                           * indexes of the later counters stay as pinned */
 	EKP_DROP_ICMP_RATE,       /* a reject over the ICMP rate limit: dropped unanswered */
 	EKP_DROP_FRAG_NEEDED,     /* too big for the egress MTU with DF: answered with ICMP frag needed */
-	/* Socket-level load balancing: every connect() and sendmsg() to an IPv4 address of a TCP or UDP
-	 * socket in the attached cgroup counts SOCK_CALLS and exactly one outcome: SOCK_PASS,
-	 * SOCK_TRANSLATED or one of the drop reasons above (NO_ENDPOINTS: refused with ECONNREFUSED;
-	 * NO_LOCAL, SOURCE_RANGE, NO_BACKEND: EHOSTUNREACH). The rest are marks. */
+	/* Socket-level load balancing: every connect() and sendmsg() to an IPv4 address of a socket in
+	 * the attached cgroup counts SOCK_CALLS and exactly one outcome: SOCK_PASS (not TCP or UDP, not
+	 * a frontend, another namespace), SOCK_TRANSLATED or one of the drop reasons above
+	 * (NO_ENDPOINTS: refused with ECONNREFUSED; NO_LOCAL, SOURCE_RANGE, NO_BACKEND: EHOSTUNREACH).
+	 * The rest are marks. */
 	EKP_STAT_SOCK_CALLS,      /* connect()/sendmsg() calls seen by the socket programs */
 	EKP_STAT_SOCK_PASS,       /* outcome: not a frontend the socket is translated for: unchanged */
 	EKP_STAT_SOCK_TRANSLATED, /* outcome: sent to a backend at connect()/sendmsg() */

@@ -8,7 +8,8 @@ namespaces. Every mode prints one JSON object on stdout.
                                      --ready-file R is created once the first request is answered
   udp    --addr A --port P --count N  N request/response pairs, reply counts (--size: datagram bytes;
                                      --sport S: every request from source port S, one flow, as
-                                     upstream's `nc -u -p 12345` loops in conntrack.go)
+                                     upstream's `nc -u -p 12345` loops in conntrack.go; --sources:
+                                     also the address each reply came from, as recvfrom() says)
   blob   --url U                      download, {"bytes": n, "sha256": "..."}
   upload --url U --bytes N            POST N bytes to /sink, {"sent": n, "received": n, "seconds": s}
   hold   --addr A --port P --stop-file F   one TCP connection to a line echo server, a line every
@@ -107,7 +108,10 @@ def cmd_udp(a: argparse.Namespace) -> dict[str, object]:
             text = data.decode()
             name, _, echoed = text.partition(" ")
             replies[name if echoed == payload else f"bad:{text}"] += 1
-    return {"replies": dict(replies), "lost": lost, "sources": dict(sources)}
+    out: dict[str, object] = {"replies": dict(replies), "lost": lost}
+    if a.sources:
+        out["sources"] = dict(sources)
+    return out
 
 
 def errno_name(exc: OSError) -> str:
@@ -284,6 +288,7 @@ def main() -> int:
     u.add_argument("--timeout", type=float, default=2.0)
     u.add_argument("--size", type=int, default=0)
     u.add_argument("--sport", type=int, default=0)
+    u.add_argument("--sources", action="store_true", help="also count the address each reply came from")
     b = sub.add_parser("blob")
     b.add_argument("--url", required=True)
     b.add_argument("--timeout", type=float, default=60.0)

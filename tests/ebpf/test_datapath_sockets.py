@@ -124,7 +124,7 @@ def test_udp_replies_come_from_the_cluster_ip_and_a_socket_keeps_its_backend(sl:
     """recvmsg4: an unconnected socket's sendto(VIP) goes to a backend, recvfrom() names the VIP;
     every datagram of one socket goes to one backend (sendmsg4 chooses by socket), new sockets spread."""
     two_backends(sl, UDP, 90, 9000)
-    out = sl.client("node1", "udp", "--addr", VIP, "--port", "90", "--count", "20")
+    out = sl.client("node1", "udp", "--addr", VIP, "--port", "90", "--count", "20", "--sources")
     assert out["sources"] == {f"{VIP}:90": 20} and out["lost"] == 0
     assert set(out["replies"]) == {"pod-1-1", "pod-1-2"}  # 20 sockets, each choosing
     assert sl.stats()[Stat.SOCK_REVNAT] == 20

@@ -114,7 +114,7 @@ def test_a_udp_client_on_the_node_sees_replies_from_the_cluster_ip(cluster: Clus
     checks where the answer came from (a resolver does) takes it."""
     web(cluster, "pod-1-2", "pod-2-3")
     for where in clients(cluster):
-        out = client(cluster, where, "udp", "--addr", WEB, "--port", "90", "--count", "8")
+        out = client(cluster, where, "udp", "--addr", WEB, "--port", "90", "--count", "8", "--sources")
         assert out["sources"] == {f"{WEB}:90": 8} and out["lost"] == 0, (where.label, out)
 
 
@@ -313,3 +313,59 @@ def test_dns_keeps_answering_from_the_node_and_a_pod_while_its_only_pod_is_repla
             lines = out.read_text().split()
             assert lines and lines[-1] == f'"{new.name}"', (what, lines[-5:])
             assert _longest_failure_run(lines) <= 1, (what, lines)
+
+
+def crafted_syn(cluster: Cluster, dst: str, dport: int, sport: int) -> str:
+    """A TCP SYN from the external client to `dst`:`dport`, sent as a frame to node1's eth0 whatever
+    the destination (a neighbour can address anything to a node); what comes back: "syn-ack",
+    "reset" or "none" within 2 s."""
+    import socket
+
+    from lab.packets import parse, tcp
+
+    lab = cluster.lab
+    node_mac = json.loads(lab.run("node1", "ip", "-j", "link", "show", "eth0").stdout)[0]["address"]
+    client_mac = json.loads(lab.run("client", "ip", "-j", "link", "show", "eth0").stdout)[0]["address"]
+    frame = tcp(lab.client.ip, dst, sport, dport, smac=client_mac, dmac=node_mac)
+
+    def probe() -> str:
+        with socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0800)) as s:
+            s.bind(("eth0", 0))
+            s.settimeout(0.2)
+            s.send(frame)
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                try:
+                    data = s.recv(65535)
+                except TimeoutError:
+                    continue
+                if len(data) < 34 or data[23] != 6:  # IPv4, TCP
+                    continue
+                p = parse(data)
+                if (p.sport, p.dport) == (dport, sport) and p.dst == lab.client.ip:
+                    return (
+                        "syn-ack"
+                        if "S" in p.flags and "A" in p.flags
+                        else "reset"
+                        if "R" in p.flags
+                        else p.flags
+                    )
+        return "none"
+
+    return lab.in_netns("client", probe)
+
+
+def test_localhost_bound_services_stay_out_of_reach_of_other_hosts_cve_2020_8558(cluster: Cluster) -> None:
+    """CVE-2020-8558: a neighbour sends a SYN to 127.0.0.1 through node1's eth0, aimed at a service
+    bound to the node's localhost (the agent's own metrics port, 127.0.0.1:10249): no answer, in
+    both modes (iptables mode: kube-proxy's "block incoming localnet connections" drop, as it sets
+    route_localnet for localhost NodePorts; eBPF mode: route_localnet stays 0 and nothing is
+    translated for 127.0.0.1 from outside). The positive control: the same crafted SYN to the
+    node's address and a NodePort is answered."""
+    web(cluster, "pod-1-2")
+    assert crafted_syn(cluster, N1, HTTP.node_port, 41001) == "syn-ack"
+    served_locally = client(
+        cluster, Where("node1", None), "http", "--url", "http://127.0.0.1:10249/proxyMode"
+    )
+    assert served_locally["errors"] == 0, served_locally  # the target listens, on the node's localhost
+    assert crafted_syn(cluster, "127.0.0.1", 10249, 41002) == "none"
