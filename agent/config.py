@@ -46,8 +46,12 @@ class MapSizes:
     ct_tcp: int = default("map_sizes.ct_tcp")
     ct_any: int = default("map_sizes.ct_any")
     frag: int = default("map_sizes.frag")
+    # fragments that came before their first, held until it comes (1.5 KiB each)
+    fraghold: int = default("map_sizes.fraghold")
     aff: int = default("map_sizes.aff")
     srcr: int = default("map_sizes.srcr")
+    # frontend and backend addresses (entries allocated as written; 4 MiB of hash buckets)
+    addr: int = default("map_sizes.addr")
     sknat: int = default("map_sizes.sknat")
 
     def with_conntrack(

@@ -29,8 +29,10 @@ EPILOG = """\
 examples:
   agent inspect maps                 frontends, slots, backends, reverse NAT, source ranges, config
   agent inspect conntrack            every tracked flow: tuple, direction, rewrite, backend, age
-  agent inspect stats                packets, flows, SNAT, affinity hits and drops by reason
-  agent inspect capacity             entries / capacity of every map, live conntrack entries
+  agent inspect stats                packets, flows, SNAT, affinity hits, drops by reason,
+                                     conntrack evictions by state, fragments held and released
+  agent inspect capacity             entries / capacity of every map, live conntrack entries by
+                                     state (assured, unassured, closed), early drops by state
   agent inspect sockets              socket programs: settings, cgroup links, sockets sent to backends
   agent inspect maps conntrack --bpf-pin-path /sys/fs/bpf/ebpf-kube-proxy-node2
 """

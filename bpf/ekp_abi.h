@@ -9,7 +9,10 @@
  * Rules: fixed-width types only, explicit padding, no bitfields, every field commented with its
  * byte order ("be" = network order, "host" = CPU order). Changing any layout means bumping
  * EKP_ABI_VERSION: the version is part of every map name, so an old pinned map is never reused
- * with a new layout (bcc's BPF_TABLE_PINNED would reuse it silently).
+ * with a new layout (bcc's BPF_TABLE_PINNED would reuse it silently). A change to one map alone
+ * bumps that map's own suffix: the counters grew to ekp_stats_v3 (more slots) while every other
+ * layout stayed v2. A map added beside the others needs no bump: no older program or pin knows
+ * its name.
  *
  * IPv6, later: Cilium's v4/v6 pairs. Every struct below that holds an address is the IPv4 member
  * of a pair; IPv6 adds its own maps beside these (ekp_fe6, ekp_be6, ekp_ct6_tcp, ekp_frag6,
@@ -162,6 +165,29 @@ struct ekp_ct_entry {
 	__u32 created_s;    /* host: bpf_ktime_get_ns() / 1e9 when the flow began */
 };
 
+/* ---- the early-drop queues of conntrack (arrays, written by the data path) --------------- */
+
+/* Every flow is queued when it begins and again when it closes, in the ring of its table
+ * (ekp_ctq_tcp for ekp_ct_tcp, ekp_ctq_any for ekp_ct_any; ekp_ctqh holds where each ring writes
+ * next). When a ring comes round to a slot, the flow named there is deleted unless it is assured
+ * (EKP_CT_ESTABLISHED) and not closed: at most one ring's worth of flows is ever unassured or
+ * closed, so a flood of them cannot evict established flows (bpf/ekp_ctq.h). */
+enum ekp_ctq_ring {
+	EKP_CTQ_TCP = 0, /* ekp_ctqh index of ekp_ctq_tcp */
+	EKP_CTQ_ANY = 1, /* ekp_ctqh index of ekp_ctq_any */
+};
+
+struct ekp_ctq_slot {
+	__be32 saddr;    /* be: the flow's FORWARD key (struct ekp_ct_key's first fields) */
+	__be32 daddr;    /* be */
+	__be16 sport;    /* be */
+	__be16 dport;    /* be */
+	__u8 proto;      /* IPPROTO_*; 0 = an empty slot */
+	__u8 dir;        /* EKP_CT_FORWARD */
+	__u16 pad;       /* zero */
+	__u32 created_s; /* host: the flow's created_s when queued (a later flow on the tuple is not it) */
+};
+
 /* ---- IPv4 fragments (LRU): the first fragment's ports for the later ones ----------------- */
 
 struct ekp_frag_key {
@@ -176,6 +202,48 @@ struct ekp_frag {
 	__be16 sport; /* be: the datagram's L4 ports, from its first fragment */
 	__be16 dport; /* be */
 	__u32 pad;    /* zero */
+};
+
+/* ---- IPv4 fragments that came before their first (LRU): held until it comes ------------- */
+
+/* A later fragment with no record in ekp_frag, to an address a translated flow may use (see
+ * ekp_addr), is copied here under the first free slot of its datagram; the datagram's first
+ * fragment puts every held one back into the device it came in on (bpf/ekp_tc_frag.h). */
+#define EKP_FRAGHOLD_SLOTS 8  /* fragments held per datagram */
+#define EKP_FRAGHOLD_LEN 1520 /* largest frame held: Ethernet header + 1,506 bytes of IPv4 */
+
+struct ekp_fraghold_key {
+	__be32 saddr; /* be: as ekp_frag_key */
+	__be32 daddr; /* be */
+	__be16 id;    /* be: IPv4 identification */
+	__u8 proto;   /* IPPROTO_TCP / IPPROTO_UDP */
+	__u8 slot;    /* host: 0..EKP_FRAGHOLD_SLOTS-1, in the order the fragments came */
+};
+
+struct ekp_fraghold {
+	__u32 ifindex;                  /* host: the device it came in on (it goes back in there) */
+	__u16 len;                      /* host: bytes of `data` in use, the whole frame */
+	__u16 pad;                      /* zero */
+	__u8 data[EKP_FRAGHOLD_LEN];    /* the frame as it arrived, from its Ethernet header */
+};
+
+/* ---- service addresses (hash, written by the agent): which addresses a flow may use ------ */
+
+/* One entry per address that is a frontend or a backend, with what it is. Read only for a later
+ * fragment that came before its first: one that can belong to no translated flow is passed to the
+ * stack untouched, which reassembles it (pod to pod, to the node itself, ...). Frontend bits are
+ * 1 << enum ekp_scope. */
+#define EKP_ADDR_FRONTEND_EXTERNAL (1 << 0) /* a frontend of scope EXTERNAL is on this address */
+#define EKP_ADDR_FRONTEND_INTERNAL (1 << 1) /* a frontend of scope INTERNAL is on this address */
+#define EKP_ADDR_BACKEND           (1 << 2) /* a backend's address (its replies come from it) */
+
+struct ekp_addr_key {
+	__be32 addr; /* be */
+};
+
+struct ekp_addr {
+	__u8 flags;  /* EKP_ADDR_* */
+	__u8 pad[3]; /* zero */
 };
 
 /* ---- session affinity (LRU): (client, service port) -> backend ---------------------------- */
@@ -283,7 +351,7 @@ enum ekp_stat {
 	EKP_STAT_CT_REBUILT,      /* mark: conntrack entries re-created from their surviving twin */
 	EKP_STAT_PORT_REMAP,      /* mark: flows given another source port (their reply tuple was taken) */
 	EKP_STAT_FRAGMENTS,       /* mark: non-first fragments translated */
-	/* drop reasons, named EKP_DROP_* (agent/ebpf/abi.py tells them apart by name) */
+	/* drop reasons (update agent/ebpf/abi.py) */
 	EKP_STAT_DROP_FIRST,
 	EKP_DROP_MALFORMED = EKP_STAT_DROP_FIRST, /* truncated or invalid headers */
 	EKP_DROP_NO_ENDPOINTS,    /* service has no endpoints: refused, counts the rejects answered with an
@@ -295,13 +363,22 @@ enum ekp_stat {
 	EKP_DROP_FIB,             /* no route to the backend or client */
 	EKP_DROP_SNAT_PORTS,      /* no free source port, none to take over (range full of live flows) */
 	EKP_DROP_CT_FULL,         /* conntrack insert failed */
-	EKP_DROP_FRAG_NO_FIRST,   /* a later fragment whose first fragment was not seen (out of order, evicted) */
+	EKP_DROP_FRAG_NO_FIRST,   /* a later fragment whose first fragment was not seen, that could not be held
+	                           * (larger than EKP_FRAGHOLD_LEN, EKP_FRAGHOLD_SLOTS of its datagram held) */
 	EKP_DROP_NO_FLOW,         /* a mid-flow TCP segment (or later fragment) to a frontend without conntrack:
 	                           * never sent to a new backend (an evicted or expired flow) */
 	EKP_DROP_BACKEND_GONE,    /* unused since TCP flows keep a removed backend (kube-proxy); kept so the
 	                           * indexes of the later counters stay as pinned */
 	EKP_DROP_ICMP_RATE,       /* a reject over the ICMP rate limit: dropped unanswered */
 	EKP_DROP_FRAG_NEEDED,     /* too big for the egress MTU with DF: answered with ICMP frag needed */
+	/* Since ekp_stats_v3, new counters go at the end whatever their kind (a drop reason is named
+	 * EKP_DROP_*, which is how agent/ebpf/abi.py tells it from an outcome or a mark). */
+	EKP_STAT_FRAG_HELD,       /* outcome: a later fragment held until its first fragment comes */
+	EKP_STAT_FRAG_RELEASED,   /* mark: held fragments put back into their device when their first came */
+	EKP_STAT_EVICT_UNREPLIED, /* mark: flows deleted by the early-drop queue, no reply seen */
+	EKP_STAT_EVICT_UNASSURED, /* mark: ... replied, never assured (TCP handshake not completed, UDP
+	                           * not a stream) */
+	EKP_STAT_EVICT_CLOSED,    /* mark: ... closed TCP flows (RST, or FINs both ways) */
 	/* Socket-level load balancing: every connect() and sendmsg() to an IPv4 address of a socket in
 	 * the attached cgroup counts SOCK_CALLS and exactly one outcome: SOCK_PASS (not TCP or UDP, not
 	 * a frontend, another namespace), SOCK_TRANSLATED or one of the drop reasons above
@@ -316,5 +393,8 @@ enum ekp_stat {
 };
 
 #define EKP_STAT_COUNT EKP_STAT_MAX
+/* Slots of ekp_stats_v3: room for counters added later without a new map (a size change would
+ * need one: a pinned map is never resized). */
+#define EKP_STAT_SLOTS 64
 
 #endif /* EKP_ABI_H */

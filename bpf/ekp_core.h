@@ -6,6 +6,8 @@
  *
  *   parse (ekp_parse.h) -> decide (ekp_decide.h: lookups, policy, conntrack; no skb access)
  *                       -> apply (ekp_tc_apply.h: rewrite, route, redirect) -> count
+ * with fragments that came before their first held instead of applied, and put back into their
+ * device before their first fragment is applied (ekp_tc_frag.h).
  *
  * Each packet counts exactly one outcome (see ekp_stats.h): the decision's, or the drop its
  * application ran into.
@@ -17,6 +19,7 @@
 #include "ekp_parse.h"
 #include "ekp_stats.h"
 #include "ekp_tc_apply.h"
+#include "ekp_tc_frag.h"
 #include "ekp_tc_scratch.h"
 
 static __always_inline int ekp_main(struct __sk_buff *skb, __u8 scope)
@@ -29,7 +32,16 @@ static __always_inline int ekp_main(struct __sk_buff *skb, __u8 scope)
 	int parsed = ekp_parse(skb, &w->work.pkt);
 
 	ekp_decide(&w->work, parsed, scope);
-	int verdict = ekp_tc_apply(skb, w);
+	int verdict;
+	struct ekp_decision *d = &w->work.dec;
+	if (d->action == EKP_ACT_HOLD) {
+		verdict = ekp_tc_frag_hold(skb, &w->work.pkt, &w->frag, d);
+	} else if (d->release && ekp_tc_frag_release(skb, &w->work.pkt, &w->frag) < 0) {
+		d->outcome = EKP_DROP_MALFORMED; /* the first fragment could not be put back together */
+		verdict = TC_ACT_SHOT;
+	} else {
+		verdict = ekp_tc_apply(skb, w);
+	}
 
 	ekp_count(EKP_STAT_PACKETS);
 	ekp_count(w->work.dec.outcome);

@@ -19,9 +19,11 @@
  * (10 s); UDP udp_s (30 s) until replied and older than 2 s, then udp_stream_s (120 s).
  *
  * Expiry is computed on lookup (last_seen_ns + timeout); an expired entry is a miss and is
- * overwritten by the next flow on its tuple; the LRU evicts the rest. last_seen_ns is refreshed
- * at most once a second; the refresh also checks that the twin exists (re-creating it when the
- * LRU evicted it: EKP_STAT_CT_REBUILT) and, for TCP, that the backend is still on the node.
+ * overwritten by the next flow on its tuple; the early-drop queue deletes flows that never became
+ * assured, or closed, a ring after they began or closed (ekp_ctq.h); the LRU evicts the rest.
+ * last_seen_ns is refreshed at most once a second; the refresh also checks that the twin exists
+ * (re-creating it when the LRU evicted it: EKP_STAT_CT_REBUILT) and, for TCP, that the backend is
+ * still on the node.
  */
 #ifndef EKP_CT_H
 #define EKP_CT_H

@@ -6,7 +6,9 @@
  * cgroup socket program shares this file and differs only in how it applies a decision.
  *
  *   ICMP error quoting TCP/UDP -> conntrack of the quoted flow -> RELATED (translate it back)
- *   later fragment             -> ports of its first fragment (ekp_frag), or drop FRAG_NO_FIRST
+ *   later fragment             -> ports of its first fragment (ekp_frag); none: HOLD when a
+ *                                 translated flow may use its addresses (ekp_addr), else PASS
+ *   first fragment             -> its ports recorded; `release` set when later ones are held
  *   TTL <= 1                   -> PASS (the stack answers with time exceeded, quoting the packet
  *                                 as its sender sent it)
  *   conntrack FORWARD hit      -> TRANSLATE to the backend (and the SNAT source)
@@ -26,6 +28,7 @@
 
 #include "ekp_abi.h"
 #include "ekp_ct.h"
+#include "ekp_ctq.h"
 #include "ekp_frag.h"
 #include "ekp_icmp.h"
 #include "ekp_lb.h"
@@ -39,6 +42,8 @@ enum ekp_action {
 	EKP_ACT_TRANSLATE, /* rewrite it to the decided tuple and deliver it */
 	EKP_ACT_REJECT,    /* answer it with an ICMP port unreachable from its destination */
 	EKP_ACT_RELATED,   /* an ICMP error: rewrite outer and quoted tuples, deliver it */
+	EKP_ACT_HOLD,      /* a later fragment before its first: keep it, put it back when the first
+			    * comes (the hook's business: ekp_tc_frag.h for tc) */
 };
 
 struct ekp_decision {
@@ -53,7 +58,8 @@ struct ekp_decision {
 	__be32 in_saddr;
 	__be32 in_daddr;
 	__u8 action;      /* enum ekp_action */
-	__u8 pad[3];
+	__u8 release;     /* a first fragment whose later fragments are held: put them back first */
+	__u8 pad[2];
 };
 
 /* Everything a decision works on, kept by the caller in a per-CPU array rather than on the stack:
@@ -65,6 +71,7 @@ struct ekp_work {
 	struct ekp_pkt pkt;
 	struct ekp_decision dec;
 	struct ekp_flow flow;
+	struct ekp_ctq_req queue; /* a flow that began or closed, for the early-drop queue */
 };
 
 static __always_inline void ekp_verdict(struct ekp_decision *d, __u8 action, __u32 outcome)
@@ -83,15 +90,23 @@ static __always_inline const struct ekp_config *ekp_config_get(void)
 	return ekp_cfg_lookup(&slot);
 }
 
-/* A usable conntrack hit: move the flow's state, refresh, and translate. */
+/* A usable conntrack hit: move the flow's state, refresh, and translate. A flow that closes
+ * here is queued for early drop (ekp_ctq.h) under its FORWARD key. */
 static __always_inline void ekp_decide_hit(struct ekp_ct_entry *ep, struct ekp_ct_key *k, const struct ekp_pkt *p,
-					   __u64 now, struct ekp_decision *d)
+					   __u64 now, struct ekp_decision *d, struct ekp_ctq_req *q)
 {
 	__u16 set = ekp_ct_transition(ep, p, k->dir, now);
 
 	if (set) {
+		int closes = !ekp_ct_closed(ep->flags) && ekp_ct_closed(ep->flags | set);
 		ep->last_seen_ns = now; /* the new state's timeout runs from here */
 		ekp_ct_mark(ep, k, set);
+		if (closes) {
+			struct ekp_ct_key fkey = *k;
+			if (k->dir == EKP_CT_REPLY)
+				ekp_ct_twin_key(&fkey, k, ep);
+			ekp_ctq_want(q, &fkey, ep->created_s);
+		}
 	} else if (ekp_ct_refresh(ep, k, now)) {
 		d->marks |= 1 << EKP_STAT_CT_REBUILT;
 	}
@@ -127,7 +142,7 @@ static __always_inline void ekp_decide_hit(struct ekp_ct_entry *ep, struct ekp_c
 static __always_inline void ekp_decide_no_endpoints(const struct ekp_pkt *p, const struct ekp_config *cfg,
 						    __u64 now, struct ekp_decision *d)
 {
-	if (!ekp_icmp_wanted(p)) {
+	if (!ekp_icmp_wanted(p) || p->frag == EKP_FRAG_LATER) { /* no ICMP error about a later fragment */
 		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_NO_ENDPOINTS);
 		return;
 	}
@@ -138,9 +153,11 @@ static __always_inline void ekp_decide_no_endpoints(const struct ekp_pkt *p, con
 	ekp_verdict(d, EKP_ACT_REJECT, EKP_DROP_NO_ENDPOINTS);
 }
 
-/* Writes the flow `f` (conntrack) and decides its first packet's translation. */
+/* Writes the flow `f` (conntrack), queues it for early drop and decides its first packet's
+ * translation. */
 static __always_inline void ekp_decide_create(const struct ekp_pkt *p, struct ekp_flow *f,
-					      const struct ekp_config *cfg, __u64 now, struct ekp_decision *d)
+					      const struct ekp_config *cfg, __u64 now, struct ekp_decision *d,
+					      struct ekp_ctq_req *q)
 {
 	int reason = ekp_ct_create(p, f, cfg, now);
 
@@ -148,6 +165,9 @@ static __always_inline void ekp_decide_create(const struct ekp_pkt *p, struct ek
 		ekp_verdict(d, EKP_ACT_DROP, reason);
 		return;
 	}
+	struct ekp_ct_key fkey = {};
+	ekp_ct_key_of(&fkey, p, EKP_CT_FORWARD);
+	ekp_ctq_want(q, &fkey, now / EKP_NSEC);
 	d->saddr = (f->ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr;
 	d->sport = (f->ct_flags & EKP_CT_SNAT) ? f->snat_port : p->sport;
 	d->daddr = f->be_addr;
@@ -264,15 +284,15 @@ static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const st
 	}
 }
 
-/* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result). */
-static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scope)
+/* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result); a flow it
+ * starts or closes is left in w->queue. */
+static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __u8 scope)
 {
 	struct ekp_pkt *p = &w->pkt;
 	struct ekp_decision *d = &w->dec;
 	struct ekp_flow *f = &w->flow;
+	struct ekp_ctq_req *q = &w->queue;
 
-	__builtin_memset(d, 0, sizeof(*d));
-	__builtin_memset(f, 0, sizeof(*f));
 	d->saddr = p->saddr;
 	d->daddr = p->daddr;
 	d->sport = p->sport;
@@ -297,26 +317,31 @@ static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scop
 	}
 	if (parsed == EKP_PARSE_LATER) {
 		if (!ekp_frag_ports(p)) {
-			ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_FRAG_NO_FIRST);
+			/* Before its first fragment: held when a translated flow may use these addresses
+			 * (it goes back into the path when the first comes), else left to the stack,
+			 * which reassembles it whatever the order. */
+			if (ekp_frag_may_translate(p, scope, cfg))
+				ekp_verdict(d, EKP_ACT_HOLD, EKP_STAT_FRAG_HELD);
 			return;
 		}
 		d->sport = p->sport;
 		d->dport = p->dport;
 	} else if (p->frag == EKP_FRAG_FIRST) {
 		ekp_frag_record(p);
+		d->release = ekp_frag_held(p, now);
 	}
 
 	struct ekp_ct_key key = {};
 	ekp_ct_key_of(&key, p, EKP_CT_FORWARD);
 	struct ekp_ct_entry *ct = ekp_ct_lookup(&key);
 	if (ct && ekp_ct_usable_forward(ct, p, cfg, now)) {
-		ekp_decide_hit(ct, &key, p, now, d);
+		ekp_decide_hit(ct, &key, p, now, d, q);
 		return;
 	}
 	key.dir = EKP_CT_REPLY;
 	ct = ekp_ct_lookup(&key);
 	if (ct && ekp_ct_usable_reply(ct, p, cfg, now)) {
-		ekp_decide_hit(ct, &key, p, now, d);
+		ekp_decide_hit(ct, &key, p, now, d, q);
 		return;
 	}
 
@@ -329,7 +354,22 @@ static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scop
 			return;
 		ekp_flow_direct(f, p);
 	}
-	ekp_decide_create(p, f, cfg, now, d);
+	ekp_decide_create(p, f, cfg, now, d, q);
+}
+
+/* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result), then queues
+ * the flow it started or closed (ekp_ctq.h: written once, here, rather than on each path). */
+static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scope)
+{
+	__builtin_memset(&w->dec, 0, sizeof(w->dec));
+	__builtin_memset(&w->flow, 0, sizeof(w->flow));
+	w->queue.want = 0;
+	ekp_decide_packet(w, parsed, scope);
+	if (w->queue.want) {
+		__u32 evicted = ekp_ctq_push(&w->queue);
+		if (evicted)
+			w->dec.marks |= 1 << evicted;
+	}
 }
 
 #endif /* EKP_DECIDE_H */

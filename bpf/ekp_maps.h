@@ -24,12 +24,21 @@
 #if !defined(EKP_FE_MAX) || !defined(EKP_SLOT_MAX) || !defined(EKP_BE_MAX) || !defined(EKP_RNAT_MAX) ||         \
 	!defined(EKP_MEMBER_MAX) || !defined(EKP_CT_TCP_MAX) || !defined(EKP_CT_ANY_MAX) ||                     \
 	!defined(EKP_FRAG_MAX) || !defined(EKP_AFF_MAX) || !defined(EKP_SRCR_MAX) || !defined(EKP_CFG_MAX) ||  \
-	!defined(EKP_CFGSEL_MAX) || !defined(EKP_ICMPRL_MAX) || !defined(EKP_STATS_MAX) ||                     \
+	!defined(EKP_CFGSEL_MAX) || !defined(EKP_ICMPRL_MAX) || !defined(EKP_STATS_MAX) ||                      \
+	!defined(EKP_ADDR_MAX) || !defined(EKP_CTQ_TCP_MAX) || !defined(EKP_CTQ_ANY_MAX) ||                     \
+	!defined(EKP_CTQH_MAX) || !defined(EKP_FRAGHOLD_MAX) || !defined(EKP_FRAGLAST_MAX) ||                   \
 	!defined(EKP_SKNAT_MAX) || !defined(EKP_SKCFG_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
-_Static_assert(EKP_STATS_MAX == EKP_STAT_MAX, "ekp_stats_v2 must have one slot per enum ekp_stat");
+_Static_assert(EKP_STATS_MAX == EKP_STAT_SLOTS, "ekp_stats_v3 has EKP_STAT_SLOTS slots");
+_Static_assert(EKP_STAT_MAX <= EKP_STAT_SLOTS, "a counter beyond the slots of ekp_stats_v3");
+/* struct ekp_decision.marks is a 32-bit set of enum ekp_stat: the packet path's marks must come
+ * before bit 32 (the socket programs' counters, after them, are never marks of a decision). */
+_Static_assert(EKP_STAT_SOCK_CALLS <= 32, "a packet path mark beyond struct ekp_decision.marks");
+_Static_assert(EKP_CTQH_MAX == 2, "ekp_ctqh holds one position per early-drop ring");
+_Static_assert(EKP_CTQ_TCP_MAX > 0 && EKP_CTQ_ANY_MAX > 0, "an early-drop ring needs a slot");
+_Static_assert(EKP_FRAGLAST_MAX == 1, "ekp_fraglast holds one time");
 _Static_assert(EKP_CFG_MAX == 2, "ekp_cfg_v2 holds exactly two struct ekp_config (double buffer)");
 _Static_assert(EKP_CFGSEL_MAX == 1, "ekp_cfgsel_v2 holds exactly one selector");
 _Static_assert(EKP_ICMPRL_MAX == 1, "ekp_icmprl_v2 holds one bucket per CPU");
@@ -48,6 +57,11 @@ BPF_TABLE_PINNED("lpm_trie", struct ekp_srcrange_key, struct ekp_srcrange, ekp_s
 		 EKP_PIN(ekp_srcr_v2), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("array", u32, struct ekp_config, ekp_cfg_v2, EKP_CFG_MAX, EKP_PIN(ekp_cfg_v2));
 BPF_TABLE_PINNED("array", u32, struct ekp_config_sel, ekp_cfgsel_v2, EKP_CFGSEL_MAX, EKP_PIN(ekp_cfgsel_v2));
+/* Read only for fragments that came before their first, and holding a few thousand addresses:
+ * entries are allocated as written (preallocated, 262,144 would take 20 MiB; the hash buckets
+ * alone take 4 MiB, memlock as measured). */
+BPF_TABLE_PINNED("hash", struct ekp_addr_key, struct ekp_addr, ekp_addr_v2, EKP_ADDR_MAX, EKP_PIN(ekp_addr_v2),
+		 BPF_F_NO_PREALLOC);
 
 /* Flow state, written by the data path (LRU: a full table evicts the least recently used). The
  * kernel's common LRU list (no BPF_F_NO_COMMON_LRU): every CPU can use every entry, so the tables
@@ -58,7 +72,16 @@ BPF_TABLE_PINNED("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_tcp_
 		 EKP_PIN(ekp_ct_tcp_v2));
 BPF_TABLE_PINNED("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_any_v2, EKP_CT_ANY_MAX,
 		 EKP_PIN(ekp_ct_any_v2));
+/* The early-drop rings of the two tables (bpf/ekp_ctq.h) and where each writes next. */
+BPF_TABLE_PINNED("array", u32, struct ekp_ctq_slot, ekp_ctq_tcp_v2, EKP_CTQ_TCP_MAX, EKP_PIN(ekp_ctq_tcp_v2));
+BPF_TABLE_PINNED("array", u32, struct ekp_ctq_slot, ekp_ctq_any_v2, EKP_CTQ_ANY_MAX, EKP_PIN(ekp_ctq_any_v2));
+BPF_TABLE_PINNED("array", u32, u64, ekp_ctqh_v2, EKP_CTQH_MAX, EKP_PIN(ekp_ctqh_v2));
 BPF_TABLE_PINNED("lru_hash", struct ekp_frag_key, struct ekp_frag, ekp_frag_v2, EKP_FRAG_MAX, EKP_PIN(ekp_frag_v2));
+BPF_TABLE_PINNED("lru_hash", struct ekp_fraghold_key, struct ekp_fraghold, ekp_fraghold_v2, EKP_FRAGHOLD_MAX,
+		 EKP_PIN(ekp_fraghold_v2));
+/* When a fragment was last held (bpf_ktime_get_ns): a first fragment looks for held ones only
+ * within the kernel's reassembly time after it, so in-order fragments cost what they did. */
+BPF_TABLE_PINNED("array", u32, u64, ekp_fraglast_v2, EKP_FRAGLAST_MAX, EKP_PIN(ekp_fraglast_v2));
 BPF_TABLE_PINNED("lru_hash", struct ekp_affinity_key, struct ekp_affinity, ekp_aff_v2, EKP_AFF_MAX,
 		 EKP_PIN(ekp_aff_v2));
 
@@ -71,7 +94,7 @@ BPF_TABLE_PINNED("lru_hash", struct ekp_sock_key, struct ekp_sock_nat, ekp_sknat
 
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
 BPF_TABLE_PINNED("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX, EKP_PIN(ekp_icmprl_v2));
-BPF_TABLE_PINNED("percpu_array", u32, u64, ekp_stats_v2, EKP_STATS_MAX, EKP_PIN(ekp_stats_v2));
+BPF_TABLE_PINNED("percpu_array", u32, u64, ekp_stats_v3, EKP_STATS_MAX, EKP_PIN(ekp_stats_v3));
 
 /*
  * Map access. bcc rewrites `map.lookup(...)` into helper calls only inside the main source file
@@ -95,6 +118,13 @@ static __always_inline int ekp_ct_insert(struct ekp_ct_key *k, struct ekp_ct_ent
 static __always_inline int ekp_ct_delete(struct ekp_ct_key *k);
 static __always_inline struct ekp_frag *ekp_frag_lookup(struct ekp_frag_key *k);
 static __always_inline int ekp_frag_update(struct ekp_frag_key *k, struct ekp_frag *v);
+static __always_inline struct ekp_fraghold *ekp_fraghold_lookup(struct ekp_fraghold_key *k);
+static __always_inline int ekp_fraghold_insert(struct ekp_fraghold_key *k, struct ekp_fraghold *v);
+static __always_inline int ekp_fraghold_delete(struct ekp_fraghold_key *k);
+static __always_inline u64 *ekp_fraglast_lookup(u32 *k);
+static __always_inline struct ekp_addr *ekp_addr_lookup(struct ekp_addr_key *k);
+static __always_inline struct ekp_ctq_slot *ekp_ctq_lookup(__u32 ring, __u32 *slot);
+static __always_inline u64 *ekp_ctqh_lookup(u32 *ring);
 static __always_inline struct ekp_affinity *ekp_aff_lookup(struct ekp_affinity_key *k);
 static __always_inline int ekp_aff_update(struct ekp_affinity_key *k, struct ekp_affinity *v);
 static __always_inline struct ekp_ratelimit *ekp_icmprl_lookup(u32 *k);

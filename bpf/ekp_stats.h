@@ -3,13 +3,14 @@
  * ekp_stats.h: per-CPU counters indexed by enum ekp_stat.
  *
  * Accounting rule: every packet counts EKP_STAT_PACKETS and exactly one outcome
- * (PASS, NEW_FLOWS, CT_FORWARD, CT_REPLY, CT_RELATED or one EKP_DROP_*), so
- *   PACKETS == PASS + NEW_FLOWS + CT_FORWARD + CT_REPLY + CT_RELATED + sum(drops).
- * SNAT, AFFINITY_HIT, EARLY_DROP, CT_REBUILT, PORT_REMAP and FRAGMENTS are extra marks,
- * outside that sum. The socket programs count their calls alike (ekp_sock.h): SOCK_CALLS and one of
- * SOCK_PASS, SOCK_TRANSLATED or a drop reason, so with both
- *   PACKETS + SOCK_CALLS == PASS + NEW_FLOWS + CT_FORWARD + CT_REPLY + CT_RELATED + SOCK_PASS
- *                           + SOCK_TRANSLATED + sum(drops).
+ * (PASS, NEW_FLOWS, CT_FORWARD, CT_REPLY, CT_RELATED, FRAG_HELD or one EKP_DROP_*), so
+ *   PACKETS == PASS + NEW_FLOWS + CT_FORWARD + CT_REPLY + CT_RELATED + FRAG_HELD + sum(drops).
+ * A held fragment counts again when it is put back (as the packet it then is).
+ * SNAT, AFFINITY_HIT, EARLY_DROP, CT_REBUILT, PORT_REMAP, FRAGMENTS, FRAG_RELEASED and the
+ * EVICT_* counters are extra marks, outside that sum. The socket programs count their calls alike
+ * (ekp_sock.h): SOCK_CALLS and one of SOCK_PASS, SOCK_TRANSLATED or a drop reason, so with both
+ *   PACKETS + SOCK_CALLS == PASS + NEW_FLOWS + CT_FORWARD + CT_REPLY + CT_RELATED + FRAG_HELD
+ *                           + SOCK_PASS + SOCK_TRANSLATED + sum(drops).
  */
 #ifndef EKP_STATS_H
 #define EKP_STATS_H
@@ -38,6 +39,12 @@ static __always_inline void ekp_count_marks(__u32 marks)
 		ekp_count(EKP_STAT_PORT_REMAP);
 	if (marks & (1 << EKP_STAT_FRAGMENTS))
 		ekp_count(EKP_STAT_FRAGMENTS);
+	if (marks & (1 << EKP_STAT_EVICT_UNREPLIED))
+		ekp_count(EKP_STAT_EVICT_UNREPLIED);
+	if (marks & (1 << EKP_STAT_EVICT_UNASSURED))
+		ekp_count(EKP_STAT_EVICT_UNASSURED);
+	if (marks & (1 << EKP_STAT_EVICT_CLOSED))
+		ekp_count(EKP_STAT_EVICT_CLOSED);
 }
 
 #endif /* EKP_STATS_H */

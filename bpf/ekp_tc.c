@@ -109,6 +109,45 @@ static __always_inline int ekp_frag_update(struct ekp_frag_key *k, struct ekp_fr
 	return ekp_frag_v2.update(k, v);
 }
 
+/* Fragments that came before their first, held until it comes (ekp_tc_frag.h). */
+static __always_inline struct ekp_fraghold *ekp_fraghold_lookup(struct ekp_fraghold_key *k)
+{
+	return ekp_fraghold_v2.lookup(k);
+}
+
+static __always_inline int ekp_fraghold_insert(struct ekp_fraghold_key *k, struct ekp_fraghold *v)
+{
+	return ekp_fraghold_v2.insert(k, v);
+}
+
+static __always_inline int ekp_fraghold_delete(struct ekp_fraghold_key *k)
+{
+	return ekp_fraghold_v2.delete(k);
+}
+
+static __always_inline u64 *ekp_fraglast_lookup(u32 *k)
+{
+	return ekp_fraglast_v2.lookup(k);
+}
+
+static __always_inline struct ekp_addr *ekp_addr_lookup(struct ekp_addr_key *k)
+{
+	return ekp_addr_v2.lookup(k);
+}
+
+/* The early-drop ring of a conntrack table (enum ekp_ctq_ring), and the rings' write positions. */
+static __always_inline struct ekp_ctq_slot *ekp_ctq_lookup(__u32 ring, __u32 *slot)
+{
+	if (ring == EKP_CTQ_TCP)
+		return ekp_ctq_tcp_v2.lookup(slot);
+	return ekp_ctq_any_v2.lookup(slot);
+}
+
+static __always_inline u64 *ekp_ctqh_lookup(u32 *ring)
+{
+	return ekp_ctqh_v2.lookup(ring);
+}
+
 static __always_inline struct ekp_affinity *ekp_aff_lookup(struct ekp_affinity_key *k)
 {
 	return ekp_aff_v2.lookup(k);
@@ -126,7 +165,7 @@ static __always_inline struct ekp_ratelimit *ekp_icmprl_lookup(u32 *k)
 
 static __always_inline u64 *ekp_stats_lookup(u32 *k)
 {
-	return ekp_stats_v2.lookup(k);
+	return ekp_stats_v3.lookup(k);
 }
 
 static __always_inline struct ekp_sock_config *ekp_skcfg_lookup(u32 *k)

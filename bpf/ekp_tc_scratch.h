@@ -21,6 +21,7 @@ struct ekp_tc_scratch {
 	struct ekp_work work; /* the packet, its decision and a new flow (ekp_decide.h) */
 	struct bpf_fib_lookup fib;
 	struct ekp_icmp_work icmp;
+	struct ekp_fraghold frag; /* a fragment to hold, or a first fragment saved while the held go back */
 };
 
 static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void);

@@ -14,6 +14,12 @@ namespaces. Every mode prints one JSON object on stdout.
   upload --url U --bytes N            POST N bytes to /sink, {"sent": n, "received": n, "seconds": s}
   hold   --addr A --port P --stop-file F   one TCP connection to a line echo server, a line every
                                       --interval s until F exists: {"exchanges": n, "errors": n}
+  idle   --addr A --port P --ready-file R --go-file G   one TCP connection to a line echo server:
+                                      a line, R created, nothing until G exists, one more line:
+                                      {"first": ok, "after": ok, "idle_s": s, "error": "..."}
+  frags  --addr A --port P --count N --size S   N UDP datagrams of S bytes to the UDP echo, each
+                                      sent as IPv4 fragments in reverse order (last first) through a
+                                      raw socket; reply counts as `udp`
   peer   --addr A --port P            one TCP connection: the peer getpeername() reports and the
                                       podserver's answer to GET /, or the errno name it failed with
   resolver --addr A --port P --stop-file F   a long-lived client on one connected UDP socket, as a
@@ -31,6 +37,7 @@ import hashlib
 import json
 import os
 import socket
+import struct
 import sys
 import time
 import urllib.error
@@ -257,6 +264,78 @@ def cmd_hold(a: argparse.Namespace) -> dict[str, object]:
     return {"exchanges": exchanges, "errors": errors, "first_error": first_error}
 
 
+def cmd_idle(a: argparse.Namespace) -> dict[str, object]:
+    """An established connection left idle: whatever happens meanwhile (a flood), its next line
+    must still be echoed."""
+    out: dict[str, object] = {"first": False, "after": False, "idle_s": 0.0, "error": ""}
+    try:
+        with socket.create_connection((a.addr, a.port), timeout=a.timeout) as s:
+            reader = s.makefile("rb")
+            s.sendall(b"before\n")
+            out["first"] = reader.readline() == b"before\n"
+            open(a.ready_file, "w").close()
+            start = time.monotonic()
+            while not os.path.exists(a.go_file) and time.monotonic() - start < a.max_s:
+                time.sleep(0.05)
+            out["idle_s"] = round(time.monotonic() - start, 3)
+            s.sendall(b"after\n")
+            out["after"] = reader.readline() == b"after\n"
+    except OSError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def checksum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return int(~total & 0xFFFF)
+
+
+def reversed_fragments(src: str, dst: str, sport: int, dport: int, payload: bytes, ident: int) -> list[bytes]:
+    """The IPv4 fragments (1,480 payload bytes each) of one UDP datagram, last first."""
+    saddr, daddr = socket.inet_aton(src), socket.inet_aton(dst)
+    length = 8 + len(payload)
+    header = struct.pack("!HHHH", sport, dport, length, 0)
+    csum = checksum(saddr + daddr + struct.pack("!BBH", 0, 17, length) + header + payload) or 0xFFFF
+    datagram = struct.pack("!HHHH", sport, dport, length, csum) + payload
+    out = []
+    for offset in range(0, len(datagram), 1480):
+        piece = datagram[offset : offset + 1480]
+        more = 0x2000 if offset + 1480 < len(datagram) else 0
+        ip = struct.pack(
+            "!BBHHHBBH4s4s", 0x45, 0, 20 + len(piece), ident, more | offset // 8, 64, 17, 0, saddr, daddr
+        )
+        ip = ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:]
+        out.append(ip + piece)
+    return out[::-1]
+
+
+def cmd_frags(a: argparse.Namespace) -> dict[str, object]:
+    replies: Counter[str] = Counter()
+    lost = 0
+    with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) as raw:
+        for i in range(a.count):
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.settimeout(a.timeout)
+                s.connect((a.addr, a.port))  # picks the source address and port; filters the reply
+                src, sport = s.getsockname()
+                payload = (f"frags-{i}-" + "0123456789" * (a.size // 10 + 1))[: a.size]
+                ident = (os.getpid() * 131 + i) & 0xFFFF or 1
+                for frame in reversed_fragments(src, a.addr, sport, a.port, payload.encode(), ident):
+                    raw.sendto(frame, (a.addr, 0))
+                try:
+                    data = s.recv(65535)
+                except OSError:
+                    lost += 1
+                    continue
+                name, _, echoed = data.decode().partition(" ")
+                replies[name if echoed == payload else f"bad:{data[:40]!r}"] += 1
+    return {"replies": dict(replies), "lost": lost}
+
+
 def cmd_blob(a: argparse.Namespace) -> dict[str, object]:
     h = hashlib.sha256()
     n = 0
@@ -303,6 +382,19 @@ def main() -> int:
     h.add_argument("--interval", type=float, default=0.05)
     h.add_argument("--timeout", type=float, default=5.0)
     h.add_argument("--max-s", type=float, default=120.0)
+    i = sub.add_parser("idle")
+    i.add_argument("--addr", required=True)
+    i.add_argument("--port", type=int, required=True)
+    i.add_argument("--ready-file", required=True)
+    i.add_argument("--go-file", required=True)
+    i.add_argument("--timeout", type=float, default=5.0)
+    i.add_argument("--max-s", type=float, default=120.0)
+    f = sub.add_parser("frags")
+    f.add_argument("--addr", required=True)
+    f.add_argument("--port", type=int, required=True)
+    f.add_argument("--count", type=int, default=1)
+    f.add_argument("--size", type=int, default=3000)
+    f.add_argument("--timeout", type=float, default=2.0)
     pe = sub.add_parser("peer")
     pe.add_argument("--addr", required=True)
     pe.add_argument("--port", type=int, required=True)
@@ -324,6 +416,8 @@ def main() -> int:
         "blob": cmd_blob,
         "upload": cmd_upload,
         "hold": cmd_hold,
+        "idle": cmd_idle,
+        "frags": cmd_frags,
         "peer": cmd_peer,
         "resolver": cmd_resolver,
     }

@@ -79,6 +79,12 @@ TEST_ROLES = (
     "ct_tcp",
     "ct_any",
     "frag",
+    "fraghold",
+    "fraglast",
+    "addr",
+    "ctq_tcp",
+    "ctq_any",
+    "ctqh",
     "aff",
     "srcr",
     "icmprl",
@@ -214,6 +220,18 @@ class Net:
     def remove_member(self, svc_id: int, backend_id: int) -> None:
         self.dp.maps["member"].delete(abi.MemberKey(svc_id, backend_id))
 
+    def add_address(self, addr: str, flags: int) -> None:
+        """`add_address` on this data path's maps."""
+        add_address(self.dp.maps, addr, flags)
+
+
+def add_address(maps: Mapping[str, MapWriter], addr: str, flags: int) -> None:
+    """`flags` (abi.AddrFlag) added to the ekp_addr entry of `addr`."""
+    key = abi.AddrKey(ip_be(addr))
+    old = maps["addr"].lookup(key)
+    have = old.flags if isinstance(old, abi.Addr) else 0
+    maps["addr"].update(key, abi.Addr(flags=have | flags))
+
 
 def add_service(
     maps: Mapping[str, MapWriter],
@@ -232,7 +250,8 @@ def add_service(
     slots: bool = True,
 ) -> None:
     """Backends first, then their membership, slots 1..n, the reverse NAT entry, and the
-    frontend last. Members are in the set the frontend uses (LOCAL or CLUSTER)."""
+    frontend last. Members are in the set the frontend uses (LOCAL or CLUSTER). The frontend's
+    and backends' addresses go into ekp_addr, as the planner writes them."""
     member = abi.MemberFlag.LOCAL if flags & FrontendFlag.LOCAL else abi.MemberFlag.CLUSTER
     for slot, (backend_id, be_addr, be_port, be_flags) in enumerate(backends, 1):
         value = abi.Backend(ip_be(be_addr), port_be(be_port), proto, be_flags)
@@ -240,6 +259,8 @@ def add_service(
         maps["member"].update(abi.MemberKey(svc_id, backend_id), abi.Member(flags=member))
         if slots:
             maps["slot"].update(abi.SlotKey(set_id, slot), abi.Slot(backend_id))
+        add_address(maps, be_addr, abi.AddrFlag.BACKEND)
+    add_address(maps, addr, 1 << scope)
     maps["rnat"].update(abi.RevNatKey(rev_nat_id), abi.RevNat(ip_be(addr), port_be(port)))
     fe = abi.Frontend(
         svc_id=svc_id,

@@ -168,6 +168,55 @@ def prog_run(prog_fd: int, frame: bytes, ifindex: int) -> tuple[int, bytes]:
     return int(opts.retval), data_out.raw[: opts.data_size_out]
 
 
+class Capture:
+    """The frames that enter one device of the current namespace (an AF_PACKET socket): what a
+    program puts back into a device's receive path (bpf_clone_redirect to ingress) shows here."""
+
+    PACKET_OUTGOING = 4
+
+    def __init__(self, device: str) -> None:
+        import socket
+
+        self._sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
+        self._sock.bind((device, 0))
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> Capture:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def frames(self, count: int, keep: Any, timeout: float = 2.0) -> list[bytes]:
+        """The next `count` incoming frames for which `keep(frame)` is true; fewer when `timeout`
+        seconds pass without the next one (the program's clones are queued to the CPU's backlog:
+        they arrive within microseconds, the timeout only bounds a failing test)."""
+        import select
+
+        out: list[bytes] = []
+        while len(out) < count:
+            ready, _, _ = select.select([self._sock], [], [], timeout)
+            if not ready:
+                break
+            frame, addr = self._sock.recvfrom(65535)
+            if addr[2] != self.PACKET_OUTGOING and keep(frame):
+                out.append(frame)
+        return out
+
+    def drain(self) -> None:
+        """Forget what arrived so far."""
+        self._sock.setblocking(False)
+        try:
+            while True:
+                self._sock.recv(65535)
+        except BlockingIOError:
+            pass
+        finally:
+            self._sock.setblocking(True)
+
+
 # ---- scapy ------------------------------------------------------------------------------
 
 

@@ -6,10 +6,12 @@ Layers (pure ones import neither bcc nor pyroute2):
 * `plan`    ProxyState + NodeContext + Config (+ previous ids) -> MapContents (pure)
 * `delta`   old MapContents, new MapContents -> ordered, batched map writes (pure)
 * `render`  MapContents, conntrack, affinity, counters -> sorted text (pure)
-* `capacity` fill and pressure of every map, live conntrack entries (`agent inspect capacity`)
+* `capacity` fill and pressure of every map, live conntrack entries by state, early drops
+  (`agent inspect capacity`)
 * `ports`   the SNAT port range against the NodePort and local port ranges (pure)
 * `loader`, `maps`   compile, load and pin (bcc), typed map access, the double-buffered config
-* `upgrade` conntrack of an ABI v1 agent carried into the v2 tables around the first attach
+* `upgrade` conntrack of an ABI v1 agent carried into the v2 tables around the first attach;
+  the counters of ekp_stats_v2 into ekp_stats_v3
 * `attach`  clsact + direct-action cls_bpf filters, pod-device watcher (pyroute2)
 * `proxier` EbpfProxier: the Proxier of this mode, tying the above together
 

@@ -6,7 +6,8 @@ Byte order follows the header: fields named `addr`, `port`, `saddr`... marked "b
 network-order values; use the helpers below to convert, never by hand.
 
 `MAPS` is the one registry of map names: the C side declares the same names in bpf/ekp_maps.h,
-and every name carries the ABI version so a changed layout never reuses an old pinned map. Each
+and every name carries a version (the ABI's, or the map's own when its layout changed alone:
+`ekp_stats_v3`) so a changed layout never reuses an old pinned map. Each
 `MapSpec` says who writes the map (`writer`): the agent (service tables, config) or the data path
 (flow state, counters); `inspect capacity` and the metrics collector read fill and pressure of
 every map through this registry.
@@ -99,6 +100,23 @@ class CtFlag(IntEnum):
     MIGRATED = 1 << 6
 
 
+class CtqRing(IntEnum):
+    """Index of a conntrack table's early-drop ring in ekp_ctqh."""
+
+    TCP = 0
+    ANY = 1
+
+
+class AddrFlag(IntEnum):
+    FRONTEND_EXTERNAL = 1 << 0  # 1 << Scope.EXTERNAL
+    FRONTEND_INTERNAL = 1 << 1  # 1 << Scope.INTERNAL
+    BACKEND = 1 << 2
+
+
+FRAGHOLD_SLOTS = 8
+FRAGHOLD_LEN = 1520
+
+
 class Stat(IntEnum):
     PACKETS = 0
     NEW_FLOWS = 1
@@ -125,16 +143,23 @@ class Stat(IntEnum):
     DROP_BACKEND_GONE = 22
     DROP_ICMP_RATE = 23
     DROP_FRAG_NEEDED = 24
-    SOCK_CALLS = 25
-    SOCK_PASS = 26
-    SOCK_TRANSLATED = 27
-    SOCK_REVNAT = 28
-    SOCK_DESTROYED = 29
+    # Since ekp_stats_v3 new counters go at the end, whatever their kind (drops are named DROP_*).
+    FRAG_HELD = 25
+    FRAG_RELEASED = 26
+    EVICT_UNREPLIED = 27
+    EVICT_UNASSURED = 28
+    EVICT_CLOSED = 29
+    SOCK_CALLS = 30
+    SOCK_PASS = 31
+    SOCK_TRANSLATED = 32
+    SOCK_REVNAT = 33
+    SOCK_DESTROYED = 34
 
 
 STAT_DROP_FIRST = Stat.DROP_MALFORMED
-STAT_COUNT = 30
-# Drop reasons are named DROP_* (C: EKP_DROP_*), wherever they sit in the enum.
+STAT_COUNT = 35
+STAT_SLOTS = 64  # ekp_stats_v3's size: room for later counters without a new map
+# The drop reasons, by name (a reason added later goes at the end of the enum, after other kinds).
 DROPS: tuple[Stat, ...] = tuple(s for s in Stat if s.name.startswith("DROP_"))
 # Every packet counts PACKETS and every connect()/sendmsg() the socket programs see counts
 # SOCK_CALLS; each of them counts exactly one of OUTCOMES (bpf/ekp_stats.h, ekp_abi.h), so
@@ -146,10 +171,17 @@ OUTCOMES: tuple[Stat, ...] = (
     Stat.CT_FORWARD,
     Stat.CT_REPLY,
     Stat.CT_RELATED,
+    Stat.FRAG_HELD,
     Stat.SOCK_PASS,
     Stat.SOCK_TRANSLATED,
     *DROPS,
 )
+# Flows the early-drop queues deleted, by the state they were in (bpf/ekp_ctq.h).
+EVICTIONS: dict[Stat, str] = {
+    Stat.EVICT_UNREPLIED: "unreplied",
+    Stat.EVICT_UNASSURED: "unassured",
+    Stat.EVICT_CLOSED: "closed",
+}
 
 
 class _Struct(ctypes.Structure):
@@ -258,6 +290,35 @@ class Frag(_Struct):
     _fields_ = [("sport", u16), ("dport", u16), ("pad", u32)]
 
 
+class FragHoldKey(_Struct):
+    _fields_ = [("saddr", u32), ("daddr", u32), ("id", u16), ("proto", u8), ("slot", u8)]
+
+
+class FragHold(_Struct):
+    _fields_ = [("ifindex", u32), ("len", u16), ("pad", u16), ("data", u8 * FRAGHOLD_LEN)]
+
+
+class AddrKey(_Struct):
+    _fields_ = [("addr", u32)]
+
+
+class Addr(_Struct):
+    _fields_ = [("flags", u8), ("pad", u8 * 3)]
+
+
+class CtqSlot(_Struct):
+    _fields_ = [
+        ("saddr", u32),
+        ("daddr", u32),
+        ("sport", u16),
+        ("dport", u16),
+        ("proto", u8),
+        ("dir", u8),
+        ("pad", u16),
+        ("created_s", u32),
+    ]
+
+
 class AffinityKey(_Struct):
     _fields_ = [("client", u32), ("svc_id", u32)]
 
@@ -328,6 +389,11 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_ct_entry": CtEntry,
     "ekp_frag_key": FragKey,
     "ekp_frag": Frag,
+    "ekp_fraghold_key": FragHoldKey,
+    "ekp_fraghold": FragHold,
+    "ekp_addr_key": AddrKey,
+    "ekp_addr": Addr,
+    "ekp_ctq_slot": CtqSlot,
     "ekp_affinity_key": AffinityKey,
     "ekp_affinity": Affinity,
     "ekp_srcrange_key": SrcRangeKey,
@@ -358,7 +424,9 @@ class MapSpec:
     size_macro: str  # the -D macro the C side reads the size from
     writer: Writer = Writer.AGENT
     flag: str = ""  # the agent flag that sets the size, when there is one
-    version: int = ABI_VERSION  # an older layout's maps are described with their own version
+    # ABI_VERSION unless this map's layout changed alone (ekp_stats_v3), or an older layout's map
+    # is described (agent/ebpf/upgrade.py)
+    version: int = ABI_VERSION
 
     @property
     def name(self) -> str:
@@ -382,16 +450,37 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("srcr", "lpm_trie", SrcRangeKey, SrcRange, 16384, "EKP_SRCR_MAX"),
         MapSpec("cfg", "array", ctypes.c_uint32, Config, 2, "EKP_CFG_MAX"),
         MapSpec("cfgsel", "array", ctypes.c_uint32, ConfigSel, 1, "EKP_CFGSEL_MAX"),
+        MapSpec("addr", "hash", AddrKey, Addr, 262144, "EKP_ADDR_MAX"),
         MapSpec("ct_tcp", "lru_hash", CtKey, CtEntry, 0, "EKP_CT_TCP_MAX", _DP, "--bpf-ct-global-tcp-max"),
         MapSpec("ct_any", "lru_hash", CtKey, CtEntry, 0, "EKP_CT_ANY_MAX", _DP, "--bpf-ct-global-any-max"),
+        MapSpec("ctq_tcp", "array", ctypes.c_uint32, CtqSlot, 0, "EKP_CTQ_TCP_MAX", _DP),
+        MapSpec("ctq_any", "array", ctypes.c_uint32, CtqSlot, 0, "EKP_CTQ_ANY_MAX", _DP),
+        MapSpec("ctqh", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_CTQH_MAX", _DP),
         MapSpec("frag", "lru_hash", FragKey, Frag, 8192, "EKP_FRAG_MAX", _DP),
+        MapSpec("fraghold", "lru_hash", FragHoldKey, FragHold, 1024, "EKP_FRAGHOLD_MAX", _DP),
+        MapSpec("fraglast", "array", ctypes.c_uint32, ctypes.c_uint64, 1, "EKP_FRAGLAST_MAX", _DP),
         MapSpec("aff", "lru_hash", AffinityKey, Affinity, 65536, "EKP_AFF_MAX", _DP),
         MapSpec("icmprl", "percpu_array", ctypes.c_uint32, RateLimit, 1, "EKP_ICMPRL_MAX", _DP),
-        MapSpec("stats", "percpu_array", ctypes.c_uint32, ctypes.c_uint64, STAT_COUNT, "EKP_STATS_MAX", _DP),
+        # v3: 64 slots (v2 had exactly its 25 counters, so a counter added grew the map)
+        MapSpec(
+            "stats",
+            "percpu_array",
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            STAT_SLOTS,
+            "EKP_STATS_MAX",
+            _DP,
+            version=3,
+        ),
         MapSpec("skcfg", "array", ctypes.c_uint32, SockConfig, 1, "EKP_SKCFG_MAX"),
         MapSpec("sknat", "lru_hash", SockKey, SockNat, 65536, "EKP_SKNAT_MAX", _DP),
     )
 }
+
+# The early-drop ring of each conntrack table, and how it is sized: a ring of N slots lets at most
+# N flows be unassured or closed (2 N entries), half the table (bpf/ekp_ctq.h).
+CT_QUEUES = {"ct_tcp": "ctq_tcp", "ct_any": "ctq_any"}
+CTQ_DIVISOR = 4  # ring slots = table entries / 4
 
 # The conntrack tables, by protocol: TCP flows in ct_tcp, every other protocol in ct_any.
 CT_ROLES = ("ct_tcp", "ct_any")

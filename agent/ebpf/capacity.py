@@ -4,8 +4,12 @@ Per map (the registry abi.MAPS): entries, capacity (max_entries as the kernel re
 (entries / capacity) and, for the conntrack tables, how many entries are live (not expired by the
 timeouts of the live config: an LRU table keeps dead entries until it needs their room, so a
 full table is normal; a table full of *live* entries is the pressure to act on: raise
---bpf-ct-global-tcp-max / --bpf-ct-global-any-max). Arrays are fixed: their entries are their
-capacity. Evictions of live flows show up as `drop_no_flow` in `agent inspect stats`.
+--bpf-ct-global-tcp-max / --bpf-ct-global-any-max). Live conntrack entries are split by state:
+assured (established, open), unassured (handshake not completed, UDP not a stream) and closed
+(RST or FINs both ways); the early-drop queues (bpf/ekp_ctq.h) keep the last two to at most half
+of each table, and the flows they deleted are counted by state (`early drops` line, from the
+counters). Arrays are fixed: their entries are their capacity. Evictions of live assured flows
+(a table full of them) show up as `drop_no_flow` in `agent inspect stats`.
 
 `fill_of` and `render_capacity` are pure; `read_fill` walks the maps (one batch dump each) and is
 what a metrics collector calls (agent.metrics' engineer: the `MapFill` fields are the gauges).
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.ebpf import abi
-from agent.ebpf.abi import CT_ROLES, MAPS, CtEntry, CtFlag, CtKey, MapSpec
+from agent.ebpf.abi import CT_ROLES, EVICTIONS, MAPS, CtEntry, CtFlag, CtKey, MapSpec, Stat
 
 _ARRAYS = frozenset({"array", "percpu_array"})
 
@@ -43,6 +47,7 @@ class MapFill:
     entries: int
     capacity: int
     live: int | None = None  # conntrack tables: entries not expired
+    states: tuple[tuple[str, int], ...] = ()  # conntrack tables: live entries by CT_STATES
 
     @property
     def fill(self) -> float:
@@ -71,20 +76,47 @@ def ct_timeout_s(cfg: abi.Config | None, proto: int, flags: int) -> int:
     return get("udp_stream_s") if flags & CtFlag.ESTABLISHED else get("udp_s")
 
 
-def live_entries(entries: Iterable[tuple[Any, Any]], cfg: abi.Config | None, now_ns: int) -> int:
-    """How many conntrack entries are not expired at `now_ns` (CLOCK_MONOTONIC)."""
-    live = 0
+CT_STATES = ("assured", "unassured", "closed")
+
+
+def ct_state(flags: int) -> str:
+    """What the early-drop queue sees in a flow (bpf/ekp_ctq.h ekp_ctq_evictable): closed (RST, or
+    FINs both ways), else assured (established), else unassured."""
+    if flags & CtFlag.RST or (flags & CtFlag.FIN_FWD and flags & CtFlag.FIN_REPLY):
+        return "closed"
+    return "assured" if flags & CtFlag.ESTABLISHED else "unassured"
+
+
+def live_states(entries: Iterable[tuple[Any, Any]], cfg: abi.Config | None, now_ns: int) -> dict[str, int]:
+    """Conntrack entries not expired at `now_ns` (CLOCK_MONOTONIC), by CT_STATES."""
+    out = dict.fromkeys(CT_STATES, 0)
     for key, entry in entries:
         if not isinstance(key, CtKey) or not isinstance(entry, CtEntry):
             continue
         idle_s = (now_ns - entry.last_seen_ns) / 1e9
         if idle_s <= ct_timeout_s(cfg, key.proto, entry.flags):
-            live += 1
-    return live
+            out[ct_state(entry.flags)] += 1
+    return out
 
 
-def fill_of(spec: MapSpec, entries: int, capacity: int, live: int | None = None) -> MapFill:
-    return MapFill(spec.role, spec.name, spec.kind, spec.writer.value, entries, capacity, live)
+def live_entries(entries: Iterable[tuple[Any, Any]], cfg: abi.Config | None, now_ns: int) -> int:
+    """How many conntrack entries are not expired at `now_ns` (CLOCK_MONOTONIC)."""
+    return sum(live_states(entries, cfg, now_ns).values())
+
+
+def fill_of(
+    spec: MapSpec, entries: int, capacity: int, live: int | None = None, states: dict[str, int] | None = None
+) -> MapFill:
+    return MapFill(
+        spec.role,
+        spec.name,
+        spec.kind,
+        spec.writer.value,
+        entries,
+        capacity,
+        live,
+        tuple((states or {}).items()),
+    )
 
 
 def read_fill(
@@ -101,20 +133,26 @@ def read_fill(
             out.append(fill_of(spec, capacity, capacity))
         elif role in CT_ROLES:
             items = m.items()
-            out.append(fill_of(spec, len(items), capacity, live_entries(items, cfg, now_ns)))
+            states = live_states(items, cfg, now_ns)
+            out.append(fill_of(spec, len(items), capacity, sum(states.values()), states))
         else:
             out.append(fill_of(spec, len(m.items()), capacity))  # batch dumps: faster than keys
     return out
 
 
-def render_capacity(fills: Iterable[MapFill]) -> str:
-    """One line per map: `ekp_ct_tcp_v2 lru_hash datapath 1200/262144 0.5% live 800 0.3%`."""
+def render_capacity(fills: Iterable[MapFill], counters: Mapping[Stat, int] | None = None) -> str:
+    """One line per map: `ekp_ct_tcp_v2 lru_hash datapath 1200/262144 0.5% live 800 0.3% assured
+    700 unassured 90 closed 10`; with `counters` (ekp_stats), the flows the early-drop queues
+    deleted, by state: `early drops unreplied 0 unassured 52 closed 7`."""
     lines = []
     for f in fills:
         line = f"{f.name:<15} {f.kind:<12} {f.writer:<8} {f.entries}/{f.capacity} {100 * f.fill:.1f}%"
         if f.live is not None:
             line += f" live {f.live} {100 * f.pressure:.1f}%"
+            line += "".join(f" {state} {n}" for state, n in f.states)
         if f.kind in _ARRAYS:
             line = f"{f.name:<15} {f.kind:<12} {f.writer:<8} {f.capacity} fixed"
         lines.append(line)
+    if counters is not None:
+        lines.append("early drops" + "".join(f" {state} {counters[s]}" for s, state in EVICTIONS.items()))
     return "".join(line + "\n" for line in lines)

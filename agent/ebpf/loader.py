@@ -42,7 +42,7 @@ from typing import Any
 
 from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import ABI_VERSION, MAPS, PREFIX, MapSpec
+from agent.ebpf.abi import ABI_VERSION, CT_QUEUES, CTQ_DIVISOR, MAPS, PREFIX, MapSpec
 from agent.ebpf.btf import vmlinux_has
 from agent.ebpf.compile import build_id, compile_in_child, open_pinned_programs, remove_other_builds
 from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, obj_pin, possible_cpus
@@ -58,13 +58,15 @@ BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent
 # Unpinned maps each program's load owns (ekp_tc.c: ekp_scratch); a reused program keeps its own.
 PRIVATE_MAPS = 1
 
+BPF_F_NO_PREALLOC = 1 << 0
 BPF_F_NO_COMMON_LRU = 1 << 1
 _U32_MAX = (1 << 32) - 1
 # Creation flags of single maps, beyond those every map of its kind has (maps.MAP_FLAGS), exactly as
-# declared in bpf/ekp_maps.h (tests/ebpf/test_abi.py compares the two). None in ABI v2: the LRU
-# maps use the kernel's common LRU list, so every CPU can use every entry (ABI v1 had one list per
-# CPU, each CPU owning max_entries / CPUs; bpf/README.md, "Conntrack capacity", has the measurement).
-ROLE_FLAGS: dict[str, int] = {}
+# declared in bpf/ekp_maps.h (tests/ebpf/test_abi.py compares the two). The LRU maps use the
+# kernel's common LRU list, so every CPU can use every entry (ABI v1 had one list per CPU, each CPU
+# owning max_entries / CPUs; bpf/README.md, "Conntrack capacity", has the measurement). The
+# service addresses are allocated as written: a few thousand entries, read only for fragments.
+ROLE_FLAGS: dict[str, int] = {"addr": BPF_F_NO_PREALLOC}
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
@@ -90,7 +92,11 @@ def default_bpf_dir() -> Path:
 def map_size(spec: MapSpec, sizes: MapSizes) -> int:
     """max_entries of a map: from MapSizes when it has the role, else the registry's default. A
     size left to be derived (0) that nobody resolved takes kube-proxy's default conntrack
-    settings on this machine's CPUs (the proxier resolves it from Config.conntrack first)."""
+    settings on this machine's CPUs (the proxier resolves it from Config.conntrack first). An
+    early-drop ring follows its conntrack table (a pinned table keeps its size, so its ring does)."""
+    table = next((ct for ct, ring in CT_QUEUES.items() if ring == spec.role), None)
+    if table is not None:  # an early-drop ring: a quarter of its table's entries
+        return max(1, map_size(MAPS[table], sizes) // CTQ_DIVISOR)
     size = int(getattr(sizes, spec.role, spec.default_size))
     if size == 0:
         resolved = sizes.with_conntrack(ConntrackSettings(), os.cpu_count() or 1)

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 from agent.config import Config, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.abi import (
+    Addr,
+    AddrKey,
     Backend,
     BackendKey,
     Frontend,
@@ -48,11 +50,12 @@ class MapContents:
     rnat: dict[RevNatKey, RevNat] = field(default_factory=dict)
     member: dict[MemberKey, Member] = field(default_factory=dict)
     srcr: dict[SrcRangeKey, SrcRange] = field(default_factory=dict)
+    addr: dict[AddrKey, Addr] = field(default_factory=dict)
     cfg: abi.Config | None = None
     fe_names: dict[FrontendKey, str] = field(default_factory=dict)
 
     def table(self, role: str) -> dict[Any, Any]:
-        """The entries of one map role ("fe", "slot", "be", "rnat", "member" or "srcr")."""
+        """The entries of one map role ("fe", "slot", "be", "rnat", "member", "srcr" or "addr")."""
         if role not in ROLES:
             raise KeyError(role)
         table: dict[Any, Any] = getattr(self, role)
@@ -67,6 +70,7 @@ class MapContents:
             rnat=dict(self.rnat),
             member=dict(self.member),
             srcr=dict(self.srcr),
+            addr=dict(self.addr),
             fe_names=dict(self.fe_names),
         )
 

@@ -44,6 +44,9 @@ State kept between syncs, all plain ints and tuples (`agent.ebpf.codec` packs th
   not meet a new one under the same id; an id returns to the pool only once the kernel holds no
   entry under it. On start, `reconcile` re-adopts the ids the pinned maps hold (a frontend's
   service port, set and reverse-NAT ids, a backend's id), so a restart rewrites nothing that is still right.
+* `addr` (ekp_addr) is derived from the desired frontends and backends after each update: one
+  entry per address, with a bit per scope it has frontends in and BACKEND when a backend is on
+  it. The data path reads it only for a fragment that came before its first (bpf/ekp_frag.h).
 
 Flush order (nothing a packet can reach ever points at something missing, and room is made before
 it is needed, so a desired state that fits the maps is always reached):
@@ -51,14 +54,15 @@ it is needed, so a desired state that fits the maps is always reached):
 1. deletions that are safe now: frontends that are no longer wanted, source ranges, slots no
    written frontend can reach, membership no written slot of the port backs, backends no written
    slot points at, reverse-NAT entries no written frontend uses;
-2. writes, in the order backends, membership, reverse NAT, source ranges, slots, frontends (a set
+2. writes, in the order addresses, backends, membership, reverse NAT, source ranges, slots,
+   frontends (a set
    that grows gets its slots before its count grows, a backend its membership before a slot
    points at it; a frontend moving to another set finds it complete).
    One batch per map; when a batch fails (a full map), the rest is written entry by entry and the
    service ports whose entries failed are left out of the later maps and reported;
 3. deletions made safe by step 2 (slots beyond a shrunk count, membership of backends that left,
-   backends and reverse NAT left unreferenced), then once more the writes that failed, now that
-   room may have been made.
+   backends and reverse NAT left unreferenced, addresses no frontend or backend has any more),
+   then once more the writes that failed, now that room may have been made.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 from agent.config import Config, NodeContext
 from agent.ebpf import abi
-from agent.ebpf.abi import BackendFlag, FrontendFlag, MemberFlag, Scope
+from agent.ebpf.abi import AddrFlag, BackendFlag, FrontendFlag, MemberFlag, Scope
 from agent.ebpf.codec import KEYS, VALUES, Key, Value
 from agent.model.types import Endpoint, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 from agent.model.types import Protocol as L4
@@ -80,10 +84,13 @@ from agent.model.types import Protocol as L4
 SetKind = Literal["cluster", "local"]
 KINDS: tuple[SetKind, ...] = ("cluster", "local")
 
-# The service maps, in the order they are rendered, and the order writes go in.
-ROLES = ("fe", "slot", "be", "rnat", "member", "srcr")
-WRITE_ORDER = ("be", "member", "rnat", "srcr", "slot", "fe")
-DELETE_ORDER = ("fe", "srcr", "slot", "member", "be", "rnat")
+# The service maps, in the order they are rendered, and the order writes go in. `addr` is derived
+# from the others (the addresses of the frontends and backends): written first, deleted last, so
+# it always names at least every address the other maps use.
+ROLES = ("fe", "slot", "be", "rnat", "member", "srcr", "addr")
+WRITE_ORDER = ("addr", "be", "member", "rnat", "srcr", "slot", "fe")
+DELETE_ORDER = ("fe", "srcr", "slot", "member", "be", "rnat", "addr")
+_ADDR_BACKEND = int(AddrFlag.BACKEND)
 
 # Conntrack timeouts of the config entry that kube-proxy's settings do not cover, or cover with 0
 # ("leave the kernel's value"): the kernel's defaults (nf_conntrack_udp_timeout 30 s,
@@ -424,6 +431,10 @@ class Planner:
         self.cfg: Value | None = None
         self._failed_now: set[ServicePortName] = set()
         self._be_owners: dict[BeIdent, set[ServicePortName]] | None = None
+        # The `addr` role, derived: what each desired frontend or backend entry contributes
+        # ((role, key) -> (address, flag)) and how many contribute each (address, flag).
+        self._addr_of: dict[tuple[str, Key], tuple[int, int]] = {}
+        self._addr_refs: dict[tuple[int, int], int] = {}
 
     # ------------------------------------------------------------------ planning
 
@@ -454,7 +465,42 @@ class Planner:
                 if self._replan(spn, sp, eps, woken):
                     touched.add(spn)
             queue = sorted((spn for spn in woken if spn in state.services), key=_order)
+        self._derive_addresses()
         return touched
+
+    def _derive_addresses(self) -> None:
+        """Bring desired `addr` in line with desired `fe` and `be`: an address carries the bit of
+        each scope a frontend on it has (1 << scope) and BACKEND when a backend is on it. Only the
+        dirty frontend and backend keys are looked at (every change of theirs marks one), and
+        each key's contribution is remembered, so this costs what the change costs."""
+        touched: set[int] = set()
+        refs = self._addr_refs
+        for role in ("fe", "be"):
+            desired = self.desired[role]
+            for key in self.dirty[role]:
+                value = desired.get(key)
+                new = None if value is None else _address_of(role, key, value)
+                old = self._addr_of.get((role, key))
+                if new == old:
+                    continue
+                if old is not None:
+                    _bump(refs, old, -1)
+                    touched.add(old[0])
+                    del self._addr_of[(role, key)]
+                if new is not None:
+                    _bump(refs, new, +1)
+                    touched.add(new[0])
+                    self._addr_of[(role, key)] = new
+        desired, dirty = self.desired["addr"], self.dirty["addr"]
+        for addr in touched:
+            flags = sum(flag for flag in _ADDR_FLAGS if (addr, flag) in refs)
+            key = (addr,)
+            if flags and desired.get(key) != (flags,):
+                desired[key] = (flags,)
+                dirty.add(key)
+            elif not flags and key in desired:
+                del desired[key]
+                dirty.add(key)
 
     def _replan(
         self,
@@ -856,6 +902,8 @@ class Planner:
             ident = self._rnat_by_id.get(key[0])
             rnat = self._rnats.get(ident) if ident is not None else None
             return set(rnat.users) if rnat is not None else set()
+        elif role == "addr":
+            return set()  # shared by every frontend and backend on the address
         else:  # srcr, by its reverse-NAT id
             ident = self._rnat_by_id.get(key[1])
             rnat = self._rnats.get(ident) if ident is not None else None
@@ -994,6 +1042,17 @@ class Planner:
 
     def fe_names(self) -> dict[Key, str]:
         return {key: str(spn) for key, spn in self._fe_owner.items()}
+
+
+_ADDR_FLAGS = tuple(int(f) for f in AddrFlag)
+
+
+def _address_of(role: str, key: Key, value: Value) -> tuple[int, int]:
+    """The (address, AddrFlag) a desired frontend (key: addr, port, proto, scope) or backend
+    (value: addr, port, proto, flags) entry puts into `addr`."""
+    if role == "fe":
+        return key[0], 1 << key[3]
+    return value[0], _ADDR_BACKEND
 
 
 def _order(spn: ServicePortName) -> tuple[str, str]:

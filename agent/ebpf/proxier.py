@@ -562,7 +562,8 @@ def render_live_maps(
                 out.append(render_conntrack(flows, now))  # type: ignore[arg-type]
             elif section == "capacity":
                 capacities = {role: m.info().max_entries for role, m in maps.items()}
-                out.append(render_capacity(read_fill(maps, capacities, read_config(maps), now)))
+                fills = read_fill(maps, capacities, read_config(maps), now)
+                out.append(render_capacity(fills, read_stats(maps["stats"])))
             elif section == "sockets":
                 cfg = maps["skcfg"].lookup(ctypes.c_uint32(0))
                 links = {

@@ -26,6 +26,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
 
 from agent.ebpf.abi import (
+    Addr,
+    AddrFlag,
+    AddrKey,
     Affinity,
     AffinityKey,
     Backend,
@@ -128,6 +131,10 @@ def srcr_line(key: SrcRangeKey, value: SrcRange) -> str:
     return f"srcr rnat={key.rev_nat_id} {ip_str(key.addr)}/{key.prefixlen - 32} -> {verdict}"
 
 
+def addr_line(key: AddrKey, value: Addr) -> str:
+    return f"addr {ip_str(key.addr)} -> {flag_names(value.flags, AddrFlag, ',').lower()}"
+
+
 def render_contents(contents: MapContents, names: Mapping[FrontendKey, str] | None = None) -> str:
     """Every entry of `contents`, one a line, sorted; `names` annotate the frontends."""
     lines: list[str] = []
@@ -150,6 +157,8 @@ def render_contents(contents: MapContents, names: Mapping[FrontendKey, str] | No
         contents.srcr.items(), key=lambda kv: (kv[0].rev_nat_id, _ip_sort(kv[0].addr), kv[0].prefixlen)
     ):
         lines.append(srcr_line(srkey, sr))
+    for akey, addr in sorted(contents.addr.items(), key=lambda kv: _ip_sort(kv[0].addr)):
+        lines.append(addr_line(akey, addr))
     return "".join(line + "\n" for line in lines)
 
 

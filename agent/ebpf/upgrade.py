@@ -1,4 +1,5 @@
-"""Carrying the conntrack of an ABI v1 agent over to ABI v2, so an upgrade drops no connection.
+"""Carrying the conntrack of an ABI v1 agent over to ABI v2, so an upgrade drops no connection, and
+the counters of `ekp_stats_v2` over to `ekp_stats_v3`.
 
 An agent of this version started over maps pinned by a v1 agent finds the v1 programs still
 attached and serving (the old agent left them in place) and their flows in `ekp_ct_v1`. The v2
@@ -20,6 +21,14 @@ v1 -> v2, per entry (`convert_v1_entry`, pure):
     (the same 10 s closing timeout and port-reuse rule v1 applied).
 
 The conversion is pure and tested with literal entries; `V1Maps` reads the v1 pins.
+
+Counters: `ekp_stats_v3` has room for 64 counters where v2 had exactly its 25 (a pinned map is
+never resized, so a counter added meant a new map). Before the new programs take over, while the
+old ones still count into v2 and nothing has counted into v3, every v2 counter is copied into v3
+(summed over CPUs, written on CPU 0), so `agent inspect stats` and the metrics go on from where
+they were; the v2 pin goes with the other stale pins. Packets the old programs count between the
+copy and the attach (milliseconds) are not carried. Nothing is copied into a v3 map that counted
+already (an agent that stopped between the copy and the removal of the v2 pin).
 """
 
 from __future__ import annotations
@@ -77,6 +86,8 @@ V1_SNAT, V1_CLOSING = 1 << 0, 1 << 1
 
 V1_CT = MapSpec("ct", "lru_hash", V1CtKey, V1CtEntry, 524288, "EKP_CT_MAX", Writer.DATAPATH, version=V1)
 V1_RNAT = MapSpec("rnat", "hash", abi.RevNatKey, abi.RevNat, 65536, "EKP_RNAT_MAX", version=V1)
+# ekp_stats_v2: its 25 counters are the first 25 of v3, index for index.
+V2_STATS = MapSpec("stats", "percpu_array", _u32, _u64, 25, "EKP_STATS_MAX", Writer.DATAPATH, version=2)
 
 # (address be, port be, protocol) -> id, as the v2 maps hold them.
 Ident = tuple[int, int, int]
@@ -172,10 +183,28 @@ class Upgrade:
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
         if self.pending:
             self._carry(maps, "before the v2 programs take over")
+        if os.path.exists(os.path.join(self.pin_path, V2_STATS.name)):
+            self._carry_counters(maps["stats"])
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         if self.pending:
             self._carry(maps, "after the v2 programs took over")
+
+    def _carry_counters(self, stats: MapWriter) -> None:
+        from agent.ebpf.maps import BpfMap, read_stats
+
+        if any(read_stats(stats).values()):
+            log.info(
+                "%s counts already: the counters of %s are not carried over", stats.spec.name, V2_STATS.name
+            )
+            return
+        with BpfMap.open_pinned(V2_STATS, self.pin_path) as old:
+            counters = [(k, v) for k, v in old.items() if int(getattr(v, "value", 0))]
+        for key, value in counters:
+            stats.update(key, value)
+        log.info(
+            "upgrade from %s: %d counters carried over into %s", V2_STATS.name, len(counters), stats.spec.name
+        )
 
     def _carry(self, maps: Mapping[str, MapWriter], when: str) -> None:
         from agent.ebpf.maps import BpfMap, MapError, UpdateFlag

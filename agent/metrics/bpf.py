@@ -14,12 +14,16 @@ Families (`map` is the kernel name, e.g. `ekp_ct_tcp_v2`):
   `ekp_datapath_drops_total{reason="no_flow"}` counts the live flows an eviction cost.
 * `ekp_bpf_map_up{map}`: 1 when the map could be read at this scrape, 0 otherwise (not pinned
   yet, or pinned by a different layout).
-* the data path's counters from `ekp_stats_v2`, summed over CPUs: packets, new flows, conntrack
+* the data path's counters from `ekp_stats_v3`, summed over CPUs: packets, new flows, conntrack
   hits by direction (ICMP errors about a flow count as `related`), SNAT, affinity hits, packets
-  passed to the stack, drops by reason, and flow events (SNAT port early drops and remaps,
-  conntrack entries rebuilt, fragments translated); the socket programs' connect()/sendmsg()
-  calls by outcome (their refusals count among the drops, by the same reasons), reverse
-  translations and UDP sockets ended.
+  passed to the stack, drops by reason, flow events (SNAT port early drops and remaps,
+  conntrack entries rebuilt, fragments translated, held before their first and put back), and
+  `ekp_datapath_conntrack_evictions_total{state}`: flows the early-drop queues deleted
+  (bpf/ekp_ctq.h), by state: `unreplied`, `unassured` (replied, never established), `closed`.
+  An established flow is never among them; one the LRU had to evict (a table full of
+  established flows) shows as `drops_total{reason="no_flow"}` when its next segment comes.
+  The socket programs' connect()/sendmsg() calls by outcome (their refusals count among the
+  drops, by the same reasons), reverse translations and UDP sockets ended.
 * `ekp_bpf_maps_scrape_duration_seconds`: what this scrape cost.
 
 Counting a hash map's entries has no kernel call, so `BpfMap.count` walks it with
@@ -42,7 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from agent.ebpf.abi import CT_ROLES, DROPS, MAPS, MapSpec, Stat
+from agent.ebpf.abi import CT_ROLES, DROPS, EVICTIONS, MAPS, MapSpec, Stat
 from agent.ebpf.maps import BpfMap, MapWriter, read_stats
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,8 @@ _FLOW_EVENTS = {
     Stat.PORT_REMAP: "snat_port_remap",
     Stat.CT_REBUILT: "conntrack_rebuilt",
     Stat.FRAGMENTS: "fragment_translated",
+    Stat.FRAG_HELD: "fragment_held",
+    Stat.FRAG_RELEASED: "fragment_released",
 }
 
 
@@ -116,8 +122,16 @@ class _Families:
         self.events = c(
             "ekp_datapath_flow_events",
             "Flow events of the eBPF data path (SNAT port early drops and remaps, conntrack entries"
-            " rebuilt from their twin, non-first fragments translated)",
+            " rebuilt from their twin, non-first fragments translated, fragments held before their"
+            " first and put back when it came)",
             labels=["event"],
+        )
+        self.evictions = c(
+            "ekp_datapath_conntrack_evictions",
+            "Flows the eBPF conntrack's early-drop queues deleted to keep room for established"
+            " ones, by the state they were in (unreplied, unassured: replied but never"
+            " established, closed)",
+            labels=["state"],
         )
         self.sock_calls = c(
             "ekp_socket_lb_calls",
@@ -149,6 +163,7 @@ class _Families:
             self.passed,
             self.drops,
             self.events,
+            self.evictions,
             self.sock_calls,
             self.sock_revnat,
             self.sock_ended,
@@ -167,6 +182,8 @@ class _Families:
             self.drops.add_metric([reason], values[stat])
         for stat, event in _FLOW_EVENTS.items():
             self.events.add_metric([event], values[stat])
+        for stat, state in EVICTIONS.items():
+            self.evictions.add_metric([state], values[stat])
         translated, passed = values[Stat.SOCK_TRANSLATED], values[Stat.SOCK_PASS]
         self.sock_calls.add_metric(["translated"], translated)
         self.sock_calls.add_metric(["passed"], passed)

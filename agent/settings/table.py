@@ -67,7 +67,21 @@ class Mode(StrEnum):
     IPTABLES = "iptables"
 
 
-MAP_SIZE_ROLES = ("fe", "slot", "be", "rnat", "member", "ct_tcp", "ct_any", "frag", "aff", "srcr", "sknat")
+MAP_SIZE_ROLES = (
+    "fe",
+    "slot",
+    "be",
+    "rnat",
+    "member",
+    "ct_tcp",
+    "ct_any",
+    "frag",
+    "fraghold",
+    "aff",
+    "srcr",
+    "addr",
+    "sknat",
+)
 
 
 @dataclass(frozen=True)

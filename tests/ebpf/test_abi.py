@@ -45,6 +45,8 @@ def c_constants() -> dict[str, int]:
         (abi.MemberFlag, "EKP_MEMBER_"),
         (abi.CtDir, "EKP_CT_"),
         (abi.CtFlag, "EKP_CT_"),
+        (abi.CtqRing, "EKP_CTQ_"),
+        (abi.AddrFlag, "EKP_ADDR_"),
         (abi.SockFlag, "EKP_SOCK_"),
     ]
     for enum, prefix in groups:
@@ -54,6 +56,9 @@ def c_constants() -> dict[str, int]:
     out["EKP_STAT_DROP_FIRST"] = int(abi.STAT_DROP_FIRST)
     out["EKP_STAT_MAX"] = abi.STAT_COUNT
     out["EKP_STAT_COUNT"] = abi.STAT_COUNT
+    out["EKP_STAT_SLOTS"] = abi.STAT_SLOTS
+    out["EKP_FRAGHOLD_SLOTS"] = abi.FRAGHOLD_SLOTS
+    out["EKP_FRAGHOLD_LEN"] = abi.FRAGHOLD_LEN
     return out
 
 
@@ -115,7 +120,9 @@ def test_constants_match(probe: dict[str, list[str]]) -> None:
 def test_every_c_constant_is_mirrored() -> None:
     """A constant added to the header without its Python twin fails here (the probe checks values)."""
     text = (BPF_DIR / "ekp_abi.h").read_text()
-    names = set(re.findall(r"\b(EKP_(?:SCOPE|FE|BE|MEMBER|CT|STAT|DROP|SOCK)_[A-Z0-9_]+)\b", text))
+    names = set(
+        re.findall(r"\b(EKP_(?:SCOPE|FE|BE|MEMBER|CT|CTQ|ADDR|FRAGHOLD|STAT|DROP|SOCK)_[A-Z0-9_]+)\b", text)
+    )
     assert names - set(c_constants()) == set()
 
 
@@ -188,9 +195,12 @@ def test_per_cpu_lru_maps_would_be_expected_rounded_to_the_possible_cpus(
 
 
 def test_map_names_fit_the_kernel_and_carry_the_version() -> None:
+    """Every name carries the ABI version, or its own later one where its layout changed alone."""
     for spec in abi.MAPS.values():
         assert len(spec.name) <= 15
-        assert spec.name == f"ekp_{spec.role}_v{abi.ABI_VERSION}"
+        assert spec.name == f"ekp_{spec.role}_v{spec.version}"
+        assert spec.version >= abi.ABI_VERSION
+    assert {s.name for s in abi.MAPS.values() if s.version != abi.ABI_VERSION} == {"ekp_stats_v3"}
 
 
 def test_stale_pins_lists_other_versions_only(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from agent.ebpf import abi
 from agent.ebpf.abi import MAPS, CtDir, CtEntry, CtFlag, CtKey
-from agent.ebpf.capacity import ct_timeout_s, live_entries, read_fill, render_capacity
+from agent.ebpf.capacity import ct_timeout_s, live_entries, live_states, read_fill, render_capacity
 from agent.ebpf.maps import FakeMap
 
 S = 10**9
@@ -44,6 +44,21 @@ def test_live_entries_count_only_unexpired_ones() -> None:
     assert live_entries(items, CFG, now) == 2
 
 
+def test_live_entries_by_state() -> None:
+    """As the early-drop queue sees them: closed first, then assured, else unassured."""
+    now = 10_000 * S
+    items: list[tuple[Any, Any]] = [
+        (CtKey(proto=6, sport=1), entry(10_000, CtFlag.ESTABLISHED)),
+        (CtKey(proto=6, sport=2), entry(10_000, CtFlag.SEEN_REPLY)),
+        (CtKey(proto=6, sport=3), entry(10_000, 0)),
+        (CtKey(proto=6, sport=4), entry(10_000, CtFlag.ESTABLISHED | CtFlag.RST)),
+        (CtKey(proto=6, sport=5), entry(10_000, CtFlag.ESTABLISHED | CtFlag.FIN_FWD)),  # half closed
+        (CtKey(proto=6, sport=6), entry(10_000, CtFlag.ESTABLISHED | CtFlag.FIN_FWD | CtFlag.FIN_REPLY)),
+        (CtKey(proto=6, sport=7), entry(10_000 - 61, 0)),  # expired
+    ]
+    assert live_states(items, CFG, now) == {"assured": 2, "unassured": 2, "closed": 2}
+
+
 def test_read_fill_and_render() -> None:
     maps = {
         role: FakeMap(spec, max_entries=100)
@@ -54,17 +69,20 @@ def test_read_fill_and_render() -> None:
     for port in range(40):
         key = CtKey(sport=port, proto=6)
         maps["ct_tcp"].update(key, entry(100 if port < 30 else 0, CtFlag.ESTABLISHED))
-    fills = read_fill(maps, {"fe": 100, "ct_tcp": 100, "stats": 25}, CFG, now_ns=200 * S)
+    fills = read_fill(maps, {"fe": 100, "ct_tcp": 100, "stats": 64}, CFG, now_ns=200 * S)
     by_role = {f.role: f for f in fills}
     assert (by_role["fe"].entries, by_role["fe"].fill, by_role["fe"].live) == (1, 0.01, None)
     ct = by_role["ct_tcp"]
     assert (ct.entries, ct.live, ct.fill, ct.pressure) == (40, 40, 0.4, 0.4)
-    assert render_capacity(fills).splitlines() == [
+    assert ct.states == (("assured", 40), ("unassured", 0), ("closed", 0))
+    counters = dict.fromkeys(abi.Stat, 0) | {abi.Stat.EVICT_UNASSURED: 52, abi.Stat.EVICT_CLOSED: 7}
+    assert render_capacity(fills, counters).splitlines() == [
         "ekp_fe_v2       hash         agent    1/100 1.0%",
-        "ekp_ct_tcp_v2   lru_hash     datapath 40/100 40.0% live 40 40.0%",
-        "ekp_stats_v2    percpu_array datapath 25 fixed",
+        "ekp_ct_tcp_v2   lru_hash     datapath 40/100 40.0% live 40 40.0% assured 40 unassured 0 closed 0",
+        "ekp_stats_v3    percpu_array datapath 64 fixed",
+        "early drops unreplied 0 unassured 52 closed 7",
     ]
     later = {
-        f.role: f for f in read_fill(maps, {"fe": 100, "ct_tcp": 100, "stats": 25}, CFG, now_ns=3650 * S)
+        f.role: f for f in read_fill(maps, {"fe": 100, "ct_tcp": 100, "stats": 64}, CFG, now_ns=3650 * S)
     }
     assert later["ct_tcp"].live == 30 and later["ct_tcp"].pressure == 0.3

@@ -1,5 +1,5 @@
-"""Floods, packet by packet: spoofed SYNs cannot lock real clients out of a NodePort, and rejects
-are rate-limited so the node is no amplifier for spoofed sources.
+"""Floods, packet by packet: spoofed SYNs cannot lock real clients out of a NodePort nor evict
+established flows, and rejects are rate-limited so the node is no amplifier for spoofed sources.
 
 The lab cases of tests/adversarial/test_floods.py, reduced to what the programs do with each packet:
 an unanswered flow has the short handshake timeout and is the first to go when the SNAT range is
@@ -15,17 +15,20 @@ from contextlib import contextmanager
 
 import pytest
 
-from agent.ebpf.abi import CtFlag, FrontendFlag, Scope, Stat
+from agent.ebpf.abi import CtFlag, CtqRing, FrontendFlag, Scope, Stat
 from agent.ebpf.loader import Datapath
 from lab.dplab import (
+    BE1,
     CLIENT,
     MAC,
     NODE,
     NODE2,
+    POD_CLIENT,
     REMOTE_BE,
     SIZES,
     SNAT_MIN,
     UDP,
+    VIP,
     Lab,
     Net,
     assert_balanced,
@@ -183,3 +186,121 @@ def test_the_default_limit_is_the_kernels(net: Net, dp: Datapath, lab: Lab) -> N
         elapsed = time.monotonic() - started
     assert 50 <= answered <= 50 + 1000 * elapsed + 1
     assert net.stats()[Stat.DROP_ICMP_RATE] == 5000 - answered
+
+
+# ---- the early-drop queue of conntrack (bpf/ekp_ctq.h) -------------------------------------
+#
+# SIZES gives the TCP table 4,096 entries (2,048 flows), so its ring has 1,024 slots: at most
+# 1,024 flows are ever unassured or closed at once. The flows below come from one pod address
+# with many source ports (a flood of any source looks the same to conntrack).
+
+RING = SIZES.ct_tcp // 4
+
+
+def syns(src: str, dst: str, dport: int, sports: range) -> Iterator[bytes]:
+    """SYN frames differing only in their source port (the TCP checksum is left as built: the
+    programs neither check nor need it)."""
+    frame = bytearray(tcp(src, dst, sports.start, dport))
+    for sport in sports:
+        frame[34:36] = sport.to_bytes(2, "big")
+        yield bytes(frame)
+
+
+def established(net: Net, sport: int) -> None:
+    """A ClusterIP connection from POD_CLIENT:sport through its handshake."""
+    assert net.from_pod(tcp(POD_CLIENT, VIP, sport, 80))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(tcp(BE1, POD_CLIENT, 8080, sport, flags="SA"))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(tcp(POD_CLIENT, VIP, sport, 80, flags="A"))[0] == TC_ACT_REDIRECT
+
+
+def answers(net: Net, sport: int) -> bool:
+    """The connection still carries a segment each way, translated."""
+    out = net.from_pod(tcp(POD_CLIENT, VIP, sport, 80, flags="PA", payload=b"ping"))
+    back = net.from_pod(tcp(BE1, POD_CLIENT, 8080, sport, flags="PA", payload=b"pong"))
+    return (
+        out[0] == back[0] == TC_ACT_REDIRECT
+        and parse(out[1]).dst == BE1
+        and (parse(back[1]).src, parse(back[1]).sport) == (VIP, 80)
+    )
+
+
+def test_a_syn_flood_six_times_the_table_leaves_every_established_flow(net: Net) -> None:
+    """12,000 SYNs never answered into a table of 2,048 flows, behind 50 idle established ones.
+    An LRU alone evicts the idle ones (the oldest); the queue deletes the flood's flows a ring
+    after they began, so the table never fills and every established flow still answers."""
+    net.add_service()
+    for sport in range(1000, 1050):
+        established(net, sport)
+    for frame in syns(POD_CLIENT, VIP, 80, range(20000, 32000)):
+        assert net.from_pod(frame)[0] == TC_ACT_REDIRECT
+    assert all(answers(net, sport) for sport in range(1000, 1050))
+    stats = net.stats()
+    assert stats[Stat.DROP_NO_FLOW] == 0
+    assert stats[Stat.EVICT_UNREPLIED] == 12000 - RING  # all but the last ring of the flood
+    assert (stats[Stat.EVICT_UNASSURED], stats[Stat.EVICT_CLOSED]) == (0, 0)
+    assert net.ct_count() == 2 * (50 + RING)
+
+
+def test_half_open_flows_are_evicted_as_unassured(net: Net) -> None:
+    """Answered by the backend (SYN-ACK) but never acked: replied, not assured."""
+    net.add_service()
+    for sport in range(2000, 2000 + RING + 76):
+        assert net.from_pod(tcp(POD_CLIENT, VIP, sport, 80))[0] == TC_ACT_REDIRECT
+        net.from_pod(tcp(BE1, POD_CLIENT, 8080, sport, flags="SA"))
+    stats = net.stats()
+    assert (stats[Stat.EVICT_UNASSURED], stats[Stat.EVICT_UNREPLIED]) == (76, 0)
+    assert (
+        net.ct(POD_CLIENT, VIP, 2075, 80) is None and net.ct(BE1, POD_CLIENT, 8080, 2075, reply=True) is None
+    )
+    assert net.ct(POD_CLIENT, VIP, 2076, 80) is not None
+
+
+def test_closed_flows_go_a_ring_after_they_close_and_half_closed_ones_stay(net: Net) -> None:
+    """Ten connections reset and five half closed (one FIN: a stream may still flow the other way,
+    for an hour), then a ring of new flows: the reset ones are deleted when the queue comes round
+    to them, the half-closed ones stay."""
+    net.add_service()
+    for sport in range(3000, 3015):
+        established(net, sport)
+    for sport in range(3000, 3010):
+        net.from_pod(tcp(POD_CLIENT, VIP, sport, 80, flags="R"))
+    for sport in range(3010, 3015):
+        net.from_pod(tcp(POD_CLIENT, VIP, sport, 80, flags="FA"))
+    for frame in syns(POD_CLIENT, VIP, 80, range(20000, 20000 + RING)):
+        net.from_pod(frame)
+    stats = net.stats()
+    assert (stats[Stat.EVICT_CLOSED], stats[Stat.EVICT_UNREPLIED]) == (10, 0)
+    assert all(net.ct(POD_CLIENT, VIP, sport, 80) is None for sport in range(3000, 3010))
+    assert all(answers(net, sport) for sport in range(3010, 3015))
+
+
+def test_a_later_flow_on_the_tuple_is_not_taken_for_the_one_queued(net: Net) -> None:
+    """The queue names a flow by its key and when it began: a flow that began later on the same
+    tuple (queued in a slot of its own) is left alone when the old slot comes round."""
+    net.add_service()
+    assert net.from_pod(tcp(POD_CLIENT, VIP, 4000, 80))[0] == TC_ACT_REDIRECT
+    entry = net.ct(POD_CLIENT, VIP, 4000, 80)
+    assert entry is not None
+    entry.created_s += 1
+    net.ct_put(POD_CLIENT, VIP, 4000, 80, entry)
+    for frame in syns(POD_CLIENT, VIP, 80, range(20000, 20000 + RING)):
+        net.from_pod(frame)
+    assert net.ct(POD_CLIENT, VIP, 4000, 80) is not None
+    assert net.stats()[Stat.EVICT_UNREPLIED] == 0
+
+
+def test_udp_flows_have_a_ring_of_their_own(net: Net) -> None:
+    """Unanswered datagrams fill the other table's ring: a UDP flood never moves the TCP ring."""
+    net.add_service()
+    net.add_service(port=53, proto=UDP, backends=((2, BE1, 5353, 1),), svc_id=2, set_id=2, rev_nat_id=2)
+    established(net, 5000)
+    frame = bytearray(udp(POD_CLIENT, VIP, 0, 53))
+    extra = 76
+    for sport in range(10000, 10000 + SIZES.ct_any // 4 + extra):
+        frame[34:36] = sport.to_bytes(2, "big")
+        assert net.from_pod(bytes(frame))[0] == TC_ACT_REDIRECT
+    stats = net.stats()
+    assert stats[Stat.EVICT_UNREPLIED] == extra
+    heads = {int(k.value): int(v.value) for k, v in net.dp.maps["ctqh"].items()}
+    assert heads == {CtqRing.TCP: 1, CtqRing.ANY: SIZES.ct_any // 4 + extra}
+    assert answers(net, 5000)

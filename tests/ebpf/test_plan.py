@@ -273,9 +273,10 @@ def test_ids_are_re_adopted_from_a_dump_whatever_the_order() -> None:
     for role in ("fe", "slot", "be", "rnat", "member"):
         for key, value in first.table(role).items():
             assert second.table(role)[key] == value
-    # only the new service's entries are written; its shared backend 10.244.2.2 keeps its id
+    # only the new service's entries are written; its shared backend 10.244.2.2 keeps its id (and
+    # its address entry): the new addresses are 10.96.0.4 and 10.244.1.9
     assert backend_ids(second)["10.244.2.2"] == backend_ids(first)["10.244.2.2"]
-    assert result.updates == {"be": 1, "member": 2, "rnat": 1, "srcr": 0, "slot": 2, "fe": 2}
+    assert result.updates == {"addr": 2, "be": 1, "member": 2, "rnat": 1, "srcr": 0, "slot": 2, "fe": 2}
     assert sum(result.deletes.values()) == 0
 
 

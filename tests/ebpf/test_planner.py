@@ -73,7 +73,8 @@ def test_one_endpoint_change_re_plans_one_port_and_writes_a_handful_of_entries()
     )
     assert changed_between(before, after) == {spn}
     result = rig.sync(after, changed={spn})
-    assert result.updates == {"be": 1, "member": 1, "rnat": 0, "srcr": 0, "slot": 1, "fe": 2}
+    # the new backend's address goes into `addr` too (10.244.9.9 is on no other service)
+    assert result.updates == {"addr": 1, "be": 1, "member": 1, "rnat": 0, "srcr": 0, "slot": 1, "fe": 2}
     assert sum(result.deletes.values()) == 0
     assert rig.planner.written == rig.planner.desired
 
@@ -84,8 +85,9 @@ def test_a_removed_service_is_unlinked_before_its_slots_and_backends_go() -> Non
         states(svc("a", "10.96.0.5", ["10.244.1.2", "10.244.1.3"]), svc("b", "10.96.0.6", ["10.244.1.3"]))
     )
     result = rig.sync(states(svc("b", "10.96.0.6", ["10.244.1.3"])))
-    # the shared backend 10.244.1.3 stays; a's frontends, slots, rev-NAT entry and own backend go
-    assert result.deletes == {"be": 1, "member": 2, "rnat": 1, "srcr": 0, "slot": 2, "fe": 2}
+    # the shared backend 10.244.1.3 stays; a's frontends, slots, rev-NAT entry and own backend go,
+    # and the addresses only a used (10.96.0.5, 10.244.1.2)
+    assert result.deletes == {"be": 1, "member": 2, "rnat": 1, "srcr": 0, "slot": 2, "fe": 2, "addr": 2}
     assert len(rig.contents().be) == 1
 
 

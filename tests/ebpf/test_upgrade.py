@@ -1,8 +1,10 @@
-"""Upgrade from ABI v1: conntrack entries of a v1 agent carried into the v2 tables.
+"""Upgrade from ABI v1: conntrack entries of a v1 agent carried into the v2 tables; and the
+counters of ekp_stats_v2 into ekp_stats_v3.
 
 Pure: `convert_v1_entry` with literal entries. Kernel: v1 conntrack and reverse-NAT maps pinned
 with their v1 layout (as a v1 agent left them), the v2 data path loaded beside them, the carry-over
-run, and the flows' next packets translated by the v2 programs as the v1 ones did.
+run, and the flows' next packets translated by the v2 programs as the v1 ones did. The counters:
+a v2 stats map pinned with its 25 slots, the data path loaded beside it, the copy.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from agent.ebpf.upgrade import (
     V1_CT,
     V1_RNAT,
     V1_SNAT,
+    V2_STATS,
     Upgrade,
     V1CtEntry,
     V1CtKey,
@@ -193,3 +196,30 @@ def test_v1_flows_go_on_through_the_v2_programs(upgraded: tuple[Datapath, str]) 
         stats = net.stats()
         assert (stats[Stat.CT_FORWARD], stats[Stat.CT_REPLY], stats[Stat.DROP_NO_FLOW]) == (2, 2, 0)
     assert [p.rsplit("/", 1)[1] for p in stale_pins(pins)] == ["ekp_ct_v1", "ekp_rnat_v1"]
+
+
+@pytest.mark.kernel
+def test_counters_of_ekp_stats_v2_go_on_in_ekp_stats_v3() -> None:
+    from agent.ebpf.maps import BpfMap, read_stats
+
+    with bpffs() as root:
+        pins = root / "ekp"
+        pins.mkdir()
+        v1_pin(str(pins), V2_STATS, 25, 0)  # as the previous agent left it
+        with BpfMap.open_pinned(V2_STATS, str(pins)) as old:
+            old.update(ctypes.c_uint32(Stat.PACKETS), ctypes.c_uint64(1000))
+            old.update(ctypes.c_uint32(Stat.DROP_FRAG_NEEDED), ctypes.c_uint64(7))
+        with Datapath(str(pins), MapSizes(**{**vars(SIZES)})) as dp:
+            upgrade = Upgrade(str(pins))
+            assert not upgrade.pending  # no v1 conntrack
+            upgrade.before_attach(dp.maps)
+            counters = read_stats(dp.maps["stats"])
+            assert (counters[Stat.PACKETS], counters[Stat.DROP_FRAG_NEEDED], counters[Stat.PASS]) == (
+                1000,
+                7,
+                0,
+            )
+            dp.maps["stats"].update(ctypes.c_uint32(Stat.PACKETS), ctypes.c_uint64(1001))  # v3 counts on
+            upgrade.before_attach(dp.maps)  # an agent restarted before the v2 pin was removed
+            assert read_stats(dp.maps["stats"])[Stat.PACKETS] == 1001
+        assert [p.rsplit("/", 1)[1] for p in stale_pins(str(pins))] == ["ekp_stats_v2"]

@@ -33,6 +33,7 @@ def fake_maps() -> dict[str, FakeMap]:
     counters = {Stat.PACKETS: 100, Stat.NEW_FLOWS: 10, Stat.CT_FORWARD: 40, Stat.CT_REPLY: 45}
     counters |= {Stat.DROP_NO_ENDPOINTS: 2, Stat.DROP_SOURCE_RANGE: 1, Stat.PASS: 5}
     counters |= {Stat.CT_RELATED: 3, Stat.DROP_BACKEND_GONE: 4, Stat.PORT_REMAP: 6}
+    counters |= {Stat.EVICT_UNASSURED: 9, Stat.EVICT_CLOSED: 2, Stat.FRAG_HELD: 7, Stat.FRAG_RELEASED: 8}
     for stat, value in counters.items():
         maps["stats"].update(ctypes.c_uint32(stat), ctypes.c_uint64(value))
     return maps
@@ -68,6 +69,10 @@ def test_entries_capacity_fill_and_counters_from_fake_maps() -> None:
     assert get("ekp_datapath_conntrack_hits_total", {"direction": "related"}) == 3
     assert get("ekp_datapath_drops_total", {"reason": "backend_gone"}) == 4
     assert get("ekp_datapath_flow_events_total", {"event": "snat_port_remap"}) == 6
+    assert get("ekp_datapath_flow_events_total", {"event": "fragment_held"}) == 7
+    assert get("ekp_datapath_flow_events_total", {"event": "fragment_released"}) == 8
+    evictions = "ekp_datapath_conntrack_evictions_total"
+    assert [get(evictions, {"state": s}) for s in ("unreplied", "unassured", "closed")] == [0, 9, 2]
     text = render(registry).decode()
     assert f'ekp_bpf_map_fill_ratio{{map="{ct_tcp}"}} 7.62939453125e-05\n' in text
     assert "# TYPE ekp_datapath_drops_total counter\n" in text

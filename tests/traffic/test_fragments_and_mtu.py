@@ -1,6 +1,7 @@
 """Large datagrams and small MTUs through services, per mode: fragments of a 4,000-byte UDP
-datagram (DNS with EDNS0, NFS) both ways, and path-MTU discovery through a ClusterIP and a
-NodePort (a large TCP upload completes, it does not stall on a black hole).
+datagram (DNS with EDNS0, NFS) both ways, fragments in reverse order (pod to pod, to the node's
+address, through a ClusterIP), and path-MTU discovery through a ClusterIP and a NodePort (a large
+TCP upload completes, it does not stall on a black hole).
 
 iptables mode gets these from the kernel (nf_defrag reassembles before NAT; nf_nat translates ICMP
 errors that quote a translated packet; the forwarding path sends fragmentation needed). eBPF mode
@@ -55,6 +56,50 @@ def test_a_4000_byte_udp_datagram_crosses_a_service_both_ways(
     assert result["replies"] == {backend: 20}, result  # echoed whole: "<name> <4,000 bytes>"
     if cluster.mode == "ebpf":  # node1 translated the later fragments itself
         assert cluster.bpf_stats()["fragments"] - before["fragments"] >= 40
+
+
+# (client, echo server, how): 3,000-byte datagrams sent as three fragments, last first
+REVERSED = [
+    ("pod-1-1", "pod-2-1", "pod"),  # pod to pod directly, across the nodes: no service involved
+    ("client", "node1", "node"),  # from outside to the node's own address (where NodePorts live)
+    ("pod-1-1", "pod-2-1", "clusterip"),  # through a ClusterIP
+]
+
+
+@pytest.mark.parametrize(("client", "server", "via"), REVERSED)
+def test_a_reversed_three_fragment_datagram_arrives(
+    cluster: Cluster, client: str, server: str, via: str
+) -> None:
+    """Some stacks send the last fragment first, and an ECMP fabric reorders fragments (the first
+    hashes by its ports, the others by their addresses alone). The kernel, and so iptables mode,
+    reassembles in any order. eBPF mode passes a fragment that comes before its first to the stack
+    untouched when no translated flow can use its addresses (pod to pod), and holds it otherwise
+    (the node's address carries NodePorts; a ClusterIP) until the first comes and puts it back:
+    every datagram is echoed whole. (Before, each lost its two later fragments:
+    `fragment_without_first`.)"""
+    n = REVERSED.index((client, server, via))
+    vip = f"10.96.3.{40 + n}"
+    svc = service(
+        f"reversed-{n}", vip, [Port("echo", 9000, 9000, "UDP", node_port=30940 + n)], type="NodePort"
+    )
+    cluster.apply(with_endpoints(svc, [ep(cluster, "pod-2-1")]))  # node1's address is a frontend
+    lab = cluster.lab
+    echo = None
+    if via == "node":  # a UDP echo of the node's own, on no NodePort
+        echo = lab.start_podserver(lab.node(server), http_ports=(18080,), udp_ports=(19000,))
+    addr, port = (N1, 19000) if via == "node" else (vip if via == "clusterip" else lab.pod(server).ip, 9000)
+    before = cluster.bpf_stats() if cluster.mode == "ebpf" else {}
+    try:
+        result = cluster.client(client, "frags", "--addr", addr, "--port", str(port), "--count", "5")
+    finally:
+        if echo is not None:
+            lab.stop(echo)
+    assert result == {"replies": {server: 5}, "lost": 0}, result
+    if cluster.mode == "ebpf":
+        after = cluster.bpf_stats()
+        delta = {k: after[k] - before[k] for k in ("frag_held", "frag_released", "drop_frag_no_first")}
+        held = 0 if via == "pod" else 10  # two later fragments of each datagram, on node1
+        assert delta == {"frag_held": held, "frag_released": held, "drop_frag_no_first": 0}, delta
 
 
 @contextmanager
