@@ -10,20 +10,26 @@ Lifecycle (kube-proxy's contract, agent/proxier.py):
   only differences (stale entries are pruned: the agent syncs only once every kind was listed),
   writes the config entry (double-buffered, agent.ebpf.maps.write_config), sets the sysctls it
   needs in Config.netns, carries the conntrack of an ABI v1 agent over (agent/ebpf/upgrade.py),
-  attaches the programs (replacing older ones atomically), carries over what the old programs
-  added meanwhile, removes pins of other ABI versions and starts the pod-device watcher.
+  attaches the programs (replacing older ones atomically), writes the socket programs' settings
+  (the node's netns cookie, host-namespace-only) and links them to their cgroup (the pinned links
+  an earlier agent left get the new programs, agent/ebpf/sockattach.py), carries over what the old
+  programs added meanwhile, removes pins of other ABI versions and starts the pod-device watcher.
   Conntrack and affinity are never flushed.
-* Later syncs re-plan only the changed service ports (`agent.ebpf.planner`) and write their entries.
-  A full sync (`changed` None, every sync period) reads the maps back first and repairs whatever
-  differs from the plan, re-pinning maps whose pin was removed (counted in SyncResult.repaired).
+* Later syncs re-plan only the changed service ports (`agent.ebpf.planner`) and write their entries;
+  one that removed a backend from a service port ends the connected UDP sockets still sent to it
+  (agent/ebpf/sockterm.py). A full sync (`changed` None, every sync period) reads the maps back
+  first and repairs whatever differs from the plan, re-pinning maps whose pin was removed (counted
+  in SyncResult.repaired), links the socket programs again where they were removed, and ends
+  stale UDP sockets too.
   When a write fails outright, what the maps hold is no longer known: the next sync reads them back.
   A map too full for a service port's entries fails that port only (SyncResult.failed).
 * Stopping the agent removes nothing: `close()` only stops the watcher and lets the fds go;
   pinned maps and attached programs keep serving traffic until the next agent re-adopts them.
-* `cleanup()` detaches our filters, removes our pins and the pin directory, and nothing else.
+* `cleanup()` detaches our filters and socket links, removes our pins and the pin directory, and
+  nothing else.
 
-The data path and the attacher are passed in as factories (real ones by default) so the tests
-swap in fakes; there is no test branch in here.
+The data path, the attachers and the socket terminator are passed in as factories (real ones by
+default) so the tests swap in fakes; there is no test branch in here.
 """
 
 from __future__ import annotations
