@@ -364,24 +364,27 @@ class EbpfProxier:
         if full or verify or node != self._attached_node:
             self._attacher.reconcile(node, full=full, verify=verify and not full)
             self._attached_node = node
-        if first or periodic:
-            self._attach_sockets(datapath)
         if first:
+            # Right after the tc programs changed: flows the old programs made meanwhile are
+            # carried over before anything else delays it.
             self._upgrade.after_attach(datapath.maps)
             stale = remove_stale_pins(self._config.pin_path)
             if stale:
                 log.info("removed pins of other ABI versions: %s", ",".join(stale))
+        if first or periodic:
+            self._attach_sockets(datapath, first=first)
+        if first:
             self._attacher.start_watcher()
             self._attached_once = True
 
-    def _attach_sockets(self, datapath: DatapathLike) -> None:
+    def _attach_sockets(self, datapath: DatapathLike, *, first: bool) -> None:
         """The socket programs: their settings written, then linked to the cgroup (first sync: a
         restarted agent swaps its build into the links it finds; periodic syncs: put back what
         was removed behind our back). Off (--bpf-socket-lb=false): links of an earlier run removed."""
         names = [name for name, _ in SOCK_HOOKS.values()]
         serving = self._config.socket_lb and all(datapath.has_program(n) for n in names)
         if not serving:
-            if self._socket_attacher is None and not self._attached_once:
+            if first:
                 if self._config.socket_lb:
                     log.error(
                         "this kernel cannot load the socket programs (they need Linux 5.18): clients "

@@ -215,13 +215,13 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     want = plan(STATE, NODE, rig.config)
     assert rig.contents().same_entries(want)
     assert render_contents(rig.contents()) == render_contents(want)
-    # the conntrack of an ABI v1 agent is carried over before and after the programs change; the
-    # socket programs are linked after the tc ones, and sockets of backends gone meanwhile ended
+    # the conntrack of an ABI v1 agent is carried over before and right after the programs change;
+    # the socket programs are linked after that, and sockets of backends gone meanwhile ended
     first = [
         "carry v1 conntrack",
         "reconcile full=True",
-        "link sockets",
         "carry v1 conntrack again",
+        "link sockets",
         "watch",
         "end stale sockets (0 so far)",
     ]
