@@ -5,7 +5,9 @@
  * Traffic a process of the node sends (a host-network pod, the kubelet, the node's resolver)
  * enters no device the tc programs watch: it is translated where it starts, in the socket calls.
  *
- *   connect4 / sendmsg4   the application names a frontend: the backend is chosen as the packet
+ *   connect4 / sendmsg4   the application names a frontend (connect6 / sendmsg6 too, for an IPv4
+ *                         address on an IPv6 socket, ::ffff:a.b.c.d, as Java and dual-stack
+ *                         runtimes dial): the backend is chosen as the packet
  *                         path chooses it (ekp_lb.h: scope INTERNAL, as kube-proxy's OUTPUT chain;
  *                         source ranges, affinity, the traffic policy's set) and written into the
  *                         call; the socket is remembered in ekp_sknat under that backend
@@ -49,6 +51,7 @@
 #define EKP_ECONNREFUSED 111
 #define EKP_EHOSTUNREACH 113
 #define EKP_AF_INET 2
+#define EKP_AF_INET6 10
 
 /* bcc 0.26 cannot emit a call to a kernel function (kfunc): the iterator calls this marker helper
  * number instead, and the loader turns each such call into a kfunc call of bpf_sock_destroy
@@ -108,19 +111,33 @@ static __always_inline void ekp_sock_remember(__u64 cookie, __u8 proto, __be32 f
 
 /* The stores into the ctx: LLVM keeps a pointer to a field it computed before a helper call, and
  * the verifier refuses stores through a modified ctx pointer; the empty asm makes it compute each
- * field's address from ctx again. */
-static __always_inline void ekp_sock_set_addr(struct bpf_sock_addr *ctx, __be32 addr, __be16 port)
+ * field's address from ctx again. An IPv6 socket (`v6`) holds the IPv4 address as the last word of
+ * its v4-mapped one (::ffff:a.b.c.d), the only IPv4 form it can dial. */
+static __always_inline void ekp_sock_set_addr(struct bpf_sock_addr *ctx, int v6, __be32 addr, __be16 port)
 {
 	asm volatile("" : "+r"(ctx));
-	ctx->user_ip4 = addr;
+	if (v6)
+		ctx->user_ip6[3] = addr;
+	else
+		ctx->user_ip4 = addr;
 	asm volatile("" : "+r"(ctx));
 	ctx->user_port = (__u32)port;
 }
 
-/* The decision of connect4 and sendmsg4: the outcome (enum ekp_stat), and for SOCK_TRANSLATED the
- * backend in *addr, *port. */
-static __always_inline __u32 ekp_sock_decide(struct bpf_sock_addr *ctx, __u32 *marks, __be32 *addr,
-					     __be16 *port)
+/* The IPv4 address an IPv6 socket's call names (v4-mapped, ::ffff:a.b.c.d), in *addr; 0 when the
+ * address is a real IPv6 one (no IPv6 Service is served). */
+static __always_inline int ekp_sock_v4_mapped(struct bpf_sock_addr *ctx, __be32 *addr)
+{
+	if (ctx->user_ip6[0] || ctx->user_ip6[1] || ctx->user_ip6[2] != htonl(0x0000ffff))
+		return 0;
+	*addr = ctx->user_ip6[3];
+	return 1;
+}
+
+/* The decision of connect and sendmsg for `daddr`:`dport`: the outcome (enum ekp_stat), and for
+ * SOCK_TRANSLATED the backend in *addr, *port. */
+static __always_inline __u32 ekp_sock_decide(struct bpf_sock_addr *ctx, __be32 daddr, __be16 dport, __u32 *marks,
+					     __be32 *addr, __be16 *port)
 {
 	__u32 proto = ctx->protocol;
 	__u32 zero = 0;
@@ -133,8 +150,6 @@ static __always_inline __u32 ekp_sock_decide(struct bpf_sock_addr *ctx, __u32 *m
 	int host = bpf_get_netns_cookie(ctx) == sc->host_netns;
 	if (!host && (sc->flags & EKP_SOCK_HOST_ONLY))
 		return EKP_STAT_SOCK_PASS;
-	__be32 daddr = ctx->user_ip4;
-	__be16 dport = ekp_sock_port(ctx);
 	if (!host && ekp_is_loopback(daddr))
 		return EKP_STAT_SOCK_PASS; /* the pod's own localhost */
 
@@ -173,36 +188,51 @@ static __always_inline __u32 ekp_sock_decide(struct bpf_sock_addr *ctx, __u32 *m
 	return EKP_STAT_SOCK_TRANSLATED;
 }
 
-/* connect4 / sendmsg4: count the call and its outcome; a refusal fails the call with its errno. */
-static __always_inline int ekp_sock_forward(struct bpf_sock_addr *ctx)
+/* connect4 / sendmsg4, and connect6 / sendmsg6 for an IPv4 address on an IPv6 socket (`v6`): count
+ * the call and its outcome; a refusal fails the call with its errno. An IPv6 socket's call to a real
+ * IPv6 address is not counted (no IPv6 Service is served). */
+static __always_inline int ekp_sock_forward(struct bpf_sock_addr *ctx, int v6)
 {
 	__u32 marks = 0;
-	__be32 addr = 0;
+	__be32 addr = 0, daddr = 0;
 	__be16 port = 0;
-	__u32 outcome = ekp_sock_decide(ctx, &marks, &addr, &port);
+
+	if (v6) {
+		if (!ekp_sock_v4_mapped(ctx, &daddr))
+			return EKP_SYS_PROCEED;
+	} else {
+		daddr = ctx->user_ip4;
+	}
+	__u32 outcome = ekp_sock_decide(ctx, daddr, ekp_sock_port(ctx), &marks, &addr, &port);
 
 	ekp_count(EKP_STAT_SOCK_CALLS);
 	ekp_count(outcome);
 	ekp_count_marks(marks);
 	if (outcome == EKP_STAT_SOCK_TRANSLATED)
-		ekp_sock_set_addr(ctx, addr, port);
+		ekp_sock_set_addr(ctx, v6, addr, port);
 	if (outcome == EKP_STAT_SOCK_PASS || outcome == EKP_STAT_SOCK_TRANSLATED)
 		return EKP_SYS_PROCEED;
 	bpf_set_retval(outcome == EKP_DROP_NO_ENDPOINTS ? -EKP_ECONNREFUSED : -EKP_EHOSTUNREACH);
 	return EKP_SYS_REJECT;
 }
 
-/* recvmsg4 / getpeername4: the backend's address shown as the frontend the socket was sent to, while
- * that frontend still belongs to the same service port (else the entry is stale: dropped). */
-static __always_inline int ekp_sock_reverse(struct bpf_sock_addr *ctx)
+/* recvmsg4 / getpeername4 (and their IPv6 twins for an IPv4 peer of an IPv6 socket, `v6`): the
+ * backend's address shown as the frontend the socket was sent to, while that frontend still belongs
+ * to the same service port (else the entry is stale: dropped). */
+static __always_inline int ekp_sock_reverse(struct bpf_sock_addr *ctx, int v6)
 {
 	struct ekp_sock_key k = {};
 	__u32 proto = ctx->protocol;
 
 	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
 		return EKP_SYS_PROCEED;
+	if (v6) {
+		if (!ekp_sock_v4_mapped(ctx, &k.addr))
+			return EKP_SYS_PROCEED;
+	} else {
+		k.addr = ctx->user_ip4;
+	}
 	k.cookie = bpf_get_socket_cookie(ctx);
-	k.addr = ctx->user_ip4;
 	k.port = ekp_sock_port(ctx);
 	k.proto = proto;
 	struct ekp_sock_nat *n = ekp_sknat_lookup(&k);
@@ -219,7 +249,7 @@ static __always_inline int ekp_sock_reverse(struct bpf_sock_addr *ctx)
 		ekp_sknat_delete(&k);
 		return EKP_SYS_PROCEED;
 	}
-	ekp_sock_set_addr(ctx, n->fe_addr, n->fe_port);
+	ekp_sock_set_addr(ctx, v6, n->fe_addr, n->fe_port);
 	ekp_count(EKP_STAT_SOCK_REVNAT);
 	return EKP_SYS_PROCEED;
 }
@@ -253,7 +283,9 @@ static __always_inline int ekp_sock_iter_udp(struct ekp_iter_udp *ctx)
 {
 	struct ekp_sock_common *sk = ctx->udp_sk;
 
-	if (!sk || sk->family != EKP_AF_INET || !sk->daddr)
+	/* An IPv6 socket connected to an IPv4 address (v4-mapped) has it in skc_daddr too; one connected
+	 * to an IPv6 address has a placeholder there that no entry holds. */
+	if (!sk || (sk->family != EKP_AF_INET && sk->family != EKP_AF_INET6) || !sk->daddr)
 		return 0;
 	struct ekp_sock_key k = {};
 	k.cookie = bpf_get_socket_cookie(sk);

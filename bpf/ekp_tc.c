@@ -7,7 +7,8 @@
  *   ekp_from_net  tc ingress of the node's external devices (--devices) (scope EKP_SCOPE_EXTERNAL)
  *   ekp_sock_conn, ekp_sock_send, ekp_sock_recv, ekp_sock_peer
  *                 cgroup connect4, sendmsg4, recvmsg4, getpeername4 of the node's sockets
- *                 (--bpf-socket-lb-cgroup; ekp_sock.h)
+ *                 (--bpf-socket-lb-cgroup; ekp_sock.h), and with a 6 their IPv6 hooks, for IPv4
+ *                 addresses on IPv6 sockets
  *   ekp_sock_term iter/udp: ends connected UDP sockets whose backend left (ekp_sock.h)
  *
  * Built by agent/ebpf/loader.py with bcc: BPF(src_file=ekp_tc.c, cflags=[-DEKP_PIN_DIR=...,
@@ -212,22 +213,42 @@ int ekp_from_net(struct __sk_buff *skb)
 
 int ekp_sock_conn(struct bpf_sock_addr *ctx)
 {
-	return ekp_sock_forward(ctx);
+	return ekp_sock_forward(ctx, 0);
 }
 
 int ekp_sock_send(struct bpf_sock_addr *ctx)
 {
-	return ekp_sock_forward(ctx);
+	return ekp_sock_forward(ctx, 0);
 }
 
 int ekp_sock_recv(struct bpf_sock_addr *ctx)
 {
-	return ekp_sock_reverse(ctx);
+	return ekp_sock_reverse(ctx, 0);
 }
 
 int ekp_sock_peer(struct bpf_sock_addr *ctx)
 {
-	return ekp_sock_reverse(ctx);
+	return ekp_sock_reverse(ctx, 0);
+}
+
+int ekp_sock_conn6(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_forward(ctx, 1);
+}
+
+int ekp_sock_send6(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_forward(ctx, 1);
+}
+
+int ekp_sock_recv6(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_reverse(ctx, 1);
+}
+
+int ekp_sock_peer6(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_reverse(ctx, 1);
 }
 
 int ekp_sock_term(struct ekp_iter_udp *ctx)

@@ -20,10 +20,14 @@ PROG_CGROUP_SOCK_ADDR = 18
 PROG_TRACING = 26
 # enum bpf_attach_type
 ATTACH_CGROUP_INET4_CONNECT = 10
+ATTACH_CGROUP_INET6_CONNECT = 11
 ATTACH_CGROUP_UDP4_SENDMSG = 14
+ATTACH_CGROUP_UDP6_SENDMSG = 15
 ATTACH_CGROUP_UDP4_RECVMSG = 19
+ATTACH_CGROUP_UDP6_RECVMSG = 20
 ATTACH_TRACE_ITER = 28
 ATTACH_CGROUP_INET4_GETPEERNAME = 29
+ATTACH_CGROUP_INET6_GETPEERNAME = 30
 
 # bpf/ekp_sock.h EKP_KFUNC_SOCK_DESTROY: the helper number standing for bpf_sock_destroy
 KFUNC_SOCK_DESTROY_MARK = 0x1EA7
@@ -52,12 +56,17 @@ PROG_FROM_POD = "ekp_from_pod"
 PROG_FROM_NET = "ekp_from_net"
 PROG_SOCK_TERM = "ekp_sock_term"
 
-# The socket programs by hook name (as `bpftool cgroup show` names the hooks), with their attach type.
+# The socket programs by hook name, with their attach type. The IPv6 hooks serve IPv4 addresses on
+# IPv6 sockets (v4-mapped, ::ffff:a.b.c.d: Java and other dual-stack runtimes dial IPv4 that way).
 SOCK_HOOKS: dict[str, tuple[str, int]] = {
     "connect4": ("ekp_sock_conn", ATTACH_CGROUP_INET4_CONNECT),
     "sendmsg4": ("ekp_sock_send", ATTACH_CGROUP_UDP4_SENDMSG),
     "recvmsg4": ("ekp_sock_recv", ATTACH_CGROUP_UDP4_RECVMSG),
     "getpeername4": ("ekp_sock_peer", ATTACH_CGROUP_INET4_GETPEERNAME),
+    "connect6": ("ekp_sock_conn6", ATTACH_CGROUP_INET6_CONNECT),
+    "sendmsg6": ("ekp_sock_send6", ATTACH_CGROUP_UDP6_SENDMSG),
+    "recvmsg6": ("ekp_sock_recv6", ATTACH_CGROUP_UDP6_RECVMSG),
+    "getpeername6": ("ekp_sock_peer6", ATTACH_CGROUP_INET6_GETPEERNAME),
 }
 
 # What the socket programs call that older kernels lack: bpf_set_retval (Linux 5.18, refusing a call

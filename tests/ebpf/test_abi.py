@@ -268,6 +268,10 @@ PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
     "ekp_sock_send": ("cgroup_sock_addr", _SOCK_FORWARD),
     "ekp_sock_recv": ("cgroup_sock_addr", {"sknat", "fe", "stats"}),
     "ekp_sock_peer": ("cgroup_sock_addr", {"sknat", "fe", "stats"}),
+    "ekp_sock_conn6": ("cgroup_sock_addr", _SOCK_FORWARD),
+    "ekp_sock_send6": ("cgroup_sock_addr", _SOCK_FORWARD),
+    "ekp_sock_recv6": ("cgroup_sock_addr", {"sknat", "fe", "stats"}),
+    "ekp_sock_peer6": ("cgroup_sock_addr", {"sknat", "fe", "stats"}),
     "ekp_sock_term": ("tracing", {"sknat", "member", "stats"}),
 }
 

@@ -363,3 +363,28 @@ def test_the_iterator_walks_pods_namespaces_when_pods_are_balanced_too(sl: SockL
         stop.touch()
     out = json.loads(proc.communicate(timeout=30)[0])
     assert set(out["answers"]) == {"pod-1-2", "pod-1-1"} and out["sockets"] == 2, out
+
+
+def test_ipv4_addresses_on_ipv6_sockets_are_translated_too(sl: SockLab) -> None:
+    """An IPv6 socket dials an IPv4 address as ::ffff:a.b.c.d (Java's default, dual-stack servers):
+    connect6/sendmsg6 send it to a backend, getpeername6/recvmsg6 show the ClusterIP, mapped."""
+    two_backends(sl)
+    add_service(
+        sl.maps, VIP, 90, ((3, sl.pod_ip("pod-1-2"), 9000, BackendFlag.LOCAL),), proto=UDP, svc_id=2, set_id=2
+    )
+    code = (
+        "import json, socket\n"
+        "t = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); t.settimeout(3)\n"
+        f"t.connect(('::ffff:{VIP}', 80)); peer = t.getpeername()[:2]\n"
+        "t.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n'); body = b''\n"
+        "while (c := t.recv(4096)): body += c\n"
+        "u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); u.settimeout(3)\n"
+        f"u.sendto(b'x', ('::ffff:{VIP}', 90)); data, src = u.recvfrom(100)\n"
+        "print(json.dumps([list(peer), body.split(b'\\r\\n\\r\\n')[1].decode().strip(), list(src[:2]),"
+        " data.decode().split()[0]]))\n"
+    )
+    peer, body, src, echoed = json.loads(sl.lab.run("node1", sys.executable, "-c", code).stdout)
+    assert peer == [f"::ffff:{VIP}", 80] and body in ("pod-1-1", "pod-1-2")
+    assert src == [f"::ffff:{VIP}", 90] and echoed == "pod-1-2"
+    stats = sl.stats()
+    assert stats[Stat.SOCK_TRANSLATED] == 2 and stats[Stat.SOCK_REVNAT] >= 2

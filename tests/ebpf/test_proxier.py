@@ -530,6 +530,10 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
         "cgroup_udp4_sendmsg": "ekp_sock_send",
         "cgroup_udp4_recvmsg": "ekp_sock_recv",
         "cgroup_inet4_getpeername": "ekp_sock_peer",
+        "cgroup_inet6_connect": "ekp_sock_conn6",
+        "cgroup_udp6_sendmsg": "ekp_sock_send6",
+        "cgroup_udp6_recvmsg": "ekp_sock_recv6",
+        "cgroup_inet6_getpeername": "ekp_sock_peer6",
     }
     node = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
     sh("ip", "netns", "exec", node_ns, "sysctl", "-qw", "net.ipv4.ip_forward=0")
@@ -556,7 +560,9 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
         assert "sockcfg host_netns=" in shown and " host-namespace-only" in shown
         assert "socklink connect4 " in shown and f"cgroup={os.stat(cgroup).st_ino}" in shown
         links = pinned_links(config.pin_path)
-        assert set(links) == {"connect4", "sendmsg4", "recvmsg4", "getpeername4"}
+        assert set(links) == {
+            f"{hook}{family}" for hook in ("connect", "sendmsg", "recvmsg", "getpeername") for family in "46"
+        }
         first.sync(MORE, node)
         after_more = render_contents(live(config))
     finally:

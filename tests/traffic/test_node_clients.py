@@ -369,3 +369,29 @@ def test_localhost_bound_services_stay_out_of_reach_of_other_hosts_cve_2020_8558
     )
     assert served_locally["errors"] == 0, served_locally  # the target listens, on the node's localhost
     assert crafted_syn(cluster, "127.0.0.1", 10249, 41002) == "none"
+
+
+def test_an_ipv6_socket_on_the_node_reaches_a_cluster_ip_as_a_v4_mapped_address(cluster: Cluster) -> None:
+    """Java (by default) and other dual-stack runtimes dial an IPv4 address from an IPv6 socket, as
+    ::ffff:a.b.c.d: the node's TCP and UDP reach the ClusterIP that way, and getpeername() and
+    recvfrom() name it (kube-proxy: the packets are IPv4, translated as any; eBPF mode: the socket
+    programs' IPv6 hooks)."""
+    web(cluster, "pod-1-2", "pod-2-3")
+    code = (
+        "import json, socket\n"
+        "out = []\n"
+        "for _ in range(4):\n"
+        "    t = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); t.settimeout(3)\n"
+        f"    t.connect(('::ffff:{WEB}', 80)); peer = t.getpeername()[:2]\n"
+        "    t.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n'); body = b''\n"
+        "    while (c := t.recv(4096)): body += c\n"
+        "    u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); u.settimeout(3)\n"
+        f"    u.sendto(b'x', ('::ffff:{WEB}', 90)); data, src = u.recvfrom(100)\n"
+        "    out.append([list(peer), body.split(b'\\r\\n\\r\\n')[1].decode().strip(), list(src[:2]),"
+        " data.decode().split()[0]])\n"
+        "print(json.dumps(out))\n"
+    )
+    for where in clients(cluster):
+        for peer, body, src, echoed in json.loads(run(cluster, where, sys.executable, "-c", code).stdout):
+            assert peer == [f"::ffff:{WEB}", 80] and src == [f"::ffff:{WEB}", 90], where.label
+            assert {body, echoed} <= {"pod-1-2", "pod-2-3"}, (where.label, body, echoed)
