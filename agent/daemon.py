@@ -42,13 +42,17 @@ from agent.errors import FatalError
 from agent.featuregates import node_info
 from agent.metrics import Metrics, no_local_endpoints
 from agent.model.problem import Problem, printable
-from agent.model.tracker import Commit, ProxyModel
+from agent.model.tracker import Commit, ProxyModel, ServiceRecord, SliceRecord, read_service, read_slice
 from agent.model.types import ServicePortName
 from agent.proxier import Proxier, SyncResult
 from agent.runner import BoundedFrequencyRunner
 from agent.sources.base import Event, EventType, Kind, ObjectEvent, Source, Synced
 
 log = logging.getLogger("agent")
+
+# Service ports named one by one when they fail or recover in a sync; the rest are counted (a map
+# too small for 50,000 services fails thousands at once).
+FAILURES_LOGGED = 10
 
 
 class ProxierHealth(Protocol):
@@ -120,7 +124,7 @@ class Agent:
         self._wall = wall
         self._model = ProxyModel(node_info(config))
         self._lock = threading.Lock()
-        self._queue: list[Event] = []
+        self._queue: list[Event | _Read] = []
         self._synced: set[Kind] = set()
         # What the source says it delivered, per kind: the list's version (a file's content hash,
         # an API list's resourceVersion), then the resourceVersion of each object event after it.
@@ -235,11 +239,15 @@ class Agent:
     # ------------------------------------------------------------------ input (any thread)
 
     def deliver(self, events: Sequence[Event]) -> None:
-        """The source's sink: enqueue, and ask for a sync."""
+        """The source's sink: read Services and EndpointSlices into the model's records here, on
+        the source's thread, then enqueue and ask for a sync. The decoded objects go as soon as
+        their batch (a list page) is read, whatever the sync thread is busy with: a list of 10,000
+        of each is never queued whole as dicts."""
         if not events:
             return
+        read = [_read(e, self._config.hostname) for e in events]
         with self._lock:
-            self._queue.extend(events)
+            self._queue.extend(read)
         if any(isinstance(e, ObjectEvent) for e in events):
             if self._parts.health is not None:
                 self._parts.health.queued_update()
@@ -295,13 +303,21 @@ class Agent:
             self._last_full = start
         self._after_sync(commit, result, elapsed, full)
 
-    def _apply(self, event: Event) -> None:
+    def _apply(self, event: Event | _Read) -> None:
         if isinstance(event, Synced):
             self._synced.add(event.kind)
             if event.version:
                 self._versions[event.kind] = event.version
             return
-        assert isinstance(event, ObjectEvent)
+        if isinstance(event, _Read):
+            if event.version:
+                self._versions[event.kind] = event.version
+            self._remember(event.kind, event.key, event.uid)
+            if isinstance(event.record, ServiceRecord):
+                self._model.set_service(event.key, event.record)
+            else:
+                self._model.set_slice(event.key, event.record)
+            return
         rv = _resource_version(event.obj)
         if rv:
             self._versions[event.kind] = rv
@@ -324,9 +340,10 @@ class Agent:
                 self._parts.health.sync_node(obj)
 
     def _remember_uid(self, kind: Kind, key: str, obj: object) -> None:
-        meta = obj.get("metadata") if isinstance(obj, dict) else None
-        uid = meta.get("uid") if isinstance(meta, dict) else None
-        if isinstance(uid, str) and uid:
+        self._remember(kind, key, _uid(obj))
+
+    def _remember(self, kind: Kind, key: str, uid: str) -> None:
+        if uid:
             self._uids[(kind.value, key)] = uid
         else:
             self._uids.pop((kind.value, key), None)
@@ -346,11 +363,21 @@ class Agent:
             self._parts.metrics.set_invalid_objects(len(self._model.problems()))
 
     def _after_sync(self, commit: Commit, result: SyncResult, elapsed: float, full: bool) -> None:
-        for spn, why in result.failed.items():
-            if self._retry.get(spn) != why:
-                log.error("could not program %s: %s (retried; every other service is programmed)", spn, why)
-        for spn in self._retry.keys() - result.failed.keys():
+        fresh = [(spn, why) for spn, why in result.failed.items() if self._retry.get(spn) != why]
+        for spn, why in fresh[:FAILURES_LOGGED]:
+            log.error("could not program %s: %s (retried; every other service is programmed)", spn, why)
+        if len(fresh) > FAILURES_LOGGED:
+            log.error(
+                "could not program %d more service port(s) for the same kind of reason (retried); "
+                "%d in all are not programmed",
+                len(fresh) - FAILURES_LOGGED,
+                len(result.failed),
+            )
+        recovered = sorted(self._retry.keys() - result.failed.keys())
+        for spn in recovered[:FAILURES_LOGGED]:
             log.info("programmed %s after all", spn)
+        if len(recovered) > FAILURES_LOGGED:
+            log.info("programmed %d more service port(s) after all", len(recovered) - FAILURES_LOGGED)
         self._retry = dict(result.failed)
         if result.failed:
             self._runner.retry_soon()
@@ -417,6 +444,37 @@ class Agent:
             svc_health.sync_services(dict(self._hc_ports))
         if ports_changed or endpoints_changed:
             svc_health.sync_endpoints(dict(self._local_ready))
+
+
+@dataclass(frozen=True)
+class _Read:
+    """An added or changed Service or EndpointSlice, read into the model's record by `deliver`."""
+
+    kind: Kind
+    key: str
+    version: str  # resourceVersion
+    uid: str
+    record: ServiceRecord | SliceRecord
+
+
+def _read(event: Event, hostname: str) -> Event | _Read:
+    """`event` with its object read into a model record, for the kinds the model parses."""
+    if not isinstance(event, ObjectEvent) or event.type is EventType.DELETED:
+        return event
+    obj = event.obj
+    if event.kind is Kind.SERVICE:
+        record: ServiceRecord | SliceRecord = read_service(obj)
+    elif event.kind is Kind.ENDPOINT_SLICE:
+        record = read_slice(obj, hostname)
+    else:
+        return event
+    return _Read(event.kind, event.key, _resource_version(obj), _uid(obj), record)
+
+
+def _uid(obj: object) -> str:
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    uid = meta.get("uid") if isinstance(meta, Mapping) else None
+    return uid if isinstance(uid, str) else ""
 
 
 def _resource_version(obj: Mapping[str, Any]) -> str:

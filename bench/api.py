@@ -55,6 +55,10 @@ class ApiScale:
     change_ms: list[float] = field(default_factory=list)  # server write -> data path (map poll)
     change_log_ms: list[float] = field(default_factory=list)  # server write -> agent's sync done line
     iptables_backend: str = ""  # the iptables-mode agent's --iptables-backend ("" in eBPF mode)
+    flags: str = ""  # map sizes passed to the agent (bench.api.map_size_flags)
+    listed_s: float = 0.0  # first list request -> both lists complete (the agent's log)
+    waited_s: float = 0.0  # both lists complete -> the data path ready, when it came later (compile)
+    restart_list_to_sync_s: float = 0.0  # restarted agent: first list request -> first `sync done`
 
 
 def _stamp(line: str) -> float:
@@ -78,6 +82,17 @@ def _wait_log(agent: Agent, needle: str, timeout: float) -> str:
             raise RuntimeError(f"agent exited {agent.proc.returncode}:\n{agent.log()[-3000:]}")
         time.sleep(0.05)
     raise RuntimeError(f"no {needle!r} in the agent's log after {timeout}s:\n{agent.log()[-3000:]}")
+
+
+def _listed(log: str) -> float | None:
+    """When the first lists of Services and of EndpointSlices had both completed (the reflectors'
+    `listed N` lines)."""
+    stamps = []
+    for kind in ("Services (", "EndpointSlices ("):
+        lines = [ln for ln in log.splitlines() if LOG_TIME.match(ln) and kind in ln and "): listed " in ln]
+        if lines:
+            stamps.append(_stamp(lines[0]))
+    return max(stamps) if len(stamps) == 2 else None
 
 
 def _vm_hwm_mib(pid: int) -> float:
@@ -155,6 +170,24 @@ def _serve(conn: Any, services: int, endpoints: int) -> None:
             conn.send(exc)
 
 
+def map_size_flags(services: int, endpoints: int) -> list[str]:
+    """`--bpf-*-max` for the maps the default sizes cannot hold (50,000 x 10: fe, slot, be, member):
+    the entries the state needs, plus the changes' 11th endpoint, rounded up to 65,536."""
+    need = {
+        "fe": 2 * services,
+        "slot": services * (endpoints + 1),
+        "be": services * (endpoints + 1),
+        "member": services * (endpoints + 1),
+        "rnat": services,
+    }
+    flags = []
+    for role, entries in need.items():
+        spec = abi.MAPS[role]
+        if entries > spec.default_size:
+            flags.append(f"{spec.size_flag}={-(-entries // 65536) * 65536}")
+    return flags
+
+
 def measure(
     mode: str,
     services: int,
@@ -172,7 +205,12 @@ def measure(
             out.load_s = server.load_s
             server.call("node", node.name, node.ip)
             kubeconfig = server.call("kubeconfig", str(lab.tmpdir / "kubeconfig"))
-            extra = [f"--iptables-backend={iptables_backend}"] if mode == "iptables" else []
+            extra = (
+                [f"--iptables-backend={iptables_backend}"]
+                if mode == "iptables"
+                else map_size_flags(services, endpoints)
+            )
+            out.flags = " ".join(extra) if mode == "ebpf" else ""
             agent = Agent(
                 lab, node, mode, [f"--kubeconfig={kubeconfig}"], ["--iptables-sync-period=1h", *extra]
             )
@@ -187,12 +225,21 @@ def measure(
                 out.start_to_sync_s = _stamp(done) - began
                 out.list_to_sync_s = _stamp(done) - _stamp(watching)
                 out.datapath = loader.split("data path ", 1)[1].split(",")[0] if loader else "n/a"
+                listed = _listed(log)
+                if listed is not None:
+                    out.listed_s = listed - _stamp(watching)
+                    if loader is not None:
+                        out.waited_s = max(0.0, _stamp(loader) - listed)
                 _changes(out, agent, server, changes, services)
                 out.rss_mib = _vm_hwm_mib(agent.proc.pid)
                 agent.stop()
                 began = time.time()
                 agent.start()
-                out.restart_to_sync_s = _stamp(_wait_log(agent, "sync done:", timeout_s)) - began
+                again = _wait_log(agent, "sync done:", timeout_s)
+                out.restart_to_sync_s = _stamp(again) - began
+                watching = _first(agent.log_since_start(), "watching ")
+                if watching is not None:
+                    out.restart_list_to_sync_s = _stamp(again) - _stamp(watching)
             finally:
                 agent.stop()
                 agent.cleanup()
@@ -284,6 +331,19 @@ def table(results: list[ApiScale]) -> Table:
                 f"the iptables-mode agent ran with --iptables-backend={r.iptables_backend}"
                 for r in results
                 if r.iptables_backend
+            ],
+            *[f"{r.mode}, {num(r.services)} services: {r.flags}" for r in results if r.flags],
+            *[
+                f"{r.mode}, {num(r.services)} services: both lists complete {r.listed_s:.2f} s after the "
+                "first request"
+                + (
+                    f"; the first sync then waited {r.waited_s:.2f} s for the data path"
+                    if r.mode == "ebpf"
+                    else ""
+                )
+                + f"; restart: list -> synced {r.restart_list_to_sync_s:.2f} s"
+                for r in results
+                if r.listed_s
             ],
         ],
     )

@@ -178,3 +178,34 @@ def test_a_runs_file_renders_the_tables_of_the_run(tmp_path: Path) -> None:
     assert "traffic: nft (the agent's auto choice)" in rendered
     assert "api: legacy (--api-iptables-backend)" in rendered
     assert "- NOTE: one note" in rendered
+
+
+# ---- the control plane at scale (issue 18) -------------------------------------------------
+
+SCALE_TARGETS = {"2", "10", "300", "1", "18"}  # the issue's targets (2 s, 10 ms, 300 MiB, 1 GiB, 10 s)
+
+
+def scale_section() -> str:
+    text = README.read_text()
+    start = text.index("\n## The control plane at scale\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_every_figure_in_the_scale_section_is_in_a_file_it_cites() -> None:
+    """The section quotes runs kept in bench/results/scale/ (and bench.records' output there):
+    every figure in it is in one of the files it names, or is one of the issue's targets."""
+    section = scale_section()
+    cited = sorted(set(re.findall(r"`(bench/results/scale/[\w.-]+)`", section)))
+    assert cited, "the section names no results file"
+    held: set[str] = set()
+    for name in cited:
+        path = record.REPO / name
+        assert path.exists(), f"the README cites {name}, which is not in the repository"
+        if path.suffix == ".json":
+            held |= file_figures(path)
+            assert path.with_suffix(".md").read_text() == record.render(record.load(path), path)
+        else:
+            held |= {n.replace(",", "") for n, _ in FIGURE.findall(path.read_text())}
+    missing = sorted(figures(section) - held - SCALE_TARGETS, key=lambda f: float(f.rstrip("%")))
+    assert not missing, f"figures in the README's scale section that its files do not hold: {missing}"

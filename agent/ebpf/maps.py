@@ -94,6 +94,10 @@ class MapWriter(Protocol):
 
     def delete_raw(self, keys: Sequence[bytes]) -> None: ...
 
+    def update_packed(self, keys: bytes, values: bytes) -> int: ...
+
+    def delete_packed(self, keys: bytes) -> None: ...
+
     def capacity(self) -> int:
         """max_entries, as the kernel reports it."""
 
@@ -108,6 +112,10 @@ def _check_type(spec: MapSpec, what: str, obj: object, want: type[Any]) -> None:
 
 def _full_error(err: int) -> bool:
     return err in (errno.E2BIG, errno.ENOSPC)
+
+
+def _split(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
 
 
 # ---- the fake -----------------------------------------------------------------------------
@@ -175,6 +183,15 @@ class FakeMap:
     def delete_raw(self, keys: Sequence[bytes]) -> None:
         for kb in keys:
             self._data.pop(kb, None)
+
+    def update_packed(self, keys: bytes, values: bytes) -> int:
+        """`update_raw` of concatenated keys and values."""
+        return self.update_raw(
+            _split(keys, ct.sizeof(self.spec.key)), _split(values, ct.sizeof(self.spec.value))
+        )
+
+    def delete_packed(self, keys: bytes) -> None:
+        self.delete_raw(_split(keys, ct.sizeof(self.spec.key)))
 
     def capacity(self) -> int:
         return self.max_entries
@@ -575,8 +592,62 @@ class BpfMap:
 
     def delete_raw(self, keys: Sequence[bytes]) -> None:
         """Deletes every key given as raw bytes; missing keys are fine."""
+        self.delete_packed(b"".join(keys))
+
+    def update_packed(self, keys: bytes, values: bytes) -> int:
+        """`update_raw` of concatenated keys and values: one buffer each, as the batch call
+        takes them, with no per-entry work here."""
+        ksize, vsize = ct.sizeof(self.spec.key), ct.sizeof(self.spec.value)
+        n = len(keys) // ksize
+        if len(keys) != n * ksize or len(values) != n * vsize:
+            raise ValueError(
+                f"{self.spec.name}: update_packed of {len(keys)} key and {len(values)} value bytes"
+            )
+        if not n:
+            return 0
+        if self.spec.kind in _BATCH_KINDS and not self.percpu:
+            count = ct.c_uint32(n)
+            kbuf = ct.create_string_buffer(keys, len(keys))
+            vbuf = ct.create_string_buffer(values, len(values))
+            ret = bpfsys.map_update_batch(self.fd, kbuf, vbuf, count)
+            if ret >= 0:
+                return n
+            err = _errno_of(ret)
+            if _full_error(err):
+                return int(count.value)
+            if not (err in (errno.EINVAL, ENOTSUPP, errno.EOPNOTSUPP) and count.value == 0):
+                raise self._error(f"update_batch (entry {count.value} of {n})", err)
+        return self.update_raw(_split(keys, ksize), _split(values, vsize))
+
+    def delete_packed(self, keys: bytes) -> None:
+        """Deletes every key (concatenated); missing keys are fine."""
         ksize = ct.sizeof(self.spec.key)
-        self.delete_batch([self.spec.key.from_buffer_copy(k[:ksize]) for k in keys])
+        n = len(keys) // ksize
+        if not n:
+            return
+        if self.spec.kind not in _BATCH_KINDS - _ARRAY_KINDS:
+            for k in _split(keys, ksize):
+                ret = bpfsys.map_delete_elem(self.fd, ct.create_string_buffer(k, ksize))
+                if ret < 0 and _errno_of(ret) != errno.ENOENT:
+                    raise self._error("delete", _errno_of(ret))
+            return
+        start = 0
+        while start < n:
+            count = ct.c_uint32(n - start)
+            rest = keys[start * ksize :]
+            ret = bpfsys.map_delete_batch(self.fd, ct.create_string_buffer(rest, len(rest)), count)
+            if ret >= 0:
+                return
+            err = _errno_of(ret)
+            done = int(count.value)
+            if err == errno.ENOENT:  # the kernel stops at a missing key: skip it, go on
+                start += done + 1
+                continue
+            if err in (errno.EINVAL, ENOTSUPP, errno.EOPNOTSUPP) and done == 0:
+                for k in _split(keys[start * ksize :], ksize):
+                    self.delete(self.spec.key.from_buffer_copy(k))
+                return
+            raise self._error("delete_batch", err)
 
     def clear(self) -> None:
         """Empties the map (arrays: every element zeroed)."""

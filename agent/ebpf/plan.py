@@ -33,6 +33,7 @@ from agent.ebpf.abi import (
     SrcRangeKey,
 )
 from agent.ebpf.codec import KEYS, VALUES
+from agent.ebpf.entries import ORDER, to_ctypes
 from agent.ebpf.planner import ROLES, Planner
 from agent.model.types import ProxyState
 
@@ -102,13 +103,13 @@ def planner_contents(planner: Planner) -> MapContents:
     """What the planner wants the maps to hold, decoded."""
     out = MapContents()
     for role in ROLES:
-        kc, vc = KEYS[role], VALUES[role]
-        table = out.table(role)
-        for key, value in planner.desired[role].items():
-            table[kc.to_ctype(key)] = vc.to_ctype(value)
+        out.table(role).update(to_ctypes(role, planner.desired[role]))
     if planner.cfg is not None:
         out.cfg = VALUES["cfg"].to_ctype(planner.cfg)
-    out.fe_names = {KEYS["fe"].to_ctype(k): name for k, name in planner.fe_names().items()}
+    fe_key, size = KEYS["fe"].ctype, KEYS["fe"].size
+    out.fe_names = {
+        fe_key.from_buffer_copy(k.to_bytes(size, ORDER)): name for k, name in planner.fe_names().items()
+    }
     return out
 
 

@@ -48,10 +48,10 @@ from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.abi import Stat
 from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
-from agent.ebpf.codec import VALUES, Key, Value
+from agent.ebpf.codec import KEYS, VALUES, Value
 from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
-from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap, decode
+from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
 from agent.ebpf.ports import parse_port_range, snat_ports_problem
 from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
 from agent.ebpf.sockattach import sock_config
@@ -214,6 +214,7 @@ class EbpfProxier:
         self._attached_once = False
         self._attached_node: NodeContext | None = None  # the node the attachments were checked for
         self.last_flush = FlushResult()  # what the last sync wrote, for logs and tests
+        self._short: dict[str, int] = {}  # map role -> entries wanted, while more than it holds
 
     # ------------------------------------------------------------------ Proxier
 
@@ -244,6 +245,7 @@ class EbpfProxier:
             planner.update(state, node, changed)
             if first:
                 planner.forget_hints()
+            self._check_room(planner, maps)
             self._unsure = True  # until every write went through
             if planner.cfg is not None and planner.cfg != self._cfg_written:
                 write_config(maps, VALUES["cfg"].to_ctype(planner.cfg))
@@ -316,6 +318,30 @@ class EbpfProxier:
         self._unsure = True
         return datapath
 
+    def _check_room(self, planner: Planner, maps: Mapping[str, MapWriter]) -> None:
+        """An error naming the flag when the desired state has more entries than a map holds
+        (logged when it starts, and when it grows; the writer programs what fits, port by port)."""
+        for role in ROLES:
+            wanted, room = len(planner.desired[role]), maps[role].capacity()
+            if wanted <= room:
+                if self._short.pop(role, None) is not None:
+                    log.info("BPF map %s holds the desired state again", abi.MAPS[role].name)
+                continue
+            if wanted > self._short.get(role, 0):
+                spec = abi.MAPS[role]
+                log.error(
+                    "BPF map %s is too small: the desired state needs %d entries, it holds %d. Service "
+                    "ports that do not fit are not programmed (every other one is). Start the agent with "
+                    "%s=%d or more; a new size recreates the map, so run `agent --cleanup` first "
+                    "(this drops its conntrack state)",
+                    spec.name,
+                    wanted,
+                    room,
+                    spec.size_flag,
+                    _room_for(wanted),
+                )
+                self._short[role] = wanted
+
     def _check_snat_ports(self) -> None:
         """FatalError when --bpf-snat-ports overlaps the NodePorts or the node's local ports."""
         netns = self._config.netns
@@ -330,15 +356,19 @@ class EbpfProxier:
         if problem:
             raise FatalError(problem)
 
-    def _dump(self, maps: Mapping[str, MapWriter], first: bool) -> dict[str, list[tuple[Key, Value]]]:
-        dump = {role: decode(role, *maps[role].dump_raw()) for role in ROLES if role in maps}
+    def _dump(self, maps: Mapping[str, MapWriter], first: bool) -> dict[str, tuple[bytes, bytes]]:
+        """Every service map's entries, read in batches, as raw bytes (decoded by the planner)."""
+        dump = {role: maps[role].dump_raw() for role in ROLES if role in maps}
         if first:
             live = read_config(maps)
             self._cfg_written = VALUES["cfg"].of_ctype(live) if live is not None else None
+            counts = [
+                len(dump[r][0]) // KEYS[r].size if r in dump else 0 for r in ("fe", "slot", "be", "rnat")
+            ]
             log.info(
                 "pinned maps hold %d frontends, %d slots, %d backends, %d reverse-NAT entries: "
                 "re-adopting their ids",
-                *(len(dump.get(r, ())) for r in ("fe", "slot", "be", "rnat")),
+                *counts,
             )
         return dump
 
@@ -456,6 +486,11 @@ class EbpfProxier:
                     why,
                     old,
                 )
+
+
+def _room_for(entries: int) -> int:
+    """A map size with a quarter to spare, rounded up to a power of two (as the defaults are)."""
+    return 1 << (entries + entries // 4 - 1).bit_length()
 
 
 def _dotted(path: str) -> str:

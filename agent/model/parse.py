@@ -140,7 +140,9 @@ class ParsedSlice:
     name: str
     service: str  # owning Service's name (from the kubernetes.io/service-name label)
     ports: tuple[SlicePort, ...]
-    endpoints: tuple[Endpoint, ...]  # port 0: the slice's ports apply to each address
+    # Per address; with the slice's port and `is_local` set when it has one port, else port 0 (the
+    # slice's ports apply to each address)
+    endpoints: tuple[Endpoint, ...]
 
 
 def object_key(obj: object) -> tuple[str, str]:
@@ -562,10 +564,23 @@ def _hint_names(hints: Obj, key: str, path: str, valid: Callable[[str], bool], r
 
 
 _NO_HINTS: frozenset[str] = frozenset()
+# One str per node name and zone for the agent's life: a cluster names the same few a hundred
+# thousand times, and a decoded JSON value is a fresh str each time (bounded: past the limit, names
+# are kept as they came).
+_names: dict[str, str] = {}
+_NAMES_MAX = 65536
+
+
+def _name(text: str) -> str:
+    if len(_names) < _NAMES_MAX:
+        return _names.setdefault(text, text)
+    return _names.get(text, text)
+
+
 _COMMON_KEYS = frozenset({"addresses", "conditions", "nodeName", "zone", "targetRef"})
 
 
-def _common_endpoint(item: Any) -> Endpoint | None:
+def _common_endpoint(item: Any, port: int = 0, here: str = "") -> Endpoint | None:
     """The endpoint every cluster is full of, read without the per-field checks: a dict with one
     canonical IPv4 address, boolean (or absent) conditions, a valid node name and zone, and nothing
     else that needs checking. None for anything else: `_endpoint` then validates it in full (and
@@ -605,26 +620,29 @@ def _common_endpoint(item: Any) -> Endpoint | None:
     ready_now = True if ready is None else ready
     return Endpoint(
         ip,
-        0,
+        port,
         ready_now,
         ready_now if serving is None else serving,
         bool(terminating),
-        node,
-        zone,
+        _name(node),
+        _name(zone),
         _NO_HINTS,
         _NO_HINTS,
+        bool(here) and node == here,
     )
 
 
-def _endpoint(item: Any, address_type: str, where: str) -> Endpoint | None:
+def _endpoint(item: Any, address_type: str, where: str, port: int, here: str) -> Endpoint | None:
     if address_type == "IPv4":
-        common = _common_endpoint(item)
+        common = _common_endpoint(item, port, here)
         if common is not None:
             return common
-    return _endpoint_checked(item, address_type, where)
+    return _endpoint_checked(item, address_type, where, port, here)
 
 
-def _endpoint_checked(item: Any, address_type: str, where: str) -> Endpoint | None:
+def _endpoint_checked(
+    item: Any, address_type: str, where: str, port: int = 0, here: str = ""
+) -> Endpoint | None:
     ep = require_map(item, where)
     addresses = opt_list(ep, "addresses", f"{where}.addresses")
     if not addresses:
@@ -667,14 +685,15 @@ def _endpoint_checked(item: Any, address_type: str, where: str) -> Endpoint | No
     ready_now = True if ready is None else ready
     return Endpoint(
         ip=canonical[0],  # kube-proxy uses the first address; the others are fungible
-        port=0,
+        port=port,
         ready=ready_now,
         serving=ready_now if serving is None else serving,
         terminating=bool(terminating),
-        node_name=node,
-        zone=zone,
+        node_name=_name(node),
+        zone=_name(zone),
         zone_hints=zone_hints,
         node_hints=node_hints,
+        is_local=bool(here) and node == here,
     )
 
 
@@ -710,8 +729,9 @@ def _slice_ports(eps: Obj) -> list[SlicePort]:
     return out
 
 
-def parse_endpoint_slice(eps: object) -> ParsedSlice | None:
-    """One EndpointSlice; None when it is not ours (IPv6, FQDN, or labelled away).
+def parse_endpoint_slice(eps: object, node_name: str = "") -> ParsedSlice | None:
+    """One EndpointSlice; None when it is not ours (IPv6, FQDN, or labelled away). `node_name`:
+    this node, so endpoints on it say `is_local` (merge_slices decides it either way).
 
     Raises ParseError, and only ParseError, when the API server would refuse the object.
     """
@@ -731,8 +751,19 @@ def parse_endpoint_slice(eps: object) -> ParsedSlice | None:
     raw = opt_list(eps, "endpoints", "endpoints")
     if len(raw) > MAX_SLICE_ENDPOINTS:
         raise invalid("endpoints", f"has {len(raw)} endpoints: at most {MAX_SLICE_ENDPOINTS} are allowed")
-    endpoints = [_endpoint(item, address_type, f"endpoints[{i}]") for i, item in enumerate(raw)]
-    ports = _slice_ports(eps)
+    try:
+        ports = _slice_ports(eps)
+        bad_ports: ParseError | None = None
+    except ParseError as exc:  # reported after the endpoints' own problems, as before
+        ports, bad_ports = [], exc
+    # A slice of one port (nearly all) gets its endpoints with that port and whether they are on
+    # `node_name` already: `merge_slices` then keeps these very records (one copy of each).
+    port = ports[0].port if len(ports) == 1 else 0
+    endpoints = [
+        _endpoint(item, address_type, f"endpoints[{i}]", port, node_name) for i, item in enumerate(raw)
+    ]
+    if bad_ports is not None:
+        raise bad_ports
     if address_type != "IPv4":
         return None
     return ParsedSlice(

@@ -48,6 +48,7 @@ from agent.model.types import (
     Endpoint,
     NodeInfo,
     ProxyState,
+    ServiceEndpoints,
     ServicePort,
     ServicePortName,
 )
@@ -124,6 +125,49 @@ def _trigger_time(obj: object) -> float | None:
     return when.timestamp()
 
 
+@dataclass(frozen=True)
+class ServiceRecord:
+    """What the model needs of one Service object, read from it once (`read_service`)."""
+
+    namespace: str
+    name: str
+    created: str  # creationTimestamp as the API wrote it ("" when absent)
+    ports: tuple[ServicePort, ...] = ()
+    error: str | None = None  # why the API server would refuse it (ParseError)
+
+
+@dataclass(frozen=True)
+class SliceRecord:
+    """What the model needs of one EndpointSlice object, read from it once (`read_slice`)."""
+
+    namespace: str
+    name: str
+    parsed: ParsedSlice | None = None  # None: not ours (IPv6, FQDN, headless), or refused
+    error: str | None = None
+    trigger_time: float | None = None  # epoch seconds of last-change-trigger-time
+
+
+def read_service(obj: object) -> ServiceRecord:
+    """A Service object reduced to what the model keeps; pure, so the thread that decoded it can
+    call it and drop the object at once (a list of 10,000 is never held whole as dicts)."""
+    ns, name, created = _meta_names(obj)
+    try:
+        return ServiceRecord(ns, name, created, tuple(parse_service(obj)))
+    except ParseError as exc:
+        return ServiceRecord(ns, name, created, error=str(exc))
+
+
+def read_slice(obj: object, node_name: str) -> SliceRecord:
+    """An EndpointSlice object reduced to what the model keeps (`read_service`'s twin); `node_name`:
+    this node (see parse_endpoint_slice)."""
+    ns, name, _ = _meta_names(obj)
+    try:
+        parsed = parse_endpoint_slice(obj, node_name)
+    except ParseError as exc:
+        return SliceRecord(ns, name, error=str(exc))
+    return SliceRecord(ns, name, parsed, trigger_time=_trigger_time(obj) if parsed is not None else None)
+
+
 def _meta_names(obj: object) -> tuple[str, str, str]:
     """(namespace, name, creationTimestamp) of any object, tolerant of every malformation."""
     namespace, name = object_key(obj)
@@ -154,7 +198,11 @@ class ProxyModel:
         self._claims: dict[ServicePortName, tuple[frozenset[Claim], Seniority]] = {}
         self._claimed: dict[str, set[ServicePortName]] = {}
         self._ports_of: dict[str, tuple[ServicePortName, ...]] = {}  # Service key -> ports in state
-        self.state = ProxyState(node=node, services={}, endpoints={}, raw_endpoints={})
+        # The state's mappings: written here only (consumers get them read-only, see ProxyState).
+        self._sp: dict[ServicePortName, ServicePort] = {}
+        self._eps: dict[ServicePortName, ServiceEndpoints] = {}
+        self._raw: dict[ServicePortName, tuple[Endpoint, ...]] = {}
+        self.state = ProxyState(node=node, services=self._sp, endpoints=self._eps, raw_endpoints=self._raw)
         # Object events since the last commit, for kube-proxy's pending-change metrics.
         self.pending_service_changes = 0
         self.pending_endpoint_changes = 0
@@ -172,27 +220,21 @@ class ProxyModel:
         if node.zone != self._node.zone or node.name != self._node.name:
             self._full = True
         self._node = node
-        self.state = ProxyState(
-            node=node,
-            services=self.state.services,
-            endpoints=self.state.endpoints,
-            raw_endpoints=self.state.raw_endpoints,
-        )
+        self.state = ProxyState(node=node, services=self._sp, endpoints=self._eps, raw_endpoints=self._raw)
 
     def set_service(self, key: str, obj: object) -> None:
-        """A Service was added or changed (any JSON value: the parser decides what it is)."""
+        """A Service was added or changed: any JSON value (the parser decides what it is), or what
+        `read_service` made of it already (on the thread that received it)."""
+        rec = obj if isinstance(obj, ServiceRecord) else read_service(obj)
         self.pending_service_changes += 1
         self._touched.add(key)
         pkey = ("Service", key)
-        ns, name, created = _meta_names(obj)
-        try:
-            ports = tuple(parse_service(obj))
-        except ParseError as exc:
+        if rec.error is not None:
             kept = "; its last valid version stays in force" if key in self._services else ""
-            self._set_problem(pkey, Problem("Service", ns, name, f"{exc}{kept}"))
+            self._set_problem(pkey, Problem("Service", rec.namespace, rec.name, f"{rec.error}{kept}"))
             return
         self._set_problem(pkey, None)
-        self._services[key] = _Service(ports, created)
+        self._services[key] = _Service(rec.ports, rec.created)
 
     def delete_service(self, key: str) -> None:
         self.pending_service_changes += 1
@@ -201,18 +243,18 @@ class ProxyModel:
         self._set_problem(("Service", key), None)
 
     def set_slice(self, key: str, obj: object) -> None:
-        """An EndpointSlice was added or changed (any JSON value: the parser decides)."""
+        """An EndpointSlice was added or changed: any JSON value (the parser decides), or what
+        `read_slice` made of it already."""
+        rec = obj if isinstance(obj, SliceRecord) else read_slice(obj, self._node.name)
         self.pending_endpoint_changes += 1
         pkey = ("EndpointSlice", key)
-        ns, name, _ = _meta_names(obj)
-        try:
-            parsed = parse_endpoint_slice(obj)
-        except ParseError as exc:
+        if rec.error is not None:
             kept = "; its last valid version stays in force" if key in self._slices else ""
-            self._set_problem(pkey, Problem("EndpointSlice", ns, name, f"{exc}{kept}"))
+            self._set_problem(pkey, Problem("EndpointSlice", rec.namespace, rec.name, f"{rec.error}{kept}"))
             return
         self._set_problem(pkey, None)
         self._drop_slice(key)
+        parsed = rec.parsed
         if parsed is None:  # not ours (IPv6, FQDN, headless): as if it did not exist
             return
         owner = f"{parsed.namespace}/{parsed.service}"
@@ -220,7 +262,7 @@ class ProxyModel:
         self._slice_owner[key] = owner
         self._owned.setdefault(owner, set()).add(key)
         self._touched.add(owner)
-        when = _trigger_time(obj)
+        when = rec.trigger_time
         if when is not None:
             self._triggers[owner] = min(when, self._triggers.get(owner, when))
 
@@ -393,22 +435,21 @@ class ProxyModel:
         for pkey in old_problems - self._port_problems.get(key, set()):
             self._set_problem(pkey, None)
 
-        state = self.state
+        services, endpoints, raw_endpoints = self._sp, self._eps, self._raw
         changed: set[ServicePortName] = set()
         for spn in self._ports_of.get(key, ()):
             if spn not in active:
-                del state.services[spn]
-                del state.endpoints[spn]
-                del state.raw_endpoints[spn]
+                del services[spn], endpoints[spn], raw_endpoints[spn]
                 changed.add(spn)
         for spn, sp in active.items():
             eps = raw.get(spn, ())
             chosen = categorize_endpoints(eps, sp, self._node)
-            if state.services.get(spn) != sp or state.endpoints.get(spn) != chosen:
+            if services.get(spn) != sp or endpoints.get(spn) != chosen:
                 changed.add(spn)
-            state.services[spn] = sp
-            state.endpoints[spn] = chosen
-            state.raw_endpoints[spn] = eps
+                services[spn] = sp
+                endpoints[spn] = chosen
+            # else the records already there stay: consumers see the same objects (cheap to compare)
+            raw_endpoints[spn] = eps
         if active:
             self._ports_of[key] = tuple(sorted(active))
         else:
@@ -471,5 +512,7 @@ def merge_slices(
                 local = bool(node_name) and ep.node_name == node_name
                 key = ep.ip + suffix
                 if key not in seen or local:
-                    seen[key] = ep._replace(port=number, is_local=local)
+                    # the parser's record itself when it says the same (one copy of each endpoint)
+                    same = ep.port == number and ep.is_local == local
+                    seen[key] = ep if same else ep._replace(port=number, is_local=local)
     return {spn: tuple(eps[k] for k in sorted(eps)) for spn, eps in by_port.items()}

@@ -1,4 +1,4 @@
-"""Frozen value types of the desired proxy state.
+"""Value types of the desired proxy state (frozen records, and the state as a read-only view).
 
 These mirror kube-proxy's `ServicePortName`, `BaseServicePortInfo` and `BaseEndpointInfo`
 (pkg/proxy/serviceport.go, endpoint.go): the Kubernetes objects are reduced once, at the edge,
@@ -13,6 +13,7 @@ caller text. Source ranges are canonical CIDRs (`10.0.0.0/8`, host bits cleared)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
@@ -173,16 +174,23 @@ class NodeInfo:
 class ProxyState:
     """Everything both backends need: service ports and the endpoints chosen for each.
 
+    A read-only view, not a frozen value: the mappings are typed `Mapping`, so a consumer cannot
+    write to them (mypy refuses it), but the model that owns them (`ProxyModel`) updates them in
+    place at each commit, so they always show the latest commit. Copying 10,000 or 50,000 entries
+    at every commit would put the cluster's size back into the cost of a one-endpoint change, so
+    consumers read the state during a sync and keep what they need of it (the records themselves,
+    `ServicePort` and `ServiceEndpoints`, are immutable), never the mappings.
+
     `services` and `endpoints` are keyed by ServicePortName; every key of `services` is in
     `endpoints` (possibly with an empty ServiceEndpoints). Iterate `sorted_ports()` for a
     deterministic order.
     """
 
     node: NodeInfo
-    services: dict[ServicePortName, ServicePort]
-    endpoints: dict[ServicePortName, ServiceEndpoints]
+    services: Mapping[ServicePortName, ServicePort]
+    endpoints: Mapping[ServicePortName, ServiceEndpoints]
     # Raw (unfiltered) endpoint lists as the slices gave them, sorted like kube-proxy's.
-    raw_endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = field(default_factory=dict)
+    raw_endpoints: Mapping[ServicePortName, tuple[Endpoint, ...]] = field(default_factory=dict)
 
     def sorted_ports(self) -> list[ServicePort]:
         return [self.services[k] for k in sorted(self.services, key=lambda n: (str(n), n.protocol))]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import ctypes
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,10 @@ from agent.ebpf.abi import (
     RevNatKey,
     SlotKey,
 )
+from agent.ebpf.entries import Entries, from_dump
 from agent.ebpf.maps import FakeMap
 from agent.ebpf.plan import MapContents, read_contents
-from agent.ebpf.planner import ROLES, FlushResult, Planner, decode
+from agent.ebpf.planner import ROLES, FlushResult, Planner
 from agent.model import NodeInfo, ProxyState, build_state
 from agent.model.topology import categorize_endpoints
 from agent.model.types import Endpoint, Protocol, ServicePort, ServicePortName, SessionAffinity
@@ -82,16 +84,18 @@ class WatchedMap:
         self.inner = inner
         self.check = check
 
-    def update_raw(self, keys: Sequence[bytes], values: Sequence[bytes]) -> int:
-        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
-            if self.inner.update_raw([k], [v]) == 0:
+    def update_packed(self, keys: bytes, values: bytes) -> int:
+        ks, vs = ctypes.sizeof(self.inner.spec.key), ctypes.sizeof(self.inner.spec.value)
+        for i in range(len(keys) // ks):
+            if self.inner.update_packed(keys[i * ks : (i + 1) * ks], values[i * vs : (i + 1) * vs]) == 0:
                 return i
             self.check()
-        return len(keys)
+        return len(keys) // ks
 
-    def delete_raw(self, keys: Sequence[bytes]) -> None:
-        for k in keys:
-            self.inner.delete_raw([k])
+    def delete_packed(self, keys: bytes) -> None:
+        ks = ctypes.sizeof(self.inner.spec.key)
+        for i in range(0, len(keys), ks):
+            self.inner.delete_packed(keys[i : i + ks])
             self.check()
 
 
@@ -122,8 +126,13 @@ class PlanRig:
     def contents(self) -> MapContents:
         return read_contents(self.maps)
 
-    def dump(self) -> dict[str, list[tuple[Any, Any]]]:
-        return {role: decode(role, *m.dump_raw()) for role, m in self.maps.items()}
+    def dump(self) -> dict[str, tuple[bytes, bytes]]:
+        """What the maps hold, as the proxier reads it back."""
+        return {role: m.dump_raw() for role, m in self.maps.items()}
+
+    def held(self) -> dict[str, Entries]:
+        """What the maps hold, as the planner's ints."""
+        return {role: from_dump(role, *m.dump_raw()) for role, m in self.maps.items()}
 
     def restart(self) -> None:
         """A new planner (a restarted agent) over the same maps."""

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from agent.config import Config
 from agent.ebpf.abi import MAPS
+from agent.ebpf.entries import to_tuples
 from agent.ebpf.planner import Planner
 from agent.model import ProxyState
 from agent.model.types import ServicePortName
@@ -46,8 +47,8 @@ def test_a_flush_writes_exactly_the_plan_and_then_nothing() -> None:
     rig = PlanRig()
     state = many(20)
     result = rig.sync(state)
-    assert rig.planner.written == rig.planner.desired
-    assert {r: dict(v) for r, v in rig.dump().items()} == rig.planner.desired
+    assert rig.planner.in_sync
+    assert rig.held() == rig.planner.desired
     assert result.failed == {}
     assert rig.sync(state, changed=()).writes == 0
     assert rig.sync(state).writes == 0, "a full re-plan of the same state changes nothing"
@@ -76,7 +77,7 @@ def test_one_endpoint_change_re_plans_one_port_and_writes_a_handful_of_entries()
     # the new backend's address goes into `addr` too (10.244.9.9 is on no other service)
     assert result.updates == {"addr": 1, "be": 1, "member": 1, "rnat": 0, "srcr": 0, "slot": 1, "fe": 2}
     assert sum(result.deletes.values()) == 0
-    assert rig.planner.written == rig.planner.desired
+    assert rig.planner.in_sync and rig.held() == rig.planner.desired
 
 
 def test_a_removed_service_is_unlinked_before_its_slots_and_backends_go() -> None:
@@ -99,7 +100,7 @@ def test_replacing_every_service_in_full_maps_reaches_the_new_state() -> None:
     assert len(rig.maps["fe"]) == 40 and len(rig.maps["slot"]) == 40
     result = rig.sync(many(20, endpoints=2, first=100))
     assert result.failed == {}
-    assert rig.planner.written == rig.planner.desired
+    assert rig.planner.in_sync and rig.held() == rig.planner.desired
     assert (
         sorted(k.set_id for k in rig.contents().slot)
         == sorted(fe.set_id for fe in rig.contents().fe.values() if fe.count)
@@ -130,7 +131,7 @@ def test_what_does_not_fit_is_reported_and_everything_else_programmed() -> None:
     )
     again = rig.sync(smaller)
     assert again.failed == {}
-    assert rig.planner.written == rig.planner.desired
+    assert rig.planner.in_sync and rig.held() == rig.planner.desired
 
 
 def test_resync_repairs_entries_changed_behind_our_back() -> None:
@@ -179,7 +180,7 @@ def test_any_sequence_of_states_incremental_or_full_with_restarts(
         else:
             rig.sync(state, changed=changed_between(prev, state))
         prev = state
-        assert rig.planner.written == rig.planner.desired
+        assert rig.planner.in_sync and rig.held() == rig.planner.desired
         fresh = Planner(rig.config)
         fresh.update(state, NODE, None)
         assert _shape(rig.planner) == _shape(fresh)
@@ -189,19 +190,20 @@ def test_any_sequence_of_states_incremental_or_full_with_restarts(
 def _shape(p: Planner) -> dict[str, object]:
     """Entries with ids replaced by what they stand for, so two plans compare across ids (and slot
     positions, which keep a survivor in place and so depend on history)."""
-    be = {k[0]: v for k, v in p.desired["be"].items()}
+    desired = {role: to_tuples(role, entries.items()) for role, entries in p.desired.items()}
+    be = {k[0]: v for k, v in desired["be"].items()}
     sets: dict[int, list[tuple[Any, ...]]] = {}
-    for (set_id, _), (bid,) in p.desired["slot"].items():
+    for (set_id, _), (bid,) in desired["slot"].items():
         sets.setdefault(set_id, []).append(be[bid])
-    rnat = {k[0]: v for k, v in p.desired["rnat"].items()}
+    rnat = {k[0]: v for k, v in desired["rnat"].items()}
     members: dict[int, list[tuple[Any, ...]]] = {}
-    for (svc_id, bid), (flags,) in p.desired["member"].items():
+    for (svc_id, bid), (flags,) in desired["member"].items():
         members.setdefault(svc_id, []).append((be[bid], flags))
     fe = {
         key: (sorted(sets.get(v[1], [])), sorted(members.get(v[0], [])), v[2], v[3], v[4], rnat[v[5]])
-        for key, v in p.desired["fe"].items()
+        for key, v in desired["fe"].items()
     }
-    srcr = sorted((k[0], rnat[k[1]], k[2]) for k in p.desired["srcr"])
+    srcr = sorted((k[0], rnat[k[1]], k[2]) for k in desired["srcr"])
     return {"fe": fe, "srcr": srcr, "be": sorted(be.values())}
 
 
@@ -235,4 +237,4 @@ def test_a_full_backend_map_programs_whole_service_ports_not_a_bit_of_each() -> 
     # room appears: the failed ones go in at the next sync
     rig.maps["be"].max_entries = 100
     assert rig.sync(state, changed=set(result.failed)).failed == {}
-    assert rig.planner.written == rig.planner.desired
+    assert rig.planner.in_sync and rig.held() == rig.planner.desired

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import re
 import secrets
@@ -58,7 +59,10 @@ class FakeDatapath:
         self.closed = 0
         self.pin_checks = 0
         self.missing_pins: list[str] = []
-        self.unavailable: set[str] = set()  # programs the kernel could not load
+        # Programs the kernel could not load. By default the socket programs and their iterator:
+        # a proxier over a fake data path then never reaches the real socket attacher (the
+        # default one would link to the machine's root cgroup); the Rig gives them explicitly.
+        self.unavailable: set[str] = {name for name, _ in SOCK_HOOKS.values()} | {PROG_SOCK_TERM}
 
     @property
     def maps(self) -> Mapping[str, MapWriter]:
@@ -658,3 +662,23 @@ def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:
 def test_fixtures_differ() -> None:
     assert set(STATE.services) < set(MORE.services)
     assert len(plan(MORE, NODE, Config()).fe) == 13  # with the NodePort on localhost (internal)
+
+
+def test_a_map_too_small_is_an_error_naming_the_flag_and_the_size(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    rig.maps["fe"].max_entries = 3
+    p = rig.proxier()
+    result = p.sync(MORE, NODE)
+    assert result.failed, "what does not fit is reported"
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1
+    assert f"BPF map {MAPS['fe'].name} is too small" in errors[0]
+    assert "needs 13 entries, it holds 3" in errors[0] and "--bpf-fe-max=16 or more" in errors[0]
+    caplog.clear()
+    p.sync(MORE, NODE)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], "said once, not at every sync"
+    rig.maps["fe"].max_entries = 65536
+    p.sync(MORE, NODE)
+    assert any("holds the desired state again" in r.getMessage() for r in caplog.records)

@@ -306,10 +306,13 @@ def test_a_failure_of_the_rules_common_to_all_raises() -> None:
 
 def test_a_refused_name_is_reported_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     p, fake = make()
-    bad = two_services()
+    good = two_services()
     bad_spn = ServicePortName("ns", "a b", "http", Protocol.TCP)
-    bad.services[bad_spn] = replace(bad.services[A], name=bad_spn)
-    bad.endpoints[bad_spn] = bad.endpoints[A]
+    bad = replace(
+        good,
+        services={**good.services, bad_spn: replace(good.services[A], name=bad_spn)},
+        endpoints={**good.endpoints, bad_spn: good.endpoints[A]},
+    )
     with caplog.at_level(logging.ERROR, logger="agent.iptables.proxier"):
         first = p.sync(bad, NODE)
         second = p.sync(bad, NODE)

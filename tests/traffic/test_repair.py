@@ -32,11 +32,12 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     require_kernel()
     with Lab(nodes=1, pods_per_node=3) as lab:
         lab.start_podservers()
-        # kube-proxy's and Docker's INVALID drop, as the suite's cluster has it (its after-test check
-        # in eBPF mode reads netfilter and first looks for this rule)
-        lab.run(
-            lab.nodes[0], "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"
-        )
+        # As the suite's own `cluster` fixture: the after-test check of eBPF mode (conftest) finds
+        # this rule first, its proof that it read netfilter at all.
+        for node in lab.nodes:
+            lab.run(
+                node, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"
+            )
         c = Cluster(lab, request.param, extra=[f"--sync-period={SYNC_PERIOD_S}s"])
         c.start()
         try:

@@ -1,0 +1,277 @@
+"""The agent's own cost of a first sync and of a restart, in CPU seconds: `python -m bench.firstsync`.
+
+The API part of `make bench` times the agent in wall seconds beside a fake API server, on a machine
+other jobs share: a load of 10 on 2 vCPUs makes its figures five times slower and says nothing of
+where the time goes. This runs the same path in one process and counts CPU time per phase:
+
+* the bench's objects (lab/fakeapi/objects.py: `--services` Services with one EndpointSlice of
+  `--endpoints` endpoints, managedFields and all) serialized as the server's list pages of 500;
+* **lists**: each page through the real reflector (orjson, reconcile), read into the model's
+  records as `Agent.deliver` does (agent.daemon._read) and applied to the model;
+* **commit**: the model evaluates every Service (conflicts, merge, CategorizeEndpoints);
+* **first sync**: the eBPF proxier's first sync over maps that keep what is written as the kernel
+  would (raw bytes by key, the batch calls' contract), planner and writer included;
+* **restart**: a new proxier over the same maps (dump read back, ids re-adopted, nothing to write);
+* the peak RSS above the process's own before the lists (VmHWM; the pages themselves excluded,
+  the maps' bytes included: about 130 bytes an entry), and what the restart adds to it.
+
+No HTTP, no kernel: the server's cost, TLS and the bpf() calls are not in these figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from agent import daemon
+from agent.app import GC_THRESHOLDS
+from agent.config import Config, MapSizes, NodeContext
+from agent.ebpf.abi import MAPS, MapSpec
+from agent.ebpf.proxier import EbpfProxier
+from agent.kube.reflector import Reflector, WatchSettings
+from agent.kube.resources import Resource
+from agent.model.tracker import ProxyModel
+from agent.model.types import NodeInfo
+from agent.sources.base import Event, Kind, ObjectEvent, Synced
+from lab.fakeapi.objects import scale_objects
+
+NODE = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
+
+
+class KernelMap:
+    """A service map as the kernel holds it: raw bytes by key, written and read in batches."""
+
+    def __init__(self, spec: MapSpec) -> None:
+        self.spec = spec
+        self.ks, self.vs = ctypes.sizeof(spec.key), ctypes.sizeof(spec.value)
+        self.data: dict[bytes, bytes] = {}
+        self.writes = 0
+
+    def update_packed(self, keys: bytes, values: bytes) -> int:
+        n, ks, vs = len(keys) // self.ks, self.ks, self.vs
+        self.data.update((keys[i * ks : (i + 1) * ks], values[i * vs : (i + 1) * vs]) for i in range(n))
+        self.writes += n
+        return n
+
+    def update_raw(self, keys: Sequence[bytes], values: Sequence[bytes]) -> int:
+        """The per-entry form of the batch write (the planner before packed writes)."""
+        return self.update_packed(b"".join(keys), b"".join(values))
+
+    def delete_raw(self, keys: Sequence[bytes]) -> None:
+        self.delete_packed(b"".join(keys))
+
+    def delete_packed(self, keys: bytes) -> None:
+        for i in range(0, len(keys), self.ks):
+            self.data.pop(keys[i : i + self.ks], None)
+            self.writes += 1
+
+    def dump_raw(self) -> tuple[bytes, bytes]:
+        return b"".join(self.data), b"".join(self.data.values())
+
+    def capacity(self) -> int:
+        return 1 << 24
+
+    def lookup(self, key: Any) -> Any:
+        return None  # the config maps: never written before
+
+    def update(self, key: Any, value: Any, flags: Any = 0) -> None:
+        return None
+
+
+class _Datapath:
+    def __init__(self, maps: Mapping[str, KernelMap]) -> None:
+        self.maps = maps
+
+    def load(self) -> None:
+        return None
+
+    def prog_fd(self, name: str) -> int:
+        return -1
+
+    def repair_pins(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        return None
+
+
+class _Attacher:
+    watching = True
+
+    def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
+        return None
+
+    def start_watcher(self, timeout: float = 5.0) -> None:
+        return None
+
+    def stop_watcher(self) -> None:
+        return None
+
+
+class _Upgrade:
+    def before_attach(self, maps: Any) -> None:
+        return None
+
+    def after_attach(self, maps: Any) -> None:
+        return None
+
+
+class _Response:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def stream(self, amt: int, decode_content: bool = True) -> Any:
+        return iter(())
+
+    def release_conn(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class _Server:
+    """The list call: the pages in order; the watch after them stops the reflector."""
+
+    def __init__(self, todo: list[bytes], stopping: threading.Event) -> None:
+        self.todo, self.stopping = todo, stopping
+
+    def __call__(self, **kw: Any) -> _Response:
+        if kw.get("watch"):
+            self.stopping.set()
+            return _Response(b"")
+        return _Response(self.todo.pop(0))
+
+
+def pages(objects: list[dict[str, Any]], kind: str, size: int = 500) -> list[bytes]:
+    """The list pages a server sends for `kind` (items without kind/apiVersion, as upstream)."""
+    items = [o for o in objects if o["kind"] == kind]
+    out = []
+    for start in range(0, len(items), size):
+        meta: dict[str, Any] = {"resourceVersion": "100000"}
+        if start + size < len(items):
+            meta["continue"] = f"c{start}"
+        chunk = []
+        for i, obj in enumerate(items[start : start + size], start):
+            obj["metadata"].update(
+                uid=f"{kind}-{i:08d}", resourceVersion=str(10 + i), creationTimestamp="2026-01-01T00:00:00Z"
+            )
+            chunk.append({k: v for k, v in obj.items() if k not in ("kind", "apiVersion")})
+        out.append(orjson.dumps({"kind": f"{kind}List", "metadata": meta, "items": chunk}))
+    return out
+
+
+def proxier(maps: Mapping[str, KernelMap]) -> EbpfProxier:
+    def datapath(pin_path: str, sizes: MapSizes) -> _Datapath:
+        return _Datapath(maps)
+
+    return EbpfProxier(
+        Config(hostname="node1", pin_path="/nonexistent"),
+        datapath_factory=datapath,  # type: ignore[arg-type]
+        attacher_factory=lambda config, fds: _Attacher(),
+        sysctl_writer=lambda netns, path, value: None,
+        sysctl_reader=lambda netns, path: "32768\t60999",
+        sizes_reader=lambda pin_path: {},
+        upgrade_factory=lambda pin_path: _Upgrade(),
+    )
+
+
+def vm(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
+def run(services: int, endpoints: int) -> dict[str, float]:
+    gc.set_threshold(*GC_THRESHOLDS)
+    objects = scale_objects(services, endpoints)
+    by_kind = {kind: pages(objects, kind) for kind in ("Service", "EndpointSlice")}
+    del objects
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM from here
+    base = vm("VmRSS")
+    model = ProxyModel(NodeInfo("node1"))
+
+    # The agent reads each object on the source's thread (daemon._read); an agent from before
+    # that change (to measure it with the same tool) hands the model the decoded object.
+    read = getattr(daemon, "_read", lambda event, hostname: event)
+
+    def deliver(events: Sequence[Event]) -> None:
+        for event in events:
+            if isinstance(event, Synced):
+                continue
+            got = read(event, "node1")
+            record = getattr(got, "record", None)
+            if isinstance(got, ObjectEvent):
+                record = got.obj
+            if got.kind is Kind.SERVICE:
+                model.set_service(got.key, record)
+            elif got.kind is Kind.ENDPOINT_SLICE:
+                model.set_slice(got.key, record)
+
+    def lists() -> None:
+        for kind, todo in (
+            (Kind.SERVICE, by_kind["Service"]),
+            (Kind.ENDPOINT_SLICE, by_kind["EndpointSlice"]),
+        ):
+            stopping = threading.Event()
+            Reflector(
+                Resource(kind, "v1", _Server(list(todo), stopping)), deliver, WatchSettings(), stopping
+            ).run()
+
+    maps = {role: KernelMap(spec) for role, spec in MAPS.items()}
+    out = {"lists": timed(lists), "commit": timed(model.commit)}
+    first = proxier(maps)
+    out["first sync"] = timed(lambda: first.sync(model.state, NODE, None))
+    out["peak MiB"] = vm("VmHWM") - base
+    out["entries"] = sum(m.writes for m in maps.values())
+    first.close()  # a restart is a new process: the first planner goes
+    gc.collect()
+    for m in maps.values():
+        m.writes = 0
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    held = vm("VmRSS")
+    again = proxier(maps)
+    out["restart"] = timed(lambda: again.sync(model.state, NODE, None))
+    out["restart writes"] = sum(m.writes for m in maps.values())
+    out["restart MiB"] = vm("VmHWM") - held
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.firstsync", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--services", type=int, default=10_000)
+    ap.add_argument("--endpoints", type=int, default=10)
+    a = ap.parse_args(argv)
+    out = run(a.services, a.endpoints)
+    total = out["lists"] + out["commit"] + out["first sync"]
+    print(
+        f"{a.services:,} services x {a.endpoints} endpoints, CPU seconds: lists {out['lists']:.2f} "
+        f"(decode, reconcile, read into records), commit {out['commit']:.2f}, first sync "
+        f"{out['first sync']:.2f} ({out['entries']:,.0f} entries written); lists to synced "
+        f"{total:.2f}; restart sync {out['restart']:.2f} ({out['restart writes']:,.0f} entries "
+        f"written); peak RSS above the start {out['peak MiB']:.0f} MiB (the maps' bytes included), the "
+        f"restart's own {out['restart MiB']:.0f} MiB"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""A restart at 10,000 Services: the pinned maps are re-adopted whole and nothing is written.
+
+The proxier runs over maps that count every entry written or deleted, as the kernel's maps would
+see them (packed batch calls), and outlive the proxier as pins do. The state is what the model
+makes of the bench's objects (lab/fakeapi/objects.py): 10,000 Services of 10 endpoints each.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agent.config import Config
+from agent.ebpf import EbpfProxier
+from agent.ebpf.abi import MAPS, MapSpec
+from agent.ebpf.maps import FakeMap, MapWriter
+from agent.ebpf.planner import ROLES
+from agent.model.tracker import ProxyModel
+from agent.model.types import NodeInfo, ProxyState
+from lab.fakeapi.objects import scale_objects
+from tests.ebpf.support import NODE
+from tests.ebpf.test_proxier import FakeAttacher, FakeDatapath, FakeUpgrade
+
+
+class CountingMap(FakeMap):
+    """The service maps' raw side, counting entries written and deleted (the rest is FakeMap's)."""
+
+    def __init__(self, spec: MapSpec) -> None:
+        super().__init__(spec, 1 << 20)
+        self.raw: dict[bytes, bytes] = {}
+        self.ks, self.vs = ctypes.sizeof(spec.key), ctypes.sizeof(spec.value)
+        self.written = self.deleted = 0
+
+    def update_packed(self, keys: bytes, values: bytes) -> int:
+        n = len(keys) // self.ks
+        ks, vs = self.ks, self.vs
+        self.raw.update((keys[i * ks : (i + 1) * ks], values[i * vs : (i + 1) * vs]) for i in range(n))
+        self.written += n
+        return n
+
+    def delete_packed(self, keys: bytes) -> None:
+        for i in range(0, len(keys), self.ks):
+            self.raw.pop(keys[i : i + self.ks], None)
+            self.deleted += 1
+
+    def dump_raw(self) -> tuple[bytes, bytes]:
+        return b"".join(self.raw), b"".join(self.raw.values())
+
+    def capacity(self) -> int:
+        return self.max_entries
+
+
+def state(services: int) -> ProxyState:
+    model = ProxyModel(NodeInfo("node1"))
+    for obj in scale_objects(services, 10):
+        meta = obj["metadata"]
+        key = f"{meta['namespace']}/{meta['name']}"
+        if obj["kind"] == "Service":
+            model.set_service(key, obj)
+        else:
+            model.set_slice(key, obj)
+    model.commit()
+    return model.state
+
+
+def proxier(maps: Mapping[str, MapWriter], tmp: Path) -> EbpfProxier:
+    return EbpfProxier(
+        Config(pin_path=str(tmp / "pins")),
+        datapath_factory=lambda pin_path, sizes: FakeDatapath(maps),  # type: ignore[arg-type]
+        attacher_factory=lambda config, fds: FakeAttacher([]),
+        sysctl_writer=lambda netns, path, value: None,
+        sysctl_reader=lambda netns, path: "32768\t60999",
+        sizes_reader=lambda pin_path: {},
+        upgrade_factory=lambda pin_path: FakeUpgrade([]),
+    )
+
+
+@pytest.fixture(scope="module")
+def big() -> ProxyState:
+    return state(10_000)
+
+
+def test_a_restart_over_unchanged_state_re_adopts_every_entry_and_writes_nothing(
+    big: ProxyState, tmp_path: Path
+) -> None:
+    counting = {role: CountingMap(MAPS[role]) for role in ROLES}
+    maps: dict[str, MapWriter] = {**{r: FakeMap(s) for r, s in MAPS.items()}, **counting}
+    first = proxier(maps, tmp_path)
+    first.sync(big, NODE)
+    held = {role: len(m.raw) for role, m in counting.items()}
+    assert held == {
+        "fe": 20_000,
+        "slot": 100_000,
+        "be": 100_000,
+        "rnat": 10_000,
+        "member": 100_000,
+        "srcr": 0,
+        "addr": 110_000,  # the cluster IPs and the endpoints' addresses
+    }
+    assert sum(m.written for m in counting.values()) == sum(held.values())
+    # A history the maps remember: one port's last endpoint replaced by one that sorts first takes
+    # the freed last slot (survivors keep theirs), not the first as a fresh plan would give it.
+    spn = next(iter(big.services))
+    eps = big.endpoints[spn]
+    newcomer = eps.cluster[0]._replace(ip="10.0.0.1")
+    cluster = (newcomer, *eps.cluster[:-1])
+    big = ProxyState(
+        node=big.node,
+        services=big.services,
+        endpoints={**big.endpoints, spn: replace(eps, cluster=cluster, all_reachable=cluster)},
+    )
+    first.sync(big, NODE, frozenset({spn}))
+    assert first.last_flush.summary() == (
+        "update addr x1, update be x1, update member x1, update slot x1, delete member x1, delete be x1, "
+        "delete addr x1"
+    )
+    before = {role: dict(m.raw) for role, m in counting.items()}
+    for m in counting.values():
+        m.written = m.deleted = 0
+    first.close()
+
+    again = proxier(maps, tmp_path)  # the agent restarted over its pins
+    again.sync(big, NODE)
+    assert {role: (m.written, m.deleted) for role, m in counting.items()} == dict.fromkeys(ROLES, (0, 0))
+    assert {role: m.raw for role, m in counting.items()} == before
+    assert again.last_flush.writes == 0
+
+    # the next change after the restart is written as a change, not as a rewrite
+    one = next(iter(big.services))
+    changed = ProxyState(
+        node=big.node,
+        services={spn: sp for spn, sp in big.services.items() if spn != one},
+        endpoints={spn: eps for spn, eps in big.endpoints.items() if spn != one},
+    )
+    again.sync(changed, NODE, frozenset({one}))
+    assert again.last_flush.summary() == (
+        "delete fe x2, delete slot x10, delete member x10, delete be x10, delete rnat x1, delete addr x11"
+    )
