@@ -52,6 +52,9 @@ class MapSizes:
     srcr: int = default("map_sizes.srcr")
     # frontend and backend addresses (entries allocated as written; 4 MiB of hash buckets)
     addr: int = default("map_sizes.addr")
+    # Maglev tables (one per backend set of a Maglev frontend, allocated as written) and their size
+    maglev: int = default("map_sizes.maglev")
+    maglev_table_size: int = default("map_sizes.maglev_table_size")
     sknat: int = default("map_sizes.sknat")
 
     def with_conntrack(
@@ -140,6 +143,8 @@ class Config:
     snat_ports: tuple[int, int] = default("snat_ports")  # above the kernel's ephemeral 32768-60999
     nodeport_range: tuple[int, int] = default("nodeport_range")
     bpf_keep_client_ip_local: bool = default("bpf_keep_client_ip_local")
+    bpf_xdp: str = default("bpf_xdp")
+    bpf_lb_algorithm: str = default("bpf_lb_algorithm")
     socket_lb: bool = default("socket_lb")  # cgroup socket programs for the node's own sockets
     socket_lb_cgroup: str = default("socket_lb_cgroup")  # "" = the root of the cgroup2 mount
     socket_lb_host_only: bool = default("socket_lb_host_only")

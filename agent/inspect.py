@@ -22,6 +22,7 @@ SECTIONS = {
     "affinity": "aff",
     "stats": "stats",
     "capacity": "capacity",
+    "maglev": "maglev",
     "sockets": "sockets",
 }
 
@@ -30,7 +31,10 @@ examples:
   agent inspect maps                 frontends, slots, backends, reverse NAT, source ranges, config
   agent inspect conntrack            every tracked flow: tuple, direction, rewrite, backend, age
   agent inspect stats                packets, flows, SNAT, affinity hits, drops by reason,
-                                     conntrack evictions by state, fragments held and released
+                                     conntrack evictions by state, fragments held and released;
+                                     the XDP program's counters beside the tc programs' (xdp ...)
+  agent inspect maglev               each Maglev table: its frontends, every backend's share, the
+                                     first positions, a digest to compare nodes by
   agent inspect capacity             entries / capacity of every map, live conntrack entries by
                                      state (assured, unassured, closed), early drops by state
   agent inspect sockets              socket programs: settings, cgroup links, sockets sent to backends

@@ -20,9 +20,13 @@ The second part (`--parts api`, bench/api.py) runs the agent against a fake API 
 10,000 Services with 10 endpoints each: list -> first sync, start -> first sync, a restart over
 its own pins, one EndpointSlice change p50/p99/max over 200 changes, and the agent's peak RSS.
 The third part (`--parts capacity`, bench/capacity.py) opens TCP flows through a ClusterIP until
-the default conntrack table evicts its first live one. All three parts are the default.
+the default conntrack table evicts its first live one. The fourth (`--parts flood`, bench/flood.py)
+floods node1 from the external client (trafgen) and compares packets handled per CPU at XDP, at
+the tc program and in iptables mode, for source-range drops and NodePort forwarding. All four
+parts are the default.
 
 Output: aligned tables on stdout, and the run as a file: bench/results/<date>-<commit>.json (commit,
 host, date, parameters, iptables backends, raw results; bench/record.py) with its tables rendered
-beside it (.md). `python -m bench.report --readme` puts the newest run into the README.
+beside it (.md). `python -m bench.report --readme` puts the newest run into the README, and the
+newest run with a flood part into its own block.
 """

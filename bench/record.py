@@ -26,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench import api, bpfstats, capacity
+from bench import api, bpfstats, capacity, flood
 from bench.report import Table
 from bench.traffic import Load
 
@@ -214,6 +214,7 @@ def make(
     results: Any | None,
     scales: Sequence[api.ApiScale],
     capacity_result: capacity.Result | None,
+    flood_result: flood.Result | None = None,
 ) -> dict[str, Any]:
     sha, dirty = git_commit()
     record = {
@@ -230,6 +231,7 @@ def make(
         "traffic": results_json(results) if results is not None else None,
         "api": [dataclasses.asdict(s) for s in scales],
         "capacity": dataclasses.asdict(capacity_result) if capacity_result is not None else None,
+        "flood": flood_result.to_json() if flood_result is not None else None,
     }
     cleaned: dict[str, Any] = _clean(record)
     return cleaned
@@ -282,11 +284,15 @@ def load(path: Path) -> dict[str, Any]:
     return data
 
 
-def newest(directory: Path = RESULTS) -> Path:
-    """The results file of the latest run (by the date inside it, then the name)."""
-    files = sorted(directory.glob("*.json"), key=lambda p: (load(p)["date"], p.name))
+def newest(directory: Path = RESULTS, part: str = "traffic") -> Path:
+    """The results file of the latest run that measured `part` (by the date inside it, then the
+    name): a run of some parts alone (`--parts flood`) does not hide the last full one."""
+    files = sorted(
+        (p for p in directory.glob("*.json") if load(p).get(part) is not None),
+        key=lambda p: (load(p)["date"], p.name),
+    )
     if not files:
-        raise FileNotFoundError(f"no results in {directory}: run `make bench`")
+        raise FileNotFoundError(f"no results with the {part} part in {directory}: run `make bench`")
     return files[-1]
 
 
@@ -318,6 +324,8 @@ def tables(record: dict[str, Any]) -> list[Table]:
         out.append(api.table([api.ApiScale(**s) for s in record["api"]]))
     if record["capacity"] is not None:
         out.append(capacity.table(capacity.Result(**record["capacity"])))
+    if record.get("flood") is not None:
+        out.append(flood.table(flood.Result.from_json(record["flood"])))
     return out
 
 

@@ -64,23 +64,26 @@ def ratio(value: float) -> str:
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCK = re.compile(r"<!-- bench-results: (\S+) -->\n.*?<!-- /bench-results -->\n", re.DOTALL)
+# The flood part's block: the newest run that measured it (bench/flood.py), which may be a run of
+# that part alone.
+FLOOD_BLOCK = re.compile(r"<!-- bench-flood: (\S+) -->\n.*?<!-- /bench-flood -->\n", re.DOTALL)
 
 
-def readme_block(path: Path) -> str:
+def readme_block(path: Path, marker: str = "bench-results") -> str:
     """The README's benchmark block for one results file, markers included."""
     from bench import record
 
     rel = path.resolve().relative_to(record.REPO)
-    return f"<!-- bench-results: {rel} -->\n{record.render(record.load(path), rel)}<!-- /bench-results -->\n"
+    return f"<!-- {marker}: {rel} -->\n{record.render(record.load(path), rel)}<!-- /{marker} -->\n"
 
 
-def cited(readme: str) -> Path:
+def cited(readme: str, block: re.Pattern[str] = BLOCK) -> Path:
     """The results file the README's block names."""
     from bench import record
 
-    m = BLOCK.search(readme)
+    m = block.search(readme)
     if m is None:
-        raise ValueError("README.md has no bench-results block")
+        raise ValueError(f"README.md has no {block.pattern.split(':')[0][5:]} block")
     return record.REPO / m.group(1)
 
 
@@ -99,8 +102,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if BLOCK.search(text) is None:
         print("README.md has no <!-- bench-results: ... --> block to rewrite", file=sys.stderr)
         return 1
-    README.write_text(BLOCK.sub(lambda _: readme_block(path), text, count=1))
+    text = BLOCK.sub(lambda _: readme_block(path), text, count=1)
     print(f"README.md: benchmark tables from {path}")
+    if a.file is None and FLOOD_BLOCK.search(text) is not None:
+        flood_path = record.newest(part="flood")
+        text = FLOOD_BLOCK.sub(lambda _: readme_block(flood_path, "bench-flood"), text, count=1)
+        print(f"README.md: flood table from {flood_path}")
+    README.write_text(text)
     return 0
 
 

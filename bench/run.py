@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 from agent.ebpf import abi
-from bench import api, bpfstats, capacity
+from bench import api, bpfstats, capacity, flood
 from bench.report import Table, num, ratio
 from bench.traffic import Load, children, connect_samples, percentile, pinned, wrk
 from bench.workload import MEASURED_PORT, MEASURED_VIP, ServicesFile, services_file
@@ -27,7 +27,7 @@ from lab.core import Node, Pod
 from lab.harness import REPO, Agent, Cluster
 
 MODES = ("ebpf", "iptables")
-PARTS = ("traffic", "api", "capacity")
+PARTS = ("traffic", "api", "capacity", "flood")
 # Client source ports: pod-IP and ClusterIP traffic never share a 4-tuple (see `use_ports`).
 PORTS_DIRECT = "32768 46999"
 PORTS_VIP = "47000 60999"
@@ -617,8 +617,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=",".join(PARTS),
         help="traffic (data path and file-sourced sync), api (the agent following an API server at "
         "scale: bench/api.py), capacity (concurrent flows the default conntrack sizing holds: "
-        "bench/capacity.py); default all three",
+        "bench/capacity.py), flood (packets per CPU under a flood from outside, XDP vs tc vs "
+        "iptables: bench/flood.py); default all four",
     )
+    p.add_argument("--flood-seconds", type=int, default=4, help="seconds per flood window (default 4)")
+    p.add_argument("--flood-rounds", type=int, default=3, help="flood windows per job and path (default 3)")
     p.add_argument(
         "--api-services", type=int, default=10_000, help="services on the API server (default 10000)"
     )
@@ -684,6 +687,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "capacity" in parts:
         print("== capacity: TCP flows through a ClusterIP until the first live one is evicted", flush=True)
         capacity_result = capacity.measure()
+    flood_result = None
+    if "flood" in parts:
+        print("== flood: packets per second per CPU, drops and forwarding, XDP vs tc vs iptables", flush=True)
+        flood_result = flood.measure(a.flood_seconds, a.flood_rounds)
     parameters = {**dataclasses.asdict(s), "modes": list(s.modes)}
     parameters.update(
         api_services=a.api_services,
@@ -701,6 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results=results,
         scales=scales,
         capacity_result=capacity_result,
+        flood_result=flood_result,
     )
     path = record.save(run, a.results_dir)
     print(f"\nwritten {path} ({run['seconds']:,.0f} s in all)\n")

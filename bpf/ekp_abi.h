@@ -57,6 +57,8 @@ struct ekp_frontend_key {
 #define EKP_FE_SOURCE_RANGES (1 << 6) /* check the client against ekp_srcr (loadBalancerSourceRanges) */
 #define EKP_FE_AFFINITY      (1 << 7) /* sessionAffinity ClientIP: see affinity_timeout */
 #define EKP_FE_SNAT_ALL      (1 << 8) /* source-translate to the node whatever the backend (KUBE-MARK-MASQ) */
+#define EKP_FE_MAGLEV        (1 << 9) /* choose the backend with the Maglev table of set_id (ekp_maglev), and
+				      * let a TCP segment without conntrack resume its flow on it */
 
 struct ekp_frontend {
 	__u32 svc_id;           /* host: the service port (membership, affinity, conntrack); never 0 */
@@ -66,6 +68,26 @@ struct ekp_frontend {
 	__u32 affinity_timeout; /* host: seconds a client keeps its backend; 0 = no affinity */
 	__u16 rev_nat_id;       /* host: key prefix of ekp_srcr (source ranges); never 0 */
 	__u16 pad;              /* zero */
+};
+
+/* ---- Maglev lookup tables (hash, written by the agent): set -> backend id per table position */
+
+/* The table's size: a prime, the same on every node (--bpf-lb-maglev-table-size; Cilium's default).
+ * The loader passes -DEKP_MAGLEV_TABLE_SIZE; the map's value size follows it, so a pinned map keeps
+ * the size it was created with (a change is a pin mismatch, as a resized conntrack table is). */
+#ifndef EKP_MAGLEV_TABLE_SIZE
+#define EKP_MAGLEV_TABLE_SIZE 16381
+#endif
+
+struct ekp_maglev_key {
+	__u32 set_id; /* host: struct ekp_frontend.set_id of a frontend with EKP_FE_MAGLEV */
+};
+
+/* Position h % EKP_MAGLEV_TABLE_SIZE of a flow's hash (ekp_flow_hash of the tuple as it arrives)
+ * names its backend. Built by the agent with Maglev's permutations of the backends' addresses
+ * (agent/ebpf/maglev.py), so every node holding the same backends fills the same positions. */
+struct ekp_maglev {
+	__u32 backend_id[EKP_MAGLEV_TABLE_SIZE]; /* host: keys of ekp_be; never 0 in a written table */
 };
 
 /* ---- backend slots: (set, slot) -> backend id --------------------------------------------- */
@@ -379,6 +401,10 @@ enum ekp_stat {
 	EKP_STAT_EVICT_UNASSURED, /* mark: ... replied, never assured (TCP handshake not completed, UDP
 	                           * not a stream) */
 	EKP_STAT_EVICT_CLOSED,    /* mark: ... closed TCP flows (RST, or FINs both ways) */
+	EKP_STAT_TO_TC,           /* outcome (XDP only): a service packet XDP leaves to the tc program
+	                           * to carry out (a local backend, a reject, a route XDP cannot send) */
+	EKP_STAT_CT_RESUMED,      /* mark: a TCP segment without conntrack resumed its flow on the backend
+	                           * Maglev names (the entries were lost: evicted, a restart elsewhere) */
 	/* Socket-level load balancing: every connect() and sendmsg() to an IPv4 address of a socket in
 	 * the attached cgroup counts SOCK_CALLS and exactly one outcome: SOCK_PASS (not TCP or UDP, not
 	 * a frontend, another namespace), SOCK_TRANSLATED or one of the drop reasons above

@@ -31,7 +31,7 @@ static __always_inline int ekp_main(struct __sk_buff *skb, __u8 scope)
 	__builtin_memset(&w->work.pkt, 0, sizeof(w->work.pkt));
 	int parsed = ekp_parse(skb, &w->work.pkt);
 
-	ekp_decide(&w->work, parsed, scope);
+	ekp_decide(&w->work, parsed, scope, EKP_HOOK_TC);
 	int verdict;
 	struct ekp_decision *d = &w->work.dec;
 	if (d->action == EKP_ACT_HOLD) {

@@ -17,6 +17,8 @@
  *                                 TCP: DROP NO_FLOW), backend, SNAT, conntrack -> TRANSLATE
  *   nothing                    -> PASS (a TCP SYN first checks that its reverse tuple is not a
  *                                 translated flow's, ekp_ct_reclaim)
+ * Under XDP (enum ekp_hook) fragments, ICMP errors, misses, rejects and new flows to local
+ * backends PASS before any side effect: the tc program decides them as above.
  *
  * A packet that cannot belong to a translated flow leaves as early as its kind allows: anything
  * but IPv4 TCP/UDP/ICMP errors after the parse, without a map lookup; a TCP/UDP packet after the
@@ -44,6 +46,17 @@ enum ekp_action {
 	EKP_ACT_RELATED,   /* an ICMP error: rewrite outer and quoted tuples, deliver it */
 	EKP_ACT_HOLD,      /* a later fragment before its first: keep it, put it back when the first
 			    * comes (the hook's business: ekp_tc_frag.h for tc) */
+};
+
+/* The hook that runs a decision, a compile-time constant at each call site. XDP carries out only
+ * what it can before the skb exists; it leaves the rest, untouched and before any side effect
+ * (conntrack, affinity, rate limit), to the tc program behind it: fragments and ICMP errors,
+ * packets that claim no flow and no frontend, rejects, and new flows to a local backend (delivered
+ * into a pod's veth, which native XDP cannot do). What it does decide is this very code, on the
+ * same maps: an entry XDP created is the entry tc finds. */
+enum ekp_hook {
+	EKP_HOOK_TC = 0,
+	EKP_HOOK_XDP = 1,
 };
 
 struct ekp_decision {
@@ -185,13 +198,17 @@ static __always_inline void ekp_decide_create(const struct ekp_pkt *p, struct ek
  * starts a flow (the caller creates it), 0 when `d` already holds the verdict. */
 static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct ekp_frontend *fe,
 					  const struct ekp_config *cfg, __u64 now, struct ekp_flow *f,
-					  struct ekp_decision *d)
+					  struct ekp_decision *d, __u8 hook)
 {
 	__u32 aff_hit = 0;
 
 	int refusal = ekp_lb_refusal(fe, p->saddr);
 
 	if (refusal == EKP_DROP_NO_ENDPOINTS && (fe->flags & EKP_FE_NO_ENDPOINTS)) {
+		if (hook == EKP_HOOK_XDP) {
+			ekp_verdict(d, EKP_ACT_PASS, EKP_STAT_TO_TC); /* the reject is built on the skb */
+			return 0;
+		}
 		ekp_decide_no_endpoints(p, cfg, now, d);
 		return 0;
 	}
@@ -202,16 +219,25 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 	/* Only a SYN starts a TCP flow. Any other segment to a frontend without conntrack belongs to
 	 * a flow we no longer have (evicted, expired): never sent to a newly chosen backend, which
 	 * could only reset it; dropped and counted while the flow may still come back (the
-	 * surviving entry rebuilds its twin within a second). Later fragments never start flows. */
-	if (p->frag == EKP_FRAG_LATER || (p->proto == IPPROTO_TCP && !ekp_pure_syn(p))) {
+	 * surviving entry rebuilds its twin within a second). Later fragments never start flows.
+	 * Under Maglev the backend is not newly chosen: the table names the one the flow had (on
+	 * this node or any other with the same backends), so the flow resumes there. */
+	int resumes = p->proto == IPPROTO_TCP && !ekp_pure_syn(p);
+	if (p->frag == EKP_FRAG_LATER || (resumes && !(fe->flags & EKP_FE_MAGLEV))) {
 		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_NO_FLOW);
 		return 0;
 	}
-	int reason = ekp_pick_backend(fe, p->saddr, bpf_get_prandom_u32(), now, f, &aff_hit);
+	int reason = ekp_pick_backend(fe, p->saddr, bpf_get_prandom_u32(), p, now, f, &aff_hit);
 	if (reason) {
 		ekp_verdict(d, EKP_ACT_DROP, reason);
 		return 0;
 	}
+	if (hook == EKP_HOOK_XDP && (f->be_flags & EKP_BE_LOCAL)) {
+		ekp_verdict(d, EKP_ACT_PASS, EKP_STAT_TO_TC); /* into a pod's veth: tc's to deliver */
+		return 0;
+	}
+	if (resumes)
+		d->marks |= 1u << EKP_STAT_CT_RESUMED;
 	d->marks |= aff_hit << EKP_STAT_AFFINITY_HIT;
 	f->svc_id = fe->svc_id;
 	f->fe_addr = p->daddr;
@@ -286,7 +312,7 @@ static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const st
 
 /* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result); a flow it
  * starts or closes is left in w->queue. */
-static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __u8 scope)
+static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __u8 scope, __u8 hook)
 {
 	struct ekp_pkt *p = &w->pkt;
 	struct ekp_decision *d = &w->dec;
@@ -305,6 +331,10 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 		return;
 	}
 	if (p->ttl <= 1)
+		return;
+	/* XDP leaves fragments and ICMP errors to tc: holding a fragment needs an skb, and a first
+	 * fragment's record must be written where its later fragments are decided. */
+	if (hook == EKP_HOOK_XDP && (parsed != EKP_PARSE_OK || p->frag != EKP_FRAG_NONE))
 		return;
 	const struct ekp_config *cfg = ekp_config_get();
 	if (!cfg)
@@ -347,9 +377,11 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 
 	struct ekp_frontend *fe = ekp_frontend_lookup(p, scope);
 	if (fe) {
-		if (!ekp_decide_new(p, fe, cfg, now, f, d))
+		if (!ekp_decide_new(p, fe, cfg, now, f, d, hook))
 			return;
 	} else {
+		if (hook == EKP_HOOK_XDP) /* no flow of ours: tc looks for a direct flow's reclaim */
+			return;
 		if (p->frag == EKP_FRAG_LATER || !ekp_pure_syn(p) || ekp_ct_reclaim(p, cfg, now) != EKP_RECLAIM_LIVE)
 			return;
 		ekp_flow_direct(f, p);
@@ -357,14 +389,14 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 	ekp_decide_create(p, f, cfg, now, d, q);
 }
 
-/* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result), then queues
- * the flow it started or closed (ekp_ctq.h: written once, here, rather than on each path). */
-static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scope)
+/* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result) as `hook`
+ * runs it (enum ekp_hook), then queues the flow it started or closed (ekp_ctq.h: written once, here, rather than on each path). */
+static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scope, __u8 hook)
 {
 	__builtin_memset(&w->dec, 0, sizeof(w->dec));
 	__builtin_memset(&w->flow, 0, sizeof(w->flow));
 	w->queue.want = 0;
-	ekp_decide_packet(w, parsed, scope);
+	ekp_decide_packet(w, parsed, scope, hook);
 	if (w->queue.want) {
 		__u32 evicted = ekp_ctq_push(&w->queue);
 		if (evicted)

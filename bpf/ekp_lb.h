@@ -8,6 +8,8 @@
  *   affinity    ekp_aff_v2 {saddr, svc_id} when EKP_FE_AFFINITY and affinity_timeout > 0,
  *               honoured only while ekp_member_v2 {svc_id, backend} holds the backend in the set
  *               this frontend uses (EKP_MEMBER_LOCAL for EKP_FE_LOCAL frontends, else CLUSTER)
+ *   Maglev      ekp_maglev_v2 {set_id}[flow hash % table size] -> backend_id when EKP_FE_MAGLEV,
+ *               honoured while the backend is a member of the frontend's set
  *   slot        ekp_slot_v2 {set_id, 1 + random % count} -> backend_id
  *   backend     ekp_be_v2 {backend_id}
  *
@@ -74,11 +76,12 @@ static __always_inline int ekp_lb_refusal(const struct ekp_frontend *fe, __be32 
 	return EKP_DROP_NO_ENDPOINTS;
 }
 
-/* Fills f->backend_*; sets *aff_hit when the client's remembered backend was used. `rnd` picks
- * the slot when affinity does not: random per packet path flow, per socket on the socket path.
- * Returns 0 or a drop reason. */
-static __always_inline int ekp_pick_backend(const struct ekp_frontend *fe, __be32 client, __u32 rnd, __u64 now,
-					    struct ekp_flow *f, __u32 *aff_hit)
+/* Fills f->backend_*; sets *aff_hit when the client's remembered backend was used. Maglev hashes
+ * the packet `p`'s tuple (the socket path has no packet: NULL, no Maglev, a socket's source port is
+ * not known at connect()); else `rnd` picks the slot: random per packet path flow, per socket on
+ * the socket path. Returns 0 or a drop reason. */
+static __always_inline int ekp_pick_backend(const struct ekp_frontend *fe, __be32 client, __u32 rnd,
+					    const struct ekp_pkt *p, __u64 now, struct ekp_flow *f, __u32 *aff_hit)
 {
 	struct ekp_affinity_key ak = {};
 	struct ekp_backend_key bk = {};
@@ -98,6 +101,25 @@ static __always_inline int ekp_pick_backend(const struct ekp_frontend *fe, __be3
 				be = ekp_be_lookup(&bk); /* gone: choose again */
 				if (be)
 					*aff_hit = 1;
+			}
+		}
+	}
+	if (!be && p && (fe->flags & EKP_FE_MAGLEV)) {
+		/* The same tuple names the same position on every node, and again after its conntrack
+		 * entries are gone. A table not written yet, or naming a backend that is no longer in
+		 * this frontend's set (the table is rewritten after the set changed): the slots decide. */
+		struct ekp_maglev_key mk = {};
+		mk.set_id = fe->set_id;
+		struct ekp_maglev *table = ekp_maglev_lookup(&mk);
+		if (table) {
+			__u64 pos = ekp_flow_hash(p) % EKP_MAGLEV_TABLE_SIZE;
+			/* LLVM computes the remainder with a division and a product, which leaves the
+			 * verifier no bound: the test after the barrier gives it one. */
+			asm volatile("" : "+r"(pos));
+			__u32 chosen = pos < EKP_MAGLEV_TABLE_SIZE ? table->backend_id[pos] : 0;
+			if (chosen && ekp_is_member(fe, chosen)) {
+				bk.id = chosen;
+				be = ekp_be_lookup(&bk);
 			}
 		}
 	}

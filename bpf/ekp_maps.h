@@ -26,12 +26,13 @@
 	!defined(EKP_FRAG_MAX) || !defined(EKP_AFF_MAX) || !defined(EKP_SRCR_MAX) || !defined(EKP_CFG_MAX) ||  \
 	!defined(EKP_CFGSEL_MAX) || !defined(EKP_ICMPRL_MAX) || !defined(EKP_STATS_MAX) ||                      \
 	!defined(EKP_ADDR_MAX) || !defined(EKP_CTQ_TCP_MAX) || !defined(EKP_CTQ_ANY_MAX) ||                     \
-	!defined(EKP_CTQH_MAX) || !defined(EKP_FRAGHOLD_MAX) || !defined(EKP_FRAGLAST_MAX) ||                   \
-	!defined(EKP_SKNAT_MAX) || !defined(EKP_SKCFG_MAX)
+	!defined(EKP_CTQH_MAX) || !defined(EKP_FRAGHOLD_MAX) || !defined(EKP_FRAGLAST_MAX) ||                  \
+	!defined(EKP_MAGLEV_MAX) || !defined(EKP_XSTATS_MAX) || !defined(EKP_SKNAT_MAX) || !defined(EKP_SKCFG_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
 _Static_assert(EKP_STATS_MAX == EKP_STAT_SLOTS, "ekp_stats_v3 has EKP_STAT_SLOTS slots");
+_Static_assert(EKP_XSTATS_MAX == EKP_STAT_SLOTS, "ekp_xstats_v3 has EKP_STAT_SLOTS slots");
 _Static_assert(EKP_STAT_MAX <= EKP_STAT_SLOTS, "a counter beyond the slots of ekp_stats_v3");
 /* struct ekp_decision.marks is a 32-bit set of enum ekp_stat: the packet path's marks must come
  * before bit 32 (the socket programs' counters, after them, are never marks of a decision). */
@@ -62,6 +63,12 @@ BPF_TABLE_PINNED("array", u32, struct ekp_config_sel, ekp_cfgsel_v2, EKP_CFGSEL_
  * alone take 4 MiB, memlock as measured). */
 BPF_TABLE_PINNED("hash", struct ekp_addr_key, struct ekp_addr, ekp_addr_v2, EKP_ADDR_MAX, EKP_PIN(ekp_addr_v2),
 		 BPF_F_NO_PREALLOC);
+
+/* Maglev tables, one per backend set that a Maglev frontend uses: 64 KiB each at the default size,
+ * allocated as written (a table exists only for the sets of external frontends; see
+ * bpf/README.md, "Maglev", for the memory measured against a shared array and a map of maps). */
+BPF_TABLE_PINNED("hash", struct ekp_maglev_key, struct ekp_maglev, ekp_maglev_v2, EKP_MAGLEV_MAX,
+		 EKP_PIN(ekp_maglev_v2), BPF_F_NO_PREALLOC);
 
 /* Flow state, written by the data path (LRU: a full table evicts the least recently used). The
  * kernel's common LRU list (no BPF_F_NO_COMMON_LRU): every CPU can use every entry, so the tables
@@ -95,6 +102,8 @@ BPF_TABLE_PINNED("lru_hash", struct ekp_sock_key, struct ekp_sock_nat, ekp_sknat
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
 BPF_TABLE_PINNED("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX, EKP_PIN(ekp_icmprl_v2));
 BPF_TABLE_PINNED("percpu_array", u32, u64, ekp_stats_v3, EKP_STATS_MAX, EKP_PIN(ekp_stats_v3));
+/* The XDP program's counters, the same enum ekp_stat as the tc programs' (beside them, not mixed). */
+BPF_TABLE_PINNED("percpu_array", u32, u64, ekp_xstats_v3, EKP_XSTATS_MAX, EKP_PIN(ekp_xstats_v3));
 
 /*
  * Map access. bcc rewrites `map.lookup(...)` into helper calls only inside the main source file
@@ -129,6 +138,8 @@ static __always_inline struct ekp_affinity *ekp_aff_lookup(struct ekp_affinity_k
 static __always_inline int ekp_aff_update(struct ekp_affinity_key *k, struct ekp_affinity *v);
 static __always_inline struct ekp_ratelimit *ekp_icmprl_lookup(u32 *k);
 static __always_inline u64 *ekp_stats_lookup(u32 *k);
+static __always_inline u64 *ekp_xstats_lookup(u32 *k);
+static __always_inline struct ekp_maglev *ekp_maglev_lookup(struct ekp_maglev_key *k);
 static __always_inline struct ekp_sock_config *ekp_skcfg_lookup(u32 *k);
 static __always_inline struct ekp_sock_nat *ekp_sknat_lookup(struct ekp_sock_key *k);
 static __always_inline int ekp_sknat_update(struct ekp_sock_key *k, struct ekp_sock_nat *v);

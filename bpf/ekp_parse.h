@@ -118,19 +118,10 @@ static __always_inline int ekp_parse_quote(struct ekp_pkt *p, void *data, void *
 	return EKP_PARSE_ICMP_ERR;
 }
 
-static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
+/* The frame from its Ethernet header, whatever hook holds it (a tc skb's linear part, an XDP
+ * buffer): one parser for both. */
+static __always_inline int ekp_parse_frame(void *data, void *data_end, struct ekp_pkt *p)
 {
-	void *data = (void *)(long)skb->data;
-	void *data_end = (void *)(long)skb->data_end;
-	__u32 linear = data_end - data;
-
-	/* Headers may sit in paged data (GRO, some drivers): make the ones we read linear. */
-	if (linear < EKP_PULL_LEN && skb->len > linear) {
-		bpf_skb_pull_data(skb, skb->len < EKP_PULL_LEN ? skb->len : EKP_PULL_LEN);
-		data = (void *)(long)skb->data;
-		data_end = (void *)(long)skb->data_end;
-	}
-
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > data_end)
 		return EKP_PARSE_PASS;
@@ -191,6 +182,27 @@ static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
 	p->icmp_type = icmp->type;
 	p->icmp_code = icmp->code;
 	return ekp_parse_quote(p, data, data_end, (void *)(icmp + 1));
+}
+
+static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
+{
+	void *data = (void *)(long)skb->data;
+	void *data_end = (void *)(long)skb->data_end;
+	__u32 linear = data_end - data;
+
+	/* Headers may sit in paged data (GRO, some drivers): make the ones we read linear. */
+	if (linear < EKP_PULL_LEN && skb->len > linear) {
+		bpf_skb_pull_data(skb, skb->len < EKP_PULL_LEN ? skb->len : EKP_PULL_LEN);
+		data = (void *)(long)skb->data;
+		data_end = (void *)(long)skb->data_end;
+	}
+	return ekp_parse_frame(data, data_end, p);
+}
+
+/* An XDP buffer is linear up to data_end (a multi-buffer frame's first buffer holds its headers). */
+static __always_inline int ekp_parse_xdp(struct xdp_md *ctx, struct ekp_pkt *p)
+{
+	return ekp_parse_frame((void *)(long)ctx->data, (void *)(long)ctx->data_end, p);
 }
 
 #endif /* EKP_PARSE_H */

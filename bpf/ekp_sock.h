@@ -178,7 +178,8 @@ static __always_inline __u32 ekp_sock_decide(struct bpf_sock_addr *ctx, __be32 d
 	__u64 cookie = bpf_get_socket_cookie(ctx);
 	struct ekp_flow f = {};
 	__u32 aff_hit = 0;
-	int reason = ekp_pick_backend(fe, client, ekp_sock_rnd(proto, cookie), bpf_ktime_get_ns(), &f, &aff_hit);
+	int reason = ekp_pick_backend(fe, client, ekp_sock_rnd(proto, cookie), NULL, bpf_ktime_get_ns(), &f,
+				      &aff_hit);
 	if (reason)
 		return reason;
 	*marks |= aff_hit << EKP_STAT_AFFINITY_HIT;

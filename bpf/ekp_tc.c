@@ -3,8 +3,9 @@
  * ekp_tc.c: the programs of ebpf-kube-proxy, bcc's main file (the name is the tc programs', the first
  * ones; every program shares the maps declared once in ekp_maps.h and one build):
  *
- *   ekp_from_pod  tc ingress of the node side of every pod veth        (scope EKP_SCOPE_INTERNAL)
- *   ekp_from_net  tc ingress of the node's external devices (--devices) (scope EKP_SCOPE_EXTERNAL)
+ *   ekp_from_pod  ingress of the node side of every pod veth        (scope EKP_SCOPE_INTERNAL)
+ *   ekp_from_net  ingress of the node's external devices (--devices) (scope EKP_SCOPE_EXTERNAL)
+ *   ekp_xdp_net   XDP of the same external devices (--bpf-xdp), ahead of ekp_from_net
  *   ekp_sock_conn, ekp_sock_send, ekp_sock_recv, ekp_sock_peer
  *                 cgroup connect4, sendmsg4, recvmsg4, getpeername4 of the node's sockets
  *                 (--bpf-socket-lb-cgroup; ekp_sock.h), and with a 6 their IPv6 hooks, for IPv4
@@ -169,6 +170,16 @@ static __always_inline u64 *ekp_stats_lookup(u32 *k)
 	return ekp_stats_v3.lookup(k);
 }
 
+static __always_inline u64 *ekp_xstats_lookup(u32 *k)
+{
+	return ekp_xstats_v3.lookup(k);
+}
+
+static __always_inline struct ekp_maglev *ekp_maglev_lookup(struct ekp_maglev_key *k)
+{
+	return ekp_maglev_v2.lookup(k);
+}
+
 static __always_inline struct ekp_sock_config *ekp_skcfg_lookup(u32 *k)
 {
 	return ekp_skcfg_v2.lookup(k);
@@ -198,6 +209,7 @@ static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 /* ---- programs ---- */
 
 #include "ekp_core.h"
+#include "ekp_xdp.h"
 
 int ekp_from_pod(struct __sk_buff *skb)
 {
@@ -207,6 +219,13 @@ int ekp_from_pod(struct __sk_buff *skb)
 int ekp_from_net(struct __sk_buff *skb)
 {
 	return ekp_main(skb, EKP_SCOPE_EXTERNAL);
+}
+
+/* XDP on the external devices (--bpf-xdp): before the skb exists, the part of ekp_from_net's work
+ * that needs no skb (ekp_xdp.h); everything else goes on to ekp_from_net. */
+int ekp_xdp_net(struct xdp_md *ctx)
+{
+	return ekp_xdp_main(ctx);
 }
 
 #include "ekp_sock.h"

@@ -23,6 +23,7 @@ from typing import IO, Any, Protocol, TypeVar
 
 from . import netns as nx
 from .netns import LabError
+from .wire import make_wire
 
 T = TypeVar("T")
 
@@ -176,11 +177,15 @@ class Lab:
         *,
         prefix: str | None = None,
         cgroups: bool = True,
+        wire: bool = False,
     ) -> None:
+        """`wire`: the switch behaves like a NIC's wire (full checksums on the external links, a
+        native XDP program's XDP_TX delivered: lab/wire.py), for agents run with --bpf-xdp=native."""
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes must be 1..{MAX_NODES}")
         if not 0 <= pods_per_node <= MAX_PODS_PER_NODE:
             raise ValueError(f"pods_per_node must be 0..{MAX_PODS_PER_NODE}")
+        self.wire = wire
         self.prefix = prefix or nx.new_prefix()
         if not nx.PREFIX_RE.match(self.prefix):
             raise ValueError(f"prefix must match {nx.PREFIX_RE.pattern}: {self.prefix!r}")
@@ -411,6 +416,9 @@ class Lab:
         nx.ip_batches(batches)
         for node in self.nodes:
             self.set_sysctl(node, "net.ipv4.ip_forward", "1")
+        if self.wire:  # a NIC's wire: full checksums on the external links, XDP_TX delivered
+            ends = [self.client.ns, *(n.ns for n in self.nodes)]
+            make_wire(self.switch_ns, [f"sw-{n.name}" for n in self.nodes], ends)
 
     def _pod_veth_line(self, pod: Pod) -> str:
         node = self.node(pod.node)

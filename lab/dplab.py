@@ -10,7 +10,8 @@ is shared. The namespace holds what the FIB lookups resolve in:
     small0 10.244.3.1/24    MTU 1280: the path to a backend (.5) and a client (.6) behind a smaller MTU
 
 Packets from pods run ekp_from_pod with ingress pod0; packets from outside run ekp_from_net with
-ingress ext0. `assert_balanced` checks the counters after each test: PACKETS == sum of outcomes.
+ingress ext0, or ekp_xdp_net (XDP) on ext0. `assert_balanced` checks each hook's counters after
+each test: PACKETS == sum of outcomes.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from agent.ebpf.abi import (
 )
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import MapWriter, read_stats, write_config
-from lab.packets import Link, link, private_netns, prog_run, sh
+from lab.packets import Link, link, private_netns, prog_run, sh, xdp_run
 
 NODE, NODE2, CLIENT = "192.168.0.11", "192.168.0.12", "192.168.0.100"
 POD_CLIENT, BE1, BE2, BE3, BE4 = "10.244.1.9", "10.244.1.5", "10.244.1.6", "10.244.1.8", "10.244.1.10"
@@ -89,6 +90,8 @@ TEST_ROLES = (
     "srcr",
     "icmprl",
     "stats",
+    "maglev",
+    "xstats",
 )
 
 CFG = abi.Config(
@@ -143,8 +146,11 @@ def reset_maps(dp: Datapath) -> None:
 
 
 def assert_balanced(dp: Datapath) -> None:
-    stats = read_stats(dp.maps["stats"])
-    assert sum(stats[s] for s in CALLS) == sum(stats[s] for s in OUTCOMES), stats
+    """Each hook's counters balance: PACKETS (and the socket programs' SOCK_CALLS) == sum of the
+    outcomes (the tc and socket programs', XDP's)."""
+    for role in ("stats", "xstats"):
+        stats = read_stats(dp.maps[role])
+        assert sum(stats[s] for s in CALLS) == sum(stats[s] for s in OUTCOMES), (role, stats)
 
 
 def set_config(dp: Datapath, **fields: int) -> abi.Config:
@@ -175,8 +181,24 @@ class Net:
     def from_net(self, frame: bytes) -> tuple[int, bytes]:
         return prog_run(self.dp.prog_fd("ekp_from_net"), frame, self.lab.ext.ifindex)
 
+    def xdp(self, frame: bytes) -> tuple[int, bytes]:
+        """ekp_xdp_net on `frame` arriving on ext0: (XDP verdict, frame out)."""
+        verdict, out, _ = xdp_run(self.dp.prog_fd("ekp_xdp_net"), frame, self.lab.ext.ifindex)
+        return verdict, out
+
     def stats(self) -> dict[Stat, int]:
         return read_stats(self.dp.maps["stats"])
+
+    def xstats(self) -> dict[Stat, int]:
+        """The XDP program's counters (ekp_xstats_v3)."""
+        return read_stats(self.dp.maps["xstats"])
+
+    def set_maglev(self, set_id: int, backend_ids: list[int]) -> None:
+        """The Maglev table of `set_id`: position i names backend_ids[i % len(backend_ids)]."""
+        table = abi.Maglev()
+        for i in range(abi.MAGLEV_TABLE_SIZE):
+            table.backend_id[i] = backend_ids[i % len(backend_ids)]
+        self.dp.maps["maglev"].update(abi.MaglevKey(set_id), table)
 
     def ct(
         self, saddr: str, daddr: str, sport: int, dport: int, proto: int = TCP, *, reply: bool = False

@@ -168,6 +168,50 @@ def prog_run(prog_fd: int, frame: bytes, ifindex: int) -> tuple[int, bytes]:
     return int(opts.retval), data_out.raw[: opts.data_size_out]
 
 
+XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = 0, 1, 2, 3, 4
+
+
+class _XdpMd(ct.Structure):
+    """struct xdp_md: a test sets the device (and its receive queue 0) the frame arrives on."""
+
+    _fields_ = [
+        ("data", ct.c_uint32),
+        ("data_end", ct.c_uint32),
+        ("data_meta", ct.c_uint32),
+        ("ingress_ifindex", ct.c_uint32),
+        ("rx_queue_index", ct.c_uint32),
+        ("egress_ifindex", ct.c_uint32),
+    ]
+
+
+def xdp_run(prog_fd: int, frame: bytes, ifindex: int, repeat: int = 1) -> tuple[int, bytes, int]:
+    """Runs an XDP program on `frame` as if it arrived on `ifindex` (a device of the calling
+    thread's namespace); (verdict, frame out, mean ns per run)."""
+    from bcc import libbcc
+
+    fn = libbcc.lib.bpf_prog_test_run_opts
+    fn.restype = ct.c_int
+    fn.argtypes = [ct.c_int, ct.POINTER(_TestRunOpts)]
+    data_in = ct.create_string_buffer(frame, len(frame))
+    data_out = ct.create_string_buffer(len(frame) + 256)
+    ctx = _XdpMd(data_end=len(frame), ingress_ifindex=ifindex)  # the kernel checks data_end == size
+    opts = _TestRunOpts(
+        sz=ct.sizeof(_TestRunOpts),
+        data_in=ct.cast(data_in, ct.c_void_p),
+        data_out=ct.cast(data_out, ct.c_void_p),
+        data_size_in=len(frame),
+        data_size_out=len(data_out),
+        ctx_in=ct.cast(ct.pointer(ctx), ct.c_void_p),
+        ctx_size_in=ct.sizeof(ctx),
+        repeat=repeat,
+    )
+    ret = fn(prog_fd, ct.byref(opts))
+    if ret < 0:
+        err = -ret if ret < -1 else ct.get_errno()
+        raise OSError(err, f"BPF_PROG_TEST_RUN (XDP): {os.strerror(err)}")
+    return int(opts.retval), data_out.raw[: opts.data_size_out], int(opts.duration)
+
+
 class Capture:
     """The frames that enter one device of the current namespace (an AF_PACKET socket): what a
     program puts back into a device's receive path (bpf_clone_redirect to ingress) shows here."""

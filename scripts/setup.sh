@@ -13,7 +13,7 @@ mkdir -p "$build"
 APT_PACKAGES=(
   python3-bpfcc bpfcc-tools bpftool linux-headers-amd64 gcc
   iptables conntrack nftables iproute2 ethtool
-  dnsmasq-base nginx-light socat curl wrk apache2-utils iperf3 tcpdump dnsutils
+  dnsmasq-base nginx-light socat curl wrk apache2-utils iperf3 tcpdump dnsutils netsniff-ng
 )
 
 log() { printf 'setup: %s\n' "$*"; }

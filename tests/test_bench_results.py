@@ -209,3 +209,12 @@ def test_every_figure_in_the_scale_section_is_in_a_file_it_cites() -> None:
             held |= {n.replace(",", "") for n, _ in FIGURE.findall(path.read_text())}
     missing = sorted(figures(section) - held - SCALE_TARGETS, key=lambda f: float(f.rstrip("%")))
     assert not missing, f"figures in the README's scale section that its files do not hold: {missing}"
+
+
+def test_the_readme_flood_block_is_what_the_newest_flood_run_renders() -> None:
+    text = README.read_text()
+    m = report.FLOOD_BLOCK.search(text)
+    assert m is not None, "README.md has no bench-flood block"
+    path = report.cited(text, report.FLOOD_BLOCK)
+    assert path == record.newest(part="flood"), "run `python -m bench.report --readme`"
+    assert m.group(0) == report.readme_block(path, "bench-flood")

@@ -69,6 +69,7 @@ class FrontendFlag(IntEnum):
     SOURCE_RANGES = 1 << 6
     AFFINITY = 1 << 7
     SNAT_ALL = 1 << 8
+    MAGLEV = 1 << 9
 
 
 class BackendFlag(IntEnum):
@@ -149,15 +150,17 @@ class Stat(IntEnum):
     EVICT_UNREPLIED = 27
     EVICT_UNASSURED = 28
     EVICT_CLOSED = 29
-    SOCK_CALLS = 30
-    SOCK_PASS = 31
-    SOCK_TRANSLATED = 32
-    SOCK_REVNAT = 33
-    SOCK_DESTROYED = 34
+    TO_TC = 30  # outcome, XDP only: left to the tc program to carry out
+    CT_RESUMED = 31  # mark: a TCP segment without conntrack resumed its flow on Maglev's backend
+    SOCK_CALLS = 32
+    SOCK_PASS = 33
+    SOCK_TRANSLATED = 34
+    SOCK_REVNAT = 35
+    SOCK_DESTROYED = 36
 
 
 STAT_DROP_FIRST = Stat.DROP_MALFORMED
-STAT_COUNT = 35
+STAT_COUNT = 37
 STAT_SLOTS = 64  # ekp_stats_v3's size: room for later counters without a new map
 # The drop reasons, by name (a reason added later goes at the end of the enum, after other kinds).
 DROPS: tuple[Stat, ...] = tuple(s for s in Stat if s.name.startswith("DROP_"))
@@ -172,6 +175,7 @@ OUTCOMES: tuple[Stat, ...] = (
     Stat.CT_REPLY,
     Stat.CT_RELATED,
     Stat.FRAG_HELD,
+    Stat.TO_TC,
     Stat.SOCK_PASS,
     Stat.SOCK_TRANSLATED,
     *DROPS,
@@ -220,6 +224,32 @@ class Frontend(_Struct):
         ("rev_nat_id", u16),
         ("pad", u16),
     ]
+
+
+# Positions of a Maglev table (bpf/ekp_abi.h EKP_MAGLEV_TABLE_SIZE): a prime, Cilium's default. The
+# C is compiled with the configured size (-DEKP_MAGLEV_TABLE_SIZE); `maglev_value(m)` is the value
+# type of a table of m positions, `Maglev` the default's (what the ABI probe checks).
+MAGLEV_TABLE_SIZE = 16381
+
+
+class MaglevKey(_Struct):
+    _fields_ = [("set_id", u32)]
+
+
+def maglev_value(m: int) -> type[_Struct]:
+    """The value type of ekp_maglev for tables of `m` positions."""
+    if m == MAGLEV_TABLE_SIZE:
+        return Maglev
+    return _maglev_types.setdefault(
+        m, type(f"Maglev{m}", (_Struct,), {"_fields_": [("backend_id", u32 * m)]})
+    )
+
+
+class Maglev(_Struct):
+    _fields_ = [("backend_id", u32 * MAGLEV_TABLE_SIZE)]
+
+
+_maglev_types: dict[int, type[_Struct]] = {}
 
 
 class SlotKey(_Struct):
@@ -377,6 +407,8 @@ class SockConfig(_Struct):
 STRUCTS: dict[str, type[_Struct]] = {
     "ekp_frontend_key": FrontendKey,
     "ekp_frontend": Frontend,
+    "ekp_maglev_key": MaglevKey,
+    "ekp_maglev": Maglev,
     "ekp_slot_key": SlotKey,
     "ekp_slot": Slot,
     "ekp_backend_key": BackendKey,
@@ -451,6 +483,8 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("cfg", "array", ctypes.c_uint32, Config, 2, "EKP_CFG_MAX"),
         MapSpec("cfgsel", "array", ctypes.c_uint32, ConfigSel, 1, "EKP_CFGSEL_MAX"),
         MapSpec("addr", "hash", AddrKey, Addr, 262144, "EKP_ADDR_MAX"),
+        # one table per backend set of a Maglev frontend, allocated as written (64 KiB each)
+        MapSpec("maglev", "hash", MaglevKey, Maglev, 16384, "EKP_MAGLEV_MAX"),
         MapSpec("ct_tcp", "lru_hash", CtKey, CtEntry, 0, "EKP_CT_TCP_MAX", _DP, "--bpf-ct-global-tcp-max"),
         MapSpec("ct_any", "lru_hash", CtKey, CtEntry, 0, "EKP_CT_ANY_MAX", _DP, "--bpf-ct-global-any-max"),
         MapSpec("ctq_tcp", "array", ctypes.c_uint32, CtqSlot, 0, "EKP_CTQ_TCP_MAX", _DP),
@@ -469,6 +503,17 @@ MAPS: dict[str, MapSpec] = {
             ctypes.c_uint64,
             STAT_SLOTS,
             "EKP_STATS_MAX",
+            _DP,
+            version=3,
+        ),
+        # the XDP program's counters, the same slots as ekp_stats_v3
+        MapSpec(
+            "xstats",
+            "percpu_array",
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            STAT_SLOTS,
+            "EKP_XSTATS_MAX",
             _DP,
             version=3,
         ),

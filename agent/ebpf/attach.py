@@ -1,9 +1,11 @@
-"""Attach the tc programs: clsact + a direct-action cls_bpf filter on each device that needs one.
+"""Attach the programs: clsact + a direct-action cls_bpf filter on each device that needs one, and
+XDP ahead of it on the external devices (agent/ebpf/xdp.py, --bpf-xdp).
 
 Effects (pyroute2). Which devices, in the network namespace Config.netns:
 
 * external devices (Config.devices, or every device holding one of NodeContext.node_ips) get
-  `ekp_from_net` on ingress: traffic from other nodes and clients, scope EXTERNAL;
+  `ekp_from_net` on ingress: traffic from other nodes and clients, scope EXTERNAL; and
+  `ekp_xdp_net` on XDP unless --bpf-xdp=disabled;
 * pod devices (names matching a Config.pod_interfaces glob, not external) get `ekp_from_pod` on
   ingress: traffic leaving pods, scope INTERNAL.
 
@@ -34,6 +36,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl import RTMGRP_LINK
 
 from agent.config import Config, NodeContext
+from agent.ebpf import xdp
 from agent.netns import netns_route, run_in_netns
 from agent.node import matches_pod_pattern
 
@@ -235,7 +238,8 @@ def detach(ipr: Any, index: int) -> bool:
 
 
 def detach_all(netns: str) -> list[str]:
-    """Remove our filters from every device of `netns`; names of the devices that had one.
+    """Remove our filters and XDP programs from every device of `netns`; names of the devices
+    that had one.
 
     A namespace that no longer exists holds nothing of ours: returns [].
     """
@@ -244,7 +248,8 @@ def detach_all(netns: str) -> list[str]:
             done = []
             for link in list_links(ipr):
                 try:
-                    if detach(ipr, link.index):
+                    had_xdp = xdp.detach(ipr, link.index)
+                    if detach(ipr, link.index) or had_xdp:
                         done.append(link.name)
                 except NetlinkError as exc:
                     if exc.code not in (errno.ENODEV, errno.ENOENT):
@@ -273,6 +278,7 @@ class Attacher:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self.attachments = 0  # filters attached (or replaced) since construction
+        self._xdp: dict[int, str] = {}  # external ifindex -> XDP mode it runs in ("" none)
 
     @property
     def attached(self) -> dict[int, tuple[str, str]]:
@@ -330,9 +336,58 @@ class Attacher:
                     self._remember(index, name, prog)
                     continue
                 self._attach(ipr, index, name, prog)
+            for index in gone:
+                self._xdp_off(ipr, index, known[index][0])
+            for index in sorted(external):
+                self._xdp_on(ipr, index, wanted[index][0], check=full or verify)
             with self._lock:
                 for index in gone:
                     self._attached.pop(index, None)
+
+    @property
+    def xdp_modes(self) -> dict[int, str]:
+        """External ifindex -> the XDP mode ekp_xdp_net runs in there ("" none)."""
+        with self._lock:
+            return dict(self._xdp)
+
+    def _xdp_on(self, ipr: Any, index: int, name: str, *, check: bool) -> None:
+        """ekp_xdp_net on one external device as --bpf-xdp says (off when disabled). Looked at
+        again only by full and verifying reconciles: a device seen once keeps its verdict."""
+        mode = self._config.bpf_xdp
+        fd = self._fds.get(xdp.PROG_XDP)
+        if not check and index in self._xdp:
+            return
+        try:
+            if mode == "disabled" or fd is None:
+                if xdp.detach(ipr, index):
+                    log.info("detached %s from %s (--bpf-xdp=disabled)", xdp.PROG_XDP, name)
+                running = ""
+            else:
+                running = xdp.attach(ipr, index, name, fd, mode)
+        except NetlinkError as exc:
+            if exc.code == errno.ENODEV:
+                return
+            log.error(
+                "cannot attach %s to %s in %s mode: %s; its tc program serves all of its traffic "
+                "(--bpf-xdp=best-effort or generic would not fail)",
+                xdp.PROG_XDP,
+                name,
+                mode,
+                exc,
+            )
+            running = ""
+        with self._lock:
+            self._xdp[index] = running
+
+    def _xdp_off(self, ipr: Any, index: int, name: str) -> None:
+        try:
+            if xdp.detach(ipr, index):
+                log.info("detached %s from %s (no longer an external device)", xdp.PROG_XDP, name)
+        except NetlinkError as exc:
+            if exc.code != errno.ENODEV:
+                raise
+        with self._lock:
+            self._xdp.pop(index, None)
 
     def _attach(self, ipr: Any, index: int, name: str, prog: str) -> None:
         attach(ipr, index, prog, self._fds[prog])

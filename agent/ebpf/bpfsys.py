@@ -26,6 +26,7 @@ MAP_DELETE_ELEM = 3
 MAP_GET_NEXT_KEY = 4
 OBJ_PIN = 6
 OBJ_GET = 7
+PROG_GET_FD_BY_ID = 13
 OBJ_GET_INFO_BY_FD = 15
 MAP_LOOKUP_BATCH = 24
 MAP_UPDATE_BATCH = 26
@@ -117,6 +118,15 @@ def obj_get_info_by_fd(fd: int, info: Any) -> int:
     """Fill `info` (a ctypes Structure: the head of bpf_map_info or bpf_prog_info)."""
     attr = _attr(_INFO, fd, ctypes.sizeof(info), _addr(info))
     return _call(OBJ_GET_INFO_BY_FD, attr)
+
+
+# struct { __u32 prog_id; __u32 next_id; __u32 open_flags; }
+_GET_ID = struct.Struct("=III")
+
+
+def prog_get_fd_by_id(prog_id: int) -> int:
+    """An fd of the loaded program `prog_id` (needs CAP_SYS_ADMIN), or -errno."""
+    return _call(PROG_GET_FD_BY_ID, _attr(_GET_ID, prog_id, 0, 0))
 
 
 # ---- programs, links and iterators (the socket programs, agent/ebpf/sockattach.py, sockterm.py)

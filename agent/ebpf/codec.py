@@ -8,7 +8,8 @@ class, so the one checked mirror of `bpf/ekp_abi.h` stays the only description o
 
 * scalar fields are ints, in declaration order;
 * fields whose name starts with `pad` are zero bytes, not part of the tuple;
-* other arrays of bytes (addresses of a later IPv6 layout) are `bytes` of their length.
+* other arrays (addresses of a later IPv6 layout, a Maglev table's backend ids) are `bytes` of
+  their size, the elements in native order.
 
 Packing uses native byte order and no implicit alignment: the header pads every struct
 explicitly, and `Codec.__init__` checks the size against `ctypes.sizeof`.
@@ -49,8 +50,9 @@ class Codec:
                     fmt += f"{ctypes.sizeof(ftype)}x" if name.startswith("pad") else code
                     if not name.startswith("pad"):
                         names.append(name)
-                elif issubclass(ftype, ctypes.Array) and ftype._type_ is ctypes.c_uint8:
-                    fmt += f"{ftype._length_}x" if name.startswith("pad") else f"{ftype._length_}s"
+                elif issubclass(ftype, ctypes.Array) and ftype._type_ in _SCALARS:
+                    size = ctypes.sizeof(ftype)
+                    fmt += f"{size}x" if name.startswith("pad") else f"{size}s"
                     if not name.startswith("pad"):
                         names.append(name)
                 else:

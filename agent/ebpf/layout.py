@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping, Sequence
-from socket import inet_aton
+from socket import inet_aton, inet_ntoa
 from typing import Literal, NamedTuple
 
 from agent.config import Config, NodeContext
 from agent.ebpf.abi import FrontendFlag, Scope
 from agent.ebpf.codec import Value
-from agent.ebpf.entries import fe_key, ident
+from agent.ebpf.entries import BE_PORT, U16, U32, fe_count, fe_flags, fe_key, fe_set, ident, slot_key
+from agent.ebpf.maglev import wanted_tables
 from agent.model.types import ServicePort
 
 LOCALHOST = "127.0.0.1"  # localhost NodePorts (Config.localhost_nodeports)
@@ -107,6 +108,8 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[Fe]:
     externals += [(ip, sp.port, FrontendFlag.EXTERNAL_IP) for ip in sp.external_ips]
     ranges = int(FrontendFlag.SOURCE_RANGES) if sp.load_balancer_source_ranges else 0
     snat_all, snat_keep_local = int(FrontendFlag.SNAT_ALL), int(FrontendFlag.SNAT_REMOTE)
+    # Maglev chooses for traffic from outside only, as Cilium's loadBalancer.algorithm does.
+    maglev = int(FrontendFlag.MAGLEV) if config.bpf_lb_algorithm == "maglev" else 0
     externals += [(ip, sp.port, FrontendFlag.LOADBALANCER | ranges) for ip in sp.load_balancer_ips]
     for addr_text, fe_port, what in externals:
         addr, p = ip_be(addr_text), port_be(fe_port)
@@ -123,7 +126,9 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[Fe]:
             ext_kind = "cluster"
             ext_flags = base | what | (snat_keep_local if config.bpf_keep_client_ip_local else snat_all)
             pod_flags = ext_flags
-        out.append(Fe(fe_key(addr, p, proto, int(Scope.EXTERNAL)), ext_kind, int(ext_flags), affinity, rnat))
+        out.append(
+            Fe(fe_key(addr, p, proto, int(Scope.EXTERNAL)), ext_kind, int(ext_flags) | maglev, affinity, rnat)
+        )
         out.append(Fe(fe_key(addr, p, proto, int(Scope.INTERNAL)), "cluster", int(pod_flags), affinity, rnat))
     if sp.node_port and config.localhost_nodeports:
         # localhost:<nodePort> for the node's own processes (the socket programs; a pod's localhost
@@ -196,3 +201,26 @@ def config_entry(node: NodeContext, config: Config) -> Value:
 def _seconds(value: float, default: int) -> int:
     """A kube-proxy timeout in whole seconds; 0 ("leave it") becomes the default."""
     return max(1, round(value)) if value > 0 else default
+
+
+def maglev_tables(
+    fe: Mapping[int, int], slot: Mapping[int, int], be: Mapping[int, int]
+) -> dict[int, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """The Maglev tables desired frontends need, from the desired entries (agent/ebpf/entries.py
+    ints): set id -> (backend names, ids) in slot order (agent/ebpf/maglev.py wanted_tables)."""
+
+    def slot_of(set_id: int, pos: int) -> int | None:
+        return slot.get(slot_key(set_id, pos))
+
+    def backend_of(bid: int) -> tuple[str, int] | None:
+        v = be.get(bid)
+        if v is None:
+            return None
+        return inet_ntoa((v & U32).to_bytes(4, "little")), port_host(v >> BE_PORT & U16)
+
+    frontends_ = ((fe_set(v), fe_count(v), fe_flags(v)) for v in fe.values())
+    return wanted_tables(frontends_, slot_of, backend_of)
+
+
+def port_host(port: int) -> int:
+    return ((port & 0xFF) << 8) | (port >> 8)

@@ -37,12 +37,13 @@ import os
 import re
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import ABI_VERSION, CT_QUEUES, CTQ_DIVISOR, MAPS, PREFIX, MapSpec
+from agent.ebpf.abi import ABI_VERSION, CT_QUEUES, CTQ_DIVISOR, MAPS, PREFIX, MapSpec, maglev_value
 from agent.ebpf.btf import vmlinux_has
 from agent.ebpf.compile import build_id, compile_in_child, open_pinned_programs, remove_other_builds
 from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, obj_pin, possible_cpus
@@ -65,8 +66,9 @@ _U32_MAX = (1 << 32) - 1
 # declared in bpf/ekp_maps.h (tests/ebpf/test_abi.py compares the two). The LRU maps use the
 # kernel's common LRU list, so every CPU can use every entry (ABI v1 had one list per CPU, each CPU
 # owning max_entries / CPUs; bpf/README.md, "Conntrack capacity", has the measurement). The
-# service addresses are allocated as written: a few thousand entries, read only for fragments.
-ROLE_FLAGS: dict[str, int] = {"addr": BPF_F_NO_PREALLOC}
+# service addresses are allocated as written: a few thousand entries, read only for fragments; so
+# are the Maglev tables (64 KiB each: only the sets of Maglev frontends have one).
+ROLE_FLAGS: dict[str, int] = {"addr": BPF_F_NO_PREALLOC, "maglev": BPF_F_NO_PREALLOC}
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
@@ -122,6 +124,13 @@ def pinned_sizes(pin_path: str) -> dict[str, int]:
     return out
 
 
+def sized_spec(spec: MapSpec, sizes: MapSizes) -> MapSpec:
+    """`spec` with the value type it is compiled with: a Maglev table's follows the table size."""
+    if spec.role == "maglev":
+        return replace(spec, value=maglev_value(sizes.maglev_table_size))
+    return spec
+
+
 def map_flags(spec: MapSpec) -> int:
     """The map_flags a map is created with (and that an existing pin must have)."""
     return MAP_FLAGS.get(spec.kind, 0) | ROLE_FLAGS.get(spec.role, 0)
@@ -141,10 +150,11 @@ def kernel_max_entries(spec: MapSpec, sizes: MapSizes) -> int:
 
 def expected_info(spec: MapSpec, sizes: MapSizes) -> dict[str, int]:
     """What bpf_obj_get_info must report for a map compiled with `sizes`."""
+    value = maglev_value(sizes.maglev_table_size) if spec.role == "maglev" else spec.value
     return {
         "type": MAP_TYPES[spec.kind],
         "key_size": _sizeof(spec.key),
-        "value_size": _sizeof(spec.value),
+        "value_size": _sizeof(value),
         "max_entries": kernel_max_entries(spec, sizes),
         "flags": map_flags(spec),
     }
@@ -260,6 +270,7 @@ def compile_cflags(pin_path: str, sizes: MapSizes, bpf_dir: Path) -> list[str]:
         raise ValueError(f"pin path must be absolute, without quotes or backslashes: {pin_path!r}")
     flags = [f'-DEKP_PIN_DIR="{pin_path}"', f"-I{bpf_dir}"]
     flags += [f"-D{spec.size_macro}={map_size(spec, sizes)}" for spec in MAPS.values()]
+    flags.append(f"-DEKP_MAGLEV_TABLE_SIZE={sizes.maglev_table_size}")
     return flags
 
 
@@ -366,7 +377,7 @@ class Datapath:
                 time.monotonic() - started,
             )
             for role, spec in MAPS.items():
-                m = BpfMap.open_pinned(spec, self.pin_path)
+                m = BpfMap.open_pinned(sized_spec(spec, self.sizes), self.pin_path)
                 self._maps[role] = m
                 diffs = info_mismatches(spec, self.sizes, m.info())
                 if diffs:

@@ -22,12 +22,12 @@ import ctypes as ct
 import errno
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any, Protocol
 
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import CData, Config, ConfigSel, MapSpec, Stat, copy_struct
+from agent.ebpf.abi import CData, Config, ConfigSel, MapSpec, Stat, copy_struct, maglev_value
 
 ENOTSUPP = 524  # the kernel's internal "operation not supported" for missing batch ops
 
@@ -108,6 +108,9 @@ class MapWriter(Protocol):
 def _check_type(spec: MapSpec, what: str, obj: object, want: type[Any]) -> None:
     if type(obj) is not want:
         raise TypeError(f"{spec.name}: {what} must be {want.__name__}, not {type(obj).__name__}")
+
+
+_BATCH_BYTES = 4 << 20  # the largest value buffer of one batch lookup
 
 
 def _full_error(err: int) -> bool:
@@ -485,6 +488,8 @@ class BpfMap:
         """(keys buffer, values buffer, entries in them) per bpf_lookup_batch call, buffers reused;
         sets `_batch_supported` False (and yields nothing) when the kernel cannot batch this map."""
         ksize, vsize = ct.sizeof(self.spec.key), ct.sizeof(self.spec.value)
+        # values of 64 KiB (a Maglev table) would make the value buffer a gigabyte: a few MiB at most
+        chunk = max(1, min(chunk, _BATCH_BYTES // vsize))
         in_batch, out_batch = ct.c_uint32(0), ct.c_uint32(0)
         first = True
         self._batch_supported = True
@@ -695,3 +700,16 @@ def read_stats(stats: MapWriter) -> dict[Stat, int]:
         if index in Stat._value2member_map_:
             out[Stat(index)] = int(getattr(value, "value", 0))
     return out
+
+
+def open_pinned_as_held(spec: MapSpec, pin_path: str) -> BpfMap:
+    """A pinned map opened with the value size it was created with: a Maglev table's follows
+    --bpf-lb-maglev-table-size, which a reader such as `agent inspect` or /metrics does not know."""
+    if spec.role == "maglev":
+        fd = obj_get(os.path.join(pin_path, spec.name))
+        try:
+            size = map_info(fd).value_size
+        finally:
+            os.close(fd)
+        spec = replace(spec, value=maglev_value(size // 4))
+    return BpfMap.open_pinned(spec, pin_path)

@@ -68,7 +68,7 @@ from agent.ebpf.ids import (
     IdPool,
     PlanError,
 )
-from agent.ebpf.layout import KINDS, Fe, SetKind, config_entry, frontends, slots, source_ranges
+from agent.ebpf.layout import KINDS, Fe, SetKind, config_entry, frontends, maglev_tables, slots, source_ranges
 from agent.ebpf.writer import FlushResult, Pending, RawMap, flush, port_order
 from agent.model.types import ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 
@@ -203,6 +203,10 @@ class Planner:
         return not any(self.pending.values())
 
     # ------------------------------------------------------------------ planning
+
+    def maglev_tables(self) -> dict[int, tuple[tuple[str, ...], tuple[int, ...]]]:
+        """The Maglev tables the desired frontends need (agent.ebpf.layout.maglev_tables)."""
+        return maglev_tables(self.desired["fe"], self.desired["slot"], self.desired["be"])
 
     def update(
         self, state: ProxyState, node: NodeContext, changed: Iterable[ServicePortName] | None

@@ -1,7 +1,8 @@
 """The programs of the data path (bpf/ekp_tc.c), how each is loaded and where it attaches. Pure.
 
 * tc: `ekp_from_pod` on the ingress of every pod veth, `ekp_from_net` on the node's external
-  devices (agent/ebpf/attach.py);
+  devices (agent/ebpf/attach.py); XDP: `ekp_xdp_net` on the same external devices, ahead of
+  `ekp_from_net` (agent/ebpf/xdp.py, --bpf-xdp);
 * cgroup: the socket programs on `--bpf-socket-lb-cgroup` (agent/ebpf/sockattach.py), each loaded
   for its hook (the kernel wants the hook, `expected_attach_type`, at load);
 * an iterator: `ekp_sock_term` (iter/udp) ends connected UDP sockets whose backend left
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 # enum bpf_prog_type
 PROG_SCHED_CLS = 3
+PROG_XDP = 6
 PROG_CGROUP_SOCK_ADDR = 18
 PROG_TRACING = 26
 # enum bpf_attach_type
@@ -54,6 +56,7 @@ class ProgSpec:
 
 PROG_FROM_POD = "ekp_from_pod"
 PROG_FROM_NET = "ekp_from_net"
+PROG_XDP_NET = "ekp_xdp_net"  # XDP of the external devices, ahead of ekp_from_net (--bpf-xdp)
 PROG_SOCK_TERM = "ekp_sock_term"
 
 # The socket programs by hook name, with their attach type. The IPv6 hooks serve IPv4 addresses on
@@ -78,6 +81,7 @@ TERM_NEEDS = ("bpf_sock_destroy", "bpf_iter_udp")
 PROGRAMS: dict[str, ProgSpec] = {
     PROG_FROM_POD: ProgSpec(PROG_SCHED_CLS),
     PROG_FROM_NET: ProgSpec(PROG_SCHED_CLS),
+    PROG_XDP_NET: ProgSpec(PROG_XDP),
     **{
         name: ProgSpec(PROG_CGROUP_SOCK_ADDR, attach, needs=SOCK_NEEDS)
         for name, attach in SOCK_HOOKS.values()

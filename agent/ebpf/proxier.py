@@ -42,13 +42,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.abi import Stat
 from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import KEYS, VALUES, Value
+from agent.ebpf.maglev_writer import MaglevWriter
 from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
@@ -56,10 +57,14 @@ from agent.ebpf.ports import parse_port_range, snat_ports_problem
 from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
 from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
+from agent.ebpf.xdp import PROG_XDP
 from agent.errors import FatalError
 from agent.model.types import ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
+
+if TYPE_CHECKING:
+    from agent.ebpf.maps import BpfMap
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +220,7 @@ class EbpfProxier:
         self._attached_node: NodeContext | None = None  # the node the attachments were checked for
         self.last_flush = FlushResult()  # what the last sync wrote, for logs and tests
         self._short: dict[str, int] = {}  # map role -> entries wanted, while more than it holds
+        self._maglev = MaglevWriter(config.map_sizes.maglev_table_size)
 
     # ------------------------------------------------------------------ Proxier
 
@@ -251,6 +257,9 @@ class EbpfProxier:
                 write_config(maps, VALUES["cfg"].to_ctype(planner.cfg))
                 self._cfg_written = planner.cfg
             result = planner.flush(cast(Mapping[str, RawMap], maps))
+            if "maglev" in maps:
+                wanted = planner.maglev_tables() if self._config.bpf_lb_algorithm == "maglev" else {}
+                repaired += self._maglev.sync(maps["maglev"], wanted, full=periodic and not first)
             self._unsure = False
             self.last_flush = result
 
@@ -383,7 +392,7 @@ class EbpfProxier:
         if first:
             self._upgrade.before_attach(datapath.maps)
         if self._attacher is None:
-            fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD)}
+            fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD, PROG_XDP)}
             self._attacher = self._attacher_factory(self._config, fds)
             full = True
         restart = self._attached_once and not self._attacher.watching
@@ -457,6 +466,7 @@ class EbpfProxier:
             log.warning("could not end the UDP sockets of backends that left: %s", exc)
 
     def _release(self) -> None:
+        self._maglev.forget()
         if self._terminator is not None:
             self._terminator.close()
             self._terminator = None
@@ -550,7 +560,7 @@ def remove_pins(pin_path: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- inspect
 
-INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity", "sockets")
+INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity", "maglev", "sockets")
 
 
 def render_live_maps(
@@ -564,7 +574,7 @@ def render_live_maps(
     Opens the pins read-only in effect (nothing is written); needs no compiler.
     """
     from agent.ebpf.capacity import read_fill, render_capacity
-    from agent.ebpf.maps import BpfMap, read_stats
+    from agent.ebpf.maps import open_pinned_as_held, read_stats
     from agent.ebpf.render import (
         render_affinity,
         render_conntrack,
@@ -581,8 +591,9 @@ def render_live_maps(
         "services": (*ROLES, "cfg", "cfgsel"),
         "ct": abi.CT_ROLES,
         "aff": ("aff",),
-        "stats": ("stats",),
+        "stats": ("stats", "xstats"),
         "capacity": tuple(abi.MAPS),
+        "maglev": ("maglev", "fe", "be"),
         "sockets": ("skcfg", "sknat"),
     }
     needed = sorted({role for s in sections for role in roles[s]})
@@ -594,7 +605,7 @@ def render_live_maps(
                 raise FileNotFoundError(
                     errno.ENOENT, "no pinned map (is the agent running in eBPF mode?)", path
                 )
-            maps[role] = BpfMap.open_pinned(abi.MAPS[role], pin_path)
+            maps[role] = open_pinned_as_held(abi.MAPS[role], pin_path)
         now = time.monotonic_ns() if now_ns is None else now_ns
         out: list[str] = []
         for section in sections:
@@ -618,9 +629,39 @@ def render_live_maps(
                 out.append(render_sockets(live, links, maps["sknat"].items()))  # type: ignore[arg-type]
             elif section == "aff":
                 out.append(render_affinity(maps["aff"].items(), now))  # type: ignore[arg-type]
+            elif section == "maglev":
+                out.append(_render_maglev(maps))
             else:
                 out.append(render_stats({int(k): v for k, v in read_stats(maps["stats"]).items()}))
+                xdp = {int(k): v for k, v in read_stats(maps["xstats"]).items()}
+                out.append(render_stats(xdp, prefix="xdp"))
         return "".join(out)
     finally:
         for m in maps.values():
             m.close()
+
+
+def _render_maglev(maps: Mapping[str, BpfMap]) -> str:
+    """`agent inspect maps maglev`: every table, with the frontends that use it."""
+    from agent.ebpf.abi import ip_str, port_host
+    from agent.ebpf.render import proto_name, render_maglev
+
+    tables: dict[int, list[int]] = {}
+    for k, v in maps["maglev"].items():
+        if isinstance(k, abi.MaglevKey):
+            tables[int(k.set_id)] = list(getattr(v, "backend_id"))  # noqa: B009 (a per-size type)
+    backends = {
+        int(k.id): f"{ip_str(v.addr)}:{port_host(v.port)}"
+        for k, v in maps["be"].items()
+        if isinstance(k, abi.BackendKey) and isinstance(v, abi.Backend)
+    }
+    frontends: dict[int, list[str]] = {}
+    for k, v in maps["fe"].items():
+        if (
+            isinstance(k, abi.FrontendKey)
+            and isinstance(v, abi.Frontend)
+            and v.flags & abi.FrontendFlag.MAGLEV
+        ):
+            name = f"{ip_str(k.addr)}:{port_host(k.port)}/{proto_name(k.proto)}"
+            frontends.setdefault(int(v.set_id), []).append(name)
+    return render_maglev(tables, backends, frontends)

@@ -214,13 +214,55 @@ def render_affinity(entries: Iterable[tuple[AffinityKey, Affinity]], now_ns: int
     return "".join(aff_line(k, v, now_ns) + "\n" for k, v in items)
 
 
-def render_stats(counters: Mapping[int, int | Sequence[int]]) -> str:
-    """Counters by enum ekp_stat index; per-CPU lists are summed. Every known counter is listed."""
+def render_stats(counters: Mapping[int, int | Sequence[int]], prefix: str = "stat") -> str:
+    """Counters by enum ekp_stat index; per-CPU lists are summed. Every known counter is listed,
+    each line starting with `prefix` (`stat`: the tc programs', `xdp`: the XDP program's)."""
     lines = []
     for stat in Stat:
         raw = counters.get(int(stat), 0)
         total = raw if isinstance(raw, int) else sum(raw)
-        lines.append(f"stat {stat.name.lower()} {total}")
+        lines.append(f"{prefix} {stat.name.lower()} {total}")
+    return "".join(line + "\n" for line in lines)
+
+
+def _runs(values: Sequence[int]) -> str:
+    """`1 2x3 1`: a run of equal values as value x count."""
+    out: list[str] = []
+    i = 0
+    while i < len(values):
+        j = i
+        while j < len(values) and values[j] == values[i]:
+            j += 1
+        out.append(f"{values[i]}x{j - i}" if j - i > 1 else str(values[i]))
+        i = j
+    return " ".join(out)
+
+
+def render_maglev(
+    tables: Mapping[int, Sequence[int]],
+    backends: Mapping[int, str],
+    frontends: Mapping[int, Sequence[str]],
+    head: int = 32,
+) -> str:
+    """Each Maglev table in a few lines: the frontends that use it, every backend's share, the
+    first `head` positions run-length encoded, and a digest of the table by backend *address*
+    (ids are each node's own): two nodes whose digests match choose alike for every flow."""
+    import hashlib
+
+    lines = []
+    for set_id in sorted(tables):
+        table = tables[set_id]
+        fes = ", ".join(sorted(frontends.get(set_id, ()))) or "no frontend"
+        by_name = "\n".join(backends.get(b, f"be{b}") for b in table).encode()
+        digest = hashlib.sha256(by_name).hexdigest()[:12]
+        lines.append(f"maglev set {set_id} size={len(table)} digest={digest} <- {fes}")
+        shares: dict[int, int] = {}
+        for b in table:
+            shares[b] = shares.get(b, 0) + 1
+        for b, n in sorted(shares.items(), key=lambda kv: (-kv[1], kv[0])):
+            name = backends.get(b, "missing")
+            lines.append(f"maglev set {set_id} be {b} {name} positions={n} share={100 * n / len(table):.2f}%")
+        lines.append(f"maglev set {set_id} positions 0-{min(head, len(table)) - 1}: {_runs(table[:head])}")
     return "".join(line + "\n" for line in lines)
 
 

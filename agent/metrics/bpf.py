@@ -22,6 +22,10 @@ Families (`map` is the kernel name, e.g. `ekp_ct_tcp_v2`):
   (bpf/ekp_ctq.h), by state: `unreplied`, `unassured` (replied, never established), `closed`.
   An established flow is never among them; one the LRU had to evict (a table full of
   established flows) shows as `drops_total{reason="no_flow"}` when its next segment comes.
+* the XDP program's counters from `ekp_xstats_v3`: `ekp_datapath_xdp_packets_total{outcome}`
+  (`new_flow`, `forward`, `reply`: translated and sent back out at XDP; `to_tc`: a service packet
+  it left to the tc program, which counts it again; `pass`: not its business; `drop`) and
+  `ekp_datapath_xdp_drops_total{reason}` with the tc drops' reasons.
   The socket programs' connect()/sendmsg() calls by outcome (their refusals count among the
   drops, by the same reasons), reverse translations and UDP sockets ended.
 * `ekp_bpf_maps_scrape_duration_seconds`: what this scrape cost.
@@ -47,7 +51,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from agent.ebpf.abi import CT_ROLES, DROPS, EVICTIONS, MAPS, MapSpec, Stat
-from agent.ebpf.maps import BpfMap, MapWriter, read_stats
+from agent.ebpf.maps import MapWriter, open_pinned_as_held, read_stats
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +82,25 @@ _FLOW_EVENTS = {
     Stat.FRAGMENTS: "fragment_translated",
     Stat.FRAG_HELD: "fragment_held",
     Stat.FRAG_RELEASED: "fragment_released",
+    Stat.CT_RESUMED: "conntrack_resumed",
+}
+# The XDP program's outcomes (ekp_xstats_v3), by label: what it carried out itself, what it left to
+# the tc program behind it, what was none of its business.
+_XDP_OUTCOMES = {
+    Stat.NEW_FLOWS: "new_flow",
+    Stat.CT_FORWARD: "forward",
+    Stat.CT_REPLY: "reply",
+    Stat.TO_TC: "to_tc",
+    Stat.PASS: "pass",
 }
 
 
 def pinned_opener(pin_path: str) -> MapOpener:
-    """Opens each map from its pin under `--bpf-pin-path` (needs root)."""
+    """Opens each map from its pin under `--bpf-pin-path` (needs root), with the value size it
+    was created with (a Maglev table's follows the table size)."""
 
     def open_map(spec: MapSpec) -> MapWriter:
-        return BpfMap.open_pinned(spec, pin_path)
+        return open_pinned_as_held(spec, pin_path)
 
     return open_map
 
@@ -148,6 +163,17 @@ class _Families:
             "Connected UDP sockets ended because the backend chosen at connect() left its service",
         )
 
+        self.xdp_packets = c(
+            "ekp_datapath_xdp_packets",
+            "Packets the XDP program of the external devices looked at, by outcome (new_flow, forward,"
+            " reply: translated and sent back out at XDP; to_tc: a service packet left to the tc"
+            " program; pass: none of its business; drop: see ekp_datapath_xdp_drops)",
+            labels=["outcome"],
+        )
+        self.xdp_drops = c(
+            "ekp_datapath_xdp_drops", "Packets the XDP program dropped, by reason", labels=["reason"]
+        )
+
     def all(self) -> list[Metric]:
         return [
             self.entries,
@@ -164,6 +190,8 @@ class _Families:
             self.drops,
             self.events,
             self.evictions,
+            self.xdp_packets,
+            self.xdp_drops,
             self.sock_calls,
             self.sock_revnat,
             self.sock_ended,
@@ -190,6 +218,13 @@ class _Families:
         self.sock_calls.add_metric(["refused"], max(0, values[Stat.SOCK_CALLS] - translated - passed))
         self.sock_revnat.add_metric([], values[Stat.SOCK_REVNAT])
         self.sock_ended.add_metric([], values[Stat.SOCK_DESTROYED])
+
+    def add_xdp_stats(self, values: dict[Stat, int]) -> None:
+        for stat, outcome in _XDP_OUTCOMES.items():
+            self.xdp_packets.add_metric([outcome], values[stat])
+        self.xdp_packets.add_metric(["drop"], sum(values[stat] for stat in _DROP_REASONS))
+        for stat, reason in _DROP_REASONS.items():
+            self.xdp_drops.add_metric([reason], values[stat])
 
 
 class BpfMapsCollector(Collector):
@@ -237,6 +272,8 @@ class BpfMapsCollector(Collector):
             n, size = m.count(), m.capacity()
             if spec.role == "stats":
                 f.add_stats(read_stats(m))
+            elif spec.role == "xstats":
+                f.add_xdp_stats(read_stats(m))
         except OSError as exc:
             self._note_failure(spec, exc)
             return None

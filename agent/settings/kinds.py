@@ -138,6 +138,28 @@ class Int(Kind):
 
 
 @dataclass(frozen=True)
+class Prime(Int):
+    """A prime within [lo, hi] (a Maglev table size: every backend's offset and skip then walk
+    every position)."""
+
+    def flag(self, text: str) -> Any:
+        value = super().flag(text)
+        if not _is_prime(value):
+            raise ValueError(f"{text!r} is not a prime number")
+        return value
+
+    def file(self, raw: Any) -> Any:
+        value = super().file(raw)
+        if not _is_prime(value):
+            raise ValueError("must be a prime number")
+        return value
+
+
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % d for d in range(2, int(n**0.5) + 1))
+
+
+@dataclass(frozen=True)
 class Float(Kind):
     """A number (float32 upstream: `--kube-api-qps`)."""
 

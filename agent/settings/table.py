@@ -49,6 +49,7 @@ from agent.settings.kinds import (
     Kind,
     Opaque,
     PortRange,
+    Prime,
     StrList,
     Text,
     cidr_list,
@@ -80,6 +81,7 @@ MAP_SIZE_ROLES = (
     "aff",
     "srcr",
     "addr",
+    "maglev",
     "sknat",
 )
 
@@ -702,6 +704,40 @@ SETTINGS: tuple[Setting, ...] = (
         "per-packet path and see their Service address (Cilium's socketLB.hostNamespaceOnly)",
         flags=("--bpf-socket-lb-host-namespace-only",),
         attr="socket_lb_host_only",
+        group=EBPF,
+    ),
+    Setting(
+        "bpf_xdp",
+        Choice(("disabled", "generic", "native", "best-effort")),
+        "best-effort",
+        "XDP on the external devices, ahead of their tc program (NodePort, LoadBalancer and external "
+        "IP traffic: source-range drops, flows to backends on other nodes): native (the driver's; "
+        "fails where the driver has none), generic (any device, slower than native), best-effort "
+        "(native where the driver supports it and the device is no veth, else none, with a log "
+        "line), disabled",
+        flags=("--bpf-xdp",),
+        attr="bpf_xdp",
+        group=EBPF,
+    ),
+    Setting(
+        "bpf_lb_algorithm",
+        Choice(("random", "maglev")),
+        "random",
+        "backend choice for traffic from outside (NodePort, LoadBalancer, external IPs), as Cilium's "
+        "loadBalancer.algorithm: random, or maglev (consistent hashing: every node picks the same "
+        "backend for a flow, and a flow keeps it when its conntrack entry is lost)",
+        flags=("--bpf-lb-algorithm",),
+        attr="bpf_lb_algorithm",
+        group=EBPF,
+    ),
+    Setting(
+        "bpf_lb_maglev_table_size",
+        Prime(lo=251, hi=131071),
+        16381,
+        "positions of each Maglev table, a prime (Cilium's default; 64 KiB per table); the same on "
+        "every node, and a pinned table map keeps the size it was created with",
+        flags=("--bpf-lb-maglev-table-size",),
+        attr="map_sizes.maglev_table_size",
         group=EBPF,
     ),
     *(_map_size(role) for role in MAP_SIZE_ROLES),

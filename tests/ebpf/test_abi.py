@@ -200,7 +200,10 @@ def test_map_names_fit_the_kernel_and_carry_the_version() -> None:
         assert len(spec.name) <= 15
         assert spec.name == f"ekp_{spec.role}_v{spec.version}"
         assert spec.version >= abi.ABI_VERSION
-    assert {s.name for s in abi.MAPS.values() if s.version != abi.ABI_VERSION} == {"ekp_stats_v3"}
+    assert {s.name for s in abi.MAPS.values() if s.version != abi.ABI_VERSION} == {
+        "ekp_stats_v3",
+        "ekp_xstats_v3",
+    }
 
 
 def test_stale_pins_lists_other_versions_only(tmp_path: Path) -> None:
@@ -257,30 +260,40 @@ def test_bpftool_shows_every_map_with_its_layout(loaded: Datapath) -> None:
         assert shown["max_entries"] == want["max_entries"]
 
 
+# What the XDP program never reads: it passes fragments before their first to tc (ekp_addr is read
+# only for them), it counts in its own map, and it leaves every reject to tc (the rate limiter's
+# bucket is not in its code at all: the shared refusal sends a frontend without endpoints to tc
+# before the reject's code, which the compiler leaves out of XDP's copy). (The code that records
+# and holds fragments is compiled into it but never runs: XDP passes fragments on before it.)
+XDP_UNUSED = {"rnat", "addr", "stats", "icmprl"}
 # The pinned maps each program reads or writes (bpftool's program type besides).
+_SOCKETS = {"skcfg", "sknat"}
 _SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
+_SOCK_REVERSE = {"sknat", "fe", "stats"}
 PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
-    # every pinned map but ekp_rnat (written for the agent, read by no program since v2) and the
-    # socket programs' own
-    "ekp_from_pod": ("sched_cls", set(abi.MAPS) - {"rnat", "skcfg", "sknat"}),
-    "ekp_from_net": ("sched_cls", set(abi.MAPS) - {"rnat", "skcfg", "sknat"}),
+    # every pinned map but ekp_rnat (written for the agent, read by no program since v2), the XDP
+    # counters and the socket programs' own
+    "ekp_from_pod": ("sched_cls", set(abi.MAPS) - {"rnat", "xstats"} - _SOCKETS),
+    "ekp_from_net": ("sched_cls", set(abi.MAPS) - {"rnat", "xstats"} - _SOCKETS),
+    # the same but for what it leaves to tc, with its own counters
+    "ekp_xdp_net": ("xdp", set(abi.MAPS) - XDP_UNUSED - _SOCKETS),
     "ekp_sock_conn": ("cgroup_sock_addr", _SOCK_FORWARD),
     "ekp_sock_send": ("cgroup_sock_addr", _SOCK_FORWARD),
-    "ekp_sock_recv": ("cgroup_sock_addr", {"sknat", "fe", "stats"}),
-    "ekp_sock_peer": ("cgroup_sock_addr", {"sknat", "fe", "stats"}),
+    "ekp_sock_recv": ("cgroup_sock_addr", _SOCK_REVERSE),
+    "ekp_sock_peer": ("cgroup_sock_addr", _SOCK_REVERSE),
     "ekp_sock_conn6": ("cgroup_sock_addr", _SOCK_FORWARD),
     "ekp_sock_send6": ("cgroup_sock_addr", _SOCK_FORWARD),
-    "ekp_sock_recv6": ("cgroup_sock_addr", {"sknat", "fe", "stats"}),
-    "ekp_sock_peer6": ("cgroup_sock_addr", {"sknat", "fe", "stats"}),
+    "ekp_sock_recv6": ("cgroup_sock_addr", _SOCK_REVERSE),
+    "ekp_sock_peer6": ("cgroup_sock_addr", _SOCK_REVERSE),
     "ekp_sock_term": ("tracing", {"sknat", "member", "stats"}),
 }
 
 
 @pytest.mark.kernel
 def test_every_program_uses_its_maps(loaded: Datapath) -> None:
-    """Each program's pinned maps as PROGRAM_MAPS lists them; the tc programs also one unpinned map
-    of their own, the per-CPU working memory (bpf/ekp_tc_scratch.h), which the socket programs never
-    touch (they run preemptible, in process context)."""
+    """Each program's pinned maps as PROGRAM_MAPS lists them; the tc and XDP programs also one
+    unpinned map of their own load, the per-CPU working memory (bpf/ekp_tc_scratch.h), which the
+    socket programs never touch (they run preemptible, in process context)."""
     assert set(PROGRAM_MAPS) == set(PROGRAMS)
     pinned = {role: m.info().id for role, m in loaded.maps.items()}
     for name, (kind, roles) in PROGRAM_MAPS.items():
@@ -290,7 +303,7 @@ def test_every_program_uses_its_maps(loaded: Datapath) -> None:
         used = set(shown["map_ids"])
         assert used & set(pinned.values()) == {pinned[r] for r in roles}, name
         own = used - set(pinned.values())
-        if kind != "sched_cls":
+        if kind not in ("sched_cls", "xdp"):
             assert not own, name
             continue
         (scratch_id,) = own

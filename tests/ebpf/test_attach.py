@@ -6,6 +6,8 @@ named like the real ones (the attach code does not care what the programs do).
 
 from __future__ import annotations
 
+import json
+import os
 import secrets
 import struct
 import subprocess
@@ -26,6 +28,7 @@ from agent.ebpf.attach import (
     detach_all,
     parse_link_events,
 )
+from agent.ebpf.xdp import PROG_XDP
 from agent.netns import netns_route
 from agent.node import matches_pod_pattern
 
@@ -198,3 +201,52 @@ def test_missing_netns_is_an_error_not_created() -> None:
         pass
     assert name not in sh("ip", "netns", "list")
     assert detach_all(name) == []
+
+
+def xdp_of(ns: str, dev: str) -> dict[str, Any]:
+    shown: list[dict[str, Any]] = json.loads(sh("ip", "-n", ns, "-j", "-d", "link", "show", "dev", dev))
+    xdp_info: dict[str, Any] = shown[0].get("xdp", {})
+    return xdp_info
+
+
+@pytest.mark.kernel
+def test_xdp_on_the_external_devices_only_reconciled_and_detached(netns: str, progs: dict[str, int]) -> None:
+    """--bpf-xdp: ekp_xdp_net on the external device, not on pod devices (best-effort leaves a veth
+    alone; native attaches there); off with `disabled`; removed by detach_all (agent --cleanup) and
+    when the device is no longer external."""
+    from lab.wire import load_xdp_pass
+
+    fd = load_xdp_pass("ekp_xdp_net")
+    try:
+        with_xdp = {**progs, PROG_XDP: fd}
+        # best-effort (the default) leaves a veth alone
+        Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), with_xdp).reconcile(NODE, full=True)
+        assert xdp_of(netns, "eth0") == {}
+        attacher = Attacher(Config(netns=netns, pod_interfaces=("lxc*",), bpf_xdp="native"), with_xdp)
+        attacher.reconcile(NODE, full=True)
+        assert xdp_of(netns, "eth0").get("mode") == 1  # XDP_ATTACHED_DRV
+        assert xdp_of(netns, "lxc-a") == {}
+        assert list(attacher.xdp_modes.values()) == ["native"]
+        # removed behind our back: a verifying reconcile puts it back, a plain one trusts its memory
+        sh("ip", "-n", netns, "link", "set", "dev", "eth0", "xdp", "off")
+        attacher.reconcile(NODE)
+        assert xdp_of(netns, "eth0") == {}
+        attacher.reconcile(NODE, verify=True)
+        assert xdp_of(netns, "eth0").get("mode") == 1
+        # --bpf-xdp=disabled: a restarted agent takes ours off
+        Attacher(Config(netns=netns, pod_interfaces=("lxc*",), bpf_xdp="disabled"), with_xdp).reconcile(
+            NODE, full=True
+        )
+        assert xdp_of(netns, "eth0") == {}
+        # generic, then gone with the address that made eth0 external
+        generic = Attacher(Config(netns=netns, pod_interfaces=("lxc*",), bpf_xdp="generic"), with_xdp)
+        generic.reconcile(NODE, full=True)
+        assert xdp_of(netns, "eth0").get("mode") == 2  # XDP_ATTACHED_SKB
+        assert "eth0" in detach_all(netns)
+        assert xdp_of(netns, "eth0") == {}
+        generic.reconcile(NODE, full=True)
+        sh("ip", "-n", netns, "addr", "del", "192.168.0.11/24", "dev", "eth0")
+        generic.reconcile(NODE, full=True)
+        assert xdp_of(netns, "eth0") == {}
+    finally:
+        os.close(fd)

@@ -14,7 +14,7 @@ from agent.config import MapSizes
 from agent.ebpf.abi import MAPS
 from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids
 from agent.ebpf.loader import PRIVATE_MAPS, Datapath
-from agent.ebpf.programs import PROG_SCHED_CLS, PROGRAMS
+from agent.ebpf.programs import PROG_SCHED_CLS, PROG_XDP, PROGRAMS
 from lab.packets import bpffs
 
 SMALL = MapSizes(
@@ -73,7 +73,7 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
                 used = prog_map_ids(first.prog_fd(name))
                 assert used & ids, "the programs use the pinned maps"
                 # besides them, the tc programs use their load's own scratch, the others nothing
-                private = PRIVATE_MAPS if PROGRAMS[name].prog_type == PROG_SCHED_CLS else 0
+                private = PRIVATE_MAPS if PROGRAMS[name].prog_type in (PROG_SCHED_CLS, PROG_XDP) else 0
                 assert len(used - ids) == private, name
         finally:
             first.close()

@@ -16,6 +16,7 @@ from agent.ebpf.programs import (
     PROG_FROM_NET,
     PROG_FROM_POD,
     PROG_SOCK_TERM,
+    PROG_XDP_NET,
     PROGRAMS,
     SOCK_HOOKS,
     SOCK_NEEDS,
@@ -33,8 +34,9 @@ def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> b
 
 def test_a_kernel_without_the_helpers_loads_the_tc_programs_alone() -> None:
     socket_programs = {name for name, _ in SOCK_HOOKS.values()}
-    assert set(available_programs(set())) == {PROG_FROM_POD, PROG_FROM_NET}
-    assert set(available_programs(set(SOCK_NEEDS))) == {PROG_FROM_POD, PROG_FROM_NET, *socket_programs}
+    packet = {PROG_FROM_POD, PROG_FROM_NET, PROG_XDP_NET}
+    assert set(available_programs(set())) == packet
+    assert set(available_programs(set(SOCK_NEEDS))) == {*packet, *socket_programs}
     assert set(available_programs(kernel_needs())) == set(PROGRAMS)
     assert kernel_needs() == set(SOCK_NEEDS) | set(TERM_NEEDS)
 

@@ -30,6 +30,7 @@ from agent.ebpf.render import (
     render_affinity,
     render_conntrack,
     render_contents,
+    render_maglev,
     render_sockets,
     render_stats,
 )
@@ -120,3 +121,25 @@ def test_socket_lines() -> None:
     assert render_sockets(None, {}, []).startswith("sockcfg none")
     all_ns = SockConfig(host_netns=4096, flags=0)
     assert render_sockets(all_ns, {}, []) == "sockcfg host_netns=4096 all namespaces\n"
+
+
+def test_xdp_counters_print_under_their_own_prefix() -> None:
+    text = render_stats({int(Stat.TO_TC): [2, 3]}, prefix="xdp")
+    assert "xdp to_tc 5\n" in text and "xdp packets 0\n" in text and "stat " not in text
+
+
+def test_a_maglev_table_in_a_few_lines() -> None:
+    table = [1, 1, 2, 1, 2, 2, 2]
+    text = render_maglev(
+        {3: table}, {1: "10.244.2.10:8080", 2: "10.244.3.11:8080"}, {3: ["192.168.0.11:30080/TCP"]}, head=5
+    )
+    lines = text.splitlines()
+    assert lines[0].startswith("maglev set 3 size=7 digest=") and lines[0].endswith(
+        "<- 192.168.0.11:30080/TCP"
+    )
+    assert lines[1] == "maglev set 3 be 2 10.244.3.11:8080 positions=4 share=57.14%"
+    assert lines[2] == "maglev set 3 be 1 10.244.2.10:8080 positions=3 share=42.86%"
+    assert lines[3] == "maglev set 3 positions 0-4: 1x2 2 1 2"
+    # the digest follows the addresses, not the ids each node gives them
+    renamed = render_maglev({3: [7, 7, 8, 7, 8, 8, 8]}, {7: "10.244.2.10:8080", 8: "10.244.3.11:8080"}, {})
+    assert renamed.split()[4] == text.split()[4]

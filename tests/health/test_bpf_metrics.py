@@ -171,3 +171,23 @@ def test_counting_500000_conntrack_entries_is_cheap_enough_for_a_10s_scrape() ->
             f"whole collector: {scrape * 1e3:.0f} ms"
         )
         assert scrape < 2.0, "a 10 s scrape interval must leave the agent time for other work"
+
+
+def test_the_xdp_program_s_counters_beside_the_tc_programs() -> None:
+    maps = fake_maps()
+    xdp = {Stat.PACKETS: 50, Stat.NEW_FLOWS: 4, Stat.CT_FORWARD: 20, Stat.CT_REPLY: 11, Stat.TO_TC: 6}
+    xdp |= {Stat.PASS: 2, Stat.DROP_SOURCE_RANGE: 5, Stat.DROP_NO_FLOW: 2}
+    for stat, value in xdp.items():
+        maps["xstats"].update(ctypes.c_uint32(stat), ctypes.c_uint64(value))
+    registry = CollectorRegistry()
+    registry.register(BpfMapsCollector(opener(maps)))
+    get = registry.get_sample_value
+    packets = "ekp_datapath_xdp_packets_total"
+    by_outcome = {
+        o: get(packets, {"outcome": o}) for o in ("new_flow", "forward", "reply", "to_tc", "pass", "drop")
+    }
+    assert by_outcome == {"new_flow": 4, "forward": 20, "reply": 11, "to_tc": 6, "pass": 2, "drop": 7}
+    assert sum(v or 0 for v in by_outcome.values()) == xdp[Stat.PACKETS]
+    assert get("ekp_datapath_xdp_drops_total", {"reason": "source_range"}) == 5
+    assert get("ekp_datapath_drops_total", {"reason": "source_range"}) == 1  # tc's own, apart
+    assert get("ekp_datapath_packets_total") == 100

@@ -1,0 +1,190 @@
+"""XDP on the external devices: attach `ekp_xdp_net` in the mode --bpf-xdp asks, find and remove ours.
+
+Effects (pyroute2, through the IPRoute of the node's namespace the Attacher holds). Modes:
+
+* `native`: the driver's XDP (XDP_FLAGS_DRV_MODE); a device whose driver has none is an error,
+  logged once per device, and that device keeps its tc program alone;
+* `generic`: XDP in the kernel's receive path (XDP_FLAGS_SKB_MODE), on any device: after the skb
+  is allocated, so it saves less than native, but the verdicts are the same;
+* `best-effort` (the default): native where the driver takes it and the device is no veth, else
+  none, with one log line per device;
+* `disabled`: none, and any program of ours still attached is removed.
+
+A device holds one XDP program per mode, and native and generic cannot be attached at once: ours in
+the other mode is removed first. Attaching over our own program replaces it atomically (no moment
+without one). A program is ours when its name starts with `ekp_` (read through its id:
+BPF_PROG_GET_FD_BY_ID, root only); another's is never replaced nor removed, and the device then
+runs without our XDP, with a log line.
+
+A veth delivers what XDP sends back out (XDP_TX) only when its peer has an XDP program of its own
+or GRO on (its NAPI is what receives the frames): otherwise they are dropped by the peer. A NIC
+has no such condition.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from pyroute2.netlink.exceptions import NetlinkError
+
+from agent.ebpf import bpfsys
+
+log = logging.getLogger(__name__)
+
+PROG_XDP = "ekp_xdp_net"
+OUR_NAME_PREFIX = "ekp_"
+MODES = ("disabled", "generic", "native", "best-effort")
+
+XDP_FLAGS_SKB_MODE = 1 << 1
+XDP_FLAGS_DRV_MODE = 1 << 2
+# IFLA_XDP_ATTACHED values
+ATTACHED_NONE, ATTACHED_DRV, ATTACHED_SKB = 0, 1, 2
+_MODE_FLAGS = {ATTACHED_DRV: XDP_FLAGS_DRV_MODE, ATTACHED_SKB: XDP_FLAGS_SKB_MODE}
+_MODE_NAMES = {ATTACHED_NONE: "none", ATTACHED_DRV: "native", ATTACHED_SKB: "generic"}
+
+
+@dataclass(frozen=True)
+class XdpState:
+    """What a device has on its XDP hook."""
+
+    mode: int  # ATTACHED_*
+    prog_id: int  # 0 when none
+
+    @property
+    def mode_name(self) -> str:
+        return _MODE_NAMES.get(self.mode, f"mode {self.mode}")
+
+
+class _ProgInfo(ctypes.Structure):
+    """struct bpf_prog_info up to its name."""
+
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("tag", ctypes.c_uint8 * 8),
+        ("jited_prog_len", ctypes.c_uint32),
+        ("xlated_prog_len", ctypes.c_uint32),
+        ("jited_prog_insns", ctypes.c_uint64),
+        ("xlated_prog_insns", ctypes.c_uint64),
+        ("load_time", ctypes.c_uint64),
+        ("created_by_uid", ctypes.c_uint32),
+        ("nr_map_ids", ctypes.c_uint32),
+        ("map_ids", ctypes.c_uint64),
+        ("name", ctypes.c_char * 16),
+    ]
+
+
+def prog_info(fd: int) -> tuple[int, str]:
+    """(id, name) of a loaded program."""
+    info = _ProgInfo()
+    ret = bpfsys.obj_get_info_by_fd(fd, info)
+    if ret < 0:
+        raise OSError(-ret, f"bpf_obj_get_info(prog fd {fd}): {os.strerror(-ret)}")
+    return int(info.id), info.name.decode(errors="replace")
+
+
+def prog_name(prog_id: int) -> str:
+    """The name of the loaded program `prog_id` ("" when it is gone or cannot be opened)."""
+    fd = bpfsys.prog_get_fd_by_id(prog_id)
+    if fd < 0:
+        return ""
+    try:
+        return prog_info(fd)[1]
+    finally:
+        os.close(fd)
+
+
+def xdp_state(ipr: Any, index: int) -> XdpState:
+    msgs = ipr.get_links(index)
+    if not msgs:
+        return XdpState(ATTACHED_NONE, 0)
+    xdp = msgs[0].get_attr("IFLA_XDP")
+    if xdp is None:
+        return XdpState(ATTACHED_NONE, 0)
+    mode = xdp.get_attr("IFLA_XDP_ATTACHED") or 0
+    mode = (
+        {"xdp": ATTACHED_DRV, "xdpgeneric": ATTACHED_SKB}.get(mode, mode) if isinstance(mode, str) else mode
+    )
+    return XdpState(int(mode or 0), int(xdp.get_attr("IFLA_XDP_PROG_ID") or 0))
+
+
+def _set(ipr: Any, index: int, fd: int, flags: int) -> None:
+    ipr.link("set", index=index, xdp={"attrs": [("IFLA_XDP_FD", fd), ("IFLA_XDP_FLAGS", flags)]})
+
+
+def is_ours(state: XdpState) -> bool:
+    return state.prog_id != 0 and prog_name(state.prog_id).startswith(OUR_NAME_PREFIX)
+
+
+def detach(ipr: Any, index: int) -> bool:
+    """Remove our XDP program from one device; True when one was there."""
+    state = xdp_state(ipr, index)
+    if state.mode not in _MODE_FLAGS or not is_ours(state):
+        return False
+    _set(ipr, index, -1, _MODE_FLAGS[state.mode])
+    return True
+
+
+def link_kind(ipr: Any, index: int) -> str:
+    """The device's rtnetlink kind ("veth", "bridge", ...; "" for a plain NIC)."""
+    msgs = ipr.get_links(index)
+    info = msgs[0].get_attr("IFLA_LINKINFO") if msgs else None
+    kind = info.get_attr("IFLA_INFO_KIND") if info is not None else None
+    return str(kind or "")
+
+
+def attach(ipr: Any, index: int, name: str, fd: int, mode: str) -> str:
+    """Ours on the device in `mode` (not "disabled"); returns the mode it runs in ("native",
+    "generic"), or "" when it does not run there (logged).
+
+    `best-effort` leaves a veth alone: its driver takes native XDP, but what XDP sends back out is
+    dropped unless the peer has NAPI (an XDP program or GRO), and frames a local socket sent
+    through it carry a partial checksum that XDP's rewrite cannot complete (a node that is a
+    container, kind's, sees exactly those). `native` and `generic` attach there anyway: the
+    operator says the peer and the senders are fit (the lab's wire, lab/wire.py)."""
+    if mode == "best-effort" and link_kind(ipr, index) == "veth":
+        log.info(
+            "%s is a veth: %s not attached (--bpf-xdp=best-effort; frames XDP sends back out need "
+            "an XDP program or GRO on its peer, and local senders' partial checksums a NIC's wire "
+            "would have completed); --bpf-xdp=native attaches it anyway",
+            name,
+            PROG_XDP,
+        )
+        return ""
+    our_id = prog_info(fd)[0]
+    state = xdp_state(ipr, index)
+    want = XDP_FLAGS_SKB_MODE if mode == "generic" else XDP_FLAGS_DRV_MODE
+    want_attached = ATTACHED_SKB if mode == "generic" else ATTACHED_DRV
+    if state.prog_id == our_id and state.mode == want_attached:
+        return _MODE_NAMES[want_attached]
+    if state.prog_id and not is_ours(state):
+        log.warning(
+            "%s has another XDP program (id %d, %s): %s not attached there, its tc program does all",
+            name,
+            state.prog_id,
+            state.mode_name,
+            PROG_XDP,
+        )
+        return ""
+    if state.prog_id and state.mode != want_attached:
+        _set(ipr, index, -1, _MODE_FLAGS.get(state.mode, 0))  # ours in the other mode
+    try:
+        _set(ipr, index, fd, want)
+    except NetlinkError as exc:
+        if mode == "best-effort" and exc.code in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTSUP):
+            log.info(
+                "%s: no native XDP in its driver (%s): %s not attached (--bpf-xdp=best-effort); "
+                "its tc program does all, and --bpf-xdp=generic would run it anyway",
+                name,
+                os.strerror(exc.code),
+                PROG_XDP,
+            )
+            return ""
+        raise
+    log.info("attached %s to %s XDP (%s)", PROG_XDP, name, _MODE_NAMES[want_attached])
+    return _MODE_NAMES[want_attached]
