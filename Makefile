@@ -15,8 +15,10 @@ demo: setup
 demo-api: setup
 	$(PY) -m demo.api
 
-test: setup lint
-	$(PY) -m pytest -q tests
+# Set-up, lint, then the suite on two workers (pytest-xdist), each step's time printed at the end:
+# scripts/test.sh. EKP_TEST_WORKERS=1 runs it in one process.
+test:
+	@bash scripts/test.sh
 
 # Pure tests only: no root, no kernel. The one target where a skip (a test that needs root or a
 # compiler) does not fail the run; `make test` and CI allow none (tests/conftest.py).

@@ -15,6 +15,7 @@ that no retry can fix into one message and exit status 1 before anything is crea
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import sys
@@ -24,7 +25,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config, Mode, NodeContext
-from agent.daemon import Agent, EventSink, NoEvents, Parts, Service
+from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service
 from agent.errors import FatalError
 from agent.featuregates import node_info
 from agent.metrics import Metrics
@@ -67,12 +68,13 @@ def static_node(config: Config) -> NodeContext:
 
 
 def node_context(config: Config) -> NodeContext:
-    """The node's addresses: --node-ip, else what the external devices hold."""
-    if config.node_ips:
-        return static_node(config)
-    from agent.node import discover_node
+    """The node's addresses: --node-ip, else what the external devices hold; and what the node
+    listens on at its other addresses (NodeLocal DNSCache)."""
+    from agent.node import discover_node, local_listeners
 
-    return discover_node(config)
+    node = static_node(config) if config.node_ips else discover_node(config)
+    listeners = local_listeners(config.netns, node.node_ips)
+    return dataclasses.replace(node, local_listeners=listeners) if listeners else node
 
 
 def dry_run(config: Config) -> int:
@@ -244,6 +246,7 @@ def build_agent(
             source=source,
             proxier=proxier,
             node_context=lambda: node_context(config),
+            node_events=_address_watcher(config),
             metrics=metrics,
             health=health,
             service_health=service_health,
@@ -252,6 +255,15 @@ def build_agent(
             close=close,
         ),
     )
+
+
+def _address_watcher(config: Config) -> NodeEvents | None:
+    """Netlink events for the node's addresses, unless --node-ip fixes them."""
+    if config.node_ips:
+        return None
+    from agent.nodewatch import AddressWatcher
+
+    return AddressWatcher(config)
 
 
 def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) -> int:
@@ -293,6 +305,9 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         log.error("%s", exc)
         return 1
     with node_lock:
+        from agent.nodeinit import setup_conntrack
+
+        setup_conntrack(config)  # kube-proxy's platformSetup, before the proxier reads the host
         try:
             agent = build_agent(config, configz, kubeconfig)
         except FatalError as exc:

@@ -1,4 +1,5 @@
-"""Command line: `agent [flags]` runs the proxy; `agent inspect ...` reads what a node holds.
+"""Command line: `agent [flags]` runs the proxy; `agent inspect ...` reads what a node holds;
+`agent doctor [flags]` checks the node for the mode (agent/doctor).
 
 Every flag comes from the settings table (agent/settings/table.py): kube-proxy's flags (v1.31)
 with their meaning, and the agent's own (`--bpf-*`, `--node-ip`, ...). Parsing follows pflag
@@ -29,6 +30,7 @@ from agent import configfile
 from agent.config import Config, Mode, default_min_sync_period
 from agent.configfile import render_yaml
 from agent.goformat import format_duration
+from agent.localdetect import LocalMode
 from agent.settings.flags import FlagError, parse_flags
 from agent.settings.flags import build_parser as _build_parser
 from agent.settings.table import BY_NAME, defaults
@@ -51,6 +53,8 @@ examples:
         remove every rule, program, map and pin either mode installed
   agent inspect maps --bpf-pin-path /sys/fs/bpf/ebpf-kube-proxy
         decode the live service maps of this node
+  agent doctor --mode=ebpf --kubeconfig /etc/kubernetes/proxy.conf
+        check the node for the mode before switching (a checklist, exit 1 on a FAIL)
 """
 
 
@@ -117,12 +121,37 @@ def resolve(argv: Sequence[str]) -> Resolved:
         raise UsageError(["--iptables-sync-period / iptables.syncPeriod must be greater than 0"])
     if config.config_sync_period_s <= 0:
         raise UsageError(["--config-sync-period / configSyncPeriod must be greater than 0 (e.g. 15m)"])
+    problem = _detector_problem(config)
+    if problem:
+        raise UsageError([problem])
     notes = tuple(
         f"{BY_NAME[name].flag} is accepted and ignored: {BY_NAME[name].ignored}"
         for name in given
         if not BY_NAME[name].applies
     )
     return Resolved(config, values, warnings, notes, file_fields)
+
+
+def _detector_problem(config: Config) -> str:
+    """What makes the local-traffic detector unusable (kube-proxy's validateDetectLocalConfiguration,
+    and NodeCIDR's need of a Node), or ""."""
+    mode = config.detect_local_mode
+    if mode is LocalMode.BRIDGE_INTERFACE and not config.pod_bridge_interface:
+        return (
+            "--detect-local-mode=BridgeInterface needs the pods' bridge: --pod-bridge-interface / "
+            "detectLocal.bridgeInterface must not be empty (e.g. cni0)"
+        )
+    if mode is LocalMode.INTERFACE_NAME_PREFIX and not config.pod_interface_name_prefix:
+        return (
+            "--detect-local-mode=InterfaceNamePrefix needs the pod devices' name prefix: "
+            "--pod-interface-name-prefix / detectLocal.interfaceNamePrefix must not be empty (e.g. veth)"
+        )
+    if mode is LocalMode.NODE_CIDR and config.services_file:
+        return (
+            "--detect-local-mode=NodeCIDR reads the Node's spec.podCIDRs from the API server: it cannot "
+            "be used with --services-file (use ClusterCIDR with --cluster-cidr)"
+        )
+    return ""
 
 
 def setup_logging(verbosity: int) -> None:
@@ -158,6 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from agent.inspect import main as inspect_main
 
         return inspect_main(args[1:])
+    if args and args[0] == "doctor":
+        from agent.doctor import main as doctor_main
+
+        return doctor_main(args[1:])
     try:
         resolved = resolve(args)
     except UsageError as exc:

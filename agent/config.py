@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agent.localdetect import LocalDetector, LocalMode, local_detector
 from agent.settings.kinds import NODEPORT_PRIMARY
 from agent.settings.table import BY_NAME, DEFAULT_PIN_PATH, SETTINGS, Mode, default
 
@@ -129,6 +130,9 @@ class Config:
     cleanup_kube_proxy: bool = default("cleanup_kube_proxy")
     init_only: bool = default("init_only")
     cluster_cidr: tuple[str, ...] = default("cluster_cidr")
+    detect_local_mode: LocalMode = default("detect_local_mode")
+    pod_bridge_interface: str = default("pod_bridge_interface")
+    pod_interface_name_prefix: str = default("pod_interface_name_prefix")
     masquerade_all: bool = default("masquerade_all")
     masquerade_bit: int = default("masquerade_bit")
     nodeport_addresses: tuple[str, ...] = default("nodeport_addresses")  # () = every node address
@@ -159,6 +163,17 @@ class Config:
         selects every address or holds a loopback one (`cidr.IP.IsLoopback() ||
         cidr.Contains(127.0.0.0)`, proxy/util/nodeport_addresses.go); IPv6 never."""
         return self.iptables_localhost_nodeports and nodeport_addresses_hold_loopback(self.nodeport_addresses)
+
+    def local_detector(self, node_pod_cidrs: Iterable[str] = ()) -> LocalDetector:
+        """kube-proxy's local-traffic detector; `node_pod_cidrs` (the Node's spec.podCIDRs) is
+        what NodeCIDR reads."""
+        return local_detector(
+            self.detect_local_mode,
+            cluster_cidrs=self.cluster_cidr,
+            node_pod_cidrs=node_pod_cidrs,
+            bridge_interface=self.pod_bridge_interface,
+            interface_name_prefix=self.pod_interface_name_prefix,
+        )
 
     def gate(self, name: str, default: bool) -> bool:
         """A feature gate's value: as --feature-gates / featureGates set it, else `default`."""
@@ -231,6 +246,13 @@ class NodeContext:
 
     node_ips: tuple[str, ...] = ()  # IPv4 addresses of the node (its external devices)
     primary_ip: str = ""  # the address used as SNAT source toward other nodes
+    # (address, port, protocol) the node itself listens on, on an address of its own other than
+    # node_ips (NodeLocal DNSCache on the kube-dns ClusterIP): eBPF mode leaves such a ClusterIP
+    # port to the local listener, as node-local-dns's NOTRACK rules do in iptables mode.
+    local_listeners: frozenset[tuple[str, int, int]] = frozenset()
+
+    def listens_locally(self, address: str, port: int, protocol: int) -> bool:
+        return (address, port, protocol) in self.local_listeners
 
     def nodeport_ips(self, cidrs: tuple[str, ...], *, loopback: bool = False) -> tuple[str, ...]:
         """Node addresses NodePorts answer on: all of them, or those inside `cidrs`; the keyword

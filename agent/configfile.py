@@ -21,7 +21,7 @@ numbers) with duplicate keys refused, as kube-proxy's strict decoding (sigs.k8s.
 them; integers must fit the int32 and uint32 fields they fill.
 
 Values upstream accepts but this agent cannot honour are refused, not ignored: `mode: ipvs` or
-`nftables`, `detectLocalMode` other than ClusterCIDR. `mode: ""` means this agent's default (eBPF),
+`nftables`. `mode: ""` means this agent's default (eBPF),
 not kube-proxy's iptables.
 
 Durations are Go durations (`30s`, `1h0m0s`) as metav1.Duration; a zero sync period means "the

@@ -11,6 +11,8 @@
 * **Incremental, with a periodic full sync.** A sync hands the proxier only the service ports that
   changed (plus those that failed last time); every `sync_period` (and when the node's zone or
   addresses change) it asks for a full sync, which also reads the kernel back and repairs it.
+  The node's addresses are re-read at full syncs and whenever `node_events` (netlink,
+  agent/nodewatch.py) says they may have changed.
 * **Failures.** A sync that raises is retried by the runner with backoff; service ports the
   proxier could not program are retried at the next sync and logged once each; an
   `agent.errors.FatalError` stops the agent with exit status 1 and its message.
@@ -40,6 +42,7 @@ from prometheus_client import CollectorRegistry
 from agent.config import Config, NodeContext
 from agent.errors import FatalError
 from agent.featuregates import node_info
+from agent.localdetect import LocalMode
 from agent.metrics import Metrics, no_local_endpoints
 from agent.model.problem import Problem, printable
 from agent.model.tracker import Commit, ProxyModel, ServiceRecord, SliceRecord, read_service, read_slice
@@ -79,6 +82,14 @@ class EventSink(Protocol):
     def warn(self, problem: Problem, uid: str | None = None) -> None: ...
 
 
+class NodeEvents(Protocol):
+    """Tells the agent when the node's addresses may have changed (agent.nodewatch)."""
+
+    def start(self, notify: Callable[[], None]) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 class Service(Protocol):
     """A server or helper the agent starts and stops with itself (health, metrics, events)."""
 
@@ -101,6 +112,7 @@ class Parts:
     source: Source
     proxier: Proxier
     node_context: Callable[[], NodeContext]  # the node's addresses (re-read at full syncs)
+    node_events: NodeEvents | None = None  # and when these say they changed
     metrics: Metrics = field(default_factory=lambda: Metrics(CollectorRegistry()))
     health: ProxierHealth | None = None
     service_health: ServiceHealth | None = None
@@ -132,7 +144,9 @@ class Agent:
         # metadata.uid by (kind, key): an Event's `regarding.uid` is what `kubectl describe` matches.
         self._uids: dict[tuple[str, str], str] = {}
         self._waiting_logged = False
+        self._detector_logged = ""
         self._node: NodeContext | None = None
+        self._node_stale = threading.Event()
         self._last_full = float("-inf")
         self._retry: dict[ServicePortName, str] = {}
         self._hc_ports: dict[str, int] = {}
@@ -170,6 +184,8 @@ class Agent:
         return ",".join(f"{kind}={v}" for kind, v in sorted(self._versions.items()))
 
     def start(self) -> None:
+        if self._config.detect_local_mode is not LocalMode.NODE_CIDR:
+            self._log_detector()  # NodeCIDR: once the Node is listed
         for svc in self._parts.services:
             svc.start()
         if self._parts.health is not None:
@@ -177,6 +193,8 @@ class Agent:
         # The source first: a source that cannot start (a --services-file that cannot be read) is
         # fatal before the proxier's set-up has created pins or written sysctls.
         self._parts.source.start(self.deliver)
+        if self._parts.node_events is not None:
+            self._parts.node_events.start(self.refresh_node)
         threading.Thread(target=self._prepare, name="prepare-proxier", daemon=True).start()
         self._runner.start()
 
@@ -190,6 +208,8 @@ class Agent:
         """Stop everything this agent started; nothing programmed is removed."""
         self._runner.stop()
         self._parts.source.stop()
+        if self._parts.node_events is not None:
+            self._parts.node_events.stop()
         for svc in reversed(self._parts.services):
             svc.stop()
         if self._parts.close is not None:
@@ -254,6 +274,11 @@ class Agent:
             self._parts.metrics.record_queued()
         self._runner.request()
 
+    def refresh_node(self) -> None:
+        """The node's addresses may have changed: re-read them at the next sync (any thread)."""
+        self._node_stale.set()
+        self._runner.request()
+
     # ------------------------------------------------------------------ the sync (runner thread)
 
     def sync_once(self) -> None:
@@ -279,10 +304,12 @@ class Agent:
         commit = self._model.commit()
         self._report(commit)
         full = commit.changed is None or start - self._last_full >= self._config.sync_period_s
-        if full or self._node is None:
+        if full or self._node is None or self._node_stale.is_set():
+            self._node_stale.clear()  # before reading: a change while we read asks again
             node = self._parts.node_context()
             if node != self._node and self._node is not None:
                 log.info("node addresses changed: %s", ",".join(node.node_ips) or "none")
+                full = True  # NodePorts (and the SNAT source) change on every service port
             self._node = node
         changed: frozenset[ServicePortName] | None = None
         if not full:
@@ -335,9 +362,19 @@ class Agent:
             else:
                 self._model.set_slice(event.key, event.obj)
         elif event.kind is Kind.NODE:
-            self._model.set_node(node_info(self._config, _labels(obj)))
+            # A deleted Node keeps its pod CIDRs: kube-proxy's detector does not change until it restarts.
+            pod_cidrs = _pod_cidrs(obj) if obj is not None else self._model.node.pod_cidrs
+            self._model.set_node(node_info(self._config, _labels(obj), pod_cidrs))
+            self._log_detector()
             if self._parts.health is not None:
                 self._parts.health.sync_node(obj)
+
+    def _log_detector(self) -> None:
+        """One line when what counts as local traffic is first known or changes."""
+        described = self._config.local_detector(self._model.node.pod_cidrs).describe()
+        if described != self._detector_logged:
+            log.info("local traffic (--detect-local-mode) %s", described)
+            self._detector_logged = described
 
     def _remember_uid(self, kind: Kind, key: str, obj: object) -> None:
         self._remember(kind, key, _uid(obj))
@@ -481,6 +518,18 @@ def _resource_version(obj: Mapping[str, Any]) -> str:
     meta = obj.get("metadata") if isinstance(obj, Mapping) else None
     rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
     return rv if isinstance(rv, str) else ""
+
+
+def _pod_cidrs(obj: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """spec.podCIDRs, else spec.podCIDR (a Node written before dual-stack), as strings."""
+    spec = obj.get("spec") if obj is not None else None
+    if not isinstance(spec, Mapping):
+        return ()
+    cidrs = spec.get("podCIDRs")
+    if isinstance(cidrs, list) and cidrs:
+        return tuple(c for c in cidrs if isinstance(c, str))
+    single = spec.get("podCIDR")
+    return (single,) if isinstance(single, str) and single else ()
 
 
 def _labels(obj: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:

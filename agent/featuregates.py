@@ -27,13 +27,16 @@ ZONE_HINTS = ("TopologyAwareHints", "ServiceTrafficDistribution")
 HONOURED = {SAME_NODE: True, ZONE_HINTS[0]: True, ZONE_HINTS[1]: True}
 
 
-def node_info(config: Config, labels: tuple[tuple[str, str], ...] = ()) -> NodeInfo:
+def node_info(
+    config: Config, labels: tuple[tuple[str, str], ...] = (), pod_cidrs: tuple[str, ...] = ()
+) -> NodeInfo:
     """The node as the pure model sees it, with the topology gates applied."""
     return NodeInfo(
         config.hostname,
         labels,
         node_hints=config.gate(SAME_NODE, True),
         zone_hints=any(config.gate(g, True) for g in ZONE_HINTS),
+        pod_cidrs=pod_cidrs,
     )
 
 

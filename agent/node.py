@@ -2,7 +2,8 @@
 
 Effects (pyroute2, read only). The external devices are Config.devices in the order given;
 without them, every device holding a global IPv4 address except loopback and pod devices
-(Config.pod_interfaces), the device of the default route first, then by interface index. The
+(Config.pod_interfaces, and the bridge or name prefix of --detect-local-mode's interface modes),
+the device of the default route first, then by interface index. The
 primary address (SNAT source toward other nodes) is the first address of the first device.
 `pick_node_addresses` is the pure core, tested with literal netlink-like records.
 """
@@ -10,6 +11,7 @@ primary address (SNAT source toward other nodes) is the first address of the fir
 from __future__ import annotations
 
 import fnmatch
+import glob
 import logging
 import socket
 from collections.abc import Iterable, Sequence
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.config import Config, NodeContext
-from agent.netns import netns_route
+from agent.netns import netns_route, run_in_netns
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +84,21 @@ def _records(ipr: Any) -> tuple[list[AddrInfo], list[int]]:
     return addrs, defaults
 
 
+def pod_device_patterns(config: Config) -> tuple[str, ...]:
+    """Globs of the devices pods sit behind: --pod-interfaces, and the local-traffic detector's
+    bridge or name prefix (their addresses are pod gateways, not node addresses)."""
+    local = config.local_detector()
+    extra = (
+        (local.interface,) if local.interface else (f"{glob.escape(local.prefix)}*",) if local.prefix else ()
+    )
+    return (*config.pod_interfaces, *extra)
+
+
 def discover_node(config: Config) -> NodeContext:
     """The node's addresses in Config.netns; a missing namespace raises FileNotFoundError."""
     with netns_route(config.netns) as ipr:
         addrs, defaults = _records(ipr)
-    node = pick_node_addresses(addrs, config.devices, config.pod_interfaces, defaults)
+    node = pick_node_addresses(addrs, config.devices, pod_device_patterns(config), defaults)
     if not node.node_ips:
         log.warning(
             "no IPv4 address found on %s in netns %s: NodePorts answer nowhere; pass --node-ip",
@@ -96,3 +108,40 @@ def discover_node(config: Config) -> NodeContext:
     else:
         log.info("node addresses %s (primary %s)", ",".join(node.node_ips), node.primary_ip)
     return node
+
+
+# /proc/net/tcp state of a listening socket; a UDP socket that is bound and not connected.
+TCP_LISTEN, UDP_UNCONNECTED = "0A", "07"
+
+
+def parse_proc_net(text: str, proto: int, state: str) -> set[tuple[str, int, int]]:
+    """(address, port, protocol) of the sockets in one /proc/net/{tcp,udp} text in `state`."""
+    out = set()
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 4 or fields[3] != state:
+            continue
+        addr_hex, _, port_hex = fields[1].partition(":")
+        address = socket.inet_ntoa(int(addr_hex, 16).to_bytes(4, "little"))
+        out.add((address, int(port_hex, 16), proto))
+    return out
+
+
+def local_listeners(netns: str, node_ips: Iterable[str] = ()) -> frozenset[tuple[str, int, int]]:
+    """(address, port, protocol) where a socket of the node listens on an address of its own that
+    is not one of `node_ips`: NodeLocal DNSCache binds the kube-dns ClusterIP on a dummy device
+    and listens there, and eBPF mode then leaves that ClusterIP port to the node's stack
+    (agent/ebpf/layout.py). Sockets bound to 0.0.0.0 are not counted: a ClusterIP is served
+    locally only where something binds it by name."""
+
+    def read() -> tuple[str, str]:
+        with open("/proc/thread-self/net/tcp") as tcp, open("/proc/thread-self/net/udp") as udp:
+            return tcp.read(), udp.read()
+
+    tcp_text, udp_text = run_in_netns(netns, read)
+    with netns_route(netns) as ipr:
+        mine = {str(m.get("address")) for m in ipr.get_addr(family=socket.AF_INET)}
+    mine -= set(node_ips)
+    bound = parse_proc_net(tcp_text, socket.IPPROTO_TCP, TCP_LISTEN)
+    bound |= parse_proc_net(udp_text, socket.IPPROTO_UDP, UDP_UNCONNECTED)
+    return frozenset(b for b in bound if b[0] in mine and not b[0].startswith("127."))

@@ -12,7 +12,9 @@ runtime mounts read-only unless the container is privileged. This does the same 
   maps outlive the agent's container.
 
 Every setting is read back; the exit status is 1 when a required one could not be made (the
-conntrack ones are logged and tolerated, as kube-proxy tolerates them).
+conntrack ones are logged and tolerated, as kube-proxy tolerates them). The conntrack sysctls are
+also written at every start of the agent, in either mode (`setup_conntrack`, as kube-proxy's
+platformSetup), so a node whose container may write them needs no init container for them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from agent.config import Config, Mode
-from agent.iptables.conntrack_sysctls import apply_conntrack_settings
+from agent.iptables.conntrack_sysctls import ConntrackReport, apply_conntrack_settings
 from agent.iptables.runner import Result, SubprocessRunner
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,17 @@ def set_sysctl(command: Command, key: str, value: str) -> str:
     return (w.stderr or w.stdout or after.stderr).strip() or f"exit {w.returncode}"
 
 
+def setup_conntrack(
+    config: Config, command: Command | None = None, cpus: int | None = None
+) -> ConntrackReport:
+    """kube-proxy's conntrack sysctls (`--conntrack-*`), written at every start in either mode,
+    as kube-proxy's platformSetup writes them whatever its mode: nf_conntrack still tracks the
+    node's other traffic in eBPF mode (upstream's CLOSE_WAIT e2e test reads such an entry).
+    A value the kernel refuses is logged and tolerated."""
+    run = command or SubprocessRunner(config).command
+    return apply_conntrack_settings(config.conntrack, run, netns=config.netns, cpus=cpus)
+
+
 def init_node(config: Config, command: Command | None = None) -> int:
     run = command or SubprocessRunner(config).command
     where = f"netns {config.netns}" if config.netns else "the host"
@@ -56,7 +69,7 @@ def init_node(config: Config, command: Command | None = None) -> int:
             log.error("--init-only: cannot set %s=%s in %s: %s", key, value, where, why)
         else:
             log.info("--init-only: %s=%s in %s", key, value, where)
-    apply_conntrack_settings(config.conntrack, run, netns=config.netns)
+    setup_conntrack(config, run)
     if config.mode is Mode.EBPF:
         from agent.ebpf.loader import DatapathError, ensure_bpffs
 

@@ -9,10 +9,10 @@
  * Rules: fixed-width types only, explicit padding, no bitfields, every field commented with its
  * byte order ("be" = network order, "host" = CPU order). Changing any layout means bumping
  * EKP_ABI_VERSION: the version is part of every map name, so an old pinned map is never reused
- * with a new layout (bcc's BPF_TABLE_PINNED would reuse it silently). A change to one map alone
- * bumps that map's own suffix: the counters grew to ekp_stats_v3 (more slots) while every other
- * layout stayed v2. A map added beside the others needs no bump: no older program or pin knows
- * its name.
+ * with a new layout (the loader reuses a pinned map whose sizes match, and two layouts of one size
+ * would pass that check). A change to one map alone bumps that map's own suffix: the counters grew
+ * to ekp_stats_v3 (more slots) while every other layout stayed v2. A map added beside the others
+ * needs no bump: no older program or pin knows its name.
  *
  * IPv6, later: Cilium's v4/v6 pairs. Every struct below that holds an address is the IPv4 member
  * of a pair; IPv6 adds its own maps beside these (ekp_fe6, ekp_be6, ekp_ct6_tcp, ekp_frag6,
@@ -161,6 +161,8 @@ enum ekp_ct_dir {
 #define EKP_CT_FIN_REPLY   (1 << 4) /* the backend sent a FIN */
 #define EKP_CT_RST         (1 << 5) /* either side sent a RST */
 #define EKP_CT_MIGRATED    (1 << 6) /* copied from an ABI v1 entry by the upgrade */
+#define EKP_CT_ADOPTED     (1 << 7) /* taken over from nf_conntrack at start (a flow kube-proxy or
+				     * iptables mode translated): agent/takeover/flows.py */
 
 struct ekp_ct_key {
 	__be32 saddr; /* be: source address as on the wire */
@@ -347,8 +349,13 @@ struct ekp_config {
 	__u32 udp_stream_s;       /* host: replied and older than 2 s (conntrack.udpStreamTimeout) */
 	__u32 icmp_rate;          /* host: ICMP rejects per second, per CPU (token bucket refill) */
 	__u32 icmp_burst;         /* host: ICMP rejects a CPU may send at once (bucket depth) */
-	__u32 flags;              /* host: reserved, zero */
-	__u32 pad;                /* zero */
+	__be32 local_net;         /* be: the local-traffic detector's network (local_by_src) */
+	__u8 local_plen;          /* host: its prefix length, 0..32 */
+	__u8 local_by_src;        /* host: 1: a packet is from a local pod when its source is in
+	                           * local_net/local_plen (--detect-local-mode ClusterCIDR, NodeCIDR)
+	                           * and looks up INTERNAL frontends, any other EXTERNAL ones, whatever
+	                           * the hook; 0: the hook's scope (the interface modes, no detector) */
+	__u16 pad;                /* zero */
 };
 
 /* ---- the reject rate limiter (per-CPU array, one element, written by the data path) ------ */

@@ -310,6 +310,18 @@ static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const st
 	}
 }
 
+/* The frontends' scope of a packet: kube-proxy's local-traffic detector. By source (ClusterCIDR,
+ * NodeCIDR): INTERNAL when the source is in the detector's CIDR, EXTERNAL otherwise, whichever hook
+ * it entered by; otherwise the hook's (the agent attaches ekp_from_pod where traffic is local). */
+static __always_inline __u8 ekp_local_scope(const struct ekp_config *cfg, __be32 saddr, __u8 hook_scope)
+{
+	if (!cfg->local_by_src)
+		return hook_scope;
+	__u32 plen = cfg->local_plen;
+	__be32 mask = plen == 0 ? 0 : htonl(0xffffffffU << (32 - (plen > 32 ? 32 : plen)));
+	return (saddr & mask) == cfg->local_net ? EKP_SCOPE_INTERNAL : EKP_SCOPE_EXTERNAL;
+}
+
 /* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result); a flow it
  * starts or closes is left in w->queue. */
 static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __u8 scope, __u8 hook)
@@ -345,6 +357,7 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 		ekp_decide_related(p, cfg, now, d);
 		return;
 	}
+	scope = ekp_local_scope(cfg, p->saddr, scope); /* the frontends this packet may use */
 	if (parsed == EKP_PARSE_LATER) {
 		if (!ekp_frag_ports(p)) {
 			/* Before its first fragment: held when a translated flow may use these addresses

@@ -5,10 +5,11 @@
  * Names are exactly agent/ebpf/abi.py's MAPS (`ekp_<role>_v<EKP_ABI_VERSION>`); test_abi.py parses
  * this file and checks names, kinds, key/value structs, size macros and flags against the registry.
  *
- * Every map is pinned under EKP_PIN_DIR (a string macro given by the loader, for example
- * -DEKP_PIN_DIR=\"/sys/fs/bpf/ebpf-kube-proxy\"): bcc creates the pin or silently reuses an
- * existing one, which is how conntrack survives an agent restart. The loader checks an existing
- * pin's layout before compiling, and the version in the name keeps old layouts apart.
+ * Nothing here names a pin: the agent pins every map of the registry under its --bpf-pin-path when
+ * it loads the compiled programs (agent/ebpf/link.py), reusing a pinned map that is exactly the map
+ * declared here (checked, never silently), which is how conntrack survives an agent restart; the
+ * version in the name keeps old layouts apart. So one compile serves every pin directory on the
+ * machine (agent/ebpf/objcache.py).
  *
  * Sizes come from -D macros (EKP_FE_MAX, ...; see MapSpec.size_macro), never from string
  * substitution of this text.
@@ -18,9 +19,6 @@
 
 #include "ekp_abi.h"
 
-#ifndef EKP_PIN_DIR
-#error "EKP_PIN_DIR must be defined, e.g. -DEKP_PIN_DIR=\"/sys/fs/bpf/ebpf-kube-proxy\""
-#endif
 #if !defined(EKP_FE_MAX) || !defined(EKP_SLOT_MAX) || !defined(EKP_BE_MAX) || !defined(EKP_RNAT_MAX) ||         \
 	!defined(EKP_MEMBER_MAX) || !defined(EKP_CT_TCP_MAX) || !defined(EKP_CT_ANY_MAX) ||                     \
 	!defined(EKP_FRAG_MAX) || !defined(EKP_AFF_MAX) || !defined(EKP_SRCR_MAX) || !defined(EKP_CFG_MAX) ||  \
@@ -45,65 +43,54 @@ _Static_assert(EKP_CFGSEL_MAX == 1, "ekp_cfgsel_v2 holds exactly one selector");
 _Static_assert(EKP_ICMPRL_MAX == 1, "ekp_icmprl_v2 holds one bucket per CPU");
 _Static_assert(EKP_SKCFG_MAX == 1, "ekp_skcfg_v2 holds one struct ekp_sock_config");
 
-#define EKP_PIN(name) EKP_PIN_DIR "/" #name
-
 /* Service tables, written by the agent only. */
-BPF_TABLE_PINNED("hash", struct ekp_frontend_key, struct ekp_frontend, ekp_fe_v2, EKP_FE_MAX, EKP_PIN(ekp_fe_v2));
-BPF_TABLE_PINNED("hash", struct ekp_slot_key, struct ekp_slot, ekp_slot_v2, EKP_SLOT_MAX, EKP_PIN(ekp_slot_v2));
-BPF_TABLE_PINNED("hash", struct ekp_backend_key, struct ekp_backend, ekp_be_v2, EKP_BE_MAX, EKP_PIN(ekp_be_v2));
-BPF_TABLE_PINNED("hash", struct ekp_revnat_key, struct ekp_revnat, ekp_rnat_v2, EKP_RNAT_MAX, EKP_PIN(ekp_rnat_v2));
-BPF_TABLE_PINNED("hash", struct ekp_member_key, struct ekp_member, ekp_member_v2, EKP_MEMBER_MAX,
-		 EKP_PIN(ekp_member_v2));
-BPF_TABLE_PINNED("lpm_trie", struct ekp_srcrange_key, struct ekp_srcrange, ekp_srcr_v2, EKP_SRCR_MAX,
-		 EKP_PIN(ekp_srcr_v2), BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("array", u32, struct ekp_config, ekp_cfg_v2, EKP_CFG_MAX, EKP_PIN(ekp_cfg_v2));
-BPF_TABLE_PINNED("array", u32, struct ekp_config_sel, ekp_cfgsel_v2, EKP_CFGSEL_MAX, EKP_PIN(ekp_cfgsel_v2));
+BPF_TABLE("hash", struct ekp_frontend_key, struct ekp_frontend, ekp_fe_v2, EKP_FE_MAX);
+BPF_TABLE("hash", struct ekp_slot_key, struct ekp_slot, ekp_slot_v2, EKP_SLOT_MAX);
+BPF_TABLE("hash", struct ekp_backend_key, struct ekp_backend, ekp_be_v2, EKP_BE_MAX);
+BPF_TABLE("hash", struct ekp_revnat_key, struct ekp_revnat, ekp_rnat_v2, EKP_RNAT_MAX);
+BPF_TABLE("hash", struct ekp_member_key, struct ekp_member, ekp_member_v2, EKP_MEMBER_MAX);
+BPF_F_TABLE("lpm_trie", struct ekp_srcrange_key, struct ekp_srcrange, ekp_srcr_v2, EKP_SRCR_MAX, BPF_F_NO_PREALLOC);
+BPF_TABLE("array", u32, struct ekp_config, ekp_cfg_v2, EKP_CFG_MAX);
+BPF_TABLE("array", u32, struct ekp_config_sel, ekp_cfgsel_v2, EKP_CFGSEL_MAX);
 /* Read only for fragments that came before their first, and holding a few thousand addresses:
  * entries are allocated as written (preallocated, 262,144 would take 20 MiB; the hash buckets
  * alone take 4 MiB, memlock as measured). */
-BPF_TABLE_PINNED("hash", struct ekp_addr_key, struct ekp_addr, ekp_addr_v2, EKP_ADDR_MAX, EKP_PIN(ekp_addr_v2),
-		 BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct ekp_addr_key, struct ekp_addr, ekp_addr_v2, EKP_ADDR_MAX, BPF_F_NO_PREALLOC);
 
 /* Maglev tables, one per backend set that a Maglev frontend uses: 64 KiB each at the default size,
  * allocated as written (a table exists only for the sets of external frontends; see
  * bpf/README.md, "Maglev", for the memory measured against a shared array and a map of maps). */
-BPF_TABLE_PINNED("hash", struct ekp_maglev_key, struct ekp_maglev, ekp_maglev_v2, EKP_MAGLEV_MAX,
-		 EKP_PIN(ekp_maglev_v2), BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct ekp_maglev_key, struct ekp_maglev, ekp_maglev_v2, EKP_MAGLEV_MAX, BPF_F_NO_PREALLOC);
 
 /* Flow state, written by the data path (LRU: a full table evicts the least recently used). The
  * kernel's common LRU list (no BPF_F_NO_COMMON_LRU): every CPU can use every entry, so the tables
  * hold what their size says (see bpf/README.md, "Conntrack capacity", for the measurement that
  * decided it). TCP and the other protocols have separate tables, as Cilium's, so a UDP flood
  * cannot evict TCP flows. */
-BPF_TABLE_PINNED("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_tcp_v2, EKP_CT_TCP_MAX,
-		 EKP_PIN(ekp_ct_tcp_v2));
-BPF_TABLE_PINNED("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_any_v2, EKP_CT_ANY_MAX,
-		 EKP_PIN(ekp_ct_any_v2));
+BPF_TABLE("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_tcp_v2, EKP_CT_TCP_MAX);
+BPF_TABLE("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_any_v2, EKP_CT_ANY_MAX);
 /* The early-drop rings of the two tables (bpf/ekp_ctq.h) and where each writes next. */
-BPF_TABLE_PINNED("array", u32, struct ekp_ctq_slot, ekp_ctq_tcp_v2, EKP_CTQ_TCP_MAX, EKP_PIN(ekp_ctq_tcp_v2));
-BPF_TABLE_PINNED("array", u32, struct ekp_ctq_slot, ekp_ctq_any_v2, EKP_CTQ_ANY_MAX, EKP_PIN(ekp_ctq_any_v2));
-BPF_TABLE_PINNED("array", u32, u64, ekp_ctqh_v2, EKP_CTQH_MAX, EKP_PIN(ekp_ctqh_v2));
-BPF_TABLE_PINNED("lru_hash", struct ekp_frag_key, struct ekp_frag, ekp_frag_v2, EKP_FRAG_MAX, EKP_PIN(ekp_frag_v2));
-BPF_TABLE_PINNED("lru_hash", struct ekp_fraghold_key, struct ekp_fraghold, ekp_fraghold_v2, EKP_FRAGHOLD_MAX,
-		 EKP_PIN(ekp_fraghold_v2));
+BPF_TABLE("array", u32, struct ekp_ctq_slot, ekp_ctq_tcp_v2, EKP_CTQ_TCP_MAX);
+BPF_TABLE("array", u32, struct ekp_ctq_slot, ekp_ctq_any_v2, EKP_CTQ_ANY_MAX);
+BPF_TABLE("array", u32, u64, ekp_ctqh_v2, EKP_CTQH_MAX);
+BPF_TABLE("lru_hash", struct ekp_frag_key, struct ekp_frag, ekp_frag_v2, EKP_FRAG_MAX);
+BPF_TABLE("lru_hash", struct ekp_fraghold_key, struct ekp_fraghold, ekp_fraghold_v2, EKP_FRAGHOLD_MAX);
 /* When a fragment was last held (bpf_ktime_get_ns): a first fragment looks for held ones only
  * within the kernel's reassembly time after it, so in-order fragments cost what they did. */
-BPF_TABLE_PINNED("array", u32, u64, ekp_fraglast_v2, EKP_FRAGLAST_MAX, EKP_PIN(ekp_fraglast_v2));
-BPF_TABLE_PINNED("lru_hash", struct ekp_affinity_key, struct ekp_affinity, ekp_aff_v2, EKP_AFF_MAX,
-		 EKP_PIN(ekp_aff_v2));
+BPF_TABLE("array", u32, u64, ekp_fraglast_v2, EKP_FRAGLAST_MAX);
+BPF_TABLE("lru_hash", struct ekp_affinity_key, struct ekp_affinity, ekp_aff_v2, EKP_AFF_MAX);
 
 /* Socket-level load balancing: its settings (written by the agent) and what each socket was sent to
  * (written by the socket programs; LRU: a full table forgets the least recently used sockets, whose
  * recvmsg() and getpeername() then show the backend). */
-BPF_TABLE_PINNED("array", u32, struct ekp_sock_config, ekp_skcfg_v2, EKP_SKCFG_MAX, EKP_PIN(ekp_skcfg_v2));
-BPF_TABLE_PINNED("lru_hash", struct ekp_sock_key, struct ekp_sock_nat, ekp_sknat_v2, EKP_SKNAT_MAX,
-		 EKP_PIN(ekp_sknat_v2));
+BPF_TABLE("array", u32, struct ekp_sock_config, ekp_skcfg_v2, EKP_SKCFG_MAX);
+BPF_TABLE("lru_hash", struct ekp_sock_key, struct ekp_sock_nat, ekp_sknat_v2, EKP_SKNAT_MAX);
 
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
-BPF_TABLE_PINNED("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX, EKP_PIN(ekp_icmprl_v2));
-BPF_TABLE_PINNED("percpu_array", u32, u64, ekp_stats_v3, EKP_STATS_MAX, EKP_PIN(ekp_stats_v3));
+BPF_TABLE("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX);
+BPF_TABLE("percpu_array", u32, u64, ekp_stats_v3, EKP_STATS_MAX);
 /* The XDP program's counters, the same enum ekp_stat as the tc programs' (beside them, not mixed). */
-BPF_TABLE_PINNED("percpu_array", u32, u64, ekp_xstats_v3, EKP_XSTATS_MAX, EKP_PIN(ekp_xstats_v3));
+BPF_TABLE("percpu_array", u32, u64, ekp_xstats_v3, EKP_XSTATS_MAX);
 
 /*
  * Map access. bcc rewrites `map.lookup(...)` into helper calls only inside the main source file

@@ -12,8 +12,8 @@
  *                 addresses on IPv6 sockets
  *   ekp_sock_term iter/udp: ends connected UDP sockets whose backend left (ekp_sock.h)
  *
- * Built by agent/ebpf/loader.py with bcc: BPF(src_file=ekp_tc.c, cflags=[-DEKP_PIN_DIR=...,
- * -DEKP_<ROLE>_MAX=..., -I<bpf dir>]). The logic lives in the headers (ekp_core.h first); this
+ * Built by agent/ebpf/compile.py with bcc: BPF(src_file=ekp_tc.c, cflags=[-DEKP_<ROLE>_MAX=...,
+ * -I<bpf dir>]), loaded against the pinned maps by agent/ebpf/link.py. The logic lives in the headers (ekp_core.h first); this
  * file holds only what bcc needs in its main file: the map accessors (see ekp_maps.h) and the
  * program entry points.
  */

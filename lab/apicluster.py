@@ -30,7 +30,9 @@ class ApiCluster(Cluster):
     def start(self) -> None:
         self.server.start()
         self.server.write_kubeconfig(self.kubeconfig)
-        wanted = self._record([self.server.apply(node_object(n.name, n.ip)) for n in self.lab.nodes])
+        wanted = self._record(
+            [self.server.apply(node_object(n.name, n.ip, pod_cidr=n.pod_cidr)) for n in self.lab.nodes]
+        )
         for a in self.agents:
             a.start()
         self.wait_synced(wanted)
@@ -55,9 +57,14 @@ class ApiCluster(Cluster):
         for a in self.agents:
             a.wait_resource_versions(wanted, timeout)
 
+    def apply_nowait(self, objects: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+        """Create or change each object (as `kubectl apply`) without waiting; what `wait_synced`
+        then waits for."""
+        return self._record([self.server.apply(obj) for obj in objects])
+
     def apply(self, objects: Sequence[Mapping[str, Any]], timeout: float = 60.0) -> None:
         """Create or change each object (as `kubectl apply`), then wait for the agents."""
-        self.wait_synced(self._record([self.server.apply(obj) for obj in objects]), timeout)
+        self.wait_synced(self.apply_nowait(objects), timeout)
 
     def delete(self, objects: Iterable[Mapping[str, Any]], timeout: float = 60.0) -> None:
         gone = []

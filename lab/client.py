@@ -17,6 +17,15 @@ namespaces. Every mode prints one JSON object on stdout.
   idle   --addr A --port P --ready-file R --go-file G   one TCP connection to a line echo server:
                                       a line, R created, nothing until G exists, one more line:
                                       {"first": ok, "after": ok, "idle_s": s, "error": "..."}
+  named  --addr A --port P --stop-file F   one TCP connection to a named line echo, a line every
+                                      --interval s until F exists: {"exchanges": n, "errors": n,
+                                      "backends": [names in the order they answered]}
+  udpflow --addr A --port P --stop-file F   one UDP socket (one source port: one flow) to the UDP
+                                      echo, a datagram every --interval s: {"sent": n, "lost": n,
+                                      "backends": [...]}
+  dnsloop --addr A --stop-file F      DNS A lookups, a new socket (source port) each, every
+                                      --interval s; a lookup is tried again once after --timeout s:
+                                      {"lookups": n, "retried": n, "failed": n, "failed_at": [...]}
   frags  --addr A --port P --count N --size S   N UDP datagrams of S bytes to the UDP echo, each
                                       sent as IPv4 fragments in reverse order (last first) through a
                                       raw socket; reply counts as `udp`
@@ -143,10 +152,13 @@ def cmd_peer(a: argparse.Namespace) -> dict[str, object]:
     return {"peer": f"{peer[0]}:{peer[1]}", "body": body}
 
 
-def dns_query(qid: int, name: str) -> bytes:
-    """A DNS query for `name` TXT, recursion desired."""
-    qname = b"".join(bytes([len(part)]) + part.encode() for part in name.split(".")) + b"\0"
-    return qid.to_bytes(2, "big") + b"\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00" + qname + b"\x00\x10\x00\x01"
+DNS_A, DNS_TXT = 1, 16
+
+
+def dns_query(qid: int, name: str, qtype: int = DNS_TXT) -> bytes:
+    """A DNS query for `name` (TXT unless `qtype` says otherwise), recursion desired."""
+    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".") if p)
+    return struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + labels + b"\x00" + struct.pack("!HH", qtype, 1)
 
 
 def dns_txt(reply: bytes, qid: int) -> str:
@@ -262,6 +274,84 @@ def cmd_hold(a: argparse.Namespace) -> dict[str, object]:
         errors += 1
         first_error = first_error or f"{type(exc).__name__}: {exc} after {exchanges} exchanges"
     return {"exchanges": exchanges, "errors": errors, "first_error": first_error}
+
+
+def cmd_named(a: argparse.Namespace) -> dict[str, object]:
+    """A long-lived connection that says which backend answers each line."""
+    exchanges, errors, first_error = 0, 0, ""
+    backends: list[str] = []
+    start = time.monotonic()
+    try:
+        with socket.create_connection((a.addr, a.port), timeout=a.timeout) as s:
+            reader = s.makefile("rb")
+            while not os.path.exists(a.stop_file) and time.monotonic() - start < a.max_s:
+                line = f"ping-{exchanges}"
+                s.sendall(line.encode() + b"\n")
+                name, _, echoed = reader.readline().decode().rstrip("\n").partition(" ")
+                if echoed != line:
+                    errors += 1
+                    first_error = first_error or f"bad echo at exchange {exchanges}: {name} {echoed}"
+                    break
+                if not backends or backends[-1] != name:
+                    backends.append(name)
+                exchanges += 1
+                time.sleep(a.interval)
+    except OSError as exc:
+        errors += 1
+        first_error = first_error or f"{type(exc).__name__}: {exc} after {exchanges} exchanges"
+    return {"exchanges": exchanges, "errors": errors, "first_error": first_error, "backends": backends}
+
+
+def cmd_udpflow(a: argparse.Namespace) -> dict[str, object]:
+    """One UDP flow (one source port) kept alive by a datagram every interval."""
+    sent = lost = 0
+    backends: list[str] = []
+    start = time.monotonic()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(a.timeout)
+        while not os.path.exists(a.stop_file) and time.monotonic() - start < a.max_s:
+            payload = f"flow-{sent}"
+            s.sendto(payload.encode(), (a.addr, a.port))
+            sent += 1
+            try:
+                data, _ = s.recvfrom(65535)
+            except OSError:
+                lost += 1
+                continue
+            name, _, echoed = data.decode().partition(" ")
+            if echoed == payload and (not backends or backends[-1] != name):
+                backends.append(name)
+            time.sleep(a.interval)
+    return {"sent": sent, "lost": lost, "backends": backends}
+
+
+def cmd_dnsloop(a: argparse.Namespace) -> dict[str, object]:
+    """A resolver's lookups: each from a new socket, tried again once after the timeout (glibc's
+    `attempts:2`); a lookup fails when both tries go unanswered."""
+    lookups = retried = failed = 0
+    failed_at: list[float] = []
+    start = time.monotonic()
+    while not os.path.exists(a.stop_file) and time.monotonic() - start < a.max_s:
+        lookups += 1
+        answered = False
+        for attempt in range(2):
+            qid = (lookups * 2 + attempt) & 0xFFFF
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.settimeout(a.timeout)
+                s.sendto(dns_query(qid, a.name, DNS_A), (a.addr, a.port))
+                try:
+                    data, _ = s.recvfrom(65535)
+                    answered = len(data) >= 12 and struct.unpack("!H", data[:2])[0] == qid
+                except OSError:
+                    answered = False
+            if answered:
+                retried += attempt
+                break
+        if not answered:
+            failed += 1
+            failed_at.append(round(time.monotonic() - start, 3))
+        time.sleep(a.interval)
+    return {"lookups": lookups, "retried": retried, "failed": failed, "failed_at": failed_at[:10]}
 
 
 def cmd_idle(a: argparse.Namespace) -> dict[str, object]:
@@ -382,6 +472,28 @@ def main() -> int:
     h.add_argument("--interval", type=float, default=0.05)
     h.add_argument("--timeout", type=float, default=5.0)
     h.add_argument("--max-s", type=float, default=120.0)
+    n = sub.add_parser("named")
+    n.add_argument("--addr", required=True)
+    n.add_argument("--port", type=int, required=True)
+    n.add_argument("--stop-file", required=True)
+    n.add_argument("--interval", type=float, default=0.05)
+    n.add_argument("--timeout", type=float, default=5.0)
+    n.add_argument("--max-s", type=float, default=120.0)
+    uf = sub.add_parser("udpflow")
+    uf.add_argument("--addr", required=True)
+    uf.add_argument("--port", type=int, required=True)
+    uf.add_argument("--stop-file", required=True)
+    uf.add_argument("--interval", type=float, default=0.05)
+    uf.add_argument("--timeout", type=float, default=1.0)
+    uf.add_argument("--max-s", type=float, default=120.0)
+    d = sub.add_parser("dnsloop")
+    d.add_argument("--addr", required=True)
+    d.add_argument("--port", type=int, default=53)
+    d.add_argument("--name", default="web.svc.lab")
+    d.add_argument("--stop-file", required=True)
+    d.add_argument("--interval", type=float, default=0.05)
+    d.add_argument("--timeout", type=float, default=1.0)
+    d.add_argument("--max-s", type=float, default=120.0)
     i = sub.add_parser("idle")
     i.add_argument("--addr", required=True)
     i.add_argument("--port", type=int, required=True)
@@ -417,6 +529,9 @@ def main() -> int:
         "upload": cmd_upload,
         "hold": cmd_hold,
         "idle": cmd_idle,
+        "named": cmd_named,
+        "udpflow": cmd_udpflow,
+        "dnsloop": cmd_dnsloop,
         "frags": cmd_frags,
         "peer": cmd_peer,
         "resolver": cmd_resolver,

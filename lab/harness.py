@@ -38,13 +38,21 @@ class Agent:
     """One `agent` process acting for one lab node."""
 
     def __init__(
-        self, lab: Lab, node: Node, mode: str, source: Sequence[str], extra: Sequence[str] = ()
+        self,
+        lab: Lab,
+        node: Node,
+        mode: str,
+        source: Sequence[str],
+        extra: Sequence[str] = (),
+        *,
+        node_ip: bool = True,
     ) -> None:
         self.lab = lab
         self.node = node
         self.mode = mode
         self.source = list(source)  # --services-file=... or --kubeconfig=...
         self.extra = list(extra)
+        self.node_ip = node_ip  # --node-ip: else the agent reads (and follows) eth0's addresses
         self.proc: subprocess.Popen[bytes] | None = None
         assert lab.tmpdir is not None
         self.log_path = lab.tmpdir / f"agent-{node.name}.log"
@@ -59,7 +67,7 @@ class Agent:
             f"--mode={self.mode}",
             f"--hostname-override={self.node.name}",
             f"--netns={self.node.ns}",
-            f"--node-ip={self.node.ip}",
+            *([f"--node-ip={self.node.ip}"] if self.node_ip else []),
             "--devices=eth0",
             "--pod-interfaces=lxc-p*",
             f"--bpf-pin-path={self.pin_path}",
@@ -177,7 +185,13 @@ class Cluster:
     """A lab plus agents; `apply(objects)` replaces the whole set of Services and EndpointSlices."""
 
     def __init__(
-        self, lab: Lab, mode: str, agent_nodes: Iterable[int] | None = None, extra: Sequence[str] = ()
+        self,
+        lab: Lab,
+        mode: str,
+        agent_nodes: Iterable[int] | None = None,
+        extra: Sequence[str] = (),
+        *,
+        node_ip: bool = True,
     ) -> None:
         assert lab.tmpdir is not None
         self.lab = lab
@@ -186,7 +200,7 @@ class Cluster:
         self.services_file.write_text("")
         wanted = set(agent_nodes) if agent_nodes is not None else {i + 1 for i in range(len(lab.nodes))}
         self.agents = [
-            Agent(lab, n, mode, [f"--services-file={self.services_file}"], extra)
+            Agent(lab, n, mode, [f"--services-file={self.services_file}"], extra, node_ip=node_ip)
             for i, n in enumerate(lab.nodes)
             if i + 1 in wanted
         ]

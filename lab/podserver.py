@@ -8,6 +8,8 @@ HTTP (HTTP/1.0, one request per connection) on every `--http-port` (default 8080
   POST /sink  -> reads the whole body, answers "<bytes received>\\n" (uploads, path-MTU tests)
 UDP echo on every `--udp-port` (default 9000): a datagram `<payload>` is answered `<name> <payload>`.
 TCP line echo on every `--tcp-echo-port` (none by default): each line comes back as it went.
+Named TCP line echo on every `--tcp-named-echo-port` (none by default): a line comes back as
+`<name> <line>` (which backend a long-lived connection is on, line by line).
 
 UDP sockets are bound before the HTTP sockets listen, so a successful TCP connect means the whole
 server is ready. SIGTERM ends it.
@@ -111,6 +113,14 @@ class LineEcho(socketserver.StreamRequestHandler):
             self.wfile.flush()
 
 
+class NamedLineEcho(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        name = self.server.pod_name.encode()  # type: ignore[attr-defined]
+        for line in self.rfile:
+            self.wfile.write(name + b" " + line)
+            self.wfile.flush()
+
+
 class EchoServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -123,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--udp-port", type=int, action="append")
     ap.add_argument("--blob")
     ap.add_argument("--tcp-echo-port", type=int, action="append", default=[])
+    ap.add_argument("--tcp-named-echo-port", type=int, action="append", default=[])
     args = ap.parse_args(argv)
     http_ports = args.http_port or [8080]
     udp_ports = args.udp_port if args.udp_port is not None else [9000]
@@ -141,6 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     for port in args.tcp_echo_port:
         echo = EchoServer(("0.0.0.0", port), LineEcho)
         threads.append(threading.Thread(target=echo.serve_forever, daemon=True))
+    for port in args.tcp_named_echo_port:
+        named = EchoServer(("0.0.0.0", port), NamedLineEcho)
+        named.pod_name = args.name  # type: ignore[attr-defined]
+        threads.append(threading.Thread(target=named.serve_forever, daemon=True))
     for t in threads:
         t.start()
     print(f"podserver ready: {args.name} http {http_ports} udp {udp_ports}", flush=True)

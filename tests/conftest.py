@@ -13,18 +13,24 @@
 * At session end every namespace, cgroup, pin, tmp dir and process of every lab created in this
   process must be gone; otherwise the leftovers are printed and the session fails.
   tests/test_lab_leaks.py is moved to the end of the run.
+* In parallel (`make test` runs `pytest -n 2`, pytest-xdist) tests go to workers in run groups that
+  share a lab (tests/parallel.py). Each worker runs the session-end check on its own labs and
+  hands what it found to the controller, which fails the run on it, and on any skipped item.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Generator, Iterator
 from typing import Any
 
 import pytest
 
 from lab import CREATED_PREFIXES, STARTED, Lab, LabFactory, find_leaks, kernel_problem, live_labs
+from tests import parallel
 
 
 def skips_allowed() -> bool:
@@ -52,14 +58,58 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         require_kernel()
 
 
+def _parallel(config: pytest.Config) -> bool:
+    """This process schedules (the controller) or runs (a worker) tests on xdist workers."""
+    return config.getoption("dist", "no") != "no" or hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput"):
+        config.stash[_GROUPS_PREFIX] = os.path.join(tempfile.mkdtemp(prefix="ekp-run-groups-"), "groups")
+
+
+_GROUPS_PREFIX = pytest.StashKey[str]()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    prefix = config.stash.get(_GROUPS_PREFIX, None)
+    if prefix is not None:
+        shutil.rmtree(os.path.dirname(prefix), ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    node.workerinput[parallel.GROUPS_FILE] = node.config.stash[_GROUPS_PREFIX]
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist") not in ("load", "loadscope", "loadfile", "loadgroup"):
+        return None  # `each`, `worksteal`: xdist's own
+    return parallel.make_scheduler(config, log, config.stash[_GROUPS_PREFIX])
+
+
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
-    # The leak check runs after everything else.
-    items.sort(key=lambda it: it.path.name == "test_lab_leaks.py")
+    if _parallel(config):
+        parallel.write_groups(config, parallel.queue_order(items))
+    else:
+        # The leak check runs after everything else.
+        items.sort(key=lambda it: it.path.name == "test_lab_leaks.py")
 
 
-@pytest.hookimpl(wrapper=True)
+# What each xdist worker's session-end check found, gathered by the controller.
+_WORKER_PROBLEMS: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    _WORKER_PROBLEMS.extend(getattr(node, "workeroutput", {}).get("ekp_problems", []))
+
+
+# trylast: inside xdist's own wrapper, so a worker's findings are in `workeroutput` before it is sent.
+@pytest.hookimpl(wrapper=True, trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Generator[None, None, None]:
     result = yield  # fixtures (session scope included) are torn down by now
     problems = [f"lab {lab.prefix} still up at session end" for lab in live_labs()]
@@ -70,6 +120,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Generator[
             problems.append(str(exc))
     if CREATED_PREFIXES:
         problems += find_leaks(CREATED_PREFIXES, STARTED)
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller reports, skips included
+        workeroutput["ekp_problems"] = problems
+        return result
+    problems += _WORKER_PROBLEMS
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = [r for r in reporter.stats.get("skipped", []) if r.when] if reporter is not None else []
     if skipped and not skips_allowed():

@@ -9,7 +9,9 @@ Layers (pure ones import neither bcc nor pyroute2):
 * `capacity` fill and pressure of every map, live conntrack entries by state, early drops
   (`agent inspect capacity`)
 * `ports`   the SNAT port range against the NodePort and local port ranges (pure)
-* `loader`, `maps`   compile, load and pin (bcc), typed map access, the double-buffered config
+* `loader`, `maps`   compile, load and pin, typed map access, the double-buffered config
+* `compile`, `bpfobject`, `objcache`, `link`   the compiler child (bcc) and what it hands back (a
+            relocatable object, pure), kept per build on the machine, loaded against one pin path
 * `upgrade` conntrack of an ABI v1 agent carried into the v2 tables around the first attach;
   the counters of ekp_stats_v2 into ekp_stats_v3
 * `attach`  clsact + direct-action cls_bpf filters, pod-device watcher (pyroute2)

@@ -99,6 +99,7 @@ class CtFlag(IntEnum):
     FIN_REPLY = 1 << 4
     RST = 1 << 5
     MIGRATED = 1 << 6
+    ADOPTED = 1 << 7
 
 
 class CtqRing(IntEnum):
@@ -382,8 +383,10 @@ class Config(_Struct):
         ("udp_stream_s", u32),
         ("icmp_rate", u32),
         ("icmp_burst", u32),
-        ("flags", u32),
-        ("pad", u32),
+        ("local_net", u32),
+        ("local_plen", u8),
+        ("local_by_src", u8),
+        ("pad", u16),
     ]
 
 

@@ -9,6 +9,19 @@ Effects (pyroute2). Which devices, in the network namespace Config.netns:
 * pod devices (names matching a Config.pod_interfaces glob, not external) get `ekp_from_pod` on
   ingress: traffic leaving pods, scope INTERNAL.
 
+The local-traffic detector (agent/localdetect.py) moves that line in its interface modes, where
+the device decides what kube-proxy counts as pod traffic (`-i BRIDGE`, `-i PREFIX+`):
+
+* InterfaceNamePrefix: devices whose name starts with the prefix get `ekp_from_pod`; other pod
+  devices `ekp_from_net`, so their traffic is external (masqueraded to a cluster IP);
+* BridgeInterface: the bridge's ports get `ekp_from_pod` (a frame from a pod enters on its port
+  before the bridge; a hook on the bridge device would miss replies bridged from pod to pod);
+  other pod devices `ekp_from_net`; the bridge device itself nothing (only the node's own
+  traffic enters there).
+
+In the CIDR modes the programs decide by source (the config entry), so which of the two a pod
+device carries does not matter; it gets `ekp_from_pod` as before.
+
 Our filter is recognisable and alone at its spot: kind bpf, priority FILTER_PRIO, handle
 FILTER_HANDLE, name = the program's name (`tc filter show dev X ingress` lists it). Attaching
 uses "replace", so a restarted agent swaps its new program in atomically, with no moment without
@@ -37,6 +50,7 @@ from pyroute2.netlink.rtnl import RTMGRP_LINK
 
 from agent.config import Config, NodeContext
 from agent.ebpf import xdp
+from agent.localdetect import LocalDetector
 from agent.netns import netns_route, run_in_netns
 from agent.node import matches_pod_pattern
 
@@ -58,6 +72,7 @@ TC_H_EGRESS = 0xFFFFFFF3  # clsact egress hook
 RTM_NEWLINK = 16
 RTM_DELLINK = 17
 IFLA_IFNAME = 3
+IFLA_MASTER = 10
 _NLMSG_HDR = struct.Struct("=IHHII")
 _IFINFO = struct.Struct("=BxHiII")
 _RTA = struct.Struct("=HH")
@@ -76,9 +91,10 @@ def link_event_socket() -> socket.socket:
     return sock
 
 
-def parse_link_events(data: bytes) -> list[tuple[int, int, str]]:
-    """(message type, ifindex, ifname) of each RTM_NEWLINK / RTM_DELLINK in a netlink datagram."""
-    out: list[tuple[int, int, str]] = []
+def parse_link_events(data: bytes) -> list[tuple[int, int, str, int]]:
+    """(message type, ifindex, ifname, master ifindex or 0) of each RTM_NEWLINK / RTM_DELLINK in a
+    netlink datagram."""
+    out: list[tuple[int, int, str, int]] = []
     off = 0
     while off + _NLMSG_HDR.size <= len(data):
         length, mtype, _, _, _ = _NLMSG_HDR.unpack_from(data, off)
@@ -87,7 +103,7 @@ def parse_link_events(data: bytes) -> list[tuple[int, int, str]]:
         body = off + _NLMSG_HDR.size
         if mtype in (RTM_NEWLINK, RTM_DELLINK) and length >= _NLMSG_HDR.size + _IFINFO.size:
             _, _, index, _, _ = _IFINFO.unpack_from(data, body)
-            name = ""
+            name, master = "", 0
             attr, end = body + _IFINFO.size, off + length
             while attr + _RTA.size <= end:
                 alen, atype = _RTA.unpack_from(data, attr)
@@ -95,15 +111,17 @@ def parse_link_events(data: bytes) -> list[tuple[int, int, str]]:
                     break
                 if atype & 0x3FFF == IFLA_IFNAME:
                     name = data[attr + _RTA.size : attr + alen].split(b"\0", 1)[0].decode(errors="replace")
+                elif atype & 0x3FFF == IFLA_MASTER and alen >= _RTA.size + 4:
+                    (master,) = struct.unpack_from("=I", data, attr + _RTA.size)
                 attr += (alen + 3) & ~3
-            out.append((mtype, index, name))
+            out.append((mtype, index, name, master))
         off += (length + 3) & ~3
     return out
 
 
-def read_link_events(sock: socket.socket) -> list[tuple[int, int, str]]:
+def read_link_events(sock: socket.socket) -> list[tuple[int, int, str, int]]:
     """Every link event queued on `sock` (empty when none)."""
-    out: list[tuple[int, int, str]] = []
+    out: list[tuple[int, int, str, int]] = []
     while True:
         try:
             data = sock.recv(1 << 16)
@@ -116,10 +134,36 @@ def read_link_events(sock: socket.socket) -> list[tuple[int, int, str]]:
 class Link:
     index: int
     name: str
+    master: int = 0  # ifindex of the bridge (or bond) it is a port of; 0: none
 
 
 def list_links(ipr: Any) -> list[Link]:
-    return [Link(int(m["index"]), str(m.get("ifname"))) for m in ipr.get_links()]
+    return [Link(int(m["index"]), str(m.get("ifname")), int(m.get("master") or 0)) for m in ipr.get_links()]
+
+
+def pod_side_program(link: Link, config: Config, local: LocalDetector, bridge: int) -> str | None:
+    """The program a device that is not external carries, or None (see the module docstring).
+    `bridge`: the ifindex of the detector's bridge (BridgeInterface), 0 when missing."""
+    if link.name == "lo":
+        return None
+    pod_device = matches_pod_pattern(link.name, config.pod_interfaces)
+    if local.interface:
+        if bridge and link.master == bridge:
+            return PROG_FROM_POD
+        return PROG_FROM_NET if pod_device and link.index != bridge else None
+    if local.prefix:
+        if local.is_local_device(link.name):
+            return PROG_FROM_POD
+        return PROG_FROM_NET if pod_device else None
+    return PROG_FROM_POD if pod_device else None
+
+
+def bridge_index(ipr: Any, local: LocalDetector) -> int:
+    """The ifindex of the detector's bridge (BridgeInterface), 0 when none or missing."""
+    if not local.interface:
+        return 0
+    found = ipr.link_lookup(ifname=local.interface)
+    return int(found[0]) if found else 0
 
 
 def devices_with_addresses(ipr: Any, addresses: Iterable[str]) -> set[int]:
@@ -157,13 +201,20 @@ def external_devices(ipr: Any, config: Config, node: NodeContext) -> dict[int, s
 def wanted_devices(ipr: Any, config: Config, node: NodeContext) -> dict[int, tuple[str, str]]:
     """ifindex -> (device name, program name) for every device that should carry a program."""
     out = {index: (name, PROG_FROM_NET) for index, name in external_devices(ipr, config, node).items()}
+    local = config.local_detector()
+    bridge = bridge_index(ipr, local)
+    if local.interface and not bridge:
+        log.warning(
+            "--pod-bridge-interface %s not found in netns %s: no pod traffic is local until it exists",
+            local.interface,
+            config.netns or "(own)",
+        )
     for link in list_links(ipr):
-        if (
-            link.index not in out
-            and link.name != "lo"
-            and matches_pod_pattern(link.name, config.pod_interfaces)
-        ):
-            out[link.index] = (link.name, PROG_FROM_POD)
+        if link.index in out:
+            continue
+        prog = pod_side_program(link, config, local, bridge)
+        if prog is not None:
+            out[link.index] = (link.name, prog)
     return out
 
 
@@ -186,6 +237,16 @@ def _filters(ipr: Any, index: int, parent: int) -> list[Any]:
         if exc.code == errno.EINVAL:  # no clsact/ingress qdisc: no hook
             return []
         raise
+
+
+def foreign_filters(ipr: Any, index: int) -> list[tuple[str, int]]:
+    """(name or kind, priority) of every filter on the device's ingress hook that is not ours."""
+    out = []
+    for msg in _filters(ipr, index, TC_H_INGRESS):
+        if not _is_ours(msg):
+            name = msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME") or msg.get("kind")
+            out.append((str(name), int(msg["info"]) >> 16))
+    return out
 
 
 def our_filter(ipr: Any, index: int) -> str | None:
@@ -440,9 +501,9 @@ class Attacher:
                         log.warning("link events overflowed: checking every device")
                         self._catch_up(ipr)
                         continue
-                    for event, index, name in batch:
+                    for event, index, name, master in batch:
                         if event == RTM_NEWLINK:
-                            self._on_new_link(ipr, index, name)
+                            self._on_new_link(ipr, Link(index, name, master))
                         elif event == RTM_DELLINK:
                             with self._lock:
                                 if self._attached.pop(index, None) is not None:
@@ -457,16 +518,20 @@ class Attacher:
 
     def _catch_up(self, ipr: Any) -> None:
         for link in list_links(ipr):
-            self._on_new_link(ipr, link.index, link.name)
+            self._on_new_link(ipr, link)
 
-    def _on_new_link(self, ipr: Any, index: int, name: str) -> None:
-        if name == "lo" or not matches_pod_pattern(name, self._config.pod_interfaces):
+    def _on_new_link(self, ipr: Any, link: Link) -> None:
+        """A device appeared or changed (a veth enslaved to the bridge gets its master here)."""
+        local = self._config.local_detector()
+        bridge = bridge_index(ipr, local) if local.interface else 0
+        prog = pod_side_program(link, self._config, local, bridge)
+        if prog is None:
             return
         with self._lock:
-            if index in self._attached or index in self._external:
+            if link.index in self._external or self._attached.get(link.index, ("", ""))[1] == prog:
                 return
         try:
-            self._attach(ipr, index, name, PROG_FROM_POD)
+            self._attach(ipr, link.index, link.name, prog)
         except NetlinkError as exc:
             # The device may be gone again, or be moving to another namespace.
-            log.warning("cannot attach %s to %s: %s", PROG_FROM_POD, name, exc)
+            log.warning("cannot attach %s to %s: %s", prog, link.name, exc)

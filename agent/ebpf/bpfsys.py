@@ -2,7 +2,9 @@
 
 The long-running agent never compiles (a short-lived child does, `agent.ebpf.compile`), so it must
 not need libbcc either: loading libbcc maps LLVM into the process, tens of MiB of resident memory
-for nothing. These few commands are all the agent uses, each a thin wrapper over one `bpf()` call
+for nothing. It does load what the child compiled (agent.ebpf.link: BTF, maps, programs) and attaches the
+socket programs through bpf_links (agent.ebpf.sockattach, sockterm).
+These few commands are all the agent uses, each a thin wrapper over one `bpf()` call
 with its `union bpf_attr` member packed by hand (layouts from include/uapi/linux/bpf.h; the kernel
 accepts an attr shorter than its own union as long as unknown tail bytes are zero).
 
@@ -14,23 +16,33 @@ place (agent.ebpf.maps).
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import platform
 import struct
 from typing import Any
 
 # enum bpf_cmd
+MAP_CREATE = 0
 MAP_LOOKUP_ELEM = 1
 MAP_UPDATE_ELEM = 2
 MAP_DELETE_ELEM = 3
 MAP_GET_NEXT_KEY = 4
+PROG_LOAD = 5
 OBJ_PIN = 6
 OBJ_GET = 7
 PROG_GET_FD_BY_ID = 13
 OBJ_GET_INFO_BY_FD = 15
+BTF_LOAD = 18
+PROG_QUERY = 16
+BTF_GET_FD_BY_ID = 19
 MAP_LOOKUP_BATCH = 24
 MAP_UPDATE_BATCH = 26
 MAP_DELETE_BATCH = 27
+LINK_CREATE = 28
+LINK_UPDATE = 29
+ITER_CREATE = 33
+LINK_DETACH = 34
 
 _SYSCALL_NR = {"x86_64": 321, "aarch64": 280}
 
@@ -45,6 +57,32 @@ _BATCH = struct.Struct("=QQQQIIQQ")
 _OBJ = struct.Struct("=QIIiI")
 # struct { __u32 bpf_fd; __u32 info_len; __aligned_u64 info; }
 _INFO = struct.Struct("=IIQ")
+# struct { __u32 map_type, key_size, value_size, max_entries, map_flags, inner_map_fd, numa_node;
+#          char map_name[16]; __u32 map_ifindex, btf_fd, btf_key_type_id, btf_value_type_id,
+#          btf_vmlinux_value_type_id; __u64 map_extra; }
+_MAP_CREATE = struct.Struct("=IIIIIII16sIIIIIQ")
+# The head of the BPF_PROG_LOAD member, up to attach_btf_id / attach_prog_fd:
+# prog_type, insn_cnt, insns, license, log_level, log_size, log_buf, kern_version, prog_flags,
+# prog_name[16], prog_ifindex, expected_attach_type, prog_btf_fd, func_info_rec_size, func_info,
+# func_info_cnt, line_info_rec_size, line_info, line_info_cnt, attach_btf_id, attach_prog_fd
+# (no BTF of the program's own: func_info_cnt 0 ignores prog_btf_fd)
+_PROG_LOAD = struct.Struct("=IIQQIIQII16sIIIIQIIQIII")
+# link_create: prog_fd, target_fd, attach_type, flags, then (iterators) iter_info, iter_info_len
+_LINK_CREATE = struct.Struct("=IIIIQI")
+# link_update: link_fd, new_prog_fd, flags, old_prog_fd
+_LINK_UPDATE = struct.Struct("=IIII")
+# iter_create: link_fd, flags; link_detach: link_fd
+_ITER_CREATE = struct.Struct("=II")
+_LINK_DETACH = struct.Struct("=I")
+# prog_query: target_fd, attach_type, query_flags, attach_flags, prog_ids, prog_cnt
+_PROG_QUERY = struct.Struct("=IIIIQI")
+# struct { __aligned_u64 btf, btf_log_buf; __u32 btf_size, btf_log_size, btf_log_level; }
+_BTF_LOAD = struct.Struct("=QQIII")
+# struct { __u32 btf_id, next_id, open_flags; }
+_GET_FD_BY_ID = struct.Struct("=III")
+# struct bpf_btf_info { __aligned_u64 btf; __u32 btf_size, id; __aligned_u64 name; __u32 name_len,
+#                       kernel_btf; }
+_BTF_INFO = struct.Struct("=QIIQII")
 
 
 def _nr() -> int:
@@ -120,53 +158,61 @@ def obj_get_info_by_fd(fd: int, info: Any) -> int:
     return _call(OBJ_GET_INFO_BY_FD, attr)
 
 
-# struct { __u32 prog_id; __u32 next_id; __u32 open_flags; }
-_GET_ID = struct.Struct("=III")
-
-
 def prog_get_fd_by_id(prog_id: int) -> int:
     """An fd of the loaded program `prog_id` (needs CAP_SYS_ADMIN), or -errno."""
-    return _call(PROG_GET_FD_BY_ID, _attr(_GET_ID, prog_id, 0, 0))
+    return _call(PROG_GET_FD_BY_ID, _attr(_GET_FD_BY_ID, prog_id, 0, 0))
 
 
-# ---- programs, links and iterators (the socket programs, agent/ebpf/sockattach.py, sockterm.py)
-
-PROG_LOAD = 5
-PROG_QUERY = 16
-LINK_CREATE = 28
-LINK_UPDATE = 29
-ITER_CREATE = 33
-LINK_DETACH = 34
-
-# The head of the BPF_PROG_LOAD member, up to attach_btf_id / attach_prog_fd:
-# prog_type, insn_cnt, insns, license, log_level, log_size, log_buf, kern_version, prog_flags,
-# prog_name[16], prog_ifindex, expected_attach_type, prog_btf_fd, func_info_rec_size, func_info,
-# func_info_cnt, line_info_rec_size, line_info, line_info_cnt, attach_btf_id, attach_prog_fd
-_PROG_LOAD = struct.Struct("=IIQQIIQII16sIIIIQIIQIII")
-# link_create: prog_fd, target_fd, attach_type, flags, then (iterators) iter_info, iter_info_len
-_LINK_CREATE = struct.Struct("=IIIIQI")
-# link_update: link_fd, new_prog_fd, flags, old_prog_fd
-_LINK_UPDATE = struct.Struct("=IIII")
-# iter_create: link_fd, flags; link_detach: link_fd
-_ITER_CREATE = struct.Struct("=II")
-_LINK_DETACH = struct.Struct("=I")
-# prog_query: target_fd, attach_type, query_flags, attach_flags, prog_ids, prog_cnt
-_PROG_QUERY = struct.Struct("=IIIIQI")
+def map_create(
+    map_type: int,
+    key_size: int,
+    value_size: int,
+    max_entries: int,
+    flags: int,
+    name: str,
+    btf_fd: int = 0,
+    btf_key_type_id: int = 0,
+    btf_value_type_id: int = 0,
+) -> int:
+    """A new map; its fd. BTF ids are used only with a `btf_fd` (0: a map without BTF)."""
+    if not btf_fd:
+        btf_key_type_id = btf_value_type_id = 0
+    attr = _attr(
+        _MAP_CREATE,
+        map_type,
+        key_size,
+        value_size,
+        max_entries,
+        flags,
+        0,
+        0,
+        name.encode()[:15],
+        0,
+        btf_fd,
+        btf_key_type_id,
+        btf_value_type_id,
+        0,
+        0,
+    )
+    return _call(MAP_CREATE, attr)
 
 
 def prog_load(
     prog_type: int,
     insns: bytes,
-    license: bytes,
+    license: str,
     name: str,
+    kern_version: int = 0,
+    log: Any = None,
     *,
     expected_attach_type: int = 0,
     attach_btf_id: int = 0,
-    log: Any = None,
 ) -> int:
-    """Load a program; its fd, or -errno. `log`: a ctypes char buffer for the verifier's log."""
+    """Load a program; its fd. `log` (a ctypes char buffer) receives the verifier's log when given.
+    `expected_attach_type`: the hook a cgroup or tracing program is for (the kernel wants it at
+    load); `attach_btf_id`: an iterator's target, the BTF id of its bpf_iter_<target> function."""
     code = ctypes.create_string_buffer(insns, len(insns))
-    lic = ctypes.create_string_buffer(license)
+    lic = ctypes.create_string_buffer(license.encode())
     attr = _attr(
         _PROG_LOAD,
         prog_type,
@@ -176,7 +222,7 @@ def prog_load(
         1 if log is not None else 0,
         len(log) if log is not None else 0,
         _addr(log),
-        0,
+        kern_version,
         0,
         name.encode()[:15],
         0,
@@ -220,3 +266,30 @@ def prog_query(target_fd: int, attach_type: int, ids: Any) -> tuple[int, int]:
     attr = _attr(_PROG_QUERY, target_fd, attach_type, 0, 0, _addr(ids), len(ids))
     ret = _call(PROG_QUERY, attr)
     return ret, _PROG_QUERY.unpack(attr.raw)[5]
+
+
+def btf_load(data: bytes) -> int:
+    """Load raw BTF (types and strings); its fd."""
+    buf = ctypes.create_string_buffer(data, len(data))
+    return _call(BTF_LOAD, _attr(_BTF_LOAD, _addr(buf), 0, len(data), 0, 0))
+
+
+def btf_get_fd_by_id(btf_id: int) -> int:
+    """An fd of the BTF object with this id (CAP_SYS_ADMIN)."""
+    return _call(BTF_GET_FD_BY_ID, _attr(_GET_FD_BY_ID, btf_id, 0, 0))
+
+
+def btf_data(fd: int) -> bytes | int:
+    """The raw BTF of a BTF object fd, or -errno."""
+    size = 0
+    for _ in range(2):  # the first call learns the size, the second copies
+        buf = ctypes.create_string_buffer(size) if size else None
+        info = ctypes.create_string_buffer(_BTF_INFO.pack(_addr(buf), size, 0, 0, 0, 0), _BTF_INFO.size)
+        ret = _call(OBJ_GET_INFO_BY_FD, _attr(_INFO, fd, _BTF_INFO.size, _addr(info)))
+        if ret < 0:
+            return ret
+        have = _BTF_INFO.unpack(info.raw)[1]
+        if buf is not None and have <= size:
+            return buf.raw[:have]
+        size = have
+    return -errno.EAGAIN  # the object grew between the two calls: not a BTF object of a program

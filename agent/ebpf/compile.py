@@ -1,17 +1,23 @@
-"""Compile the data path in a short-lived child, pin its programs, and reuse them while they match.
+"""Compile the data path in a short-lived child, once per build, and reuse what was compiled.
 
-bcc compiles with clang on every `BPF(...)`: about 3 s here, and the process keeps ~200 MiB of
-LLVM resident afterwards. The agent therefore never compiles itself:
+bcc compiles with clang on every `BPF(...)`: 3-5 s of CPU here, and the process keeps ~200 MiB of
+LLVM resident afterwards. The agent therefore never compiles itself, and compiles at most once per
+build on a machine:
 
 * `build_id(...)` hashes what decides the programs' bytes: the C source with its headers inlined,
-  the cflags (pin directory, map sizes), the ABI version, the kernel release and the bcc version.
+  the cflags that reach the C (map sizes), the ABI version, the kernel release and its headers, and
+  the bcc version. Not the pin directory: maps are bound when the programs are loaded
+  (agent.ebpf.link), so two agents with different pins share one build.
 * `open_pinned_programs(...)` looks for programs pinned under that id (`ekp_prog_<id>_<name>` in the
   pin directory) whose maps are the maps pinned there now, plus the load's private (unpinned) maps
-  such as its scratch memory; when they are all present, nothing is
-  compiled (an agent restart takes milliseconds). Otherwise it runs `python -m agent.ebpf.compile`,
-  which compiles with bcc, creates or re-adopts the pinned maps, loads and pins the programs, and
-  exits, giving its memory back. A program pinned by an older build is removed once the new one is
-  pinned (an attached one lives on in its tc filter until the agent replaces it).
+  such as its scratch memory; when they are all present nothing is loaded (an agent restart takes
+  milliseconds).
+* Otherwise the loader takes the compiled object from the machine's cache (agent.ebpf.objcache) or
+  runs `python -m agent.ebpf.compile`, which compiles with bcc, prints the relocatable object
+  (agent.ebpf.bpfobject: instructions, map references, map definitions, BTF) and exits, giving its
+  memory back; the agent then loads it against its pinned maps and pins the programs. A program
+  pinned by an older build is removed once the new one is pinned (an attached one lives on in its
+  tc filter until the agent replaces it).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -30,9 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from agent.ebpf import bpfsys
-from agent.ebpf.btf import vmlinux_func_ids
-from agent.ebpf.kfunc import patch_kfunc_calls
-from agent.ebpf.programs import ProgSpec
+from agent.ebpf.bpfobject import BpfObject, MapDef, ObjectError, ProgDef, find_relocs
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +73,29 @@ def prog_map_ids(fd: int) -> set[int]:
     return {int(ids[i]) for i in range(min(info.nr_map_ids, 64))}
 
 
-def build_id(source: str, cflags: Sequence[str], abi_version: int) -> str:
-    """What decides the compiled programs, hashed (12 hex digits)."""
-    try:
-        from importlib.metadata import version
+def bcc_version() -> str:
+    """bcc's version, read from its package without importing it (importing loads libbcc)."""
+    spec = importlib.util.find_spec("bcc")
+    for where in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            return Path(where, "version.py").read_text()
+        except OSError:
+            continue
+    return "unknown"
 
-        bcc_version = version("bcc")
-    except Exception:
-        bcc_version = "unknown"
+
+def kernel_headers() -> str:
+    """Where bcc finds the kernel headers it compiles against (a package upgrade moves them)."""
+    mod = f"/lib/modules/{platform.release()}"
+    return "\0".join(os.path.realpath(f"{mod}/{d}") for d in ("build", "source"))
+
+
+def build_id(source: str, cflags: Sequence[str], abi_version: int) -> str:
+    """What decides the compiled programs, hashed (12 hex digits). `-I` flags are left out: the
+    source has its local headers inlined, so where the tree lies does not matter."""
     h = hashlib.sha256()
-    for part in (source, "\0".join(cflags), str(abi_version), platform.release(), bcc_version):
+    flags = "\0".join(f for f in cflags if not f.startswith("-I"))
+    for part in (source, flags, str(abi_version), platform.release(), kernel_headers(), bcc_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:12]
@@ -127,93 +145,125 @@ def remove_other_builds(pin_path: str, build: str) -> list[str]:
 
 
 def compile_in_child(
-    entry_file: Path, cflags: Sequence[str], pin_path: str, build: str, programs: Mapping[str, ProgSpec]
-) -> float:
-    """Run the compiler child; returns its wall time. Raises RuntimeError with its stderr."""
-    args = {
-        "entry_file": str(entry_file),
-        "cflags": list(cflags),
-        "pin_path": pin_path,
-        "build": build,
-        "programs": {name: spec.as_json() for name, spec in programs.items()},
-    }
+    entry_file: Path, cflags: Sequence[str], build: str, programs: Mapping[str, int]
+) -> tuple[BpfObject, float]:
+    """Run the compiler child; the object it compiled and its wall time. Raises RuntimeError with
+    its stderr."""
+    args = {"entry_file": str(entry_file), "cflags": list(cflags), "build": build, "programs": dict(programs)}
     started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "agent.ebpf.compile", json.dumps(args)],
         capture_output=True,
-        text=True,
         timeout=COMPILE_TIMEOUT_S,
         check=False,
     )
     if proc.returncode != 0:
-        raise RuntimeError((proc.stderr or proc.stdout).strip()[-4000:] or f"exit status {proc.returncode}")
-    return time.monotonic() - started
+        err = (proc.stderr or proc.stdout).decode(errors="replace").strip()
+        raise RuntimeError(err[-4000:] or f"exit status {proc.returncode}")
+    try:
+        obj = BpfObject.from_json(proc.stdout)
+    except ObjectError as e:
+        raise RuntimeError(f"the compiler child printed no usable object: {e}") from e
+    return obj, time.monotonic() - started
 
 
-def load_patched(
-    prog_type: int,
-    insns: bytes,
-    license: bytes,
-    name: str,
-    attach_type: int,
-    iter_target: str,
-    kfuncs: Sequence[tuple[int, str]],
-) -> int:
-    """Load a program bcc compiled but cannot load itself (an iterator named as we name programs,
-    kfunc calls patched in, agent/ebpf/kfunc.py); its fd. RuntimeError with the verifier's log."""
-    wanted = [name for _, name in kfuncs] + ([f"bpf_iter_{iter_target}"] if iter_target else [])
-    ids = vmlinux_func_ids(wanted)
-    code, patched = patch_kfunc_calls(insns, {mark: ids[fn] for mark, fn in kfuncs})
-    unused = [fn for mark, fn in kfuncs if not patched[mark]]
-    if unused:
-        raise RuntimeError(f"{name}: no call of {', '.join(unused)} to patch")
-    target = ids[f"bpf_iter_{iter_target}"] if iter_target else 0
-    kw = {"expected_attach_type": max(attach_type, 0), "attach_btf_id": target}
-    fd = bpfsys.prog_load(prog_type, code, license, name, **kw)
-    if fd < 0:
-        log = ctypes.create_string_buffer(1 << 20)
-        bpfsys.prog_load(prog_type, code, license, name, log=log, **kw)
-        raise RuntimeError(
-            f"loading {name}: {os.strerror(-fd)}\n{log.value.decode(errors='replace')[-4000:]}"
-        )
-    return fd
+def _btf_of(fd: int) -> bytes:
+    """The raw BTF bcc loaded for the maps (b"" when there is none or it cannot be read)."""
+    info = _MapBtfIds()
+    if bpfsys.obj_get_info_by_fd(fd, info) < 0 or not info.btf_id:
+        return b""
+    btf_fd = bpfsys.btf_get_fd_by_id(info.btf_id)
+    if btf_fd < 0:
+        return b""
+    try:
+        data = bpfsys.btf_data(btf_fd)
+    finally:
+        os.close(btf_fd)
+    return data if isinstance(data, bytes) else b""
+
+
+class _MapBtfIds(ctypes.Structure):
+    """struct bpf_map_info up to the BTF ids."""
+
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("key_size", ctypes.c_uint32),
+        ("value_size", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("map_flags", ctypes.c_uint32),
+        ("name", ctypes.c_char * 16),
+        ("ifindex", ctypes.c_uint32),
+        ("btf_vmlinux_value_type_id", ctypes.c_uint32),
+        ("netns_dev", ctypes.c_uint64),
+        ("netns_ino", ctypes.c_uint64),
+        ("btf_id", ctypes.c_uint32),
+        ("btf_key_type_id", ctypes.c_uint32),
+        ("btf_value_type_id", ctypes.c_uint32),
+    ]
 
 
 def _child(raw: str) -> int:
-    """The child: compile with bcc, pin the programs, exit."""
-    from bcc import BPF, libbcc
+    """The child: compile with bcc, print the relocatable object (JSON) on stdout, exit."""
+    from bcc import BPF, lib
+
+    # libbcc's table-by-index calls, which bcc's Python module does not declare.
+    lib.bpf_num_tables.restype = ctypes.c_ulonglong
+    lib.bpf_num_tables.argtypes = [ctypes.c_void_p]
+    lib.bpf_table_name.restype = ctypes.c_char_p
+    lib.bpf_table_name.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+    lib.bpf_table_fd_id.restype = ctypes.c_int
+    lib.bpf_table_fd_id.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
 
     args = json.loads(raw)
     bpf = BPF(src_file=args["entry_file"].encode(), cflags=args["cflags"])
     try:
-        for name, spec in args["programs"].items():
-            kfuncs = [(int(mark), str(fn)) for mark, fn in spec["kfuncs"]]
-            if spec["iter"] or kfuncs:
-                lib, fname = libbcc.lib, name.encode()
-                start, size = (
-                    lib.bpf_function_start(bpf.module, fname),
-                    lib.bpf_function_size(bpf.module, fname),
-                )
-                insns = ctypes.string_at(start, size)
-                license = lib.bpf_module_license(bpf.module)
-                fd = load_patched(spec["type"], insns, license, name, spec["attach"], spec["iter"], kfuncs)
-            else:
-                fd = bpf.load_func(name.encode(), spec["type"], attach_type=spec["attach"]).fd
-            path = prog_pin(args["pin_path"], args["build"], name)
-            if os.path.exists(path):
-                os.unlink(path)
-            ret = bpfsys.obj_pin(fd, path)
+        maps: list[MapDef] = []
+        map_of_fd: dict[int, int] = {}
+        btf = b""
+        for i in range(lib.bpf_num_tables(bpf.module)):
+            fd = lib.bpf_table_fd_id(bpf.module, i)
+            info = _MapBtfIds()
+            ret = bpfsys.obj_get_info_by_fd(fd, info)
             if ret < 0:
-                print(f"pinning {name} at {path}: {os.strerror(-ret)}", file=sys.stderr)
+                name = lib.bpf_table_name(bpf.module, i)
+                print(f"reading map {name!r}: {os.strerror(-ret)}", file=sys.stderr)
                 return 1
+            btf = btf or _btf_of(fd)
+            map_of_fd[fd] = len(maps)
+            maps.append(
+                MapDef(
+                    name=lib.bpf_table_name(bpf.module, i).decode(),
+                    type=info.type,
+                    key_size=info.key_size,
+                    value_size=info.value_size,
+                    max_entries=info.max_entries,
+                    flags=info.map_flags,
+                    btf_key_type_id=info.btf_key_type_id,
+                    btf_value_type_id=info.btf_value_type_id,
+                )
+            )
+        programs = []
+        for name, prog_type in args["programs"].items():
+            insns = bpf.dump_func(name.encode())
+            programs.append(ProgDef(name, int(prog_type), insns, find_relocs(insns, map_of_fd)))
+        obj = BpfObject(
+            build=args["build"],
+            license=lib.bpf_module_license(bpf.module).decode(),
+            kern_version=int(lib.bpf_module_kern_version(bpf.module)),
+            btf=btf,
+            maps=tuple(maps),
+            programs=tuple(programs),
+        )
     finally:
         bpf.cleanup()
+    sys.stdout.buffer.write(obj.to_json())
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m agent.ebpf.compile", description=__doc__)
-    p.add_argument("args", help="JSON: entry_file, cflags, pin_path, build, programs")
+    p.add_argument("args", help="JSON: entry_file, cflags, build, programs")
     ns = p.parse_args(argv)
     return _child(ns.args)
 

@@ -37,6 +37,7 @@ from agent.ebpf.abi import FrontendFlag, Scope
 from agent.ebpf.codec import Value
 from agent.ebpf.entries import BE_PORT, U16, U32, fe_count, fe_flags, fe_key, fe_set, ident, slot_key
 from agent.ebpf.maglev import wanted_tables
+from agent.localdetect import LocalDetector
 from agent.model.types import ServicePort
 
 LOCALHOST = "127.0.0.1"  # localhost NodePorts (Config.localhost_nodeports)
@@ -81,8 +82,11 @@ class Fe(NamedTuple):
     rnat: int  # entries.ident of the address the replies must come from
 
 
-def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[Fe]:
-    """The frontends of one service port, both scopes, before ids are known."""
+def frontends(sp: ServicePort, node: NodeContext, config: Config, detector: LocalDetector) -> list[Fe]:
+    """The frontends of one service port, both scopes, before ids are known.
+
+    INTERNAL frontends serve traffic from this node's pods, EXTERNAL ones any other, as the
+    local-traffic detector `detector` tells them apart (see agent/localdetect.py)."""
     proto = sp.protocol.number
     affinity = sp.affinity_timeout
     base = int(FrontendFlag.AFFINITY) if affinity else 0
@@ -93,11 +97,18 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[Fe]:
     local = int(FrontendFlag.LOCAL) if kind == "local" else 0
     # kube-proxy's KUBE-MARK-MASQ for the cluster IP masquerades whatever the backend.
     snat_int = int(FrontendFlag.SNAT_ALL) if config.masquerade_all else 0
-    snat_ext = int(FrontendFlag.SNAT_ALL) if config.masquerade_all or config.cluster_cidr else 0
+    # ... and traffic that is not local (KUBE-SVC-*: IfNotLocal -> KUBE-MARK-MASQ): none without a
+    # detector, as kube-proxy writes no such rule then.
+    snat_ext = int(FrontendFlag.SNAT_ALL) if config.masquerade_all or detector.implemented else 0
     vip, port = ip_be(sp.cluster_ip), port_be(sp.port)
     rnat = ident(vip, port, proto)
-    for scope, snat in ((Scope.EXTERNAL, snat_ext), (Scope.INTERNAL, snat_int)):
-        out.append(Fe(fe_key(vip, port, proto, int(scope)), kind, base | local | snat, affinity, rnat))
+    # A ClusterIP port the node itself listens on (NodeLocal DNSCache binds the kube-dns ClusterIP
+    # on a dummy device) has no frontend: its packets reach the node's stack, which delivers them
+    # to the listener, as node-local-dns's NOTRACK rules keep kube-proxy's DNAT off it. Once the
+    # listener or the address goes, the frontend is back (the next sync that reads the node).
+    if not node.listens_locally(sp.cluster_ip, sp.port, proto):
+        for scope, snat in ((Scope.EXTERNAL, snat_ext), (Scope.INTERNAL, snat_int)):
+            out.append(Fe(fe_key(vip, port, proto, int(scope)), kind, base | local | snat, affinity, rnat))
 
     # External frontends: ETP for traffic from outside, the cluster set for pods.
     externals: list[tuple[str, int, int]] = []
@@ -114,11 +125,15 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[Fe]:
     for addr_text, fe_port, what in externals:
         addr, p = ip_be(addr_text), port_be(fe_port)
         rnat = ident(addr, p, proto)
+        pod_kind: SetKind = "cluster"
         if sp.external_policy_local:
             ext_kind: SetKind = "local"
             ext_flags = base | what | FrontendFlag.LOCAL
-            # Pods reach every endpoint, untranslated (KUBE-EXT-*: -s clusterCIDR -> KUBE-SVC-*).
+            # Pods reach every endpoint, untranslated (KUBE-EXT-*: IfLocal -> KUBE-SVC-*); without
+            # a detector that rule is missing and pods are held to the local endpoints too.
             pod_flags = base | what
+            if not detector.implemented:
+                pod_kind, pod_flags = ext_kind, ext_flags
         else:
             # ETP Cluster: kube-proxy masquerades all of it (KUBE-EXT-* -> KUBE-MARK-MASQ), traffic
             # from pods included (KUBE-SERVICES sends it to the same KUBE-EXT-* chain); keeping
@@ -129,7 +144,7 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config) -> list[Fe]:
         out.append(
             Fe(fe_key(addr, p, proto, int(Scope.EXTERNAL)), ext_kind, int(ext_flags) | maglev, affinity, rnat)
         )
-        out.append(Fe(fe_key(addr, p, proto, int(Scope.INTERNAL)), "cluster", int(pod_flags), affinity, rnat))
+        out.append(Fe(fe_key(addr, p, proto, int(Scope.INTERNAL)), pod_kind, int(pod_flags), affinity, rnat))
     if sp.node_port and config.localhost_nodeports:
         # localhost:<nodePort> for the node's own processes (the socket programs; a pod's localhost
         # is its own): INTERNAL scope only, so nothing arriving from outside is ever translated for
@@ -176,12 +191,17 @@ def slots(members: Sequence[int], previous: Mapping[int, int]) -> list[int]:
     return [bid or next(fresh) for bid in out]
 
 
-def config_entry(node: NodeContext, config: Config) -> Value:
+def config_entry(node: NodeContext, config: Config, detector: LocalDetector | None = None) -> Value:
     """The config entry (codec tuple of abi.Config): the node's SNAT source, the SNAT port range,
     the conntrack timeouts (kube-proxy's conntrack settings where they say something, as iptables
-    mode applies them to nf_conntrack) and the reject rate limit."""
+    mode applies them to nf_conntrack), the reject rate limit and, for a detector by source
+    (ClusterCIDR, NodeCIDR), its CIDR: the programs then pick the frontends' scope by source."""
     lo, hi = config.snat_ports
     ct = config.conntrack
+    net, plen, by_src = 0, 0, 0
+    if detector is not None and detector.by_source:
+        cidr = ipaddress.IPv4Network(detector.cidr)
+        net, plen, by_src = ip_be(str(cidr.network_address)), cidr.prefixlen, 1
     return (
         ip_be(node.primary_ip) if node.primary_ip else 0,
         lo,
@@ -194,7 +214,9 @@ def config_entry(node: NodeContext, config: Config) -> Value:
         _seconds(ct.udp_stream_timeout_s, UDP_STREAM_TIMEOUT_S),
         ICMP_RATE,
         ICMP_BURST,
-        0,
+        net,
+        plen,
+        by_src,
     )
 
 

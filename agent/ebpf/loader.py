@@ -8,23 +8,24 @@
     dp.close()
 
 The agent never compiles in its own process (`agent.ebpf.compile`): a short-lived child compiles
-with bcc, pins the programs beside the maps, and exits; an agent restarted with the same source,
-sizes, kernel and bcc reuses the pinned programs without compiling at all. The pin directory must
-be on bpffs (checked before anything is created; `FatalError` otherwise) and is created 0700 and
-checked to be ours (agent/ebpf/pindir.py): /sys/fs/bpf is world-writable. Every map is pinned under
-`pin_path` by bcc's BPF_TABLE_PINNED, so conntrack, affinity and counters survive restarts and
-upgrades of the agent. bcc would
-reuse a pin silently even when its layout changed, so `load()` first compares every existing pin
-with what is about to be compiled (type, key and value size, max_entries, map_flags) and refuses a
-mismatch (`PinMismatchError`); the ABI version in each map name keeps old layouts apart
-(`stale_pins` lists them; agent/ebpf/upgrade.py carries the conntrack of ABI v1 pins over before
-they are removed).
+with bcc and exits, once per build on the machine (agent/ebpf/objcache.py keeps what it compiled);
+the agent loads that object against its own pinned maps (agent/ebpf/link.py) and pins the programs
+beside them. An agent restarted with the same source, sizes, kernel and bcc reuses the pinned
+programs without loading anything. The pin directory must be on bpffs (checked before anything is
+created; `FatalError` otherwise) and is created 0700 and checked to be ours (agent/ebpf/pindir.py):
+/sys/fs/bpf is world-writable. Every map of the registry is pinned under `pin_path`, so conntrack,
+affinity and counters survive restarts and upgrades of the agent. A pinned map is reused only when
+it is exactly the map about to be created: `load()` first compares every existing pin with the
+registry (type, key and value size, max_entries, map_flags) and refuses a mismatch
+(`PinMismatchError`), and the link compares each again with the compiled definition; the ABI
+version in each map name keeps old layouts apart (`stale_pins` lists them; agent/ebpf/upgrade.py
+carries the conntrack of ABI v1 pins over before they are removed).
 
 The conntrack tables' sizes may be derived at start (MapSizes.with_conntrack): `pinned_sizes`
 reads the sizes of the tables already pinned, so a restart keeps them rather than refusing to start
 on a machine whose CPU count changed.
 
-Parameters reach the C only as cflags (`-DEKP_PIN_DIR="..."`, `-DEKP_CT_MAX=...`); `source_text()`
+Parameters reach the C only as cflags (`-DEKP_CT_TCP_MAX=...`); `source_text()`
 returns the full program as compiled (includes inlined, cflags on top) for debugging, the way bcc
 tools print their generated C.
 """
@@ -44,9 +45,18 @@ from typing import Any
 from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys
 from agent.ebpf.abi import ABI_VERSION, CT_QUEUES, CTQ_DIVISOR, MAPS, PREFIX, MapSpec, maglev_value
+from agent.ebpf.bpfobject import BpfObject
 from agent.ebpf.btf import vmlinux_has
-from agent.ebpf.compile import build_id, compile_in_child, open_pinned_programs, remove_other_builds
+from agent.ebpf.compile import (
+    build_id,
+    compile_in_child,
+    open_pinned_programs,
+    prog_pin,
+    remove_other_builds,
+)
+from agent.ebpf.link import LinkError, PinnedMapMismatch, link
 from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, obj_pin, possible_cpus
+from agent.ebpf.objcache import ObjectCache, default_cache_dir
 from agent.ebpf.pindir import ensure_pin_dir
 from agent.ebpf.programs import PROGRAMS, ProgSpec, available_programs, kernel_needs
 from agent.errors import FatalError
@@ -265,10 +275,8 @@ def ensure_bpffs(pin_path: str) -> bool:
     return True
 
 
-def compile_cflags(pin_path: str, sizes: MapSizes, bpf_dir: Path) -> list[str]:
-    if not os.path.isabs(pin_path) or any(c in pin_path for c in '"\\\n'):
-        raise ValueError(f"pin path must be absolute, without quotes or backslashes: {pin_path!r}")
-    flags = [f'-DEKP_PIN_DIR="{pin_path}"', f"-I{bpf_dir}"]
+def compile_cflags(sizes: MapSizes, bpf_dir: Path) -> list[str]:
+    flags = [f"-I{bpf_dir}"]
     flags += [f"-D{spec.size_macro}={map_size(spec, sizes)}" for spec in MAPS.values()]
     flags.append(f"-DEKP_MAGLEV_TABLE_SIZE={sizes.maglev_table_size}")
     return flags
@@ -277,10 +285,18 @@ def compile_cflags(pin_path: str, sizes: MapSizes, bpf_dir: Path) -> list[str]:
 class Datapath:
     """The compiled tc programs and their pinned maps. Construction has no side effects."""
 
-    def __init__(self, pin_path: str, sizes: MapSizes | None = None, *, bpf_dir: str | Path | None = None):
+    def __init__(
+        self,
+        pin_path: str,
+        sizes: MapSizes | None = None,
+        *,
+        bpf_dir: str | Path | None = None,
+        cache: ObjectCache | None = None,
+    ):
         self.pin_path = os.path.abspath(pin_path)
         self.sizes = sizes if sizes is not None else MapSizes()
         self.bpf_dir = Path(bpf_dir) if bpf_dir is not None else default_bpf_dir()
+        self.cache = cache if cache is not None else ObjectCache(default_cache_dir())
         self._prog_fds: dict[str, int] = {}
         self._maps: dict[str, BpfMap] = {}
         self._programs: dict[str, ProgSpec] = {}
@@ -290,7 +306,27 @@ class Datapath:
         return self.bpf_dir / ENTRY_FILE
 
     def cflags(self) -> list[str]:
-        return compile_cflags(self.pin_path, self.sizes, self.bpf_dir)
+        return compile_cflags(self.sizes, self.bpf_dir)
+
+    def programs(self) -> dict[str, ProgSpec]:
+        """The programs this kernel can load (a kernel lacking what the socket programs need loads
+        the data path without them, and says so)."""
+        has = vmlinux_has(kernel_needs())
+        programs = available_programs(has)
+        missing = sorted(set(PROGRAMS) - set(programs))
+        if missing:
+            log.warning(
+                "this kernel lacks %s: loading the data path without %s",
+                ", ".join(sorted(kernel_needs() - has)),
+                ", ".join(missing),
+            )
+        return programs
+
+    def build(self, programs: Mapping[str, ProgSpec] = PROGRAMS) -> str:
+        """The build id of what this data path compiles (agent.ebpf.compile.build_id): the programs
+        are part of it, as the compiled object holds only those this kernel loads."""
+        flags = [*self.cflags(), *sorted(programs)]
+        return build_id(_inline_includes(self.entry_file, set()), flags, ABI_VERSION)
 
     def source_text(self) -> str:
         """The program exactly as bcc compiles it: cflags, then ekp_tc.c with local includes inlined."""
@@ -336,32 +372,12 @@ class Datapath:
         check_pins(self.pin_path, self.sizes)
 
         started = time.monotonic()
-        has = vmlinux_has(kernel_needs())
-        programs = available_programs(has)
-        missing = sorted(set(PROGRAMS) - set(programs))
-        if missing:
-            log.warning(
-                "this kernel lacks %s: loading the data path without %s",
-                ", ".join(sorted(kernel_needs() - has)),
-                ", ".join(missing),
-            )
-        build = build_id(self.source_text(), [*self.cflags(), *sorted(programs)], ABI_VERSION)
+        programs = self.programs()
+        build = self.build(programs)
         fds = open_pinned_programs(self.pin_path, build, list(programs), self._pinned_map_ids(), PRIVATE_MAPS)
         how = "reused (unchanged since it was compiled)"
         if fds is None:
-            try:
-                seconds = compile_in_child(self.entry_file, self.cflags(), self.pin_path, build, programs)
-            except Exception as e:
-                raise DatapathError(f"compiling or loading {self.entry_file} failed: {e}") from e
-            fds = open_pinned_programs(
-                self.pin_path, build, list(programs), self._pinned_map_ids(), PRIVATE_MAPS
-            )
-            if fds is None:
-                raise DatapathError(
-                    f"after compiling, the programs or maps pinned under {self.pin_path} are not all "
-                    "there (removed meanwhile?): the next sync tries again"
-                )
-            how = f"compiled in {seconds:.1f}s"
+            fds, how = self._link(build, programs)
         self._prog_fds = fds
         self._programs = programs
         try:
@@ -385,6 +401,42 @@ class Datapath:
         except Exception:
             self.close()
             raise
+
+    def _compile(self, build: str, programs: Mapping[str, ProgSpec]) -> tuple[BpfObject, str]:
+        types = {name: spec.prog_type for name, spec in programs.items()}
+        try:
+            obj, seconds = compile_in_child(self.entry_file, self.cflags(), build, types)
+        except Exception as e:
+            raise DatapathError(f"compiling {self.entry_file} failed: {e}") from e
+        self.cache.put(obj)
+        return obj, f"compiled in {seconds:.1f}s"
+
+    def _link(self, build: str, programs: Mapping[str, ProgSpec]) -> tuple[dict[str, int], str]:
+        """Load `build` against our pins: from the cache, else compiled now; the program fds and how."""
+        obj = self.cache.get(build)
+        cached = obj is not None
+        if obj is None:
+            obj, how = self._compile(build, programs)
+        else:
+            how = "loaded from the compile cache (compiled by an earlier agent)"
+        pinned = {spec.name for spec in MAPS.values()}
+
+        def pin_of(name: str) -> str:
+            return prog_pin(self.pin_path, build, name)
+
+        while True:
+            try:
+                return link(obj, self.pin_path, pinned, pin_of), how
+            except PinnedMapMismatch as e:
+                raise PinMismatchError(f"{e}; {_REMEDY}") from e
+            except (LinkError, OSError) as e:
+                if cached:
+                    # Whatever is wrong with the cached object, a fresh compile replaces it.
+                    log.warning("cached data path %s did not load: %s; compiling it again", build, e)
+                    obj, how = self._compile(build, programs)
+                    cached = False
+                    continue
+                raise DatapathError(f"loading the data path (build {build}) failed: {e}") from e
 
     def prog_fd(self, name: str) -> int:
         if name not in self._prog_fds:

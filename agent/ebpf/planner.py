@@ -70,6 +70,7 @@ from agent.ebpf.ids import (
 )
 from agent.ebpf.layout import KINDS, Fe, SetKind, config_entry, frontends, maglev_tables, slots, source_ranges
 from agent.ebpf.writer import FlushResult, Pending, RawMap, flush, port_order
+from agent.localdetect import LocalDetector
 from agent.model.types import ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 
 __all__ = ["ROLES", "FlushResult", "PlanError", "Planner", "RawMap", "config_entry"]
@@ -144,6 +145,7 @@ class Planner:
         self._addr_refs: dict[int, int] = {}
         self._addr_moved: set[int] = set()
         self.node = NodeContext()
+        self.local = LocalDetector()
         self.cfg: Value | None = None
 
     # ------------------------------------------------------------------ desired, and what it replaces
@@ -214,11 +216,13 @@ class Planner:
         """Re-plan the service ports in `changed` (every port when None, or when the node's
         addresses changed: then ports whose service port and endpoints are as last planned are
         skipped unless the node changed); returns the ports whose entries changed."""
-        moved = node != self.node
+        detector = self._config.local_detector(state.node.pod_cidrs)
+        moved = node != self.node or detector != self.local  # every port's frontends may change
         every = changed is None or moved
         wanted = set(state.services) | set(self._frags) if every else set(changed or ())
         self.node = node
-        self.cfg = config_entry(node, self._config)
+        self.local = detector
+        self.cfg = config_entry(node, self._config, detector)
         touched: set[ServicePortName] = set()
         # Removals first (they free frontends and ids), then in kube-proxy's order, so the ids of
         # a fresh start follow the sorted ports as `--dry-run` and the golden files show them.
@@ -315,7 +319,7 @@ class Planner:
         fes: list[Fe] = []
         blocked: set[int] = set()
         taken: set[ServicePortName] = set()
-        for fe in frontends(sp, self.node, self._config):
+        for fe in frontends(sp, self.node, self._config, self.local):
             owner = self._fe_owner.get(fe.key, spn)
             if owner == spn or port_order(spn) < port_order(owner):
                 fes.append(fe)

@@ -36,6 +36,19 @@ def check(pin_path: str) -> Findings:
     found = out.errors
     if os.geteuid() != 0:
         found.append("eBPF mode needs root (CAP_BPF, CAP_NET_ADMIN): run the agent as root")
+    found += toolchain_problems()
+    if not pin_path.startswith("/"):
+        found.append(f"--bpf-pin-path must be absolute, got {pin_path!r}")
+    else:
+        found += pin_path_problems(pin_path)
+    if not os.path.exists("/sys/kernel/btf/vmlinux"):
+        out.warnings.append("the kernel has no BTF (/sys/kernel/btf/vmlinux): bpftool dumps lack field names")
+    return out
+
+
+def toolchain_problems() -> list[str]:
+    """What bcc needs to compile the data path here, each as "what is wrong: what to do"."""
+    found: list[str] = []
     if importlib.util.find_spec("bcc") is None:
         found.append(
             "the bcc Python module is missing: install Debian's python3-bpfcc (scripts/setup.sh links "
@@ -47,13 +60,7 @@ def check(pin_path: str) -> Findings:
             f"no kernel headers at {build}: bcc compiles the data path against them. Install "
             "linux-headers-amd64 and link build/source there (scripts/setup.sh does), or run --mode=iptables"
         )
-    if not pin_path.startswith("/"):
-        found.append(f"--bpf-pin-path must be absolute, got {pin_path!r}")
-    else:
-        found += pin_path_problems(pin_path)
-    if not os.path.exists("/sys/kernel/btf/vmlinux"):
-        out.warnings.append("the kernel has no BTF (/sys/kernel/btf/vmlinux): bpftool dumps lack field names")
-    return out
+    return found
 
 
 def pin_path_problems(pin_path: str) -> list[str]:

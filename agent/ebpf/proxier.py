@@ -9,11 +9,13 @@ Lifecycle (kube-proxy's contract, agent/proxier.py):
   were pinned with), reads the service maps back so the planner re-adopts their ids and writes
   only differences (stale entries are pruned: the agent syncs only once every kind was listed),
   writes the config entry (double-buffered, agent.ebpf.maps.write_config), sets the sysctls it
-  needs in Config.netns, carries the conntrack of an ABI v1 agent over (agent/ebpf/upgrade.py),
+  needs in Config.netns, carries the conntrack of an ABI v1 agent over (agent/ebpf/upgrade.py) and
+  the established flows of nf_conntrack (kube-proxy's, iptables mode's: agent/takeover/into_ebpf.py),
   attaches the programs (replacing older ones atomically), writes the socket programs' settings
   (the node's netns cookie, host-namespace-only) and links them to their cgroup (the pinned links
   an earlier agent left get the new programs, agent/ebpf/sockattach.py), carries over what the old
-  programs added meanwhile, removes pins of other ABI versions and starts the pod-device watcher.
+  programs or netfilter added meanwhile, removes the other data path's rules and pins of other ABI
+  versions, and starts the pod-device watcher.
   Conntrack and affinity are never flushed.
 * Later syncs re-plan only the changed service ports (`agent.ebpf.planner`) and write their entries;
   one that removed a backend from a service port ends the connected UDP sockets still sent to it
@@ -62,6 +64,7 @@ from agent.errors import FatalError
 from agent.model.types import ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
+from agent.takeover.into_ebpf import KernelTakeover
 
 if TYPE_CHECKING:
     from agent.ebpf.maps import BpfMap
@@ -96,7 +99,8 @@ class DatapathLike(Protocol):
 
 
 class UpgradeLike(Protocol):
-    """agent.ebpf.upgrade.Upgrade: the conntrack of an older ABI carried over around the first attach."""
+    """A step around the first attach (StartSteps): the conntrack of an older ABI carried over
+    (agent.ebpf.upgrade.Upgrade), nf_conntrack's flows taken over (agent.takeover.into_ebpf)."""
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
 
@@ -129,6 +133,26 @@ class AttacherLike(Protocol):
     def start_watcher(self, timeout: float = 5.0) -> None: ...
 
     def stop_watcher(self) -> None: ...
+
+
+class StartSteps:
+    """Steps run around the first attach, in order: the ABI v1 conntrack carried over, then the
+    flows of nf_conntrack (kube-proxy's, iptables mode's) taken over (agent/takeover/into_ebpf.py)."""
+
+    def __init__(self, steps: Sequence[UpgradeLike]) -> None:
+        self._steps = list(steps)
+
+    def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
+        for step in self._steps:
+            step.before_attach(maps)
+
+    def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
+        for step in self._steps:
+            step.after_attach(maps)
+
+
+def default_start_steps(config: Config) -> UpgradeLike:
+    return StartSteps([Upgrade(config.pin_path), KernelTakeover(config)])
 
 
 def default_datapath(pin_path: str, sizes: MapSizes) -> DatapathLike:
@@ -187,7 +211,7 @@ class EbpfProxier:
         sysctl_writer: Callable[[str, str, str], str | None] | None = None,
         sysctl_reader: Callable[[str, str], str] = read_sysctl,
         sizes_reader: Callable[[str], dict[str, int]] = default_pinned_sizes,
-        upgrade_factory: Callable[[str], UpgradeLike] = Upgrade,
+        upgrade_factory: Callable[[Config], UpgradeLike] = default_start_steps,
         socket_attacher_factory: Callable[[Config, Mapping[str, int]], SocketAttacherLike] = (
             default_socket_attacher
         ),
@@ -203,7 +227,7 @@ class EbpfProxier:
         self._sysctl_writer = sysctl_writer or write_sysctl
         self._sysctl_reader = sysctl_reader
         self._sizes_reader = sizes_reader
-        self._upgrade = upgrade_factory(config.pin_path)
+        self._upgrade = upgrade_factory(config)
         self._socket_attacher_factory = socket_attacher_factory
         self._terminator_factory = terminator_factory
         self._netns_cookie_reader = netns_cookie_reader

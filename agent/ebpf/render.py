@@ -95,7 +95,9 @@ def cfg_line(cfg: CfgEntry) -> str:
         f" tcp={cfg.tcp_established_s}s/{cfg.tcp_close_wait_s}s/{cfg.tcp_syn_s}s/{cfg.tcp_closed_s}s"
         f" udp={cfg.udp_s}s/{cfg.udp_stream_s}s icmp={cfg.icmp_rate}/s,{cfg.icmp_burst}"
     )
-    return line + (f" flags={cfg.flags:#x}" if cfg.flags else "")
+    if cfg.local_by_src:
+        line += f" local_src={ip_str(cfg.local_net)}/{cfg.local_plen}"
+    return line
 
 
 def fe_line(key: FrontendKey, fe: Frontend, name: str = "") -> str:

@@ -172,37 +172,36 @@ class SocketAttacher:
 
     def reconcile(self) -> list[str]:
         """Every hook linked to our cgroup with our program; the hooks changed (created, moved or
-        given the new program)."""
-        changed = []
+        given the new program), logged in one line per kind of change."""
+        done: dict[str, list[str]] = {}
         cg_fd = os.open(self._cgroup, os.O_RDONLY | os.O_DIRECTORY)
         try:
             cg_id = os.fstat(cg_fd).st_ino  # a cgroup v2 directory's inode number is the cgroup id
             for hook, (prog, attach_type) in SOCK_HOOKS.items():
-                if self._reconcile_hook(hook, self._fds[prog], attach_type, cg_fd, cg_id):
-                    changed.append(hook)
+                what = self._reconcile_hook(hook, self._fds[prog], attach_type, cg_fd, cg_id)
+                if what:
+                    done.setdefault(what, []).append(hook)
         finally:
             os.close(cg_fd)
-        return changed
+        for what, hooks in done.items():
+            log.info("socket programs %s %s cgroup %s", ",".join(hooks), what, self._cgroup)
+        return [hook for hooks in done.values() for hook in hooks]
 
-    def _reconcile_hook(self, hook: str, fd: int, attach_type: int, cg_fd: int, cg_id: int) -> bool:
+    def _reconcile_hook(self, hook: str, fd: int, attach_type: int, cg_fd: int, cg_id: int) -> str:
+        """What was done to the hook's link ("" when it was ours already)."""
         pin = link_pin(self._pin_path, hook)
         link_fd = bpfsys.obj_get(pin)
+        what = "attached to"
         if link_fd >= 0:
             try:
                 state = link_state(hook, link_fd)
                 if state.cgroup_id == cg_id and state.attach_type == attach_type:
                     if state.prog_id == prog_id(fd):
-                        return False
+                        return ""
                     _check(bpfsys.link_update(link_fd, fd), f"bpf_link_update({hook})")
-                    log.info("socket program %s: the new build swapped in on %s", hook, self._cgroup)
-                    return True
+                    return "given the new build in place on"
                 bpfsys.link_detach(link_fd)
-                log.info(
-                    "socket program %s was linked to another cgroup (id %d): moving it to %s",
-                    hook,
-                    state.cgroup_id,
-                    self._cgroup,
-                )
+                what = f"moved from cgroup id {state.cgroup_id} to"
             finally:
                 os.close(link_fd)
             os.unlink(pin)
@@ -211,8 +210,7 @@ class SocketAttacher:
             _check(bpfsys.obj_pin(new, pin), f"pinning {pin}")
         finally:
             os.close(new)
-        log.info("attached socket program %s to cgroup %s", hook, self._cgroup)
-        return True
+        return what
 
 
 def detach_all(pin_path: str) -> list[str]:

@@ -107,11 +107,21 @@ def cleanup_kube_proxy(
                 result.jumps_deleted,
                 {t: len(c) for t, c in result.chains_deleted.items()},
             )
-    nft = next(iter(runners.values()))
+    cleanup_nft_tables(next(iter(runners.values())), report)
+    if not report.removed_anything and not report.errors:
+        log.info("kube-proxy cleanup: nothing of kube-proxy's found")
+    return report
+
+
+def cleanup_nft_tables(nft: IptablesRunner, report: KubeProxyCleanupReport) -> None:
+    """kube-proxy's nftables tables, deleted with `nft` through the runner (so in its namespace).
+    Also what iptables mode removes once it serves, on a node kube-proxy ran in nftables mode:
+    the table's established flows go on through nf_conntrack's NAT bindings, under iptables
+    mode's nat hooks."""
     listed = _nft(nft, "list", "tables")
     if listed.returncode != 0:
         report.errors.append(f"nft list tables: {listed.stderr.strip() or listed.returncode}")
-        return report
+        return
     present = set(_NFT_TABLE.findall(listed.stdout))
     for family, name in NFT_TABLES:
         if (family, name) not in present:
@@ -122,6 +132,3 @@ def cleanup_kube_proxy(
             log.info("kube-proxy cleanup: deleted nftables table %s %s", family, name)
         else:
             report.errors.append(f"nft delete table {family} {name}: {r.stderr.strip()}")
-    if not report.removed_anything and not report.errors:
-        log.info("kube-proxy cleanup: nothing of kube-proxy's found")
-    return report

@@ -27,6 +27,9 @@ and one rejected service port never keeps the others from being programmed.
 * **Large clusters** (more than 1000 endpoints): as upstream, crossing the threshold does not force a
   full sync, and stale chains are deleted at most once per `--iptables-sync-period`.
 * After the rules: stale UDP conntrack entries (conntrack.py), only when UDP ports changed.
+* After the first sync's rules, on a node switched from eBPF mode: the eBPF conntrack's flows
+  handed to nf_conntrack, the programs detached and the pins removed (agent/takeover/out_of_ebpf.py);
+  on a node kube-proxy ran in nftables mode, its tables deleted.
 
 kube-proxy's conntrack sysctls (`Config.conntrack`) are applied once, before the first sync reads
 nf_conntrack_tcp_be_liberal, as kube-proxy applies them before creating its proxier.
@@ -55,8 +58,8 @@ from agent.iptables.chains import (
 )
 from agent.iptables.cleanup import CleanupReport, cleanup, owns_something
 from agent.iptables.conntrack import ConntrackCleaner, UdpFrontends, udp_frontends
-from agent.iptables.conntrack_sysctls import apply_conntrack_settings
 from agent.iptables.isolate import isolate
+from agent.iptables.kube_proxy_cleanup import KubeProxyCleanupReport, cleanup_nft_tables
 from agent.iptables.nfacct import Counters, NetlinkCounters
 from agent.iptables.rules import (
     LARGE_CLUSTER_ENDPOINTS_THRESHOLD,
@@ -77,6 +80,7 @@ from agent.metrics import Metrics
 from agent.model.problem import printable
 from agent.model.types import Endpoint, Protocol, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 from agent.proxier import SyncResult
+from agent.takeover.out_of_ebpf import EbpfHandback
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +153,14 @@ class IptablesProxier:
         backend_runner: Callable[[str], IptablesRunner] | None = None,
         counters: Counters | None = None,
         clock: Callable[[], float] = time.monotonic,
-        cpus: int | None = None,
         metrics: Metrics | None = None,
+        take_over: Callable[[], None] | None = None,
     ) -> None:
         self._config = config
+        # Once the first sync put the rules in place: the eBPF data path's flows, programs and pins
+        # (a node switched from eBPF mode), agent/takeover/out_of_ebpf.py.
+        self._take_over = take_over if take_over is not None else self._take_over_node
+        self._taken_over = False
         self._runner: IptablesRunner = runner if runner is not None else SubprocessRunner(config)
         # A runner for one named backend ("nft", "legacy"), for the cleanup of both.
         self._backend_runner = backend_runner or (
@@ -162,7 +170,6 @@ class IptablesProxier:
         self._counters: Counters = counters if counters is not None else NetlinkCounters(config.netns)
         self._conntrack = ConntrackCleaner(self._runner.command)
         self._clock = clock
-        self._cpus = cpus
         self._host: HostFacts | None = None
         self._host_lock = threading.Lock()
         self._nfacct = dict.fromkeys(NFACCT_COUNTERS, False)
@@ -180,6 +187,13 @@ class IptablesProxier:
         self._digests = canonical.DigestCache()
         self.last_sync: SyncStats | None = None
 
+    def _take_over_node(self) -> None:
+        """Another data path's state, once our rules serve: eBPF mode's programs and pins (their
+        flows handed to nf_conntrack first), kube-proxy's nftables tables (their flows are in
+        nf_conntrack already)."""
+        EbpfHandback(self._config).run()
+        cleanup_nft_tables(self._runner, KubeProxyCleanupReport())
+
     @property
     def runner(self) -> IptablesRunner:
         return self._runner
@@ -190,7 +204,7 @@ class IptablesProxier:
         """The full restore input a full sync would apply now (host facts as last seen, else a
         modern host's)."""
         host = self._host or HostFacts(random_fully=True, conntrack_tcp_liberal=False)
-        return render(state, node, self._options(host)).text
+        return render(state, node, self._options(host, state)).text
 
     # ----------------------------------------------------------------------------------- Proxier
 
@@ -202,7 +216,7 @@ class IptablesProxier:
         full = changed is None or self._need_complete
         if full:
             self._ensure_counters()
-        options = self._options(host)
+        options = self._options(host, state)
         complete = self._need_complete
         if self._globals is not None and (options, node) != self._globals:
             log.info("iptables: flags, host facts or node addresses changed; rewriting every chain")
@@ -217,6 +231,9 @@ class IptablesProxier:
             outcome = self._partial(state, node, options, changed, large=large, start=start)
         self._need_complete = False
         self._globals = (options, node)
+        if not self._taken_over:
+            self._take_over()
+            self._taken_over = True
         self._remember_good(state, None if outcome.full else changed)
 
         filters = self._clean_conntrack(state, changed)
@@ -537,9 +554,10 @@ class IptablesProxier:
         most once per sync period (finding them costs an iptables-save of a big table)."""
         return not large or self._clock() - self._last_cleanup > self._config.sync_period_s
 
-    def _options(self, host: HostFacts) -> RenderOptions:
+    def _options(self, host: HostFacts, state: ProxyState) -> RenderOptions:
         return RenderOptions.from_config(
             self._config,
+            node_pod_cidrs=state.node.pod_cidrs,
             random_fully=host.random_fully,
             conntrack_tcp_liberal=host.conntrack_tcp_liberal,
             nfacct_invalid_dropped=self._nfacct[INVALID_DROPPED_COUNTER],
@@ -552,9 +570,8 @@ class IptablesProxier:
 
     def _learn_host(self) -> HostFacts:
         if self._host is None:
-            apply_conntrack_settings(
-                self._config.conntrack, self._runner.command, netns=self._config.netns, cpus=self._cpus
-            )
+            # kube-proxy's conntrack sysctls were written at start (agent.nodeinit.setup_conntrack),
+            # so the nf_conntrack_tcp_be_liberal read here is the one in force.
             version = self._runner.version()
             liberal = self._runner.command(["sysctl", "-n", "net.netfilter.nf_conntrack_tcp_be_liberal"])
             self._host = HostFacts(

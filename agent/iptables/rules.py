@@ -63,6 +63,7 @@ from agent.iptables.chains import (
     service_chain,
 )
 from agent.iptables.safety import refusal
+from agent.localdetect import LocalDetector
 from agent.model.types import (
     Endpoint,
     ProxyState,
@@ -90,9 +91,9 @@ class RenderOptions:
 
     masquerade_all: bool = False
     masquerade_mark: str = "0x00004000"
-    # The local traffic detector (--cluster-cidr): `-s CIDR` is pod traffic; "" = no detector,
-    # which (as upstream) drops the off-cluster masquerade and the pod short-circuit rules.
-    cluster_cidr: str = ""
+    # The local-traffic detector (agent/localdetect.py): `-s CIDR`, `-i BRIDGE` or `-i PREFIX+` is
+    # pod traffic; none (as upstream) drops the off-cluster masquerade and the pod short-circuit rules.
+    local: LocalDetector = field(default_factory=LocalDetector)
     # --nodeport-addresses: () = every local address (one `--dst-type LOCAL` jump), else CIDRs
     # (or the keyword "primary") giving one `-d IP` jump per matching node address.
     nodeport_addresses: tuple[str, ...] = ()
@@ -113,16 +114,16 @@ class RenderOptions:
         cls,
         config: Config,
         *,
+        node_pod_cidrs: tuple[str, ...] = (),
         random_fully: bool = True,
         conntrack_tcp_liberal: bool = False,
         nfacct_invalid_dropped: bool = False,
         nfacct_localhost_nodeports: bool = False,
     ) -> RenderOptions:
-        ipv4_cidrs = [c.strip() for c in config.cluster_cidr if _is_ipv4_cidr(c)]
         return cls(
             masquerade_all=config.masquerade_all,
             masquerade_mark=masquerade_mark(config.masquerade_bit),
-            cluster_cidr=ipv4_cidrs[0] if ipv4_cidrs else "",
+            local=config.local_detector(node_pod_cidrs),
             nodeport_addresses=tuple(config.nodeport_addresses),
             localhost_nodeports=config.iptables_localhost_nodeports,
             random_fully=random_fully,
@@ -459,11 +460,11 @@ def _service_port(
     if has_internal:
         if options.masquerade_all:
             rules.append(f"-A {internal_chain} {cluster_ip_match} -j {KUBE_MARK_MASQ}")
-        elif options.cluster_cidr:
+        elif options.local.implemented:
             # Off-cluster traffic to a service IP (a static route to any node) may leave this
             # node again, so masquerade it.
             rules.append(
-                f"-A {internal_chain} {cluster_ip_match} ! -s {options.cluster_cidr} -j {KUBE_MARK_MASQ}"
+                f"-A {internal_chain} {cluster_ip_match} {options.local.if_not_local()} -j {KUBE_MARK_MASQ}"
             )
 
     if uses_ext_chain:
@@ -475,12 +476,12 @@ def _service_port(
                 f"-j {KUBE_MARK_MASQ}"
             )
         else:
-            if options.cluster_cidr:
+            if options.local.implemented:
                 # Pod traffic to an external address acts as if it went out to the load
                 # balancer and came back: neither traffic policy applies to it.
                 rules.append(
                     f'-A {ext_chain} -m comment --comment "pod traffic for {name} external destinations" '
-                    f"-s {options.cluster_cidr} -j {cluster_chain}"
+                    f"{options.local.if_local()} -j {cluster_chain}"
                 )
             rules.append(
                 f'-A {ext_chain} -m comment --comment "masquerade LOCAL traffic for {name} external '
@@ -566,4 +567,4 @@ def _endpoint_jumps(
 def render_text(state: ProxyState, node: NodeContext, config: Config) -> str:
     """The full restore input a first sync would apply, with the options a modern host gives
     (iptables >= 1.6.2, nf_conntrack_tcp_be_liberal unset). The --dry-run output."""
-    return render(state, node, RenderOptions.from_config(config)).text
+    return render(state, node, RenderOptions.from_config(config, node_pod_cidrs=state.node.pod_cidrs)).text

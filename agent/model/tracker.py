@@ -214,10 +214,15 @@ class ProxyModel:
         return self._node
 
     def set_node(self, node: NodeInfo) -> None:
-        """This node's name and labels; a name or zone change re-evaluates every service port."""
+        """This node's name, labels and pod CIDRs; a change of name, zone or pod CIDRs (the
+        NodeCIDR detector) re-evaluates every service port."""
         if node == self._node:
             return
-        if node.zone != self._node.zone or node.name != self._node.name:
+        if (
+            node.zone != self._node.zone
+            or node.name != self._node.name
+            or node.pod_cidrs != self._node.pod_cidrs
+        ):
             self._full = True
         self._node = node
         self.state = ProxyState(node=node, services=self._sp, endpoints=self._eps, raw_endpoints=self._raw)

@@ -164,6 +164,8 @@ class NodeInfo:
     # (PreferSameTrafficDistribution), zone hints (TopologyAwareHints / ServiceTrafficDistribution).
     node_hints: bool = True
     zone_hints: bool = True
+    # spec.podCIDRs (else spec.podCIDR): what --detect-local-mode=NodeCIDR reads.
+    pod_cidrs: tuple[str, ...] = ()
 
     @cached_property
     def zone(self) -> str:

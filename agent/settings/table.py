@@ -10,10 +10,7 @@ The flags are kube-proxy's (v1.31, the list in tests/agent/test_settings.py), so
 command line starts the agent: those that apply do what kube-proxy does; those that cannot
 (IPVS, profiling, klog) are accepted, and one log line says each one given is ignored and why
 (`ignored`). The agent's own flags (`--bpf-*`, `--node-ip`, `--devices`, ...) have no file
-field. kube-proxy's `--detect-local-mode`, `--pod-bridge-interface` and
-`--pod-interface-name-prefix` are not here yet: the agent tells pod traffic apart by
-`--cluster-cidr` only, and accepting the others without doing what they say would be worse than
-refusing them.
+field.
 
 How to add a setting
 --------------------
@@ -37,6 +34,7 @@ from enum import StrEnum
 from typing import Any
 
 from agent.ebpf.abi import MAPS
+from agent.localdetect import LOCAL_MODES, local_mode
 from agent.settings.kinds import (
     BindAddress,
     Bool,
@@ -152,6 +150,19 @@ MODE = _FileMode(
     "ipvs, nftables and kernelspace are not implemented by this agent)",
     metavar="ebpf|iptables",
 )
+
+
+class _DetectLocalMode(Choice):
+    """pflag takes any text for kube-proxy's LocalMode and validation refuses the unknown; "" (in
+    a file or a flag) is the default, ClusterCIDR."""
+
+    def flag(self, text: str) -> Any:
+        return "" if text == "" else super().flag(text)
+
+    def file(self, raw: Any) -> Any:
+        if raw == "":
+            return ""
+        return super().file(raw)
 
 
 class _FlushFrequency(Duration):
@@ -291,7 +302,9 @@ SETTINGS: tuple[Setting, ...] = (
         Bool(),
         False,
         "remove what a previous kube-proxy left (its KUBE-* chains in both iptables backends, its "
-        "nftables tables), then exit; the Helm chart's init container runs this",
+        "nftables tables), then exit. An eBPF-mode agent does this itself once its programs serve, "
+        "after carrying kube-proxy's established flows over; run before the agent, new connections "
+        "fail until it serves",
         flags=("--cleanup-kube-proxy",),
         attr="cleanup_kube_proxy",
         group=SOURCE,
@@ -461,8 +474,8 @@ SETTINGS: tuple[Setting, ...] = (
         "cluster_cidr",
         StrList(cidr_list, joined=True),
         (),
-        "pod CIDRs; ClusterIP traffic from elsewhere is masqueraded (eBPF: ClusterIP traffic that "
-        "enters on --devices)",
+        "the cluster's pod CIDRs: with --detect-local-mode=ClusterCIDR (the default) traffic from the "
+        "first IPv4 one is local, and other traffic to a cluster IP is masqueraded; empty: no detector",
         flags=("--cluster-cidr",),
         path="clusterCIDR",
         attr="cluster_cidr",
@@ -470,14 +483,45 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "detect_local_mode",
-        Choice(
-            ("", "ClusterCIDR"),
-            file_hint='unsupported value; supported values: "", "ClusterCIDR" (this agent tells pod '
-            "traffic apart by clusterCIDR only)",
+        _DetectLocalMode(
+            LOCAL_MODES,
+            file_hint='unsupported value; supported values: "", "ClusterCIDR", "NodeCIDR", '
+            '"BridgeInterface", "InterfaceNamePrefix"',
+            metavar="|".join(LOCAL_MODES),
         ),
         "",
-        "how pod traffic is told apart: ClusterCIDR only (file field; the flag is not accepted yet)",
+        "how traffic from this node's pods is told apart (kube-proxy's local-traffic detector): by "
+        "source, ClusterCIDR (--cluster-cidr) or NodeCIDR (the Node's spec.podCIDRs, from the API "
+        "server); by the device it enters on, BridgeInterface (--pod-bridge-interface) or "
+        "InterfaceNamePrefix (--pod-interface-name-prefix). Other traffic to a cluster IP is "
+        'masqueraded. "" is ClusterCIDR',
+        flags=("--detect-local-mode",),
         path="detectLocalMode",
+        attr="detect_local_mode",
+        into=local_mode,
+        group=NODE,
+    ),
+    Setting(
+        "pod_bridge_interface",
+        Text(metavar="NAME"),
+        "",
+        "the pods' bridge (--detect-local-mode=BridgeInterface): traffic entering on it is local; "
+        "eBPF mode attaches ekp_from_pod there instead of the bridge's ports",
+        flags=("--pod-bridge-interface",),
+        path="detectLocal.bridgeInterface",
+        attr="pod_bridge_interface",
+        group=NODE,
+    ),
+    Setting(
+        "pod_interface_name_prefix",
+        Text(metavar="PREFIX"),
+        "",
+        "(--detect-local-mode=InterfaceNamePrefix) traffic entering on a device whose name starts "
+        "with it is local; eBPF mode attaches ekp_from_pod to those devices and ekp_from_net to other "
+        "--pod-interfaces devices",
+        flags=("--pod-interface-name-prefix",),
+        path="detectLocal.interfaceNamePrefix",
+        attr="pod_interface_name_prefix",
         group=NODE,
     ),
     Setting(
@@ -873,20 +917,6 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     _ignored(
         "windows_run_as_service", Bool(), False, NA_WIN, path="windowsRunAsService", written="omitempty"
-    ),
-    _ignored(
-        "detect_local_bridge_interface",
-        Text(),
-        "",
-        "detectLocalMode BridgeInterface is not supported",
-        path="detectLocal.bridgeInterface",
-    ),
-    _ignored(
-        "detect_local_interface_name_prefix",
-        Text(),
-        "",
-        "detectLocalMode InterfaceNamePrefix is not supported",
-        path="detectLocal.interfaceNamePrefix",
     ),
     _ignored("port_range", Text(), "", "the userspace proxy it configured is gone", path="portRange"),
     *(

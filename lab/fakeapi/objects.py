@@ -131,7 +131,14 @@ def endpoint_slice(
     }
 
 
-def node(name: str, address: str = "192.168.0.11", zone: str = "zone-a", **metadata: Any) -> Obj:
+def node(
+    name: str,
+    address: str = "192.168.0.11",
+    zone: str = "zone-a",
+    pod_cidr: str = "10.244.1.0/24",
+    **metadata: Any,
+) -> Obj:
+    """A Node as the kubelet registers it; `pod_cidr` is what the node IPAM controller assigned."""
     return {
         "kind": "Node",
         "apiVersion": "v1",
@@ -143,7 +150,7 @@ def node(name: str, address: str = "192.168.0.11", zone: str = "zone-a", **metad
             },
             **metadata,
         },
-        "spec": {"podCIDR": "10.244.1.0/24", "podCIDRs": ["10.244.1.0/24"]},
+        "spec": {"podCIDR": pod_cidr, "podCIDRs": [pod_cidr]},
         "status": {
             "addresses": [
                 {"type": "InternalIP", "address": address},

@@ -81,7 +81,7 @@ def test_help_ends_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
-    assert out.rstrip().endswith("decode the live service maps of this node")
+    assert out.rstrip().endswith("(a checklist, exit 1 on a FAIL)")
     assert "--hostname-override" in out and "--bpf-ct-global-tcp-max" in out and "--bpf-fe-max" in out
 
 

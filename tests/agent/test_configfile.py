@@ -228,7 +228,7 @@ def test_min_sync_period_default_depends_on_the_mode(tmp_path: Path) -> None:
             'mode: Invalid value: "ipvs": unsupported value; supported values: "", "ebpf", "iptables"',
         ),
         ("mode: nftables\n", "ipvs, nftables and kernelspace are not implemented by this agent"),
-        ("detectLocalMode: NodeCIDR\n", 'detectLocalMode: Invalid value: "NodeCIDR": unsupported value'),
+        ("detectLocalMode: nodeCIDR\n", 'detectLocalMode: Invalid value: "nodeCIDR": unsupported value'),
         (
             "iptables:\n  masqueradeBit: 32\n",
             "iptables.masqueradeBit: Invalid value: 32: must be within the range [0, 31]",
@@ -348,7 +348,6 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
             "enableProfiling is set to true but does not apply: there is no Go profiler",
         ),
         ("logging:\n  format: json\n", 'logging.format is set to "json" but does not apply'),
-        ("detectLocal:\n  bridgeInterface: cbr0\n", 'detectLocal.bridgeInterface is set to "cbr0"'),
         ("iptables:\n  snatNodeInternalIP: true\n", "iptables.snatNodeInternalIP is set to true"),
     ],
 )
@@ -369,6 +368,19 @@ def test_fields_that_do_not_apply_warn_only_when_set(tmp_path: Path, body: str, 
         ("clientConnection:\n  qps: 50\n", "api_qps", 50.0),
         ("clientConnection:\n  burst: 0\n", "api_burst", 0),
         ("clientConnection:\n  contentType: application/json\n", "api_content_type", "application/json"),
+        # Refused or ignored before the local-traffic detector (issue 19).
+        ("detectLocalMode: NodeCIDR\n", "detect_local_mode", "NodeCIDR"),
+        ("detectLocalMode: ''\n", "detect_local_mode", "ClusterCIDR"),
+        (
+            "detectLocalMode: BridgeInterface\ndetectLocal:\n  bridgeInterface: cbr0\n",
+            "pod_bridge_interface",
+            "cbr0",
+        ),
+        (
+            "detectLocalMode: InterfaceNamePrefix\ndetectLocal:\n  interfaceNamePrefix: veth\n",
+            "pod_interface_name_prefix",
+            "veth",
+        ),
     ],
 )
 def test_fields_that_apply_now_map_to_the_config(tmp_path: Path, body: str, key: str, value: Any) -> None:

@@ -52,6 +52,7 @@ class FakeProxier:
     def __init__(self) -> None:
         self.prepared = 0
         self.calls: list[frozenset[ServicePortName] | None] = []
+        self.nodes: list[NodeContext] = []
         self.fail: dict[ServicePortName, str] = {}
         self.raise_: BaseException | None = None
 
@@ -61,6 +62,7 @@ class FakeProxier:
         if self.raise_ is not None:
             raise self.raise_
         self.calls.append(changed)
+        self.nodes.append(node)
         return SyncResult(full=changed is None, failed=dict(self.fail))
 
     def prepare(self) -> None:
@@ -110,13 +112,14 @@ class Rig:
         self.health = FakeHealth()
         self.events = FakeEvents()
         self.registry = CollectorRegistry()
+        self.node = NODE  # what the node's addresses read as
         config = Config(hostname="node1", sync_period_s=sync_period, min_sync_period_s=0.0)
         self.agent = Agent(
             config,
             Parts(
                 source=self.source,
                 proxier=self.proxier,
-                node_context=lambda: NODE,
+                node_context=lambda: self.node,
                 metrics=Metrics(self.registry),
                 health=self.health,
                 service_health=self.health,
@@ -250,6 +253,56 @@ def test_the_node_object_feeds_the_zone_and_the_health_check() -> None:
     assert rig.agent.model.node.zone == "b"
     assert rig.proxier.calls[-1] is None, "a zone change re-evaluates every topology hint"
     assert "node node1" in rig.health.log
+
+
+def test_the_nodes_pod_cidrs_reach_the_state_and_outlive_its_deletion(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--detect-local-mode=NodeCIDR reads spec.podCIDRs (spec.podCIDR on a Node without the list);
+    a change re-plans everything; a deleted Node keeps them (kube-proxy keeps its detector)."""
+    rig = Rig()
+    rig.send(service("web"), synced="v1")
+    rig.sync()
+    node: dict[str, Any] = {
+        "kind": "Node",
+        "metadata": {"name": "node1"},
+        "spec": {"podCIDR": "10.244.1.0/24"},
+    }
+    rig.agent.deliver([ObjectEvent(Kind.NODE, EventType.ADDED, "node1", node)])
+    rig.sync()
+
+    def pod_cidrs() -> list[str]:
+        return list(rig.agent.model.state.node.pod_cidrs)
+
+    assert pod_cidrs() == ["10.244.1.0/24"]
+    node["spec"] = {"podCIDR": "10.244.7.0/24", "podCIDRs": ["10.244.7.0/24", "fd00:7::/64"]}
+    rig.agent.deliver([ObjectEvent(Kind.NODE, EventType.MODIFIED, "node1", node)])
+    rig.sync()
+    assert pod_cidrs() == ["10.244.7.0/24", "fd00:7::/64"]
+    assert rig.proxier.calls[-1] is None, "the NodeCIDR detector changed: every port re-planned"
+    rig.agent.deliver([ObjectEvent(Kind.NODE, EventType.DELETED, "node1", node)])
+    rig.sync()
+    assert pod_cidrs() == ["10.244.7.0/24", "fd00:7::/64"]
+
+
+def test_node_events_re_read_the_addresses_and_a_change_syncs_everything() -> None:
+    """agent.nodewatch's notification: the next sync re-reads the addresses (not only a full sync
+    every sync period), and a change programs every service port; no change, no full sync."""
+    rig = Rig()
+    rig.send(service("web"), synced="v1")
+    rig.sync()
+    rig.send(service("api", clusterIP="10.96.0.11"))
+    rig.sync()
+    assert rig.proxier.calls[-1] == frozenset({spn("api")})
+    rig.agent.refresh_node()
+    rig.send(service("db", clusterIP="10.96.0.12"))
+    rig.sync()
+    assert rig.proxier.calls[-1] == frozenset({spn("db")}), "same addresses: a partial sync"
+    rig.node = NodeContext(("192.168.0.11", "192.168.0.211"), "192.168.0.11")
+    rig.agent.refresh_node()
+    rig.sync()
+    assert rig.proxier.calls[-1] is None, "an address added: every service port"
+    assert rig.proxier.nodes[-1] == rig.node
 
 
 def test_a_fatal_error_stops_the_agent_with_status_1(caplog: pytest.LogCaptureFixture) -> None:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from agent.cli import resolve
 from agent.config import NodeContext
-from agent.node import AddrInfo, pick_node_addresses
+from agent.node import (
+    TCP_LISTEN,
+    UDP_UNCONNECTED,
+    AddrInfo,
+    parse_proc_net,
+    pick_node_addresses,
+    pod_device_patterns,
+)
 
 ADDRS = [
     AddrInfo(1, "lo", "127.0.0.1", scope=254),
@@ -29,3 +37,40 @@ def test_default_route_device_first_pods_and_loopback_left_out() -> None:
 
 def test_nothing_found() -> None:
     assert pick_node_addresses(ADDRS, ("eth9",), ()) == NodeContext((), "")
+
+
+def test_listening_sockets_read_from_proc_net() -> None:
+    tcp = (
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid\n"
+        "   0: 0A00600A:0035 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0\n"
+        "   1: 0B00A8C0:0016 6400A8C0:D431 01 00000000:00000000 00:00000000 00000000     0\n"
+    )
+    udp = (
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid\n"
+        "  10: 0A00600A:0035 00000000:0000 07 00000000:00000000 00:00000000 00000000     0\n"
+        "  11: 0A00600A:9C40 0B00A8C0:0035 01 00000000:00000000 00:00000000 00000000     0\n"
+    )
+    assert parse_proc_net(tcp, 6, TCP_LISTEN) == {("10.96.0.10", 53, 6)}
+    assert parse_proc_net(udp, 17, UDP_UNCONNECTED) == {("10.96.0.10", 53, 17)}
+
+
+def test_the_detectors_bridge_and_prefix_devices_are_pod_devices_not_node_addresses() -> None:
+    addrs = [
+        AddrInfo(2, "eth0", "192.168.0.11"),
+        AddrInfo(3, "cni0", "10.244.1.1"),
+        AddrInfo(4, "eni9", "10.0.5.5"),
+    ]
+
+    def picked(*flags: str) -> tuple[str, ...]:
+        config = resolve(list(flags)).config
+        return pick_node_addresses(addrs, (), pod_device_patterns(config)).node_ips
+
+    assert picked() == ("192.168.0.11", "10.244.1.1", "10.0.5.5")
+    assert picked("--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cni0") == (
+        "192.168.0.11",
+        "10.0.5.5",
+    )
+    assert picked("--detect-local-mode=InterfaceNamePrefix", "--pod-interface-name-prefix=eni") == (
+        "192.168.0.11",
+        "10.244.1.1",
+    )

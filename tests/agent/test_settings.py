@@ -96,10 +96,6 @@ UPSTREAM_V1_31_HELP = (
     "--log-json-split-stream",
 )
 
-# Not accepted yet: the local-traffic detector by interface or node CIDR is another change (issue 19);
-# accepting these without doing it would silently change which traffic is masqueraded.
-NOT_YET = ("--detect-local-mode", "--pod-bridge-interface", "--pod-interface-name-prefix")
-
 # A valid value for each flag, as an operator would write it (booleans take pflag's `--flag`).
 SAMPLE: dict[str, str] = {
     "--bind-address": "192.168.0.11",
@@ -111,6 +107,7 @@ SAMPLE: dict[str, str] = {
     "--conntrack-tcp-timeout-established": "2h",
     "--conntrack-udp-timeout": "30s",
     "--conntrack-udp-timeout-stream": "2m",
+    "--detect-local-mode": "ClusterCIDR",
     "--feature-gates": "AllAlpha=false,LoadBalancerIPMode=true",
     "--healthz-bind-address": "0.0.0.0:10256",
     "--hostname-override": "node1",
@@ -140,6 +137,8 @@ SAMPLE: dict[str, str] = {
     "--metrics-bind-address": "127.0.0.1:10249",
     "--nodeport-addresses": "primary",
     "--oom-score-adj": "-999",
+    "--pod-bridge-interface": "cbr0",
+    "--pod-interface-name-prefix": "veth",
     "--proxy-mode": "iptables",
     "--show-hidden-metrics-for-version": "1.30",
     "--stderrthreshold": "2",
@@ -152,7 +151,7 @@ SAMPLE: dict[str, str] = {
 ACTIONS = ("-h", "--help", "--version", "--write-config-to", "--config", "--cleanup", "--init-only")
 
 
-@pytest.mark.parametrize("flag", [f for f in UPSTREAM_V1_31_HELP if f not in (*NOT_YET, *ACTIONS)])
+@pytest.mark.parametrize("flag", [f for f in UPSTREAM_V1_31_HELP if f not in ACTIONS])
 def test_every_kube_proxy_flag_is_accepted(flag: str) -> None:
     arg = f"{flag}={SAMPLE[flag]}" if flag in SAMPLE else flag
     given = parse_flags([arg])
@@ -178,12 +177,57 @@ def test_the_action_flags_are_accepted(tmp_path: Path, capsys: pytest.CaptureFix
     assert resolve(["--config", str(written), "--cleanup", "--init-only"]).config.cleanup is True
 
 
-@pytest.mark.parametrize("flag", NOT_YET)
-def test_the_local_traffic_detector_flags_are_refused_until_they_work(
-    flag: str, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("argv", "detector"),
+    [
+        ([], "ClusterCIDR: none (no --cluster-cidr)"),
+        (["--cluster-cidr=10.244.0.0/16"], "ClusterCIDR: sources in 10.244.0.0/16"),
+        (
+            ["--detect-local-mode=NodeCIDR", "--cluster-cidr=10.0.0.0/8"],
+            "NodeCIDR: none (no podCIDR on the Node yet)",
+        ),
+        (
+            ["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cbr0"],
+            "BridgeInterface: traffic entering on cbr0",
+        ),
+        (
+            [
+                "--detect-local-mode=InterfaceNamePrefix",
+                "--pod-interface-name-prefix=veth",
+                "--cluster-cidr=10.0.0.0/8",
+            ],
+            "InterfaceNamePrefix: traffic entering on devices named veth*",
+        ),
+    ],
+)
+def test_the_local_traffic_detector_flags_choose_the_detector(argv: list[str], detector: str) -> None:
+    assert resolve(argv).config.local_detector().describe() == detector
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--detect-local-mode=Bridge"], "invalid choice: 'Bridge'"),
+        (
+            ["--detect-local-mode=BridgeInterface"],
+            "--pod-bridge-interface / detectLocal.bridgeInterface must not be empty",
+        ),
+        (
+            ["--detect-local-mode=InterfaceNamePrefix", "--pod-bridge-interface=cbr0"],
+            "--pod-interface-name-prefix / detectLocal.interfaceNamePrefix must not be empty",
+        ),
+        (
+            ["--detect-local-mode=NodeCIDR", "--services-file=/dev/null"],
+            "--detect-local-mode=NodeCIDR reads the Node's spec.podCIDRs from the API server",
+        ),
+    ],
+)
+def test_a_detector_that_cannot_work_exits_2_saying_why(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main([f"{flag}=x"]) == 2
-    assert f"unknown flag {flag}" in capsys.readouterr().err
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert message in line
 
 
 def test_ignored_flags_are_logged_once_each_with_why(caplog: pytest.LogCaptureFixture) -> None:
@@ -290,6 +334,12 @@ ROUND_TRIP: list[list[str]] = [
         "--feature-gates=PreferSameTrafficDistribution=false,Foo=true",
         "--metrics-bind-address=0.0.0.0:9999",
     ],
+    [
+        "--detect-local-mode=InterfaceNamePrefix",
+        "--pod-interface-name-prefix=veth",
+        "--pod-bridge-interface=cbr0",
+    ],
+    ["--detect-local-mode=NodeCIDR", "--cluster-cidr=10.244.0.0/16"],
 ]
 
 

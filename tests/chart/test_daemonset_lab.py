@@ -2,7 +2,7 @@
 
 The chart is rendered with the values an operator replacing kube-proxy would give
 (`apiServer.host/port`), and the pod's containers are started from the rendered spec alone
-(tests/chart/kubelet.py): init containers first (prepare-node, cleanup-kube-proxy), each to
+(tests/chart/kubelet.py): init containers first (prepare-node), each to
 completion, then the agent, with the rendered command, args and env, its capabilities, its mounts
 and the service-account token. The agent finds the API server through KUBERNETES_SERVICE_HOST
 and the pod's token and CA, exactly the in-cluster path.
@@ -207,12 +207,12 @@ def test_the_rendered_pod_starts_answers_its_probes_and_serves(pod: PodRun) -> N
     planted = pod.lab.run(pod.node, "iptables-legacy-save", "-t", "nat").stdout
     assert ":KUBE-SERVICES" in planted, "the fixture's kube-proxy leftovers are there to remove"
     init = pod.run_init_containers()
-    assert list(init) == ["prepare-node", "cleanup-kube-proxy"]
-    ruleset = pod.lab.run(pod.node, "iptables-legacy-save", "-t", "nat").stdout
-    assert "KUBE-SERVICES" not in ruleset, "cleanup-kube-proxy removed kube-proxy's leftovers"
+    assert list(init) == ["prepare-node"]
     pod.starts += 1
     pod.agent = pod.lab.popen(None, *pod.launch("agent").argv, name="agent", cgroup=pod.node.cgroup)
     pod.wait_synced()
+    ruleset = pod.lab.run(pod.node, "iptables-legacy-save", "-t", "nat").stdout
+    assert "KUBE-SERVICES" not in ruleset, "the agent removed kube-proxy's leftovers once it served"
     log = pod.log()
     assert "API server https://127.0.0.1:" in log and "(bearer token)" in log, log
     assert f"node={pod.node.name}" in log, "--hostname-override came from spec.nodeName"

@@ -151,7 +151,10 @@ def test_default_daemonset(rendered: dict[str, Rendered]) -> None:
     assert {p["name"]: p["containerPort"] for p in agent["ports"]} == {"healthz": 10256, "metrics": 10249}
     sc = agent["securityContext"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
-    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["BPF", "PERFMON", "NET_ADMIN", "SYS_ADMIN"]}
+    assert sc["capabilities"] == {
+        "drop": ["ALL"],
+        "add": ["BPF", "PERFMON", "NET_ADMIN", "SYS_ADMIN", "NET_RAW"],
+    }
     assert sc["seccompProfile"] == {"type": "Unconfined"}, "the default cannot refuse bpf(2)"
     assert sc["readOnlyRootFilesystem"] is True
     assert set(agent["resources"]) == {"requests", "limits"}
@@ -170,10 +173,7 @@ def test_default_daemonset(rendered: dict[str, Rendered]) -> None:
     assert hp["xtables-lock"] == {"path": "/run/xtables.lock", "type": "FileOrCreate"}
     assert hp["lib-modules"]["path"] == "/lib/modules" and hp["usr-src"]["path"] == "/usr/src"
     assert hp["cgroup"]["path"] == "/sys/fs/cgroup"
-    assert r.init_names() == ["prepare-node", "cleanup-kube-proxy"]
-    cleanup = r.container("cleanup-kube-proxy")
-    assert cleanup["command"] == ["agent"] and cleanup["args"][0] == "--cleanup-kube-proxy"
-    assert cleanup["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN", "NET_RAW"]}
+    assert r.init_names() == ["prepare-node"], "the agent removes kube-proxy's rules once it serves"
     prepare = r.container("prepare-node")
     assert prepare["securityContext"] == {"privileged": True}
     assert "mount -t bpf bpf /sys/fs/bpf" in prepare["args"][0]
@@ -199,12 +199,9 @@ def test_socket_lb_values(rendered: dict[str, Rendered]) -> None:
     } <= set(args)
     assert "--bpf-sknat-max=131072" in args
     assert pods.pod["hostPID"] is True
-    assert pods.container("agent")["securityContext"]["capabilities"]["add"] == [
-        "BPF",
-        "PERFMON",
-        "NET_ADMIN",
-        "SYS_ADMIN",
-    ], "no capability beyond eBPF mode's"
+    caps = pods.container("agent")["securityContext"]["capabilities"]["add"]
+    ebpf = rendered["socket-lb-off"].container("agent")["securityContext"]["capabilities"]["add"]
+    assert caps == ebpf and "SYS_ADMIN" in caps and "NET_ADMIN" in caps, "no capability beyond eBPF mode's"
 
 
 def test_iptables_mode(rendered: dict[str, Rendered]) -> None:
@@ -213,8 +210,14 @@ def test_iptables_mode(rendered: dict[str, Rendered]) -> None:
     assert "--mode=iptables" in agent["args"] and "--iptables-backend=legacy" in agent["args"]
     assert not any(a.startswith("--bpf-") for a in agent["args"])
     sc = agent["securityContext"]
-    assert sc["capabilities"]["add"] == ["NET_ADMIN", "NET_RAW"]
-    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    # reading the pinned eBPF conntrack of a node switched from eBPF mode (takeOverFromEbpf)
+    assert sc["capabilities"]["add"] == ["NET_ADMIN", "NET_RAW", "BPF"]
+    assert sc["seccompProfile"] == {"type": "Unconfined"}
+    alone = render({**VALUE_SETS["iptables"], "takeOverFromEbpf": False}).container("agent")[
+        "securityContext"
+    ]
+    assert alone["capabilities"]["add"] == ["NET_ADMIN", "NET_RAW"]
+    assert alone["seccompProfile"] == {"type": "RuntimeDefault"}
     assert not {"/lib/modules", "/usr/src", "/run/ebpf-kube-proxy-cgroup"} & set(mounts(agent))
     assert "/run/xtables.lock" in mounts(agent)
     assert r.init_names() == ["prepare-node"], "kube-proxy's chains are the agent's own in this mode"
@@ -228,7 +231,7 @@ def test_privileged_fallback(rendered: dict[str, Rendered]) -> None:
     sc = r.container("agent")["securityContext"]
     assert sc["privileged"] is True and "capabilities" not in sc and "allowPrivilegeEscalation" not in sc
     assert mounts(r.container("agent"))["/sys/fs/bpf"]["mountPropagation"] == "Bidirectional"
-    assert r.init_names() == ["cleanup-kube-proxy"]
+    assert r.init_names() == []
 
 
 def test_no_replacement_and_api_server(rendered: dict[str, Rendered]) -> None:
@@ -238,6 +241,9 @@ def test_no_replacement_and_api_server(rendered: dict[str, Rendered]) -> None:
     assert env["KUBERNETES_SERVICE_HOST"] == "10.0.0.1" and env["KUBERNETES_SERVICE_PORT"] == "443"
     forced = render({"replaceKubeProxy": False, "cleanupKubeProxy": {"enabled": True}})
     assert forced.init_names() == ["prepare-node", "cleanup-kube-proxy"]
+    cleanup = forced.container("cleanup-kube-proxy")
+    assert cleanup["command"] == ["agent"] and cleanup["args"][0] == "--cleanup-kube-proxy"
+    assert cleanup["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN", "NET_RAW"]}
 
 
 def test_monitoring(rendered: dict[str, Rendered]) -> None:
@@ -398,7 +404,7 @@ def notes(*sets: str) -> str:
 def test_notes_warn_about_the_api_server_address_and_fit_the_mode() -> None:
     default = notes()
     assert "WARNING: apiServer.host is empty" in default
-    assert "cleanup-kube-proxy" in default and "agent inspect maps" in default
+    assert "once its programs serve" in default and "agent inspect maps" in default
     given = notes("--set", "apiServer.host=10.0.0.1", "--set", "mode=iptables")
     assert "WARNING" not in given
-    assert "cleanup-kube-proxy" not in given and "should be gone before this" in given
+    assert "once its programs serve" not in given and "should be gone before this" in given

@@ -144,7 +144,7 @@ class ZonedApiCluster(ApiCluster):
     def start(self) -> None:
         self.server.start()
         self.server.write_kubeconfig(self.kubeconfig)
-        nodes = [node_object(n.name, n.ip, zone=ZONES[n.name]) for n in self.lab.nodes]
+        nodes = [node_object(n.name, n.ip, zone=ZONES[n.name], pod_cidr=n.pod_cidr) for n in self.lab.nodes]
         wanted = self._record([self.server.apply(obj) for obj in nodes])
         for a in self.agents:
             a.start()

@@ -133,9 +133,11 @@ def test_every_header_struct_is_mirrored() -> None:
 
 # ---- map declarations -----------------------------------------------------------------------
 
+# BPF_TABLE(kind, key, value, name, size) or BPF_F_TABLE(..., flags): no pin in the C (the loader pins
+# every map of the registry, agent/ebpf/link.py).
 _DECL = re.compile(
-    r'BPF_TABLE_PINNED\(\s*"(?P<kind>\w+)",\s*(?P<key>[\w ]+?),\s*(?P<value>[\w ]+?),\s*(?P<name>\w+),\s*'
-    r"(?P<macro>\w+),\s*EKP_PIN\((?P<pin>\w+)\)",
+    r'BPF_(?:F_)?TABLE\(\s*"(?P<kind>\w+)",\s*(?P<key>[\w ]+?),\s*(?P<value>[\w ]+?),\s*(?P<name>\w+),\s*'
+    r"(?P<macro>\w+)(?:,\s*(?P<flags>[\w |]+?))?\s*\);",
 )
 
 
@@ -160,19 +162,16 @@ def test_map_declarations_match_the_registry() -> None:
         assert decl["key"] == c_type_name(spec.key), spec.name
         assert decl["value"] == c_type_name(spec.value), spec.name
         assert decl["macro"] == spec.size_macro, spec.name
-        assert decl["pin"] == spec.name, spec.name
 
 
-_FLAGS_DECL = re.compile(r"EKP_PIN\((?P<pin>\w+)\)(?:,\s*(?P<flags>[\w |]+?))?\s*\);")
 _FLAG_VALUES = {"BPF_F_NO_PREALLOC": 1 << 0, "BPF_F_NO_COMMON_LRU": 1 << 1}
 
 
 def test_map_flags_declared_are_the_ones_pins_are_checked_for() -> None:
-    """The 7th BPF_TABLE_PINNED argument (map_flags) is what the loader expects of a pin."""
-    text = (BPF_DIR / "ekp_maps.h").read_text()
+    """The 6th BPF_F_TABLE argument (map_flags) is what the loader expects of a pin."""
     declared = {
-        m["pin"]: sum(_FLAG_VALUES[f.strip()] for f in (m["flags"] or "").split("|") if f.strip())
-        for m in _FLAGS_DECL.finditer(text)
+        name: sum(_FLAG_VALUES[f.strip()] for f in (m["flags"] or "").split("|") if f.strip())
+        for name, m in declared_maps().items()
     }
     assert declared == {spec.name: map_flags(spec) for spec in abi.MAPS.values()}
     # ABI v2: the LRU maps share the kernel's common LRU list (bpf/README.md, "Conntrack capacity")
@@ -217,7 +216,8 @@ def test_stale_pins_lists_other_versions_only(tmp_path: Path) -> None:
 
 def test_source_text_inlines_every_header() -> None:
     text = Datapath("/sys/fs/bpf/x", MapSizes()).source_text()
-    assert '-DEKP_PIN_DIR="/sys/fs/bpf/x"' in text
+    assert "-DEKP_FE_MAX=" in text
+    assert "/sys/fs/bpf/x" not in text, "the pin directory never reaches the C (one build serves all)"
     for header in BPF_DIR.glob("ekp_*.h"):
         assert f"// ---- {header.name} ----" in text
     assert '#include "' not in text

@@ -25,10 +25,13 @@ from agent.ebpf.attach import (
     RTM_DELLINK,
     RTM_NEWLINK,
     Attacher,
+    Link,
     detach_all,
     parse_link_events,
+    pod_side_program,
 )
 from agent.ebpf.xdp import PROG_XDP
+from agent.localdetect import LocalDetector, LocalMode
 from agent.netns import netns_route
 from agent.node import matches_pod_pattern
 
@@ -48,8 +51,45 @@ def test_parse_link_events() -> None:
         return struct.pack("=IHHII", 16 + len(body), mtype, 0, 0, 0) + body
 
     data = msg(RTM_NEWLINK, 7, "lxc-a") + msg(RTM_DELLINK, 8, "veth1") + msg(20, 1, "addr")
-    assert parse_link_events(data) == [(RTM_NEWLINK, 7, "lxc-a"), (RTM_DELLINK, 8, "veth1")]
+    assert parse_link_events(data) == [(RTM_NEWLINK, 7, "lxc-a", 0), (RTM_DELLINK, 8, "veth1", 0)]
+    master = struct.pack("=HHI", 8, 10, 42)  # IFLA_MASTER: a port of the bridge with ifindex 42
+    body = struct.pack("=BxHiII", 0, 1, 9, 0, 0) + master
+    enslaved = struct.pack("=IHHII", 16 + len(body), RTM_NEWLINK, 0, 0, 0) + body
+    assert parse_link_events(enslaved) == [(RTM_NEWLINK, 9, "", 42)]
     assert parse_link_events(data[:10]) == []
+
+
+PREFIX = LocalDetector(LocalMode.INTERFACE_NAME_PREFIX, prefix="lxc-a")
+BRIDGE = LocalDetector(LocalMode.BRIDGE_INTERFACE, interface="cbr0")
+BY_CIDR = LocalDetector(LocalMode.CLUSTER_CIDR, cidr="10.244.0.0/16")
+
+
+@pytest.mark.parametrize(
+    ("link", "local", "program"),
+    [
+        (Link(5, "lxc-a1"), BY_CIDR, PROG_FROM_POD),
+        (Link(5, "eth1"), BY_CIDR, None),
+        (Link(5, "lxc-a1"), LocalDetector(), PROG_FROM_POD),
+        # InterfaceNamePrefix: the prefix makes a device local even outside --pod-interfaces;
+        # another pod device is external
+        (Link(5, "lxc-a1"), PREFIX, PROG_FROM_POD),
+        (Link(5, "lxc-b1"), PREFIX, PROG_FROM_NET),
+        (Link(5, "eth1"), PREFIX, None),
+        (Link(5, "lxc-a1"), LocalDetector(LocalMode.INTERFACE_NAME_PREFIX, prefix="lxc-"), PROG_FROM_POD),
+        # BridgeInterface (the bridge is ifindex 3): its ports are local, whatever their names
+        (Link(5, "vethx", master=3), BRIDGE, PROG_FROM_POD),
+        (Link(5, "tap0", master=3), BRIDGE, PROG_FROM_POD),
+        (Link(5, "lxc-b1"), BRIDGE, PROG_FROM_NET),
+        (Link(5, "lxc-b1", master=4), BRIDGE, PROG_FROM_NET),
+        (Link(3, "cbr0"), BRIDGE, None),
+        (Link(1, "lo"), BY_CIDR, None),
+    ],
+)
+def test_which_program_a_pod_side_device_carries(
+    link: Link, local: LocalDetector, program: str | None
+) -> None:
+    config = Config(pod_interfaces=("lxc*",))
+    assert pod_side_program(link, config, local, bridge=3) == program
 
 
 def sh(*argv: str) -> str:
@@ -192,6 +232,50 @@ def test_replace_keeps_a_filter_in_place_and_full_reconcile_detaches_strays(
     assert gaps == []
     assert ingress(netns, "other1") == ""
     assert "ekp_from_pod" in ingress(netns, "lxc-a")
+
+
+@pytest.mark.kernel
+def test_interface_modes_attach_by_prefix_and_by_bridge_port_and_follow_enslaving(
+    netns: str, progs: dict[str, int]
+) -> None:
+    sh("ip", "-n", netns, "link", "add", "lxc-c", "type", "veth", "peer", "name", "pod-c")
+    prefix = Config(
+        netns=netns,
+        pod_interfaces=("lxc*",),
+        detect_local_mode=LocalMode.INTERFACE_NAME_PREFIX,
+        pod_interface_name_prefix="lxc-a",
+    )
+    Attacher(prefix, progs).reconcile(NODE, full=True)
+    assert "ekp_from_pod" in ingress(netns, "lxc-a")
+    assert "ekp_from_net" in ingress(netns, "lxc-c")
+
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "set", "lxc-c", "master", "cbr0")
+    bridge = Config(
+        netns=netns,
+        pod_interfaces=("lxc*",),
+        detect_local_mode=LocalMode.BRIDGE_INTERFACE,
+        pod_bridge_interface="cbr0",
+    )
+    attacher = Attacher(bridge, progs)
+    attacher.reconcile(NODE, full=True)
+    assert "ekp_from_pod" in ingress(netns, "lxc-c")  # a port of the bridge
+    assert "ekp_from_net" in ingress(netns, "lxc-a")  # a pod device outside it
+    assert ingress(netns, "cbr0") == ""
+    attacher.start_watcher()
+    try:
+        # a new pod device is external until the CNI makes it a port of the bridge
+        sh("ip", "-n", netns, "link", "add", "lxc-d", "type", "veth", "peer", "name", "pod-d")
+        assert wait_for(lambda: "ekp_from_net" in ingress(netns, "lxc-d")), ingress(netns, "lxc-d")
+        sh("ip", "-n", netns, "link", "set", "lxc-d", "master", "cbr0")
+        assert wait_for(lambda: "ekp_from_pod" in ingress(netns, "lxc-d")), ingress(netns, "lxc-d")
+        assert wait_for(lambda: attacher.attached.get(link_index(netns, "lxc-d")) == ("lxc-d", PROG_FROM_POD))
+    finally:
+        attacher.stop_watcher()
+
+
+def link_index(ns: str, dev: str) -> int:
+    return int(sh("ip", "-n", ns, "-o", "link", "show", "dev", dev).split(":", 1)[0])
 
 
 @pytest.mark.kernel

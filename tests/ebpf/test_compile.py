@@ -1,4 +1,5 @@
-"""The compiler child: programs compiled once, pinned, reused by the next agent; no bcc in the agent."""
+"""The compiler child and what it compiled: once per build on the machine, loaded against each
+agent's own pinned maps, pinned programs reused by a restart; no bcc in the agent."""
 
 from __future__ import annotations
 
@@ -7,13 +8,19 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from agent.config import MapSizes
+from agent.ebpf import bpfsys, loader
 from agent.ebpf.abi import MAPS
+from agent.ebpf.bpfobject import BpfObject
 from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids
-from agent.ebpf.loader import PRIVATE_MAPS, Datapath
+from agent.ebpf.link import PinnedMapMismatch, link
+from agent.ebpf.loader import PRIVATE_MAPS, Datapath, PinMismatchError
+from agent.ebpf.maps import map_info, obj_get
+from agent.ebpf.objcache import DIR_ENV, ObjectCache
 from agent.ebpf.programs import PROG_SCHED_CLS, PROG_XDP, PROGRAMS
 from lab.packets import bpffs
 
@@ -36,6 +43,14 @@ def test_the_build_id_follows_source_flags_and_abi() -> None:
         )
         == 4
     )
+    assert build_id("int x;", ["-DA=1", "-I/elsewhere/bpf"], 1) == base, "where the tree lies is no part"
+
+
+def test_the_pin_directory_is_not_part_of_the_build() -> None:
+    """One build per source and sizes, whatever the pin directory: the maps are bound at load."""
+    a = Datapath("/sys/fs/bpf/node-a", SMALL)
+    assert a.build() == Datapath("/sys/fs/bpf/node-b", SMALL).build()
+    assert a.build() != Datapath("/sys/fs/bpf/node-a", replace(SMALL, fe=256)).build()
 
 
 def test_importing_and_using_the_agent_s_ebpf_modules_never_loads_bcc() -> None:
@@ -50,34 +65,75 @@ def _prog_pins(root: str) -> list[str]:
     return sorted(n for n in os.listdir(root) if n.startswith(PROG_PIN_PREFIX))
 
 
+def _pinned_ids(pins: str) -> dict[str, int]:
+    out = {}
+    for spec in MAPS.values():
+        fd = obj_get(os.path.join(pins, spec.name))
+        try:
+            out[spec.name] = map_info(fd).id
+        finally:
+            os.close(fd)
+    return out
+
+
+def _uses_only_its_own_maps(d: Datapath) -> set[int]:
+    """The ids of `d`'s pinned maps, after checking each program uses them and, the tc and XDP
+    programs, one map of their own (the socket programs none)."""
+    ids = {m.info().id for m in d.maps.values()}
+    for name in PROGRAMS:
+        used = prog_map_ids(d.prog_fd(name))
+        assert used & ids, "the programs use the pinned maps"
+        private = PRIVATE_MAPS if PROGRAMS[name].prog_type in (PROG_SCHED_CLS, PROG_XDP) else 0
+        assert len(used - ids) == private, f"{name}: besides them, only its load's own scratch"
+    return ids
+
+
+def _no_compile(*args: object, **kwargs: object) -> object:
+    raise AssertionError("compiled, though the build was in the cache")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> ObjectCache:
+    """A cache of this module's own, holding SMALL's build, compiled once by an agent process whose
+    own memory never sees bcc (the module's one compile of SMALL)."""
+    cache = ObjectCache(str(tmp_path_factory.mktemp("objects") / "cache"))
+    with bpffs() as root:
+        loads_without_bcc = (
+            "import logging, sys; from agent.ebpf.loader import Datapath; from agent.config import MapSizes; "
+            "logging.basicConfig(level=logging.INFO); "
+            f"d = Datapath({str(root / 'ekp')!r}, MapSizes(**{SMALL.__dict__!r})); d.load(); d.close(); "
+            "assert 'bcc' not in sys.modules, 'compiling must happen in a child process'"
+        )
+        env = {**os.environ, DIR_ENV: cache.path}
+        res = subprocess.run(
+            [sys.executable, "-c", loads_without_bcc], env=env, capture_output=True, text=True
+        )
+        assert res.returncode == 0, res.stderr
+    assert "data path compiled in" in res.stderr
+    assert cache.get(Datapath("/x", SMALL).build()) is not None, "what the child compiled is kept"
+    return cache
+
+
 @pytest.mark.kernel
 def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache, tmp_path: Path
 ) -> None:
     caplog.set_level(logging.INFO)
     with bpffs() as root:
         pins = str(root / "ekp")
-        loads_without_bcc = (
-            "import sys; from agent.ebpf.loader import Datapath; from agent.config import MapSizes; "
-            f"d = Datapath({pins!r}, MapSizes(**{SMALL.__dict__!r})); d.load(); d.close(); "
-            "assert 'bcc' not in sys.modules, 'compiling must happen in a child process'"
-        )
-        subprocess.run([sys.executable, "-c", loads_without_bcc], check=True)
-        first = Datapath(pins, SMALL)
+        first = Datapath(pins, SMALL, cache=cache)
         first.load()
+        first.close()
+        built = _prog_pins(pins)
+        assert len(built) == len(PROGRAMS)
+        caplog.clear()
+        again = Datapath(pins, SMALL, cache=cache)
+        again.load()
         try:
-            built = _prog_pins(pins)
-            assert len(built) == len(PROGRAMS)
-            ids = {m.info().id for m in first.maps.values()}
-            for name in PROGRAMS:
-                used = prog_map_ids(first.prog_fd(name))
-                assert used & ids, "the programs use the pinned maps"
-                # besides them, the tc programs use their load's own scratch, the others nothing
-                private = PRIVATE_MAPS if PROGRAMS[name].prog_type in (PROG_SCHED_CLS, PROG_XDP) else 0
-                assert len(used - ids) == private, name
+            _uses_only_its_own_maps(again)
         finally:
-            first.close()
-        assert "data path reused" in caplog.text, "the first agent compiled; this one (a restart) reuses"
+            again.close()
+        assert "data path reused" in caplog.text, "a restart reuses the pinned programs"
         assert _prog_pins(pins) == built
 
         # Other sizes make other programs (the sizes are compiled in): rebuilt, old ones unpinned.
@@ -86,7 +142,7 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
             if not name.startswith(PROG_PIN_PREFIX):
                 os.unlink(os.path.join(pins, name))
         caplog.clear()
-        bigger = Datapath(pins, replace(SMALL, fe=256))
+        bigger = Datapath(pins, replace(SMALL, fe=256), cache=ObjectCache(str(tmp_path / "empty")))
         bigger.load()
         bigger.close()
         assert "data path compiled in" in caplog.text
@@ -95,16 +151,123 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
 
 
 @pytest.mark.kernel
-def test_programs_whose_maps_were_replaced_are_compiled_again(caplog: pytest.LogCaptureFixture) -> None:
+def test_one_compile_serves_every_pin_directory_and_they_share_no_map(
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two agents on one machine (two lab nodes) load what one compile made, each against maps of
+    its own, created with the layout bpftool shows."""
     caplog.set_level(logging.INFO)
+    monkeypatch.setattr(loader, "compile_in_child", _no_compile)
+    with bpffs() as root:
+        a = Datapath(str(root / "node-a"), SMALL, cache=cache)
+        b = Datapath(str(root / "node-b"), SMALL, cache=cache)
+        a.load()
+        b.load()
+        try:
+            assert caplog.text.count("data path loaded from the compile cache") == 2
+            ids_a, ids_b = _uses_only_its_own_maps(a), _uses_only_its_own_maps(b)
+            assert not ids_a & ids_b, "no map shared between the two pin directories"
+            assert _pinned_ids(str(root / "node-b")) == {m.spec.name: m.info().id for m in b.maps.values()}
+            for name in PROGRAMS:
+                own_a, own_b = prog_map_ids(a.prog_fd(name)) - ids_a, prog_map_ids(b.prog_fd(name)) - ids_b
+                assert not own_a & own_b, "nor their scratch memory"
+            dumped = subprocess.run(
+                ["bpftool", "-j", "map", "dump", "pinned", str(root / "node-b" / MAPS["cfgsel"].name)],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            assert '"formatted"' in dumped, "maps created from the cache carry the compiler's BTF"
+        finally:
+            a.close()
+            b.close()
+
+
+@pytest.mark.kernel
+def test_programs_whose_maps_were_replaced_are_loaded_again(
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(loader, "compile_in_child", _no_compile)
     with bpffs() as root:
         pins = str(root / "ekp")
-        first = Datapath(pins, SMALL)
+        first = Datapath(pins, SMALL, cache=cache)
         first.load()
+        old_fe = first.maps["fe"].info().id
+        users = {name for name in PROGRAMS if old_fe in prog_map_ids(first.prog_fd(name))}
         first.close()
+        assert {"ekp_from_pod", "ekp_from_net", "ekp_sock_conn"} <= users, "the frontends' readers"
+        built = _prog_pins(pins)
         os.unlink(os.path.join(pins, MAPS["fe"].name))  # a new, empty map will be made
         caplog.clear()
-        second = Datapath(pins, SMALL)
+        second = Datapath(pins, SMALL, cache=cache)
         second.load()
-        second.close()
-        assert "data path compiled in" in caplog.text
+        try:
+            assert "pinned program ekp_from_pod uses maps that are no longer pinned" in caplog.text
+            assert "data path loaded from the compile cache" in caplog.text
+            fe = second.maps["fe"].info().id
+            for name in PROGRAMS:
+                used = prog_map_ids(second.prog_fd(name))
+                assert old_fe not in used, f"{name} still uses the map that was replaced"
+                assert (fe in used) == (name in users), "the new programs use the new map"
+            _uses_only_its_own_maps(second)
+            assert _prog_pins(pins) == built, "same build, pinned again under the same names"
+        finally:
+            second.close()
+
+
+@pytest.mark.kernel
+def test_a_cached_object_that_does_not_load_is_compiled_again(
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache entry is a hint: one that parses but fails to load costs a compile, not the node."""
+    caplog.set_level(logging.INFO)
+    build = Datapath("/x", SMALL).build()
+    good = cache.get(build)
+    assert good is not None
+    compiles = []
+
+    def compile_in_child(*args: object) -> tuple[BpfObject, float]:
+        compiles.append(args)  # what a compile of this build prints: the good object
+        return good, 0.5
+
+    monkeypatch.setattr(loader, "compile_in_child", compile_in_child)
+    mine = ObjectCache(str(tmp_path / "cache"))
+    # every map reference bound to map 0: it parses, and the verifier refuses it
+    broken = replace(
+        good, programs=tuple(replace(p, relocs=tuple((i, 0) for i, _ in p.relocs)) for p in good.programs)
+    )
+    mine.put(broken)
+    with bpffs() as root:
+        d = Datapath(str(root / "ekp"), SMALL, cache=mine)
+        d.load()
+        try:
+            assert f"cached data path {build} did not load" in caplog.text
+            assert "data path compiled in 0.5s" in caplog.text and len(compiles) == 1
+            _uses_only_its_own_maps(d)
+            assert mine.get(build) == good, "the fresh compile replaced the broken entry"
+        finally:
+            d.close()
+
+
+@pytest.mark.kernel
+def test_a_pinned_map_of_another_shape_is_refused_at_load(cache: ObjectCache) -> None:
+    """The last line of defence: a map pinned under a registry name after the pre-load check must
+    still be exactly the compiled one, or nothing is loaded against it."""
+    obj = cache.get(Datapath("/x", SMALL).build())
+    assert obj is not None
+    with bpffs() as root:
+        pins = root / "b"
+        pins.mkdir()
+        fe = obj.maps[obj.map_index(MAPS["fe"].name)]
+        fd = bpfsys.map_create(fe.type, fe.key_size, fe.value_size, fe.max_entries * 2, fe.flags, fe.name)
+        assert fd >= 0
+        try:
+            assert bpfsys.obj_pin(fd, str(pins / fe.name)) == 0
+        finally:
+            os.close(fd)
+        with pytest.raises(PinnedMapMismatch, match=f"max_entries is {fe.max_entries * 2}, expected"):
+            link(obj, str(pins), {s.name for s in MAPS.values()}, lambda n: str(pins / n))
+        assert not _prog_pins(str(pins)), "nothing loaded against the wrong map"
+        with pytest.raises(PinMismatchError):
+            Datapath(str(pins), SMALL, cache=cache).load()

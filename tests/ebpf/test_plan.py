@@ -7,17 +7,19 @@ dry-run text). Regenerate with `make golden` (EKP_REGEN_GOLDEN=1) and review the
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from agent.cli import resolve
 from agent.config import Config, ConntrackSettings, NodeContext
 from agent.ebpf import planner as planner_module
 from agent.ebpf import render_dry_run
-from agent.ebpf.abi import FrontendFlag, FrontendKey, MemberFlag, Scope, SlotKey, ip_be, port_be
+from agent.ebpf.abi import FrontendFlag, FrontendKey, MemberFlag, Scope, SlotKey, ip_be, ip_str, port_be
 from agent.ebpf.codec import VALUES
-from agent.ebpf.plan import MapContents, plan
-from agent.ebpf.planner import PlanError, config_entry
+from agent.ebpf.plan import MapContents, plan, planner_contents
+from agent.ebpf.planner import PlanError, Planner, config_entry
 from agent.ebpf.render import render_contents
 from agent.model import ProxyState
 from tests.ebpf.support import GOLDEN, NODE, PlanRig, assert_ids_valid, broken, state_from_yaml
@@ -141,6 +143,47 @@ def test_masquerade_all_and_cluster_cidr_snat_cluster_ip_traffic() -> None:
     assert masq.fe[ext].flags & masq.fe[internal].flags & snat == FrontendFlag.SNAT_ALL
 
 
+@pytest.mark.parametrize(
+    ("flags", "pod_cidrs", "by_source"),
+    [
+        (["--cluster-cidr=fd00::/48,10.244.0.0/16"], (), ("10.244.0.0", 16)),
+        (
+            ["--detect-local-mode=NodeCIDR", "--cluster-cidr=10.0.0.0/8"],
+            ("10.244.1.0/24",),
+            ("10.244.1.0", 24),
+        ),
+        (["--detect-local-mode=NodeCIDR"], (), None),
+        (["--detect-local-mode=InterfaceNamePrefix", "--pod-interface-name-prefix=veth"], (), None),
+        (["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"], (), None),
+        ([], (), None),
+    ],
+)
+def test_a_detector_by_source_goes_into_the_config_entry(
+    flags: list[str], pod_cidrs: tuple[str, ...], by_source: tuple[str, int] | None
+) -> None:
+    config = resolve(flags).config
+    state = states(svc("a", "10.96.0.5", ["10.244.2.2"]))
+    state = replace(state, node=replace(state.node, pod_cidrs=pod_cidrs))
+    planned = plan(state, NODE, config)
+    assert planned.cfg is not None
+    got = (ip_str(planned.cfg.local_net), planned.cfg.local_plen) if planned.cfg.local_by_src else None
+    assert got == by_source
+    # and the cluster IP's EXTERNAL frontend masquerades exactly when there is a detector
+    ext = planned.fe[fe_key("10.96.0.5", 80, Scope.EXTERNAL)]
+    assert bool(ext.flags & FrontendFlag.SNAT_ALL) == config.local_detector(pod_cidrs).implemented
+
+
+def test_a_new_pod_cidr_on_the_node_replans_every_port() -> None:
+    config = resolve(["--detect-local-mode=NodeCIDR"]).config
+    planner = Planner(config)
+    state = states(svc("a", "10.96.0.5", ["10.244.2.2"]))
+    planner.update(state, NODE, None)
+    ext = fe_key("10.96.0.5", 80, Scope.EXTERNAL)
+    assert not planner_contents(planner).fe[ext].flags & FrontendFlag.SNAT_ALL
+    touched = planner.update(replace(state, node=replace(state.node, pod_cidrs=("10.244.1.0/24",))), NODE, ())
+    assert touched and planner_contents(planner).fe[ext].flags & FrontendFlag.SNAT_ALL
+
+
 def test_etp_cluster_masquerades_toward_local_backends_unless_told_to_keep_the_client() -> None:
     """kube-proxy masquerades all externalTrafficPolicy Cluster traffic (the backend sees a node
     address); --bpf-keep-client-ip-for-local-backends keeps the client's address toward this
@@ -170,9 +213,20 @@ def test_pods_reaching_an_etp_cluster_nodeport_are_masqueraded_as_kube_proxy_doe
                 extra=f"externalTrafficPolicy: {policy}",
             )
         )
-        c = plan(state, NODE, Config())
+        c = plan(state, NODE, Config(cluster_cidr=("10.244.0.0/16",)))
         assert c.fe[pod].flags & snat == want, policy
         assert c.fe[pod].set_id == c.fe[fe_key("10.96.0.5", 80, Scope.INTERNAL)].set_id, "the cluster set"
+        if policy == "Local":
+            # Without a detector kube-proxy writes no `IfLocal -> KUBE-SVC-*` short-circuit: pods
+            # are held to the local endpoints like anyone else.
+            ext = fe_key("192.168.0.11", 30005, Scope.EXTERNAL)
+            bare = plan(state, NODE, Config())
+            assert (
+                bare.fe[pod].set_id
+                == bare.fe[ext].set_id
+                != bare.fe[fe_key("10.96.0.5", 80, Scope.INTERNAL)].set_id
+            )
+            assert bare.fe[pod].flags == bare.fe[ext].flags
     state = states(svc("np", "10.96.0.5", ["10.244.1.2"], type="NodePort", nodeport=30005))
     kept = plan(state, NODE, Config(bpf_keep_client_ip_local=True)).fe[pod].flags
     assert kept & snat == FrontendFlag.SNAT_REMOTE

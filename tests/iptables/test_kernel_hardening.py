@@ -23,6 +23,7 @@ from agent.iptables.runner import Result, SubprocessRunner
 from agent.model import ProxyState
 from agent.model.types import Protocol, ServicePortName
 from agent.netns import run_in_netns
+from agent.nodeinit import setup_conntrack
 from tests.iptables.objects import CONFIG, NODE, endpoints, service, state
 
 pytestmark = pytest.mark.kernel
@@ -173,11 +174,12 @@ def test_nfacct_counters_exist_and_count_localhost_nodeport_packets(netns: str) 
 
 
 def test_conntrack_sysctls_in_a_node_namespace(netns: str, caplog: pytest.LogCaptureFixture) -> None:
-    """kube-proxy's defaults: 24 h established, 1 h close-wait are written in the namespace;
+    """agent.nodeinit.setup_conntrack (every start, both modes), kube-proxy's defaults: 24 h
+    established, 1 h close-wait are written in the namespace;
     nf_conntrack_max is read-only outside the initial namespace: logged, and the sync goes on."""
     host_max = sh("sysctl", "-n", "net.netfilter.nf_conntrack_max").strip()
-    p = IptablesProxier(cfg(netns, "nft"), cpus=64)  # 64 x 32768 > min, and > the host's value
-    p.sync(cluster(), NODE)
+    setup_conntrack(cfg(netns, "nft"), cpus=64)  # 64 x 32768 > min, and > the host's value
+    IptablesProxier(cfg(netns, "nft")).sync(cluster(), NODE)
 
     def get(key: str) -> str:
         return sh("ip", "netns", "exec", netns, "sysctl", "-n", f"net.netfilter.{key}").strip()

@@ -13,6 +13,7 @@ from agent.iptables import IptablesProxier, chains
 from agent.iptables.runner import Result
 from agent.metrics import Metrics
 from agent.model.types import Protocol, ProxyState, ServicePortName
+from agent.nodeinit import setup_conntrack
 from tests.iptables.fakes import FakeCounters, FakeRunner
 from tests.iptables.objects import CONFIG, NODE, endpoints, service, state
 
@@ -46,7 +47,7 @@ def svc(name: str) -> str:
 
 def make(clock: Clock | None = None, config: object = CONFIG) -> tuple[IptablesProxier, FakeRunner]:
     fake = FakeRunner()
-    p = IptablesProxier(config, runner=fake, counters=FakeCounters(), clock=clock or Clock(), cpus=2)  # type: ignore[arg-type]
+    p = IptablesProxier(config, runner=fake, counters=FakeCounters(), clock=clock or Clock())  # type: ignore[arg-type]
     return p, fake
 
 
@@ -88,7 +89,7 @@ def test_first_sync_is_full_and_installs_jumps_canaries_route_localnet_and_count
 
 def test_without_nfacct_the_rules_go_without_the_match() -> None:
     fake = FakeRunner()
-    p = IptablesProxier(CONFIG, runner=fake, counters=FakeCounters(missing=True), clock=Clock(), cpus=2)
+    p = IptablesProxier(CONFIG, runner=fake, counters=FakeCounters(missing=True), clock=Clock())
     p.sync(two_services(), NODE)
     assert "nfacct" not in fake.restores[0]
 
@@ -373,7 +374,6 @@ def test_conntrack_cleanup_is_measured_as_kube_proxys_reconciler() -> None:
         runner=fake,
         counters=FakeCounters(),
         clock=Clock(),
-        cpus=2,
         metrics=Metrics(registry, Mode.IPTABLES),
     )
     listed = {"text": ""}
@@ -411,9 +411,10 @@ def test_conntrack_failure_does_not_fail_the_sync() -> None:
     assert len(fake.restores) == 1
 
 
-def test_conntrack_sysctls_are_applied_once_before_the_first_sync() -> None:
+def test_conntrack_sysctls_written_at_start_are_in_force_when_the_proxier_reads_the_host() -> None:
     settings = ConntrackSettings(max_per_core=32768, min=131072, udp_timeout_s=30.0, tcp_be_liberal=True)
     p, fake = make(config=replace(CONFIG, conntrack=settings))
+    setup_conntrack(replace(CONFIG, conntrack=settings), fake.command, cpus=2)  # as agent.app.run does
     p.sync(two_services(), NODE)
     p.sync(two_services(), NODE)
     writes = [c[2] for c in fake.commands if c[:2] == ["sysctl", "-w"] and "netfilter" in c[2]]

@@ -6,12 +6,15 @@ import re
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.cli import resolve
 from agent.config import NodeContext
 from agent.iptables import chains
 from agent.iptables.rules import RenderOptions, categorized, masquerade_mark, render
+from agent.localdetect import LocalDetector
 from agent.model.types import Protocol, ServicePortName
 from tests.iptables.objects import CONFIG, NODE, endpoints, service, state
 
@@ -82,13 +85,59 @@ def test_without_cluster_cidr_no_off_cluster_masquerade_and_no_pod_short_circuit
         ),
         endpoints("a", TCP80, ("10.244.1.5", "node1")),
     )
-    text = render(s, NODE, replace(OPTS, cluster_cidr="")).text
+    text = render(s, NODE, replace(OPTS, local=LocalDetector())).text
     assert "! -s 10.244.0.0/16" not in text
     assert "pod traffic for" not in text
     assert lines(text, "route LOCAL traffic for ns/a:http")
     with_cidr = render(s, NODE, OPTS).text
     assert lines(with_cidr, "! -s 10.244.0.0/16 -j KUBE-MARK-MASQ")
     assert lines(with_cidr, "pod traffic for ns/a:http external destinations")
+
+
+@pytest.mark.parametrize(
+    ("flags", "if_local"),
+    [
+        (["--detect-local-mode=InterfaceNamePrefix", "--pod-interface-name-prefix=veth"], "-i veth+"),
+        (["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"], "-i cbr0"),
+        (["--detect-local-mode=ClusterCIDR", "--cluster-cidr=10.244.0.0/16,fd00::/48"], "-s 10.244.0.0/16"),
+        (["--detect-local-mode=NodeCIDR", "--cluster-cidr=10.0.0.0/8"], "-s 10.244.1.0/24"),
+    ],
+)
+def test_the_local_traffic_detector_writes_upstreams_matches(flags: list[str], if_local: str) -> None:
+    # pkg/proxy/util/localdetector.go: IfNotLocal on the cluster IP's masquerade, IfLocal on the
+    # pod short-circuit of an ETP Local service's external chain.
+    s = state(
+        service(
+            "a",
+            "10.96.0.5",
+            ("http", 80, "TCP"),
+            type="NodePort",
+            node_port=30001,
+            externalTrafficPolicy="Local",
+        ),
+        endpoints("a", TCP80, ("10.244.1.5", "node1")),
+    )
+    node = replace(s.node, pod_cidrs=("fd00:1::/64", "10.244.1.0/24"))
+    s = replace(s, node=node)
+    config = resolve(["--mode=iptables", *flags]).config
+    text = render(s, NODE, RenderOptions.from_config(config, node_pod_cidrs=node.pod_cidrs)).text
+    assert lines(text, f'-A {svc_chain("a")} -m comment --comment "ns/a:http cluster IP"') == [
+        f'-A {svc_chain("a")} -m comment --comment "ns/a:http cluster IP" -m tcp -p tcp -d 10.96.0.5 '
+        f"--dport 80 ! {if_local} -j KUBE-MARK-MASQ"
+    ]
+    ext = f"KUBE-EXT-{svc_chain('a').removeprefix('KUBE-SVC-')}"
+    assert lines(text, "pod traffic for ns/a:http external destinations") == [
+        f'-A {ext} -m comment --comment "pod traffic for ns/a:http external destinations" '
+        f"{if_local} -j {svc_chain('a')}"
+    ]
+
+
+def test_node_cidr_without_a_pod_cidr_on_the_node_is_no_detector() -> None:
+    s = state(service("a", "10.96.0.5", ("http", 80, "TCP")), endpoints("a", TCP80, "10.244.2.5"))
+    config = resolve(["--mode=iptables", "--detect-local-mode=NodeCIDR", "--cluster-cidr=10.0.0.0/8"]).config
+    text = render(s, NODE, RenderOptions.from_config(config)).text
+    assert "KUBE-MARK-MASQ" in text  # the chain exists: only the detector's rule is missing
+    assert not lines(text, "-d 10.96.0.5 --dport 80 ! -s")
 
 
 def test_masquerade_all_marks_every_cluster_ip_packet() -> None:

@@ -79,7 +79,6 @@ def fake_proxier(**config: object) -> tuple[IptablesProxier, FakeRunner, Clock]:
         runner=fake,
         counters=FakeCounters(),
         clock=clock,
-        cpus=2,
     )
     return proxier, fake, clock
 
@@ -445,7 +444,7 @@ def test_drop_invalid_rule_follows_the_counter_the_proxier_could_create() -> Non
     """TestDropInvalidRule's nfacctEnsured, through the proxier: no counter, no nfacct match."""
     for missing in (False, True):
         fake = FakeRunner()
-        p = IptablesProxier(FAKE_CONFIG, runner=fake, counters=FakeCounters(missing=missing), cpus=2)
+        p = IptablesProxier(FAKE_CONFIG, runner=fake, counters=FakeCounters(missing=missing))
         p.sync(build(), FAKE_NODE)
         assert ("nfacct" in fake.restores[-1]) is not missing
 

@@ -21,13 +21,14 @@ from typing import Any
 
 from agent.config import Config, Mode, NodeContext
 from agent.iptables.rules import RenderOptions
+from agent.localdetect import LocalDetector
 
 NODE_NAME = "test-node"
 NODE_IP = "192.168.0.2"
 FAKE_NODE = NodeContext(node_ips=(NODE_IP, "192.168.1.2", "192.168.99.11"), primary_ip=NODE_IP)
 FAKE_OPTIONS = RenderOptions(
     masquerade_mark="0x4000",
-    cluster_cidr="10.0.0.0/8",
+    local=LocalDetector(cidr="10.0.0.0/8"),
     random_fully=False,
     nfacct_invalid_dropped=True,
     nfacct_localhost_nodeports=True,

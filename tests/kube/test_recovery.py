@@ -273,7 +273,7 @@ def test_server_down_for_seconds_is_survived_and_logged_once(
     connect_errors = metric("ekp_api_request_errors_total", kind="Service", verb="watch", reason="connect")
     server.down_for(2.0)
     server.create(service("api", "10.96.0.2"))  # while down
-    time.sleep(2.5)
+    wait_until(lambda: server.running, timeout=10, what="the server back after 2 s")
     sink.wait(lambda: "default/api" in sink.state(Kind.SERVICE), timeout=10)
     assert source.list_counts()[Kind.SERVICE] == 1, "the watch window survived: resumed, no relist"
     # Many failed attempts (backoff 0.05-0.4 s over 2 s), one warning and one recovery line per kind.

@@ -1,9 +1,18 @@
-"""The `cluster` fixture: a two-node lab with one agent per node, once per mode.
+"""The traffic suites' labs, each made once per mode and shared by every module that uses it.
 
-Session-scoped and parametrised by mode, so pytest runs every traffic test against `ebpf` and then
-`iptables` on a fresh lab each. Nodes carry kube-proxy's and Docker's `--ctstate INVALID -j DROP`
-FORWARD rule and the distribution's rp_filter defaults: the data path must cope with both.
-In eBPF mode every test is followed by a check that netfilter holds no service rule.
+* `cluster`: a two-node lab with one agent per node following a services file. Nodes carry the
+  distribution's rp_filter defaults, and in eBPF mode also Docker's `FORWARD --ctstate INVALID -j
+  DROP` rule (kube-proxy writes the same one into KUBE-FORWARD): the eBPF data path must cope with
+  it. Not in iptables mode, where the agent's own INVALID drop is what upstream's "should drop
+  INVALID conntrack entries" checks, and a rule of the lab's would hide its absence.
+* `api`: a two-node lab (three pods per node) whose agents follow a fake API server
+  (lab/apicluster.py): tests/traffic/test_api.py and test_ignored_objects.py.
+
+Both are session-scoped and parametrised by mode, so pytest runs every traffic test against `ebpf`
+and then `iptables` on a fresh lab each. Tests sharing them undo what they change in the lab
+(routes, pods, servers) and use Service names, IPs and ports no other module uses.
+In eBPF mode every test is followed by a check that netfilter holds no service rule (the lab's
+INVALID rule its positive control).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from lab import Lab
+from lab.apicluster import ApiCluster
 from lab.harness import Cluster
 from tests.conftest import require_kernel
 
@@ -54,7 +64,7 @@ def cluster(request: pytest.FixtureRequest, blob: tuple[str, str]) -> Iterator[C
     with Lab(nodes=2, pods_per_node=PODS_PER_NODE) as lab:
         lab.start_podservers(blob=blob[0])
         lab.start_dns(lab.pod("pod-2-2"))
-        for node in lab.nodes:
+        for node in lab.nodes if mode == "ebpf" else ():
             lab.run(
                 node, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"
             )
@@ -67,6 +77,20 @@ def cluster(request: pytest.FixtureRequest, blob: tuple[str, str]) -> Iterator[C
             leftover = [p for a in c.agents if Path(a.pin_path).exists() for p in [a.pin_path]]
         assert not failures, f"agent --cleanup failed: {failures}"
         assert not leftover, f"pins left after cleanup: {leftover}"
+
+
+@pytest.fixture(scope="session", params=MODES)
+def api(request: pytest.FixtureRequest) -> Iterator[ApiCluster]:
+    require_kernel()
+    with Lab(nodes=2, pods_per_node=3) as lab:
+        lab.start_podservers()
+        cluster = ApiCluster(lab, request.param)
+        cluster.start()
+        try:
+            yield cluster
+        finally:
+            failures = cluster.stop()
+        assert not failures, f"agent --cleanup failed: {failures}"
 
 
 @pytest.fixture(autouse=True)

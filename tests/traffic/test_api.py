@@ -1,5 +1,5 @@
 """The agent follows an API server: objects created, scaled and deleted there program the data path,
-and watch faults (dropped streams, 410 relists, a restarted server, a server down for 30 s) leave it
+and watch faults (dropped streams, a 410 relist, a server restarted after being away) leave it
 correct, with no failed connection for a service that did not change and nothing flushed while the
 API is away. Also kube-proxy's health, healthCheckNodePort and metrics endpoints of a running agent,
 and the Event a malformed object gets. Both modes, real traffic, the real kubernetes client.
@@ -10,36 +10,19 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from lab import Lab
 from lab.apicluster import ApiCluster
 from lab.fakeapi.objects import node as node_object
 from lab.harness import Loop, ep
 from lab.objects import Port, endpoint_slice, service, with_endpoints
-from tests.conftest import require_kernel
 
 pytestmark = pytest.mark.kernel
 
 HTTP = Port("http", 80, 8080)
 N1, N2 = "192.168.0.11", "192.168.0.12"
-
-
-@pytest.fixture(scope="module", params=["ebpf", "iptables"])
-def api(request: pytest.FixtureRequest) -> Iterator[ApiCluster]:
-    require_kernel()
-    with Lab(nodes=2, pods_per_node=3) as lab:
-        lab.start_podservers()
-        cluster = ApiCluster(lab, request.param)
-        cluster.start()
-        try:
-            yield cluster
-        finally:
-            failures = cluster.stop()
-        assert not failures, f"agent --cleanup failed: {failures}"
 
 
 def names(result: dict[str, Any]) -> set[str]:
@@ -71,9 +54,23 @@ def test_a_service_created_on_the_api_server_serves_scales_and_goes_away(api: Ap
     assert gone["errors"] == 1 and not gone["bodies"], "a deleted Service is no longer served"
 
 
+KINDS = ("Service", "EndpointSlice", "Node")
+
+
 def test_watch_faults_never_disturb_a_service_that_does_not_change(api: ApiCluster) -> None:
-    """A dropped watch, a 410 relist, an API server restart and 30 s without one: the unchanged
-    service keeps answering every request, and changes made in between are applied after each."""
+    """A dropped watch, a 410 relist, and an API server restart with the server away until every
+    agent, its watches broken, has also failed to connect again, for every kind it watches: the
+    unchanged service keeps answering every request, the one that moved still answers from where
+    it was (nothing is flushed while the API is away), and changes made in between are applied
+    after each fault.
+
+    The outage is counted in the agents' own attempts, not in seconds: what it must show is that a
+    stream the API ends, and a failed attempt to open another, change nothing on the node. No
+    event reaches an agent while it lasts, so the model it syncs from is the one it had (its
+    periodic full sync of an unchanged model is tests/agent/test_daemon.py's). The test's length
+    is the agents' backoff (client-go's, 0.8 s doubling per failure, reset only after 120 s without
+    one): each fault costs one delay twice the last, so the restart and the outage are one fault
+    (the server comes back with the same objects and resourceVersions after the failures)."""
     steady = service("steady", "10.96.2.2", [HTTP])
     moving = service("moving", "10.96.2.3", [HTTP])
     api.apply(
@@ -83,25 +80,38 @@ def test_watch_faults_never_disturb_a_service_that_does_not_change(api: ApiClust
     # "should work after restarting apiserver" dials from a host-network pod too
     node_loop = Loop(api.lab, "node1", "http://10.96.2.2/", f"faults-node-{api.mode}")
     try:
-        backends = ["pod-1-2", "pod-2-1", "pod-2-2", "pod-1-3"]
+        backends = ["pod-1-2", "pod-2-1", "pod-2-2"]
+
+        def moved(i: int) -> dict[str, Any]:
+            return endpoint_slice("moving", [HTTP], [ep(api, backends[i])])
+
+        def served_by(i: int) -> None:
+            assert served(api, "pod-1-1", "http://10.96.2.3/", count=5) == {backends[i]}
 
         def move_to(i: int) -> None:
-            api.apply([endpoint_slice("moving", [HTTP], [ep(api, backends[i])])])
-            assert served(api, "pod-1-1", "http://10.96.2.3/", count=5) == {backends[i]}
+            api.apply([moved(i)])
+            served_by(i)
 
         api.server.drop_streams()  # dropped watch: resumed from the last resourceVersion
         move_to(0)
-        api.server.compact()  # history gone: the resumed watch gets 410 and relists
+        # Every watch broken (the agents reconnect after a backoff, 0.8 s or more), a change none
+        # of them has seen, then its history gone: each resumed watch gets 410 and relists. (With
+        # the streams open, a bookmark could carry a watch past the compaction: no 410.)
         api.server.drop_streams()
-        move_to(1)
-        api.server.restart()  # same objects, same resourceVersions
+        wanted = api.apply_nowait([moved(1)])
+        api.server.compact()
+        api.wait_synced(wanted)
+        served_by(1)
+        # Restarted (same objects, same resourceVersions), and away meanwhile: nothing is flushed,
+        # traffic keeps flowing.
+        failed = {node: connect_errors(api, node) for node in NODES}
+        api.server.stop()
+        try:
+            wait_for_retries(api, failed)
+            served_by(1)
+        finally:
+            api.server.start()
         move_to(2)
-        api.server.down_for(30)  # the API away: nothing is flushed, traffic keeps flowing
-        time.sleep(30)
-        deadline = time.monotonic() + 30
-        while not api.server.running and time.monotonic() < deadline:
-            time.sleep(0.1)
-        move_to(3)
     finally:
         result = loop.finish()
         node_result = node_loop.finish()
@@ -115,6 +125,33 @@ def test_watch_faults_never_disturb_a_service_that_does_not_change(api: ApiClust
         assert any(labels.get("reason") == "gone" and v >= 1 for labels, v in relists), relists
         restarts = scrape(api, node, "ekp_watch_restarts_total")
         assert sum(v for _, v in restarts) >= 3 * 3, "every kind's watch was reopened after each fault"
+    api.delete([steady, moving])  # the lab is shared (tests/traffic/conftest.py): leave it as found
+
+
+NODES = ("node1", "node2")
+
+
+def connect_errors(api: ApiCluster, node: str) -> dict[str, float]:
+    """Failed connections to the API server a node's agent counted, by kind."""
+    out = dict.fromkeys(KINDS, 0.0)
+    for labels, value in scrape(api, node, "ekp_api_request_errors_total"):
+        if labels.get("reason") == "connect" and labels.get("kind") in out:
+            out[labels["kind"]] += value
+    return out
+
+
+def wait_for_retries(api: ApiCluster, before: dict[str, dict[str, float]]) -> None:
+    """Until every agent failed to connect once more, for every kind, scraping the agents
+    meanwhile (they serve metrics with the API away). The bound is the backoff's cap, 30 s,
+    doubled by its jitter."""
+    deadline = time.monotonic() + 2 * 30 + 10
+    while True:
+        now = {node: connect_errors(api, node) for node in NODES}
+        waiting = [(node, kind) for node in NODES for kind in KINDS if now[node][kind] <= before[node][kind]]
+        if not waiting:
+            return
+        assert time.monotonic() < deadline, f"no failed connect while the API server was away: {waiting}"
+        time.sleep(0.2)
 
 
 def scrape(api: ApiCluster, node: str, name: str) -> list[tuple[dict[str, str], float]]:
@@ -181,7 +218,31 @@ def test_healthz_turns_503_when_the_nodes_node_object_is_deleted(api: ApiCluster
         assert _curl(api, "client", livez)[0] == 200, "liveness does not depend on the Node"
         assert _curl(api, "client", f"http://{N2}:10256/healthz")[0] == 200, "node2's Node is still there"
     finally:
-        api.server.apply(node_object("node1", N1))
+        api.server.apply(node_object("node1", N1, pod_cidr=api.lab.node(1).pod_cidr))
+    assert json.loads(_wait_status(api, healthz, 200))["nodeEligible"] is True
+
+
+def test_healthz_turns_503_while_the_node_carries_the_cluster_autoscalers_deletion_taint(
+    api: ApiCluster,
+) -> None:
+    """kube-proxy's node eligibility: the cluster autoscaler taints a node it is about to remove
+    with `ToBeDeletedByClusterAutoscaler`, and kube-proxy's /healthz turns 503 (`nodeEligible:
+    false`) so load balancers drain it first; /livez stays 200 (the proxy itself is fine), node2
+    stays 200; the taint removed (a scale-down cancelled), 200 again."""
+    healthz, livez = f"http://{N1}:10256/healthz", f"http://{N1}:10256/livez"
+    assert json.loads(_wait_status(api, healthz, 200))["nodeEligible"] is True
+    tainted = node_object("node1", N1, pod_cidr=api.lab.node(1).pod_cidr)
+    tainted["spec"]["taints"] = [
+        {"key": "ToBeDeletedByClusterAutoscaler", "value": "1732600000", "effect": "NoSchedule"}
+    ]
+    api.server.apply(tainted)
+    try:
+        doc = json.loads(_wait_status(api, healthz, 503))
+        assert doc["nodeEligible"] is False and doc["healthy"] is True, doc
+        assert _curl(api, "client", livez)[0] == 200, "liveness does not depend on the Node"
+        assert _curl(api, "client", f"http://{N2}:10256/healthz")[0] == 200, "node2 is not tainted"
+    finally:
+        api.server.apply(node_object("node1", N1, pod_cidr=api.lab.node(1).pod_cidr))
     assert json.loads(_wait_status(api, healthz, 200))["nodeEligible"] is True
 
 
@@ -255,3 +316,4 @@ def test_a_malformed_service_gets_a_warning_event_and_the_others_keep_working(ap
     stored = api.server.get("Service", "default", "broken")
     assert stored is not None
     assert event["regarding"]["uid"] == stored["metadata"]["uid"], "kubectl describe matches Events by uid"
+    api.delete([good, bad])  # the lab is shared (tests/traffic/conftest.py): leave it as found

@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from lab import Lab
 from lab.apicluster import ApiCluster
 from lab.harness import ep
 from lab.objects import Obj, Port, endpoint_slice, service, with_endpoints
-from tests.conftest import require_kernel
 
 pytestmark = pytest.mark.kernel
 
@@ -35,20 +32,6 @@ HTTP = Port("http", 80, 8080)
 N1, N2 = "192.168.0.11", "192.168.0.12"
 PROXY_NAME = "service.kubernetes.io/service-proxy-name"
 HEADLESS = "service.kubernetes.io/headless"
-
-
-@pytest.fixture(scope="module", params=["ebpf", "iptables"])
-def api(request: pytest.FixtureRequest) -> Iterator[ApiCluster]:
-    require_kernel()
-    with Lab(nodes=2, pods_per_node=3) as lab:
-        lab.start_podservers()
-        cluster = ApiCluster(lab, request.param)
-        cluster.start()
-        try:
-            yield cluster
-        finally:
-            failures = cluster.stop()
-        assert not failures, f"agent --cleanup failed: {failures}"
 
 
 def labelled(obj: Obj, labels: dict[str, str]) -> Obj:

@@ -48,13 +48,14 @@ app.kubernetes.io/component: node-proxy
 {{- end }}
 {{- end }}
 
-{{/* The cleanup-kube-proxy init container: null follows replaceKubeProxy, in eBPF mode only. In
+{{/* The cleanup-kube-proxy init container: off unless asked for (null or false), in eBPF mode only.
+The agent itself removes kube-proxy's rules and tables once its programs serve, after carrying their
+established flows over (agent/takeover/into_ebpf.py); removing them before the agent starts would
+break every new connection until it serves, and with nftables the established ones too. In
 iptables mode the agent's own chains are kube-proxy's (same names): the init container would delete
 the live rules at every pod restart, so it is refused there. */}}
 {{- define "ekp.cleanupKubeProxy" -}}
-{{- if kindIs "invalid" .Values.cleanupKubeProxy.enabled }}
-{{- if and .Values.replaceKubeProxy (eq .Values.mode "ebpf") }}true{{ end }}
-{{- else if .Values.cleanupKubeProxy.enabled }}
+{{- if .Values.cleanupKubeProxy.enabled }}
 {{- if ne .Values.mode "ebpf" }}
 {{- fail "cleanupKubeProxy.enabled=true needs mode=ebpf: in iptables mode the agent writes kube-proxy's own KUBE-* chains (it takes kube-proxy's over), and the init container would delete them at every restart of the pod" }}
 {{- end }}true
@@ -91,6 +92,9 @@ capabilities:
   drop: [ALL]
   add:
     {{- toYaml (get .Values.securityContext.capabilities .Values.mode) | nindent 4 }}
+    {{- if and (not (include "ekp.ebpf" .)) .Values.takeOverFromEbpf }}
+    - BPF
+    {{- end }}
 {{- end }}
 readOnlyRootFilesystem: true
 runAsUser: 0
@@ -99,7 +103,7 @@ runAsNonRoot: false
 seccompProfile:
 {{- if .Values.securityContext.seccompProfile }}
   {{- toYaml .Values.securityContext.seccompProfile | nindent 2 }}
-{{- else if or (include "ekp.ebpf" .) .Values.securityContext.privileged }}
+{{- else if or (include "ekp.ebpf" .) .Values.securityContext.privileged .Values.takeOverFromEbpf }}
   type: Unconfined
 {{- else }}
   type: RuntimeDefault

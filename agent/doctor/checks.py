@@ -1,0 +1,426 @@
+"""`agent doctor`'s checklist: what was found on the node (`Facts`) -> one line per check. Pure.
+
+Each line has a verdict (ok, warn, FAIL), what was found, and for anything not ok what to do.
+FAIL: the chosen mode will not start, or will mistranslate traffic; warn: it works, something
+is degraded or worth knowing. The facts are gathered by agent/doctor/facts.py; tests build them
+by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from agent.config import Mode
+
+# What the data path uses (bpf/): its program type, map kinds and helpers. The kernel release
+# is the first with all of them (bpf_redirect_neigh: 5.10).
+MIN_KERNEL = (5, 10)
+PROGRAM_TYPE = "sched_cls"
+OPTIONAL_PROGRAM_TYPES = ("xdp", "cgroup_sock_addr")  # for the XDP and socket-level hooks
+MAP_KINDS = ("hash", "lru_hash", "lpm_trie", "array", "percpu_array")
+HELPERS = (
+    "bpf_clone_redirect",
+    "bpf_csum_diff",
+    "bpf_fib_lookup",
+    "bpf_get_prandom_u32",
+    "bpf_ktime_get_ns",
+    "bpf_l3_csum_replace",
+    "bpf_l4_csum_replace",
+    "bpf_redirect",
+    "bpf_redirect_neigh",
+    "bpf_skb_adjust_room",
+    "bpf_skb_change_tail",
+    "bpf_skb_load_bytes",
+    "bpf_skb_pull_data",
+    "bpf_skb_store_bytes",
+)
+# The socket programs' helpers (cgroup_sock_addr, bpf/ekp_sock.h and the decision they share with
+# tc); a kernel without one loads the data path without them (agent/ebpf/programs.py) and the
+# node's own clients reach no Service.
+SOCKET_PROGRAM_TYPE = "cgroup_sock_addr"
+SOCKET_HELPERS = (
+    "bpf_get_netns_cookie",
+    "bpf_get_prandom_u32",
+    "bpf_get_socket_cookie",
+    "bpf_ktime_get_ns",
+    "bpf_set_retval",
+)
+FILL_WARN = 0.8  # a table fuller than this: warn
+
+
+class Verdict(StrEnum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "FAIL"
+
+
+@dataclass(frozen=True)
+class Line:
+    verdict: Verdict
+    check: str
+    found: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class BpfFeatures:
+    """What `bpftool feature probe kernel` says (None: not probed, `error` says why)."""
+
+    program_types: frozenset[str] = frozenset()
+    map_kinds: frozenset[str] = frozenset()
+    helpers: frozenset[str] = frozenset()  # of sched_cls programs
+    socket_helpers: frozenset[str] = frozenset()  # of cgroup_sock_addr programs
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ForeignHook:
+    device: str
+    hook: str  # "tc ingress" or "xdp"
+    what: str  # the program's name, kind, priority as the kernel lists it
+    before_ours: bool  # runs before ekp_from_* and may end the chain
+
+
+@dataclass(frozen=True)
+class ApiFacts:
+    url: str
+    via_service: str = ""  # why the URL is the `kubernetes` Service ("" = it is not)
+    error: str = ""  # the API server could not be reached or read ("" = it was)
+    services: int = 0
+    service_ports: int = 0
+    endpoints: int = 0
+    entries: Mapping[str, int] = field(default_factory=dict)  # eBPF map role -> entries planned
+
+
+@dataclass(frozen=True)
+class Facts:
+    mode: Mode
+    node: str
+    netns: str = ""
+    kernel: str = ""  # uname release, "6.18.0-..."
+    missing_caps: tuple[str, ...] = ()
+    features: BpfFeatures | None = None
+    btf: bool = True
+    # agent/ebpf/preflight.py's messages, each "what is wrong: what to do"
+    toolchain_problems: tuple[str, ...] = ()  # bcc, kernel headers
+    pin_problems: tuple[str, ...] = ()  # the pin path: bpffs, ownership
+    pin_path: str = ""
+    cgroup2: str = ""  # where cgroup2 is mounted ("" = nowhere)
+    iptables_problem: str = ""  # agent/iptables/runner.py's preflight, "" = usable
+    ip_forward: str = "1"
+    kube_proxy_chains: Mapping[str, Sequence[str]] = field(default_factory=dict)  # backend -> chains
+    kube_proxy_tables: tuple[str, ...] = ()  # nftables tables of kube-proxy's nftables mode
+    foreign_hooks: tuple[ForeignHook, ...] = ()
+    api: ApiFacts | None = None  # None: --services-file, no API server
+    map_sizes: Mapping[str, int] = field(default_factory=dict)  # eBPF map role -> max entries
+    conntrack: tuple[int, int] | None = None  # nf_conntrack_count, nf_conntrack_max
+
+
+def kernel_version(release: str) -> tuple[int, int]:
+    parts = release.split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return 0, 0
+
+
+def checklist(f: Facts) -> list[Line]:
+    """Every check for the mode, in the order an operator would fix them."""
+    lines = [_privileges(f)]
+    if f.mode is Mode.EBPF:
+        lines += [_kernel(f), _features(f), _btf(f), *_ebpf_problems(f), _cgroup2(f)]
+    else:
+        lines.append(_iptables(f))
+    lines += [_forwarding(f), _kube_proxy(f)]
+    if f.mode is Mode.EBPF:
+        lines.append(_hooks(f))
+    lines += _api(f)
+    lines += _sizing(f)
+    return lines
+
+
+def _privileges(f: Facts) -> Line:
+    if f.missing_caps:
+        return Line(
+            Verdict.FAIL,
+            "privileges",
+            f"lacks {', '.join(f.missing_caps)}",
+            "run the agent as root (the chart's container: NET_ADMIN, BPF, PERFMON, SYS_ADMIN)",
+        )
+    return Line(Verdict.OK, "privileges", "the capabilities the mode needs")
+
+
+def _kernel(f: Facts) -> Line:
+    have = kernel_version(f.kernel)
+    need = ".".join(map(str, MIN_KERNEL))
+    if have < MIN_KERNEL:
+        return Line(
+            Verdict.FAIL,
+            "kernel",
+            f"{f.kernel or 'unknown'}: eBPF mode needs {need} or later (bpf_redirect_neigh)",
+            f"upgrade the node's kernel to {need}+, or run --mode=iptables",
+        )
+    return Line(Verdict.OK, "kernel", f"{f.kernel} ({need} or later needed)")
+
+
+def _features(f: Facts) -> Line:
+    feats = f.features
+    if feats is None or feats.error:
+        why = feats.error if feats is not None else "not probed"
+        return Line(
+            Verdict.WARN,
+            "BPF features",
+            f"not probed: {why}",
+            "install bpftool (Debian: apt-get install bpftool) so the doctor can probe them",
+        )
+    missing = []
+    if PROGRAM_TYPE not in feats.program_types:
+        missing.append(f"program type {PROGRAM_TYPE}")
+    missing += [f"map {kind}" for kind in MAP_KINDS if kind not in feats.map_kinds]
+    missing += [helper for helper in HELPERS if helper not in feats.helpers]
+    if missing:
+        return Line(
+            Verdict.FAIL,
+            "BPF features",
+            "the kernel lacks " + ", ".join(missing),
+            "a kernel built with CONFIG_BPF_SYSCALL, CONFIG_NET_CLS_BPF and CONFIG_NET_SCH_INGRESS "
+            "(5.10+), or run --mode=iptables",
+        )
+    extra = [t for t in OPTIONAL_PROGRAM_TYPES if t not in feats.program_types]
+    found = f"tc ({PROGRAM_TYPE}) with {len(HELPERS)} helpers, maps {', '.join(MAP_KINDS)}"
+    lacking = [h for h in SOCKET_HELPERS if h not in feats.socket_helpers]
+    if SOCKET_PROGRAM_TYPE in feats.program_types and lacking:
+        return Line(
+            Verdict.WARN,
+            "BPF features",
+            f"{found}; {SOCKET_PROGRAM_TYPE} programs lack {', '.join(lacking)}: the socket "
+            "programs are not loaded, and the node's own clients (host-network pods, node "
+            "processes) reach no Service",
+            "Linux 5.18+ (bpf_set_retval) for the socket programs, or --bpf-socket-lb=false if "
+            "nothing on the node's network dials a Service",
+        )
+    if extra:
+        return Line(
+            Verdict.WARN,
+            "BPF features",
+            f"{found}; no {', '.join(extra)} programs (the XDP and socket-level hooks need them)",
+            "a kernel with CONFIG_XDP_SOCKETS / CONFIG_CGROUP_BPF for those hooks",
+        )
+    return Line(Verdict.OK, "BPF features", f"{found}; XDP and cgroup socket programs too")
+
+
+def _btf(f: Facts) -> Line:
+    if not f.btf:
+        return Line(
+            Verdict.WARN,
+            "BTF",
+            "no /sys/kernel/btf/vmlinux: bpftool dumps of the maps lack field names",
+            "a kernel with CONFIG_DEBUG_INFO_BTF (agent inspect decodes the maps either way)",
+        )
+    return Line(Verdict.OK, "BTF", "/sys/kernel/btf/vmlinux")
+
+
+def _ebpf_problems(f: Facts) -> list[Line]:
+    out = [_problem("bcc and headers", p) for p in f.toolchain_problems] or [
+        Line(Verdict.OK, "bcc and headers", "the bcc module and the kernel headers bcc compiles against")
+    ]
+    out += [_problem("bpffs", p) for p in f.pin_problems] or [
+        Line(Verdict.OK, "bpffs", f"{f.pin_path} can hold pinned maps")
+    ]
+    return out
+
+
+def _problem(check: str, message: str) -> Line:
+    what, _, fix = message.partition(": ")
+    return Line(Verdict.FAIL, check, what, fix or message)
+
+
+def _cgroup2(f: Facts) -> Line:
+    if not f.cgroup2:
+        return Line(
+            Verdict.WARN,
+            "cgroup2",
+            "not mounted: socket-level translation (the node's own traffic) needs it",
+            "mount -t cgroup2 none /sys/fs/cgroup",
+        )
+    return Line(Verdict.OK, "cgroup2", f"mounted at {f.cgroup2}")
+
+
+def _iptables(f: Facts) -> Line:
+    if f.iptables_problem:
+        return Line(Verdict.FAIL, "iptables", f.iptables_problem, "see the line above for what to install")
+    return Line(Verdict.OK, "iptables", "iptables-save and iptables-restore of a backend found")
+
+
+def _forwarding(f: Facts) -> Line:
+    if f.ip_forward != "1":
+        return Line(
+            Verdict.FAIL,
+            "forwarding",
+            f"net.ipv4.ip_forward={f.ip_forward or '?'}: Service traffic to other nodes' pods is not routed"
+            + (" and bpf_fib_lookup refuses every redirect" if f.mode is Mode.EBPF else ""),
+            "sysctl -w net.ipv4.ip_forward=1 (agent --init-only sets it)",
+        )
+    return Line(Verdict.OK, "forwarding", "net.ipv4.ip_forward=1")
+
+
+def _kube_proxy(f: Facts) -> Line:
+    found = [
+        f"iptables-{b}: {', '.join(chains)}" for b, chains in sorted(f.kube_proxy_chains.items()) if chains
+    ]
+    found += [f"nftables table {t}" for t in f.kube_proxy_tables]
+    if not found:
+        return Line(Verdict.OK, "kube-proxy", "none of kube-proxy's rules or tables")
+    fix = (
+        "stop kube-proxy (kubectl -n kube-system delete ds kube-proxy); the agent carries its established"
+        " flows over and removes its rules and tables once it serves (agent --cleanup-kube-proxy removes them"
+        " at once, and new connections fail until an agent serves)"
+    )
+    if f.mode is Mode.IPTABLES and not f.kube_proxy_tables:
+        return Line(
+            Verdict.WARN,
+            "kube-proxy",
+            "KUBE-* chains present (" + "; ".join(found) + "): kube-proxy's, or this agent's own (the same "
+            "layout)",
+            f"if kube-proxy still runs here: {fix}",
+        )
+    return Line(
+        Verdict.FAIL,
+        "kube-proxy",
+        "kube-proxy's rules are on the node (" + "; ".join(found) + "): they translate Service traffic too",
+        fix,
+    )
+
+
+def _few(names: Sequence[str], shown: int = 4) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _hooks(f: Facts) -> Line:
+    if not f.foreign_hooks:
+        return Line(Verdict.OK, "tc/XDP hooks", "no other program on the devices' tc ingress or XDP hooks")
+    first = [h for h in f.foreign_hooks if h.before_ours]
+    listed = "; ".join(f"{h.device} {h.hook}: {h.what}" for h in f.foreign_hooks)
+    if first:
+        return Line(
+            Verdict.FAIL,
+            "tc/XDP hooks",
+            f"another program runs before ours and may end the chain: {listed}",
+            "remove it (tc filter del dev DEVICE ingress pref N; ip link set DEVICE xdp off), or another "
+            "CNI's kube-proxy replacement (Cilium, Calico eBPF) is active: use one",
+        )
+    return Line(
+        Verdict.WARN,
+        "tc/XDP hooks",
+        f"another program shares the hooks, after ours: {listed}",
+        "check that it expects translated packets",
+    )
+
+
+def _api(f: Facts) -> list[Line]:
+    api = f.api
+    if api is None:
+        return [Line(Verdict.OK, "API server", "none (--services-file)")]
+    out = []
+    if api.via_service:
+        out.append(
+            Line(
+                Verdict.FAIL,
+                "API server",
+                f"{api.url} is the `kubernetes` Service ({api.via_service}), which this agent programs "
+                "itself: after a restart it cannot reach the API to program it",
+                "give the agent an API server address: --master https://ADDRESS:6443, a kubeconfig, or "
+                "the chart's apiServer.host",
+            )
+        )
+    if api.error:
+        out.append(
+            Line(
+                Verdict.FAIL,
+                "API server",
+                f"{api.url}: {api.error}",
+                "check the address, the credentials and that the node can reach it",
+            )
+        )
+    elif not api.via_service:
+        out.append(Line(Verdict.OK, "API server", f"{api.url} answers, not through a Service"))
+    return out
+
+
+def _sizing(f: Facts) -> list[Line]:
+    out = []
+    api = f.api
+    if f.mode is Mode.EBPF and api is not None and not api.error and api.entries:
+        full = []
+        fill = []
+        for role, need in sorted(api.entries.items()):
+            size = f.map_sizes.get(role, 0)
+            if not size:
+                continue
+            share = need / size
+            text = f"{role} {need}/{size}"
+            if share > 1:
+                full.append(text)
+            elif share > FILL_WARN:
+                fill.append(text)
+        found = (
+            f"{api.services} Services, {api.service_ports} service ports, {api.endpoints} endpoints need "
+            + ", ".join(f"{r} {n}" for r, n in sorted(api.entries.items()))
+        )
+        if full:
+            out.append(
+                Line(
+                    Verdict.FAIL,
+                    "map sizes",
+                    f"{found}: too many for {', '.join(full)}",
+                    "raise the --bpf-<map>-max of each (a new size takes a new map: restart the agent)",
+                )
+            )
+        elif fill:
+            out.append(
+                Line(
+                    Verdict.WARN,
+                    "map sizes",
+                    f"{found}: over 80% of {', '.join(fill)}",
+                    "raise --bpf-<map>-max",
+                )
+            )
+        else:
+            out.append(Line(Verdict.OK, "map sizes", f"{found}: every map under 80%"))
+    if f.conntrack is not None:
+        count, limit = f.conntrack
+        if limit and count > FILL_WARN * limit:
+            out.append(
+                Line(
+                    Verdict.WARN,
+                    "conntrack",
+                    f"nf_conntrack holds {count} of {limit} entries",
+                    "raise --conntrack-max-per-core / --conntrack-min (kube-proxy's; nf_conntrack_max is "
+                    "written from the initial namespace only)",
+                )
+            )
+        else:
+            out.append(Line(Verdict.OK, "conntrack", f"nf_conntrack holds {count} of {limit} entries"))
+    return out
+
+
+def render(f: Facts, lines: Sequence[Line]) -> str:
+    """The checklist as text, one line per check (and its fix indented under it), and a verdict."""
+    where = f"netns {f.netns}" if f.netns else "this network namespace"
+    out = [f"agent doctor: {f.mode.value} mode, node {f.node}, {where}"]
+    for line in lines:
+        out.append(f"  {line.verdict.value:<5} {line.check:<16} {line.found}")
+        if line.fix and line.verdict is not Verdict.OK:
+            out.append(f"  {'':<5} {'':<16} -> {line.fix}")
+    fails = sum(1 for line in lines if line.verdict is Verdict.FAIL)
+    warns = sum(1 for line in lines if line.verdict is Verdict.WARN)
+    if fails:
+        out.append(f"verdict: {fails} FAIL, {warns} warn: {f.mode.value} mode will not work here until fixed")
+    elif warns:
+        out.append(f"verdict: ready for {f.mode.value} mode, {warns} warn")
+    else:
+        out.append(f"verdict: ready for {f.mode.value} mode")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,168 @@
+"""Load a compiled object (agent.ebpf.bpfobject) against the maps pinned in one directory.
+
+What bcc's BPF_TABLE_PINNED did at compile time, done at load time so one compile serves every
+pin directory (libbpf's pinned-map reuse works the same way):
+
+* a map the agent pins (`pinned`, the registry's names) is opened from `<pin_path>/<name>` when it
+  exists and must then be exactly the map the object would create (type, key and value size,
+  max_entries, flags: `LinkError` naming both otherwise, never a silent reuse of another shape);
+  when missing it is created, with the object's BTF, and pinned there;
+* any other map of the object (the programs' scratch memory) is created for this load alone;
+* each program gets those maps' fds written into its instructions, is loaded as its ProgSpec says
+  (agent/ebpf/programs.py: the hook of a socket program, an iterator's target, kfunc calls patched
+  in), and is pinned at the path `prog_path(name)` gives (replacing an older pin of the same name).
+
+The map fds are closed at the end: the programs and the pins hold the maps. The caller owns the
+returned program fds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+from collections.abc import Callable, Collection
+
+from agent.ebpf import bpfsys
+from agent.ebpf.bpfobject import BpfObject, MapDef, relocate
+from agent.ebpf.btf import BtfError, vmlinux_func_ids
+from agent.ebpf.kfunc import patch_kfunc_calls
+from agent.ebpf.maps import map_info
+from agent.ebpf.programs import PROGRAMS, ProgSpec
+
+log = logging.getLogger(__name__)
+
+VERIFIER_LOG_BYTES = 1 << 20  # asked for only when a load failed, to say why
+
+
+class LinkError(RuntimeError):
+    """The object could not be loaded against this pin directory."""
+
+
+class PinnedMapMismatch(LinkError):
+    """A pinned map is not the map the object would create."""
+
+
+def mismatches(want: MapDef, fd: int) -> list[str]:
+    """How the live map behind `fd` differs from `want` ([] when it is that map's shape)."""
+    info = map_info(fd)
+    have = {
+        "type": info.type,
+        "key_size": info.key_size,
+        "value_size": info.value_size,
+        "max_entries": info.max_entries,
+        "flags": info.flags,
+    }
+    return [f"{k} is {v}, expected {getattr(want, k)}" for k, v in have.items() if v != getattr(want, k)]
+
+
+def _create(m: MapDef, btf_fd: int) -> int:
+    args = (m.type, m.key_size, m.value_size, m.max_entries, m.flags, m.name)
+    fd = bpfsys.map_create(*args, btf_fd, m.btf_key_type_id, m.btf_value_type_id) if btf_fd > 0 else -1
+    if fd < 0:
+        fd = bpfsys.map_create(*args)  # a kernel refusing the BTF still gets a working map
+    if fd < 0:
+        raise LinkError(f"creating map {m.name}: {os.strerror(-fd)}")
+    return fd
+
+
+def _open_or_create(m: MapDef, path: str, btf_fd: int) -> int:
+    fd = bpfsys.obj_get(path)
+    if fd >= 0:
+        diffs = mismatches(m, fd)
+        if diffs:
+            os.close(fd)
+            raise PinnedMapMismatch(f"{path}: " + ", ".join(diffs))
+        return fd
+    if fd != -errno.ENOENT:  # missing: create it; anything else is not ours to paper over
+        raise LinkError(f"opening pinned map {path}: {os.strerror(-fd)}")
+    fd = _create(m, btf_fd)
+    ret = bpfsys.obj_pin(fd, path)
+    if ret < 0:
+        os.close(fd)
+        raise LinkError(f"pinning map {m.name} at {path}: {os.strerror(-ret)}")
+    return fd
+
+
+def load_insns(spec: ProgSpec, name: str, insns: bytes) -> tuple[bytes, dict[str, int]]:
+    """The instructions and load attributes of a program as its spec says: kfunc calls patched in
+    (agent/ebpf/kfunc.py: bcc 0.26 cannot emit one), the hook it is loaded for, an iterator's
+    target. LinkError when the running kernel lacks a function it calls or a marker has no call."""
+    wanted = [fn for _, fn in spec.kfuncs] + ([f"bpf_iter_{spec.iter_target}"] if spec.iter_target else [])
+    try:
+        ids = vmlinux_func_ids(wanted) if wanted else {}
+    except BtfError as e:
+        raise LinkError(f"loading program {name}: {e}") from e
+    if spec.kfuncs:
+        insns, patched = patch_kfunc_calls(insns, {mark: ids[fn] for mark, fn in spec.kfuncs})
+        unused = [fn for mark, fn in spec.kfuncs if not patched[mark]]
+        if unused:
+            raise LinkError(f"{name}: no call of {', '.join(unused)} to patch")
+    attrs = {
+        "expected_attach_type": max(spec.attach_type, 0),
+        "attach_btf_id": ids[f"bpf_iter_{spec.iter_target}"] if spec.iter_target else 0,
+    }
+    return insns, attrs
+
+
+def _load(obj: BpfObject, name: str, fds: list[int]) -> int:
+    prog = obj.program(name)
+    spec = PROGRAMS.get(name, ProgSpec(prog.type))
+    insns, attrs = load_insns(spec, name, relocate(prog, fds))
+    fd = bpfsys.prog_load(prog.type, insns, obj.license, name, obj.kern_version, **attrs)
+    if fd >= 0:
+        return fd
+    # Again with the verifier's log, for the message (as libbpf does).
+    buf = ctypes.create_string_buffer(VERIFIER_LOG_BYTES)
+    again = bpfsys.prog_load(prog.type, insns, obj.license, name, obj.kern_version, log=buf, **attrs)
+    if again >= 0:
+        return again
+    text = buf.value.decode(errors="replace").strip()
+    raise LinkError(f"loading program {name} (build {obj.build}): {os.strerror(-fd)}\n{text[-4000:]}")
+
+
+def link(
+    obj: BpfObject, pin_path: str, pinned: Collection[str], prog_path: Callable[[str], str]
+) -> dict[str, int]:
+    """Open or create the maps, load and pin every program of `obj`; the program fds by name."""
+    missing = sorted(set(pinned) - {m.name for m in obj.maps})
+    if missing:
+        raise LinkError(f"build {obj.build} declares no map {', '.join(missing)}")
+    btf_fd = -1
+    if obj.btf:
+        btf_fd = bpfsys.btf_load(obj.btf)
+        if btf_fd < 0:
+            log.warning(
+                "the kernel refused the data path's BTF (%s): maps created now lack field names in "
+                "bpftool dumps",
+                os.strerror(-btf_fd),
+            )
+    fds: list[int] = []
+    progs: dict[str, int] = {}
+    ok = False
+    try:
+        for m in obj.maps:
+            if m.name in pinned:
+                fds.append(_open_or_create(m, os.path.join(pin_path, m.name), btf_fd))
+            else:
+                fds.append(_create(m, btf_fd))
+        for p in obj.programs:
+            fd = _load(obj, p.name, fds)
+            progs[p.name] = fd
+            path = prog_path(p.name)
+            if os.path.exists(path):
+                os.unlink(path)
+            ret = bpfsys.obj_pin(fd, path)
+            if ret < 0:
+                raise LinkError(f"pinning program {p.name} at {path}: {os.strerror(-ret)}")
+        ok = True
+        return progs
+    finally:
+        for fd in fds:
+            os.close(fd)
+        if btf_fd >= 0:
+            os.close(btf_fd)
+        if not ok:
+            for fd in progs.values():
+                os.close(fd)

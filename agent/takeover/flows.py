@@ -1,0 +1,267 @@
+"""Established service flows, moved between the kernel's conntrack and the eBPF conntrack (pure).
+
+A node switching data paths (kube-proxy or iptables mode -> eBPF mode, and back) has flows that
+the data path going away translated. The one coming in must translate them the same way (same
+backend, same SNAT source), or every established connection through a Service breaks: eBPF mode
+drops a mid-flow TCP segment it has no conntrack entry for (`NO_FLOW`), and netfilter would send
+it through the Service's rules again, to a random backend. Both tables hold the same facts, so a
+flow is carried by rewriting one table's entry into the other's layout:
+
+  nf_conntrack (one entry, two tuples)          eBPF conntrack (two entries, agent/ebpf/abi.py)
+    original  client:cport -> frontend:fport      FORWARD {client, frontend, cport, fport}
+    reply     backend:bport -> snat:sport           -> backend:bport (+ SNAT source snat:sport)
+              (snat:sport = client:cport when      REPLY   {backend, snat, bport, sport}
+               the source was not translated)        -> frontend:fport (+ client:cport if SNAT)
+
+`NatFlow` is the kernel's view, `ebpf_entries` turns it into the two eBPF entries and `nat_flow`
+turns an eBPF FORWARD entry back into it. Which flows are carried:
+
+* kernel -> eBPF: entries whose original destination is a frontend the eBPF maps hold (any scope:
+  conntrack does not know the device a flow came in on), destination-translated (DST_NAT), not
+  closed (TIME_WAIT, CLOSE), and whose client is not the node itself: a host-network client's
+  replies leave through the node's own stack, which the tc programs do not serve (its flow keeps
+  using the kernel's NAT binding, which outlives the rules). A UDP flow whose backend is no longer
+  a backend of the maps is left behind, as kube-proxy clears such entries; a TCP flow keeps its
+  backend, known or not, as it would under kube-proxy.
+* eBPF -> kernel: FORWARD entries not expired and not closed (a RST, FINs both ways).
+
+State is carried as far as the other table can hold it: an established TCP flow stays
+established (the long timeout), a flow with one FIN stays half-closed, a UDP flow that was
+replied stays replied (a stream when the kernel had it assured).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from enum import IntEnum
+
+from agent.ebpf.abi import CtDir, CtEntry, CtFlag, CtKey, ip_be, ip_str, port_be, port_host
+
+TCP, UDP = 6, 17
+NSEC = 1_000_000_000
+
+# nf_conntrack's status bits (include/uapi/linux/netfilter/nf_conntrack_common.h).
+IPS_SEEN_REPLY = 1 << 1
+IPS_ASSURED = 1 << 2
+IPS_CONFIRMED = 1 << 3
+IPS_SRC_NAT = 1 << 4
+IPS_DST_NAT = 1 << 5
+IPS_SRC_NAT_DONE = 1 << 7
+IPS_DST_NAT_DONE = 1 << 8
+
+
+class TcpState(IntEnum):
+    """nf_conntrack's TCP states (enum tcp_conntrack)."""
+
+    NONE = 0
+    SYN_SENT = 1
+    SYN_RECV = 2
+    ESTABLISHED = 3
+    FIN_WAIT = 4
+    CLOSE_WAIT = 5
+    LAST_ACK = 6
+    TIME_WAIT = 7
+    CLOSE = 8
+    SYN_SENT2 = 9
+
+
+HALF_CLOSED = (TcpState.FIN_WAIT, TcpState.CLOSE_WAIT, TcpState.LAST_ACK)
+ENDED = (TcpState.TIME_WAIT, TcpState.CLOSE)
+
+Tuple = tuple[str, str, int, int]  # source, destination, source port, destination port
+Ident = tuple[str, int, int]  # address, port, protocol
+
+
+@dataclass(frozen=True)
+class NatFlow:
+    """One flow as nf_conntrack holds it: the original tuple, the reply tuple, the state."""
+
+    proto: int
+    orig: Tuple
+    reply: Tuple
+    status: int = IPS_SEEN_REPLY | IPS_ASSURED
+    tcp_state: TcpState = TcpState.ESTABLISHED
+
+    @property
+    def dnat(self) -> bool:
+        """The destination was translated: the reply comes from elsewhere than it was sent to."""
+        return (self.reply[0], self.reply[2]) != (self.orig[1], self.orig[3])
+
+    @property
+    def snat(self) -> bool:
+        """The source was translated: the reply goes elsewhere than the client."""
+        return (self.reply[1], self.reply[3]) != (self.orig[0], self.orig[2])
+
+    def describe(self) -> str:
+        s, d, sp, dp = self.orig
+        rs, rd, rsp, rdp = self.reply
+        proto = {TCP: "tcp", UDP: "udp"}.get(self.proto, str(self.proto))
+        return f"{proto} {s}:{sp} -> {d}:{dp} (backend {rs}:{rsp}, reply to {rd}:{rdp})"
+
+
+@dataclass(frozen=True)
+class EbpfIds:
+    """What the eBPF maps hold, for naming a carried flow's service port and backend."""
+
+    services: Mapping[Ident, int]  # frontend (address, port, protocol) -> svc_id
+    backends: Mapping[Ident, int]  # backend (address, port, protocol) -> backend id
+
+
+class Skip(IntEnum):
+    """Why a kernel flow is not carried into eBPF conntrack (counted in the log)."""
+
+    NOT_A_SERVICE = 0  # no DNAT, or its destination is no frontend of ours
+    ENDED = 1  # TIME_WAIT / CLOSE
+    NODE_CLIENT = 2  # the node itself is the client (host network)
+    BACKEND_GONE = 3  # UDP, the backend left the Service
+    PROTOCOL = 4  # neither TCP nor UDP
+
+
+def ebpf_flags(flow: NatFlow) -> int:
+    """eBPF flow state (CtFlag) for the kernel's."""
+    flags = 0
+    if flow.snat:
+        flags |= CtFlag.SNAT
+    if flow.status & IPS_SEEN_REPLY:
+        flags |= CtFlag.SEEN_REPLY
+    if flow.proto == TCP:
+        if flow.tcp_state in (TcpState.ESTABLISHED, *HALF_CLOSED):
+            flags |= CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED
+        if flow.tcp_state in HALF_CLOSED:
+            flags |= CtFlag.FIN_FWD  # one FIN: the close-wait timeout, as the kernel gives it
+    elif flow.status & IPS_ASSURED:
+        flags |= CtFlag.ESTABLISHED
+    return flags | CtFlag.ADOPTED
+
+
+def why_not_carried(flow: NatFlow, ids: EbpfIds, node_addresses: Collection[str]) -> Skip | None:
+    """None when `flow` is carried into eBPF conntrack, else why not (module doc)."""
+    if flow.proto not in (TCP, UDP):
+        return Skip.PROTOCOL
+    if not flow.dnat or (flow.orig[1], flow.orig[3], flow.proto) not in ids.services:
+        return Skip.NOT_A_SERVICE
+    if flow.proto == TCP and flow.tcp_state in ENDED:
+        return Skip.ENDED
+    if flow.orig[0] in node_addresses:
+        return Skip.NODE_CLIENT
+    if flow.proto == UDP and (flow.reply[0], flow.reply[2], flow.proto) not in ids.backends:
+        return Skip.BACKEND_GONE
+    return None
+
+
+def ebpf_entries(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[CtKey, CtEntry]]:
+    """The FORWARD and REPLY entries of a carried flow (check `why_not_carried` first)."""
+    s, d, sp, dp = flow.orig
+    rs, rd, rsp, rdp = flow.reply
+    snat = flow.snat
+    common = {
+        "last_seen_ns": now_ns,
+        "fe_addr": ip_be(d),
+        "fe_port": port_be(dp),
+        "flags": ebpf_flags(flow),
+        "svc_id": ids.services.get((d, dp, flow.proto), 0),
+        "backend_id": ids.backends.get((rs, rsp, flow.proto), 0),
+        "created_s": now_ns // NSEC,
+    }
+    forward_key = CtKey(
+        saddr=ip_be(s),
+        daddr=ip_be(d),
+        sport=port_be(sp),
+        dport=port_be(dp),
+        proto=flow.proto,
+        dir=CtDir.FORWARD,
+    )
+    forward = CtEntry(
+        nat_addr=ip_be(rs),
+        nat_port=port_be(rsp),
+        snat_addr=ip_be(rd) if snat else 0,
+        snat_port=port_be(rdp) if snat else 0,
+        **common,
+    )
+    reply_key = CtKey(
+        saddr=ip_be(rs),
+        daddr=ip_be(rd),
+        sport=port_be(rsp),
+        dport=port_be(rdp),
+        proto=flow.proto,
+        dir=CtDir.REPLY,
+    )
+    reply = CtEntry(
+        nat_addr=ip_be(s) if snat else 0,
+        nat_port=port_be(sp) if snat else 0,
+        snat_addr=0,
+        snat_port=0,
+        **common,
+    )
+    return [(reply_key, reply), (forward_key, forward)]  # the REPLY entry first, as the data path
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds an exported flow lives in nf_conntrack without traffic (the node's own timeouts
+    take over at its next packet)."""
+
+    tcp_established: int = 86400
+    tcp_close_wait: int = 3600
+    tcp_syn: int = 60
+    udp: int = 30
+    udp_stream: int = 120
+
+
+def ebpf_closed(flags: int) -> bool:
+    """A RST, or FINs both ways (ekp_ct_closed)."""
+    both = CtFlag.FIN_FWD | CtFlag.FIN_REPLY
+    return bool(flags & CtFlag.RST) or flags & both == both
+
+
+def nat_flow(key: CtKey, entry: CtEntry) -> NatFlow | None:
+    """The kernel's view of an eBPF FORWARD entry; None for a REPLY entry, a closed flow or a
+    protocol the kernel entry cannot be made for."""
+    if key.dir != CtDir.FORWARD or key.proto not in (TCP, UDP) or ebpf_closed(entry.flags):
+        return None
+    snat = bool(entry.flags & CtFlag.SNAT)
+    orig = (ip_str(key.saddr), ip_str(key.daddr), port_host(key.sport), port_host(key.dport))
+    reply = (
+        ip_str(entry.nat_addr),
+        ip_str(entry.snat_addr) if snat else orig[0],
+        port_host(entry.nat_port),
+        port_host(entry.snat_port) if snat else orig[2],
+    )
+    status = 0
+    if entry.flags & CtFlag.SEEN_REPLY:
+        status |= IPS_SEEN_REPLY
+    if entry.flags & CtFlag.ESTABLISHED:
+        status |= IPS_ASSURED
+    state = TcpState.NONE
+    if key.proto == TCP:
+        if entry.flags & (CtFlag.FIN_FWD | CtFlag.FIN_REPLY):
+            state = TcpState.CLOSE_WAIT
+        elif entry.flags & CtFlag.ESTABLISHED:
+            state = TcpState.ESTABLISHED
+        else:
+            state = TcpState.SYN_RECV if entry.flags & CtFlag.SEEN_REPLY else TcpState.SYN_SENT
+    return NatFlow(proto=key.proto, orig=orig, reply=reply, status=status, tcp_state=state)
+
+
+def timeout_of(flow: NatFlow, timeouts: Timeouts) -> int:
+    """The timeout an exported flow gets in nf_conntrack, from its state."""
+    if flow.proto == TCP:
+        if flow.tcp_state == TcpState.ESTABLISHED:
+            return timeouts.tcp_established
+        if flow.tcp_state in HALF_CLOSED:
+            return timeouts.tcp_close_wait
+        return timeouts.tcp_syn
+    return timeouts.udp_stream if flow.status & IPS_ASSURED else timeouts.udp
+
+
+def kernel_status(flow: NatFlow) -> int:
+    """CTA_STATUS of a created entry: its state, and the NAT bits of the translations it carries
+    (ctnetlink refuses a status that differs from what its NAT setup set, and CONFIRMED, which it
+    sets before reading the status)."""
+    status = IPS_CONFIRMED | (flow.status & (IPS_SEEN_REPLY | IPS_ASSURED))
+    if flow.dnat:
+        status |= IPS_DST_NAT | IPS_DST_NAT_DONE
+    if flow.snat:
+        status |= IPS_SRC_NAT | IPS_SRC_NAT_DONE
+    return status

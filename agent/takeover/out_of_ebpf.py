@@ -1,0 +1,149 @@
+"""iptables mode taking a node over from eBPF mode, keeping established flows.
+
+A `helm upgrade` that turns `mode` from ebpf to iptables starts an iptables-mode agent on a node
+whose eBPF programs are still attached (an agent that stops leaves them serving). Left there, they
+would go on translating in front of the new rules; removed without more, every flow they
+translated would reach netfilter without a conntrack entry, be taken for a new flow (the kernel
+picks TCP up mid-stream) and sent through the Service's rules to a random backend. So, once the
+iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
+
+1. every FORWARD entry of the pinned eBPF conntrack that is a live flow is written into
+   nf_conntrack with its NAT bindings (agent/takeover/flows.py, agent/takeover/nfct.py): the
+   kernel translates it to the same backend and SNAT source from its first packet on;
+2. the programs are detached from every device of the node;
+3. the flows the programs started between 1 and 2 are written too (entries already there kept);
+4. the pins go (maps, programs, the directory), as `agent --cleanup` removes them.
+
+Nothing happens where no eBPF conntrack is pinned at --bpf-pin-path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from pyroute2.netlink.exceptions import NetlinkError
+
+from agent.config import Config
+from agent.ebpf import abi
+from agent.takeover.flows import NatFlow, Timeouts, nat_flow
+
+log = logging.getLogger(__name__)
+
+
+def timeouts_of(config: Config) -> Timeouts:
+    """The timeouts exported flows get (kube-proxy's conntrack settings where set)."""
+    c = config.conntrack
+    base = Timeouts()
+    return Timeouts(
+        tcp_established=int(c.tcp_established_timeout_s) or base.tcp_established,
+        tcp_close_wait=int(c.tcp_close_wait_timeout_s) or base.tcp_close_wait,
+        udp=int(c.udp_timeout_s) or base.udp,
+        udp_stream=int(c.udp_stream_timeout_s) or base.udp_stream,
+    )
+
+
+def pinned_flows(pin_path: str) -> list[NatFlow]:
+    """The live flows of the eBPF conntrack pinned at `pin_path`, as nf_conntrack entries."""
+    from agent.ebpf.maps import BpfMap
+
+    flows = []
+    for role in ("ct_tcp", "ct_any"):
+        if not os.path.exists(os.path.join(pin_path, abi.MAPS[role].name)):
+            continue
+        with BpfMap.open_pinned(abi.MAPS[role], pin_path) as table:
+            for key, entry in table.items():
+                if isinstance(key, abi.CtKey) and isinstance(entry, abi.CtEntry):
+                    flow = nat_flow(key, entry)
+                    if flow is not None:
+                        flows.append(flow)
+    return flows
+
+
+def _create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Any:
+    from agent.takeover.nfct import create_flows
+
+    return create_flows(netns, flows, timeouts)
+
+
+def _detach(netns: str) -> list[str]:
+    from agent.ebpf.attach import detach_all
+
+    return detach_all(netns)
+
+
+def _remove_pins(pin_path: str) -> list[str]:
+    from agent.ebpf.proxier import remove_pins
+
+    return remove_pins(pin_path)
+
+
+class EbpfHandback:
+    """The eBPF data path's flows handed to nf_conntrack, then its programs and pins removed."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        read: Callable[[str], list[NatFlow]] = pinned_flows,
+        create: Callable[[str, Iterable[NatFlow], Timeouts], Any] = _create,
+        detach: Callable[[str], list[str]] = _detach,
+        remove_pins: Callable[[str], list[str]] = _remove_pins,
+    ) -> None:
+        self._config = config
+        self._read = read
+        self._create = create
+        self._detach = detach
+        self._remove_pins = remove_pins
+
+    @property
+    def pending(self) -> bool:
+        pin_path = self._config.pin_path
+        return any(os.path.exists(os.path.join(pin_path, abi.MAPS[r].name)) for r in ("ct_tcp", "ct_any"))
+
+    def run(self) -> None:
+        if not self.pending:
+            return
+        try:
+            self._run()
+        except (OSError, NetlinkError) as exc:
+            log.error(
+                "cannot take over from eBPF mode at %s (%s): its programs stay attached and go on translating"
+                " in front of the rules. The agent needs CAP_BPF and a seccomp profile that allows bpf(2)"
+                " (the chart's takeOverFromEbpf); or run `agent --cleanup` on the node, which drops the"
+                " established connections",
+                self._config.pin_path,
+                exc,
+            )
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        netns, pin_path = self._config.netns, self._config.pin_path
+        timeouts = timeouts_of(self._config)
+        first = self._read(pin_path)
+        done = self._create(netns, first, timeouts)
+        detached = self._detach(netns)
+        seen = set(first)
+        late = [f for f in self._read(pin_path) if f not in seen]
+        more = self._create(netns, late, timeouts)
+        removed = self._remove_pins(pin_path)
+        failed = [*done.failed, *more.failed]
+        for line in failed[:10]:
+            log.warning("an eBPF flow could not be handed to nf_conntrack: %s", line)
+        log.info(
+            "took over from eBPF mode: %d established flows handed to nf_conntrack (%d before the"
+            " programs were detached from %s, %d after; %d there already, %d failed), %d pins removed"
+            " from %s, %.0f ms",
+            done.created + more.created,
+            done.created,
+            ",".join(sorted(detached)) or "no device",
+            more.created,
+            done.present + more.present,
+            len(failed),
+            len(removed),
+            pin_path,
+            (time.monotonic() - started) * 1000,
+        )

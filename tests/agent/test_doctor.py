@@ -1,0 +1,219 @@
+"""`agent doctor`'s checklist from literal facts: each check's verdict, what it names as the fix,
+the exit status, and the helper list against the C source. The lab runs are in
+tests/traffic/test_doctor.py."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agent.config import Mode
+from agent.doctor.checks import (
+    HELPERS,
+    MAP_KINDS,
+    SOCKET_HELPERS,
+    ApiFacts,
+    BpfFeatures,
+    Facts,
+    ForeignHook,
+    Line,
+    Verdict,
+    checklist,
+    kernel_version,
+    render,
+)
+from agent.doctor.facts import parse_bpftool_features
+
+BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
+FEATURES = BpfFeatures(
+    program_types=frozenset({"sched_cls", "xdp", "cgroup_sock_addr"}),
+    map_kinds=frozenset(MAP_KINDS),
+    helpers=frozenset(HELPERS),
+    socket_helpers=frozenset(SOCKET_HELPERS),
+)
+GOOD_API = ApiFacts(url="https://10.0.0.1:6443", services=3, service_ports=4, endpoints=6, entries={"fe": 8})
+GOOD = Facts(
+    mode=Mode.EBPF,
+    node="node1",
+    kernel="6.18.0",
+    features=FEATURES,
+    pin_path="/sys/fs/bpf/ebpf-kube-proxy",
+    cgroup2="/sys/fs/cgroup",
+    api=GOOD_API,
+    map_sizes={"fe": 65536},
+    conntrack=(10, 262144),
+)
+
+
+def by_check(lines: list[Line]) -> dict[str, Line]:
+    out: dict[str, Line] = {}
+    for line in lines:
+        if line.check not in out or line.verdict is Verdict.FAIL:
+            out[line.check] = line
+    return out
+
+
+def test_a_good_node_is_all_ok() -> None:
+    lines = checklist(GOOD)
+    assert {line.verdict for line in lines} == {Verdict.OK}, lines
+    assert render(GOOD, lines).endswith("verdict: ready for ebpf mode\n")
+
+
+@pytest.mark.parametrize(
+    ("change", "check", "verdict", "fix"),
+    [
+        ({"missing_caps": ("CAP_BPF",)}, "privileges", Verdict.FAIL, "run the agent as root"),
+        ({"kernel": "5.4.0-150-generic"}, "kernel", Verdict.FAIL, "upgrade the node's kernel to 5.10+"),
+        (
+            {"features": replace(FEATURES, helpers=frozenset(HELPERS) - {"bpf_redirect_neigh"})},
+            "BPF features",
+            Verdict.FAIL,
+            "CONFIG_NET_CLS_BPF",
+        ),
+        (
+            {"features": replace(FEATURES, socket_helpers=frozenset(SOCKET_HELPERS) - {"bpf_set_retval"})},
+            "BPF features",
+            Verdict.WARN,
+            "--bpf-socket-lb=false",
+        ),
+        (
+            {"features": BpfFeatures(error="bpftool: not found")},
+            "BPF features",
+            Verdict.WARN,
+            "install bpftool",
+        ),
+        (
+            {"features": replace(FEATURES, program_types=frozenset({"sched_cls"}))},
+            "BPF features",
+            Verdict.WARN,
+            "CONFIG_CGROUP_BPF",
+        ),
+        ({"btf": False}, "BTF", Verdict.WARN, "CONFIG_DEBUG_INFO_BTF"),
+        (
+            {"toolchain_problems": ("the bcc Python module is missing: install Debian's python3-bpfcc",)},
+            "bcc and headers",
+            Verdict.FAIL,
+            "install Debian's python3-bpfcc",
+        ),
+        (
+            {
+                "pin_problems": (
+                    "--bpf-pin-path /tmp/x is not on a bpf filesystem (it is on tmpfs): mount -t bpf",
+                )
+            },
+            "bpffs",
+            Verdict.FAIL,
+            "mount -t bpf",
+        ),
+        ({"cgroup2": ""}, "cgroup2", Verdict.WARN, "mount -t cgroup2"),
+        ({"ip_forward": "0"}, "forwarding", Verdict.FAIL, "sysctl -w net.ipv4.ip_forward=1"),
+        (
+            {"kube_proxy_chains": {"legacy": ["KUBE-SERVICES", "KUBE-NODEPORTS"]}},
+            "kube-proxy",
+            Verdict.FAIL,
+            "agent --cleanup-kube-proxy",
+        ),
+        ({"kube_proxy_tables": ("ip kube-proxy",)}, "kube-proxy", Verdict.FAIL, "agent --cleanup-kube-proxy"),
+        (
+            {"foreign_hooks": (ForeignHook("eth0", "tc ingress", "cil_from_netdev pref 1", True),)},
+            "tc/XDP hooks",
+            Verdict.FAIL,
+            "tc filter del dev DEVICE ingress pref N",
+        ),
+        (
+            {"foreign_hooks": (ForeignHook("eth0", "xdp", "program id 7", False),)},
+            "tc/XDP hooks",
+            Verdict.WARN,
+            "expects translated packets",
+        ),
+        (
+            {"api": ApiFacts(url="https://10.96.0.1:443", via_service="KUBERNETES_SERVICE_HOST=10.96.0.1")},
+            "API server",
+            Verdict.FAIL,
+            "--master https://ADDRESS:6443",
+        ),
+        (
+            {"api": ApiFacts(url="https://127.0.0.1:1", error="MaxRetryError: connection refused")},
+            "API server",
+            Verdict.FAIL,
+            "check the address",
+        ),
+        ({"api": replace(GOOD_API, entries={"fe": 70000})}, "map sizes", Verdict.FAIL, "--bpf-<map>-max"),
+        ({"api": replace(GOOD_API, entries={"fe": 60000})}, "map sizes", Verdict.WARN, "--bpf-<map>-max"),
+        ({"conntrack": (250000, 262144)}, "conntrack", Verdict.WARN, "--conntrack-max-per-core"),
+    ],
+)
+def test_each_problem_is_its_own_line_with_what_to_do(
+    change: dict[str, object], check: str, verdict: Verdict, fix: str
+) -> None:
+    facts = replace(GOOD, **change)  # type: ignore[arg-type]
+    lines = checklist(facts)
+    line = by_check(lines)[check]
+    assert line.verdict is verdict, line
+    assert fix in line.fix, line
+    others = [x for x in lines if x.check != check]
+    assert all(x.verdict is Verdict.OK for x in others), others
+    text = render(facts, lines)
+    assert f"-> {line.fix}" in text
+    if verdict is Verdict.FAIL:
+        assert "will not work here until fixed" in text
+
+
+def test_iptables_mode_checks_iptables_not_the_bpf_side() -> None:
+    facts = replace(GOOD, mode=Mode.IPTABLES, features=None, kernel="4.19.0", cgroup2="")
+    checks = {line.check for line in checklist(facts)}
+    assert "iptables" in checks and not checks & {
+        "kernel",
+        "BPF features",
+        "bpffs",
+        "tc/XDP hooks",
+        "map sizes",
+    }
+    # the chains of a kube-proxy and of this agent in iptables mode have the same names: only a warning
+    mine = replace(facts, kube_proxy_chains={"nft": ["KUBE-SERVICES"]})
+    assert by_check(checklist(mine))["kube-proxy"].verdict is Verdict.WARN
+    missing = replace(facts, iptables_problem="neither iptables-nft nor iptables-legacy is on PATH")
+    assert by_check(checklist(missing))["iptables"].verdict is Verdict.FAIL
+
+
+def test_the_services_file_needs_no_api_server() -> None:
+    line = by_check(checklist(replace(GOOD, api=None)))["API server"]
+    assert line.verdict is Verdict.OK and "--services-file" in line.found
+
+
+def test_the_helper_list_is_every_helper_the_data_path_calls() -> None:
+    source = "".join(p.read_text() for p in sorted(BPF_DIR.glob("ekp_*.[ch]")))
+    called = set(re.findall(r"\b(bpf_[a-z0-9_]+)\(", source))
+    called |= {f"bpf_{m}" for m in re.findall(r"BPF_FUNC_([a-z0-9_]+)", source)}
+    assert called == set(HELPERS) | set(SOCKET_HELPERS)
+    sock = (BPF_DIR / "ekp_sock.h").read_text()
+    assert set(re.findall(r"\b(bpf_[a-z0-9_]+)\(", sock)) <= set(SOCKET_HELPERS), "the socket programs' own"
+    kinds = set(re.findall(r'BPF_(?:F_)?TABLE(?:_PINNED)?\("([a-z_]+)"', source))
+    assert kinds == set(MAP_KINDS)
+
+
+def test_bpftools_json_is_read() -> None:
+    doc = {
+        "program_types": {"have_sched_cls_prog_type": True, "have_xdp_prog_type": False},
+        "map_types": {"have_lru_hash_map_type": True, "have_hash_map_type": True},
+        "helpers": {
+            "sched_cls_available_helpers": ["bpf_fib_lookup", "bpf_redirect"],
+            "cgroup_sock_addr_available_helpers": ["bpf_set_retval"],
+        },
+    }
+    feats = parse_bpftool_features(doc)
+    assert feats.program_types == {"sched_cls"}
+    assert feats.map_kinds == {"lru_hash", "hash"}
+    assert feats.helpers == {"bpf_fib_lookup", "bpf_redirect"}
+    assert feats.socket_helpers == {"bpf_set_retval"}
+
+
+@pytest.mark.parametrize(
+    ("release", "version"),
+    [("6.18.44-fc-v657", (6, 18)), ("5.10.0-28-amd64", (5, 10)), ("5.4", (5, 4)), ("", (0, 0))],
+)
+def test_kernel_versions(release: str, version: tuple[int, int]) -> None:
+    assert kernel_version(release) == version

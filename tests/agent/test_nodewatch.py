@@ -1,0 +1,73 @@
+"""The node's addresses through netlink: an address or link change on a node device notifies the
+agent at once, one on a pod device does not; the thread stops when told."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from agent.config import Config
+from agent.nodewatch import AddressWatcher
+
+pytestmark = pytest.mark.kernel
+
+
+def ip(ns: str, *argv: str) -> None:
+    subprocess.run(["ip", "-n", ns, *argv], check=True, capture_output=True)
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    name = f"ekpw-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        ip(name, "link", "add", "eth0", "type", "veth", "peer", "name", "peer0")
+        ip(name, "link", "add", "lxc-a", "type", "veth", "peer", "name", "lxc-ap")
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+class Notes:
+    def __init__(self) -> None:
+        self.count = 0
+        self.event = threading.Event()
+
+    def __call__(self) -> None:
+        self.count += 1
+        self.event.set()
+
+    def wait(self, timeout: float) -> bool:
+        ok = self.event.wait(timeout)
+        self.event.clear()
+        return ok
+
+
+def test_node_address_changes_notify_and_pod_device_changes_do_not(netns: str) -> None:
+    watcher = AddressWatcher(Config(netns=netns, pod_interfaces=("lxc*",)))
+    notes = Notes()
+    watcher.start(notes)
+    try:
+        ip(netns, "addr", "add", "10.244.1.1/32", "dev", "lxc-a")
+        ip(netns, "link", "set", "lxc-a", "up")
+        ip(netns, "link", "add", "lxc-b", "type", "veth", "peer", "name", "lxc-bp")
+        assert not notes.wait(0.5), "pod devices are not node addresses"
+        start = time.monotonic()
+        ip(netns, "addr", "add", "192.168.0.211/24", "dev", "eth0")
+        assert notes.wait(1.0), "an address added on a node device"
+        assert time.monotonic() - start < 1.0
+        ip(netns, "addr", "del", "192.168.0.211/24", "dev", "eth0")
+        assert notes.wait(1.0), "an address removed"
+        ip(netns, "link", "set", "eth0", "up")
+        assert notes.wait(1.0), "a node device's link changed"
+    finally:
+        watcher.stop()
+    count = notes.count
+    ip(netns, "addr", "add", "192.168.0.212/24", "dev", "eth0")
+    time.sleep(0.3)  # a notification a stopped watcher would still send arrives well within this
+    assert notes.count == count, "stopped"

@@ -1,0 +1,377 @@
+"""Flows carried between nf_conntrack and the eBPF conntrack when a node switches data paths.
+
+Pure: the conversions of agent/takeover/flows.py with literal flows. With fakes: KernelTakeover
+over FakeMaps (what is carried, what stays with the kernel, the rules removed after the attach),
+EbpfHandback (write, detach, write the late flows, remove the pins, in that order). Kernel: a flow
+as nf_conntrack holds it carried into the loaded eBPF programs, whose mid-flow segments then go
+to its backend both ways (a segment the programs have no entry for drops as NO_FLOW); a flow of
+the eBPF conntrack written into a lab namespace's nf_conntrack with its NAT bindings.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.config import Config
+from agent.ebpf import abi
+from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
+from agent.ebpf.loader import Datapath
+from agent.ebpf.maps import FakeMap, MapWriter
+from agent.takeover.flows import (
+    IPS_ASSURED,
+    IPS_CONFIRMED,
+    IPS_DST_NAT,
+    IPS_DST_NAT_DONE,
+    IPS_SEEN_REPLY,
+    IPS_SRC_NAT,
+    IPS_SRC_NAT_DONE,
+    EbpfIds,
+    NatFlow,
+    Skip,
+    TcpState,
+    Timeouts,
+    ebpf_entries,
+    kernel_status,
+    nat_flow,
+    timeout_of,
+    why_not_carried,
+)
+from agent.takeover.into_ebpf import KernelTakeover
+from agent.takeover.nfct import Created
+from agent.takeover.out_of_ebpf import EbpfHandback
+from lab.dplab import (
+    BE1,
+    CLIENT,
+    MAC,
+    NODE,
+    NODE2,
+    POD_CLIENT,
+    REMOTE_BE,
+    SIZES,
+    VIP,
+    Net,
+    packet_lab,
+    reset_maps,
+)
+from lab.packets import loaded_datapath, parse, sh, tcp
+from tests.conftest import require_kernel
+
+IDS = EbpfIds(
+    services={(VIP, 80, 6): 3, (NODE, 30080, 6): 4, (VIP, 53, 17): 5},
+    backends={(BE1, 8080, 6): 21, (REMOTE_BE, 8080, 6): 22, (BE1, 53, 17): 23},
+)
+# pod -> ClusterIP -> local backend, client address kept
+CLUSTERIP = NatFlow(6, (POD_CLIENT, VIP, 40000, 80), (BE1, POD_CLIENT, 8080, 40000))
+# outside -> NodePort -> remote backend, masqueraded to the node's port 61000
+NODEPORT = NatFlow(6, (CLIENT, NODE, 5555, 30080), (REMOTE_BE, NODE, 8080, 61000))
+NOW = 5_000 * 10**9
+
+
+def entries(flow: NatFlow) -> dict[tuple[int, int], tuple[abi.CtKey, abi.CtEntry]]:
+    return {(k.dir, k.proto): (k, e) for k, e in ebpf_entries(flow, IDS, NOW)}
+
+
+def test_a_clusterip_flow_becomes_a_forward_and_a_reply_entry() -> None:
+    got = entries(CLUSTERIP)
+    fkey, fwd = got[(CtDir.FORWARD, 6)]
+    assert (fkey.saddr, fkey.daddr, fkey.sport, fkey.dport) == (
+        ip_be(POD_CLIENT),
+        ip_be(VIP),
+        port_be(40000),
+        port_be(80),
+    )
+    assert (fwd.nat_addr, fwd.nat_port, fwd.snat_addr, fwd.snat_port) == (ip_be(BE1), port_be(8080), 0, 0)
+    assert (fwd.fe_addr, fwd.fe_port, fwd.svc_id, fwd.backend_id) == (ip_be(VIP), port_be(80), 3, 21)
+    assert fwd.flags == CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED | CtFlag.ADOPTED
+    assert fwd.last_seen_ns == NOW
+    rkey, rep = got[(CtDir.REPLY, 6)]
+    assert (rkey.saddr, rkey.daddr, rkey.sport, rkey.dport) == (
+        ip_be(BE1),
+        ip_be(POD_CLIENT),
+        port_be(8080),
+        port_be(40000),
+    )
+    assert (rep.nat_addr, rep.nat_port, rep.fe_addr, rep.fe_port) == (0, 0, ip_be(VIP), port_be(80))
+
+
+def test_a_masqueraded_flow_keeps_its_snat_source_and_port() -> None:
+    got = entries(NODEPORT)
+    _, fwd = got[(CtDir.FORWARD, 6)]
+    assert (fwd.snat_addr, fwd.snat_port, fwd.nat_addr) == (ip_be(NODE), port_be(61000), ip_be(REMOTE_BE))
+    assert fwd.flags & CtFlag.SNAT
+    rkey, rep = got[(CtDir.REPLY, 6)]
+    assert (rkey.daddr, rkey.dport) == (ip_be(NODE), port_be(61000))
+    assert (rep.nat_addr, rep.nat_port) == (ip_be(CLIENT), port_be(5555))
+
+
+@pytest.mark.parametrize(
+    ("flow", "node", "why"),
+    [
+        (CLUSTERIP, (), None),
+        (NatFlow(6, (POD_CLIENT, BE1, 40000, 8080), (BE1, POD_CLIENT, 8080, 40000)), (), Skip.NOT_A_SERVICE),
+        (NatFlow(6, (POD_CLIENT, "10.96.9.9", 1, 80), (BE1, POD_CLIENT, 8080, 1)), (), Skip.NOT_A_SERVICE),
+        (NatFlow(6, CLUSTERIP.orig, CLUSTERIP.reply, tcp_state=TcpState.TIME_WAIT), (), Skip.ENDED),
+        (
+            NatFlow(6, ("192.168.0.11", VIP, 1, 80), (BE1, "192.168.0.11", 8080, 1)),
+            ("192.168.0.11",),
+            Skip.NODE_CLIENT,
+        ),
+        (NatFlow(17, (POD_CLIENT, VIP, 1, 53), ("10.244.1.77", POD_CLIENT, 53, 1)), (), Skip.BACKEND_GONE),
+        (NatFlow(17, (POD_CLIENT, VIP, 1, 53), (BE1, POD_CLIENT, 53, 1)), (), None),
+        (NatFlow(132, (POD_CLIENT, VIP, 1, 80), (BE1, POD_CLIENT, 8080, 1)), (), Skip.PROTOCOL),
+    ],
+    ids=[
+        "clusterip",
+        "no-dnat",
+        "no-frontend",
+        "time-wait",
+        "node-client",
+        "udp-backend-gone",
+        "udp",
+        "sctp",
+    ],
+)
+def test_which_kernel_flows_are_carried(flow: NatFlow, node: tuple[str, ...], why: Skip | None) -> None:
+    assert why_not_carried(flow, IDS, node) is why
+
+
+def test_a_tcp_flow_to_a_backend_the_maps_do_not_have_keeps_it() -> None:
+    gone = NatFlow(6, CLUSTERIP.orig, ("10.244.1.77", POD_CLIENT, 8080, 40000))
+    assert why_not_carried(gone, IDS, ()) is None
+    _, fwd = entries(gone)[(CtDir.FORWARD, 6)]
+    assert (fwd.nat_addr, fwd.backend_id) == (ip_be("10.244.1.77"), 0)
+
+
+@pytest.mark.parametrize(
+    ("flow", "flags"),
+    [
+        (
+            NatFlow(6, CLUSTERIP.orig, CLUSTERIP.reply, IPS_SEEN_REPLY, TcpState.CLOSE_WAIT),
+            CtFlag.FIN_FWD | CtFlag.ESTABLISHED | CtFlag.SEEN_REPLY,
+        ),
+        (NatFlow(6, CLUSTERIP.orig, CLUSTERIP.reply, 0, TcpState.SYN_SENT), 0),
+        (NatFlow(17, CLUSTERIP.orig, CLUSTERIP.reply, IPS_SEEN_REPLY, TcpState.NONE), CtFlag.SEEN_REPLY),
+        (
+            NatFlow(17, CLUSTERIP.orig, CLUSTERIP.reply, IPS_SEEN_REPLY | IPS_ASSURED, TcpState.NONE),
+            CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED,
+        ),
+    ],
+    ids=["half-closed", "syn-sent", "udp-replied", "udp-stream"],
+)
+def test_the_kernel_state_is_carried(flow: NatFlow, flags: int) -> None:
+    _, fwd = ebpf_entries(flow, IDS, NOW)[1]
+    assert fwd.flags == flags | CtFlag.ADOPTED
+
+
+def test_an_ebpf_flow_and_back_is_the_same_kernel_flow() -> None:
+    for flow in (CLUSTERIP, NODEPORT):
+        fkey, fwd = entries(flow)[(CtDir.FORWARD, 6)]
+        back = nat_flow(fkey, fwd)
+        assert back == NatFlow(6, flow.orig, flow.reply, IPS_SEEN_REPLY | IPS_ASSURED, TcpState.ESTABLISHED)
+        rkey, rep = entries(flow)[(CtDir.REPLY, 6)]
+        assert nat_flow(rkey, rep) is None  # one kernel entry per flow: from its FORWARD entry
+
+
+def test_closed_ebpf_flows_are_not_exported() -> None:
+    fkey, fwd = entries(CLUSTERIP)[(CtDir.FORWARD, 6)]
+    fwd.flags |= CtFlag.RST
+    assert nat_flow(fkey, fwd) is None
+    fwd.flags = CtFlag.FIN_FWD | CtFlag.ESTABLISHED
+    assert nat_flow(fkey, fwd) is not None and nat_flow(fkey, fwd).tcp_state == TcpState.CLOSE_WAIT  # type: ignore[union-attr]
+    fwd.flags |= CtFlag.FIN_REPLY
+    assert nat_flow(fkey, fwd) is None
+
+
+def test_the_kernel_status_names_the_nat_it_carries() -> None:
+    both = IPS_CONFIRMED | IPS_SEEN_REPLY | IPS_ASSURED | IPS_DST_NAT | IPS_DST_NAT_DONE
+    assert kernel_status(CLUSTERIP) == both
+    assert kernel_status(NODEPORT) == both | IPS_SRC_NAT | IPS_SRC_NAT_DONE
+    t = Timeouts(tcp_established=86400, tcp_close_wait=3600, tcp_syn=60, udp=30, udp_stream=120)
+    assert timeout_of(CLUSTERIP, t) == 86400
+    assert timeout_of(NatFlow(17, CLUSTERIP.orig, CLUSTERIP.reply, IPS_SEEN_REPLY), t) == 30
+
+
+# ---- KernelTakeover and EbpfHandback with fakes --------------------------------------------------
+
+
+def fake_maps() -> dict[str, MapWriter]:
+    maps: dict[str, MapWriter] = {role: FakeMap(MAPS[role]) for role in ("fe", "be", "ct_tcp", "ct_any")}
+    for (addr, port, proto), svc in IDS.services.items():
+        maps["fe"].update(
+            abi.FrontendKey(ip_be(addr), port_be(port), proto, Scope.INTERNAL), abi.Frontend(svc_id=svc)
+        )
+    for (addr, port, proto), bid in IDS.backends.items():
+        maps["be"].update(abi.BackendKey(bid), abi.Backend(ip_be(addr), port_be(port), proto, 0))
+    return maps
+
+
+def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules() -> None:
+    events: list[str] = []
+    kernel = [CLUSTERIP, NatFlow(6, ("192.168.0.11", VIP, 1, 80), (BE1, "192.168.0.11", 8080, 1))]
+
+    def dump(netns: str) -> list[NatFlow]:
+        events.append(f"dump {netns}")
+        return list(kernel)
+
+    takeover = KernelTakeover(
+        Config(netns="node1"),
+        dump=dump,
+        addresses=lambda netns: {"192.168.0.11"},
+        remove_rules=lambda config: events.append(f"remove rules {config.netns}"),
+        sysctl=lambda netns, path, value: events.append(f"{path}={value}") or "0",  # type: ignore[func-returns-value]
+        clock_ns=lambda: NOW,
+    )
+    maps = fake_maps()
+    takeover.before_attach(maps)
+    assert takeover.carried == 1 and len(maps["ct_tcp"].items()) == 2  # the node's own client left
+    kernel.append(NODEPORT)  # started by the old data path meanwhile
+    mine = abi.CtEntry(nat_addr=ip_be(BE1), nat_port=port_be(8080), flags=CtFlag.ESTABLISHED)
+    fkey = next(k for k, _ in ebpf_entries(CLUSTERIP, IDS, NOW) if k.dir == CtDir.FORWARD)
+    maps["ct_tcp"].update(fkey, mine)  # the programs wrote this one since: it is kept
+    takeover.after_attach(maps)
+    assert takeover.carried == 2 and len(maps["ct_tcp"].items()) == 4
+    assert dict((bytes(k), bytes(v)) for k, v in maps["ct_tcp"].items())[bytes(fkey)] == bytes(mine)
+    liberal = "net/netfilter/nf_conntrack_tcp_be_liberal"
+    assert events == ["dump node1", f"{liberal}=1", "dump node1", f"{liberal}=0", "remove rules node1"]
+
+
+def test_the_handback_writes_detaches_writes_the_late_flows_and_removes_the_pins(tmp_path: Path) -> None:
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_tcp"].name).touch()
+    events: list[str] = []
+    reads = [[CLUSTERIP], [CLUSTERIP, NODEPORT]]
+
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Created:
+        got = list(flows)
+        events.append(f"create {netns} {[f.orig[0] for f in got]}")
+        return Created(created=len(got))
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins)),
+        read=lambda pin_path: reads.pop(0),
+        create=create,
+        detach=lambda netns: events.append(f"detach {netns}") or ["eth0"],  # type: ignore[func-returns-value]
+        remove_pins=lambda pin_path: events.append("remove pins") or ["ekp_ct_tcp_v2"],  # type: ignore[func-returns-value]
+    )
+    assert handback.pending
+    handback.run()
+    assert events == [
+        f"create node1 {[POD_CLIENT]}",
+        "detach node1",
+        f"create node1 {[CLIENT]}",
+        "remove pins",
+    ]
+
+
+def test_no_handback_without_an_ebpf_conntrack(tmp_path: Path) -> None:
+    handback = EbpfHandback(
+        Config(pin_path=str(tmp_path / "none")),
+        read=lambda pin_path: pytest.fail("nothing to read"),
+        create=lambda netns, flows, timeouts: pytest.fail("nothing to write"),
+    )
+    assert not handback.pending
+    handback.run()
+
+
+# ---- kernel --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dp() -> Iterator[Datapath]:
+    require_kernel()
+    with loaded_datapath(SIZES) as datapath:
+        yield datapath
+
+
+@pytest.mark.kernel
+def test_flows_carried_from_nf_conntrack_go_on_through_the_programs(dp: Datapath) -> None:
+    with packet_lab() as lab:
+        reset_maps(dp)
+        net = Net(dp, lab)
+        net.add_service(backends=((21, BE1, 8080, BackendFlag.LOCAL),), svc_id=3)
+        net.add_service(
+            NODE,
+            30080,
+            ((22, REMOTE_BE, 8080, 0),),
+            scope=Scope.EXTERNAL,
+            flags=FrontendFlag.NODEPORT | FrontendFlag.SNAT_ALL,
+            set_id=2,
+            svc_id=4,
+            rev_nat_id=2,
+        )
+        mid_flow = tcp(POD_CLIENT, VIP, 40000, 80, flags="PA")
+        net.from_pod(mid_flow)
+        assert net.stats()[Stat.DROP_NO_FLOW] == 1  # before: a flow the programs never saw
+        takeover = KernelTakeover(
+            Config(),
+            dump=lambda netns: [CLUSTERIP, NODEPORT],
+            addresses=lambda netns: (),
+            remove_rules=lambda c: None,
+            sysctl=lambda netns, path, value: None,
+        )
+        takeover.before_attach(dp.maps)
+        assert takeover.carried == 2
+        assert parse(net.from_pod(mid_flow)[1]).dst == BE1
+        assert parse(net.from_pod(tcp(BE1, POD_CLIENT, 8080, 40000, flags="PA"))[1]).src == VIP
+        out = parse(net.from_net(tcp(CLIENT, NODE, 5555, 30080, flags="PA", smac=MAC[CLIENT]))[1])
+        assert (out.src, out.sport, out.dst, out.dport) == (NODE, 61000, REMOTE_BE, 8080)
+        back = parse(net.from_net(tcp(REMOTE_BE, NODE, 8080, 61000, flags="PA", smac=MAC[NODE2]))[1])
+        assert (back.src, back.sport, back.dst, back.dport) == (NODE, 30080, CLIENT, 5555)
+        stats = net.stats()
+        assert (stats[Stat.CT_FORWARD], stats[Stat.CT_REPLY], stats[Stat.DROP_NO_FLOW]) == (2, 2, 1)
+        reset_maps(dp)
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    require_kernel()
+    name = f"ekpt-{secrets.token_hex(3)}"
+    sh("ip", "netns", "add", name)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@pytest.mark.kernel
+def test_flows_written_into_nf_conntrack_carry_their_nat(netns: str) -> None:
+    from agent.takeover.nfct import create_flows, dump_flows
+
+    t = Timeouts()
+    assert create_flows(netns, [CLUSTERIP, NODEPORT], t).created == 2
+    again = create_flows(netns, [NODEPORT], t)
+    assert (again.created, again.present, again.failed) == (0, 1, [])
+    got = {f.orig: f for f in dump_flows(netns)}
+    for flow in (CLUSTERIP, NODEPORT):
+        kernel = got[flow.orig]
+        assert kernel.reply == flow.reply and kernel.tcp_state == TcpState.ESTABLISHED
+        assert kernel.status & kernel_status(flow) == kernel_status(flow), hex(kernel.status)
+
+
+def test_a_takeover_that_cannot_read_the_other_side_logs_the_fix_and_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refused(_: str) -> list[NatFlow]:
+        raise PermissionError(1, "Operation not permitted")
+
+    takeover = KernelTakeover(
+        Config(netns="node1"),
+        dump=refused,
+        addresses=lambda netns: (),
+        remove_rules=lambda c: None,
+        sysctl=lambda netns, path, value: pytest.fail("no window to cover: nothing was carried"),
+    )
+    takeover.before_attach(fake_maps())
+    assert takeover.carried == 0 and "needs NET_ADMIN" in caplog.text
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_any"].name).touch()
+    handback = EbpfHandback(Config(pin_path=str(pins)), read=refused)
+    handback.run()
+    assert "takeOverFromEbpf" in caplog.text and "its programs stay attached" in caplog.text

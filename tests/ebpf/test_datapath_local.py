@@ -1,0 +1,94 @@
+"""The local-traffic detector by source in the programs (`ekp_local_scope`): with
+`local_by_src`, a packet whose source is in the detector's CIDR looks up INTERNAL frontends and any
+other EXTERNAL ones, whichever program it entered by; without, the program's own scope decides.
+A service with both scopes on one VIP tells them apart: the EXTERNAL frontend masquerades
+(kube-proxy's `IfNotLocal -j KUBE-MARK-MASQ`), the INTERNAL one does not."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from agent.ebpf.abi import FrontendFlag, Scope, ip_be
+from agent.ebpf.loader import Datapath
+from lab.dplab import (
+    CLIENT,
+    NODE,
+    POD_CLIENT,
+    REMOTE_BE,
+    SIZES,
+    SNAT_MAX,
+    SNAT_MIN,
+    VIP,
+    Lab,
+    Net,
+    assert_balanced,
+    packet_lab,
+    reset_maps,
+    set_config,
+)
+from lab.packets import TC_ACT_REDIRECT, loaded_datapath, parse, tcp
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture(scope="module")
+def dp() -> Iterator[Datapath]:
+    with loaded_datapath(SIZES) as datapath:
+        yield datapath
+
+
+@pytest.fixture(scope="module")
+def lab(dp: Datapath) -> Iterator[Lab]:
+    with packet_lab() as built:
+        yield built
+
+
+@pytest.fixture(autouse=True)
+def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
+    reset_maps(dp)
+    yield
+    assert_balanced(dp)
+
+
+@pytest.fixture
+def net(dp: Datapath, lab: Lab) -> Net:
+    n = Net(dp, lab)
+    n.add_service(scope=Scope.INTERNAL)
+    n.add_service(scope=Scope.EXTERNAL, flags=FrontendFlag.SNAT_ALL)
+    return n
+
+
+def masqueraded(verdict: int, out: bytes) -> bool:
+    assert verdict == TC_ACT_REDIRECT
+    p = parse(out)
+    return p.src == NODE and SNAT_MIN <= p.sport <= SNAT_MAX
+
+
+def test_without_a_detector_by_source_the_program_decides(net: Net) -> None:
+    assert not masqueraded(*net.from_pod(tcp(CLIENT, VIP, 1000, 80)))
+    assert masqueraded(*net.from_net(tcp(POD_CLIENT, VIP, 1001, 80)))
+
+
+@pytest.mark.parametrize(("cidr", "plen"), [("10.244.1.0", 24), ("10.244.0.0", 16), ("10.244.1.9", 32)])
+def test_a_source_in_the_cidr_is_local_whichever_program_it_entered_by(
+    net: Net, cidr: str, plen: int
+) -> None:
+    set_config(net.dp, local_net=ip_be(cidr), local_plen=plen, local_by_src=1)
+    assert not masqueraded(*net.from_net(tcp(POD_CLIENT, VIP, 1000, 80)))
+    assert not masqueraded(*net.from_pod(tcp(POD_CLIENT, VIP, 1001, 80)))
+    assert masqueraded(*net.from_pod(tcp(CLIENT, VIP, 1002, 80)))
+    assert masqueraded(*net.from_net(tcp(CLIENT, VIP, 1003, 80)))
+
+
+def test_node_cidr_tells_this_nodes_pods_from_another_nodes(net: Net) -> None:
+    # NodeCIDR: 10.244.1.0/24 here; a pod of node2 (10.244.2.0/24) is not local.
+    set_config(net.dp, local_net=ip_be("10.244.1.0"), local_plen=24, local_by_src=1)
+    assert masqueraded(*net.from_net(tcp(REMOTE_BE, VIP, 1000, 80)))
+    assert not masqueraded(*net.from_pod(tcp(POD_CLIENT, VIP, 1001, 80)))
+
+
+def test_a_zero_length_prefix_makes_every_source_local(net: Net) -> None:
+    set_config(net.dp, local_net=0, local_plen=0, local_by_src=1)
+    assert not masqueraded(*net.from_net(tcp(CLIENT, VIP, 1000, 80)))

@@ -1,0 +1,101 @@
+"""The machine's cache of compiled data paths: what one agent compiled, the next one loads, as
+long as nobody else could have written it; anything doubtful is a miss, never an error."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from agent.ebpf.bpfobject import INSN, BpfObject, MapDef, ProgDef
+from agent.ebpf.objcache import KEEP, ObjectCache
+
+PROGRAM = INSN.pack(0x18, 0x11, 0, 3) + INSN.pack(0, 0, 0, 0) + INSN.pack(0x95, 0, 0, 0)
+
+
+def obj(build: str = "0123456789ab") -> BpfObject:
+    return BpfObject(
+        build=build,
+        license="GPL",
+        kern_version=0,
+        btf=b"",
+        maps=(MapDef("ekp_fe_v2", 1, 8, 16, 128, 0),),
+        programs=(ProgDef("ekp_from_pod", 3, PROGRAM, ((0, 0),)),),
+    )
+
+
+def test_what_is_put_is_got_back_by_its_build(tmp_path: Path) -> None:
+    cache = ObjectCache(str(tmp_path / "a" / "cache"))
+    assert cache.get("0123456789ab") is None
+    cache.put(obj())
+    assert cache.get("0123456789ab") == obj()
+    assert cache.get("ba9876543210") is None
+    assert cache.get("../../etc/x") is None
+    mode = os.stat(cache.path).st_mode & 0o777
+    assert mode == 0o700, oct(mode)
+    assert os.stat(cache.file("0123456789ab")).st_mode & 0o077 == 0
+
+
+def test_an_empty_path_turns_the_cache_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cache = ObjectCache("")
+    cache.put(obj())
+    assert cache.get(obj().build) is None and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["file", "dir", "parent"])
+def test_anything_others_could_have_written_is_not_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    parent = tmp_path / "p"
+    cache = ObjectCache(str(parent / "cache"))
+    cache.put(obj())
+    target = {"file": Path(cache.file(obj().build)), "dir": Path(cache.path), "parent": parent}[where]
+    os.chmod(target, 0o666 if where == "file" else 0o777)
+    assert ObjectCache(cache.path).get(obj().build) is None
+    assert "writable by" in caplog.text or "only root can write" in caplog.text
+    if where == "parent":
+        os.chmod(parent, 0o1777)  # the sticky bit, as /tmp and /sys/fs/bpf: others cannot replace it
+        assert ObjectCache(cache.path).get(obj().build) == obj()
+
+
+def test_a_symlinked_file_or_directory_is_not_followed(tmp_path: Path) -> None:
+    real = ObjectCache(str(tmp_path / "real"))
+    real.put(obj())
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    assert ObjectCache(str(tmp_path / "link")).get(obj().build) is None
+    other = ObjectCache(str(tmp_path / "other"))
+    other.put(obj("aaaaaaaaaaaa"))
+    os.symlink(real.file(obj().build), other.file(obj().build))
+    assert other.get(obj().build) is None
+
+
+def test_garbage_and_a_file_of_another_build_are_misses(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    cache = ObjectCache(str(tmp_path / "cache"))
+    cache.put(obj())
+    Path(cache.file(obj().build)).write_bytes(b"not json")
+    assert cache.get(obj().build) is None
+    os.replace(cache.file(obj().build), cache.file("bbbbbbbbbbbb"))
+    cache.put(obj())
+    os.replace(cache.file(obj().build), cache.file("cccccccccccc"))
+    assert cache.get("cccccccccccc") is None
+    assert "holds build 0123456789ab" in caplog.text
+
+
+def test_only_the_newest_are_kept(tmp_path: Path) -> None:
+    cache = ObjectCache(str(tmp_path / "cache"))
+    old = [f"{i:012x}" for i in range(KEEP)]
+    for i, build in enumerate(old):
+        cache.put(obj(build))
+        os.utime(cache.file(build), (1000 + i, 1000 + i))
+    assert cache.get(old[0]) is not None  # used now: the newest of the old ones
+    new = [f"f{i:011x}" for i in range(3)]
+    for build in new:
+        cache.put(obj(build))
+    kept = {n.removesuffix(".json") for n in os.listdir(cache.path)}
+    assert kept == {old[0], *old[4:], *new}

@@ -1,0 +1,249 @@
+"""Switching a live node's data path keeps its established connections (issue 19, item 2).
+
+kube-proxy -> eBPF mode, eBPF mode -> iptables mode, iptables mode -> eBPF mode (and kube-proxy in
+nftables mode -> iptables mode, whose rules would otherwise run beside its table): the agent of one
+data path runs the node, long-lived connections and a resolver's lookups go through its Services,
+it stops as the chart stops a pod (SIGTERM: its rules, or its programs and pins, stay and keep
+serving), and the agent of the other data path starts over the same node. Through the switch:
+
+* six TCP connections (four from a pod to a ClusterIP, two from outside to a NodePort, which are
+  masqueraded), each answering a line every 50 ms: none fails, none changes backend;
+* one UDP flow (one source port) to a ClusterIP: it keeps its backend;
+* a resolver looking a name up every 50 ms through the kube-dns ClusterIP, each lookup from a
+  new source port, tried again once after 1 s: no lookup fails twice.
+
+kube-proxy's iptables layout is this project's iptables mode run as if it were kube-proxy (it
+writes upstream's layout byte for byte) with the legacy backend, then stopped without cleanup;
+iptables mode itself runs with the nft backend. kube-proxy's nftables mode is its
+`ip kube-proxy` table for the same Services (lab/kubeproxy_nft.py), loaded with the real `nft`.
+After the switch the old data path's state is gone: no KUBE- chain in either backend and no
+`ip kube-proxy` table after a switch to eBPF mode, no pin and no tc filter of ours after a switch
+to iptables mode.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lab import Lab
+from lab.core import PODSERVER
+from lab.harness import CLIENT, CLUSTER_CIDR, Agent, Cluster, ep
+from lab.kubeproxy_nft import NftPort, ruleset
+from lab.objects import NS, Port, service, with_endpoints
+from tests.conftest import require_kernel
+
+pytestmark = pytest.mark.kernel
+
+NAMED_PORT = 7001
+UDP_PORT = 9005
+BACKENDS = ("pod-1-2", "pod-1-3")
+ECHO_IP, UDP_IP, DNS_IP = "10.96.6.1", "10.96.6.2", "10.96.6.53"
+NODE_PORT = 30601
+
+
+@pytest.fixture
+def lab() -> Iterator[Lab]:
+    require_kernel()
+    with Lab(nodes=1, pods_per_node=3) as built:
+        for name in BACKENDS:
+            pod = built.pod(name)
+            proc = built.popen(
+                pod,
+                sys.executable,
+                "-I",
+                "-S",
+                str(PODSERVER),
+                f"--name={name}",
+                "--http-port=8085",
+                f"--udp-port={UDP_PORT}",
+                f"--tcp-named-echo-port={NAMED_PORT}",
+                name="named-echo",
+            )
+            built.wait_tcp(pod, pod.ip, NAMED_PORT, proc=proc)
+            built.start_dns(pod)
+        yield built
+
+
+def objects(cluster: Cluster) -> list[dict[str, Any]]:
+    eps = [ep(cluster, name) for name in BACKENDS]
+    echo = service(
+        "echo", ECHO_IP, [Port("echo", NAMED_PORT, NAMED_PORT, node_port=NODE_PORT)], type="NodePort"
+    )
+    udp = service("udp", UDP_IP, [Port("udp", UDP_PORT, UDP_PORT, "UDP")])
+    dns = service("kube-dns", DNS_IP, [Port("dns", 53, 53, "UDP"), Port("dns-tcp", 53, 53, "TCP")])
+    return [*with_endpoints(echo, eps), *with_endpoints(udp, eps), *with_endpoints(dns, eps)]
+
+
+@dataclass
+class Client:
+    name: str
+    proc: subprocess.Popen[bytes]
+    stop: Path
+    out: Path
+
+    def finish(self) -> dict[str, Any]:
+        self.stop.touch()
+        self.proc.wait(timeout=30)
+        result: dict[str, Any] = json.loads(self.out.read_text())
+        return result
+
+
+def start_client(lab: Lab, where: str, name: str, *args: str) -> Client:
+    assert lab.tmpdir is not None
+    stop, out = lab.tmpdir / f"stop-{name}", lab.tmpdir / f"{name}.json"
+    with open(out, "wb") as f:
+        proc = lab.popen(
+            where,
+            sys.executable,
+            CLIENT,
+            *args,
+            "--stop-file",
+            str(stop),
+            "--max-s",
+            "90",
+            name=name,
+            stdout=f,
+        )
+    return Client(name, proc, stop, out)
+
+
+def start_traffic(lab: Lab) -> list[Client]:
+    named = ["named", "--port", str(NAMED_PORT), "--interval", "0.05", "--addr"]
+    clients = [start_client(lab, "pod-1-1", f"clusterip-{i}", *named, ECHO_IP) for i in range(4)]
+    nodeport = ["named", "--port", str(NODE_PORT), "--interval", "0.05", "--addr", lab.nodes[0].ip]
+    clients += [start_client(lab, "client", f"nodeport-{i}", *nodeport) for i in range(2)]
+    clients.append(
+        start_client(lab, "pod-1-1", "udpflow", "udpflow", "--addr", UDP_IP, "--port", str(UDP_PORT))
+    )
+    clients.append(start_client(lab, "pod-1-1", "dns", "dnsloop", "--addr", DNS_IP, "--timeout", "1"))
+    return clients
+
+
+@dataclass(frozen=True)
+class Switch:
+    before: str  # mode of the agent that runs first
+    after: str
+    before_flags: tuple[str, ...] = ()
+
+
+NFTABLES = "kube-proxy-nftables"  # no agent: kube-proxy's nftables table, written by lab/kubeproxy_nft.py
+
+SWITCHES = {
+    "kube-proxy-iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=legacy",)),
+    "kube-proxy-nftables-to-ebpf": Switch(NFTABLES, "ebpf"),
+    "kube-proxy-nftables-to-iptables": Switch(NFTABLES, "iptables"),
+    "ebpf-to-iptables": Switch("ebpf", "iptables"),
+    "iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=nft",)),
+}
+
+
+# The kubelet's (kube-proxy's own --cleanup leaves them too: agent/iptables/kube_proxy_cleanup.py).
+KUBELET_CHAINS = (":KUBE-FIREWALL ", ":KUBE-KUBELET-CANARY ", ":KUBE-IPTABLES-HINT ", ":KUBE-MARK-DROP ")
+
+
+def nft_ports(cluster: Cluster) -> list[NftPort]:
+    eps = tuple((cluster.lab.pod(name).ip, 0) for name in BACKENDS)
+
+    def port(name: str, port_name: str, proto: str, ip: str, port: int, node_port: int = 0) -> NftPort:
+        return NftPort(
+            NS, name, port_name, proto, ip, port, tuple((a, port) for a, _ in eps), node_port=node_port
+        )
+
+    return [
+        port("echo", "echo", "tcp", ECHO_IP, NAMED_PORT, NODE_PORT),
+        port("udp", "udp", "udp", UDP_IP, UDP_PORT),
+        port("kube-dns", "dns", "udp", DNS_IP, 53),
+        port("kube-dns", "dns-tcp", "tcp", DNS_IP, 53),
+    ]
+
+
+def run_kube_proxy_nftables(cluster: Cluster) -> None:
+    """kube-proxy in nftables mode has programmed the node (its table), and was stopped: the
+    table stays, as kube-proxy leaves it."""
+    lab, node = cluster.lab, cluster.lab.nodes[0]
+    assert lab.tmpdir is not None
+    script = lab.tmpdir / "kube-proxy.nft"
+    script.write_text(
+        ruleset(
+            nft_ports(cluster), cluster_cidr=CLUSTER_CIDR, service_cidr="10.96.0.0/12", node_ips=[node.ip]
+        )
+    )
+    lab.set_sysctl(node, "net.ipv4.ip_forward", "1")
+    lab.run(node, "nft", "-f", str(script))
+
+
+def kube_chains(cluster: Cluster) -> list[str]:
+    """kube-proxy's chains (iptables mode's) in either backend of the node."""
+    lines = cluster.ruleset(cluster.lab.nodes[0]).splitlines()
+    return [line for line in lines if line.startswith(":KUBE-") and not line.startswith(KUBELET_CHAINS)]
+
+
+@pytest.mark.parametrize("switch", list(SWITCHES.values()), ids=list(SWITCHES))
+def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: Switch) -> None:
+    nftables = switch.before == NFTABLES
+    cluster = Cluster(lab, "iptables" if nftables else switch.before, extra=switch.before_flags)
+    first = cluster.agents[0]
+    second = Agent(lab, first.node, switch.after, first.source)
+    second.log_path = first.log_path.with_name(f"agent-{switch.after}-{first.node.name}.log")
+    if nftables:
+        cluster.version = cluster.write(objects(cluster))
+        run_kube_proxy_nftables(cluster)
+    else:
+        cluster.start()
+        cluster.apply(objects(cluster))
+    clients = start_traffic(lab)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        time.sleep(2)  # every client exchanging under the first data path
+        first.stop()  # as the chart stops a pod: rules, or programs and pins, stay
+        cluster.agents = [second]
+        second.start()
+        second.wait_version(cluster.version)
+        time.sleep(3)  # every client exchanging under the second data path
+    finally:
+        results = {c.name: c.finish() for c in clients}
+    try:
+        log = second.log_since_start()
+        for name, r in results.items():
+            if name.startswith(("clusterip", "nodeport")):
+                assert r["errors"] == 0 and r["exchanges"] > 60, (name, r, log[-3000:])
+                assert len(r["backends"]) == 1 and r["backends"][0] in BACKENDS, (name, r)
+        flow = results["udpflow"]
+        assert len(flow["backends"]) == 1 and flow["sent"] > 60 and flow["lost"] <= 1, flow
+        dns = results["dns"]
+        assert dns["failed"] == 0 and dns["lookups"] > 60, dns
+        tcp = [r["exchanges"] for n, r in results.items() if n.startswith(("clusterip", "nodeport"))]
+        print(
+            f"\n{switch.before} -> {switch.after}: {len(tcp)} connections, {min(tcp)}-{max(tcp)} lines each;"
+            f" UDP flow {flow['sent']} sent, {flow['lost']} lost;"
+            f" DNS {dns['lookups']} lookups, {dns['retried']} retried"
+        )
+        tables = lab.run(first.node, "nft", "list", "tables").stdout
+        assert "kube-proxy" not in tables, (
+            f"kube-proxy's nftables table is removed once the agent serves: {tables}"
+        )
+        if switch.after == "ebpf":
+            assert "took over established flows from nf_conntrack" in log, log[-3000:]
+            assert kube_chains(cluster) == [], "the iptables data path's chains are removed once eBPF serves"
+            assert cluster.bpf_stats()["drop_no_flow"] == 0
+        elif nftables:
+            assert "deleted nftables table ip kube-proxy" in log, log[-3000:]
+        else:
+            assert "took over from eBPF mode" in log, log[-3000:]
+            assert not Path(first.pin_path).exists(), "the eBPF pins are removed"
+            tc = lab.run(first.node, "tc", "filter", "show", "dev", "eth0", "ingress").stdout
+            assert "ekp_" not in tc, tc
+    finally:
+        second.stop()
+        cluster.agents = [second, first]
+        failures = cluster.stop()
+    assert failures == []
