@@ -115,7 +115,8 @@ def parse_bpftool_features(doc: Mapping[str, Any]) -> BpfFeatures:
         )
 
     def helpers(prog_type: str) -> frozenset[str]:
-        return frozenset(str(h) for h in (doc.get("helpers") or {}).get(f"{prog_type}_available_helpers") or [])
+        listed = (doc.get("helpers") or {}).get(f"{prog_type}_available_helpers") or []
+        return frozenset(str(h) for h in listed)
 
     return BpfFeatures(
         program_types=kinds("program_types", "_prog_type"),
