@@ -106,6 +106,9 @@ class UpgradeLike(Protocol):
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
 
+    def serving(self) -> None:
+        """Every hook serves: tc, XDP and the socket programs (the other data path's rules go)."""
+
 
 class SocketAttacherLike(Protocol):
     """agent.ebpf.sockattach.SocketAttacher: the socket programs linked to one cgroup."""
@@ -149,6 +152,10 @@ class StartSteps:
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         for step in self._steps:
             step.after_attach(maps)
+
+    def serving(self) -> None:
+        for step in self._steps:
+            step.serving()
 
 
 def default_start_steps(config: Config) -> UpgradeLike:
@@ -437,6 +444,7 @@ class EbpfProxier:
         if first or periodic:
             self._attach_sockets(datapath, first=first)
         if first:
+            self._upgrade.serving()
             self._attacher.start_watcher()
             self._attached_once = True
 

@@ -144,6 +144,9 @@ class FakeUpgrade:
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self.log.append("carry v1 conntrack again")
 
+    def serving(self) -> None:
+        self.log.append("remove the other data path's rules")
+
 
 class Rig:
     """One node's kernel state (maps survive proxier instances, as pins do)."""
@@ -220,12 +223,15 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     assert rig.contents().same_entries(want)
     assert render_contents(rig.contents()) == render_contents(want)
     # the conntrack of an ABI v1 agent is carried over before and right after the programs change;
-    # the socket programs are linked after that, and sockets of backends gone meanwhile ended
+    # the socket programs are linked after that, and only then, every hook serving, are the other
+    # data path's rules (kube-proxy's OUTPUT chain for the node's clients) removed; sockets of
+    # backends gone meanwhile ended
     first = [
         "carry v1 conntrack",
         "reconcile full=True",
         "carry v1 conntrack again",
         "link sockets",
+        "remove the other data path's rules",
         "watch",
         "end stale sockets (0 so far)",
     ]
