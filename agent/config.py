@@ -152,6 +152,7 @@ class Config:
     socket_lb: bool = default("socket_lb")  # cgroup socket programs for the node's own sockets
     socket_lb_cgroup: str = default("socket_lb_cgroup")  # "" = the root of the cgroup2 mount
     socket_lb_host_only: bool = default("socket_lb_host_only")
+    ct_tcp_backend_gone_timeout_s: float = default("ct_tcp_backend_gone_timeout_s")
     # iptables mode
     iptables_backend: str = default("iptables_backend")  # auto | nft | legacy
     iptables_localhost_nodeports: bool = default("iptables_localhost_nodeports")

@@ -171,14 +171,15 @@ def _serve(conn: Any, services: int, endpoints: int) -> None:
 
 
 def map_size_flags(services: int, endpoints: int) -> list[str]:
-    """`--bpf-*-max` for the maps the default sizes cannot hold (50,000 x 10: fe, slot, be, member):
-    the entries the state needs, plus the changes' 11th endpoint, rounded up to 65,536."""
+    """`--bpf-*-max` for the maps the default sizes cannot hold (50,000 x 10: fe, slot, be, member,
+    addr): the entries the state needs, plus the changes' 11th endpoint, rounded up to 65,536."""
     need = {
         "fe": 2 * services,
         "slot": services * (endpoints + 1),
         "be": services * (endpoints + 1),
         "member": services * (endpoints + 1),
         "rnat": services,
+        "addr": services * (endpoints + 2),  # each cluster IP and endpoint address (and the node's)
     }
     flags = []
     for role, entries in need.items():

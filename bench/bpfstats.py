@@ -44,18 +44,20 @@ class Prog:
     where: str  # "lxc-p1 ingress"
 
 
-def attached_programs(lab: Lab, node: Node) -> list[Prog]:
-    """BPF programs attached to tc ingress of the node's devices (eth0 and every pod veth)."""
+def attached_programs(lab: Lab, node: Node, hooks: tuple[str, ...] = ("ingress", "egress")) -> list[Prog]:
+    """BPF programs attached to tc `hooks` of the node's devices (eth0 and every pod veth)."""
     progs: dict[int, Prog] = {}
     for dev in [node.iface, *node.pod_ifaces]:
-        res = lab.run(node, "tc", "-j", "filter", "show", "dev", dev, "ingress", check=False)
-        if res.returncode != 0 or not res.stdout.strip():
-            continue
-        for flt in json.loads(res.stdout):
-            prog = flt.get("options", {}).get("prog")
-            if prog and "id" in prog:
+        for hook in hooks:
+            res = lab.run(node, "tc", "-j", "filter", "show", "dev", dev, hook, check=False)
+            if res.returncode != 0 or not res.stdout.strip():
+                continue
+            for flt in json.loads(res.stdout):
+                prog = flt.get("options", {}).get("prog")
+                if not prog or "id" not in prog:
+                    continue
                 pid = int(prog["id"])
-                where = f"{dev} ingress"
+                where = f"{dev} {hook}"
                 if pid in progs:
                     where = f"{progs[pid].where}, {where}"
                 progs[pid] = Prog(pid, str(prog.get("name", "?")), where)

@@ -5,8 +5,9 @@ other jobs share: a load of 10 on 2 vCPUs makes its figures five times slower an
 where the time goes. This runs the same path in one process and counts CPU time per phase:
 
 * the bench's objects (lab/fakeapi/objects.py: `--services` Services with one EndpointSlice of
-  `--endpoints` endpoints, managedFields and all) serialized as the server's list pages of 500;
-* **lists**: each page through the real reflector (orjson, reconcile), read into the model's
+  `--endpoints` endpoints, managedFields and all) serialized as the server answers a list: whole
+  at resourceVersion=0 (its watch cache, what the reflector asks for first), else in pages of 500;
+* **lists**: each list through the real reflector (decode, reconcile), read into the model's
   records as `Agent.deliver` does (agent.daemon._read) and applied to the model;
 * **commit**: the model evaluates every Service (conflicts, merge, CategorizeEndpoints);
 * **first sync**: the eBPF proxier's first sync over maps that keep what is written as the kernel
@@ -141,34 +142,40 @@ class _Response:
 
 
 class _Server:
-    """The list call: the pages in order; the watch after them stops the reflector."""
+    """The list call as lab/fakeapi answers it: a list at resourceVersion=0 whole (the watch
+    cache), any other in pages of 500; the watch after it stops the reflector."""
 
-    def __init__(self, todo: list[bytes], stopping: threading.Event) -> None:
-        self.todo, self.stopping = todo, stopping
+    def __init__(self, lists: tuple[bytes, list[bytes]], stopping: threading.Event) -> None:
+        (self.whole, self.todo), self.stopping = lists, stopping
 
     def __call__(self, **kw: Any) -> _Response:
         if kw.get("watch"):
             self.stopping.set()
             return _Response(b"")
+        if kw.get("resource_version") == "0" and not kw.get("_continue"):
+            return _Response(self.whole)
         return _Response(self.todo.pop(0))
 
 
-def pages(objects: list[dict[str, Any]], kind: str, size: int = 500) -> list[bytes]:
-    """The list pages a server sends for `kind` (items without kind/apiVersion, as upstream)."""
+def pages(objects: list[dict[str, Any]], kind: str, size: int = 500) -> tuple[bytes, list[bytes]]:
+    """The list of `kind` a server sends whole, and in pages (items without kind/apiVersion, as
+    upstream)."""
     items = [o for o in objects if o["kind"] == kind]
     out = []
+    for i, obj in enumerate(items):
+        obj["metadata"].update(
+            uid=f"{kind}-{i:08d}", resourceVersion=str(10 + i), creationTimestamp="2026-01-01T00:00:00Z"
+        )
+    items = [{k: v for k, v in obj.items() if k not in ("kind", "apiVersion")} for obj in items]
     for start in range(0, len(items), size):
         meta: dict[str, Any] = {"resourceVersion": "100000"}
         if start + size < len(items):
             meta["continue"] = f"c{start}"
-        chunk = []
-        for i, obj in enumerate(items[start : start + size], start):
-            obj["metadata"].update(
-                uid=f"{kind}-{i:08d}", resourceVersion=str(10 + i), creationTimestamp="2026-01-01T00:00:00Z"
-            )
-            chunk.append({k: v for k, v in obj.items() if k not in ("kind", "apiVersion")})
-        out.append(orjson.dumps({"kind": f"{kind}List", "metadata": meta, "items": chunk}))
-    return out
+        out.append(
+            orjson.dumps({"kind": f"{kind}List", "metadata": meta, "items": items[start : start + size]})
+        )
+    whole = orjson.dumps({"kind": f"{kind}List", "metadata": {"resourceVersion": "100000"}, "items": items})
+    return whole, out
 
 
 def proxier(maps: Mapping[str, KernelMap]) -> EbpfProxier:
@@ -235,7 +242,10 @@ def run(services: int, endpoints: int) -> dict[str, float]:
         ):
             stopping = threading.Event()
             Reflector(
-                Resource(kind, "v1", _Server(list(todo), stopping)), deliver, WatchSettings(), stopping
+                Resource(kind, "v1", _Server((todo[0], list(todo[1])), stopping)),
+                deliver,
+                WatchSettings(),
+                stopping,
             ).run()
 
     maps = {role: KernelMap(spec) for role, spec in MAPS.items()}

@@ -126,6 +126,11 @@ def results_json(results: Any) -> dict[str, Any]:
             "probe_errors": dict(t.probe_errors),
             "latency_us": {latency_key(q): t.p(q) for q in LATENCY_QUANTILES},
             "sample_count": len(t.samples_ns) or t.sample_count,
+            "unpinned_us": (
+                {latency_key(q): t.p_unpinned(q) for q in LATENCY_QUANTILES}
+                if t.unpinned_ns or t.unpinned_us
+                else {}
+            ),
         }
 
     return {
@@ -144,6 +149,10 @@ def results_json(results: Any) -> dict[str, Any]:
             {**dataclasses.asdict(w), "costs": [dataclasses.asdict(c) for c in w.costs]}
             for w in results.stats
         ],
+        "packets": [
+            {"services": w.services, "costs": [dataclasses.asdict(c) for c in w.costs]}
+            for w in results.packets
+        ],
         "notes": list(results.notes),
         "stats_sysctl_before": results.stats_sysctl_before,
         "iptables_backend": results.iptables_backend,
@@ -151,7 +160,8 @@ def results_json(results: Any) -> dict[str, Any]:
 
 
 def results_from(data: dict[str, Any]) -> Any:
-    from bench.run import Results, State, StatsWindow, SyncFacts, Target
+    from bench.progcost import PacketCost
+    from bench.run import PacketCosts, Results, State, StatsWindow, SyncFacts, Target
 
     def load(d: dict[str, Any]) -> Load:
         return Load(
@@ -171,6 +181,8 @@ def results_from(data: dict[str, Any]) -> Any:
             probe_errors=dict(d["probe_errors"]),
             latency_us={k: _nan(v) for k, v in d["latency_us"].items()},
             sample_count=int(d["sample_count"]),
+            # runs before latency was also measured unpinned have none
+            unpinned_us={k: _nan(v) for k, v in d.get("unpinned_us", {}).items()},
         )
 
     def sync(d: dict[str, Any]) -> SyncFacts:
@@ -196,6 +208,10 @@ def results_from(data: dict[str, Any]) -> Any:
                 }
             )
             for d in data["stats"]
+        ],
+        packets=[
+            PacketCosts(d["services"], [PacketCost(**{**c, "ns": _nan(c["ns"])}) for c in d["costs"]])
+            for d in data.get("packets", [])
         ],
         notes=list(data["notes"]),
         stats_sysctl_before=data["stats_sysctl_before"],

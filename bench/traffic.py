@@ -187,17 +187,17 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def connect_samples(
-    lab: Lab, client: Host, addr: str, port: int, *, count: int, max_s: float, cpu: int
+    lab: Lab, client: Host, addr: str, port: int, *, count: int, max_s: float, cpu: int | None
 ) -> tuple[list[int], dict[str, int]]:
-    """bench/probe.py inside `client` on CPU `cpu`: `count` sequential connects to addr:port.
+    """bench/probe.py inside `client`, on CPU `cpu` (None: wherever the scheduler puts it): `count`
+    sequential connects to addr:port.
 
     Returns (ns per connect, errors by kind).
     """
+    pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
     res = lab.run(
         client,
-        "taskset",
-        "-c",
-        str(cpu),
+        *pin,
         sys.executable,
         "-I",
         "-S",

@@ -105,6 +105,10 @@ struct ekp_slot {
 
 #define EKP_BE_LOCAL       (1 << 0) /* the endpoint runs on this node */
 #define EKP_BE_TERMINATING (1 << 1) /* serving but terminating (fallback endpoint) */
+#define EKP_BE_HOST        (1 << 2) /* the endpoint's address is one of this node's own (a host-network
+				     * endpoint here, the kubernetes Service's API server): its flows
+				     * are handed to the node's stack, never source-translated, and
+				     * their replies reverse-translated at tc egress (EKP_CT_HOST) */
 
 struct ekp_backend_key {
 	__u32 id; /* host: allocated by the agent, stable across restarts; never 0 */
@@ -163,6 +167,11 @@ enum ekp_ct_dir {
 #define EKP_CT_MIGRATED    (1 << 6) /* copied from an ABI v1 entry by the upgrade */
 #define EKP_CT_ADOPTED     (1 << 7) /* taken over from nf_conntrack at start (a flow kube-proxy or
 				     * iptables mode translated): agent/takeover/flows.py */
+#define EKP_CT_ORPHAN      (1 << 8) /* TCP: the backend's address is no Service's backend any more
+				     * (ekp_addr): only the backend's packets renew the flow, whose
+				     * timeout is at most tcp_orphan_s (a live stream keeps answering) */
+#define EKP_CT_HOST        (1 << 9) /* the backend is this node's own address (EKP_BE_HOST): packets
+				     * are handed to the node's stack, replies leave by tc egress */
 
 struct ekp_ct_key {
 	__be32 saddr; /* be: source address as on the wire */
@@ -253,9 +262,11 @@ struct ekp_fraghold {
 
 /* ---- service addresses (hash, written by the agent): which addresses a flow may use ------ */
 
-/* One entry per address that is a frontend or a backend, with what it is. Read only for a later
- * fragment that came before its first: one that can belong to no translated flow is passed to the
- * stack untouched, which reassembles it (pod to pod, to the node itself, ...). Frontend bits are
+/* One entry per address that is a frontend or a backend, with what it is. Read for a later
+ * fragment that came before its first (one that can belong to no translated flow is passed to the
+ * stack untouched, which reassembles it: pod to pod, to the node itself, ...), by the activity
+ * check of a whole datagram (is its destination a frontend of this scope? ekp_act.h), and by a
+ * TCP flow's refresh (is its backend still some Service's? ekp_ct.h). Frontend bits are
  * 1 << enum ekp_scope. */
 #define EKP_ADDR_FRONTEND_EXTERNAL (1 << 0) /* a frontend of scope EXTERNAL is on this address */
 #define EKP_ADDR_FRONTEND_INTERNAL (1 << 1) /* a frontend of scope INTERNAL is on this address */
@@ -268,6 +279,26 @@ struct ekp_addr_key {
 struct ekp_addr {
 	__u8 flags;  /* EKP_ADDR_* */
 	__u8 pad[3]; /* zero */
+};
+
+/* ---- flow activity (array, written by the data path): which endpoints may have live flows -- */
+
+/* A packet can belong to a translated flow only when its destination is a frontend of the
+ * program's scope (ekp_addr) or an endpoint of a live flow: the frontend a flow was sent through
+ * (its FORWARD key's destination) or its backend (its REPLY key's source; also the destination of a
+ * direct connection that could collide with the flow). Every time the data path stamps a conntrack
+ * entry (last_seen_ns), it stamps both endpoints of the flow here, in the slot a hash of
+ * (address, port, protocol) picks (bpf/ekp_act.h): a packet whose source and destination slots were
+ * stamped longer ago than the longest conntrack timeout can belong to no live flow, and leaves
+ * without a conntrack lookup. Slot 0 is no endpoint's: nonzero once the agent has stamped the
+ * flows the tables held before these programs ran (an upgrade, a crash before that); until then
+ * every packet takes the conntrack lookups. */
+#define EKP_ACT_SLOTS (1 << 16) /* slots of ekp_act (a power of two) */
+#define EKP_ACT_SHIFT 30        /* a stamp is bpf_ktime_get_ns() >> 30: units of 1.07 s */
+
+struct ekp_act {
+	__u32 stamp; /* host: bpf_ktime_get_ns() >> EKP_ACT_SHIFT of the last flow stamped here; 0 =
+		      * never. Slot 0: nonzero when armed (see above) */
 };
 
 /* ---- session affinity (LRU): (client, service port) -> backend ---------------------------- */
@@ -355,7 +386,9 @@ struct ekp_config {
 	                           * local_net/local_plen (--detect-local-mode ClusterCIDR, NodeCIDR)
 	                           * and looks up INTERNAL frontends, any other EXTERNAL ones, whatever
 	                           * the hook; 0: the hook's scope (the interface modes, no detector) */
-	__u16 pad;                /* zero */
+	__u16 tcp_orphan_s;       /* host: most a TCP flow whose backend left every Service
+				   * (EKP_CT_ORPHAN) lives after the backend's last packet, up to
+				   * 65,535; 0 = 300 (nf_conntrack's unacknowledged-data timeout) */
 };
 
 /* ---- the reject rate limiter (per-CPU array, one element, written by the data path) ------ */

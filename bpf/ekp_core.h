@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * ekp_core.h: the tc programs' per-packet flow, shared by both; `scope` is a compile-time
- * constant at each call site (EKP_SCOPE_INTERNAL for pod veths, EKP_SCOPE_EXTERNAL for the
- * node's external devices) and only selects the frontend entries.
+ * ekp_core.h: the tc programs' per-packet flow. Ingress (ekp_main) is shared by both ingress
+ * programs; `scope` is a compile-time constant at each call site (EKP_SCOPE_INTERNAL for pod
+ * veths, EKP_SCOPE_EXTERNAL for the node's external devices) and only selects the frontend
+ * entries. Egress (ekp_egress_main) sees what the node's own stack sends out of both kinds of
+ * device.
  *
  *   parse (ekp_parse.h) -> decide (ekp_decide.h: lookups, policy, conntrack; no skb access)
  *                       -> apply (ekp_tc_apply.h: rewrite, route, redirect) -> count
@@ -46,6 +48,32 @@ static __always_inline int ekp_main(struct __sk_buff *skb, __u8 scope)
 	ekp_count(EKP_STAT_PACKETS);
 	ekp_count(w->work.dec.outcome);
 	ekp_count_marks(w->work.dec.marks);
+	return verdict;
+}
+
+/* tc egress (ekp_egress): what the node's own stack sends. Forwarded and redirected packets carry
+ * the device they came in by (skb_iif) and leave at once: one load. The node's own packets are
+ * parsed and decided (ekp_decide_local): the replies of flows handed to its stack get their
+ * frontend back. Only the packets it translates are counted (PACKETS and their outcome): the
+ * node's own traffic is not the data path's. */
+static __always_inline int ekp_egress_main(struct __sk_buff *skb)
+{
+	if (skb->ingress_ifindex)
+		return TC_ACT_OK;
+	struct ekp_tc_scratch *w = ekp_scratch_lookup();
+	if (!w)
+		return TC_ACT_OK; /* cannot happen: a one-element per-CPU array */
+	__builtin_memset(&w->work.pkt, 0, sizeof(w->work.pkt));
+	int parsed = ekp_parse(skb, &w->work.pkt);
+
+	ekp_decide_local(&w->work, parsed);
+	struct ekp_decision *d = &w->work.dec;
+	if (d->action == EKP_ACT_PASS)
+		return TC_ACT_OK;
+	int verdict = ekp_tc_apply_local(skb, w);
+	ekp_count(EKP_STAT_PACKETS);
+	ekp_count(d->outcome);
+	ekp_count_marks(d->marks);
 	return verdict;
 }
 

@@ -18,16 +18,28 @@
  * tcp_established_s (24 h), one FIN tcp_close_wait_s (1 h), RST or FINs both ways tcp_closed_s
  * (10 s); UDP udp_s (30 s) until replied and older than 2 s, then udp_stream_s (120 s).
  *
+ * A TCP flow whose backend address left every Service (ekp_addr: the pod was deleted) is
+ * ORPHAN: from then on only the backend's packets renew it, and it lives at most tcp_orphan_s
+ * (300 s, nf_conntrack's timeout for unacknowledged data) after the backend's last one. A live
+ * stream keeps answering, so it survives its Service being deleted and created again; a dead one
+ * (its client retransmitting into the void, or idle) frees its entries and its SNAT port. The
+ * flag follows the backend: set or cleared at each refresh. An idle flow that no packet flagged is
+ * ORPHAN all the same once it is older than tcp_orphan_s and its backend is unlisted
+ * (ekp_ct_life: one ekp_addr lookup, only for entries that idle).
+ *
  * Expiry is computed on lookup (last_seen_ns + timeout); an expired entry is a miss and is
- * overwritten by the next flow on its tuple; the early-drop queue deletes flows that never became
+ * overwritten by the next flow on its tuple; an abandoned one (ORPHAN, past tcp_orphan_s) is
+ * deleted by the lookup that finds it; the early-drop queue deletes flows that never became
  * assured, or closed, a ring after they began or closed (ekp_ctq.h); the LRU evicts the rest.
  * last_seen_ns is refreshed at most once a second; the refresh also checks that the twin exists
- * (re-creating it when the LRU evicted it: EKP_STAT_CT_REBUILT) and, for TCP, that the backend is
- * still on the node.
+ * (re-creating it when the LRU evicted it: EKP_STAT_CT_REBUILT) and, for TCP, whether the backend
+ * is still listed. Every write of last_seen_ns stamps both endpoints of the flow in ekp_act
+ * (ekp_ct_stamp), which lets packets of no live flow skip the lookups (ekp_act.h).
  */
 #ifndef EKP_CT_H
 #define EKP_CT_H
 
+#include "ekp_act.h"
 #include "ekp_maps.h"
 #include "ekp_parse.h"
 #include "ekp_time.h"
@@ -41,6 +53,7 @@
 #define EKP_DEFAULT_TCP_CLOSED_S 10
 #define EKP_DEFAULT_UDP_S 30
 #define EKP_DEFAULT_UDP_STREAM_S 120
+#define EKP_DEFAULT_TCP_ORPHAN_S 300
 /* A replied UDP flow becomes a stream (long timeout) once it is this old (the kernel's rule). */
 #define EKP_UDP_STREAM_AFTER_S 2
 
@@ -100,6 +113,85 @@ static __always_inline int ekp_ct_expired(const struct ekp_ct_entry *e, const st
 {
 	/* another CPU may have refreshed it after we read the clock: a negative age, not expired */
 	return ekp_age_ns(now, e->last_seen_ns) > (__s64)ekp_ct_timeout_ns(cfg, proto, e->flags);
+}
+
+static __always_inline __u64 ekp_ct_orphan_ns(const struct ekp_config *cfg)
+{
+	return (__u64)ekp_cfg_or(cfg->tcp_orphan_s, EKP_DEFAULT_TCP_ORPHAN_S) * EKP_NSEC;
+}
+
+/* The longest a flow of any protocol and state lives without a packet, in ekp_act stamps (a stamp
+ * is 1.07 s: seconds overstate it), with a margin for the coarse clock and concurrent stamps. */
+static __always_inline __u32 ekp_ct_longest_stamps(const struct ekp_config *cfg)
+{
+	__u32 s = ekp_cfg_or(cfg->tcp_established_s, EKP_DEFAULT_TCP_ESTABLISHED_S);
+	__u32 v = ekp_cfg_or(cfg->tcp_close_wait_s, EKP_DEFAULT_TCP_CLOSE_WAIT_S);
+
+	s = v > s ? v : s;
+	v = ekp_cfg_or(cfg->tcp_syn_s, EKP_DEFAULT_TCP_SYN_S);
+	s = v > s ? v : s;
+	v = ekp_cfg_or(cfg->tcp_closed_s, EKP_DEFAULT_TCP_CLOSED_S);
+	s = v > s ? v : s;
+	v = ekp_cfg_or(cfg->udp_s, EKP_DEFAULT_UDP_S);
+	s = v > s ? v : s;
+	v = ekp_cfg_or(cfg->udp_stream_s, EKP_DEFAULT_UDP_STREAM_S);
+	s = v > s ? v : s;
+	return s + 2;
+}
+
+/* Whether the backend of the flow stored as `e` under `k` is still some Service's backend
+ * (ekp_addr). A direct flow (svc_id 0: a port remapped around a live flow) has none to lose. */
+static __always_inline int ekp_ct_backend_listed(const struct ekp_ct_entry *e, const struct ekp_ct_key *k)
+{
+	struct ekp_addr_key ak = {};
+
+	if (!e->svc_id)
+		return 1;
+	ak.addr = k->dir == EKP_CT_FORWARD ? e->nat_addr : k->saddr;
+	struct ekp_addr *a = ekp_addr_lookup(&ak);
+	return a && (a->flags & EKP_ADDR_BACKEND);
+}
+
+enum ekp_ct_life {
+	EKP_CT_LIVE = 0,
+	EKP_CT_EXPIRED,   /* idle past the timeout of its state: a miss, overwritten later */
+	EKP_CT_ABANDONED, /* TCP, its backend gone and silent past tcp_orphan_s: deleted when found */
+};
+
+/* Whether the entry `e` under `k` is alive (enum ekp_ct_life). An entry flagged ORPHAN, or idle
+ * past tcp_orphan_s while its backend is unlisted, is abandoned tcp_orphan_s after its last
+ * renewal (only the backend's packets renew an ORPHAN flow, see ekp_ct_refresh). */
+static __always_inline int ekp_ct_life(const struct ekp_ct_entry *e, const struct ekp_ct_key *k,
+				       const struct ekp_config *cfg, __u64 now)
+{
+	__s64 age = ekp_age_ns(now, e->last_seen_ns);
+
+	if (k->proto == IPPROTO_TCP && age > (__s64)ekp_ct_orphan_ns(cfg) &&
+	    ((e->flags & EKP_CT_ORPHAN) || !ekp_ct_backend_listed(e, k)))
+		return EKP_CT_ABANDONED;
+	if (age > (__s64)ekp_ct_timeout_ns(cfg, k->proto, e->flags))
+		return EKP_CT_EXPIRED;
+	return EKP_CT_LIVE;
+}
+
+/* Stamps both endpoints of the flow stored as `e` under `k` in ekp_act (see ekp_act.h): its
+ * frontend, and its backend (the FORWARD entry's rewrite, the REPLY key's source). */
+static __always_inline void ekp_ct_stamp_flow(const struct ekp_ct_entry *e, const struct ekp_ct_key *k, __u64 now)
+{
+	__u32 t = ekp_act_stamp_of(now);
+
+	ekp_act_stamp(e->fe_addr, e->fe_port, k->proto, t);
+	if (k->dir == EKP_CT_FORWARD)
+		ekp_act_stamp(e->nat_addr, e->nat_port, k->proto, t);
+	else
+		ekp_act_stamp(k->saddr, k->sport, k->proto, t);
+}
+
+/* Renews the entry `e` under `k` at `now`: its last_seen_ns, and its flow's endpoints in ekp_act. */
+static __always_inline void ekp_ct_stamp(struct ekp_ct_entry *e, const struct ekp_ct_key *k, __u64 now)
+{
+	e->last_seen_ns = now;
+	ekp_ct_stamp_flow(e, k, now);
 }
 
 static __always_inline int ekp_pure_syn(const struct ekp_pkt *p)
@@ -174,16 +266,26 @@ static __always_inline int ekp_ct_is_twin(const struct ekp_ct_entry *t, const st
 	       back.dport == k->dport && back.dir == k->dir;
 }
 
-/* Sets `set` on the entry `e` under `k` and on its twin (found, checked, left alone if absent). */
-static __always_inline void ekp_ct_mark(struct ekp_ct_entry *e, const struct ekp_ct_key *k, __u16 set)
+/* The twin of `e` under `k` when it is there and still its twin, else NULL. */
+static __always_inline struct ekp_ct_entry *ekp_ct_twin(const struct ekp_ct_entry *e, const struct ekp_ct_key *k)
 {
 	struct ekp_ct_key tk = {};
 
-	e->flags |= set;
 	ekp_ct_twin_key(&tk, k, e);
 	struct ekp_ct_entry *t = ekp_ct_lookup(&tk);
 	if (t && ekp_ct_is_twin(t, &tk, e, k))
-		t->flags |= set;
+		return t;
+	return NULL;
+}
+
+/* Sets `set` and clears `clear` on the entry `e` under `k` and on its twin (left alone if absent). */
+static __always_inline void ekp_ct_mark(struct ekp_ct_entry *e, const struct ekp_ct_key *k, __u16 set,
+					__u16 clear)
+{
+	e->flags = (e->flags | set) & ~clear;
+	struct ekp_ct_entry *t = ekp_ct_twin(e, k);
+	if (t)
+		t->flags = (t->flags | set) & ~clear;
 }
 
 /* Deletes the twin of `e` under `k` when it is still its twin. */
@@ -197,13 +299,39 @@ static __always_inline void ekp_ct_delete_twin(const struct ekp_ct_entry *e, con
 		ekp_ct_delete(&tk);
 }
 
-/* Once a second per entry: refresh last_seen, re-create a missing twin. Returns 1 when the twin
- * was rebuilt. */
+/* A TCP flow's ORPHAN flag follows its backend (listed or not), checked at each refresh. Returns
+ * whether this packet renews the entry: not a client's packet on an ORPHAN flow (only the backend
+ * renews it then, its FORWARD twin included). */
+static __always_inline int ekp_ct_follow_backend(struct ekp_ct_entry *e, const struct ekp_ct_key *k, __u64 now)
+{
+	if (k->proto != IPPROTO_TCP)
+		return 1;
+	int listed = ekp_ct_backend_listed(e, k);
+	int orphan = (e->flags & EKP_CT_ORPHAN) != 0;
+
+	if (listed && orphan)
+		ekp_ct_mark(e, k, 0, EKP_CT_ORPHAN);
+	else if (!listed && !orphan)
+		ekp_ct_mark(e, k, EKP_CT_ORPHAN, 0);
+	if (listed)
+		return 1;
+	if (k->dir == EKP_CT_FORWARD)
+		return 0;
+	struct ekp_ct_entry *t = ekp_ct_twin(e, k);
+	if (t)
+		t->last_seen_ns = now; /* the backend answered: the client's entry lives on too */
+	return 1;
+}
+
+/* Once a second per entry: refresh last_seen (ekp_ct_follow_backend says whether), re-create a
+ * missing twin. Returns 1 when the twin was rebuilt. */
 static __always_inline int ekp_ct_refresh(struct ekp_ct_entry *e, const struct ekp_ct_key *k, __u64 now)
 {
 	if (ekp_age_ns(now, e->last_seen_ns) <= (__s64)EKP_CT_REFRESH_NS)
 		return 0;
-	e->last_seen_ns = now;
+	if (!ekp_ct_follow_backend(e, k, now))
+		return 0;
+	ekp_ct_stamp(e, k, now);
 
 	struct ekp_ct_key tk = {};
 	ekp_ct_twin_key(&tk, k, e);
@@ -216,19 +344,33 @@ static __always_inline int ekp_ct_refresh(struct ekp_ct_entry *e, const struct e
 
 /* ---- using a hit -------------------------------------------------------------------------- */
 
-/* Whether a FORWARD hit may translate this packet. Not when expired; not for a TCP SYN (without
- * ACK) on a flow that saw a FIN or RST: the client reusing its port is a new flow and a new
- * backend choice, as nf_conntrack does. UDP flows follow their backend's membership: kube-proxy
- * deletes the conntrack entries of a UDP endpoint that left the service, so a resolver that keeps
- * its source port moves on (TCP flows keep their backend, as with kube-proxy: a terminating pod
- * finishes its connections, a Service deleted and recreated keeps its streams). */
-static __always_inline int ekp_ct_usable_forward(const struct ekp_ct_entry *e, const struct ekp_pkt *p,
-						 const struct ekp_config *cfg, __u64 now)
+/* Whether the entry `e` found under `k` is alive (ekp_ct_life). An abandoned flow (ORPHAN, its
+ * backend silent past tcp_orphan_s) is deleted here, both entries: its SNAT port is free again and
+ * `agent inspect conntrack` no longer lists it. */
+static __always_inline int ekp_ct_alive(struct ekp_ct_entry *e, struct ekp_ct_key *k, const struct ekp_config *cfg,
+					__u64 now)
 {
-	if (ekp_ct_expired(e, cfg, p->proto, now))
-		return 0;
+	int life = ekp_ct_life(e, k, cfg, now);
+
+	if (life == EKP_CT_ABANDONED) {
+		ekp_ct_delete_twin(e, k);
+		ekp_ct_delete(k);
+	}
+	return life == EKP_CT_LIVE;
+}
+
+/* Whether a live FORWARD hit may translate this packet. Not for a TCP SYN (without ACK) on a flow
+ * that saw a FIN or RST: the client reusing its port is a new flow and a new backend choice, as
+ * nf_conntrack does. UDP flows follow their backend's membership: kube-proxy deletes the
+ * conntrack entries of a UDP endpoint that left the service, so a resolver that keeps its source
+ * port moves on (TCP and SCTP flows keep their backend, as with kube-proxy: a terminating pod
+ * finishes its connections, a Service deleted and recreated keeps its streams). */
+static __always_inline int ekp_ct_usable_forward(const struct ekp_ct_entry *e, const struct ekp_pkt *p)
+{
 	if (p->proto == IPPROTO_TCP)
 		return !(ekp_pure_syn(p) && (e->flags & EKP_CT_ENDING));
+	if (p->proto != IPPROTO_UDP)
+		return 1; /* SCTP keeps its backend: kube-proxy clears the conntrack of UDP alone */
 	if (!e->svc_id || !e->backend_id)
 		return 1; /* a remapped direct flow: no service to be a member of */
 
@@ -239,14 +381,11 @@ static __always_inline int ekp_ct_usable_forward(const struct ekp_ct_entry *e, c
 	return m && m->flags;
 }
 
-/* Whether a REPLY hit may translate this packet: alive, and no SYN-ACK on a flow that saw a FIN
- * or RST: that answers some other connection on the tuple (a direct connection from the client's
- * old port, see ekp_ct_reclaim), passes untranslated and does not refresh the entry. */
-static __always_inline int ekp_ct_usable_reply(const struct ekp_ct_entry *e, const struct ekp_pkt *p,
-					       const struct ekp_config *cfg, __u64 now)
+/* Whether a live REPLY hit may translate this packet: no SYN-ACK on a flow that saw a FIN or RST:
+ * that answers some other connection on the tuple (a direct connection from the client's old
+ * port, see ekp_ct_reclaim), passes untranslated and does not refresh the entry. */
+static __always_inline int ekp_ct_usable_reply(const struct ekp_ct_entry *e, const struct ekp_pkt *p)
 {
-	if (ekp_ct_expired(e, cfg, p->proto, now))
-		return 0;
 	return !(p->proto == IPPROTO_TCP && (p->tcp_flags & EKP_TCP_SYN) && (e->flags & EKP_CT_ENDING));
 }
 
@@ -290,13 +429,13 @@ static __always_inline __u32 ekp_flow_hash(const struct ekp_pkt *p)
 	return h;
 }
 
-/* Whether an entry holding a reply tuple a new flow wants may be taken over: dead (expired), or
- * a TCP flow that closed while the newcomer is a SYN (the kernel's NAT takes a TIME_WAIT tuple
- * the same way, nf_nat_used_tuple_harder). */
-static __always_inline int ekp_ct_reusable(const struct ekp_ct_entry *e, const struct ekp_pkt *p,
-					   const struct ekp_config *cfg, __u64 now)
+/* Whether the entry `e` under `k`, holding a reply tuple a new flow wants, may be taken over:
+ * dead (expired or abandoned), or a TCP flow that closed while the newcomer is a SYN (the kernel's
+ * NAT takes a TIME_WAIT tuple the same way, nf_nat_used_tuple_harder). */
+static __always_inline int ekp_ct_reusable(const struct ekp_ct_entry *e, const struct ekp_ct_key *k,
+					   const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now)
 {
-	if (ekp_ct_expired(e, cfg, p->proto, now))
+	if (ekp_ct_life(e, k, cfg, now) != EKP_CT_LIVE)
 		return 1;
 	return ekp_pure_syn(p) && ekp_ct_closed(e->flags);
 }
@@ -367,7 +506,7 @@ static __always_inline int ekp_ct_create(const struct ekp_pkt *p, struct ekp_flo
 		struct ekp_ct_entry *old = ekp_ct_lookup(&rkey);
 		/* Taken by a live flow of another frontend: keep the client's address, move its port. */
 		if (old && (old->fe_addr != f->fe_addr || old->fe_port != f->fe_port || (old->flags & EKP_CT_SNAT)) &&
-		    !ekp_ct_reusable(old, p, cfg, now)) {
+		    !ekp_ct_reusable(old, &rkey, p, cfg, now)) {
 			f->ct_flags |= EKP_CT_SNAT;
 			f->remapped = 1;
 			f->snat_addr = p->saddr;
@@ -393,6 +532,7 @@ static __always_inline int ekp_ct_create(const struct ekp_pkt *p, struct ekp_flo
 	rent.svc_id = f->svc_id;
 	rent.backend_id = f->backend_id;
 	rent.flags = f->ct_flags;
+	ekp_ct_stamp_flow(&rent, &rkey, now); /* before the entries: no packet of the flow leaves before */
 	reason = ekp_ct_place(&rkey, &rent);
 	if (reason)
 		return reason;
@@ -422,9 +562,10 @@ enum ekp_reclaim {
  * another flow, expired or closing), its REPLY entry would reverse-translate the new connection's
  * SYN-ACK to come from the frontend: both entries are deleted. If it is live, the server holds a
  * connection on this very 4-tuple, which the newcomer cannot share: the caller gives the newcomer
- * another source port (nf_conntrack does the same). One lookup per such SYN, a miss unless the
- * tuple was used before. */
-static __always_inline int ekp_ct_reclaim(const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now)
+ * another source port (nf_conntrack does the same; *held_by gets the live flow's flags). One
+ * lookup per such SYN, a miss unless the tuple was used before. */
+static __always_inline int ekp_ct_reclaim(const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now,
+					  __u16 *held_by)
 {
 	struct ekp_ct_key rkey = {};
 
@@ -437,7 +578,7 @@ static __always_inline int ekp_ct_reclaim(const struct ekp_pkt *p, const struct 
 	struct ekp_ct_entry *rp = ekp_ct_lookup(&rkey);
 	if (!rp)
 		return EKP_RECLAIM_NONE;
-	int stale = (rp->flags & EKP_CT_ENDING) || ekp_ct_expired(rp, cfg, p->proto, now);
+	int stale = (rp->flags & EKP_CT_ENDING) || ekp_ct_life(rp, &rkey, cfg, now) != EKP_CT_LIVE;
 	int twin = 0;
 	struct ekp_ct_key fkey = {};
 
@@ -445,11 +586,13 @@ static __always_inline int ekp_ct_reclaim(const struct ekp_pkt *p, const struct 
 	struct ekp_ct_entry *fp = ekp_ct_lookup(&fkey);
 	if (fp && ekp_ct_is_twin(fp, &fkey, rp, &rkey)) {
 		twin = 1;
-		if ((fp->flags & EKP_CT_ENDING) || ekp_ct_expired(fp, cfg, p->proto, now))
+		if ((fp->flags & EKP_CT_ENDING) || ekp_ct_life(fp, &fkey, cfg, now) != EKP_CT_LIVE)
 			stale = 1;
 	}
-	if (twin && !stale)
+	if (twin && !stale) {
+		*held_by = rp->flags;
 		return EKP_RECLAIM_LIVE;
+	}
 	ekp_ct_delete(&rkey);
 	if (twin)
 		ekp_ct_delete(&fkey);

@@ -5,7 +5,7 @@
  * applied by the hook that runs it: ekp_tc_apply.h for the tc programs; an XDP program or a
  * cgroup socket program shares this file and differs only in how it applies a decision.
  *
- *   ICMP error quoting TCP/UDP -> conntrack of the quoted flow -> RELATED (translate it back)
+ *   ICMP error quoting TCP/UDP/SCTP -> conntrack of the quoted flow -> RELATED (translate it back)
  *   later fragment             -> ports of its first fragment (ekp_frag); none: HOLD when a
  *                                 translated flow may use its addresses (ekp_addr), else PASS
  *   first fragment             -> its ports recorded; `release` set when later ones are held
@@ -21,14 +21,20 @@
  * backends PASS before any side effect: the tc program decides them as above.
  *
  * A packet that cannot belong to a translated flow leaves as early as its kind allows: anything
- * but IPv4 TCP/UDP/ICMP errors after the parse, without a map lookup; a TCP/UDP packet after the
- * three lookups that could claim it (FORWARD, REPLY, frontend); the FORWARD and REPLY tables are
- * apart only by the key's direction byte, so a flow's original tuple can never match its reply.
+ * but IPv4 TCP/UDP/SCTP/ICMP errors after the parse, without a map lookup; a whole datagram whose
+ * endpoints no live flow stamped and whose destination is no frontend after two array loads and
+ * one hash lookup (ekp_act.h); one that may belong to a flow after the three lookups that could
+ * claim it (FORWARD, REPLY, frontend); the FORWARD and REPLY tables are apart only by the key's
+ * direction byte, so a flow's original tuple can never match its reply.
+ *
+ * ekp_decide_local decides for a packet the node's own stack sends (tc egress): the replies of
+ * flows handed to the stack (a backend on the node's own address) get their frontend back.
  */
 #ifndef EKP_DECIDE_H
 #define EKP_DECIDE_H
 
 #include "ekp_abi.h"
+#include "ekp_act.h"
 #include "ekp_ct.h"
 #include "ekp_ctq.h"
 #include "ekp_frag.h"
@@ -72,7 +78,9 @@ struct ekp_decision {
 	__be32 in_daddr;
 	__u8 action;      /* enum ekp_action */
 	__u8 release;     /* a first fragment whose later fragments are held: put them back first */
-	__u8 pad[2];
+	__u8 host;        /* TRANSLATE to a backend on this node's own address (EKP_CT_HOST): hand the
+			   * packet to the node's stack, whose replies leave by tc egress */
+	__u8 pad;
 };
 
 /* Everything a decision works on, kept by the caller in a per-CPU array rather than on the stack:
@@ -112,8 +120,8 @@ static __always_inline void ekp_decide_hit(struct ekp_ct_entry *ep, struct ekp_c
 
 	if (set) {
 		int closes = !ekp_ct_closed(ep->flags) && ekp_ct_closed(ep->flags | set);
-		ep->last_seen_ns = now; /* the new state's timeout runs from here */
-		ekp_ct_mark(ep, k, set);
+		ekp_ct_stamp(ep, k, now); /* the new state's timeout runs from here */
+		ekp_ct_mark(ep, k, set, 0);
 		if (closes) {
 			struct ekp_ct_key fkey = *k;
 			if (k->dir == EKP_CT_REPLY)
@@ -135,6 +143,7 @@ static __always_inline void ekp_decide_hit(struct ekp_ct_entry *ep, struct ekp_c
 		d->sport = snat ? e->snat_port : p->sport;
 		d->daddr = e->nat_addr;
 		d->dport = e->nat_port;
+		d->host = (e->flags & EKP_CT_HOST) != 0;
 		ekp_verdict(d, EKP_ACT_TRANSLATE, EKP_STAT_CT_FORWARD);
 	} else {
 		d->saddr = e->fe_addr;
@@ -185,6 +194,7 @@ static __always_inline void ekp_decide_create(const struct ekp_pkt *p, struct ek
 	d->sport = (f->ct_flags & EKP_CT_SNAT) ? f->snat_port : p->sport;
 	d->daddr = f->be_addr;
 	d->dport = f->be_port;
+	d->host = (f->ct_flags & EKP_CT_HOST) != 0;
 	if (f->remapped)
 		d->marks |= 1 << EKP_STAT_PORT_REMAP;
 	else if (f->ct_flags & EKP_CT_SNAT)
@@ -216,14 +226,16 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 		ekp_verdict(d, EKP_ACT_DROP, refusal);
 		return 0;
 	}
-	/* Only a SYN starts a TCP flow. Any other segment to a frontend without conntrack belongs to
-	 * a flow we no longer have (evicted, expired): never sent to a newly chosen backend, which
-	 * could only reset it; dropped and counted while the flow may still come back (the
-	 * surviving entry rebuilds its twin within a second). Later fragments never start flows.
-	 * Under Maglev the backend is not newly chosen: the table names the one the flow had (on
-	 * this node or any other with the same backends), so the flow resumes there. */
+	/* Only a SYN starts a TCP flow, only an INIT an SCTP one. Any other segment to a frontend
+	 * without conntrack belongs to a flow we no longer have (evicted, expired): never sent to a
+	 * newly chosen backend, which could only reset (or ABORT) it; dropped and counted while the
+	 * flow may still come back (the surviving entry rebuilds its twin within a second). Later
+	 * fragments never start flows. Under Maglev the backend is not newly chosen: the table names
+	 * the one the flow had (on this node or any other with the same backends), so a TCP flow
+	 * resumes there. */
 	int resumes = p->proto == IPPROTO_TCP && !ekp_pure_syn(p);
-	if (p->frag == EKP_FRAG_LATER || (resumes && !(fe->flags & EKP_FE_MAGLEV))) {
+	if (p->frag == EKP_FRAG_LATER || (resumes && !(fe->flags & EKP_FE_MAGLEV)) ||
+	    (p->proto == IPPROTO_SCTP && p->chunk != EKP_SCTP_CID_INIT)) {
 		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_NO_FLOW);
 		return 0;
 	}
@@ -242,6 +254,14 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 	f->svc_id = fe->svc_id;
 	f->fe_addr = p->daddr;
 	f->fe_port = p->dport;
+	/* A backend on this node's own address (a host-network endpoint: the API server behind
+	 * `kubernetes`) is reached through the node's stack, and its flows keep the client's address:
+	 * kube-proxy's DNAT in PREROUTING delivers them locally, where no POSTROUTING masquerade runs
+	 * (and a source translated to the node's own address would be a martian). */
+	if (f->be_flags & EKP_BE_HOST) {
+		f->ct_flags |= EKP_CT_HOST;
+		return 1;
+	}
 	/* Masquerade: always (SNAT_ALL, kube-proxy's KUBE-MARK-MASQ), or toward backends on other
 	 * nodes only (SNAT_REMOTE: the client address kept for local backends). Hairpin: a pod
 	 * reaching itself through its service would get a packet from its own address, which its
@@ -252,16 +272,17 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 	return 1;
 }
 
-/* A TCP SYN to no frontend whose reverse tuple is a live translated flow's: the server already
- * has a connection on this 4-tuple. The newcomer keeps its addresses and gets another source
- * port (a flow of its own, translated to itself), as nf_conntrack's NAT does. */
-static __always_inline void ekp_flow_direct(struct ekp_flow *f, const struct ekp_pkt *p)
+/* A TCP SYN to no frontend whose reverse tuple is a live translated flow's (`held_by`: its flags):
+ * the server already has a connection on this 4-tuple. The newcomer keeps its addresses and gets
+ * another source port (a flow of its own, translated to itself), as nf_conntrack's NAT does; a
+ * server on the node's own address (a host flow held it) is reached through the node's stack. */
+static __always_inline void ekp_flow_direct(struct ekp_flow *f, const struct ekp_pkt *p, __u16 held_by)
 {
 	f->be_addr = p->daddr;
 	f->be_port = p->dport;
 	f->fe_addr = p->daddr;
 	f->fe_port = p->dport;
-	f->ct_flags = EKP_CT_SNAT;
+	f->ct_flags = EKP_CT_SNAT | (held_by & EKP_CT_HOST); /* the server is the node's, as the flow's */
 	f->remapped = 1;
 	f->snat_addr = p->saddr;
 }
@@ -285,7 +306,7 @@ static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const st
 	k.proto = p->in_proto;
 	k.dir = EKP_CT_REPLY;
 	struct ekp_ct_entry *ep = ekp_ct_lookup(&k);
-	if (ep && !ekp_ct_expired(ep, cfg, p->in_proto, now)) {
+	if (ep && ekp_ct_life(ep, &k, cfg, now) == EKP_CT_LIVE) {
 		int snat = ep->flags & EKP_CT_SNAT;
 		d->in_saddr = snat ? ep->nat_addr : p->in_saddr;
 		d->in_sport = snat ? ep->nat_port : p->in_sport;
@@ -298,7 +319,7 @@ static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const st
 	}
 	k.dir = EKP_CT_FORWARD;
 	ep = ekp_ct_lookup(&k);
-	if (ep && !ekp_ct_expired(ep, cfg, p->in_proto, now)) {
+	if (ep && ekp_ct_life(ep, &k, cfg, now) == EKP_CT_LIVE) {
 		int snat = ep->flags & EKP_CT_SNAT;
 		d->in_saddr = ep->nat_addr;
 		d->in_sport = ep->nat_port;
@@ -320,6 +341,24 @@ static __always_inline __u8 ekp_local_scope(const struct ekp_config *cfg, __be32
 	__u32 plen = cfg->local_plen;
 	__be32 mask = plen == 0 ? 0 : htonl(0xffffffffU << (32 - (plen > 32 ? 32 : plen)));
 	return (saddr & mask) == cfg->local_net ? EKP_SCOPE_INTERNAL : EKP_SCOPE_EXTERNAL;
+}
+
+/* Whether a whole datagram (no fragment, no ICMP error: those take the full path) may belong to a
+ * translated flow, by the cheapest checks there are: when no live flow stamped either of its
+ * endpoints in ekp_act (two array loads) and its destination is no frontend of this scope
+ * (ekp_addr, one hash lookup), it cannot, and leaves without a conntrack lookup. */
+static __always_inline int ekp_decide_may_translate(const struct ekp_pkt *p, __u8 scope, const struct ekp_config *cfg)
+{
+	if (!ekp_act_armed())
+		return 1;
+	__u32 t = ekp_act_stamp_of(bpf_ktime_get_coarse_ns()); /* lags the stamps' clock: errs "maybe" */
+	__u32 span = ekp_ct_longest_stamps(cfg);
+	if (!ekp_act_idle(p->daddr, p->dport, p->proto, t, span) || !ekp_act_idle(p->saddr, p->sport, p->proto, t, span))
+		return 1;
+	struct ekp_addr_key k = {};
+	k.addr = p->daddr;
+	struct ekp_addr *a = ekp_addr_lookup(&k);
+	return a && (a->flags & (1 << scope));
 }
 
 /* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result); a flow it
@@ -345,11 +384,15 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 	if (p->ttl <= 1)
 		return;
 	/* XDP leaves fragments and ICMP errors to tc: holding a fragment needs an skb, and a first
-	 * fragment's record must be written where its later fragments are decided. */
-	if (hook == EKP_HOOK_XDP && (parsed != EKP_PARSE_OK || p->frag != EKP_FRAG_NONE))
+	 * fragment's record must be written where its later fragments are decided. And SCTP: its
+	 * CRC32c is updated by tc's rewrite (ekp_nat.h), not by XDP's. */
+	if (hook == EKP_HOOK_XDP && (parsed != EKP_PARSE_OK || p->frag != EKP_FRAG_NONE || p->proto == IPPROTO_SCTP))
 		return;
 	const struct ekp_config *cfg = ekp_config_get();
 	if (!cfg)
+		return;
+	scope = ekp_local_scope(cfg, p->saddr, scope); /* the frontends this packet may use */
+	if (parsed == EKP_PARSE_OK && p->frag == EKP_FRAG_NONE && !ekp_decide_may_translate(p, scope, cfg))
 		return;
 	__u64 now = bpf_ktime_get_ns();
 
@@ -357,7 +400,6 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 		ekp_decide_related(p, cfg, now, d);
 		return;
 	}
-	scope = ekp_local_scope(cfg, p->saddr, scope); /* the frontends this packet may use */
 	if (parsed == EKP_PARSE_LATER) {
 		if (!ekp_frag_ports(p)) {
 			/* Before its first fragment: held when a translated flow may use these addresses
@@ -377,13 +419,13 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 	struct ekp_ct_key key = {};
 	ekp_ct_key_of(&key, p, EKP_CT_FORWARD);
 	struct ekp_ct_entry *ct = ekp_ct_lookup(&key);
-	if (ct && ekp_ct_usable_forward(ct, p, cfg, now)) {
+	if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_forward(ct, p)) {
 		ekp_decide_hit(ct, &key, p, now, d, q);
 		return;
 	}
 	key.dir = EKP_CT_REPLY;
 	ct = ekp_ct_lookup(&key);
-	if (ct && ekp_ct_usable_reply(ct, p, cfg, now)) {
+	if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_reply(ct, p)) {
 		ekp_decide_hit(ct, &key, p, now, d, q);
 		return;
 	}
@@ -395,26 +437,92 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 	} else {
 		if (hook == EKP_HOOK_XDP) /* no flow of ours: tc looks for a direct flow's reclaim */
 			return;
-		if (p->frag == EKP_FRAG_LATER || !ekp_pure_syn(p) || ekp_ct_reclaim(p, cfg, now) != EKP_RECLAIM_LIVE)
+		__u16 held_by = 0;
+		if (p->frag == EKP_FRAG_LATER || !ekp_pure_syn(p) || ekp_ct_reclaim(p, cfg, now, &held_by) != EKP_RECLAIM_LIVE)
 			return;
-		ekp_flow_direct(f, p);
+		ekp_flow_direct(f, p, held_by);
 	}
 	ekp_decide_create(p, f, cfg, now, d, q);
 }
 
-/* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result) as `hook`
- * runs it (enum ekp_hook), then queues the flow it started or closed (ekp_ctq.h: written once, here, rather than on each path). */
-static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scope, __u8 hook)
+/* A packet the node's own stack sends (tc egress, ekp_egress): the replies of flows handed to it
+ * (EKP_CT_HOST: a backend on the node's own address; a direct connection to it moved to another
+ * port around one) get their frontend back as their source, as a REPLY hit at ingress would give
+ * them; an ICMP error the stack sends about such a flow is translated back as one from a router
+ * would be; the fragments of a reply the stack fragmented follow their first. Anything else is the
+ * node's own business: PASS, after the activity check (ekp_act.h) for all but ICMP errors. */
+static __always_inline void ekp_decide_local_packet(struct ekp_work *w, int parsed)
 {
-	__builtin_memset(&w->dec, 0, sizeof(w->dec));
-	__builtin_memset(&w->flow, 0, sizeof(w->flow));
-	w->queue.want = 0;
-	ekp_decide_packet(w, parsed, scope, hook);
+	struct ekp_pkt *p = &w->pkt;
+	struct ekp_decision *d = &w->dec;
+
+	d->saddr = p->saddr;
+	d->daddr = p->daddr;
+	d->sport = p->sport;
+	d->dport = p->dport;
+	ekp_verdict(d, EKP_ACT_PASS, EKP_STAT_PASS);
+	if (parsed != EKP_PARSE_OK && parsed != EKP_PARSE_ICMP_ERR && parsed != EKP_PARSE_LATER)
+		return;
+	/* A datagram the stack fragments leaves first fragment first (ip_do_fragment): the first
+	 * records its ports for the later ones, which find them under the same addresses and id. */
+	if (parsed == EKP_PARSE_LATER) {
+		if (!ekp_frag_ports(p))
+			return;
+	} else if (p->frag == EKP_FRAG_FIRST) {
+		ekp_frag_record(p);
+	}
+	const struct ekp_config *cfg = ekp_config_get();
+	if (!cfg)
+		return;
+	if (parsed != EKP_PARSE_ICMP_ERR && ekp_act_armed() &&
+	    ekp_act_idle(p->saddr, p->sport, p->proto, ekp_act_stamp_of(bpf_ktime_get_coarse_ns()),
+			 ekp_ct_longest_stamps(cfg)))
+		return;
+	__u64 now = bpf_ktime_get_ns();
+	if (parsed == EKP_PARSE_ICMP_ERR) {
+		ekp_decide_related(p, cfg, now, d);
+		return;
+	}
+	struct ekp_ct_key key = {};
+	ekp_ct_key_of(&key, p, EKP_CT_REPLY);
+	struct ekp_ct_entry *ct = ekp_ct_lookup(&key);
+	if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_reply(ct, p))
+		ekp_decide_hit(ct, &key, p, now, d, &w->queue);
+}
+
+/* Queues the flow a decision started or closed (ekp_ctq.h: written once, here, rather than on each
+ * path). */
+static __always_inline void ekp_decide_queue(struct ekp_work *w)
+{
 	if (w->queue.want) {
 		__u32 evicted = ekp_ctq_push(&w->queue);
 		if (evicted)
 			w->dec.marks |= 1 << evicted;
 	}
+}
+
+static __always_inline void ekp_decide_reset(struct ekp_work *w)
+{
+	__builtin_memset(&w->dec, 0, sizeof(w->dec));
+	__builtin_memset(&w->flow, 0, sizeof(w->flow));
+	w->queue.want = 0;
+}
+
+/* Decides w->dec for the packet parsed into w->pkt (`parsed`: enum ekp_parse_result) as `hook`
+ * runs it (enum ekp_hook), then queues the flow it started or closed. */
+static __always_inline void ekp_decide(struct ekp_work *w, int parsed, __u8 scope, __u8 hook)
+{
+	ekp_decide_reset(w);
+	ekp_decide_packet(w, parsed, scope, hook);
+	ekp_decide_queue(w);
+}
+
+/* Decides w->dec for a packet the node's own stack sends (ekp_decide_local_packet). */
+static __always_inline void ekp_decide_local(struct ekp_work *w, int parsed)
+{
+	ekp_decide_reset(w);
+	ekp_decide_local_packet(w, parsed);
+	ekp_decide_queue(w);
 }
 
 #endif /* EKP_DECIDE_H */

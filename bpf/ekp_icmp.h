@@ -21,8 +21,9 @@
  * Checksum offload: an skb from a local socket (every pod behind a veth) is CHECKSUM_PARTIAL and
  * bpf_skb_change_tail refuses to cut it before its L4 checksum field (__bpf_skb_min_len), 18
  * bytes into a TCP header. For TCP the quote then keeps the whole 20-byte TCP base header (RFC
- * 1812 allows quoting more than 8 bytes; Linux itself quotes up to 576 bytes). UDP's checksum
- * field ends at byte 8, so a UDP quote is always 8 bytes. The skb stays CHECKSUM_PARTIAL (no
+ * 1812 allows quoting more than 8 bytes; Linux itself quotes up to 576 bytes), for SCTP the 12
+ * bytes of its common header (the CRC32c offload, csum_not_inet). UDP's checksum field ends at
+ * byte 8, so a UDP quote is always 8 bytes. The skb stays CHECKSUM_PARTIAL (no
  * helper clears it) with csum_start on the quoted L4 header: the receiving stack takes the ICMP
  * checksum as verified; a device that would compute that offload in software on the way out (a
  * veth with tx checksumming turned off) would spoil the ICMP checksum.
@@ -44,6 +45,7 @@
 
 #define EKP_ICMP_L4_QUOTE 8      /* RFC 792: the first 64 bits of the datagram's data */
 #define EKP_ICMP_L4_QUOTE_TCP 20 /* a CHECKSUM_PARTIAL TCP skb: the whole TCP base header */
+#define EKP_ICMP_L4_QUOTE_SCTP 12 /* a CHECKSUM_PARTIAL SCTP skb: the whole common header */
 #define EKP_ICMP_QUOTE_MAX (60 + EKP_ICMP_L4_QUOTE_TCP)
 #define EKP_ICMP_TTL 64
 #define EKP_IPTOS_TOS_MASK 0x1e             /* IPTOS_TOS_MASK */
@@ -92,10 +94,11 @@ static __always_inline int ekp_icmp_unreach(struct __sk_buff *skb, const struct 
 	if (bpf_skb_load_bytes(skb, 0, w->macs, sizeof(w->macs)) < 0)
 		return -1;
 	if (bpf_skb_change_tail(skb, EKP_IP_OFF + qlen, 0) < 0) {
-		/* CHECKSUM_PARTIAL keeps the TCP checksum field (bytes 16-17) in the frame. */
-		if (p->proto != IPPROTO_TCP || p->frag == EKP_FRAG_LATER)
+		/* CHECKSUM_PARTIAL keeps the checksum field in the frame: TCP's (bytes 16-17), SCTP's
+		 * (8-11). */
+		if ((p->proto != IPPROTO_TCP && p->proto != IPPROTO_SCTP) || p->frag == EKP_FRAG_LATER)
 			return -1;
-		qlen = ihl + EKP_ICMP_L4_QUOTE_TCP;
+		qlen = ihl + (p->proto == IPPROTO_TCP ? EKP_ICMP_L4_QUOTE_TCP : EKP_ICMP_L4_QUOTE_SCTP);
 		if (bpf_skb_change_tail(skb, EKP_IP_OFF + qlen, 0) < 0)
 			return -1;
 	}

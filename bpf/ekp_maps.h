@@ -25,7 +25,8 @@
 	!defined(EKP_CFGSEL_MAX) || !defined(EKP_ICMPRL_MAX) || !defined(EKP_STATS_MAX) ||                      \
 	!defined(EKP_ADDR_MAX) || !defined(EKP_CTQ_TCP_MAX) || !defined(EKP_CTQ_ANY_MAX) ||                     \
 	!defined(EKP_CTQH_MAX) || !defined(EKP_FRAGHOLD_MAX) || !defined(EKP_FRAGLAST_MAX) ||                  \
-	!defined(EKP_MAGLEV_MAX) || !defined(EKP_XSTATS_MAX) || !defined(EKP_SKNAT_MAX) || !defined(EKP_SKCFG_MAX)
+	!defined(EKP_MAGLEV_MAX) || !defined(EKP_XSTATS_MAX) || !defined(EKP_ACT_MAX) ||                       \
+	!defined(EKP_SKNAT_MAX) || !defined(EKP_SKCFG_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -38,6 +39,7 @@ _Static_assert(EKP_STAT_SOCK_CALLS <= 32, "a packet path mark beyond struct ekp_
 _Static_assert(EKP_CTQH_MAX == 2, "ekp_ctqh holds one position per early-drop ring");
 _Static_assert(EKP_CTQ_TCP_MAX > 0 && EKP_CTQ_ANY_MAX > 0, "an early-drop ring needs a slot");
 _Static_assert(EKP_FRAGLAST_MAX == 1, "ekp_fraglast holds one time");
+_Static_assert(EKP_ACT_MAX == EKP_ACT_SLOTS, "ekp_act has EKP_ACT_SLOTS slots (the slot hash masks with it)");
 _Static_assert(EKP_CFG_MAX == 2, "ekp_cfg_v2 holds exactly two struct ekp_config (double buffer)");
 _Static_assert(EKP_CFGSEL_MAX == 1, "ekp_cfgsel_v2 holds exactly one selector");
 _Static_assert(EKP_ICMPRL_MAX == 1, "ekp_icmprl_v2 holds one bucket per CPU");
@@ -52,9 +54,9 @@ BPF_TABLE("hash", struct ekp_member_key, struct ekp_member, ekp_member_v2, EKP_M
 BPF_F_TABLE("lpm_trie", struct ekp_srcrange_key, struct ekp_srcrange, ekp_srcr_v2, EKP_SRCR_MAX, BPF_F_NO_PREALLOC);
 BPF_TABLE("array", u32, struct ekp_config, ekp_cfg_v2, EKP_CFG_MAX);
 BPF_TABLE("array", u32, struct ekp_config_sel, ekp_cfgsel_v2, EKP_CFGSEL_MAX);
-/* Read only for fragments that came before their first, and holding a few thousand addresses:
- * entries are allocated as written (preallocated, 262,144 would take 20 MiB; the hash buckets
- * alone take 4 MiB, memlock as measured). */
+/* Holding a few thousand addresses: entries are allocated as written (preallocated, 262,144 would
+ * take 20 MiB; the hash buckets alone take 4 MiB, memlock as measured). Looked up once by a
+ * packet that no live flow's stamps claim (ekp_act.h): the frontend check. */
 BPF_F_TABLE("hash", struct ekp_addr_key, struct ekp_addr, ekp_addr_v2, EKP_ADDR_MAX, BPF_F_NO_PREALLOC);
 
 /* Maglev tables, one per backend set that a Maglev frontend uses: 64 KiB each at the default size,
@@ -79,6 +81,9 @@ BPF_TABLE("lru_hash", struct ekp_fraghold_key, struct ekp_fraghold, ekp_fraghold
  * within the kernel's reassembly time after it, so in-order fragments cost what they did. */
 BPF_TABLE("array", u32, u64, ekp_fraglast_v2, EKP_FRAGLAST_MAX);
 BPF_TABLE("lru_hash", struct ekp_affinity_key, struct ekp_affinity, ekp_aff_v2, EKP_AFF_MAX);
+/* Flow activity: when a live flow last stamped each endpoint slot (bpf/ekp_act.h); read by every
+ * packet before any conntrack lookup, an array the JIT reads in place. */
+BPF_TABLE("array", u32, struct ekp_act, ekp_act_v2, EKP_ACT_MAX);
 
 /* Socket-level load balancing: its settings (written by the agent) and what each socket was sent to
  * (written by the socket programs; LRU: a full table forgets the least recently used sockets, whose
@@ -121,6 +126,7 @@ static __always_inline u64 *ekp_fraglast_lookup(u32 *k);
 static __always_inline struct ekp_addr *ekp_addr_lookup(struct ekp_addr_key *k);
 static __always_inline struct ekp_ctq_slot *ekp_ctq_lookup(__u32 ring, __u32 *slot);
 static __always_inline u64 *ekp_ctqh_lookup(u32 *ring);
+static __always_inline struct ekp_act *ekp_act_lookup(u32 *k);
 static __always_inline struct ekp_affinity *ekp_aff_lookup(struct ekp_affinity_key *k);
 static __always_inline int ekp_aff_update(struct ekp_affinity_key *k, struct ekp_affinity *v);
 static __always_inline struct ekp_ratelimit *ekp_icmprl_lookup(u32 *k);

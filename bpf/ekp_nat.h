@@ -11,6 +11,10 @@
  * A later fragment has no L4 header: only its addresses and the IP checksum change (the
  * datagram's L4 checksum, which covers the pseudo header, is fixed in its first fragment).
  *
+ * SCTP's CRC32c covers no pseudo header and is no one's-complement sum: addresses change with the
+ * IP checksum alone, and a port change updates the CRC by its own arithmetic (ekp_sctp.h), the
+ * stores recomputing a CHECKSUM_COMPLETE skb->csum.
+ *
  * An ICMP error about a translated flow changes its quote (the packet it is about) as well:
  * the quoted IP header and L4 ports and checksum are plain payload of the ICMP message, so they
  * are rewritten with stores and explicit one's-complement arithmetic (ekp_csum_apply), and the
@@ -23,6 +27,7 @@
 #define EKP_NAT_H
 
 #include "ekp_parse.h"
+#include "ekp_sctp.h"
 
 #define EKP_IP_CSUM_OFF (EKP_IP_OFF + __builtin_offsetof(struct iphdr, check))
 #define EKP_IP_SADDR_OFF (EKP_IP_OFF + __builtin_offsetof(struct iphdr, saddr))
@@ -88,15 +93,38 @@ static __always_inline int ekp_set_port(struct __sk_buff *skb, const struct ekp_
 	return bpf_skb_store_bytes(skb, p->l4_off + port_off, &new, sizeof(new), 0) < 0 ? -1 : 0;
 }
 
-/* Rewrites a TCP/UDP packet (or fragment) to the tuple saddr:sport -> daddr:dport. 0 or -1. */
+/* Replaces both ports of an SCTP packet and updates its CRC32c for them (ekp_sctp.h). */
+static __always_inline int ekp_set_sctp_ports(struct __sk_buff *skb, const struct ekp_pkt *p, __be16 sport,
+					      __be16 dport)
+{
+	/* the four port bytes in wire order, as the little-endian word the CRC arithmetic takes */
+	__u32 old_ports = (__u32)p->sport | ((__u32)p->dport << 16);
+	__u32 new_ports = (__u32)sport | ((__u32)dport << 16);
+	__u32 csum;
+
+	if (old_ports == new_ports)
+		return 0;
+	if (bpf_skb_load_bytes(skb, p->l4_off + EKP_SCTP_CSUM_OFF, &csum, sizeof(csum)) < 0)
+		return -1;
+	csum ^= ekp_sctp_csum_delta(old_ports, new_ports, p->l4_len);
+	if (bpf_skb_store_bytes(skb, p->l4_off, &new_ports, sizeof(new_ports), BPF_F_RECOMPUTE_CSUM) < 0 ||
+	    bpf_skb_store_bytes(skb, p->l4_off + EKP_SCTP_CSUM_OFF, &csum, sizeof(csum), BPF_F_RECOMPUTE_CSUM) < 0)
+		return -1;
+	return 0;
+}
+
+/* Rewrites a TCP/UDP/SCTP packet (or fragment) to the tuple saddr:sport -> daddr:dport. 0 or -1. */
 static __always_inline int ekp_rewrite(struct __sk_buff *skb, const struct ekp_pkt *p, __be32 saddr,
 				       __be16 sport, __be32 daddr, __be16 dport)
 {
-	int l4 = p->frag != EKP_FRAG_LATER;
+	int sctp = p->proto == IPPROTO_SCTP;
+	int l4 = p->frag != EKP_FRAG_LATER && !sctp; /* an L4 checksum over a pseudo header */
 
 	if (ekp_set_addr(skb, p, EKP_IP_SADDR_OFF, p->saddr, saddr, l4) < 0 ||
 	    ekp_set_addr(skb, p, EKP_IP_DADDR_OFF, p->daddr, daddr, l4) < 0)
 		return -1;
+	if (sctp)
+		return ekp_set_sctp_ports(skb, p, sport, dport);
 	if (!l4)
 		return 0;
 	if (ekp_set_port(skb, p, __builtin_offsetof(struct udphdr, source), p->sport, sport) < 0 ||

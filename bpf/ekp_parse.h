@@ -6,12 +6,13 @@
  * The result holds copies and offsets, never packet pointers: every helper that writes the packet
  * (csum, store_bytes, pull) invalidates pointers, so later stages work with skb offsets.
  * One bounds check per header advance (Katran's habit); a packet whose headers are not in the
- * linear part is pulled once, up to the largest header stack we read.
+ * linear part is pulled, to the end of the headers it has (ekp_pull), never further.
  *
  * What is ours: IPv4 TCP and UDP, including fragments (the first carries the ports; the later
- * ones get them from ekp_frag, see ekp_frag.h), and ICMP errors (destination unreachable, time
- * exceeded, parameter problem) that quote a TCP or UDP packet: those may be about a translated
- * flow. Everything else (ARP, IPv6, ICMP echo, other protocols) is PASS before any map lookup.
+ * ones get them from ekp_frag, see ekp_frag.h), SCTP without fragments (ekp_sctp.h says why), and
+ * ICMP errors (destination unreachable, time exceeded, parameter problem) that quote a TCP, UDP
+ * or SCTP packet: those may be about a translated flow. Everything else (ARP, IPv6, ICMP echo,
+ * other protocols, SCTP fragments) is PASS before any map lookup.
  */
 #ifndef EKP_PARSE_H
 #define EKP_PARSE_H
@@ -22,6 +23,8 @@
 #include <linux/ip.h>
 #include <linux/tcp.h>
 #include <linux/udp.h>
+
+#include "ekp_sctp.h"
 
 #define EKP_IP_OFF ETH_HLEN
 #define EKP_IP_DF 0x4000     /* host order: don't fragment */
@@ -37,9 +40,6 @@
  * quote is long enough (bytes 16-17). */
 #define EKP_INNER_TCP_LEN 20
 
-/* Ethernet + IPv4 header (<= 60) + ICMP header + quoted IPv4 header (<= 60) + a TCP header: the
- * longest header stack we read (an ICMP error); a plain TCP packet needs less. */
-#define EKP_PULL_LEN (ETH_HLEN + 60 + sizeof(struct icmphdr) + 60 + EKP_INNER_TCP_LEN)
 
 enum ekp_parse_result {
 	EKP_PARSE_OK = 0,    /* IPv4 TCP/UDP, a whole datagram or its first fragment: tuple valid */
@@ -70,6 +70,9 @@ struct ekp_pkt {
 	__u8 df;          /* 1 when DF is set */
 	__u8 icmp_type;   /* ICMP errors: type and code */
 	__u8 icmp_code;
+	__u8 chunk;       /* SCTP: the type of the packet's first chunk (EKP_SCTP_CID_INIT starts a flow) */
+	__u8 pad;
+	__u16 l4_len;     /* SCTP: bytes from the SCTP header to the end of the IP packet */
 	/* An ICMP error's quote: the packet it is about, as it was sent (after our translation when
 	 * it is about a translated flow). */
 	__u8 in_proto;    /* IPPROTO_TCP / IPPROTO_UDP */
@@ -95,7 +98,8 @@ static __always_inline int ekp_parse_quote(struct ekp_pkt *p, void *data, void *
 
 	if ((void *)(ip + 1) > data_end)
 		return EKP_PARSE_PASS; /* a quote too short to be about a flow of ours */
-	if (ip->version != 4 || (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP))
+	if (ip->version != 4 ||
+	    (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP && ip->protocol != IPPROTO_SCTP))
 		return EKP_PARSE_PASS;
 	if (ntohs(ip->frag_off) & EKP_IP_OFFSET)
 		return EKP_PARSE_PASS; /* a later fragment: no ports quoted */
@@ -131,13 +135,16 @@ static __always_inline int ekp_parse_frame(void *data, void *data_end, struct ek
 	struct iphdr *ip = (void *)(eth + 1);
 	if ((void *)(ip + 1) > data_end)
 		return EKP_PARSE_MALFORMED;
-	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP && ip->protocol != IPPROTO_ICMP)
+	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP && ip->protocol != IPPROTO_ICMP &&
+	    ip->protocol != IPPROTO_SCTP)
 		return EKP_PARSE_PASS;
 	__u32 ihl = ip->ihl * 4;
 	if (ip->version != 4 || ihl < sizeof(struct iphdr) || ihl > 60)
 		return EKP_PARSE_MALFORMED;
 
 	__u16 frag = ntohs(ip->frag_off);
+	if (ip->protocol == IPPROTO_SCTP && (frag & (EKP_IP_MF | EKP_IP_OFFSET)))
+		return EKP_PARSE_PASS; /* its checksum cannot follow a translation (ekp_sctp.h) */
 	p->l4_off = EKP_IP_OFF + ihl;
 	p->saddr = ip->saddr;
 	p->daddr = ip->daddr;
@@ -173,6 +180,18 @@ static __always_inline int ekp_parse_frame(void *data, void *data_end, struct ek
 		p->dport = udp->dest;
 		return EKP_PARSE_OK;
 	}
+	if (p->proto == IPPROTO_SCTP) {
+		__u8 *sctp = l4;
+		__u32 tot = ntohs(ip->tot_len);
+		/* the common header and the first chunk's type */
+		if ((void *)(sctp + EKP_SCTP_HDR_LEN + 1) > data_end || tot < ihl + EKP_SCTP_HDR_LEN)
+			return EKP_PARSE_MALFORMED;
+		p->sport = *(__be16 *)sctp;
+		p->dport = *(__be16 *)(sctp + 2);
+		p->chunk = sctp[EKP_SCTP_HDR_LEN];
+		p->l4_len = tot - ihl;
+		return EKP_PARSE_OK;
+	}
 
 	struct icmphdr *icmp = l4;
 	if ((void *)(icmp + 1) > data_end)
@@ -184,15 +203,40 @@ static __always_inline int ekp_parse_frame(void *data, void *data_end, struct ek
 	return ekp_parse_quote(p, data, data_end, (void *)(icmp + 1));
 }
 
+/* The bytes past the IP header the parser reads, by protocol: the L4 header (SCTP: and the first
+ * chunk's type), for ICMP the error's quote too. */
+static __always_inline __u32 ekp_l4_need(__u8 proto)
+{
+	if (proto == IPPROTO_TCP)
+		return sizeof(struct tcphdr);
+	if (proto == IPPROTO_UDP)
+		return sizeof(struct udphdr);
+	if (proto == IPPROTO_SCTP)
+		return EKP_SCTP_HDR_LEN + 1;
+	return sizeof(struct icmphdr) + 60 + EKP_INNER_TCP_LEN;
+}
+
+/* Makes the first `want` bytes of the frame linear when they are not (headers in paged data: a
+ * GRO'd packet, a TSO segment of the node's own stack); a shorter frame keeps what it has. Pulls
+ * only what is read: a pull may copy and reallocate the skb's head. */
+static __always_inline void ekp_pull(struct __sk_buff *skb, __u32 want)
+{
+	__u32 linear = (void *)(long)skb->data_end - (void *)(long)skb->data;
+
+	if (linear < want && skb->len > linear)
+		bpf_skb_pull_data(skb, skb->len < want ? skb->len : want);
+}
+
 static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
 {
+	/* Headers may sit in paged data (GRO, TSO, some drivers): the IP header first, then as far as
+	 * its options and L4 header reach (the pull moves the data: pointers are taken again). */
+	ekp_pull(skb, EKP_IP_OFF + sizeof(struct iphdr));
 	void *data = (void *)(long)skb->data;
 	void *data_end = (void *)(long)skb->data_end;
-	__u32 linear = data_end - data;
-
-	/* Headers may sit in paged data (GRO, some drivers): make the ones we read linear. */
-	if (linear < EKP_PULL_LEN && skb->len > linear) {
-		bpf_skb_pull_data(skb, skb->len < EKP_PULL_LEN ? skb->len : EKP_PULL_LEN);
+	struct iphdr *ip = data + EKP_IP_OFF;
+	if ((void *)(ip + 1) <= data_end) {
+		ekp_pull(skb, EKP_IP_OFF + ip->ihl * 4 + ekp_l4_need(ip->protocol));
 		data = (void *)(long)skb->data;
 		data_end = (void *)(long)skb->data_end;
 	}

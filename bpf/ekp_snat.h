@@ -61,9 +61,11 @@ static __always_inline __u32 ekp_snat_probe_port(__u32 i, __u32 off0, __u32 off1
  *
  * The walk itself only notes candidates with one-line tests (the verifier explores every
  * iteration, and a branchy body overflows its 8192 pending states): a port held by a flow that
- * saw a FIN or RST, or idle longer than any timeout of its protocol (dead for sure), and the
+ * saw a FIN or RST, idle longer than any timeout of its protocol, or ORPHAN and idle longer than
+ * tcp_orphan_s (dead for sure); for TCP, the first port idle longer than tcp_orphan_s (dead if
+ * its backend left every Service: a flow no packet came for since, so none flagged it); and the
  * first port held by a flow that never completed its handshake. The exact check of the
- * candidate (ekp_ct_reusable) runs once, after the walk. The walk is written once per
+ * candidates (ekp_ct_reusable) runs after the walk, once each. The walk is written once per
  * conntrack table (`tcp` is a constant at both call sites): a table chosen inside the loop would
  * leave the verifier two states per probe, 2^240 paths. */
 static __always_inline int ekp_snat_walk(struct ekp_ct_key *rkey, const struct ekp_pkt *p,
@@ -79,7 +81,8 @@ static __always_inline int ekp_snat_walk(struct ekp_ct_key *rkey, const struct e
 	__u32 off1 = bpf_get_prandom_u32(), off2 = bpf_get_prandom_u32(), off3 = bpf_get_prandom_u32();
 	/* Past this idle time an entry is dead whatever its state (the longest timeout). */
 	__u64 dead_ns = ekp_ct_timeout_ns(cfg, p->proto, EKP_CT_ESTABLISHED);
-	__u16 candidate = 0, victim = 0;
+	__s64 orphan_ns = (__s64)ekp_ct_orphan_ns(cfg);
+	__u16 candidate = 0, idle = 0, victim = 0;
 
 #pragma clang loop unroll(disable)
 	for (__u32 i = 0; i < EKP_SNAT_PROBES; i++) {
@@ -94,15 +97,25 @@ static __always_inline int ekp_snat_walk(struct ekp_ct_key *rkey, const struct e
 		if (!old)
 			return 0;
 		__u16 flags = old->flags;
-		if (!candidate && ((flags & EKP_CT_ENDING) || ekp_age_ns(now, old->last_seen_ns) > (__s64)dead_ns))
+		__s64 age = ekp_age_ns(now, old->last_seen_ns);
+		if (!candidate && ((flags & EKP_CT_ENDING) || age > (__s64)dead_ns ||
+				   (tcp && (flags & EKP_CT_ORPHAN) && age > orphan_ns)))
 			candidate = port;
+		if (tcp && !idle && age > orphan_ns)
+			idle = port;
 		if (!victim && !(flags & EKP_CT_ESTABLISHED))
 			victim = port;
 	}
 	if (candidate) {
 		rkey->dport = htons(candidate);
 		struct ekp_ct_entry *old = ekp_ct_lookup(rkey);
-		if (!old || ekp_ct_reusable(old, p, cfg, now))
+		if (!old || ekp_ct_reusable(old, rkey, p, cfg, now))
+			return 0;
+	}
+	if (idle) {
+		rkey->dport = htons(idle);
+		struct ekp_ct_entry *old = ekp_ct_lookup(rkey);
+		if (!old || ekp_ct_reusable(old, rkey, p, cfg, now))
 			return 0;
 	}
 	if (!victim)

@@ -5,6 +5,8 @@
  *
  *   ekp_from_pod  ingress of the node side of every pod veth        (scope EKP_SCOPE_INTERNAL)
  *   ekp_from_net  ingress of the node's external devices (--devices) (scope EKP_SCOPE_EXTERNAL)
+ *   ekp_egress    egress of both: the replies the node's own stack sends for flows handed to it
+ *                 (a backend on the node's own address), translated back (ekp_core.h)
  *   ekp_xdp_net   XDP of the same external devices (--bpf-xdp), ahead of ekp_from_net
  *   ekp_sock_conn, ekp_sock_send, ekp_sock_recv, ekp_sock_peer
  *                 cgroup connect4, sendmsg4, recvmsg4, getpeername4 of the node's sockets
@@ -150,6 +152,11 @@ static __always_inline u64 *ekp_ctqh_lookup(u32 *ring)
 	return ekp_ctqh_v2.lookup(ring);
 }
 
+static __always_inline struct ekp_act *ekp_act_lookup(u32 *k)
+{
+	return ekp_act_v2.lookup(k);
+}
+
 static __always_inline struct ekp_affinity *ekp_aff_lookup(struct ekp_affinity_key *k)
 {
 	return ekp_aff_v2.lookup(k);
@@ -219,6 +226,11 @@ int ekp_from_pod(struct __sk_buff *skb)
 int ekp_from_net(struct __sk_buff *skb)
 {
 	return ekp_main(skb, EKP_SCOPE_EXTERNAL);
+}
+
+int ekp_egress(struct __sk_buff *skb)
+{
+	return ekp_egress_main(skb);
 }
 
 /* XDP on the external devices (--bpf-xdp): before the skb exists, the part of ekp_from_net's work

@@ -7,7 +7,8 @@
  *   REJECT    the skb becomes an ICMP port unreachable (ekp_icmp.h), redirected out of the device
  *             it came in on
  *   TRANSLATE route the translated tuple (bpf_fib_lookup, before any byte changes), rewrite,
- *             TTL - 1, redirect (ekp_redirect.h)
+ *             TTL - 1, redirect (ekp_redirect.h); to a backend on the node's own address
+ *             (d->host): rewrite, and the node's stack delivers it
  *   RELATED   the same for an ICMP error: outer and quoted headers
  *
  * The route lookup says "fragmentation needed" when the packet is too big for the egress device
@@ -51,6 +52,13 @@ static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scr
 	}
 
 	int related = d->action == EKP_ACT_RELATED;
+	if (d->host && !related) {
+		/* A backend on this node's own address: the stack delivers it (no route to look up,
+		 * no TTL to spend) and its replies leave through ekp_egress, which translates them. */
+		if (ekp_rewrite(skb, p, d->saddr, d->sport, d->daddr, d->dport) < 0)
+			return ekp_tc_drop(d, EKP_DROP_MALFORMED);
+		return TC_ACT_OK;
+	}
 	struct bpf_fib_lookup *fib = &w->fib;
 	__builtin_memset(fib, 0, sizeof(*fib));
 	long rc = related ? ekp_fib(skb, fib, IPPROTO_ICMP, p->tos, d->saddr, d->daddr, 0, 0)
@@ -69,9 +77,8 @@ static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scr
 		return TC_ACT_OK; /* the stack fragments it */
 	}
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH) {
-		/* NOT_FWDED means no route *or* a local destination (a backend on the node's own
-		 * address); the stack could deliver the latter, but its reply would leave without
-		 * reverse NAT, so both drop until host-network backends are handled. Also
+		/* NOT_FWDED means no route or a local destination (a backend on a node address that the
+		 * agent did not mark EKP_BE_HOST: an address it does not know as the node's); also
 		 * unreachable, blackhole, forwarding disabled on the ingress device. */
 		return ekp_tc_drop(d, EKP_DROP_FIB);
 	}
@@ -81,6 +88,26 @@ static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scr
 	if (rewritten < 0)
 		return ekp_tc_drop(d, EKP_DROP_MALFORMED);
 	return ekp_redirect(skb, p, fib, rc, &d->outcome);
+}
+
+/* Carries out a decision about a packet the node's own stack sends (ekp_decide_local) at tc egress:
+ * rewritten where it is, the stack has routed it already. */
+static __always_inline int ekp_tc_apply_local(struct __sk_buff *skb, struct ekp_tc_scratch *w)
+{
+	const struct ekp_pkt *p = &w->work.pkt;
+	struct ekp_decision *d = &w->work.dec;
+	int rewritten;
+
+	if (d->action == EKP_ACT_TRANSLATE)
+		rewritten = ekp_rewrite(skb, p, d->saddr, d->sport, d->daddr, d->dport);
+	else if (d->action == EKP_ACT_RELATED)
+		rewritten = ekp_rewrite_icmp_err(skb, p, d->saddr, d->daddr, d->in_saddr, d->in_sport, d->in_daddr,
+						 d->in_dport);
+	else
+		return d->action == EKP_ACT_DROP ? TC_ACT_SHOT : TC_ACT_OK;
+	if (rewritten < 0)
+		return ekp_tc_drop(d, EKP_DROP_MALFORMED);
+	return TC_ACT_OK;
 }
 
 #endif /* EKP_TC_APPLY_H */

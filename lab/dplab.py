@@ -16,13 +16,15 @@ each test: PACKETS == sum of outcomes.
 
 from __future__ import annotations
 
+import ctypes as ct
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from agent.config import MapSizes
-from agent.ebpf import abi
+from agent.ebpf import abi, activity
 from agent.ebpf.abi import (
     CALLS,
     OUTCOMES,
@@ -87,6 +89,7 @@ TEST_ROLES = (
     "ctq_any",
     "ctqh",
     "aff",
+    "act",
     "srcr",
     "icmprl",
     "stats",
@@ -139,10 +142,12 @@ def packet_lab() -> Iterator[Lab]:
 
 
 def reset_maps(dp: Datapath) -> None:
-    """Empty every map a test may have filled, and make CFG the live config."""
+    """Empty every map a test may have filled, make CFG the live config, and arm the flow-activity
+    check (bpf/ekp_act.h) as a running agent has it: packets of no live flow skip conntrack."""
     for role in TEST_ROLES:
         dp.maps[role].clear()
     write_config(dp.maps, CFG)
+    dp.maps["act"].update(ct.c_uint32(activity.ARMED), abi.Act(stamp=1))
 
 
 def assert_balanced(dp: Datapath) -> None:
@@ -180,6 +185,15 @@ class Net:
 
     def from_net(self, frame: bytes) -> tuple[int, bytes]:
         return prog_run(self.dp.prog_fd("ekp_from_net"), frame, self.lab.ext.ifindex)
+
+    def to_pod(self, frame: bytes, *, came_in_by: int = 0) -> tuple[int, bytes]:
+        """ekp_egress on the pod device: a packet of the node's own stack (`came_in_by` 0), or one
+        forwarded from the device of that ifindex."""
+        return prog_run(self.dp.prog_fd("ekp_egress"), frame, self.lab.pod.ifindex, came_in_by)
+
+    def to_net(self, frame: bytes, *, came_in_by: int = 0) -> tuple[int, bytes]:
+        """ekp_egress on the external device (see to_pod)."""
+        return prog_run(self.dp.prog_fd("ekp_egress"), frame, self.lab.ext.ifindex, came_in_by)
 
     def xdp(self, frame: bytes) -> tuple[int, bytes]:
         """ekp_xdp_net on `frame` arriving on ext0: (XDP verdict, frame out)."""
@@ -219,7 +233,18 @@ class Net:
         *,
         reply: bool = False,
     ) -> None:
-        self.dp.maps[ct_role(proto)].update(ct_key(saddr, daddr, sport, dport, proto, reply), entry)
+        """Writes an entry behind the data path's back, and stamps its flow's endpoints now as the
+        agent does for the entries it finds at start (agent/ebpf/activity.py)."""
+        key = ct_key(saddr, daddr, sport, dport, proto, reply)
+        self.dp.maps[ct_role(proto)].update(key, entry)
+        self.stamp(*activity.endpoints(key, entry))
+
+    def stamp(self, *endpoints: tuple[int, int, int], ago_s: float = 0.0) -> None:
+        """Stamps endpoints (address and port as ip_be / port_be, protocol) in ekp_act, `ago_s`
+        seconds ago."""
+        value = abi.Act(stamp=activity.stamp_of(time.monotonic_ns() - int(ago_s * 1e9)))
+        for addr, port, proto in endpoints:
+            self.dp.maps["act"].update(ct.c_uint32(activity.slot(addr, port, proto)), value)
 
     def ct_del(
         self, saddr: str, daddr: str, sport: int, dport: int, proto: int = TCP, *, reply: bool = False

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from bench import api, capacity, record, report
 from bench.bpfstats import Cost
-from bench.run import Results, Settings, State, StatsWindow, SyncFacts, Target
+from bench.progcost import PacketCost
+from bench.run import PacketCosts, Results, Settings, State, StatsWindow, SyncFacts, Target
 from bench.run import tables as live_tables
 from bench.traffic import Load
 
@@ -102,7 +103,10 @@ def load(rate: float, errors: int = 0) -> Load:
 
 
 def target(rates: list[float], samples: list[int]) -> Target:
-    return Target(loads=[load(r) for r in rates], samples_ns=samples, probe_errors={"timeout": 1})
+    unpinned = [2 * s for s in samples]
+    return Target(
+        loads=[load(r) for r in rates], samples_ns=samples, probe_errors={"timeout": 1}, unpinned_ns=unpinned
+    )
 
 
 def small_run() -> tuple[Results, Settings, list[api.ApiScale], capacity.Result]:
@@ -123,6 +127,16 @@ def small_run() -> tuple[Results, Settings, list[api.ApiScale], capacity.Result]
             StatsWindow(
                 "ebpf", 5, "ClusterIP", 900, [Cost("ekp_from_pod", 9000, 650.5), Cost("n", 0, float("nan"))]
             )
+        ],
+        packets=[
+            PacketCosts(1, [PacketCost("ekp_from_pod", "pod -> pod IP", False, 90.5)]),
+            PacketCosts(
+                5,
+                [
+                    PacketCost("ekp_from_pod", "pod -> pod IP", False, 151.0),
+                    PacketCost("ekp_from_pod", "pod -> ClusterIP", True, 400.25),
+                ],
+            ),
         ],
         notes=["one note"],
         stats_sysctl_before="0",
@@ -178,6 +192,11 @@ def test_a_runs_file_renders_the_tables_of_the_run(tmp_path: Path) -> None:
     assert "traffic: nft (the agent's auto choice)" in rendered
     assert "api: legacy (--api-iptables-backend)" in rendered
     assert "- NOTE: one note" in rendered
+    # the programs' ns per packet and the issue 16 targets, missed by how much
+    assert "| ekp_from_pod | pod -> pod IP | no | 90.5 | 151.0 |" in rendered
+    assert "| ebpf | 5 | pod -> pod IP | ns/packet | 151.0 | missed by 1 ns |" in rendered
+    assert "| ebpf | 1 | pod -> pod IP | ns/packet | 90.5 | met |" in rendered
+    assert "| ebpf | 5 | pod -> ClusterIP | conn/s | 0.89 | missed by 8.7 pts |" in rendered
 
 
 # ---- the control plane at scale (issue 18) -------------------------------------------------

@@ -89,8 +89,7 @@ def test_both_only_when_the_project_dials_from_every_upstream_source(row: list[s
 
 # What "needs" rows may lack, as their status names it, and how the README counts each.
 CAPABILITIES = {
-    "SCTP": "SCTP",
-    "host-network endpoints": "endpoints on a node's own address",
+    "SCTP": "SCTP from the node's own sockets in eBPF mode",
     "localhost NodePort packets": "a count of localhost NodePort packets in eBPF mode",
 }
 

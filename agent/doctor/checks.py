@@ -15,8 +15,8 @@ from enum import StrEnum
 from agent.config import Mode
 
 # What the data path uses (bpf/): its program type, map kinds and helpers. The kernel release
-# is the first with all of them (bpf_redirect_neigh: 5.10).
-MIN_KERNEL = (5, 10)
+# is the first with all of them (bpf_ktime_get_coarse_ns: 5.11).
+MIN_KERNEL = (5, 11)
 PROGRAM_TYPE = "sched_cls"
 OPTIONAL_PROGRAM_TYPES = ("xdp", "cgroup_sock_addr")  # for the XDP and socket-level hooks
 MAP_KINDS = ("hash", "lru_hash", "lpm_trie", "array", "percpu_array")
@@ -25,6 +25,7 @@ HELPERS = (
     "bpf_csum_diff",
     "bpf_fib_lookup",
     "bpf_get_prandom_u32",
+    "bpf_ktime_get_coarse_ns",
     "bpf_ktime_get_ns",
     "bpf_l3_csum_replace",
     "bpf_l4_csum_replace",
@@ -186,7 +187,7 @@ def _features(f: Facts) -> Line:
             "BPF features",
             "the kernel lacks " + ", ".join(missing),
             "a kernel built with CONFIG_BPF_SYSCALL, CONFIG_NET_CLS_BPF and CONFIG_NET_SCH_INGRESS "
-            "(5.10+), or run --mode=iptables",
+            "(5.11+), or run --mode=iptables",
         )
     extra = [t for t in OPTIONAL_PROGRAM_TYPES if t not in feats.program_types]
     found = f"tc ({PROGRAM_TYPE}) with {len(HELPERS)} helpers, maps {', '.join(MAP_KINDS)}"

@@ -75,6 +75,7 @@ class FrontendFlag(IntEnum):
 class BackendFlag(IntEnum):
     LOCAL = 1 << 0
     TERMINATING = 1 << 1
+    HOST = 1 << 2  # the address is one of this node's own: delivered to the node's stack
 
 
 class MemberFlag(IntEnum):
@@ -100,6 +101,8 @@ class CtFlag(IntEnum):
     RST = 1 << 5
     MIGRATED = 1 << 6
     ADOPTED = 1 << 7
+    ORPHAN = 1 << 8  # TCP: the backend left every Service; only its packets renew the flow
+    HOST = 1 << 9  # the backend is this node's own address (BackendFlag.HOST)
 
 
 class CtqRing(IntEnum):
@@ -117,6 +120,8 @@ class AddrFlag(IntEnum):
 
 FRAGHOLD_SLOTS = 8
 FRAGHOLD_LEN = 1520
+ACT_SLOTS = 1 << 16  # ekp_act_v2 (bpf/ekp_act.h); slot 0 is the armed flag, no endpoint's
+ACT_SHIFT = 30  # a stamp is bpf_ktime_get_ns() >> ACT_SHIFT
 
 
 class Stat(IntEnum):
@@ -337,6 +342,10 @@ class Addr(_Struct):
     _fields_ = [("flags", u8), ("pad", u8 * 3)]
 
 
+class Act(_Struct):
+    _fields_ = [("stamp", u32)]
+
+
 class CtqSlot(_Struct):
     _fields_ = [
         ("saddr", u32),
@@ -386,7 +395,7 @@ class Config(_Struct):
         ("local_net", u32),
         ("local_plen", u8),
         ("local_by_src", u8),
-        ("pad", u16),
+        ("tcp_orphan_s", u16),
     ]
 
 
@@ -428,6 +437,7 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_fraghold": FragHold,
     "ekp_addr_key": AddrKey,
     "ekp_addr": Addr,
+    "ekp_act": Act,
     "ekp_ctq_slot": CtqSlot,
     "ekp_affinity_key": AffinityKey,
     "ekp_affinity": Affinity,
@@ -497,6 +507,7 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("fraghold", "lru_hash", FragHoldKey, FragHold, 1024, "EKP_FRAGHOLD_MAX", _DP),
         MapSpec("fraglast", "array", ctypes.c_uint32, ctypes.c_uint64, 1, "EKP_FRAGLAST_MAX", _DP),
         MapSpec("aff", "lru_hash", AffinityKey, Affinity, 65536, "EKP_AFF_MAX", _DP),
+        MapSpec("act", "array", ctypes.c_uint32, Act, ACT_SLOTS, "EKP_ACT_MAX", _DP),
         MapSpec("icmprl", "percpu_array", ctypes.c_uint32, RateLimit, 1, "EKP_ICMPRL_MAX", _DP),
         # v3: 64 slots (v2 had exactly its 25 counters, so a counter added grew the map)
         MapSpec(

@@ -7,7 +7,11 @@ Effects (pyroute2). Which devices, in the network namespace Config.netns:
   `ekp_from_net` on ingress: traffic from other nodes and clients, scope EXTERNAL; and
   `ekp_xdp_net` on XDP unless --bpf-xdp=disabled;
 * pod devices (names matching a Config.pod_interfaces glob, not external) get `ekp_from_pod` on
-  ingress: traffic leaving pods, scope INTERNAL.
+  ingress: traffic leaving pods, scope INTERNAL;
+* both get `ekp_egress` on egress: what the node's own stack sends out of them, where the replies
+  of flows handed to it (a backend on the node's own address) get their frontend back. It is
+  attached before the ingress program: a device never hands the stack a flow whose replies would
+  leave untranslated.
 
 The local-traffic detector (agent/localdetect.py) moves that line in its interface modes, where
 the device decides what kube-proxy counts as pod traffic (`-i BRIDGE`, `-i PREFIX+`):
@@ -25,7 +29,8 @@ device carries does not matter; it gets `ekp_from_pod` as before.
 Our filter is recognisable and alone at its spot: kind bpf, priority FILTER_PRIO, handle
 FILTER_HANDLE, name = the program's name (`tc filter show dev X ingress` lists it). Attaching
 uses "replace", so a restarted agent swaps its new program in atomically, with no moment without
-a filter. An existing `ingress` qdisc serves as well as clsact (both own ffff:fff2).
+a filter. The egress hook needs clsact (an `ingress` qdisc has none): on a device with an `ingress`
+qdisc the attach fails before the ingress program is attached, and is retried as any failure.
 
 The namespace is opened with `IPRoute(netns=..., flags=0)`: a missing namespace is an error, not
 silently created. Pod devices come and go; `Attacher.start_watcher()` runs a thread that attaches
@@ -58,6 +63,7 @@ log = logging.getLogger(__name__)
 
 PROG_FROM_NET = "ekp_from_net"
 PROG_FROM_POD = "ekp_from_pod"
+PROG_EGRESS = "ekp_egress"
 OUR_NAME_PREFIX = "ekp_"
 
 FILTER_PRIO = 17  # lower runs first; a fixed spot no one else is likely to take
@@ -249,9 +255,9 @@ def foreign_filters(ipr: Any, index: int) -> list[tuple[str, int]]:
     return out
 
 
-def our_filter(ipr: Any, index: int) -> str | None:
-    """Name of our filter on the device's ingress hook, or None."""
-    for msg in _filters(ipr, index, TC_H_INGRESS):
+def our_filter(ipr: Any, index: int, parent: int = TC_H_INGRESS) -> str | None:
+    """Name of our filter on the device's ingress (or `parent`) hook, or None."""
+    for msg in _filters(ipr, index, parent):
         if _is_ours(msg):
             name = msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME")
             return str(name)
@@ -269,8 +275,9 @@ def ensure_clsact(ipr: Any, index: int) -> None:
             raise
 
 
-def attach(ipr: Any, index: int, prog_name: str, fd: int) -> None:
-    """clsact (if missing) and our direct-action filter, replacing whatever held our spot."""
+def attach(ipr: Any, index: int, prog_name: str, fd: int, parent: int = TC_H_INGRESS) -> None:
+    """clsact (if missing) and our direct-action filter on the ingress (or `parent`) hook,
+    replacing whatever held our spot."""
     ensure_clsact(ipr, index)
     ipr.tc(
         "replace-filter",
@@ -279,7 +286,7 @@ def attach(ipr: Any, index: int, prog_name: str, fd: int) -> None:
         FILTER_HANDLE,
         fd=fd,
         name=prog_name,
-        parent=TC_H_INGRESS,
+        parent=parent,
         prio=FILTER_PRIO,
         classid=1,
         direct_action=True,
@@ -287,15 +294,18 @@ def attach(ipr: Any, index: int, prog_name: str, fd: int) -> None:
 
 
 def detach(ipr: Any, index: int) -> bool:
-    """Remove our filter from one device (and clsact if nothing else is left); True if one was there."""
-    if our_filter(ipr, index) is None:
-        return False
-    ipr.tc("del-filter", "bpf", index, FILTER_HANDLE, parent=TC_H_INGRESS, prio=FILTER_PRIO)
-    if not _filters(ipr, index, TC_H_INGRESS) and not _filters(ipr, index, TC_H_EGRESS):
+    """Remove our filters from one device, ingress first, then egress (and clsact if nothing else
+    is left); True if one was there."""
+    found = False
+    for parent in (TC_H_INGRESS, TC_H_EGRESS):
+        if our_filter(ipr, index, parent) is not None:
+            ipr.tc("del-filter", "bpf", index, FILTER_HANDLE, parent=parent, prio=FILTER_PRIO)
+            found = True
+    if found and not _filters(ipr, index, TC_H_INGRESS) and not _filters(ipr, index, TC_H_EGRESS):
         kinds = {q.get("kind") for q in ipr.get_qdiscs(index) if q["parent"] == TC_H_INGRESS_QDISC}
         if "clsact" in kinds:
             ipr.tc("del", "clsact", index)
-    return True
+    return found
 
 
 def detach_all(netns: str) -> list[str]:
@@ -324,8 +334,8 @@ def detach_all(netns: str) -> list[str]:
 class Attacher:
     """Keeps our programs on the devices that need them, in one network namespace.
 
-    `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD) to loaded program fds; they
-    must stay open while the Attacher is used. The constructor does nothing; `reconcile` attaches
+    `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS) to loaded program
+    fds; they must stay open while the Attacher is used. The constructor does nothing; `reconcile` attaches
     (called by every sync) and `start_watcher` starts the pod-device thread.
     """
 
@@ -393,7 +403,11 @@ class Attacher:
                         if exc.code != errno.ENODEV:
                             raise
             for index, (name, prog) in sorted(wanted.items()):
-                if not full and our_filter(ipr, index) == prog:
+                if (
+                    not full
+                    and our_filter(ipr, index) == prog
+                    and our_filter(ipr, index, TC_H_EGRESS) == PROG_EGRESS
+                ):
                     self._remember(index, name, prog)
                     continue
                 self._attach(ipr, index, name, prog)
@@ -451,8 +465,10 @@ class Attacher:
             self._xdp.pop(index, None)
 
     def _attach(self, ipr: Any, index: int, name: str, prog: str) -> None:
+        # Egress first: nothing is handed to the node's stack before its replies can be translated.
+        attach(ipr, index, PROG_EGRESS, self._fds[PROG_EGRESS], TC_H_EGRESS)
         attach(ipr, index, prog, self._fds[prog])
-        log.info("attached %s to %s ingress", prog, name)
+        log.info("attached %s to %s ingress and %s to its egress", prog, name, PROG_EGRESS)
         self._remember(index, name, prog)
         self.attachments += 1
 

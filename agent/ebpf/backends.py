@@ -1,10 +1,11 @@
 """Backend ids and the flags of backend entries: one id per (address, port, protocol) that any
 service port uses, refcounted across ports.
 
-Pure. A backend's entry says LOCAL when any of its users says the endpoint is on this node and
-TERMINATING when any says it is terminating, so each user's say is counted: the counts of one
-backend are packed in one int (users, local users, terminating users, 21 bits each), and a dict of
-ints is all this keeps. The planner asks for ids as it plans a port (`id_of`) and hands over what
+Pure. A backend's entry says LOCAL when any of its users says the endpoint is on this node,
+TERMINATING when any says it is terminating and HOST when any says its address is one of this
+node's own (a host-network endpoint here), so each user's say is counted: the counts of one backend
+are packed in one int (users, local, terminating and host users, 21 bits each), and a dict of ints
+is all this keeps. The planner asks for ids as it plans a port (`id_of`) and hands over what
 the port used before and uses now (`update`); it gets back the entries to desire or drop.
 """
 
@@ -18,9 +19,11 @@ from agent.ebpf.ids import IdPool
 
 LOCAL = int(BackendFlag.LOCAL)
 TERMINATING = int(BackendFlag.TERMINATING)
+HOST = int(BackendFlag.HOST)
 _REF = 1
 _REF_LOCAL = 1 << 21
 _REF_TERMINATING = 1 << 42
+_REF_HOST = 1 << 63
 _REF_MASK = (1 << 21) - 1
 
 
@@ -76,9 +79,17 @@ class Backends:
 
 def _count(flags: int) -> int:
     """A user's flags as its share of a backend's packed counts."""
-    return (_REF_LOCAL if flags & LOCAL else 0) + (_REF_TERMINATING if flags & TERMINATING else 0)
+    return (
+        (_REF_LOCAL if flags & LOCAL else 0)
+        + (_REF_TERMINATING if flags & TERMINATING else 0)
+        + (_REF_HOST if flags & HOST else 0)
+    )
 
 
 def _flags(refs: int) -> int:
-    """The backend's flags from its packed counts: local or terminating if any user says so."""
-    return (LOCAL if refs >> 21 & _REF_MASK else 0) | (TERMINATING if refs >> 42 & _REF_MASK else 0)
+    """The backend's flags from its packed counts: local, terminating or host if any user says so."""
+    return (
+        (LOCAL if refs >> 21 & _REF_MASK else 0)
+        | (TERMINATING if refs >> 42 & _REF_MASK else 0)
+        | (HOST if refs >> 63 & _REF_MASK else 0)
+    )

@@ -35,6 +35,7 @@ _DEFAULTS = {
     "tcp_closed_s": 10,
     "udp_s": 30,
     "udp_stream_s": 120,
+    "tcp_orphan_s": 300,
 }
 
 
@@ -69,10 +70,13 @@ def ct_timeout_s(cfg: abi.Config | None, proto: int, flags: int) -> int:
 
     if proto == socket.IPPROTO_TCP:
         if flags & CtFlag.RST or (flags & CtFlag.FIN_FWD and flags & CtFlag.FIN_REPLY):
-            return get("tcp_closed_s")
-        if flags & (CtFlag.FIN_FWD | CtFlag.FIN_REPLY):
-            return get("tcp_close_wait_s")
-        return get("tcp_established_s") if flags & CtFlag.ESTABLISHED else get("tcp_syn_s")
+            state = get("tcp_closed_s")
+        elif flags & (CtFlag.FIN_FWD | CtFlag.FIN_REPLY):
+            state = get("tcp_close_wait_s")
+        else:
+            state = get("tcp_established_s") if flags & CtFlag.ESTABLISHED else get("tcp_syn_s")
+        # bpf/ekp_ct.h ekp_ct_life: an ORPHAN flow (its backend left) is abandoned sooner
+        return min(state, get("tcp_orphan_s")) if flags & CtFlag.ORPHAN else state
     return get("udp_stream_s") if flags & CtFlag.ESTABLISHED else get("udp_s")
 
 

@@ -56,6 +56,9 @@ TCP_SYN_TIMEOUT_S = 60
 TCP_CLOSED_TIMEOUT_S = 10
 UDP_TIMEOUT_S = 30
 UDP_STREAM_TIMEOUT_S = 120
+# A TCP flow whose backend left every Service: nf_conntrack's timeout for unacknowledged data
+# (nf_conntrack_tcp_timeout_unacknowledged), counted from the backend's last packet.
+TCP_ORPHAN_TIMEOUT_S = 300
 # ICMP rejects per second and burst, per CPU: the kernel's net.ipv4.icmp_msgs_per_sec and
 # icmp_msgs_burst defaults (its global limit on the ICMP errors a node sends).
 ICMP_RATE = 1000
@@ -194,8 +197,9 @@ def slots(members: Sequence[int], previous: Mapping[int, int]) -> list[int]:
 def config_entry(node: NodeContext, config: Config, detector: LocalDetector | None = None) -> Value:
     """The config entry (codec tuple of abi.Config): the node's SNAT source, the SNAT port range,
     the conntrack timeouts (kube-proxy's conntrack settings where they say something, as iptables
-    mode applies them to nf_conntrack), the reject rate limit and, for a detector by source
-    (ClusterCIDR, NodeCIDR), its CIDR: the programs then pick the frontends' scope by source."""
+    mode applies them to nf_conntrack; --bpf-ct-timeout-tcp-backend-gone for flows whose backend
+    left), the reject rate limit and, for a detector by source (ClusterCIDR, NodeCIDR), its CIDR:
+    the programs then pick the frontends' scope by source."""
     lo, hi = config.snat_ports
     ct = config.conntrack
     net, plen, by_src = 0, 0, 0
@@ -217,6 +221,7 @@ def config_entry(node: NodeContext, config: Config, detector: LocalDetector | No
         net,
         plen,
         by_src,
+        _seconds(config.ct_tcp_backend_gone_timeout_s, TCP_ORPHAN_TIMEOUT_S),  # at most 65,535: the setting
     )
 
 

@@ -83,6 +83,7 @@ _ADDR_FLAGS = tuple(int(f) for f in AddrFlag)
 
 _BE_LOCAL = backends.LOCAL
 _BE_TERMINATING = backends.TERMINATING
+_BE_HOST = backends.HOST
 _MEMBER_FLAG: dict[SetKind, int] = {"cluster": int(MemberFlag.CLUSTER), "local": int(MemberFlag.LOCAL)}
 _NO_ENDPOINTS = int(FrontendFlag.NO_ENDPOINTS)
 _LOCAL = int(FrontendFlag.LOCAL)
@@ -336,6 +337,7 @@ class Planner:
             if fe.rnat not in new.rnats:
                 new.rnats[fe.rnat] = old.rnats.get(fe.rnat) or self._rnat_id(fe.rnat, fe.key)
         proto = sp.protocol.number << 48
+        node_ips = self.node.node_ips  # an endpoint on one of them is a host-network one here
         backends = new.backends
         be_ids, be_id = self.backends.ids, self.backends.id_of
         from_bytes = int.from_bytes
@@ -354,6 +356,8 @@ class Planner:
                 ident = from_bytes(inet_aton(ep.ip), "little") | ((p & 0xFF) << 8 | p >> 8) << 32 | proto
                 bid = be_ids.get(ident) or be_id(ident)
                 flags = (_BE_LOCAL if ep.is_local else 0) | (_BE_TERMINATING if ep.terminating else 0)
+                if ep.ip in node_ips:
+                    flags |= _BE_HOST
                 backends[bid] = backends.get(bid, 0) | flags
                 order.append(bid)
             if len(set(order)) != len(order):

@@ -1,7 +1,8 @@
 """The programs of the data path (bpf/ekp_tc.c), how each is loaded and where it attaches. Pure.
 
 * tc: `ekp_from_pod` on the ingress of every pod veth, `ekp_from_net` on the node's external
-  devices (agent/ebpf/attach.py); XDP: `ekp_xdp_net` on the same external devices, ahead of
+  devices, `ekp_egress` on the egress of both (the replies of the node's own stack for flows handed
+  to it: agent/ebpf/attach.py); XDP: `ekp_xdp_net` on the same external devices, ahead of
   `ekp_from_net` (agent/ebpf/xdp.py, --bpf-xdp);
 * cgroup: the socket programs on `--bpf-socket-lb-cgroup` (agent/ebpf/sockattach.py), each loaded
   for its hook (the kernel wants the hook, `expected_attach_type`, at load);
@@ -56,6 +57,7 @@ class ProgSpec:
 
 PROG_FROM_POD = "ekp_from_pod"
 PROG_FROM_NET = "ekp_from_net"
+PROG_EGRESS = "ekp_egress"  # tc egress of both kinds of device
 PROG_XDP_NET = "ekp_xdp_net"  # XDP of the external devices, ahead of ekp_from_net (--bpf-xdp)
 PROG_SOCK_TERM = "ekp_sock_term"
 
@@ -81,6 +83,7 @@ TERM_NEEDS = ("bpf_sock_destroy", "bpf_iter_udp")
 PROGRAMS: dict[str, ProgSpec] = {
     PROG_FROM_POD: ProgSpec(PROG_SCHED_CLS),
     PROG_FROM_NET: ProgSpec(PROG_SCHED_CLS),
+    PROG_EGRESS: ProgSpec(PROG_SCHED_CLS),
     PROG_XDP_NET: ProgSpec(PROG_XDP),
     **{
         name: ProgSpec(PROG_CGROUP_SOCK_ADDR, attach, needs=SOCK_NEEDS)

@@ -11,11 +11,14 @@ Lifecycle (kube-proxy's contract, agent/proxier.py):
   writes the config entry (double-buffered, agent.ebpf.maps.write_config), sets the sysctls it
   needs in Config.netns, carries the conntrack of an ABI v1 agent over (agent/ebpf/upgrade.py) and
   the established flows of nf_conntrack (kube-proxy's, iptables mode's: agent/takeover/into_ebpf.py),
-  attaches the programs (replacing older ones atomically), writes the socket programs' settings
-  (the node's netns cookie, host-namespace-only) and links them to their cgroup (the pinned links
-  an earlier agent left get the new programs, agent/ebpf/sockattach.py), carries over what the old
-  programs or netfilter added meanwhile, removes the other data path's rules and pins of other ABI
-  versions, and starts the pod-device watcher.
+  attaches the programs (replacing older ones atomically), carries over what the old programs or
+  netfilter added meanwhile, stamps the flows the conntrack tables hold and arms the flow-activity
+  check (agent/ebpf/activity.py; disarmed before the attach), removes pins of other ABI versions,
+  writes the socket programs' settings (the node's netns cookie, host-namespace-only) and links them
+  to their cgroup (the pinned links an earlier agent left get the new programs,
+  agent/ebpf/sockattach.py), then removes the other data path's rules (only now: until the socket
+  programs are linked, its OUTPUT rules serve the node's own clients) and starts the pod-device
+  watcher.
   Conntrack and affinity are never flushed.
 * Later syncs re-plan only the changed service ports (`agent.ebpf.planner`) and write their entries;
   one that removed a backend from a service port ends the connected UDP sockets still sent to it
@@ -47,9 +50,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
 from agent.config import Config, MapSizes, NodeContext
-from agent.ebpf import abi
+from agent.ebpf import abi, activity
 from agent.ebpf.abi import Stat
-from agent.ebpf.attach import PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
+from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import KEYS, VALUES, Value
 from agent.ebpf.maglev_writer import MaglevWriter
 from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config
@@ -422,8 +425,10 @@ class EbpfProxier:
         full = first
         if first:
             self._upgrade.before_attach(datapath.maps)
+            activity.disarm(datapath.maps["act"])  # until every flow has its stamps (activity.py)
         if self._attacher is None:
-            fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD, PROG_XDP)}
+            names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS, PROG_XDP)
+            fds = {name: datapath.prog_fd(name) for name in names}
             self._attacher = self._attacher_factory(self._config, fds)
             full = True
         restart = self._attached_once and not self._attacher.watching
@@ -438,6 +443,7 @@ class EbpfProxier:
             # Right after the tc programs changed: flows the old programs made meanwhile are
             # carried over before anything else delays it.
             self._upgrade.after_attach(datapath.maps)
+            activity.arm(datapath.maps)  # only our programs run now: stamp what the tables hold
             stale = remove_stale_pins(self._config.pin_path)
             if stale:
                 log.info("removed pins of other ABI versions: %s", ",".join(stale))

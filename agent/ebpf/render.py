@@ -3,7 +3,8 @@
 Pure. One entry a line, addresses and ports in host notation, flags by name, lines sorted by
 their numeric fields (so `10.96.0.2` comes before `10.96.0.10`), sections in a fixed order:
 
-    cfg node=192.168.0.11 snat_ports=61000-65535 tcp=86400s/3600s/60s/10s udp=30s/120s icmp=1000/s,50
+    cfg node=192.168.0.11 snat_ports=61000-65535 tcp=86400s/3600s/60s/10s tcp_backend_gone=300s \
+        udp=30s/120s icmp=1000/s,50                          (one line)
     fe 10.96.0.10:53/UDP internal -> svc=2 set=3 count=2 rnat=5 flags=AFFINITY affinity=10800s
     slot 3#1 -> be 7
     be 7 -> 10.244.1.2:53/UDP local
@@ -11,8 +12,9 @@ their numeric fields (so `10.96.0.2` comes before `10.96.0.10`), sections in a f
     rnat 5 -> 10.96.0.10:53
     srcr rnat=5 203.0.113.0/24 -> allow
 
-(tcp= established/close-wait/syn/closed timeouts; udp= unreplied/stream; icmp= rejects per
-second and burst, per CPU.)
+(tcp= established/close-wait/syn/closed timeouts; tcp_backend_gone= what a TCP flow whose backend
+left lives after the backend's last packet; udp= unreplied/stream; icmp= rejects per second and
+burst, per CPU.)
 
 The same text comes from a plan (dry run) and from dumping live maps (inspect), so the two can be
 compared with `diff`. A dry run may add `# ns/name:port` after each frontend (`names`).
@@ -93,6 +95,7 @@ def cfg_line(cfg: CfgEntry) -> str:
     line = (
         f"cfg node={ip_str(cfg.node_addr)} snat_ports={cfg.snat_port_min}-{cfg.snat_port_max}"
         f" tcp={cfg.tcp_established_s}s/{cfg.tcp_close_wait_s}s/{cfg.tcp_syn_s}s/{cfg.tcp_closed_s}s"
+        f" tcp_backend_gone={cfg.tcp_orphan_s}s"
         f" udp={cfg.udp_s}s/{cfg.udp_stream_s}s icmp={cfg.icmp_rate}/s,{cfg.icmp_burst}"
     )
     if cfg.local_by_src:

@@ -197,6 +197,7 @@ class Duration(Kind):
     zero_is_default: bool = False
     positive: bool = False
     metavar: str = "DURATION"
+    most: float | None = None  # seconds the value may not exceed (what a field of the data path holds)
 
     def flag(self, text: str) -> Any:
         try:
@@ -208,6 +209,8 @@ class Duration(Kind):
                 raise ValueError(f"{text!r} is not a duration (use e.g. 30s, 1m, 500ms): {exc}") from None
         if seconds < 0:
             raise ValueError(f"{text!r} must not be negative")
+        if self.most is not None and seconds > self.most:
+            raise ValueError(f"{text!r} is more than {format_duration(self.most)}")
         return seconds
 
     def file(self, raw: Any) -> Any:
@@ -221,6 +224,8 @@ class Duration(Kind):
             raise ValueError(
                 "must be greater than 0" if self.positive else "must be greater than or equal to 0"
             )
+        if self.most is not None and seconds > self.most:
+            raise ValueError(f"must be at most {format_duration(self.most)}")
         if seconds == 0 and self.zero_is_default:
             return None
         return seconds

@@ -711,6 +711,16 @@ SETTINGS: tuple[Setting, ...] = (
         group=EBPF,
     ),
     Setting(
+        "bpf_ct_timeout_tcp_backend_gone",
+        Duration(most=65535.0),  # ekp_config.tcp_orphan_s is a __u16
+        300.0,
+        "TCP flows whose backend left every Service: how long they live after the backend's last "
+        "packet (only its packets renew them; nf_conntrack's unacknowledged-data timeout)",
+        flags=("--bpf-ct-timeout-tcp-backend-gone",),
+        attr="ct_tcp_backend_gone_timeout_s",
+        group=EBPF,
+    ),
+    Setting(
         "bpf_keep_client_ip_for_local_backends",
         Bool(),
         False,

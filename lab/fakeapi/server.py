@@ -19,7 +19,8 @@ What is like kube-apiserver (each checked against upstream source or API docs):
 * `limit`/`continue`: every page is read at the first page's revision (a consistent snapshot);
   the continue token is base64 JSON `{"v":"meta.k8s.io/v1","rv":N,"start":KEY}` like upstream's.
   After compaction a token from an older revision is answered `410` reason `Expired` with
-  upstream's message.
+  upstream's message. A list at `resourceVersion=0` is answered whole, whatever its `limit`, as
+  the watch cache does (`FakeApiServer(watch_cache=False)`: in pages, as without one).
 * Label selectors (`!key`, `key=v`, `in`, `notin`, ...) and field selectors (`metadata.name`,
   `metadata.namespace`; unsupported fields are a 400 as upstream).
 * Watch (`watch=true`): chunked newline-delimited JSON `{"type", "object"}` events from a
@@ -260,8 +261,12 @@ class FakeApiServer:
         default_watch_timeout_s: tuple[int, int] = (1800, 3600),
         gone_style: str = "event",
         port: int = 0,
+        watch_cache: bool = True,
     ) -> None:
         self.store = Store(watch_capacity)
+        # kube-apiserver answers a list at resourceVersion=0 from its watch cache, whole, ignoring
+        # `limit`; with --watch-cache=false (False here) it pages every list.
+        self.watch_cache = watch_cache
         self.tls = tls
         self.tokens = set(tokens)  # empty: no authentication
         self.bookmark_interval_s = bookmark_interval_s
@@ -605,7 +610,7 @@ class FakeApiServer:
                     status(410, "Expired", CONTINUE_EXPIRED) | {"metadata": {"continue": token}},
                 )
                 return
-        if q.get("resourceVersion") == "0" and not token:
+        if q.get("resourceVersion") == "0" and not token and self.watch_cache:
             limit = 0  # served from the watch cache upstream, which ignores limit
         page = self.store.list_page(t, namespace, selector, limit, start, at_rv)
         meta: Obj = {"resourceVersion": str(page.rv)}

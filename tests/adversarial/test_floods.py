@@ -4,7 +4,11 @@
   flow is source-translated to node1 and needs one of its SNAT ports). Before ABI v2 they used up
   the SNAT ports with 24-hour entries and every real request failed afterwards; iptables mode kept
   serving. Now: unanswered flows carry the short handshake timeout and are the first to go when the
-  range is full (the kernel's early drop), so real clients get through at once.
+  range is full (the kernel's early drop), so real clients get through. A real client that takes
+  the port of a spoofed flow whose SYN the backend still holds half-open (its SYN queue keeps a
+  few thousand before syncookies take over) meets that connection on the very same 4-tuple: the
+  backend acknowledges the old handshake, the client's RST clears it and its SYN retransmission
+  (1 s later) connects. So a real request completes within one retransmission, not at once.
 * 5,000 UDP datagrams to a NodePort without endpoints got 5,000 ICMP port unreachables in 0.07 s;
   iptables mode sent 6 (the kernel's icmp_send limits). Now the rejects go through a per-CPU token
   bucket with the kernel's global budget (icmp_msgs_per_sec 1000, burst 50).
@@ -77,8 +81,9 @@ def test_20000_spoofed_syns_do_not_lock_real_clients_out_of_a_nodeport(cluster: 
         f"--count={SYNS}",
     )
     assert sent["sent"] == SYNS
-    # real clients, right after: each request must complete within 1 s
-    result = cluster.http("client", f"http://{N1}:30400/", count=20, timeout=1.0)
+    # real clients, right after: each request must complete within one SYN retransmission (1 s,
+    # then the answer): a client locked out would time out here whatever the machine's load
+    result = cluster.http("client", f"http://{N1}:30400/", count=20, timeout=2.5)
     assert result["errors"] == 0, (sent, result)
     assert set(result["bodies"]) == {"pod-2-1"}
     if cluster.mode == "ebpf":

@@ -386,3 +386,16 @@ def test_the_readme_flag_table_is_generated_from_the_table() -> None:
 def test_logging_is_quiet_about_flags_that_apply(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     assert resolve(["--mode=iptables", "--oom-score-adj=-999"]).notes == ()
+
+
+def test_a_duration_with_a_ceiling_refuses_more() -> None:
+    """--bpf-ct-timeout-tcp-backend-gone fills a 16-bit field of the data path: 65,535 s at most,
+    on the command line and in a file alike."""
+    from agent.settings.kinds import Duration
+
+    kind = Duration(most=65535.0)
+    assert kind.flag("18h12m15s") == 65535.0
+    with pytest.raises(ValueError, match="more than"):
+        kind.flag("20h")
+    with pytest.raises(ValueError, match="at most"):
+        kind.file("20h")

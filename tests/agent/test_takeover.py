@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from agent.config import Config
-from agent.ebpf import abi
+from agent.ebpf import abi, activity
 from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import FakeMap, MapWriter
@@ -318,6 +318,7 @@ def test_flows_carried_from_nf_conntrack_go_on_through_the_programs(dp: Datapath
             sysctl=lambda netns, path, value: None,
         )
         takeover.before_attach(dp.maps)
+        activity.arm(dp.maps)  # as the proxier does once its programs serve: the carried flows stamped
         assert takeover.carried == 2
         assert parse(net.from_pod(mid_flow)[1]).dst == BE1
         assert parse(net.from_pod(tcp(BE1, POD_CLIENT, 8080, 40000, flags="PA"))[1]).src == VIP

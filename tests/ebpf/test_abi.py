@@ -260,21 +260,27 @@ def test_bpftool_shows_every_map_with_its_layout(loaded: Datapath) -> None:
         assert shown["max_entries"] == want["max_entries"]
 
 
-# What the XDP program never reads: it passes fragments before their first to tc (ekp_addr is read
-# only for them), it counts in its own map, and it leaves every reject to tc (the rate limiter's
-# bucket is not in its code at all: the shared refusal sends a frontend without endpoints to tc
-# before the reject's code, which the compiler leaves out of XDP's copy). (The code that records
-# and holds fragments is compiled into it but never runs: XDP passes fragments on before it.)
-XDP_UNUSED = {"rnat", "addr", "stats", "icmprl"}
+# What the XDP program never reads: it counts in its own map, and it leaves every reject to tc (the
+# rate limiter's bucket is not in its code at all: the shared refusal sends a frontend without
+# endpoints to tc before the reject's code, which the compiler leaves out of XDP's copy). (The code
+# that records and holds fragments is compiled into it but never runs: XDP passes fragments on
+# before it. It reads ekp_addr for the activity check's frontend test, bpf/ekp_act.h.)
+XDP_UNUSED = {"rnat", "stats", "icmprl"}
 # The pinned maps each program reads or writes (bpftool's program type besides).
 _SOCKETS = {"skcfg", "sknat"}
 _SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
 _SOCK_REVERSE = {"sknat", "fe", "stats"}
+# ekp_egress chooses no backend (no service table: only conntrack, the activity stamps and what
+# they read), holds no fragment (the stack sends a datagram's first fragment first) and sends no
+# reject
+_EGRESS_UNUSED = {"fe", "slot", "be", "srcr", "aff", "rnat", "xstats", "member", "maglev"}
+_EGRESS_UNUSED |= {"fraghold", "fraglast", "icmprl"}
 PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
     # every pinned map but ekp_rnat (written for the agent, read by no program since v2), the XDP
     # counters and the socket programs' own
     "ekp_from_pod": ("sched_cls", set(abi.MAPS) - {"rnat", "xstats"} - _SOCKETS),
     "ekp_from_net": ("sched_cls", set(abi.MAPS) - {"rnat", "xstats"} - _SOCKETS),
+    "ekp_egress": ("sched_cls", set(abi.MAPS) - _EGRESS_UNUSED - _SOCKETS),
     # the same but for what it leaves to tc, with its own counters
     "ekp_xdp_net": ("xdp", set(abi.MAPS) - XDP_UNUSED - _SOCKETS),
     "ekp_sock_conn": ("cgroup_sock_addr", _SOCK_FORWARD),
@@ -301,7 +307,7 @@ def test_every_program_uses_its_maps(loaded: Datapath) -> None:
         assert isinstance(shown, dict)
         assert (shown["name"], shown["type"]) == (name, kind)
         used = set(shown["map_ids"])
-        assert used & set(pinned.values()) == {pinned[r] for r in roles}, name
+        assert {r for r, ident in pinned.items() if ident in used} == roles, name
         own = used - set(pinned.values())
         if kind not in ("sched_cls", "xdp"):
             assert not own, name

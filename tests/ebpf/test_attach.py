@@ -20,6 +20,7 @@ import pytest
 
 from agent.config import Config, NodeContext
 from agent.ebpf.attach import (
+    PROG_EGRESS,
     PROG_FROM_NET,
     PROG_FROM_POD,
     RTM_DELLINK,
@@ -120,15 +121,21 @@ def progs() -> Iterator[dict[str, int]]:
 #include <uapi/linux/pkt_cls.h>
 int ekp_from_net(struct __sk_buff *skb) { return TC_ACT_OK; }
 int ekp_from_pod(struct __sk_buff *skb) { return TC_ACT_OK; }
+int ekp_egress(struct __sk_buff *skb) { return TC_ACT_OK; }
 """
     bpf: Any = BPF(text=text.encode())
-    fds = {name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd for name in (PROG_FROM_NET, PROG_FROM_POD)}
+    names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)
+    fds = {name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd for name in names}
     yield fds
     bpf.cleanup()
 
 
 def ingress(ns: str, dev: str) -> str:
     return sh("tc", "-n", ns, "filter", "show", "dev", dev, "ingress")
+
+
+def egress(ns: str, dev: str) -> str:
+    return sh("tc", "-n", ns, "filter", "show", "dev", dev, "egress")
 
 
 def qdiscs(ns: str, dev: str) -> str:
@@ -157,6 +164,10 @@ def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
     assert "ekp_from_pod" in ingress(netns, "lxc-a")
     assert ingress(netns, "other1") == "" and ingress(netns, "pod-a") == ""
     assert sorted(attacher.attached.values()) == [("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)]
+    # the replies of the node's own stack leave through ekp_egress on both kinds of device
+    for dev in ("eth0", "lxc-a"):
+        assert "ekp_egress" in egress(netns, dev) and "direct-action" in egress(netns, dev), dev
+    assert egress(netns, "other1") == ""
 
     # a second reconcile finds everything in place and attaches nothing
     attached = attacher.attachments
@@ -172,12 +183,17 @@ def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
     attacher.reconcile(NODE, verify=True)
     assert attacher.attachments == attached + 2
     assert "ekp_from_pod" in ingress(netns, "lxc-a")
+    # an egress filter removed behind our back comes back at the next check as well
+    sh("tc", "-n", netns, "filter", "del", "dev", "eth0", "egress", "prio", "17", "handle", "0xeb", "bpf")
+    attacher.reconcile(NODE)
+    assert attacher.attachments == attached + 3 and "ekp_egress" in egress(netns, "eth0")
 
     # the watcher attaches to a new pod device and forgets a deleted one
     attacher.start_watcher()
     try:
         sh("ip", "-n", netns, "link", "add", "lxc-b", "type", "veth", "peer", "name", "pod-b")
         assert wait_for(lambda: "ekp_from_pod" in ingress(netns, "lxc-b")), ingress(netns, "lxc-b")
+        assert "ekp_egress" in egress(netns, "lxc-b")
         assert wait_for(lambda: ("lxc-b", PROG_FROM_POD) in attacher.attached.values())
         sh("ip", "-n", netns, "link", "add", "nomatch", "type", "veth", "peer", "name", "nomatch2")
         sh("ip", "-n", netns, "link", "del", "lxc-b")
@@ -199,6 +215,7 @@ def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
     )  # fmt: skip
     assert sorted(detach_all(netns)) == ["eth0", "lxc-a", *sorted(f"lxc-c{i}" for i in range(20))]
     assert "ekp_" not in ingress(netns, "eth0") and "u32" in ingress(netns, "eth0")
+    assert egress(netns, "eth0") == "" and egress(netns, "lxc-a") == ""
     assert "clsact" in qdiscs(netns, "eth0")
     assert "clsact" not in qdiscs(netns, "lxc-a")
     assert detach_all(netns) == []

@@ -414,3 +414,124 @@ def test_ports_are_unique_per_backend(net: Net, dp: Datapath) -> None:
     )
     assert parse(net.from_net(tcp(CLIENT, NODE, 6100, 30080))[1]).sport == SNAT_MIN
     assert parse(net.from_net(tcp(CLIENT, NODE, 6101, 30081))[1]).sport == SNAT_MIN
+
+
+# ---- a backend that left every Service ------------------------------------------------------
+
+
+def snat_handshake(net: Net, client_port: int) -> int:
+    """An established flow from CLIENT through the NodePort to REMOTE_BE, source-translated to the
+    node; the SNAT port it got."""
+    out = net.from_net(tcp(CLIENT, NODE, client_port, 30080))
+    assert out[0] == TC_ACT_REDIRECT
+    port = parse(out[1]).sport
+    assert net.from_net(tcp(REMOTE_BE, NODE, 8080, port, flags="SA"))[0] == TC_ACT_REDIRECT
+    assert net.from_net(tcp(CLIENT, NODE, client_port, 30080, flags="A"))[0] == TC_ACT_REDIRECT
+    return port
+
+
+def nodeport_to_remote(net: Net) -> None:
+    net.add_service(
+        NODE, 30080, ((7, REMOTE_BE, 8080, 0),), scope=Scope.EXTERNAL, flags=FrontendFlag.SNAT_ALL
+    )
+
+
+def unlist(net: Net, addr: str) -> None:
+    """The backend's address leaves ekp_addr: no Service has it any more (its pod was deleted)."""
+    assert net.dp.maps["addr"].delete(abi.AddrKey(ip_be(addr)))
+
+
+def test_a_flow_whose_backend_left_lives_tcp_orphan_s_after_the_backends_last_packet(
+    net: Net, dp: Datapath
+) -> None:
+    """Only the backend's packets renew an ORPHAN flow: the client retransmitting into the void
+    does not keep it, and tcp_orphan_s after the backend's last packet its entries are deleted,
+    its SNAT port free for the next flow (a range of one port here)."""
+    set_config(dp, tcp_orphan_s=30, snat_port_max=SNAT_MIN)
+    nodeport_to_remote(net)
+    port = snat_handshake(net, 7000)
+    fwd_key, rep_key = (CLIENT, NODE, 7000, 30080), (REMOTE_BE, NODE, 8080, port)
+    unlist(net, REMOTE_BE)
+    age(net, fwd_key, 2)
+    data = tcp(CLIENT, NODE, 7000, 30080, flags="PA", payload=b"retransmitted")
+    assert net.from_net(data)[0] == TC_ACT_REDIRECT  # still its flow: the backend may answer
+    fwd, rep = net.ct(*fwd_key), net.ct(*rep_key, reply=True)
+    assert fwd is not None and rep is not None
+    assert fwd.flags & CtFlag.ORPHAN and rep.flags & CtFlag.ORPHAN
+    assert time.monotonic_ns() - fwd.last_seen_ns > 1.5e9  # the client's packet did not renew it
+    age(net, fwd_key, 29)
+    age(net, rep_key, 29, reply=True)
+    assert net.from_net(data)[0] == TC_ACT_REDIRECT  # 29 s after the backend's last packet: alive
+    age(net, fwd_key, 31)
+    age(net, rep_key, 31, reply=True)
+    assert net.from_net(data)[0] == TC_ACT_SHOT  # 31 s: abandoned, deleted, the segment dropped
+    assert net.ct(*fwd_key) is None and net.ct(*rep_key, reply=True) is None
+    assert net.stats()[Stat.DROP_NO_FLOW] == 1
+    net.add_address(REMOTE_BE, abi.AddrFlag.BACKEND)
+    assert parse(net.from_net(tcp(CLIENT, NODE, 7001, 30080))[1]).sport == port  # the port is free
+
+
+def test_a_live_stream_through_a_backend_that_left_lives_on_its_replies(net: Net, dp: Datapath) -> None:
+    """A Service deleted and created again: its backend is unlisted for a while, but the stream's
+    replies renew both entries, and the flag goes once the backend is listed again."""
+    set_config(dp, tcp_orphan_s=30)
+    nodeport_to_remote(net)
+    port = snat_handshake(net, 7100)
+    fwd_key, rep_key = (CLIENT, NODE, 7100, 30080), (REMOTE_BE, NODE, 8080, port)
+    unlist(net, REMOTE_BE)
+    for _ in range(3):  # 3 x 20 s of stream: longer than tcp_orphan_s, answered all along
+        age(net, fwd_key, 20)
+        age(net, rep_key, 2, reply=True)
+        reply = tcp(REMOTE_BE, NODE, 8080, port, flags="A")
+        assert parse(net.from_net(reply)[1]).src == NODE
+        fwd = net.ct(*fwd_key)
+        assert fwd is not None and fwd.flags & CtFlag.ORPHAN
+        assert time.monotonic_ns() - fwd.last_seen_ns < 1e9  # renewed by the backend's packet
+        assert parse(net.from_net(tcp(CLIENT, NODE, 7100, 30080, flags="PA"))[1]).dst == REMOTE_BE
+    net.add_address(REMOTE_BE, abi.AddrFlag.BACKEND)
+    age(net, fwd_key, 2)
+    assert net.from_net(tcp(CLIENT, NODE, 7100, 30080, flags="PA"))[0] == TC_ACT_REDIRECT
+    fwd, rep = net.ct(*fwd_key), net.ct(*rep_key, reply=True)
+    assert fwd is not None and rep is not None
+    assert not fwd.flags & CtFlag.ORPHAN and not rep.flags & CtFlag.ORPHAN
+    assert time.monotonic_ns() - fwd.last_seen_ns < 1e9  # the client renews it again
+
+
+def test_an_idle_flow_whose_backend_left_is_dead_past_tcp_orphan_s(net: Net, dp: Datapath) -> None:
+    """No packet came since the backend left, so nothing flagged the flow: idle past tcp_orphan_s
+    with its backend unlisted it is abandoned all the same. A flow as idle whose backend is still
+    listed lives its established timeout (3600 s here)."""
+    set_config(dp, tcp_orphan_s=30)
+    nodeport_to_remote(net)
+    net.add_service(
+        NODE, 30081, ((8, BE1, 8080, LOCAL),), scope=Scope.EXTERNAL, set_id=2, svc_id=2, rev_nat_id=2
+    )
+    port = snat_handshake(net, 7200)
+    assert net.from_net(tcp(CLIENT, NODE, 7201, 30081))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(tcp(BE1, CLIENT, 8080, 7201, flags="SA"))[0] == TC_ACT_REDIRECT
+    assert net.from_net(tcp(CLIENT, NODE, 7201, 30081, flags="A"))[0] == TC_ACT_REDIRECT
+    unlist(net, REMOTE_BE)
+    for key, reply in (
+        ((CLIENT, NODE, 7200, 30080), False),
+        ((REMOTE_BE, NODE, 8080, port), True),
+        ((CLIENT, NODE, 7201, 30081), False),
+    ):
+        age(net, key, 600, reply=reply)
+    assert net.from_net(tcp(CLIENT, NODE, 7200, 30080, flags="PA"))[0] == TC_ACT_SHOT
+    assert net.ct(CLIENT, NODE, 7200, 30080) is None
+    assert net.ct(REMOTE_BE, NODE, 8080, port, reply=True) is None
+    assert parse(net.from_net(tcp(CLIENT, NODE, 7201, 30081, flags="PA"))[1]).dst == BE1
+
+
+def test_the_port_search_takes_the_port_of_an_idle_flow_whose_backend_left(net: Net, dp: Datapath) -> None:
+    """Its only SNAT port held by an established flow idle for 10 minutes: while the backend is
+    listed the port stays taken (established, 3600 s); once it is not, the next flow gets it."""
+    set_config(dp, tcp_orphan_s=30, snat_port_max=SNAT_MIN)
+    nodeport_to_remote(net)
+    port = snat_handshake(net, 7300)
+    age(net, (CLIENT, NODE, 7300, 30080), 600)
+    age(net, (REMOTE_BE, NODE, 8080, port), 600, reply=True)
+    assert net.from_net(tcp(CLIENT, NODE, 7301, 30080))[0] == TC_ACT_SHOT
+    assert net.stats()[Stat.DROP_SNAT_PORTS] == 1
+    unlist(net, REMOTE_BE)
+    assert parse(net.from_net(tcp(CLIENT, NODE, 7302, 30080))[1]).sport == port

@@ -291,8 +291,16 @@ def test_source_range_holding_the_node_admits_the_lb_ip() -> None:
 def test_cfg_entry() -> None:
     c = plan(states(), NodeContext(("192.168.0.12",), "192.168.0.12"), Config(snat_ports=(40000, 40999)))
     assert render_contents(c) == (
-        "cfg node=192.168.0.12 snat_ports=40000-40999 tcp=86400s/3600s/60s/10s udp=30s/120s icmp=1000/s,50\n"
+        "cfg node=192.168.0.12 snat_ports=40000-40999 tcp=86400s/3600s/60s/10s tcp_backend_gone=300s"
+        " udp=30s/120s icmp=1000/s,50\n"
     )
+
+
+def test_cfg_entry_carries_the_backend_gone_timeout() -> None:
+    """--bpf-ct-timeout-tcp-backend-gone reaches the data path (tcp_orphan_s), 300 s by default."""
+    cfg = VALUES["cfg"].to_ctype(config_entry(NODE, Config(ct_tcp_backend_gone_timeout_s=7.0)))
+    assert cfg.tcp_orphan_s == 7
+    assert VALUES["cfg"].to_ctype(config_entry(NODE, Config())).tcp_orphan_s == 300
 
 
 def test_cfg_entry_honours_kube_proxys_conntrack_settings() -> None:

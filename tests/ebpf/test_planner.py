@@ -238,3 +238,23 @@ def test_a_full_backend_map_programs_whole_service_ports_not_a_bit_of_each() -> 
     rig.maps["be"].max_entries = 100
     assert rig.sync(state, changed=set(result.failed)).failed == {}
     assert rig.planner.in_sync and rig.held() == rig.planner.desired
+
+
+def test_an_endpoint_on_a_node_address_is_host_and_follows_the_nodes_addresses() -> None:
+    """A host-network endpoint on this node (the API server behind `kubernetes`) is BackendFlag.HOST
+    (the data path hands its flows to the node's stack); when the node's addresses change, every
+    port is planned again and the flag follows."""
+    from agent.config import NodeContext
+    from agent.ebpf.abi import BackendFlag, ip_be
+
+    rig = PlanRig()
+    state = states(svc("kubernetes", "10.96.0.1", ["192.168.0.11", "192.168.0.12"]))
+    rig.sync(state)
+
+    def flags() -> dict[int, int]:
+        return {be.addr: be.flags & BackendFlag.HOST for be in rig.contents().be.values()}
+
+    assert flags() == {ip_be("192.168.0.11"): BackendFlag.HOST, ip_be("192.168.0.12"): 0}
+    rig.planner.update(state, NodeContext(node_ips=("192.168.0.12",), primary_ip="192.168.0.12"), None)
+    rig.planner.flush(rig.watched())
+    assert flags() == {ip_be("192.168.0.11"): 0, ip_be("192.168.0.12"): BackendFlag.HOST}

@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import subprocess
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -20,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from agent.config import Config, MapSizes, NodeContext
-from agent.ebpf import EbpfProxier
+from agent.ebpf import EbpfProxier, activity
 from agent.ebpf.abi import (
     MAPS,
+    Act,
     ConfigSel,
     CtEntry,
     CtKey,
@@ -87,12 +89,15 @@ class FakeDatapath:
 
 
 class FakeAttacher:
-    def __init__(self, log: list[str]) -> None:
+    def __init__(self, log: list[str], maps: Mapping[str, MapWriter]) -> None:
         self.log = log
+        self.maps = maps
         self.watching = False
+        self.armed_at_reconcile: list[bool] = []  # the flow-activity check, when programs changed
 
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
         self.log.append(f"reconcile full={full}" + (" verify" if verify and not full else ""))
+        self.armed_at_reconcile.append(activity.armed(self.maps["act"]))
 
     def start_watcher(self, timeout: float = 5.0) -> None:
         self.log.append("watch")
@@ -177,7 +182,7 @@ class Rig:
             return "0"
 
         def attacher(config: Config, fds: Mapping[str, int]) -> FakeAttacher:
-            self.attachers.append(FakeAttacher(self.events))
+            self.attachers.append(FakeAttacher(self.events, self.maps))
             return self.attachers[-1]
 
         def sysctl_read(netns: str, path: str) -> str:
@@ -214,6 +219,26 @@ def rig(tmp_path: Path) -> Rig:
 def test_constructor_has_no_side_effects(rig: Rig) -> None:
     rig.proxier()
     assert rig.datapaths == [] and rig.events == [] and rig.sysctls == []
+
+
+def test_the_flow_activity_check_is_armed_only_once_our_programs_run(rig: Rig) -> None:
+    """Disarmed before the first attach (older programs may have left flows without stamps),
+    armed after it with the live conntrack entries stamped (agent/ebpf/activity.py); a restarted
+    agent does the same."""
+    entry = CtEntry(
+        last_seen_ns=time.monotonic_ns(), fe_addr=ip_be("10.96.0.10"), fe_port=port_be(80), flags=4
+    )
+    key = CtKey(ip_be("10.244.1.5"), ip_be("10.244.1.9"), port_be(8080), port_be(40000), 6, 1)
+    rig.maps["ct_tcp"].update(key, entry)
+    rig.maps["act"].update(ctypes.c_uint32(activity.ARMED), Act(stamp=1))  # an earlier agent's
+    for _ in range(2):
+        p = rig.proxier()
+        p.sync(STATE, NODE)
+        assert rig.attachers[-1].armed_at_reconcile == [False]
+        assert activity.armed(rig.maps["act"])
+        backend = rig.maps["act"].lookup(ctypes.c_uint32(activity.slot(key.saddr, key.sport, 6)))
+        assert isinstance(backend, Act) and backend.stamp == activity.stamp_of(time.monotonic_ns())
+        p.close()
 
 
 def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:

@@ -107,6 +107,16 @@ def server() -> Iterator[FakeApiServer]:
         srv.stop()
 
 
+@pytest.fixture
+def paging_server() -> Iterator[FakeApiServer]:
+    """A server without a watch cache: every list, the first included, is answered in pages."""
+    srv = FakeApiServer(bookmark_interval_s=0.3, watch_cache=False).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 SourceFactory = Callable[..., tuple[ApiSource, Recorded]]
 
 # Every source the tests start counts into this registry (metrics are cumulative: tests compare

@@ -141,9 +141,43 @@ def test_410_relists_and_sends_only_the_differences(start_source: SourceFactory,
         assert int(sink.synced(Kind.SERVICE)[1].version) > int(before)
         assert source.list_counts()[Kind.SERVICE] == 2
         assert sink.state(Kind.SERVICE).keys() == {"default/a", "default/c", "default/d"}
+        # client-go: the first list from the watch cache (resourceVersion=0); the relist after a
+        # 410 reads consistently (no resourceVersion: the one it had is gone), in pages.
+        lists = [r for r in server.requests if is_service_list(r)]
+        assert lists[0].query.get("resourceVersion") == "0"
+        assert "resourceVersion" not in lists[-1].query and lists[-1].query.get("limit") == "3"
 
 
-def test_expired_continue_token_restarts_the_list(server: FakeApiServer, start_source: SourceFactory) -> None:
+def test_a_relist_after_410_reads_consistently_in_pages(start_source: SourceFactory) -> None:
+    # With a watch cache the first list is one answer at resourceVersion=0; once the watch's
+    # version is compacted away, the relist asks no version (a consistent read, which the server
+    # pages: limit 3 for 7 Services is three requests, the later ones by continue token only).
+    with FakeApiServer(bookmark_interval_s=1000) as server:
+        for i in range(7):
+            server.create(service(f"web-{i}", f"10.96.0.{i + 1}"))
+        source, sink = start_source(server)
+        sink.wait(lambda: bool(sink.synced(Kind.SERVICE)))
+        server.create(service("late", "10.96.0.99", labels={"service.kubernetes.io/service-proxy-name": "x"}))
+        server.compact()
+        server.drop_streams()
+        sink.wait(lambda: len(sink.synced(Kind.SERVICE)) == 2, what="a second Synced after the relist")
+        lists = [r.query for r in server.requests if is_service_list(r)]
+        assert [(q.get("resourceVersion"), q.get("limit"), "continue" in q) for q in lists] == [
+            ("0", "3", False),
+            (None, "3", False),
+            (None, "3", True),
+            (None, "3", True),
+        ]
+        assert source.list_counts()[Kind.SERVICE] == 2
+        assert sorted(changes(sink.events)) == sorted(
+            (EventType.ADDED, f"default/web-{i}") for i in range(7)
+        ), "the relist found nothing new and flushed nothing"
+
+
+def test_expired_continue_token_restarts_the_list(
+    paging_server: FakeApiServer, start_source: SourceFactory
+) -> None:
+    server = paging_server
     for i in range(10):
         server.create(service(f"web-{i}", f"10.96.0.{i + 1}"))
     expired: list[Request] = []
@@ -169,8 +203,9 @@ def test_expired_continue_token_restarts_the_list(server: FakeApiServer, start_s
 
 
 def test_continue_tokens_that_always_expire_fall_back_to_one_request(
-    server: FakeApiServer, start_source: SourceFactory
+    paging_server: FakeApiServer, start_source: SourceFactory
 ) -> None:
+    server = paging_server
     for i in range(7):
         server.create(service(f"web-{i}", f"10.96.0.{i + 1}"))
     server.on_request(

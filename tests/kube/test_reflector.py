@@ -10,6 +10,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 from agent.kube.backoff import Backoff
 from agent.kube.reflector import Reflector, WatchSettings
 from agent.kube.resources import Resource
@@ -35,27 +37,39 @@ class FakeResponse:
 
 
 class FakeListCall:
-    """Answers list requests with `pages` in order; the first watch stops the reflector."""
+    """Answers list requests with `pages` in order (an exception is raised as the client would);
+    the watches get `watch_bodies` in order, and the first watch after them stops the reflector."""
 
-    def __init__(self, pages: list[bytes], stopping: threading.Event, watch_body: bytes = b"") -> None:
+    def __init__(
+        self, pages: list[bytes | ApiException], stopping: threading.Event, watch_bodies: list[bytes]
+    ) -> None:
         self.pages = pages
         self.stopping = stopping
-        self.watch_body = watch_body
+        self.watch_bodies = watch_bodies
         self.calls: list[dict[str, Any]] = []
 
     def __call__(self, **kw: Any) -> FakeResponse:
         self.calls.append(kw)
         if kw.get("watch"):
-            body, self.watch_body = self.watch_body, b""
+            body = self.watch_bodies.pop(0) if self.watch_bodies else b""
             if not body:
                 self.stopping.set()
             return FakeResponse(body)
-        return FakeResponse(self.pages.pop(0))
+        page = self.pages.pop(0)
+        if isinstance(page, ApiException):
+            raise page
+        return FakeResponse(page)
+
+    def lists(self) -> list[tuple[Any, Any, Any]]:
+        """(resource_version, limit, _continue) of each list request."""
+        return [(c["resource_version"], c["limit"], c["_continue"]) for c in self.calls if not c.get("watch")]
 
 
-def run(pages: list[bytes], watch_body: bytes = b"") -> tuple[Recorded, FakeListCall]:
+def run(
+    pages: list[bytes | ApiException], watch_body: bytes = b"", *more_watches: bytes
+) -> tuple[Recorded, FakeListCall]:
     stopping = threading.Event()
-    call = FakeListCall(pages, stopping, watch_body)
+    call = FakeListCall(pages, stopping, [watch_body, *more_watches])
     sink = Recorded()
     Reflector(Resource(Kind.SERVICE, "v1", call), sink, SETTINGS, stopping).run()
     return sink, call
@@ -123,3 +137,95 @@ def test_watch_events_are_reconciled_against_what_was_delivered() -> None:
         (EventType.ADDED, "n/b"),  # MODIFIED for an unknown key; the unknown DELETED is dropped
     ]
     assert call.calls[-1]["resource_version"] == "12", "the bookmark moved the watch on"
+
+
+def listing(rv: str, *names: str, token: str = "") -> bytes:
+    """A list page of Services `names` (each at resourceVersion 1), with a continue token or not."""
+    meta = f',"continue":"{token}"' if token else ""
+    items = ",".join(f'{{"metadata":{{"name":"{n}","namespace":"n","resourceVersion":"1"}}}}' for n in names)
+    return f'{{"metadata":{{"resourceVersion":"{rv}"{meta}}},"items":[{items}]}}'.encode()
+
+
+UNREADABLE = b"not an event\n"  # the watch breaks without a 410: a relist at the last version
+GONE = b'{"type":"ERROR","object":{"kind":"Status","code":410,"reason":"Expired","message":"too old"}}\n'
+PAGE = WatchSettings().page_size
+
+
+def test_a_cache_answering_whole_is_relisted_at_the_last_version_whole() -> None:
+    # client-go's reflector: the first list at resourceVersion=0 with the pager's limit (the watch
+    # cache ignores it); the server answered whole, so a relist at the last version asks no limit.
+    sink, call = run([listing("5", "a", "b"), listing("7", "a", "b")], UNREADABLE)
+    assert call.lists() == [("0", PAGE, None), ("5", None, None)]
+    assert [e for e in sink.events if isinstance(e, Synced)] == [
+        Synced(Kind.SERVICE, "5"),
+        Synced(Kind.SERVICE, "7"),
+    ]
+    assert len(sink.objects()) == 2, "the relist found nothing new"
+
+
+def test_a_paging_server_is_followed_and_later_lists_keep_the_limit() -> None:
+    # A server without a watch cache pages even the resourceVersion=0 list: each continue token is
+    # followed (no resourceVersion beside it: the token carries the snapshot), and a later relist
+    # asks the last version with the limit, as client-go does once it saw a paginated result.
+    pages: list[bytes | ApiException] = [
+        listing("5", "a", token="t1"),
+        listing("5", "b", token="t2"),
+        listing("5", "c"),
+        listing("8", "a", token="t3"),
+        listing("8", "b", "c"),
+    ]
+    sink, call = run(pages, UNREADABLE)
+    assert call.lists() == [
+        ("0", PAGE, None),
+        (None, PAGE, "t1"),
+        (None, PAGE, "t2"),
+        ("5", PAGE, None),
+        (None, PAGE, "t3"),
+    ]
+    assert [(e.type, e.key) for e in sink.objects()] == [(EventType.ADDED, f"n/{k}") for k in "abc"]
+    assert sink.events[-1] == Synced(Kind.SERVICE, "8")
+
+
+def test_a_relist_after_410_reads_consistently_in_pages_then_at_versions_again() -> None:
+    # The version is gone: client-go lists with no resourceVersion (a consistent read, paged by the
+    # limit from the first page's snapshot) rather than ask for a version the server lacks. The
+    # next relist, not after a 410, asks the last version again.
+    pages: list[bytes | ApiException] = [
+        listing("5", "a", "b"),
+        listing("9", "a", token="t1"),
+        listing("9", "b"),
+        listing("11", "a", "b"),
+    ]
+    sink, call = run(pages, GONE, UNREADABLE)
+    assert call.lists() == [("0", PAGE, None), (None, PAGE, None), (None, PAGE, "t1"), ("9", None, None)]
+    assert [e.version for e in sink.events if isinstance(e, Synced)] == ["5", "9", "11"]
+
+
+def test_a_list_at_a_version_the_server_lacks_is_read_consistently() -> None:
+    # A relist at the last version answered 410 (compacted) or 504 ResourceVersionTooLarge (an
+    # etcd restored from a backup): the retry asks no version, not the same one again.
+    too_large = ApiException(status=504, reason="Gateway Timeout")
+    too_large.body = (
+        '{"kind":"Status","code":504,"reason":"Timeout",'
+        '"details":{"causes":[{"reason":"ResourceVersionTooLarge"}]}}'
+    )
+    gone = ApiException(status=410, reason="Gone")
+    gone.body = '{"kind":"Status","code":410,"reason":"Expired"}'
+    pages: list[bytes | ApiException] = [
+        listing("5", "a"),
+        gone,
+        listing("9", "a"),
+        listing("12", "a"),
+        too_large,
+        listing("3", "a"),
+    ]
+    sink, call = run(pages, UNREADABLE, UNREADABLE, UNREADABLE)
+    assert call.lists() == [
+        ("0", PAGE, None),
+        ("5", None, None),
+        (None, PAGE, None),
+        ("9", None, None),
+        ("12", None, None),
+        (None, PAGE, None),
+    ]
+    assert [e.version for e in sink.events if isinstance(e, Synced)] == ["5", "9", "12", "3"]

@@ -17,8 +17,9 @@ def svc(name: str, ip: str, ns: str = "default", **labels: str) -> dict[str, obj
 
 
 def test_initial_list_across_pages_delivers_everything_then_synced(
-    server: FakeApiServer, start_source: SourceFactory
+    paging_server: FakeApiServer, start_source: SourceFactory
 ) -> None:
+    server = paging_server
     # kube-proxy waits for its informers' initial list (HasSynced) before the first sync.
     for i in range(10):  # page size 3: four pages
         server.create(svc(f"web-{i}", f"10.96.0.{i + 1}"))
@@ -49,6 +50,30 @@ def test_initial_list_across_pages_delivers_everything_then_synced(
     lists = [r for r in server.requests if r.path == "/api/v1/services" and r.query.get("watch") != "true"]
     assert [r.query.get("limit") for r in lists] == ["3"] * 4
     assert "continue" not in lists[0].query and all("continue" in r.query for r in lists[1:])
+    # client-go's pager: resourceVersion=0 on the first request only (the snapshot is the token's).
+    assert lists[0].query.get("resourceVersion") == "0"
+    assert all("resourceVersion" not in r.query for r in lists[1:])
+    assert source.list_counts()[Kind.SERVICE] == 1
+
+
+def test_first_list_is_one_request_from_the_watch_cache(
+    server: FakeApiServer, start_source: SourceFactory
+) -> None:
+    # client-go's reflector lists first at resourceVersion=0, which kube-apiserver answers from its
+    # watch cache, whole, ignoring the limit: one request, however many objects (and so one token
+    # of the client's rate limit, not one a page). The items still reach the sink a page at a time.
+    for i in range(10):
+        server.create(svc(f"web-{i}", f"10.96.0.{i + 1}"))
+    source, sink = start_source(server)
+    sink.wait(lambda: bool(sink.synced(Kind.SERVICE)), what="Services synced")
+    lists = [r for r in server.requests if r.path == "/api/v1/services" and r.query.get("watch") != "true"]
+    assert len(lists) == 1
+    assert lists[0].query.get("resourceVersion") == "0" and lists[0].query.get("limit") == "3"
+    batches = [kept for b in sink.batches if (kept := [e for e in b if e.kind is Kind.SERVICE])]
+    sizes = [sum(isinstance(e, ObjectEvent) for e in b) for b in batches]
+    assert sizes == [3, 3, 3, 1], "delivered page_size at a time"
+    assert isinstance(batches[-1][-1], Synced) and batches[-1][-1].version == server.resource_version
+    assert [e.key for e in sink.objects(Kind.SERVICE)] == [f"default/web-{i}" for i in range(10)]
     assert source.list_counts()[Kind.SERVICE] == 1
 
 

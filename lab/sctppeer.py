@@ -1,0 +1,192 @@
+"""SCTP without SCTP sockets: the lab kernel has none (`CONFIG_IP_SCTP` is off; `socket(AF_INET,
+SOCK_STREAM, IPPROTO_SCTP)` fails with EPROTONOSUPPORT), so the two ends of an association are
+crafted packets sent and captured through raw IP sockets (protocol 132) inside lab namespaces.
+A raw socket receives every SCTP packet the namespace is sent, as it arrived (the kernel has no
+SCTP to check or answer it), and sends what it is given, its CRC32c included.
+
+Standalone on purpose (standard library only), executed by path like lab/client.py:
+
+  server --port P --seconds S    answers an INIT to port P with an INIT-ACK and a DATA chunk
+                                 with a DATA chunk echoing it; prints "ready", then one JSON
+                                 line per SCTP packet that arrives (to any port)
+  client --addr A --port P --sport S [--seconds T]
+                                 INIT from source port S, waits for the INIT-ACK from A:P, sends a
+                                 DATA chunk with the verification tag it got, waits for the echo;
+                                 prints {"init_ack": {...}, "echo": {...}} (null for what never
+                                 came)
+
+A packet is described as {"src", "dst", "sport", "dport", "vtag", "chunk", "init_tag", "data",
+"crc_ok"}: `chunk` is the type of its first chunk (0 DATA, 1 INIT, 2 INIT-ACK), `crc_ok` whether
+its CRC32c (RFC 9260 appendix A, little-endian over the packet with the field zeroed) is right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import select
+import socket
+import struct
+import sys
+import time
+from typing import Any
+
+PROTO = 132
+DATA, INIT, INIT_ACK = 0, 1, 2
+CLIENT_TAG, SERVER_TAG = 0x1234ABCD, 0x5678EF01
+_TABLE: list[int] = []
+
+
+def _table() -> list[int]:
+    if not _TABLE:
+        for n in range(256):
+            c = n
+            for _ in range(8):
+                c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+            _TABLE.append(c)
+    return _TABLE
+
+
+def crc32c(data: bytes) -> int:
+    """CRC32c (Castagnoli): preset and final value inverted, reflected polynomial 0x82f63b78."""
+    table = _table()
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = (crc >> 8) ^ table[(crc ^ byte) & 0xFF]
+    return crc ^ 0xFFFFFFFF
+
+
+def checksum_ok(packet: bytes) -> bool:
+    """Whether an SCTP packet (common header to the end) carries its right CRC32c."""
+    if len(packet) < 12:
+        return False
+    return int.from_bytes(packet[8:12], "little") == crc32c(packet[:8] + bytes(4) + packet[12:])
+
+
+def build(sport: int, dport: int, vtag: int, chunks: bytes) -> bytes:
+    """An SCTP packet: common header, the chunks, the CRC32c filled in."""
+    head = struct.pack("!HHI", sport, dport, vtag)
+    crc = crc32c(head + bytes(4) + chunks)
+    return head + crc.to_bytes(4, "little") + chunks
+
+
+def init_chunk(kind: int, tag: int, cookie: bytes = b"") -> bytes:
+    """INIT or INIT-ACK: initiate tag, a_rwnd, 1 stream each way, initial TSN; INIT-ACK carries a
+    State Cookie parameter (type 7)."""
+    params = struct.pack("!HH", 7, 4 + len(cookie)) + cookie if cookie else b""
+    body = struct.pack("!IIHHI", tag, 65535, 1, 1, 1) + params
+    return struct.pack("!BBH", kind, 0, 4 + len(body)) + body
+
+
+def data_chunk(payload: bytes) -> bytes:
+    """One DATA chunk (beginning and end of a message), padded to four bytes."""
+    chunk = struct.pack("!BBHIHHI", DATA, 0x03, 16 + len(payload), 1, 0, 0, 0) + payload
+    return chunk + bytes(-len(chunk) % 4)
+
+
+def describe(packet: bytes) -> dict[str, Any] | None:
+    """An IPv4 packet as received on the raw socket (IP header included); None if not SCTP."""
+    if len(packet) < 20 or packet[9] != PROTO:
+        return None
+    ihl = (packet[0] & 0x0F) * 4
+    total = int.from_bytes(packet[2:4], "big")
+    sctp = packet[ihl:total]
+    if len(sctp) < 16:
+        return None
+    sport, dport, vtag = struct.unpack("!HHI", sctp[:8])
+    chunk, _, length = struct.unpack("!BBH", sctp[12:16])
+    out: dict[str, Any] = {
+        "src": socket.inet_ntoa(packet[12:16]),
+        "dst": socket.inet_ntoa(packet[16:20]),
+        "sport": sport,
+        "dport": dport,
+        "vtag": vtag,
+        "chunk": chunk,
+        "init_tag": None,
+        "data": None,
+        "crc_ok": checksum_ok(sctp),
+    }
+    if chunk in (INIT, INIT_ACK) and len(sctp) >= 20:
+        out["init_tag"] = int.from_bytes(sctp[16:20], "big")
+    if chunk == DATA and length >= 16:
+        out["data"] = sctp[28 : 12 + length].decode(errors="replace")
+    return out
+
+
+def raw_socket() -> socket.socket:
+    return socket.socket(socket.AF_INET, socket.SOCK_RAW, PROTO)
+
+
+def receive(sock: socket.socket, until: float) -> dict[str, Any] | None:
+    """The next SCTP packet before the monotonic time `until`, described; None at the deadline."""
+    while True:
+        left = until - time.monotonic()
+        if left <= 0:
+            return None
+        ready, _, _ = select.select([sock], [], [], left)
+        if not ready:
+            return None
+        seen = describe(sock.recv(65535))
+        if seen is not None:
+            return seen
+
+
+def cmd_server(a: argparse.Namespace) -> int:
+    sock = raw_socket()
+    print("ready", flush=True)
+    until = time.monotonic() + a.seconds
+    while (seen := receive(sock, until)) is not None:
+        print(json.dumps(seen), flush=True)
+        if seen["dport"] != a.port or not seen["crc_ok"]:
+            continue  # not ours (the echo of a client in this namespace), or damaged
+        to = (seen["src"], 0)
+        if seen["chunk"] == INIT:
+            answer = init_chunk(INIT_ACK, SERVER_TAG, cookie=b"cookie!!")
+            sock.sendto(build(a.port, seen["sport"], seen["init_tag"], answer), to)
+        elif seen["chunk"] == DATA and seen["vtag"] == SERVER_TAG:
+            echo = data_chunk(f"echo {seen['data']}".encode())
+            sock.sendto(build(a.port, seen["sport"], CLIENT_TAG, echo), to)
+    return 0
+
+
+def expect(sock: socket.socket, a: argparse.Namespace, until: float, chunk: int) -> dict[str, Any] | None:
+    """The next packet of `chunk` from a.addr:a.port to our source port."""
+    while (seen := receive(sock, until)) is not None:
+        if (seen["src"], seen["sport"], seen["dport"], seen["chunk"]) == (a.addr, a.port, a.sport, chunk):
+            return seen
+    return None
+
+
+def cmd_client(a: argparse.Namespace) -> int:
+    sock = raw_socket()
+    to = (a.addr, 0)
+    deadline = time.monotonic() + a.seconds
+    result: dict[str, Any] = {"init_ack": None, "echo": None}
+    # An INIT a second until answered (the first may meet an unresolved neighbour), bounded.
+    while result["init_ack"] is None and time.monotonic() < deadline:
+        sock.sendto(build(a.sport, a.port, 0, init_chunk(INIT, CLIENT_TAG)), to)
+        result["init_ack"] = expect(sock, a, min(deadline, time.monotonic() + 1.0), INIT_ACK)
+    if result["init_ack"] is not None:
+        sock.sendto(build(a.sport, a.port, result["init_ack"]["init_tag"], data_chunk(b"hello sctp")), to)
+        result["echo"] = expect(sock, a, deadline, DATA)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="mode", required=True)
+    s = sub.add_parser("server")
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--seconds", type=float, default=30.0)
+    c = sub.add_parser("client")
+    c.add_argument("--addr", required=True)
+    c.add_argument("--port", type=int, required=True)
+    c.add_argument("--sport", type=int, required=True)
+    c.add_argument("--seconds", type=float, default=10.0)
+    a = p.parse_args()
+    return cmd_server(a) if a.mode == "server" else cmd_client(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""SCTP through the tc data path, packet by packet: translated both ways through a ClusterIP and a
+source-translated NodePort with its CRC32c kept right (bpf/ekp_sctp.h), checked by a bitwise
+CRC32c written apart from scapy's (lab/packets.py); only an INIT starts a flow; fragments pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from agent.ebpf.abi import BackendFlag, FrontendFlag, Scope, Stat
+from agent.ebpf.loader import Datapath
+from lab.dplab import (
+    BE1,
+    CLIENT,
+    NODE,
+    POD_CLIENT,
+    REMOTE_BE,
+    SIZES,
+    SNAT_MAX,
+    SNAT_MIN,
+    VIP,
+    Lab,
+    Net,
+    assert_balanced,
+    packet_lab,
+    reset_maps,
+)
+from lab.packets import (
+    TC_ACT_OK,
+    TC_ACT_REDIRECT,
+    TC_ACT_SHOT,
+    checksums_valid,
+    loaded_datapath,
+    parse,
+    sctp,
+    sctp_checksum_ok,
+)
+
+pytestmark = pytest.mark.kernel
+
+SCTP = 132
+LOCAL = BackendFlag.LOCAL
+VTAG_CLIENT, VTAG_SERVER = 0x1234, 0x5678  # the init tags of sctp()'s INIT and INIT-ACK
+
+
+@pytest.fixture(scope="module")
+def dp() -> Iterator[Datapath]:
+    with loaded_datapath(SIZES) as datapath:
+        yield datapath
+
+
+@pytest.fixture(scope="module")
+def lab(dp: Datapath) -> Iterator[Lab]:
+    with packet_lab() as built:
+        yield built
+
+
+@pytest.fixture(autouse=True)
+def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
+    reset_maps(dp)
+    yield
+    assert_balanced(dp)
+
+
+@pytest.fixture
+def net(dp: Datapath, lab: Lab) -> Net:
+    return Net(dp, lab)
+
+
+def l4(frame: bytes) -> bytes:
+    """The SCTP packet of a frame (Ethernet + a 20-byte IPv4 header)."""
+    total = int.from_bytes(frame[16:18], "big")
+    return frame[34 : 14 + total]
+
+
+def test_an_association_through_a_cluster_ip_keeps_valid_crc32cs_both_ways(net: Net) -> None:
+    """ClusterIP 5060 -> backend 5061: INIT, INIT-ACK, then DATA chunks of every length from 1 to
+    1,400 bytes in both directions (so the packet length, which the CRC update depends on, takes
+    many values), each translated with a CRC32c that checks."""
+    net.add_service(port=5060, backends=((1, BE1, 5061, LOCAL),), proto=SCTP)
+    verdict, out = net.from_pod(sctp(POD_CLIENT, VIP, 40000, 5060))
+    assert verdict == TC_ACT_REDIRECT
+    p = parse(out)
+    assert (p.src, p.sport, p.dst, p.dport) == (POD_CLIENT, 40000, BE1, 5061)
+    assert sctp_checksum_ok(l4(out)) and checksums_valid(out)
+    verdict, out = net.from_pod(sctp(BE1, POD_CLIENT, 5061, 40000, chunk="init-ack", tag=VTAG_CLIENT))
+    p = parse(out)
+    assert verdict == TC_ACT_REDIRECT and (p.src, p.sport, p.dst, p.dport) == (VIP, 5060, POD_CLIENT, 40000)
+    assert checksums_valid(out)
+    for size in (1, 2, 3, 4, 5, 7, 8, 15, 16, 31, 64, 100, 255, 256, 511, 1000, 1023, 1024, 1400):
+        payload = bytes(range(256)) * 6
+        ahead = sctp(POD_CLIENT, VIP, 40000, 5060, chunk="data", tag=VTAG_SERVER, data=payload[:size])
+        back = sctp(BE1, POD_CLIENT, 5061, 40000, chunk="data", tag=VTAG_CLIENT, data=payload[-size:])
+        for frame, want in ((ahead, (BE1, 5061)), (back, (POD_CLIENT, 40000))):
+            verdict, out = net.from_pod(frame)
+            assert verdict == TC_ACT_REDIRECT and (parse(out).dst, parse(out).dport) == want
+            assert checksums_valid(out), size
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.CT_FORWARD], stats[Stat.CT_REPLY]) == (1, 19, 20)
+
+
+def test_a_node_port_with_snat_rewrites_both_ports_and_keeps_the_crc32c(net: Net) -> None:
+    """From outside through a NodePort (masqueraded): source address and port, destination address
+    and port all change, and the CRC32c follows; the INIT-ACK goes back to the client's own."""
+    net.add_service(
+        NODE, 30660, ((7, REMOTE_BE, 5061, 0),), proto=SCTP, scope=Scope.EXTERNAL, flags=FrontendFlag.SNAT_ALL
+    )
+    verdict, out = net.from_net(sctp(CLIENT, NODE, 41000, 30660))
+    p = parse(out)
+    assert verdict == TC_ACT_REDIRECT and (p.src, p.dst, p.dport) == (NODE, REMOTE_BE, 5061)
+    assert SNAT_MIN <= p.sport <= SNAT_MAX and checksums_valid(out)
+    verdict, out = net.from_net(sctp(REMOTE_BE, NODE, 5061, p.sport, chunk="init-ack", tag=VTAG_CLIENT))
+    back = parse(out)
+    assert verdict == TC_ACT_REDIRECT and (back.src, back.sport, back.dst, back.dport) == (
+        NODE,
+        30660,
+        CLIENT,
+        41000,
+    )
+    assert checksums_valid(out)
+
+
+def test_addresses_alone_leave_the_crc32c_as_it_was(net: Net) -> None:
+    """SCTP's checksum covers no pseudo header: a frontend on the backend's own port rewrites the
+    destination address only, and the checksum bytes do not change."""
+    net.add_service(port=5061, backends=((1, BE1, 5061, LOCAL),), proto=SCTP)
+    frame = sctp(POD_CLIENT, VIP, 40100, 5061)
+    out = net.from_pod(frame)[1]
+    assert parse(out).dst == BE1 and l4(out)[8:12] == l4(frame)[8:12] and checksums_valid(out)
+
+
+def test_a_corrupt_packet_stays_corrupt(net: Net) -> None:
+    """The CRC is updated, not recomputed: a packet that arrived damaged is not made to look whole."""
+    net.add_service(port=5060, backends=((1, BE1, 5061, LOCAL),), proto=SCTP)
+    damaged = bytearray(sctp(POD_CLIENT, VIP, 40200, 5060))
+    damaged[-1] ^= 0x40  # a bit of the INIT chunk
+    verdict, out = net.from_pod(bytes(damaged))
+    assert verdict == TC_ACT_REDIRECT and parse(out).dport == 5061 and not sctp_checksum_ok(l4(out))
+
+
+def test_only_an_init_starts_an_sctp_flow(net: Net) -> None:
+    """A DATA chunk to a frontend with no flow belongs to an association we no longer have: dropped
+    (counted NO_FLOW), never sent to a newly chosen backend, which could only ABORT it."""
+    net.add_service(port=5060, backends=((1, BE1, 5061, LOCAL),), proto=SCTP)
+    assert net.from_pod(sctp(POD_CLIENT, VIP, 40300, 5060, chunk="data", tag=VTAG_SERVER))[0] == TC_ACT_SHOT
+    assert net.stats()[Stat.DROP_NO_FLOW] == 1
+
+
+def test_an_association_keeps_its_backend_when_the_backend_leaves_the_service(net: Net) -> None:
+    """As TCP, and unlike UDP (kube-proxy clears the conntrack of UDP endpoints alone)."""
+    net.add_service(port=5060, backends=((1, BE1, 5061, LOCAL),), proto=SCTP)
+    net.from_pod(sctp(POD_CLIENT, VIP, 40400, 5060))
+    net.remove_member(1, 1)
+    out = net.from_pod(sctp(POD_CLIENT, VIP, 40400, 5060, chunk="heartbeat", tag=VTAG_SERVER))[1]
+    assert parse(out).dst == BE1 and checksums_valid(out)
+
+
+def test_sctp_fragments_are_passed_untouched(net: Net) -> None:
+    """The first fragment holds the checksum but not the packet's length, which its update needs."""
+    from scapy.layers.inet import IP, fragment
+    from scapy.layers.l2 import Ether
+
+    net.add_service(port=5060, backends=((1, BE1, 5061, LOCAL),), proto=SCTP)
+    whole = Ether(sctp(POD_CLIENT, VIP, 40500, 5060, chunk="data", tag=VTAG_SERVER, data=bytes(600)))
+    for piece in fragment(whole[IP], fragsize=256):  # type: ignore[no-untyped-call]
+        frame = bytes(Ether(src=whole.src, dst=whole.dst) / piece)
+        assert net.from_pod(frame) == (TC_ACT_OK, frame)
