@@ -66,6 +66,7 @@ class MapSizes:
     maglev_table_size: int = default("map_sizes.maglev_table_size")
     # legacy host routing: the source each translated flow direction gets at egress
     hostnat: int = default("map_sizes.hostnat")
+    sknat: int = default("map_sizes.sknat")
 
     def with_conntrack(
         self, conntrack: ConntrackSettings, cpus: int, pinned: Mapping[str, int] | None = None
@@ -161,10 +162,21 @@ class Config:
     bpf_xdp: str = default("bpf_xdp")
     bpf_lb_algorithm: str = default("bpf_lb_algorithm")
     bpf_host_routing: HostRouting = default("bpf_host_routing")  # bpf/ekp_host.h
+    socket_lb: bool = default("socket_lb")  # cgroup socket programs for the node's own sockets
+    socket_lb_cgroup: str = default("socket_lb_cgroup")  # "" = the root of the cgroup2 mount
+    socket_lb_host_only: bool = default("socket_lb_host_only")
     ct_tcp_backend_gone_timeout_s: float = default("ct_tcp_backend_gone_timeout_s")
     # iptables mode
     iptables_backend: str = default("iptables_backend")  # auto | nft | legacy
     iptables_localhost_nodeports: bool = default("iptables_localhost_nodeports")
+
+    @property
+    def localhost_nodeports(self) -> bool:
+        """Whether NodePorts answer on 127.0.0.1 for the node's own processes, in both modes:
+        kube-proxy's `--iptables-localhost-nodeports` (true by default) when --nodeport-addresses
+        selects every address or holds a loopback one (`cidr.IP.IsLoopback() ||
+        cidr.Contains(127.0.0.0)`, proxy/util/nodeport_addresses.go); IPv6 never."""
+        return self.iptables_localhost_nodeports and nodeport_addresses_hold_loopback(self.nodeport_addresses)
 
     def local_detector(self, node_pod_cidrs: Iterable[str] = ()) -> LocalDetector:
         """kube-proxy's local-traffic detector; `node_pod_cidrs` (the Node's spec.podCIDRs) is
@@ -214,6 +226,26 @@ class Config:
             conntrack=ConntrackSettings(**nested["conntrack"]),
             map_sizes=MapSizes(**nested["map_sizes"]),
         )
+
+
+def nodeport_addresses_hold_loopback(cidrs: tuple[str, ...]) -> bool:
+    """Whether --nodeport-addresses `cidrs` let NodePorts answer on 127.0.0.1: every address (no
+    IPv4 CIDR given, or 0.0.0.0/0; never with `primary`), or a CIDR that is loopback or holds
+    127.0.0.0 (upstream's test)."""
+    if NODEPORT_PRIMARY in cidrs:
+        return False
+    nets = []
+    for text in cidrs:
+        try:
+            net = ipaddress.ip_network(text.strip(), strict=False)
+        except ValueError:
+            continue
+        if isinstance(net, ipaddress.IPv4Network):
+            nets.append(net)
+    if not nets or any(n.prefixlen == 0 for n in nets):
+        return True
+    start = ipaddress.IPv4Address("127.0.0.0")
+    return any(n.network_address.is_loopback or start in n for n in nets)
 
 
 def default_min_sync_period(mode: Mode) -> float:

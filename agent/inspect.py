@@ -3,8 +3,9 @@
 `maps` prints the same lines as `agent --mode=ebpf --dry-run`, so a live node can be diffed against
 the plan for a services file; `conntrack`, `affinity` and `stats` show flows, sticky clients and the
 data path's counters (drops by reason included); `capacity` shows how full every map is, and how
-many conntrack entries are live (agent/ebpf/capacity.py). Reads only; needs root for the bpf()
-syscall.
+many conntrack entries are live (agent/ebpf/capacity.py); `sockets` shows the socket programs'
+settings, their cgroup links and which sockets were sent to which backend. Reads only; needs root
+for the bpf() syscall.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ SECTIONS = {
     "stats": "stats",
     "capacity": "capacity",
     "maglev": "maglev",
+    "sockets": "sockets",
 }
 
 EPILOG = """\
@@ -35,6 +37,7 @@ examples:
                                      first positions, a digest to compare nodes by
   agent inspect capacity             entries / capacity of every map, live conntrack entries by
                                      state (assured, unassured, closed), early drops by state
+  agent inspect sockets              socket programs: settings, cgroup links, sockets sent to backends
   agent inspect maps conntrack --bpf-pin-path /sys/fs/bpf/ebpf-kube-proxy-node2
 """
 

@@ -123,6 +123,9 @@ class _Upgrade:
     def after_attach(self, maps: Any) -> None:
         return None
 
+    def serving(self) -> None:
+        return None
+
 
 class _Response:
     def __init__(self, data: bytes) -> None:

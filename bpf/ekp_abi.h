@@ -355,6 +355,38 @@ struct ekp_srcrange {
 	__u8 pad[3];
 };
 
+/* ---- socket-level load balancing (cgroup connect4/sendmsg4/recvmsg4/getpeername4) ------- */
+
+/* What a socket was sent to instead of the frontend its application named (LRU, written by the
+ * socket programs): recvmsg() and getpeername() show the frontend again, and the UDP socket
+ * iterator ends a connected socket whose backend left its service port (bpf/ekp_sock.h). */
+struct ekp_sock_key {
+	__u64 cookie; /* host: bpf_get_socket_cookie(), unique per socket for the machine's life */
+	__be32 addr;  /* be: the backend the socket was sent to */
+	__be16 port;  /* be: its port */
+	__u8 proto;   /* IPPROTO_TCP / IPPROTO_UDP */
+	__u8 pad;     /* zero */
+};
+
+struct ekp_sock_nat {
+	__be32 fe_addr;   /* be: the frontend the application named */
+	__be16 fe_port;   /* be */
+	__u16 pad;        /* zero */
+	__u32 svc_id;     /* host: its service port: shown again only while the frontend still is it */
+	__u32 backend_id; /* host: the backend chosen (membership, for the UDP iterator) */
+};
+
+/* The socket programs' settings (array, one element, written by the agent before it attaches
+ * them). A socket belongs to the node itself when its network namespace is the node's. */
+#define EKP_SOCK_HOST_ONLY (1 << 0) /* translate only the node's own sockets (hostNamespaceOnly): pods
+				     * keep the per-packet path, where they see the frontend */
+
+struct ekp_sock_config {
+	__u64 host_netns; /* host: netns cookie (SO_NETNS_COOKIE) of the node's network namespace */
+	__u32 flags;      /* host: EKP_SOCK_* */
+	__u32 pad;        /* zero */
+};
+
 /* ---- per-node configuration: two slots and a selector (double buffer) ------------------- */
 
 /* ekp_cfg holds two configs; ekp_cfgsel[0] says which one programs read. The agent writes the
@@ -448,9 +480,21 @@ enum ekp_stat {
 	                           * to carry out (a local backend, a reject, a route XDP cannot send) */
 	EKP_STAT_CT_RESUMED,      /* mark: a TCP segment without conntrack resumed its flow on the backend
 	                           * Maglev names (the entries were lost: evicted, a restart elsewhere) */
+	/* Socket-level load balancing: every connect() and sendmsg() to an IPv4 address of a socket in
+	 * the attached cgroup counts SOCK_CALLS and exactly one outcome: SOCK_PASS (not TCP or UDP, not
+	 * a frontend, another namespace), SOCK_TRANSLATED or one of the drop reasons above
+	 * (NO_ENDPOINTS: refused with ECONNREFUSED; NO_LOCAL, SOURCE_RANGE, NO_BACKEND: EHOSTUNREACH).
+	 * The rest are marks. */
+	EKP_STAT_SOCK_CALLS,      /* connect()/sendmsg() calls seen by the socket programs */
+	EKP_STAT_SOCK_PASS,       /* outcome: not a frontend the socket is translated for: unchanged */
+	EKP_STAT_SOCK_TRANSLATED, /* outcome: sent to a backend at connect()/sendmsg() */
+	EKP_STAT_SOCK_REVNAT,     /* mark: recvmsg()/getpeername() shown the frontend again */
+	EKP_STAT_SOCK_DESTROYED,  /* mark: connected UDP sockets ended because their backend left */
 	EKP_DROP_SPOOFED,         /* from a pod device, a source address the node does not route to that
 	                           * device, on a packet the program would deliver past the node's
-	                           * reverse-path filter (redirected: bpf host routing, ICMP errors) */
+	                           * reverse-path filter (redirected: bpf host routing, ICMP errors).
+	                           * A drop reason after the socket counters: added after them, and
+	                           * every counter keeps its slot in a pinned ekp_stats_v3 */
 	EKP_STAT_MAX,
 };
 

@@ -156,20 +156,14 @@ static __always_inline void ekp_decide_hit(struct ekp_ct_entry *ep, struct ekp_c
 		d->marks |= 1ULL << EKP_STAT_FRAGMENTS;
 }
 
-/* A frontend with no usable backend (count == 0). NO_ENDPOINTS: kube-proxy's `-j REJECT`, an ICMP
- * port unreachable from the frontend to the client (rate-limited per CPU as the kernel's
- * icmp_send); counted DROP_NO_ENDPOINTS, the flow is refused. Packets not worth an answer
- * (ekp_icmp_wanted) drop under the same counter, rejects over the rate limit under
- * DROP_ICMP_RATE. LOCAL alone (endpoints exist on other nodes, Local traffic policy): drop, as
- * kube-proxy does. Neither flag (not written by the agent): drop. */
-static __always_inline void ekp_decide_no_endpoints(const struct ekp_pkt *p, __u16 fe_flags,
-						    const struct ekp_config *cfg, __u64 now,
-						    struct ekp_decision *d)
+/* A frontend whose service has no endpoints (EKP_FE_NO_ENDPOINTS, count == 0): kube-proxy's
+ * `-j REJECT`, an ICMP port unreachable from the frontend to the client (rate-limited per CPU as
+ * the kernel's icmp_send); counted DROP_NO_ENDPOINTS, the flow is refused. Packets not worth an
+ * answer (ekp_icmp_wanted) drop under the same counter, rejects over the rate limit under
+ * DROP_ICMP_RATE. (The other refusals of ekp_lb_refusal drop, as kube-proxy does.) */
+static __always_inline void ekp_decide_no_endpoints(const struct ekp_pkt *p, const struct ekp_config *cfg,
+						    __u64 now, struct ekp_decision *d)
 {
-	if (!(fe_flags & EKP_FE_NO_ENDPOINTS)) {
-		ekp_verdict(d, EKP_ACT_DROP, (fe_flags & EKP_FE_LOCAL) ? EKP_DROP_NO_LOCAL : EKP_DROP_NO_ENDPOINTS);
-		return;
-	}
 	if (!ekp_icmp_wanted(p) || p->frag == EKP_FRAG_LATER) { /* no ICMP error about a later fragment */
 		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_NO_ENDPOINTS);
 		return;
@@ -218,16 +212,18 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 {
 	__u32 aff_hit = 0;
 
-	if ((fe->flags & EKP_FE_SOURCE_RANGES) && !ekp_source_allowed(fe->rev_nat_id, p->saddr)) {
-		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_SOURCE_RANGE);
-		return 0;
-	}
-	if (fe->count == 0) {
-		if (hook == EKP_HOOK_XDP && (fe->flags & EKP_FE_NO_ENDPOINTS)) {
+	int refusal = ekp_lb_refusal(fe, p->saddr);
+
+	if (refusal == EKP_DROP_NO_ENDPOINTS && (fe->flags & EKP_FE_NO_ENDPOINTS)) {
+		if (hook == EKP_HOOK_XDP) {
 			ekp_verdict(d, EKP_ACT_PASS, EKP_STAT_TO_TC); /* the reject is built on the skb */
 			return 0;
 		}
-		ekp_decide_no_endpoints(p, fe->flags, cfg, now, d);
+		ekp_decide_no_endpoints(p, cfg, now, d);
+		return 0;
+	}
+	if (refusal) {
+		ekp_verdict(d, EKP_ACT_DROP, refusal);
 		return 0;
 	}
 	/* Only a SYN starts a TCP flow, only an INIT an SCTP one. Any other segment to a frontend
@@ -243,7 +239,7 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_NO_FLOW);
 		return 0;
 	}
-	int reason = ekp_pick_backend(fe, p, now, f, &aff_hit);
+	int reason = ekp_pick_backend(fe, p->saddr, bpf_get_prandom_u32(), p, now, f, &aff_hit);
 	if (reason) {
 		ekp_verdict(d, EKP_ACT_DROP, reason);
 		return 0;

@@ -3,6 +3,7 @@
  * ekp_lb.h: service lookup and backend choice for a packet that starts a new flow.
  *
  *   frontend    ekp_fe_v2 {daddr, dport, proto, scope of the program}
+ *   refusal     source ranges, no endpoints (ekp_lb_refusal)
  *   ranges      ekp_srcr_v2 {64, rev_nat_id, saddr} (LPM) when EKP_FE_SOURCE_RANGES
  *   affinity    ekp_aff_v2 {saddr, svc_id} when EKP_FE_AFFINITY and affinity_timeout > 0,
  *               honoured only while ekp_member_v2 {svc_id, backend} holds the backend in the set
@@ -11,6 +12,8 @@
  *               honoured while the backend is a member of the frontend's set
  *   slot        ekp_slot_v2 {set_id, 1 + random % count} -> backend_id
  *   backend     ekp_be_v2 {backend_id}
+ *
+ * Shared by the packet path (ekp_decide.h) and the socket path (ekp_sock.h): one choice of backend.
  *
  * Backend ids are shared between services, so "the id still exists" says nothing about whether
  * the backend still serves *this* service port: membership does (Cilium's LB_AFFINITY_MATCH_MAP).
@@ -57,17 +60,35 @@ static __always_inline int ekp_is_member(const struct ekp_frontend *fe, __u32 ba
 	return m->flags & ((fe->flags & EKP_FE_LOCAL) ? EKP_MEMBER_LOCAL : EKP_MEMBER_CLUSTER);
 }
 
-/* Fills f->backend_*; sets *aff_hit when the client's remembered backend was used.
- * Returns 0 or a drop reason. */
-static __always_inline int ekp_pick_backend(const struct ekp_frontend *fe, const struct ekp_pkt *p, __u64 now,
-					    struct ekp_flow *f, __u32 *aff_hit)
+/* Why `client` gets no backend from frontend `fe`, before one is chosen: 0 (it may have one), or
+ * SOURCE_RANGE (outside loadBalancerSourceRanges), NO_ENDPOINTS (the service has none: kube-proxy
+ * rejects), NO_LOCAL (a Local traffic policy and none on this node: kube-proxy drops). The packet
+ * path answers NO_ENDPOINTS with an ICMP port unreachable, the socket path with ECONNREFUSED. */
+static __always_inline int ekp_lb_refusal(const struct ekp_frontend *fe, __be32 client)
+{
+	if ((fe->flags & EKP_FE_SOURCE_RANGES) && !ekp_source_allowed(fe->rev_nat_id, client))
+		return EKP_DROP_SOURCE_RANGE;
+	if (fe->count)
+		return 0;
+	/* Neither flag is never written by the agent: dropped as "no endpoints", unanswered. */
+	if (!(fe->flags & EKP_FE_NO_ENDPOINTS) && (fe->flags & EKP_FE_LOCAL))
+		return EKP_DROP_NO_LOCAL;
+	return EKP_DROP_NO_ENDPOINTS;
+}
+
+/* Fills f->backend_*; sets *aff_hit when the client's remembered backend was used. Maglev hashes
+ * the packet `p`'s tuple (the socket path has no packet: NULL, no Maglev, a socket's source port is
+ * not known at connect()); else `rnd` picks the slot: random per packet path flow, per socket on
+ * the socket path. Returns 0 or a drop reason. */
+static __always_inline int ekp_pick_backend(const struct ekp_frontend *fe, __be32 client, __u32 rnd,
+					    const struct ekp_pkt *p, __u64 now, struct ekp_flow *f, __u32 *aff_hit)
 {
 	struct ekp_affinity_key ak = {};
 	struct ekp_backend_key bk = {};
 	struct ekp_backend *be = NULL;
 	int affinity = (fe->flags & EKP_FE_AFFINITY) && fe->affinity_timeout;
 
-	ak.client = p->saddr;
+	ak.client = client;
 	ak.svc_id = fe->svc_id;
 	if (affinity) {
 		struct ekp_affinity *a = ekp_aff_lookup(&ak);
@@ -83,7 +104,7 @@ static __always_inline int ekp_pick_backend(const struct ekp_frontend *fe, const
 			}
 		}
 	}
-	if (!be && (fe->flags & EKP_FE_MAGLEV)) {
+	if (!be && p && (fe->flags & EKP_FE_MAGLEV)) {
 		/* The same tuple names the same position on every node, and again after its conntrack
 		 * entries are gone. A table not written yet, or naming a backend that is no longer in
 		 * this frontend's set (the table is rewritten after the set changed): the slots decide. */
@@ -105,7 +126,7 @@ static __always_inline int ekp_pick_backend(const struct ekp_frontend *fe, const
 	if (!be) {
 		struct ekp_slot_key sk = {};
 		sk.set_id = fe->set_id;
-		sk.slot = bpf_get_prandom_u32() % fe->count + 1;
+		sk.slot = rnd % fe->count + 1;
 		struct ekp_slot *s = ekp_slot_lookup(&sk);
 		if (!s)
 			return EKP_DROP_NO_BACKEND;

@@ -26,7 +26,7 @@
 	!defined(EKP_ADDR_MAX) || !defined(EKP_CTQ_TCP_MAX) || !defined(EKP_CTQ_ANY_MAX) ||                     \
 	!defined(EKP_CTQH_MAX) || !defined(EKP_FRAGHOLD_MAX) || !defined(EKP_FRAGLAST_MAX) ||                  \
 	!defined(EKP_MAGLEV_MAX) || !defined(EKP_XSTATS_MAX) || !defined(EKP_ACT_MAX) ||                       \
-	!defined(EKP_HOSTNAT_MAX)
+	!defined(EKP_SKNAT_MAX) || !defined(EKP_SKCFG_MAX) || !defined(EKP_HOSTNAT_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -41,6 +41,7 @@ _Static_assert(EKP_ACT_MAX == EKP_ACT_SLOTS, "ekp_act has EKP_ACT_SLOTS slots (t
 _Static_assert(EKP_CFG_MAX == 2, "ekp_cfg_v2 holds exactly two struct ekp_config (double buffer)");
 _Static_assert(EKP_CFGSEL_MAX == 1, "ekp_cfgsel_v2 holds exactly one selector");
 _Static_assert(EKP_ICMPRL_MAX == 1, "ekp_icmprl_v2 holds one bucket per CPU");
+_Static_assert(EKP_SKCFG_MAX == 1, "ekp_skcfg_v2 holds one struct ekp_sock_config");
 
 /* Service tables, written by the agent only. */
 BPF_TABLE("hash", struct ekp_frontend_key, struct ekp_frontend, ekp_fe_v2, EKP_FE_MAX);
@@ -84,6 +85,12 @@ BPF_TABLE("lru_hash", struct ekp_hostnat_key, struct ekp_hostnat, ekp_hostnat_v2
 /* Flow activity: when a live flow last stamped each endpoint slot (bpf/ekp_act.h); read by every
  * packet before any conntrack lookup, an array the JIT reads in place. */
 BPF_TABLE("array", u32, struct ekp_act, ekp_act_v2, EKP_ACT_MAX);
+
+/* Socket-level load balancing: its settings (written by the agent) and what each socket was sent to
+ * (written by the socket programs; LRU: a full table forgets the least recently used sockets, whose
+ * recvmsg() and getpeername() then show the backend). */
+BPF_TABLE("array", u32, struct ekp_sock_config, ekp_skcfg_v2, EKP_SKCFG_MAX);
+BPF_TABLE("lru_hash", struct ekp_sock_key, struct ekp_sock_nat, ekp_sknat_v2, EKP_SKNAT_MAX);
 
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
 BPF_TABLE("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX);
@@ -129,5 +136,9 @@ static __always_inline struct ekp_ratelimit *ekp_icmprl_lookup(u32 *k);
 static __always_inline u64 *ekp_stats_lookup(u32 *k);
 static __always_inline u64 *ekp_xstats_lookup(u32 *k);
 static __always_inline struct ekp_maglev *ekp_maglev_lookup(struct ekp_maglev_key *k);
+static __always_inline struct ekp_sock_config *ekp_skcfg_lookup(u32 *k);
+static __always_inline struct ekp_sock_nat *ekp_sknat_lookup(struct ekp_sock_key *k);
+static __always_inline int ekp_sknat_update(struct ekp_sock_key *k, struct ekp_sock_nat *v);
+static __always_inline int ekp_sknat_delete(struct ekp_sock_key *k);
 
 #endif /* EKP_MAPS_H */

@@ -10,7 +10,10 @@
  * service packet it left to the tc program, which counts it again), and never CT_RELATED nor
  * FRAG_HELD (it passes ICMP errors and fragments on).
  * SNAT, AFFINITY_HIT, EARLY_DROP, CT_REBUILT, PORT_REMAP, FRAGMENTS, FRAG_RELEASED, CT_RESUMED and
- * the EVICT_* counters are extra marks, outside that sum.
+ * the EVICT_* counters are extra marks, outside that sum. The socket programs count their calls alike
+ * (ekp_sock.h): SOCK_CALLS and one of SOCK_PASS, SOCK_TRANSLATED or a drop reason, so with both
+ *   PACKETS + SOCK_CALLS == PASS + NEW_FLOWS + CT_FORWARD + CT_REPLY + CT_RELATED + FRAG_HELD
+ *                           + SOCK_PASS + SOCK_TRANSLATED + sum(drops).
  */
 #ifndef EKP_STATS_H
 #define EKP_STATS_H

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * ekp_tc.c: the tc programs (clsact, direct-action cls_bpf) of ebpf-kube-proxy.
+ * ekp_tc.c: the programs of ebpf-kube-proxy, bcc's main file (the name is the tc programs', the first
+ * ones; every program shares the maps declared once in ekp_maps.h and one build):
  *
  *   ekp_from_pod  ingress of the node side of every pod veth        (scope EKP_SCOPE_INTERNAL)
  *   ekp_from_net  ingress of the node's external devices (--devices) (scope EKP_SCOPE_EXTERNAL)
@@ -9,6 +10,11 @@
  *                 for flows handed to its stack (a backend on the node's own address) get their
  *                 frontend back (ekp_core.h)
  *   ekp_xdp_net   XDP of the same external devices (--bpf-xdp), ahead of ekp_from_net
+ *   ekp_sock_conn, ekp_sock_send, ekp_sock_recv, ekp_sock_peer
+ *                 cgroup connect4, sendmsg4, recvmsg4, getpeername4 of the node's sockets
+ *                 (--bpf-socket-lb-cgroup; ekp_sock.h), and with a 6 their IPv6 hooks, for IPv4
+ *                 addresses on IPv6 sockets
+ *   ekp_sock_term iter/udp: ends connected UDP sockets whose backend left (ekp_sock.h)
  *
  * Built by agent/ebpf/compile.py with bcc: BPF(src_file=ekp_tc.c, cflags=[-DEKP_<ROLE>_MAX=...,
  * -I<bpf dir>]), loaded against the pinned maps by agent/ebpf/link.py. The logic lives in the headers (ekp_core.h first); this
@@ -193,6 +199,26 @@ static __always_inline struct ekp_maglev *ekp_maglev_lookup(struct ekp_maglev_ke
 	return ekp_maglev_v2.lookup(k);
 }
 
+static __always_inline struct ekp_sock_config *ekp_skcfg_lookup(u32 *k)
+{
+	return ekp_skcfg_v2.lookup(k);
+}
+
+static __always_inline struct ekp_sock_nat *ekp_sknat_lookup(struct ekp_sock_key *k)
+{
+	return ekp_sknat_v2.lookup(k);
+}
+
+static __always_inline int ekp_sknat_update(struct ekp_sock_key *k, struct ekp_sock_nat *v)
+{
+	return ekp_sknat_v2.update(k, v);
+}
+
+static __always_inline int ekp_sknat_delete(struct ekp_sock_key *k)
+{
+	return ekp_sknat_v2.delete(k);
+}
+
 static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 {
 	u32 zero = 0;
@@ -224,4 +250,51 @@ int ekp_egress(struct __sk_buff *skb)
 int ekp_xdp_net(struct xdp_md *ctx)
 {
 	return ekp_xdp_main(ctx);
+}
+
+#include "ekp_sock.h"
+
+int ekp_sock_conn(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_forward(ctx, 0);
+}
+
+int ekp_sock_send(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_forward(ctx, 0);
+}
+
+int ekp_sock_recv(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_reverse(ctx, 0);
+}
+
+int ekp_sock_peer(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_reverse(ctx, 0);
+}
+
+int ekp_sock_conn6(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_forward(ctx, 1);
+}
+
+int ekp_sock_send6(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_forward(ctx, 1);
+}
+
+int ekp_sock_recv6(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_reverse(ctx, 1);
+}
+
+int ekp_sock_peer6(struct bpf_sock_addr *ctx)
+{
+	return ekp_sock_reverse(ctx, 1);
+}
+
+int ekp_sock_term(struct ekp_iter_udp *ctx)
+{
+	return ekp_sock_iter_udp(ctx);
 }

@@ -8,7 +8,8 @@ namespaces. Every mode prints one JSON object on stdout.
                                      --ready-file R is created once the first request is answered
   udp    --addr A --port P --count N  N request/response pairs, reply counts (--size: datagram bytes;
                                      --sport S: every request from source port S, one flow, as
-                                     upstream's `nc -u -p 12345` loops in conntrack.go)
+                                     upstream's `nc -u -p 12345` loops in conntrack.go; --sources:
+                                     also the address each reply came from, as recvfrom() says)
   blob   --url U                      download, {"bytes": n, "sha256": "..."}
   upload --url U --bytes N            POST N bytes to /sink, {"sent": n, "received": n, "seconds": s}
   hold   --addr A --port P --stop-file F   one TCP connection to a line echo server, a line every
@@ -28,6 +29,14 @@ namespaces. Every mode prints one JSON object on stdout.
   frags  --addr A --port P --count N --size S   N UDP datagrams of S bytes to the UDP echo, each
                                       sent as IPv4 fragments in reverse order (last first) through a
                                       raw socket; reply counts as `udp`
+  peer   --addr A --port P            one TCP connection: the peer getpeername() reports and the
+                                      podserver's answer to GET /, or the errno name it failed with
+  resolver --addr A --port P --stop-file F   a long-lived client on one connected UDP socket, as a
+                                      resolver holds one: a query every --interval s (a DNS TXT query
+                                      for whoami.lab with --dns, else a podserver echo); a failed or
+                                      unanswered query opens a new socket and asks again (a resolver's
+                                      retry). {"answers": {...}, "failures": {...}, "sockets": n,
+                                      "longest_gap": s} (gap: between two answers)
 """
 
 from __future__ import annotations
@@ -93,6 +102,7 @@ def cmd_loop(a: argparse.Namespace) -> dict[str, object]:
 
 def cmd_udp(a: argparse.Namespace) -> dict[str, object]:
     replies: Counter[str] = Counter()
+    sources: Counter[str] = Counter()  # the address each reply came from, as recvfrom() says
     lost = 0
     for i in range(a.count):
         # A new socket (new source port) per request: a new flow for the proxy each time.
@@ -106,14 +116,130 @@ def cmd_udp(a: argparse.Namespace) -> dict[str, object]:
                 payload = (payload + "-" + "0123456789" * (a.size // 10 + 1))[: a.size]
             s.sendto(payload.encode(), (a.addr, a.port))
             try:
-                data, _ = s.recvfrom(65535)
+                data, src = s.recvfrom(65535)
             except OSError:
                 lost += 1
                 continue
+            sources[f"{src[0]}:{src[1]}"] += 1
             text = data.decode()
             name, _, echoed = text.partition(" ")
             replies[name if echoed == payload else f"bad:{text}"] += 1
-    return {"replies": dict(replies), "lost": lost}
+    out: dict[str, object] = {"replies": dict(replies), "lost": lost}
+    if a.sources:
+        out["sources"] = dict(sources)
+    return out
+
+
+def errno_name(exc: OSError) -> str:
+    import errno
+
+    return errno.errorcode.get(exc.errno or 0, type(exc).__name__) if exc.errno else type(exc).__name__
+
+
+def cmd_peer(a: argparse.Namespace) -> dict[str, object]:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(a.timeout)
+        try:
+            s.connect((a.addr, a.port))
+            peer = s.getpeername()
+            s.sendall(f"GET / HTTP/1.0\r\nHost: {a.addr}\r\n\r\n".encode())
+            chunks = []
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        except OSError as exc:
+            return {"error": errno_name(exc)}
+    body = b"".join(chunks).partition(b"\r\n\r\n")[2].decode(errors="replace").strip()
+    return {"peer": f"{peer[0]}:{peer[1]}", "body": body}
+
+
+DNS_A, DNS_TXT = 1, 16
+
+
+def dns_query(qid: int, name: str, qtype: int = DNS_TXT) -> bytes:
+    """A DNS query for `name` (TXT unless `qtype` says otherwise), recursion desired."""
+    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".") if p)
+    return struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + labels + b"\x00" + struct.pack("!HH", qtype, 1)
+
+
+def dns_txt(reply: bytes, qid: int) -> str:
+    """The first TXT string of the answer to query `qid` ("" when it is not one)."""
+    try:
+        return _dns_txt(reply, qid)
+    except IndexError:
+        return ""  # truncated
+
+
+def _dns_txt(reply: bytes, qid: int) -> str:
+    if len(reply) < 12 or int.from_bytes(reply[:2], "big") != qid or not int.from_bytes(reply[6:8], "big"):
+        return ""
+    off = 12
+    while reply[off]:  # the question's name
+        off += reply[off] + 1
+    off += 5  # its end, type and class
+    if reply[off] & 0xC0 == 0xC0:  # the answer's name: a pointer, or labels
+        off += 2
+    else:
+        while reply[off]:
+            off += reply[off] + 1
+        off += 1
+    rtype = int.from_bytes(reply[off : off + 2], "big")
+    off += 10  # type, class, ttl, rdlength
+    if rtype != 16:
+        return ""
+    return reply[off + 1 : off + 1 + reply[off]].decode(errors="replace")
+
+
+def cmd_resolver(a: argparse.Namespace) -> dict[str, object]:
+    answers: Counter[str] = Counter()
+    failures: Counter[str] = Counter()
+    sockets = 0
+    start = last = time.monotonic()
+    longest = 0.0
+    s: socket.socket | None = None
+    qid = 0
+    ready = False
+    while not os.path.exists(a.stop_file) and time.monotonic() - start < a.max_s:
+        qid = (qid + 1) & 0xFFFF
+        try:
+            if s is None:  # a resolver connects its socket once and keeps it
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                s.settimeout(a.timeout)
+                sockets += 1
+                s.connect((a.addr, a.port))
+            if a.dns:
+                s.send(dns_query(qid, "whoami.lab"))
+                answer = dns_txt(s.recv(4096), qid)
+            else:
+                s.send(f"q{qid}".encode())
+                name, _, echoed = s.recv(4096).decode(errors="replace").partition(" ")
+                answer = name if echoed == f"q{qid}" else ""
+            if not answer:
+                raise OSError(0, "a reply that is not the answer")
+            answers[answer] += 1
+            now = time.monotonic()
+            longest = max(longest, now - last)
+            last = now
+            if not ready and a.ready_file:
+                open(a.ready_file, "w").close()
+                ready = True
+        except OSError as exc:
+            failures["timeout" if isinstance(exc, TimeoutError) else errno_name(exc)] += 1
+            if s is not None:
+                s.close()
+            s = None  # a resolver retries on a new socket
+            if not isinstance(exc, TimeoutError):
+                time.sleep(a.interval)  # a failure at once: not a busy loop
+            continue
+        time.sleep(a.interval)
+    if s is not None:
+        s.close()
+    longest = max(longest, time.monotonic() - last) if answers else longest
+    return {
+        "answers": dict(answers),
+        "failures": dict(failures),
+        "sockets": sockets,
+        "longest_gap": round(longest, 3),
+    }
 
 
 def cmd_upload(a: argparse.Namespace) -> dict[str, object]:
@@ -199,12 +325,6 @@ def cmd_udpflow(a: argparse.Namespace) -> dict[str, object]:
     return {"sent": sent, "lost": lost, "backends": backends}
 
 
-def dns_query(qid: int, name: str) -> bytes:
-    """A DNS query for `name` A, recursion desired."""
-    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".") if p)
-    return struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + labels + b"\x00" + struct.pack("!HH", 1, 1)
-
-
 def cmd_dnsloop(a: argparse.Namespace) -> dict[str, object]:
     """A resolver's lookups: each from a new socket, tried again once after the timeout (glibc's
     `attempts:2`); a lookup fails when both tries go unanswered."""
@@ -218,7 +338,7 @@ def cmd_dnsloop(a: argparse.Namespace) -> dict[str, object]:
             qid = (lookups * 2 + attempt) & 0xFFFF
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 s.settimeout(a.timeout)
-                s.sendto(dns_query(qid, a.name), (a.addr, a.port))
+                s.sendto(dns_query(qid, a.name, DNS_A), (a.addr, a.port))
                 try:
                     data, _ = s.recvfrom(65535)
                     answered = len(data) >= 12 and struct.unpack("!H", data[:2])[0] == qid
@@ -337,6 +457,7 @@ def main() -> int:
     u.add_argument("--timeout", type=float, default=2.0)
     u.add_argument("--size", type=int, default=0)
     u.add_argument("--sport", type=int, default=0)
+    u.add_argument("--sources", action="store_true", help="also count the address each reply came from")
     b = sub.add_parser("blob")
     b.add_argument("--url", required=True)
     b.add_argument("--timeout", type=float, default=60.0)
@@ -386,6 +507,19 @@ def main() -> int:
     f.add_argument("--count", type=int, default=1)
     f.add_argument("--size", type=int, default=3000)
     f.add_argument("--timeout", type=float, default=2.0)
+    pe = sub.add_parser("peer")
+    pe.add_argument("--addr", required=True)
+    pe.add_argument("--port", type=int, required=True)
+    pe.add_argument("--timeout", type=float, default=3.0)
+    r = sub.add_parser("resolver")
+    r.add_argument("--addr", required=True)
+    r.add_argument("--port", type=int, required=True)
+    r.add_argument("--stop-file", required=True)
+    r.add_argument("--ready-file", default="", help="created after the first answer")
+    r.add_argument("--dns", action="store_true", help="DNS TXT queries for whoami.lab (dnsmasq)")
+    r.add_argument("--interval", type=float, default=0.05)
+    r.add_argument("--timeout", type=float, default=1.0, help="a query unanswered this long is retried")
+    r.add_argument("--max-s", type=float, default=120.0)
     a = p.parse_args()
     commands = {
         "http": cmd_http,
@@ -399,6 +533,8 @@ def main() -> int:
         "udpflow": cmd_udpflow,
         "dnsloop": cmd_dnsloop,
         "frags": cmd_frags,
+        "peer": cmd_peer,
+        "resolver": cmd_resolver,
     }
     result = commands[a.cmd](a)
     json.dump(result, sys.stdout)

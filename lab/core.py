@@ -96,6 +96,9 @@ class Node:
     pin_dir: str  # "/sys/fs/bpf/ebpf-kube-proxy-lab-<prefix>-node1": removed by Lab.down()
     cgroup: str | None  # cgroup of the node's own (host-network) processes started by the lab
     cgroup_root: str | None  # parent of `cgroup` and of the node's pods' cgroups
+    # cgroup of a host-network pod's processes (`hostNetwork: true`: the node's namespace, a pod's
+    # cgroup under the node's, as the kubelet places one): lab.run(node, ..., cgroup=this)
+    hostnet_cgroup: str | None
     iface: str = "eth0"
     pods: list[Pod] = field(default_factory=list)
 
@@ -233,6 +236,7 @@ class Lab:
             pin_dir=os.path.join(nx.BPFFS, f"{nx.PIN_PREFIX}{self.prefix}-{name}"),
             cgroup=self._cg(name, "host"),
             cgroup_root=self._cg(name),
+            hostnet_cgroup=self._cg(name, "hostnet-pod"),
         )
         self._add_role(name, node.ns, node.cgroup)
         return node
@@ -371,7 +375,12 @@ class Lab:
 
     def _build(self) -> None:
         self._make_cgroups(
-            [self.client.cgroup, *(n.cgroup for n in self.nodes), *(p.cgroup for p in self.pods)]
+            [
+                self.client.cgroup,
+                *(n.cgroup for n in self.nodes),
+                *(n.hostnet_cgroup for n in self.nodes),
+                *(p.cgroup for p in self.pods),
+            ]
         )
         host = [f"netns add {ns}" for ns in self.namespaces]
         for node in self.nodes:

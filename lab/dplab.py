@@ -18,15 +18,27 @@ from __future__ import annotations
 
 import ctypes as ct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from agent.config import MapSizes
 from agent.ebpf import abi, activity
-from agent.ebpf.abi import OUTCOMES, BackendFlag, CtDir, FrontendFlag, Scope, Stat, ct_role, ip_be, port_be
+from agent.ebpf.abi import (
+    CALLS,
+    OUTCOMES,
+    BackendFlag,
+    CtDir,
+    FrontendFlag,
+    Scope,
+    Stat,
+    ct_role,
+    ip_be,
+    port_be,
+)
 from agent.ebpf.loader import Datapath
-from agent.ebpf.maps import read_stats, write_config
+from agent.ebpf.maps import MapWriter, read_stats, write_config
 from lab.packets import Link, link, private_netns, prog_run, sh, xdp_run
 
 NODE, NODE2, CLIENT = "192.168.0.11", "192.168.0.12", "192.168.0.100"
@@ -47,7 +59,17 @@ MAC = {
 }
 SNAT_MIN, SNAT_MAX = 40000, 40999
 SIZES = MapSizes(
-    fe=256, slot=1024, be=256, rnat=256, member=1024, ct_tcp=4096, ct_any=4096, frag=256, aff=256, srcr=64
+    fe=256,
+    slot=1024,
+    be=256,
+    rnat=256,
+    member=1024,
+    ct_tcp=4096,
+    ct_any=4096,
+    frag=256,
+    aff=256,
+    srcr=64,
+    sknat=1024,
 )
 TCP, UDP = 6, 17
 # Every map the data path reads or writes that a test may have filled.
@@ -130,10 +152,11 @@ def reset_maps(dp: Datapath) -> None:
 
 
 def assert_balanced(dp: Datapath) -> None:
-    """Each hook's counters balance: PACKETS == sum of the outcomes (the tc programs', XDP's)."""
+    """Each hook's counters balance: PACKETS (and the socket programs' SOCK_CALLS) == sum of the
+    outcomes (the tc and socket programs', XDP's)."""
     for role in ("stats", "xstats"):
         stats = read_stats(dp.maps[role])
-        assert stats[Stat.PACKETS] == sum(stats[s] for s in OUTCOMES), (role, stats)
+        assert sum(stats[s] for s in CALLS) == sum(stats[s] for s in OUTCOMES), (role, stats)
 
 
 def set_config(dp: Datapath, **fields: int) -> abi.Config:
@@ -238,47 +261,62 @@ class Net:
         addr: str = VIP,
         port: int = 80,
         backends: tuple[tuple[int, str, int, int], ...] = ((1, BE1, 8080, BackendFlag.LOCAL),),
-        *,
-        proto: int = TCP,
-        scope: Scope = Scope.INTERNAL,
-        flags: int = 0,
-        set_id: int = 1,
-        svc_id: int = 1,
-        rev_nat_id: int = 1,
-        affinity_timeout: int = 0,
-        count: int | None = None,
-        slots: bool = True,
+        **kw: Any,
     ) -> None:
-        """Backends first, then their membership, slots 1..n, the reverse NAT entry, and the
-        frontend last. Members are in the set the frontend uses (LOCAL or CLUSTER). The frontend's
-        and backends' addresses go into ekp_addr, as the planner writes them."""
-        maps = self.dp.maps
-        member = abi.MemberFlag.LOCAL if flags & FrontendFlag.LOCAL else abi.MemberFlag.CLUSTER
-        for slot, (backend_id, be_addr, be_port, be_flags) in enumerate(backends, 1):
-            value = abi.Backend(ip_be(be_addr), port_be(be_port), proto, be_flags)
-            maps["be"].update(abi.BackendKey(backend_id), value)
-            maps["member"].update(abi.MemberKey(svc_id, backend_id), abi.Member(flags=member))
-            if slots:
-                maps["slot"].update(abi.SlotKey(set_id, slot), abi.Slot(backend_id))
-            self.add_address(be_addr, abi.AddrFlag.BACKEND)
-        self.add_address(addr, 1 << scope)
-        maps["rnat"].update(abi.RevNatKey(rev_nat_id), abi.RevNat(ip_be(addr), port_be(port)))
-        fe = abi.Frontend(
-            svc_id=svc_id,
-            set_id=set_id,
-            count=len(backends) if count is None else count,
-            flags=flags,
-            affinity_timeout=affinity_timeout,
-            rev_nat_id=rev_nat_id,
-        )
-        maps["fe"].update(abi.FrontendKey(ip_be(addr), port_be(port), proto, scope), fe)
+        """`add_service` on this data path's maps."""
+        add_service(self.dp.maps, addr, port, backends, **kw)
 
     def remove_member(self, svc_id: int, backend_id: int) -> None:
         self.dp.maps["member"].delete(abi.MemberKey(svc_id, backend_id))
 
     def add_address(self, addr: str, flags: int) -> None:
-        """`flags` (abi.AddrFlag) added to the ekp_addr entry of `addr`."""
-        key = abi.AddrKey(ip_be(addr))
-        old = self.dp.maps["addr"].lookup(key)
-        have = old.flags if isinstance(old, abi.Addr) else 0
-        self.dp.maps["addr"].update(key, abi.Addr(flags=have | flags))
+        """`add_address` on this data path's maps."""
+        add_address(self.dp.maps, addr, flags)
+
+
+def add_address(maps: Mapping[str, MapWriter], addr: str, flags: int) -> None:
+    """`flags` (abi.AddrFlag) added to the ekp_addr entry of `addr`."""
+    key = abi.AddrKey(ip_be(addr))
+    old = maps["addr"].lookup(key)
+    have = old.flags if isinstance(old, abi.Addr) else 0
+    maps["addr"].update(key, abi.Addr(flags=have | flags))
+
+
+def add_service(
+    maps: Mapping[str, MapWriter],
+    addr: str = VIP,
+    port: int = 80,
+    backends: tuple[tuple[int, str, int, int], ...] = ((1, BE1, 8080, BackendFlag.LOCAL),),
+    *,
+    proto: int = TCP,
+    scope: Scope = Scope.INTERNAL,
+    flags: int = 0,
+    set_id: int = 1,
+    svc_id: int = 1,
+    rev_nat_id: int = 1,
+    affinity_timeout: int = 0,
+    count: int | None = None,
+    slots: bool = True,
+) -> None:
+    """Backends first, then their membership, slots 1..n, the reverse NAT entry, and the
+    frontend last. Members are in the set the frontend uses (LOCAL or CLUSTER). The frontend's
+    and backends' addresses go into ekp_addr, as the planner writes them."""
+    member = abi.MemberFlag.LOCAL if flags & FrontendFlag.LOCAL else abi.MemberFlag.CLUSTER
+    for slot, (backend_id, be_addr, be_port, be_flags) in enumerate(backends, 1):
+        value = abi.Backend(ip_be(be_addr), port_be(be_port), proto, be_flags)
+        maps["be"].update(abi.BackendKey(backend_id), value)
+        maps["member"].update(abi.MemberKey(svc_id, backend_id), abi.Member(flags=member))
+        if slots:
+            maps["slot"].update(abi.SlotKey(set_id, slot), abi.Slot(backend_id))
+        add_address(maps, be_addr, abi.AddrFlag.BACKEND)
+    add_address(maps, addr, 1 << scope)
+    maps["rnat"].update(abi.RevNatKey(rev_nat_id), abi.RevNat(ip_be(addr), port_be(port)))
+    fe = abi.Frontend(
+        svc_id=svc_id,
+        set_id=set_id,
+        count=len(backends) if count is None else count,
+        flags=flags,
+        affinity_timeout=affinity_timeout,
+        rev_nat_id=rev_nat_id,
+    )
+    maps["fe"].update(abi.FrontendKey(ip_be(addr), port_be(port), proto, scope), fe)

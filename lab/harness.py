@@ -73,6 +73,13 @@ class Agent:
             f"--bpf-pin-path={self.pin_path}",
             f"--cluster-cidr={CLUSTER_CIDR}",
             "--iptables-min-sync-period=0",
+            # The socket programs serve the node's cgroup (the node, its host-network pod and its
+            # pods): never the machine's root, the flag's default on a real node.
+            *(
+                [f"--bpf-socket-lb-cgroup={self.node.cgroup_root}"]
+                if self.node.cgroup_root
+                else ["--bpf-socket-lb=false"]
+            ),
             *self.extra,
         ]
 

@@ -21,6 +21,7 @@ import ctypes
 import errno
 import functools
 import glob
+import json
 import os
 import re
 import secrets
@@ -342,7 +343,24 @@ def find_leaks(
             leaks.append(f"process {pid} ({_cmdline(pid)})")
     if host_links:
         leaks += [f"lab-like link {name} in the host namespace" for name in host_lab_links()]
+    leaks += [f"{name} on the machine's root cgroup ({hook})" for hook, name in root_cgroup_programs()]
     return leaks
+
+
+def root_cgroup_programs() -> list[tuple[str, str]]:
+    """(hook, program name) of the agent's programs (`ekp_*`) attached to the root of the machine's
+    cgroup v2 hierarchy: there they would translate every socket of the machine. Nothing of a lab
+    may ever be there (the lab attaches to each lab node's own cgroup)."""
+    root = cgroup2_root()
+    if root is None:
+        return []
+    argv = ["bpftool", "cgroup", "show", root, "-j"]
+    res = subprocess.run(argv, capture_output=True, text=True, check=False)
+    try:
+        items = json.loads(res.stdout.strip() or "[]")
+    except json.JSONDecodeError:
+        return [("?", f"unreadable bpftool output: {res.stdout[:200]!r} {res.stderr[:200]!r}")]
+    return [(i["attach_type"], i["name"]) for i in items if str(i.get("name", "")).startswith("ekp_")]
 
 
 def _cmdline(pid: int) -> str:

@@ -37,6 +37,17 @@ HELPERS = (
     "bpf_skb_pull_data",
     "bpf_skb_store_bytes",
 )
+# The socket programs' helpers (cgroup_sock_addr, bpf/ekp_sock.h and the decision they share with
+# tc); a kernel without one loads the data path without them (agent/ebpf/programs.py) and the
+# node's own clients reach no Service.
+SOCKET_PROGRAM_TYPE = "cgroup_sock_addr"
+SOCKET_HELPERS = (
+    "bpf_get_netns_cookie",
+    "bpf_get_prandom_u32",
+    "bpf_get_socket_cookie",
+    "bpf_ktime_get_ns",
+    "bpf_set_retval",
+)
 FILL_WARN = 0.8  # a table fuller than this: warn
 
 
@@ -61,6 +72,7 @@ class BpfFeatures:
     program_types: frozenset[str] = frozenset()
     map_kinds: frozenset[str] = frozenset()
     helpers: frozenset[str] = frozenset()  # of sched_cls programs
+    socket_helpers: frozenset[str] = frozenset()  # of cgroup_sock_addr programs
     error: str = ""
 
 
@@ -179,6 +191,17 @@ def _features(f: Facts) -> Line:
         )
     extra = [t for t in OPTIONAL_PROGRAM_TYPES if t not in feats.program_types]
     found = f"tc ({PROGRAM_TYPE}) with {len(HELPERS)} helpers, maps {', '.join(MAP_KINDS)}"
+    lacking = [h for h in SOCKET_HELPERS if h not in feats.socket_helpers]
+    if SOCKET_PROGRAM_TYPE in feats.program_types and lacking:
+        return Line(
+            Verdict.WARN,
+            "BPF features",
+            f"{found}; {SOCKET_PROGRAM_TYPE} programs lack {', '.join(lacking)}: the socket "
+            "programs are not loaded, and the node's own clients (host-network pods, node "
+            "processes) reach no Service",
+            "Linux 5.18+ (bpf_set_retval) for the socket programs, or --bpf-socket-lb=false if "
+            "nothing on the node's network dials a Service",
+        )
     if extra:
         return Line(
             Verdict.WARN,

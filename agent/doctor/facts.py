@@ -103,7 +103,8 @@ def _conntrack(netns: str) -> tuple[int, int] | None:
 
 
 def parse_bpftool_features(doc: Mapping[str, Any]) -> BpfFeatures:
-    """`bpftool -j feature probe kernel` -> the program types, map kinds and sched_cls helpers."""
+    """`bpftool -j feature probe kernel` -> the program types, map kinds, and the helpers of
+    sched_cls and cgroup_sock_addr programs."""
 
     def kinds(section: str, suffix: str) -> frozenset[str]:
         entries = doc.get(section) or {}
@@ -113,11 +114,15 @@ def parse_bpftool_features(doc: Mapping[str, Any]) -> BpfFeatures:
             if have is True and key.startswith("have_") and key.endswith(suffix)
         )
 
-    helpers = (doc.get("helpers") or {}).get("sched_cls_available_helpers") or []
+    def helpers(prog_type: str) -> frozenset[str]:
+        listed = (doc.get("helpers") or {}).get(f"{prog_type}_available_helpers") or []
+        return frozenset(str(h) for h in listed)
+
     return BpfFeatures(
         program_types=kinds("program_types", "_prog_type"),
         map_kinds=kinds("map_types", "_map_type"),
-        helpers=frozenset(str(h) for h in helpers),
+        helpers=helpers("sched_cls"),
+        socket_helpers=helpers("cgroup_sock_addr"),
     )
 
 

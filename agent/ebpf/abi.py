@@ -88,6 +88,10 @@ class ConfigFlag(IntEnum):
     HOST_LEGACY = 1 << 1  # --bpf-host-routing=legacy
 
 
+class SockFlag(IntEnum):
+    HOST_ONLY = 1 << 0
+
+
 class CtDir(IntEnum):
     FORWARD = 0
     REPLY = 1
@@ -159,15 +163,23 @@ class Stat(IntEnum):
     EVICT_CLOSED = 29
     TO_TC = 30  # outcome, XDP only: left to the tc program to carry out
     CT_RESUMED = 31  # mark: a TCP segment without conntrack resumed its flow on Maglev's backend
-    DROP_SPOOFED = 32
+    SOCK_CALLS = 32
+    SOCK_PASS = 33
+    SOCK_TRANSLATED = 34
+    SOCK_REVNAT = 35
+    SOCK_DESTROYED = 36
+    DROP_SPOOFED = 37
 
 
 STAT_DROP_FIRST = Stat.DROP_MALFORMED
-STAT_COUNT = 33
+STAT_COUNT = 38
 STAT_SLOTS = 64  # ekp_stats_v3's size: room for later counters without a new map
 # The drop reasons, by name (a reason added later goes at the end of the enum, after other kinds).
 DROPS: tuple[Stat, ...] = tuple(s for s in Stat if s.name.startswith("DROP_"))
-# Every packet counts PACKETS and exactly one of these (bpf/ekp_stats.h); the rest are marks.
+# Every packet counts PACKETS and every connect()/sendmsg() the socket programs see counts
+# SOCK_CALLS; each of them counts exactly one of OUTCOMES (bpf/ekp_stats.h, ekp_abi.h), so
+# PACKETS + SOCK_CALLS == sum(OUTCOMES). The rest are marks.
+CALLS: tuple[Stat, ...] = (Stat.PACKETS, Stat.SOCK_CALLS)
 OUTCOMES: tuple[Stat, ...] = (
     Stat.PASS,
     Stat.NEW_FLOWS,
@@ -176,6 +188,8 @@ OUTCOMES: tuple[Stat, ...] = (
     Stat.CT_RELATED,
     Stat.FRAG_HELD,
     Stat.TO_TC,
+    Stat.SOCK_PASS,
+    Stat.SOCK_TRANSLATED,
     *DROPS,
 )
 # Flows the early-drop queues deleted, by the state they were in (bpf/ekp_ctq.h).
@@ -411,6 +425,18 @@ class RateLimit(_Struct):
     _fields_ = [("last_ns", u64), ("tokens_ns", u64)]
 
 
+class SockKey(_Struct):
+    _fields_ = [("cookie", u64), ("addr", u32), ("port", u16), ("proto", u8), ("pad", u8)]
+
+
+class SockNat(_Struct):
+    _fields_ = [("fe_addr", u32), ("fe_port", u16), ("pad", u16), ("svc_id", u32), ("backend_id", u32)]
+
+
+class SockConfig(_Struct):
+    _fields_ = [("host_netns", u64), ("flags", u32), ("pad", u32)]
+
+
 # Every struct of the header, by its C name; the ABI test walks this.
 STRUCTS: dict[str, type[_Struct]] = {
     "ekp_frontend_key": FrontendKey,
@@ -444,6 +470,9 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_config_sel": ConfigSel,
     "ekp_config": Config,
     "ekp_ratelimit": RateLimit,
+    "ekp_sock_key": SockKey,
+    "ekp_sock_nat": SockNat,
+    "ekp_sock_config": SockConfig,
 }
 
 
@@ -527,6 +556,8 @@ MAPS: dict[str, MapSpec] = {
             _DP,
             version=3,
         ),
+        MapSpec("skcfg", "array", ctypes.c_uint32, SockConfig, 1, "EKP_SKCFG_MAX"),
+        MapSpec("sknat", "lru_hash", SockKey, SockNat, 65536, "EKP_SKNAT_MAX", _DP),
     )
 }
 

@@ -2,7 +2,8 @@
 
 The long-running agent never compiles (a short-lived child does, `agent.ebpf.compile`), so it must
 not need libbcc either: loading libbcc maps LLVM into the process, tens of MiB of resident memory
-for nothing. It does load what the child compiled (agent.ebpf.link: BTF, maps, programs).
+for nothing. It does load what the child compiled (agent.ebpf.link: BTF, maps, programs) and attaches the
+socket programs through bpf_links (agent.ebpf.sockattach, sockterm).
 These few commands are all the agent uses, each a thin wrapper over one `bpf()` call
 with its `union bpf_attr` member packed by hand (layouts from include/uapi/linux/bpf.h; the kernel
 accepts an attr shorter than its own union as long as unknown tail bytes are zero).
@@ -33,10 +34,15 @@ OBJ_GET = 7
 PROG_GET_FD_BY_ID = 13
 OBJ_GET_INFO_BY_FD = 15
 BTF_LOAD = 18
+PROG_QUERY = 16
 BTF_GET_FD_BY_ID = 19
 MAP_LOOKUP_BATCH = 24
 MAP_UPDATE_BATCH = 26
 MAP_DELETE_BATCH = 27
+LINK_CREATE = 28
+LINK_UPDATE = 29
+ITER_CREATE = 33
+LINK_DETACH = 34
 
 _SYSCALL_NR = {"x86_64": 321, "aarch64": 280}
 
@@ -55,10 +61,21 @@ _INFO = struct.Struct("=IIQ")
 #          char map_name[16]; __u32 map_ifindex, btf_fd, btf_key_type_id, btf_value_type_id,
 #          btf_vmlinux_value_type_id; __u64 map_extra; }
 _MAP_CREATE = struct.Struct("=IIIIIII16sIIIIIQ")
-# struct { __u32 prog_type, insn_cnt; __aligned_u64 insns, license; __u32 log_level, log_size;
-#          __aligned_u64 log_buf; __u32 kern_version, prog_flags; char prog_name[16];
-#          __u32 prog_ifindex, expected_attach_type; }   (no BTF: func_info_cnt 0 ignores prog_btf_fd)
-_PROG_LOAD = struct.Struct("=IIQQIIQII16sII")
+# The head of the BPF_PROG_LOAD member, up to attach_btf_id / attach_prog_fd:
+# prog_type, insn_cnt, insns, license, log_level, log_size, log_buf, kern_version, prog_flags,
+# prog_name[16], prog_ifindex, expected_attach_type, prog_btf_fd, func_info_rec_size, func_info,
+# func_info_cnt, line_info_rec_size, line_info, line_info_cnt, attach_btf_id, attach_prog_fd
+# (no BTF of the program's own: func_info_cnt 0 ignores prog_btf_fd)
+_PROG_LOAD = struct.Struct("=IIQQIIQII16sIIIIQIIQIII")
+# link_create: prog_fd, target_fd, attach_type, flags, then (iterators) iter_info, iter_info_len
+_LINK_CREATE = struct.Struct("=IIIIQI")
+# link_update: link_fd, new_prog_fd, flags, old_prog_fd
+_LINK_UPDATE = struct.Struct("=IIII")
+# iter_create: link_fd, flags; link_detach: link_fd
+_ITER_CREATE = struct.Struct("=II")
+_LINK_DETACH = struct.Struct("=I")
+# prog_query: target_fd, attach_type, query_flags, attach_flags, prog_ids, prog_cnt
+_PROG_QUERY = struct.Struct("=IIIIQI")
 # struct { __aligned_u64 btf, btf_log_buf; __u32 btf_size, btf_log_size, btf_log_level; }
 _BTF_LOAD = struct.Struct("=QQIII")
 # struct { __u32 btf_id, next_id, open_flags; }
@@ -181,9 +198,19 @@ def map_create(
 
 
 def prog_load(
-    prog_type: int, insns: bytes, license: str, name: str, kern_version: int = 0, log: Any = None
+    prog_type: int,
+    insns: bytes,
+    license: str,
+    name: str,
+    kern_version: int = 0,
+    log: Any = None,
+    *,
+    expected_attach_type: int = 0,
+    attach_btf_id: int = 0,
 ) -> int:
-    """Load a program; its fd. `log` (a ctypes char buffer) receives the verifier's log when given."""
+    """Load a program; its fd. `log` (a ctypes char buffer) receives the verifier's log when given.
+    `expected_attach_type`: the hook a cgroup or tracing program is for (the kernel wants it at
+    load); `attach_btf_id`: an iterator's target, the BTF id of its bpf_iter_<target> function."""
     code = ctypes.create_string_buffer(insns, len(insns))
     lic = ctypes.create_string_buffer(license.encode())
     attr = _attr(
@@ -199,9 +226,46 @@ def prog_load(
         0,
         name.encode()[:15],
         0,
+        expected_attach_type,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        attach_btf_id,
         0,
     )
     return _call(PROG_LOAD, attr)
+
+
+def link_create(prog_fd: int, target_fd: int, attach_type: int) -> int:
+    """A bpf_link of `prog_fd` on `target_fd` (a cgroup directory; 0 for an iterator); fd or -errno."""
+    return _call(LINK_CREATE, _attr(_LINK_CREATE, prog_fd, target_fd, attach_type, 0, 0, 0))
+
+
+def link_update(link_fd: int, new_prog_fd: int) -> int:
+    """Swap the program of a link in place (atomically: no moment without one)."""
+    return _call(LINK_UPDATE, _attr(_LINK_UPDATE, link_fd, new_prog_fd, 0, 0))
+
+
+def link_detach(link_fd: int) -> int:
+    """Detach a link from its hook (the link object lives on, empty, while fds or pins hold it)."""
+    return _call(LINK_DETACH, _attr(_LINK_DETACH, link_fd))
+
+
+def iter_create(link_fd: int) -> int:
+    """An iterator over the iterator link's target, in the caller's network namespace: an fd whose
+    read() runs the program over every object."""
+    return _call(ITER_CREATE, _attr(_ITER_CREATE, link_fd, 0))
+
+
+def prog_query(target_fd: int, attach_type: int, ids: Any) -> tuple[int, int]:
+    """Ids of the programs attached to a cgroup hook, into `ids` (a ctypes u32 array): (ret, count)."""
+    attr = _attr(_PROG_QUERY, target_fd, attach_type, 0, 0, _addr(ids), len(ids))
+    ret = _call(PROG_QUERY, attr)
+    return ret, _PROG_QUERY.unpack(attr.raw)[5]
 
 
 def btf_load(data: bytes) -> int:

@@ -16,6 +16,8 @@ What the entries say is the data path's contract (bpf/ekp_abi.h, bpf/README.md):
   remote backends only, with --bpf-keep-client-ip-for-local-backends); INTERNAL scope (pods): the
   cluster set, with the EXTERNAL scope's SNAT under ETP Cluster (kube-proxy sends pods' traffic to
   these addresses through the same masquerading KUBE-EXT-* chain), untranslated under ETP Local.
+  With localhost NodePorts (Config.localhost_nodeports), each NodePort also on 127.0.0.1, INTERNAL
+  scope only: the node's own processes reach it through the socket programs.
   masquerade-all (both scopes) and cluster-cidr (EXTERNAL scope) add SNAT_ALL to the ClusterIP.
   An empty set: NO_ENDPOINTS (reject) when nothing could serve or the cluster view is empty; an
   empty local set while others could serve keeps LOCAL alone (drop). loadBalancerSourceRanges:
@@ -37,6 +39,8 @@ from agent.ebpf.entries import BE_PORT, U16, U32, fe_count, fe_flags, fe_key, fe
 from agent.ebpf.maglev import wanted_tables
 from agent.localdetect import LocalDetector
 from agent.model.types import ServicePort
+
+LOCALHOST = "127.0.0.1"  # localhost NodePorts (Config.localhost_nodeports)
 
 SetKind = Literal["cluster", "local"]
 KINDS: tuple[SetKind, ...] = ("cluster", "local")
@@ -144,6 +148,16 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config, detector: Loca
             Fe(fe_key(addr, p, proto, int(Scope.EXTERNAL)), ext_kind, int(ext_flags) | maglev, affinity, rnat)
         )
         out.append(Fe(fe_key(addr, p, proto, int(Scope.INTERNAL)), pod_kind, int(pod_flags), affinity, rnat))
+    if sp.node_port and config.localhost_nodeports:
+        # localhost:<nodePort> for the node's own processes (the socket programs; a pod's localhost
+        # is its own): INTERNAL scope only, so nothing arriving from outside is ever translated for
+        # 127.0.0.1 (CVE-2020-8558). kube-proxy sends it through KUBE-EXT-*: the cluster set.
+        flags = base | FrontendFlag.NODEPORT
+        if not sp.external_policy_local:
+            flags |= snat_keep_local if config.bpf_keep_client_ip_local else snat_all
+        addr, p = ip_be(LOCALHOST), port_be(sp.node_port)
+        rnat = ident(addr, p, proto)
+        out.append(Fe(fe_key(addr, p, proto, int(Scope.INTERNAL)), "cluster", int(flags), affinity, rnat))
     return out
 
 

@@ -8,8 +8,9 @@ pin directory (libbpf's pinned-map reuse works the same way):
   max_entries, flags: `LinkError` naming both otherwise, never a silent reuse of another shape);
   when missing it is created, with the object's BTF, and pinned there;
 * any other map of the object (the programs' scratch memory) is created for this load alone;
-* each program gets those maps' fds written into its instructions, is loaded, and is pinned at the
-  path `prog_path(name)` gives (replacing an older pin of the same name).
+* each program gets those maps' fds written into its instructions, is loaded as its ProgSpec says
+  (agent/ebpf/programs.py: the hook of a socket program, an iterator's target, kfunc calls patched
+  in), and is pinned at the path `prog_path(name)` gives (replacing an older pin of the same name).
 
 The map fds are closed at the end: the programs and the pins hold the maps. The caller owns the
 returned program fds.
@@ -25,7 +26,10 @@ from collections.abc import Callable, Collection
 
 from agent.ebpf import bpfsys
 from agent.ebpf.bpfobject import BpfObject, MapDef, relocate
+from agent.ebpf.btf import BtfError, vmlinux_func_ids
+from agent.ebpf.kfunc import patch_kfunc_calls
 from agent.ebpf.maps import map_info
+from agent.ebpf.programs import PROGRAMS, ProgSpec
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +85,37 @@ def _open_or_create(m: MapDef, path: str, btf_fd: int) -> int:
     return fd
 
 
+def load_insns(spec: ProgSpec, name: str, insns: bytes) -> tuple[bytes, dict[str, int]]:
+    """The instructions and load attributes of a program as its spec says: kfunc calls patched in
+    (agent/ebpf/kfunc.py: bcc 0.26 cannot emit one), the hook it is loaded for, an iterator's
+    target. LinkError when the running kernel lacks a function it calls or a marker has no call."""
+    wanted = [fn for _, fn in spec.kfuncs] + ([f"bpf_iter_{spec.iter_target}"] if spec.iter_target else [])
+    try:
+        ids = vmlinux_func_ids(wanted) if wanted else {}
+    except BtfError as e:
+        raise LinkError(f"loading program {name}: {e}") from e
+    if spec.kfuncs:
+        insns, patched = patch_kfunc_calls(insns, {mark: ids[fn] for mark, fn in spec.kfuncs})
+        unused = [fn for mark, fn in spec.kfuncs if not patched[mark]]
+        if unused:
+            raise LinkError(f"{name}: no call of {', '.join(unused)} to patch")
+    attrs = {
+        "expected_attach_type": max(spec.attach_type, 0),
+        "attach_btf_id": ids[f"bpf_iter_{spec.iter_target}"] if spec.iter_target else 0,
+    }
+    return insns, attrs
+
+
 def _load(obj: BpfObject, name: str, fds: list[int]) -> int:
     prog = obj.program(name)
-    insns = relocate(prog, fds)
-    fd = bpfsys.prog_load(prog.type, insns, obj.license, name, obj.kern_version)
+    spec = PROGRAMS.get(name, ProgSpec(prog.type))
+    insns, attrs = load_insns(spec, name, relocate(prog, fds))
+    fd = bpfsys.prog_load(prog.type, insns, obj.license, name, obj.kern_version, **attrs)
     if fd >= 0:
         return fd
     # Again with the verifier's log, for the message (as libbpf does).
     buf = ctypes.create_string_buffer(VERIFIER_LOG_BYTES)
-    again = bpfsys.prog_load(prog.type, insns, obj.license, name, obj.kern_version, log=buf)
+    again = bpfsys.prog_load(prog.type, insns, obj.license, name, obj.kern_version, log=buf, **attrs)
     if again >= 0:
         return again
     text = buf.value.decode(errors="replace").strip()

@@ -44,8 +44,9 @@ from typing import Any
 
 from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import ABI_VERSION, CT_QUEUES, CTQ_DIVISOR, MAPS, PREFIX, MapSpec, Scope, maglev_value
+from agent.ebpf.abi import ABI_VERSION, CT_QUEUES, CTQ_DIVISOR, MAPS, PREFIX, MapSpec, maglev_value
 from agent.ebpf.bpfobject import BpfObject
+from agent.ebpf.btf import vmlinux_has
 from agent.ebpf.compile import (
     build_id,
     compile_in_child,
@@ -57,6 +58,7 @@ from agent.ebpf.link import LinkError, PinnedMapMismatch, link
 from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, obj_pin, possible_cpus
 from agent.ebpf.objcache import ObjectCache, default_cache_dir
 from agent.ebpf.pindir import ensure_pin_dir
+from agent.ebpf.programs import PROGRAMS, ProgSpec, available_programs, kernel_needs
 from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
@@ -64,21 +66,6 @@ log = logging.getLogger(__name__)
 ENTRY_FILE = "ekp_tc.c"
 BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)
 
-# Program name -> the scope its frontends are looked up with (None: it looks none up). Attach
-# ekp_from_pod on the ingress of the node side of every pod veth, ekp_from_net on the ingress of
-# each external device, ekp_egress on the egress of both (the replies of the node's own stack).
-# ekp_xdp_net runs on the XDP hook of the external devices, ahead of ekp_from_net (--bpf-xdp).
-PROGRAMS: dict[str, Scope | None] = {
-    "ekp_from_pod": Scope.INTERNAL,
-    "ekp_from_net": Scope.EXTERNAL,
-    "ekp_egress": None,
-    "ekp_xdp_net": Scope.EXTERNAL,
-}
-BPF_PROG_TYPE_SCHED_CLS = 3  # bcc's BPF.SCHED_CLS
-BPF_PROG_TYPE_XDP = 6  # bcc's BPF.XDP
-PROG_TYPES = {
-    name: BPF_PROG_TYPE_XDP if name == "ekp_xdp_net" else BPF_PROG_TYPE_SCHED_CLS for name in PROGRAMS
-}
 # Unpinned maps each program's load owns (ekp_tc.c: ekp_scratch); a reused program keeps its own.
 PRIVATE_MAPS = 1
 
@@ -312,6 +299,7 @@ class Datapath:
         self.cache = cache if cache is not None else ObjectCache(default_cache_dir())
         self._prog_fds: dict[str, int] = {}
         self._maps: dict[str, BpfMap] = {}
+        self._programs: dict[str, ProgSpec] = {}
 
     @property
     def entry_file(self) -> Path:
@@ -320,9 +308,25 @@ class Datapath:
     def cflags(self) -> list[str]:
         return compile_cflags(self.sizes, self.bpf_dir)
 
-    def build(self) -> str:
-        """The build id of what this data path compiles (agent.ebpf.compile.build_id)."""
-        return build_id(_inline_includes(self.entry_file, set()), self.cflags(), ABI_VERSION)
+    def programs(self) -> dict[str, ProgSpec]:
+        """The programs this kernel can load (a kernel lacking what the socket programs need loads
+        the data path without them, and says so)."""
+        has = vmlinux_has(kernel_needs())
+        programs = available_programs(has)
+        missing = sorted(set(PROGRAMS) - set(programs))
+        if missing:
+            log.warning(
+                "this kernel lacks %s: loading the data path without %s",
+                ", ".join(sorted(kernel_needs() - has)),
+                ", ".join(missing),
+            )
+        return programs
+
+    def build(self, programs: Mapping[str, ProgSpec] = PROGRAMS) -> str:
+        """The build id of what this data path compiles (agent.ebpf.compile.build_id): the programs
+        are part of it, as the compiled object holds only those this kernel loads."""
+        flags = [*self.cflags(), *sorted(programs)]
+        return build_id(_inline_includes(self.entry_file, set()), flags, ABI_VERSION)
 
     def source_text(self) -> str:
         """The program exactly as bcc compiles it: cflags, then ekp_tc.c with local includes inlined."""
@@ -368,12 +372,14 @@ class Datapath:
         check_pins(self.pin_path, self.sizes)
 
         started = time.monotonic()
-        build = self.build()
-        fds = open_pinned_programs(self.pin_path, build, list(PROGRAMS), self._pinned_map_ids(), PRIVATE_MAPS)
+        programs = self.programs()
+        build = self.build(programs)
+        fds = open_pinned_programs(self.pin_path, build, list(programs), self._pinned_map_ids(), PRIVATE_MAPS)
         how = "reused (unchanged since it was compiled)"
         if fds is None:
-            fds, how = self._link(build)
+            fds, how = self._link(build, programs)
         self._prog_fds = fds
+        self._programs = programs
         try:
             old = remove_other_builds(self.pin_path, build)
             if old:
@@ -396,20 +402,21 @@ class Datapath:
             self.close()
             raise
 
-    def _compile(self, build: str) -> tuple[BpfObject, str]:
+    def _compile(self, build: str, programs: Mapping[str, ProgSpec]) -> tuple[BpfObject, str]:
+        types = {name: spec.prog_type for name, spec in programs.items()}
         try:
-            obj, seconds = compile_in_child(self.entry_file, self.cflags(), build, PROG_TYPES)
+            obj, seconds = compile_in_child(self.entry_file, self.cflags(), build, types)
         except Exception as e:
             raise DatapathError(f"compiling {self.entry_file} failed: {e}") from e
         self.cache.put(obj)
         return obj, f"compiled in {seconds:.1f}s"
 
-    def _link(self, build: str) -> tuple[dict[str, int], str]:
+    def _link(self, build: str, programs: Mapping[str, ProgSpec]) -> tuple[dict[str, int], str]:
         """Load `build` against our pins: from the cache, else compiled now; the program fds and how."""
         obj = self.cache.get(build)
         cached = obj is not None
         if obj is None:
-            obj, how = self._compile(build)
+            obj, how = self._compile(build, programs)
         else:
             how = "loaded from the compile cache (compiled by an earlier agent)"
         pinned = {spec.name for spec in MAPS.values()}
@@ -426,15 +433,19 @@ class Datapath:
                 if cached:
                     # Whatever is wrong with the cached object, a fresh compile replaces it.
                     log.warning("cached data path %s did not load: %s; compiling it again", build, e)
-                    obj, how = self._compile(build)
+                    obj, how = self._compile(build, programs)
                     cached = False
                     continue
                 raise DatapathError(f"loading the data path (build {build}) failed: {e}") from e
 
     def prog_fd(self, name: str) -> int:
         if name not in self._prog_fds:
-            raise KeyError(f"no program {name!r} loaded (programs: {', '.join(PROGRAMS)})")
+            raise KeyError(f"no program {name!r} loaded (programs: {', '.join(self._prog_fds)})")
         return self._prog_fds[name]
+
+    def has_program(self, name: str) -> bool:
+        """Whether `name` was loaded (a kernel lacking what it needs loads the rest without it)."""
+        return name in self._prog_fds
 
     @property
     def maps(self) -> Mapping[str, BpfMap]:

@@ -13,24 +13,33 @@ Lifecycle (kube-proxy's contract, agent/proxier.py):
   the established flows of nf_conntrack (kube-proxy's, iptables mode's: agent/takeover/into_ebpf.py),
   attaches the programs (replacing older ones atomically), carries over what the old programs or
   netfilter added meanwhile, stamps the flows the conntrack tables hold and arms the flow-activity
-  check (agent/ebpf/activity.py; disarmed before the attach), removes the other data path's rules
-  and pins of other ABI versions, and starts the pod-device watcher.
+  check (agent/ebpf/activity.py; disarmed before the attach), removes pins of other ABI versions,
+  writes the socket programs' settings (the node's netns cookie, host-namespace-only) and links them
+  to their cgroup (the pinned links an earlier agent left get the new programs,
+  agent/ebpf/sockattach.py), then removes the other data path's rules (only now: until the socket
+  programs are linked, its OUTPUT rules serve the node's own clients) and starts the pod-device
+  watcher.
   Conntrack and affinity are never flushed.
-* Later syncs re-plan only the changed service ports (`agent.ebpf.planner`) and write their entries.
-  A full sync (`changed` None, every sync period) reads the maps back first and repairs whatever
-  differs from the plan, re-pinning maps whose pin was removed (counted in SyncResult.repaired).
+* Later syncs re-plan only the changed service ports (`agent.ebpf.planner`) and write their entries;
+  one that removed a backend from a service port ends the connected UDP sockets still sent to it
+  (agent/ebpf/sockterm.py). A full sync (`changed` None, every sync period) reads the maps back
+  first and repairs whatever differs from the plan, re-pinning maps whose pin was removed (counted
+  in SyncResult.repaired), links the socket programs again where they were removed, and ends
+  stale UDP sockets too.
   When a write fails outright, what the maps hold is no longer known: the next sync reads them back.
   A map too full for a service port's entries fails that port only (SyncResult.failed).
 * Stopping the agent removes nothing: `close()` only stops the watcher and lets the fds go;
   pinned maps and attached programs keep serving traffic until the next agent re-adopts them.
-* `cleanup()` detaches our filters, removes our pins and the pin directory, and nothing else.
+* `cleanup()` detaches our filters and socket links, removes our pins and the pin directory, and
+  nothing else.
 
-The data path and the attacher are passed in as factories (real ones by default) so the tests
-swap in fakes; there is no test branch in here.
+The data path, the attachers and the socket terminator are passed in as factories (real ones by
+default) so the tests swap in fakes; there is no test branch in here.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -42,13 +51,16 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi, activity
+from agent.ebpf.abi import Stat
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import KEYS, VALUES, Value
 from agent.ebpf.maglev_writer import MaglevWriter
-from agent.ebpf.maps import MapWriter, read_config, write_config
+from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
 from agent.ebpf.ports import parse_port_range, snat_ports_problem
+from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
+from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
 from agent.ebpf.xdp import PROG_XDP
 from agent.errors import FatalError
@@ -80,6 +92,9 @@ class DatapathLike(Protocol):
 
     def prog_fd(self, name: str) -> int: ...
 
+    def has_program(self, name: str) -> bool:
+        """Whether the program was loaded (a kernel lacking what it needs loads the rest)."""
+
     def repair_pins(self) -> list[str]:
         """Pin again every map whose pin was removed or replaced; the names repaired."""
 
@@ -93,6 +108,26 @@ class UpgradeLike(Protocol):
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
+
+    def serving(self) -> None:
+        """Every hook serves: tc, XDP and the socket programs (the other data path's rules go)."""
+
+
+class SocketAttacherLike(Protocol):
+    """agent.ebpf.sockattach.SocketAttacher: the socket programs linked to one cgroup."""
+
+    @property
+    def cgroup(self) -> str: ...
+
+    def reconcile(self) -> list[str]: ...
+
+
+class TerminatorLike(Protocol):
+    """agent.ebpf.sockterm.SocketTerminator: ends connected UDP sockets whose backend left."""
+
+    def run(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class AttacherLike(Protocol):
@@ -121,6 +156,10 @@ class StartSteps:
         for step in self._steps:
             step.after_attach(maps)
 
+    def serving(self) -> None:
+        for step in self._steps:
+            step.serving()
+
 
 def default_start_steps(config: Config) -> UpgradeLike:
     return StartSteps([Upgrade(config.pin_path), KernelTakeover(config)])
@@ -148,6 +187,30 @@ def default_attacher(config: Config, prog_fds: Mapping[str, int]) -> AttacherLik
     return Attacher(config, prog_fds)
 
 
+def default_socket_attacher(config: Config, prog_fds: Mapping[str, int]) -> SocketAttacherLike:
+    from agent.ebpf.sockattach import SocketAttacher, socket_cgroup
+
+    return SocketAttacher(config.pin_path, socket_cgroup(config.socket_lb_cgroup), prog_fds)
+
+
+def default_terminator(config: Config, cgroup: str, prog_fd: int, ended: Callable[[], int]) -> TerminatorLike:
+    from agent.ebpf.sockterm import SocketTerminator
+
+    return SocketTerminator(prog_fd, config.netns, cgroup, pods=not config.socket_lb_host_only, ended=ended)
+
+
+def default_netns_cookie(netns: str) -> int:
+    from agent.ebpf.sockattach import netns_cookie
+
+    return netns_cookie(netns)
+
+
+def default_socket_detach(pin_path: str) -> list[str]:
+    from agent.ebpf.sockattach import detach_all
+
+    return detach_all(pin_path)
+
+
 class EbpfProxier:
     def __init__(
         self,
@@ -159,6 +222,14 @@ class EbpfProxier:
         sysctl_reader: Callable[[str, str], str] = read_sysctl,
         sizes_reader: Callable[[str], dict[str, int]] = default_pinned_sizes,
         upgrade_factory: Callable[[Config], UpgradeLike] = default_start_steps,
+        socket_attacher_factory: Callable[[Config, Mapping[str, int]], SocketAttacherLike] = (
+            default_socket_attacher
+        ),
+        terminator_factory: Callable[[Config, str, int, Callable[[], int]], TerminatorLike] = (
+            default_terminator
+        ),
+        netns_cookie_reader: Callable[[str], int] = default_netns_cookie,
+        socket_detach: Callable[[str], list[str]] = default_socket_detach,
     ) -> None:
         self._config = config
         self._datapath_factory = datapath_factory
@@ -167,6 +238,12 @@ class EbpfProxier:
         self._sysctl_reader = sysctl_reader
         self._sizes_reader = sizes_reader
         self._upgrade = upgrade_factory(config)
+        self._socket_attacher_factory = socket_attacher_factory
+        self._terminator_factory = terminator_factory
+        self._netns_cookie_reader = netns_cookie_reader
+        self._socket_detach = socket_detach
+        self._socket_attacher: SocketAttacherLike | None = None
+        self._terminator: TerminatorLike | None = None
         self._lock = threading.Lock()
         self._datapath: DatapathLike | None = None
         self._attacher: AttacherLike | None = None
@@ -231,6 +308,8 @@ class EbpfProxier:
             if deferred is not None:
                 write_config(maps, VALUES["cfg"].to_ctype(deferred))
                 self._cfg_written = deferred
+            if self._terminator is not None and (periodic or result.deletes.get("member")):
+                self._end_stale_sockets()
             elapsed_ms = (time.monotonic() - start) * 1000
             level = logging.INFO if result.writes or first or repaired or result.failed else logging.DEBUG
             log.log(
@@ -254,6 +333,9 @@ class EbpfProxier:
             detached = detach_all(self._config.netns)
             if detached:
                 log.info("detached from %s", ",".join(sorted(detached)))
+            hooks = self._socket_detach(self._config.pin_path)
+            if hooks:
+                log.info("detached the socket programs (%s)", ",".join(hooks))
             removed = remove_pins(self._config.pin_path)
             if removed:
                 log.info("removed pins %s", ",".join(removed))
@@ -376,16 +458,75 @@ class EbpfProxier:
             self._attacher.reconcile(node, full=full, verify=verify and not full)
             self._attached_node = node
         if first:
+            # Right after the tc programs changed: flows the old programs made meanwhile are
+            # carried over before anything else delays it.
             self._upgrade.after_attach(datapath.maps)
             activity.arm(datapath.maps)  # only our programs run now: stamp what the tables hold
             stale = remove_stale_pins(self._config.pin_path)
             if stale:
                 log.info("removed pins of other ABI versions: %s", ",".join(stale))
+        if first or periodic:
+            self._attach_sockets(datapath, first=first)
+        if first:
+            self._upgrade.serving()
             self._attacher.start_watcher()
             self._attached_once = True
 
+    def _attach_sockets(self, datapath: DatapathLike, *, first: bool) -> None:
+        """The socket programs: their settings written, then linked to the cgroup (first sync: a
+        restarted agent swaps its build into the links it finds; periodic syncs: put back what
+        was removed behind our back). Off (--bpf-socket-lb=false): links of an earlier run removed."""
+        names = [name for name, _ in SOCK_HOOKS.values()]
+        serving = self._config.socket_lb and all(datapath.has_program(n) for n in names)
+        if not serving:
+            if first:
+                if self._config.socket_lb:
+                    log.error(
+                        "this kernel cannot load the socket programs (they need Linux 5.18): clients "
+                        "on the node's own network (host-network pods, node processes) reach no "
+                        "Service; --bpf-socket-lb=false says that is intended"
+                    )
+                hooks = self._socket_detach(self._config.pin_path)
+                if hooks:
+                    log.info("detached the socket programs of an earlier run (%s)", ",".join(hooks))
+            return
+        if self._socket_attacher is None:
+            fds = {name: datapath.prog_fd(name) for name, _ in SOCK_HOOKS.values()}
+            self._socket_attacher = self._socket_attacher_factory(self._config, fds)
+            cookie = self._netns_cookie_reader(self._config.netns)
+            datapath.maps["skcfg"].update(
+                ctypes.c_uint32(0), sock_config(cookie, self._config.socket_lb_host_only)
+            )
+            stats = datapath.maps["stats"]
+            if datapath.has_program(PROG_SOCK_TERM):
+                self._terminator = self._terminator_factory(
+                    self._config,
+                    self._socket_attacher.cgroup,
+                    datapath.prog_fd(PROG_SOCK_TERM),
+                    lambda: read_stats(stats)[Stat.SOCK_DESTROYED],
+                )
+            else:
+                log.warning(
+                    "this kernel has no bpf_sock_destroy (Linux 6.5): a node's connected UDP socket "
+                    "(a resolver's) stays on its backend after that backend leaves its Service, until "
+                    "the application opens a new one"
+                )
+        self._socket_attacher.reconcile()
+
+    def _end_stale_sockets(self) -> None:
+        assert self._terminator is not None
+        try:
+            self._terminator.run()
+        except OSError as exc:
+            # The sockets stay on their backend until the next try: a sync is not failed for it.
+            log.warning("could not end the UDP sockets of backends that left: %s", exc)
+
     def _release(self) -> None:
         self._maglev.forget()
+        if self._terminator is not None:
+            self._terminator.close()
+            self._terminator = None
+        self._socket_attacher = None
         if self._datapath is not None:
             self._datapath.close()
             self._datapath = None
@@ -475,7 +616,7 @@ def remove_pins(pin_path: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- inspect
 
-INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity", "maglev")
+INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity", "maglev", "sockets")
 
 
 def render_live_maps(
@@ -485,11 +626,19 @@ def render_live_maps(
 
     `services` prints the same lines as `--dry-run` (cfg, fe, slot, be, rnat, srcr), so a live
     node can be diffed against a plan; `ct`, `aff` and `stats` print conntrack, affinity and the
-    counters. Opens the pins read-only in effect (nothing is written); needs no compiler.
+    counters; `sockets` the socket programs' settings, links and where each socket was sent.
+    Opens the pins read-only in effect (nothing is written); needs no compiler.
     """
     from agent.ebpf.capacity import read_fill, render_capacity
     from agent.ebpf.maps import open_pinned_as_held, read_stats
-    from agent.ebpf.render import render_affinity, render_conntrack, render_contents, render_stats
+    from agent.ebpf.render import (
+        render_affinity,
+        render_conntrack,
+        render_contents,
+        render_sockets,
+        render_stats,
+    )
+    from agent.ebpf.sockattach import pinned_links
 
     unknown = [s for s in sections if s not in INSPECT_SECTIONS]
     if unknown:
@@ -501,6 +650,7 @@ def render_live_maps(
         "stats": ("stats", "xstats"),
         "capacity": tuple(abi.MAPS),
         "maglev": ("maglev", "fe", "be"),
+        "sockets": ("skcfg", "sknat"),
     }
     needed = sorted({role for s in sections for role in roles[s]})
     maps: dict[str, BpfMap] = {}
@@ -525,6 +675,14 @@ def render_live_maps(
                 capacities = {role: m.info().max_entries for role, m in maps.items()}
                 fills = read_fill(maps, capacities, read_config(maps), now)
                 out.append(render_capacity(fills, read_stats(maps["stats"])))
+            elif section == "sockets":
+                cfg = maps["skcfg"].lookup(ctypes.c_uint32(0))
+                links = {
+                    hook: (state.link_id, state.prog_id, state.cgroup_id)
+                    for hook, state in pinned_links(pin_path).items()
+                }
+                live = cfg if isinstance(cfg, abi.SockConfig) and cfg.host_netns else None
+                out.append(render_sockets(live, links, maps["sknat"].items()))  # type: ignore[arg-type]
             elif section == "aff":
                 out.append(render_affinity(maps["aff"].items(), now))  # type: ignore[arg-type]
             elif section == "maglev":

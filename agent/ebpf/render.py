@@ -52,6 +52,10 @@ from agent.ebpf.abi import (
     Scope,
     Slot,
     SlotKey,
+    SockConfig,
+    SockFlag,
+    SockKey,
+    SockNat,
     SrcRange,
     SrcRangeKey,
     Stat,
@@ -267,4 +271,28 @@ def render_maglev(
             name = backends.get(b, "missing")
             lines.append(f"maglev set {set_id} be {b} {name} positions={n} share={100 * n / len(table):.2f}%")
         lines.append(f"maglev set {set_id} positions 0-{min(head, len(table)) - 1}: {_runs(table[:head])}")
+    return "".join(line + "\n" for line in lines)
+
+
+def render_sockets(
+    config: SockConfig | None,
+    links: Mapping[str, tuple[int, int, int]],
+    entries: Iterable[tuple[SockKey, SockNat]],
+) -> str:
+    """The socket programs: their settings, their links (hook -> link id, program id, cgroup id; a
+    cgroup id of 0 is a link detached behind our back) and where each socket was sent."""
+    if config is None:
+        lines = ["sockcfg none (socket-level load balancing never started on this node)"]
+    else:
+        flags = "host-namespace-only" if config.flags & SockFlag.HOST_ONLY else "all namespaces"
+        lines = [f"sockcfg host_netns={config.host_netns} {flags}"]
+    for hook, (link_id, prog_id, cgroup_id) in sorted(links.items()):
+        lines.append(f"socklink {hook} link={link_id} prog={prog_id} cgroup={cgroup_id}")
+    items = sorted(entries, key=lambda kv: (kv[0].cookie, kv[0].proto, _ip_sort(kv[0].addr), kv[0].port))
+    for k, v in items:
+        proto = {6: "TCP", 17: "UDP"}.get(k.proto, str(k.proto))
+        lines.append(
+            f"sock {k.cookie} {ip_str(k.addr)}:{port_host(k.port)}/{proto} shown as "
+            f"{ip_str(v.fe_addr)}:{port_host(v.fe_port)} svc={v.svc_id} be={v.backend_id}"
+        )
     return "".join(line + "\n" for line in lines)

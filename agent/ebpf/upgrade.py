@@ -190,6 +190,9 @@ class Upgrade:
         if self.pending:
             self._carry(maps, "after the v2 programs took over")
 
+    def serving(self) -> None:
+        """Nothing left to do once every hook serves."""
+
     def _carry_counters(self, stats: MapWriter) -> None:
         from agent.ebpf.maps import BpfMap, read_stats
 

@@ -38,7 +38,7 @@ import ipaddress
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from agent.config import Config, NodeContext
+from agent.config import Config, NodeContext, nodeport_addresses_hold_loopback
 from agent.iptables.chains import (
     FILTER_TOP_CHAINS,
     INVALID_DROPPED_COUNTER,
@@ -77,7 +77,6 @@ from agent.model.types import (
 # per-endpoint comments to keep the restore input small ("large cluster mode").
 LARGE_CLUSTER_ENDPOINTS_THRESHOLD = 1000
 
-_LOOPBACK_START = ipaddress.IPv4Address("127.0.0.0")
 _LOOPBACK_NET = ipaddress.IPv4Network("127.0.0.0/8")
 
 
@@ -155,11 +154,7 @@ class RenderOptions:
     def localhost_nodeports_enabled(self) -> bool:
         """Upstream turns localhost NodePorts off unless the node-port addresses include loopback
         (`cidr.IP.IsLoopback() || cidr.Contains(127.0.0.0)`, proxy/util/nodeport_addresses.go)."""
-        if not self.localhost_nodeports:
-            return False
-        if self.nodeports_match_all:
-            return True
-        return any(n.network_address.is_loopback or _LOOPBACK_START in n for n in self.nodeport_networks)
+        return self.localhost_nodeports and nodeport_addresses_hold_loopback(self.nodeport_addresses)
 
 
 def _is_ipv4_cidr(text: str) -> bool:

@@ -26,6 +26,8 @@ Families (`map` is the kernel name, e.g. `ekp_ct_tcp_v2`):
   (`new_flow`, `forward`, `reply`: translated and sent back out at XDP; `to_tc`: a service packet
   it left to the tc program, which counts it again; `pass`: not its business; `drop`) and
   `ekp_datapath_xdp_drops_total{reason}` with the tc drops' reasons.
+  The socket programs' connect()/sendmsg() calls by outcome (their refusals count among the
+  drops, by the same reasons), reverse translations and UDP sockets ended.
 * `ekp_bpf_maps_scrape_duration_seconds`: what this scrape cost.
 
 Counting a hash map's entries has no kernel call, so `BpfMap.count` walks it with
@@ -147,6 +149,20 @@ class _Families:
             " established, closed)",
             labels=["state"],
         )
+        self.sock_calls = c(
+            "ekp_socket_lb_calls",
+            "connect() and sendmsg() calls of the node's sockets seen by the socket programs, by outcome"
+            " (translated: sent to a backend; passed: not a frontend; refused: see ekp_datapath_drops)",
+            labels=["outcome"],
+        )
+        self.sock_revnat = c(
+            "ekp_socket_lb_reverse_translations",
+            "recvmsg() and getpeername() calls shown the frontend address instead of the backend's",
+        )
+        self.sock_ended = c(
+            "ekp_socket_lb_udp_sockets_ended",
+            "Connected UDP sockets ended because the backend chosen at connect() left its service",
+        )
 
         self.xdp_packets = c(
             "ekp_datapath_xdp_packets",
@@ -177,6 +193,9 @@ class _Families:
             self.evictions,
             self.xdp_packets,
             self.xdp_drops,
+            self.sock_calls,
+            self.sock_revnat,
+            self.sock_ended,
         ]
 
     def add_stats(self, values: dict[Stat, int]) -> None:
@@ -194,6 +213,12 @@ class _Families:
             self.events.add_metric([event], values[stat])
         for stat, state in EVICTIONS.items():
             self.evictions.add_metric([state], values[stat])
+        translated, passed = values[Stat.SOCK_TRANSLATED], values[Stat.SOCK_PASS]
+        self.sock_calls.add_metric(["translated"], translated)
+        self.sock_calls.add_metric(["passed"], passed)
+        self.sock_calls.add_metric(["refused"], max(0, values[Stat.SOCK_CALLS] - translated - passed))
+        self.sock_revnat.add_metric([], values[Stat.SOCK_REVNAT])
+        self.sock_ended.add_metric([], values[Stat.SOCK_DESTROYED])
 
     def add_xdp_stats(self, values: dict[Stat, int]) -> None:
         for stat, outcome in _XDP_OUTCOMES.items():

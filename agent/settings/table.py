@@ -88,6 +88,7 @@ MAP_SIZE_ROLES = (
     "addr",
     "maglev",
     "hostnat",
+    "sknat",
 )
 
 
@@ -769,6 +770,36 @@ SETTINGS: tuple[Setting, ...] = (
         "(kube-proxy masquerades it)",
         flags=("--bpf-keep-client-ip-for-local-backends",),
         attr="bpf_keep_client_ip_local",
+        group=EBPF,
+    ),
+    Setting(
+        "bpf_socket_lb",
+        Bool(),
+        True,
+        "translate the node's own sockets at connect()/sendmsg() (cgroup programs): host-network "
+        "pods and node processes reach Services as kube-proxy's OUTPUT chain lets them",
+        flags=("--bpf-socket-lb",),
+        attr="socket_lb",
+        group=EBPF,
+    ),
+    Setting(
+        "bpf_socket_lb_cgroup",
+        Text(metavar="DIR"),
+        "",
+        "cgroup v2 directory the socket programs attach to (default: the root of the cgroup2 mount, "
+        "the whole node); every socket of its processes and their descendants is served",
+        flags=("--bpf-socket-lb-cgroup",),
+        attr="socket_lb_cgroup",
+        group=EBPF,
+    ),
+    Setting(
+        "bpf_socket_lb_host_namespace_only",
+        Bool(),
+        True,
+        "translate at connect() only the sockets of the node's network namespace; pods keep the "
+        "per-packet path and see their Service address (Cilium's socketLB.hostNamespaceOnly)",
+        flags=("--bpf-socket-lb-host-namespace-only",),
+        attr="socket_lb_host_only",
         group=EBPF,
     ),
     Setting(

@@ -149,6 +149,11 @@ class KernelTakeover:
         if self._liberal_was is not None and self._liberal_was != "1":
             self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
         self._liberal_was = None
+
+    def serving(self) -> None:
+        # Only once the socket programs serve the node's own clients too: kube-proxy's OUTPUT
+        # rules are what translated them until then (a connect() meeting neither would send its
+        # SYNs to the ClusterIP itself until it timed out).
         self._remove_rules(self._config)
 
     def _to_stack(self, flows: list[NatFlow]) -> None:

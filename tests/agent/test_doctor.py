@@ -14,6 +14,7 @@ from agent.config import Mode
 from agent.doctor.checks import (
     HELPERS,
     MAP_KINDS,
+    SOCKET_HELPERS,
     ApiFacts,
     BpfFeatures,
     Facts,
@@ -31,6 +32,7 @@ FEATURES = BpfFeatures(
     program_types=frozenset({"sched_cls", "xdp", "cgroup_sock_addr"}),
     map_kinds=frozenset(MAP_KINDS),
     helpers=frozenset(HELPERS),
+    socket_helpers=frozenset(SOCKET_HELPERS),
 )
 GOOD_API = ApiFacts(url="https://10.0.0.1:6443", services=3, service_ports=4, endpoints=6, entries={"fe": 8})
 GOOD = Facts(
@@ -70,6 +72,12 @@ def test_a_good_node_is_all_ok() -> None:
             "BPF features",
             Verdict.FAIL,
             "CONFIG_NET_CLS_BPF",
+        ),
+        (
+            {"features": replace(FEATURES, socket_helpers=frozenset(SOCKET_HELPERS) - {"bpf_set_retval"})},
+            "BPF features",
+            Verdict.WARN,
+            "--bpf-socket-lb=false",
         ),
         (
             {"features": BpfFeatures(error="bpftool: not found")},
@@ -180,7 +188,9 @@ def test_the_helper_list_is_every_helper_the_data_path_calls() -> None:
     source = "".join(p.read_text() for p in sorted(BPF_DIR.glob("ekp_*.[ch]")))
     called = set(re.findall(r"\b(bpf_[a-z0-9_]+)\(", source))
     called |= {f"bpf_{m}" for m in re.findall(r"BPF_FUNC_([a-z0-9_]+)", source)}
-    assert called == set(HELPERS)
+    assert called == set(HELPERS) | set(SOCKET_HELPERS)
+    sock = (BPF_DIR / "ekp_sock.h").read_text()
+    assert set(re.findall(r"\b(bpf_[a-z0-9_]+)\(", sock)) <= set(SOCKET_HELPERS), "the socket programs' own"
     kinds = set(re.findall(r'BPF_(?:F_)?TABLE(?:_PINNED)?\("([a-z_]+)"', source))
     assert kinds == set(MAP_KINDS)
 
@@ -189,12 +199,16 @@ def test_bpftools_json_is_read() -> None:
     doc = {
         "program_types": {"have_sched_cls_prog_type": True, "have_xdp_prog_type": False},
         "map_types": {"have_lru_hash_map_type": True, "have_hash_map_type": True},
-        "helpers": {"sched_cls_available_helpers": ["bpf_fib_lookup", "bpf_redirect"]},
+        "helpers": {
+            "sched_cls_available_helpers": ["bpf_fib_lookup", "bpf_redirect"],
+            "cgroup_sock_addr_available_helpers": ["bpf_set_retval"],
+        },
     }
     feats = parse_bpftool_features(doc)
     assert feats.program_types == {"sched_cls"}
     assert feats.map_kinds == {"lru_hash", "hash"}
     assert feats.helpers == {"bpf_fib_lookup", "bpf_redirect"}
+    assert feats.socket_helpers == {"bpf_set_retval"}
 
 
 @pytest.mark.parametrize(

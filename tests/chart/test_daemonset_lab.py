@@ -84,7 +84,13 @@ class PodRun:
             pod=kubelet.PodFacts(node_name=self.node.name, host_ip=self.node.ip, namespace=NAMESPACE),
             netns=self.node.ns,
             workdir=self.workdir / f"{name}-{self.starts}",
-            hostpaths={"/sys/fs/bpf": str(self.bpffs), "/run/ebpf-kube-proxy": str(self.lock_dir)},
+            hostpaths={
+                "/sys/fs/bpf": str(self.bpffs),
+                "/run/ebpf-kube-proxy": str(self.lock_dir),
+                # cgroupRoot: the lab node's cgroup stands for the node's whole hierarchy (the
+                # machine's own root would serve every socket of the machine)
+                "/sys/fs/cgroup": str(self.node.cgroup_root),
+            },
             config_maps={self.rendered.config_map["metadata"]["name"]: self.rendered.config_map["data"]},
             service_account={
                 "token": TOKEN.encode(),
@@ -220,6 +226,10 @@ def test_the_rendered_pod_starts_answers_its_probes_and_serves(pod: PodRun) -> N
         assert json.loads(body)["healthy"] is True
 
     assert pod.lab.http_get("pod-1-1", VIP, 80).strip() == "pod-1-2"
+    # The node's own processes too: the socket programs, attached through the cgroupRoot mount with
+    # the container's capabilities alone (a host-network client, in the node's cgroup).
+    peer = pod.lab.run(pod.node, sys.executable, CLIENT, "peer", "--addr", VIP, "--port", "80").stdout
+    assert json.loads(peer) == {"peer": f"{VIP}:80", "body": "pod-1-2"}
     # A Service created after the agent started reaches the data path through the watch.
     pod.api.create(service("api", VIP2, ports=(("http", 8080, 8080),)))
     pod.api.create(endpoint_slice("api", [pod.lab.pod("pod-1-2").ip], node=pod.node.name))

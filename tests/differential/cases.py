@@ -298,6 +298,9 @@ CASES = (
     Case("np-node2-from-pod1", "pod-1-1", "web", "nodeport@node2", answered(PAIR, "node2")),
     Case("np-node1-from-node1", "node1", "web", "nodeport@node1", answered(PAIR, "node1")),
     Case("np-node2-from-node1", "node1", "web", "nodeport@node2", answered(PAIR, "node2")),
+    Case("udp-cip-from-node1", "node1", "web-udp", "cluster-ip", answered(PAIR, "node1")),
+    Case("udp-np-node1-from-node1", "node1", "web-udp", "nodeport@node1", answered(PAIR, "node1")),
+    Case("udp-np-node2-from-node1", "node1", "web-udp", "nodeport@node2", answered(PAIR, "node2")),
     # ---- UDP, and 4,000-byte datagrams (three fragments each way)
     Case("udp-cip-from-pod1", "pod-1-1", "web-udp", "cluster-ip", answered(PAIR, "pod-1-1")),
     Case("udp-np-node1-from-client", "client", "web-udp", "nodeport@node1", answered(PAIR, "node1")),
@@ -319,6 +322,7 @@ CASES = (
         answered(PAIR, "node2"),
         size=4000,
     ),
+    Case("frag-cip-from-node1", "node1", "web-udp", "cluster-ip", answered(PAIR, "node1"), size=4000),
     # ---- externalTrafficPolicy Local
     Case(
         "etp-local-node1-from-client",
@@ -341,6 +345,15 @@ CASES = (
         "nodeport@node1",
         answered(PAIR, "pod-1-1"),
         why="KUBE-EXT-*: -s clusterCIDR -> KUBE-SVC-* (pod traffic short-circuits to every endpoint)",
+    ),
+    Case(
+        "etp-local-node1-from-node1",
+        "node1",
+        "etp-local",
+        "nodeport@node1",
+        answered(PAIR, "node1"),
+        why="KUBE-EXT-*: --src-type LOCAL -> KUBE-MARK-MASQ and KUBE-SVC-* (the node's own traffic"
+        " reaches every endpoint)",
     ),
     Case(
         "etp-local-no-local-endpoint-from-client",
@@ -369,6 +382,14 @@ CASES = (
     # ---- internalTrafficPolicy Local
     Case("itp-local-from-pod1", "pod-1-1", "itp-local", "cluster-ip", answered(["pod-1-2"], "pod-1-1")),
     Case("itp-local-from-pod2", "pod-2-1", "itp-local", "cluster-ip", answered(["pod-2-2"], "pod-2-1")),
+    Case(
+        "itp-local-from-node1",
+        "node1",
+        "itp-local",
+        "cluster-ip",
+        answered(["pod-1-2"], "node1"),
+        why="OUTPUT -> KUBE-SERVICES -> KUBE-SVL-*: the node's own traffic stays on its node's endpoints",
+    ),
     Case(
         "itp-local-no-local-endpoint-from-pod1",
         "pod-1-1",
@@ -404,6 +425,16 @@ CASES = (
         count=16,
         compare=STICKY,
         why="recent --rsource sees the client's address (SNAT happens later, in POSTROUTING)",
+    ),
+    Case(
+        "affinity-cip-from-node1",
+        "node1",
+        "sticky",
+        "cluster-ip",
+        answered(POOL, "node1"),
+        count=16,
+        compare=STICKY,
+        why="recent --rsource sees the node's address, the source of its route to the cluster IP",
     ),
     Case(
         "affinity-expiry-from-pod1",

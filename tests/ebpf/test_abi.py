@@ -24,7 +24,8 @@ import pytest
 
 from agent.config import MapSizes
 from agent.ebpf import abi, loader
-from agent.ebpf.loader import PROGRAMS, Datapath, default_bpf_dir, expected_info, map_flags, stale_pins
+from agent.ebpf.loader import Datapath, default_bpf_dir, expected_info, map_flags, stale_pins
+from agent.ebpf.programs import PROGRAMS
 from lab.packets import loaded_datapath
 
 BPF_DIR = default_bpf_dir()
@@ -47,6 +48,7 @@ def c_constants() -> dict[str, int]:
         (abi.CtqRing, "EKP_CTQ_"),
         (abi.AddrFlag, "EKP_ADDR_"),
         (abi.ConfigFlag, "EKP_CFG_"),
+        (abi.SockFlag, "EKP_SOCK_"),
     ]
     for enum, prefix in groups:
         out.update({prefix + m.name: int(m) for m in enum})
@@ -120,7 +122,7 @@ def test_every_c_constant_is_mirrored() -> None:
     """A constant added to the header without its Python twin fails here (the probe checks values)."""
     text = (BPF_DIR / "ekp_abi.h").read_text()
     names = set(
-        re.findall(r"\b(EKP_(?:SCOPE|FE|BE|MEMBER|CT|CTQ|ADDR|FRAGHOLD|STAT|DROP)_[A-Z0-9_]+)\b", text)
+        re.findall(r"\b(EKP_(?:SCOPE|FE|BE|MEMBER|CT|CTQ|ADDR|FRAGHOLD|STAT|DROP|SOCK)_[A-Z0-9_]+)\b", text)
     )
     assert names - set(c_constants()) == set()
 
@@ -259,37 +261,61 @@ def test_bpftool_shows_every_map_with_its_layout(loaded: Datapath) -> None:
         assert shown["max_entries"] == want["max_entries"]
 
 
-# What the XDP program never reads: it counts in its own map, and hands nothing to the stack for
-# egress (ekp_hostnat). (The code that records and holds fragments is compiled into it but never
-# runs: XDP passes fragments on before it. It reads ekp_addr for the activity check's frontend test,
-# bpf/ekp_act.h.)
-XDP_UNUSED = {"rnat", "stats", "hostnat"}
+# What the XDP program never reads: it counts in its own map, hands nothing to the stack for egress
+# (ekp_hostnat), and it leaves every reject to tc (the
+# rate limiter's bucket is not in its code at all: the shared refusal sends a frontend without
+# endpoints to tc before the reject's code, which the compiler leaves out of XDP's copy). (The code
+# that records and holds fragments is compiled into it but never runs: XDP passes fragments on
+# before it. It reads ekp_addr for the activity check's frontend test, bpf/ekp_act.h.)
+XDP_UNUSED = {"rnat", "stats", "icmprl", "hostnat"}
+# The pinned maps each program reads or writes (bpftool's program type besides).
+_SOCKETS = {"skcfg", "sknat"}
+_SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
+_SOCK_REVERSE = {"sknat", "fe", "stats"}
+# ekp_egress chooses no backend (no service table: only legacy host routing's sources, conntrack,
+# the activity stamps and what they read), holds no fragment (the stack sends a datagram's first
+# fragment first) and sends no reject
+_EGRESS_UNUSED = {"fe", "slot", "be", "srcr", "aff", "rnat", "xstats", "member", "maglev"}
+_EGRESS_UNUSED |= {"fraghold", "fraglast", "icmprl"}
+PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
+    # every pinned map but ekp_rnat (written for the agent, read by no program since v2), the XDP
+    # counters and the socket programs' own
+    "ekp_from_pod": ("sched_cls", set(abi.MAPS) - {"rnat", "xstats"} - _SOCKETS),
+    "ekp_from_net": ("sched_cls", set(abi.MAPS) - {"rnat", "xstats"} - _SOCKETS),
+    "ekp_egress": ("sched_cls", set(abi.MAPS) - _EGRESS_UNUSED - _SOCKETS),
+    # the same but for what it leaves to tc, with its own counters
+    "ekp_xdp_net": ("xdp", set(abi.MAPS) - XDP_UNUSED - _SOCKETS),
+    "ekp_sock_conn": ("cgroup_sock_addr", _SOCK_FORWARD),
+    "ekp_sock_send": ("cgroup_sock_addr", _SOCK_FORWARD),
+    "ekp_sock_recv": ("cgroup_sock_addr", _SOCK_REVERSE),
+    "ekp_sock_peer": ("cgroup_sock_addr", _SOCK_REVERSE),
+    "ekp_sock_conn6": ("cgroup_sock_addr", _SOCK_FORWARD),
+    "ekp_sock_send6": ("cgroup_sock_addr", _SOCK_FORWARD),
+    "ekp_sock_recv6": ("cgroup_sock_addr", _SOCK_REVERSE),
+    "ekp_sock_peer6": ("cgroup_sock_addr", _SOCK_REVERSE),
+    "ekp_sock_term": ("tracing", {"sknat", "member", "stats"}),
+}
 
 
 @pytest.mark.kernel
-def test_the_programs_use_the_maps(loaded: Datapath) -> None:
-    """The tc ingress programs: every pinned map but ekp_rnat (written for the agent, read by no
-    program since v2) and the XDP counters; the XDP program: the same but for what it leaves to tc,
-    with its own counters; ekp_egress: legacy host routing's sources, conntrack, the activity stamps
-    and what they read, but no service table (it chooses no backend). Each with one unpinned map of
-    its load: the per-CPU working memory (bpf/ekp_tc_scratch.h)."""
+def test_every_program_uses_its_maps(loaded: Datapath) -> None:
+    """Each program's pinned maps as PROGRAM_MAPS lists them; the tc and XDP programs also one
+    unpinned map of their own load, the per-CPU working memory (bpf/ekp_tc_scratch.h), which the
+    socket programs never touch (they run preemptible, in process context)."""
+    assert set(PROGRAM_MAPS) == set(PROGRAMS)
     pinned = {role: m.info().id for role, m in loaded.maps.items()}
-    for name, scope in PROGRAMS.items():
-        xdp = name == "ekp_xdp_net"
-        unused = XDP_UNUSED if xdp else {"rnat", "xstats"}
-        read = {ident for role, ident in pinned.items() if role not in unused}
+    for name, (kind, roles) in PROGRAM_MAPS.items():
         shown = bpftool("prog", "show", "id", str(prog_id(loaded.prog_fd(name))))
         assert isinstance(shown, dict)
-        assert (shown["name"], shown["type"]) == (name, "xdp" if xdp else "sched_cls")
+        assert (shown["name"], shown["type"]) == (name, kind)
         used = set(shown["map_ids"])
-        if scope is None:
-            roles = {role for role, ident in pinned.items() if ident in used}
-            assert {"ct_tcp", "ct_any", "act", "cfg", "cfgsel", "stats", "frag", "hostnat"} <= roles, roles
-            assert not roles & {"fe", "slot", "be", "srcr", "aff", "rnat", "xstats"}, roles
-        else:
-            assert used & set(pinned.values()) == read, name
-        (own,) = used - set(pinned.values())
-        scratch = bpftool("map", "show", "id", str(own))
+        assert {r for r, ident in pinned.items() if ident in used} == roles, name
+        own = used - set(pinned.values())
+        if kind not in ("sched_cls", "xdp"):
+            assert not own, name
+            continue
+        (scratch_id,) = own
+        scratch = bpftool("map", "show", "id", str(scratch_id))
         assert isinstance(scratch, dict) and scratch["name"] == "ekp_scratch"
 
 

@@ -18,9 +18,10 @@ from agent.ebpf.abi import MAPS
 from agent.ebpf.bpfobject import BpfObject
 from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids
 from agent.ebpf.link import PinnedMapMismatch, link
-from agent.ebpf.loader import PRIVATE_MAPS, PROGRAMS, Datapath, PinMismatchError
+from agent.ebpf.loader import PRIVATE_MAPS, Datapath, PinMismatchError
 from agent.ebpf.maps import map_info, obj_get
 from agent.ebpf.objcache import DIR_ENV, ObjectCache
+from agent.ebpf.programs import PROG_SCHED_CLS, PROG_XDP, PROGRAMS
 from lab.packets import bpffs
 
 SMALL = MapSizes(
@@ -76,12 +77,14 @@ def _pinned_ids(pins: str) -> dict[str, int]:
 
 
 def _uses_only_its_own_maps(d: Datapath) -> set[int]:
-    """The ids of `d`'s pinned maps, after checking each program uses them and one map of its own."""
+    """The ids of `d`'s pinned maps, after checking each program uses them and, the tc and XDP
+    programs, one map of their own (the socket programs none)."""
     ids = {m.info().id for m in d.maps.values()}
     for name in PROGRAMS:
         used = prog_map_ids(d.prog_fd(name))
         assert used & ids, "the programs use the pinned maps"
-        assert len(used - ids) == PRIVATE_MAPS, "besides them, only their load's own scratch"
+        private = PRIVATE_MAPS if PROGRAMS[name].prog_type in (PROG_SCHED_CLS, PROG_XDP) else 0
+        assert len(used - ids) == private, f"{name}: besides them, only its load's own scratch"
     return ids
 
 
@@ -190,19 +193,23 @@ def test_programs_whose_maps_were_replaced_are_loaded_again(
         pins = str(root / "ekp")
         first = Datapath(pins, SMALL, cache=cache)
         first.load()
+        old_fe = first.maps["fe"].info().id
+        users = {name for name in PROGRAMS if old_fe in prog_map_ids(first.prog_fd(name))}
         first.close()
+        assert {"ekp_from_pod", "ekp_from_net", "ekp_sock_conn"} <= users, "the frontends' readers"
         built = _prog_pins(pins)
-        # a new, empty map will be made; the config, which every program reads (ekp_egress no frontend)
-        os.unlink(os.path.join(pins, MAPS["cfg"].name))
+        os.unlink(os.path.join(pins, MAPS["fe"].name))  # a new, empty map will be made
         caplog.clear()
         second = Datapath(pins, SMALL, cache=cache)
         second.load()
         try:
             assert "pinned program ekp_from_pod uses maps that are no longer pinned" in caplog.text
             assert "data path loaded from the compile cache" in caplog.text
-            cfg = second.maps["cfg"].info().id
+            fe = second.maps["fe"].info().id
             for name in PROGRAMS:
-                assert cfg in prog_map_ids(second.prog_fd(name)), "the new programs use the new map"
+                used = prog_map_ids(second.prog_fd(name))
+                assert old_fe not in used, f"{name} still uses the map that was replaced"
+                assert (fe in used) == (name in users), "the new programs use the new map"
             _uses_only_its_own_maps(second)
             assert _prog_pins(pins) == built, "same build, pinned again under the same names"
         finally:

@@ -25,11 +25,34 @@ def test_a_nodeport_with_local_policy_has_both_scopes_per_node_address() -> None
     pod = fes[fe_key(ip_be("192.168.0.11"), port_be(30080), 6, int(Scope.INTERNAL))]
     assert ext.kind == "local" and ext.flags & FrontendFlag.LOCAL
     assert pod.kind == "cluster" and not pod.flags & FrontendFlag.SNAT_ALL
-    assert len(fes) == 4
+    assert len(fes) == 5  # the ClusterIP's two, the node address's two, localhost's (below)
     # without a detector (no --cluster-cidr) pods are held to the local endpoints too
     bare = {fe.key: fe for fe in frontends(sp, node, Config(), Config().local_detector())}
     pod = bare[fe_key(ip_be("192.168.0.11"), port_be(30080), 6, int(Scope.INTERNAL))]
     assert pod.kind == "local" and pod.flags & FrontendFlag.LOCAL
+
+
+def test_localhost_node_ports_are_internal_frontends_where_kube_proxys_configuration_allows() -> None:
+    """127.0.0.1:<nodePort> with kube-proxy's defaults (every address, --iptables-localhost-nodeports),
+    scope INTERNAL only (never for what comes from outside: CVE-2020-8558), the cluster set as
+    KUBE-EXT-* sends the node's own traffic; none when either setting says no."""
+    spn = ServicePortName("ns", "web", "", Protocol.TCP)
+    sp = ServicePort(spn, "10.96.0.10", 80, Protocol.TCP, node_port=30080, external_policy_local=True)
+    node = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
+
+    def localhost(config: Config) -> list[tuple[int, str, int]]:
+        return [
+            (scope, fe.kind, fe.flags)
+            for fe in frontends(sp, node, config, config.local_detector())
+            for scope in (int(Scope.EXTERNAL), int(Scope.INTERNAL))
+            if fe.key == fe_key(ip_be("127.0.0.1"), port_be(30080), 6, scope)
+        ]
+
+    assert localhost(Config()) == [(int(Scope.INTERNAL), "cluster", int(FrontendFlag.NODEPORT))]
+    assert localhost(Config(nodeport_addresses=("127.0.0.0/8",))) != []
+    assert localhost(Config(iptables_localhost_nodeports=False)) == []
+    assert localhost(Config(nodeport_addresses=("192.168.0.0/24",))) == []
+    assert localhost(Config(nodeport_addresses=("primary",))) == []
 
 
 def test_a_cluster_ip_port_the_node_listens_on_has_no_frontend() -> None:

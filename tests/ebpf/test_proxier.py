@@ -7,13 +7,14 @@ Unit tests run it over FakeMaps and a recording attacher; the kernel test runs t
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import re
 import secrets
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,14 +31,20 @@ from agent.ebpf.abi import (
     CtKey,
     FrontendKey,
     Scope,
+    SockConfig,
+    SockFlag,
+    Stat,
     ip_be,
     port_be,
 )
 from agent.ebpf.maps import FakeMap, MapWriter, read_config
 from agent.ebpf.plan import MapContents, plan, read_contents
 from agent.ebpf.planner import ROLES
+from agent.ebpf.programs import PROG_SOCK_TERM, PROGRAMS, SOCK_HOOKS
 from agent.ebpf.proxier import INSPECT_SECTIONS, remove_pins, render_live_maps
 from agent.ebpf.render import render_contents
+from agent.ebpf.sockattach import pinned_links
+from lab.netns import cgroup2_root, new_prefix, remove_cgroup_tree
 from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
 
 STATE = state_from_yaml((GOLDEN / "loadbalancer-etp-local.yaml").read_text())
@@ -55,6 +62,10 @@ class FakeDatapath:
         self.closed = 0
         self.pin_checks = 0
         self.missing_pins: list[str] = []
+        # Programs the kernel could not load. By default the socket programs and their iterator:
+        # a proxier over a fake data path then never reaches the real socket attacher (the
+        # default one would link to the machine's root cgroup); the Rig gives them explicitly.
+        self.unavailable: set[str] = {name for name, _ in SOCK_HOOKS.values()} | {PROG_SOCK_TERM}
 
     @property
     def maps(self) -> Mapping[str, MapWriter]:
@@ -64,7 +75,10 @@ class FakeDatapath:
         self.loads += 1
 
     def prog_fd(self, name: str) -> int:
-        return {"ekp_from_net": 100, "ekp_from_pod": 101, "ekp_egress": 102, "ekp_xdp_net": 103}[name]
+        return PROG_FDS[name]
+
+    def has_program(self, name: str) -> bool:
+        return name in PROG_FDS and name not in self.unavailable
 
     def repair_pins(self) -> list[str]:
         self.pin_checks += 1
@@ -95,6 +109,37 @@ class FakeAttacher:
         self.watching = False
 
 
+PROG_FDS = {name: 100 + i for i, name in enumerate(PROGRAMS)}
+
+
+class FakeSocketAttacher:
+    def __init__(self, log: list[str], fds: Mapping[str, int]) -> None:
+        self.log = log
+        self.fds = dict(fds)
+
+    @property
+    def cgroup(self) -> str:
+        return "/cg/node1"
+
+    def reconcile(self) -> list[str]:
+        self.log.append("link sockets")
+        return []
+
+
+class FakeTerminator:
+    def __init__(self, log: list[str], prog_fd: int, ended: Callable[[], int]) -> None:
+        self.log = log
+        self.prog_fd = prog_fd
+        self.ended = ended
+
+    def run(self) -> int:
+        self.log.append(f"end stale sockets ({self.ended()} so far)")
+        return 0
+
+    def close(self) -> None:
+        self.log.append("terminator closed")
+
+
 class FakeUpgrade:
     def __init__(self, log: list[str]) -> None:
         self.log = log
@@ -105,11 +150,15 @@ class FakeUpgrade:
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self.log.append("carry v1 conntrack again")
 
+    def serving(self) -> None:
+        self.log.append("remove the other data path's rules")
+
 
 class Rig:
     """One node's kernel state (maps survive proxier instances, as pins do)."""
 
     def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
         self.maps = {role: FakeMap(spec) for role, spec in MAPS.items()}
         self.events: list[str] = []
         self.sysctls: list[tuple[str, str, str]] = []
@@ -119,11 +168,13 @@ class Rig:
         self.local_ports = "32768\t60999"  # net.ipv4.ip_local_port_range in the node's namespace
         self.pinned: dict[str, int] = {}
         self.sizes: list[MapSizes] = []  # what each data path was created with
+        self.unavailable: set[str] = set()  # programs the kernel cannot load
 
     def proxier(self) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
             self.sizes.append(sizes)
             dp = FakeDatapath(self.maps)
+            dp.unavailable = self.unavailable
             self.datapaths.append(dp)
             return dp
 
@@ -147,7 +198,15 @@ class Rig:
             sysctl_reader=sysctl_read,
             sizes_reader=lambda pin_path: dict(self.pinned),
             upgrade_factory=lambda pin_path: FakeUpgrade(self.events),
+            socket_attacher_factory=lambda config, fds: FakeSocketAttacher(self.events, fds),
+            terminator_factory=lambda config, cgroup, fd, ended: FakeTerminator(self.events, fd, ended),
+            netns_cookie_reader=lambda netns: 4242,
+            socket_detach=self.socket_detach,
         )
+
+    def socket_detach(self, pin_path: str) -> list[str]:
+        self.events.append("unlink sockets")
+        return []
 
     def contents(self) -> MapContents:
         return read_contents(self.maps, read_config(self.maps))
@@ -189,17 +248,29 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     want = plan(STATE, NODE, rig.config)
     assert rig.contents().same_entries(want)
     assert render_contents(rig.contents()) == render_contents(want)
-    # the conntrack of an ABI v1 agent is carried over before and after the programs change
-    assert rig.events == ["carry v1 conntrack", "reconcile full=True", "carry v1 conntrack again", "watch"]
+    # the conntrack of an ABI v1 agent is carried over before and right after the programs change;
+    # the socket programs are linked after that, and only then, every hook serving, are the other
+    # data path's rules (kube-proxy's OUTPUT chain for the node's clients) removed; sockets of
+    # backends gone meanwhile ended
+    first = [
+        "carry v1 conntrack",
+        "reconcile full=True",
+        "carry v1 conntrack again",
+        "link sockets",
+        "remove the other data path's rules",
+        "watch",
+        "end stale sockets (0 so far)",
+    ]
+    assert rig.events == first
     assert rig.sysctls == [("node1", "net/ipv4/ip_forward", "1")]
     # the same state again: nothing written; a partial sync leaves the attachments to the watcher
     p.sync(STATE, NODE, frozenset())
     assert p.last_flush.writes == 0
-    assert rig.events == ["carry v1 conntrack", "reconcile full=True", "carry v1 conntrack again", "watch"]
+    assert rig.events == first
     assert rig.datapaths[0].loads == 1
-    # a full sync (every sync period) checks every device
+    # a full sync (every sync period) checks every device and the socket links
     p.sync(STATE, NODE)
-    assert rig.events[-1] == "reconcile full=False verify"
+    assert rig.events[-3:] == ["reconcile full=False verify", "link sockets", "end stale sockets (0 so far)"]
     # so does a partial one when the node's addresses changed
     moved = NodeContext(node_ips=("192.168.0.21",), primary_ip="192.168.0.21")
     p.sync(STATE, moved, frozenset())
@@ -208,6 +279,70 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     rig.attachers[0].watching = False
     p.sync(STATE, moved, frozenset())
     assert rig.events[-2:] == ["watch", "reconcile full=False verify"]
+
+
+def test_the_socket_programs_get_the_node_namespace_then_their_links(rig: Rig) -> None:
+    """Their settings (the node's netns cookie, host-namespace-only) are written before they are
+    linked, and they are given the socket program fds."""
+    rig.config = replace(rig.config, socket_lb_host_only=False)
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    assert rig.maps["skcfg"].lookup(ctypes.c_uint32(0)) == SockConfig(host_netns=4242, flags=0)
+    rig2 = Rig(rig.tmp)
+    rig2.proxier().sync(STATE, NODE)
+    assert rig2.maps["skcfg"].lookup(ctypes.c_uint32(0)) == SockConfig(
+        host_netns=4242, flags=SockFlag.HOST_ONLY
+    )
+
+
+def test_udp_sockets_are_ended_after_a_sync_that_removed_a_backend(rig: Rig) -> None:
+    """The socket iterator runs when membership shrank (and at full syncs), not after other syncs."""
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    runs = sum(e.startswith("end stale sockets") for e in rig.events)
+    added = frozenset(MORE.services) - frozenset(STATE.services)
+    p.sync(MORE, NODE, added)
+    assert sum(e.startswith("end stale sockets") for e in rig.events) == runs  # only added: none
+    rig.maps["stats"].update(ctypes.c_uint32(Stat.SOCK_DESTROYED), ctypes.c_uint64(3))
+    p.sync(STATE, NODE, added)
+    assert p.last_flush.deletes.get("member")
+    assert rig.events[-1] == "end stale sockets (3 so far)"
+
+
+def test_a_kernel_without_the_socket_programs_serves_the_rest(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kernel older than the socket programs' helpers loads the data path without them: the
+    services are written and the tc programs attached, the socket links of an earlier run removed,
+    and the log says what the node's own clients lose."""
+    rig.unavailable = {name for name, _ in SOCK_HOOKS.values()} | {PROG_SOCK_TERM}
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    assert rig.contents().same_entries(plan(STATE, NODE, rig.config))
+    assert "link sockets" not in rig.events and "unlink sockets" in rig.events
+    assert "reconcile full=True" in rig.events
+    assert not any(e.startswith("end stale") for e in rig.events)
+    assert "cannot load the socket programs" in caplog.text
+
+
+def test_a_kernel_without_bpf_sock_destroy_links_the_socket_programs_and_says_what_it_lacks(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig.unavailable = {PROG_SOCK_TERM}
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    assert "link sockets" in rig.events and not any(e.startswith("end stale") for e in rig.events)
+    assert "no bpf_sock_destroy" in caplog.text
+
+
+def test_socket_lb_off_unlinks_what_an_earlier_run_left(rig: Rig) -> None:
+    rig.config = replace(rig.config, socket_lb=False)
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    assert "unlink sockets" in rig.events and "link sockets" not in rig.events
+    assert not any(e.startswith("end stale") for e in rig.events)
+    p.cleanup()
+    assert rig.events.count("unlink sockets") == 2
 
 
 def test_later_syncs_write_what_changed(rig: Rig) -> None:
@@ -397,11 +532,45 @@ def small_sizes() -> MapSizes:
     )
 
 
+@pytest.fixture
+def cgroup() -> Iterator[str]:
+    """A cgroup of the test's own (never the machine's root, where the programs would serve every
+    socket of the machine)."""
+    root = cgroup2_root()
+    assert root is not None, "cgroup2 is not mounted"
+    path = os.path.join(root, new_prefix())
+    os.mkdir(path)
+    try:
+        yield path
+    finally:
+        remove_cgroup_tree(path)
+
+
+def cgroup_programs(path: str) -> dict[str, str]:
+    """Hook -> program name of what is attached to a cgroup (bpftool)."""
+    out = json.loads(sh("bpftool", "cgroup", "show", path, "-j").strip() or "[]")
+    return {item["attach_type"]: item["name"] for item in out}
+
+
 @pytest.mark.kernel
-def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path) -> None:
+def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str) -> None:
     config = Config(
-        netns=node_ns, pin_path=str(bpffs / "ekp"), pod_interfaces=("lxc*",), map_sizes=small_sizes()
+        netns=node_ns,
+        pin_path=str(bpffs / "ekp"),
+        pod_interfaces=("lxc*",),
+        map_sizes=small_sizes(),
+        socket_lb_cgroup=cgroup,
     )
+    sockets = {
+        "cgroup_inet4_connect": "ekp_sock_conn",
+        "cgroup_udp4_sendmsg": "ekp_sock_send",
+        "cgroup_udp4_recvmsg": "ekp_sock_recv",
+        "cgroup_inet4_getpeername": "ekp_sock_peer",
+        "cgroup_inet6_connect": "ekp_sock_conn6",
+        "cgroup_udp6_sendmsg": "ekp_sock_send6",
+        "cgroup_udp6_recvmsg": "ekp_sock_recv6",
+        "cgroup_inet6_getpeername": "ekp_sock_peer6",
+    }
     node = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
     sh("ip", "netns", "exec", node_ns, "sysctl", "-qw", "net.ipv4.ip_forward=0")
 
@@ -422,17 +591,27 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path) -> None:
         assert "ekp_from_net" in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
         assert "ekp_from_pod" in sh("tc", "-n", node_ns, "filter", "show", "dev", "lxc-a", "ingress")
         assert sh("ip", "netns", "exec", node_ns, "sysctl", "-n", "net.ipv4.ip_forward").strip() == "1"
+        assert cgroup_programs(cgroup) == sockets
+        shown = render_live_maps(config.pin_path, ("sockets",))
+        assert "sockcfg host_netns=" in shown and " host-namespace-only" in shown
+        assert "socklink connect4 " in shown and f"cgroup={os.stat(cgroup).st_ino}" in shown
+        links = pinned_links(config.pin_path)
+        assert set(links) == {
+            f"{hook}{family}" for hook in ("connect", "sendmsg", "recvmsg", "getpeername") for family in "46"
+        }
         first.sync(MORE, node)
         after_more = render_contents(live(config))
     finally:
         first.close()  # the agent stops; everything stays
     assert render_contents(live(config)) == after_more
     assert "ekp_from_net" in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
+    assert cgroup_programs(cgroup) == sockets  # the pinned links hold them while no agent runs
 
     second = EbpfProxier(config)
     try:
         second.sync(MORE, node)
         assert second.last_flush.writes == 0  # same ids, no churn
+        assert pinned_links(config.pin_path) == links  # the same links, re-adopted
         assert render_contents(live(config)) == after_more
         second.sync(STATE, node)
         key = FrontendKey(addr=ip_be("10.96.0.10"), port=port_be(53), proto=17, scope=int(Scope.INTERNAL))
@@ -440,6 +619,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path) -> None:
     finally:
         second.cleanup()
     assert not os.path.exists(config.pin_path)
+    assert cgroup_programs(cgroup) == {}
     assert "ekp_" not in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
     assert "ekp_" not in sh("tc", "-n", node_ns, "filter", "show", "dev", "lxc-a", "ingress")
 
@@ -548,7 +728,7 @@ def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:
 
 def test_fixtures_differ() -> None:
     assert set(STATE.services) < set(MORE.services)
-    assert len(plan(MORE, NODE, Config()).fe) == 12
+    assert len(plan(MORE, NODE, Config()).fe) == 13  # with the NodePort on localhost (internal)
 
 
 def test_a_map_too_small_is_an_error_naming_the_flag_and_the_size(
@@ -562,7 +742,7 @@ def test_a_map_too_small_is_an_error_naming_the_flag_and_the_size(
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1
     assert f"BPF map {MAPS['fe'].name} is too small" in errors[0]
-    assert "needs 12 entries, it holds 3" in errors[0] and "--bpf-fe-max=16 or more" in errors[0]
+    assert "needs 13 entries, it holds 3" in errors[0] and "--bpf-fe-max=16 or more" in errors[0]
     caplog.clear()
     p.sync(MORE, NODE)
     assert not [r for r in caplog.records if r.levelname == "ERROR"], "said once, not at every sync"

@@ -17,12 +17,23 @@ from agent.ebpf.abi import (
     Member,
     MemberFlag,
     MemberKey,
+    SockConfig,
+    SockFlag,
+    SockKey,
+    SockNat,
     Stat,
     ip_be,
     port_be,
 )
 from agent.ebpf.plan import MapContents
-from agent.ebpf.render import render_affinity, render_conntrack, render_contents, render_maglev, render_stats
+from agent.ebpf.render import (
+    render_affinity,
+    render_conntrack,
+    render_contents,
+    render_maglev,
+    render_sockets,
+    render_stats,
+)
 
 S = 1_000_000_000
 
@@ -94,6 +105,22 @@ def test_affinity_and_stats() -> None:
     text = render_stats({int(Stat.PACKETS): [1, 2], int(Stat.DROP_FIB): 4})
     assert "stat packets 3\n" in text and "stat drop_fib 4\n" in text and "stat snat 0\n" in text
     assert len(text.splitlines()) == len(Stat)
+
+
+def test_socket_lines() -> None:
+    cfg = SockConfig(host_netns=4096, flags=SockFlag.HOST_ONLY)
+    links = {"connect4": (7, 70, 1234), "recvmsg4": (8, 71, 0)}
+    key = SockKey(cookie=99, addr=ip_be("10.244.1.3"), port=port_be(8080), proto=6)
+    nat = SockNat(fe_addr=ip_be("10.96.0.10"), fe_port=port_be(80), svc_id=3, backend_id=5)
+    assert render_sockets(cfg, links, [(key, nat)]) == (
+        "sockcfg host_netns=4096 host-namespace-only\n"
+        "socklink connect4 link=7 prog=70 cgroup=1234\n"
+        "socklink recvmsg4 link=8 prog=71 cgroup=0\n"
+        "sock 99 10.244.1.3:8080/TCP shown as 10.96.0.10:80 svc=3 be=5\n"
+    )
+    assert render_sockets(None, {}, []).startswith("sockcfg none")
+    all_ns = SockConfig(host_netns=4096, flags=0)
+    assert render_sockets(all_ns, {}, []) == "sockcfg host_netns=4096 all namespaces\n"
 
 
 def test_xdp_counters_print_under_their_own_prefix() -> None:

@@ -78,6 +78,25 @@ def test_entries_capacity_fill_and_counters_from_fake_maps() -> None:
     assert "# TYPE ekp_datapath_drops_total counter\n" in text
 
 
+def test_socket_program_counters() -> None:
+    """connect()/sendmsg() calls by outcome (refused: the calls that ended in a drop reason, which
+    count among ekp_datapath_drops_total), reverse translations and UDP sockets ended."""
+    maps = fake_maps()
+    counters = {Stat.SOCK_CALLS: 20, Stat.SOCK_TRANSLATED: 12, Stat.SOCK_PASS: 6}
+    counters |= {Stat.SOCK_REVNAT: 30, Stat.SOCK_DESTROYED: 2}
+    for stat, value in counters.items():
+        maps["stats"].update(ctypes.c_uint32(stat), ctypes.c_uint64(value))
+    registry = CollectorRegistry()
+    registry.register(BpfMapsCollector(opener(maps)))
+    get = registry.get_sample_value
+    assert get("ekp_socket_lb_calls_total", {"outcome": "translated"}) == 12
+    assert get("ekp_socket_lb_calls_total", {"outcome": "passed"}) == 6
+    assert get("ekp_socket_lb_calls_total", {"outcome": "refused"}) == 2
+    assert get("ekp_socket_lb_reverse_translations_total") == 30
+    assert get("ekp_socket_lb_udp_sockets_ended_total") == 2
+    assert get("ekp_bpf_map_up", {"map": MAPS["sknat"].name}) == 1
+
+
 def test_values_are_read_at_every_scrape() -> None:
     maps = fake_maps()
     registry = CollectorRegistry()

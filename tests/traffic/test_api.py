@@ -77,6 +77,8 @@ def test_watch_faults_never_disturb_a_service_that_does_not_change(api: ApiClust
         [*with_endpoints(steady, [ep(api, "pod-1-3"), ep(api, "pod-2-3")]), *with_endpoints(moving, [])]
     )
     loop = Loop(api.lab, "pod-1-1", "http://10.96.2.2/", f"faults-{api.mode}")
+    # "should work after restarting apiserver" dials from a host-network pod too
+    node_loop = Loop(api.lab, "node1", "http://10.96.2.2/", f"faults-node-{api.mode}")
     try:
         backends = ["pod-1-2", "pod-2-1", "pod-2-2"]
 
@@ -112,9 +114,12 @@ def test_watch_faults_never_disturb_a_service_that_does_not_change(api: ApiClust
         move_to(2)
     finally:
         result = loop.finish()
+        node_result = node_loop.finish()
     assert result["errors"] == 0, result
     assert result["ok"] > 500, result
     assert names(result) == {"pod-1-3", "pod-2-3"}
+    assert node_result["errors"] == 0 and node_result["ok"] > 500, node_result
+    assert names(node_result) == {"pod-1-3", "pod-2-3"}
     for node in ("node1", "node2"):
         relists = scrape(api, node, "ekp_relists_total")
         assert any(labels.get("reason") == "gone" and v >= 1 for labels, v in relists), relists

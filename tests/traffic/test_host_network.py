@@ -2,7 +2,8 @@
 Service of a control-plane node (its endpoint is the API server on the node's address, port 6443)
 and upstream's "should function for service endpoints using hostNetwork" (a host-network server on
 every node behind a ClusterIP and NodePorts, http and udp, large requests too), from pods on both
-nodes and from the external client, with the source each backend sees checked.
+nodes, from the external client and from node1 itself (upstream's node-Service(hostNetwork) dials),
+with the source each backend sees checked.
 
 Servers listen in the lab nodes' own namespaces (lab/podserver.py, answering with the node's name
 and `/ip` with the source it sees). kube-proxy DNATs in PREROUTING: a flow to this node's address
@@ -11,17 +12,21 @@ address even through a NodePort; a flow to the other node's address leaves the n
 masqueraded when the frontend says so. eBPF mode hands such flows to the node's stack the same way
 (bpf/ekp_tc_apply.h) and translates the stack's replies at tc egress (ekp_egress).
 
-From the node itself: the socket programs' part (issue 16 item 1), not here.
+From node1 itself (a process in its namespace and its own cgroup) kube-proxy's OUTPUT chain
+translates; eBPF mode's socket programs (bpf/ekp_sock.h) send the connect()/sendmsg() straight to
+the backend, node1's own address or node2's.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from lab.harness import Cluster
+from lab.harness import CLIENT, Cluster
 from lab.objects import Ep, Port, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
@@ -79,11 +84,11 @@ def host_network_service(cluster: Cluster) -> None:
     cluster.apply(with_endpoints(svc, [Ep(N1, "node1"), Ep(N2, "node2")]))
 
 
-@pytest.mark.parametrize("source", ["pod-1-1", "pod-2-1", "client"])
+@pytest.mark.parametrize("source", ["pod-1-1", "pod-2-1", "client", "node1"])
 def test_service_endpoints_using_host_network(cluster: Cluster, host_servers: None, source: str) -> None:
     """ "should function for service endpoints using hostNetwork": both nodes' servers answer
-    through the cluster IP (from pods) and both NodePorts, http and udp, and a 2,000-byte datagram
-    (fragmented on its way) and request come back whole."""
+    through the cluster IP (from pods and the node) and both NodePorts, http and udp, and a
+    2,000-byte datagram (fragmented on its way) and request come back whole."""
     host_network_service(cluster)
     urls: list[str] = [f"http://{N1}:{HTTP_NP}/", f"http://{N2}:{HTTP_NP}/"]
     udp: list[tuple[str, int]] = [(N1, UDP_NP), (N2, UDP_NP)]
@@ -113,3 +118,27 @@ def test_host_network_backends_see_the_source_kube_proxy_gives_them(
     assert set(bodies(cluster, "pod-2-1", f"http://{HOSTNET}/ip", 30)) == {pod}
     client = source_ip(cluster, "client")
     assert set(bodies(cluster, "client", f"http://{N1}:{HTTP_NP}/ip", 40)) == {client, N1}
+
+
+def test_internal_traffic_policy_local_to_a_host_network_endpoint_from_pods_and_nodes(
+    cluster: Cluster, host_servers: None
+) -> None:
+    """ "should respect internalTrafficPolicy=Local Pod and Node, to Pod (hostNetwork: true)": the one
+    endpoint is node1's host-network server; a pod and a host-network pod on node1 reach it through
+    the cluster IP, those on node2 get no answer (no local endpoint there: kube-proxy drops, eBPF
+    mode drops the SYN from the pod and refuses the host-network pod's connect())."""
+    svc = service("itp-hostnet-ep", "10.96.7.18", [Port("http", 80, HTTP)], internalTrafficPolicy="Local")
+    cluster.apply(with_endpoints(svc, [Ep(N1, "node1")]))
+    lab = cluster.lab
+    for index, expect in ((1, True), (2, False)):
+        node = lab.node(index)
+        assert node.hostnet_cgroup is not None
+        count = 5 if expect else 2
+        args = ["http", "--url", "http://10.96.7.18/", "--count", str(count), "--timeout", "1"]
+        pod = cluster.client(f"pod-{index}-1", *args)
+        hostnet = json.loads(lab.run(node, sys.executable, CLIENT, *args, cgroup=node.hostnet_cgroup).stdout)
+        for who, result in ((f"pod-{index}-1", pod), (f"host-network pod on node{index}", hostnet)):
+            if expect:
+                assert result["errors"] == 0 and result["bodies"] == {"node1": count}, (who, result)
+            else:
+                assert result["errors"] == count and not result["bodies"], (who, result)

@@ -70,20 +70,25 @@ def test_service_proxy_name_label_toggled_on_a_live_service(api: ApiCluster) -> 
     other = {PROXY_NAME: "foo-bar"}
     d_svc, d_slice = with_endpoints(disabled, [ep(api, "pod-1-2"), ep(api, "pod-2-2")])
     t_svc, t_slice = with_endpoints(toggled, [ep(api, "pod-1-2"), ep(api, "pod-2-2")])
+    both = {"pod-1-2", "pod-2-2"}
+    sources = ("pod-1-1", "node1")  # upstream dials from a host-network pod too
     api.apply([labelled(d_svc, other), labelled(d_slice, other), t_svc, t_slice])
-    assert served(api, "pod-1-1", "http://10.96.3.2/", count=20) == {"pod-1-2", "pod-2-2"}
-    not_served(api, "pod-1-1", "http://10.96.3.1/")
+    for source in sources:
+        assert served(api, source, "http://10.96.3.2/", count=20) == both, source
+        not_served(api, source, "http://10.96.3.1/")
 
     api.apply([labelled(t_svc, other), labelled(t_slice, other)])
-    not_served(api, "pod-1-1", "http://10.96.3.2/")
-    not_served(api, "pod-2-1", "http://10.96.3.2/")
+    for source in (*sources, "pod-2-1"):
+        not_served(api, source, "http://10.96.3.2/")
 
     api.apply([t_svc, t_slice])
-    assert served(api, "pod-1-1", "http://10.96.3.2/", count=20) == {"pod-1-2", "pod-2-2"}
-    not_served(api, "pod-1-1", "http://10.96.3.1/")
+    for source in sources:
+        assert served(api, source, "http://10.96.3.2/", count=20) == both, source
+        not_served(api, source, "http://10.96.3.1/")
     # The positive control of the silence above: unlabelled, the same cluster IP serves.
     api.apply([d_svc, d_slice])
-    assert served(api, "pod-1-1", "http://10.96.3.1/", count=20) == {"pod-1-2", "pod-2-2"}
+    for source in sources:
+        assert served(api, source, "http://10.96.3.1/", count=20) == both, source
     api.delete([d_svc, t_svc])
 
 
@@ -97,20 +102,26 @@ def test_headless_label_toggled_on_a_live_service(api: ApiCluster) -> None:
     flag = {HEADLESS: ""}
     b_svc, b_slice = with_endpoints(born, [ep(api, "pod-2-3")])
     t_svc, t_slice = with_endpoints(toggled, [ep(api, "pod-1-3"), ep(api, "pod-2-3")])
+    both = {"pod-1-3", "pod-2-3"}
+    sources = ("pod-1-1", "node1")  # upstream dials from a host-network pod too
     api.apply([labelled(b_svc, flag), labelled(b_slice, flag), t_svc, t_slice])
-    assert served(api, "pod-1-1", "http://10.96.3.4/", count=20) == {"pod-1-3", "pod-2-3"}
-    refused(api, "pod-1-1", "http://10.96.3.3/")
+    for source in sources:
+        assert served(api, source, "http://10.96.3.4/", count=20) == both, source
+        refused(api, source, "http://10.96.3.3/")
 
     api.apply([labelled(t_svc, flag), labelled(t_slice, flag)])
-    refused(api, "pod-1-1", "http://10.96.3.4/")
-    refused(api, "pod-2-1", "http://10.96.3.4/")
+    for source in (*sources, "pod-2-1"):
+        refused(api, source, "http://10.96.3.4/")
 
     api.apply([t_svc, t_slice])
-    assert served(api, "pod-2-1", "http://10.96.3.4/", count=20) == {"pod-1-3", "pod-2-3"}
-    refused(api, "pod-1-1", "http://10.96.3.3/")
+    for source in ("pod-2-1", "node1"):
+        assert served(api, source, "http://10.96.3.4/", count=20) == both, source
+    for source in sources:
+        refused(api, source, "http://10.96.3.3/")
     # The positive control of the rejects above: unlabelled, the same cluster IP serves.
     api.apply([b_svc, b_slice])
-    assert served(api, "pod-1-1", "http://10.96.3.3/", count=10) == {"pod-2-3"}
+    for source in sources:
+        assert served(api, source, "http://10.96.3.3/", count=10) == {"pod-2-3"}, source
     api.delete([b_svc, t_svc])
 
 

@@ -8,8 +8,9 @@ the ClusterIP's traffic to the kube-dns pods again. Here a real DNS server (dnsm
 cache on such a device in the lab node, with node-local-dns's rules, and the kube-dns Service has
 one pod running dnsmasq. A pod asks `whoami.lab TXT` through the ClusterIP, over UDP and TCP:
 
-* with the cache running the answer comes from the node (iptables mode: the NOTRACK rules keep
-  the DNAT off; eBPF mode: a ClusterIP port the node listens on has no frontend, so the packet
+* with the cache running the answer comes from the node, to pods and to the node's own clients
+  (iptables mode: the NOTRACK rules keep the DNAT off; eBPF mode: a ClusterIP port the node
+  listens on has no frontend, so neither tc nor the socket programs translate it and the packet
   reaches the node's stack, which delivers it to the listener);
 * once the cache is stopped as node-local-dns stops (the process, then its rules and its device),
   the answer comes from the Service's pod, within the agent's next full sync (1 s here).
@@ -89,6 +90,8 @@ def test_a_cluster_ip_the_node_listens_on_answers_from_the_node_then_from_the_po
     cluster.apply(with_endpoints(service("kube-dns", DNS_IP, ports), [ep(cluster, "pod-1-2")]))
     for tcp in (False, True):
         assert whoami(cluster, tcp) == CACHE, "the node's cache answers through the ClusterIP"
+        # the node's own clients too (eBPF mode: the socket programs find no frontend either)
+        assert lab.dns_whoami(node, DNS_IP, tcp=tcp) == CACHE, "from the node, the node's cache"
     assert lab.dns_whoami("pod-1-1", LINK_LOCAL) == CACHE
 
     lab.stop(cache)  # node-local-dns stops: the process, then its rules and its device
@@ -106,3 +109,5 @@ def test_a_cluster_ip_the_node_listens_on_answers_from_the_node_then_from_the_po
             break
         time.sleep(0.2)
     assert answers == ["pod-1-2", "pod-1-2"], "the Service's pod answers once the cache is gone"
+    from_node = [lab.dns_whoami(node, DNS_IP, tcp=tcp) for tcp in (False, True)]
+    assert from_node == ["pod-1-2", "pod-1-2"], "and to the node's own clients, through the ClusterIP"

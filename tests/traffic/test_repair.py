@@ -3,9 +3,10 @@ networking.go), in both modes, on a one-node lab whose agent resyncs every 2 s.
 
 iptables mode: every jump into a KUBE-* chain is deleted and every KUBE-* chain flushed and
 deleted, in every table and both iptables backends, as the upstream test does over SSH. eBPF mode:
-the same loss for the data path, every frontend entry deleted from the pinned map. Either way the
-service stops answering, and the agent's next full sync (which reads the kernel back) brings it
-back without any change to the Service.
+the same loss for the data path, every frontend entry deleted from the pinned map and the socket
+programs detached from the node's cgroup. Either way the service stops answering, from a pod and
+from the node, and the agent's next full sync (which reads the kernel back) brings it back without
+any change to the Service.
 """
 
 from __future__ import annotations
@@ -73,22 +74,37 @@ def delete_kube_chains(cluster: Cluster) -> int:
 
 
 def delete_frontends(cluster: Cluster) -> int:
+    """The frontends deleted, and the socket programs detached from the node's cgroup (their pins
+    left, as a `bpftool cgroup detach` would): the node's own traffic loses its translation too, as
+    the OUTPUT chain's jump in iptables mode."""
+    import os
+
+    from agent.ebpf import bpfsys
     from agent.ebpf.abi import MAPS
     from agent.ebpf.maps import BpfMap
+    from agent.ebpf.sockattach import link_pin, pinned_links
 
-    with BpfMap.open_pinned(MAPS["fe"], cluster.agents[0].pin_path) as fe:
+    pin_path = cluster.agents[0].pin_path
+    with BpfMap.open_pinned(MAPS["fe"], pin_path) as fe:
         keys = [k for k, _ in fe.items()]
         for k in keys:
             fe.delete(k)
-    return len(keys)
+    links = pinned_links(pin_path)
+    for hook in links:
+        fd = bpfsys.obj_get(link_pin(pin_path, hook))
+        assert fd >= 0 and bpfsys.link_detach(fd) == 0, hook
+        os.close(fd)
+    assert links and all(state.cgroup_id == 0 for state in pinned_links(pin_path).values())
+    return len(keys) + len(links)
 
 
 def test_rules_deleted_behind_the_agents_back_are_recreated(cluster: Cluster) -> None:
     svc = service("iptables-flush-test", "10.96.41.1", [Port("http", 80, 8080)])
     cluster.apply(with_endpoints(svc, [ep(cluster, "pod-1-2"), ep(cluster, "pod-1-3")]))
     url = "http://10.96.41.1/"
-    before = cluster.http("pod-1-1", url, count=20)
-    assert before["errors"] == 0 and set(before["bodies"]) == {"pod-1-2", "pod-1-3"}, before
+    for source in ("pod-1-1", "node1"):  # upstream checks from a host-network pod too
+        before = cluster.http(source, url, count=20)
+        assert before["errors"] == 0 and set(before["bodies"]) == {"pod-1-2", "pod-1-3"}, (source, before)
 
     # The agent is paused while its rules go and the loss is checked: its full sync every 2 s would
     # otherwise race the check (seen under load: the rules were back before the request).
@@ -98,18 +114,20 @@ def test_rules_deleted_behind_the_agents_back_are_recreated(cluster: Cluster) ->
     try:
         deleted = delete_kube_chains(cluster) if cluster.mode == "iptables" else delete_frontends(cluster)
         assert deleted > 0
-        gone = cluster.http("pod-1-1", url, count=1, timeout=1.0)
-        assert gone["errors"] == 1 and not gone["bodies"], ("the service went away", gone)
+        for source in ("pod-1-1", "node1"):
+            gone = cluster.http(source, url, count=1, timeout=1.0)
+            assert gone["errors"] == 1 and not gone["bodies"], ("the service went away", source, gone)
     finally:
         agent.proc.send_signal(signal.SIGCONT)
 
     deadline = time.monotonic() + 4 * SYNC_PERIOD_S + 5
     while time.monotonic() < deadline:
-        result = cluster.http("pod-1-1", url, count=1, timeout=1.0)
-        if result["errors"] == 0:
+        results = [cluster.http(source, url, count=1, timeout=1.0) for source in ("pod-1-1", "node1")]
+        if all(r["errors"] == 0 for r in results):
             break
         time.sleep(0.5)
     else:
         pytest.fail(f"not recreated within {4 * SYNC_PERIOD_S + 5} s:\n{cluster.agents[0].log()[-3000:]}")
-    after = cluster.http("pod-1-1", url, count=20)
-    assert after["errors"] == 0 and set(after["bodies"]) == {"pod-1-2", "pod-1-3"}, after
+    for source in ("pod-1-1", "node1"):
+        after = cluster.http(source, url, count=20)
+        assert after["errors"] == 0 and set(after["bodies"]) == {"pod-1-2", "pod-1-3"}, (source, after)

@@ -90,6 +90,10 @@ class OldAgent(Agent):
         self.label = label
         self.log_path = agent.log_path.with_name(f"agent-{label}-{agent.node.name}.log")
 
+    def flags(self) -> list[str]:
+        # the older agents have no socket programs, nor their flags (they would refuse to start)
+        return [f for f in super().flags() if not f.startswith("--bpf-socket-lb")]
+
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         try:

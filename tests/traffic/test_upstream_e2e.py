@@ -145,19 +145,27 @@ def test_service_deleted_and_recreated_while_a_tcp_stream_runs(
     svc = service("recreated", "10.96.40.3", [HTTP, Port("echo", 7000, 7000)])
     objects = with_endpoints(svc, [ep(cluster, "pod-2-3")])
     apply(cluster, objects)
-    assert served(cluster, "pod-1-1", "http://10.96.40.3/") == {"pod-2-3"}
+    for source in ("pod-1-1", "node1"):  # upstream dials from a host-network pod too
+        assert served(cluster, source, "http://10.96.40.3/") == {"pod-2-3"}, source
     held = start(cluster, "pod-1-1", f"held-{cluster.mode}", "hold", "--addr", "10.96.40.3", "--port", "7000")
+    held_node = start(
+        cluster, "node1", f"held-node-{cluster.mode}", "hold", "--addr", "10.96.40.3", "--port", "7000"
+    )
     try:
         time.sleep(1.0)
         apply(cluster, [])  # deleted
-        not_served(cluster, "pod-1-3", "http://10.96.40.3/")
+        for source in ("pod-1-3", "node1"):
+            not_served(cluster, source, "http://10.96.40.3/")
         time.sleep(1.0)
         apply(cluster, objects)  # recreated, same cluster IP
-        assert served(cluster, "pod-1-3", "http://10.96.40.3/") == {"pod-2-3"}
+        for source in ("pod-1-3", "node1"):
+            assert served(cluster, source, "http://10.96.40.3/") == {"pod-2-3"}, source
         time.sleep(1.0)
     finally:
         result = finish(*held)
+        node_result = finish(*held_node)
     assert result["errors"] == 0 and result["exchanges"] > 40, result
+    assert node_result["errors"] == 0 and node_result["exchanges"] > 40, node_result
 
 
 def affinity_service(name: str, ip: str, type: str = "ClusterIP", **spec: Any) -> Obj:
@@ -268,15 +276,17 @@ def udp_from(cluster: Cluster, target: str, addr: str, port: int, count: int = 3
     )
 
 
-@pytest.mark.parametrize("via", ["NodePort", "ClusterIP"])
+@pytest.mark.parametrize("via", ["NodePort", "ClusterIP", "ClusterIP from the node"])
 def test_udp_traffic_preserved_when_server_pod_cycles(cluster: Cluster, via: str) -> None:
-    """ "should be able to preserve UDP traffic when server pod cycles for a NodePort service" and
-    "... for a ClusterIP service" (conntrack.go): one UDP flow (fixed source port) from a pod on
-    node1 (upstream's client pod) reaches backend 1 on node2; backend 2 replaces it; the same flow
-    reaches backend 2 within a few datagrams."""
+    """ "should be able to preserve UDP traffic when server pod cycles for a NodePort service",
+    "... for a ClusterIP service" and "... for a ClusterIP service and client is hostNetwork"
+    (conntrack.go): one UDP flow (fixed source port) from a pod on node1 (upstream's client pod),
+    or from node1 itself, reaches backend 1 on node2; backend 2 replaces it; the same flow reaches
+    backend 2 within a few datagrams."""
     svc = service("svc-udp", "10.96.40.8", [replace(ECHO, node_port=30704)], type="NodePort")
     addr, port = (N2, 30704) if via == "NodePort" else ("10.96.40.8", 90)
-    target = "pod-1-1"
+    # "... for a ClusterIP service and client is hostNetwork": the same from node1's own network
+    target = "node1" if via == "ClusterIP from the node" else "pod-1-1"
     apply(cluster, with_endpoints(svc, [ep(cluster, "pod-2-5")]))
     assert udp_from(cluster, target, addr, port)["replies"] == {"pod-2-5": 3}
     apply(cluster, with_endpoints(svc, [ep(cluster, "pod-2-6")]))
@@ -316,44 +326,53 @@ def test_multiple_services_with_the_same_endpoints_and_up_and_down(cluster: Clus
     """ "should function for multiple endpoint-Services with same selector" and "should be able to
     up and down services": deleting one of two Services over the same pods leaves the other (and
     its NodePort) serving; a third one added later serves too. Dialled from an endpoint pod, as
-    upstream's endpoint-Service tests dial, and from the external client."""
+    upstream's endpoint-Service tests dial, from another pod and the node (its up-and-down test
+    dials from an exec pod and a host-network pod) and from the external client."""
     eps = [ep(cluster, "pod-1-3"), ep(cluster, "pod-2-3")]
     first = service("same-a", "10.96.40.11", [replace(HTTP, node_port=30705)], type="NodePort")
     second = service("same-b", "10.96.40.12", [replace(HTTP, node_port=30706)], type="NodePort")
     third = service("same-c", "10.96.40.13", [HTTP])
+    both = {"pod-1-3", "pod-2-3"}
     apply(cluster, [*with_endpoints(first, eps), *with_endpoints(second, eps)])
     for url in ("http://10.96.40.11/", "http://10.96.40.12/", f"http://{N1}:30705/"):
-        assert served(cluster, "pod-1-3", url, count=30) == {"pod-1-3", "pod-2-3"}, url
-    assert served(cluster, "client", f"http://{N1}:30705/", count=30) == {"pod-1-3", "pod-2-3"}
+        # upstream's up-and-down test dials from an exec pod and from the host too
+        for source in ("pod-1-3", "pod-1-1", "node1"):
+            assert served(cluster, source, url, count=30) == both, (source, url)
+    assert served(cluster, "client", f"http://{N1}:30705/", count=30) == both
     apply(cluster, with_endpoints(second, eps))
-    not_served(cluster, "pod-1-3", "http://10.96.40.11/")
+    for source in ("pod-1-3", "pod-1-1", "node1"):
+        not_served(cluster, source, "http://10.96.40.11/")
     not_served(cluster, "client", f"http://{N1}:30705/")
-    assert served(cluster, "pod-1-3", "http://10.96.40.12/", count=30) == {"pod-1-3", "pod-2-3"}
-    assert served(cluster, "client", f"http://{N1}:30706/", count=30) == {"pod-1-3", "pod-2-3"}
+    for source in ("pod-1-3", "node1"):
+        assert served(cluster, source, "http://10.96.40.12/", count=30) == both, source
+    assert served(cluster, "client", f"http://{N1}:30706/", count=30) == both
     apply(cluster, [*with_endpoints(second, eps), *with_endpoints(third, eps)])
-    assert served(cluster, "pod-1-3", "http://10.96.40.13/", count=30) == {"pod-1-3", "pod-2-3"}
-    assert served(cluster, "pod-1-3", "http://10.96.40.12/", count=30) == {"pod-1-3", "pod-2-3"}
+    for source in ("pod-1-3", "node1"):
+        assert served(cluster, source, "http://10.96.40.13/", count=30) == both, source
+        assert served(cluster, source, "http://10.96.40.12/", count=30) == both, source
 
 
 @pytest.mark.parametrize("proto", ["http", "udp"])
 def test_update_node_port_closes_with_its_service(cluster: Cluster, proto: str) -> None:
     """ "should update nodePort: http" and "should update nodePort: udp" (and "should support basic
     nodePort: udp functionality"): the NodePort answers on both nodes from every backend, and
-    nothing answers once the Service is deleted."""
+    nothing answers once the Service is deleted; from the node (upstream dials from a host-network
+    pod), a pod and the external client."""
     port = replace(HTTP if proto == "http" else ECHO, node_port=30707)
     svc = service("np-update", "10.96.40.14", [port], type="NodePort")
     apply(cluster, with_endpoints(svc, [ep(cluster, "pod-1-6"), ep(cluster, "pod-2-6")]))
-    for source, node_ip in (("client", N1), ("client", N2), ("pod-1-1", N1), ("pod-1-1", N2)):
+    sources = [(source, node_ip) for source in ("client", "pod-1-1", "node1") for node_ip in (N1, N2)]
+    for source, node_ip in sources:  # upstream dials from a host-network pod
         if proto == "http":
             assert served(cluster, source, f"http://{node_ip}:30707/", count=30) == {"pod-1-6", "pod-2-6"}
         else:
             assert set(cluster.udp(source, node_ip, 30707, count=30)["replies"]) == {"pod-1-6", "pod-2-6"}
     apply(cluster, [])
-    for node_ip in (N1, N2):
+    for source, node_ip in sources:
         if proto == "http":
-            not_served(cluster, "client", f"http://{node_ip}:30707/")
+            not_served(cluster, source, f"http://{node_ip}:30707/")
         else:
-            assert cluster.udp("client", node_ip, 30707, count=2)["lost"] == 2
+            assert cluster.udp(source, node_ip, 30707, count=2)["lost"] == 2, (source, node_ip)
 
 
 def test_multiport_endpoints_from_pods(cluster: Cluster) -> None:

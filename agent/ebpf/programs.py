@@ -1,0 +1,109 @@
+"""The programs of the data path (bpf/ekp_tc.c), how each is loaded and where it attaches. Pure.
+
+* tc: `ekp_from_pod` on the ingress of every pod veth, `ekp_from_net` on the node's external
+  devices, `ekp_egress` on the egress of both (the replies of the node's own stack for flows handed
+  to it: agent/ebpf/attach.py); XDP: `ekp_xdp_net` on the same external devices, ahead of
+  `ekp_from_net` (agent/ebpf/xdp.py, --bpf-xdp);
+* cgroup: the socket programs on `--bpf-socket-lb-cgroup` (agent/ebpf/sockattach.py), each loaded
+  for its hook (the kernel wants the hook, `expected_attach_type`, at load);
+* an iterator: `ekp_sock_term` (iter/udp) ends connected UDP sockets whose backend left
+  (agent/ebpf/sockterm.py). It calls the kernel function bpf_sock_destroy, which bcc 0.26 cannot
+  compile a call to: the C calls a marker helper number and the loader patches the call
+  (agent/ebpf/kfunc.py), then loads it itself with the iterator's target (`bpf_iter_udp`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# enum bpf_prog_type
+PROG_SCHED_CLS = 3
+PROG_XDP = 6
+PROG_CGROUP_SOCK_ADDR = 18
+PROG_TRACING = 26
+# enum bpf_attach_type
+ATTACH_CGROUP_INET4_CONNECT = 10
+ATTACH_CGROUP_INET6_CONNECT = 11
+ATTACH_CGROUP_UDP4_SENDMSG = 14
+ATTACH_CGROUP_UDP6_SENDMSG = 15
+ATTACH_CGROUP_UDP4_RECVMSG = 19
+ATTACH_CGROUP_UDP6_RECVMSG = 20
+ATTACH_TRACE_ITER = 28
+ATTACH_CGROUP_INET4_GETPEERNAME = 29
+ATTACH_CGROUP_INET6_GETPEERNAME = 30
+
+# bpf/ekp_sock.h EKP_KFUNC_SOCK_DESTROY: the helper number standing for bpf_sock_destroy
+KFUNC_SOCK_DESTROY_MARK = 0x1EA7
+
+
+@dataclass(frozen=True)
+class ProgSpec:
+    prog_type: int
+    attach_type: int = -1  # expected_attach_type at load; -1: none (tc)
+    iter_target: str = ""  # an iterator's target: the kernel's bpf_iter_<target>
+    kfuncs: tuple[tuple[int, str], ...] = ()  # (marker helper number, kernel function) to patch in
+    # Kernel functions (BTF FUNC names: helpers, kfuncs, iterator targets) the program cannot load
+    # without; a kernel lacking one loads the data path without it (available_programs)
+    needs: tuple[str, ...] = ()
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "type": self.prog_type,
+            "attach": self.attach_type,
+            "iter": self.iter_target,
+            "kfuncs": [list(k) for k in self.kfuncs],
+        }
+
+
+PROG_FROM_POD = "ekp_from_pod"
+PROG_FROM_NET = "ekp_from_net"
+PROG_EGRESS = "ekp_egress"  # tc egress of both kinds of device
+PROG_XDP_NET = "ekp_xdp_net"  # XDP of the external devices, ahead of ekp_from_net (--bpf-xdp)
+PROG_SOCK_TERM = "ekp_sock_term"
+
+# The socket programs by hook name, with their attach type. The IPv6 hooks serve IPv4 addresses on
+# IPv6 sockets (v4-mapped, ::ffff:a.b.c.d: Java and other dual-stack runtimes dial IPv4 that way).
+SOCK_HOOKS: dict[str, tuple[str, int]] = {
+    "connect4": ("ekp_sock_conn", ATTACH_CGROUP_INET4_CONNECT),
+    "sendmsg4": ("ekp_sock_send", ATTACH_CGROUP_UDP4_SENDMSG),
+    "recvmsg4": ("ekp_sock_recv", ATTACH_CGROUP_UDP4_RECVMSG),
+    "getpeername4": ("ekp_sock_peer", ATTACH_CGROUP_INET4_GETPEERNAME),
+    "connect6": ("ekp_sock_conn6", ATTACH_CGROUP_INET6_CONNECT),
+    "sendmsg6": ("ekp_sock_send6", ATTACH_CGROUP_UDP6_SENDMSG),
+    "recvmsg6": ("ekp_sock_recv6", ATTACH_CGROUP_UDP6_RECVMSG),
+    "getpeername6": ("ekp_sock_peer6", ATTACH_CGROUP_INET6_GETPEERNAME),
+}
+
+# What the socket programs call that older kernels lack: bpf_set_retval (Linux 5.18, refusing a call
+# with an errno) and bpf_get_netns_cookie for sock_addr programs (5.7); the iterator bpf_sock_destroy
+# (6.5) and the UDP socket iterator (5.9).
+SOCK_NEEDS = ("bpf_set_retval", "bpf_get_netns_cookie_sock_addr")
+TERM_NEEDS = ("bpf_sock_destroy", "bpf_iter_udp")
+
+PROGRAMS: dict[str, ProgSpec] = {
+    PROG_FROM_POD: ProgSpec(PROG_SCHED_CLS),
+    PROG_FROM_NET: ProgSpec(PROG_SCHED_CLS),
+    PROG_EGRESS: ProgSpec(PROG_SCHED_CLS),
+    PROG_XDP_NET: ProgSpec(PROG_XDP),
+    **{
+        name: ProgSpec(PROG_CGROUP_SOCK_ADDR, attach, needs=SOCK_NEEDS)
+        for name, attach in SOCK_HOOKS.values()
+    },
+    PROG_SOCK_TERM: ProgSpec(
+        PROG_TRACING,
+        ATTACH_TRACE_ITER,
+        iter_target="udp",
+        kfuncs=((KFUNC_SOCK_DESTROY_MARK, "bpf_sock_destroy"),),
+        needs=TERM_NEEDS,
+    ),
+}
+
+
+def kernel_needs() -> set[str]:
+    """Every kernel function some program needs."""
+    return {fn for spec in PROGRAMS.values() for fn in spec.needs}
+
+
+def available_programs(kernel_has: set[str]) -> dict[str, ProgSpec]:
+    """The programs this kernel can load: those whose needs are all in `kernel_has`."""
+    return {name: spec for name, spec in PROGRAMS.items() if set(spec.needs) <= kernel_has}

@@ -1,0 +1,390 @@
+"""The socket programs (bpf/ekp_sock.h): connect4, sendmsg4, recvmsg4, getpeername4 and the UDP socket
+iterator, with real sockets of processes in a lab node's cgroup.
+
+BPF_PROG_TEST_RUN does not run cgroup sock_addr programs (the kernel has no test_run for them), so
+these stand where the tc programs have their packet fixtures: the real data path is compiled and
+loaded with its maps pinned in a throwaway bpffs, its socket programs linked to the lab node's
+cgroup (never the machine's), the maps written by hand (lab/dplab.py add_service), and a client
+(lab/client.py) run in the node's namespace and cgroup, or in a pod's, dials. One node, two pods with
+podservers (HTTP 8080, UDP echo 9000); no tc program is attached, so what is translated here is the
+socket programs' doing alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from agent.ebpf import abi
+from agent.ebpf.abi import CALLS, OUTCOMES, BackendFlag, FrontendFlag, Stat, ip_be, port_be
+from agent.ebpf.loader import Datapath
+from agent.ebpf.maps import read_stats, write_config
+from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
+from agent.ebpf.sockattach import SocketAttacher, detach_all, netns_cookie, sock_config
+from agent.ebpf.sockterm import SocketTerminator
+from lab import Lab
+from lab.dplab import CFG, SIZES, TCP, TEST_ROLES, UDP, add_service
+from lab.harness import CLIENT
+from lab.packets import loaded_datapath
+
+pytestmark = pytest.mark.kernel
+
+VIP = "10.96.0.10"
+NODE_IP = "192.168.0.11"
+
+
+@dataclass
+class SockLab:
+    lab: Lab
+    dp: Datapath
+    cookie: int  # the node namespace's
+
+    @property
+    def maps(self) -> Any:
+        return self.dp.maps
+
+    def settings(self, *, host_only: bool) -> None:
+        self.maps["skcfg"].update(ctypes.c_uint32(0), sock_config(self.cookie, host_only))
+
+    def client(self, where: str, *args: str, timeout: float = 30.0) -> dict[str, Any]:
+        res = self.lab.run(where, sys.executable, CLIENT, *args, timeout=timeout)
+        out: dict[str, Any] = json.loads(res.stdout)
+        return out
+
+    def stats(self) -> dict[Stat, int]:
+        return read_stats(self.maps["stats"])
+
+    def pod_ip(self, name: str) -> str:
+        return self.lab.pod(name).ip
+
+
+@pytest.fixture(scope="module")
+def socklab(lab1: Lab) -> Iterator[SockLab]:
+    with loaded_datapath(SIZES) as dp:
+        node = lab1.node(1)
+        assert node.cgroup_root is not None
+        fds = {name: dp.prog_fd(name) for name, _ in SOCK_HOOKS.values()}
+        SocketAttacher(dp.pin_path, node.cgroup_root, fds).reconcile()
+        try:
+            yield SockLab(lab1, dp, netns_cookie(node.ns))
+        finally:
+            detach_all(dp.pin_path)
+
+
+@pytest.fixture
+def sl(socklab: SockLab) -> Iterator[SockLab]:
+    """Empty maps, the node's address in the config, node sockets only; the counters balanced after."""
+    for role in (*TEST_ROLES, "sknat"):
+        socklab.maps[role].clear()
+    write_config(socklab.maps, abi.Config.from_buffer_copy(bytes(CFG)))
+    socklab.settings(host_only=True)
+    yield socklab
+    stats = socklab.stats()
+    assert sum(stats[s] for s in CALLS) == sum(stats[s] for s in OUTCOMES), stats
+
+
+def two_backends(sl: SockLab, proto: int = TCP, port: int = 80, target: int = 8080, **kw: Any) -> None:
+    backends = (
+        (1, sl.pod_ip("pod-1-1"), target, BackendFlag.LOCAL),
+        (2, sl.pod_ip("pod-1-2"), target, BackendFlag.LOCAL),
+    )
+    add_service(sl.maps, VIP, port, backends, proto=proto, **kw)
+
+
+def test_connect_goes_to_a_backend_and_getpeername_shows_the_cluster_ip(sl: SockLab) -> None:
+    two_backends(sl)
+    seen = set()
+    for _ in range(12):
+        out = sl.client("node1", "peer", "--addr", VIP, "--port", "80")
+        assert out["peer"] == f"{VIP}:80", out  # getpeername: the address the client dialled
+        seen.add(out["body"])
+    assert seen == {"pod-1-1", "pod-1-2"}  # each connect() chooses (random slot)
+    stats = sl.stats()
+    assert stats[Stat.SOCK_TRANSLATED] == 12 and stats[Stat.SOCK_REVNAT] >= 12
+    entries = sl.maps["sknat"].items()
+    assert entries and all(v.fe_addr == ip_be(VIP) and v.fe_port == port_be(80) for _, v in entries)
+
+
+def test_addresses_that_are_not_frontends_are_left_alone(sl: SockLab) -> None:
+    two_backends(sl)
+    out = sl.client("node1", "peer", "--addr", sl.pod_ip("pod-1-2"), "--port", "8080")
+    assert out == {"peer": f"{sl.pod_ip('pod-1-2')}:8080", "body": "pod-1-2"}
+    assert sl.stats()[Stat.SOCK_PASS] >= 1 and sl.stats()[Stat.SOCK_TRANSLATED] == 0
+
+
+def test_udp_replies_come_from_the_cluster_ip_and_a_socket_keeps_its_backend(sl: SockLab) -> None:
+    """recvmsg4: an unconnected socket's sendto(VIP) goes to a backend, recvfrom() names the VIP;
+    every datagram of one socket goes to one backend (sendmsg4 chooses by socket), new sockets spread."""
+    two_backends(sl, UDP, 90, 9000)
+    out = sl.client("node1", "udp", "--addr", VIP, "--port", "90", "--count", "20", "--sources")
+    assert out["sources"] == {f"{VIP}:90": 20} and out["lost"] == 0
+    assert set(out["replies"]) == {"pod-1-1", "pod-1-2"}  # 20 sockets, each choosing
+    assert sl.stats()[Stat.SOCK_REVNAT] == 20
+
+
+def test_one_unconnected_udp_socket_stays_on_one_backend(sl: SockLab) -> None:
+    two_backends(sl, UDP, 90, 9000)
+    code = (
+        "import socket, json\n"
+        "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2)\n"
+        "seen = []\n"
+        "for i in range(10):\n"
+        f"    s.sendto(b'x%d' % i, ('{VIP}', 90)); data, src = s.recvfrom(100)\n"
+        "    seen.append([data.decode().split()[0], '%s:%d' % src])\n"
+        "print(json.dumps(seen))\n"
+    )
+    seen = json.loads(sl.lab.run("node1", sys.executable, "-c", code).stdout)
+    assert len({name for name, _ in seen}) == 1 and {src for _, src in seen} == {f"{VIP}:90"}
+
+
+def test_no_endpoints_refuses_at_connect_and_sendmsg(sl: SockLab) -> None:
+    """kube-proxy's REJECT for a service without endpoints: ECONNREFUSED, at once."""
+    add_service(sl.maps, VIP, 80, (), count=0, flags=FrontendFlag.NO_ENDPOINTS)
+    add_service(sl.maps, VIP, 90, (), proto=UDP, count=0, flags=FrontendFlag.NO_ENDPOINTS, svc_id=2, set_id=2)
+    started = time.monotonic()
+    assert sl.client("node1", "peer", "--addr", VIP, "--port", "80") == {"error": "ECONNREFUSED"}
+    assert time.monotonic() - started < 2.0
+    code = f"import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('{VIP}', 90))\n"
+    res = sl.lab.run("node1", sys.executable, "-c", code, check=False)
+    assert "ConnectionRefusedError" in res.stderr
+    assert sl.stats()[Stat.DROP_NO_ENDPOINTS] == 2
+
+
+def test_local_policy_without_local_endpoints_fails_unreachable(sl: SockLab) -> None:
+    """kube-proxy drops ("has no local endpoints"); a socket learns it at once: EHOSTUNREACH."""
+    add_service(sl.maps, VIP, 80, (), count=0, flags=FrontendFlag.LOCAL)
+    assert sl.client("node1", "peer", "--addr", VIP, "--port", "80") == {"error": "EHOSTUNREACH"}
+    assert sl.stats()[Stat.DROP_NO_LOCAL] == 1
+
+
+def test_source_ranges_check_the_node_address(sl: SockLab) -> None:
+    """An LB frontend with loadBalancerSourceRanges: the node's address (an unbound socket's client)
+    is checked against the ranges, as kube-proxy checks the node's source in KUBE-PROXY-FIREWALL."""
+    two_backends(sl, flags=FrontendFlag.SOURCE_RANGES | FrontendFlag.LOADBALANCER)
+    key = abi.SrcRangeKey(prefixlen=32 + 24, rev_nat_id=1, addr=ip_be("192.168.0.0"))
+    sl.maps["srcr"].update(key, abi.SrcRange(allow=1))
+    assert sl.client("node1", "peer", "--addr", VIP, "--port", "80")["peer"] == f"{VIP}:80"
+    sl.maps["srcr"].clear()
+    sl.maps["srcr"].update(
+        abi.SrcRangeKey(prefixlen=32 + 8, rev_nat_id=1, addr=ip_be("10.0.0.0")), abi.SrcRange(allow=1)
+    )
+    assert sl.client("node1", "peer", "--addr", VIP, "--port", "80") == {"error": "EHOSTUNREACH"}
+    assert sl.stats()[Stat.DROP_SOURCE_RANGE] == 1
+
+
+def test_affinity_keeps_the_node_on_one_backend(sl: SockLab) -> None:
+    two_backends(sl, flags=FrontendFlag.AFFINITY, affinity_timeout=600)
+    bodies = {sl.client("node1", "peer", "--addr", VIP, "--port", "80")["body"] for _ in range(8)}
+    assert len(bodies) == 1
+    (key,) = sl.maps["aff"].keys()
+    assert key == abi.AffinityKey(client=ip_be(NODE_IP), svc_id=1)  # the node's address is the client
+    assert sl.stats()[Stat.AFFINITY_HIT] == 7
+
+
+def test_pods_sockets_only_when_not_host_namespace_only(sl: SockLab) -> None:
+    """hostNamespaceOnly: a pod's connect() is left to the packet path (nothing attached here on
+    tc: it times out); otherwise translated, except frontends that need the pod's address."""
+    two_backends(sl)
+    add_service(
+        sl.maps,
+        VIP,
+        81,
+        ((3, sl.pod_ip("pod-1-2"), 8080, BackendFlag.LOCAL),),
+        flags=FrontendFlag.AFFINITY,
+        affinity_timeout=600,
+        svc_id=2,
+        set_id=2,
+        rev_nat_id=2,
+    )
+    timed_out = {"error": "TimeoutError"}
+    assert sl.client("pod-1-1", "peer", "--addr", VIP, "--port", "80", "--timeout", "1") == timed_out
+    sl.settings(host_only=False)
+    out = sl.client("pod-1-1", "peer", "--addr", VIP, "--port", "80")
+    assert out["peer"] == f"{VIP}:80" and out["body"] in ("pod-1-1", "pod-1-2")
+    assert sl.client("pod-1-1", "peer", "--addr", VIP, "--port", "81", "--timeout", "1") == timed_out
+
+
+def test_localhost_frontends_serve_the_node_namespace_alone(sl: SockLab) -> None:
+    """localhost:<nodePort> is the node's localhost only in the node's namespace: a pod's 127.0.0.1
+    is its own, never translated (with pods' sockets translated too)."""
+    add_service(sl.maps, "127.0.0.1", 30080, ((1, sl.pod_ip("pod-1-2"), 8080, BackendFlag.LOCAL),))
+    sl.settings(host_only=False)
+    out = sl.client("node1", "peer", "--addr", "127.0.0.1", "--port", "30080")
+    assert out == {"peer": "127.0.0.1:30080", "body": "pod-1-2"}
+    assert sl.client("pod-1-1", "peer", "--addr", "127.0.0.1", "--port", "30080") == {"error": "ECONNREFUSED"}
+
+
+def test_the_iterator_ends_connected_udp_sockets_of_a_backend_that_left(sl: SockLab) -> None:
+    """A connected UDP socket sent to backend pod-1-1 keeps it after connect(); when pod-1-1 leaves
+    the service port (its membership goes), the iterator ends the socket (ECONNABORTED) and the
+    client's new socket goes to pod-1-2. A socket connected to the pod directly is left alone."""
+    add_service(sl.maps, VIP, 90, ((1, sl.pod_ip("pod-1-1"), 9000, BackendFlag.LOCAL),), proto=UDP)
+    assert sl.lab.tmpdir is not None
+    stop, ready = sl.lab.tmpdir / "resolver-stop", sl.lab.tmpdir / "resolver-ready"
+    direct_stop, direct_ready = sl.lab.tmpdir / "direct-stop", sl.lab.tmpdir / "direct-ready"
+    for f in (stop, ready, direct_stop, direct_ready):
+        f.unlink(missing_ok=True)
+    args = ["--port", "90", "--interval", "0.02", "--timeout", "1", "--max-s", "60"]
+    via_vip = sl.lab.popen(
+        "node1",
+        sys.executable,
+        CLIENT,
+        "resolver",
+        "--addr",
+        VIP,
+        *args,
+        "--stop-file",
+        str(stop),
+        "--ready-file",
+        str(ready),
+        stdout=subprocess.PIPE,
+    )
+    direct = sl.lab.popen(
+        "node1",
+        sys.executable,
+        CLIENT,
+        "resolver",
+        "--addr",
+        sl.pod_ip("pod-1-1"),
+        "--port",
+        "9000",
+        "--interval",
+        "0.02",
+        "--timeout",
+        "1",
+        "--max-s",
+        "60",
+        "--stop-file",
+        str(direct_stop),
+        "--ready-file",
+        str(direct_ready),
+        stdout=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 10
+    while not (ready.exists() and direct_ready.exists()):
+        assert time.monotonic() < deadline, "the clients got no first answer"
+        time.sleep(0.02)
+    ended = lambda: read_stats(sl.maps["stats"])[Stat.SOCK_DESTROYED]  # noqa: E731
+    node = sl.lab.node(1)
+    assert node.cgroup_root is not None
+    term = SocketTerminator(sl.dp.prog_fd(PROG_SOCK_TERM), node.ns, node.cgroup_root, pods=False, ended=ended)
+    try:
+        assert term.run() == 0  # pod-1-1 serves: nothing to end
+        # pod-1-2 joins, pod-1-1 leaves (as the planner writes it: slots first, membership last)
+        sl.maps["be"].update(
+            abi.BackendKey(2), abi.Backend(ip_be(sl.pod_ip("pod-1-2")), port_be(9000), UDP, 1)
+        )
+        sl.maps["member"].update(abi.MemberKey(1, 2), abi.Member(flags=abi.MemberFlag.CLUSTER))
+        sl.maps["slot"].update(abi.SlotKey(1, 1), abi.Slot(2))
+        sl.maps["member"].delete(abi.MemberKey(1, 1))
+        time.sleep(0.2)
+        assert term.run() == 1
+        time.sleep(0.3)
+    finally:
+        term.close()
+        stop.touch()
+        direct_stop.touch()
+    out = json.loads(via_vip.communicate(timeout=30)[0])
+    kept = json.loads(direct.communicate(timeout=30)[0])
+    # bpf_sock_destroy disconnects the socket with ECONNABORTED pending: a receive reports that, a
+    # send first finds the socket unconnected (EDESTADDRREQ); either way the client takes a new one
+    assert sum(out["failures"].values()) == 1 and out["sockets"] == 2, out
+    assert set(out["failures"]) <= {"ECONNABORTED", "EDESTADDRREQ"}, out
+    assert set(out["answers"]) == {"pod-1-1", "pod-1-2"}
+    assert out["longest_gap"] < 1.0, out  # no lookup waited for a timeout
+    assert kept["failures"] == {} and kept["sockets"] == 1 and set(kept["answers"]) == {"pod-1-1"}, kept
+
+
+def test_the_iterator_walks_pods_namespaces_when_pods_are_balanced_too(sl: SockLab) -> None:
+    """Without hostNamespaceOnly a pod's connected UDP socket is translated at connect() too: ending
+    it when its backend leaves means walking the pod's network namespace (found through the
+    processes of the attached cgroup); the node's namespace alone does not hold it."""
+    sl.settings(host_only=False)
+    add_service(sl.maps, VIP, 90, ((1, sl.pod_ip("pod-1-2"), 9000, BackendFlag.LOCAL),), proto=UDP)
+    assert sl.lab.tmpdir is not None
+    stop, ready = sl.lab.tmpdir / "pod-resolver-stop", sl.lab.tmpdir / "pod-resolver-ready"
+    for f in (stop, ready):
+        f.unlink(missing_ok=True)
+    proc = sl.lab.popen(
+        "pod-1-1",
+        sys.executable,
+        CLIENT,
+        "resolver",
+        "--addr",
+        VIP,
+        "--port",
+        "90",
+        "--interval",
+        "0.02",
+        "--timeout",
+        "1",
+        "--max-s",
+        "60",
+        "--stop-file",
+        str(stop),
+        "--ready-file",
+        str(ready),
+        stdout=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 10
+    while not ready.exists():
+        assert time.monotonic() < deadline, "the pod's client got no first answer"
+        time.sleep(0.02)
+    node = sl.lab.node(1)
+    assert node.cgroup_root is not None
+
+    def terminator(pods: bool) -> SocketTerminator:
+        ended = lambda: read_stats(sl.maps["stats"])[Stat.SOCK_DESTROYED]  # noqa: E731
+        return SocketTerminator(
+            sl.dp.prog_fd(PROG_SOCK_TERM), node.ns, node.cgroup_root or "", pods=pods, ended=ended
+        )
+
+    node_only, with_pods = terminator(False), terminator(True)
+    try:
+        pod1 = abi.Backend(ip_be(sl.pod_ip("pod-1-1")), port_be(9000), UDP, BackendFlag.LOCAL)
+        sl.maps["be"].update(abi.BackendKey(2), pod1)
+        sl.maps["member"].update(abi.MemberKey(1, 2), abi.Member(flags=abi.MemberFlag.CLUSTER))
+        sl.maps["slot"].update(abi.SlotKey(1, 1), abi.Slot(2))
+        sl.maps["member"].delete(abi.MemberKey(1, 1))
+        assert node_only.run() == 0
+        assert with_pods.run() == 1
+        time.sleep(0.3)
+    finally:
+        node_only.close()
+        with_pods.close()
+        stop.touch()
+    out = json.loads(proc.communicate(timeout=30)[0])
+    assert set(out["answers"]) == {"pod-1-2", "pod-1-1"} and out["sockets"] == 2, out
+
+
+def test_ipv4_addresses_on_ipv6_sockets_are_translated_too(sl: SockLab) -> None:
+    """An IPv6 socket dials an IPv4 address as ::ffff:a.b.c.d (Java's default, dual-stack servers):
+    connect6/sendmsg6 send it to a backend, getpeername6/recvmsg6 show the ClusterIP, mapped."""
+    two_backends(sl)
+    add_service(
+        sl.maps, VIP, 90, ((3, sl.pod_ip("pod-1-2"), 9000, BackendFlag.LOCAL),), proto=UDP, svc_id=2, set_id=2
+    )
+    code = (
+        "import json, socket\n"
+        "t = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); t.settimeout(3)\n"
+        f"t.connect(('::ffff:{VIP}', 80)); peer = t.getpeername()[:2]\n"
+        "t.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n'); body = b''\n"
+        "while (c := t.recv(4096)): body += c\n"
+        "u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); u.settimeout(3)\n"
+        f"u.sendto(b'x', ('::ffff:{VIP}', 90)); data, src = u.recvfrom(100)\n"
+        "print(json.dumps([list(peer), body.split(b'\\r\\n\\r\\n')[1].decode().strip(), list(src[:2]),"
+        " data.decode().split()[0]]))\n"
+    )
+    peer, body, src, echoed = json.loads(sl.lab.run("node1", sys.executable, "-c", code).stdout)
+    assert peer == [f"::ffff:{VIP}", 80] and body in ("pod-1-1", "pod-1-2")
+    assert src == [f"::ffff:{VIP}", 90] and echoed == "pod-1-2"
+    stats = sl.stats()
+    assert stats[Stat.SOCK_TRANSLATED] == 2 and stats[Stat.SOCK_REVNAT] >= 2
