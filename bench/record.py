@@ -315,13 +315,16 @@ def newest(directory: Path = RESULTS, part: str = "traffic") -> Path:
 # --------------------------------------------------------------------------------- rendering
 
 
-def tables(record: dict[str, Any]) -> list[Table]:
-    """The run's tables, rebuilt from the raw results in the record."""
+def tables(record: dict[str, Any], parts: Sequence[str] | None = None) -> list[Table]:
+    """The run's tables, rebuilt from the raw results in the record (only those of `parts`)."""
     from bench.run import Settings
     from bench.run import tables as traffic_tables
 
+    def wanted(part: str) -> bool:
+        return parts is None or part in parts
+
     out: list[Table] = []
-    if record["traffic"] is not None:
+    if record["traffic"] is not None and wanted("traffic"):
         p = record["parameters"]
         settings = Settings(
             services=p["services"],
@@ -336,11 +339,11 @@ def tables(record: dict[str, Any]) -> list[Table]:
         )
         backend = record["iptables_backends"].get("traffic")
         out += traffic_tables(results_from(record["traffic"]), settings, backend)
-    if record["api"]:
+    if record["api"] and wanted("api"):
         out.append(api.table([api.ApiScale(**s) for s in record["api"]]))
-    if record["capacity"] is not None:
+    if record["capacity"] is not None and wanted("capacity"):
         out.append(capacity.table(capacity.Result(**record["capacity"])))
-    if record.get("flood") is not None:
+    if record.get("flood") is not None and wanted("flood"):
         out.append(flood.table(flood.Result.from_json(record["flood"])))
     return out
 
@@ -366,9 +369,13 @@ def header(record: dict[str, Any], path: Path) -> list[str]:
     ]
 
 
-def render(record: dict[str, Any], path: Path) -> str:
-    """The Markdown of a run: where and how it ran, then every table."""
-    notes = record["traffic"]["notes"] if record["traffic"] is not None else []
+def render(record: dict[str, Any], path: Path, parts: Sequence[str] | None = None) -> str:
+    """The Markdown of a run: where and how it ran, then every table (or those of `parts`)."""
+    notes = (
+        record["traffic"]["notes"]
+        if record["traffic"] is not None and (parts is None or "traffic" in parts)
+        else []
+    )
     return "\n".join(
-        header(record, path) + [t.markdown() for t in tables(record)] + [f"- NOTE: {n}" for n in notes]
+        header(record, path) + [t.markdown() for t in tables(record, parts)] + [f"- NOTE: {n}" for n in notes]
     )

@@ -70,11 +70,13 @@ FLOOD_BLOCK = re.compile(r"<!-- bench-flood: (\S+) -->\n.*?<!-- /bench-flood -->
 
 
 def readme_block(path: Path, marker: str = "bench-results") -> str:
-    """The README's benchmark block for one results file, markers included."""
+    """The README's benchmark block for one results file, markers included. The flood block holds
+    the flood table alone (its file may be a whole run, whose other tables are in the main block)."""
     from bench import record
 
     rel = path.resolve().relative_to(record.REPO)
-    return f"<!-- {marker}: {rel} -->\n{record.render(record.load(path), rel)}<!-- /{marker} -->\n"
+    parts = ("flood",) if marker == "bench-flood" else None
+    return f"<!-- {marker}: {rel} -->\n{record.render(record.load(path), rel, parts)}<!-- /{marker} -->\n"
 
 
 def cited(readme: str, block: re.Pattern[str] = BLOCK) -> Path:
