@@ -10,7 +10,6 @@ test_datapath_flows.py (flow state, membership, capacity, collisions), test_data
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,16 +29,12 @@ from lab.dplab import (
     NODE2,
     POD_CLIENT,
     REMOTE_BE,
-    SIZES,
     SNAT_MAX,
     SNAT_MIN,
     UDP,
     VIP,
     Lab,
     Net,
-    assert_balanced,
-    packet_lab,
-    reset_maps,
     set_config,
 )
 from lab.packets import (
@@ -48,37 +43,12 @@ from lab.packets import (
     TC_ACT_SHOT,
     checksums_valid,
     icmp_error,
-    loaded_datapath,
     parse,
     tcp,
     udp,
 )
 
-pytestmark = pytest.mark.kernel
-
-
-@pytest.fixture(scope="module")
-def dp() -> Iterator[Datapath]:
-    with loaded_datapath(SIZES) as datapath:
-        yield datapath
-
-
-@pytest.fixture(scope="module")
-def lab(dp: Datapath) -> Iterator[Lab]:
-    with packet_lab() as built:
-        yield built
-
-
-@pytest.fixture(autouse=True)
-def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
-    reset_maps(dp)
-    yield
-    assert_balanced(dp)
-
-
-@pytest.fixture
-def net(dp: Datapath, lab: Lab) -> Net:
-    return Net(dp, lab)
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 
 # ---- pass -------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes as ct
 import random
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -24,47 +23,18 @@ from lab.dplab import (
     BE2,
     BE3,
     POD_CLIENT,
-    SIZES,
     TCP,
     UDP,
     VIP,
-    Lab,
     Net,
-    assert_balanced,
     ct_key,
-    packet_lab,
-    reset_maps,
     set_config,
 )
-from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, loaded_datapath, parse, tcp, udp
+from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, parse, tcp, udp
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 LOCAL = BackendFlag.LOCAL
-
-
-@pytest.fixture(scope="module")
-def dp() -> Iterator[Datapath]:
-    with loaded_datapath(SIZES) as datapath:
-        yield datapath
-
-
-@pytest.fixture(scope="module")
-def lab(dp: Datapath) -> Iterator[Lab]:
-    with packet_lab() as built:
-        yield built
-
-
-@pytest.fixture(autouse=True)
-def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
-    reset_maps(dp)
-    yield
-    assert_balanced(dp)
-
-
-@pytest.fixture
-def net(dp: Datapath, lab: Lab) -> Net:
-    return Net(dp, lab)
 
 
 def unstamped_flow(net: Net, client: str, server: str, cport: int, sport: int, proto: int = TCP) -> None:

@@ -31,40 +31,13 @@ from lab.dplab import (
     VIP,
     Lab,
     Net,
-    assert_balanced,
-    packet_lab,
-    reset_maps,
     set_config,
 )
-from lab.packets import TC_ACT_REDIRECT, TC_ACT_SHOT, icmp_error, loaded_datapath, parse, tcp, udp
+from lab.packets import TC_ACT_REDIRECT, TC_ACT_SHOT, icmp_error, parse, tcp, udp
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 PORTS = 64  # a small SNAT range the flood fills
-
-
-@pytest.fixture(scope="module")
-def dp() -> Iterator[Datapath]:
-    with loaded_datapath(SIZES) as datapath:
-        yield datapath
-
-
-@pytest.fixture(scope="module")
-def lab(dp: Datapath) -> Iterator[Lab]:
-    with packet_lab() as built:
-        yield built
-
-
-@pytest.fixture(autouse=True)
-def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
-    reset_maps(dp)
-    yield
-    assert_balanced(dp)
-
-
-@pytest.fixture
-def net(dp: Datapath, lab: Lab) -> Net:
-    return Net(dp, lab)
 
 
 def nodeport(net: Net) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -23,7 +22,6 @@ from lab.dplab import (
     NODE,
     POD_CLIENT,
     REMOTE_BE,
-    SIZES,
     SNAT_MAX,
     SNAT_MIN,
     TCP,
@@ -32,7 +30,6 @@ from lab.dplab import (
     Lab,
     Net,
     assert_balanced,
-    packet_lab,
     reset_maps,
     set_config,
 )
@@ -47,34 +44,10 @@ from lab.packets import (
     udp,
 )
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 VIP2 = "10.96.0.20"
 LOCAL = BackendFlag.LOCAL
-
-
-@pytest.fixture(scope="module")
-def dp() -> Iterator[Datapath]:
-    with loaded_datapath(SIZES) as datapath:
-        yield datapath
-
-
-@pytest.fixture(scope="module")
-def lab(dp: Datapath) -> Iterator[Lab]:
-    with packet_lab() as built:
-        yield built
-
-
-@pytest.fixture(autouse=True)
-def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
-    reset_maps(dp)
-    yield
-    assert_balanced(dp)
-
-
-@pytest.fixture
-def net(dp: Datapath, lab: Lab) -> Net:
-    return Net(dp, lab)
 
 
 def handshake(net: Net, client: str, port: int, frontend: str = VIP, fport: int = 80) -> str:

@@ -13,12 +13,10 @@ with an AF_PACKET socket, then run through the program again as the kernel would
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
 
 import pytest
 
 from agent.ebpf.abi import BackendFlag, FrontendFlag, Scope, Stat
-from agent.ebpf.loader import Datapath
 from lab.dplab import (
     BE2,
     CLIENT,
@@ -27,16 +25,12 @@ from lab.dplab import (
     NODE2,
     POD_CLIENT,
     REMOTE_BE,
-    SIZES,
     SNAT_MAX,
     SNAT_MIN,
     UDP,
     VIP,
     Lab,
     Net,
-    assert_balanced,
-    packet_lab,
-    reset_maps,
 )
 from lab.packets import (
     TC_ACT_OK,
@@ -45,38 +39,13 @@ from lab.packets import (
     Capture,
     fragments,
     icmp_error,
-    loaded_datapath,
     parse,
     reassemble,
 )
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 BIG = bytes(range(256)) * 15 + b"end of a 4,000-byte datagram"  # 3,868 bytes of UDP payload
-
-
-@pytest.fixture(scope="module")
-def dp() -> Iterator[Datapath]:
-    with loaded_datapath(SIZES) as datapath:
-        yield datapath
-
-
-@pytest.fixture(scope="module")
-def lab(dp: Datapath) -> Iterator[Lab]:
-    with packet_lab() as built:
-        yield built
-
-
-@pytest.fixture(autouse=True)
-def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
-    reset_maps(dp)
-    yield
-    assert_balanced(dp)
-
-
-@pytest.fixture
-def net(dp: Datapath, lab: Lab) -> Net:
-    return Net(dp, lab)
 
 
 def run(net: Net, frames: list[bytes], *, external: bool = False) -> list[bytes]:

@@ -8,8 +8,6 @@ other traffic, leave egress untouched and uncounted.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from agent.ebpf.abi import BackendFlag, ConfigFlag, CtFlag, FrontendFlag, Scope, Stat
@@ -18,16 +16,12 @@ from lab.dplab import (
     CLIENT,
     NODE,
     POD_CLIENT,
-    SIZES,
     SNAT_MAX,
     SNAT_MIN,
     UDP,
     VIP,
     Lab,
     Net,
-    assert_balanced,
-    packet_lab,
-    reset_maps,
     set_config,
 )
 from lab.packets import (
@@ -35,41 +29,16 @@ from lab.packets import (
     checksums_valid,
     fragments,
     icmp_error,
-    loaded_datapath,
     parse,
     reassemble,
     tcp,
     udp,
 )
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 HOST = BackendFlag.HOST | BackendFlag.LOCAL  # what the planner gives an endpoint on a node address
 API = 6443
-
-
-@pytest.fixture(scope="module")
-def dp() -> Iterator[Datapath]:
-    with loaded_datapath(SIZES) as datapath:
-        yield datapath
-
-
-@pytest.fixture(scope="module")
-def lab(dp: Datapath) -> Iterator[Lab]:
-    with packet_lab() as built:
-        yield built
-
-
-@pytest.fixture(autouse=True)
-def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
-    reset_maps(dp)
-    yield
-    assert_balanced(dp)
-
-
-@pytest.fixture
-def net(dp: Datapath, lab: Lab) -> Net:
-    return Net(dp, lab)
 
 
 @pytest.fixture(params=[0, ConfigFlag.HOST_LEGACY], ids=["bpf", "legacy"])

@@ -10,12 +10,9 @@ address its sender targeted, quoting it as sent: path-MTU discovery through a Cl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from agent.ebpf.abi import BackendFlag, FrontendFlag, Scope, Stat
-from agent.ebpf.loader import Datapath
 from lab.dplab import (
     BE1,
     BE2,
@@ -27,55 +24,26 @@ from lab.dplab import (
     NODE2,
     POD_CLIENT,
     REMOTE_BE,
-    SIZES,
     SMALL_MTU,
     UDP,
     VIP,
     Lab,
     Net,
-    assert_balanced,
-    packet_lab,
-    reset_maps,
 )
 from lab.packets import (
     TC_ACT_OK,
     TC_ACT_REDIRECT,
     checksums_valid,
     icmp_error,
-    loaded_datapath,
     parse,
     tcp,
     udp,
 )
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 ROUTER = "10.244.1.8"  # a hop on the backend's side (it has a neighbour entry in the lab)
 KINDS = {"frag-needed": (3, 4), "port-unreachable": (3, 3), "time-exceeded": (11, 0)}
-
-
-@pytest.fixture(scope="module")
-def dp() -> Iterator[Datapath]:
-    with loaded_datapath(SIZES) as datapath:
-        yield datapath
-
-
-@pytest.fixture(scope="module")
-def lab(dp: Datapath) -> Iterator[Lab]:
-    with packet_lab() as built:
-        yield built
-
-
-@pytest.fixture(autouse=True)
-def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
-    reset_maps(dp)
-    yield
-    assert_balanced(dp)
-
-
-@pytest.fixture
-def net(dp: Datapath, lab: Lab) -> Net:
-    return Net(dp, lab)
 
 
 def error_about(

@@ -17,28 +17,19 @@ from lab.dplab import (
     NODE,
     POD_CLIENT,
     REMOTE_BE,
-    SIZES,
     SNAT_MAX,
     SNAT_MIN,
     VIP,
     Lab,
     Net,
-    assert_balanced,
     packet_lab,
-    reset_maps,
     set_config,
 )
-from lab.packets import TC_ACT_REDIRECT, loaded_datapath, parse, sh, tcp
+from lab.packets import TC_ACT_REDIRECT, parse, sh, tcp
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 OUTSIDE_POD = "172.16.9.5"
-
-
-@pytest.fixture(scope="module")
-def dp() -> Iterator[Datapath]:
-    with loaded_datapath(SIZES) as datapath:
-        yield datapath
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +39,6 @@ def lab(dp: Datapath) -> Iterator[Lab]:
         # node routes it to the pod's device, so `bpf` host routing's source check passes it.
         sh("ip", "route", "add", f"{OUTSIDE_POD}/32", "dev", built.pod.name)
         yield built
-
-
-@pytest.fixture(autouse=True)
-def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
-    reset_maps(dp)
-    yield
-    assert_balanced(dp)
 
 
 @pytest.fixture

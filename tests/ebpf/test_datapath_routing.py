@@ -13,8 +13,6 @@ Same packet lab as test_datapath.py (lab/dplab.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from agent.ebpf import abi
@@ -28,16 +26,12 @@ from lab.dplab import (
     NODE,
     POD_CLIENT,
     REMOTE_BE,
-    SIZES,
     SNAT_MAX,
     SNAT_MIN,
     UDP,
     VIP,
     Lab,
     Net,
-    assert_balanced,
-    packet_lab,
-    reset_maps,
     set_config,
 )
 from lab.packets import (
@@ -46,40 +40,15 @@ from lab.packets import (
     TC_ACT_SHOT,
     XDP_PASS,
     checksums_valid,
-    loaded_datapath,
     parse,
     tcp,
     udp,
 )
 from tests.ebpf.test_datapath_icmp import big_segment, error_about
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 FORGED = "10.244.9.9"  # routed nowhere near pod0 (the red team's forged source)
-
-
-@pytest.fixture(scope="module")
-def dp() -> Iterator[Datapath]:
-    with loaded_datapath(SIZES) as datapath:
-        yield datapath
-
-
-@pytest.fixture(scope="module")
-def lab(dp: Datapath) -> Iterator[Lab]:
-    with packet_lab() as built:
-        yield built
-
-
-@pytest.fixture(autouse=True)
-def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
-    reset_maps(dp)
-    yield
-    assert_balanced(dp)
-
-
-@pytest.fixture
-def net(dp: Datapath, lab: Lab) -> Net:
-    return Net(dp, lab)
 
 
 def legacy(dp: Datapath) -> None:

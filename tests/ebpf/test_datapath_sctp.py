@@ -5,68 +5,35 @@ CRC32c written apart from scapy's (lab/packets.py); only an INIT starts a flow; 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from agent.ebpf.abi import BackendFlag, FrontendFlag, Scope, Stat
-from agent.ebpf.loader import Datapath
 from lab.dplab import (
     BE1,
     CLIENT,
     NODE,
     POD_CLIENT,
     REMOTE_BE,
-    SIZES,
     SNAT_MAX,
     SNAT_MIN,
     VIP,
-    Lab,
     Net,
-    assert_balanced,
-    packet_lab,
-    reset_maps,
 )
 from lab.packets import (
     TC_ACT_OK,
     TC_ACT_REDIRECT,
     TC_ACT_SHOT,
     checksums_valid,
-    loaded_datapath,
     parse,
     sctp,
     sctp_checksum_ok,
 )
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 SCTP = 132
 LOCAL = BackendFlag.LOCAL
 VTAG_CLIENT, VTAG_SERVER = 0x1234, 0x5678  # the init tags of sctp()'s INIT and INIT-ACK
-
-
-@pytest.fixture(scope="module")
-def dp() -> Iterator[Datapath]:
-    with loaded_datapath(SIZES) as datapath:
-        yield datapath
-
-
-@pytest.fixture(scope="module")
-def lab(dp: Datapath) -> Iterator[Lab]:
-    with packet_lab() as built:
-        yield built
-
-
-@pytest.fixture(autouse=True)
-def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
-    reset_maps(dp)
-    yield
-    assert_balanced(dp)
-
-
-@pytest.fixture
-def net(dp: Datapath, lab: Lab) -> Net:
-    return Net(dp, lab)
 
 
 def l4(frame: bytes) -> bytes:

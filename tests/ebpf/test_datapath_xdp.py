@@ -10,13 +10,10 @@ leaves by the device it came in by (XDP_TX). Both counters (tc's, XDP's) balance
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from agent.ebpf import abi
 from agent.ebpf.abi import BackendFlag, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
-from agent.ebpf.loader import Datapath
 from lab.dplab import (
     BE1,
     BE_SMALL_MTU,
@@ -25,14 +22,10 @@ from lab.dplab import (
     NODE,
     NODE2,
     REMOTE_BE,
-    SIZES,
     SNAT_MAX,
     SNAT_MIN,
     Lab,
     Net,
-    assert_balanced,
-    packet_lab,
-    reset_maps,
 )
 from lab.packets import (
     TC_ACT_REDIRECT,
@@ -42,41 +35,16 @@ from lab.packets import (
     XDP_TX,
     checksums_valid,
     icmp_error,
-    loaded_datapath,
     parse,
     tcp,
     udp,
 )
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 REMOTE_BE2 = "10.244.2.8"
 NODEPORT = 30080
 ETP_CLUSTER = FrontendFlag.NODEPORT | FrontendFlag.SNAT_ALL
-
-
-@pytest.fixture(scope="module")
-def dp() -> Iterator[Datapath]:
-    with loaded_datapath(SIZES) as datapath:
-        yield datapath
-
-
-@pytest.fixture(scope="module")
-def lab(dp: Datapath) -> Iterator[Lab]:
-    with packet_lab() as built:
-        yield built
-
-
-@pytest.fixture(autouse=True)
-def clean_maps(dp: Datapath, lab: Lab) -> Iterator[None]:
-    reset_maps(dp)
-    yield
-    assert_balanced(dp)
-
-
-@pytest.fixture
-def net(dp: Datapath, lab: Lab) -> Net:
-    return Net(dp, lab)
 
 
 def nodeport(net: Net, backends: tuple[tuple[int, str, int, int], ...], flags: int = ETP_CLUSTER) -> None:
