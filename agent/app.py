@@ -29,7 +29,7 @@ from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service,
 from agent.errors import FatalError
 from agent.featuregates import node_info
 from agent.metrics import Metrics
-from agent.model import ProxyState, build_state
+from agent.model import IPFamily, ProxyState, build_state
 from agent.proxier import Proxier
 from agent.sources.base import Source
 from agent.sources.file import LOAD_ERRORS, load_file
@@ -62,17 +62,20 @@ def render_dry_run(config: Config, state: ProxyState, node: NodeContext) -> str:
     return render_ebpf(state, node, config)
 
 
-def static_node(config: Config) -> NodeContext:
-    """The node as the flags describe it (--node-ip), without looking at the kernel."""
-    return NodeContext(node_ips=config.node_ips, primary_ip=config.node_ips[0] if config.node_ips else "")
+def static_node(config: Config, family: IPFamily = IPFamily.IPv4) -> NodeContext:
+    """The node as the flags describe it (--node-ip of `family`), without looking at the kernel."""
+    ips = config.node_ips_of(family)
+    return NodeContext(node_ips=ips, primary_ip=ips[0] if ips else "")
 
 
-def node_context(config: Config) -> NodeContext:
-    """The node's addresses: --node-ip, else what the external devices hold; and what the node
-    listens on at its other addresses (NodeLocal DNSCache)."""
+def node_context(config: Config, family: IPFamily = IPFamily.IPv4) -> NodeContext:
+    """The node's addresses of `family`: --node-ip, else what the external devices hold; and what
+    the node listens on at its other addresses (NodeLocal DNSCache, IPv4)."""
     from agent.node import discover_node, local_listeners
 
-    node = static_node(config) if config.node_ips else discover_node(config)
+    node = static_node(config, family) if config.node_ips_of(family) else discover_node(config, family)
+    if family is IPFamily.IPv6:
+        return node
     listeners = local_listeners(config.netns, node.node_ips)
     return dataclasses.replace(node, local_listeners=listeners) if listeners else node
 
