@@ -18,8 +18,7 @@ from agent.config import Config
 from agent.iptables import IptablesProxier, canonical, chains
 from agent.iptables.conntrack import ConntrackCleaner
 from agent.iptables.runner import SubprocessRunner
-from agent.model import IPFamily
-from agent.model import ProxyState
+from agent.model import IPFamily, ProxyState
 from agent.model.types import Protocol, ServicePortName
 from tests.iptables.golden_cases import case_inputs, case_names
 from tests.iptables.objects import CONFIG, NODE, endpoints, service, state
