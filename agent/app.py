@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import shutil
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,9 +26,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config, Mode, NodeContext
-from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service, frontend_guard
+from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service
 from agent.errors import FatalError
 from agent.featuregates import node_info
+from agent.metaproxier import frontend_guard
 from agent.metrics import Metrics
 from agent.model import IPFamily, ProxyState, build_state
 from agent.proxier import Proxier
@@ -50,6 +52,26 @@ def make_proxier(config: Config, metrics: Metrics | None = None) -> Proxier:
     from agent.ebpf import EbpfProxier
 
     return EbpfProxier(config)
+
+
+def make_proxier6(config: Config, proxier: Proxier) -> Proxier | None:
+    """The IPv6 proxier beside `proxier` (kube-proxy's metaproxier), when this mode programs IPv6
+    and the flags describe IPv6 for the node; None otherwise (agent/metaproxier.py)."""
+    if config.mode is not Mode.IPTABLES or not config.ipv6_configured:
+        return None
+    from agent.iptables import IptablesProxier
+    from agent.iptables.runner import SubprocessRunner
+
+    assert isinstance(proxier, IptablesProxier)
+    follow = proxier.runner
+    # ip6tables with the IPv4 rules' backend; the IPv4 proxier alone takes over from eBPF mode
+    # and kube-proxy's nftables tables (both families at once).
+    return IptablesProxier(
+        config,
+        family=IPFamily.IPv6,
+        runner=SubprocessRunner(config, family=6, follow=lambda: follow.backend),
+        take_over=lambda: None,
+    )
 
 
 def render_dry_run(config: Config, state: ProxyState, node: NodeContext) -> str:
@@ -94,6 +116,22 @@ def dry_run(config: Config) -> int:
     for problem in result.problems:
         log.error("%s %s", "refusing part of" if problem.refusal else "skipping", problem)
     sys.stdout.write(render_dry_run(config, result.state, node))
+    if config.mode is Mode.IPTABLES and config.ipv6_configured:
+        # The IPv6 proxier's input follows, after a comment line (ip6tables-restore skips it).
+        node6 = static_node(config, IPFamily.IPv6)
+        result6 = build_state(
+            snap.services,
+            snap.endpoint_slices,
+            node_info(config),
+            frontend_guard(config, node6),
+            family=IPFamily.IPv6,
+        )
+        reported = set(result.problems)
+        for problem in result6.problems:
+            if problem not in reported:
+                log.error("%s %s", "refusing part of" if problem.refusal else "skipping", problem)
+        sys.stdout.write("# ip6tables-restore input (IPv6)\n")
+        sys.stdout.write(render_dry_run(config, result6.state, node6))
     return 0
 
 
@@ -114,7 +152,10 @@ def cleanup(config: Config) -> int:
         return 1
     with node_lock:
         failed = False
-        for proxier in (EbpfProxier(config), IptablesProxier(config)):
+        proxiers: list[Proxier] = [EbpfProxier(config), IptablesProxier(config)]
+        if any(shutil.which(f"ip6tables-{backend}") for backend in ("nft", "legacy")):
+            proxiers.append(IptablesProxier(config, family=IPFamily.IPv6))  # upstream cleans both
+        for proxier in proxiers:
             try:
                 proxier.cleanup()
             except Exception as exc:
@@ -243,6 +284,9 @@ def build_agent(
     services.append(service_health)
 
     proxier = make_proxier(config, metrics)
+    proxier6 = make_proxier6(config, proxier)
+    if proxier6 is not None:
+        log.info("IPv6: ip6tables rules for the node's IPv6 addresses beside the IPv4 ones (dual-stack)")
     close = getattr(proxier, "close", None)
     return Agent(
         config,
@@ -257,6 +301,8 @@ def build_agent(
             events=events,
             services=services,
             close=close,
+            proxier6=proxier6,
+            node_context6=lambda: node_context(config, IPFamily.IPv6),
         ),
     )
 
