@@ -432,6 +432,12 @@ class Lab:
         for pod in self.pods:
             host.append(self._pod_veth_line(pod))
         nx.ip_batch(host)
+        if self.ipv6:
+            self._no_dad(self.client.ns, "eth0")
+            for node in self.nodes:
+                self._no_dad(node.ns, "eth0", *node.pod_ifaces)
+            for pod in self.pods:
+                self._no_dad(pod.ns, pod.iface)
 
         switch = ["link set lo up", f"link add {BRIDGE} type bridge", f"link set {BRIDGE} up"]
         for port in [*(f"sw-{n.name}" for n in self.nodes), "sw-client"]:
@@ -465,6 +471,13 @@ class Lab:
         if self.wire:  # a NIC's wire: full checksums on the external links, XDP_TX delivered
             ends = [self.client.ns, *(n.ns for n in self.nodes)]
             make_wire(self.switch_ns, [f"sw-{n.name}" for n in self.nodes], ends)
+
+    def _no_dad(self, ns: str, *ifaces: str) -> None:
+        """No duplicate address detection on these links (before they come up): `nodad` covers
+        the ULA addresses, this the kernel's own link-local ones, without which neighbour
+        discovery (and so every first IPv6 packet) waits about a second after the lab comes up."""
+        for name in ("all", *ifaces):
+            self.set_sysctl(ns, f"net.ipv6.conf.{name}.accept_dad", "0")
 
     def _pod_veth_line(self, pod: Pod) -> str:
         node = self.node(pod.node)
@@ -537,6 +550,9 @@ class Lab:
             try:
                 self._make_cgroups([pod.cgroup])
                 nx.ip_batch([f"netns add {pod.ns}", self._pod_veth_line(pod)])
+                if self.ipv6:
+                    self._no_dad(n.ns, pod.host_iface)
+                    self._no_dad(pod.ns, pod.iface)
                 nx.ip_batches({n.ns: self._node_pod_lines(pod), pod.ns: self._pod_lines(pod)})
             except BaseException:
                 self._remove_pod(pod)
@@ -993,8 +1009,9 @@ http {{
             return s.recv(65535).decode(errors="replace")
 
     def tcp_probe(self, target: NsLike, ip: str, port: int, *, timeout: float = 1.0) -> str:
-        """Try a TCP connect from the namespace: "open", "refused", "unreachable" or "timeout"."""
-        with self.socket(target) as s:
+        """Try a TCP connect from the namespace: "open", "refused", "unreachable" or "timeout"
+        (over IPv6 when `ip` is an IPv6 address)."""
+        with self.socket(target, socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
             s.settimeout(timeout)
             try:
                 s.connect((ip, port))

@@ -67,7 +67,9 @@ def dual() -> Iterator[Cluster]:
     with Lab(nodes=2, pods_per_node=2, ipv6=True) as lab:
         lab.start_podservers()
         for name in PODS:
-            proc = lab.popen(lab.pod(name), sys.executable, "-c", SERVER6, name, str(HTTP6_PORT), name="http6")
+            proc = lab.popen(
+                lab.pod(name), sys.executable, "-c", SERVER6, name, str(HTTP6_PORT), name="http6"
+            )
             lab.wait_log(proc, "ready")
         c = Cluster(lab, "iptables")
         c.start()
