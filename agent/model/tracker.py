@@ -286,8 +286,15 @@ class ProxyModel:
         `read_service` made of it already (on the thread that received it)."""
         rec = obj if isinstance(obj, ServiceRecord) else read_service(obj)
         self.pending_service_changes += 1
-        self._touched.add(key)
         pkey = ("Service", key)
+        if (
+            rec.error is None
+            and not rec.ports_of(self.family)
+            and key not in self._services
+            and pkey not in self._problems
+        ):
+            return  # nothing of this family, now or before (the other family's model has it)
+        self._touched.add(key)
         if rec.error is not None:
             kept = "; its last valid version stays in force" if key in self._services else ""
             self._set_problem(pkey, Problem("Service", rec.namespace, rec.name, f"{rec.error}{kept}"))
@@ -323,6 +330,9 @@ class ProxyModel:
         rec = obj if isinstance(obj, SliceRecord) else read_slice(obj, self._node.name)
         self.pending_endpoint_changes += 1
         pkey = ("EndpointSlice", key)
+        ours = rec.parsed is not None and rec.parsed.family is self.family
+        if rec.error is None and not ours and key not in self._slices and pkey not in self._problems:
+            return  # not ours, now or before: as if it did not exist
         if rec.error is not None:
             kept = "; its last valid version stays in force" if key in self._slices else ""
             self._set_problem(pkey, Problem("EndpointSlice", rec.namespace, rec.name, f"{rec.error}{kept}"))

@@ -148,3 +148,18 @@ def test_an_allow_list_of_one_family_refuses_the_other() -> None:
     guard = FrontendGuard.of(allowed_cidrs=("203.0.113.0/24",))
     assert guard.refuse_address("203.0.113.7") is None
     assert guard.refuse_address("2001:db8:7::7") == "outside --external-ip-cidrs 203.0.113.0/24"
+
+
+def test_a_service_that_drops_its_ipv6_family_leaves_the_ipv6_state() -> None:
+    """The IPv6 model skips Services that never had IPv6 (an IPv4-only cluster costs it nothing),
+    but one that had IPv6 ports and loses them is taken out."""
+    model = ProxyModel(NODE, family=IPFamily.IPv6)
+    single = dual_stack(clusterIPs=["10.96.0.10"], ipFamilies=["IPv4"])
+    single["spec"]["ipFamilyPolicy"] = "SingleStack"
+    model.set_service("default/web", read_service(single))
+    assert model.commit().changed is None and model.state.services == {}
+    model.set_service("default/web", read_service(dual_stack()))
+    assert model.commit().changed == frozenset({SPN})
+    model.set_service("default/web", read_service(single))
+    assert model.commit().changed == frozenset({SPN})
+    assert model.state.services == {}
