@@ -308,8 +308,10 @@ def build_agent(
 
 
 def _address_watcher(config: Config) -> NodeEvents | None:
-    """Netlink events for the node's addresses, unless --node-ip fixes them."""
-    if config.node_ips:
+    """Netlink events for the node's addresses, unless --node-ip fixes them (for every family in
+    use: IPv6 too when iptables mode runs its IPv6 proxier)."""
+    ipv6 = config.mode is Mode.IPTABLES and config.ipv6_configured
+    if config.node_ips_of(4) and (not ipv6 or config.node_ips_of(6)):
         return None
     from agent.nodewatch import AddressWatcher
 
