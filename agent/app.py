@@ -54,7 +54,7 @@ def make_proxier(config: Config, metrics: Metrics | None = None) -> Proxier:
     return EbpfProxier(config)
 
 
-def make_proxier6(config: Config, proxier: Proxier) -> Proxier | None:
+def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = None) -> Proxier | None:
     """The IPv6 proxier beside `proxier` (kube-proxy's metaproxier), when this mode programs IPv6
     and the flags describe IPv6 for the node; None otherwise (agent/metaproxier.py)."""
     if config.mode is not Mode.IPTABLES or not config.ipv6_configured:
@@ -71,6 +71,7 @@ def make_proxier6(config: Config, proxier: Proxier) -> Proxier | None:
         family=IPFamily.IPv6,
         runner=SubprocessRunner(config, family=6, follow=lambda: follow.backend),
         take_over=lambda: None,
+        metrics=metrics,
     )
 
 
@@ -284,7 +285,7 @@ def build_agent(
     services.append(service_health)
 
     proxier = make_proxier(config, metrics)
-    proxier6 = make_proxier6(config, proxier)
+    proxier6 = make_proxier6(config, proxier, metrics)
     if proxier6 is not None:
         log.info("IPv6: ip6tables rules for the node's IPv6 addresses beside the IPv4 ones (dual-stack)")
     close = getattr(proxier, "close", None)

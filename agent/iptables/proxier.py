@@ -277,6 +277,7 @@ class IptablesProxier:
             self._metrics.set_iptables_rules(
                 {"filter": filter_rules, "nat": r.rule_count - filter_rules},
                 {"filter": filter_rules if outcome.restored else 0, "nat": self.last_sync.nat_rules_written},
+                str(self.family),
             )
         return SyncResult(full=outcome.full, failed=failed, repaired=outcome.repaired)
 
@@ -331,7 +332,7 @@ class IptablesProxier:
             self._runner.restore(rendered.text)
         except IptablesError as exc:
             if self._metrics is not None:
-                self._metrics.record_restore_failure(partial=True)
+                self._metrics.record_restore_failure(partial=True, family=str(self.family))
             log.warning("%s: partial restore failed, writing every chain instead: %s", self._tool, exc)
             return self._full(state, node, options, complete=True, large=large, start=start)
         self._record(rendered.text, complete=False)
@@ -388,7 +389,7 @@ class IptablesProxier:
             self._runner.restore(to_write.text)
         except IptablesError as exc:
             if self._metrics is not None:
-                self._metrics.record_restore_failure(partial=False)
+                self._metrics.record_restore_failure(partial=False, family=str(self.family))
             to_write = self._restore_isolating(state, node, options, existing, desired, exc, complete_text)
             complete_text = True
         self._record(to_write.text, complete=complete_text)
@@ -642,7 +643,9 @@ class IptablesProxier:
             log.warning("UDP conntrack cleanup failed (retried at the next sync): %s", exc)
             return 0
         if self._metrics is not None:  # kube-proxy's conntrack reconciler metrics
-            self._metrics.record_conntrack_cleanup(time.monotonic() - started, self._conntrack.deleted)
+            self._metrics.record_conntrack_cleanup(
+                time.monotonic() - started, self._conntrack.deleted, str(self.family)
+            )
         self._udp = frontends
         return len(filters)
 

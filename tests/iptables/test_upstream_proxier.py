@@ -17,10 +17,12 @@ import re
 from dataclasses import replace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from agent.config import NodeContext
+from agent.config import Mode, NodeContext
 from agent.iptables.proxier import IptablesProxier
 from agent.iptables.rules import render
+from agent.metrics import Metrics
 from agent.model import IPFamily, NodeInfo, ProxyState, build_state
 from agent.model.types import Protocol, ServicePortName
 from tests.iptables.fakes import FakeCounters, FakeRunner
@@ -444,6 +446,32 @@ def test_ipv6_proxier_restores_with_its_own_runner_and_no_ipv4_host_setup() -> N
     )
     result = p.sync(st, FAKE_NODE6)
     assert result.repaired == 0 and p.last_sync is not None and not p.last_sync.restored
+
+
+def test_each_familys_proxier_counts_its_rules_under_its_ip_family() -> None:
+    """kube-proxy's iptables metrics carry `ip_family`: the two proxiers fill one label each."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, Mode.IPTABLES)
+    for family, objects, node in (
+        (IPFamily.IPv4, NODEPORT_OBJECTS, FAKE_NODE),
+        (IPFamily.IPv6, NODEPORT_OBJECTS6, FAKE_NODE6),
+    ):
+        p = IptablesProxier(
+            FAKE_CONFIG, runner=FakeRunner(), counters=FakeCounters(), metrics=metrics, family=family
+        )
+        p.sync(build(*objects, family=family), node)
+        assert p.last_sync is not None
+        nat = registry.get_sample_value(
+            "kubeproxy_sync_proxy_rules_iptables_total", {"ip_family": str(family), "table": "nat"}
+        )
+        assert nat == p.last_sync.rules - p.last_sync.filter_rules > 0
+    v4 = registry.get_sample_value(
+        "kubeproxy_sync_proxy_rules_iptables_total", {"ip_family": "IPv4", "table": "filter"}
+    )
+    v6 = registry.get_sample_value(
+        "kubeproxy_sync_proxy_rules_iptables_total", {"ip_family": "IPv6", "table": "filter"}
+    )
+    assert v4 is not None and v6 is not None and v4 > v6, "IPv4 alone has KUBE-FIREWALL's rule"
 
 
 def test_health_check_node_port() -> None:
