@@ -11,7 +11,8 @@
  *   first fragment             -> its ports recorded; `release` set when later ones are held
  *   TTL <= 1                   -> PASS (the stack answers with time exceeded, quoting the packet
  *                                 as its sender sent it)
- *   conntrack FORWARD hit      -> TRANSLATE to the backend (and the SNAT source)
+ *   conntrack FORWARD hit      -> TRANSLATE to the backend (and the SNAT source); DROP HANDOVER
+ *                                 while a flow taken over from nf_conntrack is handed over (ekp_ct.h)
  *   conntrack REPLY hit        -> TRANSLATE from the frontend (and back to the client if SNAT)
  *   frontend hit               -> policy (source ranges, no endpoints: REJECT or DROP, mid-flow
  *                                 TCP: DROP NO_FLOW), backend, SNAT, conntrack -> TRANSLATE
@@ -425,7 +426,10 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 	ekp_ct_key_of(&key, p, EKP_CT_FORWARD);
 	struct ekp_ct_entry *ct = ekp_ct_lookup(&key);
 	if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_forward(ct, p)) {
-		ekp_decide_hit(ct, &key, p, now, d, q);
+		if (ekp_ct_handing_over(ct, now))
+			ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_HANDOVER);
+		else
+			ekp_decide_hit(ct, &key, p, now, d, q);
 		return;
 	}
 	key.dir = EKP_CT_REPLY;

@@ -25,9 +25,17 @@ turns an eBPF FORWARD entry back into it. Which flows are carried:
   backend, known or not, as it would under kube-proxy.
 * eBPF -> kernel: FORWARD entries not expired and not closed (a RST, FINs both ways).
 
+A carried flow whose backend is one of the node's own addresses (`host_backend`: the `kubernetes`
+Service on a control-plane node) carries CtFlag.HOST, as the data path sets it for a new flow to a
+BackendFlag.HOST backend: its packets are rewritten and handed to the node's stack, which delivers
+them locally; without it the data path would route them to a local address and drop them.
+
 With legacy host routing (--bpf-host-routing=legacy, bpf/ekp_host.h) the node's stack sees every
 packet of an eBPF flow between its two translations, as client:cport <-> backend:bport with real
-addresses both ways (`stack_flow`), and nf_conntrack tracks it as that plain flow. Its reply tuple
+addresses both ways (`stack_flow`), and nf_conntrack tracks it as that plain flow. So it does for a
+host-backend flow under either host routing (the stack delivers it). Until its NAT entry is
+replaced (below), the data path drops such a flow's forward packets (CtFlag.HANDOVER, cleared by
+the agent right after the replacement; the sender retransmits): the stack must not see them. Its reply tuple
 is the reply tuple of the flow's NAT entry whenever the source was not translated, and the kernel
 holds one entry per tuple: while the NAT entry is there, the stack's NAT gives the plain flow's
 packets another source port (its null binding finds the reply tuple taken), and the backend resets
@@ -127,9 +135,18 @@ class Skip(IntEnum):
     PROTOCOL = 4  # neither TCP nor UDP
 
 
-def ebpf_flags(flow: NatFlow) -> int:
-    """eBPF flow state (CtFlag) for the kernel's."""
-    flags = 0
+def host_backend(flow: NatFlow, node_addresses: Collection[str]) -> bool:
+    """The flow's backend is on one of the node's own addresses (a host-network endpoint: the API
+    server behind `kubernetes` on a control-plane node): eBPF mode hands its packets to the node's
+    stack (CtFlag.HOST), where a route lookup would only say "local" and drop them."""
+    return flow.reply[0] in node_addresses
+
+
+def ebpf_flags(flow: NatFlow, *, host: bool = False) -> int:
+    """eBPF flow state (CtFlag) for the kernel's; `host`: the backend is the node's own address
+    (HANDOVER too: the stack must not see its packets translated while the kernel's NAT entry is
+    there, module doc)."""
+    flags = CtFlag.HOST | CtFlag.HANDOVER if host else 0
     if flow.snat:
         flags |= CtFlag.SNAT
     if flow.status & IPS_SEEN_REPLY:
@@ -159,21 +176,11 @@ def why_not_carried(flow: NatFlow, ids: EbpfIds, node_addresses: Collection[str]
     return None
 
 
-def ebpf_entries(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[CtKey, CtEntry]]:
-    """The FORWARD and REPLY entries of a carried flow (check `why_not_carried` first)."""
+def ct_keys(flow: NatFlow) -> tuple[CtKey, CtKey]:
+    """The keys of a carried flow's FORWARD and REPLY entries."""
     s, d, sp, dp = flow.orig
     rs, rd, rsp, rdp = flow.reply
-    snat = flow.snat
-    common = {
-        "last_seen_ns": now_ns,
-        "fe_addr": ip_be(d),
-        "fe_port": port_be(dp),
-        "flags": ebpf_flags(flow),
-        "svc_id": ids.services.get((d, dp, flow.proto), 0),
-        "backend_id": ids.backends.get((rs, rsp, flow.proto), 0),
-        "created_s": now_ns // NSEC,
-    }
-    forward_key = CtKey(
+    forward = CtKey(
         saddr=ip_be(s),
         daddr=ip_be(d),
         sport=port_be(sp),
@@ -181,20 +188,41 @@ def ebpf_entries(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[CtKey, 
         proto=flow.proto,
         dir=CtDir.FORWARD,
     )
-    forward = CtEntry(
-        nat_addr=ip_be(rs),
-        nat_port=port_be(rsp),
-        snat_addr=ip_be(rd) if snat else 0,
-        snat_port=port_be(rdp) if snat else 0,
-        **common,
-    )
-    reply_key = CtKey(
+    reply = CtKey(
         saddr=ip_be(rs),
         daddr=ip_be(rd),
         sport=port_be(rsp),
         dport=port_be(rdp),
         proto=flow.proto,
         dir=CtDir.REPLY,
+    )
+    return forward, reply
+
+
+def ebpf_entries(
+    flow: NatFlow, ids: EbpfIds, now_ns: int, *, host: bool = False
+) -> list[tuple[CtKey, CtEntry]]:
+    """The FORWARD and REPLY entries of a carried flow (check `why_not_carried` first); `host`:
+    its backend is the node's own address (`host_backend`)."""
+    s, d, sp, dp = flow.orig
+    rs, rd, rsp, rdp = flow.reply
+    snat = flow.snat
+    forward_key, reply_key = ct_keys(flow)
+    common = {
+        "last_seen_ns": now_ns,
+        "fe_addr": ip_be(d),
+        "fe_port": port_be(dp),
+        "flags": ebpf_flags(flow, host=host),
+        "svc_id": ids.services.get((d, dp, flow.proto), 0),
+        "backend_id": ids.backends.get((rs, rsp, flow.proto), 0),
+        "created_s": now_ns // NSEC,
+    }
+    forward = CtEntry(
+        nat_addr=ip_be(rs),
+        nat_port=port_be(rsp),
+        snat_addr=ip_be(rd) if snat else 0,
+        snat_port=port_be(rdp) if snat else 0,
+        **common,
     )
     reply = CtEntry(
         nat_addr=ip_be(s) if snat else 0,

@@ -8,6 +8,10 @@ serving), and the agent of the other data path starts over the same node. Throug
 
 * six TCP connections (four from a pod to a ClusterIP, two from outside to a NodePort, which are
   masqueraded), each answering a line every 50 ms: none fails, none changes backend;
+* two TCP connections from a pod to the `kubernetes` Service of a control-plane node, whose
+  endpoint is an API server on the node's own address (a host-network backend: eBPF mode hands
+  such flows to the node's stack, BackendFlag.HOST), each answering a line every 50 ms: none
+  fails, none changes backend;
 * one UDP flow (one source port) to a ClusterIP: it keeps its backend;
 * a resolver looking a name up every 50 ms through the kube-dns ClusterIP, each lookup from a
   new source port, tried again once after 1 s: no lookup fails twice.
@@ -38,7 +42,7 @@ from lab import Lab
 from lab.core import PODSERVER
 from lab.harness import CLIENT, CLUSTER_CIDR, Agent, Cluster, ep
 from lab.kubeproxy_nft import NftPort, ruleset
-from lab.objects import NS, Port, service, with_endpoints
+from lab.objects import NS, Ep, Port, service, with_endpoints
 from tests.conftest import require_kernel
 
 pytestmark = pytest.mark.kernel
@@ -48,6 +52,7 @@ UDP_PORT = 9005
 BACKENDS = ("pod-1-2", "pod-1-3")
 ECHO_IP, UDP_IP, DNS_IP = "10.96.6.1", "10.96.6.2", "10.96.6.53"
 NODE_PORT = 30601
+KUBERNETES, API = "10.96.0.1", 6443  # the API server listens on the node's own address
 
 
 @pytest.fixture
@@ -70,6 +75,20 @@ def lab() -> Iterator[Lab]:
             )
             built.wait_tcp(pod, pod.ip, NAMED_PORT, proc=proc)
             built.start_dns(pod)
+        node = built.nodes[0]
+        api = built.popen(
+            node,
+            sys.executable,
+            "-I",
+            "-S",
+            str(PODSERVER),
+            f"--name={node.name}",
+            "--http-port=18085",
+            "--udp-port=19005",
+            f"--tcp-named-echo-port={API}",
+            name="api-server",
+        )
+        built.wait_tcp(node, node.ip, API, proc=api)
         yield built
 
 
@@ -80,7 +99,14 @@ def objects(cluster: Cluster) -> list[dict[str, Any]]:
     )
     udp = service("udp", UDP_IP, [Port("udp", UDP_PORT, UDP_PORT, "UDP")])
     dns = service("kube-dns", DNS_IP, [Port("dns", 53, 53, "UDP"), Port("dns-tcp", 53, 53, "TCP")])
-    return [*with_endpoints(echo, eps), *with_endpoints(udp, eps), *with_endpoints(dns, eps)]
+    node = cluster.lab.nodes[0]
+    api = service("kubernetes", KUBERNETES, [Port("https", 443, API)])
+    return [
+        *with_endpoints(echo, eps),
+        *with_endpoints(udp, eps),
+        *with_endpoints(dns, eps),
+        *with_endpoints(api, [Ep(node.ip, node.name)]),
+    ]
 
 
 @dataclass
@@ -121,6 +147,8 @@ def start_traffic(lab: Lab) -> list[Client]:
     clients = [start_client(lab, "pod-1-1", f"clusterip-{i}", *named, ECHO_IP) for i in range(4)]
     nodeport = ["named", "--port", str(NODE_PORT), "--interval", "0.05", "--addr", lab.nodes[0].ip]
     clients += [start_client(lab, "client", f"nodeport-{i}", *nodeport) for i in range(2)]
+    api = ["named", "--port", "443", "--interval", "0.05", "--addr", KUBERNETES]
+    clients += [start_client(lab, "pod-1-1", f"apiserver-{i}", *api) for i in range(2)]
     clients.append(
         start_client(lab, "pod-1-1", "udpflow", "udpflow", "--addr", UDP_IP, "--port", str(UDP_PORT))
     )
@@ -133,15 +161,20 @@ class Switch:
     before: str  # mode of the agent that runs first
     after: str
     before_flags: tuple[str, ...] = ()
+    after_flags: tuple[str, ...] = ()
 
 
 NFTABLES = "kube-proxy-nftables"  # no agent: kube-proxy's nftables table, written by lab/kubeproxy_nft.py
 
 SWITCHES = {
     "kube-proxy-iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=legacy",)),
+    "kube-proxy-iptables-to-ebpf-bpf-host-routing": Switch(
+        "iptables", "ebpf", ("--iptables-backend=legacy",), ("--bpf-host-routing=bpf",)
+    ),
     "kube-proxy-nftables-to-ebpf": Switch(NFTABLES, "ebpf"),
     "kube-proxy-nftables-to-iptables": Switch(NFTABLES, "iptables"),
     "ebpf-to-iptables": Switch("ebpf", "iptables"),
+    "ebpf-bpf-host-routing-to-iptables": Switch("ebpf", "iptables", ("--bpf-host-routing=bpf",)),
     "iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=nft",)),
 }
 
@@ -163,6 +196,7 @@ def nft_ports(cluster: Cluster) -> list[NftPort]:
         port("udp", "udp", "udp", UDP_IP, UDP_PORT),
         port("kube-dns", "dns", "udp", DNS_IP, 53),
         port("kube-dns", "dns-tcp", "tcp", DNS_IP, 53),
+        NftPort(NS, "kubernetes", "https", "tcp", KUBERNETES, 443, ((cluster.lab.nodes[0].ip, API),)),
     ]
 
 
@@ -192,7 +226,7 @@ def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: S
     nftables = switch.before == NFTABLES
     cluster = Cluster(lab, "iptables" if nftables else switch.before, extra=switch.before_flags)
     first = cluster.agents[0]
-    second = Agent(lab, first.node, switch.after, first.source)
+    second = Agent(lab, first.node, switch.after, first.source, switch.after_flags)
     second.log_path = first.log_path.with_name(f"agent-{switch.after}-{first.node.name}.log")
     if nftables:
         cluster.version = cluster.write(objects(cluster))
@@ -217,11 +251,16 @@ def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: S
             if name.startswith(("clusterip", "nodeport")):
                 assert r["errors"] == 0 and r["exchanges"] > 60, (name, r, log[-3000:])
                 assert len(r["backends"]) == 1 and r["backends"][0] in BACKENDS, (name, r)
+            if name.startswith("apiserver"):
+                assert r["errors"] == 0 and r["exchanges"] > 60, (name, r, log[-3000:])
+                assert r["backends"] == [first.node.name], (name, r)
         flow = results["udpflow"]
         assert len(flow["backends"]) == 1 and flow["sent"] > 60 and flow["lost"] <= 1, flow
         dns = results["dns"]
         assert dns["failed"] == 0 and dns["lookups"] > 60, dns
-        tcp = [r["exchanges"] for n, r in results.items() if n.startswith(("clusterip", "nodeport"))]
+        tcp = [
+            r["exchanges"] for n, r in results.items() if n.startswith(("clusterip", "nodeport", "apiserver"))
+        ]
         print(
             f"\n{switch.before} -> {switch.after}: {len(tcp)} connections, {min(tcp)}-{max(tcp)} lines each;"
             f" UDP flow {flow['sent']} sent, {flow['lost']} lost;"
