@@ -36,7 +36,9 @@ from agent.takeover.flows import (
     TcpState,
     Timeouts,
     Tuple,
+    ct_keys,
     ebpf_entries,
+    host_backend,
     kernel_status,
     nat_flow,
     stack_flow,
@@ -282,6 +284,85 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
     ]
     takeover.serving()  # the socket programs linked too: kube-proxy's OUTPUT rules no longer needed
     assert events[-1] == "remove rules node1"
+
+
+# pod -> `kubernetes` ClusterIP -> the API server on the node's own address (a host-network endpoint)
+API_FLOW = NatFlow(6, (POD_CLIENT, VIP, 40100, 80), (NODE, POD_CLIENT, 6443, 40100))
+
+
+def test_a_flow_to_the_nodes_own_address_is_carried_as_a_host_flow_being_handed_over() -> None:
+    """The data path hands such a flow to the node's stack (CtFlag.HOST, as for a new flow to a
+    BackendFlag.HOST backend), and drops its forward packets until the agent replaced the kernel's
+    NAT entry (HANDOVER); a flow to a pod is neither."""
+    assert host_backend(API_FLOW, {NODE}) and not host_backend(CLUSTERIP, {NODE})
+    for key, entry in ebpf_entries(API_FLOW, IDS, NOW, host=True):
+        assert (
+            entry.flags
+            == CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED | CtFlag.ADOPTED | CtFlag.HOST | CtFlag.HANDOVER
+        )
+        assert key in ct_keys(API_FLOW)
+    assert not any(e.flags & (CtFlag.HOST | CtFlag.HANDOVER) for _, e in ebpf_entries(CLUSTERIP, IDS, NOW))
+
+
+@pytest.mark.parametrize("routing", list(HostRouting))
+def test_a_host_flow_is_handed_to_the_stack_first_under_either_routing_then_released(
+    routing: HostRouting,
+) -> None:
+    """Under either host routing the stack sees a host flow's packets: its NAT entry is replaced by
+    the plain one before anything else after the attach (its forward packets drop meanwhile), then
+    HANDOVER is cleared on both of its entries. The pod flow is the stack's under legacy only."""
+    events: list[str] = []
+    maps = fake_maps()
+
+    def delete(netns: str, flows: Iterable[NatFlow]) -> int:
+        got = [f.orig for f in flows]
+        events.append(f"delete {got}")
+        return len(got)
+
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Created:
+        got = [f.orig for f in flows]
+        handing = [e.flags & CtFlag.HANDOVER for k, e in maps["ct_tcp"].items() if isinstance(e, abi.CtEntry)]
+        events.append(f"create {got} while {sum(1 for h in handing if h)} entries hand over")
+        return Created(created=len(got))
+
+    def dump(netns: str) -> list[NatFlow]:
+        events.append("dump")
+        return [CLUSTERIP, API_FLOW]
+
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=routing),
+        dump=dump,
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        delete=delete,
+        create=create,
+        clock_ns=lambda: NOW,
+    )
+    takeover.before_attach(maps)
+    flags = {k.dir: e.flags for k, e in maps["ct_tcp"].items() if k in ct_keys(API_FLOW)}
+    assert set(flags) == {CtDir.FORWARD, CtDir.REPLY} and flags[CtDir.FORWARD] == flags[CtDir.REPLY]
+    assert all(f & CtFlag.HANDOVER and f & CtFlag.HOST for f in flags.values())
+    takeover.after_attach(maps)
+    plain = stack_flow(API_FLOW).orig
+    expected = [
+        "dump",
+        f"delete {[API_FLOW.orig]}",
+        f"delete {[plain]}",
+        f"create {[plain]} while 2 entries hand over",
+        "dump",
+    ]
+    if routing == HostRouting.LEGACY:  # the pod flow meets the stack too, after
+        pod = stack_flow(CLUSTERIP).orig
+        expected += [
+            f"delete {[CLUSTERIP.orig]}",
+            f"delete {[pod]}",
+            f"create {[pod]} while 0 entries hand over",
+        ]
+    assert events == expected
+    released = [e.flags for k, e in maps["ct_tcp"].items() if k in ct_keys(API_FLOW)]
+    assert len(released) == 2 and not any(f & CtFlag.HANDOVER for f in released)
+    assert all(f & CtFlag.HOST for f in released)
 
 
 def test_the_handback_writes_detaches_writes_the_late_flows_and_removes_the_pins(tmp_path: Path) -> None:
