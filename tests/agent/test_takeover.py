@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 import subprocess
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -63,7 +64,7 @@ from lab.dplab import (
     reset_maps,
     set_config,
 )
-from lab.packets import TC_ACT_OK, loaded_datapath, parse, sh, tcp
+from lab.packets import TC_ACT_OK, TC_ACT_SHOT, loaded_datapath, parse, sh, tcp
 from tests.conftest import require_kernel
 
 IDS = EbpfIds(
@@ -511,6 +512,45 @@ def test_flows_carried_from_nf_conntrack_go_on_through_the_programs(
         assert back == (NODE, 30080, CLIENT, 5555)
         stats = net.stats()
         assert (stats[Stat.CT_FORWARD], stats[Stat.CT_REPLY], stats[Stat.DROP_NO_FLOW]) == (2, 2, 1)
+        reset_maps(dp)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("late", [False, True], ids=["released", "never-released"])
+def test_a_carried_host_flow_waits_for_its_handover_then_goes_to_the_stack(dp: Datapath, late: bool) -> None:
+    """A carried flow to the node's own address: its forward packets drop (HANDOVER) until the
+    agent released it, then go to the node's stack translated (TC_ACT_OK, no route lookup: no
+    drop_fib), and the stack's replies leave as the ClusterIP's. A flag never cleared (an agent
+    that died in between) holds EKP_CT_HANDOVER_S at most."""
+    with packet_lab() as lab:
+        reset_maps(dp)
+        net = Net(dp, lab)
+        net.add_service(backends=((21, NODE, 6443, BackendFlag.HOST | BackendFlag.LOCAL),), svc_id=3)
+        made = time.monotonic_ns() - (abi.CT_HANDOVER_S + 1) * 10**9 if late else time.monotonic_ns()
+        takeover = KernelTakeover(
+            Config(),
+            dump=lambda netns: [API_FLOW],
+            addresses=lambda netns: {NODE},
+            remove_rules=lambda c: None,
+            sysctl=lambda netns, path, value: None,
+            delete=lambda netns, flows: 0,
+            create=lambda netns, flows, timeouts: Created(),
+            clock_ns=lambda: made,
+        )
+        takeover.before_attach(dp.maps)
+        activity.arm(dp.maps)
+        segment = tcp(POD_CLIENT, VIP, 40100, 80, flags="PA")
+        verdict, out = net.from_pod(segment)
+        if not late:
+            assert verdict == TC_ACT_SHOT and net.stats()[Stat.DROP_HANDOVER] == 1
+            takeover.after_attach(dp.maps)
+            verdict, out = net.from_pod(segment)
+        p = parse(out)
+        assert verdict == TC_ACT_OK and (p.src, p.sport, p.dst, p.dport) == (POD_CLIENT, 40100, NODE, 6443)
+        p = parse(net.to_pod(tcp(NODE, POD_CLIENT, 6443, 40100, flags="PA"))[1])
+        assert (p.src, p.sport, p.dst, p.dport) == (VIP, 80, POD_CLIENT, 40100)
+        stats = net.stats()
+        assert (stats[Stat.CT_FORWARD], stats[Stat.CT_REPLY], stats[Stat.DROP_FIB]) == (1, 1, 0)
         reset_maps(dp)
 
 
