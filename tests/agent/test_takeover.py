@@ -384,10 +384,12 @@ def test_the_handback_writes_detaches_writes_the_late_flows_and_removes_the_pins
         create=create,
         detach=lambda netns: events.append(f"detach {netns}") or ["eth0"],  # type: ignore[func-returns-value]
         remove_pins=lambda pin_path: events.append("remove pins") or ["ekp_ct_tcp_v2"],  # type: ignore[func-returns-value]
+        hold=lambda pin_path, flows: events.append(f"hold {[f.orig[0] for f in flows]}") or 0,  # type: ignore[func-returns-value]
     )
     assert handback.pending
     handback.run()
     assert events == [
+        f"hold {[POD_CLIENT]}",  # a flow to the node's own address among them stops translating
         f"create node1 {[POD_CLIENT]}",
         "create node1 []",  # none refused: no second round
         "detach node1",
@@ -417,6 +419,7 @@ def test_flows_whose_write_was_refused_are_written_again_before_and_after_the_de
         create=create,
         detach=lambda netns: events.append(("detach", [])) or ["eth0"],  # type: ignore[func-returns-value]
         remove_pins=lambda pin_path: [],
+        hold=lambda pin_path, flows: 0,
     )
     handback.run()
     assert events == [
