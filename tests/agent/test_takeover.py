@@ -305,6 +305,15 @@ def test_a_flow_to_the_nodes_own_address_is_carried_as_a_host_flow_being_handed_
     assert not any(e.flags & (CtFlag.HOST | CtFlag.HANDOVER) for _, e in ebpf_entries(CLUSTERIP, IDS, NOW))
 
 
+def api_flow_flags(maps: dict[str, MapWriter]) -> dict[int, int]:
+    """The flags of API_FLOW's entries, by direction."""
+    got = {}
+    for k, e in maps["ct_tcp"].items():
+        if isinstance(k, abi.CtKey) and isinstance(e, abi.CtEntry) and k in ct_keys(API_FLOW):
+            got[int(k.dir)] = int(e.flags)
+    return got
+
+
 @pytest.mark.parametrize("routing", list(HostRouting))
 def test_a_host_flow_is_handed_to_the_stack_first_under_either_routing_then_released(
     routing: HostRouting,
@@ -341,7 +350,7 @@ def test_a_host_flow_is_handed_to_the_stack_first_under_either_routing_then_rele
         clock_ns=lambda: NOW,
     )
     takeover.before_attach(maps)
-    flags = {k.dir: e.flags for k, e in maps["ct_tcp"].items() if k in ct_keys(API_FLOW)}
+    flags = api_flow_flags(maps)
     assert set(flags) == {CtDir.FORWARD, CtDir.REPLY} and flags[CtDir.FORWARD] == flags[CtDir.REPLY]
     assert all(f & CtFlag.HANDOVER and f & CtFlag.HOST for f in flags.values())
     takeover.after_attach(maps)
@@ -361,7 +370,7 @@ def test_a_host_flow_is_handed_to_the_stack_first_under_either_routing_then_rele
             f"create {[pod]} while 0 entries hand over",
         ]
     assert events == expected
-    released = [e.flags for k, e in maps["ct_tcp"].items() if k in ct_keys(API_FLOW)]
+    released = list(api_flow_flags(maps).values())
     assert len(released) == 2 and not any(f & CtFlag.HANDOVER for f in released)
     assert all(f & CtFlag.HOST for f in released)
 
