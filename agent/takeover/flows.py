@@ -55,7 +55,7 @@ from enum import IntEnum
 
 from agent.ebpf.abi import CtDir, CtEntry, CtFlag, CtKey, ip_be, ip_str, port_be, port_host
 
-TCP, UDP = 6, 17
+TCP, UDP, SCTP = 6, 17, 132
 NSEC = 1_000_000_000
 
 # nf_conntrack's status bits (include/uapi/linux/netfilter/nf_conntrack_common.h).
@@ -83,6 +83,19 @@ class TcpState(IntEnum):
     SYN_SENT2 = 9
 
 
+class SctpState(IntEnum):
+    """nf_conntrack's SCTP states (enum sctp_conntrack)."""
+
+    NONE = 0
+    CLOSED = 1
+    COOKIE_WAIT = 2
+    COOKIE_ECHOED = 3
+    ESTABLISHED = 4
+    SHUTDOWN_SENT = 5
+    SHUTDOWN_RECD = 6
+    SHUTDOWN_ACK_SENT = 7
+
+
 HALF_CLOSED = (TcpState.FIN_WAIT, TcpState.CLOSE_WAIT, TcpState.LAST_ACK)
 ENDED = (TcpState.TIME_WAIT, TcpState.CLOSE)
 
@@ -99,6 +112,10 @@ class NatFlow:
     reply: Tuple
     status: int = IPS_SEEN_REPLY | IPS_ASSURED
     tcp_state: TcpState = TcpState.ESTABLISHED
+    # SCTP: the state and the verification tags each direction's packets carry (original, reply),
+    # which the kernel checks on every chunk but INIT: an entry it is given must have them
+    sctp_state: int = 0
+    vtags: tuple[int, int] = (0, 0)
 
     @property
     def dnat(self) -> bool:
@@ -113,7 +130,7 @@ class NatFlow:
     def describe(self) -> str:
         s, d, sp, dp = self.orig
         rs, rd, rsp, rdp = self.reply
-        proto = {TCP: "tcp", UDP: "udp"}.get(self.proto, str(self.proto))
+        proto = {TCP: "tcp", UDP: "udp", SCTP: "sctp"}.get(self.proto, str(self.proto))
         return f"{proto} {s}:{sp} -> {d}:{dp} (backend {rs}:{rsp}, reply to {rd}:{rdp})"
 
 
@@ -132,7 +149,7 @@ class Skip(IntEnum):
     ENDED = 1  # TIME_WAIT / CLOSE
     NODE_CLIENT = 2  # the node itself is the client (host network)
     BACKEND_GONE = 3  # UDP, the backend left the Service
-    PROTOCOL = 4  # neither TCP nor UDP
+    PROTOCOL = 4  # neither TCP, UDP nor SCTP
 
 
 def host_backend(flow: NatFlow, node_addresses: Collection[str]) -> bool:
@@ -163,11 +180,13 @@ def ebpf_flags(flow: NatFlow, *, host: bool = False) -> int:
 
 def why_not_carried(flow: NatFlow, ids: EbpfIds, node_addresses: Collection[str]) -> Skip | None:
     """None when `flow` is carried into eBPF conntrack, else why not (module doc)."""
-    if flow.proto not in (TCP, UDP):
+    if flow.proto not in (TCP, UDP, SCTP):
         return Skip.PROTOCOL
     if not flow.dnat or (flow.orig[1], flow.orig[3], flow.proto) not in ids.services:
         return Skip.NOT_A_SERVICE
-    if flow.proto == TCP and flow.tcp_state in ENDED:
+    if (flow.proto == TCP and flow.tcp_state in ENDED) or (
+        flow.proto == SCTP and flow.sctp_state == SctpState.CLOSED
+    ):
         return Skip.ENDED
     if flow.orig[0] in node_addresses:
         return Skip.NODE_CLIENT
@@ -245,6 +264,8 @@ def stack_flow(flow: NatFlow) -> NatFlow:
         reply=(backend, s, bport, sp),
         status=flow.status,
         tcp_state=flow.tcp_state,
+        sctp_state=flow.sctp_state,
+        vtags=flow.vtags,
     )
 
 
@@ -258,6 +279,7 @@ class Timeouts:
     tcp_syn: int = 60
     udp: int = 30
     udp_stream: int = 120
+    sctp_established: int = 210  # nf_conntrack_sctp_timeout_established
 
 
 def ebpf_closed(flags: int) -> bool:
@@ -268,7 +290,8 @@ def ebpf_closed(flags: int) -> bool:
 
 def nat_flow(key: CtKey, entry: CtEntry) -> NatFlow | None:
     """The kernel's view of an eBPF FORWARD entry; None for a REPLY entry, a closed flow or a
-    protocol the kernel entry cannot be made for."""
+    protocol the kernel entry cannot be made for (SCTP: the eBPF conntrack does not keep the
+    verification tags the kernel would check every chunk against)."""
     if key.dir != CtDir.FORWARD or key.proto not in (TCP, UDP) or ebpf_closed(entry.flags):
         return None
     snat = bool(entry.flags & CtFlag.SNAT)
@@ -303,6 +326,8 @@ def timeout_of(flow: NatFlow, timeouts: Timeouts) -> int:
         if flow.tcp_state in HALF_CLOSED:
             return timeouts.tcp_close_wait
         return timeouts.tcp_syn
+    if flow.proto == SCTP and flow.sctp_state == SctpState.ESTABLISHED:
+        return timeouts.sctp_established
     return timeouts.udp_stream if flow.status & IPS_ASSURED else timeouts.udp
 
 

@@ -33,6 +33,7 @@ from agent.takeover.flows import (
     IPS_SRC_NAT_DONE,
     EbpfIds,
     NatFlow,
+    SctpState,
     Skip,
     TcpState,
     Timeouts,
@@ -68,8 +69,16 @@ from lab.packets import TC_ACT_OK, TC_ACT_SHOT, loaded_datapath, parse, sh, tcp
 from tests.conftest import require_kernel
 
 IDS = EbpfIds(
-    services={(VIP, 80, 6): 3, (NODE, 30080, 6): 4, (VIP, 53, 17): 5},
-    backends={(BE1, 8080, 6): 21, (REMOTE_BE, 8080, 6): 22, (BE1, 53, 17): 23},
+    services={(VIP, 80, 6): 3, (NODE, 30080, 6): 4, (VIP, 53, 17): 5, (VIP, 5060, 132): 6},
+    backends={(BE1, 8080, 6): 21, (REMOTE_BE, 8080, 6): 22, (BE1, 53, 17): 23, (BE1, 5061, 132): 24},
+)
+# pod -> SCTP ClusterIP -> local backend: an association nf_conntrack saw established, its tags
+ASSOCIATION = NatFlow(
+    132,
+    (POD_CLIENT, VIP, 41500, 5060),
+    (BE1, POD_CLIENT, 5061, 41500),
+    sctp_state=SctpState.ESTABLISHED,
+    vtags=(0x5678EF01, 0x1234ABCD),
 )
 # pod -> ClusterIP -> local backend, client address kept
 CLUSTERIP = NatFlow(6, (POD_CLIENT, VIP, 40000, 80), (BE1, POD_CLIENT, 8080, 40000))
@@ -129,7 +138,9 @@ def test_a_masqueraded_flow_keeps_its_snat_source_and_port() -> None:
         ),
         (NatFlow(17, (POD_CLIENT, VIP, 1, 53), ("10.244.1.77", POD_CLIENT, 53, 1)), (), Skip.BACKEND_GONE),
         (NatFlow(17, (POD_CLIENT, VIP, 1, 53), (BE1, POD_CLIENT, 53, 1)), (), None),
-        (NatFlow(132, (POD_CLIENT, VIP, 1, 80), (BE1, POD_CLIENT, 8080, 1)), (), Skip.PROTOCOL),
+        (ASSOCIATION, (), None),
+        (NatFlow(132, ASSOCIATION.orig, ASSOCIATION.reply, sctp_state=SctpState.CLOSED), (), Skip.ENDED),
+        (NatFlow(33, (POD_CLIENT, VIP, 1, 80), (BE1, POD_CLIENT, 8080, 1)), (), Skip.PROTOCOL),
     ],
     ids=[
         "clusterip",
@@ -140,10 +151,30 @@ def test_a_masqueraded_flow_keeps_its_snat_source_and_port() -> None:
         "udp-backend-gone",
         "udp",
         "sctp",
+        "sctp-closed",
+        "dccp",
     ],
 )
 def test_which_kernel_flows_are_carried(flow: NatFlow, node: tuple[str, ...], why: Skip | None) -> None:
     assert why_not_carried(flow, IDS, node) is why
+
+
+def test_an_sctp_association_is_carried_as_an_established_flow_and_handed_to_the_stack_with_its_tags() -> (
+    None
+):
+    """The eBPF conntrack keeps SCTP in ct_any with the UDP-like states (replied, established);
+    the plain entry legacy host routing's stack gets keeps the state and the verification tags
+    the kernel checks every chunk but INIT against, and the SCTP established timeout."""
+    got = {(k.dir, k.proto): (k, e) for k, e in ebpf_entries(ASSOCIATION, IDS, NOW)}
+    _, fwd = got[(CtDir.FORWARD, 132)]
+    assert fwd.flags == CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED | CtFlag.ADOPTED
+    assert (fwd.svc_id, fwd.backend_id, fwd.nat_port) == (6, 24, port_be(5061))
+    assert abi.ct_role(132) == "ct_any"
+    plain = stack_flow(ASSOCIATION)
+    assert (plain.sctp_state, plain.vtags) == (SctpState.ESTABLISHED, ASSOCIATION.vtags)
+    assert timeout_of(plain, Timeouts()) == Timeouts().sctp_established
+    key = next(k for k, _ in ebpf_entries(ASSOCIATION, IDS, NOW) if k.dir == CtDir.FORWARD)
+    assert nat_flow(key, fwd) is None  # not back into nf_conntrack: the eBPF entry has no tags
 
 
 def test_a_tcp_flow_to_a_backend_the_maps_do_not_have_keeps_it() -> None:
@@ -601,6 +632,18 @@ def test_a_nat_entry_and_the_stacks_plain_entry_exclude_each_other_until_one_is_
     # a masqueraded flow's plain entry holds no tuple of its NAT entry
     assert create_flows(netns, [NODEPORT, stack_flow(NODEPORT)], t).created == 2
     assert {f.orig for f in dump_flows(netns)} == {CLUSTERIP.orig, NODEPORT.orig}  # DST_NAT only
+
+
+@pytest.mark.kernel
+def test_an_sctp_entry_written_into_nf_conntrack_is_dumped_with_its_state_and_tags(netns: str) -> None:
+    assert create_flows(netns, [ASSOCIATION], Timeouts()).created == 1
+    kernel = {f.orig: f for f in dump_flows(netns)}[ASSOCIATION.orig]
+    assert (kernel.proto, kernel.reply, kernel.sctp_state, kernel.vtags) == (
+        132,
+        ASSOCIATION.reply,
+        SctpState.ESTABLISHED,
+        ASSOCIATION.vtags,
+    )
 
 
 @pytest.mark.kernel
