@@ -26,7 +26,9 @@ kube-proxy's iptables layout is this project's iptables mode run as if it were k
 writes upstream's layout byte for byte) with the legacy backend, then stopped without cleanup;
 iptables mode itself runs with the nft backend. kube-proxy's nftables mode is its
 `ip kube-proxy` table for the same Services (lab/kubeproxy_nft.py), loaded with the real `nft`.
-After the switch the old data path's state is gone: no KUBE- chain in either backend and no
+eBPF mode runs with legacy host routing (the default), and with `--bpf-host-routing=bpf` in a
+switch from kube-proxy's iptables layout and in one to iptables mode: a flow to the node's own
+address meets the node's stack under both. After the switch the old data path's state is gone: no KUBE- chain in either backend and no
 `ip kube-proxy` table after a switch to eBPF mode, no pin and no tc filter of ours after a switch
 to iptables mode.
 """
