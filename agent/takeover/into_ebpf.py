@@ -204,11 +204,14 @@ class KernelTakeover:
                 if not isinstance(entry, abi.CtEntry) or not entry.flags & abi.CtFlag.HANDOVER:
                     continue
                 entry.flags &= ~abi.CtFlag.HANDOVER
+                # Read, then written back: a state change the data path made in between (its
+                # replies renew the REPLY entry) is lost, for microseconds, once per flow.
                 try:
                     table.update(key, entry, UpdateFlag.EXIST)
                 except MapError as exc:
                     if exc.errno != errno.ENOENT:  # ended meanwhile
                         raise
+                    continue
                 released += key.dir == abi.CtDir.FORWARD
         if flows:
             log.info(
