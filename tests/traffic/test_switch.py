@@ -28,9 +28,9 @@ iptables mode itself runs with the nft backend. kube-proxy's nftables mode is it
 `ip kube-proxy` table for the same Services (lab/kubeproxy_nft.py), loaded with the real `nft`.
 eBPF mode runs with legacy host routing (the default), and with `--bpf-host-routing=bpf` in a
 switch from kube-proxy's iptables layout and in one to iptables mode: a flow to the node's own
-address meets the node's stack under both. After the switch the old data path's state is gone: no KUBE- chain in either backend and no
-`ip kube-proxy` table after a switch to eBPF mode, no pin and no tc filter of ours after a switch
-to iptables mode.
+address meets the node's stack under both. After the switch the old data path's state is gone:
+no KUBE- chain in either backend and no `ip kube-proxy` table after a switch to eBPF mode, no pin
+and no tc filter of ours after a switch to iptables mode.
 """
 
 from __future__ import annotations
