@@ -186,11 +186,13 @@ class Process:
     def pid(self) -> int:
         return self.popen.pid
 
-    def log_text(self, limit: int = 4000) -> str:
+    def log_text(self, limit: int | None = 4000) -> str:
+        """The last `limit` characters of the log (all of it when None)."""
         if self.log is None:
             return ""
         try:
-            return self.log.read_text(errors="replace")[-limit:]
+            text = self.log.read_text(errors="replace")
+            return text if limit is None else text[-limit:]
         except OSError:
             return ""
 
@@ -738,9 +740,10 @@ class Lab:
                 return p
         raise LabError(f"process {proc.pid} is not tracked by {self.prefix}")
 
-    def log_of(self, proc: subprocess.Popen[bytes]) -> str:
-        """The tail of the log file of a process the lab started (stopped ones too, until teardown)."""
-        return self._record(proc).log_text()
+    def log_of(self, proc: subprocess.Popen[bytes], limit: int | None = 4000) -> str:
+        """The tail of the log file of a process the lab started (stopped ones too, until teardown);
+        the whole log with `limit=None`."""
+        return self._record(proc).log_text(limit)
 
     def stop(self, proc: subprocess.Popen[bytes], timeout: float = 2.0) -> int | None:
         """SIGTERM a tracked process, SIGKILL after `timeout`; return its exit status."""
