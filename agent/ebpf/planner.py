@@ -19,6 +19,12 @@ State, compact on purpose (10,000 services of 10 endpoints are a third of a mill
 * `pending[role]`: the written side, only where it differs from `desired`: key -> what the map
   holds (None: nothing). Every change to `desired` records the value it replaces (what the map
   holds, since the two agreed there), a flush empties it, `reconcile` fills it from a read-back.
+  A role in `fresh` (its map held nothing at the start or at a read-back while nothing was
+  desired, and nothing was written since) has an empty `pending` standing for "the map holds
+  none of `desired`": on a first sync `pending` would otherwise name every desired key with None,
+  a second dict as large as `desired` (about 20 MiB at 10,000 Services). On a restart `pending`
+  starts as the kernel's contents, and an entry leaves it as soon as the plan desires what the
+  kernel holds there, so the kernel's copy shrinks while the desired one grows.
 * `desired["addr"]` (ekp_addr) is derived from the desired frontends and backends as they change:
   one entry per address, a bit per scope it has frontends in and BACKEND when a backend is on it.
 * Per service port a `Fragment`: its service port id, its sets (id and count), the frontend keys it
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from socket import inet_aton
+from typing import cast
 
 from agent.config import Config, NodeContext
 from agent.ebpf import backends
@@ -121,6 +128,7 @@ class Planner:
         self._config = config
         self.desired: dict[str, Entries] = {r: {} for r in ROLES}
         self.pending: dict[str, Pending] = {r: {} for r in ROLES}
+        self.fresh: set[str] = set(ROLES)  # roles whose map holds none of desired (pending empty)
         self._frags: dict[ServicePortName, Fragment] = {}
         self._fe_owner: dict[int, ServicePortName] = {}
         self._fe_waiting: dict[int, set[ServicePortName]] = {}  # frontend -> ports it is blocked for
@@ -157,7 +165,10 @@ class Planner:
         if old == value:
             return
         p = self.pending[role]
-        if key not in p:
+        if key in p:
+            if p[key] == value:
+                del p[key]  # the map holds it already (a restart re-adopting the kernel's entry)
+        elif role not in self.fresh:
             p[key] = old  # the map holds what was desired here
         d[key] = value
         self._changes += 1
@@ -170,7 +181,7 @@ class Planner:
         if old is None:
             return
         p = self.pending[role]
-        if key not in p:
+        if key not in p and role not in self.fresh:
             p[key] = old
         self._changes += 1
         if role in _ADDRESSED:
@@ -203,7 +214,7 @@ class Planner:
     @property
     def in_sync(self) -> bool:
         """The maps hold what is desired, as far as the planner knows."""
-        return not any(self.pending.values())
+        return not any(self.pending.values()) and not any(self.desired[r] for r in self.fresh)
 
     # ------------------------------------------------------------------ planning
 
@@ -344,6 +355,7 @@ class Planner:
         put, drop = self._put, self._drop
         sd, sp_ = self.desired["slot"], self.pending["slot"]
         md, mp = self.desired["member"], self.pending["member"]
+        slot_fresh, member_fresh = "slot" in self.fresh, "member" in self.fresh
         changes = 0
         members: dict[int, int] = {}  # backend id -> member flags
         counts: dict[SetKind, int] = {}
@@ -372,7 +384,7 @@ class Planner:
             self._set_owner[set_id] = spn
             placed = slots(order, previous)
             changes += _put_all(
-                sd, sp_, [(set_id | pos << SLOT_POS, bid) for pos, bid in enumerate(placed, 1)]
+                sd, sp_, [(set_id | pos << SLOT_POS, bid) for pos, bid in enumerate(placed, 1)], slot_fresh
             )
             for pos in range(len(placed) + 1, before + 1):
                 drop("slot", set_id | pos << SLOT_POS)
@@ -382,7 +394,9 @@ class Planner:
             for bid in placed:
                 members[bid] = members.get(bid, 0) | bit
         shift = MEMBER_BACKEND
-        changes += _put_all(md, mp, [(svc_id | bid << shift, bits) for bid, bits in members.items()])
+        changes += _put_all(
+            md, mp, [(svc_id | bid << shift, bits) for bid, bits in members.items()], member_fresh
+        )
         self._changes += changes
         ranges = source_ranges(sp, self.node) if sp.load_balancer_source_ranges else []
         srcr: list[int] = []
@@ -476,14 +490,22 @@ class Planner:
         for role in ROLES:
             kernel = from_dump(role, *dump.get(role, (b"", b"")))
             d = self.desired[role]
+            if not d:
+                # A start: all of it differs from the nothing planned yet (an empty map: what
+                # gets planned next is missing from it, `fresh`).
+                self.pending[role] = cast(Pending, kernel)  # its only reference: widened safely
+                if kernel:
+                    self.fresh.discard(role)
+                else:
+                    self.fresh.add(role)
+                differ += len(kernel)
+                continue
+            self.fresh.discard(role)
             if kernel == d:
                 self.pending[role] = {}
                 continue
-            if d:
-                p: Pending = {k: v for k, v in kernel.items() if d.get(k) != v}
-                p.update(dict.fromkeys(d.keys() - kernel.keys()))
-            else:
-                p = dict(kernel)  # a start: all of it differs from the nothing planned yet
+            p: Pending = {k: v for k, v in kernel.items() if d.get(k) != v}
+            p.update(dict.fromkeys(d.keys() - kernel.keys()))
             self.pending[role] = p
             differ += len(p)
         self._hold_kernel_ids()
@@ -538,7 +560,7 @@ class Planner:
     def flush(self, maps: Mapping[str, RawMap]) -> FlushResult:
         """Write what differs between desired and written, in the safe order (agent.ebpf.writer)."""
         self._be_owners = None
-        result = flush(self.desired, self.pending, maps, self._owners)
+        result = flush(self.desired, self.pending, maps, self._owners, self.fresh)
         if self.in_sync:
             self._replanned = set()
         svc, sets, bids, rnat = self._held()
@@ -578,14 +600,17 @@ class Planner:
         return {key: str(spn) for key, spn in self._fe_owner.items()}
 
 
-def _put_all(desired: Entries, pending: Pending, entries: list[tuple[int, int]]) -> int:
+def _put_all(desired: Entries, pending: Pending, entries: list[tuple[int, int]], fresh: bool) -> int:
     """`Planner._put` of many entries of one map (the hot loop of a first sync); returns how many
     changed."""
     changed = 0
     for key, value in entries:
         old = desired.get(key)
         if old != value:
-            if key not in pending:
+            if key in pending:
+                if pending[key] == value:
+                    del pending[key]
+            elif not fresh:
                 pending[key] = old
             desired[key] = value
             changed += 1

@@ -162,6 +162,27 @@ def test_a_restart_re_adopts_everything_and_prunes_only_what_went_away() -> None
     assert result.deletes["fe"] == 2 and sum(result.updates.values()) == 0
 
 
+def test_a_first_plan_keeps_no_second_copy_of_its_keys_and_a_restart_lets_go_of_the_kernels() -> None:
+    """Memory at scale: on empty maps the written side names nothing (every map is `fresh`);
+    after a restart's re-plan, only what the kernel holds differently is left of its read-back."""
+    rig = PlanRig()
+    rig.planner.reconcile(rig.dump(), adopt=True)
+    rig.planner.update(many(30), NODE, None)
+    assert all(rig.planner.desired[r] for r in ("fe", "slot", "be", "member", "rnat", "addr"))
+    assert not any(rig.planner.pending.values()) and not rig.planner.in_sync
+    rig.planner.flush(rig.maps)
+    assert rig.planner.in_sync and not rig.planner.fresh
+    backends = dict(rig.planner.desired["be"])
+    rig.restart()
+    assert rig.planner.pending["be"] == backends, "before the re-plan, all of it differs"
+    rig.planner.update(many(29), NODE, None)
+    left = {r: len(p) for r, p in rig.planner.pending.items() if p}
+    # the removed service's two frontends, two slots and members, its reverse-NAT entry, the
+    # backend no one else uses, its address and the VIP's: nothing of the 29 re-adopted
+    assert left == {"fe": 2, "slot": 2, "be": 1, "rnat": 1, "member": 2, "addr": 2}
+    assert rig.sync(many(29)).deletes["fe"] == 2
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(proxy_states(), min_size=2, max_size=4), st.booleans(), st.booleans(), st.data())
 def test_any_sequence_of_states_incremental_or_full_with_restarts(
