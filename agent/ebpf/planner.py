@@ -26,7 +26,8 @@ State, compact on purpose (10,000 services of 10 endpoints are a third of a mill
   starts as the kernel's contents, and an entry leaves it as soon as the plan desires what the
   kernel holds there, so the kernel's copy shrinks while the desired one grows.
 * `desired["addr"]` (ekp_addr) is derived from the desired frontends and backends as they change:
-  one entry per address, a bit per scope it has frontends in and BACKEND when a backend is on it.
+  one entry per address, a bit per scope it has frontends in and BACKEND when a backend is on it;
+  a bit stands for its first user, and only users beyond the first are counted (`_address`).
 * Per service port a `Fragment`: its service port id, its sets (id and count), the frontend keys it
   holds, the backends it uses (and the flags it gives them), its reverse-NAT ids.
 * Ids: a service port keeps its svc_id for its life; a set keeps its id while its service port
@@ -86,7 +87,6 @@ __all__ = ["ROLES", "FlushResult", "PlanError", "Planner", "RawMap", "config_ent
 # per address of a desired frontend (a bit per scope) or backend (BACKEND).
 ROLES = ("fe", "slot", "be", "rnat", "member", "srcr", "addr")
 _ADDR_BACKEND = int(AddrFlag.BACKEND)
-_ADDR_FLAGS = tuple(int(f) for f in AddrFlag)
 
 _BE_LOCAL = backends.LOCAL
 _BE_TERMINATING = backends.TERMINATING
@@ -149,10 +149,9 @@ class Planner:
         self._replanned: set[ServicePortName] = set()  # since the last complete flush
         self._be_owners: dict[int, set[ServicePortName]] | None = None
         self._changes = 0  # entries of `desired` changed so far (tells a re-plan that changed nothing)
-        # `addr`, derived: how many desired frontends and backends put each (address, flag) there
-        # (keyed address << 8 | flag), and the addresses whose count moved since the last update.
-        self._addr_refs: dict[int, int] = {}
-        self._addr_moved: set[int] = set()
+        # `addr`, derived: how many desired frontends and backends beyond the first put each
+        # (address, flag) there (keyed address << 8 | flag; see `_address`).
+        self._addr_extra: dict[int, int] = {}
         self.node = NodeContext()
         self.local = LocalDetector()
         self.cfg: Value | None = None
@@ -188,28 +187,30 @@ class Planner:
             self._address(role, key, old, -1)
 
     def _address(self, role: str, key: int, value: int, sign: int) -> None:
-        """Count what a frontend (its address, the bit of its scope) or a backend (its address,
-        BACKEND) puts into `addr`; `_derive_addresses` writes the sums."""
+        """A frontend (its address, the bit of its scope) or a backend (its address, BACKEND)
+        comes into or leaves `addr`: the bit is set while any user has it. A bit's first user is
+        the bit itself; only the users beyond it are counted (most addresses have one), so this
+        costs a dict entry where an address is shared and nothing where it is not."""
         addr, flag = (key & U32, 1 << (key >> FE_SCOPE)) if role == "fe" else (value & U32, _ADDR_BACKEND)
+        flags = self.desired["addr"].get(addr, 0)
+        extra = self._addr_extra
         ref = addr << 8 | flag
-        n = self._addr_refs.get(ref, 0) + sign
-        if n:
-            self._addr_refs[ref] = n
-        else:
-            del self._addr_refs[ref]
-        self._addr_moved.add(addr)
-
-    def _derive_addresses(self) -> None:
-        """`addr` in line with the desired frontends and backends: for the addresses whose counts
-        moved alone, so this costs what the change costs."""
-        refs = self._addr_refs
-        for addr in self._addr_moved:
-            flags = sum(flag for flag in _ADDR_FLAGS if addr << 8 | flag in refs)
-            if flags:
-                self._put("addr", addr, flags)
+        if sign > 0:
+            if flags & flag:
+                extra[ref] = extra.get(ref, 0) + 1
+            else:
+                self._put("addr", addr, flags | flag)
+            return
+        n = extra.get(ref)
+        if n is None:  # its last user
+            if flags & ~flag:
+                self._put("addr", addr, flags & ~flag)
             else:
                 self._drop("addr", addr)
-        self._addr_moved = set()
+        elif n == 1:
+            del extra[ref]
+        else:
+            extra[ref] = n - 1
 
     @property
     def in_sync(self) -> bool:
@@ -259,7 +260,6 @@ class Planner:
                     touched.add(spn)
             queue = sorted((spn for spn in woken if spn in services), key=port_order)
             skip_same = False
-        self._derive_addresses()
         return touched
 
     def _replan(
