@@ -53,13 +53,15 @@ class KernelMap:
     The kernel keeps a map's entries outside the agent's memory; here they are in the process, so
     they are kept as written, packed (about 20 bytes an entry, where a dict of bytes by key takes
     about 130), and the peak RSS is mostly the agent's own. A deletion turns them into that dict;
-    `settle` (between the phases, unmeasured) drops what a later write of the same key replaced."""
+    `settle` (between the phases, unmeasured: a dump after it costs nothing more) drops what a
+    later write of the same key replaced."""
 
     def __init__(self, spec: MapSpec) -> None:
         self.spec = spec
         self.ks, self.vs = ctypes.sizeof(spec.key), ctypes.sizeof(spec.value)
         self._keys, self._values = bytearray(), bytearray()
         self._data: dict[bytes, bytes] | None = None
+        self._settled = True  # each key once in the packed bytes
         self.writes = 0
 
     def _dict(self) -> dict[bytes, bytes]:
@@ -75,19 +77,22 @@ class KernelMap:
     def settle(self) -> None:
         """Back to packed bytes, each key once."""
         ks, keys = self.ks, self._keys
-        if self._data is None:
+        if self._data is None and not self._settled:
             distinct = {bytes(keys[i : i + ks]) for i in range(0, len(keys), ks)}
-            if len(distinct) * ks == len(keys):
-                return
+            self._settled = len(distinct) * ks == len(keys)
+        if self._data is None and self._settled:
+            return
         data = self._dict()
         self._keys, self._values = bytearray(b"".join(data)), bytearray(b"".join(data.values()))
         self._data = None
+        self._settled = True
 
     def update_packed(self, keys: bytes, values: bytes) -> int:
         n, ks, vs = len(keys) // self.ks, self.ks, self.vs
         if self._data is None:
             self._keys += keys
             self._values += values
+            self._settled = False
         else:
             self._data.update((keys[i * ks : (i + 1) * ks], values[i * vs : (i + 1) * vs]) for i in range(n))
         self.writes += n
