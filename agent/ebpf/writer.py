@@ -220,15 +220,15 @@ class _Flush:
             keys = [k for k, w in p.items() if k in d and d[k] != w]
             unwritten: list[int] = []  # desired keys the map lacks that `pending` does not name
             if role in self.fresh:
-                self.fresh.discard(role)
                 unwritten = [k for k in d if k not in p]
             if only is not None or failed:  # owners matter only after a failure
-                p.update(dict.fromkeys(unwritten))  # the by-port path reads them in `pending`
+                self._name(role, unwritten)  # the by-port path reads them in `pending`
                 keys = [k for k in keys + unwritten if self._wanted(role, k, only)]
                 unwritten = []
             named = len(keys)
             keys += unwritten
             if not keys:
+                self.fresh.discard(role)  # nothing desired: nothing the map lacks
                 continue
             if role == "fe":
                 # A full map takes whole services in kube-proxy's order of addresses: both scopes
@@ -243,9 +243,10 @@ class _Flush:
                 else:
                     for k in keys:
                         p.pop(k, None)
+                self.fresh.discard(role)
                 self.result.updates[role] += done
                 continue
-            p.update(dict.fromkeys(unwritten))  # the by-port path below reads them in `pending`
+            self._name(role, unwritten)  # the by-port path below reads them in `pending`
             # The map is full. What went in first is arbitrary, and a service port missing one entry
             # is as unprogrammed as one missing all: take back this batch's new entries and write
             # whole service ports instead, in kube-proxy's order, as many as fit.
@@ -258,6 +259,11 @@ class _Flush:
                     del p[k]  # an overwrite of an existing entry: it stays written
             self.result.updates[role] += done - len(fresh)
             self.result.updates[role] += self._write_by_service_port(role, keys)
+
+    def _name(self, role: str, unwritten: list[int]) -> None:
+        """A fresh role's pending names its unwritten keys (None: the map lacks them) from here on."""
+        self.pending[role].update(dict.fromkeys(unwritten))
+        self.fresh.discard(role)
 
     def _wanted(self, role: str, key: int, only: set[ServicePortName] | None) -> bool:
         users = self.owners(role, key)

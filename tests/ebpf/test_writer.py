@@ -180,3 +180,24 @@ def test_a_fresh_map_that_fills_up_fails_by_port_as_a_named_one_does() -> None:
     assert len(fakes["be"]) == 2 and len(fakes["fe"]) == 1 and len(fakes["slot"]) == 2
     assert pending["fe"] == dict.fromkeys(b["fe"]), "what failed is pending, named with None"
     assert pending["be"] == {21: None, 22: None}, "b's backends, the one that fitted taken back"
+
+
+def test_a_fresh_map_whose_write_fails_stays_fresh() -> None:
+    """A batch write that raises leaves the role `fresh`: its keys are still to be written."""
+    maps, _, _ = rig()
+
+    class Broken(Recorder):
+        def update_packed(self, keys: bytes, values: bytes) -> int:
+            raise OSError("EPERM")
+
+    maps["slot"] = Broken("slot", [], {})
+    desired = service(1, 7, 3, [11, 12], 5)
+    pending: dict[str, Pending] = {r: {} for r in ROLES}
+    fresh = set(ROLES)
+    try:
+        flush(desired, pending, maps, owners({}), fresh)
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the write did not fail")
+    assert {"slot", "fe"} <= fresh and "be" not in fresh and not any(pending.values())
