@@ -39,6 +39,7 @@ State, compact on purpose (10,000 services of 10 endpoints are a third of a mill
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Mapping
 from socket import inet_aton
 from typing import cast
@@ -116,7 +117,9 @@ class Fragment:
         self.svc_id = 0
         self.sets: dict[SetKind, tuple[int, int]] = {}  # kind -> (set id, count)
         self.fes: tuple[int, ...] = ()  # the frontend keys it holds
-        self.backends: dict[int, int] = {}  # backend id -> the flags this port gives it
+        # backend id << 16 | the flags this port gives it, packed (`_backends_of`): 8 bytes a
+        # backend where a dict took about 36 (3 MiB at 10,000 Services of 10 endpoints)
+        self.backends = b""
         self.rnats: dict[int, int] = {}  # reverse-NAT ident -> id
         self.srcr: tuple[int, ...] = ()
         self.blocked = _NO_KEYS  # frontends a port before this one holds
@@ -124,6 +127,8 @@ class Fragment:
 
 
 _GONE = Fragment()
+_BE_ID = 16  # a fragment's packed backend: id << 16 | flags (agent.ebpf.abi.BackendFlag: 10 bits)
+_BE_FLAGS = (1 << _BE_ID) - 1
 
 
 class Planner:
@@ -278,7 +283,9 @@ class Planner:
     ) -> None:
         old = self._frags.get(spn) or _GONE
         self._replanned.add(spn)
-        new = Fragment() if sp is None or eps is None else self._build(spn, old, sp, eps)
+        new_be: dict[int, int] = {}  # the backends of the new fragment, unpacked
+        new = Fragment() if sp is None or eps is None else self._build(spn, old, sp, eps, new_be)
+        old_be = _backends_of(old.backends)
         if sp is None:
             self._frags.pop(spn, None)
         else:
@@ -310,8 +317,8 @@ class Planner:
             self.set_ids.release(set_id)
         # Membership: what the old sets held and the new ones do not.
         if old.svc_id:
-            kept = new.backends if new.svc_id == old.svc_id else {}
-            for bid in old.backends:
+            kept = new_be if new.svc_id == old.svc_id else {}
+            for bid in old_be:
                 if bid not in kept:
                     self._drop("member", member_key(old.svc_id, bid))
             if old.svc_id != new.svc_id:
@@ -329,10 +336,18 @@ class Planner:
             for key in new.srcr:
                 self._srcr_users.setdefault(key, set()).add(spn)
                 self._put("srcr", key, 1)
-        self._update_backends(old.backends, new.backends)
+        self._update_backends(old_be, new_be)
         self._update_rnats(spn, old.rnats, new.rnats)
 
-    def _build(self, spn: ServicePortName, old: Fragment, sp: ServicePort, eps: ServiceEndpoints) -> Fragment:
+    def _build(
+        self,
+        spn: ServicePortName,
+        old: Fragment,
+        sp: ServicePort,
+        eps: ServiceEndpoints,
+        new_be: dict[int, int],
+    ) -> Fragment:
+        """The new fragment of a port; `new_be` is filled with its backends (id -> flags)."""
         new = Fragment()
         new.sp, new.eps = sp, eps
         fes: list[Fe] = []
@@ -357,7 +372,7 @@ class Planner:
                 new.rnats[fe.rnat] = old.rnats.get(fe.rnat) or self._rnat_id(fe.rnat, fe.key)
         proto = sp.protocol.number << 48
         node_ips = self.node.node_ips  # an endpoint on one of them is a host-network one here
-        backends = new.backends
+        backends = new_be
         be_ids, be_id = self.backends.ids, self.backends.id_of
         from_bytes = int.from_bytes
         put, drop = self._put, self._drop
@@ -420,6 +435,7 @@ class Planner:
                 srcr += [srcr_key(32 + plen, rid, net) for plen, net in ranges]
         new.fes = tuple(fe.key for fe in fes)
         new.srcr = tuple(dict.fromkeys(srcr))
+        new.backends = array("Q", [bid << _BE_ID | flags for bid, flags in new_be.items()]).tobytes()
         return new
 
     def _kernel_slots(self, set_id: int) -> dict[int, int]:
@@ -593,7 +609,7 @@ class Planner:
             if self._be_owners is None:  # built once per flush, and only on the failure path
                 self._be_owners = {}
                 for spn in self._replanned:
-                    for bid in self._frags.get(spn, _GONE).backends:
+                    for bid in _backends_of(self._frags.get(spn, _GONE).backends):
                         self._be_owners.setdefault(bid, set()).add(spn)
             return set(self._be_owners.get(key, ()))
         elif role == "addr":
@@ -608,6 +624,11 @@ class Planner:
 
     def fe_names(self) -> dict[int, str]:
         return {key: str(spn) for key, spn in self._fe_owner.items()}
+
+
+def _backends_of(packed: bytes) -> dict[int, int]:
+    """A fragment's backends: id -> the flags the port gives it."""
+    return {v >> _BE_ID: v & _BE_FLAGS for v in array("Q", packed)}
 
 
 def _put_all(desired: Entries, pending: Pending, entries: list[tuple[int, int]], fresh: bool) -> int:
