@@ -115,12 +115,14 @@ class Fragment:
         self.sp: ServicePort | None = None  # what it was planned from: an unchanged port is not re-planned
         self.eps: ServiceEndpoints | None = None
         self.svc_id = 0
-        self.sets: dict[SetKind, tuple[int, int]] = {}  # kind -> (set id, count)
+        # (kind, set id, count) per kind of set, and reverse-NAT (ident, id) pairs flat: tuples,
+        # where the dicts of one or two items were 224 bytes each (`_sets_of`, `_rnats_of`)
+        self.sets: tuple[tuple[SetKind, int, int], ...] = ()
         self.fes: tuple[int, ...] = ()  # the frontend keys it holds
         # backend id << 16 | the flags this port gives it, packed (`_backends_of`): 8 bytes a
         # backend where a dict took about 36 (3 MiB at 10,000 Services of 10 endpoints)
         self.backends = b""
-        self.rnats: dict[int, int] = {}  # reverse-NAT ident -> id
+        self.rnats: tuple[int, ...] = ()
         self.srcr: tuple[int, ...] = ()
         self.blocked = _NO_KEYS  # frontends a port before this one holds
         self.taken_from = _NO_PORTS  # ports after it that held one
@@ -307,8 +309,9 @@ class Planner:
             self._drop("fe", key)
             woken.update(self._fe_waiting.get(key, ()))
         # Sets the port no longer has (or has under another id): every slot goes, the id is freed.
-        for kind, (set_id, count) in old.sets.items():
-            now = new.sets.get(kind)
+        new_sets = _sets_of(new)
+        for kind, set_id, count in old.sets:
+            now = new_sets.get(kind)
             if now is not None and now[0] == set_id:
                 continue
             for pos in range(1, count + 1):
@@ -337,7 +340,7 @@ class Planner:
                 self._srcr_users.setdefault(key, set()).add(spn)
                 self._put("srcr", key, 1)
         self._update_backends(old_be, new_be)
-        self._update_rnats(spn, old.rnats, new.rnats)
+        self._update_rnats(spn, _rnats_of(old), _rnats_of(new))
 
     def _build(
         self,
@@ -366,10 +369,14 @@ class Planner:
         # One id for every frontend of the port: the data path keys affinity and membership by it.
         svc_id = new.svc_id = old.svc_id or self.svc_ids.take(self._svc_hint(fes))
         self._svc_owner[svc_id] = spn
+        sets: dict[SetKind, tuple[int, int]] = {}
+        old_sets = _sets_of(old)
+        rnats: dict[int, int] = {}
+        old_rnats = _rnats_of(old)
         # The 16-bit reverse-NAT ids can run out (PlanError): taken before anything is desired.
         for fe in fes:
-            if fe.rnat not in new.rnats:
-                new.rnats[fe.rnat] = old.rnats.get(fe.rnat) or self._rnat_id(fe.rnat, fe.key)
+            if fe.rnat not in rnats:
+                rnats[fe.rnat] = old_rnats.get(fe.rnat) or self._rnat_id(fe.rnat, fe.key)
         proto = sp.protocol.number << 48
         node_ips = self.node.node_ips  # an endpoint on one of them is a host-network one here
         backends = new_be
@@ -397,7 +404,7 @@ class Planner:
                 order.append(bid)
             if len(set(order)) != len(order):
                 order = list(dict.fromkeys(order))
-            held = old.sets.get(kind)
+            held = old_sets.get(kind)
             if held is not None:
                 set_id, before = held
                 previous = {pos: self.desired["slot"][slot_key(set_id, pos)] for pos in range(1, before + 1)}
@@ -411,7 +418,7 @@ class Planner:
             )
             for pos in range(len(placed) + 1, before + 1):
                 drop("slot", set_id | pos << SLOT_POS)
-            new.sets[kind] = (set_id, len(placed))
+            sets[kind] = (set_id, len(placed))
             counts[kind] = len(placed)
             bit = _MEMBER_FLAG[kind]
             for bid in placed:
@@ -428,14 +435,16 @@ class Planner:
             count = counts[fe.kind]
             if count == 0 and (fe.kind == "cluster" or not eps.has_any):
                 flags |= _NO_ENDPOINTS
-            rid = new.rnats[fe.rnat]
+            rid = rnats[fe.rnat]
             self._fe_owner[fe.key] = spn
-            put("fe", fe.key, fe_value(svc_id, new.sets[fe.kind][0], count, flags, fe.affinity, rid))
+            put("fe", fe.key, fe_value(svc_id, sets[fe.kind][0], count, flags, fe.affinity, rid))
             if fe.flags & _SOURCE_RANGES:
                 srcr += [srcr_key(32 + plen, rid, net) for plen, net in ranges]
         new.fes = tuple(fe.key for fe in fes)
         new.srcr = tuple(dict.fromkeys(srcr))
         new.backends = array("Q", [bid << _BE_ID | flags for bid, flags in new_be.items()]).tobytes()
+        new.sets = tuple((kind, set_id, count) for kind, (set_id, count) in sets.items())
+        new.rnats = tuple(v for pair in rnats.items() for v in pair)
         return new
 
     def _kernel_slots(self, set_id: int) -> dict[int, int]:
@@ -624,6 +633,17 @@ class Planner:
 
     def fe_names(self) -> dict[int, str]:
         return {key: str(spn) for key, spn in self._fe_owner.items()}
+
+
+def _sets_of(frag: Fragment) -> dict[SetKind, tuple[int, int]]:
+    """A fragment's sets: kind -> (set id, count)."""
+    return {kind: (set_id, count) for kind, set_id, count in frag.sets}
+
+
+def _rnats_of(frag: Fragment) -> dict[int, int]:
+    """A fragment's reverse-NAT ids: ident -> id."""
+    flat = frag.rnats
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _backends_of(packed: bytes) -> dict[int, int]:
