@@ -53,6 +53,8 @@ class Rig:
         self.proxier = StateProxier()
         self.proxier6 = StateProxier() if ipv6 else None
         self.node6 = NODE6
+        self.health = FakeHealth()
+        self.health6 = FakeHealth()
         config = Config(mode=mode, hostname="node1", sync_period_s=30.0, min_sync_period_s=0.0)
         self.agent = Agent(
             config,
@@ -61,20 +63,23 @@ class Rig:
                 proxier=self.proxier,
                 node_context=lambda: NODE,
                 metrics=Metrics(CollectorRegistry()),
-                health=FakeHealth(),
+                health=self.health,
+                service_health=self.health,
                 events=FakeEvents(),
                 proxier6=self.proxier6,
                 node_context6=lambda: self.node6,
+                service_health6=self.health6 if ipv6 else None,
             ),
             clock=self.clock,
             wall=lambda: 2000.0,
         )
 
-    def send(self, *objs: dict[str, Any], synced: str = "") -> None:
+    def send(self, *objs: dict[str, Any], synced: str = "", deleted: bool = False) -> None:
         from agent.sources.base import EventType, Kind, ObjectEvent, Synced, object_key
 
+        kind = EventType.DELETED if deleted else EventType.MODIFIED
         events: list[Any] = [
-            ObjectEvent(Kind(o["kind"]), EventType.MODIFIED, object_key(Kind(o["kind"]), o), o) for o in objs
+            ObjectEvent(Kind(o["kind"]), kind, object_key(Kind(o["kind"]), o), o) for o in objs
         ]
         if synced:
             events += [Synced(Kind.SERVICE, synced), Synced(Kind.ENDPOINT_SLICE, synced)]
@@ -89,8 +94,8 @@ def dual(name: str = "web", v4: str = "10.96.0.10", v6: str = "fd00:10:96::a") -
     return service(name, clusterIP=v4, clusterIPs=[v4, v6], ipFamilies=["IPv4", "IPv6"])
 
 
-def slice6(name: str, *ips: str, svc: str = "web") -> dict[str, Any]:
-    obj = slice_(name, svc, endpoints=[endpoint(ip) for ip in ips])
+def slice6(name: str, *ips: str, svc: str = "web", node: str = "node2") -> dict[str, Any]:
+    obj = slice_(name, svc, endpoints=[endpoint(ip, node=node) for ip in ips])
     obj["addressType"] = "IPv6"
     return obj
 
@@ -168,3 +173,111 @@ def test_a_malformed_service_is_reported_once_though_both_families_read_it() -> 
     events = rig.agent._parts.events
     assert isinstance(events, FakeEvents)
     assert [p.name for p in events.warned] == ["bad"]
+
+
+def test_the_proxy_health_tracks_each_family_as_its_own_proxier_would() -> None:
+    """Upstream's ProxyHealthServer keeps lastUpdated and oldestPendingQueued per IP family: each
+    proxier calls QueuedUpdate(family) when its own change tracker took a change and
+    Updated(family) when its own sync succeeded (and once as its SyncLoop starts)."""
+    rig = Rig(Mode.IPTABLES, ipv6=True)
+    assert rig.proxier6 is not None
+    rig.agent.start()
+    rig.agent.shutdown()
+    assert rig.health.log == ["updated", "updated IPv6"], "each family's SyncLoop start"
+    rig = Rig(Mode.IPTABLES, ipv6=True)
+    assert rig.proxier6 is not None
+    rig.health.log.clear()
+    rig.send(dual(), synced="v1")
+    assert rig.health.log == ["queued", "queued IPv6"], "a dual-stack Service: both families"
+    rig.sync()
+    assert rig.health.log[-2:] == ["updated", "updated IPv6"]
+    rig.health.log.clear()
+    rig.send(service("v4only", clusterIP="10.96.0.20"))
+    assert rig.health.log == ["queued"], "an IPv4-only Service queues nothing for IPv6"
+    rig.health.log.clear()
+    rig.send(slice6("web-v6", "fd00:10:244:1::2"))
+    assert rig.health.log == ["queued IPv6"], "an IPv6 slice queues nothing for IPv4"
+    rig.health.log.clear()
+    rig.send(dual("v4only", "10.96.0.20", "fd00:10:96::14"))
+    assert rig.health.log == ["queued", "queued IPv6"], "a Service that gains IPv6"
+    rig.health.log.clear()
+    rig.send(service("v4only", clusterIP="10.96.0.20"))
+    assert rig.health.log == ["queued", "queued IPv6"], "and loses it again: the IPv6 state changes"
+    rig.health.log.clear()
+    rig.send(slice6("web-v6"), deleted=True)
+    assert rig.health.log == ["queued IPv6"], "a deleted slice: the family it had"
+    rig.health.log.clear()
+    rig.sync()
+    assert rig.health.log == ["updated", "updated IPv6"]
+    rig.health.log.clear()
+    rig.proxier6.raise_ = RuntimeError("ip6tables-restore: exit 2")
+    rig.send(slice6("web-v6", "fd00:10:244:1::3"))
+    rig.sync()
+    assert rig.health.log == ["queued IPv6", "updated"], "a failed IPv6 sync leaves IPv6 pending"
+
+
+def test_a_failed_ipv6_sync_turns_healthz_unhealthy_after_the_timeout() -> None:
+    """With the real ProxyHealth: /healthz is healthy only when each family's proxier is; the
+    IPv6 family's pending change outlives the timeout while IPv4 syncs fine."""
+    from agent.clock import FakeClock
+    from agent.health import ProxyHealth, ProxyHealthHandlers
+
+    clock = FakeClock()
+    health = ProxyHealth(60.0, clock)
+    rig = Rig(Mode.IPTABLES, ipv6=True)
+    assert rig.proxier6 is not None
+    rig.agent._parts.health = health
+    health.updated("IPv4")
+    health.updated("IPv6")
+    rig.send(dual(), synced="v1")
+    rig.proxier6.raise_ = RuntimeError("ip6tables-restore: exit 2")
+    rig.sync()
+    clock.advance(61.0)
+    rig.send(service("v4only", clusterIP="10.96.0.20"))
+    rig.sync()
+    answer = ProxyHealthHandlers(health).healthz()
+    assert answer.status == 503
+    body = answer.body.decode()
+    assert '"IPv4":{"lastUpdated"' in body and '"healthy":true}' in body
+    assert '"IPv6":{"lastUpdated"' in body and '"healthy":false}' in body
+    rig.proxier6.raise_ = None
+    rig.sync()
+    assert ProxyHealthHandlers(health).healthz().status == 200
+
+
+def test_each_familys_health_check_server_counts_its_own_familys_local_endpoints() -> None:
+    """Upstream's two proxiers each own a ServiceHealthServer (pkg/proxy/iptables NewProxier),
+    fed from their own family's state: a dual-stack eTP=Local Service's healthCheckNodePort
+    answers on IPv4 with the IPv4 local endpoints and on IPv6 with the IPv6 ones."""
+    rig = Rig(Mode.IPTABLES, ipv6=True)
+    local = {"type": "LoadBalancer", "externalTrafficPolicy": "Local"}
+    ports = [{"name": "http", "port": 80, "nodePort": 30080, "targetPort": "web"}]
+    lb = dual()
+    lb["spec"].update(local, healthCheckNodePort=31000, ports=ports)
+    v4ports = [{**ports[0], "nodePort": 30081}]
+    v4lb = service("v4lb", clusterIP="10.96.0.20", healthCheckNodePort=31001, ports=v4ports, **local)
+    rig.send(lb, v4lb, synced="v1")
+    rig.send(
+        slice_("web-v4", endpoints=[endpoint("10.244.1.2", node="node1")]),
+        slice6("web-v6", "fd00:10:244:1::2", "fd00:10:244:1::3", node="node1"),
+    )
+    rig.sync()
+    assert rig.health.services == [{"default/web": 31000, "default/v4lb": 31001}]
+    assert rig.health6.services == [{"default/web": 31000}], "the IPv6 server: Services with IPv6"
+    assert rig.health.endpoints[-1] == {"default/web": 1, "default/v4lb": 0}
+    assert rig.health6.endpoints[-1] == {"default/web": 2}
+    rig.send(slice6("web-v6", "fd00:10:244:1::2", node="node1"))
+    rig.sync()
+    assert rig.health6.endpoints[-1] == {"default/web": 1}
+    assert rig.health.endpoints[-1] == {"default/web": 1, "default/v4lb": 0}, "IPv4 unchanged"
+    assert len(rig.health.endpoints) == 1, "and not passed again"
+
+
+def test_without_an_ipv6_proxier_ipv6_endpoints_reach_no_health_check_server() -> None:
+    rig = Rig(Mode.EBPF, ipv6=False)
+    lb = dual()
+    lb["spec"].update(type="LoadBalancer", externalTrafficPolicy="Local", healthCheckNodePort=31000)
+    rig.send(lb, slice6("web-v6", "fd00:10:244:1::2", node="node1"), synced="v1")
+    rig.sync()
+    assert rig.health.endpoints == [{"default/web": 0}], "the IPv4 count holds no IPv6 endpoint"
+    assert rig.health6.services == []
