@@ -34,8 +34,9 @@ Listeners bind where kube-proxy binds them: the family's wildcard (0.0.0.0, or :
 server, each taking its own family only) when every node address of the family takes NodePorts,
 otherwise each node address that the family's `--nodeport-addresses` CIDRs select
 (`health_check_addresses`), in `Config.netns`. All listeners of a family share one `HttpServer`:
-one event loop thread, one file descriptor per listener, each connection on its own (so slow clients of one port delay no other probe), and
-one hop to the loop per sync however many ports open or close.
+one event loop thread, one file descriptor per listener, each connection on its own (so slow
+clients of one port delay no other probe), and one hop to the loop per sync however many ports
+open or close.
 """
 
 from __future__ import annotations
