@@ -168,7 +168,7 @@ class Agent:
         # per-family proxiers; with two, the families of each Service and EndpointSlice key.
         self._health_families = (IPFamily.IPv4,) + ((IPFamily.IPv6,) if parts.proxier6 is not None else ())
         self._key_families: dict[tuple[Kind, str], frozenset[IPFamily]] = {}
-        self._no_local: dict[ServicePortName, tuple[int, int]] = {}
+        self._no_local: dict[IPFamily, dict[ServicePortName, tuple[int, int]]] = {}
         self._stopped = threading.Event()
         self.exit_code = 0
         self.syncs = 0
@@ -293,11 +293,10 @@ class Agent:
         with self._lock:
             self._queue.extend(read)
             touched = self._families_touched(read)
-        if touched:
+        for family in touched:
             if self._parts.health is not None:
-                for family in touched:
-                    self._parts.health.queued_update(str(family))
-            self._parts.metrics.record_queued()
+                self._parts.health.queued_update(str(family))
+            self._parts.metrics.record_queued(str(family))
         self._runner.request()
 
     def _families_touched(self, events: Sequence[Event | _Read]) -> list[IPFamily]:
@@ -374,17 +373,16 @@ class Agent:
             raise
         if self._parts.health is not None:
             self._parts.health.updated(str(IPFamily.IPv4))
+        elapsed = self._clock() - start  # the IPv4 proxier's sync, as upstream times each proxier
+        start6 = self._clock()
         commit6, result6 = self._v6.sync(full=full, read_node=read_node)
         self._report(commit6, reported=commit)
-        if result6 is not None:
-            if self._parts.health is not None:
-                self._parts.health.updated(str(IPFamily.IPv6))
-            self._hc_feeds[1].feed(commit6)
+        if self._parts.proxier6 is not None:
+            self._after_sync6(commit6, result6, self._clock() - start6)
         if self._v6.retry_wanted:
             self._runner.retry_soon()
         self.last_result = result
         self.syncs += 1
-        elapsed = self._clock() - start
         if full:
             if self._last_full == float("-inf"):
                 # The state of a whole cluster now lives for the agent's life: keep the collector
@@ -509,7 +507,7 @@ class Agent:
         metrics.record_network_programming(commit.trigger_times)
         metrics.set_failed_service_ports(len(result.failed))
         metrics.set_pending(services=0, endpoints=0)
-        self._count_no_local(commit)
+        self._count_no_local(self._model, commit)
         changed = "all" if commit.changed is None else str(len(commit.changed))
         log.info(
             "sync done: version=%s, %s sync, %s service port(s) changed, %d in all, %.1f ms",
@@ -520,21 +518,37 @@ class Agent:
             elapsed * 1000,
         )
 
-    def _count_no_local(self, commit: Commit) -> None:
-        """kube-proxy's sync_proxy_rules_no_local_endpoints_total, kept per changed service port."""
-        state = self._model.state
+    def _after_sync6(self, commit: Commit, result: SyncResult | None, elapsed: float) -> None:
+        """The IPv6 proxier's share of what `_after_sync` does for IPv4: its health, its
+        healthCheckNodePorts and its metrics (labelled ip_family="IPv6", as upstream's IPv6
+        proxier's). A failed IPv6 sync (None) is timed and counted, and moves nothing else."""
+        metrics, family = self._parts.metrics, str(IPFamily.IPv6)
+        metrics.record_sync(self._v6.last_full, elapsed, ok=result is not None, family=family)
+        if result is None:
+            return
+        if self._parts.health is not None:
+            self._parts.health.updated(family)
+        self._hc_feeds[1].feed(commit)
+        metrics.record_network_programming(commit.trigger_times, family)
+        self._count_no_local(self._v6.model, commit)
+
+    def _count_no_local(self, model: ProxyModel, commit: Commit) -> None:
+        """kube-proxy's sync_proxy_rules_no_local_endpoints_total of `model`'s family, kept per
+        changed service port."""
+        state = model.state
+        no_local = self._no_local.setdefault(model.family, {})
         ports = state.services if commit.changed is None else commit.changed
         if commit.changed is None:
-            self._no_local = {}
+            no_local.clear()
         for spn in ports:
             sp, eps = state.services.get(spn), state.endpoints.get(spn)
             counts = (0, 0) if sp is None or eps is None else no_local_endpoints(sp, eps)
             if counts == (0, 0):
-                self._no_local.pop(spn, None)
+                no_local.pop(spn, None)
             else:
-                self._no_local[spn] = counts
+                no_local[spn] = counts
         self._parts.metrics.set_no_local_endpoints(
-            sum(i for i, _ in self._no_local.values()), sum(e for _, e in self._no_local.values())
+            sum(i for i, _ in no_local.values()), sum(e for _, e in no_local.values()), str(model.family)
         )
 
 

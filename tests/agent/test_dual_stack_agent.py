@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from agent.config import Config, Mode, NodeContext
 from agent.daemon import Agent, Parts
@@ -55,6 +55,7 @@ class Rig:
         self.node6 = NODE6
         self.health = FakeHealth()
         self.health6 = FakeHealth()
+        self.registry = CollectorRegistry()
         config = Config(mode=mode, hostname="node1", sync_period_s=30.0, min_sync_period_s=0.0)
         self.agent = Agent(
             config,
@@ -62,7 +63,7 @@ class Rig:
                 source=self.source,
                 proxier=self.proxier,
                 node_context=lambda: NODE,
-                metrics=Metrics(CollectorRegistry()),
+                metrics=Metrics(self.registry),
                 health=self.health,
                 service_health=self.health,
                 events=FakeEvents(),
@@ -281,3 +282,46 @@ def test_without_an_ipv6_proxier_ipv6_endpoints_reach_no_health_check_server() -
     rig.sync()
     assert rig.health.endpoints == [{"default/web": 0}], "the IPv4 count holds no IPv6 endpoint"
     assert rig.health6.services == []
+
+
+def test_the_ipv6_proxiers_syncs_carry_ip_family_ipv6_in_the_sync_metrics() -> None:
+    """Upstream labels each proxier's sync metrics with its ip_family (pkg/proxy/metrics): the
+    duration histograms, the last-synced and last-queued timestamps, network programming and the
+    no-local-endpoints gauge; a failed IPv6 sync is timed but moves no timestamp."""
+    rig = Rig(Mode.IPTABLES, ipv6=True)
+    assert rig.proxier6 is not None
+    v6 = {"ip_family": "IPv6"}
+    lb = dual()
+    lb["spec"].update(type="LoadBalancer", externalTrafficPolicy="Local", healthCheckNodePort=31000)
+    lb["spec"]["ports"] = [{"name": "http", "port": 80, "nodePort": 30080, "targetPort": "web"}]
+    rig.send(lb, slice6("web-v6", "fd00:10:244:1::2"), synced="v1")
+    assert rig.registry.get_sample_value("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", v6)
+    rig.sync()
+    count = "kubeproxy_sync_proxy_rules_duration_seconds_count"
+    assert rig.registry.get_sample_value(count, v6) == 1
+    assert rig.registry.get_sample_value(count, {"ip_family": "IPv4"}) == 1
+    assert rig.registry.get_sample_value("kubeproxy_sync_full_proxy_rules_duration_seconds_count", v6) == 1
+    last = rig.registry.get_sample_value("kubeproxy_sync_proxy_rules_last_timestamp_seconds", v6)
+    assert last is not None
+    no_local = "kubeproxy_sync_proxy_rules_no_local_endpoints_total"
+    assert rig.registry.get_sample_value(no_local, {**v6, "traffic_policy": "external"}) == 1, (
+        "the IPv6 endpoint is on node2: the Local policy finds none here"
+    )
+    assert (
+        rig.registry.get_sample_value(no_local, {"ip_family": "IPv4", "traffic_policy": "external"}) == 0
+    ), "no IPv4 endpoint at all: not counted"
+    rig.proxier6.raise_ = RuntimeError("ip6tables-restore: exit 2")
+    rig.send(slice6("web-v6", "fd00:10:244:1::3"))
+    rig.sync()
+    assert rig.registry.get_sample_value(count, v6) == 2, "a failed sync is timed"
+    assert rig.registry.get_sample_value("kubeproxy_sync_partial_proxy_rules_duration_seconds_count", v6) == 1
+    assert rig.registry.get_sample_value("kubeproxy_sync_proxy_rules_last_timestamp_seconds", v6) == last
+    assert rig.registry.get_sample_value("ekp_sync_failures_total") == 1
+
+
+def test_without_an_ipv6_proxier_no_metric_carries_ipv6() -> None:
+    rig = Rig(Mode.EBPF, ipv6=False)
+    rig.send(dual(), slice6("web-v6", "fd00:10:244:1::2"), synced="v1")
+    rig.sync()
+    text = generate_latest(rig.registry).decode()
+    assert 'ip_family="IPv4"' in text and 'ip_family="IPv6"' not in text
