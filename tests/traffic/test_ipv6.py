@@ -15,6 +15,7 @@ pods' IPv6 HTTP server answers `/` with the pod's name and `/ip` with the client
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 
@@ -143,3 +144,66 @@ def test_a_dual_stack_service_answers_on_both_cluster_ips_each_from_its_own_fami
     assert fetch(dual, pod, f"http://{DUAL_V4}:80/") == "pod-1-1"
     seen = {fetch(dual, pod, f"http://[{DUAL_V6}]:80/") for _ in range(TRIES)}
     assert seen == set(PODS)
+
+
+HC_PORT, HC_NODE_PORT = 32406, 30687
+
+
+def probe(cluster: Cluster, url: str) -> tuple[int, dict[str, object]]:
+    """(HTTP status, JSON body) of a health endpoint, asked by the external client; (0, {}) when
+    nothing answers."""
+    out = cluster.lab.run(
+        cluster.lab.client, "curl", "-s", "-g", "--max-time", "3", "-w", "\n%{http_code}", url, check=False
+    ).stdout
+    body, _, code = out.rpartition("\n")
+    return int(code or 0), (json.loads(body) if body.strip() else {})
+
+
+def test_a_dual_stack_local_services_health_check_node_port_counts_each_familys_endpoints(
+    dual: Cluster,
+) -> None:
+    """kube-proxy's two proxiers each run a healthCheckNodePort server fed by their own family
+    (kubernetes#137370: IPv4 on IPv4 sockets, IPv6 on IPv6 ones): a dual-stack
+    externalTrafficPolicy: Local load balancer's health port answers an IPv4 probe with the node's
+    IPv4 local endpoints and an IPv6 probe with its IPv6 ones. /healthz answers over IPv6 too
+    (Go's 0.0.0.0 listener takes both families) and reports both families healthy."""
+    lab = dual.lab
+    port = Port("http", 80, HTTP6_PORT, node_port=HC_NODE_PORT)
+    lb = service(
+        "hc-dual",
+        "10.96.86.2",
+        [port],
+        type="LoadBalancer",
+        clusterIPs=["10.96.86.2", "fd00:10:96::88"],
+        ipFamilies=["IPv4", "IPv6"],
+        ipFamilyPolicy="RequireDualStack",
+        externalTrafficPolicy="Local",
+        healthCheckNodePort=HC_PORT,
+    )
+    # IPv4: one endpoint, on node1. IPv6: two on node1, one on node2.
+    v4 = endpoint_slice("hc-dual", [port], [Ep(lab.pod("pod-1-1").ip, "node1")], suffix="v4")
+    v6 = endpoint_slice(
+        "hc-dual",
+        [port],
+        [Ep(lab.pod(p).ip6, f"node{lab.pod(p).node}") for p in ("pod-1-1", "pod-1-2", "pod-2-2")],
+        suffix="v6",
+    )
+    v6["addressType"] = "IPv6"
+    dual.apply([*v6_objects(lab), lb, v4, v6])
+    node1, node2 = lab.node(1), lab.node(2)
+    counts = {
+        (node.name, family): probe(dual, f"http://{addr}:{HC_PORT}/")
+        for node in (node1, node2)
+        for family, addr in (("IPv4", node.ip), ("IPv6", f"[{node.ip6}]"))
+    }
+    assert {k: (code, body.get("localEndpoints")) for k, (code, body) in counts.items()} == {
+        ("node1", "IPv4"): (200, 1),
+        ("node1", "IPv6"): (200, 2),
+        ("node2", "IPv4"): (503, 0),
+        ("node2", "IPv6"): (200, 1),
+    }
+    code, body = probe(dual, f"http://[{node1.ip6}]:10256/healthz")
+    assert code == 200, body
+    status = body["status"]
+    assert isinstance(status, dict) and set(status) == {"IPv4", "IPv6"}
+    assert all(entry["healthy"] for entry in status.values()), status
