@@ -44,7 +44,10 @@ class Server(http.server.HTTPServer):
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        body = (sys.argv[1] if self.path == "/" else self.client_address[0]) + "\n"
+        if self.path.startswith("/echo?msg="):
+            body = self.path[len("/echo?msg="):] + "\n"
+        else:
+            body = (sys.argv[1] if self.path == "/" else self.client_address[0]) + "\n"
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -59,8 +62,8 @@ def udp_echo(port):
     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
     sock.bind(("::", port))
     while True:
-        _, peer = sock.recvfrom(2048)
-        sock.sendto(sys.argv[1].encode(), peer)
+        data, peer = sock.recvfrom(65535)
+        sock.sendto(sys.argv[1].encode() if data == b"who" else data, peer)
 
 server = Server(("::", int(sys.argv[2])), Handler)
 threading.Thread(target=udp_echo, args=(int(sys.argv[2]),), daemon=True).start()
@@ -362,3 +365,27 @@ def test_ipv6_external_traffic_policy_local_keeps_the_client_address(dual: Clust
         check=False,
     )
     assert res.returncode != 0, "no local endpoint on node2: dropped"
+
+
+def test_ipv6_large_requests_pass_through_for_http_and_udp(dual: Cluster) -> None:
+    """ "should be able to handle large requests: http / udp" on the secondary family: a 2,000-byte
+    HTTP request line and a 2,000-byte datagram, which leaves the client as two IPv6 fragments on
+    the lab's 1,500-byte links and comes back the same way, through the IPv6 ClusterIP."""
+    lab = dual.lab
+    dual.apply(v6_objects(lab))
+    pod = lab.pod("pod-1-1")
+    message = "42" * 1000
+    for _ in range(5):
+        assert fetch(dual, pod, f"http://[{V6_VIP}]:80/echo?msg={message}") == message
+    sent = "n" + "o" * 1999
+    client = (
+        "import socket, sys\n"
+        "s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n"
+        "s.settimeout(2.0)\n"
+        "for _ in range(5):\n"
+        f"    s.sendto(sys.argv[1].encode(), ('{V6_VIP}', {UDP_PORT}))\n"
+        "    reply = s.recv(65535)\n"
+        "    print('same' if reply == sys.argv[1].encode() else len(reply))\n"
+    )
+    out = lab.run(pod, sys.executable, "-c", client, sent, timeout=30).stdout.split()
+    assert out == ["same"] * 5, out
