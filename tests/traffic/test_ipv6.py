@@ -389,3 +389,31 @@ def test_ipv6_large_requests_pass_through_for_http_and_udp(dual: Cluster) -> Non
     )
     out = lab.run(pod, sys.executable, "-c", client, sent, timeout=30).stdout.split()
     assert out == ["same"] * 5, out
+
+
+DNS_V6 = "fd00:10:96::a"
+
+
+def test_dns_over_ipv6_with_dig_through_an_ipv6_cluster_ip(dual: Cluster) -> None:
+    """DNS over IPv6 (issue 20's "DNS over IPv6 with dig"): dnsmasq in two pods listening on their
+    IPv6 addresses behind an IPv6-only kube-dns-like Service; `dig` from a pod over UDP and over
+    TCP gets answers from both."""
+    lab = dual.lab
+    servers = [lab.start_dns(lab.pod(p), extra_args=[f"--listen-address={lab.pod(p).ip6}"]) for p in PODS]
+    try:
+        ports = [Port("dns", 53, 53, "UDP"), Port("dns-tcp", 53, 53, "TCP")]
+        svc = service("dns6", DNS_V6, ports, ipFamilies=["IPv6"])
+        eps = endpoint_slice(
+            "dns6", ports, [Ep(lab.pod(p).ip6, f"node{lab.pod(p).node}") for p in PODS], "v6"
+        )
+        eps["addressType"] = "IPv6"
+        dual.apply([*v6_objects(lab), svc, eps])
+        pod = lab.pod("pod-1-1")
+        over_udp = {lab.dns_whoami(pod, DNS_V6) for _ in range(TRIES)}
+        assert over_udp == set(PODS)
+        over_tcp = {lab.dns_whoami(pod, DNS_V6, tcp=True) for _ in range(TRIES)}
+        assert over_tcp == set(PODS)
+    finally:
+        for proc in servers:
+            proc.terminate()
+            proc.wait(timeout=10)
