@@ -19,6 +19,10 @@
 * **Two families** (kube-proxy's metaproxier, agent/metaproxier.py): every Service and
   EndpointSlice also feeds an IPv6 model; when the mode programs IPv6 (`Parts.proxier6`), each
   sync programs it right after IPv4, else the agent says once that IPv6 Services exist unserved.
+  As upstream's two proxiers, each family then has its own entry in the proxy health (queued by
+  the objects that touch it, updated by its own successful sync), its own healthCheckNodePort
+  server (`Parts.service_health6`, fed from the IPv6 commits) and its own `ip_family` in the sync
+  metrics.
 * **Problems** (malformed objects, conflicts) are logged and counted once when they appear,
   reported as Kubernetes Events through `events`, and logged again when they go away. So are
   frontends the node refuses (`frontend_guard`: externalIPs and load-balancer IPs on its own
