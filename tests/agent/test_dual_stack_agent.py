@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from agent.config import Config, Mode, NodeContext
-from agent.daemon import Agent, Parts
+from agent.daemon import Agent, Parts, ProxierHealth
 from agent.metrics import Metrics
 from agent.model.types import IPFamily, ProxyState, ServicePortName
 from agent.proxier import SyncResult
@@ -47,7 +47,7 @@ class StateProxier(FakeProxier):
 
 
 class Rig:
-    def __init__(self, mode: Mode, *, ipv6: bool) -> None:
+    def __init__(self, mode: Mode, *, ipv6: bool, health: ProxierHealth | None = None) -> None:
         self.clock = Clock()
         self.source = FakeSource()
         self.proxier = StateProxier()
@@ -64,7 +64,7 @@ class Rig:
                 proxier=self.proxier,
                 node_context=lambda: NODE,
                 metrics=Metrics(self.registry),
-                health=self.health,
+                health=health or self.health,
                 service_health=self.health,
                 events=FakeEvents(),
                 proxier6=self.proxier6,
@@ -225,9 +225,8 @@ def test_a_failed_ipv6_sync_turns_healthz_unhealthy_after_the_timeout() -> None:
 
     clock = FakeClock()
     health = ProxyHealth(60.0, clock)
-    rig = Rig(Mode.IPTABLES, ipv6=True)
+    rig = Rig(Mode.IPTABLES, ipv6=True, health=health)
     assert rig.proxier6 is not None
-    rig.agent._parts.health = health
     health.updated("IPv4")
     health.updated("IPv6")
     rig.send(dual(), synced="v1")
