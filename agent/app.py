@@ -286,8 +286,14 @@ def build_agent(
 
     proxier = make_proxier(config, metrics)
     proxier6 = make_proxier6(config, proxier, metrics)
+    service_health6 = None
     if proxier6 is not None:
         log.info("IPv6: ip6tables rules for the node's IPv6 addresses beside the IPv4 ones (dual-stack)")
+        # As upstream's IPv6 proxier: its own healthCheckNodePort server, on IPv6 sockets, answering
+        # with the IPv6 local endpoints; the proxy health is shared (both families must be healthy).
+        node6 = node_context(config, IPFamily.IPv6)
+        service_health6 = ServiceHealthServer.for_node(config, node6, health, IPFamily.IPv6)
+        services.append(service_health6)
     close = getattr(proxier, "close", None)
     return Agent(
         config,
@@ -304,6 +310,7 @@ def build_agent(
             close=close,
             proxier6=proxier6,
             node_context6=lambda: node_context(config, IPFamily.IPv6),
+            service_health6=service_health6,
         ),
     )
 

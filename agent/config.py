@@ -241,6 +241,26 @@ class Config:
         )
 
 
+def nodeport_addresses_of(cidrs: tuple[str, ...], version: int) -> tuple[str, ...] | None:
+    """The --nodeport-addresses entries one IP family's proxier takes (upstream's
+    NewNodePortAddresses(family, ...)): its own CIDRs and `primary`; None when that family matches
+    every address (none of its CIDRs given, or 0.0.0.0/0 or ::/0 among them)."""
+    own = []
+    for text in cidrs:
+        if text == NODEPORT_PRIMARY:
+            own.append(text)
+            continue
+        try:
+            net = ipaddress.ip_network(text.strip(), strict=False)
+        except ValueError:
+            continue
+        if net.version == version:
+            if net.prefixlen == 0:
+                return None
+            own.append(text)
+    return tuple(own) or None
+
+
 def nodeport_addresses_hold_loopback(cidrs: tuple[str, ...]) -> bool:
     """Whether --nodeport-addresses `cidrs` let NodePorts answer on 127.0.0.1: every address (no
     IPv4 CIDR given, or 0.0.0.0/0; never with `primary`), or a CIDR that is loopback or holds

@@ -81,6 +81,7 @@ class IPv6Family:
         self._announced = False
         self._need_full = False  # the last sync raised: the next one writes everything
         self.last_result: SyncResult | None = None
+        self.last_full = False  # whether the last sync handed the proxier everything
 
     def set_node(self, node: NodeInfo) -> None:
         self.model.set_node(node)
@@ -107,6 +108,7 @@ class IPv6Family:
         changed: frozenset[ServicePortName] | None = None
         if not (full or moved or self._need_full or commit.changed is None):
             changed = (commit.changed or frozenset()) | frozenset(self._retry)
+        self.last_full = changed is None
         try:
             result = self.proxier.sync(self.model.state, self.node, changed)
         except FatalError:

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from agent.cli import resolve
-from agent.config import Mode
+from agent.config import Mode, nodeport_addresses_of
 from tests.chart import kubelet
 from tests.chart.render import CHART, NAMESPACE, REPO, HelmError, Rendered, helm, render
 
@@ -32,6 +32,14 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "bpf": {"nodePortRange": "20000-22767"},
         "serviceClusterIPRange": "10.96.0.0/12",
         "externalIPCIDRs": ["203.0.113.0/24", "198.51.100.0/24"],
+    },
+    # A dual-stack cluster (issue 20): both families' CIDRs, comma-separated as kube-proxy's flags
+    # and KubeProxyConfiguration take them, and NodePort addresses of each family.
+    "dual-stack": {
+        "mode": "iptables",
+        "clusterCIDR": "10.244.0.0/16,fd00:10:244::/56",
+        "serviceClusterIPRange": "10.96.0.0/12,fd00:10:96::/108",
+        "nodePortAddresses": ["192.168.0.0/24", "fd00:192:168::/64"],
     },
     "monitoring": {
         "metrics": {
@@ -314,6 +322,12 @@ EXPECTED = {
     "iptables": dict(
         mode=Mode.IPTABLES, nodeport_addresses=(), metrics="127.0.0.1:10249", cidr=("10.244.0.0/16",)
     ),
+    "dual-stack": dict(
+        mode=Mode.IPTABLES,
+        nodeport_addresses=("192.168.0.0/24", "fd00:192:168::/64"),
+        metrics="127.0.0.1:10249",
+        cidr=("10.244.0.0/16", "fd00:10:244::/56"),
+    ),
     "monitoring": dict(mode=Mode.EBPF, nodeport_addresses=(), metrics="0.0.0.0:10249", cidr=()),
     "privileged": dict(mode=Mode.EBPF, nodeport_addresses=(), metrics="127.0.0.1:10249", cidr=()),
     "nodeports": dict(
@@ -360,6 +374,28 @@ def test_the_agent_accepts_the_rendered_configuration(
         assert c.min_sync_period_s == 0.25 and c.node_ips == ("192.168.0.11",)
     else:
         assert c.min_sync_period_s == (1.0 if c.mode is Mode.IPTABLES else 0.1)
+
+
+def test_dual_stack_values_reach_the_agent_as_both_families(
+    rendered: dict[str, Rendered], tmp_path: Path
+) -> None:
+    """Per-family CIDRs pass through the chart unchanged: the agent resolves both families'
+    clusterCIDR, Service CIDRs and NodePort addresses, which turns its IPv6 proxier on (iptables
+    mode), each family taking its own NodePort CIDRs."""
+    r = rendered["dual-stack"]
+    assert yaml.safe_load(r.config_text())["clusterCIDR"] == "10.244.0.0/16,fd00:10:244::/56"
+    agent = r.container("agent")
+    assert "--service-cluster-ip-range=10.96.0.0/12,fd00:10:96::/108" in agent["args"]
+    config_file = tmp_path / "config.conf"
+    config_file.write_text(r.config_text())
+    argv = kubelet.command_line(agent, kubelet.container_env(agent, NODE))
+    c = resolve([a.replace("/etc/ebpf-kube-proxy/config.conf", str(config_file)) for a in argv[1:]]).config
+    assert c.service_cidrs == ("10.96.0.0/12", "fd00:10:96::/108")
+    assert c.ipv6_configured, "an IPv6 clusterCIDR turns the IPv6 proxier on"
+    assert nodeport_addresses_of(c.nodeport_addresses, 4) == ("192.168.0.0/24",)
+    assert nodeport_addresses_of(c.nodeport_addresses, 6) == ("fd00:192:168::/64",)
+    single = resolve([f"--cluster-cidr={VALUE_SETS['iptables']['clusterCIDR']}"]).config
+    assert not single.ipv6_configured, "single-stack values: no IPv6 proxier"
 
 
 def test_agent_writes_the_effective_configuration_of_the_rendered_file(

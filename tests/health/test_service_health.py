@@ -23,6 +23,7 @@ from agent.health import (
     service_response,
 )
 from agent.httpserve import Address, Handler, HttpServer
+from agent.model.types import IPFamily
 
 
 class FakeListen:
@@ -234,6 +235,21 @@ def test_addresses_follow_nodeport_addresses() -> None:
     assert health_check_addresses(Config(nodeport_addresses=("primary",)), node) == ("192.168.0.11",)
     # Nothing matches: upstream logs and listens everywhere.
     assert health_check_addresses(Config(nodeport_addresses=("172.16.0.0/12",)), node) == ("0.0.0.0",)
+
+
+def test_each_family_takes_its_own_nodeport_addresses_for_health_checks() -> None:
+    """Upstream's NewNodePortAddresses(family, ...): a family none of whose CIDRs is given (or
+    with its zero CIDR) listens on its own wildcard; the IPv6 server never on an IPv4 one."""
+    node6 = NodeContext(("fd00:192:168::11", "fd00:10::5"), "fd00:192:168::11")
+    v6 = IPFamily.IPv6
+    assert health_check_addresses(Config(), node6, v6) == ("::",)
+    assert health_check_addresses(Config(nodeport_addresses=("192.168.0.0/24",)), node6, v6) == ("::",)
+    dual = Config(nodeport_addresses=("192.168.0.0/24", "fd00:192:168::/64"))
+    assert health_check_addresses(dual, node6, v6) == ("fd00:192:168::11",)
+    v4node = NodeContext(("192.168.0.11",), "192.168.0.11")
+    assert health_check_addresses(dual, v4node) == ("192.168.0.11",)
+    assert health_check_addresses(Config(nodeport_addresses=("fd00:192:168::/64",)), v4node) == ("0.0.0.0",)
+    assert health_check_addresses(Config(nodeport_addresses=("::/0", "192.168.0.0/24")), node6, v6) == ("::",)
 
 
 def _svc(name: str, hc: int, etp: str = "Local", ports: int = 1) -> dict[str, Any]:
