@@ -259,9 +259,23 @@ class Cluster:
     def http(self, target: Any, url: str, count: int = 1, timeout: float = 3.0) -> dict[str, Any]:
         return self.client(target, "http", "--url", url, "--count", str(count), "--timeout", str(timeout))
 
-    def udp(self, target: Any, addr: str, port: int, count: int = 1, size: int = 0) -> dict[str, Any]:
+    def udp(
+        self,
+        target: Any,
+        addr: str,
+        port: int,
+        count: int = 1,
+        size: int = 0,
+        *,
+        sport: int = 0,
+        sources: bool = False,
+    ) -> dict[str, Any]:
+        """`count` request/reply pairs (lab/client.py udp); `sources`: also count the address each
+        reply came from."""
         args = ["udp", "--addr", addr, "--port", str(port), "--count", str(count)]
-        return self.client(target, *args, *(["--size", str(size)] if size else []))
+        args += ["--size", str(size)] if size else []
+        args += ["--sport", str(sport)] if sport else []
+        return self.client(target, *args, *(["--sources"] if sources else []))
 
     def bpf_stats(self, node_index: int = 1) -> dict[str, int]:
         """eBPF mode: the data path's counters on a node (as `agent inspect stats` shows them)."""

@@ -6,7 +6,8 @@ HTTP (HTTP/1.0, one request per connection) on every `--http-port` (default 8080
   GET /blob   -> the file given with `--blob` (application/octet-stream, sendfile), 404 without it
   GET /healthz -> "ok\\n"
   POST /sink  -> reads the whole body, answers "<bytes received>\\n" (uploads, path-MTU tests)
-UDP echo on every `--udp-port` (default 9000): a datagram `<payload>` is answered `<name> <payload>`.
+UDP echo on every `--udp-port` (default 9000): a datagram `<payload>` is answered `<name> <payload>`,
+  from the address it was sent to (a node has many).
 TCP line echo on every `--tcp-echo-port` (none by default): each line comes back as it went.
 Named TCP line echo on every `--tcp-named-echo-port` (none by default): a line comes back as
 `<name> <line>` (which backend a long-lived connection is on, line by line).
@@ -23,6 +24,7 @@ import argparse
 import os
 import socket
 import socketserver
+import struct
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -100,10 +102,27 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
+# Linux's value; Python's socket module names it only from 3.14 on.
+IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)
+PKTINFO = struct.Struct("=i4s4s")  # struct in_pktinfo: ipi_ifindex, ipi_spec_dst, ipi_addr
+
+
 def udp_echo(sock: socket.socket, name: bytes) -> None:
+    """Answer each datagram from the address it was sent to (IP_PKTINFO, as DNS servers do). A
+    socket on 0.0.0.0 would answer from the source its route to the peer prefers: on a lab node,
+    for a pod of that node, the pod gateway 10.244.N.1 and not the node address a proxy DNATed the
+    request to. conntrack then cannot match the answer to its flow: it is not reverse-translated,
+    and when NAT had moved the flow's source port to keep conntrack tuples unique (a client
+    port reused on another frontend of this backend), it goes to a port nobody listens on."""
+    sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
     while True:
-        data, peer = sock.recvfrom(65535)
-        sock.sendto(name + b" " + data, peer)
+        data, ancillary, _flags, peer = sock.recvmsg(65535, socket.CMSG_SPACE(PKTINFO.size))
+        source = [
+            (level, kind, PKTINFO.pack(0, PKTINFO.unpack(body)[2], bytes(4)))
+            for level, kind, body in ancillary
+            if (level, kind) == (socket.IPPROTO_IP, IP_PKTINFO)
+        ]
+        sock.sendmsg([name + b" " + data], source, 0, peer)
 
 
 class LineEcho(socketserver.StreamRequestHandler):
