@@ -102,7 +102,7 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-# Linux's value; Python's socket module names it only from 3.14 on.
+# Linux's value: Python 3.11's socket module does not name it.
 IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)
 PKTINFO = struct.Struct("=i4s4s")  # struct in_pktinfo: ipi_ifindex, ipi_spec_dst, ipi_addr
 
