@@ -12,7 +12,9 @@ Effects (pyroute2). Which devices, in the network namespace Config.netns:
   them, where the replies of flows handed to it (a backend on the node's own address) get their
   frontend back, and, with legacy host routing (bpf/ekp_host.h), the source translation of what
   the ingress programs handed to the stack. It is attached before the ingress program: a device
-  never hands the stack a packet whose egress half is missing.
+  never hands the stack a packet whose egress half is missing; and when legacy host routing is
+  switched on (a node's first start), on every device before any ingress program
+  (`Attacher.attach_egress`), so the config can say legacy from the first packet.
 
 The local-traffic detector (agent/localdetect.py) moves that line in its interface modes, where
 the device decides what kube-proxy counts as pod traffic (`-i BRIDGE`, `-i PREFIX+`):
@@ -356,6 +358,18 @@ class Attacher:
     def attached(self) -> dict[int, tuple[str, str]]:
         with self._lock:
             return dict(self._attached)
+
+    def attach_egress(self, node: NodeContext) -> None:
+        """ekp_egress on every device that should carry our programs, ingress programs left as
+        they are: before legacy host routing is switched on (the proxier), so that no ingress
+        program hands the stack a packet that could leave by a device without its egress half."""
+        with netns_route(self._config.netns) as ipr:
+            for index in sorted(wanted_devices(ipr, self._config, node)):
+                try:
+                    attach(ipr, index, PROG_EGRESS, self._fds[PROG_EGRESS], TC_H_EGRESS)
+                except NetlinkError as exc:
+                    if exc.code != errno.ENODEV:  # gone again: nothing to hand over there
+                        raise
 
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
         """Attach where missing.

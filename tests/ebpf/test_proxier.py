@@ -96,6 +96,9 @@ class FakeAttacher:
         self.watching = False
         self.armed_at_reconcile: list[bool] = []  # the flow-activity check, when programs changed
 
+    def attach_egress(self, node: NodeContext) -> None:
+        self.log.append("attach egress")
+
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
         self.log.append(f"reconcile full={full}" + (" verify" if verify and not full else ""))
         self.armed_at_reconcile.append(activity.armed(self.maps["act"]))
@@ -251,9 +254,11 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     # the conntrack of an ABI v1 agent is carried over before and right after the programs change;
     # the socket programs are linked after that, and only then, every hook serving, are the other
     # data path's rules (kube-proxy's OUTPUT chain for the node's clients) removed; sockets of
-    # backends gone meanwhile ended
+    # backends gone meanwhile ended; legacy host routing (the default) gets its egress programs
+    # everywhere before the config says legacy and the ingress programs come
     first = [
         "carry v1 conntrack",
+        "attach egress",
         "reconcile full=True",
         "carry v1 conntrack again",
         "link sockets",
@@ -680,16 +685,23 @@ def test_config_entry_is_written_to_the_spare_slot_then_switched(rig: Rig) -> No
     assert cfg is not None and (cfg.snat_port_min, cfg.snat_port_max) == (62000, 65535)
 
 
-def test_legacy_host_routing_is_switched_on_once_the_egress_programs_are_attached(rig: Rig) -> None:
-    """A packet handed to the stack needs ekp_egress on its way out: the first sync writes the
-    config without EKP_CFG_HOST_LEGACY, attaches, then sets it; with bpf host routing (and once
-    legacy is live, at a restart) the config is written once."""
-    seen: list[int] = []
+def test_legacy_host_routing_is_on_before_any_ingress_program_is_attached(rig: Rig) -> None:
+    """A packet handed to the stack needs ekp_egress on its way out, and a packet an ingress
+    program redirects skips the node's FORWARD chain: the first sync attaches ekp_egress
+    everywhere, then writes EKP_CFG_HOST_LEGACY, then attaches the ingress programs, so no
+    ingress program ever runs without the flag (on main it was written after the attach, the
+    takeover, the socket link and serving()). With bpf host routing, and once legacy is live (a
+    restart), the config is written once and nothing is attached twice."""
+    seen: list[tuple[str, int]] = []
 
     class Recording(FakeAttacher):
+        def attach_egress(self, node: NodeContext) -> None:
+            live = read_config(rig.maps)
+            seen.append(("egress", -1 if live is None else live.flags))
+
         def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
             live = read_config(rig.maps)
-            seen.append(-1 if live is None else live.flags)
+            seen.append(("ingress", -1 if live is None else live.flags))
 
     def proxier(config: Config) -> EbpfProxier:
         return EbpfProxier(
@@ -705,14 +717,17 @@ def test_legacy_host_routing_is_switched_on_once_the_egress_programs_are_attache
     legacy = replace(rig.config, bpf_host_routing=HostRouting.LEGACY)
     proxier(legacy).sync(STATE, NODE)
     live = read_config(rig.maps)
-    assert seen == [0] and live is not None and live.flags == ConfigFlag.HOST_LEGACY
+    assert seen == [("egress", 0), ("ingress", ConfigFlag.HOST_LEGACY)]
+    assert live is not None and live.flags == ConfigFlag.HOST_LEGACY
     # The agent restarted, legacy again: the previous one attached the egress programs.
+    seen.clear()
     proxier(legacy).sync(STATE, NODE)
-    assert seen[-1] == ConfigFlag.HOST_LEGACY
+    assert seen == [("ingress", ConfigFlag.HOST_LEGACY)]
     # Back to bpf: the flag goes at once (ekp_egress stays attached; no packet is tagged any more).
+    seen.clear()
     proxier(replace(rig.config, bpf_host_routing=HostRouting.BPF)).sync(STATE, NODE)
     live = read_config(rig.maps)
-    assert seen[-1] == 0 and live is not None and live.flags == 0
+    assert seen == [("ingress", 0)] and live is not None and live.flags == 0
 
 
 def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:
