@@ -299,7 +299,8 @@ struct ekp_hostnat_key {
 	__u16 tag;    /* host: the flow's tag (a hash of the tuple as it arrived; never 0), the
 	               * skb->tc_index the ingress program set: two flows whose packets leave
 	               * with the same tuple (a client port reaching one backend through two
-	               * frontends) are told apart */
+	               * frontends) are told apart. 0: the stack's reply tuple of a SNAT flow, for
+	               * the packets the stack itself sends about it (ekp_host_note_stack_reply) */
 };
 
 struct ekp_hostnat {
