@@ -178,7 +178,9 @@ def udp_probe(lab: Lab, target: str, ip: str, port: int, timeout: float) -> str:
 
 
 @pytest.mark.parametrize("reject", ["tcp-reset", "icmp-port-unreachable"])
-def test_the_node_s_own_rejects_reach_an_outside_client_translated(path: tuple[str, Cluster], reject: str) -> None:
+def test_the_node_s_own_rejects_reach_an_outside_client_translated(
+    path: tuple[str, Cluster], reject: str
+) -> None:
     """A NetworkPolicy REJECT stood in by `iptables -I FORWARD -d pod-1-2 ... -j REJECT` on a
     NodePort flow from the outside client, which is masqueraded (ETP Cluster): the RST or ICMP
     port unreachable the node's own stack sends back carries the backend-side tuple (backend ->
@@ -192,14 +194,28 @@ def test_the_node_s_own_rejects_reach_an_outside_client_translated(path: tuple[s
     node = lab.node(1)
     backend = lab.pod("pod-1-2")
     ports = [Port("http", 80, 8080, node_port=30080), Port("udp", 81, 9000, "UDP", node_port=30081)]
-    cluster.apply(with_endpoints(service("rejected", "10.96.4.3", ports, type="NodePort"), [ep(cluster, "pod-1-2")]))
+    cluster.apply(
+        with_endpoints(service("rejected", "10.96.4.3", ports, type="NodePort"), [ep(cluster, "pod-1-2")])
+    )
     seen = lab.http_get("client", node.ip, 30080, "/ip").strip()
     assert seen in (node.ip, node.gateway), f"the flow is masqueraded (the backend saw {seen})"
     assert lab.tcp_probe("client", node.ip, 30080) == "open", "before the rule"
     assert udp_probe(lab, "client", node.ip, 30081, 1.0) == "answered", "before the rule"
 
     rules = [
-        ["FORWARD", "-d", backend.ip, "-p", "tcp", "--dport", "8080", "-j", "REJECT", "--reject-with", reject],
+        [
+            "FORWARD",
+            "-d",
+            backend.ip,
+            "-p",
+            "tcp",
+            "--dport",
+            "8080",
+            "-j",
+            "REJECT",
+            "--reject-with",
+            reject,
+        ],
         ["FORWARD", "-d", backend.ip, "-p", "udp", "--dport", "9000", "-j", "REJECT"],
     ]
     # The node rate-limits its ICMP errors per destination (icmp_ratelimit: 1 s after a burst of
@@ -215,7 +231,9 @@ def test_the_node_s_own_rejects_reach_an_outside_client_translated(path: tuple[s
             assert (tcp, udp) == (["open"] * 3, ["answered"] * 3)
         else:
             assert tcp == ["refused"] * 3, f"the node's {reject} must reach the client translated: {tcp}"
-            assert udp == ["refused"] * 3, f"the node's port unreachable must reach the client translated: {udp}"
+            assert udp == ["refused"] * 3, (
+                f"the node's port unreachable must reach the client translated: {udp}"
+            )
     finally:
         for rule in rules:
             lab.run(node, "iptables", "-D", *rule)
