@@ -16,6 +16,12 @@ Here, per data path:
 | ebpf, `--bpf-host-routing=legacy` (default) | blocked, as iptables | dropped by rp_filter |
 | ebpf, `--bpf-host-routing=bpf` | served: the redirect skips FORWARD | dropped, `spoofed_source` counted |
 
+A third case from the review after it: a `REJECT` in the node's FORWARD chain (tcp-reset or
+icmp-port-unreachable) on a NodePort flow from the outside client, which is masqueraded. The node's
+own RST or ICMP error carries the backend-side tuple; the client must get it as the answer to what
+it sent (iptables: nf_conntrack's RELATED; legacy: ekp_egress, which on main let them leave
+untranslated, and the client waited for its timeout).
+
 Each test has its positive control (pod-1-3, which the rule does not name, is served; a datagram
 from pod-1-1's own address arrives) so that "blocked" cannot mean "broken". One single-node lab
 per data path, with kube-proxy's and Docker's `--ctstate INVALID -j DROP` in FORWARD (legacy host
