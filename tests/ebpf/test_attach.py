@@ -291,6 +291,21 @@ def test_both_host_routings_keep_the_egress_half_on_every_device(netns: str, pro
 
 
 @pytest.mark.kernel
+def test_egress_programs_go_everywhere_before_any_ingress_program(netns: str, progs: dict[str, int]) -> None:
+    """A node's first start under legacy host routing (the proxier): ekp_egress on every device
+    that will carry our programs, and no ingress program yet; the full reconcile then adds them."""
+    config = Config(netns=netns, pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY)
+    attacher = Attacher(config, progs)
+    attacher.attach_egress(NODE)
+    for dev in ("eth0", "lxc-a"):
+        assert "ekp_egress" in egress(netns, dev) and ingress(netns, dev) == "", dev
+    assert egress(netns, "other1") == ""
+    attacher.reconcile(NODE, full=True)
+    assert "ekp_from_net" in ingress(netns, "eth0") and "ekp_from_pod" in ingress(netns, "lxc-a")
+    assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]
+
+
+@pytest.mark.kernel
 def test_interface_modes_attach_by_prefix_and_by_bridge_port_and_follow_enslaving(
     netns: str, progs: dict[str, int]
 ) -> None:
