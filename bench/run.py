@@ -205,9 +205,7 @@ class Bench:
             client, server = lab.pods
             node = lab.nodes[0]
             nginx = lab.start_nginx(server)
-            workers = children(nginx.pid)
-            if not workers:
-                raise RuntimeError("nginx started no worker process")
+            workers = nginx_workers(nginx.pid)
             self.measure(lab, client, server, workers, State(mode, "none (before)", None))
             if mode == "ebpf":
                 self.socket_lb_for_pods(lab, node, client, server, workers)
@@ -491,6 +489,17 @@ class Bench:
                 full=True,
             )
         )
+
+
+def nginx_workers(master: int, timeout: float = 10.0) -> list[int]:
+    """nginx's worker processes: the master answers on its port before it has forked them (seen
+    on a loaded machine: none yet right after start_nginx returned)."""
+    deadline = time.monotonic() + timeout
+    while not (workers := children(master)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"nginx started no worker process in {timeout:g} s")
+        time.sleep(0.05)
+    return workers
 
 
 def agent_version(agent: Agent) -> str:
