@@ -37,7 +37,7 @@ from socket import inet_aton
 
 from agent.config import Config, NodeContext
 from agent.ebpf import backends
-from agent.ebpf.abi import AddrFlag, FrontendFlag, MemberFlag
+from agent.ebpf.abi import AddrFlag, FrontendFlag, MemberFlag, Scope
 from agent.ebpf.backends import Backends
 from agent.ebpf.codec import Value
 from agent.ebpf.entries import (
@@ -79,6 +79,7 @@ __all__ = ["ROLES", "FlushResult", "PlanError", "Planner", "RawMap", "config_ent
 # per address of a desired frontend (a bit per scope) or backend (BACKEND).
 ROLES = ("fe", "slot", "be", "rnat", "member", "srcr", "addr")
 _ADDR_BACKEND = int(AddrFlag.BACKEND)
+_SCOPE_HOST = int(Scope.HOST)
 _ADDR_FLAGS = tuple(int(f) for f in AddrFlag)
 
 _BE_LOCAL = backends.LOCAL
@@ -179,6 +180,8 @@ class Planner:
     def _address(self, role: str, key: int, value: int, sign: int) -> None:
         """Count what a frontend (its address, the bit of its scope) or a backend (its address,
         BACKEND) puts into `addr`; `_derive_addresses` writes the sums."""
+        if role == "fe" and key >> FE_SCOPE == _SCOPE_HOST:
+            return  # the socket programs' alone: no packet asks ekp_addr about it
         addr, flag = (key & U32, 1 << (key >> FE_SCOPE)) if role == "fe" else (value & U32, _ADDR_BACKEND)
         ref = addr << 8 | flag
         n = self._addr_refs.get(ref, 0) + sign
