@@ -728,7 +728,9 @@ def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:
 
 def test_fixtures_differ() -> None:
     assert set(STATE.services) < set(MORE.services)
-    assert len(plan(MORE, NODE, Config()).fe) == 13  # with the NodePort on localhost (internal)
+    # with the NodePort on localhost (internal), and the node's own (HOST) twins of the ETP Local
+    # Service's NodePort and load-balancer IP: Config() has no local-traffic detector
+    assert len(plan(MORE, NODE, Config()).fe) == 15
 
 
 def test_a_map_too_small_is_an_error_naming_the_flag_and_the_size(
@@ -742,7 +744,7 @@ def test_a_map_too_small_is_an_error_naming_the_flag_and_the_size(
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1
     assert f"BPF map {MAPS['fe'].name} is too small" in errors[0]
-    assert "needs 13 entries, it holds 3" in errors[0] and "--bpf-fe-max=16 or more" in errors[0]
+    assert "needs 15 entries, it holds 3" in errors[0] and "--bpf-fe-max=32 or more" in errors[0]
     caplog.clear()
     p.sync(MORE, NODE)
     assert not [r for r in caplog.records if r.levelname == "ERROR"], "said once, not at every sync"
