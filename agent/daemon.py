@@ -16,6 +16,9 @@
 * **Failures.** A sync that raises is retried by the runner with backoff; service ports the
   proxier could not program are retried at the next sync and logged once each; an
   `agent.errors.FatalError` stops the agent with exit status 1 and its message.
+* **Two families** (kube-proxy's metaproxier, agent/metaproxier.py): every Service and
+  EndpointSlice also feeds an IPv6 model; when the mode programs IPv6 (`Parts.proxier6`), each
+  sync programs it right after IPv4, else the agent says once that IPv6 Services exist unserved.
 * **Problems** (malformed objects, conflicts) are logged and counted once when they appear,
   reported as Kubernetes Events through `events`, and logged again when they go away. So are
   frontends the node refuses (`frontend_guard`: externalIPs and load-balancer IPs on its own
@@ -47,8 +50,8 @@ from agent.config import Config, NodeContext
 from agent.errors import FatalError
 from agent.featuregates import node_info
 from agent.localdetect import LocalMode
+from agent.metaproxier import IPv6Family, frontend_guard
 from agent.metrics import Metrics, no_local_endpoints
-from agent.model.guard import FrontendGuard
 from agent.model.problem import Problem, printable
 from agent.model.tracker import Commit, ProxyModel, ServiceRecord, SliceRecord, read_service, read_slice
 from agent.model.types import ServicePortName
@@ -124,18 +127,9 @@ class Parts:
     events: EventSink = field(default_factory=NoEvents)
     services: Sequence[Service] = ()  # started before the source, stopped after it
     close: Callable[[], None] | None = None  # release the proxier's resources on stop
-
-
-def frontend_guard(config: Config, node: NodeContext) -> FrontendGuard:
-    """The node's rules for external frontends (agent/model/guard.py), from the flags and the
-    node's addresses."""
-    return FrontendGuard.of(
-        node_ips=node.node_ips,
-        cluster_cidrs=config.cluster_cidr,
-        service_cidrs=config.service_cidrs,
-        allowed_cidrs=config.external_ip_cidrs,
-        node_port_range=config.nodeport_range,
-    )
+    # The IPv6 proxier and the node's IPv6 addresses, when this mode programs IPv6.
+    proxier6: Proxier | None = None
+    node_context6: Callable[[], NodeContext] | None = None
 
 
 class Agent:
@@ -152,6 +146,7 @@ class Agent:
         self._clock = clock
         self._wall = wall
         self._model = ProxyModel(node_info(config))
+        self._v6 = IPv6Family(config, parts.proxier6, parts.node_context6)
         self._lock = threading.Lock()
         self._queue: list[Event | _Read] = []
         self._synced: set[Kind] = set()
@@ -190,6 +185,10 @@ class Agent:
     @property
     def model(self) -> ProxyModel:
         return self._model
+
+    @property
+    def ipv6(self) -> IPv6Family:
+        return self._v6
 
     @property
     def version(self) -> str:
@@ -261,6 +260,8 @@ class Agent:
         """The proxier's slow set-up (compiling the data path), while the source lists."""
         try:
             self._parts.proxier.prepare()
+            if self._parts.proxier6 is not None:
+                self._parts.proxier6.prepare()
         except FatalError as exc:
             self._fatal(exc)
         except Exception as exc:
@@ -319,8 +320,9 @@ class Agent:
             return
         start = self._clock()
         periodic = start - self._last_full >= self._config.sync_period_s
-        moved = False
+        moved = read_node = False
         if periodic or self._model.full_pending or self._node is None or self._node_stale.is_set():
+            read_node = True
             # Before the commit: the guard of external frontends depends on the node's addresses.
             self._node_stale.clear()  # before reading: a change while we read asks again
             node = self._parts.node_context()
@@ -340,6 +342,10 @@ class Agent:
         except Exception:
             metrics.record_sync(full, self._clock() - start, ok=False)
             raise
+        commit6, _ = self._v6.sync(full=full, read_node=read_node)
+        self._report(commit6, reported=commit)
+        if self._v6.retry_wanted:
+            self._runner.retry_soon()
         self.last_result = result
         self.syncs += 1
         elapsed = self._clock() - start
@@ -361,10 +367,11 @@ class Agent:
             if event.version:
                 self._versions[event.kind] = event.version
             self._remember(event.kind, event.key, event.uid)
-            if isinstance(event.record, ServiceRecord):
-                self._model.set_service(event.key, event.record)
-            else:
-                self._model.set_slice(event.key, event.record)
+            for model in (self._model, self._v6.model):
+                if isinstance(event.record, ServiceRecord):
+                    model.set_service(event.key, event.record)
+                else:
+                    model.set_slice(event.key, event.record)
             return
         rv = _resource_version(event.obj)
         if rv:
@@ -373,19 +380,24 @@ class Agent:
         obj = None if deleted else event.obj
         self._remember_uid(event.kind, event.key, obj)
         if event.kind is Kind.SERVICE:
-            if deleted:
-                self._model.delete_service(event.key)
-            else:
-                self._model.set_service(event.key, event.obj)
+            record = None if deleted else read_service(event.obj)
+            for model in (self._model, self._v6.model):
+                if record is None:
+                    model.delete_service(event.key)
+                else:
+                    model.set_service(event.key, record)
         elif event.kind is Kind.ENDPOINT_SLICE:
-            if deleted:
-                self._model.delete_slice(event.key)
-            else:
-                self._model.set_slice(event.key, event.obj)
+            sliced = None if deleted else read_slice(event.obj, self._config.hostname)
+            for model in (self._model, self._v6.model):
+                if sliced is None:
+                    model.delete_slice(event.key)
+                else:
+                    model.set_slice(event.key, sliced)
         elif event.kind is Kind.NODE:
             # A deleted Node keeps its pod CIDRs: kube-proxy's detector does not change until it restarts.
             pod_cidrs = _pod_cidrs(obj) if obj is not None else self._model.node.pod_cidrs
             self._model.set_node(node_info(self._config, _labels(obj), pod_cidrs))
+            self._v6.set_node(self._model.node)
             self._log_detector()
             if self._parts.health is not None:
                 self._parts.health.sync_node(obj)
@@ -410,10 +422,16 @@ class Agent:
         key = f"{problem.namespace}/{problem.name}" if problem.kind != Kind.NODE.value else problem.name
         return self._uids.get((problem.kind, key))
 
-    def _report(self, commit: Commit) -> None:
-        for problem in commit.problems_cleared:
+    def _report(self, commit: Commit, reported: Commit | None = None) -> None:
+        """Problems that appeared or went away; `reported`: the other family's commit, whose
+        problems were reported already (a malformed Service is one problem, read by both)."""
+        cleared = [
+            p for p in commit.problems_cleared if reported is None or p not in reported.problems_cleared
+        ]
+        added = [p for p in commit.problems_added if reported is None or p not in reported.problems_added]
+        for problem in cleared:
             log.info("resolved: %s", problem)
-        for problem in commit.problems_added:
+        for problem in added:
             if problem.refusal:
                 log.error("refusing part of %s", problem)
                 self._parts.metrics.record_refused(problem.refusal)
@@ -421,7 +439,7 @@ class Agent:
                 log.error("skipping %s (every other object is still programmed)", problem)
                 self._parts.metrics.record_skipped(problem.kind)
             self._parts.events.warn(problem, self._uid_of(problem))
-        if commit.problems_added or commit.problems_cleared:
+        if added or cleared:
             self._parts.metrics.set_invalid_objects(sum(1 for p in self._model.problems() if not p.refusal))
 
     def _after_sync(self, commit: Commit, result: SyncResult, elapsed: float, full: bool) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from agent.sources.file import content_version
 from lab import Lab
-from lab.core import Node
+from lab.core import POD_SUPERNET6, Node
 from lab.objects import Ep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,10 +73,13 @@ class Agent:
             f"--hostname-override={self.node.name}",
             f"--netns={self.node.ns}",
             *([f"--node-ip={self.node.ip}"] if self.node_ip else []),
+            # A Lab(ipv6=True) is dual-stack: the IPv6 pod CIDR (and node address) turn on the
+            # agent's IPv6 proxier in iptables mode.
+            *([f"--node-ip={self.node.ip6}"] if self.node_ip and self.node.ip6 else []),
             "--devices=eth0",
             "--pod-interfaces=lxc-p*",
             f"--bpf-pin-path={self.pin_path}",
-            f"--cluster-cidr={CLUSTER_CIDR}",
+            f"--cluster-cidr={CLUSTER_CIDR}" + (f",{POD_SUPERNET6}" if self.lab.ipv6 else ""),
             "--iptables-min-sync-period=0",
             # The socket programs serve the node's cgroup (the node, its host-network pod and its
             # pods): never the machine's root, the flag's default on a real node.

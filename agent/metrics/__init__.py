@@ -355,18 +355,22 @@ class Metrics:
 
     # ------------------------------------------------------------------------ iptables mode
 
-    def record_restore_failure(self, partial: bool) -> None:
-        """iptables-restore failed; a failed partial restore falls back to a full one."""
-        (self.partial_restore_failures if partial else self.restore_failures).labels(IPV4).inc()
+    def record_restore_failure(self, partial: bool, family: str = IPV4) -> None:
+        """iptables-restore (ip6tables-restore: `family` IPv6) failed; a failed partial restore
+        falls back to a full one."""
+        (self.partial_restore_failures if partial else self.restore_failures).labels(family).inc()
 
-    def set_iptables_rules(self, total: Mapping[str, int], written: Mapping[str, int]) -> None:
-        """Rules per table after the sync, and rules written by it (`filter`, `nat`)."""
+    def set_iptables_rules(
+        self, total: Mapping[str, int], written: Mapping[str, int], family: str = IPV4
+    ) -> None:
+        """Rules per table after the sync, and rules written by it (`filter`, `nat`), of one
+        family's proxier (kube-proxy's `ip_family` label)."""
         for table, n in total.items():
-            self.iptables_rules.labels(IPV4, table).set(n)
+            self.iptables_rules.labels(family, table).set(n)
         for table, n in written.items():
-            self.iptables_rules_last.labels(IPV4, table).set(n)
+            self.iptables_rules_last.labels(family, table).set(n)
 
-    def record_conntrack_cleanup(self, seconds: float, deleted: int) -> None:
-        self.conntrack_reconciler_seconds.labels(IPV4).observe(seconds)
+    def record_conntrack_cleanup(self, seconds: float, deleted: int, family: str = IPV4) -> None:
+        self.conntrack_reconciler_seconds.labels(family).observe(seconds)
         if deleted:
-            self.conntrack_reconciler_deleted.labels(IPV4).inc(deleted)
+            self.conntrack_reconciler_deleted.labels(family).inc(deleted)

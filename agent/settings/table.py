@@ -461,9 +461,10 @@ SETTINGS: tuple[Setting, ...] = (
     # ------------------------------------------------------------------------ node and addresses
     Setting(
         "node_ip",
-        IPAddress(v4_only=True, repeatable=True),
+        IPAddress(repeatable=True),
         (),
-        "a node address (repeatable); default: the addresses on --devices",
+        "a node address (repeatable, either family; an IPv6 one turns on iptables mode's IPv6 "
+        "proxier); default: the addresses on --devices",
         flags=("--node-ip",),
         attr="node_ips",
         group=NODE,
