@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import shutil
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,11 +26,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config, Mode, NodeContext
-from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service, frontend_guard
+from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service
 from agent.errors import FatalError
 from agent.featuregates import node_info
+from agent.metaproxier import frontend_guard
 from agent.metrics import Metrics
-from agent.model import ProxyState, build_state
+from agent.model import IPFamily, ProxyState, build_state
 from agent.proxier import Proxier
 from agent.sources.base import Source
 from agent.sources.file import LOAD_ERRORS, load_file
@@ -52,6 +54,27 @@ def make_proxier(config: Config, metrics: Metrics | None = None) -> Proxier:
     return EbpfProxier(config)
 
 
+def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = None) -> Proxier | None:
+    """The IPv6 proxier beside `proxier` (kube-proxy's metaproxier), when this mode programs IPv6
+    and the flags describe IPv6 for the node; None otherwise (agent/metaproxier.py)."""
+    if config.mode is not Mode.IPTABLES or not config.ipv6_configured:
+        return None
+    from agent.iptables import IptablesProxier
+    from agent.iptables.runner import SubprocessRunner
+
+    assert isinstance(proxier, IptablesProxier)
+    follow = proxier.runner
+    # ip6tables with the IPv4 rules' backend; the IPv4 proxier alone takes over from eBPF mode
+    # and kube-proxy's nftables tables (both families at once).
+    return IptablesProxier(
+        config,
+        family=IPFamily.IPv6,
+        runner=SubprocessRunner(config, family=6, follow=lambda: follow.backend),
+        take_over=lambda: None,
+        metrics=metrics,
+    )
+
+
 def render_dry_run(config: Config, state: ProxyState, node: NodeContext) -> str:
     if config.mode is Mode.IPTABLES:
         from agent.iptables import render_dry_run as render_iptables
@@ -62,17 +85,20 @@ def render_dry_run(config: Config, state: ProxyState, node: NodeContext) -> str:
     return render_ebpf(state, node, config)
 
 
-def static_node(config: Config) -> NodeContext:
-    """The node as the flags describe it (--node-ip), without looking at the kernel."""
-    return NodeContext(node_ips=config.node_ips, primary_ip=config.node_ips[0] if config.node_ips else "")
+def static_node(config: Config, family: IPFamily = IPFamily.IPv4) -> NodeContext:
+    """The node as the flags describe it (--node-ip of `family`), without looking at the kernel."""
+    ips = config.node_ips_of(family)
+    return NodeContext(node_ips=ips, primary_ip=ips[0] if ips else "")
 
 
-def node_context(config: Config) -> NodeContext:
-    """The node's addresses: --node-ip, else what the external devices hold; and what the node
-    listens on at its other addresses (NodeLocal DNSCache)."""
+def node_context(config: Config, family: IPFamily = IPFamily.IPv4) -> NodeContext:
+    """The node's addresses of `family`: --node-ip, else what the external devices hold; and what
+    the node listens on at its other addresses (NodeLocal DNSCache, IPv4)."""
     from agent.node import discover_node, local_listeners
 
-    node = static_node(config) if config.node_ips else discover_node(config)
+    node = static_node(config, family) if config.node_ips_of(family) else discover_node(config, family)
+    if family is IPFamily.IPv6:
+        return node
     listeners = local_listeners(config.netns, node.node_ips)
     return dataclasses.replace(node, local_listeners=listeners) if listeners else node
 
@@ -91,6 +117,22 @@ def dry_run(config: Config) -> int:
     for problem in result.problems:
         log.error("%s %s", "refusing part of" if problem.refusal else "skipping", problem)
     sys.stdout.write(render_dry_run(config, result.state, node))
+    if config.mode is Mode.IPTABLES and config.ipv6_configured:
+        # The IPv6 proxier's input follows, after a comment line (ip6tables-restore skips it).
+        node6 = static_node(config, IPFamily.IPv6)
+        result6 = build_state(
+            snap.services,
+            snap.endpoint_slices,
+            node_info(config),
+            frontend_guard(config, node6),
+            family=IPFamily.IPv6,
+        )
+        reported = set(result.problems)
+        for problem in result6.problems:
+            if problem not in reported:
+                log.error("%s %s", "refusing part of" if problem.refusal else "skipping", problem)
+        sys.stdout.write("# ip6tables-restore input (IPv6)\n")
+        sys.stdout.write(render_dry_run(config, result6.state, node6))
     return 0
 
 
@@ -111,7 +153,10 @@ def cleanup(config: Config) -> int:
         return 1
     with node_lock:
         failed = False
-        for proxier in (EbpfProxier(config), IptablesProxier(config)):
+        proxiers: list[Proxier] = [EbpfProxier(config), IptablesProxier(config)]
+        if any(shutil.which(f"ip6tables-{backend}") for backend in ("nft", "legacy")):
+            proxiers.append(IptablesProxier(config, family=IPFamily.IPv6))  # upstream cleans both
+        for proxier in proxiers:
             try:
                 proxier.cleanup()
             except Exception as exc:
@@ -240,6 +285,15 @@ def build_agent(
     services.append(service_health)
 
     proxier = make_proxier(config, metrics)
+    proxier6 = make_proxier6(config, proxier, metrics)
+    service_health6 = None
+    if proxier6 is not None:
+        log.info("IPv6: ip6tables rules for the node's IPv6 addresses beside the IPv4 ones (dual-stack)")
+        # As upstream's IPv6 proxier: its own healthCheckNodePort server, on IPv6 sockets, answering
+        # with the IPv6 local endpoints; the proxy health is shared (both families must be healthy).
+        node6 = node_context(config, IPFamily.IPv6)
+        service_health6 = ServiceHealthServer.for_node(config, node6, health, IPFamily.IPv6)
+        services.append(service_health6)
     close = getattr(proxier, "close", None)
     return Agent(
         config,
@@ -254,13 +308,18 @@ def build_agent(
             events=events,
             services=services,
             close=close,
+            proxier6=proxier6,
+            node_context6=lambda: node_context(config, IPFamily.IPv6),
+            service_health6=service_health6,
         ),
     )
 
 
 def _address_watcher(config: Config) -> NodeEvents | None:
-    """Netlink events for the node's addresses, unless --node-ip fixes them."""
-    if config.node_ips:
+    """Netlink events for the node's addresses, unless --node-ip fixes them (for every family in
+    use: IPv6 too when iptables mode runs its IPv6 proxier)."""
+    ipv6 = config.mode is Mode.IPTABLES and config.ipv6_configured
+    if config.node_ips_of(4) and (not ipv6 or config.node_ips_of(6)):
         return None
     from agent.nodewatch import AddressWatcher
 

@@ -178,16 +178,29 @@ class Config:
         cidr.Contains(127.0.0.0)`, proxy/util/nodeport_addresses.go); IPv6 never."""
         return self.iptables_localhost_nodeports and nodeport_addresses_hold_loopback(self.nodeport_addresses)
 
-    def local_detector(self, node_pod_cidrs: Iterable[str] = ()) -> LocalDetector:
-        """kube-proxy's local-traffic detector; `node_pod_cidrs` (the Node's spec.podCIDRs) is
-        what NodeCIDR reads."""
+    def local_detector(self, node_pod_cidrs: Iterable[str] = (), family: int = 4) -> LocalDetector:
+        """kube-proxy's local-traffic detector for the proxier of IP version `family`;
+        `node_pod_cidrs` (the Node's spec.podCIDRs) is what NodeCIDR reads."""
         return local_detector(
             self.detect_local_mode,
             cluster_cidrs=self.cluster_cidr,
             node_pod_cidrs=node_pod_cidrs,
             bridge_interface=self.pod_bridge_interface,
             interface_name_prefix=self.pod_interface_name_prefix,
+            family=family,
         )
+
+    def node_ips_of(self, family: int) -> tuple[str, ...]:
+        """The `--node-ip` addresses of IP version `family`."""
+        return tuple(ip for ip in self.node_ips if (":" in ip) == (family == 6))
+
+    @property
+    def ipv6_configured(self) -> bool:
+        """Whether the flags describe IPv6 for this node (an IPv6 --node-ip, --cluster-cidr or
+        --service-cluster-ip-range): iptables mode then runs an IPv6 proxier beside the IPv4 one
+        (kube-proxy's metaproxier). Upstream runs both whenever ip6tables works; here the
+        operator says so, so an IPv4-only node gets no ip6tables rules it never asked for."""
+        return any(":" in text for text in (*self.node_ips, *self.cluster_cidr, *self.service_cidrs))
 
     def gate(self, name: str, default: bool) -> bool:
         """A feature gate's value: as --feature-gates / featureGates set it, else `default`."""
@@ -226,6 +239,26 @@ class Config:
             conntrack=ConntrackSettings(**nested["conntrack"]),
             map_sizes=MapSizes(**nested["map_sizes"]),
         )
+
+
+def nodeport_addresses_of(cidrs: tuple[str, ...], version: int) -> tuple[str, ...] | None:
+    """The --nodeport-addresses entries one IP family's proxier takes (upstream's
+    NewNodePortAddresses(family, ...)): its own CIDRs and `primary`; None when that family matches
+    every address (none of its CIDRs given, or 0.0.0.0/0 or ::/0 among them)."""
+    own = []
+    for text in cidrs:
+        if text == NODEPORT_PRIMARY:
+            own.append(text)
+            continue
+        try:
+            net = ipaddress.ip_network(text.strip(), strict=False)
+        except ValueError:
+            continue
+        if net.version == version:
+            if net.prefixlen == 0:
+                return None
+            own.append(text)
+    return tuple(own) or None
 
 
 def nodeport_addresses_hold_loopback(cidrs: tuple[str, ...]) -> bool:

@@ -16,6 +16,13 @@
 * **Failures.** A sync that raises is retried by the runner with backoff; service ports the
   proxier could not program are retried at the next sync and logged once each; an
   `agent.errors.FatalError` stops the agent with exit status 1 and its message.
+* **Two families** (kube-proxy's metaproxier, agent/metaproxier.py): every Service and
+  EndpointSlice also feeds an IPv6 model; when the mode programs IPv6 (`Parts.proxier6`), each
+  sync programs it right after IPv4, else the agent says once that IPv6 Services exist unserved.
+  As upstream's two proxiers, each family then has its own entry in the proxy health (queued by
+  the objects that touch it, updated by its own successful sync), its own healthCheckNodePort
+  server (`Parts.service_health6`, fed from the IPv6 commits) and its own `ip_family` in the sync
+  metrics.
 * **Problems** (malformed objects, conflicts) are logged and counted once when they appear,
   reported as Kubernetes Events through `events`, and logged again when they go away. So are
   frontends the node refuses (`frontend_guard`: externalIPs and load-balancer IPs on its own
@@ -47,11 +54,11 @@ from agent.config import Config, NodeContext
 from agent.errors import FatalError
 from agent.featuregates import node_info
 from agent.localdetect import LocalMode
+from agent.metaproxier import IPv6Family, frontend_guard
 from agent.metrics import Metrics, no_local_endpoints
-from agent.model.guard import FrontendGuard
 from agent.model.problem import Problem, printable
 from agent.model.tracker import Commit, ProxyModel, ServiceRecord, SliceRecord, read_service, read_slice
-from agent.model.types import ServicePortName
+from agent.model.types import FAMILIES, IPFamily, ServicePortName
 from agent.proxier import Proxier, SyncResult
 from agent.runner import BoundedFrequencyRunner
 from agent.sources.base import Event, EventType, Kind, ObjectEvent, Source, Synced
@@ -64,11 +71,12 @@ FAILURES_LOGGED = 10
 
 
 class ProxierHealth(Protocol):
-    """kube-proxy's proxier health (agent.health): /healthz and /livez follow it."""
+    """kube-proxy's proxy health (agent.health): /healthz and /livez follow it, per IP family
+    ("IPv4", "IPv6") as upstream's ProxyHealthServer, which each family's proxier feeds."""
 
-    def queued_update(self) -> None: ...
+    def queued_update(self, family: str) -> None: ...
 
-    def updated(self) -> None: ...
+    def updated(self, family: str) -> None: ...
 
     def sync_node(self, node: Mapping[str, Any] | None) -> None: ...
 
@@ -120,22 +128,14 @@ class Parts:
     node_events: NodeEvents | None = None  # and when these say they changed
     metrics: Metrics = field(default_factory=lambda: Metrics(CollectorRegistry()))
     health: ProxierHealth | None = None
-    service_health: ServiceHealth | None = None
+    service_health: ServiceHealth | None = None  # the IPv4 proxier's healthCheckNodePorts
     events: EventSink = field(default_factory=NoEvents)
     services: Sequence[Service] = ()  # started before the source, stopped after it
     close: Callable[[], None] | None = None  # release the proxier's resources on stop
-
-
-def frontend_guard(config: Config, node: NodeContext) -> FrontendGuard:
-    """The node's rules for external frontends (agent/model/guard.py), from the flags and the
-    node's addresses."""
-    return FrontendGuard.of(
-        node_ips=node.node_ips,
-        cluster_cidrs=config.cluster_cidr,
-        service_cidrs=config.service_cidrs,
-        allowed_cidrs=config.external_ip_cidrs,
-        node_port_range=config.nodeport_range,
-    )
+    # The IPv6 proxier and the node's IPv6 addresses, when this mode programs IPv6.
+    proxier6: Proxier | None = None
+    node_context6: Callable[[], NodeContext] | None = None
+    service_health6: ServiceHealth | None = None  # the IPv6 proxier's, on IPv6 sockets
 
 
 class Agent:
@@ -152,6 +152,7 @@ class Agent:
         self._clock = clock
         self._wall = wall
         self._model = ProxyModel(node_info(config))
+        self._v6 = IPv6Family(config, parts.proxier6, parts.node_context6)
         self._lock = threading.Lock()
         self._queue: list[Event | _Read] = []
         self._synced: set[Kind] = set()
@@ -166,9 +167,12 @@ class Agent:
         self._node_stale = threading.Event()
         self._last_full = float("-inf")
         self._retry: dict[ServicePortName, str] = {}
-        self._hc_ports: dict[str, int] = {}
-        self._local_ready: dict[str, int] = {}
-        self._no_local: dict[ServicePortName, tuple[int, int]] = {}
+        self._hc_feeds = [_HealthCheckFeed(parts.service_health), _HealthCheckFeed(parts.service_health6)]
+        # The families whose proxier runs, each tracked by the proxy health as upstream's
+        # per-family proxiers; with two, the families of each Service and EndpointSlice key.
+        self._health_families = (IPFamily.IPv4,) + ((IPFamily.IPv6,) if parts.proxier6 is not None else ())
+        self._key_families: dict[tuple[Kind, str], frozenset[IPFamily]] = {}
+        self._no_local: dict[IPFamily, dict[ServicePortName, tuple[int, int]]] = {}
         self._stopped = threading.Event()
         self.exit_code = 0
         self.syncs = 0
@@ -192,6 +196,10 @@ class Agent:
         return self._model
 
     @property
+    def ipv6(self) -> IPv6Family:
+        return self._v6
+
+    @property
     def version(self) -> str:
         """What the last sync included: one version when every kind has the same (a services
         file's content hash), else `Kind=version` per kind (API resourceVersions advance per kind)."""
@@ -206,7 +214,8 @@ class Agent:
         for svc in self._parts.services:
             svc.start()
         if self._parts.health is not None:
-            self._parts.health.updated()  # as kube-proxy's SyncLoop: healthy until a change waits
+            for family in self._health_families:  # as each proxier's SyncLoop: healthy until a change waits
+                self._parts.health.updated(str(family))
         # The source first: a source that cannot start (a --services-file that cannot be read) is
         # fatal before the proxier's set-up has created pins or written sysctls.
         self._parts.source.start(self.deliver)
@@ -261,6 +270,8 @@ class Agent:
         """The proxier's slow set-up (compiling the data path), while the source lists."""
         try:
             self._parts.proxier.prepare()
+            if self._parts.proxier6 is not None:
+                self._parts.proxier6.prepare()
         except FatalError as exc:
             self._fatal(exc)
         except Exception as exc:
@@ -285,11 +296,34 @@ class Agent:
         read = [_read(e, self._config.hostname) for e in events]
         with self._lock:
             self._queue.extend(read)
-        if any(isinstance(e, ObjectEvent) for e in events):
+            touched = self._families_touched(read)
+        for family in touched:
             if self._parts.health is not None:
-                self._parts.health.queued_update()
-            self._parts.metrics.record_queued()
+                self._parts.health.queued_update(str(family))
+            self._parts.metrics.record_queued(str(family))
         self._runner.request()
+
+    def _families_touched(self, events: Sequence[Event | _Read]) -> list[IPFamily]:
+        """The tracked families whose state `events` may change (under self._lock): a Service's
+        or EndpointSlice's families now and before, every family for a Node; as upstream, where
+        only the proxier whose change tracker took a change calls QueuedUpdate. With one family
+        tracked, any object event counts (nothing is remembered per key)."""
+        if len(self._health_families) == 1:
+            changed = any(isinstance(e, _Read | ObjectEvent) for e in events)
+            return list(self._health_families) if changed else []
+        touched: set[IPFamily] = set()
+        for event in events:
+            if isinstance(event, _Read):
+                key = (event.kind, event.key)
+                now = _families(event.record)
+                touched |= now | self._key_families.get(key, _NONE)
+                self._key_families[key] = now
+            elif isinstance(event, ObjectEvent):
+                if event.kind is Kind.NODE:
+                    touched.update(self._health_families)
+                elif event.type is EventType.DELETED:
+                    touched |= self._key_families.pop((event.kind, event.key), _NONE)
+        return [f for f in self._health_families if f in touched]
 
     def refresh_node(self) -> None:
         """The node's addresses may have changed: re-read them at the next sync (any thread)."""
@@ -319,8 +353,9 @@ class Agent:
             return
         start = self._clock()
         periodic = start - self._last_full >= self._config.sync_period_s
-        moved = False
+        moved = read_node = False
         if periodic or self._model.full_pending or self._node is None or self._node_stale.is_set():
+            read_node = True
             # Before the commit: the guard of external frontends depends on the node's addresses.
             self._node_stale.clear()  # before reading: a change while we read asks again
             node = self._parts.node_context()
@@ -340,9 +375,18 @@ class Agent:
         except Exception:
             metrics.record_sync(full, self._clock() - start, ok=False)
             raise
+        if self._parts.health is not None:
+            self._parts.health.updated(str(IPFamily.IPv4))
+        elapsed = self._clock() - start  # the IPv4 proxier's sync, as upstream times each proxier
+        start6 = self._clock()
+        commit6, result6 = self._v6.sync(full=full, read_node=read_node)
+        self._report(commit6, reported=commit)
+        if self._parts.proxier6 is not None:
+            self._after_sync6(commit6, result6, self._clock() - start6)
+        if self._v6.retry_wanted:
+            self._runner.retry_soon()
         self.last_result = result
         self.syncs += 1
-        elapsed = self._clock() - start
         if full:
             if self._last_full == float("-inf"):
                 # The state of a whole cluster now lives for the agent's life: keep the collector
@@ -361,10 +405,11 @@ class Agent:
             if event.version:
                 self._versions[event.kind] = event.version
             self._remember(event.kind, event.key, event.uid)
-            if isinstance(event.record, ServiceRecord):
-                self._model.set_service(event.key, event.record)
-            else:
-                self._model.set_slice(event.key, event.record)
+            for model in (self._model, self._v6.model):
+                if isinstance(event.record, ServiceRecord):
+                    model.set_service(event.key, event.record)
+                else:
+                    model.set_slice(event.key, event.record)
             return
         rv = _resource_version(event.obj)
         if rv:
@@ -373,19 +418,24 @@ class Agent:
         obj = None if deleted else event.obj
         self._remember_uid(event.kind, event.key, obj)
         if event.kind is Kind.SERVICE:
-            if deleted:
-                self._model.delete_service(event.key)
-            else:
-                self._model.set_service(event.key, event.obj)
+            record = None if deleted else read_service(event.obj)
+            for model in (self._model, self._v6.model):
+                if record is None:
+                    model.delete_service(event.key)
+                else:
+                    model.set_service(event.key, record)
         elif event.kind is Kind.ENDPOINT_SLICE:
-            if deleted:
-                self._model.delete_slice(event.key)
-            else:
-                self._model.set_slice(event.key, event.obj)
+            sliced = None if deleted else read_slice(event.obj, self._config.hostname)
+            for model in (self._model, self._v6.model):
+                if sliced is None:
+                    model.delete_slice(event.key)
+                else:
+                    model.set_slice(event.key, sliced)
         elif event.kind is Kind.NODE:
             # A deleted Node keeps its pod CIDRs: kube-proxy's detector does not change until it restarts.
             pod_cidrs = _pod_cidrs(obj) if obj is not None else self._model.node.pod_cidrs
             self._model.set_node(node_info(self._config, _labels(obj), pod_cidrs))
+            self._v6.set_node(self._model.node)
             self._log_detector()
             if self._parts.health is not None:
                 self._parts.health.sync_node(obj)
@@ -410,10 +460,16 @@ class Agent:
         key = f"{problem.namespace}/{problem.name}" if problem.kind != Kind.NODE.value else problem.name
         return self._uids.get((problem.kind, key))
 
-    def _report(self, commit: Commit) -> None:
-        for problem in commit.problems_cleared:
+    def _report(self, commit: Commit, reported: Commit | None = None) -> None:
+        """Problems that appeared or went away; `reported`: the other family's commit, whose
+        problems were reported already (a malformed Service is one problem, read by both)."""
+        cleared = [
+            p for p in commit.problems_cleared if reported is None or p not in reported.problems_cleared
+        ]
+        added = [p for p in commit.problems_added if reported is None or p not in reported.problems_added]
+        for problem in cleared:
             log.info("resolved: %s", problem)
-        for problem in commit.problems_added:
+        for problem in added:
             if problem.refusal:
                 log.error("refusing part of %s", problem)
                 self._parts.metrics.record_refused(problem.refusal)
@@ -421,7 +477,7 @@ class Agent:
                 log.error("skipping %s (every other object is still programmed)", problem)
                 self._parts.metrics.record_skipped(problem.kind)
             self._parts.events.warn(problem, self._uid_of(problem))
-        if commit.problems_added or commit.problems_cleared:
+        if added or cleared:
             self._parts.metrics.set_invalid_objects(sum(1 for p in self._model.problems() if not p.refusal))
 
     def _after_sync(self, commit: Commit, result: SyncResult, elapsed: float, full: bool) -> None:
@@ -449,15 +505,13 @@ class Agent:
                 "(changed behind the agent's back)",
                 result.repaired,
             )
-        if self._parts.health is not None:
-            self._parts.health.updated()
-        self._sync_service_health(commit)
+        self._hc_feeds[0].feed(commit)
         metrics = self._parts.metrics
         metrics.record_sync(full, elapsed)
         metrics.record_network_programming(commit.trigger_times)
         metrics.set_failed_service_ports(len(result.failed))
         metrics.set_pending(services=0, endpoints=0)
-        self._count_no_local(commit)
+        self._count_no_local(self._model, commit)
         changed = "all" if commit.changed is None else str(len(commit.changed))
         log.info(
             "sync done: version=%s, %s sync, %s service port(s) changed, %d in all, %.1f ms",
@@ -468,44 +522,68 @@ class Agent:
             elapsed * 1000,
         )
 
-    def _count_no_local(self, commit: Commit) -> None:
-        """kube-proxy's sync_proxy_rules_no_local_endpoints_total, kept per changed service port."""
-        state = self._model.state
+    def _after_sync6(self, commit: Commit, result: SyncResult | None, elapsed: float) -> None:
+        """The IPv6 proxier's share of what `_after_sync` does for IPv4: its health, its
+        healthCheckNodePorts and its metrics (labelled ip_family="IPv6", as upstream's IPv6
+        proxier's). A failed IPv6 sync (None) is timed and counted, and moves nothing else."""
+        metrics, family = self._parts.metrics, str(IPFamily.IPv6)
+        metrics.record_sync(self._v6.last_full, elapsed, ok=result is not None, family=family)
+        if result is None:
+            return
+        if self._parts.health is not None:
+            self._parts.health.updated(family)
+        self._hc_feeds[1].feed(commit)
+        metrics.record_network_programming(commit.trigger_times, family)
+        self._count_no_local(self._v6.model, commit)
+
+    def _count_no_local(self, model: ProxyModel, commit: Commit) -> None:
+        """kube-proxy's sync_proxy_rules_no_local_endpoints_total of `model`'s family, kept per
+        changed service port."""
+        state = model.state
+        no_local = self._no_local.setdefault(model.family, {})
         ports = state.services if commit.changed is None else commit.changed
         if commit.changed is None:
-            self._no_local = {}
+            no_local.clear()
         for spn in ports:
             sp, eps = state.services.get(spn), state.endpoints.get(spn)
             counts = (0, 0) if sp is None or eps is None else no_local_endpoints(sp, eps)
             if counts == (0, 0):
-                self._no_local.pop(spn, None)
+                no_local.pop(spn, None)
             else:
-                self._no_local[spn] = counts
+                no_local[spn] = counts
         self._parts.metrics.set_no_local_endpoints(
-            sum(i for i, _ in self._no_local.values()), sum(e for _, e in self._no_local.values())
+            sum(i for i, _ in no_local.values()), sum(e for _, e in no_local.values()), str(model.family)
         )
 
-    def _sync_service_health(self, commit: Commit) -> None:
-        """healthCheckNodePort servers: pass on only what changed among services that have one."""
-        svc_health = self._parts.service_health
-        if svc_health is None:
+
+class _HealthCheckFeed:
+    """One family's healthCheckNodePort server fed from that family's commits: only what changed
+    among the Services that have a healthCheckNodePort is passed on."""
+
+    def __init__(self, server: ServiceHealth | None) -> None:
+        self._server = server
+        self._ports: dict[str, int] = {}
+        self._local_ready: dict[str, int] = {}
+
+    def feed(self, commit: Commit) -> None:
+        if self._server is None:
             return
         ports_changed = endpoints_changed = False
         for key, port in commit.health_check_ports.items():
-            if self._hc_ports.get(key, 0) != port:
+            if self._ports.get(key, 0) != port:
                 ports_changed = True
                 if port:
-                    self._hc_ports[key] = port
+                    self._ports[key] = port
                 else:
-                    self._hc_ports.pop(key, None)
+                    self._ports.pop(key, None)
                     self._local_ready.pop(key, None)
             if port and self._local_ready.get(key) != commit.local_endpoints.get(key, 0):
                 self._local_ready[key] = commit.local_endpoints.get(key, 0)
                 endpoints_changed = True
         if ports_changed:
-            svc_health.sync_services(dict(self._hc_ports))
+            self._server.sync_services(dict(self._ports))
         if ports_changed or endpoints_changed:
-            svc_health.sync_endpoints(dict(self._local_ready))
+            self._server.sync_endpoints(dict(self._local_ready))
 
 
 @dataclass(frozen=True)
@@ -517,6 +595,17 @@ class _Read:
     version: str  # resourceVersion
     uid: str
     record: ServiceRecord | SliceRecord
+
+
+_NONE: frozenset[IPFamily] = frozenset()
+
+
+def _families(record: ServiceRecord | SliceRecord) -> frozenset[IPFamily]:
+    """The families whose proxier takes `record`: a Service's with ports of that family, a
+    slice's addressType (none for a slice the model ignores)."""
+    if isinstance(record, ServiceRecord):
+        return frozenset(f for f in FAMILIES if record.ports_of(f))
+    return frozenset() if record.parsed is None else frozenset({record.parsed.family})
 
 
 def _read(event: Event, hostname: str) -> Event | _Read:

@@ -96,8 +96,15 @@ def request_from_target(method: str, target: str, headers: Mapping[str, str] | N
 
 @dataclass(frozen=True)
 class Address:
-    host: str  # an IP literal; "0.0.0.0" and "::" listen everywhere
+    """Where to listen. As Go's `net.Listen("tcp", ...)`, which kube-proxy's servers use, the
+    wildcards "0.0.0.0" and "::" both listen on every address of both families (one IPv6 socket
+    that takes IPv4 too, or IPv4 alone where the kernel has no IPv6). `family_only` is Go's
+    "tcp4"/"tcp6": the wildcard of the host's own family only, as upstream binds each IP family's
+    healthCheckNodePorts (kubernetes#137370), so the IPv4 and IPv6 servers of one port coexist."""
+
+    host: str  # an IP literal
     port: int
+    family_only: bool = False
 
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
@@ -125,13 +132,27 @@ BACKLOG = socket.SOMAXCONN
 
 def _listen(addr: Address, backlog: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in addr.host else socket.AF_INET
+    host = addr.host
+    wildcard = ipaddress.ip_address(host).is_unspecified
+    if wildcard and not addr.family_only and family == socket.AF_INET and socket.has_ipv6:
+        try:
+            return _bind(socket.AF_INET6, "::", addr.port, backlog, v6only=False)
+        except OSError as exc:
+            if exc.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                raise
+            # No IPv6 in this kernel or namespace: Go falls back to IPv4 alone, so do we.
+    return _bind(family, host, addr.port, backlog, v6only=addr.family_only)
+
+
+def _bind(family: socket.AddressFamily, host: str, port: int, backlog: int, *, v6only: bool) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         # As Go's listeners: a restarted agent rebinds while old connections sit in TIME_WAIT.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6 and ipaddress.ip_address(addr.host).is_unspecified:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # "[::]" takes IPv4 too
-        sock.bind((addr.host, addr.port))
+        if family == socket.AF_INET6:
+            # Explicit either way: the default follows net.ipv6.bindv6only, which nodes may set.
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if v6only else 0)
+        sock.bind((host, port))
         sock.listen(backlog)
         sock.setblocking(False)
     except BaseException:

@@ -3,9 +3,9 @@
 `--detect-local-mode` (file: `detectLocalMode`) picks how, as kube-proxy's
 pkg/proxy/util/localdetector.go and cmd/kube-proxy/app/server_linux.go `getLocalDetectors`:
 
-* `ClusterCIDR` (the default, also for ""): the source is in `--cluster-cidr` (its first IPv4
-  CIDR); with no cluster CIDR there is no detector at all.
-* `NodeCIDR`: the source is in the Node's `spec.podCIDRs` (its first IPv4 CIDR, else
+* `ClusterCIDR` (the default, also for ""): the source is in `--cluster-cidr` (its first CIDR of
+  the proxier's family); with no cluster CIDR of that family there is no detector at all.
+* `NodeCIDR`: the source is in the Node's `spec.podCIDRs` (its first CIDR of the family, else
   `spec.podCIDR`); none assigned yet: no detector until the Node gets one. kube-proxy waits for
   the podCIDR at start and restarts when it changes; here the detector follows the Node.
 * `BridgeInterface`: the packet entered on the bridge `--pod-bridge-interface`.
@@ -47,17 +47,23 @@ def local_mode(text: str) -> LocalMode:
     return LocalMode(text) if text else LocalMode.CLUSTER_CIDR
 
 
-def first_ipv4_cidr(cidrs: Iterable[str]) -> str:
-    """The first IPv4 CIDR of `cidrs`, normalised ("10.244.1.0/24"), or "" (upstream's detector
-    takes the first CIDR of each family; this agent is IPv4 only)."""
+def first_cidr(cidrs: Iterable[str], family: int = 4) -> str:
+    """The first CIDR of `cidrs` of IP version `family`, normalised ("10.244.1.0/24",
+    "fd00:10:244::/56"), or "": upstream's getLocalDetectors takes the first CIDR of each family
+    for that family's proxier."""
     for text in cidrs:
         try:
             net = ipaddress.ip_network(text.strip(), strict=False)
         except ValueError:
             continue
-        if isinstance(net, ipaddress.IPv4Network):
+        if net.version == family:
             return str(net)
     return ""
+
+
+def first_ipv4_cidr(cidrs: Iterable[str]) -> str:
+    """The first IPv4 CIDR of `cidrs` (see first_cidr)."""
+    return first_cidr(cidrs, 4)
 
 
 @dataclass(frozen=True)
@@ -130,13 +136,15 @@ def local_detector(
     node_pod_cidrs: Iterable[str] = (),
     bridge_interface: str = "",
     interface_name_prefix: str = "",
+    family: int = 4,
 ) -> LocalDetector:
-    """The detector kube-proxy's getLocalDetectors builds for IPv4."""
+    """The detector kube-proxy's getLocalDetectors builds for the proxier of IP version `family`
+    (the interface modes are the same for both)."""
     m = local_mode(mode)
     if m is LocalMode.CLUSTER_CIDR:
-        return LocalDetector(m, cidr=first_ipv4_cidr(cluster_cidrs))
+        return LocalDetector(m, cidr=first_cidr(cluster_cidrs, family))
     if m is LocalMode.NODE_CIDR:
-        return LocalDetector(m, cidr=first_ipv4_cidr(node_pod_cidrs))
+        return LocalDetector(m, cidr=first_cidr(node_pod_cidrs, family))
     if m is LocalMode.BRIDGE_INTERFACE:
         return LocalDetector(m, interface=bridge_interface)
     return LocalDetector(m, prefix=interface_name_prefix)

@@ -1,7 +1,7 @@
-"""The node's IPv4 addresses, found on its external devices in the agent's network namespace.
+"""The node's addresses of one family, found on its external devices in the agent's network namespace.
 
 Effects (pyroute2, read only). The external devices are Config.devices in the order given;
-without them, every device holding a global IPv4 address except loopback and pod devices
+without them, every device holding a global address of the family except loopback and pod devices
 (Config.pod_interfaces, and the bridge or name prefix of --detect-local-mode's interface modes),
 the device of the default route first, then by interface index. The
 primary address (SNAT source toward other nodes) is the first address of the first device.
@@ -66,7 +66,7 @@ def pick_node_addresses(
     return NodeContext(node_ips=ips, primary_ip=ips[0] if ips else "")
 
 
-def _records(ipr: Any) -> tuple[list[AddrInfo], list[int]]:
+def _records(ipr: Any, af: int = socket.AF_INET) -> tuple[list[AddrInfo], list[int]]:
     names = {int(m["index"]): str(m.get("ifname")) for m in ipr.get_links()}
     addrs = [
         AddrInfo(
@@ -75,10 +75,10 @@ def _records(ipr: Any) -> tuple[list[AddrInfo], list[int]]:
             address=str(m.get("address")),
             scope=int(m["scope"]),
         )
-        for m in ipr.get_addr(family=socket.AF_INET)
+        for m in ipr.get_addr(family=af)
     ]
     defaults = []
-    for r in ipr.get_routes(family=socket.AF_INET, table=254):
+    for r in ipr.get_routes(family=af, table=254):
         if r["dst_len"] == 0 and r.get("oif") is not None:
             defaults.append(int(r.get("oif")))
     return addrs, defaults
@@ -94,19 +94,25 @@ def pod_device_patterns(config: Config) -> tuple[str, ...]:
     return (*config.pod_interfaces, *extra)
 
 
-def discover_node(config: Config) -> NodeContext:
-    """The node's addresses in Config.netns; a missing namespace raises FileNotFoundError."""
+def discover_node(config: Config, family: int = 4) -> NodeContext:
+    """The node's addresses of IP version `family` in Config.netns (global scope only: an IPv6
+    link-local address is no node address); a missing namespace raises FileNotFoundError."""
+    af = socket.AF_INET6 if family == 6 else socket.AF_INET
     with netns_route(config.netns) as ipr:
-        addrs, defaults = _records(ipr)
+        addrs, defaults = _records(ipr, af)
+    if family == 6:
+        addrs = [a for a in addrs if a.scope == RT_SCOPE_UNIVERSE]
     node = pick_node_addresses(addrs, config.devices, pod_device_patterns(config), defaults)
     if not node.node_ips:
         log.warning(
-            "no IPv4 address found on %s in netns %s: NodePorts answer nowhere; pass --node-ip",
+            "no IPv%d address found on %s in netns %s: IPv%d NodePorts answer nowhere; pass --node-ip",
+            family,
             ",".join(config.devices) or "any external device",
             config.netns or "(own)",
+            family,
         )
     else:
-        log.info("node addresses %s (primary %s)", ",".join(node.node_ips), node.primary_ip)
+        log.info("node IPv%d addresses %s (primary %s)", family, ",".join(node.node_ips), node.primary_ip)
     return node
 
 

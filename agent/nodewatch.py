@@ -5,12 +5,15 @@ with `--nodeport-addresses` a `-d` jump per address. A VIP that keepalived or ku
 run time must answer at once, not at the next full sync (every `--iptables-sync-period`, 30 s by
 default), and one that moves away must stop answering here.
 
-`AddressWatcher` subscribes to rtnetlink's IPv4 address and link groups in the node's network
+`AddressWatcher` subscribes to rtnetlink's IPv4 address and link groups (and the IPv6 address
+group when iptables mode runs its IPv6 proxier) in the node's network
 namespace (`--netns`; the socket is created there, so it hears that namespace only) and calls
 `notify` once per burst of changes that may concern node addresses; the agent then re-reads the
 addresses (agent/node.py) at its next sync and programs them in full when they changed. Changes
 on pod devices (Config.pod_interfaces, the detector's bridge or prefix) are not node addresses
-and are ignored: pods come and go by the hundred.
+and are ignored: pods come and go by the hundred. An IPv6 address event names no device (no
+IFA_LABEL): it counts unless its scope is link-local, which no node address has (a pod device's
+global IPv6 gateway address costs one re-read that finds nothing changed).
 
 Messages are decoded by pyroute2's rtnetlink marshal; the socket itself is a plain non-blocking
 one read after `select()`, so the thread stops within half a second of `stop()` (pyroute2's own
@@ -28,10 +31,10 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pyroute2.netlink.rtnl import RTMGRP_IPV4_IFADDR, RTMGRP_LINK
+from pyroute2.netlink.rtnl import RTMGRP_IPV4_IFADDR, RTMGRP_IPV6_IFADDR, RTMGRP_LINK
 from pyroute2.netlink.rtnl.marshal import MarshalRtnl
 
-from agent.config import Config
+from agent.config import Config, Mode
 from agent.netns import run_in_netns
 from agent.node import matches_pod_pattern, pod_device_patterns
 
@@ -40,12 +43,16 @@ log = logging.getLogger(__name__)
 EVENTS = ("RTM_NEWADDR", "RTM_DELADDR", "RTM_NEWLINK", "RTM_DELLINK")
 
 
-def address_socket() -> socket.socket:
-    """A non-blocking rtnetlink socket subscribed to IPv4 address and link events, in the caller's netns."""
+RT_SCOPE_LINK = 253
+
+
+def address_socket(ipv6: bool = False) -> socket.socket:
+    """A non-blocking rtnetlink socket subscribed to IPv4 (and, `ipv6`, IPv6) address and link
+    events, in the caller's netns."""
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-        sock.bind((0, RTMGRP_IPV4_IFADDR | RTMGRP_LINK))
+        sock.bind((0, RTMGRP_IPV4_IFADDR | RTMGRP_LINK | (RTMGRP_IPV6_IFADDR if ipv6 else 0)))
         sock.setblocking(False)
     except OSError:
         sock.close()
@@ -60,6 +67,10 @@ def concerns_node(messages: Iterable[Any], pod_patterns: tuple[str, ...]) -> boo
         event = msg.get("event")
         if event not in EVENTS:
             continue
+        if event.endswith("ADDR") and msg.get("family") == socket.AF_INET6:
+            if msg.get("scope") != RT_SCOPE_LINK:
+                return True
+            continue
         name = msg.get_attr("IFA_LABEL") if event.endswith("ADDR") else msg.get_attr("IFLA_IFNAME")
         if not (isinstance(name, str) and matches_pod_pattern(name.split(":", 1)[0], pod_patterns)):
             return True
@@ -73,13 +84,14 @@ class AddressWatcher:
     def __init__(self, config: Config) -> None:
         self._netns = config.netns
         self._patterns = pod_device_patterns(config)
+        self._ipv6 = config.mode is Mode.IPTABLES and config.ipv6_configured
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._marshal = MarshalRtnl()
         self.notified = 0
 
     def start(self, notify: Callable[[], None]) -> None:
-        sock = run_in_netns(self._netns, address_socket)
+        sock = run_in_netns(self._netns, lambda: address_socket(self._ipv6))
         self._stop.clear()
         self._thread = threading.Thread(
             target=self._run, args=(sock, notify), name="ekp-node-addresses", daemon=True

@@ -38,6 +38,7 @@
 enum ekp_scope {
 	EKP_SCOPE_EXTERNAL = 0, /* from an external device (--devices): ETP applies */
 	EKP_SCOPE_INTERNAL = 1, /* from a pod (or the node itself): ITP applies */
+	EKP_SCOPE_HOST = 2,     /* the node's own sockets, where an INTERNAL frontend says so (EKP_FE_HOST_SCOPE) */
 };
 
 struct ekp_frontend_key {
@@ -59,6 +60,9 @@ struct ekp_frontend_key {
 #define EKP_FE_SNAT_ALL      (1 << 8) /* source-translate to the node whatever the backend (KUBE-MARK-MASQ) */
 #define EKP_FE_MAGLEV        (1 << 9) /* choose the backend with the Maglev table of set_id (ekp_maglev), and
 				      * let a TCP segment without conntrack resume its flow on it */
+#define EKP_FE_HOST_SCOPE    (1 << 10) /* INTERNAL: the node's own sockets use the HOST frontend of this key
+					* instead (ETP Local with no local-traffic detector: pods get the local
+					* endpoints, the node every endpoint, as kube-proxy's --src-type LOCAL rule) */
 
 struct ekp_frontend {
 	__u32 svc_id;           /* host: the service port (membership, affinity, conntrack); never 0 */
@@ -172,6 +176,12 @@ enum ekp_ct_dir {
 				     * timeout is at most tcp_orphan_s (a live stream keeps answering) */
 #define EKP_CT_HOST        (1 << 9) /* the backend is this node's own address (EKP_BE_HOST): packets
 				     * are handed to the node's stack, replies leave by tc egress */
+#define EKP_CT_HANDOVER    (1 << 10) /* ADOPTED | HOST: the kernel's NAT entry for the flow still holds
+				     * the tuple the stack would track the translated packets under
+				     * (agent/takeover/flows.py): its forward packets drop
+				     * (EKP_DROP_HANDOVER) until the agent replaced that entry and
+				     * cleared the flag, EKP_CT_HANDOVER_S after created_s at most */
+#define EKP_CT_HANDOVER_S  10
 
 struct ekp_ct_key {
 	__be32 saddr; /* be: source address as on the wire */
@@ -496,6 +506,9 @@ enum ekp_stat {
 	                           * reverse-path filter (redirected: bpf host routing, ICMP errors).
 	                           * A drop reason after the socket counters: added after them, and
 	                           * every counter keeps its slot in a pinned ekp_stats_v3 */
+	EKP_DROP_HANDOVER,        /* a forward packet of a flow taken over from nf_conntrack to a backend
+	                           * on the node's own address, before the agent replaced the kernel's
+	                           * NAT entry for it (EKP_CT_HANDOVER): the sender retransmits */
 	EKP_STAT_MAX,
 };
 

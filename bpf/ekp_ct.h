@@ -381,6 +381,17 @@ static __always_inline int ekp_ct_usable_forward(const struct ekp_ct_entry *e, c
 	return m && m->flags;
 }
 
+/* Whether a live FORWARD hit belongs to a flow being handed over (EKP_CT_HANDOVER): taken over
+ * from nf_conntrack, to a backend on the node's own address, whose NAT entry in the kernel the
+ * agent has not replaced yet. Translated now, the packet would reach the node's stack as a flow
+ * whose reply tuple that entry holds; the stack's NAT would give it another source port and the
+ * backend's socket would answer with a RST. Dropped instead (the sender retransmits), until the
+ * agent clears the flag, or EKP_CT_HANDOVER_S after the entry was made should it never come. */
+static __always_inline int ekp_ct_handing_over(const struct ekp_ct_entry *e, __u64 now)
+{
+	return (e->flags & EKP_CT_HANDOVER) && (__u32)(now / EKP_NSEC) - e->created_s < EKP_CT_HANDOVER_S;
+}
+
 /* Whether a live REPLY hit may translate this packet: no SYN-ACK on a flow that saw a FIN or RST:
  * that answers some other connection on the tuple (a direct connection from the client's old
  * port, see ekp_ct_reclaim), passes untranslated and does not refresh the entry. */

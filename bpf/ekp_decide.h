@@ -11,7 +11,8 @@
  *   first fragment             -> its ports recorded; `release` set when later ones are held
  *   TTL <= 1                   -> PASS (the stack answers with time exceeded, quoting the packet
  *                                 as its sender sent it)
- *   conntrack FORWARD hit      -> TRANSLATE to the backend (and the SNAT source)
+ *   conntrack FORWARD hit      -> TRANSLATE to the backend (and the SNAT source); DROP HANDOVER
+ *                                 while a flow taken over from nf_conntrack is handed over (ekp_ct.h)
  *   conntrack REPLY hit        -> TRANSLATE from the frontend (and back to the client if SNAT)
  *   frontend hit               -> policy (source ranges, no endpoints: REJECT or DROP, mid-flow
  *                                 TCP: DROP NO_FLOW), backend, SNAT, conntrack -> TRANSLATE
@@ -78,8 +79,8 @@ struct ekp_decision {
 	__be32 in_daddr;
 	__u8 action;      /* enum ekp_action */
 	__u8 release;     /* a first fragment whose later fragments are held: put them back first */
-	__u8 host;        /* TRANSLATE to a backend on this node's own address (EKP_CT_HOST): hand the
-			   * packet to the node's stack, whose replies leave by tc egress */
+	__u8 host;        /* TRANSLATE or RELATED to a backend on this node's own address (EKP_CT_HOST):
+			   * hand the packet to the node's stack, whose replies leave by tc egress */
 	__u8 pad;
 };
 
@@ -292,7 +293,8 @@ static __always_inline void ekp_flow_direct(struct ekp_flow *f, const struct ekp
  *   a FORWARD packet (client -> backend) quoted: its REPLY entry; the error goes back to the
  *     client: quote to client -> frontend, outer source the frontend, destination the client;
  *   a REPLY packet (frontend -> client) quoted: its FORWARD entry; the error goes on to the
- *     backend: quote to backend -> client (or the SNAT source), outer destination the backend.
+ *     backend: quote to backend -> client (or the SNAT source), outer destination the backend
+ *     (`host` when that is the node's own address: the node's stack delivers it).
  * As nf_nat_icmp_reply_translation does; the entries are not refreshed. */
 static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now,
 					       struct ekp_decision *d)
@@ -327,6 +329,10 @@ static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const st
 		d->in_dport = snat ? ep->snat_port : p->in_dport;
 		d->saddr = snat ? ep->snat_addr : p->saddr;
 		d->daddr = ep->nat_addr;
+		/* To a backend on the node's own address (a host-network endpoint): the node's stack
+		 * is its destination, as for the flow's own packets (a fragmentation needed about its
+		 * reply is what its path-MTU discovery waits for). */
+		d->host = (ep->flags & EKP_CT_HOST) != 0;
 		ekp_verdict(d, EKP_ACT_RELATED, EKP_STAT_CT_RELATED);
 	}
 }
@@ -420,7 +426,10 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 	ekp_ct_key_of(&key, p, EKP_CT_FORWARD);
 	struct ekp_ct_entry *ct = ekp_ct_lookup(&key);
 	if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_forward(ct, p)) {
-		ekp_decide_hit(ct, &key, p, now, d, q);
+		if (ekp_ct_handing_over(ct, now))
+			ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_HANDOVER);
+		else
+			ekp_decide_hit(ct, &key, p, now, d, q);
 		return;
 	}
 	key.dir = EKP_CT_REPLY;

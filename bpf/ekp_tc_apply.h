@@ -13,7 +13,8 @@
  *             either routing, to a backend on the node's own address (d->host): rewrite, and the
  *             node's stack delivers it (its replies leave through ekp_egress)
  *   RELATED   an ICMP error: outer and quoted headers rewritten and redirected, with either host
- *             routing (the stack's conntrack would not know the quoted flow)
+ *             routing (the stack's conntrack would not know the quoted flow); one going to a
+ *             backend on the node's own address (d->host) is rewritten and delivered by the stack
  *
  * The only difference between the two host routings is here, in the apply step: decide is shared.
  * A packet from a pod that this step redirects skips the node's reverse-path filter, so it first
@@ -66,10 +67,15 @@ static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scr
 	}
 
 	int related = d->action == EKP_ACT_RELATED;
-	if (d->host && !related) {
+	if (d->host) {
 		/* A backend on this node's own address: the stack delivers it (no route to look up,
-		 * no TTL to spend) and its replies leave through ekp_egress, which translates them. */
-		if (ekp_rewrite(skb, p, d->saddr, d->sport, d->daddr, d->dport) < 0)
+		 * no TTL to spend) and its replies leave through ekp_egress, which translates them; an
+		 * ICMP error about the flow goes to the same stack, which finds the backend's socket by
+		 * the quote (a route lookup would only say "local" and drop it). */
+		int rewritten = related ? ekp_rewrite_icmp_err(skb, p, d->saddr, d->daddr, d->in_saddr, d->in_sport,
+							       d->in_daddr, d->in_dport)
+					: ekp_rewrite(skb, p, d->saddr, d->sport, d->daddr, d->dport);
+		if (rewritten < 0)
 			return ekp_tc_drop(d, EKP_DROP_MALFORMED);
 		return TC_ACT_OK;
 	}

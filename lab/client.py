@@ -436,6 +436,24 @@ def cmd_blob(a: argparse.Namespace) -> dict[str, object]:
     return {"bytes": n, "sha256": h.hexdigest()}
 
 
+def add_flow_loop(
+    p: argparse.ArgumentParser, timeout: float, port: int | None = None
+) -> argparse.ArgumentParser:
+    """The arguments every long-lived flow (hold, named, udpflow, dnsloop) takes: its target
+    (`--port` required unless a default is given), its pace, and the bounds that end it (the stop
+    file, or --max-s at the latest)."""
+    p.add_argument("--addr", required=True)
+    if port is None:
+        p.add_argument("--port", type=int, required=True)
+    else:
+        p.add_argument("--port", type=int, default=port)
+    p.add_argument("--stop-file", required=True)
+    p.add_argument("--interval", type=float, default=0.05)
+    p.add_argument("--timeout", type=float, default=timeout)
+    p.add_argument("--max-s", type=float, default=120.0)
+    return p
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -465,35 +483,11 @@ def main() -> int:
     up.add_argument("--url", required=True)
     up.add_argument("--bytes", type=int, required=True)
     up.add_argument("--timeout", type=float, default=20.0)
-    h = sub.add_parser("hold")
-    h.add_argument("--addr", required=True)
-    h.add_argument("--port", type=int, required=True)
-    h.add_argument("--stop-file", required=True)
-    h.add_argument("--interval", type=float, default=0.05)
-    h.add_argument("--timeout", type=float, default=5.0)
-    h.add_argument("--max-s", type=float, default=120.0)
-    n = sub.add_parser("named")
-    n.add_argument("--addr", required=True)
-    n.add_argument("--port", type=int, required=True)
-    n.add_argument("--stop-file", required=True)
-    n.add_argument("--interval", type=float, default=0.05)
-    n.add_argument("--timeout", type=float, default=5.0)
-    n.add_argument("--max-s", type=float, default=120.0)
-    uf = sub.add_parser("udpflow")
-    uf.add_argument("--addr", required=True)
-    uf.add_argument("--port", type=int, required=True)
-    uf.add_argument("--stop-file", required=True)
-    uf.add_argument("--interval", type=float, default=0.05)
-    uf.add_argument("--timeout", type=float, default=1.0)
-    uf.add_argument("--max-s", type=float, default=120.0)
-    d = sub.add_parser("dnsloop")
-    d.add_argument("--addr", required=True)
-    d.add_argument("--port", type=int, default=53)
+    add_flow_loop(sub.add_parser("hold"), timeout=5.0)
+    add_flow_loop(sub.add_parser("named"), timeout=5.0)
+    add_flow_loop(sub.add_parser("udpflow"), timeout=1.0)
+    d = add_flow_loop(sub.add_parser("dnsloop"), timeout=1.0, port=53)
     d.add_argument("--name", default="web.svc.lab")
-    d.add_argument("--stop-file", required=True)
-    d.add_argument("--interval", type=float, default=0.05)
-    d.add_argument("--timeout", type=float, default=1.0)
-    d.add_argument("--max-s", type=float, default=120.0)
     i = sub.add_parser("idle")
     i.add_argument("--addr", required=True)
     i.add_argument("--port", type=int, required=True)

@@ -54,6 +54,31 @@ def node_ip(node: int) -> str:
     return f"192.168.0.{10 + node}"
 
 
+# IPv6 beside IPv4 (`Lab(ipv6=True)`): ULA addresses that read like their IPv4 twins, every one
+# added `nodad` so nothing waits for duplicate address detection.
+NODE_SUBNET6 = "fd00:192:168::/64"
+CLIENT_IP6 = "fd00:192:168::100"
+POD_SUPERNET6 = "fd00:10:244::/56"
+
+
+def node_ip6(node: int) -> str:
+    """IPv6 of node N on the node network: fd00:192:168::(10+N)."""
+    return f"fd00:192:168::{10 + node}"
+
+
+def node_pod_cidr6(node: int) -> str:
+    return f"fd00:10:244:{node}::/64"
+
+
+def node_gateway6(node: int) -> str:
+    return f"fd00:10:244:{node}::1"
+
+
+def pod_ip6(node: int, index: int) -> str:
+    """IPv6 of pod `index` on node N: fd00:10:244:N::(index+1)."""
+    return f"fd00:10:244:{node}::{index + 1}"
+
+
 def node_pod_cidr(node: int) -> str:
     return f"10.244.{node}.0/24"
 
@@ -81,6 +106,7 @@ class Pod:
     host_iface: str  # "lxc-p1": the node-side veth, in the node's namespace
     cgroup: str | None  # cgroup v2 directory of processes the lab starts in this pod
     iface: str = "eth0"
+    ip6: str = ""  # "fd00:10:244:1::2" in a Lab(ipv6=True), else ""
 
 
 @dataclass(eq=False)
@@ -101,6 +127,7 @@ class Node:
     hostnet_cgroup: str | None
     iface: str = "eth0"
     pods: list[Pod] = field(default_factory=list)
+    ip6: str = ""  # "fd00:192:168::11" in a Lab(ipv6=True), else ""
 
     @property
     def pod_ifaces(self) -> list[str]:
@@ -117,6 +144,7 @@ class Client:
     ip: str
     cgroup: str | None
     iface: str = "eth0"
+    ip6: str = ""  # CLIENT_IP6 in a Lab(ipv6=True), else ""
 
 
 Host = Pod | Node | Client
@@ -158,11 +186,13 @@ class Process:
     def pid(self) -> int:
         return self.popen.pid
 
-    def log_text(self, limit: int = 4000) -> str:
+    def log_text(self, limit: int | None = 4000) -> str:
+        """The last `limit` characters of the log (all of it when None)."""
         if self.log is None:
             return ""
         try:
-            return self.log.read_text(errors="replace")[-limit:]
+            text = self.log.read_text(errors="replace")
+            return text if limit is None else text[-limit:]
         except OSError:
             return ""
 
@@ -178,19 +208,27 @@ class Lab:
         prefix: str | None = None,
         cgroups: bool = True,
         wire: bool = False,
+        ipv6: bool = False,
         pod_bridge: str | None = None,
     ) -> None:
         """`wire`: the switch behaves like a NIC's wire (full checksums on the external links, a
         native XDP program's XDP_TX delivered: lab/wire.py), for agents run with --bpf-xdp=native.
+        `ipv6`: every link carries IPv6 ULA addresses beside IPv4 (`ip6` of each host), with the
+        same routes (pods via their node's gateway, other nodes' pods via those nodes, default via
+        the client) and IPv6 forwarding on the nodes.
         `pod_bridge`: each node's pod veths are ports of a Linux bridge of that name in the node's
         namespace, which holds the pods' gateway address on the node's pod /24 (kubenet's cbr0,
-        kube-proxy's --detect-local-mode=BridgeInterface); by default each veth is routed alone."""
+        kube-proxy's --detect-local-mode=BridgeInterface); by default each veth is routed alone.
+        IPv4 only."""
+        if pod_bridge and ipv6:
+            raise ValueError("pod_bridge is IPv4 only")
         self.pod_bridge = pod_bridge
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes must be 1..{MAX_NODES}")
         if not 0 <= pods_per_node <= MAX_PODS_PER_NODE:
             raise ValueError(f"pods_per_node must be 0..{MAX_PODS_PER_NODE}")
         self.wire = wire
+        self.ipv6 = ipv6
         self.prefix = prefix or nx.new_prefix()
         if not nx.PREFIX_RE.match(self.prefix):
             raise ValueError(f"prefix must match {nx.PREFIX_RE.pattern}: {self.prefix!r}")
@@ -209,7 +247,11 @@ class Lab:
         self._seq = 0
         self.nodes: list[Node] = [self._plan_node(n) for n in range(1, nodes + 1)]
         self.client = Client(
-            name="client", ns=self._ns_name("client"), ip=CLIENT_IP, cgroup=self._cg("client")
+            name="client",
+            ns=self._ns_name("client"),
+            ip=CLIENT_IP,
+            cgroup=self._cg("client"),
+            ip6=CLIENT_IP6 if ipv6 else "",
         )
         self._add_role("client", self.client.ns, self.client.cgroup)
         for node in self.nodes:
@@ -242,6 +284,7 @@ class Lab:
             cgroup=self._cg(name, "host"),
             cgroup_root=self._cg(name),
             hostnet_cgroup=self._cg(name, "hostnet-pod"),
+            ip6=node_ip6(n) if self.ipv6 else "",
         )
         self._add_role(name, node.ns, node.cgroup)
         return node
@@ -261,6 +304,7 @@ class Lab:
             gateway=node.gateway,
             host_iface=f"lxc-p{index}",
             cgroup=self._cg(node.name, name),
+            ip6=pod_ip6(node.index, index) if self.ipv6 else "",
         )
         node.pods.append(pod)
         node.pods.sort(key=lambda p: p.index)
@@ -398,14 +442,20 @@ class Lab:
         for pod in self.pods:
             host.append(self._pod_veth_line(pod))
         nx.ip_batch(host)
+        if self.ipv6:
+            self._no_dad(self.client.ns, "eth0")
+            for node in self.nodes:
+                self._no_dad(node.ns, "eth0", *node.pod_ifaces)
+            for pod in self.pods:
+                self._no_dad(pod.ns, pod.iface)
 
         switch = ["link set lo up", f"link add {BRIDGE} type bridge", f"link set {BRIDGE} up"]
         for port in [*(f"sw-{n.name}" for n in self.nodes), "sw-client"]:
             switch += [f"link set {port} master {BRIDGE}", f"link set {port} up"]
-        batches = {
-            self.switch_ns: switch,
-            self.client.ns: ["link set lo up", "link set eth0 up", f"addr add {self.client.ip}/24 dev eth0"],
-        }
+        client = ["link set lo up", "link set eth0 up", f"addr add {self.client.ip}/24 dev eth0"]
+        if self.ipv6:
+            client.append(f"addr add {self.client.ip6}/64 dev eth0 nodad")
+        batches = {self.switch_ns: switch, self.client.ns: client}
         for node in self.nodes:
             lines = ["link set lo up", "link set eth0 up", f"addr add {node.ip}/24 dev eth0"]
             lines += [f"route add {o.pod_cidr} via {o.ip}" for o in self.nodes if o is not node]
@@ -413,6 +463,11 @@ class Lab:
             # without rules) is forwarded through netfilter rather than refused by routing. The
             # external client stands in as the upstream router; it does not forward.
             lines.append(f"route add default via {self.client.ip}")
+            if self.ipv6:
+                lines.append(f"addr add {node.ip6}/64 dev eth0 nodad")
+                others = [o for o in self.nodes if o is not node]
+                lines += [f"route add {node_pod_cidr6(o.index)} via {o.ip6}" for o in others]
+                lines.append(f"route add ::/0 via {self.client.ip6}")
             if self.pod_bridge:
                 prefix = node.pod_cidr.split("/")[1]
                 lines += [
@@ -428,9 +483,18 @@ class Lab:
         nx.ip_batches(batches)
         for node in self.nodes:
             self.set_sysctl(node, "net.ipv4.ip_forward", "1")
+            if self.ipv6:
+                self.set_sysctl(node, "net.ipv6.conf.all.forwarding", "1")
         if self.wire:  # a NIC's wire: full checksums on the external links, XDP_TX delivered
             ends = [self.client.ns, *(n.ns for n in self.nodes)]
             make_wire(self.switch_ns, [f"sw-{n.name}" for n in self.nodes], ends)
+
+    def _no_dad(self, ns: str, *ifaces: str) -> None:
+        """No duplicate address detection on these links (before they come up): `nodad` covers
+        the ULA addresses, this the kernel's own link-local ones, without which neighbour
+        discovery (and so every first IPv6 packet) waits about a second after the lab comes up."""
+        for name in ("all", *ifaces):
+            self.set_sysctl(ns, f"net.ipv6.conf.{name}.accept_dad", "0")
 
     def _pod_veth_line(self, pod: Pod) -> str:
         node = self.node(pod.node)
@@ -439,23 +503,38 @@ class Lab:
     def _node_pod_lines(self, pod: Pod) -> list[str]:
         if self.pod_bridge:  # the bridge holds the gateway and the route to the node's pods
             return [f"link set {pod.host_iface} master {self.pod_bridge}", f"link set {pod.host_iface} up"]
-        return [
+        lines = [
             f"link set {pod.host_iface} up",
             f"addr add {pod.gateway}/32 dev {pod.host_iface}",
             f"route add {pod.ip}/32 dev {pod.host_iface} scope link",
         ]
+        if pod.ip6:
+            gateway6 = node_gateway6(pod.node)
+            lines += [
+                f"addr add {gateway6}/128 dev {pod.host_iface} nodad",
+                f"route add {pod.ip6}/128 dev {pod.host_iface}",
+            ]
+        return lines
 
     @staticmethod
     def _pod_lines(pod: Pod) -> list[str]:
         # Point-to-point like the CNI ptp plugin (kindnet): the /24 gives the pod its netmask but no
         # on-link subnet route, so every packet, to same-node pods too, goes through the gateway.
-        return [
+        lines = [
             "link set lo up",
             f"link set {pod.iface} up",
             f"addr add {pod.ip}/24 dev {pod.iface} noprefixroute",
             f"route add {pod.gateway}/32 dev {pod.iface} scope link",
             f"route add default via {pod.gateway} dev {pod.iface}",
         ]
+        if pod.ip6:
+            gateway6 = node_gateway6(pod.node)
+            lines += [
+                f"addr add {pod.ip6}/64 dev {pod.iface} noprefixroute nodad",
+                f"route add {gateway6}/128 dev {pod.iface}",
+                f"route add ::/0 via {gateway6} dev {pod.iface}",
+            ]
+        return lines
 
     def set_sysctl(self, target: NsLike, key: str, value: str) -> None:
         """Write a sysctl inside a namespace (`net.ipv4.ip_forward` style key), without forking."""
@@ -489,6 +568,9 @@ class Lab:
             try:
                 self._make_cgroups([pod.cgroup])
                 nx.ip_batch([f"netns add {pod.ns}", self._pod_veth_line(pod)])
+                if self.ipv6:
+                    self._no_dad(n.ns, pod.host_iface)
+                    self._no_dad(pod.ns, pod.iface)
                 nx.ip_batches({n.ns: self._node_pod_lines(pod), pod.ns: self._pod_lines(pod)})
             except BaseException:
                 self._remove_pod(pod)
@@ -674,9 +756,10 @@ class Lab:
                 return p
         raise LabError(f"process {proc.pid} is not tracked by {self.prefix}")
 
-    def log_of(self, proc: subprocess.Popen[bytes]) -> str:
-        """The tail of the log file of a process the lab started (stopped ones too, until teardown)."""
-        return self._record(proc).log_text()
+    def log_of(self, proc: subprocess.Popen[bytes], limit: int | None = 4000) -> str:
+        """The tail of the log file of a process the lab started (stopped ones too, until teardown);
+        the whole log with `limit=None`."""
+        return self._record(proc).log_text(limit)
 
     def stop(self, proc: subprocess.Popen[bytes], timeout: float = 2.0) -> int | None:
         """SIGTERM a tracked process, SIGKILL after `timeout`; return its exit status."""
@@ -945,8 +1028,9 @@ http {{
             return s.recv(65535).decode(errors="replace")
 
     def tcp_probe(self, target: NsLike, ip: str, port: int, *, timeout: float = 1.0) -> str:
-        """Try a TCP connect from the namespace: "open", "refused", "unreachable" or "timeout"."""
-        with self.socket(target) as s:
+        """Try a TCP connect from the namespace: "open", "refused", "unreachable" or "timeout"
+        (over IPv6 when `ip` is an IPv6 address)."""
+        with self.socket(target, socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
             s.settimeout(timeout)
             try:
                 s.connect((ip, port))

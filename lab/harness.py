@@ -21,7 +21,7 @@ from typing import Any
 
 from agent.sources.file import content_version
 from lab import Lab
-from lab.core import Node
+from lab.core import POD_SUPERNET6, Node
 from lab.objects import Ep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +53,11 @@ class Agent:
         self.source = list(source)  # --services-file=... or --kubeconfig=...
         self.extra = list(extra)
         self.node_ip = node_ip  # --node-ip: else the agent reads (and follows) eth0's addresses
+        # Pods' sockets: False pins --bpf-socket-lb-host-namespace-only=true, so a pod's traffic to
+        # a Service takes the per-packet path (the one the lab's packet-level checks read: tc
+        # conntrack, SNAT ports, flows carried across restarts); True: =false; None: the agent's
+        # default (pods balanced at connect()).
+        self.socket_lb_pods: bool | None = False
         self.proc: subprocess.Popen[bytes] | None = None
         assert lab.tmpdir is not None
         self.log_path = lab.tmpdir / f"agent-{node.name}.log"
@@ -68,10 +73,13 @@ class Agent:
             f"--hostname-override={self.node.name}",
             f"--netns={self.node.ns}",
             *([f"--node-ip={self.node.ip}"] if self.node_ip else []),
+            # A Lab(ipv6=True) is dual-stack: the IPv6 pod CIDR (and node address) turn on the
+            # agent's IPv6 proxier in iptables mode.
+            *([f"--node-ip={self.node.ip6}"] if self.node_ip and self.node.ip6 else []),
             "--devices=eth0",
             "--pod-interfaces=lxc-p*",
             f"--bpf-pin-path={self.pin_path}",
-            f"--cluster-cidr={CLUSTER_CIDR}",
+            f"--cluster-cidr={CLUSTER_CIDR}" + (f",{POD_SUPERNET6}" if self.lab.ipv6 else ""),
             "--iptables-min-sync-period=0",
             # The socket programs serve the node's cgroup (the node, its host-network pod and its
             # pods): never the machine's root, the flag's default on a real node.
@@ -79,6 +87,11 @@ class Agent:
                 [f"--bpf-socket-lb-cgroup={self.node.cgroup_root}"]
                 if self.node.cgroup_root
                 else ["--bpf-socket-lb=false"]
+            ),
+            *(
+                []
+                if self.socket_lb_pods is None
+                else [f"--bpf-socket-lb-host-namespace-only={str(not self.socket_lb_pods).lower()}"]
             ),
             *self.extra,
         ]

@@ -6,14 +6,21 @@ SCTP to check or answer it), and sends what it is given, its CRC32c included.
 
 Standalone on purpose (standard library only), executed by path like lab/client.py:
 
-  server --port P --seconds S    answers an INIT to port P with an INIT-ACK and a DATA chunk
-                                 with a DATA chunk echoing it; prints "ready", then one JSON
-                                 line per SCTP packet that arrives (to any port)
+  server --port P --seconds S    answers an INIT to port P with an INIT-ACK, a COOKIE-ECHO with a
+                                 COOKIE-ACK and a DATA chunk with a DATA chunk echoing it; prints
+                                 "ready", then one JSON line per SCTP packet that arrives (to any
+                                 port)
   client --addr A --port P --sport S [--seconds T]
                                  INIT from source port S, waits for the INIT-ACK from A:P, sends a
                                  DATA chunk with the verification tag it got, waits for the echo;
                                  prints {"init_ack": {...}, "echo": {...}} (null for what never
                                  came)
+  hold --addr A --port P --sport S --stop-file F [--interval I] [--timeout T] [--max-s M]
+                                 one association kept up: the four-way handshake (INIT, INIT-ACK,
+                                 COOKIE-ECHO, COOKIE-ACK: established, as a conntrack sees it),
+                                 then a DATA chunk every I s, each waiting T s for its echo, until
+                                 F exists (bounded by M s); prints {"established": bool,
+                                 "exchanges": n, "lost": n, "first_lost": exchange or null}
 
 A packet is described as {"src", "dst", "sport", "dport", "vtag", "chunk", "init_tag", "data",
 "crc_ok"}: `chunk` is the type of its first chunk (0 DATA, 1 INIT, 2 INIT-ACK), `crc_ok` whether
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import select
 import socket
 import struct
@@ -32,7 +40,7 @@ import time
 from typing import Any
 
 PROTO = 132
-DATA, INIT, INIT_ACK = 0, 1, 2
+DATA, INIT, INIT_ACK, COOKIE_ECHO, COOKIE_ACK = 0, 1, 2, 10, 11
 CLIENT_TAG, SERVER_TAG = 0x1234ABCD, 0x5678EF01
 _TABLE: list[int] = []
 
@@ -81,6 +89,12 @@ def init_chunk(kind: int, tag: int, cookie: bytes = b"") -> bytes:
 def data_chunk(payload: bytes) -> bytes:
     """One DATA chunk (beginning and end of a message), padded to four bytes."""
     chunk = struct.pack("!BBHIHHI", DATA, 0x03, 16 + len(payload), 1, 0, 0, 0) + payload
+    return chunk + bytes(-len(chunk) % 4)
+
+
+def cookie_chunk(kind: int, cookie: bytes = b"") -> bytes:
+    """COOKIE-ECHO (the State Cookie the INIT-ACK carried) or COOKIE-ACK, padded to four bytes."""
+    chunk = struct.pack("!BBH", kind, 0, 4 + len(cookie)) + cookie
     return chunk + bytes(-len(chunk) % 4)
 
 
@@ -143,6 +157,8 @@ def cmd_server(a: argparse.Namespace) -> int:
         if seen["chunk"] == INIT:
             answer = init_chunk(INIT_ACK, SERVER_TAG, cookie=b"cookie!!")
             sock.sendto(build(a.port, seen["sport"], seen["init_tag"], answer), to)
+        elif seen["chunk"] == COOKIE_ECHO and seen["vtag"] == SERVER_TAG:
+            sock.sendto(build(a.port, seen["sport"], CLIENT_TAG, cookie_chunk(COOKIE_ACK)), to)
         elif seen["chunk"] == DATA and seen["vtag"] == SERVER_TAG:
             echo = data_chunk(f"echo {seen['data']}".encode())
             sock.sendto(build(a.port, seen["sport"], CLIENT_TAG, echo), to)
@@ -173,6 +189,36 @@ def cmd_client(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hold(a: argparse.Namespace) -> int:
+    sock = raw_socket()
+    to = (a.addr, 0)
+    start = time.monotonic()
+    end = start + a.max_s
+    result: dict[str, Any] = {"established": False, "exchanges": 0, "lost": 0, "first_lost": None}
+    ack = None
+    while ack is None and time.monotonic() < min(end, start + 10):
+        sock.sendto(build(a.sport, a.port, 0, init_chunk(INIT, CLIENT_TAG)), to)
+        ack = expect(sock, a, time.monotonic() + 1.0, INIT_ACK)
+    if ack is not None:
+        peer = ack["init_tag"]
+        sock.sendto(build(a.sport, a.port, peer, cookie_chunk(COOKIE_ECHO, b"cookie!!")), to)
+        result["established"] = expect(sock, a, time.monotonic() + a.timeout, COOKIE_ACK) is not None
+        n = 0
+        while result["established"] and not os.path.exists(a.stop_file) and time.monotonic() < end:
+            sock.sendto(build(a.sport, a.port, peer, data_chunk(f"line {n}".encode())), to)
+            echo = expect(sock, a, time.monotonic() + a.timeout, DATA)
+            if echo is not None and echo["data"] == f"echo line {n}" and echo["vtag"] == CLIENT_TAG:
+                result["exchanges"] += 1
+            else:
+                result["lost"] += 1
+                if result["first_lost"] is None:
+                    result["first_lost"] = n
+            n += 1
+            time.sleep(a.interval)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="mode", required=True)
@@ -184,8 +230,16 @@ def main() -> int:
     c.add_argument("--port", type=int, required=True)
     c.add_argument("--sport", type=int, required=True)
     c.add_argument("--seconds", type=float, default=10.0)
+    h = sub.add_parser("hold")
+    h.add_argument("--addr", required=True)
+    h.add_argument("--port", type=int, required=True)
+    h.add_argument("--sport", type=int, required=True)
+    h.add_argument("--stop-file", required=True)
+    h.add_argument("--interval", type=float, default=0.05)
+    h.add_argument("--timeout", type=float, default=2.0)
+    h.add_argument("--max-s", type=float, default=90.0)
     a = p.parse_args()
-    return cmd_server(a) if a.mode == "server" else cmd_client(a)
+    return {"server": cmd_server, "client": cmd_client, "hold": cmd_hold}[a.mode](a)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@
 * At session end every namespace, cgroup, pin, tmp dir and process of every lab created in this
   process must be gone; otherwise the leftovers are printed and the session fails.
   tests/test_lab_leaks.py is moved to the end of the run.
-* In parallel (`make test` runs `pytest -n 2`, pytest-xdist) tests go to workers in run groups that
+* In parallel (`make test` runs `pytest -n 3`, pytest-xdist) tests go to workers in run groups that
   share a lab (tests/parallel.py). Each worker runs the session-end check on its own labs and
   hands what it found to the controller, which fails the run on it, and on any skipped item.
 """

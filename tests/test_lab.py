@@ -269,3 +269,27 @@ def test_a_forked_child_killed_by_sigterm_runs_none_of_the_parents_teardown(
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGTERM
     assert not marker.exists(), "the child ran the parent's teardown"
+
+
+def test_an_ipv6_lab_carries_ula_addresses_beside_ipv4_and_routes_them(make_lab: LabFactory) -> None:
+    """Lab(ipv6=True): every host gets its IPv6 twin (no DAD: usable at once), pods reach pods on
+    the other node through both gateways, the client reaches the nodes, IPv4 is as before."""
+    lab = make_lab(nodes=2, pods_per_node=1, ipv6=True)
+    pod1, pod2 = lab.pod(1, 1), lab.pod(2, 1)
+    assert (pod1.ip6, pod2.ip6, lab.node(1).ip6, lab.client.ip6) == (
+        "fd00:10:244:1::2",
+        "fd00:10:244:2::2",
+        "fd00:192:168::11",
+        "fd00:192:168::100",
+    )
+    addrs = ip_json(lab, pod1, "-6", "addr", "show", "dev", "eth0")[0]["addr_info"]
+    ula = [a for a in addrs if a["local"] == pod1.ip6]
+    assert ula and not ula[0].get("tentative"), ula
+    # A closed port answers with a reset: "refused" means the SYN went there and the RST came back.
+    assert lab.tcp_probe(pod1, pod2.ip6, 1) == "refused"
+    assert lab.tcp_probe(lab.client, lab.node(2).ip6, 1) == "refused"
+    assert lab.tcp_probe(pod1, pod2.ip, 1) == "refused"
+    added = lab.add_pod(1)
+    assert lab.tcp_probe(added, pod2.ip6, 1) == "refused"
+    assert lab.tcp_probe(pod1, "fd00:10:244:9::2", 1, timeout=0.5) in ("unreachable", "timeout")
+    assert lab.get_sysctl(lab.node(1), "net.ipv6.conf.all.forwarding") == "1"

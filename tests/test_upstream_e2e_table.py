@@ -17,7 +17,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TABLE = REPO / "tests" / "upstream_e2e.md"
 README = REPO / "README.md"
-UPSTREAM_FILES = {"service.go", "networking.go", "conntrack.go", "loadbalancer.go", "kube_proxy.go"}
+UPSTREAM_FILES = {
+    "service.go",
+    "networking.go",
+    "conntrack.go",
+    "loadbalancer.go",
+    "kube_proxy.go",
+    "dual_stack.go",
+}
 REF = re.compile(r"`(tests/[\w/]+\.py)::(test_\w+)`")
 STATUS = re.compile(r"^(both\b|fails in (ebpf|iptables): |needs |not covered\b)")
 SOURCES = {"pod", "endpoint pod", "host network", "external", "none"}
@@ -53,7 +60,7 @@ def defined_tests(path: str) -> set[str]:
 
 def test_the_table_has_one_row_per_upstream_test() -> None:
     table = rows()
-    assert len(table) == 88
+    assert len(table) == 102
     assert {r[0] for r in table} == UPSTREAM_FILES
     dupes = [k for k, n in Counter((r[0], r[1]) for r in table).items() if n > 1]
     assert not dupes, dupes
@@ -91,6 +98,7 @@ def test_both_only_when_the_project_dials_from_every_upstream_source(row: list[s
 CAPABILITIES = {
     "SCTP": "SCTP from the node's own sockets in eBPF mode",
     "localhost NodePort packets": "a count of localhost NodePort packets in eBPF mode",
+    "IPv6 in eBPF mode": "IPv6 in eBPF mode",
 }
 
 

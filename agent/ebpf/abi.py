@@ -57,6 +57,7 @@ def copy_struct(value: CData) -> CData:
 class Scope(IntEnum):
     EXTERNAL = 0
     INTERNAL = 1
+    HOST = 2  # the node's own sockets, only where an INTERNAL frontend has HOST_SCOPE
 
 
 class FrontendFlag(IntEnum):
@@ -70,6 +71,7 @@ class FrontendFlag(IntEnum):
     AFFINITY = 1 << 7
     SNAT_ALL = 1 << 8
     MAGLEV = 1 << 9
+    HOST_SCOPE = 1 << 10
 
 
 class BackendFlag(IntEnum):
@@ -108,6 +110,10 @@ class CtFlag(IntEnum):
     ADOPTED = 1 << 7
     ORPHAN = 1 << 8  # TCP: the backend left every Service; only its packets renew the flow
     HOST = 1 << 9  # the backend is this node's own address (BackendFlag.HOST)
+    HANDOVER = 1 << 10  # ADOPTED | HOST, the kernel's NAT entry not yet replaced: forward packets drop
+
+
+CT_HANDOVER_S = 10  # EKP_CT_HANDOVER_S: CtFlag.HANDOVER holds at most this long after created_s
 
 
 class CtqRing(IntEnum):
@@ -169,10 +175,11 @@ class Stat(IntEnum):
     SOCK_REVNAT = 35
     SOCK_DESTROYED = 36
     DROP_SPOOFED = 37
+    DROP_HANDOVER = 38
 
 
 STAT_DROP_FIRST = Stat.DROP_MALFORMED
-STAT_COUNT = 38
+STAT_COUNT = 39
 STAT_SLOTS = 64  # ekp_stats_v3's size: room for later counters without a new map
 # The drop reasons, by name (a reason added later goes at the end of the enum, after other kinds).
 DROPS: tuple[Stat, ...] = tuple(s for s in Stat if s.name.startswith("DROP_"))

@@ -96,9 +96,12 @@ def flush(
     pending: Mapping[str, Pending],
     maps: Mapping[str, RawMap],
     owners: Owners,
+    fresh: set[str] | None = None,
 ) -> FlushResult:
-    """Write what differs, in the safe order (module doc); `pending` is updated to what still differs."""
-    return _Flush(desired, pending, maps, owners).run()
+    """Write what differs, in the safe order (module doc); `pending` is updated to what still differs.
+    `fresh`: roles whose map holds none of the desired entries (their `pending` is empty instead
+    of naming every desired key with None); emptied as they are written."""
+    return _Flush(desired, pending, maps, owners, fresh if fresh is not None else set()).run()
 
 
 class _Flush:
@@ -108,11 +111,13 @@ class _Flush:
         pending: Mapping[str, Pending],
         maps: Mapping[str, RawMap],
         owners: Owners,
+        fresh: set[str],
     ) -> None:
         self.desired = desired
         self.pending = pending
         self.maps = maps
         self.owners = owners
+        self.fresh = fresh
         self.result = FlushResult()
         self.failed_now: set[ServicePortName] = set()
 
@@ -213,9 +218,17 @@ class _Flush:
         for role in WRITE_ORDER:
             p, d = self.pending[role], self.desired[role]
             keys = [k for k, w in p.items() if k in d and d[k] != w]
+            unwritten: list[int] = []  # desired keys the map lacks that `pending` does not name
+            if role in self.fresh:
+                unwritten = [k for k in d if k not in p]
             if only is not None or failed:  # owners matter only after a failure
-                keys = [k for k in keys if self._wanted(role, k, only)]
+                self._name(role, unwritten)  # the by-port path reads them in `pending`
+                keys = [k for k in keys + unwritten if self._wanted(role, k, only)]
+                unwritten = []
+            named = len(keys)
+            keys += unwritten
             if not keys:
+                self.fresh.discard(role)  # nothing desired: nothing the map lacks
                 continue
             if role == "fe":
                 # A full map takes whole services in kube-proxy's order of addresses: both scopes
@@ -225,13 +238,15 @@ class _Flush:
             ks, vs = key_size(role), value_size(role)
             done = target.update_packed(pack(keys, ks), pack([d[k] for k in keys], vs))
             if done == len(keys):
-                if len(keys) == len(p):
+                if named == len(p):
                     p.clear()
                 else:
                     for k in keys:
-                        del p[k]
+                        p.pop(k, None)
+                self.fresh.discard(role)
                 self.result.updates[role] += done
                 continue
+            self._name(role, unwritten)  # the by-port path below reads them in `pending`
             # The map is full. What went in first is arbitrary, and a service port missing one entry
             # is as unprogrammed as one missing all: take back this batch's new entries and write
             # whole service ports instead, in kube-proxy's order, as many as fit.
@@ -244,6 +259,11 @@ class _Flush:
                     del p[k]  # an overwrite of an existing entry: it stays written
             self.result.updates[role] += done - len(fresh)
             self.result.updates[role] += self._write_by_service_port(role, keys)
+
+    def _name(self, role: str, unwritten: list[int]) -> None:
+        """A fresh role's pending names its unwritten keys (None: the map lacks them) from here on."""
+        self.pending[role].update(dict.fromkeys(unwritten))
+        self.fresh.discard(role)
 
     def _wanted(self, role: str, key: int, only: set[ServicePortName] | None) -> bool:
         users = self.owners(role, key)

@@ -17,12 +17,18 @@ Driven from one sync loop in kube-proxy's order (pkg/proxy/iptables/proxier.go):
     healthz = healthz_server(config, health, metrics.count_health_probe)
     services = ServiceHealthServer.for_node(config, node, health)
     healthz.start(); services.start()
-    health.updated()                          # the loop starts (kube-proxy's SyncLoop does this)
-    # a Service / EndpointSlice change queued:   health.queued_update()
+    health.updated("IPv4")                    # the loop starts (kube-proxy's SyncLoop does this)
+    # a Service / EndpointSlice change queued:   health.queued_update(family)  (the families it touches)
     # a Node event for this node:                health.sync_node(obj)  (None once deleted)
-    # a sync succeeded:                          health.updated()
+    # a family's sync succeeded:                 health.updated(family)
     #     services.sync_services(ports)   # ns/name -> healthCheckNodePort (agent.model Commit)
     #     services.sync_endpoints(local)  # ns/name -> ready local endpoint IPs (Commit)
+
+Dual-stack, as upstream's two proxiers: one ProxyHealth shared by both families (healthy only if
+each is), and one ServiceHealthServer per family (`for_node(..., family)`), each fed from its own
+family's commits and listening on its own family's sockets only (kubernetes#137370), so a
+dual-stack Service's healthCheckNodePort answers IPv4 probes with the IPv4 local endpoints and
+IPv6 probes with the IPv6 ones.
 
 The per-Service inputs come from the model (`agent.model.tracker.Commit.health_check_ports` and
 `.local_endpoints`), which keeps them up to date for the Services a commit touched, counting

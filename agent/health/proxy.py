@@ -20,8 +20,13 @@ without Node objects (the YAML file) never fails /healthz for that reason.
 kube-proxy's `ProxyHealth` struct (`json.Marshal`: `lastUpdated`, `currentTime`, `nodeEligible`
 on /healthz only, `healthy`, `status` per IP family), `Content-Type: application/json` and
 `X-Content-Type-Options: nosniff`. As upstream, a healthy answer reports `lastUpdated` as the
-current time ("the returned lastUpdated value is recent if the server is healthy"). This agent
-programs IPv4 only, so `status` has one entry, `IPv4`.
+current time ("the returned lastUpdated value is recent if the server is healthy").
+
+Per IP family, as upstream's ProxyHealthServer since the metaproxier shares it between the two
+proxiers: `lastUpdated` and the oldest pending change are kept per family ("IPv4", "IPv6"), each
+family's proxier feeding its own; the proxy is healthy only when every family that has synced
+is, and `status` has one entry per such family. The agent tracks IPv6 when it runs an IPv6
+proxier (iptables mode with IPv6 configured); eBPF mode has only `IPv4` for now.
 """
 
 from __future__ import annotations

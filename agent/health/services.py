@@ -30,11 +30,13 @@ so at 10,000 Services a call costs under a millisecond when nothing changed and 
 something did, plus the listeners that actually open or close (measured in
 tests/health/test_service_health.py); nothing is reopened unless its port changed.
 
-Listeners bind where kube-proxy binds them: 0.0.0.0 when every node address takes NodePorts,
-otherwise each node address that `--nodeport-addresses` selects (`health_check_addresses`), in
-`Config.netns`. All listeners share one `HttpServer`: one event loop thread, one file descriptor
-per listener, each connection on its own (so slow clients of one port delay no other probe), and
-one hop to the loop per sync however many ports open or close.
+Listeners bind where kube-proxy binds them: the family's wildcard (0.0.0.0, or :: for the IPv6
+server, each taking its own family only) when every node address of the family takes NodePorts,
+otherwise each node address that the family's `--nodeport-addresses` CIDRs select
+(`health_check_addresses`), in `Config.netns`. All listeners of a family share one `HttpServer`:
+one event loop thread, one file descriptor per listener, each connection on its own (so slow
+clients of one port delay no other probe), and one hop to the loop per sync however many ports
+open or close.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from agent.config import Config, NodeContext
+from agent.config import Config, NodeContext, nodeport_addresses_of
 from agent.health.proxy import JSON, ProxyHealth
 from agent.httpserve import (
     NOSNIFF,
@@ -57,6 +59,7 @@ from agent.httpserve import (
     listen_all,
     raise_open_file_limit,
 )
+from agent.model.types import IPFamily
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +67,28 @@ Listen = Callable[[Sequence[Address], str], list[socket.socket | OSError]]
 ListenError = Callable[[str, int, str], None]  # (service "ns/name", port, error text)
 
 
-def health_check_addresses(config: Config, node: NodeContext) -> tuple[str, ...]:
-    """Where healthCheckNodePorts listen (newServiceHealthServer): everywhere, or on each node
-    address `--nodeport-addresses` selects (loopback first, as `lo` is the first interface)."""
-    if not config.nodeport_addresses:
-        return ("0.0.0.0",)
-    out = node.nodeport_ips(config.nodeport_addresses, loopback=True)
+def health_check_addresses(
+    config: Config, node: NodeContext, family: IPFamily = IPFamily.IPv4
+) -> tuple[str, ...]:
+    """Where one IP family's healthCheckNodePorts listen (newServiceHealthServer, one per
+    family's proxier): every address of the family (its wildcard), or each of `node`'s addresses
+    (those of `family`) that the family's `--nodeport-addresses` CIDRs select (loopback first,
+    as `lo` is the first interface)."""
+    wildcard = "::" if family is IPFamily.IPv6 else "0.0.0.0"
+    own = nodeport_addresses_of(config.nodeport_addresses, family.value)
+    if own is None:
+        return (wildcard,)
+    out = node.nodeport_ips(own, loopback=True)
     if not out:
         log.error(
-            "no node address matches --nodeport-addresses %s: healthCheckNodePorts listen on every "
-            "address instead (as kube-proxy does); check the flag against the node's addresses",
+            "no %s node address matches --nodeport-addresses %s: %s healthCheckNodePorts listen on "
+            "every %s address instead (as kube-proxy does); check the flag against the node's addresses",
+            family,
             ",".join(config.nodeport_addresses),
+            family,
+            family,
         )
-        return ("0.0.0.0",)
+        return (wildcard,)
     return out
 
 
@@ -140,8 +152,17 @@ class ServiceHealthServer:
         self._fresh: set[str] = set()  # opened since the last sync_endpoints
 
     @classmethod
-    def for_node(cls, config: Config, node: NodeContext, health: ProxyHealth) -> ServiceHealthServer:
-        return cls(health, health_check_addresses(config, node), config.netns, hostname=config.hostname)
+    def for_node(
+        cls, config: Config, node: NodeContext, health: ProxyHealth, family: IPFamily = IPFamily.IPv4
+    ) -> ServiceHealthServer:
+        """The server of one IP family's proxier; `node` holds that family's addresses."""
+        return cls(
+            health,
+            health_check_addresses(config, node, family),
+            config.netns,
+            hostname=config.hostname,
+            server=HttpServer("hc-nodeports" if family is IPFamily.IPv4 else "hc-nodeports6"),
+        )
 
     def start(self) -> None:
         limit = raise_open_file_limit()
@@ -230,7 +251,9 @@ class ServiceHealthServer:
     def _open_all(self, wanted: list[tuple[str, int]]) -> None:
         if not wanted:
             return
-        addrs = [Address(host, port) for _, port in wanted for host in self._addresses]
+        # Each family's wildcard alone (Go's tcp4 / tcp6, kubernetes#137370): the IPv4 and IPv6
+        # servers of a dual-stack Service's port both bind it, each answering its own family's count.
+        addrs = [Address(host, port, family_only=True) for _, port in wanted for host in self._addresses]
         results = self._listen(addrs, self._netns)
         per = len(self._addresses)
         serve: list[tuple[socket.socket, Handler]] = []

@@ -9,7 +9,8 @@ iptables-save does not print a rule the way it was written: it reorders matches 
 first), adds `/32` to addresses, quotes every comment, spells `--or-mark 0x4000` as
 `--set-xmark 0x4000/0x4000` (nft backend), prints the probability `0.5000000000` as `0.50000000000`
 and adds defaults (`--reject-with icmp-port-unreachable`, recent's `--mask 255.255.255.255
---rsource`). `canonical_rule` maps both spellings to one string: the rule's options as a sorted set
+--rsource`; ip6tables-save `icmp6-port-unreachable`, a 128-bit mask and `/128` on addresses).
+`canonical_rule` maps both spellings to one string: the rule's options as a sorted set
 of normalised `(option, values)` groups, module loads (`-m tcp`) dropped, since every option we use
 names its module unambiguously. The kernel test loads every golden ruleset into both backends and
 checks that each chain's digest read back equals the digest of the text we wrote.
@@ -36,8 +37,15 @@ _ADDRESS_OPTIONS = {
     "--destination": "-d",
     "--dst": "-d",
 }
-# Options whose value iptables-save adds when it was left at its default.
-_DEFAULTS = {("--reject-with", "icmp-port-unreachable"), ("--mask", "255.255.255.255"), ("--rsource",)}
+# Options whose value iptables-save (and ip6tables-save: ICMPv6's port-unreachable, a 128-bit
+# mask) adds when it was left at its default.
+_DEFAULTS = {
+    ("--reject-with", "icmp-port-unreachable"),
+    ("--reject-with", "icmp6-port-unreachable"),
+    ("--mask", "255.255.255.255"),
+    ("--mask", "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff"),
+    ("--rsource",),
+}
 _GROUP_SEP = "\x1f"
 _TOKEN_SEP = "\x1e"
 

@@ -62,6 +62,7 @@ class StaleFilter:
     orig_port_dst: int
     reply_src: str
     reply_port_src: int
+    family: str = "ipv4"  # conntrack's -f: the table of the state's family
 
     def delete_args(self) -> list[str]:
         dst = ["--orig-dst", self.orig_dst] if self.orig_dst else []
@@ -71,7 +72,7 @@ class StaleFilter:
             "-p",
             "udp",
             "-f",
-            "ipv4",
+            self.family,
             *dst,
             "--orig-port-dst",
             str(self.orig_port_dst),
@@ -125,17 +126,20 @@ def parse_entries(text: str) -> list[FlowEntry]:
     return out
 
 
-def stale_filters(frontends: UdpFrontends, entries: Iterable[FlowEntry]) -> list[StaleFilter]:
-    """The deletions upstream's CleanStaleEntries would make for these entries, deduplicated."""
+def stale_filters(
+    frontends: UdpFrontends, entries: Iterable[FlowEntry], family: str = "ipv4"
+) -> list[StaleFilter]:
+    """The deletions upstream's CleanStaleEntries would make for these entries, deduplicated;
+    `family`: conntrack's name of the table they were listed from (ipv4, ipv6)."""
     out: set[StaleFilter] = set()
     for e in entries:
         reply = (e.reply_src, e.reply_sport)
         serving = frontends.by_ip_port.get((e.orig_dst, e.orig_dport))
         if serving is not None and reply not in serving:
-            out.add(StaleFilter(e.orig_dst, e.orig_dport, e.reply_src, e.reply_sport))
+            out.add(StaleFilter(e.orig_dst, e.orig_dport, e.reply_src, e.reply_sport, family))
         serving = frontends.by_node_port.get(e.orig_dport)
         if serving is not None and reply not in serving:
-            out.add(StaleFilter("", e.orig_dport, e.reply_src, e.reply_sport))
+            out.add(StaleFilter("", e.orig_dport, e.reply_src, e.reply_sport, family))
     return sorted(out)
 
 
@@ -160,10 +164,11 @@ class ConntrackCleaner:
         frontends = udp_frontends(state)
         if not frontends:
             return []
-        listed = self._command(["conntrack", "-L", "-p", "udp", "-f", "ipv4"])
+        family = f"ipv{state.family.value}"
+        listed = self._command(["conntrack", "-L", "-p", "udp", "-f", family])
         if listed.returncode != 0:
             raise ConntrackError(f"conntrack -L failed (exit {listed.returncode}): {listed.stderr.strip()}")
-        filters = stale_filters(frontends, parse_entries(listed.stdout))
+        filters = stale_filters(frontends, parse_entries(listed.stdout), family)
         for f in filters:
             r = self._command(f.delete_args())
             m = _DELETED.search(r.stderr)

@@ -78,7 +78,15 @@ from agent.iptables.runner import (
 )
 from agent.metrics import Metrics
 from agent.model.problem import printable
-from agent.model.types import Endpoint, Protocol, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
+from agent.model.types import (
+    Endpoint,
+    IPFamily,
+    Protocol,
+    ProxyState,
+    ServiceEndpoints,
+    ServicePort,
+    ServicePortName,
+)
 from agent.proxier import SyncResult
 from agent.takeover.out_of_ebpf import EbpfHandback
 
@@ -139,11 +147,14 @@ def _subset(state: ProxyState, ports: Collection[ServicePortName]) -> ProxyState
         services={k: v for k, v in state.services.items() if k in keep},
         endpoints={k: v for k, v in state.endpoints.items() if k in keep},
         raw_endpoints={k: v for k, v in state.raw_endpoints.items() if k in keep},
+        family=state.family,
     )
 
 
 class IptablesProxier:
-    """agent.proxier.Proxier for `--mode=iptables`. No side effect at construction."""
+    """agent.proxier.Proxier for `--mode=iptables`, for one address family (`family`: the IPv6
+    one runs ip6tables; kube-proxy's metaproxier runs one of each). No side effect at
+    construction."""
 
     def __init__(
         self,
@@ -155,16 +166,21 @@ class IptablesProxier:
         clock: Callable[[], float] = time.monotonic,
         metrics: Metrics | None = None,
         take_over: Callable[[], None] | None = None,
+        family: IPFamily = IPFamily.IPv4,
     ) -> None:
         self._config = config
+        self.family = family
+        self._tool = "ip6tables" if family is IPFamily.IPv6 else "iptables"  # in log lines
         # Once the first sync put the rules in place: the eBPF data path's flows, programs and pins
         # (a node switched from eBPF mode), agent/takeover/out_of_ebpf.py.
         self._take_over = take_over if take_over is not None else self._take_over_node
         self._taken_over = False
-        self._runner: IptablesRunner = runner if runner is not None else SubprocessRunner(config)
+        self._runner: IptablesRunner = (
+            runner if runner is not None else SubprocessRunner(config, family=family.value)
+        )
         # A runner for one named backend ("nft", "legacy"), for the cleanup of both.
         self._backend_runner = backend_runner or (
-            lambda backend: SubprocessRunner(replace(config, iptables_backend=backend))
+            lambda backend: SubprocessRunner(replace(config, iptables_backend=backend), family=family.value)
         )
         self._metrics = metrics
         self._counters: Counters = counters if counters is not None else NetlinkCounters(config.netns)
@@ -219,7 +235,7 @@ class IptablesProxier:
         options = self._options(host, state)
         complete = self._need_complete
         if self._globals is not None and (options, node) != self._globals:
-            log.info("iptables: flags, host facts or node addresses changed; rewriting every chain")
+            log.info("%s: flags, host facts or node addresses changed; rewriting every chain", self._tool)
             complete = full = True
         large = total_endpoints(state) > LARGE_CLUSTER_ENDPOINTS_THRESHOLD
 
@@ -261,6 +277,7 @@ class IptablesProxier:
             self._metrics.set_iptables_rules(
                 {"filter": filter_rules, "nat": r.rule_count - filter_rules},
                 {"filter": filter_rules if outcome.restored else 0, "nat": self.last_sync.nat_rules_written},
+                str(self.family),
             )
         return SyncResult(full=outcome.full, failed=failed, repaired=outcome.repaired)
 
@@ -279,11 +296,11 @@ class IptablesProxier:
             try:
                 save = runner.save()
             except IptablesError as exc:
-                log.debug("iptables-%s not usable here: %s", backend, exc)
+                log.debug("%s-%s not usable here: %s", self._tool, backend, exc)
                 continue
             if owns_something(save):
                 report: CleanupReport = cleanup(runner)
-                log.info("iptables-%s: removed %s", backend, report.chains_deleted)
+                log.info("%s-%s: removed %s", self._tool, backend, report.chains_deleted)
 
     # ------------------------------------------------------------------------------ the two syncs
 
@@ -315,8 +332,8 @@ class IptablesProxier:
             self._runner.restore(rendered.text)
         except IptablesError as exc:
             if self._metrics is not None:
-                self._metrics.record_restore_failure(partial=True)
-            log.warning("iptables: partial restore failed, writing every chain instead: %s", exc)
+                self._metrics.record_restore_failure(partial=True, family=str(self.family))
+            log.warning("%s: partial restore failed, writing every chain instead: %s", self._tool, exc)
             return self._full(state, node, options, complete=True, large=large, start=start)
         self._record(rendered.text, complete=False)
         if cleanup_due:
@@ -372,7 +389,7 @@ class IptablesProxier:
             self._runner.restore(to_write.text)
         except IptablesError as exc:
             if self._metrics is not None:
-                self._metrics.record_restore_failure(partial=False)
+                self._metrics.record_restore_failure(partial=False, family=str(self.family))
             to_write = self._restore_isolating(state, node, options, existing, desired, exc, complete_text)
             complete_text = True
         self._record(to_write.text, complete=complete_text)
@@ -395,7 +412,9 @@ class IptablesProxier:
         """After a rejected restore: restore everything but the service ports iptables-restore
         rejects; their names and errors go to `_rejected`. Raises when no single port is to blame."""
         if not tried_desired:
-            log.warning("iptables: restore of the differing chains failed, writing every chain: %s", error)
+            log.warning(
+                "%s: restore of the differing chains failed, writing every chain: %s", self._tool, error
+            )
             try:
                 self._runner.restore(desired.text)
                 return desired
@@ -425,7 +444,9 @@ class IptablesProxier:
             rendered = render(kept, node, options, existing_nat_chains=existing)
             self._runner.restore(rendered.text)
         log.warning(
-            "iptables: iptables-restore rejected %d service port(s), all others programmed: %s",
+            "%s: %s-restore rejected %d service port(s), all others programmed: %s",
+            self._tool,
+            self._tool,
             len(bad),
             error,
         )
@@ -462,7 +483,9 @@ class IptablesProxier:
                 raw.pop(spn, None)
             else:
                 services[spn], endpoints[spn], raw[spn] = old.port, old.endpoints, old.raw
-        return ProxyState(node=state.node, services=services, endpoints=endpoints, raw_endpoints=raw)
+        return ProxyState(
+            node=state.node, services=services, endpoints=endpoints, raw_endpoints=raw, family=state.family
+        )
 
     def _remember_good(self, state: ProxyState, changed: Collection[ServicePortName] | None) -> None:
         """Keep each programmed port's version (only the changed ones after a partial sync)."""
@@ -496,8 +519,9 @@ class IptablesProxier:
         if drifted:
             shown = ", ".join(f"{t}/{c}" for t, c in drifted[:8]) + (" ..." if len(drifted) > 8 else "")
             log.warning(
-                "iptables: %d chain(s) changed behind the agent's back (flushed, edited or deleted by "
+                "%s: %d chain(s) changed behind the agent's back (flushed, edited or deleted by "
                 "someone else); rewriting them: %s",
+                self._tool,
                 len(drifted),
                 shown,
             )
@@ -557,6 +581,7 @@ class IptablesProxier:
     def _options(self, host: HostFacts, state: ProxyState) -> RenderOptions:
         return RenderOptions.from_config(
             self._config,
+            family=self.family,
             node_pod_cidrs=state.node.pod_cidrs,
             random_fully=host.random_fully,
             conntrack_tcp_liberal=host.conntrack_tcp_liberal,
@@ -579,7 +604,8 @@ class IptablesProxier:
                 conntrack_tcp_liberal=liberal.returncode == 0 and liberal.stdout.strip() not in ("", "0"),
             )
             log.info(
-                "iptables %s (%s): --random-fully %s; INVALID drop %s",
+                "%s %s (%s): --random-fully %s; INVALID drop %s",
+                self._tool,
                 ".".join(map(str, version)) or "version unknown",
                 self._runner.backend,
                 "supported" if self._host.random_fully else "unsupported",
@@ -590,7 +616,8 @@ class IptablesProxier:
     def _report_failures(self, failed: Mapping[ServicePortName, str]) -> None:
         for spn in sorted(failed.keys() - self._reported.keys(), key=str):
             log.error(
-                "iptables: Service %s/%s port %s (%s) not programmed: %s; every other service port is",
+                "%s: Service %s/%s port %s (%s) not programmed: %s; every other service port is",
+                self._tool,
                 printable(spn.namespace),
                 printable(spn.name),
                 printable(spn.port) or "(unnamed)",
@@ -598,7 +625,9 @@ class IptablesProxier:
                 failed[spn],
             )
         for spn in sorted(self._reported.keys() - failed.keys(), key=str):
-            log.info("iptables: Service %s/%s port %s programmed again", spn.namespace, spn.name, spn.port)
+            log.info(
+                "%s: Service %s/%s port %s programmed again", self._tool, spn.namespace, spn.name, spn.port
+            )
         self._reported = dict(failed)
 
     def _clean_conntrack(self, state: ProxyState, changed: Collection[ServicePortName] | None) -> int:
@@ -614,7 +643,9 @@ class IptablesProxier:
             log.warning("UDP conntrack cleanup failed (retried at the next sync): %s", exc)
             return 0
         if self._metrics is not None:  # kube-proxy's conntrack reconciler metrics
-            self._metrics.record_conntrack_cleanup(time.monotonic() - started, self._conntrack.deleted)
+            self._metrics.record_conntrack_cleanup(
+                time.monotonic() - started, self._conntrack.deleted, str(self.family)
+            )
         self._udp = frontends
         return len(filters)
 

@@ -27,9 +27,18 @@ Deliberate choices where upstream is not deterministic or depends on the host:
   `-m nfacct` matches are written, as upstream writes them, only for counters the proxier created
   (`nfacct.py`); without them the rules are upstream's rules on a kernel without nfnetlink_acct.
 
+IPv6 (`RenderOptions.family`): the same function writes the input for ip6tables-restore, as
+upstream's one proxier type serves both families. What differs is what upstream's IPv6 proxier
+writes differently: no localhost NodePorts (no KUBE-FIREWALL martian drop, no route_localnet, no
+127.0.0.0/8 jumps), the NodePort tail excludes `::1/128`, endpoints are `[ip]:port` (in the DNAT
+target, the comments and the hashed KUBE-SEP names), and only the family's --nodeport-addresses
+CIDRs and node addresses count. REJECT is written bare in both: ip6tables sends ICMPv6
+port-unreachable (`icmp6-port-unreachable`, as ip6tables-save prints it). The mark is the same.
+
 Nothing caller-controlled reaches the text unchecked: a service port with a value the API server
-would refuse (a name with a newline or a space, an address that is not a canonical IPv4 address, ...)
-is left out and reported in `Rendered.refused` (`safety.py`); every other port is rendered as usual.
+would refuse (a name with a newline or a space, an address that is not a canonical address of the
+family, ...) is left out and reported in `Rendered.refused` (`safety.py`); every other port is
+rendered as usual.
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ from agent.iptables.safety import refusal
 from agent.localdetect import LocalDetector
 from agent.model.types import (
     Endpoint,
+    IPFamily,
     ProxyState,
     ServiceEndpoints,
     ServicePort,
@@ -77,7 +87,8 @@ from agent.model.types import (
 # per-endpoint comments to keep the restore input small ("large cluster mode").
 LARGE_CLUSTER_ENDPOINTS_THRESHOLD = 1000
 
-_LOOPBACK_NET = ipaddress.IPv4Network("127.0.0.0/8")
+# What the NodePort tail excludes in each family when localhost NodePorts are off (always for IPv6).
+_LOOPBACK_TEXT = {IPFamily.IPv4: "127.0.0.0/8", IPFamily.IPv6: "::1/128"}
 
 
 def masquerade_mark(bit: int) -> str:
@@ -108,6 +119,8 @@ class RenderOptions:
     # the localhost NodePort jumps then count their packets (`-m nfacct --nfacct-name ...`).
     nfacct_invalid_dropped: bool = False
     nfacct_localhost_nodeports: bool = False
+    # The family of the state and of the restore (iptables-restore or ip6tables-restore).
+    family: IPFamily = IPFamily.IPv4
 
     @classmethod
     def from_config(
@@ -119,11 +132,13 @@ class RenderOptions:
         conntrack_tcp_liberal: bool = False,
         nfacct_invalid_dropped: bool = False,
         nfacct_localhost_nodeports: bool = False,
+        family: IPFamily = IPFamily.IPv4,
     ) -> RenderOptions:
         return cls(
+            family=family,
             masquerade_all=config.masquerade_all,
             masquerade_mark=masquerade_mark(config.masquerade_bit),
-            local=config.local_detector(node_pod_cidrs),
+            local=config.local_detector(node_pod_cidrs, family),
             nodeport_addresses=tuple(config.nodeport_addresses),
             localhost_nodeports=config.iptables_localhost_nodeports,
             random_fully=random_fully,
@@ -133,18 +148,19 @@ class RenderOptions:
         )
 
     @property
-    def nodeport_networks(self) -> tuple[ipaddress.IPv4Network, ...]:
-        """The IPv4 CIDRs of --nodeport-addresses (upstream's NewNodePortAddresses drops the other
-        family's; `primary` is resolved against the node, not here)."""
+    def nodeport_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        """The --nodeport-addresses CIDRs of this family (upstream's NewNodePortAddresses drops the
+        other family's; `primary` is resolved against the node, not here)."""
         return tuple(
-            ipaddress.IPv4Network(c.strip(), strict=False)
+            ipaddress.ip_network(c.strip(), strict=False)
             for c in self.nodeport_addresses
-            if _is_ipv4_cidr(c)
+            if _is_cidr_of(c, self.family)
         )
 
     @property
     def nodeports_match_all(self) -> bool:
-        """No IPv4 CIDR given (IPv6-only lists included), or 0.0.0.0/0 among them: every address."""
+        """No CIDR of this family given (lists of the other family only included), or 0.0.0.0/0
+        (::/0) among them: every address."""
         if "primary" in self.nodeport_addresses:
             return False
         nets = self.nodeport_networks
@@ -153,22 +169,28 @@ class RenderOptions:
     @property
     def localhost_nodeports_enabled(self) -> bool:
         """Upstream turns localhost NodePorts off unless the node-port addresses include loopback
-        (`cidr.IP.IsLoopback() || cidr.Contains(127.0.0.0)`, proxy/util/nodeport_addresses.go)."""
-        return self.localhost_nodeports and nodeport_addresses_hold_loopback(self.nodeport_addresses)
+        (`cidr.IP.IsLoopback() || cidr.Contains(127.0.0.0)`, proxy/util/nodeport_addresses.go),
+        and always for IPv6 (`ContainsIPv4Loopback` is false for the IPv6 proxier)."""
+        return (
+            self.family is IPFamily.IPv4
+            and self.localhost_nodeports
+            and nodeport_addresses_hold_loopback(self.nodeport_addresses)
+        )
 
 
-def _is_ipv4_cidr(text: str) -> bool:
+def _is_cidr_of(text: str, family: IPFamily) -> bool:
     try:
-        return isinstance(ipaddress.ip_network(text.strip(), strict=False), ipaddress.IPv4Network)
+        return ipaddress.ip_network(text.strip(), strict=False).version == family
     except ValueError:
         return False
 
 
 def nodeport_ips(options: RenderOptions, node: NodeContext) -> list[str]:
     """Addresses that get their own NodePort jump when --nodeport-addresses is set (loopback
-    first, as upstream; the selection itself is NodeContext.nodeport_ips, shared by both modes)."""
-    v4 = tuple(c for c in options.nodeport_addresses if c == "primary" or _is_ipv4_cidr(c))
-    return list(node.nodeport_ips(v4, loopback=True)) if v4 else []
+    first, as upstream; the selection itself is NodeContext.nodeport_ips, shared by both modes).
+    `node` holds the addresses of the options' family."""
+    own = tuple(c for c in options.nodeport_addresses if c == "primary" or _is_cidr_of(c, options.family))
+    return list(node.nodeport_ips(own, loopback=True)) if own else []
 
 
 def _probability(n: int) -> str:
@@ -267,7 +289,7 @@ def render(
     written: set[str] = set()
     for sp in state.sorted_ports():
         eps = categorized(state, sp)
-        reason = refusal(sp, (*eps.all_reachable, *eps.cluster, *eps.local))
+        reason = refusal(sp, (*eps.all_reachable, *eps.cluster, *eps.local), options.family)
         if reason is not None:
             refused[sp.name] = reason
             continue
@@ -285,12 +307,14 @@ def render(
 
     tail = f'-A {KUBE_SERVICES} -m comment --comment "{NODEPORTS_TAIL_COMMENT}"'
     if options.nodeports_match_all:
-        dst = "-m addrtype --dst-type LOCAL" + ("" if localhost else " ! -d 127.0.0.0/8")
+        dst = "-m addrtype --dst-type LOCAL" + (
+            "" if localhost else f" ! -d {_LOOPBACK_TEXT[options.family]}"
+        )
         w.nat_rules.append(f"{tail} {dst} -j {KUBE_NODEPORTS}")
     else:
         for ip in nodeport_ips(options, node):
-            if ipaddress.IPv4Address(ip) in _LOOPBACK_NET and not localhost:
-                continue
+            if ipaddress.ip_address(ip).is_loopback and not localhost:
+                continue  # upstream logs that localhost NodePorts are off (never on for IPv6)
             w.nat_rules.append(f"{tail} -d {ip} -j {KUBE_NODEPORTS}")
 
     if not options.conntrack_tcp_liberal:
@@ -534,7 +558,7 @@ def _service_port(
         # Hairpin: an endpoint reaching itself through the service must be masqueraded.
         rules.append(f"{args} -s {ep.ip} -j {KUBE_MARK_MASQ}")
         recent = f" -m recent --name {sep} --set" if affinity else ""
-        rules.append(f"{args}{recent} {match} -j DNAT --to-destination {ep.ip}:{ep.port}")
+        rules.append(f"{args}{recent} {match} -j DNAT --to-destination {ep}")
     w.active_nat_chains |= active
     for chain in active:
         w.chain_owner[chain] = spn.service
@@ -567,4 +591,5 @@ def _endpoint_jumps(
 def render_text(state: ProxyState, node: NodeContext, config: Config) -> str:
     """The full restore input a first sync would apply, with the options a modern host gives
     (iptables >= 1.6.2, nf_conntrack_tcp_be_liberal unset). The --dry-run output."""
-    return render(state, node, RenderOptions.from_config(config, node_pod_cidrs=state.node.pod_cidrs)).text
+    options = RenderOptions.from_config(config, node_pod_cidrs=state.node.pod_cidrs, family=state.family)
+    return render(state, node, options).text

@@ -21,6 +21,10 @@ first use): the capability to change netfilter (CAP_NET_ADMIN; CAP_SYS_ADMIN too
 fix; a failed command after that is transient (`IptablesError`) and retried by the runner. With
 only one family installed, auto-detection takes it instead of asking the one that is not there.
 
+IPv6: a runner of family 6 runs ip6tables-{nft,legacy}{,-save,-restore} with the backend its IPv4
+twin chose (`follow`): kube-proxy's two proxiers always use one backend, and the node's other
+components write both families with the same one.
+
 Base-chain jumps are managed like upstream's EnsureRule: `-C` to check, `-I` to insert only when
 missing, so repeated syncs never duplicate a jump (an iptables-restore --noflush would).
 """
@@ -119,8 +123,8 @@ def supports_random_fully(version: tuple[int, ...]) -> bool:
 FAMILIES = ("nft", "legacy")
 
 
-def family_tools(backend: str) -> tuple[str, ...]:
-    return (f"iptables-{backend}", f"iptables-{backend}-save", f"iptables-{backend}-restore")
+def family_tools(backend: str, binary: str = "iptables") -> tuple[str, ...]:
+    return (f"{binary}-{backend}", f"{binary}-{backend}-save", f"{binary}-{backend}-restore")
 
 
 def installed_families(which: Callable[[str], str | None] = shutil.which) -> list[str]:
@@ -179,6 +183,8 @@ class SubprocessRunner:
         *,
         which: Callable[[str], str | None] = shutil.which,
         cap_mask: Callable[[], int] = caps.effective,
+        family: int = 4,
+        follow: Callable[[], str] | None = None,
     ) -> None:
         self._config = config
         self._which = which
@@ -186,6 +192,9 @@ class SubprocessRunner:
         self._netns = config.netns
         self._wanted = config.iptables_backend
         self._backend = ""
+        # ip6tables for the IPv6 proxier; `follow`: the IPv4 runner's backend, which this one uses.
+        self._binary = "ip6tables" if family == 6 else "iptables"
+        self._follow = follow
 
     def _prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self._netns] if self._netns else []
@@ -210,10 +219,20 @@ class SubprocessRunner:
             if self._wanted in ("nft", "legacy"):
                 self._backend = self._wanted
                 reason = "--iptables-backend"
+            elif self._follow is not None:
+                self._backend, reason = self._follow(), "the backend of the IPv4 rules"
             else:
                 self._backend, reason = self._detect()
+            if self._binary != "iptables":
+                absent = [t for t in family_tools(self._backend, self._binary) if not self._which(t)]
+                if absent:
+                    raise FatalError(
+                        f"the IPv6 proxier needs {', '.join(absent)}: install the iptables package "
+                        "(Debian: apt-get install iptables), or leave IPv6 out of --node-ip, "
+                        "--cluster-cidr and --service-cluster-ip-range"
+                    )
             where = f" in netns {self._netns}" if self._netns else ""
-            log.info("iptables mode: using iptables-%s%s (%s)", self._backend, where, reason)
+            log.info("iptables mode: using %s-%s%s (%s)", self._binary, self._backend, where, reason)
         return self._backend
 
     def _detect(self) -> tuple[str, str]:
@@ -232,8 +251,8 @@ class SubprocessRunner:
         return backend, reason
 
     def _tool(self, suffix: str) -> str:
-        # iptables-nft, iptables-nft-save, iptables-nft-restore (and -legacy likewise).
-        return f"iptables-{self.backend}{suffix}"
+        # iptables-nft, iptables-nft-save, iptables-nft-restore (and -legacy, and ip6tables-, likewise).
+        return f"{self._binary}-{self.backend}{suffix}"
 
     def restore(self, text: str) -> None:
         argv = [self._tool("-restore"), "-w", LOCK_WAIT_SECONDS, "--noflush", "--counters"]

@@ -290,9 +290,10 @@ class Metrics:
         # Gauge.SetToCurrentTime: float64(time.Now().UnixNano()) / 1e9, the same rounding as here.
         return self._clock.wall_ns() / 1e9
 
-    def record_queued(self) -> None:
-        """A change was queued for the next sync (kube-proxy: every Service/EndpointSlice event)."""
-        self.last_queued.labels(IPV4).set(self._now_s())
+    def record_queued(self, family: str = IPV4) -> None:
+        """A change was queued for the next sync of `family`'s proxier (kube-proxy: every
+        Service/EndpointSlice event its change tracker takes)."""
+        self.last_queued.labels(family).set(self._now_s())
 
     def record_changes(self, *, services: int = 0, endpoints: int = 0) -> None:
         """Service / EndpointSlice events that changed the tracked state (counted once each)."""
@@ -306,17 +307,18 @@ class Metrics:
         self.service_changes_pending.set(services)
         self.endpoint_changes_pending.set(endpoints)
 
-    def record_sync(self, full: bool, seconds: float, ok: bool = True) -> None:
-        """One sync took `seconds`. Durations are observed for failed syncs too, as upstream's
-        deferred Observe; the last-sync timestamp moves only when the sync succeeded."""
-        self.sync_seconds.labels(IPV4).observe(seconds)
-        (self.sync_full_seconds if full else self.sync_partial_seconds).labels(IPV4).observe(seconds)
+    def record_sync(self, full: bool, seconds: float, ok: bool = True, family: str = IPV4) -> None:
+        """One sync of `family`'s proxier took `seconds`. Durations are observed for failed syncs
+        too, as upstream's deferred Observe; the last-sync timestamp moves only when the sync
+        succeeded."""
+        self.sync_seconds.labels(family).observe(seconds)
+        (self.sync_full_seconds if full else self.sync_partial_seconds).labels(family).observe(seconds)
         if ok:
-            self.last_sync.labels(IPV4).set(self._now_s())
+            self.last_sync.labels(family).set(self._now_s())
         else:
             self.sync_failures.inc()
 
-    def record_network_programming(self, trigger_times: Iterable[float]) -> int:
+    def record_network_programming(self, trigger_times: Iterable[float], family: str = IPV4) -> int:
         """After a successful sync: one observation per EndpointSlice change it programmed, from
         the slice's `endpoints.kubernetes.io/last-change-trigger-time` (as epoch seconds: the model
         parses the annotation) to now. As upstream's tracker, times from before this agent
@@ -324,7 +326,7 @@ class Metrics:
         observed."""
         now = self._now_s()
         observed = 0
-        child = self.network_programming.labels(IPV4)
+        child = self.network_programming.labels(family)
         for t in trigger_times:
             if t <= self._started_s:
                 continue
@@ -332,10 +334,10 @@ class Metrics:
             observed += 1
         return observed
 
-    def set_no_local_endpoints(self, internal: int, external: int) -> None:
+    def set_no_local_endpoints(self, internal: int, external: int, family: str = IPV4) -> None:
         """Service ports whose Local policy finds no local endpoint (`no_local_endpoint_counts`)."""
-        self.no_local_endpoints.labels(IPV4, "internal").set(internal)
-        self.no_local_endpoints.labels(IPV4, "external").set(external)
+        self.no_local_endpoints.labels(family, "internal").set(internal)
+        self.no_local_endpoints.labels(family, "external").set(external)
 
     def set_failed_service_ports(self, count: int) -> None:
         self.failed_service_ports.set(count)
@@ -355,18 +357,22 @@ class Metrics:
 
     # ------------------------------------------------------------------------ iptables mode
 
-    def record_restore_failure(self, partial: bool) -> None:
-        """iptables-restore failed; a failed partial restore falls back to a full one."""
-        (self.partial_restore_failures if partial else self.restore_failures).labels(IPV4).inc()
+    def record_restore_failure(self, partial: bool, family: str = IPV4) -> None:
+        """iptables-restore (ip6tables-restore: `family` IPv6) failed; a failed partial restore
+        falls back to a full one."""
+        (self.partial_restore_failures if partial else self.restore_failures).labels(family).inc()
 
-    def set_iptables_rules(self, total: Mapping[str, int], written: Mapping[str, int]) -> None:
-        """Rules per table after the sync, and rules written by it (`filter`, `nat`)."""
+    def set_iptables_rules(
+        self, total: Mapping[str, int], written: Mapping[str, int], family: str = IPV4
+    ) -> None:
+        """Rules per table after the sync, and rules written by it (`filter`, `nat`), of one
+        family's proxier (kube-proxy's `ip_family` label)."""
         for table, n in total.items():
-            self.iptables_rules.labels(IPV4, table).set(n)
+            self.iptables_rules.labels(family, table).set(n)
         for table, n in written.items():
-            self.iptables_rules_last.labels(IPV4, table).set(n)
+            self.iptables_rules_last.labels(family, table).set(n)
 
-    def record_conntrack_cleanup(self, seconds: float, deleted: int) -> None:
-        self.conntrack_reconciler_seconds.labels(IPV4).observe(seconds)
+    def record_conntrack_cleanup(self, seconds: float, deleted: int, family: str = IPV4) -> None:
+        self.conntrack_reconciler_seconds.labels(family).observe(seconds)
         if deleted:
-            self.conntrack_reconciler_deleted.labels(IPV4).inc(deleted)
+            self.conntrack_reconciler_deleted.labels(family).inc(deleted)

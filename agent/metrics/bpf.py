@@ -74,6 +74,7 @@ _DROP_REASONS = {
     Stat.DROP_ICMP_RATE: "icmp_rate_limited",
     Stat.DROP_FRAG_NEEDED: "fragmentation_needed",
     Stat.DROP_SPOOFED: "spoofed_source",
+    Stat.DROP_HANDOVER: "handover",
 }
 assert set(_DROP_REASONS) == set(DROPS)
 _FLOW_EVENTS = {

@@ -10,6 +10,7 @@ from agent.model.state import BuildResult, build_state
 from agent.model.topology import categorize_endpoints
 from agent.model.types import (
     Endpoint,
+    IPFamily,
     NodeInfo,
     Protocol,
     ProxyState,
@@ -23,6 +24,7 @@ __all__ = [
     "BuildResult",
     "Endpoint",
     "FrontendGuard",
+    "IPFamily",
     "NodeInfo",
     "ParseError",
     "Problem",

@@ -30,11 +30,10 @@ Pure: plain values in, plain values out.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from agent.model.addresses import parse_cidr_sloppy, parse_ip_sloppy
+from agent.model.addresses import IPNetwork, parse_cidr_sloppy, parse_ip_sloppy
 from agent.model.types import ServicePort
 
 # Event reasons of the two refusals (also the `reason` label of ekp_refused_frontends_total).
@@ -59,8 +58,8 @@ class FrontendGuard:
     `node_ports`: the inclusive range node ports must fall in; None checks nothing.
     """
 
-    protected: tuple[tuple[ipaddress.IPv4Network, str], ...] = ()
-    allowed: tuple[ipaddress.IPv4Network, ...] = ()
+    protected: tuple[tuple[IPNetwork, str], ...] = ()
+    allowed: tuple[IPNetwork, ...] = ()
     node_ports: tuple[int, int] | None = None
 
     @classmethod
@@ -73,9 +72,14 @@ class FrontendGuard:
         allowed_cidrs: Iterable[str] = (),
         node_port_range: tuple[int, int] | None = None,
     ) -> FrontendGuard:
-        """From the flags' text (IPv6 entries are ignored: this proxy programs IPv4)."""
+        """From the flags' text, both families (an address is checked against its own family's
+        networks; an allow-list of one family only refuses every external address of the other,
+        the safe reading of "only these")."""
         protected = [
-            *((net, "an address of this node") for net in _nets(f"{ip}/32" for ip in node_ips)),
+            *(
+                (net, "an address of this node")
+                for net in _nets(f"{ip}/{128 if ':' in ip else 32}" for ip in node_ips)
+            ),
             *((net, f"inside --cluster-cidr {net} (pod addresses)") for net in _nets(cluster_cidrs)),
             *(
                 (net, f"inside --service-cluster-ip-range {net} (Service addresses)")
@@ -85,9 +89,9 @@ class FrontendGuard:
         return cls(tuple(protected), tuple(_nets(allowed_cidrs)), node_port_range)
 
     def refuse_address(self, text: str) -> str | None:
-        """Why the external address `text` (canonical IPv4) is refused, or None."""
+        """Why the external address `text` (canonical, either family) is refused, or None."""
         ip = parse_ip_sloppy(text)
-        if not isinstance(ip, ipaddress.IPv4Address):
+        if ip is None:
             return None
         for net, what in self.protected:
             if ip in net:
@@ -104,11 +108,11 @@ class FrontendGuard:
         return None if lo <= port <= hi else f"outside --node-port-range {lo}-{hi}"
 
 
-def _nets(texts: Iterable[str]) -> list[ipaddress.IPv4Network]:
-    out: list[ipaddress.IPv4Network] = []
+def _nets(texts: Iterable[str]) -> list[IPNetwork]:
+    out: list[IPNetwork] = []
     for text in texts:
         net = parse_cidr_sloppy(text.strip())
-        if isinstance(net, ipaddress.IPv4Network) and net not in out:
+        if net is not None and net not in out:
             out.append(net)
     return out
 

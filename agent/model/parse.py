@@ -14,11 +14,15 @@ Two steps per object, in the order a real cluster applies them:
    be right: the caller reports it and programs everything else. Nothing but ParseError is ever
    raised, whatever the input.
 2. **Ignore as kube-proxy does**: objects its informers never receive, Services without a cluster
-   IP, headless and ExternalName Services (`ShouldSkipService`, pkg/proxy/util/utils.go), IPv6-only
-   Services, IPv6 and FQDN EndpointSlices, load-balancer ingress IPs with `ipMode: Proxy`
-   (`IsVIPMode`), addresses of the other family (`newBaseServiceInfo`, pkg/proxy/serviceport.go),
-   and EndpointSlice ports without a number (`endpointInfoByServicePort`,
-   pkg/proxy/endpointslicecache.go). Ignored is not a problem: nothing is reported.
+   IP, headless and ExternalName Services (`ShouldSkipService`, pkg/proxy/util/utils.go), FQDN
+   EndpointSlices, load-balancer ingress IPs with `ipMode: Proxy` (`IsVIPMode`), and EndpointSlice
+   ports without a number (`endpointInfoByServicePort`, pkg/proxy/endpointslicecache.go). Ignored
+   is not a problem: nothing is reported.
+3. **Split by family as the metaproxier does** (pkg/proxy/metaproxier): every Service goes to both
+   families' proxiers, and each keeps its own family's cluster IP, externalIPs, ingress IPs and
+   source ranges (`newBaseServiceInfo`, pkg/proxy/serviceport.go; a Service without a cluster IP
+   of a family is ignored by that family's proxier); an EndpointSlice goes to the proxier of its
+   `addressType`. `parse_service_families` gives both at once; `parse_service(svc, family)` one.
 
    The informers' selectors are per kind, as cmd/kube-proxy/app/server.go (`ProxyServer.Run`)
    builds them: Services with the label selector `!service.kubernetes.io/service-proxy-name` and
@@ -45,7 +49,6 @@ in stored objects) and kept in canonical form, so renderers never see the raw te
 from __future__ import annotations
 
 import functools
-import ipaddress
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -54,7 +57,9 @@ from typing import Any
 from agent.model.addresses import IPAddress, parse_cidr_sloppy, parse_ip_sloppy, special_ip_reason
 from agent.model.types import (
     DEFAULT_AFFINITY_TIMEOUT_SECONDS,
+    FAMILIES,
     Endpoint,
+    IPFamily,
     Protocol,
     ServicePort,
     ServicePortName,
@@ -101,6 +106,7 @@ __all__ = [
     "object_key",
     "parse_endpoint_slice",
     "parse_service",
+    "parse_service_families",
     "should_skip_service",
 ]
 
@@ -143,6 +149,7 @@ class ParsedSlice:
     # Per address; with the slice's port and `is_local` set when it has one port, else port 0 (the
     # slice's ports apply to each address)
     endpoints: tuple[Endpoint, ...]
+    family: IPFamily = IPFamily.IPv4  # the addressType: which family's proxier the slice feeds
 
 
 def object_key(obj: object) -> tuple[str, str]:
@@ -396,7 +403,7 @@ def _source_ranges(spec: Obj, svc_type: str) -> list[str]:
         net = parse_cidr_sloppy(text)
         if net is None:
             raise invalid(path, f"{describe(value)} must be a valid CIDR, e.g. 198.51.100.0/24")
-        if isinstance(net, ipaddress.IPv4Network) and str(net) not in out:
+        if str(net) not in out:
             out.append(str(net))
     return out
 
@@ -432,7 +439,7 @@ def _ingress_ips(svc: Obj, svc_type: str) -> list[IPAddress]:
     return out
 
 
-def _service(svc: object) -> list[ServicePort] | _Skip:
+def _service(svc: object) -> dict[IPFamily, list[ServicePort]] | _Skip:
     meta = _metadata(svc, is_dns1035_label, DNS1035_LABEL_RULE)
     skip = _service_not_for_this_proxy(meta.labels)
     if skip:
@@ -464,45 +471,62 @@ def _service(svc: object) -> list[ServicePort] | _Skip:
         return _Skip("headless (clusterIP None)")
     if not cluster_ips:
         return _Skip("no cluster IP allocated")
-    ipv4 = [ip for ip in cluster_ips if ip.version == 4]
-    if not ipv4:
-        return _Skip("no IPv4 cluster IP (this proxy programs IPv4)")
-    ext_v4 = tuple(dict.fromkeys(str(ip) for ip in external_ips if ip.version == 4))
-    lb_v4 = tuple(str(ip) for ip in lb_ips if ip.version == 4)
     affinity = SessionAffinity.CLIENT_IP if timeout else SessionAffinity.NONE
-    return [
-        ServicePort(
-            name=ServicePortName(meta.namespace, meta.name, p.name, p.protocol),
-            cluster_ip=str(ipv4[0]),
-            port=p.port,
-            protocol=p.protocol,
-            node_port=p.node_port if svc_type in ("NodePort", "LoadBalancer") else 0,
-            external_ips=ext_v4,
-            load_balancer_ips=lb_v4,
-            load_balancer_source_ranges=tuple(ranges),
-            external_policy_local=etp_local,
-            internal_policy_local=itp_local,
-            session_affinity=affinity,
-            affinity_timeout_seconds=timeout,
-            health_check_node_port=hc_port,
-        )
-        for p in ports
-    ]
+    out: dict[IPFamily, list[ServicePort]] = {}
+    for family in FAMILIES:
+        # newBaseServiceInfo for the proxier of `family`: its cluster IP, and the external IPs,
+        # ingress IPs and source ranges of its family (the others belong to the other proxier).
+        own = [ip for ip in cluster_ips if ip.version == family]
+        if not own:
+            continue
+        external = tuple(dict.fromkeys(str(ip) for ip in external_ips if ip.version == family))
+        balancers = tuple(str(ip) for ip in lb_ips if ip.version == family)
+        own_ranges = tuple(r for r in ranges if IPFamily.of(r) is family)
+        out[family] = [
+            ServicePort(
+                name=ServicePortName(meta.namespace, meta.name, p.name, p.protocol),
+                cluster_ip=str(own[0]),
+                port=p.port,
+                protocol=p.protocol,
+                node_port=p.node_port if svc_type in ("NodePort", "LoadBalancer") else 0,
+                external_ips=external,
+                load_balancer_ips=balancers,
+                load_balancer_source_ranges=own_ranges,
+                external_policy_local=etp_local,
+                internal_policy_local=itp_local,
+                session_affinity=affinity,
+                affinity_timeout_seconds=timeout,
+                health_check_node_port=hc_port,
+            )
+            for p in ports
+        ]
+    return out
 
 
-def parse_service(svc: object) -> list[ServicePort]:
-    """One Service to its ports; [] when the proxy ignores it (see should_skip_service).
+def parse_service_families(svc: object) -> dict[IPFamily, list[ServicePort]]:
+    """One Service to its ports per family, as each family's proxier sees it: a dual-stack Service
+    has both, a single-stack one one; {} when every proxier ignores it. Raises ParseError, and
+    only ParseError, when the API server would refuse the object."""
+    result = _service(svc)
+    return {} if isinstance(result, _Skip) else result
+
+
+def parse_service(svc: object, family: IPFamily = IPFamily.IPv4) -> list[ServicePort]:
+    """One Service to its ports of `family`; [] when that family's proxier ignores it (see
+    should_skip_service).
 
     Raises ParseError, and only ParseError, when the API server would refuse the object.
     """
-    result = _service(svc)
-    return [] if isinstance(result, _Skip) else result
+    return parse_service_families(svc).get(family, [])
 
 
-def should_skip_service(svc: object) -> str | None:
-    """Why kube-proxy ignores this valid Service, or None when it programs it; ParseError if invalid."""
+def should_skip_service(svc: object, family: IPFamily = IPFamily.IPv4) -> str | None:
+    """Why kube-proxy's proxier of `family` ignores this valid Service, or None when it programs
+    it; ParseError if invalid."""
     result = _service(svc)
-    return result.reason if isinstance(result, _Skip) else None
+    if isinstance(result, _Skip):
+        return result.reason
+    return None if family in result else f"no {family} cluster IP (the {family} proxier ignores it)"
 
 
 # ---- EndpointSlices ----------------------------------------------------------------------------
@@ -680,7 +704,7 @@ def _endpoint_checked(
             is_dns1123_subdomain,
             "must be a node name: " + DNS1123_SUBDOMAIN_RULE,
         )
-    if address_type != "IPv4":
+    if address_type == "FQDN":
         return None
     ready_now = True if ready is None else ready
     return Endpoint(
@@ -729,9 +753,12 @@ def _slice_ports(eps: Obj) -> list[SlicePort]:
     return out
 
 
-def parse_endpoint_slice(eps: object, node_name: str = "") -> ParsedSlice | None:
-    """One EndpointSlice; None when it is not ours (IPv6, FQDN, or labelled away). `node_name`:
-    this node, so endpoints on it say `is_local` (merge_slices decides it either way).
+def parse_endpoint_slice(
+    eps: object, node_name: str = "", family: IPFamily | None = IPFamily.IPv4
+) -> ParsedSlice | None:
+    """One EndpointSlice; None when it is not ours (FQDN, labelled away, or of an addressType
+    other than `family`; `family` None takes either). `node_name`: this node, so endpoints on it
+    say `is_local` (merge_slices decides it either way).
 
     Raises ParseError, and only ParseError, when the API server would refuse the object.
     """
@@ -764,7 +791,10 @@ def parse_endpoint_slice(eps: object, node_name: str = "") -> ParsedSlice | None
     ]
     if bad_ports is not None:
         raise bad_ports
-    if address_type != "IPv4":
+    if address_type == "FQDN":
+        return None
+    slice_family = IPFamily.IPv4 if address_type == "IPv4" else IPFamily.IPv6
+    if family is not None and slice_family is not family:
         return None
     return ParsedSlice(
         meta.namespace,
@@ -772,4 +802,5 @@ def parse_endpoint_slice(eps: object, node_name: str = "") -> ParsedSlice | None
         service,
         tuple(ports),
         tuple(ep for ep in endpoints if ep is not None),
+        slice_family,
     )

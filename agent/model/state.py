@@ -15,7 +15,7 @@ from agent.model.guard import FrontendGuard
 from agent.model.parse import Obj
 from agent.model.problem import Problem
 from agent.model.tracker import ProxyModel, merge_slices
-from agent.model.types import NodeInfo, ProxyState
+from agent.model.types import IPFamily, NodeInfo, ProxyState
 from agent.sources.base import Kind, object_key
 
 __all__ = ["BuildResult", "build_state", "merge_slices"]
@@ -28,12 +28,17 @@ class BuildResult:
 
 
 def build_state(
-    services: Iterable[Obj], slices: Iterable[Obj], node: NodeInfo, guard: FrontendGuard | None = None
+    services: Iterable[Obj],
+    slices: Iterable[Obj],
+    node: NodeInfo,
+    guard: FrontendGuard | None = None,
+    family: IPFamily = IPFamily.IPv4,
 ) -> BuildResult:
     """The state a fresh agent programs for these objects (a later duplicate key replaces an
     earlier one, as a MODIFIED event would; an object without a usable name is its own key).
-    `guard`: the node's rules for external frontends (none refused without one)."""
-    model = ProxyModel(node, guard)
+    `guard`: the node's rules for external frontends (none refused without one). `family`: the
+    address family whose state is built (one per family, as kube-proxy's metaproxier)."""
+    model = ProxyModel(node, guard, family)
     for i, svc in enumerate(services):
         model.set_service(_key(Kind.SERVICE, svc, i), svc)
     for i, eps in enumerate(slices):

@@ -5,19 +5,46 @@ These mirror kube-proxy's `ServicePortName`, `BaseServicePortInfo` and `BaseEndp
 to small immutable records that both backends (eBPF and iptables) consume. Nothing here knows
 about the kernel or the API server.
 
-IPv4 only for now: addresses are canonical dotted-quad strings (parse.py reads the API's text as
-kube-proxy does, leading zeros included, and writes it back canonically), so that rendered
-iptables rules and decoded map dumps read like the objects they came from and never carry raw
-caller text. Source ranges are canonical CIDRs (`10.0.0.0/8`, host bits cleared).
+One state holds one address family (`IPFamily`), as kube-proxy runs one proxier per family (its
+metaproxier, pkg/proxy/metaproxier): a dual-stack Service appears in the IPv4 state with its IPv4
+cluster IP and in the IPv6 state with its IPv6 one, each with the endpoints of its own family's
+EndpointSlices. Addresses are canonical strings (dotted quads; RFC 5952 IPv6 text, as Go's
+`net.IP.String()` prints it): parse.py reads the API's text as kube-proxy does, leading zeros
+included, and writes it back canonically, so that rendered rules and decoded map dumps read like
+the objects they came from and never carry raw caller text. Source ranges are canonical CIDRs
+(`10.0.0.0/8`, `2001:db8::/64`, host bits cleared).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from functools import cached_property
 from typing import NamedTuple
+
+
+class IPFamily(IntEnum):
+    """An address family; the value is the IP version. `str()` is Kubernetes' spelling (`IPv4`)."""
+
+    IPv4 = 4
+    IPv6 = 6
+
+    def __str__(self) -> str:
+        return f"IPv{self.value}"
+
+    @classmethod
+    def of(cls, address: str) -> IPFamily:
+        """The family of a canonical address or CIDR text (a colon makes it IPv6)."""
+        return cls.IPv6 if ":" in address else cls.IPv4
+
+
+FAMILIES = (IPFamily.IPv4, IPFamily.IPv6)
+
+
+def join_host_port(ip: str, port: int) -> str:
+    """Go's `net.JoinHostPort`: `10.0.0.1:80`, `[fd00::1]:80` (kube-proxy's endpoint string)."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 class Protocol(StrEnum):
@@ -116,7 +143,8 @@ class Endpoint(NamedTuple):
     A NamedTuple, not a dataclass: a cluster of 10,000 services holds a hundred thousand of these,
     built on every list, and a tuple is made and compared in C. Ordering and equality are by
     `ip:port` first, then the conditions, so sorted endpoint lists match kube-proxy's when sorted by
-    `sort_key` (the `ip:port` string: "10.0.0.10:80" sorts before "10.0.0.2:80").
+    `sort_key` (the `ip:port` string: "10.0.0.10:80" sorts before "10.0.0.2:80"; an IPv6 endpoint
+    is `[ip]:port`, Go's JoinHostPort, which is also what kube-proxy hashes into its chain names).
     """
 
     ip: str
@@ -131,11 +159,11 @@ class Endpoint(NamedTuple):
     is_local: bool = False
 
     def __str__(self) -> str:
-        return f"{self.ip}:{self.port}"
+        return join_host_port(self.ip, self.port)
 
     @property
     def sort_key(self) -> str:
-        return f"{self.ip}:{self.port}"
+        return join_host_port(self.ip, self.port)
 
 
 @dataclass(frozen=True)
@@ -185,7 +213,7 @@ class ProxyState:
 
     `services` and `endpoints` are keyed by ServicePortName; every key of `services` is in
     `endpoints` (possibly with an empty ServiceEndpoints). Iterate `sorted_ports()` for a
-    deterministic order.
+    deterministic order. Every address in it is of `family`.
     """
 
     node: NodeInfo
@@ -193,6 +221,7 @@ class ProxyState:
     endpoints: Mapping[ServicePortName, ServiceEndpoints]
     # Raw (unfiltered) endpoint lists as the slices gave them, sorted like kube-proxy's.
     raw_endpoints: Mapping[ServicePortName, tuple[Endpoint, ...]] = field(default_factory=dict)
+    family: IPFamily = IPFamily.IPv4
 
     def sorted_ports(self) -> list[ServicePort]:
         return [self.services[k] for k in sorted(self.services, key=lambda n: (str(n), n.protocol))]

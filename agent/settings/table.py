@@ -461,9 +461,10 @@ SETTINGS: tuple[Setting, ...] = (
     # ------------------------------------------------------------------------ node and addresses
     Setting(
         "node_ip",
-        IPAddress(v4_only=True, repeatable=True),
+        IPAddress(repeatable=True),
         (),
-        "a node address (repeatable); default: the addresses on --devices",
+        "a node address (repeatable, either family; an IPv6 one turns on iptables mode's IPv6 "
+        "proxier); default: the addresses on --devices",
         flags=("--node-ip",),
         attr="node_ips",
         group=NODE,
@@ -795,9 +796,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "bpf_socket_lb_host_namespace_only",
         Bool(),
-        True,
+        False,
         "translate at connect() only the sockets of the node's network namespace; pods keep the "
-        "per-packet path and see their Service address (Cilium's socketLB.hostNamespaceOnly)",
+        "per-packet path and their packets carry the Service address (service meshes that redirect "
+        "by it need this; Cilium's socketLB.hostNamespaceOnly). Off: a pod's connection to a "
+        "Service goes to the backend from connect() on, unless the frontend needs the pod's address "
+        "(affinity, source ranges, SNAT)",
         flags=("--bpf-socket-lb-host-namespace-only",),
         attr="socket_lb_host_only",
         group=EBPF,

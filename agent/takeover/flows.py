@@ -25,9 +25,17 @@ turns an eBPF FORWARD entry back into it. Which flows are carried:
   backend, known or not, as it would under kube-proxy.
 * eBPF -> kernel: FORWARD entries not expired and not closed (a RST, FINs both ways).
 
+A carried flow whose backend is one of the node's own addresses (`host_backend`: the `kubernetes`
+Service on a control-plane node) carries CtFlag.HOST, as the data path sets it for a new flow to a
+BackendFlag.HOST backend: its packets are rewritten and handed to the node's stack, which delivers
+them locally; without it the data path would route them to a local address and drop them.
+
 With legacy host routing (--bpf-host-routing=legacy, bpf/ekp_host.h) the node's stack sees every
 packet of an eBPF flow between its two translations, as client:cport <-> backend:bport with real
-addresses both ways (`stack_flow`), and nf_conntrack tracks it as that plain flow. Its reply tuple
+addresses both ways (`stack_flow`), and nf_conntrack tracks it as that plain flow. So it does for a
+host-backend flow under either host routing (the stack delivers it). Until its NAT entry is
+replaced (below), the data path drops such a flow's forward packets (CtFlag.HANDOVER, cleared by
+the agent right after the replacement; the sender retransmits): the stack must not see them. Its reply tuple
 is the reply tuple of the flow's NAT entry whenever the source was not translated, and the kernel
 holds one entry per tuple: while the NAT entry is there, the stack's NAT gives the plain flow's
 packets another source port (its null binding finds the reply tuple taken), and the backend resets
@@ -47,7 +55,7 @@ from enum import IntEnum
 
 from agent.ebpf.abi import CtDir, CtEntry, CtFlag, CtKey, ip_be, ip_str, port_be, port_host
 
-TCP, UDP = 6, 17
+TCP, UDP, SCTP = 6, 17, 132
 NSEC = 1_000_000_000
 
 # nf_conntrack's status bits (include/uapi/linux/netfilter/nf_conntrack_common.h).
@@ -75,6 +83,19 @@ class TcpState(IntEnum):
     SYN_SENT2 = 9
 
 
+class SctpState(IntEnum):
+    """nf_conntrack's SCTP states (enum sctp_conntrack)."""
+
+    NONE = 0
+    CLOSED = 1
+    COOKIE_WAIT = 2
+    COOKIE_ECHOED = 3
+    ESTABLISHED = 4
+    SHUTDOWN_SENT = 5
+    SHUTDOWN_RECD = 6
+    SHUTDOWN_ACK_SENT = 7
+
+
 HALF_CLOSED = (TcpState.FIN_WAIT, TcpState.CLOSE_WAIT, TcpState.LAST_ACK)
 ENDED = (TcpState.TIME_WAIT, TcpState.CLOSE)
 
@@ -91,6 +112,10 @@ class NatFlow:
     reply: Tuple
     status: int = IPS_SEEN_REPLY | IPS_ASSURED
     tcp_state: TcpState = TcpState.ESTABLISHED
+    # SCTP: the state and the verification tags each direction's packets carry (original, reply),
+    # which the kernel checks on every chunk but INIT: an entry it is given must have them
+    sctp_state: int = 0
+    vtags: tuple[int, int] = (0, 0)
 
     @property
     def dnat(self) -> bool:
@@ -105,7 +130,7 @@ class NatFlow:
     def describe(self) -> str:
         s, d, sp, dp = self.orig
         rs, rd, rsp, rdp = self.reply
-        proto = {TCP: "tcp", UDP: "udp"}.get(self.proto, str(self.proto))
+        proto = {TCP: "tcp", UDP: "udp", SCTP: "sctp"}.get(self.proto, str(self.proto))
         return f"{proto} {s}:{sp} -> {d}:{dp} (backend {rs}:{rsp}, reply to {rd}:{rdp})"
 
 
@@ -124,12 +149,21 @@ class Skip(IntEnum):
     ENDED = 1  # TIME_WAIT / CLOSE
     NODE_CLIENT = 2  # the node itself is the client (host network)
     BACKEND_GONE = 3  # UDP, the backend left the Service
-    PROTOCOL = 4  # neither TCP nor UDP
+    PROTOCOL = 4  # neither TCP, UDP nor SCTP
 
 
-def ebpf_flags(flow: NatFlow) -> int:
-    """eBPF flow state (CtFlag) for the kernel's."""
-    flags = 0
+def host_backend(flow: NatFlow, node_addresses: Collection[str]) -> bool:
+    """The flow's backend is on one of the node's own addresses (a host-network endpoint: the API
+    server behind `kubernetes` on a control-plane node): eBPF mode hands its packets to the node's
+    stack (CtFlag.HOST), where a route lookup would only say "local" and drop them."""
+    return flow.reply[0] in node_addresses
+
+
+def ebpf_flags(flow: NatFlow, *, host: bool = False) -> int:
+    """eBPF flow state (CtFlag) for the kernel's; `host`: the backend is the node's own address
+    (HANDOVER too: the stack must not see its packets translated while the kernel's NAT entry is
+    there, module doc)."""
+    flags = CtFlag.HOST | CtFlag.HANDOVER if host else 0
     if flow.snat:
         flags |= CtFlag.SNAT
     if flow.status & IPS_SEEN_REPLY:
@@ -146,11 +180,13 @@ def ebpf_flags(flow: NatFlow) -> int:
 
 def why_not_carried(flow: NatFlow, ids: EbpfIds, node_addresses: Collection[str]) -> Skip | None:
     """None when `flow` is carried into eBPF conntrack, else why not (module doc)."""
-    if flow.proto not in (TCP, UDP):
+    if flow.proto not in (TCP, UDP, SCTP):
         return Skip.PROTOCOL
     if not flow.dnat or (flow.orig[1], flow.orig[3], flow.proto) not in ids.services:
         return Skip.NOT_A_SERVICE
-    if flow.proto == TCP and flow.tcp_state in ENDED:
+    if (flow.proto == TCP and flow.tcp_state in ENDED) or (
+        flow.proto == SCTP and flow.sctp_state == SctpState.CLOSED
+    ):
         return Skip.ENDED
     if flow.orig[0] in node_addresses:
         return Skip.NODE_CLIENT
@@ -159,21 +195,11 @@ def why_not_carried(flow: NatFlow, ids: EbpfIds, node_addresses: Collection[str]
     return None
 
 
-def ebpf_entries(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[CtKey, CtEntry]]:
-    """The FORWARD and REPLY entries of a carried flow (check `why_not_carried` first)."""
+def ct_keys(flow: NatFlow) -> tuple[CtKey, CtKey]:
+    """The keys of a carried flow's FORWARD and REPLY entries."""
     s, d, sp, dp = flow.orig
     rs, rd, rsp, rdp = flow.reply
-    snat = flow.snat
-    common = {
-        "last_seen_ns": now_ns,
-        "fe_addr": ip_be(d),
-        "fe_port": port_be(dp),
-        "flags": ebpf_flags(flow),
-        "svc_id": ids.services.get((d, dp, flow.proto), 0),
-        "backend_id": ids.backends.get((rs, rsp, flow.proto), 0),
-        "created_s": now_ns // NSEC,
-    }
-    forward_key = CtKey(
+    forward = CtKey(
         saddr=ip_be(s),
         daddr=ip_be(d),
         sport=port_be(sp),
@@ -181,20 +207,41 @@ def ebpf_entries(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[CtKey, 
         proto=flow.proto,
         dir=CtDir.FORWARD,
     )
-    forward = CtEntry(
-        nat_addr=ip_be(rs),
-        nat_port=port_be(rsp),
-        snat_addr=ip_be(rd) if snat else 0,
-        snat_port=port_be(rdp) if snat else 0,
-        **common,
-    )
-    reply_key = CtKey(
+    reply = CtKey(
         saddr=ip_be(rs),
         daddr=ip_be(rd),
         sport=port_be(rsp),
         dport=port_be(rdp),
         proto=flow.proto,
         dir=CtDir.REPLY,
+    )
+    return forward, reply
+
+
+def ebpf_entries(
+    flow: NatFlow, ids: EbpfIds, now_ns: int, *, host: bool = False
+) -> list[tuple[CtKey, CtEntry]]:
+    """The FORWARD and REPLY entries of a carried flow (check `why_not_carried` first); `host`:
+    its backend is the node's own address (`host_backend`)."""
+    s, d, sp, dp = flow.orig
+    rs, rd, rsp, rdp = flow.reply
+    snat = flow.snat
+    forward_key, reply_key = ct_keys(flow)
+    common = {
+        "last_seen_ns": now_ns,
+        "fe_addr": ip_be(d),
+        "fe_port": port_be(dp),
+        "flags": ebpf_flags(flow, host=host),
+        "svc_id": ids.services.get((d, dp, flow.proto), 0),
+        "backend_id": ids.backends.get((rs, rsp, flow.proto), 0),
+        "created_s": now_ns // NSEC,
+    }
+    forward = CtEntry(
+        nat_addr=ip_be(rs),
+        nat_port=port_be(rsp),
+        snat_addr=ip_be(rd) if snat else 0,
+        snat_port=port_be(rdp) if snat else 0,
+        **common,
     )
     reply = CtEntry(
         nat_addr=ip_be(s) if snat else 0,
@@ -217,6 +264,8 @@ def stack_flow(flow: NatFlow) -> NatFlow:
         reply=(backend, s, bport, sp),
         status=flow.status,
         tcp_state=flow.tcp_state,
+        sctp_state=flow.sctp_state,
+        vtags=flow.vtags,
     )
 
 
@@ -230,6 +279,7 @@ class Timeouts:
     tcp_syn: int = 60
     udp: int = 30
     udp_stream: int = 120
+    sctp_established: int = 210  # nf_conntrack_sctp_timeout_established
 
 
 def ebpf_closed(flags: int) -> bool:
@@ -240,7 +290,8 @@ def ebpf_closed(flags: int) -> bool:
 
 def nat_flow(key: CtKey, entry: CtEntry) -> NatFlow | None:
     """The kernel's view of an eBPF FORWARD entry; None for a REPLY entry, a closed flow or a
-    protocol the kernel entry cannot be made for."""
+    protocol the kernel entry cannot be made for (SCTP: the eBPF conntrack does not keep the
+    verification tags the kernel would check every chunk against)."""
     if key.dir != CtDir.FORWARD or key.proto not in (TCP, UDP) or ebpf_closed(entry.flags):
         return None
     snat = bool(entry.flags & CtFlag.SNAT)
@@ -275,6 +326,8 @@ def timeout_of(flow: NatFlow, timeouts: Timeouts) -> int:
         if flow.tcp_state in HALF_CLOSED:
             return timeouts.tcp_close_wait
         return timeouts.tcp_syn
+    if flow.proto == SCTP and flow.sctp_state == SctpState.ESTABLISHED:
+        return timeouts.sctp_established
     return timeouts.udp_stream if flow.status & IPS_ASSURED else timeouts.udp
 
 

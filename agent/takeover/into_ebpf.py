@@ -22,7 +22,13 @@ right after:
    and destroyed within microseconds). So each carried flow's entry is replaced by the plain one
    the stack would have made, in the same state and window-liberal: the NAT entry deleted, then
    the plain tuple's entry (one made since the attach holds another port), then the plain entry
-   created (one a packet made in between is kept).
+   created (one a packet made in between is kept). A flow whose backend is the node's own address
+   (CtFlag.HOST) meets the stack under either host routing, and its entry is replaced the same way;
+   for such a flow the NAT entry is no harmless stranger: the stack delivers the packet with the
+   other port to the backend's socket, which answers with a RST that the data path translates
+   back to the client (seen in the lab). So the data path drops its forward packets from the
+   attach until the replacement is done (CtFlag.HANDOVER, carried with it: the client
+   retransmits), and the flag is cleared right after.
 3. then, the node being served: the other data path's rules go (agent/iptables/
    kube_proxy_cleanup.py: kube-proxy's iptables chains in both backends, which are also iptables
    mode's, and kube-proxy's nftables tables). Done at every start: an eBPF node has none of them,
@@ -47,7 +53,17 @@ from pyroute2.netlink.exceptions import NetlinkError
 from agent.config import Config, HostRouting
 from agent.ebpf import abi
 from agent.ebpf.maps import MapError, MapWriter, UpdateFlag
-from agent.takeover.flows import EbpfIds, NatFlow, Skip, Timeouts, ebpf_entries, stack_flow, why_not_carried
+from agent.takeover.flows import (
+    EbpfIds,
+    NatFlow,
+    Skip,
+    Timeouts,
+    ct_keys,
+    ebpf_entries,
+    host_backend,
+    stack_flow,
+    why_not_carried,
+)
 from agent.takeover.out_of_ebpf import timeouts_of
 
 log = logging.getLogger(__name__)
@@ -129,10 +145,13 @@ class KernelTakeover:
         self._sysctl = sysctl
         self._clock_ns = clock_ns  # CLOCK_MONOTONIC, as bpf_ktime_get_ns
         self._liberal_was: str | None = None
+        self._node: Collection[str] = frozenset()  # the node's addresses, as the last carry read them
+        self._carried: list[NatFlow] = []  # before the programs were attached
         self.carried = 0
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
-        if self._carry(maps, "before the programs are attached"):
+        self._carried = self._carry(maps, "before the programs are attached")
+        if self._carried:
             # While the programs are attached device by device, a carried flow can have one
             # direction translated by a program (netfilter never sees it) and the other still in
             # netfilter, whose window check then finds acks of data it never saw: INVALID, not
@@ -143,18 +162,64 @@ class KernelTakeover:
             self._liberal_was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
-        flows = self._carry(maps, "after the programs were attached")
-        if flows and self._config.bpf_host_routing == HostRouting.LEGACY:
-            self._to_stack(flows)
+        # The flows to the node's own address first: the data path drops their forward packets
+        # until they are handed over (module doc), so nothing else comes before.
+        early = [f for f in self._carried if host_backend(f, self._node)]
+        self._carried = []
+        self._hand_over(maps, early, early)
+        done = {f.orig for f in early}
+        flows = [f for f in self._carry(maps, "after the programs were attached") if f.orig not in done]
+        host = [f for f in flows if host_backend(f, self._node)]
+        if self._config.bpf_host_routing != HostRouting.LEGACY:
+            flows = host  # under bpf host routing only a flow to the node's own address meets the stack
+        self._hand_over(maps, flows, host)
         if self._liberal_was is not None and self._liberal_was != "1":
             self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
         self._liberal_was = None
+
+    def _hand_over(self, maps: Mapping[str, MapWriter], flows: list[NatFlow], host: list[NatFlow]) -> None:
+        """`flows`' NAT entries replaced by the stack's plain ones, then `host` released: replaced
+        or not (then the stack resets them, as it would have without the wait), the data path
+        stops dropping their forward packets."""
+        try:
+            if flows:
+                self._to_stack(flows)
+        finally:
+            self._handed_over(maps, host)
 
     def serving(self) -> None:
         # Only once the socket programs serve the node's own clients too: kube-proxy's OUTPUT
         # rules are what translated them until then (a connect() meeting neither would send its
         # SYNs to the ClusterIP itself until it timed out).
         self._remove_rules(self._config)
+
+    def _handed_over(self, maps: Mapping[str, MapWriter], flows: list[NatFlow]) -> None:
+        """CtFlag.HANDOVER cleared on both entries of each flow (agent/takeover/flows.py): the data
+        path translates their forward packets from here on."""
+        released = 0
+        for flow in flows:
+            table = maps[abi.ct_role(flow.proto)]
+            for key in ct_keys(flow):
+                entry = table.lookup(key)
+                if not isinstance(entry, abi.CtEntry) or not entry.flags & abi.CtFlag.HANDOVER:
+                    continue
+                entry.flags &= ~abi.CtFlag.HANDOVER
+                # Read, then written back: a state change the data path made in between (its
+                # replies renew the REPLY entry) is lost, for microseconds, once per flow.
+                try:
+                    table.update(key, entry, UpdateFlag.EXIST)
+                except MapError as exc:
+                    if exc.errno != errno.ENOENT:  # ended meanwhile
+                        raise
+                    continue
+                released += key.dir == abi.CtDir.FORWARD
+        if flows:
+            log.info(
+                "the %d carried flows to a backend on the node's own address are handed over: eBPF"
+                " conntrack translates their packets (%d released)",
+                len(flows),
+                released,
+            )
 
     def _to_stack(self, flows: list[NatFlow]) -> None:
         """Each carried flow's nf_conntrack entry replaced by the plain one legacy host routing's
@@ -169,9 +234,9 @@ class KernelTakeover:
         except (OSError, NetlinkError) as exc:
             log.warning(
                 "cannot replace the NAT entries of the %d flows carried into eBPF conntrack in netns %s (%s):"
-                " with --bpf-host-routing=legacy the node's stack sees their packets as client <-> backend,"
-                " finds those entries in the way and gives the packets another source port, which the"
-                " backends reset; the agent needs NET_ADMIN (or run with --bpf-host-routing=bpf)",
+                " the node's stack sees their packets as client <-> backend (--bpf-host-routing=legacy, or"
+                " a backend on the node's own address), finds those entries in the way and gives the"
+                " packets another source port, which the backends reset; the agent needs NET_ADMIN",
                 len(flows),
                 netns or "(own)",
                 exc,
@@ -180,7 +245,8 @@ class KernelTakeover:
         for line in made.failed[:10]:
             log.warning("a carried flow's plain nf_conntrack entry could not be created: %s", line)
         log.info(
-            "handed the %d carried flows to the node's stack (legacy host routing): %d NAT entries of"
+            "handed the %d carried flows to the node's stack (legacy host routing, or a backend on the"
+            " node's own address): %d NAT entries of"
             " nf_conntrack replaced by client <-> backend entries (%d made by packets meanwhile, %d with"
             " another source port removed, %d failed), %.0f ms",
             len(flows),
@@ -208,7 +274,7 @@ class KernelTakeover:
             )
             return []
         ids = ebpf_ids(maps)
-        node = self._addresses(netns)
+        node = self._node = self._addresses(netns)
         skipped: Counter[Skip] = Counter()
         inserted = present = 0
         carried: list[NatFlow] = []
@@ -220,7 +286,7 @@ class KernelTakeover:
                 continue
             carried.append(flow)
             added = False
-            for key, entry in ebpf_entries(flow, ids, now):
+            for key, entry in ebpf_entries(flow, ids, now, host=host_backend(flow, node)):
                 try:
                     maps[abi.ct_role(key.proto)].update(key, entry, UpdateFlag.NOEXIST)
                     added = True

@@ -1,6 +1,6 @@
 """nf_conntrack through ctnetlink (pyroute2), in the namespace the agent programs.
 
-`dump_flows` lists the IPv4 TCP and UDP entries as `NatFlow`s; `create_flows` writes flows as new
+`dump_flows` lists the IPv4 TCP, UDP and SCTP entries as `NatFlow`s; `create_flows` writes flows as new
 entries with their NAT bindings, so netfilter goes on translating them as the eBPF programs did;
 `delete_flows` removes entries by tuple.
 ctnetlink sets a created entry's NAT up from CTA_NAT_DST / CTA_NAT_SRC applied to the inverse of
@@ -27,7 +27,17 @@ from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple, NFCTSocket
 
 from agent.netns import netns_route, run_in_netns
-from agent.takeover.flows import IPS_DST_NAT, TCP, UDP, NatFlow, TcpState, Timeouts, kernel_status, timeout_of
+from agent.takeover.flows import (
+    IPS_DST_NAT,
+    SCTP,
+    TCP,
+    UDP,
+    NatFlow,
+    TcpState,
+    Timeouts,
+    kernel_status,
+    timeout_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +64,34 @@ def _flow(msg: Any) -> NatFlow | None:
     if orig is None or reply is None:
         return None
     o, r = _tuple(orig), _tuple(reply)
-    if o[4] not in (TCP, UDP) or not o[0] or o[0] == "None":
+    if o[4] not in (TCP, UDP, SCTP) or not o[0] or o[0] == "None":
         return None
     state = TcpState.NONE
+    sctp_state, vtags = 0, (0, 0)
     info = msg.get_attr("CTA_PROTOINFO")
     tcp = info.get_attr("CTA_PROTOINFO_TCP") if info is not None else None
     if tcp is not None:
         state = TcpState(int(tcp.get_attr("CTA_PROTOINFO_TCP_STATE")))
+    sctp = info.get_attr("CTA_PROTOINFO_SCTP") if info is not None else None
+    if sctp is not None:
+        sctp_state = int(sctp.get_attr("CTA_PROTOINFO_SCTP_STATE") or 0)
+        vtags = (
+            int(sctp.get_attr("CTA_PROTOINFO_SCTP_VTAG_ORIGINAL") or 0),
+            int(sctp.get_attr("CTA_PROTOINFO_SCTP_VTAG_REPLY") or 0),
+        )
     return NatFlow(
-        proto=o[4], orig=o[:4], reply=r[:4], status=int(msg.get_attr("CTA_STATUS") or 0), tcp_state=state
+        proto=o[4],
+        orig=o[:4],
+        reply=r[:4],
+        status=int(msg.get_attr("CTA_STATUS") or 0),
+        tcp_state=state,
+        sctp_state=sctp_state,
+        vtags=vtags,
     )
 
 
 def dump_flows(netns: str) -> list[NatFlow]:
-    """The IPv4 TCP and UDP entries of nf_conntrack in `netns` whose destination was translated:
+    """The IPv4 TCP, UDP and SCTP entries of nf_conntrack in `netns` whose destination was translated:
     the kernel filters on the status bit (Linux 5.15+), so a node's untranslated flows, however
     many, cost nothing here."""
 
@@ -123,6 +147,13 @@ def _entry(flow: NatFlow, timeouts: Timeouts) -> dict[str, Any]:
             ("CTA_PROTOINFO_TCP_FLAGS_REPLY", {"value": liberal}),
         ]
         attrs["protoinfo"] = {"attrs": [("CTA_PROTOINFO_TCP", {"attrs": tcp})]}
+    elif flow.proto == SCTP:
+        sctp = [
+            ("CTA_PROTOINFO_SCTP_STATE", flow.sctp_state),
+            ("CTA_PROTOINFO_SCTP_VTAG_ORIGINAL", flow.vtags[0]),
+            ("CTA_PROTOINFO_SCTP_VTAG_REPLY", flow.vtags[1]),
+        ]
+        attrs["protoinfo"] = {"attrs": [("CTA_PROTOINFO_SCTP", {"attrs": sctp})]}
     return attrs
 
 

@@ -15,6 +15,12 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    was not translated: it is deleted right before the flow's NAT entry is written. A packet the
    programs translate in that gap makes it again and the write is refused (EEXIST: nfct.py pins
    the ports); those flows get one more round at once;
+   A flow whose backend is the node's own address (CtFlag.HOST) reaches the node's stack under
+   either host routing, and a packet the programs translate once its NAT entry is written is
+   worse than refused: the stack gives it another source port, the backend's socket answers
+   with a RST and the programs translate that back to the client. So right before, those flows
+   are held (CtFlag.HANDOVER: the programs drop their forward packets, the client retransmits
+   once they are detached);
 2. the programs are detached from every device of the node: no plain entry is made any more;
 3. the flows the programs started between 1 and 2, and those still refused, are written the same
    way (entries already there kept);
@@ -25,6 +31,7 @@ Nothing happens where no eBPF conntrack is pinned at --bpf-pin-path.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -35,7 +42,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.config import Config
 from agent.ebpf import abi
-from agent.takeover.flows import NatFlow, Timeouts, nat_flow, stack_flow
+from agent.takeover.flows import NSEC, NatFlow, Timeouts, ct_keys, nat_flow, stack_flow
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,39 @@ def pinned_flows(pin_path: str) -> list[NatFlow]:
     return flows
 
 
+def hold_host_flows(pin_path: str, flows: Iterable[NatFlow]) -> int:
+    """CtFlag.HANDOVER set on the FORWARD entry of each of `flows` whose backend is the node's own
+    address (CtFlag.HOST), its created_s moved to now so that the flag holds (EKP_CT_HANDOVER_S
+    from there); returns how many. The programs drop those flows' forward packets until they are
+    detached (module doc, step 1)."""
+    from agent.ebpf.maps import BpfMap, MapError, UpdateFlag
+
+    wanted: dict[str, list[NatFlow]] = {}
+    for flow in flows:
+        wanted.setdefault(abi.ct_role(flow.proto), []).append(flow)
+    held = 0
+    now_s = time.monotonic_ns() // NSEC  # CLOCK_MONOTONIC, as bpf_ktime_get_ns
+    for role, group in wanted.items():
+        if not os.path.exists(os.path.join(pin_path, abi.MAPS[role].name)):
+            continue
+        with BpfMap.open_pinned(abi.MAPS[role], pin_path) as table:
+            for flow in group:
+                key = ct_keys(flow)[0]
+                entry = table.lookup(key)
+                if not isinstance(entry, abi.CtEntry) or not entry.flags & abi.CtFlag.HOST:
+                    continue
+                entry.flags |= abi.CtFlag.HANDOVER
+                entry.created_s = now_s
+                try:
+                    table.update(key, entry, UpdateFlag.EXIST)
+                except MapError as exc:
+                    if exc.errno != errno.ENOENT:  # ended meanwhile
+                        raise
+                    continue
+                held += 1
+    return held
+
+
 def _create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Any:
     from agent.takeover.nfct import create_flows
 
@@ -98,12 +138,14 @@ class EbpfHandback:
         create: Callable[[str, Iterable[NatFlow], Timeouts], Any] = _create,
         detach: Callable[[str], list[str]] = _detach,
         remove_pins: Callable[[str], list[str]] = _remove_pins,
+        hold: Callable[[str, Iterable[NatFlow]], int] = hold_host_flows,
     ) -> None:
         self._config = config
         self._read = read
         self._create = create
         self._detach = detach
         self._remove_pins = remove_pins
+        self._hold = hold
 
     @property
     def pending(self) -> bool:
@@ -130,6 +172,7 @@ class EbpfHandback:
         netns, pin_path = self._config.netns, self._config.pin_path
         timeouts = timeouts_of(self._config)
         first = self._read(pin_path)
+        held = self._hold(pin_path, first)
         done = self._create(netns, first, timeouts)
         again = self._create(netns, done.taken, timeouts)
         detached = self._detach(netns)
@@ -142,7 +185,8 @@ class EbpfHandback:
         log.info(
             "took over from eBPF mode: %d established flows handed to nf_conntrack (%d before the"
             " programs were detached from %s, %d of them in a second round, %d after; %d there"
-            " already, %d failed), %d pins removed from %s, %.0f ms",
+            " already, %d failed; %d to the node's own address held meanwhile), %d pins removed from"
+            " %s, %.0f ms",
             done.created + again.created + more.created,
             done.created + again.created,
             ",".join(sorted(detached)) or "no device",
@@ -150,6 +194,7 @@ class EbpfHandback:
             more.created,
             more.present,
             len(failed),
+            held,
             len(removed),
             pin_path,
             (time.monotonic() - started) * 1000,

@@ -48,8 +48,10 @@ What is like kube-apiserver (each checked against upstream source or API docs):
 What is simplified: JSON only (no protobuf, no CBOR); one bearer token set instead of authn/authz
 (no RBAC); strategic merge patch is applied as a JSON merge patch (the same for Event fields);
 `resourceVersionMatch` is ignored and `resourceVersion=N` on a list reads the latest state; the two
-Event APIs are separate stores; a slow watcher that falls out of the window is disconnected
-rather than sent a 410; no server-side apply, no admission, no defaulting of object fields.
+Event APIs are separate stores; watchers read the shared window instead of being sent each event
+as it is written, so one that had not read events the window then lost (trimmed, or emptied by
+`drop_watch_history`/`compact`) cannot be served: its stream is ended, as the cacher ends a
+watcher it terminates; no server-side apply, no admission, no defaulting of object fields.
 """
 
 from __future__ import annotations
@@ -671,10 +673,12 @@ class FakeApiServer:
                             ]
                         }
                 seq = window.seq_after(rv) if error is None else 0
-        stream = _Stream(t, h.connection)
-        with self._lock:
-            self._streams.append(stream)
-            self._opened[t.kind] = self._opened.get(t.kind, 0) + 1
+            # Registered in the critical section of the version check, so a watch accepted before
+            # a compaction is always one that a later drop_streams() cuts.
+            stream = _Stream(t, h.connection)
+            with self._lock:
+                self._streams.append(stream)
+                self._opened[t.kind] = self._opened.get(t.kind, 0) + 1
         try:
             h.start_chunked()
             for j in initial:
@@ -729,13 +733,20 @@ class FakeApiServer:
                         break
                 if self._stopping or _peer_gone(stream.sock):
                     return
-                if seq < window.base_seq:
-                    return  # fell out of the window: the cacher terminates such a watcher
-                events = window.since(seq)
+                # Events this watcher had not read yet were trimmed or dropped from the window.
+                left_behind = seq < window.base_seq
+                events = [] if left_behind else window.since(seq)
                 seq = window.end_seq
                 snapshot_rv = store.rv
                 with self._lock:
                     raw, stream.raw = stream.raw, []
+            if left_behind:
+                # The cacher terminates a watcher it cannot serve and its response ends
+                # (cache_watcher.go closes the result channel): the client watches again from its
+                # last resourceVersion and is answered 410. Left open, the stream would carry
+                # nothing more and the client would wait out its read timeout.
+                h.end_chunked()
+                return
             first_seq = seq - len(events)
             for i, ev in enumerate(events):
                 while raw and raw[0][0] <= first_seq + i:

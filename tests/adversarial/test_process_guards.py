@@ -3,7 +3,7 @@
 A two-node lab with one eBPF agent (A) for node1. Second agents and `--cleanup` runs for the same
 node must exit at once (status 1) naming A's PID, and leave A serving; a SIGKILLed A restarts at
 once (the kernel dropped its lock). Conditions no retry can fix (a pin path off bpffs, no
-CAP_NET_ADMIN in iptables mode, a pin directory another user made) end the agent in under 5 s with
+CAP_NET_ADMIN in iptables mode, a pin directory another user made) end the agent at once (one attempt) with
 the fix in the message, having created nothing, where they used to retry every second forever.
 """
 
@@ -29,7 +29,11 @@ from lab.objects import Port, service, with_endpoints
 pytestmark = pytest.mark.kernel
 
 VIP = "10.96.0.10"
-FAST_S = 5.0
+# The guards run before anything is created, so a guarded agent exits after one attempt; an agent
+# that retried every second for ever would run into run_agent's 60 s timeout instead. The bound
+# is only Python's and bcc's start on a loaded 2-vCPU machine (6.2 s seen beside three test
+# workers): how fast is for `make bench`, not for a timed test.
+FAST_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +235,7 @@ def test_a_pinned_map_of_another_size_is_fatal_with_what_to_do(cluster: Cluster)
         )
     finally:
         mnt.rmdir()
-    assert status == 1 and took < FAST_S + 10, (status, took, out)
+    assert status == 1 and took < FAST_S, (status, took, out)
     assert "pinned BPF maps do not match this agent's data path" in out, out
     assert re.search(rf"{spec.name}: [^;]*max_entries is 1000", out) and "run `agent --cleanup`" in out, out
     assert "Traceback" not in out, out

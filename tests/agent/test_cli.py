@@ -63,7 +63,7 @@ def test_config_from_flags() -> None:
     [
         (["--mode=ipvs"], "invalid choice: 'ipvs'"),
         (["--cluster-cidr=10.244.0.0/33"], "is not a CIDR"),
-        (["--node-ip=node1"], "is not an IPv4 address"),
+        (["--node-ip=node1"], "is not an IP address"),
         (["--bpf-ct-global-any-max=0"], "is not a positive whole number"),
         (["--bpf-snat-ports=70000-80000"], "is not a port range"),
         (["--iptables-sync-period=soon"], "is not a duration"),

@@ -78,11 +78,12 @@ class FakeHealth:
         self.services: list[dict[str, int]] = []
         self.endpoints: list[dict[str, int]] = []
 
-    def queued_update(self) -> None:
-        self.log.append("queued")
+    # IPv4 entries read as before the IPv6 proxier existed; IPv6 ones name their family.
+    def queued_update(self, family: str) -> None:
+        self.log.append("queued" if family == "IPv4" else f"queued {family}")
 
-    def updated(self) -> None:
-        self.log.append("updated")
+    def updated(self, family: str) -> None:
+        self.log.append("updated" if family == "IPv4" else f"updated {family}")
 
     def sync_node(self, node: Mapping[str, Any] | None) -> None:
         self.log.append(f"node {None if node is None else node['metadata']['name']}")

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent.config import Config
+from agent.config import Config, Mode
 from agent.nodewatch import AddressWatcher
 
 pytestmark = pytest.mark.kernel
@@ -71,3 +71,29 @@ def test_node_address_changes_notify_and_pod_device_changes_do_not(netns: str) -
     ip(netns, "addr", "add", "192.168.0.212/24", "dev", "eth0")
     time.sleep(0.3)  # a notification a stopped watcher would still send arrives well within this
     assert notes.count == count, "stopped"
+
+
+def test_ipv6_node_addresses_notify_when_iptables_mode_runs_its_ipv6_proxier(netns: str) -> None:
+    """With IPv6 configured (iptables mode), a global IPv6 address added on a node device
+    notifies; a link-local one (every device gets one, pod devices included) does not."""
+    config = Config(
+        mode=Mode.IPTABLES, netns=netns, pod_interfaces=("lxc*",), cluster_cidr=("fd00:10:244::/56",)
+    )
+    watcher = AddressWatcher(config)
+    notes = Notes()
+    watcher.start(notes)
+    try:
+        ip(netns, "addr", "add", "fe80::99/64", "dev", "lxc-a", "nodad")
+        assert not notes.wait(0.5), "a link-local address is no node address"
+        ip(netns, "addr", "add", "fd00:192:168::211/64", "dev", "eth0", "nodad")
+        assert notes.wait(1.0), "an IPv6 address added on a node device"
+    finally:
+        watcher.stop()
+    ipv4_only = AddressWatcher(Config(mode=Mode.IPTABLES, netns=netns, pod_interfaces=("lxc*",)))
+    notes = Notes()
+    ipv4_only.start(notes)
+    try:
+        ip(netns, "addr", "add", "fd00:192:168::212/64", "dev", "eth0", "nodad")
+        assert not notes.wait(0.5), "no IPv6 proxier: IPv6 addresses are not followed"
+    finally:
+        ipv4_only.stop()

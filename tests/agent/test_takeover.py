@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 import subprocess
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -32,11 +33,14 @@ from agent.takeover.flows import (
     IPS_SRC_NAT_DONE,
     EbpfIds,
     NatFlow,
+    SctpState,
     Skip,
     TcpState,
     Timeouts,
     Tuple,
+    ct_keys,
     ebpf_entries,
+    host_backend,
     kernel_status,
     nat_flow,
     stack_flow,
@@ -61,12 +65,20 @@ from lab.dplab import (
     reset_maps,
     set_config,
 )
-from lab.packets import TC_ACT_OK, loaded_datapath, parse, sh, tcp
+from lab.packets import TC_ACT_OK, TC_ACT_SHOT, loaded_datapath, parse, sh, tcp
 from tests.conftest import require_kernel
 
 IDS = EbpfIds(
-    services={(VIP, 80, 6): 3, (NODE, 30080, 6): 4, (VIP, 53, 17): 5},
-    backends={(BE1, 8080, 6): 21, (REMOTE_BE, 8080, 6): 22, (BE1, 53, 17): 23},
+    services={(VIP, 80, 6): 3, (NODE, 30080, 6): 4, (VIP, 53, 17): 5, (VIP, 5060, 132): 6},
+    backends={(BE1, 8080, 6): 21, (REMOTE_BE, 8080, 6): 22, (BE1, 53, 17): 23, (BE1, 5061, 132): 24},
+)
+# pod -> SCTP ClusterIP -> local backend: an association nf_conntrack saw established, its tags
+ASSOCIATION = NatFlow(
+    132,
+    (POD_CLIENT, VIP, 41500, 5060),
+    (BE1, POD_CLIENT, 5061, 41500),
+    sctp_state=SctpState.ESTABLISHED,
+    vtags=(0x5678EF01, 0x1234ABCD),
 )
 # pod -> ClusterIP -> local backend, client address kept
 CLUSTERIP = NatFlow(6, (POD_CLIENT, VIP, 40000, 80), (BE1, POD_CLIENT, 8080, 40000))
@@ -126,7 +138,9 @@ def test_a_masqueraded_flow_keeps_its_snat_source_and_port() -> None:
         ),
         (NatFlow(17, (POD_CLIENT, VIP, 1, 53), ("10.244.1.77", POD_CLIENT, 53, 1)), (), Skip.BACKEND_GONE),
         (NatFlow(17, (POD_CLIENT, VIP, 1, 53), (BE1, POD_CLIENT, 53, 1)), (), None),
-        (NatFlow(132, (POD_CLIENT, VIP, 1, 80), (BE1, POD_CLIENT, 8080, 1)), (), Skip.PROTOCOL),
+        (ASSOCIATION, (), None),
+        (NatFlow(132, ASSOCIATION.orig, ASSOCIATION.reply, sctp_state=SctpState.CLOSED), (), Skip.ENDED),
+        (NatFlow(33, (POD_CLIENT, VIP, 1, 80), (BE1, POD_CLIENT, 8080, 1)), (), Skip.PROTOCOL),
     ],
     ids=[
         "clusterip",
@@ -137,10 +151,30 @@ def test_a_masqueraded_flow_keeps_its_snat_source_and_port() -> None:
         "udp-backend-gone",
         "udp",
         "sctp",
+        "sctp-closed",
+        "dccp",
     ],
 )
 def test_which_kernel_flows_are_carried(flow: NatFlow, node: tuple[str, ...], why: Skip | None) -> None:
     assert why_not_carried(flow, IDS, node) is why
+
+
+def test_an_sctp_association_is_carried_as_an_established_flow_and_handed_to_the_stack_with_its_tags() -> (
+    None
+):
+    """The eBPF conntrack keeps SCTP in ct_any with the UDP-like states (replied, established);
+    the plain entry legacy host routing's stack gets keeps the state and the verification tags
+    the kernel checks every chunk but INIT against, and the SCTP established timeout."""
+    got = {(k.dir, k.proto): (k, e) for k, e in ebpf_entries(ASSOCIATION, IDS, NOW)}
+    _, fwd = got[(CtDir.FORWARD, 132)]
+    assert fwd.flags == CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED | CtFlag.ADOPTED
+    assert (fwd.svc_id, fwd.backend_id, fwd.nat_port) == (6, 24, port_be(5061))
+    assert abi.ct_role(132) == "ct_any"
+    plain = stack_flow(ASSOCIATION)
+    assert (plain.sctp_state, plain.vtags) == (SctpState.ESTABLISHED, ASSOCIATION.vtags)
+    assert timeout_of(plain, Timeouts()) == Timeouts().sctp_established
+    key = next(k for k, _ in ebpf_entries(ASSOCIATION, IDS, NOW) if k.dir == CtDir.FORWARD)
+    assert nat_flow(key, fwd) is None  # not back into nf_conntrack: the eBPF entry has no tags
 
 
 def test_a_tcp_flow_to_a_backend_the_maps_do_not_have_keeps_it() -> None:
@@ -284,6 +318,94 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
     assert events[-1] == "remove rules node1"
 
 
+# pod -> `kubernetes` ClusterIP -> the API server on the node's own address (a host-network endpoint)
+API_FLOW = NatFlow(6, (POD_CLIENT, VIP, 40100, 80), (NODE, POD_CLIENT, 6443, 40100))
+
+
+def test_a_flow_to_the_nodes_own_address_is_carried_as_a_host_flow_being_handed_over() -> None:
+    """The data path hands such a flow to the node's stack (CtFlag.HOST, as for a new flow to a
+    BackendFlag.HOST backend), and drops its forward packets until the agent replaced the kernel's
+    NAT entry (HANDOVER); a flow to a pod is neither."""
+    assert host_backend(API_FLOW, {NODE}) and not host_backend(CLUSTERIP, {NODE})
+    for key, entry in ebpf_entries(API_FLOW, IDS, NOW, host=True):
+        assert (
+            entry.flags
+            == CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED | CtFlag.ADOPTED | CtFlag.HOST | CtFlag.HANDOVER
+        )
+        assert key in ct_keys(API_FLOW)
+    assert not any(e.flags & (CtFlag.HOST | CtFlag.HANDOVER) for _, e in ebpf_entries(CLUSTERIP, IDS, NOW))
+
+
+def api_flow_flags(maps: dict[str, MapWriter]) -> dict[int, int]:
+    """The flags of API_FLOW's entries, by direction."""
+    got = {}
+    for k, e in maps["ct_tcp"].items():
+        if isinstance(k, abi.CtKey) and isinstance(e, abi.CtEntry) and k in ct_keys(API_FLOW):
+            got[int(k.dir)] = int(e.flags)
+    return got
+
+
+@pytest.mark.parametrize("routing", list(HostRouting))
+def test_a_host_flow_is_handed_to_the_stack_first_under_either_routing_then_released(
+    routing: HostRouting,
+) -> None:
+    """Under either host routing the stack sees a host flow's packets: its NAT entry is replaced by
+    the plain one before anything else after the attach (its forward packets drop meanwhile), then
+    HANDOVER is cleared on both of its entries. The pod flow is the stack's under legacy only."""
+    events: list[str] = []
+    maps = fake_maps()
+
+    def delete(netns: str, flows: Iterable[NatFlow]) -> int:
+        got = [f.orig for f in flows]
+        events.append(f"delete {got}")
+        return len(got)
+
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Created:
+        got = [f.orig for f in flows]
+        handing = [e.flags & CtFlag.HANDOVER for k, e in maps["ct_tcp"].items() if isinstance(e, abi.CtEntry)]
+        events.append(f"create {got} while {sum(1 for h in handing if h)} entries hand over")
+        return Created(created=len(got))
+
+    def dump(netns: str) -> list[NatFlow]:
+        events.append("dump")
+        return [CLUSTERIP, API_FLOW]
+
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=routing),
+        dump=dump,
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        delete=delete,
+        create=create,
+        clock_ns=lambda: NOW,
+    )
+    takeover.before_attach(maps)
+    flags = api_flow_flags(maps)
+    assert set(flags) == {CtDir.FORWARD, CtDir.REPLY} and flags[CtDir.FORWARD] == flags[CtDir.REPLY]
+    assert all(f & CtFlag.HANDOVER and f & CtFlag.HOST for f in flags.values())
+    takeover.after_attach(maps)
+    plain = stack_flow(API_FLOW).orig
+    expected = [
+        "dump",
+        f"delete {[API_FLOW.orig]}",
+        f"delete {[plain]}",
+        f"create {[plain]} while 2 entries hand over",
+        "dump",
+    ]
+    if routing == HostRouting.LEGACY:  # the pod flow meets the stack too, after
+        pod = stack_flow(CLUSTERIP).orig
+        expected += [
+            f"delete {[CLUSTERIP.orig]}",
+            f"delete {[pod]}",
+            f"create {[pod]} while 0 entries hand over",
+        ]
+    assert events == expected
+    released = list(api_flow_flags(maps).values())
+    assert len(released) == 2 and not any(f & CtFlag.HANDOVER for f in released)
+    assert all(f & CtFlag.HOST for f in released)
+
+
 def test_the_handback_writes_detaches_writes_the_late_flows_and_removes_the_pins(tmp_path: Path) -> None:
     pins = tmp_path / "pins"
     pins.mkdir()
@@ -302,10 +424,12 @@ def test_the_handback_writes_detaches_writes_the_late_flows_and_removes_the_pins
         create=create,
         detach=lambda netns: events.append(f"detach {netns}") or ["eth0"],  # type: ignore[func-returns-value]
         remove_pins=lambda pin_path: events.append("remove pins") or ["ekp_ct_tcp_v2"],  # type: ignore[func-returns-value]
+        hold=lambda pin_path, flows: events.append(f"hold {[f.orig[0] for f in flows]}") or 0,  # type: ignore[func-returns-value]
     )
     assert handback.pending
     handback.run()
     assert events == [
+        f"hold {[POD_CLIENT]}",  # a flow to the node's own address among them stops translating
         f"create node1 {[POD_CLIENT]}",
         "create node1 []",  # none refused: no second round
         "detach node1",
@@ -335,6 +459,7 @@ def test_flows_whose_write_was_refused_are_written_again_before_and_after_the_de
         create=create,
         detach=lambda netns: events.append(("detach", [])) or ["eth0"],  # type: ignore[func-returns-value]
         remove_pins=lambda pin_path: [],
+        hold=lambda pin_path, flows: 0,
     )
     handback.run()
     assert events == [
@@ -433,6 +558,45 @@ def test_flows_carried_from_nf_conntrack_go_on_through_the_programs(
         reset_maps(dp)
 
 
+@pytest.mark.kernel
+@pytest.mark.parametrize("late", [False, True], ids=["released", "never-released"])
+def test_a_carried_host_flow_waits_for_its_handover_then_goes_to_the_stack(dp: Datapath, late: bool) -> None:
+    """A carried flow to the node's own address: its forward packets drop (HANDOVER) until the
+    agent released it, then go to the node's stack translated (TC_ACT_OK, no route lookup: no
+    drop_fib), and the stack's replies leave as the ClusterIP's. A flag never cleared (an agent
+    that died in between) holds EKP_CT_HANDOVER_S at most."""
+    with packet_lab() as lab:
+        reset_maps(dp)
+        net = Net(dp, lab)
+        net.add_service(backends=((21, NODE, 6443, BackendFlag.HOST | BackendFlag.LOCAL),), svc_id=3)
+        made = time.monotonic_ns() - (abi.CT_HANDOVER_S + 1) * 10**9 if late else time.monotonic_ns()
+        takeover = KernelTakeover(
+            Config(),
+            dump=lambda netns: [API_FLOW],
+            addresses=lambda netns: {NODE},
+            remove_rules=lambda c: None,
+            sysctl=lambda netns, path, value: None,
+            delete=lambda netns, flows: 0,
+            create=lambda netns, flows, timeouts: Created(),
+            clock_ns=lambda: made,
+        )
+        takeover.before_attach(dp.maps)
+        activity.arm(dp.maps)
+        segment = tcp(POD_CLIENT, VIP, 40100, 80, flags="PA")
+        verdict, out = net.from_pod(segment)
+        if not late:
+            assert verdict == TC_ACT_SHOT and net.stats()[Stat.DROP_HANDOVER] == 1
+            takeover.after_attach(dp.maps)
+            verdict, out = net.from_pod(segment)
+        p = parse(out)
+        assert verdict == TC_ACT_OK and (p.src, p.sport, p.dst, p.dport) == (POD_CLIENT, 40100, NODE, 6443)
+        p = parse(net.to_pod(tcp(NODE, POD_CLIENT, 6443, 40100, flags="PA"))[1])
+        assert (p.src, p.sport, p.dst, p.dport) == (VIP, 80, POD_CLIENT, 40100)
+        stats = net.stats()
+        assert (stats[Stat.CT_FORWARD], stats[Stat.CT_REPLY], stats[Stat.DROP_FIB]) == (1, 1, 0)
+        reset_maps(dp)
+
+
 @pytest.fixture
 def netns() -> Iterator[str]:
     require_kernel()
@@ -468,6 +632,18 @@ def test_a_nat_entry_and_the_stacks_plain_entry_exclude_each_other_until_one_is_
     # a masqueraded flow's plain entry holds no tuple of its NAT entry
     assert create_flows(netns, [NODEPORT, stack_flow(NODEPORT)], t).created == 2
     assert {f.orig for f in dump_flows(netns)} == {CLUSTERIP.orig, NODEPORT.orig}  # DST_NAT only
+
+
+@pytest.mark.kernel
+def test_an_sctp_entry_written_into_nf_conntrack_is_dumped_with_its_state_and_tags(netns: str) -> None:
+    assert create_flows(netns, [ASSOCIATION], Timeouts()).created == 1
+    kernel = {f.orig: f for f in dump_flows(netns)}[ASSOCIATION.orig]
+    assert (kernel.proto, kernel.reply, kernel.sctp_state, kernel.vtags) == (
+        132,
+        ASSOCIATION.reply,
+        SctpState.ESTABLISHED,
+        ASSOCIATION.vtags,
+    )
 
 
 @pytest.mark.kernel

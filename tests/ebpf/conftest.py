@@ -1,8 +1,10 @@
 """The packet lab's fixtures, shared by the data-path modules (tests/ebpf/test_datapath*.py).
 
-Each module that uses them gets its own loaded data path and packet lab (module scope), and
-marks itself `pytest.mark.usefixtures("clean_maps")`: every test starts on empty maps and ends
-with its counters balanced. A module that needs another data path defines its own `dp`.
+The loaded data path is one per test process (session scope: loading it is the verifier's work
+on every program, seconds each time, and it holds nothing a test leaves behind that `clean_maps`
+does not reset); each module that uses it gets its own packet lab (module scope), and marks itself
+`pytest.mark.usefixtures("clean_maps")`: every test starts on empty maps and the live config, and
+ends with its counters balanced. A module that needs another data path defines its own `dp`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from lab.dplab import SIZES, Lab, Net, assert_balanced, packet_lab, reset_maps
 from lab.packets import loaded_datapath
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dp() -> Iterator[Datapath]:
     with loaded_datapath(SIZES) as datapath:
         yield datapath

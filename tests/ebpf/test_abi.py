@@ -60,6 +60,7 @@ def c_constants() -> dict[str, int]:
     out["EKP_STAT_SLOTS"] = abi.STAT_SLOTS
     out["EKP_FRAGHOLD_SLOTS"] = abi.FRAGHOLD_SLOTS
     out["EKP_FRAGHOLD_LEN"] = abi.FRAGHOLD_LEN
+    out["EKP_CT_HANDOVER_S"] = abi.CT_HANDOVER_S
     return out
 
 

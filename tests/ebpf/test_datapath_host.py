@@ -2,7 +2,9 @@
 packet by packet: the ingress programs translate the destination and hand the packet to the node's
 stack (TC_ACT_OK, no route, TTL kept, the client's address kept whatever the frontend's SNAT
 flags); the stack's replies leave through ekp_egress, which gives them their frontend back, as it
-does an ICMP error the stack sends about such a flow. Packets the node forwards, and the node's own
+does an ICMP error the stack sends about such a flow; an ICMP error about such a flow's reply (a
+port unreachable from the client, a fragmentation needed from a hop) is translated and handed to
+the same stack. Packets the node forwards, and the node's own
 other traffic, leave egress untouched and uncounted.
 """
 
@@ -34,6 +36,7 @@ from lab.packets import (
     tcp,
     udp,
 )
+from tests.ebpf.test_datapath_icmp import error_about, quote_of
 
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
@@ -134,6 +137,49 @@ def test_an_icmp_error_the_stack_sends_about_a_host_flow_is_translated_back(net:
     )
     assert e.ip_chksum_ok and e.icmp_chksum_ok
     assert net.stats()[Stat.CT_RELATED] == 1
+
+
+def test_a_port_unreachable_about_a_host_flows_reply_reaches_the_node_as_if_about_what_it_sent(
+    net: Net, routing: int
+) -> None:
+    """The other direction: the pod answers the reply it got from the ClusterIP with a port
+    unreachable (its socket is gone). The error's destination is the backend, the node's own
+    address: handed to the node's stack (a route lookup would say "local" and drop it), quoting
+    the datagram as the node's socket sent it, from 5353 to the pod."""
+    net.add_service(port=53, backends=((1, NODE, 5353, HOST),), proto=UDP)
+    net.from_pod(udp(POD_CLIENT, VIP, 47100, 53))
+    reply = net.to_pod(udp(NODE, POD_CLIENT, 5353, 47100, payload=b"answer"))[1]
+    assert parse(reply).src == VIP
+    verdict, back = net.from_pod(error_about(reply, POD_CLIENT, "port-unreachable"))
+    e = icmp_error(back)
+    assert verdict == TC_ACT_OK and (e.src, e.dst, e.type, e.code) == (POD_CLIENT, NODE, 3, 3)
+    assert e.ip_chksum_ok and e.icmp_chksum_ok
+    assert quote_of(back)[:5] == (NODE, POD_CLIENT, 5353, 47100, True)
+    stats = net.stats()
+    assert (stats[Stat.CT_RELATED], stats[Stat.DROP_FIB]) == (1, 0)
+
+
+def test_a_fragmentation_needed_about_a_host_backends_node_port_reply_reaches_the_node(
+    net: Net, routing: int
+) -> None:
+    """Path-MTU discovery toward an external client through a NodePort to a host-network backend:
+    a hop on the way says the node's reply (from the NodePort) is too big. The node's stack must
+    get it about the segment its socket sent (6443 -> the client), or the connection stalls."""
+    net.add_service(NODE, 30443, ((1, NODE, API, HOST),), scope=Scope.EXTERNAL)
+    net.from_net(tcp(CLIENT, NODE, 46100, 30443))
+    reply = net.to_net(tcp(NODE, CLIENT, API, 46100, flags="PA", payload=b"x" * 64))[1]
+    assert (parse(reply).src, parse(reply).sport) == (NODE, 30443)
+    verdict, back = net.from_net(error_about(reply, "192.168.0.1", "frag-needed", quote_len=20 + 20 + 64))
+    e = icmp_error(back)
+    assert verdict == TC_ACT_OK and (e.src, e.dst, e.type, e.code) == ("192.168.0.1", NODE, 3, 4)
+    assert e.ip_chksum_ok and e.icmp_chksum_ok
+    src, dst, sport, dport, ip_ok, l4 = quote_of(back)
+    assert (src, dst, sport, dport, ip_ok) == (NODE, CLIENT, API, 46100, True)
+    # the quoted TCP header is the node's own again, checksum included
+    sent = tcp(NODE, CLIENT, API, 46100, flags="PA", payload=b"x" * 64)
+    assert l4 == sent[14 + 20 :]
+    stats = net.stats()
+    assert (stats[Stat.CT_RELATED], stats[Stat.DROP_FIB]) == (1, 0)
 
 
 def test_a_direct_connection_on_a_host_flows_tuple_moves_to_another_port_and_reaches_the_node(

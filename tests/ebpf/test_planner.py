@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.config import Config
-from agent.ebpf.abi import MAPS
+from agent.ebpf.abi import MAPS, AddrFlag, ip_str
 from agent.ebpf.entries import to_tuples
 from agent.ebpf.planner import Planner
 from agent.model import ProxyState
@@ -160,6 +160,58 @@ def test_a_restart_re_adopts_everything_and_prunes_only_what_went_away() -> None
     rig.restart()
     result = rig.sync(many(29))
     assert result.deletes["fe"] == 2 and sum(result.updates.values()) == 0
+
+
+def test_a_first_plan_keeps_no_second_copy_of_its_keys_and_a_restart_lets_go_of_the_kernels() -> None:
+    """Memory at scale: on empty maps the written side names nothing (every map is `fresh`);
+    after a restart's re-plan, only what the kernel holds differently is left of its read-back."""
+    rig = PlanRig()
+    rig.planner.reconcile(rig.dump(), adopt=True)
+    rig.planner.update(many(30), NODE, None)
+    assert all(rig.planner.desired[r] for r in ("fe", "slot", "be", "member", "rnat", "addr"))
+    assert not any(rig.planner.pending.values()) and not rig.planner.in_sync
+    rig.planner.flush(rig.maps)
+    assert rig.planner.in_sync and not rig.planner.fresh
+    backends = dict(rig.planner.desired["be"])
+    rig.restart()
+    assert rig.planner.pending["be"] == backends, "before the re-plan, all of it differs"
+    rig.planner.update(many(29), NODE, None)
+    left = {r: len(p) for r, p in rig.planner.pending.items() if p}
+    # the removed service's two frontends, two slots and members, its reverse-NAT entry, the
+    # backend no one else uses, its address and the VIP's: nothing of the 29 re-adopted
+    assert left == {"fe": 2, "slot": 2, "be": 1, "rnat": 1, "member": 2, "addr": 2}
+    assert rig.sync(many(29)).deletes["fe"] == 2
+
+
+def test_an_address_keeps_each_bit_while_any_user_has_it() -> None:
+    """ekp_addr: a frontend scope's bit or BACKEND stays while one of its users does, and the
+    entry goes with the last (users beyond the first are counted, the first is the bit)."""
+
+    def addr(rig: PlanRig) -> dict[str, int]:
+        return {ip_str(k.addr): v.flags for k, v in rig.contents().addr.items()}
+
+    node, backend = AddrFlag.FRONTEND_EXTERNAL | AddrFlag.FRONTEND_INTERNAL, AddrFlag.BACKEND
+    nodeport = [
+        svc(n, ip, eps, type="NodePort", nodeport=port)
+        for n, ip, eps, port in (
+            ("a", "10.96.0.1", ["10.244.1.2", "10.244.1.3"], 30001),
+            ("b", "10.96.0.2", ["10.244.1.2"], 30002),
+            ("c", "10.96.0.3", ["10.244.1.2"], 30003),
+        )
+    ]
+    rig = PlanRig()
+    rig.sync(states(*nodeport))
+    held = addr(rig)
+    assert held["192.168.0.11"] & node and held["10.244.1.2"] == backend and held["10.244.1.3"] == backend
+    rig.sync(states(*nodeport[1:]))  # one of the node address's three users, and of 10.244.1.2's
+    held = addr(rig)
+    assert held["192.168.0.11"] & node and held["10.244.1.2"] == backend
+    assert "10.244.1.3" not in held and "10.96.0.1" not in held
+    rig.sync(states(*nodeport[2:]))
+    assert addr(rig)["192.168.0.11"] & node and addr(rig)["10.244.1.2"] == backend
+    rig.sync(states())
+    assert addr(rig) == {}
+    assert rig.planner._addr_extra == {}
 
 
 @settings(max_examples=150, deadline=None)

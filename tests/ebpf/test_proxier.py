@@ -288,12 +288,12 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
 
 def test_the_socket_programs_get_the_node_namespace_then_their_links(rig: Rig) -> None:
     """Their settings (the node's netns cookie, host-namespace-only) are written before they are
-    linked, and they are given the socket program fds."""
-    rig.config = replace(rig.config, socket_lb_host_only=False)
+    linked, and they are given the socket program fds. Pods too by default (as Cilium's)."""
     p = rig.proxier()
     p.sync(STATE, NODE)
     assert rig.maps["skcfg"].lookup(ctypes.c_uint32(0)) == SockConfig(host_netns=4242, flags=0)
     rig2 = Rig(rig.tmp)
+    rig2.config = replace(rig2.config, socket_lb_host_only=True)
     rig2.proxier().sync(STATE, NODE)
     assert rig2.maps["skcfg"].lookup(ctypes.c_uint32(0)) == SockConfig(
         host_netns=4242, flags=SockFlag.HOST_ONLY
@@ -598,7 +598,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
         assert sh("ip", "netns", "exec", node_ns, "sysctl", "-n", "net.ipv4.ip_forward").strip() == "1"
         assert cgroup_programs(cgroup) == sockets
         shown = render_live_maps(config.pin_path, ("sockets",))
-        assert "sockcfg host_netns=" in shown and " host-namespace-only" in shown
+        assert "sockcfg host_netns=" in shown and " all namespaces" in shown
         assert "socklink connect4 " in shown and f"cgroup={os.stat(cgroup).st_ino}" in shown
         links = pinned_links(config.pin_path)
         assert set(links) == {
@@ -743,7 +743,9 @@ def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:
 
 def test_fixtures_differ() -> None:
     assert set(STATE.services) < set(MORE.services)
-    assert len(plan(MORE, NODE, Config()).fe) == 13  # with the NodePort on localhost (internal)
+    # with the NodePort on localhost (internal), and the node's own (HOST) twins of the ETP Local
+    # Service's NodePort and load-balancer IP: Config() has no local-traffic detector
+    assert len(plan(MORE, NODE, Config()).fe) == 15
 
 
 def test_a_map_too_small_is_an_error_naming_the_flag_and_the_size(
@@ -757,7 +759,7 @@ def test_a_map_too_small_is_an_error_naming_the_flag_and_the_size(
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1
     assert f"BPF map {MAPS['fe'].name} is too small" in errors[0]
-    assert "needs 13 entries, it holds 3" in errors[0] and "--bpf-fe-max=16 or more" in errors[0]
+    assert "needs 15 entries, it holds 3" in errors[0] and "--bpf-fe-max=32 or more" in errors[0]
     caplog.clear()
     p.sync(MORE, NODE)
     assert not [r for r in caplog.records if r.levelname == "ERROR"], "said once, not at every sync"

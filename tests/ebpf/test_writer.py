@@ -150,3 +150,54 @@ def test_a_port_that_does_not_fit_is_reported_and_left_out_of_the_later_maps() -
     assert len(fakes["be"]) == 2, "b's backend that fitted was taken back out"
     assert len(fakes["fe"]) == 1 and len(fakes["slot"]) == 2, "nothing points at b's missing backends"
     assert set(pending["fe"]) == set(b["fe"]), "what failed is still pending"
+
+
+def test_a_fresh_map_is_written_whole_without_pending_naming_its_keys() -> None:
+    """A role in `fresh` holds none of desired: an empty pending stands for every key with None."""
+    maps, log, fakes = rig()
+    desired = service(1, 7, 3, [11, 12], 5)
+    pending: dict[str, Pending] = {r: {} for r in ROLES}
+    fresh = set(ROLES)
+    result = flush(desired, pending, maps, owners({}), fresh)
+    assert list(dict.fromkeys(log)) == ["addr +", "be +", "member +", "rnat +", "slot +", "fe +"]
+    assert result.updates == {"addr": 3, "be": 2, "member": 2, "rnat": 1, "srcr": 0, "slot": 2, "fe": 1}
+    assert fresh == set(), "written: a key missing from pending now means the map holds it"
+    assert {r: len(fakes[r]) for r in ROLES} == {r: len(desired[r]) for r in ROLES}
+
+
+def test_a_fresh_map_that_fills_up_fails_by_port_as_a_named_one_does() -> None:
+    maps, _, fakes = rig({"be": 3})
+    a, b = service(1, 7, 3, [11, 12], 5), service(2, 8, 4, [21, 22], 6)
+    desired = {r: {**a[r], **b[r]} for r in ROLES}
+    table = {11: {A}, 12: {A}, 21: {B}, 22: {B}}
+
+    def owner(role: str, key: int) -> set[ServicePortName]:
+        return table[key] if role == "be" else {A} if key in a[role] else {B}
+
+    pending: dict[str, Pending] = {r: {} for r in ROLES}
+    result = flush(desired, pending, maps, owner, set(ROLES))
+    assert set(result.failed) == {B} and "raise --bpf-be-max" in result.failed[B]
+    assert len(fakes["be"]) == 2 and len(fakes["fe"]) == 1 and len(fakes["slot"]) == 2
+    assert pending["fe"] == dict.fromkeys(b["fe"]), "what failed is pending, named with None"
+    assert pending["be"] == {21: None, 22: None}, "b's backends, the one that fitted taken back"
+
+
+def test_a_fresh_map_whose_write_fails_stays_fresh() -> None:
+    """A batch write that raises leaves the role `fresh`: its keys are still to be written."""
+    maps, _, _ = rig()
+
+    class Broken(Recorder):
+        def update_packed(self, keys: bytes, values: bytes) -> int:
+            raise OSError("EPERM")
+
+    maps["slot"] = Broken("slot", [], {})
+    desired = service(1, 7, 3, [11, 12], 5)
+    pending: dict[str, Pending] = {r: {} for r in ROLES}
+    fresh = set(ROLES)
+    try:
+        flush(desired, pending, maps, owners({}), fresh)
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the write did not fail")
+    assert {"slot", "fe"} <= fresh and "be" not in fresh and not any(pending.values())

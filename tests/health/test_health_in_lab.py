@@ -58,9 +58,10 @@ def test_healthz_port_answers_inside_the_node_namespace(lab: Lab) -> None:
         health.sync_node(None)
         assert curl(lab, lab.client, f"http://{node.ip}:10256/healthz")[0] == 503
         # The socket is the node's: nothing listens on 10256 in the host namespace because of it.
-        assert server.bound == ("0.0.0.0", 10256)
+        # As Go's net.Listen("tcp", "0.0.0.0:10256"): one IPv6 socket taking both families.
+        assert server.bound == ("::", 10256)
         listening = lab.run(node, "ss", "-Hltn", "sport = :10256").stdout
-        assert "0.0.0.0:10256" in listening
+        assert "*:10256" in listening
     finally:
         server.stop()
     assert curl(lab, node, "http://127.0.0.1:10256/livez")[0] == 0, "stopped: the port is closed"

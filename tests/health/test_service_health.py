@@ -23,6 +23,7 @@ from agent.health import (
     service_response,
 )
 from agent.httpserve import Address, Handler, HttpServer
+from agent.model.types import IPFamily
 
 
 class FakeListen:
@@ -236,6 +237,21 @@ def test_addresses_follow_nodeport_addresses() -> None:
     assert health_check_addresses(Config(nodeport_addresses=("172.16.0.0/12",)), node) == ("0.0.0.0",)
 
 
+def test_each_family_takes_its_own_nodeport_addresses_for_health_checks() -> None:
+    """Upstream's NewNodePortAddresses(family, ...): a family none of whose CIDRs is given (or
+    with its zero CIDR) listens on its own wildcard; the IPv6 server never on an IPv4 one."""
+    node6 = NodeContext(("fd00:192:168::11", "fd00:10::5"), "fd00:192:168::11")
+    v6 = IPFamily.IPv6
+    assert health_check_addresses(Config(), node6, v6) == ("::",)
+    assert health_check_addresses(Config(nodeport_addresses=("192.168.0.0/24",)), node6, v6) == ("::",)
+    dual = Config(nodeport_addresses=("192.168.0.0/24", "fd00:192:168::/64"))
+    assert health_check_addresses(dual, node6, v6) == ("fd00:192:168::11",)
+    v4node = NodeContext(("192.168.0.11",), "192.168.0.11")
+    assert health_check_addresses(dual, v4node) == ("192.168.0.11",)
+    assert health_check_addresses(Config(nodeport_addresses=("fd00:192:168::/64",)), v4node) == ("0.0.0.0",)
+    assert health_check_addresses(Config(nodeport_addresses=("::/0", "192.168.0.0/24")), node6, v6) == ("::",)
+
+
 def _svc(name: str, hc: int, etp: str = "Local", ports: int = 1) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "type": "LoadBalancer",
@@ -307,6 +323,7 @@ def test_cost_at_10000_services_grows_with_the_change_not_the_cluster() -> None:
         ports2["ns/svc-7"] = 29999
         counts2 = dict(counts)
         counts2["ns/svc-8"] = 0
+        opened = dict(hcs._open)
         gc.collect()
         t0 = time.perf_counter()
         hcs.sync_services(ports2)
@@ -318,12 +335,13 @@ def test_cost_at_10000_services_grows_with_the_change_not_the_cluster() -> None:
         t3 = time.perf_counter()
         assert asked[10_000:] == ["0.0.0.0:29999"]  # only the moved Service was touched
         assert len(server.served) == 10_000
+        # what a change costs is shown structurally (speed is make bench's): nothing but the moved
+        # Service's listener was made again
+        assert [k for k in opened if hcs._open[k] is not opened[k]] == ["ns/svc-7"]
         assert hcs._open["ns/svc-8"].endpoints == 0 and hcs._open["ns/svc-9"].endpoints == 1 + 9 % 3
         print(
             f"\n10,000 Services: sync_services with 1 change {1e3 * (t1 - t0):.2f} ms, "
             f"sync_endpoints with 1 change {1e3 * (t2 - t1):.2f} ms, both unchanged {1e3 * (t3 - t2):.2f} ms"
         )
-        # Generous bounds (the machine is shared); a full reopen of 10,000 ports takes far longer.
-        assert t1 - t0 < 0.05 and t2 - t1 < 0.05 and t3 - t2 < 0.02
     finally:
         hcs.stop()

@@ -18,7 +18,7 @@ from agent.config import Config
 from agent.iptables import IptablesProxier, canonical, chains
 from agent.iptables.conntrack import ConntrackCleaner
 from agent.iptables.runner import SubprocessRunner
-from agent.model import ProxyState
+from agent.model import IPFamily, ProxyState
 from agent.model.types import Protocol, ServicePortName
 from tests.iptables.golden_cases import case_inputs, case_names
 from tests.iptables.objects import CONFIG, NODE, endpoints, service, state
@@ -45,9 +45,9 @@ def netns() -> Iterator[str]:
         sh("ip", "netns", "delete", name, check=False)
 
 
-def save(ns: str, backend: str) -> str:
-    """iptables-save without comments and counters, for comparisons."""
-    out = sh("ip", "netns", "exec", ns, f"iptables-{backend}-save")
+def save(ns: str, backend: str, binary: str = "iptables") -> str:
+    """iptables-save (ip6tables-save) without comments and counters, for comparisons."""
+    out = sh("ip", "netns", "exec", ns, f"{binary}-{backend}-save")
     return "\n".join(line for line in out.splitlines() if not line.startswith("#"))
 
 
@@ -136,9 +136,9 @@ def test_auto_backend_follows_the_rules_already_there(netns: str) -> None:
 @pytest.mark.parametrize("case", case_names())
 def test_every_golden_file_loads_into_real_iptables(netns: str, backend: str, case: str) -> None:
     st, node, config = case_inputs(case)
-    p = IptablesProxier(replace(config, netns=netns, iptables_backend=backend))
+    p = IptablesProxier(replace(config, netns=netns, iptables_backend=backend), family=st.family)
     p.sync(st, node)
-    saved = save(netns, backend)
+    saved = save(netns, backend, "ip6tables" if st.family is IPFamily.IPv6 else "iptables")
     assert "-A KUBE-SERVICES" in saved
     assert "--or-mark 0x4000" in saved or "--set-xmark 0x4000/0x4000" in saved
     # Every chain read back from the kernel compares equal, by meaning, to the text we wrote.

@@ -17,17 +17,21 @@ import re
 from dataclasses import replace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from agent.config import NodeContext
+from agent.config import Mode, NodeContext
 from agent.iptables.proxier import IptablesProxier
 from agent.iptables.rules import render
-from agent.model import NodeInfo, ProxyState, build_state
+from agent.metrics import Metrics
+from agent.model import IPFamily, NodeInfo, ProxyState, build_state
 from agent.model.types import Protocol, ServicePortName
 from tests.iptables.fakes import FakeCounters, FakeRunner
 from tests.iptables.upstream import (
     FAKE_CONFIG,
     FAKE_NODE,
+    FAKE_NODE6,
     FAKE_OPTIONS,
+    FAKE_OPTIONS6,
     NODE_NAME,
     Obj,
     chain_rules,
@@ -44,11 +48,12 @@ from tests.iptables.upstream import (
 P80 = [("p80", 80, "TCP")]
 
 
-def build(*objects: Obj) -> ProxyState:
+def build(*objects: Obj, family: IPFamily = IPFamily.IPv4) -> ProxyState:
     result = build_state(
         [o for o in objects if o["kind"] == "Service"],
         [o for o in objects if o["kind"] == "EndpointSlice"],
         NodeInfo(NODE_NAME),
+        family=family,
     )
     assert not result.problems, result.problems
     return result.state
@@ -381,6 +386,92 @@ def test_node_ports(localhost: bool, addresses: tuple[str, ...], tail: list[str]
     ] == tail
     # The localhost NodePort jump (and its nfacct counting) only where localhost NodePorts work.
     assert ("-d 127.0.0.0/8 --dport 3001" in text) == localhost
+
+
+NODEPORT_OBJECTS6 = [
+    svc("ns1", "svc1", port("p80", 80, nodePort=3001), type="NodePort", clusterIP="fd00:172:30::41"),
+    eps("ns1", "svc1", P80, "fd00:10:180::1", ("fd00:10:180::2:1", NODE_NAME), address_type="IPv6"),
+]
+
+
+@pytest.mark.parametrize(
+    ("localhost", "addresses", "tail"),
+    [
+        # "ipv6, localhost-nodeports enabled": never on IPv6; the tail keeps ::1 out
+        (True, (), [f"{TAIL} -m addrtype --dst-type LOCAL ! -d ::1/128 -j KUBE-NODEPORTS"]),
+        # "ipv6, localhost-nodeports disabled"
+        (False, (), [f"{TAIL} -m addrtype --dst-type LOCAL ! -d ::1/128 -j KUBE-NODEPORTS"]),
+        # "ipv6, localhost-nodeports disabled, multiple nodeport-addresses": the IPv4 CIDRs are
+        # the other family's; 2001:db8:1::2 is outside 2001:db8::/64 (altNodeIP ignored)
+        (
+            False,
+            ("192.168.0.0/24", "192.168.1.0/24", "2001:db8::/64"),
+            [f"{TAIL} -d 2001:db8::1 -j KUBE-NODEPORTS"],
+        ),
+    ],
+    ids=["ipv6-localhost-enabled", "ipv6-localhost-disabled", "ipv6-multiple-addresses"],
+)
+def test_node_ports_ipv6(localhost: bool, addresses: tuple[str, ...], tail: list[str]) -> None:
+    """TestNodePorts (IPv6 cases): no KUBE-FIREWALL martian drop whatever
+    --iptables-localhost-nodeports says, no 127.0.0.0/8 NodePort jump, only this family's
+    --nodeport-addresses; endpoints are [ip]:port."""
+    options = replace(FAKE_OPTIONS6, localhost_nodeports=localhost, nodeport_addresses=addresses)
+    st = build(*NODEPORT_OBJECTS6, family=IPFamily.IPv6)
+    text = render(st, FAKE_NODE6, options).text
+    assert "KUBE-FIREWALL" not in text
+    assert "127.0.0.0/8" not in text and "nfacct-name localhost_nps_accepted_pkts" not in text
+    assert [
+        line for line in chain_rules(text, "nat", "KUBE-SERVICES").splitlines() if line.startswith(TAIL)
+    ] == tail
+    assert "-d fd00:172:30::41 --dport 80 ! -s fd00:10::/64 -j KUBE-MARK-MASQ" in text
+    dnat = [line.split(" -j ", 1)[1] for line in text.splitlines() if "-j DNAT" in line]
+    assert dnat == [
+        "DNAT --to-destination [fd00:10:180::1]:80",
+        "DNAT --to-destination [fd00:10:180::2:1]:80",
+    ]
+
+
+def test_ipv6_proxier_restores_with_its_own_runner_and_no_ipv4_host_setup() -> None:
+    """The IPv6 proxier (metaproxier's second): its whole sync goes to its runner, with no
+    route_localnet and no KUBE-FIREWALL jumps (upstream sets neither for IPv6), the canaries and
+    base jumps as for IPv4; a second full sync finds nothing to repair or write."""
+    fake = FakeRunner()
+    p = IptablesProxier(FAKE_CONFIG, runner=fake, counters=FakeCounters(), family=IPFamily.IPv6)
+    st = build(*NODEPORT_OBJECTS6, family=IPFamily.IPv6)
+    p.sync(st, FAKE_NODE6)
+    assert "[fd00:10:180::2:1]:80" in fake.restores[-1]
+    assert not any("route_localnet" in " ".join(argv) for argv in fake.commands)
+    assert fake.rules("filter", "INPUT") and not any(
+        "KUBE-FIREWALL" in r for r in fake.rules("filter", "INPUT")
+    )
+    result = p.sync(st, FAKE_NODE6)
+    assert result.repaired == 0 and p.last_sync is not None and not p.last_sync.restored
+
+
+def test_each_familys_proxier_counts_its_rules_under_its_ip_family() -> None:
+    """kube-proxy's iptables metrics carry `ip_family`: the two proxiers fill one label each."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, Mode.IPTABLES)
+    for family, objects, node in (
+        (IPFamily.IPv4, NODEPORT_OBJECTS, FAKE_NODE),
+        (IPFamily.IPv6, NODEPORT_OBJECTS6, FAKE_NODE6),
+    ):
+        p = IptablesProxier(
+            FAKE_CONFIG, runner=FakeRunner(), counters=FakeCounters(), metrics=metrics, family=family
+        )
+        p.sync(build(*objects, family=family), node)
+        assert p.last_sync is not None
+        nat = registry.get_sample_value(
+            "kubeproxy_sync_proxy_rules_iptables_total", {"ip_family": str(family), "table": "nat"}
+        )
+        assert nat == p.last_sync.rules - p.last_sync.filter_rules > 0
+    v4 = registry.get_sample_value(
+        "kubeproxy_sync_proxy_rules_iptables_total", {"ip_family": "IPv4", "table": "filter"}
+    )
+    v6 = registry.get_sample_value(
+        "kubeproxy_sync_proxy_rules_iptables_total", {"ip_family": "IPv6", "table": "filter"}
+    )
+    assert v4 is not None and v6 is not None and v4 > v6, "IPv4 alone has KUBE-FIREWALL's rule"
 
 
 def test_health_check_node_port() -> None:

@@ -17,11 +17,13 @@ Both are written from upstream's description, for our text.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 from agent.config import Config, Mode, NodeContext
 from agent.iptables.rules import RenderOptions
 from agent.localdetect import LocalDetector
+from agent.model import IPFamily
 
 NODE_NAME = "test-node"
 NODE_IP = "192.168.0.2"
@@ -34,6 +36,12 @@ FAKE_OPTIONS = RenderOptions(
     nfacct_localhost_nodeports=True,
 )
 FAKE_CONFIG = Config(mode=Mode.IPTABLES, hostname=NODE_NAME, cluster_cidr=("10.0.0.0/8",), sync_period_s=30.0)
+
+# NewFakeProxier(iptablestest.NewIPv6Fake()): pod CIDR fd00:10::/64 as the detector, node
+# addresses testNodeIPv6 and testNodeIPv6Alt on eth0 (::1 on lo is never a NodePort address).
+NODE_IPV6, NODE_IPV6_ALT = "2001:db8::1", "2001:db8:1::2"
+FAKE_NODE6 = NodeContext(node_ips=(NODE_IPV6, NODE_IPV6_ALT), primary_ip=NODE_IPV6)
+FAKE_OPTIONS6 = replace(FAKE_OPTIONS, local=LocalDetector(cidr="fd00:10::/64"), family=IPFamily.IPv6)
 
 Obj = dict[str, Any]
 
@@ -60,7 +68,11 @@ def lb_status(*ips: str) -> dict[str, Any]:
 
 
 def eps(
-    namespace: str, name: str, ports: list[tuple[str, int, str]], *endpoints: str | tuple[str, str]
+    namespace: str,
+    name: str,
+    ports: list[tuple[str, int, str]],
+    *endpoints: str | tuple[str, str],
+    address_type: str = "IPv4",
 ) -> Obj:
     """upstream makeTestEndpointSlice: an endpoint is an address (no nodeName: not local) or
     (address, nodeName)."""
@@ -75,7 +87,7 @@ def eps(
             "namespace": namespace,
             "labels": {"kubernetes.io/service-name": name},
         },
-        "addressType": "IPv4",
+        "addressType": address_type,
         "ports": [{"name": n, "port": p, "protocol": pr} for n, p, pr in ports],
         "endpoints": items,
     }

@@ -150,6 +150,28 @@ def test_watch_window_trims_and_old_versions_expire() -> None:
         assert [e["object"]["metadata"]["name"] for e in events] == ["s4", "s5"]
 
 
+def test_a_watcher_the_window_left_behind_has_its_stream_ended(server: FakeApiServer) -> None:
+    # The cacher terminates a watcher it cannot serve and the response ends (cache_watcher.go
+    # closes the result channel); the client watches again and is told 410. A stream left open
+    # with nothing more to carry would hold the client until its read timeout.
+    server.create(service("a", "10.96.0.1"))
+    rv = server.resource_version
+    r = http.request(
+        "GET",
+        server.url + f"/api/v1/services?watch=true&resourceVersion={rv}",
+        preload_content=False,
+        timeout=3,
+    )
+    assert r.status == 200
+    with server.store.cond:  # the watcher cannot read the write before the window loses it
+        server.create(service("b", "10.96.0.2"))
+        server.drop_watch_history()
+    assert r.read() == b"", "the stream ended, with no event"
+    r.release_conn()
+    (event,) = list(watch_lines(server, f"/api/v1/services?watch=true&resourceVersion={rv}", 1))
+    assert event["type"] == "ERROR" and event["object"]["code"] == 410
+
+
 def test_watch_selector_transitions_are_added_and_deleted(server: FakeApiServer) -> None:
     # cacher convertToWatchEvent: entering the selector is ADDED; leaving is DELETED with the
     # previous content and the event's resourceVersion.

@@ -52,6 +52,8 @@ def test_bookmarks_carry_a_quiet_watch_past_compaction(start_source: SourceFacto
         wait_until(
             lambda: source.resource_versions()[Kind.SERVICE] == target, what="a bookmark at the new revision"
         )
+        # Synced and the bookmark are the Service watch's; the other two kinds open theirs apart.
+        wait_until(lambda: server.open_streams() == 3, what="every watch open")
         server.compact()
         assert server.drop_streams() == 3
         server.create(service("api", "10.96.0.2"))
@@ -68,6 +70,12 @@ def test_without_bookmarks_the_same_compaction_forces_a_relist(start_source: Sou
         server.create(service("web", "10.96.0.1"))
         source, sink = start_source(server)
         sink.wait(lambda: bool(sink.synced(Kind.SERVICE)))
+        # As above, the watches are open before the compaction: the relist must come from a watch
+        # resuming at its old version, not from one that happened to open after the compaction.
+        # (A Service watch that had not read the writes yet is ended by the server as the window
+        # empties, before the drop: not counted by drop_streams, resumed just the same.)
+        wait_until(lambda: server.open_streams() == 3, what="every watch open")
+        relists = metric("ekp_relists_total", kind="Service", reason="gone")
         for i in range(5):
             server.create(
                 service(
@@ -78,6 +86,10 @@ def test_without_bookmarks_the_same_compaction_forces_a_relist(start_source: Sou
         server.drop_streams()
         sink.wait(lambda: len(sink.synced(Kind.SERVICE)) == 2, what="a second Synced after the relist")
         assert source.list_counts()[Kind.SERVICE] == 2
+        assert metric("ekp_relists_total", kind="Service", reason="gone") == relists + 1
+        listed = sink.synced(Kind.SERVICE)[0].version
+        first, resumed = [r for r in server.requests if is_service_watch(r)][:2]
+        assert first.query["resourceVersion"] == resumed.query["resourceVersion"] == listed
         assert changes(sink.events) == [(EventType.ADDED, "default/web")], (
             "a relist of an unchanged cluster sends nothing"
         )
@@ -157,6 +169,7 @@ def test_a_relist_after_410_reads_consistently_in_pages(start_source: SourceFact
             server.create(service(f"web-{i}", f"10.96.0.{i + 1}"))
         source, sink = start_source(server)
         sink.wait(lambda: bool(sink.synced(Kind.SERVICE)))
+        wait_until(lambda: server.open_streams() == 3, what="every watch open")
         server.create(service("late", "10.96.0.99", labels={"service.kubernetes.io/service-proxy-name": "x"}))
         server.compact()
         server.drop_streams()

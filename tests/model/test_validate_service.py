@@ -12,7 +12,7 @@ import pytest
 
 from agent.model import NodeInfo, Protocol, ServicePortName, build_state
 from agent.model.parse import parse_service, should_skip_service
-from agent.model.types import ServicePort
+from agent.model.types import IPFamily, ServicePort
 
 NODE = NodeInfo("node1")
 HTTP = {"name": "http", "port": 80, "protocol": "TCP"}
@@ -379,10 +379,12 @@ def test_the_ipv4_cluster_ip_of_a_dual_stack_service_is_programmed() -> None:
     assert sp.cluster_ip == "10.96.0.10"
 
 
-def test_an_ipv6_only_service_is_ignored_not_reported() -> None:
+def test_an_ipv6_only_service_is_ignored_by_the_ipv4_state_not_reported() -> None:
     obj = svc({"clusterIP": "fd00::10", "externalIPs": ["fd00::20"]})
     assert build_state([obj], [], NODE).problems == ()
-    assert should_skip_service(obj) == "no IPv4 cluster IP (this proxy programs IPv4)"
+    assert build_state([obj], [], NODE).state.services == {}
+    assert should_skip_service(obj) == "no IPv4 cluster IP (the IPv4 proxier ignores it)"
+    assert should_skip_service(obj, IPFamily.IPv6) is None
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,12 @@
 """kube-proxy's /healthz and /livez on a running agent whose syncs stop going through: both turn 503
 once a change has waited twice the sync period (kube-proxy's health timeout), and 200 again after
-the next sync that goes through. The sync is made to fail from outside: the node's network
-namespace loses its name (/run/netns/NODE unmounted, the namespace itself alive), so every
-`ip netns exec NODE iptables-restore` fails until the name is back.
+the next sync that goes through. Both modes. The syncs are made to fail from outside: the node's
+network namespace loses its name (/run/netns/NODE unmounted, the namespace itself alive), so a
+full sync, which reads the node's addresses in that namespace by its name, fails in either mode.
 
-iptables mode only: an eBPF-mode sync writes maps through descriptors the agent holds and touches
-the node's namespace only at full syncs (the attachments), which no longer matter once a later
-partial sync went through; nothing outside the agent makes its syncs fail. The same health code
-(agent/daemon.py, agent/health/proxy.py) serves both modes; tests/health covers it by unit tests.
+An eBPF-mode partial sync writes maps through descriptors the agent holds and would go through, so
+the change is made only once a sync has failed: from then on the periodic full sync stays due until
+one goes through, and every sync is a full one that fails.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from lab.apicluster import ApiCluster
 from lab.harness import ep
 from lab.objects import Port, service, with_endpoints
 from tests.conftest import require_kernel
+from tests.traffic.conftest import MODES
 
 pytestmark = pytest.mark.kernel
 
@@ -33,12 +33,12 @@ N1 = "192.168.0.11"
 SYNC_PERIOD_S = 2  # health timeout: 4 s
 
 
-@pytest.fixture(scope="module")
-def api() -> Iterator[ApiCluster]:
+@pytest.fixture(scope="module", params=MODES)
+def api(request: pytest.FixtureRequest) -> Iterator[ApiCluster]:
     require_kernel()
     with Lab(nodes=1, pods_per_node=2) as lab:
         lab.start_podservers()
-        cluster = ApiCluster(lab, "iptables", extra=[f"--iptables-sync-period={SYNC_PERIOD_S}s"])
+        cluster = ApiCluster(lab, request.param, extra=[f"--iptables-sync-period={SYNC_PERIOD_S}s"])
         cluster.start()
         try:
             yield cluster
@@ -66,6 +66,13 @@ def wait_status(api: ApiCluster, path: str, want: int, timeout: float) -> dict[s
         time.sleep(0.2)
 
 
+def wait_log(api: ApiCluster, text: str, after: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in api.agents[0].log_since_start(after):
+        assert time.monotonic() < deadline, f"no {text!r} in the agent's log within {timeout} s"
+        time.sleep(0.2)
+
+
 def test_healthz_and_livez_turn_503_when_syncs_stop_going_through(api: ApiCluster) -> None:
     ns = api.lab.node(1).ns
     name = f"/run/netns/{ns}"
@@ -76,8 +83,11 @@ def test_healthz_and_livez_turn_503_when_syncs_stop_going_through(api: ApiCluste
     # while it has no name, and is what the name is mounted back from.
     keep = run_in_netns(ns, lambda: os.open("/proc/thread-self/ns/net", os.O_RDONLY))
     try:
+        mark = api.agents[0].log_mark()
         subprocess.run(["umount", name], check=True)
         try:
+            # The next periodic sync (a full one) fails in both modes; the change comes after it.
+            wait_log(api, "sync failed", mark, timeout=2 * SYNC_PERIOD_S + 10)
             started = time.monotonic()
             api.server.apply(service("stale", "10.96.9.1", [Port("http", 80, 8080), Port("x", 81, 8080)]))
             doc = wait_status(api, "/healthz", 503, timeout=4 * SYNC_PERIOD_S + 10)
@@ -85,7 +95,7 @@ def test_healthz_and_livez_turn_503_when_syncs_stop_going_through(api: ApiCluste
             assert doc["healthy"] is False and doc["nodeEligible"] is True, doc
             assert waited >= 2 * SYNC_PERIOD_S - 0.5, f"503 after {waited:.1f} s, before the health timeout"
             assert status_of(api, "/livez")[0] == 503
-            assert "iptables" in api.agents[0].log_since_start()
+            assert ns in api.agents[0].log_since_start(mark), "the failure names the namespace"
         finally:
             subprocess.run(["mount", "--bind", f"/proc/{os.getpid()}/fd/{keep}", name], check=True)
     finally:

@@ -8,7 +8,17 @@ serving), and the agent of the other data path starts over the same node. Throug
 
 * six TCP connections (four from a pod to a ClusterIP, two from outside to a NodePort, which are
   masqueraded), each answering a line every 50 ms: none fails, none changes backend;
+* two TCP connections from a pod to the `kubernetes` Service of a control-plane node, whose
+  endpoint is an API server on the node's own address (a host-network backend: eBPF mode hands
+  such flows to the node's stack, BackendFlag.HOST), each answering a line every 50 ms: none
+  fails, none changes backend;
 * one UDP flow (one source port) to a ClusterIP: it keeps its backend;
+* one SCTP association (lab/sctppeer.py: crafted chunks, the lab kernel has no SCTP sockets) to a
+  ClusterIP, established by the four-way handshake, a DATA chunk every 50 ms echoed by its
+  backend: at most one lost, as for the UDP flow (the crafted peer never retransmits, where an
+  SCTP stack would), none dropped as a flow the data path does not know (not through a switch out
+  of eBPF mode: the eBPF conntrack does not keep the
+  verification tags nf_conntrack would check the association's chunks against);
 * a resolver looking a name up every 50 ms through the kube-dns ClusterIP, each lookup from a
   new source port, tried again once after 1 s: no lookup fails twice.
 
@@ -16,9 +26,11 @@ kube-proxy's iptables layout is this project's iptables mode run as if it were k
 writes upstream's layout byte for byte) with the legacy backend, then stopped without cleanup;
 iptables mode itself runs with the nft backend. kube-proxy's nftables mode is its
 `ip kube-proxy` table for the same Services (lab/kubeproxy_nft.py), loaded with the real `nft`.
-After the switch the old data path's state is gone: no KUBE- chain in either backend and no
-`ip kube-proxy` table after a switch to eBPF mode, no pin and no tc filter of ours after a switch
-to iptables mode.
+eBPF mode runs with legacy host routing (the default), and with `--bpf-host-routing=bpf` in a
+switch from kube-proxy's iptables layout and in one to iptables mode: a flow to the node's own
+address meets the node's stack under both. After the switch the old data path's state is gone:
+no KUBE- chain in either backend and no `ip kube-proxy` table after a switch to eBPF mode, no pin
+and no tc filter of ours after a switch to iptables mode.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from lab import Lab
 from lab.core import PODSERVER
 from lab.harness import CLIENT, CLUSTER_CIDR, Agent, Cluster, ep
 from lab.kubeproxy_nft import NftPort, ruleset
-from lab.objects import NS, Port, service, with_endpoints
+from lab.objects import NS, Ep, Port, service, with_endpoints
 from tests.conftest import require_kernel
 
 pytestmark = pytest.mark.kernel
@@ -48,6 +60,9 @@ UDP_PORT = 9005
 BACKENDS = ("pod-1-2", "pod-1-3")
 ECHO_IP, UDP_IP, DNS_IP = "10.96.6.1", "10.96.6.2", "10.96.6.53"
 NODE_PORT = 30601
+SCTP_IP, SCTP_PORT, SCTP_TARGET = "10.96.6.5", 5060, 5061
+PEER = str(Path(__file__).resolve().parents[2] / "lab" / "sctppeer.py")
+KUBERNETES, API = "10.96.0.1", 6443  # the API server listens on the node's own address
 
 
 @pytest.fixture
@@ -70,6 +85,32 @@ def lab() -> Iterator[Lab]:
             )
             built.wait_tcp(pod, pod.ip, NAMED_PORT, proc=proc)
             built.start_dns(pod)
+        sctp = built.popen(
+            built.pod(BACKENDS[0]),
+            sys.executable,
+            PEER,
+            "server",
+            "--port",
+            str(SCTP_TARGET),
+            "--seconds",
+            "120",
+            name="sctp-server",
+        )
+        built.wait_log(sctp, "ready", timeout=10)
+        node = built.nodes[0]
+        api = built.popen(
+            node,
+            sys.executable,
+            "-I",
+            "-S",
+            str(PODSERVER),
+            f"--name={node.name}",
+            "--http-port=18085",
+            "--udp-port=19005",
+            f"--tcp-named-echo-port={API}",
+            name="api-server",
+        )
+        built.wait_tcp(node, node.ip, API, proc=api)
         yield built
 
 
@@ -80,7 +121,16 @@ def objects(cluster: Cluster) -> list[dict[str, Any]]:
     )
     udp = service("udp", UDP_IP, [Port("udp", UDP_PORT, UDP_PORT, "UDP")])
     dns = service("kube-dns", DNS_IP, [Port("dns", 53, 53, "UDP"), Port("dns-tcp", 53, 53, "TCP")])
-    return [*with_endpoints(echo, eps), *with_endpoints(udp, eps), *with_endpoints(dns, eps)]
+    node = cluster.lab.nodes[0]
+    api = service("kubernetes", KUBERNETES, [Port("https", 443, API)])
+    sctp = service("sctp", SCTP_IP, [Port("sip", SCTP_PORT, SCTP_TARGET, "SCTP")])
+    return [
+        *with_endpoints(sctp, [ep(cluster, BACKENDS[0])]),
+        *with_endpoints(echo, eps),
+        *with_endpoints(udp, eps),
+        *with_endpoints(dns, eps),
+        *with_endpoints(api, [Ep(node.ip, node.name)]),
+    ]
 
 
 @dataclass
@@ -116,11 +166,37 @@ def start_client(lab: Lab, where: str, name: str, *args: str) -> Client:
     return Client(name, proc, stop, out)
 
 
+def start_sctp(lab: Lab) -> Client:
+    """One SCTP association from pod-1-1 to the SCTP ClusterIP, a DATA chunk every 50 ms."""
+    assert lab.tmpdir is not None
+    stop, out = lab.tmpdir / "stop-sctp", lab.tmpdir / "sctp.json"
+    with open(out, "wb") as f:
+        proc = lab.popen(
+            "pod-1-1",
+            sys.executable,
+            PEER,
+            "hold",
+            "--addr",
+            SCTP_IP,
+            "--port",
+            str(SCTP_PORT),
+            "--sport",
+            "41500",
+            "--stop-file",
+            str(stop),
+            name="sctp",
+            stdout=f,
+        )
+    return Client("sctp", proc, stop, out)
+
+
 def start_traffic(lab: Lab) -> list[Client]:
     named = ["named", "--port", str(NAMED_PORT), "--interval", "0.05", "--addr"]
     clients = [start_client(lab, "pod-1-1", f"clusterip-{i}", *named, ECHO_IP) for i in range(4)]
     nodeport = ["named", "--port", str(NODE_PORT), "--interval", "0.05", "--addr", lab.nodes[0].ip]
     clients += [start_client(lab, "client", f"nodeport-{i}", *nodeport) for i in range(2)]
+    api = ["named", "--port", "443", "--interval", "0.05", "--addr", KUBERNETES]
+    clients += [start_client(lab, "pod-1-1", f"apiserver-{i}", *api) for i in range(2)]
     clients.append(
         start_client(lab, "pod-1-1", "udpflow", "udpflow", "--addr", UDP_IP, "--port", str(UDP_PORT))
     )
@@ -133,15 +209,20 @@ class Switch:
     before: str  # mode of the agent that runs first
     after: str
     before_flags: tuple[str, ...] = ()
+    after_flags: tuple[str, ...] = ()
 
 
 NFTABLES = "kube-proxy-nftables"  # no agent: kube-proxy's nftables table, written by lab/kubeproxy_nft.py
 
 SWITCHES = {
     "kube-proxy-iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=legacy",)),
+    "kube-proxy-iptables-to-ebpf-bpf-host-routing": Switch(
+        "iptables", "ebpf", ("--iptables-backend=legacy",), ("--bpf-host-routing=bpf",)
+    ),
     "kube-proxy-nftables-to-ebpf": Switch(NFTABLES, "ebpf"),
     "kube-proxy-nftables-to-iptables": Switch(NFTABLES, "iptables"),
     "ebpf-to-iptables": Switch("ebpf", "iptables"),
+    "ebpf-bpf-host-routing-to-iptables": Switch("ebpf", "iptables", ("--bpf-host-routing=bpf",)),
     "iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=nft",)),
 }
 
@@ -163,6 +244,10 @@ def nft_ports(cluster: Cluster) -> list[NftPort]:
         port("udp", "udp", "udp", UDP_IP, UDP_PORT),
         port("kube-dns", "dns", "udp", DNS_IP, 53),
         port("kube-dns", "dns-tcp", "tcp", DNS_IP, 53),
+        NftPort(
+            NS, "sctp", "sip", "sctp", SCTP_IP, SCTP_PORT, ((cluster.lab.pod(BACKENDS[0]).ip, SCTP_TARGET),)
+        ),
+        NftPort(NS, "kubernetes", "https", "tcp", KUBERNETES, 443, ((cluster.lab.nodes[0].ip, API),)),
     ]
 
 
@@ -192,7 +277,7 @@ def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: S
     nftables = switch.before == NFTABLES
     cluster = Cluster(lab, "iptables" if nftables else switch.before, extra=switch.before_flags)
     first = cluster.agents[0]
-    second = Agent(lab, first.node, switch.after, first.source)
+    second = Agent(lab, first.node, switch.after, first.source, switch.after_flags)
     second.log_path = first.log_path.with_name(f"agent-{switch.after}-{first.node.name}.log")
     if nftables:
         cluster.version = cluster.write(objects(cluster))
@@ -201,6 +286,9 @@ def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: S
         cluster.start()
         cluster.apply(objects(cluster))
     clients = start_traffic(lab)
+    sctp = switch.before != "ebpf"  # not kept out of eBPF mode (module doc)
+    if sctp:
+        clients.append(start_sctp(lab))
     results: dict[str, dict[str, Any]] = {}
     try:
         time.sleep(2)  # every client exchanging under the first data path
@@ -217,11 +305,22 @@ def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: S
             if name.startswith(("clusterip", "nodeport")):
                 assert r["errors"] == 0 and r["exchanges"] > 60, (name, r, log[-3000:])
                 assert len(r["backends"]) == 1 and r["backends"][0] in BACKENDS, (name, r)
+            if name.startswith("apiserver"):
+                assert r["errors"] == 0 and r["exchanges"] > 60, (name, r, log[-3000:])
+                assert r["backends"] == [first.node.name], (name, r)
         flow = results["udpflow"]
         assert len(flow["backends"]) == 1 and flow["sent"] > 60 and flow["lost"] <= 1, flow
         dns = results["dns"]
         assert dns["failed"] == 0 and dns["lookups"] > 60, dns
-        tcp = [r["exchanges"] for n, r in results.items() if n.startswith(("clusterip", "nodeport"))]
+        if sctp:
+            assoc = results["sctp"]
+            assert assoc["established"] and assoc["lost"] <= 1 and assoc["exchanges"] > 60, (
+                assoc,
+                log[-3000:],
+            )
+        tcp = [
+            r["exchanges"] for n, r in results.items() if n.startswith(("clusterip", "nodeport", "apiserver"))
+        ]
         print(
             f"\n{switch.before} -> {switch.after}: {len(tcp)} connections, {min(tcp)}-{max(tcp)} lines each;"
             f" UDP flow {flow['sent']} sent, {flow['lost']} lost;"

@@ -14,6 +14,7 @@ import itertools
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -368,11 +369,18 @@ def test_update_node_port_closes_with_its_service(cluster: Cluster, proto: str) 
         else:
             assert set(cluster.udp(source, node_ip, 30707, count=30)["replies"]) == {"pod-1-6", "pod-2-6"}
     apply(cluster, [])
-    for source, node_ip in sources:
+
+    def closed(source: str, node_ip: str) -> None:
         if proto == "http":
             not_served(cluster, source, f"http://{node_ip}:30707/")
         else:
             assert cluster.udp(source, node_ip, 30707, count=2)["lost"] == 2, (source, node_ip)
+
+    # Each check waits out its timeouts (2 x 2 s for UDP): the six run at once, each in its own
+    # client process, so the test waits for one of them, not six in a row.
+    with ThreadPoolExecutor(len(sources)) as pool:
+        for done in [pool.submit(closed, source, node_ip) for source, node_ip in sources]:
+            done.result()
 
 
 def test_multiport_endpoints_from_pods(cluster: Cluster) -> None:

@@ -1,0 +1,326 @@
+"""The agent's two families (kube-proxy's metaproxier, agent/metaproxier.py).
+
+In iptables mode with IPv6 configured, every sync programs the IPv4 state with the IPv4 proxier
+and the IPv6 state with the IPv6 one, each with its own changes, node addresses and retries; an
+IPv6 failure never holds back IPv4. In eBPF mode the IPv6 state is computed and not programmed,
+and the agent says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from agent.config import Config, Mode, NodeContext
+from agent.daemon import Agent, Parts, ProxierHealth
+from agent.metrics import Metrics
+from agent.model.types import IPFamily, ProxyState, ServicePortName
+from agent.proxier import SyncResult
+from tests.agent.test_daemon import NODE, Clock, FakeEvents, FakeHealth, FakeProxier, FakeSource, spn
+from tests.model.test_state import endpoint, service, slice_
+
+NODE6 = NodeContext(("fd00:192:168::11",), "fd00:192:168::11")
+UNSERVED = "IPv6 Services are served only in iptables mode"
+
+
+@pytest.fixture(autouse=True)
+def _info_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+
+
+class StateProxier(FakeProxier):
+    """FakeProxier that also keeps the cluster IPs and families of the states it was handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[IPFamily, dict[ServicePortName, str]]] = []
+
+    def sync(
+        self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
+    ) -> SyncResult:
+        result = super().sync(state, node, changed)
+        self.seen.append((state.family, {k: v.cluster_ip for k, v in state.services.items()}))
+        return result
+
+
+class Rig:
+    def __init__(self, mode: Mode, *, ipv6: bool, health: ProxierHealth | None = None) -> None:
+        self.clock = Clock()
+        self.source = FakeSource()
+        self.proxier = StateProxier()
+        self.proxier6 = StateProxier() if ipv6 else None
+        self.node6 = NODE6
+        self.health = FakeHealth()
+        self.health6 = FakeHealth()
+        self.registry = CollectorRegistry()
+        config = Config(mode=mode, hostname="node1", sync_period_s=30.0, min_sync_period_s=0.0)
+        self.agent = Agent(
+            config,
+            Parts(
+                source=self.source,
+                proxier=self.proxier,
+                node_context=lambda: NODE,
+                metrics=Metrics(self.registry),
+                health=health or self.health,
+                service_health=self.health,
+                events=FakeEvents(),
+                proxier6=self.proxier6,
+                node_context6=lambda: self.node6,
+                service_health6=self.health6 if ipv6 else None,
+            ),
+            clock=self.clock,
+            wall=lambda: 2000.0,
+        )
+
+    def send(self, *objs: dict[str, Any], synced: str = "", deleted: bool = False) -> None:
+        from agent.sources.base import EventType, Kind, ObjectEvent, Synced, object_key
+
+        kind = EventType.DELETED if deleted else EventType.MODIFIED
+        events: list[Any] = [
+            ObjectEvent(Kind(o["kind"]), kind, object_key(Kind(o["kind"]), o), o) for o in objs
+        ]
+        if synced:
+            events += [Synced(Kind.SERVICE, synced), Synced(Kind.ENDPOINT_SLICE, synced)]
+        self.agent.deliver(events)
+
+    def sync(self) -> None:
+        self.clock.now += 1
+        self.agent.runner.run_once()
+
+
+def dual(name: str = "web", v4: str = "10.96.0.10", v6: str = "fd00:10:96::a") -> dict[str, Any]:
+    return service(name, clusterIP=v4, clusterIPs=[v4, v6], ipFamilies=["IPv4", "IPv6"])
+
+
+def slice6(name: str, *ips: str, svc: str = "web", node: str = "node2") -> dict[str, Any]:
+    obj = slice_(name, svc, endpoints=[endpoint(ip, node=node) for ip in ips])
+    obj["addressType"] = "IPv6"
+    return obj
+
+
+def test_each_family_is_programmed_by_its_own_proxier_with_its_own_changes() -> None:
+    rig = Rig(Mode.IPTABLES, ipv6=True)
+    assert rig.proxier6 is not None
+    rig.send(dual(), service("v4only", clusterIP="10.96.0.20"), synced="v1")
+    rig.send(slice_("web-v4", endpoints=[endpoint("10.244.1.2")]), slice6("web-v6", "fd00:10:244:1::2"))
+    rig.sync()
+    assert rig.proxier.seen[-1] == (IPFamily.IPv4, {spn("web"): "10.96.0.10", spn("v4only"): "10.96.0.20"})
+    assert rig.proxier6.seen[-1] == (IPFamily.IPv6, {spn("web"): "fd00:10:96::a"})
+    assert rig.proxier6.calls == [None] and rig.proxier6.nodes == [NODE6]
+    rig.send(slice6("web-v6", "fd00:10:244:1::3"))
+    rig.sync()
+    assert rig.proxier6.calls[-1] == frozenset({spn("web")}), "an IPv6 slice changes the IPv6 state"
+    assert rig.proxier.calls[-1] == frozenset(), "and not the IPv4 one"
+    eps = rig.agent.ipv6.model.state.endpoints[spn("web")].cluster
+    assert [e.ip for e in eps] == ["fd00:10:244:1::3"]
+
+
+def test_an_ipv6_failure_holds_back_nothing_and_is_retried_in_full(caplog: pytest.LogCaptureFixture) -> None:
+    rig = Rig(Mode.IPTABLES, ipv6=True)
+    assert rig.proxier6 is not None
+    rig.send(dual(), synced="v1")
+    rig.proxier6.raise_ = RuntimeError("ip6tables-restore: exit 2")
+    rig.sync()
+    assert rig.proxier.calls == [None], "IPv4 programmed"
+    assert "IPv6 sync failed" in caplog.text
+    assert rig.agent.runner.next_run_at() <= rig.clock.now + 1.2, "a retry within a second or so"
+    rig.proxier6.raise_ = None
+    rig.sync()
+    assert rig.proxier6.calls == [None], "the retry writes every IPv6 chain"
+
+
+def test_new_ipv6_node_addresses_make_the_ipv6_sync_a_full_one() -> None:
+    rig = Rig(Mode.IPTABLES, ipv6=True)
+    assert rig.proxier6 is not None
+    rig.send(dual(), synced="v1")
+    rig.sync()
+    rig.node6 = NodeContext(("fd00:192:168::12",), "fd00:192:168::12")
+    rig.agent.refresh_node()
+    rig.sync()
+    assert rig.proxier6.calls[-1] is None and rig.proxier6.nodes[-1] == rig.node6
+
+
+def test_ebpf_mode_computes_ipv6_and_says_once_that_it_does_not_serve_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rig = Rig(Mode.EBPF, ipv6=False)
+    rig.send(service("v4only", clusterIP="10.96.0.20"), synced="v1")
+    rig.sync()
+    assert UNSERVED not in caplog.text, "no IPv6 Service: nothing to say"
+    rig.send(dual())
+    rig.sync()
+    rig.send(dual("api", "10.96.0.11", "fd00:10:96::b"))
+    rig.sync()
+    assert caplog.text.count(UNSERVED) == 1
+    (line,) = [r for r in caplog.records if UNSERVED in r.getMessage()]
+    assert line.levelno == logging.WARNING
+    assert "1 IPv6 service port(s) (default/web:http)" in line.getMessage()
+    assert rig.proxier.seen[-1][1] == {
+        spn("v4only"): "10.96.0.20",
+        spn("web"): "10.96.0.10",
+        spn("api"): "10.96.0.11",
+    }, "the eBPF data path still gets the IPv4 state, dual-stack Services' IPv4 side included"
+    assert set(rig.agent.ipv6.model.state.services) == {spn("web"), spn("api")}
+
+
+def test_a_malformed_service_is_reported_once_though_both_families_read_it() -> None:
+    rig = Rig(Mode.IPTABLES, ipv6=True)
+    bad = service("bad", clusterIP="10.96.0.30", ports=[{"name": "http", "port": 0}])
+    rig.send(bad, synced="v1")
+    rig.sync()
+    events = rig.agent._parts.events
+    assert isinstance(events, FakeEvents)
+    assert [p.name for p in events.warned] == ["bad"]
+
+
+def test_the_proxy_health_tracks_each_family_as_its_own_proxier_would() -> None:
+    """Upstream's ProxyHealthServer keeps lastUpdated and oldestPendingQueued per IP family: each
+    proxier calls QueuedUpdate(family) when its own change tracker took a change and
+    Updated(family) when its own sync succeeded (and once as its SyncLoop starts)."""
+    rig = Rig(Mode.IPTABLES, ipv6=True)
+    assert rig.proxier6 is not None
+    rig.agent.start()
+    rig.agent.shutdown()
+    assert rig.health.log == ["updated", "updated IPv6"], "each family's SyncLoop start"
+    rig = Rig(Mode.IPTABLES, ipv6=True)
+    assert rig.proxier6 is not None
+    rig.health.log.clear()
+    rig.send(dual(), synced="v1")
+    assert rig.health.log == ["queued", "queued IPv6"], "a dual-stack Service: both families"
+    rig.sync()
+    assert rig.health.log[-2:] == ["updated", "updated IPv6"]
+    rig.health.log.clear()
+    rig.send(service("v4only", clusterIP="10.96.0.20"))
+    assert rig.health.log == ["queued"], "an IPv4-only Service queues nothing for IPv6"
+    rig.health.log.clear()
+    rig.send(slice6("web-v6", "fd00:10:244:1::2"))
+    assert rig.health.log == ["queued IPv6"], "an IPv6 slice queues nothing for IPv4"
+    rig.health.log.clear()
+    rig.send(dual("v4only", "10.96.0.20", "fd00:10:96::14"))
+    assert rig.health.log == ["queued", "queued IPv6"], "a Service that gains IPv6"
+    rig.health.log.clear()
+    rig.send(service("v4only", clusterIP="10.96.0.20"))
+    assert rig.health.log == ["queued", "queued IPv6"], "and loses it again: the IPv6 state changes"
+    rig.health.log.clear()
+    rig.send(slice6("web-v6"), deleted=True)
+    assert rig.health.log == ["queued IPv6"], "a deleted slice: the family it had"
+    rig.health.log.clear()
+    rig.sync()
+    assert rig.health.log == ["updated", "updated IPv6"]
+    rig.health.log.clear()
+    rig.proxier6.raise_ = RuntimeError("ip6tables-restore: exit 2")
+    rig.send(slice6("web-v6", "fd00:10:244:1::3"))
+    rig.sync()
+    assert rig.health.log == ["queued IPv6", "updated"], "a failed IPv6 sync leaves IPv6 pending"
+
+
+def test_a_failed_ipv6_sync_turns_healthz_unhealthy_after_the_timeout() -> None:
+    """With the real ProxyHealth: /healthz is healthy only when each family's proxier is; the
+    IPv6 family's pending change outlives the timeout while IPv4 syncs fine."""
+    from agent.clock import FakeClock
+    from agent.health import ProxyHealth, ProxyHealthHandlers
+
+    clock = FakeClock()
+    health = ProxyHealth(60.0, clock)
+    rig = Rig(Mode.IPTABLES, ipv6=True, health=health)
+    assert rig.proxier6 is not None
+    health.updated("IPv4")
+    health.updated("IPv6")
+    rig.send(dual(), synced="v1")
+    rig.proxier6.raise_ = RuntimeError("ip6tables-restore: exit 2")
+    rig.sync()
+    clock.advance(61.0)
+    rig.send(service("v4only", clusterIP="10.96.0.20"))
+    rig.sync()
+    answer = ProxyHealthHandlers(health).healthz()
+    assert answer.status == 503
+    body = answer.body.decode()
+    assert '"IPv4":{"lastUpdated"' in body and '"healthy":true}' in body
+    assert '"IPv6":{"lastUpdated"' in body and '"healthy":false}' in body
+    rig.proxier6.raise_ = None
+    rig.sync()
+    assert ProxyHealthHandlers(health).healthz().status == 200
+
+
+def test_each_familys_health_check_server_counts_its_own_familys_local_endpoints() -> None:
+    """Upstream's two proxiers each own a ServiceHealthServer (pkg/proxy/iptables NewProxier),
+    fed from their own family's state: a dual-stack eTP=Local Service's healthCheckNodePort
+    answers on IPv4 with the IPv4 local endpoints and on IPv6 with the IPv6 ones."""
+    rig = Rig(Mode.IPTABLES, ipv6=True)
+    local = {"type": "LoadBalancer", "externalTrafficPolicy": "Local"}
+    ports = [{"name": "http", "port": 80, "nodePort": 30080, "targetPort": "web"}]
+    lb = dual()
+    lb["spec"].update(local, healthCheckNodePort=31000, ports=ports)
+    v4ports = [{**ports[0], "nodePort": 30081}]
+    v4lb = service("v4lb", clusterIP="10.96.0.20", healthCheckNodePort=31001, ports=v4ports, **local)
+    rig.send(lb, v4lb, synced="v1")
+    rig.send(
+        slice_("web-v4", endpoints=[endpoint("10.244.1.2", node="node1")]),
+        slice6("web-v6", "fd00:10:244:1::2", "fd00:10:244:1::3", node="node1"),
+    )
+    rig.sync()
+    assert rig.health.services == [{"default/web": 31000, "default/v4lb": 31001}]
+    assert rig.health6.services == [{"default/web": 31000}], "the IPv6 server: Services with IPv6"
+    assert rig.health.endpoints[-1] == {"default/web": 1, "default/v4lb": 0}
+    assert rig.health6.endpoints[-1] == {"default/web": 2}
+    rig.send(slice6("web-v6", "fd00:10:244:1::2", node="node1"))
+    rig.sync()
+    assert rig.health6.endpoints[-1] == {"default/web": 1}
+    assert rig.health.endpoints[-1] == {"default/web": 1, "default/v4lb": 0}, "IPv4 unchanged"
+    assert len(rig.health.endpoints) == 1, "and not passed again"
+
+
+def test_without_an_ipv6_proxier_ipv6_endpoints_reach_no_health_check_server() -> None:
+    rig = Rig(Mode.EBPF, ipv6=False)
+    lb = dual()
+    lb["spec"].update(type="LoadBalancer", externalTrafficPolicy="Local", healthCheckNodePort=31000)
+    rig.send(lb, slice6("web-v6", "fd00:10:244:1::2", node="node1"), synced="v1")
+    rig.sync()
+    assert rig.health.endpoints == [{"default/web": 0}], "the IPv4 count holds no IPv6 endpoint"
+    assert rig.health6.services == []
+
+
+def test_the_ipv6_proxiers_syncs_carry_ip_family_ipv6_in_the_sync_metrics() -> None:
+    """Upstream labels each proxier's sync metrics with its ip_family (pkg/proxy/metrics): the
+    duration histograms, the last-synced and last-queued timestamps, network programming and the
+    no-local-endpoints gauge; a failed IPv6 sync is timed but moves no timestamp."""
+    rig = Rig(Mode.IPTABLES, ipv6=True)
+    assert rig.proxier6 is not None
+    v6 = {"ip_family": "IPv6"}
+    lb = dual()
+    lb["spec"].update(type="LoadBalancer", externalTrafficPolicy="Local", healthCheckNodePort=31000)
+    lb["spec"]["ports"] = [{"name": "http", "port": 80, "nodePort": 30080, "targetPort": "web"}]
+    rig.send(lb, slice6("web-v6", "fd00:10:244:1::2"), synced="v1")
+    assert rig.registry.get_sample_value("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", v6)
+    rig.sync()
+    count = "kubeproxy_sync_proxy_rules_duration_seconds_count"
+    assert rig.registry.get_sample_value(count, v6) == 1
+    assert rig.registry.get_sample_value(count, {"ip_family": "IPv4"}) == 1
+    assert rig.registry.get_sample_value("kubeproxy_sync_full_proxy_rules_duration_seconds_count", v6) == 1
+    last = rig.registry.get_sample_value("kubeproxy_sync_proxy_rules_last_timestamp_seconds", v6)
+    assert last is not None
+    no_local = "kubeproxy_sync_proxy_rules_no_local_endpoints_total"
+    assert rig.registry.get_sample_value(no_local, {**v6, "traffic_policy": "external"}) == 1, (
+        "the IPv6 endpoint is on node2: the Local policy finds none here"
+    )
+    assert (
+        rig.registry.get_sample_value(no_local, {"ip_family": "IPv4", "traffic_policy": "external"}) == 0
+    ), "no IPv4 endpoint at all: not counted"
+    rig.proxier6.raise_ = RuntimeError("ip6tables-restore: exit 2")
+    rig.send(slice6("web-v6", "fd00:10:244:1::3"))
+    rig.sync()
+    assert rig.registry.get_sample_value(count, v6) == 2, "a failed sync is timed"
+    assert rig.registry.get_sample_value("kubeproxy_sync_partial_proxy_rules_duration_seconds_count", v6) == 1
+    assert rig.registry.get_sample_value("kubeproxy_sync_proxy_rules_last_timestamp_seconds", v6) == last
+    assert rig.registry.get_sample_value("ekp_sync_failures_total") == 1
+
+
+def test_without_an_ipv6_proxier_no_metric_carries_ipv6() -> None:
+    rig = Rig(Mode.EBPF, ipv6=False)
+    rig.send(dual(), slice6("web-v6", "fd00:10:244:1::2"), synced="v1")
+    rig.sync()
+    text = generate_latest(rig.registry).decode()
+    assert 'ip_family="IPv4"' in text and 'ip_family="IPv6"' not in text
