@@ -6,6 +6,11 @@ PREROUTING's KUBE-SERVICES in iptables mode). One real `agent` process acts for 
 (lab/harness.py). Measured, in this order:
 
 1. the pod IP with no agent running (the direct reference);
+1b. eBPF mode: an agent with pods balanced at connect() (`--bpf-socket-lb-host-namespace-only=false`,
+   the default; its own pins, removed afterwards), at 1 and N services: pod IP and ClusterIP, then
+   what the tc programs saw of the ClusterIP's traffic (bench/tcview.py) and ekp_from_pod's ns per
+   packet on the packets it passes (bench/progcost.py). The states below pin the flag true: the
+   per-packet path, which meshes and frontends needing the client's address use;
 2. 1 service installed: pod IP and ClusterIP, alternately;
 3. N services installed (default 10,000: the measured one sorted last, the rest filler with 1-2
    endpoints each, bench/workload.py): pod IP and ClusterIP, alternately;

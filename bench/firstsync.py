@@ -148,6 +148,9 @@ class _Datapath:
 class _Attacher:
     watching = True
 
+    def attach_egress(self, node: NodeContext) -> None:
+        return None
+
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
         return None
 

@@ -160,12 +160,21 @@ def cases(node: Node, client: Pod, server: Pod, vip: str, port: int, server_port
 
 
 def measure(
-    lab: Lab, node: Node, client: Pod, server: Pod, vip: str, port: int, server_port: int
+    lab: Lab,
+    node: Node,
+    client: Pod,
+    server: Pod,
+    vip: str,
+    port: int,
+    server_port: int,
+    *,
+    translated: bool = True,
 ) -> list[PacketCost]:
-    """Every case of `cases`, on the programs attached in `node` now."""
+    """Every case of `cases` (`translated=False`: only those passed untouched, which stamp
+    nothing), on the programs attached in `node` now."""
     ids = {p.name: p.id for p in bpfstats.attached_programs(lab, node, hooks=("ingress", "egress"))}
     fds = {name: prog_fd(pid) for name, pid in ids.items() if name in ("ekp_from_pod", "ekp_egress")}
-    todo = cases(node, client, server, vip, port, server_port)
+    todo = [c for c in cases(node, client, server, vip, port, server_port) if translated or not c.translated]
     index = {
         d: ifindex(lab, node, d) for d in {c.device for c in todo} | {c.came_in_by or "" for c in todo} if d
     }

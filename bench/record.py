@@ -150,9 +150,10 @@ def results_json(results: Any) -> dict[str, Any]:
             for w in results.stats
         ],
         "packets": [
-            {"services": w.services, "costs": [dataclasses.asdict(c) for c in w.costs]}
+            {"services": w.services, "label": w.label, "costs": [dataclasses.asdict(c) for c in w.costs]}
             for w in results.packets
         ],
+        "tc_views": [dataclasses.asdict(v) for v in results.tc_views],
         "notes": list(results.notes),
         "stats_sysctl_before": results.stats_sysctl_before,
         "iptables_backend": results.iptables_backend,
@@ -162,6 +163,7 @@ def results_json(results: Any) -> dict[str, Any]:
 def results_from(data: dict[str, Any]) -> Any:
     from bench.progcost import PacketCost
     from bench.run import PacketCosts, Results, State, StatsWindow, SyncFacts, Target
+    from bench.tcview import TcView
 
     def load(d: dict[str, Any]) -> Load:
         return Load(
@@ -210,9 +212,14 @@ def results_from(data: dict[str, Any]) -> Any:
             for d in data["stats"]
         ],
         packets=[
-            PacketCosts(d["services"], [PacketCost(**{**c, "ns": _nan(c["ns"])}) for c in d["costs"]])
+            PacketCosts(
+                d["services"],
+                [PacketCost(**{**c, "ns": _nan(c["ns"])}) for c in d["costs"]],
+                d.get("label", ""),
+            )
             for d in data.get("packets", [])
         ],
+        tc_views=[TcView(**v) for v in data.get("tc_views", [])],
         notes=list(data["notes"]),
         stats_sysctl_before=data["stats_sysctl_before"],
         iptables_backend=data["iptables_backend"],

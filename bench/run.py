@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 from agent.ebpf import abi
-from bench import api, bpfstats, capacity, flood, progcost
+from bench import api, bpfstats, capacity, flood, progcost, tcview
 from bench.report import Table, num, ratio
 from bench.traffic import Load, children, connect_samples, percentile, pinned, wrk
 from bench.workload import MEASURED_PORT, MEASURED_VIP, ServicesFile, services_file
@@ -36,6 +36,7 @@ SYNC_TIMEOUT_S = 600.0
 RESYNC = "1h"
 PROBE_CPU = 0
 LEGACY, BPF = "legacy", "bpf"  # --bpf-host-routing: eBPF mode is measured with both, in one lab
+SOCKET_PODS = "socket LB for pods"  # --bpf-socket-lb-host-namespace-only=false: states so labelled
 
 
 @dataclass
@@ -160,6 +161,15 @@ class PacketCosts:
 
     services: int
     costs: list[progcost.PacketCost]
+    label: str = ""  # the state's, when it is not the tc path's (SOCKET_PODS)
+
+    @property
+    def column(self) -> str:
+        return num(self.services) + (f", {self.label}" if self.label else "")
+
+    @property
+    def header(self) -> str:
+        return f"{num(self.services)} svc" + (f", {self.label}" if self.label else "")
 
 
 @dataclass
@@ -168,6 +178,7 @@ class Results:
     syncs: list[SyncFacts] = field(default_factory=list)
     stats: list[StatsWindow] = field(default_factory=list)
     packets: list[PacketCosts] = field(default_factory=list)
+    tc_views: list[tcview.TcView] = field(default_factory=list)  # socket LB for pods: what tc saw
     notes: list[str] = field(default_factory=list)
     stats_sysctl_before: str | None = None
     iptables_backend: str | None = None  # what the iptables-mode agent chose (or was told)
@@ -194,10 +205,10 @@ class Bench:
             client, server = lab.pods
             node = lab.nodes[0]
             nginx = lab.start_nginx(server)
-            workers = children(nginx.pid)
-            if not workers:
-                raise RuntimeError("nginx started no worker process")
+            workers = nginx_workers(nginx.pid)
             self.measure(lab, client, server, workers, State(mode, "none (before)", None))
+            if mode == "ebpf":
+                self.socket_lb_for_pods(lab, node, client, server, workers)
             # --v=4: the SyncStats line with the restore time; a long resync period keeps the agent's
             # periodic full resync (30 s by default) out of the measurement windows.
             extra = [f"--iptables-sync-period={RESYNC}"] + (["--v=4"] if mode == "iptables" else [])
@@ -205,6 +216,8 @@ class Bench:
                 extra.append(f"--iptables-backend={self.s.iptables_backend}")
             if mode == "ebpf":
                 extra.append(f"--bpf-host-routing={LEGACY}")
+            # the per-packet path for pods (lab/harness.py pins it): what a mesh, and every frontend
+            # that needs the client's address, gets
             cluster = Cluster(lab, mode, agent_nodes=[1], extra=extra)
             try:
                 cluster.start()
@@ -238,6 +251,49 @@ class Bench:
             if failures:
                 self.results.notes.append(f"{mode}: agent --cleanup failed: {'; '.join(failures)}")
             self.measure(lab, client, server, workers, State(mode, "none (after)", None))
+
+    def socket_lb_for_pods(self, lab: Lab, node: Node, client: Pod, server: Pod, workers: list[int]) -> None:
+        """An agent with --bpf-socket-lb-host-namespace-only=false, at 1 and N services, before the
+        tc-path agent: its own pins (so no stamp of an earlier ClusterIP flow through tc sends the
+        pod -> pod IP packets to the conntrack lookups), removed by --cleanup afterwards. Measured
+        against the same 'none' rows; then what tc saw of the ClusterIP's traffic (bench/tcview.py)
+        and ekp_from_pod's cost on the packets that pass untouched (nothing translated: the
+        translated cases would stamp the backend for the longest conntrack timeout)."""
+        extra = [f"--iptables-sync-period={RESYNC}", f"--bpf-host-routing={LEGACY}"]
+        cluster = Cluster(lab, "ebpf", agent_nodes=[1], extra=extra)
+        for a in cluster.agents:
+            a.socket_lb_pods = True  # the lab pins the per-packet path otherwise
+        try:
+            cluster.start()
+            agent = cluster.agents[0]
+            for count in (1, self.s.services):
+                f = services_file(server.ip, NGINX_PORT, node.name, count)
+                print(f"   ebpf, {SOCKET_PODS}: applying {count:,} service(s)", flush=True)
+                self.apply(lab, node, cluster, agent, f, "ebpf", record=False)
+                use_ports(lab, client, MEASURED_VIP)
+                # From the pod's cgroup, as wrk and the probe: lab.http_get's socket is the bench's
+                # own (no lab cgroup), so tc would translate it and stamp the backend.
+                url = f"http://{MEASURED_VIP}:{MEASURED_PORT}/"
+                body = lab.run(client, "curl", "-sS", "--max-time", "5", url, timeout=15).stdout
+                if body.strip() != server.name:
+                    raise RuntimeError(f"ClusterIP answered {body!r}, not {server.name}")
+                label = f"{num(count)}, {SOCKET_PODS}"
+                self.measure(lab, client, server, workers, State("ebpf", label, count, vip=Target()))
+                view = tcview.read(agent.pin_path, count, MEASURED_VIP, MEASURED_PORT, server.ip, NGINX_PORT)
+                self.results.tc_views.append(view)
+                print(f"   {view.text()}", flush=True)
+                costs = progcost.measure(
+                    lab, node, client, server, MEASURED_VIP, MEASURED_PORT, NGINX_PORT, translated=False
+                )
+                self.results.packets.append(PacketCosts(count, costs, SOCKET_PODS))
+                for c in costs:
+                    print(
+                        f"   ebpf {count:>6,} svc {c.program:<12} {c.traffic:<55} {c.ns:7.1f} ns", flush=True
+                    )
+        finally:
+            failures = cluster.stop()
+        if failures:
+            self.results.notes.append(f"ebpf, {SOCKET_PODS}: agent --cleanup failed: {'; '.join(failures)}")
 
     def other_host_routing(
         self, lab: Lab, node: Node, client: Pod, server: Pod, workers: list[int], agent: Agent
@@ -317,7 +373,15 @@ class Bench:
         self.results.states.append(state)
 
     def apply(
-        self, lab: Lab, node: Node, cluster: Cluster, agent: Agent, f: ServicesFile, mode: str
+        self,
+        lab: Lab,
+        node: Node,
+        cluster: Cluster,
+        agent: Agent,
+        f: ServicesFile,
+        mode: str,
+        *,
+        record: bool = True,
     ) -> SyncFacts:
         offset = len(agent.log())
         written_at = time.time()
@@ -349,7 +413,8 @@ class Bench:
             if ebpf:
                 facts.restore_s = float(ebpf[-1]) / 1000
             facts.kernel = ebpf_facts(agent)
-        self.results.syncs.append(facts)
+        if record:
+            self.results.syncs.append(facts)
         return facts
 
     def iptables_facts(self, lab: Lab, node: Node, agent: Agent) -> str:
@@ -424,6 +489,17 @@ class Bench:
                 full=True,
             )
         )
+
+
+def nginx_workers(master: int, timeout: float = 10.0) -> list[int]:
+    """nginx's worker processes: the master answers on its port before it has forked them (seen
+    on a loaded machine: none yet right after start_nginx returned)."""
+    deadline = time.monotonic() + timeout
+    while not (workers := children(master)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"nginx started no worker process in {timeout:g} s")
+        time.sleep(0.05)
+    return workers
 
 
 def agent_version(agent: Agent) -> str:
@@ -666,19 +742,20 @@ def latency_and_packet_tables(results: Results, s: Settings) -> list[Table]:
             dict.fromkeys((c.program, c.traffic, c.translated) for w in results.packets for c in w.costs)
         )
 
-        by = {(w.services, c.program, c.traffic): c.ns for w in results.packets for c in w.costs}
-        counts = [w.services for w in results.packets]
+        by = {(w.column, c.program, c.traffic): c.ns for w in results.packets for c in w.costs}
+        columns = list(dict.fromkeys(w.column for w in results.packets))
+        headers = list(dict.fromkeys(w.header for w in results.packets))
         rows = [
             [program, traffic, "yes" if translated else "no"]
-            + [num(by.get((n, program, traffic), float("nan")), 1) for n in counts]
+            + [num(by.get((n, program, traffic), float("nan")), 1) for n in columns]
             for program, traffic, translated in names
         ]
         out.append(
             Table(
                 title="eBPF programs' ns per packet by kind of packet (BPF_PROG_TEST_RUN, one CPU)",
-                headers=["program", "packet", "translated", *(f"{num(n)} svc" for n in counts)],
+                headers=["program", "packet", "translated", *headers],
                 rows=rows,
-                right=[False, False, False, *[True] * len(counts)],
+                right=[False, False, False, *[True] * len(columns)],
                 notes=[
                     "the lab agent's own programs and maps, mid-run (bench/progcost.py): a packet passed "
                     f"untouched timed over {progcost.REPEAT:,} runs in one call; a translated one over "
@@ -687,6 +764,17 @@ def latency_and_packet_tables(results: Results, s: Settings) -> list[Table]:
                     f"more); median of {progcost.ROUNDS} rounds",
                     "an endpoint no translated flow uses: with socket-level load balancing a pod's "
                     "connection to a ClusterIP is such a connection to its backend",
+                    *(
+                        [
+                            f"'{SOCKET_PODS}' columns: the agent with --bpf-socket-lb-host-namespace-only="
+                            "false after its own ClusterIP traffic, which reached the backend from connect() "
+                            "on, so no translated flow stamped it (the translated cases are not run there: "
+                            "they would)"
+                        ]
+                        if any(w.label for w in results.packets)
+                        else []
+                    ),
+                    *(v.text() for v in results.tc_views),
                 ],
             )
         )
@@ -742,7 +830,7 @@ def targets_table(results: Results, s: Settings) -> Table:
                 rows.append(
                     [
                         "ebpf",
-                        num(w.services),
+                        w.column,
                         c.traffic,
                         "ns/packet",
                         num(c.ns, 1),

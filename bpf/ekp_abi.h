@@ -38,6 +38,7 @@
 enum ekp_scope {
 	EKP_SCOPE_EXTERNAL = 0, /* from an external device (--devices): ETP applies */
 	EKP_SCOPE_INTERNAL = 1, /* from a pod (or the node itself): ITP applies */
+	EKP_SCOPE_HOST = 2,     /* the node's own sockets, where an INTERNAL frontend says so (EKP_FE_HOST_SCOPE) */
 };
 
 struct ekp_frontend_key {
@@ -59,6 +60,9 @@ struct ekp_frontend_key {
 #define EKP_FE_SNAT_ALL      (1 << 8) /* source-translate to the node whatever the backend (KUBE-MARK-MASQ) */
 #define EKP_FE_MAGLEV        (1 << 9) /* choose the backend with the Maglev table of set_id (ekp_maglev), and
 				      * let a TCP segment without conntrack resume its flow on it */
+#define EKP_FE_HOST_SCOPE    (1 << 10) /* INTERNAL: the node's own sockets use the HOST frontend of this key
+					* instead (ETP Local with no local-traffic detector: pods get the local
+					* endpoints, the node every endpoint, as kube-proxy's --src-type LOCAL rule) */
 
 struct ekp_frontend {
 	__u32 svc_id;           /* host: the service port (membership, affinity, conntrack); never 0 */
@@ -305,7 +309,8 @@ struct ekp_hostnat_key {
 	__u16 tag;    /* host: the flow's tag (a hash of the tuple as it arrived; never 0), the
 	               * skb->tc_index the ingress program set: two flows whose packets leave
 	               * with the same tuple (a client port reaching one backend through two
-	               * frontends) are told apart */
+	               * frontends) are told apart. 0: the stack's reply tuple of a SNAT flow, for
+	               * the packets the stack itself sends about it (ekp_host_note_stack_reply) */
 };
 
 struct ekp_hostnat {

@@ -460,6 +460,49 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
  * them; an ICMP error the stack sends about such a flow is translated back as one from a router
  * would be; the fragments of a reply the stack fragmented follow their first. Anything else is the
  * node's own business: PASS, after the activity check (ekp_act.h) for all but ICMP errors. */
+static __always_inline void ekp_hostnat_key_of(struct ekp_hostnat_key *k, __be32 saddr, __be32 daddr, __be16 sport,
+					       __be16 dport, __u8 proto, __u16 tag)
+{
+	k->saddr = saddr;
+	k->daddr = daddr;
+	k->sport = sport;
+	k->dport = dport;
+	k->proto = proto;
+	k->tag = tag;
+}
+
+/* Legacy host routing: a packet the node's stack sends about a flow whose both addresses the
+ * ingress program translated (ekp_host_note_stack_reply), which no conntrack entry claims: a TCP
+ * RST or UDP datagram with the tuple the stack saw (backend -> client), or an ICMP error quoting
+ * the packet as the stack saw it (client -> backend). Gets the source the flow's replies get, so
+ * the client's socket takes it as the answer to what it sent (nf_conntrack's RELATED in iptables
+ * mode: the REJECT of a NetworkPolicy engine fails the connect() at once, not after a timeout). */
+static __always_inline void ekp_decide_stack_reply(const struct ekp_pkt *p, int parsed, struct ekp_decision *d)
+{
+	struct ekp_hostnat_key k = {};
+	int related = parsed == EKP_PARSE_ICMP_ERR;
+
+	if (related)
+		ekp_hostnat_key_of(&k, p->in_daddr, p->in_saddr, p->in_dport, p->in_sport, p->in_proto, 0);
+	else
+		ekp_hostnat_key_of(&k, p->saddr, p->daddr, p->sport, p->dport, p->proto, 0);
+	struct ekp_hostnat *v = ekp_hostnat_lookup(&k);
+	if (!v)
+		return;
+	d->saddr = v->saddr;
+	if (!related) {
+		d->sport = v->sport;
+		ekp_verdict(d, EKP_ACT_TRANSLATE, EKP_STAT_CT_REPLY);
+		return;
+	}
+	d->daddr = p->daddr;
+	d->in_saddr = p->in_saddr;
+	d->in_sport = p->in_sport;
+	d->in_daddr = v->saddr;
+	d->in_dport = v->sport;
+	ekp_verdict(d, EKP_ACT_RELATED, EKP_STAT_CT_RELATED);
+}
+
 static __always_inline void ekp_decide_local_packet(struct ekp_work *w, int parsed)
 {
 	struct ekp_pkt *p = &w->pkt;
@@ -490,13 +533,15 @@ static __always_inline void ekp_decide_local_packet(struct ekp_work *w, int pars
 	__u64 now = bpf_ktime_get_ns();
 	if (parsed == EKP_PARSE_ICMP_ERR) {
 		ekp_decide_related(p, cfg, now, d);
-		return;
+	} else {
+		struct ekp_ct_key key = {};
+		ekp_ct_key_of(&key, p, EKP_CT_REPLY);
+		struct ekp_ct_entry *ct = ekp_ct_lookup(&key);
+		if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_reply(ct, p))
+			ekp_decide_hit(ct, &key, p, now, d, &w->queue);
 	}
-	struct ekp_ct_key key = {};
-	ekp_ct_key_of(&key, p, EKP_CT_REPLY);
-	struct ekp_ct_entry *ct = ekp_ct_lookup(&key);
-	if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_reply(ct, p))
-		ekp_decide_hit(ct, &key, p, now, d, &w->queue);
+	if (d->action == EKP_ACT_PASS && (cfg->flags & EKP_CFG_HOST_LEGACY))
+		ekp_decide_stack_reply(p, parsed, d);
 }
 
 /* Queues the flow a decision started or closed (ekp_ctq.h: written once, here, rather than on each

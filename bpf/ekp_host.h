@@ -63,15 +63,23 @@ static __always_inline __u16 ekp_host_tag(const struct ekp_pkt *p)
 	return tag ? tag : 1;
 }
 
-static __always_inline void ekp_hostnat_key_of(struct ekp_hostnat_key *k, __be32 saddr, __be32 daddr, __be16 sport,
-					       __be16 dport, __u8 proto, __u16 tag)
+/* Both addresses translated (a SNAT flow, either direction): the packets the node's stack itself
+ * sends back about this one (a REJECT's RST or ICMP error in FORWARD, an ICMP error of its routing)
+ * carry the tuple the stack saw, which no conntrack key holds (the REPLY key has the SNAT port).
+ * Kept under tag 0 (no ingress tag is 0): the stack's reply tuple -> the source that reply needs,
+ * this packet's destination as it arrived (the frontend; the SNAT address for a reply's). Written
+ * with the tagged entry (when missing or stale), so it costs nothing per packet; it may be evicted
+ * before it (it is read only by such packets), and such a packet then leaves untranslated, as
+ * before. Read by ekp_decide_stack_reply at egress. A failed update costs only that. */
+static __always_inline void ekp_host_note_stack_reply(const struct ekp_pkt *p, const struct ekp_decision *d)
 {
-	k->saddr = saddr;
-	k->daddr = daddr;
-	k->sport = sport;
-	k->dport = dport;
-	k->proto = proto;
-	k->tag = tag;
+	struct ekp_hostnat_key k = {};
+	struct ekp_hostnat v = {};
+
+	ekp_hostnat_key_of(&k, d->daddr, p->saddr, d->dport, p->sport, p->proto, 0);
+	v.saddr = p->daddr;
+	v.sport = p->dport;
+	ekp_hostnat_update(&k, &v);
 }
 
 /* Ingress: the decided destination now, the decided source left for egress; the packet goes to
@@ -90,6 +98,8 @@ static __always_inline int ekp_host_hand_over(struct __sk_buff *skb, const struc
 				d->outcome = EKP_DROP_CT_FULL;
 				return TC_ACT_SHOT;
 			}
+			if (d->daddr != p->daddr || d->dport != p->dport)
+				ekp_host_note_stack_reply(p, d);
 		}
 		skb->tc_classid = k.tag; /* skb->tc_index at egress (see above) */
 	}

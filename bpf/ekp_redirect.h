@@ -49,16 +49,24 @@ static __always_inline long ekp_fib(struct __sk_buff *skb, struct bpf_fib_lookup
  * it: the route back to the packet's source leaves by the device it came in on. For a pod device
  * that is the pod's own address (and any other the node routes to it), read from the FIB at the
  * moment the packet passes: no list of pod addresses to keep in step with the CNI. FRAG_NEEDED
- * still names the device. 1 when it does. */
+ * still names the device. 1 when it does.
+ *
+ * Pods on a Linux bridge (kubenet's cbr0, --detect-local-mode=BridgeInterface): the program runs
+ * on the pod's port, before the bridge, and the node routes the pods' addresses by the bridge, so
+ * the route's device is the bridge, never the port. `bridge` is the bridge the port belongs to
+ * (0 none), which the agent gives each port's filter as its classid (the kernel hands it to the
+ * program in skb->tc_classid: ekp_tc_apply reads it first). A route back by that bridge passes:
+ * what the kernel's rp_filter checks for the same packet, whose input device is the bridge (so a
+ * pod can claim another address of its bridge's subnet, as it can with iptables mode). */
 static __always_inline int ekp_source_routed_here(struct __sk_buff *skb, const struct ekp_pkt *p,
-						  struct bpf_fib_lookup *fib)
+						  struct bpf_fib_lookup *fib, __u32 bridge)
 {
 	__builtin_memset(fib, 0, sizeof(*fib));
 	long rc = ekp_fib(skb, fib, p->proto, p->tos, p->daddr, p->saddr, p->dport, p->sport);
 
 	return (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ||
 		rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) &&
-	       fib->ifindex == skb->ingress_ifindex;
+	       (fib->ifindex == skb->ingress_ifindex || (bridge && fib->ifindex == bridge));
 }
 
 /* Sends a rewritten packet along the route `fib` found (rc SUCCESS or NO_NEIGH). Returns the TC

@@ -163,6 +163,13 @@ static __always_inline __u32 ekp_sock_decide(struct bpf_sock_addr *ctx, __be32 d
 		return EKP_STAT_SOCK_PASS;
 	if (!host && (fe->flags & EKP_FE_NEEDS_CLIENT))
 		return EKP_STAT_SOCK_PASS; /* left to the pod's tc program */
+	if (host && (fe->flags & EKP_FE_HOST_SCOPE)) {
+		/* The node's own outcome differs from its pods' (see EKP_FE_HOST_SCOPE). */
+		fk.scope = EKP_SCOPE_HOST;
+		fe = ekp_fe_lookup(&fk);
+		if (!fe)
+			return EKP_STAT_SOCK_PASS;
+	}
 
 	/* The client, for source ranges and affinity: the address the socket is bound to, else the
 	 * node's (the source kube-proxy's OUTPUT chain sees for a node process, in most cases). */

@@ -209,12 +209,20 @@ class Lab:
         cgroups: bool = True,
         wire: bool = False,
         ipv6: bool = False,
+        pod_bridge: str | None = None,
     ) -> None:
         """`wire`: the switch behaves like a NIC's wire (full checksums on the external links, a
         native XDP program's XDP_TX delivered: lab/wire.py), for agents run with --bpf-xdp=native.
         `ipv6`: every link carries IPv6 ULA addresses beside IPv4 (`ip6` of each host), with the
         same routes (pods via their node's gateway, other nodes' pods via those nodes, default via
-        the client) and IPv6 forwarding on the nodes."""
+        the client) and IPv6 forwarding on the nodes.
+        `pod_bridge`: each node's pod veths are ports of a Linux bridge of that name in the node's
+        namespace, which holds the pods' gateway address on the node's pod /24 (kubenet's cbr0,
+        kube-proxy's --detect-local-mode=BridgeInterface); by default each veth is routed alone.
+        IPv4 only."""
+        if pod_bridge and ipv6:
+            raise ValueError("pod_bridge is IPv4 only")
+        self.pod_bridge = pod_bridge
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes must be 1..{MAX_NODES}")
         if not 0 <= pods_per_node <= MAX_PODS_PER_NODE:
@@ -460,6 +468,13 @@ class Lab:
                 others = [o for o in self.nodes if o is not node]
                 lines += [f"route add {node_pod_cidr6(o.index)} via {o.ip6}" for o in others]
                 lines.append(f"route add ::/0 via {self.client.ip6}")
+            if self.pod_bridge:
+                prefix = node.pod_cidr.split("/")[1]
+                lines += [
+                    f"link add {self.pod_bridge} type bridge",
+                    f"link set {self.pod_bridge} up",
+                    f"addr add {node.gateway}/{prefix} dev {self.pod_bridge}",
+                ]
             for pod in node.pods:
                 lines += self._node_pod_lines(pod)
             batches[node.ns] = lines
@@ -485,8 +500,9 @@ class Lab:
         node = self.node(pod.node)
         return f"link add {pod.host_iface} netns {node.ns} type veth peer name {pod.iface} netns {pod.ns}"
 
-    @staticmethod
-    def _node_pod_lines(pod: Pod) -> list[str]:
+    def _node_pod_lines(self, pod: Pod) -> list[str]:
+        if self.pod_bridge:  # the bridge holds the gateway and the route to the node's pods
+            return [f"link set {pod.host_iface} master {self.pod_bridge}", f"link set {pod.host_iface} up"]
         lines = [
             f"link set {pod.host_iface} up",
             f"addr add {pod.gateway}/32 dev {pod.host_iface}",

@@ -309,7 +309,8 @@ def add_service(
         if slots:
             maps["slot"].update(abi.SlotKey(set_id, slot), abi.Slot(backend_id))
         add_address(maps, be_addr, abi.AddrFlag.BACKEND)
-    add_address(maps, addr, 1 << scope)
+    if scope != Scope.HOST:  # the socket programs' alone: the planner gives it no ekp_addr bit
+        add_address(maps, addr, 1 << scope)
     maps["rnat"].update(abi.RevNatKey(rev_nat_id), abi.RevNat(ip_be(addr), port_be(port)))
     fe = abi.Frontend(
         svc_id=svc_id,

@@ -53,6 +53,11 @@ class Agent:
         self.source = list(source)  # --services-file=... or --kubeconfig=...
         self.extra = list(extra)
         self.node_ip = node_ip  # --node-ip: else the agent reads (and follows) eth0's addresses
+        # Pods' sockets: False pins --bpf-socket-lb-host-namespace-only=true, so a pod's traffic to
+        # a Service takes the per-packet path (the one the lab's packet-level checks read: tc
+        # conntrack, SNAT ports, flows carried across restarts); True: =false; None: the agent's
+        # default (pods balanced at connect()).
+        self.socket_lb_pods: bool | None = False
         self.proc: subprocess.Popen[bytes] | None = None
         assert lab.tmpdir is not None
         self.log_path = lab.tmpdir / f"agent-{node.name}.log"
@@ -82,6 +87,11 @@ class Agent:
                 [f"--bpf-socket-lb-cgroup={self.node.cgroup_root}"]
                 if self.node.cgroup_root
                 else ["--bpf-socket-lb=false"]
+            ),
+            *(
+                []
+                if self.socket_lb_pods is None
+                else [f"--bpf-socket-lb-host-namespace-only={str(not self.socket_lb_pods).lower()}"]
             ),
             *self.extra,
         ]

@@ -57,6 +57,7 @@ def copy_struct(value: CData) -> CData:
 class Scope(IntEnum):
     EXTERNAL = 0
     INTERNAL = 1
+    HOST = 2  # the node's own sockets, only where an INTERNAL frontend has HOST_SCOPE
 
 
 class FrontendFlag(IntEnum):
@@ -70,6 +71,7 @@ class FrontendFlag(IntEnum):
     AFFINITY = 1 << 7
     SNAT_ALL = 1 << 8
     MAGLEV = 1 << 9
+    HOST_SCOPE = 1 << 10
 
 
 class BackendFlag(IntEnum):

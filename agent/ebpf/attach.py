@@ -12,7 +12,9 @@ Effects (pyroute2). Which devices, in the network namespace Config.netns:
   them, where the replies of flows handed to it (a backend on the node's own address) get their
   frontend back, and, with legacy host routing (bpf/ekp_host.h), the source translation of what
   the ingress programs handed to the stack. It is attached before the ingress program: a device
-  never hands the stack a packet whose egress half is missing.
+  never hands the stack a packet whose egress half is missing; and when legacy host routing is
+  switched on (a node's first start), on every device before any ingress program
+  (`Attacher.attach_egress`), so the config can say legacy from the first packet.
 
 The local-traffic detector (agent/localdetect.py) moves that line in its interface modes, where
 the device decides what kube-proxy counts as pod traffic (`-i BRIDGE`, `-i PREFIX+`):
@@ -165,6 +167,23 @@ def pod_side_program(link: Link, config: Config, local: LocalDetector, bridge: i
     return PROG_FROM_POD if pod_device else None
 
 
+def bridge_classid(link: Link) -> int:
+    """The classid of a device's ingress filter: the ifindex of the device it is a port of (a pod
+    on a Linux bridge: the node routes the pod's addresses by the bridge, and the bpf host
+    routing's source check, bpf/ekp_redirect.h, accepts a route back by it); 0 for none. The
+    program reads it from skb->tc_classid, 16 bits: a master above 65,535 cannot be named (0,
+    logged), and that port's pods' translated packets fail the check under bpf host routing."""
+    if link.master > 0xFFFF:
+        log.error(
+            "%s is a port of ifindex %d, above 65,535: with --bpf-host-routing=bpf its pods' Service "
+            "traffic is dropped as spoofed_source (use legacy host routing on this node)",
+            link.name,
+            link.master,
+        )
+        return 0
+    return link.master
+
+
 def bridge_index(ipr: Any, local: LocalDetector) -> int:
     """The ifindex of the detector's bridge (BridgeInterface), 0 when none or missing."""
     if not local.interface:
@@ -276,9 +295,13 @@ def ensure_clsact(ipr: Any, index: int) -> None:
             raise
 
 
-def attach(ipr: Any, index: int, prog_name: str, fd: int, parent: int = TC_H_INGRESS) -> None:
+def attach(
+    ipr: Any, index: int, prog_name: str, fd: int, parent: int = TC_H_INGRESS, *, classid: int = 1
+) -> None:
     """clsact (if missing) and our direct-action filter on the ingress (or `parent`) hook,
-    replacing whatever held our spot."""
+    replacing whatever held our spot. `classid`: what the program finds in skb->tc_classid (the
+    kernel sets it from the filter's classid before running it): on ingress, the bridge a pod
+    port belongs to (`bridge_classid`)."""
     ensure_clsact(ipr, index)
     ipr.tc(
         "replace-filter",
@@ -289,7 +312,7 @@ def attach(ipr: Any, index: int, prog_name: str, fd: int, parent: int = TC_H_ING
         name=prog_name,
         parent=parent,
         prio=FILTER_PRIO,
-        classid=1,
+        classid=classid,
         direct_action=True,
     )
 
@@ -351,11 +374,24 @@ class Attacher:
         self._ready = threading.Event()
         self.attachments = 0  # filters attached (or replaced) since construction
         self._xdp: dict[int, str] = {}  # external ifindex -> XDP mode it runs in ("" none)
+        self._bridges: dict[int, int] = {}  # ifindex -> its filter's classid (bridge_classid)
 
     @property
     def attached(self) -> dict[int, tuple[str, str]]:
         with self._lock:
             return dict(self._attached)
+
+    def attach_egress(self, node: NodeContext) -> None:
+        """ekp_egress on every device that should carry our programs, ingress programs left as
+        they are: before legacy host routing is switched on (the proxier), so that no ingress
+        program hands the stack a packet that could leave by a device without its egress half."""
+        with netns_route(self._config.netns) as ipr:
+            for index in sorted(wanted_devices(ipr, self._config, node)):
+                try:
+                    attach(ipr, index, PROG_EGRESS, self._fds[PROG_EGRESS], TC_H_EGRESS)
+                except NetlinkError as exc:
+                    if exc.code != errno.ENODEV:  # gone again: nothing to hand over there
+                        raise
 
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
         """Attach where missing.
@@ -368,8 +404,10 @@ class Attacher:
           devices that no longer match are detached.
         """
         with netns_route(self._config.netns) as ipr:
+            links: dict[int, Link] = {}
             if full or verify:
                 wanted = wanted_devices(ipr, self._config, node)
+                links = {link.index: link for link in list_links(ipr)}
             else:
                 wanted = {i: (n, PROG_FROM_NET) for i, n in external_devices(ipr, self._config, node).items()}
             external = {i for i, (_, prog) in wanted.items() if prog == PROG_FROM_NET}
@@ -404,14 +442,16 @@ class Attacher:
                         if exc.code != errno.ENODEV:
                             raise
             for index, (name, prog) in sorted(wanted.items()):
+                bridge = bridge_classid(links[index]) if index in links else 0
                 if (
                     not full
                     and our_filter(ipr, index) == prog
                     and our_filter(ipr, index, TC_H_EGRESS) == PROG_EGRESS
+                    and self._bridges.get(index, 0) == bridge
                 ):
-                    self._remember(index, name, prog)
+                    self._remember(index, name, prog, bridge)
                     continue
-                self._attach(ipr, index, name, prog)
+                self._attach(ipr, index, name, prog, bridge)
             for index in gone:
                 self._xdp_off(ipr, index, known[index][0])
             for index in sorted(external):
@@ -419,6 +459,7 @@ class Attacher:
             with self._lock:
                 for index in gone:
                     self._attached.pop(index, None)
+                    self._bridges.pop(index, None)
 
     @property
     def xdp_modes(self) -> dict[int, str]:
@@ -465,18 +506,25 @@ class Attacher:
         with self._lock:
             self._xdp.pop(index, None)
 
-    def _attach(self, ipr: Any, index: int, name: str, prog: str) -> None:
+    def _attach(self, ipr: Any, index: int, name: str, prog: str, bridge: int = 0) -> None:
         # Egress first: nothing is handed to the node's stack before its replies (and, with legacy
         # host routing, its own source translation) can be translated.
         attach(ipr, index, PROG_EGRESS, self._fds[PROG_EGRESS], TC_H_EGRESS)
-        attach(ipr, index, prog, self._fds[prog])
-        log.info("attached %s to %s ingress and %s to its egress", prog, name, PROG_EGRESS)
-        self._remember(index, name, prog)
+        attach(ipr, index, prog, self._fds[prog], classid=bridge)
+        log.info(
+            "attached %s to %s ingress%s and %s to its egress",
+            prog,
+            name,
+            f" (a port of ifindex {bridge})" if bridge else "",
+            PROG_EGRESS,
+        )
+        self._remember(index, name, prog, bridge)
         self.attachments += 1
 
-    def _remember(self, index: int, name: str, prog: str) -> None:
+    def _remember(self, index: int, name: str, prog: str, bridge: int = 0) -> None:
         with self._lock:
             self._attached[index] = (name, prog)
+            self._bridges[index] = bridge
 
     # ------------------------------------------------------------------ pod-device watcher
 
@@ -524,6 +572,7 @@ class Attacher:
                             self._on_new_link(ipr, Link(index, name, master))
                         elif event == RTM_DELLINK:
                             with self._lock:
+                                self._bridges.pop(index, None)
                                 if self._attached.pop(index, None) is not None:
                                     log.info("pod device %s is gone", name)
         except Exception:
@@ -545,11 +594,15 @@ class Attacher:
         prog = pod_side_program(link, self._config, local, bridge)
         if prog is None:
             return
+        bridge = bridge_classid(link)
         with self._lock:
-            if link.index in self._external or self._attached.get(link.index, ("", ""))[1] == prog:
+            if link.index in self._external or (
+                self._attached.get(link.index, ("", ""))[1] == prog
+                and self._bridges.get(link.index) == bridge
+            ):
                 return
         try:
-            self._attach(ipr, link.index, link.name, prog)
+            self._attach(ipr, link.index, link.name, prog, bridge)
         except NetlinkError as exc:
             # The device may be gone again, or be moving to another namespace.
             log.warning("cannot attach %s to %s: %s", prog, link.name, exc)

@@ -133,10 +133,14 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config, detector: Loca
             ext_kind: SetKind = "local"
             ext_flags = base | what | FrontendFlag.LOCAL
             # Pods reach every endpoint, untranslated (KUBE-EXT-*: IfLocal -> KUBE-SVC-*); without
-            # a detector that rule is missing and pods are held to the local endpoints too.
+            # a detector that rule is missing and pods are held to the local endpoints too. The
+            # node itself reaches every endpoint whatever the detector (`--src-type LOCAL ->
+            # KUBE-SVC-*`): without one its sockets get a frontend of their own (scope HOST).
             pod_flags = base | what
             if not detector.implemented:
-                pod_kind, pod_flags = ext_kind, ext_flags
+                pod_kind, pod_flags = ext_kind, ext_flags | FrontendFlag.HOST_SCOPE
+                host = base | what
+                out.append(Fe(fe_key(addr, p, proto, int(Scope.HOST)), "cluster", int(host), affinity, rnat))
         else:
             # ETP Cluster: kube-proxy masquerades all of it (KUBE-EXT-* -> KUBE-MARK-MASQ), traffic
             # from pods included (KUBE-SERVICES sends it to the same KUBE-EXT-* chain); keeping

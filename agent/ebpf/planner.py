@@ -46,7 +46,7 @@ from typing import cast
 
 from agent.config import Config, NodeContext
 from agent.ebpf import backends
-from agent.ebpf.abi import AddrFlag, FrontendFlag, MemberFlag
+from agent.ebpf.abi import AddrFlag, FrontendFlag, MemberFlag, Scope
 from agent.ebpf.backends import Backends
 from agent.ebpf.codec import Value
 from agent.ebpf.entries import (
@@ -88,6 +88,7 @@ __all__ = ["ROLES", "FlushResult", "PlanError", "Planner", "RawMap", "config_ent
 # per address of a desired frontend (a bit per scope) or backend (BACKEND).
 ROLES = ("fe", "slot", "be", "rnat", "member", "srcr", "addr")
 _ADDR_BACKEND = int(AddrFlag.BACKEND)
+_SCOPE_HOST = int(Scope.HOST)
 
 _BE_LOCAL = backends.LOCAL
 _BE_TERMINATING = backends.TERMINATING
@@ -205,6 +206,8 @@ class Planner:
         comes into or leaves `addr`: the bit is set while any user has it. A bit's first user is
         the bit itself; only the users beyond it are counted (most addresses have one), so this
         costs a dict entry where an address is shared and nothing where it is not."""
+        if role == "fe" and key >> FE_SCOPE == _SCOPE_HOST:
+            return  # the socket programs' alone: no packet asks ekp_addr about it
         addr, flag = (key & U32, 1 << (key >> FE_SCOPE)) if role == "fe" else (value & U32, _ADDR_BACKEND)
         flags = self.desired["addr"].get(addr, 0)
         extra = self._addr_extra

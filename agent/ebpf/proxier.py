@@ -131,6 +131,8 @@ class TerminatorLike(Protocol):
 
 
 class AttacherLike(Protocol):
+    def attach_egress(self, node: NodeContext) -> None: ...
+
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None: ...
 
     @property
@@ -291,8 +293,9 @@ class EbpfProxier:
             if planner.cfg is not None and planner.cfg != self._cfg_written:
                 cfg = VALUES["cfg"].to_ctype(planner.cfg)
                 if cfg.flags & abi.ConfigFlag.HOST_LEGACY and not self._legacy_live():
-                    # Legacy host routing only once every egress program is attached: a packet
-                    # handed to the stack without its egress half would leave half translated.
+                    # Legacy host routing only once every egress program is attached (a packet
+                    # handed to the stack without its egress half would leave half translated),
+                    # and before any ingress program is (_attach): none redirects past FORWARD.
                     deferred = planner.cfg
                     cfg.flags &= ~abi.ConfigFlag.HOST_LEGACY
                 write_config(maps, cfg)
@@ -304,10 +307,7 @@ class EbpfProxier:
             self._unsure = False
             self.last_flush = result
 
-            self._attach(datapath, node, periodic=periodic)
-            if deferred is not None:
-                write_config(maps, VALUES["cfg"].to_ctype(deferred))
-                self._cfg_written = deferred
+            self._attach(datapath, node, periodic=periodic, legacy=deferred)
             if self._terminator is not None and (periodic or result.deletes.get("member")):
                 self._end_stale_sockets()
             elapsed_ms = (time.monotonic() - start) * 1000
@@ -433,12 +433,19 @@ class EbpfProxier:
             )
         return dump
 
-    def _attach(self, datapath: DatapathLike, node: NodeContext, *, periodic: bool) -> None:
+    def _attach(
+        self, datapath: DatapathLike, node: NodeContext, *, periodic: bool, legacy: Value | None
+    ) -> None:
         """Keep the programs attached. The first sync attaches everywhere (replacing an older
         agent's programs, carrying an older ABI's conntrack over around it); after that, pod
         devices are the watcher's and the attachments are checked only by full syncs (every sync
         period, or when the node's addresses changed), so a one-endpoint change costs no netlink
-        round trip into the node's namespace."""
+        round trip into the node's namespace.
+
+        `legacy`: the config with legacy host routing, not live yet. ekp_egress goes on every
+        device first, then the config, then the ingress programs: from the first packet an
+        ingress program sees, it hands translated packets to the stack (FORWARD, rp_filter), and
+        each leaves by a device whose egress program gives it its source."""
         first = not self._attached_once
         full = first
         if first:
@@ -449,6 +456,10 @@ class EbpfProxier:
             fds = {name: datapath.prog_fd(name) for name in names}
             self._attacher = self._attacher_factory(self._config, fds)
             full = True
+        if legacy is not None:
+            self._attacher.attach_egress(node)
+            write_config(datapath.maps, VALUES["cfg"].to_ctype(legacy))
+            self._cfg_written = legacy
         restart = self._attached_once and not self._attacher.watching
         if restart:
             log.warning("the pod-device watcher had stopped: restarting it and checking every device")

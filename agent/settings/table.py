@@ -796,9 +796,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "bpf_socket_lb_host_namespace_only",
         Bool(),
-        True,
+        False,
         "translate at connect() only the sockets of the node's network namespace; pods keep the "
-        "per-packet path and see their Service address (Cilium's socketLB.hostNamespaceOnly)",
+        "per-packet path and their packets carry the Service address (service meshes that redirect "
+        "by it need this; Cilium's socketLB.hostNamespaceOnly). Off: a pod's connection to a "
+        "Service goes to the backend from connect() on, unless the frontend needs the pod's address "
+        "(affinity, source ranges, SNAT)",
         flags=("--bpf-socket-lb-host-namespace-only",),
         attr="socket_lb_host_only",
         group=EBPF,

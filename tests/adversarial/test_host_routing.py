@@ -16,6 +16,12 @@ Here, per data path:
 | ebpf, `--bpf-host-routing=legacy` (default) | blocked, as iptables | dropped by rp_filter |
 | ebpf, `--bpf-host-routing=bpf` | served: the redirect skips FORWARD | dropped, `spoofed_source` counted |
 
+A third case from the review after it: a `REJECT` in the node's FORWARD chain (tcp-reset or
+icmp-port-unreachable) on a NodePort flow from the outside client, which is masqueraded. The node's
+own RST or ICMP error carries the backend-side tuple; the client must get it as the answer to what
+it sent (iptables: nf_conntrack's RELATED; legacy: ekp_egress, which on main let them leave
+untranslated, and the client waited for its timeout).
+
 Each test has its positive control (pod-1-3, which the rule does not name, is served; a datagram
 from pod-1-1's own address arrives) so that "blocked" cannot mean "broken". One single-node lab
 per data path, with kube-proxy's and Docker's `--ctstate INVALID -j DROP` in FORWARD (legacy host
@@ -163,3 +169,79 @@ def test_a_forged_source_never_reaches_the_backend(path: tuple[str, Cluster]) ->
     else:
         assert rp_filter_drops(lab) == before_rp + 1, "dropped by the node's rp_filter"
     lab.stop(sink)
+
+
+def udp_probe(lab: Lab, target: str, ip: str, port: int, timeout: float) -> str:
+    """One datagram from a connected UDP socket: "answered", "refused" (an ICMP port unreachable
+    that quotes the datagram as sent, so the kernel matched it to this socket) or "timeout"."""
+    try:
+        lab.udp_echo(target, ip, port, timeout=timeout)
+        return "answered"
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:
+        return "timeout"
+
+
+@pytest.mark.parametrize("reject", ["tcp-reset", "icmp-port-unreachable"])
+def test_the_node_s_own_rejects_reach_an_outside_client_translated(
+    path: tuple[str, Cluster], reject: str
+) -> None:
+    """A NetworkPolicy REJECT stood in by `iptables -I FORWARD -d pod-1-2 ... -j REJECT` on a
+    NodePort flow from the outside client, which is masqueraded (ETP Cluster): the RST or ICMP
+    port unreachable the node's own stack sends back carries the backend-side tuple (backend ->
+    client; or quoting client -> backend). The client must get it as a reply to what it sent
+    (node:nodePort), so its connect() or recv() fails at once rather than waiting for a timeout:
+    iptables mode by nf_conntrack; legacy host routing by ekp_egress, which on main looked up the
+    flow's REPLY entry under the SNAT port and let them leave untranslated. bpf host routing never
+    shows the flow to FORWARD: served (the documented price of the redirect)."""
+    name, cluster = path
+    lab = cluster.lab
+    node = lab.node(1)
+    backend = lab.pod("pod-1-2")
+    ports = [Port("http", 80, 8080, node_port=30080), Port("udp", 81, 9000, "UDP", node_port=30081)]
+    cluster.apply(
+        with_endpoints(service("rejected", "10.96.4.3", ports, type="NodePort"), [ep(cluster, "pod-1-2")])
+    )
+    seen = lab.http_get("client", node.ip, 30080, "/ip").strip()
+    assert seen in (node.ip, node.gateway), f"the flow is masqueraded (the backend saw {seen})"
+    assert lab.tcp_probe("client", node.ip, 30080) == "open", "before the rule"
+    assert udp_probe(lab, "client", node.ip, 30081, 1.0) == "answered", "before the rule"
+
+    rules = [
+        [
+            "FORWARD",
+            "-d",
+            backend.ip,
+            "-p",
+            "tcp",
+            "--dport",
+            "8080",
+            "-j",
+            "REJECT",
+            "--reject-with",
+            reject,
+        ],
+        ["FORWARD", "-d", backend.ip, "-p", "udp", "--dport", "9000", "-j", "REJECT"],
+    ]
+    # The node rate-limits its ICMP errors per destination (icmp_ratelimit: 1 s after a burst of
+    # 6), and this test sends up to 6 per parameter to one client: unlimited here, restored after.
+    ratelimit = lab.get_sysctl(node, "net.ipv4.icmp_ratelimit")
+    lab.set_sysctl(node, "net.ipv4.icmp_ratelimit", "0")
+    for rule in rules:
+        lab.run(node, "iptables", "-I", *rule)
+    try:
+        tcp = [lab.tcp_probe("client", node.ip, 30080, timeout=2.0) for _ in range(3)]
+        udp = [udp_probe(lab, "client", node.ip, 30081, 2.0) for _ in range(3)]
+        if name == "bpf":
+            assert (tcp, udp) == (["open"] * 3, ["answered"] * 3)
+        else:
+            assert tcp == ["refused"] * 3, f"the node's {reject} must reach the client translated: {tcp}"
+            assert udp == ["refused"] * 3, (
+                f"the node's port unreachable must reach the client translated: {udp}"
+            )
+    finally:
+        for rule in rules:
+            lab.run(node, "iptables", "-D", *rule)
+        lab.set_sysctl(node, "net.ipv4.icmp_ratelimit", ratelimit)
+    assert lab.tcp_probe("client", node.ip, 30080) == "open", "after the rule"

@@ -216,7 +216,15 @@ def test_health_answers_within_100ms_while_64_slow_clients_drip_and_idle_ones_wa
             probes["healthz"].append(probe(lab, "node1", "127.0.0.1", HEALTHZ, "/healthz"))
             probes["hc"].append(probe(lab, "node2", N1, HC_PORT, "/"))
             time.sleep(DRIP_S)
-        assert sum(is_open(s) for s in idle) == len(idle) == 2 * 4 * IDLE_PER_SOURCE
+        # Every idle connection is held until its head deadline, counted from its answer: the
+        # 256 take a while to set up on a loaded machine (the first ones' deadline had passed
+        # here when 197 of 256 were open: closed on time, not early).
+        now = time.monotonic()
+        early = [now - answered for s, answered in idle.items() if not is_open(s)]
+        assert len(idle) == 2 * 4 * IDLE_PER_SOURCE
+        assert all(age >= LIMITS.head_timeout_s - 0.2 for age in early), (
+            f"closed before the deadline: {early}"
+        )
         shown = {what: [(status, round(took, 4)) for status, took in got] for what, got in probes.items()}
         print(f"\n{cluster.mode}: (status, seconds) per probe: {shown}")
         for got in probes.values():

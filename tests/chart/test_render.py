@@ -52,7 +52,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "nodeports": {"nodePortAddresses": ["192.168.0.0/24", "primary"], "bpf": {"devices": ["eth0", "eth1"]}},
     "no-replacement": {"replaceKubeProxy": False, "apiServer": {"host": "10.0.0.1", "port": 443}},
     "socket-lb-off": {"bpf": {"socketLB": {"enabled": False}}},
-    "socket-lb-pods": {"bpf": {"socketLB": {"hostNamespaceOnly": False}, "mapSizes": {"sknat": 131072}}},
+    "socket-lb-host-only": {"bpf": {"socketLB": {"hostNamespaceOnly": True}, "mapSizes": {"sknat": 131072}}},
     "tuned": {
         "bpf": {
             "mapSizes": {"ctGlobalTcp": 1048576, "fe": 131072},
@@ -180,8 +180,8 @@ def test_default_daemonset(rendered: dict[str, Rendered]) -> None:
     assert m["/run/ebpf-kube-proxy-cgroup"]["readOnly"] is True
     assert m["/run/ebpf-kube-proxy-cgroup"]["mountPropagation"] == "HostToContainer"
     assert "--bpf-socket-lb-cgroup=/run/ebpf-kube-proxy-cgroup" in agent["args"]
-    assert not any(a.startswith("--bpf-socket-lb-host") for a in agent["args"])
-    assert "hostPID" not in pod, "the node's own sockets need no view of other processes"
+    assert not any(a.startswith("--bpf-socket-lb-host") for a in agent["args"]), "pods too: the default"
+    assert pod["hostPID"] is True, "ending pods' UDP sockets whose backend left walks their processes"
     assert {"/run/xtables.lock", "/run/ebpf-kube-proxy", "/etc/ebpf-kube-proxy", "/tmp"} <= set(m)
     hp = host_paths(r)
     assert hp["bpf-maps"] == {"path": "/sys/fs/bpf", "type": "DirectoryOrCreate"}
@@ -199,23 +199,23 @@ def test_default_daemonset(rendered: dict[str, Rendered]) -> None:
 
 
 def test_socket_lb_values(rendered: dict[str, Rendered]) -> None:
-    """Off: no cgroup mount and the flag says so. For pods too: the flag, and the host's PID
-    namespace (ending pods' UDP sockets whose backend left walks their namespaces by process)."""
+    """Off: no cgroup mount and the flag says so. Host namespace only (for meshes): the flag, and
+    not the host's PID namespace (only the node's own sockets are ended, found without it)."""
     off = rendered["socket-lb-off"]
     agent = off.container("agent")
     assert "--bpf-socket-lb=false" in agent["args"]
     assert not any(a.startswith("--bpf-socket-lb-cgroup") for a in agent["args"])
     assert "/run/ebpf-kube-proxy-cgroup" not in mounts(agent) and "cgroup" not in host_paths(off)
     assert "hostPID" not in off.pod
-    pods = rendered["socket-lb-pods"]
-    args = pods.container("agent")["args"]
+    host_only = rendered["socket-lb-host-only"]
+    args = host_only.container("agent")["args"]
     assert {
         "--bpf-socket-lb-cgroup=/run/ebpf-kube-proxy-cgroup",
-        "--bpf-socket-lb-host-namespace-only=false",
+        "--bpf-socket-lb-host-namespace-only=true",
     } <= set(args)
     assert "--bpf-sknat-max=131072" in args
-    assert pods.pod["hostPID"] is True
-    caps = pods.container("agent")["securityContext"]["capabilities"]["add"]
+    assert "hostPID" not in host_only.pod, "the node's own sockets need no view of other processes"
+    caps = host_only.container("agent")["securityContext"]["capabilities"]["add"]
     ebpf = rendered["socket-lb-off"].container("agent")["securityContext"]["capabilities"]["add"]
     assert caps == ebpf and "SYS_ADMIN" in caps and "NET_ADMIN" in caps, "no capability beyond eBPF mode's"
 
@@ -336,7 +336,7 @@ EXPECTED = {
     "no-replacement": dict(mode=Mode.EBPF, nodeport_addresses=(), metrics="127.0.0.1:10249", cidr=()),
     "tuned": dict(mode=Mode.EBPF, nodeport_addresses=(), metrics="127.0.0.1:10249", cidr=()),
     "socket-lb-off": dict(mode=Mode.EBPF, nodeport_addresses=(), metrics="127.0.0.1:10249", cidr=()),
-    "socket-lb-pods": dict(mode=Mode.EBPF, nodeport_addresses=(), metrics="127.0.0.1:10249", cidr=()),
+    "socket-lb-host-only": dict(mode=Mode.EBPF, nodeport_addresses=(), metrics="127.0.0.1:10249", cidr=()),
 }
 
 
@@ -363,7 +363,9 @@ def test_the_agent_accepts_the_rendered_configuration(
     assert c.healthz_bind_address == "0.0.0.0:10256"
     assert c.cluster_cidr == want["cidr"]
     assert c.pin_path == "/sys/fs/bpf/ebpf-kube-proxy"
-    socket_lb = {"socket-lb-off": (False, True), "socket-lb-pods": (True, False)}.get(name, (True, True))
+    socket_lb = {"socket-lb-off": (False, False), "socket-lb-host-only": (True, True)}.get(
+        name, (True, False)
+    )
     if c.mode is Mode.EBPF:
         assert (c.socket_lb, c.socket_lb_host_only) == socket_lb
         assert c.socket_lb_cgroup == ("/run/ebpf-kube-proxy-cgroup" if c.socket_lb else "")

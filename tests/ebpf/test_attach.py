@@ -291,6 +291,21 @@ def test_both_host_routings_keep_the_egress_half_on_every_device(netns: str, pro
 
 
 @pytest.mark.kernel
+def test_egress_programs_go_everywhere_before_any_ingress_program(netns: str, progs: dict[str, int]) -> None:
+    """A node's first start under legacy host routing (the proxier): ekp_egress on every device
+    that will carry our programs, and no ingress program yet; the full reconcile then adds them."""
+    config = Config(netns=netns, pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY)
+    attacher = Attacher(config, progs)
+    attacher.attach_egress(NODE)
+    for dev in ("eth0", "lxc-a"):
+        assert "ekp_egress" in egress(netns, dev) and ingress(netns, dev) == "", dev
+    assert egress(netns, "other1") == ""
+    attacher.reconcile(NODE, full=True)
+    assert "ekp_from_net" in ingress(netns, "eth0") and "ekp_from_pod" in ingress(netns, "lxc-a")
+    assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]
+
+
+@pytest.mark.kernel
 def test_interface_modes_attach_by_prefix_and_by_bridge_port_and_follow_enslaving(
     netns: str, progs: dict[str, int]
 ) -> None:
@@ -332,6 +347,44 @@ def test_interface_modes_attach_by_prefix_and_by_bridge_port_and_follow_enslavin
 
 def link_index(ns: str, dev: str) -> int:
     return int(sh("ip", "-n", ns, "-o", "link", "show", "dev", dev).split(":", 1)[0])
+
+
+def ingress_classid(ns: str, dev: str) -> int | None:
+    """The classid of our ingress filter on `dev` (what the program reads in skb->tc_classid)."""
+    with netns_route(ns) as ipr:
+        index = ipr.link_lookup(ifname=dev)[0]
+        for msg in ipr.get_filters(index=index, parent=0xFFFFFFF2):
+            if msg["handle"] != 0 and msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME"):
+                return int(msg.get_nested("TCA_OPTIONS", "TCA_BPF_CLASSID") or 0)
+    return None
+
+
+@pytest.mark.kernel
+def test_a_bridge_port_s_filter_names_its_bridge_and_follows_enslaving(
+    netns: str, progs: dict[str, int]
+) -> None:
+    """bpf host routing's source check (bpf/ekp_redirect.h) accepts a route back by the bridge a
+    pod's port belongs to, which the port's ingress filter carries as its classid: 0 on a device
+    of no bridge, the bridge's ifindex once the CNI enslaves the veth (the watcher re-attaches,
+    in any detector mode: here the default, where the program stays ekp_from_pod), kept by a full
+    reconcile. On main every filter had classid 1, and the check dropped every translated packet
+    of a bridged pod."""
+    config = Config(netns=netns, pod_interfaces=("lxc*",))
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    attacher = Attacher(config, progs)
+    attacher.reconcile(NODE, full=True)
+    assert ingress_classid(netns, "lxc-a") == 0
+    assert ingress_classid(netns, "eth0") == 0
+    attacher.start_watcher()
+    try:
+        sh("ip", "-n", netns, "link", "set", "lxc-a", "master", "cbr0")
+        bridge = link_index(netns, "cbr0")
+        assert wait_for(lambda: ingress_classid(netns, "lxc-a") == bridge), ingress_classid(netns, "lxc-a")
+    finally:
+        attacher.stop_watcher()
+    Attacher(config, progs).reconcile(NODE, full=True)
+    assert ingress_classid(netns, "lxc-a") == bridge
+    assert "ekp_from_pod" in ingress(netns, "lxc-a")
 
 
 @pytest.mark.kernel

@@ -40,6 +40,7 @@ from lab.packets import (
     TC_ACT_SHOT,
     XDP_PASS,
     checksums_valid,
+    icmp_error,
     parse,
     tcp,
     udp,
@@ -55,11 +56,17 @@ def legacy(dp: Datapath) -> None:
     set_config(dp, flags=ConfigFlag.HOST_LEGACY)
 
 
-def hostnat(dp: Datapath) -> dict[tuple[str, str, int, int, int], tuple[str, int, int]]:
-    """ekp_hostnat_v2 as {(saddr, daddr, sport, dport, proto): (new saddr, new sport, tag)}."""
+def hostnat(
+    dp: Datapath, *, stack: bool = False
+) -> dict[tuple[str, str, int, int, int], tuple[str, int, int]]:
+    """ekp_hostnat_v2 as {(saddr, daddr, sport, dport, proto): (new saddr, new sport, tag)}: the
+    tagged entries (egress's source), or with `stack` those of tag 0 (the stack's reply tuples of
+    SNAT flows, for the packets the stack itself sends about them)."""
     out = {}
     for k, v in dp.maps["hostnat"].items():
         assert isinstance(k, abi.HostNatKey) and isinstance(v, abi.HostNat)
+        if (k.tag == 0) != stack:
+            continue
         key = (
             abi.ip_str(k.saddr),
             abi.ip_str(k.daddr),
@@ -132,7 +139,7 @@ def test_legacy_translates_the_destination_and_hands_the_packet_to_the_stack(net
     assert p.ttl == 64, "the stack decrements the TTL when it forwards"
     assert out[:12] == sent[:12], "the stack writes the Ethernet addresses"
     assert checksums_valid(out)
-    assert hostnat(net.dp) == {}, "the source stays: nothing for egress to do"
+    assert len(net.dp.maps["hostnat"].items()) == 0, "the source stays: nothing for egress to do"
     assert net.stats()[Stat.NEW_FLOWS] == 1
 
     # The reply: the stack sees the backend's own address (rp_filter, conntrack, FORWARD); egress
@@ -160,6 +167,8 @@ def test_legacy_snat_happens_at_egress_and_the_reply_is_unsnatted_at_ingress(net
     assert src == NODE and SNAT_MIN <= snat_port <= SNAT_MAX
     fwd = net.ct(POD_CLIENT, VIP, 12345, 80)
     assert fwd is not None and fwd.snat_port == port_be(snat_port), "egress gives the conntrack's port"
+    # the stack's reply tuple, for what the stack itself sends back (a REJECT): the frontend
+    assert hostnat(net.dp, stack=True) == {(BE1, POD_CLIENT, 8080, 12345, 6): (VIP, 80, 0)}
 
     verdict, back = net.from_pod(tcp(BE1, NODE, 8080, snat_port, flags="SA"))
     assert verdict == TC_ACT_OK
@@ -171,6 +180,48 @@ def test_legacy_snat_happens_at_egress_and_the_reply_is_unsnatted_at_ingress(net
     assert (src, sport) == (VIP, 80) and reply_tag not in (0, fwd_tag)
 
 
+def test_legacy_translates_the_stacks_own_reset_and_icmp_error_about_a_snat_flow(net: Net) -> None:
+    """A REJECT in the node's FORWARD chain answers a SNAT flow's SYN with a RST (backend ->
+    client) or an ICMP port unreachable quoting client -> backend: the tuple the stack saw, which
+    no conntrack key holds (the REPLY key has the SNAT port). ekp_egress gives them the frontend
+    (tests/adversarial/test_host_routing.py: the client's connect() refused at once)."""
+    from scapy.layers.inet import ICMP, IP
+    from scapy.layers.l2 import Ether
+
+    legacy(net.dp)
+    net.add_service(flags=FrontendFlag.SNAT_ALL)
+    verdict, out = net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))
+    assert verdict == TC_ACT_OK
+    verdict, back = net.to_pod(tcp(BE1, POD_CLIENT, 8080, 12345, flags="R"))
+    r = parse(back)
+    assert verdict == TC_ACT_OK and (r.src, r.sport, r.dst, r.dport) == (VIP, 80, POD_CLIENT, 12345)
+    assert checksums_valid(back)
+    assert net.stats()[Stat.CT_REPLY] == 1
+
+    quoted = IP(bytes(Ether(out)[IP]))
+    err = bytes(
+        Ether(src="02:00:00:00:aa:02", dst="02:00:00:00:aa:01")
+        / IP(src=NODE, dst=POD_CLIENT)
+        / ICMP(type=3, code=3)
+        / bytes(quoted)[:28]
+    )
+    verdict, back = net.to_pod(err)
+    e = icmp_error(back)
+    assert verdict == TC_ACT_OK and (e.src, e.dst, e.type, e.code) == (VIP, POD_CLIENT, 3, 3)
+    inner = IP(e.quote[:20])
+    ports = (int.from_bytes(e.quote[20:22], "big"), int.from_bytes(e.quote[22:24], "big"))
+    assert (inner.src, inner.dst, ports) == (POD_CLIENT, VIP, (12345, 80))
+    assert net.stats()[Stat.CT_RELATED] == 1
+
+    # bpf host routing hands nothing to the stack: no such entry, the same RST left alone
+    set_config(net.dp, flags=0)
+    net.dp.maps["hostnat"].clear()
+    net.from_pod(tcp(POD_CLIENT, VIP, 12346, 80))
+    rst = tcp(BE1, POD_CLIENT, 8080, 12346, flags="R")
+    assert len(net.dp.maps["hostnat"].items()) == 0
+    assert net.to_pod(rst) == (TC_ACT_OK, rst)
+
+
 def test_legacy_tells_two_flows_leaving_with_the_same_tuple_apart(net: Net) -> None:
     """One client port to one backend through two frontends, both source-translated: the packets
     leave ingress with the same tuple, and egress tells them apart by the tag."""
@@ -179,7 +230,7 @@ def test_legacy_tells_two_flows_leaving_with_the_same_tuple_apart(net: Net) -> N
     net.add_service(addr="10.96.0.11", flags=FrontendFlag.SNAT_ALL, set_id=2, svc_id=2, rev_nat_id=2)
     net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))
     net.from_pod(tcp(POD_CLIENT, "10.96.0.11", 12345, 80))
-    entries = [(k, v) for k, v in net.dp.maps["hostnat"].items()]
+    entries = [(k, v) for k, v in net.dp.maps["hostnat"].items() if isinstance(k, abi.HostNatKey) and k.tag]
     assert len(entries) == 2
     (k1, v1), (k2, v2) = entries
     assert isinstance(k1, abi.HostNatKey) and isinstance(k2, abi.HostNatKey)

@@ -212,6 +212,24 @@ def test_pods_sockets_only_when_not_host_namespace_only(sl: SockLab) -> None:
     assert sl.client("pod-1-1", "peer", "--addr", VIP, "--port", "81", "--timeout", "1") == timed_out
 
 
+def test_the_nodes_own_sockets_take_the_host_scope_frontend_where_flagged(sl: SockLab) -> None:
+    """An ETP Local NodePort with no local-traffic detector: its INTERNAL frontend (local set:
+    pod-1-1 here) carries HOST_SCOPE, and the node's own sockets take the HOST frontend at the same
+    key (the cluster set: pod-1-2 here), as kube-proxy's `--src-type LOCAL -j KUBE-SVC-*`; a pod's
+    socket keeps the INTERNAL one."""
+    local = FrontendFlag.NODEPORT | FrontendFlag.LOCAL
+    one = ((1, sl.pod_ip("pod-1-1"), 8080, BackendFlag.LOCAL),)
+    add_service(sl.maps, NODE_IP, 30090, one, flags=local | FrontendFlag.HOST_SCOPE, set_id=2, rev_nat_id=2)
+    other = ((2, sl.pod_ip("pod-1-2"), 8080, BackendFlag.LOCAL),)
+    add_service(
+        sl.maps, NODE_IP, 30090, other, flags=FrontendFlag.NODEPORT, scope=abi.Scope.HOST, rev_nat_id=2
+    )
+    sl.settings(host_only=False)
+    for _ in range(4):
+        assert sl.client("node1", "peer", "--addr", NODE_IP, "--port", "30090")["body"] == "pod-1-2"
+        assert sl.client("pod-1-1", "peer", "--addr", NODE_IP, "--port", "30090")["body"] == "pod-1-1"
+
+
 def test_localhost_frontends_serve_the_node_namespace_alone(sl: SockLab) -> None:
     """localhost:<nodePort> is the node's localhost only in the node's namespace: a pod's 127.0.0.1
     is its own, never translated (with pods' sockets translated too)."""

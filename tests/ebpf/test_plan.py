@@ -230,7 +230,15 @@ def test_pods_reaching_an_etp_cluster_nodeport_are_masqueraded_as_kube_proxy_doe
                 == bare.fe[ext].set_id
                 != bare.fe[fe_key("10.96.0.5", 80, Scope.INTERNAL)].set_id
             )
-            assert bare.fe[pod].flags == bare.fe[ext].flags
+            assert bare.fe[pod].flags == bare.fe[ext].flags | FrontendFlag.HOST_SCOPE
+            # ...while the node itself reaches every endpoint (`--src-type LOCAL -> KUBE-SVC-*`,
+            # whatever the detector): its sockets' frontend, of scope HOST, has the cluster set.
+            node = bare.fe[fe_key("192.168.0.11", 30005, Scope.HOST)]
+            assert node.set_id == bare.fe[fe_key("10.96.0.5", 80, Scope.INTERNAL)].set_id
+            assert not node.flags & (FrontendFlag.LOCAL | FrontendFlag.HOST_SCOPE)
+            with_detector = c.fe
+            assert not any(k.scope == Scope.HOST for k in with_detector), "a detector: INTERNAL serves both"
+            assert not with_detector[pod].flags & FrontendFlag.HOST_SCOPE
     state = states(svc("np", "10.96.0.5", ["10.244.1.2"], type="NodePort", nodeport=30005))
     kept = plan(state, NODE, Config(bpf_keep_client_ip_local=True)).fe[pod].flags
     assert kept & snat == FrontendFlag.SNAT_REMOTE

@@ -96,6 +96,9 @@ class FakeAttacher:
         self.watching = False
         self.armed_at_reconcile: list[bool] = []  # the flow-activity check, when programs changed
 
+    def attach_egress(self, node: NodeContext) -> None:
+        self.log.append("attach egress")
+
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
         self.log.append(f"reconcile full={full}" + (" verify" if verify and not full else ""))
         self.armed_at_reconcile.append(activity.armed(self.maps["act"]))
@@ -251,9 +254,11 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     # the conntrack of an ABI v1 agent is carried over before and right after the programs change;
     # the socket programs are linked after that, and only then, every hook serving, are the other
     # data path's rules (kube-proxy's OUTPUT chain for the node's clients) removed; sockets of
-    # backends gone meanwhile ended
+    # backends gone meanwhile ended; legacy host routing (the default) gets its egress programs
+    # everywhere before the config says legacy and the ingress programs come
     first = [
         "carry v1 conntrack",
+        "attach egress",
         "reconcile full=True",
         "carry v1 conntrack again",
         "link sockets",
@@ -283,12 +288,12 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
 
 def test_the_socket_programs_get_the_node_namespace_then_their_links(rig: Rig) -> None:
     """Their settings (the node's netns cookie, host-namespace-only) are written before they are
-    linked, and they are given the socket program fds."""
-    rig.config = replace(rig.config, socket_lb_host_only=False)
+    linked, and they are given the socket program fds. Pods too by default (as Cilium's)."""
     p = rig.proxier()
     p.sync(STATE, NODE)
     assert rig.maps["skcfg"].lookup(ctypes.c_uint32(0)) == SockConfig(host_netns=4242, flags=0)
     rig2 = Rig(rig.tmp)
+    rig2.config = replace(rig2.config, socket_lb_host_only=True)
     rig2.proxier().sync(STATE, NODE)
     assert rig2.maps["skcfg"].lookup(ctypes.c_uint32(0)) == SockConfig(
         host_netns=4242, flags=SockFlag.HOST_ONLY
@@ -593,7 +598,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
         assert sh("ip", "netns", "exec", node_ns, "sysctl", "-n", "net.ipv4.ip_forward").strip() == "1"
         assert cgroup_programs(cgroup) == sockets
         shown = render_live_maps(config.pin_path, ("sockets",))
-        assert "sockcfg host_netns=" in shown and " host-namespace-only" in shown
+        assert "sockcfg host_netns=" in shown and " all namespaces" in shown
         assert "socklink connect4 " in shown and f"cgroup={os.stat(cgroup).st_ino}" in shown
         links = pinned_links(config.pin_path)
         assert set(links) == {
@@ -680,16 +685,23 @@ def test_config_entry_is_written_to_the_spare_slot_then_switched(rig: Rig) -> No
     assert cfg is not None and (cfg.snat_port_min, cfg.snat_port_max) == (62000, 65535)
 
 
-def test_legacy_host_routing_is_switched_on_once_the_egress_programs_are_attached(rig: Rig) -> None:
-    """A packet handed to the stack needs ekp_egress on its way out: the first sync writes the
-    config without EKP_CFG_HOST_LEGACY, attaches, then sets it; with bpf host routing (and once
-    legacy is live, at a restart) the config is written once."""
-    seen: list[int] = []
+def test_legacy_host_routing_is_on_before_any_ingress_program_is_attached(rig: Rig) -> None:
+    """A packet handed to the stack needs ekp_egress on its way out, and a packet an ingress
+    program redirects skips the node's FORWARD chain: the first sync attaches ekp_egress
+    everywhere, then writes EKP_CFG_HOST_LEGACY, then attaches the ingress programs, so no
+    ingress program ever runs without the flag (on main it was written after the attach, the
+    takeover, the socket link and serving()). With bpf host routing, and once legacy is live (a
+    restart), the config is written once and nothing is attached twice."""
+    seen: list[tuple[str, int]] = []
 
     class Recording(FakeAttacher):
+        def attach_egress(self, node: NodeContext) -> None:
+            live = read_config(rig.maps)
+            seen.append(("egress", -1 if live is None else live.flags))
+
         def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
             live = read_config(rig.maps)
-            seen.append(-1 if live is None else live.flags)
+            seen.append(("ingress", -1 if live is None else live.flags))
 
     def proxier(config: Config) -> EbpfProxier:
         return EbpfProxier(
@@ -705,14 +717,17 @@ def test_legacy_host_routing_is_switched_on_once_the_egress_programs_are_attache
     legacy = replace(rig.config, bpf_host_routing=HostRouting.LEGACY)
     proxier(legacy).sync(STATE, NODE)
     live = read_config(rig.maps)
-    assert seen == [0] and live is not None and live.flags == ConfigFlag.HOST_LEGACY
+    assert seen == [("egress", 0), ("ingress", ConfigFlag.HOST_LEGACY)]
+    assert live is not None and live.flags == ConfigFlag.HOST_LEGACY
     # The agent restarted, legacy again: the previous one attached the egress programs.
+    seen.clear()
     proxier(legacy).sync(STATE, NODE)
-    assert seen[-1] == ConfigFlag.HOST_LEGACY
+    assert seen == [("ingress", ConfigFlag.HOST_LEGACY)]
     # Back to bpf: the flag goes at once (ekp_egress stays attached; no packet is tagged any more).
+    seen.clear()
     proxier(replace(rig.config, bpf_host_routing=HostRouting.BPF)).sync(STATE, NODE)
     live = read_config(rig.maps)
-    assert seen[-1] == 0 and live is not None and live.flags == 0
+    assert seen == [("ingress", 0)] and live is not None and live.flags == 0
 
 
 def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:
@@ -728,7 +743,9 @@ def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:
 
 def test_fixtures_differ() -> None:
     assert set(STATE.services) < set(MORE.services)
-    assert len(plan(MORE, NODE, Config()).fe) == 13  # with the NodePort on localhost (internal)
+    # with the NodePort on localhost (internal), and the node's own (HOST) twins of the ETP Local
+    # Service's NodePort and load-balancer IP: Config() has no local-traffic detector
+    assert len(plan(MORE, NODE, Config()).fe) == 15
 
 
 def test_a_map_too_small_is_an_error_naming_the_flag_and_the_size(
@@ -742,7 +759,7 @@ def test_a_map_too_small_is_an_error_naming_the_flag_and_the_size(
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1
     assert f"BPF map {MAPS['fe'].name} is too small" in errors[0]
-    assert "needs 13 entries, it holds 3" in errors[0] and "--bpf-fe-max=16 or more" in errors[0]
+    assert "needs 15 entries, it holds 3" in errors[0] and "--bpf-fe-max=32 or more" in errors[0]
     caplog.clear()
     p.sync(MORE, NODE)
     assert not [r for r in caplog.records if r.levelname == "ERROR"], "said once, not at every sync"

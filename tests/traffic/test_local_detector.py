@@ -109,3 +109,36 @@ def test_detect_local_mode_node_cidr_masquerades_by_the_nodes_pod_cidr(lab_mode:
         set_pod_cidr(api, "10.244.1.0/24")
         assert seen_as(api, "pod-1-3", f"http://{VIP}/ip") == {pod13}, "inside it now: not masqueraded"
         assert seen_as(api, "client", f"http://{VIP}/ip") == {N1}
+
+
+def test_no_local_detector_the_node_reaches_every_endpoint_of_an_etp_local_node_port(
+    lab_mode: tuple[Lab, str],
+) -> None:
+    """No detector (ClusterCIDR mode with no cluster CIDR: kube-proxy writes no IfLocal rule): a pod
+    on node1 is held to the node's own endpoints of an externalTrafficPolicy Local NodePort
+    (KUBE-EXT-* falls through to KUBE-SVL-*: none here, dropped), while node1 itself and a
+    host-network pod reach every endpoint, since KUBE-EXT-* sends `--src-type LOCAL` traffic to
+    KUBE-SVC-* (masqueraded) whatever the detector (proxier.go: "route LOCAL traffic for ...
+    external destinations"). eBPF mode: the node's own sockets take the frontend of scope HOST."""
+    lab, mode = lab_mode
+    node1 = lab.node(1)
+    with agents(lab, mode, "--cluster-cidr=") as api:
+        local = service(
+            "etp-local-nodet",
+            "10.96.7.3",
+            [Port("http", 80, 8080, node_port=30772)],
+            type="NodePort",
+            externalTrafficPolicy="Local",
+        )
+        api.apply(with_endpoints(local, [ep(api, "pod-2-2")]))
+        url = f"http://{N1}:30772/ip"
+        for cgroup in (node1.cgroup, node1.hostnet_cgroup):
+            res = lab.run(node1, "curl", "-sS", "--fail", "--max-time", "5", url, cgroup=cgroup, check=False)
+            assert res.returncode == 0 and res.stdout.strip() == N1, (
+                cgroup,
+                res.returncode,
+                res.stdout,
+                res.stderr,
+            )
+        dropped = api.http("pod-1-1", url, count=1, timeout=1.0)
+        assert dropped["errors"] == 1 and not dropped["bodies"], dropped
