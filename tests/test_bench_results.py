@@ -152,15 +152,14 @@ def small_run() -> tuple[Results, Settings, list[api.ApiScale], capacity.Result]
 
 def test_a_runs_file_renders_the_tables_of_the_run(tmp_path: Path) -> None:
     results, settings, scales, cap = small_run()
+    NAN = float("nan")
     hr = health.Result(
         200,
         series=[
             health.Series("ebpf", "/healthz", health.NONE, 200, 0, 0.5, 6.03, 6.79),
             health.Series("ebpf", "/healthz", health.SLOW_LOAD, 200, 0, 0.52, 7.0, 9.1, 127, 2),
             # every probe failed: no percentiles (NaN, null in the file)
-            health.Series(
-                "iptables", "healthCheckNodePort", health.SLOW_LOAD, 3, 3, *[float("nan")] * 3, 0, 1
-            ),
+            health.Series("iptables", "healthCheckNodePort", health.SLOW_LOAD, 3, 3, NAN, NAN, NAN, 0, 1),
         ],
         load_average=[0.4, 0.6],
     )
