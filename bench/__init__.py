@@ -27,8 +27,10 @@ its own pins, one EndpointSlice change p50/p99/max over 200 changes, and the age
 The third part (`--parts capacity`, bench/capacity.py) opens TCP flows through a ClusterIP until
 the default conntrack table evicts its first live one. The fourth (`--parts flood`, bench/flood.py)
 floods node1 from the external client (trafgen) and compares packets handled per CPU at XDP, at
-the tc program and in iptables mode, for source-range drops and NodePort forwarding. All four
-parts are the default.
+the tc program and in iptables mode, for source-range drops and NodePort forwarding. The fifth
+(`--parts health`, bench/health.py) times probes of /healthz and a healthCheckNodePort with no other
+client and while slow clients drip headers (the lab of tests/adversarial/test_slow_clients.py). All
+five parts are the default.
 
 Output: aligned tables on stdout, and the run as a file: bench/results/<date>-<commit>.json (commit,
 host, date, parameters, iptables backends, raw results; bench/record.py) with its tables rendered

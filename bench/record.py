@@ -26,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench import api, bpfstats, capacity, flood
+from bench import api, bpfstats, capacity, flood, health
 from bench.report import Table
 from bench.traffic import Load
 
@@ -238,6 +238,7 @@ def make(
     scales: Sequence[api.ApiScale],
     capacity_result: capacity.Result | None,
     flood_result: flood.Result | None = None,
+    health_result: health.Result | None = None,
 ) -> dict[str, Any]:
     sha, dirty = git_commit()
     record = {
@@ -255,6 +256,7 @@ def make(
         "api": [dataclasses.asdict(s) for s in scales],
         "capacity": dataclasses.asdict(capacity_result) if capacity_result is not None else None,
         "flood": flood_result.to_json() if flood_result is not None else None,
+        "health": health_result.to_json() if health_result is not None else None,
     }
     cleaned: dict[str, Any] = _clean(record)
     return cleaned
@@ -352,6 +354,8 @@ def tables(record: dict[str, Any], parts: Sequence[str] | None = None) -> list[T
         out.append(capacity.table(capacity.Result(**record["capacity"])))
     if record.get("flood") is not None and wanted("flood"):
         out.append(flood.table(flood.Result.from_json(record["flood"])))
+    if record.get("health") is not None and wanted("health"):
+        out.append(health.table(health.Result.from_json(record["health"])))
     return out
 
 

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 from agent.ebpf import abi
-from bench import api, bpfstats, capacity, flood, progcost, tcview
+from bench import api, bpfstats, capacity, flood, health, progcost, tcview
 from bench.report import Table, num, ratio
 from bench.traffic import Load, children, connect_samples, percentile, pinned, wrk
 from bench.workload import MEASURED_PORT, MEASURED_VIP, ServicesFile, services_file
@@ -27,7 +27,7 @@ from lab.core import Node, Pod
 from lab.harness import REPO, Agent, Cluster
 
 MODES = ("ebpf", "iptables")
-PARTS = ("traffic", "api", "capacity", "flood")
+PARTS = ("traffic", "api", "capacity", "flood", "health")
 # Client source ports: pod-IP and ClusterIP traffic never share a 4-tuple (see `use_ports`).
 PORTS_DIRECT = "32768 46999"
 PORTS_VIP = "47000 60999"
@@ -953,10 +953,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="traffic (data path and file-sourced sync), api (the agent following an API server at "
         "scale: bench/api.py), capacity (concurrent flows the default conntrack sizing holds: "
         "bench/capacity.py), flood (packets per CPU under a flood from outside, XDP vs tc vs "
-        "iptables: bench/flood.py); default all four",
+        "iptables: bench/flood.py), health (/healthz and a healthCheckNodePort probed while slow clients "
+        "drip headers: bench/health.py); default all five",
     )
     p.add_argument("--flood-seconds", type=int, default=4, help="seconds per flood window (default 4)")
     p.add_argument("--flood-rounds", type=int, default=3, help="flood windows per job and path (default 3)")
+    p.add_argument(
+        "--health-probes",
+        type=int,
+        default=health.PROBES,
+        help=f"probes of each health endpoint per mode and load (default {health.PROBES})",
+    )
     p.add_argument(
         "--api-services", type=int, default=10_000, help="services on the API server (default 10000)"
     )
@@ -983,6 +990,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"bad --parts: choose from {','.join(PARTS)}")
     if a.api_services < 1 or a.api_endpoints < 1 or a.api_changes < 1:
         p.error("--api-services, --api-endpoints and --api-changes must be at least 1")
+    if not 1 <= a.health_probes <= 2000:
+        p.error("--health-probes: 1..2000")
     if os.geteuid() != 0:
         print("bench: needs root (network namespaces, BPF, iptables)", file=sys.stderr)
         return 2
@@ -1026,12 +1035,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "flood" in parts:
         print("== flood: packets per second per CPU, drops and forwarding, XDP vs tc vs iptables", flush=True)
         flood_result = flood.measure(a.flood_seconds, a.flood_rounds)
+    health_result = None
+    if "health" in parts:
+        print("== health: /healthz and a healthCheckNodePort while slow clients drip headers", flush=True)
+        health_result = health.measure(modes, a.health_probes)
     parameters = {**dataclasses.asdict(s), "modes": list(s.modes)}
     parameters.update(
         api_services=a.api_services,
         api_endpoints=a.api_endpoints,
         api_changes=a.api_changes,
         api_iptables_backend=a.api_iptables_backend,
+        health_probes=a.health_probes,
     )
     run = record.make(
         argv=list(argv) if argv is not None else sys.argv[1:],
@@ -1044,6 +1058,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         scales=scales,
         capacity_result=capacity_result,
         flood_result=flood_result,
+        health_result=health_result,
     )
     path = record.save(run, a.results_dir)
     print(f"\nwritten {path} ({run['seconds']:,.0f} s in all)\n")

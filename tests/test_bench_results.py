@@ -13,7 +13,7 @@ import json
 import re
 from pathlib import Path
 
-from bench import api, capacity, record, report
+from bench import api, capacity, health, record, report
 from bench.bpfstats import Cost
 from bench.progcost import PacketCost
 from bench.run import PacketCosts, Results, Settings, State, StatsWindow, SyncFacts, Target
@@ -152,10 +152,21 @@ def small_run() -> tuple[Results, Settings, list[api.ApiScale], capacity.Result]
 
 def test_a_runs_file_renders_the_tables_of_the_run(tmp_path: Path) -> None:
     results, settings, scales, cap = small_run()
+    NAN = float("nan")
+    hr = health.Result(
+        200,
+        series=[
+            health.Series("ebpf", "/healthz", health.NONE, 200, 0, 0.5, 6.03, 6.79),
+            health.Series("ebpf", "/healthz", health.SLOW_LOAD, 200, 0, 0.52, 7.0, 9.1, 127, 2),
+            # every probe failed: no percentiles (NaN, null in the file)
+            health.Series("iptables", "healthCheckNodePort", health.SLOW_LOAD, 3, 3, NAN, NAN, NAN, 0, 1),
+        ],
+        load_average=[0.4, 0.6],
+    )
     run = record.make(
         argv=["--services", "5"],
         parameters={**settings.__dict__, "modes": list(settings.modes), "api_services": 5},
-        parts=["traffic", "api", "capacity"],
+        parts=["traffic", "api", "capacity", "health"],
         started=__import__("datetime").datetime(2026, 11, 26, 12, 0),
         seconds=12.5,
         host={
@@ -174,6 +185,7 @@ def test_a_runs_file_renders_the_tables_of_the_run(tmp_path: Path) -> None:
         results=results,
         scales=scales,
         capacity_result=cap,
+        health_result=hr,
     )
     path = record.save(run, tmp_path)
     text = path.read_text()
@@ -186,6 +198,7 @@ def test_a_runs_file_renders_the_tables_of_the_run(tmp_path: Path) -> None:
         *live_tables(results, settings, "nft (the agent's auto choice)"),
         api.table(scales),
         capacity.table(cap),
+        health.table(hr),
     ]
     assert [t.markdown() for t in from_file] == [t.markdown() for t in live]
     rendered = record.save_markdown(path).read_text()
@@ -197,6 +210,8 @@ def test_a_runs_file_renders_the_tables_of_the_run(tmp_path: Path) -> None:
     assert "| ebpf | 5 | pod -> pod IP | ns/packet | 151.0 | missed by 1 ns |" in rendered
     assert "| ebpf | 1 | pod -> pod IP | ns/packet | 90.5 | met |" in rendered
     assert "| ebpf | 5 | pod -> ClusterIP | conn/s | 0.89 | missed by 8.7 pts |" in rendered
+    assert "| ebpf | /healthz | slow + idle | 200 | 0.52 | 7.00 | 9.10 | 0 | 127 of 128 |" in rendered
+    assert "| iptables | healthCheckNodePort | slow + idle | 3 | - | - | - | 3 | 0 of 128 |" in rendered
 
 
 # ---- the control plane at scale (issue 18) -------------------------------------------------

@@ -536,7 +536,8 @@ SETTINGS: tuple[Setting, ...] = (
         Text(metavar="NAME"),
         "",
         "the pods' bridge (--detect-local-mode=BridgeInterface): traffic entering on it is local; "
-        "eBPF mode attaches ekp_from_pod there instead of the bridge's ports",
+        "eBPF mode attaches ekp_from_pod to the bridge's ports (a frame from a pod enters on its "
+        "port before the bridge), not to the bridge itself",
         flags=("--pod-bridge-interface",),
         path="detectLocal.bridgeInterface",
         attr="pod_bridge_interface",
