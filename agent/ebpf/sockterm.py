@@ -12,7 +12,8 @@ only sockets the socket programs translated, and only when their backend left.
 A socket iterator walks the sockets of the network namespace its iterator is created in: the
 node's own, and with socket-level load balancing for pods (host-namespace-only off) each network
 namespace of a process in the attached cgroup (pods: /proc/<pid>/ns/net, which needs the host's
-PID namespace; those the agent cannot see are not walked, and said once).
+PID namespace: the kernel lists a process outside the agent's PID namespace as pid 0, and those
+are not walked, which one warning says with what to do).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def _drain(link_fd: int) -> None:
 
 
 def cgroup_pids(cgroup: str) -> Iterator[int]:
-    """Pids of every process in cgroup `cgroup` and its descendants."""
+    """Pids of every process in cgroup `cgroup` and its descendants; 0 for each one outside the
+    reader's PID namespace (the kernel has no number to give it there)."""
     for dirpath, _, files in os.walk(cgroup):
         if "cgroup.procs" not in files:
             continue
@@ -50,14 +52,18 @@ def cgroup_pids(cgroup: str) -> Iterator[int]:
                 text = f.read()
         except OSError:
             continue
-        yield from (int(p) for p in text.split() if p.strip() and int(p) > 0)
+        yield from (int(p) for p in text.split())
 
 
-def pod_namespaces(cgroup: str, skip: tuple[int, int]) -> dict[tuple[int, int], str]:
+def pod_namespaces(cgroup: str, skip: tuple[int, int]) -> tuple[dict[tuple[int, int], str], int]:
     """(device, inode) -> a /proc path of each network namespace of the processes in `cgroup`,
-    but `skip` (the node's own)."""
+    but `skip` (the node's own); and how many of its processes are outside our PID namespace."""
     out: dict[tuple[int, int], str] = {}
+    hidden = 0
     for pid in cgroup_pids(cgroup):
+        if pid <= 0:
+            hidden += 1
+            continue
         path = f"/proc/{pid}/ns/net"
         try:
             st = os.stat(path)
@@ -66,7 +72,7 @@ def pod_namespaces(cgroup: str, skip: tuple[int, int]) -> dict[tuple[int, int], 
         key = (st.st_dev, st.st_ino)
         if key != skip and key not in out:
             out[key] = path
-    return out
+    return out, hidden
 
 
 class SocketTerminator:
@@ -88,6 +94,7 @@ class SocketTerminator:
         self._pods = pods  # pods' sockets are translated too: walk their namespaces as well
         self._ended = ended  # the SOCK_DESTROYED counter, summed over CPUs
         self._link = -1
+        self._warned_hidden = False
 
     def run(self) -> int:
         """Walk the sockets; how many were ended."""
@@ -100,7 +107,9 @@ class SocketTerminator:
         run_in_netns(self._netns, lambda: _drain(self._link))
         if self._pods:
             node = os.stat(os.path.join(NETNS_RUN_DIR, self._netns) if self._netns else "/proc/self/ns/net")
-            for path in pod_namespaces(self._cgroup, (node.st_dev, node.st_ino)).values():
+            namespaces, hidden = pod_namespaces(self._cgroup, (node.st_dev, node.st_ino))
+            self.warn_hidden(hidden)
+            for path in namespaces.values():
                 try:
                     run_in_netns(path, lambda: _drain(self._link))
                 except OSError as exc:
@@ -113,6 +122,21 @@ class SocketTerminator:
                 ended,
             )
         return ended
+
+    def warn_hidden(self, hidden: int) -> None:
+        """Say once that pods' sockets cannot be ended: connect() balances pods' sockets, but the
+        agent cannot enter their network namespaces without the host's PID namespace."""
+        if hidden and not self._warned_hidden:
+            self._warned_hidden = True
+            log.warning(
+                "%d process(es) in cgroup %s are outside this agent's PID namespace: their connected "
+                "UDP sockets are balanced at connect() but cannot be ended when their backend leaves "
+                "(a resolver keeps asking a gone DNS pod). Run the agent in the host's PID namespace "
+                "(hostPID: true, as the chart does), or set --bpf-socket-lb-host-namespace-only=true "
+                "to leave pods to the per-packet path",
+                hidden,
+                self._cgroup,
+            )
 
     def close(self) -> None:
         if self._link >= 0:
