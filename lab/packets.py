@@ -471,6 +471,21 @@ class IcmpError:
     length_ok: bool  # tot_len covers exactly the frame after the Ethernet header
 
 
+def icmp_error_about(frame: bytes, src: str, dst: str, type_: int = 3, code: int = 3) -> bytes:
+    """The ICMP error a host at `src` sends to `dst` about `frame` (a frame the data path put
+    out), quoting its IP header and first 8 bytes as RFC 792 asks."""
+    from scapy.layers.inet import ICMP, IP
+    from scapy.layers.l2 import Ether
+
+    quoted = bytes(Ether(frame)[IP])[:28]
+    return bytes(
+        Ether(src="02:00:00:00:aa:02", dst="02:00:00:00:aa:01")
+        / IP(src=src, dst=dst)
+        / ICMP(type=type_, code=code)
+        / quoted
+    )
+
+
 def icmp_error(frame: bytes) -> IcmpError:
     from scapy.layers.inet import ICMP, IP
     from scapy.layers.l2 import Ether

@@ -31,6 +31,7 @@ from lab.packets import (
     checksums_valid,
     fragments,
     icmp_error,
+    icmp_error_about,
     parse,
     reassemble,
     tcp,
@@ -111,20 +112,13 @@ def test_an_icmp_error_the_stack_sends_about_a_host_flow_is_translated_back(net:
     """A UDP host backend with nothing listening: the stack answers port unreachable, quoting the
     datagram as it got it (to the node's 53); the pod must see it from the ClusterIP, quoting what
     it sent."""
-    from scapy.layers.inet import ICMP, IP
+    from scapy.layers.inet import IP
     from scapy.layers.inet import UDP as UDPLayer
-    from scapy.layers.l2 import Ether
 
     net.add_service(port=53, backends=((1, NODE, 5353, HOST),), proto=UDP)
     verdict, out = net.from_pod(udp(POD_CLIENT, VIP, 47000, 53))
     assert verdict == TC_ACT_OK and parse(out).dport == 5353
-    quoted = IP(bytes(Ether(out)[IP]))
-    err = bytes(
-        Ether(src="02:00:00:00:aa:02", dst="02:00:00:00:aa:01")
-        / IP(src=NODE, dst=POD_CLIENT)
-        / ICMP(type=3, code=3)
-        / bytes(quoted)[:28]
-    )
+    err = icmp_error_about(out, NODE, POD_CLIENT)
     verdict, back = net.to_pod(err)
     e = icmp_error(back)
     assert verdict == TC_ACT_OK and (e.src, e.dst, e.type, e.code) == (VIP, POD_CLIENT, 3, 3)

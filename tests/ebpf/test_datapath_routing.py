@@ -41,6 +41,7 @@ from lab.packets import (
     XDP_PASS,
     checksums_valid,
     icmp_error,
+    icmp_error_about,
     parse,
     tcp,
     udp,
@@ -185,8 +186,7 @@ def test_legacy_translates_the_stacks_own_reset_and_icmp_error_about_a_snat_flow
     client) or an ICMP port unreachable quoting client -> backend: the tuple the stack saw, which
     no conntrack key holds (the REPLY key has the SNAT port). ekp_egress gives them the frontend
     (tests/adversarial/test_host_routing.py: the client's connect() refused at once)."""
-    from scapy.layers.inet import ICMP, IP
-    from scapy.layers.l2 import Ether
+    from scapy.layers.inet import IP
 
     legacy(net.dp)
     net.add_service(flags=FrontendFlag.SNAT_ALL)
@@ -198,13 +198,7 @@ def test_legacy_translates_the_stacks_own_reset_and_icmp_error_about_a_snat_flow
     assert checksums_valid(back)
     assert net.stats()[Stat.CT_REPLY] == 1
 
-    quoted = IP(bytes(Ether(out)[IP]))
-    err = bytes(
-        Ether(src="02:00:00:00:aa:02", dst="02:00:00:00:aa:01")
-        / IP(src=NODE, dst=POD_CLIENT)
-        / ICMP(type=3, code=3)
-        / bytes(quoted)[:28]
-    )
+    err = icmp_error_about(out, NODE, POD_CLIENT)
     verdict, back = net.to_pod(err)
     e = icmp_error(back)
     assert verdict == TC_ACT_OK and (e.src, e.dst, e.type, e.code) == (VIP, POD_CLIENT, 3, 3)
