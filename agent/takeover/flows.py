@@ -197,25 +197,19 @@ def why_not_carried(flow: NatFlow, ids: EbpfIds, node_addresses: Collection[str]
 
 def ct_keys(flow: NatFlow) -> tuple[CtKey, CtKey]:
     """The keys of a carried flow's FORWARD and REPLY entries."""
-    s, d, sp, dp = flow.orig
-    rs, rd, rsp, rdp = flow.reply
-    forward = CtKey(
-        saddr=ip_be(s),
-        daddr=ip_be(d),
-        sport=port_be(sp),
-        dport=port_be(dp),
-        proto=flow.proto,
-        dir=CtDir.FORWARD,
-    )
-    reply = CtKey(
-        saddr=ip_be(rs),
-        daddr=ip_be(rd),
-        sport=port_be(rsp),
-        dport=port_be(rdp),
-        proto=flow.proto,
-        dir=CtDir.REPLY,
-    )
-    return forward, reply
+
+    def key(tuple_: Tuple, direction: CtDir) -> CtKey:
+        s, d, sp, dp = tuple_
+        return CtKey(
+            saddr=ip_be(s),
+            daddr=ip_be(d),
+            sport=port_be(sp),
+            dport=port_be(dp),
+            proto=flow.proto,
+            dir=direction,
+        )
+
+    return key(flow.orig, CtDir.FORWARD), key(flow.reply, CtDir.REPLY)
 
 
 def ebpf_entries(
