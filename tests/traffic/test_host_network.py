@@ -26,8 +26,9 @@ from typing import Any
 
 import pytest
 
-from lab.harness import CLIENT, Cluster
+from lab.harness import CLIENT, Agent, Cluster
 from lab.objects import Ep, Port, service, with_endpoints
+from tests.traffic.test_pods_at_connect import restart
 
 pytestmark = pytest.mark.kernel
 
@@ -148,6 +149,34 @@ def test_a_udp_client_port_reused_on_another_frontend_of_a_host_network_backend(
     lost in 30 in test_service_endpoints_using_host_network when the ephemeral port repeated, the
     server answering from the pod gateway to the moved port."""
     reuse_port_twice(cluster, source, node, 40_000 + 10 * int(source[4]) + node)
+
+
+@pytest.fixture
+def node2_pods_at_connect(cluster: Cluster) -> Iterator[Agent]:
+    """node2's agent restarted with the agent's own default for pods' sockets (balanced at
+    connect(); the lab pins the per-packet path), and restarted as the lab pins it after the test."""
+    agent = cluster.agents[1]
+    restart(agent, None, cluster.version)
+    try:
+        yield agent
+    finally:
+        restart(agent, False, cluster.version)
+
+
+def test_a_udp_client_port_reused_on_a_cluster_ip_balanced_at_connect(
+    cluster: Cluster, host_servers: None, node2_pods_at_connect: Agent
+) -> None:
+    """The same reuse from a pod on node2 to node1's server, with node2 balancing its pods' sockets
+    at connect() (the agent's default): node2's socket programs send the cluster IP's datagrams to
+    node1's address themselves, so node1 meets them on its NodePort flow's reply tuple as with
+    the per-packet path, and recvmsg4 shows the cluster IP. eBPF mode: node2's sendmsg4 translated
+    the six datagrams to the cluster IP, not those to node1's NodePort (kube-proxy translates a
+    NodePort on the node that owns the address)."""
+    before = cluster.bpf_stats(2) if cluster.mode == "ebpf" else {}
+    reuse_port_twice(cluster, "pod-2-1", 1, 40_121)
+    if cluster.mode == "ebpf":
+        after = cluster.bpf_stats(2)
+        assert after["sock_translated"] - before["sock_translated"] == 6, (before, after)
 
 
 def test_host_network_backends_see_the_source_kube_proxy_gives_them(
