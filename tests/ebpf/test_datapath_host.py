@@ -215,9 +215,10 @@ def test_a_udp_port_live_through_the_node_port_reused_for_a_cluster_ip_another_n
     assert verdict == TC_ACT_OK and (moved.src, moved.dst, moved.dport) == (remote_pod, NODE, 5353)
     assert SNAT_MIN <= moved.sport <= SNAT_MAX and checksums_valid(out)
     fwd = net.ct(remote_pod, NODE, 47300, 5353, UDP)
-    assert fwd is not None and fwd.flags & CtFlag.HOST and fwd.flags & CtFlag.SNAT  # the port moved, the address the pod's
+    # to the node's stack, like the flow it collided with; SNAT of the port alone (the pod's address)
+    assert fwd is not None and fwd.flags & CtFlag.HOST and fwd.flags & CtFlag.SNAT
     for _ in range(2):
-        back = parse(net.to_net(udp(NODE, remote_pod, 5353, moved.sport, payload=b"for the cluster ip"))[1])
+        back = parse(net.to_net(udp(NODE, remote_pod, 5353, moved.sport, payload=b"to the moved port"))[1])
         assert (back.src, back.sport, back.dst, back.dport) == (NODE, 5353, remote_pod, 47300)
         old = parse(net.to_net(udp(NODE, remote_pod, 5353, 47300, payload=b"for the node port"))[1])
         assert (old.src, old.sport, old.dst, old.dport) == (NODE, 30091, remote_pod, 47300)

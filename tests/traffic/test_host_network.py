@@ -128,7 +128,8 @@ def reuse_port_twice(cluster: Cluster, source: str, node: int, sport: int) -> No
     cluster.apply(with_endpoints(svc, [Ep(node_ip, f"node{node}")]))
     frontends = [(node_ip, REUSED_NP), (REUSED_VIP, 90)] * 2
     got = [cluster.udp(source, a, p, count=3, sport=sport, sources=True) for a, p in frontends]
-    assert got == [{"replies": {f"node{node}": 3}, "lost": 0, "sources": {f"{a}:{p}": 3}} for a, p in frontends]
+    want = [{"replies": {f"node{node}": 3}, "lost": 0, "sources": {f"{a}:{p}": 3}} for a, p in frontends]
+    assert got == want
 
 
 @pytest.mark.parametrize(("source", "node"), REUSE_CASES, ids=[f"{s}-to-node{n}" for s, n in REUSE_CASES])
