@@ -590,13 +590,21 @@ enum ekp_reclaim {
  * nf_nat's unique tuple does. For UDP "live" is nf_conntrack's: not expired (udp_s unreplied,
  * udp_stream_s a stream), answered or not: nf_nat takes over a tuple in use only for a TCP SYN
  * on a closing flow (nf_nat_used_tuple_harder), so a UDP flow keeps its tuple until it times out
- * and the newcomer moves. One lookup per such SYN or datagram, a miss unless the tuple was used
- * before. */
+ * and the newcomer moves. One lookup per such SYN or datagram whose destination a live flow
+ * stamped (ekp_act.h), a miss unless the tuple was used before. */
 static __always_inline int ekp_ct_reclaim(const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now,
 					  __u16 *held_by)
 {
 	struct ekp_ct_key rkey = {};
 
+	/* A REPLY entry is keyed by its backend, which every write of the entry stamps (ekp_act.h): a
+	 * destination no live flow stamped is no live flow's backend, and an expired entry on it
+	 * translates nothing. An array load instead of a hash lookup for what a direct flow's server
+	 * sends (a UDP answer misses conntrack as its request did; the request's destination, the
+	 * backend, is the stamped end). */
+	if (ekp_act_armed() &&
+	    ekp_act_idle(p->daddr, p->dport, p->proto, ekp_act_stamp_of(now), ekp_ct_longest_stamps(cfg)))
+		return EKP_RECLAIM_NONE;
 	rkey.saddr = p->daddr;
 	rkey.daddr = p->saddr;
 	rkey.sport = p->dport;
