@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from agent import caps
-from agent.config import Config
+from agent.config import Config, Mode
 from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 # Seconds to wait for the xtables lock, as kube-proxy (`-w 5`).
 LOCK_WAIT_SECONDS = "5"
 RANDOM_FULLY_MIN_VERSION = (1, 6, 2)
+IPV6_IN_EBPF_MODE = "eBPF mode's IPv6 Services (served by ip6tables)"
 _HINT_RE = re.compile(r"^:(KUBE-IPTABLES-HINT|KUBE-KUBELET-CANARY|KUBE-PROXY-CANARY) ", re.MULTILINE)
 
 
@@ -137,8 +138,10 @@ def preflight(
     *,
     which: Callable[[str], str | None] = shutil.which,
     cap_mask: Callable[[], int] = caps.effective,
+    who: str = "iptables mode",
 ) -> None:
-    """Raise FatalError when iptables mode cannot work here whatever is retried; say what to do."""
+    """Raise FatalError when iptables mode cannot work here whatever is retried; say what to do.
+    `who`: what needs the rules, for the message (eBPF mode's IPv6 Services need ip6tables)."""
     problems: list[str] = []
     wanted = (caps.CAP_NET_ADMIN, caps.CAP_SYS_ADMIN) if config.netns else (caps.CAP_NET_ADMIN,)
     lacking = caps.missing(wanted, cap_mask())
@@ -156,9 +159,14 @@ def preflight(
                 "--iptables-backend"
             )
     elif not installed_families(which):
+        other = (
+            "or leave IPv6 out of --node-ip, --cluster-cidr and --service-cluster-ip-range"
+            if who == IPV6_IN_EBPF_MODE
+            else "or run --mode=ebpf"
+        )
         problems.append(
             "neither iptables-nft nor iptables-legacy (with their -save and -restore) is on PATH: install "
-            "the iptables package (Debian: apt-get install iptables), or run --mode=ebpf"
+            f"the iptables package (Debian: apt-get install iptables), {other}"
         )
     others = [("ip", bool(config.netns), "--netns needs `ip netns exec`: install iproute2")]
     others.append(
@@ -168,7 +176,7 @@ def preflight(
         f"{tool} not found on PATH ({why})" for tool, needed, why in others if needed and not which(tool)
     ]
     if problems:
-        raise FatalError("iptables mode cannot start: " + "; ".join(problems))
+        raise FatalError(f"{who} cannot start: " + "; ".join(problems))
 
 
 class SubprocessRunner:
@@ -195,6 +203,9 @@ class SubprocessRunner:
         # ip6tables for the IPv6 proxier; `follow`: the IPv4 runner's backend, which this one uses.
         self._binary = "ip6tables" if family == 6 else "iptables"
         self._follow = follow
+        # In eBPF mode only the IPv6 Services need ip6tables: say so when they cannot have it.
+        ebpf_v6 = family == 6 and config.mode is Mode.EBPF
+        self._who = IPV6_IN_EBPF_MODE if ebpf_v6 else "iptables mode"
 
     def _prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self._netns] if self._netns else []
@@ -215,7 +226,7 @@ class SubprocessRunner:
     @property
     def backend(self) -> str:
         if not self._backend:
-            preflight(self._config, which=self._which, cap_mask=self._cap_mask)
+            preflight(self._config, which=self._which, cap_mask=self._cap_mask, who=self._who)
             if self._wanted in ("nft", "legacy"):
                 self._backend = self._wanted
                 reason = "--iptables-backend"
