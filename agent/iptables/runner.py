@@ -128,9 +128,11 @@ def family_tools(backend: str, binary: str = "iptables") -> tuple[str, ...]:
     return (f"{binary}-{backend}", f"{binary}-{backend}-save", f"{binary}-{backend}-restore")
 
 
-def installed_families(which: Callable[[str], str | None] = shutil.which) -> list[str]:
-    """The iptables families whose three binaries are all on PATH."""
-    return [b for b in FAMILIES if all(which(tool) for tool in family_tools(b))]
+def installed_families(
+    which: Callable[[str], str | None] = shutil.which, binary: str = "iptables"
+) -> list[str]:
+    """The iptables families whose three binaries (of `binary`: iptables, ip6tables) are all on PATH."""
+    return [b for b in FAMILIES if all(which(tool) for tool in family_tools(b, binary))]
 
 
 def preflight(
@@ -247,19 +249,24 @@ class SubprocessRunner:
         return self._backend
 
     def _detect(self) -> tuple[str, str]:
-        installed = installed_families(self._which)
+        """The backend from this runner's own family's tables: an IPv6 runner that follows no IPv4
+        one (eBPF mode's) reads ip6tables, where kubelet's IPv6 hint chains are and where
+        kube-proxy's IPv6 chains, which it adopts, were written; the IPv4 ones may be gone already
+        (the eBPF start removes kube-proxy's)."""
+        binary = self._binary
+        installed = installed_families(self._which, binary)
         if len(installed) == 1:
-            return installed[0], f"only iptables-{installed[0]} is installed"
+            return installed[0], f"only {binary}-{installed[0]} is installed"
         # Only nft is asked for mangle alone: `iptables-legacy-save -t mangle` would make the
         # kernel create a legacy mangle table that nobody uses.
-        nft_mangle = self.command(["iptables-nft-save", "-t", "mangle"]).stdout
-        legacy_all = self.command(["iptables-legacy-save"]).stdout
+        nft_mangle = self.command([f"{binary}-nft-save", "-t", "mangle"]).stdout
+        legacy_all = self.command([f"{binary}-legacy-save"]).stdout
         backend, reason = choose_backend(nft_mangle, legacy_all)
         if not backend:
             backend, reason = choose_backend(
-                nft_mangle, legacy_all, self.command(["iptables-nft-save"]).stdout
+                nft_mangle, legacy_all, self.command([f"{binary}-nft-save"]).stdout
             )
-        return backend, reason
+        return backend, f"{reason} ({binary})" if binary != "iptables" else reason
 
     def _tool(self, suffix: str) -> str:
         # iptables-nft, iptables-nft-save, iptables-nft-restore (and -legacy, and ip6tables-, likewise).
