@@ -339,11 +339,12 @@ V6_CIDRS = ("10.244.0.0/16", "fd00:10:244::/56")
 def test_an_ipv6_proxier_on_ip6tables_runs_in_both_modes_when_ipv6_is_configured(mode: Mode) -> None:
     from agent.app import make_proxier, make_proxier6
     from agent.iptables import IptablesProxier
+    from agent.iptables.runner import SubprocessRunner
 
     dual_stack = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS)
     proxier6 = make_proxier6(dual_stack, make_proxier(dual_stack))
     assert isinstance(proxier6, IptablesProxier) and proxier6.family is IPFamily.IPv6
-    assert proxier6.runner.command(["true"]) is not None  # a real runner, constructed idle
+    assert isinstance(proxier6.runner, SubprocessRunner), "ip6tables itself, not a stand-in"
     ipv4_only = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS[:1])
     assert make_proxier6(ipv4_only, make_proxier(ipv4_only)) is None
 
