@@ -47,7 +47,7 @@ from agent.takeover.flows import (
     timeout_of,
     why_not_carried,
 )
-from agent.takeover.into_ebpf import KernelTakeover
+from agent.takeover.into_ebpf import KernelTakeover, ebpf_ids
 from agent.takeover.nfct import Created, create_flows, delete_flows, dump_flows
 from agent.takeover.out_of_ebpf import EbpfHandback
 from lab.dplab import (
@@ -256,6 +256,27 @@ def fake_maps() -> dict[str, MapWriter]:
     for (addr, port, proto), bid in IDS.backends.items():
         maps["be"].update(abi.BackendKey(bid), abi.Backend(ip_be(addr), port_be(port), proto, 0))
     return maps
+
+
+def test_the_ids_index_holds_only_what_the_flows_name() -> None:
+    # At 50,000 Services an index of every frontend and backend was the first sync's peak memory.
+    ids = ebpf_ids(fake_maps(), [CLUSTERIP, NODEPORT])
+    assert ids.services == {(VIP, 80, 6): 3, (NODE, 30080, 6): 4}
+    assert ids.backends == {(BE1, 8080, 6): 21, (REMOTE_BE, 8080, 6): 22}
+
+
+def test_with_no_flow_to_carry_the_maps_are_not_read() -> None:
+    takeover = KernelTakeover(
+        Config(netns="node1"),
+        dump=lambda netns: [],
+        addresses=lambda netns: {"192.168.0.11"},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+    )
+    no_maps: dict[str, MapWriter] = {}  # a read of any map raises KeyError
+    takeover.before_attach(no_maps)
+    takeover.after_attach(no_maps)
+    assert takeover.carried == 0
 
 
 @pytest.mark.parametrize("routing", list(HostRouting))
