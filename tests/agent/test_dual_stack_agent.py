@@ -49,7 +49,9 @@ class StateProxier(FakeProxier):
 
 
 class Rig:
-    def __init__(self, mode: Mode, *, ipv6: bool, health: ProxierHealth | None = None) -> None:
+    def __init__(
+        self, mode: Mode, *, ipv6: bool, health: ProxierHealth | None = None, **settings: Any
+    ) -> None:
         self.clock = Clock()
         self.source = FakeSource()
         self.proxier = StateProxier()
@@ -58,7 +60,8 @@ class Rig:
         self.health = FakeHealth()
         self.health6 = FakeHealth()
         self.registry = CollectorRegistry()
-        config = Config(mode=mode, hostname="node1", sync_period_s=30.0, min_sync_period_s=0.0)
+        settings = {"sync_period_s": 30.0, "min_sync_period_s": 0.0, **settings}
+        config = Config(mode=mode, hostname="node1", **settings)
         self.agent = Agent(
             config,
             Parts(
@@ -88,8 +91,12 @@ class Rig:
             events += [Synced(Kind.SERVICE, synced), Synced(Kind.ENDPOINT_SLICE, synced)]
         self.agent.deliver(events)
 
-    def sync(self) -> None:
-        self.clock.now += 1
+    def refresh_node_unchanged(self) -> None:
+        """The node watcher fires and neither family's addresses moved."""
+        self.agent.refresh_node()
+
+    def sync(self, after: float = 1.0) -> None:
+        self.clock.now += after
         self.agent.runner.run_once()
 
 
@@ -132,6 +139,82 @@ def test_an_ipv6_failure_holds_back_nothing_and_is_retried_in_full(caplog: pytes
     rig.proxier6.raise_ = None
     rig.sync()
     assert rig.proxier6.calls == [None], "the retry writes every IPv6 chain"
+
+
+def test_the_ipv6_proxier_is_called_only_when_something_is_due_for_it() -> None:
+    """As upstream, where a proxier syncs when its own change tracker took a change: IPv4-only
+    changes never reach the ip6tables proxier (an empty partial sync still rewrites its top-level
+    chains); IPv6 ones, a retry and its own periodic full sync do."""
+    rig = Rig(Mode.EBPF, ipv6=True, min_sync_period_s=0.1)
+    assert rig.proxier6 is not None
+    rig.send(dual(), synced="v1")
+    rig.sync()
+    assert rig.proxier6.calls == [None]
+    for n in range(5):
+        rig.send(service(f"v4-{n}", clusterIP=f"10.96.0.{30 + n}"))
+        rig.sync(after=0.2)
+    rig.refresh_node_unchanged()
+    rig.sync(after=0.2)
+    assert len(rig.proxier.calls) == 7 and rig.proxier6.calls == [None], "six IPv4 syncs, no IPv6 call"
+    rig.send(slice6("web-v6", "fd00:10:244:1::2"))
+    rig.sync()
+    assert rig.proxier6.calls[-1] == frozenset({spn("web")})
+    rig.proxier6.fail = {spn("web"): "no room"}
+    rig.send(slice6("web-v6", "fd00:10:244:1::3"))
+    rig.sync()
+    rig.proxier6.fail = {}
+    rig.send(service("v4-9", clusterIP="10.96.0.49"))
+    rig.sync()
+    assert rig.proxier6.calls[-1] == frozenset({spn("web")}), "the port that failed is retried"
+    calls = len(rig.proxier6.calls)
+    rig.sync()
+    assert len(rig.proxier6.calls) == calls, "then nothing is due"
+    rig.sync(after=30.0)
+    assert rig.proxier6.calls[-1] is None, "its own periodic full sync (the drift repair)"
+
+
+def test_ipv6_changes_inside_the_ipv6_floor_wait_for_it_and_are_programmed_together() -> None:
+    """eBPF mode's IPv4 syncs may come every 100 ms; the ip6tables proxier keeps iptables mode's
+    1 s floor, and the runner is asked for the run that takes what waited."""
+    rig = Rig(Mode.EBPF, ipv6=True, min_sync_period_s=0.1, min_sync_period6_s=1.0)
+    assert rig.proxier6 is not None
+    rig.send(dual(), dual("api", "10.96.0.11", "fd00:10:96::b"), synced="v1")
+    rig.sync()
+    first = rig.clock.now
+    rig.send(slice6("web-v6", "fd00:10:244:1::2"))
+    rig.sync(after=0.1)
+    rig.send(slice6("api-v6", "fd00:10:244:1::3", svc="api"))
+    rig.sync(after=0.1)
+    assert rig.proxier6.calls == [None] and len(rig.proxier.calls) == 3, "IPv4 synced, IPv6 waits"
+    assert rig.agent.runner.next_run_at() == pytest.approx(first + 1.0), "a run when the floor has passed"
+    rig.clock.now = first + 1.0
+    rig.agent.runner.run_once()
+    assert rig.proxier6.calls == [None, frozenset({spn("web"), spn("api")})]
+    assert [e.ip for e in rig.agent.ipv6.model.state.endpoints[spn("api")].cluster] == ["fd00:10:244:1::3"]
+
+
+def test_a_failing_ipv4_sync_does_not_stop_the_ipv6_one_each_counted_in_its_family(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rig = Rig(Mode.EBPF, ipv6=True)
+    assert rig.proxier6 is not None
+    rig.send(dual(), slice6("web-v6", "fd00:10:244:1::2"), synced="v1")
+    rig.proxier.raise_ = RuntimeError("bpf map update: no space")
+    rig.sync()
+    assert rig.proxier6.calls == [None], "the IPv6 Services are programmed while eBPF fails"
+    assert rig.agent.runner.failures == 1, "the IPv4 failure still reaches the runner (its backoff)"
+    failures = "ekp_sync_failures_total"
+    assert rig.registry.get_sample_value(failures, {"ip_family": "IPv4"}) == 1
+    assert not rig.registry.get_sample_value(failures, {"ip_family": "IPv6"})
+    assert rig.health.log[-1] == "updated IPv6", "IPv6 healthy, IPv4 not updated"
+    assert "updated" not in rig.health.log
+    rig.proxier.raise_ = None
+    rig.proxier6.raise_ = RuntimeError("ip6tables-restore: exit 4")
+    rig.send(slice6("web-v6", "fd00:10:244:1::3"))
+    rig.sync()
+    assert rig.proxier.calls == [None], "IPv4 programmed (in full: none succeeded yet) while ip6tables fails"
+    assert rig.registry.get_sample_value(failures, {"ip_family": "IPv4"}) == 1
+    assert rig.registry.get_sample_value(failures, {"ip_family": "IPv6"}) == 1
 
 
 def test_new_ipv6_node_addresses_make_the_ipv6_sync_a_full_one() -> None:
