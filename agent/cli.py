@@ -19,7 +19,6 @@ the map entries that changed; the floor still turns a burst of events into one s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from collections.abc import Mapping, Sequence
@@ -28,7 +27,7 @@ from importlib import metadata
 from typing import Any
 
 from agent import configfile
-from agent.config import IPTABLES_MIN_SYNC_PERIOD_S, Config, Mode, default_min_sync_period
+from agent.config import Config, Mode, default_min_sync_period
 from agent.configfile import render_yaml
 from agent.goformat import format_duration
 from agent.localdetect import LocalMode
@@ -107,12 +106,9 @@ def resolve(argv: Sequence[str]) -> Resolved:
         warnings = tuple(f"--config {path}: {w}" for w in settings.warnings)
         file_fields = settings.given
     values.update(given)
-    explicit_min_sync = values["iptables_min_sync_period"]
-    if explicit_min_sync is None:
+    if values["iptables_min_sync_period"] is None:
         values["iptables_min_sync_period"] = default_min_sync_period(Mode(values["mode"]))
     config = Config.from_values(values)
-    if explicit_min_sync is None:  # the mode's default is IPv4's; the IPv6 proxier keeps its 1 s
-        config = dataclasses.replace(config, min_sync_period6_s=IPTABLES_MIN_SYNC_PERIOD_S)
     if config.min_sync_period_s > config.sync_period_s:
         raise UsageError(
             [

@@ -116,7 +116,7 @@ class ConntrackSettings:
 @dataclass(frozen=True)
 class Config:
     """What the settings say, typed, for the code that acts on them. Each field's default is the
-    setting's (agent/settings/table.py); `hostname`, `min_sync_period_s` and `min_sync_period6_s` are derived
+    setting's (agent/settings/table.py); `hostname` and `min_sync_period_s` are derived
     (`from_values`)."""
 
     mode: Mode = default("mode")
@@ -151,9 +151,6 @@ class Config:
     node_ips: tuple[str, ...] = default("node_ips")  # () = found on --devices
     sync_period_s: float = default("sync_period_s")
     min_sync_period_s: float = IPTABLES_MIN_SYNC_PERIOD_S  # derived from the mode when not set
-    # The IPv6 proxier's floor (ip6tables in both modes): an explicit --iptables-min-sync-period,
-    # else kube-proxy's 1 s, whatever the mode (eBPF mode's 100 ms is for its map writes).
-    min_sync_period6_s: float = IPTABLES_MIN_SYNC_PERIOD_S
     # eBPF mode
     devices: tuple[str, ...] = default("devices")  # () = those holding the node's addresses
     pod_interfaces: tuple[str, ...] = default("pod_interfaces")
@@ -198,6 +195,17 @@ class Config:
         return tuple(ip for ip in self.node_ips if (":" in ip) == (family == 6))
 
     @property
+    def min_sync_period6_s(self) -> float:
+        """The IPv6 proxier's floor (ip6tables in both modes). iptables mode: the IPv4 proxier's,
+        as upstream's two proxiers share minSyncPeriod. eBPF mode: at least kube-proxy's 1 s
+        default, or --iptables-min-sync-period when larger: the value there is tuned for the eBPF
+        map writes (100 ms by default), and an ip6tables-restore rewrites the top-level chains at
+        every call."""
+        if self.mode is Mode.IPTABLES:
+            return self.min_sync_period_s
+        return max(self.min_sync_period_s, IPTABLES_MIN_SYNC_PERIOD_S)
+
+    @property
     def ipv6_configured(self) -> bool:
         """Whether the flags describe IPv6 for this node (an IPv6 --node-ip, --cluster-cidr or
         --service-cluster-ip-range): iptables mode then runs an IPv6 proxier beside the IPv4 one
@@ -239,7 +247,6 @@ class Config:
             **flat,
             hostname=(values["hostname_override"] or socket.gethostname()).strip().lower(),
             min_sync_period_s=default_min_sync_period(mode) if min_sync is None else min_sync,
-            min_sync_period6_s=IPTABLES_MIN_SYNC_PERIOD_S if min_sync is None else min_sync,
             conntrack=ConntrackSettings(**nested["conntrack"]),
             map_sizes=MapSizes(**nested["map_sizes"]),
         )

@@ -176,7 +176,7 @@ def test_the_ipv6_proxier_is_called_only_when_something_is_due_for_it() -> None:
 def test_ipv6_changes_inside_the_ipv6_floor_wait_for_it_and_are_programmed_together() -> None:
     """eBPF mode's IPv4 syncs may come every 100 ms; the ip6tables proxier keeps iptables mode's
     1 s floor, and the runner is asked for the run that takes what waited."""
-    rig = Rig(Mode.EBPF, ipv6=True, min_sync_period_s=0.1, min_sync_period6_s=1.0)
+    rig = Rig(Mode.EBPF, ipv6=True, min_sync_period_s=0.1)
     assert rig.proxier6 is not None
     rig.send(dual(), dual("api", "10.96.0.11", "fd00:10:96::b"), synced="v1")
     rig.sync()
