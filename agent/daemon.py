@@ -138,6 +138,8 @@ class Parts:
     proxier6: Proxier | None = None
     node_context6: Callable[[], NodeContext] | None = None
     service_health6: ServiceHealth | None = None  # the IPv6 proxier's, on IPv6 sockets
+    # No IPv6 proxier though the flags ask for one (the node cannot do IPv6): the start said so.
+    ipv6_unserved_said: bool = False
 
 
 class Agent:
@@ -154,7 +156,9 @@ class Agent:
         self._clock = clock
         self._wall = wall
         self._model = ProxyModel(node_info(config))
-        self._v6 = IPv6Family(config, parts.proxier6, parts.node_context6, clock)
+        self._v6 = IPv6Family(
+            config, parts.proxier6, parts.node_context6, clock, unserved_said=parts.ipv6_unserved_said
+        )
         self._lock = threading.Lock()
         self._queue: list[Event | _Read] = []
         self._synced: set[Kind] = set()

@@ -19,7 +19,10 @@ Which proxier programs IPv6, when the flags describe IPv6 for the node (`Config.
 
 Without IPv6 in the flags no IPv6 proxier runs: the IPv6 state is still computed (so problems with
 IPv6 objects are reported the same way), and the first time IPv6 service ports exist the agent
-says once, as a warning, that they are not programmed and what turns the IPv6 proxier on.
+says once, as a warning, that they are not programmed and what turns the IPv6 proxier on. Nor
+does one run when the flags ask for IPv6 and the node cannot do it (no ip6tables, or the kernel's
+IPv6 turned off: upstream's platformCheckSupported, agent/app.py): the agent runs single-stack
+and says so once at start.
 
 Each family's sync is its own: a failure of either never holds back the other (agent/daemon.py
 runs the IPv6 sync after a failed IPv4 one too), and the IPv6 proxier is called only when
@@ -112,6 +115,8 @@ class IPv6Family:
         proxier: Proxier | None = None,
         node_context: Callable[[], NodeContext] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        unserved_said: bool = False,
     ) -> None:
         self._config = config
         self.model = ProxyModel(node_info(config), family=IPFamily.IPv6)
@@ -121,7 +126,7 @@ class IPv6Family:
         self._floor = min(config.min_sync_period6_s, config.sync_period_s)
         self.node: NodeContext | None = None
         self._retry: dict[ServicePortName, str] = {}
-        self._announced = False
+        self._announced = unserved_said  # the start said why no IPv6 proxier runs
         self._need_full = False  # the last sync raised: the next one writes everything
         self._changed: set[ServicePortName] = set()  # committed, not yet programmed
         self._full_due = False  # a commit or the node asked for a full sync not yet made

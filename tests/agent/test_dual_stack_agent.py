@@ -550,3 +550,84 @@ def test_ebpf_mode_without_ip6tables_says_what_needs_it() -> None:
         _ = runner.backend
     assert "eBPF mode's IPv6 Services (served by ip6tables) cannot start" in str(err.value)
     assert "leave IPv6 out of --node-ip, --cluster-cidr and --service-cluster-ip-range" in str(err.value)
+
+
+def test_the_ipv6_check_names_what_the_node_lacks(tmp_path: Any) -> None:
+    """Upstream's platformCheckSupported: ip6tables present and the kernel's IPv6 on (a node
+    booted with ipv6.disable=1 has no /proc/net/if_inet6)."""
+    from agent.iptables.runner import ipv6_missing
+
+    on = tmp_path / "if_inet6"
+    on.write_text("00000000000000000000000000000001 01 80 10 80       lo\n")
+    config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
+
+    def legacy_only(tool: str) -> str | None:
+        return f"/usr/sbin/{tool}" if "legacy" in tool or not tool.startswith("ip6") else None
+
+    assert ipv6_missing(config, which=legacy_only, if_inet6=str(on)) == ""
+    off = ipv6_missing(config, which=legacy_only, if_inet6=str(tmp_path / "absent"))
+    assert "the kernel has IPv6 turned off" in off and "ipv6.disable=1" in off
+    none = ipv6_missing(config, which=lambda tool: None, if_inet6=str(on))
+    assert none == "neither ip6tables-nft nor ip6tables-legacy (with its -save and -restore) is on PATH"
+    nft = Config(mode=Mode.IPTABLES, hostname="node1", cluster_cidr=V6_CIDRS, iptables_backend="nft")
+    assert ipv6_missing(nft, which=legacy_only, if_inet6=str(on)) == (
+        "ip6tables-nft (with its -save and -restore) is not on PATH (--iptables-backend)"
+    ), "--iptables-backend=nft: legacy's ip6tables is no use"
+
+
+@pytest.mark.parametrize("mode", [Mode.EBPF, Mode.IPTABLES])
+def test_a_node_that_cannot_do_ipv6_runs_single_stack_and_says_so_once(
+    mode: Mode, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As upstream: no IPv6 proxier, one warning that says what is missing and what it means, and
+    the IPv6 family out of the proxy health (a node booted with ipv6.disable=1 serves IPv4 and
+    stays live, instead of failing every IPv6 sync and being restarted for it)."""
+    import yaml
+
+    from agent.app import build_agent
+
+    services = tmp_path / "services.yaml"
+    services.write_text(yaml.safe_dump_all([dual(), slice6("web-v6", "fd00:10:244:1::2")]))
+    config = Config(
+        mode=mode,
+        hostname="node1",
+        cluster_cidr=V6_CIDRS,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        services_file=str(services),
+        healthz_bind_address="",
+        metrics_bind_address="",
+    )
+    lacking = "the kernel has IPv6 turned off (/proc/net/if_inet6 is absent: booted with ipv6.disable=1?)"
+    agent = build_agent(config, ipv6_check=lambda c: lacking)
+    assert agent.ipv6.proxier is None
+    assert agent._health_families == (IPFamily.IPv4,)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"no iptables support for family IPv6: {lacking}. Running single-stack:")
+    assert "IPv6 Services are not programmed on this node" in warnings[0]
+    assert "/healthz and /livez follow IPv4 only" in warnings[0]
+    served = build_agent(config, ipv6_check=lambda c: "")
+    assert served.ipv6.proxier is not None
+    assert served._health_families == (IPFamily.IPv4, IPFamily.IPv6)
+
+
+def test_ebpf_modes_ipv6_preflight_checks_ip6tables_not_iptables() -> None:
+    """The IPv6 proxier's preflight asks for the binaries it runs: with iptables there and
+    ip6tables missing it does not pass."""
+    from agent.errors import FatalError
+    from agent.iptables.runner import IPV6_IN_EBPF_MODE, preflight
+
+    config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
+
+    def iptables_only(tool: str) -> str | None:
+        return None if tool.startswith("ip6tables") else f"/usr/sbin/{tool}"
+
+    with pytest.raises(FatalError) as err:
+        preflight(
+            config,
+            which=iptables_only,
+            cap_mask=lambda: (1 << 41) - 1,
+            who=IPV6_IN_EBPF_MODE,
+            binary="ip6tables",
+        )
+    assert "neither ip6tables-nft nor ip6tables-legacy" in str(err.value)
