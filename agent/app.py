@@ -105,7 +105,7 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
             config,
             family=IPFamily.IPv6,
             runner=SubprocessRunner(config, family=6, follow=lambda: follow.backend),
-            take_over=lambda: None,
+            take_over=lambda: True,
             metrics=metrics,
         )
     return ip6tables_beside_ebpf(config, SubprocessRunner(config, family=6), metrics)
@@ -117,16 +117,19 @@ def ip6tables_beside_ebpf(
     """eBPF mode's IPv6 proxier: kube-proxy's ip6tables layout on `runner`. No IPv4 rules to follow,
     so the backend is --iptables-backend or the one the node already uses (kubelet's hint chains).
     Once its rules serve it removes kube-proxy's `ip6 kube-proxy` nftables table (the eBPF start
-    leaves it for this moment, agent/takeover/into_ebpf.py), and nothing else: never the eBPF data
+    leaves it for this moment, agent/takeover/into_ebpf.py; a failure is a warning, retried at
+    each sync until the table is gone), and nothing else: never the eBPF data
     path, which serves IPv4 beside it (iptables mode's proxier hands that back)."""
     from agent.iptables import IptablesProxier
-    from agent.iptables.kube_proxy_cleanup import KubeProxyCleanupReport, cleanup_nft_tables
-
-    def take_over() -> None:
-        cleanup_nft_tables(runner, KubeProxyCleanupReport(), families=("ip6",))
+    from agent.iptables.kube_proxy_cleanup import NftTakeover
 
     return IptablesProxier(
-        config, family=IPFamily.IPv6, runner=runner, take_over=take_over, metrics=metrics, counters=counters
+        config,
+        family=IPFamily.IPv6,
+        runner=runner,
+        take_over=NftTakeover(runner, families=("ip6",)),
+        metrics=metrics,
+        counters=counters,
     )
 
 

@@ -481,6 +481,52 @@ def test_ebpf_modes_ipv6_proxier_writes_ip6tables_and_removes_only_kube_proxys_i
     assert rules is not None and rules > 0, "iptables mode's rule counts, labelled IPv6"
 
 
+def test_a_kube_proxy_ip6_table_that_cannot_be_removed_is_a_warning_and_retried_until_gone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The table left in place keeps kube-proxy's hooks beside ours: the operator is told once
+    (not at every sync), each sync tries again, and the line after says it went after all."""
+    from agent.app import ip6tables_beside_ebpf
+    from agent.iptables.runner import Result
+    from agent.model.state import build_state
+    from agent.model.types import NodeInfo
+    from tests.iptables.fakes import FakeCounters, FakeRunner
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    busy = ["Error: Could not process rule: Device or resource busy"]
+    tries: list[list[str]] = []
+    gone: list[bool] = []
+
+    def respond(argv: list[str]) -> Result:
+        if argv[1:3] == ["list", "tables"]:
+            return Result(0, "" if gone else "table ip6 kube-proxy\n")
+        tries.append(argv[3:])
+        if busy:
+            return Result(1, "", busy[0])
+        gone.append(True)
+        return Result(0)
+
+    runner = FakeRunner()
+    runner.responses["nft"] = respond  # type: ignore[assignment]
+    config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
+    proxier6 = ip6tables_beside_ebpf(config, runner, counters=FakeCounters())
+    state = build_state(
+        [dual()], [slice6("web-v6", "fd00:10:244:1::2")], NodeInfo("node1"), family=IPFamily.IPv6
+    )
+    for _ in range(3):
+        proxier6.sync(state.state, NODE6, frozenset())
+    assert tries == [["ip6", "kube-proxy"]] * 3, "tried at every sync"
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "could not remove kube-proxy's nftables table ip6 kube-proxy" in warned[0]
+    assert "Device or resource busy" in warned[0] and "nft delete table" in warned[0]
+    busy.clear()
+    proxier6.sync(state.state, NODE6, frozenset())
+    proxier6.sync(state.state, NODE6, frozenset())
+    assert len(tries) == 4, "removed at the fourth try, and not tried again"
+    assert "kube-proxy's nftables table(s) removed after all" in caplog.text
+
+
 def test_the_ebpf_start_leaves_kube_proxys_ip6_table_to_the_ipv6_proxier() -> None:
     """The eBPF start removes kube-proxy's rules once its programs serve; with IPv6 configured the
     `ip6 kube-proxy` table stays until the ip6tables proxier serves (previous test), so IPv6
