@@ -507,7 +507,7 @@ def test_a_kube_proxy_ip6_table_that_cannot_be_removed_is_a_warning_and_retried_
         return Result(0)
 
     runner = FakeRunner()
-    runner.responses["nft"] = respond  # type: ignore[assignment]
+    runner.responses["nft"] = respond
     config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
     proxier6 = ip6tables_beside_ebpf(config, runner, counters=FakeCounters())
     state = build_state(

@@ -120,7 +120,7 @@ def test_iptables_mode_retries_kube_proxys_nft_tables_at_each_sync_and_hands_ebp
         listed.append(1)
         return answers[0] if answers else Result(0, "")
 
-    fake.responses["nft"] = respond  # type: ignore[assignment]
+    fake.responses["nft"] = respond
     p = IptablesProxier(CONFIG, runner=fake, backend_runner=lambda _: fake, counters=FakeCounters())
     for _ in range(3):
         p.sync(state(service("web", "10.96.0.10", ("http", 80, "TCP"))), NODE)
