@@ -389,7 +389,7 @@ class Agent:
         elapsed = self._clock() - start  # the IPv4 proxier's sync, as upstream times each proxier
         if failure is None and self._parts.health is not None:
             self._parts.health.updated(str(IPFamily.IPv4))
-        commit6 = self._v6.sync(read_node=read_node)
+        commit6 = self._v6.sync(read_node=read_node, now=start)
         self._report(commit6, reported=commit)
         if self._parts.proxier6 is not None:
             self._after_sync6()
@@ -523,13 +523,24 @@ class Agent:
         metrics.set_pending(services=0, endpoints=0)
         self._count_no_local(self._model, commit)
         changed = "all" if commit.changed is None else str(len(commit.changed))
+        # "sync done: version=V" says V is programmed in every family (the lab waits for it); while
+        # the IPv6 family is held by its floor or failed, the line says IPv4 alone is.
+        v6 = self._v6
+        done = "sync done" if v6.in_step else "sync done for IPv4 only"
+        behind = (
+            ""
+            if v6.in_step
+            else f", IPv6 {'waits for its floor' if v6.outcome is Outcome.HELD else 'failed'}"
+        )
         log.info(
-            "sync done: version=%s, %s sync, %s service port(s) changed, %d in all, %.1f ms",
+            "%s: version=%s, %s sync, %s service port(s) changed, %d in all, %.1f ms%s",
+            done,
             printable(self.version),
             "full" if full else "partial",
             changed,
             len(self._model.state.services),
             elapsed * 1000,
+            behind,
         )
 
     def _after_sync6(self) -> None:

@@ -143,14 +143,15 @@ class IPv6Family:
     def set_node(self, node: NodeInfo) -> None:
         self.model.set_node(node)
 
-    def sync(self, *, read_node: bool) -> Commit:
+    def sync(self, *, read_node: bool, now: float) -> Commit:
         """Commit the IPv6 model and, with a proxier and something due (see the class), program
         it: fully when its periodic full sync is due, the model or the node's IPv6 addresses ask
         for it or the last call failed, else the service ports changed since the last call and
         those to retry. `read_node`: re-read the node's IPv6 addresses first (the IPv4 side does
-        at the same moments). `outcome` says what happened; a failed call is logged and retried
-        (`retry_wanted`); FatalError propagates."""
-        now = self._clock()
+        at the same moments); `now`: when the agent's sync began, on the clock its runner's floor
+        is measured with (so with the same floor as IPv4's, iptables mode's, no IPv6 call is ever
+        held). `outcome` says what happened; a failed call is logged and retried (`retry_wanted`);
+        FatalError propagates."""
         moved = False
         self.programmed = None
         if self.proxier is not None and (read_node or self.node is None or self.model.full_pending):
@@ -183,6 +184,7 @@ class IPv6Family:
         changed = None if full else frozenset(self._changed | self._retry.keys())
         self.last_full = full
         self._last_call = now
+        started = self._clock()
         try:
             result = self.proxier.sync(self.model.state, self.node, changed)
         except FatalError:
@@ -194,7 +196,7 @@ class IPv6Family:
             self.outcome = Outcome.FAILED
             return commit
         finally:
-            self.elapsed = self._clock() - now
+            self.elapsed = self._clock() - started
         self._need_full = self._full_due = False
         self._changed.clear()
         if full:
@@ -204,6 +206,12 @@ class IPv6Family:
         self.outcome = Outcome.SYNCED
         self.programmed, self._held = self._held, None
         return commit
+
+    @property
+    def in_step(self) -> bool:
+        """Whether the IPv6 rules hold everything committed (or no IPv6 proxier runs): not held
+        back by the floor, not failed."""
+        return self.outcome not in (Outcome.HELD, Outcome.FAILED)
 
     @property
     def retry_wanted(self) -> bool:

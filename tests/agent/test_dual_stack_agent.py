@@ -173,9 +173,13 @@ def test_the_ipv6_proxier_is_called_only_when_something_is_due_for_it() -> None:
     assert rig.proxier6.calls[-1] is None, "its own periodic full sync (the drift repair)"
 
 
-def test_ipv6_changes_inside_the_ipv6_floor_wait_for_it_and_are_programmed_together() -> None:
+def test_ipv6_changes_inside_the_ipv6_floor_wait_for_it_and_are_programmed_together(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """eBPF mode's IPv4 syncs may come every 100 ms; the ip6tables proxier keeps iptables mode's
-    1 s floor, and the runner is asked for the run that takes what waited."""
+    1 s floor, and the runner is asked for the run that takes what waited. Meanwhile the sync
+    line says IPv4 alone is done: `sync done: version=` (what the lab waits for) only once both
+    families hold the version."""
     rig = Rig(Mode.EBPF, ipv6=True, min_sync_period_s=0.1)
     assert rig.proxier6 is not None
     rig.send(dual(), dual("api", "10.96.0.11", "fd00:10:96::b"), synced="v1")
@@ -186,11 +190,37 @@ def test_ipv6_changes_inside_the_ipv6_floor_wait_for_it_and_are_programmed_toget
     rig.send(slice6("api-v6", "fd00:10:244:1::3", svc="api"))
     rig.sync(after=0.1)
     assert rig.proxier6.calls == [None] and len(rig.proxier.calls) == 3, "IPv4 synced, IPv6 waits"
+    last = caplog.records[-1].getMessage()
+    assert last.startswith("sync done for IPv4 only: version=") and last.endswith("IPv6 waits for its floor")
+    caplog.clear()
     assert rig.agent.runner.next_run_at() == pytest.approx(first + 1.0), "a run when the floor has passed"
     rig.clock.now = first + 1.0
     rig.agent.runner.run_once()
     assert rig.proxier6.calls == [None, frozenset({spn("web"), spn("api")})]
     assert [e.ip for e in rig.agent.ipv6.model.state.endpoints[spn("api")].cluster] == ["fd00:10:244:1::3"]
+    assert "sync done: version=" in caplog.records[-1].getMessage()
+
+
+def test_with_one_floor_for_both_families_the_ipv6_call_is_never_held() -> None:
+    """iptables mode: both families share the floor, measured from the start of the agent's
+    sync, so the IPv6 call, made after a slow full IPv4 one, is not held at the next sync for the
+    difference (held, it would wait a whole second more for the run after)."""
+    rig = Rig(Mode.IPTABLES, ipv6=True, min_sync_period_s=1.0)
+    assert rig.proxier6 is not None
+    slow = rig.proxier.sync
+
+    def slow_ipv4(state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
+        if changed is None:
+            rig.clock.now += 0.3  # a full IPv4 restore takes 300 ms, a partial one no time
+        return slow(state, node, changed)
+
+    rig.proxier.sync = slow_ipv4  # type: ignore[method-assign]
+    rig.send(dual(), synced="v1")
+    rig.sync()
+    rig.send(slice6("web-v6", "fd00:10:244:1::2"))
+    rig.clock.now = rig.agent.runner.next_run_at()
+    rig.agent.runner.run_once()
+    assert rig.proxier6.calls == [None, frozenset({spn("web")})]
 
 
 def test_a_failing_ipv4_sync_does_not_stop_the_ipv6_one_each_counted_in_its_family(
