@@ -680,3 +680,42 @@ def test_a_takeover_that_cannot_read_the_other_side_logs_the_fix_and_goes_on(
     handback = EbpfHandback(Config(pin_path=str(pins)), read=refused)
     handback.run()
     assert "takeOverFromEbpf" in caplog.text and "its programs stay attached" in caplog.text
+
+
+class CountingMap:
+    """A map that counts how often it is read whole."""
+
+    def __init__(self, inner: MapWriter) -> None:
+        self.inner = inner
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def items(self) -> list[tuple[object, object]]:
+        self.reads += 1
+        return list(self.inner.items())
+
+
+@pytest.mark.parametrize("kernel", [[], [CLUSTERIP]], ids=["no flows", "one flow"])
+def test_the_takeover_reads_the_maps_back_only_for_flows_and_once_per_attach(kernel: list[NatFlow]) -> None:
+    # A restart at 10,000 Services has 120,000 frontends and backends to read back: without a
+    # flow in nf_conntrack there is nothing to look their ids up for.
+    takeover = KernelTakeover(
+        Config(netns="node1"),
+        dump=lambda netns: list(kernel),
+        addresses=lambda netns: {"192.168.0.11"},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        clock_ns=lambda: NOW,
+    )
+    maps = fake_maps()
+    counted = {role: CountingMap(maps[role]) for role in ("fe", "be")}
+    wrapped: dict[str, MapWriter] = {**maps, **counted}  # type: ignore[dict-item]
+    takeover.before_attach(wrapped)
+    takeover.after_attach(wrapped)
+    assert takeover.carried == len(kernel)
+    assert [m.reads for m in counted.values()] == ([1, 1] if kernel else [0, 0])
+    # the next first attach (a sync that failed and tried again) reads its own maps
+    takeover.before_attach(wrapped)
+    assert [m.reads for m in counted.values()] == ([2, 2] if kernel else [0, 0])
