@@ -123,9 +123,15 @@ def _load(obj: BpfObject, name: str, fds: list[int]) -> int:
 
 
 def link(
-    obj: BpfObject, pin_path: str, pinned: Collection[str], prog_path: Callable[[str], str]
+    obj: BpfObject,
+    pin_path: str,
+    pinned: Collection[str],
+    prog_path: Callable[[str], str],
+    maps_pinned: Callable[[], None] | None = None,
 ) -> dict[str, int]:
-    """Open or create the maps, load and pin every program of `obj`; the program fds by name."""
+    """Open or create the maps, load and pin every program of `obj`; the program fds by name.
+    `maps_pinned` is called once every pinned map is there, before the first program is loaded
+    (the verifier takes seconds: the caller can fill the maps meanwhile)."""
     missing = sorted(set(pinned) - {m.name for m in obj.maps})
     if missing:
         raise LinkError(f"build {obj.build} declares no map {', '.join(missing)}")
@@ -147,6 +153,8 @@ def link(
                 fds.append(_open_or_create(m, os.path.join(pin_path, m.name), btf_fd))
             else:
                 fds.append(_create(m, btf_fd))
+        if maps_pinned is not None:
+            maps_pinned()
         for p in obj.programs:
             fd = _load(obj, p.name, fds)
             progs[p.name] = fd
