@@ -349,7 +349,7 @@ def test_a_program_the_verifier_refuses_leaves_none_of_the_others_pinned(
         real_close(fd)
 
     monkeypatch.setattr(link_module, "_load", load)
-    monkeypatch.setattr(link_module.os, "close", close)
+    monkeypatch.setattr(os, "close", close)
     with bpffs() as root:
         pins = root / "q"
         pins.mkdir()
