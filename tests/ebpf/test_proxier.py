@@ -355,6 +355,46 @@ def test_a_first_sync_loads_the_data_path_itself_when_prepare_failed(rig: Rig) -
     assert rig.contents().same_entries(plan(STATE, NODE, rig.config))
 
 
+def test_a_load_failing_after_the_first_sync_wrote_its_maps_is_done_again_and_the_maps_read_back(
+    rig: Rig,
+) -> None:
+    """The verifier refuses a program after the first sync wrote the maps: that sync fails (its
+    maps' fds are gone with the load), the sync loads the data path again, and the next sync reads
+    the pinned maps back (what the failed one wrote is there: nothing to write) and attaches."""
+    fe = rig.maps["fe"] = SignallingMap(MAPS["fe"])
+
+    class RefusedAfterTheMaps(FakeDatapath):
+        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+            self.loads += 1
+            assert maps_ready is not None
+            maps_ready()
+            if len(rig.datapaths) == 1:
+                assert fe.written.wait(30)  # the first sync wrote the maps meanwhile
+                raise RuntimeError("the verifier said no")
+
+    rig.datapath_type = RefusedAfterTheMaps
+    p = rig.proxier()
+    failed: list[BaseException] = []
+
+    def prepare() -> None:
+        try:
+            p.prepare()
+        except RuntimeError as exc:
+            failed.append(exc)
+
+    loading = threading.Thread(target=prepare)
+    loading.start()
+    with pytest.raises(RuntimeError, match="load failed while its maps were written"):
+        p.sync(STATE, NODE)
+    loading.join(30)
+    assert [str(e) for e in failed] == ["the verifier said no"]
+    assert len(rig.datapaths) == 2 and not any("attach" in e for e in rig.events)
+    p.sync(STATE, NODE)
+    assert p.last_flush.writes == 0, "the maps were read back: the failed sync had written them"
+    assert any("attach" in e for e in rig.events)
+    assert rig.contents().same_entries(plan(STATE, NODE, rig.config))
+
+
 def test_the_socket_programs_get_the_node_namespace_then_their_links(rig: Rig) -> None:
     """Their settings (the node's netns cookie, host-namespace-only) are written before they are
     linked, and they are given the socket program fds. Pods too by default (as Cilium's)."""
