@@ -199,6 +199,22 @@ static __always_inline int ekp_pure_syn(const struct ekp_pkt *p)
 	return p->proto == IPPROTO_TCP && (p->tcp_flags & (EKP_TCP_SYN | EKP_TCP_ACK)) == EKP_TCP_SYN;
 }
 
+/* Whether a packet that claims no conntrack entry and no frontend opens a flow of its own, whose
+ * reply tuple a translated flow may hold (ekp_ct_reclaim): a TCP SYN (without ACK), an SCTP INIT
+ * (what starts an association, as for a frontend: ekp_decide.h), or a UDP datagram, whole or its
+ * first fragment (the later ones follow the entry it leaves). UDP has no handshake: any datagram
+ * without an entry is one nf_conntrack starts a flow with. */
+static __always_inline int ekp_opens_flow(const struct ekp_pkt *p)
+{
+	if (p->frag == EKP_FRAG_LATER)
+		return 0;
+	if (p->proto == IPPROTO_UDP)
+		return 1;
+	if (p->proto == IPPROTO_SCTP)
+		return p->chunk == EKP_SCTP_CID_INIT;
+	return ekp_pure_syn(p);
+}
+
 static __always_inline void ekp_ct_key_of(struct ekp_ct_key *k, const struct ekp_pkt *p, __u8 dir)
 {
 	k->saddr = p->saddr;
@@ -566,20 +582,35 @@ enum ekp_reclaim {
 	EKP_RECLAIM_LIVE = 1, /* a live translated flow holds it: the newcomer needs another port */
 };
 
-/* A TCP SYN that is no service flow (it missed conntrack and the frontends), client:P ->
- * server:port, may reuse the tuple of a translated flow seen from the server's side: the flow
- * client:P -> frontend -> server:port left the REPLY entry {server, client, port, P}. If that
- * flow has ended (the REPLY entry expired or closing, or its FORWARD twin missing, taken by
- * another flow, expired or closing), its REPLY entry would reverse-translate the new connection's
- * SYN-ACK to come from the frontend: both entries are deleted. If it is live, the server holds a
- * connection on this very 4-tuple, which the newcomer cannot share: the caller gives the newcomer
- * another source port (nf_conntrack does the same; *held_by gets the live flow's flags). One
- * lookup per such SYN, a miss unless the tuple was used before. */
+/* A packet that opens a flow of its own (ekp_opens_flow: a TCP SYN, an SCTP INIT, a UDP datagram)
+ * and is no service flow (it missed conntrack and the frontends), client:P -> server:port, may
+ * reuse the tuple of a translated flow seen from the server's side: the flow client:P -> frontend
+ * -> server:port left the REPLY entry {server, client, port, P} (on this node, while the newcomer's
+ * own frontend was translated on another: a pod's ClusterIP there, the same server here through
+ * this node's NodePort). If that flow has ended (the REPLY entry expired or closing, or its FORWARD
+ * twin missing, taken by another flow, expired or closing), its REPLY entry would reverse-translate
+ * the newcomer's answers to come from the frontend: both entries are deleted. If it is live, the
+ * server holds a flow on this very 4-tuple, which the newcomer cannot share: the caller gives the
+ * newcomer another source port (*held_by gets the live flow's flags), as nf_nat's unique tuple
+ * does. For UDP "live" is nf_conntrack's: not expired (udp_s unreplied, udp_stream_s a stream),
+ * answered or not: nf_nat takes over a tuple in use only for a TCP SYN on a closing flow
+ * (nf_nat_used_tuple_harder), so a UDP flow keeps its tuple until it times out and the newcomer
+ * moves; an SCTP INIT on a live association's tuple moves the same way. One lookup per such SYN,
+ * INIT or datagram whose destination a live flow stamped (ekp_act.h), a miss unless the tuple was
+ * used before. */
 static __always_inline int ekp_ct_reclaim(const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now,
 					  __u16 *held_by)
 {
 	struct ekp_ct_key rkey = {};
 
+	/* A REPLY entry is keyed by its backend, which every write of the entry stamps (ekp_act.h): a
+	 * destination no live flow stamped is no live flow's backend, and an expired entry on it
+	 * translates nothing. An array load instead of a hash lookup for what a direct flow's server
+	 * sends (a UDP answer misses conntrack as its request did; the request's destination, the
+	 * backend, is the stamped end). */
+	if (ekp_act_armed() &&
+	    ekp_act_idle(p->daddr, p->dport, p->proto, ekp_act_stamp_of(now), ekp_ct_longest_stamps(cfg)))
+		return EKP_RECLAIM_NONE;
 	rkey.saddr = p->daddr;
 	rkey.daddr = p->saddr;
 	rkey.sport = p->dport;

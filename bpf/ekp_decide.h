@@ -16,8 +16,8 @@
  *   conntrack REPLY hit        -> TRANSLATE from the frontend (and back to the client if SNAT)
  *   frontend hit               -> policy (source ranges, no endpoints: REJECT or DROP, mid-flow
  *                                 TCP: DROP NO_FLOW), backend, SNAT, conntrack -> TRANSLATE
- *   nothing                    -> PASS (a TCP SYN first checks that its reverse tuple is not a
- *                                 translated flow's, ekp_ct_reclaim)
+ *   nothing                    -> PASS (a TCP SYN or a UDP datagram first checks that its reverse
+ *                                 tuple is not a translated flow's, ekp_ct_reclaim)
  * Under XDP (enum ekp_hook) fragments, ICMP errors, misses, rejects and new flows to local
  * backends PASS before any side effect: the tc program decides them as above.
  *
@@ -273,8 +273,8 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 	return 1;
 }
 
-/* A TCP SYN to no frontend whose reverse tuple is a live translated flow's (`held_by`: its flags):
- * the server already has a connection on this 4-tuple. The newcomer keeps its addresses and gets
+/* A TCP SYN or a UDP datagram to no frontend whose reverse tuple is a live translated flow's
+ * (`held_by`: its flags): the server already has a flow on this 4-tuple. The newcomer keeps its addresses and gets
  * another source port (a flow of its own, translated to itself), as nf_conntrack's NAT does; a
  * server on the node's own address (a host flow held it) is reached through the node's stack. */
 static __always_inline void ekp_flow_direct(struct ekp_flow *f, const struct ekp_pkt *p, __u16 held_by)
@@ -447,7 +447,7 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 		if (hook == EKP_HOOK_XDP) /* no flow of ours: tc looks for a direct flow's reclaim */
 			return;
 		__u16 held_by = 0;
-		if (p->frag == EKP_FRAG_LATER || !ekp_pure_syn(p) || ekp_ct_reclaim(p, cfg, now, &held_by) != EKP_RECLAIM_LIVE)
+		if (!ekp_opens_flow(p) || ekp_ct_reclaim(p, cfg, now, &held_by) != EKP_RECLAIM_LIVE)
 			return;
 		ekp_flow_direct(f, p, held_by);
 	}

@@ -697,3 +697,63 @@ def test_direct_syn_clears_an_ended_source_translated_flow(net: Net, lab: Lab) -
     assert net.from_net(syn) == (TC_ACT_OK, syn)
     assert net.ct(REMOTE_BE, NODE, 8080, snat_port, reply=True) is None
     assert net.ct(CLIENT, NODE, 5555, 30080) is None
+
+
+# ---- a direct UDP datagram from the port of a service flow ----------------------------------
+
+
+def udp_service_flow(net: Net, port: int, *, answered: bool) -> None:
+    """POD_CLIENT:port -> VIP:53 -> BE1:5353, answered by the backend or not."""
+    assert parse(net.from_pod(udp(POD_CLIENT, VIP, port, 53))[1]).dst == BE1
+    if answered:
+        assert parse(net.from_pod(udp(BE1, POD_CLIENT, 5353, port))[1]).src == VIP
+
+
+@pytest.mark.parametrize("answered", [True, False], ids=["answered", "unanswered"])
+def test_direct_udp_datagram_from_the_port_of_a_live_service_flow_gets_another_port(
+    net: Net, answered: bool
+) -> None:
+    """UDP has no handshake: a flow holds its reply tuple until its timeout, answered or not, as
+    nf_conntrack's entry does (nf_nat takes a tuple in use over only for a TCP SYN on a closing
+    flow). A datagram straight to the backend from that port (a ClusterIP another node translated
+    to the same backend) keeps its addresses and gets another source port, as the TCP SYN does;
+    each flow's answers come back to the client's port from the address it asked."""
+    net.add_service(port=53, backends=((1, BE1, 5353, BackendFlag.LOCAL),), proto=UDP)
+    udp_service_flow(net, 12400, answered=answered)
+    verdict, out = net.from_pod(udp(POD_CLIENT, BE1, 12400, 5353, payload=b"direct"))
+    moved = parse(out)
+    assert verdict == TC_ACT_REDIRECT and checksums_valid(out)
+    assert (moved.src, moved.dst, moved.dport) == (POD_CLIENT, BE1, 5353)
+    assert moved.sport != 12400 and SNAT_MIN <= moved.sport <= SNAT_MAX
+    back = parse(net.from_pod(udp(BE1, POD_CLIENT, 5353, moved.sport))[1])
+    assert (back.src, back.sport, back.dst, back.dport) == (BE1, 5353, POD_CLIENT, 12400)
+    again = parse(net.from_pod(udp(POD_CLIENT, BE1, 12400, 5353))[1])
+    assert (again.sport, again.dport) == (moved.sport, 5353)  # one flow: the port it was given
+    # the older flow is untouched, both ways
+    assert parse(net.from_pod(udp(BE1, POD_CLIENT, 5353, 12400))[1]).src == VIP
+    fwd = parse(net.from_pod(udp(POD_CLIENT, VIP, 12400, 53))[1])
+    assert (fwd.sport, fwd.dst, fwd.dport) == (12400, BE1, 5353)
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.PORT_REMAP]) == (2, 1)
+
+
+@pytest.mark.parametrize("why", ["reply-expired", "forward-gone"])
+def test_direct_udp_datagram_clears_an_expired_or_orphaned_service_flow(net: Net, why: str) -> None:
+    """Past its timeout (30 s unanswered) the flow holds nothing: its entries go, and the
+    datagram and its answer pass as they are, the client's own port kept."""
+    net.add_service(port=53, backends=((1, BE1, 5353, BackendFlag.LOCAL),), proto=UDP)
+    udp_service_flow(net, 12401, answered=False)
+    if why == "reply-expired":
+        entry = net.ct(BE1, POD_CLIENT, 5353, 12401, UDP, reply=True)
+        assert entry is not None
+        entry.last_seen_ns = time.monotonic_ns() - 31 * 10**9
+        net.ct_put(BE1, POD_CLIENT, 5353, 12401, entry, UDP, reply=True)
+    else:  # evicted by the LRU, say
+        assert net.ct_del(POD_CLIENT, VIP, 12401, 53, UDP)
+    direct = udp(POD_CLIENT, BE1, 12401, 5353)
+    assert net.from_pod(direct) == (TC_ACT_OK, direct)
+    assert net.ct(BE1, POD_CLIENT, 5353, 12401, UDP, reply=True) is None
+    assert net.ct(POD_CLIENT, VIP, 12401, 53, UDP) is None
+    answer = udp(BE1, POD_CLIENT, 5353, 12401)
+    assert net.from_pod(answer) == (TC_ACT_OK, answer)
+    assert net.stats()[Stat.PORT_REMAP] == 0

@@ -41,6 +41,7 @@ from lab.packets import (
     icmp_error,
     parse,
     reassemble,
+    udp,
 )
 
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
@@ -79,6 +80,24 @@ def test_every_fragment_of_a_clusterip_datagram_is_translated_both_ways(net: Net
     stats = net.stats()
     assert (stats[Stat.NEW_FLOWS], stats[Stat.CT_FORWARD], stats[Stat.CT_REPLY]) == (1, 2, 3)
     assert stats[Stat.FRAGMENTS] == 4  # the later fragments, two each way
+
+
+def test_a_direct_datagram_on_a_live_flows_tuple_moves_its_port_in_its_first_fragment(net: Net) -> None:
+    """A datagram straight to the backend from the port a live ClusterIP flow holds (bpf/ekp_ct.h,
+    ekp_ct_reclaim) that comes in three fragments: the first gets another source port and leaves
+    the flow's entry, the later ones follow it, and the datagram put back together checks; the
+    backend's fragmented answer to the moved port comes back to the client's own."""
+    dns_service(net)
+    assert parse(net.from_pod(udp(POD_CLIENT, VIP, 40003, 53))[1]).dst == BE2
+    got = reassemble(run(net, fragments(POD_CLIENT, BE2, 40003, 5353, BIG, ip_id=1003)))
+    moved = got.ports[0]
+    assert (got.src, got.dst, got.ports[1]) == (POD_CLIENT, BE2, 5353) and SNAT_MIN <= moved <= SNAT_MAX
+    assert got.headers_ok and got.l4_checksum_ok() and got.l4[8:] == BIG
+    back = reassemble(run(net, fragments(BE2, POD_CLIENT, 5353, moved, BIG[::-1], ip_id=2003)))
+    assert (back.src, back.dst, back.ports) == (BE2, POD_CLIENT, (5353, 40003))
+    assert back.headers_ok and back.l4_checksum_ok() and back.l4[8:] == BIG[::-1]
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.PORT_REMAP], stats[Stat.FRAGMENTS]) == (2, 1, 4)
 
 
 def test_nodeport_datagram_to_a_remote_backend_is_source_translated_in_every_fragment(net: Net) -> None:

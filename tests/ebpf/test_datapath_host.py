@@ -195,6 +195,39 @@ def test_a_direct_connection_on_a_host_flows_tuple_moves_to_another_port_and_rea
     assert net.stats()[Stat.PORT_REMAP] == 1
 
 
+def test_a_udp_port_live_through_the_node_port_reused_for_a_cluster_ip_another_node_translated(
+    net: Net, routing: int
+) -> None:
+    """The pod on node2 sends from one port to this node's NodePort (a flow of ours, to the
+    host-network server here), then to a ClusterIP that node2 translates to the same server: the
+    datagram comes in addressed to the server itself, on the tuple the NodePort flow's replies
+    hold. It gets another source port (nf_nat's unique tuple), is handed to the node's stack like
+    the flow it collided with, and the server's answers to each port leave from the address that
+    port asked: the server itself for the moved one (node2 gives it its ClusterIP back), the
+    NodePort for the older flow, which keeps working."""
+    remote_pod = "10.244.2.9"
+    net.add_service(NODE, 30091, ((1, NODE, 5353, HOST),), proto=UDP, scope=Scope.EXTERNAL)
+    assert parse(net.from_net(udp(remote_pod, NODE, 47300, 30091))[1]).dport == 5353
+    answer = parse(net.to_net(udp(NODE, remote_pod, 5353, 47300))[1])
+    assert (answer.src, answer.sport) == (NODE, 30091)
+    verdict, out = net.from_net(udp(remote_pod, NODE, 47300, 5353, payload=b"cluster-ip"))
+    moved = parse(out)
+    assert verdict == TC_ACT_OK and (moved.src, moved.dst, moved.dport) == (remote_pod, NODE, 5353)
+    assert SNAT_MIN <= moved.sport <= SNAT_MAX and checksums_valid(out)
+    fwd = net.ct(remote_pod, NODE, 47300, 5353, UDP)
+    # to the node's stack, like the flow it collided with; SNAT of the port alone (the pod's address)
+    assert fwd is not None and fwd.flags & CtFlag.HOST and fwd.flags & CtFlag.SNAT
+    for _ in range(2):
+        back = parse(net.to_net(udp(NODE, remote_pod, 5353, moved.sport, payload=b"to the moved port"))[1])
+        assert (back.src, back.sport, back.dst, back.dport) == (NODE, 5353, remote_pod, 47300)
+        old = parse(net.to_net(udp(NODE, remote_pod, 5353, 47300, payload=b"for the node port"))[1])
+        assert (old.src, old.sport, old.dst, old.dport) == (NODE, 30091, remote_pod, 47300)
+        again = parse(net.from_net(udp(remote_pod, NODE, 47300, 5353))[1])
+        assert again.sport == moved.sport
+        assert parse(net.from_net(udp(remote_pod, NODE, 47300, 30091))[1]).sport == 47300
+    assert net.stats()[Stat.PORT_REMAP] == 1
+
+
 def test_a_reply_the_stack_fragments_is_translated_fragment_by_fragment(net: Net) -> None:
     """A 3,000-byte UDP answer of a host backend leaves in three fragments, first first: the first
     records its ports for the others, and all three leave from the ClusterIP; the datagram put back

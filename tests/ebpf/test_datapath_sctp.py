@@ -1,6 +1,7 @@
 """SCTP through the tc data path, packet by packet: translated both ways through a ClusterIP and a
 source-translated NodePort with its CRC32c kept right (bpf/ekp_sctp.h), checked by a bitwise
-CRC32c written apart from scapy's (lab/packets.py); only an INIT starts a flow; fragments pass.
+CRC32c written apart from scapy's (lab/packets.py); only an INIT starts a flow, and one on a live
+association's reply tuple gets another source port; fragments pass.
 """
 
 from __future__ import annotations
@@ -134,3 +135,25 @@ def test_sctp_fragments_are_passed_untouched(net: Net) -> None:
     for piece in fragment(whole[IP], fragsize=256):  # type: ignore[no-untyped-call]
         frame = bytes(Ether(src=whole.src, dst=whole.dst) / piece)
         assert net.from_pod(frame) == (TC_ACT_OK, frame)
+
+
+def test_an_init_from_the_port_of_a_live_association_gets_another_port(net: Net) -> None:
+    """An INIT straight to a backend (a ClusterIP another node translated) from the port of a live
+    association through a ClusterIP to that backend: both would have one reply tuple, so the newcomer
+    gets another source port, as nf_nat's unique tuple gives it, its CRC32c following; each
+    association's chunks come back to the client's port from the address it asked."""
+    net.add_service(port=5060, backends=((1, BE1, 5061, LOCAL),), proto=SCTP)
+    assert parse(net.from_pod(sctp(POD_CLIENT, VIP, 40600, 5060))[1]).dst == BE1
+    verdict, out = net.from_pod(sctp(POD_CLIENT, BE1, 40600, 5061))
+    moved = parse(out)
+    assert verdict == TC_ACT_REDIRECT and sctp_checksum_ok(l4(out)) and checksums_valid(out)
+    assert (moved.src, moved.dst, moved.dport) == (POD_CLIENT, BE1, 5061)
+    assert moved.sport != 40600 and SNAT_MIN <= moved.sport <= SNAT_MAX
+    verdict, out = net.from_pod(sctp(BE1, POD_CLIENT, 5061, moved.sport, chunk="init-ack", tag=VTAG_CLIENT))
+    back = parse(out)
+    assert (back.src, back.sport, back.dst, back.dport) == (BE1, 5061, POD_CLIENT, 40600)
+    assert sctp_checksum_ok(l4(out))
+    # the older association is untouched
+    out = net.from_pod(sctp(BE1, POD_CLIENT, 5061, 40600, chunk="init-ack", tag=VTAG_CLIENT))[1]
+    assert (parse(out).src, parse(out).sport) == (VIP, 5060) and sctp_checksum_ok(l4(out))
+    assert net.stats()[Stat.PORT_REMAP] == 1

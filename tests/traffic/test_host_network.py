@@ -26,8 +26,9 @@ from typing import Any
 
 import pytest
 
-from lab.harness import CLIENT, Cluster
+from lab.harness import CLIENT, Agent, Cluster
 from lab.objects import Ep, Port, service, with_endpoints
+from tests.traffic.test_pods_at_connect import restart
 
 pytestmark = pytest.mark.kernel
 
@@ -89,7 +90,10 @@ def host_network_service(cluster: Cluster) -> None:
 def test_service_endpoints_using_host_network(cluster: Cluster, host_servers: None, source: str) -> None:
     """ "should function for service endpoints using hostNetwork": both nodes' servers answer
     through the cluster IP (from pods and the node) and both NodePorts, http and udp, and a
-    2,000-byte datagram (fragmented on its way) and request come back whole."""
+    2,000-byte datagram (fragmented on its way) and request come back whole. Every UDP answer comes
+    from the frontend asked, also when an ephemeral port drawn for the cluster IP was used for a
+    NodePort within the last 30 s (test_a_udp_client_port_reused_on_another_frontend_of_a_host_
+    network_backend pins that case down)."""
     host_network_service(cluster)
     urls: list[str] = [f"http://{N1}:{HTTP_NP}/", f"http://{N2}:{HTTP_NP}/"]
     udp: list[tuple[str, int]] = [(N1, UDP_NP), (N2, UDP_NP)]
@@ -100,37 +104,80 @@ def test_service_endpoints_using_host_network(cluster: Cluster, host_servers: No
         assert set(bodies(cluster, source, url, 30)) == {"node1", "node2"}, url
     for addr, port in udp:
         for size in (0, 2000):
-            replies: dict[str, Any] = cluster.udp(source, addr, port, count=30, size=size)
+            replies: dict[str, Any] = cluster.udp(source, addr, port, count=30, size=size, sources=True)
             assert replies["lost"] == 0 and set(replies["replies"]) == {"node1", "node2"}, (
                 addr,
                 size,
                 replies,
             )
+            assert replies["sources"] == {f"{addr}:{port}": 30}, (addr, size, replies)
 
 
-@pytest.mark.parametrize("source", ["pod-1-1", "pod-2-1"])
-def test_a_udp_client_port_reused_on_another_frontend_of_a_host_network_backend(
-    cluster: Cluster, host_servers: None, source: str
-) -> None:
-    """One client port (a resolver's fixed port, or an ephemeral port drawn again) to a NodePort
-    and then the cluster IP of a Service whose one endpoint is a host-network server on the pod's
-    own node: both flows DNAT to the same backend address and port, so their conntrack reply
-    tuples would be equal, and the proxy moves the second flow's source port (nf_nat's unique
-    tuple; eBPF mode's conntrack does the same, bpf/ekp_ct.h). Its answer comes back
-    to the client's port, from the frontend asked, only because the server answers from the
-    address the request was sent to (the node's), which conntrack matches to the flow. Seen as
-    one datagram lost in 30 in test_service_endpoints_using_host_network when the ephemeral
-    port repeated: the server answered from the pod gateway, to the moved port."""
-    node, node_ip = (1, N1) if source == "pod-1-1" else (2, N2)
+# (client pod, node of the one host-network endpoint): the pod's own node, where one conntrack
+# holds both flows, and the other node, whose NodePort flow the datagrams of the ClusterIP, translated
+# on the pod's node, meet on the endpoint's node (eBPF mode: ekp_ct_reclaim, bpf/ekp_ct.h).
+REUSE_CASES = [("pod-1-1", 1), ("pod-2-1", 2), ("pod-2-1", 1), ("pod-1-1", 2)]
+
+
+def reuse_port_twice(cluster: Cluster, source: str, node: int, sport: int) -> None:
+    """`source` from port `sport`: the NodePort of `node`, the cluster IP, and both again (the older
+    flow still live), three datagrams each; every answer from the address and port asked."""
+    node_ip = N1 if node == 1 else N2
     ports = [Port("udp", 90, ECHO, "UDP", node_port=REUSED_NP)]
     svc = service("hostnet-reused-port", REUSED_VIP, ports, type="NodePort")
     cluster.apply(with_endpoints(svc, [Ep(node_ip, f"node{node}")]))
-    sport = 40_000 + node
-    frontends = ((node_ip, REUSED_NP), (REUSED_VIP, 90))
-    got = {(a, p): cluster.udp(source, a, p, count=3, sport=sport, sources=True) for a, p in frontends}
-    assert got == {
-        (a, p): {"replies": {f"node{node}": 3}, "lost": 0, "sources": {f"{a}:{p}": 3}} for a, p in frontends
-    }
+    frontends = [(node_ip, REUSED_NP), (REUSED_VIP, 90)] * 2
+    got = [cluster.udp(source, a, p, count=3, sport=sport, sources=True) for a, p in frontends]
+    want = [{"replies": {f"node{node}": 3}, "lost": 0, "sources": {f"{a}:{p}": 3}} for a, p in frontends]
+    assert got == want
+
+
+@pytest.mark.parametrize(("source", "node"), REUSE_CASES, ids=[f"{s}-to-node{n}" for s, n in REUSE_CASES])
+def test_a_udp_client_port_reused_on_another_frontend_of_a_host_network_backend(
+    cluster: Cluster, host_servers: None, source: str, node: int
+) -> None:
+    """One client port (a resolver's fixed port, or an ephemeral port drawn again) to a NodePort
+    and then the cluster IP of a Service whose one endpoint is a host-network server: both flows
+    DNAT to the same backend address and port, so their conntrack reply tuples would be equal, and
+    the proxy moves the second flow's source port (nf_nat's unique tuple; eBPF mode's conntrack
+    does the same, bpf/ekp_ct.h). With the server on the pod's own node one node translates both;
+    with the server on the other node the cluster IP is translated on the pod's node and the
+    NodePort on the server's, where the cluster IP's datagrams arrive addressed to the server
+    itself and meet the NodePort flow's reply tuple (eBPF mode moves their port as it moves a TCP
+    SYN's, ekp_ct_reclaim; before, their answers came back from the NodePort). The answer reaches
+    the client's port, from the frontend asked, only because the server answers from the address
+    the request was sent to (the node's), which conntrack matches to the flow: seen as one datagram
+    lost in 30 in test_service_endpoints_using_host_network when the ephemeral port repeated, the
+    server answering from the pod gateway to the moved port."""
+    reuse_port_twice(cluster, source, node, 40_000 + 10 * int(source[4]) + node)
+
+
+@pytest.fixture
+def node2_pods_at_connect(cluster: Cluster) -> Iterator[Agent]:
+    """node2's agent restarted with the agent's own default for pods' sockets (balanced at
+    connect(); the lab pins the per-packet path), and restarted as the lab pins it after the test."""
+    agent = cluster.agents[1]
+    restart(agent, None, cluster.version)
+    try:
+        yield agent
+    finally:
+        restart(agent, False, cluster.version)
+
+
+def test_a_udp_client_port_reused_on_a_cluster_ip_balanced_at_connect(
+    cluster: Cluster, host_servers: None, node2_pods_at_connect: Agent
+) -> None:
+    """The same reuse from a pod on node2 to node1's server, with node2 balancing its pods' sockets
+    at connect() (the agent's default): node2's socket programs send the cluster IP's datagrams to
+    node1's address themselves, so node1 meets them on its NodePort flow's reply tuple as with
+    the per-packet path, and recvmsg4 shows the cluster IP. eBPF mode: node2's sendmsg4 translated
+    the six datagrams to the cluster IP, not those to node1's NodePort (kube-proxy translates a
+    NodePort on the node that owns the address)."""
+    before = cluster.bpf_stats(2) if cluster.mode == "ebpf" else {}
+    reuse_port_twice(cluster, "pod-2-1", 1, 40_121)
+    if cluster.mode == "ebpf":
+        after = cluster.bpf_stats(2)
+        assert after["sock_translated"] - before["sock_translated"] == 6, (before, after)
 
 
 def test_host_network_backends_see_the_source_kube_proxy_gives_them(
