@@ -171,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )  # fmt: skip
                     served1 = os.times()
                     runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-                    runs[-1]["server_cpu_s"] = (served1.user - served0.user) + (served1.system - served0.system)
+                    served = (served1.user - served0.user) + (served1.system - served0.system)
+                    runs[-1]["server_cpu_s"] = served
                 med = {
                     k: statistics.median(r[k] for r in runs)
                     for k in ("seconds", "cpu_s", "server_cpu_s", "peak_mib", "held_mib")
