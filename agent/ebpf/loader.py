@@ -361,6 +361,8 @@ class Datapath:
         maps while the verifier runs; when the pinned programs are reused, at the end. If the load
         fails after that, the maps are closed (their fds -1) before the error is raised."""
         if self.loaded:
+            if maps_ready is not None:
+                maps_ready()
             return
         if not self.entry_file.is_file():
             raise DatapathError(f"{self.entry_file} not found (set {BPF_DIR_ENV} to the bpf/ directory)")
