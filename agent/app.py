@@ -21,7 +21,7 @@ import logging
 import shutil
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -35,6 +35,10 @@ from agent.model import IPFamily, ProxyState, build_state
 from agent.proxier import Proxier
 from agent.sources.base import Source
 from agent.sources.file import LOAD_ERRORS, load_file
+
+if TYPE_CHECKING:
+    from agent.iptables.nfacct import Counters
+    from agent.iptables.runner import IptablesRunner
 
 log = logging.getLogger("agent")
 
@@ -55,23 +59,45 @@ def make_proxier(config: Config, metrics: Metrics | None = None) -> Proxier:
 
 
 def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = None) -> Proxier | None:
-    """The IPv6 proxier beside `proxier` (kube-proxy's metaproxier), when this mode programs IPv6
-    and the flags describe IPv6 for the node; None otherwise (agent/metaproxier.py)."""
-    if config.mode is not Mode.IPTABLES or not config.ipv6_configured:
+    """The IPv6 proxier beside `proxier` (kube-proxy's metaproxier): ip6tables in both modes, when
+    the flags describe IPv6 for the node; None otherwise (agent/metaproxier.py). In eBPF mode too:
+    the eBPF data path has no IPv6 path yet, so ip6tables serves IPv6 Services beside it."""
+    if not config.ipv6_configured:
         return None
     from agent.iptables import IptablesProxier
     from agent.iptables.runner import SubprocessRunner
 
-    assert isinstance(proxier, IptablesProxier)
-    follow = proxier.runner
-    # ip6tables with the IPv4 rules' backend; the IPv4 proxier alone takes over from eBPF mode
-    # and kube-proxy's nftables tables (both families at once).
+    if config.mode is Mode.IPTABLES:
+        assert isinstance(proxier, IptablesProxier)
+        follow = proxier.runner
+        # ip6tables with the IPv4 rules' backend; the IPv4 proxier alone takes over from eBPF mode
+        # and kube-proxy's nftables tables (both families at once).
+        return IptablesProxier(
+            config,
+            family=IPFamily.IPv6,
+            runner=SubprocessRunner(config, family=6, follow=lambda: follow.backend),
+            take_over=lambda: None,
+            metrics=metrics,
+        )
+    return ip6tables_beside_ebpf(config, SubprocessRunner(config, family=6), metrics)
+
+
+def ip6tables_beside_ebpf(
+    config: Config, runner: IptablesRunner, metrics: Metrics | None = None, counters: Counters | None = None
+) -> Proxier:
+    """eBPF mode's IPv6 proxier: kube-proxy's ip6tables layout on `runner`. No IPv4 rules to follow,
+    so the backend is --iptables-backend or the one the node already uses (kubelet's hint chains).
+    Once its rules serve it removes kube-proxy's `ip6 kube-proxy` nftables table (the eBPF start
+    leaves it for this moment, agent/takeover/into_ebpf.py), and nothing else: never the eBPF data
+    path, which serves IPv4 beside it (iptables mode's proxier hands that back)."""
+    from agent.iptables import IptablesProxier
+    from agent.iptables.kube_proxy_cleanup import KubeProxyCleanupReport, cleanup_nft_tables
+
+    def take_over() -> None:
+        cleanup_nft_tables(runner, KubeProxyCleanupReport(), families=("ip6",))
+
     return IptablesProxier(
-        config,
-        family=IPFamily.IPv6,
-        runner=SubprocessRunner(config, family=6, follow=lambda: follow.backend),
-        take_over=lambda: None,
-        metrics=metrics,
+        config, family=IPFamily.IPv6, runner=runner, take_over=take_over, metrics=metrics, counters=counters
     )
 
 
@@ -117,8 +143,9 @@ def dry_run(config: Config) -> int:
     for problem in result.problems:
         log.error("%s %s", "refusing part of" if problem.refusal else "skipping", problem)
     sys.stdout.write(render_dry_run(config, result.state, node))
-    if config.mode is Mode.IPTABLES and config.ipv6_configured:
-        # The IPv6 proxier's input follows, after a comment line (ip6tables-restore skips it).
+    if config.ipv6_configured:
+        # The IPv6 proxier's input follows (ip6tables in both modes), after a comment line
+        # (ip6tables-restore skips it).
         node6 = static_node(config, IPFamily.IPv6)
         result6 = build_state(
             snap.services,
@@ -132,7 +159,9 @@ def dry_run(config: Config) -> int:
             if problem not in reported:
                 log.error("%s %s", "refusing part of" if problem.refusal else "skipping", problem)
         sys.stdout.write("# ip6tables-restore input (IPv6)\n")
-        sys.stdout.write(render_dry_run(config, result6.state, node6))
+        from agent.iptables import render_dry_run as render_iptables
+
+        sys.stdout.write(render_iptables(result6.state, node6, config))
     return 0
 
 
@@ -193,6 +222,11 @@ def preflight(config: Config) -> None:
         from agent.ebpf import preflight as ebpf_preflight
 
         ebpf_preflight.require(config.pin_path)
+        if config.ipv6_configured:
+            from agent.iptables.runner import IPV6_IN_EBPF_MODE
+            from agent.iptables.runner import preflight as iptables_preflight
+
+            iptables_preflight(config, who=IPV6_IN_EBPF_MODE)
     else:
         from agent.iptables.runner import preflight as iptables_preflight
 
@@ -235,13 +269,15 @@ def build_agent(
 
     registry = CollectorRegistry()
     nfacct = None
-    if config.mode is Mode.IPTABLES:
+    # iptables mode's metric families: in eBPF mode too when its ip6tables proxier serves IPv6.
+    iptables = config.mode is Mode.IPTABLES or config.ipv6_configured
+    if iptables:
         from agent.iptables import read_nfacct_counters
 
         def nfacct() -> Mapping[str, int]:
             return read_nfacct_counters(config.netns)
 
-    metrics = Metrics(registry, config.mode, nfacct=nfacct)
+    metrics = Metrics(registry, config.mode, nfacct=nfacct, iptables=iptables)
     if config.mode is Mode.EBPF:
         from agent.metrics.bpf import BpfMapsCollector, pinned_opener
 
@@ -288,7 +324,7 @@ def build_agent(
     proxier6 = make_proxier6(config, proxier, metrics)
     service_health6 = None
     if proxier6 is not None:
-        log.info("IPv6: ip6tables rules for the node's IPv6 addresses beside the IPv4 ones (dual-stack)")
+        log.info("%s", ipv6_served_by(config))
         # As upstream's IPv6 proxier: its own healthCheckNodePort server, on IPv6 sockets, answering
         # with the IPv6 local endpoints; the proxy health is shared (both families must be healthy).
         node6 = node_context(config, IPFamily.IPv6)
@@ -315,10 +351,21 @@ def build_agent(
     )
 
 
+def ipv6_served_by(config: Config) -> str:
+    """The start-up line that says how this node serves IPv6 Services (an IPv6 proxier runs)."""
+    if config.mode is Mode.EBPF:
+        return (
+            "IPv6: IPv6 Services are served by ip6tables rules (kube-proxy's iptables layout), "
+            "IPv4 ones by the eBPF data path, which has no IPv6 path yet; --iptables-* settings "
+            "apply to the IPv6 rules"
+        )
+    return "IPv6: ip6tables rules for the node's IPv6 addresses beside the IPv4 ones (dual-stack)"
+
+
 def _address_watcher(config: Config) -> NodeEvents | None:
     """Netlink events for the node's addresses, unless --node-ip fixes them (for every family in
-    use: IPv6 too when iptables mode runs its IPv6 proxier)."""
-    ipv6 = config.mode is Mode.IPTABLES and config.ipv6_configured
+    use: IPv6 too when an IPv6 proxier runs)."""
+    ipv6 = config.ipv6_configured
     if config.node_ips_of(4) and (not ipv6 or config.node_ips_of(6)):
         return None
     from agent.nodewatch import AddressWatcher

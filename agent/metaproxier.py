@@ -7,13 +7,19 @@ keeps the IPv4 model and proxier as before, and `IPv6Family` holds the other fam
 own proxier and its own retries. The policies are the same code for both (the model, the
 renderer); only the family differs.
 
-Which modes program IPv6:
+Which proxier programs IPv6, when the flags describe IPv6 for the node (`Config.ipv6_configured`):
 
-* iptables mode, when the flags describe IPv6 for the node (`Config.ipv6_configured`): an
-  `IptablesProxier(family=IPv6)` on ip6tables, with the backend the IPv4 rules use.
-* eBPF mode does not yet: the IPv6 state is still computed (so problems with IPv6 objects are
-  reported the same way), and the first time IPv6 service ports exist the agent says once, as a
-  warning, that they are served only in iptables mode for now.
+* iptables mode: an `IptablesProxier(family=IPv6)` on ip6tables, with the backend the IPv4 rules
+  use.
+* eBPF mode: the same ip6tables proxier, beside the eBPF data path that serves IPv4. The eBPF
+  data path has no IPv6 path yet (its tc programs pass IPv6 packets to the stack untouched, its
+  socket programs leave real IPv6 addresses alone), so IPv6 Services get kube-proxy's ip6tables
+  layout until it has: the step eBPF data planes took before their own IPv6 path existed. Its
+  backend is --iptables-backend or the node's (no IPv4 rules to follow).
+
+Without IPv6 in the flags no IPv6 proxier runs: the IPv6 state is still computed (so problems with
+IPv6 objects are reported the same way), and the first time IPv6 service ports exist the agent
+says once, as a warning, that they are not programmed and what turns the IPv6 proxier on.
 
 A failure of the IPv6 sync never holds back the IPv4 one: it is retried at the next sync.
 """
@@ -51,14 +57,14 @@ def frontend_guard(config: Config, node: NodeContext) -> FrontendGuard:
 
 def unserved_reason(config: Config) -> str:
     """Why IPv6 Services are not programmed on this node (no IPv6 proxier runs)."""
-    if config.mode is Mode.EBPF:
-        return (
-            "eBPF mode programs IPv4 only for now: IPv6 Services are served only in iptables mode "
-            "(--mode=iptables with an IPv6 --cluster-cidr or --node-ip)"
-        )
+    how = (
+        "ip6tables programs them, beside the eBPF data path (which has no IPv6 path yet)"
+        if config.mode is Mode.EBPF
+        else "iptables mode programs them with ip6tables"
+    )
     return (
         "no IPv6 proxier runs: give --cluster-cidr, --node-ip or --service-cluster-ip-range an IPv6 "
-        "entry and iptables mode programs them with ip6tables"
+        f"entry and {how}"
     )
 
 

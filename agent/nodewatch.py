@@ -34,7 +34,7 @@ from typing import Any
 from pyroute2.netlink.rtnl import RTMGRP_IPV4_IFADDR, RTMGRP_IPV6_IFADDR, RTMGRP_LINK
 from pyroute2.netlink.rtnl.marshal import MarshalRtnl
 
-from agent.config import Config, Mode
+from agent.config import Config
 from agent.netns import run_in_netns
 from agent.node import matches_pod_pattern, pod_device_patterns
 
@@ -84,7 +84,7 @@ class AddressWatcher:
     def __init__(self, config: Config) -> None:
         self._netns = config.netns
         self._patterns = pod_device_patterns(config)
-        self._ipv6 = config.mode is Mode.IPTABLES and config.ipv6_configured
+        self._ipv6 = config.ipv6_configured  # an IPv6 proxier runs (ip6tables, in both modes)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._marshal = MarshalRtnl()

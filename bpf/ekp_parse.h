@@ -12,7 +12,9 @@
  * ones get them from ekp_frag, see ekp_frag.h), SCTP without fragments (ekp_sctp.h says why), and
  * ICMP errors (destination unreachable, time exceeded, parameter problem) that quote a TCP, UDP
  * or SCTP packet: those may be about a translated flow. Everything else (ARP, IPv6, ICMP echo,
- * other protocols, SCTP fragments) is PASS before any map lookup.
+ * other protocols, SCTP fragments) is PASS before any map lookup. IPv6 must reach the stack
+ * untouched: until the data path has an IPv6 path, eBPF mode serves IPv6 Services with the
+ * node's ip6tables rules (agent/metaproxier.py).
  */
 #ifndef EKP_PARSE_H
 #define EKP_PARSE_H

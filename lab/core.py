@@ -598,9 +598,11 @@ class Lab:
         self._cgroups.pop(pod.ns, None)
 
     def add_client_route(self, cidr: str, via_node: int = 1) -> None:
-        """Route `cidr` (a service/external/LB range, or a pod CIDR) from the client via node N."""
+        """Route `cidr` (a service/external/LB range, or a pod CIDR) from the client via node N (an
+        IPv6 one via the node's IPv6 address, in a Lab(ipv6=True))."""
         self._require_up()
-        nx.ip_batch([f"route replace {cidr} via {self.node(via_node).ip}"], ns=self.client.ns)
+        via = self.node(via_node).ip6 if ":" in cidr else self.node(via_node).ip
+        nx.ip_batch([f"route replace {cidr} via {via}"], ns=self.client.ns)
 
     def del_client_route(self, cidr: str) -> None:
         self._require_up()

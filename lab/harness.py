@@ -74,7 +74,7 @@ class Agent:
             f"--netns={self.node.ns}",
             *([f"--node-ip={self.node.ip}"] if self.node_ip else []),
             # A Lab(ipv6=True) is dual-stack: the IPv6 pod CIDR (and node address) turn on the
-            # agent's IPv6 proxier in iptables mode.
+            # agent's IPv6 proxier (ip6tables, in both modes).
             *([f"--node-ip={self.node.ip6}"] if self.node_ip and self.node.ip6 else []),
             "--devices=eth0",
             "--pod-interfaces=lxc-p*",

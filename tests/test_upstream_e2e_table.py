@@ -98,7 +98,6 @@ def test_both_only_when_the_project_dials_from_every_upstream_source(row: list[s
 CAPABILITIES = {
     "SCTP": "SCTP from the node's own sockets in eBPF mode",
     "localhost NodePort packets": "a count of localhost NodePort packets in eBPF mode",
-    "IPv6 in eBPF mode": "IPv6 in eBPF mode",
 }
 
 

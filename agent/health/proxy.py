@@ -26,7 +26,7 @@ Per IP family, as upstream's ProxyHealthServer since the metaproxier shares it b
 proxiers: `lastUpdated` and the oldest pending change are kept per family ("IPv4", "IPv6"), each
 family's proxier feeding its own; the proxy is healthy only when every family that has synced
 is, and `status` has one entry per such family. The agent tracks IPv6 when it runs an IPv6
-proxier (iptables mode with IPv6 configured); eBPF mode has only `IPv4` for now.
+proxier (IPv6 configured, in either mode: in eBPF mode the IPv6 proxier is ip6tables).
 """
 
 from __future__ import annotations

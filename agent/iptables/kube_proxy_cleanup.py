@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 OLD_SERVICE_CHAIN_PREFIXES = ("KUBE-XLB-",)  # kube-proxy < 1.24
 NFT_TABLES = (("ip", "kube-proxy"), ("ip6", "kube-proxy"))
+NFT_FAMILIES = ("ip", "ip6")
 _NFT_TABLE = re.compile(r"^table (\S+) (\S+)", re.MULTILINE)
 
 
@@ -84,11 +85,13 @@ def _nft(runner: IptablesRunner, *args: str) -> Result:
 
 
 def cleanup_kube_proxy(
-    config: Config, runners: dict[str, IptablesRunner] | None = None
+    config: Config,
+    runners: dict[str, IptablesRunner] | None = None,
+    nft_families: tuple[str, ...] = NFT_FAMILIES,
 ) -> KubeProxyCleanupReport:
     """Remove a previous kube-proxy's rules from the node (`config.netns`, "" = this namespace):
-    iptables mode's in both backends, nftables mode's tables. Never raises for a backend that is
-    missing or fails; the report's `errors` says what was left."""
+    iptables mode's in both backends, nftables mode's tables of `nft_families`. Never raises for a
+    backend that is missing or fails; the report's `errors` says what was left."""
     report = KubeProxyCleanupReport()
     if runners is None:
         runners = {b: SubprocessRunner(replace(config, iptables_backend=b)) for b in ("nft", "legacy")}
@@ -107,24 +110,27 @@ def cleanup_kube_proxy(
                 result.jumps_deleted,
                 {t: len(c) for t, c in result.chains_deleted.items()},
             )
-    cleanup_nft_tables(next(iter(runners.values())), report)
+    cleanup_nft_tables(next(iter(runners.values())), report, nft_families)
     if not report.removed_anything and not report.errors:
         log.info("kube-proxy cleanup: nothing of kube-proxy's found")
     return report
 
 
-def cleanup_nft_tables(nft: IptablesRunner, report: KubeProxyCleanupReport) -> None:
-    """kube-proxy's nftables tables, deleted with `nft` through the runner (so in its namespace).
-    Also what iptables mode removes once it serves, on a node kube-proxy ran in nftables mode:
-    the table's established flows go on through nf_conntrack's NAT bindings, under iptables
-    mode's nat hooks."""
+def cleanup_nft_tables(
+    nft: IptablesRunner, report: KubeProxyCleanupReport, families: tuple[str, ...] = NFT_FAMILIES
+) -> None:
+    """kube-proxy's nftables tables of `families` ("ip", "ip6"), deleted with `nft` through the
+    runner (so in its namespace). Also what iptables mode removes once it serves, on a node
+    kube-proxy ran in nftables mode: the table's established flows go on through nf_conntrack's
+    NAT bindings, under iptables mode's nat hooks. In eBPF mode the IPv6 proxier (ip6tables)
+    removes `ip6 kube-proxy` once its own rules serve, the eBPF start only `ip kube-proxy`."""
     listed = _nft(nft, "list", "tables")
     if listed.returncode != 0:
         report.errors.append(f"nft list tables: {listed.stderr.strip() or listed.returncode}")
         return
     present = set(_NFT_TABLE.findall(listed.stdout))
     for family, name in NFT_TABLES:
-        if (family, name) not in present:
+        if family not in families or (family, name) not in present:
             continue
         r = _nft(nft, "delete", "table", family, name)
         if r.returncode == 0:

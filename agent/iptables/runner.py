@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from agent import caps
-from agent.config import Config
+from agent.config import Config, Mode
 from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 # Seconds to wait for the xtables lock, as kube-proxy (`-w 5`).
 LOCK_WAIT_SECONDS = "5"
 RANDOM_FULLY_MIN_VERSION = (1, 6, 2)
+IPV6_IN_EBPF_MODE = "eBPF mode's IPv6 Services (served by ip6tables)"
 _HINT_RE = re.compile(r"^:(KUBE-IPTABLES-HINT|KUBE-KUBELET-CANARY|KUBE-PROXY-CANARY) ", re.MULTILINE)
 
 
@@ -127,9 +128,11 @@ def family_tools(backend: str, binary: str = "iptables") -> tuple[str, ...]:
     return (f"{binary}-{backend}", f"{binary}-{backend}-save", f"{binary}-{backend}-restore")
 
 
-def installed_families(which: Callable[[str], str | None] = shutil.which) -> list[str]:
-    """The iptables families whose three binaries are all on PATH."""
-    return [b for b in FAMILIES if all(which(tool) for tool in family_tools(b))]
+def installed_families(
+    which: Callable[[str], str | None] = shutil.which, binary: str = "iptables"
+) -> list[str]:
+    """The iptables families whose three binaries (of `binary`: iptables, ip6tables) are all on PATH."""
+    return [b for b in FAMILIES if all(which(tool) for tool in family_tools(b, binary))]
 
 
 def preflight(
@@ -137,8 +140,10 @@ def preflight(
     *,
     which: Callable[[str], str | None] = shutil.which,
     cap_mask: Callable[[], int] = caps.effective,
+    who: str = "iptables mode",
 ) -> None:
-    """Raise FatalError when iptables mode cannot work here whatever is retried; say what to do."""
+    """Raise FatalError when iptables mode cannot work here whatever is retried; say what to do.
+    `who`: what needs the rules, for the message (eBPF mode's IPv6 Services need ip6tables)."""
     problems: list[str] = []
     wanted = (caps.CAP_NET_ADMIN, caps.CAP_SYS_ADMIN) if config.netns else (caps.CAP_NET_ADMIN,)
     lacking = caps.missing(wanted, cap_mask())
@@ -156,9 +161,14 @@ def preflight(
                 "--iptables-backend"
             )
     elif not installed_families(which):
+        other = (
+            "or leave IPv6 out of --node-ip, --cluster-cidr and --service-cluster-ip-range"
+            if who == IPV6_IN_EBPF_MODE
+            else "or run --mode=ebpf"
+        )
         problems.append(
             "neither iptables-nft nor iptables-legacy (with their -save and -restore) is on PATH: install "
-            "the iptables package (Debian: apt-get install iptables), or run --mode=ebpf"
+            f"the iptables package (Debian: apt-get install iptables), {other}"
         )
     others = [("ip", bool(config.netns), "--netns needs `ip netns exec`: install iproute2")]
     others.append(
@@ -168,7 +178,7 @@ def preflight(
         f"{tool} not found on PATH ({why})" for tool, needed, why in others if needed and not which(tool)
     ]
     if problems:
-        raise FatalError("iptables mode cannot start: " + "; ".join(problems))
+        raise FatalError(f"{who} cannot start: " + "; ".join(problems))
 
 
 class SubprocessRunner:
@@ -195,6 +205,9 @@ class SubprocessRunner:
         # ip6tables for the IPv6 proxier; `follow`: the IPv4 runner's backend, which this one uses.
         self._binary = "ip6tables" if family == 6 else "iptables"
         self._follow = follow
+        # In eBPF mode only the IPv6 Services need ip6tables: say so when they cannot have it.
+        ebpf_v6 = family == 6 and config.mode is Mode.EBPF
+        self._who = IPV6_IN_EBPF_MODE if ebpf_v6 else "iptables mode"
 
     def _prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self._netns] if self._netns else []
@@ -215,7 +228,7 @@ class SubprocessRunner:
     @property
     def backend(self) -> str:
         if not self._backend:
-            preflight(self._config, which=self._which, cap_mask=self._cap_mask)
+            preflight(self._config, which=self._which, cap_mask=self._cap_mask, who=self._who)
             if self._wanted in ("nft", "legacy"):
                 self._backend = self._wanted
                 reason = "--iptables-backend"
@@ -236,19 +249,24 @@ class SubprocessRunner:
         return self._backend
 
     def _detect(self) -> tuple[str, str]:
-        installed = installed_families(self._which)
+        """The backend from this runner's own family's tables: an IPv6 runner that follows no IPv4
+        one (eBPF mode's) reads ip6tables, where kubelet's IPv6 hint chains are and where
+        kube-proxy's IPv6 chains, which it adopts, were written; the IPv4 ones may be gone already
+        (the eBPF start removes kube-proxy's)."""
+        binary = self._binary
+        installed = installed_families(self._which, binary)
         if len(installed) == 1:
-            return installed[0], f"only iptables-{installed[0]} is installed"
+            return installed[0], f"only {binary}-{installed[0]} is installed"
         # Only nft is asked for mangle alone: `iptables-legacy-save -t mangle` would make the
         # kernel create a legacy mangle table that nobody uses.
-        nft_mangle = self.command(["iptables-nft-save", "-t", "mangle"]).stdout
-        legacy_all = self.command(["iptables-legacy-save"]).stdout
+        nft_mangle = self.command([f"{binary}-nft-save", "-t", "mangle"]).stdout
+        legacy_all = self.command([f"{binary}-legacy-save"]).stdout
         backend, reason = choose_backend(nft_mangle, legacy_all)
         if not backend:
             backend, reason = choose_backend(
-                nft_mangle, legacy_all, self.command(["iptables-nft-save"]).stdout
+                nft_mangle, legacy_all, self.command([f"{binary}-nft-save"]).stdout
             )
-        return backend, reason
+        return backend, f"{reason} ({binary})" if binary != "iptables" else reason
 
     def _tool(self, suffix: str) -> str:
         # iptables-nft, iptables-nft-save, iptables-nft-restore (and -legacy, and ip6tables-, likewise).

@@ -13,7 +13,8 @@ existing dashboards and alerts keep working. Details that show in a scrape of ku
 * some families exist only in iptables mode (`RegisterMetrics(mode)`): the full/partial sync
   histograms, the iptables-restore failures, rule counts, and the nfacct counters. This agent
   registers the full/partial histograms in eBPF mode too, since its eBPF syncs are partial or full
-  as well; every other iptables name stays out of eBPF mode.
+  as well; every other iptables name stays out of eBPF mode, unless eBPF mode serves IPv6 Services
+  with ip6tables (`iptables=True`): then they are the IPv6 rules', labelled ip_family="IPv6".
 
 The `process_*` families (CPU, memory, file descriptors) have the names of Go's process collector.
 The project's own metrics start with `ekp_`. Values owned by the kernel (BPF map fill, the data
@@ -127,6 +128,7 @@ class Metrics:
         *,
         nfacct: NfacctReader | None = None,
         clock: Clock | None = None,
+        iptables: bool | None = None,
     ) -> None:
         self.mode = mode
         self._clock = clock or SystemClock()
@@ -208,7 +210,9 @@ class Metrics:
             ["ip_family", "traffic_policy"],
             registry=r,
         )
-        if mode is Mode.IPTABLES:
+        # `iptables`: whether iptables rules are written (default: in iptables mode; eBPF mode
+        # writes ip6tables rules for IPv6 Services, whose families then carry ip_family="IPv6").
+        if mode is Mode.IPTABLES if iptables is None else iptables:
             self._iptables(r, nfacct)
         # process_cpu_seconds_total, process_resident_memory_bytes, ...: the names and help texts
         # of Go's process collector, which kube-proxy's registry has too.
@@ -234,6 +238,7 @@ class Metrics:
         self.sync_failures = Counter(
             "ekp_sync_failures_total",
             "Syncs that failed as a whole and will be retried (the log says why)",
+            fam,
             registry=r,
         )
         self.failed_service_ports = Gauge(
@@ -316,7 +321,7 @@ class Metrics:
         if ok:
             self.last_sync.labels(family).set(self._now_s())
         else:
-            self.sync_failures.inc()
+            self.sync_failures.labels(family).inc()
 
     def record_network_programming(self, trigger_times: Iterable[float], family: str = IPV4) -> int:
         """After a successful sync: one observation per EndpointSlice change it programmed, from

@@ -463,8 +463,8 @@ SETTINGS: tuple[Setting, ...] = (
         "node_ip",
         IPAddress(repeatable=True),
         (),
-        "a node address (repeatable, either family; an IPv6 one turns on iptables mode's IPv6 "
-        "proxier); default: the addresses on --devices",
+        "a node address (repeatable, either family; an IPv6 one turns on the IPv6 proxier, ip6tables "
+        "in both modes); default: the addresses on --devices",
         flags=("--node-ip",),
         attr="node_ips",
         group=NODE,
@@ -627,7 +627,8 @@ SETTINGS: tuple[Setting, ...] = (
         "iptables_masquerade_bit",
         Int(lo=0, hi=31),
         14,
-        "the fwmark bit KUBE-MARK-MASQ sets on packets to masquerade (0-31)",
+        "the fwmark bit KUBE-MARK-MASQ sets on packets to masquerade (0-31; in eBPF mode, of the "
+        "ip6tables rules that serve IPv6 Services)",
         flags=("--iptables-masquerade-bit",),
         path="iptables.masqueradeBit",
         attr="masquerade_bit",
@@ -647,7 +648,8 @@ SETTINGS: tuple[Setting, ...] = (
         "iptables_backend",
         Choice(("auto", "nft", "legacy"), metavar="auto|nft|legacy"),
         "auto",
-        "iptables binary family (auto: the one the node already uses)",
+        "iptables binary family (auto: the one the node already uses); in eBPF mode, of the "
+        "ip6tables rules that serve IPv6 Services",
         flags=("--iptables-backend",),
         attr="iptables_backend",
         group=SYNC,

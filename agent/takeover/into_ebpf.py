@@ -33,6 +33,10 @@ right after:
    kube_proxy_cleanup.py: kube-proxy's iptables chains in both backends, which are also iptables
    mode's, and kube-proxy's nftables tables). Done at every start: an eBPF node has none of them,
    and a kube-proxy still running would only write them again (the programs come first).
+   IPv6 is not the eBPF data path's yet: on a node with IPv6 configured the agent's ip6tables
+   proxier serves IPv6 Services, so the ip6tables chains (kube-proxy's, iptables mode's: the same
+   layout) are left to it, which rewrites them as its own at its first sync, and kube-proxy's
+   `ip6 kube-proxy` nftables table is removed by that proxier once its rules are in place.
 
 Nothing here needs to know which data path was there: kube-proxy (iptables or nftables), iptables
 mode and a previous eBPF agent all leave their flows in one of the two tables, and the eBPF
@@ -117,7 +121,14 @@ def _default_create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) ->
 def _default_cleanup(config: Config) -> Any:
     from agent.iptables.kube_proxy_cleanup import cleanup_kube_proxy
 
-    return cleanup_kube_proxy(config)
+    return cleanup_kube_proxy(config, nft_families=nft_families_to_remove(config))
+
+
+def nft_families_to_remove(config: Config) -> tuple[str, ...]:
+    """The families of kube-proxy's nftables tables the eBPF start removes: both, unless the node
+    serves IPv6 with its ip6tables proxier, which removes `ip6 kube-proxy` itself once its own
+    rules serve (agent/app.py, make_proxier6): IPv6 Services are never left without rules."""
+    return ("ip",) if config.ipv6_configured else ("ip", "ip6")
 
 
 class KernelTakeover:

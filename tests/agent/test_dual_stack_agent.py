@@ -1,9 +1,11 @@
 """The agent's two families (kube-proxy's metaproxier, agent/metaproxier.py).
 
-In iptables mode with IPv6 configured, every sync programs the IPv4 state with the IPv4 proxier
-and the IPv6 state with the IPv6 one, each with its own changes, node addresses and retries; an
-IPv6 failure never holds back IPv4. In eBPF mode the IPv6 state is computed and not programmed,
-and the agent says so once.
+With IPv6 configured, every sync programs the IPv4 state with the IPv4 proxier and the IPv6 state
+with the IPv6 one, each with its own changes, node addresses and retries; an IPv6 failure never
+holds back IPv4. The IPv6 proxier is ip6tables in both modes (in eBPF mode beside the eBPF data
+path, which has no IPv6 path yet: agent/app.py wires it, tested at the end). Without IPv6 in the
+flags no IPv6 proxier runs, the IPv6 state is computed and not programmed, and the agent says so
+once.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from tests.agent.test_daemon import NODE, Clock, FakeEvents, FakeHealth, FakePro
 from tests.model.test_state import endpoint, service, slice_
 
 NODE6 = NodeContext(("fd00:192:168::11",), "fd00:192:168::11")
-UNSERVED = "IPv6 Services are served only in iptables mode"
+UNSERVED = "are not programmed on this node: no IPv6 proxier runs"
 
 
 @pytest.fixture(autouse=True)
@@ -143,7 +145,7 @@ def test_new_ipv6_node_addresses_make_the_ipv6_sync_a_full_one() -> None:
     assert rig.proxier6.calls[-1] is None and rig.proxier6.nodes[-1] == rig.node6
 
 
-def test_ebpf_mode_computes_ipv6_and_says_once_that_it_does_not_serve_it(
+def test_without_ipv6_flags_ipv6_is_computed_and_the_agent_says_once_that_nothing_serves_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     rig = Rig(Mode.EBPF, ipv6=False)
@@ -158,6 +160,7 @@ def test_ebpf_mode_computes_ipv6_and_says_once_that_it_does_not_serve_it(
     (line,) = [r for r in caplog.records if UNSERVED in r.getMessage()]
     assert line.levelno == logging.WARNING
     assert "1 IPv6 service port(s) (default/web:http)" in line.getMessage()
+    assert "an IPv6 entry and ip6tables programs them, beside the eBPF data path" in line.getMessage()
     assert rig.proxier.seen[-1][1] == {
         spn("v4only"): "10.96.0.20",
         spn("web"): "10.96.0.10",
@@ -315,7 +318,8 @@ def test_the_ipv6_proxiers_syncs_carry_ip_family_ipv6_in_the_sync_metrics() -> N
     assert rig.registry.get_sample_value(count, v6) == 2, "a failed sync is timed"
     assert rig.registry.get_sample_value("kubeproxy_sync_partial_proxy_rules_duration_seconds_count", v6) == 1
     assert rig.registry.get_sample_value("kubeproxy_sync_proxy_rules_last_timestamp_seconds", v6) == last
-    assert rig.registry.get_sample_value("ekp_sync_failures_total") == 1
+    assert rig.registry.get_sample_value("ekp_sync_failures_total", v6) == 1, "the family that failed"
+    assert not rig.registry.get_sample_value("ekp_sync_failures_total", {"ip_family": "IPv4"})
 
 
 def test_without_an_ipv6_proxier_no_metric_carries_ipv6() -> None:
@@ -324,3 +328,142 @@ def test_without_an_ipv6_proxier_no_metric_carries_ipv6() -> None:
     rig.sync()
     text = generate_latest(rig.registry).decode()
     assert 'ip_family="IPv4"' in text and 'ip_family="IPv6"' not in text
+
+
+# ---------------------------------------------------------------- the wiring (agent/app.py)
+
+V6_CIDRS = ("10.244.0.0/16", "fd00:10:244::/56")
+
+
+@pytest.mark.parametrize("mode", [Mode.EBPF, Mode.IPTABLES])
+def test_an_ipv6_proxier_on_ip6tables_runs_in_both_modes_when_ipv6_is_configured(mode: Mode) -> None:
+    from agent.app import make_proxier, make_proxier6
+    from agent.iptables import IptablesProxier
+    from agent.iptables.runner import SubprocessRunner
+
+    dual_stack = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS)
+    proxier6 = make_proxier6(dual_stack, make_proxier(dual_stack))
+    assert isinstance(proxier6, IptablesProxier) and proxier6.family is IPFamily.IPv6
+    assert isinstance(proxier6.runner, SubprocessRunner), "ip6tables itself, not a stand-in"
+    ipv4_only = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS[:1])
+    assert make_proxier6(ipv4_only, make_proxier(ipv4_only)) is None
+
+
+class HandbackRecorder:
+    """Stands in for agent.takeover.out_of_ebpf.EbpfHandback: records that it ran."""
+
+    runs: list[str] = []
+
+    def __init__(self, config: Config) -> None:
+        self._pins = config.pin_path
+
+    def run(self) -> None:
+        HandbackRecorder.runs.append(self._pins)
+
+
+def test_ebpf_modes_ipv6_proxier_writes_ip6tables_and_removes_only_kube_proxys_ip6_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """eBPF mode's ip6tables proxier: its first sync writes kube-proxy's layout for the IPv6
+    Services, then removes kube-proxy's `ip6 kube-proxy` nftables table (left to it by the eBPF
+    start) and nothing else: neither `ip kube-proxy` (the eBPF start's) nor the eBPF data path,
+    which iptables mode's IPv4 proxier hands back to nf_conntrack (EbpfHandback) and this one
+    must never touch."""
+    from agent.app import ip6tables_beside_ebpf
+    from agent.model.state import build_state
+    from agent.model.types import NodeInfo
+    from tests.iptables.fakes import FakeCounters, FakeRunner
+    from tests.iptables.test_kube_proxy_cleanup import nft_responder
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    HandbackRecorder.runs = []
+    runner = FakeRunner()
+    deleted, respond = nft_responder(["ip kube-proxy", "ip6 kube-proxy", "inet filter"])
+    runner.responses["nft"] = respond  # type: ignore[assignment]
+    config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
+    registry = CollectorRegistry()
+    proxier6 = ip6tables_beside_ebpf(
+        config, runner, Metrics(registry, Mode.EBPF, iptables=True), counters=FakeCounters()
+    )
+    result = build_state(
+        [dual()], [slice6("web-v6", "fd00:10:244:1::2")], NodeInfo("node1"), family=IPFamily.IPv6
+    )
+    proxier6.sync(result.state, NODE6)
+    assert "-d fd00:10:96::a --dport 80" in runner.save("nat") and "10.96.0.10" not in runner.save()
+    assert deleted == [["ip6", "kube-proxy"]]
+    assert HandbackRecorder.runs == [], "the eBPF data path serves IPv4 beside it: never handed back"
+    rules = registry.get_sample_value(
+        "kubeproxy_sync_proxy_rules_iptables_total", {"ip_family": "IPv6", "table": "nat"}
+    )
+    assert rules is not None and rules > 0, "iptables mode's rule counts, labelled IPv6"
+
+
+def test_the_ebpf_start_leaves_kube_proxys_ip6_table_to_the_ipv6_proxier() -> None:
+    """The eBPF start removes kube-proxy's rules once its programs serve; with IPv6 configured the
+    `ip6 kube-proxy` table stays until the ip6tables proxier serves (previous test), so IPv6
+    Services are never without rules; without IPv6 both tables go, as before."""
+    from agent.iptables.kube_proxy_cleanup import cleanup_kube_proxy
+    from agent.takeover.into_ebpf import nft_families_to_remove
+    from tests.iptables.fakes import FakeRunner
+    from tests.iptables.test_kube_proxy_cleanup import nft_responder
+
+    dual_stack = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
+    ipv4_only = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS[:1])
+    for config, gone in (
+        (dual_stack, [["ip", "kube-proxy"]]),
+        (ipv4_only, [["ip", "kube-proxy"], ["ip6", "kube-proxy"]]),
+    ):
+        runner = FakeRunner()
+        deleted, respond = nft_responder(["ip kube-proxy", "ip6 kube-proxy"])
+        runner.responses["nft"] = respond  # type: ignore[assignment]
+        cleanup_kube_proxy(config, {"nft": runner}, nft_families=nft_families_to_remove(config))
+        assert deleted == gone, config.cluster_cidr
+
+
+def test_dry_run_in_ebpf_mode_prints_the_ip6tables_input_after_the_ebpf_maps(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    from agent.app import dry_run
+
+    services = tmp_path / "services.yaml"
+    services.write_text(yaml.safe_dump_all([dual(), slice6("web-v6", "fd00:10:244:1::2")]))
+    config = Config(
+        mode=Mode.EBPF,
+        hostname="node1",
+        cluster_cidr=V6_CIDRS,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        services_file=str(services),
+        dry_run=True,
+    )
+    assert dry_run(config) == 0
+    out = capsys.readouterr().out
+    ebpf, marker, ip6tables = out.partition("# ip6tables-restore input (IPv6)\n")
+    assert marker, out
+    assert "10.96.0.10" in ebpf and "fd00:10:96::a" not in ebpf
+    assert "*nat" in ip6tables and "-d fd00:10:96::a --dport 80" in ip6tables and "COMMIT" in ip6tables
+
+
+@pytest.mark.parametrize("mode", [Mode.EBPF, Mode.IPTABLES])
+def test_the_node_addresses_are_followed_for_ipv6_when_an_ipv6_proxier_runs(mode: Mode) -> None:
+    from agent.app import _address_watcher
+
+    both = ("192.168.0.11", "fd00:192:168::11")
+    assert _address_watcher(Config(mode=mode, node_ips=both, cluster_cidr=V6_CIDRS)) is None
+    assert _address_watcher(Config(mode=mode, node_ips=both[:1], cluster_cidr=V6_CIDRS)) is not None
+    assert _address_watcher(Config(mode=mode, node_ips=both[:1], cluster_cidr=V6_CIDRS[:1])) is None
+
+
+def test_ebpf_mode_without_ip6tables_says_what_needs_it() -> None:
+    """eBPF mode with IPv6 configured needs ip6tables for its IPv6 Services: without the binaries
+    the agent stops with a message that names them and the way out (no IPv6 in the flags)."""
+    from agent.errors import FatalError
+    from agent.iptables.runner import SubprocessRunner
+
+    config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
+    runner = SubprocessRunner(config, family=6, which=lambda tool: None, cap_mask=lambda: (1 << 41) - 1)
+    with pytest.raises(FatalError) as err:
+        _ = runner.backend
+    assert "eBPF mode's IPv6 Services (served by ip6tables) cannot start" in str(err.value)
+    assert "leave IPv6 out of --node-ip, --cluster-cidr and --service-cluster-ip-range" in str(err.value)

@@ -73,12 +73,12 @@ def test_node_address_changes_notify_and_pod_device_changes_do_not(netns: str) -
     assert notes.count == count, "stopped"
 
 
-def test_ipv6_node_addresses_notify_when_iptables_mode_runs_its_ipv6_proxier(netns: str) -> None:
-    """With IPv6 configured (iptables mode), a global IPv6 address added on a node device
-    notifies; a link-local one (every device gets one, pod devices included) does not."""
-    config = Config(
-        mode=Mode.IPTABLES, netns=netns, pod_interfaces=("lxc*",), cluster_cidr=("fd00:10:244::/56",)
-    )
+@pytest.mark.parametrize("mode", [Mode.EBPF, Mode.IPTABLES])
+def test_ipv6_node_addresses_notify_when_an_ipv6_proxier_runs(netns: str, mode: Mode) -> None:
+    """With IPv6 configured (either mode: eBPF mode's IPv6 proxier is ip6tables), a global IPv6
+    address added on a node device notifies; a link-local one (every device gets one, pod
+    devices included) does not."""
+    config = Config(mode=mode, netns=netns, pod_interfaces=("lxc*",), cluster_cidr=("fd00:10:244::/56",))
     watcher = AddressWatcher(config)
     notes = Notes()
     watcher.start(notes)
@@ -89,7 +89,7 @@ def test_ipv6_node_addresses_notify_when_iptables_mode_runs_its_ipv6_proxier(net
         assert notes.wait(1.0), "an IPv6 address added on a node device"
     finally:
         watcher.stop()
-    ipv4_only = AddressWatcher(Config(mode=Mode.IPTABLES, netns=netns, pod_interfaces=("lxc*",)))
+    ipv4_only = AddressWatcher(Config(mode=mode, netns=netns, pod_interfaces=("lxc*",)))
     notes = Notes()
     ipv4_only.start(notes)
     try:

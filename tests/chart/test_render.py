@@ -41,6 +41,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "serviceClusterIPRange": "10.96.0.0/12,fd00:10:96::/108",
         "nodePortAddresses": ["192.168.0.0/24", "fd00:192:168::/64"],
     },
+    # The same in eBPF mode, whose IPv6 Services are served by ip6tables: the backend passes.
+    "dual-stack-ebpf": {
+        "clusterCIDR": "10.244.0.0/16,fd00:10:244::/56",
+        "iptables": {"backend": "legacy"},
+    },
     "monitoring": {
         "metrics": {
             "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
@@ -328,6 +333,12 @@ EXPECTED = {
         metrics="127.0.0.1:10249",
         cidr=("10.244.0.0/16", "fd00:10:244::/56"),
     ),
+    "dual-stack-ebpf": dict(
+        mode=Mode.EBPF,
+        nodeport_addresses=(),
+        metrics="127.0.0.1:10249",
+        cidr=("10.244.0.0/16", "fd00:10:244::/56"),
+    ),
     "monitoring": dict(mode=Mode.EBPF, nodeport_addresses=(), metrics="0.0.0.0:10249", cidr=()),
     "privileged": dict(mode=Mode.EBPF, nodeport_addresses=(), metrics="127.0.0.1:10249", cidr=()),
     "nodeports": dict(
@@ -398,6 +409,18 @@ def test_dual_stack_values_reach_the_agent_as_both_families(
     assert nodeport_addresses_of(c.nodeport_addresses, 6) == ("fd00:192:168::/64",)
     single = resolve([f"--cluster-cidr={VALUE_SETS['iptables']['clusterCIDR']}"]).config
     assert not single.ipv6_configured, "single-stack values: no IPv6 proxier"
+
+
+def test_dual_stack_values_in_ebpf_mode_pass_the_iptables_backend_for_the_ipv6_rules(
+    rendered: dict[str, Rendered],
+) -> None:
+    """eBPF mode serves IPv6 Services with ip6tables (until its data path has an IPv6 path): the
+    chart passes iptables.backend in eBPF mode too."""
+    args = rendered["dual-stack-ebpf"].container("agent")["args"]
+    assert "--mode=ebpf" in args and "--iptables-backend=legacy" in args
+    assert any(a.startswith("--bpf-pin-path=") for a in args)
+    c = resolve([a for a in args if not a.startswith(("--config=", "--hostname-override="))]).config
+    assert c.mode is Mode.EBPF and c.iptables_backend == "legacy"
 
 
 def test_agent_writes_the_effective_configuration_of_the_rendered_file(

@@ -17,6 +17,12 @@ Lab layout: 2 nodes (node1 in zone-a, node2 in zone-b), 4 pods each. pod-1-1 and
 clients, pod-N-2 .. pod-N-4 run the whoami server (tests/differential/whoami.py, TCP and UDP 7000)
 and are the backends. The external client routes 10.96.0.0/16, 203.0.113.0/24 and 198.51.100.0/24
 through node1.
+
+Families: the table is written once, in IPv4, and runs in IPv6 too (`in_family`): every address
+and CIDR has an IPv6 twin (the lab's ULA twins of node, pod and client addresses, `fd00:10:96::a:b`
+for 10.96.a.b, `fd00:203:0:113::x` and `fd00:198:51:100::x` for the external and LB ranges), each
+Service is IPv6-only (`ipFamilies: [IPv6]`, an `addressType: IPv6` slice) and kube-proxy's outcome
+is the same, as its IPv6 proxier's rules are its IPv4 proxier's.
 """
 
 from __future__ import annotations
@@ -26,7 +32,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab.core import CLIENT_IP, node_gateway, node_ip, pod_ip
+from lab.core import (
+    CLIENT_IP,
+    CLIENT_IP6,
+    node_gateway,
+    node_gateway6,
+    node_ip,
+    node_ip6,
+    node_pod_cidr,
+    node_pod_cidr6,
+    pod_ip,
+    pod_ip6,
+)
 from lab.objects import Port, endpoint_slice, service
 
 TARGET_PORT = 7000
@@ -35,6 +52,18 @@ ZONES = {"node1": "zone-a", "node2": "zone-b"}
 CLIENT_ROUTES = ("10.96.0.0/16", "203.0.113.0/24", "198.51.100.0/24")  # via node1
 BACKEND_PODS = ("pod-1-2", "pod-1-3", "pod-1-4", "pod-2-2", "pod-2-3", "pod-2-4")
 PODS_PER_NODE = 4
+
+IPV4, IPV6 = "IPv4", "IPv6"
+FAMILIES = (IPV4, IPV6)
+# The table's CIDRs and their IPv6 twins.
+CIDRS6 = {
+    "10.96.0.0/16": "fd00:10:96::/64",
+    "203.0.113.0/24": "fd00:203:0:113::/64",
+    "198.51.100.0/24": "fd00:198:51:100::/64",
+    "172.16.0.0/12": "fd00:172:16::/48",
+    node_pod_cidr(1): node_pod_cidr6(1),
+    f"{CLIENT_IP}/32": f"{CLIENT_IP6}/128",
+}
 
 # Verdicts of a case (and of each attempt, see probe.py). REFUSED is an ICMP port unreachable (a
 # reject); RESET a TCP RST, what a node's stack answers where nothing is programmed or listening.
@@ -58,15 +87,41 @@ def node_of(pod: str) -> str:
     return "node" + pod.split("-")[1]
 
 
-def role_of(address: str) -> str:
-    """Who an address is: a pod's name, "client", or the node owning it (node IP or pod gateway)."""
+def in_family(address: str, family: str) -> str:
+    """The table's IPv4 address `address` as `family` has it (module doc: the IPv6 twins)."""
+    if family == IPV4:
+        return address
     for n in (1, 2):
-        if address in (node_ip(n), node_gateway(n)):
-            return f"node{n}"
+        if address == node_ip(n):
+            return node_ip6(n)
     if address == CLIENT_IP:
+        return CLIENT_IP6
+    a, b, c, d = address.split(".")
+    if (a, b) == ("10", "244"):
+        return pod_ip6(int(c), int(d) - 1)
+    if (a, b) == ("10", "96"):
+        return f"fd00:10:96::{c}:{d}"
+    if (a, b, c) == ("203", "0", "113"):
+        return f"fd00:203:0:113::{d}"
+    if (a, b, c) == ("198", "51", "100"):
+        return f"fd00:198:51:100::{d}"
+    raise ValueError(f"no IPv6 twin for {address}")
+
+
+def cidr_in_family(cidr: str, family: str) -> str:
+    return cidr if family == IPV4 else CIDRS6[cidr]
+
+
+def role_of(address: str) -> str:
+    """Who an address is, in either family: a pod's name, "client", or the node owning it (node IP
+    or pod gateway)."""
+    for n in (1, 2):
+        if address in (node_ip(n), node_gateway(n), node_ip6(n), node_gateway6(n)):
+            return f"node{n}"
+    if address in (CLIENT_IP, CLIENT_IP6):
         return "client"
     for pod in ("pod-1-1", "pod-2-1", *BACKEND_PODS):
-        if pod_address(pod) == address:
+        if address in (pod_address(pod), in_family(pod_address(pod), IPV6)):
             return pod
     return address
 
@@ -106,31 +161,37 @@ class Svc:
     itp_local: bool = False
     affinity_s: int = 0
 
-    def objects(self) -> list[dict[str, Any]]:
+    def objects(self, family: str = IPV4) -> list[dict[str, Any]]:
+        """The Service and its EndpointSlice, in `family` (IPv6: an IPv6-only Service)."""
+
+        def ip(address: str) -> str:
+            return in_family(address, family)
+
         port = Port("p", SERVICE_PORT, TARGET_PORT, self.protocol, self.node_port)
-        spec: dict[str, Any] = {}
+        spec: dict[str, Any] = {"ipFamilies": [family]} if family == IPV6 else {}
         kind = "ClusterIP"
         if self.node_port:
             kind = "NodePort"
         if self.lb_ip:
             kind = "LoadBalancer"
-            spec["status"] = {"loadBalancer": {"ingress": [{"ip": self.lb_ip}]}}
+            spec["status"] = {"loadBalancer": {"ingress": [{"ip": ip(self.lb_ip)}]}}
             if self.source_ranges:
-                spec["loadBalancerSourceRanges"] = list(self.source_ranges)
+                spec["loadBalancerSourceRanges"] = [cidr_in_family(c, family) for c in self.source_ranges]
         if self.external_ip:
-            spec["externalIPs"] = [self.external_ip]
+            spec["externalIPs"] = [ip(self.external_ip)]
         if self.node_port or self.external_ip or self.lb_ip:
             spec["externalTrafficPolicy"] = "Local" if self.etp_local else "Cluster"
         spec["internalTrafficPolicy"] = "Local" if self.itp_local else "Cluster"
         if self.affinity_s:
             spec["sessionAffinity"] = "ClientIP"
             spec["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": self.affinity_s}}
-        svc = service(self.name, self.cluster_ip, [port], type=kind, **spec)
+        svc = service(self.name, ip(self.cluster_ip), [port], type=kind, **spec)
         eps = endpoint_slice(self.name, [port], [])
+        eps["addressType"] = family
         for b in self.backends:
             node = node_of(b.pod)
             entry: dict[str, Any] = {
-                "addresses": [pod_address(b.pod)],
+                "addresses": [ip(pod_address(b.pod))],
                 "conditions": {"ready": b.ready, "serving": b.serving, "terminating": b.terminating},
                 "nodeName": node,
                 "zone": ZONES[node],
@@ -252,17 +313,19 @@ class Case:
     def protocol(self) -> str:
         return self.svc.protocol
 
-    def address(self) -> tuple[str, int]:
-        """The destination address and port the source dials."""
+    def address(self, family: str = IPV4) -> tuple[str, int]:
+        """The destination address and port the source dials, in `family`."""
         if self.dest == "cluster-ip":
-            return self.svc.cluster_ip, SERVICE_PORT
-        if self.dest.startswith("nodeport@node"):
-            return node_ip(int(self.dest.removeprefix("nodeport@node"))), self.svc.node_port
-        if self.dest == "external-ip":
-            return self.svc.external_ip, SERVICE_PORT
-        if self.dest == "lb-ip":
-            return self.svc.lb_ip, SERVICE_PORT
-        raise ValueError(f"{self.id}: unknown destination {self.dest!r}")
+            addr, port = self.svc.cluster_ip, SERVICE_PORT
+        elif self.dest.startswith("nodeport@node"):
+            addr, port = node_ip(int(self.dest.removeprefix("nodeport@node"))), self.svc.node_port
+        elif self.dest == "external-ip":
+            addr, port = self.svc.external_ip, SERVICE_PORT
+        elif self.dest == "lb-ip":
+            addr, port = self.svc.lb_ip, SERVICE_PORT
+        else:
+            raise ValueError(f"{self.id}: unknown destination {self.dest!r}")
+        return in_family(addr, family), port
 
 
 CASES = (
@@ -615,6 +678,6 @@ CASE_IDS = [c.id for c in CASES]
 assert len(set(CASE_IDS)) == len(CASE_IDS), "case ids are unique"
 
 
-def all_objects() -> list[dict[str, Any]]:
+def all_objects(family: str = IPV4) -> list[dict[str, Any]]:
     """Every Service and EndpointSlice of the table, applied at once."""
-    return [obj for svc in SERVICES for obj in svc.objects()]
+    return [obj for svc in SERVICES for obj in svc.objects(family)]

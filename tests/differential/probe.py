@@ -5,9 +5,11 @@ a node's host-network processes are probed from the node's own cgroup as a real 
 
   probe.py --proto tcp|udp --addr A --port P --count N [--size S] [--rounds R --gap G]
 
+An IPv6 address (the table in IPv6) is dialled over IPv6, its reject read as ICMPv6.
+
 Each attempt is a new flow (a new socket, so a new source port) and ends as one of
   ok <backend> <address the backend saw>   an answer from the whoami server (UDP: payload intact)
-  refused        an ICMP port unreachable (kube-proxy's `-j REJECT`, eBPF mode's reject)
+  refused        an ICMP (ICMPv6) port unreachable (kube-proxy's `-j REJECT`, eBPF mode's reject)
   reset          TCP: a RST, what a node's own stack answers on a port nothing listens on; told
                  apart from a reject by the ICMP error IP_RECVERR queues (ECONNREFUSED either way),
                  so an unprogrammed NodePort cannot pass for a rejected one
@@ -29,35 +31,54 @@ import sys
 import time
 
 IP_RECVERR = 11  # linux/in.h; the socket module of Python 3.11 does not name it
-SO_EE_ORIGIN_ICMP = 2
+IPV6_RECVERR = 25  # linux/in6.h
+SO_EE_ORIGIN_ICMP, SO_EE_ORIGIN_ICMP6 = 2, 3
 ICMP_DEST_UNREACH, ICMP_PORT_UNREACH = 3, 3
+ICMPV6_DEST_UNREACH, ICMPV6_PORT_UNREACH = 1, 4
+# Per address family: the socket family, the error-queue option, and the port unreachable it reports.
+FAMILY = {
+    4: (socket.AF_INET, socket.SOL_IP, IP_RECVERR, (SO_EE_ORIGIN_ICMP, ICMP_DEST_UNREACH, ICMP_PORT_UNREACH)),
+    6: (
+        socket.AF_INET6,
+        socket.IPPROTO_IPV6,
+        IPV6_RECVERR,
+        (SO_EE_ORIGIN_ICMP6, ICMPV6_DEST_UNREACH, ICMPV6_PORT_UNREACH),
+    ),
+}
 
 
-def rejected_by_icmp(s: socket.socket) -> bool:
-    """Whether the error queue holds an ICMP port unreachable (struct sock_extended_err)."""
+def version(addr: str) -> int:
+    return 6 if ":" in addr else 4
+
+
+def rejected_by_icmp(s: socket.socket, ip: int) -> bool:
+    """Whether the error queue holds an ICMP (ICMPv6) port unreachable (struct sock_extended_err)."""
+    _, level, option, port_unreachable = FAMILY[ip]
     s.settimeout(0)
     try:
         _, ancillary, _, _ = s.recvmsg(512, 512, socket.MSG_ERRQUEUE)
     except BlockingIOError:
         return False  # nothing queued: the refusal was a RST
-    for level, kind, data in ancillary:
-        if level == socket.SOL_IP and kind == IP_RECVERR and len(data) >= 8:
+    for cmsg_level, kind, data in ancillary:
+        if cmsg_level == level and kind == option and len(data) >= 8:
             _, origin, icmp_type, icmp_code = struct.unpack_from("=IBBB", data)
-            if (origin, icmp_type, icmp_code) == (SO_EE_ORIGIN_ICMP, ICMP_DEST_UNREACH, ICMP_PORT_UNREACH):
+            if (origin, icmp_type, icmp_code) == port_unreachable:
                 return True
     return False
 
 
 def tcp_attempt(addr: str, port: int, timeout: float) -> list[str]:
+    ip = version(addr)
+    af, level, option, _ = FAMILY[ip]
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_IP, IP_RECVERR, 1)
+        with socket.socket(af, socket.SOCK_STREAM) as s:
+            s.setsockopt(level, option, 1)
             s.settimeout(timeout)
             try:
                 s.connect((addr, port))
             except ConnectionRefusedError:
-                return ["refused" if rejected_by_icmp(s) else "reset", "", ""]
-            s.setsockopt(socket.SOL_IP, IP_RECVERR, 0)  # connected: ICMP errors soft again, as by default
+                return ["refused" if rejected_by_icmp(s, ip) else "reset", "", ""]
+            s.setsockopt(level, option, 0)  # connected: ICMP errors soft again, as by default
             chunks = []
             while chunk := s.recv(4096):
                 chunks.append(chunk)
@@ -75,7 +96,7 @@ def udp_attempt(addr: str, port: int, timeout: float, size: int, seq: int) -> li
     payload = f"probe-{seq}-".encode()
     if size:
         payload = (payload + b"0123456789abcdef" * (size // 16 + 1))[:size]
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with socket.socket(FAMILY[version(addr)][0], socket.SOCK_DGRAM) as s:
         s.settimeout(timeout)
         try:
             s.connect((addr, port))  # connected: ICMP port unreachable comes back as ECONNREFUSED

@@ -37,6 +37,8 @@ from tests.differential.cases import (
     DEFAULT,
     EXACT,
     EXPIRING,
+    IPV4,
+    IPV6,
     PHASE_FLAGS,
     PODS_PER_NODE,
     REFUSED,
@@ -48,6 +50,7 @@ from tests.differential.cases import (
     Case,
     Svc,
     all_objects,
+    cidr_in_family,
     role_of,
 )
 
@@ -139,7 +142,10 @@ def expected_summary(case: Case) -> str:
 
 
 class ZonedApiCluster(ApiCluster):
-    """An ApiCluster whose Node objects carry the table's zones (ApiCluster puts all in zone-a)."""
+    """An ApiCluster whose Node objects carry the table's zones (ApiCluster puts all in zone-a);
+    `family`: the table's family, which the phase markers take too."""
+
+    family = IPV4
 
     def start(self) -> None:
         self.server.start()
@@ -157,14 +163,14 @@ class ZonedApiCluster(ApiCluster):
             a.stop()
             a.extra = [f for f in a.extra if f not in ALL_PHASE_FLAGS] + list(extra)
             a.start()
-        self.apply(marker.objects())
+        self.apply(marker.objects(self.family))
 
 
 ALL_PHASE_FLAGS = {f for flags in PHASE_FLAGS.values() for f in flags}
 
 
-def probe(lab: Lab, case: Case) -> Observation:
-    addr, port = case.address()
+def probe(lab: Lab, case: Case, family: str = IPV4) -> Observation:
+    addr, port = case.address(family)
     argv = [
         sys.executable,
         "-I",
@@ -192,11 +198,15 @@ class ModeRun:
     mode: str
     observations: dict[str, Observation]
     timings: dict[str, float]  # lab and agents up, each phase, total
+    family: str = IPV4
 
 
 @contextmanager
-def _lab() -> Iterator[Lab]:
-    with Lab(nodes=2, pods_per_node=PODS_PER_NODE) as lab:
+def _lab(family: str) -> Iterator[Lab]:
+    # IPv6: a dual-stack lab, whose agents get an IPv6 --node-ip and pod CIDR (lab/harness.py),
+    # which turns their IPv6 proxier on; the table's Services are IPv6-only there.
+    ipv6 = family == IPV6
+    with Lab(nodes=2, pods_per_node=PODS_PER_NODE, ipv6=ipv6) as lab:
         servers = [
             lab.popen(
                 pod,
@@ -206,6 +216,7 @@ def _lab() -> Iterator[Lab]:
                 WHOAMI,
                 f"--name={pod}",
                 f"--port={TARGET_PORT}",
+                *(["--ipv6"] if ipv6 else []),
                 name="whoami",
             )
             for pod in BACKEND_PODS
@@ -214,25 +225,26 @@ def _lab() -> Iterator[Lab]:
             lab.wait_log(proc, "whoami ready", timeout=10)
             lab.wait_tcp(pod, lab.pod(pod).ip, TARGET_PORT, proc=proc, timeout=10)
         for cidr in CLIENT_ROUTES:
-            lab.add_client_route(cidr, via_node=1)
+            lab.add_client_route(cidr_in_family(cidr, family), via_node=1)
         for node in lab.nodes:
             # As tests/traffic/conftest.py: the rule kube-proxy and Docker install; both modes cope.
-            lab.run(
-                node, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"
-            )
+            tool = "ip6tables" if ipv6 else "iptables"
+            lab.run(node, tool, "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP")
         yield lab
 
 
-def run_mode(mode: str, cases: Sequence[Case] = CASES) -> ModeRun:
-    """Every case of `cases` in `mode`, phase by phase; raises if an agent's cleanup fails."""
+def run_mode(mode: str, cases: Sequence[Case] = CASES, family: str = IPV4) -> ModeRun:
+    """Every case of `cases` in `mode` and `family`, phase by phase; raises if an agent's cleanup
+    fails."""
     t0 = time.monotonic()
     timings: dict[str, float] = {}
     observations: dict[str, Observation] = {}
-    with _lab() as lab:
+    with _lab(family) as lab:
         cluster = ZonedApiCluster(lab, mode)
+        cluster.family = family
         cluster.start()
         try:
-            cluster.apply(all_objects())
+            cluster.apply(all_objects(family))
             timings["lab and agents up"] = round(time.monotonic() - t0, 1)
             phases = [DEFAULT, *sorted({c.phase for c in cases} - {DEFAULT})]
             for i, phase in enumerate(phases):
@@ -243,11 +255,11 @@ def run_mode(mode: str, cases: Sequence[Case] = CASES) -> ModeRun:
                 # the slow ones first, so they overlap with the rest
                 todo.sort(key=lambda c: -(c.rounds * c.gap_s + (c.expect.verdict != ANSWERED) * c.timeout_s))
                 with ThreadPoolExecutor(WORKERS) as pool:
-                    for case, obs in zip(todo, pool.map(lambda c: probe(lab, c), todo), strict=True):
+                    for case, obs in zip(todo, pool.map(lambda c: probe(lab, c, family), todo), strict=True):
                         observations[case.id] = obs
                 timings[f"phase {phase}"] = round(time.monotonic() - t, 1)
         finally:
             failures = cluster.stop()
         assert not failures, f"agent --cleanup failed: {failures}"
     timings["total"] = round(time.monotonic() - t0, 1)
-    return ModeRun(mode, observations, timings)
+    return ModeRun(mode, observations, timings, family)

@@ -41,6 +41,7 @@ from lab.packets import (
     TC_ACT_OK,
     TC_ACT_REDIRECT,
     TC_ACT_SHOT,
+    XDP_PASS,
     checksums_valid,
     icmp_error,
     parse,
@@ -80,6 +81,40 @@ def test_non_ip_icmp_and_ttl_1_pass(net: Net) -> None:
     for frame in (arp, icmp, ttl1):
         assert net.from_pod(frame) == (TC_ACT_OK, frame)
     assert net.stats()[Stat.PASS] == 3
+
+
+def test_ipv6_passes_every_program_untouched_before_any_lookup(net: Net) -> None:
+    """The eBPF data path has no IPv6 path: every IPv6 packet leaves each program unchanged for
+    the node's stack (where, in eBPF mode, the ip6tables proxier serves IPv6 Services), with no
+    conntrack or fragment entry made; even one whose address ends in an IPv4 frontend's bytes
+    (a v4-mapped address in the header, or an address whose last word is the VIP), which a parser
+    that read the last word as an IPv4 address would translate."""
+    from scapy.layers.inet import TCP as TCPHeader
+    from scapy.layers.inet import UDP as UDPHeader
+    from scapy.layers.inet6 import IPv6, IPv6ExtHdrFragment
+    from scapy.layers.l2 import Ether
+
+    net.add_service()
+    net.add_service(proto=UDP, svc_id=2, set_id=2, rev_nat_id=2)
+    hex_vip = "".join(f"{int(b):02x}" for b in VIP.split("."))
+    tail = f"{hex_vip[:4]}:{hex_vip[4:]}"
+    frames = [
+        bytes(Ether() / IPv6(src="fd00:10:244:1::9", dst=dst) / TCPHeader(sport=12345, dport=80, flags="S"))
+        for dst in ("fd00:10:96::a", f"::ffff:{VIP}", f"fd00::{tail}")
+    ]
+    frames.append(bytes(Ether() / IPv6(src="fd00:10:244:1::9", dst=f"fd00::{tail}") / UDPHeader(dport=80)))
+    fragment = IPv6(src="fd00::1", dst="fd00:10:96::a") / IPv6ExtHdrFragment(m=1) / UDPHeader(dport=80)
+    frames.append(bytes(Ether() / fragment / (b"x" * 64)))
+    for frame in frames:
+        assert net.from_pod(frame) == (TC_ACT_OK, frame)
+        assert net.from_net(frame) == (TC_ACT_OK, frame)
+        assert net.to_pod(frame) == (TC_ACT_OK, frame)
+        assert net.to_net(frame) == (TC_ACT_OK, frame)
+        assert net.xdp(frame) == (XDP_PASS, frame)
+    assert net.ct_count() == 0 and net.ct_count(UDP) == 0
+    stats, xstats = net.stats(), net.xstats()
+    assert {k: v for k, v in stats.items() if v} == {Stat.PACKETS: 10, Stat.PASS: 10}, "both ingress programs"
+    assert {k: v for k, v in xstats.items() if v} == {Stat.PACKETS: 5, Stat.PASS: 5}
 
 
 # ---- new flows, conntrack, replies ---------------------------------------------------------

@@ -13,6 +13,7 @@ socket programs' doing alone.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import subprocess
 import sys
@@ -406,3 +407,38 @@ def test_ipv4_addresses_on_ipv6_sockets_are_translated_too(sl: SockLab) -> None:
     assert src == [f"::ffff:{VIP}", 90] and echoed == "pod-1-2"
     stats = sl.stats()
     assert stats[Stat.SOCK_TRANSLATED] == 2 and stats[Stat.SOCK_REVNAT] >= 2
+
+
+def test_real_ipv6_addresses_are_left_alone(sl: SockLab) -> None:
+    """The socket programs serve IPv4 frontends only (IPv6 Services are ip6tables' in eBPF mode
+    for now): an IPv6 socket's connect() and sendmsg() to a real IPv6 address go where they name,
+    uncounted, even when the address's last word is an IPv4 frontend's (fd00::VIP), which a check
+    that read only that word would take for ::ffff:VIP; getpeername and recvfrom show it as it is."""
+    two_backends(sl)
+    two_backends(sl, proto=UDP, svc_id=2, set_id=2, rev_nat_id=2)
+    addr = str(ipaddress.IPv6Address(int(ipaddress.IPv6Address("fd00::")) | int(ipaddress.IPv4Address(VIP))))
+    sl.lab.run("node1", "ip", "-6", "addr", "add", f"{addr}/128", "dev", "lo", "nodad")
+    code = (
+        "import json, socket, threading\n"
+        f"addr = '{addr}'\n"
+        "srv = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)\n"
+        "srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); srv.bind((addr, 80)); srv.listen()\n"
+        "echo = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); echo.bind((addr, 80))\n"
+        "def serve():\n"
+        "    conn, _ = srv.accept(); conn.sendall(b'local'); conn.close()\n"
+        "    data, peer = echo.recvfrom(100); echo.sendto(b'local ' + data, peer)\n"
+        "threading.Thread(target=serve, daemon=True).start()\n"
+        "t = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); t.settimeout(3)\n"
+        "t.connect((addr, 80)); peer = t.getpeername()[:2]; body = t.recv(100).decode()\n"
+        "u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); u.settimeout(3)\n"
+        "u.sendto(b'x', (addr, 80)); data, src = u.recvfrom(100)\n"
+        "print(json.dumps([list(peer), body, list(src[:2]), data.decode()]))\n"
+    )
+    try:
+        peer, body, src, echoed = json.loads(sl.lab.run("node1", sys.executable, "-c", code).stdout)
+    finally:
+        sl.lab.run("node1", "ip", "-6", "addr", "del", f"{addr}/128", "dev", "lo")
+    assert (peer, body) == ([addr, 80], "local"), "connect6 left the address alone"
+    assert (src, echoed) == ([addr, 80], "local x"), "sendmsg6 and recvmsg6 too"
+    stats = sl.stats()
+    assert stats[Stat.SOCK_CALLS] == 0 and stats[Stat.SOCK_TRANSLATED] == 0 and stats[Stat.SOCK_REVNAT] == 0

@@ -288,7 +288,9 @@ def test_sync_records_durations_always_and_the_timestamp_on_success() -> None:
         registry.get_sample_value("kubeproxy_sync_proxy_rules_last_timestamp_seconds", {"ip_family": "IPv4"})
         is None
     )
-    assert registry.get_sample_value("ekp_sync_failures_total") == 1
+    assert registry.get_sample_value("ekp_sync_failures_total", {"ip_family": "IPv4"}) == 1
+    m.record_sync(False, 0.5, ok=False, family="IPv6")
+    assert registry.get_sample_value("ekp_sync_failures_total", {"ip_family": "IPv6"}) == 1, "per family"
     clock.advance(2)
     m.record_sync(False, 0.01)
     assert (
@@ -407,3 +409,24 @@ def test_iptables_names_stay_out_of_ebpf_mode() -> None:
     registry = CollectorRegistry()
     Metrics(registry, Mode.EBPF, nfacct=lambda: NFACCT)
     assert not [n for n in sample_names(registry) if "iptables" in n or "conntrack_reconciler" in n]
+
+
+def test_ebpf_mode_serving_ipv6_with_ip6tables_has_iptables_modes_families() -> None:
+    """eBPF mode's IPv6 proxier is ip6tables (no eBPF IPv6 path yet): its rule counts, restore
+    failures, conntrack cleanups and nfacct counters are iptables mode's families, labelled
+    ip_family="IPv6" where upstream labels them."""
+    registry = CollectorRegistry()
+    m = Metrics(registry, Mode.EBPF, nfacct=lambda: NFACCT, iptables=True)
+    m.set_iptables_rules({"nat": 4}, {"nat": 4}, "IPv6")
+    m.record_restore_failure(partial=True, family="IPv6")
+    names = set(sample_names(registry))
+    assert {
+        "kubeproxy_sync_proxy_rules_iptables_total",
+        "kubeproxy_iptables_ct_state_invalid_dropped_packets_total",
+    } <= names
+    v6 = {"ip_family": "IPv6"}
+    assert registry.get_sample_value("kubeproxy_sync_proxy_rules_iptables_total", {**v6, "table": "nat"}) == 4
+    assert (
+        registry.get_sample_value("kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total", v6)
+        == 1
+    )

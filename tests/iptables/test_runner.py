@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from agent import caps
+from agent.config import Mode
 from agent.errors import FatalError
 from agent.iptables.runner import (
     SubprocessRunner,
@@ -96,7 +97,7 @@ class Recorder:
 
     def __call__(self, argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
         self.calls.append(argv)
-        tool = next((a for a in argv if a.startswith("iptables")), "")
+        tool = next((a for a in argv if a.startswith(("iptables", "ip6tables"))), "")
         return subprocess.CompletedProcess(argv, 0, self.outputs.get(tool, ""), "")
 
 
@@ -138,6 +139,22 @@ def test_subprocess_runner_auto_detects_from_existing_rules(monkeypatch: pytest.
     assert r.backend == "legacy"
     assert r.backend == "legacy"
     assert [c[0] for c in rec.calls] == ["iptables-nft-save", "iptables-legacy-save"]  # detected once
+
+
+def test_an_ipv6_runner_following_no_ipv4_one_detects_from_ip6tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """eBPF mode's IPv6 proxier has no IPv4 rules to follow: it reads ip6tables, where a previous
+    kube-proxy's IPv6 chains are (here in legacy) even once the eBPF start removed its IPv4 ones
+    (nothing in iptables-legacy any more)."""
+    kube_proxy6 = (
+        "*nat\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n-A KUBE-SERVICES -j RETURN\nCOMMIT\n"
+    )
+    rec = Recorder({"ip6tables-legacy-save": kube_proxy6})
+    monkeypatch.setattr(subprocess, "run", rec)
+    r = SubprocessRunner(replace(CONFIG, mode=Mode.EBPF), family=6, **PRESENT)
+    assert r.backend == "legacy"
+    assert [c[0] for c in rec.calls] == ["ip6tables-nft-save", "ip6tables-legacy-save", "ip6tables-nft-save"]
+    r.save("nat")
+    assert rec.calls[-1] == ["ip6tables-legacy-save", "-t", "nat"]
 
 
 def test_only_installed_family_is_chosen_without_asking_the_missing_one(

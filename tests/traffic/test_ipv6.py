@@ -1,4 +1,4 @@
-"""IPv6 and dual-stack Services in iptables mode, with real TCP through a dual-stack lab.
+"""IPv6 and dual-stack Services in both modes, with real TCP through a dual-stack lab.
 
 kube-proxy's behaviours ("should be able to reach pod on ipv4 and ipv6 ip", "should function for
 pod-Service: http" on an IPv6 / dual-stack cluster, test/e2e/network/dual_stack.go): an IPv6-only
@@ -7,9 +7,12 @@ dual-stack Service answering on both ClusterIPs, each family reaching its own sl
 the rest of dual_stack.go's "Granular Checks" on the IPv6 family (UDP from a pod, the node and an
 endpoint pod; endpoint updates; ClientIP affinity) and externalTrafficPolicy: Local keeping the
 IPv6 client's address; a dual-stack Local load balancer's healthCheckNodePort per family.
-iptables mode only: eBPF mode programs IPv4 only for now (README, "IPv6 and dual-stack"); the
-agent's IPv6 proxier writes ip6tables rules with the backend of its IPv4 rules, and `--cleanup`
-removes them.
+Every test runs in both modes (the `dual` fixture is parametrised by mode, as the `cluster` one).
+The agent's IPv6 proxier writes ip6tables rules in both: in iptables mode with the backend of its
+IPv4 rules; in eBPF mode beside the eBPF data path, which serves IPv4 and has no IPv6 path yet
+(README, "IPv6 and dual-stack"): its tc programs pass IPv6 to the stack untouched and its socket
+programs leave real IPv6 addresses alone, which these tests rely on. `--cleanup` removes the
+ip6tables rules in both modes (and the pins in eBPF mode).
 
 The lab (`Lab(ipv6=True)`) puts ULA addresses beside IPv4 on every link, `nodad`; the agents get
 an IPv6 --node-ip and an IPv6 pod CIDR (lab/harness.py), which turns their IPv6 proxier on. The
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +32,7 @@ from lab import Lab
 from lab.harness import Cluster
 from lab.objects import Ep, Port, endpoint_slice, service
 from tests.conftest import require_kernel
+from tests.traffic.conftest import MODES
 
 HTTP6_PORT = 8086
 SERVER6 = r"""
@@ -96,8 +101,8 @@ PODS = ("pod-1-2", "pod-2-2")  # the IPv6 backends, one per node
 TRIES = 40  # each try reaches a given one of two backends with p = 1/2: all 40 missing it, 1e-12
 
 
-@pytest.fixture(scope="module")
-def dual() -> Iterator[Cluster]:
+@pytest.fixture(scope="module", params=MODES)
+def dual(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     require_kernel()
     with Lab(nodes=2, pods_per_node=2, ipv6=True) as lab:
         lab.start_podservers()
@@ -106,7 +111,7 @@ def dual() -> Iterator[Cluster]:
                 lab.pod(name), sys.executable, "-c", SERVER6, name, str(HTTP6_PORT), name="http6"
             )
             lab.wait_log(proc, "ready")
-        c = Cluster(lab, "iptables")
+        c = Cluster(lab, request.param)
         c.start()
         try:
             yield c
@@ -118,8 +123,10 @@ def dual() -> Iterator[Cluster]:
                 for out in [lab.run(n, "ip6tables-save").stdout + lab.run(n, "iptables-save").stdout]
                 if "KUBE-SERVICES" in out
             }
+            pins = [a.pin_path for a in c.agents if Path(a.pin_path).exists()]
         assert not failures, f"agent --cleanup failed: {failures}"
         assert not leftover, f"chains left after --cleanup: {leftover}"
+        assert not pins, f"pins left after --cleanup: {pins}"
 
 
 UDP_PORT, UDP_NODE_PORT = 53, 30688
@@ -172,6 +179,27 @@ def test_an_ipv6_cluster_ip_reaches_every_ipv6_endpoint_from_a_pod(dual: Cluster
     rules = dual.lab.run(dual.lab.node(1), "ip6tables-save", "-t", "nat").stdout
     assert f"-d {V6_VIP}/128" in rules and "KUBE-SVC-" in rules
     assert V6_VIP not in dual.lab.run(dual.lab.node(1), "iptables-save", "-t", "nat").stdout
+
+
+def test_each_family_is_served_by_its_own_data_path(dual: Cluster) -> None:
+    """Which data path serves which family: the IPv6 ClusterIPs are in ip6tables in both modes;
+    the IPv4 ones are in iptables in iptables mode and nowhere in netfilter in eBPF mode (its
+    programs and maps serve them, and the dual-stack Service's IPv4 ClusterIP answers); the
+    agent says at start how IPv6 is served."""
+    lab = dual.lab
+    dual.apply(v6_objects(lab))
+    node = lab.node(1)
+    v6_rules = lab.run(node, "ip6tables-save", "-t", "nat").stdout
+    assert f"-d {DUAL_V6}/128" in v6_rules and f"-d {V6_VIP}/128" in v6_rules
+    v4_rules = lab.run(node, "iptables-save", "-t", "nat").stdout
+    assert (f"-d {DUAL_V4}/32" in v4_rules) == (dual.mode == "iptables"), v4_rules
+    assert fetch(dual, lab.pod("pod-2-1"), f"http://{DUAL_V4}:80/") == "pod-1-1"
+    log = dual.agents[0].log()
+    if dual.mode == "ebpf":
+        assert "IPv6 Services are served by ip6tables rules" in log and "not programmed" not in log
+        assert "KUBE-" not in v4_rules, "eBPF mode writes no IPv4 rule"
+    else:
+        assert "ip6tables rules for the node's IPv6 addresses beside the IPv4 ones" in log
 
 
 def test_an_ipv6_node_port_answers_the_external_client_on_each_node(dual: Cluster) -> None:

@@ -1,0 +1,169 @@
+"""A live switch on a dual-stack node keeps its IPv6 connections and rules (README, "IPv6 and
+dual-stack"): the IPv6 half of test_switch.py.
+
+Every data path writes one ip6tables layout for IPv6 Services: kube-proxy's iptables mode,
+iptables mode, and eBPF mode's ip6tables proxier (the eBPF data path has no IPv6 path yet). So a
+switch between them hands the IPv6 chains over as they are: the agent that starts adopts them at
+its first full sync (eBPF mode's IPv6 proxier finds their backend in ip6tables, kube-proxy's legacy
+one here), and the IPv6 flows keep their nf_conntrack NAT bindings. Through the switch, three TCP
+connections from a pod to an IPv6 ClusterIP and two from the external client to its IPv6 NodePort,
+each answering a line every 50 ms: none fails, none changes backend. After it a new connection
+reaches a backend, the IPv6 rules are in the backend the new agent uses, and the old data path's
+own state is gone (after a switch to eBPF mode no IPv4 KUBE- chain; to iptables mode no pin).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lab import Lab
+from lab.harness import CLIENT, REPO, Agent, Cluster
+from lab.objects import Ep, Port, endpoint_slice, service
+from tests.conftest import require_kernel
+from tests.traffic.test_switch import Client, Switch, kube_chains, start_client
+
+pytestmark = pytest.mark.kernel
+
+NAMED6 = r"""
+import socket, socketserver, sys
+
+class Server(socketserver.ThreadingTCPServer):
+    address_family = socket.AF_INET6
+    daemon_threads = True
+    allow_reuse_address = True
+
+class Named(socketserver.StreamRequestHandler):
+    def handle(self):
+        for line in self.rfile:
+            self.wfile.write(sys.argv[1].encode() + b" " + line)
+            self.wfile.flush()
+
+server = Server(("::", int(sys.argv[2])), Named)
+print("ready", flush=True)
+server.serve_forever()
+"""
+
+PORT, NODE_PORT = 7006, 30661
+VIP6 = "fd00:10:96::61"
+BACKENDS = ("pod-1-2", "pod-1-3")
+
+SWITCHES = {
+    "kube-proxy-iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=legacy",)),
+    "iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=nft",)),
+    "ebpf-to-iptables": Switch("ebpf", "iptables"),
+}
+# The chart's way from kube-proxy: its init container runs `agent --cleanup-kube-proxy` before the
+# agent starts, which removes kube-proxy's IPv4 chains (both backends) and leaves the IPv6 ones
+# serving: eBPF mode's IPv6 proxier must find their backend in ip6tables, not in the emptied iptables.
+# Without localhost NodePorts kube-proxy leaves no KUBE-FIREWALL (kubelet's chain, which the
+# cleanup keeps) behind: nothing at all in iptables-legacy to point at the backend.
+CLEANED = {
+    "kube-proxy-iptables-cleaned-up-to-ebpf": Switch(
+        "iptables", "ebpf", ("--iptables-backend=legacy", "--iptables-localhost-nodeports=false")
+    )
+}
+
+
+@pytest.fixture
+def lab() -> Iterator[Lab]:
+    require_kernel()
+    with Lab(nodes=1, pods_per_node=3, ipv6=True) as built:
+        for name in BACKENDS:
+            proc = built.popen(built.pod(name), sys.executable, "-c", NAMED6, name, str(PORT), name="named6")
+            built.wait_log(proc, "ready")
+        yield built
+
+
+def objects(lab: Lab) -> list[dict[str, Any]]:
+    port = Port("echo", PORT, PORT, node_port=NODE_PORT)
+    svc = service("echo6", VIP6, [port], type="NodePort", ipFamilies=["IPv6"])
+    eps = endpoint_slice("echo6", [port], [Ep(lab.pod(p).ip6, "node1") for p in BACKENDS], suffix="v6")
+    eps["addressType"] = "IPv6"
+    return [svc, eps]
+
+
+def start_traffic(lab: Lab) -> list[Client]:
+    named = ["named", "--port", str(PORT), "--interval", "0.05", "--addr", VIP6]
+    clients = [start_client(lab, "pod-1-1", f"clusterip6-{i}", *named) for i in range(3)]
+    nodeport = ["named", "--port", str(NODE_PORT), "--interval", "0.05", "--addr", lab.nodes[0].ip6]
+    return clients + [start_client(lab, "client", f"nodeport6-{i}", *nodeport) for i in range(2)]
+
+
+def one_connection(lab: Lab) -> dict[str, Any]:
+    """A new connection to the IPv6 ClusterIP from a pod, a few lines long."""
+    out = lab.run(
+        "pod-1-1",
+        sys.executable,
+        CLIENT,
+        "named",
+        *("--addr", VIP6, "--port", str(PORT), "--interval", "0.05"),
+        *("--stop-file", "/nonexistent", "--max-s", "0.3"),
+    ).stdout
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+@pytest.mark.parametrize("switch", [*SWITCHES.values(), *CLEANED.values()], ids=[*SWITCHES, *CLEANED])
+def test_a_live_switch_keeps_every_ipv6_connection_and_the_ipv6_rules(lab: Lab, switch: Switch) -> None:
+    cluster = Cluster(lab, switch.before, extra=switch.before_flags)
+    first = cluster.agents[0]
+    second = Agent(lab, first.node, switch.after, first.source, switch.after_flags)
+    second.log_path = first.log_path.with_name(f"agent-{switch.after}-{first.node.name}.log")
+    cluster.start()
+    cluster.apply(objects(lab))
+    clients = start_traffic(lab)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        time.sleep(2)  # every client exchanging under the first data path
+        first.stop()  # as the chart stops a pod: rules, or programs and pins, stay
+        cluster.agents = [second]
+        if switch in CLEANED.values():
+            cleanup = subprocess.run(
+                [sys.executable, "-m", "agent", "--cleanup-kube-proxy", *second.flags()],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=str(REPO),
+                check=False,
+            )
+            assert cleanup.returncode == 0, cleanup.stderr
+            assert kube_chains(cluster) == [], "kube-proxy's IPv4 chains are gone before the agent starts"
+        second.start()
+        second.wait_version(cluster.version)
+        time.sleep(3)  # every client exchanging under the second data path
+    finally:
+        results = {c.name: c.finish() for c in clients}
+    try:
+        log = second.log_since_start()
+        for name, r in results.items():
+            assert r["errors"] == 0 and r["exchanges"] > 60, (name, r, log[-3000:])
+            assert len(r["backends"]) == 1 and r["backends"][0] in BACKENDS, (name, r)
+        fresh = one_connection(lab)
+        assert fresh["errors"] == 0 and fresh["exchanges"] > 0 and fresh["backends"][0] in BACKENDS, fresh
+        node = lab.nodes[0]
+        legacy = "--iptables-backend=legacy" in switch.before_flags
+        backend = "legacy" if legacy else "nft"
+        v6_rules = lab.run(node, f"ip6tables-{backend}-save", "-t", "nat").stdout
+        assert f"-d {VIP6}/128" in v6_rules, v6_rules
+        other = lab.run(node, f"ip6tables-{'nft' if legacy else 'legacy'}-save", check=False).stdout
+        assert "KUBE-" not in other, f"the IPv6 rules are in one backend only:\n{other}"
+        if switch.after == "ebpf":
+            assert f"ip6tables-{backend}" in log, log[-3000:]
+            assert "IPv6 Services are served by ip6tables rules" in log, log[-3000:]
+            assert kube_chains(cluster) == [], "the IPv4 chains are removed once eBPF serves"
+        else:
+            assert "took over from eBPF mode" in log, log[-3000:]
+            assert not Path(first.pin_path).exists(), "the eBPF pins are removed"
+    finally:
+        second.stop()
+        cluster.agents = [second, first]
+        failures = cluster.stop()
+    assert failures == []
