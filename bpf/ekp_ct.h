@@ -120,22 +120,29 @@ static __always_inline __u64 ekp_ct_orphan_ns(const struct ekp_config *cfg)
 	return (__u64)ekp_cfg_or(cfg->tcp_orphan_s, EKP_DEFAULT_TCP_ORPHAN_S) * EKP_NSEC;
 }
 
-/* The longest a flow of any protocol and state lives without a packet, in ekp_act stamps (a stamp
- * is 1.07 s: seconds overstate it), with a margin for the coarse clock and concurrent stamps. */
-static __always_inline __u32 ekp_ct_longest_stamps(const struct ekp_config *cfg)
+/* The longest a flow of protocol `proto`, in any state, lives without a packet, in ekp_act stamps
+ * (a stamp is 1.07 s: seconds overstate it), with a margin for the coarse clock and concurrent
+ * stamps. Stamps are per protocol (ekp_act_slot hashes it), and a live flow stamped its slot
+ * within its own protocol's lifetime: a slot shared with another protocol's older stamp only
+ * looks idle sooner, never wrongly. Other protocols than TCP live by UDP's timeouts
+ * (ekp_ct_timeout_ns), so a backend's translated UDP flow makes direct datagrams to it take the
+ * conntrack lookup for two minutes after it ended, not for TCP's day. */
+static __always_inline __u32 ekp_ct_longest_stamps(const struct ekp_config *cfg, __u8 proto)
 {
-	__u32 s = ekp_cfg_or(cfg->tcp_established_s, EKP_DEFAULT_TCP_ESTABLISHED_S);
-	__u32 v = ekp_cfg_or(cfg->tcp_close_wait_s, EKP_DEFAULT_TCP_CLOSE_WAIT_S);
+	__u32 s = ekp_cfg_or(cfg->udp_s, EKP_DEFAULT_UDP_S);
+	__u32 v = ekp_cfg_or(cfg->udp_stream_s, EKP_DEFAULT_UDP_STREAM_S);
 
 	s = v > s ? v : s;
-	v = ekp_cfg_or(cfg->tcp_syn_s, EKP_DEFAULT_TCP_SYN_S);
-	s = v > s ? v : s;
-	v = ekp_cfg_or(cfg->tcp_closed_s, EKP_DEFAULT_TCP_CLOSED_S);
-	s = v > s ? v : s;
-	v = ekp_cfg_or(cfg->udp_s, EKP_DEFAULT_UDP_S);
-	s = v > s ? v : s;
-	v = ekp_cfg_or(cfg->udp_stream_s, EKP_DEFAULT_UDP_STREAM_S);
-	s = v > s ? v : s;
+	if (proto == IPPROTO_TCP) {
+		v = ekp_cfg_or(cfg->tcp_established_s, EKP_DEFAULT_TCP_ESTABLISHED_S);
+		s = v;
+		v = ekp_cfg_or(cfg->tcp_close_wait_s, EKP_DEFAULT_TCP_CLOSE_WAIT_S);
+		s = v > s ? v : s;
+		v = ekp_cfg_or(cfg->tcp_syn_s, EKP_DEFAULT_TCP_SYN_S);
+		s = v > s ? v : s;
+		v = ekp_cfg_or(cfg->tcp_closed_s, EKP_DEFAULT_TCP_CLOSED_S);
+		s = v > s ? v : s;
+	}
 	return s + 2;
 }
 
@@ -588,7 +595,7 @@ enum ekp_reclaim {
  * -> server:port left the REPLY entry {server, client, port, P} (on this node, while the newcomer's
  * own frontend was translated on another: a pod's ClusterIP there, the same server here through
  * this node's NodePort). If that flow has ended (the REPLY entry expired or closing, or its FORWARD
- * twin missing, taken by another flow, expired or closing), its REPLY entry would reverse-translate
+ * twin taken by another flow, expired or closing), its REPLY entry would reverse-translate
  * the newcomer's answers to come from the frontend: both entries are deleted. If it is live, the
  * server holds a flow on this very 4-tuple, which the newcomer cannot share: the caller gives the
  * newcomer another source port (*held_by gets the live flow's flags), as nf_nat's unique tuple
@@ -609,7 +616,7 @@ static __always_inline int ekp_ct_reclaim(const struct ekp_pkt *p, const struct 
 	 * sends (a UDP answer misses conntrack as its request did; the request's destination, the
 	 * backend, is the stamped end). */
 	if (ekp_act_armed() &&
-	    ekp_act_idle(p->daddr, p->dport, p->proto, ekp_act_stamp_of(now), ekp_ct_longest_stamps(cfg)))
+	    ekp_act_idle(p->daddr, p->dport, p->proto, ekp_act_stamp_of(now), ekp_ct_longest_stamps(cfg, p->proto)))
 		return EKP_RECLAIM_NONE;
 	rkey.saddr = p->daddr;
 	rkey.daddr = p->saddr;
@@ -630,8 +637,13 @@ static __always_inline int ekp_ct_reclaim(const struct ekp_pkt *p, const struct 
 		twin = 1;
 		if ((fp->flags & EKP_CT_ENDING) || ekp_ct_life(fp, &fkey, cfg, now) != EKP_CT_LIVE)
 			stale = 1;
+	} else if (fp) {
+		stale = 1; /* its twin key is another flow's now: this one ended */
 	}
-	if (twin && !stale) {
+	/* No twin at all: evicted by the LRU, most likely from a live flow (its next packet rebuilds
+	 * it, ekp_ct_refresh). Moving the newcomer is right either way; clearing would hand a live
+	 * flow's tuple to it. */
+	if (!stale) {
 		*held_by = rp->flags;
 		return EKP_RECLAIM_LIVE;
 	}

@@ -358,7 +358,7 @@ static __always_inline int ekp_decide_may_translate(const struct ekp_pkt *p, __u
 	if (!ekp_act_armed())
 		return 1;
 	__u32 t = ekp_act_stamp_of(bpf_ktime_get_coarse_ns()); /* lags the stamps' clock: errs "maybe" */
-	__u32 span = ekp_ct_longest_stamps(cfg);
+	__u32 span = ekp_ct_longest_stamps(cfg, p->proto);
 	if (!ekp_act_idle(p->daddr, p->dport, p->proto, t, span) || !ekp_act_idle(p->saddr, p->sport, p->proto, t, span))
 		return 1;
 	struct ekp_addr_key k = {};
@@ -528,7 +528,7 @@ static __always_inline void ekp_decide_local_packet(struct ekp_work *w, int pars
 		return;
 	if (parsed != EKP_PARSE_ICMP_ERR && ekp_act_armed() &&
 	    ekp_act_idle(p->saddr, p->sport, p->proto, ekp_act_stamp_of(bpf_ktime_get_coarse_ns()),
-			 ekp_ct_longest_stamps(cfg)))
+			 ekp_ct_longest_stamps(cfg, p->proto)))
 		return;
 	__u64 now = bpf_ktime_get_ns();
 	if (parsed == EKP_PARSE_ICMP_ERR) {

@@ -14,6 +14,8 @@
  *   recvmsg4 / getpeername4  the address the kernel reports (a UDP reply's source, the peer of a
  *                         connected socket) is the backend's: shown as the frontend again while
  *                         the frontend still belongs to the service port the socket was sent to
+ *   sock_release          a connected socket's entry goes when the socket is closed: the table
+ *                         holds live sockets, not every socket that ever dialled a frontend
  *   UDP iterator          a connected UDP socket stays on the backend chosen at connect(): when
  *                         that backend leaves its service port (ekp_member_v2), the socket is ended
  *                         (bpf_sock_destroy; the application sees ECONNABORTED and opens a new
@@ -171,12 +173,18 @@ static __always_inline __u32 ekp_sock_decide(struct bpf_sock_addr *ctx, __be32 d
 			return EKP_STAT_SOCK_PASS;
 	}
 
-	/* The client, for source ranges and affinity: the address the socket is bound to, else the
-	 * node's (the source kube-proxy's OUTPUT chain sees for a node process, in most cases). */
-	__be32 client = ctx->sk ? ctx->sk->src_ip4 : 0;
-	if (!client) {
-		const struct ekp_config *cfg = ekp_config_get();
-		client = cfg ? cfg->node_addr : 0;
+	/* The client, for source ranges and affinity (nothing else reads it, nor the time: a plain
+	 * frontend, most connects, skips both): the address the socket is bound to, else the node's
+	 * (the source kube-proxy's OUTPUT chain sees for a node process, in most cases). */
+	__be32 client = 0;
+	__u64 now = 0;
+	if (fe->flags & (EKP_FE_SOURCE_RANGES | EKP_FE_AFFINITY)) {
+		client = ctx->sk ? ctx->sk->src_ip4 : 0;
+		if (!client) {
+			const struct ekp_config *cfg = ekp_config_get();
+			client = cfg ? cfg->node_addr : 0;
+		}
+		now = bpf_ktime_get_ns();
 	}
 	int refusal = ekp_lb_refusal(fe, client);
 	if (refusal)
@@ -185,8 +193,7 @@ static __always_inline __u32 ekp_sock_decide(struct bpf_sock_addr *ctx, __be32 d
 	__u64 cookie = bpf_get_socket_cookie(ctx);
 	struct ekp_flow f = {};
 	__u32 aff_hit = 0;
-	int reason = ekp_pick_backend(fe, client, ekp_sock_rnd(proto, cookie), NULL, bpf_ktime_get_ns(), &f,
-				      &aff_hit);
+	int reason = ekp_pick_backend(fe, client, ekp_sock_rnd(proto, cookie), NULL, now, &f, &aff_hit);
 	if (reason)
 		return reason;
 	*marks |= aff_hit << EKP_STAT_AFFINITY_HIT;
@@ -259,6 +266,38 @@ static __always_inline int ekp_sock_reverse(struct bpf_sock_addr *ctx, int v6)
 	}
 	ekp_sock_set_addr(ctx, v6, n->fe_addr, n->fe_port);
 	ekp_count(EKP_STAT_SOCK_REVNAT);
+	return EKP_SYS_PROCEED;
+}
+
+/* sock_release (cgroup/sock_release, every inet socket of the cgroup as its file is closed): the
+ * entry a connected socket left in ekp_sknat goes with it. Without this the table holds every socket
+ * that ever dialled a frontend, sits full, and each connect()'s insert takes the LRU's eviction path
+ * (the common list's lock, and a shrink of up to 128 entries when a CPU's free list runs dry: see
+ * bpf/README.md, "Socket programs", for what it cost). A connected socket's peer is still set here
+ * (the hook runs before the protocol's close), and is the backend its entry is keyed by. An
+ * unconnected UDP socket's entries (one per backend it sent to) cannot be named from the socket
+ * alone: the LRU still forgets those. Looked up before the delete: most sockets were never
+ * translated, and a delete takes the bucket's lock even for a miss; with host-namespace-only a
+ * pod's socket (never translated) is not looked up at all. */
+static __always_inline int ekp_sock_release(struct bpf_sock *ctx)
+{
+	struct ekp_sock_key k = {};
+	__u32 proto = ctx->protocol;
+	__u32 zero = 0;
+
+	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
+		return EKP_SYS_PROCEED;
+	k.addr = ctx->dst_ip4; /* an IPv6 socket connected to a v4-mapped address has it here too */
+	if (!k.addr)
+		return EKP_SYS_PROCEED;
+	struct ekp_sock_config *sc = ekp_skcfg_lookup(&zero);
+	if (!sc || ((sc->flags & EKP_SOCK_HOST_ONLY) && bpf_get_netns_cookie(ctx) != sc->host_netns))
+		return EKP_SYS_PROCEED;
+	k.port = ctx->dst_port;
+	k.proto = proto;
+	k.cookie = bpf_get_socket_cookie(ctx);
+	if (ekp_sknat_lookup(&k))
+		ekp_sknat_delete(&k);
 	return EKP_SYS_PROCEED;
 }
 

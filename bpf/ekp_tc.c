@@ -14,6 +14,7 @@
  *                 cgroup connect4, sendmsg4, recvmsg4, getpeername4 of the node's sockets
  *                 (--bpf-socket-lb-cgroup; ekp_sock.h), and with a 6 their IPv6 hooks, for IPv4
  *                 addresses on IPv6 sockets
+ *   ekp_sock_free cgroup sock_release of the same cgroup: forgets a closed socket (ekp_sock.h)
  *   ekp_sock_term iter/udp: ends connected UDP sockets whose backend left (ekp_sock.h)
  *
  * Built by agent/ebpf/compile.py with bcc: BPF(src_file=ekp_tc.c, cflags=[-DEKP_<ROLE>_MAX=...,
@@ -292,6 +293,11 @@ int ekp_sock_recv6(struct bpf_sock_addr *ctx)
 int ekp_sock_peer6(struct bpf_sock_addr *ctx)
 {
 	return ekp_sock_reverse(ctx, 1);
+}
+
+int ekp_sock_free(struct bpf_sock *ctx)
+{
+	return ekp_sock_release(ctx);
 }
 
 int ekp_sock_term(struct ekp_iter_udp *ctx)

@@ -70,7 +70,6 @@ from agent.ebpf.entries import (
     srcr_rnat,
 )
 from agent.ebpf.ids import (
-    BACKEND_ID_MAX,
     REVNAT_ID_MAX,
     SET_ID_MAX,
     SVC_ID_MAX,
@@ -149,14 +148,14 @@ class Planner:
         self._srcr_users: dict[int, set[ServicePortName]] = {}
         self._set_owner: dict[int, ServicePortName] = {}
         self._svc_owner: dict[int, ServicePortName] = {}
-        self.backends = Backends(IdPool(BACKEND_ID_MAX, "backend"))
+        self.backends = Backends(self.desired["be"])
         # ident -> (id, the ports using it): a tuple, rebuilt on the rare change (a set per
         # frontend was 200 bytes more, 2 MiB at 10,000 Services)
         self._rnats: dict[int, tuple[int, tuple[ServicePortName, ...]]] = {}
         self._rnat_by_id: dict[int, int] = {}
-        self.svc_ids = IdPool(SVC_ID_MAX, "service port")
-        self.set_ids = IdPool(SET_ID_MAX, "backend set")
-        self.rnat_ids = IdPool(REVNAT_ID_MAX, "reverse-NAT")
+        self.svc_ids = IdPool(SVC_ID_MAX, "service port", self._svc_owner)
+        self.set_ids = IdPool(SET_ID_MAX, "backend set", self._set_owner)
+        self.rnat_ids = IdPool(REVNAT_ID_MAX, "reverse-NAT", self._rnat_by_id)
         # Re-adoption hints from the kernel's contents (start only): frontend key -> its value,
         # backend ident -> id, the kernel's slots.
         self._fe_hints: Entries = {}
@@ -494,7 +493,7 @@ class Planner:
         return rid
 
     def _update_backends(self, old: Mapping[int, int], new: Mapping[int, int]) -> None:
-        for bid, value in self.backends.update(old, new, self.desired["be"]):
+        for bid, value in self.backends.update(old, new):
             if value is None:
                 self._drop("be", bid)
             else:
@@ -580,13 +579,13 @@ class Planner:
         """Ids the kernel holds that the plan does not own stay taken until the kernel lets go of
         them (or a re-adoption claims them)."""
         svc, sets, bids, rnat = self._held()
-        for pool, ids, owned in (
-            (self.svc_ids, svc, self._svc_owner),
-            (self.set_ids, sets, self._set_owner),
-            (self.backends.pool, bids, self.backends.refs),
-            (self.rnat_ids, rnat, self._rnat_by_id),
+        for pool, ids in (
+            (self.svc_ids, svc),
+            (self.set_ids, sets),
+            (self.backends.pool, bids),
+            (self.rnat_ids, rnat),
         ):
-            pool.hold_all(ids - owned.keys())
+            pool.hold_all(ids)
 
     def forget_hints(self) -> None:
         self._fe_hints = {}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 # enum bpf_prog_type
 PROG_SCHED_CLS = 3
 PROG_XDP = 6
+PROG_CGROUP_SOCK = 9
 PROG_CGROUP_SOCK_ADDR = 18
 PROG_TRACING = 26
 # enum bpf_attach_type
@@ -31,6 +32,7 @@ ATTACH_CGROUP_UDP6_RECVMSG = 20
 ATTACH_TRACE_ITER = 28
 ATTACH_CGROUP_INET4_GETPEERNAME = 29
 ATTACH_CGROUP_INET6_GETPEERNAME = 30
+ATTACH_CGROUP_INET_SOCK_RELEASE = 34
 
 # bpf/ekp_sock.h EKP_KFUNC_SOCK_DESTROY: the helper number standing for bpf_sock_destroy
 KFUNC_SOCK_DESTROY_MARK = 0x1EA7
@@ -72,11 +74,13 @@ SOCK_HOOKS: dict[str, tuple[str, int]] = {
     "sendmsg6": ("ekp_sock_send6", ATTACH_CGROUP_UDP6_SENDMSG),
     "recvmsg6": ("ekp_sock_recv6", ATTACH_CGROUP_UDP6_RECVMSG),
     "getpeername6": ("ekp_sock_peer6", ATTACH_CGROUP_INET6_GETPEERNAME),
+    # a closed socket's entry in ekp_sknat goes with it (a cgroup sock program, not sock_addr)
+    "sock_release": ("ekp_sock_free", ATTACH_CGROUP_INET_SOCK_RELEASE),
 }
 
 # What the socket programs call that older kernels lack: bpf_set_retval (Linux 5.18, refusing a call
 # with an errno) and bpf_get_netns_cookie for sock_addr programs (5.7); the iterator bpf_sock_destroy
-# (6.5) and the UDP socket iterator (5.9).
+# (6.5) and the UDP socket iterator (5.9). The sock_release hook (5.9) is older than all of them.
 SOCK_NEEDS = ("bpf_set_retval", "bpf_get_netns_cookie_sock_addr")
 TERM_NEEDS = ("bpf_sock_destroy", "bpf_iter_udp")
 
@@ -86,7 +90,11 @@ PROGRAMS: dict[str, ProgSpec] = {
     PROG_EGRESS: ProgSpec(PROG_SCHED_CLS),
     PROG_XDP_NET: ProgSpec(PROG_XDP),
     **{
-        name: ProgSpec(PROG_CGROUP_SOCK_ADDR, attach, needs=SOCK_NEEDS)
+        name: ProgSpec(
+            PROG_CGROUP_SOCK if attach == ATTACH_CGROUP_INET_SOCK_RELEASE else PROG_CGROUP_SOCK_ADDR,
+            attach,
+            needs=SOCK_NEEDS,
+        )
         for name, attach in SOCK_HOOKS.values()
     },
     PROG_SOCK_TERM: ProgSpec(

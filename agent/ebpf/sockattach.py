@@ -1,6 +1,7 @@
 """Attach the socket programs to a cgroup, through bpf_links pinned beside the maps. Effects.
 
-The socket programs (agent/ebpf/programs.py SOCK_HOOKS: connect4, sendmsg4, recvmsg4, getpeername4)
+The socket programs (agent/ebpf/programs.py SOCK_HOOKS: connect4, sendmsg4, recvmsg4, getpeername4,
+their IPv6 twins, and sock_release, which forgets a closed socket's entry in ekp_sknat_v2)
 translate the sockets of every process in the cgroup `--bpf-socket-lb-cgroup` names and its
 descendants: by default the root of the cgroup v2 mount, the whole node (a real node's pods and
 host-network processes all live below it). The lab names each lab node's own cgroup: never the

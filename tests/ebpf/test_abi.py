@@ -294,6 +294,7 @@ PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
     "ekp_sock_send6": ("cgroup_sock_addr", _SOCK_FORWARD),
     "ekp_sock_recv6": ("cgroup_sock_addr", _SOCK_REVERSE),
     "ekp_sock_peer6": ("cgroup_sock_addr", _SOCK_REVERSE),
+    "ekp_sock_free": ("cgroup_sock", {"skcfg", "sknat"}),
     "ekp_sock_term": ("tracing", {"sknat", "member", "stats"}),
 }
 

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from agent.ebpf.backends import LOCAL, TERMINATING, Backends
 from agent.ebpf.entries import BE_FLAGS, ident
-from agent.ebpf.ids import IdPool
 
 BE = ident(0x0201F40A, 0x901F, 6)  # 10.244.1.2:8080/TCP
 
 
 def test_a_shared_backend_keeps_its_id_and_carries_what_any_user_says() -> None:
-    table = Backends(IdPool(100, "backend"))
     entries: dict[int, int] = {}
+    table = Backends(entries, limit=100)
 
     def update(old: dict[int, int], new: dict[int, int]) -> list[tuple[int, int | None]]:
-        out = table.update(old, new, entries)
+        out = table.update(old, new)
         for bid, value in out:
             if value is None:
                 entries.pop(bid)
@@ -34,7 +33,31 @@ def test_a_shared_backend_keeps_its_id_and_carries_what_any_user_says() -> None:
 
 
 def test_a_backend_the_kernel_holds_gets_its_id_back_on_start() -> None:
-    table = Backends(IdPool(100, "backend"))
+    table = Backends({}, limit=100)
     table.pool.hold_all({42})
     table.hints = {BE: 42}
     assert table.id_of(BE) == 42
+
+
+def test_plain_users_are_counted_without_a_count_kept_for_one() -> None:
+    entries: dict[int, int] = {}
+    table = Backends(entries, limit=100)
+
+    def update(old: dict[int, int], new: dict[int, int]) -> list[tuple[int, int | None]]:
+        out = table.update(old, new)
+        for bid, value in out:
+            if value is None:
+                entries.pop(bid)
+            else:
+                entries[bid] = value
+        return out
+
+    bid = table.id_of(BE)
+    assert bid in table, "in use from its allocation on"
+    assert update({}, {bid: 0}) == [(bid, BE)]  # port a
+    assert update({}, {bid: 0}) == [(bid, BE)]  # port b
+    assert update({bid: 0}, {}) == [(bid, BE)], "b still uses it"
+    assert update({}, {bid: LOCAL}) == [(bid, BE | LOCAL << BE_FLAGS)]  # port c, on this node
+    assert update({bid: LOCAL}, {}) == [(bid, BE)], "c's say went with it; a remains"
+    assert update({bid: 0}, {}) == [(bid, None)], "the last user left"
+    assert bid not in table and BE not in table.ids

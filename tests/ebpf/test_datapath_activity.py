@@ -162,3 +162,18 @@ def test_arming_stamps_the_live_entries_the_tables_hold(net: Net) -> None:
     dead_slot = activity.slot(ip_be(BE2), port_be(8080), TCP)
     value = maps["act"].lookup(ct.c_uint32(dead_slot))
     assert isinstance(value, abi.Act) and value.stamp == 0
+
+
+def test_each_protocol_is_idle_after_its_own_longest_timeout(net: Net, dp: Datapath) -> None:
+    """UDP's timeouts 5 s, TCP's the defaults (a day established): a UDP slot stamped 20 s ago holds
+    no live UDP flow, so its packets leave without the lookups (the entry written behind the data
+    path's back, as fresh, is not consulted); a TCP slot stamped as long ago may still hold an
+    established flow, and its packets take them."""
+    set_config(dp, udp_s=5, udp_stream_s=5)
+    for proto, port in ((UDP, 8053), (TCP, 8080)):
+        unstamped_flow(net, POD_CLIENT, BE2, 44000, port, proto)
+        net.stamp((ip_be(BE2), port_be(port), proto), ago_s=20)
+    quiet = frame(UDP, POD_CLIENT, BE2, 44000, 8053)
+    assert net.from_pod(quiet) == (TC_ACT_OK, quiet)
+    verdict, out = net.from_pod(frame(TCP, POD_CLIENT, BE2, 44000, 8080))
+    assert verdict == TC_ACT_REDIRECT and parse(out).dst == BE3

@@ -110,8 +110,7 @@ def test_connect_goes_to_a_backend_and_getpeername_shows_the_cluster_ip(sl: Sock
     assert seen == {"pod-1-1", "pod-1-2"}  # each connect() chooses (random slot)
     stats = sl.stats()
     assert stats[Stat.SOCK_TRANSLATED] == 12 and stats[Stat.SOCK_REVNAT] >= 12
-    entries = sl.maps["sknat"].items()
-    assert entries and all(v.fe_addr == ip_be(VIP) and v.fe_port == port_be(80) for _, v in entries)
+    assert sl.maps["sknat"].items() == []  # each client closed its socket: sock_release took its entry
 
 
 def test_addresses_that_are_not_frontends_are_left_alone(sl: SockLab) -> None:
@@ -407,6 +406,58 @@ def test_ipv4_addresses_on_ipv6_sockets_are_translated_too(sl: SockLab) -> None:
     assert src == [f"::ffff:{VIP}", 90] and echoed == "pod-1-2"
     stats = sl.stats()
     assert stats[Stat.SOCK_TRANSLATED] == 2 and stats[Stat.SOCK_REVNAT] >= 2
+
+
+# Connects `n` TCP sockets and one connected UDP socket (VIP:90) through the frontend, closes every
+# other TCP socket and the UDP one, prints their cookies (SO_COOKIE, what ekp_sknat is keyed by) and
+# what getpeername() shows for the open ones, then holds the open ones until stdin closes (at most
+# 30 s). An IPv6 socket dialling the v4-mapped VIP is closed too (sock_release for AF_INET6).
+HOLD = """
+import json, select, socket, sys
+SO_COOKIE = 57
+def cookie(s):
+    return int.from_bytes(s.getsockopt(socket.SOL_SOCKET, SO_COOKIE, 8), "little")
+vip, n = sys.argv[1], int(sys.argv[2])
+socks = []
+for _ in range(n):
+    s = socket.socket(); s.settimeout(3); s.connect((vip, 80)); socks.append(s)
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.connect((vip, 90))
+s6 = socket.socket(socket.AF_INET6); s6.settimeout(3); s6.connect(("::ffff:" + vip, 80))
+closed = [cookie(s) for s in socks[::2]] + [cookie(u), cookie(s6)]
+for s in socks[::2] + [u, s6]:
+    s.close()
+live = socks[1::2]
+print(json.dumps({"closed": closed, "open": [cookie(s) for s in live],
+                  "peers": sorted({"%s:%d" % s.getpeername() for s in live})}), flush=True)
+select.select([sys.stdin], [], [], 30)
+"""
+
+
+def test_a_closed_socket_leaves_no_entry_and_open_ones_keep_the_cluster_ip(sl: SockLab) -> None:
+    """sock_release: the entry a socket left in ekp_sknat goes when it is closed (TCP, connected UDP,
+    an IPv6 socket on a v4-mapped address), so the table holds the open sockets, not every socket
+    that ever dialled a frontend (a full LRU makes every connect() evict); the open ones still show
+    the ClusterIP to getpeername()."""
+    two_backends(sl)
+    add_service(
+        sl.maps, VIP, 90, ((3, sl.pod_ip("pod-1-2"), 9000, BackendFlag.LOCAL),), proto=UDP, svc_id=2, set_id=2
+    )
+    proc = sl.lab.popen(
+        "node1", sys.executable, "-c", HOLD, VIP, "20", stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        held = json.loads(proc.stdout.readline())
+        entries = sl.maps["sknat"].items()
+        assert sorted(k.cookie for k, _ in entries) == sorted(held["open"])  # none of the 12 closed
+        assert all(v.fe_addr == ip_be(VIP) and v.fe_port == port_be(80) for _, v in entries)
+        assert held["peers"] == [f"{VIP}:80"] and len(held["closed"]) == 12
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+    assert len(sl.maps["sknat"].items()) == 0
+    stats = sl.stats()
+    assert stats[Stat.SOCK_TRANSLATED] == 22 and stats[Stat.SOCK_REVNAT] >= 10
 
 
 def test_real_ipv6_addresses_are_left_alone(sl: SockLab) -> None:

@@ -7,31 +7,61 @@ import pytest
 from agent.ebpf.ids import IdPool, PlanError
 
 
+class Owner:
+    """The plan's side of a pool: the ids it uses (a dict keyed by them, in the planner)."""
+
+    def __init__(self, limit: int) -> None:
+        self.owned: set[int] = set()
+        self.pool = IdPool(limit, "thing", self.owned)
+
+    def take(self, hint: int = 0) -> int:
+        ident = self.pool.take(hint)
+        self.owned.add(ident)
+        return ident
+
+    def release(self, ident: int) -> None:
+        self.owned.discard(ident)
+        self.pool.release(ident)
+
+
 def test_ids_count_up_and_wrap_only_at_the_limit() -> None:
-    pool = IdPool(3, "thing")
-    assert [pool.take(), pool.take()] == [1, 2]
-    pool.release(1)
-    pool.settle(lambda _: False)
-    assert pool.take() == 3, "a freed id is not reused before the counter wraps"
-    assert pool.take() == 1
+    plan = Owner(3)
+    assert [plan.take(), plan.take()] == [1, 2]
+    plan.release(1)
+    plan.pool.settle(lambda _: False)
+    assert plan.take() == 3, "a freed id is not reused before the counter wraps"
+    assert plan.take() == 1
     with pytest.raises(PlanError, match="no free thing id left"):
-        pool.take()
+        plan.take()
 
 
 def test_a_released_id_returns_only_after_the_kernel_let_go() -> None:
-    pool = IdPool(2, "thing")
-    assert pool.take() == 1 and pool.take() == 2
-    pool.release(1)
-    pool.settle(lambda ident: ident == 1)  # the kernel still holds it
+    plan = Owner(2)
+    assert plan.take() == 1 and plan.take() == 2
+    plan.release(1)
+    plan.pool.settle(lambda ident: ident == 1)  # the kernel still holds it
     with pytest.raises(PlanError):
-        pool.take()
-    pool.settle(lambda _: False)
-    assert pool.take() == 1
+        plan.take()
+    plan.pool.settle(lambda _: False)
+    assert plan.take() == 1
 
 
 def test_a_hint_is_re_adopted_unless_someone_holds_it() -> None:
-    pool = IdPool(100, "thing")
-    pool.hold(42)  # the kernel holds it, the plan does not (yet)
-    assert pool.take(42) == 42
-    assert pool.take(42) != 42, "taken: the next one gets a fresh id"
-    assert pool.take() == 44, "ids count up from the highest seen"
+    plan = Owner(100)
+    plan.pool.hold(42)  # the kernel holds it, the plan does not (yet)
+    assert plan.take(42) == 42
+    assert plan.take(42) != 42, "taken: the next one gets a fresh id"
+    assert plan.take() == 44, "ids count up from the highest seen"
+
+
+def test_the_pool_reads_the_plans_ids_and_holds_only_the_kernels_others() -> None:
+    plan = Owner(100)
+    plan.owned.update({1, 2})  # the plan's own dict, which the pool keeps no copy of
+    plan.pool.hold_all({2, 7})  # what the kernel holds: 2 is the plan's, 7 is not
+    assert 1 in plan.pool and 7 in plan.pool
+    assert plan.take() == 8, "neither the plan's ids nor the kernel's are handed out"
+    plan.pool.settle(lambda _: False)  # the kernel let go of 7
+    assert 7 not in plan.pool
+    assert 2 in plan.pool, "the plan's own id stays in use whatever the kernel holds"
+    plan.owned.discard(2)
+    assert 2 not in plan.pool

@@ -684,6 +684,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
         "cgroup_udp6_sendmsg": "ekp_sock_send6",
         "cgroup_udp6_recvmsg": "ekp_sock_recv6",
         "cgroup_inet6_getpeername": "ekp_sock_peer6",
+        "cgroup_inet_sock_release": "ekp_sock_free",
     }
     node = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
     sh("ip", "netns", "exec", node_ns, "sysctl", "-qw", "net.ipv4.ip_forward=0")
@@ -712,7 +713,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
         links = pinned_links(config.pin_path)
         assert set(links) == {
             f"{hook}{family}" for hook in ("connect", "sendmsg", "recvmsg", "getpeername") for family in "46"
-        }
+        } | {"sock_release"}
         first.sync(MORE, node)
         after_more = render_contents(live(config))
     finally:

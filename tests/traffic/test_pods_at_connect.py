@@ -76,8 +76,9 @@ def test_a_pods_connection_to_a_cluster_ip_shows_the_cluster_ip_and_reaches_a_ba
 ) -> None:
     """A pod dials a ClusterIP (TCP, and UDP with the reply's source checked): getpeername() and
     recvfrom() name the ClusterIP, every backend answers. eBPF mode: the socket programs sent the
-    pod's sockets to the backends (their table names the ClusterIP for each) and the tc programs
-    translated none of it (no conntrack entry through the ClusterIP)."""
+    pod's sockets to the backends (counted; their table names the ClusterIP for each UDP socket,
+    while a closed TCP socket's entry went with it) and the tc programs translated none of it (no
+    conntrack entry through the ClusterIP)."""
     bodies = set()
     for _ in range(12):
         out = client(cluster, "peer", "--addr", VIP, "--port", "80")
@@ -91,7 +92,12 @@ def test_a_pods_connection_to_a_cluster_ip_shows_the_cluster_ip_and_reaches_a_ba
         return
     through_tc = [ln for ln in inspect(pods_at_connect, "conntrack") if f" fe={VIP}:" in ln]
     assert through_tc == [], "the tc programs translated the pod's connections:\n" + "\n".join(through_tc)
-    sockets = inspect(pods_at_connect, "sockets")
+    sockets = inspect(pods_at_connect, "sockets", "stats")
     assert any(ln.endswith(" all namespaces") for ln in sockets if ln.startswith("sockcfg ")), sockets
-    sent = {ln.split()[2] for ln in sockets if ln.startswith("sock ") and f" shown as {VIP}:80 " in ln}
-    assert sent == {f"{ep(cluster, b).ip}:8080/TCP" for b in BACKENDS}, sockets
+    # The UDP client's unconnected sockets keep their entries (sendto() names no peer the socket
+    # holds at close), each naming the backend it was sent to; the closed TCP sockets left none
+    # (sock_release), and the counter says the socket programs sent them.
+    sent = {ln.split()[2] for ln in sockets if ln.startswith("sock ") and f" shown as {VIP}:" in ln}
+    assert sent == {f"{ep(cluster, b).ip}:9000/UDP" for b in BACKENDS}, sockets
+    (translated,) = (int(ln.split()[2]) for ln in sockets if ln.startswith("stat sock_translated "))
+    assert translated >= 12 + 12, sockets
