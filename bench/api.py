@@ -2,8 +2,8 @@
 
 One fresh one-node lab per mode and a fake kube-apiserver (lab/fakeapi) holding N Services with
 one EndpointSlice of E endpoints each (default 10,000 x 10: 100,000 endpoints, the objects
-realistic: managedFields, labels, selectors). A real `agent --kubeconfig` acts for the node.
-Measured:
+realistic: managedFields, labels, selectors), served over HTTPS as a real one is (a CA of its own
+in the kubeconfig). A real `agent --kubeconfig` acts for the node. Measured:
 
 * **full sync**: from the agent's first list request to its first `sync done` (everything listed,
   decoded, modelled, planned and written to the kernel); and from the process start (imports,
@@ -129,7 +129,7 @@ class ApiServerProcess:
 
 def _serve(conn: Any, services: int, endpoints: int) -> None:
     started = time.monotonic()
-    server = FakeApiServer(bookmark_interval_s=60.0).start()
+    server = FakeApiServer(bookmark_interval_s=60.0, tls=True).start()
     objects = scale_objects(services, endpoints)
     for obj in objects:
         server.create(obj)

@@ -138,8 +138,9 @@ class _Datapath:
     def __init__(self, maps: Mapping[str, KernelMap]) -> None:
         self.maps = maps
 
-    def load(self) -> None:
-        return None
+    def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+        if maps_ready is not None:
+            maps_ready()
 
     def prog_fd(self, name: str) -> int:
         return -1

@@ -37,7 +37,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -354,9 +354,15 @@ class Datapath:
                 os.close(fd)
         return ids
 
-    def load(self) -> None:
-        """Compiles, creates or re-adopts the pinned maps, loads both programs, opens the maps."""
+    def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+        """Compiles, creates or re-adopts the pinned maps, loads both programs, opens the maps.
+        `maps_ready` is called once `maps` can be read and written: before the programs are loaded
+        when they must be (from the compile cache or compiled now), so a first sync can fill the
+        maps while the verifier runs; when the pinned programs are reused, at the end. If the load
+        fails after that, the maps are closed (their fds -1) before the error is raised."""
         if self.loaded:
+            if maps_ready is not None:
+                maps_ready()
             return
         if not self.entry_file.is_file():
             raise DatapathError(f"{self.entry_file} not found (set {BPF_DIR_ENV} to the bpf/ directory)")
@@ -371,16 +377,23 @@ class Datapath:
         ensure_pin_dir(self.pin_path)
         check_pins(self.pin_path, self.sizes)
 
+        def opened() -> None:
+            self._open_maps()
+            if maps_ready is not None:
+                maps_ready()
+
         started = time.monotonic()
-        programs = self.programs()
-        build = self.build(programs)
-        fds = open_pinned_programs(self.pin_path, build, list(programs), self._pinned_map_ids(), PRIVATE_MAPS)
-        how = "reused (unchanged since it was compiled)"
-        if fds is None:
-            fds, how = self._link(build, programs)
-        self._prog_fds = fds
-        self._programs = programs
         try:
+            programs = self.programs()
+            build = self.build(programs)
+            fds = open_pinned_programs(
+                self.pin_path, build, list(programs), self._pinned_map_ids(), PRIVATE_MAPS
+            )
+            how = "reused (unchanged since it was compiled)"
+            if fds is None:
+                fds, how = self._link(build, programs, opened)
+            self._prog_fds = fds
+            self._programs = programs
             old = remove_other_builds(self.pin_path, build)
             if old:
                 log.info("unpinned programs of an older build: %s", ", ".join(old))
@@ -392,15 +405,22 @@ class Datapath:
                 self.pin_path,
                 time.monotonic() - started,
             )
-            for role, spec in MAPS.items():
-                m = BpfMap.open_pinned(sized_spec(spec, self.sizes), self.pin_path)
-                self._maps[role] = m
-                diffs = info_mismatches(spec, self.sizes, m.info())
-                if diffs:
-                    raise PinMismatchError(f"{spec.name}: " + ", ".join(diffs) + f"; {_REMEDY}")
+            if not self._maps:
+                opened()
         except Exception:
             self.close()
             raise
+
+    def _open_maps(self) -> None:
+        """Every pinned map on our own fds, each checked against the shape this agent expects."""
+        if self._maps:
+            return
+        for role, spec in MAPS.items():
+            m = BpfMap.open_pinned(sized_spec(spec, self.sizes), self.pin_path)
+            self._maps[role] = m
+            diffs = info_mismatches(spec, self.sizes, m.info())
+            if diffs:
+                raise PinMismatchError(f"{spec.name}: " + ", ".join(diffs) + f"; {_REMEDY}")
 
     def _compile(self, build: str, programs: Mapping[str, ProgSpec]) -> tuple[BpfObject, str]:
         types = {name: spec.prog_type for name, spec in programs.items()}
@@ -411,7 +431,9 @@ class Datapath:
         self.cache.put(obj)
         return obj, f"compiled in {seconds:.1f}s"
 
-    def _link(self, build: str, programs: Mapping[str, ProgSpec]) -> tuple[dict[str, int], str]:
+    def _link(
+        self, build: str, programs: Mapping[str, ProgSpec], maps_pinned: Callable[[], None]
+    ) -> tuple[dict[str, int], str]:
         """Load `build` against our pins: from the cache, else compiled now; the program fds and how."""
         obj = self.cache.get(build)
         cached = obj is not None
@@ -426,7 +448,7 @@ class Datapath:
 
         while True:
             try:
-                return link(obj, self.pin_path, pinned, pin_of), how
+                return link(obj, self.pin_path, pinned, pin_of, None if self._maps else maps_pinned), how
             except PinnedMapMismatch as e:
                 raise PinMismatchError(f"{e}; {_REMEDY}") from e
             except (LinkError, OSError) as e:

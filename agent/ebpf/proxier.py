@@ -88,7 +88,8 @@ class DatapathLike(Protocol):
     @property
     def maps(self) -> Mapping[str, MapWriter]: ...
 
-    def load(self) -> None: ...
+    def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+        """`maps_ready()` once `maps` can be written, maybe before the programs are loaded."""
 
     def prog_fd(self, name: str) -> int: ...
 
@@ -247,7 +248,14 @@ class EbpfProxier:
         self._socket_attacher: SocketAttacherLike | None = None
         self._terminator: TerminatorLike | None = None
         self._lock = threading.Lock()
-        self._datapath: DatapathLike | None = None
+        self._datapath: DatapathLike | None = None  # loaded, programs and maps
+        # The load runs without self._lock (prepare() while the source lists): a first sync that
+        # comes meanwhile waits on this condition for the maps only, plans and writes them while
+        # the verifier loads the programs, and waits for the programs before it attaches.
+        self._load_cond = threading.Condition()
+        self._loading = False  # a thread is in _load()
+        self._opened: DatapathLike | None = None  # the data path being loaded, once its maps are open
+        self._synced_with: DatapathLike | None = None  # the data path whose maps the planner wrote
         self._attacher: AttacherLike | None = None
         self._planner: Planner | None = None
         self._unsure = True  # what the maps hold is unknown: read them back before writing
@@ -262,8 +270,7 @@ class EbpfProxier:
 
     def prepare(self) -> None:
         """Compile (or reuse) and load the data path before the first desired state exists."""
-        with self._lock:
-            self._ensure_loaded()
+        self._load()
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
@@ -272,7 +279,10 @@ class EbpfProxier:
         with self._lock:
             start = time.monotonic()
             periodic = changed is None
-            datapath = self._ensure_loaded()
+            datapath = self._maps_open()
+            if datapath is not self._synced_with:
+                self._unsure = True  # another data path's maps (a load that failed and was redone)
+                self._synced_with = datapath
             maps = datapath.maps
             first = self._planner is None
             planner = self._planner or Planner(self._config)
@@ -307,6 +317,9 @@ class EbpfProxier:
             self._unsure = False
             self.last_flush = result
 
+            if self._ensure_loaded() is not datapath:
+                # The load failed after its maps were open: the next sync writes the new ones.
+                raise RuntimeError("the data path's load failed while its maps were written: loaded again")
             self._attach(datapath, node, periodic=periodic, legacy=deferred)
             if self._terminator is not None and (periodic or result.deletes.get("member")):
                 self._end_stale_sockets()
@@ -357,19 +370,56 @@ class EbpfProxier:
     # ------------------------------------------------------------------ internals
 
     def _ensure_loaded(self) -> DatapathLike:
-        if self._datapath is not None:
-            return self._datapath
-        pin_path = self._config.pin_path
-        self._check_snat_ports()
-        self._set_sysctls()
-        sizes = self._config.map_sizes.with_conntrack(
-            self._config.conntrack, os.cpu_count() or 1, self._sizes_reader(pin_path)
-        )
-        datapath = self._datapath_factory(pin_path, sizes)
-        datapath.load()
-        self._datapath = datapath
-        self._unsure = True
-        return datapath
+        """The loaded data path: loaded now, or by prepare() (waited for)."""
+        self._load()
+        assert self._datapath is not None
+        return self._datapath
+
+    def _maps_open(self) -> DatapathLike:
+        """The data path whose maps are open: loaded, or still loading its programs in prepare()
+        (waited for until its maps are open), or loaded now when nothing loads it."""
+        with self._load_cond:
+            while self._loading and self._opened is None:
+                self._load_cond.wait()
+            if self._opened is not None:
+                return self._opened
+        return self._ensure_loaded()
+
+    def _load(self) -> None:
+        """Load the data path unless it is loaded; when another thread loads it, wait for that
+        (its error is its own: this thread then tries once more)."""
+        with self._load_cond:
+            while self._loading:
+                self._load_cond.wait()
+            if self._datapath is not None:
+                return
+            self._loading = True
+            self._opened = None
+        try:
+            pin_path = self._config.pin_path
+            self._check_snat_ports()
+            self._set_sysctls()
+            sizes = self._config.map_sizes.with_conntrack(
+                self._config.conntrack, os.cpu_count() or 1, self._sizes_reader(pin_path)
+            )
+            datapath = self._datapath_factory(pin_path, sizes)
+
+            def maps_ready() -> None:
+                with self._load_cond:
+                    self._opened = datapath
+                    self._load_cond.notify_all()
+
+            datapath.load(maps_ready)
+        except BaseException:
+            with self._load_cond:
+                self._loading = False
+                self._opened = None
+                self._load_cond.notify_all()
+            raise
+        with self._load_cond:
+            self._datapath = self._opened = datapath
+            self._loading = False
+            self._load_cond.notify_all()
 
     def _legacy_live(self) -> bool:
         """Legacy host routing is on in the maps, and so every device with our ingress program has
@@ -538,9 +588,12 @@ class EbpfProxier:
             self._terminator.close()
             self._terminator = None
         self._socket_attacher = None
-        if self._datapath is not None:
-            self._datapath.close()
-            self._datapath = None
+        with self._load_cond:
+            while self._loading:  # a load under way finishes first (its fds are ours to close)
+                self._load_cond.wait()
+            if self._datapath is not None:
+                self._datapath.close()
+            self._datapath = self._opened = self._synced_with = None
         self._planner = None
         self._unsure = True
 

@@ -17,7 +17,7 @@ from agent.ebpf import bpfsys, loader
 from agent.ebpf.abi import MAPS
 from agent.ebpf.bpfobject import BpfObject
 from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids
-from agent.ebpf.link import PinnedMapMismatch, link
+from agent.ebpf.link import PinnedMapMismatch, link, verifier_threads
 from agent.ebpf.loader import PRIVATE_MAPS, Datapath, PinMismatchError
 from agent.ebpf.maps import map_info, obj_get
 from agent.ebpf.objcache import DIR_ENV, ObjectCache
@@ -271,3 +271,95 @@ def test_a_pinned_map_of_another_shape_is_refused_at_load(cache: ObjectCache) ->
         assert not _prog_pins(str(pins)), "nothing loaded against the wrong map"
         with pytest.raises(PinMismatchError):
             Datapath(str(pins), SMALL, cache=cache).load()
+
+
+@pytest.mark.kernel
+def test_the_maps_are_pinned_before_the_programs_load_side_by_side(
+    cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first sync writes the maps while the verifier runs (maps_pinned comes first), and the
+    verifier runs for several programs at once (it takes seconds for the two largest)."""
+    import threading
+
+    from agent.ebpf import link as link_module
+
+    obj = cache.get(Datapath("/x", SMALL).build())
+    assert obj is not None
+    events: list[str] = []
+    running: list[str] = []
+    most = [0]
+    lock = threading.Lock()
+    real = link_module._load
+
+    def load(o: BpfObject, name: str, fds: list[int]) -> int:
+        with lock:
+            running.append(name)
+            most[0] = max(most[0], len(running))
+            events.append(f"load {name}")
+        try:
+            return real(o, name, fds)
+        finally:
+            with lock:
+                running.remove(name)
+
+    monkeypatch.setattr(link_module, "_load", load)
+    with bpffs() as root:
+        pins = root / "p"
+        pins.mkdir()
+        maps = {s.name for s in MAPS.values()}
+
+        def pinned() -> None:
+            events.append("maps pinned")
+            assert maps <= set(os.listdir(pins))
+
+        fds = link(obj, str(pins), maps, lambda n: str(pins / f"{PROG_PIN_PREFIX}{n}"), pinned, threads=2)
+        try:
+            assert events[0] == "maps pinned" and len(events) == 1 + len(obj.programs)
+            assert most[0] == 2
+            assert sorted(fds) == sorted(p.name for p in obj.programs)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+
+def test_the_programs_load_on_every_cpu_but_the_agents_own() -> None:
+    assert [verifier_threads(n) for n in (1, 2, 4, 16)] == [1, 1, 3, 15]
+
+
+@pytest.mark.kernel
+def test_a_program_the_verifier_refuses_leaves_none_of_the_others_pinned(
+    cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agent.ebpf import link as link_module
+    from agent.ebpf.link import LinkError
+
+    obj = cache.get(Datapath("/x", SMALL).build())
+    assert obj is not None
+    real = link_module._load
+    closed: list[int] = []
+    loaded: list[int] = []
+
+    def load(o: BpfObject, name: str, fds: list[int]) -> int:
+        if name == "ekp_egress":
+            raise LinkError("loading program ekp_egress: refused")
+        fd = real(o, name, fds)
+        loaded.append(fd)
+        return fd
+
+    real_close = os.close
+
+    def close(fd: int) -> None:
+        closed.append(fd)
+        real_close(fd)
+
+    monkeypatch.setattr(link_module, "_load", load)
+    monkeypatch.setattr(os, "close", close)
+    with bpffs() as root:
+        pins = root / "q"
+        pins.mkdir()
+        maps = {s.name for s in MAPS.values()}
+        with pytest.raises(LinkError, match="ekp_egress: refused"):
+            link(obj, str(pins), maps, lambda n: str(pins / f"{PROG_PIN_PREFIX}{n}"), threads=2)
+        monkeypatch.undo()
+        assert not _prog_pins(str(pins))
+        assert loaded and set(loaded) <= set(closed), "every program loaded before the error is closed"

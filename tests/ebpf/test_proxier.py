@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -30,6 +31,7 @@ from agent.ebpf.abi import (
     CtEntry,
     CtKey,
     FrontendKey,
+    MapSpec,
     Scope,
     SockConfig,
     SockFlag,
@@ -71,8 +73,10 @@ class FakeDatapath:
     def maps(self) -> Mapping[str, MapWriter]:
         return self._maps
 
-    def load(self) -> None:
+    def load(self, maps_ready: Callable[[], None] | None = None) -> None:
         self.loads += 1
+        if maps_ready is not None:
+            maps_ready()
 
     def prog_fd(self, name: str) -> int:
         return PROG_FDS[name]
@@ -172,11 +176,12 @@ class Rig:
         self.pinned: dict[str, int] = {}
         self.sizes: list[MapSizes] = []  # what each data path was created with
         self.unavailable: set[str] = set()  # programs the kernel cannot load
+        self.datapath_type: type[FakeDatapath] = FakeDatapath
 
     def proxier(self) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
             self.sizes.append(sizes)
-            dp = FakeDatapath(self.maps)
+            dp = self.datapath_type(self.maps)
             dp.unavailable = self.unavailable
             self.datapaths.append(dp)
             return dp
@@ -284,6 +289,110 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     rig.attachers[0].watching = False
     p.sync(STATE, moved, frozenset())
     assert rig.events[-2:] == ["watch", "reconcile full=False verify"]
+
+
+class SignallingMap(FakeMap):
+    """Sets `written` at its first write."""
+
+    def __init__(self, spec: MapSpec) -> None:
+        super().__init__(spec)
+        self.written = threading.Event()
+
+    def update_packed(self, keys: bytes, values: bytes) -> int:
+        self.written.set()
+        return super().update_packed(keys, values)
+
+
+def test_a_first_sync_writes_the_maps_while_the_programs_load_and_attaches_once_they_are(rig: Rig) -> None:
+    """prepare() loads the data path while the source lists; the verifier takes seconds after the
+    maps are pinned. A first sync coming meanwhile plans and writes the maps then, and attaches
+    only once the programs are loaded."""
+    verified = threading.Event()
+    fe = rig.maps["fe"] = SignallingMap(MAPS["fe"])
+
+    class Verifying(FakeDatapath):
+        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+            self.loads += 1
+            assert maps_ready is not None
+            maps_ready()
+            assert verified.wait(30)  # the programs: until the test says they are loaded
+            rig.events.append("programs loaded")
+
+    rig.datapath_type = Verifying
+    p = rig.proxier()
+    prepare = threading.Thread(target=p.prepare)
+    sync = threading.Thread(target=p.sync, args=(STATE, NODE))
+    prepare.start()
+    sync.start()
+    try:
+        assert fe.written.wait(10), "the first sync did not write the maps while the programs loaded"
+        assert not any("attach" in e for e in rig.events)
+    finally:
+        verified.set()
+        prepare.join(30)
+        sync.join(30)
+    assert rig.events[0] == "programs loaded" and any("attach" in e for e in rig.events)
+    assert rig.contents().same_entries(plan(STATE, NODE, rig.config))
+    assert [d.loads for d in rig.datapaths] == [1]  # the sync waited for prepare()'s load
+
+
+def test_a_first_sync_loads_the_data_path_itself_when_prepare_failed(rig: Rig) -> None:
+    class FailingOnce(FakeDatapath):
+        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+            self.loads += 1
+            if len(rig.datapaths) == 1:
+                assert maps_ready is not None
+                maps_ready()  # its maps were open, then the programs failed to load
+                raise RuntimeError("the verifier said no")
+            super().load(maps_ready)
+
+    rig.datapath_type = FailingOnce
+    p = rig.proxier()
+    with pytest.raises(RuntimeError, match="the verifier said no"):
+        p.prepare()
+    p.sync(STATE, NODE)
+    assert len(rig.datapaths) == 2 and any("attach" in e for e in rig.events)
+    assert rig.contents().same_entries(plan(STATE, NODE, rig.config))
+
+
+def test_a_load_failing_after_the_first_sync_wrote_its_maps_is_done_again_and_the_maps_read_back(
+    rig: Rig,
+) -> None:
+    """The verifier refuses a program after the first sync wrote the maps: that sync fails (its
+    maps' fds are gone with the load), the sync loads the data path again, and the next sync reads
+    the pinned maps back (what the failed one wrote is there: nothing to write) and attaches."""
+    fe = rig.maps["fe"] = SignallingMap(MAPS["fe"])
+
+    class RefusedAfterTheMaps(FakeDatapath):
+        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+            self.loads += 1
+            assert maps_ready is not None
+            maps_ready()
+            if len(rig.datapaths) == 1:
+                assert fe.written.wait(30)  # the first sync wrote the maps meanwhile
+                raise RuntimeError("the verifier said no")
+
+    rig.datapath_type = RefusedAfterTheMaps
+    p = rig.proxier()
+    failed: list[BaseException] = []
+
+    def prepare() -> None:
+        try:
+            p.prepare()
+        except RuntimeError as exc:
+            failed.append(exc)
+
+    loading = threading.Thread(target=prepare)
+    loading.start()
+    with pytest.raises(RuntimeError, match="load failed while its maps were written"):
+        p.sync(STATE, NODE)
+    loading.join(30)
+    assert [str(e) for e in failed] == ["the verifier said no"]
+    assert len(rig.datapaths) == 2 and not any("attach" in e for e in rig.events)
+    p.sync(STATE, NODE)
+    assert p.last_flush.writes == 0, "the maps were read back: the failed sync had written them"
+    assert any("attach" in e for e in rig.events)
+    assert rig.contents().same_entries(plan(STATE, NODE, rig.config))
 
 
 def test_the_socket_programs_get_the_node_namespace_then_their_links(rig: Rig) -> None:
