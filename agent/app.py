@@ -58,6 +58,35 @@ def make_proxier(config: Config, metrics: Metrics | None = None) -> Proxier:
     return EbpfProxier(config)
 
 
+def ipv6_unsupported(config: Config, missing: Callable[[Config], str] | None = None) -> str:
+    """Why this node cannot have the IPv6 proxier the flags ask for, "" when it can or when they
+    ask for none. `missing`: the host check (agent.iptables.runner.ipv6_missing)."""
+    if not config.ipv6_configured:
+        return ""
+    if missing is not None:
+        return missing(config)
+    from agent.iptables.runner import ipv6_missing
+
+    return ipv6_missing(config)
+
+
+def serves_ipv6(config: Config, missing: Callable[[Config], str] | None = None) -> bool:
+    """Whether an IPv6 proxier runs: the flags describe IPv6 and the node can do it."""
+    return config.ipv6_configured and not ipv6_unsupported(config, missing)
+
+
+def single_stack_warning(config: Config, missing: str) -> str:
+    """The one line that says the node runs single-stack though the flags describe IPv6, as
+    upstream's "No iptables support for family" (kube-proxy then runs one proxier)."""
+    ipv4 = "the eBPF data path" if config.mode is Mode.EBPF else "iptables rules"
+    return (
+        f"no iptables support for family IPv6: {missing}. Running single-stack: IPv6 Services are "
+        f"not programmed on this node (IPv4 ones are, by {ipv4}) and /healthz and /livez follow "
+        "IPv4 only. IPv6 is asked for by --node-ip, --cluster-cidr or --service-cluster-ip-range: "
+        "enable IPv6 in the kernel and install ip6tables (the iptables package), or leave IPv6 out of them"
+    )
+
+
 def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = None) -> Proxier | None:
     """The IPv6 proxier beside `proxier` (kube-proxy's metaproxier): ip6tables in both modes, when
     the flags describe IPv6 for the node; None otherwise (agent/metaproxier.py). In eBPF mode too:
@@ -76,7 +105,7 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
             config,
             family=IPFamily.IPv6,
             runner=SubprocessRunner(config, family=6, follow=lambda: follow.backend),
-            take_over=lambda: None,
+            take_over=lambda: True,
             metrics=metrics,
         )
     return ip6tables_beside_ebpf(config, SubprocessRunner(config, family=6), metrics)
@@ -88,16 +117,19 @@ def ip6tables_beside_ebpf(
     """eBPF mode's IPv6 proxier: kube-proxy's ip6tables layout on `runner`. No IPv4 rules to follow,
     so the backend is --iptables-backend or the one the node already uses (kubelet's hint chains).
     Once its rules serve it removes kube-proxy's `ip6 kube-proxy` nftables table (the eBPF start
-    leaves it for this moment, agent/takeover/into_ebpf.py), and nothing else: never the eBPF data
+    leaves it for this moment, agent/takeover/into_ebpf.py; a failure is a warning, retried at
+    each sync until the table is gone), and nothing else: never the eBPF data
     path, which serves IPv4 beside it (iptables mode's proxier hands that back)."""
     from agent.iptables import IptablesProxier
-    from agent.iptables.kube_proxy_cleanup import KubeProxyCleanupReport, cleanup_nft_tables
-
-    def take_over() -> None:
-        cleanup_nft_tables(runner, KubeProxyCleanupReport(), families=("ip6",))
+    from agent.iptables.kube_proxy_cleanup import NftTakeover
 
     return IptablesProxier(
-        config, family=IPFamily.IPv6, runner=runner, take_over=take_over, metrics=metrics, counters=counters
+        config,
+        family=IPFamily.IPv6,
+        runner=runner,
+        take_over=NftTakeover(runner, families=("ip6",)),
+        metrics=metrics,
+        counters=counters,
     )
 
 
@@ -216,17 +248,19 @@ def cleanup_kube_proxy(config: Config) -> int:
     return 1 if report.errors else 0
 
 
-def preflight(config: Config) -> None:
-    """What no retry fixes, checked before anything is created; raises FatalError."""
+def preflight(config: Config, ipv6: bool | None = None) -> None:
+    """What no retry fixes, checked before anything is created; raises FatalError. `ipv6`:
+    whether an IPv6 proxier will run (`serves_ipv6`; None: ask it). A node that cannot do IPv6
+    runs single-stack instead (`build_agent` says so): nothing to check for it here."""
     if config.mode is Mode.EBPF:
         from agent.ebpf import preflight as ebpf_preflight
 
         ebpf_preflight.require(config.pin_path)
-        if config.ipv6_configured:
+        if serves_ipv6(config) if ipv6 is None else ipv6:
             from agent.iptables.runner import IPV6_IN_EBPF_MODE
             from agent.iptables.runner import preflight as iptables_preflight
 
-            iptables_preflight(config, who=IPV6_IN_EBPF_MODE)
+            iptables_preflight(config, who=IPV6_IN_EBPF_MODE, binary="ip6tables")
     else:
         from agent.iptables.runner import preflight as iptables_preflight
 
@@ -260,17 +294,24 @@ def build_agent(
     config: Config,
     configz: Callable[[], Mapping[str, Any]] | None = None,
     kubeconfig: Mapping[str, Any] | None = None,
+    ipv6_check: Callable[[Config], str] | None = None,
 ) -> Agent:
     """Every part of a running agent for `config`; raises FatalError (credentials, bad flags).
-    `kubeconfig`: the `--kubeconfig` file as `run` loaded it (None: read it here)."""
+    `kubeconfig`: the `--kubeconfig` file as `run` loaded it (None: read it here). `ipv6_check`:
+    what the node lacks for IPv6 (agent.iptables.runner.ipv6_missing): when it lacks something,
+    no IPv6 proxier runs and one warning says so."""
     from agent.health import ProxyHealth, ServiceHealthServer, health_timeout_s, healthz_server
     from agent.metrics.server import metrics_server
     from agent.metrics.source import FileMetrics, SourceMetrics
 
+    missing6 = ipv6_unsupported(config, ipv6_check)
+    if missing6:
+        log.warning("%s", single_stack_warning(config, missing6))
+    serve6 = config.ipv6_configured and not missing6
     registry = CollectorRegistry()
     nfacct = None
     # iptables mode's metric families: in eBPF mode too when its ip6tables proxier serves IPv6.
-    iptables = config.mode is Mode.IPTABLES or config.ipv6_configured
+    iptables = config.mode is Mode.IPTABLES or serve6
     if iptables:
         from agent.iptables import read_nfacct_counters
 
@@ -321,7 +362,7 @@ def build_agent(
     services.append(service_health)
 
     proxier = make_proxier(config, metrics)
-    proxier6 = make_proxier6(config, proxier, metrics)
+    proxier6 = make_proxier6(config, proxier, metrics) if serve6 else None
     service_health6 = None
     if proxier6 is not None:
         log.info("%s", ipv6_served_by(config))
@@ -347,6 +388,7 @@ def build_agent(
             proxier6=proxier6,
             node_context6=lambda: node_context(config, IPFamily.IPv6),
             service_health6=service_health6,
+            ipv6_unserved_said=bool(missing6),
         ),
     )
 

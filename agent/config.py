@@ -195,6 +195,17 @@ class Config:
         return tuple(ip for ip in self.node_ips if (":" in ip) == (family == 6))
 
     @property
+    def min_sync_period6_s(self) -> float:
+        """The IPv6 proxier's floor (ip6tables in both modes). iptables mode: the IPv4 proxier's,
+        as upstream's two proxiers share minSyncPeriod. eBPF mode: at least kube-proxy's 1 s
+        default, or --iptables-min-sync-period when larger: the value there is tuned for the eBPF
+        map writes (100 ms by default), and an ip6tables-restore rewrites the top-level chains at
+        every call."""
+        if self.mode is Mode.IPTABLES:
+            return self.min_sync_period_s
+        return max(self.min_sync_period_s, IPTABLES_MIN_SYNC_PERIOD_S)
+
+    @property
     def ipv6_configured(self) -> bool:
         """Whether the flags describe IPv6 for this node (an IPv6 --node-ip, --cluster-cidr or
         --service-cluster-ip-range): iptables mode then runs an IPv6 proxier beside the IPv4 one

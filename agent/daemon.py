@@ -18,7 +18,9 @@
   `agent.errors.FatalError` stops the agent with exit status 1 and its message.
 * **Two families** (kube-proxy's metaproxier, agent/metaproxier.py): every Service and
   EndpointSlice also feeds an IPv6 model; when the mode programs IPv6 (`Parts.proxier6`), each
-  sync programs it right after IPv4, else the agent says once that IPv6 Services exist unserved.
+  sync offers it to the IPv6 family right after IPv4 (after a failed IPv4 sync too), which calls
+  its proxier only when something is due for it and at most once per its own floor
+  (`IPv6Family`), else the agent says once that IPv6 Services exist unserved.
   As upstream's two proxiers, each family then has its own entry in the proxy health (queued by
   the objects that touch it, updated by its own successful sync), its own healthCheckNodePort
   server (`Parts.service_health6`, fed from the IPv6 commits) and its own `ip_family` in the sync
@@ -54,7 +56,7 @@ from agent.config import Config, NodeContext
 from agent.errors import FatalError
 from agent.featuregates import node_info
 from agent.localdetect import LocalMode
-from agent.metaproxier import IPv6Family, frontend_guard
+from agent.metaproxier import IPv6Family, Outcome, frontend_guard
 from agent.metrics import Metrics, no_local_endpoints
 from agent.model.problem import Problem, printable
 from agent.model.tracker import Commit, ProxyModel, ServiceRecord, SliceRecord, read_service, read_slice
@@ -136,6 +138,8 @@ class Parts:
     proxier6: Proxier | None = None
     node_context6: Callable[[], NodeContext] | None = None
     service_health6: ServiceHealth | None = None  # the IPv6 proxier's, on IPv6 sockets
+    # No IPv6 proxier though the flags ask for one (the node cannot do IPv6): the start said so.
+    ipv6_unserved_said: bool = False
 
 
 class Agent:
@@ -152,7 +156,9 @@ class Agent:
         self._clock = clock
         self._wall = wall
         self._model = ProxyModel(node_info(config))
-        self._v6 = IPv6Family(config, parts.proxier6, parts.node_context6)
+        self._v6 = IPv6Family(
+            config, parts.proxier6, parts.node_context6, clock, unserved_said=parts.ipv6_unserved_said
+        )
         self._lock = threading.Lock()
         self._queue: list[Event | _Read] = []
         self._synced: set[Kind] = set()
@@ -370,21 +376,25 @@ class Agent:
         changed: frozenset[ServicePortName] | None = None
         if not full:
             changed = (commit.changed or frozenset()) | frozenset(self._retry)
+        failure: Exception | None = None
         try:
             result = self._parts.proxier.sync(self._model.state, self._node, changed)
-        except Exception:
-            metrics.record_sync(full, self._clock() - start, ok=False)
+        except FatalError:
             raise
-        if self._parts.health is not None:
-            self._parts.health.updated(str(IPFamily.IPv4))
+        except Exception as exc:
+            # Raised again below, after the IPv6 family's turn: as upstream's two proxiers, one
+            # family's failure does not leave the other's Services unprogrammed.
+            metrics.record_sync(full, self._clock() - start, ok=False)
+            failure = exc
         elapsed = self._clock() - start  # the IPv4 proxier's sync, as upstream times each proxier
-        start6 = self._clock()
-        commit6, result6 = self._v6.sync(full=full, read_node=read_node)
+        if failure is None and self._parts.health is not None:
+            self._parts.health.updated(str(IPFamily.IPv4))
+        commit6 = self._v6.sync(read_node=read_node, now=start)
         self._report(commit6, reported=commit)
         if self._parts.proxier6 is not None:
-            self._after_sync6(commit6, result6, self._clock() - start6)
-        if self._v6.retry_wanted:
-            self._runner.retry_soon()
+            self._after_sync6()
+        if failure is not None:
+            raise failure  # the runner retries with backoff
         self.last_result = result
         self.syncs += 1
         if full:
@@ -513,28 +523,48 @@ class Agent:
         metrics.set_pending(services=0, endpoints=0)
         self._count_no_local(self._model, commit)
         changed = "all" if commit.changed is None else str(len(commit.changed))
+        # "sync done: version=V" says V is programmed in every family (the lab waits for it); while
+        # the IPv6 family is held by its floor or failed, the line says IPv4 alone is.
+        v6 = self._v6
+        done = "sync done" if v6.in_step else "sync done for IPv4 only"
+        behind = (
+            ""
+            if v6.in_step
+            else f", IPv6 {'waits for its floor' if v6.outcome is Outcome.HELD else 'failed'}"
+        )
         log.info(
-            "sync done: version=%s, %s sync, %s service port(s) changed, %d in all, %.1f ms",
+            "%s: version=%s, %s sync, %s service port(s) changed, %d in all, %.1f ms%s",
+            done,
             printable(self.version),
             "full" if full else "partial",
             changed,
             len(self._model.state.services),
             elapsed * 1000,
+            behind,
         )
 
-    def _after_sync6(self, commit: Commit, result: SyncResult | None, elapsed: float) -> None:
+    def _after_sync6(self) -> None:
         """The IPv6 proxier's share of what `_after_sync` does for IPv4: its health, its
         healthCheckNodePorts and its metrics (labelled ip_family="IPv6", as upstream's IPv6
-        proxier's). A failed IPv6 sync (None) is timed and counted, and moves nothing else."""
-        metrics, family = self._parts.metrics, str(IPFamily.IPv6)
-        metrics.record_sync(self._v6.last_full, elapsed, ok=result is not None, family=family)
-        if result is None:
+        proxier's), after what the IPv6 family did (`Outcome`). A failed call is timed and
+        counted and moves nothing else; a family with nothing to program is in step (healthy);
+        one held back by its floor asks the runner for a run when the floor has passed."""
+        v6, metrics, family = self._v6, self._parts.metrics, str(IPFamily.IPv6)
+        if v6.outcome in (Outcome.SYNCED, Outcome.FAILED):
+            metrics.record_sync(v6.last_full, v6.elapsed, ok=v6.outcome is Outcome.SYNCED, family=family)
+        if v6.retry_wanted:
+            self._runner.retry_soon()
+        if v6.outcome is Outcome.HELD:
+            self._runner.request_at(v6.due_at)
+        commit = v6.programmed
+        if commit is None:  # failed or held
             return
         if self._parts.health is not None:
             self._parts.health.updated(family)
         self._hc_feeds[1].feed(commit)
-        metrics.record_network_programming(commit.trigger_times, family)
-        self._count_no_local(self._v6.model, commit)
+        if v6.outcome is Outcome.SYNCED:
+            metrics.record_network_programming(commit.trigger_times, family)
+        self._count_no_local(v6.model, commit)
 
     def _count_no_local(self, model: ProxyModel, commit: Commit) -> None:
         """kube-proxy's sync_proxy_rules_no_local_endpoints_total of `model`'s family, kept per

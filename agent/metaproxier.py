@@ -19,14 +19,21 @@ Which proxier programs IPv6, when the flags describe IPv6 for the node (`Config.
 
 Without IPv6 in the flags no IPv6 proxier runs: the IPv6 state is still computed (so problems with
 IPv6 objects are reported the same way), and the first time IPv6 service ports exist the agent
-says once, as a warning, that they are not programmed and what turns the IPv6 proxier on.
+says once, as a warning, that they are not programmed and what turns the IPv6 proxier on. Nor
+does one run when the flags ask for IPv6 and the node cannot do it (no ip6tables, or the kernel's
+IPv6 turned off: upstream's platformCheckSupported, agent/app.py): the agent runs single-stack
+and says so once at start.
 
-A failure of the IPv6 sync never holds back the IPv4 one: it is retried at the next sync.
+Each family's sync is its own: a failure of either never holds back the other (agent/daemon.py
+runs the IPv6 sync after a failed IPv4 one too), and the IPv6 proxier is called only when
+something is due for it, at most once per its own floor (`IPv6Family`).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import time
 from collections.abc import Callable
 
 from agent.config import Config, Mode, NodeContext
@@ -68,37 +75,85 @@ def unserved_reason(config: Config) -> str:
     )
 
 
+def merged(earlier: Commit, later: Commit) -> Commit:
+    """Two commits as one, for the health-check servers and the metrics of the sync that programs
+    both (the problems were reported when each was made): the later's values win."""
+    changed = None if earlier.changed is None or later.changed is None else earlier.changed | later.changed
+    return Commit(
+        changed,
+        trigger_times=earlier.trigger_times + later.trigger_times,
+        services_changed=earlier.services_changed + later.services_changed,
+        health_check_ports={**earlier.health_check_ports, **later.health_check_ports},
+        local_endpoints={**earlier.local_endpoints, **later.local_endpoints},
+    )
+
+
+class Outcome(enum.Enum):
+    """What the IPv6 family did in one of the agent's syncs."""
+
+    UNSERVED = "unserved"  # no IPv6 proxier: the model only
+    SYNCED = "synced"  # its proxier programmed it (some ports may have failed: `retry_wanted`)
+    FAILED = "failed"  # its proxier raised: retried, in full
+    IDLE = "idle"  # nothing changed, no full sync or retry due: its proxier was not called
+    HELD = "held"  # something is due, but its own floor has not passed: `due_at`
+
+
 class IPv6Family:
     """The IPv6 model, and its proxier when this mode programs IPv6 (else None). No side effects
-    at construction; `sync` runs on the agent's sync thread only."""
+    at construction; `sync` runs on the agent's sync thread only.
+
+    As upstream, where each proxier syncs when its own change tracker took a change, the IPv6
+    proxier is called only when something is due for it: IPv6 service ports changed (gathered
+    over the agent's syncs), its node addresses moved, its own periodic full sync (every
+    sync period, the drift repair), or a retry. And never sooner than `Config.min_sync_period6_s`
+    after its last call: ip6tables-restore rewrites the top-level chains at every sync, so eBPF
+    mode's 100 ms IPv4 floor is no floor for it."""
 
     def __init__(
         self,
         config: Config,
         proxier: Proxier | None = None,
         node_context: Callable[[], NodeContext] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        unserved_said: bool = False,
     ) -> None:
         self._config = config
         self.model = ProxyModel(node_info(config), family=IPFamily.IPv6)
         self.proxier = proxier
         self._node_context = node_context or (lambda: NodeContext())
+        self._clock = clock
+        self._floor = min(config.min_sync_period6_s, config.sync_period_s)
         self.node: NodeContext | None = None
         self._retry: dict[ServicePortName, str] = {}
-        self._announced = False
+        self._announced = unserved_said  # the start said why no IPv6 proxier runs
         self._need_full = False  # the last sync raised: the next one writes everything
+        self._changed: set[ServicePortName] = set()  # committed, not yet programmed
+        self._full_due = False  # a commit or the node asked for a full sync not yet made
+        self._held: Commit | None = None  # the commits not yet programmed, merged
+        self._last_call = float("-inf")
+        self._last_full = float("-inf")
+        self.outcome = Outcome.UNSERVED
+        self.programmed: Commit | None = None  # what the last SYNCED or IDLE outcome settled
+        self.due_at = float("-inf")  # HELD: when the floor allows the next call
+        self.elapsed = 0.0  # the last proxier call's duration
         self.last_result: SyncResult | None = None
-        self.last_full = False  # whether the last sync handed the proxier everything
+        self.last_full = False  # whether the last call handed the proxier everything
 
     def set_node(self, node: NodeInfo) -> None:
         self.model.set_node(node)
 
-    def sync(self, *, full: bool, read_node: bool) -> tuple[Commit, SyncResult | None]:
-        """Commit the IPv6 model and, with a proxier, program it: fully when `full` (or when the
-        model or the node's IPv6 addresses ask for it, or the last sync failed), else the changed
-        and retried ports. `read_node`: re-read the node's IPv6 addresses first (the IPv4 side
-        does at the same moments). A failed sync is logged and returned as None with
-        `retry_wanted`; FatalError propagates."""
+    def sync(self, *, read_node: bool, now: float) -> Commit:
+        """Commit the IPv6 model and, with a proxier and something due (see the class), program
+        it: fully when its periodic full sync is due, the model or the node's IPv6 addresses ask
+        for it or the last call failed, else the service ports changed since the last call and
+        those to retry. `read_node`: re-read the node's IPv6 addresses first (the IPv4 side does
+        at the same moments); `now`: when the agent's sync began, on the clock its runner's floor
+        is measured with (so with the same floor as IPv4's, iptables mode's, no IPv6 call is ever
+        held). `outcome` says what happened; a failed call is logged and retried (`retry_wanted`);
+        FatalError propagates."""
         moved = False
+        self.programmed = None
         if self.proxier is not None and (read_node or self.node is None or self.model.full_pending):
             node = self._node_context()
             moved = self.node is not None and node != self.node
@@ -109,25 +164,54 @@ class IPv6Family:
         commit = self.model.commit()
         if self.proxier is None:
             self._announce()
-            return commit, None
+            self.outcome = Outcome.UNSERVED
+            return commit
         assert self.node is not None
-        changed: frozenset[ServicePortName] | None = None
-        if not (full or moved or self._need_full or commit.changed is None):
-            changed = (commit.changed or frozenset()) | frozenset(self._retry)
-        self.last_full = changed is None
+        self._held = commit if self._held is None else merged(self._held, commit)
+        if commit.changed is None or moved:
+            self._full_due = True
+        else:
+            self._changed |= commit.changed
+        full = self._full_due or self._need_full or now - self._last_full >= self._config.sync_period_s
+        if not (full or self._changed or self._retry):
+            self.outcome = Outcome.IDLE
+            self.programmed, self._held = self._held, None
+            return commit
+        if now - self._last_call < self._floor:
+            self.outcome = Outcome.HELD
+            self.due_at = self._last_call + self._floor
+            return commit
+        changed = None if full else frozenset(self._changed | self._retry.keys())
+        self.last_full = full
+        self._last_call = now
+        started = self._clock()
         try:
             result = self.proxier.sync(self.model.state, self.node, changed)
         except FatalError:
             raise
         except Exception as exc:
-            # The IPv4 rules are programmed already; this family catches up at the next sync.
-            log.warning("IPv6 sync failed (retried soon, in full; IPv4 is programmed): %s", exc)
+            # The IPv4 side is not held back; this family catches up at its retry.
+            log.warning("IPv6 sync failed (retried soon, in full; IPv4 is unaffected): %s", exc)
             self._need_full = True
-            return commit, None
-        self._need_full = False
+            self.outcome = Outcome.FAILED
+            return commit
+        finally:
+            self.elapsed = self._clock() - started
+        self._need_full = self._full_due = False
+        self._changed.clear()
+        if full:
+            self._last_full = now
         self._report(result)
         self.last_result = result
-        return commit, result
+        self.outcome = Outcome.SYNCED
+        self.programmed, self._held = self._held, None
+        return commit
+
+    @property
+    def in_step(self) -> bool:
+        """Whether the IPv6 rules hold everything committed (or no IPv6 proxier runs): not held
+        back by the floor, not failed."""
+        return self.outcome not in (Outcome.HELD, Outcome.FAILED)
 
     @property
     def retry_wanted(self) -> bool:

@@ -5,7 +5,8 @@ kube-proxy's BoundedFrequencyRunner in small: `request()` asks for a run soon; r
 periodic full resync that repairs anything changed behind our back). A failed run is retried after
 a backoff that starts at `retry_interval` and doubles up to `max_interval`, with +-20% jitter so a
 fleet of nodes does not retry in step; `retry_soon()` asks for that retry without counting a
-failure (a run that programmed everything but some service ports). `agent.errors.FatalError`
+failure (a run that programmed everything but some service ports); `request_at(t)` asks for a
+run at `t` (a part of the work held back by its own floor). `agent.errors.FatalError`
 stops the loop and is handed to `on_fatal`: no retry fixes it. The function runs on one thread
 only, so backends need no locking, and never two runs at once.
 """
@@ -47,6 +48,7 @@ class BoundedFrequencyRunner:
         self._pending = True  # the first run happens as soon as the loop starts
         self._last_run = float("-inf")
         self._retry_at: float | None = None
+        self._due_at: float | None = None
         self._backoff = retry_interval
         self._thread: threading.Thread | None = None
         self.runs = 0
@@ -62,6 +64,11 @@ class BoundedFrequencyRunner:
         """From within a run: ask for another after the current backoff, without a failure."""
         self._schedule_retry()
 
+    def request_at(self, when: float) -> None:
+        """From within a run: ask for a run at `when` (on this runner's clock; not before
+        min_interval), without a failure. The run after it forgets the request."""
+        self._due_at = when if self._due_at is None else min(self._due_at, when)
+
     def next_run_at(self) -> float:
         """When the next run is due (pure function of the runner's state, for tests)."""
         due = self._last_run + self.max_interval
@@ -69,6 +76,8 @@ class BoundedFrequencyRunner:
             due = min(due, self._last_run + self.min_interval)
         if self._retry_at is not None:
             due = min(due, max(self._retry_at, self._last_run + self.min_interval))
+        if self._due_at is not None:
+            due = min(due, max(self._due_at, self._last_run + self.min_interval))
         return due
 
     def _schedule_retry(self) -> float:
@@ -84,6 +93,7 @@ class BoundedFrequencyRunner:
         self._last_run = self._clock()
         self.runs += 1
         self._retry_at = None
+        self._due_at = None
         try:
             self._fn()
         except FatalError as exc:

@@ -116,6 +116,40 @@ def cleanup_kube_proxy(
     return report
 
 
+class NftTakeover:
+    """Removes kube-proxy's nftables tables of `families` once our rules serve (a proxier's
+    take-over step): each call tries again until none is left, and returns whether none is. A
+    table that stays keeps kube-proxy's hooks in the kernel beside our rules, where they may still
+    translate traffic to endpoints long gone: so a failure is a warning, once per distinct error,
+    and the line after it says when the table went after all."""
+
+    def __init__(self, runner: IptablesRunner, families: tuple[str, ...] = NFT_FAMILIES) -> None:
+        self._runner = runner
+        self._families = families
+        self._said = ""  # the errors last logged
+
+    def __call__(self) -> bool:
+        report = KubeProxyCleanupReport()
+        cleanup_nft_tables(self._runner, report, families=self._families)
+        if not report.errors:
+            if self._said:
+                log.info("kube-proxy's nftables table(s) removed after all")
+            self._said = ""
+            return True
+        said = "; ".join(report.errors)
+        if said != self._said:
+            tables = " and ".join(f"{f} kube-proxy" for f in self._families)
+            log.warning(
+                "could not remove kube-proxy's nftables table %s: %s. Its rules stay in the kernel "
+                "beside ours and may send traffic to endpoints that are gone; retried at each sync "
+                "(by hand: nft delete table <family> kube-proxy)",
+                tables,
+                said,
+            )
+            self._said = said
+        return False
+
+
 def cleanup_nft_tables(
     nft: IptablesRunner, report: KubeProxyCleanupReport, families: tuple[str, ...] = NFT_FAMILIES
 ) -> None:

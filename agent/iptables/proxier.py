@@ -59,7 +59,7 @@ from agent.iptables.chains import (
 from agent.iptables.cleanup import CleanupReport, cleanup, owns_something
 from agent.iptables.conntrack import ConntrackCleaner, UdpFrontends, udp_frontends
 from agent.iptables.isolate import isolate
-from agent.iptables.kube_proxy_cleanup import KubeProxyCleanupReport, cleanup_nft_tables
+from agent.iptables.kube_proxy_cleanup import NftTakeover
 from agent.iptables.nfacct import Counters, NetlinkCounters
 from agent.iptables.rules import (
     LARGE_CLUSTER_ENDPOINTS_THRESHOLD,
@@ -165,16 +165,18 @@ class IptablesProxier:
         counters: Counters | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: Metrics | None = None,
-        take_over: Callable[[], None] | None = None,
+        take_over: Callable[[], bool] | None = None,
         family: IPFamily = IPFamily.IPv4,
     ) -> None:
         self._config = config
         self.family = family
         self._tool = "ip6tables" if family is IPFamily.IPv6 else "iptables"  # in log lines
-        # Once the first sync put the rules in place: the eBPF data path's flows, programs and pins
-        # (a node switched from eBPF mode), agent/takeover/out_of_ebpf.py.
+        # Once a sync put the rules in place, until it returns True (done: nothing to retry): the
+        # eBPF data path's flows, programs and pins (a node switched from eBPF mode),
+        # agent/takeover/out_of_ebpf.py, and kube-proxy's nftables tables.
         self._take_over = take_over if take_over is not None else self._take_over_node
         self._taken_over = False
+        self._handed_back = False
         self._runner: IptablesRunner = (
             runner if runner is not None else SubprocessRunner(config, family=family.value)
         )
@@ -182,6 +184,7 @@ class IptablesProxier:
         self._backend_runner = backend_runner or (
             lambda backend: SubprocessRunner(replace(config, iptables_backend=backend), family=family.value)
         )
+        self._nft_takeover = NftTakeover(self._runner)
         self._metrics = metrics
         self._counters: Counters = counters if counters is not None else NetlinkCounters(config.netns)
         self._conntrack = ConntrackCleaner(self._runner.command)
@@ -203,12 +206,14 @@ class IptablesProxier:
         self._digests = canonical.DigestCache()
         self.last_sync: SyncStats | None = None
 
-    def _take_over_node(self) -> None:
+    def _take_over_node(self) -> bool:
         """Another data path's state, once our rules serve: eBPF mode's programs and pins (their
         flows handed to nf_conntrack first), kube-proxy's nftables tables (their flows are in
         nf_conntrack already)."""
-        EbpfHandback(self._config).run()
-        cleanup_nft_tables(self._runner, KubeProxyCleanupReport())
+        if not self._handed_back:
+            EbpfHandback(self._config).run()
+            self._handed_back = True
+        return self._nft_takeover()
 
     @property
     def runner(self) -> IptablesRunner:
@@ -248,8 +253,7 @@ class IptablesProxier:
         self._need_complete = False
         self._globals = (options, node)
         if not self._taken_over:
-            self._take_over()
-            self._taken_over = True
+            self._taken_over = self._take_over()
         self._remember_good(state, None if outcome.full else changed)
 
         filters = self._clean_conntrack(state, changed)

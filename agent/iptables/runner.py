@@ -32,6 +32,7 @@ missing, so repeated syncs never duplicate a jump (an iptables-restore --noflush
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 LOCK_WAIT_SECONDS = "5"
 RANDOM_FULLY_MIN_VERSION = (1, 6, 2)
 IPV6_IN_EBPF_MODE = "eBPF mode's IPv6 Services (served by ip6tables)"
+IF_INET6 = "/proc/net/if_inet6"  # the kernel's IPv6 addresses: absent when IPv6 is turned off
 _HINT_RE = re.compile(r"^:(KUBE-IPTABLES-HINT|KUBE-KUBELET-CANARY|KUBE-PROXY-CANARY) ", re.MULTILINE)
 
 
@@ -135,15 +137,35 @@ def installed_families(
     return [b for b in FAMILIES if all(which(tool) for tool in family_tools(b, binary))]
 
 
+def ipv6_missing(
+    config: Config, *, which: Callable[[str], str | None] = shutil.which, if_inet6: str = IF_INET6
+) -> str:
+    """What this node lacks for an IPv6 proxier, "" when nothing: upstream's
+    platformCheckSupported (cmd/kube-proxy/app/server_linux.go), which runs single-stack when
+    ip6tables is not usable. Here: the kernel's IPv6 (`if_inet6` is absent when the node booted
+    with ipv6.disable=1) and ip6tables with its -save and -restore, of --iptables-backend when
+    given, else of either backend."""
+    if not os.path.exists(if_inet6):
+        return f"the kernel has IPv6 turned off ({if_inet6} is absent: booted with ipv6.disable=1?)"
+    wanted = (config.iptables_backend,) if config.iptables_backend in FAMILIES else FAMILIES
+    if not any(all(which(tool) for tool in family_tools(b, "ip6tables")) for b in wanted):
+        if len(wanted) == 1:
+            return f"ip6tables-{wanted[0]} (with its -save and -restore) is not on PATH (--iptables-backend)"
+        return "neither ip6tables-nft nor ip6tables-legacy (with its -save and -restore) is on PATH"
+    return ""
+
+
 def preflight(
     config: Config,
     *,
     which: Callable[[str], str | None] = shutil.which,
     cap_mask: Callable[[], int] = caps.effective,
     who: str = "iptables mode",
+    binary: str = "iptables",
 ) -> None:
     """Raise FatalError when iptables mode cannot work here whatever is retried; say what to do.
-    `who`: what needs the rules, for the message (eBPF mode's IPv6 Services need ip6tables)."""
+    `who`: what needs the rules, for the message (eBPF mode's IPv6 Services need ip6tables);
+    `binary`: whose tools must be there (ip6tables for the IPv6 proxier)."""
     problems: list[str] = []
     wanted = (caps.CAP_NET_ADMIN, caps.CAP_SYS_ADMIN) if config.netns else (caps.CAP_NET_ADMIN,)
     lacking = caps.missing(wanted, cap_mask())
@@ -153,21 +175,21 @@ def preflight(
             "(in a container: privileged, or with the NET_ADMIN capability)"
         )
     if config.iptables_backend in FAMILIES:
-        absent = [tool for tool in family_tools(config.iptables_backend) if not which(tool)]
+        absent = [tool for tool in family_tools(config.iptables_backend, binary) if not which(tool)]
         if absent:
             problems.append(
                 f"{', '.join(absent)} not found on PATH (--iptables-backend={config.iptables_backend}): "
                 "install the iptables package (Debian: apt-get install iptables), or choose the other "
                 "--iptables-backend"
             )
-    elif not installed_families(which):
+    elif not installed_families(which, binary):
         other = (
             "or leave IPv6 out of --node-ip, --cluster-cidr and --service-cluster-ip-range"
             if who == IPV6_IN_EBPF_MODE
             else "or run --mode=ebpf"
         )
         problems.append(
-            "neither iptables-nft nor iptables-legacy (with their -save and -restore) is on PATH: install "
+            f"neither {binary}-nft nor {binary}-legacy (with their -save and -restore) is on PATH: install "
             f"the iptables package (Debian: apt-get install iptables), {other}"
         )
     others = [("ip", bool(config.netns), "--netns needs `ip netns exec`: install iproute2")]
@@ -228,7 +250,9 @@ class SubprocessRunner:
     @property
     def backend(self) -> str:
         if not self._backend:
-            preflight(self._config, which=self._which, cap_mask=self._cap_mask, who=self._who)
+            preflight(
+                self._config, which=self._which, cap_mask=self._cap_mask, who=self._who, binary=self._binary
+            )
             if self._wanted in ("nft", "legacy"):
                 self._backend = self._wanted
                 reason = "--iptables-backend"

@@ -37,7 +37,7 @@ def _row(setting: Setting) -> str:
     shown = setting.kind.show(setting.default)
     default = f"`{shown}`" if shown else ""
     if setting.name == "iptables_min_sync_period":
-        default = "`1s` iptables, `100ms` eBPF"
+        default = "`1s` iptables, `100ms` eBPF (its IPv6 proxier: `1s` at least)"
     elif setting.name == "hostname_override":
         default = "host name"
     status = f"ignored: {setting.ignored}" if setting.ignored else "applies"

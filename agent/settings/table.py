@@ -608,7 +608,8 @@ SETTINGS: tuple[Setting, ...] = (
         "iptables_min_sync_period",
         Duration(zero_is_default=True),
         None,
-        "minimum time between syncs (default 1s in iptables mode, 100ms in eBPF mode)",
+        "minimum time between syncs of each IP family's proxier (default 1s in iptables mode, 100ms in "
+        "eBPF mode); in eBPF mode the IPv6 proxier (ip6tables) keeps at least 1s, this value when larger",
         flags=("--iptables-min-sync-period", "--min-sync-period"),
         path="iptables.minSyncPeriod",
         group=SYNC,

@@ -502,3 +502,19 @@ def test_configz_is_the_internal_struct() -> None:
     assert view["Linux"]["Conntrack"]["TCPEstablishedTimeout"] == "24h0m0s"
     assert view["DetectLocal"]["ClusterCIDRs"] == ["10.244.0.0/16"]
     assert view["HealthzBindAddress"] == "0.0.0.0:10256"
+
+
+def test_the_ipv6_proxiers_floor_is_iptables_modes_in_both_modes(tmp_path: Path) -> None:
+    """The IPv6 proxier writes ip6tables in both modes: iptables mode's floor is both families'
+    (upstream's proxiers share minSyncPeriod); in eBPF mode it is 1 s at least, whatever the
+    100 ms default or a smaller value says (those are for the eBPF map writes)."""
+    floors = {
+        argv: (c.min_sync_period_s, c.min_sync_period6_s)
+        for argv in ("--mode=ebpf", "--mode=iptables")
+        for c in [resolve([argv]).config]
+    }
+    assert floors == {"--mode=ebpf": (0.1, 1.0), "--mode=iptables": (1.0, 1.0)}
+    assert resolve(["--iptables-min-sync-period=250ms"]).config.min_sync_period6_s == 1.0
+    assert resolve(["--mode=iptables", "--iptables-min-sync-period=250ms"]).config.min_sync_period6_s == 0.25
+    filed = resolve(["--config", write(tmp_path, HEAD + "iptables:\n  minSyncPeriod: 3s\n")]).config
+    assert (filed.min_sync_period_s, filed.min_sync_period6_s) == (3.0, 3.0)

@@ -49,7 +49,9 @@ class StateProxier(FakeProxier):
 
 
 class Rig:
-    def __init__(self, mode: Mode, *, ipv6: bool, health: ProxierHealth | None = None) -> None:
+    def __init__(
+        self, mode: Mode, *, ipv6: bool, health: ProxierHealth | None = None, **settings: Any
+    ) -> None:
         self.clock = Clock()
         self.source = FakeSource()
         self.proxier = StateProxier()
@@ -58,7 +60,8 @@ class Rig:
         self.health = FakeHealth()
         self.health6 = FakeHealth()
         self.registry = CollectorRegistry()
-        config = Config(mode=mode, hostname="node1", sync_period_s=30.0, min_sync_period_s=0.0)
+        settings = {"sync_period_s": 30.0, "min_sync_period_s": 0.0, **settings}
+        config = Config(mode=mode, hostname="node1", **settings)
         self.agent = Agent(
             config,
             Parts(
@@ -88,8 +91,12 @@ class Rig:
             events += [Synced(Kind.SERVICE, synced), Synced(Kind.ENDPOINT_SLICE, synced)]
         self.agent.deliver(events)
 
-    def sync(self) -> None:
-        self.clock.now += 1
+    def refresh_node_unchanged(self) -> None:
+        """The node watcher fires and neither family's addresses moved."""
+        self.agent.refresh_node()
+
+    def sync(self, after: float = 1.0) -> None:
+        self.clock.now += after
         self.agent.runner.run_once()
 
 
@@ -132,6 +139,112 @@ def test_an_ipv6_failure_holds_back_nothing_and_is_retried_in_full(caplog: pytes
     rig.proxier6.raise_ = None
     rig.sync()
     assert rig.proxier6.calls == [None], "the retry writes every IPv6 chain"
+
+
+def test_the_ipv6_proxier_is_called_only_when_something_is_due_for_it() -> None:
+    """As upstream, where a proxier syncs when its own change tracker took a change: IPv4-only
+    changes never reach the ip6tables proxier (an empty partial sync still rewrites its top-level
+    chains); IPv6 ones, a retry and its own periodic full sync do."""
+    rig = Rig(Mode.EBPF, ipv6=True, min_sync_period_s=0.1)
+    assert rig.proxier6 is not None
+    rig.send(dual(), synced="v1")
+    rig.sync()
+    assert rig.proxier6.calls == [None]
+    for n in range(5):
+        rig.send(service(f"v4-{n}", clusterIP=f"10.96.0.{30 + n}"))
+        rig.sync(after=0.2)
+    rig.refresh_node_unchanged()
+    rig.sync(after=0.2)
+    assert len(rig.proxier.calls) == 7 and rig.proxier6.calls == [None], "six IPv4 syncs, no IPv6 call"
+    rig.send(slice6("web-v6", "fd00:10:244:1::2"))
+    rig.sync()
+    assert rig.proxier6.calls[-1] == frozenset({spn("web")})
+    rig.proxier6.fail = {spn("web"): "no room"}
+    rig.send(slice6("web-v6", "fd00:10:244:1::3"))
+    rig.sync()
+    rig.proxier6.fail = {}
+    rig.send(service("v4-9", clusterIP="10.96.0.49"))
+    rig.sync()
+    assert rig.proxier6.calls[-1] == frozenset({spn("web")}), "the port that failed is retried"
+    calls = len(rig.proxier6.calls)
+    rig.sync()
+    assert len(rig.proxier6.calls) == calls, "then nothing is due"
+    rig.sync(after=30.0)
+    assert rig.proxier6.calls[-1] is None, "its own periodic full sync (the drift repair)"
+
+
+def test_ipv6_changes_inside_the_ipv6_floor_wait_for_it_and_are_programmed_together(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """eBPF mode's IPv4 syncs may come every 100 ms; the ip6tables proxier keeps iptables mode's
+    1 s floor, and the runner is asked for the run that takes what waited. Meanwhile the sync
+    line says IPv4 alone is done: `sync done: version=` (what the lab waits for) only once both
+    families hold the version."""
+    rig = Rig(Mode.EBPF, ipv6=True, min_sync_period_s=0.1)
+    assert rig.proxier6 is not None
+    rig.send(dual(), dual("api", "10.96.0.11", "fd00:10:96::b"), synced="v1")
+    rig.sync()
+    first = rig.clock.now
+    rig.send(slice6("web-v6", "fd00:10:244:1::2"))
+    rig.sync(after=0.1)
+    rig.send(slice6("api-v6", "fd00:10:244:1::3", svc="api"))
+    rig.sync(after=0.1)
+    assert rig.proxier6.calls == [None] and len(rig.proxier.calls) == 3, "IPv4 synced, IPv6 waits"
+    last = caplog.records[-1].getMessage()
+    assert last.startswith("sync done for IPv4 only: version=") and last.endswith("IPv6 waits for its floor")
+    caplog.clear()
+    assert rig.agent.runner.next_run_at() == pytest.approx(first + 1.0), "a run when the floor has passed"
+    rig.clock.now = first + 1.0
+    rig.agent.runner.run_once()
+    assert rig.proxier6.calls == [None, frozenset({spn("web"), spn("api")})]
+    assert [e.ip for e in rig.agent.ipv6.model.state.endpoints[spn("api")].cluster] == ["fd00:10:244:1::3"]
+    assert "sync done: version=" in caplog.records[-1].getMessage()
+
+
+def test_with_one_floor_for_both_families_the_ipv6_call_is_never_held() -> None:
+    """iptables mode: both families share the floor, measured from the start of the agent's
+    sync, so the IPv6 call, made after a slow full IPv4 one, is not held at the next sync for the
+    difference (held, it would wait a whole second more for the run after)."""
+    rig = Rig(Mode.IPTABLES, ipv6=True, min_sync_period_s=1.0)
+    assert rig.proxier6 is not None
+    slow = rig.proxier.sync
+
+    def slow_ipv4(state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
+        if changed is None:
+            rig.clock.now += 0.3  # a full IPv4 restore takes 300 ms, a partial one no time
+        return slow(state, node, changed)
+
+    rig.proxier.sync = slow_ipv4  # type: ignore[method-assign]
+    rig.send(dual(), synced="v1")
+    rig.sync()
+    rig.send(slice6("web-v6", "fd00:10:244:1::2"))
+    rig.clock.now = rig.agent.runner.next_run_at()
+    rig.agent.runner.run_once()
+    assert rig.proxier6.calls == [None, frozenset({spn("web")})]
+
+
+def test_a_failing_ipv4_sync_does_not_stop_the_ipv6_one_each_counted_in_its_family(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rig = Rig(Mode.EBPF, ipv6=True)
+    assert rig.proxier6 is not None
+    rig.send(dual(), slice6("web-v6", "fd00:10:244:1::2"), synced="v1")
+    rig.proxier.raise_ = RuntimeError("bpf map update: no space")
+    rig.sync()
+    assert rig.proxier6.calls == [None], "the IPv6 Services are programmed while eBPF fails"
+    assert rig.agent.runner.failures == 1, "the IPv4 failure still reaches the runner (its backoff)"
+    failures = "ekp_sync_failures_total"
+    assert rig.registry.get_sample_value(failures, {"ip_family": "IPv4"}) == 1
+    assert not rig.registry.get_sample_value(failures, {"ip_family": "IPv6"})
+    assert rig.health.log[-1] == "updated IPv6", "IPv6 healthy, IPv4 not updated"
+    assert "updated" not in rig.health.log
+    rig.proxier.raise_ = None
+    rig.proxier6.raise_ = RuntimeError("ip6tables-restore: exit 4")
+    rig.send(slice6("web-v6", "fd00:10:244:1::3"))
+    rig.sync()
+    assert rig.proxier.calls == [None], "IPv4 programmed (in full: none succeeded yet) while ip6tables fails"
+    assert rig.registry.get_sample_value(failures, {"ip_family": "IPv4"}) == 1
+    assert rig.registry.get_sample_value(failures, {"ip_family": "IPv6"}) == 1
 
 
 def test_new_ipv6_node_addresses_make_the_ipv6_sync_a_full_one() -> None:
@@ -398,6 +511,52 @@ def test_ebpf_modes_ipv6_proxier_writes_ip6tables_and_removes_only_kube_proxys_i
     assert rules is not None and rules > 0, "iptables mode's rule counts, labelled IPv6"
 
 
+def test_a_kube_proxy_ip6_table_that_cannot_be_removed_is_a_warning_and_retried_until_gone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The table left in place keeps kube-proxy's hooks beside ours: the operator is told once
+    (not at every sync), each sync tries again, and the line after says it went after all."""
+    from agent.app import ip6tables_beside_ebpf
+    from agent.iptables.runner import Result
+    from agent.model.state import build_state
+    from agent.model.types import NodeInfo
+    from tests.iptables.fakes import FakeCounters, FakeRunner
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    busy = ["Error: Could not process rule: Device or resource busy"]
+    tries: list[list[str]] = []
+    gone: list[bool] = []
+
+    def respond(argv: list[str]) -> Result:
+        if argv[1:3] == ["list", "tables"]:
+            return Result(0, "" if gone else "table ip6 kube-proxy\n")
+        tries.append(argv[3:])
+        if busy:
+            return Result(1, "", busy[0])
+        gone.append(True)
+        return Result(0)
+
+    runner = FakeRunner()
+    runner.responses["nft"] = respond
+    config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
+    proxier6 = ip6tables_beside_ebpf(config, runner, counters=FakeCounters())
+    state = build_state(
+        [dual()], [slice6("web-v6", "fd00:10:244:1::2")], NodeInfo("node1"), family=IPFamily.IPv6
+    )
+    for _ in range(3):
+        proxier6.sync(state.state, NODE6, frozenset())
+    assert tries == [["ip6", "kube-proxy"]] * 3, "tried at every sync"
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "could not remove kube-proxy's nftables table ip6 kube-proxy" in warned[0]
+    assert "Device or resource busy" in warned[0] and "nft delete table" in warned[0]
+    busy.clear()
+    proxier6.sync(state.state, NODE6, frozenset())
+    proxier6.sync(state.state, NODE6, frozenset())
+    assert len(tries) == 4, "removed at the fourth try, and not tried again"
+    assert "kube-proxy's nftables table(s) removed after all" in caplog.text
+
+
 def test_the_ebpf_start_leaves_kube_proxys_ip6_table_to_the_ipv6_proxier() -> None:
     """The eBPF start removes kube-proxy's rules once its programs serve; with IPv6 configured the
     `ip6 kube-proxy` table stays until the ip6tables proxier serves (previous test), so IPv6
@@ -467,3 +626,84 @@ def test_ebpf_mode_without_ip6tables_says_what_needs_it() -> None:
         _ = runner.backend
     assert "eBPF mode's IPv6 Services (served by ip6tables) cannot start" in str(err.value)
     assert "leave IPv6 out of --node-ip, --cluster-cidr and --service-cluster-ip-range" in str(err.value)
+
+
+def test_the_ipv6_check_names_what_the_node_lacks(tmp_path: Any) -> None:
+    """Upstream's platformCheckSupported: ip6tables present and the kernel's IPv6 on (a node
+    booted with ipv6.disable=1 has no /proc/net/if_inet6)."""
+    from agent.iptables.runner import ipv6_missing
+
+    on = tmp_path / "if_inet6"
+    on.write_text("00000000000000000000000000000001 01 80 10 80       lo\n")
+    config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
+
+    def legacy_only(tool: str) -> str | None:
+        return f"/usr/sbin/{tool}" if "legacy" in tool or not tool.startswith("ip6") else None
+
+    assert ipv6_missing(config, which=legacy_only, if_inet6=str(on)) == ""
+    off = ipv6_missing(config, which=legacy_only, if_inet6=str(tmp_path / "absent"))
+    assert "the kernel has IPv6 turned off" in off and "ipv6.disable=1" in off
+    none = ipv6_missing(config, which=lambda tool: None, if_inet6=str(on))
+    assert none == "neither ip6tables-nft nor ip6tables-legacy (with its -save and -restore) is on PATH"
+    nft = Config(mode=Mode.IPTABLES, hostname="node1", cluster_cidr=V6_CIDRS, iptables_backend="nft")
+    assert ipv6_missing(nft, which=legacy_only, if_inet6=str(on)) == (
+        "ip6tables-nft (with its -save and -restore) is not on PATH (--iptables-backend)"
+    ), "--iptables-backend=nft: legacy's ip6tables is no use"
+
+
+@pytest.mark.parametrize("mode", [Mode.EBPF, Mode.IPTABLES])
+def test_a_node_that_cannot_do_ipv6_runs_single_stack_and_says_so_once(
+    mode: Mode, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As upstream: no IPv6 proxier, one warning that says what is missing and what it means, and
+    the IPv6 family out of the proxy health (a node booted with ipv6.disable=1 serves IPv4 and
+    stays live, instead of failing every IPv6 sync and being restarted for it)."""
+    import yaml
+
+    from agent.app import build_agent
+
+    services = tmp_path / "services.yaml"
+    services.write_text(yaml.safe_dump_all([dual(), slice6("web-v6", "fd00:10:244:1::2")]))
+    config = Config(
+        mode=mode,
+        hostname="node1",
+        cluster_cidr=V6_CIDRS,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        services_file=str(services),
+        healthz_bind_address="",
+        metrics_bind_address="",
+    )
+    lacking = "the kernel has IPv6 turned off (/proc/net/if_inet6 is absent: booted with ipv6.disable=1?)"
+    agent = build_agent(config, ipv6_check=lambda c: lacking)
+    assert agent.ipv6.proxier is None
+    assert agent._health_families == (IPFamily.IPv4,)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"no iptables support for family IPv6: {lacking}. Running single-stack:")
+    assert "IPv6 Services are not programmed on this node" in warnings[0]
+    assert "/healthz and /livez follow IPv4 only" in warnings[0]
+    served = build_agent(config, ipv6_check=lambda c: "")
+    assert served.ipv6.proxier is not None
+    assert served._health_families == (IPFamily.IPv4, IPFamily.IPv6)
+
+
+def test_ebpf_modes_ipv6_preflight_checks_ip6tables_not_iptables() -> None:
+    """The IPv6 proxier's preflight asks for the binaries it runs: with iptables there and
+    ip6tables missing it does not pass."""
+    from agent.errors import FatalError
+    from agent.iptables.runner import IPV6_IN_EBPF_MODE, preflight
+
+    config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
+
+    def iptables_only(tool: str) -> str | None:
+        return None if tool.startswith("ip6tables") else f"/usr/sbin/{tool}"
+
+    with pytest.raises(FatalError) as err:
+        preflight(
+            config,
+            which=iptables_only,
+            cap_mask=lambda: (1 << 41) - 1,
+            who=IPV6_IN_EBPF_MODE,
+            binary="ip6tables",
+        )
+    assert "neither ip6tables-nft nor ip6tables-legacy" in str(err.value)

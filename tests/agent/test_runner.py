@@ -106,3 +106,22 @@ def test_a_fatal_error_stops_the_loop_and_is_reported() -> None:
     r.loop()  # returns: the fatal error stopped it
     assert seen == ["pin path is not on bpffs: mount one"]
     assert r.runs == 1 and r.failures == 0
+
+
+def test_request_at_runs_at_that_time_not_before_min_interval_and_only_once() -> None:
+    """A part of the work held back by its own floor (the IPv6 family's) asks for the run that
+    takes it, neither earlier nor at every run after."""
+    clock = Clock()
+    r = BoundedFrequencyRunner(
+        lambda: r.request_at(clock.now + 0.7) if clock.now == 100.0 else None,
+        min_interval=0.1,
+        max_interval=30.0,
+        clock=clock,
+    )
+    r.run_once()
+    assert r.next_run_at() == 100.7
+    r.request_at(100.05)
+    assert r.next_run_at() == 100.1, "never before min_interval"
+    clock.now = 100.7
+    r.run_once()
+    assert r.next_run_at() == 130.7, "the run forgets the request: the periodic resync is next"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
 from agent.iptables import IptablesProxier
 from agent.iptables.kube_proxy_cleanup import cleanup_kube_proxy
 from agent.iptables.runner import IptablesRunner, Result
@@ -91,3 +95,39 @@ def test_a_clean_node_is_left_as_it_is() -> None:
     report = cleanup_kube_proxy(CONFIG, {"nft": fake})
     assert not report.removed_anything and report.errors == []
     assert fake.save() == before and fake.restores == []
+
+
+def test_iptables_mode_retries_kube_proxys_nft_tables_at_each_sync_and_hands_ebpf_back_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """iptables mode's take-over once its rules serve: the eBPF hand-back runs once; kube-proxy's
+    nftables tables are tried again at each sync until they are gone, the failure said once."""
+    handbacks: list[str] = []
+
+    class Handback:
+        def __init__(self, config: object) -> None:
+            pass
+
+        def run(self) -> None:
+            handbacks.append("run")
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", Handback)
+    fake = FakeRunner()
+    listed: list[int] = []
+    answers = [Result(1, "", "netlink: Operation not permitted")]
+
+    def respond(argv: list[str]) -> Result:
+        listed.append(1)
+        return answers[0] if answers else Result(0, "")
+
+    fake.responses["nft"] = respond
+    p = IptablesProxier(CONFIG, runner=fake, backend_runner=lambda _: fake, counters=FakeCounters())
+    for _ in range(3):
+        p.sync(state(service("web", "10.96.0.10", ("http", 80, "TCP"))), NODE)
+    assert handbacks == ["run"] and len(listed) == 3
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "ip kube-proxy and ip6 kube-proxy" in warned[0], warned
+    answers.clear()
+    for _ in range(2):
+        p.sync(state(service("web", "10.96.0.10", ("http", 80, "TCP"))), NODE)
+    assert len(listed) == 4, "done at the fourth sync, not tried after"
