@@ -168,7 +168,7 @@ def link(
         if maps_pinned is not None:
             maps_pinned()
         order = sorted(obj.programs, key=lambda p: -len(p.insns))
-        workers = verifier_threads(os.cpu_count() or 1) if threads is None else threads
+        workers = verifier_threads(len(os.sched_getaffinity(0))) if threads is None else threads
         with ThreadPoolExecutor(
             max_workers=max(1, min(len(order), workers)), thread_name_prefix="bpf-verifier"
         ) as pool:

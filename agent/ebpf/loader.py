@@ -359,7 +359,9 @@ class Datapath:
         `maps_ready` is called once `maps` can be read and written: before the programs are loaded
         when they must be (from the compile cache or compiled now), so a first sync can fill the
         maps while the verifier runs; when the pinned programs are reused, at the end. If the load
-        fails after that, the maps are closed (their fds -1) before the error is raised."""
+        fails after that, its program fds are closed and its maps are left open: a writer the
+        callback handed them to may be using them, so the caller closes them (close()) once it is
+        done; before the callback, everything is closed."""
         if self.loaded:
             if maps_ready is not None:
                 maps_ready()
@@ -377,9 +379,13 @@ class Datapath:
         ensure_pin_dir(self.pin_path)
         check_pins(self.pin_path, self.sizes)
 
+        handed = False
+
         def opened() -> None:
+            nonlocal handed
             self._open_maps()
             if maps_ready is not None:
+                handed = True
                 maps_ready()
 
         started = time.monotonic()
@@ -408,7 +414,10 @@ class Datapath:
             if not self._maps:
                 opened()
         except Exception:
-            self.close()
+            if handed:
+                self._close_programs()
+            else:
+                self.close()
             raise
 
     def _open_maps(self) -> None:
@@ -511,6 +520,9 @@ class Datapath:
         for m in self._maps.values():
             m.close()
         self._maps = {}
+        self._close_programs()
+
+    def _close_programs(self) -> None:
         for fd in self._prog_fds.values():
             os.close(fd)
         self._prog_fds = {}

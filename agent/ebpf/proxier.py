@@ -256,6 +256,9 @@ class EbpfProxier:
         self._loading = False  # a thread is in _load()
         self._opened: DatapathLike | None = None  # the data path being loaded, once its maps are open
         self._synced_with: DatapathLike | None = None  # the data path whose maps the planner wrote
+        # Data paths whose load failed after their maps were handed to a sync: closed by the next
+        # sync (under the lock, so no sync writes through their fds any more), or by close().
+        self._retired: list[DatapathLike] = []
         self._attacher: AttacherLike | None = None
         self._planner: Planner | None = None
         self._unsure = True  # what the maps hold is unknown: read them back before writing
@@ -279,6 +282,7 @@ class EbpfProxier:
         with self._lock:
             start = time.monotonic()
             periodic = changed is None
+            self._close_retired()
             datapath = self._maps_open()
             if datapath is not self._synced_with:
                 self._unsure = True  # another data path's maps (a load that failed and was redone)
@@ -412,6 +416,8 @@ class EbpfProxier:
             datapath.load(maps_ready)
         except BaseException:
             with self._load_cond:
+                if self._opened is not None:  # this load's: a sync may be writing its maps
+                    self._retired.append(self._opened)
                 self._loading = False
                 self._opened = None
                 self._load_cond.notify_all()
@@ -582,6 +588,13 @@ class EbpfProxier:
             # The sockets stay on their backend until the next try: a sync is not failed for it.
             log.warning("could not end the UDP sockets of backends that left: %s", exc)
 
+    def _close_retired(self) -> None:
+        """Close the data paths whose load failed after their maps were open (under the lock)."""
+        with self._load_cond:
+            retired, self._retired = self._retired, []
+        for datapath in retired:
+            datapath.close()
+
     def _release(self) -> None:
         self._maglev.forget()
         if self._terminator is not None:
@@ -594,6 +607,7 @@ class EbpfProxier:
             if self._datapath is not None:
                 self._datapath.close()
             self._datapath = self._opened = self._synced_with = None
+        self._close_retired()
         self._planner = None
         self._unsure = True
 

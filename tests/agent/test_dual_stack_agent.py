@@ -237,7 +237,7 @@ def test_a_failing_ipv4_sync_does_not_stop_the_ipv6_one_each_counted_in_its_fami
     assert rig.registry.get_sample_value(failures, {"ip_family": "IPv4"}) == 1
     assert not rig.registry.get_sample_value(failures, {"ip_family": "IPv6"})
     assert rig.health.log[-1] == "updated IPv6", "IPv6 healthy, IPv4 not updated"
-    assert "updated" not in rig.health.log
+    assert "updated IPv4" not in rig.health.log
     rig.proxier.raise_ = None
     rig.proxier6.raise_ = RuntimeError("ip6tables-restore: exit 4")
     rig.send(slice6("web-v6", "fd00:10:244:1::3"))

@@ -389,7 +389,10 @@ def test_a_load_failing_after_the_first_sync_wrote_its_maps_is_done_again_and_th
     loading.join(30)
     assert [str(e) for e in failed] == ["the verifier said no"]
     assert len(rig.datapaths) == 2 and not any("attach" in e for e in rig.events)
+    # Its maps stayed open while the failed sync wrote through them; the next sync closes them.
+    assert rig.datapaths[0].closed == 0
     p.sync(STATE, NODE)
+    assert rig.datapaths[0].closed == 1 and rig.datapaths[1].closed == 0
     assert p.last_flush.writes == 0, "the maps were read back: the failed sync had written them"
     assert any("attach" in e for e in rig.events)
     assert rig.contents().same_entries(plan(STATE, NODE, rig.config))
