@@ -307,7 +307,7 @@ def test_a_first_sync_writes_the_maps_while_the_programs_load_and_attaches_once_
     """prepare() loads the data path while the source lists; the verifier takes seconds after the
     maps are pinned. A first sync coming meanwhile plans and writes the maps then, and attaches
     only once the programs are loaded."""
-    verified = threading.Event()
+    verified, opened = threading.Event(), threading.Event()
     fe = rig.maps["fe"] = SignallingMap(MAPS["fe"])
 
     class Verifying(FakeDatapath):
@@ -315,6 +315,7 @@ def test_a_first_sync_writes_the_maps_while_the_programs_load_and_attaches_once_
             self.loads += 1
             assert maps_ready is not None
             maps_ready()
+            opened.set()
             assert verified.wait(30)  # the programs: until the test says they are loaded
             rig.events.append("programs loaded")
 
@@ -323,6 +324,9 @@ def test_a_first_sync_writes_the_maps_while_the_programs_load_and_attaches_once_
     prepare = threading.Thread(target=p.prepare)
     sync = threading.Thread(target=p.sync, args=(STATE, NODE))
     prepare.start()
+    # The sync comes while prepare() loads (as the source's lists take longer than the maps'
+    # opening): started before, it could take the load itself and wait for it whole.
+    assert opened.wait(10)
     sync.start()
     try:
         assert fe.written.wait(10), "the first sync did not write the maps while the programs loaded"
