@@ -339,6 +339,9 @@ class Agent:
     # ------------------------------------------------------------------ the sync (runner thread)
 
     def sync_once(self) -> None:
+        # The IPv6 floor is measured from here, as the runner measures its own from the run's start:
+        # read after the events are applied, an apply longer than the last one's held IPv6 early.
+        began = self._clock()
         with self._lock:
             events, self._queue = self._queue, []
         for event in events:
@@ -389,7 +392,7 @@ class Agent:
         elapsed = self._clock() - start  # the IPv4 proxier's sync, as upstream times each proxier
         if failure is None and self._parts.health is not None:
             self._parts.health.updated(str(IPFamily.IPv4))
-        commit6 = self._v6.sync(read_node=read_node, now=start)
+        commit6 = self._v6.sync(read_node=read_node, now=began)
         self._report(commit6, reported=commit)
         if self._parts.proxier6 is not None:
             self._after_sync6()
