@@ -81,6 +81,10 @@ class BoundedFrequencyRunner:
         return due
 
     def _schedule_retry(self) -> float:
+        """The retry after the current backoff, which doubles once per run: a run that asked for a
+        retry (retry_soon) and then failed keeps the retry it asked for."""
+        if self._retry_at is not None:  # asked already in this run (run_once clears it)
+            return max(0.0, self._retry_at - self._clock())
         delay = self._backoff * self._jitter()
         self._retry_at = self._clock() + delay
         self._backoff = min(self._backoff * 2, max(self.max_interval, self.retry_interval))

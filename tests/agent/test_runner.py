@@ -125,3 +125,24 @@ def test_request_at_runs_at_that_time_not_before_min_interval_and_only_once() ->
     clock.now = 100.7
     r.run_once()
     assert r.next_run_at() == 130.7, "the run forgets the request: the periodic resync is next"
+
+
+def test_a_run_that_asks_for_a_retry_and_then_fails_backs_off_once() -> None:
+    """One family's retry asked (retry_soon) and the other's failure in the same run: one retry,
+    after the current backoff, which doubles once, not twice."""
+    clock = Clock()
+    r: BoundedFrequencyRunner
+
+    def fn() -> None:
+        r.retry_soon()
+        raise RuntimeError("bpf map update: no space")
+
+    r = BoundedFrequencyRunner(
+        fn, min_interval=0.0, max_interval=30.0, retry_interval=1.0, clock=clock, jitter=lambda: 1.0
+    )
+    delays = []
+    for _ in range(3):
+        r.run_once()
+        delays.append(r.next_run_at() - clock.now)
+        clock.now = r.next_run_at()
+    assert delays == [1.0, 2.0, 4.0]
