@@ -183,9 +183,11 @@ class Agent:
         if self.proc is not None and self.proc.poll() is None:
             self.lab.stop(self.proc, timeout=10)
 
-    def cleanup(self) -> subprocess.CompletedProcess[str]:
+    def cleanup(self, flag: str = "--cleanup") -> subprocess.CompletedProcess[str]:
+        """`agent --cleanup` (or `--cleanup-kube-proxy`, the chart's init container) with this
+        agent's flags, run to its end."""
         return subprocess.run(
-            [sys.executable, "-m", "agent", "--cleanup", *self.flags()],
+            [sys.executable, "-m", "agent", flag, *self.flags()],
             capture_output=True,
             text=True,
             timeout=60,

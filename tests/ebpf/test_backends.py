@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from agent.ebpf.backends import LOCAL, TERMINATING, Backends
 from agent.ebpf.entries import BE_FLAGS, ident
 
 BE = ident(0x0201F40A, 0x901F, 6)  # 10.244.1.2:8080/TCP
 
+Update = Callable[[dict[int, int], dict[int, int]], list[tuple[int, int | None]]]
 
-def test_a_shared_backend_keeps_its_id_and_carries_what_any_user_says() -> None:
+
+def applying() -> tuple[Backends, Update]:
+    """A table over its own backend entries, and an update that applies what it returns to them
+    (as the planner's desired side does)."""
     entries: dict[int, int] = {}
     table = Backends(entries, limit=100)
 
@@ -20,6 +26,12 @@ def test_a_shared_backend_keeps_its_id_and_carries_what_any_user_says() -> None:
             else:
                 entries[bid] = value
         return out
+
+    return table, update
+
+
+def test_a_shared_backend_keeps_its_id_and_carries_what_any_user_says() -> None:
+    table, update = applying()
 
     bid = table.id_of(BE)
     assert table.id_of(BE) == bid
@@ -40,17 +52,7 @@ def test_a_backend_the_kernel_holds_gets_its_id_back_on_start() -> None:
 
 
 def test_plain_users_are_counted_without_a_count_kept_for_one() -> None:
-    entries: dict[int, int] = {}
-    table = Backends(entries, limit=100)
-
-    def update(old: dict[int, int], new: dict[int, int]) -> list[tuple[int, int | None]]:
-        out = table.update(old, new)
-        for bid, value in out:
-            if value is None:
-                entries.pop(bid)
-            else:
-                entries[bid] = value
-        return out
+    table, update = applying()
 
     bid = table.id_of(BE)
     assert bid in table, "in use from its allocation on"

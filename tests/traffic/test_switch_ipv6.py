@@ -15,7 +15,6 @@ own state is gone (after a switch to eBPF mode no IPv4 KUBE- chain; to iptables 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from typing import Any
 import pytest
 
 from lab import Lab
-from lab.harness import CLIENT, REPO, Agent, Cluster
+from lab.harness import CLIENT, Agent, Cluster
 from lab.objects import Ep, Port, endpoint_slice, service
 from tests.conftest import require_kernel
 from tests.traffic.test_switch import Client, Switch, kube_chains, start_client
@@ -126,14 +125,7 @@ def test_a_live_switch_keeps_every_ipv6_connection_and_the_ipv6_rules(lab: Lab, 
         first.stop()  # as the chart stops a pod: rules, or programs and pins, stay
         cluster.agents = [second]
         if switch in CLEANED.values():
-            cleanup = subprocess.run(
-                [sys.executable, "-m", "agent", "--cleanup-kube-proxy", *second.flags()],
-                capture_output=True,
-                text=True,
-                timeout=60,
-                cwd=str(REPO),
-                check=False,
-            )
+            cleanup = second.cleanup("--cleanup-kube-proxy")
             assert cleanup.returncode == 0, cleanup.stderr
             assert kube_chains(cluster) == [], "kube-proxy's IPv4 chains are gone before the agent starts"
         second.start()
