@@ -646,7 +646,9 @@ MAPS: dict[str, MapSpec] = {
 }
 
 # The IPv6 service map of each IPv4 one the planner writes (the IPv6 planner's maps).
-V6_ROLES: dict[str, str] = {spec.pair: spec.role for spec in MAPS.values() if spec.pair and spec.writer is Writer.AGENT}
+V6_ROLES: dict[str, str] = {
+    spec.pair: spec.role for spec in MAPS.values() if spec.pair and spec.writer is Writer.AGENT
+}
 
 # The early-drop ring of each conntrack table, and how it is sized: a ring of N slots lets at most
 # N flows be unassured or closed (2 N entries), half the table (bpf/ekp_ctq.h).

@@ -54,6 +54,7 @@ from agent.ebpf import abi, activity
 from agent.ebpf.abi import Stat
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import KEYS, VALUES, Value
+from agent.ebpf.family6 import Ipv6Datapath
 from agent.ebpf.maglev_writer import MaglevWriter
 from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
@@ -268,6 +269,8 @@ class EbpfProxier:
         self.last_flush = FlushResult()  # what the last sync wrote, for logs and tests
         self._short: dict[str, int] = {}  # map role -> entries wanted, while more than it holds
         self._maglev = MaglevWriter(config.map_sizes.maglev_table_size)
+        self._v6 = Ipv6Datapath(config)  # the IPv6 family's maps (`sync6`)
+        self._v6_with: DatapathLike | None = None  # the data path whose IPv6 maps it wrote
 
     # ------------------------------------------------------------------ Proxier
 
@@ -341,6 +344,25 @@ class EbpfProxier:
                 elapsed_ms,
             )
             return SyncResult(full=changed is None, failed=dict(result.failed), repaired=repaired)
+
+    def sync6(
+        self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
+    ) -> SyncResult:
+        """The IPv6 family's state into the IPv6 maps, which the socket programs read (the tc
+        programs pass IPv6 to the stack: ip6tables serves its packets, agent/metaproxier.py). Its
+        own planner, the same rules as `sync`'s (agent/ebpf/family6.py); the programs are loaded
+        and attached by `sync`, which the agent runs first."""
+        with self._lock:
+            self._close_retired()
+            datapath = self._maps_open()
+            if datapath is not self._v6_with:
+                self._v6 = Ipv6Datapath(self._config)  # other maps: read them back, re-adopting
+                self._v6_with = datapath
+            return self._v6.sync(datapath.maps, state, node, changed)
+
+    def ipv6(self) -> EbpfIpv6:
+        """This data path's IPv6 half, as a Proxier of the IPv6 family (agent/metaproxier.py)."""
+        return EbpfIpv6(self)
 
     def cleanup(self) -> None:
         """Detach our filters, remove our pins and the pin directory; nothing else."""
@@ -630,6 +652,25 @@ class EbpfProxier:
                     why,
                     old,
                 )
+
+
+class EbpfIpv6:
+    """The IPv6 family's Proxier on an EbpfProxier: its maps only (`EbpfProxier.sync6`). The IPv4
+    proxier prepares, loads, attaches and cleans up the data path both families share."""
+
+    def __init__(self, ebpf: EbpfProxier) -> None:
+        self._ebpf = ebpf
+
+    def prepare(self) -> None:
+        """Nothing: the IPv4 proxier loads the data path."""
+
+    def sync(
+        self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
+    ) -> SyncResult:
+        return self._ebpf.sync6(state, node, changed)
+
+    def cleanup(self) -> None:
+        """Nothing: the IPv4 proxier's cleanup removes every map and program, these included."""
 
 
 def _room_for(entries: int) -> int:
