@@ -375,6 +375,7 @@ struct ekp_srcrange {
 };
 
 /* ---- socket-level load balancing (cgroup connect4/sendmsg4/recvmsg4/getpeername4) ------- */
+/* (their IPv6 twins use ekp_sknat6, "IPv6 pairs" below, for real IPv6 frontends) */
 
 /* What a socket was sent to instead of the frontend its application named (LRU, written by the
  * socket programs): recvmsg() and getpeername() show the frontend again, and the UDP socket
@@ -499,9 +500,9 @@ enum ekp_stat {
 	                           * to carry out (a local backend, a reject, a route XDP cannot send) */
 	EKP_STAT_CT_RESUMED,      /* mark: a TCP segment without conntrack resumed its flow on the backend
 	                           * Maglev names (the entries were lost: evicted, a restart elsewhere) */
-	/* Socket-level load balancing: every connect() and sendmsg() to an IPv4 address of a socket in
-	 * the attached cgroup counts SOCK_CALLS and exactly one outcome: SOCK_PASS (not TCP or UDP, not
-	 * a frontend, another namespace), SOCK_TRANSLATED or one of the drop reasons above
+	/* Socket-level load balancing: every connect() and sendmsg() (to an address of either family)
+	 * of a socket in the attached cgroup counts SOCK_CALLS and exactly one outcome: SOCK_PASS (not
+	 * TCP or UDP, not a frontend, another namespace), SOCK_TRANSLATED or one of the drop reasons above
 	 * (NO_ENDPOINTS: refused with ECONNREFUSED; NO_LOCAL, SOURCE_RANGE, NO_BACKEND: EHOSTUNREACH).
 	 * The rest are marks. */
 	EKP_STAT_SOCK_CALLS,      /* connect()/sendmsg() calls seen by the socket programs */

@@ -735,7 +735,7 @@ def remove_pins(pin_path: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- inspect
 
-INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity", "maglev", "sockets")
+INSPECT_SECTIONS = ("services", "services6", "ct", "aff", "stats", "capacity", "maglev", "sockets")
 
 
 def render_live_maps(
@@ -744,9 +744,10 @@ def render_live_maps(
     """Decoded text of the pinned maps under `pin_path` (for `agent inspect maps`).
 
     `services` prints the same lines as `--dry-run` (cfg, fe, slot, be, rnat, srcr), so a live
-    node can be diffed against a plan; `ct`, `aff` and `stats` print conntrack, affinity and the
-    counters; `sockets` the socket programs' settings, links and where each socket was sent.
-    Opens the pins read-only in effect (nothing is written); needs no compiler.
+    node can be diffed against a plan; `services6` the IPv6 maps (fe6, slot6, be6, ...); `ct`,
+    `aff` and `stats` print conntrack, affinity and the counters; `sockets` the socket programs'
+    settings, links and where each socket was sent. Opens the pins read-only in effect (nothing is
+    written); needs no compiler.
     """
     from agent.ebpf.capacity import read_fill, render_capacity
     from agent.ebpf.maps import open_pinned_as_held, read_stats
@@ -757,6 +758,7 @@ def render_live_maps(
         render_sockets,
         render_stats,
     )
+    from agent.ebpf.render6 import render_contents6, sock6_lines
     from agent.ebpf.sockattach import pinned_links
 
     unknown = [s for s in sections if s not in INSPECT_SECTIONS]
@@ -764,12 +766,13 @@ def render_live_maps(
         raise ValueError(f"unknown section {','.join(unknown)} (known: {', '.join(INSPECT_SECTIONS)})")
     roles = {
         "services": (*ROLES, "cfg", "cfgsel"),
+        "services6": tuple(abi.V6_ROLES.values()),
         "ct": abi.CT_ROLES,
         "aff": ("aff",),
         "stats": ("stats", "xstats"),
         "capacity": tuple(abi.MAPS),
         "maglev": ("maglev", "fe", "be"),
-        "sockets": ("skcfg", "sknat"),
+        "sockets": ("skcfg", "sknat", "sknat6"),
     }
     needed = sorted({role for s in sections for role in roles[s]})
     maps: dict[str, BpfMap] = {}
@@ -787,6 +790,8 @@ def render_live_maps(
             if section == "services":
                 contents = read_contents({r: maps[r] for r in ROLES}, read_config(maps))
                 out.append(render_contents(contents))
+            elif section == "services6":
+                out.append(render_contents6({role: maps[role].items() for role in roles["services6"]}))
             elif section == "ct":
                 flows = [kv for role in abi.CT_ROLES for kv in maps[role].items()]
                 out.append(render_conntrack(flows, now))  # type: ignore[arg-type]
@@ -801,7 +806,8 @@ def render_live_maps(
                     for hook, state in pinned_links(pin_path).items()
                 }
                 live = cfg if isinstance(cfg, abi.SockConfig) and cfg.host_netns else None
-                out.append(render_sockets(live, links, maps["sknat"].items()))  # type: ignore[arg-type]
+                text = render_sockets(live, links, maps["sknat"].items())  # type: ignore[arg-type]
+                out.append(text + "".join(line + "\n" for line in sock6_lines(maps["sknat6"].items())))
             elif section == "aff":
                 out.append(render_affinity(maps["aff"].items(), now))  # type: ignore[arg-type]
             elif section == "maglev":

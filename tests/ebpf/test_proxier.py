@@ -48,6 +48,7 @@ from agent.ebpf.render import render_contents
 from agent.ebpf.sockattach import pinned_links
 from lab.netns import cgroup2_root, new_prefix, remove_cgroup_tree
 from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
+from tests.ebpf.test_family6 import VIP6, service, slice_, state6
 
 STATE = state_from_yaml((GOLDEN / "loadbalancer-etp-local.yaml").read_text())
 MORE = state_from_yaml(
@@ -721,6 +722,14 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
         assert set(links) == {
             f"{hook}{family}" for hook in ("connect", "sendmsg", "recvmsg", "getpeername") for family in "46"
         } | {"sock_release"}
+        # the IPv6 family's state into the IPv6 maps, decoded by `agent inspect maps6`
+        node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+        first.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), node6)
+        shown6 = render_live_maps(config.pin_path, ("services6",))
+        assert f"fe6 [{VIP6}]:80/TCP internal -> svc=1 set=1 count=1" in shown6
+        assert "-> [fd00:10:244:1::2]:8080/TCP" in shown6 and render_live_maps(
+            config.pin_path
+        ) == render_contents(want)
         first.sync(MORE, node)
         after_more = render_contents(live(config))
     finally:
