@@ -351,14 +351,18 @@ class EbpfProxier:
         """The IPv6 family's state into the IPv6 maps, which the socket programs read (the tc
         programs pass IPv6 to the stack: ip6tables serves its packets, agent/metaproxier.py). Its
         own planner, the same rules as `sync`'s (agent/ebpf/family6.py); the programs are loaded
-        and attached by `sync`, which the agent runs first."""
+        and attached by `sync`, which the agent runs first. A backend that left an IPv6 service port
+        ends the connected UDP sockets sent to it, as for IPv4 (the iterator walks both families)."""
         with self._lock:
             self._close_retired()
             datapath = self._maps_open()
             if datapath is not self._v6_with:
                 self._v6 = Ipv6Datapath(self._config)  # other maps: read them back, re-adopting
                 self._v6_with = datapath
-            return self._v6.sync(datapath.maps, state, node, changed)
+            result = self._v6.sync(datapath.maps, state, node, changed)
+            if self._terminator is not None and self._v6.last_flush.deletes.get("member"):
+                self._end_stale_sockets()
+            return result
 
     def ipv6(self) -> EbpfIpv6:
         """This data path's IPv6 half, as a Proxier of the IPv6 family (agent/metaproxier.py)."""

@@ -431,6 +431,26 @@ def test_udp_sockets_are_ended_after_a_sync_that_removed_a_backend(rig: Rig) -> 
     assert rig.events[-1] == "end stale sockets (3 so far)"
 
 
+def test_ipv6_udp_sockets_are_ended_after_an_ipv6_sync_that_removed_a_backend(rig: Rig) -> None:
+    """The IPv6 family's sync writes the IPv6 maps (not the IPv4 ones) and runs the socket iterator
+    when its membership shrank, as the IPv4 sync does; not after other IPv6 syncs."""
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    two = state6([service()], [slice_("fd00:10:244:1::2", "fd00:10:244:2::3")])
+    one = state6([service()], [slice_("fd00:10:244:1::2")])
+    v4 = {role: sorted(bytes(k) for k, _ in rig.maps[role].items()) for role in ROLES}
+    runs = lambda: sum(e.startswith("end stale sockets") for e in rig.events)  # noqa: E731
+    before = runs()
+    p.sync6(two, node6)
+    assert runs() == before and len(rig.maps["be6"]) == 2 and len(rig.maps["fe6"]) == 2
+    spn = next(iter(two.services))
+    p.sync6(one, node6, frozenset({spn}))
+    assert runs() == before + 1 and len(rig.maps["be6"]) == 1
+    assert v4 == {role: sorted(bytes(k) for k, _ in rig.maps[role].items()) for role in ROLES}
+    p.close()
+
+
 def test_a_kernel_without_the_socket_programs_serves_the_rest(
     rig: Rig, caplog: pytest.LogCaptureFixture
 ) -> None:
