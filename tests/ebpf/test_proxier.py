@@ -440,7 +440,10 @@ def test_ipv6_udp_sockets_are_ended_after_an_ipv6_sync_that_removed_a_backend(ri
     two = state6([service()], [slice_("fd00:10:244:1::2", "fd00:10:244:2::3")])
     one = state6([service()], [slice_("fd00:10:244:1::2")])
     v4 = {role: sorted(bytes(k) for k, _ in rig.maps[role].items()) for role in ROLES}
-    runs = lambda: sum(e.startswith("end stale sockets") for e in rig.events)  # noqa: E731
+
+    def runs() -> int:
+        return sum(e.startswith("end stale sockets") for e in rig.events)
+
     before = runs()
     p.sync6(two, node6)
     assert runs() == before and len(rig.maps["be6"]) == 2 and len(rig.maps["fe6"]) == 2
