@@ -223,6 +223,57 @@ def test_with_one_floor_for_both_families_the_ipv6_call_is_never_held() -> None:
     assert rig.proxier6.calls == [None, frozenset({spn("web")})]
 
 
+def test_the_shared_floor_is_measured_from_the_start_of_the_run_for_ipv6_as_for_the_runner() -> None:
+    """iptables mode: a run whose queued events took 300 ms to apply does not hold the next run's
+    IPv6 call, which the runner starts one floor after that run's start (measured after the apply,
+    the IPv6 floor would end 300 ms after the runner's, and the call would wait for a run more)."""
+    rig = Rig(Mode.IPTABLES, ipv6=True, min_sync_period_s=1.0)
+    assert rig.proxier6 is not None
+    apply = rig.agent._apply
+    slow = [True]
+
+    def slow_apply(event: Any) -> None:
+        if slow[0]:
+            rig.clock.now += 0.1
+        apply(event)
+
+    rig.agent._apply = slow_apply  # type: ignore[method-assign]
+    rig.send(dual(), synced="v1")  # three events: 300 ms
+    rig.sync()
+    slow[0] = False
+    rig.send(slice6("web-v6", "fd00:10:244:1::2"))
+    rig.clock.now = rig.agent.runner.next_run_at()
+    rig.agent.runner.run_once()
+    assert rig.proxier6.calls == [None, frozenset({spn("web")})]
+
+
+def test_an_unreadable_ipv6_node_address_fails_the_ipv6_family_alone_and_is_read_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Reading the node's IPv6 addresses raising is the IPv6 family's failure: an IPv4 failure of
+    the same sync still reaches the runner as itself, and the next run reads the addresses again
+    and programs IPv6 in full."""
+    rig = Rig(Mode.EBPF, ipv6=True)
+    assert rig.proxier6 is not None
+
+    def unreadable() -> NodeContext:
+        raise OSError("netlink: no buffer space")
+
+    rig.agent._v6._node_context = unreadable
+    rig.send(dual(), slice6("web-v6", "fd00:10:244:1::2"), synced="v1")
+    rig.proxier.raise_ = RuntimeError("bpf map update: no space")
+    with pytest.raises(RuntimeError, match="no space"):
+        rig.agent.sync_once()
+    assert rig.proxier6.calls == [], "no IPv6 call without its addresses"
+    assert "cannot read the node's IPv6 addresses" in caplog.text and "netlink" in caplog.text
+    rig.proxier.raise_ = None
+    rig.agent._v6._node_context = lambda: rig.node6
+    rig.sync()
+    assert rig.proxier.calls[-1] is None and rig.proxier6.calls == [None]
+    assert rig.proxier6.nodes == [NODE6]
+    assert rig.agent.ipv6.in_step
+
+
 def test_a_failing_ipv4_sync_does_not_stop_the_ipv6_one_each_counted_in_its_family(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
