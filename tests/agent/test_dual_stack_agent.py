@@ -691,15 +691,47 @@ def test_the_ipv6_check_names_what_the_node_lacks(tmp_path: Any) -> None:
     def legacy_only(tool: str) -> str | None:
         return f"/usr/sbin/{tool}" if "legacy" in tool or not tool.startswith("ip6") else None
 
-    assert ipv6_missing(config, which=legacy_only, if_inet6=str(on)) == ""
-    off = ipv6_missing(config, which=legacy_only, if_inet6=str(tmp_path / "absent"))
+    probed: list[str] = []
+
+    def nat_listable(config: Config, tool: str) -> str:
+        probed.append(tool)
+        return ""
+
+    assert ipv6_missing(config, which=legacy_only, if_inet6=str(on), nat_probe=nat_listable) == ""
+    assert probed == ["ip6tables-legacy"], "the nat table is asked of the installed backend"
+    off = ipv6_missing(config, which=legacy_only, if_inet6=str(tmp_path / "absent"), nat_probe=nat_listable)
     assert "the kernel has IPv6 turned off" in off and "ipv6.disable=1" in off
-    none = ipv6_missing(config, which=lambda tool: None, if_inet6=str(on))
+    none = ipv6_missing(config, which=lambda tool: None, if_inet6=str(on), nat_probe=nat_listable)
     assert none == "neither ip6tables-nft nor ip6tables-legacy (with its -save and -restore) is on PATH"
     nft = Config(mode=Mode.IPTABLES, hostname="node1", cluster_cidr=V6_CIDRS, iptables_backend="nft")
-    assert ipv6_missing(nft, which=legacy_only, if_inet6=str(on)) == (
+    assert ipv6_missing(nft, which=legacy_only, if_inet6=str(on), nat_probe=nat_listable) == (
         "ip6tables-nft (with its -save and -restore) is not on PATH (--iptables-backend)"
     ), "--iptables-backend=nft: legacy's ip6tables is no use"
+
+
+def test_ip6tables_that_cannot_list_the_nat_table_is_no_ipv6_proxier(tmp_path: Any) -> None:
+    """Upstream's Present(): the binaries installed are not enough, the nat table's POSTROUTING
+    chain must list (a kernel without IPv6 NAT fails there). One backend that can is enough."""
+    from agent.iptables.runner import ipv6_missing, nat_chain_listable
+
+    on = tmp_path / "if_inet6"
+    on.write_text("00000000000000000000000000000001 01 80 10 80       lo\n")
+    config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
+
+    def no_nat(config: Config, tool: str) -> str:
+        return f"{tool} -t nat -S POSTROUTING: exit 3: can't initialize ip6tables table `nat'"
+
+    def legacy_nat(config: Config, tool: str) -> str:
+        return "" if tool.endswith("legacy") else no_nat(config, tool)
+
+    everything = "/usr/sbin/{}".format
+    missing = ipv6_missing(config, which=everything, if_inet6=str(on), nat_probe=no_nat)
+    assert missing.startswith("the IPv6 nat table is not usable (ip6tables-nft -t nat -S POSTROUTING: exit 3")
+    assert "; ip6tables-legacy -t nat" in missing, "both backends named"
+    assert ipv6_missing(config, which=everything, if_inet6=str(on), nat_probe=legacy_nat) == ""
+    # The real probe, of a binary that is not there: the reason, not an exception.
+    absent = nat_chain_listable(config, "ip6tables-absent-ekp")
+    assert absent.startswith("ip6tables-absent-ekp -t nat -S POSTROUTING: ") and "No such file" in absent
 
 
 @pytest.mark.parametrize("mode", [Mode.EBPF, Mode.IPTABLES])
