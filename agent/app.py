@@ -320,6 +320,7 @@ def build_agent(
             return read_nfacct_counters(config.netns)
 
     metrics = Metrics(registry, config.mode, nfacct=nfacct, iptables=iptables)
+    metrics.serve_families(*((str(IPFamily.IPv4), str(IPFamily.IPv6)) if serve6 else (str(IPFamily.IPv4),)))
     if config.mode is Mode.EBPF:
         from agent.metrics.bpf import BpfMapsCollector, pinned_opener
 

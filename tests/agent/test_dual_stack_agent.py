@@ -765,9 +765,17 @@ def test_a_node_that_cannot_do_ipv6_runs_single_stack_and_says_so_once(
     assert warnings[0].startswith(f"no iptables support for family IPv6: {lacking}. Running single-stack:")
     assert "IPv6 Services are not programmed on this node" in warnings[0]
     assert "/healthz and /livez follow IPv4 only" in warnings[0]
+    assert failure_series(agent) == {"IPv4": 0.0}, "the family served counts from 0, the other has none"
     served = build_agent(config, ipv6_check=lambda c: "")
     assert served.ipv6.proxier is not None
     assert served._health_families == (IPFamily.IPv4, IPFamily.IPv6)
+    assert failure_series(served) == {"IPv4": 0.0, "IPv6": 0.0}
+
+
+def failure_series(agent: Agent) -> dict[str, float]:
+    """ekp_sync_failures_total's series by family, as /metrics shows them."""
+    [family] = agent._parts.metrics.sync_failures.collect()
+    return {s.labels["ip_family"]: s.value for s in family.samples if s.name == "ekp_sync_failures_total"}
 
 
 def test_ebpf_modes_ipv6_preflight_checks_ip6tables_not_iptables() -> None:
