@@ -200,6 +200,12 @@ def dry_run(config: Config) -> int:
         for problem in result6.problems:
             if problem not in reported:
                 log.error("%s %s", "refusing part of" if problem.refusal else "skipping", problem)
+        if config.mode is Mode.EBPF and config.socket_lb:
+            # What the socket programs translate IPv6 connections with (agent inspect maps6's lines).
+            from agent.ebpf.family6 import render_plan6
+
+            sys.stdout.write("# eBPF IPv6 maps (the socket programs)\n")
+            sys.stdout.write(render_plan6(result6.state, node6, config))
         sys.stdout.write("# ip6tables-restore input (IPv6)\n")
         from agent.iptables import render_dry_run as render_iptables
 

@@ -135,6 +135,20 @@ class WideMap:
         return self.inner.capacity()
 
 
+def render_plan6(state: ProxyState, node: NodeContext, config: Config) -> str:
+    """What a first IPv6 sync on an empty node writes, decoded as `agent inspect maps6` prints it
+    (`--dry-run` in eBPF mode)."""
+    from agent.ebpf.maps import FakeMap
+    from agent.ebpf.render6 import render_contents6
+
+    handles = Handles()
+    planner = Planner(config, ip=handles.of)
+    planner.update(state, node, None)
+    maps = {role6: FakeMap(abi.MAPS[role6]) for role6 in abi.V6_ROLES.values()}
+    planner.flush({role: WideMap(role, maps[role6], handles) for role, role6 in abi.V6_ROLES.items()})
+    return render_contents6({role6: m.items() for role6, m in maps.items()})
+
+
 class Ipv6Datapath:
     """The IPv6 service maps of a loaded data path, kept by the IPv6 family's own planner.
 

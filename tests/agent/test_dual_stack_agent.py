@@ -717,7 +717,10 @@ def test_dry_run_in_ebpf_mode_prints_the_ip6tables_input_after_the_ebpf_maps(
     out = capsys.readouterr().out
     ebpf, marker, ip6tables = out.partition("# ip6tables-restore input (IPv6)\n")
     assert marker, out
-    assert "10.96.0.10" in ebpf and "fd00:10:96::a" not in ebpf
+    ebpf4, marker6, ebpf6 = ebpf.partition("# eBPF IPv6 maps (the socket programs)\n")
+    assert marker6 and "10.96.0.10" in ebpf4 and "fd00:10:96::a" not in ebpf4
+    assert "fe6 [fd00:10:96::a]:80/TCP internal -> svc=1 set=1 count=1" in ebpf6
+    assert "be6 1 -> [fd00:10:244:1::2]:8080/TCP" in ebpf6 and "10.96.0.10" not in ebpf6
     assert "*nat" in ip6tables and "-d fd00:10:96::a --dport 80" in ip6tables and "COMMIT" in ip6tables
 
 
