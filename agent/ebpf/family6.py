@@ -135,6 +135,12 @@ class WideMap:
         return self.inner.capacity()
 
 
+def _ipv6_names(text: str) -> str:
+    for role, role6 in abi.V6_ROLES.items():
+        text = text.replace(abi.MAPS[role].name, abi.MAPS[role6].name)
+    return text
+
+
 def render_plan6(state: ProxyState, node: NodeContext, config: Config) -> str:
     """What a first IPv6 sync on an empty node writes, decoded as `agent inspect maps6` prints it
     (`--dry-run` in eBPF mode)."""
@@ -224,7 +230,9 @@ class Ipv6Datapath:
             f", {len(result.failed)} service port(s) not programmed" if result.failed else "",
             (self._clock() - start) * 1000,
         )
-        return SyncResult(full=changed is None, failed=dict(result.failed), repaired=repaired)
+        # the writer names the IPv4 map of the role in a port's failure: name the IPv6 one it wrote
+        failed = {spn: _ipv6_names(why) for spn, why in result.failed.items()}
+        return SyncResult(full=changed is None, failed=failed, repaired=repaired)
 
     def _grown(self) -> bool:
         """The book holds far more addresses than the maps use (each frontend and backend address

@@ -161,6 +161,7 @@ def test_a_full_ipv6_map_reports_the_ports_that_did_not_fit_and_names_the_flag(
     with caplog.at_level(logging.ERROR):
         result = Ipv6Datapath(Config()).sync(maps, state6(services, slices), NODE6, None)
     assert set(result.failed) == {ServicePortName("default", "c", "http", Protocol.TCP)}
+    assert all("BPF map ekp_fe6_v2 is full" in why for why in result.failed.values()), result.failed
     assert "ekp_fe6_v2 is too small" in caplog.text and MAPS["fe"].size_flag in caplog.text
     assert len(frontends(maps)) == 4
 
