@@ -119,8 +119,10 @@ static __always_inline int ekp_pick_backend_af(int v6, const struct ekp_frontend
 	struct ekp_backend_key bk = {};
 	struct ekp_backend *be = NULL;
 	struct ekp_backend6 *b6 = NULL;
-	int found = 0;
 	int affinity = (fe->flags & EKP_FE_AFFINITY) && fe->affinity_timeout;
+	/* Whether a backend was found, tested on the family's own pointer: with `v6` a constant the
+	 * IPv4 copy branches on `be` exactly as before the families were parameters. */
+#define EKP_LB_FOUND (v6 ? b6 != NULL : be != NULL)
 
 	if (v6) {
 		__builtin_memcpy(ak6.client, client, 16);
@@ -139,15 +141,15 @@ static __always_inline int ekp_pick_backend_af(int v6, const struct ekp_frontend
 				bk.id = remembered;
 				/* gone: choose again */
 				if (v6)
-					found = (b6 = ekp_be6_lookup(&bk)) != NULL;
+					b6 = ekp_be6_lookup(&bk);
 				else
-					found = (be = ekp_be_lookup(&bk)) != NULL;
-				if (found)
+					be = ekp_be_lookup(&bk);
+				if (EKP_LB_FOUND)
 					*aff_hit = 1;
 			}
 		}
 	}
-	if (!v6 && !found && p && (fe->flags & EKP_FE_MAGLEV)) {
+	if (!v6 && !be && p && (fe->flags & EKP_FE_MAGLEV)) {
 		/* The same tuple names the same position on every node, and again after its conntrack
 		 * entries are gone. A table not written yet, or naming a backend that is no longer in
 		 * this frontend's set (the table is rewritten after the set changed): the slots decide. */
@@ -162,11 +164,11 @@ static __always_inline int ekp_pick_backend_af(int v6, const struct ekp_frontend
 			__u32 chosen = pos < EKP_MAGLEV_TABLE_SIZE ? table->backend_id[pos] : 0;
 			if (chosen && ekp_is_member(fe, chosen)) {
 				bk.id = chosen;
-				found = (be = ekp_be_lookup(&bk)) != NULL;
+				be = ekp_be_lookup(&bk);
 			}
 		}
 	}
-	if (!found) {
+	if (!EKP_LB_FOUND) {
 		struct ekp_slot_key sk = {};
 		sk.set_id = fe->set_id;
 		sk.slot = rnd % fe->count + 1;
@@ -175,18 +177,19 @@ static __always_inline int ekp_pick_backend_af(int v6, const struct ekp_frontend
 			return EKP_DROP_NO_BACKEND;
 		bk.id = s->backend_id;
 		if (v6)
-			found = (b6 = ekp_be6_lookup(&bk)) != NULL;
+			b6 = ekp_be6_lookup(&bk);
 		else
-			found = (be = ekp_be_lookup(&bk)) != NULL;
-		if (!found)
+			be = ekp_be_lookup(&bk);
+		if (!EKP_LB_FOUND)
 			return EKP_DROP_NO_BACKEND;
 	}
+#undef EKP_LB_FOUND
 	f->backend_id = bk.id;
-	if (v6 && b6) {
+	if (v6) {
 		__builtin_memcpy(be6, b6->addr, 16);
 		f->be_port = b6->port;
 		f->be_flags = b6->flags;
-	} else if (be) {
+	} else {
 		f->be_addr = be->addr;
 		f->be_port = be->port;
 		f->be_flags = be->flags;
