@@ -462,16 +462,12 @@ class Bench:
         read_s = _log_time(reads[-1]) - written_at if reads else float("nan")
         facts = SyncFacts(mode, f.services, f.endpoints, wall, read_s, float(done.group(2)), "")
         if mode == "iptables":
-            stats = re.findall(r"iptables sync(?: \((IPv[46])\))?: SyncStats\((.*)\)$", head, re.MULTILINE)
-            v4 = [fields for family, fields in stats if family != "IPv6"]
-            v6 = [fields for family, fields in stats if family == "IPv6"]
+            v4, v6 = sync_stats(head, "IPv4"), sync_stats(head, "IPv6")
             if v4:
-                fields = dict(kv.split("=", 1) for kv in v4[-1].split(", "))
-                facts.restore_s = float(fields["restore_seconds"])
-                facts.full = fields["full"] == "True"
+                facts.restore_s = float(v4["restore_seconds"])
+                facts.full = v4["full"] == "True"
             if v6:
-                fields6 = dict(kv.split("=", 1) for kv in v6[-1].split(", "))
-                facts.restore6_s = float(fields6["restore_seconds"])
+                facts.restore6_s = float(v6["restore_seconds"])
             facts.kernel = self.iptables_facts(lab, node, agent)
         else:
             ebpf = re.findall(r"eBPF sync: .*, ([\d.]+) ms\)$", head, re.MULTILINE)
@@ -605,6 +601,15 @@ def ebpf_facts(agent: Agent) -> str:
         )
         counts.append(f"{abi.MAPS[role].name} {len(json.loads(res.stdout)):,}")
     return "map entries: " + ", ".join(counts)
+
+
+def sync_stats(log: str, family: str) -> dict[str, str]:
+    """The fields of the last SyncStats line (--v=4) of one family's iptables proxier in `log`
+    ({} when none): `iptables sync (IPv6): SyncStats(full=True, ...)`; a line without a family
+    (agents before dual-stack) is IPv4's."""
+    stats = re.findall(r"iptables sync(?: \((IPv[46])\))?: SyncStats\((.*)\)$", log, re.MULTILINE)
+    mine = [fields for named, fields in stats if (named or "IPv4") == family]
+    return dict(kv.split("=", 1) for kv in mine[-1].split(", ")) if mine else {}
 
 
 def kernel_update(f: SyncFacts) -> str:
