@@ -874,6 +874,9 @@ def latency_and_packet_tables(results: Results, s: Settings) -> list[Table]:
                 ],
             )
         )
+    # the targets of runs with eBPF mode's packet costs, and of every dual-stack run (an iptables
+    # mode run alone has issue 20's IPv6 / IPv4 rows to show)
+    if results.packets or any(st.vip6 is not None for st in results.states):
         out.append(targets_table(results, s))
     return out
 

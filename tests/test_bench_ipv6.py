@@ -222,6 +222,15 @@ def test_the_ipv6_table_and_issue_20s_targets() -> None:
     assert "IPv6: its answer | ns/packet, IPv4 / IPv6" not in text
 
 
+def test_an_iptables_mode_run_alone_shows_issue_20s_targets() -> None:
+    """No eBPF mode, so no packet costs: the targets table is there for the IPv6 / IPv4 rows."""
+    results, s = dual_run()
+    results.packets = []
+    text = rendered(results, s)
+    assert "| iptables | 10 | pod -> ClusterIP, IPv6 / IPv4 | p50 | 1.00 | met |" in text
+    assert "| iptables | 10 | pod -> ClusterIP | conn/s | 0.95 | missed by 3.0 pts |" in text
+
+
 def test_a_dual_stack_runs_file_renders_what_the_run_printed(tmp_path: Path) -> None:
     results, s = dual_run()
     run = record.make(
