@@ -65,7 +65,7 @@ from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
 from agent.ebpf.xdp import PROG_XDP
 from agent.errors import FatalError
-from agent.model.types import ProxyState, ServicePortName
+from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
 from agent.takeover.into_ebpf import KernelTakeover
@@ -272,6 +272,10 @@ class EbpfProxier:
         self._maglev = MaglevWriter(config.map_sizes.maglev_table_size)
         self._v6 = Ipv6Datapath(config)  # the IPv6 family's maps (`sync6`)
         self._v6_with: DatapathLike | None = None  # the data path whose IPv6 maps it wrote
+        # Whether an IPv6 half (`ipv6()`) writes the IPv6 maps; without one `sync` empties them at
+        # its first and periodic syncs (an earlier dual-stack agent's entries would still steer the
+        # node's IPv6 sockets to addresses that may belong to other pods by now).
+        self._v6_served = False
 
     # ------------------------------------------------------------------ Proxier
 
@@ -319,6 +323,8 @@ class EbpfProxier:
                 write_config(maps, cfg)
                 self._cfg_written = VALUES["cfg"].of_ctype(cfg)
             result = planner.flush(cast(Mapping[str, RawMap], maps))
+            if not self._v6_served and (first or periodic):
+                self._empty_ipv6_maps(datapath, node)
             if "maglev" in maps:
                 wanted = planner.maglev_tables() if self._config.bpf_lb_algorithm == "maglev" else {}
                 repaired += self._maglev.sync(maps["maglev"], wanted, full=periodic and not first)
@@ -358,6 +364,7 @@ class EbpfProxier:
         and attached by `sync`, which the agent runs first. A backend that left an IPv6 service port
         ends the connected UDP sockets sent to it, as for IPv4 (the iterator walks both families)."""
         with self._lock:
+            self._v6_served = True
             self._close_retired()
             datapath = self._maps_open()
             if datapath is not self._v6_with:
@@ -370,7 +377,34 @@ class EbpfProxier:
 
     def ipv6(self) -> EbpfIpv6:
         """This data path's IPv6 half, as a Proxier of the IPv6 family (agent/metaproxier.py)."""
+        self._v6_served = True
         return EbpfIpv6(self)
+
+    def _empty_ipv6_maps(self, datapath: DatapathLike, node: NodeContext) -> None:
+        """No IPv6 half: the IPv6 service maps planned empty (read back, what they hold deleted;
+        nothing written when they hold nothing), and the socket entries and affinities the socket
+        programs left there dropped with them (under the lock)."""
+        if datapath is not self._v6_with:
+            self._v6 = Ipv6Datapath(self._config)
+            self._v6_with = datapath
+        maps = datapath.maps
+        self._v6.sync(
+            maps, ProxyState(NodeInfo(self._config.hostname), {}, {}, family=IPFamily.IPv6), node, None
+        )
+        removed = self._v6.last_flush.deletes
+        if sum(removed.values()):
+            dropped = 0
+            for role in ("aff6", "sknat6"):
+                keys = [k for k, _ in maps[role].items_raw()]
+                maps[role].delete_raw(keys)
+                dropped += len(keys)
+            log.warning(
+                "IPv6 is not served by this agent: removed the IPv6 service entries an earlier agent "
+                "left in the eBPF maps (%s; %d socket and affinity entries), so the node's IPv6 "
+                "sockets are no longer sent to their old backends",
+                ", ".join(f"{n} {r}" for r, n in sorted(removed.items()) if n),
+                dropped,
+            )
 
     def cleanup(self) -> None:
         """Detach our filters, remove our pins and the pin directory; nothing else."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from agent.config import Config, HostRouting, MapSizes, NodeContext
-from agent.ebpf import EbpfProxier, activity
+from agent.ebpf import EbpfProxier, abi, activity
 from agent.ebpf.abi import (
     MAPS,
     Act,
@@ -454,6 +454,36 @@ def test_ipv6_udp_sockets_are_ended_after_an_ipv6_sync_that_removed_a_backend(ri
     assert runs() == before + 1 and len(rig.maps["be6"]) == 1
     assert v4 == {role: sorted(bytes(k) for k, _ in rig.maps[role].items()) for role in ROLES}
     p.close()
+
+
+def test_without_an_ipv6_half_the_ipv6_maps_an_earlier_agent_wrote_are_emptied(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent restarted without IPv6 (its flags, or a node that cannot do it) writes no IPv6
+    maps: what a dual-stack agent left there would keep sending the node's IPv6 sockets to
+    addresses that may belong to other pods by now. Its first sync empties them, with the socket
+    entries and affinities; an agent with an IPv6 half keeps them (they are its own)."""
+    earlier = rig.proxier()
+    earlier.ipv6()
+    earlier.sync(STATE, NODE)
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    earlier.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), node6)
+    earlier.sync(STATE, NODE)  # a periodic sync of the dual-stack agent keeps its own
+    assert len(rig.maps["fe6"]) == 2 and len(rig.maps["be6"]) == 1
+    rig.maps["sknat6"].update(abi.Sock6Key(cookie=7), abi.Sock6Nat(svc_id=1))
+    earlier.close()
+    v4 = {role: sorted(bytes(k) + bytes(v) for k, v in rig.maps[role].items()) for role in ROLES}
+    single = rig.proxier()
+    with caplog.at_level(logging.WARNING):
+        single.sync(STATE, NODE)
+    assert all(len(rig.maps[role]) == 0 for role in abi.V6_ROLES.values()), "the IPv6 service maps"
+    assert len(rig.maps["sknat6"]) == 0
+    assert "IPv6 is not served by this agent: removed the IPv6 service entries" in caplog.text
+    assert v4 == {role: sorted(bytes(k) + bytes(v) for k, v in rig.maps[role].items()) for role in ROLES}
+    caplog.clear()
+    single.sync(STATE, NODE)
+    assert "IPv6 is not served" not in caplog.text, "said once: nothing left to remove"
+    single.close()
 
 
 def test_a_kernel_without_the_socket_programs_serves_the_rest(
