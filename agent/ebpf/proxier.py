@@ -371,6 +371,12 @@ class EbpfProxier:
                 self._v6 = Ipv6Datapath(self._config)  # other maps: read them back, re-adopting
                 self._v6_with = datapath
             result = self._v6.sync(datapath.maps, state, node, changed)
+            if self._ensure_loaded() is not datapath:
+                # As `sync`: the load failed after these maps were open; the next call writes the new ones.
+                raise RuntimeError(
+                    f"the data path's load failed while its IPv6 maps were written ({self._load_error}): "
+                    "loaded again, the next IPv6 sync writes its maps"
+                )
             if self._terminator is not None and self._v6.last_flush.deletes.get("member"):
                 self._end_stale_sockets()
             return result

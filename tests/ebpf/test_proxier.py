@@ -405,6 +405,48 @@ def test_a_load_failing_after_the_first_sync_wrote_its_maps_is_done_again_and_th
     assert rig.contents().same_entries(plan(STATE, NODE, rig.config))
 
 
+def test_a_load_failing_after_an_ipv6_sync_wrote_its_maps_fails_that_sync_and_the_next_reads_back(
+    rig: Rig,
+) -> None:
+    """As for IPv4: an IPv6 sync that wrote the maps of a load the verifier then refused is not a
+    success (those maps' fds are gone with the load); the load is done again and the next IPv6
+    sync re-adopts what the pinned maps hold."""
+    fe6 = rig.maps["fe6"] = SignallingMap(MAPS["fe6"])
+
+    class RefusedAfterTheMaps(FakeDatapath):
+        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+            self.loads += 1
+            assert maps_ready is not None
+            maps_ready()
+            if len(rig.datapaths) == 1:
+                assert fe6.written.wait(30)  # the IPv6 sync wrote the maps meanwhile
+                raise RuntimeError("the verifier said no")
+
+    rig.datapath_type = RefusedAfterTheMaps
+    p = rig.proxier()
+    half = p.ipv6()
+    failed: list[BaseException] = []
+
+    def prepare() -> None:
+        try:
+            p.prepare()
+        except RuntimeError as exc:
+            failed.append(exc)
+
+    loading = threading.Thread(target=prepare)
+    loading.start()
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    with pytest.raises(RuntimeError, match=r"IPv6 maps were written \(RuntimeError: the verifier said no\)"):
+        half.sync(state, node6)
+    loading.join(30)
+    assert [str(e) for e in failed] == ["the verifier said no"] and len(rig.datapaths) == 2
+    assert half.sync(state, node6).failed == {}
+    assert p._v6.last_flush.writes == 0, "read back: the failed sync had written them"
+    assert len(rig.maps["fe6"]) == 2
+    p.close()
+
+
 def test_the_socket_programs_get_the_node_namespace_then_their_links(rig: Rig) -> None:
     """Their settings (the node's netns cookie, host-namespace-only) are written before they are
     linked, and they are given the socket program fds. Pods too by default (as Cilium's)."""
