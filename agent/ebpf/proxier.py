@@ -824,10 +824,15 @@ def render_live_maps(
         "sockets": ("skcfg", "sknat", "sknat6"),
     }
     needed = sorted({role for s in sections for role in roles[s]})
+    # The IPv6 maps only where the section is theirs: `capacity` and `sockets` against the pins of
+    # an agent from before them (an upgrade in progress, an older image) show what is there.
+    required = {role for s in sections for role in roles[s] if s == "services6" or not abi.MAPS[role].pair}
     maps: dict[str, BpfMap] = {}
     try:
         for role in needed:
             path = os.path.join(pin_path, abi.MAPS[role].name)
+            if not os.path.exists(path) and role not in required:
+                continue
             if not os.path.exists(path):
                 raise FileNotFoundError(
                     errno.ENOENT, "no pinned map (is the agent running in eBPF mode?)", path
@@ -856,7 +861,8 @@ def render_live_maps(
                 }
                 live = cfg if isinstance(cfg, abi.SockConfig) and cfg.host_netns else None
                 text = render_sockets(live, links, maps["sknat"].items())  # type: ignore[arg-type]
-                out.append(text + "".join(line + "\n" for line in sock6_lines(maps["sknat6"].items())))
+                sknat6 = maps["sknat6"].items() if "sknat6" in maps else []
+                out.append(text + "".join(line + "\n" for line in sock6_lines(sknat6)))
             elif section == "aff":
                 out.append(render_affinity(maps["aff"].items(), now))  # type: ignore[arg-type]
             elif section == "maglev":

@@ -844,6 +844,16 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
         second.sync(STATE, node)
         key = FrontendKey(addr=ip_be("10.96.0.10"), port=port_be(53), proto=17, scope=int(Scope.INTERNAL))
         assert key not in live(config).fe
+        # The pins of an agent from before the IPv6 maps: inspect shows what is there.
+        for role in ("sknat6", "fe6"):
+            os.unlink(os.path.join(config.pin_path, MAPS[role].name))
+        names = [
+            line.split()[0] for line in render_live_maps(config.pin_path, ("capacity",)).splitlines()[:-1]
+        ]
+        assert MAPS["fe6"].name not in names and MAPS["fe"].name in names and MAPS["be6"].name in names
+        assert "socklink connect4 " in render_live_maps(config.pin_path, ("sockets",))
+        with pytest.raises(FileNotFoundError, match="eBPF mode"):
+            render_live_maps(config.pin_path, ("services6",))
     finally:
         second.cleanup()
     assert not os.path.exists(config.pin_path)
