@@ -249,7 +249,7 @@ class Planner:
         """Re-plan the service ports in `changed` (every port when None, or when the node's
         addresses changed: then ports whose service port and endpoints are as last planned are
         skipped unless the node changed); returns the ports whose entries changed."""
-        detector = self._config.local_detector(state.node.pod_cidrs)
+        detector = self._config.local_detector(state.node.pod_cidrs, int(state.family))
         moved = node != self.node or detector != self.local  # every port's frontends may change
         every = changed is None or moved
         wanted = set(state.services) | set(self._frags) if every else set(changed or ())
