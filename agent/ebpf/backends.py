@@ -67,6 +67,11 @@ class Backends:
             if before == flags:
                 continue
             ident = fresh.pop(bid, None)
+            if ident is not None and not flags:
+                # A new backend's first user, saying nothing (every backend of a start, nearly):
+                # one plain user is what no counts kept stands for.
+                out.append((bid, ident))
+                continue
             if ident is None:
                 refs, ident = refs_of.get(bid, _REF), entries[bid] & IDENT
             else:

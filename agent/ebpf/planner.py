@@ -493,11 +493,32 @@ class Planner:
         return rid
 
     def _update_backends(self, old: Mapping[int, int], new: Mapping[int, int]) -> None:
+        d, p, fresh = self.desired["be"], self.pending["be"], "be" in self.fresh
+        addr, extra = self.desired["addr"], self._addr_extra
         for bid, value in self.backends.update(old, new):
             if value is None:
                 self._drop("be", bid)
-            else:
-                self._put("be", bid, value)
+                continue
+            # `_put("be", ...)` and, for a new entry, `_address`'s first half, inline: a start
+            # puts a hundred thousand of these.
+            was = d.get(bid)
+            if was == value:
+                continue
+            if bid in p:
+                if p[bid] == value:
+                    del p[bid]
+            elif not fresh:
+                p[bid] = was
+            d[bid] = value
+            self._changes += 1
+            if was is None:
+                ip = value & U32
+                flags = addr.get(ip, 0)
+                if flags & _ADDR_BACKEND:
+                    ref = ip << 8 | _ADDR_BACKEND
+                    extra[ref] = extra.get(ref, 0) + 1
+                else:
+                    self._put("addr", ip, flags | _ADDR_BACKEND)
 
     def _update_rnats(self, spn: ServicePortName, old: Mapping[int, int], new: Mapping[int, int]) -> None:
         for ident in old.keys() | new.keys():

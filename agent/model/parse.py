@@ -642,26 +642,28 @@ def _common_endpoint(item: Any, port: int = 0, here: str = "") -> Endpoint | Non
     elif type(zone) is not str:
         return None
     ready_now = True if ready is None else ready
+    # `_name`, inline for the names already kept (all but the first few)
+    kept_node, kept_zone = _names.get(node), _names.get(zone)
     return Endpoint(
         ip,
         port,
         ready_now,
         ready_now if serving is None else serving,
         bool(terminating),
-        _name(node),
-        _name(zone),
+        _name(node) if kept_node is None else kept_node,
+        _name(zone) if kept_zone is None else kept_zone,
         _NO_HINTS,
         _NO_HINTS,
         bool(here) and node == here,
     )
 
 
-def _endpoint(item: Any, address_type: str, where: str, port: int, here: str) -> Endpoint | None:
+def _endpoint(item: Any, address_type: str, index: int, port: int, here: str) -> Endpoint | None:
     if address_type == "IPv4":
         common = _common_endpoint(item, port, here)
         if common is not None:
             return common
-    return _endpoint_checked(item, address_type, where, port, here)
+    return _endpoint_checked(item, address_type, f"endpoints[{index}]", port, here)
 
 
 def _endpoint_checked(
@@ -786,9 +788,7 @@ def parse_endpoint_slice(
     # A slice of one port (nearly all) gets its endpoints with that port and whether they are on
     # `node_name` already: `merge_slices` then keeps these very records (one copy of each).
     port = ports[0].port if len(ports) == 1 else 0
-    endpoints = [
-        _endpoint(item, address_type, f"endpoints[{i}]", port, node_name) for i, item in enumerate(raw)
-    ]
+    endpoints = [_endpoint(item, address_type, i, port, node_name) for i, item in enumerate(raw)]
     if bad_ports is not None:
         raise bad_ports
     if address_type == "FQDN":
