@@ -432,6 +432,8 @@ class ProxyModel:
     # ------------------------------------------------------------------ internals
 
     def _set_problem(self, pkey: ProblemKey, problem: Problem | None) -> None:
+        if problem is None and pkey not in self._problems:
+            return  # none before, none now: nothing for the commit to report (most calls)
         if pkey not in self._problems_then:
             self._problems_then[pkey] = self._problems.get(pkey)
         if problem is None:
