@@ -154,8 +154,8 @@ class ParsedSlice:
 
 def object_key(obj: object) -> tuple[str, str]:
     """(namespace, name) of any object, for a Problem: "default" and "?" where unusable."""
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    if not isinstance(meta, Mapping):
+    meta = obj.get("metadata") if isinstance(obj, dict | Mapping) else None
+    if not isinstance(meta, dict | Mapping):
         return "default", "?"
     namespace, name = meta.get("namespace"), meta.get("name")
     return (
@@ -444,7 +444,7 @@ def _service(svc: object) -> dict[IPFamily, list[ServicePort]] | _Skip:
     skip = _service_not_for_this_proxy(meta.labels)
     if skip:
         return _Skip(skip)
-    assert isinstance(svc, Mapping)  # _metadata checked it
+    assert isinstance(svc, dict | Mapping)  # _metadata checked it
     spec = opt_map(svc, "spec", "spec") or {}
     svc_type = one_of(opt_str(spec, "type", "spec.type") or "ClusterIP", SERVICE_TYPES, "spec.type")
     headless, cluster_ips = _cluster_ips(spec, svc_type)
@@ -767,7 +767,7 @@ def parse_endpoint_slice(
     meta = _metadata(eps, is_dns1123_subdomain, DNS1123_SUBDOMAIN_RULE)
     if _slice_not_for_this_proxy(meta.labels):
         return None
-    assert isinstance(eps, Mapping)  # _metadata checked it
+    assert isinstance(eps, dict | Mapping)  # _metadata checked it
     label_path = f"metadata.labels[{SERVICE_NAME_LABEL}]"
     service = meta.labels.get(SERVICE_NAME_LABEL, "")
     if not service:
