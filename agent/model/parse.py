@@ -626,9 +626,12 @@ def _common_endpoint(item: Any, port: int = 0, here: str = "") -> Endpoint | Non
             conditions.get("serving"),
             conditions.get("terminating"),
         )
-        for value in (ready, serving, terminating):
-            if value is not None and type(value) is not bool:
-                return None
+        if not (
+            type(ready) in _BOOL_OR_NONE
+            and type(serving) in _BOOL_OR_NONE
+            and type(terminating) in _BOOL_OR_NONE
+        ):
+            return None
     else:
         return None
     node = item.get("nodeName")
@@ -644,18 +647,27 @@ def _common_endpoint(item: Any, port: int = 0, here: str = "") -> Endpoint | Non
     ready_now = True if ready is None else ready
     # `_name`, inline for the names already kept (all but the first few)
     kept_node, kept_zone = _names.get(node), _names.get(zone)
-    return Endpoint(
-        ip,
-        port,
-        ready_now,
-        ready_now if serving is None else serving,
-        bool(terminating),
-        _name(node) if kept_node is None else kept_node,
-        _name(zone) if kept_zone is None else kept_zone,
-        _NO_HINTS,
-        _NO_HINTS,
-        bool(here) and node == here,
+    # Endpoint(...) without its Python-level __new__ (the fields in their order): a list of
+    # 10,000 slices makes a hundred thousand of these
+    return _new_tuple(
+        Endpoint,
+        (
+            ip,
+            port,
+            ready_now,
+            ready_now if serving is None else serving,
+            terminating is True,
+            _name(node) if kept_node is None else kept_node,
+            _name(zone) if kept_zone is None else kept_zone,
+            _NO_HINTS,
+            _NO_HINTS,
+            bool(here) and node == here,
+        ),
     )
+
+
+_BOOL_OR_NONE = frozenset({bool, type(None)})
+_new_tuple = tuple.__new__
 
 
 def _endpoint(item: Any, address_type: str, index: int, port: int, here: str) -> Endpoint | None:
