@@ -66,6 +66,16 @@ class IdPool:
             self._next = 1  # wrap once
         raise PlanError(f"no free {self._what} id left (limit {self._limit})")
 
+    def adopt(self, hint: int) -> int:
+        """`take(hint)` where the caller knows the plan does not use `hint` (0 < hint: an id
+        the kernel holds); the next free id when `hint` is past the limit."""
+        if hint > self._limit:
+            return self.take()
+        self._held.discard(hint)
+        if hint >= self._next:
+            self._next = hint + 1
+        return hint
+
     def release(self, ident: int) -> None:
         """No one in the plan uses `ident` any more (it may still be in the kernel)."""
         self._held.add(ident)

@@ -382,7 +382,7 @@ class Planner:
         proto = sp.protocol.number << 48
         node_ips = self.node.node_ips  # an endpoint on one of them is a host-network one here
         backends = new_be
-        be_ids, be_id = self.backends.ids, self.backends.id_of
+        ids_of = self.backends.ids_of
         from_bytes = int.from_bytes
         put, drop = self._put, self._drop
         sd, sp_ = self.desired["slot"], self.pending["slot"]
@@ -391,19 +391,27 @@ class Planner:
         changes = 0
         members: dict[int, int] = {}  # backend id -> member flags
         counts: dict[SetKind, int] = {}
+        kinds = {fe.kind for fe in fes}
         for kind in KINDS:
-            if not any(fe.kind == kind for fe in fes):
+            if kind not in kinds:
                 continue
-            order: list[int] = []
-            for ep in eps.cluster if kind == "cluster" else eps.local:
-                p = ep.port
-                ident = from_bytes(inet_aton(ep.ip), "little") | ((p & 0xFF) << 8 | p >> 8) << 32 | proto
-                bid = be_ids.get(ident) or be_id(ident)
-                flags = (_BE_LOCAL if ep.is_local else 0) | (_BE_TERMINATING if ep.terminating else 0)
-                if ep.ip in node_ips:
-                    flags |= _BE_HOST
-                backends[bid] = backends.get(bid, 0) | flags
-                order.append(bid)
+            chosen = eps.cluster if kind == "cluster" else eps.local
+            order = ids_of(
+                [
+                    from_bytes(inet_aton(ep.ip), "little")
+                    | ((ep.port & 0xFF) << 8 | ep.port >> 8) << 32
+                    | proto
+                    for ep in chosen
+                ]
+            )
+            for ep, bid in zip(chosen, order, strict=True):
+                if ep.is_local or ep.terminating or ep.ip in node_ips:
+                    flags = (_BE_LOCAL if ep.is_local else 0) | (_BE_TERMINATING if ep.terminating else 0)
+                    if ep.ip in node_ips:
+                        flags |= _BE_HOST
+                    backends[bid] = backends.get(bid, 0) | flags
+                elif bid not in backends:
+                    backends[bid] = 0
             if len(set(order)) != len(order):
                 order = list(dict.fromkeys(order))
             held = old_sets.get(kind)
