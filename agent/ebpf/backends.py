@@ -46,6 +46,10 @@ class Backends:
         """The id is in use by the plan (the pool's view)."""
         return bid in self._entries or bid in self._new
 
+    def __len__(self) -> int:
+        """How many ids the plan uses (the pool skips its checks while there are none)."""
+        return len(self._entries) + len(self._new)
+
     def id_of(self, ident: int) -> int:
         """The backend's id, a new one (the kernel's, on start) the first time it is used."""
         bid = self.ids.get(ident)

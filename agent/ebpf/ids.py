@@ -88,7 +88,8 @@ class IdPool:
     def hold_all(self, idents: Iterable[int]) -> None:
         """`hold` of many (the whole kernel's ids on start); those the plan owns stay its own."""
         owned = self._owned
-        new = {i for i in idents if i not in owned}
+        # nothing owned yet (a start): no id to look up in it (an owner that tells its size)
+        new = {i for i in idents if i not in owned} if owned else set(idents)
         if new:
             self._held |= new
             self._seen(max(new))

@@ -503,6 +503,7 @@ class Planner:
     def _update_backends(self, old: Mapping[int, int], new: Mapping[int, int]) -> None:
         d, p, fresh = self.desired["be"], self.pending["be"], "be" in self.fresh
         addr, extra = self.desired["addr"], self._addr_extra
+        addr_p, addr_fresh = self.pending["addr"], "addr" in self.fresh
         for bid, value in self.backends.update(old, new):
             if value is None:
                 self._drop("be", bid)
@@ -521,12 +522,21 @@ class Planner:
             self._changes += 1
             if was is None:
                 ip = value & U32
-                flags = addr.get(ip, 0)
+                held = addr.get(ip)
+                flags = held or 0
                 if flags & _ADDR_BACKEND:
                     ref = ip << 8 | _ADDR_BACKEND
                     extra[ref] = extra.get(ref, 0) + 1
-                else:
-                    self._put("addr", ip, flags | _ADDR_BACKEND)
+                    continue
+                # `_put("addr", ip, ...)`, inline: the bit is new, so the entry changes
+                flags |= _ADDR_BACKEND
+                if ip in addr_p:
+                    if addr_p[ip] == flags:
+                        del addr_p[ip]
+                elif not addr_fresh:
+                    addr_p[ip] = held
+                addr[ip] = flags
+                self._changes += 1
 
     def _update_rnats(self, spn: ServicePortName, old: Mapping[int, int], new: Mapping[int, int]) -> None:
         for ident in old.keys() | new.keys():
