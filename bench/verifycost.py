@@ -181,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(costs))
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"build": obj.build, "load": float(load), "programs": [asdict(c) for c in costs]}, f, indent=1)
+            doc = {"build": obj.build, "load": float(load), "programs": [asdict(c) for c in costs]}
+            json.dump(doc, f, indent=1)
     return 0
 
 
