@@ -83,7 +83,8 @@ def single_stack_warning(config: Config, missing: str) -> str:
         f"no iptables support for family IPv6: {missing}. Running single-stack: IPv6 Services are "
         f"not programmed on this node (IPv4 ones are, by {ipv4}) and /healthz and /livez follow "
         "IPv4 only. IPv6 is asked for by --node-ip, --cluster-cidr or --service-cluster-ip-range: "
-        "enable IPv6 in the kernel and install ip6tables (the iptables package), or leave IPv6 out of them"
+        "enable IPv6 in the kernel, install ip6tables (the iptables package) and IPv6 NAT (the "
+        "ip6table_nat module for the legacy backend, nf_nat for nft), or leave IPv6 out of them"
     )
 
 
@@ -319,6 +320,7 @@ def build_agent(
             return read_nfacct_counters(config.netns)
 
     metrics = Metrics(registry, config.mode, nfacct=nfacct, iptables=iptables)
+    metrics.serve_families(*((str(IPFamily.IPv4), str(IPFamily.IPv6)) if serve6 else (str(IPFamily.IPv4),)))
     if config.mode is Mode.EBPF:
         from agent.metrics.bpf import BpfMapsCollector, pinned_opener
 

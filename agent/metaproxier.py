@@ -153,25 +153,45 @@ class IPv6Family:
         held). `outcome` says what happened; a failed call is logged and retried (`retry_wanted`);
         FatalError propagates."""
         moved = False
+        unread: Exception | None = None  # reading the node's IPv6 addresses failed
         self.programmed = None
-        if self.proxier is not None and (read_node or self.node is None or self.model.full_pending):
-            node = self._node_context()
-            moved = self.node is not None and node != self.node
-            if moved:
-                log.info("node IPv6 addresses changed: %s", ",".join(node.node_ips) or "none")
-            self.node = node
-            self.model.set_guard(frontend_guard(self._config, node))
+        if self.proxier is not None and (
+            read_node or self.node is None or self._need_full or self.model.full_pending
+        ):
+            try:
+                node = self._node_context()
+            except FatalError:
+                raise
+            except Exception as exc:
+                # Not raised: the agent's sync would raise it in place of an IPv4 failure, and the
+                # IPv4 side must not wait for this family's addresses.
+                unread = exc
+            else:
+                moved = self.node is not None and node != self.node
+                if moved:
+                    log.info("node IPv6 addresses changed: %s", ",".join(node.node_ips) or "none")
+                self.node = node
+                self.model.set_guard(frontend_guard(self._config, node))
         commit = self.model.commit()
         if self.proxier is None:
             self._announce()
             self.outcome = Outcome.UNSERVED
             return commit
-        assert self.node is not None
         self._held = commit if self._held is None else merged(self._held, commit)
         if commit.changed is None or moved:
             self._full_due = True
         else:
             self._changed |= commit.changed
+        if unread is not None:
+            log.warning(
+                "IPv6 sync failed: cannot read the node's IPv6 addresses (retried soon, in full; IPv4 is "
+                "unaffected): %s",
+                unread,
+            )
+            self._need_full = True
+            self.outcome = Outcome.FAILED
+            return commit
+        assert self.node is not None
         full = self._full_due or self._need_full or now - self._last_full >= self._config.sync_period_s
         if not (full or self._changed or self._retry):
             self.outcome = Outcome.IDLE

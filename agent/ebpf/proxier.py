@@ -259,6 +259,7 @@ class EbpfProxier:
         # Data paths whose load failed after their maps were handed to a sync: closed by the next
         # sync (under the lock, so no sync writes through their fds any more), or by close().
         self._retired: list[DatapathLike] = []
+        self._load_error = ""  # why the last load that failed did
         self._attacher: AttacherLike | None = None
         self._planner: Planner | None = None
         self._unsure = True  # what the maps hold is unknown: read them back before writing
@@ -323,7 +324,10 @@ class EbpfProxier:
 
             if self._ensure_loaded() is not datapath:
                 # The load failed after its maps were open: the next sync writes the new ones.
-                raise RuntimeError("the data path's load failed while its maps were written: loaded again")
+                raise RuntimeError(
+                    f"the data path's load failed while its maps were written ({self._load_error}): "
+                    "loaded again, the next sync writes its maps"
+                )
             self._attach(datapath, node, periodic=periodic, legacy=deferred)
             if self._terminator is not None and (periodic or result.deletes.get("member")):
                 self._end_stale_sockets()
@@ -414,8 +418,9 @@ class EbpfProxier:
                     self._load_cond.notify_all()
 
             datapath.load(maps_ready)
-        except BaseException:
+        except BaseException as exc:
             with self._load_cond:
+                self._load_error = f"{type(exc).__name__}: {exc}"
                 if self._opened is not None:  # this load's: a sync may be writing its maps
                     self._retired.append(self._opened)
                 self._loading = False

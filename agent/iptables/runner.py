@@ -137,22 +137,56 @@ def installed_families(
     return [b for b in FAMILIES if all(which(tool) for tool in family_tools(b, binary))]
 
 
+def nat_chain_listable(config: Config, tool: str) -> str:
+    """Why `tool` (an ip6tables binary) cannot list the nat table's POSTROUTING chain, "" when it
+    can: upstream's `Present()` (utiliptables), what platformCheckSupported asks of each family. A
+    kernel without IPv6 NAT (no ip6table_nat, or nf_tables without its nat chain type) fails here
+    though the binaries are installed."""
+    prefix = ["ip", "netns", "exec", config.netns] if config.netns else []
+    try:
+        done = subprocess.run(
+            [*prefix, tool, "-w", "5", "-t", "nat", "-S", "POSTROUTING"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{tool} -t nat -S POSTROUTING: {exc}"
+    if done.returncode != 0:
+        why = (done.stderr or done.stdout).strip().splitlines()
+        return f"{tool} -t nat -S POSTROUTING: exit {done.returncode}: {why[0] if why else 'no output'}"
+    return ""
+
+
 def ipv6_missing(
-    config: Config, *, which: Callable[[str], str | None] = shutil.which, if_inet6: str = IF_INET6
+    config: Config,
+    *,
+    which: Callable[[str], str | None] = shutil.which,
+    if_inet6: str = IF_INET6,
+    nat_probe: Callable[[Config, str], str] = nat_chain_listable,
 ) -> str:
     """What this node lacks for an IPv6 proxier, "" when nothing: upstream's
     platformCheckSupported (cmd/kube-proxy/app/server_linux.go), which runs single-stack when
     ip6tables is not usable. Here: the kernel's IPv6 (`if_inet6` is absent when the node booted
-    with ipv6.disable=1) and ip6tables with its -save and -restore, of --iptables-backend when
-    given, else of either backend."""
+    with ipv6.disable=1), ip6tables with its -save and -restore, of --iptables-backend when
+    given, else of either backend, and a nat table that backend can list (`nat_probe`, upstream's
+    Present())."""
     if not os.path.exists(if_inet6):
         return f"the kernel has IPv6 turned off ({if_inet6} is absent: booted with ipv6.disable=1?)"
     wanted = (config.iptables_backend,) if config.iptables_backend in FAMILIES else FAMILIES
-    if not any(all(which(tool) for tool in family_tools(b, "ip6tables")) for b in wanted):
+    installed = [b for b in wanted if all(which(tool) for tool in family_tools(b, "ip6tables"))]
+    if not installed:
         if len(wanted) == 1:
             return f"ip6tables-{wanted[0]} (with its -save and -restore) is not on PATH (--iptables-backend)"
         return "neither ip6tables-nft nor ip6tables-legacy (with its -save and -restore) is on PATH"
-    return ""
+    failures = []
+    for backend in installed:
+        why = nat_probe(config, f"ip6tables-{backend}")
+        if not why:
+            return ""
+        failures.append(why)
+    return "the IPv6 nat table is not usable (" + "; ".join(failures) + ")"
 
 
 def preflight(

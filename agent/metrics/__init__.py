@@ -312,6 +312,13 @@ class Metrics:
         self.service_changes_pending.set(services)
         self.endpoint_changes_pending.set(endpoints)
 
+    def serve_families(self, *families: str) -> None:
+        """The families this agent programs: their failure counters exist at 0 from the start (a
+        labelled counter has no series until its first label, and a rate() or an alert on a series
+        that appears only at the first failure misses it)."""
+        for family in families:
+            self.sync_failures.labels(family)
+
     def record_sync(self, full: bool, seconds: float, ok: bool = True, family: str = IPV4) -> None:
         """One sync of `family`'s proxier took `seconds`. Durations are observed for failed syncs
         too, as upstream's deferred Observe; the last-sync timestamp moves only when the sync

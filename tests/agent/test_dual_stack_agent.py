@@ -223,6 +223,57 @@ def test_with_one_floor_for_both_families_the_ipv6_call_is_never_held() -> None:
     assert rig.proxier6.calls == [None, frozenset({spn("web")})]
 
 
+def test_the_shared_floor_is_measured_from_the_start_of_the_run_for_ipv6_as_for_the_runner() -> None:
+    """iptables mode: a run whose queued events took 300 ms to apply does not hold the next run's
+    IPv6 call, which the runner starts one floor after that run's start (measured after the apply,
+    the IPv6 floor would end 300 ms after the runner's, and the call would wait for a run more)."""
+    rig = Rig(Mode.IPTABLES, ipv6=True, min_sync_period_s=1.0)
+    assert rig.proxier6 is not None
+    apply = rig.agent._apply
+    slow = [True]
+
+    def slow_apply(event: Any) -> None:
+        if slow[0]:
+            rig.clock.now += 0.1
+        apply(event)
+
+    rig.agent._apply = slow_apply  # type: ignore[method-assign]
+    rig.send(dual(), synced="v1")  # three events: 300 ms
+    rig.sync()
+    slow[0] = False
+    rig.send(slice6("web-v6", "fd00:10:244:1::2"))
+    rig.clock.now = rig.agent.runner.next_run_at()
+    rig.agent.runner.run_once()
+    assert rig.proxier6.calls == [None, frozenset({spn("web")})]
+
+
+def test_an_unreadable_ipv6_node_address_fails_the_ipv6_family_alone_and_is_read_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Reading the node's IPv6 addresses raising is the IPv6 family's failure: an IPv4 failure of
+    the same sync still reaches the runner as itself, and the next run reads the addresses again
+    and programs IPv6 in full."""
+    rig = Rig(Mode.EBPF, ipv6=True)
+    assert rig.proxier6 is not None
+
+    def unreadable() -> NodeContext:
+        raise OSError("netlink: no buffer space")
+
+    rig.agent._v6._node_context = unreadable
+    rig.send(dual(), slice6("web-v6", "fd00:10:244:1::2"), synced="v1")
+    rig.proxier.raise_ = RuntimeError("bpf map update: no space")
+    with pytest.raises(RuntimeError, match="no space"):
+        rig.agent.sync_once()
+    assert rig.proxier6.calls == [], "no IPv6 call without its addresses"
+    assert "cannot read the node's IPv6 addresses" in caplog.text and "netlink" in caplog.text
+    rig.proxier.raise_ = None
+    rig.agent._v6._node_context = lambda: rig.node6
+    rig.sync()
+    assert rig.proxier.calls[-1] is None and rig.proxier6.calls == [None]
+    assert rig.proxier6.nodes == [NODE6]
+    assert rig.agent.ipv6.in_step
+
+
 def test_a_failing_ipv4_sync_does_not_stop_the_ipv6_one_each_counted_in_its_family(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -640,15 +691,47 @@ def test_the_ipv6_check_names_what_the_node_lacks(tmp_path: Any) -> None:
     def legacy_only(tool: str) -> str | None:
         return f"/usr/sbin/{tool}" if "legacy" in tool or not tool.startswith("ip6") else None
 
-    assert ipv6_missing(config, which=legacy_only, if_inet6=str(on)) == ""
-    off = ipv6_missing(config, which=legacy_only, if_inet6=str(tmp_path / "absent"))
+    probed: list[str] = []
+
+    def nat_listable(config: Config, tool: str) -> str:
+        probed.append(tool)
+        return ""
+
+    assert ipv6_missing(config, which=legacy_only, if_inet6=str(on), nat_probe=nat_listable) == ""
+    assert probed == ["ip6tables-legacy"], "the nat table is asked of the installed backend"
+    off = ipv6_missing(config, which=legacy_only, if_inet6=str(tmp_path / "absent"), nat_probe=nat_listable)
     assert "the kernel has IPv6 turned off" in off and "ipv6.disable=1" in off
-    none = ipv6_missing(config, which=lambda tool: None, if_inet6=str(on))
+    none = ipv6_missing(config, which=lambda tool: None, if_inet6=str(on), nat_probe=nat_listable)
     assert none == "neither ip6tables-nft nor ip6tables-legacy (with its -save and -restore) is on PATH"
     nft = Config(mode=Mode.IPTABLES, hostname="node1", cluster_cidr=V6_CIDRS, iptables_backend="nft")
-    assert ipv6_missing(nft, which=legacy_only, if_inet6=str(on)) == (
+    assert ipv6_missing(nft, which=legacy_only, if_inet6=str(on), nat_probe=nat_listable) == (
         "ip6tables-nft (with its -save and -restore) is not on PATH (--iptables-backend)"
     ), "--iptables-backend=nft: legacy's ip6tables is no use"
+
+
+def test_ip6tables_that_cannot_list_the_nat_table_is_no_ipv6_proxier(tmp_path: Any) -> None:
+    """Upstream's Present(): the binaries installed are not enough, the nat table's POSTROUTING
+    chain must list (a kernel without IPv6 NAT fails there). One backend that can is enough."""
+    from agent.iptables.runner import ipv6_missing, nat_chain_listable
+
+    on = tmp_path / "if_inet6"
+    on.write_text("00000000000000000000000000000001 01 80 10 80       lo\n")
+    config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
+
+    def no_nat(config: Config, tool: str) -> str:
+        return f"{tool} -t nat -S POSTROUTING: exit 3: can't initialize ip6tables table `nat'"
+
+    def legacy_nat(config: Config, tool: str) -> str:
+        return "" if tool.endswith("legacy") else no_nat(config, tool)
+
+    everything = "/usr/sbin/{}".format
+    missing = ipv6_missing(config, which=everything, if_inet6=str(on), nat_probe=no_nat)
+    assert missing.startswith("the IPv6 nat table is not usable (ip6tables-nft -t nat -S POSTROUTING: exit 3")
+    assert "; ip6tables-legacy -t nat" in missing, "both backends named"
+    assert ipv6_missing(config, which=everything, if_inet6=str(on), nat_probe=legacy_nat) == ""
+    # The real probe, of a binary that is not there: the reason, not an exception.
+    absent = nat_chain_listable(config, "ip6tables-absent-ekp")
+    assert absent.startswith("ip6tables-absent-ekp -t nat -S POSTROUTING: ") and "No such file" in absent
 
 
 @pytest.mark.parametrize("mode", [Mode.EBPF, Mode.IPTABLES])
@@ -682,9 +765,17 @@ def test_a_node_that_cannot_do_ipv6_runs_single_stack_and_says_so_once(
     assert warnings[0].startswith(f"no iptables support for family IPv6: {lacking}. Running single-stack:")
     assert "IPv6 Services are not programmed on this node" in warnings[0]
     assert "/healthz and /livez follow IPv4 only" in warnings[0]
+    assert failure_series(agent) == {"IPv4": 0.0}, "the family served counts from 0, the other has none"
     served = build_agent(config, ipv6_check=lambda c: "")
     assert served.ipv6.proxier is not None
     assert served._health_families == (IPFamily.IPv4, IPFamily.IPv6)
+    assert failure_series(served) == {"IPv4": 0.0, "IPv6": 0.0}
+
+
+def failure_series(agent: Agent) -> dict[str, float]:
+    """ekp_sync_failures_total's series by family, as /metrics shows them."""
+    [family] = agent._parts.metrics.sync_failures.collect()
+    return {s.labels["ip_family"]: s.value for s in family.samples if s.name == "ekp_sync_failures_total"}
 
 
 def test_ebpf_modes_ipv6_preflight_checks_ip6tables_not_iptables() -> None:
