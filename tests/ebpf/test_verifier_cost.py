@@ -26,6 +26,8 @@ from bench.verifycost import ProgCost, measure, the_object
 BUDGET = {PROG_FROM_POD: 450_000, PROG_FROM_NET: 450_000, PROG_XDP_NET: 220_000}
 ALL_PROGRAMS = 1_150_000
 
+pytestmark = pytest.mark.kernel
+
 
 @pytest.fixture(scope="module")
 def costs() -> dict[str, ProgCost]:
