@@ -90,8 +90,10 @@ def single_stack_warning(config: Config, missing: str) -> str:
 
 def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = None) -> Proxier | None:
     """The IPv6 proxier beside `proxier` (kube-proxy's metaproxier): ip6tables in both modes, when
-    the flags describe IPv6 for the node; None otherwise (agent/metaproxier.py). In eBPF mode too:
-    the eBPF data path has no IPv6 path yet, so ip6tables serves IPv6 Services beside it."""
+    the flags describe IPv6 for the node; None otherwise (agent/metaproxier.py). In eBPF mode
+    ip6tables serves IPv6 packets (the tc programs have no IPv6 path yet), and with socket-level
+    load balancing the eBPF data path's IPv6 maps are written too: the socket programs translate
+    IPv6 Services where the sockets are (`EbpfAndIp6tables`)."""
     if not config.ipv6_configured:
         return None
     from agent.iptables import IptablesProxier
@@ -109,7 +111,14 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
             take_over=lambda: True,
             metrics=metrics,
         )
-    return ip6tables_beside_ebpf(config, SubprocessRunner(config, family=6), metrics)
+    ip6tables = ip6tables_beside_ebpf(config, SubprocessRunner(config, family=6), metrics)
+    if not config.socket_lb:
+        return ip6tables
+    from agent.ebpf import EbpfProxier
+    from agent.metaproxier import EbpfAndIp6tables
+
+    assert isinstance(proxier, EbpfProxier)
+    return EbpfAndIp6tables(proxier.ipv6(), ip6tables)
 
 
 def ip6tables_beside_ebpf(
@@ -191,6 +200,12 @@ def dry_run(config: Config) -> int:
         for problem in result6.problems:
             if problem not in reported:
                 log.error("%s %s", "refusing part of" if problem.refusal else "skipping", problem)
+        if config.mode is Mode.EBPF and config.socket_lb:
+            # What the socket programs translate IPv6 connections with (agent inspect maps6's lines).
+            from agent.ebpf.family6 import render_plan6
+
+            sys.stdout.write("# eBPF IPv6 maps (the socket programs)\n")
+            sys.stdout.write(render_plan6(result6.state, node6, config))
         sys.stdout.write("# ip6tables-restore input (IPv6)\n")
         from agent.iptables import render_dry_run as render_iptables
 
@@ -398,10 +413,15 @@ def build_agent(
 def ipv6_served_by(config: Config) -> str:
     """The start-up line that says how this node serves IPv6 Services (an IPv6 proxier runs)."""
     if config.mode is Mode.EBPF:
+        sockets = (
+            "the socket programs translate the connections of the node's sockets (and its pods') to "
+            "IPv6 Services, and "
+            if config.socket_lb
+            else ""
+        )
         return (
-            "IPv6: IPv6 Services are served by ip6tables rules (kube-proxy's iptables layout), "
-            "IPv4 ones by the eBPF data path, which has no IPv6 path yet; --iptables-* settings "
-            "apply to the IPv6 rules"
+            f"IPv6: {sockets}ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 packet; "
+            "the eBPF tc programs have no IPv6 path yet; --iptables-* settings apply to the IPv6 rules"
         )
     return "IPv6: ip6tables rules for the node's IPv6 addresses beside the IPv4 ones (dual-stack)"
 

@@ -1,11 +1,11 @@
 """`agent inspect`: decode what a node's pinned BPF maps hold, without the running agent.
 
 `maps` prints the same lines as `agent --mode=ebpf --dry-run`, so a live node can be diffed against
-the plan for a services file; `conntrack`, `affinity` and `stats` show flows, sticky clients and the
-data path's counters (drops by reason included); `capacity` shows how full every map is, and how
-many conntrack entries are live (agent/ebpf/capacity.py); `sockets` shows the socket programs'
-settings, their cgroup links and which sockets were sent to which backend. Reads only; needs root
-for the bpf() syscall.
+the plan for a services file (`maps6`: the IPv6 maps the socket programs read); `conntrack`,
+`affinity` and `stats` show flows, sticky clients and the data path's counters (drops by reason
+included); `capacity` shows how full every map is, and how many conntrack entries are live
+(agent/ebpf/capacity.py); `sockets` shows the socket programs' settings, their cgroup links and
+which sockets were sent to which backend. Reads only; needs root for the bpf() syscall.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from agent.config import DEFAULT_PIN_PATH
 
 SECTIONS = {
     "maps": "services",
+    "maps6": "services6",
     "conntrack": "ct",
     "affinity": "aff",
     "stats": "stats",
@@ -29,6 +30,8 @@ SECTIONS = {
 EPILOG = """\
 examples:
   agent inspect maps                 frontends, slots, backends, reverse NAT, source ranges, config
+  agent inspect maps6                the same for IPv6 Services (fe6, slot6, be6, ...: the maps the
+                                     socket programs translate IPv6 connections with)
   agent inspect conntrack            every tracked flow: tuple, direction, rewrite, backend, age
   agent inspect stats                packets, flows, SNAT, affinity hits, drops by reason,
                                      conntrack evictions by state, fragments held and released;
@@ -38,6 +41,7 @@ examples:
   agent inspect capacity             entries / capacity of every map, live conntrack entries by
                                      state (assured, unassured, closed), early drops by state
   agent inspect sockets              socket programs: settings, cgroup links, sockets sent to backends
+                                     (sock6 lines: IPv6 sockets)
   agent inspect maps conntrack --bpf-pin-path /sys/fs/bpf/ebpf-kube-proxy-node2
 """
 

@@ -11,11 +11,17 @@ Which proxier programs IPv6, when the flags describe IPv6 for the node (`Config.
 
 * iptables mode: an `IptablesProxier(family=IPv6)` on ip6tables, with the backend the IPv4 rules
   use.
-* eBPF mode: the same ip6tables proxier, beside the eBPF data path that serves IPv4. The eBPF
-  data path has no IPv6 path yet (its tc programs pass IPv6 packets to the stack untouched, its
-  socket programs leave real IPv6 addresses alone), so IPv6 Services get kube-proxy's ip6tables
-  layout until it has: the step eBPF data planes took before their own IPv6 path existed. Its
-  backend is --iptables-backend or the node's (no IPv4 rules to follow).
+* eBPF mode: two proxiers for the one family (`EbpfAndIp6tables`). The eBPF data path's IPv6 maps
+  (agent/ebpf/family6.py), which the socket programs read: a connection a node process or a pod
+  makes to an IPv6 Service is sent to its backend at connect()/sendmsg(), as for IPv4, and its
+  packets are never translated. And the ip6tables proxier, for every packet the socket programs
+  do not see: external clients, NodePorts and external IPs from outside, the pods' flows the
+  socket programs leave to the packet path (affinity, source ranges, SNAT; all of them under
+  --bpf-socket-lb-host-namespace-only), and everything when --bpf-socket-lb=false (then the IPv6
+  maps are not written). The eBPF tc programs pass IPv6 packets to the stack untouched until they
+  have their own IPv6 path; until then ip6tables is what serves those, the step eBPF data planes
+  took before their own IPv6 path existed. Its backend is --iptables-backend or the node's (no
+  IPv4 rules to follow).
 
 Without IPv6 in the flags no IPv6 proxier runs: the IPv6 state is still computed (so problems with
 IPv6 objects are reported the same way), and the first time IPv6 service ports exist the agent
@@ -41,7 +47,7 @@ from agent.errors import FatalError
 from agent.featuregates import node_info
 from agent.model.guard import FrontendGuard
 from agent.model.tracker import Commit, ProxyModel
-from agent.model.types import IPFamily, NodeInfo, ServicePortName
+from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.proxier import Proxier, SyncResult
 
 log = logging.getLogger("agent")
@@ -62,10 +68,47 @@ def frontend_guard(config: Config, node: NodeContext) -> FrontendGuard:
     )
 
 
+class EbpfAndIp6tables:
+    """eBPF mode's IPv6 proxier: the eBPF data path's IPv6 maps (the socket programs), then
+    ip6tables (every other packet). Each is synced whatever the other did; a failure of either is
+    raised after both ran (the family retries in full), and the ports either could not program are
+    reported together."""
+
+    def __init__(self, ebpf: Proxier, ip6tables: Proxier) -> None:
+        self.ebpf = ebpf
+        self.ip6tables = ip6tables
+
+    def prepare(self) -> None:
+        self.ebpf.prepare()
+        self.ip6tables.prepare()
+
+    def sync(
+        self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
+    ) -> SyncResult:
+        results: list[SyncResult] = []
+        failure: Exception | None = None
+        for proxier in (self.ebpf, self.ip6tables):
+            try:
+                results.append(proxier.sync(state, node, changed))
+            except FatalError:
+                raise
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        ebpf, ip6 = results
+        failed = {**ip6.failed, **ebpf.failed}
+        return SyncResult(full=ebpf.full and ip6.full, failed=failed, repaired=ebpf.repaired + ip6.repaired)
+
+    def cleanup(self) -> None:
+        self.ebpf.cleanup()
+        self.ip6tables.cleanup()
+
+
 def unserved_reason(config: Config) -> str:
     """Why IPv6 Services are not programmed on this node (no IPv6 proxier runs)."""
     how = (
-        "ip6tables programs them, beside the eBPF data path (which has no IPv6 path yet)"
+        "the socket programs (IPv6 maps) and ip6tables (every other packet) program them"
         if config.mode is Mode.EBPF
         else "iptables mode programs them with ip6tables"
     )

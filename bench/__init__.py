@@ -16,6 +16,12 @@ PREROUTING's KUBE-SERVICES in iptables mode). One real `agent` process acts for 
    endpoints each, bench/workload.py): pod IP and ClusterIP, alternately;
 4. the pod IP again after the agent stopped and cleaned up.
 
+The lab is dual-stack and every Service too (bench/workload.py; `--no-ipv6`: single-stack): in
+each state the server pod's IPv6 address and the measured Service's IPv6 ClusterIP are measured
+beside the IPv4 targets, alternately in the same rounds, against the IPv6 pod IP with no agent
+(issue 20: IPv6 within 5% of IPv4); eBPF mode also times the programs on IPv6 packets (progcost's
+IPv6 twins, an IPv6 ClusterIP window of bench/bpfstats.py).
+
 Per target: new TCP connections per second (wrk, `Connection: close`) and connect() latency p50/p99
 (bench/probe.py). eBPF mode also reads the programs' own cost per packet with
 kernel.bpf_stats_enabled (bench/bpfstats.py). Every sync reports what the agent logged (read time,

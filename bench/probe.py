@@ -9,6 +9,8 @@ pointed at, so differences between targets are the data path's.
 
     probe.py ADDR PORT COUNT MAX_SECONDS   ->  one JSON object: {"ns": [...], "errors": {kind: n}}
 
+ADDR is an IPv4 or an IPv6 address (the socket's family follows it).
+
 Bounded twice: at most COUNT connections, and never longer than MAX_SECONDS.
 """
 
@@ -25,7 +27,8 @@ LINGER_RST = struct.pack("ii", 1, 0)
 
 
 def connect_once(addr: str, port: int) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RST)
         s.settimeout(2.0)
         start = time.perf_counter_ns()

@@ -18,6 +18,10 @@ to a backend is with socket-level load balancing, when nothing else reaches that
 tc), and to a backend that live flows through the ClusterIP use (whose every packet has to be
 looked up: it may be one of theirs).
 
+In a dual-stack lab the untranslated IPv4 cases of pods' traffic have IPv6 twins (named with the
+`V6` prefix): the tc programs pass IPv6 to the stack (bpf/ekp_parse.h), so their ns per packet is
+what IPv6 traffic pays for the programs being there, whatever serves IPv6 Services.
+
 The translated cases use a client port no real connection uses (their flows live in the agent's
 conntrack until they expire: a few dozen entries, never answered).
 """
@@ -45,6 +49,14 @@ TC_ACT_OK = 0
 # Client ports of the translated cases, below the lab's ephemeral ranges: each measurement takes a
 # block of its own, so a new flow's SYN never meets the flow an earlier measurement left there.
 PORTS = iter(range(1024, 32768 - 5000, 5000))
+
+
+V6 = "IPv6: "  # the traffic of an IPv6 case: its IPv4 twin's, so prefixed
+
+
+def ipv4_twin(traffic: str) -> str | None:
+    """The IPv4 case an IPv6 case mirrors (None for an IPv4 case)."""
+    return traffic.removeprefix(V6) if traffic.startswith(V6) else None
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,35 @@ def cases(node: Node, client: Pod, server: Pod, vip: str, port: int, server_port
     data = b"x" * 64
     base = next(PORTS)
     quiet = server_port + 8000  # a port of the server no Service has: no translated flow uses it
+    v6: list[_Case] = []
+    if client.ip6 and server.ip6:
+        c6, s6 = client.ip6, server.ip6
+        v6 = [
+            _Case(
+                "ekp_from_pod",
+                V6 + "pod -> pod IP, an endpoint no translated flow uses",
+                False,
+                client.host_iface,
+                None,
+                lambda n: tcp(c6, s6, 40000, quiet, flags="A", payload=data),
+            ),
+            _Case(
+                "ekp_from_pod",
+                V6 + "its answer",
+                False,
+                server.host_iface,
+                None,
+                lambda n: tcp(s6, c6, quiet, 40000, flags="A", payload=data),
+            ),
+            _Case(
+                "ekp_egress",
+                V6 + "a packet the node forwards to a pod",
+                False,
+                server.host_iface,
+                client.host_iface,
+                lambda n: tcp(c6, s6, 40000, quiet, flags="A", payload=data),
+            ),
+        ]
     return [
         _Case(
             "ekp_from_pod",
@@ -139,6 +180,7 @@ def cases(node: Node, client: Pod, server: Pod, vip: str, port: int, server_port
             "",
             lambda n: tcp(node.ip, s, 40001, quiet, flags="A", payload=data),
         ),
+        *v6,
         _Case(
             "ekp_from_pod",
             "pod -> ClusterIP, a new flow (SYN)",

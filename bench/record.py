@@ -141,6 +141,8 @@ def results_json(results: Any) -> dict[str, Any]:
                 "services": st.services,
                 "pod": target(st.pod),
                 "vip": target(st.vip) if st.vip is not None else None,
+                "pod6": target(st.pod6) if st.pod6 is not None else None,
+                "vip6": target(st.vip6) if st.vip6 is not None else None,
             }
             for st in results.states
         ],
@@ -198,6 +200,9 @@ def results_from(data: dict[str, Any]) -> Any:
                 services=d["services"],
                 pod=target(d["pod"]),
                 vip=target(d["vip"]) if d["vip"] is not None else None,
+                # runs before IPv6 was measured have neither
+                pod6=target(d["pod6"]) if d.get("pod6") is not None else None,
+                vip6=target(d["vip6"]) if d.get("vip6") is not None else None,
             )
             for d in data["states"]
         ],
@@ -345,6 +350,7 @@ def tables(record: dict[str, Any], parts: Sequence[str] | None = None) -> list[T
             modes=p["modes"],
             iptables_backend=p["iptables_backend"],
             legacy_compare=p["legacy_compare"],
+            ipv6=p.get("ipv6", False),
         )
         backend = record["iptables_backends"].get("traffic")
         out += traffic_tables(results_from(record["traffic"]), settings, backend)

@@ -20,8 +20,8 @@ from pathlib import Path
 from agent.ebpf import abi
 from bench import api, bpfstats, capacity, flood, health, progcost, tcview
 from bench.report import Table, num, ratio
-from bench.traffic import Load, children, connect_samples, percentile, pinned, wrk
-from bench.workload import MEASURED_PORT, MEASURED_VIP, ServicesFile, services_file
+from bench.traffic import Load, children, connect_samples, percentile, pinned, url_host, wrk
+from bench.workload import MEASURED_PORT, MEASURED_VIP, MEASURED_VIP6, ServicesFile, services_file
 from lab import NGINX_PORT, Lab, kernel_problem
 from lab.core import Node, Pod
 from lab.harness import REPO, Agent, Cluster
@@ -50,6 +50,9 @@ class Settings:
     modes: Sequence[str]
     iptables_backend: str | None
     legacy_compare: bool
+    # a dual-stack lab and Services: IPv6 targets beside the IPv4 ones in the same states (runs
+    # recorded before there were any: False)
+    ipv6: bool = False
 
 
 # --------------------------------------------------------------------------------- results
@@ -110,10 +113,18 @@ class State:
     services: int | None  # None: no agent running
     pod: Target = field(default_factory=Target)
     vip: Target | None = None
+    # the same over IPv6 (a dual-stack run): the server pod's IPv6 address, the measured
+    # Service's IPv6 ClusterIP
+    pod6: Target | None = None
+    vip6: Target | None = None
+
+    def family(self, family: str) -> tuple[Target | None, Target | None]:
+        """(pod IP, ClusterIP) of "IPv4" or "IPv6"."""
+        return (self.pod, self.vip) if family == "IPv4" else (self.pod6, self.vip6)
 
     @property
     def loads(self) -> list[Load]:
-        return self.pod.loads + (self.vip.loads if self.vip else [])
+        return [load for t in (self.pod, self.vip, self.pod6, self.vip6) if t for load in t.loads]
 
     @property
     def server_cpu_pct(self) -> float:
@@ -129,6 +140,7 @@ class State:
 
     @property
     def errors(self) -> int:
+        """IPv4's (the IPv6 targets' are in the IPv6 table)."""
         return self.pod.errors + (self.vip.errors if self.vip else 0)
 
 
@@ -143,6 +155,7 @@ class SyncFacts:
     kernel: str  # what the kernel holds afterwards
     restore_s: float | None = None  # iptables: iptables-restore; eBPF: EbpfProxier.sync (plan + writes)
     full: bool | None = None
+    restore6_s: float | None = None  # iptables mode, dual-stack: the IPv6 proxier's ip6tables-restore
 
 
 @dataclass
@@ -200,13 +213,14 @@ class Bench:
         return self.results
 
     def run_mode(self, mode: str) -> None:
-        print(f"== {mode}: lab with 1 node, client pod-1-1, nginx in pod-1-2", flush=True)
-        with Lab(nodes=1, pods_per_node=2) as lab:
+        stack = ", dual-stack" if self.s.ipv6 else ""
+        print(f"== {mode}: lab with 1 node{stack}, client pod-1-1, nginx in pod-1-2", flush=True)
+        with Lab(nodes=1, pods_per_node=2, ipv6=self.s.ipv6) as lab:
             client, server = lab.pods
             node = lab.nodes[0]
             nginx = lab.start_nginx(server)
             workers = nginx_workers(nginx.pid)
-            self.measure(lab, client, server, workers, State(mode, "none (before)", None))
+            self.measure(lab, client, server, workers, self.state(mode, "none (before)", None))
             if mode == "ebpf":
                 self.socket_lb_for_pods(lab, node, client, server, workers)
             # --v=4: the SyncStats line with the restore time; a long resync period keeps the agent's
@@ -223,7 +237,7 @@ class Bench:
                 cluster.start()
                 agent = cluster.agents[0]
                 for count in (1, self.s.services):
-                    f = services_file(server.ip, NGINX_PORT, node.name, count)
+                    f = services_file(server.ip, NGINX_PORT, node.name, count, server.ip6)
                     print(
                         f"   {mode}: applying {count:,} service(s) ({len(f.data) / 1e6:.1f} MB)", flush=True
                     )
@@ -233,12 +247,11 @@ class Bench:
                         f"(agent sync {facts.sync_ms:,.0f} ms)",
                         flush=True,
                     )
-                    use_ports(lab, client, MEASURED_VIP)  # this check is ClusterIP traffic too
-                    body = lab.http_get(client, MEASURED_VIP, MEASURED_PORT)
-                    if body.strip() != server.name:
-                        raise RuntimeError(f"ClusterIP answered {body!r}, not {server.name}")
+                    self.check_vips(lab, client, server)
+                    if count == 1:
+                        self.serves_ipv6(mode, agent)
                     label = num(count) + (f", {LEGACY} routing" if mode == "ebpf" else "")
-                    self.measure(lab, client, server, workers, State(mode, label, count, vip=Target()))
+                    self.measure(lab, client, server, workers, self.state(mode, label, count))
                     if mode == "ebpf":
                         self.bpf_costs(lab, node, client, server, count, LEGACY)
                         self.packet_costs(lab, node, client, server, count)
@@ -250,7 +263,42 @@ class Bench:
                 print(f"   {mode}: agent stopped and cleaned up in {time.monotonic() - t0:.1f} s", flush=True)
             if failures:
                 self.results.notes.append(f"{mode}: agent --cleanup failed: {'; '.join(failures)}")
-            self.measure(lab, client, server, workers, State(mode, "none (after)", None))
+            self.measure(lab, client, server, workers, self.state(mode, "none (after)", None))
+
+    def state(self, mode: str, label: str, services: int | None) -> State:
+        """A state to measure: the pod IP, and the ClusterIP when services are installed; each over
+        IPv6 too in a dual-stack run."""
+        vip = services is not None
+        six = self.s.ipv6
+        return State(
+            mode,
+            label,
+            services,
+            vip=Target() if vip else None,
+            pod6=Target() if six else None,
+            vip6=Target() if six and vip else None,
+        )
+
+    def vips(self) -> list[str]:
+        return [MEASURED_VIP, MEASURED_VIP6] if self.s.ipv6 else [MEASURED_VIP]
+
+    def check_vips(self, lab: Lab, client: Pod, server: Pod) -> None:
+        """The measured ClusterIP (each of its families) answers from the server before a row is
+        measured through it."""
+        for vip in self.vips():
+            use_ports(lab, client, vip)  # this check is ClusterIP traffic too
+            body = lab.http_get(client, vip, MEASURED_PORT)
+            if body.strip() != server.name:
+                raise RuntimeError(f"ClusterIP {vip} answered {body!r}, not {server.name}")
+
+    def serves_ipv6(self, mode: str, agent: Agent) -> None:
+        """What the agent said at start about how IPv6 Services are served: the IPv6 rows measure
+        that path (eBPF mode's socket programs may or may not translate IPv6 frontends)."""
+        if not self.s.ipv6:
+            return
+        said = re.findall(r" I agent[.\w]*: (IPv6: .*)$", agent.log(), re.MULTILINE)
+        line = said[-1] if said else "nothing about IPv6"
+        self.results.notes.append(f"{mode}: the agent said at start: {line}")
 
     def socket_lb_for_pods(self, lab: Lab, node: Node, client: Pod, server: Pod, workers: list[int]) -> None:
         """An agent with --bpf-socket-lb-host-namespace-only=false, at 1 and N services, before the
@@ -267,18 +315,19 @@ class Bench:
             cluster.start()
             agent = cluster.agents[0]
             for count in (1, self.s.services):
-                f = services_file(server.ip, NGINX_PORT, node.name, count)
+                f = services_file(server.ip, NGINX_PORT, node.name, count, server.ip6)
                 print(f"   ebpf, {SOCKET_PODS}: applying {count:,} service(s)", flush=True)
                 self.apply(lab, node, cluster, agent, f, "ebpf", record=False)
-                use_ports(lab, client, MEASURED_VIP)
-                # From the pod's cgroup, as wrk and the probe: lab.http_get's socket is the bench's
-                # own (no lab cgroup), so tc would translate it and stamp the backend.
-                url = f"http://{MEASURED_VIP}:{MEASURED_PORT}/"
-                body = lab.run(client, "curl", "-sS", "--max-time", "5", url, timeout=15).stdout
-                if body.strip() != server.name:
-                    raise RuntimeError(f"ClusterIP answered {body!r}, not {server.name}")
+                for vip in self.vips():
+                    use_ports(lab, client, vip)
+                    # From the pod's cgroup, as wrk and the probe: lab.http_get's socket is the
+                    # bench's own (no lab cgroup), so tc would translate it and stamp the backend.
+                    url = f"http://{url_host(vip)}:{MEASURED_PORT}/"
+                    body = lab.run(client, "curl", "-sS", "-g", "--max-time", "5", url, timeout=15).stdout
+                    if body.strip() != server.name:
+                        raise RuntimeError(f"ClusterIP {vip} answered {body!r}, not {server.name}")
                 label = f"{num(count)}, {SOCKET_PODS}"
-                self.measure(lab, client, server, workers, State("ebpf", label, count, vip=Target()))
+                self.measure(lab, client, server, workers, self.state("ebpf", label, count))
                 view = tcview.read(agent.pin_path, count, MEASURED_VIP, MEASURED_PORT, server.ip, NGINX_PORT)
                 self.results.tc_views.append(view)
                 print(f"   {view.text()}", flush=True)
@@ -309,6 +358,7 @@ class Bench:
         use_ports(lab, client, MEASURED_VIP)
         if lab.http_get(client, MEASURED_VIP, MEASURED_PORT).strip() != server.name:
             raise RuntimeError("the ClusterIP does not answer after the restart with bpf host routing")
+        # IPv4 alone: the flag is about how the tc programs hand translated IPv4 packets on
         label = f"{num(self.s.services)}, {BPF} routing"
         self.measure(lab, client, server, workers, State("ebpf", label, self.s.services, vip=Target()))
         self.bpf_costs(lab, node, client, server, self.s.services, BPF)
@@ -332,9 +382,13 @@ class Bench:
 
     def measure(self, lab: Lab, client: Pod, server: Pod, workers: list[int], state: State) -> None:
         """Rounds of wrk, then of connect probes, per target; targets alternate (order flipped each round)."""
-        targets = [(state.pod, server.ip, NGINX_PORT)]
-        if state.vip is not None:
-            targets.append((state.vip, MEASURED_VIP, MEASURED_PORT))
+        wanted = [
+            (state.pod, server.ip, NGINX_PORT),
+            (state.vip, MEASURED_VIP, MEASURED_PORT),
+            (state.pod6, server.ip6, NGINX_PORT),
+            (state.vip6, MEASURED_VIP6, MEASURED_PORT),
+        ]
+        targets = [(t, addr, port) for t, addr, port in wanted if t is not None]
         per_round = max(1, self.s.probes // self.s.rounds)
         for r in range(self.s.rounds):
             order = targets if r % 2 == 0 else targets[::-1]
@@ -363,11 +417,17 @@ class Bench:
                     t.samples_ns += samples
                     for kind, n in errors.items():
                         t.probe_errors[kind] = t.probe_errors.get(kind, 0) + n
-        for name, got in (("pod IP", state.pod), ("ClusterIP", state.vip)):
+        for name, got in (
+            ("pod IP", state.pod),
+            ("ClusterIP", state.vip),
+            ("pod IPv6", state.pod6),
+            ("ClusterIPv6", state.vip6),
+        ):
             if got is not None:
                 print(
-                    f"   {state.mode:<8} services {state.label:<13} {name:<9} {got.conns_per_s:>9,.0f} conn/s"
-                    f"  connect p50 {got.p(0.5):6.1f} us  p99 {got.p(0.99):6.1f} us  errors {got.errors}",
+                    f"   {state.mode:<8} services {state.label:<13} {name:<11} "
+                    f"{got.conns_per_s:>9,.0f} conn/s  connect p50 {got.p(0.5):6.1f} us  "
+                    f"p99 {got.p(0.99):6.1f} us  errors {got.errors}",
                     flush=True,
                 )
         self.results.states.append(state)
@@ -402,17 +462,20 @@ class Bench:
         read_s = _log_time(reads[-1]) - written_at if reads else float("nan")
         facts = SyncFacts(mode, f.services, f.endpoints, wall, read_s, float(done.group(2)), "")
         if mode == "iptables":
-            stats = re.findall(r"iptables sync: SyncStats\((.*)\)$", head, re.MULTILINE)
-            if stats:
-                fields = dict(kv.split("=", 1) for kv in stats[-1].split(", "))
-                facts.restore_s = float(fields["restore_seconds"])
-                facts.full = fields["full"] == "True"
+            v4, v6 = sync_stats(head, "IPv4"), sync_stats(head, "IPv6")
+            if v4:
+                facts.restore_s = float(v4["restore_seconds"])
+                facts.full = v4["full"] == "True"
+            if v6:
+                facts.restore6_s = float(v6["restore_seconds"])
             facts.kernel = self.iptables_facts(lab, node, agent)
         else:
             ebpf = re.findall(r"eBPF sync: .*, ([\d.]+) ms\)$", head, re.MULTILINE)
             if ebpf:
                 facts.restore_s = float(ebpf[-1]) / 1000
             facts.kernel = ebpf_facts(agent)
+        if self.s.ipv6:
+            facts.kernel += "; " + ip6tables_facts(lab, node)
         if record:
             self.results.syncs.append(facts)
         return facts
@@ -442,10 +505,11 @@ class Bench:
         with bpfstats.enabled() as old:
             if self.results.stats_sysctl_before is None:
                 self.results.stats_sysctl_before = old
-            for target, addr, port in (
-                ("ClusterIP", MEASURED_VIP, MEASURED_PORT),
-                ("pod IP", server.ip, NGINX_PORT),
-            ):
+            targets = [("ClusterIP", MEASURED_VIP, MEASURED_PORT), ("pod IP", server.ip, NGINX_PORT)]
+            if self.s.ipv6 and routing == LEGACY:
+                # what IPv6 traffic pays for the programs (the host routing flag is IPv4's)
+                targets.append(("IPv6 ClusterIP", MEASURED_VIP6, MEASURED_PORT))
+            for target, addr, port in targets:
                 before = bpfstats.snapshot(progs)
                 load = self.load(lab, client, addr, port, server_pids=[], lab_cgroup=None)
                 after = bpfstats.snapshot(progs)
@@ -518,9 +582,9 @@ def use_ports(lab: Lab, client: Pod, addr: str) -> None:
     (a closed ClusterIP flow's reply entry caught a later direct connection from the same port),
     fixed since in bpf/ekp_ct.h (ekp_ct_reclaim) and covered by packet and lab tests.
     """
-    lab.set_sysctl(
-        client, "net.ipv4.ip_local_port_range", PORTS_VIP if addr == MEASURED_VIP else PORTS_DIRECT
-    )
+    vip = addr in (MEASURED_VIP, MEASURED_VIP6)
+    # one sysctl for both families (the IPv6 stack takes its ports from net.ipv4 too)
+    lab.set_sysctl(client, "net.ipv4.ip_local_port_range", PORTS_VIP if vip else PORTS_DIRECT)
 
 
 def ebpf_facts(agent: Agent) -> str:
@@ -537,6 +601,36 @@ def ebpf_facts(agent: Agent) -> str:
         )
         counts.append(f"{abi.MAPS[role].name} {len(json.loads(res.stdout)):,}")
     return "map entries: " + ", ".join(counts)
+
+
+def sync_stats(log: str, family: str) -> dict[str, str]:
+    """The fields of the last SyncStats line (--v=4) of one family's iptables proxier in `log`
+    ({} when none): `iptables sync (IPv6): SyncStats(full=True, ...)`; a line without a family
+    (agents before dual-stack) is IPv4's."""
+    stats = re.findall(r"iptables sync(?: \((IPv[46])\))?: SyncStats\((.*)\)$", log, re.MULTILINE)
+    mine = [fields for named, fields in stats if (named or "IPv4") == family]
+    return dict(kv.split("=", 1) for kv in mine[-1].split(", ")) if mine else {}
+
+
+def kernel_update(f: SyncFacts) -> str:
+    """The sync table's kernel update cell: the restore (or eBPF sync) time, IPv6's beside it."""
+    out = "-" if f.restore_s is None else f"{f.restore_s * 1000:,.0f} ms" + (" (full)" if f.full else "")
+    return out + ("" if f.restore6_s is None else f"; IPv6 {f.restore6_s * 1000:,.0f} ms")
+
+
+def ip6tables_facts(lab: Lab, node: Node) -> str:
+    """The IPv6 proxier's nat rules and the measured Service's place among them, from whichever
+    ip6tables backend holds kube-proxy's chains (eBPF mode's IPv6 proxier picks its own)."""
+    for backend in ("nft", "legacy"):
+        res = lab.run(node, f"ip6tables-{backend}-save", "-t", "nat", timeout=120, check=False)
+        rules = [ln for ln in res.stdout.splitlines() if ln.startswith("-A ")]
+        services = [ln for ln in rules if ln.startswith("-A KUBE-SERVICES ")]
+        if not services:
+            continue
+        hit = [i for i, ln in enumerate(services, 1) if f"-d {MEASURED_VIP6}/128" in ln]
+        position = f"; measured service is rule {hit[0]:,} of {len(services):,}" if hit else ""
+        return f"ip6tables-{backend}: nat {len(rules):,} rules{position}"
+    return "ip6tables: no KUBE-SERVICES rule"
 
 
 def _log_time(stamp: str) -> float:
@@ -707,6 +801,8 @@ def host_routing_verdict(results: Results, s: Settings) -> list[str]:
 # packet on traffic that needs no translation.
 WITHIN = 0.98
 NS_TARGET = 150.0
+# Issue 20's: IPv6 within 5% of IPv4 (each as a fraction of its own family's no-agent figures).
+V6_WITHIN = 0.95
 
 
 def latency_and_packet_tables(results: Results, s: Settings) -> list[Table]:
@@ -778,6 +874,9 @@ def latency_and_packet_tables(results: Results, s: Settings) -> list[Table]:
                 ],
             )
         )
+    # the targets of runs with eBPF mode's packet costs, and of every dual-stack run (an iptables
+    # mode run alone has issue 20's IPv6 / IPv4 rows to show)
+    if results.packets or any(st.vip6 is not None for st in results.states):
         out.append(targets_table(results, s))
     return out
 
@@ -824,6 +923,7 @@ def targets_table(results: Results, s: Settings) -> Table:
                             "met" if r >= WITHIN else f"missed by {100 * (WITHIN - r):.1f} pts",
                         ]
                     )
+    rows += ipv6_target_rows(results)
     for w in results.packets:
         for c in w.costs:
             if c.program == "ekp_from_pod" and not c.translated:
@@ -837,8 +937,10 @@ def targets_table(results: Results, s: Settings) -> Table:
                         "met" if c.ns < NS_TARGET else f"missed by {c.ns - NS_TARGET:.0f} ns",
                     ]
                 )
+    six = any(st.vip6 is not None for st in results.states)
     return Table(
-        title="Targets of issue 16: against pod -> pod IP with no agent, and ns per packet",
+        title="Targets of issue 16: against pod -> pod IP with no agent, and ns per packet"
+        + (" (and of issue 20: IPv6 against IPv4)" if six else ""),
         headers=["mode", "services", "traffic", "measure", "value", "target"],
         rows=rows,
         right=[False, False, False, False, True, False],
@@ -847,6 +949,135 @@ def targets_table(results: Results, s: Settings) -> Table:
             f"it, latency as no agent / this (1.00 = as fast); target >= {WITHIN:.2f} (within 2%); p50 "
             f"and p99 pinned (the first table) and unpinned (the latency table)",
             f"ns/packet: ekp_from_pod on packets that need no translation; target < {NS_TARGET:.0f} ns",
+            *(
+                [
+                    "IPv6 / IPv4 (issue 20): the IPv6 ClusterIP's ratio to the IPv6 pod IP with no agent "
+                    "over the IPv4 ClusterIP's to the IPv4 pod IP with no agent, in the same state (1.00 = "
+                    "IPv6 pays what IPv4 pays); ns/packet as IPv4's ns / IPv6's for the same kind of "
+                    f"packet; target >= {V6_WITHIN:.2f} (IPv6 within 5% of IPv4)"
+                ]
+                if six
+                else []
+            ),
+        ],
+    )
+
+
+def no_agent(states: Sequence[State], family: str) -> dict[str, float]:
+    """The pod IP with no agent ('none' rows' mean) in one family: conn/s, p50, p99 (pinned)."""
+    bases = [t for st in states if st.services is None for t in [st.family(family)[0]] if t is not None]
+    if not bases:
+        return {}
+    return {
+        "conn/s": statistics.mean(t.conns_per_s for t in bases),
+        "p50": statistics.mean(t.p(0.5) for t in bases),
+        "p99": statistics.mean(t.p(0.99) for t in bases),
+    }
+
+
+def against_no_agent(t: Target, bare: dict[str, float]) -> dict[str, float]:
+    """conn/s as a fraction of no agent's; latency as no agent / this (1.00 = as fast)."""
+    return {
+        "conn/s": t.conns_per_s / bare["conn/s"],
+        "p50": bare["p50"] / t.p(0.5),
+        "p99": bare["p99"] / t.p(0.99),
+    }
+
+
+def ipv6_target_rows(results: Results) -> list[list[str]]:
+    """Issue 20: the IPv6 ClusterIP against the IPv4 one, each as a fraction of its own family's
+    no-agent pod IP, per state; and the programs' ns on an IPv6 packet against its IPv4 twin."""
+    rows = []
+    for mode in dict.fromkeys(st.mode for st in results.states):
+        states = [st for st in results.states if st.mode == mode]
+        bare4, bare6 = no_agent(states, "IPv4"), no_agent(states, "IPv6")
+        if not bare4 or not bare6:
+            continue
+        for st in states:
+            if st.vip is None or st.vip6 is None:
+                continue
+            v4, v6 = against_no_agent(st.vip, bare4), against_no_agent(st.vip6, bare6)
+            for what in v4:
+                r = v6[what] / v4[what]
+                if r != r:
+                    continue
+                rows.append(
+                    [mode, st.label, "pod -> ClusterIP, IPv6 / IPv4", what, _r(r), _verdict(r, V6_WITHIN)]
+                )
+    for w in results.packets:
+        ns4 = {c.traffic: c.ns for c in w.costs if c.program == "ekp_from_pod" and not c.translated}
+        for c in w.costs:
+            twin = progcost.ipv4_twin(c.traffic)
+            if c.program != "ekp_from_pod" or twin is None or twin not in ns4:
+                continue
+            r = ns4[twin] / c.ns
+            verdict = _verdict(r, V6_WITHIN)
+            rows.append(["ebpf", w.column, c.traffic, "ns/packet, IPv4 / IPv6", _r(r), verdict])
+    return rows
+
+
+def _verdict(r: float, target: float) -> str:
+    return "met" if r >= target else f"missed by {100 * (target - r):.1f} pts"
+
+
+def ipv6_table(results: Results, s: Settings) -> Table:
+    """IPv6 beside IPv4 in the same states: each family's pod IP and ClusterIP, and the ClusterIP
+    against its own family's pod IP with no agent."""
+    rows = []
+    verdicts = []
+    for mode in dict.fromkeys(st.mode for st in results.states):
+        states = [st for st in results.states if st.mode == mode]
+        bare = {f: no_agent(states, f) for f in ("IPv4", "IPv6")}
+        for st in states:
+            if st.pod6 is None:
+                continue
+            for family in ("IPv4", "IPv6"):
+                pod, vip = st.family(family)
+                assert pod is not None
+                vs = against_no_agent(vip, bare[family]) if vip is not None and bare[family] else {}
+                row = [mode, st.label, family, num(pod.conns_per_s)]
+                row += [num(vip.conns_per_s), _r(vs["conn/s"])] if vip else ["-", "-"]
+                for q, key in ((0.5, "p50"), (0.99, "p99")):
+                    row += [num(pod.p(q), 1)]
+                    row += [num(vip.p(q), 1), _r(vs[key])] if vip else ["-", "-"]
+                errors = pod.errors + (vip.errors if vip else 0)
+                row.append(str(errors))
+                rows.append(row)
+                for name, t in (("pod IP", pod), ("ClusterIP", vip)):
+                    if family == "IPv6" and t is not None and t.errors:
+                        kinds = [load.error_kinds for load in t.loads if load.errors]
+                        probe = ", ".join(f"{k} x{n}" for k, n in t.probe_errors.items())
+                        verdicts.append(
+                            f"errors, {mode} {st.label} IPv6 {name}: wrk: {' | '.join(kinds) or 'none'}; "
+                            f"connect probe: {probe or 'none'}"
+                        )
+    return Table(
+        title="IPv6 beside IPv4: new TCP connections per second and connect latency, in the same states",
+        headers=[
+            "mode",
+            "services",
+            "family",
+            "pod IP conn/s",
+            "ClusterIP conn/s",
+            "vs no agent",
+            "p50 pod IP",
+            "p50 ClusterIP",
+            "vs no agent",
+            "p99 pod IP",
+            "p99 ClusterIP",
+            "vs no agent",
+            "errors",
+        ],
+        rows=rows,
+        right=[False, False, False, *[True] * 10],
+        notes=[
+            "the four targets of a state (pod IP and ClusterIP, each over IPv4 and IPv6) measured "
+            "alternately in the same rounds, as the first table's two; IPv6: the server pod's IPv6 "
+            f"address and the measured Service's IPv6 ClusterIP {MEASURED_VIP6} (every Service "
+            "dual-stack, bench/workload.py)",
+            "vs no agent: against the same family's pod IP with no agent (the mean of its 'none' rows); "
+            "for latency no agent / ClusterIP, so 1.00 = as fast",
+            *verdicts,
         ],
     )
 
@@ -856,6 +1087,8 @@ def tables(results: Results, s: Settings, iptables_backend: str | None = None) -
     if iptables_backend:
         traffic = replace(traffic, notes=[*traffic.notes, f"iptables rows: iptables-{iptables_backend}"])
     out: list[Table] = [traffic]
+    if any(st.pod6 is not None for st in results.states):
+        out.append(ipv6_table(results, s))
     if results.stats:
         srows = []
         for w in results.stats:
@@ -898,9 +1131,7 @@ def tables(results: Results, s: Settings, iptables_backend: str | None = None) -
                 "-" if f.wall_s != f.wall_s else f"{f.wall_s:.1f} s",
                 "-" if f.read_s != f.read_s else f"{f.read_s:.1f} s",
                 num(f.sync_ms),
-                "-"
-                if f.restore_s is None
-                else f"{f.restore_s * 1000:,.0f} ms" + (" (full)" if f.full else ""),
+                kernel_update(f),
                 f.kernel,
             ]
         )
@@ -926,6 +1157,15 @@ def tables(results: Results, s: Settings, iptables_backend: str | None = None) -
                 "(state build + proxier sync, after the read)",
                 "kernel update: iptables mode: iptables-restore alone, from the agent's SyncStats (--v=4); "
                 "eBPF mode: the proxier's sync (plan, map writes, attach check) from its `eBPF sync` line",
+                *(
+                    [
+                        "dual-stack: every Service has both families, so endpoints counts both slices, the "
+                        "agent's sync covers both families' proxiers, 'IPv6' is the IPv6 proxier's "
+                        "ip6tables-restore and the kernel holds the ip6tables rules too"
+                    ]
+                    if s.ipv6
+                    else []
+                ),
             ],
         )
     )
@@ -946,6 +1186,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--no-legacy-compare", action="store_true", help="skip the iptables-legacy restore comparison"
+    )
+    p.add_argument(
+        "--no-ipv6",
+        action="store_true",
+        help="a single-stack (IPv4) traffic part: no IPv6 rows (default: a dual-stack lab, every Service "
+        "dual-stack, IPv6 targets measured beside the IPv4 ones in the same states)",
     )
     p.add_argument(
         "--parts",
@@ -1009,6 +1255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         modes=modes,
         iptables_backend=a.iptables_backend,
         legacy_compare=not a.no_legacy_compare,
+        ipv6=not a.no_ipv6,
     )
     from bench import record
 

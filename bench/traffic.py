@@ -156,7 +156,7 @@ def wrk(
         "2s",
         "-H",
         "Connection: close",
-        f"http://{addr}:{port}/",
+        f"http://{url_host(addr)}:{port}/",
         timeout=seconds + 15,
     )
     wall = time.monotonic() - wall0
@@ -176,6 +176,11 @@ def wrk(
         others_pct=max(0.0, busy - lab_pct) if lab_cgroup else float("nan"),
         error_kinds=kinds,
     )
+
+
+def url_host(addr: str) -> str:
+    """An address as a URL's host: an IPv6 one in brackets."""
+    return f"[{addr}]" if ":" in addr else addr
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

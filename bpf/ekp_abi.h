@@ -14,14 +14,22 @@
  * to ekp_stats_v3 (more slots) while every other layout stayed v2. A map added beside the others
  * needs no bump: no older program or pin knows its name.
  *
- * IPv6, later: Cilium's v4/v6 pairs. Every struct below that holds an address is the IPv4 member
- * of a pair; IPv6 adds its own maps beside these (ekp_fe6, ekp_be6, ekp_ct6_tcp, ekp_frag6,
- * ekp_aff6, ekp_srcr6) with 16-byte addresses, and changes none of the v2 layouts. The maps keyed
- * by ids (slots, membership) and the config, counters and rate limiter carry no address and are
- * shared by both families: a v6 frontend's slots point at backend ids that live in ekp_be6. Pairs
- * rather than 16-byte unions because the per-packet keys (conntrack, frontend, fragments) stay
- * 16 bytes for IPv4: a 40-byte union key would cost every IPv4 lookup a longer hash and every
- * conntrack entry 24 more bytes, for a family that is not served yet.
+ * IPv6: Cilium's v4/v6 pairs. Every struct below that holds an address is the IPv4 member of a
+ * pair; IPv6 has its own maps beside these with 16-byte addresses (the "IPv6 pairs" section at the
+ * end: ekp_fe6, ekp_be6, ekp_rnat6, ekp_aff6, ekp_srcr6, ekp_addr6, ekp_sknat6; the packet path's
+ * ekp_ct6_*, ekp_frag6 come with the tc programs' IPv6), and changes none of the v2 layouts: an
+ * upgrade only adds maps, and no IPv4 flow is touched. Pairs rather than 16-byte unions because the
+ * per-packet keys (conntrack, frontend, fragments) stay 16 bytes for IPv4: a 40-byte union key
+ * would cost every IPv4 lookup a longer hash and every conntrack entry 24 more bytes.
+ *
+ * The maps keyed by ids (slots, membership) are paired too (ekp_slot6, ekp_member6), with the v4
+ * key and value structs: each family has its own id space. The agent plans each family with its own
+ * planner over that family's state (as kube-proxy runs one proxier per family), and two planners
+ * sharing one id space would have to allocate every svc, set and backend id together; the C loses
+ * nothing by it, since the backend choice (ekp_lb.h) takes the family as a constant parameter and
+ * picks the map of that family at each lookup: one copy of the logic, the other family's branch
+ * compiled out. The config, counters, rate limiter and socket settings carry no address and are
+ * shared by both families.
  *
  * Includable by bcc programs and by a plain userspace compiler (only <linux/types.h>).
  */
@@ -367,6 +375,7 @@ struct ekp_srcrange {
 };
 
 /* ---- socket-level load balancing (cgroup connect4/sendmsg4/recvmsg4/getpeername4) ------- */
+/* (their IPv6 twins use ekp_sknat6, "IPv6 pairs" below, for real IPv6 frontends) */
 
 /* What a socket was sent to instead of the frontend its application named (LRU, written by the
  * socket programs): recvmsg() and getpeername() show the frontend again, and the UDP socket
@@ -491,9 +500,9 @@ enum ekp_stat {
 	                           * to carry out (a local backend, a reject, a route XDP cannot send) */
 	EKP_STAT_CT_RESUMED,      /* mark: a TCP segment without conntrack resumed its flow on the backend
 	                           * Maglev names (the entries were lost: evicted, a restart elsewhere) */
-	/* Socket-level load balancing: every connect() and sendmsg() to an IPv4 address of a socket in
-	 * the attached cgroup counts SOCK_CALLS and exactly one outcome: SOCK_PASS (not TCP or UDP, not
-	 * a frontend, another namespace), SOCK_TRANSLATED or one of the drop reasons above
+	/* Socket-level load balancing: every connect() and sendmsg() (to an address of either family)
+	 * of a socket in the attached cgroup counts SOCK_CALLS and exactly one outcome: SOCK_PASS (not
+	 * TCP or UDP, not a frontend, another namespace), SOCK_TRANSLATED or one of the drop reasons above
 	 * (NO_ENDPOINTS: refused with ECONNREFUSED; NO_LOCAL, SOURCE_RANGE, NO_BACKEND: EHOSTUNREACH).
 	 * The rest are marks. */
 	EKP_STAT_SOCK_CALLS,      /* connect()/sendmsg() calls seen by the socket programs */
@@ -516,5 +525,70 @@ enum ekp_stat {
 /* Slots of ekp_stats_v3: room for counters added later without a new map (a size change would
  * need one: a pinned map is never resized). */
 #define EKP_STAT_SLOTS 64
+
+/* ---- IPv6 pairs: the same entries with 16-byte addresses (see the header comment) ---------- */
+
+/* An IPv6 address is `__be32 x[4]`, as the socket hooks hold it (struct bpf_sock_addr.user_ip6):
+ * the 16 bytes in order, compared and copied a word at a time. */
+
+/* ekp_fe6: (address, port, protocol, scope) -> struct ekp_frontend (the v4 value). */
+struct ekp_frontend6_key {
+	__be32 addr[4]; /* be: ClusterIP, node address (NodePort), external IP or LB IP */
+	__be16 port; /* be */
+	__u8 proto; /* IPPROTO_* */
+	__u8 scope; /* enum ekp_scope */
+};
+
+/* ekp_be6: struct ekp_backend_key (the v4 key) -> the endpoint. */
+struct ekp_backend6 {
+	__be32 addr[4]; /* be: endpoint IP */
+	__be16 port; /* be: endpoint port (targetPort resolved) */
+	__u8 proto; /* IPPROTO_* */
+	__u8 flags; /* EKP_BE_* */
+};
+
+/* ekp_rnat6: struct ekp_revnat_key -> the frontend (not read by the data path). */
+struct ekp_revnat6 {
+	__be32 addr[4]; /* be: frontend address */
+	__be16 port; /* be: frontend port */
+	__u16 pad; /* zero */
+};
+
+/* ekp_aff6: (client, service port) -> struct ekp_affinity (the v4 value). */
+struct ekp_affinity6_key {
+	__be32 client[4]; /* be: client source address */
+	__u32 svc_id; /* host: struct ekp_frontend.svc_id of ekp_fe6 */
+};
+
+/* ekp_srcr6 (LPM trie): (frontend, client prefix) -> struct ekp_srcrange (the v4 value). */
+struct ekp_srcrange6_key {
+	__u32 prefixlen; /* host: 32 (rev_nat_id + pad) + CIDR prefix length (0..128) */
+	__u16 rev_nat_id; /* host: the frontend */
+	__u16 pad; /* zero */
+	__be32 addr[4]; /* be: CIDR network address */
+};
+
+/* ekp_addr6: an IPv6 address -> struct ekp_addr (the v4 value), as ekp_addr for IPv4. */
+struct ekp_addr6_key {
+	__be32 addr[4]; /* be */
+};
+
+/* ekp_sknat6: what an IPv6 socket was sent to instead of the IPv6 frontend it named. */
+struct ekp_sock6_key {
+	__u64 cookie; /* host: bpf_get_socket_cookie() */
+	__be32 addr[4]; /* be: the backend the socket was sent to */
+	__be16 port; /* be: its port */
+	__u8 proto; /* IPPROTO_TCP / IPPROTO_UDP */
+	__u8 pad; /* zero */
+	__u32 pad2; /* zero */
+};
+
+struct ekp_sock6_nat {
+	__be32 fe_addr[4]; /* be: the frontend the application named */
+	__be16 fe_port; /* be */
+	__u16 pad; /* zero */
+	__u32 svc_id; /* host: its service port (ekp_fe6's) */
+	__u32 backend_id; /* host: the backend chosen (ekp_be6's key; ekp_member6) */
+};
 
 #endif /* EKP_ABI_H */

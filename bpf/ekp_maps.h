@@ -26,7 +26,10 @@
 	!defined(EKP_ADDR_MAX) || !defined(EKP_CTQ_TCP_MAX) || !defined(EKP_CTQ_ANY_MAX) ||                     \
 	!defined(EKP_CTQH_MAX) || !defined(EKP_FRAGHOLD_MAX) || !defined(EKP_FRAGLAST_MAX) ||                  \
 	!defined(EKP_MAGLEV_MAX) || !defined(EKP_XSTATS_MAX) || !defined(EKP_ACT_MAX) ||                       \
-	!defined(EKP_SKNAT_MAX) || !defined(EKP_SKCFG_MAX) || !defined(EKP_HOSTNAT_MAX)
+	!defined(EKP_SKNAT_MAX) || !defined(EKP_SKCFG_MAX) || !defined(EKP_HOSTNAT_MAX) ||                   \
+	!defined(EKP_FE6_MAX) || !defined(EKP_SLOT6_MAX) || !defined(EKP_BE6_MAX) || !defined(EKP_RNAT6_MAX) ||     \
+	!defined(EKP_MEMBER6_MAX) || !defined(EKP_SRCR6_MAX) || !defined(EKP_ADDR6_MAX) ||                     \
+	!defined(EKP_AFF6_MAX) || !defined(EKP_SKNAT6_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -92,6 +95,20 @@ BPF_TABLE("array", u32, struct ekp_act, ekp_act_v2, EKP_ACT_MAX);
 BPF_TABLE("array", u32, struct ekp_sock_config, ekp_skcfg_v2, EKP_SKCFG_MAX);
 BPF_TABLE("lru_hash", struct ekp_sock_key, struct ekp_sock_nat, ekp_sknat_v2, EKP_SKNAT_MAX);
 
+/* IPv6 (ekp_abi.h, "IPv6 pairs"): the service tables of the family, each sized as its IPv4 twin
+ * (the same flag), allocated as written (an IPv4-only node pays for their hash buckets alone); the
+ * affinity and socket tables, LRU, preallocated as the IPv4 ones. Read by the socket programs for
+ * now (the tc programs pass IPv6 to the stack). */
+BPF_F_TABLE("hash", struct ekp_frontend6_key, struct ekp_frontend, ekp_fe6_v2, EKP_FE6_MAX, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct ekp_slot_key, struct ekp_slot, ekp_slot6_v2, EKP_SLOT6_MAX, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct ekp_backend_key, struct ekp_backend6, ekp_be6_v2, EKP_BE6_MAX, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct ekp_revnat_key, struct ekp_revnat6, ekp_rnat6_v2, EKP_RNAT6_MAX, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct ekp_member_key, struct ekp_member, ekp_member6_v2, EKP_MEMBER6_MAX, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("lpm_trie", struct ekp_srcrange6_key, struct ekp_srcrange, ekp_srcr6_v2, EKP_SRCR6_MAX, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct ekp_addr6_key, struct ekp_addr, ekp_addr6_v2, EKP_ADDR6_MAX, BPF_F_NO_PREALLOC);
+BPF_TABLE("lru_hash", struct ekp_affinity6_key, struct ekp_affinity, ekp_aff6_v2, EKP_AFF6_MAX);
+BPF_TABLE("lru_hash", struct ekp_sock6_key, struct ekp_sock6_nat, ekp_sknat6_v2, EKP_SKNAT6_MAX);
+
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
 BPF_TABLE("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX);
 BPF_TABLE("percpu_array", u32, u64, ekp_stats_v3, EKP_STATS_MAX);
@@ -140,5 +157,16 @@ static __always_inline struct ekp_sock_config *ekp_skcfg_lookup(u32 *k);
 static __always_inline struct ekp_sock_nat *ekp_sknat_lookup(struct ekp_sock_key *k);
 static __always_inline int ekp_sknat_update(struct ekp_sock_key *k, struct ekp_sock_nat *v);
 static __always_inline int ekp_sknat_delete(struct ekp_sock_key *k);
+
+static __always_inline struct ekp_frontend *ekp_fe6_lookup(struct ekp_frontend6_key *k);
+static __always_inline struct ekp_slot *ekp_slot6_lookup(struct ekp_slot_key *k);
+static __always_inline struct ekp_backend6 *ekp_be6_lookup(struct ekp_backend_key *k);
+static __always_inline struct ekp_member *ekp_member6_lookup(struct ekp_member_key *k);
+static __always_inline struct ekp_srcrange *ekp_srcr6_lookup(struct ekp_srcrange6_key *k);
+static __always_inline struct ekp_affinity *ekp_aff6_lookup(struct ekp_affinity6_key *k);
+static __always_inline int ekp_aff6_update(struct ekp_affinity6_key *k, struct ekp_affinity *v);
+static __always_inline struct ekp_sock6_nat *ekp_sknat6_lookup(struct ekp_sock6_key *k);
+static __always_inline int ekp_sknat6_update(struct ekp_sock6_key *k, struct ekp_sock6_nat *v);
+static __always_inline int ekp_sknat6_delete(struct ekp_sock6_key *k);
 
 #endif /* EKP_MAPS_H */

@@ -220,6 +220,56 @@ static __always_inline int ekp_sknat_delete(struct ekp_sock_key *k)
 	return ekp_sknat_v2.delete(k);
 }
 
+static __always_inline struct ekp_frontend *ekp_fe6_lookup(struct ekp_frontend6_key *k)
+{
+	return ekp_fe6_v2.lookup(k);
+}
+
+static __always_inline struct ekp_slot *ekp_slot6_lookup(struct ekp_slot_key *k)
+{
+	return ekp_slot6_v2.lookup(k);
+}
+
+static __always_inline struct ekp_backend6 *ekp_be6_lookup(struct ekp_backend_key *k)
+{
+	return ekp_be6_v2.lookup(k);
+}
+
+static __always_inline struct ekp_member *ekp_member6_lookup(struct ekp_member_key *k)
+{
+	return ekp_member6_v2.lookup(k);
+}
+
+static __always_inline struct ekp_srcrange *ekp_srcr6_lookup(struct ekp_srcrange6_key *k)
+{
+	return ekp_srcr6_v2.lookup(k);
+}
+
+static __always_inline struct ekp_affinity *ekp_aff6_lookup(struct ekp_affinity6_key *k)
+{
+	return ekp_aff6_v2.lookup(k);
+}
+
+static __always_inline int ekp_aff6_update(struct ekp_affinity6_key *k, struct ekp_affinity *v)
+{
+	return ekp_aff6_v2.update(k, v);
+}
+
+static __always_inline struct ekp_sock6_nat *ekp_sknat6_lookup(struct ekp_sock6_key *k)
+{
+	return ekp_sknat6_v2.lookup(k);
+}
+
+static __always_inline int ekp_sknat6_update(struct ekp_sock6_key *k, struct ekp_sock6_nat *v)
+{
+	return ekp_sknat6_v2.update(k, v);
+}
+
+static __always_inline int ekp_sknat6_delete(struct ekp_sock6_key *k)
+{
+	return ekp_sknat6_v2.delete(k);
+}
+
 static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 {
 	u32 zero = 0;

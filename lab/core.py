@@ -881,13 +881,15 @@ class Lab:
     def start_nginx(
         self, host: Host, *, port: int = NGINX_PORT, body: str | None = None, timeout: float = 5.0
     ) -> subprocess.Popen[bytes]:
-        """Start nginx (1 worker, no access log) on `port`: `/` answers `<host name>\\n`, `/ip` the peer."""
+        """Start nginx (1 worker, no access log) on `port`: `/` answers `<host name>\\n`, `/ip` the peer.
+        A host with an IPv6 address (a Lab(ipv6=True)) is served on [::]:`port` too."""
         self._require_up()
         assert self.tmpdir is not None
         d = self.tmpdir / f"nginx-{host.name}-{port}"
         d.mkdir(exist_ok=True)
         text = (body if body is not None else host.name + "\n").replace("\\", "\\\\").replace('"', '\\"')
         text = text.replace("\n", "\\n")
+        listen6 = f"\n    listen [::]:{port} ipv6only=on backlog=4096;" if host.ip6 else ""
         conf = d / "nginx.conf"
         conf.write_text(
             f"""daemon off;
@@ -908,7 +910,7 @@ http {{
   default_type text/plain;
   keepalive_requests 1000000;
   server {{
-    listen {port} backlog=4096;
+    listen {port} backlog=4096;{listen6}
     location = / {{ return 200 "{text}"; }}
     location = /ip {{ return 200 "$remote_addr\\n"; }}
   }}
@@ -921,6 +923,8 @@ http {{
             host, nginx, "-p", str(d), "-e", str(d / "error.log"), "-c", str(conf), name="nginx"
         )
         self.wait_tcp(host, host.ip, port, proc=proc, timeout=timeout)
+        if host.ip6:
+            self.wait_tcp(host, host.ip6, port, proc=proc, timeout=timeout)
         return proc
 
     def wait_log(self, proc: subprocess.Popen[bytes], marker: str, *, timeout: float = 5.0) -> None:
@@ -959,7 +963,7 @@ http {{
                 raise LabError(
                     f"process {proc.args!r} exited with {proc.returncode} before {ip}:{port} listened:\n{log}"
                 )
-            with nx.ns_socket(ns) as s:
+            with nx.ns_socket(ns, socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
                 s.settimeout(0.5)
                 try:
                     s.connect((ip, port))
@@ -988,11 +992,14 @@ http {{
         """HTTP/1.0 GET from inside a namespace, in process; returns (status, body).
 
         Raises OSError (ConnectionRefusedError, TimeoutError, ...) when the connection fails.
+        Over IPv6 when `ip` is an IPv6 address.
         """
-        with self.socket(target) as s:
+        v6 = ":" in ip
+        with self.socket(target, socket.AF_INET6 if v6 else socket.AF_INET) as s:
             s.settimeout(timeout)
             s.connect((ip, port))
-            s.sendall(f"GET {path} HTTP/1.0\r\nHost: {ip}:{port}\r\nConnection: close\r\n\r\n".encode())
+            host = f"[{ip}]" if v6 else ip
+            s.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
             chunks = []
             while chunk := s.recv(1 << 16):
                 chunks.append(chunk)

@@ -96,6 +96,9 @@ TEST_ROLES = (
     "maglev",
     "xstats",
     "hostnat",
+    *abi.V6_ROLES.values(),
+    "aff6",
+    "sknat6",
 )
 
 CFG = abi.Config(
@@ -280,6 +283,42 @@ def add_address(maps: Mapping[str, MapWriter], addr: str, flags: int) -> None:
     old = maps["addr"].lookup(key)
     have = old.flags if isinstance(old, abi.Addr) else 0
     maps["addr"].update(key, abi.Addr(flags=have | flags))
+
+
+def add_service6(
+    maps: Mapping[str, MapWriter],
+    addr: str,
+    port: int,
+    backends: tuple[tuple[int, str, int, int], ...],
+    *,
+    proto: int = TCP,
+    scope: Scope = Scope.INTERNAL,
+    flags: int = 0,
+    set_id: int = 1,
+    svc_id: int = 1,
+    rev_nat_id: int = 1,
+    affinity_timeout: int = 0,
+    count: int | None = None,
+) -> None:
+    """`add_service` for an IPv6 frontend, in the IPv6 maps (ekp_fe6, be6, slot6, member6, rnat6),
+    in the planner's order."""
+    member = abi.MemberFlag.LOCAL if flags & FrontendFlag.LOCAL else abi.MemberFlag.CLUSTER
+    for slot, (backend_id, be_addr, be_port, be_flags) in enumerate(backends, 1):
+        value = abi.Backend6(abi.Addr6(*abi.ip6_words(be_addr)), port_be(be_port), proto, be_flags)
+        maps["be6"].update(abi.BackendKey(backend_id), value)
+        maps["member6"].update(abi.MemberKey(svc_id, backend_id), abi.Member(flags=member))
+        maps["slot6"].update(abi.SlotKey(set_id, slot), abi.Slot(backend_id))
+    words = abi.Addr6(*abi.ip6_words(addr))
+    maps["rnat6"].update(abi.RevNatKey(rev_nat_id), abi.RevNat6(words, port_be(port)))
+    fe = abi.Frontend(
+        svc_id=svc_id,
+        set_id=set_id,
+        count=len(backends) if count is None else count,
+        flags=flags,
+        affinity_timeout=affinity_timeout,
+        rev_nat_id=rev_nat_id,
+    )
+    maps["fe6"].update(abi.Frontend6Key(words, port_be(port), proto, scope), fe)
 
 
 def add_service(

@@ -300,15 +300,13 @@ def tcp(
     payload: bytes = b"",
     **ip: Any,
 ) -> bytes:
+    """A TCP frame; IPv6 when `src` is an IPv6 address (`ttl` as the hop limit, `ip` its fields)."""
     from scapy.layers.inet import IP, TCP
+    from scapy.layers.inet6 import IPv6
     from scapy.layers.l2 import Ether
 
-    return bytes(
-        Ether(src=smac, dst=dmac)
-        / IP(src=src, dst=dst, ttl=ttl, **ip)
-        / TCP(sport=sport, dport=dport, flags=flags)
-        / payload
-    )
+    l3 = IPv6(src=src, dst=dst, hlim=ttl, **ip) if ":" in src else IP(src=src, dst=dst, ttl=ttl, **ip)
+    return bytes(Ether(src=smac, dst=dmac) / l3 / TCP(sport=sport, dport=dport, flags=flags) / payload)
 
 
 def udp(

@@ -293,3 +293,18 @@ def test_an_ipv6_lab_carries_ula_addresses_beside_ipv4_and_routes_them(make_lab:
     assert lab.tcp_probe(added, pod2.ip6, 1) == "refused"
     assert lab.tcp_probe(pod1, "fd00:10:244:9::2", 1, timeout=0.5) in ("unreachable", "timeout")
     assert lab.get_sysctl(lab.node(1), "net.ipv6.conf.all.forwarding") == "1"
+
+
+def test_nginx_in_an_ipv6_lab_answers_on_both_families(make_lab: LabFactory) -> None:
+    """A host with an IPv6 address gets nginx on [::] too (the benchmark's IPv6 rows reach the same
+    server over IPv6); http_get and wait_tcp follow the address's family."""
+    lab = make_lab(nodes=1, pods_per_node=2, ipv6=True)
+    client, server = lab.pod(1, 1), lab.pod(1, 2)
+    proc = lab.start_nginx(server)
+    try:
+        assert lab.http_get(client, server.ip6, 8081) == "pod-1-2\n"
+        assert lab.http_get(client, server.ip6, 8081, "/ip") == f"{client.ip6}\n"
+        assert lab.curl(client, f"http://{server.ip}:8081/ip") == f"{client.ip}\n"
+    finally:
+        lab.stop(proc)
+    assert lab.tcp_probe(client, server.ip6, 8081) == "refused"

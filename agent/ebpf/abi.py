@@ -37,6 +37,18 @@ def ip_str(be: int) -> str:
     return str(ipaddress.IPv4Address(be.to_bytes(4, "little")))
 
 
+def ip6_words(ip: str) -> tuple[int, int, int, int]:
+    """An IPv6 address as the four native-order ints whose bytes are it in network order (`__be32
+    addr[4]` of the IPv6 structs)."""
+    packed = ipaddress.IPv6Address(ip).packed
+    return tuple(int.from_bytes(packed[i : i + 4], "little") for i in range(0, 16, 4))  # type: ignore[return-value]
+
+
+def ip6_str(words: object) -> str:
+    """The inverse of `ip6_words` (a ctypes `u32 * 4` or a sequence of four ints)."""
+    return str(ipaddress.IPv6Address(b"".join(int(w).to_bytes(4, "little") for w in words)))  # type: ignore[attr-defined]
+
+
 def port_be(port: int) -> int:
     return socket.htons(port)
 
@@ -444,6 +456,43 @@ class SockConfig(_Struct):
     _fields_ = [("host_netns", u64), ("flags", u32), ("pad", u32)]
 
 
+# ---- IPv6 pairs (bpf/ekp_abi.h): 16-byte addresses as `u32 * 4`, network order ---------------
+
+Addr6 = u32 * 4
+
+
+class Frontend6Key(_Struct):
+    _fields_ = [("addr", Addr6), ("port", u16), ("proto", u8), ("scope", u8)]
+
+
+class Backend6(_Struct):
+    _fields_ = [("addr", Addr6), ("port", u16), ("proto", u8), ("flags", u8)]
+
+
+class RevNat6(_Struct):
+    _fields_ = [("addr", Addr6), ("port", u16), ("pad", u16)]
+
+
+class Affinity6Key(_Struct):
+    _fields_ = [("client", Addr6), ("svc_id", u32)]
+
+
+class SrcRange6Key(_Struct):
+    _fields_ = [("prefixlen", u32), ("rev_nat_id", u16), ("pad", u16), ("addr", Addr6)]
+
+
+class Addr6Key(_Struct):
+    _fields_ = [("addr", Addr6)]
+
+
+class Sock6Key(_Struct):
+    _fields_ = [("cookie", u64), ("addr", Addr6), ("port", u16), ("proto", u8), ("pad", u8), ("pad2", u32)]
+
+
+class Sock6Nat(_Struct):
+    _fields_ = [("fe_addr", Addr6), ("fe_port", u16), ("pad", u16), ("svc_id", u32), ("backend_id", u32)]
+
+
 # Every struct of the header, by its C name; the ABI test walks this.
 STRUCTS: dict[str, type[_Struct]] = {
     "ekp_frontend_key": FrontendKey,
@@ -480,6 +529,14 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_sock_key": SockKey,
     "ekp_sock_nat": SockNat,
     "ekp_sock_config": SockConfig,
+    "ekp_frontend6_key": Frontend6Key,
+    "ekp_backend6": Backend6,
+    "ekp_revnat6": RevNat6,
+    "ekp_affinity6_key": Affinity6Key,
+    "ekp_srcrange6_key": SrcRange6Key,
+    "ekp_addr6_key": Addr6Key,
+    "ekp_sock6_key": Sock6Key,
+    "ekp_sock6_nat": Sock6Nat,
 }
 
 
@@ -503,13 +560,22 @@ class MapSpec:
     # ABI_VERSION unless this map's layout changed alone (ekp_stats_v3), or an older layout's map
     # is described (agent/ebpf/upgrade.py)
     version: int = ABI_VERSION
+    # the IPv4 map this one is the IPv6 twin of (Cilium's v4/v6 pairs): sized by its flag
+    pair: str = ""
 
     @property
     def name(self) -> str:
         return f"{PREFIX}{self.role}_v{self.version}"
 
     @property
+    def sized_by(self) -> str:
+        """The role whose size setting (agent/config.py MapSizes) this map takes."""
+        return self.pair or self.role
+
+    @property
     def size_flag(self) -> str:
+        if self.pair:
+            return MAPS[self.pair].size_flag
         return self.flag or f"--bpf-{self.role}-max"
 
 
@@ -565,7 +631,23 @@ MAPS: dict[str, MapSpec] = {
         ),
         MapSpec("skcfg", "array", ctypes.c_uint32, SockConfig, 1, "EKP_SKCFG_MAX"),
         MapSpec("sknat", "lru_hash", SockKey, SockNat, 65536, "EKP_SKNAT_MAX", _DP),
+        # IPv6 twins (bpf/ekp_abi.h "IPv6 pairs"), each sized as its IPv4 map (`pair`): the service
+        # maps of the IPv6 planner (`V6_ROLES`), the affinity and socket tables of the data path
+        MapSpec("fe6", "hash", Frontend6Key, Frontend, 65536, "EKP_FE6_MAX", pair="fe"),
+        MapSpec("slot6", "hash", SlotKey, Slot, 262144, "EKP_SLOT6_MAX", pair="slot"),
+        MapSpec("be6", "hash", BackendKey, Backend6, 262144, "EKP_BE6_MAX", pair="be"),
+        MapSpec("rnat6", "hash", RevNatKey, RevNat6, 65536, "EKP_RNAT6_MAX", pair="rnat"),
+        MapSpec("member6", "hash", MemberKey, Member, 262144, "EKP_MEMBER6_MAX", pair="member"),
+        MapSpec("srcr6", "lpm_trie", SrcRange6Key, SrcRange, 16384, "EKP_SRCR6_MAX", pair="srcr"),
+        MapSpec("addr6", "hash", Addr6Key, Addr, 262144, "EKP_ADDR6_MAX", pair="addr"),
+        MapSpec("aff6", "lru_hash", Affinity6Key, Affinity, 65536, "EKP_AFF6_MAX", _DP, pair="aff"),
+        MapSpec("sknat6", "lru_hash", Sock6Key, Sock6Nat, 65536, "EKP_SKNAT6_MAX", _DP, pair="sknat"),
     )
+}
+
+# The IPv6 service map of each IPv4 one the planner writes (the IPv6 planner's maps).
+V6_ROLES: dict[str, str] = {
+    spec.pair: spec.role for spec in MAPS.values() if spec.pair and spec.writer is Writer.AGENT
 }
 
 # The early-drop ring of each conntrack table, and how it is sized: a ring of N slots lets at most

@@ -28,7 +28,7 @@ What the entries say is the data path's contract (bpf/ekp_abi.h, bpf/README.md):
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from socket import inet_aton, inet_ntoa
 from typing import Literal, NamedTuple
 
@@ -85,11 +85,21 @@ class Fe(NamedTuple):
     rnat: int  # entries.ident of the address the replies must come from
 
 
-def frontends(sp: ServicePort, node: NodeContext, config: Config, detector: LocalDetector) -> list[Fe]:
+def frontends(
+    sp: ServicePort,
+    node: NodeContext,
+    config: Config,
+    detector: LocalDetector,
+    ip: Callable[[str], int] = ip_be,
+    *,
+    localhost: bool = True,
+) -> list[Fe]:
     """The frontends of one service port, both scopes, before ids are known.
 
     INTERNAL frontends serve traffic from this node's pods, EXTERNAL ones any other, as the
-    local-traffic detector `detector` tells them apart (see agent/localdetect.py)."""
+    local-traffic detector `detector` tells them apart (see agent/localdetect.py). `ip`: an address
+    as the entries hold it (the IPv6 planner's handles, agent/ebpf/family6.py); `localhost`: the
+    localhost NodePorts may exist (IPv4 only: kube-proxy's IPv6 proxier has none)."""
     proto = sp.protocol.number
     affinity = sp.affinity_timeout
     base = int(FrontendFlag.AFFINITY) if affinity else 0
@@ -103,7 +113,7 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config, detector: Loca
     # ... and traffic that is not local (KUBE-SVC-*: IfNotLocal -> KUBE-MARK-MASQ): none without a
     # detector, as kube-proxy writes no such rule then.
     snat_ext = int(FrontendFlag.SNAT_ALL) if config.masquerade_all or detector.implemented else 0
-    vip, port = ip_be(sp.cluster_ip), port_be(sp.port)
+    vip, port = ip(sp.cluster_ip), port_be(sp.port)
     rnat = ident(vip, port, proto)
     # A ClusterIP port the node itself listens on (NodeLocal DNSCache binds the kube-dns ClusterIP
     # on a dummy device) has no frontend: its packets reach the node's stack, which delivers them
@@ -126,7 +136,7 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config, detector: Loca
     maglev = int(FrontendFlag.MAGLEV) if config.bpf_lb_algorithm == "maglev" else 0
     externals += [(ip, sp.port, FrontendFlag.LOADBALANCER | ranges) for ip in sp.load_balancer_ips]
     for addr_text, fe_port, what in externals:
-        addr, p = ip_be(addr_text), port_be(fe_port)
+        addr, p = ip(addr_text), port_be(fe_port)
         rnat = ident(addr, p, proto)
         pod_kind: SetKind = "cluster"
         if sp.external_policy_local:
@@ -152,7 +162,7 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config, detector: Loca
             Fe(fe_key(addr, p, proto, int(Scope.EXTERNAL)), ext_kind, int(ext_flags) | maglev, affinity, rnat)
         )
         out.append(Fe(fe_key(addr, p, proto, int(Scope.INTERNAL)), pod_kind, int(pod_flags), affinity, rnat))
-    if sp.node_port and config.localhost_nodeports:
+    if sp.node_port and config.localhost_nodeports and localhost:
         # localhost:<nodePort> for the node's own processes (the socket programs; a pod's localhost
         # is its own): INTERNAL scope only, so nothing arriving from outside is ever translated for
         # 127.0.0.1 (CVE-2020-8558). kube-proxy sends it through KUBE-EXT-*: the cluster set.
@@ -165,19 +175,23 @@ def frontends(sp: ServicePort, node: NodeContext, config: Config, detector: Loca
     return out
 
 
-def source_ranges(sp: ServicePort, node: NodeContext) -> list[tuple[int, int]]:
-    """(prefix length, network address be) the LB frontends of `sp` admit."""
+def source_ranges(
+    sp: ServicePort, node: NodeContext, ip: Callable[[str], int] = ip_be, version: int = 4
+) -> list[tuple[int, int]]:
+    """(prefix length, network address as `ip` gives it) the LB frontends of `sp` admit: the
+    ranges of IP version `version` (each family's proxier takes its own, as kube-proxy's)."""
     out: list[tuple[int, int]] = []
     node_in_range = False
     for text in sp.load_balancer_source_ranges:
         net = ipaddress.ip_network(text, strict=False)
-        if not isinstance(net, ipaddress.IPv4Network):
+        if net.version != version:
             continue
-        out.append((net.prefixlen, ip_be(str(net.network_address))))
+        out.append((net.prefixlen, ip(str(net.network_address))))
         node_in_range = node_in_range or any(ipaddress.ip_address(ip) in net for ip in node.node_ips)
     if node_in_range:
         # kube-proxy: a VIP-like LB IP bound on the node loops back with itself as the source.
-        out += [(32, ip_be(ip)) for ip in sp.load_balancer_ips]
+        full = 32 if version == 4 else 128
+        out += [(full, ip(lb)) for lb in sp.load_balancer_ips]
     return out
 
 

@@ -44,7 +44,7 @@ from typing import Any
 
 from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import ABI_VERSION, CT_QUEUES, CTQ_DIVISOR, MAPS, PREFIX, MapSpec, maglev_value
+from agent.ebpf.abi import ABI_VERSION, CT_QUEUES, CTQ_DIVISOR, MAPS, PREFIX, V6_ROLES, MapSpec, maglev_value
 from agent.ebpf.bpfobject import BpfObject
 from agent.ebpf.btf import vmlinux_has
 from agent.ebpf.compile import (
@@ -78,7 +78,13 @@ _U32_MAX = (1 << 32) - 1
 # owning max_entries / CPUs; bpf/README.md, "Conntrack capacity", has the measurement). The
 # service addresses are allocated as written: a few thousand entries, read only for fragments; so
 # are the Maglev tables (64 KiB each: only the sets of Maglev frontends have one).
-ROLE_FLAGS: dict[str, int] = {"addr": BPF_F_NO_PREALLOC, "maglev": BPF_F_NO_PREALLOC}
+# The IPv6 service maps (abi.V6_ROLES) too: sized as their IPv4 twins, they cost an IPv4-only node
+# their hash buckets alone.
+ROLE_FLAGS: dict[str, int] = {
+    "addr": BPF_F_NO_PREALLOC,
+    "maglev": BPF_F_NO_PREALLOC,
+    **{role: BPF_F_NO_PREALLOC for role in V6_ROLES.values() if MAPS[role].kind == "hash"},
+}
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
@@ -109,7 +115,7 @@ def map_size(spec: MapSpec, sizes: MapSizes) -> int:
     table = next((ct for ct, ring in CT_QUEUES.items() if ring == spec.role), None)
     if table is not None:  # an early-drop ring: a quarter of its table's entries
         return max(1, map_size(MAPS[table], sizes) // CTQ_DIVISOR)
-    size = int(getattr(sizes, spec.role, spec.default_size))
+    size = int(getattr(sizes, spec.sized_by, spec.default_size))
     if size == 0:
         resolved = sizes.with_conntrack(ConntrackSettings(), os.cpu_count() or 1)
         size = int(getattr(resolved, spec.role))

@@ -40,7 +40,7 @@ State, compact on purpose (10,000 services of 10 endpoints are a third of a mill
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from socket import inet_aton
 from typing import cast
 
@@ -136,8 +136,12 @@ _BE_FLAGS = (1 << _BE_ID) - 1
 class Planner:
     """Desired entries of the service maps and where the maps differ (see module doc)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, ip: Callable[[str], int] | None = None) -> None:
+        """`ip`: how the entries hold an address of the family planned. None: IPv4, the address
+        itself (network order); the IPv6 planner passes its 32-bit handles (agent/ebpf/family6.py
+        widens them into the IPv6 maps' 16-byte addresses), so every entry keeps IPv4's shape."""
         self._config = config
+        self._ip = ip
         self.desired: dict[str, Entries] = {r: {} for r in ROLES}
         self.pending: dict[str, Pending] = {r: {} for r in ROLES}
         self.fresh: set[str] = set(ROLES)  # roles whose map holds none of desired (pending empty)
@@ -251,7 +255,8 @@ class Planner:
         wanted = set(state.services) | set(self._frags) if every else set(changed or ())
         self.node = node
         self.local = detector
-        self.cfg = config_entry(node, self._config, detector)
+        # the config is the IPv4 planner's (it holds no IPv6 address; the IPv6 one leaves it alone)
+        self.cfg = config_entry(node, self._config, detector) if self._ip is None else None
         touched: set[ServicePortName] = set()
         # Removals first (they free frontends and ids), then in kube-proxy's order, so the ids of
         # a fresh start follow the sorted ports as `--dry-run` and the golden files show them.
@@ -358,7 +363,13 @@ class Planner:
         fes: list[Fe] = []
         blocked: set[int] = set()
         taken: set[ServicePortName] = set()
-        for fe in frontends(sp, self.node, self._config, self.local):
+        ip = self._ip
+        fronts = (
+            frontends(sp, self.node, self._config, self.local)
+            if ip is None
+            else frontends(sp, self.node, self._config, self.local, ip, localhost=False)
+        )
+        for fe in fronts:
             owner = self._fe_owner.get(fe.key, spn)
             if owner == spn or port_order(spn) < port_order(owner):
                 fes.append(fe)
@@ -397,7 +408,8 @@ class Planner:
             order: list[int] = []
             for ep in eps.cluster if kind == "cluster" else eps.local:
                 p = ep.port
-                ident = from_bytes(inet_aton(ep.ip), "little") | ((p & 0xFF) << 8 | p >> 8) << 32 | proto
+                addr = from_bytes(inet_aton(ep.ip), "little") if ip is None else ip(ep.ip)
+                ident = addr | ((p & 0xFF) << 8 | p >> 8) << 32 | proto
                 bid = be_ids.get(ident) or be_id(ident)
                 flags = (_BE_LOCAL if ep.is_local else 0) | (_BE_TERMINATING if ep.terminating else 0)
                 if ep.ip in node_ips:
@@ -430,7 +442,9 @@ class Planner:
             md, mp, [(svc_id | bid << shift, bits) for bid, bits in members.items()], member_fresh
         )
         self._changes += changes
-        ranges = source_ranges(sp, self.node) if sp.load_balancer_source_ranges else []
+        ranges: list[tuple[int, int]] = []
+        if sp.load_balancer_source_ranges:
+            ranges = source_ranges(sp, self.node) if ip is None else source_ranges(sp, self.node, ip, 6)
         srcr: list[int] = []
         for fe in fes:
             flags = fe.flags

@@ -54,6 +54,7 @@ from agent.ebpf import abi, activity
 from agent.ebpf.abi import Stat
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import KEYS, VALUES, Value
+from agent.ebpf.family6 import Ipv6Datapath
 from agent.ebpf.maglev_writer import MaglevWriter
 from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
@@ -269,6 +270,8 @@ class EbpfProxier:
         self.last_flush = FlushResult()  # what the last sync wrote, for logs and tests
         self._short: dict[str, int] = {}  # map role -> entries wanted, while more than it holds
         self._maglev = MaglevWriter(config.map_sizes.maglev_table_size)
+        self._v6 = Ipv6Datapath(config)  # the IPv6 family's maps (`sync6`)
+        self._v6_with: DatapathLike | None = None  # the data path whose IPv6 maps it wrote
 
     # ------------------------------------------------------------------ Proxier
 
@@ -345,6 +348,29 @@ class EbpfProxier:
                 elapsed_ms,
             )
             return SyncResult(full=changed is None, failed=dict(result.failed), repaired=repaired)
+
+    def sync6(
+        self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
+    ) -> SyncResult:
+        """The IPv6 family's state into the IPv6 maps, which the socket programs read (the tc
+        programs pass IPv6 to the stack: ip6tables serves its packets, agent/metaproxier.py). Its
+        own planner, the same rules as `sync`'s (agent/ebpf/family6.py); the programs are loaded
+        and attached by `sync`, which the agent runs first. A backend that left an IPv6 service port
+        ends the connected UDP sockets sent to it, as for IPv4 (the iterator walks both families)."""
+        with self._lock:
+            self._close_retired()
+            datapath = self._maps_open()
+            if datapath is not self._v6_with:
+                self._v6 = Ipv6Datapath(self._config)  # other maps: read them back, re-adopting
+                self._v6_with = datapath
+            result = self._v6.sync(datapath.maps, state, node, changed)
+            if self._terminator is not None and self._v6.last_flush.deletes.get("member"):
+                self._end_stale_sockets()
+            return result
+
+    def ipv6(self) -> EbpfIpv6:
+        """This data path's IPv6 half, as a Proxier of the IPv6 family (agent/metaproxier.py)."""
+        return EbpfIpv6(self)
 
     def cleanup(self) -> None:
         """Detach our filters, remove our pins and the pin directory; nothing else."""
@@ -637,6 +663,25 @@ class EbpfProxier:
                 )
 
 
+class EbpfIpv6:
+    """The IPv6 family's Proxier on an EbpfProxier: its maps only (`EbpfProxier.sync6`). The IPv4
+    proxier prepares, loads, attaches and cleans up the data path both families share."""
+
+    def __init__(self, ebpf: EbpfProxier) -> None:
+        self._ebpf = ebpf
+
+    def prepare(self) -> None:
+        """Nothing: the IPv4 proxier loads the data path."""
+
+    def sync(
+        self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
+    ) -> SyncResult:
+        return self._ebpf.sync6(state, node, changed)
+
+    def cleanup(self) -> None:
+        """Nothing: the IPv4 proxier's cleanup removes every map and program, these included."""
+
+
 def _room_for(entries: int) -> int:
     """A map size with a quarter to spare, rounded up to a power of two (as the defaults are)."""
     return 1 << (entries + entries // 4 - 1).bit_length()
@@ -699,7 +744,7 @@ def remove_pins(pin_path: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- inspect
 
-INSPECT_SECTIONS = ("services", "ct", "aff", "stats", "capacity", "maglev", "sockets")
+INSPECT_SECTIONS = ("services", "services6", "ct", "aff", "stats", "capacity", "maglev", "sockets")
 
 
 def render_live_maps(
@@ -708,9 +753,10 @@ def render_live_maps(
     """Decoded text of the pinned maps under `pin_path` (for `agent inspect maps`).
 
     `services` prints the same lines as `--dry-run` (cfg, fe, slot, be, rnat, srcr), so a live
-    node can be diffed against a plan; `ct`, `aff` and `stats` print conntrack, affinity and the
-    counters; `sockets` the socket programs' settings, links and where each socket was sent.
-    Opens the pins read-only in effect (nothing is written); needs no compiler.
+    node can be diffed against a plan; `services6` the IPv6 maps (fe6, slot6, be6, ...); `ct`,
+    `aff` and `stats` print conntrack, affinity and the counters; `sockets` the socket programs'
+    settings, links and where each socket was sent. Opens the pins read-only in effect (nothing is
+    written); needs no compiler.
     """
     from agent.ebpf.capacity import read_fill, render_capacity
     from agent.ebpf.maps import open_pinned_as_held, read_stats
@@ -721,6 +767,7 @@ def render_live_maps(
         render_sockets,
         render_stats,
     )
+    from agent.ebpf.render6 import render_contents6, sock6_lines
     from agent.ebpf.sockattach import pinned_links
 
     unknown = [s for s in sections if s not in INSPECT_SECTIONS]
@@ -728,12 +775,13 @@ def render_live_maps(
         raise ValueError(f"unknown section {','.join(unknown)} (known: {', '.join(INSPECT_SECTIONS)})")
     roles = {
         "services": (*ROLES, "cfg", "cfgsel"),
+        "services6": tuple(abi.V6_ROLES.values()),
         "ct": abi.CT_ROLES,
         "aff": ("aff",),
         "stats": ("stats", "xstats"),
         "capacity": tuple(abi.MAPS),
         "maglev": ("maglev", "fe", "be"),
-        "sockets": ("skcfg", "sknat"),
+        "sockets": ("skcfg", "sknat", "sknat6"),
     }
     needed = sorted({role for s in sections for role in roles[s]})
     maps: dict[str, BpfMap] = {}
@@ -751,6 +799,8 @@ def render_live_maps(
             if section == "services":
                 contents = read_contents({r: maps[r] for r in ROLES}, read_config(maps))
                 out.append(render_contents(contents))
+            elif section == "services6":
+                out.append(render_contents6({role: maps[role].items() for role in roles["services6"]}))
             elif section == "ct":
                 flows = [kv for role in abi.CT_ROLES for kv in maps[role].items()]
                 out.append(render_conntrack(flows, now))  # type: ignore[arg-type]
@@ -765,7 +815,8 @@ def render_live_maps(
                     for hook, state in pinned_links(pin_path).items()
                 }
                 live = cfg if isinstance(cfg, abi.SockConfig) and cfg.host_netns else None
-                out.append(render_sockets(live, links, maps["sknat"].items()))  # type: ignore[arg-type]
+                text = render_sockets(live, links, maps["sknat"].items())  # type: ignore[arg-type]
+                out.append(text + "".join(line + "\n" for line in sock6_lines(maps["sknat6"].items())))
             elif section == "aff":
                 out.append(render_affinity(maps["aff"].items(), now))  # type: ignore[arg-type]
             elif section == "maglev":

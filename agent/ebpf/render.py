@@ -107,12 +107,16 @@ def cfg_line(cfg: CfgEntry) -> str:
 
 
 def fe_line(key: FrontendKey, fe: Frontend, name: str = "") -> str:
-    line = (
-        f"fe {ip_str(key.addr)}:{port_host(key.port)}/{proto_name(key.proto)} {_scope(key.scope)}"
+    line = f"fe {ip_str(key.addr)}:{port_host(key.port)}/{proto_name(key.proto)} {_scope(key.scope)}"
+    return line + fe_tail(fe) + (f"  # {name}" if name else "")
+
+
+def fe_tail(fe: Frontend) -> str:
+    """What a frontend line says after its key (both families)."""
+    return (
         f" -> svc={fe.svc_id} set={fe.set_id} count={fe.count} rnat={fe.rev_nat_id}"
         f" flags={flag_names(fe.flags, FrontendFlag)} affinity={fe.affinity_timeout}s"
     )
-    return line + (f"  # {name}" if name else "")
 
 
 def slot_line(key: SlotKey, slot: Slot) -> str:

@@ -275,7 +275,7 @@ class IptablesProxier:
             repaired=outcome.repaired,
             failed=len(failed),
         )
-        log.debug("iptables sync: %s", self.last_sync)
+        log.debug("iptables sync (%s): %s", self.family, self.last_sync)
         if self._metrics is not None:
             filter_rules = r.filter_rules
             self._metrics.set_iptables_rules(

@@ -2,10 +2,10 @@
 
 With IPv6 configured, every sync programs the IPv4 state with the IPv4 proxier and the IPv6 state
 with the IPv6 one, each with its own changes, node addresses and retries; an IPv6 failure never
-holds back IPv4. The IPv6 proxier is ip6tables in both modes (in eBPF mode beside the eBPF data
-path, which has no IPv6 path yet: agent/app.py wires it, tested at the end). Without IPv6 in the
-flags no IPv6 proxier runs, the IPv6 state is computed and not programmed, and the agent says so
-once.
+holds back IPv4. The IPv6 proxier is ip6tables in both modes; in eBPF mode the eBPF data path's
+IPv6 maps (the socket programs) are written beside it (agent/app.py wires it, tested at the
+end). Without IPv6 in the flags no IPv6 proxier runs, the IPv6 state is computed and not
+programmed, and the agent says so once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from agent.config import Config, Mode, NodeContext
 from agent.daemon import Agent, Parts, ProxierHealth
 from agent.metrics import Metrics
-from agent.model.types import IPFamily, ProxyState, ServicePortName
+from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.proxier import SyncResult
 from tests.agent.test_daemon import NODE, Clock, FakeEvents, FakeHealth, FakeProxier, FakeSource, spn
 from tests.model.test_state import endpoint, service, slice_
@@ -324,7 +324,7 @@ def test_without_ipv6_flags_ipv6_is_computed_and_the_agent_says_once_that_nothin
     (line,) = [r for r in caplog.records if UNSERVED in r.getMessage()]
     assert line.levelno == logging.WARNING
     assert "1 IPv6 service port(s) (default/web:http)" in line.getMessage()
-    assert "an IPv6 entry and ip6tables programs them, beside the eBPF data path" in line.getMessage()
+    assert "an IPv6 entry and the socket programs (IPv6 maps) and ip6tables" in line.getMessage()
     assert rig.proxier.seen[-1][1] == {
         spn("v4only"): "10.96.0.20",
         spn("web"): "10.96.0.10",
@@ -501,16 +501,82 @@ V6_CIDRS = ("10.244.0.0/16", "fd00:10:244::/56")
 
 @pytest.mark.parametrize("mode", [Mode.EBPF, Mode.IPTABLES])
 def test_an_ipv6_proxier_on_ip6tables_runs_in_both_modes_when_ipv6_is_configured(mode: Mode) -> None:
+    """iptables mode: ip6tables. eBPF mode: the eBPF data path's IPv6 maps (socket-level load
+    balancing) and ip6tables for every other packet; ip6tables alone without socket-level load
+    balancing."""
     from agent.app import make_proxier, make_proxier6
+    from agent.ebpf.proxier import EbpfIpv6
     from agent.iptables import IptablesProxier
     from agent.iptables.runner import SubprocessRunner
+    from agent.metaproxier import EbpfAndIp6tables
 
     dual_stack = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS)
-    proxier6 = make_proxier6(dual_stack, make_proxier(dual_stack))
-    assert isinstance(proxier6, IptablesProxier) and proxier6.family is IPFamily.IPv6
-    assert isinstance(proxier6.runner, SubprocessRunner), "ip6tables itself, not a stand-in"
+    proxier = make_proxier(dual_stack)
+    proxier6 = make_proxier6(dual_stack, proxier)
+    if mode is Mode.EBPF:
+        assert isinstance(proxier6, EbpfAndIp6tables) and isinstance(proxier6.ebpf, EbpfIpv6)
+        assert proxier6.ebpf._ebpf is proxier, "the IPv6 maps of the data path the IPv4 proxier loads"
+        ip6tables: object = proxier6.ip6tables
+        no_sockets = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS, socket_lb=False)
+        assert isinstance(make_proxier6(no_sockets, make_proxier(no_sockets)), IptablesProxier)
+    else:
+        ip6tables = proxier6
+    assert isinstance(ip6tables, IptablesProxier) and ip6tables.family is IPFamily.IPv6
+    assert isinstance(ip6tables.runner, SubprocessRunner), "ip6tables itself, not a stand-in"
     ipv4_only = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS[:1])
     assert make_proxier6(ipv4_only, make_proxier(ipv4_only)) is None
+
+
+EMPTY6 = ProxyState(NodeInfo("node1"), {}, {}, family=IPFamily.IPv6)
+
+
+class Half:
+    """One of EbpfAndIp6tables' two proxiers: records its calls, fails or not as told."""
+
+    def __init__(
+        self, name: str, calls: list[str], fail: Exception | None = None, failed: Any = None
+    ) -> None:
+        self.name, self.calls, self.fail, self.failed = name, calls, fail, failed or {}
+
+    def prepare(self) -> None:
+        self.calls.append(f"{self.name}.prepare")
+
+    def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
+        self.calls.append(f"{self.name}.sync")
+        if self.fail is not None:
+            raise self.fail
+        return SyncResult(full=changed is None, failed=self.failed, repaired=1)
+
+    def cleanup(self) -> None:
+        self.calls.append(f"{self.name}.cleanup")
+
+
+def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() -> None:
+    from agent.errors import FatalError
+    from agent.metaproxier import EbpfAndIp6tables
+
+    calls: list[str] = []
+    a, b = spn("a"), spn("b")
+    both = EbpfAndIp6tables(
+        Half("ebpf", calls, failed={a: "full"}), Half("ip6", calls, failed={b: "rejected"})
+    )
+    result = both.sync(EMPTY6, NODE6, None)
+    assert calls == ["ebpf.sync", "ip6.sync"] and result.full and result.repaired == 2
+    assert result.failed == {a: "full", b: "rejected"}
+    calls.clear()
+    broken = EbpfAndIp6tables(Half("ebpf", calls, fail=RuntimeError("maps")), Half("ip6", calls))
+    with pytest.raises(RuntimeError, match="maps"):
+        broken.sync(EMPTY6, NODE6, frozenset())
+    assert calls == ["ebpf.sync", "ip6.sync"], "ip6tables is synced even when the maps failed"
+    calls.clear()
+    fatal = EbpfAndIp6tables(Half("ebpf", calls, fail=FatalError("gone")), Half("ip6", calls))
+    with pytest.raises(FatalError):
+        fatal.sync(EMPTY6, NODE6, None)
+    assert calls == ["ebpf.sync"]
+    calls.clear()
+    both.prepare()
+    both.cleanup()
+    assert calls == ["ebpf.prepare", "ip6.prepare", "ebpf.cleanup", "ip6.cleanup"]
 
 
 class HandbackRecorder:
@@ -651,7 +717,10 @@ def test_dry_run_in_ebpf_mode_prints_the_ip6tables_input_after_the_ebpf_maps(
     out = capsys.readouterr().out
     ebpf, marker, ip6tables = out.partition("# ip6tables-restore input (IPv6)\n")
     assert marker, out
-    assert "10.96.0.10" in ebpf and "fd00:10:96::a" not in ebpf
+    ebpf4, marker6, ebpf6 = ebpf.partition("# eBPF IPv6 maps (the socket programs)\n")
+    assert marker6 and "10.96.0.10" in ebpf4 and "fd00:10:96::a" not in ebpf4
+    assert "fe6 [fd00:10:96::a]:80/TCP internal -> svc=1 set=1 count=1" in ebpf6
+    assert "be6 1 -> [fd00:10:244:1::2]:8080/TCP" in ebpf6 and "10.96.0.10" not in ebpf6
     assert "*nat" in ip6tables and "-d fd00:10:96::a --dport 80" in ip6tables and "COMMIT" in ip6tables
 
 

@@ -270,9 +270,15 @@ def test_bpftool_shows_every_map_with_its_layout(loaded: Datapath) -> None:
 # before it. It reads ekp_addr for the activity check's frontend test, bpf/ekp_act.h.)
 XDP_UNUSED = {"rnat", "stats", "icmprl", "hostnat"}
 # The pinned maps each program reads or writes (bpftool's program type besides).
-_SOCKETS = {"skcfg", "sknat"}
+# The IPv6 maps are the socket programs' alone (the tc programs pass IPv6 to the stack); connect4,
+# sendmsg4 and their reverse twins never read them, the IPv6 hooks read both families' (an IPv4
+# address on an IPv6 socket uses the IPv4 maps). ekp_addr6 is written for the tc programs' IPv6.
+_V6 = {"fe6", "slot6", "be6", "rnat6", "member6", "srcr6", "addr6", "aff6", "sknat6"}
+_SOCKETS = {"skcfg", "sknat"} | _V6
 _SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
+_SOCK_FORWARD6 = _SOCK_FORWARD | {"fe6", "srcr6", "aff6", "member6", "slot6", "be6", "sknat6"}
 _SOCK_REVERSE = {"sknat", "fe", "stats"}
+_SOCK_REVERSE6 = _SOCK_REVERSE | {"sknat6", "fe6"}
 # ekp_egress chooses no backend (no service table: only legacy host routing's sources, conntrack,
 # the activity stamps and what they read), holds no fragment (the stack sends a datagram's first
 # fragment first) and sends no reject
@@ -290,12 +296,12 @@ PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
     "ekp_sock_send": ("cgroup_sock_addr", _SOCK_FORWARD),
     "ekp_sock_recv": ("cgroup_sock_addr", _SOCK_REVERSE),
     "ekp_sock_peer": ("cgroup_sock_addr", _SOCK_REVERSE),
-    "ekp_sock_conn6": ("cgroup_sock_addr", _SOCK_FORWARD),
-    "ekp_sock_send6": ("cgroup_sock_addr", _SOCK_FORWARD),
-    "ekp_sock_recv6": ("cgroup_sock_addr", _SOCK_REVERSE),
-    "ekp_sock_peer6": ("cgroup_sock_addr", _SOCK_REVERSE),
-    "ekp_sock_free": ("cgroup_sock", {"skcfg", "sknat"}),
-    "ekp_sock_term": ("tracing", {"sknat", "member", "stats"}),
+    "ekp_sock_conn6": ("cgroup_sock_addr", _SOCK_FORWARD6),
+    "ekp_sock_send6": ("cgroup_sock_addr", _SOCK_FORWARD6),
+    "ekp_sock_recv6": ("cgroup_sock_addr", _SOCK_REVERSE6),
+    "ekp_sock_peer6": ("cgroup_sock_addr", _SOCK_REVERSE6),
+    "ekp_sock_free": ("cgroup_sock", {"skcfg", "sknat", "sknat6"}),
+    "ekp_sock_term": ("tracing", {"sknat", "member", "sknat6", "member6", "stats"}),
 }
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 from agent.config import MapSizes
 from agent.ebpf import bpfsys, loader
-from agent.ebpf.abi import MAPS
+from agent.ebpf.abi import MAPS, CtEntry, CtKey, MapSpec, ip_be, port_be
 from agent.ebpf.bpfobject import BpfObject
 from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids
 from agent.ebpf.link import PinnedMapMismatch, link, verifier_threads
@@ -65,9 +66,9 @@ def _prog_pins(root: str) -> list[str]:
     return sorted(n for n in os.listdir(root) if n.startswith(PROG_PIN_PREFIX))
 
 
-def _pinned_ids(pins: str) -> dict[str, int]:
+def _pinned_ids(pins: str, specs: Iterable[MapSpec] = MAPS.values()) -> dict[str, int]:
     out = {}
-    for spec in MAPS.values():
+    for spec in specs:
         fd = obj_get(os.path.join(pins, spec.name))
         try:
             out[spec.name] = map_info(fd).id
@@ -212,6 +213,41 @@ def test_programs_whose_maps_were_replaced_are_loaded_again(
                 assert (fe in used) == (name in users), "the new programs use the new map"
             _uses_only_its_own_maps(second)
             assert _prog_pins(pins) == built, "same build, pinned again under the same names"
+        finally:
+            second.close()
+
+
+@pytest.mark.kernel
+def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upgrade to the IPv6 maps is additive: over pins without them (an agent before them), the
+    load makes the IPv6 maps and keeps every other pinned map, the same map with its entries (an
+    established IPv4 flow's conntrack entry here), and the programs use both."""
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(loader, "compile_in_child", _no_compile)
+    v6 = {role for role, spec in MAPS.items() if spec.pair}
+    assert v6 == {"fe6", "slot6", "be6", "rnat6", "member6", "srcr6", "addr6", "aff6", "sknat6"}
+    key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
+    with bpffs() as root:
+        pins = str(root / "ekp")
+        first = Datapath(pins, SMALL, cache=cache)
+        first.load()
+        first.maps["ct_tcp"].update(key, CtEntry(last_seen_ns=1, nat_addr=ip_be("10.244.2.7"), flags=4))
+        first.close()
+        for role in v6:
+            os.unlink(os.path.join(pins, MAPS[role].name))
+        before = _pinned_ids(pins, [spec for role, spec in MAPS.items() if role not in v6])
+        second = Datapath(pins, SMALL, cache=cache)
+        second.load()
+        try:
+            after = _pinned_ids(pins)
+            assert {n: i for n, i in after.items() if n in before} == before, "every IPv4 map kept"
+            assert set(after) - set(before) == {MAPS[r].name for r in v6}
+            kept = second.maps["ct_tcp"].lookup(key)
+            assert isinstance(kept, CtEntry) and kept.nat_addr == ip_be("10.244.2.7")
+            conn6 = prog_map_ids(second.prog_fd("ekp_sock_conn6"))
+            assert {second.maps[r].info().id for r in ("fe6", "be6", "fe", "be")} <= conn6
         finally:
             second.close()
 

@@ -32,7 +32,7 @@ from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
 from agent.ebpf.sockattach import SocketAttacher, detach_all, netns_cookie, sock_config
 from agent.ebpf.sockterm import SocketTerminator
 from lab import Lab
-from lab.dplab import CFG, SIZES, TCP, TEST_ROLES, UDP, add_service
+from lab.dplab import CFG, SIZES, TCP, TEST_ROLES, UDP, add_service, add_service6
 from lab.harness import CLIENT
 from lab.packets import loaded_datapath
 
@@ -460,11 +460,206 @@ def test_a_closed_socket_leaves_no_entry_and_open_ones_keep_the_cluster_ip(sl: S
     assert stats[Stat.SOCK_TRANSLATED] == 22 and stats[Stat.SOCK_REVNAT] >= 10
 
 
-def test_real_ipv6_addresses_are_left_alone(sl: SockLab) -> None:
-    """The socket programs serve IPv4 frontends only (IPv6 Services are ip6tables' in eBPF mode
-    for now): an IPv6 socket's connect() and sendmsg() to a real IPv6 address go where they name,
-    uncounted, even when the address's last word is an IPv4 frontend's (fd00::VIP), which a check
-    that read only that word would take for ::ffff:VIP; getpeername and recvfrom show it as it is."""
+# Real IPv6 frontends. The node's namespace holds the backends itself: two ULA addresses on its
+# loopback, each with a TCP server (8080: answers its name) and a UDP echo (9000: its name and the
+# datagram), so no IPv6 is needed in the lab's links; the frontends are in no device at all.
+VIP6 = "fd00:10:96::a"
+BACKENDS6 = ("fd00:10:99::1", "fd00:10:99::2")
+SERVERS6 = r"""
+import socket, sys, threading
+def tcp(srv, name):
+    while True:
+        conn, _ = srv.accept(); conn.sendall(name.encode()); conn.close()
+def udp(s, name):
+    while True:
+        data, peer = s.recvfrom(100); s.sendto(name.encode() + b" " + data, peer)
+for i, addr in enumerate(sys.argv[1:], 1):
+    srv = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); srv.bind((addr, 8080)); srv.listen(64)
+    s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); s.bind((addr, 9000))
+    threading.Thread(target=tcp, args=(srv, "be%d" % i), daemon=True).start()
+    threading.Thread(target=udp, args=(s, "be%d" % i), daemon=True).start()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def v6(sl: SockLab) -> Iterator[SockLab]:
+    """`sl` with BACKENDS6 on the node's loopback, served (SERVERS6), until the test ends."""
+    for addr in BACKENDS6:
+        sl.lab.run("node1", "ip", "-6", "addr", "add", f"{addr}/128", "dev", "lo", "nodad")
+    proc = sl.lab.popen(
+        "node1", sys.executable, "-c", SERVERS6, *BACKENDS6, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        yield sl
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+        for addr in BACKENDS6:
+            sl.lab.run("node1", "ip", "-6", "addr", "del", f"{addr}/128", "dev", "lo")
+
+
+def two_backends6(
+    sl: SockLab, proto: int = TCP, port: int = 80, target: int = 8080, svc_id: int = 1, **kw: Any
+) -> None:
+    """BACKENDS6 behind [VIP6]:port, backend ids 10 * svc_id + 1, 2 (one pair per service port)."""
+    backends = tuple(
+        (10 * svc_id + i, addr, target, int(BackendFlag.LOCAL)) for i, addr in enumerate(BACKENDS6, 1)
+    )
+    add_service6(sl.maps, VIP6, port, backends, proto=proto, svc_id=svc_id, **kw)
+
+
+def run6(sl: SockLab, code: str) -> Any:
+    return json.loads(sl.lab.run("node1", sys.executable, "-c", code).stdout)
+
+
+def test_a_real_ipv6_cluster_ip_is_translated_counted_and_shown_back(v6: SockLab) -> None:
+    """connect6 sends each TCP socket to a backend (both are chosen over twelve), getpeername6
+    shows the ClusterIP; sendmsg6 sends an unconnected UDP socket's datagrams to one backend and
+    recvmsg6 names the ClusterIP as their source; the counters count each call once; the closed
+    sockets left no ekp_sknat6 entry (sock_release), and no IPv4 map was read for them."""
+    two_backends6(v6)
+    two_backends6(v6, UDP, 90, 9000, svc_id=2, set_id=2, rev_nat_id=2)
+    code = (
+        "import json, socket\n"
+        "peers, bodies = set(), set()\n"
+        "for _ in range(12):\n"
+        "    t = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); t.settimeout(3)\n"
+        f"    t.connect(('{VIP6}', 80)); peers.add('[%s]:%d' % t.getpeername()[:2])\n"
+        "    bodies.add(t.recv(100).decode()); t.close()\n"
+        "u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); u.settimeout(3)\n"
+        "srcs, names = set(), set()\n"
+        "for i in range(5):\n"
+        f"    u.sendto(b'x%d' % i, ('{VIP6}', 90)); data, src = u.recvfrom(100)\n"
+        "    srcs.add('[%s]:%d' % src[:2]); names.add(data.decode().split()[0])\n"
+        "print(json.dumps([sorted(peers), sorted(bodies), sorted(srcs), sorted(names)]))\n"
+    )
+    peers, bodies, srcs, names = run6(v6, code)
+    assert peers == [f"[{VIP6}]:80"] and bodies == ["be1", "be2"]
+    assert srcs == [f"[{VIP6}]:90"] and len(names) == 1, "one unconnected socket, one backend"
+    stats = v6.stats()
+    # and the servers' five replies (sendmsg6 to the client's own address: passed)
+    assert stats[Stat.SOCK_CALLS] == 22 and stats[Stat.SOCK_TRANSLATED] == 17 and stats[Stat.SOCK_PASS] == 5
+    assert stats[Stat.SOCK_REVNAT] >= 17
+    # the TCP sockets' entries went with them; the unconnected UDP socket's one stays (the LRU's)
+    assert [k.proto for k, _ in v6.maps["sknat6"].items()] == [UDP]
+    assert v6.maps["sknat"].items() == []
+
+
+# Connects one TCP socket and one UDP socket to the IPv6 ClusterIP and holds them until stdin closes,
+# printing their cookies: what ekp_sknat6 holds for them while they are open.
+HOLD6 = """
+import json, select, socket, sys
+def cookie(s):
+    return int.from_bytes(s.getsockopt(socket.SOL_SOCKET, 57, 8), "little")
+t = socket.socket(socket.AF_INET6); t.settimeout(3); t.connect((sys.argv[1], 80))
+u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); u.connect((sys.argv[1], 90))
+print(json.dumps({"tcp": cookie(t), "udp": cookie(u), "peer": "[%s]:%d" % u.getpeername()[:2]}), flush=True)
+select.select([sys.stdin], [], [], 30)
+"""
+
+
+def test_an_open_ipv6_socket_keeps_its_entry_and_a_closed_one_leaves_none(v6: SockLab) -> None:
+    two_backends6(v6)
+    two_backends6(v6, UDP, 90, 9000, svc_id=2, set_id=2, rev_nat_id=2)
+    proc = v6.lab.popen(
+        "node1", sys.executable, "-c", HOLD6, VIP6, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        held = json.loads(proc.stdout.readline())
+        entries = {k.cookie: (k, v) for k, v in v6.maps["sknat6"].items()}
+        assert sorted(entries) == sorted([held["tcp"], held["udp"]])
+        vip = abi.ip6_words(VIP6)
+        assert all(tuple(v.fe_addr) == vip for _, v in entries.values())
+        assert {abi.ip6_str(k.addr) for k, _ in entries.values()} <= set(BACKENDS6)
+        assert held["peer"] == f"[{VIP6}]:90"
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+    assert v6.maps["sknat6"].items() == []
+
+
+def test_an_ipv6_cluster_ip_without_endpoints_refuses_at_connect_and_sendmsg(v6: SockLab) -> None:
+    add_service6(v6.maps, VIP6, 80, (), count=0, flags=FrontendFlag.NO_ENDPOINTS)
+    add_service6(
+        v6.maps, VIP6, 90, (), proto=UDP, count=0, flags=FrontendFlag.NO_ENDPOINTS, svc_id=2, set_id=2
+    )
+    code = (
+        "import json, socket, time\n"
+        "out = []\n"
+        "t = socket.socket(socket.AF_INET6); t.settimeout(3); started = time.monotonic()\n"
+        f"try:\n    t.connect(('{VIP6}', 80))\nexcept OSError as e:\n    out.append(e.errno)\n"
+        "out.append(time.monotonic() - started)\n"
+        "u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n"
+        f"try:\n    u.sendto(b'x', ('{VIP6}', 90))\nexcept OSError as e:\n    out.append(e.errno)\n"
+        "print(json.dumps(out))\n"
+    )
+    refused_tcp, elapsed, refused_udp = run6(v6, code)
+    assert refused_tcp == refused_udp == 111 and elapsed < 2.0  # ECONNREFUSED, at once
+    stats = v6.stats()
+    assert stats[Stat.DROP_NO_ENDPOINTS] == 2 and stats[Stat.SOCK_CALLS] == 2
+
+
+def test_ipv6_affinity_keeps_the_node_on_one_backend(v6: SockLab) -> None:
+    """ClientIP affinity from the IPv6 maps (ekp_aff6): an unbound node socket is one client."""
+    two_backends6(v6, flags=FrontendFlag.AFFINITY, affinity_timeout=600)
+    code = (
+        "import json, socket\nbodies = []\n"
+        "for _ in range(8):\n"
+        "    t = socket.socket(socket.AF_INET6); t.settimeout(3)\n"
+        f"    t.connect(('{VIP6}', 80)); bodies.append(t.recv(100).decode()); t.close()\n"
+        "print(json.dumps(bodies))\n"
+    )
+    assert len(set(run6(v6, code))) == 1
+    stats = v6.stats()
+    assert (
+        stats[Stat.AFFINITY_HIT] == 7 and len(v6.maps["aff6"].items()) == 1 and v6.maps["aff"].items() == []
+    )
+
+
+def test_the_iterator_ends_connected_ipv6_udp_sockets_of_a_backend_that_left(v6: SockLab) -> None:
+    """As for IPv4: a connected IPv6 UDP socket whose backend left the service port (ekp_member6)
+    is ended; one whose backend stays is not."""
+    add_service6(v6.maps, VIP6, 90, ((1, BACKENDS6[0], 9000, BackendFlag.LOCAL),), proto=UDP)
+    code = (
+        "import json, socket, sys\n"
+        "u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); u.settimeout(3)\n"
+        f"u.connect(('{VIP6}', 90)); u.send(b'a'); first = u.recv(100).decode().split()[0]\n"
+        "print(first, flush=True); sys.stdin.readline()\n"
+        "try:\n    u.send(b'b'); print(u.recv(100).decode().split()[0])\n"
+        "except OSError as e:\n    print(e.errno)\n"
+    )
+    proc = v6.lab.popen("node1", sys.executable, "-c", code, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    ended = lambda: read_stats(v6.maps["stats"])[Stat.SOCK_DESTROYED]  # noqa: E731
+    node = v6.lab.node(1)
+    assert node.cgroup_root is not None
+    term = SocketTerminator(v6.dp.prog_fd(PROG_SOCK_TERM), node.ns, node.cgroup_root, pods=False, ended=ended)
+    try:
+        assert proc.stdout.readline().strip() == b"be1"
+        assert term.run() == 0  # its backend serves: nothing to end
+        v6.maps["member6"].delete(abi.MemberKey(1, 1))
+        assert term.run() == 1
+    finally:
+        term.close()
+        proc.stdin.write(b"\n")
+        proc.stdin.close()
+    after = proc.stdout.read().decode().strip()
+    assert proc.wait(timeout=30) == 0
+    assert after in ("103", "89"), after  # ECONNABORTED, or EDESTADDRREQ: no longer connected
+    assert v6.maps["sknat6"].items() == []
+
+
+def test_ipv6_addresses_that_are_not_frontends_are_left_alone(sl: SockLab) -> None:
+    """An IPv6 socket's connect() and sendmsg() to a real IPv6 address that is no frontend go where
+    they name (counted as passed), even when the address's last word is an IPv4 frontend's
+    (fd00::VIP), which a check that read only that word would take for ::ffff:VIP; getpeername and
+    recvfrom show it as it is."""
     two_backends(sl)
     two_backends(sl, proto=UDP, svc_id=2, set_id=2, rev_nat_id=2)
     addr = str(ipaddress.IPv6Address(int(ipaddress.IPv6Address("fd00::")) | int(ipaddress.IPv4Address(VIP))))
@@ -492,4 +687,6 @@ def test_real_ipv6_addresses_are_left_alone(sl: SockLab) -> None:
     assert (peer, body) == ([addr, 80], "local"), "connect6 left the address alone"
     assert (src, echoed) == ([addr, 80], "local x"), "sendmsg6 and recvmsg6 too"
     stats = sl.stats()
-    assert stats[Stat.SOCK_CALLS] == 0 and stats[Stat.SOCK_TRANSLATED] == 0 and stats[Stat.SOCK_REVNAT] == 0
+    # the client's connect() and sendto(), and the local server's reply (sendmsg6 to the client)
+    assert stats[Stat.SOCK_CALLS] == stats[Stat.SOCK_PASS] == 3
+    assert stats[Stat.SOCK_TRANSLATED] == 0 and stats[Stat.SOCK_REVNAT] == 0

@@ -48,6 +48,7 @@ from agent.ebpf.render import render_contents
 from agent.ebpf.sockattach import pinned_links
 from lab.netns import cgroup2_root, new_prefix, remove_cgroup_tree
 from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
+from tests.ebpf.test_family6 import VIP6, service, slice_, state6
 
 STATE = state_from_yaml((GOLDEN / "loadbalancer-etp-local.yaml").read_text())
 MORE = state_from_yaml(
@@ -432,6 +433,29 @@ def test_udp_sockets_are_ended_after_a_sync_that_removed_a_backend(rig: Rig) -> 
     assert rig.events[-1] == "end stale sockets (3 so far)"
 
 
+def test_ipv6_udp_sockets_are_ended_after_an_ipv6_sync_that_removed_a_backend(rig: Rig) -> None:
+    """The IPv6 family's sync writes the IPv6 maps (not the IPv4 ones) and runs the socket iterator
+    when its membership shrank, as the IPv4 sync does; not after other IPv6 syncs."""
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    two = state6([service()], [slice_("fd00:10:244:1::2", "fd00:10:244:2::3")])
+    one = state6([service()], [slice_("fd00:10:244:1::2")])
+    v4 = {role: sorted(bytes(k) for k, _ in rig.maps[role].items()) for role in ROLES}
+
+    def runs() -> int:
+        return sum(e.startswith("end stale sockets") for e in rig.events)
+
+    before = runs()
+    p.sync6(two, node6)
+    assert runs() == before and len(rig.maps["be6"]) == 2 and len(rig.maps["fe6"]) == 2
+    spn = next(iter(two.services))
+    p.sync6(one, node6, frozenset({spn}))
+    assert runs() == before + 1 and len(rig.maps["be6"]) == 1
+    assert v4 == {role: sorted(bytes(k) for k, _ in rig.maps[role].items()) for role in ROLES}
+    p.close()
+
+
 def test_a_kernel_without_the_socket_programs_serves_the_rest(
     rig: Rig, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -723,6 +747,14 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
         assert set(links) == {
             f"{hook}{family}" for hook in ("connect", "sendmsg", "recvmsg", "getpeername") for family in "46"
         } | {"sock_release"}
+        # the IPv6 family's state into the IPv6 maps, decoded by `agent inspect maps6`
+        node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+        first.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), node6)
+        shown6 = render_live_maps(config.pin_path, ("services6",))
+        assert f"fe6 [{VIP6}]:80/TCP internal -> svc=1 set=1 count=1" in shown6
+        assert "-> [fd00:10:244:1::2]:8080/TCP" in shown6 and render_live_maps(
+            config.pin_path
+        ) == render_contents(want)
         first.sync(MORE, node)
         after_more = render_contents(live(config))
     finally:

@@ -9,9 +9,11 @@ endpoint pod; endpoint updates; ClientIP affinity) and externalTrafficPolicy: Lo
 IPv6 client's address; a dual-stack Local load balancer's healthCheckNodePort per family.
 Every test runs in both modes (the `dual` fixture is parametrised by mode, as the `cluster` one).
 The agent's IPv6 proxier writes ip6tables rules in both: in iptables mode with the backend of its
-IPv4 rules; in eBPF mode beside the eBPF data path, which serves IPv4 and has no IPv6 path yet
-(README, "IPv6 and dual-stack"): its tc programs pass IPv6 to the stack untouched and its socket
-programs leave real IPv6 addresses alone, which these tests rely on. `--cleanup` removes the
+IPv4 rules; in eBPF mode beside the eBPF data path's IPv6 maps (README, "IPv6 and dual-stack"):
+the socket programs translate the connections of the nodes' sockets and their pods' (the agents
+run with the default, pods balanced at connect()) to IPv6 Services, and ip6tables every other
+IPv6 packet (the tc programs pass IPv6 to the stack untouched): from outside, and the pods' flows
+the socket programs leave to the packet path (affinity). `--cleanup` removes the
 ip6tables rules in both modes (and the pins in eBPF mode).
 
 The lab (`Lab(ipv6=True)`) puts ULA addresses beside IPv4 on every link, `nodad`; the agents get
@@ -112,6 +114,8 @@ def dual(request: pytest.FixtureRequest) -> Iterator[Cluster]:
             )
             lab.wait_log(proc, "ready")
         c = Cluster(lab, request.param)
+        for agent in c.agents:
+            agent.socket_lb_pods = None  # the agent's default: pods' sockets balanced at connect() too
         c.start()
         try:
             yield c
@@ -196,7 +200,9 @@ def test_each_family_is_served_by_its_own_data_path(dual: Cluster) -> None:
     assert fetch(dual, lab.pod("pod-2-1"), f"http://{DUAL_V4}:80/") == "pod-1-1"
     log = dual.agents[0].log()
     if dual.mode == "ebpf":
-        assert "IPv6 Services are served by ip6tables rules" in log and "not programmed" not in log
+        assert "IPv6: the socket programs translate the connections of the node's sockets" in log
+        assert "ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 packet" in log
+        assert "not programmed" not in log
         assert "KUBE-" not in v4_rules, "eBPF mode writes no IPv4 rule"
     else:
         assert "ip6tables rules for the node's IPv6 addresses beside the IPv4 ones" in log
@@ -420,6 +426,61 @@ def test_ipv6_large_requests_pass_through_for_http_and_udp(dual: Cluster) -> Non
 
 
 DNS_V6 = "fd00:10:96::a"
+
+# From a pod: one TCP connection to [vip]:80 (GET /) and one UDP datagram to [vip]:53 ("who"),
+# printing the peer each socket shows (getpeername, recvfrom's source) and who answered.
+PEERS6 = r"""
+import json, socket, sys
+vip = sys.argv[1]
+t = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); t.settimeout(3)
+t.connect((vip, 80)); peer = "[%s]:%d" % t.getpeername()[:2]
+t.sendall(b"GET / HTTP/1.0\r\n\r\n"); body = b""
+while (c := t.recv(4096)):
+    body += c
+u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); u.settimeout(3)
+u.sendto(b"who", (vip, 53)); data, src = u.recvfrom(100)
+print(json.dumps([peer, body.split(b"\r\n\r\n")[1].decode().strip(), "[%s]:%d" % src[:2], data.decode()]))
+"""
+
+
+def test_a_pods_ipv6_connections_are_translated_by_the_socket_programs_in_ebpf_mode(dual: Cluster) -> None:
+    """eBPF mode: a pod's TCP connection, UDP datagram and DNS lookup (`dig`) to an IPv6 ClusterIP
+    are sent to a backend by the socket programs at connect()/sendmsg(): their counter moves, and
+    the node's nf_conntrack holds no flow to the ClusterIP, so no ip6tables DNAT translated them;
+    the application sees the ClusterIP as its peer (getpeername, recvfrom's source; dig, which
+    refuses an answer from another address). iptables mode, the same test's other side: ip6tables
+    translates, its DNAT flows to the ClusterIP are in nf_conntrack."""
+    lab = dual.lab
+    servers = [lab.start_dns(lab.pod(p), extra_args=[f"--listen-address={lab.pod(p).ip6}"]) for p in PODS]
+    try:
+        ports = [Port("dns", 53, 53, "UDP"), Port("dns-tcp", 53, 53, "TCP")]
+        svc = service("dns6", DNS_V6, ports, ipFamilies=["IPv6"])
+        eps = endpoint_slice(
+            "dns6", ports, [Ep(lab.pod(p).ip6, f"node{lab.pod(p).node}") for p in PODS], "v6"
+        )
+        eps["addressType"] = "IPv6"
+        dual.apply([*v6_objects(lab), svc, eps])
+        node, pod = lab.node(1), lab.pod("pod-1-1")
+        for vip in (V6_VIP, DNS_V6):  # flows of earlier tests
+            lab.run(node, "conntrack", "-D", "-f", "ipv6", "--orig-dst", vip, check=False)
+        before = dual.bpf_stats(1)["sock_translated"] if dual.mode == "ebpf" else 0
+        peer, body, src, answer = json.loads(lab.run(pod, sys.executable, "-c", PEERS6, V6_VIP).stdout)
+        assert (peer, src) == (f"[{V6_VIP}]:80", f"[{V6_VIP}]:53") and {body, answer} <= set(PODS)
+        assert lab.dns_whoami(pod, DNS_V6) in PODS
+        flows = {
+            vip: lab.run(node, "conntrack", "-L", "-f", "ipv6", "--orig-dst", vip, check=False).stdout
+            for vip in (V6_VIP, DNS_V6)
+        }
+        if dual.mode == "ebpf":
+            assert dual.bpf_stats(1)["sock_translated"] - before >= 3
+            assert flows == {V6_VIP: "", DNS_V6: ""}, flows
+        else:
+            assert "dport=80 " in flows[V6_VIP] and "dport=53 " in flows[V6_VIP], flows
+            assert "dport=53 " in flows[DNS_V6], flows
+    finally:
+        for proc in servers:
+            proc.terminate()
+            proc.wait(timeout=10)
 
 
 def test_dns_over_ipv6_with_dig_through_an_ipv6_cluster_ip(dual: Cluster) -> None:

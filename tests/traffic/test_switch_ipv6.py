@@ -2,7 +2,8 @@
 dual-stack"): the IPv6 half of test_switch.py.
 
 Every data path writes one ip6tables layout for IPv6 Services: kube-proxy's iptables mode,
-iptables mode, and eBPF mode's ip6tables proxier (the eBPF data path has no IPv6 path yet). So a
+iptables mode, and eBPF mode's ip6tables proxier (beside the IPv6 maps of its socket programs, for
+the packets those do not see: the tc programs have no IPv6 path yet). So a
 switch between them hands the IPv6 chains over as they are: the agent that starts adopts them at
 its first full sync (eBPF mode's IPv6 proxier finds their backend in ip6tables, kube-proxy's legacy
 one here), and the IPv6 flows keep their nf_conntrack NAT bindings. Through the switch, three TCP
@@ -149,7 +150,9 @@ def test_a_live_switch_keeps_every_ipv6_connection_and_the_ipv6_rules(lab: Lab, 
         assert "KUBE-" not in other, f"the IPv6 rules are in one backend only:\n{other}"
         if switch.after == "ebpf":
             assert f"ip6tables-{backend}" in log, log[-3000:]
-            assert "IPv6 Services are served by ip6tables rules" in log, log[-3000:]
+            assert "ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 packet" in log, log[
+                -3000:
+            ]
             assert kube_chains(cluster) == [], "the IPv4 chains are removed once eBPF serves"
         else:
             assert "took over from eBPF mode" in log, log[-3000:]
