@@ -99,6 +99,8 @@ TEST_ROLES = (
     *abi.V6_ROLES.values(),
     "aff6",
     "sknat6",
+    "ct6_tcp",
+    "ct6_any",
 )
 
 CFG = abi.Config(
