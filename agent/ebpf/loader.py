@@ -403,7 +403,9 @@ class Datapath:
                 self.pin_path, build, list(programs), self._pinned_map_ids(), PRIVATE_MAPS
             )
             how = "reused (unchanged since it was compiled)"
-            if fds is not None and not all(os.path.exists(prog_pin(self.pin_path, build, m)) for m in TAIL_CALLS):
+            if fds is not None and not all(
+                os.path.exists(prog_pin(self.pin_path, build, m)) for m in TAIL_CALLS
+            ):
                 # The program array went with its pin: empty, so loaded again with a new one.
                 for fd in fds.values():
                     os.close(fd)

@@ -49,8 +49,17 @@ def lab(dp: Datapath) -> Iterator[Lab]:
         yield built
 
 
-def frame6(src: str, dst: str, sport: int, dport: int, proto: int = TCP, *, flags: str = "S", ext: Any = None,
-           hlim: int = 64) -> bytes:
+def frame6(
+    src: str,
+    dst: str,
+    sport: int,
+    dport: int,
+    proto: int = TCP,
+    *,
+    flags: str = "S",
+    ext: Any = None,
+    hlim: int = 64,
+) -> bytes:
     """An IPv6 TCP or UDP frame; `ext` (scapy extension headers) between IPv6 and the L4 header."""
     from scapy.layers.inet import TCP as TCPh
     from scapy.layers.inet import UDP as UDPh
@@ -82,7 +91,9 @@ def seen(frame: bytes) -> tuple[str, str, str, int, str, int, int]:
     return pkt.dst, ip.src, ip.dst, l4.sport, pkt.src, l4.dport, ip.hlim
 
 
-def ct6(net: Net, src: str, dst: str, sport: int, dport: int, proto: int = TCP, *, reply: bool = False) -> Any:
+def ct6(
+    net: Net, src: str, dst: str, sport: int, dport: int, proto: int = TCP, *, reply: bool = False
+) -> Any:
     key = abi.Ct6Key(
         abi.Addr6(*ip6_words(src)),
         abi.Addr6(*ip6_words(dst)),
@@ -151,7 +162,12 @@ def test_udp_behind_extension_headers_is_translated_with_its_checksum(net: Net) 
     from scapy.layers.inet6 import IPv6ExtHdrDestOpt, IPv6ExtHdrHopByHop, IPv6ExtHdrRouting
 
     add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
-    ext = IPv6ExtHdrHopByHop() / IPv6ExtHdrDestOpt() / IPv6ExtHdrRouting(segleft=0, addresses=[]) / IPv6ExtHdrDestOpt()
+    ext = (
+        IPv6ExtHdrHopByHop()
+        / IPv6ExtHdrDestOpt()
+        / IPv6ExtHdrRouting(segleft=0, addresses=[])
+        / IPv6ExtHdrDestOpt()
+    )
     verdict, out = net.from_pod(frame6(POD6, VIP6, 40002, 53, UDP, ext=ext))
     assert verdict == TC_ACT_REDIRECT
     assert seen(out)[1:4] == (POD6, BE6, 40002)
@@ -180,7 +196,9 @@ def test_snat_all_hairpin_and_host_backends_are_left_to_ip6tables(net: Net) -> N
     _passes(net, frame6(POD6, VIP6, 40003, 80))
     add_service6(net.dp.maps, VIP6, 81, LOCAL_BE, svc_id=2, set_id=2, rev_nat_id=2)
     _passes(net, frame6(BE6, VIP6, 40004, 81))  # the backend is its own client: a hairpin
-    add_service6(net.dp.maps, VIP6, 82, ((3, NODE6, 10250, BackendFlag.HOST),), svc_id=3, set_id=3, rev_nat_id=3)
+    add_service6(
+        net.dp.maps, VIP6, 82, ((3, NODE6, 10250, BackendFlag.HOST),), svc_id=3, set_id=3, rev_nat_id=3
+    )
     _passes(net, frame6(POD6, VIP6, 40005, 82))
 
 
@@ -196,8 +214,10 @@ def test_fragments_first_and_later_are_left_to_the_stack(net: Net) -> None:
     from scapy.layers.l2 import Ether
 
     add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
-    datagram = IPv6(src=POD6, dst=VIP6) / IPv6ExtHdrFragment(id=7) / UDPh(sport=40007, dport=53) / (b"x" * 3000)
-    pieces = fragment6(datagram, 1280)
+    datagram = (
+        IPv6(src=POD6, dst=VIP6) / IPv6ExtHdrFragment(id=7) / UDPh(sport=40007, dport=53) / (b"x" * 3000)
+    )
+    pieces = fragment6(datagram, 1280)  # type: ignore[no-untyped-call]
     assert len(pieces) >= 3
     for piece in pieces:
         _passes(net, bytes(Ether(src="02:00:00:00:aa:01", dst="02:00:00:00:aa:02") / piece))

@@ -39,7 +39,9 @@ def dual(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     with Lab(nodes=2, pods_per_node=2, ipv6=True) as lab:
         lab.start_podservers()
         for name in PODS:
-            proc = lab.popen(lab.pod(name), sys.executable, "-c", SERVER6, name, str(HTTP6_PORT), name="http6")
+            proc = lab.popen(
+                lab.pod(name), sys.executable, "-c", SERVER6, name, str(HTTP6_PORT), name="http6"
+            )
             lab.wait_log(proc, "ready")
         extra = ["--bpf-host-routing=bpf"] if request.param == "ebpf" else []
         c = Cluster(lab, request.param, extra=extra)
@@ -57,11 +59,18 @@ def lab_objects(c: Cluster) -> None:
     http = Port("http", 80, HTTP6_PORT, node_port=CLUSTER_PORT)
     dns = Port("dns", UDP_PORT, HTTP6_PORT, "UDP")
     svc = service("tc6", VIP, [http, dns], type="NodePort", ipFamilies=["IPv6"])
-    eps = endpoint_slice("tc6", [http, dns], [Ep(lab.pod(p).ip6, f"node{lab.pod(p).node}") for p in PODS], "v6")
+    eps = endpoint_slice(
+        "tc6", [http, dns], [Ep(lab.pod(p).ip6, f"node{lab.pod(p).node}") for p in PODS], "v6"
+    )
     eps["addressType"] = "IPv6"
     lport = Port("http", 80, HTTP6_PORT, node_port=LOCAL_PORT)
     local = service(
-        "tc6-local", "fd00:10:96::c2", [lport], type="NodePort", ipFamilies=["IPv6"], externalTrafficPolicy="Local"
+        "tc6-local",
+        "fd00:10:96::c2",
+        [lport],
+        type="NodePort",
+        ipFamilies=["IPv6"],
+        externalTrafficPolicy="Local",
     )
     leps = endpoint_slice("tc6-local", [lport], [Ep(lab.pod("pod-1-2").ip6, "node1")], "v6")
     leps["addressType"] = "IPv6"
@@ -96,7 +105,9 @@ def test_a_pods_ipv6_connections_to_a_cluster_ip_are_translated_by_tc(dual: Clus
         assert "dport=80 " in flows, flows
 
 
-def test_an_ipv6_node_port_of_policy_local_is_translated_by_tc_keeping_the_client_address(dual: Cluster) -> None:
+def test_an_ipv6_node_port_of_policy_local_is_translated_by_tc_keeping_the_client_address(
+    dual: Cluster,
+) -> None:
     lab = dual.lab
     node = lab.node(1)
     forget_flows(dual, node.ip6)
