@@ -171,6 +171,7 @@ static __always_inline int ekp_aff6_update(struct ekp_affinity6_key *k, struct e
 static __always_inline struct ekp_sock6_nat *ekp_sknat6_lookup(struct ekp_sock6_key *k);
 static __always_inline int ekp_sknat6_update(struct ekp_sock6_key *k, struct ekp_sock6_nat *v);
 static __always_inline int ekp_sknat6_delete(struct ekp_sock6_key *k);
+static __always_inline struct ekp_addr *ekp_addr6_lookup(struct ekp_addr6_key *k);
 static __always_inline struct ekp_ct6_entry *ekp_ct6_lookup(struct ekp_ct6_key *k);
 static __always_inline int ekp_ct6_update(struct ekp_ct6_key *k, struct ekp_ct6_entry *v);
 static __always_inline int ekp_ct6_insert(struct ekp_ct6_key *k, struct ekp_ct6_entry *v);

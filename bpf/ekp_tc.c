@@ -270,6 +270,11 @@ static __always_inline int ekp_sknat6_delete(struct ekp_sock6_key *k)
 	return ekp_sknat6_v2.delete(k);
 }
 
+static __always_inline struct ekp_addr *ekp_addr6_lookup(struct ekp_addr6_key *k)
+{
+	return ekp_addr6_v2.lookup(k);
+}
+
 /* IPv6 conntrack: TCP and the others apart, as IPv4's. */
 static __always_inline struct ekp_ct6_entry *ekp_ct6_lookup(struct ekp_ct6_key *k)
 {

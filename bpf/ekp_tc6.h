@@ -33,6 +33,7 @@
 
 #include <linux/pkt_cls.h>
 
+#include "ekp_act.h"
 #include "ekp_ct.h"
 #include "ekp_decide.h"
 #include "ekp_lb.h"
@@ -176,6 +177,43 @@ static __always_inline __u16 ekp_ct6_transition(const struct ekp_ct6_entry *e, c
 	return ekp_ct_transition(&view, &p->b, dir, now);
 }
 
+/* An IPv6 endpoint in the flow-activity array (ekp_act.h) is its address folded to 32 bits: a
+ * stamp is a hint, and a slot shared with another endpoint (of either family) only costs the
+ * lookups, never a wrong answer. */
+static __always_inline __be32 ekp_fold6(const __be32 *a)
+{
+	return a[0] ^ a[1] ^ a[2] ^ a[3];
+}
+
+/* Stamps both endpoints of a flow: its frontend and its backend. */
+static __always_inline void ekp_ct6_stamp_flow(const __be32 *fe, __be16 fe_port, const __be32 *be, __be16 be_port,
+					       __u8 proto, __u64 now)
+{
+	__u32 t = ekp_act_stamp_of(now);
+
+	ekp_act_stamp(ekp_fold6(fe), fe_port, proto, t);
+	ekp_act_stamp(ekp_fold6(be), be_port, proto, t);
+}
+
+/* ekp_decide_may_translate for IPv6: when no live flow stamped either endpoint of the packet and
+ * its destination is no frontend of this scope (ekp_addr6), it belongs to no flow of ours and
+ * leaves without the conntrack lookups (traffic between pods pays two array loads and a hash
+ * lookup, not two LRU lookups of 40-byte keys). */
+static __always_inline int ekp_tc6_may_translate(const struct ekp_pkt6 *p, __u8 scope, const struct ekp_config *cfg)
+{
+	if (!ekp_act_armed())
+		return 1;
+	__u32 t = ekp_act_stamp_of(bpf_ktime_get_coarse_ns()); /* lags the stamps' clock: errs "maybe" */
+	__u32 span = ekp_ct_longest_stamps(cfg, p->b.proto);
+	if (!ekp_act_idle(ekp_fold6(p->daddr), p->b.dport, p->b.proto, t, span) ||
+	    !ekp_act_idle(ekp_fold6(p->saddr), p->b.sport, p->b.proto, t, span))
+		return 1;
+	struct ekp_addr6_key k = {};
+	__builtin_memcpy(k.addr, p->daddr, 16);
+	struct ekp_addr *a = ekp_addr6_lookup(&k);
+	return a && (a->flags & (1 << scope));
+}
+
 static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 {
 	struct ekp_tc6_scratch *w = ekp_scratch6_lookup();
@@ -194,7 +232,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	ekp_count(EKP_STAT_PACKETS);
 	/* the last hop: the stack sends the time exceeded */
 	if (parsed != EKP_PARSE_OK || p->b.frag != EKP_FRAG_NONE || p->hop_limit <= 1 || !cfg ||
-	    (cfg->flags & EKP_CFG_HOST_LEGACY))
+	    (cfg->flags & EKP_CFG_HOST_LEGACY) || !ekp_tc6_may_translate(p, scope, cfg))
 		goto out;
 
 	__u64 now = bpf_ktime_get_ns();
@@ -242,6 +280,11 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			struct ekp_ct6_entry *t = set ? ekp_ct6_lookup(rk) : NULL;
 			if (t)
 				t->flags |= set;
+			/* the backend: the FORWARD entry's nat_addr, the REPLY key's source */
+			if (dir == EKP_CT_FORWARD)
+				ekp_ct6_stamp_flow(e->fe_addr, e->fe_port, e->nat_addr, e->nat_port, p->b.proto, now);
+			else
+				ekp_ct6_stamp_flow(e->fe_addr, e->fe_port, p->saddr, p->b.sport, p->b.proto, now);
 		}
 		const __be32 *sa = p->saddr, *da = e->nat_addr;
 		__be16 sp = p->b.sport, dp = e->nat_port;
@@ -323,6 +366,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	}
 	if (ekp_ct6_update(k, fwd) < 0)
 		goto out;
+	ekp_ct6_stamp_flow(p->daddr, p->b.dport, w->be6, f->be_port, p->b.proto, now);
 	outcome = EKP_STAT_NEW_FLOWS;
 	if (aff_hit)
 		ekp_count(EKP_STAT_AFFINITY_HIT);

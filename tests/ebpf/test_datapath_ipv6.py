@@ -12,6 +12,8 @@ The packet lab (lab/dplab.py) with IPv6 beside IPv4 on the same devices:
 
 from __future__ import annotations
 
+import ctypes as ct
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -244,3 +246,40 @@ def test_an_ipv6_packet_is_counted_once_by_the_ipv6_program(net: Net) -> None:
     net.from_net(frame6(CLIENT6, NODE6, 40011, 80))
     stats = net.stats()
     assert (stats[Stat.PACKETS], stats[Stat.PASS]) == (2, 2)
+
+
+# ---- the activity check (bpf/ekp_act.h) -----------------------------------------------------
+
+
+def test_a_live_flow_keeps_its_translation_after_its_addresses_leave_ekp_addr6(net: Net) -> None:
+    """The flow stamped its endpoints: its reply is translated though neither address is in
+    ekp_addr6 any more (a Service and its endpoint removed while the flow lives)."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    assert net.from_pod(frame6(POD6, VIP6, 40020, 80))[0] == TC_ACT_REDIRECT
+    net.dp.maps["addr6"].clear()
+    verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40020, flags="SA"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (VIP6, POD6, 80)
+
+
+def test_a_packet_of_no_stamped_endpoint_skips_conntrack_once_the_check_is_armed(net: Net) -> None:
+    """An entry written behind the data path's back (no stamp of its endpoints) is not looked up
+    while the check is armed, and is once the agent has not armed it (after an upgrade, the
+    entries the tables held before these programs)."""
+    entry = abi.Ct6Entry(
+        last_seen_ns=time.monotonic_ns(),
+        nat_addr=abi.Addr6(*ip6_words(BE6)),
+        fe_addr=abi.Addr6(*ip6_words(VIP6)),
+        nat_port=port_be(8080),
+        fe_port=port_be(80),
+    )
+    key = abi.Ct6Key(
+        abi.Addr6(*ip6_words(POD6)), abi.Addr6(*ip6_words(VIP6)), port_be(40021), port_be(80), TCP, 0
+    )
+    net.dp.maps["ct6_tcp"].update(key, entry)
+    frame = frame6(POD6, VIP6, 40021, 80, flags="A")
+    assert net.from_pod(frame) == (TC_ACT_OK, frame), "not looked up"
+    net.dp.maps["act"].update(ct.c_uint32(0), abi.Act(stamp=0))
+    verdict, out = net.from_pod(frame)
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (POD6, BE6, 40021)
