@@ -656,21 +656,21 @@ def _read(event: Event, hostname: str) -> Event | _Read:
 
 
 def _uid(obj: object) -> str:
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    uid = meta.get("uid") if isinstance(meta, Mapping) else None
+    meta = obj.get("metadata") if isinstance(obj, dict | Mapping) else None
+    uid = meta.get("uid") if isinstance(meta, dict | Mapping) else None
     return uid if isinstance(uid, str) else ""
 
 
 def _resource_version(obj: Mapping[str, Any]) -> str:
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+    meta = obj.get("metadata") if isinstance(obj, dict | Mapping) else None
+    rv = meta.get("resourceVersion") if isinstance(meta, dict | Mapping) else None
     return rv if isinstance(rv, str) else ""
 
 
 def _pod_cidrs(obj: Mapping[str, Any] | None) -> tuple[str, ...]:
     """spec.podCIDRs, else spec.podCIDR (a Node written before dual-stack), as strings."""
     spec = obj.get("spec") if obj is not None else None
-    if not isinstance(spec, Mapping):
+    if not isinstance(spec, dict | Mapping):
         return ()
     cidrs = spec.get("podCIDRs")
     if isinstance(cidrs, list) and cidrs:
@@ -681,7 +681,7 @@ def _pod_cidrs(obj: Mapping[str, Any] | None) -> tuple[str, ...]:
 
 def _labels(obj: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
     meta = obj.get("metadata") if obj is not None else None
-    labels = meta.get("labels") if isinstance(meta, Mapping) else None
-    if not isinstance(labels, Mapping):
+    labels = meta.get("labels") if isinstance(meta, dict | Mapping) else None
+    if not isinstance(labels, dict | Mapping):
         return ()
     return tuple(sorted((str(k), str(v)) for k, v in labels.items() if isinstance(v, str)))

@@ -14,7 +14,7 @@ which is also the id pool's record of the ids in use.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from agent.ebpf.abi import BackendFlag
 from agent.ebpf.entries import BE_FLAGS, IDENT
@@ -46,6 +46,10 @@ class Backends:
         """The id is in use by the plan (the pool's view)."""
         return bid in self._entries or bid in self._new
 
+    def __len__(self) -> int:
+        """How many ids the plan uses (the pool skips its checks while there are none)."""
+        return len(self._entries) + len(self._new)
+
     def id_of(self, ident: int) -> int:
         """The backend's id, a new one (the kernel's, on start) the first time it is used."""
         bid = self.ids.get(ident)
@@ -55,6 +59,21 @@ class Backends:
         self.ids[ident] = bid
         self._new[bid] = ident
         return bid
+
+    def ids_of(self, idents: Iterable[int]) -> list[int]:
+        """`id_of` of each (a set's endpoints, in order), with the kernel's id re-adopted inline
+        where the plan does not use it (a restart's hundred thousand)."""
+        ids, hints, entries, fresh, pool = self.ids, self.hints, self._entries, self._new, self.pool
+        out: list[int] = []
+        for ident in idents:
+            bid = ids.get(ident)
+            if bid is None:
+                hint = hints.get(ident, 0)
+                bid = pool.adopt(hint) if hint and hint not in entries and hint not in fresh else pool.take()
+                ids[ident] = bid
+                fresh[bid] = ident
+            out.append(bid)
+        return out
 
     def update(self, old: Mapping[int, int], new: Mapping[int, int]) -> list[tuple[int, int | None]]:
         """A port used the backends of `old` and uses those of `new` (id -> the flags it gives
@@ -67,6 +86,11 @@ class Backends:
             if before == flags:
                 continue
             ident = fresh.pop(bid, None)
+            if ident is not None and not flags:
+                # A new backend's first user, saying nothing (every backend of a start, nearly):
+                # one plain user is what no counts kept stands for.
+                out.append((bid, ident))
+                continue
             if ident is None:
                 refs, ident = refs_of.get(bid, _REF), entries[bid] & IDENT
             else:

@@ -199,8 +199,8 @@ def slots(members: Sequence[int], previous: Mapping[int, int]) -> list[int]:
     """The backends of one set in slot order (slot 1 first): survivors keep their slot when it is
     within the new count (`previous`: slot -> backend before), newcomers fill the gaps in order."""
     count = len(members)
-    if not previous:
-        return list(members)
+    if not previous or all(previous.get(pos) == bid for pos, bid in enumerate(members, 1)):
+        return list(members)  # nothing held, or held in this order (a restart's sets, nearly all)
     wanted = set(members)
     out = [0] * count
     placed: set[int] = set()

@@ -249,7 +249,7 @@ class Planner:
         """Re-plan the service ports in `changed` (every port when None, or when the node's
         addresses changed: then ports whose service port and endpoints are as last planned are
         skipped unless the node changed); returns the ports whose entries changed."""
-        detector = self._config.local_detector(state.node.pod_cidrs)
+        detector = self._config.local_detector(state.node.pod_cidrs, int(state.family))
         moved = node != self.node or detector != self.local  # every port's frontends may change
         every = changed is None or moved
         wanted = set(state.services) | set(self._frags) if every else set(changed or ())
@@ -393,7 +393,7 @@ class Planner:
         proto = sp.protocol.number << 48
         node_ips = self.node.node_ips  # an endpoint on one of them is a host-network one here
         backends = new_be
-        be_ids, be_id = self.backends.ids, self.backends.id_of
+        ids_of = self.backends.ids_of
         from_bytes = int.from_bytes
         put, drop = self._put, self._drop
         sd, sp_ = self.desired["slot"], self.pending["slot"]
@@ -402,20 +402,30 @@ class Planner:
         changes = 0
         members: dict[int, int] = {}  # backend id -> member flags
         counts: dict[SetKind, int] = {}
+        kinds = {fe.kind for fe in fes}
         for kind in KINDS:
-            if not any(fe.kind == kind for fe in fes):
+            if kind not in kinds:
                 continue
-            order: list[int] = []
-            for ep in eps.cluster if kind == "cluster" else eps.local:
-                p = ep.port
-                addr = from_bytes(inet_aton(ep.ip), "little") if ip is None else ip(ep.ip)
-                ident = addr | ((p & 0xFF) << 8 | p >> 8) << 32 | proto
-                bid = be_ids.get(ident) or be_id(ident)
-                flags = (_BE_LOCAL if ep.is_local else 0) | (_BE_TERMINATING if ep.terminating else 0)
-                if ep.ip in node_ips:
-                    flags |= _BE_HOST
-                backends[bid] = backends.get(bid, 0) | flags
-                order.append(bid)
+            chosen = eps.cluster if kind == "cluster" else eps.local
+            # the address as the entries hold it: IPv4's own, or the IPv6 planner's handle
+            if ip is None:
+                idents = [
+                    from_bytes(inet_aton(ep.ip), "little")
+                    | ((ep.port & 0xFF) << 8 | ep.port >> 8) << 32
+                    | proto
+                    for ep in chosen
+                ]
+            else:
+                idents = [ip(ep.ip) | ((ep.port & 0xFF) << 8 | ep.port >> 8) << 32 | proto for ep in chosen]
+            order = ids_of(idents)
+            for ep, bid in zip(chosen, order, strict=True):
+                if ep.is_local or ep.terminating or ep.ip in node_ips:
+                    flags = (_BE_LOCAL if ep.is_local else 0) | (_BE_TERMINATING if ep.terminating else 0)
+                    if ep.ip in node_ips:
+                        flags |= _BE_HOST
+                    backends[bid] = backends.get(bid, 0) | flags
+                elif bid not in backends:
+                    backends[bid] = 0
             if len(set(order)) != len(order):
                 order = list(dict.fromkeys(order))
             held = old_sets.get(kind)
@@ -507,11 +517,42 @@ class Planner:
         return rid
 
     def _update_backends(self, old: Mapping[int, int], new: Mapping[int, int]) -> None:
+        d, p, fresh = self.desired["be"], self.pending["be"], "be" in self.fresh
+        addr, extra = self.desired["addr"], self._addr_extra
+        addr_p, addr_fresh = self.pending["addr"], "addr" in self.fresh
         for bid, value in self.backends.update(old, new):
             if value is None:
                 self._drop("be", bid)
-            else:
-                self._put("be", bid, value)
+                continue
+            # `_put("be", ...)` and, for a new entry, `_address`'s first half, inline: a start
+            # puts a hundred thousand of these.
+            was = d.get(bid)
+            if was == value:
+                continue
+            if bid in p:
+                if p[bid] == value:
+                    del p[bid]
+            elif not fresh:
+                p[bid] = was
+            d[bid] = value
+            self._changes += 1
+            if was is None:
+                ip = value & U32
+                held = addr.get(ip)
+                flags = held or 0
+                if flags & _ADDR_BACKEND:
+                    ref = ip << 8 | _ADDR_BACKEND
+                    extra[ref] = extra.get(ref, 0) + 1
+                    continue
+                # `_put("addr", ip, ...)`, inline: the bit is new, so the entry changes
+                flags |= _ADDR_BACKEND
+                if ip in addr_p:
+                    if addr_p[ip] == flags:
+                        del addr_p[ip]
+                elif not addr_fresh:
+                    addr_p[ip] = held
+                addr[ip] = flags
+                self._changes += 1
 
     def _update_rnats(self, spn: ServicePortName, old: Mapping[int, int], new: Mapping[int, int]) -> None:
         for ident in old.keys() | new.keys():

@@ -65,7 +65,7 @@ from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
 from agent.ebpf.xdp import PROG_XDP
 from agent.errors import FatalError
-from agent.model.types import ProxyState, ServicePortName
+from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
 from agent.takeover.into_ebpf import KernelTakeover
@@ -272,6 +272,10 @@ class EbpfProxier:
         self._maglev = MaglevWriter(config.map_sizes.maglev_table_size)
         self._v6 = Ipv6Datapath(config)  # the IPv6 family's maps (`sync6`)
         self._v6_with: DatapathLike | None = None  # the data path whose IPv6 maps it wrote
+        # Whether an IPv6 half (`ipv6()`) writes the IPv6 maps; without one `sync` empties them at
+        # its first and periodic syncs (an earlier dual-stack agent's entries would still steer the
+        # node's IPv6 sockets to addresses that may belong to other pods by now).
+        self._v6_served = False
 
     # ------------------------------------------------------------------ Proxier
 
@@ -319,6 +323,8 @@ class EbpfProxier:
                 write_config(maps, cfg)
                 self._cfg_written = VALUES["cfg"].of_ctype(cfg)
             result = planner.flush(cast(Mapping[str, RawMap], maps))
+            if not self._v6_served and (first or periodic):
+                self._empty_ipv6_maps(datapath, node)
             if "maglev" in maps:
                 wanted = planner.maglev_tables() if self._config.bpf_lb_algorithm == "maglev" else {}
                 repaired += self._maglev.sync(maps["maglev"], wanted, full=periodic and not first)
@@ -358,19 +364,53 @@ class EbpfProxier:
         and attached by `sync`, which the agent runs first. A backend that left an IPv6 service port
         ends the connected UDP sockets sent to it, as for IPv4 (the iterator walks both families)."""
         with self._lock:
+            self._v6_served = True
             self._close_retired()
             datapath = self._maps_open()
             if datapath is not self._v6_with:
                 self._v6 = Ipv6Datapath(self._config)  # other maps: read them back, re-adopting
                 self._v6_with = datapath
             result = self._v6.sync(datapath.maps, state, node, changed)
+            if self._ensure_loaded() is not datapath:
+                # As `sync`: the load failed after these maps were open; the next call writes the new ones.
+                raise RuntimeError(
+                    f"the data path's load failed while its IPv6 maps were written ({self._load_error}): "
+                    "loaded again, the next IPv6 sync writes its maps"
+                )
             if self._terminator is not None and self._v6.last_flush.deletes.get("member"):
                 self._end_stale_sockets()
             return result
 
     def ipv6(self) -> EbpfIpv6:
         """This data path's IPv6 half, as a Proxier of the IPv6 family (agent/metaproxier.py)."""
+        self._v6_served = True
         return EbpfIpv6(self)
+
+    def _empty_ipv6_maps(self, datapath: DatapathLike, node: NodeContext) -> None:
+        """No IPv6 half: the IPv6 service maps planned empty (read back, what they hold deleted;
+        nothing written when they hold nothing), and the socket entries and affinities the socket
+        programs left there dropped with them (under the lock)."""
+        if datapath is not self._v6_with:
+            self._v6 = Ipv6Datapath(self._config)
+            self._v6_with = datapath
+        maps = datapath.maps
+        self._v6.sync(
+            maps, ProxyState(NodeInfo(self._config.hostname), {}, {}, family=IPFamily.IPv6), node, None
+        )
+        removed = self._v6.last_flush.deletes
+        if sum(removed.values()):
+            dropped = 0
+            for role in ("aff6", "sknat6"):
+                keys = [k for k, _ in maps[role].items_raw()]
+                maps[role].delete_raw(keys)
+                dropped += len(keys)
+            log.warning(
+                "IPv6 is not served by this agent: removed the IPv6 service entries an earlier agent "
+                "left in the eBPF maps (%s; %d socket and affinity entries), so the node's IPv6 "
+                "sockets are no longer sent to their old backends",
+                ", ".join(f"{n} {r}" for r, n in sorted(removed.items()) if n),
+                dropped,
+            )
 
     def cleanup(self) -> None:
         """Detach our filters, remove our pins and the pin directory; nothing else."""
@@ -784,10 +824,15 @@ def render_live_maps(
         "sockets": ("skcfg", "sknat", "sknat6"),
     }
     needed = sorted({role for s in sections for role in roles[s]})
+    # The IPv6 maps only where the section is theirs: `capacity` and `sockets` against the pins of
+    # an agent from before them (an upgrade in progress, an older image) show what is there.
+    required = {role for s in sections for role in roles[s] if s == "services6" or not abi.MAPS[role].pair}
     maps: dict[str, BpfMap] = {}
     try:
         for role in needed:
             path = os.path.join(pin_path, abi.MAPS[role].name)
+            if not os.path.exists(path) and role not in required:
+                continue
             if not os.path.exists(path):
                 raise FileNotFoundError(
                     errno.ENOENT, "no pinned map (is the agent running in eBPF mode?)", path
@@ -816,7 +861,8 @@ def render_live_maps(
                 }
                 live = cfg if isinstance(cfg, abi.SockConfig) and cfg.host_netns else None
                 text = render_sockets(live, links, maps["sknat"].items())  # type: ignore[arg-type]
-                out.append(text + "".join(line + "\n" for line in sock6_lines(maps["sknat6"].items())))
+                sknat6 = maps["sknat6"].items() if "sknat6" in maps else []
+                out.append(text + "".join(line + "\n" for line in sock6_lines(sknat6)))
             elif section == "aff":
                 out.append(render_affinity(maps["aff"].items(), now))  # type: ignore[arg-type]
             elif section == "maglev":

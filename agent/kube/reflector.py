@@ -412,7 +412,7 @@ class Reflector:
     @staticmethod
     def _rv_of(obj: Mapping[str, Any]) -> str:
         meta = obj.get("metadata")
-        rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+        rv = meta.get("resourceVersion") if isinstance(meta, dict | Mapping) else None
         return rv if isinstance(rv, str) else ""
 
     # ---- list --------------------------------------------------------------------------------

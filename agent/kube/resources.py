@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from kubernetes import client as k8s
 
@@ -38,7 +38,7 @@ class Resource:
 
     kind: Kind
     api_version: str
-    list_call: Callable[..., Any]  # a generated client method, e.g. CoreV1Api.list_node
+    list_call: Callable[..., Any]  # ListCall, or a fake in tests
     label_selector: str = ""
     field_selector: str = ""
 
@@ -53,25 +53,94 @@ def node_field_selector(hostname: str) -> str:
     return f"metadata.name={escaped}"
 
 
+class ListCall:
+    """A list or watch of one collection, unread (the generated client's `_preload_content=False`):
+    the request `CoreV1Api.list_service_for_all_namespaces` and its kin send, through the same
+    `ApiClient` (`param_serialize`, `call_api`: credentials, TLS, the agent's request pacing),
+    without importing the generated API classes. `kubernetes.client.CoreV1Api` is 63,000 lines
+    with a pydantic validator per method: importing it cost 0.35 CPU seconds at every start, in
+    front of the first list request (tests/kube/test_resources.py checks the requests match).
+
+    Returns the urllib3 response; a status outside 2xx raises the client's ApiException (its
+    subclass for the status, as the generated method's), the response read."""
+
+    def __init__(self, api: k8s.ApiClient, path: str) -> None:
+        self._api = api
+        self.path = path
+
+    def __call__(
+        self,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        limit: int | None = None,
+        _continue: str | None = None,
+        resource_version: str | None = None,
+        watch: bool | None = None,
+        allow_watch_bookmarks: bool | None = None,
+        timeout_seconds: int | None = None,
+        _preload_content: Literal[False] = False,
+        _request_timeout: float | tuple[float, float] | None = None,
+    ) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        # The generated method's order of the query parameters.
+        query = [
+            (name, value)
+            for name, value in (
+                ("allowWatchBookmarks", allow_watch_bookmarks),
+                ("continue", _continue),
+                ("fieldSelector", field_selector),
+                ("labelSelector", label_selector),
+                ("limit", limit),
+                ("resourceVersion", resource_version),
+                ("timeoutSeconds", timeout_seconds),
+                ("watch", watch),
+            )
+            if value is not None
+        ]
+        serialized = self._api.param_serialize(
+            method="GET",
+            resource_path=self.path,
+            path_params={},
+            query_params=query,
+            header_params={"Accept": "application/json"},
+            post_params=[],
+            files={},
+            auth_settings=["BearerToken"],
+            collection_formats={},
+        )
+        resp: Any = self._api.call_api(*serialized, _request_timeout=_request_timeout)
+        if not 200 <= resp.status <= 299:
+            resp.read()
+            raise ApiException.from_response(http_resp=resp, body=None, data=None)
+        return resp.response
+
+
+SERVICES_PATH = "/api/v1/services"
+ENDPOINT_SLICES_PATH = "/apis/discovery.k8s.io/v1/endpointslices"
+NODES_PATH = "/api/v1/nodes"
+
+
 def watched_resources(api: k8s.ApiClient, hostname: str) -> tuple[Resource, ...]:
     """Services and EndpointSlices in all namespaces, and this node's Node when `hostname` is set."""
-    core = k8s.CoreV1Api(api)
-    discovery = k8s.DiscoveryV1Api(api)
     out = [
         Resource(
             Kind.SERVICE,
             "v1",
-            core.list_service_for_all_namespaces,
+            ListCall(api, SERVICES_PATH),
             SERVICE_LABEL_SELECTOR,
             SERVICE_FIELD_SELECTOR,
         ),
         Resource(
             Kind.ENDPOINT_SLICE,
             "discovery.k8s.io/v1",
-            discovery.list_endpoint_slice_for_all_namespaces,
+            ListCall(api, ENDPOINT_SLICES_PATH),
             SLICE_LABEL_SELECTOR,
         ),
     ]
     if hostname:
-        out.append(Resource(Kind.NODE, "v1", core.list_node, field_selector=node_field_selector(hostname)))
+        out.append(
+            Resource(Kind.NODE, "v1", ListCall(api, NODES_PATH), field_selector=node_field_selector(hostname))
+        )
     return tuple(out)

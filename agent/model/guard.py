@@ -49,6 +49,9 @@ class Refusals:
     node_ports: str = ""
 
 
+_NOTHING_REFUSED = Refusals()
+
+
 @dataclass(frozen=True)
 class FrontendGuard:
     """The node's rules for externally reachable frontends; the default refuses nothing.
@@ -122,8 +125,12 @@ def refuse_ports(
 ) -> tuple[tuple[ServicePort, ...], Refusals]:
     """The ports of one Service with the refused frontends taken out, and what was refused."""
     if not ports:
-        return tuple(ports), Refusals()
+        return tuple(ports), _NOTHING_REFUSED
     first = ports[0]  # externalIPs and ingress IPs are the Service's, the same on every port
+    if not (first.external_ips or first.load_balancer_ips) and not any(
+        sp.node_port or sp.health_check_node_port for sp in ports
+    ):
+        return tuple(ports), _NOTHING_REFUSED  # nothing to guard (a ClusterIP Service)
     kept_ext, refused_ext = _split(first.external_ips, guard)
     kept_lb, refused_lb = _split(first.load_balancer_ips, guard)
     address_text = "; ".join(

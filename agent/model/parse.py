@@ -154,8 +154,8 @@ class ParsedSlice:
 
 def object_key(obj: object) -> tuple[str, str]:
     """(namespace, name) of any object, for a Problem: "default" and "?" where unusable."""
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    if not isinstance(meta, Mapping):
+    meta = obj.get("metadata") if isinstance(obj, dict | Mapping) else None
+    if not isinstance(meta, dict | Mapping):
         return "default", "?"
     namespace, name = meta.get("namespace"), meta.get("name")
     return (
@@ -444,7 +444,7 @@ def _service(svc: object) -> dict[IPFamily, list[ServicePort]] | _Skip:
     skip = _service_not_for_this_proxy(meta.labels)
     if skip:
         return _Skip(skip)
-    assert isinstance(svc, Mapping)  # _metadata checked it
+    assert isinstance(svc, dict | Mapping)  # _metadata checked it
     spec = opt_map(svc, "spec", "spec") or {}
     svc_type = one_of(opt_str(spec, "type", "spec.type") or "ClusterIP", SERVICE_TYPES, "spec.type")
     headless, cluster_ips = _cluster_ips(spec, svc_type)
@@ -626,9 +626,12 @@ def _common_endpoint(item: Any, port: int = 0, here: str = "") -> Endpoint | Non
             conditions.get("serving"),
             conditions.get("terminating"),
         )
-        for value in (ready, serving, terminating):
-            if value is not None and type(value) is not bool:
-                return None
+        if not (
+            type(ready) in _BOOL_OR_NONE
+            and type(serving) in _BOOL_OR_NONE
+            and type(terminating) in _BOOL_OR_NONE
+        ):
+            return None
     else:
         return None
     node = item.get("nodeName")
@@ -642,26 +645,37 @@ def _common_endpoint(item: Any, port: int = 0, here: str = "") -> Endpoint | Non
     elif type(zone) is not str:
         return None
     ready_now = True if ready is None else ready
-    return Endpoint(
-        ip,
-        port,
-        ready_now,
-        ready_now if serving is None else serving,
-        bool(terminating),
-        _name(node),
-        _name(zone),
-        _NO_HINTS,
-        _NO_HINTS,
-        bool(here) and node == here,
+    # `_name`, inline for the names already kept (all but the first few)
+    kept_node, kept_zone = _names.get(node), _names.get(zone)
+    # Endpoint(...) without its Python-level __new__ (the fields in their order): a list of
+    # 10,000 slices makes a hundred thousand of these
+    return _new_tuple(
+        Endpoint,
+        (
+            ip,
+            port,
+            ready_now,
+            ready_now if serving is None else serving,
+            terminating is True,
+            _name(node) if kept_node is None else kept_node,
+            _name(zone) if kept_zone is None else kept_zone,
+            _NO_HINTS,
+            _NO_HINTS,
+            bool(here) and node == here,
+        ),
     )
 
 
-def _endpoint(item: Any, address_type: str, where: str, port: int, here: str) -> Endpoint | None:
+_BOOL_OR_NONE = frozenset({bool, type(None)})
+_new_tuple = tuple.__new__
+
+
+def _endpoint(item: Any, address_type: str, index: int, port: int, here: str) -> Endpoint | None:
     if address_type == "IPv4":
         common = _common_endpoint(item, port, here)
         if common is not None:
             return common
-    return _endpoint_checked(item, address_type, where, port, here)
+    return _endpoint_checked(item, address_type, f"endpoints[{index}]", port, here)
 
 
 def _endpoint_checked(
@@ -765,7 +779,7 @@ def parse_endpoint_slice(
     meta = _metadata(eps, is_dns1123_subdomain, DNS1123_SUBDOMAIN_RULE)
     if _slice_not_for_this_proxy(meta.labels):
         return None
-    assert isinstance(eps, Mapping)  # _metadata checked it
+    assert isinstance(eps, dict | Mapping)  # _metadata checked it
     label_path = f"metadata.labels[{SERVICE_NAME_LABEL}]"
     service = meta.labels.get(SERVICE_NAME_LABEL, "")
     if not service:
@@ -786,9 +800,7 @@ def parse_endpoint_slice(
     # A slice of one port (nearly all) gets its endpoints with that port and whether they are on
     # `node_name` already: `merge_slices` then keeps these very records (one copy of each).
     port = ports[0].port if len(ports) == 1 else 0
-    endpoints = [
-        _endpoint(item, address_type, f"endpoints[{i}]", port, node_name) for i, item in enumerate(raw)
-    ]
+    endpoints = [_endpoint(item, address_type, i, port, node_name) for i, item in enumerate(raw)]
     if bad_ports is not None:
         raise bad_ports
     if address_type == "FQDN":

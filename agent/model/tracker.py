@@ -123,9 +123,9 @@ def describe_claim(claim: Claim) -> str:
 
 
 def _trigger_time(obj: object) -> float | None:
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
-    text = annotations.get(TRIGGER_TIME_ANNOTATION) if isinstance(annotations, Mapping) else None
+    meta = obj.get("metadata") if isinstance(obj, dict | Mapping) else None
+    annotations = meta.get("annotations") if isinstance(meta, dict | Mapping) else None
+    text = annotations.get(TRIGGER_TIME_ANNOTATION) if isinstance(annotations, dict | Mapping) else None
     if not isinstance(text, str):
         return None
     try:
@@ -194,8 +194,8 @@ def read_slice(obj: object, node_name: str) -> SliceRecord:
 def _meta_names(obj: object) -> tuple[str, str, str]:
     """(namespace, name, creationTimestamp) of any object, tolerant of every malformation."""
     namespace, name = object_key(obj)
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    created = meta.get("creationTimestamp") if isinstance(meta, Mapping) else None
+    meta = obj.get("metadata") if isinstance(obj, dict | Mapping) else None
+    created = meta.get("creationTimestamp") if isinstance(meta, dict | Mapping) else None
     return namespace, name, created if isinstance(created, str) else ""
 
 
@@ -432,6 +432,8 @@ class ProxyModel:
     # ------------------------------------------------------------------ internals
 
     def _set_problem(self, pkey: ProblemKey, problem: Problem | None) -> None:
+        if problem is None and pkey not in self._problems:
+            return  # none before, none now: nothing for the commit to report (most calls)
         if pkey not in self._problems_then:
             self._problems_then[pkey] = self._problems.get(pkey)
         if problem is None:

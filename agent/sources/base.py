@@ -74,8 +74,8 @@ class Source(Protocol):
 def object_key(kind: Kind, obj: object) -> str:
     """`namespace/name` of a namespaced object, `name` of a Node; tolerant of malformed metadata
     (anything unusable reads as "default" and "")."""
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    if not isinstance(meta, Mapping):
+    meta = obj.get("metadata") if isinstance(obj, dict | Mapping) else None
+    if not isinstance(meta, dict | Mapping):
         meta = {}
     name = meta.get("name")
     name = name if isinstance(name, str) else ""

@@ -209,3 +209,30 @@ def test_handles_round_trip_and_start_at_one() -> None:
     assert ip6_words(VIP6) == tuple(
         int.from_bytes(book.packed(h)[i : i + 4], "little") for i in range(0, 16, 4)
     )
+
+
+@pytest.mark.parametrize(
+    ("cidrs", "pods_get_every_endpoint"),
+    [(("fd00:10:244::/56",), True), (("10.244.0.0/16",), False)],
+    ids=["ipv6-cidr-only", "ipv4-cidr-only"],
+)
+def test_the_ipv6_planner_uses_the_ipv6_local_traffic_detector(
+    cidrs: tuple[str, ...], pods_get_every_endpoint: bool
+) -> None:
+    """kube-proxy's IPv6 proxier detects local traffic with the IPv6 CIDRs alone: with an IPv6
+    --cluster-cidr, pods reaching an ETP Local NodePort take every endpoint (its local-traffic
+    rule); with only an IPv4 one the IPv6 family has no detector, and pods keep the Local set
+    (here none: the one endpoint runs on another node)."""
+    maps = fake_maps()
+    nodeport = service(
+        type="NodePort",
+        externalTrafficPolicy="Local",
+        ports=[{"name": "http", "port": 80, "nodePort": 30080}],
+    )
+    state = state6([nodeport], [slice_("fd00:10:244:2::3", node="node2")])
+    Ipv6Datapath(Config(cluster_cidr=cidrs)).sync(maps, state, NODE6, None)
+    internal = frontends(maps)[("fd00:192:168::11", 30080, Scope.INTERNAL)]
+    if pods_get_every_endpoint:
+        assert not internal.flags & FrontendFlag.LOCAL and internal.count == 1
+    else:
+        assert internal.flags & FrontendFlag.LOCAL and internal.count == 0

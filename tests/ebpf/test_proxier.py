@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from agent.config import Config, HostRouting, MapSizes, NodeContext
-from agent.ebpf import EbpfProxier, activity
+from agent.ebpf import EbpfProxier, abi, activity
 from agent.ebpf.abi import (
     MAPS,
     Act,
@@ -405,6 +405,48 @@ def test_a_load_failing_after_the_first_sync_wrote_its_maps_is_done_again_and_th
     assert rig.contents().same_entries(plan(STATE, NODE, rig.config))
 
 
+def test_a_load_failing_after_an_ipv6_sync_wrote_its_maps_fails_that_sync_and_the_next_reads_back(
+    rig: Rig,
+) -> None:
+    """As for IPv4: an IPv6 sync that wrote the maps of a load the verifier then refused is not a
+    success (those maps' fds are gone with the load); the load is done again and the next IPv6
+    sync re-adopts what the pinned maps hold."""
+    fe6 = rig.maps["fe6"] = SignallingMap(MAPS["fe6"])
+
+    class RefusedAfterTheMaps(FakeDatapath):
+        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+            self.loads += 1
+            assert maps_ready is not None
+            maps_ready()
+            if len(rig.datapaths) == 1:
+                assert fe6.written.wait(30)  # the IPv6 sync wrote the maps meanwhile
+                raise RuntimeError("the verifier said no")
+
+    rig.datapath_type = RefusedAfterTheMaps
+    p = rig.proxier()
+    half = p.ipv6()
+    failed: list[BaseException] = []
+
+    def prepare() -> None:
+        try:
+            p.prepare()
+        except RuntimeError as exc:
+            failed.append(exc)
+
+    loading = threading.Thread(target=prepare)
+    loading.start()
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    with pytest.raises(RuntimeError, match=r"IPv6 maps were written \(RuntimeError: the verifier said no\)"):
+        half.sync(state, node6)
+    loading.join(30)
+    assert [str(e) for e in failed] == ["the verifier said no"] and len(rig.datapaths) == 2
+    assert half.sync(state, node6).failed == {}
+    assert p._v6.last_flush.writes == 0, "read back: the failed sync had written them"
+    assert len(rig.maps["fe6"]) == 2
+    p.close()
+
+
 def test_the_socket_programs_get_the_node_namespace_then_their_links(rig: Rig) -> None:
     """Their settings (the node's netns cookie, host-namespace-only) are written before they are
     linked, and they are given the socket program fds. Pods too by default (as Cilium's)."""
@@ -454,6 +496,36 @@ def test_ipv6_udp_sockets_are_ended_after_an_ipv6_sync_that_removed_a_backend(ri
     assert runs() == before + 1 and len(rig.maps["be6"]) == 1
     assert v4 == {role: sorted(bytes(k) for k, _ in rig.maps[role].items()) for role in ROLES}
     p.close()
+
+
+def test_without_an_ipv6_half_the_ipv6_maps_an_earlier_agent_wrote_are_emptied(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent restarted without IPv6 (its flags, or a node that cannot do it) writes no IPv6
+    maps: what a dual-stack agent left there would keep sending the node's IPv6 sockets to
+    addresses that may belong to other pods by now. Its first sync empties them, with the socket
+    entries and affinities; an agent with an IPv6 half keeps them (they are its own)."""
+    earlier = rig.proxier()
+    earlier.ipv6()
+    earlier.sync(STATE, NODE)
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    earlier.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), node6)
+    earlier.sync(STATE, NODE)  # a periodic sync of the dual-stack agent keeps its own
+    assert len(rig.maps["fe6"]) == 2 and len(rig.maps["be6"]) == 1
+    rig.maps["sknat6"].update(abi.Sock6Key(cookie=7), abi.Sock6Nat(svc_id=1))
+    earlier.close()
+    v4 = {role: sorted(bytes(k) + bytes(v) for k, v in rig.maps[role].items()) for role in ROLES}
+    single = rig.proxier()
+    with caplog.at_level(logging.WARNING):
+        single.sync(STATE, NODE)
+    assert all(len(rig.maps[role]) == 0 for role in abi.V6_ROLES.values()), "the IPv6 service maps"
+    assert len(rig.maps["sknat6"]) == 0
+    assert "IPv6 is not served by this agent: removed the IPv6 service entries" in caplog.text
+    assert v4 == {role: sorted(bytes(k) + bytes(v) for k, v in rig.maps[role].items()) for role in ROLES}
+    caplog.clear()
+    single.sync(STATE, NODE)
+    assert "IPv6 is not served" not in caplog.text, "said once: nothing left to remove"
+    single.close()
 
 
 def test_a_kernel_without_the_socket_programs_serves_the_rest(
@@ -772,6 +844,16 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
         second.sync(STATE, node)
         key = FrontendKey(addr=ip_be("10.96.0.10"), port=port_be(53), proto=17, scope=int(Scope.INTERNAL))
         assert key not in live(config).fe
+        # The pins of an agent from before the IPv6 maps: inspect shows what is there.
+        for role in ("sknat6", "fe6"):
+            os.unlink(os.path.join(config.pin_path, MAPS[role].name))
+        names = [
+            line.split()[0] for line in render_live_maps(config.pin_path, ("capacity",)).splitlines()[:-1]
+        ]
+        assert MAPS["fe6"].name not in names and MAPS["fe"].name in names and MAPS["be6"].name in names
+        assert "socklink connect4 " in render_live_maps(config.pin_path, ("sockets",))
+        with pytest.raises(FileNotFoundError, match="eBPF mode"):
+            render_live_maps(config.pin_path, ("services6",))
     finally:
         second.cleanup()
     assert not os.path.exists(config.pin_path)
