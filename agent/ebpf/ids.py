@@ -71,7 +71,7 @@ class IdPool:
         the kernel holds); the next free id when `hint` is past the limit."""
         # The caller's promise, checked: an id the plan uses handed out twice sends one backend's
         # traffic to another (a dict lookup per call, a few ms per 100,000 backends).
-        assert 0 < hint and hint not in self._owned, f"{self._what} id {hint} adopted while in use"
+        assert hint > 0 and hint not in self._owned, f"{self._what} id {hint} adopted while in use"
         if hint > self._limit:
             return self.take()
         self._held.discard(hint)
