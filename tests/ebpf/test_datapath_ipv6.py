@@ -22,19 +22,20 @@ import pytest
 from agent.ebpf import abi
 from agent.ebpf.abi import BackendFlag, CtDir, FrontendFlag, Scope, Stat, ip6_words, port_be
 from agent.ebpf.loader import Datapath
-from lab.dplab import TCP, UDP, Lab, Net, add_service6, packet_lab
-from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, sh
+from lab.dplab import TCP, UDP, Lab, Net, add_service6, packet_lab, set_config
+from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, sh
 
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 NODE6, NODE2_6, CLIENT6 = "fd00:ff::11", "fd00:ff::12", "fd00:ff::100"
-POD6, BE6, REMOTE_BE6 = "fd00:a:1::9", "fd00:a:1::5", "fd00:a:2::7"
+POD6, BE6, BE6_2, REMOTE_BE6 = "fd00:a:1::9", "fd00:a:1::5", "fd00:a:1::6", "fd00:a:2::7"
 VIP6 = "fd00:96::10"
 MAC6 = {
     NODE2_6: "02:00:00:00:06:12",
     CLIENT6: "02:00:00:00:06:64",
     POD6: "02:00:0a:06:01:09",
     BE6: "02:00:0a:06:01:05",
+    BE6_2: "02:00:0a:06:01:06",
 }
 
 
@@ -283,3 +284,28 @@ def test_a_packet_of_no_stamped_endpoint_skips_conntrack_once_the_check_is_armed
     verdict, out = net.from_pod(frame)
     assert verdict == TC_ACT_REDIRECT
     assert seen(out)[1:4] == (POD6, BE6, 40021)
+
+
+def test_legacy_host_routing_leaves_every_ipv6_packet_to_the_stack(net: Net) -> None:
+    """Its source translation happens at egress, which has no IPv6 half: ip6tables serves IPv6."""
+    set_config(net.dp, flags=abi.ConfigFlag.HOST_LEGACY)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    _passes(net, frame6(POD6, VIP6, 40030, 80))
+
+
+def test_a_pod_claiming_a_source_not_routed_to_its_device_is_dropped(net: Net) -> None:
+    """The redirect skips the stack's reverse-path filter, so the program checks as it would."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    frame = frame6(CLIENT6, VIP6, 40031, 80)  # an address of the external network, from a pod
+    assert net.from_pod(frame)[0] == TC_ACT_SHOT
+    assert net.stats()[Stat.DROP_SPOOFED] == 1
+    assert ct6_count(net) == 0
+
+
+def test_client_ip_affinity_keeps_a_client_on_its_backend(net: Net) -> None:
+    backends = ((1, BE6, 8080, BackendFlag.LOCAL), (2, BE6_2, 8080, BackendFlag.LOCAL))
+    add_service6(net.dp.maps, VIP6, 80, backends, flags=FrontendFlag.AFFINITY, affinity_timeout=60)
+    chosen = {seen(net.from_pod(frame6(POD6, VIP6, 41000 + i, 80))[1])[2] for i in range(12)}
+    assert len(chosen) == 1, chosen
+    assert net.stats()[Stat.AFFINITY_HIT] == 11
+    assert len(net.dp.maps["aff6"].keys()) == 1
