@@ -74,6 +74,12 @@ struct ekp_flow {
 	__u8 remapped;    /* the reply tuple was taken: moved to another source port */
 	__u8 early_drop;  /* an unanswered flow was evicted for the port */
 	__u8 pad;
+	/* The SNAT port walk's running values (ekp_snat.h: why they live here, not in registers) */
+	__u32 snat_probes;
+	__u16 snat_candidate;
+	__u16 snat_idle;
+	__u16 snat_victim;
+	__u16 pad2;
 };
 
 static __always_inline __u32 ekp_cfg_or(__u32 value, __u32 dflt)
@@ -552,7 +558,7 @@ static __always_inline int ekp_ct_create(const struct ekp_pkt *p, struct ekp_flo
 	}
 	if (f->ct_flags & EKP_CT_SNAT) {
 		rkey.daddr = f->snat_addr;
-		reason = ekp_snat_find(&rkey, p, cfg, now, &f->early_drop);
+		reason = ekp_snat_find(&rkey, p, cfg, now, f);
 		if (reason)
 			return reason;
 		f->snat_port = rkey.dport;

@@ -207,8 +207,11 @@ def prog_load(
     *,
     expected_attach_type: int = 0,
     attach_btf_id: int = 0,
+    log_level: int = 1,
 ) -> int:
-    """Load a program; its fd. `log` (a ctypes char buffer) receives the verifier's log when given.
+    """Load a program; its fd. `log` (a ctypes char buffer) receives the verifier's log when given,
+    at `log_level` (1: the instructions walked, on failure; 4, BPF_LOG_STATS: only the totals,
+    "processed N insns ... peak_states N" and "verification time N usec").
     `expected_attach_type`: the hook a cgroup or tracing program is for (the kernel wants it at
     load); `attach_btf_id`: an iterator's target, the BTF id of its bpf_iter_<target> function."""
     code = ctypes.create_string_buffer(insns, len(insns))
@@ -219,7 +222,7 @@ def prog_load(
         len(insns) // 8,
         _addr(code),
         _addr(lic),
-        1 if log is not None else 0,
+        log_level if log is not None else 0,
         len(log) if log is not None else 0,
         _addr(log),
         kern_version,

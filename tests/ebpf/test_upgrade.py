@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from agent.config import MapSizes
-from agent.ebpf import abi
+from agent.ebpf import abi, activity
 from agent.ebpf.abi import BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath, stale_pins
 from agent.ebpf.upgrade import (
@@ -183,6 +183,11 @@ def test_v1_flows_go_on_through_the_v2_programs(upgraded: tuple[Datapath, str]) 
         assert upgrade.carried.inserted == 4
         upgrade.after_attach(dp.maps)  # again: everything is there already
         assert upgrade.carried.inserted == 4
+        # As the agent once its programs are attached: the carried flows' endpoints get their
+        # activity stamps (v1 programs wrote none). Without them a reply skipped the conntrack
+        # lookups unless the test ran a second after the entries' last_seen, when the forward
+        # hit's refresh stamped them: it failed whenever the data path loaded in under a second.
+        assert activity.arm(dp.maps) > 0
         migrated = net.ct(POD_CLIENT, VIP, 40000, 80)
         assert migrated is not None and (migrated.backend_id, migrated.svc_id) == (21, 3)
 

@@ -1,0 +1,49 @@
+"""The verifier's work per program stays within a budget: a cold start waits for it.
+
+Every cold start (no pinned programs of this build) loads each program through the kernel's
+verifier, and the first sync attaches only once they are loaded. The verifier walks a bounded loop
+once per iteration for each distinct state it enters with, so a value that splits states ahead of
+the SNAT port walk (240 probes) multiplies its cost: before the walk kept its running values in
+map memory, the tc ingress programs took 780,000 verified instructions each (about 1 CPU s each
+here; README, "Cold start: what the verifier costs"). The counts are the verifier's own
+("processed N insns", BPF_LOG_STATS): the same on every run of one kernel and one build, whatever
+the machine's load, so a change that brings the state splits back fails here rather than as a
+slower `make bench`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.config import MapSizes
+from agent.ebpf.loader import Datapath
+from agent.ebpf.programs import PROG_FROM_NET, PROG_FROM_POD, PROG_XDP_NET
+from bench.verifycost import ProgCost, measure, the_object
+
+# Verified instructions per program (the kernel's limit is 1,000,000). Measured with the walk's
+# values in map memory: 298,000 for each tc ingress program, 139,000 for XDP; the budgets leave
+# room for features, not for the state splits (780,000 and 350,000 without it).
+BUDGET = {PROG_FROM_POD: 450_000, PROG_FROM_NET: 450_000, PROG_XDP_NET: 220_000}
+ALL_PROGRAMS = 1_150_000
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture(scope="module")
+def costs() -> dict[str, ProgCost]:
+    obj = the_object(Datapath("/sys/fs/bpf/unused", MapSizes()))
+    return {c.name: c for c in measure(obj, rounds=1)}
+
+
+@pytest.mark.parametrize("program", sorted(BUDGET))
+def test_program_verifies_within_its_budget(costs: dict[str, ProgCost], program: str) -> None:
+    cost = costs[program]
+    assert 0 < cost.processed <= BUDGET[program], (
+        f"{program}: the verifier processed {cost.processed:,} instructions ({cost.peak_states:,} peak "
+        f"states), budget {BUDGET[program]:,}: python -m bench.verifycost shows each program"
+    )
+
+
+def test_all_programs_verify_within_the_budget(costs: dict[str, ProgCost]) -> None:
+    total = sum(c.processed for c in costs.values())
+    assert total <= ALL_PROGRAMS, {c.name: c.processed for c in costs.values()}
