@@ -14,6 +14,7 @@ namespaces. Every mode prints one JSON object on stdout.
   upload --url U --bytes N            POST N bytes to /sink, {"sent": n, "received": n, "seconds": s}
   hold   --addr A --port P --stop-file F   one TCP connection to a line echo server, a line every
                                       --interval s until F exists: {"exchanges": n, "errors": n}
+                                      (--ready-file R: created after the first exchange)
   idle   --addr A --port P --ready-file R --go-file G   one TCP connection to a line echo server:
                                       a line, R created, nothing until G exists, one more line:
                                       {"first": ok, "after": ok, "idle_s": s, "error": "..."}
@@ -269,6 +270,8 @@ def cmd_hold(a: argparse.Namespace) -> dict[str, object]:
                     first_error = first_error or f"bad echo at exchange {exchanges}"
                     break
                 exchanges += 1
+                if exchanges == 1 and a.ready_file:
+                    open(a.ready_file, "w").close()
                 time.sleep(a.interval)
     except OSError as exc:
         errors += 1
@@ -483,7 +486,8 @@ def main() -> int:
     up.add_argument("--url", required=True)
     up.add_argument("--bytes", type=int, required=True)
     up.add_argument("--timeout", type=float, default=20.0)
-    add_flow_loop(sub.add_parser("hold"), timeout=5.0)
+    hp = add_flow_loop(sub.add_parser("hold"), timeout=5.0)
+    hp.add_argument("--ready-file", default="", help="created after the first exchange")
     add_flow_loop(sub.add_parser("named"), timeout=5.0)
     add_flow_loop(sub.add_parser("udpflow"), timeout=1.0)
     d = add_flow_loop(sub.add_parser("dnsloop"), timeout=1.0, port=53)

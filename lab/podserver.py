@@ -11,6 +11,8 @@ UDP echo on every `--udp-port` (default 9000): a datagram `<payload>` is answere
 TCP line echo on every `--tcp-echo-port` (none by default): each line comes back as it went.
 Named TCP line echo on every `--tcp-named-echo-port` (none by default): a line comes back as
 `<name> <line>` (which backend a long-lived connection is on, line by line).
+`--ipv6`: the HTTP and TCP echo ports listen on [::] as well (IPv6 only there, beside 0.0.0.0), for
+the dual-stack lab's IPv6 endpoints; UDP stays IPv4.
 
 UDP sockets are bound before the HTTP sockets listen, so a successful TCP connect means the whole
 server is ready. SIGTERM ends it.
@@ -44,6 +46,15 @@ class Server(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         self.server_name = str(host)
         self.server_port = int(port)
+
+
+class Server6(Server):
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        # IPv6 only: the IPv4 server of the same port owns 0.0.0.0
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        super().server_bind()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -145,6 +156,14 @@ class EchoServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
 
+class EchoServer6(EchoServer):
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        super().server_bind()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", required=True)
@@ -153,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--blob")
     ap.add_argument("--tcp-echo-port", type=int, action="append", default=[])
     ap.add_argument("--tcp-named-echo-port", type=int, action="append", default=[])
+    ap.add_argument("--ipv6", action="store_true", help="HTTP and TCP echo on [::] too")
     args = ap.parse_args(argv)
     http_ports = args.http_port or [8080]
     udp_ports = args.udp_port if args.udp_port is not None else [9000]
@@ -163,13 +183,15 @@ def main(argv: list[str] | None = None) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("0.0.0.0", port))
         threads.append(threading.Thread(target=udp_echo, args=(sock, args.name.encode()), daemon=True))
-    for port in http_ports:
-        server = Server(("0.0.0.0", port), Handler)
+    http_servers = [(Server, "0.0.0.0"), *([(Server6, "::")] if args.ipv6 else [])]
+    for (server_class, any_addr), port in ((s, p) for s in http_servers for p in http_ports):
+        server = server_class((any_addr, port), Handler)
         server.pod_name = args.name
         server.blob = args.blob
         threads.append(threading.Thread(target=server.serve_forever, daemon=True))
-    for port in args.tcp_echo_port:
-        echo = EchoServer(("0.0.0.0", port), LineEcho)
+    echo_servers = [(EchoServer, "0.0.0.0"), *([(EchoServer6, "::")] if args.ipv6 else [])]
+    for (echo_class, any_addr), port in ((s, p) for s in echo_servers for p in args.tcp_echo_port):
+        echo = echo_class((any_addr, port), LineEcho)
         threads.append(threading.Thread(target=echo.serve_forever, daemon=True))
     for port in args.tcp_named_echo_port:
         named = EchoServer(("0.0.0.0", port), NamedLineEcho)

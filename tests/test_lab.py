@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from lab import CommandError, Lab, LabError, LabFactory, cleanup_leftovers, netns
+from lab.core import PODSERVER
 
 pytestmark = pytest.mark.kernel
 
@@ -308,3 +309,31 @@ def test_nginx_in_an_ipv6_lab_answers_on_both_families(make_lab: LabFactory) -> 
     finally:
         lab.stop(proc)
     assert lab.tcp_probe(client, server.ip6, 8081) == "refused"
+
+
+def test_the_podserver_with_ipv6_answers_http_and_the_line_echo_on_both_families(
+    make_lab: LabFactory,
+) -> None:
+    """`podserver.py --ipv6`: the HTTP and TCP line echo ports listen on [::] beside 0.0.0.0 (the
+    dual-stack upgrade test's IPv6 endpoints); without it they are IPv4 only."""
+    lab = make_lab(nodes=1, pods_per_node=2, ipv6=True)
+    client, server = lab.pod(1, 1), lab.pod(1, 2)
+    argv = [sys.executable, "-I", "-S", str(PODSERVER), "--name", server.name, "--http-port=8085"]
+    echo = "import socket, sys; s = socket.create_connection((sys.argv[1], 7000), 3); s.sendall(b'hi\\n')"
+    echo += "; print(s.recv(64).decode().strip())"
+    proc = lab.popen(server, *argv, "--udp-port=9005", "--tcp-echo-port=7000", "--ipv6", name="podserver6")
+    try:
+        lab.wait_tcp(client, server.ip6, 7000, proc=proc)
+        assert lab.http_get(client, server.ip6, 8085, "/ip") == f"{client.ip6}\n"
+        assert lab.http_get(client, server.ip, 8085) == "pod-1-2\n"
+        for addr in (server.ip6, server.ip):
+            assert lab.run(client, sys.executable, "-c", echo, addr).stdout.strip() == "hi", addr
+    finally:
+        lab.stop(proc)
+    proc = lab.popen(server, *argv, "--udp-port=9006", "--tcp-echo-port=7000", name="podserver4")
+    try:
+        lab.wait_tcp(client, server.ip, 7000, proc=proc)
+        assert lab.tcp_probe(client, server.ip6, 7000) == "refused"
+        assert lab.tcp_probe(client, server.ip6, 8085) == "refused"
+    finally:
+        lab.stop(proc)

@@ -218,17 +218,13 @@ class Ipv6Datapath:
             self._planner = None  # what the maps hold is unknown: read them back next time
             raise
         self.last_flush = result
-        level = logging.INFO if result.writes or first or repaired or result.failed else logging.DEBUG
-        log.log(
-            level,
-            "eBPF sync (IPv6)%s: %s (%d frontends, %d backends%s%s, %.1f ms)",
-            " (first, from the pinned maps)" if first else "",
-            result.summary(),
-            len(planner.desired["fe"]),
-            len(planner.desired["be"]),
-            f", {repaired} difference(s) with the kernel repaired" if repaired else "",
-            f", {len(result.failed)} service port(s) not programmed" if result.failed else "",
-            (self._clock() - start) * 1000,
+        result.log(
+            " (IPv6)",
+            first=first,
+            frontends=len(planner.desired["fe"]),
+            backends=len(planner.desired["be"]),
+            repaired=repaired,
+            ms=(self._clock() - start) * 1000,
         )
         # the writer names the IPv4 map of the role in a port's failure: name the IPv6 one it wrote
         failed = {spn: _ipv6_names(why) for spn, why in result.failed.items()}

@@ -340,18 +340,13 @@ class EbpfProxier:
             self._attach(datapath, node, periodic=periodic, legacy=deferred)
             if self._terminator is not None and (periodic or result.deletes.get("member")):
                 self._end_stale_sockets()
-            elapsed_ms = (time.monotonic() - start) * 1000
-            level = logging.INFO if result.writes or first or repaired or result.failed else logging.DEBUG
-            log.log(
-                level,
-                "eBPF sync%s: %s (%d frontends, %d backends%s%s, %.1f ms)",
-                " (first, from the pinned maps)" if first else "",
-                result.summary(),
-                len(planner.desired["fe"]),
-                len(planner.desired["be"]),
-                f", {repaired} difference(s) with the kernel repaired" if repaired else "",
-                f", {len(result.failed)} service port(s) not programmed" if result.failed else "",
-                elapsed_ms,
+            result.log(
+                "",
+                first=first,
+                frontends=len(planner.desired["fe"]),
+                backends=len(planner.desired["be"]),
+                repaired=repaired,
+                ms=(time.monotonic() - start) * 1000,
             )
             return SyncResult(full=changed is None, failed=dict(result.failed), repaired=repaired)
 

@@ -28,6 +28,7 @@ needed, so a desired state that fits the maps is always reached):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -50,6 +51,8 @@ from agent.ebpf.entries import (
 )
 from agent.model.types import Protocol as L4
 from agent.model.types import ServicePortName
+
+log = logging.getLogger(__name__)
 
 WRITE_ORDER = ("addr", "be", "member", "rnat", "srcr", "slot", "fe")
 DELETE_ORDER = ("fe", "srcr", "slot", "member", "be", "rnat", "addr")
@@ -84,6 +87,25 @@ class FlushResult:
     @property
     def writes(self) -> int:
         return sum(self.updates.values()) + sum(self.deletes.values())
+
+    def log(
+        self, family: str, *, first: bool, frontends: int, backends: int, repaired: int, ms: float
+    ) -> None:
+        """The sync's one line (INFO when it wrote, repaired or failed something, or is the first;
+        DEBUG otherwise). `family`: "" for IPv4, " (IPv6)" for the IPv6 maps."""
+        level = logging.INFO if self.writes or first or repaired or self.failed else logging.DEBUG
+        log.log(
+            level,
+            "eBPF sync%s%s: %s (%d frontends, %d backends%s%s, %.1f ms)",
+            family,
+            " (first, from the pinned maps)" if first else "",
+            self.summary(),
+            frontends,
+            backends,
+            f", {repaired} difference(s) with the kernel repaired" if repaired else "",
+            f", {len(self.failed)} service port(s) not programmed" if self.failed else "",
+            ms,
+        )
 
 
 def port_order(spn: ServicePortName) -> tuple[str, str]:

@@ -360,13 +360,10 @@ def test_a_first_sync_loads_the_data_path_itself_when_prepare_failed(rig: Rig) -
     assert rig.contents().same_entries(plan(STATE, NODE, rig.config))
 
 
-def test_a_load_failing_after_the_first_sync_wrote_its_maps_is_done_again_and_the_maps_read_back(
-    rig: Rig,
-) -> None:
-    """The verifier refuses a program after the first sync wrote the maps: that sync fails (its
-    maps' fds are gone with the load), the sync loads the data path again, and the next sync reads
-    the pinned maps back (what the failed one wrote is there: nothing to write) and attaches."""
-    fe = rig.maps["fe"] = SignallingMap(MAPS["fe"])
+def refused_once_written(rig: Rig, role: str) -> None:
+    """The rig's first data path opens its maps, waits until a sync wrote `role`'s map, then
+    fails to load its programs (the verifier refused one); later ones load."""
+    written = rig.maps[role] = SignallingMap(MAPS[role])
 
     class RefusedAfterTheMaps(FakeDatapath):
         def load(self, maps_ready: Callable[[], None] | None = None) -> None:
@@ -374,11 +371,14 @@ def test_a_load_failing_after_the_first_sync_wrote_its_maps_is_done_again_and_th
             assert maps_ready is not None
             maps_ready()
             if len(rig.datapaths) == 1:
-                assert fe.written.wait(30)  # the first sync wrote the maps meanwhile
+                assert written.written.wait(30)  # the sync wrote the maps meanwhile
                 raise RuntimeError("the verifier said no")
 
     rig.datapath_type = RefusedAfterTheMaps
-    p = rig.proxier()
+
+
+def prepare_in_thread(p: EbpfProxier) -> tuple[threading.Thread, list[BaseException]]:
+    """prepare() on its own thread, as the agent runs it while the source lists; its error kept."""
     failed: list[BaseException] = []
 
     def prepare() -> None:
@@ -389,6 +389,18 @@ def test_a_load_failing_after_the_first_sync_wrote_its_maps_is_done_again_and_th
 
     loading = threading.Thread(target=prepare)
     loading.start()
+    return loading, failed
+
+
+def test_a_load_failing_after_the_first_sync_wrote_its_maps_is_done_again_and_the_maps_read_back(
+    rig: Rig,
+) -> None:
+    """The verifier refuses a program after the first sync wrote the maps: that sync fails (its
+    maps' fds are gone with the load), the sync loads the data path again, and the next sync reads
+    the pinned maps back (what the failed one wrote is there: nothing to write) and attaches."""
+    refused_once_written(rig, "fe")
+    p = rig.proxier()
+    loading, failed = prepare_in_thread(p)
     with pytest.raises(
         RuntimeError, match=r"load failed while its maps were written \(RuntimeError: the verifier said no\)"
     ):
@@ -411,30 +423,10 @@ def test_a_load_failing_after_an_ipv6_sync_wrote_its_maps_fails_that_sync_and_th
     """As for IPv4: an IPv6 sync that wrote the maps of a load the verifier then refused is not a
     success (those maps' fds are gone with the load); the load is done again and the next IPv6
     sync re-adopts what the pinned maps hold."""
-    fe6 = rig.maps["fe6"] = SignallingMap(MAPS["fe6"])
-
-    class RefusedAfterTheMaps(FakeDatapath):
-        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
-            self.loads += 1
-            assert maps_ready is not None
-            maps_ready()
-            if len(rig.datapaths) == 1:
-                assert fe6.written.wait(30)  # the IPv6 sync wrote the maps meanwhile
-                raise RuntimeError("the verifier said no")
-
-    rig.datapath_type = RefusedAfterTheMaps
+    refused_once_written(rig, "fe6")
     p = rig.proxier()
     half = p.ipv6()
-    failed: list[BaseException] = []
-
-    def prepare() -> None:
-        try:
-            p.prepare()
-        except RuntimeError as exc:
-            failed.append(exc)
-
-    loading = threading.Thread(target=prepare)
-    loading.start()
+    loading, failed = prepare_in_thread(p)
     node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
     state = state6([service()], [slice_("fd00:10:244:1::2")])
     with pytest.raises(RuntimeError, match=r"IPv6 maps were written \(RuntimeError: the verifier said no\)"):

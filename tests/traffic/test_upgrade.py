@@ -12,6 +12,12 @@ every request must succeed and the long-lived connection must carry on.
 * From the last agent before the early-drop queues, the fragment maps and ekp_stats_v3: the
   conntrack tables are the same maps (their layout unchanged), the new maps are created beside
   them, the counters of ekp_stats_v2 are carried into ekp_stats_v3 and its pin removed.
+* From the last agent before the IPv6 maps, in a dual-stack lab (issue 20): the old agent serves
+  IPv6 Services with ip6tables only; the new one adds the IPv6 maps beside the pins it finds
+  and its socket programs take the pods' new IPv6 connections over, while the IPv6 connection
+  ip6tables translated before goes on through its nf_conntrack DNAT entry. Both families carry
+  traffic all along: the IPv4 loops and connection above, an IPv6 ClusterIP loop and a long-lived
+  IPv6 connection, every Service dual-stack.
 
 The commits must be in this clone's history: a shallow clone (CI's default fetch depth in some
 systems) does not have them, and the test fails saying so rather than skipping.
@@ -25,16 +31,18 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agent.ebpf.abi import MAPS
 from lab import Lab
 from lab.core import PODSERVER
 from lab.harness import CLIENT, REPO, Agent, Cluster, ep
-from lab.objects import Port, service, with_endpoints
+from lab.objects import Ep, Port, endpoint_slice, service, with_endpoints
 from tests.conftest import require_kernel
 
 pytestmark = pytest.mark.kernel
@@ -45,12 +53,21 @@ V1_COMMIT = "f55b07c1a19a86171a0b7b99a5c93591666582bd"
 # The last commit of main before the early-drop queues, ekp_addr, ekp_fraghold and ekp_stats_v3
 # (git merge-base of that branch and main when they were written).
 V2_STATS_COMMIT = "1a1629f3862fe2ceeb0dda77d5d836c12f55a85c"
+# The last commit of main before the IPv6 maps (ekp_fe6_v2 ...) and the IPv6 socket programs: its
+# eBPF-mode agent serves IPv6 Services with ip6tables alone (the first parent of the merge of
+# v6sock, be397d8).
+V6_MAPS_COMMIT = "4604c479822afac7d448688ba54b131be75759ea"
 ECHO_PORT = 7000
+HTTP2_PORT = 8085  # the second podserver's HTTP port (IPv4, and IPv6 in the dual-stack lab)
+WEB6, ECHO6 = "fd00:10:96::5:1", "fd00:10:96::5:2"  # the dual-stack Services' IPv6 ClusterIPs
 
 
-def old_tree(dest: Path, commit: str, what: str, marker: tuple[str, str]) -> Path:
+def old_tree(
+    dest: Path, commit: str, what: str, marker: tuple[str, str], lacks: tuple[str, str] | None = None
+) -> Path:
     """An older agent's source, from this clone's history (fails loudly when the clone lacks it);
-    `marker` is (file, text) the commit must hold, proving it is the agent it is taken for."""
+    `marker` is (file, text) the commit must hold, and `lacks` (file, text) one it must not,
+    proving it is the agent it is taken for."""
     have = subprocess.run(
         ["git", "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"],
         capture_output=True,
@@ -62,11 +79,14 @@ def old_tree(dest: Path, commit: str, what: str, marker: tuple[str, str]) -> Pat
             "runs that agent from `git archive`. Clone with full history (git fetch --unshallow).",
             pytrace=False,
         )
-    path, text = marker
-    shown = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{commit}:{path}"], capture_output=True, text=True, check=True
-    ).stdout
-    assert text in shown, f"{commit} is not {what}"
+
+    def show(path: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{commit}:{path}"], capture_output=True, text=True, check=True
+        ).stdout
+
+    assert marker[1] in show(marker[0]), f"{commit} is not {what}"
+    assert lacks is None or lacks[1] not in show(lacks[0]), f"{commit} is not {what}"
     archive = subprocess.run(
         ["git", "-C", str(REPO), "archive", commit], capture_output=True, check=True
     ).stdout
@@ -86,13 +106,19 @@ class OldAgent(Agent):
 
     def __init__(self, lab: Lab, agent: Agent, tree: Path, label: str = "v1") -> None:
         super().__init__(lab, agent.node, agent.mode, agent.source, agent.extra)
+        self.socket_lb_pods = agent.socket_lb_pods
         self.tree = tree
         self.label = label
         self.log_path = agent.log_path.with_name(f"agent-{label}-{agent.node.name}.log")
+        # An agent with socket programs gets their flags: without --bpf-socket-lb-cgroup it would
+        # attach them to the machine's root cgroup.
+        self.socket_lb = any(
+            "--bpf-socket-lb-cgroup" in f.read_text() for f in (tree / "agent").rglob("*.py")
+        )
 
     def flags(self) -> list[str]:
-        # the older agents have no socket programs, nor their flags (they would refuse to start)
-        return [f for f in super().flags() if not f.startswith("--bpf-socket-lb")]
+        # the agents before the socket programs have none of their flags (they would refuse to start)
+        return [f for f in super().flags() if self.socket_lb or not f.startswith("--bpf-socket-lb")]
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
@@ -113,93 +139,167 @@ class OldAgent(Agent):
             log.close()
 
 
-@pytest.fixture
-def lab(tmp_path: Path) -> Iterator[Lab]:
+def echo_lab(*, ipv6: bool) -> Iterator[Lab]:
+    """One node, three pods with the HTTP podserver; pod-1-2 also a line echo. Dual-stack: pod-1-2
+    and pod-1-3 serve HTTP2_PORT (and the echo) over IPv6 too, the IPv6 endpoints."""
     require_kernel()
-    with Lab(nodes=1, pods_per_node=3) as built:
+    with Lab(nodes=1, pods_per_node=3, ipv6=ipv6) as built:
         built.start_podservers()
-        echo = built.pod("pod-1-2")
-        proc = built.popen(
-            echo,
-            sys.executable,
-            "-I",
-            "-S",
-            str(PODSERVER),
-            f"--name={echo.name}",
-            "--http-port=8085",
-            "--udp-port=9005",
-            f"--tcp-echo-port={ECHO_PORT}",
-            name="echo",
-        )
-        built.wait_tcp(echo, echo.ip, ECHO_PORT, proc=proc)
+        for pod in [built.pod(p) for p in (("pod-1-2", "pod-1-3") if ipv6 else ("pod-1-2",))]:
+            proc = built.popen(
+                pod,
+                sys.executable,
+                "-I",
+                "-S",
+                str(PODSERVER),
+                f"--name={pod.name}",
+                f"--http-port={HTTP2_PORT}",
+                "--udp-port=9005",
+                f"--tcp-echo-port={ECHO_PORT}",
+                *(["--ipv6"] if ipv6 else []),
+                name="echo",
+            )
+            built.wait_tcp(pod, pod.ip, ECHO_PORT, proc=proc)
+            if ipv6:
+                built.wait_tcp(pod, pod.ip6, ECHO_PORT, proc=proc)
         yield built
 
 
-def start(cluster: Cluster, pod: str, name: str, *args: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+@pytest.fixture
+def lab() -> Iterator[Lab]:
+    yield from echo_lab(ipv6=False)
+
+
+@pytest.fixture
+def dual_lab() -> Iterator[Lab]:
+    yield from echo_lab(ipv6=True)
+
+
+@dataclass(frozen=True)
+class Client:
+    """A lab/client.py loop or long-lived connection running in a pod."""
+
+    proc: subprocess.Popen[bytes]
+    stop: Path  # created to end it
+    out: Path  # its JSON result
+    ready: Path  # created by the client once its first request is answered
+
+
+def start(cluster: Cluster, pod: str, name: str, *args: str) -> Client:
     assert cluster.lab.tmpdir is not None
-    stop, out = cluster.lab.tmpdir / f"stop-{name}", cluster.lab.tmpdir / f"{name}.json"
+    tmp = cluster.lab.tmpdir
+    stop, out, ready = tmp / f"stop-{name}", tmp / f"{name}.json", tmp / f"ready-{name}"
     with open(out, "wb") as f:
         proc = cluster.lab.popen(
-            pod, sys.executable, CLIENT, *args, "--stop-file", str(stop), name=name, stdout=f
+            pod,
+            sys.executable,
+            CLIENT,
+            *args,
+            *("--stop-file", str(stop), "--ready-file", str(ready)),
+            name=name,
+            stdout=f,
         )
-    return proc, stop, out
+    return Client(proc, stop, out, ready)
 
 
-def finish(proc: subprocess.Popen[bytes], stop: Path, out: Path) -> dict[str, Any]:
-    stop.touch()
-    proc.wait(timeout=30)
-    result: dict[str, Any] = json.loads(out.read_text())
+def wait_ready(clients: Iterable[Client], timeout: float = 30.0) -> None:
+    """Until every client has had its first answer (or fail, saying which did not)."""
+    deadline = time.monotonic() + timeout
+    waiting = list(clients)
+    while waiting and time.monotonic() < deadline:
+        exited = [c for c in waiting if c.proc.poll() is not None and not c.ready.exists()]
+        assert not exited, f"clients ended before their first answer: {[c.out.name for c in exited]}"
+        waiting = [c for c in waiting if not c.ready.exists()]
+        time.sleep(0.05)
+    assert not waiting, f"no first answer in {timeout}s: {[c.out.name for c in waiting]}"
+
+
+def finish(client: Client) -> dict[str, Any]:
+    client.stop.touch()
+    client.proc.wait(timeout=30)
+    result: dict[str, Any] = json.loads(client.out.read_text())
     return result
 
 
-def upgrade_under_load(lab: Lab, tree: Path, label: str) -> tuple[Cluster, Agent, list[dict[str, Any]]]:
+def services(cluster: Cluster) -> list[dict[str, Any]]:
+    """web (NodePort, two endpoints) and echo (the line echo). In a dual-stack lab both are
+    dual-stack Services, their IPv6 EndpointSlices naming the pods' IPv6 servers."""
+    lab = cluster.lab
+    web_port, echo_port = Port("http", 80, 8080, node_port=30500), Port("echo", ECHO_PORT, ECHO_PORT)
+    web4, echo4 = [ep(cluster, "pod-1-2"), ep(cluster, "pod-1-3")], [ep(cluster, "pod-1-2")]
+    if not lab.ipv6:
+        web = service("web", "10.96.5.1", [web_port], type="NodePort")
+        echo = service("echo", "10.96.5.2", [echo_port])
+        return [*with_endpoints(web, web4), *with_endpoints(echo, echo4)]
+    dual: dict[str, Any] = {"ipFamilies": ["IPv4", "IPv6"], "ipFamilyPolicy": "RequireDualStack"}
+    web = service("web", "10.96.5.1", [web_port], type="NodePort", clusterIPs=["10.96.5.1", WEB6], **dual)
+    echo = service("echo", "10.96.5.2", [echo_port], clusterIPs=["10.96.5.2", ECHO6], **dual)
+    slices6 = [
+        endpoint_slice(
+            "web", [Port("http", 80, HTTP2_PORT)], [ep6(lab, "pod-1-2"), ep6(lab, "pod-1-3")], "v6"
+        ),
+        endpoint_slice("echo", [echo_port], [ep6(lab, "pod-1-2")], "v6"),
+    ]
+    for s in slices6:
+        s["addressType"] = "IPv6"
+    return [
+        web,
+        endpoint_slice("web", [web_port], web4, "v4"),
+        echo,
+        endpoint_slice("echo", [echo_port], echo4, "v4"),
+        *slices6,
+    ]
+
+
+def ep6(lab: Lab, pod: str) -> Ep:
+    return Ep(lab.pod(pod).ip6, f"node{lab.pod(pod).node}")
+
+
+def upgrade_under_load(
+    lab: Lab, tree: Path, label: str, observe: Callable[[Cluster, str], None] = lambda c, when: None
+) -> tuple[Cluster, Agent, dict[str, dict[str, Any]]]:
     """The older agent at `tree` programs node1; under load, it is stopped and this checkout's
-    agent started over its pins. Returns the cluster (with the new agent), the new agent and the
-    loops' results (ClusterIP loop, NodePort loop, the long-lived connection)."""
+    agent started over its pins. `observe(cluster, when)` looks at the node while the loops run:
+    "before" (the old agent serving), "synced" (the new one's first sync done) and "after" (3 s
+    later). Returns the cluster (with the new agent), the new agent and the loops' results by
+    name (clusterip, nodeport, held; in a dual-stack lab also clusterip6 and held6)."""
     cluster = Cluster(lab, "ebpf")
     new = cluster.agents[0]
+    if lab.ipv6:
+        new.socket_lb_pods = True  # the pods' IPv6 connections to Services: the socket programs'
     old = OldAgent(lab, new, tree, label)
     cluster.agents = [old]
-    web = service("web", "10.96.5.1", [Port("http", 80, 8080, node_port=30500)], type="NodePort")
-    echo = service("echo", "10.96.5.2", [Port("echo", ECHO_PORT, ECHO_PORT)])
-    objects = [
-        *with_endpoints(web, [ep(cluster, "pod-1-2"), ep(cluster, "pod-1-3")]),
-        *with_endpoints(echo, [ep(cluster, "pod-1-2")]),
-    ]
     cluster.start()
-    cluster.apply(objects)
+    cluster.apply(services(cluster))
     loop = ["loop", "--interval", "0.01", "--max-s", "60", "--url"]
-    loops = [
-        start(cluster, "pod-1-1", "clusterip", *loop, "http://10.96.5.1/"),
-        start(cluster, "client", "nodeport", *loop, "http://192.168.0.11:30500/"),
-        start(
-            cluster,
-            "pod-1-1",
-            "held",
-            "hold",
-            "--addr",
-            "10.96.5.2",
-            "--port",
-            str(ECHO_PORT),
-            "--max-s",
-            "60",
-        ),
-    ]
-    results: list[dict[str, Any]] = []
+    hold = ["hold", "--port", str(ECHO_PORT), "--max-s", "60", "--addr"]
+    loops = {
+        "clusterip": start(cluster, "pod-1-1", "clusterip", *loop, "http://10.96.5.1/"),
+        "nodeport": start(cluster, "client", "nodeport", *loop, "http://192.168.0.11:30500/"),
+        "held": start(cluster, "pod-1-1", "held", *hold, "10.96.5.2"),
+    }
+    if lab.ipv6:
+        loops["clusterip6"] = start(cluster, "pod-1-1", "clusterip6", *loop, f"http://[{WEB6}]/")
+        loops["held6"] = start(cluster, "pod-1-1", "held6", *hold, ECHO6)
+    results: dict[str, dict[str, Any]] = {}
     try:
+        wait_ready(loops.values())
         time.sleep(2)
+        observe(cluster, "before")
         old.stop()  # SIGTERM: the old programs and maps stay and keep serving
         time.sleep(1)
         cluster.agents = [new]
         new.start()
         new.wait_version(cluster.version)
+        observe(cluster, "synced")
         time.sleep(3)
+        observe(cluster, "after")
     finally:
-        results = [finish(*loop) for loop in loops]
-    clusterip, nodeport, held = results
-    assert clusterip["errors"] == 0 and clusterip["ok"] > 100, clusterip
-    assert nodeport["errors"] == 0 and nodeport["ok"] > 100, nodeport
-    assert held["errors"] == 0 and held["exchanges"] > 80, held  # one connection, all along
+        results = {name: finish(loop) for name, loop in loops.items()}
+    for name in [n for n in results if n.startswith(("clusterip", "nodeport"))]:
+        assert results[name]["errors"] == 0 and results[name]["ok"] > 100, (name, results[name])
+    for name in [n for n in results if n.startswith("held")]:  # one connection, all along
+        assert results[name]["errors"] == 0 and results[name]["exchanges"] > 80, (name, results[name])
     return cluster, new, results
 
 
@@ -240,5 +340,83 @@ def test_upgrade_from_the_agent_before_the_early_drop_queues_under_load_fails_no
     assert carried and int(carried[0]) > 5, new.log()[-3000:]
     stats = cluster.bpf_stats()
     assert stats["packets"] > stats["new_flows"] > 200, stats  # counted before the upgrade and after
+    assert stats["drop_no_flow"] == 0, stats
+    assert not cluster.stop(), "agent --cleanup failed"
+
+
+def dnat6(cluster: Cluster, vip: str, port: int) -> dict[int, str]:
+    """The node's nf_conntrack entries of TCP flows to [vip]:port (ip6tables' DNAT: the socket
+    programs' flows are tracked to the backend's address), by their client port."""
+    out = cluster.lab.run(
+        cluster.lab.node(1),
+        "conntrack",
+        *("-L", "-o", "id", "-f", "ipv6", "-p", "tcp", "--orig-dst", vip, "--dport", str(port)),
+        check=False,
+    ).stdout
+    return {int(m.group(1)): line for line in out.splitlines() if (m := re.search(r"sport=(\d+)", line))}
+
+
+def entry_id(line: str) -> str:
+    """A conntrack entry's id (`-o id`): another id for the same tuple is an entry made again."""
+    found = re.search(r" id=(\d+)", line)
+    assert found, line
+    return found.group(1)
+
+
+def test_upgrade_from_the_agent_before_the_ipv6_maps_dual_stack_under_load_fails_no_request(
+    dual_lab: Lab, tmp_path: Path
+) -> None:
+    """Dual-stack, from the agent that served IPv6 with ip6tables alone: before the upgrade ip6tables
+    translates the pod's IPv6 connections to the ClusterIP (nf_conntrack DNAT entries to it); after
+    it the socket programs do (no new DNAT entry while the loop goes on, and their counter moves),
+    the IPv6 maps hold the Services, and the IPv6 connection opened before the upgrade goes on
+    through its DNAT entry. Every request of both families succeeds."""
+    tree = old_tree(
+        tmp_path,
+        V6_MAPS_COMMIT,
+        "the last agent before the IPv6 maps",
+        ("bpf/ekp_abi.h", "#define EKP_ABI_VERSION 2"),
+        lacks=("bpf/ekp_maps.h", "ekp_fe6"),
+    )
+    seen: dict[str, tuple[dict[int, str], dict[int, str]]] = {}
+
+    def observe(cluster: Cluster, when: str) -> None:
+        seen[when] = dnat6(cluster, WEB6, 80), dnat6(cluster, ECHO6, ECHO_PORT)
+        if when == "before":
+            assert not (Path(cluster.agents[0].pin_path) / MAPS["fe6"].name).exists(), "no IPv6 maps yet"
+
+    cluster, new, _ = upgrade_under_load(dual_lab, tree, "before-v6-maps", observe)
+    loop_before, held_before = seen["before"]
+    assert loop_before, "before the upgrade, ip6tables translates the pod's IPv6 connections"
+    assert len(held_before) == 1 and " ESTABLISHED " in next(iter(held_before.values())), held_before
+    loop_synced, _ = seen["synced"]
+    loop_after, held_after = seen["after"]
+    assert set(loop_after) <= set(loop_synced), "after the upgrade, no IPv6 connection through ip6tables"
+    assert held_after.keys() == held_before.keys(), (held_before, held_after)
+    (entry_before,), (entry_after,) = held_before.values(), held_after.values()
+    assert entry_id(entry_after) == entry_id(entry_before), ("the same DNAT entry all along", entry_after)
+    assert " ESTABLISHED " in entry_after, entry_after
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "agent", "inspect", "maps6", f"--bpf-pin-path={new.pin_path}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=str(REPO),
+        timeout=60,
+    ).stdout
+    frontends = {line.split()[1]: line for line in shown.splitlines() if line.startswith("fe6 ")}
+    assert " internal -> " in frontends[f"[{WEB6}]:80/TCP"] and " count=2" in frontends[f"[{WEB6}]:80/TCP"], (
+        shown
+    )
+    assert " count=1" in frontends[f"[{ECHO6}]:{ECHO_PORT}/TCP"], shown
+    for pod in ("pod-1-2", "pod-1-3"):
+        assert f"-> [{dual_lab.pod(pod).ip6}]:{HTTP2_PORT}/TCP" in shown, shown
+    before = cluster.bpf_stats()["sock_translated"]
+    answered = cluster.http(dual_lab.pod("pod-1-1"), f"http://[{WEB6}]/", count=20)
+    assert answered["errors"] == 0 and set(answered["bodies"]) == {"pod-1-2", "pod-1-3"}, answered
+    assert cluster.bpf_stats()["sock_translated"] - before >= 20
+    assert set(dnat6(cluster, WEB6, 80)) <= set(loop_synced), "the socket programs', not ip6tables'"
+    stats = cluster.bpf_stats()
     assert stats["drop_no_flow"] == 0, stats
     assert not cluster.stop(), "agent --cleanup failed"

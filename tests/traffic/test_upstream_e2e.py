@@ -163,8 +163,8 @@ def test_service_deleted_and_recreated_while_a_tcp_stream_runs(
             assert served(cluster, source, "http://10.96.40.3/") == {"pod-2-3"}, source
         time.sleep(1.0)
     finally:
-        result = finish(*held)
-        node_result = finish(*held_node)
+        result = finish(held)
+        node_result = finish(held_node)
     assert result["errors"] == 0 and result["exchanges"] > 40, result
     assert node_result["errors"] == 0 and node_result["exchanges"] > 40, node_result
 
@@ -541,7 +541,7 @@ def test_invalid_conntrack_segments_never_reset_a_service_connection(cluster: Cl
         apply(cluster, with_endpoints(svc, [ep(cluster, backend)]))
         held = start(cluster, "pod-1-1", f"held-{tag}", "hold", "--addr", "10.96.40.23", "--port", "9000")
         time.sleep(3.0)
-        result = finish(*held)
+        result = finish(held)
     finally:
         stop.touch()
         proc.wait(timeout=10)
