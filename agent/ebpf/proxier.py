@@ -263,9 +263,6 @@ class EbpfProxier:
         self._load_error = ""  # why the last load that failed did
         self._attacher: AttacherLike | None = None
         self._planner: Planner | None = None
-        # The planner prepare() re-adopted the maps into, with the data path it read, for the first
-        # sync (`_read_back`).
-        self._read: tuple[DatapathLike, Planner] | None = None
         self._unsure = True  # what the maps hold is unknown: read them back before writing
         self._cfg_written: Value | None = None
         self._attached_once = False
@@ -283,10 +280,8 @@ class EbpfProxier:
     # ------------------------------------------------------------------ Proxier
 
     def prepare(self) -> None:
-        """Compile (or reuse) and load the data path before the first desired state exists, then
-        read its service maps back for the first sync (`_read_back`)."""
+        """Compile (or reuse) and load the data path before the first desired state exists."""
         self._load()
-        self._read_back()
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
@@ -302,16 +297,14 @@ class EbpfProxier:
                 self._synced_with = datapath
             maps = datapath.maps
             first = self._planner is None
-            adopted = self._take_read_back(datapath) if first else None
-            planner = self._planner or adopted or Planner(self._config)
+            planner = self._planner or Planner(self._config)
             self._planner = planner
             repaired = 0
             if first or self._unsure or changed is None:
                 if changed is None and not first:
                     repaired += len(datapath.repair_pins())
-                if adopted is None:
-                    differ = planner.reconcile(self._dump(maps, first), adopt=first)
-                    repaired += 0 if first or self._unsure else differ
+                differ = planner.reconcile(self._dump(maps, first), adopt=first)
+                repaired += 0 if first or self._unsure else differ
                 changed = None
             planner.update(state, node, changed)
             if first:
@@ -546,30 +539,6 @@ class EbpfProxier:
         if problem:
             raise FatalError(problem)
 
-    def _read_back(self) -> None:
-        """A restart's read-back of the pinned service maps (440,000 entries at 10,000 Services x
-        10), done by prepare() while the source still lists: the kernel's batch lookups release the
-        GIL and the decode fills the lists' waits for the API server, instead of both running after
-        the lists. Only before the first sync (one that came first read the maps itself); nothing
-        but this agent writes them meanwhile (the node lock), so the first sync takes the planner
-        as it would have built it. A failure leaves the read-back to that sync."""
-        with self._lock:
-            datapath = self._datapath
-            if self._planner is not None or self._read is not None or datapath is None:
-                return
-            planner = Planner(self._config)
-            try:
-                planner.reconcile(self._dump(datapath.maps, True), adopt=True)
-            except Exception as exc:
-                log.debug("reading the pinned maps back early failed (the first sync reads them): %s", exc)
-                return
-            self._read = (datapath, planner)
-
-    def _take_read_back(self, datapath: DatapathLike) -> Planner | None:
-        """The planner `_read_back` filled from `datapath`'s maps, once (None: the sync reads them)."""
-        read, self._read = self._read, None
-        return read[1] if read is not None and read[0] is datapath else None
-
     def _dump(self, maps: Mapping[str, MapWriter], first: bool) -> dict[str, tuple[bytes, bytes]]:
         """Every service map's entries, read in batches, as raw bytes (decoded by the planner)."""
         dump = {role: maps[role].dump_raw() for role in ROLES if role in maps}
@@ -705,7 +674,7 @@ class EbpfProxier:
                 self._datapath.close()
             self._datapath = self._opened = self._synced_with = None
         self._close_retired()
-        self._planner = self._read = None
+        self._planner = None
         self._unsure = True
 
     def _stop_watcher(self) -> None:

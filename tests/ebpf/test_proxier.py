@@ -602,53 +602,6 @@ def test_restart_re_adopts_ids_and_writes_nothing(rig: Rig) -> None:
     assert render_contents(rig.contents()) == before
 
 
-def count_reads(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The name of the thread of each read-back of an IPv4 service map (`dump_raw`), in order."""
-    reads: list[str] = []
-    for m in (rig.maps[role] for role in ROLES):
-
-        def dump_raw(original: Callable[[], tuple[bytes, bytes]] = m.dump_raw) -> tuple[bytes, bytes]:
-            reads.append(threading.current_thread().name)
-            return original()
-
-        monkeypatch.setattr(m, "dump_raw", dump_raw)
-    return reads
-
-
-def test_a_restart_reads_the_pinned_maps_back_in_prepare_while_the_source_lists(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """prepare() (run while the source lists) reads the service maps back; the first sync takes
-    what it read instead of reading them after the lists, and still writes nothing."""
-    rig.proxier().sync(MORE, NODE)
-    before = render_contents(rig.contents())
-    reads = count_reads(rig, monkeypatch)
-
-    second = rig.proxier()
-    prepare = threading.Thread(target=second.prepare, name="prepare-proxier")
-    prepare.start()
-    prepare.join(30)
-    assert reads and set(reads) == {"prepare-proxier"}
-    read_in_prepare = len(reads)
-    second.sync(MORE, NODE)
-    assert len(reads) == read_in_prepare
-    assert second.last_flush.writes == 0
-    assert render_contents(rig.contents()) == before
-
-
-def test_a_first_sync_before_prepare_read_back_reads_the_maps_itself_and_prepare_then_does_not(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    rig.proxier().sync(MORE, NODE)
-    reads = count_reads(rig, monkeypatch)
-    second = rig.proxier()
-    second.sync(MORE, NODE)
-    assert second.last_flush.writes == 0
-    synced_reads = len(reads)
-    second.prepare()
-    assert len(reads) == synced_reads
-
-
 def test_restart_prunes_what_went_away_but_keeps_flows(rig: Rig) -> None:
     rig.proxier().sync(MORE, NODE)
     ct_key = CtKey(
