@@ -1,6 +1,7 @@
 """The composition root: picks the parts the flags ask for and hands them to the Agent.
 
-    agent ...                      run(config): pre-flight, node lock, build_agent(...).run()
+    agent ...                      run(config): pre-flight, node lock, the data path's load started,
+                                   build_agent(...).run()
     agent --dry-run                print what would be written for a services file
     agent --cleanup                remove what either mode installed (refused under a live agent)
     agent --cleanup-kube-proxy     remove what a previous kube-proxy left, then exit
@@ -20,6 +21,7 @@ import gc
 import logging
 import shutil
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -306,16 +308,44 @@ class _Server:
         self._server.stop()
 
 
+def start_loading(config: Config) -> Proxier | None:
+    """eBPF mode's proxier, its data path's load (the programs from the compile cache through the
+    kernel's verifier, which runs with the GIL released) started now on a thread, so that it runs
+    beside build_agent's imports, API client and node discovery instead of starting with the
+    lists: at a cold start the first sync waits for the programs. None in iptables mode (its
+    set-up is quick). The services file is checked first: one that cannot be read stays fatal
+    before any pin or sysctl is written. A failure here is reported by the Agent's own prepare(),
+    which loads again (agent/daemon.py)."""
+    if config.services_file:
+        from agent.sources.file import check_services_file
+
+        check_services_file(config.services_file)
+    if config.mode is not Mode.EBPF:
+        return None
+    proxier = make_proxier(config)
+
+    def prepare() -> None:
+        try:
+            proxier.prepare()
+        except Exception as exc:  # FatalError too: the Agent's prepare() meets it again
+            log.debug("the early load of the data path failed (the agent loads it again): %s", exc)
+
+    threading.Thread(target=prepare, name="prepare-proxier-early", daemon=True).start()
+    return proxier
+
+
 def build_agent(
     config: Config,
     configz: Callable[[], Mapping[str, Any]] | None = None,
     kubeconfig: Mapping[str, Any] | None = None,
     ipv6_check: Callable[[Config], str] | None = None,
+    proxier: Proxier | None = None,
 ) -> Agent:
     """Every part of a running agent for `config`; raises FatalError (credentials, bad flags).
     `kubeconfig`: the `--kubeconfig` file as `run` loaded it (None: read it here). `ipv6_check`:
     what the node lacks for IPv6 (agent.iptables.runner.ipv6_missing): when it lacks something,
-    no IPv6 proxier runs and one warning says so."""
+    no IPv6 proxier runs and one warning says so. `proxier`: the one `start_loading` made (None:
+    made here)."""
     from agent.health import ProxyHealth, ServiceHealthServer, health_timeout_s, healthz_server
     from agent.metrics.server import metrics_server
     from agent.metrics.source import FileMetrics, SourceMetrics
@@ -378,7 +408,7 @@ def build_agent(
         services.append(_Server("metrics", metrics_server(config, registry, configz=configz), hard))
     services.append(service_health)
 
-    proxier = make_proxier(config, metrics)
+    proxier = proxier or make_proxier(config, metrics)
     proxier6 = make_proxier6(config, proxier, metrics) if serve6 else None
     service_health6 = None
     if proxier6 is not None:
@@ -480,7 +510,8 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
 
         setup_conntrack(config)  # kube-proxy's platformSetup, before the proxier reads the host
         try:
-            agent = build_agent(config, configz, kubeconfig)
+            proxier = start_loading(config)
+            agent = build_agent(config, configz, kubeconfig, proxier=proxier)
         except FatalError as exc:
             log.error("%s", exc)
             return 1

@@ -35,8 +35,10 @@ class SyncResult:
 class Proxier(Protocol):
     def prepare(self) -> None:
         """Slow set-up that needs no desired state (compiling the data path, learning the host's
-        iptables): the agent runs it while the source lists, so the first sync does not wait for
-        both one after the other. Raises like `sync`; `sync` does it itself when it was not run."""
+        iptables): the agent runs it while the source lists (eBPF mode's from right after the node
+        lock, agent/app.py `start_loading`), so the first sync does not wait for both one after the
+        other. eBPF mode's is called twice (the early load, the Agent's): the second waits for the
+        first. Raises like `sync`; `sync` does it itself when it was not run."""
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None

@@ -155,10 +155,6 @@ class FileWatch:
         self.version = ""  # of the content in force ("" before the first good read)
         self.stale = False  # the file on disk is not the content in force
 
-    def check_readable(self) -> None:
-        """Raises OSError unless the file can be opened and is a regular file (the start-up check)."""
-        check_regular(self.path)
-
     def forget(self) -> None:
         """Judge the file again at the next poll (after an unexpected error, counted by the caller)."""
         self._stamp = None
@@ -240,6 +236,18 @@ class FileWatch:
         )
 
 
+def check_services_file(path: str) -> None:
+    """FatalError unless `path` opens as a regular file: no retry makes a wrong path right. The
+    source's start checks it, and the agent before it loads the data path (agent/app.py)."""
+    try:
+        check_regular(path)
+    except OSError as exc:
+        raise FatalError(
+            f"--services-file {path}: {exc.strerror or exc}: give the path of a readable "
+            "YAML or JSON file of Services and EndpointSlices (write it before the agent starts)"
+        ) from exc
+
+
 class FileSource:
     """The file source (agent/sources/base.py `Source`). Construction reads nothing."""
 
@@ -269,13 +277,7 @@ class FileSource:
     def start(self, sink: Sink) -> None:
         """Check the file opens (FatalError if not: no retry makes a wrong path right), then read
         and watch it on a thread. Once started, a file that goes away is refused and waited for."""
-        try:
-            self._watch.check_readable()
-        except OSError as exc:
-            raise FatalError(
-                f"--services-file {self.path}: {exc.strerror or exc}: give the path of a readable "
-                "YAML or JSON file of Services and EndpointSlices (write it before the agent starts)"
-            ) from exc
+        check_services_file(self.path)
         self._thread = threading.Thread(target=self._run, args=(sink,), name="file-source", daemon=True)
         self._thread.start()
 

@@ -1,0 +1,94 @@
+"""agent.app.run's start-up order: the eBPF data path's load runs beside build_agent's work, and a
+services file that cannot be read is fatal before it starts (nothing pinned, no sysctl written)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent import app, lock, nodeinit
+from agent.config import Config, Mode
+
+
+@dataclass
+class Start:
+    """What run() did, in order, with the parts it was given."""
+
+    steps: list[str] = field(default_factory=list)
+    loading: threading.Event = field(default_factory=threading.Event)  # the proxier's prepare() began
+    seen_by_build: object = None
+
+
+class LoadingProxier:
+    def __init__(self, start: Start) -> None:
+        self._start = start
+
+    def prepare(self) -> None:
+        self._start.steps.append("load")
+        self._start.loading.set()
+
+
+class FinishedAgent:
+    def run(self) -> int:
+        return 0
+
+
+@pytest.fixture
+def start(monkeypatch: pytest.MonkeyPatch) -> Iterator[Start]:
+    """run() with the node left alone: no pre-flight, lock or conntrack settings; make_proxier
+    and build_agent recorded."""
+    s = Start()
+    monkeypatch.setattr(app, "preflight", lambda config: None)
+    monkeypatch.setattr(lock, "acquire", lambda config: contextlib.nullcontext())
+    monkeypatch.setattr(nodeinit, "setup_conntrack", lambda config: None)
+
+    def make_proxier(config: Config, metrics: Any = None) -> LoadingProxier:
+        s.steps.append("make proxier")
+        return LoadingProxier(s)
+
+    def build_agent(config: Config, *args: Any, proxier: object = None, **kwargs: Any) -> FinishedAgent:
+        # What build_agent takes seconds for (imports, the API client, node discovery): the load
+        # must already be under way on its own thread.
+        assert s.loading.wait(10), "build_agent began before the data path's load"
+        s.steps.append("build agent")
+        s.seen_by_build = proxier
+        return FinishedAgent()
+
+    monkeypatch.setattr(app, "make_proxier", make_proxier)
+    monkeypatch.setattr(app, "build_agent", build_agent)
+    yield s
+
+
+def test_the_ebpf_load_starts_before_build_agent_and_its_proxier_is_the_agents(
+    start: Start, tmp_path: Path
+) -> None:
+    services = tmp_path / "services.yaml"
+    services.write_text("")
+    config = Config(mode=Mode.EBPF, services_file=str(services), pin_path=str(tmp_path / "pins"))
+    assert app.run(config) == 0
+    assert start.steps == ["make proxier", "load", "build agent"]
+    assert isinstance(start.seen_by_build, LoadingProxier)
+
+
+def test_iptables_mode_loads_nothing_early(start: Start, tmp_path: Path) -> None:
+    start.loading.set()  # build_agent does not wait: nothing loads early in this mode
+    services = tmp_path / "services.yaml"
+    services.write_text("")
+    assert app.run(Config(mode=Mode.IPTABLES, services_file=str(services))) == 0
+    assert start.steps == ["build agent"] and start.seen_by_build is None
+
+
+def test_a_services_file_that_cannot_be_read_is_fatal_before_the_load_starts(
+    start: Start, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    missing = tmp_path / "missing.yaml"
+    config = Config(mode=Mode.EBPF, services_file=str(missing), pin_path=str(tmp_path / "pins"))
+    assert app.run(config) == 1
+    assert start.steps == []
+    assert f"--services-file {missing}: No such file or directory" in caplog.text
