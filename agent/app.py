@@ -10,8 +10,11 @@
 The only module that knows every layer. The long-running logic lives in agent/daemon.py; this
 module only decides which source (the services file, or the API server through `--kubeconfig` /
 `--master` / the pod's service account), which backend, and which servers, and turns everything
-that no retry can fix into one message and exit status 1 before anything is created (a
-`--kubeconfig` that cannot be used is a bad input, as a bad `--config`: exit status 2).
+that no retry can fix into one message and exit status 1 (a `--kubeconfig` that cannot be used is
+a bad input, as a bad `--config`: exit status 2). The pre-flight and an unreadable services file
+stop it before anything is created; a later failure (credentials, a bind) may come after eBPF
+mode's early load pinned maps and set sysctls, as a killed agent leaves them (the next agent
+re-adopts them): the load is waited for under the node lock, so nothing outlives it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import shutil
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from prometheus_client import CollectorRegistry
 
@@ -308,7 +311,13 @@ class _Server:
         self._server.stop()
 
 
-def start_loading(config: Config) -> Proxier | None:
+class EarlyProxier(Proxier, Protocol):
+    """eBPF mode's proxier as start_loading hands it over: closing it waits for its load."""
+
+    def close(self) -> None: ...
+
+
+def start_loading(config: Config) -> EarlyProxier | None:
     """eBPF mode's proxier, its data path's load (the programs from the compile cache through the
     kernel's verifier, which runs with the GIL released) started now on a thread, so that it runs
     beside build_agent's imports, API client and node discovery instead of starting with the
@@ -322,13 +331,13 @@ def start_loading(config: Config) -> Proxier | None:
         check_services_file(config.services_file)
     if config.mode is not Mode.EBPF:
         return None
-    proxier = make_proxier(config)
+    proxier = cast(EarlyProxier, make_proxier(config))
 
     def prepare() -> None:
         try:
             proxier.prepare()
         except Exception as exc:  # FatalError too: the Agent's prepare() meets it again
-            log.debug("the early load of the data path failed (the agent loads it again): %s", exc)
+            log.info("the early load of the data path failed (the agent loads it again): %s", exc)
 
     threading.Thread(target=prepare, name="prepare-proxier-early", daemon=True).start()
     return proxier
@@ -408,7 +417,8 @@ def build_agent(
         services.append(_Server("metrics", metrics_server(config, registry, configz=configz), hard))
     services.append(service_health)
 
-    proxier = proxier or make_proxier(config, metrics)
+    if proxier is None:
+        proxier = make_proxier(config, metrics)
     proxier6 = make_proxier6(config, proxier, metrics) if serve6 else None
     service_health6 = None
     if proxier6 is not None:
@@ -509,10 +519,16 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         from agent.nodeinit import setup_conntrack
 
         setup_conntrack(config)  # kube-proxy's platformSetup, before the proxier reads the host
+        proxier: EarlyProxier | None = None
         try:
             proxier = start_loading(config)
             agent = build_agent(config, configz, kubeconfig, proxier=proxier)
-        except FatalError as exc:
+        except BaseException as exc:
+            if proxier is not None:
+                # Waits for the early load: nothing it does (pins, programs) outlives the node lock.
+                proxier.close()
+            if not isinstance(exc, FatalError):
+                raise
             log.error("%s", exc)
             return 1
         return agent.run()

@@ -14,6 +14,7 @@ import pytest
 
 from agent import app, lock, nodeinit
 from agent.config import Config, Mode
+from agent.errors import FatalError
 
 
 @dataclass
@@ -22,16 +23,30 @@ class Start:
 
     steps: list[str] = field(default_factory=list)
     loading: threading.Event = field(default_factory=threading.Event)  # the proxier's prepare() began
+    building: threading.Event = field(default_factory=threading.Event)  # build_agent began
+    loaded: threading.Event = field(default_factory=threading.Event)  # prepare() returned
     seen_by_build: object = None
+    build_fails: bool = False
 
 
 class LoadingProxier:
+    """A load that ends only once build_agent has begun: run() calling prepare() itself, before
+    build_agent, would never get there (the test fails on the wait)."""
+
     def __init__(self, start: Start) -> None:
         self._start = start
 
     def prepare(self) -> None:
         self._start.steps.append("load")
         self._start.loading.set()
+        assert self._start.building.wait(10), "the load was not beside build_agent"
+        self._start.steps.append("loaded")
+        self._start.loaded.set()
+
+    def close(self) -> None:
+        # EbpfProxier.close waits for a load under way: so does this one.
+        assert self._start.loaded.wait(10)
+        self._start.steps.append("close")
 
 
 class FinishedAgent:
@@ -57,7 +72,10 @@ def start(monkeypatch: pytest.MonkeyPatch) -> Iterator[Start]:
         # must already be under way on its own thread.
         assert s.loading.wait(10), "build_agent began before the data path's load"
         s.steps.append("build agent")
+        s.building.set()
         s.seen_by_build = proxier
+        if s.build_fails:
+            raise FatalError("cannot reach the API server: 401 Unauthorized")
         return FinishedAgent()
 
     monkeypatch.setattr(app, "make_proxier", make_proxier)
@@ -72,8 +90,22 @@ def test_the_ebpf_load_starts_before_build_agent_and_its_proxier_is_the_agents(
     services.write_text("")
     config = Config(mode=Mode.EBPF, services_file=str(services), pin_path=str(tmp_path / "pins"))
     assert app.run(config) == 0
-    assert start.steps == ["make proxier", "load", "build agent"]
+    assert start.steps[:3] == ["make proxier", "load", "build agent"]
     assert isinstance(start.seen_by_build, LoadingProxier)
+
+
+def test_a_failed_build_waits_for_the_early_load_under_the_node_lock(
+    start: Start, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """build_agent failing (credentials) after the load began: run() closes the proxier, which
+    waits for the load, before it leaves the node lock: nothing the load does outlives it."""
+    start.build_fails = True
+    services = tmp_path / "services.yaml"
+    services.write_text("")
+    config = Config(mode=Mode.EBPF, services_file=str(services), pin_path=str(tmp_path / "pins"))
+    assert app.run(config) == 1
+    assert start.steps == ["make proxier", "load", "build agent", "loaded", "close"]
+    assert "401 Unauthorized" in caplog.text
 
 
 def test_iptables_mode_loads_nothing_early(start: Start, tmp_path: Path) -> None:
