@@ -23,6 +23,7 @@ pods' IPv6 HTTP server answers `/` with the pod's name and `/ip` with the client
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import Iterator
@@ -443,13 +444,10 @@ print(json.dumps([peer, body.split(b"\r\n\r\n")[1].decode().strip(), "[%s]:%d" %
 """
 
 
-def test_a_pods_ipv6_connections_are_translated_by_the_socket_programs_in_ebpf_mode(dual: Cluster) -> None:
-    """eBPF mode: a pod's TCP connection, UDP datagram and DNS lookup (`dig`) to an IPv6 ClusterIP
-    are sent to a backend by the socket programs at connect()/sendmsg(): their counter moves, and
-    the node's nf_conntrack holds no flow to the ClusterIP, so no ip6tables DNAT translated them;
-    the application sees the ClusterIP as its peer (getpeername, recvfrom's source; dig, which
-    refuses an answer from another address). iptables mode, the same test's other side: ip6tables
-    translates, its DNAT flows to the ClusterIP are in nf_conntrack."""
+@contextlib.contextmanager
+def dns6_service(dual: Cluster) -> Iterator[None]:
+    """dnsmasq in each of PODS on its IPv6 address, behind the IPv6-only Service DNS_V6 (UDP and
+    TCP port 53), with v6_objects' Services; the servers stopped on the way out."""
     lab = dual.lab
     servers = [lab.start_dns(lab.pod(p), extra_args=[f"--listen-address={lab.pod(p).ip6}"]) for p in PODS]
     try:
@@ -460,6 +458,22 @@ def test_a_pods_ipv6_connections_are_translated_by_the_socket_programs_in_ebpf_m
         )
         eps["addressType"] = "IPv6"
         dual.apply([*v6_objects(lab), svc, eps])
+        yield
+    finally:
+        for proc in servers:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def test_a_pods_ipv6_connections_are_translated_by_the_socket_programs_in_ebpf_mode(dual: Cluster) -> None:
+    """eBPF mode: a pod's TCP connection, UDP datagram and DNS lookup (`dig`) to an IPv6 ClusterIP
+    are sent to a backend by the socket programs at connect()/sendmsg(): their counter moves, and
+    the node's nf_conntrack holds no flow to the ClusterIP, so no ip6tables DNAT translated them;
+    the application sees the ClusterIP as its peer (getpeername, recvfrom's source; dig, which
+    refuses an answer from another address). iptables mode, the same test's other side: ip6tables
+    translates, its DNAT flows to the ClusterIP are in nf_conntrack."""
+    lab = dual.lab
+    with dns6_service(dual):
         node, pod = lab.node(1), lab.pod("pod-1-1")
         for vip in (V6_VIP, DNS_V6):  # flows of earlier tests
             lab.run(node, "conntrack", "-D", "-f", "ipv6", "--orig-dst", vip, check=False)
@@ -477,10 +491,6 @@ def test_a_pods_ipv6_connections_are_translated_by_the_socket_programs_in_ebpf_m
         else:
             assert "dport=80 " in flows[V6_VIP] and "dport=53 " in flows[V6_VIP], flows
             assert "dport=53 " in flows[DNS_V6], flows
-    finally:
-        for proc in servers:
-            proc.terminate()
-            proc.wait(timeout=10)
 
 
 def test_dns_over_ipv6_with_dig_through_an_ipv6_cluster_ip(dual: Cluster) -> None:
@@ -488,21 +498,9 @@ def test_dns_over_ipv6_with_dig_through_an_ipv6_cluster_ip(dual: Cluster) -> Non
     IPv6 addresses behind an IPv6-only kube-dns-like Service; `dig` from a pod over UDP and over
     TCP gets answers from both."""
     lab = dual.lab
-    servers = [lab.start_dns(lab.pod(p), extra_args=[f"--listen-address={lab.pod(p).ip6}"]) for p in PODS]
-    try:
-        ports = [Port("dns", 53, 53, "UDP"), Port("dns-tcp", 53, 53, "TCP")]
-        svc = service("dns6", DNS_V6, ports, ipFamilies=["IPv6"])
-        eps = endpoint_slice(
-            "dns6", ports, [Ep(lab.pod(p).ip6, f"node{lab.pod(p).node}") for p in PODS], "v6"
-        )
-        eps["addressType"] = "IPv6"
-        dual.apply([*v6_objects(lab), svc, eps])
+    with dns6_service(dual):
         pod = lab.pod("pod-1-1")
         over_udp = {lab.dns_whoami(pod, DNS_V6) for _ in range(TRIES)}
         assert over_udp == set(PODS)
         over_tcp = {lab.dns_whoami(pod, DNS_V6, tcp=True) for _ in range(TRIES)}
         assert over_tcp == set(PODS)
-    finally:
-        for proc in servers:
-            proc.terminate()
-            proc.wait(timeout=10)
