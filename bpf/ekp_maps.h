@@ -29,7 +29,8 @@
 	!defined(EKP_SKNAT_MAX) || !defined(EKP_SKCFG_MAX) || !defined(EKP_HOSTNAT_MAX) ||                   \
 	!defined(EKP_FE6_MAX) || !defined(EKP_SLOT6_MAX) || !defined(EKP_BE6_MAX) || !defined(EKP_RNAT6_MAX) ||     \
 	!defined(EKP_MEMBER6_MAX) || !defined(EKP_SRCR6_MAX) || !defined(EKP_ADDR6_MAX) ||                     \
-	!defined(EKP_AFF6_MAX) || !defined(EKP_SKNAT6_MAX)
+	!defined(EKP_AFF6_MAX) || !defined(EKP_SKNAT6_MAX) || !defined(EKP_CT6_TCP_MAX) ||                     \
+	!defined(EKP_CT6_ANY_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -97,8 +98,8 @@ BPF_TABLE("lru_hash", struct ekp_sock_key, struct ekp_sock_nat, ekp_sknat_v2, EK
 
 /* IPv6 (ekp_abi.h, "IPv6 pairs"): the service tables of the family, each sized as its IPv4 twin
  * (the same flag), allocated as written (an IPv4-only node pays for their hash buckets alone); the
- * affinity and socket tables, LRU, preallocated as the IPv4 ones. Read by the socket programs for
- * now (the tc programs pass IPv6 to the stack). */
+ * affinity and socket tables, LRU, preallocated as the IPv4 ones. Read by the socket programs and
+ * the tc programs' IPv6 path (bpf/ekp_tc6.h), which alone writes its conntrack tables. */
 BPF_F_TABLE("hash", struct ekp_frontend6_key, struct ekp_frontend, ekp_fe6_v2, EKP_FE6_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", struct ekp_slot_key, struct ekp_slot, ekp_slot6_v2, EKP_SLOT6_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", struct ekp_backend_key, struct ekp_backend6, ekp_be6_v2, EKP_BE6_MAX, BPF_F_NO_PREALLOC);
@@ -108,6 +109,8 @@ BPF_F_TABLE("lpm_trie", struct ekp_srcrange6_key, struct ekp_srcrange, ekp_srcr6
 BPF_F_TABLE("hash", struct ekp_addr6_key, struct ekp_addr, ekp_addr6_v2, EKP_ADDR6_MAX, BPF_F_NO_PREALLOC);
 BPF_TABLE("lru_hash", struct ekp_affinity6_key, struct ekp_affinity, ekp_aff6_v2, EKP_AFF6_MAX);
 BPF_TABLE("lru_hash", struct ekp_sock6_key, struct ekp_sock6_nat, ekp_sknat6_v2, EKP_SKNAT6_MAX);
+BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_tcp_v2, EKP_CT6_TCP_MAX);
+BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_any_v2, EKP_CT6_ANY_MAX);
 
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
 BPF_TABLE("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX);
@@ -168,5 +171,9 @@ static __always_inline int ekp_aff6_update(struct ekp_affinity6_key *k, struct e
 static __always_inline struct ekp_sock6_nat *ekp_sknat6_lookup(struct ekp_sock6_key *k);
 static __always_inline int ekp_sknat6_update(struct ekp_sock6_key *k, struct ekp_sock6_nat *v);
 static __always_inline int ekp_sknat6_delete(struct ekp_sock6_key *k);
+static __always_inline struct ekp_addr *ekp_addr6_lookup(struct ekp_addr6_key *k);
+static __always_inline struct ekp_ct6_entry *ekp_ct6_lookup(struct ekp_ct6_key *k);
+static __always_inline int ekp_ct6_update(struct ekp_ct6_key *k, struct ekp_ct6_entry *v);
+static __always_inline int ekp_ct6_insert(struct ekp_ct6_key *k, struct ekp_ct6_entry *v);
 
 #endif /* EKP_MAPS_H */

@@ -99,6 +99,8 @@ TEST_ROLES = (
     *abi.V6_ROLES.values(),
     "aff6",
     "sknat6",
+    "ct6_tcp",
+    "ct6_any",
 )
 
 CFG = abi.Config(
@@ -285,6 +287,14 @@ def add_address(maps: Mapping[str, MapWriter], addr: str, flags: int) -> None:
     maps["addr"].update(key, abi.Addr(flags=have | flags))
 
 
+def add_address6(maps: Mapping[str, MapWriter], addr: str, flags: int) -> None:
+    """`flags` (abi.AddrFlag) added to the ekp_addr6 entry of `addr`."""
+    key = abi.Addr6Key(abi.Addr6(*abi.ip6_words(addr)))
+    old = maps["addr6"].lookup(key)
+    have = old.flags if isinstance(old, abi.Addr) else 0
+    maps["addr6"].update(key, abi.Addr(flags=have | flags))
+
+
 def add_service6(
     maps: Mapping[str, MapWriter],
     addr: str,
@@ -300,14 +310,17 @@ def add_service6(
     affinity_timeout: int = 0,
     count: int | None = None,
 ) -> None:
-    """`add_service` for an IPv6 frontend, in the IPv6 maps (ekp_fe6, be6, slot6, member6, rnat6),
-    in the planner's order."""
+    """`add_service` for an IPv6 frontend, in the IPv6 maps (ekp_fe6, be6, slot6, member6, rnat6,
+    and the addresses in ekp_addr6), in the planner's order."""
     member = abi.MemberFlag.LOCAL if flags & FrontendFlag.LOCAL else abi.MemberFlag.CLUSTER
     for slot, (backend_id, be_addr, be_port, be_flags) in enumerate(backends, 1):
         value = abi.Backend6(abi.Addr6(*abi.ip6_words(be_addr)), port_be(be_port), proto, be_flags)
         maps["be6"].update(abi.BackendKey(backend_id), value)
         maps["member6"].update(abi.MemberKey(svc_id, backend_id), abi.Member(flags=member))
         maps["slot6"].update(abi.SlotKey(set_id, slot), abi.Slot(backend_id))
+        add_address6(maps, be_addr, abi.AddrFlag.BACKEND)
+    if scope != Scope.HOST:
+        add_address6(maps, addr, 1 << scope)
     words = abi.Addr6(*abi.ip6_words(addr))
     maps["rnat6"].update(abi.RevNatKey(rev_nat_id), abi.RevNat6(words, port_be(port)))
     fe = abi.Frontend(

@@ -493,6 +493,34 @@ class Sock6Nat(_Struct):
     _fields_ = [("fe_addr", Addr6), ("fe_port", u16), ("pad", u16), ("svc_id", u32), ("backend_id", u32)]
 
 
+class Ct6Key(_Struct):
+    _fields_ = [
+        ("saddr", Addr6),
+        ("daddr", Addr6),
+        ("sport", u16),
+        ("dport", u16),
+        ("proto", u8),
+        ("dir", u8),
+        ("pad", u16),
+    ]
+
+
+class Ct6Entry(_Struct):
+    _fields_ = [
+        ("last_seen_ns", u64),
+        ("nat_addr", Addr6),
+        ("fe_addr", Addr6),
+        ("nat_port", u16),
+        ("fe_port", u16),
+        ("flags", u16),
+        ("pad", u16),
+        ("svc_id", u32),
+        ("backend_id", u32),
+        ("created_s", u32),
+        ("pad2", u32),
+    ]
+
+
 # Every struct of the header, by its C name; the ABI test walks this.
 STRUCTS: dict[str, type[_Struct]] = {
     "ekp_frontend_key": FrontendKey,
@@ -537,6 +565,8 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_addr6_key": Addr6Key,
     "ekp_sock6_key": Sock6Key,
     "ekp_sock6_nat": Sock6Nat,
+    "ekp_ct6_key": Ct6Key,
+    "ekp_ct6_entry": Ct6Entry,
 }
 
 
@@ -642,6 +672,9 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("addr6", "hash", Addr6Key, Addr, 262144, "EKP_ADDR6_MAX", pair="addr"),
         MapSpec("aff6", "lru_hash", Affinity6Key, Affinity, 65536, "EKP_AFF6_MAX", _DP, pair="aff"),
         MapSpec("sknat6", "lru_hash", Sock6Key, Sock6Nat, 65536, "EKP_SKNAT6_MAX", _DP, pair="sknat"),
+        # the tc programs' IPv6 conntrack (bpf/ekp_tc6.h), each sized as its IPv4 twin
+        MapSpec("ct6_tcp", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_TCP_MAX", _DP, pair="ct_tcp"),
+        MapSpec("ct6_any", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_ANY_MAX", _DP, pair="ct_any"),
     )
 }
 

@@ -58,7 +58,7 @@ from agent.ebpf.link import LinkError, PinnedMapMismatch, link
 from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, obj_pin, possible_cpus
 from agent.ebpf.objcache import ObjectCache, default_cache_dir
 from agent.ebpf.pindir import ensure_pin_dir
-from agent.ebpf.programs import PROGRAMS, ProgSpec, available_programs, kernel_needs
+from agent.ebpf.programs import PROGRAMS, TAIL_CALLS, ProgSpec, available_programs, kernel_needs
 from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,9 @@ log = logging.getLogger(__name__)
 ENTRY_FILE = "ekp_tc.c"
 BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)
 
-# Unpinned maps each program's load owns (ekp_tc.c: ekp_scratch); a reused program keeps its own.
-PRIVATE_MAPS = 1
+# Unpinned maps each program's load owns (ekp_tc.c: ekp_scratch and the program array ekp_calls6 of
+# the IPv4 ingress programs, ekp_scratch6 of the IPv6 ones); a reused program keeps its own.
+PRIVATE_MAPS = 2
 
 BPF_F_NO_PREALLOC = 1 << 0
 BPF_F_NO_COMMON_LRU = 1 << 1
@@ -118,7 +119,7 @@ def map_size(spec: MapSpec, sizes: MapSizes) -> int:
     size = int(getattr(sizes, spec.sized_by, spec.default_size))
     if size == 0:
         resolved = sizes.with_conntrack(ConntrackSettings(), os.cpu_count() or 1)
-        size = int(getattr(resolved, spec.role))
+        size = int(getattr(resolved, spec.sized_by))
     return size
 
 
@@ -402,6 +403,13 @@ class Datapath:
                 self.pin_path, build, list(programs), self._pinned_map_ids(), PRIVATE_MAPS
             )
             how = "reused (unchanged since it was compiled)"
+            if fds is not None and not all(
+                os.path.exists(prog_pin(self.pin_path, build, m)) for m in TAIL_CALLS
+            ):
+                # The program array went with its pin: empty, so loaded again with a new one.
+                for fd in fds.values():
+                    os.close(fd)
+                fds = None
             if fds is None:
                 fds, how = self._link(build, programs, opened)
             self._prog_fds = fds

@@ -3,6 +3,7 @@ agent's own pinned maps, pinned programs reused by a restart; no bcc in the agen
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import subprocess
@@ -17,12 +18,13 @@ from agent.config import MapSizes
 from agent.ebpf import bpfsys, loader
 from agent.ebpf.abi import MAPS, CtEntry, CtKey, MapSpec, ip_be, port_be
 from agent.ebpf.bpfobject import BpfObject
-from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids
+from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids, prog_pin
 from agent.ebpf.link import PinnedMapMismatch, link, verifier_threads
 from agent.ebpf.loader import PRIVATE_MAPS, Datapath, PinMismatchError
 from agent.ebpf.maps import map_info, obj_get
 from agent.ebpf.objcache import DIR_ENV, ObjectCache
-from agent.ebpf.programs import PROG_SCHED_CLS, PROG_XDP, PROGRAMS
+from agent.ebpf.programs import PROG_FROM_NET, PROG_FROM_POD, PROG_SCHED_CLS, PROG_XDP, PROGRAMS, TAIL_CALLS
+from agent.ebpf.sockattach import prog_id
 from lab.packets import bpffs
 
 SMALL = MapSizes(
@@ -77,6 +79,24 @@ def _pinned_ids(pins: str, specs: Iterable[MapSpec] = MAPS.values()) -> dict[str
     return out
 
 
+def _tail_calls(pins: str, d: Datapath) -> dict[str, list[int]]:
+    """The program ids each pinned program array of `d`'s build holds, by index."""
+    out: dict[str, list[int]] = {}
+    for name, progs in TAIL_CALLS.items():
+        fd = bpfsys.obj_get(prog_pin(pins, d.build(d.programs()), name))
+        assert fd >= 0, name
+        try:
+            ids = []
+            for index in range(len(progs)):
+                value = ctypes.c_uint32()
+                assert bpfsys.map_lookup_elem(fd, ctypes.c_uint32(index), value) == 0, (name, index)
+                ids.append(value.value)
+            out[name] = ids
+        finally:
+            os.close(fd)
+    return out
+
+
 def _uses_only_its_own_maps(d: Datapath) -> set[int]:
     """The ids of `d`'s pinned maps, after checking each program uses them and, the tc and XDP
     programs, one map of their own (the socket programs none)."""
@@ -84,7 +104,9 @@ def _uses_only_its_own_maps(d: Datapath) -> set[int]:
     for name in PROGRAMS:
         used = prog_map_ids(d.prog_fd(name))
         assert used & ids, "the programs use the pinned maps"
-        private = PRIVATE_MAPS if PROGRAMS[name].prog_type in (PROG_SCHED_CLS, PROG_XDP) else 0
+        # the IPv4 ingress programs: their scratch and the program array of their IPv6 packets
+        private = PRIVATE_MAPS if name in (PROG_FROM_POD, PROG_FROM_NET) else 1
+        private = private if PROGRAMS[name].prog_type in (PROG_SCHED_CLS, PROG_XDP) else 0
         assert len(used - ids) == private, f"{name}: besides them, only its load's own scratch"
     return ids
 
@@ -126,12 +148,15 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         first.load()
         first.close()
         built = _prog_pins(pins)
-        assert len(built) == len(PROGRAMS)
+        assert len(built) == len(PROGRAMS) + len(TAIL_CALLS), "each program and each program array"
         caplog.clear()
         again = Datapath(pins, SMALL, cache=cache)
         again.load()
         try:
             _uses_only_its_own_maps(again)
+            assert _tail_calls(pins, again) == {
+                "ekp_calls6": [prog_id(again.prog_fd(name)) for name in TAIL_CALLS["ekp_calls6"]]
+            }, "the pinned program array still holds the reused IPv6 programs"
         finally:
             again.close()
         assert "data path reused" in caplog.text, "a restart reuses the pinned programs"
@@ -148,7 +173,7 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         bigger.close()
         assert "data path compiled in" in caplog.text
         rebuilt = _prog_pins(pins)
-        assert len(rebuilt) == len(PROGRAMS) and not set(rebuilt) & set(built)
+        assert len(rebuilt) == len(PROGRAMS) + len(TAIL_CALLS) and not set(rebuilt) & set(built)
 
 
 @pytest.mark.kernel
@@ -227,7 +252,19 @@ def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(loader, "compile_in_child", _no_compile)
     v6 = {role for role, spec in MAPS.items() if spec.pair}
-    assert v6 == {"fe6", "slot6", "be6", "rnat6", "member6", "srcr6", "addr6", "aff6", "sknat6"}
+    assert v6 == {
+        "fe6",
+        "slot6",
+        "be6",
+        "rnat6",
+        "member6",
+        "srcr6",
+        "addr6",
+        "aff6",
+        "sknat6",
+        "ct6_tcp",
+        "ct6_any",
+    }
     key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
     with bpffs() as root:
         pins = str(root / "ekp")

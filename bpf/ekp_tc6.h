@@ -1,0 +1,379 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * ekp_tc6.h: the tc programs' IPv6 path (ekp_from_pod6, ekp_from_net6), reached from
+ * ekp_from_pod / ekp_from_net by a tail call (ekp_tc.c), so the IPv4 programs' verification and
+ * per-packet work do not grow with it (Cilium splits its programs per family the same way).
+ *
+ *   parse (ekp_parse6.h) -> conntrack (ekp_ct6_tcp / ekp_ct6_any: FORWARD, then REPLY)
+ *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1)
+ *                        -> route (bpf_fib_lookup), rewrite, hop limit - 1, redirect
+ *
+ * What it translates: flows that need no source translation, which is every flow whose backend is
+ * on this node, and the remote ones of frontends that ask no SNAT (a pod to a ClusterIP). Every
+ * other packet goes to the node's stack untouched, where the ip6tables proxier beside the eBPF
+ * programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
+ *   - a frontend that asks SNAT (EKP_FE_SNAT_ALL; EKP_FE_SNAT_REMOTE with a remote backend), a
+ *     hairpin (the client is its own backend), a backend on the node's own address (EKP_BE_HOST:
+ *     its replies leave by the node's stack), affinity with SNAT_REMOTE (one owner of the
+ *     service's affinity), legacy host routing;
+ *   - refusals: no endpoints (ip6tables' REJECT answers with ICMPv6), no local endpoint, source
+ *     ranges;
+ *   - a mid-flow TCP segment without an entry (a flow ip6tables translated before: nf_conntrack
+ *     has it), a tuple whose reply entry is taken;
+ *   - fragments, first and later: a translated first fragment would leave its later pieces to a
+ *     stack that can never reassemble them, so the whole datagram goes to the stack, which
+ *     reassembles and translates it;
+ *   - ICMPv6 (errors about translated flows included, Packet Too Big: not yet translated here),
+ *     a packet too big for the route, no route, the last hop.
+ * The reply of a flow this path translated comes back through ekp_from_pod6 (a local backend) or
+ * ekp_from_net6 (a remote one) and gets its frontend back from the REPLY entry.
+ */
+#ifndef EKP_TC6_H
+#define EKP_TC6_H
+
+#include <linux/pkt_cls.h>
+
+#include "ekp_act.h"
+#include "ekp_ct.h"
+#include "ekp_decide.h"
+#include "ekp_lb.h"
+#include "ekp_parse6.h"
+#include "ekp_redirect.h"
+#include "ekp_stats.h"
+
+#ifndef AF_INET6
+#define AF_INET6 10
+#endif
+
+/* Working memory of one packet (a per-CPU array of ekp_tc.c): more than the 512-byte stack. */
+struct ekp_tc6_scratch {
+	struct ekp_pkt6 pkt;
+	struct ekp_ct6_key key;
+	struct ekp_ct6_key rkey;
+	struct ekp_ct6_entry fwd;
+	struct ekp_ct6_entry rev;
+	struct bpf_fib_lookup fib;
+	struct ekp_flow flow;
+	__be32 be6[4];
+};
+
+static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);
+
+static __always_inline long ekp_fib6(struct __sk_buff *skb, struct bpf_fib_lookup *fib, const struct ekp_pkt6 *p,
+				     const __be32 *saddr, const __be32 *daddr, __be16 sport, __be16 dport)
+{
+	__builtin_memset(fib, 0, sizeof(*fib));
+	fib->family = AF_INET6;
+	fib->l4_protocol = p->b.proto;
+	fib->sport = sport;
+	fib->dport = dport;
+	__builtin_memcpy(fib->ipv6_src, saddr, 16);
+	__builtin_memcpy(fib->ipv6_dst, daddr, 16);
+	fib->ifindex = skb->ingress_ifindex;
+	return bpf_fib_lookup(skb, fib, sizeof(*fib), 0);
+}
+
+/* ekp_source_routed_here for IPv6: the route back to the source leaves by the device the packet
+ * came in on (or the bridge of its port), what the stack's reverse-path check would ask. */
+static __always_inline int ekp_source_routed_here6(struct __sk_buff *skb, const struct ekp_pkt6 *p,
+						   struct bpf_fib_lookup *fib, __u32 bridge)
+{
+	long rc = ekp_fib6(skb, fib, p, p->daddr, p->saddr, p->b.dport, p->b.sport);
+
+	return (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ||
+		rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) &&
+	       (fib->ifindex == skb->ingress_ifindex || (bridge && fib->ifindex == bridge));
+}
+
+static __always_inline int ekp_addr6_eq(const __be32 *a, const __be32 *b)
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
+}
+
+/* Replaces the 16-byte address at `off` and fixes the L4 checksum for it (its pseudo header: IPv6
+ * has no header checksum). 0 or -1. */
+static __always_inline int ekp_set_addr6(struct __sk_buff *skb, const struct ekp_pkt6 *p, __u32 off,
+					 const __be32 *old, const __be32 *new)
+{
+	__s64 diff = bpf_csum_diff((__be32 *)old, 16, (__be32 *)new, 16, 0);
+
+	if (diff < 0)
+		return -1;
+	if (bpf_l4_csum_replace(skb, ekp_l4_csum_off(&p->b), 0, diff, ekp_l4_csum_flags(&p->b) | BPF_F_PSEUDO_HDR) < 0)
+		return -1;
+	return bpf_skb_store_bytes(skb, off, (void *)new, 16, 0) < 0 ? -1 : 0;
+}
+
+/* Rewrites the packet to saddr:sport -> daddr:dport. 0 or -1. */
+static __always_inline int ekp_rewrite6(struct __sk_buff *skb, const struct ekp_pkt6 *p, const __be32 *saddr,
+					__be16 sport, const __be32 *daddr, __be16 dport)
+{
+	if (!ekp_addr6_eq(saddr, p->saddr) && ekp_set_addr6(skb, p, EKP_IP6_SADDR_OFF, p->saddr, saddr) < 0)
+		return -1;
+	if (!ekp_addr6_eq(daddr, p->daddr) && ekp_set_addr6(skb, p, EKP_IP6_DADDR_OFF, p->daddr, daddr) < 0)
+		return -1;
+	if (ekp_set_port(skb, &p->b, 0, p->b.sport, sport) < 0 || ekp_set_port(skb, &p->b, 2, p->b.dport, dport) < 0)
+		return -1;
+	return 0;
+}
+
+/* The route of the translated tuple into w->fib: SUCCESS or NO_NEIGH, or -1 to hand the packet
+ * untouched to the stack (no route here, too big for the route: the stack and ip6tables answer
+ * those as they would without this path). Looked up before anything is written. */
+static __always_inline long ekp_tc6_route(struct __sk_buff *skb, struct ekp_tc6_scratch *w, const __be32 *saddr,
+					  __be16 sport, const __be32 *daddr, __be16 dport)
+{
+	long rc = ekp_fib6(skb, &w->fib, &w->pkt, saddr, daddr, sport, dport);
+
+	return rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ? rc : -1;
+}
+
+/* Rewrites the packet to the translated tuple, spends a hop and redirects it along the route `rc`
+ * (ekp_tc6_route). The TC verdict. */
+static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_scratch *w, long rc,
+					const __be32 *saddr, __be16 sport, const __be32 *daddr, __be16 dport,
+					__u32 *outcome)
+{
+	const struct ekp_pkt6 *p = &w->pkt;
+	struct bpf_fib_lookup *fib = &w->fib;
+	__u8 hop = p->hop_limit - 1;
+
+	if (ekp_rewrite6(skb, p, saddr, sport, daddr, dport) < 0 ||
+	    bpf_skb_store_bytes(skb, EKP_IP6_HOPLIMIT_OFF, &hop, 1, 0) < 0) {
+		*outcome = EKP_DROP_MALFORMED;
+		return TC_ACT_SHOT;
+	}
+	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH) {
+		struct bpf_redir_neigh nh = {};
+		nh.nh_family = AF_INET6;
+		__builtin_memcpy(nh.ipv6_nh, fib->ipv6_dst, 16); /* the gateway when the route has one */
+		return ekp_redirect_neigh(fib->ifindex, &nh, sizeof(nh), 0);
+	}
+	if (bpf_skb_store_bytes(skb, 0, fib->dmac, ETH_ALEN, 0) < 0 ||
+	    bpf_skb_store_bytes(skb, ETH_ALEN, fib->smac, ETH_ALEN, 0) < 0) {
+		*outcome = EKP_DROP_MALFORMED;
+		return TC_ACT_SHOT;
+	}
+	return bpf_redirect(fib->ifindex, 0);
+}
+
+static __always_inline struct ekp_ct6_entry *ekp_ct6_hit(struct ekp_ct6_key *k, const struct ekp_config *cfg, __u64 now)
+{
+	struct ekp_ct6_entry *e = ekp_ct6_lookup(k);
+
+	if (e && ekp_age_ns(now, e->last_seen_ns) > (__s64)ekp_ct_timeout_ns(cfg, k->proto, e->flags))
+		return NULL; /* expired: a new flow on the tuple decides again */
+	return e;
+}
+
+/* The state a packet moves its flow to (ekp_ct_transition, IPv4's, reads only these two fields). */
+static __always_inline __u16 ekp_ct6_transition(const struct ekp_ct6_entry *e, const struct ekp_pkt6 *p, __u8 dir,
+						__u64 now)
+{
+	struct ekp_ct_entry view = {};
+
+	view.flags = e->flags;
+	view.created_s = e->created_s;
+	return ekp_ct_transition(&view, &p->b, dir, now);
+}
+
+/* An IPv6 endpoint in the flow-activity array (ekp_act.h) is its address folded to 32 bits: a
+ * stamp is a hint, and a slot shared with another endpoint (of either family) only costs the
+ * lookups, never a wrong answer. */
+static __always_inline __be32 ekp_fold6(const __be32 *a)
+{
+	return a[0] ^ a[1] ^ a[2] ^ a[3];
+}
+
+/* Stamps both endpoints of a flow: its frontend and its backend. */
+static __always_inline void ekp_ct6_stamp_flow(const __be32 *fe, __be16 fe_port, const __be32 *be, __be16 be_port,
+					       __u8 proto, __u64 now)
+{
+	__u32 t = ekp_act_stamp_of(now);
+
+	ekp_act_stamp(ekp_fold6(fe), fe_port, proto, t);
+	ekp_act_stamp(ekp_fold6(be), be_port, proto, t);
+}
+
+/* ekp_decide_may_translate for IPv6: when no live flow stamped either endpoint of the packet and
+ * its destination is no frontend of this scope (ekp_addr6), it belongs to no flow of ours and
+ * leaves without the conntrack lookups (traffic between pods pays two array loads and a hash
+ * lookup, not two LRU lookups of 40-byte keys). */
+static __always_inline int ekp_tc6_may_translate(const struct ekp_pkt6 *p, __u8 scope, const struct ekp_config *cfg)
+{
+	if (!ekp_act_armed())
+		return 1;
+	__u32 t = ekp_act_stamp_of(bpf_ktime_get_coarse_ns()); /* lags the stamps' clock: errs "maybe" */
+	__u32 span = ekp_ct_longest_stamps(cfg, p->b.proto);
+	if (!ekp_act_idle(ekp_fold6(p->daddr), p->b.dport, p->b.proto, t, span) ||
+	    !ekp_act_idle(ekp_fold6(p->saddr), p->b.sport, p->b.proto, t, span))
+		return 1;
+	struct ekp_addr6_key k = {};
+	__builtin_memcpy(k.addr, p->daddr, 16);
+	struct ekp_addr *a = ekp_addr6_lookup(&k);
+	return a && (a->flags & (1 << scope));
+}
+
+static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
+{
+	struct ekp_tc6_scratch *w = ekp_scratch6_lookup();
+	__u32 bridge = skb->tc_classid; /* the pod port's bridge (ekp_redirect.h) */
+
+	skb->tc_classid = 0;
+	if (!w)
+		return TC_ACT_OK; /* cannot happen: a one-element per-CPU array */
+	__builtin_memset(&w->pkt, 0, sizeof(w->pkt));
+	struct ekp_pkt6 *p = &w->pkt;
+	int parsed = ekp_parse6(skb, p);
+	__u32 outcome = EKP_STAT_PASS;
+	int verdict = TC_ACT_OK;
+	const struct ekp_config *cfg = ekp_config_get();
+
+	ekp_count(EKP_STAT_PACKETS);
+	/* the last hop: the stack sends the time exceeded */
+	if (parsed != EKP_PARSE_OK || p->b.frag != EKP_FRAG_NONE || p->hop_limit <= 1 || !cfg ||
+	    (cfg->flags & EKP_CFG_HOST_LEGACY) || !ekp_tc6_may_translate(p, scope, cfg))
+		goto out;
+
+	__u64 now = bpf_ktime_get_ns();
+	struct ekp_ct6_key *k = &w->key;
+	struct ekp_ct6_key *rk = &w->rkey;
+	__builtin_memset(k, 0, sizeof(*k));
+	__builtin_memcpy(k->saddr, p->saddr, 16);
+	__builtin_memcpy(k->daddr, p->daddr, 16);
+	k->sport = p->b.sport;
+	k->dport = p->b.dport;
+	k->proto = p->b.proto;
+	k->dir = EKP_CT_FORWARD;
+
+	__builtin_memset(rk, 0, sizeof(*rk));
+	rk->proto = p->b.proto;
+	rk->dir = EKP_CT_REPLY;
+	struct ekp_ct6_entry *e = ekp_ct6_hit(k, cfg, now);
+	__u8 dir = EKP_CT_FORWARD;
+	if (e) {
+		/* its reply entry: backend -> client */
+		__builtin_memcpy(rk->saddr, e->nat_addr, 16);
+		__builtin_memcpy(rk->daddr, p->saddr, 16);
+		rk->sport = e->nat_port;
+		rk->dport = p->b.sport;
+	} else {
+		k->dir = EKP_CT_REPLY;
+		e = ekp_ct6_hit(k, cfg, now);
+		if (e) {
+			dir = EKP_CT_REPLY;
+			/* its forward entry: client -> frontend */
+			__builtin_memcpy(rk->saddr, p->daddr, 16);
+			__builtin_memcpy(rk->daddr, e->fe_addr, 16);
+			rk->sport = p->b.dport;
+			rk->dport = e->fe_port;
+			rk->dir = EKP_CT_FORWARD;
+		}
+	}
+	if (e) {
+		__u16 set = ekp_ct6_transition(e, p, dir, now);
+		/* both entries move alike, as IPv4's; the clock once a second (a write per packet
+		 * would bounce the entry between CPUs) */
+		if (set || ekp_age_ns(now, e->last_seen_ns) > (__s64)EKP_NSEC) {
+			e->flags |= set;
+			e->last_seen_ns = now;
+			struct ekp_ct6_entry *t = set ? ekp_ct6_lookup(rk) : NULL;
+			if (t)
+				t->flags |= set;
+			/* the backend: the FORWARD entry's nat_addr, the REPLY key's source */
+			if (dir == EKP_CT_FORWARD)
+				ekp_ct6_stamp_flow(e->fe_addr, e->fe_port, e->nat_addr, e->nat_port, p->b.proto, now);
+			else
+				ekp_ct6_stamp_flow(e->fe_addr, e->fe_port, p->saddr, p->b.sport, p->b.proto, now);
+		}
+		const __be32 *sa = p->saddr, *da = e->nat_addr;
+		__be16 sp = p->b.sport, dp = e->nat_port;
+		if (dir == EKP_CT_REPLY) {
+			sa = e->fe_addr;
+			sp = e->fe_port;
+			da = p->daddr;
+			dp = p->b.dport;
+		}
+		if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
+			outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
+			verdict = TC_ACT_SHOT;
+			goto out;
+		}
+		long rc = ekp_tc6_route(skb, w, sa, sp, da, dp);
+		if (rc < 0)
+			goto out;
+		outcome = dir == EKP_CT_FORWARD ? EKP_STAT_CT_FORWARD : EKP_STAT_CT_REPLY;
+		verdict = ekp_tc6_send(skb, w, rc, sa, sp, da, dp, &outcome);
+		goto out;
+	}
+
+	/* A new flow: only its first packet starts one (a TCP segment without an entry belongs to a
+	 * flow ip6tables translated, whose nf_conntrack entry the stack has). */
+	if (p->b.proto == IPPROTO_TCP && !ekp_pure_syn(&p->b))
+		goto out;
+	struct ekp_frontend6_key fk = {};
+	__builtin_memcpy(fk.addr, p->daddr, 16);
+	fk.port = p->b.dport;
+	fk.proto = p->b.proto;
+	fk.scope = scope;
+	struct ekp_frontend *fe = ekp_fe6_lookup(&fk);
+	if (!fe)
+		goto out;
+	__u16 flags = fe->flags;
+	if (ekp_lb_refusal_af(1, fe, p->saddr) || (flags & EKP_FE_SNAT_ALL) ||
+	    ((flags & EKP_FE_AFFINITY) && (flags & EKP_FE_SNAT_REMOTE)))
+		goto out;
+	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
+		outcome = EKP_DROP_SPOOFED;
+		verdict = TC_ACT_SHOT;
+		goto out;
+	}
+	struct ekp_flow *f = &w->flow;
+	__u32 aff_hit = 0;
+	__builtin_memset(f, 0, sizeof(*f));
+	if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, f, w->be6, &aff_hit))
+		goto out;
+	if ((f->be_flags & EKP_BE_HOST) || (!(f->be_flags & EKP_BE_LOCAL) && (flags & EKP_FE_SNAT_REMOTE)) ||
+	    ekp_addr6_eq(w->be6, p->saddr))
+		goto out; /* a source translation: ip6tables' */
+
+	long rc = ekp_tc6_route(skb, w, p->saddr, p->b.sport, w->be6, f->be_port);
+	if (rc < 0)
+		goto out;
+
+	/* The reply entry first: a tuple whose reply entry another flow holds is left to the stack. */
+	__builtin_memcpy(rk->saddr, w->be6, 16);
+	__builtin_memcpy(rk->daddr, p->saddr, 16);
+	rk->sport = f->be_port;
+	rk->dport = p->b.sport;
+	struct ekp_ct6_entry *fwd = &w->fwd, *rev = &w->rev;
+	__builtin_memset(rev, 0, sizeof(*rev));
+	rev->last_seen_ns = now;
+	__builtin_memcpy(rev->fe_addr, p->daddr, 16);
+	rev->fe_port = p->b.dport;
+	rev->svc_id = fe->svc_id;
+	rev->backend_id = f->backend_id;
+	rev->created_s = now / EKP_NSEC;
+	__builtin_memcpy(fwd, rev, sizeof(*fwd));
+	__builtin_memcpy(fwd->nat_addr, w->be6, 16);
+	fwd->nat_port = f->be_port;
+	k->dir = EKP_CT_FORWARD;
+	if (ekp_ct6_insert(rk, rev) < 0) {
+		struct ekp_ct6_entry *held = ekp_ct6_lookup(rk);
+		if (!held || !ekp_addr6_eq(held->fe_addr, p->daddr) || held->fe_port != p->b.dport ||
+		    ekp_ct6_update(rk, rev) < 0)
+			goto out;
+	}
+	if (ekp_ct6_update(k, fwd) < 0)
+		goto out;
+	ekp_ct6_stamp_flow(p->daddr, p->b.dport, w->be6, f->be_port, p->b.proto, now);
+	outcome = EKP_STAT_NEW_FLOWS;
+	if (aff_hit)
+		ekp_count(EKP_STAT_AFFINITY_HIT);
+	verdict = ekp_tc6_send(skb, w, rc, p->saddr, p->b.sport, w->be6, f->be_port, &outcome);
+out:
+	ekp_count(outcome);
+	return verdict;
+}
+
+#endif /* EKP_TC6_H */

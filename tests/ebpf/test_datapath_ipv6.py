@@ -1,0 +1,311 @@
+"""The tc programs' IPv6 path (bpf/ekp_tc6.h), packet by packet through BPF_PROG_TEST_RUN: the
+IPv4 ingress programs hand IPv6 frames to ekp_from_pod6 / ekp_from_net6 by a tail call, which
+translate the flows that need no source translation (a local backend, a frontend asking no SNAT)
+with conntrack of their own (ekp_ct6_*) and leave every other packet to the node's stack untouched,
+where the ip6tables proxier beside the eBPF programs serves it.
+
+The packet lab (lab/dplab.py) with IPv6 beside IPv4 on the same devices:
+
+    ext0  fd00:ff::11/64     neighbours node2 ::12, client ::100; fd00:a:2::/64 via node2
+    pod0  fd00:a:1::1/64     neighbours for pods ::5 (a backend) and ::9 (a client)
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agent.ebpf import abi
+from agent.ebpf.abi import BackendFlag, CtDir, FrontendFlag, Scope, Stat, ip6_words, port_be
+from agent.ebpf.loader import Datapath
+from lab.dplab import TCP, UDP, Lab, Net, add_service6, packet_lab, set_config
+from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, sh
+
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
+
+NODE6, NODE2_6, CLIENT6 = "fd00:ff::11", "fd00:ff::12", "fd00:ff::100"
+POD6, BE6, BE6_2, REMOTE_BE6 = "fd00:a:1::9", "fd00:a:1::5", "fd00:a:1::6", "fd00:a:2::7"
+VIP6 = "fd00:96::10"
+MAC6 = {
+    NODE2_6: "02:00:00:00:06:12",
+    CLIENT6: "02:00:00:00:06:64",
+    POD6: "02:00:0a:06:01:09",
+    BE6: "02:00:0a:06:01:05",
+    BE6_2: "02:00:0a:06:01:06",
+}
+
+
+@pytest.fixture(scope="module")
+def lab(dp: Datapath) -> Iterator[Lab]:
+    with packet_lab() as built:
+        sh("sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")  # bpf_fib_lookup's, as for IPv4
+        sh("ip", "-6", "addr", "add", f"{NODE6}/64", "dev", built.ext.name, "nodad")
+        sh("ip", "-6", "addr", "add", "fd00:a:1::1/64", "dev", built.pod.name, "nodad")
+        sh("ip", "-6", "route", "add", "fd00:a:2::/64", "via", NODE2_6)
+        for addr, mac in MAC6.items():
+            dev = built.ext.name if addr.startswith("fd00:ff:") else built.pod.name
+            sh("ip", "-6", "neigh", "replace", addr, "lladdr", mac, "dev", dev, "nud", "permanent")
+        yield built
+
+
+def frame6(
+    src: str,
+    dst: str,
+    sport: int,
+    dport: int,
+    proto: int = TCP,
+    *,
+    flags: str = "S",
+    ext: Any = None,
+    hlim: int = 64,
+) -> bytes:
+    """An IPv6 TCP or UDP frame; `ext` (scapy extension headers) between IPv6 and the L4 header."""
+    from scapy.layers.inet import TCP as TCPh
+    from scapy.layers.inet import UDP as UDPh
+    from scapy.layers.inet6 import IPv6
+    from scapy.layers.l2 import Ether
+
+    l4 = TCPh(sport=sport, dport=dport, flags=flags) if proto == TCP else UDPh(sport=sport, dport=dport)
+    l3 = IPv6(src=src, dst=dst, hlim=hlim)
+    if ext is not None:
+        l3 = l3 / ext
+    return bytes(Ether(src="02:00:00:00:aa:01", dst="02:00:00:00:aa:02") / l3 / l4 / b"hello")
+
+
+def seen(frame: bytes) -> tuple[str, str, str, int, str, int, int]:
+    """(dmac, src, dst, sport, ... dport, hop limit) of an IPv6 frame, asserting its L4 checksum
+    is what scapy computes for its addresses and bytes."""
+    from scapy.layers.inet import TCP as TCPh
+    from scapy.layers.inet import UDP as UDPh
+    from scapy.layers.inet6 import IPv6
+    from scapy.layers.l2 import Ether
+
+    pkt = Ether(frame)
+    ip = pkt[IPv6]
+    l4 = pkt[TCPh] if TCPh in pkt else pkt[UDPh]
+    fresh = Ether(frame)
+    del (fresh[TCPh] if TCPh in fresh else fresh[UDPh]).chksum
+    again = Ether(bytes(fresh))
+    assert (again[TCPh] if TCPh in again else again[UDPh]).chksum == l4.chksum, "L4 checksum"
+    return pkt.dst, ip.src, ip.dst, l4.sport, pkt.src, l4.dport, ip.hlim
+
+
+def ct6(
+    net: Net, src: str, dst: str, sport: int, dport: int, proto: int = TCP, *, reply: bool = False
+) -> Any:
+    key = abi.Ct6Key(
+        abi.Addr6(*ip6_words(src)),
+        abi.Addr6(*ip6_words(dst)),
+        port_be(sport),
+        port_be(dport),
+        proto,
+        CtDir.REPLY if reply else CtDir.FORWARD,
+    )
+    return net.dp.maps["ct6_tcp" if proto == TCP else "ct6_any"].lookup(key)
+
+
+def ct6_count(net: Net) -> int:
+    return len(net.dp.maps["ct6_tcp"].keys()) + len(net.dp.maps["ct6_any"].keys())
+
+
+LOCAL_BE = ((1, BE6, 8080, BackendFlag.LOCAL),)
+
+
+# ---- translated ----------------------------------------------------------------------------
+
+
+def test_a_pod_to_a_cluster_ip_is_translated_and_its_reply_reverse_translated(net: Net) -> None:
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 40000, 80))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[:4] == (MAC6[BE6], POD6, BE6, 40000)
+    assert seen(out)[5:] == (8080, 63)
+    assert ct6(net, POD6, VIP6, 40000, 80) is not None
+    assert ct6(net, BE6, POD6, 8080, 40000, reply=True) is not None
+    assert net.stats()[Stat.NEW_FLOWS] == 1
+
+    verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40000, flags="SA"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[:4] == (MAC6[POD6], VIP6, POD6, 80)
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 40000, 80, flags="A"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (POD6, BE6, 40000)
+    stats = net.stats()
+    assert (stats[Stat.CT_REPLY], stats[Stat.CT_FORWARD], stats[Stat.PACKETS]) == (1, 1, 3)
+    entry = ct6(net, POD6, VIP6, 40000, 80)
+    assert entry.flags & abi.CtFlag.ESTABLISHED, "the handshake moved the flow's state"
+
+
+def test_a_nodeport_from_outside_to_a_local_backend_is_translated_both_ways(net: Net) -> None:
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    add_service6(net.dp.maps, NODE6, 30080, LOCAL_BE, scope=Scope.EXTERNAL, flags=flags)
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50000, 30080))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[:4] == (MAC6[BE6], CLIENT6, BE6, 50000)
+    verdict, out = net.from_pod(frame6(BE6, CLIENT6, 8080, 50000, flags="SA"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[:4] == (MAC6[CLIENT6], NODE6, CLIENT6, 30080), "the client sees the NodePort"
+
+
+def test_a_cluster_ip_to_a_remote_backend_without_snat_goes_to_its_node(net: Net) -> None:
+    add_service6(net.dp.maps, VIP6, 80, ((1, REMOTE_BE6, 8080, 0),))
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 40001, 80))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[:4] == (MAC6[NODE2_6], POD6, REMOTE_BE6, 40001)
+    verdict, out = net.from_net(frame6(REMOTE_BE6, POD6, 8080, 40001, flags="SA"))
+    assert verdict == TC_ACT_REDIRECT, "the reply comes back by the external device"
+    assert seen(out)[:4] == (MAC6[POD6], VIP6, POD6, 80)
+
+
+def test_udp_behind_extension_headers_is_translated_with_its_checksum(net: Net) -> None:
+    from scapy.layers.inet6 import IPv6ExtHdrDestOpt, IPv6ExtHdrHopByHop, IPv6ExtHdrRouting
+
+    add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
+    ext = (
+        IPv6ExtHdrHopByHop()
+        / IPv6ExtHdrDestOpt()
+        / IPv6ExtHdrRouting(segleft=0, addresses=[])
+        / IPv6ExtHdrDestOpt()
+    )
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 40002, 53, UDP, ext=ext))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (POD6, BE6, 40002)
+    assert seen(out)[5] == 8080
+    assert ct6(net, POD6, VIP6, 40002, 53, UDP) is not None
+
+
+# ---- left to the stack (ip6tables) --------------------------------------------------------
+
+
+def _passes(net: Net, frame: bytes, *, via_net: bool = False) -> None:
+    verdict, out = net.from_net(frame) if via_net else net.from_pod(frame)
+    assert (verdict, out) == (TC_ACT_OK, frame), "handed to the stack untouched"
+    assert ct6_count(net) == 0
+
+
+def test_a_remote_backend_needing_snat_is_left_to_ip6tables(net: Net) -> None:
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    add_service6(net.dp.maps, NODE6, 30080, ((1, REMOTE_BE6, 8080, 0),), scope=Scope.EXTERNAL, flags=flags)
+    _passes(net, frame6(CLIENT6, NODE6, 50001, 30080), via_net=True)
+    assert net.stats()[Stat.PASS] == 1
+
+
+def test_snat_all_hairpin_and_host_backends_are_left_to_ip6tables(net: Net) -> None:
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE, flags=FrontendFlag.SNAT_ALL)
+    _passes(net, frame6(POD6, VIP6, 40003, 80))
+    add_service6(net.dp.maps, VIP6, 81, LOCAL_BE, svc_id=2, set_id=2, rev_nat_id=2)
+    _passes(net, frame6(BE6, VIP6, 40004, 81))  # the backend is its own client: a hairpin
+    add_service6(
+        net.dp.maps, VIP6, 82, ((3, NODE6, 10250, BackendFlag.HOST),), svc_id=3, set_id=3, rev_nat_id=3
+    )
+    _passes(net, frame6(POD6, VIP6, 40005, 82))
+
+
+def test_refusals_are_left_to_ip6tables_which_rejects(net: Net) -> None:
+    add_service6(net.dp.maps, VIP6, 80, (), flags=FrontendFlag.NO_ENDPOINTS)
+    _passes(net, frame6(POD6, VIP6, 40006, 80))
+    assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 0, "no verdict of ours: ip6tables' REJECT answers"
+
+
+def test_fragments_first_and_later_are_left_to_the_stack(net: Net) -> None:
+    from scapy.layers.inet import UDP as UDPh
+    from scapy.layers.inet6 import IPv6, IPv6ExtHdrFragment, fragment6
+    from scapy.layers.l2 import Ether
+
+    add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
+    datagram = (
+        IPv6(src=POD6, dst=VIP6) / IPv6ExtHdrFragment(id=7) / UDPh(sport=40007, dport=53) / (b"x" * 3000)
+    )
+    pieces = fragment6(datagram, 1280)  # type: ignore[no-untyped-call]
+    assert len(pieces) >= 3
+    for piece in pieces:
+        _passes(net, bytes(Ether(src="02:00:00:00:aa:01", dst="02:00:00:00:aa:02") / piece))
+    assert net.stats()[Stat.PASS] == len(pieces)
+
+
+def test_mid_flow_segments_icmpv6_and_unfinished_routing_are_left_to_the_stack(net: Net) -> None:
+    from scapy.layers.inet6 import ICMPv6EchoRequest, ICMPv6ND_NS, IPv6, IPv6ExtHdrRouting
+    from scapy.layers.l2 import Ether
+
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    _passes(net, frame6(POD6, VIP6, 40008, 80, flags="A"))  # a flow ip6tables translated
+    eth = Ether(src="02:00:00:00:aa:01", dst="02:00:00:00:aa:02")
+    _passes(net, bytes(eth / IPv6(src=POD6, dst=VIP6) / ICMPv6EchoRequest()))
+    _passes(net, bytes(eth / IPv6(src=POD6, dst="ff02::1:ff00:5") / ICMPv6ND_NS(tgt=BE6)))
+    routed = IPv6ExtHdrRouting(segleft=1, addresses=["fd00:99::1"])
+    _passes(net, frame6(POD6, VIP6, 40009, 80, ext=routed))  # VIP6 is not its final destination
+    _passes(net, frame6(POD6, VIP6, 40010, 80, hlim=1))  # the stack answers the last hop
+
+
+def test_an_ipv6_packet_is_counted_once_by_the_ipv6_program(net: Net) -> None:
+    """The tail call leaves the IPv4 program: one PACKETS and one outcome per IPv6 packet."""
+    net.from_pod(frame6(POD6, VIP6, 40011, 80))
+    net.from_net(frame6(CLIENT6, NODE6, 40011, 80))
+    stats = net.stats()
+    assert (stats[Stat.PACKETS], stats[Stat.PASS]) == (2, 2)
+
+
+# ---- the activity check (bpf/ekp_act.h) -----------------------------------------------------
+
+
+def test_a_live_flow_keeps_its_translation_after_its_addresses_leave_ekp_addr6(net: Net) -> None:
+    """The flow stamped its endpoints: its reply is translated though neither address is in
+    ekp_addr6 any more (a Service and its endpoint removed while the flow lives)."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    assert net.from_pod(frame6(POD6, VIP6, 40020, 80))[0] == TC_ACT_REDIRECT
+    net.dp.maps["addr6"].clear()
+    verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40020, flags="SA"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (VIP6, POD6, 80)
+
+
+def test_a_packet_of_no_stamped_endpoint_skips_conntrack_once_the_check_is_armed(net: Net) -> None:
+    """An entry written behind the data path's back (no stamp of its endpoints) is not looked up
+    while the check is armed, and is once the agent has not armed it (after an upgrade, the
+    entries the tables held before these programs)."""
+    entry = abi.Ct6Entry(
+        last_seen_ns=time.monotonic_ns(),
+        nat_addr=abi.Addr6(*ip6_words(BE6)),
+        fe_addr=abi.Addr6(*ip6_words(VIP6)),
+        nat_port=port_be(8080),
+        fe_port=port_be(80),
+    )
+    key = abi.Ct6Key(
+        abi.Addr6(*ip6_words(POD6)), abi.Addr6(*ip6_words(VIP6)), port_be(40021), port_be(80), TCP, 0
+    )
+    net.dp.maps["ct6_tcp"].update(key, entry)
+    frame = frame6(POD6, VIP6, 40021, 80, flags="A")
+    assert net.from_pod(frame) == (TC_ACT_OK, frame), "not looked up"
+    net.dp.maps["act"].update(ct.c_uint32(0), abi.Act(stamp=0))
+    verdict, out = net.from_pod(frame)
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (POD6, BE6, 40021)
+
+
+def test_legacy_host_routing_leaves_every_ipv6_packet_to_the_stack(net: Net) -> None:
+    """Its source translation happens at egress, which has no IPv6 half: ip6tables serves IPv6."""
+    set_config(net.dp, flags=abi.ConfigFlag.HOST_LEGACY)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    _passes(net, frame6(POD6, VIP6, 40030, 80))
+
+
+def test_a_pod_claiming_a_source_not_routed_to_its_device_is_dropped(net: Net) -> None:
+    """The redirect skips the stack's reverse-path filter, so the program checks as it would."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    frame = frame6(CLIENT6, VIP6, 40031, 80)  # an address of the external network, from a pod
+    assert net.from_pod(frame)[0] == TC_ACT_SHOT
+    assert net.stats()[Stat.DROP_SPOOFED] == 1
+    assert ct6_count(net) == 0
+
+
+def test_client_ip_affinity_keeps_a_client_on_its_backend(net: Net) -> None:
+    backends = ((1, BE6, 8080, BackendFlag.LOCAL), (2, BE6_2, 8080, BackendFlag.LOCAL))
+    add_service6(net.dp.maps, VIP6, 80, backends, flags=FrontendFlag.AFFINITY, affinity_timeout=60)
+    chosen = {seen(net.from_pod(frame6(POD6, VIP6, 41000 + i, 80))[1])[2] for i in range(12)}
+    assert len(chosen) == 1, chosen
+    assert net.stats()[Stat.AFFINITY_HIT] == 11
+    assert len(net.dp.maps["aff6"].keys()) == 1

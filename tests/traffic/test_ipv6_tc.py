@@ -1,0 +1,165 @@
+"""IPv6 Services through the tc programs' IPv6 path (bpf/ekp_tc6.h), with real traffic through the
+dual-stack lab, in both modes.
+
+eBPF mode runs with `--bpf-host-routing=bpf` (the IPv6 path translates with that routing only;
+with legacy host routing every IPv6 packet goes to ip6tables as before) and pods' sockets left to
+the per-packet path (the harness's default, `--bpf-socket-lb-host-namespace-only=true`), so a
+pod's IPv6 connection to a Service is the tc programs' or ip6tables', never the socket programs'.
+What each must show in eBPF mode: the flows that need no source translation (a pod to a ClusterIP,
+a NodePort of externalTrafficPolicy Local from outside to the node's own endpoint) are translated
+by tc (its counters move, and the node's nf_conntrack holds no DNAT entry for them); the others (a
+NodePort of policy Cluster, masqueraded) and what tc leaves to the stack (fragments) still work,
+through ip6tables (whose DNAT entries are in nf_conntrack). iptables mode, the same requests: the
+same answers, every one through ip6tables.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from lab import Lab
+from lab.harness import Cluster
+from lab.objects import Ep, Port, endpoint_slice, service
+from tests.conftest import require_kernel
+from tests.traffic.conftest import MODES
+from tests.traffic.test_ipv6 import HTTP6_PORT, SERVER6, fetch
+
+VIP = "fd00:10:96::c1"
+CLUSTER_PORT, LOCAL_PORT, UDP_PORT = 30791, 30792, 53
+PODS = ("pod-1-2", "pod-2-2")  # the IPv6 backends, one per node
+TRIES = 20  # each reaches a given one of two backends with p = 1/2: all missing it, 1e-6
+
+
+@pytest.fixture(scope="module", params=MODES)
+def dual(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    require_kernel()
+    with Lab(nodes=2, pods_per_node=2, ipv6=True) as lab:
+        lab.start_podservers()
+        for name in PODS:
+            proc = lab.popen(
+                lab.pod(name), sys.executable, "-c", SERVER6, name, str(HTTP6_PORT), name="http6"
+            )
+            lab.wait_log(proc, "ready")
+        extra = ["--bpf-host-routing=bpf"] if request.param == "ebpf" else []
+        c = Cluster(lab, request.param, extra=extra)
+        c.start()
+        try:
+            lab_objects(c)
+            yield c
+        finally:
+            failures = c.stop()
+        assert not failures, f"agent --cleanup failed: {failures}"
+
+
+def lab_objects(c: Cluster) -> None:
+    lab = c.lab
+    http = Port("http", 80, HTTP6_PORT, node_port=CLUSTER_PORT)
+    dns = Port("dns", UDP_PORT, HTTP6_PORT, "UDP")
+    svc = service("tc6", VIP, [http, dns], type="NodePort", ipFamilies=["IPv6"])
+    eps = endpoint_slice(
+        "tc6", [http, dns], [Ep(lab.pod(p).ip6, f"node{lab.pod(p).node}") for p in PODS], "v6"
+    )
+    eps["addressType"] = "IPv6"
+    lport = Port("http", 80, HTTP6_PORT, node_port=LOCAL_PORT)
+    local = service(
+        "tc6-local",
+        "fd00:10:96::c2",
+        [lport],
+        type="NodePort",
+        ipFamilies=["IPv6"],
+        externalTrafficPolicy="Local",
+    )
+    leps = endpoint_slice("tc6-local", [lport], [Ep(lab.pod("pod-1-2").ip6, "node1")], "v6")
+    leps["addressType"] = "IPv6"
+    c.apply([svc, eps, local, leps])
+
+
+def dnat_flows(c: Cluster, dst: str) -> str:
+    """node1's nf_conntrack entries whose original destination is `dst` (an ip6tables DNAT's)."""
+    return c.lab.run(c.lab.node(1), "conntrack", "-L", "-f", "ipv6", "--orig-dst", dst, check=False).stdout
+
+
+def forget_flows(c: Cluster, dst: str) -> None:
+    c.lab.run(c.lab.node(1), "conntrack", "-D", "-f", "ipv6", "--orig-dst", dst, check=False)
+
+
+def new_flows(c: Cluster) -> int:
+    return c.bpf_stats(1)["new_flows"] if c.mode == "ebpf" else 0
+
+
+def test_a_pods_ipv6_connections_to_a_cluster_ip_are_translated_by_tc(dual: Cluster) -> None:
+    """A pod on node1 reaches both backends (its own node's and node2's) through the IPv6
+    ClusterIP: in eBPF mode each connection is a new tc flow and none is in nf_conntrack."""
+    forget_flows(dual, VIP)
+    before = new_flows(dual)
+    seen = {fetch(dual, dual.lab.pod("pod-1-1"), f"http://[{VIP}]:80/") for _ in range(TRIES)}
+    assert seen == set(PODS)
+    flows = dnat_flows(dual, VIP)
+    if dual.mode == "ebpf":
+        assert new_flows(dual) - before >= TRIES
+        assert flows == "", flows
+    else:
+        assert "dport=80 " in flows, flows
+
+
+def test_an_ipv6_node_port_of_policy_local_is_translated_by_tc_keeping_the_client_address(
+    dual: Cluster,
+) -> None:
+    lab = dual.lab
+    node = lab.node(1)
+    forget_flows(dual, node.ip6)
+    before = new_flows(dual)
+    url = f"http://[{node.ip6}]:{LOCAL_PORT}"
+    assert {fetch(dual, lab.client, f"{url}/") for _ in range(5)} == {"pod-1-2"}
+    assert fetch(dual, lab.client, f"{url}/ip") == lab.client.ip6
+    flows = dnat_flows(dual, node.ip6)
+    if dual.mode == "ebpf":
+        assert new_flows(dual) - before >= 6
+        assert f"dport={LOCAL_PORT} " not in flows, flows
+    else:
+        assert f"dport={LOCAL_PORT} " in flows, flows
+
+
+def test_an_ipv6_node_port_of_policy_cluster_still_works_through_ip6tables(dual: Cluster) -> None:
+    """Masqueraded (policy Cluster): a source translation, which the tc path leaves to ip6tables,
+    for the remote backend and the local one alike; both answer, and see a node address."""
+    lab = dual.lab
+    node = lab.node(1)
+    forget_flows(dual, node.ip6)
+    url = f"http://[{node.ip6}]:{CLUSTER_PORT}"
+    assert {fetch(dual, lab.client, f"{url}/") for _ in range(TRIES)} == set(PODS)
+    source = fetch(dual, lab.client, f"{url}/ip")
+    assert source != lab.client.ip6 and source.startswith("fd00:"), source
+    assert f"dport={CLUSTER_PORT} " in dnat_flows(dual, node.ip6), "ip6tables' DNAT"
+
+
+# A 3,000-byte datagram (three IPv6 fragments on the lab's links) and a short one carrying a
+# destination options header, each from its own socket to [vip]:53; prints what came back.
+DATAGRAMS = r"""
+import socket, sys
+vip, port = sys.argv[1], int(sys.argv[2])
+big = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); big.settimeout(3)
+big.sendto(b"x" * 3000, (vip, port)); print(len(big.recv(65535)))
+opts = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); opts.settimeout(3)
+# a destination options header holding one PadN option (RFC 8200 4.2): 8 bytes
+opts.setsockopt(socket.IPPROTO_IPV6, 59, bytes([0, 0, 1, 4, 0, 0, 0, 0]))  # IPV6_DSTOPTS
+opts.sendto(b"who", (vip, port)); print(opts.recv(100).decode())
+"""
+
+
+def test_fragments_and_extension_headers_reach_the_cluster_ip(dual: Cluster) -> None:
+    """A fragmented datagram (left to the stack, which reassembles it and ip6tables translates it)
+    and a datagram behind a destination options header (translated by tc in eBPF mode: a new flow
+    of its own) both answered through the ClusterIP."""
+    lab = dual.lab
+    forget_flows(dual, VIP)
+    before = new_flows(dual)
+    out = lab.run(lab.pod("pod-1-1"), sys.executable, "-c", DATAGRAMS, VIP, str(UDP_PORT), timeout=20).stdout
+    size, who = out.split()
+    assert size == "3000" and who in PODS, out
+    if dual.mode == "ebpf":
+        assert new_flows(dual) - before == 1, "the datagram with options, not the fragments"
+        assert "dport=53 " in dnat_flows(dual, VIP), "the fragmented datagram went through ip6tables"
