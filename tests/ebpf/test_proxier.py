@@ -966,6 +966,25 @@ def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:
     assert (rig.sizes[1].ct_tcp, rig.sizes[1].ct_any) == (1000, 500)
 
 
+def test_the_tc_ipv6_path_is_sized_and_routed_only_with_an_ipv6_half_and_bpf_host_routing(rig: Rig) -> None:
+    """The data path is created with MapSizes.ipv6_tc (its IPv6 conntrack tables at full size and
+    ekp_calls6 filled, agent/ebpf/loader.py) only where the tc programs' IPv6 path can translate:
+    an IPv6 half writes the IPv6 maps and host routing is BPF. Every other node, the default
+    (legacy host routing) and IPv4-only ones included, pays for neither."""
+    for routing, half, want in (
+        (HostRouting.LEGACY, False, False),
+        (HostRouting.LEGACY, True, False),
+        (HostRouting.BPF, False, False),
+        (HostRouting.BPF, True, True),
+    ):
+        rig.config = replace(rig.config, bpf_host_routing=routing)
+        p = rig.proxier()
+        if half:
+            p.ipv6()
+        p.sync(STATE, NODE)
+        assert rig.sizes[-1].ipv6_tc is want, (routing, half)
+
+
 def test_fixtures_differ() -> None:
     assert set(STATE.services) < set(MORE.services)
     # with the NodePort on localhost (internal), and the node's own (HOST) twins of the ETP Local
