@@ -794,7 +794,8 @@ def render_live_maps(
 
     `services` prints the same lines as `--dry-run` (cfg, fe, slot, be, rnat, srcr), so a live
     node can be diffed against a plan; `services6` the IPv6 maps (fe6, slot6, be6, ...); `ct`,
-    `aff` and `stats` print conntrack, affinity and the counters; `sockets` the socket programs'
+    `aff` and `stats` print conntrack (IPv4's, then the tc IPv6 path's `ct6` lines), affinity and
+    the counters; `sockets` the socket programs'
     settings, links and where each socket was sent. Opens the pins read-only in effect (nothing is
     written); needs no compiler.
     """
@@ -807,7 +808,7 @@ def render_live_maps(
         render_sockets,
         render_stats,
     )
-    from agent.ebpf.render6 import render_contents6, sock6_lines
+    from agent.ebpf.render6 import ct6_lines, render_contents6, sock6_lines
     from agent.ebpf.sockattach import pinned_links
 
     unknown = [s for s in sections if s not in INSPECT_SECTIONS]
@@ -816,7 +817,7 @@ def render_live_maps(
     roles = {
         "services": (*ROLES, "cfg", "cfgsel"),
         "services6": tuple(abi.V6_ROLES.values()),
-        "ct": abi.CT_ROLES,
+        "ct": (*abi.CT_ROLES, "ct6_tcp", "ct6_any"),
         "aff": ("aff",),
         "stats": ("stats", "xstats"),
         "capacity": tuple(abi.MAPS),
@@ -849,6 +850,8 @@ def render_live_maps(
             elif section == "ct":
                 flows = [kv for role in abi.CT_ROLES for kv in maps[role].items()]
                 out.append(render_conntrack(flows, now))  # type: ignore[arg-type]
+                flows6 = [kv for role in ("ct6_tcp", "ct6_any") if role in maps for kv in maps[role].items()]
+                out.append("".join(line + "\n" for line in ct6_lines(flows6, now)))
             elif section == "capacity":
                 capacities = {role: m.info().max_entries for role, m in maps.items()}
                 fills = read_fill(maps, capacities, read_config(maps), now)

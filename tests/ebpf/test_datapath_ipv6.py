@@ -22,6 +22,7 @@ import pytest
 from agent.ebpf import abi
 from agent.ebpf.abi import BackendFlag, CtDir, FrontendFlag, Scope, Stat, ip6_words, port_be
 from agent.ebpf.loader import Datapath
+from agent.ebpf.proxier import render_live_maps
 from lab.dplab import TCP, UDP, Lab, Net, add_service6, packet_lab, set_config
 from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, sh
 
@@ -113,6 +114,21 @@ def ct6_count(net: Net) -> int:
 
 
 LOCAL_BE = ((1, BE6, 8080, BackendFlag.LOCAL),)
+
+
+def test_agent_inspect_ct_shows_the_ipv6_flows_beside_the_ipv4_ones(net: Net) -> None:
+    """`agent inspect maps ct` on live pins: a flow the IPv6 path translated, both directions, as
+    `ct6` lines after IPv4's (none here)."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    verdict, _ = net.from_pod(frame6(POD6, VIP6, 40000, 80))
+    assert verdict == TC_ACT_REDIRECT
+    created = ct6(net, POD6, VIP6, 40000, 80)
+    text = render_live_maps(net.dp.pin_path, ("ct",), now_ns=created.last_seen_ns)
+    assert text.splitlines() == [
+        f"ct6 [{BE6}]:8080 -> [{POD6}]:40000/TCP reply fe=[{VIP6}]:80 svc=1 be=1 flags=- idle=0s age=0s",
+        f"ct6 [{POD6}]:40000 -> [{VIP6}]:80/TCP forward fe=[{VIP6}]:80 nat=[{BE6}]:8080 svc=1 be=1 "
+        "flags=- idle=0s age=0s",
+    ]
 
 
 # ---- translated ----------------------------------------------------------------------------
