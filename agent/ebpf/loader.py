@@ -344,6 +344,7 @@ class Datapath:
         self._prog_fds: dict[str, int] = {}
         self._maps: dict[str, BpfMap] = {}
         self._programs: dict[str, ProgSpec] = {}
+        self._build: str | None = None
 
     @property
     def entry_file(self) -> Path:
@@ -461,7 +462,10 @@ class Datapath:
             self._route_ipv6(build, fds)
             self._prog_fds = fds
             self._programs = programs
-            old = remove_other_builds(self.pin_path, build)
+            self._build = build
+            # Its program arrays stay pinned until our programs replaced its attachments
+            # (release_older_builds, after the first attach).
+            old = remove_other_builds(self.pin_path, build, keep=tuple(TAIL_CALLS))
             if old:
                 log.info("unpinned programs of an older build: %s", ", ".join(old))
             log.info(
@@ -480,6 +484,13 @@ class Datapath:
             else:
                 self.close()
             raise
+
+    def release_older_builds(self) -> list[str]:
+        """Unpin what load() kept of older builds (their program arrays): to be called once this
+        build's programs replaced theirs on every device. The names unpinned."""
+        if self._build is None:
+            return []
+        return remove_other_builds(self.pin_path, self._build)
 
     def _route_ipv6(self, build: str, fds: Mapping[str, int]) -> None:
         """Fill the program arrays (TAIL_CALLS) when the tc programs' IPv6 path serves

@@ -101,6 +101,9 @@ class DatapathLike(Protocol):
     def repair_pins(self) -> list[str]:
         """Pin again every map whose pin was removed or replaced; the names repaired."""
 
+    def release_older_builds(self) -> list[str]:
+        """Unpin what the load kept of older builds until the first attach replaced them."""
+
     def close(self) -> None: ...
 
 
@@ -600,6 +603,12 @@ class EbpfProxier:
             # carried over before anything else delays it.
             self._upgrade.after_attach(datapath.maps)
             activity.arm(datapath.maps)  # only our programs run now: stamp what the tables hold
+            released = datapath.release_older_builds()
+            if released:
+                log.info(
+                    "unpinned the program arrays of an older build, its programs detached: %s",
+                    ", ".join(released),
+                )
             stale = remove_stale_pins(self._config.pin_path)
             if stale:
                 log.info("removed pins of other ABI versions: %s", ",".join(stale))

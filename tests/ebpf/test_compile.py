@@ -171,6 +171,7 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         caplog.clear()
         bigger = Datapath(pins, replace(SMALL, fe=256), cache=ObjectCache(str(tmp_path / "empty")))
         bigger.load()
+        assert bigger.release_older_builds() == [n for n in built if n.endswith("_ekp_calls6")]
         bigger.close()
         assert "data path compiled in" in caplog.text
         rebuilt = _prog_pins(pins)
@@ -512,3 +513,39 @@ def test_a_program_the_verifier_refuses_leaves_none_of_the_others_pinned(
         monkeypatch.undo()
         assert not _prog_pins(str(pins))
         assert loaded and set(loaded) <= set(closed), "every program loaded before the error is closed"
+
+
+@pytest.mark.kernel
+def test_an_older_build_s_program_array_stays_filled_until_its_programs_are_replaced(
+    cache: ObjectCache,
+) -> None:
+    """The kernel empties a program array when its last user reference goes (attached programs
+    hold none): unpinned at the new build's load, the old tc programs still attached would send
+    every IPv6 packet to the stack untranslated until the first sync attaches the new ones. The
+    old build's array keeps its pin and its programs through the load, and goes with
+    release_older_builds, called once the new programs are attached."""
+    with bpffs() as root:
+        pins = str(root / "ekp")
+        old = Datapath(pins, SMALL, cache=cache)
+        old.load()
+        old_array = prog_pin(pins, old.build(old.programs()), "ekp_calls6")
+        want = [prog_id(old.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]]
+        old.close()  # in an upgrade its programs stay attached, and hold no reference to the array
+        for name in os.listdir(pins):
+            if not name.startswith(PROG_PIN_PREFIX):
+                os.unlink(os.path.join(pins, name))
+        new = Datapath(pins, replace(SMALL, fe=256), cache=cache)
+        new.load()
+        try:
+            assert new.build(new.programs()) != old.build(old.programs())
+            assert os.path.exists(old_array), "the old build's program array is still pinned"
+            assert _slots(pins, old) == want, "and still holds the old build's IPv6 programs"
+            old_prefix = f"{PROG_PIN_PREFIX}{old.build(old.programs())}_"
+            assert [p for p in _prog_pins(pins) if p.startswith(old_prefix)] == [
+                os.path.basename(old_array)
+            ], "its programs unpinned, its array alone kept"
+            assert new.release_older_builds() == [os.path.basename(old_array)]
+            assert not os.path.exists(old_array)
+            assert new.release_older_builds() == []
+        finally:
+            new.close()

@@ -64,6 +64,7 @@ class FakeDatapath:
         self.loads = 0
         self.closed = 0
         self.pin_checks = 0
+        self.events: list[str] = []
         self.missing_pins: list[str] = []
         # Programs the kernel could not load. By default the socket programs and their iterator:
         # a proxier over a fake data path then never reaches the real socket attacher (the
@@ -89,6 +90,10 @@ class FakeDatapath:
         self.pin_checks += 1
         repaired, self.missing_pins = self.missing_pins, []
         return repaired
+
+    def release_older_builds(self) -> list[str]:
+        self.events.append("unpin older builds' program arrays")
+        return []
 
     def close(self) -> None:
         self.closed += 1
@@ -184,6 +189,7 @@ class Rig:
             self.sizes.append(sizes)
             dp = self.datapath_type(self.maps)
             dp.unavailable = self.unavailable
+            dp.events = self.events
             self.datapaths.append(dp)
             return dp
 
@@ -259,7 +265,9 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     assert render_contents(rig.contents()) == render_contents(want)
     # the conntrack of an ABI v1 agent is carried over before and right after the programs change;
     # the socket programs are linked after that, and only then, every hook serving, are the other
-    # data path's rules (kube-proxy's OUTPUT chain for the node's clients) removed; sockets of
+    # data path's rules (kube-proxy's OUTPUT chain for the node's clients) removed; an older
+    # build's program arrays (its attached programs' tail calls) are unpinned only once ours are
+    # attached; sockets of
     # backends gone meanwhile ended; legacy host routing (the default) gets its egress programs
     # everywhere before the config says legacy and the ingress programs come
     first = [
@@ -267,6 +275,7 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
         "attach egress",
         "reconcile full=True",
         "carry v1 conntrack again",
+        "unpin older builds' program arrays",
         "link sockets",
         "remove the other data path's rules",
         "watch",
