@@ -91,7 +91,13 @@ static __always_inline int ekp_addr6_eq(const __be32 *a, const __be32 *b)
 }
 
 /* Replaces the 16-byte address at `off` and fixes the L4 checksum for it (its pseudo header: IPv6
- * has no header checksum). 0 or -1. */
+ * has no header checksum). 0 or -1.
+ * skb->csum of a CHECKSUM_COMPLETE packet: BPF_F_PSEUDO_HDR takes the address change out of it, as
+ * the checksum field's own change asks, which for IPv4 is all (the IPv4 header's checksum
+ * balances its address); here the address is in the data skb->csum covers, so the store puts it
+ * back (BPF_F_RECOMPUTE_CSUM: skb->csum minus the old 16 bytes, plus the new ones; a no-op for any
+ * other ip_summed). BPF_F_IPV6 on the csum replace does the same by leaving skb->csum alone, but
+ * only kernels from mid-2025 know it (older ones refuse the call). */
 static __always_inline int ekp_set_addr6(struct __sk_buff *skb, const struct ekp_pkt6 *p, __u32 off,
 					 const __be32 *old, const __be32 *new)
 {
@@ -101,7 +107,7 @@ static __always_inline int ekp_set_addr6(struct __sk_buff *skb, const struct ekp
 		return -1;
 	if (bpf_l4_csum_replace(skb, ekp_l4_csum_off(&p->b), 0, diff, ekp_l4_csum_flags(&p->b) | BPF_F_PSEUDO_HDR) < 0)
 		return -1;
-	return bpf_skb_store_bytes(skb, off, (void *)new, 16, 0) < 0 ? -1 : 0;
+	return bpf_skb_store_bytes(skb, off, (void *)new, 16, BPF_F_RECOMPUTE_CSUM) < 0 ? -1 : 0;
 }
 
 /* Rewrites the packet to saddr:sport -> daddr:dport. 0 or -1. */
@@ -139,7 +145,8 @@ static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_sc
 	__u8 hop = p->hop_limit - 1;
 
 	if (ekp_rewrite6(skb, p, saddr, sport, daddr, dport) < 0 ||
-	    bpf_skb_store_bytes(skb, EKP_IP6_HOPLIMIT_OFF, &hop, 1, 0) < 0) {
+	    /* no header checksum balances the hop limit: skb->csum (CHECKSUM_COMPLETE) follows it */
+	    bpf_skb_store_bytes(skb, EKP_IP6_HOPLIMIT_OFF, &hop, 1, BPF_F_RECOMPUTE_CSUM) < 0) {
 		*outcome = EKP_DROP_MALFORMED;
 		return TC_ACT_SHOT;
 	}
