@@ -8,10 +8,14 @@
  *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1)
  *                        -> route (bpf_fib_lookup), rewrite, hop limit - 1, redirect
  *
- * What it translates: flows that need no source translation, which is every flow whose backend is
- * on this node, and the remote ones of frontends that ask no SNAT (a pod to a ClusterIP). Every
+ * What it translates: TCP flows that need no source translation, which is every flow whose backend
+ * is on this node, and the remote ones of frontends that ask no SNAT (a pod to a ClusterIP). Every
  * other packet goes to the node's stack untouched, where the ip6tables proxier beside the eBPF
  * programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
+ *   - UDP and SCTP: a UDP flow owned here would lose what the stack does for it (a backend's
+ *     fragmented answers, ICMPv6 errors quoting the translated tuple: nf_conntrack knows neither
+ *     flow), and a UDP flow ip6tables started has no first packet to tell it from a new one, so
+ *     tc would decide it again;
  *   - a frontend that asks SNAT (EKP_FE_SNAT_ALL; EKP_FE_SNAT_REMOTE with a remote backend), a
  *     hairpin (the client is its own backend), a backend on the node's own address (EKP_BE_HOST:
  *     its replies leave by the node's stack), affinity with SNAT_REMOTE (one owner of the
@@ -237,8 +241,9 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	const struct ekp_config *cfg = ekp_config_get();
 
 	ekp_count(EKP_STAT_PACKETS);
-	/* the last hop: the stack sends the time exceeded */
-	if (parsed != EKP_PARSE_OK || p->b.frag != EKP_FRAG_NONE || p->hop_limit <= 1 || !cfg ||
+	/* TCP alone (UDP and SCTP: ip6tables'); the last hop: the stack sends the time exceeded */
+	if (parsed != EKP_PARSE_OK || p->b.proto != IPPROTO_TCP || p->b.frag != EKP_FRAG_NONE ||
+	    p->hop_limit <= 1 || !cfg ||
 	    (cfg->flags & EKP_CFG_HOST_LEGACY) || !ekp_tc6_may_translate(p, scope, cfg))
 		goto out;
 

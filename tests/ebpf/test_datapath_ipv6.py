@@ -177,21 +177,21 @@ def test_a_cluster_ip_to_a_remote_backend_without_snat_goes_to_its_node(net: Net
     assert seen(out)[:4] == (MAC6[POD6], VIP6, POD6, 80)
 
 
-def test_udp_behind_extension_headers_is_translated_with_its_checksum(net: Net) -> None:
+def test_tcp_behind_extension_headers_is_translated_with_its_checksum(net: Net) -> None:
     from scapy.layers.inet6 import IPv6ExtHdrDestOpt, IPv6ExtHdrHopByHop, IPv6ExtHdrRouting
 
-    add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
     ext = (
         IPv6ExtHdrHopByHop()
         / IPv6ExtHdrDestOpt()
         / IPv6ExtHdrRouting(segleft=0, addresses=[])
         / IPv6ExtHdrDestOpt()
     )
-    verdict, out = net.from_pod(frame6(POD6, VIP6, 40002, 53, UDP, ext=ext))
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 40002, 80, ext=ext))
     assert verdict == TC_ACT_REDIRECT
     assert seen(out)[1:4] == (POD6, BE6, 40002)
     assert seen(out)[5] == 8080
-    assert ct6(net, POD6, VIP6, 40002, 53, UDP) is not None
+    assert ct6(net, POD6, VIP6, 40002, 80) is not None
 
 
 # ---- left to the stack (ip6tables) --------------------------------------------------------
@@ -208,6 +208,22 @@ def test_a_remote_backend_needing_snat_is_left_to_ip6tables(net: Net) -> None:
     add_service6(net.dp.maps, NODE6, 30080, ((1, REMOTE_BE6, 8080, 0),), scope=Scope.EXTERNAL, flags=flags)
     _passes(net, frame6(CLIENT6, NODE6, 50001, 30080), via_net=True)
     assert net.stats()[Stat.PASS] == 1
+
+
+def test_udp_and_sctp_are_left_to_ip6tables(net: Net) -> None:
+    """A UDP flow owned here would lose what the stack does for it (the backend's fragmented
+    answers, ICMPv6 errors quoting the translated tuple), and one ip6tables started would be
+    decided again: only TCP is translated by the tc IPv6 path."""
+    from scapy.layers.inet6 import IPv6
+    from scapy.layers.l2 import Ether
+    from scapy.layers.sctp import SCTP, SCTPChunkInit
+
+    add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
+    _passes(net, frame6(POD6, VIP6, 40040, 53, UDP))
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE, proto=132, svc_id=2, set_id=2, rev_nat_id=2)
+    eth = Ether(src="02:00:00:00:aa:01", dst="02:00:00:00:aa:02")
+    _passes(net, bytes(eth / IPv6(src=POD6, dst=VIP6) / SCTP(sport=40041, dport=80) / SCTPChunkInit()))
+    assert net.stats()[Stat.PASS] == 2
 
 
 def test_snat_all_hairpin_and_host_backends_are_left_to_ip6tables(net: Net) -> None:
@@ -228,13 +244,16 @@ def test_refusals_are_left_to_ip6tables_which_rejects(net: Net) -> None:
 
 
 def test_fragments_first_and_later_are_left_to_the_stack(net: Net) -> None:
-    from scapy.layers.inet import UDP as UDPh
+    from scapy.layers.inet import TCP as TCPh
     from scapy.layers.inet6 import IPv6, IPv6ExtHdrFragment, fragment6
     from scapy.layers.l2 import Ether
 
-    add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
     datagram = (
-        IPv6(src=POD6, dst=VIP6) / IPv6ExtHdrFragment(id=7) / UDPh(sport=40007, dport=53) / (b"x" * 3000)
+        IPv6(src=POD6, dst=VIP6)
+        / IPv6ExtHdrFragment(id=7)
+        / TCPh(sport=40007, dport=80, flags="S")
+        / (b"x" * 3000)
     )
     pieces = fragment6(datagram, 1280)  # type: ignore[no-untyped-call]
     assert len(pieces) >= 3
