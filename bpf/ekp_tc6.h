@@ -188,6 +188,20 @@ static __always_inline __u16 ekp_ct6_transition(const struct ekp_ct6_entry *e, c
 	return ekp_ct_transition(&view, &p->b, dir, now);
 }
 
+/* ekp_ct_usable_forward / ekp_ct_usable_reply (IPv4's) for this path's TCP: no SYN on a flow that
+ * saw a FIN or RST (a new flow, decided again), and a TCP flow keeps a backend removed from its
+ * service, as kube-proxy does. The forward test is its TCP half (ekp_ct_syn_reopens): its UDP half
+ * reads IPv4's ekp_member, and UDP is not translated here (see the top). */
+static __always_inline int ekp_ct6_usable(const struct ekp_ct6_entry *e, const struct ekp_pkt6 *p, __u8 dir)
+{
+	struct ekp_ct_entry view = {};
+
+	if (dir == EKP_CT_FORWARD)
+		return !ekp_ct_syn_reopens(e->flags, &p->b);
+	view.flags = e->flags; /* all ekp_ct_usable_reply reads */
+	return ekp_ct_usable_reply(&view, &p->b);
+}
+
 /* An IPv6 endpoint in the flow-activity array (ekp_act.h) is its address folded to 32 bits: a
  * stamp is a hint, and a slot shared with another endpoint (of either family) only costs the
  * lookups, never a wrong answer. */
@@ -263,6 +277,8 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	rk->dir = EKP_CT_REPLY;
 	struct ekp_ct6_entry *e = ekp_ct6_hit(k, cfg, now);
 	__u8 dir = EKP_CT_FORWARD;
+	if (e && !ekp_ct6_usable(e, p, EKP_CT_FORWARD))
+		e = NULL; /* a SYN reusing an ended flow's port: the new-flow path below */
 	if (e) {
 		/* its reply entry: backend -> client */
 		__builtin_memcpy(rk->saddr, e->nat_addr, 16);
@@ -272,6 +288,8 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	} else {
 		k->dir = EKP_CT_REPLY;
 		e = ekp_ct6_hit(k, cfg, now);
+		if (e && !ekp_ct6_usable(e, p, EKP_CT_REPLY))
+			e = NULL; /* a SYN-ACK answering something else on an ended flow's tuple */
 		if (e) {
 			dir = EKP_CT_REPLY;
 			/* its forward entry: client -> frontend */

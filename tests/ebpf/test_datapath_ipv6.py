@@ -194,6 +194,39 @@ def test_tcp_behind_extension_headers_is_translated_with_its_checksum(net: Net) 
     assert ct6(net, POD6, VIP6, 40002, 80) is not None
 
 
+def test_a_syn_on_a_flow_that_saw_a_rst_or_fin_is_a_new_flow_decided_again(net: Net) -> None:
+    """The client reusing its port after a RST (or FINs) opens a new connection: a new backend
+    choice, as nf_conntrack and IPv4's ekp_ct_usable_forward do, not the ended flow's backend; a
+    SYN-ACK on the ended flow's reply tuple answers something else and passes untranslated."""
+    for n, ending in enumerate(("R", "F")):
+        cport = 40050 + n
+        add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+        assert seen(net.from_pod(frame6(POD6, VIP6, cport, 80))[1])[2] == BE6
+        assert net.from_pod(frame6(POD6, VIP6, cport, 80, flags=ending + "A"))[0] == TC_ACT_REDIRECT
+        if ending == "F":  # both sides' FINs end it
+            assert net.from_pod(frame6(BE6, POD6, 8080, cport, flags="FA"))[0] == TC_ACT_REDIRECT
+        synack = frame6(BE6, POD6, 8080, cport, flags="SA")
+        assert net.from_pod(synack) == (TC_ACT_OK, synack), "no translation for another connection"
+        add_service6(net.dp.maps, VIP6, 80, ((2, BE6_2, 8080, BackendFlag.LOCAL),))  # BE6 left
+        verdict, out = net.from_pod(frame6(POD6, VIP6, cport, 80))
+        assert verdict == TC_ACT_REDIRECT
+        assert seen(out)[2] == BE6_2, "the SYN chose again"
+        assert not ct6(net, POD6, VIP6, cport, 80).flags & (abi.CtFlag.RST | abi.CtFlag.FIN_FWD)
+    assert net.stats()[Stat.NEW_FLOWS] == 4
+
+
+def test_an_established_tcp_flow_keeps_a_backend_removed_from_its_service(net: Net) -> None:
+    """As kube-proxy (and IPv4's ekp_ct_usable_forward): a terminating pod finishes its
+    connections; only UDP flows follow membership."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    assert net.from_pod(frame6(POD6, VIP6, 40060, 80))[0] == TC_ACT_REDIRECT
+    add_service6(net.dp.maps, VIP6, 80, ((2, BE6_2, 8080, BackendFlag.LOCAL),))
+    assert net.dp.maps["member6"].delete(abi.MemberKey(1, 1)), "BE6 is no member any more"
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 40060, 80, flags="A"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[2] == BE6
+
+
 # ---- left to the stack (ip6tables) --------------------------------------------------------
 
 
