@@ -23,12 +23,15 @@
  *   - refusals: no endpoints (ip6tables' REJECT answers with ICMPv6), no local endpoint, source
  *     ranges;
  *   - a mid-flow TCP segment without an entry (a flow ip6tables translated before: nf_conntrack
- *     has it), a tuple whose reply entry is taken;
+ *     has it);
  *   - fragments, first and later: a translated first fragment would leave its later pieces to a
  *     stack that can never reassemble them, so the whole datagram goes to the stack, which
  *     reassembles and translates it;
  *   - ICMPv6 (errors about translated flows included, Packet Too Big: not yet translated here),
  *     a packet too big for the route, no route, the last hop.
+ * A new flow whose reply tuple a live flow of another frontend holds (one client port to one
+ * backend through two frontends) is dropped (EKP_DROP_TUPLE_TAKEN), not left to ip6tables: its
+ * nf_conntrack entry would have that tuple too, and the replies would get the other frontend here.
  * The reply of a flow this path translated comes back through ekp_from_pod6 (a local backend) or
  * ekp_from_net6 (a remote one) and gets its frontend back from the REPLY entry.
  */
@@ -371,7 +374,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	if (rc < 0)
 		goto out;
 
-	/* The reply entry first: a tuple whose reply entry another flow holds is left to the stack. */
+	/* The reply entry first: a reply can never beat its entry. */
 	__builtin_memcpy(rk->saddr, w->be6, 16);
 	__builtin_memcpy(rk->daddr, p->saddr, 16);
 	rk->sport = f->be_port;
@@ -389,10 +392,20 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	fwd->nat_port = f->be_port;
 	k->dir = EKP_CT_FORWARD;
 	if (ekp_ct6_insert(rk, rev) < 0) {
-		struct ekp_ct6_entry *held = ekp_ct6_lookup(rk);
-		if (!held || !ekp_addr6_eq(held->fe_addr, p->daddr) || held->fe_port != p->b.dport ||
-		    ekp_ct6_update(rk, rev) < 0)
+		/* this tuple's earlier flow (same frontend), or a dead one: replaced; a live flow of
+		 * another frontend: dropped, not left to ip6tables, which would pick the same tuple and
+		 * see its replies rewritten to that frontend here (IPv4 moves the port instead) */
+		struct ekp_ct6_entry *held = ekp_ct6_hit(rk, cfg, now);
+		if (held && (!ekp_addr6_eq(held->fe_addr, p->daddr) || held->fe_port != p->b.dport)) {
+			outcome = EKP_DROP_TUPLE_TAKEN;
+			verdict = TC_ACT_SHOT;
 			goto out;
+		}
+		if (ekp_ct6_update(rk, rev) < 0) {
+			outcome = EKP_DROP_CT_FULL;
+			verdict = TC_ACT_SHOT;
+			goto out;
+		}
 	}
 	if (ekp_ct6_update(k, fwd) < 0)
 		goto out;

@@ -188,10 +188,11 @@ class Stat(IntEnum):
     SOCK_DESTROYED = 36
     DROP_SPOOFED = 37
     DROP_HANDOVER = 38
+    DROP_TUPLE_TAKEN = 39
 
 
 STAT_DROP_FIRST = Stat.DROP_MALFORMED
-STAT_COUNT = 39
+STAT_COUNT = 40
 STAT_SLOTS = 64  # ekp_stats_v3's size: room for later counters without a new map
 # The drop reasons, by name (a reason added later goes at the end of the enum, after other kinds).
 DROPS: tuple[Stat, ...] = tuple(s for s in Stat if s.name.startswith("DROP_"))

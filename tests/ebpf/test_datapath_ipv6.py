@@ -227,6 +227,25 @@ def test_an_established_tcp_flow_keeps_a_backend_removed_from_its_service(net: N
     assert seen(out)[2] == BE6
 
 
+def test_a_new_flow_whose_reply_tuple_another_frontends_flow_holds_is_dropped_and_counted(
+    net: Net,
+) -> None:
+    """One client port reaching one backend through two frontends: the second flow's replies
+    would carry the same tuple as the first's and be rewritten to the first's frontend, here or
+    after ip6tables translated it, so it is dropped (the client retries from another port), the
+    first flow untouched."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    add_service6(net.dp.maps, VIP6, 81, LOCAL_BE, svc_id=2, set_id=2, rev_nat_id=2)
+    assert net.from_pod(frame6(POD6, VIP6, 40070, 80))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(frame6(POD6, VIP6, 40070, 81))[0] == TC_ACT_SHOT
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.DROP_TUPLE_TAKEN]) == (1, 1)
+    assert ct6(net, POD6, VIP6, 40070, 81) is None
+    verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40070, flags="SA"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (VIP6, POD6, 80), "the first flow keeps its replies"
+
+
 # ---- left to the stack (ip6tables) --------------------------------------------------------
 
 
