@@ -407,8 +407,12 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			goto out;
 		}
 	}
-	if (ekp_ct6_update(k, fwd) < 0)
+	if (ekp_ct6_update(k, fwd) < 0) {
+		ekp_ct6_delete(rk); /* no reply entry without its flow, as IPv4's ekp_ct_create */
+		outcome = EKP_DROP_CT_FULL;
+		verdict = TC_ACT_SHOT;
 		goto out;
+	}
 	ekp_ct6_stamp_flow(p->daddr, p->b.dport, w->be6, f->be_port, p->b.proto, now);
 	outcome = EKP_STAT_NEW_FLOWS;
 	if (aff_hit)

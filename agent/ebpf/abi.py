@@ -691,6 +691,7 @@ CTQ_DIVISOR = 4  # ring slots = table entries / 4
 
 # The conntrack tables, by protocol: TCP flows in ct_tcp, every other protocol in ct_any.
 CT_ROLES = ("ct_tcp", "ct_any")
+CT6_ROLES = ("ct6_tcp", "ct6_any")  # the tc IPv6 path's (bpf/ekp_tc6.h)
 
 
 def ct_role(proto: int) -> str:

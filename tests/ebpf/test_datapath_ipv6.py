@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from agent.ebpf import abi
+from agent.ebpf import abi, activity
 from agent.ebpf.abi import BackendFlag, CtDir, FrontendFlag, Scope, Stat, ip6_words, port_be
 from agent.ebpf.loader import Datapath
 from agent.ebpf.proxier import render_live_maps
@@ -371,6 +371,32 @@ def test_a_packet_of_no_stamped_endpoint_skips_conntrack_once_the_check_is_armed
     verdict, out = net.from_pod(frame)
     assert verdict == TC_ACT_REDIRECT
     assert seen(out)[1:4] == (POD6, BE6, 40021)
+
+
+def test_arming_stamps_the_endpoints_of_the_live_ipv6_flows_too(net: Net) -> None:
+    """activity.arm (at the first attach, after an upgrade) stamps what the IPv6 conntrack holds,
+    its addresses folded as ekp_fold6 does: an IPv6 flow an older build's programs translated
+    (no stamp) keeps its translation once the check is armed; an expired one is not stamped."""
+    now = time.monotonic_ns()
+    for cport, last_seen in ((40022, now), (40023, now - 3600 * 10**9)):
+        entry = abi.Ct6Entry(
+            last_seen_ns=last_seen,
+            nat_addr=abi.Addr6(*ip6_words(BE6)),
+            fe_addr=abi.Addr6(*ip6_words(VIP6)),
+            nat_port=port_be(8080),
+            fe_port=port_be(80),
+            flags=abi.CtFlag.ESTABLISHED | abi.CtFlag.SEEN_REPLY,
+        )
+        key = abi.Ct6Key(
+            abi.Addr6(*ip6_words(POD6)), abi.Addr6(*ip6_words(VIP6)), port_be(cport), port_be(80), TCP, 0
+        )
+        net.dp.maps["ct6_tcp"].update(key, entry)
+    frame = frame6(POD6, VIP6, 40022, 80, flags="A")
+    assert net.from_pod(frame) == (TC_ACT_OK, frame), "armed, nothing stamped: not looked up"
+    assert activity.arm(net.dp.maps) == 2, "the live flow's frontend and backend"
+    verdict, out = net.from_pod(frame)
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (POD6, BE6, 40022)
 
 
 def test_legacy_host_routing_leaves_every_ipv6_packet_to_the_stack(net: Net) -> None:
