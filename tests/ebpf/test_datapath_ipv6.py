@@ -329,11 +329,29 @@ def test_mid_flow_segments_icmpv6_and_unfinished_routing_are_left_to_the_stack(n
 
 
 def test_an_ipv6_packet_is_counted_once_by_the_ipv6_program(net: Net) -> None:
-    """The tail call leaves the IPv4 program: one PACKETS and one outcome per IPv6 packet."""
-    net.from_pod(frame6(POD6, VIP6, 40011, 80))
-    net.from_net(frame6(CLIENT6, NODE6, 40011, 80))
+    """The tail call leaves the IPv4 program: one PACKETS and one outcome per IPv6 packet, that
+    outcome the IPv6 program's (a new flow, which the IPv4 program's fall-through, passing IPv6
+    untouched, never counts), on both hooks; a packet to no frontend passed once."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    add_service6(
+        net.dp.maps,
+        NODE6,
+        30080,
+        LOCAL_BE,
+        scope=Scope.EXTERNAL,
+        flags=flags,
+        svc_id=2,
+        set_id=2,
+        rev_nat_id=2,
+    )
+    assert net.from_pod(frame6(POD6, VIP6, 40011, 80))[0] == TC_ACT_REDIRECT
+    assert net.from_net(frame6(CLIENT6, NODE6, 40011, 30080))[0] == TC_ACT_REDIRECT
     stats = net.stats()
-    assert (stats[Stat.PACKETS], stats[Stat.PASS]) == (2, 2)
+    assert (stats[Stat.PACKETS], stats[Stat.NEW_FLOWS], stats[Stat.PASS]) == (2, 2, 0)
+    net.from_pod(frame6(POD6, BE6, 40012, 8080))
+    stats = net.stats()
+    assert (stats[Stat.PACKETS], stats[Stat.NEW_FLOWS], stats[Stat.PASS]) == (3, 2, 1)
 
 
 # ---- the activity check (bpf/ekp_act.h) -----------------------------------------------------
