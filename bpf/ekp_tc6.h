@@ -392,11 +392,14 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	fwd->nat_port = f->be_port;
 	k->dir = EKP_CT_FORWARD;
 	if (ekp_ct6_insert(rk, rev) < 0) {
-		/* this tuple's earlier flow (same frontend), or a dead one: replaced; a live flow of
-		 * another frontend: dropped, not left to ip6tables, which would pick the same tuple and
-		 * see its replies rewritten to that frontend here (IPv4 moves the port instead) */
+		/* this tuple's earlier flow (same frontend), a dead one, or a closed one (this packet is a
+		 * SYN: ekp_ct_reusable's rule, as the kernel's NAT takes a TIME_WAIT tuple): replaced; a
+		 * live flow of another frontend: dropped, not left to ip6tables, which would pick the
+		 * same tuple and see its replies rewritten to that frontend here (IPv4 moves the port
+		 * instead) */
 		struct ekp_ct6_entry *held = ekp_ct6_hit(rk, cfg, now);
-		if (held && (!ekp_addr6_eq(held->fe_addr, p->daddr) || held->fe_port != p->b.dport)) {
+		if (held && !ekp_ct_closed(held->flags) &&
+		    (!ekp_addr6_eq(held->fe_addr, p->daddr) || held->fe_port != p->b.dport)) {
 			outcome = EKP_DROP_TUPLE_TAKEN;
 			verdict = TC_ACT_SHOT;
 			goto out;

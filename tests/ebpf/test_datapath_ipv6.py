@@ -244,6 +244,13 @@ def test_a_new_flow_whose_reply_tuple_another_frontends_flow_holds_is_dropped_an
     verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40070, flags="SA"))
     assert verdict == TC_ACT_REDIRECT
     assert seen(out)[1:4] == (VIP6, POD6, 80), "the first flow keeps its replies"
+    # Once that flow is closed (a RST), the tuple is free for a SYN, as the kernel's NAT takes a
+    # TIME_WAIT tuple (IPv4's ekp_ct_reusable).
+    assert net.from_pod(frame6(POD6, VIP6, 40070, 80, flags="RA"))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(frame6(POD6, VIP6, 40070, 81))[0] == TC_ACT_REDIRECT
+    verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40070, flags="SA"))
+    assert seen(out)[1:4] == (VIP6, POD6, 81), "the new flow's replies"
+    assert net.stats()[Stat.DROP_TUPLE_TAKEN] == 1
 
 
 # ---- left to the stack (ip6tables) --------------------------------------------------------
