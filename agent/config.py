@@ -67,6 +67,11 @@ class MapSizes:
     # legacy host routing: the source each translated flow direction gets at egress
     hostnat: int = default("map_sizes.hostnat")
     sknat: int = default("map_sizes.sknat")
+    # Whether the tc programs' IPv6 path serves (agent/ebpf/proxier.py decides: an IPv6 half and
+    # --bpf-host-routing=bpf): its conntrack tables then take their IPv4 twins' sizes and the
+    # program array ekp_calls6 is filled; else each table holds one entry (no preallocated memory
+    # for a path nothing runs) and IPv6 packets stop at the IPv4 programs' parser.
+    ipv6_tc: bool = True
 
     def with_conntrack(
         self, conntrack: ConntrackSettings, cpus: int, pinned: Mapping[str, int] | None = None
@@ -82,10 +87,10 @@ class MapSizes:
             "ct_any": flows if flows else FALLBACK_CT_ANY,
         }
         held = pinned or {}
-        sizes = {
+        sizes: dict[str, int] = {
             role: getattr(self, role) or held.get(role, 0) or derived[role] for role in ("ct_tcp", "ct_any")
         }
-        return replace(self, **sizes)
+        return replace(self, ct_tcp=sizes["ct_tcp"], ct_any=sizes["ct_any"])
 
 
 def conntrack_max(conntrack: ConntrackSettings, cpus: int) -> int:

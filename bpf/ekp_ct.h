@@ -393,11 +393,17 @@ static __always_inline int ekp_ct_alive(struct ekp_ct_entry *e, struct ekp_ct_ke
  * nf_conntrack does. UDP flows follow their backend's membership: kube-proxy deletes the
  * conntrack entries of a UDP endpoint that left the service, so a resolver that keeps its source
  * port moves on (TCP and SCTP flows keep their backend, as with kube-proxy: a terminating pod
- * finishes its connections, a Service deleted and recreated keeps its streams). */
+ * finishes its connections, a Service deleted and recreated keeps its streams).
+ * ekp_ct_syn_reopens is its TCP half, for conntrack entries of another layout (ekp_tc6.h). */
+static __always_inline int ekp_ct_syn_reopens(__u16 flags, const struct ekp_pkt *p)
+{
+	return p->proto == IPPROTO_TCP && ekp_pure_syn(p) && (flags & EKP_CT_ENDING);
+}
+
 static __always_inline int ekp_ct_usable_forward(const struct ekp_ct_entry *e, const struct ekp_pkt *p)
 {
 	if (p->proto == IPPROTO_TCP)
-		return !(ekp_pure_syn(p) && (e->flags & EKP_CT_ENDING));
+		return !ekp_ct_syn_reopens(e->flags, p);
 	if (p->proto != IPPROTO_UDP)
 		return 1; /* SCTP keeps its backend: kube-proxy clears the conntrack of UDP alone */
 	if (!e->svc_id || !e->backend_id)

@@ -175,5 +175,6 @@ static __always_inline struct ekp_addr *ekp_addr6_lookup(struct ekp_addr6_key *k
 static __always_inline struct ekp_ct6_entry *ekp_ct6_lookup(struct ekp_ct6_key *k);
 static __always_inline int ekp_ct6_update(struct ekp_ct6_key *k, struct ekp_ct6_entry *v);
 static __always_inline int ekp_ct6_insert(struct ekp_ct6_key *k, struct ekp_ct6_entry *v);
+static __always_inline int ekp_ct6_delete(struct ekp_ct6_key *k);
 
 #endif /* EKP_MAPS_H */

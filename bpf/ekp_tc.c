@@ -290,6 +290,13 @@ static __always_inline int ekp_ct6_update(struct ekp_ct6_key *k, struct ekp_ct6_
 	return ekp_ct6_any_v2.update(k, v);
 }
 
+static __always_inline int ekp_ct6_delete(struct ekp_ct6_key *k)
+{
+	if (k->proto == IPPROTO_TCP)
+		return ekp_ct6_tcp_v2.delete(k);
+	return ekp_ct6_any_v2.delete(k);
+}
+
 static __always_inline int ekp_ct6_insert(struct ekp_ct6_key *k, struct ekp_ct6_entry *v)
 {
 	if (k->proto == IPPROTO_TCP)

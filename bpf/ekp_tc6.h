@@ -8,10 +8,14 @@
  *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1)
  *                        -> route (bpf_fib_lookup), rewrite, hop limit - 1, redirect
  *
- * What it translates: flows that need no source translation, which is every flow whose backend is
- * on this node, and the remote ones of frontends that ask no SNAT (a pod to a ClusterIP). Every
+ * What it translates: TCP flows that need no source translation, which is every flow whose backend
+ * is on this node, and the remote ones of frontends that ask no SNAT (a pod to a ClusterIP). Every
  * other packet goes to the node's stack untouched, where the ip6tables proxier beside the eBPF
  * programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
+ *   - UDP and SCTP: a UDP flow owned here would lose what the stack does for it (a backend's
+ *     fragmented answers, ICMPv6 errors quoting the translated tuple: nf_conntrack knows neither
+ *     flow), and a UDP flow ip6tables started has no first packet to tell it from a new one, so
+ *     tc would decide it again;
  *   - a frontend that asks SNAT (EKP_FE_SNAT_ALL; EKP_FE_SNAT_REMOTE with a remote backend), a
  *     hairpin (the client is its own backend), a backend on the node's own address (EKP_BE_HOST:
  *     its replies leave by the node's stack), affinity with SNAT_REMOTE (one owner of the
@@ -19,12 +23,15 @@
  *   - refusals: no endpoints (ip6tables' REJECT answers with ICMPv6), no local endpoint, source
  *     ranges;
  *   - a mid-flow TCP segment without an entry (a flow ip6tables translated before: nf_conntrack
- *     has it), a tuple whose reply entry is taken;
+ *     has it);
  *   - fragments, first and later: a translated first fragment would leave its later pieces to a
  *     stack that can never reassemble them, so the whole datagram goes to the stack, which
  *     reassembles and translates it;
  *   - ICMPv6 (errors about translated flows included, Packet Too Big: not yet translated here),
  *     a packet too big for the route, no route, the last hop.
+ * A new flow whose reply tuple a live flow of another frontend holds (one client port to one
+ * backend through two frontends) is dropped (EKP_DROP_TUPLE_TAKEN), not left to ip6tables: its
+ * nf_conntrack entry would have that tuple too, and the replies would get the other frontend here.
  * The reply of a flow this path translated comes back through ekp_from_pod6 (a local backend) or
  * ekp_from_net6 (a remote one) and gets its frontend back from the REPLY entry.
  */
@@ -91,7 +98,13 @@ static __always_inline int ekp_addr6_eq(const __be32 *a, const __be32 *b)
 }
 
 /* Replaces the 16-byte address at `off` and fixes the L4 checksum for it (its pseudo header: IPv6
- * has no header checksum). 0 or -1. */
+ * has no header checksum). 0 or -1.
+ * skb->csum of a CHECKSUM_COMPLETE packet: BPF_F_PSEUDO_HDR takes the address change out of it, as
+ * the checksum field's own change asks, which for IPv4 is all (the IPv4 header's checksum
+ * balances its address); here the address is in the data skb->csum covers, so the store puts it
+ * back (BPF_F_RECOMPUTE_CSUM: skb->csum minus the old 16 bytes, plus the new ones; a no-op for any
+ * other ip_summed). BPF_F_IPV6 on the csum replace does the same by leaving skb->csum alone, but
+ * only kernels from mid-2025 know it (older ones refuse the call). */
 static __always_inline int ekp_set_addr6(struct __sk_buff *skb, const struct ekp_pkt6 *p, __u32 off,
 					 const __be32 *old, const __be32 *new)
 {
@@ -101,7 +114,7 @@ static __always_inline int ekp_set_addr6(struct __sk_buff *skb, const struct ekp
 		return -1;
 	if (bpf_l4_csum_replace(skb, ekp_l4_csum_off(&p->b), 0, diff, ekp_l4_csum_flags(&p->b) | BPF_F_PSEUDO_HDR) < 0)
 		return -1;
-	return bpf_skb_store_bytes(skb, off, (void *)new, 16, 0) < 0 ? -1 : 0;
+	return bpf_skb_store_bytes(skb, off, (void *)new, 16, BPF_F_RECOMPUTE_CSUM) < 0 ? -1 : 0;
 }
 
 /* Rewrites the packet to saddr:sport -> daddr:dport. 0 or -1. */
@@ -139,7 +152,8 @@ static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_sc
 	__u8 hop = p->hop_limit - 1;
 
 	if (ekp_rewrite6(skb, p, saddr, sport, daddr, dport) < 0 ||
-	    bpf_skb_store_bytes(skb, EKP_IP6_HOPLIMIT_OFF, &hop, 1, 0) < 0) {
+	    /* no header checksum balances the hop limit: skb->csum (CHECKSUM_COMPLETE) follows it */
+	    bpf_skb_store_bytes(skb, EKP_IP6_HOPLIMIT_OFF, &hop, 1, BPF_F_RECOMPUTE_CSUM) < 0) {
 		*outcome = EKP_DROP_MALFORMED;
 		return TC_ACT_SHOT;
 	}
@@ -175,6 +189,20 @@ static __always_inline __u16 ekp_ct6_transition(const struct ekp_ct6_entry *e, c
 	view.flags = e->flags;
 	view.created_s = e->created_s;
 	return ekp_ct_transition(&view, &p->b, dir, now);
+}
+
+/* ekp_ct_usable_forward / ekp_ct_usable_reply (IPv4's) for this path's TCP: no SYN on a flow that
+ * saw a FIN or RST (a new flow, decided again), and a TCP flow keeps a backend removed from its
+ * service, as kube-proxy does. The forward test is its TCP half (ekp_ct_syn_reopens): its UDP half
+ * reads IPv4's ekp_member, and UDP is not translated here (see the top). */
+static __always_inline int ekp_ct6_usable(const struct ekp_ct6_entry *e, const struct ekp_pkt6 *p, __u8 dir)
+{
+	struct ekp_ct_entry view = {};
+
+	if (dir == EKP_CT_FORWARD)
+		return !ekp_ct_syn_reopens(e->flags, &p->b);
+	view.flags = e->flags; /* all ekp_ct_usable_reply reads */
+	return ekp_ct_usable_reply(&view, &p->b);
 }
 
 /* An IPv6 endpoint in the flow-activity array (ekp_act.h) is its address folded to 32 bits: a
@@ -230,8 +258,9 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	const struct ekp_config *cfg = ekp_config_get();
 
 	ekp_count(EKP_STAT_PACKETS);
-	/* the last hop: the stack sends the time exceeded */
-	if (parsed != EKP_PARSE_OK || p->b.frag != EKP_FRAG_NONE || p->hop_limit <= 1 || !cfg ||
+	/* TCP alone (UDP and SCTP: ip6tables'); the last hop: the stack sends the time exceeded */
+	if (parsed != EKP_PARSE_OK || p->b.proto != IPPROTO_TCP || p->b.frag != EKP_FRAG_NONE ||
+	    p->hop_limit <= 1 || !cfg ||
 	    (cfg->flags & EKP_CFG_HOST_LEGACY) || !ekp_tc6_may_translate(p, scope, cfg))
 		goto out;
 
@@ -251,6 +280,8 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	rk->dir = EKP_CT_REPLY;
 	struct ekp_ct6_entry *e = ekp_ct6_hit(k, cfg, now);
 	__u8 dir = EKP_CT_FORWARD;
+	if (e && !ekp_ct6_usable(e, p, EKP_CT_FORWARD))
+		e = NULL; /* a SYN reusing an ended flow's port: the new-flow path below */
 	if (e) {
 		/* its reply entry: backend -> client */
 		__builtin_memcpy(rk->saddr, e->nat_addr, 16);
@@ -260,6 +291,8 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	} else {
 		k->dir = EKP_CT_REPLY;
 		e = ekp_ct6_hit(k, cfg, now);
+		if (e && !ekp_ct6_usable(e, p, EKP_CT_REPLY))
+			e = NULL; /* a SYN-ACK answering something else on an ended flow's tuple */
 		if (e) {
 			dir = EKP_CT_REPLY;
 			/* its forward entry: client -> frontend */
@@ -341,7 +374,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	if (rc < 0)
 		goto out;
 
-	/* The reply entry first: a tuple whose reply entry another flow holds is left to the stack. */
+	/* The reply entry first: a reply can never beat its entry. */
 	__builtin_memcpy(rk->saddr, w->be6, 16);
 	__builtin_memcpy(rk->daddr, p->saddr, 16);
 	rk->sport = f->be_port;
@@ -359,13 +392,30 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	fwd->nat_port = f->be_port;
 	k->dir = EKP_CT_FORWARD;
 	if (ekp_ct6_insert(rk, rev) < 0) {
-		struct ekp_ct6_entry *held = ekp_ct6_lookup(rk);
-		if (!held || !ekp_addr6_eq(held->fe_addr, p->daddr) || held->fe_port != p->b.dport ||
-		    ekp_ct6_update(rk, rev) < 0)
+		/* this tuple's earlier flow (same frontend), a dead one, or a closed one (this packet is a
+		 * SYN: ekp_ct_reusable's rule, as the kernel's NAT takes a TIME_WAIT tuple): replaced; a
+		 * live flow of another frontend: dropped, not left to ip6tables, which would pick the
+		 * same tuple and see its replies rewritten to that frontend here (IPv4 moves the port
+		 * instead) */
+		struct ekp_ct6_entry *held = ekp_ct6_hit(rk, cfg, now);
+		if (held && !ekp_ct_closed(held->flags) &&
+		    (!ekp_addr6_eq(held->fe_addr, p->daddr) || held->fe_port != p->b.dport)) {
+			outcome = EKP_DROP_TUPLE_TAKEN;
+			verdict = TC_ACT_SHOT;
 			goto out;
+		}
+		if (ekp_ct6_update(rk, rev) < 0) {
+			outcome = EKP_DROP_CT_FULL;
+			verdict = TC_ACT_SHOT;
+			goto out;
+		}
 	}
-	if (ekp_ct6_update(k, fwd) < 0)
+	if (ekp_ct6_update(k, fwd) < 0) {
+		ekp_ct6_delete(rk); /* no reply entry without its flow, as IPv4's ekp_ct_create */
+		outcome = EKP_DROP_CT_FULL;
+		verdict = TC_ACT_SHOT;
 		goto out;
+	}
 	ekp_ct6_stamp_flow(p->daddr, p->b.dport, w->be6, f->be_port, p->b.proto, now);
 	outcome = EKP_STAT_NEW_FLOWS;
 	if (aff_hit)

@@ -188,10 +188,11 @@ class Stat(IntEnum):
     SOCK_DESTROYED = 36
     DROP_SPOOFED = 37
     DROP_HANDOVER = 38
+    DROP_TUPLE_TAKEN = 39
 
 
 STAT_DROP_FIRST = Stat.DROP_MALFORMED
-STAT_COUNT = 39
+STAT_COUNT = 40
 STAT_SLOTS = 64  # ekp_stats_v3's size: room for later counters without a new map
 # The drop reasons, by name (a reason added later goes at the end of the enum, after other kinds).
 DROPS: tuple[Stat, ...] = tuple(s for s in Stat if s.name.startswith("DROP_"))
@@ -690,6 +691,7 @@ CTQ_DIVISOR = 4  # ring slots = table entries / 4
 
 # The conntrack tables, by protocol: TCP flows in ct_tcp, every other protocol in ct_any.
 CT_ROLES = ("ct_tcp", "ct_any")
+CT6_ROLES = ("ct6_tcp", "ct6_any")  # the tc IPv6 path's (bpf/ekp_tc6.h)
 
 
 def ct_role(proto: int) -> str:

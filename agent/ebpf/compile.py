@@ -134,11 +134,17 @@ def open_pinned_programs(
                 os.close(fd)
 
 
-def remove_other_builds(pin_path: str, build: str) -> list[str]:
-    """Unpin programs of other builds; their names."""
+def remove_other_builds(pin_path: str, build: str, keep: Sequence[str] = ()) -> list[str]:
+    """Unpin programs of other builds, but for their pins named in `keep`; their names.
+
+    `keep` is for program arrays: the kernel empties a program array when its last user reference
+    goes, and attached programs hold none, so an older build's array unpinned while its programs
+    are still attached would turn its tail calls into fall-throughs until the new ones attach."""
     removed = []
     for entry in sorted(os.listdir(pin_path)):
         if entry.startswith(PROG_PIN_PREFIX) and not entry.startswith(f"{PROG_PIN_PREFIX}{build}_"):
+            if any(entry.endswith(f"_{name}") for name in keep):
+                continue
             os.unlink(os.path.join(pin_path, entry))
             removed.append(entry)
     return removed

@@ -33,6 +33,7 @@ tools print their generated C.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import re
@@ -87,6 +88,12 @@ ROLE_FLAGS: dict[str, int] = {
     **{role: BPF_F_NO_PREALLOC for role in V6_ROLES.values() if MAPS[role].kind == "hash"},
 }
 
+# The conntrack tables of the tc programs' IPv6 path (bpf/ekp_tc6.h), its only writer: when that
+# path does not serve (MapSizes.ipv6_tc), each is created with IDLE_SIZE entries, and a pin of the
+# other size is replaced at load (`replace_resized_ipv6_pins`): what it holds no program reads.
+TC6_ROLES = frozenset({"ct6_tcp", "ct6_any"})
+IDLE_SIZE = 1
+
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
 
@@ -113,6 +120,8 @@ def map_size(spec: MapSpec, sizes: MapSizes) -> int:
     size left to be derived (0) that nobody resolved takes kube-proxy's default conntrack
     settings on this machine's CPUs (the proxier resolves it from Config.conntrack first). An
     early-drop ring follows its conntrack table (a pinned table keeps its size, so its ring does)."""
+    if spec.role in TC6_ROLES and not sizes.ipv6_tc:
+        return IDLE_SIZE
     table = next((ct for ct, ring in CT_QUEUES.items() if ring == spec.role), None)
     if table is not None:  # an early-drop ring: a quarter of its table's entries
         return max(1, map_size(MAPS[table], sizes) // CTQ_DIVISOR)
@@ -222,6 +231,34 @@ def check_pins(pin_path: str, sizes: MapSizes) -> None:
         )
 
 
+def replace_resized_ipv6_pins(pin_path: str, sizes: MapSizes) -> list[str]:
+    """Unpin the tc IPv6 path's conntrack tables (TC6_ROLES) whose size is the other side of the
+    IPv6 switch (IDLE_SIZE on one side, their IPv4 twins' on the other), so the load creates them
+    at this start's size; their names. Nothing else of theirs may differ (check_pins reports it),
+    and no other map is touched: the IPv4 tables and their flows stay. Turned on, the idle tables
+    held nothing; turned off, no program of this start reads what the full ones held."""
+    removed = []
+    for role in sorted(TC6_ROLES):
+        spec = MAPS[role]
+        path = os.path.join(pin_path, spec.name)
+        try:
+            fd = obj_get(path)
+        except OSError:
+            continue  # missing (created by the load) or unreadable (check_pins says why)
+        try:
+            info = map_info(fd)
+        finally:
+            os.close(fd)
+        want = expected_info(spec, sizes)
+        have = info.max_entries
+        others = [k for k in want if k != "max_entries" and getattr(info, k) != want[k]]
+        if have == want["max_entries"] or others or IDLE_SIZE not in (have, want["max_entries"]):
+            continue
+        os.unlink(path)
+        removed.append(spec.name)
+    return removed
+
+
 def stale_pins(pin_path: str) -> list[str]:
     """Pins in `pin_path` that are ekp maps but not this ABI version's (full paths, sorted)."""
     current = {spec.name for spec in MAPS.values()}
@@ -307,6 +344,7 @@ class Datapath:
         self._prog_fds: dict[str, int] = {}
         self._maps: dict[str, BpfMap] = {}
         self._programs: dict[str, ProgSpec] = {}
+        self._build: str | None = None
 
     @property
     def entry_file(self) -> Path:
@@ -384,6 +422,15 @@ class Datapath:
                 f"{BPFFS_ROOT}, or mount one first (mount -t bpf bpf DIR)"
             )
         ensure_pin_dir(self.pin_path)
+        resized = replace_resized_ipv6_pins(self.pin_path, self.sizes)
+        if resized:
+            log.info(
+                "IPv6 conntrack tables %s recreated at %s (the tc programs' IPv6 path %s): the IPv4 "
+                "tables and their flows are kept",
+                ", ".join(resized),
+                "full size" if self.sizes.ipv6_tc else f"{IDLE_SIZE} entry each",
+                "serves now" if self.sizes.ipv6_tc else "no longer serves",
+            )
         check_pins(self.pin_path, self.sizes)
 
         handed = False
@@ -412,9 +459,13 @@ class Datapath:
                 fds = None
             if fds is None:
                 fds, how = self._link(build, programs, opened)
+            self._route_ipv6(build, fds)
             self._prog_fds = fds
             self._programs = programs
-            old = remove_other_builds(self.pin_path, build)
+            self._build = build
+            # Its program arrays stay pinned until our programs replaced its attachments
+            # (release_older_builds, after the first attach).
+            old = remove_other_builds(self.pin_path, build, keep=tuple(TAIL_CALLS))
             if old:
                 log.info("unpinned programs of an older build: %s", ", ".join(old))
             log.info(
@@ -433,6 +484,44 @@ class Datapath:
             else:
                 self.close()
             raise
+
+    def release_older_builds(self) -> list[str]:
+        """Unpin what load() kept of older builds (their program arrays): to be called once this
+        build's programs replaced theirs on every device. The names unpinned."""
+        if self._build is None:
+            return []
+        return remove_other_builds(self.pin_path, self._build)
+
+    def _route_ipv6(self, build: str, fds: Mapping[str, int]) -> None:
+        """Fill the program arrays (TAIL_CALLS) when the tc programs' IPv6 path serves
+        (MapSizes.ipv6_tc), empty them otherwise: an IPv6 packet then stops at the IPv4 programs'
+        parser (a failed tail call and the parse, instead of the IPv6 program's parse and checks).
+        Set at every load, reused programs too: the arrays are pinned with the build."""
+        for array, names in TAIL_CALLS.items():
+            fd = bpfsys.obj_get(prog_pin(self.pin_path, build, array))
+            if fd < 0:
+                raise DatapathError(f"opening program array {array} of build {build}: {os.strerror(-fd)}")
+            try:
+                for index, name in enumerate(names):
+                    key = ctypes.c_uint32(index)
+                    if self.sizes.ipv6_tc and name in fds:
+                        ret = bpfsys.map_update_elem(fd, key, ctypes.c_uint32(fds[name]))
+                    else:
+                        ret = bpfsys.map_delete_elem(fd, key)
+                        ret = 0 if ret == -errno.ENOENT else ret
+                    if ret < 0:
+                        raise DatapathError(
+                            f"setting slot {index} of program array {array}: {os.strerror(-ret)}"
+                        )
+            finally:
+                os.close(fd)
+        log.info(
+            "IPv6 packets on the tc hooks: %s",
+            "continued in ekp_from_pod6 / ekp_from_net6 (the tc programs' IPv6 path)"
+            if self.sizes.ipv6_tc
+            else "passed to the stack at the IPv4 programs' parser (the tc programs' IPv6 path needs an "
+            "IPv6 half and --bpf-host-routing=bpf)",
+        )
 
     def _open_maps(self) -> None:
         """Every pinned map on our own fds, each checked against the shape this agent expects."""

@@ -46,10 +46,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from agent.config import Config, MapSizes, NodeContext
+from agent.config import Config, HostRouting, MapSizes, NodeContext
 from agent.ebpf import abi, activity
 from agent.ebpf.abi import Stat
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
@@ -99,6 +100,9 @@ class DatapathLike(Protocol):
 
     def repair_pins(self) -> list[str]:
         """Pin again every map whose pin was removed or replaced; the names repaired."""
+
+    def release_older_builds(self) -> list[str]:
+        """Unpin what the load kept of older builds until the first attach replaced them."""
 
     def close(self) -> None: ...
 
@@ -471,6 +475,10 @@ class EbpfProxier:
             sizes = self._config.map_sizes.with_conntrack(
                 self._config.conntrack, os.cpu_count() or 1, self._sizes_reader(pin_path)
             )
+            # The tc programs' IPv6 path translates only with BPF host routing, from the IPv6 maps an
+            # IPv6 half writes (ipv6(), called when the agent is built, before this load).
+            tc6 = self._v6_served and self._config.bpf_host_routing is HostRouting.BPF
+            sizes = replace(sizes, ipv6_tc=tc6)
             datapath = self._datapath_factory(pin_path, sizes)
 
             def maps_ready() -> None:
@@ -595,6 +603,12 @@ class EbpfProxier:
             # carried over before anything else delays it.
             self._upgrade.after_attach(datapath.maps)
             activity.arm(datapath.maps)  # only our programs run now: stamp what the tables hold
+            released = datapath.release_older_builds()
+            if released:
+                log.info(
+                    "unpinned the program arrays of an older build, its programs detached: %s",
+                    ", ".join(released),
+                )
             stale = remove_stale_pins(self._config.pin_path)
             if stale:
                 log.info("removed pins of other ABI versions: %s", ",".join(stale))
@@ -789,7 +803,8 @@ def render_live_maps(
 
     `services` prints the same lines as `--dry-run` (cfg, fe, slot, be, rnat, srcr), so a live
     node can be diffed against a plan; `services6` the IPv6 maps (fe6, slot6, be6, ...); `ct`,
-    `aff` and `stats` print conntrack, affinity and the counters; `sockets` the socket programs'
+    `aff` and `stats` print conntrack (IPv4's, then the tc IPv6 path's `ct6` lines), affinity and
+    the counters; `sockets` the socket programs'
     settings, links and where each socket was sent. Opens the pins read-only in effect (nothing is
     written); needs no compiler.
     """
@@ -802,7 +817,7 @@ def render_live_maps(
         render_sockets,
         render_stats,
     )
-    from agent.ebpf.render6 import render_contents6, sock6_lines
+    from agent.ebpf.render6 import ct6_lines, render_contents6, sock6_lines
     from agent.ebpf.sockattach import pinned_links
 
     unknown = [s for s in sections if s not in INSPECT_SECTIONS]
@@ -811,7 +826,7 @@ def render_live_maps(
     roles = {
         "services": (*ROLES, "cfg", "cfgsel"),
         "services6": tuple(abi.V6_ROLES.values()),
-        "ct": abi.CT_ROLES,
+        "ct": (*abi.CT_ROLES, "ct6_tcp", "ct6_any"),
         "aff": ("aff",),
         "stats": ("stats", "xstats"),
         "capacity": tuple(abi.MAPS),
@@ -844,6 +859,8 @@ def render_live_maps(
             elif section == "ct":
                 flows = [kv for role in abi.CT_ROLES for kv in maps[role].items()]
                 out.append(render_conntrack(flows, now))  # type: ignore[arg-type]
+                flows6 = [kv for role in ("ct6_tcp", "ct6_any") if role in maps for kv in maps[role].items()]
+                out.append("".join(line + "\n" for line in ct6_lines(flows6, now)))
             elif section == "capacity":
                 capacities = {role: m.info().max_entries for role, m in maps.items()}
                 fills = read_fill(maps, capacities, read_config(maps), now)

@@ -75,6 +75,7 @@ _DROP_REASONS = {
     Stat.DROP_FRAG_NEEDED: "fragmentation_needed",
     Stat.DROP_SPOOFED: "spoofed_source",
     Stat.DROP_HANDOVER: "handover",
+    Stat.DROP_TUPLE_TAKEN: "reply_tuple_taken",
 }
 assert set(_DROP_REASONS) == set(DROPS)
 _FLOW_EVENTS = {

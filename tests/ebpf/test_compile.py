@@ -4,6 +4,7 @@ agent's own pinned maps, pinned programs reused by a restart; no bcc in the agen
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import subprocess
@@ -170,6 +171,7 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         caplog.clear()
         bigger = Datapath(pins, replace(SMALL, fe=256), cache=ObjectCache(str(tmp_path / "empty")))
         bigger.load()
+        assert bigger.release_older_builds() == [n for n in built if n.endswith("_ekp_calls6")]
         bigger.close()
         assert "data path compiled in" in caplog.text
         rebuilt = _prog_pins(pins)
@@ -287,6 +289,81 @@ def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
             assert {second.maps[r].info().id for r in ("fe6", "be6", "fe", "be")} <= conn6
         finally:
             second.close()
+
+
+def _slots(pins: str, d: Datapath) -> list[int]:
+    """The program ids ekp_calls6 of `d`'s build holds, 0 for an empty slot."""
+    fd = bpfsys.obj_get(prog_pin(pins, d.build(d.programs()), "ekp_calls6"))
+    assert fd >= 0
+    try:
+        out = []
+        for index in range(len(TAIL_CALLS["ekp_calls6"])):
+            value = ctypes.c_uint32()
+            ret = bpfsys.map_lookup_elem(fd, ctypes.c_uint32(index), value)
+            assert ret in (0, -errno.ENOENT), os.strerror(-ret)
+            out.append(value.value if ret == 0 else 0)
+        return out
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.kernel
+def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_sets_its_tail_calls(
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache
+) -> None:
+    """Without the tc programs' IPv6 path (MapSizes.ipv6_tc false: no IPv6 half, or legacy host
+    routing) its conntrack tables hold one entry each and ekp_calls6 is empty; a restart with it
+    recreates those two tables at their IPv4 twins' sizes and fills the array; a restart without it
+    again shrinks them and empties it. Every other pinned map is the same map throughout, and an
+    established IPv4 flow's conntrack entry is kept."""
+    caplog.set_level(logging.INFO)
+    off, on = replace(SMALL, ipv6_tc=False), SMALL
+    tc6 = {MAPS[r].name for r in loader.TC6_ROLES}
+    key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
+    with bpffs() as root:
+        pins = str(root / "ekp")
+        first = Datapath(pins, off, cache=cache)
+        first.load()
+        try:
+            assert {r: first.maps[r].info().max_entries for r in loader.TC6_ROLES} == {
+                "ct6_tcp": 1,
+                "ct6_any": 1,
+            }
+            assert _slots(pins, first) == [0, 0], "no IPv6 program behind the IPv4 ones"
+            first.maps["ct_tcp"].update(key, CtEntry(last_seen_ns=1, nat_addr=ip_be("10.244.2.7"), flags=4))
+        finally:
+            first.close()
+        before = _pinned_ids(pins)
+        for sizes, entries in ((on, {"ct6_tcp": 1024, "ct6_any": 1024}), (off, {"ct6_tcp": 1, "ct6_any": 1})):
+            caplog.clear()
+            d = Datapath(pins, sizes, cache=cache)
+            d.load()
+            try:
+                assert "IPv6 conntrack tables ekp_ct6_any_v2, ekp_ct6_tcp_v2 recreated" in caplog.text
+                assert {r: d.maps[r].info().max_entries for r in loader.TC6_ROLES} == entries
+                after = _pinned_ids(pins)
+                assert {n: i for n, i in after.items() if n not in tc6} == {
+                    n: i for n, i in before.items() if n not in tc6
+                }, "every other map kept"
+                assert not {after[n] for n in tc6} & {before[n] for n in tc6}, "the two recreated"
+                kept = d.maps["ct_tcp"].lookup(key)
+                assert isinstance(kept, CtEntry) and kept.nat_addr == ip_be("10.244.2.7")
+                want = [prog_id(d.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]] if sizes.ipv6_tc else [0, 0]
+                assert _slots(pins, d) == want
+                ct6_users = prog_map_ids(d.prog_fd("ekp_from_pod6"))
+                assert {d.maps[r].info().id for r in loader.TC6_ROLES} <= ct6_users, "the new tables used"
+            finally:
+                d.close()
+            before = after
+        # The same flags again: the pinned programs reused, the array left as it was set.
+        again = Datapath(pins, off, cache=cache)
+        caplog.clear()
+        again.load()
+        try:
+            assert "data path reused" in caplog.text and "recreated" not in caplog.text
+            assert _slots(pins, again) == [0, 0]
+        finally:
+            again.close()
 
 
 @pytest.mark.kernel
@@ -436,3 +513,39 @@ def test_a_program_the_verifier_refuses_leaves_none_of_the_others_pinned(
         monkeypatch.undo()
         assert not _prog_pins(str(pins))
         assert loaded and set(loaded) <= set(closed), "every program loaded before the error is closed"
+
+
+@pytest.mark.kernel
+def test_an_older_build_s_program_array_stays_filled_until_its_programs_are_replaced(
+    cache: ObjectCache,
+) -> None:
+    """The kernel empties a program array when its last user reference goes (attached programs
+    hold none): unpinned at the new build's load, the old tc programs still attached would send
+    every IPv6 packet to the stack untranslated until the first sync attaches the new ones. The
+    old build's array keeps its pin and its programs through the load, and goes with
+    release_older_builds, called once the new programs are attached."""
+    with bpffs() as root:
+        pins = str(root / "ekp")
+        old = Datapath(pins, SMALL, cache=cache)
+        old.load()
+        old_array = prog_pin(pins, old.build(old.programs()), "ekp_calls6")
+        want = [prog_id(old.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]]
+        old.close()  # in an upgrade its programs stay attached, and hold no reference to the array
+        for name in os.listdir(pins):
+            if not name.startswith(PROG_PIN_PREFIX):
+                os.unlink(os.path.join(pins, name))
+        new = Datapath(pins, replace(SMALL, fe=256), cache=cache)
+        new.load()
+        try:
+            assert new.build(new.programs()) != old.build(old.programs())
+            assert os.path.exists(old_array), "the old build's program array is still pinned"
+            assert _slots(pins, old) == want, "and still holds the old build's IPv6 programs"
+            old_prefix = f"{PROG_PIN_PREFIX}{old.build(old.programs())}_"
+            assert [p for p in _prog_pins(pins) if p.startswith(old_prefix)] == [
+                os.path.basename(old_array)
+            ], "its programs unpinned, its array alone kept"
+            assert new.release_older_builds() == [os.path.basename(old_array)]
+            assert not os.path.exists(old_array)
+            assert new.release_older_builds() == []
+        finally:
+            new.close()

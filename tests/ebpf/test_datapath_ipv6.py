@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 
-from agent.ebpf import abi
+from agent.ebpf import abi, activity
 from agent.ebpf.abi import BackendFlag, CtDir, FrontendFlag, Scope, Stat, ip6_words, port_be
 from agent.ebpf.loader import Datapath
+from agent.ebpf.proxier import render_live_maps
 from lab.dplab import TCP, UDP, Lab, Net, add_service6, packet_lab, set_config
 from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, sh
 
@@ -115,6 +116,21 @@ def ct6_count(net: Net) -> int:
 LOCAL_BE = ((1, BE6, 8080, BackendFlag.LOCAL),)
 
 
+def test_agent_inspect_ct_shows_the_ipv6_flows_beside_the_ipv4_ones(net: Net) -> None:
+    """`agent inspect maps ct` on live pins: a flow the IPv6 path translated, both directions, as
+    `ct6` lines after IPv4's (none here)."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    verdict, _ = net.from_pod(frame6(POD6, VIP6, 40000, 80))
+    assert verdict == TC_ACT_REDIRECT
+    created = ct6(net, POD6, VIP6, 40000, 80)
+    text = render_live_maps(net.dp.pin_path, ("ct",), now_ns=created.last_seen_ns)
+    assert text.splitlines() == [
+        f"ct6 [{BE6}]:8080 -> [{POD6}]:40000/TCP reply fe=[{VIP6}]:80 svc=1 be=1 flags=- idle=0s age=0s",
+        f"ct6 [{POD6}]:40000 -> [{VIP6}]:80/TCP forward fe=[{VIP6}]:80 nat=[{BE6}]:8080 svc=1 be=1 "
+        "flags=- idle=0s age=0s",
+    ]
+
+
 # ---- translated ----------------------------------------------------------------------------
 
 
@@ -161,21 +177,80 @@ def test_a_cluster_ip_to_a_remote_backend_without_snat_goes_to_its_node(net: Net
     assert seen(out)[:4] == (MAC6[POD6], VIP6, POD6, 80)
 
 
-def test_udp_behind_extension_headers_is_translated_with_its_checksum(net: Net) -> None:
+def test_tcp_behind_extension_headers_is_translated_with_its_checksum(net: Net) -> None:
     from scapy.layers.inet6 import IPv6ExtHdrDestOpt, IPv6ExtHdrHopByHop, IPv6ExtHdrRouting
 
-    add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
     ext = (
         IPv6ExtHdrHopByHop()
         / IPv6ExtHdrDestOpt()
         / IPv6ExtHdrRouting(segleft=0, addresses=[])
         / IPv6ExtHdrDestOpt()
     )
-    verdict, out = net.from_pod(frame6(POD6, VIP6, 40002, 53, UDP, ext=ext))
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 40002, 80, ext=ext))
     assert verdict == TC_ACT_REDIRECT
     assert seen(out)[1:4] == (POD6, BE6, 40002)
     assert seen(out)[5] == 8080
-    assert ct6(net, POD6, VIP6, 40002, 53, UDP) is not None
+    assert ct6(net, POD6, VIP6, 40002, 80) is not None
+
+
+def test_a_syn_on_a_flow_that_saw_a_rst_or_fin_is_a_new_flow_decided_again(net: Net) -> None:
+    """The client reusing its port after a RST (or FINs) opens a new connection: a new backend
+    choice, as nf_conntrack and IPv4's ekp_ct_usable_forward do, not the ended flow's backend; a
+    SYN-ACK on the ended flow's reply tuple answers something else and passes untranslated."""
+    for n, ending in enumerate(("R", "F")):
+        cport = 40050 + n
+        add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+        assert seen(net.from_pod(frame6(POD6, VIP6, cport, 80))[1])[2] == BE6
+        assert net.from_pod(frame6(POD6, VIP6, cport, 80, flags=ending + "A"))[0] == TC_ACT_REDIRECT
+        if ending == "F":  # both sides' FINs end it
+            assert net.from_pod(frame6(BE6, POD6, 8080, cport, flags="FA"))[0] == TC_ACT_REDIRECT
+        synack = frame6(BE6, POD6, 8080, cport, flags="SA")
+        assert net.from_pod(synack) == (TC_ACT_OK, synack), "no translation for another connection"
+        add_service6(net.dp.maps, VIP6, 80, ((2, BE6_2, 8080, BackendFlag.LOCAL),))  # BE6 left
+        verdict, out = net.from_pod(frame6(POD6, VIP6, cport, 80))
+        assert verdict == TC_ACT_REDIRECT
+        assert seen(out)[2] == BE6_2, "the SYN chose again"
+        assert not ct6(net, POD6, VIP6, cport, 80).flags & (abi.CtFlag.RST | abi.CtFlag.FIN_FWD)
+    assert net.stats()[Stat.NEW_FLOWS] == 4
+
+
+def test_an_established_tcp_flow_keeps_a_backend_removed_from_its_service(net: Net) -> None:
+    """As kube-proxy (and IPv4's ekp_ct_usable_forward): a terminating pod finishes its
+    connections; only UDP flows follow membership."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    assert net.from_pod(frame6(POD6, VIP6, 40060, 80))[0] == TC_ACT_REDIRECT
+    add_service6(net.dp.maps, VIP6, 80, ((2, BE6_2, 8080, BackendFlag.LOCAL),))
+    assert net.dp.maps["member6"].delete(abi.MemberKey(1, 1)), "BE6 is no member any more"
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 40060, 80, flags="A"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[2] == BE6
+
+
+def test_a_new_flow_whose_reply_tuple_another_frontends_flow_holds_is_dropped_and_counted(
+    net: Net,
+) -> None:
+    """One client port reaching one backend through two frontends: the second flow's replies
+    would carry the same tuple as the first's and be rewritten to the first's frontend, here or
+    after ip6tables translated it, so it is dropped (the client retries from another port), the
+    first flow untouched."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    add_service6(net.dp.maps, VIP6, 81, LOCAL_BE, svc_id=2, set_id=2, rev_nat_id=2)
+    assert net.from_pod(frame6(POD6, VIP6, 40070, 80))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(frame6(POD6, VIP6, 40070, 81))[0] == TC_ACT_SHOT
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.DROP_TUPLE_TAKEN]) == (1, 1)
+    assert ct6(net, POD6, VIP6, 40070, 81) is None
+    verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40070, flags="SA"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (VIP6, POD6, 80), "the first flow keeps its replies"
+    # Once that flow is closed (a RST), the tuple is free for a SYN, as the kernel's NAT takes a
+    # TIME_WAIT tuple (IPv4's ekp_ct_reusable).
+    assert net.from_pod(frame6(POD6, VIP6, 40070, 80, flags="RA"))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(frame6(POD6, VIP6, 40070, 81))[0] == TC_ACT_REDIRECT
+    verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40070, flags="SA"))
+    assert seen(out)[1:4] == (VIP6, POD6, 81), "the new flow's replies"
+    assert net.stats()[Stat.DROP_TUPLE_TAKEN] == 1
 
 
 # ---- left to the stack (ip6tables) --------------------------------------------------------
@@ -192,6 +267,22 @@ def test_a_remote_backend_needing_snat_is_left_to_ip6tables(net: Net) -> None:
     add_service6(net.dp.maps, NODE6, 30080, ((1, REMOTE_BE6, 8080, 0),), scope=Scope.EXTERNAL, flags=flags)
     _passes(net, frame6(CLIENT6, NODE6, 50001, 30080), via_net=True)
     assert net.stats()[Stat.PASS] == 1
+
+
+def test_udp_and_sctp_are_left_to_ip6tables(net: Net) -> None:
+    """A UDP flow owned here would lose what the stack does for it (the backend's fragmented
+    answers, ICMPv6 errors quoting the translated tuple), and one ip6tables started would be
+    decided again: only TCP is translated by the tc IPv6 path."""
+    from scapy.layers.inet6 import IPv6
+    from scapy.layers.l2 import Ether
+    from scapy.layers.sctp import SCTP, SCTPChunkInit
+
+    add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
+    _passes(net, frame6(POD6, VIP6, 40040, 53, UDP))
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE, proto=132, svc_id=2, set_id=2, rev_nat_id=2)
+    eth = Ether(src="02:00:00:00:aa:01", dst="02:00:00:00:aa:02")
+    _passes(net, bytes(eth / IPv6(src=POD6, dst=VIP6) / SCTP(sport=40041, dport=80) / SCTPChunkInit()))
+    assert net.stats()[Stat.PASS] == 2
 
 
 def test_snat_all_hairpin_and_host_backends_are_left_to_ip6tables(net: Net) -> None:
@@ -212,13 +303,16 @@ def test_refusals_are_left_to_ip6tables_which_rejects(net: Net) -> None:
 
 
 def test_fragments_first_and_later_are_left_to_the_stack(net: Net) -> None:
-    from scapy.layers.inet import UDP as UDPh
+    from scapy.layers.inet import TCP as TCPh
     from scapy.layers.inet6 import IPv6, IPv6ExtHdrFragment, fragment6
     from scapy.layers.l2 import Ether
 
-    add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
     datagram = (
-        IPv6(src=POD6, dst=VIP6) / IPv6ExtHdrFragment(id=7) / UDPh(sport=40007, dport=53) / (b"x" * 3000)
+        IPv6(src=POD6, dst=VIP6)
+        / IPv6ExtHdrFragment(id=7)
+        / TCPh(sport=40007, dport=80, flags="S")
+        / (b"x" * 3000)
     )
     pieces = fragment6(datagram, 1280)  # type: ignore[no-untyped-call]
     assert len(pieces) >= 3
@@ -242,11 +336,29 @@ def test_mid_flow_segments_icmpv6_and_unfinished_routing_are_left_to_the_stack(n
 
 
 def test_an_ipv6_packet_is_counted_once_by_the_ipv6_program(net: Net) -> None:
-    """The tail call leaves the IPv4 program: one PACKETS and one outcome per IPv6 packet."""
-    net.from_pod(frame6(POD6, VIP6, 40011, 80))
-    net.from_net(frame6(CLIENT6, NODE6, 40011, 80))
+    """The tail call leaves the IPv4 program: one PACKETS and one outcome per IPv6 packet, that
+    outcome the IPv6 program's (a new flow, which the IPv4 program's fall-through, passing IPv6
+    untouched, never counts), on both hooks; a packet to no frontend passed once."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    add_service6(
+        net.dp.maps,
+        NODE6,
+        30080,
+        LOCAL_BE,
+        scope=Scope.EXTERNAL,
+        flags=flags,
+        svc_id=2,
+        set_id=2,
+        rev_nat_id=2,
+    )
+    assert net.from_pod(frame6(POD6, VIP6, 40011, 80))[0] == TC_ACT_REDIRECT
+    assert net.from_net(frame6(CLIENT6, NODE6, 40011, 30080))[0] == TC_ACT_REDIRECT
     stats = net.stats()
-    assert (stats[Stat.PACKETS], stats[Stat.PASS]) == (2, 2)
+    assert (stats[Stat.PACKETS], stats[Stat.NEW_FLOWS], stats[Stat.PASS]) == (2, 2, 0)
+    net.from_pod(frame6(POD6, BE6, 40012, 8080))
+    stats = net.stats()
+    assert (stats[Stat.PACKETS], stats[Stat.NEW_FLOWS], stats[Stat.PASS]) == (3, 2, 1)
 
 
 # ---- the activity check (bpf/ekp_act.h) -----------------------------------------------------
@@ -284,6 +396,32 @@ def test_a_packet_of_no_stamped_endpoint_skips_conntrack_once_the_check_is_armed
     verdict, out = net.from_pod(frame)
     assert verdict == TC_ACT_REDIRECT
     assert seen(out)[1:4] == (POD6, BE6, 40021)
+
+
+def test_arming_stamps_the_endpoints_of_the_live_ipv6_flows_too(net: Net) -> None:
+    """activity.arm (at the first attach, after an upgrade) stamps what the IPv6 conntrack holds,
+    its addresses folded as ekp_fold6 does: an IPv6 flow an older build's programs translated
+    (no stamp) keeps its translation once the check is armed; an expired one is not stamped."""
+    now = time.monotonic_ns()
+    for cport, last_seen in ((40022, now), (40023, now - 3600 * 10**9)):
+        entry = abi.Ct6Entry(
+            last_seen_ns=last_seen,
+            nat_addr=abi.Addr6(*ip6_words(BE6)),
+            fe_addr=abi.Addr6(*ip6_words(VIP6)),
+            nat_port=port_be(8080),
+            fe_port=port_be(80),
+            flags=abi.CtFlag.ESTABLISHED | abi.CtFlag.SEEN_REPLY,
+        )
+        key = abi.Ct6Key(
+            abi.Addr6(*ip6_words(POD6)), abi.Addr6(*ip6_words(VIP6)), port_be(cport), port_be(80), TCP, 0
+        )
+        net.dp.maps["ct6_tcp"].update(key, entry)
+    frame = frame6(POD6, VIP6, 40022, 80, flags="A")
+    assert net.from_pod(frame) == (TC_ACT_OK, frame), "armed, nothing stamped: not looked up"
+    assert activity.arm(net.dp.maps) == 2, "the live flow's frontend and backend"
+    verdict, out = net.from_pod(frame)
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (POD6, BE6, 40022)
 
 
 def test_legacy_host_routing_leaves_every_ipv6_packet_to_the_stack(net: Net) -> None:

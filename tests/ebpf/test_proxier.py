@@ -64,6 +64,7 @@ class FakeDatapath:
         self.loads = 0
         self.closed = 0
         self.pin_checks = 0
+        self.events: list[str] = []
         self.missing_pins: list[str] = []
         # Programs the kernel could not load. By default the socket programs and their iterator:
         # a proxier over a fake data path then never reaches the real socket attacher (the
@@ -89,6 +90,10 @@ class FakeDatapath:
         self.pin_checks += 1
         repaired, self.missing_pins = self.missing_pins, []
         return repaired
+
+    def release_older_builds(self) -> list[str]:
+        self.events.append("unpin older builds' program arrays")
+        return []
 
     def close(self) -> None:
         self.closed += 1
@@ -184,6 +189,7 @@ class Rig:
             self.sizes.append(sizes)
             dp = self.datapath_type(self.maps)
             dp.unavailable = self.unavailable
+            dp.events = self.events
             self.datapaths.append(dp)
             return dp
 
@@ -259,7 +265,9 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     assert render_contents(rig.contents()) == render_contents(want)
     # the conntrack of an ABI v1 agent is carried over before and right after the programs change;
     # the socket programs are linked after that, and only then, every hook serving, are the other
-    # data path's rules (kube-proxy's OUTPUT chain for the node's clients) removed; sockets of
+    # data path's rules (kube-proxy's OUTPUT chain for the node's clients) removed; an older
+    # build's program arrays (its attached programs' tail calls) are unpinned only once ours are
+    # attached; sockets of
     # backends gone meanwhile ended; legacy host routing (the default) gets its egress programs
     # everywhere before the config says legacy and the ingress programs come
     first = [
@@ -267,6 +275,7 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
         "attach egress",
         "reconcile full=True",
         "carry v1 conntrack again",
+        "unpin older builds' program arrays",
         "link sockets",
         "remove the other data path's rules",
         "watch",
@@ -964,6 +973,25 @@ def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:
     rig.pinned = {"ct_tcp": 1000, "ct_any": 500}
     rig.proxier().sync(STATE, NODE)
     assert (rig.sizes[1].ct_tcp, rig.sizes[1].ct_any) == (1000, 500)
+
+
+def test_the_tc_ipv6_path_is_sized_and_routed_only_with_an_ipv6_half_and_bpf_host_routing(rig: Rig) -> None:
+    """The data path is created with MapSizes.ipv6_tc (its IPv6 conntrack tables at full size and
+    ekp_calls6 filled, agent/ebpf/loader.py) only where the tc programs' IPv6 path can translate:
+    an IPv6 half writes the IPv6 maps and host routing is BPF. Every other node, the default
+    (legacy host routing) and IPv4-only ones included, pays for neither."""
+    for routing, half, want in (
+        (HostRouting.LEGACY, False, False),
+        (HostRouting.LEGACY, True, False),
+        (HostRouting.BPF, False, False),
+        (HostRouting.BPF, True, True),
+    ):
+        rig.config = replace(rig.config, bpf_host_routing=routing)
+        p = rig.proxier()
+        if half:
+            p.ipv6()
+        p.sync(STATE, NODE)
+        assert rig.sizes[-1].ipv6_tc is want, (routing, half)
 
 
 def test_fixtures_differ() -> None:

@@ -8,7 +8,7 @@ pod's IPv6 connection to a Service is the tc programs' or ip6tables', never the 
 What each must show in eBPF mode: the flows that need no source translation (a pod to a ClusterIP,
 a NodePort of externalTrafficPolicy Local from outside to the node's own endpoint) are translated
 by tc (its counters move, and the node's nf_conntrack holds no DNAT entry for them); the others (a
-NodePort of policy Cluster, masqueraded) and what tc leaves to the stack (fragments) still work,
+NodePort of policy Cluster, masqueraded) and what tc leaves to the stack (UDP, fragments) still work,
 through ip6tables (whose DNAT entries are in nf_conntrack). iptables mode, the same requests: the
 same answers, every one through ip6tables.
 """
@@ -137,29 +137,42 @@ def test_an_ipv6_node_port_of_policy_cluster_still_works_through_ip6tables(dual:
 
 
 # A 3,000-byte datagram (three IPv6 fragments on the lab's links) and a short one carrying a
-# destination options header, each from its own socket to [vip]:53; prints what came back.
+# destination options header, each from its own socket to [vip]:53, then an HTTP request over a
+# TCP connection whose every segment carries that header, to [vip]:80; prints what came back.
 DATAGRAMS = r"""
 import socket, sys
 vip, port = sys.argv[1], int(sys.argv[2])
+# a destination options header holding one PadN option (RFC 8200 4.2): 8 bytes
+OPTS = bytes([0, 0, 1, 4, 0, 0, 0, 0])
 big = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); big.settimeout(3)
 big.sendto(b"x" * 3000, (vip, port)); print(len(big.recv(65535)))
 opts = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); opts.settimeout(3)
-# a destination options header holding one PadN option (RFC 8200 4.2): 8 bytes
-opts.setsockopt(socket.IPPROTO_IPV6, 59, bytes([0, 0, 1, 4, 0, 0, 0, 0]))  # IPV6_DSTOPTS
+opts.setsockopt(socket.IPPROTO_IPV6, 59, OPTS)  # IPV6_DSTOPTS
 opts.sendto(b"who", (vip, port)); print(opts.recv(100).decode())
+tcp = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); tcp.settimeout(3)
+tcp.setsockopt(socket.IPPROTO_IPV6, 59, OPTS)
+tcp.connect((vip, 80)); tcp.sendall(b"GET / HTTP/1.0\r\n\r\n")
+answer = b""
+while chunk := tcp.recv(4096):
+    answer += chunk
+print(answer.split(b"\r\n\r\n", 1)[1].decode().strip())
 """
 
 
-def test_fragments_and_extension_headers_reach_the_cluster_ip(dual: Cluster) -> None:
-    """A fragmented datagram (left to the stack, which reassembles it and ip6tables translates it)
-    and a datagram behind a destination options header (translated by tc in eBPF mode: a new flow
-    of its own) both answered through the ClusterIP."""
+def test_udp_fragments_and_extension_headers_reach_the_cluster_ip(dual: Cluster) -> None:
+    """UDP (a fragmented datagram, and one behind a destination options header) is left to the
+    stack and ip6tables in both modes: the tc IPv6 path translates TCP alone. A TCP connection
+    behind the same header is translated by tc in eBPF mode: one new flow of its own."""
     lab = dual.lab
     forget_flows(dual, VIP)
     before = new_flows(dual)
     out = lab.run(lab.pod("pod-1-1"), sys.executable, "-c", DATAGRAMS, VIP, str(UDP_PORT), timeout=20).stdout
-    size, who = out.split()
-    assert size == "3000" and who in PODS, out
+    size, who, http = out.split()
+    assert size == "3000" and who in PODS and http in PODS, out
+    flows = dnat_flows(dual, VIP)
+    assert flows.count("dport=53 ") == 2, f"both datagrams went through ip6tables: {flows}"
     if dual.mode == "ebpf":
-        assert new_flows(dual) - before == 1, "the datagram with options, not the fragments"
-        assert "dport=53 " in dnat_flows(dual, VIP), "the fragmented datagram went through ip6tables"
+        assert new_flows(dual) - before == 1, "the TCP connection alone"
+        assert "dport=80 " not in flows, flows
+    else:
+        assert "dport=80 " in flows, flows
