@@ -385,6 +385,13 @@ class EbpfProxier:
         self._v6_served = True
         return EbpfIpv6(self)
 
+    def expect_ipv6(self) -> None:
+        """Says, before prepare(), that an IPv6 half (`ipv6()`) will be asked for. The load sizes
+        the tc programs' IPv6 path by it (its conntrack tables, its tail calls): a load started
+        before the agent is built (agent/app.py, start_loading) would otherwise run before
+        `ipv6()` and leave that path empty for the agent's life."""
+        self._v6_served = True
+
     def _empty_ipv6_maps(self, datapath: DatapathLike, node: NodeContext) -> None:
         """No IPv6 half: the IPv6 service maps planned empty (read back, what they hold deleted;
         nothing written when they hold nothing), and the socket entries and affinities the socket

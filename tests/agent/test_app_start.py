@@ -43,6 +43,9 @@ class LoadingProxier:
         self._start.steps.append("loaded")
         self._start.loaded.set()
 
+    def expect_ipv6(self) -> None:
+        self._start.steps.append("expect ipv6")
+
     def close(self) -> None:
         # EbpfProxier.close waits for a load under way: so does this one.
         assert self._start.loaded.wait(10)
@@ -59,7 +62,7 @@ def start(monkeypatch: pytest.MonkeyPatch) -> Iterator[Start]:
     """run() with the node left alone: no pre-flight, lock or conntrack settings; make_proxier
     and build_agent recorded."""
     s = Start()
-    monkeypatch.setattr(app, "preflight", lambda config: None)
+    monkeypatch.setattr(app, "preflight", lambda config, ipv6=None: None)
     monkeypatch.setattr(lock, "acquire", lambda config: contextlib.nullcontext())
     monkeypatch.setattr(nodeinit, "setup_conntrack", lambda config: None)
 
@@ -92,6 +95,27 @@ def test_the_ebpf_load_starts_before_build_agent_and_its_proxier_is_the_agents(
     assert app.run(config) == 0
     assert start.steps[:3] == ["make proxier", "load", "build agent"]
     assert isinstance(start.seen_by_build, LoadingProxier)
+
+
+@pytest.mark.parametrize(
+    ("serves", "socket_lb", "told"), [(True, True, True), (True, False, False), (False, True, False)]
+)
+def test_the_early_load_knows_the_ipv6_half_build_agent_will_make(
+    start: Start, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, serves: bool, socket_lb: bool, told: bool
+) -> None:
+    """The load sizes the tc programs' IPv6 path by whether an IPv6 half writes the IPv6 maps, and
+    runs before build_agent makes that half: the proxier is told first (an IPv6 proxier will run
+    and has the eBPF half: socket-level load balancing), or the path stays empty (its tail calls
+    unset) for the agent's life."""
+    monkeypatch.setattr(app, "serves_ipv6", lambda config, missing=None: serves)
+    services = tmp_path / "services.yaml"
+    services.write_text("")
+    config = Config(
+        mode=Mode.EBPF, services_file=str(services), pin_path=str(tmp_path / "pins"), socket_lb=socket_lb
+    )
+    assert app.run(config) == 0
+    want = ["make proxier", "expect ipv6", "load"] if told else ["make proxier", "load", "build agent"]
+    assert start.steps[:3] == want
 
 
 def test_a_failed_build_waits_for_the_early_load_under_the_node_lock(

@@ -994,6 +994,19 @@ def test_the_tc_ipv6_path_is_sized_and_routed_only_with_an_ipv6_half_and_bpf_hos
         assert rig.sizes[-1].ipv6_tc is want, (routing, half)
 
 
+def test_an_ipv6_half_expected_before_an_early_load_sizes_the_tc_ipv6_path(rig: Rig) -> None:
+    """agent/app.py's start_loading loads before build_agent asks for the IPv6 half: told first
+    (`expect_ipv6`), the load sizes and routes the tc IPv6 path as if the half existed."""
+    rig.config = replace(rig.config, bpf_host_routing=HostRouting.BPF)
+    p = rig.proxier()
+    p.expect_ipv6()
+    p.prepare()
+    assert rig.sizes[-1].ipv6_tc is True
+    p.ipv6()
+    p.sync(STATE, NODE)
+    assert len(rig.sizes) == 1 and rig.sizes[-1].ipv6_tc is True, "one load, sized for the path"
+
+
 def test_fixtures_differ() -> None:
     assert set(STATE.services) < set(MORE.services)
     # with the NodePort on localhost (internal), and the node's own (HOST) twins of the ETP Local
