@@ -9,6 +9,11 @@ is shared. The namespace holds what the FIB lookups resolve in:
                             (10.244.1.7 has none: the bpf_redirect_neigh path)
     small0 10.244.3.1/24    MTU 1280: the path to a backend (.5) and a client (.6) behind a smaller MTU
 
+and, for the tc programs' IPv6 path (`add_ipv6`), IPv6 beside IPv4 on the same devices:
+
+    ext0  fd00:ff::11/64     neighbours node2 ::12, client ::100; fd00:a:2::/64 via node2
+    pod0  fd00:a:1::1/64     neighbours for pods ::5 ::6 (backends) and ::9 (a client)
+
 Packets from pods run ekp_from_pod with ingress pod0; packets from outside run ekp_from_net with
 ingress ext0, or ekp_xdp_net (XDP) on ext0. `assert_balanced` checks each hook's counters after
 each test: PACKETS == sum of outcomes.
@@ -58,6 +63,17 @@ MAC = {
     CLIENT_SMALL_MTU: "02:00:0a:f4:03:06",
 }
 SNAT_MIN, SNAT_MAX = 40000, 40999
+
+NODE6, NODE2_6, CLIENT6 = "fd00:ff::11", "fd00:ff::12", "fd00:ff::100"
+POD6, BE6, BE6_2, REMOTE_BE6 = "fd00:a:1::9", "fd00:a:1::5", "fd00:a:1::6", "fd00:a:2::7"
+VIP6 = "fd00:96::10"
+MAC6 = {
+    NODE2_6: "02:00:00:00:06:12",
+    CLIENT6: "02:00:00:00:06:64",
+    POD6: "02:00:0a:06:01:09",
+    BE6: "02:00:0a:06:01:05",
+    BE6_2: "02:00:0a:06:01:06",
+}
 SIZES = MapSizes(
     fe=256,
     slot=1024,
@@ -145,6 +161,17 @@ def packet_lab() -> Iterator[Lab]:
             sh("ip", "neigh", "replace", addr, "lladdr", mac, "dev", dev, "nud", "permanent")
         sh("sysctl", "-qw", "net.ipv4.ip_forward=1")  # bpf_fib_lookup needs forwarding on ingress
         yield Lab(pod=link("pod0"), ext=link("ext0"), small=link("small0"))
+
+
+def add_ipv6(built: Lab) -> None:
+    """The IPv6 addresses, route and neighbours above, on the packet lab's devices."""
+    sh("sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")  # bpf_fib_lookup's, as for IPv4
+    sh("ip", "-6", "addr", "add", f"{NODE6}/64", "dev", built.ext.name, "nodad")
+    sh("ip", "-6", "addr", "add", "fd00:a:1::1/64", "dev", built.pod.name, "nodad")
+    sh("ip", "-6", "route", "add", "fd00:a:2::/64", "via", NODE2_6)
+    for addr, mac in MAC6.items():
+        dev = built.ext.name if addr.startswith("fd00:ff:") else built.pod.name
+        sh("ip", "-6", "neigh", "replace", addr, "lladdr", mac, "dev", dev, "nud", "permanent")
 
 
 def reset_maps(dp: Datapath) -> None:

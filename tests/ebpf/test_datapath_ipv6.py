@@ -4,10 +4,7 @@ translate the flows that need no source translation (a local backend, a frontend
 with conntrack of their own (ekp_ct6_*) and leave every other packet to the node's stack untouched,
 where the ip6tables proxier beside the eBPF programs serves it.
 
-The packet lab (lab/dplab.py) with IPv6 beside IPv4 on the same devices:
-
-    ext0  fd00:ff::11/64     neighbours node2 ::12, client ::100; fd00:a:2::/64 via node2
-    pod0  fd00:a:1::1/64     neighbours for pods ::5 (a backend) and ::9 (a client)
+The packet lab (lab/dplab.py) with IPv6 beside IPv4 on the same devices (`add_ipv6`).
 """
 
 from __future__ import annotations
@@ -23,33 +20,34 @@ from agent.ebpf import abi, activity
 from agent.ebpf.abi import BackendFlag, CtDir, FrontendFlag, Scope, Stat, ip6_words, port_be
 from agent.ebpf.loader import Datapath
 from agent.ebpf.proxier import render_live_maps
-from lab.dplab import TCP, UDP, Lab, Net, add_service6, packet_lab, set_config
-from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, sh
+from lab.dplab import (
+    BE6,
+    BE6_2,
+    CLIENT6,
+    MAC6,
+    NODE2_6,
+    NODE6,
+    POD6,
+    REMOTE_BE6,
+    TCP,
+    UDP,
+    VIP6,
+    Lab,
+    Net,
+    add_ipv6,
+    add_service6,
+    packet_lab,
+    set_config,
+)
+from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
 
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
-
-NODE6, NODE2_6, CLIENT6 = "fd00:ff::11", "fd00:ff::12", "fd00:ff::100"
-POD6, BE6, BE6_2, REMOTE_BE6 = "fd00:a:1::9", "fd00:a:1::5", "fd00:a:1::6", "fd00:a:2::7"
-VIP6 = "fd00:96::10"
-MAC6 = {
-    NODE2_6: "02:00:00:00:06:12",
-    CLIENT6: "02:00:00:00:06:64",
-    POD6: "02:00:0a:06:01:09",
-    BE6: "02:00:0a:06:01:05",
-    BE6_2: "02:00:0a:06:01:06",
-}
 
 
 @pytest.fixture(scope="module")
 def lab(dp: Datapath) -> Iterator[Lab]:
     with packet_lab() as built:
-        sh("sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")  # bpf_fib_lookup's, as for IPv4
-        sh("ip", "-6", "addr", "add", f"{NODE6}/64", "dev", built.ext.name, "nodad")
-        sh("ip", "-6", "addr", "add", "fd00:a:1::1/64", "dev", built.pod.name, "nodad")
-        sh("ip", "-6", "route", "add", "fd00:a:2::/64", "via", NODE2_6)
-        for addr, mac in MAC6.items():
-            dev = built.ext.name if addr.startswith("fd00:ff:") else built.pod.name
-            sh("ip", "-6", "neigh", "replace", addr, "lladdr", mac, "dev", dev, "nud", "permanent")
+        add_ipv6(built)
         yield built
 
 
