@@ -6,16 +6,17 @@
  *
  *   parse (ekp_parse6.h) -> conntrack (ekp_ct6_tcp / ekp_ct6_any: FORWARD, then REPLY)
  *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1)
- *                        -> route (bpf_fib_lookup), rewrite, hop limit - 1, redirect
+ *                        -> route (bpf_fib_lookup), rewrite (ekp_nat6.h), hop limit - 1, redirect
+ *   an ICMPv6 error      -> conntrack of the quoted flow (ekp_tc6_related) -> route, outer and
+ *                           quote rewritten, hop limit - 1, redirect
  *
  * What it translates: TCP flows that need no source translation, which is every flow whose backend
  * is on this node, and the remote ones of frontends that ask no SNAT (a pod to a ClusterIP). Every
  * other packet goes to the node's stack untouched, where the ip6tables proxier beside the eBPF
  * programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
- *   - UDP and SCTP: a UDP flow owned here would lose what the stack does for it (a backend's
- *     fragmented answers, ICMPv6 errors quoting the translated tuple: nf_conntrack knows neither
- *     flow), and a UDP flow ip6tables started has no first packet to tell it from a new one, so
- *     tc would decide it again;
+ *   - UDP and SCTP: a UDP flow owned here would lose a backend's fragmented answers (the stack
+ *     would reassemble them, and nf_conntrack does not know the flow), and a UDP flow ip6tables
+ *     started has no first packet to tell it from a new one, so tc would decide it again;
  *   - a frontend that asks SNAT (EKP_FE_SNAT_ALL; EKP_FE_SNAT_REMOTE with a remote backend), a
  *     hairpin (the client is its own backend), a backend on the node's own address (EKP_BE_HOST:
  *     its replies leave by the node's stack), affinity with SNAT_REMOTE (one owner of the
@@ -27,8 +28,10 @@
  *   - fragments, first and later: a translated first fragment would leave its later pieces to a
  *     stack that can never reassemble them, so the whole datagram goes to the stack, which
  *     reassembles and translates it;
- *   - ICMPv6 (errors about translated flows included, Packet Too Big: not yet translated here),
- *     a packet too big for the route, no route, the last hop.
+ *   - ICMPv6 but errors about a flow translated here (Packet Too Big, destination unreachable,
+ *     time exceeded, parameter problem: ekp_tc6_related translates those back, as nf_nat does for
+ *     the flows ip6tables translated), a packet too big for the route (the stack answers it with
+ *     Packet Too Big about the packet as its sender sent it), no route, the last hop.
  * A new flow whose reply tuple a live flow of another frontend holds (one client port to one
  * backend through two frontends) is dropped (EKP_DROP_TUPLE_TAKEN), not left to ip6tables: its
  * nf_conntrack entry would have that tuple too, and the replies would get the other frontend here.
@@ -44,6 +47,7 @@
 #include "ekp_ct.h"
 #include "ekp_decide.h"
 #include "ekp_lb.h"
+#include "ekp_nat6.h"
 #include "ekp_parse6.h"
 #include "ekp_redirect.h"
 #include "ekp_stats.h"
@@ -61,6 +65,7 @@ struct ekp_tc6_scratch {
 	struct ekp_ct6_entry rev;
 	struct bpf_fib_lookup fib;
 	struct ekp_flow flow;
+	struct ekp_icmp6_nat icmp;
 	__be32 be6[4];
 };
 
@@ -92,44 +97,6 @@ static __always_inline int ekp_source_routed_here6(struct __sk_buff *skb, const 
 	       (fib->ifindex == skb->ingress_ifindex || (bridge && fib->ifindex == bridge));
 }
 
-static __always_inline int ekp_addr6_eq(const __be32 *a, const __be32 *b)
-{
-	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
-}
-
-/* Replaces the 16-byte address at `off` and fixes the L4 checksum for it (its pseudo header: IPv6
- * has no header checksum). 0 or -1.
- * skb->csum of a CHECKSUM_COMPLETE packet: BPF_F_PSEUDO_HDR takes the address change out of it, as
- * the checksum field's own change asks, which for IPv4 is all (the IPv4 header's checksum
- * balances its address); here the address is in the data skb->csum covers, so the store puts it
- * back (BPF_F_RECOMPUTE_CSUM: skb->csum minus the old 16 bytes, plus the new ones; a no-op for any
- * other ip_summed). BPF_F_IPV6 on the csum replace does the same by leaving skb->csum alone, but
- * only kernels from mid-2025 know it (older ones refuse the call). */
-static __always_inline int ekp_set_addr6(struct __sk_buff *skb, const struct ekp_pkt6 *p, __u32 off,
-					 const __be32 *old, const __be32 *new)
-{
-	__s64 diff = bpf_csum_diff((__be32 *)old, 16, (__be32 *)new, 16, 0);
-
-	if (diff < 0)
-		return -1;
-	if (bpf_l4_csum_replace(skb, ekp_l4_csum_off(&p->b), 0, diff, ekp_l4_csum_flags(&p->b) | BPF_F_PSEUDO_HDR) < 0)
-		return -1;
-	return bpf_skb_store_bytes(skb, off, (void *)new, 16, BPF_F_RECOMPUTE_CSUM) < 0 ? -1 : 0;
-}
-
-/* Rewrites the packet to saddr:sport -> daddr:dport. 0 or -1. */
-static __always_inline int ekp_rewrite6(struct __sk_buff *skb, const struct ekp_pkt6 *p, const __be32 *saddr,
-					__be16 sport, const __be32 *daddr, __be16 dport)
-{
-	if (!ekp_addr6_eq(saddr, p->saddr) && ekp_set_addr6(skb, p, EKP_IP6_SADDR_OFF, p->saddr, saddr) < 0)
-		return -1;
-	if (!ekp_addr6_eq(daddr, p->daddr) && ekp_set_addr6(skb, p, EKP_IP6_DADDR_OFF, p->daddr, daddr) < 0)
-		return -1;
-	if (ekp_set_port(skb, &p->b, 0, p->b.sport, sport) < 0 || ekp_set_port(skb, &p->b, 2, p->b.dport, dport) < 0)
-		return -1;
-	return 0;
-}
-
 /* The route of the translated tuple into w->fib: SUCCESS or NO_NEIGH, or -1 to hand the packet
  * untouched to the stack (no route here, too big for the route: the stack and ip6tables answer
  * those as they would without this path). Looked up before anything is written. */
@@ -141,19 +108,15 @@ static __always_inline long ekp_tc6_route(struct __sk_buff *skb, struct ekp_tc6_
 	return rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ? rc : -1;
 }
 
-/* Rewrites the packet to the translated tuple, spends a hop and redirects it along the route `rc`
+/* Spends a hop of the packet (rewritten already) and redirects it along the route `rc`
  * (ekp_tc6_route). The TC verdict. */
-static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_scratch *w, long rc,
-					const __be32 *saddr, __be16 sport, const __be32 *daddr, __be16 dport,
-					__u32 *outcome)
+static __always_inline int ekp_tc6_forward(struct __sk_buff *skb, struct ekp_tc6_scratch *w, long rc, __u32 *outcome)
 {
-	const struct ekp_pkt6 *p = &w->pkt;
 	struct bpf_fib_lookup *fib = &w->fib;
-	__u8 hop = p->hop_limit - 1;
+	__u8 hop = w->pkt.hop_limit - 1;
 
-	if (ekp_rewrite6(skb, p, saddr, sport, daddr, dport) < 0 ||
-	    /* no header checksum balances the hop limit: skb->csum (CHECKSUM_COMPLETE) follows it */
-	    bpf_skb_store_bytes(skb, EKP_IP6_HOPLIMIT_OFF, &hop, 1, BPF_F_RECOMPUTE_CSUM) < 0) {
+	/* no header checksum balances the hop limit: skb->csum (CHECKSUM_COMPLETE) follows it */
+	if (bpf_skb_store_bytes(skb, EKP_IP6_HOPLIMIT_OFF, &hop, 1, BPF_F_RECOMPUTE_CSUM) < 0) {
 		*outcome = EKP_DROP_MALFORMED;
 		return TC_ACT_SHOT;
 	}
@@ -169,6 +132,18 @@ static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_sc
 		return TC_ACT_SHOT;
 	}
 	return bpf_redirect(fib->ifindex, 0);
+}
+
+/* Rewrites the packet to the translated tuple and forwards it (ekp_tc6_forward). The TC verdict. */
+static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_scratch *w, long rc,
+					const __be32 *saddr, __be16 sport, const __be32 *daddr, __be16 dport,
+					__u32 *outcome)
+{
+	if (ekp_rewrite6(skb, &w->pkt, saddr, sport, daddr, dport) < 0) {
+		*outcome = EKP_DROP_MALFORMED;
+		return TC_ACT_SHOT;
+	}
+	return ekp_tc6_forward(skb, w, rc, outcome);
 }
 
 static __always_inline struct ekp_ct6_entry *ekp_ct6_hit(struct ekp_ct6_key *k, const struct ekp_config *cfg, __u64 now)
@@ -242,6 +217,68 @@ static __always_inline int ekp_tc6_may_translate(const struct ekp_pkt6 *p, __u8 
 	return a && (a->flags & (1 << scope));
 }
 
+/* An ICMPv6 error quoting a packet of a flow this path translated, as that packet left us
+ * (translated): the node's stack has no nf_conntrack entry for the flow, so without this the error
+ * would reach its destination about a tuple its sockets never used (a Packet Too Big about a
+ * client's segment to the backend: the client's path MTU never lowered, the flow black-holed).
+ * The quote reversed is the key of the flow's other direction, as in ekp_decide_related (IPv4's,
+ * without its SNAT half: nothing here is source-translated):
+ *   a FORWARD packet (client -> backend) quoted: its REPLY entry; the error goes back to the
+ *     client: quote to client -> frontend, outer source the frontend (nf_nat's outer manip);
+ *   a REPLY packet (frontend -> client) quoted: its FORWARD entry; the error goes on to the
+ *     backend: quote to backend -> client, outer destination the backend.
+ * Routed and redirected as the flow's packets are; the entries are not refreshed. An error about
+ * no live flow of this path, or with no route here, goes to the stack untouched, as before. */
+static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6_scratch *w, __u8 scope,
+					   __u32 bridge, const struct ekp_config *cfg, __u32 *outcome)
+{
+	const struct ekp_pkt6 *p = &w->pkt;
+	struct ekp_icmp6_nat *n = &w->icmp;
+	struct ekp_ct6_key *k = &w->key;
+	__u64 now = bpf_ktime_get_ns();
+
+	__builtin_memset(k, 0, sizeof(*k));
+	__builtin_memcpy(k->saddr, p->in_daddr, 16);
+	__builtin_memcpy(k->daddr, p->in_saddr, 16);
+	k->sport = p->b.in_dport;
+	k->dport = p->b.in_sport;
+	k->proto = p->b.in_proto;
+	k->dir = EKP_CT_REPLY;
+	__builtin_memcpy(n->saddr, p->saddr, 16);
+	__builtin_memcpy(n->daddr, p->daddr, 16);
+	__builtin_memcpy(n->in_saddr, p->in_saddr, 16);
+	__builtin_memcpy(n->in_daddr, p->in_daddr, 16);
+	n->in_sport = p->b.in_sport;
+	n->in_dport = p->b.in_dport;
+	struct ekp_ct6_entry *e = ekp_ct6_hit(k, cfg, now);
+	if (e) {
+		__builtin_memcpy(n->in_daddr, e->fe_addr, 16);
+		n->in_dport = e->fe_port;
+		__builtin_memcpy(n->saddr, e->fe_addr, 16);
+	} else {
+		k->dir = EKP_CT_FORWARD;
+		e = ekp_ct6_hit(k, cfg, now);
+		if (!e)
+			return TC_ACT_OK;
+		__builtin_memcpy(n->in_saddr, e->nat_addr, 16);
+		n->in_sport = e->nat_port;
+		__builtin_memcpy(n->daddr, e->nat_addr, 16);
+	}
+	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
+		*outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
+		return TC_ACT_SHOT;
+	}
+	long rc = ekp_tc6_route(skb, w, n->saddr, 0, n->daddr, 0);
+	if (rc < 0)
+		return TC_ACT_OK;
+	if (ekp_rewrite_icmp6_err(skb, p, n) < 0) {
+		*outcome = EKP_DROP_MALFORMED;
+		return TC_ACT_SHOT;
+	}
+	*outcome = EKP_STAT_CT_RELATED;
+	return ekp_tc6_forward(skb, w, rc, outcome);
+}
+
 static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 {
 	struct ekp_tc6_scratch *w = ekp_scratch6_lookup();
@@ -258,7 +295,12 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	const struct ekp_config *cfg = ekp_config_get();
 
 	ekp_count(EKP_STAT_PACKETS);
-	/* TCP alone (UDP and SCTP: ip6tables'); the last hop: the stack sends the time exceeded */
+	/* the last hop: the stack sends the time exceeded (or, for an error, drops it) */
+	if (parsed == EKP_PARSE_ICMP_ERR && p->hop_limit > 1 && cfg && !(cfg->flags & EKP_CFG_HOST_LEGACY)) {
+		verdict = ekp_tc6_related(skb, w, scope, bridge, cfg, &outcome);
+		goto out;
+	}
+	/* TCP alone (UDP and SCTP: ip6tables') */
 	if (parsed != EKP_PARSE_OK || p->b.proto != IPPROTO_TCP || p->b.frag != EKP_FRAG_NONE ||
 	    p->hop_limit <= 1 || !cfg ||
 	    (cfg->flags & EKP_CFG_HOST_LEGACY) || !ekp_tc6_may_translate(p, scope, cfg))
