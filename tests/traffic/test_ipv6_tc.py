@@ -21,15 +21,21 @@ from collections.abc import Iterator
 import pytest
 
 from lab import Lab
+from lab.core import PODSERVER
 from lab.harness import Cluster
 from lab.objects import Ep, Port, endpoint_slice, service
 from tests.conftest import require_kernel
 from tests.traffic.conftest import MODES
+from tests.traffic.test_fragments_and_mtu import mtu
 from tests.traffic.test_ipv6 import HTTP6_PORT, SERVER6, fetch
 
 VIP = "fd00:10:96::c1"
 CLUSTER_PORT, LOCAL_PORT, UDP_PORT = 30791, 30792, 53
 PODS = ("pod-1-2", "pod-2-2")  # the IPv6 backends, one per node
+# A ClusterIP whose one backend, on node2, takes uploads over IPv6 (lab/podserver.py `--ipv6`,
+# POST /sink): the path-MTU test's
+PMTU_VIP, PMTU_POD, SINK_PORT = "fd00:10:96::c3", "pod-2-1", 8087
+UPLOAD = 2_000_000
 TRIES = 20  # each reaches a given one of two backends with p = 1/2: all missing it, 1e-6
 
 
@@ -43,6 +49,13 @@ def dual(request: pytest.FixtureRequest) -> Iterator[Cluster]:
                 lab.pod(name), sys.executable, "-c", SERVER6, name, str(HTTP6_PORT), name="http6"
             )
             lab.wait_log(proc, "ready")
+        sink = lab.popen(
+            lab.pod(PMTU_POD),
+            *(sys.executable, "-I", "-S", str(PODSERVER), "--name", PMTU_POD, "--ipv6"),
+            *("--http-port", str(SINK_PORT), "--udp-port", str(SINK_PORT)),
+            name="sink6",
+        )
+        lab.wait_log(sink, "podserver ready")
         extra = ["--bpf-host-routing=bpf"] if request.param == "ebpf" else []
         c = Cluster(lab, request.param, extra=extra)
         c.start()
@@ -74,7 +87,11 @@ def lab_objects(c: Cluster) -> None:
     )
     leps = endpoint_slice("tc6-local", [lport], [Ep(lab.pod("pod-1-2").ip6, "node1")], "v6")
     leps["addressType"] = "IPv6"
-    c.apply([svc, eps, local, leps])
+    sport = Port("http", 80, SINK_PORT)
+    sink = service("tc6-pmtu", PMTU_VIP, [sport], ipFamilies=["IPv6"])
+    seps = endpoint_slice("tc6-pmtu", [sport], [Ep(lab.pod(PMTU_POD).ip6, "node2")], "v6")
+    seps["addressType"] = "IPv6"
+    c.apply([svc, eps, local, leps, sink, seps])
 
 
 def dnat_flows(c: Cluster, dst: str) -> str:
@@ -174,5 +191,34 @@ def test_udp_fragments_and_extension_headers_reach_the_cluster_ip(dual: Cluster)
     if dual.mode == "ebpf":
         assert new_flows(dual) - before == 1, "the TCP connection alone"
         assert "dport=80 " not in flows, flows
+    else:
+        assert "dport=80 " in flows, flows
+
+
+def test_packet_too_big_from_beyond_the_backends_node_lowers_the_clients_path_mtu(dual: Cluster) -> None:
+    """Path-MTU discovery through an IPv6 ClusterIP (issue 20: Packet Too Big through a translated
+    flow). node2's veth to the backend carries 1,400 bytes while the pod itself has 1,500, so the
+    backend's MSS does not avoid it: node2's stack answers the client's first full-size segment
+    with an ICMPv6 Packet Too Big to the client, quoting the segment as node1 sent it (to the
+    backend). node1 translates it back (eBPF: the tc IPv6 path, ekp_tc6_related; iptables:
+    nf_nat's ICMPv6 translation), the client's stack finds its socket and lowers its path MTU to
+    the ClusterIP (`ip -6 route get` shows it), and the upload completes. Untranslated, the error
+    quotes a tuple the client never used: its stack drops it, the segments stay too big, and the
+    upload stalls until its timeout (a black hole)."""
+    lab = dual.lab
+    client = lab.pod("pod-1-1")
+    forget_flows(dual, PMTU_VIP)
+    before = dual.bpf_stats(1) if dual.mode == "ebpf" else {}
+    url = f"http://[{PMTU_VIP}]:80/sink"
+    with mtu(dual, [("node2", lab.pod(PMTU_POD).host_iface)], 1400):
+        sent = dual.client(client, "upload", "--url", url, "--bytes", str(UPLOAD), "--timeout", "20")
+        route = lab.run(client, "ip", "-6", "route", "get", PMTU_VIP).stdout
+    assert sent.get("received") == UPLOAD, sent
+    assert " mtu 1400 " in f"{route} ", route
+    flows = dnat_flows(dual, PMTU_VIP)
+    if dual.mode == "ebpf":
+        after = dual.bpf_stats(1)
+        assert after["new_flows"] > before["new_flows"] and flows == "", "the tc IPv6 path's flow"
+        assert after["ct_related"] > before["ct_related"], "node1 translated the Packet Too Big"
     else:
         assert "dport=80 " in flows, flows
