@@ -30,8 +30,8 @@
  *     reassembles and translates it;
  *   - ICMPv6 but errors about a flow translated here (Packet Too Big, destination unreachable,
  *     time exceeded, parameter problem: ekp_tc6_related translates those back, as nf_nat does for
- *     the flows ip6tables translated), a packet too big for the route (the stack answers it with
- *     Packet Too Big about the packet as its sender sent it), no route, the last hop.
+ *     the flows ip6tables translated), a packet too big for the route (the stack and ip6tables
+ *     answer it as they would without this path), no route, the last hop.
  * A new flow whose reply tuple a live flow of another frontend holds (one client port to one
  * backend through two frontends) is dropped (EKP_DROP_TUPLE_TAKEN), not left to ip6tables: its
  * nf_conntrack entry would have that tuple too, and the replies would get the other frontend here.
