@@ -205,6 +205,21 @@ def test_packet_too_big_from_beyond_a_remote_backends_node_reaches_the_client(ne
     assert (e.in_src, e.in_dst, e.in_sport, e.in_dport, e.in_l4) == (POD6, VIP6, 41002, 80, sent[54:])
 
 
+def test_an_error_about_a_remote_backends_reply_goes_out_to_its_node(net: Net) -> None:
+    """The client answers a reply that came in by the external device (a remote backend): the
+    error goes back out of that device, to node2's MAC, the backend's own tuple quoted."""
+    add_service6(net.dp.maps, VIP6, 80, ((1, REMOTE_BE6, 8080, 0),))
+    client_segment(net, 41009)
+    reply = frame6(REMOTE_BE6, POD6, 8080, 41009, flags="PA")
+    verdict, out = net.from_net(reply)
+    assert verdict == TC_ACT_REDIRECT and str(IPv6Address(out[22:38])) == VIP6
+    verdict, back = net.from_pod(error_about(out, POD6, "unreachable"))
+    assert verdict == TC_ACT_REDIRECT
+    e = error6(back)
+    assert (e.dmac, e.src, e.dst, e.checksum_ok) == (MAC6[NODE2_6], POD6, REMOTE_BE6, True)
+    assert (e.in_src, e.in_dst, e.in_l4, e.in_tcp_checksum_ok) == (REMOTE_BE6, POD6, reply[54:], True)
+
+
 def test_a_nodeport_flows_error_reaches_the_external_client_from_the_node(net: Net) -> None:
     """An externalTrafficPolicy Local NodePort (no source translation: the tc path's): an error
     from the backend's side about the client's segment reaches the client from the node's
