@@ -116,9 +116,12 @@ def mtu(cluster: Cluster, where: list[tuple[str, str]], value: int) -> Iterator[
     finally:
         for ns, dev, old in before:
             lab.run(ns, "ip", "link", "set", dev, "mtu", old)
-        for host in (*lab.nodes, *lab.pods):  # forget the learned path MTUs, both families
-            lab.run(host, "ip", "route", "flush", "cache", check=False)
-            lab.run(host, "ip", "-6", "route", "flush", "cache", check=False)
+        # forget the learned path MTUs, both families
+        for family in ("-4", "-6"):
+            for node in lab.nodes:
+                lab.run(node, "ip", family, "route", "flush", "cache", check=False)
+            for pod in lab.pods:
+                lab.run(pod, "ip", family, "route", "flush", "cache", check=False)
 
 
 def upload(cluster: Cluster, client: str, url: str) -> dict[str, object]:
