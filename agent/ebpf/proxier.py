@@ -50,7 +50,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from agent.config import Config, HostRouting, MapSizes, NodeContext
+from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi, activity
 from agent.ebpf.abi import Stat
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
@@ -475,10 +475,9 @@ class EbpfProxier:
             sizes = self._config.map_sizes.with_conntrack(
                 self._config.conntrack, os.cpu_count() or 1, self._sizes_reader(pin_path)
             )
-            # The tc programs' IPv6 path translates only with BPF host routing, from the IPv6 maps an
-            # IPv6 half writes (ipv6(), called when the agent is built, before this load).
-            tc6 = self._v6_served and self._config.bpf_host_routing is HostRouting.BPF
-            sizes = replace(sizes, ipv6_tc=tc6)
+            # From the settings alone: this load may run before the IPv6 half is made (main's early
+            # load) or after it, and a restart must build the same programs and table sizes.
+            sizes = replace(sizes, ipv6_tc=self._config.tc_ipv6)
             datapath = self._datapath_factory(pin_path, sizes)
 
             def maps_ready() -> None:
