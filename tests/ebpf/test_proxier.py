@@ -105,12 +105,14 @@ class FakeAttacher:
         self.maps = maps
         self.watching = False
         self.armed_at_reconcile: list[bool] = []  # the flow-activity check, when programs changed
+        self.nodes: list[NodeContext] = []  # what each reconcile found the external devices by
 
     def attach_egress(self, node: NodeContext) -> None:
         self.log.append("attach egress")
 
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
         self.log.append(f"reconcile full={full}" + (" verify" if verify and not full else ""))
+        self.nodes.append(node)
         self.armed_at_reconcile.append(activity.armed(self.maps["act"]))
 
     def start_watcher(self, timeout: float = 5.0) -> None:
@@ -474,6 +476,28 @@ def test_udp_sockets_are_ended_after_a_sync_that_removed_a_backend(rig: Rig) -> 
     p.sync(STATE, NODE, added)
     assert p.last_flush.deletes.get("member")
     assert rig.events[-1] == "end stale sockets (3 so far)"
+
+
+def test_the_ipv6_node_addresses_find_external_devices_where_the_tc_ipv6_path_serves(rig: Rig) -> None:
+    """The devices holding the IPv6 node addresses sync6 reads are external devices too (their
+    ekp_from_net reverse-translates the tc IPv6 path's replies): checked as soon as sync6 has
+    them, and at every sync after. Without the path, the IPv4 addresses alone, as before."""
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    dual = replace(rig.config, node_ips=("192.168.0.11", "fd00:192:168::11"), socket_lb=True)
+    for routing, want in (
+        (HostRouting.BPF, (*NODE.node_ips, *node6.node_ips)),
+        (HostRouting.LEGACY, NODE.node_ips),
+    ):
+        rig.config = replace(dual, bpf_host_routing=routing)
+        p = rig.proxier()
+        half = p.ipv6()
+        p.sync(STATE, NODE)
+        half.sync(state6([service()], [slice_("fd00:10:244:1::2")]), node6)
+        attacher = rig.attachers[-1]
+        assert attacher.nodes[-1].node_ips == want, routing
+        p.sync(STATE, NODE)  # periodic: checked again with both
+        assert attacher.nodes[-1].node_ips == want, routing
+        p.close()
 
 
 def test_ipv6_udp_sockets_are_ended_after_an_ipv6_sync_that_removed_a_backend(rig: Rig) -> None:
