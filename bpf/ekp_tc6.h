@@ -8,18 +8,20 @@
  *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1)
  *                        -> route (bpf_fib_lookup), rewrite, hop limit - 1, redirect
  *
- * What it translates: TCP flows that need no source translation, which is every flow whose backend
- * is on this node, and the remote ones of frontends that ask no SNAT (a pod to a ClusterIP). Every
+ * What it translates: TCP flows of frontends that ask no source translation (a pod to a ClusterIP,
+ * a NodePort or LB IP with externalTrafficPolicy Local) to a backend in a pod. Every
  * other packet goes to the node's stack untouched, where the ip6tables proxier beside the eBPF
  * programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
  *   - UDP and SCTP: a UDP flow owned here would lose what the stack does for it (a backend's
  *     fragmented answers, ICMPv6 errors quoting the translated tuple: nf_conntrack knows neither
  *     flow), and a UDP flow ip6tables started has no first packet to tell it from a new one, so
  *     tc would decide it again;
- *   - a frontend that asks SNAT (EKP_FE_SNAT_ALL; EKP_FE_SNAT_REMOTE with a remote backend), a
- *     hairpin (the client is its own backend), a backend on the node's own address (EKP_BE_HOST:
- *     its replies leave by the node's stack), affinity with SNAT_REMOTE (one owner of the
- *     service's affinity), legacy host routing;
+ *   - a frontend that asks SNAT for any backend (EKP_FE_SNAT_ALL, EKP_FE_SNAT_REMOTE: its local
+ *     backends too, so that one proxier chooses among all its backends, and one owns its
+ *     affinity), a frontend with a backend on the node's own address (EKP_FE_HOST_BACKEND: that
+ *     backend's replies leave by the node's stack; the whole frontend, for the same reason), a
+ *     hairpin (the client is its own backend: known only after the choice, see there), legacy
+ *     host routing;
  *   - refusals: no endpoints (ip6tables' REJECT answers with ICMPv6), no local endpoint, source
  *     ranges;
  *   - a mid-flow TCP segment without an entry (a flow ip6tables translated before: nf_conntrack
@@ -352,9 +354,11 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	struct ekp_frontend *fe = ekp_fe6_lookup(&fk);
 	if (!fe)
 		goto out;
-	__u16 flags = fe->flags;
-	if (ekp_lb_refusal_af(1, fe, p->saddr) || (flags & EKP_FE_SNAT_ALL) ||
-	    ((flags & EKP_FE_AFFINITY) && (flags & EKP_FE_SNAT_REMOTE)))
+	/* Whatever would take ip6tables for some of its backends takes it for all, decided before the
+	 * choice: a flow this path chose a backend for and then left to ip6tables would be chosen for
+	 * again there, and the backends that path reaches twice would get more than their share. */
+	if (ekp_lb_refusal_af(1, fe, p->saddr) ||
+	    (fe->flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE | EKP_FE_HOST_BACKEND)))
 		goto out;
 	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
 		outcome = EKP_DROP_SPOOFED;
@@ -366,9 +370,13 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	__builtin_memset(f, 0, sizeof(*f));
 	if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, f, w->be6, &aff_hit))
 		goto out;
-	if ((f->be_flags & EKP_BE_HOST) || (!(f->be_flags & EKP_BE_LOCAL) && (flags & EKP_FE_SNAT_REMOTE)) ||
-	    ekp_addr6_eq(w->be6, p->saddr))
-		goto out; /* a source translation: ip6tables' */
+	/* A hairpin (the client chose itself) needs a source translation: ip6tables', which chooses
+	 * again, as no map says before the choice which clients are backends of this frontend. A
+	 * client that is one of n backends of the Service reaches itself with 1/n^2, and the others
+	 * with more than 1/n. A host backend the planner did not flag yet (EKP_FE_HOST_BACKEND, a
+	 * frontend written before it knew the flag) goes the same way. */
+	if ((f->be_flags & EKP_BE_HOST) || ekp_addr6_eq(w->be6, p->saddr))
+		goto out;
 
 	long rc = ekp_tc6_route(skb, w, p->saddr, p->b.sport, w->be6, f->be_port);
 	if (rc < 0)

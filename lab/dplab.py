@@ -313,6 +313,8 @@ def add_service6(
     """`add_service` for an IPv6 frontend, in the IPv6 maps (ekp_fe6, be6, slot6, member6, rnat6,
     and the addresses in ekp_addr6), in the planner's order."""
     member = abi.MemberFlag.LOCAL if flags & FrontendFlag.LOCAL else abi.MemberFlag.CLUSTER
+    if any(be_flags & abi.BackendFlag.HOST for _, _, _, be_flags in backends):
+        flags |= FrontendFlag.HOST_BACKEND  # as the planner marks it
     for slot, (backend_id, be_addr, be_port, be_flags) in enumerate(backends, 1):
         value = abi.Backend6(abi.Addr6(*abi.ip6_words(be_addr)), port_be(be_port), proto, be_flags)
         maps["be6"].update(abi.BackendKey(backend_id), value)

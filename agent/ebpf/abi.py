@@ -84,6 +84,7 @@ class FrontendFlag(IntEnum):
     SNAT_ALL = 1 << 8
     MAGLEV = 1 << 9
     HOST_SCOPE = 1 << 10
+    HOST_BACKEND = 1 << 11  # IPv6 frontends: the set holds an endpoint on a node address (tc IPv6 path)
 
 
 class BackendFlag(IntEnum):

@@ -157,7 +157,7 @@ def test_a_pod_to_a_cluster_ip_is_translated_and_its_reply_reverse_translated(ne
 
 
 def test_a_nodeport_from_outside_to_a_local_backend_is_translated_both_ways(net: Net) -> None:
-    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    flags = FrontendFlag.NODEPORT | FrontendFlag.LOCAL  # externalTrafficPolicy Local
     add_service6(net.dp.maps, NODE6, 30080, LOCAL_BE, scope=Scope.EXTERNAL, flags=flags)
     verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50000, 30080))
     assert verdict == TC_ACT_REDIRECT
@@ -269,6 +269,25 @@ def test_a_remote_backend_needing_snat_is_left_to_ip6tables(net: Net) -> None:
     assert net.stats()[Stat.PASS] == 1
 
 
+def test_a_frontend_that_needs_ip6tables_for_some_backends_leaves_it_all_its_flows(net: Net) -> None:
+    """One proxier chooses each flow's backend: a frontend whose SNAT_REMOTE (ETP Cluster with
+    --bpf-keep-client-ip-for-local-backends) or host-network backend (HOST_BACKEND, the planner's
+    mark) would send some choices to ip6tables sends every flow there before choosing. Chosen here
+    first, the flows left to ip6tables would be chosen for again there, and the one local backend
+    of three would get 5/9 of them, not 1/3. Counted over 30 SYNs each: none is translated (one
+    chosen here would be with p = 1/3 each before, so all 30 passing by chance: 5e-6)."""
+    remote_too = ((1, BE6, 8080, BackendFlag.LOCAL), (2, REMOTE_BE6, 8080, 0), (3, "fd00:a:2::8", 8080, 0))
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    add_service6(net.dp.maps, NODE6, 30080, remote_too, scope=Scope.EXTERNAL, flags=flags)
+    host_too = ((4, BE6_2, 8080, BackendFlag.LOCAL), (5, NODE6, 10250, BackendFlag.HOST))
+    add_service6(net.dp.maps, VIP6, 80, host_too, svc_id=2, set_id=2, rev_nat_id=2)
+    for n in range(30):
+        _passes(net, frame6(CLIENT6, NODE6, 50100 + n, 30080), via_net=True)
+        _passes(net, frame6(POD6, VIP6, 41100 + n, 80))
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.PASS]) == (0, 60)
+
+
 def test_udp_and_sctp_are_left_to_ip6tables(net: Net) -> None:
     """A UDP flow owned here would lose what the stack does for it (the backend's fragmented
     answers, ICMPv6 errors quoting the translated tuple), and one ip6tables started would be
@@ -340,7 +359,7 @@ def test_an_ipv6_packet_is_counted_once_by_the_ipv6_program(net: Net) -> None:
     outcome the IPv6 program's (a new flow, which the IPv4 program's fall-through, passing IPv6
     untouched, never counts), on both hooks; a packet to no frontend passed once."""
     add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
-    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    flags = FrontendFlag.NODEPORT | FrontendFlag.LOCAL
     add_service6(
         net.dp.maps,
         NODE6,
