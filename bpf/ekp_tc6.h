@@ -207,6 +207,18 @@ static __always_inline int ekp_ct6_usable(const struct ekp_ct6_entry *e, const s
 	return ekp_ct_usable_reply(&view, &p->b);
 }
 
+/* ekp_ct_is_twin for IPv6: `t`, found under the twin key of `e` (this packet's entry, direction
+ * `dir`), is its twin and not another flow's entry that took the key: the same frontend, backend
+ * and translation (EKP_CT_SAME_FLOW, IPv4's test), and, for a FORWARD twin, this reply's source as
+ * its backend. A REPLY twin's own twin key is this packet's key once its frontend matches. */
+static __always_inline int ekp_ct6_is_twin(const struct ekp_ct6_entry *t, const struct ekp_ct6_entry *e, __u8 dir,
+					   const struct ekp_pkt6 *p)
+{
+	if (!EKP_CT_SAME_FLOW(t, e, ekp_addr6_eq(t->fe_addr, e->fe_addr)))
+		return 0;
+	return dir == EKP_CT_FORWARD || (ekp_addr6_eq(t->nat_addr, p->saddr) && t->nat_port == p->b.sport);
+}
+
 /* An IPv6 endpoint in the flow-activity array (ekp_act.h) is its address folded to 32 bits: a
  * stamp is a hint, and a slot shared with another endpoint (of either family) only costs the
  * lookups, never a wrong answer. */
@@ -313,7 +325,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			e->flags |= set;
 			e->last_seen_ns = now;
 			struct ekp_ct6_entry *t = set ? ekp_ct6_lookup(rk) : NULL;
-			if (t)
+			if (t && ekp_ct6_is_twin(t, e, dir, p))
 				t->flags |= set;
 			/* the backend: the FORWARD entry's nat_addr, the REPLY key's source */
 			if (dir == EKP_CT_FORWARD)

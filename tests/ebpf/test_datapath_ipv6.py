@@ -215,6 +215,35 @@ def test_a_syn_on_a_flow_that_saw_a_rst_or_fin_is_a_new_flow_decided_again(net: 
     assert net.stats()[Stat.NEW_FLOWS] == 4
 
 
+def test_a_state_change_leaves_another_flows_entry_under_the_twin_key_alone(net: Net) -> None:
+    """A FIN moves the flow's entry and its twin; an entry of another flow that sits under the twin
+    key (written behind its back here; the LRU evicts and reuses keys) keeps its state, as IPv4's
+    ekp_ct_is_twin decides: a foreign frontend, or a foreign backend, is not the twin."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    for n, foreign in enumerate(({"fe_port": port_be(81)}, {"backend_id": 7})):
+        cport = 40090 + n
+        assert net.from_pod(frame6(POD6, VIP6, cport, 80))[0] == TC_ACT_REDIRECT
+        rkey = abi.Ct6Key(
+            abi.Addr6(*ip6_words(BE6)),
+            abi.Addr6(*ip6_words(POD6)),
+            port_be(8080),
+            port_be(cport),
+            TCP,
+            CtDir.REPLY,
+        )
+        other = ct6(net, BE6, POD6, 8080, cport, reply=True)
+        for field, value in foreign.items():
+            setattr(other, field, value)
+        net.dp.maps["ct6_tcp"].update(rkey, other)
+        assert net.from_pod(frame6(POD6, VIP6, cport, 80, flags="FA"))[0] == TC_ACT_REDIRECT
+        assert ct6(net, POD6, VIP6, cport, 80).flags & abi.CtFlag.FIN_FWD, "the flow's own entry moved"
+        assert not ct6(net, BE6, POD6, 8080, cport, reply=True).flags & abi.CtFlag.FIN_FWD, foreign
+    # the true twin moves with it
+    assert net.from_pod(frame6(POD6, VIP6, 40092, 80))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(frame6(POD6, VIP6, 40092, 80, flags="FA"))[0] == TC_ACT_REDIRECT
+    assert ct6(net, BE6, POD6, 8080, 40092, reply=True).flags & abi.CtFlag.FIN_FWD
+
+
 def test_an_established_tcp_flow_keeps_a_backend_removed_from_its_service(net: Net) -> None:
     """As kube-proxy (and IPv4's ekp_ct_usable_forward): a terminating pod finishes its
     connections; only UDP flows follow membership."""
