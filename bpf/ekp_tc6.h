@@ -372,11 +372,11 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	if (ekp_lb_refusal_af(1, fe, p->saddr) ||
 	    (fe->flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE | EKP_FE_HOST_BACKEND)))
 		goto out;
-	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
-		outcome = EKP_DROP_SPOOFED;
-		verdict = TC_ACT_SHOT;
+	/* A source not routed back by this device: not ours to translate past the stack, and not ours
+	 * to drop either (IPv6 has no rp_filter: the stack and ip6tables do what they would without
+	 * this path). A hit's packet is dropped instead (above): it would be redirected. */
+	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge))
 		goto out;
-	}
 	struct ekp_flow *f = &w->flow;
 	__u32 aff_hit = 0;
 	__builtin_memset(f, 0, sizeof(*f));

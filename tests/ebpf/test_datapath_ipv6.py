@@ -479,13 +479,23 @@ def test_legacy_host_routing_leaves_every_ipv6_packet_to_the_stack(net: Net) -> 
     _passes(net, frame6(POD6, VIP6, 40030, 80))
 
 
-def test_a_pod_claiming_a_source_not_routed_to_its_device_is_dropped(net: Net) -> None:
-    """The redirect skips the stack's reverse-path filter, so the program checks as it would."""
+def test_a_pod_claiming_a_source_not_routed_to_its_device_is_passed_when_new_dropped_on_a_hit(
+    net: Net,
+) -> None:
+    """A new flow from a pod with a source its device does not route back is left to the stack
+    untouched, as without this path (IPv6 has no rp_filter); a packet that hits a flow's entry
+    would be redirected past the stack, so the program checks it as rp_filter would and drops."""
     add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
     frame = frame6(CLIENT6, VIP6, 40031, 80)  # an address of the external network, from a pod
-    assert net.from_pod(frame)[0] == TC_ACT_SHOT
-    assert net.stats()[Stat.DROP_SPOOFED] == 1
+    assert net.from_pod(frame) == (TC_ACT_OK, frame)
     assert ct6_count(net) == 0
+    # a flow of the external client (ETP Local NodePort), then its tuple claimed from a pod device
+    flags = FrontendFlag.NODEPORT | FrontendFlag.LOCAL
+    add_service6(net.dp.maps, NODE6, 30080, LOCAL_BE, scope=Scope.EXTERNAL, flags=flags, svc_id=2, set_id=2)
+    assert net.from_net(frame6(CLIENT6, NODE6, 40032, 30080))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(frame6(CLIENT6, NODE6, 40032, 30080, flags="A"))[0] == TC_ACT_SHOT
+    stats = net.stats()
+    assert (stats[Stat.DROP_SPOOFED], stats[Stat.NEW_FLOWS], stats[Stat.PASS]) == (1, 1, 1)
 
 
 def test_client_ip_affinity_keeps_a_client_on_its_backend(net: Net) -> None:
