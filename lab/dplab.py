@@ -186,12 +186,18 @@ class Net:
     def __init__(self, dp: Datapath, lab: Lab) -> None:
         self.dp, self.lab = dp, lab
 
-    def from_pod(self, frame: bytes, via: Link | None = None) -> tuple[int, bytes]:
-        """ekp_from_pod on `frame` arriving on pod0, or on the pod device `via` (small0)."""
-        return prog_run(self.dp.prog_fd("ekp_from_pod"), frame, (via or self.lab.pod).ifindex)
+    def from_pod(
+        self, frame: bytes, via: Link | None = None, *, csum_complete: bool = False
+    ) -> tuple[int, bytes]:
+        """ekp_from_pod on `frame` arriving on pod0, or on the pod device `via` (small0);
+        `csum_complete`: a CHECKSUM_COMPLETE skb whose skb->csum is checked after (prog_run)."""
+        fd = self.dp.prog_fd("ekp_from_pod")
+        return prog_run(fd, frame, (via or self.lab.pod).ifindex, csum_complete=csum_complete)
 
-    def from_net(self, frame: bytes) -> tuple[int, bytes]:
-        return prog_run(self.dp.prog_fd("ekp_from_net"), frame, self.lab.ext.ifindex)
+    def from_net(self, frame: bytes, *, csum_complete: bool = False) -> tuple[int, bytes]:
+        return prog_run(
+            self.dp.prog_fd("ekp_from_net"), frame, self.lab.ext.ifindex, csum_complete=csum_complete
+        )
 
     def to_pod(self, frame: bytes, *, came_in_by: int = 0) -> tuple[int, bytes]:
         """ekp_egress on the pod device: a packet of the node's own stack (`came_in_by` 0), or one

@@ -177,6 +177,25 @@ def test_a_cluster_ip_to_a_remote_backend_without_snat_goes_to_its_node(net: Net
     assert seen(out)[:4] == (MAC6[POD6], VIP6, POD6, 80)
 
 
+def test_a_checksum_complete_packet_keeps_its_skb_csum_through_the_translation(net: Net) -> None:
+    """A packet a NIC passed up CHECKSUM_COMPLETE (skb->csum: the sum of the data from the IPv6
+    header on, which the stack checks the L4 checksum against): after the address, port and hop
+    limit rewrites skb->csum must still be the data's sum, or the receiver drops the packet as
+    corrupt. BPF_PROG_TEST_RUN seeds skb->csum and fails the run (EBADMSG) when the program left it
+    stale. Both directions, a NodePort (both addresses change on the reply) and a ClusterIP."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 40120, 80), csum_complete=True)
+    assert verdict == TC_ACT_REDIRECT and seen(out)[1:4] == (POD6, BE6, 40120)
+    verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40120, flags="SA"), csum_complete=True)
+    assert verdict == TC_ACT_REDIRECT and seen(out)[1:4] == (VIP6, POD6, 80)
+    flags = FrontendFlag.NODEPORT | FrontendFlag.LOCAL
+    add_service6(net.dp.maps, NODE6, 30080, LOCAL_BE, scope=Scope.EXTERNAL, flags=flags, svc_id=2, set_id=2)
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50120, 30080), csum_complete=True)
+    assert verdict == TC_ACT_REDIRECT and seen(out)[1:4] == (CLIENT6, BE6, 50120)
+    verdict, out = net.from_pod(frame6(BE6, CLIENT6, 8080, 50120, flags="SA"), csum_complete=True)
+    assert verdict == TC_ACT_REDIRECT and seen(out)[1:4] == (NODE6, CLIENT6, 30080)
+
+
 def test_tcp_behind_extension_headers_is_translated_with_its_checksum(net: Net) -> None:
     from scapy.layers.inet6 import IPv6ExtHdrDestOpt, IPv6ExtHdrHopByHop, IPv6ExtHdrRouting
 
