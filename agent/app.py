@@ -93,19 +93,13 @@ def single_stack_warning(config: Config, missing: str) -> str:
     )
 
 
-def ebpf_ipv6_half(config: Config) -> bool:
-    """Whether eBPF mode's IPv6 proxier has the eBPF data path's IPv6 half beside ip6tables
-    (`EbpfAndIp6tables`): the IPv6 maps are written for the socket programs, and the tc programs'
-    IPv6 path translates from them."""
-    return config.mode is Mode.EBPF and config.socket_lb
-
-
 def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = None) -> Proxier | None:
     """The IPv6 proxier beside `proxier` (kube-proxy's metaproxier): ip6tables in both modes, when
     the flags describe IPv6 for the node; None otherwise (agent/metaproxier.py). In eBPF mode
     ip6tables serves IPv6 packets, and with socket-level load balancing the eBPF data path's IPv6
     maps are written too: the socket programs translate IPv6 Services where the sockets are, and
-    with BPF host routing the tc programs' IPv6 path the flows it can (`EbpfAndIp6tables`)."""
+    with BPF host routing the tc programs' IPv6 path the flows it can (`EbpfAndIp6tables`,
+    `Config.tc_ipv6`)."""
     if not config.ipv6_configured:
         return None
     from agent.iptables import IptablesProxier
@@ -124,7 +118,7 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
             metrics=metrics,
         )
     ip6tables = ip6tables_beside_ebpf(config, SubprocessRunner(config, family=6), metrics)
-    if not ebpf_ipv6_half(config):
+    if not config.socket_lb:
         return ip6tables
     from agent.ebpf import EbpfProxier
     from agent.metaproxier import EbpfAndIp6tables
@@ -321,21 +315,17 @@ class _Server:
 class EarlyProxier(Proxier, Protocol):
     """eBPF mode's proxier as start_loading hands it over: closing it waits for its load."""
 
-    def expect_ipv6(self) -> None:
-        """An IPv6 half will be asked for: the load sizes the tc programs' IPv6 path by it."""
-
     def close(self) -> None: ...
 
 
-def start_loading(config: Config, ipv6: bool = False) -> EarlyProxier | None:
+def start_loading(config: Config) -> EarlyProxier | None:
     """eBPF mode's proxier, its data path's load (the programs from the compile cache through the
     kernel's verifier, which runs with the GIL released) started now on a thread, so that it runs
     beside build_agent's imports, API client and node discovery instead of starting with the
     lists: at a cold start the first sync waits for the programs. None in iptables mode (its
     set-up is quick). The services file is checked first: one that cannot be read stays fatal
     before any pin or sysctl is written. A failure here is reported by the Agent's own prepare(),
-    which loads again (agent/daemon.py). `ipv6`: whether an IPv6 proxier will run (`serves_ipv6`):
-    the proxier learns before its load that build_agent will give it an IPv6 half."""
+    which loads again (agent/daemon.py)."""
     if config.services_file:
         from agent.sources.file import check_services_file
 
@@ -343,8 +333,6 @@ def start_loading(config: Config, ipv6: bool = False) -> EarlyProxier | None:
     if config.mode is not Mode.EBPF:
         return None
     proxier = cast(EarlyProxier, make_proxier(config))
-    if ipv6 and ebpf_ipv6_half(config):
-        proxier.expect_ipv6()
 
     def prepare() -> None:
         try:
@@ -522,9 +510,8 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
     from agent.lock import acquire
 
     gc.set_threshold(*GC_THRESHOLDS)
-    serve6 = serves_ipv6(config)
     try:
-        preflight(config, serve6)
+        preflight(config)
         node_lock = acquire(config)
     except FatalError as exc:
         log.error("%s", exc)
@@ -535,7 +522,7 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         setup_conntrack(config)  # kube-proxy's platformSetup, before the proxier reads the host
         proxier: EarlyProxier | None = None
         try:
-            proxier = start_loading(config, serve6)
+            proxier = start_loading(config)
             agent = build_agent(config, configz, kubeconfig, proxier=proxier)
         except BaseException as exc:
             if proxier is not None:

@@ -67,10 +67,10 @@ class MapSizes:
     # legacy host routing: the source each translated flow direction gets at egress
     hostnat: int = default("map_sizes.hostnat")
     sknat: int = default("map_sizes.sknat")
-    # Whether the tc programs' IPv6 path serves (agent/ebpf/proxier.py decides: an IPv6 half and
-    # --bpf-host-routing=bpf): its conntrack tables then take their IPv4 twins' sizes and the
-    # program array ekp_calls6 is filled; else each table holds one entry (no preallocated memory
-    # for a path nothing runs) and IPv6 packets stop at the IPv4 programs' parser.
+    # Whether the tc programs' IPv6 path serves (Config.tc_ipv6 decides, from the settings): its
+    # conntrack tables then take their IPv4 twins' sizes and the program array ekp_calls6 is
+    # filled; else each table holds one entry (no preallocated memory for a path nothing runs)
+    # and IPv6 packets stop at the IPv4 programs' parser.
     ipv6_tc: bool = True
 
     def with_conntrack(
@@ -217,6 +217,22 @@ class Config:
         (kube-proxy's metaproxier). Upstream runs both whenever ip6tables works; here the
         operator says so, so an IPv4-only node gets no ip6tables rules it never asked for."""
         return any(":" in text for text in (*self.node_ips, *self.cluster_cidr, *self.service_cidrs))
+
+    @property
+    def tc_ipv6(self) -> bool:
+        """Whether the tc programs' IPv6 path serves (bpf/ekp_tc6.h; MapSizes.ipv6_tc): eBPF mode,
+        IPv6 in the flags, socket-level load balancing (the eBPF IPv6 half, which writes the IPv6
+        maps the path reads, exists only with it: agent/app.py make_proxier6) and BPF host routing
+        (legacy routing translates at egress, which has no IPv6 half). The settings alone decide,
+        so that the data path's load, which may start before the IPv6 proxier is made (or after
+        it), builds the same programs at every start. A node that lacks ip6tables runs no IPv6
+        half: the path then finds no frontend and passes every IPv6 packet to the stack."""
+        return (
+            self.mode is Mode.EBPF
+            and self.ipv6_configured
+            and self.socket_lb
+            and self.bpf_host_routing is HostRouting.BPF
+        )
 
     def gate(self, name: str, default: bool) -> bool:
         """A feature gate's value: as --feature-gates / featureGates set it, else `default`."""

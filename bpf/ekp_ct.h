@@ -280,6 +280,13 @@ static __always_inline void ekp_ct_twin_value(struct ekp_ct_entry *t, const stru
 	}
 }
 
+/* The part of the twin test both families share (ekp_ct_is_twin, IPv6's ekp_ct6_is_twin): the two
+ * entries serve the same frontend (its address compared by the caller, `same_fe_addr`) and backend,
+ * with the same source translation. A later flow that took the twin key differs here. */
+#define EKP_CT_SAME_FLOW(t, e, same_fe_addr)                                                   \
+	((same_fe_addr) && (t)->fe_port == (e)->fe_port && (t)->backend_id == (e)->backend_id && \
+	 ((t)->flags & EKP_CT_SNAT) == ((e)->flags & EKP_CT_SNAT))
+
 /* Whether `t` stored under `tk` is the twin of `e` stored under `k` (not a later flow that took
  * the key): its own twin key is `k`, and it serves the same frontend and backend. */
 static __always_inline int ekp_ct_is_twin(const struct ekp_ct_entry *t, const struct ekp_ct_key *tk,
@@ -287,8 +294,7 @@ static __always_inline int ekp_ct_is_twin(const struct ekp_ct_entry *t, const st
 {
 	struct ekp_ct_key back = {};
 
-	if (t->fe_addr != e->fe_addr || t->fe_port != e->fe_port || t->backend_id != e->backend_id ||
-	    (t->flags & EKP_CT_SNAT) != (e->flags & EKP_CT_SNAT))
+	if (!EKP_CT_SAME_FLOW(t, e, t->fe_addr == e->fe_addr))
 		return 0;
 	ekp_ct_twin_key(&back, tk, t);
 	return back.saddr == k->saddr && back.daddr == k->daddr && back.sport == k->sport &&

@@ -10,17 +10,20 @@
  *   an ICMPv6 error      -> conntrack of the quoted flow (ekp_tc6_related) -> route, outer and
  *                           quote rewritten, hop limit - 1, redirect
  *
- * What it translates: TCP flows that need no source translation, which is every flow whose backend
- * is on this node, and the remote ones of frontends that ask no SNAT (a pod to a ClusterIP). Every
+ * What it translates: TCP flows of frontends that ask no source translation (a pod to a ClusterIP,
+ * a NodePort or LB IP with externalTrafficPolicy Local) to a backend in a pod. Every
  * other packet goes to the node's stack untouched, where the ip6tables proxier beside the eBPF
  * programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
- *   - UDP and SCTP: a UDP flow owned here would lose a backend's fragmented answers (the stack
- *     would reassemble them, and nf_conntrack does not know the flow), and a UDP flow ip6tables
- *     started has no first packet to tell it from a new one, so tc would decide it again;
- *   - a frontend that asks SNAT (EKP_FE_SNAT_ALL; EKP_FE_SNAT_REMOTE with a remote backend), a
- *     hairpin (the client is its own backend), a backend on the node's own address (EKP_BE_HOST:
- *     its replies leave by the node's stack), affinity with SNAT_REMOTE (one owner of the
- *     service's affinity), legacy host routing;
+ *   - UDP and SCTP: a UDP flow owned here would lose what the stack does for it (a backend's
+ *     fragmented answers, ICMPv6 errors quoting the translated tuple: nf_conntrack knows neither
+ *     flow, and ekp_tc6_related translates errors about TCP flows alone), and a UDP flow
+ *     ip6tables started has no first packet to tell it from a new one, so tc would decide it again;
+ *   - a frontend that asks SNAT for any backend (EKP_FE_SNAT_ALL, EKP_FE_SNAT_REMOTE: its local
+ *     backends too, so that one proxier chooses among all its backends, and one owns its
+ *     affinity), a frontend with a backend on the node's own address (EKP_FE_HOST_BACKEND: that
+ *     backend's replies leave by the node's stack; the whole frontend, for the same reason), a
+ *     hairpin (the client is its own backend: known only after the choice, see there), legacy
+ *     host routing;
  *   - refusals: no endpoints (ip6tables' REJECT answers with ICMPv6), no local endpoint, source
  *     ranges;
  *   - a mid-flow TCP segment without an entry (a flow ip6tables translated before: nf_conntrack
@@ -178,6 +181,18 @@ static __always_inline int ekp_ct6_usable(const struct ekp_ct6_entry *e, const s
 		return !ekp_ct_syn_reopens(e->flags, &p->b);
 	view.flags = e->flags; /* all ekp_ct_usable_reply reads */
 	return ekp_ct_usable_reply(&view, &p->b);
+}
+
+/* ekp_ct_is_twin for IPv6: `t`, found under the twin key of `e` (this packet's entry, direction
+ * `dir`), is its twin and not another flow's entry that took the key: the same frontend, backend
+ * and translation (EKP_CT_SAME_FLOW, IPv4's test), and, for a FORWARD twin, this reply's source as
+ * its backend. A REPLY twin's own twin key is this packet's key once its frontend matches. */
+static __always_inline int ekp_ct6_is_twin(const struct ekp_ct6_entry *t, const struct ekp_ct6_entry *e, __u8 dir,
+					   const struct ekp_pkt6 *p)
+{
+	if (!EKP_CT_SAME_FLOW(t, e, ekp_addr6_eq(t->fe_addr, e->fe_addr)))
+		return 0;
+	return dir == EKP_CT_FORWARD || (ekp_addr6_eq(t->nat_addr, p->saddr) && t->nat_port == p->b.sport);
 }
 
 /* An IPv6 endpoint in the flow-activity array (ekp_act.h) is its address folded to 32 bits: a
@@ -353,7 +368,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			e->flags |= set;
 			e->last_seen_ns = now;
 			struct ekp_ct6_entry *t = set ? ekp_ct6_lookup(rk) : NULL;
-			if (t)
+			if (t && ekp_ct6_is_twin(t, e, dir, p))
 				t->flags |= set;
 			/* the backend: the FORWARD entry's nat_addr, the REPLY key's source */
 			if (dir == EKP_CT_FORWARD)
@@ -394,23 +409,29 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	struct ekp_frontend *fe = ekp_fe6_lookup(&fk);
 	if (!fe)
 		goto out;
-	__u16 flags = fe->flags;
-	if (ekp_lb_refusal_af(1, fe, p->saddr) || (flags & EKP_FE_SNAT_ALL) ||
-	    ((flags & EKP_FE_AFFINITY) && (flags & EKP_FE_SNAT_REMOTE)))
+	/* Whatever would take ip6tables for some of its backends takes it for all, decided before the
+	 * choice: a flow this path chose a backend for and then left to ip6tables would be chosen for
+	 * again there, and the backends that path reaches twice would get more than their share. */
+	if (ekp_lb_refusal_af(1, fe, p->saddr) ||
+	    (fe->flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE | EKP_FE_HOST_BACKEND)))
 		goto out;
-	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
-		outcome = EKP_DROP_SPOOFED;
-		verdict = TC_ACT_SHOT;
+	/* A source not routed back by this device: not ours to translate past the stack, and not ours
+	 * to drop either (IPv6 has no rp_filter: the stack and ip6tables do what they would without
+	 * this path). A hit's packet is dropped instead (above): it would be redirected. */
+	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge))
 		goto out;
-	}
 	struct ekp_flow *f = &w->flow;
 	__u32 aff_hit = 0;
 	__builtin_memset(f, 0, sizeof(*f));
 	if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, f, w->be6, &aff_hit))
 		goto out;
-	if ((f->be_flags & EKP_BE_HOST) || (!(f->be_flags & EKP_BE_LOCAL) && (flags & EKP_FE_SNAT_REMOTE)) ||
-	    ekp_addr6_eq(w->be6, p->saddr))
-		goto out; /* a source translation: ip6tables' */
+	/* A hairpin (the client chose itself) needs a source translation: ip6tables', which chooses
+	 * again, as no map says before the choice which clients are backends of this frontend. A
+	 * client that is one of n backends of the Service reaches itself with 1/n^2, and the others
+	 * with more than 1/n. A host backend the planner did not flag yet (EKP_FE_HOST_BACKEND, a
+	 * frontend written before it knew the flag) goes the same way. */
+	if ((f->be_flags & EKP_BE_HOST) || ekp_addr6_eq(w->be6, p->saddr))
+		goto out;
 
 	long rc = ekp_tc6_route(skb, w, p->saddr, p->b.sport, w->be6, f->be_port);
 	if (rc < 0)

@@ -213,12 +213,18 @@ class Net:
     def __init__(self, dp: Datapath, lab: Lab) -> None:
         self.dp, self.lab = dp, lab
 
-    def from_pod(self, frame: bytes, via: Link | None = None) -> tuple[int, bytes]:
-        """ekp_from_pod on `frame` arriving on pod0, or on the pod device `via` (small0)."""
-        return prog_run(self.dp.prog_fd("ekp_from_pod"), frame, (via or self.lab.pod).ifindex)
+    def from_pod(
+        self, frame: bytes, via: Link | None = None, *, csum_complete: bool = False
+    ) -> tuple[int, bytes]:
+        """ekp_from_pod on `frame` arriving on pod0, or on the pod device `via` (small0);
+        `csum_complete`: a CHECKSUM_COMPLETE skb whose skb->csum is checked after (prog_run)."""
+        fd = self.dp.prog_fd("ekp_from_pod")
+        return prog_run(fd, frame, (via or self.lab.pod).ifindex, csum_complete=csum_complete)
 
-    def from_net(self, frame: bytes) -> tuple[int, bytes]:
-        return prog_run(self.dp.prog_fd("ekp_from_net"), frame, self.lab.ext.ifindex)
+    def from_net(self, frame: bytes, *, csum_complete: bool = False) -> tuple[int, bytes]:
+        return prog_run(
+            self.dp.prog_fd("ekp_from_net"), frame, self.lab.ext.ifindex, csum_complete=csum_complete
+        )
 
     def to_pod(self, frame: bytes, *, came_in_by: int = 0) -> tuple[int, bytes]:
         """ekp_egress on the pod device: a packet of the node's own stack (`came_in_by` 0), or one
@@ -340,6 +346,8 @@ def add_service6(
     """`add_service` for an IPv6 frontend, in the IPv6 maps (ekp_fe6, be6, slot6, member6, rnat6,
     and the addresses in ekp_addr6), in the planner's order."""
     member = abi.MemberFlag.LOCAL if flags & FrontendFlag.LOCAL else abi.MemberFlag.CLUSTER
+    if any(be_flags & abi.BackendFlag.HOST for _, _, _, be_flags in backends):
+        flags |= FrontendFlag.HOST_BACKEND  # as the planner marks it
     for slot, (backend_id, be_addr, be_port, be_flags) in enumerate(backends, 1):
         value = abi.Backend6(abi.Addr6(*abi.ip6_words(be_addr)), port_be(be_port), proto, be_flags)
         maps["be6"].update(abi.BackendKey(backend_id), value)

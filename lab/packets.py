@@ -141,13 +141,27 @@ class _SkBuffHead(ct.Structure):
     ]
 
 
+# BPF_PROG_TEST_RUN's flag (linux/bpf.h; this machine's 6.18 takes it): the skb starts
+# CHECKSUM_COMPLETE, skb->csum the sum from the network header on, and the run fails with EBADMSG
+# when the program leaves skb->csum that no longer matches the data (what a NIC that reports full
+# checksums would pass up).
+BPF_F_TEST_SKB_CHECKSUM_COMPLETE = 1 << 2
+
+
 def prog_run(
-    prog_fd: int, frame: bytes, ifindex: int, ingress_ifindex: int | None = None
+    prog_fd: int,
+    frame: bytes,
+    ifindex: int,
+    ingress_ifindex: int | None = None,
+    *,
+    csum_complete: bool = False,
 ) -> tuple[int, bytes]:
     """Runs a SCHED_CLS program on `frame` as if it arrived on `ifindex` (an egress program: as if
     it left by `ifindex`, having come in by `ingress_ifindex`, 0 for the node's own packets);
-    (verdict, frame out)."""
-    verdict, out, _ = _test_run(prog_fd, frame, ifindex, ingress_ifindex, 1)
+    (verdict, frame out). `csum_complete`: as a CHECKSUM_COMPLETE skb, its skb->csum checked after
+    the run (OSError EBADMSG when stale)."""
+    flags = BPF_F_TEST_SKB_CHECKSUM_COMPLETE if csum_complete else 0
+    verdict, out, _ = _test_run(prog_fd, frame, ifindex, ingress_ifindex, 1, flags)
     return verdict, out
 
 
@@ -162,7 +176,7 @@ def prog_run_timed(
 
 
 def _test_run(
-    prog_fd: int, frame: bytes, ifindex: int, ingress_ifindex: int | None, repeat: int
+    prog_fd: int, frame: bytes, ifindex: int, ingress_ifindex: int | None, repeat: int, flags: int = 0
 ) -> tuple[int, bytes, int]:
     from bcc import libbcc
 
@@ -183,6 +197,7 @@ def _test_run(
         ctx_in=ct.cast(ct.pointer(ctx), ct.c_void_p),
         ctx_size_in=ct.sizeof(ctx),
         repeat=repeat,
+        flags=flags,
     )
     ret = fn(prog_fd, ct.byref(opts))
     if ret < 0:

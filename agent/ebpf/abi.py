@@ -84,6 +84,7 @@ class FrontendFlag(IntEnum):
     SNAT_ALL = 1 << 8
     MAGLEV = 1 << 9
     HOST_SCOPE = 1 << 10
+    HOST_BACKEND = 1 << 11  # IPv6 frontends: the set holds an endpoint on a node address (tc IPv6 path)
 
 
 class BackendFlag(IntEnum):
@@ -673,7 +674,8 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("addr6", "hash", Addr6Key, Addr, 262144, "EKP_ADDR6_MAX", pair="addr"),
         MapSpec("aff6", "lru_hash", Affinity6Key, Affinity, 65536, "EKP_AFF6_MAX", _DP, pair="aff"),
         MapSpec("sknat6", "lru_hash", Sock6Key, Sock6Nat, 65536, "EKP_SKNAT6_MAX", _DP, pair="sknat"),
-        # the tc programs' IPv6 conntrack (bpf/ekp_tc6.h), each sized as its IPv4 twin
+        # the tc programs' IPv6 conntrack (bpf/ekp_tc6.h), each sized as its IPv4 twin where written
+        # (ct6_any is not while the path is TCP-only: one entry, agent/ebpf/loader.py TC6_UNWRITTEN)
         MapSpec("ct6_tcp", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_TCP_MAX", _DP, pair="ct_tcp"),
         MapSpec("ct6_any", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_ANY_MAX", _DP, pair="ct_any"),
     )

@@ -44,6 +44,7 @@ filters, and the clsact qdisc only when it then holds no filter at all.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import select
 import socket
@@ -193,12 +194,21 @@ def bridge_index(ipr: Any, local: LocalDetector) -> int:
 
 
 def devices_with_addresses(ipr: Any, addresses: Iterable[str]) -> set[int]:
-    wanted = set(addresses)
-    return {int(m["index"]) for m in ipr.get_addr(family=2) if m.get("address") in wanted}
+    """ifindexes of the devices holding any of `addresses`, IPv4 or IPv6 (the tc IPv6 path's
+    replies come back by the device of an IPv6 node address, which may hold no IPv4 one)."""
+    wanted = {str(ipaddress.ip_address(a)) for a in addresses}
+    families = {socket.AF_INET6 if ":" in a else socket.AF_INET for a in wanted}
+    return {
+        int(m["index"])
+        for family in sorted(families)
+        for m in ipr.get_addr(family=family)
+        if str(m.get("address")) in wanted
+    }
 
 
 def external_devices(ipr: Any, config: Config, node: NodeContext) -> dict[int, str]:
-    """ifindex -> name of the external devices: --devices, else those holding a node IP.
+    """ifindex -> name of the external devices: --devices, else those holding a node IP (of either
+    family: `node.node_ips` holds the IPv6 ones too where the tc IPv6 path serves).
 
     Looks devices up one by one (no dump of every link: a node may have hundreds of pod veths).
     """

@@ -59,7 +59,17 @@ from agent.ebpf.link import LinkError, PinnedMapMismatch, link
 from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, obj_pin, possible_cpus
 from agent.ebpf.objcache import ObjectCache, default_cache_dir
 from agent.ebpf.pindir import ensure_pin_dir
-from agent.ebpf.programs import PROGRAMS, TAIL_CALLS, ProgSpec, available_programs, kernel_needs
+from agent.ebpf.programs import (
+    PROG_FROM_NET,
+    PROG_FROM_POD,
+    PROG_SCHED_CLS,
+    PROG_XDP,
+    PROGRAMS,
+    TAIL_CALLS,
+    ProgSpec,
+    available_programs,
+    kernel_needs,
+)
 from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
@@ -67,9 +77,18 @@ log = logging.getLogger(__name__)
 ENTRY_FILE = "ekp_tc.c"
 BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)
 
-# Unpinned maps each program's load owns (ekp_tc.c: ekp_scratch and the program array ekp_calls6 of
-# the IPv4 ingress programs, ekp_scratch6 of the IPv6 ones); a reused program keeps its own.
-PRIVATE_MAPS = 2
+# Unpinned maps each program's load owns, by program (ekp_tc.c): the IPv4 ingress programs their
+# scratch and the program array ekp_calls6, every other tc and XDP program its scratch alone, the
+# socket programs none. A reused program keeps its own; one with more unknown maps than these still
+# uses a map that was unpinned and recreated (compile.open_pinned_programs).
+PRIVATE_MAPS: dict[str, int] = {
+    name: 0
+    if spec.prog_type not in (PROG_SCHED_CLS, PROG_XDP)
+    else 2
+    if name in (PROG_FROM_POD, PROG_FROM_NET)
+    else 1
+    for name, spec in PROGRAMS.items()
+}
 
 BPF_F_NO_PREALLOC = 1 << 0
 BPF_F_NO_COMMON_LRU = 1 << 1
@@ -93,6 +112,9 @@ ROLE_FLAGS: dict[str, int] = {
 # other size is replaced at load (`replace_resized_ipv6_pins`): what it holds no program reads.
 TC6_ROLES = frozenset({"ct6_tcp", "ct6_any"})
 IDLE_SIZE = 1
+# ... of which the path writes none yet: it translates TCP alone (bpf/ekp_tc6.h), so ekp_ct6_any
+# stays at IDLE_SIZE whatever MapSizes.ipv6_tc says, until UDP is translated there.
+TC6_UNWRITTEN = frozenset({"ct6_any"})
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
@@ -120,7 +142,7 @@ def map_size(spec: MapSpec, sizes: MapSizes) -> int:
     size left to be derived (0) that nobody resolved takes kube-proxy's default conntrack
     settings on this machine's CPUs (the proxier resolves it from Config.conntrack first). An
     early-drop ring follows its conntrack table (a pinned table keeps its size, so its ring does)."""
-    if spec.role in TC6_ROLES and not sizes.ipv6_tc:
+    if spec.role in TC6_ROLES and (not sizes.ipv6_tc or spec.role in TC6_UNWRITTEN):
         return IDLE_SIZE
     table = next((ct for ct, ring in CT_QUEUES.items() if ring == spec.role), None)
     if table is not None:  # an early-drop ring: a quarter of its table's entries

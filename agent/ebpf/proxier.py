@@ -50,7 +50,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from agent.config import Config, HostRouting, MapSizes, NodeContext
+from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi, activity
 from agent.ebpf.abi import Stat
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
@@ -280,6 +280,9 @@ class EbpfProxier:
         # its first and periodic syncs (an earlier dual-stack agent's entries would still steer the
         # node's IPv6 sockets to addresses that may belong to other pods by now).
         self._v6_served = False
+        # The IPv6 node addresses the last sync6 read: with the tc IPv6 path, the devices holding
+        # them are external devices too (ekp_from_net6 reverse-translates the replies there).
+        self._node_ips6: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ Proxier
 
@@ -370,6 +373,7 @@ class EbpfProxier:
                 self._v6 = Ipv6Datapath(self._config)  # other maps: read them back, re-adopting
                 self._v6_with = datapath
             result = self._v6.sync(datapath.maps, state, node, changed)
+            self._follow_node6(node)
             if self._ensure_loaded() is not datapath:
                 # As `sync`: the load failed after these maps were open; the next call writes the new ones.
                 raise RuntimeError(
@@ -380,17 +384,30 @@ class EbpfProxier:
                 self._end_stale_sockets()
             return result
 
+    def _follow_node6(self, node6: NodeContext) -> None:
+        """With the tc IPv6 path, a device that holds an IPv6 node address and no IPv4 one (no
+        --devices) is an external device as well: without ekp_from_net there, the replies of the
+        IPv6 flows translated here come back untranslated. Attached once sync has attached."""
+        if not self._config.tc_ipv6 or node6.node_ips == self._node_ips6:
+            return
+        self._node_ips6 = node6.node_ips
+        if self._attacher is not None and self._attached_node is not None:
+            node = self._devices_node(self._attached_node)
+            self._attacher.reconcile(node)
+            self._attached_node = node
+
+    def _devices_node(self, node: NodeContext) -> NodeContext:
+        """`node` as the attacher finds the external devices by: with the IPv6 node addresses
+        the last sync6 read beside the IPv4 ones (`_follow_node6`)."""
+        ips6 = self._node_ips6
+        if not ips6:
+            return node
+        return replace(node, node_ips=(*(ip for ip in node.node_ips if ip not in ips6), *ips6))
+
     def ipv6(self) -> EbpfIpv6:
         """This data path's IPv6 half, as a Proxier of the IPv6 family (agent/metaproxier.py)."""
         self._v6_served = True
         return EbpfIpv6(self)
-
-    def expect_ipv6(self) -> None:
-        """Says, before prepare(), that an IPv6 half (`ipv6()`) will be asked for. The load sizes
-        the tc programs' IPv6 path by it (its conntrack tables, its tail calls): a load started
-        before the agent is built (agent/app.py, start_loading) would otherwise run before
-        `ipv6()` and leave that path empty for the agent's life."""
-        self._v6_served = True
 
     def _empty_ipv6_maps(self, datapath: DatapathLike, node: NodeContext) -> None:
         """No IPv6 half: the IPv6 service maps planned empty (read back, what they hold deleted;
@@ -482,10 +499,9 @@ class EbpfProxier:
             sizes = self._config.map_sizes.with_conntrack(
                 self._config.conntrack, os.cpu_count() or 1, self._sizes_reader(pin_path)
             )
-            # The tc programs' IPv6 path translates only with BPF host routing, from the IPv6 maps an
-            # IPv6 half writes (ipv6(), called when the agent is built, before this load).
-            tc6 = self._v6_served and self._config.bpf_host_routing is HostRouting.BPF
-            sizes = replace(sizes, ipv6_tc=tc6)
+            # From the settings alone: this load may run before the IPv6 half is made (main's early
+            # load) or after it, and a restart must build the same programs and table sizes.
+            sizes = replace(sizes, ipv6_tc=self._config.tc_ipv6)
             datapath = self._datapath_factory(pin_path, sizes)
 
             def maps_ready() -> None:
@@ -585,6 +601,7 @@ class EbpfProxier:
         each leaves by a device whose egress program gives it its source."""
         first = not self._attached_once
         full = first
+        node = self._devices_node(node)
         if first:
             self._upgrade.before_attach(datapath.maps)
             activity.disarm(datapath.maps["act"])  # until every flow has its stamps (activity.py)

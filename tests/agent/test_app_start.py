@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 from agent import app, lock, nodeinit
-from agent.config import Config, Mode
+from agent.config import Config, HostRouting, Mode
+from agent.ebpf import EbpfProxier
 from agent.errors import FatalError
+from tests.ebpf.test_proxier import Rig
 
 
 @dataclass
@@ -42,9 +44,6 @@ class LoadingProxier:
         assert self._start.building.wait(10), "the load was not beside build_agent"
         self._start.steps.append("loaded")
         self._start.loaded.set()
-
-    def expect_ipv6(self) -> None:
-        self._start.steps.append("expect ipv6")
 
     def close(self) -> None:
         # EbpfProxier.close waits for a load under way: so does this one.
@@ -98,24 +97,49 @@ def test_the_ebpf_load_starts_before_build_agent_and_its_proxier_is_the_agents(
 
 
 @pytest.mark.parametrize(
-    ("serves", "socket_lb", "told"), [(True, True, True), (True, False, False), (False, True, False)]
+    ("socket_lb", "routing", "want"),
+    [(True, HostRouting.BPF, True), (False, HostRouting.BPF, False), (True, HostRouting.LEGACY, False)],
 )
-def test_the_early_load_knows_the_ipv6_half_build_agent_will_make(
-    start: Start, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, serves: bool, socket_lb: bool, told: bool
+def test_the_early_load_sizes_the_tc_ipv6_path_before_build_agent_makes_the_ipv6_half(
+    start: Start,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    socket_lb: bool,
+    routing: HostRouting,
+    want: bool,
 ) -> None:
-    """The load sizes the tc programs' IPv6 path by whether an IPv6 half writes the IPv6 maps, and
-    runs before build_agent makes that half: the proxier is told first (an IPv6 proxier will run
-    and has the eBPF half: socket-level load balancing), or the path stays empty (its tail calls
-    unset) for the agent's life."""
-    monkeypatch.setattr(app, "serves_ipv6", lambda config, missing=None: serves)
-    services = tmp_path / "services.yaml"
-    services.write_text("")
-    config = Config(
-        mode=Mode.EBPF, services_file=str(services), pin_path=str(tmp_path / "pins"), socket_lb=socket_lb
+    """run()'s real order with a real EbpfProxier: its load (start_loading) runs before
+    build_agent makes the IPv6 half (make_proxier6 -> ipv6()), and still sizes and routes the tc
+    IPv6 path (MapSizes.ipv6_tc) as the settings say (Config.tc_ipv6). A load that asked whether
+    the IPv6 half existed read False here at every start, and the path stayed off."""
+    rig = Rig(tmp_path)
+    rig.config = Config(
+        mode=Mode.EBPF,
+        services_file=str(tmp_path / "services.yaml"),
+        pin_path=str(tmp_path / "pins"),
+        node_ips=("10.0.0.1", "fd00::1"),
+        socket_lb=socket_lb,
+        bpf_host_routing=routing,
     )
-    assert app.run(config) == 0
-    want = ["make proxier", "expect ipv6", "load"] if told else ["make proxier", "load", "build agent"]
-    assert start.steps[:3] == want
+    (tmp_path / "services.yaml").write_text("")
+    made: list[EbpfProxier] = []
+
+    def make_proxier(config: Config, metrics: Any = None) -> EbpfProxier:
+        made.append(rig.proxier())
+        return made[-1]
+
+    def build_agent(config: Config, *args: Any, proxier: Any = None, **kwargs: Any) -> FinishedAgent:
+        assert proxier is made[0]
+        proxier.prepare()  # waits for the early load (or loads): the IPv6 half comes after it
+        start.steps.append(f"load sized ipv6_tc={rig.sizes[-1].ipv6_tc}")
+        proxier.ipv6()
+        return FinishedAgent()
+
+    monkeypatch.setattr(app, "make_proxier", make_proxier)
+    monkeypatch.setattr(app, "build_agent", build_agent)
+    assert app.run(rig.config) == 0
+    assert start.steps == [f"load sized ipv6_tc={want}"]
+    assert len(rig.sizes) == 1, "one load, before the IPv6 half existed"
 
 
 def test_a_failed_build_waits_for_the_early_load_under_the_node_lock(

@@ -155,6 +155,25 @@ NODE = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
 
 
 @pytest.mark.kernel
+def test_a_device_holding_only_an_ipv6_node_address_is_external(netns: str, progs: dict[str, int]) -> None:
+    """A dual-stack node whose IPv6 address is on another device than its IPv4 one (no
+    --devices): that device carries ekp_from_net too, or the replies of the IPv6 flows the tc
+    path translated come back there untranslated. The address in another spelling matches."""
+    sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
+    sh("ip", "-n", netns, "link", "set", "other1", "up")
+    attacher = Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs)
+    attacher.reconcile(NodeContext(node_ips=("192.168.0.11", "fd00:ff:0::11")), full=True)
+    assert "ekp_from_net" in ingress(netns, "other1")
+    assert sorted(attacher.attached.values()) == [
+        ("eth0", PROG_FROM_NET),
+        ("lxc-a", PROG_FROM_POD),
+        ("other1", PROG_FROM_NET),
+    ]
+    attacher.reconcile(NODE, full=True)
+    assert ingress(netns, "other1") == "", "IPv4 node addresses alone: not external"
+
+
+@pytest.mark.kernel
 def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
     config = Config(netns=netns, pod_interfaces=("lxc*",))
     attacher = Attacher(config, progs)

@@ -106,9 +106,9 @@ def _uses_only_its_own_maps(d: Datapath) -> set[int]:
         used = prog_map_ids(d.prog_fd(name))
         assert used & ids, "the programs use the pinned maps"
         # the IPv4 ingress programs: their scratch and the program array of their IPv6 packets
-        private = PRIVATE_MAPS if name in (PROG_FROM_POD, PROG_FROM_NET) else 1
+        private = 2 if name in (PROG_FROM_POD, PROG_FROM_NET) else 1
         private = private if PROGRAMS[name].prog_type in (PROG_SCHED_CLS, PROG_XDP) else 0
-        assert len(used - ids) == private, f"{name}: besides them, only its load's own scratch"
+        assert len(used - ids) == private == PRIVATE_MAPS[name], f"{name}: besides them, only its load's own"
     return ids
 
 
@@ -245,6 +245,61 @@ def test_programs_whose_maps_were_replaced_are_loaded_again(
 
 
 @pytest.mark.kernel
+def test_socket_programs_whose_own_map_was_replaced_are_loaded_again(
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache
+) -> None:
+    """Private maps are counted per program (loader.PRIVATE_MAPS): a socket program has none of
+    its own, so one map it uses that is not pinned now is a map that was replaced, though the tc
+    ingress programs may have two. With one count for every program, the socket programs of a map
+    only they use kept the replaced one. The replacement here: another agent's map of the same
+    shape pinned under the name (a load that pinned its maps and failed before its programs)."""
+    caplog.set_level(logging.INFO)
+    with bpffs() as root:
+        pins, other = str(root / "ekp"), str(root / "other")
+        first = Datapath(pins, SMALL, cache=cache)
+        first.load()
+        users = {
+            role: {
+                name for name in PROGRAMS if first.maps[role].info().id in prog_map_ids(first.prog_fd(name))
+            }
+            for role in MAPS
+        }
+        first.close()
+        role = next(r for r, u in sorted(users.items()) if u and not any(PRIVATE_MAPS[n] for n in u))
+        old = _pinned_ids(pins)[MAPS[role].name]
+        replacement = Datapath(other, SMALL, cache=cache)
+        replacement.load()
+        try:
+            os.unlink(os.path.join(pins, MAPS[role].name))
+            fd = obj_get(os.path.join(other, MAPS[role].name))
+            try:
+                assert bpfsys.obj_pin(fd, os.path.join(pins, MAPS[role].name)) == 0
+            finally:
+                os.close(fd)
+        finally:
+            replacement.close()
+        caplog.clear()
+        second = Datapath(pins, SMALL, cache=cache)
+        second.load()
+        try:
+            assert "uses maps that are no longer pinned" in caplog.text, role
+            for name in sorted(users[role]):
+                assert old not in prog_map_ids(second.prog_fd(name)), f"{name} still uses the replaced {role}"
+            _uses_only_its_own_maps(second)
+        finally:
+            second.close()
+
+
+def test_the_idle_ipv6_any_conntrack_stays_one_entry_while_the_path_is_tcp_only() -> None:
+    """ekp_ct6_any: no program writes it while the tc IPv6 path translates TCP alone, so it holds
+    one entry with the path on too; ekp_ct6_tcp takes its IPv4 twin's size."""
+    assert loader.map_size(MAPS["ct6_any"], SMALL) == loader.IDLE_SIZE
+    assert loader.map_size(MAPS["ct6_tcp"], SMALL) == SMALL.ct_tcp
+    off = replace(SMALL, ipv6_tc=False)
+    assert loader.map_size(MAPS["ct6_any"], off) == loader.map_size(MAPS["ct6_tcp"], off) == loader.IDLE_SIZE
+
+
+@pytest.mark.kernel
 def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
     caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -318,7 +373,7 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
     established IPv4 flow's conntrack entry is kept."""
     caplog.set_level(logging.INFO)
     off, on = replace(SMALL, ipv6_tc=False), SMALL
-    tc6 = {MAPS[r].name for r in loader.TC6_ROLES}
+    tc6 = {MAPS[r].name for r in loader.TC6_ROLES - loader.TC6_UNWRITTEN}  # ct6_any: idle either way
     key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
     with bpffs() as root:
         pins = str(root / "ekp")
@@ -334,18 +389,18 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
         finally:
             first.close()
         before = _pinned_ids(pins)
-        for sizes, entries in ((on, {"ct6_tcp": 1024, "ct6_any": 1024}), (off, {"ct6_tcp": 1, "ct6_any": 1})):
+        for sizes, entries in ((on, {"ct6_tcp": 1024, "ct6_any": 1}), (off, {"ct6_tcp": 1, "ct6_any": 1})):
             caplog.clear()
             d = Datapath(pins, sizes, cache=cache)
             d.load()
             try:
-                assert "IPv6 conntrack tables ekp_ct6_any_v2, ekp_ct6_tcp_v2 recreated" in caplog.text
+                assert "IPv6 conntrack tables ekp_ct6_tcp_v2 recreated" in caplog.text
                 assert {r: d.maps[r].info().max_entries for r in loader.TC6_ROLES} == entries
                 after = _pinned_ids(pins)
                 assert {n: i for n, i in after.items() if n not in tc6} == {
                     n: i for n, i in before.items() if n not in tc6
                 }, "every other map kept"
-                assert not {after[n] for n in tc6} & {before[n] for n in tc6}, "the two recreated"
+                assert not {after[n] for n in tc6} & {before[n] for n in tc6}, "ekp_ct6_tcp recreated"
                 kept = d.maps["ct_tcp"].lookup(key)
                 assert isinstance(kept, CtEntry) and kept.nat_addr == ip_be("10.244.2.7")
                 want = [prog_id(d.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]] if sizes.ipv6_tc else [0, 0]

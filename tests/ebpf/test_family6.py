@@ -119,6 +119,21 @@ def test_an_ipv6_cluster_ip_is_written_into_the_ipv6_maps_with_its_addresses() -
     assert all(len(maps[role]) == 0 for role in V6_ROLES)
 
 
+def test_frontends_whose_set_holds_an_endpoint_on_a_node_address_are_marked_host_backend() -> None:
+    """HOST_BACKEND: the tc IPv6 path leaves such a frontend wholly to ip6tables before it
+    chooses (bpf/ekp_tc6.h), so it must be on every frontend whose set holds a host-network
+    endpoint, and on no other; it follows the endpoint."""
+    maps = fake_maps()
+    v6 = Ipv6Datapath(Config())
+    v6.sync(maps, state6([service()], [slice_("fd00:10:244:1::2", NODE6.node_ips[0])]), NODE6, None)
+    assert {key: bool(fe.flags & FrontendFlag.HOST_BACKEND) for key, fe in frontends(maps).items()} == {
+        (VIP6, 80, Scope.EXTERNAL): True,
+        (VIP6, 80, Scope.INTERNAL): True,
+    }
+    v6.sync(maps, state6([service()], [slice_("fd00:10:244:1::2")]), NODE6, None)
+    assert not any(fe.flags & FrontendFlag.HOST_BACKEND for fe in frontends(maps).values())
+
+
 def test_a_restart_over_unchanged_state_writes_nothing_and_keeps_the_ids() -> None:
     maps = fake_maps()
     state = state6(

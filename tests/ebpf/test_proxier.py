@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import Config, HostRouting, MapSizes, NodeContext
+from agent.config import Config, HostRouting, MapSizes, Mode, NodeContext
 from agent.ebpf import EbpfProxier, abi, activity
 from agent.ebpf.abi import (
     MAPS,
@@ -105,12 +105,14 @@ class FakeAttacher:
         self.maps = maps
         self.watching = False
         self.armed_at_reconcile: list[bool] = []  # the flow-activity check, when programs changed
+        self.nodes: list[NodeContext] = []  # what each reconcile found the external devices by
 
     def attach_egress(self, node: NodeContext) -> None:
         self.log.append("attach egress")
 
     def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
         self.log.append(f"reconcile full={full}" + (" verify" if verify and not full else ""))
+        self.nodes.append(node)
         self.armed_at_reconcile.append(activity.armed(self.maps["act"]))
 
     def start_watcher(self, timeout: float = 5.0) -> None:
@@ -474,6 +476,28 @@ def test_udp_sockets_are_ended_after_a_sync_that_removed_a_backend(rig: Rig) -> 
     p.sync(STATE, NODE, added)
     assert p.last_flush.deletes.get("member")
     assert rig.events[-1] == "end stale sockets (3 so far)"
+
+
+def test_the_ipv6_node_addresses_find_external_devices_where_the_tc_ipv6_path_serves(rig: Rig) -> None:
+    """The devices holding the IPv6 node addresses sync6 reads are external devices too (their
+    ekp_from_net reverse-translates the tc IPv6 path's replies): checked as soon as sync6 has
+    them, and at every sync after. Without the path, the IPv4 addresses alone, as before."""
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    dual = replace(rig.config, node_ips=("192.168.0.11", "fd00:192:168::11"), socket_lb=True)
+    for routing, want in (
+        (HostRouting.BPF, (*NODE.node_ips, *node6.node_ips)),
+        (HostRouting.LEGACY, NODE.node_ips),
+    ):
+        rig.config = replace(dual, bpf_host_routing=routing)
+        p = rig.proxier()
+        half = p.ipv6()
+        p.sync(STATE, NODE)
+        half.sync(state6([service()], [slice_("fd00:10:244:1::2")]), node6)
+        attacher = rig.attachers[-1]
+        assert attacher.nodes[-1].node_ips == want, routing
+        p.sync(STATE, NODE)  # periodic: checked again with both
+        assert attacher.nodes[-1].node_ips == want, routing
+        p.close()
 
 
 def test_ipv6_udp_sockets_are_ended_after_an_ipv6_sync_that_removed_a_backend(rig: Rig) -> None:
@@ -975,36 +999,44 @@ def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:
     assert (rig.sizes[1].ct_tcp, rig.sizes[1].ct_any) == (1000, 500)
 
 
-def test_the_tc_ipv6_path_is_sized_and_routed_only_with_an_ipv6_half_and_bpf_host_routing(rig: Rig) -> None:
-    """The data path is created with MapSizes.ipv6_tc (its IPv6 conntrack tables at full size and
-    ekp_calls6 filled, agent/ebpf/loader.py) only where the tc programs' IPv6 path can translate:
-    an IPv6 half writes the IPv6 maps and host routing is BPF. Every other node, the default
-    (legacy host routing) and IPv4-only ones included, pays for neither."""
-    for routing, half, want in (
-        (HostRouting.LEGACY, False, False),
-        (HostRouting.LEGACY, True, False),
-        (HostRouting.BPF, False, False),
-        (HostRouting.BPF, True, True),
+def test_the_tc_ipv6_path_is_decided_by_the_settings_alone() -> None:
+    """Config.tc_ipv6: eBPF mode, IPv6 in the flags, socket-level load balancing (the IPv6 half
+    that writes the IPv6 maps exists only with it) and BPF host routing; any one missing, off."""
+    on = Config(node_ips=("10.0.0.1", "fd00::1"), socket_lb=True, bpf_host_routing=HostRouting.BPF)
+    assert on.tc_ipv6
+    for off in (
+        replace(on, mode=Mode.IPTABLES),
+        replace(on, node_ips=("10.0.0.1",)),
+        replace(on, socket_lb=False),
+        replace(on, bpf_host_routing=HostRouting.LEGACY),
     ):
-        rig.config = replace(rig.config, bpf_host_routing=routing)
+        assert not off.tc_ipv6, off
+    assert replace(on, node_ips=(), service_cidrs=("10.96.0.0/12", "fd00:96::/112")).tc_ipv6
+
+
+def test_the_tc_ipv6_path_is_sized_from_the_settings_whether_the_load_runs_before_the_ipv6_half_or_after(
+    rig: Rig,
+) -> None:
+    """main's start order (agent/app.py start_loading): the data path's load runs on a thread
+    before build_agent makes the IPv6 half (make_proxier6 -> ipv6()). The load must build the
+    same programs and table sizes in either order (MapSizes.ipv6_tc: the IPv6 conntrack at full
+    size and ekp_calls6 filled), or the IPv6 path is off at nearly every start and a restart that
+    loses the race resizes the tables mid-flow."""
+    dual = replace(rig.config, node_ips=("10.0.0.1", "fd00::1"), socket_lb=True)
+    for routing, want in ((HostRouting.LEGACY, False), (HostRouting.BPF, True)):
+        rig.config = replace(dual, bpf_host_routing=routing)
         p = rig.proxier()
-        if half:
-            p.ipv6()
+        p.prepare()  # the early load, before the IPv6 half exists
+        p.ipv6()
         p.sync(STATE, NODE)
-        assert rig.sizes[-1].ipv6_tc is want, (routing, half)
-
-
-def test_an_ipv6_half_expected_before_an_early_load_sizes_the_tc_ipv6_path(rig: Rig) -> None:
-    """agent/app.py's start_loading loads before build_agent asks for the IPv6 half: told first
-    (`expect_ipv6`), the load sizes and routes the tc IPv6 path as if the half existed."""
-    rig.config = replace(rig.config, bpf_host_routing=HostRouting.BPF)
-    p = rig.proxier()
-    p.expect_ipv6()
-    p.prepare()
-    assert rig.sizes[-1].ipv6_tc is True
-    p.ipv6()
-    p.sync(STATE, NODE)
-    assert len(rig.sizes) == 1 and rig.sizes[-1].ipv6_tc is True, "one load, sized for the path"
+        assert rig.sizes[-1].ipv6_tc is want, routing
+        p = rig.proxier()
+        p.ipv6()  # this branch's order: the IPv6 half first
+        p.sync(STATE, NODE)
+        assert rig.sizes[-1].ipv6_tc is want, routing
+    rig.config = replace(dual, node_ips=("10.0.0.1",), bpf_host_routing=HostRouting.BPF)
+    rig.proxier().sync(STATE, NODE)
+    assert rig.sizes[-1].ipv6_tc is False, "an IPv4-only node pays for no IPv6 path"
 
 
 def test_fixtures_differ() -> None:
