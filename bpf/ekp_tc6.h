@@ -5,21 +5,23 @@
  * per-packet work do not grow with it (Cilium splits its programs per family the same way).
  *
  *   parse (ekp_parse6.h) -> conntrack (ekp_ct6_tcp / ekp_ct6_any: FORWARD, then REPLY)
- *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1)
+ *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1),
+ *                           SNAT source port (ekp_tc6_snat.h: IPv4's walk, ekp_snat.h)
  *                        -> route (bpf_fib_lookup), rewrite, hop limit - 1, redirect
  *
- * What it translates: TCP flows that need no source translation, which is every flow whose backend
- * is on this node, and the remote ones of frontends that ask no SNAT (a pod to a ClusterIP). Every
- * other packet goes to the node's stack untouched, where the ip6tables proxier beside the eBPF
- * programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
+ * What it translates: TCP flows to a frontend, with the source translated to the node's IPv6
+ * address where IPv4 would translate it (ekp_tc6_snat.h: SNAT_ALL, SNAT_REMOTE with a remote
+ * backend, a hairpin). Every other packet goes to the node's stack untouched, where the ip6tables
+ * proxier beside the eBPF programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did
+ * before this path existed:
  *   - UDP and SCTP: a UDP flow owned here would lose what the stack does for it (a backend's
  *     fragmented answers, ICMPv6 errors quoting the translated tuple: nf_conntrack knows neither
  *     flow), and a UDP flow ip6tables started has no first packet to tell it from a new one, so
  *     tc would decide it again;
- *   - a frontend that asks SNAT (EKP_FE_SNAT_ALL; EKP_FE_SNAT_REMOTE with a remote backend), a
- *     hairpin (the client is its own backend), a backend on the node's own address (EKP_BE_HOST:
- *     its replies leave by the node's stack), affinity with SNAT_REMOTE (one owner of the
- *     service's affinity), legacy host routing;
+ *   - a source translation while the node's IPv6 address is not known (ekp_cfg6 zero), and then
+ *     every flow of a frontend with affinity and SNAT_REMOTE (one owner of the service's
+ *     affinity); a backend on the node's own address (EKP_BE_HOST: its replies leave by the
+ *     node's stack); legacy host routing;
  *   - refusals: no endpoints (ip6tables' REJECT answers with ICMPv6), no local endpoint, source
  *     ranges;
  *   - a mid-flow TCP segment without an entry (a flow ip6tables translated before: nf_conntrack
@@ -33,7 +35,8 @@
  * backend through two frontends) is dropped (EKP_DROP_TUPLE_TAKEN), not left to ip6tables: its
  * nf_conntrack entry would have that tuple too, and the replies would get the other frontend here.
  * The reply of a flow this path translated comes back through ekp_from_pod6 (a local backend) or
- * ekp_from_net6 (a remote one) and gets its frontend back from the REPLY entry.
+ * ekp_from_net6 (a remote one) and gets its frontend back from the REPLY entry (and its client, when
+ * the source was translated).
  */
 #ifndef EKP_TC6_H
 #define EKP_TC6_H
@@ -242,6 +245,8 @@ static __always_inline int ekp_tc6_may_translate(const struct ekp_pkt6 *p, __u8 
 	return a && (a->flags & (1 << scope));
 }
 
+#include "ekp_tc6_snat.h"
+
 static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 {
 	struct ekp_tc6_scratch *w = ekp_scratch6_lookup();
@@ -282,28 +287,16 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	__u8 dir = EKP_CT_FORWARD;
 	if (e && !ekp_ct6_usable(e, p, EKP_CT_FORWARD))
 		e = NULL; /* a SYN reusing an ended flow's port: the new-flow path below */
-	if (e) {
-		/* its reply entry: backend -> client */
-		__builtin_memcpy(rk->saddr, e->nat_addr, 16);
-		__builtin_memcpy(rk->daddr, p->saddr, 16);
-		rk->sport = e->nat_port;
-		rk->dport = p->b.sport;
-	} else {
+	if (!e) {
 		k->dir = EKP_CT_REPLY;
 		e = ekp_ct6_hit(k, cfg, now);
 		if (e && !ekp_ct6_usable(e, p, EKP_CT_REPLY))
 			e = NULL; /* a SYN-ACK answering something else on an ended flow's tuple */
-		if (e) {
+		if (e)
 			dir = EKP_CT_REPLY;
-			/* its forward entry: client -> frontend */
-			__builtin_memcpy(rk->saddr, p->daddr, 16);
-			__builtin_memcpy(rk->daddr, e->fe_addr, 16);
-			rk->sport = p->b.dport;
-			rk->dport = e->fe_port;
-			rk->dir = EKP_CT_FORWARD;
-		}
 	}
 	if (e) {
+		ekp_ct6_twin_key(rk, k, e); /* the flow's other entry */
 		__u16 set = ekp_ct6_transition(e, p, dir, now);
 		/* both entries move alike, as IPv4's; the clock once a second (a write per packet
 		 * would bounce the entry between CPUs) */
@@ -319,13 +312,14 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			else
 				ekp_ct6_stamp_flow(e->fe_addr, e->fe_port, p->saddr, p->b.sport, p->b.proto, now);
 		}
-		const __be32 *sa = p->saddr, *da = e->nat_addr;
-		__be16 sp = p->b.sport, dp = e->nat_port;
+		int snat = e->flags & EKP_CT_SNAT;
+		const __be32 *sa = snat ? e->snat_addr : p->saddr, *da = e->nat_addr;
+		__be16 sp = snat ? e->snat_port : p->b.sport, dp = e->nat_port;
 		if (dir == EKP_CT_REPLY) {
 			sa = e->fe_addr;
 			sp = e->fe_port;
-			da = p->daddr;
-			dp = p->b.dport;
+			da = snat ? e->nat_addr : p->daddr; /* back to the client */
+			dp = snat ? e->nat_port : p->b.dport;
 		}
 		if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
 			outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
@@ -353,8 +347,9 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	if (!fe)
 		goto out;
 	__u16 flags = fe->flags;
-	if (ekp_lb_refusal_af(1, fe, p->saddr) || (flags & EKP_FE_SNAT_ALL) ||
-	    ((flags & EKP_FE_AFFINITY) && (flags & EKP_FE_SNAT_REMOTE)))
+	const __be32 *node = ekp_tc6_node_addr(); /* the SNAT source (ekp_tc6_snat.h) */
+	if (ekp_lb_refusal_af(1, fe, p->saddr) ||
+	    (!node && ((flags & EKP_FE_SNAT_ALL) || ((flags & EKP_FE_AFFINITY) && (flags & EKP_FE_SNAT_REMOTE)))))
 		goto out;
 	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
 		outcome = EKP_DROP_SPOOFED;
@@ -366,19 +361,34 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	__builtin_memset(f, 0, sizeof(*f));
 	if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, f, w->be6, &aff_hit))
 		goto out;
-	if ((f->be_flags & EKP_BE_HOST) || (!(f->be_flags & EKP_BE_LOCAL) && (flags & EKP_FE_SNAT_REMOTE)) ||
-	    ekp_addr6_eq(w->be6, p->saddr))
-		goto out; /* a source translation: ip6tables' */
+	int snat = ekp_tc6_wants_snat(flags, f->be_flags, w->be6, p->saddr);
+	if ((f->be_flags & EKP_BE_HOST) || (snat && !node))
+		goto out; /* the node's stack: its own backend; ip6tables' masquerade */
 
-	long rc = ekp_tc6_route(skb, w, p->saddr, p->b.sport, w->be6, f->be_port);
+	/* The reply tuple {backend, client or node, bport, cport or SNAT port}: its port is found
+	 * before anything is written (the walk only looks up). */
+	const __be32 *sa = p->saddr;
+	__be16 sp = p->b.sport;
+	__builtin_memcpy(rk->saddr, w->be6, 16);
+	rk->sport = f->be_port;
+	if (snat) {
+		int reason = ekp_tc6_snat_port(w, node, cfg, now);
+		if (reason) {
+			outcome = reason;
+			verdict = TC_ACT_SHOT;
+			goto out;
+		}
+		sa = node;
+		sp = f->snat_port;
+	} else {
+		__builtin_memcpy(rk->daddr, p->saddr, 16);
+		rk->dport = p->b.sport;
+	}
+	long rc = ekp_tc6_route(skb, w, sa, sp, w->be6, f->be_port);
 	if (rc < 0)
 		goto out;
 
 	/* The reply entry first: a reply can never beat its entry. */
-	__builtin_memcpy(rk->saddr, w->be6, 16);
-	__builtin_memcpy(rk->daddr, p->saddr, 16);
-	rk->sport = f->be_port;
-	rk->dport = p->b.sport;
 	struct ekp_ct6_entry *fwd = &w->fwd, *rev = &w->rev;
 	__builtin_memset(rev, 0, sizeof(*rev));
 	rev->last_seen_ns = now;
@@ -387,11 +397,27 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	rev->svc_id = fe->svc_id;
 	rev->backend_id = f->backend_id;
 	rev->created_s = now / EKP_NSEC;
+	if (snat) {
+		rev->flags = EKP_CT_SNAT;
+		__builtin_memcpy(rev->nat_addr, p->saddr, 16);
+		rev->nat_port = p->b.sport;
+	}
 	__builtin_memcpy(fwd, rev, sizeof(*fwd));
 	__builtin_memcpy(fwd->nat_addr, w->be6, 16);
 	fwd->nat_port = f->be_port;
+	if (snat) {
+		__builtin_memcpy(fwd->snat_addr, sa, 16);
+		fwd->snat_port = sp;
+	}
 	k->dir = EKP_CT_FORWARD;
-	if (ekp_ct6_insert(rk, rev) < 0) {
+	if (snat) {
+		int reason = ekp_ct6_place(rk, rev);
+		if (reason) {
+			outcome = reason;
+			verdict = TC_ACT_SHOT;
+			goto out;
+		}
+	} else if (ekp_ct6_insert(rk, rev) < 0) {
 		/* this tuple's earlier flow (same frontend), a dead one, or a closed one (this packet is a
 		 * SYN: ekp_ct_reusable's rule, as the kernel's NAT takes a TIME_WAIT tuple): replaced; a
 		 * live flow of another frontend: dropped, not left to ip6tables, which would pick the
@@ -420,7 +446,11 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	outcome = EKP_STAT_NEW_FLOWS;
 	if (aff_hit)
 		ekp_count(EKP_STAT_AFFINITY_HIT);
-	verdict = ekp_tc6_send(skb, w, rc, p->saddr, p->b.sport, w->be6, f->be_port, &outcome);
+	if (snat)
+		ekp_count(EKP_STAT_SNAT);
+	if (f->early_drop)
+		ekp_count(EKP_STAT_EARLY_DROP);
+	verdict = ekp_tc6_send(skb, w, rc, sa, sp, w->be6, f->be_port, &outcome);
 out:
 	ekp_count(outcome);
 	return verdict;

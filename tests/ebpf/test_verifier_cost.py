@@ -23,15 +23,18 @@ from bench.verifycost import ProgCost, measure, the_object
 # Verified instructions per program (the kernel's limit is 1,000,000). Measured with the walk's
 # values in map memory: 298,000 for each tc ingress program, 139,000 for XDP; the budgets leave
 # room for features, not for the state splits (780,000 and 350,000 without it). The IPv6 path,
-# reached by a tail call so the IPv4 programs do not verify it (bpf/ekp_tc6.h): 6,700 and 6,100.
+# reached by a tail call so the IPv4 programs do not verify it (bpf/ekp_tc6.h): 7,400 and 6,600
+# without source translation, 90,000 and 94,000 with it (the SNAT port walk, ekp_snat.h, in its
+# IPv6 copy: one table, TCP's, as that path translates TCP alone).
 BUDGET = {
     PROG_FROM_POD: 450_000,
     PROG_FROM_NET: 450_000,
     PROG_XDP_NET: 220_000,
-    PROG_FROM_POD6: 20_000,
-    PROG_FROM_NET6: 20_000,
+    PROG_FROM_POD6: 140_000,
+    PROG_FROM_NET6: 140_000,
 }
-ALL_PROGRAMS = 1_150_000
+# 817,000 in all before the IPv6 path translated sources, 987,000 since
+ALL_PROGRAMS = 1_300_000
 
 pytestmark = pytest.mark.kernel
 
