@@ -152,6 +152,30 @@ def test_a_full_range_takes_over_an_unanswered_flow_and_refuses_once_every_flow_
     assert ct6(net, evicted, NODE6, 50002, 30080) is None
 
 
+def test_a_syn_on_a_closed_flows_tuple_takes_its_snat_port_again(net: Net) -> None:
+    """The client reusing its source port after a RST opens a new flow (decided again, not the
+    closed flow's entries); with one port in the range it can only have the closed flow's, taken
+    over as the kernel's NAT takes a TIME_WAIT tuple (a closed holder and a SYN: ekp_ct6_reusable),
+    the closed flow's entries replaced by the new one's."""
+    snat_source(net, NODE6)
+    set_config(net.dp, snat_port_min=SNAT_MIN, snat_port_max=SNAT_MIN)
+    nodeport_to_remote(net)
+    assert seen(net.from_net(frame6(CLIENT6, NODE6, 50300, 30080))[1])[3] == SNAT_MIN
+    assert net.from_net(frame6(CLIENT6, NODE6, 50300, 30080, flags="RA"))[0] == TC_ACT_REDIRECT
+    assert ct6(net, REMOTE_BE6, NODE6, 8080, SNAT_MIN, reply=True).flags & CtFlag.RST
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50300, 30080))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (NODE6, REMOTE_BE6, SNAT_MIN)
+    assert ct6(net, CLIENT6, NODE6, 50300, 30080).flags == CtFlag.SNAT, "a new flow's entries"
+    assert ct6(net, REMOTE_BE6, NODE6, 8080, SNAT_MIN, reply=True).flags == CtFlag.SNAT
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.SNAT], stats[Stat.EARLY_DROP]) == (2, 2, 0)
+    # a second client meanwhile: the one port is held by a live flow (unanswered: taken over)
+    verdict, out = net.from_net(frame6(NODE2_6, NODE6, 50300, 30080))
+    assert verdict == TC_ACT_REDIRECT and net.stats()[Stat.EARLY_DROP] == 1
+    assert ct6(net, CLIENT6, NODE6, 50300, 30080) is None
+
+
 def test_snat_all_from_a_pod_to_a_local_backend_and_its_reply(net: Net) -> None:
     snat_source(net, NODE6)
     add_service6(net.dp.maps, VIP6, 80, LOCAL_BE, flags=FrontendFlag.SNAT_ALL)
