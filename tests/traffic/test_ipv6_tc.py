@@ -76,7 +76,7 @@ def lab_objects(c: Cluster) -> None:
     leps["addressType"] = "IPv6"
     # policy Cluster, its only endpoint on node2: masqueraded by node1 toward node2
     rport = Port("http", 80, HTTP6_PORT, node_port=REMOTE_PORT)
-    remote = service("tc6-remote", "fd00:10:96::c3", [rport], type="NodePort", ipFamilies=["IPv6"])
+    remote = service("tc6-remote", "fd00:10:96::c4", [rport], type="NodePort", ipFamilies=["IPv6"])
     reps = endpoint_slice("tc6-remote", [rport], [Ep(lab.pod("pod-2-2").ip6, "node2")], "v6")
     reps["addressType"] = "IPv6"
     c.apply([svc, eps, local, leps, remote, reps])
