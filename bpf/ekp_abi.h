@@ -17,7 +17,7 @@
  * IPv6: Cilium's v4/v6 pairs. Every struct below that holds an address is the IPv4 member of a
  * pair; IPv6 has its own maps beside these with 16-byte addresses (the "IPv6 pairs" section at the
  * end: ekp_fe6, ekp_be6, ekp_rnat6, ekp_aff6, ekp_srcr6, ekp_addr6, ekp_sknat6; the tc programs'
- * ekp_ct6_tcp, ekp_ct6_any), and changes none of the v2 layouts: an
+ * ekp_ct6_tcp, ekp_ct6_any, ekp_cfg6), and changes none of the v2 layouts: an
  * upgrade only adds maps, and no IPv4 flow is touched. Pairs rather than 16-byte unions because the
  * per-packet keys (conntrack, frontend, fragments) stay 16 bytes for IPv4: a 40-byte union key
  * would cost every IPv4 lookup a longer hash and every conntrack entry 24 more bytes.
@@ -600,8 +600,8 @@ struct ekp_sock6_nat {
 };
 
 /* ekp_ct6_tcp, ekp_ct6_any (LRU, written by the tc programs' IPv6 path, bpf/ekp_tc6.h): a tuple as
- * it arrives -> what to rewrite, as ekp_ct_* for IPv4. Only flows translated without a source
- * translation live here (the others are ip6tables'), so there is no SNAT field. */
+ * it arrives -> what to rewrite, as ekp_ct_* for IPv4, source translation (EKP_CT_SNAT) included
+ * (bpf/ekp_tc6_snat.h). v3: v2 had no SNAT fields (its path left source translations to ip6tables). */
 struct ekp_ct6_key {
 	__be32 saddr[4]; /* be: source address as on the wire */
 	__be32 daddr[4]; /* be: destination address as on the wire */
@@ -614,16 +614,29 @@ struct ekp_ct6_key {
 
 struct ekp_ct6_entry {
 	__u64 last_seen_ns; /* host: bpf_ktime_get_ns() of the last packet (refreshed once a second) */
-	__be32 nat_addr[4]; /* be: FORWARD: the backend address; REPLY: zero */
+	__be32 nat_addr[4]; /* be: FORWARD: the backend address; REPLY: the client address if SNAT, else zero */
 	__be32 fe_addr[4]; /* be: the frontend: FORWARD key's daddr, the source replies get */
-	__be16 nat_port; /* be: FORWARD: the backend port; REPLY: zero */
+	__be32 snat_addr[4]; /* be: FORWARD: the source after SNAT (the node's IPv6 address) if SNAT, else
+			      * zero; REPLY: zero */
+	__be16 nat_port; /* be: FORWARD: the backend port; REPLY: the client port if SNAT, else zero */
 	__be16 fe_port; /* be: the frontend port */
 	__u16 flags; /* host: EKP_CT_* */
-	__u16 pad; /* zero */
+	__be16 snat_port; /* be: FORWARD: the source port after SNAT if SNAT, else zero; REPLY: zero */
 	__u32 svc_id; /* host: service port of the flow (ekp_fe6's) */
 	__u32 backend_id; /* host: backend chosen when the flow began (ekp_be6's key) */
 	__u32 created_s; /* host: bpf_ktime_get_ns() / 1e9 when the flow began */
 	__u32 pad2; /* zero */
+};
+
+/* ekp_cfg6 (array, one element, written by the agent): what the IPv6 path needs beside the shared
+ * struct ekp_config (whose SNAT port range and timeouts serve both families). A map of its own
+ * rather than a wider ekp_config: an upgrade adds it, and no v2 layout changes. Written with one
+ * map update, which a program may read half done while the node's IPv6 address changes (a flow
+ * begun in that instant gets a source of neither address, as a flow through a changing address
+ * fails under the kernel's masquerade too). */
+struct ekp_config6 {
+	__be32 node_addr[4]; /* be: the source of IPv6 SNAT (masquerade, remote backends, hairpin): the
+			      * node's IPv6 address; zero = none known (such flows are left to the stack) */
 };
 
 #endif /* EKP_ABI_H */

@@ -466,19 +466,26 @@ static __always_inline __u16 ekp_ct_transition(const struct ekp_ct_entry *e, con
 
 /* ---- new flows ---------------------------------------------------------------------------- */
 
-static __always_inline __u32 ekp_flow_hash(const struct ekp_pkt *p)
+/* A hash of a flow's tuple (Maglev's table position, where the SNAT port walk starts). IPv6 passes
+ * its addresses folded to 32 bits (ekp_fold6). */
+static __always_inline __u32 ekp_tuple_hash(__be32 saddr, __be32 daddr, __be16 sport, __be16 dport, __u8 proto)
 {
-	__u32 h = p->saddr * 0x9e3779b1u;
+	__u32 h = saddr * 0x9e3779b1u;
 
-	h ^= p->daddr + 0x7f4a7c15u + (h << 6) + (h >> 2);
-	h ^= ((__u32)p->sport << 16 | p->dport) + 0x7f4a7c15u + (h << 6) + (h >> 2);
-	h ^= p->proto;
+	h ^= daddr + 0x7f4a7c15u + (h << 6) + (h >> 2);
+	h ^= ((__u32)sport << 16 | dport) + 0x7f4a7c15u + (h << 6) + (h >> 2);
+	h ^= proto;
 	h ^= h >> 16;
 	h *= 0x85ebca6bu;
 	h ^= h >> 13;
 	h *= 0xc2b2ae35u;
 	h ^= h >> 16;
 	return h;
+}
+
+static __always_inline __u32 ekp_flow_hash(const struct ekp_pkt *p)
+{
+	return ekp_tuple_hash(p->saddr, p->daddr, p->sport, p->dport, p->proto);
 }
 
 /* Whether the entry `e` under `k`, holding a reply tuple a new flow wants, may be taken over:

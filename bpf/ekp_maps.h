@@ -30,7 +30,7 @@
 	!defined(EKP_FE6_MAX) || !defined(EKP_SLOT6_MAX) || !defined(EKP_BE6_MAX) || !defined(EKP_RNAT6_MAX) ||     \
 	!defined(EKP_MEMBER6_MAX) || !defined(EKP_SRCR6_MAX) || !defined(EKP_ADDR6_MAX) ||                     \
 	!defined(EKP_AFF6_MAX) || !defined(EKP_SKNAT6_MAX) || !defined(EKP_CT6_TCP_MAX) ||                     \
-	!defined(EKP_CT6_ANY_MAX)
+	!defined(EKP_CT6_ANY_MAX) || !defined(EKP_CFG6_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -46,6 +46,7 @@ _Static_assert(EKP_CFG_MAX == 2, "ekp_cfg_v2 holds exactly two struct ekp_config
 _Static_assert(EKP_CFGSEL_MAX == 1, "ekp_cfgsel_v2 holds exactly one selector");
 _Static_assert(EKP_ICMPRL_MAX == 1, "ekp_icmprl_v2 holds one bucket per CPU");
 _Static_assert(EKP_SKCFG_MAX == 1, "ekp_skcfg_v2 holds one struct ekp_sock_config");
+_Static_assert(EKP_CFG6_MAX == 1, "ekp_cfg6_v2 holds one struct ekp_config6");
 
 /* Service tables, written by the agent only. */
 BPF_TABLE("hash", struct ekp_frontend_key, struct ekp_frontend, ekp_fe_v2, EKP_FE_MAX);
@@ -109,8 +110,10 @@ BPF_F_TABLE("lpm_trie", struct ekp_srcrange6_key, struct ekp_srcrange, ekp_srcr6
 BPF_F_TABLE("hash", struct ekp_addr6_key, struct ekp_addr, ekp_addr6_v2, EKP_ADDR6_MAX, BPF_F_NO_PREALLOC);
 BPF_TABLE("lru_hash", struct ekp_affinity6_key, struct ekp_affinity, ekp_aff6_v2, EKP_AFF6_MAX);
 BPF_TABLE("lru_hash", struct ekp_sock6_key, struct ekp_sock6_nat, ekp_sknat6_v2, EKP_SKNAT6_MAX);
-BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_tcp_v2, EKP_CT6_TCP_MAX);
-BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_any_v2, EKP_CT6_ANY_MAX);
+BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_tcp_v3, EKP_CT6_TCP_MAX);
+BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_any_v3, EKP_CT6_ANY_MAX);
+/* The IPv6 path's own settings (the node's IPv6 address for SNAT), written by the agent. */
+BPF_TABLE("array", u32, struct ekp_config6, ekp_cfg6_v2, EKP_CFG6_MAX);
 
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
 BPF_TABLE("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX);
@@ -173,8 +176,11 @@ static __always_inline int ekp_sknat6_update(struct ekp_sock6_key *k, struct ekp
 static __always_inline int ekp_sknat6_delete(struct ekp_sock6_key *k);
 static __always_inline struct ekp_addr *ekp_addr6_lookup(struct ekp_addr6_key *k);
 static __always_inline struct ekp_ct6_entry *ekp_ct6_lookup(struct ekp_ct6_key *k);
+static __always_inline struct ekp_ct6_entry *ekp_ct6_tcp_lookup(struct ekp_ct6_key *k);
+static __always_inline struct ekp_ct6_entry *ekp_ct6_any_lookup(struct ekp_ct6_key *k);
 static __always_inline int ekp_ct6_update(struct ekp_ct6_key *k, struct ekp_ct6_entry *v);
 static __always_inline int ekp_ct6_insert(struct ekp_ct6_key *k, struct ekp_ct6_entry *v);
 static __always_inline int ekp_ct6_delete(struct ekp_ct6_key *k);
+static __always_inline struct ekp_config6 *ekp_cfg6_lookup(u32 *k);
 
 #endif /* EKP_MAPS_H */

@@ -279,29 +279,46 @@ static __always_inline struct ekp_addr *ekp_addr6_lookup(struct ekp_addr6_key *k
 static __always_inline struct ekp_ct6_entry *ekp_ct6_lookup(struct ekp_ct6_key *k)
 {
 	if (k->proto == IPPROTO_TCP)
-		return ekp_ct6_tcp_v2.lookup(k);
-	return ekp_ct6_any_v2.lookup(k);
+		return ekp_ct6_tcp_v3.lookup(k);
+	return ekp_ct6_any_v3.lookup(k);
+}
+
+/* One table each, for the SNAT port walk (ekp_snat.h: a table chosen per probe splits the verifier's
+ * states). */
+static __always_inline struct ekp_ct6_entry *ekp_ct6_tcp_lookup(struct ekp_ct6_key *k)
+{
+	return ekp_ct6_tcp_v3.lookup(k);
+}
+
+static __always_inline struct ekp_ct6_entry *ekp_ct6_any_lookup(struct ekp_ct6_key *k)
+{
+	return ekp_ct6_any_v3.lookup(k);
 }
 
 static __always_inline int ekp_ct6_update(struct ekp_ct6_key *k, struct ekp_ct6_entry *v)
 {
 	if (k->proto == IPPROTO_TCP)
-		return ekp_ct6_tcp_v2.update(k, v);
-	return ekp_ct6_any_v2.update(k, v);
+		return ekp_ct6_tcp_v3.update(k, v);
+	return ekp_ct6_any_v3.update(k, v);
 }
 
 static __always_inline int ekp_ct6_delete(struct ekp_ct6_key *k)
 {
 	if (k->proto == IPPROTO_TCP)
-		return ekp_ct6_tcp_v2.delete(k);
-	return ekp_ct6_any_v2.delete(k);
+		return ekp_ct6_tcp_v3.delete(k);
+	return ekp_ct6_any_v3.delete(k);
 }
 
 static __always_inline int ekp_ct6_insert(struct ekp_ct6_key *k, struct ekp_ct6_entry *v)
 {
 	if (k->proto == IPPROTO_TCP)
-		return ekp_ct6_tcp_v2.insert(k, v);
-	return ekp_ct6_any_v2.insert(k, v);
+		return ekp_ct6_tcp_v3.insert(k, v);
+	return ekp_ct6_any_v3.insert(k, v);
+}
+
+static __always_inline struct ekp_config6 *ekp_cfg6_lookup(u32 *k)
+{
+	return ekp_cfg6_v2.lookup(k);
 }
 
 static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)

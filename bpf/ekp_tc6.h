@@ -5,25 +5,28 @@
  * per-packet work do not grow with it (Cilium splits its programs per family the same way).
  *
  *   parse (ekp_parse6.h) -> conntrack (ekp_ct6_tcp / ekp_ct6_any: FORWARD, then REPLY)
- *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1)
+ *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1),
+ *                           SNAT source port (ekp_tc6_snat.h: IPv4's walk, ekp_snat.h)
  *                        -> route (bpf_fib_lookup), rewrite (ekp_nat6.h), hop limit - 1, redirect
  *   an ICMPv6 error      -> conntrack of the quoted flow (ekp_tc6_related) -> route, outer and
  *                           quote rewritten, hop limit - 1, redirect
  *
- * What it translates: TCP flows of frontends that ask no source translation (a pod to a ClusterIP,
- * a NodePort or LB IP with externalTrafficPolicy Local) to a backend in a pod. Every
- * other packet goes to the node's stack untouched, where the ip6tables proxier beside the eBPF
- * programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
+ * What it translates: TCP flows to a frontend, with the source translated to the node's IPv6
+ * address where IPv4 would translate it (ekp_tc6_snat.h: SNAT_ALL, SNAT_REMOTE with a remote
+ * backend, a hairpin), and the ICMPv6 errors about them. Every other packet goes to the node's
+ * stack untouched, where the ip6tables proxier beside the eBPF programs (agent/metaproxier.py,
+ * EbpfAndIp6tables) does what it did before this path existed:
  *   - UDP and SCTP: a UDP flow owned here would lose what the stack does for it (a backend's
  *     fragmented answers, ICMPv6 errors quoting the translated tuple: nf_conntrack knows neither
  *     flow, and ekp_tc6_related translates errors about TCP flows alone), and a UDP flow
  *     ip6tables started has no first packet to tell it from a new one, so tc would decide it again;
- *   - a frontend that asks SNAT for any backend (EKP_FE_SNAT_ALL, EKP_FE_SNAT_REMOTE: its local
- *     backends too, so that one proxier chooses among all its backends, and one owns its
- *     affinity), a frontend with a backend on the node's own address (EKP_FE_HOST_BACKEND: that
- *     backend's replies leave by the node's stack; the whole frontend, for the same reason), a
- *     hairpin (the client is its own backend: known only after the choice, see there), legacy
- *     host routing;
+ *   - a frontend that would need ip6tables for some of its backends, left whole before the choice
+ *     so that one proxier chooses among all its backends (and one owns its affinity): one with a
+ *     backend on the node's own address (EKP_FE_HOST_BACKEND: that backend's replies leave by the
+ *     node's stack), and, while the node's IPv6 address is not known (ekp_cfg6 zero), one that
+ *     asks SNAT (EKP_FE_SNAT_ALL, EKP_FE_SNAT_REMOTE: its local backends too); then a hairpin as
+ *     well (the client is its own backend: known only after the choice, see there); legacy host
+ *     routing;
  *   - refusals: no endpoints (ip6tables' REJECT answers with ICMPv6), no local endpoint, source
  *     ranges;
  *   - a mid-flow TCP segment without an entry (a flow ip6tables translated before: nf_conntrack
@@ -39,7 +42,8 @@
  * backend through two frontends) is dropped (EKP_DROP_TUPLE_TAKEN), not left to ip6tables: its
  * nf_conntrack entry would have that tuple too, and the replies would get the other frontend here.
  * The reply of a flow this path translated comes back through ekp_from_pod6 (a local backend) or
- * ekp_from_net6 (a remote one) and gets its frontend back from the REPLY entry.
+ * ekp_from_net6 (a remote one) and gets its frontend back from the REPLY entry (and its client, when
+ * the source was translated).
  */
 #ifndef EKP_TC6_H
 #define EKP_TC6_H
@@ -185,14 +189,19 @@ static __always_inline int ekp_ct6_usable(const struct ekp_ct6_entry *e, const s
 
 /* ekp_ct_is_twin for IPv6: `t`, found under the twin key of `e` (this packet's entry, direction
  * `dir`), is its twin and not another flow's entry that took the key: the same frontend, backend
- * and translation (EKP_CT_SAME_FLOW, IPv4's test), and, for a FORWARD twin, this reply's source as
- * its backend. A REPLY twin's own twin key is this packet's key once its frontend matches. */
+ * and translation (EKP_CT_SAME_FLOW, IPv4's test), and the same client or backend: for a FORWARD
+ * twin, this reply's source as its backend; for a REPLY twin of a source-translated flow, this
+ * packet's source as its client. Without SNAT a REPLY twin's key holds this packet's source. */
 static __always_inline int ekp_ct6_is_twin(const struct ekp_ct6_entry *t, const struct ekp_ct6_entry *e, __u8 dir,
 					   const struct ekp_pkt6 *p)
 {
 	if (!EKP_CT_SAME_FLOW(t, e, ekp_addr6_eq(t->fe_addr, e->fe_addr)))
 		return 0;
-	return dir == EKP_CT_FORWARD || (ekp_addr6_eq(t->nat_addr, p->saddr) && t->nat_port == p->b.sport);
+	if (dir == EKP_CT_FORWARD && !(t->flags & EKP_CT_SNAT))
+		return 1; /* its key holds this packet's client and port */
+	/* a FORWARD twin's nat_addr is its backend, this reply's source; a source-translated REPLY
+	 * twin's is its client (another client's flow may hold the SNAT tuple since) */
+	return ekp_addr6_eq(t->nat_addr, p->saddr) && t->nat_port == p->b.sport;
 }
 
 /* An IPv6 endpoint in the flow-activity array (ekp_act.h) is its address folded to 32 bits: a
@@ -232,16 +241,19 @@ static __always_inline int ekp_tc6_may_translate(const struct ekp_pkt6 *p, __u8 
 	return a && (a->flags & (1 << scope));
 }
 
+#include "ekp_tc6_snat.h"
+
 /* An ICMPv6 error quoting a packet of a flow this path translated, as that packet left us
  * (translated): the node's stack has no nf_conntrack entry for the flow, so without this the error
  * would reach its destination about a tuple its sockets never used (a Packet Too Big about a
  * client's segment to the backend: the client's path MTU never lowered, the flow black-holed).
- * The quote reversed is the key of the flow's other direction, as in ekp_decide_related (IPv4's,
- * without its SNAT half: nothing here is source-translated):
+ * The quote reversed is the key of the flow's other direction, as in ekp_decide_related (IPv4's):
  *   a FORWARD packet (client -> backend) quoted: its REPLY entry; the error goes back to the
- *     client: quote to client -> frontend, outer source the frontend (nf_nat's outer manip);
+ *     client: quote to client -> frontend, outer source the frontend (nf_nat's outer manip); with
+ *     SNAT the quote's source and the outer destination become the client (nat_addr, nat_port);
  *   a REPLY packet (frontend -> client) quoted: its FORWARD entry; the error goes on to the
- *     backend: quote to backend -> client, outer destination the backend.
+ *     backend: quote to backend -> client, outer destination the backend; with SNAT the quote's
+ *     destination and the outer source become the node's SNAT source (snat_addr, snat_port).
  * Routed and redirected as the flow's packets are; the entries are not refreshed. An error about
  * no live flow of this path, or with no route here, goes to the stack untouched, as before. */
 static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6_scratch *w, __u8 scope,
@@ -270,6 +282,11 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 		__builtin_memcpy(n->in_daddr, e->fe_addr, 16);
 		n->in_dport = e->fe_port;
 		__builtin_memcpy(n->saddr, e->fe_addr, 16);
+		if (e->flags & EKP_CT_SNAT) { /* the client, which the flow's source was translated from */
+			__builtin_memcpy(n->in_saddr, e->nat_addr, 16);
+			n->in_sport = e->nat_port;
+			__builtin_memcpy(n->daddr, e->nat_addr, 16);
+		}
 	} else {
 		k->dir = EKP_CT_FORWARD;
 		e = ekp_ct6_hit(k, cfg, now);
@@ -278,6 +295,11 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 		__builtin_memcpy(n->in_saddr, e->nat_addr, 16);
 		n->in_sport = e->nat_port;
 		__builtin_memcpy(n->daddr, e->nat_addr, 16);
+		if (e->flags & EKP_CT_SNAT) { /* the node's address and port the backend knows the flow by */
+			__builtin_memcpy(n->in_daddr, e->snat_addr, 16);
+			n->in_dport = e->snat_port;
+			__builtin_memcpy(n->saddr, e->snat_addr, 16);
+		}
 	}
 	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
 		*outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
@@ -339,28 +361,16 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	__u8 dir = EKP_CT_FORWARD;
 	if (e && !ekp_ct6_usable(e, p, EKP_CT_FORWARD))
 		e = NULL; /* a SYN reusing an ended flow's port: the new-flow path below */
-	if (e) {
-		/* its reply entry: backend -> client */
-		__builtin_memcpy(rk->saddr, e->nat_addr, 16);
-		__builtin_memcpy(rk->daddr, p->saddr, 16);
-		rk->sport = e->nat_port;
-		rk->dport = p->b.sport;
-	} else {
+	if (!e) {
 		k->dir = EKP_CT_REPLY;
 		e = ekp_ct6_hit(k, cfg, now);
 		if (e && !ekp_ct6_usable(e, p, EKP_CT_REPLY))
 			e = NULL; /* a SYN-ACK answering something else on an ended flow's tuple */
-		if (e) {
+		if (e)
 			dir = EKP_CT_REPLY;
-			/* its forward entry: client -> frontend */
-			__builtin_memcpy(rk->saddr, p->daddr, 16);
-			__builtin_memcpy(rk->daddr, e->fe_addr, 16);
-			rk->sport = p->b.dport;
-			rk->dport = e->fe_port;
-			rk->dir = EKP_CT_FORWARD;
-		}
 	}
 	if (e) {
+		ekp_ct6_twin_key(rk, k, e); /* the flow's other entry */
 		__u16 set = ekp_ct6_transition(e, p, dir, now);
 		/* both entries move alike, as IPv4's; the clock once a second (a write per packet
 		 * would bounce the entry between CPUs) */
@@ -376,13 +386,14 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			else
 				ekp_ct6_stamp_flow(e->fe_addr, e->fe_port, p->saddr, p->b.sport, p->b.proto, now);
 		}
-		const __be32 *sa = p->saddr, *da = e->nat_addr;
-		__be16 sp = p->b.sport, dp = e->nat_port;
+		int snat = e->flags & EKP_CT_SNAT;
+		const __be32 *sa = snat ? e->snat_addr : p->saddr, *da = e->nat_addr;
+		__be16 sp = snat ? e->snat_port : p->b.sport, dp = e->nat_port;
 		if (dir == EKP_CT_REPLY) {
 			sa = e->fe_addr;
 			sp = e->fe_port;
-			da = p->daddr;
-			dp = p->b.dport;
+			da = snat ? e->nat_addr : p->daddr; /* back to the client */
+			dp = snat ? e->nat_port : p->b.dport;
 		}
 		if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
 			outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
@@ -411,9 +422,12 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		goto out;
 	/* Whatever would take ip6tables for some of its backends takes it for all, decided before the
 	 * choice: a flow this path chose a backend for and then left to ip6tables would be chosen for
-	 * again there, and the backends that path reaches twice would get more than their share. */
-	if (ekp_lb_refusal_af(1, fe, p->saddr) ||
-	    (fe->flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE | EKP_FE_HOST_BACKEND)))
+	 * again there, and the backends that path reaches twice would get more than their share. A
+	 * source translation is ip6tables' only while the node's IPv6 address is not known. */
+	__u16 flags = fe->flags;
+	const __be32 *node = ekp_tc6_node_addr(); /* the SNAT source (ekp_tc6_snat.h) */
+	if (ekp_lb_refusal_af(1, fe, p->saddr) || (flags & EKP_FE_HOST_BACKEND) ||
+	    (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
 		goto out;
 	/* A source not routed back by this device: not ours to translate past the stack, and not ours
 	 * to drop either (IPv6 has no rp_filter: the stack and ip6tables do what they would without
@@ -425,23 +439,40 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	__builtin_memset(f, 0, sizeof(*f));
 	if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, f, w->be6, &aff_hit))
 		goto out;
-	/* A hairpin (the client chose itself) needs a source translation: ip6tables', which chooses
-	 * again, as no map says before the choice which clients are backends of this frontend. A
-	 * client that is one of n backends of the Service reaches itself with 1/n^2, and the others
-	 * with more than 1/n. A host backend the planner did not flag yet (EKP_FE_HOST_BACKEND, a
-	 * frontend written before it knew the flag) goes the same way. */
-	if ((f->be_flags & EKP_BE_HOST) || ekp_addr6_eq(w->be6, p->saddr))
+	/* Without the node's IPv6 address, a hairpin (the client chose itself) needs ip6tables'
+	 * source translation, and ip6tables chooses again, as no map says before the choice which
+	 * clients are backends of this frontend: a client that is one of n backends of the Service
+	 * then reaches itself with 1/n^2, and the others with more than 1/n. A host backend the
+	 * planner did not flag yet (EKP_FE_HOST_BACKEND, a frontend written before it knew the flag)
+	 * goes to the stack too. */
+	int snat = ekp_tc6_wants_snat(flags, f->be_flags, w->be6, p->saddr);
+	if ((f->be_flags & EKP_BE_HOST) || (snat && !node))
 		goto out;
 
-	long rc = ekp_tc6_route(skb, w, p->saddr, p->b.sport, w->be6, f->be_port);
+	/* The reply tuple {backend, client or node, bport, cport or SNAT port}: its port is found
+	 * before anything is written (the walk only looks up). */
+	const __be32 *sa = p->saddr;
+	__be16 sp = p->b.sport;
+	__builtin_memcpy(rk->saddr, w->be6, 16);
+	rk->sport = f->be_port;
+	if (snat) {
+		int reason = ekp_tc6_snat_port(w, node, cfg, now);
+		if (reason) {
+			outcome = reason;
+			verdict = TC_ACT_SHOT;
+			goto out;
+		}
+		sa = node;
+		sp = f->snat_port;
+	} else {
+		__builtin_memcpy(rk->daddr, p->saddr, 16);
+		rk->dport = p->b.sport;
+	}
+	long rc = ekp_tc6_route(skb, w, sa, sp, w->be6, f->be_port);
 	if (rc < 0)
 		goto out;
 
 	/* The reply entry first: a reply can never beat its entry. */
-	__builtin_memcpy(rk->saddr, w->be6, 16);
-	__builtin_memcpy(rk->daddr, p->saddr, 16);
-	rk->sport = f->be_port;
-	rk->dport = p->b.sport;
 	struct ekp_ct6_entry *fwd = &w->fwd, *rev = &w->rev;
 	__builtin_memset(rev, 0, sizeof(*rev));
 	rev->last_seen_ns = now;
@@ -450,11 +481,27 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	rev->svc_id = fe->svc_id;
 	rev->backend_id = f->backend_id;
 	rev->created_s = now / EKP_NSEC;
+	if (snat) {
+		rev->flags = EKP_CT_SNAT;
+		__builtin_memcpy(rev->nat_addr, p->saddr, 16);
+		rev->nat_port = p->b.sport;
+	}
 	__builtin_memcpy(fwd, rev, sizeof(*fwd));
 	__builtin_memcpy(fwd->nat_addr, w->be6, 16);
 	fwd->nat_port = f->be_port;
+	if (snat) {
+		__builtin_memcpy(fwd->snat_addr, sa, 16);
+		fwd->snat_port = sp;
+	}
 	k->dir = EKP_CT_FORWARD;
-	if (ekp_ct6_insert(rk, rev) < 0) {
+	if (snat) {
+		int reason = ekp_ct6_place(rk, rev);
+		if (reason) {
+			outcome = reason;
+			verdict = TC_ACT_SHOT;
+			goto out;
+		}
+	} else if (ekp_ct6_insert(rk, rev) < 0) {
 		/* this tuple's earlier flow (same frontend), a dead one, or a closed one (this packet is a
 		 * SYN: ekp_ct_reusable's rule, as the kernel's NAT takes a TIME_WAIT tuple): replaced; a
 		 * live flow of another frontend: dropped, not left to ip6tables, which would pick the
@@ -483,7 +530,11 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	outcome = EKP_STAT_NEW_FLOWS;
 	if (aff_hit)
 		ekp_count(EKP_STAT_AFFINITY_HIT);
-	verdict = ekp_tc6_send(skb, w, rc, p->saddr, p->b.sport, w->be6, f->be_port, &outcome);
+	if (snat)
+		ekp_count(EKP_STAT_SNAT);
+	if (f->early_drop)
+		ekp_count(EKP_STAT_EARLY_DROP);
+	verdict = ekp_tc6_send(skb, w, rc, sa, sp, w->be6, f->be_port, &outcome);
 out:
 	ekp_count(outcome);
 	return verdict;

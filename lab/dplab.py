@@ -117,6 +117,7 @@ TEST_ROLES = (
     "sknat6",
     "ct6_tcp",
     "ct6_any",
+    "cfg6",  # zero: no IPv6 SNAT source (the IPv6 path leaves source translations to the stack)
 )
 
 CFG = abi.Config(

@@ -512,15 +512,20 @@ class Ct6Entry(_Struct):
         ("last_seen_ns", u64),
         ("nat_addr", Addr6),
         ("fe_addr", Addr6),
+        ("snat_addr", Addr6),
         ("nat_port", u16),
         ("fe_port", u16),
         ("flags", u16),
-        ("pad", u16),
+        ("snat_port", u16),
         ("svc_id", u32),
         ("backend_id", u32),
         ("created_s", u32),
         ("pad2", u32),
     ]
+
+
+class Config6(_Struct):
+    _fields_ = [("node_addr", Addr6)]
 
 
 # Every struct of the header, by its C name; the ABI test walks this.
@@ -569,6 +574,7 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_sock6_nat": Sock6Nat,
     "ekp_ct6_key": Ct6Key,
     "ekp_ct6_entry": Ct6Entry,
+    "ekp_config6": Config6,
 }
 
 
@@ -675,9 +681,13 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("aff6", "lru_hash", Affinity6Key, Affinity, 65536, "EKP_AFF6_MAX", _DP, pair="aff"),
         MapSpec("sknat6", "lru_hash", Sock6Key, Sock6Nat, 65536, "EKP_SKNAT6_MAX", _DP, pair="sknat"),
         # the tc programs' IPv6 conntrack (bpf/ekp_tc6.h), each sized as its IPv4 twin where written
-        # (ct6_any is not while the path is TCP-only: one entry, agent/ebpf/loader.py TC6_UNWRITTEN)
-        MapSpec("ct6_tcp", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_TCP_MAX", _DP, pair="ct_tcp"),
-        MapSpec("ct6_any", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_ANY_MAX", _DP, pair="ct_any"),
+        # (ct6_any is not while the path is TCP-only: one entry, agent/ebpf/loader.py TC6_UNWRITTEN);
+        # v3: the SNAT fields (v2's entries had none: that path left source translations to ip6tables)
+        MapSpec("ct6_tcp", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_TCP_MAX", _DP, version=3, pair="ct_tcp"),
+        MapSpec("ct6_any", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_ANY_MAX", _DP, version=3, pair="ct_any"),
+        # the IPv6 path's settings: the node's IPv6 address, the source of its SNAT (written by the
+        # IPv6 family's sync, agent/ebpf/family6.py)
+        MapSpec("cfg6", "array", ctypes.c_uint32, Config6, 1, "EKP_CFG6_MAX"),
     )
 }
 

@@ -28,7 +28,7 @@ from enum import IntEnum
 from typing import Any, Protocol
 
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import CData, Config, ConfigSel, MapSpec, Stat, copy_struct, maglev_value
+from agent.ebpf.abi import CData, Config, Config6, ConfigSel, MapSpec, Stat, copy_struct, maglev_value
 
 ENOTSUPP = 524  # the kernel's internal "operation not supported" for missing batch ops
 
@@ -696,6 +696,15 @@ def write_config(maps: Mapping[str, MapWriter], cfg: Config) -> bool:
     spare = 1 - live
     maps["cfg"].update(ct.c_uint32(spare), cfg)
     maps["cfgsel"].update(ct.c_uint32(CFG_SEL_KEY), ConfigSel(slot=spare))
+    return True
+
+
+def write_config6(maps: Mapping[str, MapWriter], cfg6: Config6) -> bool:
+    """Makes `cfg6` the IPv6 path's settings (ekp_cfg6, one element: bpf/ekp_abi.h says what a
+    program may read while it changes). False, and nothing written, when it holds them already."""
+    if maps["cfg6"].lookup(ct.c_uint32(0)) == cfg6:
+        return False
+    maps["cfg6"].update(ct.c_uint32(0), cfg6)
     return True
 
 

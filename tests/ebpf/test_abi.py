@@ -204,6 +204,8 @@ def test_map_names_fit_the_kernel_and_carry_the_version() -> None:
     assert {s.name for s in abi.MAPS.values() if s.version != abi.ABI_VERSION} == {
         "ekp_stats_v3",
         "ekp_xstats_v3",
+        "ekp_ct6_tcp_v3",  # the SNAT fields (v2 had none)
+        "ekp_ct6_any_v3",
     }
 
 
@@ -276,9 +278,10 @@ XDP_UNUSED = {"rnat", "stats", "icmprl", "hostnat"}
 # address on an IPv6 socket uses the IPv4 maps). ekp_addr6 is written for the tc programs' IPv6.
 _V6 = {"fe6", "slot6", "be6", "rnat6", "member6", "srcr6", "addr6", "aff6", "sknat6"}
 _SOCKETS = {"skcfg", "sknat"} | _V6
-_CT6 = {"ct6_tcp", "ct6_any"}
-# the IPv6 path: the activity stamps and frontend check (ekp_act, ekp_addr6); no Maglev, no source
-# translation, no fragments, no reject
+# the tc IPv6 path's own maps: its conntrack and its settings (the SNAT source, ekp_cfg6)
+_CT6 = {"ct6_tcp", "ct6_any", "cfg6"}
+# the IPv6 path: the activity stamps and frontend check (ekp_act, ekp_addr6); no Maglev, no
+# fragments, no reject; its source translation reads the shared config's port range (ekp_cfg)
 _TC6 = {"cfg", "cfgsel", "stats", "act", "addr6", "fe6", "srcr6", "aff6", "member6", "slot6", "be6"} | _CT6
 _SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
 _SOCK_FORWARD6 = _SOCK_FORWARD | {"fe6", "srcr6", "aff6", "member6", "slot6", "be6", "sknat6"}

@@ -394,7 +394,7 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
             d = Datapath(pins, sizes, cache=cache)
             d.load()
             try:
-                assert "IPv6 conntrack tables ekp_ct6_tcp_v2 recreated" in caplog.text
+                assert "IPv6 conntrack tables ekp_ct6_tcp_v3 recreated" in caplog.text
                 assert {r: d.maps[r].info().max_entries for r in loader.TC6_ROLES} == entries
                 after = _pinned_ids(pins)
                 assert {n: i for n, i in after.items() if n not in tc6} == {

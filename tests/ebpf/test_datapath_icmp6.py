@@ -19,8 +19,9 @@ from ipaddress import IPv6Address
 
 import pytest
 
-from agent.ebpf.abi import BackendFlag, FrontendFlag, Scope, Stat
+from agent.ebpf.abi import Addr6, BackendFlag, Config6, FrontendFlag, Scope, Stat, ip6_words
 from agent.ebpf.loader import Datapath
+from agent.ebpf.maps import write_config6
 from lab.dplab import (
     BE6,
     BE6_2,
@@ -293,3 +294,47 @@ def test_an_error_claiming_a_source_not_routed_to_its_pod_is_dropped(net: Net) -
     verdict, _ = net.from_pod(error_about(out, "fd00:a:2::99", "packet-too-big"))
     assert verdict != TC_ACT_REDIRECT
     assert net.stats()[Stat.DROP_SPOOFED] == 1
+
+
+def test_packet_too_big_about_a_masqueraded_segment_reaches_the_client_not_the_node(net: Net) -> None:
+    """A NodePort flow masqueraded to a remote backend (bpf/ekp_tc6_snat.h): the error about its
+    segment from NODE6:snat port comes back to the node's address, and must go on to the client,
+    about the segment the client sent to the NodePort (IPv4's ekp_decide_related, its SNAT half)."""
+    write_config6(net.dp.maps, Config6(node_addr=Addr6(*ip6_words(NODE6))))
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    add_service6(net.dp.maps, NODE6, 30080, ((1, REMOTE_BE6, 8080, 0),), scope=Scope.EXTERNAL, flags=flags)
+    assert net.from_net(frame6(CLIENT6, NODE6, 50400, 30080))[0] == TC_ACT_REDIRECT
+    sent = frame6(CLIENT6, NODE6, 50400, 30080, flags="PA")
+    verdict, out = net.from_net(sent)
+    assert verdict == TC_ACT_REDIRECT
+    assert (str(IPv6Address(out[22:38])), str(IPv6Address(out[38:54]))) == (NODE6, REMOTE_BE6)
+    verdict, back = net.from_net(error_about(out, NODE2_6, "packet-too-big", smac=MAC6[NODE2_6]))
+    assert verdict == TC_ACT_REDIRECT
+    e = error6(back)
+    assert (e.dmac, e.src, e.dst) == (MAC6[CLIENT6], NODE6, CLIENT6)
+    assert e.checksum_ok, "ICMPv6 checksum"
+    assert (e.in_src, e.in_dst, e.in_sport, e.in_dport) == (CLIENT6, NODE6, 50400, 30080)
+    assert e.in_l4 == sent[54:], "the client's own segment"
+    assert net.stats()[Stat.CT_RELATED] == 1
+
+
+def test_an_error_about_a_reply_of_a_masqueraded_flow_reaches_the_backend_about_its_segment(net: Net) -> None:
+    """The other direction: the client answers a reply it got from the NodePort; the remote backend
+    must see an error from the node's address about the segment it sent to the node's SNAT port."""
+    write_config6(net.dp.maps, Config6(node_addr=Addr6(*ip6_words(NODE6))))
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    add_service6(net.dp.maps, NODE6, 30080, ((1, REMOTE_BE6, 8080, 0),), scope=Scope.EXTERNAL, flags=flags)
+    verdict, syn = net.from_net(frame6(CLIENT6, NODE6, 50401, 30080))
+    assert verdict == TC_ACT_REDIRECT
+    snat_port = int.from_bytes(syn[54:56], "big")
+    reply = frame6(REMOTE_BE6, NODE6, 8080, snat_port, flags="PA")
+    verdict, out = net.from_net(reply)
+    assert verdict == TC_ACT_REDIRECT and str(IPv6Address(out[38:54])) == CLIENT6
+    verdict, back = net.from_net(error_about(out, CLIENT6, "unreachable", smac=MAC6[CLIENT6]))
+    assert verdict == TC_ACT_REDIRECT
+    e = error6(back)
+    assert (e.dmac, e.src, e.dst) == (MAC6[NODE2_6], NODE6, REMOTE_BE6)
+    assert e.checksum_ok, "ICMPv6 checksum"
+    assert (e.in_src, e.in_dst, e.in_sport, e.in_dport) == (REMOTE_BE6, NODE6, 8080, snat_port)
+    assert e.in_l4 == reply[54:], "the backend's own segment"
+    assert net.stats()[Stat.CT_RELATED] == 1

@@ -315,6 +315,8 @@ def _passes(net: Net, frame: bytes, *, via_net: bool = False) -> None:
 
 
 def test_a_remote_backend_needing_snat_is_left_to_ip6tables(net: Net) -> None:
+    """While no IPv6 node address is known (ekp_cfg6 zero, as here); with one, the tc path
+    source-translates (test_datapath_ipv6_snat.py)."""
     flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
     add_service6(net.dp.maps, NODE6, 30080, ((1, REMOTE_BE6, 8080, 0),), scope=Scope.EXTERNAL, flags=flags)
     _passes(net, frame6(CLIENT6, NODE6, 50001, 30080), via_net=True)
@@ -366,6 +368,8 @@ def test_sctp_stops_at_the_ipv6_parser(net: Net) -> None:
 
 
 def test_snat_all_hairpin_and_host_backends_are_left_to_ip6tables(net: Net) -> None:
+    """SNAT_ALL and the hairpin while no IPv6 node address is known (ekp_cfg6 zero, as here: see
+    test_datapath_ipv6_snat.py for them with one); a backend on the node's own address always."""
     add_service6(net.dp.maps, VIP6, 80, LOCAL_BE, flags=FrontendFlag.SNAT_ALL)
     _passes(net, frame6(POD6, VIP6, 40003, 80))
     add_service6(net.dp.maps, VIP6, 81, LOCAL_BE, svc_id=2, set_id=2, rev_nat_id=2)

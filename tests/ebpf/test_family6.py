@@ -5,6 +5,7 @@ touched. Dict-backed maps (FakeMap): the kernel's side is tests/ebpf/test_datapa
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import logging
 from typing import Any, TypeVar
@@ -132,6 +133,29 @@ def test_frontends_whose_set_holds_an_endpoint_on_a_node_address_are_marked_host
     }
     v6.sync(maps, state6([service()], [slice_("fd00:10:244:1::2")]), NODE6, None)
     assert not any(fe.flags & FrontendFlag.HOST_BACKEND for fe in frontends(maps).values())
+
+
+def test_the_nodes_ipv6_address_is_written_as_the_snat_source_of_the_ipv6_path() -> None:
+    """ekp_cfg6 (bpf/ekp_tc6_snat.h): the IPv6 node's primary address, written at a sync and again
+    when it changed; zero for a node context with no IPv6 address (an agent without an IPv6 half
+    empties the IPv6 maps with its IPv4 one), which leaves source translations to ip6tables."""
+    maps = fake_maps()
+    v6 = Ipv6Datapath(Config())
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+
+    def source() -> str:
+        cfg6 = maps["cfg6"].lookup(ctypes.c_uint32(0))
+        assert isinstance(cfg6, abi.Config6)
+        return ip6_str(cfg6.node_addr)
+
+    v6.sync(maps, state, NODE6, None)
+    assert source() == "fd00:192:168::11"
+    moved = NodeContext(node_ips=("fd00:192:168::99",), primary_ip="fd00:192:168::99")
+    v6.sync(maps, state, moved, frozenset({SPN}))
+    assert source() == "fd00:192:168::99"
+    node4 = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
+    Ipv6Datapath(Config()).sync(maps, state6([], []), node4, None)
+    assert source() == "::"
 
 
 def test_a_restart_over_unchanged_state_writes_nothing_and_keeps_the_ids() -> None:

@@ -5,12 +5,12 @@ eBPF mode runs with `--bpf-host-routing=bpf` (the IPv6 path translates with that
 with legacy host routing every IPv6 packet goes to ip6tables as before) and pods' sockets left to
 the per-packet path (the harness's default, `--bpf-socket-lb-host-namespace-only=true`), so a
 pod's IPv6 connection to a Service is the tc programs' or ip6tables', never the socket programs'.
-What each must show in eBPF mode: the flows that need no source translation (a pod to a ClusterIP,
-a NodePort of externalTrafficPolicy Local from outside to the node's own endpoint) are translated
-by tc (its counters move, and the node's nf_conntrack holds no DNAT entry for them); the others (a
-NodePort of policy Cluster, masqueraded) and what tc leaves to the stack (UDP, fragments) still work,
-through ip6tables (whose DNAT entries are in nf_conntrack). iptables mode, the same requests: the
-same answers, every one through ip6tables.
+What each must show in eBPF mode: its TCP flows to a Service (a pod to a ClusterIP, a NodePort of
+externalTrafficPolicy Local from outside to the node's own endpoint, a NodePort of policy Cluster,
+masqueraded to the node's IPv6 address, whose endpoint may be on the other node) are translated by
+tc (its counters move, and the node's nf_conntrack holds no DNAT entry for them); what tc leaves to
+the stack (UDP, fragments) still works, through ip6tables (whose DNAT entries are in nf_conntrack).
+iptables mode, the same requests: the same answers, every one through ip6tables.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tests.traffic.test_fragments_and_mtu import mtu
 from tests.traffic.test_ipv6 import HTTP6_PORT, SERVER6, fetch
 
 VIP = "fd00:10:96::c1"
-CLUSTER_PORT, LOCAL_PORT, UDP_PORT = 30791, 30792, 53
+CLUSTER_PORT, LOCAL_PORT, REMOTE_PORT, UDP_PORT = 30791, 30792, 30793, 53
 PODS = ("pod-1-2", "pod-2-2")  # the IPv6 backends, one per node
 # A ClusterIP whose one backend, on node2, takes uploads over IPv6 (lab/podserver.py `--ipv6`,
 # POST /sink): the path-MTU test's
@@ -91,7 +91,12 @@ def lab_objects(c: Cluster) -> None:
     sink = service("tc6-pmtu", PMTU_VIP, [sport], ipFamilies=["IPv6"])
     seps = endpoint_slice("tc6-pmtu", [sport], [Ep(lab.pod(PMTU_POD).ip6, "node2")], "v6")
     seps["addressType"] = "IPv6"
-    c.apply([svc, eps, local, leps, sink, seps])
+    # policy Cluster, its only endpoint on node2: masqueraded by node1 toward node2
+    rport = Port("http", 80, HTTP6_PORT, node_port=REMOTE_PORT)
+    remote = service("tc6-remote", "fd00:10:96::c4", [rport], type="NodePort", ipFamilies=["IPv6"])
+    reps = endpoint_slice("tc6-remote", [rport], [Ep(lab.pod("pod-2-2").ip6, "node2")], "v6")
+    reps["addressType"] = "IPv6"
+    c.apply([svc, eps, local, leps, sink, seps, remote, reps])
 
 
 def dnat_flows(c: Cluster, dst: str) -> str:
@@ -140,17 +145,46 @@ def test_an_ipv6_node_port_of_policy_local_is_translated_by_tc_keeping_the_clien
         assert f"dport={LOCAL_PORT} " in flows, flows
 
 
-def test_an_ipv6_node_port_of_policy_cluster_still_works_through_ip6tables(dual: Cluster) -> None:
-    """Masqueraded (policy Cluster): a source translation, which the tc path leaves to ip6tables,
-    for the remote backend and the local one alike; both answer, and see a node address."""
+def test_an_ipv6_node_port_of_policy_cluster_is_masqueraded_by_tc(dual: Cluster) -> None:
+    """Masqueraded (policy Cluster), the remote backend and the local one alike: both answer, and
+    see a node address. In eBPF mode the tc path translates the source (bpf/ekp_tc6_snat.h), so
+    nf_conntrack holds no DNAT entry; in iptables mode ip6tables' does."""
     lab = dual.lab
     node = lab.node(1)
     forget_flows(dual, node.ip6)
+    before = new_flows(dual)
     url = f"http://[{node.ip6}]:{CLUSTER_PORT}"
     assert {fetch(dual, lab.client, f"{url}/") for _ in range(TRIES)} == set(PODS)
     source = fetch(dual, lab.client, f"{url}/ip")
     assert source != lab.client.ip6 and source.startswith("fd00:"), source
-    assert f"dport={CLUSTER_PORT} " in dnat_flows(dual, node.ip6), "ip6tables' DNAT"
+    flows = dnat_flows(dual, node.ip6)
+    if dual.mode == "ebpf":
+        assert new_flows(dual) - before >= TRIES + 1
+        assert f"dport={CLUSTER_PORT} " not in flows, flows
+    else:
+        assert f"dport={CLUSTER_PORT} " in flows, "ip6tables' DNAT"
+
+
+def test_an_external_client_reaches_an_ipv6_node_port_whose_only_endpoint_is_on_the_other_node(
+    dual: Cluster,
+) -> None:
+    """kube-proxy's NodePort of policy Cluster: node1 sends the client's connection on to node2's
+    endpoint from its own IPv6 address, and the answer back to the client from the NodePort. eBPF
+    mode: the tc path both ways (a new tc flow per connection, no nf_conntrack entry); iptables
+    mode: ip6tables' DNAT and MASQUERADE."""
+    lab = dual.lab
+    node = lab.node(1)
+    forget_flows(dual, node.ip6)
+    before = new_flows(dual)
+    url = f"http://[{node.ip6}]:{REMOTE_PORT}"
+    assert {fetch(dual, lab.client, f"{url}/") for _ in range(3)} == {"pod-2-2"}
+    assert fetch(dual, lab.client, f"{url}/ip") == node.ip6, "masqueraded to node1's address"
+    flows = dnat_flows(dual, node.ip6)
+    if dual.mode == "ebpf":
+        assert new_flows(dual) - before >= 4
+        assert f"dport={REMOTE_PORT} " not in flows, flows
+    else:
+        assert f"dport={REMOTE_PORT} " in flows, flows
 
 
 # A 3,000-byte datagram (three IPv6 fragments on the lab's links) and a short one carrying a

@@ -1,0 +1,272 @@
+"""Source translation on the tc programs' IPv6 path (bpf/ekp_tc6_snat.h), packet by packet through
+BPF_PROG_TEST_RUN: a flow IPv4 would masquerade (a NodePort from outside to a backend on another
+node, SNAT_ALL, a hairpin) leaves with the node's IPv6 address (ekp_cfg6) and a port of the SNAT
+range, chosen by IPv4's port walk (bpf/ekp_snat.h); its reply gets the frontend and the client
+back. Every L4 checksum is recomputed by scapy from the rewritten bytes (`seen`).
+
+The IPv6 packet lab of test_datapath_ipv6 (its `lab` fixture: lab/dplab.py's `add_ipv6`).
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+
+import pytest
+
+from agent.ebpf import abi
+from agent.ebpf.abi import BackendFlag, CtFlag, FrontendFlag, Scope, Stat, ip6_str, ip6_words, port_host
+from agent.ebpf.maps import write_config6
+from agent.ebpf.render6 import ct6_lines
+from lab.dplab import (
+    BE6,
+    BE6_2,
+    CLIENT6,
+    MAC6,
+    NODE2_6,
+    NODE6,
+    POD6,
+    REMOTE_BE6,
+    SNAT_MAX,
+    SNAT_MIN,
+    VIP6,
+    Net,
+    add_service6,
+    set_config,
+)
+from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
+from tests.ebpf.test_datapath_ipv6 import (  # noqa: F401 (`lab`: the IPv6 packet lab, a fixture)
+    LOCAL_BE,
+    ct6,
+    frame6,
+    lab,
+    seen,
+)
+
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
+
+NODEPORT = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+REMOTE_BE = ((1, REMOTE_BE6, 8080, 0),)
+OTHER_CLIENT6 = "fd00:ff::102"  # a client of no neighbour entry: only its forward packets are sent
+
+
+def snat_source(net: Net, addr: str) -> None:
+    """The node's IPv6 address as the agent writes it (ekp_cfg6)."""
+    write_config6(net.dp.maps, abi.Config6(node_addr=abi.Addr6(*ip6_words(addr))))
+
+
+def nodeport_to_remote(net: Net) -> None:
+    add_service6(net.dp.maps, NODE6, 30080, REMOTE_BE, scope=Scope.EXTERNAL, flags=NODEPORT)
+
+
+def test_a_node_port_from_outside_to_a_remote_backend_is_masqueraded_and_its_reply_translated_back(
+    net: Net,
+) -> None:
+    snat_source(net, NODE6)
+    nodeport_to_remote(net)
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50000, 30080))
+    assert verdict == TC_ACT_REDIRECT
+    dmac, src, dst, sport, _, dport, hlim = seen(out)
+    assert (dmac, src, dst, dport, hlim) == (MAC6[NODE2_6], NODE6, REMOTE_BE6, 8080, 63)
+    assert SNAT_MIN <= sport <= SNAT_MAX
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.SNAT]) == (1, 1)
+
+    fwd = ct6(net, CLIENT6, NODE6, 50000, 30080)
+    assert (ip6_str(fwd.nat_addr), port_host(fwd.nat_port)) == (REMOTE_BE6, 8080)
+    assert (ip6_str(fwd.snat_addr), port_host(fwd.snat_port)) == (NODE6, sport)
+    assert fwd.flags == CtFlag.SNAT
+    rev = ct6(net, REMOTE_BE6, NODE6, 8080, sport, reply=True)
+    assert (ip6_str(rev.nat_addr), port_host(rev.nat_port)) == (CLIENT6, 50000), "the client, for the reply"
+    assert (ip6_str(rev.fe_addr), port_host(rev.fe_port), any(rev.snat_addr)) == (NODE6, 30080, False)
+
+    # the backend's answer comes back by the external device, to the node's address
+    verdict, out = net.from_net(frame6(REMOTE_BE6, NODE6, 8080, sport, flags="SA"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[:4] == (MAC6[CLIENT6], NODE6, CLIENT6, 30080)
+    assert seen(out)[5] == 50000
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50000, 30080, flags="A"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (NODE6, REMOTE_BE6, sport), "the flow keeps its SNAT port"
+    assert ct6(net, CLIENT6, NODE6, 50000, 30080).flags & CtFlag.ESTABLISHED
+    assert ct6(net, REMOTE_BE6, NODE6, 8080, sport, reply=True).flags & CtFlag.ESTABLISHED, "both entries"
+    stats = net.stats()
+    assert (stats[Stat.CT_REPLY], stats[Stat.CT_FORWARD], stats[Stat.PASS]) == (1, 1, 0)
+
+    # as `agent inspect maps ct` shows them (but their times)
+    lines = ct6_lines([*net.dp.maps["ct6_tcp"].items()], fwd.last_seen_ns)
+    flags = "flags=SNAT|SEEN_REPLY|ESTABLISHED"
+    assert [line.split(" idle=")[0] for line in lines] == [
+        f"ct6 [{REMOTE_BE6}]:8080 -> [{NODE6}]:{sport}/TCP reply fe=[{NODE6}]:30080 nat=[{CLIENT6}]:50000 "
+        f"svc=1 be=1 {flags}",
+        f"ct6 [{CLIENT6}]:50000 -> [{NODE6}]:30080/TCP forward fe=[{NODE6}]:30080 nat=[{REMOTE_BE6}]:8080 "
+        f"snat=[{NODE6}]:{sport} svc=1 be=1 {flags}",
+    ]
+
+
+def test_two_clients_with_one_source_port_to_one_backend_get_two_snat_ports(net: Net) -> None:
+    """The reply tuple {backend, node, bport, snat port} is unique per flow: with a range of two
+    ports, the second client (the same source port, the same backend) gets the other one, and each
+    reply goes back to its own client."""
+    snat_source(net, NODE6)
+    set_config(net.dp, snat_port_min=SNAT_MIN, snat_port_max=SNAT_MIN + 1)
+    nodeport_to_remote(net)
+    ports = {}
+    for client in (CLIENT6, NODE2_6):
+        verdict, out = net.from_net(frame6(client, NODE6, 50000, 30080))
+        assert verdict == TC_ACT_REDIRECT
+        ports[client] = seen(out)[3]
+    assert sorted(ports.values()) == [SNAT_MIN, SNAT_MIN + 1]
+    for client, port in ports.items():
+        verdict, out = net.from_net(frame6(REMOTE_BE6, NODE6, 8080, port, flags="SA"))
+        assert verdict == TC_ACT_REDIRECT
+        assert seen(out)[:4] == (MAC6[client], NODE6, client, 30080)
+        assert seen(out)[5] == 50000
+
+
+def test_a_full_range_takes_over_an_unanswered_flow_and_refuses_once_every_flow_is_established(
+    net: Net,
+) -> None:
+    """IPv4's rules, from the same walk: when every port is held, the first flow that never
+    completed its handshake is evicted for the newcomer (both its entries; EARLY_DROP), and when
+    every one is established the newcomer is dropped (DROP_SNAT_PORTS)."""
+    snat_source(net, NODE6)
+    set_config(net.dp, snat_port_min=SNAT_MIN, snat_port_max=SNAT_MIN + 1)
+    nodeport_to_remote(net)
+    ports = {}
+    for client in (CLIENT6, NODE2_6):
+        ports[client] = seen(net.from_net(frame6(client, NODE6, 50001, 30080))[1])[3]
+    verdict, out = net.from_net(frame6(OTHER_CLIENT6, NODE6, 50001, 30080))
+    assert verdict == TC_ACT_REDIRECT
+    taken = seen(out)[3]
+    assert net.stats()[Stat.EARLY_DROP] == 1
+    (evicted,) = [c for c, p in ports.items() if p == taken]
+    assert ct6(net, evicted, NODE6, 50001, 30080) is None, "the evicted flow lost its forward entry"
+    rev = ct6(net, REMOTE_BE6, NODE6, 8080, taken, reply=True)
+    assert ip6_str(rev.nat_addr) == OTHER_CLIENT6
+
+    # every port held by an established flow (the two survivors complete their handshakes)
+    (kept,) = [c for c in ports if c != evicted]
+    for client, port in ((kept, ports[kept]), (OTHER_CLIENT6, taken)):
+        net.from_net(frame6(REMOTE_BE6, NODE6, 8080, port, flags="SA"))
+        net.from_net(frame6(client, NODE6, 50001, 30080, flags="A"))
+        assert ct6(net, client, NODE6, 50001, 30080).flags & CtFlag.ESTABLISHED
+    verdict, _ = net.from_net(frame6(evicted, NODE6, 50002, 30080))
+    assert verdict == TC_ACT_SHOT
+    assert net.stats()[Stat.DROP_SNAT_PORTS] == 1
+    assert ct6(net, evicted, NODE6, 50002, 30080) is None
+
+
+def test_a_syn_on_a_closed_flows_tuple_takes_its_snat_port_again(net: Net) -> None:
+    """The client reusing its source port after a RST opens a new flow (decided again, not the
+    closed flow's entries); with one port in the range it can only have the closed flow's, taken
+    over as the kernel's NAT takes a TIME_WAIT tuple (a closed holder and a SYN: ekp_ct6_reusable),
+    the closed flow's entries replaced by the new one's."""
+    snat_source(net, NODE6)
+    set_config(net.dp, snat_port_min=SNAT_MIN, snat_port_max=SNAT_MIN)
+    nodeport_to_remote(net)
+    assert seen(net.from_net(frame6(CLIENT6, NODE6, 50300, 30080))[1])[3] == SNAT_MIN
+    assert net.from_net(frame6(CLIENT6, NODE6, 50300, 30080, flags="RA"))[0] == TC_ACT_REDIRECT
+    assert ct6(net, REMOTE_BE6, NODE6, 8080, SNAT_MIN, reply=True).flags & CtFlag.RST
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50300, 30080))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (NODE6, REMOTE_BE6, SNAT_MIN)
+    assert ct6(net, CLIENT6, NODE6, 50300, 30080).flags == CtFlag.SNAT, "a new flow's entries"
+    assert ct6(net, REMOTE_BE6, NODE6, 8080, SNAT_MIN, reply=True).flags == CtFlag.SNAT
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.SNAT], stats[Stat.EARLY_DROP]) == (2, 2, 0)
+    # a second client meanwhile: the one port is held by a live flow (unanswered: taken over)
+    verdict, out = net.from_net(frame6(NODE2_6, NODE6, 50300, 30080))
+    assert verdict == TC_ACT_REDIRECT and net.stats()[Stat.EARLY_DROP] == 1
+    assert ct6(net, CLIENT6, NODE6, 50300, 30080) is None
+
+
+def test_snat_all_from_a_pod_to_a_local_backend_and_its_reply(net: Net) -> None:
+    snat_source(net, NODE6)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE, flags=FrontendFlag.SNAT_ALL)
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 40100, 80))
+    assert verdict == TC_ACT_REDIRECT
+    dmac, src, dst, sport, _, dport, _ = seen(out)
+    assert (dmac, src, dst, dport) == (MAC6[BE6], NODE6, BE6, 8080)
+    verdict, out = net.from_pod(frame6(BE6, NODE6, 8080, sport, flags="SA"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[:4] == (MAC6[POD6], VIP6, POD6, 80)
+    assert seen(out)[5] == 40100
+
+
+def test_a_pod_reaching_itself_through_its_service_is_hairpinned_through_the_node(net: Net) -> None:
+    """Its own address as the source would be dropped by its stack: the node's, as IPv4 and
+    kube-proxy do."""
+    snat_source(net, NODE6)
+    add_service6(net.dp.maps, VIP6, 81, LOCAL_BE)
+    verdict, out = net.from_pod(frame6(BE6, VIP6, 40200, 81))
+    assert verdict == TC_ACT_REDIRECT
+    dmac, src, dst, sport, _, dport, _ = seen(out)
+    assert (dmac, src, dst, dport) == (MAC6[BE6], NODE6, BE6, 8080)
+    verdict, out = net.from_pod(frame6(BE6, NODE6, 8080, sport, flags="SA"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[:4] == (MAC6[BE6], VIP6, BE6, 81)
+    assert seen(out)[5] == 40200
+
+
+def test_affinity_with_snat_remote_is_translated_here_once_the_source_is_known(net: Net) -> None:
+    """Left to ip6tables as a whole while no IPv6 node address is known (one owner of the
+    service's affinity); once it is, every flow of the frontend is the tc path's, the remote ones
+    source-translated, the client's backend remembered in ekp_aff6."""
+    flags = NODEPORT | FrontendFlag.AFFINITY
+    backends = ((1, BE6, 8080, BackendFlag.LOCAL), (2, REMOTE_BE6, 8080, 0))
+    add_service6(net.dp.maps, NODE6, 30080, backends, scope=Scope.EXTERNAL, flags=flags, affinity_timeout=60)
+    frame = frame6(CLIENT6, NODE6, 50100, 30080)
+    assert net.from_net(frame) == (TC_ACT_OK, frame), "no SNAT source: ip6tables'"
+    snat_source(net, NODE6)
+    chosen = set()
+    for i in range(8):
+        verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50101 + i, 30080))
+        assert verdict == TC_ACT_REDIRECT
+        chosen.add(seen(out)[1:3])
+    assert len(chosen) == 1, chosen
+    assert net.stats()[Stat.AFFINITY_HIT] == 7
+    ((src, dst),) = chosen
+    assert src == (NODE6 if dst == REMOTE_BE6 else CLIENT6), "the local backend keeps the client's address"
+
+
+def test_with_the_nodes_ipv6_address_only_a_host_backend_frontend_is_left_whole_to_ip6tables(
+    net: Net,
+) -> None:
+    """The pre-choice rule once the node's IPv6 address is known (bpf/ekp_tc6.h): a SNAT_REMOTE
+    frontend's flows are all the tc path's (the local backend's kept, the remote ones
+    source-translated), while a frontend with a backend on a node address (HOST_BACKEND) still
+    goes to ip6tables with every flow, SNAT_ALL or not: that backend's replies leave by the node's
+    stack, and a flow chosen here and then left there would be chosen for again. 30 SYNs each:
+    all through tc, none through tc (a choice made here first would translate each with p = 1/2)."""
+    snat_source(net, NODE6)
+    remote_too = ((1, BE6, 8080, BackendFlag.LOCAL), (2, REMOTE_BE6, 8080, 0), (3, "fd00:a:2::8", 8080, 0))
+    add_service6(net.dp.maps, NODE6, 30080, remote_too, scope=Scope.EXTERNAL, flags=NODEPORT)
+    host_too = ((4, BE6_2, 8080, BackendFlag.LOCAL), (5, NODE6, 10250, BackendFlag.HOST))
+    add_service6(net.dp.maps, VIP6, 80, host_too, svc_id=2, set_id=2, rev_nat_id=2)
+    add_service6(
+        net.dp.maps, VIP6, 81, host_too, svc_id=3, set_id=3, rev_nat_id=3, flags=FrontendFlag.SNAT_ALL
+    )
+    for n in range(30):
+        assert net.from_net(frame6(CLIENT6, NODE6, 50300 + n, 30080))[0] == TC_ACT_REDIRECT
+        for port in (80, 81):
+            frame = frame6(POD6, VIP6, 41300 + 2 * n + port - 80, port)
+            assert net.from_pod(frame) == (TC_ACT_OK, frame), "handed to the stack untouched"
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.PASS]) == (30, 60)
+    assert 0 < stats[Stat.SNAT] < 30, "the remote backends' flows alone are masqueraded"
+
+
+def test_without_the_nodes_ipv6_address_a_source_translation_is_left_to_the_stack(net: Net) -> None:
+    """ekp_cfg6 zero (an agent with no IPv6 half, before its first IPv6 sync): ip6tables'
+    masquerade serves the flow, as before this path translated sources; written, the next flow is
+    the tc path's."""
+    nodeport_to_remote(net)
+    frame = frame6(CLIENT6, NODE6, 50200, 30080)
+    assert net.from_net(frame) == (TC_ACT_OK, frame)
+    assert ct6(net, CLIENT6, NODE6, 50200, 30080) is None
+    snat_source(net, NODE6)
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50201, 30080))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:3] == (NODE6, REMOTE_BE6)
+    cfg6 = net.dp.maps["cfg6"].lookup(ct.c_uint32(0))
+    assert isinstance(cfg6, abi.Config6) and ip6_str(cfg6.node_addr) == NODE6
