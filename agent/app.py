@@ -460,9 +460,19 @@ def ipv6_served_by(config: Config) -> str:
             if config.socket_lb
             else ""
         )
+        if config.tc_ipv6:
+            tc = (
+                "the eBPF tc programs translate the IPv6 TCP flows to Services that reach them (from "
+                "pods and from outside, masqueraded from the node's IPv6 address where IPv4's would be) "
+                "and the ICMPv6 errors about those flows, and "
+            )
+            rest = "(UDP, SCTP, fragments, host-network backends, refusals)"
+        else:
+            tc = ""
+            rest = "(the eBPF tc programs' IPv6 path needs --bpf-socket-lb and --bpf-host-routing=bpf)"
         return (
-            f"IPv6: {sockets}ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 packet; "
-            "the eBPF tc programs have no IPv6 path yet; --iptables-* settings apply to the IPv6 rules"
+            f"IPv6: {sockets}{tc}ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 "
+            f"packet {rest}; --iptables-* settings apply to the IPv6 rules"
         )
     return "IPv6: ip6tables rules for the node's IPv6 addresses beside the IPv4 ones (dual-stack)"
 

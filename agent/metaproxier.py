@@ -69,8 +69,9 @@ def frontend_guard(config: Config, node: NodeContext) -> FrontendGuard:
 
 
 class EbpfAndIp6tables:
-    """eBPF mode's IPv6 proxier: the eBPF data path's IPv6 maps (the socket programs), then
-    ip6tables (every other packet). Each is synced whatever the other did; a failure of either is
+    """eBPF mode's IPv6 proxier: the eBPF data path's IPv6 maps (read by the socket programs and,
+    with BPF host routing, by the tc programs' IPv6 path: Config.tc_ipv6), then ip6tables (every
+    other packet). Each is synced whatever the other did; a failure of either is
     raised after both ran (the family retries in full), and the ports either could not program are
     reported together."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +172,16 @@ def test_a_services_file_that_cannot_be_read_is_fatal_before_the_load_starts(
     assert app.run(config) == 1
     assert start.steps == []
     assert f"--services-file {missing}: No such file or directory" in caplog.text
+
+
+def test_the_start_up_line_says_whether_the_tc_programs_translate_ipv6() -> None:
+    """The line an operator reads to learn what serves IPv6 (agent/app.py ipv6_served_by): the tc
+    programs' IPv6 path where the settings turn it on (Config.tc_ipv6), what it needs elsewhere."""
+    dual = Config(mode=Mode.EBPF, node_ips=("10.0.0.1", "fd00::1"), socket_lb=True)
+    on = app.ipv6_served_by(replace(dual, bpf_host_routing=HostRouting.BPF))
+    assert "the eBPF tc programs translate the IPv6 TCP flows" in on
+    assert "ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 packet (UDP" in on
+    for off in (dual, replace(dual, bpf_host_routing=HostRouting.BPF, socket_lb=False)):
+        line = app.ipv6_served_by(off)
+        assert "tc programs translate" not in line
+        assert "IPv6 path needs --bpf-socket-lb and --bpf-host-routing=bpf" in line

@@ -3,7 +3,8 @@ dual-stack"): the IPv6 half of test_switch.py.
 
 Every data path writes one ip6tables layout for IPv6 Services: kube-proxy's iptables mode,
 iptables mode, and eBPF mode's ip6tables proxier (beside the IPv6 maps of its socket programs, for
-the packets those do not see: the tc programs have no IPv6 path yet). So a
+the packets those do not see; this lab runs legacy host routing, so the tc programs' IPv6 path,
+which needs BPF host routing, is off). So a
 switch between them hands the IPv6 chains over as they are: the agent that starts adopts them at
 its first full sync (eBPF mode's IPv6 proxier finds their backend in ip6tables, kube-proxy's legacy
 one here), and the IPv6 flows keep their nf_conntrack NAT bindings. Through the switch, three TCP
