@@ -225,7 +225,7 @@ def test_a_nodeport_flows_error_reaches_the_external_client_from_the_node(net: N
     """An externalTrafficPolicy Local NodePort (no source translation: the tc path's): an error
     from the backend's side about the client's segment reaches the client from the node's
     address, out of the external device."""
-    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    flags = FrontendFlag.NODEPORT | FrontendFlag.LOCAL  # externalTrafficPolicy Local
     add_service6(net.dp.maps, NODE6, 30080, LOCAL_BE, scope=Scope.EXTERNAL, flags=flags)
     assert net.from_net(frame6(CLIENT6, NODE6, 51000, 30080))[0] == TC_ACT_REDIRECT
     sent = frame6(CLIENT6, NODE6, 51000, 30080, flags="PA")
