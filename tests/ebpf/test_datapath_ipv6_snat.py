@@ -14,7 +14,17 @@ import ctypes as ct
 import pytest
 
 from agent.ebpf import abi
-from agent.ebpf.abi import BackendFlag, CtFlag, FrontendFlag, Scope, Stat, ip6_str, ip6_words, port_host
+from agent.ebpf.abi import (
+    BackendFlag,
+    CtFlag,
+    FrontendFlag,
+    Scope,
+    Stat,
+    ip6_str,
+    ip6_words,
+    port_be,
+    port_host,
+)
 from agent.ebpf.maps import write_config6
 from agent.ebpf.render6 import ct6_lines
 from lab.dplab import (
@@ -227,6 +237,39 @@ def test_affinity_with_snat_remote_is_translated_here_once_the_source_is_known(n
     assert net.stats()[Stat.AFFINITY_HIT] == 7
     ((src, dst),) = chosen
     assert src == (NODE6 if dst == REMOTE_BE6 else CLIENT6), "the local backend keeps the client's address"
+
+
+def test_a_state_change_leaves_another_clients_entry_under_the_snat_twin_key_alone(net: Net) -> None:
+    """A masqueraded flow's twin key is the node's SNAT tuple, which another client's flow of the
+    same frontend and backend may hold since (the LRU evicts and reuses keys; written behind the
+    flow's back here): same frontend, backend and translation, so only its client tells it from the
+    twin. A FIN moves the flow's own entry and leaves that one alone; the true twin moves with it."""
+    snat_source(net, NODE6)
+    nodeport_to_remote(net)
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50500, 30080))
+    assert verdict == TC_ACT_REDIRECT
+    sport = seen(out)[3]
+    assert net.from_net(frame6(CLIENT6, NODE6, 50500, 30080, flags="FA"))[0] == TC_ACT_REDIRECT
+    assert ct6(net, REMOTE_BE6, NODE6, 8080, sport, reply=True).flags & CtFlag.FIN_FWD, "the true twin"
+
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50501, 30080))
+    assert verdict == TC_ACT_REDIRECT
+    sport = seen(out)[3]
+    rkey = abi.Ct6Key(
+        abi.Addr6(*ip6_words(REMOTE_BE6)),
+        abi.Addr6(*ip6_words(NODE6)),
+        port_be(8080),
+        port_be(sport),
+        6,  # TCP
+        abi.CtDir.REPLY,
+    )
+    other = ct6(net, REMOTE_BE6, NODE6, 8080, sport, reply=True)
+    other.nat_addr = abi.Addr6(*ip6_words(OTHER_CLIENT6))
+    net.dp.maps["ct6_tcp"].update(rkey, other)
+    assert net.from_net(frame6(CLIENT6, NODE6, 50501, 30080, flags="FA"))[0] == TC_ACT_REDIRECT
+    assert ct6(net, CLIENT6, NODE6, 50501, 30080).flags & CtFlag.FIN_FWD, "the flow's own entry moved"
+    held = ct6(net, REMOTE_BE6, NODE6, 8080, sport, reply=True)
+    assert ip6_str(held.nat_addr) == OTHER_CLIENT6 and not held.flags & CtFlag.FIN_FWD
 
 
 def test_with_the_nodes_ipv6_address_only_a_host_backend_frontend_is_left_whole_to_ip6tables(
