@@ -9,7 +9,8 @@ namespaces. Every mode prints one JSON object on stdout.
   udp    --addr A --port P --count N  N request/response pairs, reply counts (--size: datagram bytes;
                                      --sport S: every request from source port S, one flow, as
                                      upstream's `nc -u -p 12345` loops in conntrack.go; --sources:
-                                     also the address each reply came from, as recvfrom() says)
+                                     also the address each reply came from, as recvfrom() says;
+                                     --flows: each request's source port and who answered it)
   blob   --url U                      download, {"bytes": n, "sha256": "..."}
   upload --url U --bytes N            POST N bytes to /sink, {"sent": n, "received": n, "seconds": s}
   hold   --addr A --port P --stop-file F   one TCP connection to a line echo server, a line every
@@ -104,6 +105,7 @@ def cmd_loop(a: argparse.Namespace) -> dict[str, object]:
 def cmd_udp(a: argparse.Namespace) -> dict[str, object]:
     replies: Counter[str] = Counter()
     sources: Counter[str] = Counter()  # the address each reply came from, as recvfrom() says
+    flows: list[tuple[int, str]] = []  # (source port, who answered or "lost"): one flow each
     lost = 0
     for i in range(a.count):
         # A new socket (new source port) per request: a new flow for the proxy each time.
@@ -116,18 +118,24 @@ def cmd_udp(a: argparse.Namespace) -> dict[str, object]:
             if a.size:  # a large datagram: fragmented on its way (EDNS0, NFS)
                 payload = (payload + "-" + "0123456789" * (a.size // 10 + 1))[: a.size]
             s.sendto(payload.encode(), (a.addr, a.port))
+            sport = s.getsockname()[1]
             try:
                 data, src = s.recvfrom(65535)
             except OSError:
                 lost += 1
+                flows.append((sport, "lost"))
                 continue
             sources[f"{src[0]}:{src[1]}"] += 1
             text = data.decode()
             name, _, echoed = text.partition(" ")
-            replies[name if echoed == payload else f"bad:{text}"] += 1
+            answer = name if echoed == payload else f"bad:{text}"
+            replies[answer] += 1
+            flows.append((sport, answer))
     out: dict[str, object] = {"replies": dict(replies), "lost": lost}
     if a.sources:
         out["sources"] = dict(sources)
+    if a.flows:
+        out["flows"] = flows
     return out
 
 
@@ -479,6 +487,7 @@ def main() -> int:
     u.add_argument("--size", type=int, default=0)
     u.add_argument("--sport", type=int, default=0)
     u.add_argument("--sources", action="store_true", help="also count the address each reply came from")
+    u.add_argument("--flows", action="store_true", help="also each request's source port and who answered")
     b = sub.add_parser("blob")
     b.add_argument("--url", required=True)
     b.add_argument("--timeout", type=float, default=60.0)

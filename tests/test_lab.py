@@ -89,6 +89,32 @@ def test_udp_echo(lab2: Lab) -> None:
     assert lab2.udp_echo(lab2.nodes[0], lab2.pod("pod-1-1").ip) == "pod-1-1 ping"
 
 
+def test_the_udp_client_names_each_requests_source_port_and_who_answered_it(lab2: Lab) -> None:
+    """lab/client.py udp --flows: one [source port, answer] per request, in order; a new socket
+    each (its own ephemeral port) unless --sport pins one; "lost" when nothing answered."""
+    client = str(REPO / "lab" / "client.py")
+
+    def udp(*args: str) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(lab2.run("pod-1-2", sys.executable, client, "udp", *args).stdout)
+        return out
+
+    low, high = (
+        int(p) for p in lab2.run("pod-1-2", "sysctl", "-n", "net.ipv4.ip_local_port_range").stdout.split()
+    )
+    echo = udp("--addr", lab2.pod("pod-2-1").ip, "--port", "9000", "--count", "4", "--flows")
+    assert echo["replies"] == {"pod-2-1": 4} and [who for _, who in echo["flows"]] == ["pod-2-1"] * 4, echo
+    assert all(low <= port <= high for port, _ in echo["flows"]), echo
+    pinned = udp(
+        "--addr", lab2.pod("pod-2-1").ip, "--port", "9000", "--count", "2", "--flows", "--sport", "40123"
+    )
+    assert pinned["flows"] == [[40123, "pod-2-1"], [40123, "pod-2-1"]], pinned
+    silent = udp(
+        "--addr", lab2.pod("pod-2-1").ip, "--port", "9999", "--count", "1", "--timeout", "0.3", "--flows"
+    )
+    assert silent["lost"] == 1 and [who for _, who in silent["flows"]] == ["lost"], silent
+    assert "flows" not in udp("--addr", lab2.pod("pod-2-1").ip, "--port", "9000")  # only when asked
+
+
 def test_nodes_reach_pods_and_each_other(lab2: Lab) -> None:
     n1, n2 = lab2.nodes
     assert lab2.http_get(n1, lab2.pod("pod-2-1").ip) == "pod-2-1\n"

@@ -690,3 +690,67 @@ def test_ipv6_addresses_that_are_not_frontends_are_left_alone(sl: SockLab) -> No
     # the client's connect() and sendto(), and the local server's reply (sendmsg6 to the client)
     assert stats[Stat.SOCK_CALLS] == stats[Stat.SOCK_PASS] == 3
     assert stats[Stat.SOCK_TRANSLATED] == 0 and stats[Stat.SOCK_REVNAT] == 0
+
+
+def connect6_from(v6: SockLab, source: str | None) -> dict[str, Any]:
+    """One TCP connect() of the node to [VIP6]:80, bound to `source` first if given: the peer and
+    the body it read, or the errno it failed with."""
+    bind = f"t.bind(('{source}', 0))\n" if source else ""
+    code = (
+        "import json, socket\n"
+        "t = socket.socket(socket.AF_INET6); t.settimeout(1)\n"
+        f"{bind}"
+        f"try:\n    t.connect(('{VIP6}', 80))\n"
+        "except OSError as e:\n    print(json.dumps({'errno': e.errno})); raise SystemExit\n"
+        "print(json.dumps({'peer': '[%s]:%d' % t.getpeername()[:2], 'body': t.recv(100).decode()}))\n"
+    )
+    out: dict[str, Any] = run6(v6, code)
+    return out
+
+
+def test_ipv6_source_ranges_check_a_bound_sockets_address_and_leave_an_unbound_one(v6: SockLab) -> None:
+    """loadBalancerSourceRanges of an IPv6 LB frontend (ekp_srcr6): a socket bound to an address is
+    checked against the ranges (allowed: translated; outside them: EHOSTUNREACH at once, counted);
+    an unbound one is passed untranslated, since the config holds no IPv6 node address and
+    ip6tables sees the source the route gives it."""
+    two_backends6(v6, flags=FrontendFlag.SOURCE_RANGES | FrontendFlag.LOADBALANCER)
+    inside, outside = BACKENDS6  # both on the node's loopback: either can be a bound source
+
+    def allow(prefix: str) -> None:
+        net = ipaddress.IPv6Network(prefix)
+        key = abi.SrcRange6Key(
+            prefixlen=32 + net.prefixlen,
+            rev_nat_id=1,
+            addr=abi.Addr6(*abi.ip6_words(str(net.network_address))),
+        )
+        v6.maps["srcr6"].update(key, abi.SrcRange(allow=1))
+
+    allow(f"{inside}/128")
+    out = connect6_from(v6, inside)
+    assert out["peer"] == f"[{VIP6}]:80" and out["body"] in ("be1", "be2")
+    assert connect6_from(v6, outside) == {"errno": 113}  # EHOSTUNREACH
+    stats = v6.stats()
+    assert stats[Stat.SOCK_TRANSLATED] == 1 and stats[Stat.DROP_SOURCE_RANGE] == 1
+    connect6_from(v6, None)  # unroutable untranslated: its outcome is the counters'
+    after = v6.stats()
+    assert after[Stat.SOCK_PASS] == stats[Stat.SOCK_PASS] + 1
+    assert after[Stat.SOCK_TRANSLATED] == 1 and after[Stat.DROP_SOURCE_RANGE] == 1
+    assert v6.maps["srcr"].items() == [], "the IPv6 ranges live in their own map"
+
+
+def test_the_nodes_own_ipv6_sockets_take_the_host_scope_frontend_where_flagged(v6: SockLab) -> None:
+    """An IPv6 frontend flagged HOST_SCOPE (ETP Local without a local-traffic detector): the node's
+    own sockets take the HOST frontend at the same key (its own backend set), as for IPv4."""
+    be1, be2 = BACKENDS6
+    add_service6(
+        v6.maps,
+        VIP6,
+        80,
+        ((11, be1, 8080, BackendFlag.LOCAL),),
+        flags=FrontendFlag.LOCAL | FrontendFlag.HOST_SCOPE,
+    )
+    add_service6(
+        v6.maps, VIP6, 80, ((12, be2, 8080, BackendFlag.LOCAL),), scope=abi.Scope.HOST, set_id=2, svc_id=1
+    )
+    for _ in range(4):
+        assert connect6_from(v6, None) == {"peer": f"[{VIP6}]:80", "body": "be2"}

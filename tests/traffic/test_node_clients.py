@@ -63,12 +63,38 @@ def client(cluster: Cluster, where: Where, *args: str) -> dict[str, Any]:
     return out
 
 
+# Requests per check that every endpoint must answer. Each is a new flow (a new socket and source
+# port) balanced on its own, so all of them land on one of two endpoints by chance with probability
+# 2^(1 - SAMPLES). At 16 that was 3e-5 per check, 7e-4 per suite run over this test's 24 checks, and
+# it happened once (iptables mode: 16 UDP requests from 16 new sockets, all answered by pod-2-3,
+# none lost). At 32 it is 5e-10 per check.
+SAMPLES = 32
+
+
+def udp_failure(cluster: Cluster, where: Where, addr: str, port: int, udp: dict[str, Any]) -> str:
+    """What a failed UDP check saw: each request's source port and who answered it, and each node's
+    nf_conntrack UDP entries to `port` (which entry each flow met, where it was sent). A string:
+    pytest cuts any other message to 240 characters."""
+    flows = ", ".join(f"{sport}:{who}" for sport, who in udp["flows"])
+    lines = [
+        f"{where.label} -> {addr}:{port}: replies {udp['replies']}, lost {udp['lost']}",
+        f"source port:answered by: {flows}",
+    ]
+    for node in cluster.lab.nodes:
+        listed = cluster.lab.run(
+            node, "conntrack", "-L", "-p", "udp", "--orig-port-dst", str(port), check=False
+        ).stdout
+        lines += [f"{node.name}'s conntrack entries to UDP port {port}:", *listed.splitlines()]
+    return "\n".join(lines)
+
+
 def test_node_service_http_and_udp_from_the_node_and_a_host_network_pod(cluster: Cluster) -> None:
     """ "should function for node-Service: http" and "...: udp" (networking.go, `DialFromNode`): from
     the node and from a host-network pod, curl and a UDP client reach the ClusterIP and the NodePorts
     on this node's and the other node's address, every endpoint of both nodes answering."""
     web(cluster, "pod-1-2", "pod-2-3")
     both = {"pod-1-2", "pod-2-3"}
+    n = str(SAMPLES)
     for where in clients(cluster):
         for addr, port, uport in (
             (WEB, 80, 90),
@@ -78,10 +104,11 @@ def test_node_service_http_and_udp_from_the_node_and_a_host_network_pod(cluster:
             url = f"http://{addr}:{port}/"
             body = run(cluster, where, "curl", "-sS", "--fail", "--max-time", "5", url).stdout.strip()
             assert body in both, (where.label, url, body)
-            result = client(cluster, where, "http", "--url", url, "--count", "16")
+            result = client(cluster, where, "http", "--url", url, "--count", n)
             assert result["errors"] == 0 and set(result["bodies"]) == both, (where.label, url, result)
-            udp = client(cluster, where, "udp", "--addr", addr, "--port", str(uport), "--count", "16")
-            assert udp["lost"] == 0 and set(udp["replies"]) == both, (where.label, addr, udp)
+            udp = client(cluster, where, "udp", "--addr", addr, "--port", str(uport), "--count", n, "--flows")
+            ok = udp["lost"] == 0 and set(udp["replies"]) == both
+            assert ok, udp_failure(cluster, where, addr, uport, udp)
 
 
 def test_dig_from_the_node_to_a_dns_cluster_ip_and_node_ports(cluster: Cluster) -> None:
