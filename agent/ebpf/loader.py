@@ -645,7 +645,9 @@ def _inline_includes(path: Path, seen: set[Path]) -> str:
         if m:
             inc = path.parent / m.group(1)
             if inc.is_file():
-                if inc not in seen:
+                # a per-family template (bpf/ekp_ct_af.h: no include guard) is compiled once per
+                # family, so it is inlined at each include; any other header once, as its guard says
+                if inc not in seen or inc.name.endswith("_af.h"):
                     seen.add(inc)
                     out.append(_inline_includes(inc, seen))
                 continue

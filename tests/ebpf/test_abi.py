@@ -223,6 +223,9 @@ def test_source_text_inlines_every_header() -> None:
     for header in BPF_DIR.glob("ekp_*.h"):
         assert f"// ---- {header.name} ----" in text
     assert '#include "' not in text
+    # the per-family templates, as the compiler sees them: once for IPv4, once for IPv6
+    for template in ("ekp_ct_af.h", "ekp_ctq_af.h", "ekp_snat_af.h"):
+        assert text.count(f"// ---- {template} ----") == 2, template
 
 
 # ---- the loaded maps, as bpftool sees them ------------------------------------------------
