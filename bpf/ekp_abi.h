@@ -17,7 +17,7 @@
  * IPv6: Cilium's v4/v6 pairs. Every struct below that holds an address is the IPv4 member of a
  * pair; IPv6 has its own maps beside these with 16-byte addresses (the "IPv6 pairs" section at the
  * end: ekp_fe6, ekp_be6, ekp_rnat6, ekp_aff6, ekp_srcr6, ekp_addr6, ekp_sknat6; the tc programs'
- * ekp_ct6_tcp, ekp_ct6_any), and changes none of the v2 layouts: an
+ * ekp_ct6_tcp, ekp_ct6_any and their rings ekp_ctq6_tcp, ekp_ctq6_any, ekp_ctqh6), and changes none of the v2 layouts: an
  * upgrade only adds maps, and no IPv4 flow is touched. Pairs rather than 16-byte unions because the
  * per-packet keys (conntrack, frontend, fragments) stay 16 bytes for IPv4: a 40-byte union key
  * would cost every IPv4 lookup a longer hash and every conntrack entry 24 more bytes.
@@ -597,8 +597,9 @@ struct ekp_sock6_nat {
 };
 
 /* ekp_ct6_tcp, ekp_ct6_any (LRU, written by the tc programs' IPv6 path, bpf/ekp_tc6.h): a tuple as
- * it arrives -> what to rewrite, as ekp_ct_* for IPv4. Only flows translated without a source
- * translation live here (the others are ip6tables'), so there is no SNAT field. */
+ * it arrives -> what to rewrite, IPv4's ekp_ct_key / ekp_ct_entry field for field with 16-byte
+ * addresses: one conntrack code serves both (bpf/ekp_ct_af.h), so every field IPv4's reads is here
+ * too (the source translation: a reply tuple that was taken moves the client's port). */
 struct ekp_ct6_key {
 	__be32 saddr[4]; /* be: source address as on the wire */
 	__be32 daddr[4]; /* be: destination address as on the wire */
@@ -611,16 +612,32 @@ struct ekp_ct6_key {
 
 struct ekp_ct6_entry {
 	__u64 last_seen_ns; /* host: bpf_ktime_get_ns() of the last packet (refreshed once a second) */
-	__be32 nat_addr[4]; /* be: FORWARD: the backend address; REPLY: zero */
+	__be32 nat_addr[4]; /* be: FORWARD: backend address; REPLY: client address if SNAT, else zero */
+	__be32 snat_addr[4]; /* be: FORWARD: source after SNAT (the client's own, another port) if SNAT,
+			      * else zero; REPLY: zero */
 	__be32 fe_addr[4]; /* be: the frontend: FORWARD key's daddr, the source replies get */
-	__be16 nat_port; /* be: FORWARD: the backend port; REPLY: zero */
+	__be16 nat_port; /* be: FORWARD: backend port; REPLY: client port if SNAT, else 0 */
+	__be16 snat_port; /* be: FORWARD: source port after SNAT if SNAT, else 0; REPLY: 0 */
 	__be16 fe_port; /* be: the frontend port */
 	__u16 flags; /* host: EKP_CT_* */
-	__u16 pad; /* zero */
-	__u32 svc_id; /* host: service port of the flow (ekp_fe6's) */
-	__u32 backend_id; /* host: backend chosen when the flow began (ekp_be6's key) */
+	__u32 svc_id; /* host: service port of the flow (ekp_fe6's); 0 = none */
+	__u32 backend_id; /* host: backend chosen when the flow began (ekp_be6's key); 0 = none */
 	__u32 created_s; /* host: bpf_ktime_get_ns() / 1e9 when the flow began */
-	__u32 pad2; /* zero */
+	__u32 pad; /* zero */
+};
+
+/* ekp_ctq6_tcp, ekp_ctq6_any (arrays): the early-drop rings of ekp_ct6_tcp and ekp_ct6_any, as
+ * ekp_ctq_tcp / ekp_ctq_any are IPv4's (enum ekp_ctq_ring indexes ekp_ctqh6, where each writes
+ * next): an IPv6 flood cannot take IPv4's ring slots, nor the reverse. */
+struct ekp_ctq6_slot {
+	__be32 saddr[4]; /* be: the flow's FORWARD key (struct ekp_ct6_key's first fields) */
+	__be32 daddr[4]; /* be */
+	__be16 sport; /* be */
+	__be16 dport; /* be */
+	__u8 proto; /* IPPROTO_*; 0 = an empty slot */
+	__u8 dir; /* EKP_CT_FORWARD */
+	__u16 pad; /* zero */
+	__u32 created_s; /* host: the flow's created_s when queued */
 };
 
 #endif /* EKP_ABI_H */

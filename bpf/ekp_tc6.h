@@ -41,7 +41,7 @@
 #include <linux/pkt_cls.h>
 
 #include "ekp_act.h"
-#include "ekp_ct.h"
+#include "ekp_ct6.h"
 #include "ekp_decide.h"
 #include "ekp_lb.h"
 #include "ekp_parse6.h"
@@ -56,12 +56,9 @@
 struct ekp_tc6_scratch {
 	struct ekp_pkt6 pkt;
 	struct ekp_ct6_key key;
-	struct ekp_ct6_key rkey;
-	struct ekp_ct6_entry fwd;
-	struct ekp_ct6_entry rev;
 	struct bpf_fib_lookup fib;
-	struct ekp_flow flow;
-	__be32 be6[4];
+	struct ekp_flow6 flow;
+	struct ekp_ctq6_req queue; /* a flow that began or closed, for the early-drop ring */
 };
 
 static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);
@@ -90,11 +87,6 @@ static __always_inline int ekp_source_routed_here6(struct __sk_buff *skb, const 
 	return (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ||
 		rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) &&
 	       (fib->ifindex == skb->ingress_ifindex || (bridge && fib->ifindex == bridge));
-}
-
-static __always_inline int ekp_addr6_eq(const __be32 *a, const __be32 *b)
-{
-	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
 }
 
 /* Replaces the 16-byte address at `off` and fixes the L4 checksum for it (its pseudo header: IPv6
@@ -171,56 +163,44 @@ static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_sc
 	return bpf_redirect(fib->ifindex, 0);
 }
 
-static __always_inline struct ekp_ct6_entry *ekp_ct6_hit(struct ekp_ct6_key *k, const struct ekp_config *cfg, __u64 now)
+/* A usable conntrack hit (ekp_decide_hit, IPv4's, for this path): the flow's state moves on both
+ * entries, a flow that closes here is queued for early drop under its FORWARD key, else the entry
+ * is refreshed once a second (its twin rebuilt when the LRU evicted it). Sets the translated
+ * tuple: the backend (and the SNAT source of a remapped port) forward, the frontend (and the
+ * client's own port) in reply. */
+static __always_inline void ekp_tc6_hit(struct ekp_tc6_scratch *w, struct ekp_ct6_entry *e, __u64 now,
+					const __be32 **sa, __be16 *sp, const __be32 **da, __be16 *dp)
 {
-	struct ekp_ct6_entry *e = ekp_ct6_lookup(k);
+	const struct ekp_pkt6 *p = &w->pkt;
+	struct ekp_ct6_key *k = &w->key;
+	__u16 set = ekp_ct6_transition(e, &p->b, k->dir, now);
 
-	if (e && ekp_age_ns(now, e->last_seen_ns) > (__s64)ekp_ct_timeout_ns(cfg, k->proto, e->flags))
-		return NULL; /* expired: a new flow on the tuple decides again */
-	return e;
-}
+	if (set) {
+		int closes = !ekp_ct_closed(e->flags) && ekp_ct_closed(e->flags | set);
+		ekp_ct6_stamp(e, k, now); /* the new state's timeout runs from here */
+		ekp_ct6_mark(e, k, set, 0);
+		if (closes) {
+			struct ekp_ct6_key fkey = *k;
+			if (k->dir == EKP_CT_REPLY)
+				ekp_ct6_twin_key(&fkey, k, e);
+			ekp_ctq6_want(&w->queue, &fkey, e->created_s);
+		}
+	} else if (ekp_ct6_refresh(e, k, now)) {
+		ekp_count(EKP_STAT_CT_REBUILT);
+	}
+	int snat = e->flags & EKP_CT_SNAT;
 
-/* The state a packet moves its flow to (ekp_ct_transition, IPv4's, reads only these two fields). */
-static __always_inline __u16 ekp_ct6_transition(const struct ekp_ct6_entry *e, const struct ekp_pkt6 *p, __u8 dir,
-						__u64 now)
-{
-	struct ekp_ct_entry view = {};
-
-	view.flags = e->flags;
-	view.created_s = e->created_s;
-	return ekp_ct_transition(&view, &p->b, dir, now);
-}
-
-/* ekp_ct_usable_forward / ekp_ct_usable_reply (IPv4's) for this path's TCP: no SYN on a flow that
- * saw a FIN or RST (a new flow, decided again), and a TCP flow keeps a backend removed from its
- * service, as kube-proxy does. The forward test is its TCP half (ekp_ct_syn_reopens): its UDP half
- * reads IPv4's ekp_member, and UDP is not translated here (see the top). */
-static __always_inline int ekp_ct6_usable(const struct ekp_ct6_entry *e, const struct ekp_pkt6 *p, __u8 dir)
-{
-	struct ekp_ct_entry view = {};
-
-	if (dir == EKP_CT_FORWARD)
-		return !ekp_ct_syn_reopens(e->flags, &p->b);
-	view.flags = e->flags; /* all ekp_ct_usable_reply reads */
-	return ekp_ct_usable_reply(&view, &p->b);
-}
-
-/* An IPv6 endpoint in the flow-activity array (ekp_act.h) is its address folded to 32 bits: a
- * stamp is a hint, and a slot shared with another endpoint (of either family) only costs the
- * lookups, never a wrong answer. */
-static __always_inline __be32 ekp_fold6(const __be32 *a)
-{
-	return a[0] ^ a[1] ^ a[2] ^ a[3];
-}
-
-/* Stamps both endpoints of a flow: its frontend and its backend. */
-static __always_inline void ekp_ct6_stamp_flow(const __be32 *fe, __be16 fe_port, const __be32 *be, __be16 be_port,
-					       __u8 proto, __u64 now)
-{
-	__u32 t = ekp_act_stamp_of(now);
-
-	ekp_act_stamp(ekp_fold6(fe), fe_port, proto, t);
-	ekp_act_stamp(ekp_fold6(be), be_port, proto, t);
+	if (k->dir == EKP_CT_FORWARD) {
+		*sa = snat ? e->snat_addr : p->saddr;
+		*sp = snat ? e->snat_port : p->b.sport;
+		*da = e->nat_addr;
+		*dp = e->nat_port;
+	} else {
+		*sa = e->fe_addr;
+		*sp = e->fe_port;
+		*da = snat ? e->nat_addr : p->daddr;
+		*dp = snat ? e->nat_port : p->b.dport;
+	}
 }
 
 /* ekp_decide_may_translate for IPv6: when no live flow stamped either endpoint of the packet and
@@ -250,6 +230,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	skb->tc_classid = 0;
 	if (!w)
 		return TC_ACT_OK; /* cannot happen: a one-element per-CPU array */
+	w->queue.want = 0;
 	__builtin_memset(&w->pkt, 0, sizeof(w->pkt));
 	struct ekp_pkt6 *p = &w->pkt;
 	int parsed = ekp_parse6(skb, p);
@@ -266,162 +247,116 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 
 	__u64 now = bpf_ktime_get_ns();
 	struct ekp_ct6_key *k = &w->key;
-	struct ekp_ct6_key *rk = &w->rkey;
-	__builtin_memset(k, 0, sizeof(*k));
-	__builtin_memcpy(k->saddr, p->saddr, 16);
-	__builtin_memcpy(k->daddr, p->daddr, 16);
-	k->sport = p->b.sport;
-	k->dport = p->b.dport;
-	k->proto = p->b.proto;
-	k->dir = EKP_CT_FORWARD;
+	const __be32 *sa, *da;
+	__be16 sp, dp;
+	long rc;
 
-	__builtin_memset(rk, 0, sizeof(*rk));
-	rk->proto = p->b.proto;
-	rk->dir = EKP_CT_REPLY;
-	struct ekp_ct6_entry *e = ekp_ct6_hit(k, cfg, now);
-	__u8 dir = EKP_CT_FORWARD;
-	if (e && !ekp_ct6_usable(e, p, EKP_CT_FORWARD))
-		e = NULL; /* a SYN reusing an ended flow's port: the new-flow path below */
-	if (e) {
-		/* its reply entry: backend -> client */
-		__builtin_memcpy(rk->saddr, e->nat_addr, 16);
-		__builtin_memcpy(rk->daddr, p->saddr, 16);
-		rk->sport = e->nat_port;
-		rk->dport = p->b.sport;
-	} else {
+	__builtin_memset(k, 0, sizeof(*k));
+	ekp_ct6_key_of(k, p, EKP_CT_FORWARD);
+	struct ekp_ct6_entry *e = ekp_ct6_lookup(k);
+	if (e && !(ekp_ct6_alive(e, k, cfg, now) && ekp_ct6_usable_forward(e, &p->b)))
+		e = NULL; /* dead, or a SYN reusing an ended flow's port: the new-flow path below */
+	if (!e) {
 		k->dir = EKP_CT_REPLY;
-		e = ekp_ct6_hit(k, cfg, now);
-		if (e && !ekp_ct6_usable(e, p, EKP_CT_REPLY))
+		e = ekp_ct6_lookup(k);
+		if (e && !(ekp_ct6_alive(e, k, cfg, now) && ekp_ct6_usable_reply(e, &p->b)))
 			e = NULL; /* a SYN-ACK answering something else on an ended flow's tuple */
-		if (e) {
-			dir = EKP_CT_REPLY;
-			/* its forward entry: client -> frontend */
-			__builtin_memcpy(rk->saddr, p->daddr, 16);
-			__builtin_memcpy(rk->daddr, e->fe_addr, 16);
-			rk->sport = p->b.dport;
-			rk->dport = e->fe_port;
-			rk->dir = EKP_CT_FORWARD;
-		}
 	}
 	if (e) {
-		__u16 set = ekp_ct6_transition(e, p, dir, now);
-		/* both entries move alike, as IPv4's; the clock once a second (a write per packet
-		 * would bounce the entry between CPUs) */
-		if (set || ekp_age_ns(now, e->last_seen_ns) > (__s64)EKP_NSEC) {
-			e->flags |= set;
-			e->last_seen_ns = now;
-			struct ekp_ct6_entry *t = set ? ekp_ct6_lookup(rk) : NULL;
-			if (t)
-				t->flags |= set;
-			/* the backend: the FORWARD entry's nat_addr, the REPLY key's source */
-			if (dir == EKP_CT_FORWARD)
-				ekp_ct6_stamp_flow(e->fe_addr, e->fe_port, e->nat_addr, e->nat_port, p->b.proto, now);
-			else
-				ekp_ct6_stamp_flow(e->fe_addr, e->fe_port, p->saddr, p->b.sport, p->b.proto, now);
-		}
-		const __be32 *sa = p->saddr, *da = e->nat_addr;
-		__be16 sp = p->b.sport, dp = e->nat_port;
-		if (dir == EKP_CT_REPLY) {
-			sa = e->fe_addr;
-			sp = e->fe_port;
-			da = p->daddr;
-			dp = p->b.dport;
-		}
 		if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
 			outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
 			verdict = TC_ACT_SHOT;
 			goto out;
 		}
-		long rc = ekp_tc6_route(skb, w, sa, sp, da, dp);
+		ekp_tc6_hit(w, e, now, &sa, &sp, &da, &dp);
+		rc = ekp_tc6_route(skb, w, sa, sp, da, dp);
 		if (rc < 0)
 			goto out;
-		outcome = dir == EKP_CT_FORWARD ? EKP_STAT_CT_FORWARD : EKP_STAT_CT_REPLY;
+		outcome = k->dir == EKP_CT_FORWARD ? EKP_STAT_CT_FORWARD : EKP_STAT_CT_REPLY;
 		verdict = ekp_tc6_send(skb, w, rc, sa, sp, da, dp, &outcome);
 		goto out;
 	}
 
 	/* A new flow: only its first packet starts one (a TCP segment without an entry belongs to a
 	 * flow ip6tables translated, whose nf_conntrack entry the stack has). */
-	if (p->b.proto == IPPROTO_TCP && !ekp_pure_syn(&p->b))
+	if (!ekp_opens_flow(&p->b))
 		goto out;
+	struct ekp_flow6 *f = &w->flow;
+	__u32 aff_hit = 0;
+	__builtin_memset(f, 0, sizeof(*f));
 	struct ekp_frontend6_key fk = {};
 	__builtin_memcpy(fk.addr, p->daddr, 16);
 	fk.port = p->b.dport;
 	fk.proto = p->b.proto;
 	fk.scope = scope;
 	struct ekp_frontend *fe = ekp_fe6_lookup(&fk);
-	if (!fe)
-		goto out;
-	__u16 flags = fe->flags;
-	if (ekp_lb_refusal_af(1, fe, p->saddr) || (flags & EKP_FE_SNAT_ALL) ||
-	    ((flags & EKP_FE_AFFINITY) && (flags & EKP_FE_SNAT_REMOTE)))
-		goto out;
+	if (fe) {
+		__u16 flags = fe->flags;
+		if (ekp_lb_refusal_af(1, fe, p->saddr) || (flags & EKP_FE_SNAT_ALL) ||
+		    ((flags & EKP_FE_AFFINITY) && (flags & EKP_FE_SNAT_REMOTE)))
+			goto out;
+		if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, &f->b, f->be_addr,
+					&aff_hit))
+			goto out;
+		if ((f->b.be_flags & EKP_BE_HOST) || (!(f->b.be_flags & EKP_BE_LOCAL) && (flags & EKP_FE_SNAT_REMOTE)) ||
+		    ekp_addr6_eq(f->be_addr, p->saddr))
+			goto out; /* a source translation: ip6tables' */
+		f->b.svc_id = fe->svc_id;
+		__builtin_memcpy(f->fe_addr, p->daddr, 16);
+		f->b.fe_port = p->b.dport;
+	} else {
+		/* No frontend: a connection of its own, client:P -> server:port, whose reverse tuple a
+		 * live flow this path translated may hold (ekp_ct_reclaim): it keeps its addresses and
+		 * gets another source port, translated to itself (ekp_flow_direct, IPv4's). A stale
+		 * holder is cleared and the packet goes on untouched. */
+		__u16 held_by = 0;
+		if (ekp_ct6_reclaim(p, cfg, now, &held_by) != EKP_RECLAIM_LIVE)
+			goto out;
+		__builtin_memcpy(f->be_addr, p->daddr, 16);
+		__builtin_memcpy(f->fe_addr, p->daddr, 16);
+		__builtin_memcpy(f->snat_addr, p->saddr, 16);
+		f->b.be_port = p->b.dport;
+		f->b.fe_port = p->b.dport;
+		f->b.ct_flags = EKP_CT_SNAT;
+		f->b.remapped = 1;
+	}
 	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
 		outcome = EKP_DROP_SPOOFED;
 		verdict = TC_ACT_SHOT;
 		goto out;
 	}
-	struct ekp_flow *f = &w->flow;
-	__u32 aff_hit = 0;
-	__builtin_memset(f, 0, sizeof(*f));
-	if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, f, w->be6, &aff_hit))
-		goto out;
-	if ((f->be_flags & EKP_BE_HOST) || (!(f->be_flags & EKP_BE_LOCAL) && (flags & EKP_FE_SNAT_REMOTE)) ||
-	    ekp_addr6_eq(w->be6, p->saddr))
-		goto out; /* a source translation: ip6tables' */
-
-	long rc = ekp_tc6_route(skb, w, p->saddr, p->b.sport, w->be6, f->be_port);
+	/* The route before anything is written (the source port a remap picks matters to no route). */
+	rc = ekp_tc6_route(skb, w, p->saddr, p->b.sport, f->be_addr, f->b.be_port);
 	if (rc < 0)
 		goto out;
-
-	/* The reply entry first: a reply can never beat its entry. */
-	__builtin_memcpy(rk->saddr, w->be6, 16);
-	__builtin_memcpy(rk->daddr, p->saddr, 16);
-	rk->sport = f->be_port;
-	rk->dport = p->b.sport;
-	struct ekp_ct6_entry *fwd = &w->fwd, *rev = &w->rev;
-	__builtin_memset(rev, 0, sizeof(*rev));
-	rev->last_seen_ns = now;
-	__builtin_memcpy(rev->fe_addr, p->daddr, 16);
-	rev->fe_port = p->b.dport;
-	rev->svc_id = fe->svc_id;
-	rev->backend_id = f->backend_id;
-	rev->created_s = now / EKP_NSEC;
-	__builtin_memcpy(fwd, rev, sizeof(*fwd));
-	__builtin_memcpy(fwd->nat_addr, w->be6, 16);
-	fwd->nat_port = f->be_port;
-	k->dir = EKP_CT_FORWARD;
-	if (ekp_ct6_insert(rk, rev) < 0) {
-		/* this tuple's earlier flow (same frontend), a dead one, or a closed one (this packet is a
-		 * SYN: ekp_ct_reusable's rule, as the kernel's NAT takes a TIME_WAIT tuple): replaced; a
-		 * live flow of another frontend: dropped, not left to ip6tables, which would pick the
-		 * same tuple and see its replies rewritten to that frontend here (IPv4 moves the port
-		 * instead) */
-		struct ekp_ct6_entry *held = ekp_ct6_hit(rk, cfg, now);
-		if (held && !ekp_ct_closed(held->flags) &&
-		    (!ekp_addr6_eq(held->fe_addr, p->daddr) || held->fe_port != p->b.dport)) {
-			outcome = EKP_DROP_TUPLE_TAKEN;
-			verdict = TC_ACT_SHOT;
-			goto out;
-		}
-		if (ekp_ct6_update(rk, rev) < 0) {
-			outcome = EKP_DROP_CT_FULL;
-			verdict = TC_ACT_SHOT;
-			goto out;
-		}
-	}
-	if (ekp_ct6_update(k, fwd) < 0) {
-		ekp_ct6_delete(rk); /* no reply entry without its flow, as IPv4's ekp_ct_create */
-		outcome = EKP_DROP_CT_FULL;
+	/* The entries (ekp_ct_create, IPv4's): the reply one first, on a reply tuple a live flow of
+	 * another frontend holds with another source port (EKP_STAT_PORT_REMAP), as ip6tables'
+	 * nf_nat would. */
+	int reason = ekp_ct6_create(p, f, cfg, now);
+	if (reason) {
+		outcome = reason;
 		verdict = TC_ACT_SHOT;
 		goto out;
 	}
-	ekp_ct6_stamp_flow(p->daddr, p->b.dport, w->be6, f->be_port, p->b.proto, now);
-	outcome = EKP_STAT_NEW_FLOWS;
+	k->dir = EKP_CT_FORWARD;
+	ekp_ctq6_want(&w->queue, k, now / EKP_NSEC);
+	if (f->b.remapped)
+		ekp_count(EKP_STAT_PORT_REMAP);
+	if (f->b.early_drop)
+		ekp_count(EKP_STAT_EARLY_DROP);
 	if (aff_hit)
 		ekp_count(EKP_STAT_AFFINITY_HIT);
-	verdict = ekp_tc6_send(skb, w, rc, p->saddr, p->b.sport, w->be6, f->be_port, &outcome);
+	sa = (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr;
+	sp = (f->b.ct_flags & EKP_CT_SNAT) ? f->b.snat_port : p->b.sport;
+	outcome = EKP_STAT_NEW_FLOWS;
+	verdict = ekp_tc6_send(skb, w, rc, sa, sp, f->be_addr, f->b.be_port, &outcome);
 out:
+	/* the flow that began or closed goes in its ring (ekp_ctq.h); the one there a ring ago may go */
+	if (w->queue.want) {
+		__u32 evicted = ekp_ctq6_push(&w->queue);
+		if (evicted)
+			ekp_count(evicted);
+	}
 	ekp_count(outcome);
 	return verdict;
 }

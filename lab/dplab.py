@@ -101,6 +101,9 @@ TEST_ROLES = (
     "sknat6",
     "ct6_tcp",
     "ct6_any",
+    "ctq6_tcp",
+    "ctq6_any",
+    "ctqh6",
 )
 
 CFG = abi.Config(

@@ -88,10 +88,11 @@ ROLE_FLAGS: dict[str, int] = {
     **{role: BPF_F_NO_PREALLOC for role in V6_ROLES.values() if MAPS[role].kind == "hash"},
 }
 
-# The conntrack tables of the tc programs' IPv6 path (bpf/ekp_tc6.h), its only writer: when that
-# path does not serve (MapSizes.ipv6_tc), each is created with IDLE_SIZE entries, and a pin of the
-# other size is replaced at load (`replace_resized_ipv6_pins`): what it holds no program reads.
-TC6_ROLES = frozenset({"ct6_tcp", "ct6_any"})
+# The conntrack tables of the tc programs' IPv6 path (bpf/ekp_tc6.h), its only writer, and their
+# early-drop rings: when that path does not serve (MapSizes.ipv6_tc), each is created with IDLE_SIZE
+# entries, and a pin of the other size is replaced at load (`replace_resized_ipv6_pins`): what it
+# holds no program reads.
+TC6_ROLES = frozenset({"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any"})
 IDLE_SIZE = 1
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
@@ -425,7 +426,7 @@ class Datapath:
         resized = replace_resized_ipv6_pins(self.pin_path, self.sizes)
         if resized:
             log.info(
-                "IPv6 conntrack tables %s recreated at %s (the tc programs' IPv6 path %s): the IPv4 "
+                "IPv6 conntrack tables and early-drop rings %s recreated at %s (the tc programs' IPv6 path %s): the IPv4 "
                 "tables and their flows are kept",
                 ", ".join(resized),
                 "full size" if self.sizes.ipv6_tc else f"{IDLE_SIZE} entry each",
