@@ -518,11 +518,9 @@ enum ekp_stat {
 	EKP_DROP_HANDOVER,        /* a forward packet of a flow taken over from nf_conntrack to a backend
 	                           * on the node's own address, before the agent replaced the kernel's
 	                           * NAT entry for it (EKP_CT_HANDOVER): the sender retransmits */
-	EKP_DROP_TUPLE_TAKEN,     /* the tc IPv6 path's new flow whose reply tuple a live flow of another
-	                           * frontend holds (one client port to one backend through two
-	                           * frontends): not handed to ip6tables, which would pick the same
-	                           * tuple and have its replies rewritten to the other frontend; IPv4
-	                           * moves such a flow's port instead (EKP_STAT_PORT_REMAP) */
+	EKP_DROP_TUPLE_TAKEN,     /* no longer counted: the tc IPv6 path's new flow whose reply tuple
+	                           * a live flow of another frontend holds gets another source port
+	                           * (EKP_STAT_PORT_REMAP), as IPv4's, since both share one conntrack */
 	EKP_STAT_MAX,
 };
 

@@ -1,6 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * ekp_ct.h: connection tracking of translated flows (ekp_ct_tcp_v2 / ekp_ct_any_v2, LRU hashes).
+ * Both families: everything below that reads a key or an entry is written once, in ekp_ct_af.h,
+ * instantiated here for IPv4 (ekp_ct_*) and in ekp_ct6.h for the tc IPv6 path (ekp_ct6_* on
+ * ekp_ct6_tcp_v2 / ekp_ct6_any_v2, the same layouts with 16-byte addresses).
  *
  * A flow owns two entries, each keyed by a tuple exactly as it appears on the wire when the
  * packet reaches an ekp program, and by its direction (so an original tuple never matches a

@@ -4,9 +4,12 @@
  * ekp_from_pod / ekp_from_net by a tail call (ekp_tc.c), so the IPv4 programs' verification and
  * per-packet work do not grow with it (Cilium splits its programs per family the same way).
  *
- *   parse (ekp_parse6.h) -> conntrack (ekp_ct6_tcp / ekp_ct6_any: FORWARD, then REPLY)
- *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1)
- *                        -> route (bpf_fib_lookup), rewrite, hop limit - 1, redirect
+ *   parse (ekp_parse6.h) -> conntrack (ekp_ct6.h: IPv4's conntrack code for IPv6, FORWARD then
+ *                           REPLY, ekp_ct6_tcp / ekp_ct6_any, early-drop rings ekp_ctq6_*)
+ *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1),
+ *                           or a direct connection on a live flow's tuple (ekp_ct6_reclaim)
+ *                        -> route (bpf_fib_lookup), entries (ekp_ct6_create), rewrite, hop limit - 1,
+ *                           redirect
  *
  * What it translates: TCP flows that need no source translation, which is every flow whose backend
  * is on this node, and the remote ones of frontends that ask no SNAT (a pod to a ClusterIP). Every
@@ -29,9 +32,12 @@
  *     reassembles and translates it;
  *   - ICMPv6 (errors about translated flows included, Packet Too Big: not yet translated here),
  *     a packet too big for the route, no route, the last hop.
- * A new flow whose reply tuple a live flow of another frontend holds (one client port to one
- * backend through two frontends) is dropped (EKP_DROP_TUPLE_TAKEN), not left to ip6tables: its
- * nf_conntrack entry would have that tuple too, and the replies would get the other frontend here.
+ * Conntrack is IPv4's, the same code (ekp_ct_af.h): state and timeouts, twins rebuilt, orphaned
+ * flows, closed flows reclaimed by a SYN, the early-drop ring. A new flow whose reply tuple a live
+ * flow of another frontend holds (one client port to one backend through two frontends), and a
+ * direct connection on a live flow's tuple, keep the client's address with another source port
+ * (EKP_CT_SNAT with the client's own address, EKP_STAT_PORT_REMAP), as ip6tables' nf_nat would;
+ * not left to ip6tables, whose nf_conntrack knows nothing of the flow holding the tuple.
  * The reply of a flow this path translated comes back through ekp_from_pod6 (a local backend) or
  * ekp_from_net6 (a remote one) and gets its frontend back from the REPLY entry.
  */

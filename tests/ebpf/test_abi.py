@@ -279,9 +279,9 @@ XDP_UNUSED = {"rnat", "stats", "icmprl", "hostnat"}
 # address on an IPv6 socket uses the IPv4 maps). ekp_addr6 is written for the tc programs' IPv6.
 _V6 = {"fe6", "slot6", "be6", "rnat6", "member6", "srcr6", "addr6", "aff6", "sknat6"}
 _SOCKETS = {"skcfg", "sknat"} | _V6
-_CT6 = {"ct6_tcp", "ct6_any"}
-# the IPv6 path: the activity stamps and frontend check (ekp_act, ekp_addr6); no Maglev, no source
-# translation, no fragments, no reject
+_CT6 = {"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6"}  # with its own early-drop rings
+# the IPv6 path: the activity stamps and frontend check (ekp_act, ekp_addr6), the backend check of
+# a flow's refresh (ekp_addr6); no Maglev, no node source translation, no fragments, no reject
 _TC6 = {"cfg", "cfgsel", "stats", "act", "addr6", "fe6", "srcr6", "aff6", "member6", "slot6", "be6"} | _CT6
 _SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
 _SOCK_FORWARD6 = _SOCK_FORWARD | {"fe6", "srcr6", "aff6", "member6", "slot6", "be6", "sknat6"}

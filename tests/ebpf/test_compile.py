@@ -312,10 +312,10 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
     caplog: pytest.LogCaptureFixture, cache: ObjectCache
 ) -> None:
     """Without the tc programs' IPv6 path (MapSizes.ipv6_tc false: no IPv6 half, or legacy host
-    routing) its conntrack tables and their early-drop rings hold one entry each and ekp_calls6 is empty; a restart with it
-    recreates those four maps at their IPv4 twins' sizes and fills the array; a restart without it
-    again shrinks them and empties it. Every other pinned map is the same map throughout, and an
-    established IPv4 flow's conntrack entry is kept."""
+    routing) its conntrack tables and their early-drop rings hold one entry each and ekp_calls6 is
+    empty; a restart with it recreates those four maps at their IPv4 twins' sizes and fills the
+    array; a restart without it again shrinks them and empties it. Every other pinned map is the
+    same map throughout, and an established IPv4 flow's conntrack entry is kept."""
     caplog.set_level(logging.INFO)
     off, on = replace(SMALL, ipv6_tc=False), SMALL
     tc6 = {MAPS[r].name for r in loader.TC6_ROLES}
