@@ -96,8 +96,8 @@ def sock6_lines(entries: Items) -> list[str]:
 
 
 def ct6_line(key: Ct6Key, ct: Ct6Entry, now_ns: int) -> str:
-    """One entry of the tc programs' IPv6 conntrack, as render.ct_line's (no snat: that path leaves
-    source translations to ip6tables); `now_ns` is CLOCK_MONOTONIC."""
+    """One entry of the tc programs' IPv6 conntrack, as render.ct_line's (`snat=`: a port remapped
+    around a live flow's reply tuple, the client's own address); `now_ns` is CLOCK_MONOTONIC."""
     try:
         direction = CtDir(key.dir).name.lower()
     except ValueError:
@@ -108,6 +108,8 @@ def ct6_line(key: Ct6Key, ct: Ct6Entry, now_ns: int) -> str:
     )
     if any(ct.nat_addr):
         line += f" nat={_at(ct.nat_addr, ct.nat_port)}"
+    if any(ct.snat_addr):
+        line += f" snat={_at(ct.snat_addr, ct.snat_port)}"
     return (
         line + f" svc={ct.svc_id} be={ct.backend_id} flags={flag_names(ct.flags, CtFlag)}"
         f" idle={_age(ct.last_seen_ns, now_ns)} age={max(0, now_ns // 1_000_000_000 - ct.created_s)}s"
