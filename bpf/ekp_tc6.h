@@ -65,6 +65,7 @@ struct ekp_tc6_scratch {
 	struct bpf_fib_lookup fib;
 	struct ekp_flow6 flow;
 	struct ekp_ctq6_req queue; /* a flow that began or closed, for the early-drop ring */
+	long rc;                   /* a new flow's route (ekp_tc6_route), kept across ekp_ct6_create */
 };
 
 static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);
@@ -304,6 +305,8 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, &f->b, f->be_addr,
 					&aff_hit))
 			goto out;
+		if (aff_hit) /* counted now, as IPv4's marks: a value held across the walk splits its states */
+			ekp_count(EKP_STAT_AFFINITY_HIT);
 		if ((f->b.be_flags & EKP_BE_HOST) || (!(f->b.be_flags & EKP_BE_LOCAL) && (flags & EKP_FE_SNAT_REMOTE)) ||
 		    ekp_addr6_eq(f->be_addr, p->saddr))
 			goto out; /* a source translation: ip6tables' */
@@ -331,9 +334,11 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		verdict = TC_ACT_SHOT;
 		goto out;
 	}
-	/* The route before anything is written (the source port a remap picks matters to no route). */
-	rc = ekp_tc6_route(skb, w, p->saddr, p->b.sport, f->be_addr, f->b.be_port);
-	if (rc < 0)
+	/* The route before anything is written (the source port a remap picks matters to no route),
+	 * kept in memory across the entries' creation: in a register its two values (SUCCESS,
+	 * NO_NEIGH) would have the verifier walk the SNAT port walk once for each (ekp_snat.h). */
+	w->rc = ekp_tc6_route(skb, w, p->saddr, p->b.sport, f->be_addr, f->b.be_port);
+	if (w->rc < 0)
 		goto out;
 	/* The entries (ekp_ct_create, IPv4's): the reply one first, on a reply tuple a live flow of
 	 * another frontend holds with another source port (EKP_STAT_PORT_REMAP), as ip6tables'
@@ -350,12 +355,10 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		ekp_count(EKP_STAT_PORT_REMAP);
 	if (f->b.early_drop)
 		ekp_count(EKP_STAT_EARLY_DROP);
-	if (aff_hit)
-		ekp_count(EKP_STAT_AFFINITY_HIT);
 	sa = (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr;
 	sp = (f->b.ct_flags & EKP_CT_SNAT) ? f->b.snat_port : p->b.sport;
 	outcome = EKP_STAT_NEW_FLOWS;
-	verdict = ekp_tc6_send(skb, w, rc, sa, sp, f->be_addr, f->b.be_port, &outcome);
+	verdict = ekp_tc6_send(skb, w, w->rc, sa, sp, f->be_addr, f->b.be_port, &outcome);
 out:
 	/* the flow that began or closed goes in its ring (ekp_ctq.h); the one there a ring ago may go */
 	if (w->queue.want) {
