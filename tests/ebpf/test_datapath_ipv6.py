@@ -322,6 +322,36 @@ def test_a_direct_syn_on_a_live_flows_tuple_gets_another_source_port(net: Net) -
     assert net.stats()[Stat.PORT_REMAP] == 1
 
 
+def test_a_flow_whose_backend_left_lives_tcp_orphan_s_after_the_backends_last_packet(net: Net) -> None:
+    """The backend's address leaves ekp_addr6 (its pod deleted): the flow is ORPHAN (IPv4's
+    ekp_ct_follow_backend), the client's packets no longer renew it, and tcp_orphan_s after the
+    backend's last packet both entries are deleted; the next segment is left to the stack."""
+    set_config(net.dp, tcp_orphan_s=30)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    handshake6(net, 40097)
+    assert net.dp.maps["addr6"].delete(abi.Addr6Key(abi.Addr6(*ip6_words(BE6))))
+    fwd_key, rep_key = ct6_key(POD6, VIP6, 40097, 80), ct6_key(BE6, POD6, 8080, 40097, reply=True)
+
+    def age(seconds: int) -> None:
+        for key in (fwd_key, rep_key):
+            entry: Any = net.dp.maps["ct6_tcp"].lookup(key)
+            assert entry is not None
+            entry.last_seen_ns = time.monotonic_ns() - seconds * 10**9
+            net.dp.maps["ct6_tcp"].update(key, entry)
+
+    age(2)
+    data = frame6(POD6, VIP6, 40097, 80, flags="PA")
+    assert net.from_pod(data)[0] == TC_ACT_REDIRECT  # still its flow: the backend may answer
+    fwd, rep = ct6(net, POD6, VIP6, 40097, 80), ct6(net, BE6, POD6, 8080, 40097, reply=True)
+    assert fwd.flags & abi.CtFlag.ORPHAN and rep.flags & abi.CtFlag.ORPHAN
+    assert time.monotonic_ns() - fwd.last_seen_ns > 1.5e9, "the client's packet did not renew it"
+    age(29)
+    assert net.from_pod(data)[0] == TC_ACT_REDIRECT  # 29 s after the backend's last packet: alive
+    age(31)
+    assert net.from_pod(data) == (TC_ACT_OK, data)  # abandoned: deleted, the segment the stack's
+    assert ct6_count(net) == 0
+
+
 # ---- the early-drop ring (bpf/ekp_ctq.h): ct6_tcp has one of its own ------------------------
 
 RING6 = SIZES.ct_tcp // 4  # ct6_tcp is sized as ct_tcp, its ring a quarter of it
