@@ -71,4 +71,28 @@ static __always_inline __u32 EKP_CTQF(push)(const struct EKP_CTQF(req) *q)
 	return stat;
 }
 
+/* A usable conntrack hit moves its flow on (ekp_ct_transition): the new state on both entries, its
+ * timeout running from now, and a flow that closes here queued for early drop under its FORWARD key
+ * (`q`); else the once-a-second refresh (ekp_ct_refresh). Returns 1 when that rebuilt the twin. */
+static __always_inline int EKP_CTF(advance)(EKP_CT_ENTRY *e, EKP_CT_KEY *k, const struct ekp_pkt *p, __u64 now,
+					    struct EKP_CTQF(req) *q)
+{
+	__u16 set = EKP_CTF(transition)(e, p, k->dir, now);
+
+	if (set) {
+		int closes = !ekp_ct_closed(e->flags) && ekp_ct_closed(e->flags | set);
+		EKP_CTF(stamp)(e, k, now); /* the new state's timeout runs from here */
+		EKP_CTF(mark)(e, k, set, 0);
+		if (closes) {
+			EKP_CT_KEY fkey = *k;
+			if (k->dir == EKP_CT_REPLY)
+				EKP_CTF(twin_key)(&fkey, k, e);
+			EKP_CTQF(want)(q, &fkey, e->created_s);
+		}
+	} else if (EKP_CTF(refresh)(e, k, now)) {
+		return 1;
+	}
+	return 0;
+}
+
 #include "ekp_undef_af.h"

@@ -170,31 +170,17 @@ static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_sc
 	return bpf_redirect(fib->ifindex, 0);
 }
 
-/* A usable conntrack hit (ekp_decide_hit, IPv4's, for this path): the flow's state moves on both
- * entries, a flow that closes here is queued for early drop under its FORWARD key, else the entry
- * is refreshed once a second (its twin rebuilt when the LRU evicted it). Sets the translated
- * tuple: the backend (and the SNAT source of a remapped port) forward, the frontend (and the
+/* A usable conntrack hit (ekp_decide_hit for this path): the flow moves on (ekp_ct_advance: its
+ * state, the early-drop ring when it closes, the refresh that rebuilds a lost twin). Sets the
+ * translated tuple: the backend (and the SNAT source of a remapped port) forward, the frontend (and the
  * client's own port) in reply. */
 static __always_inline void ekp_tc6_hit(struct ekp_tc6_scratch *w, struct ekp_ct6_entry *e, __u64 now,
 					const __be32 **sa, __be16 *sp, const __be32 **da, __be16 *dp)
 {
 	const struct ekp_pkt6 *p = &w->pkt;
 	struct ekp_ct6_key *k = &w->key;
-	__u16 set = ekp_ct6_transition(e, &p->b, k->dir, now);
-
-	if (set) {
-		int closes = !ekp_ct_closed(e->flags) && ekp_ct_closed(e->flags | set);
-		ekp_ct6_stamp(e, k, now); /* the new state's timeout runs from here */
-		ekp_ct6_mark(e, k, set, 0);
-		if (closes) {
-			struct ekp_ct6_key fkey = *k;
-			if (k->dir == EKP_CT_REPLY)
-				ekp_ct6_twin_key(&fkey, k, e);
-			ekp_ctq6_want(&w->queue, &fkey, e->created_s);
-		}
-	} else if (ekp_ct6_refresh(e, k, now)) {
+	if (ekp_ct6_advance(e, k, &p->b, now, &w->queue))
 		ekp_count(EKP_STAT_CT_REBUILT);
-	}
 	int snat = e->flags & EKP_CT_SNAT;
 
 	if (k->dir == EKP_CT_FORWARD) {
