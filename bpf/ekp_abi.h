@@ -17,7 +17,8 @@
  * IPv6: Cilium's v4/v6 pairs. Every struct below that holds an address is the IPv4 member of a
  * pair; IPv6 has its own maps beside these with 16-byte addresses (the "IPv6 pairs" section at the
  * end: ekp_fe6, ekp_be6, ekp_rnat6, ekp_aff6, ekp_srcr6, ekp_addr6, ekp_sknat6; the tc programs'
- * ekp_ct6_tcp, ekp_ct6_any, ekp_cfg6), and changes none of the v2 layouts: an
+ * ekp_ct6_tcp, ekp_ct6_any and their early-drop rings ekp_ctq6_tcp, ekp_ctq6_any, ekp_ctqh6, ekp_cfg6), and
+ * changes none of the v2 layouts: an
  * upgrade only adds maps, and no IPv4 flow is touched. Pairs rather than 16-byte unions because the
  * per-packet keys (conntrack, frontend, fragments) stay 16 bytes for IPv4: a 40-byte union key
  * would cost every IPv4 lookup a longer hash and every conntrack entry 24 more bytes.
@@ -521,11 +522,9 @@ enum ekp_stat {
 	EKP_DROP_HANDOVER,        /* a forward packet of a flow taken over from nf_conntrack to a backend
 	                           * on the node's own address, before the agent replaced the kernel's
 	                           * NAT entry for it (EKP_CT_HANDOVER): the sender retransmits */
-	EKP_DROP_TUPLE_TAKEN,     /* the tc IPv6 path's new flow whose reply tuple a live flow of another
-	                           * frontend holds (one client port to one backend through two
-	                           * frontends): not handed to ip6tables, which would pick the same
-	                           * tuple and have its replies rewritten to the other frontend; IPv4
-	                           * moves such a flow's port instead (EKP_STAT_PORT_REMAP) */
+	EKP_DROP_TUPLE_TAKEN,     /* no longer counted: the tc IPv6 path's new flow whose reply tuple
+	                           * a live flow of another frontend holds gets another source port
+	                           * (EKP_STAT_PORT_REMAP), as IPv4's, since both share one conntrack */
 	EKP_STAT_MAX,
 };
 
@@ -600,8 +599,10 @@ struct ekp_sock6_nat {
 };
 
 /* ekp_ct6_tcp, ekp_ct6_any (LRU, written by the tc programs' IPv6 path, bpf/ekp_tc6.h): a tuple as
- * it arrives -> what to rewrite, as ekp_ct_* for IPv4, source translation (EKP_CT_SNAT) included
- * (bpf/ekp_tc6_snat.h). v3: v2 had no SNAT fields (its path left source translations to ip6tables). */
+ * it arrives -> what to rewrite, IPv4's ekp_ct_key / ekp_ct_entry field for field with 16-byte
+ * addresses: one conntrack code serves both (bpf/ekp_ct_af.h), so every field IPv4's reads is here
+ * too, the source translation included (to the node's IPv6 address, ekp_cfg6; or the client's own
+ * address with another port when a reply tuple was taken). v3: v2 (64 bytes) had no SNAT fields. */
 struct ekp_ct6_key {
 	__be32 saddr[4]; /* be: source address as on the wire */
 	__be32 daddr[4]; /* be: destination address as on the wire */
@@ -614,18 +615,32 @@ struct ekp_ct6_key {
 
 struct ekp_ct6_entry {
 	__u64 last_seen_ns; /* host: bpf_ktime_get_ns() of the last packet (refreshed once a second) */
-	__be32 nat_addr[4]; /* be: FORWARD: the backend address; REPLY: the client address if SNAT, else zero */
+	__be32 nat_addr[4]; /* be: FORWARD: backend address; REPLY: client address if SNAT, else zero */
+	__be32 snat_addr[4]; /* be: FORWARD: source after SNAT (the node's IPv6 address, or the client's
+			      * own with another port) if SNAT, else zero; REPLY: zero */
 	__be32 fe_addr[4]; /* be: the frontend: FORWARD key's daddr, the source replies get */
-	__be32 snat_addr[4]; /* be: FORWARD: the source after SNAT (the node's IPv6 address) if SNAT, else
-			      * zero; REPLY: zero */
-	__be16 nat_port; /* be: FORWARD: the backend port; REPLY: the client port if SNAT, else zero */
+	__be16 nat_port; /* be: FORWARD: backend port; REPLY: client port if SNAT, else 0 */
+	__be16 snat_port; /* be: FORWARD: source port after SNAT if SNAT, else 0; REPLY: 0 */
 	__be16 fe_port; /* be: the frontend port */
 	__u16 flags; /* host: EKP_CT_* */
-	__be16 snat_port; /* be: FORWARD: the source port after SNAT if SNAT, else zero; REPLY: zero */
-	__u32 svc_id; /* host: service port of the flow (ekp_fe6's) */
-	__u32 backend_id; /* host: backend chosen when the flow began (ekp_be6's key) */
+	__u32 svc_id; /* host: service port of the flow (ekp_fe6's); 0 = none */
+	__u32 backend_id; /* host: backend chosen when the flow began (ekp_be6's key); 0 = none */
 	__u32 created_s; /* host: bpf_ktime_get_ns() / 1e9 when the flow began */
-	__u32 pad2; /* zero */
+	__u32 pad; /* zero */
+};
+
+/* ekp_ctq6_tcp, ekp_ctq6_any (arrays): the early-drop rings of ekp_ct6_tcp and ekp_ct6_any, as
+ * ekp_ctq_tcp / ekp_ctq_any are IPv4's (enum ekp_ctq_ring indexes ekp_ctqh6, where each writes
+ * next): an IPv6 flood cannot take IPv4's ring slots, nor the reverse. */
+struct ekp_ctq6_slot {
+	__be32 saddr[4]; /* be: the flow's FORWARD key (struct ekp_ct6_key's first fields) */
+	__be32 daddr[4]; /* be */
+	__be16 sport; /* be */
+	__be16 dport; /* be */
+	__u8 proto; /* IPPROTO_*; 0 = an empty slot */
+	__u8 dir; /* EKP_CT_FORWARD */
+	__u16 pad; /* zero */
+	__u32 created_s; /* host: the flow's created_s when queued */
 };
 
 /* ekp_cfg6 (array, one element, written by the agent): what the IPv6 path needs beside the shared

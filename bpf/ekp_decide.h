@@ -117,21 +117,8 @@ static __always_inline const struct ekp_config *ekp_config_get(void)
 static __always_inline void ekp_decide_hit(struct ekp_ct_entry *ep, struct ekp_ct_key *k, const struct ekp_pkt *p,
 					   __u64 now, struct ekp_decision *d, struct ekp_ctq_req *q)
 {
-	__u16 set = ekp_ct_transition(ep, p, k->dir, now);
-
-	if (set) {
-		int closes = !ekp_ct_closed(ep->flags) && ekp_ct_closed(ep->flags | set);
-		ekp_ct_stamp(ep, k, now); /* the new state's timeout runs from here */
-		ekp_ct_mark(ep, k, set, 0);
-		if (closes) {
-			struct ekp_ct_key fkey = *k;
-			if (k->dir == EKP_CT_REPLY)
-				ekp_ct_twin_key(&fkey, k, ep);
-			ekp_ctq_want(q, &fkey, ep->created_s);
-		}
-	} else if (ekp_ct_refresh(ep, k, now)) {
+	if (ekp_ct_advance(ep, k, p, now, q))
 		d->marks |= 1ULL << EKP_STAT_CT_REBUILT;
-	}
 	const struct ekp_ct_entry *e = ep;
 	int snat = e->flags & EKP_CT_SNAT;
 

@@ -30,7 +30,8 @@
 	!defined(EKP_FE6_MAX) || !defined(EKP_SLOT6_MAX) || !defined(EKP_BE6_MAX) || !defined(EKP_RNAT6_MAX) ||     \
 	!defined(EKP_MEMBER6_MAX) || !defined(EKP_SRCR6_MAX) || !defined(EKP_ADDR6_MAX) ||                     \
 	!defined(EKP_AFF6_MAX) || !defined(EKP_SKNAT6_MAX) || !defined(EKP_CT6_TCP_MAX) ||                     \
-	!defined(EKP_CT6_ANY_MAX) || !defined(EKP_CFG6_MAX)
+	!defined(EKP_CT6_ANY_MAX) || !defined(EKP_CTQ6_TCP_MAX) ||                                               \
+	!defined(EKP_CTQ6_ANY_MAX) || !defined(EKP_CTQH6_MAX) || !defined(EKP_CFG6_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -40,6 +41,8 @@ _Static_assert(EKP_STAT_MAX <= EKP_STAT_SLOTS, "a counter beyond the slots of ek
 _Static_assert(EKP_STAT_MAX <= 64, "struct ekp_decision.marks is a 64-bit set of enum ekp_stat");
 _Static_assert(EKP_CTQH_MAX == 2, "ekp_ctqh holds one position per early-drop ring");
 _Static_assert(EKP_CTQ_TCP_MAX > 0 && EKP_CTQ_ANY_MAX > 0, "an early-drop ring needs a slot");
+_Static_assert(EKP_CTQH6_MAX == 2, "ekp_ctqh6 holds one position per early-drop ring");
+_Static_assert(EKP_CTQ6_TCP_MAX > 0 && EKP_CTQ6_ANY_MAX > 0, "an early-drop ring needs a slot");
 _Static_assert(EKP_FRAGLAST_MAX == 1, "ekp_fraglast holds one time");
 _Static_assert(EKP_ACT_MAX == EKP_ACT_SLOTS, "ekp_act has EKP_ACT_SLOTS slots (the slot hash masks with it)");
 _Static_assert(EKP_CFG_MAX == 2, "ekp_cfg_v2 holds exactly two struct ekp_config (double buffer)");
@@ -112,6 +115,9 @@ BPF_TABLE("lru_hash", struct ekp_affinity6_key, struct ekp_affinity, ekp_aff6_v2
 BPF_TABLE("lru_hash", struct ekp_sock6_key, struct ekp_sock6_nat, ekp_sknat6_v2, EKP_SKNAT6_MAX);
 BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_tcp_v3, EKP_CT6_TCP_MAX);
 BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_any_v3, EKP_CT6_ANY_MAX);
+BPF_TABLE("array", u32, struct ekp_ctq6_slot, ekp_ctq6_tcp_v2, EKP_CTQ6_TCP_MAX);
+BPF_TABLE("array", u32, struct ekp_ctq6_slot, ekp_ctq6_any_v2, EKP_CTQ6_ANY_MAX);
+BPF_TABLE("array", u32, u64, ekp_ctqh6_v2, EKP_CTQH6_MAX);
 /* The IPv6 path's own settings (the node's IPv6 address for SNAT), written by the agent. */
 BPF_TABLE("array", u32, struct ekp_config6, ekp_cfg6_v2, EKP_CFG6_MAX);
 
@@ -178,6 +184,8 @@ static __always_inline struct ekp_addr *ekp_addr6_lookup(struct ekp_addr6_key *k
 static __always_inline struct ekp_ct6_entry *ekp_ct6_lookup(struct ekp_ct6_key *k);
 static __always_inline struct ekp_ct6_entry *ekp_ct6_tcp_lookup(struct ekp_ct6_key *k);
 static __always_inline struct ekp_ct6_entry *ekp_ct6_any_lookup(struct ekp_ct6_key *k);
+static __always_inline struct ekp_ctq6_slot *ekp_ctq6_lookup(__u32 ring, __u32 *slot);
+static __always_inline u64 *ekp_ctqh6_lookup(u32 *ring);
 static __always_inline int ekp_ct6_update(struct ekp_ct6_key *k, struct ekp_ct6_entry *v);
 static __always_inline int ekp_ct6_insert(struct ekp_ct6_key *k, struct ekp_ct6_entry *v);
 static __always_inline int ekp_ct6_delete(struct ekp_ct6_key *k);

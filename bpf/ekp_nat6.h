@@ -25,11 +25,6 @@
 #include "ekp_nat.h"
 #include "ekp_parse6.h"
 
-static __always_inline int ekp_addr6_eq(const __be32 *a, const __be32 *b)
-{
-	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
-}
-
 /* Replaces the 16-byte address at `off` and fixes the L4 checksum for it (its pseudo header).
  * 0 or -1. */
 static __always_inline int ekp_set_addr6(struct __sk_buff *skb, const struct ekp_pkt6 *p, __u32 off,

@@ -62,6 +62,11 @@ struct ekp_pkt6 {
 	__u8 pad[3];
 };
 
+static __always_inline int ekp_addr6_eq(const __be32 *a, const __be32 *b)
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
+}
+
 /* One extension header at `*off`: the next header and its length (a fragment header: the kind of
  * fragment into *frag). 0, or -1 when not walkable. */
 static __always_inline int ekp_parse6_ext(struct __sk_buff *skb, __u32 *off, __u8 *nh, __u8 *frag)

@@ -275,6 +275,19 @@ static __always_inline struct ekp_addr *ekp_addr6_lookup(struct ekp_addr6_key *k
 	return ekp_addr6_v2.lookup(k);
 }
 
+/* The early-drop rings of the IPv6 tables (enum ekp_ctq_ring) and their write positions. */
+static __always_inline struct ekp_ctq6_slot *ekp_ctq6_lookup(__u32 ring, __u32 *slot)
+{
+	if (ring == EKP_CTQ_TCP)
+		return ekp_ctq6_tcp_v2.lookup(slot);
+	return ekp_ctq6_any_v2.lookup(slot);
+}
+
+static __always_inline u64 *ekp_ctqh6_lookup(u32 *ring)
+{
+	return ekp_ctqh6_v2.lookup(ring);
+}
+
 /* IPv6 conntrack: TCP and the others apart, as IPv4's. */
 static __always_inline struct ekp_ct6_entry *ekp_ct6_lookup(struct ekp_ct6_key *k)
 {

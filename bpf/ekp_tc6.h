@@ -4,17 +4,20 @@
  * ekp_from_pod / ekp_from_net by a tail call (ekp_tc.c), so the IPv4 programs' verification and
  * per-packet work do not grow with it (Cilium splits its programs per family the same way).
  *
- *   parse (ekp_parse6.h) -> conntrack (ekp_ct6_tcp / ekp_ct6_any: FORWARD, then REPLY)
+ *   parse (ekp_parse6.h) -> conntrack (ekp_ct6.h: IPv4's conntrack code for IPv6, FORWARD then
+ *                           REPLY, ekp_ct6_tcp / ekp_ct6_any, early-drop rings ekp_ctq6_*)
  *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1),
- *                           SNAT source port (ekp_tc6_snat.h: IPv4's walk, ekp_snat.h)
- *                        -> route (bpf_fib_lookup), rewrite (ekp_nat6.h), hop limit - 1, redirect
+ *                           source translation decided (ekp_tc6_wants_snat), or a direct
+ *                           connection on a live flow's tuple (ekp_ct6_reclaim)
+ *                        -> route (bpf_fib_lookup), entries and SNAT port (ekp_ct6_create: IPv4's
+ *                           walk, ekp_snat_af.h), rewrite (ekp_nat6.h), hop limit - 1, redirect
  *   an ICMPv6 error      -> conntrack of the quoted flow (ekp_tc6_related) -> route, outer and
  *                           quote rewritten, hop limit - 1, redirect
  *
  * What it translates: TCP flows to a frontend, with the source translated to the node's IPv6
- * address where IPv4 would translate it (ekp_tc6_snat.h: SNAT_ALL, SNAT_REMOTE with a remote
- * backend, a hairpin), and the ICMPv6 errors about them. Every other packet goes to the node's
- * stack untouched, where the ip6tables proxier beside the eBPF programs (agent/metaproxier.py,
+ * address (ekp_cfg6) where IPv4 would translate it (SNAT_ALL, SNAT_REMOTE with a remote backend,
+ * a hairpin), and the ICMPv6 errors about them. Every other packet goes to the node's stack
+ * untouched, where the ip6tables proxier beside the eBPF programs (agent/metaproxier.py,
  * EbpfAndIp6tables) does what it did before this path existed:
  *   - UDP and SCTP: a UDP flow owned here would lose what the stack does for it (a backend's
  *     fragmented answers, ICMPv6 errors quoting the translated tuple: nf_conntrack knows neither
@@ -38,9 +41,13 @@
  *     time exceeded, parameter problem: ekp_tc6_related translates those back, as nf_nat does for
  *     the flows ip6tables translated), a packet too big for the route (the stack and ip6tables
  *     answer it as they would without this path), no route, the last hop.
- * A new flow whose reply tuple a live flow of another frontend holds (one client port to one
- * backend through two frontends) is dropped (EKP_DROP_TUPLE_TAKEN), not left to ip6tables: its
- * nf_conntrack entry would have that tuple too, and the replies would get the other frontend here.
+ * Conntrack is IPv4's, the same code (ekp_ct_af.h): state and timeouts, twins rebuilt, orphaned
+ * flows, closed flows reclaimed by a SYN, the early-drop ring, the SNAT port walk. A new flow whose
+ * reply tuple a live flow of another frontend holds (one client port to one backend through two
+ * frontends), and a direct connection on a live flow's tuple, keep the client's address with
+ * another source port (EKP_CT_SNAT with the client's own address, EKP_STAT_PORT_REMAP), as
+ * ip6tables' nf_nat would; not left to ip6tables, whose nf_conntrack knows nothing of the flow
+ * holding the tuple.
  * The reply of a flow this path translated comes back through ekp_from_pod6 (a local backend) or
  * ekp_from_net6 (a remote one) and gets its frontend back from the REPLY entry (and its client, when
  * the source was translated).
@@ -51,7 +58,7 @@
 #include <linux/pkt_cls.h>
 
 #include "ekp_act.h"
-#include "ekp_ct.h"
+#include "ekp_ct6.h"
 #include "ekp_decide.h"
 #include "ekp_lb.h"
 #include "ekp_nat6.h"
@@ -67,13 +74,11 @@
 struct ekp_tc6_scratch {
 	struct ekp_pkt6 pkt;
 	struct ekp_ct6_key key;
-	struct ekp_ct6_key rkey;
-	struct ekp_ct6_entry fwd;
-	struct ekp_ct6_entry rev;
 	struct bpf_fib_lookup fib;
-	struct ekp_flow flow;
-	struct ekp_icmp6_nat icmp;
-	__be32 be6[4];
+	struct ekp_flow6 flow;
+	struct ekp_ctq6_req queue; /* a flow that began or closed, for the early-drop ring */
+	long rc;                   /* a new flow's route (ekp_tc6_route), kept across ekp_ct6_create */
+	struct ekp_icmp6_nat icmp; /* an ICMPv6 error's translation (ekp_tc6_related) */
 };
 
 static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);
@@ -153,73 +158,30 @@ static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_sc
 	return ekp_tc6_forward(skb, w, rc, outcome);
 }
 
-static __always_inline struct ekp_ct6_entry *ekp_ct6_hit(struct ekp_ct6_key *k, const struct ekp_config *cfg, __u64 now)
+/* A usable conntrack hit (ekp_decide_hit for this path): the flow moves on (ekp_ct_advance: its
+ * state, the early-drop ring when it closes, the refresh that rebuilds a lost twin). Sets the
+ * translated tuple: the backend (and the SNAT source of a remapped port) forward, the frontend (and the
+ * client's own port) in reply. */
+static __always_inline void ekp_tc6_hit(struct ekp_tc6_scratch *w, struct ekp_ct6_entry *e, __u64 now,
+					const __be32 **sa, __be16 *sp, const __be32 **da, __be16 *dp)
 {
-	struct ekp_ct6_entry *e = ekp_ct6_lookup(k);
+	const struct ekp_pkt6 *p = &w->pkt;
+	struct ekp_ct6_key *k = &w->key;
+	if (ekp_ct6_advance(e, k, &p->b, now, &w->queue))
+		ekp_count(EKP_STAT_CT_REBUILT);
+	int snat = e->flags & EKP_CT_SNAT;
 
-	if (e && ekp_age_ns(now, e->last_seen_ns) > (__s64)ekp_ct_timeout_ns(cfg, k->proto, e->flags))
-		return NULL; /* expired: a new flow on the tuple decides again */
-	return e;
-}
-
-/* The state a packet moves its flow to (ekp_ct_transition, IPv4's, reads only these two fields). */
-static __always_inline __u16 ekp_ct6_transition(const struct ekp_ct6_entry *e, const struct ekp_pkt6 *p, __u8 dir,
-						__u64 now)
-{
-	struct ekp_ct_entry view = {};
-
-	view.flags = e->flags;
-	view.created_s = e->created_s;
-	return ekp_ct_transition(&view, &p->b, dir, now);
-}
-
-/* ekp_ct_usable_forward / ekp_ct_usable_reply (IPv4's) for this path's TCP: no SYN on a flow that
- * saw a FIN or RST (a new flow, decided again), and a TCP flow keeps a backend removed from its
- * service, as kube-proxy does. The forward test is its TCP half (ekp_ct_syn_reopens): its UDP half
- * reads IPv4's ekp_member, and UDP is not translated here (see the top). */
-static __always_inline int ekp_ct6_usable(const struct ekp_ct6_entry *e, const struct ekp_pkt6 *p, __u8 dir)
-{
-	struct ekp_ct_entry view = {};
-
-	if (dir == EKP_CT_FORWARD)
-		return !ekp_ct_syn_reopens(e->flags, &p->b);
-	view.flags = e->flags; /* all ekp_ct_usable_reply reads */
-	return ekp_ct_usable_reply(&view, &p->b);
-}
-
-/* ekp_ct_is_twin for IPv6: `t`, found under the twin key of `e` (this packet's entry, direction
- * `dir`), is its twin and not another flow's entry that took the key: the same frontend, backend
- * and translation (EKP_CT_SAME_FLOW, IPv4's test), and the same client or backend: for a FORWARD
- * twin, this reply's source as its backend; for a REPLY twin of a source-translated flow, this
- * packet's source as its client. Without SNAT a REPLY twin's key holds this packet's source. */
-static __always_inline int ekp_ct6_is_twin(const struct ekp_ct6_entry *t, const struct ekp_ct6_entry *e, __u8 dir,
-					   const struct ekp_pkt6 *p)
-{
-	if (!EKP_CT_SAME_FLOW(t, e, ekp_addr6_eq(t->fe_addr, e->fe_addr)))
-		return 0;
-	if (dir == EKP_CT_FORWARD && !(t->flags & EKP_CT_SNAT))
-		return 1; /* its key holds this packet's client and port */
-	/* a FORWARD twin's nat_addr is its backend, this reply's source; a source-translated REPLY
-	 * twin's is its client (another client's flow may hold the SNAT tuple since) */
-	return ekp_addr6_eq(t->nat_addr, p->saddr) && t->nat_port == p->b.sport;
-}
-
-/* An IPv6 endpoint in the flow-activity array (ekp_act.h) is its address folded to 32 bits: a
- * stamp is a hint, and a slot shared with another endpoint (of either family) only costs the
- * lookups, never a wrong answer. */
-static __always_inline __be32 ekp_fold6(const __be32 *a)
-{
-	return a[0] ^ a[1] ^ a[2] ^ a[3];
-}
-
-/* Stamps both endpoints of a flow: its frontend and its backend. */
-static __always_inline void ekp_ct6_stamp_flow(const __be32 *fe, __be16 fe_port, const __be32 *be, __be16 be_port,
-					       __u8 proto, __u64 now)
-{
-	__u32 t = ekp_act_stamp_of(now);
-
-	ekp_act_stamp(ekp_fold6(fe), fe_port, proto, t);
-	ekp_act_stamp(ekp_fold6(be), be_port, proto, t);
+	if (k->dir == EKP_CT_FORWARD) {
+		*sa = snat ? e->snat_addr : p->saddr;
+		*sp = snat ? e->snat_port : p->b.sport;
+		*da = e->nat_addr;
+		*dp = e->nat_port;
+	} else {
+		*sa = e->fe_addr;
+		*sp = e->fe_port;
+		*da = snat ? e->nat_addr : p->daddr;
+		*dp = snat ? e->nat_port : p->b.dport;
+	}
 }
 
 /* ekp_decide_may_translate for IPv6: when no live flow stamped either endpoint of the packet and
@@ -241,7 +203,29 @@ static __always_inline int ekp_tc6_may_translate(const struct ekp_pkt6 *p, __u8 
 	return a && (a->flags & (1 << scope));
 }
 
-#include "ekp_tc6_snat.h"
+/* The node's IPv6 address, the source of IPv6 SNAT (ekp_cfg6, written by the agent from the IPv6
+ * family's node address); NULL when none is known: such flows are left to the stack, where
+ * ip6tables masquerades them. */
+static __always_inline const __be32 *ekp_tc6_node_addr(void)
+{
+	__u32 zero = 0;
+	struct ekp_config6 *c = ekp_cfg6_lookup(&zero);
+
+	if (!c || !(c->node_addr[0] | c->node_addr[1] | c->node_addr[2] | c->node_addr[3]))
+		return NULL;
+	return c->node_addr;
+}
+
+/* Whether a new flow to the backend just chosen is source-translated (ekp_decide_new's rule): the
+ * frontend asks it (EKP_FE_SNAT_ALL, kube-proxy's KUBE-MARK-MASQ; EKP_FE_SNAT_REMOTE and the
+ * backend on another node: a NodePort, external IP or LB IP of policy Cluster reached from
+ * outside), or a hairpin (the client is its own backend: its stack would drop a packet from its own
+ * address). */
+static __always_inline int ekp_tc6_wants_snat(__u16 fe_flags, __u8 be_flags, const __be32 *be6, const __be32 *client)
+{
+	return (fe_flags & EKP_FE_SNAT_ALL) || ((fe_flags & EKP_FE_SNAT_REMOTE) && !(be_flags & EKP_BE_LOCAL)) ||
+	       ekp_addr6_eq(be6, client);
+}
 
 /* An ICMPv6 error quoting a packet of a flow this path translated, as that packet left us
  * (translated): the node's stack has no nf_conntrack entry for the flow, so without this the error
@@ -277,8 +261,8 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 	__builtin_memcpy(n->in_daddr, p->in_daddr, 16);
 	n->in_sport = p->b.in_sport;
 	n->in_dport = p->b.in_dport;
-	struct ekp_ct6_entry *e = ekp_ct6_hit(k, cfg, now);
-	if (e) {
+	struct ekp_ct6_entry *e = ekp_ct6_lookup(k);
+	if (e && ekp_ct6_life(e, k, cfg, now) == EKP_CT_LIVE) {
 		__builtin_memcpy(n->in_daddr, e->fe_addr, 16);
 		n->in_dport = e->fe_port;
 		__builtin_memcpy(n->saddr, e->fe_addr, 16);
@@ -289,8 +273,8 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 		}
 	} else {
 		k->dir = EKP_CT_FORWARD;
-		e = ekp_ct6_hit(k, cfg, now);
-		if (!e)
+		e = ekp_ct6_lookup(k);
+		if (!e || ekp_ct6_life(e, k, cfg, now) != EKP_CT_LIVE)
 			return TC_ACT_OK;
 		__builtin_memcpy(n->in_saddr, e->nat_addr, 16);
 		n->in_sport = e->nat_port;
@@ -324,6 +308,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	skb->tc_classid = 0;
 	if (!w)
 		return TC_ACT_OK; /* cannot happen: a one-element per-CPU array */
+	w->queue.want = 0;
 	__builtin_memset(&w->pkt, 0, sizeof(w->pkt));
 	struct ekp_pkt6 *p = &w->pkt;
 	int parsed = ekp_parse6(skb, p);
@@ -345,197 +330,141 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 
 	__u64 now = bpf_ktime_get_ns();
 	struct ekp_ct6_key *k = &w->key;
-	struct ekp_ct6_key *rk = &w->rkey;
-	__builtin_memset(k, 0, sizeof(*k));
-	__builtin_memcpy(k->saddr, p->saddr, 16);
-	__builtin_memcpy(k->daddr, p->daddr, 16);
-	k->sport = p->b.sport;
-	k->dport = p->b.dport;
-	k->proto = p->b.proto;
-	k->dir = EKP_CT_FORWARD;
+	const __be32 *sa, *da;
+	__be16 sp, dp;
+	long rc;
 
-	__builtin_memset(rk, 0, sizeof(*rk));
-	rk->proto = p->b.proto;
-	rk->dir = EKP_CT_REPLY;
-	struct ekp_ct6_entry *e = ekp_ct6_hit(k, cfg, now);
-	__u8 dir = EKP_CT_FORWARD;
-	if (e && !ekp_ct6_usable(e, p, EKP_CT_FORWARD))
-		e = NULL; /* a SYN reusing an ended flow's port: the new-flow path below */
+	__builtin_memset(k, 0, sizeof(*k));
+	ekp_ct6_key_of(k, p, EKP_CT_FORWARD);
+	struct ekp_ct6_entry *e = ekp_ct6_lookup(k);
+	if (e && !(ekp_ct6_alive(e, k, cfg, now) && ekp_ct6_usable_forward(e, &p->b)))
+		e = NULL; /* dead, or a SYN reusing an ended flow's port: the new-flow path below */
 	if (!e) {
 		k->dir = EKP_CT_REPLY;
-		e = ekp_ct6_hit(k, cfg, now);
-		if (e && !ekp_ct6_usable(e, p, EKP_CT_REPLY))
+		e = ekp_ct6_lookup(k);
+		if (e && !(ekp_ct6_alive(e, k, cfg, now) && ekp_ct6_usable_reply(e, &p->b)))
 			e = NULL; /* a SYN-ACK answering something else on an ended flow's tuple */
-		if (e)
-			dir = EKP_CT_REPLY;
 	}
 	if (e) {
-		ekp_ct6_twin_key(rk, k, e); /* the flow's other entry */
-		__u16 set = ekp_ct6_transition(e, p, dir, now);
-		/* both entries move alike, as IPv4's; the clock once a second (a write per packet
-		 * would bounce the entry between CPUs) */
-		if (set || ekp_age_ns(now, e->last_seen_ns) > (__s64)EKP_NSEC) {
-			e->flags |= set;
-			e->last_seen_ns = now;
-			struct ekp_ct6_entry *t = set ? ekp_ct6_lookup(rk) : NULL;
-			if (t && ekp_ct6_is_twin(t, e, dir, p))
-				t->flags |= set;
-			/* the backend: the FORWARD entry's nat_addr, the REPLY key's source */
-			if (dir == EKP_CT_FORWARD)
-				ekp_ct6_stamp_flow(e->fe_addr, e->fe_port, e->nat_addr, e->nat_port, p->b.proto, now);
-			else
-				ekp_ct6_stamp_flow(e->fe_addr, e->fe_port, p->saddr, p->b.sport, p->b.proto, now);
-		}
-		int snat = e->flags & EKP_CT_SNAT;
-		const __be32 *sa = snat ? e->snat_addr : p->saddr, *da = e->nat_addr;
-		__be16 sp = snat ? e->snat_port : p->b.sport, dp = e->nat_port;
-		if (dir == EKP_CT_REPLY) {
-			sa = e->fe_addr;
-			sp = e->fe_port;
-			da = snat ? e->nat_addr : p->daddr; /* back to the client */
-			dp = snat ? e->nat_port : p->b.dport;
-		}
 		if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
 			outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
 			verdict = TC_ACT_SHOT;
 			goto out;
 		}
-		long rc = ekp_tc6_route(skb, w, sa, sp, da, dp);
+		ekp_tc6_hit(w, e, now, &sa, &sp, &da, &dp);
+		rc = ekp_tc6_route(skb, w, sa, sp, da, dp);
 		if (rc < 0)
 			goto out;
-		outcome = dir == EKP_CT_FORWARD ? EKP_STAT_CT_FORWARD : EKP_STAT_CT_REPLY;
+		outcome = k->dir == EKP_CT_FORWARD ? EKP_STAT_CT_FORWARD : EKP_STAT_CT_REPLY;
 		verdict = ekp_tc6_send(skb, w, rc, sa, sp, da, dp, &outcome);
 		goto out;
 	}
 
 	/* A new flow: only its first packet starts one (a TCP segment without an entry belongs to a
 	 * flow ip6tables translated, whose nf_conntrack entry the stack has). */
-	if (p->b.proto == IPPROTO_TCP && !ekp_pure_syn(&p->b))
+	if (!ekp_opens_flow(&p->b))
 		goto out;
+	struct ekp_flow6 *f = &w->flow;
+	__u32 aff_hit = 0;
+	__builtin_memset(f, 0, sizeof(*f));
 	struct ekp_frontend6_key fk = {};
 	__builtin_memcpy(fk.addr, p->daddr, 16);
 	fk.port = p->b.dport;
 	fk.proto = p->b.proto;
 	fk.scope = scope;
 	struct ekp_frontend *fe = ekp_fe6_lookup(&fk);
-	if (!fe)
-		goto out;
-	/* Whatever would take ip6tables for some of its backends takes it for all, decided before the
-	 * choice: a flow this path chose a backend for and then left to ip6tables would be chosen for
-	 * again there, and the backends that path reaches twice would get more than their share. A
-	 * source translation is ip6tables' only while the node's IPv6 address is not known. */
-	__u16 flags = fe->flags;
-	const __be32 *node = ekp_tc6_node_addr(); /* the SNAT source (ekp_tc6_snat.h) */
-	if (ekp_lb_refusal_af(1, fe, p->saddr) || (flags & EKP_FE_HOST_BACKEND) ||
-	    (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
-		goto out;
+	const __be32 *node = ekp_tc6_node_addr();
+	if (fe) {
+		/* Whatever would take ip6tables for some of its backends takes it for all, decided before
+		 * the choice: a flow this path chose a backend for and then left to ip6tables would be
+		 * chosen for again there, and the backends that path reaches twice would get more than
+		 * their share. A source translation is ip6tables' only while the node's IPv6 address is
+		 * not known. */
+		__u16 flags = fe->flags;
+		if (ekp_lb_refusal_af(1, fe, p->saddr) || (flags & EKP_FE_HOST_BACKEND) ||
+		    (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
+			goto out;
+	} else {
+		/* No frontend: a connection of its own, client:P -> server:port, whose reverse tuple a
+		 * live flow this path translated may hold (ekp_ct_reclaim): it keeps its addresses and
+		 * gets another source port, translated to itself (ekp_flow_direct, IPv4's). A stale
+		 * holder is cleared and the packet goes on untouched. */
+		__u16 held_by = 0;
+		if (ekp_ct6_reclaim(p, cfg, now, &held_by) != EKP_RECLAIM_LIVE)
+			goto out;
+	}
 	/* A source not routed back by this device: not ours to translate past the stack, and not ours
 	 * to drop either (IPv6 has no rp_filter: the stack and ip6tables do what they would without
 	 * this path). A hit's packet is dropped instead (above): it would be redirected. */
 	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge))
 		goto out;
-	struct ekp_flow *f = &w->flow;
-	__u32 aff_hit = 0;
-	__builtin_memset(f, 0, sizeof(*f));
-	if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, f, w->be6, &aff_hit))
-		goto out;
-	/* Without the node's IPv6 address, a hairpin (the client chose itself) needs ip6tables'
-	 * source translation, and ip6tables chooses again, as no map says before the choice which
-	 * clients are backends of this frontend: a client that is one of n backends of the Service
-	 * then reaches itself with 1/n^2, and the others with more than 1/n. A host backend the
-	 * planner did not flag yet (EKP_FE_HOST_BACKEND, a frontend written before it knew the flag)
-	 * goes to the stack too. */
-	int snat = ekp_tc6_wants_snat(flags, f->be_flags, w->be6, p->saddr);
-	if ((f->be_flags & EKP_BE_HOST) || (snat && !node))
-		goto out;
-
-	/* The reply tuple {backend, client or node, bport, cport or SNAT port}: its port is found
-	 * before anything is written (the walk only looks up). */
-	const __be32 *sa = p->saddr;
-	__be16 sp = p->b.sport;
-	__builtin_memcpy(rk->saddr, w->be6, 16);
-	rk->sport = f->be_port;
-	if (snat) {
-		int reason = ekp_tc6_snat_port(w, node, cfg, now);
-		if (reason) {
-			outcome = reason;
-			verdict = TC_ACT_SHOT;
+	if (fe) {
+		__u16 flags = fe->flags;
+		if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, &f->b, f->be_addr,
+					&aff_hit))
 			goto out;
+		if (aff_hit) /* counted now, as IPv4's marks: a value held across the walk splits its states */
+			ekp_count(EKP_STAT_AFFINITY_HIT);
+		/* Without the node's IPv6 address, a hairpin (the client chose itself) needs ip6tables'
+		 * source translation, and ip6tables chooses again, as no map says before the choice which
+		 * clients are backends of this frontend: a client that is one of n backends of the
+		 * Service then reaches itself with 1/n^2, and the others with more than 1/n. A host
+		 * backend the planner did not flag yet (EKP_FE_HOST_BACKEND, a frontend written before it
+		 * knew the flag) goes to the stack too. */
+		int snat = ekp_tc6_wants_snat(flags, f->b.be_flags, f->be_addr, p->saddr);
+		if ((f->b.be_flags & EKP_BE_HOST) || (snat && !node))
+			goto out;
+		if (snat) { /* the port: ekp_ct6_create's walk */
+			f->b.ct_flags = EKP_CT_SNAT;
+			__builtin_memcpy(f->snat_addr, node, 16);
 		}
-		sa = node;
-		sp = f->snat_port;
+		f->b.svc_id = fe->svc_id;
+		__builtin_memcpy(f->fe_addr, p->daddr, 16);
+		f->b.fe_port = p->b.dport;
 	} else {
-		__builtin_memcpy(rk->daddr, p->saddr, 16);
-		rk->dport = p->b.sport;
+		__builtin_memcpy(f->be_addr, p->daddr, 16);
+		__builtin_memcpy(f->fe_addr, p->daddr, 16);
+		__builtin_memcpy(f->snat_addr, p->saddr, 16);
+		f->b.be_port = p->b.dport;
+		f->b.fe_port = p->b.dport;
+		f->b.ct_flags = EKP_CT_SNAT;
+		f->b.remapped = 1;
 	}
-	long rc = ekp_tc6_route(skb, w, sa, sp, w->be6, f->be_port);
-	if (rc < 0)
+	/* The route before anything is written (the source port a remap picks matters to no route),
+	 * kept in memory across the entries' creation: in a register its two values (SUCCESS,
+	 * NO_NEIGH) would have the verifier walk the SNAT port walk once for each (ekp_snat.h). */
+	w->rc = ekp_tc6_route(skb, w, (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr, p->b.sport, f->be_addr,
+			      f->b.be_port);
+	if (w->rc < 0)
 		goto out;
-
-	/* The reply entry first: a reply can never beat its entry. */
-	struct ekp_ct6_entry *fwd = &w->fwd, *rev = &w->rev;
-	__builtin_memset(rev, 0, sizeof(*rev));
-	rev->last_seen_ns = now;
-	__builtin_memcpy(rev->fe_addr, p->daddr, 16);
-	rev->fe_port = p->b.dport;
-	rev->svc_id = fe->svc_id;
-	rev->backend_id = f->backend_id;
-	rev->created_s = now / EKP_NSEC;
-	if (snat) {
-		rev->flags = EKP_CT_SNAT;
-		__builtin_memcpy(rev->nat_addr, p->saddr, 16);
-		rev->nat_port = p->b.sport;
-	}
-	__builtin_memcpy(fwd, rev, sizeof(*fwd));
-	__builtin_memcpy(fwd->nat_addr, w->be6, 16);
-	fwd->nat_port = f->be_port;
-	if (snat) {
-		__builtin_memcpy(fwd->snat_addr, sa, 16);
-		fwd->snat_port = sp;
-	}
-	k->dir = EKP_CT_FORWARD;
-	if (snat) {
-		int reason = ekp_ct6_place(rk, rev);
-		if (reason) {
-			outcome = reason;
-			verdict = TC_ACT_SHOT;
-			goto out;
-		}
-	} else if (ekp_ct6_insert(rk, rev) < 0) {
-		/* this tuple's earlier flow (same frontend), a dead one, or a closed one (this packet is a
-		 * SYN: ekp_ct_reusable's rule, as the kernel's NAT takes a TIME_WAIT tuple): replaced; a
-		 * live flow of another frontend: dropped, not left to ip6tables, which would pick the
-		 * same tuple and see its replies rewritten to that frontend here (IPv4 moves the port
-		 * instead) */
-		struct ekp_ct6_entry *held = ekp_ct6_hit(rk, cfg, now);
-		if (held && !ekp_ct_closed(held->flags) &&
-		    (!ekp_addr6_eq(held->fe_addr, p->daddr) || held->fe_port != p->b.dport)) {
-			outcome = EKP_DROP_TUPLE_TAKEN;
-			verdict = TC_ACT_SHOT;
-			goto out;
-		}
-		if (ekp_ct6_update(rk, rev) < 0) {
-			outcome = EKP_DROP_CT_FULL;
-			verdict = TC_ACT_SHOT;
-			goto out;
-		}
-	}
-	if (ekp_ct6_update(k, fwd) < 0) {
-		ekp_ct6_delete(rk); /* no reply entry without its flow, as IPv4's ekp_ct_create */
-		outcome = EKP_DROP_CT_FULL;
+	/* The entries (ekp_ct_create, IPv4's): the reply one first; a source-translated flow's port
+	 * from the SNAT range; on a reply tuple a live flow of another frontend holds, another source
+	 * port (EKP_STAT_PORT_REMAP), as ip6tables' nf_nat would. */
+	int reason = ekp_ct6_create(p, f, cfg, now);
+	if (reason) {
+		outcome = reason;
 		verdict = TC_ACT_SHOT;
 		goto out;
 	}
-	ekp_ct6_stamp_flow(p->daddr, p->b.dport, w->be6, f->be_port, p->b.proto, now);
-	outcome = EKP_STAT_NEW_FLOWS;
-	if (aff_hit)
-		ekp_count(EKP_STAT_AFFINITY_HIT);
-	if (snat)
+	k->dir = EKP_CT_FORWARD;
+	ekp_ctq6_want(&w->queue, k, now / EKP_NSEC);
+	if (f->b.remapped)
+		ekp_count(EKP_STAT_PORT_REMAP);
+	else if (f->b.ct_flags & EKP_CT_SNAT)
 		ekp_count(EKP_STAT_SNAT);
-	if (f->early_drop)
+	if (f->b.early_drop)
 		ekp_count(EKP_STAT_EARLY_DROP);
-	verdict = ekp_tc6_send(skb, w, rc, sa, sp, w->be6, f->be_port, &outcome);
+	sa = (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr;
+	sp = (f->b.ct_flags & EKP_CT_SNAT) ? f->b.snat_port : p->b.sport;
+	outcome = EKP_STAT_NEW_FLOWS;
+	verdict = ekp_tc6_send(skb, w, w->rc, sa, sp, f->be_addr, f->b.be_port, &outcome);
 out:
+	/* the flow that began or closed goes in its ring (ekp_ctq.h); the one there a ring ago may go */
+	if (w->queue.want) {
+		__u32 evicted = ekp_ctq6_push(&w->queue);
+		if (evicted)
+			ekp_count(evicted);
+	}
 	ekp_count(outcome);
 	return verdict;
 }

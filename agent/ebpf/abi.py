@@ -511,16 +511,29 @@ class Ct6Entry(_Struct):
     _fields_ = [
         ("last_seen_ns", u64),
         ("nat_addr", Addr6),
-        ("fe_addr", Addr6),
         ("snat_addr", Addr6),
+        ("fe_addr", Addr6),
         ("nat_port", u16),
+        ("snat_port", u16),
         ("fe_port", u16),
         ("flags", u16),
-        ("snat_port", u16),
         ("svc_id", u32),
         ("backend_id", u32),
         ("created_s", u32),
-        ("pad2", u32),
+        ("pad", u32),
+    ]
+
+
+class Ctq6Slot(_Struct):
+    _fields_ = [
+        ("saddr", Addr6),
+        ("daddr", Addr6),
+        ("sport", u16),
+        ("dport", u16),
+        ("proto", u8),
+        ("dir", u8),
+        ("pad", u16),
+        ("created_s", u32),
     ]
 
 
@@ -575,6 +588,7 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_ct6_key": Ct6Key,
     "ekp_ct6_entry": Ct6Entry,
     "ekp_config6": Config6,
+    "ekp_ctq6_slot": Ctq6Slot,
 }
 
 
@@ -682,9 +696,14 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("sknat6", "lru_hash", Sock6Key, Sock6Nat, 65536, "EKP_SKNAT6_MAX", _DP, pair="sknat"),
         # the tc programs' IPv6 conntrack (bpf/ekp_tc6.h), each sized as its IPv4 twin where written
         # (ct6_any is not while the path is TCP-only: one entry, agent/ebpf/loader.py TC6_UNWRITTEN);
-        # v3: the SNAT fields (v2's entries had none: that path left source translations to ip6tables)
+        # v3: IPv4's entry field for field (v2's entries had no SNAT fields: that path left source
+        # translations to ip6tables)
         MapSpec("ct6_tcp", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_TCP_MAX", _DP, version=3, pair="ct_tcp"),
         MapSpec("ct6_any", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_ANY_MAX", _DP, version=3, pair="ct_any"),
+        # their early-drop rings, sized from the table as IPv4's (CT_QUEUES), and where each writes
+        MapSpec("ctq6_tcp", "array", ctypes.c_uint32, Ctq6Slot, 0, "EKP_CTQ6_TCP_MAX", _DP),
+        MapSpec("ctq6_any", "array", ctypes.c_uint32, Ctq6Slot, 0, "EKP_CTQ6_ANY_MAX", _DP),
+        MapSpec("ctqh6", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_CTQH6_MAX", _DP),
         # the IPv6 path's settings: the node's IPv6 address, the source of its SNAT (written by the
         # IPv6 family's sync, agent/ebpf/family6.py)
         MapSpec("cfg6", "array", ctypes.c_uint32, Config6, 1, "EKP_CFG6_MAX"),
@@ -698,7 +717,7 @@ V6_ROLES: dict[str, str] = {
 
 # The early-drop ring of each conntrack table, and how it is sized: a ring of N slots lets at most
 # N flows be unassured or closed (2 N entries), half the table (bpf/ekp_ctq.h).
-CT_QUEUES = {"ct_tcp": "ctq_tcp", "ct_any": "ctq_any"}
+CT_QUEUES = {"ct_tcp": "ctq_tcp", "ct_any": "ctq_any", "ct6_tcp": "ctq6_tcp", "ct6_any": "ctq6_any"}
 CTQ_DIVISOR = 4  # ring slots = table entries / 4
 
 # The conntrack tables, by protocol: TCP flows in ct_tcp, every other protocol in ct_any.

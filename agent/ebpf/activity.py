@@ -120,7 +120,7 @@ def arm(maps: Mapping[str, MapWriter], now_ns: int | None = None) -> int:
         pairs = zip(key_codec.struct.iter_unpack(keys), value_codec.struct.iter_unpack(values), strict=True)
         for (saddr6, _daddr6, sport, _dport, proto, direction), value in pairs:
             entries += 1
-            last_seen, nat_addr6, fe_addr6, _snat_addr6, nat_port, fe_port, flags = value[:7]
+            last_seen, nat_addr6, _snat_addr6, fe_addr6, nat_port, _snat_port, fe_port, flags = value[:8]
             limit = timeouts.get((proto, flags))
             if limit is None:
                 limit = timeouts[(proto, flags)] = ct_timeout_s(cfg, proto, flags) * 1e9

@@ -107,14 +107,15 @@ ROLE_FLAGS: dict[str, int] = {
     **{role: BPF_F_NO_PREALLOC for role in V6_ROLES.values() if MAPS[role].kind == "hash"},
 }
 
-# The conntrack tables of the tc programs' IPv6 path (bpf/ekp_tc6.h), its only writer: when that
-# path does not serve (MapSizes.ipv6_tc), each is created with IDLE_SIZE entries, and a pin of the
-# other size is replaced at load (`replace_resized_ipv6_pins`): what it holds no program reads.
-TC6_ROLES = frozenset({"ct6_tcp", "ct6_any"})
+# The conntrack tables of the tc programs' IPv6 path (bpf/ekp_tc6.h), its only writer, and their
+# early-drop rings: when that path does not serve (MapSizes.ipv6_tc), each is created with IDLE_SIZE
+# entries, and a pin of the other size is replaced at load (`replace_resized_ipv6_pins`): what it
+# holds no program reads.
+TC6_ROLES = frozenset({"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any"})
 IDLE_SIZE = 1
 # ... of which the path writes none yet: it translates TCP alone (bpf/ekp_tc6.h), so ekp_ct6_any
-# stays at IDLE_SIZE whatever MapSizes.ipv6_tc says, until UDP is translated there.
-TC6_UNWRITTEN = frozenset({"ct6_any"})
+# and its ring stay at IDLE_SIZE whatever MapSizes.ipv6_tc says, until UDP is translated there.
+TC6_UNWRITTEN = frozenset({"ct6_any", "ctq6_any"})
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
@@ -447,8 +448,8 @@ class Datapath:
         resized = replace_resized_ipv6_pins(self.pin_path, self.sizes)
         if resized:
             log.info(
-                "IPv6 conntrack tables %s recreated at %s (the tc programs' IPv6 path %s): the IPv4 "
-                "tables and their flows are kept",
+                "IPv6 conntrack tables and early-drop rings %s recreated at %s (the tc programs' IPv6 path "
+                "%s): the IPv4 tables and their flows are kept",
                 ", ".join(resized),
                 "full size" if self.sizes.ipv6_tc else f"{IDLE_SIZE} entry each",
                 "serves now" if self.sizes.ipv6_tc else "no longer serves",
@@ -667,7 +668,9 @@ def _inline_includes(path: Path, seen: set[Path]) -> str:
         if m:
             inc = path.parent / m.group(1)
             if inc.is_file():
-                if inc not in seen:
+                # a per-family template (bpf/ekp_ct_af.h: no include guard) is compiled once per
+                # family, so it is inlined at each include; any other header once, as its guard says
+                if inc not in seen or inc.name.endswith("_af.h"):
                     seen.add(inc)
                     out.append(_inline_includes(inc, seen))
                 continue

@@ -96,7 +96,9 @@ def sock6_lines(entries: Items) -> list[str]:
 
 
 def ct6_line(key: Ct6Key, ct: Ct6Entry, now_ns: int) -> str:
-    """One entry of the tc programs' IPv6 conntrack, as render.ct_line's; `now_ns` is CLOCK_MONOTONIC."""
+    """One entry of the tc programs' IPv6 conntrack, as render.ct_line's (`snat=`: the node's IPv6
+    address and port a masqueraded flow leaves with, or the client's own address with a port remapped
+    around a live flow's reply tuple); `now_ns` is CLOCK_MONOTONIC."""
     try:
         direction = CtDir(key.dir).name.lower()
     except ValueError:

@@ -1,6 +1,5 @@
-"""Carrying the conntrack of an ABI v1 agent over to ABI v2, so an upgrade drops no connection, the
-counters of `ekp_stats_v2` over to `ekp_stats_v3`, and the tc IPv6 path's conntrack of
-`ekp_ct6_*_v2` over to `ekp_ct6_*_v3`.
+"""Carrying the conntrack of an ABI v1 agent over to ABI v2, so an upgrade drops no connection, and
+the counters of `ekp_stats_v2` over to `ekp_stats_v3`.
 
 An agent of this version started over maps pinned by a v1 agent finds the v1 programs still
 attached and serving (the old agent left them in place) and their flows in `ekp_ct_v1`. The v2
@@ -23,13 +22,6 @@ v1 -> v2, per entry (`convert_v1_entry`, pure):
 
 The conversion is pure and tested with literal entries; `V1Maps` reads the v1 pins.
 
-IPv6 conntrack (the tc programs' IPv6 path, bpf/ekp_tc6.h): v3 entries gained the SNAT source
-(snat_addr, snat_port) and moved `nat_port` and what follows it by 16 bytes; v2 translated no
-source, so every v2 entry is a v3 entry with those fields zero (`convert_v2_ct6_entry`). The older
-build's IPv6 programs stay in their program array until ours are attached (loader.py), so its
-flows are copied as v1's are: before our programs take over and again right after, with
-BPF_NOEXIST, into tables that serve (a one-entry table, the path off at this start, gets none).
-
 Counters: `ekp_stats_v3` has room for 64 counters where v2 had exactly its 25 (a pinned map is
 never resized, so a counter added meant a new map). Before the new programs take over, while the
 old ones still count into v2 and nothing has counted into v3, every v2 counter is copied into v3
@@ -47,7 +39,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from agent.ebpf import abi
@@ -96,44 +88,6 @@ V1_CT = MapSpec("ct", "lru_hash", V1CtKey, V1CtEntry, 524288, "EKP_CT_MAX", Writ
 V1_RNAT = MapSpec("rnat", "hash", abi.RevNatKey, abi.RevNat, 65536, "EKP_RNAT_MAX", version=V1)
 # ekp_stats_v2: its 25 counters are the first 25 of v3, index for index.
 V2_STATS = MapSpec("stats", "percpu_array", _u32, _u64, 25, "EKP_STATS_MAX", Writer.DATAPATH, version=2)
-
-
-class V2Ct6Entry(abi._Struct):
-    """struct ekp_ct6_entry of ekp_ct6_tcp_v2 / ekp_ct6_any_v2 (no SNAT fields)."""
-
-    _fields_ = [
-        ("last_seen_ns", _u64),
-        ("nat_addr", abi.Addr6),
-        ("fe_addr", abi.Addr6),
-        ("nat_port", _u16),
-        ("fe_port", _u16),
-        ("flags", _u16),
-        ("pad", _u16),
-        ("svc_id", _u32),
-        ("backend_id", _u32),
-        ("created_s", _u32),
-        ("pad2", _u32),
-    ]
-
-
-# The v2 IPv6 conntrack tables, by the role of their v3 successors (the key is unchanged).
-V2_CT6 = {role: replace(abi.MAPS[role], value=V2Ct6Entry, version=2) for role in abi.CT6_ROLES}
-
-
-def convert_v2_ct6_entry(entry: V2Ct6Entry) -> abi.Ct6Entry:
-    """A v2 IPv6 conntrack entry in the v3 layout: the same fields, no source translation."""
-    return abi.Ct6Entry(
-        last_seen_ns=entry.last_seen_ns,
-        nat_addr=entry.nat_addr,
-        fe_addr=entry.fe_addr,
-        nat_port=entry.nat_port,
-        fe_port=entry.fe_port,
-        flags=entry.flags,
-        svc_id=entry.svc_id,
-        backend_id=entry.backend_id,
-        created_s=entry.created_s,
-    )
-
 
 # (address be, port be, protocol) -> id, as the v2 maps hold them.
 Ident = tuple[int, int, int]
@@ -231,44 +185,10 @@ class Upgrade:
             self._carry(maps, "before the v2 programs take over")
         if os.path.exists(os.path.join(self.pin_path, V2_STATS.name)):
             self._carry_counters(maps["stats"])
-        self._carry_ct6(maps, "before this build's programs take over")
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         if self.pending:
             self._carry(maps, "after the v2 programs took over")
-        self._carry_ct6(maps, "after this build's programs took over")
-
-    def _carry_ct6(self, maps: Mapping[str, MapWriter], when: str) -> None:
-        """The tc IPv6 path's flows of ekp_ct6_*_v2 into ekp_ct6_*_v3 (see the module doc)."""
-        from agent.ebpf.loader import IDLE_SIZE
-        from agent.ebpf.maps import BpfMap, MapError, UpdateFlag
-
-        for role, spec in V2_CT6.items():
-            if not os.path.exists(os.path.join(self.pin_path, spec.name)):
-                continue
-            if maps[role].capacity() <= IDLE_SIZE:
-                continue  # the path does not serve at this start: no program reads its flows
-            with BpfMap.open_pinned(spec, self.pin_path) as old:
-                entries = old.items()
-            done = Carried()
-            for key, entry in entries:
-                assert isinstance(entry, V2Ct6Entry)
-                try:
-                    maps[role].update(key, convert_v2_ct6_entry(entry), UpdateFlag.NOEXIST)
-                    done.inserted += 1
-                except MapError as exc:
-                    if exc.errno != errno.EEXIST:
-                        raise
-                    done.present += 1
-            self.carried.inserted += done.inserted
-            log.info(
-                "upgrade from %s (%s): %d IPv6 conntrack entries carried over into %s, %d already there",
-                spec.name,
-                when,
-                done.inserted,
-                maps[role].spec.name,
-                done.present,
-            )
 
     def serving(self) -> None:
         """Nothing left to do once every hook serves."""

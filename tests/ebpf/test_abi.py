@@ -225,6 +225,9 @@ def test_source_text_inlines_every_header() -> None:
     for header in BPF_DIR.glob("ekp_*.h"):
         assert f"// ---- {header.name} ----" in text
     assert '#include "' not in text
+    # the per-family templates, as the compiler sees them: once for IPv4, once for IPv6
+    for template in ("ekp_ct_af.h", "ekp_ctq_af.h", "ekp_snat_af.h"):
+        assert text.count(f"// ---- {template} ----") == 2, template
 
 
 # ---- the loaded maps, as bpftool sees them ------------------------------------------------
@@ -278,10 +281,12 @@ XDP_UNUSED = {"rnat", "stats", "icmprl", "hostnat"}
 # address on an IPv6 socket uses the IPv4 maps). ekp_addr6 is written for the tc programs' IPv6.
 _V6 = {"fe6", "slot6", "be6", "rnat6", "member6", "srcr6", "addr6", "aff6", "sknat6"}
 _SOCKETS = {"skcfg", "sknat"} | _V6
-# the tc IPv6 path's own maps: its conntrack and its settings (the SNAT source, ekp_cfg6)
-_CT6 = {"ct6_tcp", "ct6_any", "cfg6"}
-# the IPv6 path: the activity stamps and frontend check (ekp_act, ekp_addr6); no Maglev, no
-# fragments, no reject; its source translation reads the shared config's port range (ekp_cfg)
+# the tc IPv6 path's own maps: its conntrack, the tables' early-drop rings and its settings (the SNAT
+# source, ekp_cfg6)
+_CT6 = {"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6", "cfg6"}
+# the IPv6 path: the activity stamps and frontend check (ekp_act, ekp_addr6), the backend check of
+# a flow's refresh (ekp_addr6); no Maglev, no fragments, no reject; its source translation reads
+# the shared config's port range (ekp_cfg)
 _TC6 = {"cfg", "cfgsel", "stats", "act", "addr6", "fe6", "srcr6", "aff6", "member6", "slot6", "be6"} | _CT6
 _SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
 _SOCK_FORWARD6 = _SOCK_FORWARD | {"fe6", "srcr6", "aff6", "member6", "slot6", "be6", "sknat6"}

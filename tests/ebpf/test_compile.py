@@ -367,13 +367,14 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
     caplog: pytest.LogCaptureFixture, cache: ObjectCache
 ) -> None:
     """Without the tc programs' IPv6 path (MapSizes.ipv6_tc false: no IPv6 half, or legacy host
-    routing) its conntrack tables hold one entry each and ekp_calls6 is empty; a restart with it
-    recreates those two tables at their IPv4 twins' sizes and fills the array; a restart without it
-    again shrinks them and empties it. Every other pinned map is the same map throughout, and an
-    established IPv4 flow's conntrack entry is kept."""
+    routing) its conntrack tables and their early-drop rings hold one entry each and ekp_calls6 is
+    empty; a restart with it recreates the TCP table and its ring at their IPv4 twins' sizes (the
+    others stay idle: the path is TCP-only) and fills the array; a restart without it again shrinks
+    them and empties it. Every other pinned map is the
+    same map throughout, and an established IPv4 flow's conntrack entry is kept."""
     caplog.set_level(logging.INFO)
     off, on = replace(SMALL, ipv6_tc=False), SMALL
-    tc6 = {MAPS[r].name for r in loader.TC6_ROLES - loader.TC6_UNWRITTEN}  # ct6_any: idle either way
+    tc6 = {MAPS[r].name for r in loader.TC6_ROLES - loader.TC6_UNWRITTEN}  # ct6_any, its ring: idle
     key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
     with bpffs() as root:
         pins = str(root / "ekp")
@@ -383,24 +384,31 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
             assert {r: first.maps[r].info().max_entries for r in loader.TC6_ROLES} == {
                 "ct6_tcp": 1,
                 "ct6_any": 1,
+                "ctq6_tcp": 1,
+                "ctq6_any": 1,
             }
             assert _slots(pins, first) == [0, 0], "no IPv6 program behind the IPv4 ones"
             first.maps["ct_tcp"].update(key, CtEntry(last_seen_ns=1, nat_addr=ip_be("10.244.2.7"), flags=4))
         finally:
             first.close()
         before = _pinned_ids(pins)
-        for sizes, entries in ((on, {"ct6_tcp": 1024, "ct6_any": 1}), (off, {"ct6_tcp": 1, "ct6_any": 1})):
+        # SMALL's IPv4 sizes for the TCP table and its ring; ct6_any and its ring idle either way
+        full = {"ct6_tcp": 1024, "ct6_any": 1, "ctq6_tcp": 256, "ctq6_any": 1}
+        idle = dict.fromkeys(full, 1)
+        for sizes, entries in ((on, full), (off, idle)):
             caplog.clear()
             d = Datapath(pins, sizes, cache=cache)
             d.load()
             try:
-                assert "IPv6 conntrack tables ekp_ct6_tcp_v3 recreated" in caplog.text
+                assert (
+                    "IPv6 conntrack tables and early-drop rings ekp_ct6_tcp_v3, ekp_ctq6_tcp_v2 recreated"
+                ) in caplog.text
                 assert {r: d.maps[r].info().max_entries for r in loader.TC6_ROLES} == entries
                 after = _pinned_ids(pins)
                 assert {n: i for n, i in after.items() if n not in tc6} == {
                     n: i for n, i in before.items() if n not in tc6
                 }, "every other map kept"
-                assert not {after[n] for n in tc6} & {before[n] for n in tc6}, "ekp_ct6_tcp recreated"
+                assert not {after[n] for n in tc6} & {before[n] for n in tc6}, "TCP table, ring recreated"
                 kept = d.maps["ct_tcp"].lookup(key)
                 assert isinstance(kept, CtEntry) and kept.nat_addr == ip_be("10.244.2.7")
                 want = [prog_id(d.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]] if sizes.ipv6_tc else [0, 0]

@@ -29,6 +29,9 @@ from lab.dplab import (
     NODE6,
     POD6,
     REMOTE_BE6,
+    SIZES,
+    SNAT_MAX,
+    SNAT_MIN,
     TCP,
     UDP,
     VIP6,
@@ -93,10 +96,8 @@ def seen(frame: bytes) -> tuple[str, str, str, int, str, int, int]:
     return pkt.dst, ip.src, ip.dst, l4.sport, pkt.src, l4.dport, ip.hlim
 
 
-def ct6(
-    net: Net, src: str, dst: str, sport: int, dport: int, proto: int = TCP, *, reply: bool = False
-) -> Any:
-    key = abi.Ct6Key(
+def ct6_key(src: str, dst: str, sport: int, dport: int, proto: int = TCP, *, reply: bool = False) -> Any:
+    return abi.Ct6Key(
         abi.Addr6(*ip6_words(src)),
         abi.Addr6(*ip6_words(dst)),
         port_be(sport),
@@ -104,6 +105,12 @@ def ct6(
         proto,
         CtDir.REPLY if reply else CtDir.FORWARD,
     )
+
+
+def ct6(
+    net: Net, src: str, dst: str, sport: int, dport: int, proto: int = TCP, *, reply: bool = False
+) -> Any:
+    key = ct6_key(src, dst, sport, dport, proto, reply=reply)
     return net.dp.maps["ct6_tcp" if proto == TCP else "ct6_any"].lookup(key)
 
 
@@ -279,30 +286,167 @@ def test_an_established_tcp_flow_keeps_a_backend_removed_from_its_service(net: N
     assert seen(out)[2] == BE6
 
 
-def test_a_new_flow_whose_reply_tuple_another_frontends_flow_holds_is_dropped_and_counted(
+def test_a_new_flow_whose_reply_tuple_another_frontends_flow_holds_gets_another_source_port(
     net: Net,
 ) -> None:
     """One client port reaching one backend through two frontends: the second flow's replies
-    would carry the same tuple as the first's and be rewritten to the first's frontend, here or
-    after ip6tables translated it, so it is dropped (the client retries from another port), the
-    first flow untouched."""
+    would carry the same tuple as the first's, so it keeps the client's address with another
+    source port (EKP_STAT_PORT_REMAP), as ip6tables' nf_nat does and IPv4's ekp_ct_create: both
+    flows work, each gets its own replies."""
     add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
     add_service6(net.dp.maps, VIP6, 81, LOCAL_BE, svc_id=2, set_id=2, rev_nat_id=2)
     assert net.from_pod(frame6(POD6, VIP6, 40070, 80))[0] == TC_ACT_REDIRECT
-    assert net.from_pod(frame6(POD6, VIP6, 40070, 81))[0] == TC_ACT_SHOT
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 40070, 81))
+    assert verdict == TC_ACT_REDIRECT
+    _, src, dst, moved, _, dport, _ = seen(out)
+    assert (src, dst, dport) == (POD6, BE6, 8080)
+    assert moved != 40070 and SNAT_MIN <= moved <= SNAT_MAX
     stats = net.stats()
-    assert (stats[Stat.NEW_FLOWS], stats[Stat.DROP_TUPLE_TAKEN]) == (1, 1)
-    assert ct6(net, POD6, VIP6, 40070, 81) is None
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.PORT_REMAP], stats[Stat.DROP_TUPLE_TAKEN]) == (2, 1, 0)
+    fwd = ct6(net, POD6, VIP6, 40070, 81)
+    assert fwd.flags & abi.CtFlag.SNAT and port_be(moved) == fwd.snat_port
     verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40070, flags="SA"))
     assert verdict == TC_ACT_REDIRECT
     assert seen(out)[1:4] == (VIP6, POD6, 80), "the first flow keeps its replies"
-    # Once that flow is closed (a RST), the tuple is free for a SYN, as the kernel's NAT takes a
-    # TIME_WAIT tuple (IPv4's ekp_ct_reusable).
-    assert net.from_pod(frame6(POD6, VIP6, 40070, 80, flags="RA"))[0] == TC_ACT_REDIRECT
-    assert net.from_pod(frame6(POD6, VIP6, 40070, 81))[0] == TC_ACT_REDIRECT
-    verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40070, flags="SA"))
-    assert seen(out)[1:4] == (VIP6, POD6, 81), "the new flow's replies"
-    assert net.stats()[Stat.DROP_TUPLE_TAKEN] == 1
+    verdict, out = net.from_pod(frame6(BE6, POD6, 8080, moved, flags="SA"))
+    assert verdict == TC_ACT_REDIRECT
+    _, src, dst, sport, _, dport, _ = seen(out)
+    assert (src, dst, sport, dport) == (VIP6, POD6, 81, 40070), "the second's, to the client's own port"
+    again = seen(net.from_pod(frame6(POD6, VIP6, 40070, 81, flags="A"))[1])
+    assert again[3] == moved, "the second flow keeps its port"
+
+
+def handshake6(net: Net, cport: int) -> None:
+    """POD6:cport -> VIP6:80 -> BE6:8080 through its handshake (assured)."""
+    assert net.from_pod(frame6(POD6, VIP6, cport, 80))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(frame6(BE6, POD6, 8080, cport, flags="SA"))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(frame6(POD6, VIP6, cport, 80, flags="A"))[0] == TC_ACT_REDIRECT
+
+
+def test_a_lost_reply_entry_is_rebuilt_from_the_forward_one(net: Net) -> None:
+    """The LRU evicted the REPLY entry of an established flow: the client's next packet (its
+    FORWARD entry refreshed once a second) rebuilds it (EKP_STAT_CT_REBUILT), so the backend's
+    answers still come from the frontend, never untranslated (IPv4's ekp_ct_refresh)."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    handshake6(net, 40080)
+    assert net.dp.maps["ct6_tcp"].delete(ct6_key(BE6, POD6, 8080, 40080, reply=True))
+    fwd = ct6(net, POD6, VIP6, 40080, 80)
+    fwd.last_seen_ns = time.monotonic_ns() - 2 * 10**9
+    net.dp.maps["ct6_tcp"].update(ct6_key(POD6, VIP6, 40080, 80), fwd)
+    assert seen(net.from_pod(frame6(POD6, VIP6, 40080, 80, flags="PA"))[1])[2] == BE6
+    assert net.stats()[Stat.CT_REBUILT] == 1
+    rebuilt = ct6(net, BE6, POD6, 8080, 40080, reply=True)
+    assert rebuilt is not None
+    assert (tuple(rebuilt.fe_addr), rebuilt.fe_port) == (tuple(ip6_words(VIP6)), port_be(80))
+    verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40080, flags="PA"))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (VIP6, POD6, 80)
+
+
+def test_a_direct_syn_on_a_closed_flows_tuple_clears_its_entries(net: Net) -> None:
+    """A connection straight to the backend (no frontend: another node translated its ClusterIP)
+    from the port of a flow that ended (a RST) reuses that flow's reply tuple: both its entries go
+    (IPv4's ekp_ct_reclaim), the SYN passes untouched, and the backend's answers to it are not
+    rewritten to come from the old flow's frontend."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    handshake6(net, 40090)
+    assert net.from_pod(frame6(POD6, VIP6, 40090, 80, flags="RA"))[0] == TC_ACT_REDIRECT
+    syn = frame6(POD6, BE6, 40090, 8080)
+    assert net.from_pod(syn) == (TC_ACT_OK, syn)
+    assert ct6(net, BE6, POD6, 8080, 40090, reply=True) is None
+    assert ct6(net, POD6, VIP6, 40090, 80) is None
+    for flags in ("SA", "PA"):
+        answer = frame6(BE6, POD6, 8080, 40090, flags=flags)
+        assert net.from_pod(answer) == (TC_ACT_OK, answer), flags
+
+
+def test_a_direct_syn_on_a_live_flows_tuple_gets_another_source_port(net: Net) -> None:
+    """The same connection while the service flow lives: the backend holds a connection on this
+    very 4-tuple, so the newcomer keeps its addresses with another source port (IPv4's
+    ekp_flow_direct); both connections get their own answers."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    handshake6(net, 40095)
+    verdict, out = net.from_pod(frame6(POD6, BE6, 40095, 8080))
+    assert verdict == TC_ACT_REDIRECT
+    _, src, dst, moved, _, dport, _ = seen(out)
+    assert (src, dst, dport) == (POD6, BE6, 8080)
+    assert moved != 40095 and SNAT_MIN <= moved <= SNAT_MAX
+    assert seen(net.from_pod(frame6(BE6, POD6, 8080, 40095, flags="PA"))[1])[1:4] == (VIP6, POD6, 80)
+    _, src, dst, sport, _, dport, _ = seen(net.from_pod(frame6(BE6, POD6, 8080, moved, flags="SA"))[1])
+    assert (src, dst, sport, dport) == (BE6, POD6, 8080, 40095)
+    assert net.stats()[Stat.PORT_REMAP] == 1
+
+
+def test_a_flow_whose_backend_left_lives_tcp_orphan_s_after_the_backends_last_packet(net: Net) -> None:
+    """The backend's address leaves ekp_addr6 (its pod deleted): the flow is ORPHAN (IPv4's
+    ekp_ct_follow_backend), the client's packets no longer renew it, and tcp_orphan_s after the
+    backend's last packet both entries are deleted; the next segment is left to the stack."""
+    set_config(net.dp, tcp_orphan_s=30)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    handshake6(net, 40097)
+    assert net.dp.maps["addr6"].delete(abi.Addr6Key(abi.Addr6(*ip6_words(BE6))))
+    fwd_key, rep_key = ct6_key(POD6, VIP6, 40097, 80), ct6_key(BE6, POD6, 8080, 40097, reply=True)
+
+    def age(seconds: int) -> None:
+        for key in (fwd_key, rep_key):
+            entry: Any = net.dp.maps["ct6_tcp"].lookup(key)
+            assert entry is not None
+            entry.last_seen_ns = time.monotonic_ns() - seconds * 10**9
+            net.dp.maps["ct6_tcp"].update(key, entry)
+
+    age(2)
+    data = frame6(POD6, VIP6, 40097, 80, flags="PA")
+    assert net.from_pod(data)[0] == TC_ACT_REDIRECT  # still its flow: the backend may answer
+    fwd, rep = ct6(net, POD6, VIP6, 40097, 80), ct6(net, BE6, POD6, 8080, 40097, reply=True)
+    assert fwd.flags & abi.CtFlag.ORPHAN and rep.flags & abi.CtFlag.ORPHAN
+    assert time.monotonic_ns() - fwd.last_seen_ns > 1.5e9, "the client's packet did not renew it"
+    age(29)
+    assert net.from_pod(data)[0] == TC_ACT_REDIRECT  # 29 s after the backend's last packet: alive
+    age(31)
+    assert net.from_pod(data) == (TC_ACT_OK, data)  # abandoned: deleted, the segment the stack's
+    assert ct6_count(net) == 0
+
+
+# ---- the early-drop ring (bpf/ekp_ctq.h): ct6_tcp has one of its own ------------------------
+
+RING6 = SIZES.ct_tcp // 4  # ct6_tcp is sized as ct_tcp, its ring a quarter of it
+
+
+def syns6(src: str, dst: str, dport: int, sports: range) -> Iterator[bytes]:
+    """SYN frames differing only in their source port (the checksum left as built: the programs
+    neither check nor need it)."""
+    frame = bytearray(frame6(src, dst, sports.start, dport))
+    for sport in sports:
+        frame[54:56] = sport.to_bytes(2, "big")  # Ethernet 14 + IPv6 40
+        yield bytes(frame)
+
+
+def test_a_syn_flood_six_times_the_table_leaves_every_established_ipv6_flow(net: Net) -> None:
+    """12,000 SYNs never answered into a table of 2,048 flows, behind 50 idle established ones:
+    an LRU alone would evict the idle ones (the oldest); the ring deletes the flood's flows a ring
+    after they began, so every established flow still answers (IPv4's twin in
+    test_datapath_floods.py)."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    for cport in range(1000, 1050):
+        handshake6(net, cport)
+    for frame in syns6(POD6, VIP6, 80, range(20000, 32000)):
+        assert net.from_pod(frame)[0] == TC_ACT_REDIRECT
+    for cport in range(1000, 1050):
+        assert seen(net.from_pod(frame6(POD6, VIP6, cport, 80, flags="PA"))[1])[2] == BE6, cport
+        assert seen(net.from_pod(frame6(BE6, POD6, 8080, cport, flags="PA"))[1])[1:4] == (VIP6, POD6, 80), (
+            cport
+        )
+    stats = net.stats()
+    assert stats[Stat.EVICT_UNREPLIED] == 12000 - RING6  # all but the last ring of the flood
+    assert (stats[Stat.EVICT_UNASSURED], stats[Stat.EVICT_CLOSED]) == (0, 0)
+    assert ct6_count(net) == 2 * (50 + RING6)
+    heads = {
+        role: {int(k.value): int(v.value) for k, v in net.dp.maps[role].items()} for role in ("ctqh6", "ctqh")
+    }
+    assert heads == {
+        "ctqh6": {abi.CtqRing.TCP: 50 + 12000, abi.CtqRing.ANY: 0},
+        "ctqh": {abi.CtqRing.TCP: 0, abi.CtqRing.ANY: 0},
+    }, "IPv6 flows go in a ring of their own"
 
 
 # ---- left to the stack (ip6tables) --------------------------------------------------------

@@ -123,6 +123,11 @@ def test_an_ipv6_conntrack_entry_reads_as_an_ipv4_one_with_bracketed_addresses()
         " svc=3 be=7 flags=SEEN_REPLY idle=3s age=6s"
     ]
     assert "nat=" not in ct6_lines([(key, bare)], now_ns=8 * S)[0], "no backend address: none shown"
+    entry.snat_addr, entry.snat_port = Addr6(*ip6_words("fd00:a:1::9")), port_be(40007)
+    entry.flags |= int(CtFlag.SNAT)
+    assert ct6_lines([(key, entry)], now_ns=8 * S)[0].endswith(
+        " nat=[fd00:a:2::3]:5353 snat=[fd00:a:1::9]:40007 svc=3 be=7 flags=SNAT|SEEN_REPLY idle=3s age=6s"
+    ), "a remapped port shown as IPv4's"
 
 
 def test_affinity_and_stats() -> None:

@@ -1,5 +1,5 @@
-"""Upgrade from ABI v1: conntrack entries of a v1 agent carried into the v2 tables; the counters
-of ekp_stats_v2 into ekp_stats_v3; the tc IPv6 path's flows of ekp_ct6_*_v2 into ekp_ct6_*_v3.
+"""Upgrade from ABI v1: conntrack entries of a v1 agent carried into the v2 tables; and the
+counters of ekp_stats_v2 into ekp_stats_v3.
 
 Pure: `convert_v1_entry` with literal entries. Kernel: v1 conntrack and reverse-NAT maps pinned
 with their v1 layout (as a v1 agent left them), the v2 data path loaded beside them, the carry-over
@@ -17,22 +17,19 @@ import pytest
 
 from agent.config import MapSizes
 from agent.ebpf import abi, activity
-from agent.ebpf.abi import BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip6_words, ip_be, port_be
+from agent.ebpf.abi import BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath, stale_pins
 from agent.ebpf.upgrade import (
     V1_CLOSING,
     V1_CT,
     V1_RNAT,
     V1_SNAT,
-    V2_CT6,
     V2_STATS,
     Upgrade,
     V1CtEntry,
     V1CtKey,
-    V2Ct6Entry,
     V2Ids,
     convert_v1_entry,
-    convert_v2_ct6_entry,
 )
 from lab.dplab import (
     BE1,
@@ -231,73 +228,3 @@ def test_counters_of_ekp_stats_v2_go_on_in_ekp_stats_v3() -> None:
             upgrade.before_attach(dp.maps)  # an agent restarted before the v2 pin was removed
             assert read_stats(dp.maps["stats"])[Stat.PACKETS] == 1001
         assert [p.rsplit("/", 1)[1] for p in stale_pins(str(pins))] == ["ekp_stats_v2"]
-
-
-def v2_ct6_entry(last_seen_ns: int, reply: bool = False) -> V2Ct6Entry:
-    """An established IPv6 flow fd00:a:1::9 -> [fd00:96::10]:80 -> [fd00:a:1::5]:8080 as the v2
-    path wrote it: the FORWARD entry, or the REPLY one (no backend in it)."""
-    return V2Ct6Entry(
-        last_seen_ns=last_seen_ns,
-        nat_addr=abi.Addr6(*(abi.Addr6() if reply else ip6_words("fd00:a:1::5"))),
-        fe_addr=abi.Addr6(*ip6_words("fd00:96::10")),
-        nat_port=0 if reply else port_be(8080),
-        fe_port=port_be(80),
-        flags=CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED,
-        svc_id=3,
-        backend_id=7,
-        created_s=11,
-    )
-
-
-def ct6_key(saddr: str, daddr: str, sport: int, dport: int, direction: CtDir) -> abi.Ct6Key:
-    return abi.Ct6Key(
-        abi.Addr6(*ip6_words(saddr)),
-        abi.Addr6(*ip6_words(daddr)),
-        port_be(sport),
-        port_be(dport),
-        6,
-        direction,
-    )
-
-
-def test_a_v2_ipv6_conntrack_entry_is_a_v3_one_without_a_source_translation() -> None:
-    """v2's layout as its header had it (64 bytes, nat_port at 40), every field carried, SNAT
-    zero (v2 translated no source)."""
-    assert ctypes.sizeof(V2Ct6Entry) == 64 and V2Ct6Entry.nat_port.offset == 40
-    assert ctypes.sizeof(abi.Ct6Entry) == 80 and abi.Ct6Entry.nat_port.offset == 56
-    old = v2_ct6_entry(5 * S)
-    new = convert_v2_ct6_entry(old)
-    for name in ("last_seen_ns", "nat_port", "fe_port", "flags", "svc_id", "backend_id", "created_s"):
-        assert getattr(new, name) == getattr(old, name), name
-    assert (abi.ip6_str(new.nat_addr), abi.ip6_str(new.fe_addr)) == ("fd00:a:1::5", "fd00:96::10")
-    assert (bytes(new.snat_addr), new.snat_port) == (bytes(16), 0)
-
-
-@pytest.mark.kernel
-def test_the_ipv6_flows_of_ekp_ct6_tcp_v2_go_on_in_ekp_ct6_tcp_v3() -> None:
-    """The older build's IPv6 conntrack, pinned as it left it, carried into this build's table
-    before its programs take over (and only once: again after, nothing new), its pin then stale."""
-    import time
-
-    from agent.ebpf.maps import BpfMap
-
-    now = time.monotonic_ns()
-    fwd = ct6_key("fd00:a:1::9", "fd00:96::10", 40000, 80, CtDir.FORWARD)
-    rep = ct6_key("fd00:a:1::5", "fd00:a:1::9", 8080, 40000, CtDir.REPLY)
-    with bpffs() as root:
-        pins = root / "ekp"
-        pins.mkdir()
-        v1_pin(str(pins), V2_CT6["ct6_tcp"], 1024, 0)  # as the previous agent left it
-        with BpfMap.open_pinned(V2_CT6["ct6_tcp"], str(pins)) as old:
-            old.update(fwd, v2_ct6_entry(now))
-            old.update(rep, v2_ct6_entry(now, reply=True))
-        with Datapath(str(pins), MapSizes(**{**vars(SIZES)})) as dp:
-            upgrade = Upgrade(str(pins))
-            upgrade.before_attach(dp.maps)
-            assert upgrade.carried.inserted == 2
-            upgrade.after_attach(dp.maps)
-            assert upgrade.carried.inserted == 2, "nothing twice"
-            table = dp.maps["ct6_tcp"]
-            assert table.lookup(fwd) == convert_v2_ct6_entry(v2_ct6_entry(now))
-            assert table.lookup(rep) == convert_v2_ct6_entry(v2_ct6_entry(now, reply=True))
-        assert [p.rsplit("/", 1)[1] for p in stale_pins(str(pins))] == ["ekp_ct6_tcp_v2"]
