@@ -138,7 +138,7 @@ class WideMap:
 
 def config6_of(node: NodeContext) -> abi.Config6:
     """The IPv6 path's settings (ekp_cfg6) for `node`: its primary address, the source of IPv6 SNAT
-    (bpf/ekp_tc6_snat.h), as the IPv4 config takes the IPv4 one. Zero (those flows are left to
+    (bpf/ekp_tc6.h), as the IPv4 config takes the IPv4 one. Zero (those flows are left to
     ip6tables' masquerade) when the node has no IPv6 address: an IPv4 node context, as an agent
     without an IPv6 half empties the IPv6 maps with."""
     cfg6 = abi.Config6()
@@ -173,7 +173,8 @@ class Ipv6Datapath:
     `sync` is EbpfProxier.sync's map half for IPv6: a planner made at the first call re-adopts what
     the pinned maps hold (a restart over unchanged state writes nothing), full syncs read the maps
     back and repair them, partial ones write what the changed ports changed; and the IPv6 path's
-    settings (ekp_cfg6: the node's IPv6 address, its SNAT source), at every sync. Capacity: a map too
+    settings (ekp_cfg6: the node's IPv6 address, its SNAT source), at every sync once ip6tables'
+    MASQUERADE keeps out of the SNAT range (`snat_source`). Capacity: a map too
     small is logged with the flag that sizes it (its IPv4 twin's), and the ports that do not fit are
     reported as failed, as for IPv4."""
 
@@ -199,7 +200,12 @@ class Ipv6Datapath:
         state: ProxyState,
         node: NodeContext,
         changed: frozenset[ServicePortName] | None,
+        *,
+        snat_source: bool = False,
     ) -> SyncResult:
+        """`snat_source`: ekp_cfg6 may get the node's address (ip6tables' MASQUERADE keeps out of
+        the SNAT range, agent/metaproxier.py EbpfAndIp6tables); without it only a zero one (no
+        source translation by tc) is written, an address is left as it is."""
         start = self._clock()
         if self._planner is not None and changed is None and self._grown():
             log.info(
@@ -226,7 +232,7 @@ class Ipv6Datapath:
             planner.forget_hints()
         self._check_room(planner, maps)
         cfg6 = config6_of(node)
-        if write_config6(maps, cfg6):
+        if (snat_source or not any(cfg6.node_addr)) and write_config6(maps, cfg6):
             source = abi.ip6_str(cfg6.node_addr) if any(cfg6.node_addr) else "none (ip6tables masquerades)"
             log.info("IPv6 SNAT source of the tc programs: %s", source)
         try:

@@ -275,6 +275,9 @@ class EbpfProxier:
         self._short: dict[str, int] = {}  # map role -> entries wanted, while more than it holds
         self._maglev = MaglevWriter(config.map_sizes.maglev_table_size)
         self._v6 = Ipv6Datapath(config)  # the IPv6 family's maps (`sync6`)
+        # ip6tables' MASQUERADE keeps out of --bpf-snat-ports (agent/metaproxier.py EbpfAndIp6tables):
+        # until then sync6 leaves ekp_cfg6, the tc IPv6 path's SNAT source, as it is
+        self.masquerade6_apart = False
         self._v6_with: DatapathLike | None = None  # the data path whose IPv6 maps it wrote
         # Whether an IPv6 half (`ipv6()`) writes the IPv6 maps; without one `sync` empties them at
         # its first and periodic syncs (an earlier dual-stack agent's entries would still steer the
@@ -372,7 +375,7 @@ class EbpfProxier:
             if datapath is not self._v6_with:
                 self._v6 = Ipv6Datapath(self._config)  # other maps: read them back, re-adopting
                 self._v6_with = datapath
-            result = self._v6.sync(datapath.maps, state, node, changed)
+            result = self._v6.sync(datapath.maps, state, node, changed, snat_source=self.masquerade6_apart)
             self._follow_node6(node)
             if self._ensure_loaded() is not datapath:
                 # As `sync`: the load failed after these maps were open; the next call writes the new ones.
@@ -745,6 +748,9 @@ class EbpfIpv6:
 
     def prepare(self) -> None:
         """Nothing: the IPv4 proxier loads the data path."""
+
+    def masquerade_apart(self) -> None:
+        self._ebpf.masquerade6_apart = True
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None

@@ -96,6 +96,21 @@ def masquerade_mark(bit: int) -> str:
     return f"0x{1 << bit:08x}"
 
 
+def masquerade_ports_beside(snat: tuple[int, int]) -> tuple[int, int] | None:
+    """The source ports ip6tables' MASQUERADE may take beside the tc programs' IPv6 path: the larger
+    side of 1024-65535 outside `snat` (--bpf-snat-ports). That path chooses a masqueraded flow's
+    port in `snat` by looking at its own conntrack only; nf_nat chooses among 1024-65535 (or, with
+    --to-ports, that range alone) by looking at nf_conntrack only. Kept apart, neither can give a
+    port the other holds for the same backend, which would hand one flow's replies to the other.
+    None when `snat` leaves nothing (the agent refuses such a range at start: it overlaps the
+    node's local ports)."""
+    lo, hi = snat
+    below = (1024, lo - 1) if lo > 1024 else None
+    above = (hi + 1, 65535) if hi < 65535 else None
+    sides = [r for r in (below, above) if r is not None]
+    return max(sides, key=lambda r: r[1] - r[0]) if sides else None
+
+
 @dataclass(frozen=True)
 class RenderOptions:
     """Everything besides the state that changes the rule text (flags and host facts)."""
@@ -113,6 +128,10 @@ class RenderOptions:
     localhost_nodeports: bool = True
     # iptables >= 1.6.2 supports MASQUERADE --random-fully; kube-proxy uses it when available.
     random_fully: bool = True
+    # MASQUERADE --to-ports: eBPF mode's ip6tables beside the tc programs' IPv6 path, which takes
+    # source ports of --bpf-snat-ports for the node's IPv6 address without seeing nf_conntrack's
+    # (`masquerade_ports_beside`); None (kube-proxy's rule) everywhere else.
+    masquerade_to_ports: tuple[int, int] | None = None
     # nf_conntrack_tcp_be_liberal=1 on the host: upstream then omits the INVALID drop.
     conntrack_tcp_liberal: bool = False
     # The nfacct counters the proxier created (kube-proxy's nfAcctCounters): the INVALID drop and
@@ -142,6 +161,11 @@ class RenderOptions:
             nodeport_addresses=tuple(config.nodeport_addresses),
             localhost_nodeports=config.iptables_localhost_nodeports,
             random_fully=random_fully,
+            masquerade_to_ports=(
+                masquerade_ports_beside(config.snat_ports)
+                if family is IPFamily.IPv6 and config.tc_ipv6
+                else None
+            ),
             conntrack_tcp_liberal=conntrack_tcp_liberal,
             nfacct_invalid_dropped=nfacct_invalid_dropped,
             nfacct_localhost_nodeports=nfacct_localhost_nodeports,
@@ -276,8 +300,13 @@ def render(
     refused: dict[ServicePortName, str] = {}
     w.nat_rules.append(f"-A {KUBE_POSTROUTING} -m mark ! --mark {mark}/{mark} -j RETURN")
     w.nat_rules.append(f"-A {KUBE_POSTROUTING} -j MARK --xor-mark {mark}")
-    masq = f'-A {KUBE_POSTROUTING} -m comment --comment "{MASQUERADE_COMMENT}" -j MASQUERADE'
-    w.nat_rules.append(masq + (" --random-fully" if options.random_fully else ""))
+    random = " --random-fully" if options.random_fully else ""
+    masq = f'-A {KUBE_POSTROUTING} -m comment --comment "{MASQUERADE_COMMENT}"'
+    if options.masquerade_to_ports is not None:
+        # --to-ports needs a protocol with ports; TCP is the only one the tc IPv6 path masquerades
+        lo, hi = options.masquerade_to_ports
+        w.nat_rules.append(f"{masq} -p tcp -j MASQUERADE --to-ports {lo}-{hi}{random}")
+    w.nat_rules.append(f"{masq} -j MASQUERADE{random}")
     w.nat_rules.append(f"-A {KUBE_MARK_MASQ} -j MARK --or-mark {mark}")
     if localhost:
         w.filter_chains.append(f":{KUBE_FIREWALL} - [0:0]")

@@ -541,6 +541,9 @@ class Half:
     def prepare(self) -> None:
         self.calls.append(f"{self.name}.prepare")
 
+    def masquerade_apart(self) -> None:
+        self.calls.append(f"{self.name}.apart")
+
     def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
         self.calls.append(f"{self.name}.sync")
         if self.fail is not None:
@@ -561,18 +564,25 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
         Half("ebpf", calls, failed={a: "full"}), Half("ip6", calls, failed={b: "rejected"})
     )
     result = both.sync(EMPTY6, NODE6, None)
-    assert calls == ["ebpf.sync", "ip6.sync"] and result.full and result.repaired == 2
+    # ip6tables first: the maps may take the node's address as the tc path's SNAT source only once
+    # a restore put the MASQUERADE rule that keeps out of --bpf-snat-ports in place
+    assert calls == ["ip6.sync", "ebpf.apart", "ebpf.sync"] and result.full and result.repaired == 2
     assert result.failed == {a: "full", b: "rejected"}
     calls.clear()
     broken = EbpfAndIp6tables(Half("ebpf", calls, fail=RuntimeError("maps")), Half("ip6", calls))
     with pytest.raises(RuntimeError, match="maps"):
         broken.sync(EMPTY6, NODE6, frozenset())
-    assert calls == ["ebpf.sync", "ip6.sync"], "ip6tables is synced even when the maps failed"
+    assert calls == ["ip6.sync", "ebpf.apart", "ebpf.sync"]
     calls.clear()
-    fatal = EbpfAndIp6tables(Half("ebpf", calls, fail=FatalError("gone")), Half("ip6", calls))
+    no_rules = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=RuntimeError("restore")))
+    with pytest.raises(RuntimeError, match="restore"):
+        no_rules.sync(EMPTY6, NODE6, frozenset())
+    assert calls == ["ip6.sync", "ebpf.sync"], "the maps synced even when ip6tables failed, not told apart"
+    calls.clear()
+    fatal = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=FatalError("gone")))
     with pytest.raises(FatalError):
         fatal.sync(EMPTY6, NODE6, None)
-    assert calls == ["ebpf.sync"]
+    assert calls == ["ip6.sync"]
     calls.clear()
     both.prepare()
     both.cleanup()

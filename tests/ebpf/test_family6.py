@@ -148,14 +148,29 @@ def test_the_nodes_ipv6_address_is_written_as_the_snat_source_of_the_ipv6_path()
         assert isinstance(cfg6, abi.Config6)
         return ip6_str(cfg6.node_addr)
 
-    v6.sync(maps, state, NODE6, None)
+    v6.sync(maps, state, NODE6, None, snat_source=True)
     assert source() == "fd00:192:168::11"
     moved = NodeContext(node_ips=("fd00:192:168::99",), primary_ip="fd00:192:168::99")
-    v6.sync(maps, state, moved, frozenset({SPN}))
+    v6.sync(maps, state, moved, frozenset({SPN}), snat_source=True)
     assert source() == "fd00:192:168::99"
     node4 = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
     Ipv6Datapath(Config()).sync(maps, state6([], []), node4, None)
     assert source() == "::"
+
+
+def test_the_snat_source_waits_until_ip6tables_masquerade_keeps_out_of_the_snat_range() -> None:
+    """ekp_cfg6 gets the node's address only once the caller says ip6tables' MASQUERADE keeps out
+    of --bpf-snat-ports (`snat_source`, EbpfAndIp6tables after a restore): before, nf_conntrack may
+    hold a port of the range the tc path would hand to another flow to the same backend. Zero is
+    written either way (it only leaves source translations to ip6tables)."""
+    maps = fake_maps()
+    v6 = Ipv6Datapath(Config())
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    v6.sync(maps, state, NODE6, None)
+    assert maps["cfg6"].lookup(ctypes.c_uint32(0)) is None, "the node's address not written"
+    v6.sync(maps, state, NODE6, None, snat_source=True)
+    cfg6 = maps["cfg6"].lookup(ctypes.c_uint32(0))
+    assert isinstance(cfg6, abi.Config6) and ip6_str(cfg6.node_addr) == "fd00:192:168::11"
 
 
 def test_a_restart_over_unchanged_state_writes_nothing_and_keeps_the_ids() -> None:
