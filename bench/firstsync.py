@@ -168,7 +168,9 @@ class _Attacher:
     def attach_egress(self, node: NodeContext) -> None:
         return None
 
-    def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
+    def reconcile(
+        self, node: NodeContext, *, full: bool = False, verify: bool = False, keep_external: bool = False
+    ) -> None:
         return None
 
     def start_watcher(self, timeout: float = 5.0) -> None:

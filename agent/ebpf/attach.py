@@ -403,7 +403,9 @@ class Attacher:
                     if exc.code != errno.ENODEV:  # gone again: nothing to hand over there
                         raise
 
-    def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
+    def reconcile(
+        self, node: NodeContext, *, full: bool = False, verify: bool = False, keep_external: bool = False
+    ) -> None:
         """Attach where missing.
 
         * default (every sync): only the external devices are looked up and checked; pod devices
@@ -411,13 +413,21 @@ class Attacher:
         * `verify` (now and then): every wanted device's filter is checked, in case ours was
           removed behind our back or the watcher missed a device;
         * `full` (first sync): every filter of ours is replaced with the current programs and
-          devices that no longer match are detached.
+          devices that no longer match are detached; with `keep_external`, a device that carries
+          our ekp_from_net stays external (its program replaced) though `node` does not name it:
+          the agent's first sync before the IPv6 family's (`node` holds no IPv6 node address yet,
+          and a device holding only one is external where the tc IPv6 path serves). A later
+          reconcile with the full node detaches it if it does not qualify.
         """
         with netns_route(self._config.netns) as ipr:
             links: dict[int, Link] = {}
             if full or verify:
                 wanted = wanted_devices(ipr, self._config, node)
                 links = {link.index: link for link in list_links(ipr)}
+                if full and keep_external:
+                    for link in links.values():
+                        if link.index not in wanted and our_filter(ipr, link.index) == PROG_FROM_NET:
+                            wanted[link.index] = (link.name, PROG_FROM_NET)
             else:
                 wanted = {i: (n, PROG_FROM_NET) for i, n in external_devices(ipr, self._config, node).items()}
             external = {i for i, (_, prog) in wanted.items() if prog == PROG_FROM_NET}

@@ -139,7 +139,9 @@ class TerminatorLike(Protocol):
 class AttacherLike(Protocol):
     def attach_egress(self, node: NodeContext) -> None: ...
 
-    def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None: ...
+    def reconcile(
+        self, node: NodeContext, *, full: bool = False, verify: bool = False, keep_external: bool = False
+    ) -> None: ...
 
     @property
     def watching(self) -> bool: ...
@@ -286,6 +288,7 @@ class EbpfProxier:
         # The IPv6 node addresses the last sync6 read: with the tc IPv6 path, the devices holding
         # them are external devices too (ekp_from_net6 reverse-translates the replies there).
         self._node_ips6: tuple[str, ...] = ()
+        self._node6_known = False  # whether sync6 has told `_follow_node6` the IPv6 node addresses
 
     # ------------------------------------------------------------------ Proxier
 
@@ -391,7 +394,11 @@ class EbpfProxier:
         """With the tc IPv6 path, a device that holds an IPv6 node address and no IPv4 one (no
         --devices) is an external device as well: without ekp_from_net there, the replies of the
         IPv6 flows translated here come back untranslated. Attached once sync has attached."""
-        if not self._config.tc_ipv6 or node6.node_ips == self._node_ips6:
+        if not self._config.tc_ipv6:
+            return
+        known = self._node6_known
+        self._node6_known = True
+        if known and node6.node_ips == self._node_ips6:
             return
         self._node_ips6 = node6.node_ips
         if self._attacher is not None and self._attached_node is not None:
@@ -623,7 +630,11 @@ class EbpfProxier:
             self._attacher.start_watcher()
         verify = restart or periodic
         if full or verify or node != self._attached_node:
-            self._attacher.reconcile(node, full=full, verify=verify and not full)
+            # Before the first IPv6 sync `node` lacks the IPv6 node addresses: a device holding
+            # only one of them keeps its ekp_from_net, or the replies of the tc IPv6 path's live
+            # flows would leave untranslated until sync6 ran (`_follow_node6`).
+            keep = self._config.tc_ipv6 and not self._node6_known
+            self._attacher.reconcile(node, full=full, verify=verify and not full, keep_external=keep)
             self._attached_node = node
         if first:
             # Right after the tc programs changed: flows the old programs made meanwhile are

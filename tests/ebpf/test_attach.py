@@ -241,6 +241,31 @@ def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
 
 
 @pytest.mark.kernel
+def test_a_first_full_reconcile_keeping_external_devices_leaves_ekp_from_net_where_it_is(
+    netns: str, progs: dict[str, int]
+) -> None:
+    """A restarted agent's first full reconcile, before its IPv6 sync named the IPv6 node addresses
+    (`keep_external`): the device holding only one keeps ekp_from_net, its program replaced, and
+    is external (XDP too); the next reconcile with the IPv4 addresses alone detaches it, with the
+    IPv6 one it stays."""
+    sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
+    sh("ip", "-n", netns, "link", "set", "other1", "up")
+    config = Config(netns=netns, pod_interfaces=("lxc*",))
+    dual = NodeContext(node_ips=("192.168.0.11", "fd00:ff::11"))
+    Attacher(config, progs).reconcile(dual, full=True)
+    assert "ekp_from_net" in ingress(netns, "other1")
+
+    restarted = Attacher(config, progs)
+    restarted.reconcile(NODE, full=True, keep_external=True)
+    assert "ekp_from_net" in ingress(netns, "other1"), "kept until the IPv6 addresses are known"
+    assert ("other1", PROG_FROM_NET) in restarted.attached.values()
+    restarted.reconcile(dual)
+    assert "ekp_from_net" in ingress(netns, "other1")
+    restarted.reconcile(NODE)
+    assert ingress(netns, "other1") == "", "not external once the addresses say so"
+
+
+@pytest.mark.kernel
 def test_replace_keeps_a_filter_in_place_and_full_reconcile_detaches_strays(
     netns: str, progs: dict[str, int]
 ) -> None:

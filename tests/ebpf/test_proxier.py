@@ -106,13 +106,17 @@ class FakeAttacher:
         self.watching = False
         self.armed_at_reconcile: list[bool] = []  # the flow-activity check, when programs changed
         self.nodes: list[NodeContext] = []  # what each reconcile found the external devices by
+        self.kept: list[bool] = []  # each reconcile's keep_external
 
     def attach_egress(self, node: NodeContext) -> None:
         self.log.append("attach egress")
 
-    def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
+    def reconcile(
+        self, node: NodeContext, *, full: bool = False, verify: bool = False, keep_external: bool = False
+    ) -> None:
         self.log.append(f"reconcile full={full}" + (" verify" if verify and not full else ""))
         self.nodes.append(node)
+        self.kept.append(keep_external)
         self.armed_at_reconcile.append(activity.armed(self.maps["act"]))
 
     def start_watcher(self, timeout: float = 5.0) -> None:
@@ -497,6 +501,27 @@ def test_the_ipv6_node_addresses_find_external_devices_where_the_tc_ipv6_path_se
         assert attacher.nodes[-1].node_ips == want, routing
         p.sync(STATE, NODE)  # periodic: checked again with both
         assert attacher.nodes[-1].node_ips == want, routing
+        p.close()
+
+
+def test_the_first_attach_before_the_ipv6_sync_keeps_ekp_from_net_where_it_is(rig: Rig) -> None:
+    """After a restart the IPv4 sync attaches (full) before the IPv6 family's first sync has told
+    the proxier its node addresses: where the tc IPv6 path serves, that reconcile keeps ekp_from_net
+    on the devices that carry it (a device holding only an IPv6 node address: detached, the live
+    tc flows' replies would leave untranslated until sync6). Once sync6 ran, nothing is kept; the
+    reconcile with the IPv6 addresses decides. Without the path, nothing is kept."""
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    dual = replace(rig.config, node_ips=("192.168.0.11", "fd00:192:168::11"), socket_lb=True)
+    for routing, first in ((HostRouting.BPF, True), (HostRouting.LEGACY, False)):
+        rig.config = replace(dual, bpf_host_routing=routing)
+        p = rig.proxier()
+        half = p.ipv6()
+        p.sync(STATE, NODE)
+        attacher = rig.attachers[-1]
+        assert "reconcile full=True" in attacher.log and attacher.kept == [first], routing
+        half.sync(state6([service()], [slice_("fd00:10:244:1::2")]), node6)
+        p.sync(STATE, NODE)
+        assert len(attacher.kept) > 1 and not any(attacher.kept[1:]), routing
         p.close()
 
 
@@ -957,7 +982,9 @@ def test_legacy_host_routing_is_on_before_any_ingress_program_is_attached(rig: R
             live = read_config(rig.maps)
             seen.append(("egress", -1 if live is None else live.flags))
 
-        def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
+        def reconcile(
+            self, node: NodeContext, *, full: bool = False, verify: bool = False, keep_external: bool = False
+        ) -> None:
             live = read_config(rig.maps)
             seen.append(("ingress", -1 if live is None else live.flags))
 
