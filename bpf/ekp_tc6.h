@@ -78,6 +78,8 @@ struct ekp_tc6_scratch {
 	struct ekp_flow6 flow;
 	struct ekp_ctq6_req queue; /* a flow that began or closed, for the early-drop ring */
 	long rc;                   /* a new flow's route (ekp_tc6_route), kept across ekp_ct6_create */
+	__u8 reopens;              /* a SYN on an ended flow's FORWARD entry: that flow's entries go
+				    * if the packet goes to the stack (see ekp_main6's end) */
 	struct ekp_icmp6_nat icmp; /* an ICMPv6 error's translation (ekp_tc6_related) */
 };
 
@@ -309,6 +311,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	if (!w)
 		return TC_ACT_OK; /* cannot happen: a one-element per-CPU array */
 	w->queue.want = 0;
+	w->reopens = 0;
 	__builtin_memset(&w->pkt, 0, sizeof(w->pkt));
 	struct ekp_pkt6 *p = &w->pkt;
 	int parsed = ekp_parse6(skb, p);
@@ -337,8 +340,12 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	__builtin_memset(k, 0, sizeof(*k));
 	ekp_ct6_key_of(k, p, EKP_CT_FORWARD);
 	struct ekp_ct6_entry *e = ekp_ct6_lookup(k);
-	if (e && !(ekp_ct6_alive(e, k, cfg, now) && ekp_ct6_usable_forward(e, &p->b)))
-		e = NULL; /* dead, or a SYN reusing an ended flow's port: the new-flow path below */
+	if (e && !ekp_ct6_alive(e, k, cfg, now))
+		e = NULL; /* dead: the new-flow path below */
+	if (e && !ekp_ct6_usable_forward(e, &p->b)) {
+		w->reopens = 1; /* a SYN reusing an ended flow's port: the new-flow path below */
+		e = NULL;
+	}
 	if (!e) {
 		k->dir = EKP_CT_REPLY;
 		e = ekp_ct6_lookup(k);
@@ -346,6 +353,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			e = NULL; /* a SYN-ACK answering something else on an ended flow's tuple */
 	}
 	if (e) {
+		w->reopens = 0;
 		if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
 			outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
 			verdict = TC_ACT_SHOT;
@@ -459,6 +467,19 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	outcome = EKP_STAT_NEW_FLOWS;
 	verdict = ekp_tc6_send(skb, w, w->rc, sa, sp, f->be_addr, f->b.be_port, &outcome);
 out:
+	/* A SYN that reopened an ended flow's tuple and goes to the stack (ip6tables decides it: its
+	 * frontend now needs ip6tables, no route, ...): the ended flow's entries go with it, or the
+	 * connection's next segment, no SYN, would hit them and reach the old backend. A SYN that
+	 * made a new flow here rewrote them (ekp_ct6_create); one dropped keeps them for its retry. */
+	if (w->reopens && verdict == TC_ACT_OK) {
+		struct ekp_ct6_key *fk6 = &w->key;
+		ekp_ct6_key_of(fk6, p, EKP_CT_FORWARD);
+		struct ekp_ct6_entry *old = ekp_ct6_lookup(fk6);
+		if (old) {
+			ekp_ct6_delete_twin(old, fk6);
+			ekp_ct6_delete(fk6);
+		}
+	}
 	/* the flow that began or closed goes in its ring (ekp_ctq.h); the one there a ring ago may go */
 	if (w->queue.want) {
 		__u32 evicted = ekp_ctq6_push(&w->queue);

@@ -239,6 +239,26 @@ def test_a_syn_on_a_flow_that_saw_a_rst_or_fin_is_a_new_flow_decided_again(net: 
     assert net.stats()[Stat.NEW_FLOWS] == 4
 
 
+def test_a_syn_reopening_an_ended_flow_that_goes_to_ip6tables_takes_the_ended_entries_along(
+    net: Net,
+) -> None:
+    """A SYN on an ended flow's tuple is a new flow; decided for ip6tables (its frontend now has a
+    host-network backend: HOST_BACKEND), it passes untouched, and the ended flow's entries go: the
+    connection's next segment, no SYN, would hit them and be sent to the old backend past the
+    stack that translated its SYN."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    assert seen(net.from_pod(frame6(POD6, VIP6, 40070, 80))[1])[2] == BE6
+    assert net.from_pod(frame6(POD6, VIP6, 40070, 80, flags="FA"))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(frame6(BE6, POD6, 8080, 40070, flags="FA"))[0] == TC_ACT_REDIRECT
+    host_too = ((1, BE6, 8080, BackendFlag.LOCAL), (2, NODE6, 10250, BackendFlag.HOST))
+    add_service6(net.dp.maps, VIP6, 80, host_too, flags=FrontendFlag.HOST_BACKEND)
+    syn = frame6(POD6, VIP6, 40070, 80)
+    assert net.from_pod(syn) == (TC_ACT_OK, syn), "ip6tables' new flow"
+    ack = frame6(POD6, VIP6, 40070, 80, flags="A")
+    assert net.from_pod(ack) == (TC_ACT_OK, ack), "its next segment: the stack's, not the old backend's"
+    assert ct6(net, POD6, VIP6, 40070, 80) is None and ct6(net, BE6, POD6, 8080, 40070, reply=True) is None
+
+
 def test_a_state_change_leaves_another_flows_entry_under_the_twin_key_alone(net: Net) -> None:
     """A FIN moves the flow's entry and its twin; an entry of another flow that sits under the twin
     key (written behind its back here; the LRU evicts and reuses keys) keeps its state, as IPv4's
