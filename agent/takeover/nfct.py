@@ -113,11 +113,16 @@ class Created:
     taken: list[NatFlow] = field(default_factory=list)  # the flows counted in `present`
 
 
+def _family(flow: NatFlow) -> int:
+    return socket.AF_INET6 if flow.family == 6 else socket.AF_INET
+
+
 def _nat(addr: str, port: int) -> dict[str, Any]:
+    v = "V6" if ":" in addr else "V4"
     return {
         "attrs": [
-            ("CTA_NAT_V4_MINIP", addr),
-            ("CTA_NAT_V4_MAXIP", addr),
+            (f"CTA_NAT_{v}_MINIP", addr),
+            (f"CTA_NAT_{v}_MAXIP", addr),
             ("CTA_NAT_PROTO", {"attrs": [("CTA_PROTONAT_PORT_MIN", port), ("CTA_PROTONAT_PORT_MAX", port)]}),
         ]
     }
@@ -127,8 +132,12 @@ def _entry(flow: NatFlow, timeouts: Timeouts) -> dict[str, Any]:
     s, d, sp, dp = flow.orig
     rs, rd, rsp, rdp = flow.reply
     attrs: dict[str, Any] = {
-        "tuple_orig": NFCTAttrTuple(saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp),
-        "tuple_reply": NFCTAttrTuple(saddr=d, daddr=s, proto=flow.proto, sport=dp, dport=sp),
+        "tuple_orig": NFCTAttrTuple(
+            family=_family(flow), saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp
+        ),
+        "tuple_reply": NFCTAttrTuple(
+            family=_family(flow), saddr=d, daddr=s, proto=flow.proto, sport=dp, dport=sp
+        ),
         "status": kernel_status(flow),
         "timeout": timeout_of(flow, timeouts),
     }
@@ -164,28 +173,31 @@ def create_flows(
     *,
     clear_first: Callable[[NatFlow], NatFlow] | None = None,
 ) -> Created:
-    """Create an nf_conntrack entry, NAT included, for each flow; one on the tuple already is kept.
-    With `clear_first`, the entry on `clear_first(flow)`'s original tuple is deleted right before
-    the flow's own is created (the gap a packet could fill is one netlink round trip)."""
+    """Create an nf_conntrack entry, NAT included, for each flow (IPv4 or IPv6); one on the tuple
+    already is kept. With `clear_first`, the entry on `clear_first(flow)`'s original tuple is
+    deleted right before the flow's own is created (the gap a packet could fill is one netlink
+    round trip)."""
     wanted = list(flows)
 
     def run() -> Created:
         done = Created()
-        if not wanted:
-            return done
-        with NFCTSocket(nfgen_family=socket.AF_INET) as ct:
-            for flow in wanted:
-                if clear_first is not None:
-                    _delete(ct, clear_first(flow))
-                try:
-                    ct.entry("add", **_entry(flow, timeouts))
-                    done.created += 1
-                except NetlinkError as exc:
-                    if exc.code == errno.EEXIST:
-                        done.present += 1
-                        done.taken.append(flow)
-                    else:
-                        done.failed.append(f"{flow.describe()}: {exc}")
+        for family in (socket.AF_INET, socket.AF_INET6):
+            group = [f for f in wanted if _family(f) == family]
+            if not group:
+                continue
+            with NFCTSocket(nfgen_family=family) as ct:
+                for flow in group:
+                    if clear_first is not None:
+                        _delete(ct, clear_first(flow))
+                    try:
+                        ct.entry("add", **_entry(flow, timeouts))
+                        done.created += 1
+                    except NetlinkError as exc:
+                        if exc.code == errno.EEXIST:
+                            done.present += 1
+                            done.taken.append(flow)
+                        else:
+                            done.failed.append(f"{flow.describe()}: {exc}")
         return done
 
     return run_in_netns(netns, run)
@@ -199,11 +211,13 @@ def delete_flows(netns: str, flows: Iterable[NatFlow]) -> int:
 
     def run() -> int:
         deleted = 0
-        if not wanted:
-            return deleted
-        with NFCTSocket(nfgen_family=socket.AF_INET) as ct:
-            for flow in wanted:
-                deleted += _delete(ct, flow)
+        for family in (socket.AF_INET, socket.AF_INET6):
+            group = [f for f in wanted if _family(f) == family]
+            if not group:
+                continue
+            with NFCTSocket(nfgen_family=family) as ct:
+                for flow in group:
+                    deleted += _delete(ct, flow)
         return deleted
 
     return run_in_netns(netns, run)
@@ -212,7 +226,10 @@ def delete_flows(netns: str, flows: Iterable[NatFlow]) -> int:
 def _delete(ct: NFCTSocket, flow: NatFlow) -> int:
     s, d, sp, dp = flow.orig
     try:
-        ct.entry("del", tuple_orig=NFCTAttrTuple(saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp))
+        tuple_orig = NFCTAttrTuple(
+            family=_family(flow), saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp
+        )
+        ct.entry("del", tuple_orig=tuple_orig)
     except NetlinkError as exc:
         if exc.code != errno.ENOENT:
             raise
