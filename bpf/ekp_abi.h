@@ -17,7 +17,7 @@
  * IPv6: Cilium's v4/v6 pairs. Every struct below that holds an address is the IPv4 member of a
  * pair; IPv6 has its own maps beside these with 16-byte addresses (the "IPv6 pairs" section at the
  * end: ekp_fe6, ekp_be6, ekp_rnat6, ekp_aff6, ekp_srcr6, ekp_addr6, ekp_sknat6; the tc programs'
- * ekp_ct6_tcp, ekp_ct6_any and their early-drop rings ekp_ctq6_tcp, ekp_ctq6_any, ekp_ctqh6, ekp_cfg6), and
+ * ekp_ct6_tcp, ekp_ct6_any and their early-drop rings ekp_ctq6_tcp, ekp_ctq6_any, ekp_ctqh6, ekp_cfg6, ekp_cfg6sel), and
  * changes none of the v2 layouts: an
  * upgrade only adds maps, and no IPv4 flow is touched. Pairs rather than 16-byte unions because the
  * per-packet keys (conntrack, frontend, fragments) stay 16 bytes for IPv4: a 40-byte union key
@@ -643,12 +643,12 @@ struct ekp_ctq6_slot {
 	__u32 created_s; /* host: the flow's created_s when queued */
 };
 
-/* ekp_cfg6 (array, one element, written by the agent): what the IPv6 path needs beside the shared
- * struct ekp_config (whose SNAT port range and timeouts serve both families). A map of its own
- * rather than a wider ekp_config: an upgrade adds it, and no v2 layout changes. Written with one
- * map update, which a program may read half done while the node's IPv6 address changes (a flow
- * begun in that instant gets a source of neither address, as a flow through a changing address
- * fails under the kernel's masquerade too). */
+/* ekp_cfg6 (array, two elements) and ekp_cfg6sel[0] (struct ekp_config_sel), written by the agent:
+ * what the IPv6 path needs beside the shared struct ekp_config (whose SNAT port range and timeouts
+ * serve both families), double-buffered as ekp_cfg is: the agent writes the slot the selector does
+ * not name, then flips it, so a program never reads a node address while it is rewritten (16
+ * bytes: a torn read would be a source of neither address). A map of its own rather than a wider
+ * ekp_config: an upgrade adds it, and no v2 layout changes. */
 struct ekp_config6 {
 	__be32 node_addr[4]; /* be: the source of IPv6 SNAT (masquerade, remote backends, hairpin): the
 			      * node's IPv6 address; zero = none known (such flows are left to the stack) */

@@ -31,7 +31,7 @@
 	!defined(EKP_MEMBER6_MAX) || !defined(EKP_SRCR6_MAX) || !defined(EKP_ADDR6_MAX) ||                     \
 	!defined(EKP_AFF6_MAX) || !defined(EKP_SKNAT6_MAX) || !defined(EKP_CT6_TCP_MAX) ||                     \
 	!defined(EKP_CT6_ANY_MAX) || !defined(EKP_CTQ6_TCP_MAX) ||                                               \
-	!defined(EKP_CTQ6_ANY_MAX) || !defined(EKP_CTQH6_MAX) || !defined(EKP_CFG6_MAX)
+	!defined(EKP_CTQ6_ANY_MAX) || !defined(EKP_CTQH6_MAX) || !defined(EKP_CFG6_MAX) || !defined(EKP_CFG6SEL_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -49,7 +49,8 @@ _Static_assert(EKP_CFG_MAX == 2, "ekp_cfg_v2 holds exactly two struct ekp_config
 _Static_assert(EKP_CFGSEL_MAX == 1, "ekp_cfgsel_v2 holds exactly one selector");
 _Static_assert(EKP_ICMPRL_MAX == 1, "ekp_icmprl_v2 holds one bucket per CPU");
 _Static_assert(EKP_SKCFG_MAX == 1, "ekp_skcfg_v2 holds one struct ekp_sock_config");
-_Static_assert(EKP_CFG6_MAX == 1, "ekp_cfg6_v2 holds one struct ekp_config6");
+_Static_assert(EKP_CFG6_MAX == 2, "ekp_cfg6_v2 holds exactly two struct ekp_config6 (double buffer)");
+_Static_assert(EKP_CFG6SEL_MAX == 1, "ekp_cfg6sel_v2 holds exactly one selector");
 
 /* Service tables, written by the agent only. */
 BPF_TABLE("hash", struct ekp_frontend_key, struct ekp_frontend, ekp_fe_v2, EKP_FE_MAX);
@@ -118,8 +119,10 @@ BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_any_v3, 
 BPF_TABLE("array", u32, struct ekp_ctq6_slot, ekp_ctq6_tcp_v2, EKP_CTQ6_TCP_MAX);
 BPF_TABLE("array", u32, struct ekp_ctq6_slot, ekp_ctq6_any_v2, EKP_CTQ6_ANY_MAX);
 BPF_TABLE("array", u32, u64, ekp_ctqh6_v2, EKP_CTQH6_MAX);
-/* The IPv6 path's own settings (the node's IPv6 address for SNAT), written by the agent. */
+/* The IPv6 path's own settings (the node's IPv6 address for SNAT), written by the agent: two slots
+ * and their selector, as ekp_cfg_v2 / ekp_cfgsel_v2. */
 BPF_TABLE("array", u32, struct ekp_config6, ekp_cfg6_v2, EKP_CFG6_MAX);
+BPF_TABLE("array", u32, struct ekp_config_sel, ekp_cfg6sel_v2, EKP_CFG6SEL_MAX);
 
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
 BPF_TABLE("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX);
@@ -190,5 +193,6 @@ static __always_inline int ekp_ct6_update(struct ekp_ct6_key *k, struct ekp_ct6_
 static __always_inline int ekp_ct6_insert(struct ekp_ct6_key *k, struct ekp_ct6_entry *v);
 static __always_inline int ekp_ct6_delete(struct ekp_ct6_key *k);
 static __always_inline struct ekp_config6 *ekp_cfg6_lookup(u32 *k);
+static __always_inline struct ekp_config_sel *ekp_cfg6sel_lookup(u32 *k);
 
 #endif /* EKP_MAPS_H */

@@ -334,6 +334,11 @@ static __always_inline struct ekp_config6 *ekp_cfg6_lookup(u32 *k)
 	return ekp_cfg6_v2.lookup(k);
 }
 
+static __always_inline struct ekp_config_sel *ekp_cfg6sel_lookup(u32 *k)
+{
+	return ekp_cfg6sel_v2.lookup(k);
+}
+
 static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 {
 	u32 zero = 0;

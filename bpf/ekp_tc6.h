@@ -206,12 +206,15 @@ static __always_inline int ekp_tc6_may_translate(const struct ekp_pkt6 *p, __u8 
 }
 
 /* The node's IPv6 address, the source of IPv6 SNAT (ekp_cfg6, written by the agent from the IPv6
- * family's node address); NULL when none is known: such flows are left to the stack, where
- * ip6tables masquerades them. */
+ * family's node address: the slot ekp_cfg6sel names, as ekp_config_get reads IPv4's); NULL when
+ * none is known: such flows are left to the stack, where ip6tables masquerades them. Read once per
+ * packet, and copied into the new flow (its snat_addr) before anything else is looked up. */
 static __always_inline const __be32 *ekp_tc6_node_addr(void)
 {
 	__u32 zero = 0;
-	struct ekp_config6 *c = ekp_cfg6_lookup(&zero);
+	struct ekp_config_sel *sel = ekp_cfg6sel_lookup(&zero);
+	__u32 slot = sel ? (sel->slot & 1) : 0;
+	struct ekp_config6 *c = ekp_cfg6_lookup(&slot);
 
 	if (!c || !(c->node_addr[0] | c->node_addr[1] | c->node_addr[2] | c->node_addr[3]))
 		return NULL;

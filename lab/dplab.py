@@ -118,6 +118,7 @@ TEST_ROLES = (
     "ct6_tcp",
     "ct6_any",
     "cfg6",  # zero: no IPv6 SNAT source (the IPv6 path leaves source translations to the stack)
+    "cfg6sel",
     "ctq6_tcp",
     "ctq6_any",
     "ctqh6",

@@ -705,8 +705,9 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("ctq6_any", "array", ctypes.c_uint32, Ctq6Slot, 0, "EKP_CTQ6_ANY_MAX", _DP),
         MapSpec("ctqh6", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_CTQH6_MAX", _DP),
         # the IPv6 path's settings: the node's IPv6 address, the source of its SNAT (written by the
-        # IPv6 family's sync, agent/ebpf/family6.py)
-        MapSpec("cfg6", "array", ctypes.c_uint32, Config6, 1, "EKP_CFG6_MAX"),
+        # IPv6 family's sync, agent/ebpf/family6.py), two slots and a selector as cfg / cfgsel
+        MapSpec("cfg6", "array", ctypes.c_uint32, Config6, 2, "EKP_CFG6_MAX"),
+        MapSpec("cfg6sel", "array", ctypes.c_uint32, ConfigSel, 1, "EKP_CFG6SEL_MAX"),
     )
 }
 

@@ -699,12 +699,23 @@ def write_config(maps: Mapping[str, MapWriter], cfg: Config) -> bool:
     return True
 
 
+def read_config6(maps: Mapping[str, MapWriter]) -> Config6 | None:
+    """The IPv6 path's settings the programs read: the ekp_cfg6 slot ekp_cfg6sel names."""
+    sel = maps["cfg6sel"].lookup(ct.c_uint32(CFG_SEL_KEY))
+    value = maps["cfg6"].lookup(ct.c_uint32(int(getattr(sel, "slot", 0)) & 1))
+    return value if isinstance(value, Config6) else None
+
+
 def write_config6(maps: Mapping[str, MapWriter], cfg6: Config6) -> bool:
-    """Makes `cfg6` the IPv6 path's settings (ekp_cfg6, one element: bpf/ekp_abi.h says what a
-    program may read while it changes). False, and nothing written, when it holds them already."""
-    if maps["cfg6"].lookup(ct.c_uint32(0)) == cfg6:
+    """Makes `cfg6` the IPv6 path's settings as `write_config` does IPv4's: the slot ekp_cfg6sel does
+    not name, then the selector. False, and nothing written, when it is live already."""
+    sel = maps["cfg6sel"].lookup(ct.c_uint32(CFG_SEL_KEY))
+    live = int(getattr(sel, "slot", 0)) & 1
+    if maps["cfg6"].lookup(ct.c_uint32(live)) == cfg6 and sel is not None:
         return False
-    maps["cfg6"].update(ct.c_uint32(0), cfg6)
+    spare = 1 - live
+    maps["cfg6"].update(ct.c_uint32(spare), cfg6)
+    maps["cfg6sel"].update(ct.c_uint32(CFG_SEL_KEY), ConfigSel(slot=spare))
     return True
 
 

@@ -25,7 +25,7 @@ from agent.ebpf.abi import (
     port_be,
     port_host,
 )
-from agent.ebpf.maps import write_config6
+from agent.ebpf.maps import read_config6, write_config6
 from agent.ebpf.render6 import ct6_lines
 from lab.dplab import (
     BE6,
@@ -311,5 +311,30 @@ def test_without_the_nodes_ipv6_address_a_source_translation_is_left_to_the_stac
     verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50201, 30080))
     assert verdict == TC_ACT_REDIRECT
     assert seen(out)[1:3] == (NODE6, REMOTE_BE6)
-    cfg6 = net.dp.maps["cfg6"].lookup(ct.c_uint32(0))
-    assert isinstance(cfg6, abi.Config6) and ip6_str(cfg6.node_addr) == NODE6
+    cfg6 = read_config6(net.dp.maps)
+    assert cfg6 is not None and ip6_str(cfg6.node_addr) == NODE6
+
+
+def test_the_nodes_ipv6_address_changing_leaves_live_flows_their_source_and_is_never_read_half_written(
+    net: Net,
+) -> None:
+    """ekp_cfg6 is double-buffered as ekp_cfg: the programs read the slot ekp_cfg6sel names, and
+    the agent writes the other one, then flips it (write_config6). A slot being rewritten (written
+    here behind the selector's back, another address) is never what a new flow gets; a flip is,
+    from the next new flow on, while a live flow keeps the source its entries hold."""
+    snat_source(net, NODE6)
+    nodeport_to_remote(net)
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50300, 30080))
+    assert verdict == TC_ACT_REDIRECT and seen(out)[1] == NODE6
+    first_port = seen(out)[3]
+    sel = net.dp.maps["cfg6sel"].lookup(ct.c_uint32(0))
+    spare = 1 - (int(getattr(sel, "slot", 0)) & 1)
+    half = abi.Config6(node_addr=abi.Addr6(*ip6_words("fd00:ff::99")))
+    net.dp.maps["cfg6"].update(ct.c_uint32(spare), half)  # the agent's write before its flip
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50301, 30080))
+    assert verdict == TC_ACT_REDIRECT and seen(out)[1] == NODE6, "the live slot, not the one being written"
+    snat_source(net, NODE2_6)  # the node's address moved: write_config6 flips
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50302, 30080))
+    assert verdict == TC_ACT_REDIRECT and seen(out)[1] == NODE2_6, "a new flow: the new address"
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50300, 30080, flags="A"))
+    assert verdict == TC_ACT_REDIRECT and seen(out)[1:4] == (NODE6, REMOTE_BE6, first_port), "a live flow"

@@ -16,7 +16,7 @@ from agent.config import Config, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.abi import MAPS, V6_ROLES, FrontendFlag, Scope, ip6_str, ip6_words, port_be, port_host
 from agent.ebpf.family6 import Handles, Ipv6Datapath
-from agent.ebpf.maps import FakeMap
+from agent.ebpf.maps import FakeMap, read_config6, write_config6
 from agent.model import IPFamily, NodeInfo, ProxyState, ServicePortName, build_state
 from agent.model.types import Protocol
 
@@ -136,7 +136,7 @@ def test_frontends_whose_set_holds_an_endpoint_on_a_node_address_are_marked_host
 
 
 def test_the_nodes_ipv6_address_is_written_as_the_snat_source_of_the_ipv6_path() -> None:
-    """ekp_cfg6 (bpf/ekp_tc6_snat.h): the IPv6 node's primary address, written at a sync and again
+    """ekp_cfg6 (bpf/ekp_tc6.h): the IPv6 node's primary address, written at a sync and again
     when it changed; zero for a node context with no IPv6 address (an agent without an IPv6 half
     empties the IPv6 maps with its IPv4 one), which leaves source translations to ip6tables."""
     maps = fake_maps()
@@ -144,8 +144,8 @@ def test_the_nodes_ipv6_address_is_written_as_the_snat_source_of_the_ipv6_path()
     state = state6([service()], [slice_("fd00:10:244:1::2")])
 
     def source() -> str:
-        cfg6 = maps["cfg6"].lookup(ctypes.c_uint32(0))
-        assert isinstance(cfg6, abi.Config6)
+        cfg6 = read_config6(maps)
+        assert cfg6 is not None
         return ip6_str(cfg6.node_addr)
 
     v6.sync(maps, state, NODE6, None, snat_source=True)
@@ -167,10 +167,10 @@ def test_the_snat_source_waits_until_ip6tables_masquerade_keeps_out_of_the_snat_
     v6 = Ipv6Datapath(Config())
     state = state6([service()], [slice_("fd00:10:244:1::2")])
     v6.sync(maps, state, NODE6, None)
-    assert maps["cfg6"].lookup(ctypes.c_uint32(0)) is None, "the node's address not written"
+    assert read_config6(maps) is None, "the node's address not written"
     v6.sync(maps, state, NODE6, None, snat_source=True)
-    cfg6 = maps["cfg6"].lookup(ctypes.c_uint32(0))
-    assert isinstance(cfg6, abi.Config6) and ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+    cfg6 = read_config6(maps)
+    assert cfg6 is not None and ip6_str(cfg6.node_addr) == "fd00:192:168::11"
 
 
 def test_a_restart_over_unchanged_state_writes_nothing_and_keeps_the_ids() -> None:
@@ -290,3 +290,28 @@ def test_the_ipv6_planner_uses_the_ipv6_local_traffic_detector(
         assert not internal.flags & FrontendFlag.LOCAL and internal.count == 1
     else:
         assert internal.flags & FrontendFlag.LOCAL and internal.count == 0
+
+
+def test_the_ipv6_paths_settings_are_written_to_the_slot_the_programs_do_not_read() -> None:
+    """write_config6 as write_config: the spare slot of ekp_cfg6, then ekp_cfg6sel flipped to it;
+    the slot the programs read is never rewritten (a 16-byte address read half written would be
+    a source of neither address). Nothing is written when the live slot holds it already."""
+    maps = fake_maps()
+    first = abi.Config6(node_addr=abi.Addr6(*abi.ip6_words("fd00:192:168::11")))
+    second = abi.Config6(node_addr=abi.Addr6(*abi.ip6_words("fd00:192:168::99")))
+    writes: list[int] = []
+    update = maps["cfg6"].update
+
+    def recording(key: Any, value: Any, flags: Any = None) -> None:
+        writes.append(int(key.value))
+        update(key, value)
+
+    maps["cfg6"].update = recording  # type: ignore[method-assign]
+    for cfg6 in (first, second, second, first):
+        sel = maps["cfg6sel"].lookup(ctypes.c_uint32(0))
+        live = int(getattr(sel, "slot", 0)) & 1 if sel is not None else None
+        changed = write_config6(maps, cfg6)
+        if changed:
+            assert writes[-1] != live, "the live slot rewritten"
+        assert read_config6(maps) == cfg6
+    assert writes == [1, 0, 1], "one write per change, alternating; none for the repeat"
