@@ -297,7 +297,7 @@ def test_an_error_claiming_a_source_not_routed_to_its_pod_is_dropped(net: Net) -
 
 
 def test_packet_too_big_about_a_masqueraded_segment_reaches_the_client_not_the_node(net: Net) -> None:
-    """A NodePort flow masqueraded to a remote backend (bpf/ekp_tc6_snat.h): the error about its
+    """A NodePort flow masqueraded to a remote backend (bpf/ekp_tc6.h): the error about its
     segment from NODE6:snat port comes back to the node's address, and must go on to the client,
     about the segment the client sent to the NodePort (IPv4's ekp_decide_related, its SNAT half)."""
     write_config6(net.dp.maps, Config6(node_addr=Addr6(*ip6_words(NODE6))))

@@ -1,7 +1,8 @@
-"""Source translation on the tc programs' IPv6 path (bpf/ekp_tc6_snat.h), packet by packet through
+"""Source translation on the tc programs' IPv6 path (the decision in bpf/ekp_tc6.h; the port and
+the entries by IPv4's conntrack template, ekp_ct6_create), packet by packet through
 BPF_PROG_TEST_RUN: a flow IPv4 would masquerade (a NodePort from outside to a backend on another
 node, SNAT_ALL, a hairpin) leaves with the node's IPv6 address (ekp_cfg6) and a port of the SNAT
-range, chosen by IPv4's port walk (bpf/ekp_snat.h); its reply gets the frontend and the client
+range, chosen by IPv4's port walk (bpf/ekp_snat_af.h); its reply gets the frontend and the client
 back. Every L4 checksum is recomputed by scapy from the rewritten bytes (`seen`).
 
 The IPv6 packet lab of test_datapath_ipv6 (its `lab` fixture: lab/dplab.py's `add_ipv6`).
@@ -166,6 +167,29 @@ def test_a_full_range_takes_over_an_unanswered_flow_and_refuses_once_every_flow_
     assert ct6(net, evicted, NODE6, 50002, 30080) is None
 
 
+def test_a_taken_over_snat_tuple_deletes_its_holders_forward_entry_only_while_it_is_that_flows(
+    net: Net,
+) -> None:
+    """The early drop takes an unanswered flow's SNAT tuple and deletes that flow's FORWARD entry
+    (the test above); an entry of another flow under that key since (the LRU reuses keys; written
+    behind the holder's back here: another backend) is not the holder's twin and stays."""
+    snat_source(net, NODE6)
+    set_config(net.dp, snat_port_min=SNAT_MIN, snat_port_max=SNAT_MIN)
+    nodeport_to_remote(net)
+    assert seen(net.from_net(frame6(CLIENT6, NODE6, 50010, 30080))[1])[3] == SNAT_MIN
+    fkey = abi.Ct6Key(
+        abi.Addr6(*ip6_words(CLIENT6)), abi.Addr6(*ip6_words(NODE6)), port_be(50010), port_be(30080), 6, 0
+    )
+    other = ct6(net, CLIENT6, NODE6, 50010, 30080)
+    other.backend_id = 99
+    net.dp.maps["ct6_tcp"].update(fkey, other)
+    verdict, out = net.from_net(frame6(NODE2_6, NODE6, 50010, 30080))
+    assert verdict == TC_ACT_REDIRECT and seen(out)[3] == SNAT_MIN
+    assert net.stats()[Stat.EARLY_DROP] == 1
+    kept = ct6(net, CLIENT6, NODE6, 50010, 30080)
+    assert kept is not None and kept.backend_id == 99, "not the holder's twin: left alone"
+
+
 def test_a_syn_on_a_closed_flows_tuple_takes_its_snat_port_again(net: Net) -> None:
     """The client reusing its source port after a RST opens a new flow (decided again, not the
     closed flow's entries); with one port in the range it can only have the closed flow's, taken
@@ -220,10 +244,12 @@ def test_a_pod_reaching_itself_through_its_service_is_hairpinned_through_the_nod
 
 def test_affinity_with_snat_remote_is_translated_here_once_the_source_is_known(net: Net) -> None:
     """Left to ip6tables as a whole while no IPv6 node address is known (one owner of the
-    service's affinity); once it is, every flow of the frontend is the tc path's, the remote ones
-    source-translated, the client's backend remembered in ekp_aff6."""
+    service's affinity); once it is, every flow of the frontend is the tc path's, source-translated
+    (its backends are all remote: a local one would keep the client's address, and a test that
+    could pick it would pass half the time without any translation), the client's backend
+    remembered in ekp_aff6."""
     flags = NODEPORT | FrontendFlag.AFFINITY
-    backends = ((1, BE6, 8080, BackendFlag.LOCAL), (2, REMOTE_BE6, 8080, 0))
+    backends = ((1, REMOTE_BE6, 8080, 0), (2, "fd00:a:2::8", 8080, 0))
     add_service6(net.dp.maps, NODE6, 30080, backends, scope=Scope.EXTERNAL, flags=flags, affinity_timeout=60)
     frame = frame6(CLIENT6, NODE6, 50100, 30080)
     assert net.from_net(frame) == (TC_ACT_OK, frame), "no SNAT source: ip6tables'"
@@ -234,9 +260,10 @@ def test_affinity_with_snat_remote_is_translated_here_once_the_source_is_known(n
         assert verdict == TC_ACT_REDIRECT
         chosen.add(seen(out)[1:3])
     assert len(chosen) == 1, chosen
-    assert net.stats()[Stat.AFFINITY_HIT] == 7
+    stats = net.stats()
+    assert (stats[Stat.AFFINITY_HIT], stats[Stat.SNAT]) == (7, 8)
     ((src, dst),) = chosen
-    assert src == (NODE6 if dst == REMOTE_BE6 else CLIENT6), "the local backend keeps the client's address"
+    assert src == NODE6 and dst in (REMOTE_BE6, "fd00:a:2::8"), "masqueraded, to the remembered backend"
 
 
 def test_a_state_change_leaves_another_clients_entry_under_the_snat_twin_key_alone(net: Net) -> None:

@@ -147,19 +147,23 @@ def test_an_ipv6_node_port_of_policy_local_is_translated_by_tc_keeping_the_clien
 
 def test_an_ipv6_node_port_of_policy_cluster_is_masqueraded_by_tc(dual: Cluster) -> None:
     """Masqueraded (policy Cluster), the remote backend and the local one alike: both answer, and
-    see a node address. In eBPF mode the tc path translates the source (bpf/ekp_tc6_snat.h), so
-    nf_conntrack holds no DNAT entry; in iptables mode ip6tables' does."""
+    see a node address. In eBPF mode the tc path translates the source to node1's IPv6 address
+    (ekp_cfg6; counted as SNAT), so nf_conntrack holds no DNAT entry; in iptables mode ip6tables'
+    does, and its MASQUERADE takes the address of the device towards the backend."""
     lab = dual.lab
     node = lab.node(1)
     forget_flows(dual, node.ip6)
     before = new_flows(dual)
+    snat_before = dual.bpf_stats(1)["snat"] if dual.mode == "ebpf" else 0
     url = f"http://[{node.ip6}]:{CLUSTER_PORT}"
     assert {fetch(dual, lab.client, f"{url}/") for _ in range(TRIES)} == set(PODS)
-    source = fetch(dual, lab.client, f"{url}/ip")
-    assert source != lab.client.ip6 and source.startswith("fd00:"), source
+    sources = {fetch(dual, lab.client, f"{url}/ip") for _ in range(TRIES)}
+    assert lab.client.ip6 not in sources and all(s.startswith("fd00:") for s in sources), sources
     flows = dnat_flows(dual, node.ip6)
     if dual.mode == "ebpf":
-        assert new_flows(dual) - before >= TRIES + 1
+        assert sources == {node.ip6}, "masqueraded by tc to node1's IPv6 address"
+        assert new_flows(dual) - before >= 2 * TRIES
+        assert dual.bpf_stats(1)["snat"] - snat_before >= 2 * TRIES, "every flow source-translated by tc"
         assert f"dport={CLUSTER_PORT} " not in flows, flows
     else:
         assert f"dport={CLUSTER_PORT} " in flows, "ip6tables' DNAT"
