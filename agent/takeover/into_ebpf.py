@@ -10,8 +10,9 @@ right after:
    programs are attached, packets still go through netfilter, whose conntrack keeps translating
    these flows (its NAT bindings outlive any rule).
    While the programs are being attached, nf_conntrack_tcp_be_liberal is 1 (below, in the code).
-2. after: the same again, for the flows the other data path started in between (milliseconds);
-   nf_conntrack_tcp_be_liberal back to what it was.
+2. after: the same again, for the flows the other data path started in between (milliseconds),
+   once the flows carried before are handed to the stack (below: that ends the window in which
+   they lose packets, so nothing comes before it); nf_conntrack_tcp_be_liberal back to what it was.
    From here the programs see every packet of those flows first and translate them from their
    own entries: same backend, same SNAT source and port.
    With bpf host routing netfilter sees no packet of these flows any more. With legacy host
@@ -192,20 +193,29 @@ class KernelTakeover:
             self._liberal_was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
-        # The flows to the node's own address first: the data path drops their forward packets
-        # until they are handed over (module doc), so nothing else comes before.
-        early = [f for f in self._carried if host_backend(f, self._node)]
-        self._carried = []
-        self._hand_over(maps, early, early)
-        done = {f.orig for f in early}
+        # The flows carried before the attach are handed to the stack before anything else, the
+        # second dump included: from the attach on, each packet of theirs the stack sees meets their
+        # NAT entry in the way (module doc) until that entry is deleted, so the time to their
+        # deletion is a window in which they lose packets (an SCTP chunk, never retransmitted by
+        # the lab's crafted peer, was lost twice when a starved agent made it last over 2 s). The flows to
+        # the node's own address lead: the data path drops their forward packets until then.
+        carried, self._carried = self._carried, []
+        host = [f for f in carried if host_backend(f, self._node)]
+        pods = [f for f in carried if not host_backend(f, self._node)] if self._stack_sees_all() else []
+        first = host + pods
+        self._hand_over(maps, first, host)
+        done = {f.orig for f in first}
         flows = [f for f in self._carry(maps, "after the programs were attached") if f.orig not in done]
         host = [f for f in flows if host_backend(f, self._node)]
-        if self._config.bpf_host_routing != HostRouting.LEGACY:
-            flows = host  # under bpf host routing only a flow to the node's own address meets the stack
-        self._hand_over(maps, flows, host)
+        self._hand_over(maps, flows if self._stack_sees_all() else host, host)
         if self._liberal_was is not None and self._liberal_was != "1":
             self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
         self._liberal_was = None
+
+    def _stack_sees_all(self) -> bool:
+        """Whether the node's stack sees every translated flow (legacy host routing); under bpf host
+        routing only a flow to the node's own address meets it."""
+        return self._config.bpf_host_routing == HostRouting.LEGACY
 
     def _hand_over(self, maps: Mapping[str, MapWriter], flows: list[NatFlow], host: list[NatFlow]) -> None:
         """`flows`' NAT entries replaced by the stack's plain ones, then `host` released: replaced
