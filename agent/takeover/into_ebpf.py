@@ -178,6 +178,7 @@ class KernelTakeover:
         self._liberal_was: str | None = None
         self._node: Collection[str] = frozenset()  # the node's addresses, as the last carry read them
         self._carried: list[NatFlow] = []  # before the programs were attached
+        self._attached_at = 0.0  # monotonic: after_attach began (the programs were just attached)
         self.carried = 0
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
@@ -199,6 +200,7 @@ class KernelTakeover:
         # deletion is a window in which they lose packets (an SCTP chunk, never retransmitted by
         # the lab's crafted peer, was lost twice when a starved agent made it last over 2 s). The flows to
         # the node's own address lead: the data path drops their forward packets until then.
+        self._attached_at = time.monotonic()
         carried, self._carried = self._carried, []
         host = [f for f in carried if host_backend(f, self._node)]
         pods = [f for f in carried if not host_backend(f, self._node)] if self._stack_sees_all() else []
@@ -269,6 +271,7 @@ class KernelTakeover:
         plain = [stack_flow(f) for f in flows]
         try:
             retired = self._delete(netns, flows)
+            gone_ms = (time.monotonic() - self._attached_at) * 1000
             stray = self._delete(netns, plain)
             made = self._create(netns, plain, timeouts_of(self._config))
         except (OSError, NetlinkError) as exc:
@@ -288,13 +291,15 @@ class KernelTakeover:
             "handed the %d carried flows to the node's stack (legacy host routing, or a backend on the"
             " node's own address): %d NAT entries of"
             " nf_conntrack replaced by client <-> backend entries (%d made by packets meanwhile, %d with"
-            " another source port removed, %d failed), %.0f ms",
+            " another source port removed, %d failed), %.0f ms; their NAT entries were gone %.0f ms after"
+            " the attach (until then the stack gave their packets another source port)",
             len(flows),
             retired,
             made.present,
             stray,
             len(made.failed),
             (time.monotonic() - started) * 1000,
+            gone_ms,
         )
 
     def _carry(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:

@@ -322,6 +322,7 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
     assert takeover.carried == 2 and len(maps["ct_tcp"].items()) == 4
     assert dict((bytes(k), bytes(v)) for k, v in maps["ct_tcp"].items())[bytes(fkey)] == bytes(mine)
     liberal = "net/netfilter/nf_conntrack_tcp_be_liberal"
+
     # legacy host routing: the stack sees the carried flows again, as client <-> backend; their NAT
     # entries go (the node's own client keeps its), then the plain tuples' (another source port,
     # made since the attach), then the plain entries are made: first for the flow carried before
