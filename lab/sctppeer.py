@@ -9,7 +9,7 @@ Standalone on purpose (standard library only), executed by path like lab/client.
   server --port P --seconds S    answers an INIT to port P with an INIT-ACK, a COOKIE-ECHO with a
                                  COOKIE-ACK and a DATA chunk with a DATA chunk echoing it; prints
                                  "ready", then one JSON line per SCTP packet that arrives (to any
-                                 port)
+                                 port); --stall-on D --stall-s T: the echo of DATA D waits T s
   client --addr A --port P --sport S [--seconds T]
                                  INIT from source port S, waits for the INIT-ACK from A:P, sends a
                                  DATA chunk with the verification tag it got, waits for the echo;
@@ -20,7 +20,9 @@ Standalone on purpose (standard library only), executed by path like lab/client.
                                  COOKIE-ECHO, COOKIE-ACK: established, as a conntrack sees it),
                                  then a DATA chunk every I s, each waiting T s for its echo, until
                                  F exists (bounded by M s); prints {"established": bool,
-                                 "exchanges": n, "lost": n, "first_lost": exchange or null}
+                                 "exchanges": n, "lost": n, "first_lost": exchange or null,
+                                 "lost_sent_at": [...], "late": [lines], "late_sent_at": [...]}:
+                                 lost never echoed, late echoed after its wait ran out
 
 A packet is described as {"src", "dst", "sport", "dport", "vtag", "chunk", "init_tag", "data",
 "crc_ok"}: `chunk` is the type of its first chunk (0 DATA, 1 INIT, 2 INIT-ACK), `crc_ok` whether
@@ -159,6 +161,8 @@ def cmd_server(a: argparse.Namespace) -> int:
         elif seen["chunk"] == COOKIE_ECHO and seen["vtag"] == SERVER_TAG:
             sock.sendto(build(a.port, seen["sport"], CLIENT_TAG, cookie_chunk(COOKIE_ACK)), to)
         elif seen["chunk"] == DATA and seen["vtag"] == SERVER_TAG:
+            if seen["data"] == a.stall_on:
+                time.sleep(a.stall_s)  # a peer not scheduled in time: its echo comes late
             echo = data_chunk(f"echo {seen['data']}".encode())
             sock.sendto(build(a.port, seen["sport"], CLIENT_TAG, echo), to)
     return 0
@@ -251,6 +255,8 @@ def main() -> int:
     s = sub.add_parser("server")
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--seconds", type=float, default=30.0)
+    s.add_argument("--stall-on", default="", help="DATA whose echo waits --stall-s (e.g. 'line 3')")
+    s.add_argument("--stall-s", type=float, default=0.0)
     c = sub.add_parser("client")
     c.add_argument("--addr", required=True)
     c.add_argument("--port", type=int, required=True)
