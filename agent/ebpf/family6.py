@@ -209,8 +209,6 @@ class Ipv6Datapath:
             repaired = 0 if first else differ
             changed = None
         planner.update(state, node, changed)
-        if first:
-            planner.forget_hints()
         self._check_room(planner, maps)
         try:
             result = planner.flush(cast(Mapping[str, RawMap], wide))
