@@ -5,7 +5,10 @@ namespaces. Every mode prints one JSON object on stdout.
 
   http   --url U --count N           N fresh connections, body counts {"bodies": {...}, "errors": n}
   loop   --url U --stop-file F        new connection per request until F exists (bounded by --max-s);
-                                     --ready-file R is created once the first request is answered
+                                     --ready-file R is created once the first request is answered;
+                                     {"ok": n, "errors": n, "error_kinds": {...}, "errors_seen": [the
+                                     first ten: wall-clock start, seconds, phase (connect or
+                                     response), error], ...}
   udp    --addr A --port P --count N  N request/response pairs, reply counts (--size: datagram bytes;
                                      --sport S: every request from source port S, one flow, as
                                      upstream's `nc -u -p 12345` loops in conntrack.go; --sources:
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import http.client
 import json
 import os
 import socket
@@ -52,6 +56,7 @@ import struct
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 
@@ -74,28 +79,72 @@ def cmd_http(a: argparse.Namespace) -> dict[str, object]:
     return {"bodies": dict(bodies), "errors": sum(errors.values()), "error_kinds": dict(errors)}
 
 
+def fetch_phased(url: str, timeout: float) -> bytes:
+    """`fetch`, naming the phase an error came in: "connect" (the handshake: a SYN unanswered) or
+    "response" (the request sent, the answer late or cut), as `PhaseError`."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout)
+    try:
+        try:
+            conn.connect()
+        except OSError as exc:
+            raise PhaseError("connect", exc) from exc
+        try:
+            conn.request("GET", parts.path or "/")
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise PhaseError("response", OSError(f"HTTP {resp.status}"))
+            return resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise PhaseError("response", exc) from exc
+    finally:
+        conn.close()
+
+
+class PhaseError(Exception):
+    def __init__(self, phase: str, cause: BaseException) -> None:
+        super().__init__(f"{phase}: {cause}")
+        self.phase = phase
+        self.cause = cause
+
+
 def cmd_loop(a: argparse.Namespace) -> dict[str, object]:
     ok = 0
     errors: Counter[str] = Counter()
     bodies: Counter[str] = Counter()
     first_error_at: list[float] = []
+    # Each of the first errors: when the request began and ended (wall clock, to set beside the
+    # agent's log), the phase it failed in and why.
+    error_log: list[dict[str, object]] = []
     start = time.monotonic()
     while not os.path.exists(a.stop_file) and time.monotonic() - start < a.max_s:
+        began, began_wall = time.monotonic(), time.time()
         try:
-            bodies[fetch(a.url, a.timeout).decode().strip()] += 1
+            bodies[fetch_phased(a.url, a.timeout).decode().strip()] += 1
             ok += 1
             if ok == 1 and a.ready_file:
                 open(a.ready_file, "w").close()  # the loop is running: the caller may go on
-        except (OSError, urllib.error.URLError) as exc:
-            errors[str(getattr(exc, "reason", exc))] += 1
+        except PhaseError as exc:
+            reason = "timed out" if isinstance(exc.cause, TimeoutError) else str(exc.cause)
+            errors[reason] += 1
             if len(first_error_at) < 5:
                 first_error_at.append(round(time.monotonic() - start, 3))
+            if len(error_log) < 10:
+                error_log.append(
+                    {
+                        "began": round(began_wall, 3),
+                        "lasted": round(time.monotonic() - began, 3),
+                        "phase": exc.phase,
+                        "error": reason,
+                    }
+                )
         if a.interval:
             time.sleep(a.interval)
     return {
         "ok": ok,
         "errors": sum(errors.values()),
         "error_kinds": dict(errors),
+        "errors_seen": error_log,
         "bodies": dict(bodies),
         "first_error_at": first_error_at,
         "seconds": round(time.monotonic() - start, 3),

@@ -9,7 +9,7 @@ Standalone on purpose (standard library only), executed by path like lab/client.
   server --port P --seconds S    answers an INIT to port P with an INIT-ACK, a COOKIE-ECHO with a
                                  COOKIE-ACK and a DATA chunk with a DATA chunk echoing it; prints
                                  "ready", then one JSON line per SCTP packet that arrives (to any
-                                 port)
+                                 port); --stall-on D --stall-s T: the echo of DATA D waits T s
   client --addr A --port P --sport S [--seconds T]
                                  INIT from source port S, waits for the INIT-ACK from A:P, sends a
                                  DATA chunk with the verification tag it got, waits for the echo;
@@ -20,7 +20,9 @@ Standalone on purpose (standard library only), executed by path like lab/client.
                                  COOKIE-ECHO, COOKIE-ACK: established, as a conntrack sees it),
                                  then a DATA chunk every I s, each waiting T s for its echo, until
                                  F exists (bounded by M s); prints {"established": bool,
-                                 "exchanges": n, "lost": n, "first_lost": exchange or null}
+                                 "exchanges": n, "lost": n, "first_lost": exchange or null,
+                                 "lost_sent_at": [...], "late": [lines], "late_sent_at": [...]}:
+                                 lost never echoed, late echoed after its wait ran out
 
 A packet is described as {"src", "dst", "sport", "dport", "vtag", "chunk", "init_tag", "data",
 "crc_ok"}: `chunk` is the type of its first chunk (0 DATA, 1 INIT, 2 INIT-ACK), `crc_ok` whether
@@ -132,12 +134,11 @@ def raw_socket() -> socket.socket:
 
 
 def receive(sock: socket.socket, until: float) -> dict[str, Any] | None:
-    """The next SCTP packet before the monotonic time `until`, described; None at the deadline."""
+    """The next SCTP packet before the monotonic time `until`, described; None at the deadline.
+    A packet waiting at the deadline is taken, even when this process, stalled, looks only after
+    it: what it waits for is the packet, not the process being scheduled in time."""
     while True:
-        left = until - time.monotonic()
-        if left <= 0:
-            return None
-        ready, _, _ = select.select([sock], [], [], left)
+        ready, _, _ = select.select([sock], [], [], max(0.0, until - time.monotonic()))
         if not ready:
             return None
         seen = describe(sock.recv(65535))
@@ -160,6 +161,8 @@ def cmd_server(a: argparse.Namespace) -> int:
         elif seen["chunk"] == COOKIE_ECHO and seen["vtag"] == SERVER_TAG:
             sock.sendto(build(a.port, seen["sport"], CLIENT_TAG, cookie_chunk(COOKIE_ACK)), to)
         elif seen["chunk"] == DATA and seen["vtag"] == SERVER_TAG:
+            if seen["data"] == a.stall_on:
+                time.sleep(a.stall_s)  # a peer not scheduled in time: its echo comes late
             echo = data_chunk(f"echo {seen['data']}".encode())
             sock.sendto(build(a.port, seen["sport"], CLIENT_TAG, echo), to)
     return 0
@@ -173,12 +176,17 @@ def expect(sock: socket.socket, a: argparse.Namespace, until: float, chunk: int)
     return None
 
 
-def expect_echo(sock: socket.socket, a: argparse.Namespace, until: float, n: int) -> dict[str, Any] | None:
-    """The echo of line `n`. The echo of an earlier line, come after its own wait ran out (counted
-    lost then), is passed over: taken for this line's, one late echo was counted as two losses."""
+def expect_echo(
+    sock: socket.socket, a: argparse.Namespace, until: float, n: int, late: set[int]
+) -> dict[str, Any] | None:
+    """The echo of line `n`. The echo of an earlier line, come after its own wait ran out, is added
+    to `late` and passed over: taken for this line's, one late echo was counted as two losses."""
     while (seen := expect(sock, a, until, DATA)) is not None:
         if seen["data"] == f"echo line {n}":
             return seen
+        line = (seen["data"] or "").removeprefix("echo line ")
+        if line.isdigit() and seen["vtag"] == CLIENT_TAG:
+            late.add(int(line))
     return None
 
 
@@ -204,6 +212,8 @@ def cmd_hold(a: argparse.Namespace) -> int:
     start = time.monotonic()
     end = start + a.max_s
     result: dict[str, Any] = {"established": False, "exchanges": 0, "lost": 0, "first_lost": None}
+    unanswered: dict[int, float] = {}  # line -> wall-clock time it was sent, its wait run out
+    late: set[int] = set()  # lines whose echo came after their wait ran out
     ack = None
     while ack is None and time.monotonic() < min(end, start + 10):
         sock.sendto(build(a.sport, a.port, 0, init_chunk(INIT, CLIENT_TAG)), to)
@@ -214,16 +224,27 @@ def cmd_hold(a: argparse.Namespace) -> int:
         result["established"] = expect(sock, a, time.monotonic() + a.timeout, COOKIE_ACK) is not None
         n = 0
         while result["established"] and not os.path.exists(a.stop_file) and time.monotonic() < end:
+            sent = time.time()
             sock.sendto(build(a.sport, a.port, peer, data_chunk(f"line {n}".encode())), to)
-            echo = expect_echo(sock, a, time.monotonic() + a.timeout, n)
+            echo = expect_echo(sock, a, time.monotonic() + a.timeout, n, late)
             if echo is not None and echo["vtag"] == CLIENT_TAG:
                 result["exchanges"] += 1
             else:
-                result["lost"] += 1
-                if result["first_lost"] is None:
-                    result["first_lost"] = n
+                unanswered[n] = sent
             n += 1
             time.sleep(a.interval)
+        # Echoes still on their way when the stop file came (or the bound) count late, not lost.
+        until = time.monotonic() + a.timeout
+        while unanswered.keys() - late and expect_echo(sock, a, until, -1, late) is not None:
+            pass
+    # Lost: never echoed. Late: echoed after the wait ran out (a stall of this process, or of the
+    # peer's, longer than --timeout): the data path carried both ways.
+    lost = sorted(unanswered.keys() - late)
+    result["lost"] = len(lost)
+    result["first_lost"] = lost[0] if lost else None
+    result["lost_sent_at"] = [round(unanswered[n], 3) for n in lost[:10]]
+    result["late"] = sorted(late & unanswered.keys())
+    result["late_sent_at"] = [round(unanswered[n], 3) for n in result["late"][:10]]
     print(json.dumps(result), flush=True)
     return 0
 
@@ -234,6 +255,8 @@ def main() -> int:
     s = sub.add_parser("server")
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--seconds", type=float, default=30.0)
+    s.add_argument("--stall-on", default="", help="DATA whose echo waits --stall-s (e.g. 'line 3')")
+    s.add_argument("--stall-s", type=float, default=0.0)
     c = sub.add_parser("client")
     c.add_argument("--addr", required=True)
     c.add_argument("--port", type=int, required=True)

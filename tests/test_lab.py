@@ -363,3 +363,61 @@ def test_the_podserver_with_ipv6_answers_http_and_the_line_echo_on_both_families
         assert lab.tcp_probe(client, server.ip6, 8085) == "refused"
     finally:
         lab.stop(proc)
+
+
+def test_the_sctp_hold_counts_an_echo_after_its_wait_late_and_a_missing_one_lost(lab2: Lab) -> None:
+    """lab/sctppeer.py hold: an echo the peer sends after the chunk's wait ran out (a stalled
+    process on a loaded machine) is late, not lost; one that never comes while the hold runs is
+    lost."""
+    peer = str(REPO / "lab" / "sctppeer.py")
+    server_pod = lab2.pod("pod-1-2")
+    assert lab2.tmpdir is not None
+    stop = lab2.tmpdir / "stop-sctp-hold"
+    hold = ["hold", "--addr", server_pod.ip, "--port", "5061", "--sport", "41999", "--stop-file", str(stop)]
+    results = []
+    for stall in ("0.8", "5"):  # line 3's echo: late (waits are 0.5 s), then after the hold ended
+        server = lab2.popen(
+            server_pod, sys.executable, peer, "server", "--port", "5061", "--seconds", "20",
+            "--stall-on", "line 3", "--stall-s", stall, name=f"sctp-stall-{stall}",
+        )  # fmt: skip
+        lab2.wait_log(server, "ready", timeout=10)
+        out = lab2.run(
+            "pod-1-1", sys.executable, peer, *hold, "--timeout", "0.5", "--max-s", "2.5", timeout=30
+        )
+        results.append(json.loads(out.stdout))
+        lab2.stop(server, timeout=5)
+    late, lost = results
+    assert late["established"] and late["exchanges"] > 10, late
+    assert (late["lost"], late["late"]) == (0, [3]), late
+    assert lost["established"] and lost["lost"] >= 1 and lost["first_lost"] == 3 and lost["late"] == [], lost
+
+
+def test_the_http_loop_names_the_phase_each_error_came_in(lab2: Lab) -> None:
+    """lab/client.py loop: a refused connection fails in `connect`; a server that accepts (the
+    kernel completes the handshake from its backlog) and never answers, in `response`."""
+    pod = lab2.pod("pod-1-2")
+    listener = lab2.popen(
+        pod, sys.executable, "-c",
+        "import socket, time\ns = socket.socket()\ns.bind(('', 9999))\ns.listen(8)\n"
+        "print('ready', flush=True)\ntime.sleep(30)",
+        name="silent-listener",
+    )  # fmt: skip
+    lab2.wait_log(listener, "ready", timeout=10)
+    assert lab2.tmpdir is not None
+    client = str(REPO / "lab" / "client.py")
+    results = {}
+    for port in (9998, 9999):
+        argv = ["loop", "--url", f"http://{pod.ip}:{port}/", "--stop-file", str(lab2.tmpdir / "stop-never")]
+        out = lab2.run(
+            "pod-1-1", sys.executable, client, *argv, "--timeout", "0.5", "--max-s", "1", "--interval", "0.2"
+        )
+        results[port] = json.loads(out.stdout)
+    lab2.stop(listener, timeout=5)
+    refused, silent = results[9998], results[9999]
+    assert refused["errors"] > 0 and refused["ok"] == 0, refused
+    assert {(e["phase"], "refused" in str(e["error"])) for e in refused["errors_seen"]} == {
+        ("connect", True)
+    }, refused
+    assert silent["errors"] > 0 and silent["ok"] == 0, silent
+    assert {(e["phase"], e["error"]) for e in silent["errors_seen"]} == {("response", "timed out")}, silent
+    assert all(0.4 < float(e["lasted"]) < 1.5 for e in silent["errors_seen"]), silent

@@ -228,8 +228,6 @@ class Ipv6Datapath:
             repaired = 0 if first else differ
             changed = None
         planner.update(state, node, changed)
-        if first:
-            planner.forget_hints()
         self._check_room(planner, maps)
         cfg6 = config6_of(node)
         if (snat_source or not any(cfg6.node_addr)) and write_config6(maps, cfg6):

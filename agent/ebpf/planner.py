@@ -295,6 +295,10 @@ class Planner:
             skip_same = False
         if self._adopted is not None:
             self._adopt_done(self._adopted)
+        if every:
+            # Every port is planned: the kernel's ids are re-adopted or released. Hints kept
+            # longer would hand a later Service an id released in this run (ids.py counts up).
+            self.forget_hints()
         return touched
 
     def _replan(
@@ -597,6 +601,7 @@ class Planner:
         many entries differ from the desired state (to be repaired by the next flush). With `adopt`
         (the first sync after a start), the ids and slot order the dump holds are re-adopted by the
         next `update`."""
+        assert not (adopt and any(self.desired.values())), "re-adoption is for a new planner's first plan"
         differ = 0
         self._adopted = None  # a read-back the last start's update did not get to is superseded
         adopted: dict[str, Entries] = {}

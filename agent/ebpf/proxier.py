@@ -320,8 +320,6 @@ class EbpfProxier:
                 repaired += 0 if first or self._unsure else differ
                 changed = None
             planner.update(state, node, changed)
-            if first:
-                planner.forget_hints()
             self._check_room(planner, maps)
             self._unsure = True  # until every write went through
             deferred: Value | None = None

@@ -10,8 +10,9 @@ right after:
    programs are attached, packets still go through netfilter, whose conntrack keeps translating
    these flows (its NAT bindings outlive any rule).
    While the programs are being attached, nf_conntrack_tcp_be_liberal is 1 (below, in the code).
-2. after: the same again, for the flows the other data path started in between (milliseconds);
-   nf_conntrack_tcp_be_liberal back to what it was.
+2. after: the same again, for the flows the other data path started in between (milliseconds),
+   once the flows carried before are handed to the stack (below: that ends the window in which
+   they lose packets, so nothing comes before it); nf_conntrack_tcp_be_liberal back to what it was.
    From here the programs see every packet of those flows first and translate them from their
    own entries: same backend, same SNAT source and port.
    With bpf host routing netfilter sees no packet of these flows any more. With legacy host
@@ -177,6 +178,7 @@ class KernelTakeover:
         self._liberal_was: str | None = None
         self._node: Collection[str] = frozenset()  # the node's addresses, as the last carry read them
         self._carried: list[NatFlow] = []  # before the programs were attached
+        self._attached_at = 0.0  # monotonic: after_attach began (the programs were just attached)
         self.carried = 0
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
@@ -192,20 +194,30 @@ class KernelTakeover:
             self._liberal_was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
-        # The flows to the node's own address first: the data path drops their forward packets
-        # until they are handed over (module doc), so nothing else comes before.
-        early = [f for f in self._carried if host_backend(f, self._node)]
-        self._carried = []
-        self._hand_over(maps, early, early)
-        done = {f.orig for f in early}
+        # The flows carried before the attach are handed to the stack before anything else, the
+        # second dump included: from the attach on, each packet of theirs the stack sees meets their
+        # NAT entry in the way (module doc) until that entry is deleted, so the time to their
+        # deletion is a window in which they lose packets (an SCTP chunk, never retransmitted by
+        # the lab's crafted peer, was lost twice when a starved agent made it last over 2 s). The flows to
+        # the node's own address lead: the data path drops their forward packets until then.
+        self._attached_at = time.monotonic()
+        carried, self._carried = self._carried, []
+        host = [f for f in carried if host_backend(f, self._node)]
+        pods = [f for f in carried if not host_backend(f, self._node)] if self._stack_sees_all() else []
+        first = host + pods
+        self._hand_over(maps, first, host)
+        done = {f.orig for f in first}
         flows = [f for f in self._carry(maps, "after the programs were attached") if f.orig not in done]
         host = [f for f in flows if host_backend(f, self._node)]
-        if self._config.bpf_host_routing != HostRouting.LEGACY:
-            flows = host  # under bpf host routing only a flow to the node's own address meets the stack
-        self._hand_over(maps, flows, host)
+        self._hand_over(maps, flows if self._stack_sees_all() else host, host)
         if self._liberal_was is not None and self._liberal_was != "1":
             self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
         self._liberal_was = None
+
+    def _stack_sees_all(self) -> bool:
+        """Whether the node's stack sees every translated flow (legacy host routing); under bpf host
+        routing only a flow to the node's own address meets it."""
+        return self._config.bpf_host_routing == HostRouting.LEGACY
 
     def _hand_over(self, maps: Mapping[str, MapWriter], flows: list[NatFlow], host: list[NatFlow]) -> None:
         """`flows`' NAT entries replaced by the stack's plain ones, then `host` released: replaced
@@ -259,6 +271,7 @@ class KernelTakeover:
         plain = [stack_flow(f) for f in flows]
         try:
             retired = self._delete(netns, flows)
+            gone_ms = (time.monotonic() - self._attached_at) * 1000
             stray = self._delete(netns, plain)
             made = self._create(netns, plain, timeouts_of(self._config))
         except (OSError, NetlinkError) as exc:
@@ -278,13 +291,15 @@ class KernelTakeover:
             "handed the %d carried flows to the node's stack (legacy host routing, or a backend on the"
             " node's own address): %d NAT entries of"
             " nf_conntrack replaced by client <-> backend entries (%d made by packets meanwhile, %d with"
-            " another source port removed, %d failed), %.0f ms",
+            " another source port removed, %d failed), %.0f ms; their NAT entries were gone %.0f ms after"
+            " the attach (until then the stack gave their packets another source port)",
             len(flows),
             retired,
             made.present,
             stray,
             len(made.failed),
             (time.monotonic() - started) * 1000,
+            gone_ms,
         )
 
     def _carry(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:

@@ -364,17 +364,23 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
     assert takeover.carried == 2 and len(maps["ct_tcp"].items()) == 4
     assert dict((bytes(k), bytes(v)) for k, v in maps["ct_tcp"].items())[bytes(fkey)] == bytes(mine)
     liberal = "net/netfilter/nf_conntrack_tcp_be_liberal"
+
     # legacy host routing: the stack sees the carried flows again, as client <-> backend; their NAT
     # entries go (the node's own client keeps its), then the plain tuples' (another source port,
-    # made since the attach), then the plain entries are made. bpf routing: netfilter sees none.
-    carried = [CLUSTERIP, NODEPORT]
-    plain = [stack_flow(f).orig for f in carried]
-    to_stack = [f"delete {[f.orig for f in carried]}", f"delete {plain}", f"create {plain}"]
+    # made since the attach), then the plain entries are made: first for the flow carried before
+    # the attach, before the second dump (its packets meet its NAT entry until it goes), then for
+    # the one started meanwhile. bpf routing: netfilter sees none.
+    def to_stack(flow: NatFlow) -> list[str]:
+        plain = [stack_flow(flow).orig]
+        return [f"delete {[flow.orig]}", f"delete {plain}", f"create {plain}"]
+
+    legacy = routing == HostRouting.LEGACY
     assert events == [
         "dump node1",
         f"{liberal}=1",
+        *(to_stack(CLUSTERIP) if legacy else []),
         "dump node1",
-        *(to_stack if routing == HostRouting.LEGACY else []),
+        *(to_stack(NODEPORT) if legacy else []),
         f"{liberal}=0",
     ]
     takeover.serving()  # the socket programs linked too: kube-proxy's OUTPUT rules no longer needed
@@ -414,7 +420,8 @@ def test_a_host_flow_is_handed_to_the_stack_first_under_either_routing_then_rele
 ) -> None:
     """Under either host routing the stack sees a host flow's packets: its NAT entry is replaced by
     the plain one before anything else after the attach (its forward packets drop meanwhile), then
-    HANDOVER is cleared on both of its entries. The pod flow is the stack's under legacy only."""
+    HANDOVER is cleared on both of its entries. The pod flow is the stack's under legacy only, and
+    handed over with it, after it in the same pass."""
     events: list[str] = []
     maps = fake_maps()
 
@@ -448,21 +455,17 @@ def test_a_host_flow_is_handed_to_the_stack_first_under_either_routing_then_rele
     assert set(flags) == {CtDir.FORWARD, CtDir.REPLY} and flags[CtDir.FORWARD] == flags[CtDir.REPLY]
     assert all(f & CtFlag.HANDOVER and f & CtFlag.HOST for f in flags.values())
     takeover.after_attach(maps)
-    plain = stack_flow(API_FLOW).orig
+    # The host flow leads; under legacy host routing the pod flow meets the stack too and is handed
+    # over with it, both before the second dump.
+    handed = [API_FLOW, CLUSTERIP] if routing == HostRouting.LEGACY else [API_FLOW]
+    plain = [stack_flow(f).orig for f in handed]
     expected = [
         "dump",
-        f"delete {[API_FLOW.orig]}",
-        f"delete {[plain]}",
-        f"create {[plain]} while 2 entries hand over",
+        f"delete {[f.orig for f in handed]}",
+        f"delete {plain}",
+        f"create {plain} while 2 entries hand over",
         "dump",
     ]
-    if routing == HostRouting.LEGACY:  # the pod flow meets the stack too, after
-        pod = stack_flow(CLUSTERIP).orig
-        expected += [
-            f"delete {[CLUSTERIP.orig]}",
-            f"delete {[pod]}",
-            f"create {[pod]} while 0 entries hand over",
-        ]
     assert events == expected
     released = list(api_flow_flags(maps).values())
     assert len(released) == 2 and not any(f & CtFlag.HANDOVER for f in released)

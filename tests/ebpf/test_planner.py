@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.config import Config
 from agent.ebpf.abi import MAPS, AddrFlag, ip_str
-from agent.ebpf.entries import BE_FLAGS, key_size, pack, to_tuples, value_size
+from agent.ebpf.entries import BE_FLAGS, FE_RNAT, U16, fe_rnat, key_size, pack, to_tuples, value_size
 from agent.ebpf.planner import Planner
 from agent.model import ProxyState
 from agent.model.types import ServicePortName
@@ -186,6 +187,59 @@ def test_a_restart_repairs_exactly_what_the_maps_hold_differently() -> None:
     assert sum(result.deletes.values()) == result.deletes["fe"] == 1
     assert rig.contents().same_entries(before)
     assert rig.planner.in_sync
+
+
+def test_a_restart_refuses_a_rev_nat_id_the_kernels_entry_gives_another_frontend() -> None:
+    """A frontend whose pinned value carries another frontend's rev-NAT id (written behind the
+    agent's back) does not take that id on a restart: the kernel's rev-NAT entry under it names
+    the other frontend, which keeps it and its entry (its live flows' replies get their frontend
+    back from it)."""
+    rig = PlanRig()
+    rig.sync(many(3))
+    held = rig.held()
+    (a, va), (b, vb) = sorted(held["fe"].items())[:2]
+    ra, rb = fe_rnat(va), fe_rnat(vb)
+    assert ra != rb
+    forged = va & ~(U16 << FE_RNAT) | rb << FE_RNAT
+    rig.maps["fe"].update_packed(pack([a], key_size("fe")), pack([forged], value_size("fe")))
+    rig.restart()
+    rig.sync(many(3), watch=False)
+    after = rig.held()
+    assert fe_rnat(after["fe"][b]) == rb and after["rnat"][rb] == held["rnat"][rb], (
+        "the other frontend keeps its id"
+    )
+    assert fe_rnat(after["fe"][a]) not in (0, rb)
+    assert after["rnat"][fe_rnat(after["fe"][a])] == held["rnat"][ra], "its own entry under its new id"
+
+
+def test_a_restarts_first_plan_raising_halfway_is_retried_over_the_maps_and_writes_nothing(
+    monkeypatch: Any,
+) -> None:
+    """A restart's first `update` raising halfway (a port that fails to plan) leaves a read-back
+    half used; the retry (the proxier's: a read-back, not adopted, and a full update) re-adopts
+    every id, writes nothing over unchanged maps, and drops the kernel's id hints once every port
+    is planned (kept, they would hand a later Service an id released in this run)."""
+    rig = PlanRig()
+    rig.sync(many(30))
+    before = rig.contents()
+    rig.restart()
+    calls, replan = [0], Planner._replan
+
+    def failing(self: Planner, *args: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 12:
+            raise RuntimeError("a port that fails to plan")
+        replan(self, *args)
+
+    monkeypatch.setattr(Planner, "_replan", failing)
+    with pytest.raises(RuntimeError):
+        rig.planner.update(many(30), NODE, None)
+    assert rig.planner._fe_hints, "the hints stay for the retry"
+    rig.planner.reconcile(rig.dump())
+    result = rig.sync(many(30), watch=False)
+    assert sum(result.updates.values()) == sum(result.deletes.values()) == 0
+    assert rig.contents().same_entries(before)
+    assert not rig.planner._fe_hints and not rig.planner.backends.hints and not rig.planner._slot_hints
 
 
 def test_a_first_plan_keeps_no_second_copy_of_its_keys_and_a_restart_lets_go_of_the_kernels() -> None:

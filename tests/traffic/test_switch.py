@@ -16,9 +16,12 @@ serving), and the agent of the other data path starts over the same node. Throug
 * one SCTP association (lab/sctppeer.py: crafted chunks, the lab kernel has no SCTP sockets) to a
   ClusterIP, established by the four-way handshake, a DATA chunk every 50 ms echoed by its
   backend: at most one lost, as for the UDP flow (the crafted peer never retransmits, where an
-  SCTP stack would), none dropped as a flow the data path does not know (not through a switch out
-  of eBPF mode: the eBPF conntrack does not keep the
-  verification tags nf_conntrack would check the association's chunks against);
+  SCTP stack would: into eBPF mode, the chunk sent between the attach and the deletion of the
+  association's NAT entry in nf_conntrack, agent/takeover/into_ebpf.py), an echo that comes after
+  its 2 s wait ran out (a process not scheduled in time on a loaded machine) counted late, not
+  lost; none dropped as a flow the data path does not know (not through a switch out of eBPF mode:
+  the eBPF conntrack does not keep the verification tags nf_conntrack would check the association's
+  chunks against);
 * a resolver looking a name up every 50 ms through the kube-dns ClusterIP, each lookup from a
   new source port, tried again once after 1 s: no lookup fails twice.
 
