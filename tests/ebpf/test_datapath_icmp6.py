@@ -338,3 +338,38 @@ def test_an_error_about_a_reply_of_a_masqueraded_flow_reaches_the_backend_about_
     assert (e.in_src, e.in_dst, e.in_sport, e.in_dport) == (REMOTE_BE6, NODE6, 8080, snat_port)
     assert e.in_l4 == reply[54:], "the backend's own segment"
     assert net.stats()[Stat.CT_RELATED] == 1
+
+
+def test_errors_rewritten_on_a_checksum_complete_skb_keep_its_skb_csum(net: Net) -> None:
+    """The error's rewrite (outer addresses, quote, quoted TCP and ICMPv6 checksums) on a
+    CHECKSUM_COMPLETE skb (BPF_F_TEST_SKB_CHECKSUM_COMPLETE: the run fails if skb->csum no longer
+    sums the packet): plain stores whose changes the ICMPv6 checksum balances, so skb->csum must be
+    left as it was, both directions and a masqueraded flow's."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    _, out = client_segment(net, 41010)
+    verdict, back = net.from_pod(error_about(out, BE6_2, "packet-too-big"), csum_complete=True)
+    assert verdict == TC_ACT_REDIRECT and error6(back).checksum_ok
+    reply = frame6(BE6, POD6, 8080, 41010, flags="PA")
+    verdict, out = net.from_pod(reply)
+    assert verdict == TC_ACT_REDIRECT
+    verdict, back = net.from_pod(error_about(out, POD6, "unreachable"), csum_complete=True)
+    assert verdict == TC_ACT_REDIRECT and error6(back).checksum_ok
+    write_config6(net.dp.maps, Config6(node_addr=Addr6(*ip6_words(NODE6))))
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    add_service6(
+        net.dp.maps,
+        NODE6,
+        30080,
+        ((1, REMOTE_BE6, 8080, 0),),
+        scope=Scope.EXTERNAL,
+        flags=flags,
+        svc_id=2,
+        set_id=2,
+    )
+    assert net.from_net(frame6(CLIENT6, NODE6, 50410, 30080))[0] == TC_ACT_REDIRECT
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50410, 30080, flags="PA"))
+    assert verdict == TC_ACT_REDIRECT
+    error = error_about(out, NODE2_6, "packet-too-big", smac=MAC6[NODE2_6])
+    verdict, back = net.from_net(error, csum_complete=True)
+    assert verdict == TC_ACT_REDIRECT and error6(back).dst == CLIENT6
+    assert net.stats()[Stat.CT_RELATED] == 3
