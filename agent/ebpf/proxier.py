@@ -43,12 +43,15 @@ import ctypes
 import errno
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
+
+from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi, activity
@@ -69,6 +72,7 @@ from agent.errors import FatalError
 from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
+from agent.takeover.flows import NatFlow, masqueraded_into
 from agent.takeover.into_ebpf import KernelTakeover
 
 if TYPE_CHECKING:
@@ -215,6 +219,12 @@ def default_netns_cookie(netns: str) -> int:
     return netns_cookie(netns)
 
 
+def default_conntrack6_reader(netns: str) -> list[NatFlow]:
+    from agent.takeover.nfct import dump_flows
+
+    return dump_flows(netns, socket.AF_INET6)
+
+
 def default_socket_detach(pin_path: str) -> list[str]:
     from agent.ebpf.sockattach import detach_all
 
@@ -240,6 +250,7 @@ class EbpfProxier:
         ),
         netns_cookie_reader: Callable[[str], int] = default_netns_cookie,
         socket_detach: Callable[[str], list[str]] = default_socket_detach,
+        conntrack6_reader: Callable[[str], list[NatFlow]] = default_conntrack6_reader,
     ) -> None:
         self._config = config
         self._datapath_factory = datapath_factory
@@ -252,6 +263,7 @@ class EbpfProxier:
         self._terminator_factory = terminator_factory
         self._netns_cookie_reader = netns_cookie_reader
         self._socket_detach = socket_detach
+        self._conntrack6_reader = conntrack6_reader
         self._socket_attacher: SocketAttacherLike | None = None
         self._terminator: TerminatorLike | None = None
         self._lock = threading.Lock()
@@ -280,6 +292,10 @@ class EbpfProxier:
         # ip6tables' MASQUERADE keeps out of --bpf-snat-ports (agent/metaproxier.py EbpfAndIp6tables):
         # until then sync6 leaves ekp_cfg6, the tc IPv6 path's SNAT source, as it is
         self.masquerade6_apart = False
+        # ... and no flow ip6tables masqueraded before that (an upgrade, a switch from iptables
+        # mode) still holds a port of the range (`_snat6_ports_free`)
+        self._snat6_ports_free = False
+        self._snat6_held = -1  # how many held them at the last look (logged when it changes)
         self._v6_with: DatapathLike | None = None  # the data path whose IPv6 maps it wrote
         # Whether an IPv6 half (`ipv6()`) writes the IPv6 maps; without one `sync` empties them at
         # its first and periodic syncs (an earlier dual-stack agent's entries would still steer the
@@ -376,7 +392,8 @@ class EbpfProxier:
             if datapath is not self._v6_with:
                 self._v6 = Ipv6Datapath(self._config)  # other maps: read them back, re-adopting
                 self._v6_with = datapath
-            result = self._v6.sync(datapath.maps, state, node, changed, snat_source=self.masquerade6_apart)
+            snat = self.masquerade6_apart and self._snat6_ports_free_now()
+            result = self._v6.sync(datapath.maps, state, node, changed, snat_source=snat)
             self._follow_node6(node)
             if self._ensure_loaded() is not datapath:
                 # As `sync`: the load failed after these maps were open; the next call writes the new ones.
@@ -387,6 +404,44 @@ class EbpfProxier:
             if self._terminator is not None and self._v6.last_flush.deletes.get("member"):
                 self._end_stale_sockets()
             return result
+
+    def _snat6_ports_free_now(self) -> bool:
+        """Whether no TCP flow ip6tables masqueraded holds a port of --bpf-snat-ports (nf_conntrack
+        of IPv6, read until none does; then never again: the rule keeps new ones out). A flow of
+        ip6tables' holding one would meet a tc flow given the same port for the same backend: its
+        replies would reach the other client. Where the tc IPv6 path does not serve, nothing to wait
+        for."""
+        if self._snat6_ports_free or not self._config.tc_ipv6:
+            return True
+        ports = self._config.snat_ports
+        try:
+            held = masqueraded_into(self._conntrack6_reader(self._config.netns), ports)
+        except (OSError, NetlinkError) as exc:
+            log.warning(
+                "cannot read IPv6 nf_conntrack (%s): the tc IPv6 path leaves source translations to "
+                "ip6tables until it can",
+                exc,
+            )
+            return False
+        if not held:
+            self._snat6_ports_free = True
+            if self._snat6_held > 0:
+                log.info(
+                    "no IPv6 flow masqueraded by ip6tables holds a port of --bpf-snat-ports any more: "
+                    "the tc IPv6 path source-translates from now on"
+                )
+            return True
+        if len(held) != self._snat6_held:
+            log.info(
+                "%d IPv6 TCP flows ip6tables masqueraded before its rule kept out of --bpf-snat-ports "
+                "%d-%d hold ports of that range (%s): the tc IPv6 path leaves source translations to "
+                "ip6tables until they end",
+                len(held),
+                *ports,
+                held[0].describe(),
+            )
+        self._snat6_held = len(held)
+        return False
 
     def _follow_node6(self, node6: NodeContext) -> None:
         """With the tc IPv6 path, a device that holds an IPv6 node address and no IPv4 one (no

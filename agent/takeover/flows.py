@@ -49,7 +49,7 @@ replied stays replied (a stream when the kernel had it assured).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -329,6 +329,13 @@ def nat_flow(key: CtKey | Ct6Key, entry: CtEntry | Ct6Entry) -> NatFlow | None:
         else:
             state = TcpState.SYN_RECV if entry.flags & CtFlag.SEEN_REPLY else TcpState.SYN_SENT
     return NatFlow(proto=key.proto, orig=orig, reply=reply, status=status, tcp_state=state)
+
+
+def masqueraded_into(flows: Iterable[NatFlow], ports: tuple[int, int]) -> list[NatFlow]:
+    """The TCP flows among `flows` whose source nf_nat translated to a port of `ports` (the reply
+    comes back to that port): ip6tables' masquerades that hold a port of --bpf-snat-ports."""
+    lo, hi = ports
+    return [f for f in flows if f.proto == TCP and f.snat and lo <= f.reply[3] <= hi]
 
 
 def timeout_of(flow: NatFlow, timeouts: Timeouts) -> int:

@@ -50,9 +50,10 @@ TCP_FLAG_BE_LIBERAL = 0x08
 
 def _tuple(attr: Any) -> tuple[str, str, int, int, int]:
     ip, proto = attr.get_attr("CTA_TUPLE_IP"), attr.get_attr("CTA_TUPLE_PROTO")
+    v = "V6" if ip.get_attr("CTA_IP_V4_SRC") is None and ip.get_attr("CTA_IP_V6_SRC") is not None else "V4"
     return (
-        str(ip.get_attr("CTA_IP_V4_SRC")),
-        str(ip.get_attr("CTA_IP_V4_DST")),
+        str(ip.get_attr(f"CTA_IP_{v}_SRC")),
+        str(ip.get_attr(f"CTA_IP_{v}_DST")),
         int(proto.get_attr("CTA_PROTO_SRC_PORT") or 0),
         int(proto.get_attr("CTA_PROTO_DST_PORT") or 0),
         int(proto.get_attr("CTA_PROTO_NUM")),
@@ -90,13 +91,13 @@ def _flow(msg: Any) -> NatFlow | None:
     )
 
 
-def dump_flows(netns: str) -> list[NatFlow]:
-    """The IPv4 TCP, UDP and SCTP entries of nf_conntrack in `netns` whose destination was translated:
-    the kernel filters on the status bit (Linux 5.15+), so a node's untranslated flows, however
-    many, cost nothing here."""
+def dump_flows(netns: str, family: int = socket.AF_INET) -> list[NatFlow]:
+    """The TCP, UDP and SCTP entries of nf_conntrack in `netns` (IPv4's, or `family`'s) whose
+    destination was translated: the kernel filters on the status bit (Linux 5.15+), so a node's
+    untranslated flows, however many, cost nothing here."""
 
     def run() -> list[NatFlow]:
-        with NFCTSocket(nfgen_family=socket.AF_INET) as ct:
+        with NFCTSocket(nfgen_family=family) as ct:
             dumped = ct.dump(status=IPS_DST_NAT, status_mask=IPS_DST_NAT)
             return [f for f in (_flow(m) for m in dumped) if f is not None]
 

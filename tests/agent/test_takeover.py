@@ -11,6 +11,7 @@ the eBPF conntrack written into a lab namespace's nf_conntrack with its NAT bind
 from __future__ import annotations
 
 import secrets
+import socket
 import subprocess
 import time
 from collections.abc import Iterable, Iterator
@@ -42,6 +43,7 @@ from agent.takeover.flows import (
     ebpf_entries,
     host_backend,
     kernel_status,
+    masqueraded_into,
     nat_flow,
     stack_flow,
     timeout_of,
@@ -725,6 +727,10 @@ def test_an_ipv6_flow_written_into_nf_conntrack_carries_its_nat(netns: str) -> N
     assert "src=fd00:ff::100 dst=fd00:ff::11 sport=5555 dport=30080" in line
     assert "src=fd00:a:2::7 dst=fd00:ff::11 sport=8080 dport=61000" in line
     assert "ESTABLISHED" in line
+    dumped = dump_flows(netns, socket.AF_INET6)
+    assert [(f.orig, f.reply) for f in dumped] == [(NODEPORT6.orig, NODEPORT6.reply)], "IPv6's alone"
+    assert masqueraded_into(dumped, (61000, 65535)) == dumped
+    assert masqueraded_into(dumped, (62000, 65535)) == [], "its port is 61000"
     assert delete_flows(netns, [NODEPORT6]) == 1
 
 

@@ -46,6 +46,7 @@ from agent.ebpf.programs import PROG_SOCK_TERM, PROGRAMS, SOCK_HOOKS
 from agent.ebpf.proxier import INSPECT_SECTIONS, remove_pins, render_live_maps
 from agent.ebpf.render import render_contents
 from agent.ebpf.sockattach import pinned_links
+from agent.takeover.flows import NatFlow
 from lab.netns import cgroup2_root, new_prefix, remove_cgroup_tree
 from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
 from tests.ebpf.test_family6 import VIP6, service, slice_, state6
@@ -189,6 +190,7 @@ class Rig:
         self.sizes: list[MapSizes] = []  # what each data path was created with
         self.unavailable: set[str] = set()  # programs the kernel cannot load
         self.datapath_type: type[FakeDatapath] = FakeDatapath
+        self.conntrack6: list[NatFlow] = []  # IPv6 nf_conntrack's DNAT entries
 
     def proxier(self) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
@@ -223,6 +225,7 @@ class Rig:
             terminator_factory=lambda config, cgroup, fd, ended: FakeTerminator(self.events, fd, ended),
             netns_cookie_reader=lambda netns: 4242,
             socket_detach=self.socket_detach,
+            conntrack6_reader=lambda netns: list(self.conntrack6),
         )
 
     def socket_detach(self, pin_path: str) -> list[str]:
@@ -523,6 +526,46 @@ def test_the_first_attach_before_the_ipv6_sync_keeps_ekp_from_net_where_it_is(ri
         p.sync(STATE, NODE)
         assert len(attacher.kept) > 1 and not any(attacher.kept[1:]), routing
         p.close()
+
+
+def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_snat_range_to_end(
+    rig: Rig,
+) -> None:
+    """Once ip6tables' rule keeps out of --bpf-snat-ports (masquerade_apart), flows it masqueraded
+    before (an upgrade, a switch from iptables mode) may still hold ports of the range: until none
+    does (IPv6 nf_conntrack read at each sync6), ekp_cfg6 gets no node address and ip6tables goes on
+    masquerading; then it does, and nf_conntrack is not read again."""
+    from agent.ebpf.maps import read_config6
+
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+    )
+    held = NatFlow(
+        6, ("fd00:ff::100", "fd00:192:168::11", 5555, 30080), ("fd00:a:2::7", "fd00:192:168::11", 8080, 61500)
+    )
+    outside = NatFlow(
+        6, ("fd00:ff::100", "fd00:192:168::11", 5556, 30080), ("fd00:a:2::7", "fd00:192:168::11", 8080, 40000)
+    )
+    rig.conntrack6 = [held, outside]
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    half.masquerade_apart()
+    half.sync(state, node6)
+    assert read_config6(rig.maps) is None, "a masqueraded flow holds a port of the range"
+    rig.conntrack6 = [outside]  # it ended; one outside the range does not matter
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+    rig.conntrack6 = [held]  # not read any more: ip6tables' rule keeps new ones out
+    half.sync(state, node6)
+    assert read_config6(rig.maps) == cfg6
+    p.close()
 
 
 def test_ipv6_udp_sockets_are_ended_after_an_ipv6_sync_that_removed_a_backend(rig: Rig) -> None:
