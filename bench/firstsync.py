@@ -158,6 +158,9 @@ class _Datapath:
     def repair_pins(self) -> list[str]:
         return []
 
+    def release_older_builds(self) -> list[str]:
+        return []
+
     def close(self) -> None:
         return None
 
