@@ -313,11 +313,13 @@ def test_an_ipv6_lab_carries_ula_addresses_beside_ipv4_and_routes_them(make_lab:
     ula = [a for a in addrs if a["local"] == pod1.ip6]
     assert ula and not ula[0].get("tentative"), ula
     # A closed port answers with a reset: "refused" means the SYN went there and the RST came back.
-    assert lab.tcp_probe(pod1, pod2.ip6, 1) == "refused"
-    assert lab.tcp_probe(lab.client, lab.node(2).ip6, 1) == "refused"
-    assert lab.tcp_probe(pod1, pod2.ip, 1) == "refused"
+    # The deadline is past TCP's first SYN retransmission (1 s): a first SYN lost while a new
+    # host's neighbours resolve on a loaded machine is retried, as any client's would be.
+    assert lab.tcp_probe(pod1, pod2.ip6, 1, timeout=5.0) == "refused"
+    assert lab.tcp_probe(lab.client, lab.node(2).ip6, 1, timeout=5.0) == "refused"
+    assert lab.tcp_probe(pod1, pod2.ip, 1, timeout=5.0) == "refused"
     added = lab.add_pod(1)
-    assert lab.tcp_probe(added, pod2.ip6, 1) == "refused"
+    assert lab.tcp_probe(added, pod2.ip6, 1, timeout=5.0) == "refused"
     assert lab.tcp_probe(pod1, "fd00:10:244:9::2", 1, timeout=0.5) in ("unreachable", "timeout")
     assert lab.get_sysctl(lab.node(1), "net.ipv6.conf.all.forwarding") == "1"
 
