@@ -115,6 +115,24 @@ def test_the_udp_client_names_each_requests_source_port_and_who_answered_it(lab2
     assert "flows" not in udp("--addr", lab2.pod("pod-2-1").ip, "--port", "9000")  # only when asked
 
 
+def test_the_peer_client_counts_many_connections_peers_bodies_and_errors(lab2: Lab) -> None:
+    """lab/client.py peer --count N: N connections from one process, what getpeername() named and
+    what each answered counted, a refused one counted by its errno name; one connection's output
+    is as before."""
+    client = str(REPO / "lab" / "client.py")
+    pod = lab2.pod("pod-2-1")
+
+    def peer(*args: str) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(lab2.run("pod-1-2", sys.executable, client, "peer", *args).stdout)
+        return out
+
+    many = peer("--addr", pod.ip, "--port", "8080", "--count", "3")
+    assert many == {"peers": {f"{pod.ip}:8080": 3}, "bodies": {"pod-2-1": 3}, "errors": {}}, many
+    refused = peer("--addr", pod.ip, "--port", "1", "--count", "2")
+    assert refused == {"peers": {}, "bodies": {}, "errors": {"ECONNREFUSED": 2}}, refused
+    assert peer("--addr", pod.ip, "--port", "8080") == {"peer": f"{pod.ip}:8080", "body": "pod-2-1"}
+
+
 def test_nodes_reach_pods_and_each_other(lab2: Lab) -> None:
     n1, n2 = lab2.nodes
     assert lab2.http_get(n1, lab2.pod("pod-2-1").ip) == "pod-2-1\n"
