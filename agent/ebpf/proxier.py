@@ -60,7 +60,7 @@ from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attache
 from agent.ebpf.codec import KEYS, VALUES, Value
 from agent.ebpf.family6 import Ipv6Datapath
 from agent.ebpf.maglev_writer import MaglevWriter
-from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config
+from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config, write_config6
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
 from agent.ebpf.ports import parse_port_range, snat_ports_problem
@@ -289,8 +289,9 @@ class EbpfProxier:
         self._short: dict[str, int] = {}  # map role -> entries wanted, while more than it holds
         self._maglev = MaglevWriter(config.map_sizes.maglev_table_size)
         self._v6 = Ipv6Datapath(config)  # the IPv6 family's maps (`sync6`)
-        # ip6tables' MASQUERADE keeps out of --bpf-snat-ports (agent/metaproxier.py EbpfAndIp6tables):
-        # until then sync6 leaves ekp_cfg6, the tc IPv6 path's SNAT source, as it is
+        # The last ip6tables restore succeeded, so its MASQUERADE keeps out of --bpf-snat-ports
+        # (agent/metaproxier.py EbpfAndIp6tables): without it sync6 writes ekp_cfg6, the tc IPv6
+        # path's SNAT source, zero (`_snat6_granted`)
         self.masquerade6_apart = False
         # ... and no flow ip6tables masqueraded before that (an upgrade, a switch from iptables
         # mode) still holds a port of the range (`_snat6_ports_free`)
@@ -392,7 +393,7 @@ class EbpfProxier:
             if datapath is not self._v6_with:
                 self._v6 = Ipv6Datapath(self._config)  # other maps: read them back, re-adopting
                 self._v6_with = datapath
-            snat = self.masquerade6_apart and self._snat6_ports_free_now()
+            snat = self._snat6_granted()
             result = self._v6.sync(datapath.maps, state, node, changed, snat_source=snat)
             self._follow_node6(node)
             if self._ensure_loaded() is not datapath:
@@ -405,13 +406,21 @@ class EbpfProxier:
                 self._end_stale_sockets()
             return result
 
+    def _snat6_granted(self) -> bool:
+        """Whether ekp_cfg6 may hold the node's IPv6 address (the tc IPv6 path source-translates):
+        the path serves, the last ip6tables restore succeeded (its MASQUERADE keeps out of
+        --bpf-snat-ports) and no flow it masqueraded before holds a port of the range. Otherwise
+        sync6 writes it zero: new flows that need a source translation are left to ip6tables,
+        the flows this path translated keep the source their entries hold."""
+        return self._config.tc_ipv6 and self.masquerade6_apart and self._snat6_ports_free_now()
+
     def _snat6_ports_free_now(self) -> bool:
         """Whether no TCP flow ip6tables masqueraded holds a port of --bpf-snat-ports (nf_conntrack
         of IPv6, read until none does; then never again: the rule keeps new ones out). A flow of
         ip6tables' holding one would meet a tc flow given the same port for the same backend: its
         replies would reach the other client. Where the tc IPv6 path does not serve, nothing to wait
         for."""
-        if self._snat6_ports_free or not self._config.tc_ipv6:
+        if self._snat6_ports_free:
             return True
         ports = self._config.snat_ports
         try:
@@ -568,6 +577,15 @@ class EbpfProxier:
             datapath = self._datapath_factory(pin_path, sizes)
 
             def maps_ready() -> None:
+                # Before any sync or attach uses these maps: ekp_cfg6 is pinned, and the address an
+                # earlier run wrote there was granted against its ip6tables rules and its
+                # --bpf-snat-ports, which may be gone or other now; the programs attached meanwhile
+                # (that run's) leave new source translations to ip6tables until sync6 grants again.
+                if write_config6(datapath.maps, abi.Config6()):
+                    log.info(
+                        "IPv6 SNAT source of the tc programs reset to none until ip6tables is restored "
+                        "and no flow it masqueraded holds a port of --bpf-snat-ports"
+                    )
                 with self._load_cond:
                     self._opened = datapath
                     self._load_cond.notify_all()
@@ -813,8 +831,8 @@ class EbpfIpv6:
     def prepare(self) -> None:
         """Nothing: the IPv4 proxier loads the data path."""
 
-    def masquerade_apart(self) -> None:
-        self._ebpf.masquerade6_apart = True
+    def masquerade_apart(self, apart: bool) -> None:
+        self._ebpf.masquerade6_apart = apart
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None

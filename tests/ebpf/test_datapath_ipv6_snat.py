@@ -11,6 +11,8 @@ The IPv6 packet lab of test_datapath_ipv6 (its `lab` fixture: lab/dplab.py's `ad
 from __future__ import annotations
 
 import ctypes as ct
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -365,3 +367,38 @@ def test_the_nodes_ipv6_address_changing_leaves_live_flows_their_source_and_is_n
     assert verdict == TC_ACT_REDIRECT and seen(out)[1] == NODE2_6, "a new flow: the new address"
     verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50300, 30080, flags="A"))
     assert verdict == TC_ACT_REDIRECT and seen(out)[1:4] == (NODE6, REMOTE_BE6, first_port), "a live flow"
+
+
+def test_a_restart_never_translates_a_new_flow_with_the_snat_source_an_earlier_run_left_pinned(
+    net: Net, tmp_path: Path
+) -> None:
+    """ekp_cfg6 is pinned: the address an earlier run wrote was granted against that run's
+    ip6tables rules and --bpf-snat-ports (which a restart may change). The restarted agent's load
+    writes it zero before any sync or attach (the programs of the earlier run read it meanwhile),
+    so until sync6 grants again a new flow that asks SNAT is left to ip6tables; a flow translated
+    before keeps the source its entries hold. Here with the real programs and maps, the proxier's
+    load over them (its attacher and sysctls are fakes)."""
+    from tests.ebpf.test_proxier import Rig
+
+    snat_source(net, NODE6)  # the earlier run, granted
+    nodeport_to_remote(net)
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50400, 30080))
+    assert verdict == TC_ACT_REDIRECT and seen(out)[1] == NODE6, "the earlier run's flow, translated"
+    live_port = seen(out)[3]
+
+    rig = Rig(tmp_path)
+    rig.maps = cast(Any, net.dp.maps)  # the pinned maps, as the restarted agent opens them
+    p = rig.proxier()
+    p.prepare()  # the load: nothing granted yet (no ip6tables restore, no sync6)
+    try:
+        frame = frame6(CLIENT6, NODE6, 50401, 30080)
+        assert net.from_net(frame) == (TC_ACT_OK, frame), "left to ip6tables' masquerade"
+        assert ct6(net, CLIENT6, NODE6, 50401, 30080) is None
+        cfg6 = read_config6(net.dp.maps)
+        assert cfg6 is not None and not any(cfg6.node_addr)
+        verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50400, 30080, flags="A"))
+        assert verdict == TC_ACT_REDIRECT and seen(out)[1:4] == (NODE6, REMOTE_BE6, live_port), (
+            "the live flow keeps its source"
+        )
+    finally:
+        p.close()

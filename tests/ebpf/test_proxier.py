@@ -555,9 +555,10 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     half = p.ipv6()
     p.sync(STATE, NODE)
     state = state6([service()], [slice_("fd00:10:244:1::2")])
-    half.masquerade_apart()
+    half.masquerade_apart(True)
     half.sync(state, node6)
-    assert read_config6(rig.maps) is None, "a masqueraded flow holds a port of the range"
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "a masqueraded flow holds a port of the range"
     rig.conntrack6 = [outside]  # it ended; one outside the range does not matter
     half.sync(state, node6)
     cfg6 = read_config6(rig.maps)
@@ -565,6 +566,51 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     rig.conntrack6 = [held]  # not read any more: ip6tables' rule keeps new ones out
     half.sync(state, node6)
     assert read_config6(rig.maps) == cfg6
+    p.close()
+
+
+def test_the_tc_ipv6_paths_snat_source_is_zero_whenever_the_grant_is_lost_or_the_path_is_off(
+    rig: Rig,
+) -> None:
+    """ekp_cfg6 holds the node's address only while granted: an ip6tables restore that failed
+    (masquerade_apart(False): the rules in place are not known to keep out of --bpf-snat-ports)
+    zeroes it at the next sync6 until one succeeds again. Where the tc IPv6 path does not serve
+    (legacy host routing), it is zero whatever ip6tables did, over what a pin held."""
+    from agent.ebpf.maps import read_config6, write_config6
+
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    dual = replace(rig.config, node_ips=("192.168.0.11", "fd00:192:168::11"), socket_lb=True)
+    rig.config = replace(dual, bpf_host_routing=HostRouting.BPF)
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    half.masquerade_apart(True)
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+    half.masquerade_apart(False)
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "a failed restore takes the grant back"
+    half.masquerade_apart(True)
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+    p.close()
+
+    rig.config = replace(dual, bpf_host_routing=HostRouting.LEGACY)
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    half.masquerade_apart(True)
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "no tc IPv6 path: no source for it"
+    write_config6(rig.maps, abi.Config6(node_addr=abi.Addr6(*abi.ip6_words("fd00:192:168::11"))))
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "what a pin held is written over"
     p.close()
 
 
