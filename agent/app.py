@@ -420,6 +420,11 @@ def build_agent(
 
     if proxier is None:
         proxier = make_proxier(config, metrics)
+    if config.mode is Mode.EBPF:
+        from agent.ebpf import EbpfProxier
+
+        if isinstance(proxier, EbpfProxier):
+            proxier.on_snat6_held = metrics.ipv6_snat_held_flows.set
     proxier6 = make_proxier6(config, proxier, metrics) if serve6 else None
     service_health6 = None
     if proxier6 is not None:

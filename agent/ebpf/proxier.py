@@ -58,7 +58,7 @@ from agent.ebpf import abi, activity
 from agent.ebpf.abi import Stat
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import KEYS, VALUES, Value
-from agent.ebpf.family6 import Ipv6Datapath
+from agent.ebpf.family6 import Ipv6Datapath, config6_of
 from agent.ebpf.maglev_writer import MaglevWriter
 from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config, write_config6
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
@@ -81,6 +81,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOCAL_PORT_RANGE = "net/ipv4/ip_local_port_range"
+NAMED_FLOWS = 3  # flows named in the warning about those the IPv6 SNAT grant waits for
 
 # sysctl (as a /proc/sys path) -> (value, why); set in Config.netns at the first sync.
 SYSCTLS: dict[str, tuple[str, str]] = {
@@ -213,6 +214,10 @@ def default_terminator(config: Config, cgroup: str, prog_fd: int, ended: Callabl
     return SocketTerminator(prog_fd, config.netns, cgroup, pods=not config.socket_lb_host_only, ended=ended)
 
 
+def _ignore(held: int) -> None:
+    """No gauge to tell (EbpfProxier.on_snat6_held)."""
+
+
 def default_netns_cookie(netns: str) -> int:
     from agent.ebpf.sockattach import netns_cookie
 
@@ -264,6 +269,10 @@ class EbpfProxier:
         self._netns_cookie_reader = netns_cookie_reader
         self._socket_detach = socket_detach
         self._conntrack6_reader = conntrack6_reader
+        # Told how many flows the IPv6 SNAT grant waits for, at each look (the agent's gauge
+        # ekp_ipv6_snat_held_flows: set after construction, as the early load makes the proxier
+        # before the metrics exist)
+        self.on_snat6_held: Callable[[int], None] = _ignore
         self._socket_attacher: SocketAttacherLike | None = None
         self._terminator: TerminatorLike | None = None
         self._lock = threading.Lock()
@@ -294,9 +303,9 @@ class EbpfProxier:
         # path's SNAT source, zero (`_snat6_granted`)
         self.masquerade6_apart = False
         # ... and no flow ip6tables masqueraded before that (an upgrade, a switch from iptables
-        # mode) still holds a port of the range (`_snat6_ports_free`)
-        self._snat6_ports_free = False
-        self._snat6_held = -1  # how many held them at the last look (logged when it changes)
+        # mode) holds a reply tuple a tc flow could take: the address it was checked for
+        self._snat6_free_for = ""
+        self._snat6_held: frozenset[NatFlow] | None = None  # those at the last look (logged when they change)
         self._v6_with: DatapathLike | None = None  # the data path whose IPv6 maps it wrote
         # Whether an IPv6 half (`ipv6()`) writes the IPv6 maps; without one `sync` empties them at
         # its first and periodic syncs (an earlier dual-stack agent's entries would still steer the
@@ -393,7 +402,7 @@ class EbpfProxier:
             if datapath is not self._v6_with:
                 self._v6 = Ipv6Datapath(self._config)  # other maps: read them back, re-adopting
                 self._v6_with = datapath
-            snat = self._snat6_granted()
+            snat = self._snat6_granted(node)
             result = self._v6.sync(datapath.maps, state, node, changed, snat_source=snat)
             self._follow_node6(node)
             if self._ensure_loaded() is not datapath:
@@ -406,25 +415,32 @@ class EbpfProxier:
                 self._end_stale_sockets()
             return result
 
-    def _snat6_granted(self) -> bool:
+    def _snat6_granted(self, node6: NodeContext) -> bool:
         """Whether ekp_cfg6 may hold the node's IPv6 address (the tc IPv6 path source-translates):
         the path serves, the last ip6tables restore succeeded (its MASQUERADE keeps out of
-        --bpf-snat-ports) and no flow it masqueraded before holds a port of the range. Otherwise
+        --bpf-snat-ports) and no flow it masqueraded before can collide with a tc flow. Otherwise
         sync6 writes it zero: new flows that need a source translation are left to ip6tables,
         the flows this path translated keep the source their entries hold."""
-        return self._config.tc_ipv6 and self.masquerade6_apart and self._snat6_ports_free_now()
+        if not (self._config.tc_ipv6 and self.masquerade6_apart):
+            return False
+        source = config6_of(node6).node_addr
+        return any(source) and self._snat6_ports_free_for(abi.ip6_str(source))
 
-    def _snat6_ports_free_now(self) -> bool:
-        """Whether no TCP flow ip6tables masqueraded holds a port of --bpf-snat-ports (nf_conntrack
-        of IPv6, read until none does; then never again: the rule keeps new ones out). A flow of
-        ip6tables' holding one would meet a tc flow given the same port for the same backend: its
-        replies would reach the other client. Where the tc IPv6 path does not serve, nothing to wait
-        for."""
-        if self._snat6_ports_free:
+    def _snat6_ports_free_for(self, source: str) -> bool:
+        """Whether no TCP flow ip6tables masqueraded to `source` (the node's IPv6 SNAT address)
+        holds a port of --bpf-snat-ports: such a flow's reply tuple {backend, source, port} is one
+        the tc path's port walk could give a flow to the same backend, whose replies would then
+        reach the other client. Only those count: a flow masqueraded to another address or port
+        never collides, so one long-lived connection elsewhere does not keep the path's SNAT off.
+        IPv6 nf_conntrack is read at each sync6 until none does, then not again for that address
+        (the rule keeps new ones out). Where they stay, a warning names them and the
+        `ekp_ipv6_snat_held_flows` gauge counts them: ending them (conntrack -D) grants at the
+        next sync."""
+        if self._snat6_free_for == source:
             return True
         ports = self._config.snat_ports
         try:
-            held = masqueraded_into(self._conntrack6_reader(self._config.netns), ports)
+            held = masqueraded_into(self._conntrack6_reader(self._config.netns), ports, source)
         except (OSError, NetlinkError) as exc:
             log.warning(
                 "cannot read IPv6 nf_conntrack (%s): the tc IPv6 path leaves source translations to "
@@ -432,24 +448,28 @@ class EbpfProxier:
                 exc,
             )
             return False
+        self.on_snat6_held(len(held))
         if not held:
-            self._snat6_ports_free = True
-            if self._snat6_held > 0:
+            self._snat6_free_for = source
+            if self._snat6_held:
                 log.info(
                     "no IPv6 flow masqueraded by ip6tables holds a port of --bpf-snat-ports any more: "
                     "the tc IPv6 path source-translates from now on"
                 )
+            self._snat6_held = frozenset()
             return True
-        if len(held) != self._snat6_held:
-            log.info(
-                "%d IPv6 TCP flows ip6tables masqueraded before its rule kept out of --bpf-snat-ports "
-                "%d-%d hold ports of that range (%s): the tc IPv6 path leaves source translations to "
-                "ip6tables until they end",
+        if frozenset(held) != self._snat6_held:
+            log.warning(
+                "%d IPv6 TCP flows ip6tables masqueraded to %s before its rule kept out of "
+                "--bpf-snat-ports %d-%d hold ports of that range (%s%s): the tc IPv6 path leaves source "
+                "translations to ip6tables until they end (or are deleted: conntrack -D -f ipv6)",
                 len(held),
+                source,
                 *ports,
-                held[0].describe(),
+                "; ".join(f.describe() for f in held[:NAMED_FLOWS]),
+                f"; {len(held) - NAMED_FLOWS} more" if len(held) > NAMED_FLOWS else "",
             )
-        self._snat6_held = len(held)
+        self._snat6_held = frozenset(held)
         return False
 
     def _follow_node6(self, node6: NodeContext) -> None:

@@ -246,6 +246,13 @@ class Metrics:
             "Service ports the last sync could not program (a full map, a rejected rule; the log says which)",
             registry=r,
         )
+        self.ipv6_snat_held_flows = Gauge(
+            "ekp_ipv6_snat_held_flows",
+            "IPv6 TCP flows ip6tables masqueraded into --bpf-snat-ports before its rule kept out of it:"
+            " while above 0 the tc programs' IPv6 path leaves source translations to ip6tables (the"
+            " log names them)",
+            registry=r,
+        )
 
     def _iptables(self, r: CollectorRegistry, nfacct: NfacctReader | None) -> None:
         fam = ["ip_family"]

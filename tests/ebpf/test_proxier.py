@@ -529,12 +529,15 @@ def test_the_first_attach_before_the_ipv6_sync_keeps_ekp_from_net_where_it_is(ri
 
 
 def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_snat_range_to_end(
-    rig: Rig,
+    rig: Rig, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Once ip6tables' rule keeps out of --bpf-snat-ports (masquerade_apart), flows it masqueraded
     before (an upgrade, a switch from iptables mode) may still hold ports of the range: until none
     does (IPv6 nf_conntrack read at each sync6), ekp_cfg6 gets no node address and ip6tables goes on
-    masquerading; then it does, and nf_conntrack is not read again."""
+    masquerading; then it does, and nf_conntrack is not read again. Only a flow a tc flow could
+    collide with counts (masqueraded to the node's IPv6 SNAT address, a port of the range: a
+    long-lived one to another address does not keep the path's SNAT off); while one does, a
+    warning names it and the gauge counts it."""
     from agent.ebpf.maps import read_config6
 
     node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
@@ -550,17 +553,29 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     outside = NatFlow(
         6, ("fd00:ff::100", "fd00:192:168::11", 5556, 30080), ("fd00:a:2::7", "fd00:192:168::11", 8080, 40000)
     )
-    rig.conntrack6 = [held, outside]
+    elsewhere = NatFlow(  # masqueraded to the node's other IPv6 address: no tc reply tuple ends there
+        6, ("fd00:ff::100", "fd00:192:168::12", 5557, 30080), ("fd00:a:2::7", "fd00:192:168::12", 8080, 61500)
+    )
+    rig.conntrack6 = [held, outside, elsewhere]
     p = rig.proxier()
+    gauge: list[int] = []
+    p.on_snat6_held = gauge.append
     half = p.ipv6()
     p.sync(STATE, NODE)
     state = state6([service()], [slice_("fd00:10:244:1::2")])
     half.masquerade_apart(True)
-    half.sync(state, node6)
+    with caplog.at_level(logging.WARNING, logger="agent.ebpf.proxier"):
+        half.sync(state, node6)
+        half.sync(state, node6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and not any(cfg6.node_addr), "a masqueraded flow holds a port of the range"
-    rig.conntrack6 = [outside]  # it ended; one outside the range does not matter
+    warned = [r.getMessage() for r in caplog.records if "hold ports of that range" in r.getMessage()]
+    assert len(warned) == 1, "said once while the same flows hold them"
+    assert warned[0].startswith("1 IPv6 TCP flows") and held.describe() in warned[0], warned
+    assert gauge == [1, 1]
+    rig.conntrack6 = [outside, elsewhere]  # it ended; the others never mattered
     half.sync(state, node6)
+    assert gauge[-1] == 0
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
     rig.conntrack6 = [held]  # not read any more: ip6tables' rule keeps new ones out
