@@ -51,8 +51,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from pyroute2.netlink.exceptions import NetlinkError
-
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi, activity
 from agent.ebpf.abi import Stat
@@ -305,6 +303,7 @@ class EbpfProxier:
         # ... and no flow ip6tables masqueraded before that (an upgrade, a switch from iptables
         # mode) holds a reply tuple a tc flow could take: the address it was checked for
         self._snat6_free_for = ""
+        self._conntrack6_failures = 0  # reads of IPv6 nf_conntrack that failed in a row
         self._snat6_held: frozenset[NatFlow] | None = None  # those at the last look (logged when they change)
         self._v6_with: DatapathLike | None = None  # the data path whose IPv6 maps it wrote
         # Whether an IPv6 half (`ipv6()`) writes the IPv6 maps; without one `sync` empties them at
@@ -441,13 +440,18 @@ class EbpfProxier:
         ports = self._config.snat_ports
         try:
             held = masqueraded_into(self._conntrack6_reader(self._config.netns), ports, source)
-        except (OSError, NetlinkError) as exc:
+        except Exception as exc:  # pyroute2's decoders raise more than OSError
+            # Whatever the dump raised, the IPv6 maps are still written: only the grant waits.
+            self._conntrack6_failures += 1
             log.warning(
-                "cannot read IPv6 nf_conntrack (%s): the tc IPv6 path leaves source translations to "
-                "ip6tables until it can",
+                "cannot read IPv6 nf_conntrack (%s: %s; %d time(s) in a row): the tc IPv6 path leaves "
+                "source translations to ip6tables and the next IPv6 sync reads it again",
+                type(exc).__name__,
                 exc,
+                self._conntrack6_failures,
             )
             return False
+        self._conntrack6_failures = 0
         self.on_snat6_held(len(held))
         if not held:
             self._snat6_free_for = source

@@ -191,6 +191,8 @@ class Rig:
         self.unavailable: set[str] = set()  # programs the kernel cannot load
         self.datapath_type: type[FakeDatapath] = FakeDatapath
         self.conntrack6: list[NatFlow] = []  # IPv6 nf_conntrack's DNAT entries
+        self.conntrack6_error: Exception | None = None  # what reading them raises
+        self.conntrack6_reads = 0
 
     def proxier(self) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
@@ -225,8 +227,14 @@ class Rig:
             terminator_factory=lambda config, cgroup, fd, ended: FakeTerminator(self.events, fd, ended),
             netns_cookie_reader=lambda netns: 4242,
             socket_detach=self.socket_detach,
-            conntrack6_reader=lambda netns: list(self.conntrack6),
+            conntrack6_reader=self.read_conntrack6,
         )
+
+    def read_conntrack6(self, netns: str) -> list[NatFlow]:
+        self.conntrack6_reads += 1
+        if self.conntrack6_error is not None:
+            raise self.conntrack6_error
+        return list(self.conntrack6)
 
     def socket_detach(self, pin_path: str) -> list[str]:
         self.events.append("unlink sockets")
@@ -581,6 +589,43 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     rig.conntrack6 = [held]  # not read any more: ip6tables' rule keeps new ones out
     half.sync(state, node6)
     assert read_config6(rig.maps) == cfg6
+    p.close()
+
+
+def test_an_ipv6_nf_conntrack_read_that_raises_anything_leaves_the_ipv6_sync_whole(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pyroute2's dump of IPv6 nf_conntrack may raise more than OSError (a decoder's ValueError,
+    struct.error): the IPv6 maps are still written, the grant waits (ekp_cfg6 zero), a warning
+    counts the failures in a row, and the next sync6 reads again."""
+    from agent.ebpf.maps import read_config6
+
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+    )
+    rig.conntrack6_error = ValueError("bad NLA length")
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    half.masquerade_apart(True)
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    with caplog.at_level(logging.WARNING, logger="agent.ebpf.proxier"):
+        half.sync(state, node6)
+        half.sync(state, node6)
+    assert rig.conntrack6_reads == 2, "read again at the next sync"
+    assert rig.maps["fe6"].items(), "the IPv6 maps written all the same"
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr)
+    said = [r.getMessage() for r in caplog.records if "cannot read IPv6 nf_conntrack" in r.getMessage()]
+    assert len(said) == 2 and "ValueError: bad NLA length; 2 time(s) in a row" in said[1], said
+    rig.conntrack6_error = None
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
     p.close()
 
 
