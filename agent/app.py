@@ -53,14 +53,16 @@ log = logging.getLogger("agent")
 GC_THRESHOLDS = (100_000, 50, 1_000)
 
 
-def make_proxier(config: Config, metrics: Metrics | None = None) -> Proxier:
+def make_proxier(config: Config, metrics: Metrics | None = None, *, ipv6: bool = True) -> Proxier:
+    """The IPv4 proxier of the mode. `ipv6`: whether an IPv6 proxier runs beside it (`serves_ipv6`):
+    in eBPF mode the tc programs' IPv6 path is built only then (Config.tc_ipv6 AND it)."""
     if config.mode is Mode.IPTABLES:
         from agent.iptables import IptablesProxier
 
         return IptablesProxier(config, metrics=metrics)
     from agent.ebpf import EbpfProxier
 
-    return EbpfProxier(config)
+    return EbpfProxier(config, ipv6=ipv6)
 
 
 def ipv6_unsupported(config: Config, missing: Callable[[Config], str] | None = None) -> str:
@@ -318,21 +320,21 @@ class EarlyProxier(Proxier, Protocol):
     def close(self) -> None: ...
 
 
-def start_loading(config: Config) -> EarlyProxier | None:
+def start_loading(config: Config, *, ipv6: bool = True) -> EarlyProxier | None:
     """eBPF mode's proxier, its data path's load (the programs from the compile cache through the
     kernel's verifier, which runs with the GIL released) started now on a thread, so that it runs
     beside build_agent's imports, API client and node discovery instead of starting with the
     lists: at a cold start the first sync waits for the programs. None in iptables mode (its
     set-up is quick). The services file is checked first: one that cannot be read stays fatal
     before any pin or sysctl is written. A failure here is reported by the Agent's own prepare(),
-    which loads again (agent/daemon.py)."""
+    which loads again (agent/daemon.py). `ipv6`: whether an IPv6 proxier will run (`make_proxier`)."""
     if config.services_file:
         from agent.sources.file import check_services_file
 
         check_services_file(config.services_file)
     if config.mode is not Mode.EBPF:
         return None
-    proxier = cast(EarlyProxier, make_proxier(config))
+    proxier = cast(EarlyProxier, make_proxier(config, ipv6=ipv6))
 
     def prepare() -> None:
         try:
@@ -419,7 +421,7 @@ def build_agent(
     services.append(service_health)
 
     if proxier is None:
-        proxier = make_proxier(config, metrics)
+        proxier = make_proxier(config, metrics, ipv6=serve6)
     if config.mode is Mode.EBPF:
         from agent.ebpf import EbpfProxier
 
@@ -526,7 +528,10 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
 
     gc.set_threshold(*GC_THRESHOLDS)
     try:
-        preflight(config)
+        # Asked once (it probes ip6tables): the pre-flight, the early load (whether it builds the
+        # tc IPv6 path) and build_agent (whether an IPv6 proxier runs) must agree.
+        missing6 = ipv6_unsupported(config)
+        preflight(config, ipv6=config.ipv6_configured and not missing6)
         node_lock = acquire(config)
     except FatalError as exc:
         log.error("%s", exc)
@@ -537,8 +542,10 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         setup_conntrack(config)  # kube-proxy's platformSetup, before the proxier reads the host
         proxier: EarlyProxier | None = None
         try:
-            proxier = start_loading(config)
-            agent = build_agent(config, configz, kubeconfig, proxier=proxier)
+            proxier = start_loading(config, ipv6=config.ipv6_configured and not missing6)
+            agent = build_agent(
+                config, configz, kubeconfig, ipv6_check=lambda config: missing6, proxier=proxier
+            )
         except BaseException as exc:
             if proxier is not None:
                 # Waits for the early load: nothing it does (pins, programs) outlives the node lock.

@@ -254,8 +254,13 @@ class EbpfProxier:
         netns_cookie_reader: Callable[[str], int] = default_netns_cookie,
         socket_detach: Callable[[str], list[str]] = default_socket_detach,
         conntrack6_reader: Callable[[str], list[NatFlow]] = default_conntrack6_reader,
+        ipv6: bool = True,
     ) -> None:
+        """`ipv6`: whether the agent runs an IPv6 half (agent/app.py serves_ipv6, decided before the
+        early load): a node that fell back to single-stack gets no tc IPv6 path whatever the
+        settings say (no full-size IPv6 conntrack tables, no filled ekp_calls6)."""
         self._config = config
+        self._tc_ipv6 = config.tc_ipv6 and ipv6  # the tc programs' IPv6 path serves
         self._datapath_factory = datapath_factory
         self._attacher_factory = attacher_factory
         self._sysctl_writer = sysctl_writer or write_sysctl
@@ -420,7 +425,7 @@ class EbpfProxier:
         --bpf-snat-ports) and no flow it masqueraded before can collide with a tc flow. Otherwise
         sync6 writes it zero: new flows that need a source translation are left to ip6tables,
         the flows this path translated keep the source their entries hold."""
-        if not (self._config.tc_ipv6 and self.masquerade6_apart):
+        if not (self._tc_ipv6 and self.masquerade6_apart):
             return False
         source = config6_of(node6).node_addr
         return any(source) and self._snat6_ports_free_for(abi.ip6_str(source))
@@ -480,7 +485,7 @@ class EbpfProxier:
         """With the tc IPv6 path, a device that holds an IPv6 node address and no IPv4 one (no
         --devices) is an external device as well: without ekp_from_net there, the replies of the
         IPv6 flows translated here come back untranslated. Attached once sync has attached."""
-        if not self._config.tc_ipv6:
+        if not self._tc_ipv6:
             return
         known = self._node6_known
         self._node6_known = True
@@ -597,7 +602,7 @@ class EbpfProxier:
             )
             # From the settings alone: this load may run before the IPv6 half is made (main's early
             # load) or after it, and a restart must build the same programs and table sizes.
-            sizes = replace(sizes, ipv6_tc=self._config.tc_ipv6)
+            sizes = replace(sizes, ipv6_tc=self._tc_ipv6)
             datapath = self._datapath_factory(pin_path, sizes)
 
             def maps_ready() -> None:
@@ -728,7 +733,7 @@ class EbpfProxier:
             # Before the first IPv6 sync `node` lacks the IPv6 node addresses: a device holding
             # only one of them keeps its ekp_from_net, or the replies of the tc IPv6 path's live
             # flows would leave untranslated until sync6 ran (`_follow_node6`).
-            keep = self._config.tc_ipv6 and not self._node6_known
+            keep = self._tc_ipv6 and not self._node6_known
             self._attacher.reconcile(node, full=full, verify=verify and not full, keep_external=keep)
             self._attached_node = node
         if first:

@@ -194,7 +194,7 @@ class Rig:
         self.conntrack6_error: Exception | None = None  # what reading them raises
         self.conntrack6_reads = 0
 
-    def proxier(self) -> EbpfProxier:
+    def proxier(self, *, ipv6: bool = True) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
             self.sizes.append(sizes)
             dp = self.datapath_type(self.maps)
@@ -228,6 +228,7 @@ class Rig:
             netns_cookie_reader=lambda netns: 4242,
             socket_detach=self.socket_detach,
             conntrack6_reader=self.read_conntrack6,
+            ipv6=ipv6,
         )
 
     def read_conntrack6(self, netns: str) -> list[NatFlow]:
