@@ -498,12 +498,14 @@ class EbpfProxier:
             self._attached_node = node
 
     def _devices_node(self, node: NodeContext) -> NodeContext:
-        """`node` as the attacher finds the external devices by: with the IPv6 node addresses
-        the last sync6 read beside the IPv4 ones (`_follow_node6`)."""
-        ips6 = self._node_ips6
-        if not ips6:
+        """`node` as the attacher finds the external devices by: where the tc IPv6 path serves,
+        its IPv4 node addresses and the IPv6 ones the last sync6 read (`_follow_node6`), none
+        other: an IPv6 address sync6 no longer reads (`node` may be the last merge) releases its
+        device at that sync6, not at the next IPv4 one."""
+        if not self._tc_ipv6:
             return node
-        return replace(node, node_ips=(*(ip for ip in node.node_ips if ip not in ips6), *ips6))
+        ips4 = (ip for ip in node.node_ips if ":" not in ip)
+        return replace(node, node_ips=(*ips4, *self._node_ips6))
 
     def ipv6(self) -> EbpfIpv6:
         """This data path's IPv6 half, as a Proxier of the IPv6 family (agent/metaproxier.py)."""

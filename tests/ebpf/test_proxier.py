@@ -516,6 +516,30 @@ def test_the_ipv6_node_addresses_find_external_devices_where_the_tc_ipv6_path_se
         p.close()
 
 
+def test_a_removed_ipv6_node_address_releases_its_device_at_the_ipv6_sync(rig: Rig) -> None:
+    """An IPv6 node address that sync6 no longer reads (removed, or moved) leaves the addresses
+    the attacher finds external devices by at that sync6, not at the next IPv4 sync: its device,
+    holding no IPv4 node address, is no longer external."""
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+    )
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    half.sync(state, NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11"))
+    attacher = rig.attachers[-1]
+    assert attacher.nodes[-1].node_ips == (*NODE.node_ips, "fd00:192:168::11")
+    half.sync(state, NodeContext(node_ips=("fd00:192:168::12",), primary_ip="fd00:192:168::12"))
+    assert attacher.nodes[-1].node_ips == (*NODE.node_ips, "fd00:192:168::12"), "moved"
+    half.sync(state, NodeContext())
+    assert attacher.nodes[-1].node_ips == NODE.node_ips, "removed"
+    p.close()
+
+
 def test_the_first_attach_before_the_ipv6_sync_keeps_ekp_from_net_where_it_is(rig: Rig) -> None:
     """After a restart the IPv4 sync attaches (full) before the IPv6 family's first sync has told
     the proxier its node addresses: where the tc IPv6 path serves, that reconcile keeps ekp_from_net
