@@ -8,7 +8,8 @@ Families (`map` is the kernel name, e.g. `ekp_ct_tcp_v2`):
 
 * `ekp_bpf_map_entries{map}`, `ekp_bpf_map_capacity{map}` (max_entries) and
   `ekp_bpf_map_fill_ratio{map}` for every map; `ekp_conntrack_entries` repeats the conntrack
-  tables' count (TCP and the rest) under the name operators look for. Arrays are always full (the
+  tables' count (TCP and the rest, IPv4's and the tc IPv6 path's: it has no family label, and
+  `ekp_bpf_map_entries{map}` tells them apart) under the name operators look for. Arrays are always full (the
   kernel preallocates every slot). An LRU table near full is normal (dead entries stay until their
   room is needed): `agent inspect capacity` tells live entries from expired ones, and
   `ekp_datapath_drops_total{reason="no_flow"}` counts the live flows an eviction cost.
@@ -50,7 +51,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from agent.ebpf.abi import CT_ROLES, DROPS, EVICTIONS, MAPS, MapSpec, Stat
+from agent.ebpf.abi import CT6_ROLES, CT_ROLES, DROPS, EVICTIONS, MAPS, MapSpec, Stat
 from agent.ebpf.maps import MapWriter, open_pinned_as_held, read_stats
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ class _Families:
         self.fill = g("ekp_bpf_map_fill_ratio", "Entries / capacity of the eBPF map", labels=["map"])
         self.up = g("ekp_bpf_map_up", "1 if the eBPF map could be read at this scrape", labels=["map"])
         self.conntrack = g(
-            "ekp_conntrack_entries", "Entries in the eBPF data path's conntrack map (two per flow)"
+            "ekp_conntrack_entries",
+            "Entries in the eBPF data path's conntrack maps, IPv4's and the tc IPv6 path's (two per flow)",
         )
         self.packets = c("ekp_datapath_packets", "Packets the eBPF programs looked at")
         self.flows = c("ekp_datapath_new_flows", "Connections the eBPF data path load-balanced")
@@ -255,7 +257,7 @@ class BpfMapsCollector(Collector):
             f.entries.add_metric([spec.name], n)
             f.capacity.add_metric([spec.name], size)
             f.fill.add_metric([spec.name], n / size if size else 0.0)
-            if spec.role in CT_ROLES:
+            if spec.role in CT_ROLES or spec.role in CT6_ROLES:
                 conntrack = (conntrack or 0) + n
         if conntrack is not None:
             f.conntrack.add_metric([], conntrack)

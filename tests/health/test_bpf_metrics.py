@@ -48,6 +48,20 @@ def opener(maps: dict[str, FakeMap], missing: set[str] | None = None) -> Callabl
     return open_map
 
 
+def test_the_conntrack_entries_count_the_tc_ipv6_paths_tables_too() -> None:
+    """ekp_conntrack_entries: IPv4's tables and the tc IPv6 path's (no family label; the per-map
+    gauge tells them apart)."""
+    maps = fake_maps()
+    for i in range(2):
+        key = abi.Ct6Key(sport=2000 + i, dport=80, proto=6)
+        maps["ct6_tcp"].update(key, abi.Ct6Entry())
+    maps["ct6_any"].update(abi.Ct6Key(sport=2000, dport=53, proto=17), abi.Ct6Entry())
+    registry = CollectorRegistry()
+    registry.register(BpfMapsCollector(opener(maps)))
+    assert registry.get_sample_value("ekp_conntrack_entries") == 6 + 3
+    assert registry.get_sample_value("ekp_bpf_map_entries", {"map": MAPS["ct6_tcp"].name}) == 2
+
+
 def test_entries_capacity_fill_and_counters_from_fake_maps() -> None:
     registry = CollectorRegistry()
     registry.register(BpfMapsCollector(opener(fake_maps())))
@@ -120,7 +134,7 @@ def test_registering_reads_no_map() -> None:
 def test_missing_maps_are_down_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="agent.metrics.bpf")
     maps = fake_maps()
-    missing = {"ct_tcp", "ct_any", "stats"}
+    missing = {"ct_tcp", "ct_any", "ct6_tcp", "ct6_any", "stats"}  # every conntrack table
     ct_tcp = MAPS["ct_tcp"].name
     registry = CollectorRegistry()
     registry.register(BpfMapsCollector(opener(maps, missing)))
