@@ -422,7 +422,7 @@ def build_agent(
 
     if proxier is None:
         proxier = make_proxier(config, metrics, ipv6=serve6)
-    if config.mode is Mode.EBPF:
+    if config.mode is Mode.EBPF and metrics.ipv6_snat_held_flows is not None:
         from agent.ebpf import EbpfProxier
 
         if isinstance(proxier, EbpfProxier):

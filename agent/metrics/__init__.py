@@ -246,13 +246,17 @@ class Metrics:
             "Service ports the last sync could not program (a full map, a rejected rule; the log says which)",
             registry=r,
         )
-        self.ipv6_snat_held_flows = Gauge(
-            "ekp_ipv6_snat_held_flows",
-            "IPv6 TCP flows ip6tables masqueraded into --bpf-snat-ports before its rule kept out of it:"
-            " while above 0 the tc programs' IPv6 path leaves source translations to ip6tables (the"
-            " log names them)",
-            registry=r,
-        )
+        # eBPF mode's: the flows the tc IPv6 path's SNAT waits for (agent/ebpf/proxier.py
+        # _snat6_ports_free_for), set by the proxier at each look
+        self.ipv6_snat_held_flows: Gauge | None = None
+        if mode is Mode.EBPF:
+            self.ipv6_snat_held_flows = Gauge(
+                "ekp_ipv6_snat_held_flows",
+                "IPv6 TCP flows ip6tables masqueraded to the node's IPv6 SNAT address and a port of"
+                " --bpf-snat-ports before its rule kept out of them: while above 0 the tc programs'"
+                " IPv6 path leaves source translations to ip6tables (the log names them)",
+                registry=r,
+            )
 
     def _iptables(self, r: CollectorRegistry, nfacct: NfacctReader | None) -> None:
         fam = ["ip_family"]

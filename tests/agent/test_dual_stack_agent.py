@@ -11,12 +11,13 @@ programmed, and the agent says so once.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.config import Config, Mode, NodeContext
+from agent.config import Config, HostRouting, Mode, NodeContext
 from agent.daemon import Agent, Parts, ProxierHealth
 from agent.metrics import Metrics
 from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
@@ -851,6 +852,26 @@ def test_a_node_that_cannot_do_ipv6_runs_single_stack_and_says_so_once(
     assert served.ipv6.proxier is not None
     assert served._health_families == (IPFamily.IPv4, IPFamily.IPv6)
     assert failure_series(served) == {"IPv4": 0.0, "IPv6": 0.0}
+    if mode is Mode.EBPF:
+        # the tc IPv6 path is built only where the IPv6 half runs (settings that turn it on)
+        from agent.ebpf import EbpfProxier
+
+        path_on = replace(config, socket_lb=True, bpf_host_routing=HostRouting.BPF)
+        for lacks, built in ((lacking, False), ("", True)):
+
+            def check(c: Config, lacks: str = lacks) -> str:
+                return lacks
+
+            proxier = build_agent(path_on, ipv6_check=check)._parts.proxier
+            assert isinstance(proxier, EbpfProxier) and proxier._tc_ipv6 is built, lacks
+        # the proxier tells the gauge how many flows the IPv6 SNAT grant waits for
+        metrics = served._parts.metrics
+        assert metrics.ipv6_snat_held_flows is not None
+        proxier = served._parts.proxier
+        assert isinstance(proxier, EbpfProxier)
+        proxier.on_snat6_held(2)
+        [gauge] = metrics.ipv6_snat_held_flows.collect()
+        assert gauge.samples[0].value == 2
 
 
 def failure_series(agent: Agent) -> dict[str, float]:
