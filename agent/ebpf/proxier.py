@@ -602,8 +602,9 @@ class EbpfProxier:
             sizes = self._config.map_sizes.with_conntrack(
                 self._config.conntrack, os.cpu_count() or 1, self._sizes_reader(pin_path)
             )
-            # From the settings alone: this load may run before the IPv6 half is made (main's early
-            # load) or after it, and a restart must build the same programs and table sizes.
+            # From the settings and whether an IPv6 half will run (both known before main's early
+            # load), never from whether it exists yet: this load may run before the IPv6 half is
+            # made or after it, and a restart must build the same programs and table sizes.
             sizes = replace(sizes, ipv6_tc=self._tc_ipv6)
             datapath = self._datapath_factory(pin_path, sizes)
 
