@@ -119,18 +119,24 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
             take_over=lambda: True,
             metrics=metrics,
         )
-    ip6tables = ip6tables_beside_ebpf(config, SubprocessRunner(config, family=6), metrics)
     if not config.socket_lb:
-        return ip6tables
+        return ip6tables_beside_ebpf(config, SubprocessRunner(config, family=6), metrics)
     from agent.ebpf import EbpfProxier
     from agent.metaproxier import EbpfAndIp6tables
 
     assert isinstance(proxier, EbpfProxier)
+    ip6tables = ip6tables_beside_ebpf(
+        config, SubprocessRunner(config, family=6), metrics, snat6_held=proxier.snat6_held
+    )
     return EbpfAndIp6tables(proxier.ipv6(), ip6tables)
 
 
 def ip6tables_beside_ebpf(
-    config: Config, runner: IptablesRunner, metrics: Metrics | None = None, counters: Counters | None = None
+    config: Config,
+    runner: IptablesRunner,
+    metrics: Metrics | None = None,
+    counters: Counters | None = None,
+    snat6_held: Callable[[], tuple[int, int] | None] | None = None,
 ) -> Proxier:
     """eBPF mode's IPv6 proxier: kube-proxy's ip6tables layout on `runner`. No IPv4 rules to follow,
     so the backend is --iptables-backend or the one the node already uses (kubelet's hint chains).
@@ -148,6 +154,7 @@ def ip6tables_beside_ebpf(
         take_over=NftTakeover(runner, families=("ip6",)),
         metrics=metrics,
         counters=counters,
+        snat6_held=snat6_held,
     )
 
 

@@ -61,7 +61,7 @@ from agent.ebpf.maglev_writer import MaglevWriter
 from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config, write_config6
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
-from agent.ebpf.ports import parse_port_range, snat_ports_problem
+from agent.ebpf.ports import held_outside, parse_port_range, snat_ports_problem
 from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
 from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
@@ -311,6 +311,13 @@ class EbpfProxier:
         self._conntrack6_failures = 0  # reads of IPv6 nf_conntrack that failed in a row
         self._snat6_held: frozenset[NatFlow] | None = None  # those at the last look (logged when they change)
         self._v6_with: DatapathLike | None = None  # the data path whose IPv6 maps it wrote
+        # The span of ports the tc IPv6 path's live flows hold outside --bpf-snat-ports (an earlier
+        # run's range), which ip6tables' MASQUERADE keeps off too (`snat6_held`); read from
+        # ekp_ct6_* for `_held6_of` at its first ask and at each full sync6 until none is left
+        # (then never again for that data path: the path translates in --bpf-snat-ports only).
+        self._held6: tuple[int, int] | None = None
+        self._held6_of: DatapathLike | None = None
+        self._held6_clear = False
         # Whether an IPv6 half (`ipv6()`) writes the IPv6 maps; without one `sync` empties them at
         # its first and periodic syncs (an earlier dual-stack agent's entries would still steer the
         # node's IPv6 sockets to addresses that may belong to other pods by now).
@@ -406,6 +413,8 @@ class EbpfProxier:
             if datapath is not self._v6_with:
                 self._v6 = Ipv6Datapath(self._config)  # other maps: read them back, re-adopting
                 self._v6_with = datapath
+            if changed is None and self._tc_ipv6:
+                self._read_held6(datapath)  # ip6tables' next sync narrows back once none is left
             snat = self._snat6_granted(node)
             result = self._v6.sync(datapath.maps, state, node, changed, snat_source=snat)
             self._follow_node6(node)
@@ -425,10 +434,57 @@ class EbpfProxier:
         --bpf-snat-ports) and no flow it masqueraded before can collide with a tc flow. Otherwise
         sync6 writes it zero: new flows that need a source translation are left to ip6tables,
         the flows this path translated keep the source their entries hold."""
-        if not (self._tc_ipv6 and self.masquerade6_apart):
+        if not (self._tc_ipv6 and self.masquerade6_apart and self._snat_ports_live()):
             return False
         source = config6_of(node6).node_addr
         return any(source) and self._snat6_ports_free_for(abi.ip6_str(source))
+
+    def _snat_ports_live(self) -> bool:
+        """Whether ekp_config's SNAT range (which the tc IPv6 path's port walk reads too) is this
+        run's --bpf-snat-ports, which ip6tables' MASQUERADE keeps out of: until the IPv4 sync wrote
+        it (a sync that failed before, a first one yet to run), it may be an earlier run's range,
+        which the rule in place may cover."""
+        if self._cfg_written is None:
+            return False
+        live = VALUES["cfg"].to_ctype(self._cfg_written)
+        return (live.snat_port_min, live.snat_port_max) == self._config.snat_ports
+
+    def snat6_held(self) -> tuple[int, int] | None:
+        """The lowest and highest port the tc IPv6 path's live flows hold outside --bpf-snat-ports,
+        None when none does (agent/iptables/rules.py `masquerade_ports_beside`, asked by ip6tables at
+        each sync): a restart that changed the range leaves the flows the earlier run translated in
+        ekp_ct6_*, their replies taken by their REPLY entries, unknown to nf_conntrack; a
+        MASQUERADE range over their ports could give a new flow to the same backend the same reply
+        tuple. Read at the first ask, then by each full sync6 until none is left."""
+        if not self._tc_ipv6:
+            return None
+        with self._lock:
+            datapath = self._maps_open()
+            if datapath is not self._held6_of:
+                self._read_held6(datapath)
+            return self._held6
+
+    def _read_held6(self, datapath: DatapathLike) -> None:
+        """`_held6` from `datapath`'s IPv6 conntrack (under the lock); logged when it changes."""
+        if datapath is self._held6_of and self._held6_clear:
+            return
+        maps = datapath.maps
+        entries = [kv for role in abi.CT6_ROLES if role in maps for kv in maps[role].items()]
+        held = held_outside(entries, self._config.snat_ports, read_config(maps), time.monotonic_ns())
+        if held != self._held6:
+            if held is not None:
+                log.warning(
+                    "the tc IPv6 path's flows hold source ports %d-%d outside --bpf-snat-ports %d-%d (an "
+                    "earlier run's range): ip6tables' MASQUERADE keeps off them too until they end",
+                    *held,
+                    *self._config.snat_ports,
+                )
+            else:
+                log.info(
+                    "no flow of the tc IPv6 path holds a port outside --bpf-snat-ports any more: "
+                    "ip6tables' MASQUERADE takes the ports beside the range again"
+                )
+        self._held6, self._held6_of, self._held6_clear = held, datapath, held is None
 
     def _snat6_ports_free_for(self, source: str) -> bool:
         """Whether no TCP flow ip6tables masqueraded to `source` (the node's IPv6 SNAT address)

@@ -518,6 +518,9 @@ def test_an_ipv6_proxier_on_ip6tables_runs_in_both_modes_when_ipv6_is_configured
         assert isinstance(proxier6, EbpfAndIp6tables) and isinstance(proxier6.ebpf, EbpfIpv6)
         assert proxier6.ebpf._ebpf is proxier, "the IPv6 maps of the data path the IPv4 proxier loads"
         ip6tables: object = proxier6.ip6tables
+        assert isinstance(ip6tables, IptablesProxier)
+        # its MASQUERADE keeps off the ports the tc IPv6 path's flows hold (EbpfProxier.snat6_held)
+        assert ip6tables._snat6_held == proxier.snat6_held
         no_sockets = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS, socket_lb=False)
         assert isinstance(make_proxier6(no_sockets, make_proxier(no_sockets)), IptablesProxier)
     else:

@@ -46,6 +46,7 @@ from agent.ebpf.programs import PROG_SOCK_TERM, PROGRAMS, SOCK_HOOKS
 from agent.ebpf.proxier import INSPECT_SECTIONS, remove_pins, render_live_maps
 from agent.ebpf.render import render_contents
 from agent.ebpf.sockattach import pinned_links
+from agent.model.types import IPFamily
 from agent.takeover.flows import NatFlow
 from lab.netns import cgroup2_root, new_prefix, remove_cgroup_tree
 from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
@@ -696,6 +697,160 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_whenever_the_grant_is_lost_or_the
     half.sync(state, node6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and not any(cfg6.node_addr), "what a pin held is written over"
+    p.close()
+
+
+def _tc6_flow(rig: Rig, client: str, node6: str, port: int, *, last_seen_ns: int) -> abi.Ct6Key:
+    """A flow the tc IPv6 path source-translated to node6:port (its FORWARD entry)."""
+    key = abi.Ct6Key(
+        saddr=abi.Addr6(*abi.ip6_words(client)),
+        daddr=abi.Addr6(*abi.ip6_words(VIP6)),
+        sport=port_be(40001),
+        dport=port_be(80),
+        proto=6,
+        dir=abi.CtDir.FORWARD,
+    )
+    entry = abi.Ct6Entry(
+        last_seen_ns=last_seen_ns,
+        nat_addr=abi.Addr6(*abi.ip6_words("fd00:10:244:1::2")),
+        snat_addr=abi.Addr6(*abi.ip6_words(node6)),
+        fe_addr=abi.Addr6(*abi.ip6_words(VIP6)),
+        nat_port=port_be(8080),
+        snat_port=port_be(port),
+        fe_port=port_be(80),
+        flags=abi.CtFlag.ESTABLISHED,
+    )
+    rig.maps["ct6_tcp"].update(key, entry)
+    return key
+
+
+def test_a_restart_with_another_snat_range_keeps_ip6tables_masquerade_off_the_ports_old_tc_flows_hold(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--bpf-snat-ports 61000-65535, then a restart with 63000-65535: MASQUERADE's side outside the
+    new range (1024-62999) covers the old one, where a flow the tc IPv6 path translated in the earlier
+    run still holds node6:61500 (its REPLY entry takes the backend's answers; nf_conntrack knows
+    nothing of it). ip6tables' --to-ports keeps off it while it lives, and takes the whole side
+    again at the first full sync6 after it ended (its entry gone)."""
+    from agent.iptables import IptablesProxier
+
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+        snat_ports=(61000, 65535),
+    )
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    half.masquerade_apart(True)
+    half.sync(state, node6)
+    now = time.monotonic_ns()
+    held = _tc6_flow(rig, "fd00:ff::100", "fd00:192:168::11", 61500, last_seen_ns=now)
+    _tc6_flow(rig, "fd00:ff::101", "fd00:192:168::11", 64000, last_seen_ns=now)  # in both ranges
+    _tc6_flow(rig, "fd00:ff::102", "fd00:ff::102", 62000, last_seen_ns=now)  # the client's own address
+    assert p.snat6_held() is None, "the flows are in this run's range"
+    p.close()
+
+    rig.config = replace(rig.config, snat_ports=(63000, 65535))
+    p = rig.proxier()
+    half = p.ipv6()
+    ip6tables = IptablesProxier(rig.config, family=IPFamily.IPv6, snat6_held=p.snat6_held)
+    with caplog.at_level(logging.WARNING, logger="agent.ebpf.proxier"):
+        text = ip6tables.render(state, node6)
+    assert " --to-ports 1024-61499" in text, [ln for ln in text.splitlines() if "MASQUERADE" in ln]
+    assert any(
+        "hold source ports 61500-61500 outside --bpf-snat-ports 63000-65535" in r.getMessage()
+        for r in caplog.records
+    )
+    p.sync(STATE, NODE)
+    half.masquerade_apart(True)
+    half.sync(state, node6)
+    assert p.snat6_held() == (61500, 61500), "held while the flow lives"
+    assert rig.maps["ct6_tcp"].delete(held)
+    half.sync(state, node6, frozenset())
+    assert p.snat6_held() == (61500, 61500), "a partial sync6 does not read the tables"
+    half.sync(state, node6)
+    assert p.snat6_held() is None
+    assert " --to-ports 1024-62999" in ip6tables.render(state, node6)
+    p.close()
+
+
+def test_held_ports_count_live_forward_entries_translated_to_a_node_address_outside_the_range() -> None:
+    """agent/ebpf/ports.py held_outside: an entry past its idle timeout holds nothing (as the data
+    path's lookup treats it), nor one inside the range, nor one translated to the client's own address."""
+    from agent.ebpf.ports import held_outside
+
+    def flow(
+        port: int, *, to: str = "fd00:192:168::11", idle_s: int = 0, reply: bool = False
+    ) -> tuple[abi.Ct6Key, abi.Ct6Entry]:
+        key = abi.Ct6Key(
+            saddr=abi.Addr6(*abi.ip6_words("fd00:ff::100")),
+            proto=6,
+            dir=abi.CtDir.REPLY if reply else abi.CtDir.FORWARD,
+        )
+        entry = abi.Ct6Entry(
+            last_seen_ns=NOW_NS - idle_s * 10**9,
+            snat_addr=abi.Addr6(*abi.ip6_words(to)),
+            snat_port=port_be(port),
+            flags=abi.CtFlag.ESTABLISHED,
+        )
+        return key, entry
+
+    NOW_NS = 10**15
+    cfg = abi.Config(tcp_established_s=3600)
+    snat = (63000, 65535)
+    assert held_outside([flow(61500), flow(62000), flow(64000)], snat, cfg, NOW_NS) == (61500, 62000)
+    assert held_outside([flow(61500, idle_s=3601)], snat, cfg, NOW_NS) is None
+    assert held_outside([flow(61500, idle_s=3599)], snat, cfg, NOW_NS) == (61500, 61500)
+    assert held_outside([flow(61500, to="fd00:ff::100")], snat, cfg, NOW_NS) is None
+    assert held_outside([flow(61500, reply=True)], snat, cfg, NOW_NS) is None
+
+
+def test_the_ipv6_snat_grant_waits_for_this_runs_snat_range_in_ekp_config(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tc IPv6 path takes its ports from ekp_config's range, which only the IPv4 sync writes: a
+    restart with another --bpf-snat-ports whose IPv4 sync failed before writing it leaves the
+    earlier range there, which ip6tables' MASQUERADE (outside the new one) may cover. sync6 runs all
+    the same: it writes no SNAT source until ekp_config holds this run's range."""
+    from agent.ebpf.maps import read_config6, write_config
+
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+        snat_ports=(61000, 65535),
+    )
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    p.close()
+
+    rig.config = replace(rig.config, snat_ports=(63000, 65535))
+    p = rig.proxier()
+    half = p.ipv6()
+
+    def refused(maps: Mapping[str, MapWriter], cfg: abi.Config) -> None:
+        raise OSError("ENOSPC")
+
+    monkeypatch.setattr("agent.ebpf.proxier.write_config", refused)
+    with pytest.raises(OSError):
+        p.sync(STATE, NODE)
+    half.masquerade_apart(True)
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "ekp_config still holds 61000-65535"
+    monkeypatch.setattr("agent.ebpf.proxier.write_config", write_config)
+    p.sync(STATE, NODE)
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
     p.close()
 
 
