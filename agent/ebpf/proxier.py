@@ -439,6 +439,15 @@ class EbpfProxier:
         source = config6_of(node6).node_addr
         return any(source) and self._snat6_ports_free_for(abi.ip6_str(source))
 
+    def masquerade6_apart_is(self, apart: bool) -> None:
+        """What the last ip6tables restore did (agent/metaproxier.py `masquerade_apart`). A failed
+        one also forgets that no masqueraded flow held a port of the range: the rules in place may
+        not be ours, so nf_conntrack is read again before the next grant."""
+        with self._lock:
+            self.masquerade6_apart = apart
+            if not apart:
+                self._snat6_free_for = ""
+
     def _snat_ports_live(self) -> bool:
         """Whether ekp_config's SNAT range (which the tc IPv6 path's port walk reads too) is this
         run's --bpf-snat-ports, which ip6tables' MASQUERADE keeps out of: until the IPv4 sync wrote
@@ -920,7 +929,7 @@ class EbpfIpv6:
         """Nothing: the IPv4 proxier loads the data path."""
 
     def masquerade_apart(self, apart: bool) -> None:
-        self._ebpf.masquerade6_apart = apart
+        self._ebpf.masquerade6_apart_is(apart)
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None

@@ -660,7 +660,8 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_whenever_the_grant_is_lost_or_the
 ) -> None:
     """ekp_cfg6 holds the node's address only while granted: an ip6tables restore that failed
     (masquerade_apart(False): the rules in place are not known to keep out of --bpf-snat-ports)
-    zeroes it at the next sync6 until one succeeds again. Where the tc IPv6 path does not serve
+    zeroes it at the next sync6 until one succeeds again, and nf_conntrack is read again then (a flow
+    masqueraded into the range meanwhile holds it). Where the tc IPv6 path does not serve
     (legacy host routing), it is zero whatever ip6tables did, over what a pin held."""
     from agent.ebpf.maps import read_config6, write_config6
 
@@ -679,7 +680,20 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_whenever_the_grant_is_lost_or_the
     half.sync(state, node6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and not any(cfg6.node_addr), "a failed restore takes the grant back"
+    # Meanwhile (rules not known to be ours) a flow was masqueraded into the range: the next good
+    # restore reads nf_conntrack again rather than trusting the grant it had.
+    rig.conntrack6 = [
+        NatFlow(
+            6,
+            ("fd00:ff::100", "fd00:192:168::11", 5555, 30080),
+            ("fd00:a:2::7", "fd00:192:168::11", 8080, 61500),
+        )
+    ]
     half.masquerade_apart(True)
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "read again after the failed restore"
+    rig.conntrack6 = []
     half.sync(state, node6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
