@@ -569,8 +569,9 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     before (an upgrade, a switch from iptables mode) may still hold ports of the range: until none
     does (IPv6 nf_conntrack read at each sync6), ekp_cfg6 gets no node address and ip6tables goes on
     masquerading; then it does, and nf_conntrack is not read again. Only a flow a tc flow could
-    collide with counts (masqueraded to the node's IPv6 SNAT address, a port of the range: a
-    long-lived one to another address does not keep the path's SNAT off); while one does, a
+    collide with counts (masqueraded to the node's IPv6 SNAT address, a port of the range, whatever
+    address it was sent to, a ClusterIP's too: a long-lived one masqueraded to another address does
+    not keep the path's SNAT off, even when sent to the SNAT address); while one does, a
     warning names it and the gauge counts it."""
     from agent.ebpf.maps import read_config6
 
@@ -590,7 +591,15 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     elsewhere = NatFlow(  # masqueraded to the node's other IPv6 address: no tc reply tuple ends there
         6, ("fd00:ff::100", "fd00:192:168::12", 5557, 30080), ("fd00:a:2::7", "fd00:192:168::12", 8080, 61500)
     )
-    rig.conntrack6 = [held, outside, elsewhere]
+    # To a ClusterIP (and so not to a node address), masqueraded to the SNAT address: held too
+    to_cluster_ip = NatFlow(
+        6, ("fd00:10:244:1::9", VIP6, 5558, 80), ("fd00:a:2::7", "fd00:192:168::11", 8080, 62000)
+    )
+    # To the SNAT address (a NodePort), masqueraded to the node's other address: not held
+    masqueraded_elsewhere = NatFlow(
+        6, ("fd00:ff::100", "fd00:192:168::11", 5559, 30080), ("fd00:a:2::7", "fd00:192:168::12", 8080, 61501)
+    )
+    rig.conntrack6 = [held, outside, elsewhere, to_cluster_ip, masqueraded_elsewhere]
     p = rig.proxier()
     gauge: list[int] = []
     p.on_snat6_held = gauge.append
@@ -605,9 +614,10 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     assert cfg6 is not None and not any(cfg6.node_addr), "a masqueraded flow holds a port of the range"
     warned = [r.getMessage() for r in caplog.records if "hold ports of that range" in r.getMessage()]
     assert len(warned) == 1, "said once while the same flows hold them"
-    assert warned[0].startswith("1 IPv6 TCP flows") and held.describe() in warned[0], warned
-    assert gauge == [1, 1]
-    rig.conntrack6 = [outside, elsewhere]  # it ended; the others never mattered
+    assert warned[0].startswith("2 IPv6 TCP flows"), warned
+    assert held.describe() in warned[0] and to_cluster_ip.describe() in warned[0], warned
+    assert gauge == [2, 2]
+    rig.conntrack6 = [outside, elsewhere, masqueraded_elsewhere]  # they ended; the others never mattered
     half.sync(state, node6)
     assert gauge[-1] == 0
     cfg6 = read_config6(rig.maps)
