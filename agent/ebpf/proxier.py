@@ -70,7 +70,7 @@ from agent.errors import FatalError
 from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
-from agent.takeover.flows import NatFlow, masqueraded_into
+from agent.takeover.flows import NatFlow, Tuple, masqueraded_into
 from agent.takeover.into_ebpf import KernelTakeover
 
 if TYPE_CHECKING:
@@ -309,7 +309,9 @@ class EbpfProxier:
         # mode) holds a reply tuple a tc flow could take: the address it was checked for
         self._snat6_free_for = ""
         self._conntrack6_failures = 0  # reads of IPv6 nf_conntrack that failed in a row
-        self._snat6_held: frozenset[NatFlow] | None = None  # those at the last look (logged when they change)
+        # Those at the last look, by their tuples (logged when they change; their state changes
+        # as they live, which is no news)
+        self._snat6_held: frozenset[tuple[Tuple, Tuple]] | None = None
         self._v6_with: DatapathLike | None = None  # the data path whose IPv6 maps it wrote
         # The span of ports the tc IPv6 path's live flows hold outside --bpf-snat-ports (an earlier
         # run's range), which ip6tables' MASQUERADE keeps off too (`snat6_held`); read from
@@ -532,7 +534,8 @@ class EbpfProxier:
                 )
             self._snat6_held = frozenset()
             return True
-        if frozenset(held) != self._snat6_held:
+        tuples = frozenset((f.orig, f.reply) for f in held)
+        if tuples != self._snat6_held:
             log.warning(
                 "%d IPv6 TCP flows ip6tables masqueraded to %s before its rule kept out of "
                 "--bpf-snat-ports %d-%d hold ports of that range (%s%s): the tc IPv6 path leaves source "
@@ -543,7 +546,7 @@ class EbpfProxier:
                 "; ".join(f.describe() for f in held[:NAMED_FLOWS]),
                 f"; {len(held) - NAMED_FLOWS} more" if len(held) > NAMED_FLOWS else "",
             )
-        self._snat6_held = frozenset(held)
+        self._snat6_held = tuples
         return False
 
     def _follow_node6(self, node6: NodeContext) -> None:

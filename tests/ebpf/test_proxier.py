@@ -47,7 +47,7 @@ from agent.ebpf.proxier import INSPECT_SECTIONS, remove_pins, render_live_maps
 from agent.ebpf.render import render_contents
 from agent.ebpf.sockattach import pinned_links
 from agent.model.types import IPFamily
-from agent.takeover.flows import NatFlow
+from agent.takeover.flows import NatFlow, TcpState
 from lab.netns import cgroup2_root, new_prefix, remove_cgroup_tree
 from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
 from tests.ebpf.test_family6 import VIP6, service, slice_, state6
@@ -609,11 +609,13 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     half.masquerade_apart(True)
     with caplog.at_level(logging.WARNING, logger="agent.ebpf.proxier"):
         half.sync(state, node6)
+        # the same flow closing: its state changes, not which flows hold the ports
+        rig.conntrack6 = [replace(held, tcp_state=TcpState.FIN_WAIT), *rig.conntrack6[1:]]
         half.sync(state, node6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and not any(cfg6.node_addr), "a masqueraded flow holds a port of the range"
     warned = [r.getMessage() for r in caplog.records if "hold ports of that range" in r.getMessage()]
-    assert len(warned) == 1, "said once while the same flows hold them"
+    assert len(warned) == 1, "said once while the same flows hold them, whatever their state"
     assert warned[0].startswith("2 IPv6 TCP flows"), warned
     assert held.describe() in warned[0] and to_cluster_ip.describe() in warned[0], warned
     assert gauge == [2, 2]
