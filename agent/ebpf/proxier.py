@@ -276,6 +276,8 @@ class EbpfProxier:
         # ekp_ipv6_snat_held_flows: set after construction, as the early load makes the proxier
         # before the metrics exist)
         self.on_snat6_held: Callable[[int], None] = _ignore
+        # ... and whether it is granted, 1 or 0, at each IPv6 sync (ekp_ipv6_snat_granted)
+        self.on_snat6_granted: Callable[[int], None] = _ignore
         self._socket_attacher: SocketAttacherLike | None = None
         self._terminator: TerminatorLike | None = None
         self._lock = threading.Lock()
@@ -309,6 +311,7 @@ class EbpfProxier:
         # mode) holds a reply tuple a tc flow could take: the address it was checked for
         self._snat6_free_for = ""
         self._conntrack6_failures = 0  # reads of IPv6 nf_conntrack that failed in a row
+        self._snat6_refused: str | None = None  # why the last sync6 did not grant ("" granted)
         # Those at the last look, by their tuples (logged when they change; their state changes
         # as they live, which is no news)
         self._snat6_held: frozenset[tuple[Tuple, Tuple]] | None = None
@@ -433,13 +436,35 @@ class EbpfProxier:
     def _snat6_granted(self, node6: NodeContext) -> bool:
         """Whether ekp_cfg6 may hold the node's IPv6 address (the tc IPv6 path source-translates):
         the path serves, the last ip6tables restore succeeded (its MASQUERADE keeps out of
-        --bpf-snat-ports) and no flow it masqueraded before can collide with a tc flow. Otherwise
-        sync6 writes it zero: new flows that need a source translation are left to ip6tables,
-        the flows this path translated keep the source their entries hold."""
-        if not (self._tc_ipv6 and self.masquerade6_apart and self._snat_ports_live()):
-            return False
+        --bpf-snat-ports), ekp_config holds that range and no flow ip6tables masqueraded before can
+        collide with a tc flow. Otherwise sync6 writes it zero: new flows that need a source
+        translation are left to ip6tables, the flows this path translated keep the source their
+        entries hold. Told to `on_snat6_granted` each time; the reason logged when it changes."""
+        why = self._snat6_refusal(node6)
+        self.on_snat6_granted(0 if why else 1)
+        if why != self._snat6_refused:
+            if not why:
+                log.info("the tc IPv6 path source-translates masqueraded flows to the node's IPv6 address")
+            elif self._snat6_refused is not None or self._tc_ipv6:  # off by the flags: no news
+                log.info("the tc IPv6 path leaves masqueraded flows to ip6tables: %s", why)
+        self._snat6_refused = why
+        return not why
+
+    def _snat6_refusal(self, node6: NodeContext) -> str:
+        """Why the grant is refused ("" when it is not)."""
+        if not self._tc_ipv6:
+            return "the path is off (legacy host routing, no socket-level load balancing or no IPv6 half)"
+        if not self.masquerade6_apart:
+            return (
+                "the last ip6tables restore failed (or none ran yet): its MASQUERADE may take ports "
+                "of --bpf-snat-ports"
+            )
+        if not self._snat_ports_live():
+            return "ekp_config does not hold this run's --bpf-snat-ports yet (the IPv4 sync writes it)"
         source = config6_of(node6).node_addr
-        return any(source) and self._snat6_ports_free_for(abi.ip6_str(source))
+        if not any(source):
+            return "the node has no usable IPv6 address (global, not temporary, deprecated or tentative)"
+        return self._snat6_ports_held(abi.ip6_str(source))
 
     def masquerade6_apart_is(self, apart: bool) -> None:
         """What the last ip6tables restore did (agent/metaproxier.py `masquerade_apart`). A failed
@@ -497,18 +522,19 @@ class EbpfProxier:
                 )
         self._held6, self._held6_of, self._held6_clear = held, datapath, held is None
 
-    def _snat6_ports_free_for(self, source: str) -> bool:
-        """Whether no TCP flow ip6tables masqueraded to `source` (the node's IPv6 SNAT address)
-        holds a port of --bpf-snat-ports: such a flow's reply tuple {backend, source, port} is one
-        the tc path's port walk could give a flow to the same backend, whose replies would then
-        reach the other client. Only those count: a flow masqueraded to another address or port
-        never collides, so one long-lived connection elsewhere does not keep the path's SNAT off.
-        IPv6 nf_conntrack is read at each sync6 until none does, then not again for that address
-        (the rule keeps new ones out). Where they stay, a warning names them and the
+    def _snat6_ports_held(self, source: str) -> str:
+        """Why the grant waits for nf_conntrack ("" when it does not): a TCP flow ip6tables
+        masqueraded to `source` (the node's IPv6 SNAT address) holds a port of --bpf-snat-ports:
+        such a flow's reply tuple {backend, source, port} is one the tc path's port walk could give
+        a flow to the same backend, whose replies would then reach the other client. Only those
+        count: a flow masqueraded to another address or port never collides, so one long-lived
+        connection elsewhere does not keep the path's SNAT off. IPv6 nf_conntrack is read at each
+        sync6 until none does, then not again for that address (the rule keeps new ones out; a
+        failed restore forgets it). Where they stay, a warning names them and the
         `ekp_ipv6_snat_held_flows` gauge counts them: ending them (conntrack -D) grants at the
-        next sync."""
+        next sync; or the read failed."""
         if self._snat6_free_for == source:
-            return True
+            return ""
         ports = self._config.snat_ports
         try:
             held = masqueraded_into(self._conntrack6_reader(self._config.netns), ports, source)
@@ -522,7 +548,7 @@ class EbpfProxier:
                 exc,
                 self._conntrack6_failures,
             )
-            return False
+            return f"IPv6 nf_conntrack could not be read ({type(exc).__name__})"
         self._conntrack6_failures = 0
         self.on_snat6_held(len(held))
         if not held:
@@ -533,7 +559,7 @@ class EbpfProxier:
                     "the tc IPv6 path source-translates from now on"
                 )
             self._snat6_held = frozenset()
-            return True
+            return ""
         tuples = frozenset((f.orig, f.reply) for f in held)
         if tuples != self._snat6_held:
             log.warning(
@@ -547,7 +573,9 @@ class EbpfProxier:
                 f"; {len(held) - NAMED_FLOWS} more" if len(held) > NAMED_FLOWS else "",
             )
         self._snat6_held = tuples
-        return False
+        return (
+            f"{len(held)} flows ip6tables masqueraded hold ports of --bpf-snat-ports (the warning names them)"
+        )
 
     def _follow_node6(self, node6: NodeContext) -> None:
         """With the tc IPv6 path, a device that holds an IPv6 node address and no IPv4 one (no

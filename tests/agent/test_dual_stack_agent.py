@@ -875,6 +875,11 @@ def test_a_node_that_cannot_do_ipv6_runs_single_stack_and_says_so_once(
         proxier.on_snat6_held(2)
         [gauge] = metrics.ipv6_snat_held_flows.collect()
         assert gauge.samples[0].value == 2
+        # ... and whether it is granted
+        assert metrics.ipv6_snat_granted is not None
+        proxier.on_snat6_granted(1)
+        [gauge] = metrics.ipv6_snat_granted.collect()
+        assert gauge.samples[0].value == 1
 
 
 def failure_series(agent: Agent) -> dict[str, float]:

@@ -880,6 +880,68 @@ def test_the_ipv6_snat_grant_waits_for_this_runs_snat_range_in_ekp_config(
     p.close()
 
 
+def test_the_ipv6_snat_grant_is_told_at_each_ipv6_sync_and_its_reason_logged_when_it_changes(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ekp_ipv6_snat_granted (on_snat6_granted) says 1 or 0 at each sync6; the log says why, once
+    per change: a failed restore, no usable IPv6 address, held flows, a failed nf_conntrack read;
+    granted. A path off by the flags is 0 without a word (nothing an operator can act on)."""
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    no_address = NodeContext(node_ips=(), primary_ip="")
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    held = NatFlow(
+        6, ("fd00:ff::100", "fd00:192:168::11", 5555, 30080), ("fd00:a:2::7", "fd00:192:168::11", 8080, 61500)
+    )
+    dual = replace(rig.config, node_ips=("192.168.0.11", "fd00:192:168::11"), socket_lb=True)
+    rig.config = replace(dual, bpf_host_routing=HostRouting.BPF)
+    p = rig.proxier()
+    granted: list[int] = []
+    p.on_snat6_granted = granted.append
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "the tc IPv6 path " in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+        half.masquerade_apart(False)
+        half.sync(state, node6)
+        half.sync(state, node6)
+        half.masquerade_apart(True)
+        half.sync(state, no_address)
+        rig.conntrack6 = [held]
+        half.sync(state, node6)
+        rig.conntrack6_error = ValueError("bad NLA length")
+        half.sync(state, node6)
+        rig.conntrack6_error = None
+        rig.conntrack6 = []
+        half.sync(state, node6)
+        half.sync(state, node6)
+    assert granted == [0, 0, 0, 0, 0, 1, 1]
+    reasons = [m for m in said() if m.startswith("the tc IPv6 path leaves masqueraded flows")]
+    assert [r.split(": ", 1)[1].split(" ")[:3] for r in reasons] == [
+        ["the", "last", "ip6tables"],
+        ["the", "node", "has"],
+        ["1", "flows", "ip6tables"],
+        ["IPv6", "nf_conntrack", "could"],
+    ], reasons
+    assert sum("source-translates masqueraded flows" in m for m in said()) == 1
+    p.close()
+
+    caplog.clear()
+    rig.config = replace(dual, bpf_host_routing=HostRouting.LEGACY)
+    p = rig.proxier()
+    granted.clear()
+    p.on_snat6_granted = granted.append
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+        half.masquerade_apart(True)
+        half.sync(state, node6)
+    assert granted == [0] and not [m for m in said() if "leaves masqueraded" in m]
+    p.close()
+
+
 def test_ipv6_udp_sockets_are_ended_after_an_ipv6_sync_that_removed_a_backend(rig: Rig) -> None:
     """The IPv6 family's sync writes the IPv6 maps (not the IPv4 ones) and runs the socket iterator
     when its membership shrank, as the IPv4 sync does; not after other IPv6 syncs."""
