@@ -53,7 +53,7 @@ log = logging.getLogger("agent")
 GC_THRESHOLDS = (100_000, 50, 1_000)
 
 
-def make_proxier(config: Config, metrics: Metrics | None = None, *, ipv6: bool = True) -> Proxier:
+def make_proxier(config: Config, metrics: Metrics | None = None, *, ipv6: bool) -> Proxier:
     """The IPv4 proxier of the mode. `ipv6`: whether an IPv6 proxier runs beside it (`serves_ipv6`):
     in eBPF mode the tc programs' IPv6 path is built only then (Config.tc_ipv6 AND it)."""
     if config.mode is Mode.IPTABLES:
@@ -245,7 +245,8 @@ def cleanup(config: Config) -> int:
         return 1
     with node_lock:
         failed = False
-        proxiers: list[Proxier] = [EbpfProxier(config), IptablesProxier(config)]
+        # ipv6: nothing is loaded; the cleanup removes every pin, the IPv6 maps included
+        proxiers: list[Proxier] = [EbpfProxier(config, ipv6=False), IptablesProxier(config)]
         if any(shutil.which(f"ip6tables-{backend}") for backend in ("nft", "legacy")):
             proxiers.append(IptablesProxier(config, family=IPFamily.IPv6))  # upstream cleans both
         for proxier in proxiers:
@@ -327,7 +328,7 @@ class EarlyProxier(Proxier, Protocol):
     def close(self) -> None: ...
 
 
-def start_loading(config: Config, *, ipv6: bool = True) -> EarlyProxier | None:
+def start_loading(config: Config, *, ipv6: bool) -> EarlyProxier | None:
     """eBPF mode's proxier, its data path's load (the programs from the compile cache through the
     kernel's verifier, which runs with the GIL released) started now on a thread, so that it runs
     beside build_agent's imports, API client and node discovery instead of starting with the

@@ -263,6 +263,7 @@ def proxier(maps: Mapping[str, KernelMap]) -> EbpfProxier:
         sysctl_reader=lambda netns, path: "32768\t60999",
         sizes_reader=lambda pin_path: {},
         upgrade_factory=start_steps,
+        ipv6=False,
     )
 
 

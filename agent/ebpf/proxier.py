@@ -254,7 +254,7 @@ class EbpfProxier:
         netns_cookie_reader: Callable[[str], int] = default_netns_cookie,
         socket_detach: Callable[[str], list[str]] = default_socket_detach,
         conntrack6_reader: Callable[[str], list[NatFlow]] = default_conntrack6_reader,
-        ipv6: bool = True,
+        ipv6: bool,
     ) -> None:
         """`ipv6`: whether the agent runs an IPv6 half (agent/app.py serves_ipv6, decided before the
         early load): a node that fell back to single-stack gets no tc IPv6 path whatever the

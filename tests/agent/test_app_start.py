@@ -142,7 +142,7 @@ def test_the_early_load_sizes_the_tc_ipv6_path_before_build_agent_makes_the_ipv6
     (tmp_path / "services.yaml").write_text("")
     made: list[EbpfProxier] = []
 
-    def make_proxier(config: Config, metrics: Any = None, *, ipv6: bool = True) -> EbpfProxier:
+    def make_proxier(config: Config, metrics: Any = None, *, ipv6: bool) -> EbpfProxier:
         made.append(rig.proxier(ipv6=ipv6))
         return made[-1]
 

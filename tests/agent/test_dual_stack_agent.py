@@ -512,7 +512,7 @@ def test_an_ipv6_proxier_on_ip6tables_runs_in_both_modes_when_ipv6_is_configured
     from agent.metaproxier import EbpfAndIp6tables
 
     dual_stack = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS)
-    proxier = make_proxier(dual_stack)
+    proxier = make_proxier(dual_stack, ipv6=True)
     proxier6 = make_proxier6(dual_stack, proxier)
     if mode is Mode.EBPF:
         assert isinstance(proxier6, EbpfAndIp6tables) and isinstance(proxier6.ebpf, EbpfIpv6)
@@ -522,13 +522,13 @@ def test_an_ipv6_proxier_on_ip6tables_runs_in_both_modes_when_ipv6_is_configured
         # its MASQUERADE keeps off the ports the tc IPv6 path's flows hold (EbpfProxier.snat6_held)
         assert ip6tables._snat6_held == proxier.snat6_held
         no_sockets = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS, socket_lb=False)
-        assert isinstance(make_proxier6(no_sockets, make_proxier(no_sockets)), IptablesProxier)
+        assert isinstance(make_proxier6(no_sockets, make_proxier(no_sockets, ipv6=True)), IptablesProxier)
     else:
         ip6tables = proxier6
     assert isinstance(ip6tables, IptablesProxier) and ip6tables.family is IPFamily.IPv6
     assert isinstance(ip6tables.runner, SubprocessRunner), "ip6tables itself, not a stand-in"
     ipv4_only = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS[:1])
-    assert make_proxier6(ipv4_only, make_proxier(ipv4_only)) is None
+    assert make_proxier6(ipv4_only, make_proxier(ipv4_only, ipv6=False)) is None
 
 
 EMPTY6 = ProxyState(NodeInfo("node1"), {}, {}, family=IPFamily.IPv6)

@@ -1261,7 +1261,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
     node = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
     sh("ip", "netns", "exec", node_ns, "sysctl", "-qw", "net.ipv4.ip_forward=0")
 
-    first = EbpfProxier(config)
+    first = EbpfProxier(config, ipv6=False)
     try:
         first.sync(STATE, node)
         want = plan(STATE, node, config)
@@ -1302,7 +1302,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
     assert "ekp_from_net" in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
     assert cgroup_programs(cgroup) == sockets  # the pinned links hold them while no agent runs
 
-    second = EbpfProxier(config)
+    second = EbpfProxier(config, ipv6=False)
     try:
         second.sync(MORE, node)
         assert second.last_flush.writes == 0  # same ids, no churn
@@ -1414,6 +1414,7 @@ def test_legacy_host_routing_is_on_before_any_ingress_program_is_attached(rig: R
             sysctl_reader=lambda netns, path: rig.local_ports,
             sizes_reader=lambda pin_path: {},
             upgrade_factory=lambda pin_path: FakeUpgrade(rig.events),
+            ipv6=False,
         )
 
     legacy = replace(rig.config, bpf_host_routing=HostRouting.LEGACY)
