@@ -318,7 +318,7 @@ class EbpfProxier:
         self._v6_with: DatapathLike | None = None  # the data path whose IPv6 maps it wrote
         # The span of ports the tc IPv6 path's live flows hold outside --bpf-snat-ports (an earlier
         # run's range), which ip6tables' MASQUERADE keeps off too (`snat6_held`); read from
-        # ekp_ct6_* for `_held6_of` at its first ask and at each full sync6 until none is left
+        # ekp_ct6_tcp for `_held6_of` at its first ask and at each full sync6 until none is left
         # (then never again for that data path: the path translates in --bpf-snat-ports only).
         self._held6: tuple[int, int] | None = None
         self._held6_of: DatapathLike | None = None
@@ -489,7 +489,7 @@ class EbpfProxier:
         """The lowest and highest port the tc IPv6 path's live flows hold outside --bpf-snat-ports,
         None when none does (agent/iptables/rules.py `masquerade_ports_beside`, asked by ip6tables at
         each sync): a restart that changed the range leaves the flows the earlier run translated in
-        ekp_ct6_*, their replies taken by their REPLY entries, unknown to nf_conntrack; a
+        ekp_ct6_tcp, their replies taken by their REPLY entries, unknown to nf_conntrack; a
         MASQUERADE range over their ports could give a new flow to the same backend the same reply
         tuple. Read at the first ask, then by each full sync6 until none is left."""
         if not self._tc_ipv6:
@@ -505,7 +505,8 @@ class EbpfProxier:
         if datapath is self._held6_of and self._held6_clear:
             return
         maps = datapath.maps
-        entries = [kv for role in abi.CT6_ROLES if role in maps for kv in maps[role].items()]
+        # TCP's table alone: the path source-translates TCP alone (UDP and SCTP go to ip6tables)
+        entries = maps["ct6_tcp"].items() if "ct6_tcp" in maps else []
         held = held_outside(entries, self._config.snat_ports, read_config(maps), time.monotonic_ns())
         if held != self._held6:
             if held is not None:
