@@ -3,8 +3,8 @@ starts.
 
 A start allocates millions of objects that all live on (the lists' records, the model, the plan):
 every automatic collection before the first full sync walked the newest of them once more and
-freed next to nothing (about 2,000 objects of cyclic garbage at 10,000 Services x 10 endpoints,
-against 90 ms of a restart's lists and sync spent walking). The first full sync freezes the state
+freed next to nothing (about 1,900 objects of cyclic garbage at 10,000 Services x 10 endpoints,
+against 88 ms of a restart's lists and sync spent walking). The first full sync freezes the state
 (agent.daemon) and lets the collector run again; `StartHold`'s limit does the same when no full
 sync comes (an API server that cannot be reached), so the cyclic garbage of lists that keep failing
 is not kept for longer than that.
