@@ -132,7 +132,7 @@ class Parts:
     health: ProxierHealth | None = None
     service_health: ServiceHealth | None = None  # the IPv4 proxier's healthCheckNodePorts
     events: EventSink = field(default_factory=NoEvents)
-    services: Sequence[Service] = ()  # started right after the source, stopped after it
+    services: Sequence[Service] = ()  # started before the source, stopped after it
     close: Callable[[], None] | None = None  # release the proxier's resources on stop
     # The IPv6 proxier and the node's IPv6 addresses, when this mode programs IPv6.
     proxier6: Proxier | None = None
@@ -217,6 +217,8 @@ class Agent:
     def start(self) -> None:
         if self._config.detect_local_mode is not LocalMode.NODE_CIDR:
             self._log_detector()  # NodeCIDR: once the Node is listed
+        for svc in self._parts.services:
+            svc.start()
         if self._parts.health is not None:
             for family in self._health_families:  # as each proxier's SyncLoop: healthy until a change waits
                 self._parts.health.updated(str(family))
@@ -225,10 +227,6 @@ class Agent:
         # the file before it starts the eBPF load early, agent/app.py `start_loading`; this
         # prepare() then waits for that load).
         self._parts.source.start(self.deliver)
-        # The servers right after it: the lists' first requests are on the wire while the servers
-        # import aiohttp and bind (about 0.1 s of a restart's CPU that came before them).
-        for svc in self._parts.services:
-            svc.start()
         if self._parts.node_events is not None:
             self._parts.node_events.start(self.refresh_node)
         threading.Thread(target=self._prepare, name="prepare-proxier", daemon=True).start()

@@ -40,13 +40,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
-from agent.netns import run_in_netns
+from aiohttp import web
 
-if TYPE_CHECKING:
-    from aiohttp import web  # imported when a server starts (HttpServer._setup)
+from agent.netns import run_in_netns
 
 log = logging.getLogger(__name__)
 
@@ -307,9 +306,6 @@ class _Serving:
     def __init__(
         self, name: str, loop: asyncio.AbstractEventLoop, runner: web.AppRunner, limits: Limits
     ) -> None:
-        from aiohttp import web
-
-        self._answer = web.Response
         self.name = name
         self.loop = loop
         self.runner = runner
@@ -359,7 +355,7 @@ class _Serving:
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         conn = self.connections.get(request.transport) if request.transport is not None else None
         if conn is None:  # the connection closed while its request waited: nobody reads this
-            return self._answer(status=503)
+            return web.Response(status=503)
         handler = conn.head_complete()
         ours = request_from_target(request.method, request.raw_path, dict(request.headers.items()))
         try:
@@ -370,7 +366,7 @@ class _Serving:
         headers = list(response.headers)
         if response.body and response.header("Content-Type") is None:
             headers.append(("Content-Type", TEXT_PLAIN))  # what Go sniffs from the text bodies here
-        return self._answer(status=response.status, body=response.body, headers=headers)
+        return web.Response(status=response.status, body=response.body, headers=headers)
 
     def on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
@@ -488,11 +484,6 @@ class HttpServer:
             loop.close()
 
     async def _setup(self, loop: asyncio.AbstractEventLoop) -> _Serving:
-        # aiohttp is imported here, by the first server that starts, not with this module: its
-        # ~0.12 s of imports then come after the agent's first list request (agent.daemon starts
-        # the source first), not before it.
-        from aiohttp import web
-
         limits = self.limits
         serving: _Serving | None = None
 

@@ -181,39 +181,6 @@ def test_the_first_full_sync_lets_the_collector_run_again() -> None:
         gc.enable()
 
 
-def test_the_source_starts_before_the_servers() -> None:
-    """The lists' first requests go out before the health and metrics servers start (their aiohttp
-    import and binds come after, not before, the first list request); all of it before the first
-    sync can run."""
-    order: list[str] = []
-
-    class Source(FakeSource):
-        def start(self, sink: Sink) -> None:
-            order.append("source")
-            super().start(sink)
-
-    class Server:
-        def start(self) -> None:
-            order.append("server")
-
-        def stop(self) -> None:
-            order.append("server stopped")
-
-    proxier = FakeProxier()
-    agent = Agent(
-        Config(hostname="node1"),
-        Parts(source=Source(), proxier=proxier, node_context=lambda: NODE, services=[Server()]),
-    )
-    agent.start()
-    try:
-        assert order == ["source", "server"]
-    finally:
-        agent.stop()
-        agent.shutdown()
-    assert order == ["source", "server", "server stopped"]
-    assert proxier.calls == []
-
-
 def test_later_syncs_hand_over_only_what_changed_and_the_period_brings_a_full_one() -> None:
     rig = Rig(sync_period=30.0)
     rig.send(service("web"), service("api", clusterIP="10.96.0.11"), synced="v1")
