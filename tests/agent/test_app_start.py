@@ -4,6 +4,7 @@ services file that cannot be read is fatal before it starts (nothing pinned, no 
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -28,6 +29,7 @@ class Start:
     building: threading.Event = field(default_factory=threading.Event)  # build_agent began
     loaded: threading.Event = field(default_factory=threading.Event)  # prepare() returned
     seen_by_build: object = None
+    collecting_in_build: bool | None = None  # gc.isenabled() while build_agent ran
     build_fails: bool = False
     missing6: str = ""  # what the node lacks for IPv6 (agent.app.ipv6_unsupported)
     ipv6_checks: int = 0
@@ -84,6 +86,7 @@ def start(monkeypatch: pytest.MonkeyPatch) -> Iterator[Start]:
         s.steps.append("build agent")
         s.building.set()
         s.seen_by_build = proxier
+        s.collecting_in_build = gc.isenabled()
         if s.build_fails:
             raise FatalError("cannot reach the API server: 401 Unauthorized")
         return FinishedAgent()
@@ -162,6 +165,23 @@ def test_the_early_load_sizes_the_tc_ipv6_path_before_build_agent_makes_the_ipv6
     assert start.steps == [f"load sized ipv6_tc={want}"]
     assert len(rig.sizes) == 1, "one load, before the IPv6 half existed"
     assert start.ipv6_checks == 1
+
+
+def test_no_automatic_collection_while_the_agent_starts_and_the_collector_back_on_after(
+    start: Start, tmp_path: Path
+) -> None:
+    """agent.collector.StartHold: the collector is off from before build_agent (the lists and the
+    first sync follow it, and the first full sync turns it on again) and on again once run() is
+    done, however it ended."""
+    services = tmp_path / "services.yaml"
+    services.write_text("")
+    config = Config(mode=Mode.EBPF, services_file=str(services), pin_path=str(tmp_path / "pins"))
+    try:
+        assert app.run(config) == 0
+        assert start.collecting_in_build is False
+        assert gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_a_failed_build_waits_for_the_early_load_under_the_node_lock(
