@@ -35,7 +35,8 @@ namespaces. Every mode prints one JSON object on stdout.
                                       sent as IPv4 fragments in reverse order (last first) through a
                                       raw socket; reply counts as `udp`
   peer   --addr A --port P            one TCP connection: the peer getpeername() reports and the
-                                      podserver's answer to GET /, or the errno name it failed with
+                                      podserver's answer to GET /, or the errno name it failed with;
+                                      --count N: N connections, {"peers", "bodies", "errors"} counted
   resolver --addr A --port P --stop-file F   a long-lived client on one connected UDP socket, as a
                                       resolver holds one: a query every --interval s (a DNS TXT query
                                       for whoami.lab with --dns, else a podserver echo); a failed or
@@ -195,6 +196,24 @@ def errno_name(exc: OSError) -> str:
 
 
 def cmd_peer(a: argparse.Namespace) -> dict[str, object]:
+    if a.count == 1:
+        return peer_once(a)
+    # Many connections from one process: what each got, counted (a check that every backend
+    # answers needs enough dials that one backend taking them all by chance is negligible).
+    peers: Counter[str] = Counter()
+    bodies: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    for _ in range(a.count):
+        out = peer_once(a)
+        if "error" in out:
+            errors[str(out["error"])] += 1
+        else:
+            peers[str(out["peer"])] += 1
+            bodies[str(out["body"])] += 1
+    return {"peers": dict(peers), "bodies": dict(bodies), "errors": dict(errors)}
+
+
+def peer_once(a: argparse.Namespace) -> dict[str, object]:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(a.timeout)
         try:
@@ -567,6 +586,7 @@ def main() -> int:
     pe.add_argument("--addr", required=True)
     pe.add_argument("--port", type=int, required=True)
     pe.add_argument("--timeout", type=float, default=3.0)
+    pe.add_argument("--count", type=int, default=1, help="connections, each counted (peers, bodies, errors)")
     r = sub.add_parser("resolver")
     r.add_argument("--addr", required=True)
     r.add_argument("--port", type=int, required=True)

@@ -602,64 +602,48 @@ class Planner:
         (the first sync after a start), the ids and slot order the dump holds are re-adopted by the
         next `update`."""
         assert not (adopt and any(self.desired.values())), "re-adoption is for a new planner's first plan"
-        differ = 0
         self._adopted = None  # a read-back the last start's update did not get to is superseded
-        adopted: dict[str, Entries] = {}
+        if adopt:
+            return self._adopt(dump)
+        differ = 0
         for role in ROLES:
             kernel = from_dump(role, *dump.get(role, (b"", b"")))
-            d = self.desired[role]
-            if adopt and not d:
-                adopted[role] = kernel
-                differ += len(kernel)
+            if self.desired[role]:
+                differ += self._differ(role, kernel)
                 continue
-            if not d:
-                # A start: all of it differs from the nothing planned yet (an empty map: what
-                # gets planned next is missing from it, `fresh`).
-                self.pending[role] = cast(Pending, kernel)  # its only reference: widened safely
-                if kernel:
-                    self.fresh.discard(role)
-                else:
-                    self.fresh.add(role)
-                differ += len(kernel)
-                continue
-            self.fresh.discard(role)
-            if kernel == d:
-                self.pending[role] = {}
-                continue
-            p: Pending = {k: v for k, v in kernel.items() if d.get(k) != v}
-            p.update(dict.fromkeys(d.keys() - kernel.keys()))
-            self.pending[role] = p
-            differ += len(p)
-        if adopted:
-            # A start: plan as a fresh start would (nothing recorded per put), the kernel's ids
-            # held and offered back; `update` then diffs the plan against what the maps hold.
-            for role, kernel in adopted.items():
-                self.pending[role] = cast(Pending, kernel)  # for `_held`, until the swap below
-            self._hold_kernel_ids()
-            for role in adopted:
-                self.pending[role] = {}
+            # Nothing planned here: all of it differs (an empty map: what gets planned next is
+            # missing from it, `fresh`).
+            self.pending[role] = cast(Pending, kernel)  # its only reference: widened safely
+            if kernel:
+                self.fresh.discard(role)
+            else:
                 self.fresh.add(role)
-            self._adopted = adopted
-        else:
-            self._hold_kernel_ids()
-        if adopt:
-            written = self.pending
-            self._fe_hints = (
-                adopted["fe"] if adopted else {k: v for k, v in written["fe"].items() if v is not None}
-            )
-            held = (
-                list(adopted["be"].items())
-                if adopted
-                else [(k, v) for k, v in written["be"].items() if v is not None]
-            )
-            hints = {v & IDENT: k for k, v in held}
-            if len(hints) != len(held):  # one backend under two ids: the lowest is re-adopted
-                hints = {}
-                for bid, value in sorted(held):
-                    hints.setdefault(value & IDENT, bid)
-            self.backends.hints = hints
-            self._slot_hints = cast(Pending, adopted["slot"]) if adopted else written["slot"]
+            differ += len(kernel)
+        self._hold_kernel_ids()
         return differ
+
+    def _adopt(self, dump: Mapping[str, tuple[bytes, bytes]]) -> int:
+        """A start: the dump held aside while the first `update` plans as a fresh start would
+        (nothing recorded per put), the kernel's ids held and offered back as hints; `update` then
+        diffs the plan against it (`_adopt_done`). Returns the entries the dump holds."""
+        adopted = {role: from_dump(role, *dump.get(role, (b"", b""))) for role in ROLES}
+        for role, kernel in adopted.items():
+            self.pending[role] = cast(Pending, kernel)  # for `_held`, until the swap below
+        self._hold_kernel_ids()
+        for role in adopted:
+            self.pending[role] = {}
+            self.fresh.add(role)
+        self._adopted = adopted
+        self._fe_hints = adopted["fe"]
+        held = list(adopted["be"].items())
+        hints = {v & IDENT: k for k, v in held}
+        if len(hints) != len(held):  # one backend under two ids: the lowest is re-adopted
+            hints = {}
+            for bid, value in sorted(held):
+                hints.setdefault(value & IDENT, bid)
+        self.backends.hints = hints
+        self._slot_hints = cast(Pending, adopted["slot"])
+        return sum(len(kernel) for kernel in adopted.values())
 
     def _adopt_done(self, adopted: Mapping[str, Entries]) -> None:
         """After the first `update` of a start: `pending` becomes where the maps (`adopted`, what
@@ -667,15 +651,20 @@ class Planner:
         nothing stays `fresh`."""
         self._adopted = None
         for role, kernel in adopted.items():
-            if not kernel:
-                continue
-            self.fresh.discard(role)
-            d = self.desired[role]
-            if kernel == d:  # one comparison in C: a restart over an unchanged state
-                continue
-            p: Pending = {k: v for k, v in kernel.items() if d.get(k) != v}
-            p.update(dict.fromkeys(d.keys() - kernel.keys()))
-            self.pending[role] = p
+            if kernel:
+                self._differ(role, kernel)
+
+    def _differ(self, role: str, kernel: Entries) -> int:
+        """`pending[role]` set to where `kernel` (what the map holds) differs from the plan; how many."""
+        self.fresh.discard(role)
+        d = self.desired[role]
+        if kernel == d:  # one comparison in C: a restart or resync over an unchanged state
+            self.pending[role] = {}
+            return 0
+        p: Pending = {k: v for k, v in kernel.items() if d.get(k) != v}
+        p.update(dict.fromkeys(d.keys() - kernel.keys()))
+        self.pending[role] = p
+        return len(p)
 
     def _held(self) -> tuple[set[int], set[int], set[int], set[int]]:
         """The ids the maps hold where they differ from the plan: service port, set, backend and
