@@ -244,7 +244,9 @@ static __always_inline int ekp_tc6_wants_snat(__u16 fe_flags, __u8 be_flags, con
  *     backend: quote to backend -> client, outer destination the backend; with SNAT the quote's
  *     destination and the outer source become the node's SNAT source (snat_addr, snat_port).
  * Routed and redirected as the flow's packets are; the entries are not refreshed. An error about
- * no live flow of this path, or with no route here, goes to the stack untouched, as before. */
+ * no live flow of this path, or with no route here, goes to the stack untouched, as before; so does
+ * one not addressed to the quoted packet's source (the address the flow's entry knows that end by,
+ * the key's destination), as nf_conntrack_inet_error gives it no conntrack (ekp_decide_related). */
 static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6_scratch *w, __u8 scope,
 					   __u32 bridge, const struct ekp_config *cfg, __u32 *outcome)
 {
@@ -253,6 +255,8 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 	struct ekp_ct6_key *k = &w->key;
 	__u64 now = bpf_ktime_get_ns();
 
+	if (!ekp_addr6_eq(p->daddr, p->in_saddr))
+		return TC_ACT_OK;
 	__builtin_memset(k, 0, sizeof(*k));
 	__builtin_memcpy(k->saddr, p->in_daddr, 16);
 	__builtin_memcpy(k->daddr, p->in_saddr, 16);

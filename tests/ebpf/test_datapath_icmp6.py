@@ -77,9 +77,11 @@ def pseudo(src: bytes, dst: bytes, length: int, proto: int) -> bytes:
     return src + dst + length.to_bytes(4, "big") + bytes(3) + bytes([proto])
 
 
-def error_about(frame: bytes, src: str, kind: str, *, quote_len: int | None = None, smac: str = "") -> bytes:
-    """The ICMPv6 error `src` sends about `frame` (to its source), quoting its IPv6 packet: whole
-    (RFC 4443 quotes up to 1280 bytes), or its first `quote_len` bytes."""
+def error_about(
+    frame: bytes, src: str, kind: str, *, quote_len: int | None = None, smac: str = "", to: str = ""
+) -> bytes:
+    """The ICMPv6 error `src` sends about `frame` (to its source, or to `to`), quoting its IPv6
+    packet: whole (RFC 4443 quotes up to 1280 bytes), or its first `quote_len` bytes."""
     from scapy.layers.inet6 import IPv6
     from scapy.layers.l2 import Ether
     from scapy.packet import Raw
@@ -87,10 +89,11 @@ def error_about(frame: bytes, src: str, kind: str, *, quote_len: int | None = No
     quoted = frame[14:] if quote_len is None else frame[14 : 14 + quote_len]
     icmp_type, code, word = KINDS[kind]
     head = bytes([icmp_type, code, 0, 0]) + word.to_bytes(4, "big")
-    ip = IPv6(src=src, dst=str(IPv6Address(frame[22:38])), nh=ICMPV6, hlim=64)
+    dst = IPv6Address(to) if to else IPv6Address(frame[22:38])
+    ip = IPv6(src=src, dst=str(dst), nh=ICMPV6, hlim=64)
     message = bytearray(head + quoted)
     length = len(message)
-    check = 0xFFFF - ones_sum(pseudo(IPv6Address(src).packed, frame[22:38], length, ICMPV6) + message)
+    check = 0xFFFF - ones_sum(pseudo(IPv6Address(src).packed, dst.packed, length, ICMPV6) + message)
     message[2:4] = check.to_bytes(2, "big")
     return bytes(Ether(src=smac or "02:00:00:00:aa:01", dst="02:00:00:00:aa:02") / ip / Raw(bytes(message)))
 
@@ -284,6 +287,28 @@ def test_errors_about_no_flow_of_the_path_pass_untouched(net: Net) -> None:
         assert net.from_pod(frame) == (TC_ACT_OK, frame)
     stats = net.stats()
     assert (stats[Stat.PASS], stats[Stat.CT_RELATED]) == (3, 0)
+
+
+def test_an_error_not_addressed_to_the_quoted_source_passes_untranslated(net: Net) -> None:
+    """An error quoting a live flow's segment but sent to another address than that segment's
+    source is no flow's (nf_conntrack_inet_error: "outer daddr != inner", no conntrack): it goes to
+    the stack as it came, or anyone could have an error of their making translated and delivered
+    to a flow's client or backend by quoting its tuple. Both directions; the same errors addressed
+    right are."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    _, out = client_segment(net, 41011)
+    verdict, reply = net.from_pod(frame6(BE6, POD6, 8080, 41011, flags="PA"))
+    assert verdict == TC_ACT_REDIRECT and str(IPv6Address(reply[22:38])) == VIP6
+    forged = [
+        error_about(out, BE6_2, "packet-too-big", to=BE6),  # would be from VIP6, about POD6's flow
+        error_about(reply, POD6, "unreachable", to=BE6_2),  # would reach BE6, from POD6
+    ]
+    for frame in forged:
+        assert net.from_pod(frame) == (TC_ACT_OK, frame)
+    assert net.stats()[Stat.CT_RELATED] == 0
+    assert net.from_pod(error_about(out, BE6_2, "packet-too-big"))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(error_about(reply, POD6, "unreachable"))[0] == TC_ACT_REDIRECT
+    assert net.stats()[Stat.CT_RELATED] == 2
 
 
 def test_an_error_claiming_a_source_not_routed_to_its_pod_is_dropped(net: Net) -> None:
