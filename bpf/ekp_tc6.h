@@ -81,6 +81,7 @@ struct ekp_tc6_scratch {
 	__u8 reopens;              /* a SYN on an ended flow's FORWARD entry: that flow's entries go
 				    * if the packet goes to the stack (see ekp_main6's end) */
 	struct ekp_icmp6_nat icmp; /* an ICMPv6 error's translation (ekp_tc6_related) */
+	__be32 node[4];            /* the node's IPv6 address for a new flow (ekp_tc6_node_addr) */
 };
 
 static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);
@@ -206,19 +207,23 @@ static __always_inline int ekp_tc6_may_translate(const struct ekp_pkt6 *p, __u8 
 }
 
 /* The node's IPv6 address, the source of IPv6 SNAT (ekp_cfg6, written by the agent from the IPv6
- * family's node address: the slot ekp_cfg6sel names, as ekp_config_get reads IPv4's); NULL when
- * none is known: such flows are left to the stack, where ip6tables masquerades them. Read once per
- * packet, and copied into the new flow (its snat_addr) before anything else is looked up. */
-static __always_inline const __be32 *ekp_tc6_node_addr(void)
+ * family's node address: the slot ekp_cfg6sel names, as ekp_config_get reads IPv4's), copied into
+ * `out` (the scratch's `node`) once per packet, before the frontend's backend is chosen: the agent
+ * rewrites a slot only after flipping the selector away from it, so a copy taken at once is one
+ * address, where a pointer kept across the choice could read a slot rewritten meanwhile (two
+ * writes during one packet). 0 when none is known: such flows are left to the stack, where
+ * ip6tables masquerades them. */
+static __always_inline int ekp_tc6_node_addr(__be32 *out)
 {
 	__u32 zero = 0;
 	struct ekp_config_sel *sel = ekp_cfg6sel_lookup(&zero);
 	__u32 slot = sel ? (sel->slot & 1) : 0;
 	struct ekp_config6 *c = ekp_cfg6_lookup(&slot);
 
-	if (!c || !(c->node_addr[0] | c->node_addr[1] | c->node_addr[2] | c->node_addr[3]))
-		return NULL;
-	return c->node_addr;
+	if (!c)
+		return 0;
+	__builtin_memcpy(out, c->node_addr, 16);
+	return (out[0] | out[1] | out[2] | out[3]) != 0;
 }
 
 /* Whether a new flow to the backend just chosen is source-translated (ekp_decide_new's rule): the
@@ -388,7 +393,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	fk.proto = p->b.proto;
 	fk.scope = scope;
 	struct ekp_frontend *fe = ekp_fe6_lookup(&fk);
-	const __be32 *node = ekp_tc6_node_addr();
+	int node = ekp_tc6_node_addr(w->node);
 	if (fe) {
 		/* Whatever would take ip6tables for some of its backends takes it for all, decided before
 		 * the choice: a flow this path chose a backend for and then left to ip6tables would be
@@ -431,7 +436,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			goto out;
 		if (snat) { /* the port: ekp_ct6_create's walk */
 			f->b.ct_flags = EKP_CT_SNAT;
-			__builtin_memcpy(f->snat_addr, node, 16);
+			__builtin_memcpy(f->snat_addr, w->node, 16);
 		}
 		f->b.svc_id = fe->svc_id;
 		__builtin_memcpy(f->fe_addr, p->daddr, 16);
