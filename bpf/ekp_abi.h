@@ -525,6 +525,8 @@ enum ekp_stat {
 	EKP_DROP_TUPLE_TAKEN,     /* no longer counted: the tc IPv6 path's new flow whose reply tuple
 	                           * a live flow of another frontend holds gets another source port
 	                           * (EKP_STAT_PORT_REMAP), as IPv4's, since both share one conntrack */
+	EKP_DROP_HOP_LIMIT,       /* the tc IPv6 path: a segment of a translated flow whose hop limit this
+	                           * hop would spend to 0, answered with a time exceeded (ekp_icmp6.h) */
 	EKP_STAT_MAX,
 };
 
