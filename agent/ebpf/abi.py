@@ -189,7 +189,7 @@ class Stat(IntEnum):
     SOCK_DESTROYED = 36
     DROP_SPOOFED = 37
     DROP_HANDOVER = 38
-    DROP_TUPLE_TAKEN = 39
+    DROP_TUPLE_TAKEN = 39  # a new flow whose reply tuple another CPU's new flow took (ekp_ct_place)
     DROP_HOP_LIMIT = 40  # the tc IPv6 path's last hop, answered with a time exceeded
 
 
