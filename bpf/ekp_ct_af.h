@@ -344,7 +344,8 @@ static __always_inline int EKP_CTF(write)(EKP_CT_KEY *k, EKP_CT_ENTRY *v)
  * still unanswered. Such another flow's entry is deleted with its twin, and the tuple claimed, free
  * or freed, with BPF_NOEXIST: of two CPUs claiming it, the second's insert fails. Anything else
  * took the tuple since the choice: EKP_DROP_TUPLE_TAKEN, the packet drops and its retransmission's
- * walk finds the tuple taken and moves on (walking on here would verify the walk twice). Left: a
+ * walk finds the tuple taken and moves on (walking on here would verify the walk twice: over the
+ * verifier budgets, bpf/README.md). Left: a
  * flow another CPU writes between the lookup here and the delete (no map has a compare-and-delete);
  * its window is this function's few instructions, where it was the whole walk. */
 static __always_inline int EKP_CTF(place)(EKP_CT_KEY *rkey, EKP_CT_ENTRY *rent, const EKP_PKT *p,
