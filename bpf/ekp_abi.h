@@ -522,9 +522,13 @@ enum ekp_stat {
 	EKP_DROP_HANDOVER,        /* a forward packet of a flow taken over from nf_conntrack to a backend
 	                           * on the node's own address, before the agent replaced the kernel's
 	                           * NAT entry for it (EKP_CT_HANDOVER): the sender retransmits */
-	EKP_DROP_TUPLE_TAKEN,     /* no longer counted: the tc IPv6 path's new flow whose reply tuple
-	                           * a live flow of another frontend holds gets another source port
-	                           * (EKP_STAT_PORT_REMAP), as IPv4's, since both share one conntrack */
+	EKP_DROP_TUPLE_TAKEN,     /* a new flow (either family) whose reply tuple another CPU's new flow
+	                           * took between the choice of its port and its write (ekp_ct_place):
+	                           * its retransmission tries again. (Before: the tc IPv6 path's flows
+	                           * on a tuple another frontend held, which get another source port
+	                           * since both families share one conntrack, EKP_STAT_PORT_REMAP.) */
+	EKP_DROP_HOP_LIMIT,       /* the tc IPv6 path: a segment of a translated flow whose hop limit this
+	                           * hop would spend to 0, answered with a time exceeded (ekp_icmp6.h) */
 	EKP_STAT_MAX,
 };
 

@@ -335,22 +335,36 @@ static __always_inline int EKP_CTF(write)(EKP_CT_KEY *k, EKP_CT_ENTRY *v)
 	return EKP_CTF(update)(k, v);
 }
 
-/* Puts the REPLY entry `rent` under `rkey`. A free tuple is claimed with BPF_NOEXIST (another CPU
- * may have taken it since the lookup: the packet drops then, its retransmission tries again); an
- * entry of another flow there (dead, or early-dropped) is replaced and its twin deleted; an entry
- * of this very tuple's earlier flow (same frontend, same client) is rewritten (in place when it
- * translates the same), its FORWARD twin being the key the new flow writes next. */
-static __always_inline int EKP_CTF(place)(EKP_CT_KEY *rkey, EKP_CT_ENTRY *rent)
+/* Puts the REPLY entry `rent` under `rkey`, the tuple the new flow was given (the SNAT walk's port,
+ * or the client's own), which another CPU's new flow may have taken since it was chosen. So only
+ * what the choice allowed is replaced, again checked here: an entry of this very tuple's earlier
+ * flow (same frontend, same client: rewritten, in place when it translates the same, its FORWARD
+ * twin being the key the new flow writes next); one that may be taken over (ekp_ct_reusable: dead,
+ * or closed and the packet a SYN); with `early_drop` (the walk chose an unanswered holder), one
+ * still unanswered. Such another flow's entry is deleted with its twin, and the tuple claimed, free
+ * or freed, with BPF_NOEXIST: of two CPUs claiming it, the second's insert fails. Anything else
+ * took the tuple since the choice: EKP_DROP_TUPLE_TAKEN, the packet drops and its retransmission's
+ * walk finds the tuple taken and moves on (walking on here would verify the walk twice: over the
+ * verifier budgets, bpf/README.md). Left: a
+ * flow another CPU writes between the lookup here and the delete (no map has a compare-and-delete);
+ * its window is this function's few instructions, where it was the whole walk. */
+static __always_inline int EKP_CTF(place)(EKP_CT_KEY *rkey, EKP_CT_ENTRY *rent, const EKP_PKT *p,
+					const struct ekp_config *cfg, __u64 now, __u8 early_drop)
 {
 	EKP_CT_ENTRY *old = EKP_CTF(lookup)(rkey);
 
-	if (!old)
-		return EKP_CTF(insert)(rkey, rent) == 0 ? 0 : EKP_DROP_SNAT_PORTS;
-	if (!EKP_A_EQ(old->fe_addr, rent->fe_addr) || old->fe_port != rent->fe_port ||
-	    (old->flags & EKP_CT_SNAT) != (rent->flags & EKP_CT_SNAT) || !EKP_A_EQ(old->nat_addr, rent->nat_addr) ||
-	    old->nat_port != rent->nat_port)
+	if (old) {
+		if (EKP_A_EQ(old->fe_addr, rent->fe_addr) && old->fe_port == rent->fe_port &&
+		    (old->flags & EKP_CT_SNAT) == (rent->flags & EKP_CT_SNAT) &&
+		    EKP_A_EQ(old->nat_addr, rent->nat_addr) && old->nat_port == rent->nat_port)
+			return EKP_CTF(write)(rkey, rent) == 0 ? 0 : EKP_DROP_CT_FULL;
+		if (!EKP_CTF(reusable)(old, rkey, EKP_PB(p), cfg, now) &&
+		    !(early_drop && !(old->flags & EKP_CT_ESTABLISHED)))
+			return EKP_DROP_TUPLE_TAKEN;
 		EKP_CTF(delete_twin)(old, rkey);
-	return EKP_CTF(write)(rkey, rent) == 0 ? 0 : EKP_DROP_CT_FULL;
+		EKP_CTF(delete)(rkey);
+	}
+	return EKP_CTF(insert)(rkey, rent) == 0 ? 0 : EKP_DROP_TUPLE_TAKEN;
 }
 
 /* Inserts the REPLY then the FORWARD entry of a new flow (a reply can never beat its entry).
@@ -413,7 +427,7 @@ static __always_inline int EKP_CTF(create)(const EKP_PKT *p, EKP_FLOW *f, const 
 	rent.backend_id = EKP_FB(f)->backend_id;
 	rent.flags = EKP_FB(f)->ct_flags;
 	EKP_CTF(stamp_flow)(&rent, &rkey, now); /* before the entries: no packet of the flow leaves before */
-	reason = EKP_CTF(place)(&rkey, &rent);
+	reason = EKP_CTF(place)(&rkey, &rent, p, cfg, now, EKP_FB(f)->early_drop);
 	if (reason)
 		return reason;
 

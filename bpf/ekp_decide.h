@@ -282,12 +282,19 @@ static __always_inline void ekp_flow_direct(struct ekp_flow *f, const struct ekp
  *   a REPLY packet (frontend -> client) quoted: its FORWARD entry; the error goes on to the
  *     backend: quote to backend -> client (or the SNAT source), outer destination the backend
  *     (`host` when that is the node's own address: the node's stack delivers it).
- * As nf_nat_icmp_reply_translation does; the entries are not refreshed. */
+ * As nf_nat_icmp_reply_translation does; the entries are not refreshed.
+ * Only an error addressed to the quoted packet's source, the address the flow's entry knows that
+ * end by (the key's destination), is the flow's: as nf_conntrack_inet_error, which gives any other
+ * no conntrack (NF_ACCEPT untracked), this one goes on untranslated, as no flow's. Otherwise anyone
+ * could quote a flow's tuple in an error to any address and have it translated and delivered to
+ * the client or the backend. */
 static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now,
 					       struct ekp_decision *d)
 {
 	struct ekp_ct_key k = {};
 
+	if (p->daddr != p->in_saddr)
+		return;
 	k.saddr = p->in_daddr;
 	k.daddr = p->in_saddr;
 	k.sport = p->in_dport;

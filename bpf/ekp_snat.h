@@ -7,8 +7,9 @@
  * follows nf_nat_l4proto_unique_tuple: start at an offset (here a hash of the flow's tuple), walk
  * up to 128 consecutive ports, then up to 64, 32 and 16 more from fresh random offsets (240
  * probes at most; a range of 128 ports or fewer is walked once, whole). The insert of the REPLY
- * entry with BPF_NOEXIST is the lock (ekp_ct_place): two CPUs never get the same port; the one
- * that loses the race drops its packet (the client's retransmission tries again).
+ * entry with BPF_NOEXIST is the lock (ekp_ct_place, which checks again what the walk allowed): two
+ * CPUs never get the same port; the one that loses the race drops its packet (DROP_TUPLE_TAKEN:
+ * the client's retransmission tries again).
  *
  * Probes only look up: on an LRU map a failed insert still takes a free node (evicting some other
  * flow when the map is full), so probing by insert would evict up to 240 flows per new flow on a

@@ -39,8 +39,11 @@
  *     reassembles and translates it;
  *   - ICMPv6 but errors about a flow translated here (Packet Too Big, destination unreachable,
  *     time exceeded, parameter problem: ekp_tc6_related translates those back, as nf_nat does for
- *     the flows ip6tables translated), a packet too big for the route (the stack and ip6tables
- *     answer it as they would without this path), no route, the last hop.
+ *     the flows ip6tables translated), a new flow's first packet too big for the route or at
+ *     its last hop (the stack and ip6tables answer it as they would without this path), no
+ *     route. A segment of a flow of the path too big for its route or at its last hop is
+ *     answered here (ekp_tc6_answer: Packet Too Big, time exceeded), as IPv4's path answers one
+ *     too big: the stack has no nf_conntrack entry for the flow.
  * Conntrack is IPv4's, the same code (ekp_ct_af.h): state and timeouts, twins rebuilt, orphaned
  * flows, closed flows reclaimed by a SYN, the early-drop ring, the SNAT port walk. A new flow whose
  * reply tuple a live flow of another frontend holds (one client port to one backend through two
@@ -60,6 +63,7 @@
 #include "ekp_act.h"
 #include "ekp_ct6.h"
 #include "ekp_decide.h"
+#include "ekp_icmp6.h"
 #include "ekp_lb.h"
 #include "ekp_nat6.h"
 #include "ekp_parse6.h"
@@ -81,6 +85,8 @@ struct ekp_tc6_scratch {
 	__u8 reopens;              /* a SYN on an ended flow's FORWARD entry: that flow's entries go
 				    * if the packet goes to the stack (see ekp_main6's end) */
 	struct ekp_icmp6_nat icmp; /* an ICMPv6 error's translation (ekp_tc6_related) */
+	__be32 node[4];            /* the node's IPv6 address for a new flow (ekp_tc6_node_addr) */
+	struct ekp_icmp6_work icmp6; /* the ICMPv6 error answering a segment (ekp_tc6_answer) */
 };
 
 static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);
@@ -112,8 +118,9 @@ static __always_inline int ekp_source_routed_here6(struct __sk_buff *skb, const 
 }
 
 /* The route of the translated tuple into w->fib: SUCCESS or NO_NEIGH, or -1 to hand the packet
- * untouched to the stack (no route here, too big for the route: the stack and ip6tables answer
- * those as they would without this path). Looked up before anything is written. */
+ * untouched to the stack (no route here, too big for the route: for a new flow's first packet or an
+ * ICMPv6 error the stack and ip6tables answer those as they would without this path; a hit's
+ * segment is answered here, ekp_main6). Looked up before anything is written. */
 static __always_inline long ekp_tc6_route(struct __sk_buff *skb, struct ekp_tc6_scratch *w, const __be32 *saddr,
 					  __be16 sport, const __be32 *daddr, __be16 dport)
 {
@@ -146,6 +153,28 @@ static __always_inline int ekp_tc6_forward(struct __sk_buff *skb, struct ekp_tc6
 		return TC_ACT_SHOT;
 	}
 	return bpf_redirect(fib->ifindex, 0);
+}
+
+/* Answers a segment of a flow of the path with an ICMPv6 error (ekp_icmp6.h: Packet Too Big with
+ * `word` the MTU, or time exceeded), out of the device it came in by, as IPv4's path answers a
+ * segment too big for the backend's device (ekp_tc_apply.h): the node's stack has no nf_conntrack
+ * entry for the flow. Packet Too Big is not rate-limited (the kernel's icmpv6_xrlim_allow exempts
+ * it, as IPv4's fragmentation needed: path-MTU discovery depends on it); time exceeded takes a
+ * token of the rejects' bucket (ekp_ratelimit.h; the kernel limits both families' errors by one
+ * global bucket too). The TC verdict; the segment itself is dropped. */
+static __always_inline int ekp_tc6_answer(struct __sk_buff *skb, struct ekp_tc6_scratch *w,
+					  const struct ekp_config *cfg, __u8 type, __u32 word, __u32 *outcome)
+{
+	*outcome = type == EKP_ICMPV6_PKT_TOOBIG ? EKP_DROP_FRAG_NEEDED : EKP_DROP_HOP_LIMIT;
+	if (!ekp_icmp6_wanted(&w->pkt))
+		return TC_ACT_SHOT;
+	if (type != EKP_ICMPV6_PKT_TOOBIG && !ekp_icmp_allowed(cfg, bpf_ktime_get_ns())) {
+		*outcome = EKP_DROP_ICMP_RATE;
+		return TC_ACT_SHOT;
+	}
+	if (ekp_icmp6_error(skb, &w->pkt, type, word, &w->icmp6) < 0)
+		return TC_ACT_SHOT;
+	return bpf_redirect(skb->ifindex, 0);
 }
 
 /* Rewrites the packet to the translated tuple and forwards it (ekp_tc6_forward). The TC verdict. */
@@ -206,19 +235,23 @@ static __always_inline int ekp_tc6_may_translate(const struct ekp_pkt6 *p, __u8 
 }
 
 /* The node's IPv6 address, the source of IPv6 SNAT (ekp_cfg6, written by the agent from the IPv6
- * family's node address: the slot ekp_cfg6sel names, as ekp_config_get reads IPv4's); NULL when
- * none is known: such flows are left to the stack, where ip6tables masquerades them. Read once per
- * packet, and copied into the new flow (its snat_addr) before anything else is looked up. */
-static __always_inline const __be32 *ekp_tc6_node_addr(void)
+ * family's node address: the slot ekp_cfg6sel names, as ekp_config_get reads IPv4's), copied into
+ * `out` (the scratch's `node`) once per packet, before the frontend's backend is chosen: the agent
+ * rewrites a slot only after flipping the selector away from it, so a copy taken at once is one
+ * address, where a pointer kept across the choice could read a slot rewritten meanwhile (two
+ * writes during one packet). 0 when none is known: such flows are left to the stack, where
+ * ip6tables masquerades them. */
+static __always_inline int ekp_tc6_node_addr(__be32 *out)
 {
 	__u32 zero = 0;
 	struct ekp_config_sel *sel = ekp_cfg6sel_lookup(&zero);
 	__u32 slot = sel ? (sel->slot & 1) : 0;
 	struct ekp_config6 *c = ekp_cfg6_lookup(&slot);
 
-	if (!c || !(c->node_addr[0] | c->node_addr[1] | c->node_addr[2] | c->node_addr[3]))
-		return NULL;
-	return c->node_addr;
+	if (!c)
+		return 0;
+	__builtin_memcpy(out, c->node_addr, 16);
+	return (out[0] | out[1] | out[2] | out[3]) != 0;
 }
 
 /* Whether a new flow to the backend just chosen is source-translated (ekp_decide_new's rule): the
@@ -244,7 +277,9 @@ static __always_inline int ekp_tc6_wants_snat(__u16 fe_flags, __u8 be_flags, con
  *     backend: quote to backend -> client, outer destination the backend; with SNAT the quote's
  *     destination and the outer source become the node's SNAT source (snat_addr, snat_port).
  * Routed and redirected as the flow's packets are; the entries are not refreshed. An error about
- * no live flow of this path, or with no route here, goes to the stack untouched, as before. */
+ * no live flow of this path, or with no route here, goes to the stack untouched, as before; so does
+ * one not addressed to the quoted packet's source (the address the flow's entry knows that end by,
+ * the key's destination), as nf_conntrack_inet_error gives it no conntrack (ekp_decide_related). */
 static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6_scratch *w, __u8 scope,
 					   __u32 bridge, const struct ekp_config *cfg, __u32 *outcome)
 {
@@ -253,6 +288,8 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 	struct ekp_ct6_key *k = &w->key;
 	__u64 now = bpf_ktime_get_ns();
 
+	if (!ekp_addr6_eq(p->daddr, p->in_saddr))
+		return TC_ACT_OK;
 	__builtin_memset(k, 0, sizeof(*k));
 	__builtin_memcpy(k->saddr, p->in_daddr, 16);
 	__builtin_memcpy(k->daddr, p->in_saddr, 16);
@@ -329,8 +366,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		goto out;
 	}
 	/* TCP alone (UDP and SCTP: ip6tables') */
-	if (parsed != EKP_PARSE_OK || p->b.proto != IPPROTO_TCP || p->b.frag != EKP_FRAG_NONE ||
-	    p->hop_limit <= 1 || !cfg ||
+	if (parsed != EKP_PARSE_OK || p->b.proto != IPPROTO_TCP || p->b.frag != EKP_FRAG_NONE || !cfg ||
 	    (cfg->flags & EKP_CFG_HOST_LEGACY) || !ekp_tc6_may_translate(p, scope, cfg))
 		goto out;
 
@@ -362,9 +398,19 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			verdict = TC_ACT_SHOT;
 			goto out;
 		}
+		/* The last hop, and a segment too big for the device its translation leaves by: answered
+		 * here, as a router would (the stack has no nf_conntrack entry for the flow). */
+		if (p->hop_limit <= 1) {
+			verdict = ekp_tc6_answer(skb, w, cfg, EKP_ICMPV6_TIME_EXCEED, 0, &outcome);
+			goto out;
+		}
 		ekp_tc6_hit(w, e, now, &sa, &sp, &da, &dp);
-		rc = ekp_tc6_route(skb, w, sa, sp, da, dp);
-		if (rc < 0)
+		rc = ekp_fib6(skb, &w->fib, p, sa, da, sp, dp);
+		if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) {
+			verdict = ekp_tc6_answer(skb, w, cfg, EKP_ICMPV6_PKT_TOOBIG, w->fib.mtu_result, &outcome);
+			goto out;
+		}
+		if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
 			goto out;
 		outcome = k->dir == EKP_CT_FORWARD ? EKP_STAT_CT_FORWARD : EKP_STAT_CT_REPLY;
 		verdict = ekp_tc6_send(skb, w, rc, sa, sp, da, dp, &outcome);
@@ -373,7 +419,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 
 	/* A new flow: only its first packet starts one (a TCP segment without an entry belongs to a
 	 * flow ip6tables translated, whose nf_conntrack entry the stack has). */
-	if (!ekp_opens_flow(&p->b))
+	if (!ekp_opens_flow(&p->b) || p->hop_limit <= 1) /* the last hop: the stack answers it */
 		goto out;
 	struct ekp_flow6 *f = &w->flow;
 	__u32 aff_hit = 0;
@@ -384,7 +430,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	fk.proto = p->b.proto;
 	fk.scope = scope;
 	struct ekp_frontend *fe = ekp_fe6_lookup(&fk);
-	const __be32 *node = ekp_tc6_node_addr();
+	int node = ekp_tc6_node_addr(w->node);
 	if (fe) {
 		/* Whatever would take ip6tables for some of its backends takes it for all, decided before
 		 * the choice: a flow this path chose a backend for and then left to ip6tables would be
@@ -427,7 +473,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			goto out;
 		if (snat) { /* the port: ekp_ct6_create's walk */
 			f->b.ct_flags = EKP_CT_SNAT;
-			__builtin_memcpy(f->snat_addr, node, 16);
+			__builtin_memcpy(f->snat_addr, w->node, 16);
 		}
 		f->b.svc_id = fe->svc_id;
 		__builtin_memcpy(f->fe_addr, p->daddr, 16);

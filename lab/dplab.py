@@ -13,6 +13,7 @@ and, for the tc programs' IPv6 path (`add_ipv6`), IPv6 beside IPv4 on the same d
 
     ext0  fd00:ff::11/64     neighbours node2 ::12, client ::100; fd00:a:2::/64 via node2
     pod0  fd00:a:1::1/64     neighbours for pods ::5 ::6 (backends) and ::9 (a client)
+    small0 fd00:a:3::1/64    MTU 1280: a backend (::5) and a client (::6) behind it
 
 Packets from pods run ekp_from_pod with ingress pod0; packets from outside run ekp_from_net with
 ingress ext0, or ekp_xdp_net (XDP) on ext0. `assert_balanced` checks each hook's counters after
@@ -67,12 +68,15 @@ SNAT_MIN, SNAT_MAX = 40000, 40999
 NODE6, NODE2_6, CLIENT6 = "fd00:ff::11", "fd00:ff::12", "fd00:ff::100"
 POD6, BE6, BE6_2, REMOTE_BE6 = "fd00:a:1::9", "fd00:a:1::5", "fd00:a:1::6", "fd00:a:2::7"
 VIP6 = "fd00:96::10"
+BE6_SMALL_MTU, CLIENT6_SMALL_MTU = "fd00:a:3::5", "fd00:a:3::6"  # on small0 (SMALL_MTU)
 MAC6 = {
     NODE2_6: "02:00:00:00:06:12",
     CLIENT6: "02:00:00:00:06:64",
     POD6: "02:00:0a:06:01:09",
     BE6: "02:00:0a:06:01:05",
     BE6_2: "02:00:0a:06:01:06",
+    BE6_SMALL_MTU: "02:00:0a:06:03:05",
+    CLIENT6_SMALL_MTU: "02:00:0a:06:03:06",
 }
 SIZES = MapSizes(
     fe=256,
@@ -173,9 +177,11 @@ def add_ipv6(built: Lab) -> None:
     sh("sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")  # bpf_fib_lookup's, as for IPv4
     sh("ip", "-6", "addr", "add", f"{NODE6}/64", "dev", built.ext.name, "nodad")
     sh("ip", "-6", "addr", "add", "fd00:a:1::1/64", "dev", built.pod.name, "nodad")
+    sh("ip", "-6", "addr", "add", "fd00:a:3::1/64", "dev", built.small.name, "nodad")
     sh("ip", "-6", "route", "add", "fd00:a:2::/64", "via", NODE2_6)
+    devices = {"fd00:ff:": built.ext.name, "fd00:a:1:": built.pod.name, "fd00:a:3:": built.small.name}
     for addr, mac in MAC6.items():
-        dev = built.ext.name if addr.startswith("fd00:ff:") else built.pod.name
+        dev = next(name for prefix, name in devices.items() if addr.startswith(prefix))
         sh("ip", "-6", "neigh", "replace", addr, "lladdr", mac, "dev", dev, "nud", "permanent")
 
 

@@ -189,11 +189,12 @@ class Stat(IntEnum):
     SOCK_DESTROYED = 36
     DROP_SPOOFED = 37
     DROP_HANDOVER = 38
-    DROP_TUPLE_TAKEN = 39
+    DROP_TUPLE_TAKEN = 39  # a new flow whose reply tuple another CPU's new flow took (ekp_ct_place)
+    DROP_HOP_LIMIT = 40  # the tc IPv6 path's last hop, answered with a time exceeded
 
 
 STAT_DROP_FIRST = Stat.DROP_MALFORMED
-STAT_COUNT = 40
+STAT_COUNT = 41
 STAT_SLOTS = 64  # ekp_stats_v3's size: room for later counters without a new map
 # The drop reasons, by name (a reason added later goes at the end of the enum, after other kinds).
 DROPS: tuple[Stat, ...] = tuple(s for s in Stat if s.name.startswith("DROP_"))

@@ -78,6 +78,7 @@ _DROP_REASONS = {
     Stat.DROP_SPOOFED: "spoofed_source",
     Stat.DROP_HANDOVER: "handover",
     Stat.DROP_TUPLE_TAKEN: "reply_tuple_taken",
+    Stat.DROP_HOP_LIMIT: "hop_limit_exceeded",
 }
 assert set(_DROP_REASONS) == set(DROPS)
 _FLOW_EVENTS = {

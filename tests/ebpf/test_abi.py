@@ -286,8 +286,9 @@ _SOCKETS = {"skcfg", "sknat"} | _V6
 _CT6 = {"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6", "cfg6", "cfg6sel"}
 # the IPv6 path: the activity stamps and frontend check (ekp_act, ekp_addr6), the backend check of
 # a flow's refresh (ekp_addr6); no Maglev, no fragments, no reject; its source translation reads
-# the shared config's port range (ekp_cfg)
-_TC6 = {"cfg", "cfgsel", "stats", "act", "addr6", "fe6", "srcr6", "aff6", "member6", "slot6", "be6"} | _CT6
+# the shared config's port range (ekp_cfg); its time exceeded takes the rejects' tokens (ekp_icmprl)
+_TC6 = {"cfg", "cfgsel", "stats", "act", "addr6", "fe6", "srcr6", "aff6", "member6", "slot6", "be6", "icmprl"}
+_TC6 |= _CT6
 _SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
 _SOCK_FORWARD6 = _SOCK_FORWARD | {"fe6", "srcr6", "aff6", "member6", "slot6", "be6", "sknat6"}
 _SOCK_REVERSE = {"sknat", "fe", "stats"}

@@ -47,9 +47,10 @@ KINDS = {"frag-needed": (3, 4), "port-unreachable": (3, 3), "time-exceeded": (11
 
 
 def error_about(
-    frame: bytes, src: str, kind: str, *, quote_len: int = 28, smac: str = "02:00:00:00:aa:01"
+    frame: bytes, src: str, kind: str, *, quote_len: int = 28, smac: str = "02:00:00:00:aa:01", to: str = ""
 ) -> bytes:
-    """The ICMP error `src` sends about `frame` (to its source), quoting `quote_len` bytes of it."""
+    """The ICMP error `src` sends about `frame` (to its source, or to `to`), quoting `quote_len`
+    bytes of it."""
     from scapy.layers.inet import ICMP, IP
     from scapy.layers.l2 import Ether
     from scapy.packet import Raw
@@ -58,7 +59,7 @@ def error_about(
     about = Ether(frame)[IP]
     icmp_type, code = KINDS[kind]
     icmp = ICMP(type=icmp_type, code=code, nexthopmtu=1400 if kind == "frag-needed" else 0)
-    outer = IP(src=src, dst=about.src, ttl=64)
+    outer = IP(src=src, dst=to or about.src, ttl=64)
     return bytes(Ether(src=smac, dst="02:00:00:00:aa:02") / outer / icmp / Raw(quoted))
 
 
@@ -175,6 +176,27 @@ def test_errors_about_no_flow_of_ours_and_other_icmp_pass(net: Net) -> None:
     for frame in (stranger, echo):
         assert net.from_pod(frame) == (TC_ACT_OK, frame)
     assert net.stats()[Stat.PASS] == 2
+
+
+def test_an_error_not_addressed_to_the_quoted_source_passes_untranslated(net: Net) -> None:
+    """An error quoting a live flow's packet but sent to another address than that packet's source
+    is no flow's (nf_conntrack_inet_error: "outer daddr != inner", no conntrack): it goes on as it
+    came, or anyone could have an error of their making translated and delivered to a flow's client
+    or backend by quoting its tuple. Both directions; the same errors addressed right are."""
+    net.add_service(port=53, backends=((2, BE2, 5353, BackendFlag.LOCAL),), proto=UDP)
+    out = net.from_pod(udp(POD_CLIENT, VIP, 40003, 53))[1]
+    reply = net.from_pod(udp(BE2, POD_CLIENT, 5353, 40003, payload=b"answer"))[1]
+    assert (parse(out).dst, parse(reply).src) == (BE2, VIP)
+    forged = [
+        error_about(out, ROUTER, "port-unreachable", to=BE1),  # would be from VIP, about POD_CLIENT's flow
+        error_about(reply, POD_CLIENT, "frag-needed", to=BE1),  # would reach BE2, from POD_CLIENT
+    ]
+    for frame in forged:
+        assert net.from_pod(frame) == (TC_ACT_OK, frame)
+    assert net.stats()[Stat.CT_RELATED] == 0
+    assert net.from_pod(error_about(out, ROUTER, "port-unreachable"))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(error_about(reply, POD_CLIENT, "frag-needed"))[0] == TC_ACT_REDIRECT
+    assert net.stats()[Stat.CT_RELATED] == 2
 
 
 # ---- path MTU: the route says "fragmentation needed" ----------------------------------------

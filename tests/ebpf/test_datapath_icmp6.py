@@ -8,11 +8,16 @@ packet's addresses and ports, the quoted TCP checksum (adjusted, when the quote 
 ICMPv6 checksum, which covers a pseudo header with the outer addresses. Every checksum is checked
 here by a computation of its own (`ones_sum`), not by the code under test nor scapy's.
 
+And the errors the path sends itself about a segment of one of its flows (bpf/ekp_icmp6.h), as
+IPv4's answers a segment too big for the backend's device: a Packet Too Big with the device's MTU,
+a time exceeded on the segment's last hop, quoting the segment as its sender sent it.
+
 The packet lab of test_datapath_ipv6.py (lab/dplab.py, `add_ipv6`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from ipaddress import IPv6Address
@@ -25,12 +30,15 @@ from agent.ebpf.maps import write_config6
 from lab.dplab import (
     BE6,
     BE6_2,
+    BE6_SMALL_MTU,
     CLIENT6,
+    CLIENT6_SMALL_MTU,
     MAC6,
     NODE2_6,
     NODE6,
     POD6,
     REMOTE_BE6,
+    SMALL_MTU,
     UDP,
     VIP6,
     Lab,
@@ -38,8 +46,10 @@ from lab.dplab import (
     add_ipv6,
     add_service6,
     packet_lab,
+    set_config,
 )
 from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT
+from tests.ebpf.test_datapath_floods import on_one_cpu
 from tests.ebpf.test_datapath_ipv6 import LOCAL_BE, frame6
 
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
@@ -77,9 +87,11 @@ def pseudo(src: bytes, dst: bytes, length: int, proto: int) -> bytes:
     return src + dst + length.to_bytes(4, "big") + bytes(3) + bytes([proto])
 
 
-def error_about(frame: bytes, src: str, kind: str, *, quote_len: int | None = None, smac: str = "") -> bytes:
-    """The ICMPv6 error `src` sends about `frame` (to its source), quoting its IPv6 packet: whole
-    (RFC 4443 quotes up to 1280 bytes), or its first `quote_len` bytes."""
+def error_about(
+    frame: bytes, src: str, kind: str, *, quote_len: int | None = None, smac: str = "", to: str = ""
+) -> bytes:
+    """The ICMPv6 error `src` sends about `frame` (to its source, or to `to`), quoting its IPv6
+    packet: whole (RFC 4443 quotes up to 1280 bytes), or its first `quote_len` bytes."""
     from scapy.layers.inet6 import IPv6
     from scapy.layers.l2 import Ether
     from scapy.packet import Raw
@@ -87,10 +99,11 @@ def error_about(frame: bytes, src: str, kind: str, *, quote_len: int | None = No
     quoted = frame[14:] if quote_len is None else frame[14 : 14 + quote_len]
     icmp_type, code, word = KINDS[kind]
     head = bytes([icmp_type, code, 0, 0]) + word.to_bytes(4, "big")
-    ip = IPv6(src=src, dst=str(IPv6Address(frame[22:38])), nh=ICMPV6, hlim=64)
+    dst = IPv6Address(to) if to else IPv6Address(frame[22:38])
+    ip = IPv6(src=src, dst=str(dst), nh=ICMPV6, hlim=64)
     message = bytearray(head + quoted)
     length = len(message)
-    check = 0xFFFF - ones_sum(pseudo(IPv6Address(src).packed, frame[22:38], length, ICMPV6) + message)
+    check = 0xFFFF - ones_sum(pseudo(IPv6Address(src).packed, dst.packed, length, ICMPV6) + message)
     message[2:4] = check.to_bytes(2, "big")
     return bytes(Ether(src=smac or "02:00:00:00:aa:01", dst="02:00:00:00:aa:02") / ip / Raw(bytes(message)))
 
@@ -286,6 +299,28 @@ def test_errors_about_no_flow_of_the_path_pass_untouched(net: Net) -> None:
     assert (stats[Stat.PASS], stats[Stat.CT_RELATED]) == (3, 0)
 
 
+def test_an_error_not_addressed_to_the_quoted_source_passes_untranslated(net: Net) -> None:
+    """An error quoting a live flow's segment but sent to another address than that segment's
+    source is no flow's (nf_conntrack_inet_error: "outer daddr != inner", no conntrack): it goes to
+    the stack as it came, or anyone could have an error of their making translated and delivered
+    to a flow's client or backend by quoting its tuple. Both directions; the same errors addressed
+    right are."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    _, out = client_segment(net, 41011)
+    verdict, reply = net.from_pod(frame6(BE6, POD6, 8080, 41011, flags="PA"))
+    assert verdict == TC_ACT_REDIRECT and str(IPv6Address(reply[22:38])) == VIP6
+    forged = [
+        error_about(out, BE6_2, "packet-too-big", to=BE6),  # would be from VIP6, about POD6's flow
+        error_about(reply, POD6, "unreachable", to=BE6_2),  # would reach BE6, from POD6
+    ]
+    for frame in forged:
+        assert net.from_pod(frame) == (TC_ACT_OK, frame)
+    assert net.stats()[Stat.CT_RELATED] == 0
+    assert net.from_pod(error_about(out, BE6_2, "packet-too-big"))[0] == TC_ACT_REDIRECT
+    assert net.from_pod(error_about(reply, POD6, "unreachable"))[0] == TC_ACT_REDIRECT
+    assert net.stats()[Stat.CT_RELATED] == 2
+
+
 def test_an_error_claiming_a_source_not_routed_to_its_pod_is_dropped(net: Net) -> None:
     """Redirected past the stack's reverse-path filter, an error from a pod passes the same check
     as the flow's packets: a source routed elsewhere (node2's pods) drops as spoofed."""
@@ -373,3 +408,98 @@ def test_errors_rewritten_on_a_checksum_complete_skb_keep_its_skb_csum(net: Net)
     verdict, back = net.from_net(error, csum_complete=True)
     assert verdict == TC_ACT_REDIRECT and error6(back).dst == CLIENT6
     assert net.stats()[Stat.CT_RELATED] == 3
+
+
+# ---- the path's own errors: Packet Too Big, time exceeded (bpf/ekp_icmp6.h) ----------------
+
+
+def big_segment6(
+    src: str, dst: str, sport: int, dport: int, *, smac: str, dmac: str, hlim: int = 64
+) -> bytes:
+    """A 1,474-byte IPv6 TCP segment (1,400 bytes of data): too big for small0's 1,280."""
+    from scapy.layers.inet import TCP as TCPh
+    from scapy.layers.inet6 import IPv6
+    from scapy.layers.l2 import Ether
+
+    ip = IPv6(src=src, dst=dst, hlim=hlim)
+    return bytes(Ether(src=smac, dst=dmac) / ip / TCPh(sport=sport, dport=dport, flags="PA") / (b"p" * 1400))
+
+
+def assert_answers(out: bytes, sent: bytes, *, icmp: tuple[int, int, int], src: str, dst: str) -> None:
+    """`out` is the ICMPv6 error (type, code, word) from `src` to `dst` quoting `sent`'s IPv6 header
+    and TCP base header as sent, back to the MAC `sent` came from, every checksum right."""
+    e = error6(out)
+    assert (e.dmac, e.src, e.dst, e.hlim) == (":".join(f"{b:02x}" for b in sent[6:12]), src, dst, 64)
+    assert (e.head[0], e.head[1], int.from_bytes(e.head[4:8], "big")) == icmp
+    assert e.checksum_ok, "ICMPv6 checksum"
+    assert out[62:] == sent[14 : 14 + 40 + 20], "the segment as sent, cut after its TCP header"
+    assert int.from_bytes(out[18:20], "big") == len(out) - 54, "payload length"
+
+
+def test_too_big_for_the_backends_device_answers_packet_too_big_from_the_frontend(net: Net, lab: Lab) -> None:
+    """The backend is behind a 1,280-byte MTU: the client is told so by the frontend, about the
+    segment it sent (to the frontend), and lowers its path MTU for the ClusterIP; the node's stack
+    would have answered about a flow it does not know (ip6tables translating it again)."""
+    add_service6(net.dp.maps, VIP6, 80, ((1, BE6_SMALL_MTU, 8080, BackendFlag.LOCAL),))
+    assert net.from_pod(frame6(POD6, VIP6, 42000, 80))[0] == TC_ACT_REDIRECT
+    big = big_segment6(POD6, VIP6, 42000, 80, smac=MAC6[POD6], dmac=lab.pod.mac)
+    verdict, out = net.from_pod(big)
+    assert verdict == TC_ACT_REDIRECT  # back out of the device it came in by
+    assert_answers(out, big, icmp=(2, 0, SMALL_MTU), src=VIP6, dst=POD6)
+    assert net.stats()[Stat.DROP_FRAG_NEEDED] == 1
+    # a segment that fits goes through, translated
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 42000, 80, flags="PA"))
+    assert verdict == TC_ACT_REDIRECT and str(IPv6Address(out[38:54])) == BE6_SMALL_MTU
+
+
+def test_too_big_for_the_clients_device_tells_the_backend(net: Net, lab: Lab) -> None:
+    """A reply too big for the client's device: the backend is told, by the client's address (the
+    one it sent to), about the segment it sent."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    assert net.from_pod(frame6(CLIENT6_SMALL_MTU, VIP6, 42001, 80), via=lab.small)[0] == TC_ACT_REDIRECT
+    big = big_segment6(BE6, CLIENT6_SMALL_MTU, 8080, 42001, smac=MAC6[BE6], dmac=lab.pod.mac)
+    verdict, out = net.from_pod(big)
+    assert verdict == TC_ACT_REDIRECT
+    assert_answers(out, big, icmp=(2, 0, SMALL_MTU), src=CLIENT6_SMALL_MTU, dst=BE6)
+
+
+def test_the_last_hop_of_a_flows_segment_is_answered_with_time_exceeded(net: Net, lab: Lab) -> None:
+    """Hop limit 1 on a hit: this hop would spend it, so the sender gets a time exceeded from the
+    address it targeted, about what it sent (a traceroute through the ClusterIP), and the segment
+    goes nowhere; both directions. A SYN at its last hop still goes to the stack (no flow yet)."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    assert net.from_pod(frame6(POD6, VIP6, 42002, 80))[0] == TC_ACT_REDIRECT
+    last = frame6(POD6, VIP6, 42002, 80, flags="PA", hlim=1)
+    verdict, out = net.from_pod(last)
+    assert verdict == TC_ACT_REDIRECT
+    assert_answers(out, last, icmp=(3, 0, 0), src=VIP6, dst=POD6)
+    reply = frame6(BE6, POD6, 8080, 42002, flags="PA", hlim=1)
+    verdict, out = net.from_pod(reply)
+    assert verdict == TC_ACT_REDIRECT
+    assert_answers(out, reply, icmp=(3, 0, 0), src=POD6, dst=BE6)
+    assert net.stats()[Stat.DROP_HOP_LIMIT] == 2
+    syn = frame6(POD6, VIP6, 42003, 80, hlim=1)
+    assert net.from_pod(syn) == (TC_ACT_OK, syn)
+
+
+def test_time_exceeded_is_rate_limited_packet_too_big_is_not(net: Net, dp: Datapath, lab: Lab) -> None:
+    """Time exceeded takes the rejects' tokens (a burst of 3, 1 per second here), as the kernel
+    limits it; Packet Too Big is exempt, as IPv4's fragmentation needed and the kernel's
+    icmpv6_xrlim_allow: path-MTU discovery depends on it."""
+    set_config(dp, icmp_rate=1, icmp_burst=3)
+    add_service6(net.dp.maps, VIP6, 80, ((1, BE6_SMALL_MTU, 8080, BackendFlag.LOCAL),))
+    assert net.from_pod(frame6(POD6, VIP6, 42004, 80))[0] == TC_ACT_REDIRECT
+    with on_one_cpu():
+        started = time.monotonic()
+        answered = sum(
+            net.from_pod(frame6(POD6, VIP6, 42004, 80, flags="PA", hlim=1))[0] == TC_ACT_REDIRECT
+            for _ in range(20)
+        )
+        elapsed = time.monotonic() - started
+        big = big_segment6(POD6, VIP6, 42004, 80, smac=MAC6[POD6], dmac=lab.pod.mac)
+        too_big = [net.from_pod(big)[0] for _ in range(20)]
+    assert 3 <= answered <= 3 + elapsed + 1
+    assert too_big == [TC_ACT_REDIRECT] * 20
+    stats = net.stats()
+    assert (stats[Stat.DROP_HOP_LIMIT], stats[Stat.DROP_ICMP_RATE]) == (answered, 20 - answered)
+    assert stats[Stat.DROP_FRAG_NEEDED] == 20

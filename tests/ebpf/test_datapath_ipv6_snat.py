@@ -11,6 +11,7 @@ The IPv6 packet lab of test_datapath_ipv6 (its `lab` fixture: lab/dplab.py's `ad
 from __future__ import annotations
 
 import ctypes as ct
+import os
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,6 +31,7 @@ from agent.ebpf.abi import (
 )
 from agent.ebpf.maps import read_config6, write_config6
 from agent.ebpf.render6 import ct6_lines
+from lab.cpurace import race_rounds
 from lab.dplab import (
     BE6,
     BE6_2,
@@ -46,7 +48,7 @@ from lab.dplab import (
     add_service6,
     set_config,
 )
-from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
+from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, PreparedRun
 from tests.ebpf.test_datapath_ipv6 import (  # noqa: F401 (`lab`: the IPv6 packet lab, a fixture)
     LOCAL_BE,
     ct6,
@@ -402,3 +404,34 @@ def test_a_restart_never_translates_a_new_flow_with_the_snat_source_an_earlier_r
         )
     finally:
         p.close()
+
+
+def test_two_cpus_claiming_one_free_snat_port_at_once_never_both_count_it(net: Net) -> None:
+    """The SNAT range is one port; each round two new flows (two clients) are decided at the same
+    moment on the machine's two CPUs (lab/cpurace.py), the table empty before. Each walk sees the
+    port free, or held by the other's unanswered flow (then it early-drops that flow, counted). A
+    flow that wrote over the other's entry after its walk saw the port free (the other claimed it
+    in between: ekp_ct_place) would take it uncounted, the other's entries gone behind its
+    NEW_FLOWS; so the rounds must keep exactly one flow each more than they early-dropped, the
+    loser of a race dropped as DROP_TUPLE_TAKEN."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    assert len(cpus) == 2, "the race needs two CPUs"
+    snat_source(net, NODE6)
+    set_config(net.dp, snat_port_min=SNAT_MIN, snat_port_max=SNAT_MIN)
+    nodeport_to_remote(net)
+    fd, ifindex = net.dp.prog_fd("ekp_from_net"), net.lab.ext.ifindex
+    runs = [
+        [PreparedRun(fd, frame6(client, NODE6, 20000 + r, 30080), ifindex) for r in range(RACE_ROUNDS)]
+        for client in (CLIENT6, OTHER_CLIENT6)
+    ]
+    rounds = race_rounds(cpus, runs, net.dp.maps["ct6_tcp"].clear, timeout_s=60)
+    assert rounds == RACE_ROUNDS
+    stats = net.stats()
+    new, early, taken = stats[Stat.NEW_FLOWS], stats[Stat.EARLY_DROP], stats[Stat.DROP_TUPLE_TAKEN]
+    assert new - early == rounds, (
+        f"{new} new flows, {early} early drops: {new - early - rounds} lost uncounted"
+    )
+    assert new + taken == 2 * rounds
+
+
+RACE_ROUNDS = 1500

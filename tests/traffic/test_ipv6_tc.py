@@ -260,3 +260,32 @@ def test_packet_too_big_from_beyond_the_backends_node_lowers_the_clients_path_mt
         assert after["ct_related"] > before["ct_related"], "node1 translated the Packet Too Big"
     else:
         assert "dport=80 " in flows, flows
+
+
+def test_packet_too_big_from_the_node_when_its_uplink_is_smaller_lowers_the_clients_path_mtu(
+    dual: Cluster,
+) -> None:
+    """node1's uplink (its eth0 and the switch port) carries 1,400 bytes; the pods have 1,500. The
+    client's first full-size segment through the IPv6 ClusterIP, to the backend on node2, is too
+    big for the device its translation leaves by: node1 answers with a Packet Too Big from the
+    ClusterIP quoting the segment as the client sent it (eBPF: the tc IPv6 path on the flow's hit,
+    bpf/ekp_icmp6.h, counted `drop_frag_needed`, no nf_conntrack entry made for the flow; before,
+    the segment went to the stack, where ip6tables took it for a new flow and translated it again;
+    iptables: ip6_forward, through nf_nat). The client lowers its path MTU, the upload completes."""
+    lab = dual.lab
+    client = lab.pod("pod-1-1")
+    forget_flows(dual, PMTU_VIP)
+    before = dual.bpf_stats(1) if dual.mode == "ebpf" else {}
+    url = f"http://[{PMTU_VIP}]:80/sink"
+    with mtu(dual, [("node1", "eth0"), ("net", "sw-node1")], 1400):
+        sent = dual.client(client, "upload", "--url", url, "--bytes", str(UPLOAD), "--timeout", "20")
+        route = lab.run(client, "ip", "-6", "route", "get", PMTU_VIP).stdout
+    assert sent.get("received") == UPLOAD, sent
+    assert " mtu 1400 " in f"{route} ", route
+    flows = dnat_flows(dual, PMTU_VIP)
+    if dual.mode == "ebpf":
+        after = dual.bpf_stats(1)
+        assert after["drop_frag_needed"] > before["drop_frag_needed"], "node1's tc path answered"
+        assert flows == "", f"no flow of ip6tables: {flows}"
+    else:
+        assert "dport=80 " in flows, flows
