@@ -225,12 +225,15 @@ class Net:
         self.dp, self.lab = dp, lab
 
     def from_pod(
-        self, frame: bytes, via: Link | None = None, *, csum_complete: bool = False
+        self, frame: bytes, via: Link | None = None, *, csum_complete: bool = False, gso_size: int = 0
     ) -> tuple[int, bytes]:
         """ekp_from_pod on `frame` arriving on pod0, or on the pod device `via` (small0);
-        `csum_complete`: a CHECKSUM_COMPLETE skb whose skb->csum is checked after (prog_run)."""
+        `csum_complete`: a CHECKSUM_COMPLETE skb whose skb->csum is checked after; `gso_size`: a GSO
+        skb of segments that size (prog_run)."""
         fd = self.dp.prog_fd("ekp_from_pod")
-        return prog_run(fd, frame, (via or self.lab.pod).ifindex, csum_complete=csum_complete)
+        return prog_run(
+            fd, frame, (via or self.lab.pod).ifindex, csum_complete=csum_complete, gso_size=gso_size
+        )
 
     def from_net(self, frame: bytes, *, csum_complete: bool = False) -> tuple[int, bytes]:
         return prog_run(
