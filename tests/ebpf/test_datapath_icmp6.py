@@ -48,9 +48,9 @@ from lab.dplab import (
     packet_lab,
     set_config,
 )
-from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT
+from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
 from tests.ebpf.test_datapath_floods import on_one_cpu
-from tests.ebpf.test_datapath_ipv6 import LOCAL_BE, frame6
+from tests.ebpf.test_datapath_ipv6 import LOCAL_BE, ct6_key, frame6
 
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
@@ -501,6 +501,23 @@ def test_the_last_hop_of_a_flows_segment_is_answered_with_time_exceeded(net: Net
     assert net.stats()[Stat.DROP_HOP_LIMIT] == 2
     syn = frame6(POD6, VIP6, 42003, 80, hlim=1)
     assert net.from_pod(syn) == (TC_ACT_OK, syn)
+
+
+def test_no_error_goes_to_a_source_the_stack_would_drop_as_a_martian(net: Net) -> None:
+    """A segment at its last hop of a flow from the unspecified, loopback, an IPv4-mapped or a
+    multicast source (entries written behind the data path's back: no pod sends from those) is
+    dropped unanswered, as ip6_rcv_core would drop an answer's way back and IPv4's refuses 0/8 and
+    127/8; a real client's is answered."""
+    add_service6(net.dp.maps, NODE6, 30080, LOCAL_BE, scope=Scope.EXTERNAL, flags=FrontendFlag.NODEPORT)
+    assert net.from_net(frame6(CLIENT6, NODE6, 42100, 30080))[0] == TC_ACT_REDIRECT
+    forward = net.dp.maps["ct6_tcp"].lookup(ct6_key(CLIENT6, NODE6, 42100, 30080))
+    assert forward is not None
+    for src in ("::", "::1", "::ffff:10.0.0.1", "ff02::1"):
+        net.dp.maps["ct6_tcp"].update(ct6_key(src, NODE6, 42100, 30080), forward)
+        last = frame6(src, NODE6, 42100, 30080, flags="PA", hlim=1)
+        assert net.from_net(last)[0] == TC_ACT_SHOT, src
+    assert net.stats()[Stat.DROP_HOP_LIMIT] == 4
+    assert net.from_net(frame6(CLIENT6, NODE6, 42100, 30080, flags="PA", hlim=1))[0] == TC_ACT_REDIRECT
 
 
 def test_time_exceeded_is_rate_limited_packet_too_big_is_not(net: Net, dp: Datapath, lab: Lab) -> None:
