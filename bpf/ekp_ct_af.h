@@ -358,6 +358,21 @@ static __always_inline void EKP_CTF(delete_forward_of)(const EKP_CT_KEY *tk, con
 		EKP_CTF(delete)(tk);
 }
 
+#ifndef EKP_EEXIST
+#define EKP_EEXIST 17 /* errno's EEXIST: a BPF_NOEXIST insert on a key that is there */
+#endif
+
+/* Inserts `rent` under `rkey` if free: 0, EKP_DROP_TUPLE_TAKEN when another CPU's flow is there
+ * now, EKP_DROP_CT_FULL when the map could not take it (an LRU map out of free nodes: ENOMEM). */
+static __always_inline int EKP_CTF(claim)(EKP_CT_KEY *rkey, EKP_CT_ENTRY *rent)
+{
+	int rc = EKP_CTF(insert)(rkey, rent);
+
+	if (!rc)
+		return 0;
+	return rc == -EKP_EEXIST ? EKP_DROP_TUPLE_TAKEN : EKP_DROP_CT_FULL;
+}
+
 /* Puts the REPLY entry `rent` under `rkey`, the tuple the new flow was given (the SNAT walk's port,
  * or the client's own), which another CPU's new flow may have taken since it was chosen. So only
  * what the choice allowed is replaced, again checked here: an entry of this very tuple's earlier
@@ -372,30 +387,33 @@ static __always_inline void EKP_CTF(delete_forward_of)(const EKP_CT_KEY *tk, con
  * flow another CPU writes between the lookup here and the delete (no map has a compare-and-delete);
  * its window is this function's few instructions, where it was the whole walk. */
 static __always_inline int EKP_CTF(place)(EKP_CT_KEY *rkey, EKP_CT_ENTRY *rent, const EKP_PKT *p,
-					const struct ekp_config *cfg, __u64 now, __u8 early_drop)
+					const struct ekp_config *cfg, __u64 now, __u8 *early_drop)
 {
 	EKP_CT_ENTRY *old = EKP_CTF(lookup)(rkey);
+	__u8 may_drop = *early_drop;
 
+	*early_drop = 0; /* counted only for an unanswered holder deleted here, not one gone since */
 	if (old) {
 		if (EKP_A_EQ(old->fe_addr, rent->fe_addr) && old->fe_port == rent->fe_port &&
 		    (old->flags & EKP_CT_SNAT) == (rent->flags & EKP_CT_SNAT) &&
 		    EKP_A_EQ(old->nat_addr, rent->nat_addr) && old->nat_port == rent->nat_port)
 			return EKP_CTF(write)(rkey, rent) == 0 ? 0 : EKP_DROP_CT_FULL;
-		if (!EKP_CTF(reusable)(old, rkey, EKP_PB(p), cfg, now) &&
-		    !(early_drop && !(old->flags & EKP_CT_ESTABLISHED)))
+		int dead = EKP_CTF(reusable)(old, rkey, EKP_PB(p), cfg, now);
+		if (!dead && !(may_drop && !(old->flags & EKP_CT_ESTABLISHED)))
 			return EKP_DROP_TUPLE_TAKEN;
+		*early_drop = !dead;
 		EKP_CT_KEY tk = {};
 		EKP_CTF(twin_key)(&tk, rkey, old);
 		EKP_CTF(delete)(rkey);
-		int rc = EKP_CTF(insert)(rkey, rent);
+		int reason = EKP_CTF(claim)(rkey, rent);
 		/* The holder's FORWARD entry goes after its REPLY, whatever the insert did: a holder
 		 * still being created on another CPU may have written it since the lookup (deleted
 		 * first, it would come back). Once the REPLY entry is gone, that creation's own check
 		 * (ekp_ct_create) deletes any FORWARD entry written later. */
 		EKP_CTF(delete_forward_of)(&tk, rkey);
-		return rc == 0 ? 0 : EKP_DROP_TUPLE_TAKEN;
+		return reason;
 	}
-	return EKP_CTF(insert)(rkey, rent) == 0 ? 0 : EKP_DROP_TUPLE_TAKEN;
+	return EKP_CTF(claim)(rkey, rent);
 }
 
 /* Inserts the REPLY then the FORWARD entry of a new flow (a reply can never beat its entry).
@@ -458,7 +476,7 @@ static __always_inline int EKP_CTF(create)(const EKP_PKT *p, EKP_FLOW *f, const 
 	rent.backend_id = EKP_FB(f)->backend_id;
 	rent.flags = EKP_FB(f)->ct_flags;
 	EKP_CTF(stamp_flow)(&rent, &rkey, now); /* before the entries: no packet of the flow leaves before */
-	reason = EKP_CTF(place)(&rkey, &rent, p, cfg, now, EKP_FB(f)->early_drop);
+	reason = EKP_CTF(place)(&rkey, &rent, p, cfg, now, &EKP_FB(f)->early_drop);
 	if (reason)
 		return reason;
 
