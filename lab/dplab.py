@@ -270,7 +270,7 @@ class TupleRace:
 
     def __init__(self, net: Net, table: str) -> None:
         self.net, self.table = net, net.dp.maps[table]
-        self.rounds = self.contended = 0
+        self.rounds = self.raced = 0  # raced: a round one CPU lost (DROP_TUPLE_TAKEN)
         self._last = self._counts()
 
     def _counts(self) -> tuple[int, int, int]:
@@ -284,7 +284,7 @@ class TupleRace:
         self._last = counts
         if items or new or taken:
             self.rounds += 1
-            self.contended += bool(early or taken)
+            self.raced += bool(taken)
             lost = forward_entries_without_twin(items)
             flows = sum(_ct_tuple(k)[5] == CtDir.FORWARD for k, _ in items)
             what = (

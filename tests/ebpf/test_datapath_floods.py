@@ -120,7 +120,7 @@ def test_two_cpus_claiming_one_free_snat_port_at_once_never_both_count_it(net: N
     check = TupleRace(net, "ct_tcp")
     rounds = race_rounds(cpus, runs, check, timeout_s=60)
     check()
-    assert rounds == RACE_ROUNDS == check.rounds, f"{rounds} rounds run, {check.contended} of them contended"
+    assert rounds == RACE_ROUNDS == check.rounds, f"{rounds} rounds run, {check.raced} of them raced"
 
 
 RACE_ROUNDS = 1500
