@@ -20,6 +20,7 @@ re-adopts them): the load is waited for under the node lock, so nothing outlives
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import shutil
 import sys
@@ -31,7 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.collector import StartHold, set_thresholds
 from agent.config import Config, Mode, NodeContext
-from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service
+from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service, read_events
 from agent.errors import FatalError
 from agent.featuregates import node_info
 from agent.metaproxier import frontend_guard
@@ -389,7 +390,12 @@ def build_agent(
         api = api_client(config, kubeconfig=kubeconfig)
         log.info("API server %s", describe(api))
         source_metrics = SourceMetrics(registry)
-        source = ApiSource(config, api, metrics=source_metrics)
+        source = ApiSource(
+            config,
+            api,
+            metrics=source_metrics,
+            prepare=functools.partial(read_events, hostname=config.hostname),
+        )
         recorder = EventRecorder(api, config.hostname, metrics=source_metrics)
         services.append(recorder)
         events = recorder
