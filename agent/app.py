@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.collector import StartHold, set_thresholds
 from agent.config import Config, Mode, NodeContext
-from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service, read_events
+from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service
 from agent.errors import FatalError
 from agent.featuregates import node_info
 from agent.metaproxier import frontend_guard
@@ -383,6 +383,8 @@ def build_agent(
         source: Source = FileSource(config.services_file, metrics=FileMetrics(registry))
         events: EventSink = NoEvents()
     else:
+        from agent.handover import read_and_pack, unpack
+        from agent.kube.childlist import BatchReader
         from agent.kube.client import api_client, describe
         from agent.kube.events import EventRecorder
         from agent.kube.source import ApiSource
@@ -394,7 +396,7 @@ def build_agent(
             config,
             api,
             metrics=source_metrics,
-            prepare=functools.partial(read_events, hostname=config.hostname),
+            reader=BatchReader(functools.partial(read_and_pack, hostname=config.hostname), unpack),
         )
         recorder = EventRecorder(api, config.hostname, metrics=source_metrics)
         services.append(recorder)

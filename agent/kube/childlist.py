@@ -7,11 +7,11 @@ record cost the agent about 0.3 CPU s more than receiving the records ready-made
 code (reflector.py: limit/continue pages, the resourceVersion of the watch that follows, a 410 on
 a continue token and the relist, backoff on failures) through the same kubernetes client and
 configuration (the parent's, copied by the fork, with a connection pool of its own), its batches
-read by the agent's reader (`prepare`: agent.daemon.read_events) and sent back pickled as they
-come, with the delivered-map entries they make. The child's log records go to the parent's
-handlers, and its counters and list duration are added to the parent's metrics at the end
-(`ListDone`). A malformed slice is read into a record carrying its error, as in process, and
-reported by the model when the agent applies it.
+read into the model's records by the agent's reader and sent back as they come, packed as plain
+tuples (`BatchReader`: agent.handover), with the delivered-map entries they make. The child's log
+records go to the parent's handlers, and its counters and list duration are added to the parent's
+metrics at the end (`ListDone`). A malformed slice is read into a record carrying its error, as in
+process, and reported by the model when the agent applies it.
 
 The parent's reflector delivers each batch as it arrives and takes the child's `ListDone` as the
 end of its first list; then it watches from that resourceVersion as after any list. A child that
@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -48,7 +49,14 @@ from agent.sources.base import Event, EventType, ObjectEvent
 
 log = logging.getLogger(__name__)
 
-Prepare = Callable[[Sequence[Event]], Sequence[object]]
+
+@dataclass(frozen=True)
+class BatchReader:
+    """How a batch crosses: `pack` reads it into the model's records and packs them (in the
+    child: agent.handover.read_and_pack), `unpack` rebuilds them (in the agent)."""
+
+    pack: Callable[[Sequence[Event]], bytes]
+    unpack: Callable[[bytes], Sequence[object]]
 
 
 class _Send:
@@ -66,10 +74,10 @@ class ChildList:
     """The first list of `resource` run in a forked child by a reflector of its own (its counters
     in a registry of its own: what it sends back are the list's increments only)."""
 
-    def __init__(self, resource: Resource, settings: WatchSettings, prepare: Prepare) -> None:
+    def __init__(self, resource: Resource, settings: WatchSettings, reader: BatchReader) -> None:
         self._resource = resource
         self._settings = settings
-        self._prepare = prepare
+        self._reader = reader
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._closed = threading.Event()
@@ -99,8 +107,9 @@ class ChildList:
                 raise ListFailed(self._how_it_ended()) from exc
             if isinstance(message, logging.LogRecord):
                 logging.getLogger(message.name).handle(message)
-            elif isinstance(message, ListedBatch):
-                yield message
+            elif isinstance(message, tuple):
+                delivered, blob = message
+                yield ListedBatch(delivered, self._reader.unpack(blob))
             elif isinstance(message, ListDone):
                 yield message
                 return
@@ -156,7 +165,7 @@ class ChildList:
         conn.close()
 
     def _list(self, conn: Connection) -> ListDone:
-        prepare = self._prepare
+        pack = self._reader.pack
 
         def sink(events: Sequence[Event]) -> None:
             delivered = tuple(
@@ -164,7 +173,7 @@ class ChildList:
                 for e in events
                 if isinstance(e, ObjectEvent)
             )
-            conn.send(ListedBatch(delivered, prepare(events)))
+            conn.send((delivered, pack(events)))
 
         metrics = SourceMetrics(CollectorRegistry())
         reflector = Reflector(self._resource, sink, self._settings, threading.Event(), metrics=metrics)

@@ -608,23 +608,18 @@ class Reflector:
     def _list_from(self, first: FirstList) -> bool:
         """Take the list read elsewhere as this loop's first; False when it failed (logged), and
         the caller lists here, reconciling against what it did deliver."""
+        last: ListedBatch | None = None
         try:
             for message in first.messages():
                 if isinstance(message, ListDone):
-                    self._listed(message)
+                    self._listed(message, last)
                     return True
-                for key, version in message.delivered:
-                    self._undo.append((key, self._delivered.get(key, _MISSING)))
-                    if version is None:
-                        self._delivered.pop(key, None)
-                    else:
-                        self._delivered[key] = version
-                # Records read by the sink's reader, which passes them through
-                # (agent.daemon.read_events).
-                self._deliver(cast(list[Event], list(message.events)))
+                if any(isinstance(e, Synced) for e in message.events):
+                    last = message  # delivered with the list's end, after its counters (as here)
+                else:
+                    self._deliver_listed(message)
             raise ListFailed("it ended before the list did")
         except ListFailed as exc:
-            self._undo.clear()  # what was delivered stays delivered
             if self._stopping.is_set():
                 raise _Stopped from exc
             log.warning(
@@ -637,14 +632,28 @@ class Reflector:
             first.close()
             self._first_list = None
 
-    def _listed(self, done: ListDone) -> None:
+    def _deliver_listed(self, batch: ListedBatch) -> None:
+        for key, version in batch.delivered:
+            self._undo.append((key, self._delivered.get(key, _MISSING)))
+            if version is None:
+                self._delivered.pop(key, None)
+            else:
+                self._delivered[key] = version
+        # Records read by the sink's reader, which passes them through (agent.daemon.read_events).
+        self._deliver(cast(list[Event], list(batch.events)))
+
+    def _listed(self, done: ListDone, last: ListedBatch | None) -> None:
+        """The end of a list read elsewhere, in the order of one read here: its counters, its
+        last batch (the Synced), then the reflector's state and the list's duration."""
+        for attr, labels, amount in done.counters:
+            getattr(self._metrics, attr).labels(*labels).inc(amount)
+        if last is not None:
+            self._deliver_listed(last)
         self.resource_version = done.resource_version
         self._paginated = done.paginated
         self._logged_unnamed = self._logged_unnamed or done.logged_unnamed
-        for attr, labels, amount in done.counters:
-            getattr(self._metrics, attr).labels(*labels).inc(amount)
-        self._metrics.list_seconds.labels(self.kind.value).observe(done.seconds)
         self._consistent = False
+        self._metrics.list_seconds.labels(self.kind.value).observe(done.seconds)
         self.lists += 1
         self._listed_at = self._clock()
 

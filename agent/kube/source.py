@@ -7,7 +7,7 @@ the events of one network read) and `Synced(kind, resourceVersion)` after every 
 The first-sync gate waits for a `Synced` of every kind in `kinds`. Threads never raise; failures
 are retried with backoff, logged once per episode and counted (agent/metrics/source.py).
 
-With a reader (`prepare`, the agent's: agent.daemon.read_events), the first EndpointSlice list is
+With a reader (`reader`: the agent's, agent.handover), the first EndpointSlice list is
 read in a child process, on the machine's second CPU (childlist.py).
 
 The three kinds are independent streams with their own resourceVersions, as kube-proxy's three
@@ -25,7 +25,7 @@ from dataclasses import replace
 from kubernetes import client as k8s
 
 from agent.config import Config
-from agent.kube.childlist import ChildList, Prepare
+from agent.kube.childlist import BatchReader, ChildList
 from agent.kube.reflector import Reflector, WatchSettings
 from agent.kube.resources import Resource, watched_resources
 from agent.metrics.source import SourceMetrics
@@ -44,10 +44,10 @@ class ApiSource:
         settings: WatchSettings | None = None,
         rand: random.Random | None = None,
         metrics: SourceMetrics | None = None,
-        prepare: Prepare | None = None,
+        reader: BatchReader | None = None,
     ) -> None:
         self._metrics = metrics
-        self._prepare = prepare
+        self._reader = reader
         self._resources: tuple[Resource, ...] = watched_resources(api, config.hostname)
         self._host = api.configuration.host
         self._settings = replace(settings or WatchSettings(), resync_s=config.config_sync_period_s)
@@ -89,9 +89,9 @@ class ApiSource:
         """The first EndpointSlice list in a child process (childlist.py), forked here, before
         any of the source's threads starts; None (listed in process) without a reader, for the
         other kinds, or when the fork fails."""
-        if self._prepare is None or res.kind is not Kind.ENDPOINT_SLICE:
+        if self._reader is None or res.kind is not Kind.ENDPOINT_SLICE:
             return None
-        child = ChildList(res, self._settings, self._prepare)
+        child = ChildList(res, self._settings, self._reader)
         try:
             child.start()
         except OSError as exc:

@@ -6,6 +6,7 @@ that dies is replaced by the in-process list.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -13,6 +14,8 @@ from collections.abc import Sequence
 import pytest
 
 from agent.daemon import _Read, read_events
+from agent.handover import read_and_pack, unpack
+from agent.kube.childlist import BatchReader
 from agent.model.tracker import SliceRecord
 from agent.sources.base import Event, EventType, Kind, ObjectEvent, Synced
 from lab.fakeapi import FakeApiServer
@@ -25,6 +28,9 @@ HOST = "node1"
 
 def read(events: Sequence[Event]) -> Sequence[object]:
     return read_events(events, HOST)
+
+
+READER = BatchReader(functools.partial(read_and_pack, hostname=HOST), unpack)
 
 
 def fill(server: FakeApiServer, count: int = 8) -> None:
@@ -59,7 +65,7 @@ def test_child_list_delivers_the_records_the_in_process_list_reads(
     fill(server)
     expected = in_process(start_source, server)
     lists_before = metric("ekp_api_list_duration_seconds_count", kind="EndpointSlice")
-    source, sink = start_source(server, prepare=read)
+    source, sink = start_source(server, reader=READER)
     sink.wait(lambda: bool(sink.synced(Kind.ENDPOINT_SLICE)), what="the child's list")
 
     got = slice_events(sink)
@@ -110,7 +116,7 @@ def test_child_list_follows_pages_and_an_expired_continue_token(
     server.on_request(expire_once)
     before = metric("ekp_relists_total", kind="EndpointSlice", reason="continue_expired")
     caplog.set_level(logging.INFO)
-    _, sink = start_source(server, prepare=read)
+    _, sink = start_source(server, reader=READER)
     sink.wait(lambda: bool(sink.synced(Kind.ENDPOINT_SLICE)), what="the child's list")
     assert expired
     # The counter the child moved, and its log lines, reach the parent.
@@ -134,14 +140,14 @@ def test_a_child_that_dies_mid_list_is_replaced_by_the_in_process_list(
     fill(server, 10)
     calls = [0]
 
-    def dies_at_the_second_page(events: Sequence[Event]) -> Sequence[object]:
+    def dies_at_the_second_page(events: Sequence[Event]) -> bytes:
         calls[0] += 1  # in the child's memory
         if calls[0] == 2:
             os._exit(3)
-        return read(events)
+        return read_and_pack(events, HOST)
 
     caplog.set_level(logging.INFO)
-    source, sink = start_source(server, prepare=dies_at_the_second_page)
+    source, sink = start_source(server, reader=BatchReader(dies_at_the_second_page, unpack))
     sink.wait(lambda: bool(sink.synced(Kind.ENDPOINT_SLICE)), what="the fallback list")
     got = slice_events(sink)
     # Page one came from the child as records; the in-process list found it unchanged and sent the
@@ -165,7 +171,7 @@ def test_stop_ends_a_child_still_listing(server: FakeApiServer, start_source: So
     fill(server, 2)
     # Every EndpointSlice list fails: the child retries with backoff until the source stops.
     server.fail_next(1000, 503, match=lambda r: "endpointslices" in r.path)
-    source, sink = start_source(server, prepare=read)
+    source, sink = start_source(server, reader=READER)
     sink.wait(lambda: bool(sink.synced(Kind.SERVICE)), what="the Services list")
     reflector = next(r for r in source._reflectors if r.kind is Kind.ENDPOINT_SLICE)
     child = reflector._first_list
