@@ -20,7 +20,6 @@ re-adopts them): the load is waited for under the node lock, so nothing outlives
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import shutil
 import sys
@@ -383,8 +382,6 @@ def build_agent(
         source: Source = FileSource(config.services_file, metrics=FileMetrics(registry))
         events: EventSink = NoEvents()
     else:
-        from agent.handover import read_and_pack, unpack
-        from agent.kube.childlist import BatchReader
         from agent.kube.client import api_client, describe
         from agent.kube.events import EventRecorder
         from agent.kube.source import ApiSource
@@ -392,12 +389,7 @@ def build_agent(
         api = api_client(config, kubeconfig=kubeconfig)
         log.info("API server %s", describe(api))
         source_metrics = SourceMetrics(registry)
-        source = ApiSource(
-            config,
-            api,
-            metrics=source_metrics,
-            reader=BatchReader(functools.partial(read_and_pack, hostname=config.hostname), unpack),
-        )
+        source = ApiSource(config, api, metrics=source_metrics)
         recorder = EventRecorder(api, config.hostname, metrics=source_metrics)
         services.append(recorder)
         events = recorder

@@ -294,14 +294,14 @@ class Agent:
 
     # ------------------------------------------------------------------ input (any thread)
 
-    def deliver(self, events: Sequence[Event | _Read]) -> None:
+    def deliver(self, events: Sequence[Event]) -> None:
         """The source's sink: read Services and EndpointSlices into the model's records here, on
         the source's thread, then enqueue and ask for a sync. The decoded objects go as soon as
         their batch (a list page) is read, whatever the sync thread is busy with: a list of 10,000
         of each is never queued whole as dicts."""
         if not events:
             return
-        read = read_events(events, self._config.hostname)
+        read = [_read(e, self._config.hostname) for e in events]
         with self._lock:
             self._queue.extend(read)
             touched = self._families_touched(read)
@@ -645,13 +645,7 @@ def _families(record: ServiceRecord | SliceRecord) -> frozenset[IPFamily]:
     return frozenset() if record.parsed is None else frozenset({record.parsed.family})
 
 
-def read_events(events: Sequence[Event | _Read], hostname: str) -> list[Event | _Read]:
-    """`events` read into the model's records; records already read (by the source's child
-    process, agent.kube.childlist) pass through."""
-    return [_read(e, hostname) for e in events]
-
-
-def _read(event: Event | _Read, hostname: str) -> Event | _Read:
+def _read(event: Event, hostname: str) -> Event | _Read:
     """`event` with its object read into a model record, for the kinds the model parses."""
     if not isinstance(event, ObjectEvent) or event.type is EventType.DELETED:
         return event

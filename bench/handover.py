@@ -5,11 +5,10 @@ The agent lists on one CPU of two (one GIL); a child process could decode and pa
 hand the records back. This measures, in one process and in CPU seconds, the pieces of that split
 at N Services x E endpoints (one slice each, as the fake API server's): the decode of each item
 (orjson) and its reading into the model's record (`agent.daemon._read`), which the child would
-take off the agent; and two hand-overs of the records, what the child pays to send them and
-what the agent pays to receive them: pickle, and agent.handover's (what agent/kube/childlist.py
-sends: marshal of plain tuples rebuilt into the records, `tuple.__new__` for the `Endpoint`
-NamedTuples, no Python `__new__` per endpoint). Each rebuilt record is checked equal to the one
-read in place.
+take off the agent; and two hand-overs of the records, what the child would pay to send them and
+what the agent would pay to receive them: pickle, and marshal of plain tuples rebuilt into the
+records (`tuple.__new__` for the `Endpoint` NamedTuples, no Python `__new__` per endpoint). Each
+rebuilt record is checked equal to the one read in place.
 
 `--collector` sets the garbage collector as in the agent: `held` (off, as while it starts until
 its first full sync: agent.collector.StartHold), `thresholds` (agent.collector.GC_THRESHOLDS) or
@@ -20,17 +19,20 @@ from __future__ import annotations
 
 import argparse
 import gc
+import marshal
 import pickle
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
 from agent.collector import GC_THRESHOLDS
 from agent.daemon import _Read, _read
-from agent.handover import pack, unpack
+from agent.model.parse import ParsedSlice, SlicePort
+from agent.model.tracker import SliceRecord
+from agent.model.types import Endpoint, IPFamily, Protocol
 from agent.sources.base import EventType, Kind, ObjectEvent, object_key
 from lab.fakeapi.objects import scale_objects
 
@@ -62,6 +64,51 @@ def read_all(raws: Sequence[bytes]) -> tuple[list[_Read], float, float]:
     return reads, decode, parse
 
 
+def pack(reads: Sequence[_Read]) -> bytes:
+    """The records as plain tuples, marshalled (what the child would send)."""
+    plain: list[tuple[Any, ...]] = []
+    for r in reads:
+        rec = r.record
+        assert isinstance(rec, SliceRecord)
+        p = rec.parsed
+        parsed = (
+            None
+            if p is None
+            else (
+                p.namespace,
+                p.name,
+                p.service,
+                tuple((sp.name, sp.port, str(sp.protocol)) for sp in p.ports),
+                tuple(tuple(e) for e in p.endpoints),
+                int(p.family),
+            )
+        )
+        plain.append((r.key, r.version, r.uid, rec.namespace, rec.name, parsed, rec.error, rec.trigger_time))
+    return marshal.dumps(plain)
+
+
+def unpack(blob: bytes) -> list[_Read]:
+    """The records rebuilt from `pack`'s bytes (what the agent would do with them)."""
+    new = tuple.__new__
+    out = []
+    for key, version, uid, ns, name, p, error, trigger in marshal.loads(blob):
+        parsed = None
+        if p is not None:
+            pns, pname, service, ports, endpoints, family = p
+            parsed = ParsedSlice(
+                pns,
+                pname,
+                service,
+                tuple(SlicePort(a, b, Protocol(c)) for a, b, c in ports),
+                tuple([new(Endpoint, e) for e in endpoints]),
+                IPFamily(family),
+            )
+        out.append(
+            _Read(Kind.ENDPOINT_SLICE, key, version, uid, SliceRecord(ns, name, parsed, error, trigger))
+        )
+    return out
+
+
 def run(services: int, endpoints: int) -> dict[str, float]:
     objects = [o for o in scale_objects(services, endpoints) if o["kind"] == "EndpointSlice"]
     raws = [orjson.dumps(o) for o in objects]
@@ -69,7 +116,7 @@ def run(services: int, endpoints: int) -> dict[str, float]:
     reads, decode, parse = read_all(raws)
     blob, packed = timed(lambda: pack(reads))
     back, unpacked = timed(lambda: unpack(blob))
-    assert back == reads, "the hand-over changed a record"
+    assert [b.record for b in back] == [r.record for r in reads], "the hand-over changed a record"
     pickled, dumped = timed(lambda: pickle.dumps(reads, protocol=pickle.HIGHEST_PROTOCOL))
     again, loaded = timed(lambda: pickle.loads(pickled))
     assert [b.record for b in again] == [r.record for r in reads]

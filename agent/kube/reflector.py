@@ -60,9 +60,9 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any
 
 import msgspec
 import orjson
@@ -126,41 +126,6 @@ def _item(raw: msgspec.Raw) -> Any:
 
 class _Stopped(Exception):
     pass
-
-
-@dataclass(frozen=True)
-class ListedBatch:
-    """A batch of a list read elsewhere (childlist.py): what the sink gets, already read into the
-    model's records (the sink's reader passes those through), and the delivered-map entries it
-    makes, (key, resourceVersion or digest), None for a deletion."""
-
-    delivered: tuple[tuple[str, str | None], ...]
-    events: Sequence[object]
-
-
-@dataclass(frozen=True)
-class ListDone:
-    """The end of a list read elsewhere: the reflector state it leaves, and the counter increments
-    (metric attribute of SourceMetrics, label values, amount) and list duration it measured."""
-
-    resource_version: str
-    paginated: bool
-    logged_unnamed: bool
-    seconds: float
-    counters: tuple[tuple[str, tuple[str, ...], float], ...]
-
-
-class ListFailed(Exception):
-    """The list read elsewhere ended without its `ListDone` (the child failed or died)."""
-
-
-class FirstList(Protocol):
-    """The first list of a kind, read elsewhere: its batches as they come, then its `ListDone`;
-    raises ListFailed. `close` ends it wherever it is."""
-
-    def messages(self) -> Iterator[ListedBatch | ListDone]: ...
-
-    def close(self) -> None: ...
 
 
 class _Relist(Exception):
@@ -229,9 +194,6 @@ def _transport_failure(verb: str, exc: BaseException) -> _Failure:
     )
 
 
-# The counters a list can move (list_once hands them over): failures, relists, unnamed objects.
-_LIST_COUNTERS = ("api_errors", "relists", "unnamed_objects")
-
 _TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 
 
@@ -254,10 +216,8 @@ class Reflector:
         rand: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: SourceMetrics | None = None,
-        first_list: FirstList | None = None,
     ) -> None:
         self.resource = resource
-        self._first_list = first_list
         self._metrics = metrics or SourceMetrics(CollectorRegistry())
         self.kind = resource.kind
         self._sink = sink
@@ -277,7 +237,6 @@ class Reflector:
         self._paginated = False  # a list was answered in pages: the server honours limit
         self._consistent = False  # the next list reads consistently (the version went away)
         self._listed_at = 0.0  # clock() at the end of the last complete list
-        self._list_started = 0.0
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -294,9 +253,7 @@ class Reflector:
         while not self._stopping.is_set():
             try:
                 if need_list:
-                    first = self._first_list
-                    if first is None or not self._list_from(first):
-                        self._list()
+                    self._list()
                     need_list = False
                 self._watch()
                 if self._resync_due() <= 0:
@@ -341,9 +298,6 @@ class Reflector:
 
     def interrupt(self) -> None:
         """Unblock a read in progress (used by stop); the loop then sees `stopping` and ends."""
-        first = self._first_list
-        if first is not None:
-            first.close()
         with self._response_lock:
             resp = self._response
         if resp is not None:
@@ -388,10 +342,10 @@ class Reflector:
         if obj is None:
             self._delivered.pop(key, None)
         else:
-            self._delivered[key] = self.version_of(obj)
+            self._delivered[key] = self._version_of(obj)
 
     @classmethod
-    def version_of(cls, obj: Mapping[str, Any]) -> str:
+    def _version_of(cls, obj: Mapping[str, Any]) -> str:
         """What tells two states of an object apart: its resourceVersion, else a digest."""
         rv = cls._rv_of(obj)
         if rv:
@@ -515,7 +469,7 @@ class Reflector:
         return self.resource_version, size if self._paginated else None
 
     def _list(self) -> None:
-        started = self._list_started = self._clock()
+        started = self._clock()
         seen: set[str] = set()
         token: str | None = None
         expired = 0
@@ -587,76 +541,6 @@ class Reflector:
             pages,
         )
 
-    def list_once(self) -> ListDone:
-        """One complete list, as the loop's first (childlist.py runs it in the child), and the
-        state it leaves."""
-        self._list()
-        return ListDone(
-            self.resource_version,
-            self._paginated,
-            self._logged_unnamed,
-            self._listed_at - self._list_started,
-            tuple(
-                (attr, tuple(s.labels.values()), s.value)
-                for attr in _LIST_COUNTERS
-                for metric in getattr(self._metrics, attr).collect()
-                for s in metric.samples
-                if s.name.endswith("_total") and s.value
-            ),
-        )
-
-    def _list_from(self, first: FirstList) -> bool:
-        """Take the list read elsewhere as this loop's first; False when it failed (logged), and
-        the caller lists here, reconciling against what it did deliver."""
-        last: ListedBatch | None = None
-        try:
-            for message in first.messages():
-                if isinstance(message, ListDone):
-                    self._listed(message, last)
-                    return True
-                if any(isinstance(e, Synced) for e in message.events):
-                    last = message  # delivered with the list's end, after its counters (as here)
-                else:
-                    self._deliver_listed(message)
-            raise ListFailed("it ended before the list did")
-        except ListFailed as exc:
-            if self._stopping.is_set():
-                raise _Stopped from exc
-            log.warning(
-                "%s: the list read in a child process failed (%s); listing in this process",
-                self.kind.value,
-                exc,
-            )
-            return False
-        finally:
-            first.close()
-            self._first_list = None
-
-    def _deliver_listed(self, batch: ListedBatch) -> None:
-        for key, version in batch.delivered:
-            self._undo.append((key, self._delivered.get(key, _MISSING)))
-            if version is None:
-                self._delivered.pop(key, None)
-            else:
-                self._delivered[key] = version
-        # Records read by the sink's reader, which passes them through (agent.daemon.read_events).
-        self._deliver(cast(list[Event], list(batch.events)))
-
-    def _listed(self, done: ListDone, last: ListedBatch | None) -> None:
-        """The end of a list read elsewhere, in the order of one read here: its counters, its
-        last batch (the Synced), then the reflector's state and the list's duration."""
-        for attr, labels, amount in done.counters:
-            getattr(self._metrics, attr).labels(*labels).inc(amount)
-        if last is not None:
-            self._deliver_listed(last)
-        self.resource_version = done.resource_version
-        self._paginated = done.paginated
-        self._logged_unnamed = self._logged_unnamed or done.logged_unnamed
-        self._consistent = False
-        self._metrics.list_seconds.labels(self.kind.value).observe(done.seconds)
-        self.lists += 1
-        self._listed_at = self._clock()
-
     def _reconcile(self, item: Any, seen: set[str], batch: list[Event]) -> None:
         key = self._key(item)
         if key is None or key in seen:
@@ -665,7 +549,7 @@ class Reflector:
         old = self._delivered.get(key)
         if old is None:
             batch.append(ObjectEvent(self.kind, EventType.ADDED, key, item))
-        elif old != self.version_of(item):
+        elif old != self._version_of(item):
             batch.append(ObjectEvent(self.kind, EventType.MODIFIED, key, item))
         else:
             return

@@ -7,9 +7,6 @@ the events of one network read) and `Synced(kind, resourceVersion)` after every 
 The first-sync gate waits for a `Synced` of every kind in `kinds`. Threads never raise; failures
 are retried with backoff, logged once per episode and counted (agent/metrics/source.py).
 
-With a reader (`reader`: the agent's, agent.handover), the first EndpointSlice list is
-read in a child process, on the machine's second CPU (childlist.py).
-
 The three kinds are independent streams with their own resourceVersions, as kube-proxy's three
 informers are: a slow EndpointSlice list does not hold back Service events.
 """
@@ -25,7 +22,6 @@ from dataclasses import replace
 from kubernetes import client as k8s
 
 from agent.config import Config
-from agent.kube.childlist import BatchReader, ChildList
 from agent.kube.reflector import Reflector, WatchSettings
 from agent.kube.resources import Resource, watched_resources
 from agent.metrics.source import SourceMetrics
@@ -44,10 +40,8 @@ class ApiSource:
         settings: WatchSettings | None = None,
         rand: random.Random | None = None,
         metrics: SourceMetrics | None = None,
-        reader: BatchReader | None = None,
     ) -> None:
         self._metrics = metrics
-        self._reader = reader
         self._resources: tuple[Resource, ...] = watched_resources(api, config.hostname)
         self._host = api.configuration.host
         self._settings = replace(settings or WatchSettings(), resync_s=config.config_sync_period_s)
@@ -71,37 +65,13 @@ class ApiSource:
         for res in self._resources:
             seed = self._rand.getrandbits(64)
             reflector = Reflector(
-                res,
-                sink,
-                self._settings,
-                self._stopping,
-                random.Random(seed),
-                metrics=self._metrics,
-                first_list=self._first_list(res),
+                res, sink, self._settings, self._stopping, random.Random(seed), metrics=self._metrics
             )
             thread = threading.Thread(target=reflector.run, name=f"watch-{res.kind.value}", daemon=True)
             self._reflectors.append(reflector)
             self._threads.append(thread)
         for thread in self._threads:
             thread.start()
-
-    def _first_list(self, res: Resource) -> ChildList | None:
-        """The first EndpointSlice list in a child process (childlist.py), forked here, before
-        any of the source's threads starts; None (listed in process) without a reader, for the
-        other kinds, or when the fork fails."""
-        if self._reader is None or res.kind is not Kind.ENDPOINT_SLICE:
-            return None
-        child = ChildList(res, self._settings, self._reader)
-        try:
-            child.start()
-        except OSError as exc:
-            log.warning(
-                "%s: cannot start a child process for the first list (%s); listing in this process",
-                res.kind.value,
-                exc,
-            )
-            return None
-        return child
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop every thread: interrupt open streams, wait up to `timeout_s` in all."""

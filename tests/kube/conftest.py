@@ -18,7 +18,6 @@ from prometheus_client import CollectorRegistry
 
 from agent.config import Config
 from agent.kube.backoff import Backoff
-from agent.kube.childlist import BatchReader
 from agent.kube.client import api_client
 from agent.kube.reflector import WatchSettings
 from agent.kube.source import ApiSource
@@ -128,20 +127,15 @@ SOURCE_METRICS = SourceMetrics(REGISTRY)
 
 @pytest.fixture
 def start_source(tmp_path: Path) -> Iterator[SourceFactory]:
-    """`start_source(server, hostname="node1", settings=FAST, reader=None)` -> (running ApiSource,
-    sink); with `reader`, the first EndpointSlice list is read in a child process (childlist.py)."""
+    """`start_source(server, hostname="node1", settings=FAST)` -> (running ApiSource, sink)."""
     started: list[ApiSource] = []
 
     def factory(
-        srv: FakeApiServer,
-        hostname: str = "node1",
-        settings: WatchSettings = FAST,
-        token: str | None = None,
-        reader: BatchReader | None = None,
+        srv: FakeApiServer, hostname: str = "node1", settings: WatchSettings = FAST, token: str | None = None
     ) -> tuple[ApiSource, Recorded]:
         kubeconfig = srv.write_kubeconfig(tmp_path / f"kubeconfig-{len(started)}", token=token)
         config = Config(kubeconfig=kubeconfig, hostname=hostname)
-        source = ApiSource(config, api_client(config), settings, metrics=SOURCE_METRICS, reader=reader)
+        source = ApiSource(config, api_client(config), settings, metrics=SOURCE_METRICS)
         sink = Recorded()
         source.start(sink)
         started.append(source)
