@@ -48,14 +48,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("agent")
 
 
-def make_proxier(config: Config, metrics: Metrics | None = None) -> Proxier:
+def make_proxier(config: Config, metrics: Metrics | None = None, *, ipv6: bool) -> Proxier:
+    """The IPv4 proxier of the mode. `ipv6`: whether an IPv6 proxier runs beside it (`serves_ipv6`):
+    in eBPF mode the tc programs' IPv6 path is built only then (Config.tc_ipv6 AND it)."""
     if config.mode is Mode.IPTABLES:
         from agent.iptables import IptablesProxier
 
         return IptablesProxier(config, metrics=metrics)
     from agent.ebpf import EbpfProxier
 
-    return EbpfProxier(config)
+    return EbpfProxier(config, ipv6=ipv6)
 
 
 def ipv6_unsupported(config: Config, missing: Callable[[Config], str] | None = None) -> str:
@@ -91,9 +93,10 @@ def single_stack_warning(config: Config, missing: str) -> str:
 def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = None) -> Proxier | None:
     """The IPv6 proxier beside `proxier` (kube-proxy's metaproxier): ip6tables in both modes, when
     the flags describe IPv6 for the node; None otherwise (agent/metaproxier.py). In eBPF mode
-    ip6tables serves IPv6 packets (the tc programs have no IPv6 path yet), and with socket-level
-    load balancing the eBPF data path's IPv6 maps are written too: the socket programs translate
-    IPv6 Services where the sockets are (`EbpfAndIp6tables`)."""
+    ip6tables serves IPv6 packets, and with socket-level load balancing the eBPF data path's IPv6
+    maps are written too: the socket programs translate IPv6 Services where the sockets are, and
+    with BPF host routing the tc programs' IPv6 path the flows it can (`EbpfAndIp6tables`,
+    `Config.tc_ipv6`)."""
     if not config.ipv6_configured:
         return None
     from agent.iptables import IptablesProxier
@@ -111,18 +114,24 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
             take_over=lambda: True,
             metrics=metrics,
         )
-    ip6tables = ip6tables_beside_ebpf(config, SubprocessRunner(config, family=6), metrics)
     if not config.socket_lb:
-        return ip6tables
+        return ip6tables_beside_ebpf(config, SubprocessRunner(config, family=6), metrics)
     from agent.ebpf import EbpfProxier
     from agent.metaproxier import EbpfAndIp6tables
 
     assert isinstance(proxier, EbpfProxier)
+    ip6tables = ip6tables_beside_ebpf(
+        config, SubprocessRunner(config, family=6), metrics, snat6_held=proxier.snat6_held
+    )
     return EbpfAndIp6tables(proxier.ipv6(), ip6tables)
 
 
 def ip6tables_beside_ebpf(
-    config: Config, runner: IptablesRunner, metrics: Metrics | None = None, counters: Counters | None = None
+    config: Config,
+    runner: IptablesRunner,
+    metrics: Metrics | None = None,
+    counters: Counters | None = None,
+    snat6_held: Callable[[], tuple[int, int] | None] | None = None,
 ) -> Proxier:
     """eBPF mode's IPv6 proxier: kube-proxy's ip6tables layout on `runner`. No IPv4 rules to follow,
     so the backend is --iptables-backend or the one the node already uses (kubelet's hint chains).
@@ -140,6 +149,7 @@ def ip6tables_beside_ebpf(
         take_over=NftTakeover(runner, families=("ip6",)),
         metrics=metrics,
         counters=counters,
+        snat6_held=snat6_held,
     )
 
 
@@ -230,7 +240,8 @@ def cleanup(config: Config) -> int:
         return 1
     with node_lock:
         failed = False
-        proxiers: list[Proxier] = [EbpfProxier(config), IptablesProxier(config)]
+        # ipv6: nothing is loaded; the cleanup removes every pin, the IPv6 maps included
+        proxiers: list[Proxier] = [EbpfProxier(config, ipv6=False), IptablesProxier(config)]
         if any(shutil.which(f"ip6tables-{backend}") for backend in ("nft", "legacy")):
             proxiers.append(IptablesProxier(config, family=IPFamily.IPv6))  # upstream cleans both
         for proxier in proxiers:
@@ -312,21 +323,21 @@ class EarlyProxier(Proxier, Protocol):
     def close(self) -> None: ...
 
 
-def start_loading(config: Config) -> EarlyProxier | None:
+def start_loading(config: Config, *, ipv6: bool) -> EarlyProxier | None:
     """eBPF mode's proxier, its data path's load (the programs from the compile cache through the
     kernel's verifier, which runs with the GIL released) started now on a thread, so that it runs
     beside build_agent's imports, API client and node discovery instead of starting with the
     lists: at a cold start the first sync waits for the programs. None in iptables mode (its
     set-up is quick). The services file is checked first: one that cannot be read stays fatal
     before any pin or sysctl is written. A failure here is reported by the Agent's own prepare(),
-    which loads again (agent/daemon.py)."""
+    which loads again (agent/daemon.py). `ipv6`: whether an IPv6 proxier will run (`make_proxier`)."""
     if config.services_file:
         from agent.sources.file import check_services_file
 
         check_services_file(config.services_file)
     if config.mode is not Mode.EBPF:
         return None
-    proxier = cast(EarlyProxier, make_proxier(config))
+    proxier = cast(EarlyProxier, make_proxier(config, ipv6=ipv6))
 
     def prepare() -> None:
         try:
@@ -413,7 +424,14 @@ def build_agent(
     services.append(service_health)
 
     if proxier is None:
-        proxier = make_proxier(config, metrics)
+        proxier = make_proxier(config, metrics, ipv6=serve6)
+    if config.mode is Mode.EBPF and metrics.ipv6_snat_held_flows is not None:
+        from agent.ebpf import EbpfProxier
+
+        if isinstance(proxier, EbpfProxier):
+            proxier.on_snat6_held = metrics.ipv6_snat_held_flows.set
+            if metrics.ipv6_snat_granted is not None:
+                proxier.on_snat6_granted = metrics.ipv6_snat_granted.set
     proxier6 = make_proxier6(config, proxier, metrics) if serve6 else None
     service_health6 = None
     if proxier6 is not None:
@@ -454,9 +472,19 @@ def ipv6_served_by(config: Config) -> str:
             if config.socket_lb
             else ""
         )
+        if config.tc_ipv6:
+            tc = (
+                "the eBPF tc programs translate the IPv6 TCP flows to Services that reach them (from "
+                "pods and from outside, masqueraded from the node's IPv6 address where IPv4's would be) "
+                "and the ICMPv6 errors about those flows, and "
+            )
+            rest = "(UDP, SCTP, fragments, host-network backends, refusals)"
+        else:
+            tc = ""
+            rest = "(the eBPF tc programs' IPv6 path needs --bpf-socket-lb and --bpf-host-routing=bpf)"
         return (
-            f"IPv6: {sockets}ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 packet; "
-            "the eBPF tc programs have no IPv6 path yet; --iptables-* settings apply to the IPv6 rules"
+            f"IPv6: {sockets}{tc}ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 "
+            f"packet {rest}; --iptables-* settings apply to the IPv6 rules"
         )
     return "IPv6: ip6tables rules for the node's IPv6 addresses beside the IPv4 ones (dual-stack)"
 
@@ -515,7 +543,10 @@ def _run_locked(
     from agent.lock import acquire
 
     try:
-        preflight(config)
+        # Asked once (it probes ip6tables): the pre-flight, the early load (whether it builds the
+        # tc IPv6 path) and build_agent (whether an IPv6 proxier runs) must agree.
+        missing6 = ipv6_unsupported(config)
+        preflight(config, ipv6=config.ipv6_configured and not missing6)
         node_lock = acquire(config)
     except FatalError as exc:
         log.error("%s", exc)
@@ -526,8 +557,10 @@ def _run_locked(
         setup_conntrack(config)  # kube-proxy's platformSetup, before the proxier reads the host
         proxier: EarlyProxier | None = None
         try:
-            proxier = start_loading(config)
-            agent = build_agent(config, configz, kubeconfig, proxier=proxier)
+            proxier = start_loading(config, ipv6=config.ipv6_configured and not missing6)
+            agent = build_agent(
+                config, configz, kubeconfig, ipv6_check=lambda config: missing6, proxier=proxier
+            )
         except BaseException as exc:
             if proxier is not None:
                 # Waits for the early load: nothing it does (pins, programs) outlives the node lock.

@@ -67,6 +67,11 @@ class MapSizes:
     # legacy host routing: the source each translated flow direction gets at egress
     hostnat: int = default("map_sizes.hostnat")
     sknat: int = default("map_sizes.sknat")
+    # Whether the tc programs' IPv6 path serves (Config.tc_ipv6 and an IPv6 half runs): its
+    # conntrack tables then take their IPv4 twins' sizes and the program array ekp_calls6 is
+    # filled; else each table holds one entry (no preallocated memory for a path nothing runs)
+    # and IPv6 packets stop at the IPv4 programs' parser.
+    ipv6_tc: bool = True
 
     def with_conntrack(
         self, conntrack: ConntrackSettings, cpus: int, pinned: Mapping[str, int] | None = None
@@ -82,10 +87,10 @@ class MapSizes:
             "ct_any": flows if flows else FALLBACK_CT_ANY,
         }
         held = pinned or {}
-        sizes = {
+        sizes: dict[str, int] = {
             role: getattr(self, role) or held.get(role, 0) or derived[role] for role in ("ct_tcp", "ct_any")
         }
-        return replace(self, **sizes)
+        return replace(self, ct_tcp=sizes["ct_tcp"], ct_any=sizes["ct_any"])
 
 
 def conntrack_max(conntrack: ConntrackSettings, cpus: int) -> int:
@@ -212,6 +217,23 @@ class Config:
         (kube-proxy's metaproxier). Upstream runs both whenever ip6tables works; here the
         operator says so, so an IPv4-only node gets no ip6tables rules it never asked for."""
         return any(":" in text for text in (*self.node_ips, *self.cluster_cidr, *self.service_cidrs))
+
+    @property
+    def tc_ipv6(self) -> bool:
+        """Whether the tc programs' IPv6 path serves (bpf/ekp_tc6.h; MapSizes.ipv6_tc): eBPF mode,
+        IPv6 in the flags, socket-level load balancing (the eBPF IPv6 half, which writes the IPv6
+        maps the path reads, exists only with it: agent/app.py make_proxier6) and BPF host routing
+        (legacy routing translates at egress, which has no IPv6 half). The settings decide, ANDed
+        by EbpfProxier with whether the node runs an IPv6 half (agent/app.py serves_ipv6, asked
+        once before the early load, which may start before the IPv6 proxier is made): a node that
+        falls back to single-stack (no ip6tables) gets no tc IPv6 path, no full-size IPv6
+        conntrack tables and no filled ekp_calls6."""
+        return (
+            self.mode is Mode.EBPF
+            and self.ipv6_configured
+            and self.socket_lb
+            and self.bpf_host_routing is HostRouting.BPF
+        )
 
     def gate(self, name: str, default: bool) -> bool:
         """A feature gate's value: as --feature-gates / featureGates set it, else `default`."""

@@ -41,6 +41,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from agent.config import Config, Mode, NodeContext
 from agent.errors import FatalError
@@ -68,13 +69,30 @@ def frontend_guard(config: Config, node: NodeContext) -> FrontendGuard:
     )
 
 
-class EbpfAndIp6tables:
-    """eBPF mode's IPv6 proxier: the eBPF data path's IPv6 maps (the socket programs), then
-    ip6tables (every other packet). Each is synced whatever the other did; a failure of either is
-    raised after both ran (the family retries in full), and the ports either could not program are
-    reported together."""
+class Ipv6Maps(Proxier, Protocol):
+    """The eBPF half of EbpfAndIp6tables (agent/ebpf/proxier.py EbpfIpv6)."""
 
-    def __init__(self, ebpf: Proxier, ip6tables: Proxier) -> None:
+    def masquerade_apart(self, apart: bool) -> None:
+        """`apart`: the ip6tables restore just made succeeded, so its MASQUERADE takes no port of
+        --bpf-snat-ports and the tc programs' IPv6 path may source-translate with ports of that
+        range (ekp_cfg6); False (it failed: the rules in place are not known to be ours): it may not
+        until a restore succeeds again."""
+
+
+class EbpfAndIp6tables:
+    """eBPF mode's IPv6 proxier: ip6tables (every packet the eBPF programs leave to the stack), then
+    the eBPF data path's IPv6 maps (read by the socket programs and, with BPF host routing, by the
+    tc programs' IPv6 path: Config.tc_ipv6). Each is synced whatever the other did; a failure of
+    either is raised after both ran (the family retries in full), and the ports either could not
+    program are reported together.
+
+    ip6tables first because the tc path's source translation waits for it: its MASQUERADE rule
+    keeps out of --bpf-snat-ports (agent/iptables/rules.py `masquerade_ports_beside`), and until a
+    restore has put that rule in place nf_conntrack may hand out a port of the range the tc path
+    would pick for another flow to the same backend. The maps are told after each restore whether it
+    succeeded (`masquerade_apart`)."""
+
+    def __init__(self, ebpf: Ipv6Maps, ip6tables: Proxier) -> None:
         self.ebpf = ebpf
         self.ip6tables = ip6tables
 
@@ -87,16 +105,18 @@ class EbpfAndIp6tables:
     ) -> SyncResult:
         results: list[SyncResult] = []
         failure: Exception | None = None
-        for proxier in (self.ebpf, self.ip6tables):
+        for proxier in (self.ip6tables, self.ebpf):
             try:
                 results.append(proxier.sync(state, node, changed))
             except FatalError:
                 raise
             except Exception as exc:
                 failure = failure or exc
+            if proxier is self.ip6tables:
+                self.ebpf.masquerade_apart(failure is None)
         if failure is not None:
             raise failure
-        ebpf, ip6 = results
+        ip6, ebpf = results
         failed = {**ip6.failed, **ebpf.failed}
         return SyncResult(full=ebpf.full and ip6.full, failed=failed, repaired=ebpf.repaired + ip6.repaired)
 

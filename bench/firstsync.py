@@ -158,6 +158,9 @@ class _Datapath:
     def repair_pins(self) -> list[str]:
         return []
 
+    def release_older_builds(self) -> list[str]:
+        return []
+
     def close(self) -> None:
         return None
 
@@ -168,7 +171,9 @@ class _Attacher:
     def attach_egress(self, node: NodeContext) -> None:
         return None
 
-    def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
+    def reconcile(
+        self, node: NodeContext, *, full: bool = False, verify: bool = False, keep_external: bool = False
+    ) -> None:
         return None
 
     def start_watcher(self, timeout: float = 5.0) -> None:
@@ -258,6 +263,7 @@ def proxier(maps: Mapping[str, KernelMap]) -> EbpfProxier:
         sysctl_reader=lambda netns, path: "32768\t60999",
         sizes_reader=lambda pin_path: {},
         upgrade_factory=start_steps,
+        ipv6=False,
     )
 
 

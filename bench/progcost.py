@@ -19,8 +19,9 @@ tc), and to a backend that live flows through the ClusterIP use (whose every pac
 looked up: it may be one of theirs).
 
 In a dual-stack lab the untranslated IPv4 cases of pods' traffic have IPv6 twins (named with the
-`V6` prefix): the tc programs pass IPv6 to the stack (bpf/ekp_parse.h), so their ns per packet is
-what IPv6 traffic pays for the programs being there, whatever serves IPv6 Services.
+`V6` prefix): the tc ingress programs hand IPv6 to their IPv6 twins by a tail call
+(bpf/ekp_tc6.h), which pass a packet no live flow stamped after the activity check, so their ns
+per packet is what untranslated IPv6 traffic pays for the programs being there.
 
 The translated cases use a client port no real connection uses (their flows live in the agent's
 conntrack until they expire: a few dozen entries, never answered).

@@ -16,8 +16,9 @@
  *
  * IPv6: Cilium's v4/v6 pairs. Every struct below that holds an address is the IPv4 member of a
  * pair; IPv6 has its own maps beside these with 16-byte addresses (the "IPv6 pairs" section at the
- * end: ekp_fe6, ekp_be6, ekp_rnat6, ekp_aff6, ekp_srcr6, ekp_addr6, ekp_sknat6; the packet path's
- * ekp_ct6_*, ekp_frag6 come with the tc programs' IPv6), and changes none of the v2 layouts: an
+ * end: ekp_fe6, ekp_be6, ekp_rnat6, ekp_aff6, ekp_srcr6, ekp_addr6, ekp_sknat6; the tc programs'
+ * ekp_ct6_tcp, ekp_ct6_any and their early-drop rings ekp_ctq6_tcp, ekp_ctq6_any, ekp_ctqh6, ekp_cfg6, ekp_cfg6sel), and
+ * changes none of the v2 layouts: an
  * upgrade only adds maps, and no IPv4 flow is touched. Pairs rather than 16-byte unions because the
  * per-packet keys (conntrack, frontend, fragments) stay 16 bytes for IPv4: a 40-byte union key
  * would cost every IPv4 lookup a longer hash and every conntrack entry 24 more bytes.
@@ -71,6 +72,9 @@ struct ekp_frontend_key {
 #define EKP_FE_HOST_SCOPE    (1 << 10) /* INTERNAL: the node's own sockets use the HOST frontend of this key
 					* instead (ETP Local with no local-traffic detector: pods get the local
 					* endpoints, the node every endpoint, as kube-proxy's --src-type LOCAL rule) */
+#define EKP_FE_HOST_BACKEND  (1 << 11) /* IPv6 frontends (ekp_fe6): its backend set holds an endpoint on a node
+					* address (EKP_BE_HOST): the tc IPv6 path, the only reader, leaves such a
+					* frontend wholly to ip6tables (ekp_tc6.h); IPv4 frontends never carry it */
 
 struct ekp_frontend {
 	__u32 svc_id;           /* host: the service port (membership, affinity, conntrack); never 0 */
@@ -518,6 +522,13 @@ enum ekp_stat {
 	EKP_DROP_HANDOVER,        /* a forward packet of a flow taken over from nf_conntrack to a backend
 	                           * on the node's own address, before the agent replaced the kernel's
 	                           * NAT entry for it (EKP_CT_HANDOVER): the sender retransmits */
+	EKP_DROP_TUPLE_TAKEN,     /* a new flow (either family) whose reply tuple another CPU's new flow
+	                           * took between the choice of its port and its write (ekp_ct_place):
+	                           * its retransmission tries again. (Before: the tc IPv6 path's flows
+	                           * on a tuple another frontend held, which get another source port
+	                           * since both families share one conntrack, EKP_STAT_PORT_REMAP.) */
+	EKP_DROP_HOP_LIMIT,       /* the tc IPv6 path: a segment of a translated flow whose hop limit this
+	                           * hop would spend to 0, answered with a time exceeded (ekp_icmp6.h) */
 	EKP_STAT_MAX,
 };
 
@@ -589,6 +600,62 @@ struct ekp_sock6_nat {
 	__u16 pad; /* zero */
 	__u32 svc_id; /* host: its service port (ekp_fe6's) */
 	__u32 backend_id; /* host: the backend chosen (ekp_be6's key; ekp_member6) */
+};
+
+/* ekp_ct6_tcp, ekp_ct6_any (LRU, written by the tc programs' IPv6 path, bpf/ekp_tc6.h): a tuple as
+ * it arrives -> what to rewrite, IPv4's ekp_ct_key / ekp_ct_entry field for field with 16-byte
+ * addresses: one conntrack code serves both (bpf/ekp_ct_af.h), so every field IPv4's reads is here
+ * too, the source translation included (to the node's IPv6 address, ekp_cfg6; or the client's own
+ * address with another port when a reply tuple was taken). v3: v2 (64 bytes) had no SNAT fields. */
+struct ekp_ct6_key {
+	__be32 saddr[4]; /* be: source address as on the wire */
+	__be32 daddr[4]; /* be: destination address as on the wire */
+	__be16 sport; /* be */
+	__be16 dport; /* be */
+	__u8 proto; /* IPPROTO_*: TCP entries live in ekp_ct6_tcp, the others in ekp_ct6_any */
+	__u8 dir; /* enum ekp_ct_dir */
+	__u16 pad; /* zero */
+};
+
+struct ekp_ct6_entry {
+	__u64 last_seen_ns; /* host: bpf_ktime_get_ns() of the last packet (refreshed once a second) */
+	__be32 nat_addr[4]; /* be: FORWARD: backend address; REPLY: client address if SNAT, else zero */
+	__be32 snat_addr[4]; /* be: FORWARD: source after SNAT (the node's IPv6 address, or the client's
+			      * own with another port) if SNAT, else zero; REPLY: zero */
+	__be32 fe_addr[4]; /* be: the frontend: FORWARD key's daddr, the source replies get */
+	__be16 nat_port; /* be: FORWARD: backend port; REPLY: client port if SNAT, else 0 */
+	__be16 snat_port; /* be: FORWARD: source port after SNAT if SNAT, else 0; REPLY: 0 */
+	__be16 fe_port; /* be: the frontend port */
+	__u16 flags; /* host: EKP_CT_* */
+	__u32 svc_id; /* host: service port of the flow (ekp_fe6's); 0 = none */
+	__u32 backend_id; /* host: backend chosen when the flow began (ekp_be6's key); 0 = none */
+	__u32 created_s; /* host: bpf_ktime_get_ns() / 1e9 when the flow began */
+	__u32 pad; /* zero */
+};
+
+/* ekp_ctq6_tcp, ekp_ctq6_any (arrays): the early-drop rings of ekp_ct6_tcp and ekp_ct6_any, as
+ * ekp_ctq_tcp / ekp_ctq_any are IPv4's (enum ekp_ctq_ring indexes ekp_ctqh6, where each writes
+ * next): an IPv6 flood cannot take IPv4's ring slots, nor the reverse. */
+struct ekp_ctq6_slot {
+	__be32 saddr[4]; /* be: the flow's FORWARD key (struct ekp_ct6_key's first fields) */
+	__be32 daddr[4]; /* be */
+	__be16 sport; /* be */
+	__be16 dport; /* be */
+	__u8 proto; /* IPPROTO_*; 0 = an empty slot */
+	__u8 dir; /* EKP_CT_FORWARD */
+	__u16 pad; /* zero */
+	__u32 created_s; /* host: the flow's created_s when queued */
+};
+
+/* ekp_cfg6 (array, two elements) and ekp_cfg6sel[0] (struct ekp_config_sel), written by the agent:
+ * what the IPv6 path needs beside the shared struct ekp_config (whose SNAT port range and timeouts
+ * serve both families), double-buffered as ekp_cfg is: the agent writes the slot the selector does
+ * not name, then flips it, so a program never reads a node address while it is rewritten (16
+ * bytes: a torn read would be a source of neither address). A map of its own rather than a wider
+ * ekp_config: an upgrade adds it, and no v2 layout changes. */
+struct ekp_config6 {
+	__be32 node_addr[4]; /* be: the source of IPv6 SNAT (masquerade, remote backends, hairpin): the
+			      * node's IPv6 address; zero = none known (such flows are left to the stack) */
 };
 
 #endif /* EKP_ABI_H */

@@ -10,9 +10,9 @@
  * tcp_can_early_drop). An LRU map offers no choice of victim and no cheap way to find unassured
  * entries, so the choice is made before the table fills:
  *
- *   every flow is queued in its table's ring (ekp_ctq_tcp / ekp_ctq_any: its FORWARD key and
- *   created_s) when it begins, and once more when it closes (RST, or FINs both ways); ekp_ctqh
- *   holds where each ring writes next (an atomic add, so every CPU shares one ring). Writing a
+ *   every flow is queued in its table's ring (ekp_ctq_tcp / ekp_ctq_any, and IPv6's own
+ *   ekp_ctq6_tcp / ekp_ctq6_any: its FORWARD key and created_s) when it begins, and once more when it closes (RST, or FINs both ways); ekp_ctqh
+ *   (ekp_ctqh6) holds where each ring writes next (an atomic add, so every CPU shares one ring). Writing a
  *   slot first looks at the flow queued there a whole ring ago: when it is still the same flow
  *   (same key, same created_s) and is not assured, or is closed, both its entries are deleted
  *   (EKP_STAT_EVICT_UNREPLIED / _UNASSURED / _CLOSED).
@@ -40,21 +40,6 @@
 #include "ekp_ct.h"
 #include "ekp_maps.h"
 
-/* A flow to queue, set by the decision (ekp_decide.h) and queued once at its end. */
-struct ekp_ctq_req {
-	struct ekp_ct_key key; /* the FORWARD key of the flow */
-	__u32 created_s;       /* its created_s */
-	__u8 want;             /* 1: queue it */
-	__u8 pad[3];
-};
-
-static __always_inline void ekp_ctq_want(struct ekp_ctq_req *q, const struct ekp_ct_key *fkey, __u32 created_s)
-{
-	q->key = *fkey;
-	q->created_s = created_s;
-	q->want = 1;
-}
-
 /* The state counter of a flow the queue came round to, 0 when it stays (assured, still open). */
 static __always_inline __u32 ekp_ctq_evictable(__u16 flags)
 {
@@ -65,53 +50,8 @@ static __always_inline __u32 ekp_ctq_evictable(__u16 flags)
 	return (flags & EKP_CT_SEEN_REPLY) ? EKP_STAT_EVICT_UNASSURED : EKP_STAT_EVICT_UNREPLIED;
 }
 
-/* Deletes the flow queued a ring ago in `s` when it is still that flow and evictable; returns the
- * counter to mark, 0 when nothing was deleted. */
-static __always_inline __u32 ekp_ctq_reclaim(const struct ekp_ctq_slot *s)
-{
-	struct ekp_ct_key k = {};
-
-	k.saddr = s->saddr;
-	k.daddr = s->daddr;
-	k.sport = s->sport;
-	k.dport = s->dport;
-	k.proto = s->proto;
-	k.dir = EKP_CT_FORWARD;
-	struct ekp_ct_entry *e = ekp_ct_lookup(&k);
-	if (!e || e->created_s != s->created_s)
-		return 0; /* gone already, or a later flow on the tuple (queued in its own slot) */
-	__u32 stat = ekp_ctq_evictable(e->flags);
-	if (!stat)
-		return 0;
-	ekp_ct_delete_twin(e, &k);
-	ekp_ct_delete(&k);
-	return stat;
-}
-
-/* Queues the flow `q` in its table's ring; the flow queued there before goes if evictable. Returns
- * the counter to mark (0: none). */
-static __always_inline __u32 ekp_ctq_push(const struct ekp_ctq_req *q)
-{
-	__u32 ring = q->key.proto == IPPROTO_TCP ? EKP_CTQ_TCP : EKP_CTQ_ANY;
-	__u64 *head = ekp_ctqh_lookup(&ring);
-
-	if (!head)
-		return 0;
-	__u64 n = __sync_fetch_and_add(head, 1);
-	__u32 slot = ring == EKP_CTQ_TCP ? n % EKP_CTQ_TCP_MAX : n % EKP_CTQ_ANY_MAX;
-	struct ekp_ctq_slot *s = ekp_ctq_lookup(ring, &slot);
-	if (!s)
-		return 0;
-	__u32 stat = s->proto ? ekp_ctq_reclaim(s) : 0;
-
-	s->saddr = q->key.saddr;
-	s->daddr = q->key.daddr;
-	s->sport = q->key.sport;
-	s->dport = q->key.dport;
-	s->dir = EKP_CT_FORWARD;
-	s->created_s = q->created_s;
-	s->proto = q->key.proto;
-	return stat;
-}
+#define EKP_CT_V6 0
+#include "ekp_ctq_af.h"
+#undef EKP_CT_V6
 
 #endif /* EKP_CTQ_H */

@@ -117,21 +117,8 @@ static __always_inline const struct ekp_config *ekp_config_get(void)
 static __always_inline void ekp_decide_hit(struct ekp_ct_entry *ep, struct ekp_ct_key *k, const struct ekp_pkt *p,
 					   __u64 now, struct ekp_decision *d, struct ekp_ctq_req *q)
 {
-	__u16 set = ekp_ct_transition(ep, p, k->dir, now);
-
-	if (set) {
-		int closes = !ekp_ct_closed(ep->flags) && ekp_ct_closed(ep->flags | set);
-		ekp_ct_stamp(ep, k, now); /* the new state's timeout runs from here */
-		ekp_ct_mark(ep, k, set, 0);
-		if (closes) {
-			struct ekp_ct_key fkey = *k;
-			if (k->dir == EKP_CT_REPLY)
-				ekp_ct_twin_key(&fkey, k, ep);
-			ekp_ctq_want(q, &fkey, ep->created_s);
-		}
-	} else if (ekp_ct_refresh(ep, k, now)) {
+	if (ekp_ct_advance(ep, k, p, now, q))
 		d->marks |= 1ULL << EKP_STAT_CT_REBUILT;
-	}
 	const struct ekp_ct_entry *e = ep;
 	int snat = e->flags & EKP_CT_SNAT;
 
@@ -295,12 +282,19 @@ static __always_inline void ekp_flow_direct(struct ekp_flow *f, const struct ekp
  *   a REPLY packet (frontend -> client) quoted: its FORWARD entry; the error goes on to the
  *     backend: quote to backend -> client (or the SNAT source), outer destination the backend
  *     (`host` when that is the node's own address: the node's stack delivers it).
- * As nf_nat_icmp_reply_translation does; the entries are not refreshed. */
+ * As nf_nat_icmp_reply_translation does; the entries are not refreshed.
+ * Only an error addressed to the quoted packet's source, the address the flow's entry knows that
+ * end by (the key's destination), is the flow's: as nf_conntrack_inet_error, which gives any other
+ * no conntrack (NF_ACCEPT untracked), this one goes on untranslated, as no flow's. Otherwise anyone
+ * could quote a flow's tuple in an error to any address and have it translated and delivered to
+ * the client or the backend. */
 static __always_inline void ekp_decide_related(const struct ekp_pkt *p, const struct ekp_config *cfg, __u64 now,
 					       struct ekp_decision *d)
 {
 	struct ekp_ct_key k = {};
 
+	if (p->daddr != p->in_saddr)
+		return;
 	k.saddr = p->in_daddr;
 	k.daddr = p->in_saddr;
 	k.sport = p->in_dport;

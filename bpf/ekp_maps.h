@@ -29,7 +29,9 @@
 	!defined(EKP_SKNAT_MAX) || !defined(EKP_SKCFG_MAX) || !defined(EKP_HOSTNAT_MAX) ||                   \
 	!defined(EKP_FE6_MAX) || !defined(EKP_SLOT6_MAX) || !defined(EKP_BE6_MAX) || !defined(EKP_RNAT6_MAX) ||     \
 	!defined(EKP_MEMBER6_MAX) || !defined(EKP_SRCR6_MAX) || !defined(EKP_ADDR6_MAX) ||                     \
-	!defined(EKP_AFF6_MAX) || !defined(EKP_SKNAT6_MAX)
+	!defined(EKP_AFF6_MAX) || !defined(EKP_SKNAT6_MAX) || !defined(EKP_CT6_TCP_MAX) ||                     \
+	!defined(EKP_CT6_ANY_MAX) || !defined(EKP_CTQ6_TCP_MAX) ||                                               \
+	!defined(EKP_CTQ6_ANY_MAX) || !defined(EKP_CTQH6_MAX) || !defined(EKP_CFG6_MAX) || !defined(EKP_CFG6SEL_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -39,12 +41,16 @@ _Static_assert(EKP_STAT_MAX <= EKP_STAT_SLOTS, "a counter beyond the slots of ek
 _Static_assert(EKP_STAT_MAX <= 64, "struct ekp_decision.marks is a 64-bit set of enum ekp_stat");
 _Static_assert(EKP_CTQH_MAX == 2, "ekp_ctqh holds one position per early-drop ring");
 _Static_assert(EKP_CTQ_TCP_MAX > 0 && EKP_CTQ_ANY_MAX > 0, "an early-drop ring needs a slot");
+_Static_assert(EKP_CTQH6_MAX == 2, "ekp_ctqh6 holds one position per early-drop ring");
+_Static_assert(EKP_CTQ6_TCP_MAX > 0 && EKP_CTQ6_ANY_MAX > 0, "an early-drop ring needs a slot");
 _Static_assert(EKP_FRAGLAST_MAX == 1, "ekp_fraglast holds one time");
 _Static_assert(EKP_ACT_MAX == EKP_ACT_SLOTS, "ekp_act has EKP_ACT_SLOTS slots (the slot hash masks with it)");
 _Static_assert(EKP_CFG_MAX == 2, "ekp_cfg_v2 holds exactly two struct ekp_config (double buffer)");
 _Static_assert(EKP_CFGSEL_MAX == 1, "ekp_cfgsel_v2 holds exactly one selector");
 _Static_assert(EKP_ICMPRL_MAX == 1, "ekp_icmprl_v2 holds one bucket per CPU");
 _Static_assert(EKP_SKCFG_MAX == 1, "ekp_skcfg_v2 holds one struct ekp_sock_config");
+_Static_assert(EKP_CFG6_MAX == 2, "ekp_cfg6_v2 holds exactly two struct ekp_config6 (double buffer)");
+_Static_assert(EKP_CFG6SEL_MAX == 1, "ekp_cfg6sel_v2 holds exactly one selector");
 
 /* Service tables, written by the agent only. */
 BPF_TABLE("hash", struct ekp_frontend_key, struct ekp_frontend, ekp_fe_v2, EKP_FE_MAX);
@@ -97,8 +103,8 @@ BPF_TABLE("lru_hash", struct ekp_sock_key, struct ekp_sock_nat, ekp_sknat_v2, EK
 
 /* IPv6 (ekp_abi.h, "IPv6 pairs"): the service tables of the family, each sized as its IPv4 twin
  * (the same flag), allocated as written (an IPv4-only node pays for their hash buckets alone); the
- * affinity and socket tables, LRU, preallocated as the IPv4 ones. Read by the socket programs for
- * now (the tc programs pass IPv6 to the stack). */
+ * affinity and socket tables, LRU, preallocated as the IPv4 ones. Read by the socket programs and
+ * the tc programs' IPv6 path (bpf/ekp_tc6.h), which alone writes its conntrack tables. */
 BPF_F_TABLE("hash", struct ekp_frontend6_key, struct ekp_frontend, ekp_fe6_v2, EKP_FE6_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", struct ekp_slot_key, struct ekp_slot, ekp_slot6_v2, EKP_SLOT6_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", struct ekp_backend_key, struct ekp_backend6, ekp_be6_v2, EKP_BE6_MAX, BPF_F_NO_PREALLOC);
@@ -108,6 +114,15 @@ BPF_F_TABLE("lpm_trie", struct ekp_srcrange6_key, struct ekp_srcrange, ekp_srcr6
 BPF_F_TABLE("hash", struct ekp_addr6_key, struct ekp_addr, ekp_addr6_v2, EKP_ADDR6_MAX, BPF_F_NO_PREALLOC);
 BPF_TABLE("lru_hash", struct ekp_affinity6_key, struct ekp_affinity, ekp_aff6_v2, EKP_AFF6_MAX);
 BPF_TABLE("lru_hash", struct ekp_sock6_key, struct ekp_sock6_nat, ekp_sknat6_v2, EKP_SKNAT6_MAX);
+BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_tcp_v3, EKP_CT6_TCP_MAX);
+BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_any_v3, EKP_CT6_ANY_MAX);
+BPF_TABLE("array", u32, struct ekp_ctq6_slot, ekp_ctq6_tcp_v2, EKP_CTQ6_TCP_MAX);
+BPF_TABLE("array", u32, struct ekp_ctq6_slot, ekp_ctq6_any_v2, EKP_CTQ6_ANY_MAX);
+BPF_TABLE("array", u32, u64, ekp_ctqh6_v2, EKP_CTQH6_MAX);
+/* The IPv6 path's own settings (the node's IPv6 address for SNAT), written by the agent: two slots
+ * and their selector, as ekp_cfg_v2 / ekp_cfgsel_v2. */
+BPF_TABLE("array", u32, struct ekp_config6, ekp_cfg6_v2, EKP_CFG6_MAX);
+BPF_TABLE("array", u32, struct ekp_config_sel, ekp_cfg6sel_v2, EKP_CFG6SEL_MAX);
 
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
 BPF_TABLE("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX);
@@ -168,5 +183,16 @@ static __always_inline int ekp_aff6_update(struct ekp_affinity6_key *k, struct e
 static __always_inline struct ekp_sock6_nat *ekp_sknat6_lookup(struct ekp_sock6_key *k);
 static __always_inline int ekp_sknat6_update(struct ekp_sock6_key *k, struct ekp_sock6_nat *v);
 static __always_inline int ekp_sknat6_delete(struct ekp_sock6_key *k);
+static __always_inline struct ekp_addr *ekp_addr6_lookup(struct ekp_addr6_key *k);
+static __always_inline struct ekp_ct6_entry *ekp_ct6_lookup(struct ekp_ct6_key *k);
+static __always_inline struct ekp_ct6_entry *ekp_ct6_tcp_lookup(struct ekp_ct6_key *k);
+static __always_inline struct ekp_ct6_entry *ekp_ct6_any_lookup(struct ekp_ct6_key *k);
+static __always_inline struct ekp_ctq6_slot *ekp_ctq6_lookup(__u32 ring, __u32 *slot);
+static __always_inline u64 *ekp_ctqh6_lookup(u32 *ring);
+static __always_inline int ekp_ct6_update(struct ekp_ct6_key *k, struct ekp_ct6_entry *v);
+static __always_inline int ekp_ct6_insert(struct ekp_ct6_key *k, struct ekp_ct6_entry *v);
+static __always_inline int ekp_ct6_delete(struct ekp_ct6_key *k);
+static __always_inline struct ekp_config6 *ekp_cfg6_lookup(u32 *k);
+static __always_inline struct ekp_config_sel *ekp_cfg6sel_lookup(u32 *k);
 
 #endif /* EKP_MAPS_H */

@@ -20,6 +20,8 @@
  * are rewritten with stores and explicit one's-complement arithmetic (ekp_csum_apply), and the
  * ICMP checksum absorbs every byte changed in its message. Every change is compensated inside
  * the same checksummed region, so a CHECKSUM_COMPLETE skb->csum stays right without being told.
+ * The quoted L4 header's part (ekp_rewrite_quote_l4) and the ICMP checksum's are the same for an
+ * ICMPv6 error, whose quote differs only in its addresses' width: ekp_nat6.h calls them.
  *
  * All writes go through skb offsets; callers pass the new tuple from the decision.
  */
@@ -170,6 +172,72 @@ struct ekp_tcp_csum_word {
 	__u16 urg;   /* urgent pointer (untouched) */
 };
 
+/* One's complement sum of two bpf_csum_diff() results (the kernel's csum_add). */
+static __always_inline __u32 ekp_csum_add(__u32 a, __u32 b)
+{
+	__u32 s = a + b;
+
+	return s + (s < a);
+}
+
+/* The quoted L4 header of an ICMP or ICMPv6 error, either family: its ports become in_sport and
+ * in_dport, its checksum follows them and `addr_diff` (the quoted addresses' change, the pseudo
+ * header's: 4 or 16 bytes each, the width is the caller's) when the quote holds it (UDP's when
+ * set, TCP's when the quote reaches byte 18). Every byte changed is added to *icmp_diff, for the
+ * ICMP checksum that covers the quote. Adjusted, never recomputed: the quote may end anywhere
+ * after its first 8 bytes, as nf_nat's l4proto manip does it. 0 or -1. */
+static __always_inline int ekp_rewrite_quote_l4(struct __sk_buff *skb, const struct ekp_pkt *p, __u32 addr_diff,
+						__be16 in_sport, __be16 in_dport, __u32 *icmp_diff)
+{
+	struct ekp_l4_head l4_old, l4_new;
+	__u32 l4_diff;
+
+	if (bpf_skb_load_bytes(skb, p->in_l4_off, &l4_old, sizeof(l4_old)) < 0)
+		return -1;
+	l4_new = l4_old;
+	l4_new.sport = in_sport;
+	l4_new.dport = in_dport;
+	__s64 d = bpf_csum_diff((void *)&l4_old, 4, (void *)&l4_new, 4, addr_diff);
+	if (d < 0)
+		return -1;
+	l4_diff = (__u32)d;
+	if (p->in_proto == IPPROTO_UDP && l4_old.w2) {
+		l4_new.w2 = ekp_csum_apply(l4_old.w2, l4_diff);
+		if (!l4_new.w2)
+			l4_new.w2 = 0xffff; /* 0 means "no checksum" in UDP */
+	}
+	d = bpf_csum_diff((void *)&l4_old, sizeof(l4_old), (void *)&l4_new, sizeof(l4_new), *icmp_diff);
+	if (d < 0)
+		return -1;
+	*icmp_diff = (__u32)d;
+	if (p->in_proto == IPPROTO_TCP && p->in_l4_len >= EKP_INNER_TCP_LEN) {
+		struct ekp_tcp_csum_word c_old, c_new;
+		if (bpf_skb_load_bytes(skb, p->in_l4_off + 16, &c_old, sizeof(c_old)) < 0)
+			return -1;
+		c_new = c_old;
+		c_new.check = ekp_csum_apply(c_old.check, l4_diff);
+		d = bpf_csum_diff((void *)&c_old, sizeof(c_old), (void *)&c_new, sizeof(c_new), *icmp_diff);
+		if (d < 0)
+			return -1;
+		*icmp_diff = (__u32)d;
+		if (bpf_skb_store_bytes(skb, p->in_l4_off + 16, &c_new, sizeof(c_new), 0) < 0)
+			return -1;
+	}
+	return bpf_skb_store_bytes(skb, p->in_l4_off, &l4_new, sizeof(l4_new), 0) < 0 ? -1 : 0;
+}
+
+/* The ICMP (or ICMPv6) checksum at `off` after its message (and, for ICMPv6, pseudo header)
+ * changed by `diff`. 0 or -1. */
+static __always_inline int ekp_icmp_csum_adjust(struct __sk_buff *skb, __u32 off, __u32 diff)
+{
+	__u16 check;
+
+	if (bpf_skb_load_bytes(skb, off, &check, sizeof(check)) < 0)
+		return -1;
+	check = ekp_csum_apply(check, diff);
+	return bpf_skb_store_bytes(skb, off, &check, sizeof(check), 0) < 0 ? -1 : 0;
+}
+
 /* Rewrites an ICMP error: outer addresses, and the quote's addresses and ports (with the quoted
  * IP checksum, the quoted UDP/TCP checksum when it is in the quote, and the ICMP checksum).
  * `in_*` is the quoted tuple after translation. 0 or -1. */
@@ -178,9 +246,7 @@ static __always_inline int ekp_rewrite_icmp_err(struct __sk_buff *skb, const str
 						__be16 in_dport)
 {
 	struct ekp_ip_tail ip_old, ip_new;
-	struct ekp_l4_head l4_old, l4_new;
-	__u32 icmp_diff = 0, l4_diff;
-	__u16 icmp_check;
+	__u32 icmp_diff = 0;
 
 	/* Outer header: addresses and the IP checksum (ICMP has no pseudo header). */
 	if (ekp_set_addr(skb, p, EKP_IP_SADDR_OFF, p->saddr, saddr, 0) < 0 ||
@@ -203,47 +269,13 @@ static __always_inline int ekp_rewrite_icmp_err(struct __sk_buff *skb, const str
 	icmp_diff = (__u32)d;
 
 	/* Quoted L4 header: ports, and the checksum the pseudo header and ports feed. */
-	if (bpf_skb_load_bytes(skb, p->in_l4_off, &l4_old, sizeof(l4_old)) < 0)
+	if (ekp_rewrite_quote_l4(skb, p, (__u32)addr_diff, in_sport, in_dport, &icmp_diff) < 0)
 		return -1;
-	l4_new = l4_old;
-	l4_new.sport = in_sport;
-	l4_new.dport = in_dport;
-	d = bpf_csum_diff((void *)&l4_old, 4, (void *)&l4_new, 4, (__u32)addr_diff);
-	if (d < 0)
-		return -1;
-	l4_diff = (__u32)d;
-	if (p->in_proto == IPPROTO_UDP && l4_old.w2) {
-		l4_new.w2 = ekp_csum_apply(l4_old.w2, l4_diff);
-		if (!l4_new.w2)
-			l4_new.w2 = 0xffff; /* 0 means "no checksum" in UDP */
-	}
-	d = bpf_csum_diff((void *)&l4_old, sizeof(l4_old), (void *)&l4_new, sizeof(l4_new), icmp_diff);
-	if (d < 0)
-		return -1;
-	icmp_diff = (__u32)d;
-	if (p->in_proto == IPPROTO_TCP && p->in_l4_len >= EKP_INNER_TCP_LEN) {
-		struct ekp_tcp_csum_word c_old, c_new;
-		if (bpf_skb_load_bytes(skb, p->in_l4_off + 16, &c_old, sizeof(c_old)) < 0)
-			return -1;
-		c_new = c_old;
-		c_new.check = ekp_csum_apply(c_old.check, l4_diff);
-		d = bpf_csum_diff((void *)&c_old, sizeof(c_old), (void *)&c_new, sizeof(c_new), icmp_diff);
-		if (d < 0)
-			return -1;
-		icmp_diff = (__u32)d;
-		if (bpf_skb_store_bytes(skb, p->in_l4_off + 16, &c_new, sizeof(c_new), 0) < 0)
-			return -1;
-	}
-	if (bpf_skb_store_bytes(skb, p->in_off + 8, &ip_new, sizeof(ip_new), 0) < 0 ||
-	    bpf_skb_store_bytes(skb, p->in_l4_off, &l4_new, sizeof(l4_new), 0) < 0)
+	if (bpf_skb_store_bytes(skb, p->in_off + 8, &ip_new, sizeof(ip_new), 0) < 0)
 		return -1;
 
 	/* The ICMP checksum covers the whole message, quote included. */
-	__u32 icmp_csum_off = p->l4_off + __builtin_offsetof(struct icmphdr, checksum);
-	if (bpf_skb_load_bytes(skb, icmp_csum_off, &icmp_check, sizeof(icmp_check)) < 0)
-		return -1;
-	icmp_check = ekp_csum_apply(icmp_check, icmp_diff);
-	return bpf_skb_store_bytes(skb, icmp_csum_off, &icmp_check, sizeof(icmp_check), 0) < 0 ? -1 : 0;
+	return ekp_icmp_csum_adjust(skb, p->l4_off + __builtin_offsetof(struct icmphdr, checksum), icmp_diff);
 }
 
 #endif /* EKP_NAT_H */

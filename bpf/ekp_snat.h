@@ -7,8 +7,9 @@
  * follows nf_nat_l4proto_unique_tuple: start at an offset (here a hash of the flow's tuple), walk
  * up to 128 consecutive ports, then up to 64, 32 and 16 more from fresh random offsets (240
  * probes at most; a range of 128 ports or fewer is walked once, whole). The insert of the REPLY
- * entry with BPF_NOEXIST is the lock (ekp_ct_place): two CPUs never get the same port; the one
- * that loses the race drops its packet (the client's retransmission tries again).
+ * entry with BPF_NOEXIST is the lock (ekp_ct_place, which checks again what the walk allowed): two
+ * CPUs never get the same port; the one that loses the race drops its packet (DROP_TUPLE_TAKEN:
+ * the client's retransmission tries again).
  *
  * Probes only look up: on an LRU map a failed insert still takes a free node (evicting some other
  * flow when the map is full), so probing by insert would evict up to 240 flows per new flow on a
@@ -28,8 +29,8 @@
 #ifndef EKP_SNAT_H
 #define EKP_SNAT_H
 
-/* Included by ekp_ct.h, after the conntrack helpers it uses (ekp_ct_reusable, ekp_ct_delete_twin,
- * ekp_flow_hash). */
+/* The walk itself is per family (ekp_snat_af.h, included by ekp_ct_af.h after the conntrack
+ * helpers it uses: ekp_ct_reusable, ekp_flow_hash, and their IPv6 twins). */
 #include "ekp_maps.h"
 #include "ekp_parse.h"
 #include "ekp_time.h"
@@ -52,92 +53,6 @@ static __always_inline __u32 ekp_snat_probe_port(__u32 i, __u32 off0, __u32 off1
 	else
 		off = off3 + (i - 224);
 	return min + off % range;
-}
-
-/* Finds a source port for a new flow: sets rkey->dport to a port whose reply tuple is free, or
- * held by an entry that may be taken over (dead, or the first unanswered one when nothing else
- * is left: f->early_drop is set then). `rkey` carries backend, SNAT address, protocol and
- * direction. Returns 0 or EKP_DROP_SNAT_PORTS. The caller claims the port (ekp_ct_place).
- *
- * The walk itself only notes candidates with one-line tests (the verifier explores every
- * iteration, and a branchy body overflows its 8192 pending states): a port held by a flow that
- * saw a FIN or RST, idle longer than any timeout of its protocol, or ORPHAN and idle longer than
- * tcp_orphan_s (dead for sure); for TCP, the first port idle longer than tcp_orphan_s (dead if
- * its backend left every Service: a flow no packet came for since, so none flagged it); and the
- * first port held by a flow that never completed its handshake. The exact check of the
- * candidates (ekp_ct_reusable) runs after the walk, once each. The walk is written once per
- * conntrack table (`tcp` is a constant at both call sites): a table chosen inside the loop would
- * leave the verifier two states per probe, 2^240 paths.
- *
- * The verifier walks the loop once per iteration for every distinct state it enters with, so
- * what the loop carries lives in the flow's work memory (f->snat_*, a per-CPU map value), whose
- * contents it does not track: held in registers, a candidate noted or not and a range of at most
- * 128 ports or more (the probe count 240 or the range) were distinct states, each walked through
- * every iteration again (about 560,000 of the tc programs' 780,000 verified instructions). */
-static __always_inline int ekp_snat_walk(struct ekp_ct_key *rkey, const struct ekp_pkt *p,
-					 const struct ekp_config *cfg, __u64 now, struct ekp_flow *f, const int tcp)
-{
-	__u32 min = cfg->snat_port_min, max = cfg->snat_port_max;
-
-	if (!min || max < min)
-		return EKP_DROP_SNAT_PORTS;
-	__u32 range = max - min + 1;
-	f->snat_probes = range <= EKP_SNAT_ATTEMPTS ? range : EKP_SNAT_PROBES;
-	f->snat_candidate = 0;
-	f->snat_idle = 0;
-	f->snat_victim = 0;
-	__u32 off0 = ekp_flow_hash(p);
-	__u32 off1 = bpf_get_prandom_u32(), off2 = bpf_get_prandom_u32(), off3 = bpf_get_prandom_u32();
-	/* Past this idle time an entry is dead whatever its state (the longest timeout). */
-	__u64 dead_ns = ekp_ct_timeout_ns(cfg, p->proto, EKP_CT_ESTABLISHED);
-	__s64 orphan_ns = (__s64)ekp_ct_orphan_ns(cfg);
-
-#pragma clang loop unroll(disable)
-	for (__u32 i = 0; i < EKP_SNAT_PROBES; i++) {
-		/* Read back from memory each time: the compiler would otherwise turn `i >= total` into
-		 * `i == total`, an exit the verifier cannot bound (it does not know total <= 240). */
-		if (i >= f->snat_probes)
-			break;
-		__u16 port = ekp_snat_probe_port(i, off0, off1, off2, off3, min, range);
-		rkey->dport = htons(port);
-		struct ekp_ct_entry *old = tcp ? ekp_ct_tcp_lookup(rkey) : ekp_ct_any_lookup(rkey);
-		if (!old)
-			return 0;
-		__u16 flags = old->flags;
-		__s64 age = ekp_age_ns(now, old->last_seen_ns);
-		if (!f->snat_candidate && ((flags & EKP_CT_ENDING) || age > (__s64)dead_ns ||
-					   (tcp && (flags & EKP_CT_ORPHAN) && age > orphan_ns)))
-			f->snat_candidate = port;
-		if (tcp && !f->snat_idle && age > orphan_ns)
-			f->snat_idle = port;
-		if (!f->snat_victim && !(flags & EKP_CT_ESTABLISHED))
-			f->snat_victim = port;
-	}
-	if (f->snat_candidate) {
-		rkey->dport = htons(f->snat_candidate);
-		struct ekp_ct_entry *old = ekp_ct_lookup(rkey);
-		if (!old || ekp_ct_reusable(old, rkey, p, cfg, now))
-			return 0;
-	}
-	if (f->snat_idle) {
-		rkey->dport = htons(f->snat_idle);
-		struct ekp_ct_entry *old = ekp_ct_lookup(rkey);
-		if (!old || ekp_ct_reusable(old, rkey, p, cfg, now))
-			return 0;
-	}
-	if (!f->snat_victim)
-		return EKP_DROP_SNAT_PORTS;
-	rkey->dport = htons(f->snat_victim);
-	f->early_drop = 1;
-	return 0;
-}
-
-static __always_inline int ekp_snat_find(struct ekp_ct_key *rkey, const struct ekp_pkt *p,
-					 const struct ekp_config *cfg, __u64 now, struct ekp_flow *f)
-{
-	if (p->proto == IPPROTO_TCP)
-		return ekp_snat_walk(rkey, p, cfg, now, f, 1);
-	return ekp_snat_walk(rkey, p, cfg, now, f, 0);
 }
 
 #endif /* EKP_SNAT_H */

@@ -270,6 +270,75 @@ static __always_inline int ekp_sknat6_delete(struct ekp_sock6_key *k)
 	return ekp_sknat6_v2.delete(k);
 }
 
+static __always_inline struct ekp_addr *ekp_addr6_lookup(struct ekp_addr6_key *k)
+{
+	return ekp_addr6_v2.lookup(k);
+}
+
+/* The early-drop rings of the IPv6 tables (enum ekp_ctq_ring) and their write positions. */
+static __always_inline struct ekp_ctq6_slot *ekp_ctq6_lookup(__u32 ring, __u32 *slot)
+{
+	if (ring == EKP_CTQ_TCP)
+		return ekp_ctq6_tcp_v2.lookup(slot);
+	return ekp_ctq6_any_v2.lookup(slot);
+}
+
+static __always_inline u64 *ekp_ctqh6_lookup(u32 *ring)
+{
+	return ekp_ctqh6_v2.lookup(ring);
+}
+
+/* IPv6 conntrack: TCP and the others apart, as IPv4's. */
+static __always_inline struct ekp_ct6_entry *ekp_ct6_lookup(struct ekp_ct6_key *k)
+{
+	if (k->proto == IPPROTO_TCP)
+		return ekp_ct6_tcp_v3.lookup(k);
+	return ekp_ct6_any_v3.lookup(k);
+}
+
+/* One table each, for the SNAT port walk (ekp_snat.h: a table chosen per probe splits the verifier's
+ * states). */
+static __always_inline struct ekp_ct6_entry *ekp_ct6_tcp_lookup(struct ekp_ct6_key *k)
+{
+	return ekp_ct6_tcp_v3.lookup(k);
+}
+
+static __always_inline struct ekp_ct6_entry *ekp_ct6_any_lookup(struct ekp_ct6_key *k)
+{
+	return ekp_ct6_any_v3.lookup(k);
+}
+
+static __always_inline int ekp_ct6_update(struct ekp_ct6_key *k, struct ekp_ct6_entry *v)
+{
+	if (k->proto == IPPROTO_TCP)
+		return ekp_ct6_tcp_v3.update(k, v);
+	return ekp_ct6_any_v3.update(k, v);
+}
+
+static __always_inline int ekp_ct6_delete(struct ekp_ct6_key *k)
+{
+	if (k->proto == IPPROTO_TCP)
+		return ekp_ct6_tcp_v3.delete(k);
+	return ekp_ct6_any_v3.delete(k);
+}
+
+static __always_inline int ekp_ct6_insert(struct ekp_ct6_key *k, struct ekp_ct6_entry *v)
+{
+	if (k->proto == IPPROTO_TCP)
+		return ekp_ct6_tcp_v3.insert(k, v);
+	return ekp_ct6_any_v3.insert(k, v);
+}
+
+static __always_inline struct ekp_config6 *ekp_cfg6_lookup(u32 *k)
+{
+	return ekp_cfg6_v2.lookup(k);
+}
+
+static __always_inline struct ekp_config_sel *ekp_cfg6sel_lookup(u32 *k)
+{
+	return ekp_cfg6sel_v2.lookup(k);
+}
+
 static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 {
 	u32 zero = 0;
@@ -279,16 +348,49 @@ static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 /* ---- programs ---- */
 
 #include "ekp_core.h"
+#include "ekp_tc6.h"
 #include "ekp_xdp.h"
 
+/* The IPv6 path's working memory (ekp_tc6.h), private to this load as ekp_scratch. */
+BPF_PERCPU_ARRAY(ekp_scratch6, struct ekp_tc6_scratch, 1);
+
+static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void)
+{
+	u32 zero = 0;
+	return ekp_scratch6.lookup(&zero);
+}
+
+/* The IPv6 programs, by index (EKP_CALL6_*), filled by the loader (agent/ebpf/link.py) and pinned
+ * beside the programs of this build: a separate program per family keeps each one's verification
+ * and per-packet work its own (ekp_tc6.h). */
+#define EKP_CALL6_FROM_POD 0
+#define EKP_CALL6_FROM_NET 1
+BPF_PROG_ARRAY(ekp_calls6, 2);
+
+/* An IPv6 packet continues in its family's program; when that is not there (an empty slot), it
+ * falls through to the IPv4 program, whose parser passes it to the stack untouched. */
 int ekp_from_pod(struct __sk_buff *skb)
 {
+	if (skb->protocol == htons(ETH_P_IPV6))
+		ekp_calls6.call(skb, EKP_CALL6_FROM_POD);
 	return ekp_main(skb, EKP_SCOPE_INTERNAL);
 }
 
 int ekp_from_net(struct __sk_buff *skb)
 {
+	if (skb->protocol == htons(ETH_P_IPV6))
+		ekp_calls6.call(skb, EKP_CALL6_FROM_NET);
 	return ekp_main(skb, EKP_SCOPE_EXTERNAL);
+}
+
+int ekp_from_pod6(struct __sk_buff *skb)
+{
+	return ekp_main6(skb, EKP_SCOPE_INTERNAL);
+}
+
+int ekp_from_net6(struct __sk_buff *skb)
+{
+	return ekp_main6(skb, EKP_SCOPE_EXTERNAL);
 }
 
 int ekp_egress(struct __sk_buff *skb)

@@ -9,6 +9,12 @@ is shared. The namespace holds what the FIB lookups resolve in:
                             (10.244.1.7 has none: the bpf_redirect_neigh path)
     small0 10.244.3.1/24    MTU 1280: the path to a backend (.5) and a client (.6) behind a smaller MTU
 
+and, for the tc programs' IPv6 path (`add_ipv6`), IPv6 beside IPv4 on the same devices:
+
+    ext0  fd00:ff::11/64     neighbours node2 ::12, client ::100; fd00:a:2::/64 via node2
+    pod0  fd00:a:1::1/64     neighbours for pods ::5 ::6 (backends) and ::9 (a client)
+    small0 fd00:a:3::1/64    MTU 1280: a backend (::5) and a client (::6) behind it
+
 Packets from pods run ekp_from_pod with ingress pod0; packets from outside run ekp_from_net with
 ingress ext0, or ekp_xdp_net (XDP) on ext0. `assert_balanced` checks each hook's counters after
 each test: PACKETS == sum of outcomes.
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +36,7 @@ from agent.ebpf.abi import (
     OUTCOMES,
     BackendFlag,
     CtDir,
+    CtFlag,
     FrontendFlag,
     Scope,
     Stat,
@@ -58,6 +65,20 @@ MAC = {
     CLIENT_SMALL_MTU: "02:00:0a:f4:03:06",
 }
 SNAT_MIN, SNAT_MAX = 40000, 40999
+
+NODE6, NODE2_6, CLIENT6 = "fd00:ff::11", "fd00:ff::12", "fd00:ff::100"
+POD6, BE6, BE6_2, REMOTE_BE6 = "fd00:a:1::9", "fd00:a:1::5", "fd00:a:1::6", "fd00:a:2::7"
+VIP6 = "fd00:96::10"
+BE6_SMALL_MTU, CLIENT6_SMALL_MTU = "fd00:a:3::5", "fd00:a:3::6"  # on small0 (SMALL_MTU)
+MAC6 = {
+    NODE2_6: "02:00:00:00:06:12",
+    CLIENT6: "02:00:00:00:06:64",
+    POD6: "02:00:0a:06:01:09",
+    BE6: "02:00:0a:06:01:05",
+    BE6_2: "02:00:0a:06:01:06",
+    BE6_SMALL_MTU: "02:00:0a:06:03:05",
+    CLIENT6_SMALL_MTU: "02:00:0a:06:03:06",
+}
 SIZES = MapSizes(
     fe=256,
     slot=1024,
@@ -99,6 +120,13 @@ TEST_ROLES = (
     *abi.V6_ROLES.values(),
     "aff6",
     "sknat6",
+    "ct6_tcp",
+    "ct6_any",
+    "cfg6",  # zero: no IPv6 SNAT source (the IPv6 path leaves source translations to the stack)
+    "cfg6sel",
+    "ctq6_tcp",
+    "ctq6_any",
+    "ctqh6",
 )
 
 CFG = abi.Config(
@@ -145,6 +173,19 @@ def packet_lab() -> Iterator[Lab]:
         yield Lab(pod=link("pod0"), ext=link("ext0"), small=link("small0"))
 
 
+def add_ipv6(built: Lab) -> None:
+    """The IPv6 addresses, route and neighbours above, on the packet lab's devices."""
+    sh("sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")  # bpf_fib_lookup's, as for IPv4
+    sh("ip", "-6", "addr", "add", f"{NODE6}/64", "dev", built.ext.name, "nodad")
+    sh("ip", "-6", "addr", "add", "fd00:a:1::1/64", "dev", built.pod.name, "nodad")
+    sh("ip", "-6", "addr", "add", "fd00:a:3::1/64", "dev", built.small.name, "nodad")
+    sh("ip", "-6", "route", "add", "fd00:a:2::/64", "via", NODE2_6)
+    devices = {"fd00:ff:": built.ext.name, "fd00:a:1:": built.pod.name, "fd00:a:3:": built.small.name}
+    for addr, mac in MAC6.items():
+        dev = next(name for prefix, name in devices.items() if addr.startswith(prefix))
+        sh("ip", "-6", "neigh", "replace", addr, "lladdr", mac, "dev", dev, "nud", "permanent")
+
+
 def reset_maps(dp: Datapath) -> None:
     """Empty every map a test may have filled, make CFG the live config, and arm the flow-activity
     check (bpf/ekp_act.h) as a running agent has it: packets of no live flow skip conntrack."""
@@ -178,18 +219,114 @@ def ct_key(
     return abi.CtKey(ip_be(saddr), ip_be(daddr), port_be(sport), port_be(dport), proto, direction)
 
 
+def forward_entries_without_twin(items: Iterable[tuple[Any, Any]]) -> list[object]:
+    """The FORWARD keys among a conntrack map's `items` (either family's keys and entries) whose
+    REPLY twin is missing or another flow's: bpf/ekp_ct_af.h's ekp_ct_twin_key and ekp_ct_is_twin,
+    written again here so that a test checks the data path's tables by a reading of its own."""
+    table = {_ct_tuple(k): e for k, e in items}
+    lost: list[object] = []
+    for key, e in table.items():
+        saddr, daddr, sport, dport, proto, direction = key
+        if direction != CtDir.FORWARD:
+            continue
+        snat = bool(e.flags & CtFlag.SNAT)
+        rkey = (
+            _addr(e.nat_addr),
+            _addr(e.snat_addr) if snat else saddr,
+            e.nat_port,
+            e.snat_port if snat else sport,
+            proto,
+            CtDir.REPLY,
+        )
+        r = table.get(rkey)
+        back = (
+            None
+            if r is None
+            else (
+                _addr(r.nat_addr) if snat else rkey[1],
+                _addr(r.fe_addr),
+                r.nat_port if snat else rkey[3],
+                r.fe_port,
+            )
+        )
+        if (
+            r is None
+            or (_addr(r.fe_addr), r.fe_port, r.backend_id) != (_addr(e.fe_addr), e.fe_port, e.backend_id)
+            or bool(r.flags & CtFlag.SNAT) != snat
+            or back != (saddr, daddr, sport, dport)
+        ):
+            lost.append(key)
+    return lost
+
+
+class TupleRace:
+    """before_round for lab/cpurace.py's race of two new flows on one reply tuple (a one-port SNAT
+    range, the conntrack table `table` emptied before each round): each round must leave exactly
+    one flow, whole (its FORWARD entry with its REPLY twin), and count it: every packet counted once
+    as NEW_FLOWS or DROP_TUPLE_TAKEN, and one flow more than the round early-dropped; none more
+    only when the flow early-dropped was still being created and lost its REPLY entry before its
+    own check (bpf/ekp_ct_af.h ekp_ct_create: it drops as DROP_TUPLE_TAKEN, its early drop counted
+    too). Call it once more after the last round."""
+
+    def __init__(self, net: Net, table: str) -> None:
+        self.net, self.table = net, net.dp.maps[table]
+        self.rounds = self.raced = 0  # raced: a round one CPU lost (DROP_TUPLE_TAKEN)
+        self._last = self._counts()
+
+    def _counts(self) -> tuple[int, int, int]:
+        stats = self.net.stats()
+        return stats[Stat.NEW_FLOWS], stats[Stat.EARLY_DROP], stats[Stat.DROP_TUPLE_TAKEN]
+
+    def __call__(self) -> None:
+        items = self.table.items()
+        counts = self._counts()
+        new, early, taken = (now - before for now, before in zip(counts, self._last, strict=True))
+        self._last = counts
+        if items or new or taken:
+            self.rounds += 1
+            self.raced += bool(taken)
+            lost = forward_entries_without_twin(items)
+            flows = sum(_ct_tuple(k)[5] == CtDir.FORWARD for k, _ in items)
+            what = (
+                f"round {self.rounds}: {flows} FORWARD and {len(items) - flows} REPLY entries, {new} new,"
+                f" {early} early drops, {taken} taken"
+            )
+            assert flows == len(items) - flows == 1 and not lost, f"{what}; without their twin: {lost}"
+            assert new + taken == 2, what
+            assert new - early == 1 or (new, early, taken) == (1, 1, 1), f"{what}: a flow lost uncounted"
+        self.table.clear()
+
+
+def _ct_tuple(k: Any) -> tuple[Any, ...]:
+    return (_addr(k.saddr), _addr(k.daddr), k.sport, k.dport, k.proto, k.dir)
+
+
+def _addr(a: Any) -> object:
+    """An address of either family as a dictionary key (an IPv6 one is a ctypes structure)."""
+    return bytes(a) if isinstance(a, ct.Structure | ct.Array) else a
+
+
 class Net:
     """Runs frames through the programs and reads and writes the maps, in test vocabulary."""
 
     def __init__(self, dp: Datapath, lab: Lab) -> None:
         self.dp, self.lab = dp, lab
 
-    def from_pod(self, frame: bytes, via: Link | None = None) -> tuple[int, bytes]:
-        """ekp_from_pod on `frame` arriving on pod0, or on the pod device `via` (small0)."""
-        return prog_run(self.dp.prog_fd("ekp_from_pod"), frame, (via or self.lab.pod).ifindex)
+    def from_pod(
+        self, frame: bytes, via: Link | None = None, *, csum_complete: bool = False, gso_size: int = 0
+    ) -> tuple[int, bytes]:
+        """ekp_from_pod on `frame` arriving on pod0, or on the pod device `via` (small0);
+        `csum_complete`: a CHECKSUM_COMPLETE skb whose skb->csum is checked after; `gso_size`: a GSO
+        skb of segments that size (prog_run)."""
+        fd = self.dp.prog_fd("ekp_from_pod")
+        return prog_run(
+            fd, frame, (via or self.lab.pod).ifindex, csum_complete=csum_complete, gso_size=gso_size
+        )
 
-    def from_net(self, frame: bytes) -> tuple[int, bytes]:
-        return prog_run(self.dp.prog_fd("ekp_from_net"), frame, self.lab.ext.ifindex)
+    def from_net(self, frame: bytes, *, csum_complete: bool = False) -> tuple[int, bytes]:
+        return prog_run(
+            self.dp.prog_fd("ekp_from_net"), frame, self.lab.ext.ifindex, csum_complete=csum_complete
+        )
 
     def to_pod(self, frame: bytes, *, came_in_by: int = 0) -> tuple[int, bytes]:
         """ekp_egress on the pod device: a packet of the node's own stack (`came_in_by` 0), or one
@@ -285,6 +422,14 @@ def add_address(maps: Mapping[str, MapWriter], addr: str, flags: int) -> None:
     maps["addr"].update(key, abi.Addr(flags=have | flags))
 
 
+def add_address6(maps: Mapping[str, MapWriter], addr: str, flags: int) -> None:
+    """`flags` (abi.AddrFlag) added to the ekp_addr6 entry of `addr`."""
+    key = abi.Addr6Key(abi.Addr6(*abi.ip6_words(addr)))
+    old = maps["addr6"].lookup(key)
+    have = old.flags if isinstance(old, abi.Addr) else 0
+    maps["addr6"].update(key, abi.Addr(flags=have | flags))
+
+
 def add_service6(
     maps: Mapping[str, MapWriter],
     addr: str,
@@ -300,14 +445,19 @@ def add_service6(
     affinity_timeout: int = 0,
     count: int | None = None,
 ) -> None:
-    """`add_service` for an IPv6 frontend, in the IPv6 maps (ekp_fe6, be6, slot6, member6, rnat6),
-    in the planner's order."""
+    """`add_service` for an IPv6 frontend, in the IPv6 maps (ekp_fe6, be6, slot6, member6, rnat6,
+    and the addresses in ekp_addr6), in the planner's order."""
     member = abi.MemberFlag.LOCAL if flags & FrontendFlag.LOCAL else abi.MemberFlag.CLUSTER
+    if any(be_flags & abi.BackendFlag.HOST for _, _, _, be_flags in backends):
+        flags |= FrontendFlag.HOST_BACKEND  # as the planner marks it
     for slot, (backend_id, be_addr, be_port, be_flags) in enumerate(backends, 1):
         value = abi.Backend6(abi.Addr6(*abi.ip6_words(be_addr)), port_be(be_port), proto, be_flags)
         maps["be6"].update(abi.BackendKey(backend_id), value)
         maps["member6"].update(abi.MemberKey(svc_id, backend_id), abi.Member(flags=member))
         maps["slot6"].update(abi.SlotKey(set_id, slot), abi.Slot(backend_id))
+        add_address6(maps, be_addr, abi.AddrFlag.BACKEND)
+    if scope != Scope.HOST:
+        add_address6(maps, addr, 1 << scope)
     words = abi.Addr6(*abi.ip6_words(addr))
     maps["rnat6"].update(abi.RevNatKey(rev_nat_id), abi.RevNat6(words, port_be(port)))
     fe = abi.Frontend(

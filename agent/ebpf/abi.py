@@ -84,6 +84,7 @@ class FrontendFlag(IntEnum):
     SNAT_ALL = 1 << 8
     MAGLEV = 1 << 9
     HOST_SCOPE = 1 << 10
+    HOST_BACKEND = 1 << 11  # IPv6 frontends: the set holds an endpoint on a node address (tc IPv6 path)
 
 
 class BackendFlag(IntEnum):
@@ -188,10 +189,12 @@ class Stat(IntEnum):
     SOCK_DESTROYED = 36
     DROP_SPOOFED = 37
     DROP_HANDOVER = 38
+    DROP_TUPLE_TAKEN = 39  # a new flow whose reply tuple another CPU's new flow took (ekp_ct_place)
+    DROP_HOP_LIMIT = 40  # the tc IPv6 path's last hop, answered with a time exceeded
 
 
 STAT_DROP_FIRST = Stat.DROP_MALFORMED
-STAT_COUNT = 39
+STAT_COUNT = 41
 STAT_SLOTS = 64  # ekp_stats_v3's size: room for later counters without a new map
 # The drop reasons, by name (a reason added later goes at the end of the enum, after other kinds).
 DROPS: tuple[Stat, ...] = tuple(s for s in Stat if s.name.startswith("DROP_"))
@@ -493,6 +496,52 @@ class Sock6Nat(_Struct):
     _fields_ = [("fe_addr", Addr6), ("fe_port", u16), ("pad", u16), ("svc_id", u32), ("backend_id", u32)]
 
 
+class Ct6Key(_Struct):
+    _fields_ = [
+        ("saddr", Addr6),
+        ("daddr", Addr6),
+        ("sport", u16),
+        ("dport", u16),
+        ("proto", u8),
+        ("dir", u8),
+        ("pad", u16),
+    ]
+
+
+class Ct6Entry(_Struct):
+    _fields_ = [
+        ("last_seen_ns", u64),
+        ("nat_addr", Addr6),
+        ("snat_addr", Addr6),
+        ("fe_addr", Addr6),
+        ("nat_port", u16),
+        ("snat_port", u16),
+        ("fe_port", u16),
+        ("flags", u16),
+        ("svc_id", u32),
+        ("backend_id", u32),
+        ("created_s", u32),
+        ("pad", u32),
+    ]
+
+
+class Ctq6Slot(_Struct):
+    _fields_ = [
+        ("saddr", Addr6),
+        ("daddr", Addr6),
+        ("sport", u16),
+        ("dport", u16),
+        ("proto", u8),
+        ("dir", u8),
+        ("pad", u16),
+        ("created_s", u32),
+    ]
+
+
+class Config6(_Struct):
+    _fields_ = [("node_addr", Addr6)]
+
+
 # Every struct of the header, by its C name; the ABI test walks this.
 STRUCTS: dict[str, type[_Struct]] = {
     "ekp_frontend_key": FrontendKey,
@@ -537,6 +586,10 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_addr6_key": Addr6Key,
     "ekp_sock6_key": Sock6Key,
     "ekp_sock6_nat": Sock6Nat,
+    "ekp_ct6_key": Ct6Key,
+    "ekp_ct6_entry": Ct6Entry,
+    "ekp_config6": Config6,
+    "ekp_ctq6_slot": Ctq6Slot,
 }
 
 
@@ -642,6 +695,20 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("addr6", "hash", Addr6Key, Addr, 262144, "EKP_ADDR6_MAX", pair="addr"),
         MapSpec("aff6", "lru_hash", Affinity6Key, Affinity, 65536, "EKP_AFF6_MAX", _DP, pair="aff"),
         MapSpec("sknat6", "lru_hash", Sock6Key, Sock6Nat, 65536, "EKP_SKNAT6_MAX", _DP, pair="sknat"),
+        # the tc programs' IPv6 conntrack (bpf/ekp_tc6.h), each sized as its IPv4 twin where written
+        # (ct6_any is not while the path is TCP-only: one entry, agent/ebpf/loader.py TC6_UNWRITTEN);
+        # v3: IPv4's entry field for field (v2's entries had no SNAT fields: that path left source
+        # translations to ip6tables)
+        MapSpec("ct6_tcp", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_TCP_MAX", _DP, version=3, pair="ct_tcp"),
+        MapSpec("ct6_any", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_ANY_MAX", _DP, version=3, pair="ct_any"),
+        # their early-drop rings, sized from the table as IPv4's (CT_QUEUES), and where each writes
+        MapSpec("ctq6_tcp", "array", ctypes.c_uint32, Ctq6Slot, 0, "EKP_CTQ6_TCP_MAX", _DP),
+        MapSpec("ctq6_any", "array", ctypes.c_uint32, Ctq6Slot, 0, "EKP_CTQ6_ANY_MAX", _DP),
+        MapSpec("ctqh6", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_CTQH6_MAX", _DP),
+        # the IPv6 path's settings: the node's IPv6 address, the source of its SNAT (written by the
+        # IPv6 family's sync, agent/ebpf/family6.py), two slots and a selector as cfg / cfgsel
+        MapSpec("cfg6", "array", ctypes.c_uint32, Config6, 2, "EKP_CFG6_MAX"),
+        MapSpec("cfg6sel", "array", ctypes.c_uint32, ConfigSel, 1, "EKP_CFG6SEL_MAX"),
     )
 }
 
@@ -652,11 +719,12 @@ V6_ROLES: dict[str, str] = {
 
 # The early-drop ring of each conntrack table, and how it is sized: a ring of N slots lets at most
 # N flows be unassured or closed (2 N entries), half the table (bpf/ekp_ctq.h).
-CT_QUEUES = {"ct_tcp": "ctq_tcp", "ct_any": "ctq_any"}
+CT_QUEUES = {"ct_tcp": "ctq_tcp", "ct_any": "ctq_any", "ct6_tcp": "ctq6_tcp", "ct6_any": "ctq6_any"}
 CTQ_DIVISOR = 4  # ring slots = table entries / 4
 
 # The conntrack tables, by protocol: TCP flows in ct_tcp, every other protocol in ct_any.
 CT_ROLES = ("ct_tcp", "ct_any")
+CT6_ROLES = ("ct6_tcp", "ct6_any")  # the tc IPv6 path's (bpf/ekp_tc6.h)
 
 
 def ct_role(proto: int) -> str:

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import struct
 import time
 from collections.abc import Mapping
 
-from agent.ebpf.abi import ACT_SHIFT, ACT_SLOTS, CT_ROLES, Act, CtDir, CtEntry, CtKey
+from agent.ebpf.abi import ACT_SHIFT, ACT_SLOTS, CT6_ROLES, CT_ROLES, Act, CtDir, CtEntry, CtKey
 from agent.ebpf.capacity import ct_timeout_s
 from agent.ebpf.codec import KEYS, VALUES
 from agent.ebpf.maps import MapWriter, read_config
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 ARMED = 0  # the slot that says the stamps are complete (no endpoint hashes to it)
 _M32 = 0xFFFFFFFF
+_WORDS6 = struct.Struct("=4I")  # the four __be32 words as the programs load them
 
 
 def slot(addr_be: int, port_be: int, proto: int) -> int:
@@ -45,6 +47,13 @@ def slot(addr_be: int, port_be: int, proto: int) -> int:
     h ^= h >> 12
     h &= ACT_SLOTS - 1
     return h or 1
+
+
+def fold6(addr: bytes) -> int:
+    """ekp_fold6: an IPv6 address (16 bytes, network order) folded to the 32 bits an IPv4 one has
+    in a slot (abi.ip_be's form)."""
+    a, b, c, d = _WORDS6.unpack(addr)
+    return int(a ^ b ^ c ^ d)
 
 
 def stamp_of(now_ns: int) -> int:
@@ -103,6 +112,25 @@ def arm(maps: Mapping[str, MapWriter], now_ns: int | None = None) -> int:
                 slots.add(slot(nat_addr, nat_port, proto))
             else:
                 slots.add(slot(saddr, sport, proto))
+    for role in CT6_ROLES:  # the tc IPv6 path's flows, their addresses folded (ekp_fold6)
+        if role not in maps:
+            continue
+        keys, values = maps[role].dump_raw()
+        key_codec, value_codec = KEYS[role], VALUES[role]
+        pairs = zip(key_codec.struct.iter_unpack(keys), value_codec.struct.iter_unpack(values), strict=True)
+        for (saddr6, _daddr6, sport, _dport, proto, direction), value in pairs:
+            entries += 1
+            last_seen, nat_addr6, _snat_addr6, fe_addr6, nat_port, _snat_port, fe_port, flags = value[:8]
+            limit = timeouts.get((proto, flags))
+            if limit is None:
+                limit = timeouts[(proto, flags)] = ct_timeout_s(cfg, proto, flags) * 1e9
+            if age_ns(now, last_seen) > limit:
+                continue
+            slots.add(slot(fold6(fe_addr6), fe_port, proto))
+            if direction == CtDir.FORWARD:
+                slots.add(slot(fold6(nat_addr6), nat_port, proto))
+            else:
+                slots.add(slot(fold6(saddr6), sport, proto))
     stamp = Act(stamp=stamp_of(now))
     act = maps["act"]
     if slots:

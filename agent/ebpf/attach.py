@@ -44,6 +44,7 @@ filters, and the clsact qdisc only when it then holds no filter at all.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import select
 import socket
@@ -74,6 +75,7 @@ FILTER_HANDLE = 0xEB
 TC_H_INGRESS_QDISC = 0xFFFFFFF1  # parent of the clsact / ingress qdisc
 TC_H_INGRESS = 0xFFFFFFF2  # clsact ingress hook (`tc filter ... ingress`)
 TC_H_EGRESS = 0xFFFFFFF3  # clsact egress hook
+RT_SCOPE_LINK = 253  # an address valid on its link only (IPv6 fe80::/10)
 
 
 # rtnetlink link events, read from a plain socket: pyroute2's buffered reader does not mix with
@@ -193,12 +195,23 @@ def bridge_index(ipr: Any, local: LocalDetector) -> int:
 
 
 def devices_with_addresses(ipr: Any, addresses: Iterable[str]) -> set[int]:
-    wanted = set(addresses)
-    return {int(m["index"]) for m in ipr.get_addr(family=2) if m.get("address") in wanted}
+    """ifindexes of the devices holding any of `addresses`, IPv4 or IPv6 (the tc IPv6 path's
+    replies come back by the device of an IPv6 node address, which may hold no IPv4 one). An
+    IPv6 address of link scope never counts: every pod's veth holds an fe80:: one, unique to its
+    link only, and a node address is global (agent/node.py discover_node)."""
+    wanted = {str(ipaddress.ip_address(a)) for a in addresses}
+    families = {socket.AF_INET6 if ":" in a else socket.AF_INET for a in wanted}
+    return {
+        int(m["index"])
+        for family in sorted(families)
+        for m in ipr.get_addr(family=family)
+        if (family == socket.AF_INET or int(m["scope"]) != RT_SCOPE_LINK) and str(m.get("address")) in wanted
+    }
 
 
 def external_devices(ipr: Any, config: Config, node: NodeContext) -> dict[int, str]:
-    """ifindex -> name of the external devices: --devices, else those holding a node IP.
+    """ifindex -> name of the external devices: --devices, else those holding a node IP (of either
+    family: `node.node_ips` holds the IPv6 ones too where the tc IPv6 path serves).
 
     Looks devices up one by one (no dump of every link: a node may have hundreds of pod veths).
     """
@@ -393,7 +406,9 @@ class Attacher:
                     if exc.code != errno.ENODEV:  # gone again: nothing to hand over there
                         raise
 
-    def reconcile(self, node: NodeContext, *, full: bool = False, verify: bool = False) -> None:
+    def reconcile(
+        self, node: NodeContext, *, full: bool = False, verify: bool = False, keep_external: bool = False
+    ) -> None:
         """Attach where missing.
 
         * default (every sync): only the external devices are looked up and checked; pod devices
@@ -401,13 +416,21 @@ class Attacher:
         * `verify` (now and then): every wanted device's filter is checked, in case ours was
           removed behind our back or the watcher missed a device;
         * `full` (first sync): every filter of ours is replaced with the current programs and
-          devices that no longer match are detached.
+          devices that no longer match are detached; with `keep_external`, a device that carries
+          our ekp_from_net stays external (its program replaced) though `node` does not name it:
+          the agent's first sync before the IPv6 family's (`node` holds no IPv6 node address yet,
+          and a device holding only one is external where the tc IPv6 path serves). A later
+          reconcile with the full node detaches it if it does not qualify.
         """
         with netns_route(self._config.netns) as ipr:
             links: dict[int, Link] = {}
             if full or verify:
                 wanted = wanted_devices(ipr, self._config, node)
                 links = {link.index: link for link in list_links(ipr)}
+                if full and keep_external:
+                    for link in links.values():
+                        if link.index not in wanted and our_filter(ipr, link.index) == PROG_FROM_NET:
+                            wanted[link.index] = (link.name, PROG_FROM_NET)
             else:
                 wanted = {i: (n, PROG_FROM_NET) for i, n in external_devices(ipr, self._config, node).items()}
             external = {i for i, (_, prog) in wanted.items() if prog == PROG_FROM_NET}

@@ -106,11 +106,11 @@ def prog_pin(pin_path: str, build: str, name: str) -> str:
 
 
 def open_pinned_programs(
-    pin_path: str, build: str, names: Sequence[str], map_ids: set[int], private_maps: int
+    pin_path: str, build: str, names: Sequence[str], map_ids: set[int], private_maps: Mapping[str, int]
 ) -> dict[str, int] | None:
     """Fds of the programs of `build`, when every one is pinned and uses only maps in `map_ids`
-    (the maps pinned now) besides at most `private_maps` unpinned ones of its own load; None when
-    any is missing or stale.
+    (the maps pinned now) besides the unpinned ones of its own load (`private_maps`: how many, by
+    program; none when unnamed); None when any is missing or stale.
 
     The private maps cannot be told apart by name without CAP_SYS_ADMIN (BPF_MAP_GET_FD_BY_ID), so
     they are counted: a program still using a map that was unpinned and recreated has one more
@@ -123,7 +123,7 @@ def open_pinned_programs(
             if fd < 0:
                 return None
             fds[name] = fd
-            if not map_ids or len(prog_map_ids(fd) - map_ids) > private_maps:
+            if not map_ids or len(prog_map_ids(fd) - map_ids) > private_maps.get(name, 0):
                 log.info("pinned program %s uses maps that are no longer pinned: compiling again", name)
                 return None
         ok = True
@@ -134,11 +134,17 @@ def open_pinned_programs(
                 os.close(fd)
 
 
-def remove_other_builds(pin_path: str, build: str) -> list[str]:
-    """Unpin programs of other builds; their names."""
+def remove_other_builds(pin_path: str, build: str, keep: Sequence[str] = ()) -> list[str]:
+    """Unpin programs of other builds, but for their pins named in `keep`; their names.
+
+    `keep` is for program arrays: the kernel empties a program array when its last user reference
+    goes, and attached programs hold none, so an older build's array unpinned while its programs
+    are still attached would turn its tail calls into fall-throughs until the new ones attach."""
     removed = []
     for entry in sorted(os.listdir(pin_path)):
         if entry.startswith(PROG_PIN_PREFIX) and not entry.startswith(f"{PROG_PIN_PREFIX}{build}_"):
+            if any(entry.endswith(f"_{name}") for name in keep):
+                continue
             os.unlink(os.path.join(pin_path, entry))
             removed.append(entry)
     return removed

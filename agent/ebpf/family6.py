@@ -17,6 +17,7 @@ which re-adopt what the maps hold: a re-plan over unchanged state writes nothing
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import time
@@ -26,7 +27,7 @@ from typing import Any, cast
 from agent.config import Config, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.entries import key_size, value_size
-from agent.ebpf.maps import MapWriter
+from agent.ebpf.maps import MapWriter, write_config6
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
 from agent.model.types import ProxyState, ServicePortName
 from agent.proxier import SyncResult
@@ -135,6 +136,17 @@ class WideMap:
         return self.inner.capacity()
 
 
+def config6_of(node: NodeContext) -> abi.Config6:
+    """The IPv6 path's settings (ekp_cfg6) for `node`: its primary address, the source of IPv6 SNAT
+    (bpf/ekp_tc6.h), as the IPv4 config takes the IPv4 one. Zero (those flows are left to
+    ip6tables' masquerade) when the node has no IPv6 address: an IPv4 node context, as an agent
+    without an IPv6 half empties the IPv6 maps with."""
+    cfg6 = abi.Config6()
+    if node.primary_ip and ipaddress.ip_address(node.primary_ip).version == 6:
+        cfg6.node_addr = abi.Addr6(*abi.ip6_words(node.primary_ip))
+    return cfg6
+
+
 def _ipv6_names(text: str) -> str:
     for role, role6 in abi.V6_ROLES.items():
         text = text.replace(abi.MAPS[role].name, abi.MAPS[role6].name)
@@ -160,7 +172,9 @@ class Ipv6Datapath:
 
     `sync` is EbpfProxier.sync's map half for IPv6: a planner made at the first call re-adopts what
     the pinned maps hold (a restart over unchanged state writes nothing), full syncs read the maps
-    back and repair them, partial ones write what the changed ports changed. Capacity: a map too
+    back and repair them, partial ones write what the changed ports changed; and the IPv6 path's
+    settings (ekp_cfg6: the node's IPv6 address, its SNAT source, while the caller grants it, else
+    zero: `snat_source`). Capacity: a map too
     small is logged with the flag that sizes it (its IPv4 twin's), and the ports that do not fit are
     reported as failed, as for IPv4."""
 
@@ -186,7 +200,12 @@ class Ipv6Datapath:
         state: ProxyState,
         node: NodeContext,
         changed: frozenset[ServicePortName] | None,
+        *,
+        snat_source: bool = False,
     ) -> SyncResult:
+        """`snat_source`: ekp_cfg6 gets the node's address (granted: EbpfProxier._snat6_granted);
+        without it, zero (no source translation by tc: ip6tables masquerades those flows), also
+        over an address written before (a grant lost, or a restart's stale pin)."""
         start = self._clock()
         if self._planner is not None and changed is None and self._grown():
             log.info(
@@ -210,6 +229,10 @@ class Ipv6Datapath:
             changed = None
         planner.update(state, node, changed)
         self._check_room(planner, maps)
+        cfg6 = config6_of(node) if snat_source else abi.Config6()
+        if write_config6(maps, cfg6):
+            source = abi.ip6_str(cfg6.node_addr) if any(cfg6.node_addr) else "none (ip6tables masquerades)"
+            log.info("IPv6 SNAT source of the tc programs: %s", source)
         try:
             result = planner.flush(cast(Mapping[str, RawMap], wide))
         except Exception:

@@ -10,7 +10,10 @@ pin directory (libbpf's pinned-map reuse works the same way):
 * any other map of the object (the programs' scratch memory) is created for this load alone;
 * each program gets those maps' fds written into its instructions, is loaded as its ProgSpec says
   (agent/ebpf/programs.py: the hook of a socket program, an iterator's target, kfunc calls patched
-  in), and is pinned at the path `prog_path(name)` gives (replacing an older pin of the same name).
+  in), and is pinned at the path `prog_path(name)` gives (replacing an older pin of the same name);
+* each program array (agent/ebpf/programs.py TAIL_CALLS) gets its programs and is pinned at
+  `prog_path(its name)` too: the kernel empties a program array whose last user reference goes,
+  and a pin is one that outlives this process.
 
 The map fds are closed at the end: the programs and the pins hold the maps. The caller owns the
 returned program fds.
@@ -30,7 +33,7 @@ from agent.ebpf.bpfobject import BpfObject, MapDef, relocate
 from agent.ebpf.btf import BtfError, vmlinux_func_ids
 from agent.ebpf.kfunc import patch_kfunc_calls
 from agent.ebpf.maps import map_info
-from agent.ebpf.programs import PROGRAMS, ProgSpec
+from agent.ebpf.programs import PROGRAMS, TAIL_CALLS, ProgSpec
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +126,22 @@ def _load(obj: BpfObject, name: str, fds: list[int]) -> int:
     raise LinkError(f"loading program {name} (build {obj.build}): {os.strerror(-fd)}\n{text[-4000:]}")
 
 
+def _fill_tail_calls(name: str, fd: int, progs: dict[str, int], path: str) -> None:
+    """Program array `name` (map fd `fd`) holding its programs at their indexes, pinned at `path`.
+    A program the build lacks leaves its slot empty: the caller of the tail call goes on without."""
+    for index, prog in enumerate(TAIL_CALLS[name]):
+        if prog not in progs:
+            continue
+        ret = bpfsys.map_update_elem(fd, ctypes.c_uint32(index), ctypes.c_uint32(progs[prog]))
+        if ret < 0:
+            raise LinkError(f"putting {prog} into program array {name}: {os.strerror(-ret)}")
+    if os.path.exists(path):
+        os.unlink(path)
+    ret = bpfsys.obj_pin(fd, path)
+    if ret < 0:
+        raise LinkError(f"pinning program array {name} at {path}: {os.strerror(-ret)}")
+
+
 def verifier_threads(cpus: int) -> int:
     """How many programs to load at once: every CPU but one. The verifier runs in the loading
     thread's kernel context and bpf() releases the GIL, so programs verify side by side; the CPU
@@ -187,6 +206,9 @@ def link(
             ret = bpfsys.obj_pin(fd, path)
             if ret < 0:
                 raise LinkError(f"pinning program {p.name} at {path}: {os.strerror(-ret)}")
+        for m, fd in zip(obj.maps, fds, strict=True):
+            if m.name in TAIL_CALLS:
+                _fill_tail_calls(m.name, fd, progs, prog_path(m.name))
         ok = True
         return progs
     finally:

@@ -33,6 +33,7 @@ tools print their generated C.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import re
@@ -58,7 +59,17 @@ from agent.ebpf.link import LinkError, PinnedMapMismatch, link
 from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj_get, obj_pin, possible_cpus
 from agent.ebpf.objcache import ObjectCache, default_cache_dir
 from agent.ebpf.pindir import ensure_pin_dir
-from agent.ebpf.programs import PROGRAMS, ProgSpec, available_programs, kernel_needs
+from agent.ebpf.programs import (
+    PROG_FROM_NET,
+    PROG_FROM_POD,
+    PROG_SCHED_CLS,
+    PROG_XDP,
+    PROGRAMS,
+    TAIL_CALLS,
+    ProgSpec,
+    available_programs,
+    kernel_needs,
+)
 from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
@@ -66,8 +77,18 @@ log = logging.getLogger(__name__)
 ENTRY_FILE = "ekp_tc.c"
 BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)
 
-# Unpinned maps each program's load owns (ekp_tc.c: ekp_scratch); a reused program keeps its own.
-PRIVATE_MAPS = 1
+# Unpinned maps each program's load owns, by program (ekp_tc.c): the IPv4 ingress programs their
+# scratch and the program array ekp_calls6, every other tc and XDP program its scratch alone, the
+# socket programs none. A reused program keeps its own; one with more unknown maps than these still
+# uses a map that was unpinned and recreated (compile.open_pinned_programs).
+PRIVATE_MAPS: dict[str, int] = {
+    name: 0
+    if spec.prog_type not in (PROG_SCHED_CLS, PROG_XDP)
+    else 2
+    if name in (PROG_FROM_POD, PROG_FROM_NET)
+    else 1
+    for name, spec in PROGRAMS.items()
+}
 
 BPF_F_NO_PREALLOC = 1 << 0
 BPF_F_NO_COMMON_LRU = 1 << 1
@@ -85,6 +106,16 @@ ROLE_FLAGS: dict[str, int] = {
     "maglev": BPF_F_NO_PREALLOC,
     **{role: BPF_F_NO_PREALLOC for role in V6_ROLES.values() if MAPS[role].kind == "hash"},
 }
+
+# The conntrack tables of the tc programs' IPv6 path (bpf/ekp_tc6.h), its only writer, and their
+# early-drop rings: when that path does not serve (MapSizes.ipv6_tc), each is created with IDLE_SIZE
+# entries, and a pin of the other size is replaced at load (`replace_resized_ipv6_pins`): what it
+# holds no program reads.
+TC6_ROLES = frozenset({"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any"})
+IDLE_SIZE = 1
+# ... of which the path writes none yet: it translates TCP alone (bpf/ekp_tc6.h), so ekp_ct6_any
+# and its ring stay at IDLE_SIZE whatever MapSizes.ipv6_tc says, until UDP is translated there.
+TC6_UNWRITTEN = frozenset({"ct6_any", "ctq6_any"})
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
@@ -112,13 +143,15 @@ def map_size(spec: MapSpec, sizes: MapSizes) -> int:
     size left to be derived (0) that nobody resolved takes kube-proxy's default conntrack
     settings on this machine's CPUs (the proxier resolves it from Config.conntrack first). An
     early-drop ring follows its conntrack table (a pinned table keeps its size, so its ring does)."""
+    if spec.role in TC6_ROLES and (not sizes.ipv6_tc or spec.role in TC6_UNWRITTEN):
+        return IDLE_SIZE
     table = next((ct for ct, ring in CT_QUEUES.items() if ring == spec.role), None)
     if table is not None:  # an early-drop ring: a quarter of its table's entries
         return max(1, map_size(MAPS[table], sizes) // CTQ_DIVISOR)
     size = int(getattr(sizes, spec.sized_by, spec.default_size))
     if size == 0:
         resolved = sizes.with_conntrack(ConntrackSettings(), os.cpu_count() or 1)
-        size = int(getattr(resolved, spec.role))
+        size = int(getattr(resolved, spec.sized_by))
     return size
 
 
@@ -221,6 +254,34 @@ def check_pins(pin_path: str, sizes: MapSizes) -> None:
         )
 
 
+def replace_resized_ipv6_pins(pin_path: str, sizes: MapSizes) -> list[str]:
+    """Unpin the tc IPv6 path's conntrack tables (TC6_ROLES) whose size is the other side of the
+    IPv6 switch (IDLE_SIZE on one side, their IPv4 twins' on the other), so the load creates them
+    at this start's size; their names. Nothing else of theirs may differ (check_pins reports it),
+    and no other map is touched: the IPv4 tables and their flows stay. Turned on, the idle tables
+    held nothing; turned off, no program of this start reads what the full ones held."""
+    removed = []
+    for role in sorted(TC6_ROLES):
+        spec = MAPS[role]
+        path = os.path.join(pin_path, spec.name)
+        try:
+            fd = obj_get(path)
+        except OSError:
+            continue  # missing (created by the load) or unreadable (check_pins says why)
+        try:
+            info = map_info(fd)
+        finally:
+            os.close(fd)
+        want = expected_info(spec, sizes)
+        have = info.max_entries
+        others = [k for k in want if k != "max_entries" and getattr(info, k) != want[k]]
+        if have == want["max_entries"] or others or IDLE_SIZE not in (have, want["max_entries"]):
+            continue
+        os.unlink(path)
+        removed.append(spec.name)
+    return removed
+
+
 def stale_pins(pin_path: str) -> list[str]:
     """Pins in `pin_path` that are ekp maps but not this ABI version's (full paths, sorted)."""
     current = {spec.name for spec in MAPS.values()}
@@ -306,6 +367,7 @@ class Datapath:
         self._prog_fds: dict[str, int] = {}
         self._maps: dict[str, BpfMap] = {}
         self._programs: dict[str, ProgSpec] = {}
+        self._build: str | None = None
 
     @property
     def entry_file(self) -> Path:
@@ -383,6 +445,15 @@ class Datapath:
                 f"{BPFFS_ROOT}, or mount one first (mount -t bpf bpf DIR)"
             )
         ensure_pin_dir(self.pin_path)
+        resized = replace_resized_ipv6_pins(self.pin_path, self.sizes)
+        if resized:
+            log.info(
+                "IPv6 conntrack tables and early-drop rings %s recreated at %s (the tc programs' IPv6 path "
+                "%s): the IPv4 tables and their flows are kept",
+                ", ".join(resized),
+                "full size" if self.sizes.ipv6_tc else f"{IDLE_SIZE} entry each",
+                "serves now" if self.sizes.ipv6_tc else "no longer serves",
+            )
         check_pins(self.pin_path, self.sizes)
 
         handed = False
@@ -402,11 +473,22 @@ class Datapath:
                 self.pin_path, build, list(programs), self._pinned_map_ids(), PRIVATE_MAPS
             )
             how = "reused (unchanged since it was compiled)"
+            if fds is not None and not all(
+                os.path.exists(prog_pin(self.pin_path, build, m)) for m in TAIL_CALLS
+            ):
+                # The program array went with its pin: empty, so loaded again with a new one.
+                for fd in fds.values():
+                    os.close(fd)
+                fds = None
             if fds is None:
                 fds, how = self._link(build, programs, opened)
+            self._route_ipv6(build, fds)
             self._prog_fds = fds
             self._programs = programs
-            old = remove_other_builds(self.pin_path, build)
+            self._build = build
+            # Its program arrays stay pinned until our programs replaced its attachments
+            # (release_older_builds, after the first attach).
+            old = remove_other_builds(self.pin_path, build, keep=tuple(TAIL_CALLS))
             if old:
                 log.info("unpinned programs of an older build: %s", ", ".join(old))
             log.info(
@@ -425,6 +507,44 @@ class Datapath:
             else:
                 self.close()
             raise
+
+    def release_older_builds(self) -> list[str]:
+        """Unpin what load() kept of older builds (their program arrays): to be called once this
+        build's programs replaced theirs on every device. The names unpinned."""
+        if self._build is None:
+            return []
+        return remove_other_builds(self.pin_path, self._build)
+
+    def _route_ipv6(self, build: str, fds: Mapping[str, int]) -> None:
+        """Fill the program arrays (TAIL_CALLS) when the tc programs' IPv6 path serves
+        (MapSizes.ipv6_tc), empty them otherwise: an IPv6 packet then stops at the IPv4 programs'
+        parser (a failed tail call and the parse, instead of the IPv6 program's parse and checks).
+        Set at every load, reused programs too: the arrays are pinned with the build."""
+        for array, names in TAIL_CALLS.items():
+            fd = bpfsys.obj_get(prog_pin(self.pin_path, build, array))
+            if fd < 0:
+                raise DatapathError(f"opening program array {array} of build {build}: {os.strerror(-fd)}")
+            try:
+                for index, name in enumerate(names):
+                    key = ctypes.c_uint32(index)
+                    if self.sizes.ipv6_tc and name in fds:
+                        ret = bpfsys.map_update_elem(fd, key, ctypes.c_uint32(fds[name]))
+                    else:
+                        ret = bpfsys.map_delete_elem(fd, key)
+                        ret = 0 if ret == -errno.ENOENT else ret
+                    if ret < 0:
+                        raise DatapathError(
+                            f"setting slot {index} of program array {array}: {os.strerror(-ret)}"
+                        )
+            finally:
+                os.close(fd)
+        log.info(
+            "IPv6 packets on the tc hooks: %s",
+            "continued in ekp_from_pod6 / ekp_from_net6 (the tc programs' IPv6 path)"
+            if self.sizes.ipv6_tc
+            else "passed to the stack at the IPv4 programs' parser (the tc programs' IPv6 path needs an "
+            "IPv6 half and --bpf-host-routing=bpf)",
+        )
 
     def _open_maps(self) -> None:
         """Every pinned map on our own fds, each checked against the shape this agent expects."""
@@ -548,7 +668,9 @@ def _inline_includes(path: Path, seen: set[Path]) -> str:
         if m:
             inc = path.parent / m.group(1)
             if inc.is_file():
-                if inc not in seen:
+                # a per-family template (bpf/ekp_ct_af.h: no include guard) is compiled once per
+                # family, so it is inlined at each include; any other header once, as its guard says
+                if inc not in seen or inc.name.endswith("_af.h"):
                     seen.add(inc)
                     out.append(_inline_includes(inc, seen))
                 continue

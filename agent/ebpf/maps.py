@@ -28,7 +28,7 @@ from enum import IntEnum
 from typing import Any, Protocol
 
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import CData, Config, ConfigSel, MapSpec, Stat, copy_struct, maglev_value
+from agent.ebpf.abi import CData, Config, Config6, ConfigSel, MapSpec, Stat, copy_struct, maglev_value
 
 ENOTSUPP = 524  # the kernel's internal "operation not supported" for missing batch ops
 
@@ -696,6 +696,26 @@ def write_config(maps: Mapping[str, MapWriter], cfg: Config) -> bool:
     spare = 1 - live
     maps["cfg"].update(ct.c_uint32(spare), cfg)
     maps["cfgsel"].update(ct.c_uint32(CFG_SEL_KEY), ConfigSel(slot=spare))
+    return True
+
+
+def read_config6(maps: Mapping[str, MapWriter]) -> Config6 | None:
+    """The IPv6 path's settings the programs read: the ekp_cfg6 slot ekp_cfg6sel names."""
+    sel = maps["cfg6sel"].lookup(ct.c_uint32(CFG_SEL_KEY))
+    value = maps["cfg6"].lookup(ct.c_uint32(int(getattr(sel, "slot", 0)) & 1))
+    return value if isinstance(value, Config6) else None
+
+
+def write_config6(maps: Mapping[str, MapWriter], cfg6: Config6) -> bool:
+    """Makes `cfg6` the IPv6 path's settings as `write_config` does IPv4's: the slot ekp_cfg6sel does
+    not name, then the selector. False, and nothing written, when it is live already."""
+    sel = maps["cfg6sel"].lookup(ct.c_uint32(CFG_SEL_KEY))
+    live = int(getattr(sel, "slot", 0)) & 1
+    if maps["cfg6"].lookup(ct.c_uint32(live)) == cfg6 and sel is not None:
+        return False
+    spare = 1 - live
+    maps["cfg6"].update(ct.c_uint32(spare), cfg6)
+    maps["cfg6sel"].update(ct.c_uint32(CFG_SEL_KEY), ConfigSel(slot=spare))
     return True
 
 

@@ -100,6 +100,7 @@ _MEMBER_FLAG: dict[SetKind, int] = {"cluster": int(MemberFlag.CLUSTER), "local":
 _NO_ENDPOINTS = int(FrontendFlag.NO_ENDPOINTS)
 _LOCAL = int(FrontendFlag.LOCAL)
 _SOURCE_RANGES = int(FrontendFlag.SOURCE_RANGES)
+_HOST_BACKEND = int(FrontendFlag.HOST_BACKEND)
 _NO_EPS = ServiceEndpoints()
 _ADDRESSED = ("fe", "be")  # the roles `addr` is derived from
 _RNAT_VALUE = (1 << FE_PROTO) - 1  # a reverse-NAT entry: the frontend's address and port
@@ -419,6 +420,7 @@ class Planner:
         changes = 0
         members: dict[int, int] = {}  # backend id -> member flags
         counts: dict[SetKind, int] = {}
+        hosted: set[SetKind] = set()  # sets with an endpoint on a node address
         kinds = {fe.kind for fe in fes}
         for kind in KINDS:
             if kind not in kinds:
@@ -440,6 +442,8 @@ class Planner:
                     flags = (_BE_LOCAL if ep.is_local else 0) | (_BE_TERMINATING if ep.terminating else 0)
                     if ep.ip in node_ips:
                         flags |= _BE_HOST
+                        if ip is not None:  # the IPv6 planner's alone: the tc IPv6 path reads it
+                            hosted.add(kind)
                     backends[bid] = backends.get(bid, 0) | flags
                 elif bid not in backends:
                     backends[bid] = 0
@@ -478,6 +482,8 @@ class Planner:
             count = counts[fe.kind]
             if count == 0 and (fe.kind == "cluster" or not eps.has_any):
                 flags |= _NO_ENDPOINTS
+            if fe.kind in hosted:
+                flags |= _HOST_BACKEND
             rid = rnats[fe.rnat]
             self._fe_owner[fe.key] = spn
             put("fe", fe.key, fe_value(svc_id, sets[fe.kind][0], count, flags, fe.affinity, rid))

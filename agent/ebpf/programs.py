@@ -1,8 +1,9 @@
 """The programs of the data path (bpf/ekp_tc.c), how each is loaded and where it attaches. Pure.
 
 * tc: `ekp_from_pod` on the ingress of every pod veth, `ekp_from_net` on the node's external
-  devices, `ekp_egress` on the egress of both (the replies of the node's own stack for flows handed
-  to it: agent/ebpf/attach.py); XDP: `ekp_xdp_net` on the same external devices, ahead of
+  devices (each continues IPv6 packets in `ekp_from_pod6` / `ekp_from_net6` by a tail call,
+  bpf/ekp_tc6.h), `ekp_egress` on the egress of both (the replies of the node's own stack for
+  flows handed to it: agent/ebpf/attach.py); XDP: `ekp_xdp_net` on the same external devices, ahead of
   `ekp_from_net` (agent/ebpf/xdp.py, --bpf-xdp);
 * cgroup: the socket programs on `--bpf-socket-lb-cgroup` (agent/ebpf/sockattach.py), each loaded
   for its hook (the kernel wants the hook, `expected_attach_type`, at load);
@@ -62,6 +63,14 @@ PROG_FROM_NET = "ekp_from_net"
 PROG_EGRESS = "ekp_egress"  # tc egress of both kinds of device
 PROG_XDP_NET = "ekp_xdp_net"  # XDP of the external devices, ahead of ekp_from_net (--bpf-xdp)
 PROG_SOCK_TERM = "ekp_sock_term"
+# The IPv6 path of the two ingress programs (bpf/ekp_tc6.h), reached by a tail call, never attached
+PROG_FROM_POD6 = "ekp_from_pod6"
+PROG_FROM_NET6 = "ekp_from_net6"
+
+# Program arrays of the build (BPF_PROG_ARRAY in bpf/ekp_tc.c) and the programs the loader puts in
+# them, by index (the C's EKP_CALL6_*). The kernel empties a program array when its last user
+# reference goes, so the loader pins each one beside the programs of its build.
+TAIL_CALLS: dict[str, tuple[str, ...]] = {"ekp_calls6": (PROG_FROM_POD6, PROG_FROM_NET6)}
 
 # The socket programs by hook name, with their attach type. The IPv6 hooks serve IPv4 addresses on
 # IPv6 sockets (v4-mapped, ::ffff:a.b.c.d: Java and other dual-stack runtimes dial IPv4 that way).
@@ -88,6 +97,8 @@ PROGRAMS: dict[str, ProgSpec] = {
     PROG_FROM_POD: ProgSpec(PROG_SCHED_CLS),
     PROG_FROM_NET: ProgSpec(PROG_SCHED_CLS),
     PROG_EGRESS: ProgSpec(PROG_SCHED_CLS),
+    PROG_FROM_POD6: ProgSpec(PROG_SCHED_CLS),
+    PROG_FROM_NET6: ProgSpec(PROG_SCHED_CLS),
     PROG_XDP_NET: ProgSpec(PROG_XDP),
     **{
         name: ProgSpec(

@@ -1,4 +1,5 @@
-"""The IPv6 service maps and socket entries as text, for `agent inspect maps6` and `sockets`.
+"""The IPv6 service maps, socket and conntrack entries as text, for `agent inspect maps6`,
+`sockets` and `ct`.
 
 The lines of agent/ebpf/render.py with a 6 after the map's word and the address in brackets
 (`fe6 [fd00:10:96::a]:80/TCP internal -> ...`); the id-keyed maps (slots, membership) read as
@@ -16,6 +17,10 @@ from agent.ebpf.abi import (
     Backend6,
     BackendFlag,
     BackendKey,
+    Ct6Entry,
+    Ct6Key,
+    CtDir,
+    CtFlag,
     Frontend,
     Frontend6Key,
     Member,
@@ -31,7 +36,7 @@ from agent.ebpf.abi import (
     ip6_str,
     port_host,
 )
-from agent.ebpf.render import _scope, fe_tail, flag_names, member_line, proto_name, slot_line
+from agent.ebpf.render import _age, _scope, fe_tail, flag_names, member_line, proto_name, slot_line
 
 Items = Iterable[tuple[object, object]]
 
@@ -88,3 +93,41 @@ def sock6_lines(entries: Items) -> list[str]:
         f"{_at(v.fe_addr, v.fe_port)} svc={v.svc_id} be={v.backend_id}"
         for k, v in items
     ]
+
+
+def ct6_line(key: Ct6Key, ct: Ct6Entry, now_ns: int) -> str:
+    """One entry of the tc programs' IPv6 conntrack, as render.ct_line's (`snat=`: the node's IPv6
+    address and port a masqueraded flow leaves with, or the client's own address with a port remapped
+    around a live flow's reply tuple); `now_ns` is CLOCK_MONOTONIC."""
+    try:
+        direction = CtDir(key.dir).name.lower()
+    except ValueError:
+        direction = f"dir{key.dir}"
+    line = (
+        f"ct6 {_at(key.saddr, key.sport)} -> {_at(key.daddr, key.dport)}/{proto_name(key.proto)} "
+        f"{direction} fe={_at(ct.fe_addr, ct.fe_port)}"
+    )
+    if any(ct.nat_addr):
+        line += f" nat={_at(ct.nat_addr, ct.nat_port)}"
+    if any(ct.snat_addr):
+        line += f" snat={_at(ct.snat_addr, ct.snat_port)}"
+    return (
+        line + f" svc={ct.svc_id} be={ct.backend_id} flags={flag_names(ct.flags, CtFlag)}"
+        f" idle={_age(ct.last_seen_ns, now_ns)} age={max(0, now_ns // 1_000_000_000 - ct.created_s)}s"
+    )
+
+
+def ct6_lines(entries: Items, now_ns: int) -> list[str]:
+    """Every IPv6 conntrack entry (ekp_ct6_tcp, ekp_ct6_any), sorted as render_conntrack's."""
+    items = [(k, v) for k, v in entries if isinstance(k, Ct6Key) and isinstance(v, Ct6Entry)]
+    items.sort(
+        key=lambda kv: (
+            bytes(kv[0].saddr),
+            port_host(kv[0].sport),
+            bytes(kv[0].daddr),
+            port_host(kv[0].dport),
+            kv[0].proto,
+            kv[0].dir,
+        )
+    )
+    return [ct6_line(k, v, now_ns) for k, v in items]

@@ -96,6 +96,32 @@ def masquerade_mark(bit: int) -> str:
     return f"0x{1 << bit:08x}"
 
 
+def masquerade_ports_beside(
+    snat: tuple[int, int], held: tuple[int, int] | None = None
+) -> tuple[int, int] | None:
+    """The source ports ip6tables' MASQUERADE may take beside the tc programs' IPv6 path: the largest
+    span of 1024-65535 outside `snat` (--bpf-snat-ports). That path chooses a masqueraded flow's
+    port in `snat` by looking at its own conntrack only; nf_nat chooses among 1024-65535 (or, with
+    --to-ports, that range alone) by looking at nf_conntrack only. Kept apart, neither can give a
+    port the other holds for the same backend, which would hand one flow's replies to the other.
+
+    `held`: the lowest and highest port the tc path's live flows hold outside `snat` (it translated
+    them with an earlier run's --bpf-snat-ports): the ports are then the largest span of 1024-65535
+    that meets neither, so nf_nat cannot pick one of those either. None when nothing is left (the
+    agent refuses a --bpf-snat-ports that leaves nothing: it overlaps the node's local ports, and
+    an earlier run's held ports were kept off those by the same check)."""
+    taken = sorted(r for r in (snat, held) if r is not None)
+    gaps: list[tuple[int, int]] = []
+    start = 1024
+    for lo, hi in taken:
+        if lo > start:
+            gaps.append((start, lo - 1))
+        start = max(start, hi + 1)
+    if start <= 65535:
+        gaps.append((start, 65535))
+    return max(gaps, key=lambda r: r[1] - r[0]) if gaps else None
+
+
 @dataclass(frozen=True)
 class RenderOptions:
     """Everything besides the state that changes the rule text (flags and host facts)."""
@@ -113,6 +139,10 @@ class RenderOptions:
     localhost_nodeports: bool = True
     # iptables >= 1.6.2 supports MASQUERADE --random-fully; kube-proxy uses it when available.
     random_fully: bool = True
+    # MASQUERADE --to-ports: eBPF mode's ip6tables beside the tc programs' IPv6 path, which takes
+    # source ports of --bpf-snat-ports for the node's IPv6 address without seeing nf_conntrack's
+    # (`masquerade_ports_beside`); None (kube-proxy's rule) everywhere else.
+    masquerade_to_ports: tuple[int, int] | None = None
     # nf_conntrack_tcp_be_liberal=1 on the host: upstream then omits the INVALID drop.
     conntrack_tcp_liberal: bool = False
     # The nfacct counters the proxier created (kube-proxy's nfAcctCounters): the INVALID drop and
@@ -133,7 +163,10 @@ class RenderOptions:
         nfacct_invalid_dropped: bool = False,
         nfacct_localhost_nodeports: bool = False,
         family: IPFamily = IPFamily.IPv4,
+        snat6_held: tuple[int, int] | None = None,
     ) -> RenderOptions:
+        """`snat6_held`: ports the tc IPv6 path's flows hold outside --bpf-snat-ports
+        (`masquerade_ports_beside`)."""
         return cls(
             family=family,
             masquerade_all=config.masquerade_all,
@@ -142,6 +175,11 @@ class RenderOptions:
             nodeport_addresses=tuple(config.nodeport_addresses),
             localhost_nodeports=config.iptables_localhost_nodeports,
             random_fully=random_fully,
+            masquerade_to_ports=(
+                masquerade_ports_beside(config.snat_ports, snat6_held)
+                if family is IPFamily.IPv6 and config.tc_ipv6
+                else None
+            ),
             conntrack_tcp_liberal=conntrack_tcp_liberal,
             nfacct_invalid_dropped=nfacct_invalid_dropped,
             nfacct_localhost_nodeports=nfacct_localhost_nodeports,
@@ -276,8 +314,13 @@ def render(
     refused: dict[ServicePortName, str] = {}
     w.nat_rules.append(f"-A {KUBE_POSTROUTING} -m mark ! --mark {mark}/{mark} -j RETURN")
     w.nat_rules.append(f"-A {KUBE_POSTROUTING} -j MARK --xor-mark {mark}")
-    masq = f'-A {KUBE_POSTROUTING} -m comment --comment "{MASQUERADE_COMMENT}" -j MASQUERADE'
-    w.nat_rules.append(masq + (" --random-fully" if options.random_fully else ""))
+    random = " --random-fully" if options.random_fully else ""
+    masq = f'-A {KUBE_POSTROUTING} -m comment --comment "{MASQUERADE_COMMENT}"'
+    if options.masquerade_to_ports is not None:
+        # --to-ports needs a protocol with ports; TCP is the only one the tc IPv6 path masquerades
+        lo, hi = options.masquerade_to_ports
+        w.nat_rules.append(f"{masq} -p tcp -j MASQUERADE --to-ports {lo}-{hi}{random}")
+    w.nat_rules.append(f"{masq} -j MASQUERADE{random}")
     w.nat_rules.append(f"-A {KUBE_MARK_MASQ} -j MARK --or-mark {mark}")
     if localhost:
         w.filter_chains.append(f":{KUBE_FIREWALL} - [0:0]")

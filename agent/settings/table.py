@@ -560,7 +560,8 @@ SETTINGS: tuple[Setting, ...] = (
         StrList(),
         (),
         "external devices: node addresses are read there, ekp_from_net attaches there (default: "
-        "those holding a global IPv4 address)",
+        "those holding a node address: IPv4, and IPv6 too where the tc IPv6 path serves, so that its "
+        "replies arriving on a device with only an IPv6 node address are translated back)",
         flags=("--devices",),
         attr="devices",
         group=NODE,

@@ -49,11 +49,24 @@ replied stays replied (a stream when the kernel had it assured).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import ipaddress
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 
-from agent.ebpf.abi import CtDir, CtEntry, CtFlag, CtKey, ip_be, ip_str, port_be, port_host
+from agent.ebpf.abi import (
+    Ct6Entry,
+    Ct6Key,
+    CtDir,
+    CtEntry,
+    CtFlag,
+    CtKey,
+    ip6_str,
+    ip_be,
+    ip_str,
+    port_be,
+    port_host,
+)
 
 TCP, UDP, SCTP = 6, 17, 132
 NSEC = 1_000_000_000
@@ -116,6 +129,11 @@ class NatFlow:
     # which the kernel checks on every chunk but INIT: an entry it is given must have them
     sctp_state: int = 0
     vtags: tuple[int, int] = (0, 0)
+
+    @property
+    def family(self) -> int:
+        """4 or 6: the tc programs' IPv6 path's flows are handed back too (nat_flow)."""
+        return 6 if ":" in self.orig[0] else 4
 
     @property
     def dnat(self) -> bool:
@@ -282,17 +300,19 @@ def ebpf_closed(flags: int) -> bool:
     return bool(flags & CtFlag.RST) or flags & both == both
 
 
-def nat_flow(key: CtKey, entry: CtEntry) -> NatFlow | None:
-    """The kernel's view of an eBPF FORWARD entry; None for a REPLY entry, a closed flow or a
-    protocol the kernel entry cannot be made for (SCTP: the eBPF conntrack does not keep the
-    verification tags the kernel would check every chunk against)."""
+def nat_flow(key: CtKey | Ct6Key, entry: CtEntry | Ct6Entry) -> NatFlow | None:
+    """The kernel's view of an eBPF FORWARD entry, IPv4's or the tc IPv6 path's (the same fields,
+    16-byte addresses); None for a REPLY entry, a closed flow or a protocol the kernel entry cannot
+    be made for (SCTP: the eBPF conntrack does not keep the verification tags the kernel would
+    check every chunk against)."""
     if key.dir != CtDir.FORWARD or key.proto not in (TCP, UDP) or ebpf_closed(entry.flags):
         return None
     snat = bool(entry.flags & CtFlag.SNAT)
-    orig = (ip_str(key.saddr), ip_str(key.daddr), port_host(key.sport), port_host(key.dport))
+    text = ip6_str if isinstance(key, Ct6Key) else ip_str
+    orig = (text(key.saddr), text(key.daddr), port_host(key.sport), port_host(key.dport))
     reply = (
-        ip_str(entry.nat_addr),
-        ip_str(entry.snat_addr) if snat else orig[0],
+        text(entry.nat_addr),
+        text(entry.snat_addr) if snat else orig[0],
         port_host(entry.nat_port),
         port_host(entry.snat_port) if snat else orig[2],
     )
@@ -310,6 +330,21 @@ def nat_flow(key: CtKey, entry: CtEntry) -> NatFlow | None:
         else:
             state = TcpState.SYN_RECV if entry.flags & CtFlag.SEEN_REPLY else TcpState.SYN_SENT
     return NatFlow(proto=key.proto, orig=orig, reply=reply, status=status, tcp_state=state)
+
+
+def masqueraded_into(flows: Iterable[NatFlow], ports: tuple[int, int], to: str) -> list[NatFlow]:
+    """The TCP flows among `flows` whose source nf_nat translated to address `to` and a port of
+    `ports` (the reply comes back to that address and port): ip6tables' masquerades whose reply
+    tuple a tc flow source-translated to `to` (the node's IPv6 SNAT address) with a port of
+    --bpf-snat-ports could take. A flow masqueraded to another address, or outside the range,
+    never can (the tc path's reply tuples all end at `to`, in the range)."""
+    lo, hi = ports
+    node = ipaddress.ip_address(to)
+    return [
+        f
+        for f in flows
+        if f.proto == TCP and f.snat and lo <= f.reply[3] <= hi and ipaddress.ip_address(f.reply[1]) == node
+    ]
 
 
 def timeout_of(flow: NatFlow, timeouts: Timeouts) -> int:

@@ -50,9 +50,10 @@ TCP_FLAG_BE_LIBERAL = 0x08
 
 def _tuple(attr: Any) -> tuple[str, str, int, int, int]:
     ip, proto = attr.get_attr("CTA_TUPLE_IP"), attr.get_attr("CTA_TUPLE_PROTO")
+    v = "V6" if ip.get_attr("CTA_IP_V4_SRC") is None and ip.get_attr("CTA_IP_V6_SRC") is not None else "V4"
     return (
-        str(ip.get_attr("CTA_IP_V4_SRC")),
-        str(ip.get_attr("CTA_IP_V4_DST")),
+        str(ip.get_attr(f"CTA_IP_{v}_SRC")),
+        str(ip.get_attr(f"CTA_IP_{v}_DST")),
         int(proto.get_attr("CTA_PROTO_SRC_PORT") or 0),
         int(proto.get_attr("CTA_PROTO_DST_PORT") or 0),
         int(proto.get_attr("CTA_PROTO_NUM")),
@@ -90,13 +91,13 @@ def _flow(msg: Any) -> NatFlow | None:
     )
 
 
-def dump_flows(netns: str) -> list[NatFlow]:
-    """The IPv4 TCP, UDP and SCTP entries of nf_conntrack in `netns` whose destination was translated:
-    the kernel filters on the status bit (Linux 5.15+), so a node's untranslated flows, however
-    many, cost nothing here."""
+def dump_flows(netns: str, family: int = socket.AF_INET) -> list[NatFlow]:
+    """The TCP, UDP and SCTP entries of nf_conntrack in `netns` (IPv4's, or `family`'s) whose
+    destination was translated: the kernel filters on the status bit (Linux 5.15+), so a node's
+    untranslated flows, however many, cost nothing here."""
 
     def run() -> list[NatFlow]:
-        with NFCTSocket(nfgen_family=socket.AF_INET) as ct:
+        with NFCTSocket(nfgen_family=family) as ct:
             dumped = ct.dump(status=IPS_DST_NAT, status_mask=IPS_DST_NAT)
             return [f for f in (_flow(m) for m in dumped) if f is not None]
 
@@ -113,11 +114,16 @@ class Created:
     taken: list[NatFlow] = field(default_factory=list)  # the flows counted in `present`
 
 
+def _family(flow: NatFlow) -> int:
+    return socket.AF_INET6 if flow.family == 6 else socket.AF_INET
+
+
 def _nat(addr: str, port: int) -> dict[str, Any]:
+    v = "V6" if ":" in addr else "V4"
     return {
         "attrs": [
-            ("CTA_NAT_V4_MINIP", addr),
-            ("CTA_NAT_V4_MAXIP", addr),
+            (f"CTA_NAT_{v}_MINIP", addr),
+            (f"CTA_NAT_{v}_MAXIP", addr),
             ("CTA_NAT_PROTO", {"attrs": [("CTA_PROTONAT_PORT_MIN", port), ("CTA_PROTONAT_PORT_MAX", port)]}),
         ]
     }
@@ -127,8 +133,12 @@ def _entry(flow: NatFlow, timeouts: Timeouts) -> dict[str, Any]:
     s, d, sp, dp = flow.orig
     rs, rd, rsp, rdp = flow.reply
     attrs: dict[str, Any] = {
-        "tuple_orig": NFCTAttrTuple(saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp),
-        "tuple_reply": NFCTAttrTuple(saddr=d, daddr=s, proto=flow.proto, sport=dp, dport=sp),
+        "tuple_orig": NFCTAttrTuple(
+            family=_family(flow), saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp
+        ),
+        "tuple_reply": NFCTAttrTuple(
+            family=_family(flow), saddr=d, daddr=s, proto=flow.proto, sport=dp, dport=sp
+        ),
         "status": kernel_status(flow),
         "timeout": timeout_of(flow, timeouts),
     }
@@ -164,28 +174,31 @@ def create_flows(
     *,
     clear_first: Callable[[NatFlow], NatFlow] | None = None,
 ) -> Created:
-    """Create an nf_conntrack entry, NAT included, for each flow; one on the tuple already is kept.
-    With `clear_first`, the entry on `clear_first(flow)`'s original tuple is deleted right before
-    the flow's own is created (the gap a packet could fill is one netlink round trip)."""
+    """Create an nf_conntrack entry, NAT included, for each flow (IPv4 or IPv6); one on the tuple
+    already is kept. With `clear_first`, the entry on `clear_first(flow)`'s original tuple is
+    deleted right before the flow's own is created (the gap a packet could fill is one netlink
+    round trip)."""
     wanted = list(flows)
 
     def run() -> Created:
         done = Created()
-        if not wanted:
-            return done
-        with NFCTSocket(nfgen_family=socket.AF_INET) as ct:
-            for flow in wanted:
-                if clear_first is not None:
-                    _delete(ct, clear_first(flow))
-                try:
-                    ct.entry("add", **_entry(flow, timeouts))
-                    done.created += 1
-                except NetlinkError as exc:
-                    if exc.code == errno.EEXIST:
-                        done.present += 1
-                        done.taken.append(flow)
-                    else:
-                        done.failed.append(f"{flow.describe()}: {exc}")
+        for family in (socket.AF_INET, socket.AF_INET6):
+            group = [f for f in wanted if _family(f) == family]
+            if not group:
+                continue
+            with NFCTSocket(nfgen_family=family) as ct:
+                for flow in group:
+                    if clear_first is not None:
+                        _delete(ct, clear_first(flow))
+                    try:
+                        ct.entry("add", **_entry(flow, timeouts))
+                        done.created += 1
+                    except NetlinkError as exc:
+                        if exc.code == errno.EEXIST:
+                            done.present += 1
+                            done.taken.append(flow)
+                        else:
+                            done.failed.append(f"{flow.describe()}: {exc}")
         return done
 
     return run_in_netns(netns, run)
@@ -199,11 +212,13 @@ def delete_flows(netns: str, flows: Iterable[NatFlow]) -> int:
 
     def run() -> int:
         deleted = 0
-        if not wanted:
-            return deleted
-        with NFCTSocket(nfgen_family=socket.AF_INET) as ct:
-            for flow in wanted:
-                deleted += _delete(ct, flow)
+        for family in (socket.AF_INET, socket.AF_INET6):
+            group = [f for f in wanted if _family(f) == family]
+            if not group:
+                continue
+            with NFCTSocket(nfgen_family=family) as ct:
+                for flow in group:
+                    deleted += _delete(ct, flow)
         return deleted
 
     return run_in_netns(netns, run)
@@ -212,7 +227,10 @@ def delete_flows(netns: str, flows: Iterable[NatFlow]) -> int:
 def _delete(ct: NFCTSocket, flow: NatFlow) -> int:
     s, d, sp, dp = flow.orig
     try:
-        ct.entry("del", tuple_orig=NFCTAttrTuple(saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp))
+        tuple_orig = NFCTAttrTuple(
+            family=_family(flow), saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp
+        )
+        ct.entry("del", tuple_orig=tuple_orig)
     except NetlinkError as exc:
         if exc.code != errno.ENOENT:
             raise

@@ -7,7 +7,8 @@ translated would reach netfilter without a conntrack entry, be taken for a new f
 picks TCP up mid-stream) and sent through the Service's rules to a random backend. So, once the
 iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
 
-1. every FORWARD entry of the pinned eBPF conntrack that is a live flow is written into
+1. every FORWARD entry of the pinned eBPF conntrack that is a live flow (IPv4's, and the tc
+   programs' IPv6 path's, `ekp_ct6_*`, as AF_INET6 entries) is written into
    nf_conntrack with its NAT bindings (agent/takeover/flows.py, agent/takeover/nfct.py): the
    kernel translates it to the same backend and SNAT source from its first packet on. Under
    legacy host routing nf_conntrack already tracks each of these flows as a plain client <->
@@ -60,16 +61,17 @@ def timeouts_of(config: Config) -> Timeouts:
 
 
 def pinned_flows(pin_path: str) -> list[NatFlow]:
-    """The live flows of the eBPF conntrack pinned at `pin_path`, as nf_conntrack entries."""
+    """The live flows of the eBPF conntrack pinned at `pin_path`, as nf_conntrack entries: IPv4's,
+    and the tc IPv6 path's (ekp_ct6_*: ip6tables' nf_conntrack then translates them on)."""
     from agent.ebpf.maps import BpfMap
 
     flows = []
-    for role in ("ct_tcp", "ct_any"):
+    for role in (*abi.CT_ROLES, *abi.CT6_ROLES):
         if not os.path.exists(os.path.join(pin_path, abi.MAPS[role].name)):
             continue
         with BpfMap.open_pinned(abi.MAPS[role], pin_path) as table:
             for key, entry in table.items():
-                if isinstance(key, abi.CtKey) and isinstance(entry, abi.CtEntry):
+                if isinstance(key, abi.CtKey | abi.Ct6Key) and isinstance(entry, abi.CtEntry | abi.Ct6Entry):
                     flow = nat_flow(key, entry)
                     if flow is not None:
                         flows.append(flow)
@@ -85,7 +87,8 @@ def hold_host_flows(pin_path: str, flows: Iterable[NatFlow]) -> int:
 
     wanted: dict[str, list[NatFlow]] = {}
     for flow in flows:
-        wanted.setdefault(abi.ct_role(flow.proto), []).append(flow)
+        if flow.family == 4:  # the tc IPv6 path leaves host backends to ip6tables: none of its flows
+            wanted.setdefault(abi.ct_role(flow.proto), []).append(flow)
     held = 0
     now_s = time.monotonic_ns() // NSEC  # CLOCK_MONOTONIC, as bpf_ktime_get_ns
     for role, group in wanted.items():

@@ -7,15 +7,17 @@ import contextlib
 import gc
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agent import app, lock, nodeinit
-from agent.config import Config, Mode
+from agent.config import Config, HostRouting, Mode
+from agent.ebpf import EbpfProxier
 from agent.errors import FatalError
+from tests.ebpf.test_proxier import Rig
 
 
 @dataclass
@@ -29,6 +31,8 @@ class Start:
     seen_by_build: object = None
     collecting_in_build: bool | None = None  # gc.isenabled() while build_agent ran
     build_fails: bool = False
+    missing6: str = ""  # what the node lacks for IPv6 (agent.app.ipv6_unsupported)
+    ipv6_checks: int = 0
 
 
 class LoadingProxier:
@@ -61,11 +65,17 @@ def start(monkeypatch: pytest.MonkeyPatch) -> Iterator[Start]:
     """run() with the node left alone: no pre-flight, lock or conntrack settings; make_proxier
     and build_agent recorded."""
     s = Start()
-    monkeypatch.setattr(app, "preflight", lambda config: None)
+    monkeypatch.setattr(app, "preflight", lambda config, ipv6=None: None)
     monkeypatch.setattr(lock, "acquire", lambda config: contextlib.nullcontext())
     monkeypatch.setattr(nodeinit, "setup_conntrack", lambda config: None)
 
-    def make_proxier(config: Config, metrics: Any = None) -> LoadingProxier:
+    def ipv6_unsupported(config: Config, missing: Any = None) -> str:
+        s.ipv6_checks += 1
+        return s.missing6
+
+    monkeypatch.setattr(app, "ipv6_unsupported", ipv6_unsupported)
+
+    def make_proxier(config: Config, metrics: Any = None, **kwargs: Any) -> LoadingProxier:
         s.steps.append("make proxier")
         return LoadingProxier(s)
 
@@ -95,6 +105,66 @@ def test_the_ebpf_load_starts_before_build_agent_and_its_proxier_is_the_agents(
     assert app.run(config) == 0
     assert start.steps[:3] == ["make proxier", "load", "build agent"]
     assert isinstance(start.seen_by_build, LoadingProxier)
+
+
+@pytest.mark.parametrize(
+    ("socket_lb", "routing", "missing6", "want"),
+    [
+        (True, HostRouting.BPF, "", True),
+        (False, HostRouting.BPF, "", False),
+        (True, HostRouting.LEGACY, "", False),
+        (True, HostRouting.BPF, "ip6tables is not on PATH", False),
+    ],
+)
+def test_the_early_load_sizes_the_tc_ipv6_path_before_build_agent_makes_the_ipv6_half(
+    start: Start,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    socket_lb: bool,
+    routing: HostRouting,
+    missing6: str,
+    want: bool,
+) -> None:
+    """run()'s real order with a real EbpfProxier: its load (start_loading) runs before
+    build_agent makes the IPv6 half (make_proxier6 -> ipv6()), and still sizes and routes the tc
+    IPv6 path (MapSizes.ipv6_tc) as the settings say (Config.tc_ipv6) AND the node can serve IPv6:
+    one that falls back to single-stack (no ip6tables) gets no full-size IPv6 conntrack and no
+    filled tail-call array. The node is asked once; build_agent is told the same answer. A load
+    that asked whether the IPv6 half existed read False here at every start, and the path stayed
+    off."""
+    start.missing6 = missing6
+    rig = Rig(tmp_path)
+    rig.config = Config(
+        mode=Mode.EBPF,
+        services_file=str(tmp_path / "services.yaml"),
+        pin_path=str(tmp_path / "pins"),
+        node_ips=("10.0.0.1", "fd00::1"),
+        socket_lb=socket_lb,
+        bpf_host_routing=routing,
+    )
+    (tmp_path / "services.yaml").write_text("")
+    made: list[EbpfProxier] = []
+
+    def make_proxier(config: Config, metrics: Any = None, *, ipv6: bool) -> EbpfProxier:
+        made.append(rig.proxier(ipv6=ipv6))
+        return made[-1]
+
+    def build_agent(
+        config: Config, *args: Any, proxier: Any = None, ipv6_check: Any = None, **kwargs: Any
+    ) -> FinishedAgent:
+        assert proxier is made[0]
+        assert ipv6_check(config) == missing6, "build_agent told what the load was"
+        proxier.prepare()  # waits for the early load (or loads): the IPv6 half comes after it
+        start.steps.append(f"load sized ipv6_tc={rig.sizes[-1].ipv6_tc}")
+        proxier.ipv6()
+        return FinishedAgent()
+
+    monkeypatch.setattr(app, "make_proxier", make_proxier)
+    monkeypatch.setattr(app, "build_agent", build_agent)
+    assert app.run(rig.config) == 0
+    assert start.steps == [f"load sized ipv6_tc={want}"]
+    assert len(rig.sizes) == 1, "one load, before the IPv6 half existed"
+    assert start.ipv6_checks == 1
 
 
 def test_no_automatic_collection_while_the_agent_starts_and_the_collector_back_on_after(
@@ -144,3 +214,16 @@ def test_a_services_file_that_cannot_be_read_is_fatal_before_the_load_starts(
     assert app.run(config) == 1
     assert start.steps == []
     assert f"--services-file {missing}: No such file or directory" in caplog.text
+
+
+def test_the_start_up_line_says_whether_the_tc_programs_translate_ipv6() -> None:
+    """The line an operator reads to learn what serves IPv6 (agent/app.py ipv6_served_by): the tc
+    programs' IPv6 path where the settings turn it on (Config.tc_ipv6), what it needs elsewhere."""
+    dual = Config(mode=Mode.EBPF, node_ips=("10.0.0.1", "fd00::1"), socket_lb=True)
+    on = app.ipv6_served_by(replace(dual, bpf_host_routing=HostRouting.BPF))
+    assert "the eBPF tc programs translate the IPv6 TCP flows" in on
+    assert "ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 packet (UDP" in on
+    for off in (dual, replace(dual, bpf_host_routing=HostRouting.BPF, socket_lb=False)):
+        line = app.ipv6_served_by(off)
+        assert "tc programs translate" not in line
+        assert "IPv6 path needs --bpf-socket-lb and --bpf-host-routing=bpf" in line

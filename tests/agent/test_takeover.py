@@ -11,6 +11,7 @@ the eBPF conntrack written into a lab namespace's nf_conntrack with its NAT bind
 from __future__ import annotations
 
 import secrets
+import socket
 import subprocess
 import time
 from collections.abc import Iterable, Iterator
@@ -42,6 +43,7 @@ from agent.takeover.flows import (
     ebpf_entries,
     host_backend,
     kernel_status,
+    masqueraded_into,
     nat_flow,
     stack_flow,
     timeout_of,
@@ -212,6 +214,48 @@ def test_an_ebpf_flow_and_back_is_the_same_kernel_flow() -> None:
         assert back == NatFlow(6, flow.orig, flow.reply, IPS_SEEN_REPLY | IPS_ASSURED, TcpState.ESTABLISHED)
         rkey, rep = entries(flow)[(CtDir.REPLY, 6)]
         assert nat_flow(rkey, rep) is None  # one kernel entry per flow: from its FORWARD entry
+
+
+# the tc IPv6 path's flow: outside -> IPv6 NodePort -> remote backend, masqueraded to the node's
+# IPv6 address and port 61000 (ekp_ct6_tcp's FORWARD entry)
+NODEPORT6 = NatFlow(
+    6, ("fd00:ff::100", "fd00:ff::11", 5555, 30080), ("fd00:a:2::7", "fd00:ff::11", 8080, 61000)
+)
+
+
+def ct6_forward(flow: NatFlow, flags: int) -> tuple[abi.Ct6Key, abi.Ct6Entry]:
+    s, d, sp, dp = flow.orig
+    rs, rd, rsp, rdp = flow.reply
+    key = abi.Ct6Key(
+        abi.Addr6(*abi.ip6_words(s)), abi.Addr6(*abi.ip6_words(d)), port_be(sp), port_be(dp), 6, 0
+    )
+    entry = abi.Ct6Entry(
+        last_seen_ns=NOW,
+        nat_addr=abi.Addr6(*abi.ip6_words(rs)),
+        snat_addr=abi.Addr6(*abi.ip6_words(rd)),
+        fe_addr=abi.Addr6(*abi.ip6_words(d)),
+        nat_port=port_be(rsp),
+        snat_port=port_be(rdp),
+        fe_port=port_be(dp),
+        flags=flags,
+        svc_id=4,
+        backend_id=22,
+    )
+    return key, entry
+
+
+def test_an_ipv6_tc_flow_is_handed_back_as_the_kernel_flow_it_is() -> None:
+    """The tc IPv6 path's FORWARD entries (ekp_ct6_*) go to nf_conntrack as IPv4's do: the same
+    fields, 16-byte addresses, the SNAT source the node's IPv6 address."""
+    done = CtFlag.SNAT | CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED
+    key, entry = ct6_forward(NODEPORT6, done)
+    back = nat_flow(key, entry)
+    assert back == NatFlow(
+        6, NODEPORT6.orig, NODEPORT6.reply, IPS_SEEN_REPLY | IPS_ASSURED, TcpState.ESTABLISHED
+    )
+    assert back is not None and back.family == 6 and back.dnat and back.snat
+    key.dir = CtDir.REPLY
+    assert nat_flow(key, entry) is None
 
 
 def test_closed_ebpf_flows_are_not_exported() -> None:
@@ -668,6 +712,41 @@ def test_an_sctp_entry_written_into_nf_conntrack_is_dumped_with_its_state_and_ta
         SctpState.ESTABLISHED,
         ASSOCIATION.vtags,
     )
+
+
+@pytest.mark.kernel
+def test_an_ipv6_flow_written_into_nf_conntrack_carries_its_nat(netns: str) -> None:
+    """A tc IPv6 flow handed back (leaving eBPF mode): an AF_INET6 nf_conntrack entry with both
+    NAT bindings, found again on its tuple (EEXIST the second time)."""
+    t = Timeouts()
+    assert create_flows(netns, [NODEPORT6, CLUSTERIP], t).created == 2
+    again = create_flows(netns, [NODEPORT6], t)
+    assert (again.created, again.present, again.failed) == (0, 1, [])
+    listed = sh("ip", "netns", "exec", netns, "conntrack", "-L", "-f", "ipv6")
+    line = next(line for line in listed.splitlines() if "dport=30080" in line)
+    assert "src=fd00:ff::100 dst=fd00:ff::11 sport=5555 dport=30080" in line
+    assert "src=fd00:a:2::7 dst=fd00:ff::11 sport=8080 dport=61000" in line
+    assert "ESTABLISHED" in line
+    dumped = dump_flows(netns, socket.AF_INET6)
+    assert [(f.orig, f.reply) for f in dumped] == [(NODEPORT6.orig, NODEPORT6.reply)], "IPv6's alone"
+    assert masqueraded_into(dumped, (61000, 65535), "fd00:ff::11") == dumped
+    assert masqueraded_into(dumped, (62000, 65535), "fd00:ff::11") == [], "its port is 61000"
+    assert masqueraded_into(dumped, (61000, 65535), "fd00:ff::12") == [], "another address's"
+    assert delete_flows(netns, [NODEPORT6]) == 1
+
+
+@pytest.mark.kernel
+def test_the_handback_reads_the_tc_ipv6_paths_pinned_flows(dp: Datapath) -> None:
+    """pinned_flows: the live FORWARD entries of ekp_ct6_tcp beside IPv4's."""
+    from agent.takeover.out_of_ebpf import pinned_flows
+
+    reset_maps(dp)
+    key, entry = ct6_forward(NODEPORT6, CtFlag.SNAT | CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED)
+    dp.maps["ct6_tcp"].update(key, entry)
+    fkey, fwd = entries(CLUSTERIP)[(CtDir.FORWARD, 6)]
+    dp.maps["ct_tcp"].update(fkey, fwd)
+    assert {f.orig for f in pinned_flows(dp.pin_path)} == {CLUSTERIP.orig, NODEPORT6.orig}
+    reset_maps(dp)
 
 
 @pytest.mark.kernel

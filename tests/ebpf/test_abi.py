@@ -204,6 +204,8 @@ def test_map_names_fit_the_kernel_and_carry_the_version() -> None:
     assert {s.name for s in abi.MAPS.values() if s.version != abi.ABI_VERSION} == {
         "ekp_stats_v3",
         "ekp_xstats_v3",
+        "ekp_ct6_tcp_v3",  # the SNAT fields (v2 had none)
+        "ekp_ct6_any_v3",
     }
 
 
@@ -223,6 +225,9 @@ def test_source_text_inlines_every_header() -> None:
     for header in BPF_DIR.glob("ekp_*.h"):
         assert f"// ---- {header.name} ----" in text
     assert '#include "' not in text
+    # the per-family templates, as the compiler sees them: once for IPv4, once for IPv6
+    for template in ("ekp_ct_af.h", "ekp_ctq_af.h", "ekp_snat_af.h"):
+        assert text.count(f"// ---- {template} ----") == 2, template
 
 
 # ---- the loaded maps, as bpftool sees them ------------------------------------------------
@@ -270,11 +275,20 @@ def test_bpftool_shows_every_map_with_its_layout(loaded: Datapath) -> None:
 # before it. It reads ekp_addr for the activity check's frontend test, bpf/ekp_act.h.)
 XDP_UNUSED = {"rnat", "stats", "icmprl", "hostnat"}
 # The pinned maps each program reads or writes (bpftool's program type besides).
-# The IPv6 maps are the socket programs' alone (the tc programs pass IPv6 to the stack); connect4,
+# The IPv6 service maps are read by the socket programs and the tc programs' IPv6 path (ekp_from_pod6,
+# ekp_from_net6, which alone use the IPv6 conntrack), never by the IPv4 tc programs; connect4,
 # sendmsg4 and their reverse twins never read them, the IPv6 hooks read both families' (an IPv4
 # address on an IPv6 socket uses the IPv4 maps). ekp_addr6 is written for the tc programs' IPv6.
 _V6 = {"fe6", "slot6", "be6", "rnat6", "member6", "srcr6", "addr6", "aff6", "sknat6"}
 _SOCKETS = {"skcfg", "sknat"} | _V6
+# the tc IPv6 path's own maps: its conntrack, the tables' early-drop rings and its settings (the SNAT
+# source, ekp_cfg6)
+_CT6 = {"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6", "cfg6", "cfg6sel"}
+# the IPv6 path: the activity stamps and frontend check (ekp_act, ekp_addr6), the backend check of
+# a flow's refresh (ekp_addr6); no Maglev, no fragments, no reject; its source translation reads
+# the shared config's port range (ekp_cfg); its time exceeded takes the rejects' tokens (ekp_icmprl)
+_TC6 = {"cfg", "cfgsel", "stats", "act", "addr6", "fe6", "srcr6", "aff6", "member6", "slot6", "be6", "icmprl"}
+_TC6 |= _CT6
 _SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
 _SOCK_FORWARD6 = _SOCK_FORWARD | {"fe6", "srcr6", "aff6", "member6", "slot6", "be6", "sknat6"}
 _SOCK_REVERSE = {"sknat", "fe", "stats"}
@@ -287,11 +301,13 @@ _EGRESS_UNUSED |= {"fraghold", "fraglast", "icmprl"}
 PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
     # every pinned map but ekp_rnat (written for the agent, read by no program since v2), the XDP
     # counters and the socket programs' own
-    "ekp_from_pod": ("sched_cls", set(abi.MAPS) - {"rnat", "xstats"} - _SOCKETS),
-    "ekp_from_net": ("sched_cls", set(abi.MAPS) - {"rnat", "xstats"} - _SOCKETS),
-    "ekp_egress": ("sched_cls", set(abi.MAPS) - _EGRESS_UNUSED - _SOCKETS),
+    "ekp_from_pod": ("sched_cls", set(abi.MAPS) - {"rnat", "xstats"} - _SOCKETS - _CT6),
+    "ekp_from_net": ("sched_cls", set(abi.MAPS) - {"rnat", "xstats"} - _SOCKETS - _CT6),
+    "ekp_from_pod6": ("sched_cls", _TC6),
+    "ekp_from_net6": ("sched_cls", _TC6),
+    "ekp_egress": ("sched_cls", set(abi.MAPS) - _EGRESS_UNUSED - _SOCKETS - _CT6),
     # the same but for what it leaves to tc, with its own counters
-    "ekp_xdp_net": ("xdp", set(abi.MAPS) - XDP_UNUSED - _SOCKETS),
+    "ekp_xdp_net": ("xdp", set(abi.MAPS) - XDP_UNUSED - _SOCKETS - _CT6),
     "ekp_sock_conn": ("cgroup_sock_addr", _SOCK_FORWARD),
     "ekp_sock_send": ("cgroup_sock_addr", _SOCK_FORWARD),
     "ekp_sock_recv": ("cgroup_sock_addr", _SOCK_REVERSE),
@@ -308,7 +324,7 @@ PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
 @pytest.mark.kernel
 def test_every_program_uses_its_maps(loaded: Datapath) -> None:
     """Each program's pinned maps as PROGRAM_MAPS lists them; the tc and XDP programs also one
-    unpinned map of their own load, the per-CPU working memory (bpf/ekp_tc_scratch.h), which the
+    unpinned map of their own load, the per-CPU working memory (bpf/ekp_tc_scratch.h; PRIVATE), which the
     socket programs never touch (they run preemptible, in process context)."""
     assert set(PROGRAM_MAPS) == set(PROGRAMS)
     pinned = {role: m.info().id for role, m in loaded.maps.items()}
@@ -322,9 +338,24 @@ def test_every_program_uses_its_maps(loaded: Datapath) -> None:
         if kind not in ("sched_cls", "xdp"):
             assert not own, name
             continue
-        (scratch_id,) = own
-        scratch = bpftool("map", "show", "id", str(scratch_id))
-        assert isinstance(scratch, dict) and scratch["name"] == "ekp_scratch"
+        names = set()
+        for ident in own:
+            shown_map = bpftool("map", "show", "id", str(ident))
+            assert isinstance(shown_map, dict)
+            names.add(shown_map["name"])
+        assert names == PRIVATE[name], name
+
+
+# The unpinned maps of each tc and XDP program's own load: the per-CPU working memory of its family's
+# path, and for the IPv4 ingress programs the program array their IPv6 packets continue through.
+PRIVATE = {
+    "ekp_from_pod": {"ekp_scratch", "ekp_calls6"},
+    "ekp_from_net": {"ekp_scratch", "ekp_calls6"},
+    "ekp_from_pod6": {"ekp_scratch6"},
+    "ekp_from_net6": {"ekp_scratch6"},
+    "ekp_egress": {"ekp_scratch"},
+    "ekp_xdp_net": {"ekp_scratch"},
+}
 
 
 @pytest.mark.kernel

@@ -155,6 +155,59 @@ NODE = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
 
 
 @pytest.mark.kernel
+def test_a_device_holding_only_an_ipv6_node_address_is_external(netns: str, progs: dict[str, int]) -> None:
+    """A dual-stack node whose IPv6 address is on another device than its IPv4 one (no
+    --devices): that device carries ekp_from_net too, or the replies of the IPv6 flows the tc
+    path translated come back there untranslated. The address in another spelling matches."""
+    sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
+    sh("ip", "-n", netns, "link", "set", "other1", "up")
+    attacher = Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs)
+    attacher.reconcile(NodeContext(node_ips=("192.168.0.11", "fd00:ff:0::11")), full=True)
+    assert "ekp_from_net" in ingress(netns, "other1")
+    assert sorted(attacher.attached.values()) == [
+        ("eth0", PROG_FROM_NET),
+        ("lxc-a", PROG_FROM_POD),
+        ("other1", PROG_FROM_NET),
+    ]
+    attacher.reconcile(NODE, full=True)
+    assert ingress(netns, "other1") == "", "IPv4 node addresses alone: not external"
+
+
+@pytest.mark.kernel
+def test_a_device_whose_ipv6_node_address_went_is_detached_by_the_next_plain_reconcile(
+    netns: str, progs: dict[str, int]
+) -> None:
+    """Not only the first (full) reconcile detaches: the plain one an IPv6 sync runs when the IPv6
+    node addresses changed (EbpfProxier._follow_node6) takes ekp_from_net off a device that no
+    longer holds a node address."""
+    sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
+    sh("ip", "-n", netns, "link", "set", "other1", "up")
+    attacher = Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs)
+    attacher.reconcile(NodeContext(node_ips=("192.168.0.11", "fd00:ff::11")), full=True)
+    assert "ekp_from_net" in ingress(netns, "other1")
+    attacher.reconcile(NODE)
+    assert ingress(netns, "other1") == ""
+    assert sorted(attacher.attached.values()) == [("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)]
+
+
+@pytest.mark.kernel
+def test_a_link_scope_ipv6_address_never_makes_a_device_external(netns: str, progs: dict[str, int]) -> None:
+    """Every pod's veth holds an fe80:: address, unique on its link only: a link-local address
+    among the node addresses (an operator's --node-ip) does not make the pod device that holds the
+    same one external; a global address does."""
+    sh("ip", "-n", netns, "addr", "add", "fe80::11/64", "dev", "lxc-a", "nodad")
+    sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
+    sh("ip", "-n", netns, "link", "set", "other1", "up")
+    attacher = Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs)
+    attacher.reconcile(NodeContext(node_ips=("192.168.0.11", "fe80::11", "fd00:ff::11")), full=True)
+    assert sorted(attacher.attached.values()) == [
+        ("eth0", PROG_FROM_NET),
+        ("lxc-a", PROG_FROM_POD),
+        ("other1", PROG_FROM_NET),
+    ]
+
+
+@pytest.mark.kernel
 def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
     config = Config(netns=netns, pod_interfaces=("lxc*",))
     attacher = Attacher(config, progs)
@@ -219,6 +272,31 @@ def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
     assert "clsact" in qdiscs(netns, "eth0")
     assert "clsact" not in qdiscs(netns, "lxc-a")
     assert detach_all(netns) == []
+
+
+@pytest.mark.kernel
+def test_a_first_full_reconcile_keeping_external_devices_leaves_ekp_from_net_where_it_is(
+    netns: str, progs: dict[str, int]
+) -> None:
+    """A restarted agent's first full reconcile, before its IPv6 sync named the IPv6 node addresses
+    (`keep_external`): the device holding only one keeps ekp_from_net, its program replaced, and
+    is external (XDP too); the next reconcile with the IPv4 addresses alone detaches it, with the
+    IPv6 one it stays."""
+    sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
+    sh("ip", "-n", netns, "link", "set", "other1", "up")
+    config = Config(netns=netns, pod_interfaces=("lxc*",))
+    dual = NodeContext(node_ips=("192.168.0.11", "fd00:ff::11"))
+    Attacher(config, progs).reconcile(dual, full=True)
+    assert "ekp_from_net" in ingress(netns, "other1")
+
+    restarted = Attacher(config, progs)
+    restarted.reconcile(NODE, full=True, keep_external=True)
+    assert "ekp_from_net" in ingress(netns, "other1"), "kept until the IPv6 addresses are known"
+    assert ("other1", PROG_FROM_NET) in restarted.attached.values()
+    restarted.reconcile(dual)
+    assert "ekp_from_net" in ingress(netns, "other1")
+    restarted.reconcile(NODE)
+    assert ingress(netns, "other1") == "", "not external once the addresses say so"
 
 
 @pytest.mark.kernel

@@ -3,6 +3,8 @@ agent's own pinned maps, pinned programs reused by a restart; no bcc in the agen
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import os
 import subprocess
@@ -17,12 +19,13 @@ from agent.config import MapSizes
 from agent.ebpf import bpfsys, loader
 from agent.ebpf.abi import MAPS, CtEntry, CtKey, MapSpec, ip_be, port_be
 from agent.ebpf.bpfobject import BpfObject
-from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids
+from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids, prog_pin
 from agent.ebpf.link import PinnedMapMismatch, link, verifier_threads
 from agent.ebpf.loader import PRIVATE_MAPS, Datapath, PinMismatchError
 from agent.ebpf.maps import map_info, obj_get
 from agent.ebpf.objcache import DIR_ENV, ObjectCache
-from agent.ebpf.programs import PROG_SCHED_CLS, PROG_XDP, PROGRAMS
+from agent.ebpf.programs import PROG_FROM_NET, PROG_FROM_POD, PROG_SCHED_CLS, PROG_XDP, PROGRAMS, TAIL_CALLS
+from agent.ebpf.sockattach import prog_id
 from lab.packets import bpffs
 
 SMALL = MapSizes(
@@ -77,6 +80,24 @@ def _pinned_ids(pins: str, specs: Iterable[MapSpec] = MAPS.values()) -> dict[str
     return out
 
 
+def _tail_calls(pins: str, d: Datapath) -> dict[str, list[int]]:
+    """The program ids each pinned program array of `d`'s build holds, by index."""
+    out: dict[str, list[int]] = {}
+    for name, progs in TAIL_CALLS.items():
+        fd = bpfsys.obj_get(prog_pin(pins, d.build(d.programs()), name))
+        assert fd >= 0, name
+        try:
+            ids = []
+            for index in range(len(progs)):
+                value = ctypes.c_uint32()
+                assert bpfsys.map_lookup_elem(fd, ctypes.c_uint32(index), value) == 0, (name, index)
+                ids.append(value.value)
+            out[name] = ids
+        finally:
+            os.close(fd)
+    return out
+
+
 def _uses_only_its_own_maps(d: Datapath) -> set[int]:
     """The ids of `d`'s pinned maps, after checking each program uses them and, the tc and XDP
     programs, one map of their own (the socket programs none)."""
@@ -84,8 +105,10 @@ def _uses_only_its_own_maps(d: Datapath) -> set[int]:
     for name in PROGRAMS:
         used = prog_map_ids(d.prog_fd(name))
         assert used & ids, "the programs use the pinned maps"
-        private = PRIVATE_MAPS if PROGRAMS[name].prog_type in (PROG_SCHED_CLS, PROG_XDP) else 0
-        assert len(used - ids) == private, f"{name}: besides them, only its load's own scratch"
+        # the IPv4 ingress programs: their scratch and the program array of their IPv6 packets
+        private = 2 if name in (PROG_FROM_POD, PROG_FROM_NET) else 1
+        private = private if PROGRAMS[name].prog_type in (PROG_SCHED_CLS, PROG_XDP) else 0
+        assert len(used - ids) == private == PRIVATE_MAPS[name], f"{name}: besides them, only its load's own"
     return ids
 
 
@@ -126,12 +149,15 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         first.load()
         first.close()
         built = _prog_pins(pins)
-        assert len(built) == len(PROGRAMS)
+        assert len(built) == len(PROGRAMS) + len(TAIL_CALLS), "each program and each program array"
         caplog.clear()
         again = Datapath(pins, SMALL, cache=cache)
         again.load()
         try:
             _uses_only_its_own_maps(again)
+            assert _tail_calls(pins, again) == {
+                "ekp_calls6": [prog_id(again.prog_fd(name)) for name in TAIL_CALLS["ekp_calls6"]]
+            }, "the pinned program array still holds the reused IPv6 programs"
         finally:
             again.close()
         assert "data path reused" in caplog.text, "a restart reuses the pinned programs"
@@ -145,10 +171,11 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         caplog.clear()
         bigger = Datapath(pins, replace(SMALL, fe=256), cache=ObjectCache(str(tmp_path / "empty")))
         bigger.load()
+        assert bigger.release_older_builds() == [n for n in built if n.endswith("_ekp_calls6")]
         bigger.close()
         assert "data path compiled in" in caplog.text
         rebuilt = _prog_pins(pins)
-        assert len(rebuilt) == len(PROGRAMS) and not set(rebuilt) & set(built)
+        assert len(rebuilt) == len(PROGRAMS) + len(TAIL_CALLS) and not set(rebuilt) & set(built)
 
 
 @pytest.mark.kernel
@@ -218,6 +245,61 @@ def test_programs_whose_maps_were_replaced_are_loaded_again(
 
 
 @pytest.mark.kernel
+def test_socket_programs_whose_own_map_was_replaced_are_loaded_again(
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache
+) -> None:
+    """Private maps are counted per program (loader.PRIVATE_MAPS): a socket program has none of
+    its own, so one map it uses that is not pinned now is a map that was replaced, though the tc
+    ingress programs may have two. With one count for every program, the socket programs of a map
+    only they use kept the replaced one. The replacement here: another agent's map of the same
+    shape pinned under the name (a load that pinned its maps and failed before its programs)."""
+    caplog.set_level(logging.INFO)
+    with bpffs() as root:
+        pins, other = str(root / "ekp"), str(root / "other")
+        first = Datapath(pins, SMALL, cache=cache)
+        first.load()
+        users = {
+            role: {
+                name for name in PROGRAMS if first.maps[role].info().id in prog_map_ids(first.prog_fd(name))
+            }
+            for role in MAPS
+        }
+        first.close()
+        role = next(r for r, u in sorted(users.items()) if u and not any(PRIVATE_MAPS[n] for n in u))
+        old = _pinned_ids(pins)[MAPS[role].name]
+        replacement = Datapath(other, SMALL, cache=cache)
+        replacement.load()
+        try:
+            os.unlink(os.path.join(pins, MAPS[role].name))
+            fd = obj_get(os.path.join(other, MAPS[role].name))
+            try:
+                assert bpfsys.obj_pin(fd, os.path.join(pins, MAPS[role].name)) == 0
+            finally:
+                os.close(fd)
+        finally:
+            replacement.close()
+        caplog.clear()
+        second = Datapath(pins, SMALL, cache=cache)
+        second.load()
+        try:
+            assert "uses maps that are no longer pinned" in caplog.text, role
+            for name in sorted(users[role]):
+                assert old not in prog_map_ids(second.prog_fd(name)), f"{name} still uses the replaced {role}"
+            _uses_only_its_own_maps(second)
+        finally:
+            second.close()
+
+
+def test_the_idle_ipv6_any_conntrack_stays_one_entry_while_the_path_is_tcp_only() -> None:
+    """ekp_ct6_any: no program writes it while the tc IPv6 path translates TCP alone, so it holds
+    one entry with the path on too; ekp_ct6_tcp takes its IPv4 twin's size."""
+    assert loader.map_size(MAPS["ct6_any"], SMALL) == loader.IDLE_SIZE
+    assert loader.map_size(MAPS["ct6_tcp"], SMALL) == SMALL.ct_tcp
+    off = replace(SMALL, ipv6_tc=False)
+    assert loader.map_size(MAPS["ct6_any"], off) == loader.map_size(MAPS["ct6_tcp"], off) == loader.IDLE_SIZE
+
+
+@pytest.mark.kernel
 def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
     caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -227,7 +309,19 @@ def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(loader, "compile_in_child", _no_compile)
     v6 = {role for role, spec in MAPS.items() if spec.pair}
-    assert v6 == {"fe6", "slot6", "be6", "rnat6", "member6", "srcr6", "addr6", "aff6", "sknat6"}
+    assert v6 == {
+        "fe6",
+        "slot6",
+        "be6",
+        "rnat6",
+        "member6",
+        "srcr6",
+        "addr6",
+        "aff6",
+        "sknat6",
+        "ct6_tcp",
+        "ct6_any",
+    }
     key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
     with bpffs() as root:
         pins = str(root / "ekp")
@@ -250,6 +344,89 @@ def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
             assert {second.maps[r].info().id for r in ("fe6", "be6", "fe", "be")} <= conn6
         finally:
             second.close()
+
+
+def _slots(pins: str, d: Datapath) -> list[int]:
+    """The program ids ekp_calls6 of `d`'s build holds, 0 for an empty slot."""
+    fd = bpfsys.obj_get(prog_pin(pins, d.build(d.programs()), "ekp_calls6"))
+    assert fd >= 0
+    try:
+        out = []
+        for index in range(len(TAIL_CALLS["ekp_calls6"])):
+            value = ctypes.c_uint32()
+            ret = bpfsys.map_lookup_elem(fd, ctypes.c_uint32(index), value)
+            assert ret in (0, -errno.ENOENT), os.strerror(-ret)
+            out.append(value.value if ret == 0 else 0)
+        return out
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.kernel
+def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_sets_its_tail_calls(
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache
+) -> None:
+    """Without the tc programs' IPv6 path (MapSizes.ipv6_tc false: no IPv6 half, or legacy host
+    routing) its conntrack tables and their early-drop rings hold one entry each and ekp_calls6 is
+    empty; a restart with it recreates the TCP table and its ring at their IPv4 twins' sizes (the
+    others stay idle: the path is TCP-only) and fills the array; a restart without it again shrinks
+    them and empties it. Every other pinned map is the
+    same map throughout, and an established IPv4 flow's conntrack entry is kept."""
+    caplog.set_level(logging.INFO)
+    off, on = replace(SMALL, ipv6_tc=False), SMALL
+    tc6 = {MAPS[r].name for r in loader.TC6_ROLES - loader.TC6_UNWRITTEN}  # ct6_any, its ring: idle
+    key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
+    with bpffs() as root:
+        pins = str(root / "ekp")
+        first = Datapath(pins, off, cache=cache)
+        first.load()
+        try:
+            assert {r: first.maps[r].info().max_entries for r in loader.TC6_ROLES} == {
+                "ct6_tcp": 1,
+                "ct6_any": 1,
+                "ctq6_tcp": 1,
+                "ctq6_any": 1,
+            }
+            assert _slots(pins, first) == [0, 0], "no IPv6 program behind the IPv4 ones"
+            first.maps["ct_tcp"].update(key, CtEntry(last_seen_ns=1, nat_addr=ip_be("10.244.2.7"), flags=4))
+        finally:
+            first.close()
+        before = _pinned_ids(pins)
+        # SMALL's IPv4 sizes for the TCP table and its ring; ct6_any and its ring idle either way
+        full = {"ct6_tcp": 1024, "ct6_any": 1, "ctq6_tcp": 256, "ctq6_any": 1}
+        idle = dict.fromkeys(full, 1)
+        for sizes, entries in ((on, full), (off, idle)):
+            caplog.clear()
+            d = Datapath(pins, sizes, cache=cache)
+            d.load()
+            try:
+                assert (
+                    "IPv6 conntrack tables and early-drop rings ekp_ct6_tcp_v3, ekp_ctq6_tcp_v2 recreated"
+                ) in caplog.text
+                assert {r: d.maps[r].info().max_entries for r in loader.TC6_ROLES} == entries
+                after = _pinned_ids(pins)
+                assert {n: i for n, i in after.items() if n not in tc6} == {
+                    n: i for n, i in before.items() if n not in tc6
+                }, "every other map kept"
+                assert not {after[n] for n in tc6} & {before[n] for n in tc6}, "TCP table, ring recreated"
+                kept = d.maps["ct_tcp"].lookup(key)
+                assert isinstance(kept, CtEntry) and kept.nat_addr == ip_be("10.244.2.7")
+                want = [prog_id(d.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]] if sizes.ipv6_tc else [0, 0]
+                assert _slots(pins, d) == want
+                ct6_users = prog_map_ids(d.prog_fd("ekp_from_pod6"))
+                assert {d.maps[r].info().id for r in loader.TC6_ROLES} <= ct6_users, "the new tables used"
+            finally:
+                d.close()
+            before = after
+        # The same flags again: the pinned programs reused, the array left as it was set.
+        again = Datapath(pins, off, cache=cache)
+        caplog.clear()
+        again.load()
+        try:
+            assert "data path reused" in caplog.text and "recreated" not in caplog.text
+            assert _slots(pins, again) == [0, 0]
+        finally:
+            again.close()
 
 
 @pytest.mark.kernel
@@ -399,3 +576,39 @@ def test_a_program_the_verifier_refuses_leaves_none_of_the_others_pinned(
         monkeypatch.undo()
         assert not _prog_pins(str(pins))
         assert loaded and set(loaded) <= set(closed), "every program loaded before the error is closed"
+
+
+@pytest.mark.kernel
+def test_an_older_build_s_program_array_stays_filled_until_its_programs_are_replaced(
+    cache: ObjectCache,
+) -> None:
+    """The kernel empties a program array when its last user reference goes (attached programs
+    hold none): unpinned at the new build's load, the old tc programs still attached would send
+    every IPv6 packet to the stack untranslated until the first sync attaches the new ones. The
+    old build's array keeps its pin and its programs through the load, and goes with
+    release_older_builds, called once the new programs are attached."""
+    with bpffs() as root:
+        pins = str(root / "ekp")
+        old = Datapath(pins, SMALL, cache=cache)
+        old.load()
+        old_array = prog_pin(pins, old.build(old.programs()), "ekp_calls6")
+        want = [prog_id(old.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]]
+        old.close()  # in an upgrade its programs stay attached, and hold no reference to the array
+        for name in os.listdir(pins):
+            if not name.startswith(PROG_PIN_PREFIX):
+                os.unlink(os.path.join(pins, name))
+        new = Datapath(pins, replace(SMALL, fe=256), cache=cache)
+        new.load()
+        try:
+            assert new.build(new.programs()) != old.build(old.programs())
+            assert os.path.exists(old_array), "the old build's program array is still pinned"
+            assert _slots(pins, old) == want, "and still holds the old build's IPv6 programs"
+            old_prefix = f"{PROG_PIN_PREFIX}{old.build(old.programs())}_"
+            assert [p for p in _prog_pins(pins) if p.startswith(old_prefix)] == [
+                os.path.basename(old_array)
+            ], "its programs unpinned, its array alone kept"
+            assert new.release_older_builds() == [os.path.basename(old_array)]
+            assert not os.path.exists(old_array)
+            assert new.release_older_builds() == []
+        finally:
+            new.close()

@@ -84,12 +84,12 @@ def test_non_ip_icmp_and_ttl_1_pass(net: Net) -> None:
     assert net.stats()[Stat.PASS] == 3
 
 
-def test_ipv6_passes_every_program_untouched_before_any_lookup(net: Net) -> None:
-    """The eBPF data path has no IPv6 path: every IPv6 packet leaves each program unchanged for
-    the node's stack (where, in eBPF mode, the ip6tables proxier serves IPv6 Services), with no
-    conntrack or fragment entry made; even one whose address ends in an IPv4 frontend's bytes
-    (a v4-mapped address in the header, or an address whose last word is the VIP), which a parser
-    that read the last word as an IPv4 address would translate."""
+def test_ipv6_without_an_ipv6_frontend_passes_every_program_untouched(net: Net) -> None:
+    """With IPv4 frontends only, every IPv6 packet leaves each program unchanged for the node's
+    stack (the tc ingress programs hand it to their IPv6 twins, bpf/ekp_tc6.h, which count it once
+    and find nothing of theirs), with no conntrack or fragment entry made; even one whose address
+    ends in an IPv4 frontend's bytes (a v4-mapped address in the header, or an address whose last
+    word is the VIP), which a parser that read the last word as an IPv4 address would translate."""
     from scapy.layers.inet import TCP as TCPHeader
     from scapy.layers.inet import UDP as UDPHeader
     from scapy.layers.inet6 import IPv6, IPv6ExtHdrFragment

@@ -17,6 +17,7 @@ import pytest
 
 from agent.ebpf.abi import CtFlag, CtqRing, FrontendFlag, Scope, Stat
 from agent.ebpf.loader import Datapath
+from lab.cpurace import race_rounds
 from lab.dplab import (
     BE1,
     CLIENT,
@@ -31,9 +32,10 @@ from lab.dplab import (
     VIP,
     Lab,
     Net,
+    TupleRace,
     set_config,
 )
-from lab.packets import TC_ACT_REDIRECT, TC_ACT_SHOT, icmp_error, parse, tcp, udp
+from lab.packets import TC_ACT_REDIRECT, TC_ACT_SHOT, PreparedRun, icmp_error, parse, tcp, udp
 
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
@@ -98,6 +100,30 @@ def test_a_full_range_evicts_an_unanswered_flow_for_a_real_client(net: Net, dp: 
     assert net.ct(CLIENT, NODE, 5000, 30080) is not None
     back = parse(net.from_net(tcp(REMOTE_BE, NODE, 8080, port, flags="PA", smac=MAC[NODE2]))[1])
     assert (back.dst, back.dport) == (CLIENT, 5000)
+
+
+def test_two_cpus_claiming_one_free_snat_port_at_once_never_both_count_it(net: Net, dp: Datapath) -> None:
+    """IPv4's conntrack (the template's ekp_ct_place, as IPv6's, test_datapath_ipv6_snat.py): one
+    SNAT port, two new flows each round at one moment on two CPUs (lab/cpurace.py), the table empty
+    before. Each round leaves exactly one flow, whole (no FORWARD entry without its twin), and
+    keeps one flow more than it early-dropped (lab/dplab.py TupleRace); a race's loser drops as
+    DROP_TUPLE_TAKEN, never writing over the winner's entries uncounted."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    assert len(cpus) == 2, "the race needs two CPUs"
+    set_config(dp, snat_port_max=SNAT_MIN)
+    nodeport(net)
+    fd, ifindex = dp.prog_fd("ekp_from_net"), net.lab.ext.ifindex
+    runs = [
+        [PreparedRun(fd, tcp(client, NODE, 20000 + r, 30080), ifindex) for r in range(RACE_ROUNDS)]
+        for client in (CLIENT, spoofed(0))
+    ]
+    check = TupleRace(net, "ct_tcp")
+    rounds = race_rounds(cpus, runs, check, timeout_s=60)
+    check()
+    assert rounds == RACE_ROUNDS == check.rounds, f"{rounds} rounds run, {check.raced} of them raced"
+
+
+RACE_ROUNDS = 1500
 
 
 def test_a_range_full_of_established_flows_refuses_the_next(net: Net, dp: Datapath) -> None:

@@ -5,6 +5,7 @@ touched. Dict-backed maps (FakeMap): the kernel's side is tests/ebpf/test_datapa
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import logging
 from typing import Any, TypeVar
@@ -15,7 +16,7 @@ from agent.config import Config, NodeContext
 from agent.ebpf import abi
 from agent.ebpf.abi import MAPS, V6_ROLES, FrontendFlag, Scope, ip6_str, ip6_words, port_be, port_host
 from agent.ebpf.family6 import Handles, Ipv6Datapath
-from agent.ebpf.maps import FakeMap
+from agent.ebpf.maps import FakeMap, read_config6, write_config6
 from agent.model import IPFamily, NodeInfo, ProxyState, ServicePortName, build_state
 from agent.model.types import Protocol
 
@@ -117,6 +118,63 @@ def test_an_ipv6_cluster_ip_is_written_into_the_ipv6_maps_with_its_addresses() -
     }
     # the IPv4 maps are the IPv4 planner's: nothing here touched them
     assert all(len(maps[role]) == 0 for role in V6_ROLES)
+
+
+def test_frontends_whose_set_holds_an_endpoint_on_a_node_address_are_marked_host_backend() -> None:
+    """HOST_BACKEND: the tc IPv6 path leaves such a frontend wholly to ip6tables before it
+    chooses (bpf/ekp_tc6.h), so it must be on every frontend whose set holds a host-network
+    endpoint, and on no other; it follows the endpoint."""
+    maps = fake_maps()
+    v6 = Ipv6Datapath(Config())
+    v6.sync(maps, state6([service()], [slice_("fd00:10:244:1::2", NODE6.node_ips[0])]), NODE6, None)
+    assert {key: bool(fe.flags & FrontendFlag.HOST_BACKEND) for key, fe in frontends(maps).items()} == {
+        (VIP6, 80, Scope.EXTERNAL): True,
+        (VIP6, 80, Scope.INTERNAL): True,
+    }
+    v6.sync(maps, state6([service()], [slice_("fd00:10:244:1::2")]), NODE6, None)
+    assert not any(fe.flags & FrontendFlag.HOST_BACKEND for fe in frontends(maps).values())
+
+
+def test_the_nodes_ipv6_address_is_written_as_the_snat_source_of_the_ipv6_path() -> None:
+    """ekp_cfg6 (bpf/ekp_tc6.h): the IPv6 node's primary address, written at a sync and again
+    when it changed; zero for a node context with no IPv6 address (an agent without an IPv6 half
+    empties the IPv6 maps with its IPv4 one), which leaves source translations to ip6tables."""
+    maps = fake_maps()
+    v6 = Ipv6Datapath(Config())
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+
+    def source() -> str:
+        cfg6 = read_config6(maps)
+        assert cfg6 is not None
+        return ip6_str(cfg6.node_addr)
+
+    v6.sync(maps, state, NODE6, None, snat_source=True)
+    assert source() == "fd00:192:168::11"
+    moved = NodeContext(node_ips=("fd00:192:168::99",), primary_ip="fd00:192:168::99")
+    v6.sync(maps, state, moved, frozenset({SPN}), snat_source=True)
+    assert source() == "fd00:192:168::99"
+    node4 = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
+    Ipv6Datapath(Config()).sync(maps, state6([], []), node4, None)
+    assert source() == "::"
+
+
+def test_the_snat_source_waits_until_ip6tables_masquerade_keeps_out_of_the_snat_range() -> None:
+    """ekp_cfg6 gets the node's address only once the caller says ip6tables' MASQUERADE keeps out
+    of --bpf-snat-ports (`snat_source`, EbpfAndIp6tables after a restore): before, nf_conntrack may
+    hold a port of the range the tc path would hand to another flow to the same backend. Without
+    it zero is written, over an address written before too (a grant lost)."""
+    maps = fake_maps()
+    v6 = Ipv6Datapath(Config())
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    v6.sync(maps, state, NODE6, None)
+    cfg6 = read_config6(maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "the node's address not written"
+    v6.sync(maps, state, NODE6, None, snat_source=True)
+    cfg6 = read_config6(maps)
+    assert cfg6 is not None and ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+    v6.sync(maps, state, NODE6, frozenset({SPN}))
+    cfg6 = read_config6(maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "the grant gone: zero again"
 
 
 def test_a_restart_over_unchanged_state_writes_nothing_and_keeps_the_ids() -> None:
@@ -236,3 +294,28 @@ def test_the_ipv6_planner_uses_the_ipv6_local_traffic_detector(
         assert not internal.flags & FrontendFlag.LOCAL and internal.count == 1
     else:
         assert internal.flags & FrontendFlag.LOCAL and internal.count == 0
+
+
+def test_the_ipv6_paths_settings_are_written_to_the_slot_the_programs_do_not_read() -> None:
+    """write_config6 as write_config: the spare slot of ekp_cfg6, then ekp_cfg6sel flipped to it;
+    the slot the programs read is never rewritten (a 16-byte address read half written would be
+    a source of neither address). Nothing is written when the live slot holds it already."""
+    maps = fake_maps()
+    first = abi.Config6(node_addr=abi.Addr6(*abi.ip6_words("fd00:192:168::11")))
+    second = abi.Config6(node_addr=abi.Addr6(*abi.ip6_words("fd00:192:168::99")))
+    writes: list[int] = []
+    update = maps["cfg6"].update
+
+    def recording(key: Any, value: Any, flags: Any = None) -> None:
+        writes.append(int(key.value))
+        update(key, value)
+
+    maps["cfg6"].update = recording  # type: ignore[method-assign]
+    for cfg6 in (first, second, second, first):
+        sel = maps["cfg6sel"].lookup(ctypes.c_uint32(0))
+        live = int(getattr(sel, "slot", 0)) & 1 if sel is not None else None
+        changed = write_config6(maps, cfg6)
+        if changed:
+            assert writes[-1] != live, "the live slot rewritten"
+        assert read_config6(maps) == cfg6
+    assert writes == [1, 0, 1], "one write per change, alternating; none for the repeat"

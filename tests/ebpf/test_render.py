@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from agent.ebpf.abi import (
+    Addr6,
     Affinity,
     AffinityKey,
     Backend,
     BackendKey,
+    Ct6Entry,
+    Ct6Key,
     CtDir,
     CtEntry,
     CtFlag,
@@ -22,6 +25,7 @@ from agent.ebpf.abi import (
     SockKey,
     SockNat,
     Stat,
+    ip6_words,
     ip_be,
     port_be,
 )
@@ -34,6 +38,7 @@ from agent.ebpf.render import (
     render_sockets,
     render_stats,
 )
+from agent.ebpf.render6 import ct6_lines
 
 S = 1_000_000_000
 
@@ -95,6 +100,34 @@ def test_conntrack_lines() -> None:
         "ct 10.244.1.5:40000 -> 10.96.0.10:53/UDP forward fe=10.96.0.10:53 nat=10.244.2.3:53"
         " snat=192.168.0.11:40001 svc=3 be=7 flags=SNAT|SEEN_REPLY idle=3s age=6s\n"
     )
+
+
+def test_an_ipv6_conntrack_entry_reads_as_an_ipv4_one_with_bracketed_addresses() -> None:
+    key = Ct6Key(
+        Addr6(*ip6_words("fd00:a:1::9")), Addr6(*ip6_words("fd00:96::10")), port_be(40000), port_be(53), 17, 0
+    )
+    entry = Ct6Entry(
+        last_seen_ns=5 * S,
+        nat_addr=Addr6(*ip6_words("fd00:a:2::3")),
+        nat_port=port_be(5353),
+        fe_addr=Addr6(*ip6_words("fd00:96::10")),
+        fe_port=port_be(53),
+        svc_id=3,
+        backend_id=7,
+        created_s=2,
+        flags=int(CtFlag.SEEN_REPLY),
+    )
+    bare = Ct6Entry(last_seen_ns=5 * S, fe_addr=Addr6(*ip6_words("fd00:96::10")), fe_port=port_be(53))
+    assert ct6_lines([(key, entry)], now_ns=8 * S) == [
+        "ct6 [fd00:a:1::9]:40000 -> [fd00:96::10]:53/UDP forward fe=[fd00:96::10]:53 nat=[fd00:a:2::3]:5353"
+        " svc=3 be=7 flags=SEEN_REPLY idle=3s age=6s"
+    ]
+    assert "nat=" not in ct6_lines([(key, bare)], now_ns=8 * S)[0], "no backend address: none shown"
+    entry.snat_addr, entry.snat_port = Addr6(*ip6_words("fd00:a:1::9")), port_be(40007)
+    entry.flags |= int(CtFlag.SNAT)
+    assert ct6_lines([(key, entry)], now_ns=8 * S)[0].endswith(
+        " nat=[fd00:a:2::3]:5353 snat=[fd00:a:1::9]:40007 svc=3 be=7 flags=SNAT|SEEN_REPLY idle=3s age=6s"
+    ), "a remapped port shown as IPv4's"
 
 
 def test_affinity_and_stats() -> None:

@@ -149,6 +149,31 @@ def test_every_golden_file_loads_into_real_iptables(netns: str, backend: str, ca
     assert result.repaired == 0 and p.last_sync is not None and not p.last_sync.restored
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ip6tables_takes_a_masquerade_kept_out_of_the_bpf_snat_ports_and_reads_it_back_the_same(
+    netns: str, backend: str
+) -> None:
+    """eBPF mode's ip6tables beside the tc IPv6 path (agent/iptables/rules.py
+    masquerade_ports_beside): the kernel takes TCP's MASQUERADE --to-ports with --random-fully
+    before kube-proxy's, and the chain read back is the one written (no repair at the next sync)."""
+    from agent.config import HostRouting, Mode
+
+    st, node, config = case_inputs("ipv6-nodeport")
+    ebpf6 = replace(config, mode=Mode.EBPF, bpf_host_routing=HostRouting.BPF)
+    ebpf6 = replace(ebpf6, netns=netns, iptables_backend=backend)
+    assert ebpf6.tc_ipv6
+    p = IptablesProxier(ebpf6, family=IPFamily.IPv6)
+    p.sync(st, node)
+    saved = save(netns, backend, "ip6tables")
+    tcp, rest = rules_of(saved, "KUBE-POSTROUTING")[-2:]
+    assert "-p tcp" in tcp and tcp.endswith("-j MASQUERADE --to-ports 1024-60999 --random-fully")
+    assert rest.endswith("-j MASQUERADE --random-fully")
+    written = canonical.chain_digests(canonical.parse(p.render(st, node)))
+    kernel = canonical.chain_digests(canonical.parse(saved))
+    assert {k for k, d in written.items() if kernel.get(k) != d} == set()
+    assert p.sync(st, node).repaired == 0
+
+
 def test_stale_udp_conntrack_entries_are_deleted_and_serving_ones_kept(netns: str) -> None:
     def insert(reply_src: str, sport: int) -> None:
         sh(

@@ -407,3 +407,54 @@ def test_nodeport_addresses_of_the_other_family_or_zero_cidr_mean_every_address(
         assert lines(render(state(), NODE, opts).text, "NOTE: this must be the last rule")[0].endswith(
             "-m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"
         )
+
+
+def test_ip6tables_masquerade_beside_the_tc_ipv6_path_keeps_out_of_the_bpf_snat_ports() -> None:
+    """eBPF mode's ip6tables beside the tc programs' IPv6 path (Config.tc_ipv6), which masquerades
+    TCP with ports of --bpf-snat-ports looking at its own conntrack only: TCP's MASQUERADE
+    --to-ports the larger side of 1024-65535 outside that range, so nf_nat (looking at
+    nf_conntrack only) never takes a port the tc path may hand to another flow to the same
+    backend. kube-proxy's rule everywhere else: IPv4, iptables mode, legacy host routing (no tc
+    IPv6 path)."""
+    from agent.config import HostRouting, Mode
+    from agent.iptables.rules import masquerade_ports_beside
+    from agent.model.types import IPFamily
+
+    assert masquerade_ports_beside((61000, 65535)) == (1024, 60999)
+    assert masquerade_ports_beside((1024, 2047)) == (2048, 65535)
+    assert masquerade_ports_beside((20000, 30000)) == (30001, 65535)
+    assert masquerade_ports_beside((40000, 50000)) == (1024, 39999)
+    assert masquerade_ports_beside((1024, 65535)) is None
+    # Ports an earlier run's range left held by tc flows: the largest span meeting neither.
+    assert masquerade_ports_beside((63000, 65535), (61500, 61500)) == (1024, 61499)
+    assert masquerade_ports_beside((63000, 65535), (61000, 62500)) == (1024, 60999)
+    assert masquerade_ports_beside((1024, 20000), (61000, 65535)) == (20001, 60999)
+    assert masquerade_ports_beside((1024, 2047), (2048, 65535)) is None
+    ebpf6 = replace(
+        CONFIG,
+        mode=Mode.EBPF,
+        cluster_cidr=("10.244.0.0/16", "fd00:10:244::/56"),
+        bpf_host_routing=HostRouting.BPF,
+    )
+    assert ebpf6.tc_ipv6
+
+    def masquerade(config: Any, family: IPFamily) -> list[str]:
+        options = RenderOptions.from_config(config, family=family)
+        return lines(render(state(), NODE, options).text, "-j MASQUERADE")
+
+    kube_proxys = (
+        '-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE'
+    )
+    tcp = kube_proxys.replace("-j MASQUERADE", "-p tcp -j MASQUERADE")
+    # --to-ports needs a protocol with ports: TCP (all the tc path masquerades), then the rest
+    assert masquerade(ebpf6, IPFamily.IPv6) == [
+        tcp + " --to-ports 1024-60999 --random-fully",
+        kube_proxys + " --random-fully",
+    ]
+    assert masquerade(replace(ebpf6, snat_ports=(40000, 50000)), IPFamily.IPv6)[0] == (
+        tcp + " --to-ports 1024-39999 --random-fully"
+    )
+    assert masquerade(ebpf6, IPFamily.IPv4) == [kube_proxys + " --random-fully"]
+    assert masquerade(replace(ebpf6, mode=Mode.IPTABLES), IPFamily.IPv6) == [kube_proxys + " --random-fully"]
+    legacy = replace(ebpf6, bpf_host_routing=HostRouting.LEGACY)
+    assert masquerade(legacy, IPFamily.IPv6) == [kube_proxys + " --random-fully"]

@@ -116,10 +116,12 @@ def mtu(cluster: Cluster, where: list[tuple[str, str]], value: int) -> Iterator[
     finally:
         for ns, dev, old in before:
             lab.run(ns, "ip", "link", "set", dev, "mtu", old)
-        for node in lab.nodes:  # forget the learned path MTUs
-            lab.run(node, "ip", "route", "flush", "cache", check=False)
-        for pod in lab.pods:
-            lab.run(pod, "ip", "route", "flush", "cache", check=False)
+        # forget the learned path MTUs, both families
+        for family in ("-4", "-6"):
+            for node in lab.nodes:
+                lab.run(node, "ip", family, "route", "flush", "cache", check=False)
+            for pod in lab.pods:
+                lab.run(pod, "ip", family, "route", "flush", "cache", check=False)
 
 
 def upload(cluster: Cluster, client: str, url: str) -> dict[str, object]:

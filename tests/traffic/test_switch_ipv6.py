@@ -3,7 +3,9 @@ dual-stack"): the IPv6 half of test_switch.py.
 
 Every data path writes one ip6tables layout for IPv6 Services: kube-proxy's iptables mode,
 iptables mode, and eBPF mode's ip6tables proxier (beside the IPv6 maps of its socket programs, for
-the packets those do not see: the tc programs have no IPv6 path yet). So a
+the packets those do not see; with --bpf-host-routing=bpf the tc programs' IPv6 path translates
+the TCP flows it can, the external client's to the NodePort here, and leaving eBPF mode hands them
+to nf_conntrack with IPv4's: agent/takeover/out_of_ebpf.py). So a
 switch between them hands the IPv6 chains over as they are: the agent that starts adopts them at
 its first full sync (eBPF mode's IPv6 proxier finds their backend in ip6tables, kube-proxy's legacy
 one here), and the IPv6 flows keep their nf_conntrack NAT bindings. Through the switch, three TCP
@@ -16,6 +18,7 @@ own state is gone (after a switch to eBPF mode no IPv4 KUBE- chain; to iptables 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -59,6 +62,10 @@ SWITCHES = {
     "kube-proxy-iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=legacy",)),
     "iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=nft",)),
     "ebpf-to-iptables": Switch("ebpf", "iptables"),
+    "ebpf-bpf-host-routing-to-iptables": Switch("ebpf", "iptables", ("--bpf-host-routing=bpf",)),
+    "iptables-to-ebpf-bpf-host-routing": Switch(
+        "iptables", "ebpf", ("--iptables-backend=nft",), ("--bpf-host-routing=bpf",)
+    ),
 }
 # The chart's way from kube-proxy: its init container runs `agent --cleanup-kube-proxy` before the
 # agent starts, which removes kube-proxy's IPv4 chains (both backends) and leaves the IPv6 ones
@@ -157,6 +164,10 @@ def test_a_live_switch_keeps_every_ipv6_connection_and_the_ipv6_rules(lab: Lab, 
         else:
             assert "took over from eBPF mode" in log, log[-3000:]
             assert not Path(first.pin_path).exists(), "the eBPF pins are removed"
+            if "--bpf-host-routing=bpf" in switch.before_flags:
+                # no IPv4 flow here: what was handed back is the tc IPv6 path's (the NodePort's)
+                handed = re.search(r"took over from eBPF mode: (\d+) established flows", log)
+                assert handed and int(handed.group(1)) >= 2, log[-3000:]
     finally:
         second.stop()
         cluster.agents = [second, first]

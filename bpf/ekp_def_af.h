@@ -1,0 +1,65 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * ekp_def_af.h: the names, types and address operations of one family (EKP_CT_V6 0 or 1) for the
+ * per-family templates (ekp_ct_af.h says what each macro means); ekp_undef_af.h takes them back.
+ * No include guard: included at the top of each template instance.
+ */
+#if !defined(EKP_CT_V6)
+#error "a per-family template is included with EKP_CT_V6 0 (ekp_ct.h, ekp_ctq.h) or 1 (ekp_ct6.h)"
+#endif
+
+#if EKP_CT_V6
+#define EKP_CTF(x) ekp_ct6_##x
+#define EKP_SNATF(x) ekp_snat6_##x
+#define EKP_CT_KEY struct ekp_ct6_key
+#define EKP_CT_ENTRY struct ekp_ct6_entry
+#define EKP_PKT struct ekp_pkt6
+#define EKP_FLOW struct ekp_flow6
+#define EKP_PB(p) (&(p)->b)
+#define EKP_FB(f) (&(f)->b)
+#define EKP_ADDR_KEY struct ekp_addr6_key
+#define EKP_ADDR_LOOKUP ekp_addr6_lookup
+#define EKP_MEMBER_LOOKUP ekp_member6_lookup
+#define EKP_FLOW_HASH ekp_flow6_hash
+#define EKP_CTQF(x) ekp_ctq6_##x
+#define EKP_CTQ_SLOT struct ekp_ctq6_slot
+#define EKP_CTQH_LOOKUP ekp_ctqh6_lookup
+#define EKP_CTQ_TCP_SLOTS EKP_CTQ6_TCP_MAX
+#define EKP_CTQ_ANY_SLOTS EKP_CTQ6_ANY_MAX
+#define EKP_A_EQ(a, b) ekp_addr6_eq(a, b)
+#define EKP_A_SET(d, s) __builtin_memcpy(d, s, 16)
+#define EKP_A_ZERO(d) __builtin_memset(d, 0, 16)
+#define EKP_A_SEL(d, c, s)                                                                                     \
+	do {                                                                                                   \
+		if (c)                                                                                         \
+			__builtin_memcpy(d, s, 16);                                                            \
+		else                                                                                           \
+			__builtin_memset(d, 0, 16);                                                            \
+	} while (0)
+#define EKP_A_SEL2(d, c, s, t) __builtin_memcpy(d, (c) ? (s) : (t), 16)
+#define EKP_A_FOLD(a) ekp_fold6(a)
+#else
+#define EKP_CTF(x) ekp_ct_##x
+#define EKP_SNATF(x) ekp_snat_##x
+#define EKP_CT_KEY struct ekp_ct_key
+#define EKP_CT_ENTRY struct ekp_ct_entry
+#define EKP_PKT struct ekp_pkt
+#define EKP_FLOW struct ekp_flow
+#define EKP_PB(p) (p)
+#define EKP_FB(f) (f)
+#define EKP_ADDR_KEY struct ekp_addr_key
+#define EKP_ADDR_LOOKUP ekp_addr_lookup
+#define EKP_MEMBER_LOOKUP ekp_member_lookup
+#define EKP_FLOW_HASH ekp_flow_hash
+#define EKP_CTQF(x) ekp_ctq_##x
+#define EKP_CTQ_SLOT struct ekp_ctq_slot
+#define EKP_CTQH_LOOKUP ekp_ctqh_lookup
+#define EKP_CTQ_TCP_SLOTS EKP_CTQ_TCP_MAX
+#define EKP_CTQ_ANY_SLOTS EKP_CTQ_ANY_MAX
+#define EKP_A_EQ(a, b) ((a) == (b))
+#define EKP_A_SET(d, s) ((d) = (s))
+#define EKP_A_ZERO(d) ((d) = 0)
+#define EKP_A_SEL(d, c, s) ((d) = (c) ? (s) : 0)
+#define EKP_A_SEL2(d, c, s, t) ((d) = (c) ? (s) : (t))
+#define EKP_A_FOLD(a) (a)
+#endif

@@ -1,0 +1,202 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * ekp_parse6.h: Ethernet / IPv6 / TCP-UDP parsing for the tc programs' IPv6 path (ekp_tc6.h).
+ *
+ * The IPv4 packet's value (struct ekp_pkt) carries the family-free part: ports, protocol, TCP
+ * flags, the L4 offset, the fragment kind, so the conntrack state machine (ekp_ct.h) and the
+ * backend choice (ekp_lb.h) read it as they read an IPv4 packet's; the 16-byte addresses sit
+ * beside it (struct ekp_pkt6).
+ *
+ * Extension headers are walked to the transport header, at most EKP_IPV6_EXT_MAX of them
+ * (hop-by-hop, routing, destination options, fragment; AH is skipped by its own length rule): a
+ * packet with more is not ours (the stack and ip6tables see it untouched). Every read goes
+ * through bpf_skb_load_bytes at an offset, so a header in paged data needs no pull and the
+ * verifier tracks no packet pointer across a variable-length walk.
+ *
+ * A routing header with segments left names another destination than the one the packet is
+ * addressed to (SRv6, type 0): not ours. A fragment header makes the packet a first fragment
+ * (offset 0: the L4 header is parsed) or a later one (EKP_PARSE_LATER, no ports).
+ *
+ * ICMPv6 errors (destination unreachable 1, packet too big 2, time exceeded 3, parameter problem
+ * 4), whole, quoting the start of a TCP or UDP packet (its own extension headers walked the same
+ * way, not a later fragment, at least the 8 bytes that hold the ports): EKP_PARSE_ICMP_ERR, with
+ * the quote's tuple and offsets in the ekp_pkt fields IPv4's quote uses and its addresses beside
+ * them. They may be about a flow this path translated (ekp_tc6.h, ekp_tc6_related).
+ */
+#ifndef EKP_PARSE6_H
+#define EKP_PARSE6_H
+
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/in6.h>
+#include <linux/ipv6.h>
+
+#include "ekp_parse.h"
+
+#define EKP_IP6_OFF ETH_HLEN
+#define EKP_IP6_SADDR_OFF (EKP_IP6_OFF + 8)
+#define EKP_IP6_DADDR_OFF (EKP_IP6_OFF + 24)
+#define EKP_IP6_HOPLIMIT_OFF (EKP_IP6_OFF + 7)
+#define EKP_IPV6_EXT_MAX 4
+
+/* IPv6 next-header values of the extension headers we walk (linux/in6.h's IPPROTO_*). */
+#define EKP_NH_HOP 0
+#define EKP_NH_ROUTING 43
+#define EKP_NH_FRAGMENT 44
+#define EKP_NH_AH 51
+#define EKP_NH_DSTOPTS 60
+#define EKP_NH_ICMPV6 58
+
+#define EKP_ICMPV6_DEST_UNREACH 1
+#define EKP_ICMPV6_PARAMPROB 4 /* the last error type; 2 packet too big, 3 time exceeded */
+
+struct ekp_pkt6 {
+	struct ekp_pkt b;  /* ports, proto, tcp_flags, l4_off, frag; an ICMPv6 error: icmp_type and
+			    * code, and its quote's in_proto, in_sport, in_dport, in_off, in_l4_off,
+			    * in_l4_len (its IPv4 addresses stay 0) */
+	__be32 saddr[4];   /* be */
+	__be32 daddr[4];   /* be */
+	__be32 in_saddr[4]; /* be: an ICMPv6 error's quoted packet's source */
+	__be32 in_daddr[4]; /* be: and destination */
+	__u8 hop_limit;
+	__u8 pad[3];
+};
+
+static __always_inline int ekp_addr6_eq(const __be32 *a, const __be32 *b)
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
+}
+
+/* One extension header at `*off`: the next header and its length (a fragment header: the kind of
+ * fragment into *frag). 0, or -1 when not walkable. */
+static __always_inline int ekp_parse6_ext(struct __sk_buff *skb, __u32 *off, __u8 *nh, __u8 *frag)
+{
+	__u8 hdr[8];
+
+	if (bpf_skb_load_bytes(skb, *off, hdr, sizeof(hdr)) < 0)
+		return -1;
+	if (*nh == EKP_NH_FRAGMENT) {
+		__u16 fo = ((__u16)hdr[2] << 8) | hdr[3];
+		if (fo & 0xfff8)
+			*frag = EKP_FRAG_LATER;
+		else if (fo & 1)
+			*frag = EKP_FRAG_FIRST;
+		*nh = hdr[0];
+		*off += 8;
+		return 0;
+	}
+	if (*nh == EKP_NH_ROUTING && hdr[3] != 0)
+		return -1; /* segments left: the destination is not the final one */
+	__u32 len = *nh == EKP_NH_AH ? ((__u32)hdr[1] + 2) * 4 : ((__u32)hdr[1] + 1) * 8;
+	*nh = hdr[0];
+	*off += len;
+	return 0;
+}
+
+static __always_inline int ekp_is_ext6(__u8 nh)
+{
+	return nh == EKP_NH_HOP || nh == EKP_NH_ROUTING || nh == EKP_NH_FRAGMENT || nh == EKP_NH_AH ||
+	       nh == EKP_NH_DSTOPTS;
+}
+
+/* Walks the extension headers from `*off` (next header `*nh`) toward the transport header: at
+ * most EKP_IPV6_EXT_MAX of them, so *nh may still be one after it (then not ours). 0, or -1 when
+ * a header is not walkable. */
+static __always_inline int ekp_parse6_walk(struct __sk_buff *skb, __u32 *off, __u8 *nh, __u8 *frag)
+{
+#pragma unroll
+	for (int i = 0; i < EKP_IPV6_EXT_MAX; i++) {
+		if (!ekp_is_ext6(*nh))
+			break;
+		if (ekp_parse6_ext(skb, off, nh, frag) < 0)
+			return -1;
+	}
+	return 0;
+}
+
+/* The quote of an ICMPv6 error, its IPv6 header at `inner`: EKP_PARSE_ICMP_ERR when it is the
+ * start of a TCP or UDP packet with its ports, else EKP_PARSE_PASS. */
+static __always_inline int ekp_parse6_quote(struct __sk_buff *skb, struct ekp_pkt6 *p, __u32 inner)
+{
+	struct ipv6hdr ip;
+	__u8 frag = EKP_FRAG_NONE;
+	__u8 csum_word[4];
+
+	if (bpf_skb_load_bytes(skb, inner, &ip, sizeof(ip)) < 0 || ip.version != 6)
+		return EKP_PARSE_PASS; /* a quote too short to be about a flow */
+	__u8 nh = ip.nexthdr;
+	__u32 off = inner + sizeof(ip);
+	if (ekp_parse6_walk(skb, &off, &nh, &frag) < 0 || frag == EKP_FRAG_LATER ||
+	    (nh != IPPROTO_TCP && nh != IPPROTO_UDP))
+		return EKP_PARSE_PASS;
+	/* RFC 4443 quotes as much as fits in 1280 bytes; the ports and, for the checksum, the first 8
+	 * bytes (RFC 792's minimum, what IPv4's parser asks) must be there */
+	__u8 l4[8];
+	if (bpf_skb_load_bytes(skb, off, l4, sizeof(l4)) < 0)
+		return EKP_PARSE_PASS;
+	__builtin_memcpy(p->in_saddr, &ip.saddr, 16);
+	__builtin_memcpy(p->in_daddr, &ip.daddr, 16);
+	__builtin_memcpy(&p->b.in_sport, l4, 2);
+	__builtin_memcpy(&p->b.in_dport, l4 + 2, 2);
+	p->b.in_proto = nh;
+	p->b.in_off = inner;
+	p->b.in_l4_off = off;
+	p->b.in_l4_len = 8;
+	if (nh == IPPROTO_TCP && bpf_skb_load_bytes(skb, off + 16, csum_word, sizeof(csum_word)) == 0)
+		p->b.in_l4_len = EKP_INNER_TCP_LEN; /* its checksum is quoted: it follows the tuple */
+	return EKP_PARSE_ICMP_ERR;
+}
+
+/* EKP_PARSE_OK (TCP/UDP, a whole datagram or a first fragment: tuple valid), EKP_PARSE_LATER (a
+ * later fragment), EKP_PARSE_ICMP_ERR (an ICMPv6 error quoting TCP/UDP: see the top),
+ * EKP_PARSE_PASS (not IPv6 TCP/UDP: other ICMPv6, neighbour discovery, others) or
+ * EKP_PARSE_MALFORMED (truncated). */
+static __always_inline int ekp_parse6(struct __sk_buff *skb, struct ekp_pkt6 *p)
+{
+	struct ipv6hdr ip;
+
+	if (skb->protocol != htons(ETH_P_IPV6))
+		return EKP_PARSE_PASS;
+	if (bpf_skb_load_bytes(skb, EKP_IP6_OFF, &ip, sizeof(ip)) < 0)
+		return EKP_PARSE_MALFORMED;
+	if (ip.version != 6)
+		return EKP_PARSE_MALFORMED;
+	__builtin_memcpy(p->saddr, &ip.saddr, 16);
+	__builtin_memcpy(p->daddr, &ip.daddr, 16);
+	p->hop_limit = ip.hop_limit;
+	p->b.tos = (ip.priority << 4) | (ip.flow_lbl[0] >> 4);
+
+	__u8 nh = ip.nexthdr;
+	__u32 off = EKP_IP6_OFF + sizeof(ip);
+	if (ekp_parse6_walk(skb, &off, &nh, &p->b.frag) < 0)
+		return EKP_PARSE_PASS;
+	if (nh == EKP_NH_ICMPV6 && p->b.frag == EKP_FRAG_NONE) {
+		__u8 icmp[2];
+		if (bpf_skb_load_bytes(skb, off, icmp, sizeof(icmp)) < 0)
+			return EKP_PARSE_MALFORMED;
+		if (icmp[0] < EKP_ICMPV6_DEST_UNREACH || icmp[0] > EKP_ICMPV6_PARAMPROB)
+			return EKP_PARSE_PASS; /* informational (echo, neighbour discovery) or unknown */
+		p->b.proto = nh;
+		p->b.l4_off = off;
+		p->b.icmp_type = icmp[0];
+		p->b.icmp_code = icmp[1];
+		return ekp_parse6_quote(skb, p, off + 8); /* the quote follows the 8-byte ICMPv6 header */
+	}
+	if (nh != IPPROTO_TCP && nh != IPPROTO_UDP)
+		return EKP_PARSE_PASS; /* more headers than we walk, SCTP, a piece of ICMPv6, others */
+	p->b.proto = nh;
+	p->b.l4_off = off;
+	if (p->b.frag == EKP_FRAG_LATER)
+		return EKP_PARSE_LATER;
+
+	__u8 l4[14];
+	if (bpf_skb_load_bytes(skb, off, l4, nh == IPPROTO_TCP ? 14 : 8) < 0)
+		return EKP_PARSE_MALFORMED;
+	__builtin_memcpy(&p->b.sport, l4, 2);
+	__builtin_memcpy(&p->b.dport, l4 + 2, 2);
+	if (nh == IPPROTO_TCP)
+		p->b.tcp_flags = l4[13];
+	return EKP_PARSE_OK;
+}
+
+#endif /* EKP_PARSE6_H */

@@ -1,0 +1,544 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * ekp_tc6.h: the tc programs' IPv6 path (ekp_from_pod6, ekp_from_net6), reached from
+ * ekp_from_pod / ekp_from_net by a tail call (ekp_tc.c), so the IPv4 programs' verification and
+ * per-packet work do not grow with it (Cilium splits its programs per family the same way).
+ *
+ *   parse (ekp_parse6.h) -> conntrack (ekp_ct6.h: IPv4's conntrack code for IPv6, FORWARD then
+ *                           REPLY, ekp_ct6_tcp / ekp_ct6_any, early-drop rings ekp_ctq6_*)
+ *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1),
+ *                           source translation decided (ekp_tc6_wants_snat), or a direct
+ *                           connection on a live flow's tuple (ekp_ct6_reclaim)
+ *                        -> route (bpf_fib_lookup), entries and SNAT port (ekp_ct6_create: IPv4's
+ *                           walk, ekp_snat_af.h), rewrite (ekp_nat6.h), hop limit - 1, redirect
+ *   an ICMPv6 error      -> conntrack of the quoted flow (ekp_tc6_related) -> route, outer and
+ *                           quote rewritten, hop limit - 1, redirect
+ *
+ * What it translates: TCP flows to a frontend, with the source translated to the node's IPv6
+ * address (ekp_cfg6) where IPv4 would translate it (SNAT_ALL, SNAT_REMOTE with a remote backend,
+ * a hairpin), and the ICMPv6 errors about them. Every other packet goes to the node's stack
+ * untouched, where the ip6tables proxier beside the eBPF programs (agent/metaproxier.py,
+ * EbpfAndIp6tables) does what it did before this path existed:
+ *   - UDP and SCTP: a UDP flow owned here would lose what the stack does for it (a backend's
+ *     fragmented answers, ICMPv6 errors quoting the translated tuple: nf_conntrack knows neither
+ *     flow, and ekp_tc6_related translates errors about TCP flows alone), and a UDP flow
+ *     ip6tables started has no first packet to tell it from a new one, so tc would decide it again;
+ *   - a frontend that would need ip6tables for some of its backends, left whole before the choice
+ *     so that one proxier chooses among all its backends (and one owns its affinity): one with a
+ *     backend on the node's own address (EKP_FE_HOST_BACKEND: that backend's replies leave by the
+ *     node's stack), and, while the node's IPv6 address is not known (ekp_cfg6 zero), one that
+ *     asks SNAT (EKP_FE_SNAT_ALL, EKP_FE_SNAT_REMOTE: its local backends too); then a hairpin as
+ *     well (the client is its own backend: known only after the choice, see there); legacy host
+ *     routing;
+ *   - refusals: no endpoints (ip6tables' REJECT answers with ICMPv6), no local endpoint, source
+ *     ranges;
+ *   - a mid-flow TCP segment without an entry (a flow ip6tables translated before: nf_conntrack
+ *     has it);
+ *   - fragments, first and later: a translated first fragment would leave its later pieces to a
+ *     stack that can never reassemble them, so the whole datagram goes to the stack, which
+ *     reassembles and translates it;
+ *   - ICMPv6 but errors about a flow translated here (Packet Too Big, destination unreachable,
+ *     time exceeded, parameter problem: ekp_tc6_related translates those back, as nf_nat does for
+ *     the flows ip6tables translated), a new flow's first packet too big for the route or at
+ *     its last hop (the stack and ip6tables answer it as they would without this path), no
+ *     route. A segment of a flow of the path too big for its route or at its last hop is
+ *     answered here (ekp_tc6_answer: Packet Too Big, time exceeded), as IPv4's path answers one
+ *     too big: the stack has no nf_conntrack entry for the flow.
+ * Conntrack is IPv4's, the same code (ekp_ct_af.h): state and timeouts, twins rebuilt, orphaned
+ * flows, closed flows reclaimed by a SYN, the early-drop ring, the SNAT port walk. A new flow whose
+ * reply tuple a live flow of another frontend holds (one client port to one backend through two
+ * frontends), and a direct connection on a live flow's tuple, keep the client's address with
+ * another source port (EKP_CT_SNAT with the client's own address, EKP_STAT_PORT_REMAP), as
+ * ip6tables' nf_nat would; not left to ip6tables, whose nf_conntrack knows nothing of the flow
+ * holding the tuple.
+ * The reply of a flow this path translated comes back through ekp_from_pod6 (a local backend) or
+ * ekp_from_net6 (a remote one) and gets its frontend back from the REPLY entry (and its client, when
+ * the source was translated).
+ */
+#ifndef EKP_TC6_H
+#define EKP_TC6_H
+
+#include <linux/pkt_cls.h>
+
+#include "ekp_act.h"
+#include "ekp_ct6.h"
+#include "ekp_decide.h"
+#include "ekp_icmp6.h"
+#include "ekp_lb.h"
+#include "ekp_nat6.h"
+#include "ekp_parse6.h"
+#include "ekp_redirect.h"
+#include "ekp_stats.h"
+
+#ifndef AF_INET6
+#define AF_INET6 10
+#endif
+
+/* Working memory of one packet (a per-CPU array of ekp_tc.c): more than the 512-byte stack. */
+struct ekp_tc6_scratch {
+	struct ekp_pkt6 pkt;
+	struct ekp_ct6_key key;
+	struct bpf_fib_lookup fib;
+	struct ekp_flow6 flow;
+	struct ekp_ctq6_req queue; /* a flow that began or closed, for the early-drop ring */
+	long rc;                   /* a new flow's route (ekp_tc6_route), kept across ekp_ct6_create */
+	__u8 reopens;              /* a SYN on an ended flow's FORWARD entry: that flow's entries go
+				    * if the packet goes to the stack (see ekp_main6's end) */
+	struct ekp_icmp6_nat icmp; /* an ICMPv6 error's translation (ekp_tc6_related) */
+	__be32 node[4];            /* the node's IPv6 address for a new flow (ekp_tc6_node_addr) */
+	struct ekp_icmp6_work icmp6; /* the ICMPv6 error answering a segment (ekp_tc6_answer) */
+};
+
+static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);
+
+static __always_inline long ekp_fib6(struct __sk_buff *skb, struct bpf_fib_lookup *fib, const struct ekp_pkt6 *p,
+				     const __be32 *saddr, const __be32 *daddr, __be16 sport, __be16 dport,
+				     __u16 tot_len)
+{
+	__builtin_memset(fib, 0, sizeof(*fib));
+	fib->tot_len = tot_len; /* ekp_seg_len: checked against the route's MTU (ekp_fib) */
+	fib->family = AF_INET6;
+	fib->l4_protocol = p->b.proto;
+	fib->sport = sport;
+	fib->dport = dport;
+	__builtin_memcpy(fib->ipv6_src, saddr, 16);
+	__builtin_memcpy(fib->ipv6_dst, daddr, 16);
+	fib->ifindex = skb->ingress_ifindex;
+	return bpf_fib_lookup(skb, fib, sizeof(*fib), 0);
+}
+
+/* ekp_source_routed_here for IPv6: the route back to the source leaves by the device the packet
+ * came in on (or the bridge of its port), what the stack's reverse-path check would ask. */
+static __always_inline int ekp_source_routed_here6(struct __sk_buff *skb, const struct ekp_pkt6 *p,
+						   struct bpf_fib_lookup *fib, __u32 bridge)
+{
+	long rc = ekp_fib6(skb, fib, p, p->daddr, p->saddr, p->b.dport, p->b.sport, 0);
+
+	return (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ||
+		rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) &&
+	       (fib->ifindex == skb->ingress_ifindex || (bridge && fib->ifindex == bridge));
+}
+
+/* The route of the translated tuple into w->fib: SUCCESS or NO_NEIGH, or -1 to hand the packet
+ * untouched to the stack (no route here, too big for the route: for a new flow's first packet or an
+ * ICMPv6 error the stack and ip6tables answer those as they would without this path; a hit's
+ * segment is answered here, ekp_main6). Looked up before anything is written. */
+static __always_inline long ekp_tc6_route(struct __sk_buff *skb, struct ekp_tc6_scratch *w, const __be32 *saddr,
+					  __be16 sport, const __be32 *daddr, __be16 dport)
+{
+	long rc = ekp_fib6(skb, &w->fib, &w->pkt, saddr, daddr, sport, dport, ekp_seg_len(skb, &w->pkt.b));
+
+	return rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ? rc : -1;
+}
+
+/* Spends a hop of the packet (rewritten already) and redirects it along the route `rc`
+ * (ekp_tc6_route). The TC verdict. */
+static __always_inline int ekp_tc6_forward(struct __sk_buff *skb, struct ekp_tc6_scratch *w, long rc, __u32 *outcome)
+{
+	struct bpf_fib_lookup *fib = &w->fib;
+	__u8 hop = w->pkt.hop_limit - 1;
+
+	/* no header checksum balances the hop limit: skb->csum (CHECKSUM_COMPLETE) follows it */
+	if (bpf_skb_store_bytes(skb, EKP_IP6_HOPLIMIT_OFF, &hop, 1, BPF_F_RECOMPUTE_CSUM) < 0) {
+		*outcome = EKP_DROP_MALFORMED;
+		return TC_ACT_SHOT;
+	}
+	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH) {
+		struct bpf_redir_neigh nh = {};
+		nh.nh_family = AF_INET6;
+		__builtin_memcpy(nh.ipv6_nh, fib->ipv6_dst, 16); /* the gateway when the route has one */
+		return ekp_redirect_neigh(fib->ifindex, &nh, sizeof(nh), 0);
+	}
+	if (bpf_skb_store_bytes(skb, 0, fib->dmac, ETH_ALEN, 0) < 0 ||
+	    bpf_skb_store_bytes(skb, ETH_ALEN, fib->smac, ETH_ALEN, 0) < 0) {
+		*outcome = EKP_DROP_MALFORMED;
+		return TC_ACT_SHOT;
+	}
+	return bpf_redirect(fib->ifindex, 0);
+}
+
+/* Answers a segment of a flow of the path with an ICMPv6 error (ekp_icmp6.h: Packet Too Big with
+ * `word` the MTU, or time exceeded), out of the device it came in by, as IPv4's path answers a
+ * segment too big for the backend's device (ekp_tc_apply.h): the node's stack has no nf_conntrack
+ * entry for the flow. Packet Too Big is not rate-limited (the kernel's icmpv6_xrlim_allow exempts
+ * it, as IPv4's fragmentation needed: path-MTU discovery depends on it); time exceeded takes a
+ * token of the rejects' bucket (ekp_ratelimit.h; the kernel limits both families' errors by one
+ * global bucket too). The TC verdict; the segment itself is dropped. */
+static __always_inline int ekp_tc6_answer(struct __sk_buff *skb, struct ekp_tc6_scratch *w,
+					  const struct ekp_config *cfg, __u8 type, __u32 word, __u32 *outcome)
+{
+	*outcome = type == EKP_ICMPV6_PKT_TOOBIG ? EKP_DROP_FRAG_NEEDED : EKP_DROP_HOP_LIMIT;
+	if (!ekp_icmp6_wanted(&w->pkt))
+		return TC_ACT_SHOT;
+	if (type != EKP_ICMPV6_PKT_TOOBIG && !ekp_icmp_allowed(cfg, bpf_ktime_get_ns())) {
+		*outcome = EKP_DROP_ICMP_RATE;
+		return TC_ACT_SHOT;
+	}
+	if (ekp_icmp6_error(skb, &w->pkt, type, word, &w->icmp6) < 0)
+		return TC_ACT_SHOT;
+	return bpf_redirect(skb->ifindex, 0);
+}
+
+/* Rewrites the packet to the translated tuple and forwards it (ekp_tc6_forward). The TC verdict. */
+static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_scratch *w, long rc,
+					const __be32 *saddr, __be16 sport, const __be32 *daddr, __be16 dport,
+					__u32 *outcome)
+{
+	if (ekp_rewrite6(skb, &w->pkt, saddr, sport, daddr, dport) < 0) {
+		*outcome = EKP_DROP_MALFORMED;
+		return TC_ACT_SHOT;
+	}
+	return ekp_tc6_forward(skb, w, rc, outcome);
+}
+
+/* A usable conntrack hit (ekp_decide_hit for this path): the flow moves on (ekp_ct_advance: its
+ * state, the early-drop ring when it closes, the refresh that rebuilds a lost twin). Sets the
+ * translated tuple: the backend (and the SNAT source of a remapped port) forward, the frontend (and the
+ * client's own port) in reply. */
+static __always_inline void ekp_tc6_hit(struct ekp_tc6_scratch *w, struct ekp_ct6_entry *e, __u64 now,
+					const __be32 **sa, __be16 *sp, const __be32 **da, __be16 *dp)
+{
+	const struct ekp_pkt6 *p = &w->pkt;
+	struct ekp_ct6_key *k = &w->key;
+	if (ekp_ct6_advance(e, k, &p->b, now, &w->queue))
+		ekp_count(EKP_STAT_CT_REBUILT);
+	int snat = e->flags & EKP_CT_SNAT;
+
+	if (k->dir == EKP_CT_FORWARD) {
+		*sa = snat ? e->snat_addr : p->saddr;
+		*sp = snat ? e->snat_port : p->b.sport;
+		*da = e->nat_addr;
+		*dp = e->nat_port;
+	} else {
+		*sa = e->fe_addr;
+		*sp = e->fe_port;
+		*da = snat ? e->nat_addr : p->daddr;
+		*dp = snat ? e->nat_port : p->b.dport;
+	}
+}
+
+/* ekp_decide_may_translate for IPv6: when no live flow stamped either endpoint of the packet and
+ * its destination is no frontend of this scope (ekp_addr6), it belongs to no flow of ours and
+ * leaves without the conntrack lookups (traffic between pods pays two array loads and a hash
+ * lookup, not two LRU lookups of 40-byte keys). */
+static __always_inline int ekp_tc6_may_translate(const struct ekp_pkt6 *p, __u8 scope, const struct ekp_config *cfg)
+{
+	if (!ekp_act_armed())
+		return 1;
+	__u32 t = ekp_act_stamp_of(bpf_ktime_get_coarse_ns()); /* lags the stamps' clock: errs "maybe" */
+	__u32 span = ekp_ct_longest_stamps(cfg, p->b.proto);
+	if (!ekp_act_idle(ekp_fold6(p->daddr), p->b.dport, p->b.proto, t, span) ||
+	    !ekp_act_idle(ekp_fold6(p->saddr), p->b.sport, p->b.proto, t, span))
+		return 1;
+	struct ekp_addr6_key k = {};
+	__builtin_memcpy(k.addr, p->daddr, 16);
+	struct ekp_addr *a = ekp_addr6_lookup(&k);
+	return a && (a->flags & (1 << scope));
+}
+
+/* The node's IPv6 address, the source of IPv6 SNAT (ekp_cfg6, written by the agent from the IPv6
+ * family's node address: the slot ekp_cfg6sel names, as ekp_config_get reads IPv4's), copied into
+ * `out` (the scratch's `node`) once per packet, before the frontend's backend is chosen: the agent
+ * rewrites a slot only after flipping the selector away from it, so a copy taken at once is one
+ * address, where a pointer kept across the choice could read a slot rewritten meanwhile (two
+ * writes during one packet). 0 when none is known: such flows are left to the stack, where
+ * ip6tables masquerades them. */
+static __always_inline int ekp_tc6_node_addr(__be32 *out)
+{
+	__u32 zero = 0;
+	struct ekp_config_sel *sel = ekp_cfg6sel_lookup(&zero);
+	__u32 slot = sel ? (sel->slot & 1) : 0;
+	struct ekp_config6 *c = ekp_cfg6_lookup(&slot);
+
+	if (!c)
+		return 0;
+	__builtin_memcpy(out, c->node_addr, 16);
+	return (out[0] | out[1] | out[2] | out[3]) != 0;
+}
+
+/* Whether a new flow to the backend just chosen is source-translated (ekp_decide_new's rule): the
+ * frontend asks it (EKP_FE_SNAT_ALL, kube-proxy's KUBE-MARK-MASQ; EKP_FE_SNAT_REMOTE and the
+ * backend on another node: a NodePort, external IP or LB IP of policy Cluster reached from
+ * outside), or a hairpin (the client is its own backend: its stack would drop a packet from its own
+ * address). */
+static __always_inline int ekp_tc6_wants_snat(__u16 fe_flags, __u8 be_flags, const __be32 *be6, const __be32 *client)
+{
+	return (fe_flags & EKP_FE_SNAT_ALL) || ((fe_flags & EKP_FE_SNAT_REMOTE) && !(be_flags & EKP_BE_LOCAL)) ||
+	       ekp_addr6_eq(be6, client);
+}
+
+/* An ICMPv6 error quoting a packet of a flow this path translated, as that packet left us
+ * (translated): the node's stack has no nf_conntrack entry for the flow, so without this the error
+ * would reach its destination about a tuple its sockets never used (a Packet Too Big about a
+ * client's segment to the backend: the client's path MTU never lowered, the flow black-holed).
+ * The quote reversed is the key of the flow's other direction, as in ekp_decide_related (IPv4's):
+ *   a FORWARD packet (client -> backend) quoted: its REPLY entry; the error goes back to the
+ *     client: quote to client -> frontend, outer source the frontend (nf_nat's outer manip); with
+ *     SNAT the quote's source and the outer destination become the client (nat_addr, nat_port);
+ *   a REPLY packet (frontend -> client) quoted: its FORWARD entry; the error goes on to the
+ *     backend: quote to backend -> client, outer destination the backend; with SNAT the quote's
+ *     destination and the outer source become the node's SNAT source (snat_addr, snat_port).
+ * Routed and redirected as the flow's packets are; the entries are not refreshed. An error about
+ * no live flow of this path, or with no route here, goes to the stack untouched, as before; so does
+ * one not addressed to the quoted packet's source (the address the flow's entry knows that end by,
+ * the key's destination), as nf_conntrack_inet_error gives it no conntrack (ekp_decide_related). */
+static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6_scratch *w, __u8 scope,
+					   __u32 bridge, const struct ekp_config *cfg, __u32 *outcome)
+{
+	const struct ekp_pkt6 *p = &w->pkt;
+	struct ekp_icmp6_nat *n = &w->icmp;
+	struct ekp_ct6_key *k = &w->key;
+	__u64 now = bpf_ktime_get_ns();
+
+	if (!ekp_addr6_eq(p->daddr, p->in_saddr))
+		return TC_ACT_OK;
+	__builtin_memset(k, 0, sizeof(*k));
+	__builtin_memcpy(k->saddr, p->in_daddr, 16);
+	__builtin_memcpy(k->daddr, p->in_saddr, 16);
+	k->sport = p->b.in_dport;
+	k->dport = p->b.in_sport;
+	k->proto = p->b.in_proto;
+	k->dir = EKP_CT_REPLY;
+	__builtin_memcpy(n->saddr, p->saddr, 16);
+	__builtin_memcpy(n->daddr, p->daddr, 16);
+	__builtin_memcpy(n->in_saddr, p->in_saddr, 16);
+	__builtin_memcpy(n->in_daddr, p->in_daddr, 16);
+	n->in_sport = p->b.in_sport;
+	n->in_dport = p->b.in_dport;
+	struct ekp_ct6_entry *e = ekp_ct6_lookup(k);
+	if (e && ekp_ct6_life(e, k, cfg, now) == EKP_CT_LIVE) {
+		__builtin_memcpy(n->in_daddr, e->fe_addr, 16);
+		n->in_dport = e->fe_port;
+		__builtin_memcpy(n->saddr, e->fe_addr, 16);
+		if (e->flags & EKP_CT_SNAT) { /* the client, which the flow's source was translated from */
+			__builtin_memcpy(n->in_saddr, e->nat_addr, 16);
+			n->in_sport = e->nat_port;
+			__builtin_memcpy(n->daddr, e->nat_addr, 16);
+		}
+	} else {
+		k->dir = EKP_CT_FORWARD;
+		e = ekp_ct6_lookup(k);
+		if (!e || ekp_ct6_life(e, k, cfg, now) != EKP_CT_LIVE)
+			return TC_ACT_OK;
+		__builtin_memcpy(n->in_saddr, e->nat_addr, 16);
+		n->in_sport = e->nat_port;
+		__builtin_memcpy(n->daddr, e->nat_addr, 16);
+		if (e->flags & EKP_CT_SNAT) { /* the node's address and port the backend knows the flow by */
+			__builtin_memcpy(n->in_daddr, e->snat_addr, 16);
+			n->in_dport = e->snat_port;
+			__builtin_memcpy(n->saddr, e->snat_addr, 16);
+		}
+	}
+	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
+		*outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
+		return TC_ACT_SHOT;
+	}
+	long rc = ekp_tc6_route(skb, w, n->saddr, 0, n->daddr, 0);
+	if (rc < 0)
+		return TC_ACT_OK;
+	if (ekp_rewrite_icmp6_err(skb, p, n) < 0) {
+		*outcome = EKP_DROP_MALFORMED;
+		return TC_ACT_SHOT;
+	}
+	*outcome = EKP_STAT_CT_RELATED;
+	return ekp_tc6_forward(skb, w, rc, outcome);
+}
+
+static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
+{
+	struct ekp_tc6_scratch *w = ekp_scratch6_lookup();
+	__u32 bridge = skb->tc_classid; /* the pod port's bridge (ekp_redirect.h) */
+
+	skb->tc_classid = 0;
+	if (!w)
+		return TC_ACT_OK; /* cannot happen: a one-element per-CPU array */
+	w->queue.want = 0;
+	w->reopens = 0;
+	__builtin_memset(&w->pkt, 0, sizeof(w->pkt));
+	struct ekp_pkt6 *p = &w->pkt;
+	int parsed = ekp_parse6(skb, p);
+	__u32 outcome = EKP_STAT_PASS;
+	int verdict = TC_ACT_OK;
+	const struct ekp_config *cfg = ekp_config_get();
+
+	ekp_count(EKP_STAT_PACKETS);
+	/* the last hop: the stack sends the time exceeded (or, for an error, drops it) */
+	if (parsed == EKP_PARSE_ICMP_ERR && p->hop_limit > 1 && cfg && !(cfg->flags & EKP_CFG_HOST_LEGACY)) {
+		verdict = ekp_tc6_related(skb, w, scope, bridge, cfg, &outcome);
+		goto out;
+	}
+	/* TCP alone (UDP and SCTP: ip6tables') */
+	if (parsed != EKP_PARSE_OK || p->b.proto != IPPROTO_TCP || p->b.frag != EKP_FRAG_NONE || !cfg ||
+	    (cfg->flags & EKP_CFG_HOST_LEGACY) || !ekp_tc6_may_translate(p, scope, cfg))
+		goto out;
+
+	__u64 now = bpf_ktime_get_ns();
+	struct ekp_ct6_key *k = &w->key;
+	const __be32 *sa, *da;
+	__be16 sp, dp;
+	long rc;
+
+	__builtin_memset(k, 0, sizeof(*k));
+	ekp_ct6_key_of(k, p, EKP_CT_FORWARD);
+	struct ekp_ct6_entry *e = ekp_ct6_lookup(k);
+	if (e && !ekp_ct6_alive(e, k, cfg, now))
+		e = NULL; /* dead: the new-flow path below */
+	if (e && !ekp_ct6_usable_forward(e, &p->b)) {
+		w->reopens = 1; /* a SYN reusing an ended flow's port: the new-flow path below */
+		e = NULL;
+	}
+	if (!e) {
+		k->dir = EKP_CT_REPLY;
+		e = ekp_ct6_lookup(k);
+		if (e && !(ekp_ct6_alive(e, k, cfg, now) && ekp_ct6_usable_reply(e, &p->b)))
+			e = NULL; /* a SYN-ACK answering something else on an ended flow's tuple */
+	}
+	if (e) {
+		w->reopens = 0;
+		if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
+			outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
+			verdict = TC_ACT_SHOT;
+			goto out;
+		}
+		/* The last hop, and a segment too big for the device its translation leaves by: answered
+		 * here, as a router would (the stack has no nf_conntrack entry for the flow). */
+		if (p->hop_limit <= 1) {
+			verdict = ekp_tc6_answer(skb, w, cfg, EKP_ICMPV6_TIME_EXCEED, 0, &outcome);
+			goto out;
+		}
+		ekp_tc6_hit(w, e, now, &sa, &sp, &da, &dp);
+		rc = ekp_fib6(skb, &w->fib, p, sa, da, sp, dp, ekp_seg_len(skb, &p->b));
+		if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) {
+			verdict = ekp_tc6_answer(skb, w, cfg, EKP_ICMPV6_PKT_TOOBIG, w->fib.mtu_result, &outcome);
+			goto out;
+		}
+		if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
+			goto out;
+		outcome = k->dir == EKP_CT_FORWARD ? EKP_STAT_CT_FORWARD : EKP_STAT_CT_REPLY;
+		verdict = ekp_tc6_send(skb, w, rc, sa, sp, da, dp, &outcome);
+		goto out;
+	}
+
+	/* A new flow: only its first packet starts one (a TCP segment without an entry belongs to a
+	 * flow ip6tables translated, whose nf_conntrack entry the stack has). */
+	if (!ekp_opens_flow(&p->b) || p->hop_limit <= 1) /* the last hop: the stack answers it */
+		goto out;
+	struct ekp_flow6 *f = &w->flow;
+	__u32 aff_hit = 0;
+	__builtin_memset(f, 0, sizeof(*f));
+	struct ekp_frontend6_key fk = {};
+	__builtin_memcpy(fk.addr, p->daddr, 16);
+	fk.port = p->b.dport;
+	fk.proto = p->b.proto;
+	fk.scope = scope;
+	struct ekp_frontend *fe = ekp_fe6_lookup(&fk);
+	int node = ekp_tc6_node_addr(w->node);
+	if (fe) {
+		/* Whatever would take ip6tables for some of its backends takes it for all, decided before
+		 * the choice: a flow this path chose a backend for and then left to ip6tables would be
+		 * chosen for again there, and the backends that path reaches twice would get more than
+		 * their share. A source translation is ip6tables' only while the node's IPv6 address is
+		 * not known. */
+		__u16 flags = fe->flags;
+		if (ekp_lb_refusal_af(1, fe, p->saddr) || (flags & EKP_FE_HOST_BACKEND) ||
+		    (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
+			goto out;
+	} else {
+		/* No frontend: a connection of its own, client:P -> server:port, whose reverse tuple a
+		 * live flow this path translated may hold (ekp_ct_reclaim): it keeps its addresses and
+		 * gets another source port, translated to itself (ekp_flow_direct, IPv4's). A stale
+		 * holder is cleared and the packet goes on untouched. */
+		__u16 held_by = 0;
+		if (ekp_ct6_reclaim(p, cfg, now, &held_by) != EKP_RECLAIM_LIVE)
+			goto out;
+	}
+	/* A source not routed back by this device: not ours to translate past the stack, and not ours
+	 * to drop either (IPv6 has no rp_filter: the stack and ip6tables do what they would without
+	 * this path). A hit's packet is dropped instead (above): it would be redirected. */
+	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge))
+		goto out;
+	if (fe) {
+		__u16 flags = fe->flags;
+		if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, &f->b, f->be_addr,
+					&aff_hit))
+			goto out;
+		if (aff_hit) /* counted now, as IPv4's marks: a value held across the walk splits its states */
+			ekp_count(EKP_STAT_AFFINITY_HIT);
+		/* Without the node's IPv6 address, a hairpin (the client chose itself) needs ip6tables'
+		 * source translation, and ip6tables chooses again, as no map says before the choice which
+		 * clients are backends of this frontend: a client that is one of n backends of the
+		 * Service then reaches itself with 1/n^2, and the others with more than 1/n. A host
+		 * backend the planner did not flag yet (EKP_FE_HOST_BACKEND, a frontend written before it
+		 * knew the flag) goes to the stack too. */
+		int snat = ekp_tc6_wants_snat(flags, f->b.be_flags, f->be_addr, p->saddr);
+		if ((f->b.be_flags & EKP_BE_HOST) || (snat && !node))
+			goto out;
+		if (snat) { /* the port: ekp_ct6_create's walk */
+			f->b.ct_flags = EKP_CT_SNAT;
+			__builtin_memcpy(f->snat_addr, w->node, 16);
+		}
+		f->b.svc_id = fe->svc_id;
+		__builtin_memcpy(f->fe_addr, p->daddr, 16);
+		f->b.fe_port = p->b.dport;
+	} else {
+		__builtin_memcpy(f->be_addr, p->daddr, 16);
+		__builtin_memcpy(f->fe_addr, p->daddr, 16);
+		__builtin_memcpy(f->snat_addr, p->saddr, 16);
+		f->b.be_port = p->b.dport;
+		f->b.fe_port = p->b.dport;
+		f->b.ct_flags = EKP_CT_SNAT;
+		f->b.remapped = 1;
+	}
+	/* The route before anything is written (the source port a remap picks matters to no route),
+	 * kept in memory across the entries' creation: in a register its two values (SUCCESS,
+	 * NO_NEIGH) would have the verifier walk the SNAT port walk once for each (ekp_snat.h). */
+	w->rc = ekp_tc6_route(skb, w, (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr, p->b.sport, f->be_addr,
+			      f->b.be_port);
+	if (w->rc < 0)
+		goto out;
+	/* The entries (ekp_ct_create, IPv4's): the reply one first; a source-translated flow's port
+	 * from the SNAT range; on a reply tuple a live flow of another frontend holds, another source
+	 * port (EKP_STAT_PORT_REMAP), as ip6tables' nf_nat would. */
+	int reason = ekp_ct6_create(p, f, cfg, now);
+	if (reason) {
+		outcome = reason;
+		verdict = TC_ACT_SHOT;
+		goto out;
+	}
+	k->dir = EKP_CT_FORWARD;
+	ekp_ctq6_want(&w->queue, k, now / EKP_NSEC);
+	if (f->b.remapped)
+		ekp_count(EKP_STAT_PORT_REMAP);
+	else if (f->b.ct_flags & EKP_CT_SNAT)
+		ekp_count(EKP_STAT_SNAT);
+	if (f->b.early_drop)
+		ekp_count(EKP_STAT_EARLY_DROP);
+	sa = (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr;
+	sp = (f->b.ct_flags & EKP_CT_SNAT) ? f->b.snat_port : p->b.sport;
+	outcome = EKP_STAT_NEW_FLOWS;
+	verdict = ekp_tc6_send(skb, w, w->rc, sa, sp, f->be_addr, f->b.be_port, &outcome);
+out:
+	/* A SYN that reopened an ended flow's tuple and goes to the stack (ip6tables decides it: its
+	 * frontend now needs ip6tables, no route, ...): the ended flow's entries go with it, or the
+	 * connection's next segment, no SYN, would hit them and reach the old backend. A SYN that
+	 * made a new flow here rewrote them (ekp_ct6_create); one dropped keeps them for its retry. */
+	if (w->reopens && verdict == TC_ACT_OK) {
+		struct ekp_ct6_key *fk6 = &w->key;
+		ekp_ct6_key_of(fk6, p, EKP_CT_FORWARD);
+		struct ekp_ct6_entry *old = ekp_ct6_lookup(fk6);
+		if (old) {
+			ekp_ct6_delete_twin(old, fk6);
+			ekp_ct6_delete(fk6);
+		}
+	}
+	/* the flow that began or closed goes in its ring (ekp_ctq.h); the one there a ring ago may go */
+	if (w->queue.want) {
+		__u32 evicted = ekp_ctq6_push(&w->queue);
+		if (evicted)
+			ekp_count(evicted);
+	}
+	ekp_count(outcome);
+	return verdict;
+}
+
+#endif /* EKP_TC6_H */

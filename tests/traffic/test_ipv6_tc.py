@@ -1,0 +1,291 @@
+"""IPv6 Services through the tc programs' IPv6 path (bpf/ekp_tc6.h), with real traffic through the
+dual-stack lab, in both modes.
+
+eBPF mode runs with `--bpf-host-routing=bpf` (the IPv6 path translates with that routing only;
+with legacy host routing every IPv6 packet goes to ip6tables as before) and pods' sockets left to
+the per-packet path (the harness's default, `--bpf-socket-lb-host-namespace-only=true`), so a
+pod's IPv6 connection to a Service is the tc programs' or ip6tables', never the socket programs'.
+What each must show in eBPF mode: its TCP flows to a Service (a pod to a ClusterIP, a NodePort of
+externalTrafficPolicy Local from outside to the node's own endpoint, a NodePort of policy Cluster,
+masqueraded to the node's IPv6 address, whose endpoint may be on the other node) are translated by
+tc (its counters move, and the node's nf_conntrack holds no DNAT entry for them); what tc leaves to
+the stack (UDP, fragments) still works, through ip6tables (whose DNAT entries are in nf_conntrack).
+iptables mode, the same requests: the same answers, every one through ip6tables.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from lab import Lab
+from lab.core import PODSERVER
+from lab.harness import Cluster
+from lab.objects import Ep, Port, endpoint_slice, service
+from tests.conftest import require_kernel
+from tests.traffic.conftest import MODES
+from tests.traffic.test_fragments_and_mtu import mtu
+from tests.traffic.test_ipv6 import HTTP6_PORT, SERVER6, fetch
+
+VIP = "fd00:10:96::c1"
+CLUSTER_PORT, LOCAL_PORT, REMOTE_PORT, UDP_PORT = 30791, 30792, 30793, 53
+PODS = ("pod-1-2", "pod-2-2")  # the IPv6 backends, one per node
+# A ClusterIP whose one backend, on node2, takes uploads over IPv6 (lab/podserver.py `--ipv6`,
+# POST /sink): the path-MTU test's
+PMTU_VIP, PMTU_POD, SINK_PORT = "fd00:10:96::c3", "pod-2-1", 8087
+UPLOAD = 2_000_000
+TRIES = 20  # each reaches a given one of two backends with p = 1/2: all missing it, 1e-6
+
+
+@pytest.fixture(scope="module", params=MODES)
+def dual(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    require_kernel()
+    with Lab(nodes=2, pods_per_node=2, ipv6=True) as lab:
+        lab.start_podservers()
+        for name in PODS:
+            proc = lab.popen(
+                lab.pod(name), sys.executable, "-c", SERVER6, name, str(HTTP6_PORT), name="http6"
+            )
+            lab.wait_log(proc, "ready")
+        sink = lab.popen(
+            lab.pod(PMTU_POD),
+            *(sys.executable, "-I", "-S", str(PODSERVER), "--name", PMTU_POD, "--ipv6"),
+            *("--http-port", str(SINK_PORT), "--udp-port", str(SINK_PORT)),
+            name="sink6",
+        )
+        lab.wait_log(sink, "podserver ready")
+        extra = ["--bpf-host-routing=bpf"] if request.param == "ebpf" else []
+        c = Cluster(lab, request.param, extra=extra)
+        c.start()
+        try:
+            lab_objects(c)
+            yield c
+        finally:
+            failures = c.stop()
+        assert not failures, f"agent --cleanup failed: {failures}"
+
+
+def lab_objects(c: Cluster) -> None:
+    lab = c.lab
+    http = Port("http", 80, HTTP6_PORT, node_port=CLUSTER_PORT)
+    dns = Port("dns", UDP_PORT, HTTP6_PORT, "UDP")
+    svc = service("tc6", VIP, [http, dns], type="NodePort", ipFamilies=["IPv6"])
+    eps = endpoint_slice(
+        "tc6", [http, dns], [Ep(lab.pod(p).ip6, f"node{lab.pod(p).node}") for p in PODS], "v6"
+    )
+    eps["addressType"] = "IPv6"
+    lport = Port("http", 80, HTTP6_PORT, node_port=LOCAL_PORT)
+    local = service(
+        "tc6-local",
+        "fd00:10:96::c2",
+        [lport],
+        type="NodePort",
+        ipFamilies=["IPv6"],
+        externalTrafficPolicy="Local",
+    )
+    leps = endpoint_slice("tc6-local", [lport], [Ep(lab.pod("pod-1-2").ip6, "node1")], "v6")
+    leps["addressType"] = "IPv6"
+    sport = Port("http", 80, SINK_PORT)
+    sink = service("tc6-pmtu", PMTU_VIP, [sport], ipFamilies=["IPv6"])
+    seps = endpoint_slice("tc6-pmtu", [sport], [Ep(lab.pod(PMTU_POD).ip6, "node2")], "v6")
+    seps["addressType"] = "IPv6"
+    # policy Cluster, its only endpoint on node2: masqueraded by node1 toward node2
+    rport = Port("http", 80, HTTP6_PORT, node_port=REMOTE_PORT)
+    remote = service("tc6-remote", "fd00:10:96::c4", [rport], type="NodePort", ipFamilies=["IPv6"])
+    reps = endpoint_slice("tc6-remote", [rport], [Ep(lab.pod("pod-2-2").ip6, "node2")], "v6")
+    reps["addressType"] = "IPv6"
+    c.apply([svc, eps, local, leps, sink, seps, remote, reps])
+
+
+def dnat_flows(c: Cluster, dst: str) -> str:
+    """node1's nf_conntrack entries whose original destination is `dst` (an ip6tables DNAT's)."""
+    return c.lab.run(c.lab.node(1), "conntrack", "-L", "-f", "ipv6", "--orig-dst", dst, check=False).stdout
+
+
+def forget_flows(c: Cluster, dst: str) -> None:
+    c.lab.run(c.lab.node(1), "conntrack", "-D", "-f", "ipv6", "--orig-dst", dst, check=False)
+
+
+def new_flows(c: Cluster) -> int:
+    return c.bpf_stats(1)["new_flows"] if c.mode == "ebpf" else 0
+
+
+def test_a_pods_ipv6_connections_to_a_cluster_ip_are_translated_by_tc(dual: Cluster) -> None:
+    """A pod on node1 reaches both backends (its own node's and node2's) through the IPv6
+    ClusterIP: in eBPF mode each connection is a new tc flow and none is in nf_conntrack."""
+    forget_flows(dual, VIP)
+    before = new_flows(dual)
+    seen = {fetch(dual, dual.lab.pod("pod-1-1"), f"http://[{VIP}]:80/") for _ in range(TRIES)}
+    assert seen == set(PODS)
+    flows = dnat_flows(dual, VIP)
+    if dual.mode == "ebpf":
+        assert new_flows(dual) - before >= TRIES
+        assert flows == "", flows
+    else:
+        assert "dport=80 " in flows, flows
+
+
+def test_an_ipv6_node_port_of_policy_local_is_translated_by_tc_keeping_the_client_address(
+    dual: Cluster,
+) -> None:
+    lab = dual.lab
+    node = lab.node(1)
+    forget_flows(dual, node.ip6)
+    before = new_flows(dual)
+    url = f"http://[{node.ip6}]:{LOCAL_PORT}"
+    assert {fetch(dual, lab.client, f"{url}/") for _ in range(5)} == {"pod-1-2"}
+    assert fetch(dual, lab.client, f"{url}/ip") == lab.client.ip6
+    flows = dnat_flows(dual, node.ip6)
+    if dual.mode == "ebpf":
+        assert new_flows(dual) - before >= 6
+        assert f"dport={LOCAL_PORT} " not in flows, flows
+    else:
+        assert f"dport={LOCAL_PORT} " in flows, flows
+
+
+def test_an_ipv6_node_port_of_policy_cluster_is_masqueraded_by_tc(dual: Cluster) -> None:
+    """Masqueraded (policy Cluster), the remote backend and the local one alike: both answer, and
+    see a node address. In eBPF mode the tc path translates the source to node1's IPv6 address
+    (ekp_cfg6; counted as SNAT), so nf_conntrack holds no DNAT entry; in iptables mode ip6tables'
+    does, and its MASQUERADE takes the address of the device towards the backend."""
+    lab = dual.lab
+    node = lab.node(1)
+    forget_flows(dual, node.ip6)
+    before = new_flows(dual)
+    snat_before = dual.bpf_stats(1)["snat"] if dual.mode == "ebpf" else 0
+    url = f"http://[{node.ip6}]:{CLUSTER_PORT}"
+    assert {fetch(dual, lab.client, f"{url}/") for _ in range(TRIES)} == set(PODS)
+    sources = {fetch(dual, lab.client, f"{url}/ip") for _ in range(TRIES)}
+    assert lab.client.ip6 not in sources and all(s.startswith("fd00:") for s in sources), sources
+    flows = dnat_flows(dual, node.ip6)
+    if dual.mode == "ebpf":
+        assert sources == {node.ip6}, "masqueraded by tc to node1's IPv6 address"
+        assert new_flows(dual) - before >= 2 * TRIES
+        assert dual.bpf_stats(1)["snat"] - snat_before >= 2 * TRIES, "every flow source-translated by tc"
+        assert f"dport={CLUSTER_PORT} " not in flows, flows
+    else:
+        assert f"dport={CLUSTER_PORT} " in flows, "ip6tables' DNAT"
+
+
+def test_an_external_client_reaches_an_ipv6_node_port_whose_only_endpoint_is_on_the_other_node(
+    dual: Cluster,
+) -> None:
+    """kube-proxy's NodePort of policy Cluster: node1 sends the client's connection on to node2's
+    endpoint from its own IPv6 address, and the answer back to the client from the NodePort. eBPF
+    mode: the tc path both ways (a new tc flow per connection, no nf_conntrack entry); iptables
+    mode: ip6tables' DNAT and MASQUERADE."""
+    lab = dual.lab
+    node = lab.node(1)
+    forget_flows(dual, node.ip6)
+    before = new_flows(dual)
+    url = f"http://[{node.ip6}]:{REMOTE_PORT}"
+    assert {fetch(dual, lab.client, f"{url}/") for _ in range(3)} == {"pod-2-2"}
+    assert fetch(dual, lab.client, f"{url}/ip") == node.ip6, "masqueraded to node1's address"
+    flows = dnat_flows(dual, node.ip6)
+    if dual.mode == "ebpf":
+        assert new_flows(dual) - before >= 4
+        assert f"dport={REMOTE_PORT} " not in flows, flows
+    else:
+        assert f"dport={REMOTE_PORT} " in flows, flows
+
+
+# A 3,000-byte datagram (three IPv6 fragments on the lab's links) and a short one carrying a
+# destination options header, each from its own socket to [vip]:53, then an HTTP request over a
+# TCP connection whose every segment carries that header, to [vip]:80; prints what came back.
+DATAGRAMS = r"""
+import socket, sys
+vip, port = sys.argv[1], int(sys.argv[2])
+# a destination options header holding one PadN option (RFC 8200 4.2): 8 bytes
+OPTS = bytes([0, 0, 1, 4, 0, 0, 0, 0])
+big = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); big.settimeout(3)
+big.sendto(b"x" * 3000, (vip, port)); print(len(big.recv(65535)))
+opts = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); opts.settimeout(3)
+opts.setsockopt(socket.IPPROTO_IPV6, 59, OPTS)  # IPV6_DSTOPTS
+opts.sendto(b"who", (vip, port)); print(opts.recv(100).decode())
+tcp = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); tcp.settimeout(3)
+tcp.setsockopt(socket.IPPROTO_IPV6, 59, OPTS)
+tcp.connect((vip, 80)); tcp.sendall(b"GET / HTTP/1.0\r\n\r\n")
+answer = b""
+while chunk := tcp.recv(4096):
+    answer += chunk
+print(answer.split(b"\r\n\r\n", 1)[1].decode().strip())
+"""
+
+
+def test_udp_fragments_and_extension_headers_reach_the_cluster_ip(dual: Cluster) -> None:
+    """UDP (a fragmented datagram, and one behind a destination options header) is left to the
+    stack and ip6tables in both modes: the tc IPv6 path translates TCP alone. A TCP connection
+    behind the same header is translated by tc in eBPF mode: one new flow of its own."""
+    lab = dual.lab
+    forget_flows(dual, VIP)
+    before = new_flows(dual)
+    out = lab.run(lab.pod("pod-1-1"), sys.executable, "-c", DATAGRAMS, VIP, str(UDP_PORT), timeout=20).stdout
+    size, who, http = out.split()
+    assert size == "3000" and who in PODS and http in PODS, out
+    flows = dnat_flows(dual, VIP)
+    assert flows.count("dport=53 ") == 2, f"both datagrams went through ip6tables: {flows}"
+    if dual.mode == "ebpf":
+        assert new_flows(dual) - before == 1, "the TCP connection alone"
+        assert "dport=80 " not in flows, flows
+    else:
+        assert "dport=80 " in flows, flows
+
+
+def test_packet_too_big_from_beyond_the_backends_node_lowers_the_clients_path_mtu(dual: Cluster) -> None:
+    """Path-MTU discovery through an IPv6 ClusterIP (issue 20: Packet Too Big through a translated
+    flow). node2's veth to the backend carries 1,400 bytes while the pod itself has 1,500, so the
+    backend's MSS does not avoid it: node2's stack answers the client's first full-size segment
+    with an ICMPv6 Packet Too Big to the client, quoting the segment as node1 sent it (to the
+    backend). node1 translates it back (eBPF: the tc IPv6 path, ekp_tc6_related; iptables:
+    nf_nat's ICMPv6 translation), the client's stack finds its socket and lowers its path MTU to
+    the ClusterIP (`ip -6 route get` shows it), and the upload completes. Untranslated, the error
+    quotes a tuple the client never used: its stack drops it, the segments stay too big, and the
+    upload stalls until its timeout (a black hole)."""
+    lab = dual.lab
+    client = lab.pod("pod-1-1")
+    forget_flows(dual, PMTU_VIP)
+    before = dual.bpf_stats(1) if dual.mode == "ebpf" else {}
+    url = f"http://[{PMTU_VIP}]:80/sink"
+    with mtu(dual, [("node2", lab.pod(PMTU_POD).host_iface)], 1400):
+        sent = dual.client(client, "upload", "--url", url, "--bytes", str(UPLOAD), "--timeout", "20")
+        route = lab.run(client, "ip", "-6", "route", "get", PMTU_VIP).stdout
+    assert sent.get("received") == UPLOAD, sent
+    assert " mtu 1400 " in f"{route} ", route
+    flows = dnat_flows(dual, PMTU_VIP)
+    if dual.mode == "ebpf":
+        after = dual.bpf_stats(1)
+        assert after["new_flows"] > before["new_flows"] and flows == "", "the tc IPv6 path's flow"
+        assert after["ct_related"] > before["ct_related"], "node1 translated the Packet Too Big"
+    else:
+        assert "dport=80 " in flows, flows
+
+
+def test_packet_too_big_from_the_node_when_its_uplink_is_smaller_lowers_the_clients_path_mtu(
+    dual: Cluster,
+) -> None:
+    """node1's uplink (its eth0 and the switch port) carries 1,400 bytes; the pods have 1,500. The
+    client's first full-size segment through the IPv6 ClusterIP, to the backend on node2, is too
+    big for the device its translation leaves by: node1 answers with a Packet Too Big from the
+    ClusterIP quoting the segment as the client sent it (eBPF: the tc IPv6 path on the flow's hit,
+    bpf/ekp_icmp6.h, counted `drop_frag_needed`, no nf_conntrack entry made for the flow; before,
+    the segment went to the stack, where ip6tables took it for a new flow and translated it again;
+    iptables: ip6_forward, through nf_nat). The client lowers its path MTU, the upload completes."""
+    lab = dual.lab
+    client = lab.pod("pod-1-1")
+    forget_flows(dual, PMTU_VIP)
+    before = dual.bpf_stats(1) if dual.mode == "ebpf" else {}
+    url = f"http://[{PMTU_VIP}]:80/sink"
+    with mtu(dual, [("node1", "eth0"), ("net", "sw-node1")], 1400):
+        sent = dual.client(client, "upload", "--url", url, "--bytes", str(UPLOAD), "--timeout", "20")
+        route = lab.run(client, "ip", "-6", "route", "get", PMTU_VIP).stdout
+    assert sent.get("received") == UPLOAD, sent
+    assert " mtu 1400 " in f"{route} ", route
+    flows = dnat_flows(dual, PMTU_VIP)
+    if dual.mode == "ebpf":
+        after = dual.bpf_stats(1)
+        assert after["drop_frag_needed"] > before["drop_frag_needed"], "node1's tc path answered"
+        assert flows == "", f"no flow of ip6tables: {flows}"
+    else:
+        assert "dport=80 " in flows, flows
