@@ -15,8 +15,10 @@ from enum import StrEnum
 from agent.config import Mode
 
 # What the data path uses (bpf/): its program type, map kinds and helpers. The kernel release
-# is the first with all of them (bpf_ktime_get_coarse_ns: 5.11).
-MIN_KERNEL = (5, 11)
+# is the first that has all of them and checks a tc route lookup's tot_len against the route's
+# MTU, answering in mtu_result (5.12: before it the tc helper ignored tot_len and left the field,
+# which shares tot_len's bytes, as given, so a too-big answer advertised the packet's own length).
+MIN_KERNEL = (5, 12)
 PROGRAM_TYPE = "sched_cls"
 OPTIONAL_PROGRAM_TYPES = ("xdp", "cgroup_sock_addr")  # for the XDP and socket-level hooks
 MAP_KINDS = ("hash", "lru_hash", "lpm_trie", "array", "percpu_array")
@@ -160,7 +162,7 @@ def _kernel(f: Facts) -> Line:
         return Line(
             Verdict.FAIL,
             "kernel",
-            f"{f.kernel or 'unknown'}: eBPF mode needs {need} or later (bpf_redirect_neigh)",
+            f"{f.kernel or 'unknown'}: eBPF mode needs {need} or later (the route lookup's MTU answer)",
             f"upgrade the node's kernel to {need}+, or run --mode=iptables",
         )
     return Line(Verdict.OK, "kernel", f"{f.kernel} ({need} or later needed)")
@@ -187,7 +189,7 @@ def _features(f: Facts) -> Line:
             "BPF features",
             "the kernel lacks " + ", ".join(missing),
             "a kernel built with CONFIG_BPF_SYSCALL, CONFIG_NET_CLS_BPF and CONFIG_NET_SCH_INGRESS "
-            "(5.11+), or run --mode=iptables",
+            "(5.12+), or run --mode=iptables",
         )
     extra = [t for t in OPTIONAL_PROGRAM_TYPES if t not in feats.program_types]
     found = f"tc ({PROGRAM_TYPE}) with {len(HELPERS)} helpers, maps {', '.join(MAP_KINDS)}"
