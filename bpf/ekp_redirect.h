@@ -61,9 +61,16 @@ static __always_inline __u16 ekp_seg_len(struct __sk_buff *skb, const struct ekp
 }
 
 /* The route for the tuple saddr:sport -> daddr:dport, checked against `tot_len` (ekp_seg_len): the
- * helper then compares it with the route's MTU (a learnt path MTU and a locked route MTU
- * included) before it looks at the neighbour, and says BPF_FIB_LKUP_RET_FRAG_NEEDED with that MTU
- * in fib->mtu_result (net/core/filter.c, bpf_ipv4_fib_lookup's check_mtu). 0 asks no MTU
+ * helper then compares it with an MTU before it looks at the neighbour, and says
+ * BPF_FIB_LKUP_RET_FRAG_NEEDED with that MTU in fib->mtu_result (net/core/filter.c, check_mtu;
+ * Linux 5.12+, hence the doctor's minimum). That MTU is not quite the one the stack's forwarding
+ * uses. IPv4 (ip_mtu_from_fib_result): a route's `mtu` metric only when locked (`mtu lock N`) or
+ * net.ipv4.ip_forward_use_pmtu is set, else a learnt path MTU (an exception from an ICMP), else
+ * the device's; ip_forward honours an unlocked `mtu` metric and ignores a learnt path MTU unless
+ * locked or ip_forward_use_pmtu. IPv6 (ip6_mtu_from_fib6): a locked `mtu` metric, else a learnt
+ * path MTU, else the device's mtu6; ip6_forward ignores the learnt one. So an unlocked IPv4 route MTU
+ * smaller than the device's is not enforced here (the next hop's router answers instead), and a
+ * learnt path MTU is answered here where forwarding would pass the packet on. 0 asks no MTU
  * question that matters (the reverse-path check). */
 static __always_inline long ekp_fib(struct __sk_buff *skb, struct bpf_fib_lookup *fib, __u8 proto, __u8 tos,
 				    __be32 saddr, __be32 daddr, __be16 sport, __be16 dport, __u16 tot_len)
