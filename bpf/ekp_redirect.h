@@ -69,7 +69,7 @@ static __always_inline __u16 ekp_seg_len(struct __sk_buff *skb, const struct ekp
  * the device's; ip_forward honours an unlocked `mtu` metric and ignores a learnt path MTU unless
  * locked or ip_forward_use_pmtu. IPv6 (ip6_mtu_from_fib6): a locked `mtu` metric, else a learnt
  * path MTU, else the device's mtu6; ip6_forward ignores the learnt one. So an unlocked IPv4 route MTU
- * smaller than the device's is not enforced here (the next hop's router answers instead), and a
+ * smaller than the device's is not enforced here (a packet between the two leaves whole), and a
  * learnt path MTU is answered here where forwarding would pass the packet on. 0 asks no MTU
  * question that matters (the reverse-path check). */
 static __always_inline long ekp_fib(struct __sk_buff *skb, struct bpf_fib_lookup *fib, __u8 proto, __u8 tos,
