@@ -14,6 +14,7 @@
 #ifndef EKP_REDIRECT_H
 #define EKP_REDIRECT_H
 
+#include <linux/ipv6.h>
 #include <linux/pkt_cls.h>
 
 #include "ekp_nat.h"
@@ -33,8 +34,9 @@ static long (*ekp_redirect_neigh)(__u32 ifindex, struct bpf_redir_neigh *params,
 /* The IP length of the largest packet this skb leaves as, for the route lookup's MTU check
  * (fib->tot_len). A GSO skb (a pod's TSO burst, GRO's merge on the way in) leaves as segments of
  * gso_size payload behind copies of its headers: network header (extension headers included) +
- * L4 header + gso_size; any other as it is. 0 (the helper's own check) for SCTP's GSO_BY_FRAGS
- * and a TCP header that cannot be read. With tot_len 0 the helper only asks is_skb_forwardable(),
+ * L4 header + gso_size; any other as its IP header gives it (IPv4 tot_len, IPv6 40 +
+ * payload_len). 0 (the helper's own check) for SCTP's GSO_BY_FRAGS and a TCP header that cannot
+ * be read. With tot_len 0 the helper only asks is_skb_forwardable(),
  * which passes every GSO skb whatever its segments and compares against the device, not the
  * route: a burst bigger than a smaller uplink was then redirected and its segments dropped there,
  * no ICMP sent, the sender's path-MTU discovery waiting for its retransmission timeout. */
@@ -44,7 +46,15 @@ static __always_inline __u16 ekp_seg_len(struct __sk_buff *skb, const struct ekp
 	__u32 len;
 
 	if (!gso) {
-		len = skb->len - ETH_HLEN;
+		/* The IP header's own length: skb->len also counts what follows the packet in the frame
+		 * (Ethernet padding, a trailer), which a full-size packet would be refused for. */
+		__u8 ip[6];
+		if (bpf_skb_load_bytes(skb, ETH_HLEN, ip, sizeof(ip)) < 0)
+			return 0;
+		if ((ip[0] >> 4) == 6)
+			len = ((__u32)ip[4] << 8 | ip[5]) + sizeof(struct ipv6hdr); /* payload_len */
+		else
+			len = (__u32)ip[2] << 8 | ip[3]; /* tot_len */
 	} else if (gso >= EKP_GSO_BY_FRAGS) {
 		return 0;
 	} else {

@@ -233,6 +233,20 @@ def test_too_big_for_the_backends_path_with_df_answers_fragmentation_needed(net:
     assert parse(net.from_pod(fits)[1]).dst == BE_SMALL_MTU
 
 
+def test_a_full_size_packet_with_bytes_after_it_in_the_frame_is_not_too_big(net: Net, lab: Lab) -> None:
+    """A DF packet exactly the backend's path MTU (1,280 bytes by its IP header) followed in its
+    frame by 20 bytes that are not the packet's (Ethernet padding, a trailer): it fits, and goes
+    through translated; the frame's length (1,300 bytes of IP and more) would have been refused."""
+    net.add_service(backends=((3, BE_SMALL_MTU, 8080, BackendFlag.LOCAL),))
+    assert parse(net.from_pod(tcp(POD_CLIENT, VIP, 12351, 80))[1]).dst == BE_SMALL_MTU
+    full = big_segment(
+        POD_CLIENT, VIP, 12351, 80, smac=MAC[POD_CLIENT], dmac=lab.pod.mac, data=SMALL_MTU - 40
+    )
+    verdict, out = net.from_pod(full + bytes(20))
+    assert verdict == TC_ACT_REDIRECT and parse(out).dst == BE_SMALL_MTU
+    assert net.stats()[Stat.DROP_FRAG_NEEDED] == 0
+
+
 def test_a_gso_burst_of_segments_too_big_for_the_backends_path_answers_fragmentation_needed(
     net: Net, lab: Lab
 ) -> None:
