@@ -36,6 +36,7 @@ from lab.packets import (
     checksums_valid,
     icmp_error,
     parse,
+    sh,
     tcp,
     udp,
 )
@@ -104,6 +105,27 @@ def test_error_about_a_clusterip_packet_reaches_the_client_as_if_from_the_fronte
     # the quoted UDP header is the client's own again: same checksum as it sent
     assert l4[:8] == sent[14 + 20 : 14 + 28]
     assert net.stats()[Stat.CT_RELATED] == 1
+
+
+def test_an_error_longer_than_its_routes_mtu_is_still_translated_and_sent(net: Net) -> None:
+    """A 576-byte ICMP error (Linux's longest) towards a client whose route has a 560-byte MTU (a
+    learnt path MTU can be 552): an error about a flow is not checked against the route's MTU
+    (nothing would answer it; a router forwards it whole), so it reaches the client translated
+    instead of being dropped as a failed route lookup."""
+    net.add_service(port=53, backends=((2, BE2, 5353, BackendFlag.LOCAL),), proto=UDP)
+    out = net.from_pod(udp(POD_CLIENT, VIP, 40002, 53, payload=b"q" * 600))[1]
+    assert parse(out).dst == BE2
+    error = error_about(out, ROUTER, "time-exceeded", quote_len=548)
+    assert len(error) - 14 == 576
+    sh("ip", "route", "add", f"{POD_CLIENT}/32", "dev", "pod0", "mtu", "lock", "560")
+    try:
+        verdict, back = net.from_pod(error)
+    finally:
+        sh("ip", "route", "del", f"{POD_CLIENT}/32", "dev", "pod0")
+    assert verdict == TC_ACT_REDIRECT
+    e = icmp_error(back)
+    assert (e.type, e.code, e.src, e.dst) == (11, 0, VIP, POD_CLIENT)
+    assert net.stats()[Stat.CT_RELATED] == 1 and net.stats()[Stat.DROP_FIB] == 0
 
 
 def test_tcp_error_with_a_long_quote_fixes_the_quoted_tcp_checksum(net: Net) -> None:
