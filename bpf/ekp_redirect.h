@@ -39,7 +39,13 @@ static long (*ekp_redirect_neigh)(__u32 ifindex, struct bpf_redir_neigh *params,
  * be read. With tot_len 0 the helper only asks is_skb_forwardable(),
  * which passes every GSO skb whatever its segments and compares against the device, not the
  * route: a burst bigger than a smaller uplink was then redirected and its segments dropped there,
- * no ICMP sent, the sender's path-MTU discovery waiting for its retransmission timeout. */
+ * no ICMP sent, the sender's path-MTU discovery waiting for its retransmission timeout.
+ * A UDP-tunnel GSO skb (VXLAN, Geneve: SKB_GSO_UDP_TUNNEL, skb->encapsulation) is undercounted by
+ * its inner headers, which gso_size does not cover. __sk_buff shows neither gso_type nor
+ * encapsulation, so it cannot be told from a UDP GSO burst (SKB_GSO_UDP_L4, counted right); an
+ * undercount only misses a too-big answer (the segments dropped at the device, as with tot_len 0),
+ * never gives a wrong one, so both keep the count rather than pass 0. (IPIP, GRE and ESP never
+ * get here: the parser passes them.) */
 static __always_inline __u16 ekp_seg_len(struct __sk_buff *skb, const struct ekp_pkt *p)
 {
 	__u32 gso = skb->gso_size;
