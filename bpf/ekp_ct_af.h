@@ -392,7 +392,9 @@ static __always_inline int EKP_CTF(place)(EKP_CT_KEY *rkey, EKP_CT_ENTRY *rent, 
 	EKP_CT_ENTRY *old = EKP_CTF(lookup)(rkey);
 	__u8 may_drop = *early_drop;
 
-	*early_drop = 0; /* counted only for an unanswered holder deleted here, not one gone since */
+	/* counted only for an unanswered holder deleted here, not one gone since; counted by the
+	 * caller whether or not the claim and ekp_ct_create's later check then fail */
+	*early_drop = 0;
 	if (old) {
 		if (EKP_A_EQ(old->fe_addr, rent->fe_addr) && old->fe_port == rent->fe_port &&
 		    (old->flags & EKP_CT_SNAT) == (rent->flags & EKP_CT_SNAT) &&

@@ -171,6 +171,9 @@ static __always_inline void ekp_decide_create(const struct ekp_pkt *p, struct ek
 {
 	int reason = ekp_ct_create(p, f, cfg, now);
 
+	/* Counted whether the flow was made or not: the holder was deleted either way. */
+	if (f->early_drop)
+		d->marks |= 1ULL << EKP_STAT_EARLY_DROP;
 	if (reason) {
 		ekp_verdict(d, EKP_ACT_DROP, reason);
 		return;
@@ -187,8 +190,6 @@ static __always_inline void ekp_decide_create(const struct ekp_pkt *p, struct ek
 		d->marks |= 1ULL << EKP_STAT_PORT_REMAP;
 	else if (f->ct_flags & EKP_CT_SNAT)
 		d->marks |= 1ULL << EKP_STAT_SNAT;
-	if (f->early_drop)
-		d->marks |= 1ULL << EKP_STAT_EARLY_DROP;
 	ekp_verdict(d, EKP_ACT_TRANSLATE, EKP_STAT_NEW_FLOWS);
 }
 

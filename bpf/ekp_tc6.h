@@ -500,6 +500,8 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	 * from the SNAT range; on a reply tuple a live flow of another frontend holds, another source
 	 * port (EKP_STAT_PORT_REMAP), as ip6tables' nf_nat would. */
 	int reason = ekp_ct6_create(p, f, cfg, now);
+	if (f->b.early_drop) /* the holder was deleted, whether the flow was made or not */
+		ekp_count(EKP_STAT_EARLY_DROP);
 	if (reason) {
 		outcome = reason;
 		verdict = TC_ACT_SHOT;
@@ -511,8 +513,6 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		ekp_count(EKP_STAT_PORT_REMAP);
 	else if (f->b.ct_flags & EKP_CT_SNAT)
 		ekp_count(EKP_STAT_SNAT);
-	if (f->b.early_drop)
-		ekp_count(EKP_STAT_EARLY_DROP);
 	sa = (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr;
 	sp = (f->b.ct_flags & EKP_CT_SNAT) ? f->b.snat_port : p->b.sport;
 	outcome = EKP_STAT_NEW_FLOWS;
