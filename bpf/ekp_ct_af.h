@@ -495,7 +495,13 @@ static __always_inline int EKP_CTF(create)(const EKP_PKT *p, EKP_FLOW *f, const 
 	 * to delete with it). The FORWARD entry would then translate this client's packets while the
 	 * answers go to the other flow's: it goes, and the packet drops as the loser of the race. */
 	EKP_CT_ENTRY *mine = EKP_CTF(lookup)(&rkey);
-	if (!mine || !EKP_CTF(is_twin)(mine, &rkey, &rent, &fkey)) {
+	if (!mine) {
+		/* Gone, not taken: the FORWARD insert evicted it from the full LRU table (another CPU's
+		 * place claims the key again at once, so its window is a few instructions). */
+		EKP_CTF(delete)(&fkey);
+		return EKP_DROP_CT_FULL;
+	}
+	if (!EKP_CTF(is_twin)(mine, &rkey, &rent, &fkey)) {
 		EKP_CTF(delete)(&fkey);
 		return EKP_DROP_TUPLE_TAKEN;
 	}
