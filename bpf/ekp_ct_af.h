@@ -206,7 +206,9 @@ static __always_inline int EKP_CTF(follow_backend)(EKP_CT_ENTRY *e, const EKP_CT
 }
 
 /* Once a second per entry: refresh last_seen (ekp_ct_follow_backend says whether), re-create a
- * missing twin. Returns 1 when the twin was rebuilt. */
+ * missing twin. Returns 1 when the twin was rebuilt, -1 when the entry was deleted (its twin key
+ * holds another flow's): the caller must not translate from it, a deleted LRU element being
+ * handed out again at once. */
 static __always_inline int EKP_CTF(refresh)(EKP_CT_ENTRY *e, const EKP_CT_KEY *k, __u64 now)
 {
 	if (ekp_age_ns(now, e->last_seen_ns) <= (__s64)EKP_CT_REFRESH_NS)
@@ -223,8 +225,10 @@ static __always_inline int EKP_CTF(refresh)(EKP_CT_ENTRY *e, const EKP_CT_KEY *k
 		 * ended; a FORWARD entry written as another CPU's new flow took its reply tuple,
 		 * ekp_ct_create). It goes, rather than translate one side of a flow whose other side
 		 * translates as another's. */
-		if (!EKP_CTF(is_twin)(t, &tk, e, k))
+		if (!EKP_CTF(is_twin)(t, &tk, e, k)) {
 			EKP_CTF(delete)(k);
+			return -1;
+		}
 		return 0;
 	}
 	EKP_CT_ENTRY twin;
