@@ -13,7 +13,6 @@ import pytest
 from lab import cpurace
 from lab.packets import PreparedRun
 
-
 # Both children on one CPU this process may run on (CPU 0 need not be in its affinity mask: a
 # container's cpuset, taskset): race_rounds pins each child to its CPU.
 CPU = sorted(os.sched_getaffinity(0))[0]
