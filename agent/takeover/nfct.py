@@ -2,7 +2,7 @@
 
 `dump_flows` lists the IPv4 TCP, UDP and SCTP entries as `NatFlow`s; `create_flows` writes flows as new
 entries with their NAT bindings, so netfilter goes on translating them as the eBPF programs did;
-`delete_flows` removes entries by tuple.
+`delete_flows` removes entries by tuple; `replace_flows` replaces entries one by one.
 ctnetlink sets a created entry's NAT up from CTA_NAT_DST / CTA_NAT_SRC applied to the inverse of
 the original tuple (an entry given its translated reply tuple directly holds no NAT status bit,
 and the kernel would not rewrite its packets); a TCP entry is window-liberal (below). Each call
@@ -220,6 +220,60 @@ def delete_flows(netns: str, flows: Iterable[NatFlow]) -> int:
                 for flow in group:
                     deleted += _delete(ct, flow)
         return deleted
+
+    return run_in_netns(netns, run)
+
+
+@dataclass
+class Replaced:
+    """What `replace_flows` did."""
+
+    retired: int = 0  # entries deleted on the flows' own tuples
+    stray: int = 0  # entries deleted on their replacements' tuples (made by packets meanwhile)
+    made: Created = field(default_factory=Created)
+
+
+def replace_flows(
+    netns: str,
+    flows: Iterable[NatFlow],
+    by: Callable[[NatFlow], NatFlow],
+    timeouts: Timeouts,
+    *,
+    before: Callable[[NatFlow], None],
+    after: Callable[[NatFlow], None],
+) -> Replaced:
+    """Each flow's entry replaced by the entry of `by(flow)`, one flow after the other on one
+    socket: `before(flow)`, the entry on the flow's tuple deleted, then the one on the new flow's
+    (a packet made it meanwhile), the new one created, `after(flow)` (also when a step failed: the
+    failure is counted in `made.failed`). Between `before` and `after` a flow's own entries are
+    gone for three netlink round trips, not for the whole batch: the caller holds its packets
+    there."""
+    wanted = list(flows)
+
+    def run() -> Replaced:
+        done = Replaced()
+        for family in (socket.AF_INET, socket.AF_INET6):
+            group = [f for f in wanted if _family(f) == family]
+            if not group:
+                continue
+            with NFCTSocket(nfgen_family=family) as ct:
+                for flow in group:
+                    new = by(flow)
+                    before(flow)
+                    try:
+                        done.retired += _delete(ct, flow)
+                        done.stray += _delete(ct, new)
+                        ct.entry("add", **_entry(new, timeouts))
+                        done.made.created += 1
+                    except NetlinkError as exc:
+                        if exc.code == errno.EEXIST:
+                            done.made.present += 1
+                            done.made.taken.append(new)
+                        else:
+                            done.made.failed.append(f"{new.describe()}: {exc}")
+                    finally:
+                        after(flow)
+        return done
 
     return run_in_netns(netns, run)
 
