@@ -232,11 +232,10 @@ class KernelTakeover:
         # SYNs to the ClusterIP itself until it timed out).
         self._remove_rules(self._config)
 
-    def _hold(self, maps: Mapping[str, MapWriter], flow: NatFlow, *, clear: int, add: int = 0) -> bool:
+    def _hold(self, maps: Mapping[str, MapWriter], flow: NatFlow, *, clear: int, add: int = 0) -> None:
         """`clear` cleared and `add` set on both entries of `flow` (either may be gone: ended, or
-        never written); whether its FORWARD entry changed."""
+        never written)."""
         table = maps[abi.ct_role(flow.proto)]
-        changed = False
         for key in ct_keys(flow):
             entry = table.lookup(key)
             if not isinstance(entry, abi.CtEntry):
@@ -252,9 +251,6 @@ class KernelTakeover:
             except MapError as exc:
                 if exc.errno != errno.ENOENT:  # ended meanwhile
                     raise
-                continue
-            changed |= key.dir == abi.CtDir.FORWARD
-        return changed
 
     def _to_stack(self, maps: Mapping[str, MapWriter], flows: list[NatFlow]) -> None:
         """Each carried flow's nf_conntrack entry replaced by the plain one the node's stack

@@ -489,6 +489,39 @@ def test_flows_that_meet_the_stack_are_netfilters_until_each_is_replaced_in_turn
     assert all(f & CtFlag.HOST for f in flow_flags(maps, API_FLOW).values())
 
 
+def test_an_agent_restarted_mid_switch_replaces_the_entries_its_predecessor_held() -> None:
+    """The agent died between the carry and the replacement: its flows are NFPASS in the pinned
+    conntrack and their NAT entries still in nf_conntrack. The next agent finds them carried
+    already (BPF_NOEXIST), and still replaces their NAT entries and clears the flag."""
+    maps = fake_maps()
+
+    def takeover(events: list[str]) -> KernelTakeover:
+        return KernelTakeover(
+            Config(netns="node1"),
+            dump=lambda netns: [CLUSTERIP],
+            addresses=lambda netns: {NODE},
+            remove_rules=lambda config: None,
+            sysctl=lambda netns, path, value: "0",
+            replace=FakeReplace(events),
+            clock_ns=lambda: NOW,
+        )
+
+    first: list[str] = []
+    takeover(first).before_attach(maps)  # then killed
+    assert first == [] and all(f & CtFlag.NFPASS for f in flow_flags(maps, CLUSTERIP).values())
+    events: list[str] = []
+    second = takeover(events)
+    second.before_attach(maps)
+    second.after_attach(maps)
+    plain = stack_flow(CLUSTERIP).orig
+    assert second.carried == 0 and events == [
+        f"delete {[CLUSTERIP.orig]}",
+        f"delete {[plain]}",
+        f"create {[plain]}",
+    ]
+    assert not any(f & (CtFlag.NFPASS | CtFlag.HANDOVER) for f in flow_flags(maps, CLUSTERIP).values())
+
+
 def test_flows_whose_entries_cannot_be_replaced_are_released_to_the_data_path(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
