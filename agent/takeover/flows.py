@@ -36,7 +36,7 @@ addresses both ways (`stack_flow`), and nf_conntrack tracks it as that plain flo
 host-backend flow under either host routing (the stack delivers it). Until its NAT entry is
 replaced (below), the data path passes such a flow's packets untranslated (CtFlag.NFPASS), so
 that entry goes on translating them as before the attach; while the agent replaces it, the data
-path drops its forward packets (CtFlag.HANDOVER, for three netlink round trips; the sender
+path drops its forward packets (CtFlag.HANDOVER, for one ctnetlink send(2); the sender
 retransmits): the stack must not see them translated. Its reply tuple
 is the reply tuple of the flow's NAT entry whenever the source was not translated, and the kernel
 holds one entry per tuple: while the NAT entry is there, the stack's NAT gives the plain flow's

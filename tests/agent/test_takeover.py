@@ -785,7 +785,7 @@ def netns() -> Iterator[str]:
 @pytest.mark.kernel
 def test_replace_flows_replaces_each_entry_between_its_own_hooks(netns: str) -> None:
     """Flow by flow: at `before` the flow's NAT entry is there, at `after` its plain entry is and
-    the next flow's NAT entry still is (each flow held for its own round trips, not the batch's);
+    the next flow's NAT entry still is (each flow held for its own send, not the batch's);
     an entry on the plain tuple already (a packet made it meanwhile) is deleted first, as a stray."""
     t = Timeouts()
     other = NatFlow(6, (POD_CLIENT, VIP, 40001, 80), (BE1, POD_CLIENT, 8080, 40001))
