@@ -277,13 +277,14 @@ def replace_flows(
                 continue
             with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER) as sock:
                 sock.bind((0, 0))
+                sock.settimeout(ACK_WAIT_S)  # never an agent stuck at its start: an OSError instead
                 for flow in group:
                     new = by(flow)
                     batch = b"".join(
                         (
                             _message(family, IPCTNL_MSG_CT_DELETE, 0, 1, tuple_orig=_orig_tuple(flow)),
                             _message(family, IPCTNL_MSG_CT_DELETE, 0, 2, tuple_orig=_orig_tuple(new)),
-                            _message(family, IPCTNL_MSG_CT_NEW, CREATE, 3, **_entry(new, timeouts)),
+                            _message(family, IPCTNL_MSG_CT_NEW, _CREATE, 3, **_entry(new, timeouts)),
                         )
                     )
                     before(flow)
@@ -306,7 +307,8 @@ def replace_flows(
     return run_in_netns(netns, run)
 
 
-CREATE = NLM_F_EXCL | NLM_F_CREATE
+_CREATE = NLM_F_EXCL | NLM_F_CREATE
+ACK_WAIT_S = 5.0  # the kernel acks each request in the send itself; this only bounds the unexpected
 
 
 def _orig_tuple(flow: NatFlow) -> NFCTAttrTuple:
