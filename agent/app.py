@@ -20,7 +20,6 @@ re-adopts them): the load is waited for under the node lock, so nothing outlives
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import shutil
 import sys
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from prometheus_client import CollectorRegistry
 
+from agent.collector import StartHold, set_thresholds
 from agent.config import Config, Mode, NodeContext
 from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service
 from agent.errors import FatalError
@@ -47,20 +47,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agent")
 
-# Generational GC thresholds for a process that holds a few hundred thousand long-lived tuples:
-# with the default (700, 10, 10), collections over the state cost a third of a 10,000-service
-# sync (measured: planning 1.4 s -> 0.9 s). Objects here rarely form cycles.
-GC_THRESHOLDS = (100_000, 50, 1_000)
 
-
-def make_proxier(config: Config, metrics: Metrics | None = None) -> Proxier:
+def make_proxier(config: Config, metrics: Metrics | None = None, *, ipv6: bool) -> Proxier:
+    """The IPv4 proxier of the mode. `ipv6`: whether an IPv6 proxier runs beside it (`serves_ipv6`):
+    in eBPF mode the tc programs' IPv6 path is built only then (Config.tc_ipv6 AND it)."""
     if config.mode is Mode.IPTABLES:
         from agent.iptables import IptablesProxier
 
         return IptablesProxier(config, metrics=metrics)
     from agent.ebpf import EbpfProxier
 
-    return EbpfProxier(config)
+    return EbpfProxier(config, ipv6=ipv6)
 
 
 def ipv6_unsupported(config: Config, missing: Callable[[Config], str] | None = None) -> str:
@@ -117,18 +114,24 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
             take_over=lambda: True,
             metrics=metrics,
         )
-    ip6tables = ip6tables_beside_ebpf(config, SubprocessRunner(config, family=6), metrics)
     if not config.socket_lb:
-        return ip6tables
+        return ip6tables_beside_ebpf(config, SubprocessRunner(config, family=6), metrics)
     from agent.ebpf import EbpfProxier
     from agent.metaproxier import EbpfAndIp6tables
 
     assert isinstance(proxier, EbpfProxier)
+    ip6tables = ip6tables_beside_ebpf(
+        config, SubprocessRunner(config, family=6), metrics, snat6_held=proxier.snat6_held
+    )
     return EbpfAndIp6tables(proxier.ipv6(), ip6tables)
 
 
 def ip6tables_beside_ebpf(
-    config: Config, runner: IptablesRunner, metrics: Metrics | None = None, counters: Counters | None = None
+    config: Config,
+    runner: IptablesRunner,
+    metrics: Metrics | None = None,
+    counters: Counters | None = None,
+    snat6_held: Callable[[], tuple[int, int] | None] | None = None,
 ) -> Proxier:
     """eBPF mode's IPv6 proxier: kube-proxy's ip6tables layout on `runner`. No IPv4 rules to follow,
     so the backend is --iptables-backend or the one the node already uses (kubelet's hint chains).
@@ -146,6 +149,7 @@ def ip6tables_beside_ebpf(
         take_over=NftTakeover(runner, families=("ip6",)),
         metrics=metrics,
         counters=counters,
+        snat6_held=snat6_held,
     )
 
 
@@ -236,7 +240,8 @@ def cleanup(config: Config) -> int:
         return 1
     with node_lock:
         failed = False
-        proxiers: list[Proxier] = [EbpfProxier(config), IptablesProxier(config)]
+        # ipv6: nothing is loaded; the cleanup removes every pin, the IPv6 maps included
+        proxiers: list[Proxier] = [EbpfProxier(config, ipv6=False), IptablesProxier(config)]
         if any(shutil.which(f"ip6tables-{backend}") for backend in ("nft", "legacy")):
             proxiers.append(IptablesProxier(config, family=IPFamily.IPv6))  # upstream cleans both
         for proxier in proxiers:
@@ -318,21 +323,21 @@ class EarlyProxier(Proxier, Protocol):
     def close(self) -> None: ...
 
 
-def start_loading(config: Config) -> EarlyProxier | None:
+def start_loading(config: Config, *, ipv6: bool) -> EarlyProxier | None:
     """eBPF mode's proxier, its data path's load (the programs from the compile cache through the
     kernel's verifier, which runs with the GIL released) started now on a thread, so that it runs
     beside build_agent's imports, API client and node discovery instead of starting with the
     lists: at a cold start the first sync waits for the programs. None in iptables mode (its
     set-up is quick). The services file is checked first: one that cannot be read stays fatal
     before any pin or sysctl is written. A failure here is reported by the Agent's own prepare(),
-    which loads again (agent/daemon.py)."""
+    which loads again (agent/daemon.py). `ipv6`: whether an IPv6 proxier will run (`make_proxier`)."""
     if config.services_file:
         from agent.sources.file import check_services_file
 
         check_services_file(config.services_file)
     if config.mode is not Mode.EBPF:
         return None
-    proxier = cast(EarlyProxier, make_proxier(config))
+    proxier = cast(EarlyProxier, make_proxier(config, ipv6=ipv6))
 
     def prepare() -> None:
         try:
@@ -419,7 +424,14 @@ def build_agent(
     services.append(service_health)
 
     if proxier is None:
-        proxier = make_proxier(config, metrics)
+        proxier = make_proxier(config, metrics, ipv6=serve6)
+    if config.mode is Mode.EBPF and metrics.ipv6_snat_held_flows is not None:
+        from agent.ebpf import EbpfProxier
+
+        if isinstance(proxier, EbpfProxier):
+            proxier.on_snat6_held = metrics.ipv6_snat_held_flows.set
+            if metrics.ipv6_snat_granted is not None:
+                proxier.on_snat6_granted = metrics.ipv6_snat_granted.set
     proxier6 = make_proxier6(config, proxier, metrics) if serve6 else None
     service_health6 = None
     if proxier6 is not None:
@@ -517,11 +529,24 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
     apply_oom_score_adj(config.oom_score_adj)
     log_gates(config)
 
+    set_thresholds()
+    hold = StartHold()  # no automatic collection until the first full sync
+    try:
+        return _run_locked(config, configz, kubeconfig)
+    finally:
+        hold.release()
+
+
+def _run_locked(
+    config: Config, configz: Callable[[], Mapping[str, Any]] | None, kubeconfig: dict[str, Any] | None
+) -> int:
     from agent.lock import acquire
 
-    gc.set_threshold(*GC_THRESHOLDS)
     try:
-        preflight(config)
+        # Asked once (it probes ip6tables): the pre-flight, the early load (whether it builds the
+        # tc IPv6 path) and build_agent (whether an IPv6 proxier runs) must agree.
+        missing6 = ipv6_unsupported(config)
+        preflight(config, ipv6=config.ipv6_configured and not missing6)
         node_lock = acquire(config)
     except FatalError as exc:
         log.error("%s", exc)
@@ -532,8 +557,10 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
         setup_conntrack(config)  # kube-proxy's platformSetup, before the proxier reads the host
         proxier: EarlyProxier | None = None
         try:
-            proxier = start_loading(config)
-            agent = build_agent(config, configz, kubeconfig, proxier=proxier)
+            proxier = start_loading(config, ipv6=config.ipv6_configured and not missing6)
+            agent = build_agent(
+                config, configz, kubeconfig, ipv6_check=lambda config: missing6, proxier=proxier
+            )
         except BaseException as exc:
             if proxier is not None:
                 # Waits for the early load: nothing it does (pins, programs) outlives the node lock.

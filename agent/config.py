@@ -67,7 +67,7 @@ class MapSizes:
     # legacy host routing: the source each translated flow direction gets at egress
     hostnat: int = default("map_sizes.hostnat")
     sknat: int = default("map_sizes.sknat")
-    # Whether the tc programs' IPv6 path serves (Config.tc_ipv6 decides, from the settings): its
+    # Whether the tc programs' IPv6 path serves (Config.tc_ipv6 and an IPv6 half runs): its
     # conntrack tables then take their IPv4 twins' sizes and the program array ekp_calls6 is
     # filled; else each table holds one entry (no preallocated memory for a path nothing runs)
     # and IPv6 packets stop at the IPv4 programs' parser.
@@ -223,10 +223,11 @@ class Config:
         """Whether the tc programs' IPv6 path serves (bpf/ekp_tc6.h; MapSizes.ipv6_tc): eBPF mode,
         IPv6 in the flags, socket-level load balancing (the eBPF IPv6 half, which writes the IPv6
         maps the path reads, exists only with it: agent/app.py make_proxier6) and BPF host routing
-        (legacy routing translates at egress, which has no IPv6 half). The settings alone decide,
-        so that the data path's load, which may start before the IPv6 proxier is made (or after
-        it), builds the same programs at every start. A node that lacks ip6tables runs no IPv6
-        half: the path then finds no frontend and passes every IPv6 packet to the stack."""
+        (legacy routing translates at egress, which has no IPv6 half). The settings decide, ANDed
+        by EbpfProxier with whether the node runs an IPv6 half (agent/app.py serves_ipv6, asked
+        once before the early load, which may start before the IPv6 proxier is made): a node that
+        falls back to single-stack (no ip6tables) gets no tc IPv6 path, no full-size IPv6
+        conntrack tables and no filled ekp_calls6."""
         return (
             self.mode is Mode.EBPF
             and self.ipv6_configured

@@ -405,8 +405,10 @@ class Agent:
         if full:
             if self._last_full == float("-inf"):
                 # The state of a whole cluster now lives for the agent's life: keep the collector
-                # from walking it again and again (gc.freeze: into the permanent generation).
+                # from walking it again and again (gc.freeze: into the permanent generation), and
+                # let it run again (agent.collector holds it off while the agent starts).
                 gc.freeze()
+                gc.enable()
             self._last_full = start
         self._after_sync(commit, result, elapsed, full)
 

@@ -72,9 +72,11 @@ def frontend_guard(config: Config, node: NodeContext) -> FrontendGuard:
 class Ipv6Maps(Proxier, Protocol):
     """The eBPF half of EbpfAndIp6tables (agent/ebpf/proxier.py EbpfIpv6)."""
 
-    def masquerade_apart(self) -> None:
-        """ip6tables' MASQUERADE now takes no port of --bpf-snat-ports: from the next sync on, the
-        tc programs' IPv6 path may source-translate with ports of that range (ekp_cfg6)."""
+    def masquerade_apart(self, apart: bool) -> None:
+        """`apart`: the ip6tables restore just made succeeded, so its MASQUERADE takes no port of
+        --bpf-snat-ports and the tc programs' IPv6 path may source-translate with ports of that
+        range (ekp_cfg6); False (it failed: the rules in place are not known to be ours): it may not
+        until a restore succeeds again."""
 
 
 class EbpfAndIp6tables:
@@ -87,7 +89,8 @@ class EbpfAndIp6tables:
     ip6tables first because the tc path's source translation waits for it: its MASQUERADE rule
     keeps out of --bpf-snat-ports (agent/iptables/rules.py `masquerade_ports_beside`), and until a
     restore has put that rule in place nf_conntrack may hand out a port of the range the tc path
-    would pick for another flow to the same backend. The maps are told once it has (`masquerade_apart`)."""
+    would pick for another flow to the same backend. The maps are told after each restore whether it
+    succeeded (`masquerade_apart`)."""
 
     def __init__(self, ebpf: Ipv6Maps, ip6tables: Proxier) -> None:
         self.ebpf = ebpf
@@ -109,8 +112,8 @@ class EbpfAndIp6tables:
                 raise
             except Exception as exc:
                 failure = failure or exc
-            if proxier is self.ip6tables and failure is None:
-                self.ebpf.masquerade_apart()
+            if proxier is self.ip6tables:
+                self.ebpf.masquerade_apart(failure is None)
         if failure is not None:
             raise failure
         ip6, ebpf = results

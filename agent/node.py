@@ -4,7 +4,8 @@ Effects (pyroute2, read only). The external devices are Config.devices in the or
 without them, every device holding a global address of the family except loopback and pod devices
 (Config.pod_interfaces, and the bridge or name prefix of --detect-local-mode's interface modes),
 the device of the default route first, then by interface index. The
-primary address (SNAT source toward other nodes) is the first address of the first device.
+primary address (SNAT source toward other nodes) is the first address of the first device; for
+IPv6 the first that is neither temporary, deprecated nor tentative (`_primary`).
 `pick_node_addresses` is the pure core, tested with literal netlink-like records.
 """
 
@@ -24,6 +25,16 @@ from agent.netns import netns_route, run_in_netns
 log = logging.getLogger(__name__)
 
 RT_SCOPE_UNIVERSE = 0
+# IPv6 address flags (linux/if_addr.h IFA_F_*): an address that is no good SNAT source. A temporary
+# (privacy) address is replaced within hours and a deprecated one is on its way out: a flow
+# translated from it loses its replies when it goes; a tentative one (DAD under way) or one whose
+# DAD failed sends nothing. (For IPv4 bit 0x01 means a secondary address: not applied.)
+IFA_F_TEMPORARY = 0x01
+IFA_F_DADFAILED = 0x08
+IFA_F_DEPRECATED = 0x20
+IFA_F_TENTATIVE = 0x40
+_UNUSABLE6 = IFA_F_TENTATIVE | IFA_F_DADFAILED
+_FLEETING6 = IFA_F_TEMPORARY | IFA_F_DEPRECATED
 
 
 def matches_pod_pattern(name: str, patterns: Iterable[str]) -> bool:
@@ -37,6 +48,7 @@ class AddrInfo:
     device: str
     address: str
     scope: int = RT_SCOPE_UNIVERSE
+    flags: int = 0  # IFA_F_* (the IFA_FLAGS attribute, else the header's)
 
 
 def pick_node_addresses(
@@ -63,7 +75,23 @@ def pick_node_addresses(
         ]
         chosen.sort(key=lambda a: (a.index not in first, a.index))
     ips = tuple(dict.fromkeys(a.address for a in chosen))
-    return NodeContext(node_ips=ips, primary_ip=ips[0] if ips else "")
+    return NodeContext(node_ips=ips, primary_ip=_primary(chosen))
+
+
+def _primary(chosen: Sequence[AddrInfo]) -> str:
+    """The first address (the SNAT source toward other nodes), an IPv6 one chosen by its flags:
+    a stable one first, else a temporary or deprecated one (it still sends), never a tentative
+    one or one whose DAD failed ("" when only those: ip6tables' masquerade then picks)."""
+
+    def rank(a: AddrInfo) -> int:
+        if ":" not in a.address:
+            return 0
+        return 2 if a.flags & _UNUSABLE6 else 1 if a.flags & _FLEETING6 else 0
+
+    ranked = sorted(range(len(chosen)), key=lambda i: (rank(chosen[i]), i))
+    if not ranked or rank(chosen[ranked[0]]) == 2:
+        return ""
+    return chosen[ranked[0]].address
 
 
 def _records(ipr: Any, af: int = socket.AF_INET) -> tuple[list[AddrInfo], list[int]]:
@@ -74,6 +102,7 @@ def _records(ipr: Any, af: int = socket.AF_INET) -> tuple[list[AddrInfo], list[i
             device=names.get(int(m["index"]), "?"),
             address=str(m.get("address")),
             scope=int(m["scope"]),
+            flags=int(m.get_attr("IFA_FLAGS") or m["flags"]),
         )
         for m in ipr.get_addr(family=af)
     ]

@@ -217,8 +217,16 @@ static __always_inline int EKP_CTF(refresh)(EKP_CT_ENTRY *e, const EKP_CT_KEY *k
 
 	EKP_CT_KEY tk = {};
 	EKP_CTF(twin_key)(&tk, k, e);
-	if (EKP_CTF(lookup)(&tk))
-		return 0; /* present (ours, or a later flow's: then not ours to replace) */
+	EKP_CT_ENTRY *t = EKP_CTF(lookup)(&tk);
+	if (t) {
+		/* Another flow's: this entry's flow is gone (a later flow took the twin key as this one
+		 * ended; a FORWARD entry written as another CPU's new flow took its reply tuple,
+		 * ekp_ct_create). It goes, rather than translate one side of a flow whose other side
+		 * translates as another's. */
+		if (!EKP_CTF(is_twin)(t, &tk, e, k))
+			EKP_CTF(delete)(k);
+		return 0;
+	}
 	EKP_CT_ENTRY twin;
 	EKP_CTF(twin_value)(&twin, k, e);
 	return EKP_CTF(insert)(&tk, &twin) == 0;
@@ -342,36 +350,77 @@ static __always_inline int EKP_CTF(write)(EKP_CT_KEY *k, EKP_CT_ENTRY *v)
 	return EKP_CTF(update)(k, v);
 }
 
+/* Deletes the FORWARD entry under `tk` if its twin key is `rkey`: the other half of the flow that
+ * held `rkey`, whose REPLY entry is gone. */
+static __always_inline void EKP_CTF(delete_forward_of)(const EKP_CT_KEY *tk, const EKP_CT_KEY *rkey)
+{
+	EKP_CT_ENTRY *t = EKP_CTF(lookup)(tk);
+	EKP_CT_KEY back = {};
+
+	if (!t)
+		return;
+	EKP_CTF(twin_key)(&back, tk, t);
+	if (EKP_A_EQ(back.saddr, rkey->saddr) && EKP_A_EQ(back.daddr, rkey->daddr) && back.sport == rkey->sport &&
+	    back.dport == rkey->dport)
+		EKP_CTF(delete)(tk);
+}
+
+#ifndef EKP_EEXIST
+#define EKP_EEXIST 17 /* errno's EEXIST: a BPF_NOEXIST insert on a key that is there */
+#endif
+
+/* Inserts `rent` under `rkey` if free: 0, EKP_DROP_TUPLE_TAKEN when another CPU's flow is there
+ * now, EKP_DROP_CT_FULL when the map could not take it (an LRU map out of free nodes: ENOMEM). */
+static __always_inline int EKP_CTF(claim)(EKP_CT_KEY *rkey, EKP_CT_ENTRY *rent)
+{
+	int rc = EKP_CTF(insert)(rkey, rent);
+
+	if (!rc)
+		return 0;
+	return rc == -EKP_EEXIST ? EKP_DROP_TUPLE_TAKEN : EKP_DROP_CT_FULL;
+}
+
 /* Puts the REPLY entry `rent` under `rkey`, the tuple the new flow was given (the SNAT walk's port,
  * or the client's own), which another CPU's new flow may have taken since it was chosen. So only
  * what the choice allowed is replaced, again checked here: an entry of this very tuple's earlier
  * flow (same frontend, same client: rewritten, in place when it translates the same, its FORWARD
  * twin being the key the new flow writes next); one that may be taken over (ekp_ct_reusable: dead,
  * or closed and the packet a SYN); with `early_drop` (the walk chose an unanswered holder), one
- * still unanswered. Such another flow's entry is deleted with its twin, and the tuple claimed, free
- * or freed, with BPF_NOEXIST: of two CPUs claiming it, the second's insert fails. Anything else
+ * still unanswered. Such another flow's entry is deleted, the tuple claimed, free or freed, with
+ * BPF_NOEXIST (of two CPUs claiming it, the second's insert fails), and then its FORWARD twin. Anything else
  * took the tuple since the choice: EKP_DROP_TUPLE_TAKEN, the packet drops and its retransmission's
  * walk finds the tuple taken and moves on (walking on here would verify the walk twice: over the
  * verifier budgets, bpf/README.md). Left: a
  * flow another CPU writes between the lookup here and the delete (no map has a compare-and-delete);
  * its window is this function's few instructions, where it was the whole walk. */
 static __always_inline int EKP_CTF(place)(EKP_CT_KEY *rkey, EKP_CT_ENTRY *rent, const EKP_PKT *p,
-					const struct ekp_config *cfg, __u64 now, __u8 early_drop)
+					const struct ekp_config *cfg, __u64 now, __u8 *early_drop)
 {
 	EKP_CT_ENTRY *old = EKP_CTF(lookup)(rkey);
+	__u8 may_drop = *early_drop;
 
+	*early_drop = 0; /* counted only for an unanswered holder deleted here, not one gone since */
 	if (old) {
 		if (EKP_A_EQ(old->fe_addr, rent->fe_addr) && old->fe_port == rent->fe_port &&
 		    (old->flags & EKP_CT_SNAT) == (rent->flags & EKP_CT_SNAT) &&
 		    EKP_A_EQ(old->nat_addr, rent->nat_addr) && old->nat_port == rent->nat_port)
 			return EKP_CTF(write)(rkey, rent) == 0 ? 0 : EKP_DROP_CT_FULL;
-		if (!EKP_CTF(reusable)(old, rkey, EKP_PB(p), cfg, now) &&
-		    !(early_drop && !(old->flags & EKP_CT_ESTABLISHED)))
+		int dead = EKP_CTF(reusable)(old, rkey, EKP_PB(p), cfg, now);
+		if (!dead && !(may_drop && !(old->flags & EKP_CT_ESTABLISHED)))
 			return EKP_DROP_TUPLE_TAKEN;
-		EKP_CTF(delete_twin)(old, rkey);
+		*early_drop = !dead;
+		EKP_CT_KEY tk = {};
+		EKP_CTF(twin_key)(&tk, rkey, old);
 		EKP_CTF(delete)(rkey);
+		int reason = EKP_CTF(claim)(rkey, rent);
+		/* The holder's FORWARD entry goes after its REPLY, whatever the insert did: a holder
+		 * still being created on another CPU may have written it since the lookup (deleted
+		 * first, it would come back). Once the REPLY entry is gone, that creation's own check
+		 * (ekp_ct_create) deletes any FORWARD entry written later. */
+		EKP_CTF(delete_forward_of)(&tk, rkey);
+		return reason;
 	}
-	return EKP_CTF(insert)(rkey, rent) == 0 ? 0 : EKP_DROP_TUPLE_TAKEN;
+	return EKP_CTF(claim)(rkey, rent);
 }
 
 /* Inserts the REPLY then the FORWARD entry of a new flow (a reply can never beat its entry).
@@ -434,7 +483,7 @@ static __always_inline int EKP_CTF(create)(const EKP_PKT *p, EKP_FLOW *f, const 
 	rent.backend_id = EKP_FB(f)->backend_id;
 	rent.flags = EKP_FB(f)->ct_flags;
 	EKP_CTF(stamp_flow)(&rent, &rkey, now); /* before the entries: no packet of the flow leaves before */
-	reason = EKP_CTF(place)(&rkey, &rent, p, cfg, now, EKP_FB(f)->early_drop);
+	reason = EKP_CTF(place)(&rkey, &rent, p, cfg, now, &EKP_FB(f)->early_drop);
 	if (reason)
 		return reason;
 
@@ -445,6 +494,15 @@ static __always_inline int EKP_CTF(create)(const EKP_PKT *p, EKP_FLOW *f, const 
 	if (EKP_CTF(write)(&fkey, &rent)) {
 		EKP_CTF(delete)(&rkey);
 		return EKP_DROP_CT_FULL;
+	}
+	/* Another CPU's ekp_ct_place may have taken the REPLY entry between its write and this one's
+	 * (an unestablished holder it may drop early: this flow's own, before it had a FORWARD twin
+	 * to delete with it). The FORWARD entry would then translate this client's packets while the
+	 * answers go to the other flow's: it goes, and the packet drops as the loser of the race. */
+	EKP_CT_ENTRY *mine = EKP_CTF(lookup)(&rkey);
+	if (!mine || !EKP_CTF(is_twin)(mine, &rkey, &rent, &fkey)) {
+		EKP_CTF(delete)(&fkey);
+		return EKP_DROP_TUPLE_TAKEN;
 	}
 	return 0;
 }

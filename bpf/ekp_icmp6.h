@@ -70,7 +70,9 @@ struct ekp_icmp6_work {
 };
 
 /* Whether the sender gets an answer: not for a TCP RST (IPv4's rule, ekp_icmp_wanted), nor to a
- * source that names no single node (unspecified, multicast: RFC 4443 2.4 e). */
+ * source that names no single node (unspecified, multicast: RFC 4443 2.4 e), nor to one the
+ * stack's ip6_rcv_core drops as a martian on a wire: loopback (::1) and IPv4-mapped
+ * (::ffff:0:0/96, RFC 4291 2.5.5.2), as IPv4's refuses 127/8 and 0/8. */
 static __always_inline int ekp_icmp6_wanted(const struct ekp_pkt6 *p)
 {
 	__u32 first = ntohl(p->saddr[0]);
@@ -79,7 +81,10 @@ static __always_inline int ekp_icmp6_wanted(const struct ekp_pkt6 *p)
 		return 0;
 	if ((first >> 24) == 0xff)
 		return 0;
-	return (p->saddr[0] | p->saddr[1] | p->saddr[2] | p->saddr[3]) != 0;
+	if (p->saddr[0] | p->saddr[1])
+		return 1;
+	__u32 third = ntohl(p->saddr[2]), last = ntohl(p->saddr[3]);
+	return !(third == 0xffff || (third == 0 && last <= 1)); /* v4-mapped, unspecified, loopback */
 }
 
 /* Rewrites the skb into the ICMPv6 error `type` (code 0, `word` after the checksum) answering the

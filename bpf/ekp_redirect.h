@@ -27,12 +27,46 @@
 static long (*ekp_redirect_neigh)(__u32 ifindex, struct bpf_redir_neigh *params, int plen,
 				  __u64 flags) = (void *)BPF_FUNC_redirect_neigh;
 
-/* The route for the tuple saddr:sport -> daddr:dport. tot_len stays 0: the kernel then checks the
- * skb against the egress device's MTU the GSO-aware way (BPF_FIB_LKUP_RET_FRAG_NEEDED, with the
- * MTU in fib->mtu_result); a non-zero tot_len compares it with the route MTU and fails every
- * GRO-merged packet. */
+/* GSO_BY_FRAGS (linux/skbuff.h): an SCTP GSO skb, whose segments are its chunks' sizes */
+#define EKP_GSO_BY_FRAGS 0xFFFF
+
+/* The IP length of the largest packet this skb leaves as, for the route lookup's MTU check
+ * (fib->tot_len). A GSO skb (a pod's TSO burst, GRO's merge on the way in) leaves as segments of
+ * gso_size payload behind copies of its headers: network header (extension headers included) +
+ * L4 header + gso_size; any other as it is. 0 (the helper's own check) for SCTP's GSO_BY_FRAGS
+ * and a TCP header that cannot be read. With tot_len 0 the helper only asks is_skb_forwardable(),
+ * which passes every GSO skb whatever its segments and compares against the device, not the
+ * route: a burst bigger than a smaller uplink was then redirected and its segments dropped there,
+ * no ICMP sent, the sender's path-MTU discovery waiting for its retransmission timeout. */
+static __always_inline __u16 ekp_seg_len(struct __sk_buff *skb, const struct ekp_pkt *p)
+{
+	__u32 gso = skb->gso_size;
+	__u32 len;
+
+	if (!gso) {
+		len = skb->len - ETH_HLEN;
+	} else if (gso >= EKP_GSO_BY_FRAGS) {
+		return 0;
+	} else {
+		__u32 l4 = sizeof(struct udphdr);
+		if (p->proto == IPPROTO_TCP) {
+			__u8 doff;
+			if (bpf_skb_load_bytes(skb, p->l4_off + 12, &doff, 1) < 0)
+				return 0;
+			l4 = (doff >> 4) * 4;
+		}
+		len = p->l4_off - ETH_HLEN + l4 + gso;
+	}
+	return len > 0xFFFF ? 0xFFFF : len;
+}
+
+/* The route for the tuple saddr:sport -> daddr:dport, checked against `tot_len` (ekp_seg_len): the
+ * helper then compares it with the route's MTU (a learnt path MTU and a locked route MTU
+ * included) before it looks at the neighbour, and says BPF_FIB_LKUP_RET_FRAG_NEEDED with that MTU
+ * in fib->mtu_result (net/core/filter.c, bpf_ipv4_fib_lookup's check_mtu). 0 asks no MTU
+ * question that matters (the reverse-path check). */
 static __always_inline long ekp_fib(struct __sk_buff *skb, struct bpf_fib_lookup *fib, __u8 proto, __u8 tos,
-				    __be32 saddr, __be32 daddr, __be16 sport, __be16 dport)
+				    __be32 saddr, __be32 daddr, __be16 sport, __be16 dport, __u16 tot_len)
 {
 	fib->family = AF_INET;
 	fib->tos = tos;
@@ -41,6 +75,7 @@ static __always_inline long ekp_fib(struct __sk_buff *skb, struct bpf_fib_lookup
 	fib->dport = dport;
 	fib->ipv4_src = saddr;
 	fib->ipv4_dst = daddr;
+	fib->tot_len = tot_len;
 	fib->ifindex = skb->ingress_ifindex;
 	return bpf_fib_lookup(skb, fib, sizeof(*fib), 0);
 }
@@ -62,7 +97,7 @@ static __always_inline int ekp_source_routed_here(struct __sk_buff *skb, const s
 						  struct bpf_fib_lookup *fib, __u32 bridge)
 {
 	__builtin_memset(fib, 0, sizeof(*fib));
-	long rc = ekp_fib(skb, fib, p->proto, p->tos, p->daddr, p->saddr, p->dport, p->sport);
+	long rc = ekp_fib(skb, fib, p->proto, p->tos, p->daddr, p->saddr, p->dport, p->sport, 0);
 
 	return (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ||
 		rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) &&

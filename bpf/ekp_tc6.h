@@ -92,9 +92,11 @@ struct ekp_tc6_scratch {
 static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);
 
 static __always_inline long ekp_fib6(struct __sk_buff *skb, struct bpf_fib_lookup *fib, const struct ekp_pkt6 *p,
-				     const __be32 *saddr, const __be32 *daddr, __be16 sport, __be16 dport)
+				     const __be32 *saddr, const __be32 *daddr, __be16 sport, __be16 dport,
+				     __u16 tot_len)
 {
 	__builtin_memset(fib, 0, sizeof(*fib));
+	fib->tot_len = tot_len; /* ekp_seg_len: checked against the route's MTU (ekp_fib) */
 	fib->family = AF_INET6;
 	fib->l4_protocol = p->b.proto;
 	fib->sport = sport;
@@ -110,7 +112,7 @@ static __always_inline long ekp_fib6(struct __sk_buff *skb, struct bpf_fib_looku
 static __always_inline int ekp_source_routed_here6(struct __sk_buff *skb, const struct ekp_pkt6 *p,
 						   struct bpf_fib_lookup *fib, __u32 bridge)
 {
-	long rc = ekp_fib6(skb, fib, p, p->daddr, p->saddr, p->b.dport, p->b.sport);
+	long rc = ekp_fib6(skb, fib, p, p->daddr, p->saddr, p->b.dport, p->b.sport, 0);
 
 	return (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ||
 		rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) &&
@@ -124,7 +126,7 @@ static __always_inline int ekp_source_routed_here6(struct __sk_buff *skb, const 
 static __always_inline long ekp_tc6_route(struct __sk_buff *skb, struct ekp_tc6_scratch *w, const __be32 *saddr,
 					  __be16 sport, const __be32 *daddr, __be16 dport)
 {
-	long rc = ekp_fib6(skb, &w->fib, &w->pkt, saddr, daddr, sport, dport);
+	long rc = ekp_fib6(skb, &w->fib, &w->pkt, saddr, daddr, sport, dport, ekp_seg_len(skb, &w->pkt.b));
 
 	return rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ? rc : -1;
 }
@@ -405,7 +407,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			goto out;
 		}
 		ekp_tc6_hit(w, e, now, &sa, &sp, &da, &dp);
-		rc = ekp_fib6(skb, &w->fib, p, sa, da, sp, dp);
+		rc = ekp_fib6(skb, &w->fib, p, sa, da, sp, dp, ekp_seg_len(skb, &p->b));
 		if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) {
 			verdict = ekp_tc6_answer(skb, w, cfg, EKP_ICMPV6_PKT_TOOBIG, w->fib.mtu_result, &outcome);
 			goto out;

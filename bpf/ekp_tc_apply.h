@@ -22,8 +22,8 @@
  * device); one that fails drops as EKP_DROP_SPOOFED. Packets handed to the stack (legacy host
  * routing, d->host) meet the node's own rp_filter instead.
  *
- * The route lookup says "fragmentation needed" when the packet is too big for the egress device
- * (GSO-aware). With DF set the sender is told with an ICMP fragmentation needed carrying the MTU
+ * The route lookup says "fragmentation needed" when the packet, or each segment of a GSO skb, is
+ * too big for the route's MTU (ekp_seg_len). With DF set the sender is told with an ICMP fragmentation needed carrying the MTU
  * (EKP_DROP_FRAG_NEEDED), quoting the packet before translation, so path-MTU discovery works
  * through a ClusterIP or NodePort exactly as through a router. Without DF the packet is
  * translated and handed to the stack, which fragments it on its way (a packet source-translated
@@ -85,8 +85,9 @@ static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scr
 	if (scope == EKP_SCOPE_INTERNAL && !legacy && !ekp_source_routed_here(skb, p, fib, bridge))
 		return ekp_tc_drop(d, EKP_DROP_SPOOFED);
 	__builtin_memset(fib, 0, sizeof(*fib));
-	long rc = related ? ekp_fib(skb, fib, IPPROTO_ICMP, p->tos, d->saddr, d->daddr, 0, 0)
-			  : ekp_fib(skb, fib, p->proto, p->tos, d->saddr, d->daddr, d->sport, d->dport);
+	__u16 seg = ekp_seg_len(skb, p);
+	long rc = related ? ekp_fib(skb, fib, IPPROTO_ICMP, p->tos, d->saddr, d->daddr, 0, 0, seg)
+			  : ekp_fib(skb, fib, p->proto, p->tos, d->saddr, d->daddr, d->sport, d->dport, seg);
 
 	if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED && !related) {
 		if (p->df) {

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +36,7 @@ from agent.ebpf.abi import (
     OUTCOMES,
     BackendFlag,
     CtDir,
+    CtFlag,
     FrontendFlag,
     Scope,
     Stat,
@@ -218,6 +219,93 @@ def ct_key(
     return abi.CtKey(ip_be(saddr), ip_be(daddr), port_be(sport), port_be(dport), proto, direction)
 
 
+def forward_entries_without_twin(items: Iterable[tuple[Any, Any]]) -> list[object]:
+    """The FORWARD keys among a conntrack map's `items` (either family's keys and entries) whose
+    REPLY twin is missing or another flow's: bpf/ekp_ct_af.h's ekp_ct_twin_key and ekp_ct_is_twin,
+    written again here so that a test checks the data path's tables by a reading of its own."""
+    table = {_ct_tuple(k): e for k, e in items}
+    lost: list[object] = []
+    for key, e in table.items():
+        saddr, daddr, sport, dport, proto, direction = key
+        if direction != CtDir.FORWARD:
+            continue
+        snat = bool(e.flags & CtFlag.SNAT)
+        rkey = (
+            _addr(e.nat_addr),
+            _addr(e.snat_addr) if snat else saddr,
+            e.nat_port,
+            e.snat_port if snat else sport,
+            proto,
+            CtDir.REPLY,
+        )
+        r = table.get(rkey)
+        back = (
+            None
+            if r is None
+            else (
+                _addr(r.nat_addr) if snat else rkey[1],
+                _addr(r.fe_addr),
+                r.nat_port if snat else rkey[3],
+                r.fe_port,
+            )
+        )
+        if (
+            r is None
+            or (_addr(r.fe_addr), r.fe_port, r.backend_id) != (_addr(e.fe_addr), e.fe_port, e.backend_id)
+            or bool(r.flags & CtFlag.SNAT) != snat
+            or back != (saddr, daddr, sport, dport)
+        ):
+            lost.append(key)
+    return lost
+
+
+class TupleRace:
+    """before_round for lab/cpurace.py's race of two new flows on one reply tuple (a one-port SNAT
+    range, the conntrack table `table` emptied before each round): each round must leave exactly
+    one flow, whole (its FORWARD entry with its REPLY twin), and count it: every packet counted once
+    as NEW_FLOWS or DROP_TUPLE_TAKEN, and one flow more than the round early-dropped; none more
+    only when the flow early-dropped was still being created and lost its REPLY entry before its
+    own check (bpf/ekp_ct_af.h ekp_ct_create: it drops as DROP_TUPLE_TAKEN, its early drop counted
+    too). Call it once more after the last round."""
+
+    def __init__(self, net: Net, table: str) -> None:
+        self.net, self.table = net, net.dp.maps[table]
+        self.rounds = self.raced = 0  # raced: a round one CPU lost (DROP_TUPLE_TAKEN)
+        self._last = self._counts()
+
+    def _counts(self) -> tuple[int, int, int]:
+        stats = self.net.stats()
+        return stats[Stat.NEW_FLOWS], stats[Stat.EARLY_DROP], stats[Stat.DROP_TUPLE_TAKEN]
+
+    def __call__(self) -> None:
+        items = self.table.items()
+        counts = self._counts()
+        new, early, taken = (now - before for now, before in zip(counts, self._last, strict=True))
+        self._last = counts
+        if items or new or taken:
+            self.rounds += 1
+            self.raced += bool(taken)
+            lost = forward_entries_without_twin(items)
+            flows = sum(_ct_tuple(k)[5] == CtDir.FORWARD for k, _ in items)
+            what = (
+                f"round {self.rounds}: {flows} FORWARD and {len(items) - flows} REPLY entries, {new} new,"
+                f" {early} early drops, {taken} taken"
+            )
+            assert flows == len(items) - flows == 1 and not lost, f"{what}; without their twin: {lost}"
+            assert new + taken == 2, what
+            assert new - early == 1 or (new, early, taken) == (1, 1, 1), f"{what}: a flow lost uncounted"
+        self.table.clear()
+
+
+def _ct_tuple(k: Any) -> tuple[Any, ...]:
+    return (_addr(k.saddr), _addr(k.daddr), k.sport, k.dport, k.proto, k.dir)
+
+
+def _addr(a: Any) -> object:
+    """An address of either family as a dictionary key (an IPv6 one is a ctypes structure)."""
+    return bytes(a) if isinstance(a, ct.Structure | ct.Array) else a
+
+
 class Net:
     """Runs frames through the programs and reads and writes the maps, in test vocabulary."""
 
@@ -225,12 +313,15 @@ class Net:
         self.dp, self.lab = dp, lab
 
     def from_pod(
-        self, frame: bytes, via: Link | None = None, *, csum_complete: bool = False
+        self, frame: bytes, via: Link | None = None, *, csum_complete: bool = False, gso_size: int = 0
     ) -> tuple[int, bytes]:
         """ekp_from_pod on `frame` arriving on pod0, or on the pod device `via` (small0);
-        `csum_complete`: a CHECKSUM_COMPLETE skb whose skb->csum is checked after (prog_run)."""
+        `csum_complete`: a CHECKSUM_COMPLETE skb whose skb->csum is checked after; `gso_size`: a GSO
+        skb of segments that size (prog_run)."""
         fd = self.dp.prog_fd("ekp_from_pod")
-        return prog_run(fd, frame, (via or self.lab.pod).ifindex, csum_complete=csum_complete)
+        return prog_run(
+            fd, frame, (via or self.lab.pod).ifindex, csum_complete=csum_complete, gso_size=gso_size
+        )
 
     def from_net(self, frame: bytes, *, csum_complete: bool = False) -> tuple[int, bytes]:
         return prog_run(

@@ -141,6 +141,36 @@ class _SkBuffHead(ct.Structure):
     ]
 
 
+class _SkBuffGso(_SkBuffHead):
+    """struct __sk_buff on to gso_size (linux/bpf.h): a GSO skb's gso_segs and gso_size, which
+    BPF_PROG_TEST_RUN copies into the skb's shared info (net/bpf/test_run.c, since 5.7 and 5.11);
+    the fields between stay 0, as the kernel requires."""
+
+    _fields_ = [
+        ("tc_index", ct.c_uint32),
+        ("cb", ct.c_uint32 * 5),
+        ("hash", ct.c_uint32),
+        ("tc_classid", ct.c_uint32),
+        ("data", ct.c_uint32),
+        ("data_end", ct.c_uint32),
+        ("napi_id", ct.c_uint32),
+        ("family", ct.c_uint32),
+        ("remote_ip4", ct.c_uint32),
+        ("local_ip4", ct.c_uint32),
+        ("remote_ip6", ct.c_uint32 * 4),
+        ("local_ip6", ct.c_uint32 * 4),
+        ("remote_port", ct.c_uint32),
+        ("local_port", ct.c_uint32),
+        ("data_meta", ct.c_uint32),
+        ("flow_keys", ct.c_uint64),
+        ("tstamp", ct.c_uint64),
+        ("wire_len", ct.c_uint32),
+        ("gso_segs", ct.c_uint32),
+        ("sk", ct.c_uint64),
+        ("gso_size", ct.c_uint32),
+    ]
+
+
 # BPF_PROG_TEST_RUN's flag (linux/bpf.h; this machine's 6.18 takes it): the skb starts
 # CHECKSUM_COMPLETE, skb->csum the sum from the network header on, and the run fails with EBADMSG
 # when the program leaves skb->csum that no longer matches the data (what a NIC that reports full
@@ -155,13 +185,15 @@ def prog_run(
     ingress_ifindex: int | None = None,
     *,
     csum_complete: bool = False,
+    gso_size: int = 0,
 ) -> tuple[int, bytes]:
     """Runs a SCHED_CLS program on `frame` as if it arrived on `ifindex` (an egress program: as if
     it left by `ifindex`, having come in by `ingress_ifindex`, 0 for the node's own packets);
     (verdict, frame out). `csum_complete`: as a CHECKSUM_COMPLETE skb, its skb->csum checked after
-    the run (OSError EBADMSG when stale)."""
+    the run (OSError EBADMSG when stale). `gso_size`: a GSO skb (a TSO burst, a GRO merge) that
+    leaves as segments of that many payload bytes each."""
     flags = BPF_F_TEST_SKB_CHECKSUM_COMPLETE if csum_complete else 0
-    verdict, out, _ = _test_run(prog_fd, frame, ifindex, ingress_ifindex, 1, flags)
+    verdict, out, _ = _test_run(prog_fd, frame, ifindex, ingress_ifindex, 1, flags, gso_size)
     return verdict, out
 
 
@@ -176,7 +208,13 @@ def prog_run_timed(
 
 
 def _test_run(
-    prog_fd: int, frame: bytes, ifindex: int, ingress_ifindex: int | None, repeat: int, flags: int = 0
+    prog_fd: int,
+    frame: bytes,
+    ifindex: int,
+    ingress_ifindex: int | None,
+    repeat: int,
+    flags: int = 0,
+    gso_size: int = 0,
 ) -> tuple[int, bytes, int]:
     from bcc import libbcc
 
@@ -185,9 +223,12 @@ def _test_run(
     fn.argtypes = [ct.c_int, ct.POINTER(_TestRunOpts)]
     data_in = ct.create_string_buffer(frame, len(frame))
     data_out = ct.create_string_buffer(len(frame) + 256)
-    ctx = _SkBuffHead(
+    ctx = (_SkBuffGso if gso_size else _SkBuffHead)(
         ingress_ifindex=ifindex if ingress_ifindex is None else ingress_ifindex, ifindex=ifindex
     )
+    if isinstance(ctx, _SkBuffGso):
+        ctx.gso_size = gso_size
+        ctx.gso_segs = -(-len(frame) // gso_size)  # an upper bound; the data path reads gso_size
     opts = _TestRunOpts(
         sz=ct.sizeof(_TestRunOpts),
         data_in=ct.cast(data_in, ct.c_void_p),

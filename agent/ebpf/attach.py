@@ -75,6 +75,7 @@ FILTER_HANDLE = 0xEB
 TC_H_INGRESS_QDISC = 0xFFFFFFF1  # parent of the clsact / ingress qdisc
 TC_H_INGRESS = 0xFFFFFFF2  # clsact ingress hook (`tc filter ... ingress`)
 TC_H_EGRESS = 0xFFFFFFF3  # clsact egress hook
+RT_SCOPE_LINK = 253  # an address valid on its link only (IPv6 fe80::/10)
 
 
 # rtnetlink link events, read from a plain socket: pyroute2's buffered reader does not mix with
@@ -195,14 +196,16 @@ def bridge_index(ipr: Any, local: LocalDetector) -> int:
 
 def devices_with_addresses(ipr: Any, addresses: Iterable[str]) -> set[int]:
     """ifindexes of the devices holding any of `addresses`, IPv4 or IPv6 (the tc IPv6 path's
-    replies come back by the device of an IPv6 node address, which may hold no IPv4 one)."""
+    replies come back by the device of an IPv6 node address, which may hold no IPv4 one). An
+    IPv6 address of link scope never counts: every pod's veth holds an fe80:: one, unique to its
+    link only, and a node address is global (agent/node.py discover_node)."""
     wanted = {str(ipaddress.ip_address(a)) for a in addresses}
     families = {socket.AF_INET6 if ":" in a else socket.AF_INET for a in wanted}
     return {
         int(m["index"])
         for family in sorted(families)
         for m in ipr.get_addr(family=family)
-        if str(m.get("address")) in wanted
+        if (family == socket.AF_INET or int(m["scope"]) != RT_SCOPE_LINK) and str(m.get("address")) in wanted
     }
 
 

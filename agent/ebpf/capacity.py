@@ -1,10 +1,11 @@
 """How full each BPF map is, and how much of a conntrack table is live: `agent inspect capacity`.
 
 Per map (the registry abi.MAPS): entries, capacity (max_entries as the kernel reports it), fill
-(entries / capacity) and, for the conntrack tables, how many entries are live (not expired by the
-timeouts of the live config: an LRU table keeps dead entries until it needs their room, so a
-full table is normal; a table full of *live* entries is the pressure to act on: raise
---bpf-ct-global-tcp-max / --bpf-ct-global-any-max). Live conntrack entries are split by state:
+(entries / capacity) and, for the conntrack tables (IPv4's and the tc IPv6 path's), how many
+entries are live (not expired by the timeouts of the live config: an LRU table keeps dead
+entries until it needs their room, so a full table is normal; a table full of *live* entries is
+the pressure to act on: raise --bpf-ct-global-tcp-max / --bpf-ct-global-any-max, which size the
+IPv6 tables too). Live conntrack entries are split by state:
 assured (established, open), unassured (handshake not completed, UDP not a stream) and closed
 (RST or FINs both ways); the early-drop queues (bpf/ekp_ctq.h) keep the last two to at most half
 of each table, and the flows they deleted are counted by state (`early drops` line, from the
@@ -23,7 +24,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.ebpf import abi
-from agent.ebpf.abi import CT_ROLES, EVICTIONS, MAPS, CtEntry, CtFlag, CtKey, MapSpec, Stat
+from agent.ebpf.abi import (
+    CT6_ROLES,
+    CT_ROLES,
+    EVICTIONS,
+    MAPS,
+    Ct6Entry,
+    Ct6Key,
+    CtEntry,
+    CtFlag,
+    CtKey,
+    MapSpec,
+    Stat,
+)
 
 _ARRAYS = frozenset({"array", "percpu_array"})
 
@@ -95,7 +108,7 @@ def live_states(entries: Iterable[tuple[Any, Any]], cfg: abi.Config | None, now_
     """Conntrack entries not expired at `now_ns` (CLOCK_MONOTONIC), by CT_STATES."""
     out = dict.fromkeys(CT_STATES, 0)
     for key, entry in entries:
-        if not isinstance(key, CtKey) or not isinstance(entry, CtEntry):
+        if not isinstance(key, CtKey | Ct6Key) or not isinstance(entry, CtEntry | Ct6Entry):
             continue
         idle_s = (now_ns - entry.last_seen_ns) / 1e9
         if idle_s <= ct_timeout_s(cfg, key.proto, entry.flags):
@@ -135,7 +148,7 @@ def read_fill(
         capacity = capacities[role]
         if spec.kind in _ARRAYS:
             out.append(fill_of(spec, capacity, capacity))
-        elif role in CT_ROLES:
+        elif role in CT_ROLES or role in CT6_ROLES:  # the tc IPv6 path's: the same timeouts
             items = m.items()
             states = live_states(items, cfg, now_ns)
             out.append(fill_of(spec, len(items), capacity, sum(states.values()), states))

@@ -173,8 +173,8 @@ class Ipv6Datapath:
     `sync` is EbpfProxier.sync's map half for IPv6: a planner made at the first call re-adopts what
     the pinned maps hold (a restart over unchanged state writes nothing), full syncs read the maps
     back and repair them, partial ones write what the changed ports changed; and the IPv6 path's
-    settings (ekp_cfg6: the node's IPv6 address, its SNAT source), at every sync once ip6tables'
-    MASQUERADE keeps out of the SNAT range (`snat_source`). Capacity: a map too
+    settings (ekp_cfg6: the node's IPv6 address, its SNAT source, while the caller grants it, else
+    zero: `snat_source`). Capacity: a map too
     small is logged with the flag that sizes it (its IPv4 twin's), and the ports that do not fit are
     reported as failed, as for IPv4."""
 
@@ -203,9 +203,9 @@ class Ipv6Datapath:
         *,
         snat_source: bool = False,
     ) -> SyncResult:
-        """`snat_source`: ekp_cfg6 may get the node's address (ip6tables' MASQUERADE keeps out of
-        the SNAT range, agent/metaproxier.py EbpfAndIp6tables); without it only a zero one (no
-        source translation by tc) is written, an address is left as it is."""
+        """`snat_source`: ekp_cfg6 gets the node's address (granted: EbpfProxier._snat6_granted);
+        without it, zero (no source translation by tc: ip6tables masquerades those flows), also
+        over an address written before (a grant lost, or a restart's stale pin)."""
         start = self._clock()
         if self._planner is not None and changed is None and self._grown():
             log.info(
@@ -229,8 +229,8 @@ class Ipv6Datapath:
             changed = None
         planner.update(state, node, changed)
         self._check_room(planner, maps)
-        cfg6 = config6_of(node)
-        if (snat_source or not any(cfg6.node_addr)) and write_config6(maps, cfg6):
+        cfg6 = config6_of(node) if snat_source else abi.Config6()
+        if write_config6(maps, cfg6):
             source = abi.ip6_str(cfg6.node_addr) if any(cfg6.node_addr) else "none (ip6tables masquerades)"
             log.info("IPv6 SNAT source of the tc programs: %s", source)
         try:

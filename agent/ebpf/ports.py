@@ -1,4 +1,5 @@
-"""The SNAT port range against the ranges it must not overlap, checked once at start (pure).
+"""The SNAT port range against the ranges it must not overlap, checked once at start, and the ports
+an earlier run's range left held (pure).
 
 The data path source-translates flows to the node's address with ports from `--bpf-snat-ports`,
 and takes any packet to node:port in that range for a reply of such a flow. So the range must
@@ -13,6 +14,12 @@ range.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from agent.ebpf.abi import Config, Ct6Entry, Ct6Key, CtDir, ip6_str, port_host
+from agent.ebpf.capacity import ct_timeout_s
 
 Range = tuple[int, int]
 
@@ -47,3 +54,28 @@ def parse_port_range(text: str) -> Range:
     """net.ipv4.ip_local_port_range's text: two numbers, whitespace between."""
     lo, hi = (int(part) for part in text.split())
     return lo, hi
+
+
+def held_outside(
+    entries: Iterable[tuple[Any, Any]], snat: Range, cfg: Config | None, now_ns: int
+) -> Range | None:
+    """The lowest and highest source port the tc IPv6 path's live flows (ekp_ct6_tcp's entries: it
+    source-translates TCP alone) were translated to outside `snat`: flows an earlier run translated
+    with another --bpf-snat-ports, whose reply tuples {backend, node, port} nf_nat knows nothing
+    of. None when none does. A flow translated to the client's own address (a port remapped around
+    a live reply tuple) is not counted: its replies never come to a node address, where
+    MASQUERADE's do. `now_ns`: CLOCK_MONOTONIC, as the entries' last_seen_ns; an expired entry
+    holds nothing."""
+    lo, hi = snat
+    ports = [
+        port
+        for key, entry in entries
+        if isinstance(key, Ct6Key)
+        and isinstance(entry, Ct6Entry)
+        and key.dir == CtDir.FORWARD
+        and entry.snat_port
+        and not lo <= (port := port_host(entry.snat_port)) <= hi
+        and ip6_str(entry.snat_addr) != ip6_str(key.saddr)
+        and (now_ns - entry.last_seen_ns) / 1e9 <= ct_timeout_s(cfg, key.proto, entry.flags)
+    ]
+    return (min(ports), max(ports)) if ports else None

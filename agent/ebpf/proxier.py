@@ -51,19 +51,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from pyroute2.netlink.exceptions import NetlinkError
-
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi, activity
 from agent.ebpf.abi import Stat
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import KEYS, VALUES, Value
-from agent.ebpf.family6 import Ipv6Datapath
+from agent.ebpf.family6 import Ipv6Datapath, config6_of
 from agent.ebpf.maglev_writer import MaglevWriter
-from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config
+from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config, write_config6
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
-from agent.ebpf.ports import parse_port_range, snat_ports_problem
+from agent.ebpf.ports import held_outside, parse_port_range, snat_ports_problem
 from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
 from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
@@ -72,7 +70,7 @@ from agent.errors import FatalError
 from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
-from agent.takeover.flows import NatFlow, masqueraded_into
+from agent.takeover.flows import NatFlow, Tuple, masqueraded_into
 from agent.takeover.into_ebpf import KernelTakeover
 
 if TYPE_CHECKING:
@@ -81,6 +79,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOCAL_PORT_RANGE = "net/ipv4/ip_local_port_range"
+NAMED_FLOWS = 3  # flows named in the warning about those the IPv6 SNAT grant waits for
 
 # sysctl (as a /proc/sys path) -> (value, why); set in Config.netns at the first sync.
 SYSCTLS: dict[str, tuple[str, str]] = {
@@ -213,6 +212,10 @@ def default_terminator(config: Config, cgroup: str, prog_fd: int, ended: Callabl
     return SocketTerminator(prog_fd, config.netns, cgroup, pods=not config.socket_lb_host_only, ended=ended)
 
 
+def _ignore(held: int) -> None:
+    """No gauge to tell (EbpfProxier.on_snat6_held)."""
+
+
 def default_netns_cookie(netns: str) -> int:
     from agent.ebpf.sockattach import netns_cookie
 
@@ -251,8 +254,13 @@ class EbpfProxier:
         netns_cookie_reader: Callable[[str], int] = default_netns_cookie,
         socket_detach: Callable[[str], list[str]] = default_socket_detach,
         conntrack6_reader: Callable[[str], list[NatFlow]] = default_conntrack6_reader,
+        ipv6: bool,
     ) -> None:
+        """`ipv6`: whether the agent runs an IPv6 half (agent/app.py serves_ipv6, decided before the
+        early load): a node that fell back to single-stack gets no tc IPv6 path whatever the
+        settings say (no full-size IPv6 conntrack tables, no filled ekp_calls6)."""
         self._config = config
+        self._tc_ipv6 = config.tc_ipv6 and ipv6  # the tc programs' IPv6 path serves
         self._datapath_factory = datapath_factory
         self._attacher_factory = attacher_factory
         self._sysctl_writer = sysctl_writer or write_sysctl
@@ -264,6 +272,12 @@ class EbpfProxier:
         self._netns_cookie_reader = netns_cookie_reader
         self._socket_detach = socket_detach
         self._conntrack6_reader = conntrack6_reader
+        # Told how many flows the IPv6 SNAT grant waits for, at each look (the agent's gauge
+        # ekp_ipv6_snat_held_flows: set after construction, as the early load makes the proxier
+        # before the metrics exist)
+        self.on_snat6_held: Callable[[int], None] = _ignore
+        # ... and whether it is granted, 1 or 0, at each IPv6 sync (ekp_ipv6_snat_granted)
+        self.on_snat6_granted: Callable[[int], None] = _ignore
         self._socket_attacher: SocketAttacherLike | None = None
         self._terminator: TerminatorLike | None = None
         self._lock = threading.Lock()
@@ -289,14 +303,26 @@ class EbpfProxier:
         self._short: dict[str, int] = {}  # map role -> entries wanted, while more than it holds
         self._maglev = MaglevWriter(config.map_sizes.maglev_table_size)
         self._v6 = Ipv6Datapath(config)  # the IPv6 family's maps (`sync6`)
-        # ip6tables' MASQUERADE keeps out of --bpf-snat-ports (agent/metaproxier.py EbpfAndIp6tables):
-        # until then sync6 leaves ekp_cfg6, the tc IPv6 path's SNAT source, as it is
+        # The last ip6tables restore succeeded, so its MASQUERADE keeps out of --bpf-snat-ports
+        # (agent/metaproxier.py EbpfAndIp6tables): without it sync6 writes ekp_cfg6, the tc IPv6
+        # path's SNAT source, zero (`_snat6_granted`)
         self.masquerade6_apart = False
         # ... and no flow ip6tables masqueraded before that (an upgrade, a switch from iptables
-        # mode) still holds a port of the range (`_snat6_ports_free`)
-        self._snat6_ports_free = False
-        self._snat6_held = -1  # how many held them at the last look (logged when it changes)
+        # mode) holds a reply tuple a tc flow could take: the address it was checked for
+        self._snat6_free_for = ""
+        self._conntrack6_failures = 0  # reads of IPv6 nf_conntrack that failed in a row
+        self._snat6_refused: str | None = None  # why the last sync6 did not grant ("" granted)
+        # Those at the last look, by their tuples (logged when they change; their state changes
+        # as they live, which is no news)
+        self._snat6_held: frozenset[tuple[Tuple, Tuple]] | None = None
         self._v6_with: DatapathLike | None = None  # the data path whose IPv6 maps it wrote
+        # The span of ports the tc IPv6 path's live flows hold outside --bpf-snat-ports (an earlier
+        # run's range), which ip6tables' MASQUERADE keeps off too (`snat6_held`); read from
+        # ekp_ct6_tcp for `_held6_of` at its first ask and at each full sync6 until none is left
+        # (then never again for that data path: the path translates in --bpf-snat-ports only).
+        self._held6: tuple[int, int] | None = None
+        self._held6_of: DatapathLike | None = None
+        self._held6_clear = False
         # Whether an IPv6 half (`ipv6()`) writes the IPv6 maps; without one `sync` empties them at
         # its first and periodic syncs (an earlier dual-stack agent's entries would still steer the
         # node's IPv6 sockets to addresses that may belong to other pods by now).
@@ -392,7 +418,9 @@ class EbpfProxier:
             if datapath is not self._v6_with:
                 self._v6 = Ipv6Datapath(self._config)  # other maps: read them back, re-adopting
                 self._v6_with = datapath
-            snat = self.masquerade6_apart and self._snat6_ports_free_now()
+            if changed is None and self._tc_ipv6:
+                self._read_held6(datapath)  # ip6tables' next sync narrows back once none is left
+            snat = self._snat6_granted(node)
             result = self._v6.sync(datapath.maps, state, node, changed, snat_source=snat)
             self._follow_node6(node)
             if self._ensure_loaded() is not datapath:
@@ -405,49 +433,156 @@ class EbpfProxier:
                 self._end_stale_sockets()
             return result
 
-    def _snat6_ports_free_now(self) -> bool:
-        """Whether no TCP flow ip6tables masqueraded holds a port of --bpf-snat-ports (nf_conntrack
-        of IPv6, read until none does; then never again: the rule keeps new ones out). A flow of
-        ip6tables' holding one would meet a tc flow given the same port for the same backend: its
-        replies would reach the other client. Where the tc IPv6 path does not serve, nothing to wait
-        for."""
-        if self._snat6_ports_free or not self._config.tc_ipv6:
-            return True
+    def _snat6_granted(self, node6: NodeContext) -> bool:
+        """Whether ekp_cfg6 may hold the node's IPv6 address (the tc IPv6 path source-translates):
+        the path serves, the last ip6tables restore succeeded (its MASQUERADE keeps out of
+        --bpf-snat-ports), ekp_config holds that range and no flow ip6tables masqueraded before can
+        collide with a tc flow. Otherwise sync6 writes it zero: new flows that need a source
+        translation are left to ip6tables, the flows this path translated keep the source their
+        entries hold. Told to `on_snat6_granted` each time; the reason logged when it changes."""
+        why = self._snat6_refusal(node6)
+        self.on_snat6_granted(0 if why else 1)
+        if why != self._snat6_refused:
+            if not why:
+                log.info("the tc IPv6 path source-translates masqueraded flows to the node's IPv6 address")
+            elif self._snat6_refused is not None or self._tc_ipv6:  # off by the flags: no news
+                log.info("the tc IPv6 path leaves masqueraded flows to ip6tables: %s", why)
+        self._snat6_refused = why
+        return not why
+
+    def _snat6_refusal(self, node6: NodeContext) -> str:
+        """Why the grant is refused ("" when it is not)."""
+        if not self._tc_ipv6:
+            return "the path is off (legacy host routing, no socket-level load balancing or no IPv6 half)"
+        if not self.masquerade6_apart:
+            return (
+                "the last ip6tables restore failed (or none ran yet): its MASQUERADE may take ports "
+                "of --bpf-snat-ports"
+            )
+        if not self._snat_ports_live():
+            return "ekp_config does not hold this run's --bpf-snat-ports yet (the IPv4 sync writes it)"
+        source = config6_of(node6).node_addr
+        if not any(source):
+            return "the node has no usable IPv6 address (global, not temporary, deprecated or tentative)"
+        return self._snat6_ports_held(abi.ip6_str(source))
+
+    def masquerade6_apart_is(self, apart: bool) -> None:
+        """What the last ip6tables restore did (agent/metaproxier.py `masquerade_apart`). A failed
+        one also forgets that no masqueraded flow held a port of the range: the rules in place may
+        not be ours, so nf_conntrack is read again before the next grant."""
+        with self._lock:
+            self.masquerade6_apart = apart
+            if not apart:
+                self._snat6_free_for = ""
+
+    def _snat_ports_live(self) -> bool:
+        """Whether ekp_config's SNAT range (which the tc IPv6 path's port walk reads too) is this
+        run's --bpf-snat-ports, which ip6tables' MASQUERADE keeps out of: until the IPv4 sync wrote
+        it (a sync that failed before, a first one yet to run), it may be an earlier run's range,
+        which the rule in place may cover."""
+        if self._cfg_written is None:
+            return False
+        live = VALUES["cfg"].to_ctype(self._cfg_written)
+        return (live.snat_port_min, live.snat_port_max) == self._config.snat_ports
+
+    def snat6_held(self) -> tuple[int, int] | None:
+        """The lowest and highest port the tc IPv6 path's live flows hold outside --bpf-snat-ports,
+        None when none does (agent/iptables/rules.py `masquerade_ports_beside`, asked by ip6tables at
+        each sync): a restart that changed the range leaves the flows the earlier run translated in
+        ekp_ct6_tcp, their replies taken by their REPLY entries, unknown to nf_conntrack; a
+        MASQUERADE range over their ports could give a new flow to the same backend the same reply
+        tuple. Read at the first ask, then by each full sync6 until none is left."""
+        if not self._tc_ipv6:
+            return None
+        with self._lock:
+            datapath = self._maps_open()
+            if datapath is not self._held6_of:
+                self._read_held6(datapath)
+            return self._held6
+
+    def _read_held6(self, datapath: DatapathLike) -> None:
+        """`_held6` from `datapath`'s IPv6 conntrack (under the lock); logged when it changes."""
+        if datapath is self._held6_of and self._held6_clear:
+            return
+        maps = datapath.maps
+        # TCP's table alone: the path source-translates TCP alone (UDP and SCTP go to ip6tables)
+        entries = maps["ct6_tcp"].items() if "ct6_tcp" in maps else []
+        held = held_outside(entries, self._config.snat_ports, read_config(maps), time.monotonic_ns())
+        if held != self._held6:
+            if held is not None:
+                log.warning(
+                    "the tc IPv6 path's flows hold source ports %d-%d outside --bpf-snat-ports %d-%d (an "
+                    "earlier run's range): ip6tables' MASQUERADE keeps off them too until they end",
+                    *held,
+                    *self._config.snat_ports,
+                )
+            else:
+                log.info(
+                    "no flow of the tc IPv6 path holds a port outside --bpf-snat-ports any more: "
+                    "ip6tables' MASQUERADE takes the ports beside the range again"
+                )
+        self._held6, self._held6_of, self._held6_clear = held, datapath, held is None
+
+    def _snat6_ports_held(self, source: str) -> str:
+        """Why the grant waits for nf_conntrack ("" when it does not): a TCP flow ip6tables
+        masqueraded to `source` (the node's IPv6 SNAT address) holds a port of --bpf-snat-ports:
+        such a flow's reply tuple {backend, source, port} is one the tc path's port walk could give
+        a flow to the same backend, whose replies would then reach the other client. Only those
+        count: a flow masqueraded to another address or port never collides, so one long-lived
+        connection elsewhere does not keep the path's SNAT off. IPv6 nf_conntrack is read at each
+        sync6 until none does, then not again for that address (the rule keeps new ones out; a
+        failed restore forgets it). Where they stay, a warning names them and the
+        `ekp_ipv6_snat_held_flows` gauge counts them: ending them (conntrack -D) grants at the
+        next sync; or the read failed."""
+        if self._snat6_free_for == source:
+            return ""
         ports = self._config.snat_ports
         try:
-            held = masqueraded_into(self._conntrack6_reader(self._config.netns), ports)
-        except (OSError, NetlinkError) as exc:
+            held = masqueraded_into(self._conntrack6_reader(self._config.netns), ports, source)
+        except Exception as exc:  # pyroute2's decoders raise more than OSError
+            # Whatever the dump raised, the IPv6 maps are still written: only the grant waits.
+            self._conntrack6_failures += 1
             log.warning(
-                "cannot read IPv6 nf_conntrack (%s): the tc IPv6 path leaves source translations to "
-                "ip6tables until it can",
+                "cannot read IPv6 nf_conntrack (%s: %s; %d time(s) in a row): the tc IPv6 path leaves "
+                "source translations to ip6tables and the next IPv6 sync reads it again",
+                type(exc).__name__,
                 exc,
+                self._conntrack6_failures,
             )
-            return False
+            return f"IPv6 nf_conntrack could not be read ({type(exc).__name__})"
+        self._conntrack6_failures = 0
+        self.on_snat6_held(len(held))
         if not held:
-            self._snat6_ports_free = True
-            if self._snat6_held > 0:
+            self._snat6_free_for = source
+            if self._snat6_held:
                 log.info(
                     "no IPv6 flow masqueraded by ip6tables holds a port of --bpf-snat-ports any more: "
                     "the tc IPv6 path source-translates from now on"
                 )
-            return True
-        if len(held) != self._snat6_held:
-            log.info(
-                "%d IPv6 TCP flows ip6tables masqueraded before its rule kept out of --bpf-snat-ports "
-                "%d-%d hold ports of that range (%s): the tc IPv6 path leaves source translations to "
-                "ip6tables until they end",
+            self._snat6_held = frozenset()
+            return ""
+        tuples = frozenset((f.orig, f.reply) for f in held)
+        if tuples != self._snat6_held:
+            log.warning(
+                "%d IPv6 TCP flows ip6tables masqueraded to %s before its rule kept out of "
+                "--bpf-snat-ports %d-%d hold ports of that range (%s%s): the tc IPv6 path leaves source "
+                "translations to ip6tables until they end (or are deleted: conntrack -D -f ipv6)",
                 len(held),
+                source,
                 *ports,
-                held[0].describe(),
+                "; ".join(f.describe() for f in held[:NAMED_FLOWS]),
+                f"; {len(held) - NAMED_FLOWS} more" if len(held) > NAMED_FLOWS else "",
             )
-        self._snat6_held = len(held)
-        return False
+        self._snat6_held = tuples
+        return (
+            f"{len(held)} flows ip6tables masqueraded hold ports of --bpf-snat-ports (the warning names them)"
+        )
 
     def _follow_node6(self, node6: NodeContext) -> None:
         """With the tc IPv6 path, a device that holds an IPv6 node address and no IPv4 one (no
         --devices) is an external device as well: without ekp_from_net there, the replies of the
         IPv6 flows translated here come back untranslated. Attached once sync has attached."""
-        if not self._config.tc_ipv6:
+        if not self._tc_ipv6:
             return
         known = self._node6_known
         self._node6_known = True
@@ -460,12 +595,14 @@ class EbpfProxier:
             self._attached_node = node
 
     def _devices_node(self, node: NodeContext) -> NodeContext:
-        """`node` as the attacher finds the external devices by: with the IPv6 node addresses
-        the last sync6 read beside the IPv4 ones (`_follow_node6`)."""
-        ips6 = self._node_ips6
-        if not ips6:
+        """`node` as the attacher finds the external devices by: where the tc IPv6 path serves,
+        its IPv4 node addresses and the IPv6 ones the last sync6 read (`_follow_node6`), none
+        other: an IPv6 address sync6 no longer reads (`node` may be the last merge) releases its
+        device at that sync6, not at the next IPv4 one."""
+        if not self._tc_ipv6:
             return node
-        return replace(node, node_ips=(*(ip for ip in node.node_ips if ip not in ips6), *ips6))
+        ips4 = (ip for ip in node.node_ips if ":" not in ip)
+        return replace(node, node_ips=(*ips4, *self._node_ips6))
 
     def ipv6(self) -> EbpfIpv6:
         """This data path's IPv6 half, as a Proxier of the IPv6 family (agent/metaproxier.py)."""
@@ -562,12 +699,22 @@ class EbpfProxier:
             sizes = self._config.map_sizes.with_conntrack(
                 self._config.conntrack, os.cpu_count() or 1, self._sizes_reader(pin_path)
             )
-            # From the settings alone: this load may run before the IPv6 half is made (main's early
-            # load) or after it, and a restart must build the same programs and table sizes.
-            sizes = replace(sizes, ipv6_tc=self._config.tc_ipv6)
+            # From the settings and whether an IPv6 half will run (both known before main's early
+            # load), never from whether it exists yet: this load may run before the IPv6 half is
+            # made or after it, and a restart must build the same programs and table sizes.
+            sizes = replace(sizes, ipv6_tc=self._tc_ipv6)
             datapath = self._datapath_factory(pin_path, sizes)
 
             def maps_ready() -> None:
+                # Before any sync or attach uses these maps: ekp_cfg6 is pinned, and the address an
+                # earlier run wrote there was granted against its ip6tables rules and its
+                # --bpf-snat-ports, which may be gone or other now; the programs attached meanwhile
+                # (that run's) leave new source translations to ip6tables until sync6 grants again.
+                if write_config6(datapath.maps, abi.Config6()):
+                    log.info(
+                        "IPv6 SNAT source of the tc programs reset to none until ip6tables is restored "
+                        "and no flow it masqueraded holds a port of --bpf-snat-ports"
+                    )
                 with self._load_cond:
                     self._opened = datapath
                     self._load_cond.notify_all()
@@ -686,7 +833,7 @@ class EbpfProxier:
             # Before the first IPv6 sync `node` lacks the IPv6 node addresses: a device holding
             # only one of them keeps its ekp_from_net, or the replies of the tc IPv6 path's live
             # flows would leave untranslated until sync6 ran (`_follow_node6`).
-            keep = self._config.tc_ipv6 and not self._node6_known
+            keep = self._tc_ipv6 and not self._node6_known
             self._attacher.reconcile(node, full=full, verify=verify and not full, keep_external=keep)
             self._attached_node = node
         if first:
@@ -813,8 +960,8 @@ class EbpfIpv6:
     def prepare(self) -> None:
         """Nothing: the IPv4 proxier loads the data path."""
 
-    def masquerade_apart(self) -> None:
-        self._ebpf.masquerade6_apart = True
+    def masquerade_apart(self, apart: bool) -> None:
+        self._ebpf.masquerade6_apart_is(apart)
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None

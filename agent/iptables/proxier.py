@@ -167,9 +167,14 @@ class IptablesProxier:
         metrics: Metrics | None = None,
         take_over: Callable[[], bool] | None = None,
         family: IPFamily = IPFamily.IPv4,
+        snat6_held: Callable[[], tuple[int, int] | None] | None = None,
     ) -> None:
+        """`snat6_held`: eBPF mode's ip6tables beside the tc IPv6 path, the ports that path's live
+        flows hold outside --bpf-snat-ports (EbpfProxier.snat6_held), asked at each sync: its
+        MASQUERADE keeps off them too (rules.py `masquerade_ports_beside`)."""
         self._config = config
         self.family = family
+        self._snat6_held = snat6_held
         self._tool = "ip6tables" if family is IPFamily.IPv6 else "iptables"  # in log lines
         # Once a sync put the rules in place, until it returns True (done: nothing to retry): the
         # eBPF data path's flows, programs and pins (a node switched from eBPF mode),
@@ -591,6 +596,7 @@ class IptablesProxier:
             conntrack_tcp_liberal=host.conntrack_tcp_liberal,
             nfacct_invalid_dropped=self._nfacct[INVALID_DROPPED_COUNTER],
             nfacct_localhost_nodeports=self._nfacct[LOCALHOST_NODEPORTS_COUNTER],
+            snat6_held=self._snat6_held() if self._snat6_held is not None else None,
         )
 
     def _host_facts(self) -> HostFacts:

@@ -96,19 +96,30 @@ def masquerade_mark(bit: int) -> str:
     return f"0x{1 << bit:08x}"
 
 
-def masquerade_ports_beside(snat: tuple[int, int]) -> tuple[int, int] | None:
-    """The source ports ip6tables' MASQUERADE may take beside the tc programs' IPv6 path: the larger
-    side of 1024-65535 outside `snat` (--bpf-snat-ports). That path chooses a masqueraded flow's
+def masquerade_ports_beside(
+    snat: tuple[int, int], held: tuple[int, int] | None = None
+) -> tuple[int, int] | None:
+    """The source ports ip6tables' MASQUERADE may take beside the tc programs' IPv6 path: the largest
+    span of 1024-65535 outside `snat` (--bpf-snat-ports). That path chooses a masqueraded flow's
     port in `snat` by looking at its own conntrack only; nf_nat chooses among 1024-65535 (or, with
     --to-ports, that range alone) by looking at nf_conntrack only. Kept apart, neither can give a
     port the other holds for the same backend, which would hand one flow's replies to the other.
-    None when `snat` leaves nothing (the agent refuses such a range at start: it overlaps the
-    node's local ports)."""
-    lo, hi = snat
-    below = (1024, lo - 1) if lo > 1024 else None
-    above = (hi + 1, 65535) if hi < 65535 else None
-    sides = [r for r in (below, above) if r is not None]
-    return max(sides, key=lambda r: r[1] - r[0]) if sides else None
+
+    `held`: the lowest and highest port the tc path's live flows hold outside `snat` (it translated
+    them with an earlier run's --bpf-snat-ports): the ports are then the largest span of 1024-65535
+    that meets neither, so nf_nat cannot pick one of those either. None when nothing is left (the
+    agent refuses a --bpf-snat-ports that leaves nothing: it overlaps the node's local ports, and
+    an earlier run's held ports were kept off those by the same check)."""
+    taken = sorted(r for r in (snat, held) if r is not None)
+    gaps: list[tuple[int, int]] = []
+    start = 1024
+    for lo, hi in taken:
+        if lo > start:
+            gaps.append((start, lo - 1))
+        start = max(start, hi + 1)
+    if start <= 65535:
+        gaps.append((start, 65535))
+    return max(gaps, key=lambda r: r[1] - r[0]) if gaps else None
 
 
 @dataclass(frozen=True)
@@ -152,7 +163,10 @@ class RenderOptions:
         nfacct_invalid_dropped: bool = False,
         nfacct_localhost_nodeports: bool = False,
         family: IPFamily = IPFamily.IPv4,
+        snat6_held: tuple[int, int] | None = None,
     ) -> RenderOptions:
+        """`snat6_held`: ports the tc IPv6 path's flows hold outside --bpf-snat-ports
+        (`masquerade_ports_beside`)."""
         return cls(
             family=family,
             masquerade_all=config.masquerade_all,
@@ -162,7 +176,7 @@ class RenderOptions:
             localhost_nodeports=config.iptables_localhost_nodeports,
             random_fully=random_fully,
             masquerade_to_ports=(
-                masquerade_ports_beside(config.snat_ports)
+                masquerade_ports_beside(config.snat_ports, snat6_held)
                 if family is IPFamily.IPv6 and config.tc_ipv6
                 else None
             ),

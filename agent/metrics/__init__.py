@@ -246,6 +246,27 @@ class Metrics:
             "Service ports the last sync could not program (a full map, a rejected rule; the log says which)",
             registry=r,
         )
+        # eBPF mode's: the flows the tc IPv6 path's SNAT waits for (agent/ebpf/proxier.py
+        # _snat6_ports_held), set by the proxier at each look
+        self.ipv6_snat_held_flows: Gauge | None = None
+        # ... and whether it is granted (agent/ebpf/proxier.py _snat6_granted), at each IPv6 sync
+        self.ipv6_snat_granted: Gauge | None = None
+        if mode is Mode.EBPF:
+            self.ipv6_snat_granted = Gauge(
+                "ekp_ipv6_snat_granted",
+                "1 while the tc programs' IPv6 path source-translates masqueraded flows itself (ekp_cfg6"
+                " holds the node's IPv6 address), 0 while it leaves them to ip6tables (the log says why"
+                " when it changes: the path off, an ip6tables restore or an nf_conntrack read that failed,"
+                " no usable IPv6 address, held flows, --bpf-snat-ports not written yet)",
+                registry=r,
+            )
+            self.ipv6_snat_held_flows = Gauge(
+                "ekp_ipv6_snat_held_flows",
+                "IPv6 TCP flows ip6tables masqueraded to the node's IPv6 SNAT address and a port of"
+                " --bpf-snat-ports before its rule kept out of them: while above 0 the tc programs'"
+                " IPv6 path leaves source translations to ip6tables (the log names them)",
+                registry=r,
+            )
 
     def _iptables(self, r: CollectorRegistry, nfacct: NfacctReader | None) -> None:
         fam = ["ip_family"]

@@ -8,7 +8,8 @@ Families (`map` is the kernel name, e.g. `ekp_ct_tcp_v2`):
 
 * `ekp_bpf_map_entries{map}`, `ekp_bpf_map_capacity{map}` (max_entries) and
   `ekp_bpf_map_fill_ratio{map}` for every map; `ekp_conntrack_entries` repeats the conntrack
-  tables' count (TCP and the rest) under the name operators look for. Arrays are always full (the
+  tables' count (TCP and the rest) by `ip_family` (`IPv4`: IPv4's tables, `IPv6`: the tc IPv6
+  path's; kube-proxy's label and values) under the name operators look for. Arrays are always full (the
   kernel preallocates every slot). An LRU table near full is normal (dead entries stay until their
   room is needed): `agent inspect capacity` tells live entries from expired ones, and
   `ekp_datapath_drops_total{reason="no_flow"}` counts the live flows an eviction cost.
@@ -50,8 +51,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from agent.ebpf.abi import CT_ROLES, DROPS, EVICTIONS, MAPS, MapSpec, Stat
+from agent.ebpf.abi import CT6_ROLES, CT_ROLES, DROPS, EVICTIONS, MAPS, MapSpec, Stat
 from agent.ebpf.maps import MapWriter, open_pinned_as_held, read_stats
+from agent.model.types import IPFamily
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,9 @@ def pinned_opener(pin_path: str) -> MapOpener:
     return open_map
 
 
+IPV4, IPV6 = str(IPFamily.IPv4), str(IPFamily.IPv6)  # the ip_family label's values
+
+
 class _Families:
     """One scrape's metric families (empty ones are left out of the text by the exposition)."""
 
@@ -121,7 +126,10 @@ class _Families:
         self.fill = g("ekp_bpf_map_fill_ratio", "Entries / capacity of the eBPF map", labels=["map"])
         self.up = g("ekp_bpf_map_up", "1 if the eBPF map could be read at this scrape", labels=["map"])
         self.conntrack = g(
-            "ekp_conntrack_entries", "Entries in the eBPF data path's conntrack map (two per flow)"
+            "ekp_conntrack_entries",
+            "Entries in the eBPF data path's conntrack maps (two per flow), by family: IPv4's tables and"
+            " the tc IPv6 path's",
+            labels=["ip_family"],
         )
         self.packets = c("ekp_datapath_packets", "Packets the eBPF programs looked at")
         self.flows = c("ekp_datapath_new_flows", "Connections the eBPF data path load-balanced")
@@ -246,7 +254,7 @@ class BpfMapsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         start = time.perf_counter()
         f = _Families()
-        conntrack: int | None = None
+        conntrack: dict[str, int] = {}  # by family, for the tables that could be read
         for spec in self._specs:
             read = self._read(spec, f)
             f.up.add_metric([spec.name], 1 if read is not None else 0)
@@ -256,10 +264,11 @@ class BpfMapsCollector(Collector):
             f.entries.add_metric([spec.name], n)
             f.capacity.add_metric([spec.name], size)
             f.fill.add_metric([spec.name], n / size if size else 0.0)
-            if spec.role in CT_ROLES:
-                conntrack = (conntrack or 0) + n
-        if conntrack is not None:
-            f.conntrack.add_metric([], conntrack)
+            family = IPV4 if spec.role in CT_ROLES else IPV6 if spec.role in CT6_ROLES else None
+            if family is not None:
+                conntrack[family] = conntrack.get(family, 0) + n
+        for family, n in conntrack.items():
+            f.conntrack.add_metric([family], n)
         yield from f.all()
         yield self._took(time.perf_counter() - start)
 

@@ -51,6 +51,7 @@ replied stays replied (a stream when the kernel had it assured).
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
@@ -336,11 +337,19 @@ def nat_flow(key: CtKey | Ct6Key, entry: CtEntry | Ct6Entry) -> NatFlow | None:
     return NatFlow(proto=key.proto, orig=orig, reply=reply, status=status, tcp_state=state)
 
 
-def masqueraded_into(flows: Iterable[NatFlow], ports: tuple[int, int]) -> list[NatFlow]:
-    """The TCP flows among `flows` whose source nf_nat translated to a port of `ports` (the reply
-    comes back to that port): ip6tables' masquerades that hold a port of --bpf-snat-ports."""
+def masqueraded_into(flows: Iterable[NatFlow], ports: tuple[int, int], to: str) -> list[NatFlow]:
+    """The TCP flows among `flows` whose source nf_nat translated to address `to` and a port of
+    `ports` (the reply comes back to that address and port): ip6tables' masquerades whose reply
+    tuple a tc flow source-translated to `to` (the node's IPv6 SNAT address) with a port of
+    --bpf-snat-ports could take. A flow masqueraded to another address, or outside the range,
+    never can (the tc path's reply tuples all end at `to`, in the range)."""
     lo, hi = ports
-    return [f for f in flows if f.proto == TCP and f.snat and lo <= f.reply[3] <= hi]
+    node = ipaddress.ip_address(to)
+    return [
+        f
+        for f in flows
+        if f.proto == TCP and f.snat and lo <= f.reply[3] <= hi and ipaddress.ip_address(f.reply[1]) == node
+    ]
 
 
 def timeout_of(flow: NatFlow, timeouts: Timeouts) -> int:

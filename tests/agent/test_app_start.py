@@ -4,6 +4,7 @@ services file that cannot be read is fatal before it starts (nothing pinned, no 
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -28,7 +29,10 @@ class Start:
     building: threading.Event = field(default_factory=threading.Event)  # build_agent began
     loaded: threading.Event = field(default_factory=threading.Event)  # prepare() returned
     seen_by_build: object = None
+    collecting_in_build: bool | None = None  # gc.isenabled() while build_agent ran
     build_fails: bool = False
+    missing6: str = ""  # what the node lacks for IPv6 (agent.app.ipv6_unsupported)
+    ipv6_checks: int = 0
 
 
 class LoadingProxier:
@@ -65,7 +69,13 @@ def start(monkeypatch: pytest.MonkeyPatch) -> Iterator[Start]:
     monkeypatch.setattr(lock, "acquire", lambda config: contextlib.nullcontext())
     monkeypatch.setattr(nodeinit, "setup_conntrack", lambda config: None)
 
-    def make_proxier(config: Config, metrics: Any = None) -> LoadingProxier:
+    def ipv6_unsupported(config: Config, missing: Any = None) -> str:
+        s.ipv6_checks += 1
+        return s.missing6
+
+    monkeypatch.setattr(app, "ipv6_unsupported", ipv6_unsupported)
+
+    def make_proxier(config: Config, metrics: Any = None, **kwargs: Any) -> LoadingProxier:
         s.steps.append("make proxier")
         return LoadingProxier(s)
 
@@ -76,6 +86,7 @@ def start(monkeypatch: pytest.MonkeyPatch) -> Iterator[Start]:
         s.steps.append("build agent")
         s.building.set()
         s.seen_by_build = proxier
+        s.collecting_in_build = gc.isenabled()
         if s.build_fails:
             raise FatalError("cannot reach the API server: 401 Unauthorized")
         return FinishedAgent()
@@ -97,8 +108,13 @@ def test_the_ebpf_load_starts_before_build_agent_and_its_proxier_is_the_agents(
 
 
 @pytest.mark.parametrize(
-    ("socket_lb", "routing", "want"),
-    [(True, HostRouting.BPF, True), (False, HostRouting.BPF, False), (True, HostRouting.LEGACY, False)],
+    ("socket_lb", "routing", "missing6", "want"),
+    [
+        (True, HostRouting.BPF, "", True),
+        (False, HostRouting.BPF, "", False),
+        (True, HostRouting.LEGACY, "", False),
+        (True, HostRouting.BPF, "ip6tables is not on PATH", False),
+    ],
 )
 def test_the_early_load_sizes_the_tc_ipv6_path_before_build_agent_makes_the_ipv6_half(
     start: Start,
@@ -106,12 +122,17 @@ def test_the_early_load_sizes_the_tc_ipv6_path_before_build_agent_makes_the_ipv6
     monkeypatch: pytest.MonkeyPatch,
     socket_lb: bool,
     routing: HostRouting,
+    missing6: str,
     want: bool,
 ) -> None:
     """run()'s real order with a real EbpfProxier: its load (start_loading) runs before
     build_agent makes the IPv6 half (make_proxier6 -> ipv6()), and still sizes and routes the tc
-    IPv6 path (MapSizes.ipv6_tc) as the settings say (Config.tc_ipv6). A load that asked whether
-    the IPv6 half existed read False here at every start, and the path stayed off."""
+    IPv6 path (MapSizes.ipv6_tc) as the settings say (Config.tc_ipv6) AND the node can serve IPv6:
+    one that falls back to single-stack (no ip6tables) gets no full-size IPv6 conntrack and no
+    filled tail-call array. The node is asked once; build_agent is told the same answer. A load
+    that asked whether the IPv6 half existed read False here at every start, and the path stayed
+    off."""
+    start.missing6 = missing6
     rig = Rig(tmp_path)
     rig.config = Config(
         mode=Mode.EBPF,
@@ -124,12 +145,15 @@ def test_the_early_load_sizes_the_tc_ipv6_path_before_build_agent_makes_the_ipv6
     (tmp_path / "services.yaml").write_text("")
     made: list[EbpfProxier] = []
 
-    def make_proxier(config: Config, metrics: Any = None) -> EbpfProxier:
-        made.append(rig.proxier())
+    def make_proxier(config: Config, metrics: Any = None, *, ipv6: bool) -> EbpfProxier:
+        made.append(rig.proxier(ipv6=ipv6))
         return made[-1]
 
-    def build_agent(config: Config, *args: Any, proxier: Any = None, **kwargs: Any) -> FinishedAgent:
+    def build_agent(
+        config: Config, *args: Any, proxier: Any = None, ipv6_check: Any = None, **kwargs: Any
+    ) -> FinishedAgent:
         assert proxier is made[0]
+        assert ipv6_check(config) == missing6, "build_agent told what the load was"
         proxier.prepare()  # waits for the early load (or loads): the IPv6 half comes after it
         start.steps.append(f"load sized ipv6_tc={rig.sizes[-1].ipv6_tc}")
         proxier.ipv6()
@@ -140,6 +164,24 @@ def test_the_early_load_sizes_the_tc_ipv6_path_before_build_agent_makes_the_ipv6
     assert app.run(rig.config) == 0
     assert start.steps == [f"load sized ipv6_tc={want}"]
     assert len(rig.sizes) == 1, "one load, before the IPv6 half existed"
+    assert start.ipv6_checks == 1
+
+
+def test_no_automatic_collection_while_the_agent_starts_and_the_collector_back_on_after(
+    start: Start, tmp_path: Path
+) -> None:
+    """agent.collector.StartHold: the collector is off from before build_agent (the lists and the
+    first sync follow it, and the first full sync turns it on again) and on again once run() is
+    done, however it ended."""
+    services = tmp_path / "services.yaml"
+    services.write_text("")
+    config = Config(mode=Mode.EBPF, services_file=str(services), pin_path=str(tmp_path / "pins"))
+    try:
+        assert app.run(config) == 0
+        assert start.collecting_in_build is False
+        assert gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_a_failed_build_waits_for_the_early_load_under_the_node_lock(

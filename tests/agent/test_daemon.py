@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -161,6 +162,23 @@ def test_nothing_is_synced_before_every_kind_was_listed() -> None:
     rig.sync()
     assert rig.proxier.calls == [None], "the first sync is a full one"
     assert set(rig.agent.model.state.services) == {spn("web")}
+
+
+def test_the_first_full_sync_lets_the_collector_run_again() -> None:
+    """The start holds automatic collection off (agent.collector.StartHold); the first full sync
+    freezes the state and turns it back on, not an earlier sync that programmed nothing."""
+    rig = Rig()
+    gc.disable()
+    try:
+        rig.send(service("web"), slice_("web-1", endpoints=[endpoint("10.244.1.2")]))
+        rig.agent.deliver([Synced(Kind.SERVICE, "v1")])
+        rig.sync()
+        assert rig.proxier.calls == [] and not gc.isenabled()
+        rig.agent.deliver([Synced(Kind.ENDPOINT_SLICE, "v1")])
+        rig.sync()
+        assert rig.proxier.calls == [None] and gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_later_syncs_hand_over_only_what_changed_and_the_period_brings_a_full_one() -> None:

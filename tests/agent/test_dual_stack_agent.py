@@ -11,12 +11,13 @@ programmed, and the agent says so once.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.config import Config, Mode, NodeContext
+from agent.config import Config, HostRouting, Mode, NodeContext
 from agent.daemon import Agent, Parts, ProxierHealth
 from agent.metrics import Metrics
 from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
@@ -511,20 +512,23 @@ def test_an_ipv6_proxier_on_ip6tables_runs_in_both_modes_when_ipv6_is_configured
     from agent.metaproxier import EbpfAndIp6tables
 
     dual_stack = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS)
-    proxier = make_proxier(dual_stack)
+    proxier = make_proxier(dual_stack, ipv6=True)
     proxier6 = make_proxier6(dual_stack, proxier)
     if mode is Mode.EBPF:
         assert isinstance(proxier6, EbpfAndIp6tables) and isinstance(proxier6.ebpf, EbpfIpv6)
         assert proxier6.ebpf._ebpf is proxier, "the IPv6 maps of the data path the IPv4 proxier loads"
         ip6tables: object = proxier6.ip6tables
+        assert isinstance(ip6tables, IptablesProxier)
+        # its MASQUERADE keeps off the ports the tc IPv6 path's flows hold (EbpfProxier.snat6_held)
+        assert ip6tables._snat6_held == proxier.snat6_held
         no_sockets = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS, socket_lb=False)
-        assert isinstance(make_proxier6(no_sockets, make_proxier(no_sockets)), IptablesProxier)
+        assert isinstance(make_proxier6(no_sockets, make_proxier(no_sockets, ipv6=True)), IptablesProxier)
     else:
         ip6tables = proxier6
     assert isinstance(ip6tables, IptablesProxier) and ip6tables.family is IPFamily.IPv6
     assert isinstance(ip6tables.runner, SubprocessRunner), "ip6tables itself, not a stand-in"
     ipv4_only = Config(mode=mode, hostname="node1", cluster_cidr=V6_CIDRS[:1])
-    assert make_proxier6(ipv4_only, make_proxier(ipv4_only)) is None
+    assert make_proxier6(ipv4_only, make_proxier(ipv4_only, ipv6=False)) is None
 
 
 EMPTY6 = ProxyState(NodeInfo("node1"), {}, {}, family=IPFamily.IPv6)
@@ -541,8 +545,8 @@ class Half:
     def prepare(self) -> None:
         self.calls.append(f"{self.name}.prepare")
 
-    def masquerade_apart(self) -> None:
-        self.calls.append(f"{self.name}.apart")
+    def masquerade_apart(self, apart: bool) -> None:
+        self.calls.append(f"{self.name}.apart" if apart else f"{self.name}.not apart")
 
     def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
         self.calls.append(f"{self.name}.sync")
@@ -577,7 +581,9 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
     no_rules = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=RuntimeError("restore")))
     with pytest.raises(RuntimeError, match="restore"):
         no_rules.sync(EMPTY6, NODE6, frozenset())
-    assert calls == ["ip6.sync", "ebpf.sync"], "the maps synced even when ip6tables failed, not told apart"
+    # the maps synced even when ip6tables failed, told the grant is gone (the rules in place are
+    # not known to keep out of the range): the tc path's SNAT source is zero until a restore succeeds
+    assert calls == ["ip6.sync", "ebpf.not apart", "ebpf.sync"]
     calls.clear()
     fatal = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=FatalError("gone")))
     with pytest.raises(FatalError):
@@ -849,6 +855,31 @@ def test_a_node_that_cannot_do_ipv6_runs_single_stack_and_says_so_once(
     assert served.ipv6.proxier is not None
     assert served._health_families == (IPFamily.IPv4, IPFamily.IPv6)
     assert failure_series(served) == {"IPv4": 0.0, "IPv6": 0.0}
+    if mode is Mode.EBPF:
+        # the tc IPv6 path is built only where the IPv6 half runs (settings that turn it on)
+        from agent.ebpf import EbpfProxier
+
+        path_on = replace(config, socket_lb=True, bpf_host_routing=HostRouting.BPF)
+        for lacks, built in ((lacking, False), ("", True)):
+
+            def check(c: Config, lacks: str = lacks) -> str:
+                return lacks
+
+            proxier = build_agent(path_on, ipv6_check=check)._parts.proxier
+            assert isinstance(proxier, EbpfProxier) and proxier._tc_ipv6 is built, lacks
+        # the proxier tells the gauge how many flows the IPv6 SNAT grant waits for
+        metrics = served._parts.metrics
+        assert metrics.ipv6_snat_held_flows is not None
+        proxier = served._parts.proxier
+        assert isinstance(proxier, EbpfProxier)
+        proxier.on_snat6_held(2)
+        [gauge] = metrics.ipv6_snat_held_flows.collect()
+        assert gauge.samples[0].value == 2
+        # ... and whether it is granted
+        assert metrics.ipv6_snat_granted is not None
+        proxier.on_snat6_granted(1)
+        [gauge] = metrics.ipv6_snat_granted.collect()
+        assert gauge.samples[0].value == 1
 
 
 def failure_series(agent: Agent) -> dict[str, float]:

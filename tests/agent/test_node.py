@@ -5,6 +5,9 @@ from __future__ import annotations
 from agent.cli import resolve
 from agent.config import NodeContext
 from agent.node import (
+    IFA_F_DEPRECATED,
+    IFA_F_TEMPORARY,
+    IFA_F_TENTATIVE,
     TCP_LISTEN,
     UDP_UNCONNECTED,
     AddrInfo,
@@ -37,6 +40,26 @@ def test_default_route_device_first_pods_and_loopback_left_out() -> None:
 
 def test_nothing_found() -> None:
     assert pick_node_addresses(ADDRS, ("eth9",), ()) == NodeContext((), "")
+
+
+def test_the_ipv6_primary_address_skips_temporary_deprecated_and_tentative_ones() -> None:
+    """The primary address is the IPv6 SNAT source (ekp_cfg6): a privacy address rotates away, a
+    deprecated one is going, a tentative one sends nothing. The first stable one is primary; with
+    none, a temporary or deprecated one; never a tentative one. Every one is still a node address.
+    IPv4's bit 0x01 (a secondary address) changes nothing."""
+    addrs = [
+        AddrInfo(2, "eth0", "fd00::7", flags=IFA_F_TEMPORARY),
+        AddrInfo(2, "eth0", "fd00::8", flags=IFA_F_DEPRECATED),
+        AddrInfo(2, "eth0", "fd00::9", flags=IFA_F_TENTATIVE),
+        AddrInfo(2, "eth0", "fd00::10", flags=0x80),  # IFA_F_PERMANENT: stable
+    ]
+    got = pick_node_addresses(addrs, ("eth0",), ())
+    assert got == NodeContext(("fd00::7", "fd00::8", "fd00::9", "fd00::10"), "fd00::10")
+    assert pick_node_addresses(addrs[:3], ("eth0",), ()).primary_ip == "fd00::7"
+    assert pick_node_addresses(addrs[1:3], ("eth0",), ()).primary_ip == "fd00::8"
+    assert pick_node_addresses(addrs[2:3], ("eth0",), ()).primary_ip == ""
+    secondary = [AddrInfo(2, "eth0", "10.0.0.11", flags=0x01), AddrInfo(2, "eth0", "10.0.0.12")]
+    assert pick_node_addresses(secondary, ("eth0",), ()).primary_ip == "10.0.0.11"
 
 
 def test_listening_sockets_read_from_proc_net() -> None:

@@ -97,3 +97,18 @@ def test_ipv6_node_addresses_notify_when_an_ipv6_proxier_runs(netns: str, mode: 
         assert not notes.wait(0.5), "no IPv6 proxier: IPv6 addresses are not followed"
     finally:
         ipv4_only.stop()
+
+
+def test_the_discovered_ipv6_primary_address_skips_a_deprecated_one(netns: str) -> None:
+    """discover_node reads each address's IFA flags from the kernel: an address given with
+    preferred_lft 0 (deprecated) listed first on the device is a node address, not the primary
+    one (the IPv6 SNAT source); the stable one after it is."""
+    from agent.node import discover_node
+
+    ip(netns, "link", "set", "eth0", "up")
+    # the kernel lists a device's IPv6 addresses newest first: the deprecated one is added last
+    ip(netns, "-6", "addr", "add", "fd00:77::10/64", "dev", "eth0", "nodad")
+    ip(netns, "-6", "addr", "add", "fd00:77::8/64", "dev", "eth0", "nodad", "preferred_lft", "0")
+    node = discover_node(Config(mode=Mode.EBPF, netns=netns, devices=("eth0",)), 6)
+    assert node.node_ips == ("fd00:77::8", "fd00:77::10")
+    assert node.primary_ip == "fd00:77::10"

@@ -870,8 +870,9 @@ def test_an_ipv6_flow_written_into_nf_conntrack_carries_its_nat(netns: str) -> N
     assert "ESTABLISHED" in line
     dumped = dump_flows(netns, socket.AF_INET6)
     assert [(f.orig, f.reply) for f in dumped] == [(NODEPORT6.orig, NODEPORT6.reply)], "IPv6's alone"
-    assert masqueraded_into(dumped, (61000, 65535)) == dumped
-    assert masqueraded_into(dumped, (62000, 65535)) == [], "its port is 61000"
+    assert masqueraded_into(dumped, (61000, 65535), "fd00:ff::11") == dumped
+    assert masqueraded_into(dumped, (62000, 65535), "fd00:ff::11") == [], "its port is 61000"
+    assert masqueraded_into(dumped, (61000, 65535), "fd00:ff::12") == [], "another address's"
     assert delete_flows(netns, [NODEPORT6]) == 1
 
 

@@ -174,6 +174,40 @@ def test_a_device_holding_only_an_ipv6_node_address_is_external(netns: str, prog
 
 
 @pytest.mark.kernel
+def test_a_device_whose_ipv6_node_address_went_is_detached_by_the_next_plain_reconcile(
+    netns: str, progs: dict[str, int]
+) -> None:
+    """Not only the first (full) reconcile detaches: the plain one an IPv6 sync runs when the IPv6
+    node addresses changed (EbpfProxier._follow_node6) takes ekp_from_net off a device that no
+    longer holds a node address."""
+    sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
+    sh("ip", "-n", netns, "link", "set", "other1", "up")
+    attacher = Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs)
+    attacher.reconcile(NodeContext(node_ips=("192.168.0.11", "fd00:ff::11")), full=True)
+    assert "ekp_from_net" in ingress(netns, "other1")
+    attacher.reconcile(NODE)
+    assert ingress(netns, "other1") == ""
+    assert sorted(attacher.attached.values()) == [("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)]
+
+
+@pytest.mark.kernel
+def test_a_link_scope_ipv6_address_never_makes_a_device_external(netns: str, progs: dict[str, int]) -> None:
+    """Every pod's veth holds an fe80:: address, unique on its link only: a link-local address
+    among the node addresses (an operator's --node-ip) does not make the pod device that holds the
+    same one external; a global address does."""
+    sh("ip", "-n", netns, "addr", "add", "fe80::11/64", "dev", "lxc-a", "nodad")
+    sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
+    sh("ip", "-n", netns, "link", "set", "other1", "up")
+    attacher = Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs)
+    attacher.reconcile(NodeContext(node_ips=("192.168.0.11", "fe80::11", "fd00:ff::11")), full=True)
+    assert sorted(attacher.attached.values()) == [
+        ("eth0", PROG_FROM_NET),
+        ("lxc-a", PROG_FROM_POD),
+        ("other1", PROG_FROM_NET),
+    ]
+
+
+@pytest.mark.kernel
 def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
     config = Config(netns=netns, pod_interfaces=("lxc*",))
     attacher = Attacher(config, progs)

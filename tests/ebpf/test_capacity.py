@@ -86,3 +86,20 @@ def test_read_fill_and_render() -> None:
         f.role: f for f in read_fill(maps, {"fe": 100, "ct_tcp": 100, "stats": 64}, CFG, now_ns=3650 * S)
     }
     assert later["ct_tcp"].live == 30 and later["ct_tcp"].pressure == 0.3
+
+
+def test_the_tc_ipv6_paths_conntrack_tables_show_their_live_entries_by_state() -> None:
+    """`agent inspect capacity`: ekp_ct6_* (the tc IPv6 path's) as IPv4's tables, live entries by
+    the same timeouts and states."""
+    maps = {role: FakeMap(MAPS[role], max_entries=100) for role in ("ct6_tcp", "ct6_any")}
+    for port in range(3):
+        live = abi.Ct6Entry(last_seen_ns=100 * S, flags=CtFlag.ESTABLISHED)
+        maps["ct6_tcp"].update(abi.Ct6Key(sport=port, proto=6), live)
+    reset = abi.Ct6Entry(last_seen_ns=195 * S, flags=CtFlag.ESTABLISHED | CtFlag.RST)  # closed, 5 s ago
+    maps["ct6_tcp"].update(abi.Ct6Key(sport=3, proto=6), reset)
+    maps["ct6_any"].update(abi.Ct6Key(sport=1, proto=17), abi.Ct6Entry(last_seen_ns=0))  # expired
+    fills = {f.role: f for f in read_fill(maps, {"ct6_tcp": 100, "ct6_any": 100}, CFG, now_ns=200 * S)}
+    tcp, other = fills["ct6_tcp"], fills["ct6_any"]
+    assert (tcp.entries, tcp.live, tcp.states) == (4, 4, (("assured", 3), ("unassured", 0), ("closed", 1)))
+    assert (other.entries, other.live) == (1, 0)
+    assert "live 4 4.0% assured 3 unassured 0 closed 1" in render_capacity([tcp])

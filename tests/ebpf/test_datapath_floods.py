@@ -32,6 +32,7 @@ from lab.dplab import (
     VIP,
     Lab,
     Net,
+    TupleRace,
     set_config,
 )
 from lab.packets import TC_ACT_REDIRECT, TC_ACT_SHOT, PreparedRun, icmp_error, parse, tcp, udp
@@ -104,7 +105,8 @@ def test_a_full_range_evicts_an_unanswered_flow_for_a_real_client(net: Net, dp: 
 def test_two_cpus_claiming_one_free_snat_port_at_once_never_both_count_it(net: Net, dp: Datapath) -> None:
     """IPv4's conntrack (the template's ekp_ct_place, as IPv6's, test_datapath_ipv6_snat.py): one
     SNAT port, two new flows each round at one moment on two CPUs (lab/cpurace.py), the table empty
-    before. Each round keeps exactly one flow more than it early-dropped; a race's loser drops as
+    before. Each round leaves exactly one flow, whole (no FORWARD entry without its twin), and
+    keeps one flow more than it early-dropped (lab/dplab.py TupleRace); a race's loser drops as
     DROP_TUPLE_TAKEN, never writing over the winner's entries uncounted."""
     cpus = sorted(os.sched_getaffinity(0))[:2]
     assert len(cpus) == 2, "the race needs two CPUs"
@@ -115,14 +117,10 @@ def test_two_cpus_claiming_one_free_snat_port_at_once_never_both_count_it(net: N
         [PreparedRun(fd, tcp(client, NODE, 20000 + r, 30080), ifindex) for r in range(RACE_ROUNDS)]
         for client in (CLIENT, spoofed(0))
     ]
-    rounds = race_rounds(cpus, runs, dp.maps["ct_tcp"].clear, timeout_s=60)
-    assert rounds == RACE_ROUNDS
-    stats = net.stats()
-    new, early, taken = stats[Stat.NEW_FLOWS], stats[Stat.EARLY_DROP], stats[Stat.DROP_TUPLE_TAKEN]
-    assert new - early == rounds, (
-        f"{new} new flows, {early} early drops: {new - early - rounds} lost uncounted"
-    )
-    assert new + taken == 2 * rounds
+    check = TupleRace(net, "ct_tcp")
+    rounds = race_rounds(cpus, runs, check, timeout_s=60)
+    check()
+    assert rounds == RACE_ROUNDS == check.rounds, f"{rounds} rounds run, {check.raced} of them raced"
 
 
 RACE_ROUNDS = 1500

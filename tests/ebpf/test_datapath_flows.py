@@ -30,6 +30,7 @@ from lab.dplab import (
     Lab,
     Net,
     assert_balanced,
+    forward_entries_without_twin,
     reset_maps,
     set_config,
 )
@@ -252,6 +253,36 @@ def test_a_lost_reply_entry_is_rebuilt_from_the_forward_one(net: Net) -> None:
     age(net, (POD_CLIENT, VIP, 38100, 80), 2)
     assert net.from_pod(tcp(POD_CLIENT, VIP, 38100, 80, flags="PA"))[0] == TC_ACT_REDIRECT
     assert parse(net.from_pod(tcp(BE1, POD_CLIENT, 8080, 38100, flags="A"))[1]).src == VIP
+
+
+def test_an_entry_whose_twin_key_holds_another_flows_entry_goes_at_its_refresh(net: Net) -> None:
+    """The REPLY tuple of an established flow holds another flow's entry (a foreign frontend, or a
+    foreign backend: written behind its back here, as another CPU's new flow takes a tuple whose
+    unanswered holder it dropped early while this flow was being written, bpf/ekp_ct_af.h
+    ekp_ct_create): the FORWARD entry goes at its once-a-second refresh, rather than translate the
+    client's segments while the answers go to the other flow; the other flow's entry stays. Its
+    next segment finds no flow (counted)."""
+    net.add_service()
+    for n, foreign in enumerate(({"fe_port": port_be(81)}, {"backend_id": 7})):
+        cport = 38300 + n
+        handshake(net, POD_CLIENT, cport)
+        assert not forward_entries_without_twin(net.dp.maps["ct_tcp"].items())
+        other = net.ct(BE1, POD_CLIENT, 8080, cport, reply=True)
+        assert other is not None
+        for field, value in foreign.items():
+            setattr(other, field, value)
+        net.ct_put(BE1, POD_CLIENT, 8080, cport, other, reply=True)
+        assert len(forward_entries_without_twin(net.dp.maps["ct_tcp"].items())) == 1, "the race test's check"
+        assert net.from_pod(tcp(POD_CLIENT, VIP, cport, 80, flags="PA"))[0] == TC_ACT_REDIRECT
+        assert net.ct(POD_CLIENT, VIP, cport, 80) is not None, "no refresh within the second"
+        age(net, (POD_CLIENT, VIP, cport, 80), 2)
+        net.from_pod(tcp(POD_CLIENT, VIP, cport, 80, flags="PA"))
+        assert net.ct(POD_CLIENT, VIP, cport, 80) is None, foreign
+        kept = net.ct(BE1, POD_CLIENT, 8080, cport, reply=True)
+        assert kept is not None and (kept.fe_port, kept.backend_id) == (other.fe_port, other.backend_id)
+        assert net.from_pod(tcp(POD_CLIENT, VIP, cport, 80, flags="PA"))[0] == TC_ACT_SHOT
+    assert net.stats()[Stat.DROP_NO_FLOW] == 2
+    assert net.stats()[Stat.CT_REBUILT] == 0
 
 
 def test_a_full_conntrack_table_evicts_the_least_recently_used(lab: Lab) -> None:

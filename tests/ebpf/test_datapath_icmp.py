@@ -203,14 +203,15 @@ def test_an_error_not_addressed_to_the_quoted_source_passes_untranslated(net: Ne
 
 
 def big_segment(
-    src: str, dst: str, sport: int, dport: int, *, df: bool = True, smac: str, dmac: str
+    src: str, dst: str, sport: int, dport: int, *, df: bool = True, smac: str, dmac: str, data: int = 1400
 ) -> bytes:
-    """A 1,454-byte TCP segment (1,400 bytes of data), DF set or not."""
+    """A 1,454-byte TCP segment (1,400 bytes of data), DF set or not; `data` bytes of data instead
+    (a GSO skb's)."""
     from scapy.layers.inet import IP, TCP
     from scapy.layers.l2 import Ether
 
     ip = IP(src=src, dst=dst, ttl=64, flags="DF" if df else 0)
-    return bytes(Ether(src=smac, dst=dmac) / ip / TCP(sport=sport, dport=dport, flags="PA") / (b"p" * 1400))
+    return bytes(Ether(src=smac, dst=dmac) / ip / TCP(sport=sport, dport=dport, flags="PA") / (b"p" * data))
 
 
 def test_too_big_for_the_backends_path_with_df_answers_fragmentation_needed(net: Net, lab: Lab) -> None:
@@ -230,6 +231,29 @@ def test_too_big_for_the_backends_path_with_df_answers_fragmentation_needed(net:
     # a segment that fits goes through
     fits = tcp(POD_CLIENT, VIP, 12345, 80, flags="PA", payload=b"p" * 1000)
     assert parse(net.from_pod(fits)[1]).dst == BE_SMALL_MTU
+
+
+def test_a_gso_burst_of_segments_too_big_for_the_backends_path_answers_fragmentation_needed(
+    net: Net, lab: Lab
+) -> None:
+    """A pod's TSO burst reaches tc as one GSO skb and leaves as segments: segments of 1,400 bytes
+    of data (1,440-byte packets, DF) are too big for the backend's 1,280-byte path, so the pod is
+    told, as for one such segment (the route lookup without the segments' length passes every GSO
+    skb: the segments were dropped at the device, no ICMP). A burst of segments that fit goes
+    through, however long the skb."""
+    net.add_service(backends=((3, BE_SMALL_MTU, 8080, BackendFlag.LOCAL),))
+    assert parse(net.from_pod(tcp(POD_CLIENT, VIP, 12350, 80))[1]).dst == BE_SMALL_MTU
+    burst = big_segment(POD_CLIENT, VIP, 12350, 80, smac=MAC[POD_CLIENT], dmac=lab.pod.mac, data=2800)
+    verdict, out = net.from_pod(burst, gso_size=1400)
+    assert verdict == TC_ACT_REDIRECT
+    e = icmp_error(out)
+    assert (e.type, e.code, e.src, e.dst, e.dmac) == (3, 4, VIP, POD_CLIENT, MAC[POD_CLIENT])
+    assert e.ip_chksum_ok and e.icmp_chksum_ok and e.length_ok
+    assert mtu_of(out) == SMALL_MTU and e.quote[:20] == burst[14:34]
+    assert net.stats()[Stat.DROP_FRAG_NEEDED] == 1
+    verdict, out = net.from_pod(burst, gso_size=1000)  # 1,040-byte segments
+    assert verdict == TC_ACT_REDIRECT and parse(out).dst == BE_SMALL_MTU
+    assert net.stats()[Stat.DROP_FRAG_NEEDED] == 1
 
 
 def test_too_big_for_the_clients_path_tells_the_backend(net: Net, lab: Lab) -> None:

@@ -48,9 +48,9 @@ from lab.dplab import (
     packet_lab,
     set_config,
 )
-from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT
+from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
 from tests.ebpf.test_datapath_floods import on_one_cpu
-from tests.ebpf.test_datapath_ipv6 import LOCAL_BE, frame6
+from tests.ebpf.test_datapath_ipv6 import LOCAL_BE, ct6_key, frame6
 
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
@@ -414,15 +414,16 @@ def test_errors_rewritten_on_a_checksum_complete_skb_keep_its_skb_csum(net: Net)
 
 
 def big_segment6(
-    src: str, dst: str, sport: int, dport: int, *, smac: str, dmac: str, hlim: int = 64
+    src: str, dst: str, sport: int, dport: int, *, smac: str, dmac: str, hlim: int = 64, data: int = 1400
 ) -> bytes:
-    """A 1,474-byte IPv6 TCP segment (1,400 bytes of data): too big for small0's 1,280."""
+    """A 1,474-byte IPv6 TCP segment (1,400 bytes of data): too big for small0's 1,280; `data`
+    bytes of data instead (a GSO skb's)."""
     from scapy.layers.inet import TCP as TCPh
     from scapy.layers.inet6 import IPv6
     from scapy.layers.l2 import Ether
 
     ip = IPv6(src=src, dst=dst, hlim=hlim)
-    return bytes(Ether(src=smac, dst=dmac) / ip / TCPh(sport=sport, dport=dport, flags="PA") / (b"p" * 1400))
+    return bytes(Ether(src=smac, dst=dmac) / ip / TCPh(sport=sport, dport=dport, flags="PA") / (b"p" * data))
 
 
 def assert_answers(out: bytes, sent: bytes, *, icmp: tuple[int, int, int], src: str, dst: str) -> None:
@@ -450,6 +451,26 @@ def test_too_big_for_the_backends_device_answers_packet_too_big_from_the_fronten
     # a segment that fits goes through, translated
     verdict, out = net.from_pod(frame6(POD6, VIP6, 42000, 80, flags="PA"))
     assert verdict == TC_ACT_REDIRECT and str(IPv6Address(out[38:54])) == BE6_SMALL_MTU
+
+
+def test_a_gso_burst_of_segments_too_big_for_the_backends_device_answers_packet_too_big(
+    net: Net, lab: Lab
+) -> None:
+    """A pod's TSO burst reaches tc as one GSO skb and leaves as segments: segments of 1,400 bytes
+    of data (1,460-byte packets) are too big for the backend's 1,280-byte device, so the pod is
+    told, as for one such segment (the route lookup without the segments' length passes every GSO
+    skb: the segments were dropped at the device, no Packet Too Big, the sender waiting for its
+    retransmission timeout). A burst of segments that fit goes through, however long the skb."""
+    add_service6(net.dp.maps, VIP6, 80, ((1, BE6_SMALL_MTU, 8080, BackendFlag.LOCAL),))
+    assert net.from_pod(frame6(POD6, VIP6, 42010, 80))[0] == TC_ACT_REDIRECT
+    burst = big_segment6(POD6, VIP6, 42010, 80, smac=MAC6[POD6], dmac=lab.pod.mac, data=2800)
+    verdict, out = net.from_pod(burst, gso_size=1400)
+    assert verdict == TC_ACT_REDIRECT
+    assert_answers(out, burst, icmp=(2, 0, SMALL_MTU), src=VIP6, dst=POD6)
+    assert net.stats()[Stat.DROP_FRAG_NEEDED] == 1
+    verdict, out = net.from_pod(burst, gso_size=1000)  # 1,060-byte segments
+    assert verdict == TC_ACT_REDIRECT and str(IPv6Address(out[38:54])) == BE6_SMALL_MTU
+    assert net.stats()[Stat.DROP_FRAG_NEEDED] == 1
 
 
 def test_too_big_for_the_clients_device_tells_the_backend(net: Net, lab: Lab) -> None:
@@ -480,6 +501,23 @@ def test_the_last_hop_of_a_flows_segment_is_answered_with_time_exceeded(net: Net
     assert net.stats()[Stat.DROP_HOP_LIMIT] == 2
     syn = frame6(POD6, VIP6, 42003, 80, hlim=1)
     assert net.from_pod(syn) == (TC_ACT_OK, syn)
+
+
+def test_no_error_goes_to_a_source_the_stack_would_drop_as_a_martian(net: Net) -> None:
+    """A segment at its last hop of a flow from the unspecified, loopback, an IPv4-mapped or a
+    multicast source (entries written behind the data path's back: no pod sends from those) is
+    dropped unanswered, as ip6_rcv_core would drop an answer's way back and IPv4's refuses 0/8 and
+    127/8; a real client's is answered."""
+    add_service6(net.dp.maps, NODE6, 30080, LOCAL_BE, scope=Scope.EXTERNAL, flags=FrontendFlag.NODEPORT)
+    assert net.from_net(frame6(CLIENT6, NODE6, 42100, 30080))[0] == TC_ACT_REDIRECT
+    forward = net.dp.maps["ct6_tcp"].lookup(ct6_key(CLIENT6, NODE6, 42100, 30080))
+    assert forward is not None
+    for src in ("::", "::1", "::ffff:10.0.0.1", "ff02::1"):
+        net.dp.maps["ct6_tcp"].update(ct6_key(src, NODE6, 42100, 30080), forward)
+        last = frame6(src, NODE6, 42100, 30080, flags="PA", hlim=1)
+        assert net.from_net(last)[0] == TC_ACT_SHOT, src
+    assert net.stats()[Stat.DROP_HOP_LIMIT] == 4
+    assert net.from_net(frame6(CLIENT6, NODE6, 42100, 30080, flags="PA", hlim=1))[0] == TC_ACT_REDIRECT
 
 
 def test_time_exceeded_is_rate_limited_packet_too_big_is_not(net: Net, dp: Datapath, lab: Lab) -> None:

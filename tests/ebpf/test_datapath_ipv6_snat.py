@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes as ct
 import os
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -43,6 +45,7 @@ from lab.dplab import (
     SNAT_MIN,
     VIP6,
     Net,
+    TupleRace,
     add_service6,
     set_config,
 )
@@ -169,27 +172,35 @@ def test_a_full_range_takes_over_an_unanswered_flow_and_refuses_once_every_flow_
     assert ct6(net, evicted, NODE6, 50002, 30080) is None
 
 
-def test_a_taken_over_snat_tuple_deletes_its_holders_forward_entry_only_while_it_is_that_flows(
+def test_a_taken_over_snat_tuple_deletes_the_forward_entry_under_its_holders_key_only_if_it_points_there(
     net: Net,
 ) -> None:
-    """The early drop takes an unanswered flow's SNAT tuple and deletes that flow's FORWARD entry
-    (the test above); an entry of another flow under that key since (the LRU reuses keys; written
-    behind the holder's back here: another backend) is not the holder's twin and stays."""
+    """The early drop takes an unanswered flow's SNAT tuple and deletes the FORWARD entry under that
+    flow's FORWARD key (the test above) when that entry's reply tuple is the one taken, whichever
+    flow wrote it (another backend here, written behind the holder's back): it would translate its
+    client onto the newcomer's tuple. One whose reply tuple is another (the LRU reuses keys) is no
+    part of the taken tuple and stays."""
     snat_source(net, NODE6)
     set_config(net.dp, snat_port_min=SNAT_MIN, snat_port_max=SNAT_MIN)
     nodeport_to_remote(net)
-    assert seen(net.from_net(frame6(CLIENT6, NODE6, 50010, 30080))[1])[3] == SNAT_MIN
-    fkey = abi.Ct6Key(
-        abi.Addr6(*ip6_words(CLIENT6)), abi.Addr6(*ip6_words(NODE6)), port_be(50010), port_be(30080), 6, 0
-    )
-    other = ct6(net, CLIENT6, NODE6, 50010, 30080)
-    other.backend_id = 99
-    net.dp.maps["ct6_tcp"].update(fkey, other)
-    verdict, out = net.from_net(frame6(NODE2_6, NODE6, 50010, 30080))
-    assert verdict == TC_ACT_REDIRECT and seen(out)[3] == SNAT_MIN
-    assert net.stats()[Stat.EARLY_DROP] == 1
-    kept = ct6(net, CLIENT6, NODE6, 50010, 30080)
-    assert kept is not None and kept.backend_id == 99, "not the holder's twin: left alone"
+    for n, (field, value) in enumerate((("backend_id", 99), ("snat_port", port_be(SNAT_MIN + 1)))):
+        cport = 50010 + n
+        net.dp.maps["ct6_tcp"].clear()
+        assert seen(net.from_net(frame6(CLIENT6, NODE6, cport, 30080))[1])[3] == SNAT_MIN
+        fkey = abi.Ct6Key(
+            abi.Addr6(*ip6_words(CLIENT6)), abi.Addr6(*ip6_words(NODE6)), port_be(cport), port_be(30080), 6, 0
+        )
+        other = ct6(net, CLIENT6, NODE6, cport, 30080)
+        setattr(other, field, value)
+        net.dp.maps["ct6_tcp"].update(fkey, other)
+        verdict, out = net.from_net(frame6(NODE2_6, NODE6, cport, 30080))
+        assert verdict == TC_ACT_REDIRECT and seen(out)[3] == SNAT_MIN
+        assert net.stats()[Stat.EARLY_DROP] == n + 1
+        kept = ct6(net, CLIENT6, NODE6, cport, 30080)
+        if field == "backend_id":
+            assert kept is None, "its reply tuple is the one taken: gone"
+        else:
+            assert kept is not None and kept.snat_port == value, "another reply tuple: left alone"
 
 
 def test_a_syn_on_a_closed_flows_tuple_takes_its_snat_port_again(net: Net) -> None:
@@ -369,14 +380,50 @@ def test_the_nodes_ipv6_address_changing_leaves_live_flows_their_source_and_is_n
     assert verdict == TC_ACT_REDIRECT and seen(out)[1:4] == (NODE6, REMOTE_BE6, first_port), "a live flow"
 
 
+def test_a_restart_never_translates_a_new_flow_with_the_snat_source_an_earlier_run_left_pinned(
+    net: Net, tmp_path: Path
+) -> None:
+    """ekp_cfg6 is pinned: the address an earlier run wrote was granted against that run's
+    ip6tables rules and --bpf-snat-ports (which a restart may change). The restarted agent's load
+    writes it zero before any sync or attach (the programs of the earlier run read it meanwhile),
+    so until sync6 grants again a new flow that asks SNAT is left to ip6tables; a flow translated
+    before keeps the source its entries hold. Here with the real programs and maps, the proxier's
+    load over them (its attacher and sysctls are fakes)."""
+    from tests.ebpf.test_proxier import Rig
+
+    snat_source(net, NODE6)  # the earlier run, granted
+    nodeport_to_remote(net)
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50400, 30080))
+    assert verdict == TC_ACT_REDIRECT and seen(out)[1] == NODE6, "the earlier run's flow, translated"
+    live_port = seen(out)[3]
+
+    rig = Rig(tmp_path)
+    rig.maps = cast(Any, net.dp.maps)  # the pinned maps, as the restarted agent opens them
+    p = rig.proxier()
+    p.prepare()  # the load: nothing granted yet (no ip6tables restore, no sync6)
+    try:
+        frame = frame6(CLIENT6, NODE6, 50401, 30080)
+        assert net.from_net(frame) == (TC_ACT_OK, frame), "left to ip6tables' masquerade"
+        assert ct6(net, CLIENT6, NODE6, 50401, 30080) is None
+        cfg6 = read_config6(net.dp.maps)
+        assert cfg6 is not None and not any(cfg6.node_addr)
+        verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50400, 30080, flags="A"))
+        assert verdict == TC_ACT_REDIRECT and seen(out)[1:4] == (NODE6, REMOTE_BE6, live_port), (
+            "the live flow keeps its source"
+        )
+    finally:
+        p.close()
+
+
 def test_two_cpus_claiming_one_free_snat_port_at_once_never_both_count_it(net: Net) -> None:
     """The SNAT range is one port; each round two new flows (two clients) are decided at the same
     moment on the machine's two CPUs (lab/cpurace.py), the table empty before. Each walk sees the
     port free, or held by the other's unanswered flow (then it early-drops that flow, counted). A
     flow that wrote over the other's entry after its walk saw the port free (the other claimed it
     in between: ekp_ct_place) would take it uncounted, the other's entries gone behind its
-    NEW_FLOWS; so the rounds must keep exactly one flow each more than they early-dropped, the
-    loser of a race dropped as DROP_TUPLE_TAKEN."""
+    NEW_FLOWS; so each round must leave exactly one flow, whole (no FORWARD entry without its
+    twin), one more than it early-dropped (lab/dplab.py TupleRace), the loser of a race dropped as
+    DROP_TUPLE_TAKEN."""
     cpus = sorted(os.sched_getaffinity(0))[:2]
     assert len(cpus) == 2, "the race needs two CPUs"
     snat_source(net, NODE6)
@@ -387,14 +434,10 @@ def test_two_cpus_claiming_one_free_snat_port_at_once_never_both_count_it(net: N
         [PreparedRun(fd, frame6(client, NODE6, 20000 + r, 30080), ifindex) for r in range(RACE_ROUNDS)]
         for client in (CLIENT6, OTHER_CLIENT6)
     ]
-    rounds = race_rounds(cpus, runs, net.dp.maps["ct6_tcp"].clear, timeout_s=60)
-    assert rounds == RACE_ROUNDS
-    stats = net.stats()
-    new, early, taken = stats[Stat.NEW_FLOWS], stats[Stat.EARLY_DROP], stats[Stat.DROP_TUPLE_TAKEN]
-    assert new - early == rounds, (
-        f"{new} new flows, {early} early drops: {new - early - rounds} lost uncounted"
-    )
-    assert new + taken == 2 * rounds
+    check = TupleRace(net, "ct6_tcp")
+    rounds = race_rounds(cpus, runs, check, timeout_s=60)
+    check()
+    assert rounds == RACE_ROUNDS == check.rounds, f"{rounds} rounds run, {check.raced} of them raced"
 
 
 RACE_ROUNDS = 1500

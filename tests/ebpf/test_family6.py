@@ -161,16 +161,20 @@ def test_the_nodes_ipv6_address_is_written_as_the_snat_source_of_the_ipv6_path()
 def test_the_snat_source_waits_until_ip6tables_masquerade_keeps_out_of_the_snat_range() -> None:
     """ekp_cfg6 gets the node's address only once the caller says ip6tables' MASQUERADE keeps out
     of --bpf-snat-ports (`snat_source`, EbpfAndIp6tables after a restore): before, nf_conntrack may
-    hold a port of the range the tc path would hand to another flow to the same backend. Zero is
-    written either way (it only leaves source translations to ip6tables)."""
+    hold a port of the range the tc path would hand to another flow to the same backend. Without
+    it zero is written, over an address written before too (a grant lost)."""
     maps = fake_maps()
     v6 = Ipv6Datapath(Config())
     state = state6([service()], [slice_("fd00:10:244:1::2")])
     v6.sync(maps, state, NODE6, None)
-    assert read_config6(maps) is None, "the node's address not written"
+    cfg6 = read_config6(maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "the node's address not written"
     v6.sync(maps, state, NODE6, None, snat_source=True)
     cfg6 = read_config6(maps)
     assert cfg6 is not None and ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+    v6.sync(maps, state, NODE6, frozenset({SPN}))
+    cfg6 = read_config6(maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "the grant gone: zero again"
 
 
 def test_a_restart_over_unchanged_state_writes_nothing_and_keeps_the_ids() -> None:

@@ -46,7 +46,8 @@ from agent.ebpf.programs import PROG_SOCK_TERM, PROGRAMS, SOCK_HOOKS
 from agent.ebpf.proxier import INSPECT_SECTIONS, remove_pins, render_live_maps
 from agent.ebpf.render import render_contents
 from agent.ebpf.sockattach import pinned_links
-from agent.takeover.flows import NatFlow
+from agent.model.types import IPFamily
+from agent.takeover.flows import NatFlow, TcpState
 from lab.netns import cgroup2_root, new_prefix, remove_cgroup_tree
 from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
 from tests.ebpf.test_family6 import VIP6, service, slice_, state6
@@ -191,8 +192,10 @@ class Rig:
         self.unavailable: set[str] = set()  # programs the kernel cannot load
         self.datapath_type: type[FakeDatapath] = FakeDatapath
         self.conntrack6: list[NatFlow] = []  # IPv6 nf_conntrack's DNAT entries
+        self.conntrack6_error: Exception | None = None  # what reading them raises
+        self.conntrack6_reads = 0
 
-    def proxier(self) -> EbpfProxier:
+    def proxier(self, *, ipv6: bool = True) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
             self.sizes.append(sizes)
             dp = self.datapath_type(self.maps)
@@ -225,8 +228,15 @@ class Rig:
             terminator_factory=lambda config, cgroup, fd, ended: FakeTerminator(self.events, fd, ended),
             netns_cookie_reader=lambda netns: 4242,
             socket_detach=self.socket_detach,
-            conntrack6_reader=lambda netns: list(self.conntrack6),
+            conntrack6_reader=self.read_conntrack6,
+            ipv6=ipv6,
         )
+
+    def read_conntrack6(self, netns: str) -> list[NatFlow]:
+        self.conntrack6_reads += 1
+        if self.conntrack6_error is not None:
+            raise self.conntrack6_error
+        return list(self.conntrack6)
 
     def socket_detach(self, pin_path: str) -> list[str]:
         self.events.append("unlink sockets")
@@ -507,6 +517,30 @@ def test_the_ipv6_node_addresses_find_external_devices_where_the_tc_ipv6_path_se
         p.close()
 
 
+def test_a_removed_ipv6_node_address_releases_its_device_at_the_ipv6_sync(rig: Rig) -> None:
+    """An IPv6 node address that sync6 no longer reads (removed, or moved) leaves the addresses
+    the attacher finds external devices by at that sync6, not at the next IPv4 sync: its device,
+    holding no IPv4 node address, is no longer external."""
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+    )
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    half.sync(state, NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11"))
+    attacher = rig.attachers[-1]
+    assert attacher.nodes[-1].node_ips == (*NODE.node_ips, "fd00:192:168::11")
+    half.sync(state, NodeContext(node_ips=("fd00:192:168::12",), primary_ip="fd00:192:168::12"))
+    assert attacher.nodes[-1].node_ips == (*NODE.node_ips, "fd00:192:168::12"), "moved"
+    half.sync(state, NodeContext())
+    assert attacher.nodes[-1].node_ips == NODE.node_ips, "removed"
+    p.close()
+
+
 def test_the_first_attach_before_the_ipv6_sync_keeps_ekp_from_net_where_it_is(rig: Rig) -> None:
     """After a restart the IPv4 sync attaches (full) before the IPv6 family's first sync has told
     the proxier its node addresses: where the tc IPv6 path serves, that reconcile keeps ekp_from_net
@@ -529,12 +563,16 @@ def test_the_first_attach_before_the_ipv6_sync_keeps_ekp_from_net_where_it_is(ri
 
 
 def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_snat_range_to_end(
-    rig: Rig,
+    rig: Rig, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Once ip6tables' rule keeps out of --bpf-snat-ports (masquerade_apart), flows it masqueraded
     before (an upgrade, a switch from iptables mode) may still hold ports of the range: until none
     does (IPv6 nf_conntrack read at each sync6), ekp_cfg6 gets no node address and ip6tables goes on
-    masquerading; then it does, and nf_conntrack is not read again."""
+    masquerading; then it does, and nf_conntrack is not read again. Only a flow a tc flow could
+    collide with counts (masqueraded to the node's IPv6 SNAT address, a port of the range, whatever
+    address it was sent to, a ClusterIP's too: a long-lived one masqueraded to another address does
+    not keep the path's SNAT off, even when sent to the SNAT address); while one does, a
+    warning names it and the gauge counts it."""
     from agent.ebpf.maps import read_config6
 
     node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
@@ -550,21 +588,357 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     outside = NatFlow(
         6, ("fd00:ff::100", "fd00:192:168::11", 5556, 30080), ("fd00:a:2::7", "fd00:192:168::11", 8080, 40000)
     )
-    rig.conntrack6 = [held, outside]
+    elsewhere = NatFlow(  # masqueraded to the node's other IPv6 address: no tc reply tuple ends there
+        6, ("fd00:ff::100", "fd00:192:168::12", 5557, 30080), ("fd00:a:2::7", "fd00:192:168::12", 8080, 61500)
+    )
+    # To a ClusterIP (and so not to a node address), masqueraded to the SNAT address: held too
+    to_cluster_ip = NatFlow(
+        6, ("fd00:10:244:1::9", VIP6, 5558, 80), ("fd00:a:2::7", "fd00:192:168::11", 8080, 62000)
+    )
+    # To the SNAT address (a NodePort), masqueraded to the node's other address: not held
+    masqueraded_elsewhere = NatFlow(
+        6, ("fd00:ff::100", "fd00:192:168::11", 5559, 30080), ("fd00:a:2::7", "fd00:192:168::12", 8080, 61501)
+    )
+    rig.conntrack6 = [held, outside, elsewhere, to_cluster_ip, masqueraded_elsewhere]
     p = rig.proxier()
+    gauge: list[int] = []
+    p.on_snat6_held = gauge.append
     half = p.ipv6()
     p.sync(STATE, NODE)
     state = state6([service()], [slice_("fd00:10:244:1::2")])
-    half.masquerade_apart()
+    half.masquerade_apart(True)
+    with caplog.at_level(logging.WARNING, logger="agent.ebpf.proxier"):
+        half.sync(state, node6)
+        # the same flow closing: its state changes, not which flows hold the ports
+        rig.conntrack6 = [replace(held, tcp_state=TcpState.FIN_WAIT), *rig.conntrack6[1:]]
+        half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "a masqueraded flow holds a port of the range"
+    warned = [r.getMessage() for r in caplog.records if "hold ports of that range" in r.getMessage()]
+    assert len(warned) == 1, "said once while the same flows hold them, whatever their state"
+    assert warned[0].startswith("2 IPv6 TCP flows"), warned
+    assert held.describe() in warned[0] and to_cluster_ip.describe() in warned[0], warned
+    assert gauge == [2, 2]
+    rig.conntrack6 = [outside, elsewhere, masqueraded_elsewhere]  # they ended; the others never mattered
     half.sync(state, node6)
-    assert read_config6(rig.maps) is None, "a masqueraded flow holds a port of the range"
-    rig.conntrack6 = [outside]  # it ended; one outside the range does not matter
-    half.sync(state, node6)
+    assert gauge[-1] == 0
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
     rig.conntrack6 = [held]  # not read any more: ip6tables' rule keeps new ones out
     half.sync(state, node6)
     assert read_config6(rig.maps) == cfg6
+    p.close()
+
+
+def test_an_ipv6_nf_conntrack_read_that_raises_anything_leaves_the_ipv6_sync_whole(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pyroute2's dump of IPv6 nf_conntrack may raise more than OSError (a decoder's ValueError,
+    struct.error): the IPv6 maps are still written, the grant waits (ekp_cfg6 zero), a warning
+    counts the failures in a row, and the next sync6 reads again."""
+    from agent.ebpf.maps import read_config6
+
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+    )
+    rig.conntrack6_error = ValueError("bad NLA length")
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    half.masquerade_apart(True)
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    with caplog.at_level(logging.WARNING, logger="agent.ebpf.proxier"):
+        half.sync(state, node6)
+        half.sync(state, node6)
+    assert rig.conntrack6_reads == 2, "read again at the next sync"
+    assert rig.maps["fe6"].items(), "the IPv6 maps written all the same"
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr)
+    said = [r.getMessage() for r in caplog.records if "cannot read IPv6 nf_conntrack" in r.getMessage()]
+    assert len(said) == 2 and "ValueError: bad NLA length; 2 time(s) in a row" in said[1], said
+    rig.conntrack6_error = None
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+    p.close()
+
+
+def test_the_tc_ipv6_paths_snat_source_is_zero_whenever_the_grant_is_lost_or_the_path_is_off(
+    rig: Rig,
+) -> None:
+    """ekp_cfg6 holds the node's address only while granted: an ip6tables restore that failed
+    (masquerade_apart(False): the rules in place are not known to keep out of --bpf-snat-ports)
+    zeroes it at the next sync6 until one succeeds again, and nf_conntrack is read again then (a flow
+    masqueraded into the range meanwhile holds it). Where the tc IPv6 path does not serve
+    (legacy host routing), it is zero whatever ip6tables did, over what a pin held."""
+    from agent.ebpf.maps import read_config6, write_config6
+
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    dual = replace(rig.config, node_ips=("192.168.0.11", "fd00:192:168::11"), socket_lb=True)
+    rig.config = replace(dual, bpf_host_routing=HostRouting.BPF)
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    half.masquerade_apart(True)
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+    half.masquerade_apart(False)
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "a failed restore takes the grant back"
+    # Meanwhile (rules not known to be ours) a flow was masqueraded into the range: the next good
+    # restore reads nf_conntrack again rather than trusting the grant it had.
+    rig.conntrack6 = [
+        NatFlow(
+            6,
+            ("fd00:ff::100", "fd00:192:168::11", 5555, 30080),
+            ("fd00:a:2::7", "fd00:192:168::11", 8080, 61500),
+        )
+    ]
+    half.masquerade_apart(True)
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "read again after the failed restore"
+    rig.conntrack6 = []
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+    p.close()
+
+    rig.config = replace(dual, bpf_host_routing=HostRouting.LEGACY)
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    half.masquerade_apart(True)
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "no tc IPv6 path: no source for it"
+    write_config6(rig.maps, abi.Config6(node_addr=abi.Addr6(*abi.ip6_words("fd00:192:168::11"))))
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "what a pin held is written over"
+    p.close()
+
+
+def _tc6_flow(rig: Rig, client: str, node6: str, port: int, *, last_seen_ns: int) -> abi.Ct6Key:
+    """A flow the tc IPv6 path source-translated to node6:port (its FORWARD entry)."""
+    key = abi.Ct6Key(
+        saddr=abi.Addr6(*abi.ip6_words(client)),
+        daddr=abi.Addr6(*abi.ip6_words(VIP6)),
+        sport=port_be(40001),
+        dport=port_be(80),
+        proto=6,
+        dir=abi.CtDir.FORWARD,
+    )
+    entry = abi.Ct6Entry(
+        last_seen_ns=last_seen_ns,
+        nat_addr=abi.Addr6(*abi.ip6_words("fd00:10:244:1::2")),
+        snat_addr=abi.Addr6(*abi.ip6_words(node6)),
+        fe_addr=abi.Addr6(*abi.ip6_words(VIP6)),
+        nat_port=port_be(8080),
+        snat_port=port_be(port),
+        fe_port=port_be(80),
+        flags=abi.CtFlag.ESTABLISHED,
+    )
+    rig.maps["ct6_tcp"].update(key, entry)
+    return key
+
+
+def test_a_restart_with_another_snat_range_keeps_ip6tables_masquerade_off_the_ports_old_tc_flows_hold(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--bpf-snat-ports 61000-65535, then a restart with 63000-65535: MASQUERADE's side outside the
+    new range (1024-62999) covers the old one, where a flow the tc IPv6 path translated in the earlier
+    run still holds node6:61500 (its REPLY entry takes the backend's answers; nf_conntrack knows
+    nothing of it). ip6tables' --to-ports keeps off it while it lives, and takes the whole side
+    again at the first full sync6 after it ended (its entry gone)."""
+    from agent.iptables import IptablesProxier
+
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+        snat_ports=(61000, 65535),
+    )
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    half.masquerade_apart(True)
+    half.sync(state, node6)
+    now = time.monotonic_ns()
+    held = _tc6_flow(rig, "fd00:ff::100", "fd00:192:168::11", 61500, last_seen_ns=now)
+    _tc6_flow(rig, "fd00:ff::101", "fd00:192:168::11", 64000, last_seen_ns=now)  # in both ranges
+    _tc6_flow(rig, "fd00:ff::102", "fd00:ff::102", 62000, last_seen_ns=now)  # the client's own address
+    assert p.snat6_held() is None, "the flows are in this run's range"
+    p.close()
+
+    rig.config = replace(rig.config, snat_ports=(63000, 65535))
+    p = rig.proxier()
+    half = p.ipv6()
+    ip6tables = IptablesProxier(rig.config, family=IPFamily.IPv6, snat6_held=p.snat6_held)
+    with caplog.at_level(logging.WARNING, logger="agent.ebpf.proxier"):
+        text = ip6tables.render(state, node6)
+    assert " --to-ports 1024-61499" in text, [ln for ln in text.splitlines() if "MASQUERADE" in ln]
+    assert any(
+        "hold source ports 61500-61500 outside --bpf-snat-ports 63000-65535" in r.getMessage()
+        for r in caplog.records
+    )
+    p.sync(STATE, NODE)
+    half.masquerade_apart(True)
+    half.sync(state, node6)
+    assert p.snat6_held() == (61500, 61500), "held while the flow lives"
+    assert rig.maps["ct6_tcp"].delete(held)
+    half.sync(state, node6, frozenset())
+    assert p.snat6_held() == (61500, 61500), "a partial sync6 does not read the tables"
+    half.sync(state, node6)
+    assert p.snat6_held() is None
+    assert " --to-ports 1024-62999" in ip6tables.render(state, node6)
+    p.close()
+
+
+def test_held_ports_count_live_forward_entries_translated_to_a_node_address_outside_the_range() -> None:
+    """agent/ebpf/ports.py held_outside: an entry past its idle timeout holds nothing (as the data
+    path's lookup treats it), nor one inside the range, nor one translated to the client's own address."""
+    from agent.ebpf.ports import held_outside
+
+    def flow(
+        port: int, *, to: str = "fd00:192:168::11", idle_s: int = 0, reply: bool = False
+    ) -> tuple[abi.Ct6Key, abi.Ct6Entry]:
+        key = abi.Ct6Key(
+            saddr=abi.Addr6(*abi.ip6_words("fd00:ff::100")),
+            proto=6,
+            dir=abi.CtDir.REPLY if reply else abi.CtDir.FORWARD,
+        )
+        entry = abi.Ct6Entry(
+            last_seen_ns=NOW_NS - idle_s * 10**9,
+            snat_addr=abi.Addr6(*abi.ip6_words(to)),
+            snat_port=port_be(port),
+            flags=abi.CtFlag.ESTABLISHED,
+        )
+        return key, entry
+
+    NOW_NS = 10**15
+    cfg = abi.Config(tcp_established_s=3600)
+    snat = (63000, 65535)
+    assert held_outside([flow(61500), flow(62000), flow(64000)], snat, cfg, NOW_NS) == (61500, 62000)
+    assert held_outside([flow(61500, idle_s=3601)], snat, cfg, NOW_NS) is None
+    assert held_outside([flow(61500, idle_s=3599)], snat, cfg, NOW_NS) == (61500, 61500)
+    assert held_outside([flow(61500, to="fd00:ff::100")], snat, cfg, NOW_NS) is None
+    assert held_outside([flow(61500, reply=True)], snat, cfg, NOW_NS) is None
+
+
+def test_the_ipv6_snat_grant_waits_for_this_runs_snat_range_in_ekp_config(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tc IPv6 path takes its ports from ekp_config's range, which only the IPv4 sync writes: a
+    restart with another --bpf-snat-ports whose IPv4 sync failed before writing it leaves the
+    earlier range there, which ip6tables' MASQUERADE (outside the new one) may cover. sync6 runs all
+    the same: it writes no SNAT source until ekp_config holds this run's range."""
+    from agent.ebpf.maps import read_config6, write_config
+
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+        snat_ports=(61000, 65535),
+    )
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    p.close()
+
+    rig.config = replace(rig.config, snat_ports=(63000, 65535))
+    p = rig.proxier()
+    half = p.ipv6()
+
+    def refused(maps: Mapping[str, MapWriter], cfg: abi.Config) -> None:
+        raise OSError("ENOSPC")
+
+    monkeypatch.setattr("agent.ebpf.proxier.write_config", refused)
+    with pytest.raises(OSError):
+        p.sync(STATE, NODE)
+    half.masquerade_apart(True)
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "ekp_config still holds 61000-65535"
+    monkeypatch.setattr("agent.ebpf.proxier.write_config", write_config)
+    p.sync(STATE, NODE)
+    half.sync(state, node6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+    p.close()
+
+
+def test_the_ipv6_snat_grant_is_told_at_each_ipv6_sync_and_its_reason_logged_when_it_changes(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ekp_ipv6_snat_granted (on_snat6_granted) says 1 or 0 at each sync6; the log says why, once
+    per change: a failed restore, no usable IPv6 address, held flows, a failed nf_conntrack read;
+    granted. A path off by the flags is 0 without a word (nothing an operator can act on)."""
+    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
+    no_address = NodeContext(node_ips=(), primary_ip="")
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    held = NatFlow(
+        6, ("fd00:ff::100", "fd00:192:168::11", 5555, 30080), ("fd00:a:2::7", "fd00:192:168::11", 8080, 61500)
+    )
+    dual = replace(rig.config, node_ips=("192.168.0.11", "fd00:192:168::11"), socket_lb=True)
+    rig.config = replace(dual, bpf_host_routing=HostRouting.BPF)
+    p = rig.proxier()
+    granted: list[int] = []
+    p.on_snat6_granted = granted.append
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "the tc IPv6 path " in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+        half.masquerade_apart(False)
+        half.sync(state, node6)
+        half.sync(state, node6)
+        half.masquerade_apart(True)
+        half.sync(state, no_address)
+        rig.conntrack6 = [held]
+        half.sync(state, node6)
+        rig.conntrack6_error = ValueError("bad NLA length")
+        half.sync(state, node6)
+        rig.conntrack6_error = None
+        rig.conntrack6 = []
+        half.sync(state, node6)
+        half.sync(state, node6)
+    assert granted == [0, 0, 0, 0, 0, 1, 1]
+    reasons = [m for m in said() if m.startswith("the tc IPv6 path leaves masqueraded flows")]
+    assert [r.split(": ", 1)[1].split(" ")[:3] for r in reasons] == [
+        ["the", "last", "ip6tables"],
+        ["the", "node", "has"],
+        ["1", "flows", "ip6tables"],
+        ["IPv6", "nf_conntrack", "could"],
+    ], reasons
+    assert sum("source-translates masqueraded flows" in m for m in said()) == 1
+    p.close()
+
+    caplog.clear()
+    rig.config = replace(dual, bpf_host_routing=HostRouting.LEGACY)
+    p = rig.proxier()
+    granted.clear()
+    p.on_snat6_granted = granted.append
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+        half.masquerade_apart(True)
+        half.sync(state, node6)
+    assert granted == [0] and not [m for m in said() if "leaves masqueraded" in m]
     p.close()
 
 
@@ -887,7 +1261,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
     node = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
     sh("ip", "netns", "exec", node_ns, "sysctl", "-qw", "net.ipv4.ip_forward=0")
 
-    first = EbpfProxier(config)
+    first = EbpfProxier(config, ipv6=False)
     try:
         first.sync(STATE, node)
         want = plan(STATE, node, config)
@@ -928,7 +1302,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
     assert "ekp_from_net" in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
     assert cgroup_programs(cgroup) == sockets  # the pinned links hold them while no agent runs
 
-    second = EbpfProxier(config)
+    second = EbpfProxier(config, ipv6=False)
     try:
         second.sync(MORE, node)
         assert second.last_flush.writes == 0  # same ids, no churn
@@ -1040,6 +1414,7 @@ def test_legacy_host_routing_is_on_before_any_ingress_program_is_attached(rig: R
             sysctl_reader=lambda netns, path: rig.local_ports,
             sizes_reader=lambda pin_path: {},
             upgrade_factory=lambda pin_path: FakeUpgrade(rig.events),
+            ipv6=False,
         )
 
     legacy = replace(rig.config, bpf_host_routing=HostRouting.LEGACY)

@@ -76,6 +76,7 @@ def proxier(maps: Mapping[str, MapWriter], tmp: Path) -> EbpfProxier:
         sysctl_reader=lambda netns, path: "32768\t60999",
         sizes_reader=lambda pin_path: {},
         upgrade_factory=lambda pin_path: FakeUpgrade([]),
+        ipv6=False,
     )
 
 

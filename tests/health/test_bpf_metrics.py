@@ -48,6 +48,23 @@ def opener(maps: dict[str, FakeMap], missing: set[str] | None = None) -> Callabl
     return open_map
 
 
+V4, V6 = {"ip_family": "IPv4"}, {"ip_family": "IPv6"}
+
+
+def test_the_conntrack_entries_count_the_tc_ipv6_paths_tables_too() -> None:
+    """ekp_conntrack_entries: IPv4's tables and the tc IPv6 path's, apart by ip_family."""
+    maps = fake_maps()
+    for i in range(2):
+        key = abi.Ct6Key(sport=2000 + i, dport=80, proto=6)
+        maps["ct6_tcp"].update(key, abi.Ct6Entry())
+    maps["ct6_any"].update(abi.Ct6Key(sport=2000, dport=53, proto=17), abi.Ct6Entry())
+    registry = CollectorRegistry()
+    registry.register(BpfMapsCollector(opener(maps)))
+    assert registry.get_sample_value("ekp_conntrack_entries", V4) == 6
+    assert registry.get_sample_value("ekp_conntrack_entries", V6) == 3
+    assert registry.get_sample_value("ekp_bpf_map_entries", {"map": MAPS["ct6_tcp"].name}) == 2
+
+
 def test_entries_capacity_fill_and_counters_from_fake_maps() -> None:
     registry = CollectorRegistry()
     registry.register(BpfMapsCollector(opener(fake_maps())))
@@ -57,7 +74,7 @@ def test_entries_capacity_fill_and_counters_from_fake_maps() -> None:
     assert get("ekp_bpf_map_capacity", {"map": fe}) == 65536
     assert get("ekp_bpf_map_fill_ratio", {"map": fe}) == 3 / 65536
     assert get("ekp_bpf_map_entries", {"map": ct_tcp}) == 5
-    assert get("ekp_conntrack_entries") == 6  # both tables
+    assert get("ekp_conntrack_entries", V4) == 6  # both tables
     assert get("ekp_bpf_map_entries", {"map": MAPS["cfg"].name}) == 2  # arrays are always full
     assert get("ekp_bpf_map_up", {"map": MAPS["srcr"].name}) == 1
     assert get("ekp_datapath_packets_total") == 100
@@ -101,9 +118,9 @@ def test_values_are_read_at_every_scrape() -> None:
     maps = fake_maps()
     registry = CollectorRegistry()
     registry.register(BpfMapsCollector(opener(maps)))
-    assert registry.get_sample_value("ekp_conntrack_entries") == 6
+    assert registry.get_sample_value("ekp_conntrack_entries", V4) == 6
     maps["ct_tcp"].update(abi.CtKey(saddr=99, daddr=7, sport=1, dport=80, proto=6), abi.CtEntry())
-    assert registry.get_sample_value("ekp_conntrack_entries") == 7
+    assert registry.get_sample_value("ekp_conntrack_entries", V4) == 7
 
 
 def test_registering_reads_no_map() -> None:
@@ -120,14 +137,15 @@ def test_registering_reads_no_map() -> None:
 def test_missing_maps_are_down_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="agent.metrics.bpf")
     maps = fake_maps()
-    missing = {"ct_tcp", "ct_any", "stats"}
+    missing = {"ct_tcp", "ct_any", "ct6_tcp", "ct6_any", "stats"}  # every conntrack table
     ct_tcp = MAPS["ct_tcp"].name
     registry = CollectorRegistry()
     registry.register(BpfMapsCollector(opener(maps, missing)))
     for _ in range(3):
         assert registry.get_sample_value("ekp_bpf_map_up", {"map": ct_tcp}) == 0
     assert registry.get_sample_value("ekp_bpf_map_up", {"map": MAPS["fe"].name}) == 1
-    assert registry.get_sample_value("ekp_conntrack_entries") is None
+    assert registry.get_sample_value("ekp_conntrack_entries", V4) is None
+    assert registry.get_sample_value("ekp_conntrack_entries", V6) is None
     assert registry.get_sample_value("ekp_datapath_packets_total") is None
     assert caplog.text.count(f"cannot read eBPF map {ct_tcp} for /metrics: No such file or directory") == 1
     missing.clear()
@@ -162,7 +180,7 @@ def test_counting_500000_conntrack_entries_is_cheap_enough_for_a_10s_scrape() ->
         registry = CollectorRegistry()
         registry.register(BpfMapsCollector(pinned_opener(dp.pin_path)))
         t0 = time.perf_counter()
-        assert registry.get_sample_value("ekp_conntrack_entries") == expected
+        assert registry.get_sample_value("ekp_conntrack_entries", V4) == expected
         scrape = time.perf_counter() - t0
         assert registry.get_sample_value("ekp_bpf_map_capacity", {"map": MAPS["ct_tcp"].name}) == 524288
         assert registry.get_sample_value("ekp_datapath_drops_total", {"reason": "malformed"}) == 0

@@ -425,6 +425,11 @@ def test_ip6tables_masquerade_beside_the_tc_ipv6_path_keeps_out_of_the_bpf_snat_
     assert masquerade_ports_beside((20000, 30000)) == (30001, 65535)
     assert masquerade_ports_beside((40000, 50000)) == (1024, 39999)
     assert masquerade_ports_beside((1024, 65535)) is None
+    # Ports an earlier run's range left held by tc flows: the largest span meeting neither.
+    assert masquerade_ports_beside((63000, 65535), (61500, 61500)) == (1024, 61499)
+    assert masquerade_ports_beside((63000, 65535), (61000, 62500)) == (1024, 60999)
+    assert masquerade_ports_beside((1024, 20000), (61000, 65535)) == (20001, 60999)
+    assert masquerade_ports_beside((1024, 2047), (2048, 65535)) is None
     ebpf6 = replace(
         CONFIG,
         mode=Mode.EBPF,
