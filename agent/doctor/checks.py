@@ -119,6 +119,7 @@ class Facts:
     api: ApiFacts | None = None  # None: --services-file, no API server
     map_sizes: Mapping[str, int] = field(default_factory=dict)  # eBPF map role -> max entries
     conntrack: tuple[int, int] | None = None  # nf_conntrack_count, nf_conntrack_max
+    unlocked_route_mtus: tuple[str, ...] = ()  # IPv4 routes with an unlocked mtu metric, "DST dev N mtu M"
 
 
 def kernel_version(release: str) -> tuple[int, int]:
@@ -138,7 +139,7 @@ def checklist(f: Facts) -> list[Line]:
         lines.append(_iptables(f))
     lines += [_forwarding(f), _kube_proxy(f)]
     if f.mode is Mode.EBPF:
-        lines.append(_hooks(f))
+        lines += [_hooks(f), _route_mtus(f)]
     lines += _api(f)
     lines += _sizing(f)
     return lines
@@ -320,6 +321,22 @@ def _hooks(f: Facts) -> Line:
         "tc/XDP hooks",
         f"another program shares the hooks, after ours: {listed}",
         "check that it expects translated packets",
+    )
+
+
+def _route_mtus(f: Facts) -> Line:
+    # bpf_fib_lookup (bpf/ekp_redirect.h) checks a route's mtu metric only when locked (or with
+    # net.ipv4.ip_forward_use_pmtu), while IPv4 forwarding always does: unlocked, a packet between
+    # that MTU and the device's leaves whole from the data path but would get a fragmentation
+    # needed from the stack.
+    if not f.unlocked_route_mtus:
+        return Line(Verdict.OK, "route MTUs", "no IPv4 route with an unlocked mtu")
+    return Line(
+        Verdict.WARN,
+        "route MTUs",
+        f"unlocked mtu on {_few(f.unlocked_route_mtus)}: IP forwarding enforces it, the eBPF data "
+        "path's route lookup does not (packets up to the device's MTU leave whole, no ICMP)",
+        "lock it: ip route change ROUTE mtu lock N",
     )
 
 
