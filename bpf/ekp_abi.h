@@ -188,11 +188,16 @@ enum ekp_ct_dir {
 				     * timeout is at most tcp_orphan_s (a live stream keeps answering) */
 #define EKP_CT_HOST        (1 << 9) /* the backend is this node's own address (EKP_BE_HOST): packets
 				     * are handed to the node's stack, replies leave by tc egress */
-#define EKP_CT_HANDOVER    (1 << 10) /* ADOPTED | HOST: the kernel's NAT entry for the flow still holds
+#define EKP_CT_HANDOVER    (1 << 10) /* ADOPTED (legacy host routing, or HOST): the kernel's NAT entry for the flow still holds
 				     * the tuple the stack would track the translated packets under
 				     * (agent/takeover/flows.py): its forward packets drop
 				     * (EKP_DROP_HANDOVER) until the agent replaced that entry and
 				     * cleared the flag, EKP_CT_HANDOVER_S after created_s at most */
+#define EKP_CT_NFPASS      (1 << 11) /* ADOPTED, legacy host routing or HOST: the flow is still
+				     * nf_conntrack's, whose NAT entry translates it as before the
+				     * attach: a packet hitting either entry passes untranslated
+				     * (EKP_STAT_PASS) until the agent swapped the flag for HANDOVER,
+				     * EKP_CT_HANDOVER_S after created_s at most */
 #define EKP_CT_HANDOVER_S  10
 
 struct ekp_ct_key {

@@ -265,15 +265,22 @@ static __always_inline int EKP_CTF(usable_forward)(const EKP_CT_ENTRY *e, const 
 	return m && m->flags;
 }
 
-/* Whether a live FORWARD hit belongs to a flow being handed over (EKP_CT_HANDOVER): taken over
- * from nf_conntrack, to a backend on the node's own address, whose NAT entry in the kernel the
- * agent has not replaced yet. Translated now, the packet would reach the node's stack as a flow
- * whose reply tuple that entry holds; the stack's NAT would give it another source port and the
- * backend's socket would answer with a RST. Dropped instead (the sender retransmits), until the
- * agent clears the flag, or EKP_CT_HANDOVER_S after the entry was made should it never come. */
-static __always_inline int EKP_CTF(handing_over)(const EKP_CT_ENTRY *e, __u64 now)
+/* What of a live hit's flow is still nf_conntrack's (EKP_CT_NFPASS, EKP_CT_HANDOVER: a flow taken
+ * over from it that meets the node's stack between its translations, legacy host routing or a
+ * backend on the node's own address), 0 when nothing. NFPASS: the kernel's NAT entry for the flow
+ * still translates it, so a packet of either direction passes untranslated and the stack treats it
+ * as before the attach. HANDOVER: the agent is replacing that entry by the plain one; a forward
+ * packet translated now would reach the stack as a flow whose reply tuple the NAT entry holds, and
+ * the stack's NAT would give it another source port (which the backend resets), and one passed
+ * untranslated could find no entry left: dropped (the sender retransmits). Either holds until the
+ * agent clears it, or EKP_CT_HANDOVER_S after the entry was made should it never come. */
+static __always_inline __u16 EKP_CTF(nf_held)(const EKP_CT_ENTRY *e, __u64 now)
 {
-	return (e->flags & EKP_CT_HANDOVER) && (__u32)(now / EKP_NSEC) - e->created_s < EKP_CT_HANDOVER_S;
+	__u16 held = e->flags & (EKP_CT_NFPASS | EKP_CT_HANDOVER);
+
+	if (held && (__u32)(now / EKP_NSEC) - e->created_s >= EKP_CT_HANDOVER_S)
+		return 0;
+	return held;
 }
 
 /* Whether a live REPLY hit may translate this packet: no SYN-ACK on a flow that saw a FIN or RST:

@@ -11,9 +11,11 @@
  *   first fragment             -> its ports recorded; `release` set when later ones are held
  *   TTL <= 1                   -> PASS (the stack answers with time exceeded, quoting the packet
  *                                 as its sender sent it)
- *   conntrack FORWARD hit      -> TRANSLATE to the backend (and the SNAT source); DROP HANDOVER
- *                                 while a flow taken over from nf_conntrack is handed over (ekp_ct.h)
- *   conntrack REPLY hit        -> TRANSLATE from the frontend (and back to the client if SNAT)
+ *   conntrack FORWARD hit      -> TRANSLATE to the backend (and the SNAT source); PASS while a
+ *                                 flow taken over from nf_conntrack is still its (NFPASS), DROP
+ *                                 HANDOVER while it is handed over (ekp_ct_af.h, nf_held)
+ *   conntrack REPLY hit        -> TRANSLATE from the frontend (and back to the client if SNAT);
+ *                                 PASS while NFPASS
  *   frontend hit               -> policy (source ranges, no endpoints: REJECT or DROP, mid-flow
  *                                 TCP: DROP NO_FLOW), backend, SNAT, conntrack -> TRANSLATE
  *   nothing                    -> PASS (a TCP SYN or a UDP datagram first checks that its reverse
@@ -420,7 +422,10 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 	ekp_ct_key_of(&key, p, EKP_CT_FORWARD);
 	struct ekp_ct_entry *ct = ekp_ct_lookup(&key);
 	if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_forward(ct, p)) {
-		if (ekp_ct_handing_over(ct, now))
+		__u16 held = ekp_ct_nf_held(ct, now);
+		if (held & EKP_CT_NFPASS)
+			return; /* PASS: nf_conntrack's NAT entry translates it */
+		if (held)
 			ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_HANDOVER);
 		else
 			ekp_decide_hit(ct, &key, p, now, d, q);
@@ -429,7 +434,8 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 	key.dir = EKP_CT_REPLY;
 	ct = ekp_ct_lookup(&key);
 	if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_reply(ct, p)) {
-		ekp_decide_hit(ct, &key, p, now, d, q);
+		if (!(ekp_ct_nf_held(ct, now) & EKP_CT_NFPASS))
+			ekp_decide_hit(ct, &key, p, now, d, q);
 		return;
 	}
 
@@ -531,7 +537,8 @@ static __always_inline void ekp_decide_local_packet(struct ekp_work *w, int pars
 		struct ekp_ct_key key = {};
 		ekp_ct_key_of(&key, p, EKP_CT_REPLY);
 		struct ekp_ct_entry *ct = ekp_ct_lookup(&key);
-		if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_reply(ct, p))
+		if (ct && ekp_ct_alive(ct, &key, cfg, now) && ekp_ct_usable_reply(ct, p) &&
+		    !(ekp_ct_nf_held(ct, now) & EKP_CT_NFPASS))
 			ekp_decide_hit(ct, &key, p, now, d, &w->queue);
 	}
 	if (d->action == EKP_ACT_PASS && (cfg->flags & EKP_CFG_HOST_LEGACY))

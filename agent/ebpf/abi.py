@@ -123,10 +123,11 @@ class CtFlag(IntEnum):
     ADOPTED = 1 << 7
     ORPHAN = 1 << 8  # TCP: the backend left every Service; only its packets renew the flow
     HOST = 1 << 9  # the backend is this node's own address (BackendFlag.HOST)
-    HANDOVER = 1 << 10  # ADOPTED | HOST, the kernel's NAT entry not yet replaced: forward packets drop
+    HANDOVER = 1 << 10  # ADOPTED, the kernel's NAT entry being replaced: forward packets drop
+    NFPASS = 1 << 11  # ADOPTED, still nf_conntrack's (its NAT entry translates): packets pass untranslated
 
 
-CT_HANDOVER_S = 10  # EKP_CT_HANDOVER_S: CtFlag.HANDOVER holds at most this long after created_s
+CT_HANDOVER_S = 10  # EKP_CT_HANDOVER_S: CtFlag.NFPASS, HANDOVER hold at most this long after created_s
 
 
 class CtqRing(IntEnum):

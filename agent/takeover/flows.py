@@ -34,8 +34,10 @@ With legacy host routing (--bpf-host-routing=legacy, bpf/ekp_host.h) the node's 
 packet of an eBPF flow between its two translations, as client:cport <-> backend:bport with real
 addresses both ways (`stack_flow`), and nf_conntrack tracks it as that plain flow. So it does for a
 host-backend flow under either host routing (the stack delivers it). Until its NAT entry is
-replaced (below), the data path drops such a flow's forward packets (CtFlag.HANDOVER, cleared by
-the agent right after the replacement; the sender retransmits): the stack must not see them. Its reply tuple
+replaced (below), the data path passes such a flow's packets untranslated (CtFlag.NFPASS), so
+that entry goes on translating them as before the attach; while the agent replaces it, the data
+path drops its forward packets (CtFlag.HANDOVER, for one ctnetlink send(2); the sender
+retransmits): the stack must not see them translated. Its reply tuple
 is the reply tuple of the flow's NAT entry whenever the source was not translated, and the kernel
 holds one entry per tuple: while the NAT entry is there, the stack's NAT gives the plain flow's
 packets another source port (its null binding finds the reply tuple taken), and the backend resets
@@ -177,11 +179,13 @@ def host_backend(flow: NatFlow, node_addresses: Collection[str]) -> bool:
     return flow.reply[0] in node_addresses
 
 
-def ebpf_flags(flow: NatFlow, *, host: bool = False) -> int:
-    """eBPF flow state (CtFlag) for the kernel's; `host`: the backend is the node's own address
-    (HANDOVER too: the stack must not see its packets translated while the kernel's NAT entry is
-    there, module doc)."""
-    flags = CtFlag.HOST | CtFlag.HANDOVER if host else 0
+def ebpf_flags(flow: NatFlow, *, host: bool = False, nfpass: bool = False) -> int:
+    """eBPF flow state (CtFlag) for the kernel's; `host`: the backend is the node's own address;
+    `nfpass`: the flow meets the node's stack (legacy host routing, or `host`), whose NAT entry
+    goes on translating it until the agent replaced that entry (module doc)."""
+    flags = CtFlag.HOST if host else 0
+    if nfpass:
+        flags |= CtFlag.NFPASS
     if flow.snat:
         flags |= CtFlag.SNAT
     if flow.status & IPS_SEEN_REPLY:
@@ -231,10 +235,11 @@ def ct_keys(flow: NatFlow) -> tuple[CtKey, CtKey]:
 
 
 def ebpf_entries(
-    flow: NatFlow, ids: EbpfIds, now_ns: int, *, host: bool = False
+    flow: NatFlow, ids: EbpfIds, now_ns: int, *, host: bool = False, nfpass: bool = False
 ) -> list[tuple[CtKey, CtEntry]]:
     """The FORWARD and REPLY entries of a carried flow (check `why_not_carried` first); `host`:
-    its backend is the node's own address (`host_backend`)."""
+    its backend is the node's own address (`host_backend`); `nfpass`: it meets the node's stack
+    (`ebpf_flags`)."""
     s, d, sp, dp = flow.orig
     rs, rd, rsp, rdp = flow.reply
     snat = flow.snat
@@ -243,7 +248,7 @@ def ebpf_entries(
         "last_seen_ns": now_ns,
         "fe_addr": ip_be(d),
         "fe_port": port_be(dp),
-        "flags": ebpf_flags(flow, host=host),
+        "flags": ebpf_flags(flow, host=host, nfpass=nfpass),
         "svc_id": ids.services.get((d, dp, flow.proto), 0),
         "backend_id": ids.backends.get((rs, rsp, flow.proto), 0),
         "created_s": now_ns // NSEC,

@@ -11,8 +11,8 @@ right after:
    these flows (its NAT bindings outlive any rule).
    While the programs are being attached, nf_conntrack_tcp_be_liberal is 1 (below, in the code).
 2. after: the same again, for the flows the other data path started in between (milliseconds),
-   once the flows carried before are handed to the stack (below: that ends the window in which
-   they lose packets, so nothing comes before it); nf_conntrack_tcp_be_liberal back to what it was.
+   once the flows carried before are handed to the stack (below: their hold expires, so nothing
+   comes before it); nf_conntrack_tcp_be_liberal back to what it was.
    From here the programs see every packet of those flows first and translate them from their
    own entries: same backend, same SNAT source and port.
    With bpf host routing netfilter sees no packet of these flows any more. With legacy host
@@ -20,16 +20,27 @@ right after:
    NAT entry is in the way (agent/takeover/flows.py, `stack_flow`): its reply tuple is the plain
    flow's, so the stack's NAT gives the packets another source port and the backend resets them
    (seen in the lab: conntrack's `found` counter, plain entries whose reply port differs, created
-   and destroyed within microseconds). So each carried flow's entry is replaced by the plain one
-   the stack would have made, in the same state and window-liberal: the NAT entry deleted, then
-   the plain tuple's entry (one made since the attach holds another port), then the plain entry
-   created (one a packet made in between is kept). A flow whose backend is the node's own address
-   (CtFlag.HOST) meets the stack under either host routing, and its entry is replaced the same way;
-   for such a flow the NAT entry is no harmless stranger: the stack delivers the packet with the
-   other port to the backend's socket, which answers with a RST that the data path translates
-   back to the client (seen in the lab). So the data path drops its forward packets from the
-   attach until the replacement is done (CtFlag.HANDOVER, carried with it: the client
-   retransmits), and the flag is cleared right after.
+   and destroyed within microseconds). A flow whose backend is the node's own address
+   (CtFlag.HOST) meets the stack under either host routing; for it the NAT entry is no harmless
+   stranger: the stack delivers the packet with the other port to the backend's socket, which
+   answers with a RST that the data path translates back to the client (seen in the lab).
+   So such flows (legacy: all, bpf: HOST) are carried with CtFlag.NFPASS: from the attach the data
+   path passes their packets, both directions, untranslated, and their NAT entry goes on
+   translating them as before the attach. Then, flow by flow (nfct.replace_flows), the entry is
+   replaced by the plain one the stack would have made, in the same state and window-liberal:
+   NFPASS swapped for CtFlag.HANDOVER (the data path drops the flow's forward packets: one passed
+   untranslated could find no entry and go through the old rules, one translated would meet the
+   NAT entry), the NAT entry deleted, then the plain tuple's entry (one made since the attach holds
+   another port), the plain entry created (one a packet made in between is kept), HANDOVER
+   cleared. A flow's forward packets drop for one send(2) of the three ctnetlink messages, which
+   the kernel runs before it returns (0.1 ms typically, 5 ms at most in the lab under three busy
+   loops, against 38-67 ms with a pyroute2 request per message) (the sender retransmits;
+   its replies are translated meanwhile, and the stack passes them with the right addresses under
+   either entry); before NFPASS, the stack reset every flow's packets from the attach until the last
+   NAT entry of the batch was gone (129 ms at load 22 in the lab). Both flags expire
+   EKP_CT_HANDOVER_S after the carry (an agent that died in between: the data path translates
+   them then, as it did before NFPASS); a restarted agent finds the NAT entries again, carries the
+   flows as there already and replaces them the same way.
 3. then, the node being served: the other data path's rules go (agent/iptables/
    kube_proxy_cleanup.py: kube-proxy's iptables chains in both backends, which are also iptables
    mode's, and kube-proxy's nftables tables). Done at every start: an eBPF node has none of them,
@@ -51,12 +62,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.config import Config, HostRouting
 from agent.ebpf import abi
+from agent.ebpf.abi import CtFlag
 from agent.ebpf.codec import KEYS, VALUES
 from agent.ebpf.maps import MapError, MapWriter, UpdateFlag
 from agent.takeover.flows import (
@@ -64,6 +76,7 @@ from agent.takeover.flows import (
     NatFlow,
     Skip,
     Timeouts,
+    Tuple,
     ct_keys,
     ebpf_entries,
     host_backend,
@@ -71,6 +84,9 @@ from agent.takeover.flows import (
     why_not_carried,
 )
 from agent.takeover.out_of_ebpf import timeouts_of
+
+if TYPE_CHECKING:
+    from agent.takeover.nfct import Replaced
 
 log = logging.getLogger(__name__)
 
@@ -126,16 +142,18 @@ def _default_sysctl(netns: str, path: str, value: str) -> str | None:
     return write_sysctl(netns, path, value)
 
 
-def _default_delete(netns: str, flows: Iterable[NatFlow]) -> int:
-    from agent.takeover.nfct import delete_flows
+def _default_replace(
+    netns: str,
+    flows: Iterable[NatFlow],
+    by: Callable[[NatFlow], NatFlow],
+    timeouts: Timeouts,
+    *,
+    before: Callable[[NatFlow], None],
+    after: Callable[[NatFlow], None],
+) -> Replaced:
+    from agent.takeover.nfct import replace_flows
 
-    return delete_flows(netns, flows)
-
-
-def _default_create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Any:
-    from agent.takeover.nfct import create_flows
-
-    return create_flows(netns, flows, timeouts)
+    return replace_flows(netns, flows, by, timeouts, before=before, after=after)
 
 
 def _default_cleanup(config: Config) -> Any:
@@ -163,14 +181,12 @@ class KernelTakeover:
         addresses: Callable[[str], Collection[str]] = _default_addresses,
         remove_rules: Callable[[Config], Any] = _default_cleanup,
         sysctl: Callable[[str, str, str], str | None] = _default_sysctl,
-        delete: Callable[[str, Iterable[NatFlow]], int] = _default_delete,
-        create: Callable[[str, Iterable[NatFlow], Timeouts], Any] = _default_create,
+        replace: Callable[..., Replaced] = _default_replace,
         clock_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self._config = config
         self._dump = dump
-        self._delete = delete
-        self._create = create
+        self._replace = replace
         self._addresses = addresses
         self._remove_rules = remove_rules
         self._sysctl = sysctl
@@ -190,44 +206,27 @@ class KernelTakeover:
             # translated back, and the client's stack answers with a RST. Window checks are off
             # until every device has its program (kube-proxy's conntrack.tcpBeLiberal, for a
             # moment); once they all have, netfilter's entries no longer translate these flows
-            # (with legacy host routing it tracks them as plain flows from after_attach on).
+            # (but those held for the stack, NFPASS, until after_attach replaced their entries).
             self._liberal_was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         # The flows carried before the attach are handed to the stack before anything else, the
-        # second dump included: from the attach on, each packet of theirs the stack sees meets their
-        # NAT entry in the way (module doc) until that entry is deleted, so the time to their
-        # deletion is a window in which they lose packets (an SCTP chunk, never retransmitted by
-        # the lab's crafted peer, was lost twice when a starved agent made it last over 2 s). The flows to
-        # the node's own address lead: the data path drops their forward packets until then.
+        # second dump included: they are netfilter's (NFPASS) until then, and NFPASS expires
+        # (EKP_CT_HANDOVER_S after the carry).
         self._attached_at = time.monotonic()
         carried, self._carried = self._carried, []
-        host = [f for f in carried if host_backend(f, self._node)]
-        pods = [f for f in carried if not host_backend(f, self._node)] if self._stack_sees_all() else []
-        first = host + pods
-        self._hand_over(maps, first, host)
-        done = {f.orig for f in first}
+        self._to_stack(maps, [f for f in carried if self._meets_stack(f)])
+        done = {f.orig for f in carried}
         flows = [f for f in self._carry(maps, "after the programs were attached") if f.orig not in done]
-        host = [f for f in flows if host_backend(f, self._node)]
-        self._hand_over(maps, flows if self._stack_sees_all() else host, host)
+        self._to_stack(maps, [f for f in flows if self._meets_stack(f)])
         if self._liberal_was is not None and self._liberal_was != "1":
             self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
         self._liberal_was = None
 
-    def _stack_sees_all(self) -> bool:
-        """Whether the node's stack sees every translated flow (legacy host routing); under bpf host
-        routing only a flow to the node's own address meets it."""
-        return self._config.bpf_host_routing == HostRouting.LEGACY
-
-    def _hand_over(self, maps: Mapping[str, MapWriter], flows: list[NatFlow], host: list[NatFlow]) -> None:
-        """`flows`' NAT entries replaced by the stack's plain ones, then `host` released: replaced
-        or not (then the stack resets them, as it would have without the wait), the data path
-        stops dropping their forward packets."""
-        try:
-            if flows:
-                self._to_stack(flows)
-        finally:
-            self._handed_over(maps, host)
+    def _meets_stack(self, flow: NatFlow) -> bool:
+        """Whether the node's stack sees the flow's packets between their translations: every flow
+        under legacy host routing, only a flow to the node's own address under bpf host routing."""
+        return self._config.bpf_host_routing == HostRouting.LEGACY or host_backend(flow, self._node)
 
     def serving(self) -> None:
         # Only once the socket programs serve the node's own clients too: kube-proxy's OUTPUT
@@ -235,45 +234,50 @@ class KernelTakeover:
         # SYNs to the ClusterIP itself until it timed out).
         self._remove_rules(self._config)
 
-    def _handed_over(self, maps: Mapping[str, MapWriter], flows: list[NatFlow]) -> None:
-        """CtFlag.HANDOVER cleared on both entries of each flow (agent/takeover/flows.py): the data
-        path translates their forward packets from here on."""
-        released = 0
-        for flow in flows:
-            table = maps[abi.ct_role(flow.proto)]
-            for key in ct_keys(flow):
-                entry = table.lookup(key)
-                if not isinstance(entry, abi.CtEntry) or not entry.flags & abi.CtFlag.HANDOVER:
-                    continue
-                entry.flags &= ~abi.CtFlag.HANDOVER
-                # Read, then written back: a state change the data path made in between (its
-                # replies renew the REPLY entry) is lost, for microseconds, once per flow.
-                try:
-                    table.update(key, entry, UpdateFlag.EXIST)
-                except MapError as exc:
-                    if exc.errno != errno.ENOENT:  # ended meanwhile
-                        raise
-                    continue
-                released += key.dir == abi.CtDir.FORWARD
-        if flows:
-            log.info(
-                "the %d carried flows to a backend on the node's own address are handed over: eBPF"
-                " conntrack translates their packets (%d released)",
-                len(flows),
-                released,
-            )
+    def _hold(self, maps: Mapping[str, MapWriter], flow: NatFlow, *, clear: int, add: int = 0) -> None:
+        """`clear` cleared and `add` set on both entries of `flow` (either may be gone: ended, or
+        never written)."""
+        table = maps[abi.ct_role(flow.proto)]
+        for key in ct_keys(flow):
+            entry = table.lookup(key)
+            if not isinstance(entry, abi.CtEntry):
+                continue
+            flags = (entry.flags & ~clear) | add
+            if flags == entry.flags:
+                continue
+            entry.flags = flags
+            # Read, then written back: a state change the data path made in between (its replies
+            # renew the REPLY entry) is lost, for microseconds, twice per flow.
+            try:
+                table.update(key, entry, UpdateFlag.EXIST)
+            except MapError as exc:
+                if exc.errno != errno.ENOENT:  # ended meanwhile
+                    raise
 
-    def _to_stack(self, flows: list[NatFlow]) -> None:
-        """Each carried flow's nf_conntrack entry replaced by the plain one legacy host routing's
-        stack tracks (module doc, step 2)."""
+    def _to_stack(self, maps: Mapping[str, MapWriter], flows: list[NatFlow]) -> None:
+        """Each carried flow's nf_conntrack entry replaced by the plain one the node's stack
+        tracks, flow by flow, its packets held meanwhile (module doc, step 2)."""
+        if not flows:
+            return
         started = time.monotonic()
         netns = self._config.netns
-        plain = [stack_flow(f) for f in flows]
+        held = CtFlag.NFPASS | CtFlag.HANDOVER
+        released: set[Tuple] = set()
+        holds_ns: list[int] = [0, 0]  # the one being held since, the longest hold
+
+        def before(flow: NatFlow) -> None:
+            self._hold(maps, flow, clear=CtFlag.NFPASS, add=CtFlag.HANDOVER)
+            holds_ns[0] = time.monotonic_ns()
+
+        def after(flow: NatFlow) -> None:
+            self._hold(maps, flow, clear=held)
+            holds_ns[1] = max(holds_ns[1], time.monotonic_ns() - holds_ns[0])
+            released.add(flow.orig)
+
         try:
-            retired = self._delete(netns, flows)
-            gone_ms = (time.monotonic() - self._attached_at) * 1000
-            stray = self._delete(netns, plain)
-            made = self._create(netns, plain, timeouts_of(self._config))
+            done = self._replace(
+                netns, flows, stack_flow, timeouts_of(self._config), before=before, after=after
+            )
         except (OSError, NetlinkError) as exc:
             log.warning(
                 "cannot replace the NAT entries of the %d flows carried into eBPF conntrack in netns %s (%s):"
@@ -285,21 +289,28 @@ class KernelTakeover:
                 exc,
             )
             return
-        for line in made.failed[:10]:
+        finally:
+            # Not left to the data path's expiry: an entry not replaced meets the stack translated
+            # (reset, as it would have been without the wait), not netfilter's old rules.
+            for flow in flows:
+                if flow.orig not in released:
+                    self._hold(maps, flow, clear=held)
+        for line in done.made.failed[:10]:
             log.warning("a carried flow's plain nf_conntrack entry could not be created: %s", line)
         log.info(
             "handed the %d carried flows to the node's stack (legacy host routing, or a backend on the"
-            " node's own address): %d NAT entries of"
-            " nf_conntrack replaced by client <-> backend entries (%d made by packets meanwhile, %d with"
-            " another source port removed, %d failed), %.0f ms; their NAT entries were gone %.0f ms after"
-            " the attach (until then the stack gave their packets another source port)",
+            " node's own address), one by one, nf_conntrack's NAT entries translating each until its turn:"
+            " %d NAT entries replaced by client <-> backend entries (%d made by packets meanwhile, %d with"
+            " another source port removed, %d failed), %.0f ms, done %.0f ms after the attach; each flow's"
+            " forward packets dropped while its entry was replaced, %.2f ms at most",
             len(flows),
-            retired,
-            made.present,
-            stray,
-            len(made.failed),
+            done.retired,
+            done.made.present,
+            done.stray,
+            len(done.made.failed),
             (time.monotonic() - started) * 1000,
-            gone_ms,
+            (time.monotonic() - self._attached_at) * 1000,
+            holds_ns[1] / 1e6,
         )
 
     def _carry(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:
@@ -331,7 +342,9 @@ class KernelTakeover:
                 continue
             carried.append(flow)
             added = False
-            for key, entry in ebpf_entries(flow, ids, now, host=host_backend(flow, node)):
+            host = host_backend(flow, node)
+            nfpass = host or self._config.bpf_host_routing == HostRouting.LEGACY
+            for key, entry in ebpf_entries(flow, ids, now, host=host, nfpass=nfpass):
                 try:
                     maps[abi.ct_role(key.proto)].update(key, entry, UpdateFlag.NOEXIST)
                     added = True

@@ -2,7 +2,7 @@
 
 `dump_flows` lists the IPv4 TCP, UDP and SCTP entries as `NatFlow`s; `create_flows` writes flows as new
 entries with their NAT bindings, so netfilter goes on translating them as the eBPF programs did;
-`delete_flows` removes entries by tuple.
+`delete_flows` removes entries by tuple; `replace_flows` replaces entries one by one.
 ctnetlink sets a created entry's NAT up from CTA_NAT_DST / CTA_NAT_SRC applied to the inverse of
 the original tuple (an entry given its translated reply tuple directly holds no NAT status bit,
 and the kernel would not rewrite its packets); a TCP entry is window-liberal (below). Each call
@@ -18,13 +18,30 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyroute2.netlink import (
+    NETLINK_NETFILTER,
+    NLM_F_ACK,
+    NLM_F_CREATE,
+    NLM_F_EXCL,
+    NLM_F_REQUEST,
+    NLMSG_ERROR,
+)
 from pyroute2.netlink.exceptions import NetlinkError
-from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple, NFCTSocket
+from pyroute2.netlink.nfnetlink import NFNL_SUBSYS_CTNETLINK
+from pyroute2.netlink.nfnetlink.nfctsocket import (
+    IPCTNL_MSG_CT_DELETE,
+    IPCTNL_MSG_CT_NEW,
+    NFCTAttrTuple,
+    NFCTSocket,
+    nfct_msg,
+)
 
 from agent.netns import netns_route, run_in_netns
 from agent.takeover.flows import (
@@ -222,6 +239,115 @@ def delete_flows(netns: str, flows: Iterable[NatFlow]) -> int:
         return deleted
 
     return run_in_netns(netns, run)
+
+
+@dataclass
+class Replaced:
+    """What `replace_flows` did."""
+
+    retired: int = 0  # entries deleted on the flows' own tuples
+    stray: int = 0  # entries deleted on their replacements' tuples (made by packets meanwhile)
+    made: Created = field(default_factory=Created)
+
+
+def replace_flows(
+    netns: str,
+    flows: Iterable[NatFlow],
+    by: Callable[[NatFlow], NatFlow],
+    timeouts: Timeouts,
+    *,
+    before: Callable[[NatFlow], None],
+    after: Callable[[NatFlow], None],
+) -> Replaced:
+    """Each flow's entry replaced by the entry of `by(flow)`, one flow after the other: `before(flow)`,
+    then in one send(2) the entry on the flow's tuple deleted, the one on the new flow's deleted (a
+    packet made it meanwhile) and the new one created, then `after(flow)` (also when a step failed:
+    counted in `made.failed`). The kernel runs the messages of one send in order before it returns
+    (netlink_rcv_skb), so between `before` and `after` there is one system call, not three
+    round trips through pyroute2's per-message work (about 2 ms each, and tens of ms when the agent
+    waits for a CPU): the caller holds the flow's packets there. The messages are pyroute2's, encoded
+    before `before`; only the acks are read here."""
+    wanted = list(flows)
+
+    def run() -> Replaced:
+        done = Replaced()
+        for family in (socket.AF_INET, socket.AF_INET6):
+            group = [f for f in wanted if _family(f) == family]
+            if not group:
+                continue
+            with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER) as sock:
+                sock.bind((0, 0))
+                sock.settimeout(ACK_WAIT_S)  # never an agent stuck at its start: an OSError instead
+                for flow in group:
+                    new = by(flow)
+                    batch = b"".join(
+                        (
+                            _message(family, IPCTNL_MSG_CT_DELETE, 0, 1, tuple_orig=_orig_tuple(flow)),
+                            _message(family, IPCTNL_MSG_CT_DELETE, 0, 2, tuple_orig=_orig_tuple(new)),
+                            _message(family, IPCTNL_MSG_CT_NEW, _CREATE, 3, **_entry(new, timeouts)),
+                        )
+                    )
+                    before(flow)
+                    try:
+                        sock.send(batch)
+                    finally:
+                        after(flow)
+                    errors = _acks(sock, 3)
+                    done.retired += _deleted(errors[1], flow)
+                    done.stray += _deleted(errors[2], new)
+                    if errors[3] == 0:
+                        done.made.created += 1
+                    elif errors[3] == errno.EEXIST:
+                        done.made.present += 1
+                        done.made.taken.append(new)
+                    else:
+                        done.made.failed.append(f"{new.describe()}: {os.strerror(errors[3])}")
+        return done
+
+    return run_in_netns(netns, run)
+
+
+_CREATE = NLM_F_EXCL | NLM_F_CREATE
+ACK_WAIT_S = 5.0  # the kernel acks each request in the send itself; this only bounds the unexpected
+
+
+def _orig_tuple(flow: NatFlow) -> NFCTAttrTuple:
+    s, d, sp, dp = flow.orig
+    return NFCTAttrTuple(family=_family(flow), saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp)
+
+
+def _message(family: int, kind: int, flags: int, seq: int, **attrs: Any) -> bytes:
+    """A ctnetlink request, encoded by pyroute2, asking for an ack."""
+    msg = nfct_msg.create_from(**attrs)
+    msg["nfgen_family"] = family
+    msg["header"]["type"] = (NFNL_SUBSYS_CTNETLINK << 8) | kind
+    msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK | flags
+    msg["header"]["sequence_number"] = seq
+    msg.encode()
+    return bytes(msg.data)
+
+
+def _acks(sock: socket.socket, count: int) -> dict[int, int]:
+    """The errno of each of `count` requests' acks (NLMSG_ERROR, 0 for success), by sequence number."""
+    errors: dict[int, int] = {}
+    while len(errors) < count:
+        data = sock.recv(65536)
+        offset = 0
+        while offset + 16 <= len(data):
+            length, kind, _flags, seq, _pid = struct.unpack_from("=IHHII", data, offset)
+            if kind == NLMSG_ERROR:
+                errors[seq] = -struct.unpack_from("=i", data, offset + 16)[0]
+            offset += (max(length, 16) + 3) & ~3
+    return errors
+
+
+def _deleted(error: int, flow: NatFlow) -> int:
+    """1 for a deleted entry, 0 for none (ENOENT: the flow ended, or the stack never tracked it)."""
+    if error == errno.ENOENT:
+        return 0
+    if error:
+        raise NetlinkError(error, f"cannot delete the nf_conntrack entry of {flow.describe()}")
+    return 1
 
 
 def _delete(ct: NFCTSocket, flow: NatFlow) -> int:

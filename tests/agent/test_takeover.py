@@ -14,7 +14,7 @@ import secrets
 import socket
 import subprocess
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -50,7 +50,7 @@ from agent.takeover.flows import (
     why_not_carried,
 )
 from agent.takeover.into_ebpf import KernelTakeover, ebpf_ids
-from agent.takeover.nfct import Created, create_flows, delete_flows, dump_flows
+from agent.takeover.nfct import Created, Replaced, create_flows, delete_flows, dump_flows, replace_flows
 from agent.takeover.out_of_ebpf import EbpfHandback
 from lab.dplab import (
     BE1,
@@ -291,6 +291,37 @@ def test_the_stack_tracks_a_flow_as_client_and_backend() -> None:
 # ---- KernelTakeover and EbpfHandback with fakes --------------------------------------------------
 
 
+class FakeReplace:
+    """nfct.replace_flows' steps as events, `during(flow)` called where the flow's entries are being
+    replaced (between its `before` and `after`)."""
+
+    def __init__(self, events: list[str], during: Callable[[NatFlow], None] = lambda flow: None) -> None:
+        self.events = events
+        self.during = during
+
+    def __call__(
+        self,
+        netns: str,
+        flows: Iterable[NatFlow],
+        by: Callable[[NatFlow], NatFlow],
+        timeouts: Timeouts,
+        *,
+        before: Callable[[NatFlow], None],
+        after: Callable[[NatFlow], None],
+    ) -> Replaced:
+        done = Replaced()
+        for flow in flows:
+            new = by(flow)
+            assert not new.dnat and not new.snat
+            before(flow)
+            self.events += [f"delete {[flow.orig]}", f"delete {[new.orig]}", f"create {[new.orig]}"]
+            self.during(flow)
+            done.retired += 1
+            done.made.created += 1
+            after(flow)
+        return done
+
+
 def fake_maps() -> dict[str, MapWriter]:
     maps: dict[str, MapWriter] = {role: FakeMap(MAPS[role]) for role in ("fe", "be", "ct_tcp", "ct_any")}
     for (addr, port, proto), svc in IDS.services.items():
@@ -334,25 +365,13 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
         events.append(f"dump {netns}")
         return list(kernel)
 
-    def delete(netns: str, flows: Iterable[NatFlow]) -> int:
-        got = [f.orig for f in flows]
-        events.append(f"delete {got}")
-        return len(got)
-
-    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Created:
-        got = list(flows)
-        assert all(not f.dnat and not f.snat for f in got)
-        events.append(f"create {[f.orig for f in got]}")
-        return Created(created=len(got))
-
     takeover = KernelTakeover(
         Config(netns="node1", bpf_host_routing=routing),
         dump=dump,
         addresses=lambda netns: {"192.168.0.11"},
         remove_rules=lambda config: events.append(f"remove rules {config.netns}"),
         sysctl=lambda netns, path, value: events.append(f"{path}={value}") or "0",  # type: ignore[func-returns-value]
-        delete=delete,
-        create=create,
+        replace=FakeReplace(events),
         clock_ns=lambda: NOW,
     )
     maps = fake_maps()
@@ -370,8 +389,8 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
     # legacy host routing: the stack sees the carried flows again, as client <-> backend; their NAT
     # entries go (the node's own client keeps its), then the plain tuples' (another source port,
     # made since the attach), then the plain entries are made: first for the flow carried before
-    # the attach, before the second dump (its packets meet its NAT entry until it goes), then for
-    # the one started meanwhile. bpf routing: netfilter sees none.
+    # the attach, before the second dump (it is netfilter's, NFPASS, until then, and that expires),
+    # then for the one started meanwhile. bpf routing: netfilter sees none.
     def to_stack(flow: NatFlow) -> list[str]:
         plain = [stack_flow(flow).orig]
         return [f"delete {[flow.orig]}", f"delete {plain}", f"create {plain}"]
@@ -393,50 +412,50 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
 API_FLOW = NatFlow(6, (POD_CLIENT, VIP, 40100, 80), (NODE, POD_CLIENT, 6443, 40100))
 
 
-def test_a_flow_to_the_nodes_own_address_is_carried_as_a_host_flow_being_handed_over() -> None:
-    """The data path hands such a flow to the node's stack (CtFlag.HOST, as for a new flow to a
-    BackendFlag.HOST backend), and drops its forward packets until the agent replaced the kernel's
-    NAT entry (HANDOVER); a flow to a pod is neither."""
+def test_a_flow_that_meets_the_stack_is_carried_as_netfilters_and_one_to_the_node_as_a_host_flow() -> None:
+    """A flow to the node's own address is handed to the node's stack (CtFlag.HOST, as for a new
+    flow to a BackendFlag.HOST backend); one that meets the stack (that one, or any under legacy
+    host routing) is still nf_conntrack's (NFPASS) until the agent replaced its NAT entry."""
     assert host_backend(API_FLOW, {NODE}) and not host_backend(CLUSTERIP, {NODE})
-    for key, entry in ebpf_entries(API_FLOW, IDS, NOW, host=True):
-        assert (
-            entry.flags
-            == CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED | CtFlag.ADOPTED | CtFlag.HOST | CtFlag.HANDOVER
-        )
+    base = CtFlag.SEEN_REPLY | CtFlag.ESTABLISHED | CtFlag.ADOPTED
+    for key, entry in ebpf_entries(API_FLOW, IDS, NOW, host=True, nfpass=True):
+        assert entry.flags == base | CtFlag.HOST | CtFlag.NFPASS
         assert key in ct_keys(API_FLOW)
-    assert not any(e.flags & (CtFlag.HOST | CtFlag.HANDOVER) for _, e in ebpf_entries(CLUSTERIP, IDS, NOW))
+    assert [e.flags for _, e in ebpf_entries(CLUSTERIP, IDS, NOW, nfpass=True)] == [base | CtFlag.NFPASS] * 2
+    assert [e.flags for _, e in ebpf_entries(CLUSTERIP, IDS, NOW)] == [base] * 2
 
 
-def api_flow_flags(maps: dict[str, MapWriter]) -> dict[int, int]:
-    """The flags of API_FLOW's entries, by direction."""
+def flow_flags(maps: Mapping[str, MapWriter], flow: NatFlow) -> dict[int, int]:
+    """The flags of `flow`'s entries, by direction."""
     got = {}
-    for k, e in maps["ct_tcp"].items():
-        if isinstance(k, abi.CtKey) and isinstance(e, abi.CtEntry) and k in ct_keys(API_FLOW):
+    for k, e in maps[abi.ct_role(flow.proto)].items():
+        if isinstance(k, abi.CtKey) and isinstance(e, abi.CtEntry) and k in ct_keys(flow):
             got[int(k.dir)] = int(e.flags)
     return got
 
 
 @pytest.mark.parametrize("routing", list(HostRouting))
-def test_a_host_flow_is_handed_to_the_stack_first_under_either_routing_then_released(
+def test_flows_that_meet_the_stack_are_netfilters_until_each_is_replaced_in_turn(
     routing: HostRouting,
 ) -> None:
-    """Under either host routing the stack sees a host flow's packets: its NAT entry is replaced by
-    the plain one before anything else after the attach (its forward packets drop meanwhile), then
-    HANDOVER is cleared on both of its entries. The pod flow is the stack's under legacy only, and
-    handed over with it, after it in the same pass."""
+    """Under either host routing the stack sees a host flow's packets, under legacy a pod flow's
+    too: both are carried as netfilter's (NFPASS: the data path passes their packets), then each in
+    turn held (HANDOVER, NFPASS gone: its forward packets drop) while its NAT entry is replaced by
+    the plain one, then released (neither flag), while the next one waits as netfilter's."""
     events: list[str] = []
     maps = fake_maps()
+    legacy = routing == HostRouting.LEGACY
+    handed = [CLUSTERIP, API_FLOW] if legacy else [API_FLOW]
 
-    def delete(netns: str, flows: Iterable[NatFlow]) -> int:
-        got = [f.orig for f in flows]
-        events.append(f"delete {got}")
-        return len(got)
-
-    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Created:
-        got = [f.orig for f in flows]
-        handing = [e.flags & CtFlag.HANDOVER for k, e in maps["ct_tcp"].items() if isinstance(e, abi.CtEntry)]
-        events.append(f"create {got} while {sum(1 for h in handing if h)} entries hand over")
-        return Created(created=len(got))
+    def during(flow: NatFlow) -> None:
+        flags = {f.orig: list(flow_flags(maps, f).values()) for f in handed}
+        held = flags[flow.orig]
+        assert len(held) == 2 and all(x & CtFlag.HANDOVER and not x & CtFlag.NFPASS for x in held)
+        for f in handed[handed.index(flow) + 1 :]:
+            assert all(x & CtFlag.NFPASS and not x & CtFlag.HANDOVER for x in flags[f.orig])
+        for f in handed[: handed.index(flow)]:
+            assert not any(x & (CtFlag.NFPASS | CtFlag.HANDOVER) for x in flags[f.orig])
+        events.append(f"held {flow.orig}")
 
     def dump(netns: str) -> list[NatFlow]:
         events.append("dump")
@@ -448,30 +467,86 @@ def test_a_host_flow_is_handed_to_the_stack_first_under_either_routing_then_rele
         addresses=lambda netns: {NODE},
         remove_rules=lambda config: None,
         sysctl=lambda netns, path, value: "0",
-        delete=delete,
-        create=create,
+        replace=FakeReplace(events, during),
         clock_ns=lambda: NOW,
     )
     takeover.before_attach(maps)
-    flags = api_flow_flags(maps)
+    flags = flow_flags(maps, API_FLOW)
     assert set(flags) == {CtDir.FORWARD, CtDir.REPLY} and flags[CtDir.FORWARD] == flags[CtDir.REPLY]
-    assert all(f & CtFlag.HANDOVER and f & CtFlag.HOST for f in flags.values())
+    assert all(f & CtFlag.NFPASS and f & CtFlag.HOST and not f & CtFlag.HANDOVER for f in flags.values())
+    pod = flow_flags(maps, CLUSTERIP)
+    assert all(bool(f & CtFlag.NFPASS) == legacy and not f & CtFlag.HANDOVER for f in pod.values())
     takeover.after_attach(maps)
-    # The host flow leads; under legacy host routing the pod flow meets the stack too and is handed
-    # over with it, both before the second dump.
-    handed = [API_FLOW, CLUSTERIP] if routing == HostRouting.LEGACY else [API_FLOW]
-    plain = [stack_flow(f).orig for f in handed]
-    expected = [
-        "dump",
-        f"delete {[f.orig for f in handed]}",
-        f"delete {plain}",
-        f"create {plain} while 2 entries hand over",
-        "dump",
+
+    def to_stack(flow: NatFlow) -> list[str]:
+        plain = [stack_flow(flow).orig]
+        return [f"delete {[flow.orig]}", f"delete {plain}", f"create {plain}", f"held {flow.orig}"]
+
+    assert events == ["dump", *(e for f in handed for e in to_stack(f)), "dump"]
+    for flow in (API_FLOW, CLUSTERIP):
+        released = list(flow_flags(maps, flow).values())
+        assert len(released) == 2 and not any(f & (CtFlag.HANDOVER | CtFlag.NFPASS) for f in released)
+    assert all(f & CtFlag.HOST for f in flow_flags(maps, API_FLOW).values())
+
+
+def test_an_agent_restarted_mid_switch_replaces_the_entries_its_predecessor_held() -> None:
+    """The agent died between the carry and the replacement: its flows are NFPASS in the pinned
+    conntrack and their NAT entries still in nf_conntrack. The next agent finds them carried
+    already (BPF_NOEXIST), and still replaces their NAT entries and clears the flag."""
+    maps = fake_maps()
+
+    def takeover(events: list[str]) -> KernelTakeover:
+        return KernelTakeover(
+            Config(netns="node1"),
+            dump=lambda netns: [CLUSTERIP],
+            addresses=lambda netns: {NODE},
+            remove_rules=lambda config: None,
+            sysctl=lambda netns, path, value: "0",
+            replace=FakeReplace(events),
+            clock_ns=lambda: NOW,
+        )
+
+    first: list[str] = []
+    takeover(first).before_attach(maps)  # then killed
+    assert first == [] and all(f & CtFlag.NFPASS for f in flow_flags(maps, CLUSTERIP).values())
+    events: list[str] = []
+    second = takeover(events)
+    second.before_attach(maps)
+    second.after_attach(maps)
+    plain = stack_flow(CLUSTERIP).orig
+    assert second.carried == 0 and events == [
+        f"delete {[CLUSTERIP.orig]}",
+        f"delete {[plain]}",
+        f"create {[plain]}",
     ]
-    assert events == expected
-    released = list(api_flow_flags(maps).values())
-    assert len(released) == 2 and not any(f & CtFlag.HANDOVER for f in released)
-    assert all(f & CtFlag.HOST for f in released)
+    assert not any(f & (CtFlag.NFPASS | CtFlag.HANDOVER) for f in flow_flags(maps, CLUSTERIP).values())
+
+
+def test_flows_whose_entries_cannot_be_replaced_are_released_to_the_data_path(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No NET_ADMIN: the flows are not left to netfilter, whose rules go next (nor to the hold's
+    expiry), but translated by the data path, as before NFPASS."""
+
+    def refused(*args: object, **kwargs: object) -> Replaced:
+        raise PermissionError(1, "Operation not permitted")
+
+    maps = fake_maps()
+    takeover = KernelTakeover(
+        Config(netns="node1"),
+        dump=lambda netns: [CLUSTERIP, API_FLOW],
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=refused,
+        clock_ns=lambda: NOW,
+    )
+    takeover.before_attach(maps)
+    assert all(f & CtFlag.NFPASS for flow in (CLUSTERIP, API_FLOW) for f in flow_flags(maps, flow).values())
+    takeover.after_attach(maps)
+    assert "needs NET_ADMIN" in caplog.text
+    for flow in (CLUSTERIP, API_FLOW):
+        assert not any(f & (CtFlag.HANDOVER | CtFlag.NFPASS) for f in flow_flags(maps, flow).values())
 
 
 def test_the_handback_writes_detaches_writes_the_late_flows_and_removes_the_pins(tmp_path: Path) -> None:
@@ -610,10 +685,30 @@ def test_flows_carried_from_nf_conntrack_go_on_through_the_programs(
             addresses=lambda netns: (),
             remove_rules=lambda c: None,
             sysctl=lambda netns, path, value: None,
+            replace=FakeReplace([]),
         )
         takeover.before_attach(dp.maps)
         activity.arm(dp.maps)  # as the proxier does once its programs serve: the carried flows stamped
         assert takeover.carried == 2
+        if routing is HostRouting.LEGACY:
+            # Still netfilter's (NFPASS) until after_attach replaced their NAT entries, which translate
+            # them meanwhile: both directions pass untranslated.
+            passed = net.stats()[Stat.PASS]
+            for verdict, frame in [
+                net.from_pod(mid_flow),
+                net.from_pod(tcp(BE1, POD_CLIENT, 8080, 40000, flags="PA")),
+                net.from_net(tcp(CLIENT, NODE, 5555, 30080, flags="PA", smac=MAC[CLIENT])),
+                net.from_net(tcp(REMOTE_BE, NODE, 8080, 61000, flags="PA", smac=MAC[NODE2])),
+            ]:
+                p = parse(frame)
+                assert verdict == TC_ACT_OK and (p.src, p.sport, p.dst, p.dport) in [
+                    (POD_CLIENT, 40000, VIP, 80),
+                    (BE1, 8080, POD_CLIENT, 40000),
+                    (CLIENT, 5555, NODE, 30080),
+                    (REMOTE_BE, 8080, NODE, 61000),
+                ]
+            assert net.stats()[Stat.PASS] - passed == 4 and net.stats()[Stat.CT_FORWARD] == 0
+        takeover.after_attach(dp.maps)
         assert leaving(dp, *net.from_pod(mid_flow))[2:] == (BE1, 8080)
         back = leaving(dp, *net.from_pod(tcp(BE1, POD_CLIENT, 8080, 40000, flags="PA")))
         assert back == (VIP, 80, POD_CLIENT, 40000)
@@ -627,41 +722,52 @@ def test_flows_carried_from_nf_conntrack_go_on_through_the_programs(
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("late", [False, True], ids=["released", "never-released"])
-def test_a_carried_host_flow_waits_for_its_handover_then_goes_to_the_stack(dp: Datapath, late: bool) -> None:
-    """A carried flow to the node's own address: its forward packets drop (HANDOVER) until the
-    agent released it, then go to the node's stack translated (TC_ACT_OK, no route lookup: no
-    drop_fib), and the stack's replies leave as the ClusterIP's. A flag never cleared (an agent
-    that died in between) holds EKP_CT_HANDOVER_S at most."""
+@pytest.mark.parametrize("late", [False, True], ids=["replaced", "never-replaced"])
+def test_a_carried_host_flow_is_netfilters_until_its_handover_then_goes_to_the_stack(
+    dp: Datapath, late: bool
+) -> None:
+    """A carried flow to the node's own address: its packets pass untranslated both ways (NFPASS:
+    the kernel's NAT entry translates them; a reply of the stack's leaves as it is) until the agent
+    replaces that entry; its forward packets drop meanwhile (HANDOVER); then they go to the node's
+    stack translated (TC_ACT_OK, no route lookup: no drop_fib), and the stack's replies leave as the
+    ClusterIP's. Flags never cleared (an agent that died in between) hold EKP_CT_HANDOVER_S at most."""
     with packet_lab() as lab:
         reset_maps(dp)
         net = Net(dp, lab)
         net.add_service(backends=((21, NODE, 6443, BackendFlag.HOST | BackendFlag.LOCAL),), svc_id=3)
         made = time.monotonic_ns() - (abi.CT_HANDOVER_S + 1) * 10**9 if late else time.monotonic_ns()
+        segment = tcp(POD_CLIENT, VIP, 40100, 80, flags="PA")
+        reply = tcp(NODE, POD_CLIENT, 6443, 40100, flags="PA")
+        while_replaced: list[int] = []
         takeover = KernelTakeover(
             Config(),
             dump=lambda netns: [API_FLOW],
             addresses=lambda netns: {NODE},
             remove_rules=lambda c: None,
             sysctl=lambda netns, path, value: None,
-            delete=lambda netns, flows: 0,
-            create=lambda netns, flows, timeouts: Created(),
+            replace=FakeReplace([], lambda flow: while_replaced.append(net.from_pod(segment)[0])),
             clock_ns=lambda: made,
         )
         takeover.before_attach(dp.maps)
         activity.arm(dp.maps)
-        segment = tcp(POD_CLIENT, VIP, 40100, 80, flags="PA")
+        # NFPASS, or expired: translated
         verdict, out = net.from_pod(segment)
-        if not late:
-            assert verdict == TC_ACT_SHOT and net.stats()[Stat.DROP_HANDOVER] == 1
-            takeover.after_attach(dp.maps)
-            verdict, out = net.from_pod(segment)
+        p = parse(out)
+        assert verdict == TC_ACT_OK and (p.dst, p.dport) == ((NODE, 6443) if late else (VIP, 80))
+        p = parse(net.to_pod(reply)[1])
+        assert (p.src, p.sport) == ((VIP, 80) if late else (NODE, 6443))
+        assert net.stats()[Stat.PASS] == (0 if late else 1)
+        takeover.after_attach(dp.maps)
+        assert while_replaced == [TC_ACT_OK if late else TC_ACT_SHOT]
+        assert net.stats()[Stat.DROP_HANDOVER] == (0 if late else 1)
+        verdict, out = net.from_pod(segment)
         p = parse(out)
         assert verdict == TC_ACT_OK and (p.src, p.sport, p.dst, p.dport) == (POD_CLIENT, 40100, NODE, 6443)
-        p = parse(net.to_pod(tcp(NODE, POD_CLIENT, 6443, 40100, flags="PA"))[1])
+        p = parse(net.to_pod(reply)[1])
         assert (p.src, p.sport, p.dst, p.dport) == (VIP, 80, POD_CLIENT, 40100)
         stats = net.stats()
-        assert (stats[Stat.CT_FORWARD], stats[Stat.CT_REPLY], stats[Stat.DROP_FIB]) == (1, 1, 0)
+        counts = (stats[Stat.CT_FORWARD], stats[Stat.CT_REPLY], stats[Stat.DROP_FIB])
+        assert counts == ((3, 2, 0) if late else (1, 1, 0))
         reset_maps(dp)
 
 
@@ -674,6 +780,41 @@ def netns() -> Iterator[str]:
         yield name
     finally:
         subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@pytest.mark.kernel
+def test_replace_flows_replaces_each_entry_between_its_own_hooks(netns: str) -> None:
+    """Flow by flow: at `before` the flow's NAT entry is there, at `after` its plain entry is and
+    the next flow's NAT entry still is (each flow held for its own send, not the batch's);
+    an entry on the plain tuple already (a packet made it meanwhile) is deleted first, as a stray."""
+    t = Timeouts()
+    other = NatFlow(6, (POD_CLIENT, VIP, 40001, 80), (BE1, POD_CLIENT, 8080, 40001))
+    assert create_flows(netns, [CLUSTERIP, other], t).created == 2
+    seen: list[str] = []
+
+    def nat_entries() -> list[Tuple]:
+        return sorted(f.orig for f in dump_flows(netns))
+
+    def before(flow: NatFlow) -> None:
+        seen.append(f"before {flow.orig[2]}: {[o[2] for o in nat_entries()]}")
+
+    def after(flow: NatFlow) -> None:
+        seen.append(f"after {flow.orig[2]}: {[o[2] for o in nat_entries()]}")
+
+    done = replace_flows(netns, [CLUSTERIP, other], stack_flow, t, before=before, after=after)
+    assert seen == [
+        "before 40000: [40000, 40001]",
+        "after 40000: [40001]",
+        "before 40001: [40001]",
+        "after 40001: []",
+    ]
+    assert (done.retired, done.stray, done.made.created, done.made.failed) == (2, 0, 2, [])
+    assert delete_flows(netns, [stack_flow(CLUSTERIP), stack_flow(other)]) == 2  # the plain entries
+    # replaced again: nothing to delete, the plain entries are made
+    done = replace_flows(netns, [CLUSTERIP], stack_flow, t, before=before, after=after)
+    assert (done.retired, done.stray, done.made.created) == (0, 0, 1)
+    done = replace_flows(netns, [CLUSTERIP], stack_flow, t, before=before, after=after)
+    assert (done.retired, done.stray, done.made.created) == (0, 1, 1)  # the one there was deleted, made again
 
 
 @pytest.mark.kernel

@@ -317,7 +317,11 @@ def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: S
         assert dns["failed"] == 0 and dns["lookups"] > 60, dns
         if sctp:
             assoc = results["sctp"]
-            assert assoc["established"] and assoc["lost"] <= 1 and assoc["exchanges"] > 60, (
+            # Into eBPF mode with legacy host routing the association's NAT entry in nf_conntrack
+            # keeps translating it until the agent replaced it (CtFlag.NFPASS): nothing lost.
+            passed = switch.after == "ebpf" and "--bpf-host-routing=bpf" not in switch.after_flags
+            allowed = 0 if passed else 1
+            assert assoc["established"] and assoc["lost"] <= allowed and assoc["exchanges"] > 60, (
                 assoc,
                 log[-3000:],
             )
