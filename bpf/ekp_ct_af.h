@@ -206,7 +206,9 @@ static __always_inline int EKP_CTF(follow_backend)(EKP_CT_ENTRY *e, const EKP_CT
 }
 
 /* Once a second per entry: refresh last_seen (ekp_ct_follow_backend says whether), re-create a
- * missing twin. Returns 1 when the twin was rebuilt. */
+ * missing twin. Returns 1 when the twin was rebuilt, -1 when the entry was deleted (its twin key
+ * holds another flow's): the caller must not translate from it, a deleted LRU element being
+ * handed out again at once. */
 static __always_inline int EKP_CTF(refresh)(EKP_CT_ENTRY *e, const EKP_CT_KEY *k, __u64 now)
 {
 	if (ekp_age_ns(now, e->last_seen_ns) <= (__s64)EKP_CT_REFRESH_NS)
@@ -223,8 +225,10 @@ static __always_inline int EKP_CTF(refresh)(EKP_CT_ENTRY *e, const EKP_CT_KEY *k
 		 * ended; a FORWARD entry written as another CPU's new flow took its reply tuple,
 		 * ekp_ct_create). It goes, rather than translate one side of a flow whose other side
 		 * translates as another's. */
-		if (!EKP_CTF(is_twin)(t, &tk, e, k))
+		if (!EKP_CTF(is_twin)(t, &tk, e, k)) {
 			EKP_CTF(delete)(k);
+			return -1;
+		}
 		return 0;
 	}
 	EKP_CT_ENTRY twin;
@@ -399,7 +403,9 @@ static __always_inline int EKP_CTF(place)(EKP_CT_KEY *rkey, EKP_CT_ENTRY *rent, 
 	EKP_CT_ENTRY *old = EKP_CTF(lookup)(rkey);
 	__u8 may_drop = *early_drop;
 
-	*early_drop = 0; /* counted only for an unanswered holder deleted here, not one gone since */
+	/* counted only for an unanswered holder deleted here, not one gone since; counted by the
+	 * caller whether or not the claim and ekp_ct_create's later check then fail */
+	*early_drop = 0;
 	if (old) {
 		if (EKP_A_EQ(old->fe_addr, rent->fe_addr) && old->fe_port == rent->fe_port &&
 		    (old->flags & EKP_CT_SNAT) == (rent->flags & EKP_CT_SNAT) &&
@@ -500,7 +506,13 @@ static __always_inline int EKP_CTF(create)(const EKP_PKT *p, EKP_FLOW *f, const 
 	 * to delete with it). The FORWARD entry would then translate this client's packets while the
 	 * answers go to the other flow's: it goes, and the packet drops as the loser of the race. */
 	EKP_CT_ENTRY *mine = EKP_CTF(lookup)(&rkey);
-	if (!mine || !EKP_CTF(is_twin)(mine, &rkey, &rent, &fkey)) {
+	if (!mine) {
+		/* Gone, not taken: the FORWARD insert evicted it from the full LRU table (another CPU's
+		 * place claims the key again at once, so its window is a few instructions). */
+		EKP_CTF(delete)(&fkey);
+		return EKP_DROP_CT_FULL;
+	}
+	if (!EKP_CTF(is_twin)(mine, &rkey, &rent, &fkey)) {
 		EKP_CTF(delete)(&fkey);
 		return EKP_DROP_TUPLE_TAKEN;
 	}

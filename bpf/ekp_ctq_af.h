@@ -73,7 +73,8 @@ static __always_inline __u32 EKP_CTQF(push)(const struct EKP_CTQF(req) *q)
 
 /* A usable conntrack hit moves its flow on (ekp_ct_transition): the new state on both entries, its
  * timeout running from now, and a flow that closes here queued for early drop under its FORWARD key
- * (`q`); else the once-a-second refresh (ekp_ct_refresh). Returns 1 when that rebuilt the twin. */
+ * (`q`); else the once-a-second refresh (ekp_ct_refresh). Returns 1 when that rebuilt the twin, -1
+ * when it deleted the entry (the packet is then no hit). */
 static __always_inline int EKP_CTF(advance)(EKP_CT_ENTRY *e, EKP_CT_KEY *k, const struct ekp_pkt *p, __u64 now,
 					    struct EKP_CTQF(req) *q)
 {
@@ -89,8 +90,8 @@ static __always_inline int EKP_CTF(advance)(EKP_CT_ENTRY *e, EKP_CT_KEY *k, cons
 				EKP_CTF(twin_key)(&fkey, k, e);
 			EKP_CTQF(want)(q, &fkey, e->created_s);
 		}
-	} else if (EKP_CTF(refresh)(e, k, now)) {
-		return 1;
+	} else {
+		return EKP_CTF(refresh)(e, k, now);
 	}
 	return 0;
 }

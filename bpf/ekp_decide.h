@@ -119,7 +119,14 @@ static __always_inline const struct ekp_config *ekp_config_get(void)
 static __always_inline void ekp_decide_hit(struct ekp_ct_entry *ep, struct ekp_ct_key *k, const struct ekp_pkt *p,
 					   __u64 now, struct ekp_decision *d, struct ekp_ctq_req *q)
 {
-	if (ekp_ct_advance(ep, k, p, now, q))
+	int advanced = ekp_ct_advance(ep, k, p, now, q);
+	if (advanced < 0) {
+		/* The refresh deleted the entry (another flow holds its twin key): a miss, as the flow's
+		 * next packet will be; for a mid-flow segment that is NO_FLOW. */
+		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_NO_FLOW);
+		return;
+	}
+	if (advanced)
 		d->marks |= 1ULL << EKP_STAT_CT_REBUILT;
 	const struct ekp_ct_entry *e = ep;
 	int snat = e->flags & EKP_CT_SNAT;
@@ -173,6 +180,9 @@ static __always_inline void ekp_decide_create(const struct ekp_pkt *p, struct ek
 {
 	int reason = ekp_ct_create(p, f, cfg, now);
 
+	/* Counted whether the flow was made or not: the holder was deleted either way. */
+	if (f->early_drop)
+		d->marks |= 1ULL << EKP_STAT_EARLY_DROP;
 	if (reason) {
 		ekp_verdict(d, EKP_ACT_DROP, reason);
 		return;
@@ -189,8 +199,6 @@ static __always_inline void ekp_decide_create(const struct ekp_pkt *p, struct ek
 		d->marks |= 1ULL << EKP_STAT_PORT_REMAP;
 	else if (f->ct_flags & EKP_CT_SNAT)
 		d->marks |= 1ULL << EKP_STAT_SNAT;
-	if (f->early_drop)
-		d->marks |= 1ULL << EKP_STAT_EARLY_DROP;
 	ekp_verdict(d, EKP_ACT_TRANSLATE, EKP_STAT_NEW_FLOWS);
 }
 

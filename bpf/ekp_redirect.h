@@ -14,6 +14,7 @@
 #ifndef EKP_REDIRECT_H
 #define EKP_REDIRECT_H
 
+#include <linux/ipv6.h>
 #include <linux/pkt_cls.h>
 
 #include "ekp_nat.h"
@@ -33,18 +34,33 @@ static long (*ekp_redirect_neigh)(__u32 ifindex, struct bpf_redir_neigh *params,
 /* The IP length of the largest packet this skb leaves as, for the route lookup's MTU check
  * (fib->tot_len). A GSO skb (a pod's TSO burst, GRO's merge on the way in) leaves as segments of
  * gso_size payload behind copies of its headers: network header (extension headers included) +
- * L4 header + gso_size; any other as it is. 0 (the helper's own check) for SCTP's GSO_BY_FRAGS
- * and a TCP header that cannot be read. With tot_len 0 the helper only asks is_skb_forwardable(),
+ * L4 header + gso_size; any other as its IP header gives it (IPv4 tot_len, IPv6 40 +
+ * payload_len). 0 (the helper's own check) for SCTP's GSO_BY_FRAGS and a TCP header that cannot
+ * be read. With tot_len 0 the helper only asks is_skb_forwardable(),
  * which passes every GSO skb whatever its segments and compares against the device, not the
  * route: a burst bigger than a smaller uplink was then redirected and its segments dropped there,
- * no ICMP sent, the sender's path-MTU discovery waiting for its retransmission timeout. */
+ * no ICMP sent, the sender's path-MTU discovery waiting for its retransmission timeout.
+ * A UDP-tunnel GSO skb (VXLAN, Geneve: SKB_GSO_UDP_TUNNEL, skb->encapsulation) is undercounted by
+ * its inner headers, which gso_size does not cover. __sk_buff shows neither gso_type nor
+ * encapsulation, so it cannot be told from a UDP GSO burst (SKB_GSO_UDP_L4, counted right); an
+ * undercount only misses a too-big answer (the segments dropped at the device, as with tot_len 0),
+ * never gives a wrong one, so both keep the count rather than pass 0. (IPIP, GRE and ESP never
+ * get here: the parser passes them.) */
 static __always_inline __u16 ekp_seg_len(struct __sk_buff *skb, const struct ekp_pkt *p)
 {
 	__u32 gso = skb->gso_size;
 	__u32 len;
 
 	if (!gso) {
-		len = skb->len - ETH_HLEN;
+		/* The IP header's own length: skb->len also counts what follows the packet in the frame
+		 * (Ethernet padding, a trailer), which a full-size packet would be refused for. */
+		__u8 ip[6];
+		if (bpf_skb_load_bytes(skb, ETH_HLEN, ip, sizeof(ip)) < 0)
+			return 0;
+		if ((ip[0] >> 4) == 6)
+			len = ((__u32)ip[4] << 8 | ip[5]) + sizeof(struct ipv6hdr); /* payload_len */
+		else
+			len = (__u32)ip[2] << 8 | ip[3]; /* tot_len */
 	} else if (gso >= EKP_GSO_BY_FRAGS) {
 		return 0;
 	} else {
@@ -61,9 +77,16 @@ static __always_inline __u16 ekp_seg_len(struct __sk_buff *skb, const struct ekp
 }
 
 /* The route for the tuple saddr:sport -> daddr:dport, checked against `tot_len` (ekp_seg_len): the
- * helper then compares it with the route's MTU (a learnt path MTU and a locked route MTU
- * included) before it looks at the neighbour, and says BPF_FIB_LKUP_RET_FRAG_NEEDED with that MTU
- * in fib->mtu_result (net/core/filter.c, bpf_ipv4_fib_lookup's check_mtu). 0 asks no MTU
+ * helper then compares it with an MTU before it looks at the neighbour, and says
+ * BPF_FIB_LKUP_RET_FRAG_NEEDED with that MTU in fib->mtu_result (net/core/filter.c, check_mtu;
+ * Linux 5.12+, hence the doctor's minimum). That MTU is not quite the one the stack's forwarding
+ * uses. IPv4 (ip_mtu_from_fib_result): a route's `mtu` metric only when locked (`mtu lock N`) or
+ * net.ipv4.ip_forward_use_pmtu is set, else a learnt path MTU (an exception from an ICMP), else
+ * the device's; ip_forward honours an unlocked `mtu` metric and ignores a learnt path MTU unless
+ * locked or ip_forward_use_pmtu. IPv6 (ip6_mtu_from_fib6): a locked `mtu` metric, else a learnt
+ * path MTU, else the device's mtu6; ip6_forward ignores the learnt one. So an unlocked IPv4 route MTU
+ * smaller than the device's is not enforced here (a packet between the two leaves whole), and a
+ * learnt path MTU is answered here where forwarding would pass the packet on. 0 asks no MTU
  * question that matters (the reverse-path check). */
 static __always_inline long ekp_fib(struct __sk_buff *skb, struct bpf_fib_lookup *fib, __u8 proto, __u8 tos,
 				    __be32 saddr, __be32 daddr, __be16 sport, __be16 dport, __u16 tot_len)

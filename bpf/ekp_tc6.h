@@ -192,15 +192,18 @@ static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_sc
 }
 
 /* A usable conntrack hit (ekp_decide_hit for this path): the flow moves on (ekp_ct_advance: its
- * state, the early-drop ring when it closes, the refresh that rebuilds a lost twin). Sets the
- * translated tuple: the backend (and the SNAT source of a remapped port) forward, the frontend (and the
- * client's own port) in reply. */
-static __always_inline void ekp_tc6_hit(struct ekp_tc6_scratch *w, struct ekp_ct6_entry *e, __u64 now,
-					const __be32 **sa, __be16 *sp, const __be32 **da, __be16 *dp)
+ * state, the early-drop ring when it closes, the refresh that rebuilds a lost twin). -1 when the
+ * refresh deleted the entry (nothing set), else 0 with the translated tuple set: the backend (and
+ * the SNAT source of a remapped port) forward, the frontend (and the client's own port) in reply. */
+static __always_inline int ekp_tc6_hit(struct ekp_tc6_scratch *w, struct ekp_ct6_entry *e, __u64 now,
+				       const __be32 **sa, __be16 *sp, const __be32 **da, __be16 *dp)
 {
 	const struct ekp_pkt6 *p = &w->pkt;
 	struct ekp_ct6_key *k = &w->key;
-	if (ekp_ct6_advance(e, k, &p->b, now, &w->queue))
+	int advanced = ekp_ct6_advance(e, k, &p->b, now, &w->queue);
+	if (advanced < 0)
+		return -1; /* the refresh deleted the entry: no hit (ekp_ct_refresh) */
+	if (advanced)
 		ekp_count(EKP_STAT_CT_REBUILT);
 	int snat = e->flags & EKP_CT_SNAT;
 
@@ -215,6 +218,7 @@ static __always_inline void ekp_tc6_hit(struct ekp_tc6_scratch *w, struct ekp_ct
 		*da = snat ? e->nat_addr : p->daddr;
 		*dp = snat ? e->nat_port : p->b.dport;
 	}
+	return 0;
 }
 
 /* ekp_decide_may_translate for IPv6: when no live flow stamped either endpoint of the packet and
@@ -406,7 +410,14 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			verdict = ekp_tc6_answer(skb, w, cfg, EKP_ICMPV6_TIME_EXCEED, 0, &outcome);
 			goto out;
 		}
-		ekp_tc6_hit(w, e, now, &sa, &sp, &da, &dp);
+		if (ekp_tc6_hit(w, e, now, &sa, &sp, &da, &dp) < 0) {
+			/* The refresh deleted the entry (ekp_ct_refresh): the flow is gone. Dropped as IPv4
+			 * drops a mid-flow segment without an entry: ip6tables would take it for a new flow
+			 * mid-stream and send it to a backend that never saw the connection. */
+			outcome = EKP_DROP_NO_FLOW;
+			verdict = TC_ACT_SHOT;
+			goto out;
+		}
 		rc = ekp_fib6(skb, &w->fib, p, sa, da, sp, dp, ekp_seg_len(skb, &p->b));
 		if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) {
 			verdict = ekp_tc6_answer(skb, w, cfg, EKP_ICMPV6_PKT_TOOBIG, w->fib.mtu_result, &outcome);
@@ -500,6 +511,8 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	 * from the SNAT range; on a reply tuple a live flow of another frontend holds, another source
 	 * port (EKP_STAT_PORT_REMAP), as ip6tables' nf_nat would. */
 	int reason = ekp_ct6_create(p, f, cfg, now);
+	if (f->b.early_drop) /* the holder was deleted, whether the flow was made or not */
+		ekp_count(EKP_STAT_EARLY_DROP);
 	if (reason) {
 		outcome = reason;
 		verdict = TC_ACT_SHOT;
@@ -511,8 +524,6 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		ekp_count(EKP_STAT_PORT_REMAP);
 	else if (f->b.ct_flags & EKP_CT_SNAT)
 		ekp_count(EKP_STAT_SNAT);
-	if (f->b.early_drop)
-		ekp_count(EKP_STAT_EARLY_DROP);
 	sa = (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr;
 	sp = (f->b.ct_flags & EKP_CT_SNAT) ? f->b.snat_port : p->b.sport;
 	outcome = EKP_STAT_NEW_FLOWS;

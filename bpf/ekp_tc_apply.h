@@ -85,9 +85,12 @@ static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scr
 	if (scope == EKP_SCOPE_INTERNAL && !legacy && !ekp_source_routed_here(skb, p, fib, bridge))
 		return ekp_tc_drop(d, EKP_DROP_SPOOFED);
 	__builtin_memset(fib, 0, sizeof(*fib));
-	__u16 seg = ekp_seg_len(skb, p);
-	long rc = related ? ekp_fib(skb, fib, IPPROTO_ICMP, p->tos, d->saddr, d->daddr, 0, 0, seg)
-			  : ekp_fib(skb, fib, p->proto, p->tos, d->saddr, d->daddr, d->sport, d->dport, seg);
+	/* An ICMP error about a flow is not checked against the route's MTU (tot_len 0): nothing
+	 * answers it when too big, and a router forwards it whole, so one between a learnt path MTU
+	 * (552 at least) and the 576 bytes Linux sends would be dropped here. */
+	long rc = related ? ekp_fib(skb, fib, IPPROTO_ICMP, p->tos, d->saddr, d->daddr, 0, 0, 0)
+			  : ekp_fib(skb, fib, p->proto, p->tos, d->saddr, d->daddr, d->sport, d->dport,
+				    ekp_seg_len(skb, p));
 
 	if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED && !related) {
 		if (p->df) {

@@ -263,10 +263,11 @@ class TupleRace:
     """before_round for lab/cpurace.py's race of two new flows on one reply tuple (a one-port SNAT
     range, the conntrack table `table` emptied before each round): each round must leave exactly
     one flow, whole (its FORWARD entry with its REPLY twin), and count it: every packet counted once
-    as NEW_FLOWS or DROP_TUPLE_TAKEN, and one flow more than the round early-dropped; none more
-    only when the flow early-dropped was still being created and lost its REPLY entry before its
-    own check (bpf/ekp_ct_af.h ekp_ct_create: it drops as DROP_TUPLE_TAKEN, its early drop counted
-    too). Call it once more after the last round."""
+    as NEW_FLOWS or a loss (DROP_TUPLE_TAKEN; DROP_CT_FULL when its REPLY entry was found gone, not
+    another flow's), and one flow more than the round early-dropped; none more only when the flow
+    early-dropped was still being created and lost its REPLY entry before its own check
+    (bpf/ekp_ct_af.h ekp_ct_create: it drops as a loss, its early drop counted too). Call it once
+    more after the last round."""
 
     def __init__(self, net: Net, table: str) -> None:
         self.net, self.table = net, net.dp.maps[table]
@@ -275,7 +276,10 @@ class TupleRace:
 
     def _counts(self) -> tuple[int, int, int]:
         stats = self.net.stats()
-        return stats[Stat.NEW_FLOWS], stats[Stat.EARLY_DROP], stats[Stat.DROP_TUPLE_TAKEN]
+        # A REPLY entry found gone, not another flow's, at ekp_ct_create's check counts as
+        # DROP_CT_FULL (an LRU eviction, or another CPU between its delete and its claim): a loss.
+        lost = stats[Stat.DROP_TUPLE_TAKEN] + stats[Stat.DROP_CT_FULL]
+        return stats[Stat.NEW_FLOWS], stats[Stat.EARLY_DROP], lost
 
     def __call__(self) -> None:
         items = self.table.items()

@@ -15,8 +15,10 @@ from enum import StrEnum
 from agent.config import Mode
 
 # What the data path uses (bpf/): its program type, map kinds and helpers. The kernel release
-# is the first with all of them (bpf_ktime_get_coarse_ns: 5.11).
-MIN_KERNEL = (5, 11)
+# is the first that has all of them and checks a tc route lookup's tot_len against the route's
+# MTU, answering in mtu_result (5.12: before it the tc helper ignored tot_len and left the field,
+# which shares tot_len's bytes, as given, so a too-big answer advertised the packet's own length).
+MIN_KERNEL = (5, 12)
 PROGRAM_TYPE = "sched_cls"
 OPTIONAL_PROGRAM_TYPES = ("xdp", "cgroup_sock_addr")  # for the XDP and socket-level hooks
 MAP_KINDS = ("hash", "lru_hash", "lpm_trie", "array", "percpu_array")
@@ -117,6 +119,7 @@ class Facts:
     api: ApiFacts | None = None  # None: --services-file, no API server
     map_sizes: Mapping[str, int] = field(default_factory=dict)  # eBPF map role -> max entries
     conntrack: tuple[int, int] | None = None  # nf_conntrack_count, nf_conntrack_max
+    unlocked_route_mtus: tuple[str, ...] = ()  # IPv4 routes with an unlocked mtu metric, "DST dev N mtu M"
 
 
 def kernel_version(release: str) -> tuple[int, int]:
@@ -136,7 +139,7 @@ def checklist(f: Facts) -> list[Line]:
         lines.append(_iptables(f))
     lines += [_forwarding(f), _kube_proxy(f)]
     if f.mode is Mode.EBPF:
-        lines.append(_hooks(f))
+        lines += [_hooks(f), _route_mtus(f)]
     lines += _api(f)
     lines += _sizing(f)
     return lines
@@ -160,7 +163,7 @@ def _kernel(f: Facts) -> Line:
         return Line(
             Verdict.FAIL,
             "kernel",
-            f"{f.kernel or 'unknown'}: eBPF mode needs {need} or later (bpf_redirect_neigh)",
+            f"{f.kernel or 'unknown'}: eBPF mode needs {need} or later (the route lookup's MTU answer)",
             f"upgrade the node's kernel to {need}+, or run --mode=iptables",
         )
     return Line(Verdict.OK, "kernel", f"{f.kernel} ({need} or later needed)")
@@ -187,7 +190,7 @@ def _features(f: Facts) -> Line:
             "BPF features",
             "the kernel lacks " + ", ".join(missing),
             "a kernel built with CONFIG_BPF_SYSCALL, CONFIG_NET_CLS_BPF and CONFIG_NET_SCH_INGRESS "
-            "(5.11+), or run --mode=iptables",
+            "(5.12+), or run --mode=iptables",
         )
     extra = [t for t in OPTIONAL_PROGRAM_TYPES if t not in feats.program_types]
     found = f"tc ({PROGRAM_TYPE}) with {len(HELPERS)} helpers, maps {', '.join(MAP_KINDS)}"
@@ -318,6 +321,22 @@ def _hooks(f: Facts) -> Line:
         "tc/XDP hooks",
         f"another program shares the hooks, after ours: {listed}",
         "check that it expects translated packets",
+    )
+
+
+def _route_mtus(f: Facts) -> Line:
+    # bpf_fib_lookup (bpf/ekp_redirect.h) checks a route's mtu metric only when locked (or with
+    # net.ipv4.ip_forward_use_pmtu), while IPv4 forwarding always does: unlocked, a packet between
+    # that MTU and the device's leaves whole from the data path but would get a fragmentation
+    # needed from the stack.
+    if not f.unlocked_route_mtus:
+        return Line(Verdict.OK, "route MTUs", "no IPv4 route with an unlocked mtu")
+    return Line(
+        Verdict.WARN,
+        "route MTUs",
+        f"unlocked mtu on {_few(f.unlocked_route_mtus)}: IP forwarding enforces it, the eBPF data "
+        "path's route lookup does not (packets up to the device's MTU leave whole, no ICMP)",
+        "lock it: ip route change ROUTE mtu lock N",
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import subprocess
 from collections.abc import Mapping
 from dataclasses import replace
@@ -23,7 +24,7 @@ from agent import caps
 from agent.config import Config, Mode
 from agent.doctor.checks import ApiFacts, BpfFeatures, Facts, ForeignHook
 from agent.errors import FatalError
-from agent.netns import run_in_netns
+from agent.netns import netns_route, run_in_netns
 
 SIZED_ROLES = ("fe", "slot", "be", "rnat", "member", "srcr")
 BPFTOOL_TIMEOUT_S = 30.0
@@ -62,6 +63,7 @@ def gather(config: Config, environ: Mapping[str, str] | None = None) -> Facts:
             pin_path=config.pin_path,
             cgroup2=_cgroup2_mount(),
             foreign_hooks=_foreign_hooks(config),
+            unlocked_route_mtus=unlocked_route_mtus(config.netns),
             map_sizes={role: getattr(sizes, role) for role in SIZED_ROLES},
         )
     else:
@@ -74,6 +76,31 @@ def gather(config: Config, environ: Mapping[str, str] | None = None) -> Facts:
             problem = str(exc)
         facts = replace(facts, iptables_problem=problem)
     return facts
+
+
+RTAX_MTU = 2  # linux/rtnetlink.h: the metric's index, its bit in RTAX_LOCK
+RT_TABLE_LOCAL = 255
+
+
+def unlocked_route_mtus(netns: str) -> tuple[str, ...]:
+    """The IPv4 routes (every table but local) whose mtu metric is not locked, "DST dev N mtu M";
+    () when the routes cannot be read (the check then has nothing to say)."""
+    try:
+        with netns_route(netns) as ipr:
+            routes = list(ipr.route("dump", family=socket.AF_INET))
+            names = {link["index"]: link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
+    except OSError:
+        return ()
+    found = []
+    for r in routes:
+        metrics = r.get_attr("RTA_METRICS")
+        mtu = metrics.get_attr("RTAX_MTU") if metrics else None
+        table = r.get_attr("RTA_TABLE") or r["table"]
+        if not mtu or table == RT_TABLE_LOCAL or (metrics.get_attr("RTAX_LOCK") or 0) & (1 << RTAX_MTU):
+            continue
+        dst = f"{r.get_attr('RTA_DST') or '0.0.0.0'}/{r['dst_len']}"
+        found.append(f"{dst} dev {names.get(r.get_attr('RTA_OIF'), '?')} mtu {mtu}")
+    return tuple(found)
 
 
 def _missing_caps(config: Config) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ from agent.doctor.checks import (
     kernel_version,
     render,
 )
-from agent.doctor.facts import parse_bpftool_features
+from agent.doctor.facts import parse_bpftool_features, unlocked_route_mtus
 
 BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
 FEATURES = BpfFeatures(
@@ -66,7 +66,9 @@ def test_a_good_node_is_all_ok() -> None:
     ("change", "check", "verdict", "fix"),
     [
         ({"missing_caps": ("CAP_BPF",)}, "privileges", Verdict.FAIL, "run the agent as root"),
-        ({"kernel": "5.4.0-150-generic"}, "kernel", Verdict.FAIL, "upgrade the node's kernel to 5.11+"),
+        ({"kernel": "5.4.0-150-generic"}, "kernel", Verdict.FAIL, "upgrade the node's kernel to 5.12+"),
+        # 5.11's tc route lookup leaves mtu_result as the tot_len given: a black-hole MTU
+        ({"kernel": "5.11.22-generic"}, "kernel", Verdict.FAIL, "upgrade the node's kernel to 5.12+"),
         (
             {"features": replace(FEATURES, helpers=frozenset(HELPERS) - {"bpf_redirect_neigh"})},
             "BPF features",
@@ -144,6 +146,7 @@ def test_a_good_node_is_all_ok() -> None:
         ({"api": replace(GOOD_API, entries={"fe": 70000})}, "map sizes", Verdict.FAIL, "--bpf-<map>-max"),
         ({"api": replace(GOOD_API, entries={"fe": 60000})}, "map sizes", Verdict.WARN, "--bpf-<map>-max"),
         ({"conntrack": (250000, 262144)}, "conntrack", Verdict.WARN, "--conntrack-max-per-core"),
+        ({"unlocked_route_mtus": ("10.8.0.0/24 dev eth1 mtu 1400",)}, "route MTUs", Verdict.WARN, "mtu lock"),
     ],
 )
 def test_each_problem_is_its_own_line_with_what_to_do(
@@ -217,3 +220,21 @@ def test_bpftools_json_is_read() -> None:
 )
 def test_kernel_versions(release: str, version: tuple[int, int]) -> None:
     assert kernel_version(release) == version
+
+
+@pytest.mark.kernel
+def test_the_routes_with_an_unlocked_mtu_are_found() -> None:
+    """What the route MTUs check reads: an IPv4 route's mtu metric without its lock bit (a locked
+    one and a route without the metric are fine; the local table's routes are the kernel's)."""
+    from lab.packets import private_netns, sh
+
+    with private_netns():
+        sh("ip", "link", "add", "mtu0", "type", "veth", "peer", "name", "mtu0p")
+        sh("ip", "link", "set", "mtu0", "up")
+        sh("ip", "link", "set", "mtu0p", "up")
+        sh("ip", "route", "add", "10.8.0.0/24", "dev", "mtu0", "mtu", "1400")
+        sh("ip", "route", "add", "10.7.0.0/24", "dev", "mtu0", "mtu", "lock", "1300")
+        sh("ip", "route", "add", "10.6.0.0/24", "dev", "mtu0")
+        assert unlocked_route_mtus("") == ("10.8.0.0/24 dev mtu0 mtu 1400",)
+        sh("ip", "route", "change", "10.8.0.0/24", "dev", "mtu0", "mtu", "lock", "1400")
+        assert unlocked_route_mtus("") == ()

@@ -36,6 +36,7 @@ from lab.packets import (
     checksums_valid,
     icmp_error,
     parse,
+    sh,
     tcp,
     udp,
 )
@@ -104,6 +105,27 @@ def test_error_about_a_clusterip_packet_reaches_the_client_as_if_from_the_fronte
     # the quoted UDP header is the client's own again: same checksum as it sent
     assert l4[:8] == sent[14 + 20 : 14 + 28]
     assert net.stats()[Stat.CT_RELATED] == 1
+
+
+def test_an_error_longer_than_its_routes_mtu_is_still_translated_and_sent(net: Net) -> None:
+    """A 576-byte ICMP error (Linux's longest) towards a client whose route has a 560-byte MTU (a
+    learnt path MTU can be 552): an error about a flow is not checked against the route's MTU
+    (nothing would answer it; a router forwards it whole), so it reaches the client translated
+    instead of being dropped as a failed route lookup."""
+    net.add_service(port=53, backends=((2, BE2, 5353, BackendFlag.LOCAL),), proto=UDP)
+    out = net.from_pod(udp(POD_CLIENT, VIP, 40002, 53, payload=b"q" * 600))[1]
+    assert parse(out).dst == BE2
+    error = error_about(out, ROUTER, "time-exceeded", quote_len=548)
+    assert len(error) - 14 == 576
+    sh("ip", "route", "add", f"{POD_CLIENT}/32", "dev", "pod0", "mtu", "lock", "560")
+    try:
+        verdict, back = net.from_pod(error)
+    finally:
+        sh("ip", "route", "del", f"{POD_CLIENT}/32", "dev", "pod0")
+    assert verdict == TC_ACT_REDIRECT
+    e = icmp_error(back)
+    assert (e.type, e.code, e.src, e.dst) == (11, 0, VIP, POD_CLIENT)
+    assert net.stats()[Stat.CT_RELATED] == 1 and net.stats()[Stat.DROP_FIB] == 0
 
 
 def test_tcp_error_with_a_long_quote_fixes_the_quoted_tcp_checksum(net: Net) -> None:
@@ -231,6 +253,20 @@ def test_too_big_for_the_backends_path_with_df_answers_fragmentation_needed(net:
     # a segment that fits goes through
     fits = tcp(POD_CLIENT, VIP, 12345, 80, flags="PA", payload=b"p" * 1000)
     assert parse(net.from_pod(fits)[1]).dst == BE_SMALL_MTU
+
+
+def test_a_full_size_packet_with_bytes_after_it_in_the_frame_is_not_too_big(net: Net, lab: Lab) -> None:
+    """A DF packet exactly the backend's path MTU (1,280 bytes by its IP header) followed in its
+    frame by 20 bytes that are not the packet's (Ethernet padding, a trailer): it fits, and goes
+    through translated; the frame's length (1,300 bytes of IP and more) would have been refused."""
+    net.add_service(backends=((3, BE_SMALL_MTU, 8080, BackendFlag.LOCAL),))
+    assert parse(net.from_pod(tcp(POD_CLIENT, VIP, 12351, 80))[1]).dst == BE_SMALL_MTU
+    full = big_segment(
+        POD_CLIENT, VIP, 12351, 80, smac=MAC[POD_CLIENT], dmac=lab.pod.mac, data=SMALL_MTU - 40
+    )
+    verdict, out = net.from_pod(full + bytes(20))
+    assert verdict == TC_ACT_REDIRECT and parse(out).dst == BE_SMALL_MTU
+    assert net.stats()[Stat.DROP_FRAG_NEEDED] == 0
 
 
 def test_a_gso_burst_of_segments_too_big_for_the_backends_path_answers_fragmentation_needed(

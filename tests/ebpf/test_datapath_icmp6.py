@@ -453,6 +453,18 @@ def test_too_big_for_the_backends_device_answers_packet_too_big_from_the_fronten
     assert verdict == TC_ACT_REDIRECT and str(IPv6Address(out[38:54])) == BE6_SMALL_MTU
 
 
+def test_a_full_size_segment_with_bytes_after_it_in_the_frame_is_not_too_big(net: Net, lab: Lab) -> None:
+    """A segment exactly the backend's device MTU by its header (40 + payload length: 1,280)
+    followed in its frame by 20 bytes that are not the packet's: it fits, and goes through
+    translated; the frame's length would have been answered with a Packet Too Big."""
+    add_service6(net.dp.maps, VIP6, 80, ((1, BE6_SMALL_MTU, 8080, BackendFlag.LOCAL),))
+    assert net.from_pod(frame6(POD6, VIP6, 42011, 80))[0] == TC_ACT_REDIRECT
+    full = big_segment6(POD6, VIP6, 42011, 80, smac=MAC6[POD6], dmac=lab.pod.mac, data=SMALL_MTU - 60)
+    verdict, out = net.from_pod(full + bytes(20))
+    assert verdict == TC_ACT_REDIRECT and str(IPv6Address(out[38:54])) == BE6_SMALL_MTU
+    assert net.stats()[Stat.DROP_FRAG_NEEDED] == 0
+
+
 def test_a_gso_burst_of_segments_too_big_for_the_backends_device_answers_packet_too_big(
     net: Net, lab: Lab
 ) -> None:

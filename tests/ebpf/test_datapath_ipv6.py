@@ -363,6 +363,25 @@ def test_a_lost_reply_entry_is_rebuilt_from_the_forward_one(net: Net) -> None:
     assert seen(out)[1:4] == (VIP6, POD6, 80)
 
 
+def test_an_entry_whose_twin_key_holds_another_flows_is_a_miss_at_its_refresh(net: Net) -> None:
+    """IPv4's test_an_entry_whose_twin_key_holds_another_flows_entry_goes_at_its_refresh for this
+    path: the refresh deletes the FORWARD entry whose REPLY key holds another flow's entry, and the
+    segment that found it is not translated from the deleted entry (an LRU element is handed out
+    again at once): dropped as NO_FLOW, not passed to ip6tables (a new flow to it mid-stream)."""
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    handshake6(net, 40085)
+    other = ct6(net, BE6, POD6, 8080, 40085, reply=True)
+    other.fe_port = port_be(81)  # another frontend's flow on the reply tuple
+    net.dp.maps["ct6_tcp"].update(ct6_key(BE6, POD6, 8080, 40085, reply=True), other)
+    fwd = ct6(net, POD6, VIP6, 40085, 80)
+    fwd.last_seen_ns = time.monotonic_ns() - 2 * 10**9
+    net.dp.maps["ct6_tcp"].update(ct6_key(POD6, VIP6, 40085, 80), fwd)
+    assert net.from_pod(frame6(POD6, VIP6, 40085, 80, flags="PA"))[0] == TC_ACT_SHOT
+    assert ct6(net, POD6, VIP6, 40085, 80) is None
+    assert ct6(net, BE6, POD6, 8080, 40085, reply=True).fe_port == port_be(81)
+    assert net.stats()[Stat.DROP_NO_FLOW] == 1
+
+
 def test_a_direct_syn_on_a_closed_flows_tuple_clears_its_entries(net: Net) -> None:
     """A connection straight to the backend (no frontend: another node translated its ClusterIP)
     from the port of a flow that ended (a RST) reuses that flow's reply tuple: both its entries go
