@@ -38,8 +38,10 @@ right after:
    its replies are translated meanwhile, and the stack passes them with the right addresses under
    either entry); before NFPASS, the stack reset every flow's packets from the attach until the last
    NAT entry of the batch was gone (129 ms at load 22 in the lab). Both flags expire
-   EKP_CT_HANDOVER_S after the carry (an agent that died in between: the data path translates
-   them then, as it did before NFPASS); a restarted agent finds the NAT entries again, carries the
+   EKP_CT_HANDOVER_S after the entry's created_s, which the agent moves on for the flows still
+   waiting every HOLD_RENEW_NS while it replaces (an agent that died in between: the data path
+   translates them within EKP_CT_HANDOVER_S, as it did before NFPASS; a flow replaced after its
+   hold expired is counted in a warning); a restarted agent finds the NAT entries again, carries the
    flows as there already and replaces them the same way.
 3. then, the node being served: the other data path's rules go (agent/iptables/
    kube_proxy_cleanup.py: kube-proxy's iptables chains in both backends, which are also iptables
@@ -91,6 +93,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TCP_BE_LIBERAL = "net/netfilter/nf_conntrack_tcp_be_liberal"
+# How often the carried flows still waiting for their NAT entries' replacement get their hold again
+# (EKP_CT_HANDOVER_S from created_s, which counts whole seconds): well inside it, so that a pass
+# over thousands of entries, itself slow on a starved agent, ends before the hold does.
+HOLD_RENEW_NS = 3 * 1_000_000_000
 
 
 def ebpf_ids(maps: Mapping[str, MapWriter], flows: Iterable[NatFlow]) -> EbpfIds:
@@ -195,6 +201,7 @@ class KernelTakeover:
         self._node: Collection[str] = frozenset()  # the node's addresses, as the last carry read them
         self._carried: list[NatFlow] = []  # before the programs were attached
         self._attached_at = 0.0  # monotonic: after_attach began (the programs were just attached)
+        self._carried_ns = 0  # clock_ns of the carry whose entries the hold of the waiting flows runs from
         self.carried = 0
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
@@ -234,18 +241,39 @@ class KernelTakeover:
         # SYNs to the ClusterIP itself until it timed out).
         self._remove_rules(self._config)
 
-    def _hold(self, maps: Mapping[str, MapWriter], flow: NatFlow, *, clear: int, add: int = 0) -> None:
+    def _hold(
+        self,
+        maps: Mapping[str, MapWriter],
+        flow: NatFlow,
+        *,
+        clear: int,
+        add: int = 0,
+        renew_s: int | None = None,
+    ) -> bool:
         """`clear` cleared and `add` set on both entries of `flow` (either may be gone: ended, or
-        never written)."""
+        never written); with `renew_s`, a held entry's created_s moved to it (its hold starts again:
+        the data path reads nothing else, and the entry is not written by the data path while held).
+        Returns whether an entry was held past its EKP_CT_HANDOVER_S already (as the clock reads it
+        now): the data path translated that flow meanwhile."""
         table = maps[abi.ct_role(flow.proto)]
+        now_s = self._clock_ns() // 1_000_000_000
+        expired = False
+        held = CtFlag.NFPASS | CtFlag.HANDOVER
         for key in ct_keys(flow):
             entry = table.lookup(key)
             if not isinstance(entry, abi.CtEntry):
                 continue
+            late = bool(entry.flags & held) and now_s - entry.created_s >= abi.CT_HANDOVER_S
+            expired = expired or late
             flags = (entry.flags & ~clear) | add
-            if flags == entry.flags:
+            # An entry held past its expiry is left expired: the data path translates that flow
+            # since, and the agent that let it expire is not one whose renewals can be counted on.
+            renew = renew_s is not None and bool(flags & held) and not late
+            created_s = renew_s if renew and renew_s is not None else entry.created_s
+            if flags == entry.flags and created_s == entry.created_s:
                 continue
             entry.flags = flags
+            entry.created_s = created_s
             # Read, then written back: a state change the data path made in between (its replies
             # renew the REPLY entry) is lost, for microseconds, twice per flow.
             try:
@@ -253,6 +281,7 @@ class KernelTakeover:
             except MapError as exc:
                 if exc.errno != errno.ENOENT:  # ended meanwhile
                     raise
+        return expired
 
     def _to_stack(self, maps: Mapping[str, MapWriter], flows: list[NatFlow]) -> None:
         """Each carried flow's nf_conntrack entry replaced by the plain one the node's stack
@@ -264,9 +293,27 @@ class KernelTakeover:
         held = CtFlag.NFPASS | CtFlag.HANDOVER
         released: set[Tuple] = set()
         holds_ns: list[int] = [0, 0]  # the one being held since, the longest hold
+        late: list[NatFlow] = []  # replaced after their hold had expired
+        renewed_ns = [self._carried_ns]
+
+        def renew() -> None:
+            # The hold runs EKP_CT_HANDOVER_S from created_s: the carry, then the attach to every
+            # device, then the flows one after the other (about 1 ms each, far more for an agent
+            # waiting for a CPU) would use it up at a few thousand flows, and the rest would be
+            # translated with their NAT entry in place. The flows still waiting get it again while
+            # the agent makes progress; an agent that dies leaves them expiring as before.
+            now_ns = self._clock_ns()
+            if now_ns - renewed_ns[0] < HOLD_RENEW_NS:
+                return
+            renewed_ns[0] = now_ns
+            for waiting in flows:
+                if waiting.orig not in released:
+                    self._hold(maps, waiting, clear=0, renew_s=now_ns // 1_000_000_000)
 
         def before(flow: NatFlow) -> None:
-            self._hold(maps, flow, clear=CtFlag.NFPASS, add=CtFlag.HANDOVER)
+            renew()
+            if self._hold(maps, flow, clear=CtFlag.NFPASS, add=CtFlag.HANDOVER):
+                late.append(flow)
             holds_ns[0] = time.monotonic_ns()
 
         def after(flow: NatFlow) -> None:
@@ -297,6 +344,18 @@ class KernelTakeover:
                     self._hold(maps, flow, clear=held)
         for line in done.made.failed[:10]:
             log.warning("a carried flow's plain nf_conntrack entry could not be created: %s", line)
+        if late:
+            log.warning(
+                "%d of the %d carried flows had their NAT entries replaced after their hold (%d s from the"
+                " carry, renewed every %d s while the agent went on) expired: the data path translated"
+                " them meanwhile with their NAT entries in place, so the node's stack may have reset"
+                " them (the agent was starved of CPU for seconds?); first: %s",
+                len(late),
+                len(flows),
+                abi.CT_HANDOVER_S,
+                HOLD_RENEW_NS // 1_000_000_000,
+                late[0].describe(),
+            )
         log.info(
             "handed the %d carried flows to the node's stack (legacy host routing, or a backend on the"
             " node's own address), one by one, nf_conntrack's NAT entries translating each until its turn:"
@@ -335,6 +394,8 @@ class KernelTakeover:
         inserted = present = 0
         carried: list[NatFlow] = []
         now = self._clock_ns()
+        if not self._carried_ns:
+            self._carried_ns = now
         for flow in flows:
             why = why_not_carried(flow, ids, node)
             if why is not None:

@@ -522,6 +522,87 @@ def test_an_agent_restarted_mid_switch_replaces_the_entries_its_predecessor_held
     assert not any(f & (CtFlag.NFPASS | CtFlag.HANDOVER) for f in flow_flags(maps, CLUSTERIP).values())
 
 
+def still_held(entry: abi.CtEntry, now_ns: int) -> bool:
+    """ekp_ct_nf_held (bpf/ekp_ct_af.h): whether the data path still treats the entry as held."""
+    held = entry.flags & (CtFlag.NFPASS | CtFlag.HANDOVER)
+    return bool(held) and now_ns // 10**9 - entry.created_s < abi.CT_HANDOVER_S
+
+
+def many_flows(count: int) -> list[NatFlow]:
+    return [
+        NatFlow(6, (POD_CLIENT, VIP, 30000 + i, 80), (BE1, POD_CLIENT, 8080, 30000 + i)) for i in range(count)
+    ]
+
+
+def test_the_flows_waiting_for_their_turn_stay_held_while_the_agent_makes_progress() -> None:
+    """The hold runs EKP_CT_HANDOVER_S from the carry; a replacement that takes longer than that
+    (thousands of flows, or a starved agent: here 1.5 s per flow) renews it for the flows still
+    waiting, so none of them is translated by the data path with its NAT entry in place."""
+    maps = fake_maps()
+    flows = many_flows(12)
+    clock = [NOW]
+    waiting_held: list[bool] = []
+
+    def during(flow: NatFlow) -> None:
+        later = flows[flows.index(flow) + 1 :]
+        table = maps["ct_tcp"]
+        for f in later:
+            for key in ct_keys(f):
+                entry = table.lookup(key)
+                assert isinstance(entry, abi.CtEntry)
+                waiting_held.append(still_held(entry, clock[0]))
+        clock[0] += 1_500_000_000
+
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: flows,
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=FakeReplace([], during),
+        clock_ns=lambda: clock[0],
+    )
+    takeover.before_attach(maps)
+    takeover.after_attach(maps)
+    assert clock[0] - NOW == 18 * 10**9  # longer than the hold
+    assert len(waiting_held) == 2 * 11 * 12 // 2 and all(waiting_held)
+    for flow in flows:
+        assert not any(f & (CtFlag.NFPASS | CtFlag.HANDOVER) for f in flow_flags(maps, flow).values())
+
+
+def test_flows_replaced_after_their_hold_expired_are_counted_and_not_held_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An agent starved for longer than the hold between the carry and the replacement: the data
+    path translated the flows meanwhile; the agent says so, and does not hold them again."""
+    maps = fake_maps()
+    flows = many_flows(3)
+    clock = [NOW]
+    renewed: list[bool] = []
+
+    def during(flow: NatFlow) -> None:
+        for f in flows[flows.index(flow) + 1 :]:
+            for key in ct_keys(f):
+                entry = maps["ct_tcp"].lookup(key)
+                assert isinstance(entry, abi.CtEntry)
+                renewed.append(entry.created_s != NOW // 10**9)
+
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: flows,
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=FakeReplace([], during),
+        clock_ns=lambda: clock[0],
+    )
+    takeover.before_attach(maps)
+    clock[0] += (abi.CT_HANDOVER_S + 1) * 10**9
+    takeover.after_attach(maps)
+    assert renewed and not any(renewed)
+    assert "3 of the 3 carried flows had their NAT entries replaced after their hold" in caplog.text
+
+
 def test_flows_whose_entries_cannot_be_replaced_are_released_to_the_data_path(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
