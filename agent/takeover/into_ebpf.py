@@ -11,8 +11,8 @@ right after:
    these flows (its NAT bindings outlive any rule).
    While the programs are being attached, nf_conntrack_tcp_be_liberal is 1 (below, in the code).
 2. after: the same again, for the flows the other data path started in between (milliseconds),
-   once the flows carried before are handed to the stack (below: their hold expires, so nothing
-   comes before it); nf_conntrack_tcp_be_liberal back to what it was.
+   at once (until then they have no eBPF entry), then the flows of both carries handed to the stack
+   in one pass (below); nf_conntrack_tcp_be_liberal back to what it was.
    From here the programs see every packet of those flows first and translate them from their
    own entries: same backend, same SNAT source and port.
    With bpf host routing netfilter sees no packet of these flows any more. With legacy host
@@ -217,15 +217,15 @@ class KernelTakeover:
             self._liberal_was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
-        # The flows carried before the attach are handed to the stack before anything else, the
-        # second dump included: they are netfilter's (NFPASS) until then, and NFPASS expires
-        # (EKP_CT_HANDOVER_S after the carry).
+        # The second carry first: a flow started between the first dump and the attach has no
+        # eBPF entry until it (its TCP segments drop, its UDP datagrams may pick another backend),
+        # while the flows carried before lose nothing waiting (NFPASS: netfilter's NAT entries
+        # go on translating them, their hold renewed meanwhile). Then both sets in one pass.
         self._attached_at = time.monotonic()
         carried, self._carried = self._carried, []
-        self._to_stack(maps, [f for f in carried if self._meets_stack(f)])
         done = {f.orig for f in carried}
-        flows = [f for f in self._carry(maps, "after the programs were attached") if f.orig not in done]
-        self._to_stack(maps, [f for f in flows if self._meets_stack(f)])
+        late = [f for f in self._carry(maps, "after the programs were attached") if f.orig not in done]
+        self._to_stack(maps, [f for f in (*carried, *late) if self._meets_stack(f)])
         if self._liberal_was is not None and self._liberal_was != "1":
             self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
         self._liberal_was = None

@@ -388,9 +388,9 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
 
     # legacy host routing: the stack sees the carried flows again, as client <-> backend; their NAT
     # entries go (the node's own client keeps its), then the plain tuples' (another source port,
-    # made since the attach), then the plain entries are made: first for the flow carried before
-    # the attach, before the second dump (it is netfilter's, NFPASS, until then, and that expires),
-    # then for the one started meanwhile. bpf routing: netfilter sees none.
+    # made since the attach), then the plain entries are made, for both carries' flows in one pass
+    # after the second dump (the flow started meanwhile has no eBPF entry until that dump, the one
+    # carried before is netfilter's, NFPASS, meanwhile). bpf routing: netfilter sees none.
     def to_stack(flow: NatFlow) -> list[str]:
         plain = [stack_flow(flow).orig]
         return [f"delete {[flow.orig]}", f"delete {plain}", f"create {plain}"]
@@ -399,8 +399,8 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
     assert events == [
         "dump node1",
         f"{liberal}=1",
-        *(to_stack(CLUSTERIP) if legacy else []),
         "dump node1",
+        *(to_stack(CLUSTERIP) if legacy else []),
         *(to_stack(NODEPORT) if legacy else []),
         f"{liberal}=0",
     ]
@@ -482,7 +482,7 @@ def test_flows_that_meet_the_stack_are_netfilters_until_each_is_replaced_in_turn
         plain = [stack_flow(flow).orig]
         return [f"delete {[flow.orig]}", f"delete {plain}", f"create {plain}", f"held {flow.orig}"]
 
-    assert events == ["dump", *(e for f in handed for e in to_stack(f)), "dump"]
+    assert events == ["dump", "dump", *(e for f in handed for e in to_stack(f))]
     for flow in (API_FLOW, CLUSTERIP):
         released = list(flow_flags(maps, flow).values())
         assert len(released) == 2 and not any(f & (CtFlag.HANDOVER | CtFlag.NFPASS) for f in released)
