@@ -294,7 +294,15 @@ class KernelTakeover:
         released: set[Tuple] = set()
         holds_ns: list[int] = [0, 0]  # the one being held since, the longest hold
         late: list[NatFlow] = []  # replaced after their hold had expired
+        unwritten: list[str] = []  # a hold's map write refused (the flow went on all the same)
         renewed_ns = [self._carried_ns]
+
+        def hold(flow: NatFlow, *, clear: int, add: int = 0, renew_s: int | None = None) -> bool:
+            try:
+                return self._hold(maps, flow, clear=clear, add=add, renew_s=renew_s)
+            except MapError as exc:
+                unwritten.append(f"{flow.describe()}: {exc}")
+                return False
 
         def renew() -> None:
             # The hold runs EKP_CT_HANDOVER_S from created_s: the carry, then the attach to every
@@ -308,16 +316,16 @@ class KernelTakeover:
             renewed_ns[0] = now_ns
             for waiting in flows:
                 if waiting.orig not in released:
-                    self._hold(maps, waiting, clear=0, renew_s=now_ns // 1_000_000_000)
+                    hold(waiting, clear=0, renew_s=now_ns // 1_000_000_000)
 
         def before(flow: NatFlow) -> None:
             renew()
-            if self._hold(maps, flow, clear=CtFlag.NFPASS, add=CtFlag.HANDOVER):
+            if hold(flow, clear=CtFlag.NFPASS, add=CtFlag.HANDOVER):
                 late.append(flow)
             holds_ns[0] = time.monotonic_ns()
 
         def after(flow: NatFlow) -> None:
-            self._hold(maps, flow, clear=held)
+            hold(flow, clear=held)
             holds_ns[1] = max(holds_ns[1], time.monotonic_ns() - holds_ns[0])
             released.add(flow.orig)
 
@@ -326,14 +334,21 @@ class KernelTakeover:
                 netns, flows, stack_flow, timeouts_of(self._config), before=before, after=after
             )
         except (OSError, NetlinkError) as exc:
+            fix = (
+                "the agent needs NET_ADMIN"
+                if isinstance(exc, PermissionError)
+                else "the ctnetlink socket failed, so the rest were not tried"
+            )
             log.warning(
-                "cannot replace the NAT entries of the %d flows carried into eBPF conntrack in netns %s (%s):"
-                " the node's stack sees their packets as client <-> backend (--bpf-host-routing=legacy, or"
-                " a backend on the node's own address), finds those entries in the way and gives the"
-                " packets another source port, which the backends reset; the agent needs NET_ADMIN",
+                "cannot replace the NAT entries of %d of the %d flows carried into eBPF conntrack in netns"
+                " %s (%s): the node's stack sees their packets as client <-> backend"
+                " (--bpf-host-routing=legacy, or a backend on the node's own address), finds those entries"
+                " in the way and gives the packets another source port, which the backends reset; %s",
+                len(flows) - len(released),
                 len(flows),
                 netns or "(own)",
                 exc,
+                fix,
             )
             return
         finally:
@@ -341,9 +356,11 @@ class KernelTakeover:
             # (reset, as it would have been without the wait), not netfilter's old rules.
             for flow in flows:
                 if flow.orig not in released:
-                    self._hold(maps, flow, clear=held)
+                    hold(flow, clear=held)
+            for line in unwritten[:10]:
+                log.warning("a carried flow's hold could not be written in eBPF conntrack: %s", line)
         for line in done.made.failed[:10]:
-            log.warning("a carried flow's plain nf_conntrack entry could not be created: %s", line)
+            log.warning("a carried flow's NAT entry could not be replaced: %s", line)
         if late:
             log.warning(
                 "%d of the %d carried flows had their NAT entries replaced after their hold (%d s from the"

@@ -21,9 +21,9 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pyroute2.netlink import (
     NETLINK_NETFILTER,
@@ -262,11 +262,13 @@ def replace_flows(
     """Each flow's entry replaced by the entry of `by(flow)`, one flow after the other: `before(flow)`,
     then in one send(2) the entry on the flow's tuple deleted, the one on the new flow's deleted (a
     packet made it meanwhile) and the new one created, then `after(flow)` (also when a step failed:
-    counted in `made.failed`). The kernel runs the messages of one send in order before it returns
-    (netlink_rcv_skb), so between `before` and `after` there is one system call, not three
-    round trips through pyroute2's per-message work (about 2 ms each, and tens of ms when the agent
-    waits for a CPU): the caller holds the flow's packets there. The messages are pyroute2's, encoded
-    before `before`; only the acks are read here."""
+    counted in `made.failed`, and the next flow goes on). The kernel runs the messages of one send in
+    order before it returns (netlink_rcv_skb), so between `before` and `after` there is one system
+    call, not three round trips through pyroute2's per-message work (about 2 ms each, and tens of ms
+    when the agent waits for a CPU): the caller holds the flow's packets there. The messages are
+    pyroute2's, encoded before `before`; only the acks are read here.
+    Raises PermissionError when the first flow's delete is refused with EPERM (no NET_ADMIN: none
+    would be replaced), and OSError when a send fails (the socket is unusable)."""
     wanted = list(flows)
 
     def run() -> Replaced:
@@ -277,34 +279,77 @@ def replace_flows(
                 continue
             with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER) as sock:
                 sock.bind((0, 0))
-                sock.settimeout(ACK_WAIT_S)  # never an agent stuck at its start: an OSError instead
-                for flow in group:
-                    new = by(flow)
-                    batch = b"".join(
-                        (
-                            _message(family, IPCTNL_MSG_CT_DELETE, 0, 1, tuple_orig=_orig_tuple(flow)),
-                            _message(family, IPCTNL_MSG_CT_DELETE, 0, 2, tuple_orig=_orig_tuple(new)),
-                            _message(family, IPCTNL_MSG_CT_NEW, _CREATE, 3, **_entry(new, timeouts)),
-                        )
-                    )
-                    before(flow)
-                    try:
-                        sock.send(batch)
-                    finally:
-                        after(flow)
-                    errors = _acks(sock, 3)
-                    done.retired += _deleted(errors[1], flow)
-                    done.stray += _deleted(errors[2], new)
-                    if errors[3] == 0:
-                        done.made.created += 1
-                    elif errors[3] == errno.EEXIST:
-                        done.made.present += 1
-                        done.made.taken.append(new)
-                    else:
-                        done.made.failed.append(f"{new.describe()}: {os.strerror(errors[3])}")
+                sock.settimeout(ACK_WAIT_S)  # never an agent stuck at its start: the flow fails instead
+                replace_group(sock, family, group, by, timeouts, done, before=before, after=after)
         return done
 
     return run_in_netns(netns, run)
+
+
+class Sock(Protocol):
+    """What `replace_group` uses of a netlink socket."""
+
+    def send(self, data: bytes, /) -> int: ...
+
+    def recv(self, size: int, /) -> bytes: ...
+
+
+def replace_group(
+    sock: Sock,
+    family: int,
+    group: Iterable[NatFlow],
+    by: Callable[[NatFlow], NatFlow],
+    timeouts: Timeouts,
+    done: Replaced,
+    *,
+    before: Callable[[NatFlow], None],
+    after: Callable[[NatFlow], None],
+) -> None:
+    """`replace_flows` for the flows of one family, on an open ctnetlink socket; what happened
+    counted into `done`. Each flow's messages have their own sequence numbers, so the acks of a
+    flow that timed out cannot be read as the next one's."""
+    seq = 0
+    for flow in group:
+        new = by(flow)
+        seqs = (seq + 1, seq + 2, seq + 3)
+        seq += 3
+        batch = b"".join(
+            (
+                _message(family, IPCTNL_MSG_CT_DELETE, 0, seqs[0], tuple_orig=_orig_tuple(flow)),
+                _message(family, IPCTNL_MSG_CT_DELETE, 0, seqs[1], tuple_orig=_orig_tuple(new)),
+                _message(family, IPCTNL_MSG_CT_NEW, _CREATE, seqs[2], **_entry(new, timeouts)),
+            )
+        )
+        before(flow)
+        try:
+            sock.send(batch)
+        finally:
+            after(flow)
+        try:
+            errors = _acks(sock, seqs)
+        except (OSError, ValueError) as exc:  # no ack within ACK_WAIT_S, ENOBUFS, a malformed ack
+            done.made.failed.append(f"{new.describe()}: its acks could not be read ({exc})")
+            continue
+        if seq == 3 and errors[seqs[0]] == errno.EPERM:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+        gone, stray, made = (errors[s] for s in seqs)
+        if gone not in (0, errno.ENOENT):
+            done.made.failed.append(f"{flow.describe()}: its NAT entry not deleted: {os.strerror(gone)}")
+            continue
+        if stray not in (0, errno.ENOENT):
+            done.made.failed.append(
+                f"{new.describe()}: the entry on its tuple not deleted: {os.strerror(stray)}"
+            )
+            continue
+        done.retired += gone == 0
+        done.stray += stray == 0
+        if made == 0:
+            done.made.created += 1
+        elif made == errno.EEXIST:
+            done.made.present += 1
+            done.made.taken.append(new)
+        else:
+            done.made.failed.append(f"{new.describe()}: {os.strerror(made)}")
 
 
 _CREATE = NLM_F_EXCL | NLM_F_CREATE
@@ -327,27 +372,28 @@ def _message(family: int, kind: int, flags: int, seq: int, **attrs: Any) -> byte
     return bytes(msg.data)
 
 
-def _acks(sock: socket.socket, count: int) -> dict[int, int]:
-    """The errno of each of `count` requests' acks (NLMSG_ERROR, 0 for success), by sequence number."""
+_HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
+_ERRNO = struct.Struct("=i")  # nlmsgerr's error, right after the header
+
+
+def _acks(sock: Sock, seqs: Collection[int]) -> dict[int, int]:
+    """The errno of the acks (NLMSG_ERROR, 0 for success) of the requests numbered `seqs`, read as
+    they come, over as many recv calls as they take; other messages (a late ack of a flow that timed
+    out) are skipped. ValueError for a message shorter than its header says."""
     errors: dict[int, int] = {}
-    while len(errors) < count:
+    while not all(s in errors for s in seqs):
         data = sock.recv(65536)
         offset = 0
-        while offset + 16 <= len(data):
-            length, kind, _flags, seq, _pid = struct.unpack_from("=IHHII", data, offset)
-            if kind == NLMSG_ERROR:
-                errors[seq] = -struct.unpack_from("=i", data, offset + 16)[0]
-            offset += (max(length, 16) + 3) & ~3
+        while offset + _HEADER.size <= len(data):
+            length, kind, _flags, seq, _pid = _HEADER.unpack_from(data, offset)
+            if length < _HEADER.size or offset + length > len(data):
+                raise ValueError(f"a netlink message of {length} bytes in {len(data) - offset}")
+            if kind == NLMSG_ERROR and seq in seqs:
+                if length < _HEADER.size + _ERRNO.size:
+                    raise ValueError(f"an ack of {length} bytes")
+                errors[seq] = -_ERRNO.unpack_from(data, offset + _HEADER.size)[0]
+            offset += (length + 3) & ~3
     return errors
-
-
-def _deleted(error: int, flow: NatFlow) -> int:
-    """1 for a deleted entry, 0 for none (ENOENT: the flow ended, or the stack never tracked it)."""
-    if error == errno.ENOENT:
-        return 0
-    if error:
-        raise NetlinkError(error, f"cannot delete the nf_conntrack entry of {flow.describe()}")
-    return 1
 
 
 def _delete(ct: NFCTSocket, flow: NatFlow) -> int:

@@ -10,12 +10,14 @@ the eBPF conntrack written into a lab namespace's nf_conntrack with its NAT bind
 
 from __future__ import annotations
 
+import errno
 import secrets
 import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +25,7 @@ from agent.config import Config, HostRouting
 from agent.ebpf import abi, activity
 from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
-from agent.ebpf.maps import FakeMap, MapWriter
+from agent.ebpf.maps import FakeMap, MapError, MapWriter, UpdateFlag
 from agent.takeover.flows import (
     IPS_ASSURED,
     IPS_CONFIRMED,
@@ -626,6 +628,76 @@ def test_flows_whose_entries_cannot_be_replaced_are_released_to_the_data_path(
     assert all(f & CtFlag.NFPASS for flow in (CLUSTERIP, API_FLOW) for f in flow_flags(maps, flow).values())
     takeover.after_attach(maps)
     assert "needs NET_ADMIN" in caplog.text
+    for flow in (CLUSTERIP, API_FLOW):
+        assert not any(f & (CtFlag.HANDOVER | CtFlag.NFPASS) for f in flow_flags(maps, flow).values())
+
+
+class RefusingMap(FakeMap):
+    """Refuses the first rewrite (BPF_EXIST) of `key`'s entry (EBUSY)."""
+
+    def __init__(self, base: MapWriter, key: abi.CtKey) -> None:
+        assert isinstance(base, FakeMap)
+        super().__init__(base.spec)
+        for k, v in base.items():
+            super().update(k, v)
+        self.refuse: bytes | None = bytes(key)
+
+    def update(self, key: Any, value: Any, flags: UpdateFlag = UpdateFlag.ANY) -> None:
+        if flags == UpdateFlag.EXIST and bytes(key) == self.refuse:
+            self.refuse = None
+            raise MapError("ekp_ct_tcp", "update", errno.EBUSY)
+        super().update(key, value, flags)
+
+
+def test_a_hold_the_map_refuses_fails_that_flow_alone(caplog: pytest.LogCaptureFixture) -> None:
+    """A MapError writing one flow's hold no longer ends the replacement: the other flows are
+    replaced and released, and the refused write is logged."""
+    events: list[str] = []
+    maps = fake_maps()
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: [CLUSTERIP, API_FLOW],
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=FakeReplace(events),
+        clock_ns=lambda: NOW,
+    )
+    takeover.before_attach(maps)
+    maps["ct_tcp"] = RefusingMap(maps["ct_tcp"], ct_keys(CLUSTERIP)[0])
+    takeover.after_attach(maps)
+    assert [e for e in events if e.startswith("create")] == [
+        f"create {[stack_flow(f).orig]}" for f in (CLUSTERIP, API_FLOW)
+    ]
+    assert not any(f & (CtFlag.NFPASS | CtFlag.HANDOVER) for f in flow_flags(maps, API_FLOW).values())
+    assert "hold could not be written in eBPF conntrack" in caplog.text and "busy" in caplog.text
+
+
+def test_a_socket_failure_is_worded_as_one_and_counts_the_flows_not_replaced(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def fails_at_the_second(
+        netns: str, flows: Iterable[NatFlow], by: Any, timeouts: Any, *, before: Any, after: Any
+    ) -> Replaced:
+        first = next(iter(flows))
+        before(first)
+        after(first)
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    maps = fake_maps()
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: [CLUSTERIP, API_FLOW],
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=fails_at_the_second,
+        clock_ns=lambda: NOW,
+    )
+    takeover.before_attach(maps)
+    takeover.after_attach(maps)
+    assert "cannot replace the NAT entries of 1 of the 2 flows" in caplog.text
+    assert "the ctnetlink socket failed" in caplog.text and "NET_ADMIN" not in caplog.text
     for flow in (CLUSTERIP, API_FLOW):
         assert not any(f & (CtFlag.HANDOVER | CtFlag.NFPASS) for f in flow_flags(maps, flow).values())
 
