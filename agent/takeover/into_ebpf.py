@@ -373,16 +373,23 @@ class KernelTakeover:
                 HOLD_RENEW_NS // 1_000_000_000,
                 late[0].describe(),
             )
+        for new in done.refused[:10]:
+            log.warning(
+                "a carried flow's plain nf_conntrack entry was refused (EEXIST): another entry holds its"
+                " reply tuple, or a packet made one meanwhile; the stack's NAT may give its packets"
+                " another source port, which the backend resets: %s",
+                new.describe(),
+            )
         log.info(
             "handed the %d carried flows to the node's stack (legacy host routing, or a backend on the"
             " node's own address), one by one, nf_conntrack's NAT entries translating each until its turn:"
-            " %d NAT entries replaced by client <-> backend entries (%d made by packets meanwhile, %d with"
-            " another source port removed, %d failed), %.0f ms, done %.0f ms after the attach; each flow's"
-            " forward packets dropped while its entry was replaced, %.2f ms at most",
+            " %d NAT entries replaced by client <-> backend entries (%d with another source port removed,"
+            " %d refused as another entry held the tuple, %d failed), %.0f ms, done %.0f ms after the"
+            " attach; each flow's forward packets dropped while its entry was replaced, %.2f ms at most",
             len(flows),
             done.retired,
-            done.made.present,
             done.stray,
+            len(done.refused),
             len(done.made.failed),
             (time.monotonic() - started) * 1000,
             (time.monotonic() - self._attached_at) * 1000,

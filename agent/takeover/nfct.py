@@ -247,7 +247,10 @@ class Replaced:
 
     retired: int = 0  # entries deleted on the flows' own tuples
     stray: int = 0  # entries deleted on their replacements' tuples (made by packets meanwhile)
-    made: Created = field(default_factory=Created)
+    # creates refused with EEXIST: the entry on the replacement's own tuple went in the same send,
+    # so another entry holds its reply tuple (or a packet made one between the two messages)
+    refused: list[NatFlow] = field(default_factory=list)
+    made: Created = field(default_factory=Created)  # its `present` is never counted here: `refused`
 
 
 def replace_flows(
@@ -346,8 +349,7 @@ def replace_group(
         if made == 0:
             done.made.created += 1
         elif made == errno.EEXIST:
-            done.made.present += 1
-            done.made.taken.append(new)
+            done.refused.append(new)
         else:
             done.made.failed.append(f"{new.describe()}: {os.strerror(made)}")
 

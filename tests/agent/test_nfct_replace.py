@@ -140,3 +140,15 @@ def test_a_malformed_ack_is_a_value_error(data: bytes) -> None:
     sock.queue.append(data)
     with pytest.raises(ValueError):
         _acks(sock, (1,))
+
+
+def test_a_create_refused_with_eexist_is_counted_apart() -> None:
+    sock = ScriptedSock(
+        lambda n, seqs: [ack(seqs[0], 0) + ack(seqs[1], errno.ENOENT) + ack(seqs[2], errno.EEXIST)]
+    )
+    done, _ = run(sock, FLOWS[:1])
+    assert done.refused == [stack_flow(FLOWS[0])] and (
+        done.retired,
+        done.made.present,
+        done.made.created,
+    ) == (1, 0, 0)

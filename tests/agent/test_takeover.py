@@ -971,6 +971,20 @@ def test_replace_flows_replaces_each_entry_between_its_own_hooks(netns: str) -> 
 
 
 @pytest.mark.kernel
+def test_a_plain_entry_whose_reply_tuple_another_entry_holds_is_counted_as_refused(netns: str) -> None:
+    """The create's EEXIST, once both tuples' entries went in the same send, is another entry on
+    the plain flow's reply tuple (here another Service's NAT entry to the same backend and client
+    port), not an entry made by packets meanwhile: counted apart."""
+    t = Timeouts()
+    holder = NatFlow(6, (POD_CLIENT, "10.96.0.11", 40000, 80), (BE1, POD_CLIENT, 8080, 40000))
+    assert create_flows(netns, [holder], t).created == 1
+    done = replace_flows(netns, [CLUSTERIP], stack_flow, t, before=lambda f: None, after=lambda f: None)
+    assert (done.retired, done.stray, done.made.created, done.made.present) == (0, 0, 0, 0)
+    assert done.refused == [stack_flow(CLUSTERIP)] and done.made.failed == []
+    assert [f.orig for f in dump_flows(netns)] == [holder.orig]
+
+
+@pytest.mark.kernel
 def test_a_nat_entry_and_the_stacks_plain_entry_exclude_each_other_until_one_is_deleted(netns: str) -> None:
     # why each side of a switch deletes the other's entry under legacy host routing
     t = Timeouts()
