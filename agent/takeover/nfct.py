@@ -27,23 +27,16 @@ from typing import Any, Protocol
 
 from pyroute2.netlink import (
     NETLINK_NETFILTER,
-    NLM_F_ACK,
-    NLM_F_CREATE,
-    NLM_F_EXCL,
-    NLM_F_REQUEST,
     NLMSG_ERROR,
 )
 from pyroute2.netlink.exceptions import NetlinkError
-from pyroute2.netlink.nfnetlink import NFNL_SUBSYS_CTNETLINK
 from pyroute2.netlink.nfnetlink.nfctsocket import (
-    IPCTNL_MSG_CT_DELETE,
-    IPCTNL_MSG_CT_NEW,
     NFCTAttrTuple,
     NFCTSocket,
-    nfct_msg,
 )
 
 from agent.netns import netns_route, run_in_netns
+from agent.takeover import ctmsg
 from agent.takeover.flows import (
     IPS_DST_NAT,
     SCTP,
@@ -269,7 +262,7 @@ def replace_flows(
     order before it returns (netlink_rcv_skb), so between `before` and `after` there is one system
     call, not three round trips through pyroute2's per-message work (about 2 ms each, and tens of ms
     when the agent waits for a CPU): the caller holds the flow's packets there. The messages are
-    pyroute2's, encoded before `before`; only the acks are read here.
+    encoded with struct (agent/takeover/ctmsg.py) before `before`; only the acks are read here.
     Raises PermissionError when the first flow's delete is refused with EPERM (no NET_ADMIN: none
     would be replaced), and OSError when a send fails (the socket is unusable)."""
     wanted = list(flows)
@@ -318,9 +311,9 @@ def replace_group(
         seq += 3
         batch = b"".join(
             (
-                _message(family, IPCTNL_MSG_CT_DELETE, 0, seqs[0], tuple_orig=_orig_tuple(flow)),
-                _message(family, IPCTNL_MSG_CT_DELETE, 0, seqs[1], tuple_orig=_orig_tuple(new)),
-                _message(family, IPCTNL_MSG_CT_NEW, _CREATE, seqs[2], **_entry(new, timeouts)),
+                ctmsg.delete_request(seqs[0], flow),
+                ctmsg.delete_request(seqs[1], new),
+                ctmsg.create_request(seqs[2], new, timeouts),
             )
         )
         before(flow)
@@ -354,24 +347,7 @@ def replace_group(
             done.made.failed.append(f"{new.describe()}: {os.strerror(made)}")
 
 
-_CREATE = NLM_F_EXCL | NLM_F_CREATE
 ACK_WAIT_S = 5.0  # the kernel acks each request in the send itself; this only bounds the unexpected
-
-
-def _orig_tuple(flow: NatFlow) -> NFCTAttrTuple:
-    s, d, sp, dp = flow.orig
-    return NFCTAttrTuple(family=_family(flow), saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp)
-
-
-def _message(family: int, kind: int, flags: int, seq: int, **attrs: Any) -> bytes:
-    """A ctnetlink request, encoded by pyroute2, asking for an ack."""
-    msg = nfct_msg.create_from(**attrs)
-    msg["nfgen_family"] = family
-    msg["header"]["type"] = (NFNL_SUBSYS_CTNETLINK << 8) | kind
-    msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK | flags
-    msg["header"]["sequence_number"] = seq
-    msg.encode()
-    return bytes(msg.data)
 
 
 _HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
