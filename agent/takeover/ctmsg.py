@@ -13,7 +13,7 @@ import struct
 
 from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST
 from pyroute2.netlink.nfnetlink import NFNL_SUBSYS_CTNETLINK
-from pyroute2.netlink.nfnetlink.nfctsocket import IPCTNL_MSG_CT_DELETE, IPCTNL_MSG_CT_NEW
+from pyroute2.netlink.nfnetlink.nfctsocket import IPCTNL_MSG_CT_DELETE, IPCTNL_MSG_CT_GET, IPCTNL_MSG_CT_NEW
 
 from agent.takeover.flows import SCTP, TCP, NatFlow, Timeouts, kernel_status, timeout_of
 
@@ -98,6 +98,37 @@ def delete_request(seq: int, flow: NatFlow) -> bytes:
     return _request(
         family, IPCTNL_MSG_CT_DELETE, 0, seq, _tuple(CTA_TUPLE_ORIG, family, flow.proto, flow.orig)
     )
+
+
+def get_request(seq: int, flow: NatFlow) -> bytes:
+    """Read the entry on `flow`'s original tuple (an IPCTNL_MSG_CT_NEW message, then the ack)."""
+    family = family_of(flow)
+    return _request(family, IPCTNL_MSG_CT_GET, 0, seq, _tuple(CTA_TUPLE_ORIG, family, flow.proto, flow.orig))
+
+
+def _attrs(data: bytes, start: int, end: int) -> dict[int, tuple[int, int]]:
+    """The attributes of data[start:end] by type (nesting flags masked): their payloads' bounds."""
+    found: dict[int, tuple[int, int]] = {}
+    while start + _NLA.size <= end:
+        length, kind = _NLA.unpack_from(data, start)
+        if length < _NLA.size or start + length > end:
+            raise ValueError(f"a netlink attribute of {length} bytes in {end - start}")
+        found[kind & 0x3FFF] = (start + _NLA.size, start + length)
+        start += (length + 3) & ~3
+    return found
+
+
+def tcp_state_of(message: bytes) -> int | None:
+    """The TCP state (CTA_PROTOINFO_TCP_STATE) of a ctnetlink entry message (from its nlmsghdr),
+    None when it has none."""
+    top = _attrs(message, _NLMSG.size + _NFGEN.size, len(message))
+    if CTA_PROTOINFO not in top:
+        return None
+    tcp = _attrs(message, *top[CTA_PROTOINFO]).get(CTA_PROTOINFO_TCP)
+    if tcp is None:
+        return None
+    state = _attrs(message, *tcp).get(TCP_STATE)
+    return message[state[0]] if state is not None and state[1] > state[0] else None
 
 
 def create_request(seq: int, flow: NatFlow, timeouts: Timeouts) -> bytes:

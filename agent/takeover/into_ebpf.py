@@ -384,13 +384,15 @@ class KernelTakeover:
             "handed the %d carried flows to the node's stack (legacy host routing, or a backend on the"
             " node's own address), one by one, nf_conntrack's NAT entries translating each until its turn:"
             " %d NAT entries replaced by client <-> backend entries (%d with another source port removed,"
-            " %d refused as another entry held the tuple, %d failed), %.0f ms, done %.0f ms after the"
+            " %d refused as another entry held the tuple, %d failed, %d TCP flows made in the state"
+            " netfilter moved them to while they waited), %.0f ms, done %.0f ms after the"
             " attach; each flow's forward packets dropped while its entry was replaced, %.2f ms at most",
             len(flows),
             done.retired,
             done.stray,
             len(done.refused),
             len(done.made.failed),
+            done.moved_on,
             (time.monotonic() - started) * 1000,
             (time.monotonic() - self._attached_at) * 1000,
             holds_ns[1] / 1e6,

@@ -22,7 +22,7 @@ import os
 import socket
 import struct
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pyroute2.netlink import (
@@ -243,6 +243,7 @@ class Replaced:
     # creates refused with EEXIST: the entry on the replacement's own tuple went in the same send,
     # so another entry holds its reply tuple (or a packet made one between the two messages)
     refused: list[NatFlow] = field(default_factory=list)
+    moved_on: int = 0  # TCP flows whose entry was in another state than the dump's (closed meanwhile)
     made: Created = field(default_factory=Created)  # its `present` is never counted here: `refused`
 
 
@@ -263,7 +264,10 @@ def replace_flows(
     call, not three round trips through pyroute2's per-message work (about 2 ms each, and tens of ms
     when the agent waits for a CPU): the caller holds the flow's packets there. The messages are
     encoded with struct (agent/takeover/ctmsg.py) before `before`; only the acks are read here.
-    Raises PermissionError when the first flow's delete is refused with EPERM (no NET_ADMIN: none
+    A TCP flow's entry is read first (one more round trip, before `before`): the plain entry is made
+    in the state netfilter holds now, which saw the flow's packets alone while it waited (NFPASS: a
+    FIN or RST then moved only that entry on).
+    Raises PermissionError when the first flow's read or delete is refused with EPERM (no NET_ADMIN: none
     would be replaced), and OSError when a send fails (the socket is unusable)."""
     wanted = list(flows)
 
@@ -306,9 +310,23 @@ def replace_group(
     flow that timed out cannot be read as the next one's."""
     seq = 0
     for flow in group:
+        seq += 4
+        if flow.proto == TCP:
+            # The flow's state now, not the dump's: while it waited (NFPASS) its packets went through
+            # netfilter alone, which saw it close (FIN, RST) if it did. The plain entry is made in
+            # that state, with that state's timeout, rather than ESTABLISHED for a day.
+            try:
+                state = _tcp_state(sock, seq - 3, flow)
+            except (OSError, ValueError) as exc:
+                if isinstance(exc, PermissionError) and seq == 4:
+                    raise
+                done.made.failed.append(f"{flow.describe()}: its entry could not be read ({exc})")
+                continue
+            if state is not None and state != flow.tcp_state:
+                flow = replace(flow, tcp_state=TcpState(state))
+                done.moved_on += 1
         new = by(flow)
-        seqs = (seq + 1, seq + 2, seq + 3)
-        seq += 3
+        seqs = (seq - 2, seq - 1, seq)
         batch = b"".join(
             (
                 ctmsg.delete_request(seqs[0], flow),
@@ -326,7 +344,7 @@ def replace_group(
         except (OSError, ValueError) as exc:  # no ack within ACK_WAIT_S, ENOBUFS, a malformed ack
             done.made.failed.append(f"{new.describe()}: its acks could not be read ({exc})")
             continue
-        if seq == 3 and errors[seqs[0]] == errno.EPERM:
+        if seq == 4 and errors[seqs[0]] == errno.EPERM:
             raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
         gone, stray, made = (errors[s] for s in seqs)
         if gone not in (0, errno.ENOENT):
@@ -348,6 +366,31 @@ def replace_group(
 
 
 ACK_WAIT_S = 5.0  # the kernel acks each request in the send itself; this only bounds the unexpected
+
+
+def _tcp_state(sock: Sock, seq: int, flow: NatFlow) -> int | None:
+    """The TCP state of the entry on `flow`'s original tuple, None when there is none."""
+    sock.send(ctmsg.get_request(seq, flow))
+    state: int | None = None
+    while True:
+        data = sock.recv(65536)
+        offset = 0
+        while offset + _HEADER.size <= len(data):
+            length, kind, _flags, got, _pid = _HEADER.unpack_from(data, offset)
+            if length < _HEADER.size or offset + length > len(data):
+                raise ValueError(f"a netlink message of {length} bytes in {len(data) - offset}")
+            if got == seq:
+                if kind == NLMSG_ERROR:
+                    if length < _HEADER.size + _ERRNO.size:
+                        raise ValueError(f"an ack of {length} bytes")
+                    err = -_ERRNO.unpack_from(data, offset + _HEADER.size)[0]
+                    if err == errno.EPERM:
+                        raise PermissionError(err, os.strerror(err))
+                    if err not in (0, errno.ENOENT):
+                        raise OSError(err, os.strerror(err))
+                    return state
+                state = ctmsg.tcp_state_of(data[offset : offset + length])
+            offset += (length + 3) & ~3
 
 
 _HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id

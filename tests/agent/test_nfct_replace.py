@@ -8,15 +8,20 @@ import socket
 import struct
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from pyroute2.netlink import NLMSG_ERROR
+from pyroute2.netlink.nfnetlink import NFNL_SUBSYS_CTNETLINK
+from pyroute2.netlink.nfnetlink.nfctsocket import IPCTNL_MSG_CT_GET
 
-from agent.takeover.flows import NatFlow, Timeouts, stack_flow
+from agent.takeover import ctmsg
+from agent.takeover.flows import NatFlow, TcpState, Timeouts, stack_flow
 from agent.takeover.nfct import Replaced, _acks, replace_group
 from lab.dplab import BE1, POD_CLIENT, VIP
 
 HEADER = struct.Struct("=IHHII")
+GET = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET
 
 
 def ack(seq: int, err: int) -> bytes:
@@ -40,12 +45,20 @@ class ScriptedSock:
 
     def __init__(self, answer: Callable[[int, list[int]], list[bytes | Exception]]) -> None:
         self.answer = answer
+        self.get_answer: Callable[[int], list[bytes | Exception]] = lambda seq: [ack(seq, errno.ENOENT)]
+        self.gets: list[int] = []
         self.sent: list[list[int]] = []
+        self.batches: list[bytes] = []
         self.queue: deque[bytes | Exception] = deque()
 
     def send(self, data: bytes, /) -> int:
         seqs = seqs_of(data)
+        if HEADER.unpack_from(data)[1] == GET:  # a TCP flow's state read before its batch
+            self.gets.append(seqs[0])
+            self.queue.extend(self.get_answer(seqs[0]))
+            return len(data)
         self.sent.append(seqs)
+        self.batches.append(data)
         self.queue.extend(self.answer(len(self.sent) - 1, seqs))
         return len(data)
 
@@ -86,7 +99,7 @@ def test_each_flow_is_one_send_of_three_requests_and_its_failures_are_its_own() 
         if n == 1:  # no ack within the wait: they come after, with the next flow's
             return [TimeoutError("timed out")]
         if n == 2:  # flow 1's late acks first, saying success, then flow 2's, in two datagrams
-            late = [s - 3 for s in seqs]
+            late = [s - 4 for s in seqs]  # flow 1's: each flow takes 4 numbers (its state read)
             return [
                 b"".join(ack(s, 0) for s in late) + ack(a, 0),
                 ack(b, errno.ENOENT) + ack(c, errno.ENOMEM),
@@ -152,3 +165,29 @@ def test_a_create_refused_with_eexist_is_counted_apart() -> None:
         done.made.present,
         done.made.created,
     ) == (1, 0, 0)
+
+
+def test_a_tcp_flow_is_made_in_the_state_netfilter_holds_now() -> None:
+    """The dump said ESTABLISHED; while the flow waited (NFPASS) netfilter saw it close: the plain
+    entry is created in TIME_WAIT (its timeout that state's), not ESTABLISHED for a day."""
+    flow = FLOWS[0]
+    assert flow.tcp_state == TcpState.ESTABLISHED
+    now = ctmsg.create_request(0, replace(flow, tcp_state=TcpState.TIME_WAIT), Timeouts())
+    sock = ScriptedSock(lambda n, seqs: [b"".join(ack(s, 0) for s in seqs)])
+    sock.get_answer = lambda seq: [HEADER.pack(len(now), 0, 0, seq, 0) + now[HEADER.size :] + ack(seq, 0)]
+    done, _ = run(sock, [flow])
+    assert sock.gets == [1] and sock.sent == [[2, 3, 4]] and done.moved_on == 1
+    created = sock.batches[0]
+    offset = 0
+    for _ in range(2):  # past the two deletes
+        offset += (HEADER.unpack_from(created, offset)[0] + 3) & ~3
+    assert ctmsg.tcp_state_of(created[offset:]) == TcpState.TIME_WAIT
+    assert ctmsg.tcp_state_of(now) == TcpState.TIME_WAIT
+
+
+def test_no_net_admin_to_read_the_first_flow_stops_too() -> None:
+    sock = ScriptedSock(lambda n, seqs: [])
+    sock.get_answer = lambda seq: [ack(seq, errno.EPERM)]
+    with pytest.raises(PermissionError):
+        run(sock, FLOWS)
+    assert sock.gets == [1] and sock.sent == []

@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple, NFCTSocket
 
 from agent.config import Config, HostRouting
 from agent.ebpf import abi, activity
 from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import FakeMap, MapError, MapWriter, UpdateFlag
+from agent.netns import run_in_netns
 from agent.takeover.flows import (
     IPS_ASSURED,
     IPS_CONFIRMED,
@@ -982,6 +984,29 @@ def test_a_plain_entry_whose_reply_tuple_another_entry_holds_is_counted_as_refus
     assert (done.retired, done.stray, done.made.created, done.made.present) == (0, 0, 0, 0)
     assert done.refused == [stack_flow(CLUSTERIP)] and done.made.failed == []
     assert [f.orig for f in dump_flows(netns)] == [holder.orig]
+
+
+@pytest.mark.kernel
+def test_a_flow_that_closed_while_it_waited_is_replaced_in_its_state_now(netns: str) -> None:
+    """The dump said ESTABLISHED; netfilter, which alone saw the flow's packets while it waited
+    (NFPASS), has it in TIME_WAIT now: the plain entry is made in TIME_WAIT with that state's
+    timeout, not ESTABLISHED for a day."""
+    t = Timeouts()
+    closed = NatFlow(6, CLUSTERIP.orig, CLUSTERIP.reply, tcp_state=TcpState.TIME_WAIT)
+    assert create_flows(netns, [closed], t).created == 1
+    done = replace_flows(netns, [CLUSTERIP], stack_flow, t, before=lambda f: None, after=lambda f: None)
+    assert (done.retired, done.made.created, done.moved_on) == (1, 1, 1)
+
+    def plain() -> tuple[int, int]:
+        with NFCTSocket() as ct:
+            s, d, sp, dp = stack_flow(CLUSTERIP).orig
+            got = ct.entry("get", tuple_orig=NFCTAttrTuple(saddr=s, daddr=d, proto=6, sport=sp, dport=dp))
+            msg = next(m for m in got if m.get_attr("CTA_PROTOINFO") is not None)
+            tcp = msg.get_attr("CTA_PROTOINFO").get_attr("CTA_PROTOINFO_TCP")
+            return int(tcp.get_attr("CTA_PROTOINFO_TCP_STATE")), int(msg.get_attr("CTA_TIMEOUT"))
+
+    state, timeout = run_in_netns(netns, plain)
+    assert state == TcpState.TIME_WAIT and timeout <= 120
 
 
 @pytest.mark.kernel
