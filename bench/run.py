@@ -319,7 +319,7 @@ class Bench:
                 print(f"   ebpf, {SOCKET_PODS}: applying {count:,} service(s)", flush=True)
                 self.apply(lab, node, cluster, agent, f, "ebpf", record=False)
                 for vip in self.vips():
-                    use_ports(lab, client, vip)
+                    use_ports(lab, client, vip, socket_lb=True)
                     # From the pod's cgroup, as wrk and the probe: lab.http_get's socket is the
                     # bench's own (no lab cgroup), so tc would translate it and stamp the backend.
                     url = f"http://{url_host(vip)}:{MEASURED_PORT}/"
@@ -327,7 +327,7 @@ class Bench:
                     if body.strip() != server.name:
                         raise RuntimeError(f"ClusterIP {vip} answered {body!r}, not {server.name}")
                 label = f"{num(count)}, {SOCKET_PODS}"
-                self.measure(lab, client, server, workers, self.state("ebpf", label, count))
+                self.measure(lab, client, server, workers, self.state("ebpf", label, count), socket_lb=True)
                 view = tcview.read(agent.pin_path, count, MEASURED_VIP, MEASURED_PORT, server.ip, NGINX_PORT)
                 self.results.tc_views.append(view)
                 print(f"   {view.text()}", flush=True)
@@ -363,10 +363,18 @@ class Bench:
         self.bpf_costs(lab, node, client, server, self.s.services, BPF)
 
     def load(
-        self, lab: Lab, client: Pod, addr: str, port: int, *, server_pids: list[int], lab_cgroup: str | None
+        self,
+        lab: Lab,
+        client: Pod,
+        addr: str,
+        port: int,
+        *,
+        server_pids: list[int],
+        lab_cgroup: str | None,
+        socket_lb: bool = False,
     ) -> Load:
         """One wrk window from the client to addr:port with this run's settings (ports set for addr)."""
-        use_ports(lab, client, addr)
+        use_ports(lab, client, addr, socket_lb=socket_lb)
         return wrk(
             lab,
             client,
@@ -379,8 +387,11 @@ class Bench:
             lab_cgroup=lab_cgroup,
         )
 
-    def measure(self, lab: Lab, client: Pod, server: Pod, workers: list[int], state: State) -> None:
-        """Rounds of wrk, then of connect probes, per target; targets alternate (order flipped each round)."""
+    def measure(
+        self, lab: Lab, client: Pod, server: Pod, workers: list[int], state: State, *, socket_lb: bool = False
+    ) -> None:
+        """Rounds of wrk, then of connect probes, per target; targets alternate (order flipped each round).
+        `socket_lb`: the socket programs translate the client pod's connections (`client_ports`)."""
         wanted = [
             (state.pod, server.ip, NGINX_PORT),
             (state.vip, MEASURED_VIP, MEASURED_PORT),
@@ -393,11 +404,19 @@ class Bench:
             order = targets if r % 2 == 0 else targets[::-1]
             for t, addr, port in order:
                 t.loads.append(
-                    self.load(lab, client, addr, port, server_pids=workers, lab_cgroup=lab.cgroup_root)
+                    self.load(
+                        lab,
+                        client,
+                        addr,
+                        port,
+                        server_pids=workers,
+                        lab_cgroup=lab.cgroup_root,
+                        socket_lb=socket_lb,
+                    )
                 )
             # Connect latency as a client sees it, the scheduler placing probe and nginx...
             for t, addr, port in order:
-                use_ports(lab, client, addr)
+                use_ports(lab, client, addr, socket_lb=socket_lb)
                 samples, errors = connect_samples(
                     lab, client, addr, port, count=per_round, max_s=20.0, cpu=None
                 )
@@ -409,7 +428,7 @@ class Bench:
             # 8 / 22 µs spread that has nothing to do with the proxy.
             with pinned(workers, PROBE_CPU):
                 for t, addr, port in order:
-                    use_ports(lab, client, addr)
+                    use_ports(lab, client, addr, socket_lb=socket_lb)
                     samples, errors = connect_samples(
                         lab, client, addr, port, count=per_round, max_s=20.0, cpu=PROBE_CPU
                     )
@@ -573,17 +592,34 @@ def agent_version(agent: Agent) -> str:
     return versions[-1]
 
 
-def use_ports(lab: Lab, client: Pod, addr: str) -> None:
-    """Give the client's pod-IP and ClusterIP connections disjoint source port ranges.
+def client_ports(addr: str, *, socket_lb: bool = False) -> str:
+    """The client's source port range for connections to `addr`: chosen by the address the
+    client's socket holds, the one its kernel derives the connection's first sequence number and
+    timestamp offset from.
+
+    `socket_lb`: the socket programs translate the pod's connections (the socket LB for pods), so
+    a socket to a ClusterIP holds the backend's address, as a pod-IP socket does: its ports are
+    the pod IP's. Given the ClusterIP's ports, those sockets left the backend TIME_WAIT sockets
+    on 4-tuples the next agent's ClusterIP rows (socket holding the ClusterIP, translated by tc
+    or ip6tables) reused within 60 s with an unrelated sequence number and timestamp: the
+    backend's TIME_WAIT answered their SYN with an ACK of the old connection, the client reset it
+    and sent the SYN again 1 s later (issue 20's IPv6 legacy-routing p99s and errors; IPv4 too).
+    """
+    vip = addr in (MEASURED_VIP, MEASURED_VIP6) and not socket_lb
+    return PORTS_VIP if vip else PORTS_DIRECT
+
+
+def use_ports(lab: Lab, client: Pod, addr: str, *, socket_lb: bool = False) -> None:
+    """Give the client's pod-IP and ClusterIP connections disjoint source port ranges
+    (`client_ports`).
 
     So no row meets the other's sockets in TIME_WAIT on the backend (both target the same
     backend ip:port), and each row measures only its own path. This once also hid an eBPF bug
     (a closed ClusterIP flow's reply entry caught a later direct connection from the same port),
     fixed since in bpf/ekp_ct.h (ekp_ct_reclaim) and covered by packet and lab tests.
     """
-    vip = addr in (MEASURED_VIP, MEASURED_VIP6)
     # one sysctl for both families (the IPv6 stack takes its ports from net.ipv4 too)
-    lab.set_sysctl(client, "net.ipv4.ip_local_port_range", PORTS_VIP if vip else PORTS_DIRECT)
+    lab.set_sysctl(client, "net.ipv4.ip_local_port_range", client_ports(addr, socket_lb=socket_lb))
 
 
 def ebpf_facts(agent: Agent) -> str:

@@ -25,6 +25,7 @@ import logging
 import struct
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from agent.ebpf.abi import ACT_SHIFT, ACT_SLOTS, CT6_ROLES, CT_ROLES, Act, CtDir, CtEntry, CtKey
 from agent.ebpf.capacity import ct_timeout_s
@@ -47,6 +48,10 @@ def slot(addr_be: int, port_be: int, proto: int) -> int:
     h ^= h >> 12
     h &= ACT_SLOTS - 1
     return h or 1
+
+
+def _as_is(addr: Any) -> int:
+    return int(addr)
 
 
 def fold6(addr: bytes) -> int:
@@ -95,42 +100,27 @@ def arm(maps: Mapping[str, MapWriter], now_ns: int | None = None) -> int:
     timeouts: dict[tuple[int, int], float] = {}  # (proto, flags) -> seconds
     slots: set[int] = set()
     entries = 0
-    for role in CT_ROLES:
-        keys, values = maps[role].dump_raw()
-        key_codec, value_codec = KEYS[role], VALUES[role]
-        pairs = zip(key_codec.struct.iter_unpack(keys), value_codec.struct.iter_unpack(values), strict=True)
-        for (saddr, _daddr, sport, _dport, proto, direction), value in pairs:
-            entries += 1
-            last_seen, nat_addr, _snat_addr, fe_addr, nat_port, _snat_port, fe_port, flags = value[:8]
-            limit = timeouts.get((proto, flags))
-            if limit is None:
-                limit = timeouts[(proto, flags)] = ct_timeout_s(cfg, proto, flags) * 1e9
-            if age_ns(now, last_seen) > limit:
+    # IPv4's tables, then the tc IPv6 path's, whose addresses are folded as ekp_fold6 folds them
+    for roles, fold in ((CT_ROLES, _as_is), (CT6_ROLES, fold6)):
+        for role in roles:
+            if role not in maps:
                 continue
-            slots.add(slot(fe_addr, fe_port, proto))
-            if direction == CtDir.FORWARD:
-                slots.add(slot(nat_addr, nat_port, proto))
-            else:
-                slots.add(slot(saddr, sport, proto))
-    for role in CT6_ROLES:  # the tc IPv6 path's flows, their addresses folded (ekp_fold6)
-        if role not in maps:
-            continue
-        keys, values = maps[role].dump_raw()
-        key_codec, value_codec = KEYS[role], VALUES[role]
-        pairs = zip(key_codec.struct.iter_unpack(keys), value_codec.struct.iter_unpack(values), strict=True)
-        for (saddr6, _daddr6, sport, _dport, proto, direction), value in pairs:
-            entries += 1
-            last_seen, nat_addr6, _snat_addr6, fe_addr6, nat_port, _snat_port, fe_port, flags = value[:8]
-            limit = timeouts.get((proto, flags))
-            if limit is None:
-                limit = timeouts[(proto, flags)] = ct_timeout_s(cfg, proto, flags) * 1e9
-            if age_ns(now, last_seen) > limit:
-                continue
-            slots.add(slot(fold6(fe_addr6), fe_port, proto))
-            if direction == CtDir.FORWARD:
-                slots.add(slot(fold6(nat_addr6), nat_port, proto))
-            else:
-                slots.add(slot(fold6(saddr6), sport, proto))
+            keys, values = maps[role].dump_raw()
+            rows = KEYS[role].struct.iter_unpack(keys)
+            pairs = zip(rows, VALUES[role].struct.iter_unpack(values), strict=True)
+            for (saddr, _daddr, sport, _dport, proto, direction), value in pairs:
+                entries += 1
+                last_seen, nat_addr, _snat_addr, fe_addr, nat_port, _snat_port, fe_port, flags = value[:8]
+                limit = timeouts.get((proto, flags))
+                if limit is None:
+                    limit = timeouts[(proto, flags)] = ct_timeout_s(cfg, proto, flags) * 1e9
+                if age_ns(now, last_seen) > limit:
+                    continue
+                slots.add(slot(fold(fe_addr), fe_port, proto))
+                if direction == CtDir.FORWARD:
+                    slots.add(slot(fold(nat_addr), nat_port, proto))
+                else:
+                    slots.add(slot(fold(saddr), sport, proto))
     stamp = Act(stamp=stamp_of(now))
     act = maps["act"]
     if slots:
