@@ -11,8 +11,8 @@ right after:
    these flows (its NAT bindings outlive any rule).
    While the programs are being attached, nf_conntrack_tcp_be_liberal is 1 (below, in the code).
 2. after: the same again, for the flows the other data path started in between (milliseconds),
-   once the flows carried before are handed to the stack (below: their hold expires, so nothing
-   comes before it); nf_conntrack_tcp_be_liberal back to what it was.
+   at once (until then they have no eBPF entry), then the flows of both carries handed to the stack
+   in one pass (below); nf_conntrack_tcp_be_liberal back to what it was.
    From here the programs see every packet of those flows first and translate them from their
    own entries: same backend, same SNAT source and port.
    With bpf host routing netfilter sees no packet of these flows any more. With legacy host
@@ -38,8 +38,10 @@ right after:
    its replies are translated meanwhile, and the stack passes them with the right addresses under
    either entry); before NFPASS, the stack reset every flow's packets from the attach until the last
    NAT entry of the batch was gone (129 ms at load 22 in the lab). Both flags expire
-   EKP_CT_HANDOVER_S after the carry (an agent that died in between: the data path translates
-   them then, as it did before NFPASS); a restarted agent finds the NAT entries again, carries the
+   EKP_CT_HANDOVER_S after the entry's created_s, which the agent moves on for the flows still
+   waiting every HOLD_RENEW_NS while it replaces (an agent that died in between: the data path
+   translates them within EKP_CT_HANDOVER_S, as it did before NFPASS; a flow replaced after its
+   hold expired is counted in a warning); a restarted agent finds the NAT entries again, carries the
    flows as there already and replaces them the same way.
 3. then, the node being served: the other data path's rules go (agent/iptables/
    kube_proxy_cleanup.py: kube-proxy's iptables chains in both backends, which are also iptables
@@ -91,6 +93,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TCP_BE_LIBERAL = "net/netfilter/nf_conntrack_tcp_be_liberal"
+# How often the carried flows still waiting for their NAT entries' replacement get their hold again
+# (EKP_CT_HANDOVER_S from created_s, which counts whole seconds): well inside it, so that a pass
+# over thousands of entries, itself slow on a starved agent, ends before the hold does.
+HOLD_RENEW_NS = 3 * 1_000_000_000
 
 
 def ebpf_ids(maps: Mapping[str, MapWriter], flows: Iterable[NatFlow]) -> EbpfIds:
@@ -195,6 +201,7 @@ class KernelTakeover:
         self._node: Collection[str] = frozenset()  # the node's addresses, as the last carry read them
         self._carried: list[NatFlow] = []  # before the programs were attached
         self._attached_at = 0.0  # monotonic: after_attach began (the programs were just attached)
+        self._carried_ns = 0  # clock_ns of the carry whose entries the hold of the waiting flows runs from
         self.carried = 0
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
@@ -210,15 +217,15 @@ class KernelTakeover:
             self._liberal_was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
-        # The flows carried before the attach are handed to the stack before anything else, the
-        # second dump included: they are netfilter's (NFPASS) until then, and NFPASS expires
-        # (EKP_CT_HANDOVER_S after the carry).
+        # The second carry first: a flow started between the first dump and the attach has no
+        # eBPF entry until it (its TCP segments drop, its UDP datagrams may pick another backend),
+        # while the flows carried before lose nothing waiting (NFPASS: netfilter's NAT entries
+        # go on translating them, their hold renewed meanwhile). Then both sets in one pass.
         self._attached_at = time.monotonic()
         carried, self._carried = self._carried, []
-        self._to_stack(maps, [f for f in carried if self._meets_stack(f)])
         done = {f.orig for f in carried}
-        flows = [f for f in self._carry(maps, "after the programs were attached") if f.orig not in done]
-        self._to_stack(maps, [f for f in flows if self._meets_stack(f)])
+        late = [f for f in self._carry(maps, "after the programs were attached") if f.orig not in done]
+        self._to_stack(maps, [f for f in (*carried, *late) if self._meets_stack(f)])
         if self._liberal_was is not None and self._liberal_was != "1":
             self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
         self._liberal_was = None
@@ -234,18 +241,39 @@ class KernelTakeover:
         # SYNs to the ClusterIP itself until it timed out).
         self._remove_rules(self._config)
 
-    def _hold(self, maps: Mapping[str, MapWriter], flow: NatFlow, *, clear: int, add: int = 0) -> None:
+    def _hold(
+        self,
+        maps: Mapping[str, MapWriter],
+        flow: NatFlow,
+        *,
+        clear: int,
+        add: int = 0,
+        renew_s: int | None = None,
+    ) -> bool:
         """`clear` cleared and `add` set on both entries of `flow` (either may be gone: ended, or
-        never written)."""
+        never written); with `renew_s`, a held entry's created_s moved to it (its hold starts again:
+        the data path reads nothing else, and the entry is not written by the data path while held).
+        Returns whether an entry was held past its EKP_CT_HANDOVER_S already (as the clock reads it
+        now): the data path translated that flow meanwhile."""
         table = maps[abi.ct_role(flow.proto)]
+        now_s = self._clock_ns() // 1_000_000_000
+        expired = False
+        held = CtFlag.NFPASS | CtFlag.HANDOVER
         for key in ct_keys(flow):
             entry = table.lookup(key)
             if not isinstance(entry, abi.CtEntry):
                 continue
+            late = bool(entry.flags & held) and now_s - entry.created_s >= abi.CT_HANDOVER_S
+            expired = expired or late
             flags = (entry.flags & ~clear) | add
-            if flags == entry.flags:
+            # An entry held past its expiry is left expired: the data path translates that flow
+            # since, and the agent that let it expire is not one whose renewals can be counted on.
+            renew = renew_s is not None and bool(flags & held) and not late
+            created_s = renew_s if renew and renew_s is not None else entry.created_s
+            if flags == entry.flags and created_s == entry.created_s:
                 continue
             entry.flags = flags
+            entry.created_s = created_s
             # Read, then written back: a state change the data path made in between (its replies
             # renew the REPLY entry) is lost, for microseconds, twice per flow.
             try:
@@ -253,6 +281,7 @@ class KernelTakeover:
             except MapError as exc:
                 if exc.errno != errno.ENOENT:  # ended meanwhile
                     raise
+        return expired
 
     def _to_stack(self, maps: Mapping[str, MapWriter], flows: list[NatFlow]) -> None:
         """Each carried flow's nf_conntrack entry replaced by the plain one the node's stack
@@ -264,13 +293,39 @@ class KernelTakeover:
         held = CtFlag.NFPASS | CtFlag.HANDOVER
         released: set[Tuple] = set()
         holds_ns: list[int] = [0, 0]  # the one being held since, the longest hold
+        late: list[NatFlow] = []  # replaced after their hold had expired
+        unwritten: list[str] = []  # a hold's map write refused (the flow went on all the same)
+        renewed_ns = [self._carried_ns]
+
+        def hold(flow: NatFlow, *, clear: int, add: int = 0, renew_s: int | None = None) -> bool:
+            try:
+                return self._hold(maps, flow, clear=clear, add=add, renew_s=renew_s)
+            except MapError as exc:
+                unwritten.append(f"{flow.describe()}: {exc}")
+                return False
+
+        def renew() -> None:
+            # The hold runs EKP_CT_HANDOVER_S from created_s: the carry, then the attach to every
+            # device, then the flows one after the other (about 1 ms each, far more for an agent
+            # waiting for a CPU) would use it up at a few thousand flows, and the rest would be
+            # translated with their NAT entry in place. The flows still waiting get it again while
+            # the agent makes progress; an agent that dies leaves them expiring as before.
+            now_ns = self._clock_ns()
+            if now_ns - renewed_ns[0] < HOLD_RENEW_NS:
+                return
+            renewed_ns[0] = now_ns
+            for waiting in flows:
+                if waiting.orig not in released:
+                    hold(waiting, clear=0, renew_s=now_ns // 1_000_000_000)
 
         def before(flow: NatFlow) -> None:
-            self._hold(maps, flow, clear=CtFlag.NFPASS, add=CtFlag.HANDOVER)
+            renew()
+            if hold(flow, clear=CtFlag.NFPASS, add=CtFlag.HANDOVER):
+                late.append(flow)
             holds_ns[0] = time.monotonic_ns()
 
         def after(flow: NatFlow) -> None:
-            self._hold(maps, flow, clear=held)
+            hold(flow, clear=held)
             holds_ns[1] = max(holds_ns[1], time.monotonic_ns() - holds_ns[0])
             released.add(flow.orig)
 
@@ -279,14 +334,21 @@ class KernelTakeover:
                 netns, flows, stack_flow, timeouts_of(self._config), before=before, after=after
             )
         except (OSError, NetlinkError) as exc:
+            fix = (
+                "the agent needs NET_ADMIN"
+                if isinstance(exc, PermissionError)
+                else "the ctnetlink socket failed, so the rest were not tried"
+            )
             log.warning(
-                "cannot replace the NAT entries of the %d flows carried into eBPF conntrack in netns %s (%s):"
-                " the node's stack sees their packets as client <-> backend (--bpf-host-routing=legacy, or"
-                " a backend on the node's own address), finds those entries in the way and gives the"
-                " packets another source port, which the backends reset; the agent needs NET_ADMIN",
+                "cannot replace the NAT entries of %d of the %d flows carried into eBPF conntrack in netns"
+                " %s (%s): the node's stack sees their packets as client <-> backend"
+                " (--bpf-host-routing=legacy, or a backend on the node's own address), finds those entries"
+                " in the way and gives the packets another source port, which the backends reset; %s",
+                len(flows) - len(released),
                 len(flows),
                 netns or "(own)",
                 exc,
+                fix,
             )
             return
         finally:
@@ -294,20 +356,43 @@ class KernelTakeover:
             # (reset, as it would have been without the wait), not netfilter's old rules.
             for flow in flows:
                 if flow.orig not in released:
-                    self._hold(maps, flow, clear=held)
+                    hold(flow, clear=held)
+            for line in unwritten[:10]:
+                log.warning("a carried flow's hold could not be written in eBPF conntrack: %s", line)
         for line in done.made.failed[:10]:
-            log.warning("a carried flow's plain nf_conntrack entry could not be created: %s", line)
+            log.warning("a carried flow's NAT entry could not be replaced: %s", line)
+        if late:
+            log.warning(
+                "%d of the %d carried flows had their NAT entries replaced after their hold (%d s from the"
+                " carry, renewed every %d s while the agent went on) expired: the data path translated"
+                " them meanwhile with their NAT entries in place, so the node's stack may have reset"
+                " them (the agent was starved of CPU for seconds?); first: %s",
+                len(late),
+                len(flows),
+                abi.CT_HANDOVER_S,
+                HOLD_RENEW_NS // 1_000_000_000,
+                late[0].describe(),
+            )
+        for new in done.refused[:10]:
+            log.warning(
+                "a carried flow's plain nf_conntrack entry was refused (EEXIST): another entry holds its"
+                " reply tuple, or a packet made one meanwhile; the stack's NAT may give its packets"
+                " another source port, which the backend resets: %s",
+                new.describe(),
+            )
         log.info(
             "handed the %d carried flows to the node's stack (legacy host routing, or a backend on the"
             " node's own address), one by one, nf_conntrack's NAT entries translating each until its turn:"
-            " %d NAT entries replaced by client <-> backend entries (%d made by packets meanwhile, %d with"
-            " another source port removed, %d failed), %.0f ms, done %.0f ms after the attach; each flow's"
-            " forward packets dropped while its entry was replaced, %.2f ms at most",
+            " %d NAT entries replaced by client <-> backend entries (%d with another source port removed,"
+            " %d refused as another entry held the tuple, %d failed, %d TCP flows made in the state"
+            " netfilter moved them to while they waited), %.0f ms, done %.0f ms after the"
+            " attach; each flow's forward packets dropped while its entry was replaced, %.2f ms at most",
             len(flows),
             done.retired,
-            done.made.present,
             done.stray,
+            len(done.refused),
             len(done.made.failed),
+            done.moved_on,
             (time.monotonic() - started) * 1000,
             (time.monotonic() - self._attached_at) * 1000,
             holds_ns[1] / 1e6,
@@ -335,6 +420,8 @@ class KernelTakeover:
         inserted = present = 0
         carried: list[NatFlow] = []
         now = self._clock_ns()
+        if not self._carried_ns:
+            self._carried_ns = now
         for flow in flows:
             why = why_not_carried(flow, ids, node)
             if why is not None:

@@ -21,29 +21,22 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from pyroute2.netlink import (
     NETLINK_NETFILTER,
-    NLM_F_ACK,
-    NLM_F_CREATE,
-    NLM_F_EXCL,
-    NLM_F_REQUEST,
     NLMSG_ERROR,
 )
 from pyroute2.netlink.exceptions import NetlinkError
-from pyroute2.netlink.nfnetlink import NFNL_SUBSYS_CTNETLINK
 from pyroute2.netlink.nfnetlink.nfctsocket import (
-    IPCTNL_MSG_CT_DELETE,
-    IPCTNL_MSG_CT_NEW,
     NFCTAttrTuple,
     NFCTSocket,
-    nfct_msg,
 )
 
 from agent.netns import netns_route, run_in_netns
+from agent.takeover import ctmsg
 from agent.takeover.flows import (
     IPS_DST_NAT,
     SCTP,
@@ -247,7 +240,11 @@ class Replaced:
 
     retired: int = 0  # entries deleted on the flows' own tuples
     stray: int = 0  # entries deleted on their replacements' tuples (made by packets meanwhile)
-    made: Created = field(default_factory=Created)
+    # creates refused with EEXIST: the entry on the replacement's own tuple went in the same send,
+    # so another entry holds its reply tuple (or a packet made one between the two messages)
+    refused: list[NatFlow] = field(default_factory=list)
+    moved_on: int = 0  # TCP flows whose entry was in another state than the dump's (closed meanwhile)
+    made: Created = field(default_factory=Created)  # its `present` is never counted here: `refused`
 
 
 def replace_flows(
@@ -262,11 +259,16 @@ def replace_flows(
     """Each flow's entry replaced by the entry of `by(flow)`, one flow after the other: `before(flow)`,
     then in one send(2) the entry on the flow's tuple deleted, the one on the new flow's deleted (a
     packet made it meanwhile) and the new one created, then `after(flow)` (also when a step failed:
-    counted in `made.failed`). The kernel runs the messages of one send in order before it returns
-    (netlink_rcv_skb), so between `before` and `after` there is one system call, not three
-    round trips through pyroute2's per-message work (about 2 ms each, and tens of ms when the agent
-    waits for a CPU): the caller holds the flow's packets there. The messages are pyroute2's, encoded
-    before `before`; only the acks are read here."""
+    counted in `made.failed`, and the next flow goes on). The kernel runs the messages of one send in
+    order before it returns (netlink_rcv_skb), so between `before` and `after` there is one system
+    call, not three round trips through pyroute2's per-message work (about 2 ms each, and tens of ms
+    when the agent waits for a CPU): the caller holds the flow's packets there. The messages are
+    encoded with struct (agent/takeover/ctmsg.py) before `before`; only the acks are read here.
+    A TCP flow's entry is read first (one more round trip, before `before`): the plain entry is made
+    in the state netfilter holds now, which saw the flow's packets alone while it waited (NFPASS: a
+    FIN or RST then moved only that entry on).
+    Raises PermissionError when the first flow's read or delete is refused with EPERM (no NET_ADMIN: none
+    would be replaced), and OSError when a send fails (the socket is unusable)."""
     wanted = list(flows)
 
     def run() -> Replaced:
@@ -277,77 +279,142 @@ def replace_flows(
                 continue
             with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER) as sock:
                 sock.bind((0, 0))
-                sock.settimeout(ACK_WAIT_S)  # never an agent stuck at its start: an OSError instead
-                for flow in group:
-                    new = by(flow)
-                    batch = b"".join(
-                        (
-                            _message(family, IPCTNL_MSG_CT_DELETE, 0, 1, tuple_orig=_orig_tuple(flow)),
-                            _message(family, IPCTNL_MSG_CT_DELETE, 0, 2, tuple_orig=_orig_tuple(new)),
-                            _message(family, IPCTNL_MSG_CT_NEW, _CREATE, 3, **_entry(new, timeouts)),
-                        )
-                    )
-                    before(flow)
-                    try:
-                        sock.send(batch)
-                    finally:
-                        after(flow)
-                    errors = _acks(sock, 3)
-                    done.retired += _deleted(errors[1], flow)
-                    done.stray += _deleted(errors[2], new)
-                    if errors[3] == 0:
-                        done.made.created += 1
-                    elif errors[3] == errno.EEXIST:
-                        done.made.present += 1
-                        done.made.taken.append(new)
-                    else:
-                        done.made.failed.append(f"{new.describe()}: {os.strerror(errors[3])}")
+                sock.settimeout(ACK_WAIT_S)  # never an agent stuck at its start: the flow fails instead
+                replace_group(sock, family, group, by, timeouts, done, before=before, after=after)
         return done
 
     return run_in_netns(netns, run)
 
 
-_CREATE = NLM_F_EXCL | NLM_F_CREATE
+class Sock(Protocol):
+    """What `replace_group` uses of a netlink socket."""
+
+    def send(self, data: bytes, /) -> int: ...
+
+    def recv(self, size: int, /) -> bytes: ...
+
+
+def replace_group(
+    sock: Sock,
+    family: int,
+    group: Iterable[NatFlow],
+    by: Callable[[NatFlow], NatFlow],
+    timeouts: Timeouts,
+    done: Replaced,
+    *,
+    before: Callable[[NatFlow], None],
+    after: Callable[[NatFlow], None],
+) -> None:
+    """`replace_flows` for the flows of one family, on an open ctnetlink socket; what happened
+    counted into `done`. Each flow's messages have their own sequence numbers, so the acks of a
+    flow that timed out cannot be read as the next one's."""
+    seq = 0
+    for flow in group:
+        seq += 4
+        if flow.proto == TCP:
+            # The flow's state now, not the dump's: while it waited (NFPASS) its packets went through
+            # netfilter alone, which saw it close (FIN, RST) if it did. The plain entry is made in
+            # that state, with that state's timeout, rather than ESTABLISHED for a day.
+            try:
+                state = _tcp_state(sock, seq - 3, flow)
+            except (OSError, ValueError) as exc:
+                if isinstance(exc, PermissionError) and seq == 4:
+                    raise
+                done.made.failed.append(f"{flow.describe()}: its entry could not be read ({exc})")
+                continue
+            if state is not None and state != flow.tcp_state:
+                flow = replace(flow, tcp_state=TcpState(state))
+                done.moved_on += 1
+        new = by(flow)
+        seqs = (seq - 2, seq - 1, seq)
+        batch = b"".join(
+            (
+                ctmsg.delete_request(seqs[0], flow),
+                ctmsg.delete_request(seqs[1], new),
+                ctmsg.create_request(seqs[2], new, timeouts),
+            )
+        )
+        before(flow)
+        try:
+            sock.send(batch)
+        finally:
+            after(flow)
+        try:
+            errors = _acks(sock, seqs)
+        except (OSError, ValueError) as exc:  # no ack within ACK_WAIT_S, ENOBUFS, a malformed ack
+            done.made.failed.append(f"{new.describe()}: its acks could not be read ({exc})")
+            continue
+        if seq == 4 and errors[seqs[0]] == errno.EPERM:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+        gone, stray, made = (errors[s] for s in seqs)
+        if gone not in (0, errno.ENOENT):
+            done.made.failed.append(f"{flow.describe()}: its NAT entry not deleted: {os.strerror(gone)}")
+            continue
+        if stray not in (0, errno.ENOENT):
+            done.made.failed.append(
+                f"{new.describe()}: the entry on its tuple not deleted: {os.strerror(stray)}"
+            )
+            continue
+        done.retired += gone == 0
+        done.stray += stray == 0
+        if made == 0:
+            done.made.created += 1
+        elif made == errno.EEXIST:
+            done.refused.append(new)
+        else:
+            done.made.failed.append(f"{new.describe()}: {os.strerror(made)}")
+
+
 ACK_WAIT_S = 5.0  # the kernel acks each request in the send itself; this only bounds the unexpected
 
 
-def _orig_tuple(flow: NatFlow) -> NFCTAttrTuple:
-    s, d, sp, dp = flow.orig
-    return NFCTAttrTuple(family=_family(flow), saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp)
-
-
-def _message(family: int, kind: int, flags: int, seq: int, **attrs: Any) -> bytes:
-    """A ctnetlink request, encoded by pyroute2, asking for an ack."""
-    msg = nfct_msg.create_from(**attrs)
-    msg["nfgen_family"] = family
-    msg["header"]["type"] = (NFNL_SUBSYS_CTNETLINK << 8) | kind
-    msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK | flags
-    msg["header"]["sequence_number"] = seq
-    msg.encode()
-    return bytes(msg.data)
-
-
-def _acks(sock: socket.socket, count: int) -> dict[int, int]:
-    """The errno of each of `count` requests' acks (NLMSG_ERROR, 0 for success), by sequence number."""
-    errors: dict[int, int] = {}
-    while len(errors) < count:
+def _tcp_state(sock: Sock, seq: int, flow: NatFlow) -> int | None:
+    """The TCP state of the entry on `flow`'s original tuple, None when there is none."""
+    sock.send(ctmsg.get_request(seq, flow))
+    state: int | None = None
+    while True:
         data = sock.recv(65536)
         offset = 0
-        while offset + 16 <= len(data):
-            length, kind, _flags, seq, _pid = struct.unpack_from("=IHHII", data, offset)
-            if kind == NLMSG_ERROR:
-                errors[seq] = -struct.unpack_from("=i", data, offset + 16)[0]
-            offset += (max(length, 16) + 3) & ~3
+        while offset + _HEADER.size <= len(data):
+            length, kind, _flags, got, _pid = _HEADER.unpack_from(data, offset)
+            if length < _HEADER.size or offset + length > len(data):
+                raise ValueError(f"a netlink message of {length} bytes in {len(data) - offset}")
+            if got == seq:
+                if kind == NLMSG_ERROR:
+                    if length < _HEADER.size + _ERRNO.size:
+                        raise ValueError(f"an ack of {length} bytes")
+                    err = -_ERRNO.unpack_from(data, offset + _HEADER.size)[0]
+                    if err == errno.EPERM:
+                        raise PermissionError(err, os.strerror(err))
+                    if err not in (0, errno.ENOENT):
+                        raise OSError(err, os.strerror(err))
+                    return state
+                state = ctmsg.tcp_state_of(data[offset : offset + length])
+            offset += (length + 3) & ~3
+
+
+_HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
+_ERRNO = struct.Struct("=i")  # nlmsgerr's error, right after the header
+
+
+def _acks(sock: Sock, seqs: Collection[int]) -> dict[int, int]:
+    """The errno of the acks (NLMSG_ERROR, 0 for success) of the requests numbered `seqs`, read as
+    they come, over as many recv calls as they take; other messages (a late ack of a flow that timed
+    out) are skipped. ValueError for a message shorter than its header says."""
+    errors: dict[int, int] = {}
+    while not all(s in errors for s in seqs):
+        data = sock.recv(65536)
+        offset = 0
+        while offset + _HEADER.size <= len(data):
+            length, kind, _flags, seq, _pid = _HEADER.unpack_from(data, offset)
+            if length < _HEADER.size or offset + length > len(data):
+                raise ValueError(f"a netlink message of {length} bytes in {len(data) - offset}")
+            if kind == NLMSG_ERROR and seq in seqs:
+                if length < _HEADER.size + _ERRNO.size:
+                    raise ValueError(f"an ack of {length} bytes")
+                errors[seq] = -_ERRNO.unpack_from(data, offset + _HEADER.size)[0]
+            offset += (length + 3) & ~3
     return errors
-
-
-def _deleted(error: int, flow: NatFlow) -> int:
-    """1 for a deleted entry, 0 for none (ENOENT: the flow ended, or the stack never tracked it)."""
-    if error == errno.ENOENT:
-        return 0
-    if error:
-        raise NetlinkError(error, f"cannot delete the nf_conntrack entry of {flow.describe()}")
-    return 1
 
 
 def _delete(ct: NFCTSocket, flow: NatFlow) -> int:

@@ -10,20 +10,24 @@ the eBPF conntrack written into a lab namespace's nf_conntrack with its NAT bind
 
 from __future__ import annotations
 
+import errno
 import secrets
 import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple, NFCTSocket
 
 from agent.config import Config, HostRouting
 from agent.ebpf import abi, activity
 from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
-from agent.ebpf.maps import FakeMap, MapWriter
+from agent.ebpf.maps import FakeMap, MapError, MapWriter, UpdateFlag
+from agent.netns import run_in_netns
 from agent.takeover.flows import (
     IPS_ASSURED,
     IPS_CONFIRMED,
@@ -388,9 +392,9 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
 
     # legacy host routing: the stack sees the carried flows again, as client <-> backend; their NAT
     # entries go (the node's own client keeps its), then the plain tuples' (another source port,
-    # made since the attach), then the plain entries are made: first for the flow carried before
-    # the attach, before the second dump (it is netfilter's, NFPASS, until then, and that expires),
-    # then for the one started meanwhile. bpf routing: netfilter sees none.
+    # made since the attach), then the plain entries are made, for both carries' flows in one pass
+    # after the second dump (the flow started meanwhile has no eBPF entry until that dump, the one
+    # carried before is netfilter's, NFPASS, meanwhile). bpf routing: netfilter sees none.
     def to_stack(flow: NatFlow) -> list[str]:
         plain = [stack_flow(flow).orig]
         return [f"delete {[flow.orig]}", f"delete {plain}", f"create {plain}"]
@@ -399,8 +403,8 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
     assert events == [
         "dump node1",
         f"{liberal}=1",
-        *(to_stack(CLUSTERIP) if legacy else []),
         "dump node1",
+        *(to_stack(CLUSTERIP) if legacy else []),
         *(to_stack(NODEPORT) if legacy else []),
         f"{liberal}=0",
     ]
@@ -482,7 +486,7 @@ def test_flows_that_meet_the_stack_are_netfilters_until_each_is_replaced_in_turn
         plain = [stack_flow(flow).orig]
         return [f"delete {[flow.orig]}", f"delete {plain}", f"create {plain}", f"held {flow.orig}"]
 
-    assert events == ["dump", *(e for f in handed for e in to_stack(f)), "dump"]
+    assert events == ["dump", "dump", *(e for f in handed for e in to_stack(f))]
     for flow in (API_FLOW, CLUSTERIP):
         released = list(flow_flags(maps, flow).values())
         assert len(released) == 2 and not any(f & (CtFlag.HANDOVER | CtFlag.NFPASS) for f in released)
@@ -522,6 +526,87 @@ def test_an_agent_restarted_mid_switch_replaces_the_entries_its_predecessor_held
     assert not any(f & (CtFlag.NFPASS | CtFlag.HANDOVER) for f in flow_flags(maps, CLUSTERIP).values())
 
 
+def still_held(entry: abi.CtEntry, now_ns: int) -> bool:
+    """ekp_ct_nf_held (bpf/ekp_ct_af.h): whether the data path still treats the entry as held."""
+    held = entry.flags & (CtFlag.NFPASS | CtFlag.HANDOVER)
+    return bool(held) and now_ns // 10**9 - entry.created_s < abi.CT_HANDOVER_S
+
+
+def many_flows(count: int) -> list[NatFlow]:
+    return [
+        NatFlow(6, (POD_CLIENT, VIP, 30000 + i, 80), (BE1, POD_CLIENT, 8080, 30000 + i)) for i in range(count)
+    ]
+
+
+def test_the_flows_waiting_for_their_turn_stay_held_while_the_agent_makes_progress() -> None:
+    """The hold runs EKP_CT_HANDOVER_S from the carry; a replacement that takes longer than that
+    (thousands of flows, or a starved agent: here 1.5 s per flow) renews it for the flows still
+    waiting, so none of them is translated by the data path with its NAT entry in place."""
+    maps = fake_maps()
+    flows = many_flows(12)
+    clock = [NOW]
+    waiting_held: list[bool] = []
+
+    def during(flow: NatFlow) -> None:
+        later = flows[flows.index(flow) + 1 :]
+        table = maps["ct_tcp"]
+        for f in later:
+            for key in ct_keys(f):
+                entry = table.lookup(key)
+                assert isinstance(entry, abi.CtEntry)
+                waiting_held.append(still_held(entry, clock[0]))
+        clock[0] += 1_500_000_000
+
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: flows,
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=FakeReplace([], during),
+        clock_ns=lambda: clock[0],
+    )
+    takeover.before_attach(maps)
+    takeover.after_attach(maps)
+    assert clock[0] - NOW == 18 * 10**9  # longer than the hold
+    assert len(waiting_held) == 2 * 11 * 12 // 2 and all(waiting_held)
+    for flow in flows:
+        assert not any(f & (CtFlag.NFPASS | CtFlag.HANDOVER) for f in flow_flags(maps, flow).values())
+
+
+def test_flows_replaced_after_their_hold_expired_are_counted_and_not_held_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An agent starved for longer than the hold between the carry and the replacement: the data
+    path translated the flows meanwhile; the agent says so, and does not hold them again."""
+    maps = fake_maps()
+    flows = many_flows(3)
+    clock = [NOW]
+    renewed: list[bool] = []
+
+    def during(flow: NatFlow) -> None:
+        for f in flows[flows.index(flow) + 1 :]:
+            for key in ct_keys(f):
+                entry = maps["ct_tcp"].lookup(key)
+                assert isinstance(entry, abi.CtEntry)
+                renewed.append(entry.created_s != NOW // 10**9)
+
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: flows,
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=FakeReplace([], during),
+        clock_ns=lambda: clock[0],
+    )
+    takeover.before_attach(maps)
+    clock[0] += (abi.CT_HANDOVER_S + 1) * 10**9
+    takeover.after_attach(maps)
+    assert renewed and not any(renewed)
+    assert "3 of the 3 carried flows had their NAT entries replaced after their hold" in caplog.text
+
+
 def test_flows_whose_entries_cannot_be_replaced_are_released_to_the_data_path(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -545,6 +630,76 @@ def test_flows_whose_entries_cannot_be_replaced_are_released_to_the_data_path(
     assert all(f & CtFlag.NFPASS for flow in (CLUSTERIP, API_FLOW) for f in flow_flags(maps, flow).values())
     takeover.after_attach(maps)
     assert "needs NET_ADMIN" in caplog.text
+    for flow in (CLUSTERIP, API_FLOW):
+        assert not any(f & (CtFlag.HANDOVER | CtFlag.NFPASS) for f in flow_flags(maps, flow).values())
+
+
+class RefusingMap(FakeMap):
+    """Refuses the first rewrite (BPF_EXIST) of `key`'s entry (EBUSY)."""
+
+    def __init__(self, base: MapWriter, key: abi.CtKey) -> None:
+        assert isinstance(base, FakeMap)
+        super().__init__(base.spec)
+        for k, v in base.items():
+            super().update(k, v)
+        self.refuse: bytes | None = bytes(key)
+
+    def update(self, key: Any, value: Any, flags: UpdateFlag = UpdateFlag.ANY) -> None:
+        if flags == UpdateFlag.EXIST and bytes(key) == self.refuse:
+            self.refuse = None
+            raise MapError("ekp_ct_tcp", "update", errno.EBUSY)
+        super().update(key, value, flags)
+
+
+def test_a_hold_the_map_refuses_fails_that_flow_alone(caplog: pytest.LogCaptureFixture) -> None:
+    """A MapError writing one flow's hold no longer ends the replacement: the other flows are
+    replaced and released, and the refused write is logged."""
+    events: list[str] = []
+    maps = fake_maps()
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: [CLUSTERIP, API_FLOW],
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=FakeReplace(events),
+        clock_ns=lambda: NOW,
+    )
+    takeover.before_attach(maps)
+    maps["ct_tcp"] = RefusingMap(maps["ct_tcp"], ct_keys(CLUSTERIP)[0])
+    takeover.after_attach(maps)
+    assert [e for e in events if e.startswith("create")] == [
+        f"create {[stack_flow(f).orig]}" for f in (CLUSTERIP, API_FLOW)
+    ]
+    assert not any(f & (CtFlag.NFPASS | CtFlag.HANDOVER) for f in flow_flags(maps, API_FLOW).values())
+    assert "hold could not be written in eBPF conntrack" in caplog.text and "busy" in caplog.text
+
+
+def test_a_socket_failure_is_worded_as_one_and_counts_the_flows_not_replaced(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def fails_at_the_second(
+        netns: str, flows: Iterable[NatFlow], by: Any, timeouts: Any, *, before: Any, after: Any
+    ) -> Replaced:
+        first = next(iter(flows))
+        before(first)
+        after(first)
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    maps = fake_maps()
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: [CLUSTERIP, API_FLOW],
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=fails_at_the_second,
+        clock_ns=lambda: NOW,
+    )
+    takeover.before_attach(maps)
+    takeover.after_attach(maps)
+    assert "cannot replace the NAT entries of 1 of the 2 flows" in caplog.text
+    assert "the ctnetlink socket failed" in caplog.text and "NET_ADMIN" not in caplog.text
     for flow in (CLUSTERIP, API_FLOW):
         assert not any(f & (CtFlag.HANDOVER | CtFlag.NFPASS) for f in flow_flags(maps, flow).values())
 
@@ -815,6 +970,43 @@ def test_replace_flows_replaces_each_entry_between_its_own_hooks(netns: str) -> 
     assert (done.retired, done.stray, done.made.created) == (0, 0, 1)
     done = replace_flows(netns, [CLUSTERIP], stack_flow, t, before=before, after=after)
     assert (done.retired, done.stray, done.made.created) == (0, 1, 1)  # the one there was deleted, made again
+
+
+@pytest.mark.kernel
+def test_a_plain_entry_whose_reply_tuple_another_entry_holds_is_counted_as_refused(netns: str) -> None:
+    """The create's EEXIST, once both tuples' entries went in the same send, is another entry on
+    the plain flow's reply tuple (here another Service's NAT entry to the same backend and client
+    port), not an entry made by packets meanwhile: counted apart."""
+    t = Timeouts()
+    holder = NatFlow(6, (POD_CLIENT, "10.96.0.11", 40000, 80), (BE1, POD_CLIENT, 8080, 40000))
+    assert create_flows(netns, [holder], t).created == 1
+    done = replace_flows(netns, [CLUSTERIP], stack_flow, t, before=lambda f: None, after=lambda f: None)
+    assert (done.retired, done.stray, done.made.created, done.made.present) == (0, 0, 0, 0)
+    assert done.refused == [stack_flow(CLUSTERIP)] and done.made.failed == []
+    assert [f.orig for f in dump_flows(netns)] == [holder.orig]
+
+
+@pytest.mark.kernel
+def test_a_flow_that_closed_while_it_waited_is_replaced_in_its_state_now(netns: str) -> None:
+    """The dump said ESTABLISHED; netfilter, which alone saw the flow's packets while it waited
+    (NFPASS), has it in TIME_WAIT now: the plain entry is made in TIME_WAIT with that state's
+    timeout, not ESTABLISHED for a day."""
+    t = Timeouts()
+    closed = NatFlow(6, CLUSTERIP.orig, CLUSTERIP.reply, tcp_state=TcpState.TIME_WAIT)
+    assert create_flows(netns, [closed], t).created == 1
+    done = replace_flows(netns, [CLUSTERIP], stack_flow, t, before=lambda f: None, after=lambda f: None)
+    assert (done.retired, done.made.created, done.moved_on) == (1, 1, 1)
+
+    def plain() -> tuple[int, int]:
+        with NFCTSocket() as ct:
+            s, d, sp, dp = stack_flow(CLUSTERIP).orig
+            got = ct.entry("get", tuple_orig=NFCTAttrTuple(saddr=s, daddr=d, proto=6, sport=sp, dport=dp))
+            msg = next(m for m in got if m.get_attr("CTA_PROTOINFO") is not None)
+            tcp = msg.get_attr("CTA_PROTOINFO").get_attr("CTA_PROTOINFO_TCP")
+            return int(tcp.get_attr("CTA_PROTOINFO_TCP_STATE")), int(msg.get_attr("CTA_TIMEOUT"))
+
+    state, timeout = run_in_netns(netns, plain)
+    assert state == TcpState.TIME_WAIT and timeout <= 120
 
 
 @pytest.mark.kernel
