@@ -20,6 +20,8 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import urlparse
 
+from pyroute2.netlink.exceptions import NetlinkError
+
 from agent import caps
 from agent.config import Config, Mode
 from agent.doctor.checks import ApiFacts, BpfFeatures, Facts, ForeignHook
@@ -84,12 +86,15 @@ RT_TABLE_LOCAL = 255
 
 def unlocked_route_mtus(netns: str) -> tuple[str, ...]:
     """The IPv4 routes (every table but local) whose mtu metric is not locked, "DST dev N mtu M";
-    () when the routes cannot be read (the check then has nothing to say)."""
+    () when the routes cannot be read (the check then has nothing to say), and when
+    net.ipv4.ip_forward_use_pmtu is 1 (the route lookup and forwarding then honour the same MTU)."""
+    if _sysctl(netns, "net/ipv4/ip_forward_use_pmtu") == "1":
+        return ()
     try:
         with netns_route(netns) as ipr:
             routes = list(ipr.route("dump", family=socket.AF_INET))
             names = {link["index"]: link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
-    except OSError:
+    except (OSError, NetlinkError):  # pyroute2's NetlinkError is no OSError
         return ()
     found = []
     for r in routes:

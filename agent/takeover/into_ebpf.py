@@ -223,9 +223,23 @@ class KernelTakeover:
         # go on translating them, their hold renewed meanwhile). Then both sets in one pass.
         self._attached_at = time.monotonic()
         carried, self._carried = self._carried, []
+        first = [f for f in carried if self._meets_stack(f)]
+        # Their hold runs from the first carry: renewed before the second dump, which on a node
+        # of many flows takes seconds of its own (about 0.3 ms an entry, more for a starved agent).
+        self._renew(maps, first)
         done = {f.orig for f in carried}
-        late = [f for f in self._carry(maps, "after the programs were attached") if f.orig not in done]
-        self._to_stack(maps, [f for f in (*carried, *late) if self._meets_stack(f)])
+        try:
+            late = [f for f in self._carry(maps, "after the programs were attached") if f.orig not in done]
+        except MapError as exc:
+            # the first set is handed over all the same, or its holds would run out untended
+            log.warning(
+                "carrying the flows of the second read of nf_conntrack failed (%s): those started"
+                " between the first read and the attach may have no eBPF conntrack entry (their"
+                " next segments are dropped); the flows carried before are handed over as planned",
+                exc,
+            )
+            late = []
+        self._to_stack(maps, [*first, *(f for f in late if self._meets_stack(f))])
         if self._liberal_was is not None and self._liberal_was != "1":
             self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
         self._liberal_was = None
@@ -283,6 +297,18 @@ class KernelTakeover:
                     raise
         return expired
 
+    def _renew(self, maps: Mapping[str, MapWriter], flows: list[NatFlow]) -> None:
+        """The hold of `flows` started again now (a refused write is only logged: that flow's hold
+        runs from its carry, as before)."""
+        now_ns = self._clock_ns()
+        for flow in flows:
+            try:
+                self._hold(maps, flow, clear=0, renew_s=now_ns // 1_000_000_000)
+            except MapError as exc:
+                log.warning("the hold of carried flow %s could not be renewed: %s", flow.describe(), exc)
+        if flows:
+            self._carried_ns = now_ns
+
     def _to_stack(self, maps: Mapping[str, MapWriter], flows: list[NatFlow]) -> None:
         """Each carried flow's nf_conntrack entry replaced by the plain one the node's stack
         tracks, flow by flow, its packets held meanwhile (module doc, step 2)."""
@@ -313,10 +339,11 @@ class KernelTakeover:
             now_ns = self._clock_ns()
             if now_ns - renewed_ns[0] < HOLD_RENEW_NS:
                 return
-            renewed_ns[0] = now_ns
             for waiting in flows:
                 if waiting.orig not in released:
                     hold(waiting, clear=0, renew_s=now_ns // 1_000_000_000)
+            # from the end of the pass: a pass that takes long is not followed by another at once
+            renewed_ns[0] = self._clock_ns()
 
         def before(flow: NatFlow) -> None:
             renew()
@@ -328,6 +355,7 @@ class KernelTakeover:
             hold(flow, clear=held)
             holds_ns[1] = max(holds_ns[1], time.monotonic_ns() - holds_ns[0])
             released.add(flow.orig)
+            renew()  # also ahead of the next flow's read of its state, which may wait for an answer
 
         try:
             done = self._replace(

@@ -309,6 +309,7 @@ def replace_group(
     counted into `done`. Each flow's messages have their own sequence numbers, so the acks of a
     flow that timed out cannot be read as the next one's."""
     seq = 0
+    stalls = 0  # requests in a row whose answers did not come
     for flow in group:
         seq += 4
         if flow.proto == TCP:
@@ -320,6 +321,7 @@ def replace_group(
             except (OSError, ValueError) as exc:
                 if isinstance(exc, PermissionError) and seq == 4:
                     raise
+                stalls = _stalled(exc, stalls)
                 done.made.failed.append(f"{flow.describe()}: its entry could not be read ({exc})")
                 continue
             if state is not None and state != flow.tcp_state:
@@ -342,8 +344,10 @@ def replace_group(
         try:
             errors = _acks(sock, seqs)
         except (OSError, ValueError) as exc:  # no ack within ACK_WAIT_S, ENOBUFS, a malformed ack
+            stalls = _stalled(exc, stalls)
             done.made.failed.append(f"{new.describe()}: its acks could not be read ({exc})")
             continue
+        stalls = 0
         if seq == 4 and errors[seqs[0]] == errno.EPERM:
             raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
         gone, stray, made = (errors[s] for s in seqs)
@@ -366,6 +370,19 @@ def replace_group(
 
 
 ACK_WAIT_S = 5.0  # the kernel acks each request in the send itself; this only bounds the unexpected
+STALLS_IN_A_ROW = 3  # requests in a row without an answer (timed out, ENOBUFS) that end the pass
+
+
+def _stalled(exc: Exception, stalls: int) -> int:
+    """The count of requests in a row whose answer did not come, `exc` counted; an OSError (the
+    socket is unusable: the caller stops) once they are STALLS_IN_A_ROW, rather than
+    ACK_WAIT_S for every flow left while the waiting flows' holds run out."""
+    if not (isinstance(exc, TimeoutError) or getattr(exc, "errno", None) == errno.ENOBUFS):
+        return 0
+    stalls += 1
+    if stalls >= STALLS_IN_A_ROW:
+        raise OSError(errno.ETIMEDOUT, f"{stalls} ctnetlink requests in a row got no answer ({exc})") from exc
+    return stalls
 
 
 def _tcp_state(sock: Sock, seq: int, flow: NatFlow) -> int | None:

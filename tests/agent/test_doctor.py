@@ -236,5 +236,9 @@ def test_the_routes_with_an_unlocked_mtu_are_found() -> None:
         sh("ip", "route", "add", "10.7.0.0/24", "dev", "mtu0", "mtu", "lock", "1300")
         sh("ip", "route", "add", "10.6.0.0/24", "dev", "mtu0")
         assert unlocked_route_mtus("") == ("10.8.0.0/24 dev mtu0 mtu 1400",)
+        # with ip_forward_use_pmtu forwarding honours what the route lookup does: nothing to say
+        sh("sysctl", "-qw", "net.ipv4.ip_forward_use_pmtu=1")
+        assert unlocked_route_mtus("") == ()
+        sh("sysctl", "-qw", "net.ipv4.ip_forward_use_pmtu=0")
         sh("ip", "route", "change", "10.8.0.0/24", "dev", "mtu0", "mtu", "lock", "1400")
         assert unlocked_route_mtus("") == ()

@@ -191,3 +191,20 @@ def test_no_net_admin_to_read_the_first_flow_stops_too() -> None:
     with pytest.raises(PermissionError):
         run(sock, FLOWS)
     assert sock.gets == [1] and sock.sent == []
+
+
+def test_requests_that_get_no_answer_three_times_in_a_row_end_the_pass() -> None:
+    """A socket whose answers stopped coming would cost ACK_WAIT_S for every flow left while the
+    waiting flows' holds run out: three timeouts in a row end the pass as a socket failure (the
+    caller releases the rest); one now and then only fails its flow."""
+    timeouts = {1, 3, 4, 5}
+
+    def answer(n: int, seqs: list[int]) -> list[bytes | Exception]:
+        if n in timeouts:
+            return [TimeoutError("timed out")]
+        return [b"".join(ack(s, 0) for s in seqs)]
+
+    sock = ScriptedSock(answer)
+    with pytest.raises(OSError, match="3 ctnetlink requests in a row got no answer"):
+        run(sock, FLOWS)
+    assert len(sock.sent) == 6  # flow 1 alone failed; 3, 4, 5 in a row ended it

@@ -574,6 +574,45 @@ def test_the_flows_waiting_for_their_turn_stay_held_while_the_agent_makes_progre
         assert not any(f & (CtFlag.NFPASS | CtFlag.HANDOVER) for f in flow_flags(maps, flow).values())
 
 
+def test_the_first_carrys_holds_are_renewed_before_the_second_read_of_nf_conntrack() -> None:
+    """The flows carried before the attach are held from that carry; the second read after the
+    attach takes seconds of its own on a node of many flows (here 9 s, after 2 s of attaching):
+    renewed before it, none of them is translated with its NAT entry in place at its turn."""
+    maps = fake_maps()
+    flows = many_flows(4)
+    clock = [NOW]
+    reads = [0]
+    held_at_turn: list[bool] = []
+
+    def dump(netns: str) -> list[NatFlow]:
+        reads[0] += 1
+        if reads[0] == 2:
+            clock[0] += 9 * 10**9  # the second read, of a node with many flows
+        return flows
+
+    def during(flow: NatFlow) -> None:
+        for f in flows[flows.index(flow) + 1 :]:
+            for key in ct_keys(f):
+                entry = maps["ct_tcp"].lookup(key)
+                assert isinstance(entry, abi.CtEntry)
+                held_at_turn.append(still_held(entry, clock[0]))
+
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=dump,
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=FakeReplace([], during),
+        clock_ns=lambda: clock[0],
+    )
+    takeover.before_attach(maps)
+    clock[0] += 2 * 10**9  # attaching to every device
+    takeover.after_attach(maps)
+    assert reads[0] == 2 and clock[0] - NOW == 11 * 10**9  # past the hold counted from the carry
+    assert held_at_turn and all(held_at_turn)
+
+
 def test_flows_replaced_after_their_hold_expired_are_counted_and_not_held_again(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
