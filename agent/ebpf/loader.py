@@ -116,6 +116,10 @@ IDLE_SIZE = 1
 # ... of which the path writes none yet: it translates TCP alone (bpf/ekp_tc6.h), so ekp_ct6_any
 # and its ring stay at IDLE_SIZE whatever MapSizes.ipv6_tc says, until UDP is translated there.
 TC6_UNWRITTEN = frozenset({"ct6_any", "ctq6_any"})
+# The programs of that path, reached only through ekp_calls6: loaded, pinned and verified only where
+# it serves (Datapath.programs). The switch needs no load of its own: the path's table sizes are
+# compiled in, so a start that turns it on or off is another build, loaded whole (or reused whole).
+TC6_PROGRAMS = frozenset(name for names in TAIL_CALLS.values() for name in names)
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
@@ -377,8 +381,11 @@ class Datapath:
         return compile_cflags(self.sizes, self.bpf_dir)
 
     def programs(self) -> dict[str, ProgSpec]:
-        """The programs this kernel can load (a kernel lacking what the socket programs need loads
-        the data path without them, and says so)."""
+        """The programs this data path loads: those this kernel can load (a kernel lacking what the
+        socket programs need loads the data path without them, and says so), and the tc programs'
+        IPv6 path (TC6_PROGRAMS) only where it serves (MapSizes.ipv6_tc): elsewhere nothing would
+        reach them (its slots in ekp_calls6 stay empty), and their verification was a third of a
+        cold start's."""
         has = vmlinux_has(kernel_needs())
         programs = available_programs(has)
         missing = sorted(set(PROGRAMS) - set(programs))
@@ -388,6 +395,8 @@ class Datapath:
                 ", ".join(sorted(kernel_needs() - has)),
                 ", ".join(missing),
             )
+        if not self.sizes.ipv6_tc:
+            programs = {name: spec for name, spec in programs.items() if name not in TC6_PROGRAMS}
         return programs
 
     def build(self, programs: Mapping[str, ProgSpec] = PROGRAMS) -> str:

@@ -2,9 +2,10 @@
 
 * tc: `ekp_from_pod` on the ingress of every pod veth, `ekp_from_net` on the node's external
   devices (each continues IPv6 packets in `ekp_from_pod6` / `ekp_from_net6` by a tail call,
-  bpf/ekp_tc6.h), `ekp_egress` on the egress of both (the replies of the node's own stack for
-  flows handed to it: agent/ebpf/attach.py); XDP: `ekp_xdp_net` on the same external devices, ahead of
-  `ekp_from_net` (agent/ebpf/xdp.py, --bpf-xdp);
+  bpf/ekp_tc6.h, where that path serves: elsewhere those two are not loaded, Datapath.programs),
+  `ekp_egress` on the egress of both (the replies of the node's own stack for flows handed to it:
+  agent/ebpf/attach.py); XDP: `ekp_xdp_net` on the same external devices, ahead of `ekp_from_net`
+  (agent/ebpf/xdp.py, --bpf-xdp);
 * cgroup: the socket programs on `--bpf-socket-lb-cgroup` (agent/ebpf/sockattach.py), each loaded
   for its hook (the kernel wants the hook, `expected_attach_type`, at load);
 * an iterator: `ekp_sock_term` (iter/udp) ends connected UDP sockets whose backend left

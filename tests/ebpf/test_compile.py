@@ -367,8 +367,9 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
     caplog: pytest.LogCaptureFixture, cache: ObjectCache
 ) -> None:
     """Without the tc programs' IPv6 path (MapSizes.ipv6_tc false: no IPv6 half, or legacy host
-    routing) its conntrack tables and their early-drop rings hold one entry each and ekp_calls6 is
-    empty; a restart with it recreates the TCP table and its ring at their IPv4 twins' sizes (the
+    routing) its conntrack tables and their early-drop rings hold one entry each, ekp_calls6 is
+    empty and its programs are neither loaded (verified) nor pinned; a restart with it loads and
+    pins them, recreates the TCP table and its ring at their IPv4 twins' sizes (the
     others stay idle: the path is TCP-only) and fills the array; a restart without it again shrinks
     them and empties it. Every other pinned map is the
     same map throughout, and an established IPv4 flow's conntrack entry is kept."""
@@ -388,6 +389,11 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
                 "ctq6_any": 1,
             }
             assert _slots(pins, first) == [0, 0], "no IPv6 program behind the IPv4 ones"
+            assert not [p for p in _prog_pins(pins) if p.endswith(tuple(loader.TC6_PROGRAMS))], (
+                "the IPv6 programs neither verified nor pinned where nothing reaches them"
+            )
+            assert not any(first.has_program(n) for n in loader.TC6_PROGRAMS)
+            assert all(first.has_program(n) for n in set(PROGRAMS) - loader.TC6_PROGRAMS)
             first.maps["ct_tcp"].update(key, CtEntry(last_seen_ns=1, nat_addr=ip_be("10.244.2.7"), flags=4))
         finally:
             first.close()
@@ -411,10 +417,20 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
                 assert not {after[n] for n in tc6} & {before[n] for n in tc6}, "TCP table, ring recreated"
                 kept = d.maps["ct_tcp"].lookup(key)
                 assert isinstance(kept, CtEntry) and kept.nat_addr == ip_be("10.244.2.7")
-                want = [prog_id(d.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]] if sizes.ipv6_tc else [0, 0]
-                assert _slots(pins, d) == want
-                ct6_users = prog_map_ids(d.prog_fd("ekp_from_pod6"))
-                assert {d.maps[r].info().id for r in loader.TC6_ROLES} <= ct6_users, "the new tables used"
+                v6_pins = [p for p in _prog_pins(pins) if p.endswith(tuple(loader.TC6_PROGRAMS))]
+                if sizes.ipv6_tc:
+                    want = [prog_id(d.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]]
+                    assert _slots(pins, d) == want, "the array serves the IPv6 programs loaded now"
+                    assert sorted(v6_pins) == sorted(
+                        os.path.basename(prog_pin(pins, d.build(d.programs()), n))
+                        for n in loader.TC6_PROGRAMS
+                    ), "pinned with their build"
+                    ct6_users = prog_map_ids(d.prog_fd("ekp_from_pod6"))
+                    assert {d.maps[r].info().id for r in loader.TC6_ROLES} <= ct6_users, "the new tables used"
+                else:
+                    assert _slots(pins, d) == [0, 0]
+                    assert not v6_pins, "the IPv6 programs of the build that served them unpinned with it"
+                    assert not any(d.has_program(n) for n in loader.TC6_PROGRAMS)
             finally:
                 d.close()
             before = after
