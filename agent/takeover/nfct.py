@@ -268,7 +268,8 @@ def replace_flows(
     in the state netfilter holds now, which saw the flow's packets alone while it waited (NFPASS: a
     FIN or RST then moved only that entry on).
     Raises PermissionError when the first flow's read or delete is refused with EPERM (no NET_ADMIN: none
-    would be replaced), and OSError when a send fails (the socket is unusable)."""
+    would be replaced), and OSError when a send fails or STALLS_IN_A_ROW requests in a row got no
+    answer (the socket is unusable)."""
     wanted = list(flows)
 
     def run() -> Replaced:
