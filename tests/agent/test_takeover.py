@@ -326,6 +326,26 @@ class FakeReplace:
         return done
 
 
+def quiet_takeover(
+    dump: Callable[[str], Iterable[NatFlow]],
+    replace: Callable[..., Replaced],
+    *,
+    routing: HostRouting | None = None,
+    clock_ns: Callable[[], int] = lambda: NOW,
+) -> KernelTakeover:
+    """A takeover of node1 (its address NODE) whose rule removal and sysctls do nothing."""
+    config = Config(netns="node1") if routing is None else Config(netns="node1", bpf_host_routing=routing)
+    return KernelTakeover(
+        config,
+        dump=dump,
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=replace,
+        clock_ns=clock_ns,
+    )
+
+
 def fake_maps() -> dict[str, MapWriter]:
     maps: dict[str, MapWriter] = {role: FakeMap(MAPS[role]) for role in ("fe", "be", "ct_tcp", "ct_any")}
     for (addr, port, proto), svc in IDS.services.items():
@@ -465,15 +485,7 @@ def test_flows_that_meet_the_stack_are_netfilters_until_each_is_replaced_in_turn
         events.append("dump")
         return [CLUSTERIP, API_FLOW]
 
-    takeover = KernelTakeover(
-        Config(netns="node1", bpf_host_routing=routing),
-        dump=dump,
-        addresses=lambda netns: {NODE},
-        remove_rules=lambda config: None,
-        sysctl=lambda netns, path, value: "0",
-        replace=FakeReplace(events, during),
-        clock_ns=lambda: NOW,
-    )
+    takeover = quiet_takeover(dump, FakeReplace(events, during), routing=routing)
     takeover.before_attach(maps)
     flags = flow_flags(maps, API_FLOW)
     assert set(flags) == {CtDir.FORWARD, CtDir.REPLY} and flags[CtDir.FORWARD] == flags[CtDir.REPLY]
@@ -500,15 +512,7 @@ def test_an_agent_restarted_mid_switch_replaces_the_entries_its_predecessor_held
     maps = fake_maps()
 
     def takeover(events: list[str]) -> KernelTakeover:
-        return KernelTakeover(
-            Config(netns="node1"),
-            dump=lambda netns: [CLUSTERIP],
-            addresses=lambda netns: {NODE},
-            remove_rules=lambda config: None,
-            sysctl=lambda netns, path, value: "0",
-            replace=FakeReplace(events),
-            clock_ns=lambda: NOW,
-        )
+        return quiet_takeover(lambda netns: [CLUSTERIP], FakeReplace(events))
 
     first: list[str] = []
     takeover(first).before_attach(maps)  # then killed
@@ -557,14 +561,8 @@ def test_the_flows_waiting_for_their_turn_stay_held_while_the_agent_makes_progre
                 waiting_held.append(still_held(entry, clock[0]))
         clock[0] += 1_500_000_000
 
-    takeover = KernelTakeover(
-        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
-        dump=lambda netns: flows,
-        addresses=lambda netns: {NODE},
-        remove_rules=lambda config: None,
-        sysctl=lambda netns, path, value: "0",
-        replace=FakeReplace([], during),
-        clock_ns=lambda: clock[0],
+    takeover = quiet_takeover(
+        lambda netns: flows, FakeReplace([], during), routing=HostRouting.LEGACY, clock_ns=lambda: clock[0]
     )
     takeover.before_attach(maps)
     takeover.after_attach(maps)
@@ -597,14 +595,8 @@ def test_the_first_carrys_holds_are_renewed_before_the_second_read_of_nf_conntra
                 assert isinstance(entry, abi.CtEntry)
                 held_at_turn.append(still_held(entry, clock[0]))
 
-    takeover = KernelTakeover(
-        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
-        dump=dump,
-        addresses=lambda netns: {NODE},
-        remove_rules=lambda config: None,
-        sysctl=lambda netns, path, value: "0",
-        replace=FakeReplace([], during),
-        clock_ns=lambda: clock[0],
+    takeover = quiet_takeover(
+        dump, FakeReplace([], during), routing=HostRouting.LEGACY, clock_ns=lambda: clock[0]
     )
     takeover.before_attach(maps)
     clock[0] += 2 * 10**9  # attaching to every device
@@ -630,14 +622,8 @@ def test_flows_replaced_after_their_hold_expired_are_counted_and_not_held_again(
                 assert isinstance(entry, abi.CtEntry)
                 renewed.append(entry.created_s != NOW // 10**9)
 
-    takeover = KernelTakeover(
-        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
-        dump=lambda netns: flows,
-        addresses=lambda netns: {NODE},
-        remove_rules=lambda config: None,
-        sysctl=lambda netns, path, value: "0",
-        replace=FakeReplace([], during),
-        clock_ns=lambda: clock[0],
+    takeover = quiet_takeover(
+        lambda netns: flows, FakeReplace([], during), routing=HostRouting.LEGACY, clock_ns=lambda: clock[0]
     )
     takeover.before_attach(maps)
     clock[0] += (abi.CT_HANDOVER_S + 1) * 10**9
@@ -656,15 +642,7 @@ def test_flows_whose_entries_cannot_be_replaced_are_released_to_the_data_path(
         raise PermissionError(1, "Operation not permitted")
 
     maps = fake_maps()
-    takeover = KernelTakeover(
-        Config(netns="node1"),
-        dump=lambda netns: [CLUSTERIP, API_FLOW],
-        addresses=lambda netns: {NODE},
-        remove_rules=lambda config: None,
-        sysctl=lambda netns, path, value: "0",
-        replace=refused,
-        clock_ns=lambda: NOW,
-    )
+    takeover = quiet_takeover(lambda netns: [CLUSTERIP, API_FLOW], refused)
     takeover.before_attach(maps)
     assert all(f & CtFlag.NFPASS for flow in (CLUSTERIP, API_FLOW) for f in flow_flags(maps, flow).values())
     takeover.after_attach(maps)
@@ -695,14 +673,8 @@ def test_a_hold_the_map_refuses_fails_that_flow_alone(caplog: pytest.LogCaptureF
     replaced and released, and the refused write is logged."""
     events: list[str] = []
     maps = fake_maps()
-    takeover = KernelTakeover(
-        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
-        dump=lambda netns: [CLUSTERIP, API_FLOW],
-        addresses=lambda netns: {NODE},
-        remove_rules=lambda config: None,
-        sysctl=lambda netns, path, value: "0",
-        replace=FakeReplace(events),
-        clock_ns=lambda: NOW,
+    takeover = quiet_takeover(
+        lambda netns: [CLUSTERIP, API_FLOW], FakeReplace(events), routing=HostRouting.LEGACY
     )
     takeover.before_attach(maps)
     maps["ct_tcp"] = RefusingMap(maps["ct_tcp"], ct_keys(CLUSTERIP)[0])
@@ -726,14 +698,8 @@ def test_a_socket_failure_is_worded_as_one_and_counts_the_flows_not_replaced(
         raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
 
     maps = fake_maps()
-    takeover = KernelTakeover(
-        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
-        dump=lambda netns: [CLUSTERIP, API_FLOW],
-        addresses=lambda netns: {NODE},
-        remove_rules=lambda config: None,
-        sysctl=lambda netns, path, value: "0",
-        replace=fails_at_the_second,
-        clock_ns=lambda: NOW,
+    takeover = quiet_takeover(
+        lambda netns: [CLUSTERIP, API_FLOW], fails_at_the_second, routing=HostRouting.LEGACY
     )
     takeover.before_attach(maps)
     takeover.after_attach(maps)

@@ -53,6 +53,7 @@ from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
 from tests.ebpf.test_family6 import VIP6, service, slice_, state6
 
 STATE = state_from_yaml((GOLDEN / "loadbalancer-etp-local.yaml").read_text())
+NODE6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")  # the IPv6 half's node
 MORE = state_from_yaml(
     (GOLDEN / "loadbalancer-etp-local.yaml").read_text()
     + "\n---\n"
@@ -455,13 +456,12 @@ def test_a_load_failing_after_an_ipv6_sync_wrote_its_maps_fails_that_sync_and_th
     p = rig.proxier()
     half = p.ipv6()
     loading, failed = prepare_in_thread(p)
-    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
     state = state6([service()], [slice_("fd00:10:244:1::2")])
     with pytest.raises(RuntimeError, match=r"IPv6 maps were written \(RuntimeError: the verifier said no\)"):
-        half.sync(state, node6)
+        half.sync(state, NODE6)
     loading.join(30)
     assert [str(e) for e in failed] == ["the verifier said no"] and len(rig.datapaths) == 2
-    assert half.sync(state, node6).failed == {}
+    assert half.sync(state, NODE6).failed == {}
     assert p._v6.last_flush.writes == 0, "read back: the failed sync had written them"
     assert len(rig.maps["fe6"]) == 2
     p.close()
@@ -499,17 +499,16 @@ def test_the_ipv6_node_addresses_find_external_devices_where_the_tc_ipv6_path_se
     """The devices holding the IPv6 node addresses sync6 reads are external devices too (their
     ekp_from_net reverse-translates the tc IPv6 path's replies): checked as soon as sync6 has
     them, and at every sync after. Without the path, the IPv4 addresses alone, as before."""
-    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
     dual = replace(rig.config, node_ips=("192.168.0.11", "fd00:192:168::11"), socket_lb=True)
     for routing, want in (
-        (HostRouting.BPF, (*NODE.node_ips, *node6.node_ips)),
+        (HostRouting.BPF, (*NODE.node_ips, *NODE6.node_ips)),
         (HostRouting.LEGACY, NODE.node_ips),
     ):
         rig.config = replace(dual, bpf_host_routing=routing)
         p = rig.proxier()
         half = p.ipv6()
         p.sync(STATE, NODE)
-        half.sync(state6([service()], [slice_("fd00:10:244:1::2")]), node6)
+        half.sync(state6([service()], [slice_("fd00:10:244:1::2")]), NODE6)
         attacher = rig.attachers[-1]
         assert attacher.nodes[-1].node_ips == want, routing
         p.sync(STATE, NODE)  # periodic: checked again with both
@@ -547,7 +546,6 @@ def test_the_first_attach_before_the_ipv6_sync_keeps_ekp_from_net_where_it_is(ri
     on the devices that carry it (a device holding only an IPv6 node address: detached, the live
     tc flows' replies would leave untranslated until sync6). Once sync6 ran, nothing is kept; the
     reconcile with the IPv6 addresses decides. Without the path, nothing is kept."""
-    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
     dual = replace(rig.config, node_ips=("192.168.0.11", "fd00:192:168::11"), socket_lb=True)
     for routing, first in ((HostRouting.BPF, True), (HostRouting.LEGACY, False)):
         rig.config = replace(dual, bpf_host_routing=routing)
@@ -556,7 +554,7 @@ def test_the_first_attach_before_the_ipv6_sync_keeps_ekp_from_net_where_it_is(ri
         p.sync(STATE, NODE)
         attacher = rig.attachers[-1]
         assert "reconcile full=True" in attacher.log and attacher.kept == [first], routing
-        half.sync(state6([service()], [slice_("fd00:10:244:1::2")]), node6)
+        half.sync(state6([service()], [slice_("fd00:10:244:1::2")]), NODE6)
         p.sync(STATE, NODE)
         assert len(attacher.kept) > 1 and not any(attacher.kept[1:]), routing
         p.close()
@@ -575,7 +573,6 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     warning names it and the gauge counts it."""
     from agent.ebpf.maps import read_config6
 
-    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
     rig.config = replace(
         rig.config,
         node_ips=("192.168.0.11", "fd00:192:168::11"),
@@ -608,10 +605,10 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     state = state6([service()], [slice_("fd00:10:244:1::2")])
     half.masquerade_apart(True)
     with caplog.at_level(logging.WARNING, logger="agent.ebpf.proxier"):
-        half.sync(state, node6)
+        half.sync(state, NODE6)
         # the same flow closing: its state changes, not which flows hold the ports
         rig.conntrack6 = [replace(held, tcp_state=TcpState.FIN_WAIT), *rig.conntrack6[1:]]
-        half.sync(state, node6)
+        half.sync(state, NODE6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and not any(cfg6.node_addr), "a masqueraded flow holds a port of the range"
     warned = [r.getMessage() for r in caplog.records if "hold ports of that range" in r.getMessage()]
@@ -620,12 +617,12 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     assert held.describe() in warned[0] and to_cluster_ip.describe() in warned[0], warned
     assert gauge == [2, 2]
     rig.conntrack6 = [outside, elsewhere, masqueraded_elsewhere]  # they ended; the others never mattered
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     assert gauge[-1] == 0
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
     rig.conntrack6 = [held]  # not read any more: ip6tables' rule keeps new ones out
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     assert read_config6(rig.maps) == cfg6
     p.close()
 
@@ -638,7 +635,6 @@ def test_an_ipv6_nf_conntrack_read_that_raises_anything_leaves_the_ipv6_sync_who
     counts the failures in a row, and the next sync6 reads again."""
     from agent.ebpf.maps import read_config6
 
-    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
     rig.config = replace(
         rig.config,
         node_ips=("192.168.0.11", "fd00:192:168::11"),
@@ -652,8 +648,8 @@ def test_an_ipv6_nf_conntrack_read_that_raises_anything_leaves_the_ipv6_sync_who
     half.masquerade_apart(True)
     state = state6([service()], [slice_("fd00:10:244:1::2")])
     with caplog.at_level(logging.WARNING, logger="agent.ebpf.proxier"):
-        half.sync(state, node6)
-        half.sync(state, node6)
+        half.sync(state, NODE6)
+        half.sync(state, NODE6)
     assert rig.conntrack6_reads == 2, "read again at the next sync"
     assert rig.maps["fe6"].items(), "the IPv6 maps written all the same"
     cfg6 = read_config6(rig.maps)
@@ -661,7 +657,7 @@ def test_an_ipv6_nf_conntrack_read_that_raises_anything_leaves_the_ipv6_sync_who
     said = [r.getMessage() for r in caplog.records if "cannot read IPv6 nf_conntrack" in r.getMessage()]
     assert len(said) == 2 and "ValueError: bad NLA length; 2 time(s) in a row" in said[1], said
     rig.conntrack6_error = None
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
     p.close()
@@ -677,7 +673,6 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_whenever_the_grant_is_lost_or_the
     (legacy host routing), it is zero whatever ip6tables did, over what a pin held."""
     from agent.ebpf.maps import read_config6, write_config6
 
-    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
     state = state6([service()], [slice_("fd00:10:244:1::2")])
     dual = replace(rig.config, node_ips=("192.168.0.11", "fd00:192:168::11"), socket_lb=True)
     rig.config = replace(dual, bpf_host_routing=HostRouting.BPF)
@@ -685,11 +680,11 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_whenever_the_grant_is_lost_or_the
     half = p.ipv6()
     p.sync(STATE, NODE)
     half.masquerade_apart(True)
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
     half.masquerade_apart(False)
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and not any(cfg6.node_addr), "a failed restore takes the grant back"
     # Meanwhile (rules not known to be ours) a flow was masqueraded into the range: the next good
@@ -702,11 +697,11 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_whenever_the_grant_is_lost_or_the
         )
     ]
     half.masquerade_apart(True)
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and not any(cfg6.node_addr), "read again after the failed restore"
     rig.conntrack6 = []
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
     p.close()
@@ -716,11 +711,11 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_whenever_the_grant_is_lost_or_the
     half = p.ipv6()
     p.sync(STATE, NODE)
     half.masquerade_apart(True)
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and not any(cfg6.node_addr), "no tc IPv6 path: no source for it"
     write_config6(rig.maps, abi.Config6(node_addr=abi.Addr6(*abi.ip6_words("fd00:192:168::11"))))
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and not any(cfg6.node_addr), "what a pin held is written over"
     p.close()
@@ -760,7 +755,6 @@ def test_a_restart_with_another_snat_range_keeps_ip6tables_masquerade_off_the_po
     again at the first full sync6 after it ended (its entry gone)."""
     from agent.iptables import IptablesProxier
 
-    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
     state = state6([service()], [slice_("fd00:10:244:1::2")])
     rig.config = replace(
         rig.config,
@@ -773,7 +767,7 @@ def test_a_restart_with_another_snat_range_keeps_ip6tables_masquerade_off_the_po
     half = p.ipv6()
     p.sync(STATE, NODE)
     half.masquerade_apart(True)
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     now = time.monotonic_ns()
     held = _tc6_flow(rig, "fd00:ff::100", "fd00:192:168::11", 61500, last_seen_ns=now)
     _tc6_flow(rig, "fd00:ff::101", "fd00:192:168::11", 64000, last_seen_ns=now)  # in both ranges
@@ -786,7 +780,7 @@ def test_a_restart_with_another_snat_range_keeps_ip6tables_masquerade_off_the_po
     half = p.ipv6()
     ip6tables = IptablesProxier(rig.config, family=IPFamily.IPv6, snat6_held=p.snat6_held)
     with caplog.at_level(logging.WARNING, logger="agent.ebpf.proxier"):
-        text = ip6tables.render(state, node6)
+        text = ip6tables.render(state, NODE6)
     assert " --to-ports 1024-61499" in text, [ln for ln in text.splitlines() if "MASQUERADE" in ln]
     assert any(
         "hold source ports 61500-61500 outside --bpf-snat-ports 63000-65535" in r.getMessage()
@@ -794,14 +788,14 @@ def test_a_restart_with_another_snat_range_keeps_ip6tables_masquerade_off_the_po
     )
     p.sync(STATE, NODE)
     half.masquerade_apart(True)
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     assert p.snat6_held() == (61500, 61500), "held while the flow lives"
     assert rig.maps["ct6_tcp"].delete(held)
-    half.sync(state, node6, frozenset())
+    half.sync(state, NODE6, frozenset())
     assert p.snat6_held() == (61500, 61500), "a partial sync6 does not read the tables"
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     assert p.snat6_held() is None
-    assert " --to-ports 1024-62999" in ip6tables.render(state, node6)
+    assert " --to-ports 1024-62999" in ip6tables.render(state, NODE6)
     p.close()
 
 
@@ -845,7 +839,6 @@ def test_the_ipv6_snat_grant_waits_for_this_runs_snat_range_in_ekp_config(
     the same: it writes no SNAT source until ekp_config holds this run's range."""
     from agent.ebpf.maps import read_config6, write_config
 
-    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
     state = state6([service()], [slice_("fd00:10:244:1::2")])
     rig.config = replace(
         rig.config,
@@ -869,12 +862,12 @@ def test_the_ipv6_snat_grant_waits_for_this_runs_snat_range_in_ekp_config(
     with pytest.raises(OSError):
         p.sync(STATE, NODE)
     half.masquerade_apart(True)
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and not any(cfg6.node_addr), "ekp_config still holds 61000-65535"
     monkeypatch.setattr("agent.ebpf.proxier.write_config", write_config)
     p.sync(STATE, NODE)
-    half.sync(state, node6)
+    half.sync(state, NODE6)
     cfg6 = read_config6(rig.maps)
     assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
     p.close()
@@ -886,7 +879,6 @@ def test_the_ipv6_snat_grant_is_told_at_each_ipv6_sync_and_its_reason_logged_whe
     """ekp_ipv6_snat_granted (on_snat6_granted) says 1 or 0 at each sync6; the log says why, once
     per change: a failed restore, no usable IPv6 address, held flows, a failed nf_conntrack read;
     granted. A path off by the flags is 0 without a word (nothing an operator can act on)."""
-    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
     no_address = NodeContext(node_ips=(), primary_ip="")
     state = state6([service()], [slice_("fd00:10:244:1::2")])
     held = NatFlow(
@@ -905,18 +897,18 @@ def test_the_ipv6_snat_grant_is_told_at_each_ipv6_sync_and_its_reason_logged_whe
 
     with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
         half.masquerade_apart(False)
-        half.sync(state, node6)
-        half.sync(state, node6)
+        half.sync(state, NODE6)
+        half.sync(state, NODE6)
         half.masquerade_apart(True)
         half.sync(state, no_address)
         rig.conntrack6 = [held]
-        half.sync(state, node6)
+        half.sync(state, NODE6)
         rig.conntrack6_error = ValueError("bad NLA length")
-        half.sync(state, node6)
+        half.sync(state, NODE6)
         rig.conntrack6_error = None
         rig.conntrack6 = []
-        half.sync(state, node6)
-        half.sync(state, node6)
+        half.sync(state, NODE6)
+        half.sync(state, NODE6)
     assert granted == [0, 0, 0, 0, 0, 1, 1]
     reasons = [m for m in said() if m.startswith("the tc IPv6 path leaves masqueraded flows")]
     assert [r.split(": ", 1)[1].split(" ")[:3] for r in reasons] == [
@@ -937,7 +929,7 @@ def test_the_ipv6_snat_grant_is_told_at_each_ipv6_sync_and_its_reason_logged_whe
     p.sync(STATE, NODE)
     with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
         half.masquerade_apart(True)
-        half.sync(state, node6)
+        half.sync(state, NODE6)
     assert granted == [0] and not [m for m in said() if "leaves masqueraded" in m]
     p.close()
 
@@ -947,7 +939,6 @@ def test_ipv6_udp_sockets_are_ended_after_an_ipv6_sync_that_removed_a_backend(ri
     when its membership shrank, as the IPv4 sync does; not after other IPv6 syncs."""
     p = rig.proxier()
     p.sync(STATE, NODE)
-    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
     two = state6([service()], [slice_("fd00:10:244:1::2", "fd00:10:244:2::3")])
     one = state6([service()], [slice_("fd00:10:244:1::2")])
     v4 = {role: sorted(bytes(k) for k, _ in rig.maps[role].items()) for role in ROLES}
@@ -956,10 +947,10 @@ def test_ipv6_udp_sockets_are_ended_after_an_ipv6_sync_that_removed_a_backend(ri
         return sum(e.startswith("end stale sockets") for e in rig.events)
 
     before = runs()
-    p.sync6(two, node6)
+    p.sync6(two, NODE6)
     assert runs() == before and len(rig.maps["be6"]) == 2 and len(rig.maps["fe6"]) == 2
     spn = next(iter(two.services))
-    p.sync6(one, node6, frozenset({spn}))
+    p.sync6(one, NODE6, frozenset({spn}))
     assert runs() == before + 1 and len(rig.maps["be6"]) == 1
     assert v4 == {role: sorted(bytes(k) for k, _ in rig.maps[role].items()) for role in ROLES}
     p.close()
@@ -975,8 +966,7 @@ def test_without_an_ipv6_half_the_ipv6_maps_an_earlier_agent_wrote_are_emptied(
     earlier = rig.proxier()
     earlier.ipv6()
     earlier.sync(STATE, NODE)
-    node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
-    earlier.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), node6)
+    earlier.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), NODE6)
     earlier.sync(STATE, NODE)  # a periodic sync of the dual-stack agent keeps its own
     assert len(rig.maps["fe6"]) == 2 and len(rig.maps["be6"]) == 1
     rig.maps["sknat6"].update(abi.Sock6Key(cookie=7), abi.Sock6Nat(svc_id=1))
@@ -1287,8 +1277,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
             f"{hook}{family}" for hook in ("connect", "sendmsg", "recvmsg", "getpeername") for family in "46"
         } | {"sock_release"}
         # the IPv6 family's state into the IPv6 maps, decoded by `agent inspect maps6`
-        node6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
-        first.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), node6)
+        first.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), NODE6)
         shown6 = render_live_maps(config.pin_path, ("services6",))
         assert f"fe6 [{VIP6}]:80/TCP internal -> svc=1 set=1 count=1" in shown6
         assert "-> [fd00:10:244:1::2]:8080/TCP" in shown6 and render_live_maps(
