@@ -45,7 +45,18 @@ from typing import Any
 
 from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import ABI_VERSION, CT_QUEUES, CTQ_DIVISOR, MAPS, PREFIX, V6_ROLES, MapSpec, maglev_value
+from agent.ebpf.abi import (
+    ABI_VERSION,
+    CT_QUEUES,
+    CTQ_DIVISOR,
+    MAPS,
+    PREFIX,
+    V6_ROLES,
+    Handover,
+    HandoverMode,
+    MapSpec,
+    maglev_value,
+)
 from agent.ebpf.bpfobject import BpfObject
 from agent.ebpf.btf import vmlinux_has
 from agent.ebpf.compile import (
@@ -60,6 +71,8 @@ from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj
 from agent.ebpf.objcache import ObjectCache, default_cache_dir
 from agent.ebpf.pindir import ensure_pin_dir
 from agent.ebpf.programs import (
+    BUILD_MAPS,
+    HANDOVER_MAP,
     PROG_FROM_NET,
     PROG_FROM_POD,
     PROG_SCHED_CLS,
@@ -74,19 +87,24 @@ from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
 
+TC6_PROGRAMS_BY_NAME = frozenset(name for names in TAIL_CALLS.values() for name in names)
+
 ENTRY_FILE = "ekp_tc.c"
 BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)
 
-# Unpinned maps each program's load owns, by program (ekp_tc.c): the IPv4 ingress programs their
-# scratch and the program array ekp_calls6, every other tc and XDP program its scratch alone, the
-# socket programs none. A reused program keeps its own; one with more unknown maps than these still
-# uses a map that was unpinned and recreated (compile.open_pinned_programs).
+# Maps each program's load owns, outside the registry, by program (ekp_tc.c): the IPv4 ingress
+# programs their scratch, the program array ekp_calls6 and the hand-over mode (ekp_handover), egress
+# and XDP their scratch and the mode, the IPv6 programs their scratch alone, the socket programs none.
+# A reused program keeps its own; one with more unknown maps than these still uses a map that was
+# unpinned and recreated (compile.open_pinned_programs).
 PRIVATE_MAPS: dict[str, int] = {
     name: 0
     if spec.prog_type not in (PROG_SCHED_CLS, PROG_XDP)
-    else 2
+    else 3
     if name in (PROG_FROM_POD, PROG_FROM_NET)
     else 1
+    if name in TC6_PROGRAMS_BY_NAME
+    else 2
     for name, spec in PROGRAMS.items()
 }
 
@@ -119,7 +137,7 @@ TC6_UNWRITTEN = frozenset({"ct6_any", "ctq6_any"})
 # The programs of that path, reached only through ekp_calls6: loaded, pinned and verified only where
 # it serves (Datapath.programs). The switch needs no load of its own: the path's table sizes are
 # compiled in, so a start that turns it on or off is another build, loaded whole (or reused whole).
-TC6_PROGRAMS = frozenset(name for names in TAIL_CALLS.values() for name in names)
+TC6_PROGRAMS = TC6_PROGRAMS_BY_NAME
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
@@ -483,7 +501,7 @@ class Datapath:
             )
             how = "reused (unchanged since it was compiled)"
             if fds is not None and not all(
-                os.path.exists(prog_pin(self.pin_path, build, m)) for m in TAIL_CALLS
+                os.path.exists(prog_pin(self.pin_path, build, m)) for m in (*TAIL_CALLS, *BUILD_MAPS)
             ):
                 # The program array went with its pin: empty, so loaded again with a new one.
                 for fd in fds.values():
@@ -496,8 +514,9 @@ class Datapath:
             self._programs = programs
             self._build = build
             # Its program arrays stay pinned until our programs replaced its attachments
-            # (release_older_builds, after the first attach).
-            old = remove_other_builds(self.pin_path, build, keep=tuple(TAIL_CALLS))
+            # (release_older_builds, after the first attach); its hand-over mode too, read by
+            # those programs.
+            old = remove_other_builds(self.pin_path, build, keep=(*TAIL_CALLS, *BUILD_MAPS))
             if old:
                 log.info("unpinned programs of an older build: %s", ", ".join(old))
             log.info(
@@ -523,6 +542,22 @@ class Datapath:
         if self._build is None:
             return []
         return remove_other_builds(self.pin_path, self._build)
+
+    def set_handover(self, mode: HandoverMode) -> None:
+        """This build's hand-over mode (struct ekp_handover), read by its tc and XDP programs at each
+        packet (agent/ebpf/handover.py)."""
+        if self._build is None:
+            raise DatapathError("no build loaded: no hand-over mode to set")
+        path = prog_pin(self.pin_path, self._build, HANDOVER_MAP)
+        fd = bpfsys.obj_get(path)
+        if fd < 0:
+            raise DatapathError(f"opening {path}: {os.strerror(-fd)}")
+        try:
+            ret = bpfsys.map_update_elem(fd, ctypes.c_uint32(0), Handover(mode=int(mode)))
+        finally:
+            os.close(fd)
+        if ret < 0:
+            raise DatapathError(f"setting the hand-over mode to {mode.name}: {os.strerror(-ret)}")
 
     def _route_ipv6(self, build: str, fds: Mapping[str, int]) -> None:
         """Fill the program arrays (TAIL_CALLS) when the tc programs' IPv6 path serves
