@@ -123,7 +123,7 @@ def test_xdp_leaves_everything_to_tc_in_hand_over_and_translates_alone(
     assert verdict == XDP_TX
 
 
-def test_what_the_egress_program_leaves_alone_goes_on_to_the_older_egress_program_in_hand_over_to_the_older_egress_program_in_hand_over(
+def test_what_the_egress_program_leaves_alone_goes_on_to_the_older_egress_program_in_hand_over(
     net: Net, dp: Datapath
 ) -> None:
     """The node's own packets that are no reply of ours, and forwarded ones."""
