@@ -35,6 +35,17 @@ uses "replace", so a restarted agent swaps its new program in atomically, with n
 a filter. The egress hook needs clsact (an `ingress` qdisc has none): on a device with an `ingress`
 qdisc the attach fails before the ingress program is attached, and is retried as any failure.
 
+The hand-over (an upgrade that carries conntrack over from tables the new programs do not read,
+agent/ebpf/upgrade.py): a "replace" device by device would leave moments where a flow the older
+programs started meets a new program on another device that has no entry for it. Instead
+`reconcile(front=True)` puts each new program in front of the older generation's filter, at
+FRONT_PRIO, on every hook that has one; the build's hand-over mode (bpf/ekp_abi.h `struct
+ekp_handover`, set by the proxier) first passes every packet on (TC_ACT_UNSPEC: the next filter
+decides), then, once every device has both, leaves only its conntrack misses to the older program
+while the conntrack is carried over, then none; `rehome` then replaces the older filter at
+FILTER_PRIO with the same new program and removes the front one. Ours at FRONT_PRIO is never
+foreign, and `detach` removes it too (an agent stopped in the middle).
+
 The namespace is opened with `IPRoute(netns=..., flags=0)`: a missing namespace is an error, not
 silently created. Pod devices come and go; `Attacher.start_watcher()` runs a thread that attaches
 on RTM_NEWLINK of a matching device and forgets it on RTM_DELLINK. `detach_all` removes only our
