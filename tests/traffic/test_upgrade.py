@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -258,16 +258,24 @@ def ep6(lab: Lab, pod: str) -> Ep:
 
 
 def upgrade_under_load(
-    lab: Lab, tree: Path, label: str, observe: Callable[[Cluster, str], None] = lambda c, when: None
+    lab: Lab,
+    tree: Path,
+    label: str,
+    observe: Callable[[Cluster, str], None] = lambda c, when: None,
+    *,
+    extra: Sequence[str] = (),
+    socket_lb_pods: bool = True,
 ) -> tuple[Cluster, Agent, dict[str, dict[str, Any]]]:
     """The older agent at `tree` programs node1; under load, it is stopped and this checkout's
     agent started over its pins. `observe(cluster, when)` looks at the node while the loops run:
     "before" (the old agent serving), "synced" (the new one's first sync done) and "after" (3 s
     later). Returns the cluster (with the new agent), the new agent and the loops' results by
-    name (clusterip, nodeport, held; in a dual-stack lab also clusterip6 and held6)."""
-    cluster = Cluster(lab, "ebpf")
+    name (clusterip, nodeport, held; in a dual-stack lab also clusterip6 and held6). `extra`: both
+    agents' further flags; `socket_lb_pods` (dual-stack lab): the pods' IPv6 connections to
+    Services are the socket programs' (else the per-packet path's, as the IPv4 ones are)."""
+    cluster = Cluster(lab, "ebpf", extra=list(extra))
     new = cluster.agents[0]
-    if lab.ipv6:
+    if lab.ipv6 and socket_lb_pods:
         new.socket_lb_pods = True  # the pods' IPv6 connections to Services: the socket programs'
     old = OldAgent(lab, new, tree, label)
     cluster.agents = [old]
@@ -385,6 +393,16 @@ def test_upgrade_from_the_agent_before_the_early_drop_queues_under_load_fails_no
     assert not cluster.stop(), "agent --cleanup failed"
 
 
+def pinned_map(cluster: Cluster, name: str) -> tuple[int, int]:
+    """(map id, entries) of the pinned map `name` of node1's agent, as bpftool shows it."""
+    path = str(Path(cluster.agents[0].pin_path) / name)
+
+    def bpftool(*argv: str) -> Any:
+        return json.loads(subprocess.run(["bpftool", "-j", *argv], check=True, capture_output=True).stdout)
+
+    return int(bpftool("map", "show", "pinned", path)["id"]), len(bpftool("map", "dump", "pinned", path))
+
+
 def dnat6(cluster: Cluster, vip: str, port: int) -> dict[int, str]:
     """The node's nf_conntrack entries of TCP flows to [vip]:port (ip6tables' DNAT: the socket
     programs' flows are tracked to the backend's address), by their client port."""
@@ -463,4 +481,53 @@ def test_upgrade_from_the_agent_before_the_ipv6_maps_dual_stack_under_load_fails
     assert now_ids <= synced_ids, "the socket programs', not ip6tables'"
     stats = cluster.bpf_stats()
     assert stats["drop_no_flow"] == 0, stats
+    assert not cluster.stop(), "agent --cleanup failed"
+
+
+# main before the hand-over (the agent this branch upgrades from): the tc programs' IPv6 path
+# (ekp_calls6, bpf/ekp_tc6.h), no ekp_handover.
+MAIN_BEFORE_HANDOVER = "267132de2407ad35b4ca07f96b686bf6abfa3bac"
+
+
+def test_upgrade_from_the_agent_before_the_hand_over_with_the_tc_ipv6_path_under_load_fails_no_request(
+    dual_lab: Lab, tmp_path: Path
+) -> None:
+    """Dual-stack, --bpf-host-routing=bpf, pods' sockets left to the per-packet path: the pod's IPv6
+    connections to the ClusterIP are the tc programs' IPv6 path's (no nf_conntrack DNAT entry to
+    it, before, during or after the upgrade; the socket programs translate none), in the older
+    build and in this one, over the same IPv6 conntrack tables (the same ABI: the programs are
+    replaced in place, no hand-over). Every request of both families succeeds, both long-lived
+    connections carry on, no segment is dropped as no_flow and no client retransmits a SYN or
+    sends a RST."""
+    tree = old_tree(
+        tmp_path,
+        MAIN_BEFORE_HANDOVER,
+        "the agent before the hand-over",
+        ("bpf/ekp_tc.c", "ekp_calls6"),
+        lacks=("bpf/ekp_abi.h", "ekp_handover"),
+    )
+    seen: dict[str, dict[str, dict[str, int]]] = {}
+    dnat: dict[str, tuple[dict[int, str], dict[int, str]]] = {}
+    sock: dict[str, int] = {}
+    gaps = gap_observer(seen)
+
+    ct6: dict[str, tuple[int, int]] = {}
+
+    def observe(cluster: Cluster, when: str) -> None:
+        gaps(cluster, when)
+        dnat[when] = dnat6(cluster, WEB6, 80), dnat6(cluster, ECHO6, ECHO_PORT)
+        sock[when] = cluster.bpf_stats()["sock_translated"]
+        ct6[when] = pinned_map(cluster, MAPS["ct6_tcp"].name)
+
+    cluster, new, _ = upgrade_under_load(
+        dual_lab, tree, "before-hand-over", observe, extra=("--bpf-host-routing=bpf",), socket_lb_pods=False
+    )
+    assert "hand-over" not in new.log(), "the same conntrack tables: replaced in place"
+    assert all(loop == {} and held == {} for loop, held in dnat.values()), dnat
+    assert sock["after"] == sock["before"], "the pods' connections are the per-packet path's"
+    # the tc IPv6 path's flows, in the same table all along (the long-lived one's two entries at least)
+    assert len({ident for ident, _ in ct6.values()}) == 1 and min(n for _, n in ct6.values()) >= 2, ct6
+    stats = cluster.bpf_stats()
+    assert stats["drop_no_flow"] == 0, stats
+    assert_no_gap(seen)
     assert not cluster.stop(), "agent --cleanup failed"
