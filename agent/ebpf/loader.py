@@ -87,8 +87,6 @@ from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
 
-TC6_PROGRAMS_BY_NAME = frozenset(name for names in TAIL_CALLS.values() for name in names)
-
 ENTRY_FILE = "ekp_tc.c"
 BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)
 
@@ -103,7 +101,7 @@ PRIVATE_MAPS: dict[str, int] = {
     else 3
     if name in (PROG_FROM_POD, PROG_FROM_NET)
     else 1
-    if name in TC6_PROGRAMS_BY_NAME
+    if any(name in names for names in TAIL_CALLS.values())
     else 2
     for name, spec in PROGRAMS.items()
 }
@@ -137,7 +135,7 @@ TC6_UNWRITTEN = frozenset({"ct6_any", "ctq6_any"})
 # The programs of that path, reached only through ekp_calls6: loaded, pinned and verified only where
 # it serves (Datapath.programs). The switch needs no load of its own: the path's table sizes are
 # compiled in, so a start that turns it on or off is another build, loaded whole (or reused whole).
-TC6_PROGRAMS = TC6_PROGRAMS_BY_NAME
+TC6_PROGRAMS = frozenset(name for names in TAIL_CALLS.values() for name in names)
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
