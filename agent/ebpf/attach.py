@@ -614,9 +614,8 @@ class Attacher:
         """The end of a hand-over: each filter in front moves to FILTER_PRIO (a "replace" of the
         older generation's filter there with the same program, maps and classid: every packet
         meets one of ours all along), then its FRONT_PRIO copy is removed. Hooks whose device went
-        meanwhile are skipped."""
-        with self._lock:
-            fronts, self._fronts = self._fronts, {}
+        meanwhile are skipped; on another error the hooks not done yet stay in `fronts`."""
+        fronts = self.fronts
         if not fronts:
             return
         with netns_route(self._config.netns) as ipr:
@@ -627,6 +626,8 @@ class Attacher:
                 except NetlinkError as exc:
                     if exc.code != errno.ENODEV:
                         raise
+                with self._lock:
+                    self._fronts.pop((index, parent), None)
         log.info(
             "hand-over done: %d filters moved to priority %d, the older generation's gone",
             len(fronts),
