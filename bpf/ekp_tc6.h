@@ -174,7 +174,25 @@ static __always_inline int ekp_tc6_answer(struct __sk_buff *skb, struct ekp_tc6_
 		*outcome = EKP_DROP_ICMP_RATE;
 		return TC_ACT_SHOT;
 	}
-	if (ekp_icmp6_error(skb, &w->pkt, type, word, &w->icmp6) < 0)
+	if (ekp_icmp6_error(skb, &w->pkt, type, 0, word, &w->icmp6) < 0)
+		return TC_ACT_SHOT;
+	return bpf_redirect(skb->ifindex, 0);
+}
+
+/* A new flow's first packet refused by its frontend (`refusal`, ekp_lb_refusal_af), decided as
+ * IPv4's packet path decides it (ekp_decide_refusal): no endpoints answered with an ICMPv6 port
+ * unreachable from the frontend, out of the device it came in by (ip6tables' `-j REJECT`), unless
+ * unwanted (ekp_icmp6_wanted) or over the rejects' rate limit; source ranges and no local endpoint
+ * dropped (kube-proxy's KUBE-MARK-DROP). Counted under IPv4's reasons. The TC verdict. */
+static __always_inline int ekp_tc6_refuse(struct __sk_buff *skb, struct ekp_tc6_scratch *w,
+					  const struct ekp_config *cfg, const struct ekp_frontend *fe, int refusal,
+					  __u32 *outcome)
+{
+	int wanted = ekp_icmp6_wanted(&w->pkt) && w->pkt.b.frag != EKP_FRAG_LATER;
+
+	if (ekp_decide_refusal(refusal, fe, wanted, cfg, bpf_ktime_get_ns(), outcome) != EKP_ACT_REJECT)
+		return TC_ACT_SHOT;
+	if (ekp_icmp6_error(skb, &w->pkt, EKP_ICMPV6_DEST_UNREACH, EKP_ICMPV6_PORT_UNREACH, 0, &w->icmp6) < 0)
 		return TC_ACT_SHOT;
 	return bpf_redirect(skb->ifindex, 0);
 }
@@ -451,8 +469,12 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		 * their share. A source translation is ip6tables' only while the node's IPv6 address is
 		 * not known. */
 		__u16 flags = fe->flags;
-		if (ekp_lb_refusal_af(1, fe, p->saddr) || (flags & EKP_FE_HOST_BACKEND) ||
-		    (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
+		int refusal = ekp_lb_refusal_af(1, fe, p->saddr);
+		if (refusal) {
+			verdict = ekp_tc6_refuse(skb, w, cfg, fe, refusal, &outcome);
+			goto out;
+		}
+		if ((flags & EKP_FE_HOST_BACKEND) || (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
 			goto out;
 	} else {
 		/* No frontend: a connection of its own, client:P -> server:port, whose reverse tuple a

@@ -578,12 +578,6 @@ def test_snat_all_hairpin_and_host_backends_are_left_to_ip6tables(net: Net) -> N
     _passes(net, frame6(POD6, VIP6, 40005, 82))
 
 
-def test_refusals_are_left_to_ip6tables_which_rejects(net: Net) -> None:
-    add_service6(net.dp.maps, VIP6, 80, (), flags=FrontendFlag.NO_ENDPOINTS)
-    _passes(net, frame6(POD6, VIP6, 40006, 80))
-    assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 0, "no verdict of ours: ip6tables' REJECT answers"
-
-
 def test_fragments_first_and_later_are_left_to_the_stack(net: Net) -> None:
     from scapy.layers.inet import TCP as TCPh
     from scapy.layers.inet6 import IPv6, IPv6ExtHdrFragment, fragment6
