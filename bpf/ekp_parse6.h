@@ -182,20 +182,30 @@ static __always_inline int ekp_parse6(struct __sk_buff *skb, struct ekp_pkt6 *p)
 		p->b.icmp_code = icmp[1];
 		return ekp_parse6_quote(skb, p, off + 8); /* the quote follows the 8-byte ICMPv6 header */
 	}
-	if (nh != IPPROTO_TCP && nh != IPPROTO_UDP)
-		return EKP_PARSE_PASS; /* more headers than we walk, SCTP, a piece of ICMPv6, others */
+	if (nh != IPPROTO_TCP && nh != IPPROTO_UDP && nh != IPPROTO_SCTP)
+		return EKP_PARSE_PASS; /* more headers than we walk, a piece of ICMPv6, others */
+	if (nh == IPPROTO_SCTP && p->b.frag != EKP_FRAG_NONE)
+		return EKP_PARSE_PASS; /* its checksum cannot follow a translation (ekp_sctp.h) */
 	p->b.proto = nh;
 	p->b.l4_off = off;
 	if (p->b.frag == EKP_FRAG_LATER)
 		return EKP_PARSE_LATER;
 
 	__u8 l4[14];
-	if (bpf_skb_load_bytes(skb, off, l4, nh == IPPROTO_TCP ? 14 : 8) < 0)
+	if (bpf_skb_load_bytes(skb, off, l4, nh == IPPROTO_UDP ? 8 : nh == IPPROTO_TCP ? 14 : EKP_SCTP_HDR_LEN + 1) < 0)
 		return EKP_PARSE_MALFORMED;
 	__builtin_memcpy(&p->b.sport, l4, 2);
 	__builtin_memcpy(&p->b.dport, l4 + 2, 2);
 	if (nh == IPPROTO_TCP)
 		p->b.tcp_flags = l4[13];
+	if (nh == IPPROTO_SCTP) {
+		/* the CRC update's length (ekp_sctp.h): the SCTP header to the end of the IPv6 packet */
+		__u32 end = EKP_IP6_OFF + sizeof(ip) + ntohs(ip.payload_len);
+		if (end < off + EKP_SCTP_HDR_LEN + 1)
+			return EKP_PARSE_MALFORMED;
+		p->b.l4_len = end - off;
+		p->b.chunk = l4[EKP_SCTP_HDR_LEN];
+	}
 	return EKP_PARSE_OK;
 }
 

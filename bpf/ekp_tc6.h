@@ -389,8 +389,8 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		verdict = ekp_tc6_related(skb, w, scope, bridge, cfg, &outcome);
 		goto out;
 	}
-	/* TCP alone (UDP and SCTP: ip6tables') */
-	if (parsed != EKP_PARSE_OK || p->b.proto != IPPROTO_TCP || p->b.frag != EKP_FRAG_NONE || !cfg ||
+	/* TCP and SCTP (UDP: ip6tables') */
+	if (parsed != EKP_PARSE_OK || p->b.proto == IPPROTO_UDP || p->b.frag != EKP_FRAG_NONE || !cfg ||
 	    (cfg->flags & EKP_CFG_HOST_LEGACY) || !ekp_tc6_may_translate(p, scope, cfg))
 		goto out;
 
