@@ -63,6 +63,7 @@
 #include "ekp_act.h"
 #include "ekp_ct6.h"
 #include "ekp_decide.h"
+#include "ekp_frag6.h"
 #include "ekp_icmp6.h"
 #include "ekp_lb.h"
 #include "ekp_nat6.h"
@@ -87,6 +88,8 @@ struct ekp_tc6_scratch {
 	struct ekp_icmp6_nat icmp; /* an ICMPv6 error's translation (ekp_tc6_related) */
 	__be32 node[4];            /* the node's IPv6 address for a new flow (ekp_tc6_node_addr) */
 	struct ekp_icmp6_work icmp6; /* the ICMPv6 error answering a segment (ekp_tc6_answer) */
+	struct ekp_fraghold frag;  /* a fragment to hold, or a first fragment saved while the held go
+				    * back (ekp_tc_frag6_hold, ekp_tc_frag6_release) */
 };
 
 static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);
@@ -371,9 +374,10 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		verdict = ekp_tc6_related(skb, w, scope, bridge, cfg, &outcome);
 		goto out;
 	}
-	/* TCP alone (UDP and SCTP: ip6tables') */
-	if (parsed != EKP_PARSE_OK || p->b.proto != IPPROTO_TCP || p->b.frag != EKP_FRAG_NONE || !cfg ||
-	    (cfg->flags & EKP_CFG_HOST_LEGACY) || !ekp_tc6_may_translate(p, scope, cfg))
+	/* TCP and UDP, whole or in fragments (SCTP: ip6tables'; ekp_parse6 passes it) */
+	if ((parsed != EKP_PARSE_OK && parsed != EKP_PARSE_LATER) || !cfg || (cfg->flags & EKP_CFG_HOST_LEGACY))
+		goto out;
+	if (p->b.frag == EKP_FRAG_NONE && !ekp_tc6_may_translate(p, scope, cfg))
 		goto out;
 
 	__u64 now = bpf_ktime_get_ns();
@@ -381,6 +385,29 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	const __be32 *sa, *da;
 	__be16 sp, dp;
 	long rc;
+
+	/* Fragments (ekp_frag.h, IPv4's code): a later one takes its datagram's ports from the first
+	 * and is then a packet of that flow (a hit translates its addresses; it never starts a flow);
+	 * one that came before its first is held when a translated flow may use its addresses, else
+	 * the stack reassembles it. A first fragment records its ports and puts the held ones back
+	 * into their devices, where they run through here again after this run. */
+	if (parsed == EKP_PARSE_LATER) {
+		if (!ekp_frag6_ports(p)) {
+			ekp_tc6_node_addr(w->node); /* zero when none: no SNAT address then */
+			if (ekp_frag6_may_translate(p, scope, w->node)) {
+				outcome = EKP_STAT_FRAG_HELD;
+				verdict = ekp_tc_frag6_hold(skb, p, &w->frag, &outcome);
+			}
+			goto out;
+		}
+	} else if (p->b.frag == EKP_FRAG_FIRST) {
+		ekp_frag6_record(p);
+		if (ekp_frag6_held(p, now) && ekp_tc_frag6_release(skb, p, &w->frag) < 0) {
+			outcome = EKP_DROP_MALFORMED; /* the first fragment could not be put back together */
+			verdict = TC_ACT_SHOT;
+			goto out;
+		}
+	}
 
 	__builtin_memset(k, 0, sizeof(*k));
 	ekp_ct6_key_of(k, p, EKP_CT_FORWARD);
@@ -426,6 +453,8 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
 			goto out;
 		outcome = k->dir == EKP_CT_FORWARD ? EKP_STAT_CT_FORWARD : EKP_STAT_CT_REPLY;
+		if (p->b.frag == EKP_FRAG_LATER)
+			ekp_count(EKP_STAT_FRAGMENTS);
 		verdict = ekp_tc6_send(skb, w, rc, sa, sp, da, dp, &outcome);
 		goto out;
 	}
