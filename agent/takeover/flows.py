@@ -338,7 +338,7 @@ def nat_flow(key: CtKey | Ct6Key, entry: CtEntry | Ct6Entry) -> NatFlow | None:
 
 
 def masqueraded_into(flows: Iterable[NatFlow], ports: tuple[int, int], to: str) -> list[NatFlow]:
-    """The TCP flows among `flows` whose source nf_nat translated to address `to` and a port of
+    """The TCP and UDP flows among `flows` whose source nf_nat translated to address `to` and a port of
     `ports` (the reply comes back to that address and port): ip6tables' masquerades whose reply
     tuple a tc flow source-translated to `to` (the node's IPv6 SNAT address) with a port of
     --bpf-snat-ports could take. A flow masqueraded to another address, or outside the range,
@@ -348,7 +348,7 @@ def masqueraded_into(flows: Iterable[NatFlow], ports: tuple[int, int], to: str) 
     return [
         f
         for f in flows
-        if f.proto == TCP and f.snat and lo <= f.reply[3] <= hi and ipaddress.ip_address(f.reply[1]) == node
+        if f.proto in (TCP, UDP) and f.snat and lo <= f.reply[3] <= hi and ipaddress.ip_address(f.reply[1]) == node
     ]
 
 

@@ -227,6 +227,16 @@ NODEPORT6 = NatFlow(
 )
 
 
+def test_udp_flows_ip6tables_masqueraded_into_the_tc_ranges_ports_count_as_tcp_ones() -> None:
+    """The tc IPv6 path source-translates UDP as it does TCP, so a UDP flow ip6tables masqueraded to
+    the node's IPv6 address with a port of --bpf-snat-ports holds a reply tuple its port walk could
+    hand another flow (before it took UDP, only TCP flows counted); SCTP's, which it leaves to
+    ip6tables whole, never can."""
+    udp6 = NatFlow(17, NODEPORT6.orig, NODEPORT6.reply)
+    sctp6 = NatFlow(132, NODEPORT6.orig, NODEPORT6.reply)
+    assert masqueraded_into([udp6, sctp6, NODEPORT6], (61000, 65535), "fd00:ff::11") == [udp6, NODEPORT6]
+
+
 def ct6_forward(flow: NatFlow, flags: int) -> tuple[abi.Ct6Key, abi.Ct6Entry]:
     s, d, sp, dp = flow.orig
     rs, rd, rsp, rdp = flow.reply
