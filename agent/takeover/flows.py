@@ -348,7 +348,10 @@ def masqueraded_into(flows: Iterable[NatFlow], ports: tuple[int, int], to: str) 
     return [
         f
         for f in flows
-        if f.proto in (TCP, UDP) and f.snat and lo <= f.reply[3] <= hi and ipaddress.ip_address(f.reply[1]) == node
+        if f.proto in (TCP, UDP)
+        and f.snat
+        and lo <= f.reply[3] <= hi
+        and ipaddress.ip_address(f.reply[1]) == node
     ]
 
 

@@ -33,7 +33,6 @@ from lab.dplab import (
     SNAT_MAX,
     SNAT_MIN,
     TCP,
-    UDP,
     VIP6,
     Lab,
     Net,

@@ -60,7 +60,9 @@ def frags6(
     from scapy.layers.inet6 import IPv6, IPv6ExtHdrFragment, fragment6
     from scapy.layers.l2 import Ether
 
-    datagram = IPv6(src=src, dst=dst) / IPv6ExtHdrFragment(id=ident) / UDPh(sport=sport, dport=dport) / payload
+    datagram = (
+        IPv6(src=src, dst=dst) / IPv6ExtHdrFragment(id=ident) / UDPh(sport=sport, dport=dport) / payload
+    )
     pieces = fragment6(datagram, 1500)  # type: ignore[no-untyped-call]
     return [bytes(Ether(src=smac, dst=ETH["dst"]) / piece) for piece in pieces]
 
@@ -138,7 +140,9 @@ def test_a_nodeport_datagram_masqueraded_to_a_remote_backend_in_every_fragment(n
     node's IPv6 address, the first with the SNAT port, and the answer returns to the client."""
     write_config6(net.dp.maps, abi.Config6(node_addr=abi.Addr6(*ip6_words(NODE6))))
     flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_ALL
-    add_service6(net.dp.maps, NODE6, 30053, ((7, REMOTE_BE6, 5353, 0),), proto=UDP, scope=Scope.EXTERNAL, flags=flags)
+    add_service6(
+        net.dp.maps, NODE6, 30053, ((7, REMOTE_BE6, 5353, 0),), proto=UDP, scope=Scope.EXTERNAL, flags=flags
+    )
     sent = run(net, frags6(CLIENT6, NODE6, 7777, 30053, BIG, 0x3003, MAC6[CLIENT6]), external=True)
     src, dst, snat_port, be_port, payload = reassembled(sent)
     assert (src, dst, be_port, payload) == (NODE6, REMOTE_BE6, 5353, BIG)
@@ -212,8 +216,9 @@ def error_seen(frame: bytes) -> tuple[str, str, str, str, int, int]:
 @pytest.mark.parametrize("kind", ["port unreachable", "packet too big"])
 def test_an_icmpv6_error_about_a_translated_datagram_goes_back_to_the_client(net: Net, kind: str) -> None:
     """The backend's port unreachable (nothing listens on its port), or its Packet Too Big (its
-    device smaller than the datagram), quotes the datagram as it left the node (to the backend): translated back (the frontend as the
-    quote's destination and the outer source), the client's stack finds its socket (a connected
+    device smaller than the datagram), quotes the datagram as it left the node (to the backend):
+    translated back (the frontend as the quote's destination and the outer source), the client's
+    stack finds its socket (a connected
     UDP socket's ECONNREFUSED, its path MTU lowered). Before, no UDP flow was the path's."""
     add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
     verdict, out = net.from_pod(frame6(POD6, VIP6, 40050, 53, UDP))
