@@ -10,6 +10,7 @@ The packet lab (lab/dplab.py) with IPv6 beside IPv4 on the same devices (`add_ip
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,8 +20,10 @@ from agent.ebpf import abi
 from agent.ebpf.abi import BackendFlag, FrontendFlag, Scope, Stat, ip6_str, ip6_words, port_host
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import write_config6
+from agent.takeover.flows import EbpfIds, NatFlow, ebpf_entries6
 from lab.dplab import (
     BE6,
+    BE6_2,
     CLIENT6,
     MAC6,
     NODE2_6,
@@ -253,3 +256,22 @@ def seen_addrs(frame: bytes) -> tuple[str, str]:
 
     ip: Any = Ether(frame)[IPv6]
     return ip.src, ip.dst
+
+
+def test_udp_flows_carried_from_nf_conntrack_keep_their_backend(net: Net) -> None:
+    """The entries a restart carries from nf_conntrack for UDP flows ip6tables translated
+    (agent/takeover/flows.py ebpf_entries6, ADOPTED): each flow's next datagram goes on to the
+    backend ip6tables chose, though the path would choose among two (20 flows all to the one: by
+    chance 2**-20), and none is a new flow."""
+    two = ((1, BE6, 8080, BackendFlag.LOCAL), (2, BE6_2, 8080, BackendFlag.LOCAL))
+    add_service6(net.dp.maps, VIP6, 53, two, proto=UDP)
+    ids = EbpfIds(services={(VIP6, 53, UDP): 1}, backends={(BE6_2, 8080, UDP): 2})
+    for n in range(20):
+        flow = NatFlow(UDP, (POD6, VIP6, 41000 + n, 53), (BE6_2, POD6, 8080, 41000 + n))
+        for key, entry in ebpf_entries6(flow, ids, time.monotonic_ns()):
+            net.dp.maps["ct6_any"].update(key, entry)
+    for n in range(20):
+        verdict, out = net.from_pod(frame6(POD6, VIP6, 41000 + n, 53, UDP))
+        assert verdict == TC_ACT_REDIRECT and seen(out)[2] == BE6_2, n
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.CT_FORWARD]) == (0, 20)
