@@ -193,7 +193,9 @@ def icmp6_error(src: str, dst: str, quoted: bytes, *, kind: str) -> bytes:
     from scapy.layers.l2 import Ether
 
     head = ICMPv6DestUnreach(code=4) if kind == "port unreachable" else ICMPv6PacketTooBig(mtu=1400)
-    return bytes(Ether(**ETH) / IPv6(src=src, dst=dst) / head / bytes(Ether(quoted)[IPv6]))
+    return bytes(
+        Ether(src=ETH["src"], dst=ETH["dst"]) / IPv6(src=src, dst=dst) / head / bytes(Ether(quoted)[IPv6])
+    )
 
 
 def error_seen(frame: bytes) -> tuple[str, str, str, str, int, int]:
@@ -244,7 +246,7 @@ def test_tcp_fragments_follow_their_first_as_udp_ones_do(net: Net) -> None:
     datagram = IPv6(src=POD6, dst=VIP6) / IPv6ExtHdrFragment(id=7) / TCPh(sport=40007, dport=80, flags="S")
     pieces = fragment6(datagram / (b"x" * 3000), 1280)  # type: ignore[no-untyped-call]
     assert len(pieces) >= 3
-    out = run(net, [bytes(Ether(**ETH) / piece) for piece in pieces])
+    out = run(net, [bytes(Ether(src=ETH["src"], dst=ETH["dst"]) / piece) for piece in pieces])
     assert {seen_addrs(f) for f in out} == {(POD6, BE6)}
     stats = net.stats()
     assert (stats[Stat.NEW_FLOWS], stats[Stat.FRAGMENTS]) == (1, len(pieces) - 1)

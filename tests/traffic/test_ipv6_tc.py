@@ -103,7 +103,7 @@ def lab_objects(c: Cluster) -> None:
     reps["addressType"] = "IPv6"
     # kube-dns' shape over IPv6: dnsmasq in both PODS
     dns_ports = [Port("dns", 53, 53, "UDP"), Port("dns-tcp", 53, 53, "TCP")]
-    dns = service("tc6-dns", DNS_VIP, dns_ports, ipFamilies=["IPv6"])
+    dns_svc = service("tc6-dns", DNS_VIP, dns_ports, ipFamilies=["IPv6"])
     deps = endpoint_slice(
         "tc6-dns", dns_ports, [Ep(lab.pod(p).ip6, f"node{lab.pod(p).node}") for p in PODS], "v6"
     )
@@ -113,7 +113,7 @@ def lab_objects(c: Cluster) -> None:
     closed = service("tc6-closed", CLOSED_VIP, [cport], ipFamilies=["IPv6"])
     ceps = endpoint_slice("tc6-closed", [cport], [Ep(lab.pod("pod-2-2").ip6, "node2")], "v6")
     ceps["addressType"] = "IPv6"
-    c.apply([svc, eps, local, leps, sink, seps, remote, reps, dns, deps, closed, ceps])
+    c.apply([svc, eps, local, leps, sink, seps, remote, reps, dns_svc, deps, closed, ceps])
 
 
 def dnat_flows(c: Cluster, dst: str) -> str:
