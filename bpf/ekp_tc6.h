@@ -400,7 +400,8 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	 * into their devices, where they run through here again after this run. */
 	if (parsed == EKP_PARSE_LATER) {
 		if (!ekp_frag6_ports(p)) {
-			ekp_tc6_node_addr(w->node); /* zero when none: no SNAT address then */
+			__builtin_memset(w->node, 0, sizeof(w->node)); /* none known: no SNAT address */
+			ekp_tc6_node_addr(w->node);
 			if (ekp_frag6_may_translate(p, scope, w->node)) {
 				outcome = EKP_STAT_FRAG_HELD;
 				verdict = ekp_tc_frag6_hold(skb, p, &w->frag, &outcome);
