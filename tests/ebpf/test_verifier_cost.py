@@ -37,7 +37,7 @@ from bench.verifycost import ProgCost, measure, the_object
 # 338,000, v6cfix); 191,000 and 178,000 with a packet's length from its IP header (IPv4's 333,000,
 # v6rfix), 194,000 and 182,000 with a refreshed-away entry a miss; 271,000 and 263,000 with UDP
 # (v6udp: the other table's SNAT walk, as measured above, and IPv4's fragment code for IPv6; the
-# IPv4 programs unchanged, instruction for instruction).
+# IPv4 programs' instruction and processed counts unchanged).
 BUDGET = {
     PROG_FROM_POD: 450_000,
     PROG_FROM_NET: 450_000,
