@@ -388,3 +388,53 @@ def test_packet_too_big_from_the_node_when_its_uplink_is_smaller_lowers_the_clie
         assert flows == "", f"no flow of ip6tables: {flows}"
     else:
         assert "dport=80 " in flows, flows
+
+
+# One datagram from each source port of [first, last) to [vip]:port, each from its own socket; the
+# answers (the backend's name) in order.
+FROM_PORTS = r"""
+import socket, sys
+vip, port, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+names = []
+for sport in range(first, last):
+    s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); s.settimeout(3)
+    s.bind(("::", sport))
+    s.sendto(b"who", (vip, port))
+    names.append(s.recv(100).decode())
+    s.close()
+print(" ".join(names))
+"""
+
+
+def test_udp_flows_ip6tables_translated_before_a_restart_keep_their_backend(dual: Cluster) -> None:
+    """Twenty UDP flows ip6tables translated to one of the ClusterIP's two endpoints (written into
+    node1's nf_conntrack with their NAT while its agent is stopped, as ip6tables would have left
+    them: a node upgraded from an agent whose tc path left UDP to ip6tables) keep that endpoint
+    after the restart: eBPF mode carries them into ekp_ct6_any before its programs attach
+    (agent/takeover/into_ebpf.py, _carry6), so their next datagrams are no new flows; iptables mode
+    through the same nf_conntrack entries. Without the carry the tc path decides each flow again:
+    all twenty on the one endpoint by chance, 2**-20."""
+    from agent.takeover.flows import NatFlow, Timeouts
+    from agent.takeover.nfct import create_flows
+
+    lab = dual.lab
+    client, backend = lab.pod("pod-1-1"), lab.pod("pod-2-2")
+    ports = range(47000, 47020)
+    flows = [
+        NatFlow(17, (client.ip6, VIP, p, UDP_PORT), (backend.ip6, client.ip6, HTTP6_PORT, p)) for p in ports
+    ]
+    forget_flows(dual, VIP)
+    agent = dual.agents[0]
+    agent.stop()
+    assert create_flows(lab.node(1).ns, flows, Timeouts()).created == len(flows)
+    mark = agent.log_mark()
+    agent.start()
+    agent.wait_version(dual.version, after=mark)
+    before = new_flows(dual)
+    out = lab.run(
+        client, sys.executable, "-c", FROM_PORTS, VIP, str(UDP_PORT), str(ports[0]), str(ports[-1] + 1)
+    )
+    assert out.stdout.split() == ["pod-2-2"] * len(flows), out.stdout
+    if dual.mode == "ebpf":
+        assert ct6_udp_flows(dual, VIP, UDP_PORT) >= len(flows)
+        assert new_flows(dual) == before, "each datagram a carried flow's"
