@@ -538,6 +538,32 @@ def test_a_syn_to_a_frontend_without_endpoints_is_answered_with_port_unreachable
     assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 1
 
 
+def test_a_datagram_to_a_node_port_without_endpoints_is_answered_quoting_its_udp_header(
+    net: Net, lab: Lab
+) -> None:
+    """A UDP datagram from outside: the answer quotes its IPv6 header and the 8-byte UDP header
+    (what a CHECKSUM_PARTIAL skb may be cut to; no more, so a short datagram is never padded), the
+    ICMPv6 checksum right over the pseudo header and the quote."""
+    from scapy.layers.inet import UDP as UDPh
+    from scapy.layers.inet6 import IPv6
+    from scapy.layers.l2 import Ether
+
+    flags = FrontendFlag.NODEPORT | FrontendFlag.NO_ENDPOINTS
+    add_service6(net.dp.maps, NODE6, 30053, (), proto=UDP, scope=Scope.EXTERNAL, flags=flags)
+    sent = bytes(
+        Ether(src=MAC6[CLIENT6], dst=lab.ext.mac) / IPv6(src=CLIENT6, dst=NODE6) / UDPh(sport=5353, dport=30053) / b"q"
+    )
+    verdict, out = net.from_net(sent)
+    assert verdict == TC_ACT_REDIRECT
+    e = error6(out)
+    assert (e.dmac, e.src, e.dst, e.hlim) == (MAC6[CLIENT6], NODE6, CLIENT6, 64)
+    assert (e.head[0], e.head[1], int.from_bytes(e.head[4:8], "big")) == (1, 4, 0)
+    assert e.checksum_ok, "ICMPv6 checksum"
+    assert out[62:] == sent[14 : 14 + 40 + 8], "the datagram's IPv6 and UDP headers as sent"
+    assert int.from_bytes(out[18:20], "big") == 8 + 40 + 8, "payload length"
+    assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 1 and len(net.dp.maps["ct6_any"].keys()) == 0
+
+
 def test_port_unreachables_are_rate_limited_and_unwanted_ones_dropped(net: Net, dp: Datapath) -> None:
     """The rejects' bucket (a burst of 10, 100 per second here), IPv4's: 300 SYNs at once get about
     10 answers, the rest dropped under DROP_ICMP_RATE."""
