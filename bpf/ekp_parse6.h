@@ -18,8 +18,8 @@
  * (offset 0: the L4 header is parsed) or a later one (EKP_PARSE_LATER, no ports).
  *
  * ICMPv6 errors (destination unreachable 1, packet too big 2, time exceeded 3, parameter problem
- * 4), whole, quoting the start of a TCP or UDP packet (its own extension headers walked the same
- * way, not a later fragment, at least the 8 bytes that hold the ports): EKP_PARSE_ICMP_ERR, with
+ * 4), whole, quoting the start of a TCP, UDP or SCTP packet (its own extension headers walked the
+ * same way, not a later fragment, at least the 8 bytes that hold the ports): EKP_PARSE_ICMP_ERR, with
  * the quote's tuple and offsets in the ekp_pkt fields IPv4's quote uses and its addresses beside
  * them. They may be about a flow this path translated (ekp_tc6.h, ekp_tc6_related).
  */
@@ -118,7 +118,7 @@ static __always_inline int ekp_parse6_walk(struct __sk_buff *skb, __u32 *off, __
 }
 
 /* The quote of an ICMPv6 error, its IPv6 header at `inner`: EKP_PARSE_ICMP_ERR when it is the
- * start of a TCP or UDP packet with its ports, else EKP_PARSE_PASS. */
+ * start of a TCP, UDP or SCTP packet with its ports, else EKP_PARSE_PASS. */
 static __always_inline int ekp_parse6_quote(struct __sk_buff *skb, struct ekp_pkt6 *p, __u32 inner)
 {
 	struct ipv6hdr ip;
@@ -131,7 +131,7 @@ static __always_inline int ekp_parse6_quote(struct __sk_buff *skb, struct ekp_pk
 	__u8 nh = ip.nexthdr;
 	__u32 off = inner + sizeof(ip);
 	if (ekp_parse6_walk(skb, &off, &nh, &frag, &id) < 0 || frag == EKP_FRAG_LATER ||
-	    (nh != IPPROTO_TCP && nh != IPPROTO_UDP))
+	    (nh != IPPROTO_TCP && nh != IPPROTO_UDP && nh != IPPROTO_SCTP))
 		return EKP_PARSE_PASS;
 	/* RFC 4443 quotes as much as fits in 1280 bytes; the ports and, for the checksum, the first 8
 	 * bytes (RFC 792's minimum, what IPv4's parser asks) must be there */
@@ -151,10 +151,10 @@ static __always_inline int ekp_parse6_quote(struct __sk_buff *skb, struct ekp_pk
 	return EKP_PARSE_ICMP_ERR;
 }
 
-/* EKP_PARSE_OK (TCP/UDP, a whole datagram or a first fragment: tuple valid), EKP_PARSE_LATER (a
- * later fragment), EKP_PARSE_ICMP_ERR (an ICMPv6 error quoting TCP/UDP: see the top),
- * EKP_PARSE_PASS (not IPv6 TCP/UDP: other ICMPv6, neighbour discovery, others) or
- * EKP_PARSE_MALFORMED (truncated). */
+/* EKP_PARSE_OK (TCP/UDP/SCTP, a whole datagram or a first fragment: tuple valid; SCTP whole
+ * alone), EKP_PARSE_LATER (a later fragment), EKP_PARSE_ICMP_ERR (an ICMPv6 error quoting
+ * TCP/UDP/SCTP: see the top), EKP_PARSE_PASS (not IPv6 TCP/UDP/SCTP, an SCTP fragment: other
+ * ICMPv6, neighbour discovery, others) or EKP_PARSE_MALFORMED (truncated). */
 static __always_inline int ekp_parse6(struct __sk_buff *skb, struct ekp_pkt6 *p)
 {
 	struct ipv6hdr ip;

@@ -15,11 +15,27 @@ from ipaddress import IPv6Address
 
 import pytest
 
-from agent.ebpf.abi import BackendFlag, FrontendFlag, Stat
+from agent.ebpf import abi
+from agent.ebpf.abi import BackendFlag, FrontendFlag, Scope, Stat, ip6_words
 from agent.ebpf.loader import Datapath
-from lab.dplab import BE6, POD6, VIP6, Lab, Net, add_ipv6, add_service6, packet_lab
+from agent.ebpf.maps import write_config6
+from lab.dplab import (
+    BE6,
+    CLIENT6,
+    NODE6,
+    POD6,
+    REMOTE_BE6,
+    SNAT_MAX,
+    SNAT_MIN,
+    VIP6,
+    Lab,
+    Net,
+    add_ipv6,
+    add_service6,
+    packet_lab,
+)
 from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, sctp, sctp_checksum_ok
-from tests.ebpf.test_datapath_icmp6 import error6
+from tests.ebpf.test_datapath_icmp6 import error6, error_about
 from tests.ebpf.test_datapath_ipv6 import ct6
 
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
@@ -108,3 +124,37 @@ def test_an_init_to_a_frontend_without_endpoints_is_refused_with_port_unreachabl
     assert (e.src, e.dst, e.head[0], e.head[1]) == (VIP6, POD6, 1, 4) and e.checksum_ok
     assert out[62:] == init[14 : 14 + 40 + 12]
     assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 1
+
+
+def test_a_node_port_to_a_remote_backend_masquerades_both_ports_and_keeps_the_crc32c(net: Net) -> None:
+    """From outside through a NodePort to a backend on another node (source-translated to the
+    node's IPv6 address, a port of the SNAT range: the walk in ekp_ct6_any): both addresses and
+    both ports change and the CRC32c follows; the INIT-ACK goes back to the client's own tuple."""
+    write_config6(net.dp.maps, abi.Config6(node_addr=abi.Addr6(*ip6_words(NODE6))))
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    backends = ((7, REMOTE_BE6, 5061, 0),)
+    add_service6(net.dp.maps, NODE6, 30660, backends, proto=SCTP, scope=Scope.EXTERNAL, flags=flags)
+    verdict, out = net.from_net(sctp(CLIENT6, NODE6, 41000, 30660))
+    assert verdict == TC_ACT_REDIRECT
+    src, sport, dst, dport = seen(out)
+    assert (src, dst, dport) == (NODE6, REMOTE_BE6, 5061) and SNAT_MIN <= sport <= SNAT_MAX
+    verdict, out = net.from_net(sctp(REMOTE_BE6, NODE6, 5061, sport, chunk="init-ack", tag=VTAG_CLIENT))
+    assert verdict == TC_ACT_REDIRECT and seen(out) == (NODE6, 30660, CLIENT6, 41000)
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.SNAT], stats[Stat.CT_REPLY]) == (1, 1, 1)
+
+
+def test_an_icmpv6_error_about_a_translated_association_goes_back_to_the_client(net: Net) -> None:
+    """A destination unreachable from the backend's side quoting the INIT as it left the node (to
+    the backend): translated back as IPv4's path does for SCTP (ekp_tc6_related): from the ClusterIP,
+    its quote the INIT as the client sent it (to the ClusterIP's port), the ICMPv6 checksum right.
+    Before, the path left every error quoting SCTP to the stack, which has no conntrack for it."""
+    add_service6(net.dp.maps, VIP6, 5060, LOCAL_BE, proto=SCTP)
+    verdict, out = net.from_pod(sctp(POD6, VIP6, 40300, 5060))
+    assert verdict == TC_ACT_REDIRECT
+    verdict, back = net.from_pod(error_about(out, BE6, "unreachable"))
+    assert verdict == TC_ACT_REDIRECT
+    e = error6(back)
+    assert (e.src, e.dst, e.in_src, e.in_dst, e.in_sport, e.in_dport) == (VIP6, POD6, POD6, VIP6, 40300, 5060)
+    assert e.checksum_ok
+    assert net.stats()[Stat.CT_RELATED] == 1
