@@ -318,7 +318,7 @@ class Planner:
         self._replanned.add(spn)
         new_be: dict[int, int] = {}  # the backends of the new fragment, unpacked
         new = Fragment() if sp is None or eps is None else self._build(spn, old, sp, eps, new_be)
-        old_be = _backends_of(old.backends)
+        old_be = _backends_of(old.backends) if old.backends else {}
         if sp is None:
             self._frags.pop(spn, None)
         else:
@@ -333,14 +333,14 @@ class Planner:
             for key in new.blocked:
                 self._fe_waiting.setdefault(key, set()).add(spn)
         woken.update(new.taken_from)
-        for key in set(old.fes) - set(new.fes):
+        for key in set(old.fes).difference(new.fes) if old.fes else ():
             if self._fe_owner.get(key) != spn:
                 continue  # a port ordered before this one took it: its entry is in place
             del self._fe_owner[key]
             self._drop("fe", key)
             woken.update(self._fe_waiting.get(key, ()))
         # Sets the port no longer has (or has under another id): every slot goes, the id is freed.
-        new_sets = _sets_of(new)
+        new_sets = _sets_of(new) if old.sets else {}
         for kind, set_id, count in old.sets:
             now = new_sets.get(kind)
             if now is not None and now[0] == set_id:
@@ -533,6 +533,8 @@ class Planner:
         return out
 
     def _set_hint(self, fes: list[Fe], kind: SetKind) -> int:
+        if not self._fe_hints:
+            return 0
         for fe in fes:
             hint = self._fe_hints.get(fe.key)
             if hint is not None and fe.kind == kind and bool(fe_flags(hint) & _LOCAL) == (kind == "local"):
