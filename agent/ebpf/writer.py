@@ -21,10 +21,7 @@ needed, so a desired state that fits the maps is always reached):
    shrinking count is written before its slots go, in step 3). One batch per map; when a batch
    finds the map full, the rest is written service port by service port (all of a port or none,
    in kube-proxy's order), the ports that did not fit are reported, and their entries are left
-   out of the later maps, so no frontend points further at what is missing. A large batch's
-   call runs on a helper thread while the next map's batch is found and packed (bpf() releases
-   the GIL: a first sync's 440,000 entries take about 0.14 s in the kernel at 10,000 Services);
-   the next write still starts only once it has returned;
+   out of the later maps, so no frontend points further at what is missing;
 3. deletions made safe by step 2, then once more the writes that failed, now that room may have
    been made, and the deletions that made safe.
 """
@@ -33,7 +30,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -59,9 +55,6 @@ from agent.model.types import ServicePortName
 log = logging.getLogger(__name__)
 
 WRITE_ORDER = ("addr", "be", "member", "rnat", "srcr", "slot", "fe")
-# A batch of at least this many entries is written on a helper thread while the next map's batch
-# is prepared (a first sync's, a restart's repair); a change's handful is written inline.
-OVERLAP_FROM = 4096
 DELETE_ORDER = ("fe", "srcr", "slot", "member", "be", "rnat", "addr")
 
 Pending = dict[int, int | None]  # key -> what the map holds where it differs from desired (None: nothing)
@@ -126,30 +119,11 @@ def flush(
     maps: Mapping[str, RawMap],
     owners: Owners,
     fresh: set[str] | None = None,
-    overlap_from: int = OVERLAP_FROM,
 ) -> FlushResult:
     """Write what differs, in the safe order (module doc); `pending` is updated to what still differs.
     `fresh`: roles whose map holds none of the desired entries (their `pending` is empty instead
-    of naming every desired key with None); emptied as they are written. `overlap_from`: the
-    batch size from which a map's write overlaps the preparation of the next map's batch."""
-    work = _Flush(desired, pending, maps, owners, fresh if fresh is not None else set(), overlap_from)
-    try:
-        return work.run()
-    finally:
-        work.close()
-
-
-@dataclass
-class _Batch:
-    """One map's batch write: its keys (as ints and packed), its values packed, and which keys
-    `pending` names (the first `named`) and which it does not (`unwritten`: a fresh map's)."""
-
-    role: str
-    keys: list[int]
-    named: int
-    unwritten: list[int]
-    keys_packed: bytes
-    values_packed: bytes
+    of naming every desired key with None); emptied as they are written."""
+    return _Flush(desired, pending, maps, owners, fresh if fresh is not None else set()).run()
 
 
 class _Flush:
@@ -160,7 +134,6 @@ class _Flush:
         maps: Mapping[str, RawMap],
         owners: Owners,
         fresh: set[str],
-        overlap_from: int = OVERLAP_FROM,
     ) -> None:
         self.desired = desired
         self.pending = pending
@@ -169,13 +142,6 @@ class _Flush:
         self.fresh = fresh
         self.result = FlushResult()
         self.failed_now: set[ServicePortName] = set()
-        self.overlap_from = overlap_from
-        self._helper: ThreadPoolExecutor | None = None  # started by the first large batch
-
-    def close(self) -> None:
-        if self._helper is not None:
-            self._helper.shutdown()
-            self._helper = None
 
     def run(self) -> FlushResult:
         for role, p in self.pending.items():
@@ -270,93 +236,54 @@ class _Flush:
     # ---- writes -------------------------------------------------------------------------------
 
     def _write(self, only: set[ServicePortName] | None = None) -> None:
-        # Each map's batch is prepared (its keys found and packed) while the map before it is
-        # written: a large batch call runs on a helper thread (bpf() releases the GIL), the next
-        # batch is prepared meanwhile, and its write starts only once that call has returned, so
-        # the maps are written in WRITE_ORDER, one at a time, as before. A batch prepared ahead
-        # is thrown away when the write before it finds its map full (the ports that failed
-        # leave the later maps: it is prepared again knowing them).
-        batch = self._batch(WRITE_ORDER[0], only)
-        for after in (*WRITE_ORDER[1:], None):
-            if batch is None:
-                batch = self._batch(after, only) if after is not None else None
-                continue
-            writing = self._start(batch)
-            ahead = after is not None and only is None and not self.result.failed
-            nxt = self._batch(after, only) if after is not None and ahead else None
-            full = self._written(batch, writing())
-            if after is not None and (full or not ahead):
-                nxt = self._batch(after, only)
-            batch = nxt
-
-    def _batch(self, role: str, only: set[ServicePortName] | None) -> _Batch | None:
-        """What `role`'s map is written with, packed; None when nothing (the role is then no
-        longer fresh). Changes nothing else while no port has failed and `only` is None, so a
-        batch prepared ahead of its turn can be thrown away."""
         failed = self.result.failed
-        p, d = self.pending[role], self.desired[role]
-        whole = role in self.fresh and not p and only is None and not failed
-        if whole:  # a map that holds nothing of it, no port failed: all of desired, in its order
-            keys = list(d)
-            named, unwritten = 0, keys
-        else:
-            keys = [k for k, w in p.items() if k in d and d[k] != w]
-            left: list[int] = [k for k in d if k not in p] if role in self.fresh else []
+        for role in WRITE_ORDER:
+            p, d = self.pending[role], self.desired[role]
+            # a map that holds none of desired, no port failed (a first sync): all of it, in order
+            whole = role in self.fresh and not p and only is None and not failed
+            keys = [k for k, w in p.items() if k in d and d[k] != w] if p else []
+            unwritten: list[int] = []  # desired keys the map lacks that `pending` does not name
+            if role in self.fresh:
+                unwritten = list(d) if not p else [k for k in d if k not in p]
             if only is not None or failed:  # owners matter only after a failure
-                self._name(role, left)  # the by-port path reads them in `pending`
-                keys = [k for k in keys + left if self._wanted(role, k, only)]
-                left = []
-            named, unwritten = len(keys), left
-            keys = keys + left
-        if not keys:
-            self.fresh.discard(role)  # nothing desired: nothing the map lacks
-            return None
-        if role == "fe":
-            # A full map takes whole services in kube-proxy's order of addresses: both scopes
-            # of a frontend sort next to each other (the other maps' order decides nothing).
-            keys.sort(key=fe_sort_key)
-        values = list(d.values()) if whole and role != "fe" else [d[k] for k in keys]
-        return _Batch(
-            role, keys, named, unwritten, pack(keys, key_size(role)), pack(values, value_size(role))
-        )
-
-    def _start(self, batch: _Batch) -> Callable[[], int]:
-        """The batch's write begun; the call returns how many entries went in (or raises)."""
-        target = self.maps[batch.role]
-        if len(batch.keys) < self.overlap_from:
-            done = target.update_packed(batch.keys_packed, batch.values_packed)
-            return lambda: done
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, thread_name_prefix="ekp-map-write")
-        return self._helper.submit(target.update_packed, batch.keys_packed, batch.values_packed).result
-
-    def _written(self, batch: _Batch, done: int) -> bool:
-        """Take a batch's outcome in; True when its map was full (some of it went by port)."""
-        role, keys = batch.role, batch.keys
-        p, target = self.pending[role], self.maps[role]
-        if done == len(keys):
-            if batch.named == len(p):
-                p.clear()
-            else:
-                for k in keys:
-                    p.pop(k, None)
-            self.fresh.discard(role)
-            self.result.updates[role] += done
-            return False
-        self._name(role, batch.unwritten)  # the by-port path below reads them in `pending`
-        # The map is full. What went in first is arbitrary, and a service port missing one entry
-        # is as unprogrammed as one missing all: take back this batch's new entries and write
-        # whole service ports instead, in kube-proxy's order, as many as fit.
-        went = keys[:done]
-        fresh = [k for k in went if p[k] is None]
-        if fresh:
-            target.delete_packed(pack(fresh, key_size(role)))
-        for k in went:
-            if p[k] is not None:
-                del p[k]  # an overwrite of an existing entry: it stays written
-        self.result.updates[role] += done - len(fresh)
-        self.result.updates[role] += self._write_by_service_port(role, keys)
-        return True
+                self._name(role, unwritten)  # the by-port path reads them in `pending`
+                keys = [k for k in keys + unwritten if self._wanted(role, k, only)]
+                unwritten = []
+            named = len(keys)
+            keys += unwritten
+            if not keys:
+                self.fresh.discard(role)  # nothing desired: nothing the map lacks
+                continue
+            if role == "fe":
+                # A full map takes whole services in kube-proxy's order of addresses: both scopes
+                # of a frontend sort next to each other (the other maps' order decides nothing).
+                keys.sort(key=fe_sort_key)
+            target = self.maps[role]
+            ks, vs = key_size(role), value_size(role)
+            values = list(d.values()) if whole and role != "fe" else [d[k] for k in keys]
+            done = target.update_packed(pack(keys, ks), pack(values, vs))
+            if done == len(keys):
+                if named == len(p):
+                    p.clear()
+                else:
+                    for k in keys:
+                        p.pop(k, None)
+                self.fresh.discard(role)
+                self.result.updates[role] += done
+                continue
+            self._name(role, unwritten)  # the by-port path below reads them in `pending`
+            # The map is full. What went in first is arbitrary, and a service port missing one entry
+            # is as unprogrammed as one missing all: take back this batch's new entries and write
+            # whole service ports instead, in kube-proxy's order, as many as fit.
+            went = keys[:done]
+            fresh = [k for k in went if p[k] is None]
+            if fresh:
+                target.delete_packed(pack(fresh, ks))
+            for k in went:
+                if p[k] is not None:
+                    del p[k]  # an overwrite of an existing entry: it stays written
+            self.result.updates[role] += done - len(fresh)
+            self.result.updates[role] += self._write_by_service_port(role, keys)
 
     def _name(self, role: str, unwritten: list[int]) -> None:
         """A fresh role's pending names its unwritten keys (None: the map lacks them) from here on."""

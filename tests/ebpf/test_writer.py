@@ -7,8 +7,6 @@ path's reference checks) runs after every single write.
 from __future__ import annotations
 
 import ctypes
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 from agent.ebpf.abi import MAPS
@@ -203,57 +201,3 @@ def test_a_fresh_map_whose_write_fails_stays_fresh() -> None:
     else:
         raise AssertionError("the write did not fail")
     assert {"slot", "fe"} <= fresh and "be" not in fresh and not any(pending.values())
-
-
-class Watched(dict[int, int]):
-    """Desired entries that set `read` when the writer reads them whole (a fresh map's batch)."""
-
-    def __init__(self, entries: Entries, read: threading.Event) -> None:
-        super().__init__(entries)
-        self.read = read
-
-    def __iter__(self) -> Iterator[int]:
-        self.read.set()
-        return super().__iter__()
-
-
-def test_a_large_batch_is_written_while_the_next_maps_batch_is_prepared() -> None:
-    """The backends' batch is found and packed while the addresses' write is still in its call:
-    that call waits for it (bounded), so it returns in time only when the two overlap."""
-    maps, log, fakes = rig()
-    desired = service(1, 7, 3, [11, 12], 5)
-    read = threading.Event()
-    desired["be"] = Watched(desired["be"], read)
-    seen: list[bool] = []
-
-    class Slow(Recorder):
-        def update_packed(self, keys: bytes, values: bytes) -> int:
-            seen.append(read.wait(timeout=10))
-            return super().update_packed(keys, values)
-
-    maps["addr"] = Slow("addr", log, fakes)
-    pending: dict[str, Pending] = {r: {} for r in ROLES}
-    result = flush(desired, pending, maps, owners({}), set(ROLES), overlap_from=1)
-    assert seen == [True], "the backends' batch was prepared while the addresses were written"
-    assert list(dict.fromkeys(log)) == ["addr +", "be +", "member +", "rnat +", "slot +", "fe +"]
-    assert result.updates == {"addr": 3, "be": 2, "member": 2, "rnat": 1, "srcr": 0, "slot": 2, "fe": 1}
-    assert {r: len(fakes[r]) for r in ROLES} == {r: len(desired[r]) for r in ROLES}
-
-
-def test_a_full_map_throws_away_the_batch_prepared_ahead_of_the_next() -> None:
-    """Overlapped as a first sync's large batches are: b's backend that did not fit keeps b out
-    of every later map, as when each batch is prepared in turn."""
-    maps, _, fakes = rig({"be": 3})
-    a, b = service(1, 7, 3, [11, 12], 5), service(2, 8, 4, [21, 22], 6)
-    desired = {r: {**a[r], **b[r]} for r in ROLES}
-    table = {11: {A}, 12: {A}, 21: {B}, 22: {B}}
-
-    def owner(role: str, key: int) -> set[ServicePortName]:
-        return table[key] if role == "be" else {A} if key in a[role] else {B}
-
-    pending: dict[str, Pending] = {r: {} for r in ROLES}
-    result = flush(desired, pending, maps, owner, set(ROLES), overlap_from=1)
-    assert set(result.failed) == {B} and "raise --bpf-be-max" in result.failed[B]
-    assert len(fakes["be"]) == 2 and len(fakes["fe"]) == 1 and len(fakes["slot"]) == 2
-    assert len(fakes["member"]) == 2, "b's membership, prepared before b failed, was not written"
-    assert pending["fe"] == dict.fromkeys(b["fe"]) and pending["be"] == {21: None, 22: None}
