@@ -63,6 +63,7 @@ from agent.ebpf.plan import MapContents, planner_contents, read_contents
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
 from agent.ebpf.ports import held_outside, parse_port_range, snat_ports_problem
 from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
+from agent.ebpf.readback import Dump, ReadBack, read_maps
 from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
 from agent.ebpf.xdp import PROG_XDP
@@ -295,6 +296,9 @@ class EbpfProxier:
         self._load_error = ""  # why the last load that failed did
         self._attacher: AttacherLike | None = None
         self._planner: Planner | None = None
+        # The service maps read back on a thread as soon as a load before the first sync opened
+        # them, which that sync takes instead of reading them itself (agent/ebpf/readback.py)
+        self._read_back: ReadBack | None = None
         self._unsure = True  # what the maps hold is unknown: read them back before writing
         self._cfg_written: Value | None = None
         self._attached_once = False
@@ -358,7 +362,7 @@ class EbpfProxier:
             if first or self._unsure or changed is None:
                 if changed is None and not first:
                     repaired += len(datapath.repair_pins())
-                differ = planner.reconcile(self._dump(maps, first), adopt=first)
+                differ = planner.reconcile(self._dump(datapath, first), adopt=first)
                 repaired += 0 if first or self._unsure else differ
                 changed = None
             planner.update(state, node, changed)
@@ -716,6 +720,11 @@ class EbpfProxier:
                         "and no flow it masqueraded holds a port of --bpf-snat-ports"
                     )
                 with self._load_cond:
+                    if self._planner is None:
+                        # Before any sync can see these maps: the first one takes this read (a
+                        # read of an earlier load's maps, whose programs failed, is dropped).
+                        self._read_back = ReadBack(datapath, datapath.maps, ROLES)
+                        self._read_back.start()
                     self._opened = datapath
                     self._load_cond.notify_all()
 
@@ -780,9 +789,15 @@ class EbpfProxier:
         if problem:
             raise FatalError(problem)
 
-    def _dump(self, maps: Mapping[str, MapWriter], first: bool) -> dict[str, tuple[bytes, bytes]]:
-        """Every service map's entries, read in batches, as raw bytes (decoded by the planner)."""
-        dump = {role: maps[role].dump_raw() for role in ROLES if role in maps}
+    def _dump(self, datapath: DatapathLike, first: bool) -> Dump:
+        """Every service map's entries, read in batches, as raw bytes (decoded by the planner); at
+        the first sync, the read the load started when it opened these maps (`ReadBack`)."""
+        maps = datapath.maps
+        with self._load_cond:
+            early, self._read_back = self._read_back, None
+        dump = early.take(datapath) if early is not None and first else None
+        if dump is None:
+            dump = read_maps(maps, ROLES)
         if first:
             live = read_config(maps)
             self._cfg_written = VALUES["cfg"].of_ctype(live) if live is not None else None
@@ -922,6 +937,9 @@ class EbpfProxier:
         with self._load_cond:
             while self._loading:  # a load under way finishes first (its fds are ours to close)
                 self._load_cond.wait()
+            if self._read_back is not None:  # so does a read of its maps
+                self._read_back.wait()
+                self._read_back = None
             if self._datapath is not None:
                 self._datapath.close()
             self._datapath = self._opened = self._synced_with = None
