@@ -42,7 +42,7 @@ def watched(rig: Rig) -> dict[str, WatchedMap]:
     out: dict[str, WatchedMap] = {}
     for role in ROLES:
         m = out[role] = WatchedMap(MAPS[role])
-        m._data = rig.maps[role]._data  # type: ignore[attr-defined]
+        m._data = rig.maps[role]._data  # the entries the first agent wrote, kept
         rig.maps[role] = m
     return out
 
@@ -74,14 +74,13 @@ def test_a_restarts_first_sync_plans_from_the_read_its_load_started(rig: Rig) ->
     again = rig.proxier()
     again.prepare()  # the early load (agent/app.py start_loading): the read starts with it
     again.sync(MORE, NODE)
-    assert {role: m.reads for role, m in maps.items()} == dict.fromkeys(ROLES, ["ekp-readback"])
+    assert {role: tuple(m.reads) for role, m in maps.items()} == dict.fromkeys(ROLES, ("ekp-readback",))
     assert again.last_flush.writes == 0  # every id re-adopted, as from a read of its own
     assert render_contents(rig.contents()) == before
     # taken once: a later full sync reads the maps again, on its own thread
     again.sync(MORE, NODE, None)
-    assert {role: m.reads[1:] for role, m in maps.items()} == dict.fromkeys(
-        ROLES, [threading.current_thread().name]
-    )
+    me = threading.current_thread().name
+    assert {role: tuple(m.reads[1:]) for role, m in maps.items()} == dict.fromkeys(ROLES, (me,))
 
 
 def test_a_first_sync_reads_the_maps_itself_when_the_early_read_failed(rig: Rig) -> None:
