@@ -19,7 +19,6 @@ re-adopts them): the load is waited for under the node lock, so nothing outlives
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import shutil
@@ -555,54 +554,19 @@ def _run_locked(
     with node_lock:
         from agent.nodeinit import setup_conntrack
 
-        # kube-proxy's platformSetup: a handful of `sysctl` processes (about 65 ms of waiting for
-        # them in a lab node's namespace), run beside the early load and build_agent's imports
-        # instead of before them; done before the agent runs, and before the node lock is left.
-        conntrack = Beside(lambda: setup_conntrack(config), "conntrack-sysctls")
-        conntrack.start()
+        setup_conntrack(config)  # kube-proxy's platformSetup, before the proxier reads the host
         proxier: EarlyProxier | None = None
         try:
             proxier = start_loading(config, ipv6=config.ipv6_configured and not missing6)
             agent = build_agent(
                 config, configz, kubeconfig, ipv6_check=lambda config: missing6, proxier=proxier
             )
-            conntrack.join()
         except BaseException as exc:
             if proxier is not None:
                 # Waits for the early load: nothing it does (pins, programs) outlives the node lock.
                 proxier.close()
-            with contextlib.suppress(Exception):  # this failure is the one to report
-                conntrack.join()
             if not isinstance(exc, FatalError):
                 raise
             log.error("%s", exc)
             return 1
         return agent.run()
-
-
-class Beside:
-    """`fn` on a thread of its own (`start`); `join` waits for it and raises what it raised, as a
-    call in place would have."""
-
-    def __init__(self, fn: Callable[[], object], name: str) -> None:
-        self._fn = fn
-        self._name = name
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._fn()
-        except BaseException as exc:
-            self._error = exc
-
-    def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-        error, self._error = self._error, None
-        if error is not None:
-            raise error

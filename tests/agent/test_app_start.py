@@ -31,7 +31,6 @@ class Start:
     seen_by_build: object = None
     collecting_in_build: bool | None = None  # gc.isenabled() while build_agent ran
     build_fails: bool = False
-    conntrack: Any = None  # what setup_conntrack does (None: nothing)
     missing6: str = ""  # what the node lacks for IPv6 (agent.app.ipv6_unsupported)
     ipv6_checks: int = 0
 
@@ -57,12 +56,7 @@ class LoadingProxier:
 
 
 class FinishedAgent:
-    def __init__(self, start: Start | None = None) -> None:
-        self._start = start
-
     def run(self) -> int:
-        if self._start is not None:
-            self._start.steps.append("run")
         return 0
 
 
@@ -73,7 +67,7 @@ def start(monkeypatch: pytest.MonkeyPatch) -> Iterator[Start]:
     s = Start()
     monkeypatch.setattr(app, "preflight", lambda config, ipv6=None: None)
     monkeypatch.setattr(lock, "acquire", lambda config: contextlib.nullcontext())
-    monkeypatch.setattr(nodeinit, "setup_conntrack", lambda config: s.conntrack and s.conntrack())
+    monkeypatch.setattr(nodeinit, "setup_conntrack", lambda config: None)
 
     def ipv6_unsupported(config: Config, missing: Any = None) -> str:
         s.ipv6_checks += 1
@@ -95,7 +89,7 @@ def start(monkeypatch: pytest.MonkeyPatch) -> Iterator[Start]:
         s.collecting_in_build = gc.isenabled()
         if s.build_fails:
             raise FatalError("cannot reach the API server: 401 Unauthorized")
-        return FinishedAgent(s)
+        return FinishedAgent()
 
     monkeypatch.setattr(app, "make_proxier", make_proxier)
     monkeypatch.setattr(app, "build_agent", build_agent)
@@ -204,51 +198,12 @@ def test_a_failed_build_waits_for_the_early_load_under_the_node_lock(
     assert "401 Unauthorized" in caplog.text
 
 
-def test_the_conntrack_sysctls_are_written_beside_the_load_and_build_agent_and_done_before_the_agent_runs(
-    start: Start, tmp_path: Path
-) -> None:
-    """kube-proxy's platformSetup (agent.nodeinit.setup_conntrack) waits on `sysctl` processes:
-    it runs on a thread of its own while the data path loads and build_agent imports, and the
-    agent runs only once it is done. Run in place before them, it would wait here for a
-    build_agent that has not begun (the test fails on the wait)."""
-
-    def conntrack() -> None:
-        assert start.building.wait(10), "the conntrack sysctls held up the load and build_agent"
-        start.steps.append("conntrack sysctls")
-
-    start.conntrack = conntrack
-    services = tmp_path / "services.yaml"
-    services.write_text("")
-    config = Config(mode=Mode.EBPF, services_file=str(services), pin_path=str(tmp_path / "pins"))
-    assert app.run(config) == 0
-    assert start.steps[:3] == ["make proxier", "load", "build agent"]
-    assert start.steps[-1] == "run" and "conntrack sysctls" in start.steps
-
-
-def test_conntrack_sysctls_that_raise_fail_the_start_once_the_early_load_is_closed(
-    start: Start, tmp_path: Path
-) -> None:
-    """What setup_conntrack raises still ends run(), as it did run in place, and the early load is
-    waited for under the node lock first (nothing it does outlives it)."""
-
-    def conntrack() -> None:
-        raise OSError(11, "Resource temporarily unavailable")
-
-    start.conntrack = conntrack
-    services = tmp_path / "services.yaml"
-    services.write_text("")
-    config = Config(mode=Mode.EBPF, services_file=str(services), pin_path=str(tmp_path / "pins"))
-    with pytest.raises(OSError, match="Resource temporarily unavailable"):
-        app.run(config)
-    assert start.steps == ["make proxier", "load", "build agent", "loaded", "close"]
-
-
 def test_iptables_mode_loads_nothing_early(start: Start, tmp_path: Path) -> None:
     start.loading.set()  # build_agent does not wait: nothing loads early in this mode
     services = tmp_path / "services.yaml"
     services.write_text("")
     assert app.run(Config(mode=Mode.IPTABLES, services_file=str(services))) == 0
-    assert start.steps == ["build agent", "run"] and start.seen_by_build is None
+    assert start.steps == ["build agent"] and start.seen_by_build is None
 
 
 def test_a_services_file_that_cannot_be_read_is_fatal_before_the_load_starts(
