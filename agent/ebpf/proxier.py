@@ -296,8 +296,8 @@ class EbpfProxier:
         self._load_error = ""  # why the last load that failed did
         self._attacher: AttacherLike | None = None
         self._planner: Planner | None = None
-        # The service maps read back on a thread as soon as a load before the first sync opened
-        # them, which that sync takes instead of reading them itself (agent/ebpf/readback.py)
+        # The service maps read back on a thread while the source lists (`prepare`), which the
+        # first sync takes instead of reading them itself (agent/ebpf/readback.py)
         self._read_back: ReadBack | None = None
         self._unsure = True  # what the maps hold is unknown: read them back before writing
         self._cfg_written: Value | None = None
@@ -339,8 +339,24 @@ class EbpfProxier:
     # ------------------------------------------------------------------ Proxier
 
     def prepare(self) -> None:
-        """Compile (or reuse) and load the data path before the first desired state exists."""
-        self._load()
+        """Compile (or reuse) and load the data path before the first desired state exists.
+
+        Called again by the Agent as its source starts listing (agent/daemon.py), over a data path
+        loaded early (agent/app.py `start_loading`): the service maps are then read back on a
+        thread while the lists run, for the first sync to take (agent/ebpf/readback.py). Not at
+        the early load itself: read then, among build_agent's imports, the read's thread handing
+        the GIL to and fro made the start longer than the read it saved."""
+        if self._load():
+            self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """The read-back for the first sync, started unless a sync came first."""
+        with self._lock, self._load_cond:
+            datapath = self._datapath
+            if datapath is None or self._planner is not None or self._read_back is not None:
+                return
+            self._read_back = ReadBack(datapath, datapath.maps, ROLES)
+            self._read_back.start()
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
@@ -686,14 +702,14 @@ class EbpfProxier:
                 return self._opened
         return self._ensure_loaded()
 
-    def _load(self) -> None:
+    def _load(self) -> bool:
         """Load the data path unless it is loaded; when another thread loads it, wait for that
-        (its error is its own: this thread then tries once more)."""
+        (its error is its own: this thread then tries once more). True when it was loaded before."""
         with self._load_cond:
             while self._loading:
                 self._load_cond.wait()
             if self._datapath is not None:
-                return
+                return True
             self._loading = True
             self._opened = None
         try:
@@ -720,11 +736,6 @@ class EbpfProxier:
                         "and no flow it masqueraded holds a port of --bpf-snat-ports"
                     )
                 with self._load_cond:
-                    if self._planner is None:
-                        # Before any sync can see these maps: the first one takes this read (a
-                        # read of an earlier load's maps, whose programs failed, is dropped).
-                        self._read_back = ReadBack(datapath, datapath.maps, ROLES)
-                        self._read_back.start()
                     self._opened = datapath
                     self._load_cond.notify_all()
 
@@ -742,6 +753,7 @@ class EbpfProxier:
             self._datapath = self._opened = datapath
             self._loading = False
             self._load_cond.notify_all()
+        return False
 
     def _legacy_live(self) -> bool:
         """Legacy host routing is on in the maps, and so every device with our ingress program has
@@ -791,7 +803,7 @@ class EbpfProxier:
 
     def _dump(self, datapath: DatapathLike, first: bool) -> Dump:
         """Every service map's entries, read in batches, as raw bytes (decoded by the planner); at
-        the first sync, the read the load started when it opened these maps (`ReadBack`)."""
+        the first sync, the read `prepare` started while the source listed (`ReadBack`)."""
         maps = datapath.maps
         with self._load_cond:
             early, self._read_back = self._read_back, None

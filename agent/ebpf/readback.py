@@ -3,9 +3,12 @@
 A restart's first sync reads every service map back (440,000 entries at 10,000 Services of 10
 endpoints) before it plans: about 0.1 s of batch lookups in the kernel, on the one thread the
 sync runs, after the lists. Those lookups are bpf(2) calls made through ctypes, which lets the GIL
-go for each call, so the kernel's part can run on another CPU while the agent's own threads import
-and list. `ReadBack` makes that read on a thread of its own as soon as the maps are open (the
-early load, agent/app.py `start_loading`), and the first sync takes it instead of reading again.
+go for each call, so the kernel's part can run on another CPU while the source's threads list.
+`ReadBack` makes that read on a thread of its own once the source has started listing (the
+proxier's `prepare`, called by the Agent then, over the data path agent/app.py loaded early), and
+the first sync takes it instead of reading again. Not earlier: started as the early load opened
+the maps, among build_agent's imports, the threads' GIL handovers made the start longer than the
+read it saved (README, "A restart's read-back beside the lists").
 
 Only raw bytes are read here: the decode into ints stays with the planner, in the sync (decoding
 during the lists only moved CPU-bound work into theirs: README, "Start-up overlapped").

@@ -4,7 +4,6 @@ that takes that read instead of reading the maps itself."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from agent.ebpf.planner import ROLES
 from agent.ebpf.readback import ReadBack, read_maps
 from agent.ebpf.render import render_contents
 from tests.ebpf.support import NODE
-from tests.ebpf.test_proxier import MORE, STATE, FakeDatapath, Rig
+from tests.ebpf.test_proxier import MORE, Rig
 
 
 class WatchedMap(FakeMap):
@@ -72,7 +71,9 @@ def test_a_restarts_first_sync_plans_from_the_read_its_load_started(rig: Rig) ->
     maps = watched(rig)
     before = render_contents(rig.contents())
     again = rig.proxier()
-    again.prepare()  # the early load (agent/app.py start_loading): the read starts with it
+    again.prepare()  # the early load (agent/app.py start_loading): nothing read yet
+    assert not any(m.reads for m in maps.values())
+    again.prepare()  # the Agent's, as its source starts listing: the read starts
     again.sync(MORE, NODE)
     assert {role: tuple(m.reads) for role, m in maps.items()} == dict.fromkeys(ROLES, ("ekp-readback",))
     assert again.last_flush.writes == 0  # every id re-adopted, as from a read of its own
@@ -89,6 +90,7 @@ def test_a_first_sync_reads_the_maps_itself_when_the_early_read_failed(rig: Rig)
     before = render_contents(rig.contents())
     again = rig.proxier()
     again.prepare()
+    again.prepare()
     again.sync(MORE, NODE)
     me = threading.current_thread().name
     assert maps["slot"].reads == ["ekp-readback", me]
@@ -96,24 +98,24 @@ def test_a_first_sync_reads_the_maps_itself_when_the_early_read_failed(rig: Rig)
     assert render_contents(rig.contents()) == before
 
 
-def test_the_read_of_a_load_that_failed_is_not_the_one_a_sync_of_the_next_load_takes(rig: Rig) -> None:
+def test_a_first_sync_that_loads_the_data_path_itself_reads_the_maps_itself(rig: Rig) -> None:
+    """No early load (or one that failed): nothing was read ahead, the sync reads in place."""
     maps = watched(rig)
-    loaded: list[FakeDatapath] = []
-
-    class FailingOnce(FakeDatapath):
-        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
-            self.loads += 1
-            assert maps_ready is not None
-            maps_ready()
-            loaded.append(self)
-            if len(loaded) == 1:
-                raise RuntimeError("the verifier said no")
-
-    rig.datapath_type = FailingOnce
     again = rig.proxier()
-    with pytest.raises(RuntimeError, match="the verifier said no"):
-        again.prepare()
-    again.sync(STATE, NODE)  # loads again: that load's read is the one taken
-    assert len(loaded) == 2
-    assert maps["fe"].reads == ["ekp-readback", "ekp-readback"]
-    assert again.last_flush.writes > 0  # MORE's entries that STATE has not, removed
+    again.sync(MORE, NODE)
+    me = threading.current_thread().name
+    assert {role: tuple(m.reads) for role, m in maps.items()} == dict.fromkeys(ROLES, (me,))
+    assert again.last_flush.writes == 0
+
+
+def test_no_read_ahead_once_a_sync_came(rig: Rig) -> None:
+    """The Agent's prepare() after the first sync (a slow start of its thread) reads nothing: the
+    next full sync reads for itself."""
+    maps = watched(rig)
+    again = rig.proxier()
+    again.prepare()
+    again.sync(MORE, NODE)
+    again.prepare()
+    again.sync(MORE, NODE, None)
+    me = threading.current_thread().name
+    assert {role: tuple(m.reads) for role, m in maps.items()} == dict.fromkeys(ROLES, (me, me))
