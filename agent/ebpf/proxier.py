@@ -63,7 +63,6 @@ from agent.ebpf.plan import MapContents, planner_contents, read_contents
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
 from agent.ebpf.ports import held_outside, parse_port_range, snat_ports_problem
 from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
-from agent.ebpf.readback import Dump, ReadBack, read_maps
 from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
 from agent.ebpf.xdp import PROG_XDP
@@ -296,9 +295,6 @@ class EbpfProxier:
         self._load_error = ""  # why the last load that failed did
         self._attacher: AttacherLike | None = None
         self._planner: Planner | None = None
-        # The service maps read back on a thread while the source lists (`prepare`), which the
-        # first sync takes instead of reading them itself (agent/ebpf/readback.py)
-        self._read_back: ReadBack | None = None
         self._unsure = True  # what the maps hold is unknown: read them back before writing
         self._cfg_written: Value | None = None
         self._attached_once = False
@@ -339,24 +335,8 @@ class EbpfProxier:
     # ------------------------------------------------------------------ Proxier
 
     def prepare(self) -> None:
-        """Compile (or reuse) and load the data path before the first desired state exists.
-
-        Called again by the Agent as its source starts listing (agent/daemon.py), over a data path
-        loaded early (agent/app.py `start_loading`): the service maps are then read back on a
-        thread while the lists run, for the first sync to take (agent/ebpf/readback.py). Not at
-        the early load itself: read then, among build_agent's imports, the read's thread handing
-        the GIL to and fro made the start longer than the read it saved."""
-        if self._load():
-            self._read_ahead()
-
-    def _read_ahead(self) -> None:
-        """The read-back for the first sync, started unless a sync came first."""
-        with self._lock, self._load_cond:
-            datapath = self._datapath
-            if datapath is None or self._planner is not None or self._read_back is not None:
-                return
-            self._read_back = ReadBack(datapath, datapath.maps, ROLES)
-            self._read_back.start()
+        """Compile (or reuse) and load the data path before the first desired state exists."""
+        self._load()
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
@@ -378,7 +358,7 @@ class EbpfProxier:
             if first or self._unsure or changed is None:
                 if changed is None and not first:
                     repaired += len(datapath.repair_pins())
-                differ = planner.reconcile(self._dump(datapath, first), adopt=first)
+                differ = planner.reconcile(self._dump(maps, first), adopt=first)
                 repaired += 0 if first or self._unsure else differ
                 changed = None
             planner.update(state, node, changed)
@@ -702,14 +682,14 @@ class EbpfProxier:
                 return self._opened
         return self._ensure_loaded()
 
-    def _load(self) -> bool:
+    def _load(self) -> None:
         """Load the data path unless it is loaded; when another thread loads it, wait for that
-        (its error is its own: this thread then tries once more). True when it was loaded before."""
+        (its error is its own: this thread then tries once more)."""
         with self._load_cond:
             while self._loading:
                 self._load_cond.wait()
             if self._datapath is not None:
-                return True
+                return
             self._loading = True
             self._opened = None
         try:
@@ -753,7 +733,6 @@ class EbpfProxier:
             self._datapath = self._opened = datapath
             self._loading = False
             self._load_cond.notify_all()
-        return False
 
     def _legacy_live(self) -> bool:
         """Legacy host routing is on in the maps, and so every device with our ingress program has
@@ -801,15 +780,9 @@ class EbpfProxier:
         if problem:
             raise FatalError(problem)
 
-    def _dump(self, datapath: DatapathLike, first: bool) -> Dump:
-        """Every service map's entries, read in batches, as raw bytes (decoded by the planner); at
-        the first sync, the read `prepare` started while the source listed (`ReadBack`)."""
-        maps = datapath.maps
-        with self._load_cond:
-            early, self._read_back = self._read_back, None
-        dump = early.take(datapath) if early is not None and first else None
-        if dump is None:
-            dump = read_maps(maps, ROLES)
+    def _dump(self, maps: Mapping[str, MapWriter], first: bool) -> dict[str, tuple[bytes, bytes]]:
+        """Every service map's entries, read in batches, as raw bytes (decoded by the planner)."""
+        dump = {role: maps[role].dump_raw() for role in ROLES if role in maps}
         if first:
             live = read_config(maps)
             self._cfg_written = VALUES["cfg"].of_ctype(live) if live is not None else None
@@ -949,9 +922,6 @@ class EbpfProxier:
         with self._load_cond:
             while self._loading:  # a load under way finishes first (its fds are ours to close)
                 self._load_cond.wait()
-            if self._read_back is not None:  # so does a read of its maps
-                self._read_back.wait()
-                self._read_back = None
             if self._datapath is not None:
                 self._datapath.close()
             self._datapath = self._opened = self._synced_with = None
