@@ -41,7 +41,7 @@ import orjson
 from agent import daemon
 from agent.collector import GC_THRESHOLDS
 from agent.config import Config, MapSizes, NodeContext
-from agent.ebpf.abi import MAPS, MapSpec
+from agent.ebpf.abi import MAPS, HandoverMode, MapSpec
 from agent.ebpf.proxier import EbpfProxier, StartSteps
 from agent.ebpf.upgrade import Upgrade
 from agent.kube.reflector import Reflector, WatchSettings
@@ -161,6 +161,9 @@ class _Datapath:
     def release_older_builds(self) -> list[str]:
         return []
 
+    def set_handover(self, mode: HandoverMode) -> None:
+        return None
+
     def close(self) -> None:
         return None
 
@@ -172,8 +175,17 @@ class _Attacher:
         return None
 
     def reconcile(
-        self, node: NodeContext, *, full: bool = False, verify: bool = False, keep_external: bool = False
+        self,
+        node: NodeContext,
+        *,
+        full: bool = False,
+        verify: bool = False,
+        keep_external: bool = False,
+        front: bool = False,
     ) -> None:
+        return None
+
+    def rehome(self) -> None:
         return None
 
     def start_watcher(self, timeout: float = 5.0) -> None:

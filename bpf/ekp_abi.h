@@ -663,4 +663,26 @@ struct ekp_config6 {
 			      * node's IPv6 address; zero = none known (such flows are left to the stack) */
 };
 
+/* ---- the hand-over of an upgrade (one map per build, not in the registry) --------------------- */
+
+/* ekp_handover (array, one entry; ekp_tc.c): how the tc and XDP programs of one build behave while
+ * an agent that carries conntrack over from older tables (agent/ebpf/upgrade.py) attaches them in
+ * front of the older generation's (agent/ebpf/handover.py). Pinned beside the build's programs, not
+ * under a registry name: each build reads its own, so the next upgrade, putting another build in
+ * front of this one, cannot switch this one's by the same write. Zero when the build is loaded: a
+ * plain start never sees another mode. */
+enum ekp_handover_mode {
+	EKP_HANDOVER_OFF = 0,  /* alone on its hooks: every packet is decided here */
+	EKP_HANDOVER_PASS = 1, /* in front, not yet on every device: every packet goes on to the older
+				* program behind (TC_ACT_UNSPEC; XDP_PASS) */
+	EKP_HANDOVER_MISS = 2, /* in front on every device: a packet this build's conntrack has no flow
+				* for (a segment or a reply of a flow the older program translated) goes on
+				* to the older program instead of being dropped (no_flow) or passed untouched;
+				* XDP passes every packet to tc */
+};
+
+struct ekp_handover {
+	__u32 mode; /* host: enum ekp_handover_mode */
+};
+
 #endif /* EKP_ABI_H */

@@ -24,7 +24,24 @@
 #include "ekp_tc_frag.h"
 #include "ekp_tc_scratch.h"
 
-static __always_inline int ekp_main(struct __sk_buff *skb, __u8 scope)
+/* What a tc program returns for a packet it leaves alone: to the stack (TC_ACT_OK), or, in front of
+ * an older generation during an upgrade's hand-over (`handover`: enum ekp_handover_mode, nonzero),
+ * on to the older program at the next priority (TC_ACT_UNSPEC: cls_bpf's "no verdict"). */
+static __always_inline int ekp_tc_pass(__u32 handover)
+{
+	return handover ? TC_ACT_UNSPEC : TC_ACT_OK;
+}
+
+/* A decision that is a miss of this build's conntrack: nothing to translate (PASS), or a mid-flow
+ * segment of a flow it has no entry for (NO_FLOW). In hand-over, the flow may be the older
+ * generation's, whose program decides it (its conntrack is carried over into ours meanwhile). */
+static __always_inline int ekp_handover_miss(const struct ekp_decision *d)
+{
+	return (d->action == EKP_ACT_PASS && !d->release) || d->outcome == EKP_DROP_NO_FLOW;
+}
+
+/* `handover`: enum ekp_handover_mode; the caller returned at once for EKP_HANDOVER_PASS. */
+static __always_inline int ekp_main(struct __sk_buff *skb, __u8 scope, __u32 handover)
 {
 	struct ekp_tc_scratch *w = ekp_scratch_lookup();
 
@@ -36,7 +53,11 @@ static __always_inline int ekp_main(struct __sk_buff *skb, __u8 scope)
 	ekp_decide(&w->work, parsed, scope, EKP_HOOK_TC);
 	int verdict;
 	struct ekp_decision *d = &w->work.dec;
-	if (d->action == EKP_ACT_HOLD) {
+	if (handover == EKP_HANDOVER_MISS && ekp_handover_miss(d)) {
+		/* Counted as passed on: the older program counts what it makes of it. */
+		d->outcome = EKP_STAT_PASS;
+		verdict = TC_ACT_UNSPEC;
+	} else if (d->action == EKP_ACT_HOLD) {
 		verdict = ekp_tc_frag_hold(skb, &w->work.pkt, &w->frag, d);
 	} else if (d->release && ekp_tc_frag_release(skb, &w->work.pkt, &w->frag) < 0) {
 		d->outcome = EKP_DROP_MALFORMED; /* the first fragment could not be put back together */
@@ -60,14 +81,14 @@ static __always_inline int ekp_main(struct __sk_buff *skb, __u8 scope)
  *     node's own traffic is not the data path's.
  * Every other packet (forwarded, redirected: it carries the device it came in by) leaves at once,
  * after two loads. */
-static __always_inline int ekp_egress_main(struct __sk_buff *skb)
+static __always_inline int ekp_egress_main(struct __sk_buff *skb, __u32 handover)
 {
 	__u16 tag = skb->tc_index;
 
 	if (tag)
 		return ekp_host_egress(skb, tag);
 	if (skb->ingress_ifindex)
-		return TC_ACT_OK;
+		return ekp_tc_pass(handover);
 	struct ekp_tc_scratch *w = ekp_scratch_lookup();
 	if (!w)
 		return TC_ACT_OK; /* cannot happen: a one-element per-CPU array */
@@ -77,7 +98,7 @@ static __always_inline int ekp_egress_main(struct __sk_buff *skb)
 	ekp_decide_local(&w->work, parsed);
 	struct ekp_decision *d = &w->work.dec;
 	if (d->action == EKP_ACT_PASS)
-		return TC_ACT_OK;
+		return ekp_tc_pass(handover); /* in hand-over: the older egress program's reply, maybe */
 	int verdict = ekp_tc_apply_local(skb, w);
 	ekp_count(EKP_STAT_PACKETS);
 	ekp_count(d->outcome);

@@ -345,6 +345,17 @@ static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 	return ekp_scratch.lookup(&zero);
 }
 
+/* The hand-over mode of this build (struct ekp_handover): private to the build, pinned beside its
+ * programs by the loader (agent/ebpf/link.py BUILD_MAPS), so one write switches all of them. */
+BPF_ARRAY(ekp_handover, struct ekp_handover, 1);
+
+static __always_inline __u32 ekp_handover_mode(void)
+{
+	u32 zero = 0;
+	struct ekp_handover *h = ekp_handover.lookup(&zero);
+	return h ? h->mode : EKP_HANDOVER_OFF;
+}
+
 /* ---- programs ---- */
 
 #include "ekp_core.h"
@@ -368,19 +379,30 @@ static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void)
 BPF_PROG_ARRAY(ekp_calls6, 2);
 
 /* An IPv6 packet continues in its family's program; when that is not there (an empty slot), it
- * falls through to the IPv4 program, whose parser passes it to the stack untouched. */
+ * falls through to the IPv4 program, whose parser passes it to the stack untouched. In front of an
+ * older generation (ekp_handover), nothing is decided here until every device has both; then the
+ * IPv4 misses go on to the older program (ekp_main). The IPv6 program decides alone: the hand-over
+ * is for conntrack carried from older tables, which are IPv4's (agent/ebpf/upgrade.py). */
 int ekp_from_pod(struct __sk_buff *skb)
 {
+	__u32 handover = ekp_handover_mode();
+
+	if (handover == EKP_HANDOVER_PASS)
+		return TC_ACT_UNSPEC;
 	if (skb->protocol == htons(ETH_P_IPV6))
 		ekp_calls6.call(skb, EKP_CALL6_FROM_POD);
-	return ekp_main(skb, EKP_SCOPE_INTERNAL);
+	return ekp_main(skb, EKP_SCOPE_INTERNAL, handover);
 }
 
 int ekp_from_net(struct __sk_buff *skb)
 {
+	__u32 handover = ekp_handover_mode();
+
+	if (handover == EKP_HANDOVER_PASS)
+		return TC_ACT_UNSPEC;
 	if (skb->protocol == htons(ETH_P_IPV6))
 		ekp_calls6.call(skb, EKP_CALL6_FROM_NET);
-	return ekp_main(skb, EKP_SCOPE_EXTERNAL);
+	return ekp_main(skb, EKP_SCOPE_EXTERNAL, handover);
 }
 
 int ekp_from_pod6(struct __sk_buff *skb)
@@ -395,13 +417,21 @@ int ekp_from_net6(struct __sk_buff *skb)
 
 int ekp_egress(struct __sk_buff *skb)
 {
-	return ekp_egress_main(skb);
+	__u32 handover = ekp_handover_mode();
+
+	if (handover == EKP_HANDOVER_PASS)
+		return TC_ACT_UNSPEC;
+	return ekp_egress_main(skb, handover);
 }
 
 /* XDP on the external devices (--bpf-xdp): before the skb exists, the part of ekp_from_net's work
- * that needs no skb (ekp_xdp.h); everything else goes on to ekp_from_net. */
+ * that needs no skb (ekp_xdp.h); everything else goes on to ekp_from_net. During a hand-over XDP
+ * has no older program behind it (one per device): every packet goes to tc, where the older
+ * generation's filter is. */
 int ekp_xdp_net(struct xdp_md *ctx)
 {
+	if (ekp_handover_mode() != EKP_HANDOVER_OFF)
+		return XDP_PASS;
 	return ekp_xdp_main(ctx);
 }
 

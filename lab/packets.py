@@ -28,6 +28,7 @@ from typing import Any
 from agent.config import MapSizes
 from agent.ebpf.loader import Datapath
 
+TC_ACT_UNSPEC = 0xFFFFFFFF  # -1 as BPF_PROG_TEST_RUN's u32 retval: cls_bpf goes on to the next filter
 TC_ACT_OK = 0
 TC_ACT_SHOT = 2
 TC_ACT_REDIRECT = 7

@@ -137,6 +137,15 @@ class CtqRing(IntEnum):
     ANY = 1
 
 
+class HandoverMode(IntEnum):
+    """enum ekp_handover_mode: a build's programs in front of an older generation's during an
+    upgrade (agent/ebpf/handover.py)."""
+
+    OFF = 0  # alone on its hooks
+    PASS = 1  # every packet on to the older program
+    MISS = 2  # a packet this build's conntrack has no flow for on to the older program
+
+
 class AddrFlag(IntEnum):
     FRONTEND_EXTERNAL = 1 << 0  # 1 << Scope.EXTERNAL
     FRONTEND_INTERNAL = 1 << 1  # 1 << Scope.INTERNAL
@@ -424,6 +433,10 @@ class ConfigSel(_Struct):
     _fields_ = [("slot", u32)]
 
 
+class Handover(_Struct):
+    _fields_ = [("mode", u32)]
+
+
 class Config(_Struct):
     _fields_ = [
         ("node_addr", u32),
@@ -591,6 +604,7 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_ct6_entry": Ct6Entry,
     "ekp_config6": Config6,
     "ekp_ctq6_slot": Ctq6Slot,
+    "ekp_handover": Handover,
 }
 
 

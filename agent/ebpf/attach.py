@@ -35,6 +35,17 @@ uses "replace", so a restarted agent swaps its new program in atomically, with n
 a filter. The egress hook needs clsact (an `ingress` qdisc has none): on a device with an `ingress`
 qdisc the attach fails before the ingress program is attached, and is retried as any failure.
 
+The hand-over (an upgrade that carries conntrack over from tables the new programs do not read,
+agent/ebpf/upgrade.py): a "replace" device by device would leave moments where a flow the older
+programs started meets a new program on another device that has no entry for it. Instead
+`reconcile(front=True)` puts each new program in front of the older generation's filter, at
+FRONT_PRIO, on every hook that has one; the build's hand-over mode (bpf/ekp_abi.h `struct
+ekp_handover`, set by the proxier) first passes every packet on (TC_ACT_UNSPEC: the next filter
+decides), then, once every device has both, leaves only its conntrack misses to the older program
+while the conntrack is carried over, then none; `rehome` then replaces the older filter at
+FILTER_PRIO with the same new program and removes the front one. Ours at FRONT_PRIO is never
+foreign, and `detach` removes it too (an agent stopped in the middle).
+
 The namespace is opened with `IPRoute(netns=..., flags=0)`: a missing namespace is an error, not
 silently created. Pod devices come and go; `Attacher.start_watcher()` runs a thread that attaches
 on RTM_NEWLINK of a matching device and forgets it on RTM_DELLINK. `detach_all` removes only our
@@ -71,6 +82,9 @@ PROG_EGRESS = "ekp_egress"
 OUR_NAME_PREFIX = "ekp_"
 
 FILTER_PRIO = 17  # lower runs first; a fixed spot no one else is likely to take
+# Where a new generation goes in front of an older one during an upgrade's hand-over (module doc).
+FRONT_PRIO = FILTER_PRIO - 1
+OUR_PRIOS = (FILTER_PRIO, FRONT_PRIO)
 FILTER_HANDLE = 0xEB
 TC_H_INGRESS_QDISC = 0xFFFFFFF1  # parent of the clsact / ingress qdisc
 TC_H_INGRESS = 0xFFFFFFF2  # clsact ingress hook (`tc filter ... ingress`)
@@ -257,11 +271,11 @@ def wanted_devices(ipr: Any, config: Config, node: NodeContext) -> dict[int, tup
     return out
 
 
-def _is_ours(msg: Any) -> bool:
+def _is_ours(msg: Any, prio: int = FILTER_PRIO) -> bool:
     name = msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME")
     return (
         msg.get("kind") == "bpf"
-        and (msg["info"] >> 16) == FILTER_PRIO
+        and (msg["info"] >> 16) == prio
         and msg["handle"] == FILTER_HANDLE
         and isinstance(name, str)
         and name.startswith(OUR_NAME_PREFIX)
@@ -282,16 +296,16 @@ def foreign_filters(ipr: Any, index: int) -> list[tuple[str, int]]:
     """(name or kind, priority) of every filter on the device's ingress hook that is not ours."""
     out = []
     for msg in _filters(ipr, index, TC_H_INGRESS):
-        if not _is_ours(msg):
+        if not any(_is_ours(msg, prio) for prio in OUR_PRIOS):
             name = msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME") or msg.get("kind")
             out.append((str(name), int(msg["info"]) >> 16))
     return out
 
 
-def our_filter(ipr: Any, index: int, parent: int = TC_H_INGRESS) -> str | None:
-    """Name of our filter on the device's ingress (or `parent`) hook, or None."""
+def our_filter(ipr: Any, index: int, parent: int = TC_H_INGRESS, prio: int = FILTER_PRIO) -> str | None:
+    """Name of our filter on the device's ingress (or `parent`) hook at `prio`, or None."""
     for msg in _filters(ipr, index, parent):
-        if _is_ours(msg):
+        if _is_ours(msg, prio):
             name = msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME")
             return str(name)
     return None
@@ -309,12 +323,19 @@ def ensure_clsact(ipr: Any, index: int) -> None:
 
 
 def attach(
-    ipr: Any, index: int, prog_name: str, fd: int, parent: int = TC_H_INGRESS, *, classid: int = 1
+    ipr: Any,
+    index: int,
+    prog_name: str,
+    fd: int,
+    parent: int = TC_H_INGRESS,
+    *,
+    classid: int = 1,
+    prio: int = FILTER_PRIO,
 ) -> None:
     """clsact (if missing) and our direct-action filter on the ingress (or `parent`) hook,
-    replacing whatever held our spot. `classid`: what the program finds in skb->tc_classid (the
-    kernel sets it from the filter's classid before running it): on ingress, the bridge a pod
-    port belongs to (`bridge_classid`)."""
+    replacing whatever held our spot (`prio`: FRONT_PRIO in front of an older generation).
+    `classid`: what the program finds in skb->tc_classid (the kernel sets it from the filter's
+    classid before running it): on ingress, the bridge a pod port belongs to (`bridge_classid`)."""
     ensure_clsact(ipr, index)
     ipr.tc(
         "replace-filter",
@@ -324,10 +345,19 @@ def attach(
         fd=fd,
         name=prog_name,
         parent=parent,
-        prio=FILTER_PRIO,
+        prio=prio,
         classid=classid,
         direct_action=True,
     )
+
+
+def drop_front(ipr: Any, index: int, parent: int) -> bool:
+    """Remove our filter at FRONT_PRIO from one hook (a hand-over's, done or cut short); True if
+    one was there."""
+    if our_filter(ipr, index, parent, FRONT_PRIO) is None:
+        return False
+    ipr.tc("del-filter", "bpf", index, FILTER_HANDLE, parent=parent, prio=FRONT_PRIO)
+    return True
 
 
 def detach(ipr: Any, index: int) -> bool:
@@ -335,9 +365,10 @@ def detach(ipr: Any, index: int) -> bool:
     is left); True if one was there."""
     found = False
     for parent in (TC_H_INGRESS, TC_H_EGRESS):
-        if our_filter(ipr, index, parent) is not None:
-            ipr.tc("del-filter", "bpf", index, FILTER_HANDLE, parent=parent, prio=FILTER_PRIO)
-            found = True
+        for prio in OUR_PRIOS:
+            if our_filter(ipr, index, parent, prio) is not None:
+                ipr.tc("del-filter", "bpf", index, FILTER_HANDLE, parent=parent, prio=prio)
+                found = True
     if found and not _filters(ipr, index, TC_H_INGRESS) and not _filters(ipr, index, TC_H_EGRESS):
         kinds = {q.get("kind") for q in ipr.get_qdiscs(index) if q["parent"] == TC_H_INGRESS_QDISC}
         if "clsact" in kinds:
@@ -388,6 +419,9 @@ class Attacher:
         self.attachments = 0  # filters attached (or replaced) since construction
         self._xdp: dict[int, str] = {}  # external ifindex -> XDP mode it runs in ("" none)
         self._bridges: dict[int, int] = {}  # ifindex -> its filter's classid (bridge_classid)
+        # (ifindex, hook) -> (program, classid) of the filters put in front of an older
+        # generation's by a hand-over's reconcile, until `rehome` moves them to FILTER_PRIO.
+        self._fronts: dict[tuple[int, int], tuple[str, int]] = {}
 
     @property
     def attached(self) -> dict[int, tuple[str, str]]:
@@ -406,8 +440,20 @@ class Attacher:
                     if exc.code != errno.ENODEV:  # gone again: nothing to hand over there
                         raise
 
+    @property
+    def fronts(self) -> dict[tuple[int, int], tuple[str, int]]:
+        """(ifindex, hook) -> (program, classid) of each filter in front of an older generation's."""
+        with self._lock:
+            return dict(self._fronts)
+
     def reconcile(
-        self, node: NodeContext, *, full: bool = False, verify: bool = False, keep_external: bool = False
+        self,
+        node: NodeContext,
+        *,
+        full: bool = False,
+        verify: bool = False,
+        keep_external: bool = False,
+        front: bool = False,
     ) -> None:
         """Attach where missing.
 
@@ -420,7 +466,11 @@ class Attacher:
           our ekp_from_net stays external (its program replaced) though `node` does not name it:
           the agent's first sync before the IPv6 family's (`node` holds no IPv6 node address yet,
           and a device holding only one is external where the tc IPv6 path serves). A later
-          reconcile with the full node detaches it if it does not qualify.
+          reconcile with the full node detaches it if it does not qualify;
+        * `front` (with `full`, an upgrade's hand-over): on each hook where a filter of ours is at
+          FILTER_PRIO (the older generation's), ours goes in front of it at FRONT_PRIO, in the
+          mode the build's hand-over map says (the caller set EKP_HANDOVER_PASS first), until
+          `rehome`; a hook without one gets ours at FILTER_PRIO as always.
         """
         with netns_route(self._config.netns) as ipr:
             links: dict[int, Link] = {}
@@ -474,7 +524,7 @@ class Attacher:
                 ):
                     self._remember(index, name, prog, bridge)
                     continue
-                self._attach(ipr, index, name, prog, bridge)
+                self._attach(ipr, index, name, prog, bridge, front=front)
             for index in gone:
                 self._xdp_off(ipr, index, known[index][0])
             for index in sorted(external):
@@ -529,17 +579,28 @@ class Attacher:
         with self._lock:
             self._xdp.pop(index, None)
 
-    def _attach(self, ipr: Any, index: int, name: str, prog: str, bridge: int = 0) -> None:
+    def _attach(
+        self, ipr: Any, index: int, name: str, prog: str, bridge: int = 0, *, front: bool = False
+    ) -> None:
         # Egress first: nothing is handed to the node's stack before its replies (and, with legacy
         # host routing, its own source translation) can be translated.
-        attach(ipr, index, PROG_EGRESS, self._fds[PROG_EGRESS], TC_H_EGRESS)
-        attach(ipr, index, prog, self._fds[prog], classid=bridge)
+        where = []
+        for parent, program, classid in ((TC_H_EGRESS, PROG_EGRESS, 1), (TC_H_INGRESS, prog, bridge)):
+            prio = FRONT_PRIO if front and our_filter(ipr, index, parent) is not None else FILTER_PRIO
+            attach(ipr, index, program, self._fds[program], parent, classid=classid, prio=prio)
+            if prio == FRONT_PRIO:
+                where.append("egress" if parent == TC_H_EGRESS else "ingress")
+                with self._lock:
+                    self._fronts[(index, parent)] = (program, classid)
         log.info(
-            "attached %s to %s ingress%s and %s to its egress",
+            "attached %s to %s ingress%s and %s to its egress%s",
             prog,
             name,
             f" (a port of ifindex {bridge})" if bridge else "",
             PROG_EGRESS,
+            f" (in front of the older generation's on {' and '.join(where)}, until the hand-over ends)"
+            if where
+            else "",
         )
         self._remember(index, name, prog, bridge)
         self.attachments += 1
@@ -548,6 +609,30 @@ class Attacher:
         with self._lock:
             self._attached[index] = (name, prog)
             self._bridges[index] = bridge
+
+    def rehome(self) -> None:
+        """The end of a hand-over: each filter in front moves to FILTER_PRIO (a "replace" of the
+        older generation's filter there with the same program, maps and classid: every packet
+        meets one of ours all along), then its FRONT_PRIO copy is removed. Hooks whose device went
+        meanwhile are skipped; on another error the hooks not done yet stay in `fronts`."""
+        fronts = self.fronts
+        if not fronts:
+            return
+        with netns_route(self._config.netns) as ipr:
+            for (index, parent), (program, classid) in sorted(fronts.items()):
+                try:
+                    attach(ipr, index, program, self._fds[program], parent, classid=classid)
+                    drop_front(ipr, index, parent)
+                except NetlinkError as exc:
+                    if exc.code != errno.ENODEV:
+                        raise
+                with self._lock:
+                    self._fronts.pop((index, parent), None)
+        log.info(
+            "hand-over done: %d filters moved to priority %d, the older generation's gone",
+            len(fronts),
+            FILTER_PRIO,
+        )
 
     # ------------------------------------------------------------------ pod-device watcher
 

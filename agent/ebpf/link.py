@@ -13,7 +13,8 @@ pin directory (libbpf's pinned-map reuse works the same way):
   in), and is pinned at the path `prog_path(name)` gives (replacing an older pin of the same name);
 * each program array (agent/ebpf/programs.py TAIL_CALLS) gets its programs and is pinned at
   `prog_path(its name)` too: the kernel empties a program array whose last user reference goes,
-  and a pin is one that outlives this process.
+  and a pin is one that outlives this process; so is each map of the build the agent writes
+  (BUILD_MAPS: the hand-over mode), to be reached when the build is reused.
 
 The map fds are closed at the end: the programs and the pins hold the maps. The caller owns the
 returned program fds.
@@ -33,7 +34,7 @@ from agent.ebpf.bpfobject import BpfObject, MapDef, relocate
 from agent.ebpf.btf import BtfError, vmlinux_func_ids
 from agent.ebpf.kfunc import patch_kfunc_calls
 from agent.ebpf.maps import map_info
-from agent.ebpf.programs import PROGRAMS, TAIL_CALLS, ProgSpec
+from agent.ebpf.programs import BUILD_MAPS, PROGRAMS, TAIL_CALLS, ProgSpec
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,15 @@ def _fill_tail_calls(name: str, fd: int, progs: dict[str, int], path: str) -> No
         raise LinkError(f"pinning program array {name} at {path}: {os.strerror(-ret)}")
 
 
+def _pin_build_map(name: str, fd: int, path: str) -> None:
+    """A map of the build the agent writes (BUILD_MAPS) pinned at `path`, as its programs are."""
+    if os.path.exists(path):
+        os.unlink(path)
+    ret = bpfsys.obj_pin(fd, path)
+    if ret < 0:
+        raise LinkError(f"pinning map {name} at {path}: {os.strerror(-ret)}")
+
+
 def verifier_threads(cpus: int) -> int:
     """How many programs to load at once: every CPU but one. The verifier runs in the loading
     thread's kernel context and bpf() releases the GIL, so programs verify side by side; the CPU
@@ -209,6 +219,8 @@ def link(
         for m, fd in zip(obj.maps, fds, strict=True):
             if m.name in TAIL_CALLS:
                 _fill_tail_calls(m.name, fd, progs, prog_path(m.name))
+            elif m.name in BUILD_MAPS:
+                _pin_build_map(m.name, fd, prog_path(m.name))
         ok = True
         return progs
     finally:

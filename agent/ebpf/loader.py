@@ -45,7 +45,18 @@ from typing import Any
 
 from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys
-from agent.ebpf.abi import ABI_VERSION, CT_QUEUES, CTQ_DIVISOR, MAPS, PREFIX, V6_ROLES, MapSpec, maglev_value
+from agent.ebpf.abi import (
+    ABI_VERSION,
+    CT_QUEUES,
+    CTQ_DIVISOR,
+    MAPS,
+    PREFIX,
+    V6_ROLES,
+    Handover,
+    HandoverMode,
+    MapSpec,
+    maglev_value,
+)
 from agent.ebpf.bpfobject import BpfObject
 from agent.ebpf.btf import vmlinux_has
 from agent.ebpf.compile import (
@@ -60,6 +71,8 @@ from agent.ebpf.maps import MAP_FLAGS, MAP_TYPES, BpfMap, MapInfo, map_info, obj
 from agent.ebpf.objcache import ObjectCache, default_cache_dir
 from agent.ebpf.pindir import ensure_pin_dir
 from agent.ebpf.programs import (
+    BUILD_MAPS,
+    HANDOVER_MAP,
     PROG_FROM_NET,
     PROG_FROM_POD,
     PROG_SCHED_CLS,
@@ -77,16 +90,19 @@ log = logging.getLogger(__name__)
 ENTRY_FILE = "ekp_tc.c"
 BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)
 
-# Unpinned maps each program's load owns, by program (ekp_tc.c): the IPv4 ingress programs their
-# scratch and the program array ekp_calls6, every other tc and XDP program its scratch alone, the
-# socket programs none. A reused program keeps its own; one with more unknown maps than these still
-# uses a map that was unpinned and recreated (compile.open_pinned_programs).
+# Maps each program's load owns, outside the registry, by program (ekp_tc.c): the IPv4 ingress
+# programs their scratch, the program array ekp_calls6 and the hand-over mode (ekp_handover), egress
+# and XDP their scratch and the mode, the IPv6 programs their scratch alone, the socket programs none.
+# A reused program keeps its own; one with more unknown maps than these still uses a map that was
+# unpinned and recreated (compile.open_pinned_programs).
 PRIVATE_MAPS: dict[str, int] = {
     name: 0
     if spec.prog_type not in (PROG_SCHED_CLS, PROG_XDP)
-    else 2
+    else 3
     if name in (PROG_FROM_POD, PROG_FROM_NET)
     else 1
+    if any(name in names for names in TAIL_CALLS.values())
+    else 2
     for name, spec in PROGRAMS.items()
 }
 
@@ -483,7 +499,7 @@ class Datapath:
             )
             how = "reused (unchanged since it was compiled)"
             if fds is not None and not all(
-                os.path.exists(prog_pin(self.pin_path, build, m)) for m in TAIL_CALLS
+                os.path.exists(prog_pin(self.pin_path, build, m)) for m in (*TAIL_CALLS, *BUILD_MAPS)
             ):
                 # The program array went with its pin: empty, so loaded again with a new one.
                 for fd in fds.values():
@@ -496,8 +512,9 @@ class Datapath:
             self._programs = programs
             self._build = build
             # Its program arrays stay pinned until our programs replaced its attachments
-            # (release_older_builds, after the first attach).
-            old = remove_other_builds(self.pin_path, build, keep=tuple(TAIL_CALLS))
+            # (release_older_builds, after the first attach); its hand-over mode too, read by
+            # those programs.
+            old = remove_other_builds(self.pin_path, build, keep=(*TAIL_CALLS, *BUILD_MAPS))
             if old:
                 log.info("unpinned programs of an older build: %s", ", ".join(old))
             log.info(
@@ -523,6 +540,22 @@ class Datapath:
         if self._build is None:
             return []
         return remove_other_builds(self.pin_path, self._build)
+
+    def set_handover(self, mode: HandoverMode) -> None:
+        """This build's hand-over mode (struct ekp_handover), read by its tc and XDP programs at each
+        packet (agent/ebpf/handover.py)."""
+        if self._build is None:
+            raise DatapathError("no build loaded: no hand-over mode to set")
+        path = prog_pin(self.pin_path, self._build, HANDOVER_MAP)
+        fd = bpfsys.obj_get(path)
+        if fd < 0:
+            raise DatapathError(f"opening {path}: {os.strerror(-fd)}")
+        try:
+            ret = bpfsys.map_update_elem(fd, ctypes.c_uint32(0), Handover(mode=int(mode)))
+        finally:
+            os.close(fd)
+        if ret < 0:
+            raise DatapathError(f"setting the hand-over mode to {mode.name}: {os.strerror(-ret)}")
 
     def _route_ipv6(self, build: str, fds: Mapping[str, int]) -> None:
         """Fill the program arrays (TAIL_CALLS) when the tc programs' IPv6 path serves

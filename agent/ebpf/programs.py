@@ -72,6 +72,11 @@ PROG_FROM_NET6 = "ekp_from_net6"
 # them, by index (the C's EKP_CALL6_*). The kernel empties a program array when its last user
 # reference goes, so the loader pins each one beside the programs of its build.
 TAIL_CALLS: dict[str, tuple[str, ...]] = {"ekp_calls6": (PROG_FROM_POD6, PROG_FROM_NET6)}
+# Maps of one build that the agent writes (BPF_ARRAY in bpf/ekp_tc.c, not the registry's): pinned
+# beside the build's programs, so a reused build is reached through them. ekp_handover: the mode of
+# an upgrade's hand-over (struct ekp_handover; agent/ebpf/handover.py).
+HANDOVER_MAP = "ekp_handover"
+BUILD_MAPS: tuple[str, ...] = (HANDOVER_MAP,)
 
 # The socket programs by hook name, with their attach type. The IPv6 hooks serve IPv4 addresses on
 # IPv6 sockets (v4-mapped, ::ffff:a.b.c.d: Java and other dual-stack runtimes dial IPv4 that way).

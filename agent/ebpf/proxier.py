@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi, activity
-from agent.ebpf.abi import Stat
+from agent.ebpf.abi import HandoverMode, Stat
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
 from agent.ebpf.codec import KEYS, VALUES, Value
 from agent.ebpf.family6 import Ipv6Datapath, config6_of
@@ -107,6 +107,9 @@ class DatapathLike(Protocol):
     def release_older_builds(self) -> list[str]:
         """Unpin what the load kept of older builds until the first attach replaced them."""
 
+    def set_handover(self, mode: HandoverMode) -> None:
+        """This build's hand-over mode (struct ekp_handover), read by its programs at each packet."""
+
     def close(self) -> None: ...
 
 
@@ -117,6 +120,11 @@ class UpgradeLike(Protocol):
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
+
+    @property
+    def hands_over(self) -> bool:
+        """The older programs keep flows the new ones cannot see until after_attach: the new ones
+        go in front of them meanwhile (Attacher.reconcile(front=True))."""
 
     def serving(self) -> None:
         """Every hook serves: tc, XDP and the socket programs (the other data path's rules go)."""
@@ -143,8 +151,17 @@ class AttacherLike(Protocol):
     def attach_egress(self, node: NodeContext) -> None: ...
 
     def reconcile(
-        self, node: NodeContext, *, full: bool = False, verify: bool = False, keep_external: bool = False
+        self,
+        node: NodeContext,
+        *,
+        full: bool = False,
+        verify: bool = False,
+        keep_external: bool = False,
+        front: bool = False,
     ) -> None: ...
+
+    def rehome(self) -> None:
+        """Move the filters put in front of an older generation's to our own priority."""
 
     @property
     def watching(self) -> bool: ...
@@ -168,6 +185,10 @@ class StartSteps:
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         for step in self._steps:
             step.after_attach(maps)
+
+    @property
+    def hands_over(self) -> bool:
+        return any(step.hands_over for step in self._steps)
 
     def serving(self) -> None:
         for step in self._steps:
@@ -812,9 +833,12 @@ class EbpfProxier:
         first = not self._attached_once
         full = first
         node = self._devices_node(node)
+        handover = first and self._upgrade.hands_over
         if first:
             self._upgrade.before_attach(datapath.maps)
             activity.disarm(datapath.maps["act"])  # until every flow has its stamps (activity.py)
+            # Set at every first attach: a reused build keeps the mode a hand-over cut short left.
+            datapath.set_handover(HandoverMode.PASS if handover else HandoverMode.OFF)
         if self._attacher is None:
             names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS, PROG_XDP)
             fds = {name: datapath.prog_fd(name) for name in names}
@@ -834,12 +858,27 @@ class EbpfProxier:
             # only one of them keeps its ekp_from_net, or the replies of the tc IPv6 path's live
             # flows would leave untranslated until sync6 ran (`_follow_node6`).
             keep = self._tc_ipv6 and not self._node6_known
-            self._attacher.reconcile(node, full=full, verify=verify and not full, keep_external=keep)
+            self._attacher.reconcile(
+                node, full=full, verify=verify and not full, keep_external=keep, front=handover
+            )
             self._attached_node = node
+        if handover:
+            # In front on every device: from here on, new flows are ours and what our conntrack
+            # misses is the older generation's to decide (a flow it translated, carried below).
+            datapath.set_handover(HandoverMode.MISS)
+            log.info(
+                "hand-over: this build's programs take new flows, the older ones theirs until carried over"
+            )
         if first:
             # Right after the tc programs changed: flows the old programs made meanwhile are
             # carried over before anything else delays it.
             self._upgrade.after_attach(datapath.maps)
+        if handover:
+            # Every flow of the older generation's is in our conntrack now (or left behind: its
+            # backend or frontend gone): our programs decide alone, then take its priority.
+            datapath.set_handover(HandoverMode.OFF)
+            self._attacher.rehome()
+        if first:
             activity.arm(datapath.maps)  # only our programs run now: stamp what the tables hold
             released = datapath.release_older_builds()
             if released:

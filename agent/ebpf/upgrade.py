@@ -180,6 +180,12 @@ class Upgrade:
     def pending(self) -> bool:
         return os.path.exists(os.path.join(self.pin_path, V1_CT.name))
 
+    @property
+    def hands_over(self) -> bool:
+        """The v1 programs keep their flows in tables the v2 ones do not read: the v2 programs go
+        in front of them until the conntrack is carried over (agent/ebpf/attach.py, hand-over)."""
+        return self.pending
+
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
         if self.pending:
             self._carry(maps, "before the v2 programs take over")

@@ -249,6 +249,11 @@ class KernelTakeover:
         under legacy host routing, only a flow to the node's own address under bpf host routing."""
         return self._config.bpf_host_routing == HostRouting.LEGACY or host_backend(flow, self._node)
 
+    @property
+    def hands_over(self) -> bool:
+        """No: nf_conntrack's flows are held for the stack (NFPASS) by our own programs instead."""
+        return False
+
     def serving(self) -> None:
         # Only once the socket programs serve the node's own clients too: kube-proxy's OUTPUT
         # rules are what translated them until then (a connect() meeting neither would send its

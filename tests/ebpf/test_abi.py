@@ -24,7 +24,7 @@ import pytest
 
 from agent.config import MapSizes
 from agent.ebpf import abi, loader
-from agent.ebpf.loader import Datapath, default_bpf_dir, expected_info, map_flags, stale_pins
+from agent.ebpf.loader import PRIVATE_MAPS, Datapath, default_bpf_dir, expected_info, map_flags, stale_pins
 from agent.ebpf.programs import PROGRAMS
 from lab.packets import loaded_datapath
 
@@ -49,6 +49,7 @@ def c_constants() -> dict[str, int]:
         (abi.AddrFlag, "EKP_ADDR_"),
         (abi.ConfigFlag, "EKP_CFG_"),
         (abi.SockFlag, "EKP_SOCK_"),
+        (abi.HandoverMode, "EKP_HANDOVER_"),
     ]
     for enum, prefix in groups:
         out.update({prefix + m.name: int(m) for m in enum})
@@ -123,7 +124,9 @@ def test_every_c_constant_is_mirrored() -> None:
     """A constant added to the header without its Python twin fails here (the probe checks values)."""
     text = (BPF_DIR / "ekp_abi.h").read_text()
     names = set(
-        re.findall(r"\b(EKP_(?:SCOPE|FE|BE|MEMBER|CT|CTQ|ADDR|FRAGHOLD|STAT|DROP|SOCK)_[A-Z0-9_]+)\b", text)
+        re.findall(
+            r"\b(EKP_(?:SCOPE|FE|BE|MEMBER|CT|CTQ|ADDR|FRAGHOLD|STAT|DROP|SOCK|HANDOVER)_[A-Z0-9_]+)\b", text
+        )
     )
     assert names - set(c_constants()) == set()
 
@@ -346,16 +349,24 @@ def test_every_program_uses_its_maps(loaded: Datapath) -> None:
         assert names == PRIVATE[name], name
 
 
-# The unpinned maps of each tc and XDP program's own load: the per-CPU working memory of its family's
-# path, and for the IPv4 ingress programs the program array their IPv6 packets continue through.
+# The maps of each tc and XDP program's own load, outside the registry: the per-CPU working memory of
+# its family's path, for the IPv4 ingress programs the program array their IPv6 packets continue
+# through, and for the programs attached to a hook the build's hand-over mode (ekp_handover). Their
+# counts are loader.PRIVATE_MAPS (a reused program with more is compiled again).
 PRIVATE = {
-    "ekp_from_pod": {"ekp_scratch", "ekp_calls6"},
-    "ekp_from_net": {"ekp_scratch", "ekp_calls6"},
+    "ekp_from_pod": {"ekp_scratch", "ekp_calls6", "ekp_handover"},
+    "ekp_from_net": {"ekp_scratch", "ekp_calls6", "ekp_handover"},
     "ekp_from_pod6": {"ekp_scratch6"},
     "ekp_from_net6": {"ekp_scratch6"},
-    "ekp_egress": {"ekp_scratch"},
-    "ekp_xdp_net": {"ekp_scratch"},
+    "ekp_egress": {"ekp_scratch", "ekp_handover"},
+    "ekp_xdp_net": {"ekp_scratch", "ekp_handover"},
 }
+
+
+def test_private_map_counts_are_the_loaders() -> None:
+    assert {name: len(maps) for name, maps in PRIVATE.items()} == {
+        name: n for name, n in PRIVATE_MAPS.items() if n
+    }
 
 
 @pytest.mark.kernel

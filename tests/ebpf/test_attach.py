@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import struct
 import subprocess
@@ -521,3 +522,87 @@ def test_xdp_on_the_external_devices_only_reconciled_and_detached(netns: str, pr
         assert xdp_of(netns, "eth0") == {}
     finally:
         os.close(fd)
+
+
+@pytest.fixture(scope="module")
+def newer_progs() -> Iterator[dict[str, int]]:
+    """Programs of another generation, named as the real ones (their ids tell them apart)."""
+    from bcc import BPF
+
+    text = """
+#include <uapi/linux/pkt_cls.h>
+int ekp_from_net(struct __sk_buff *skb) { return TC_ACT_UNSPEC; }
+int ekp_from_pod(struct __sk_buff *skb) { return TC_ACT_UNSPEC; }
+int ekp_egress(struct __sk_buff *skb) { return TC_ACT_UNSPEC; }
+"""
+    bpf: Any = BPF(text=text.encode())
+    names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)
+    fds = {name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd for name in names}
+    yield fds
+    bpf.cleanup()
+
+
+def ours_by_pref(text: str) -> dict[int, int]:
+    """`tc filter show` of one hook -> {priority: program id} of our filters (handle 0xeb)."""
+    out = {}
+    for line in text.splitlines():
+        found = re.search(r"pref (\d+) bpf .*handle 0xeb .*\bekp_\w+ .*\bid (\d+)", line)
+        if found:
+            out[int(found.group(1))] = int(found.group(2))
+    return out
+
+
+@pytest.mark.kernel
+def test_a_hand_over_puts_the_newer_programs_in_front_then_in_the_older_ones_place(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int]
+) -> None:
+    """An upgrade that carries conntrack over: on every hook where the older generation's filter
+    is (priority 17), the newer program goes in front of it (16) and both stay until `rehome`,
+    which puts the newer program at 17 (a replace: the hook never lacks one of the newer
+    programs) and removes it from 16. A hook without an older filter gets the newer program at
+    17 alone. detach_all removes ours at both priorities."""
+    from agent.ebpf.sockattach import prog_id
+
+    old = {name: prog_id(fd) for name, fd in progs.items()}
+    new = {name: prog_id(fd) for name, fd in newer_progs.items()}
+    Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs).reconcile(NODE, full=True)
+    newer = Attacher(Config(netns=netns, pod_interfaces=("lxc*", "other*")), newer_progs)
+    newer.reconcile(NODE, full=True, front=True)
+    assert ours_by_pref(ingress(netns, "eth0")) == {16: new[PROG_FROM_NET], 17: old[PROG_FROM_NET]}
+    assert ours_by_pref(ingress(netns, "lxc-a")) == {16: new[PROG_FROM_POD], 17: old[PROG_FROM_POD]}
+    for dev in ("eth0", "lxc-a"):
+        assert ours_by_pref(egress(netns, dev)) == {16: new[PROG_EGRESS], 17: old[PROG_EGRESS]}, dev
+    # the older generation did not serve other1: nothing to hand over from there
+    assert ours_by_pref(ingress(netns, "other1")) == {17: new[PROG_FROM_POD]}
+    assert ours_by_pref(egress(netns, "other1")) == {17: new[PROG_EGRESS]}
+    assert len(newer.fronts) == 4
+
+    gaps: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            if new[PROG_FROM_NET] not in ours_by_pref(ingress(netns, "eth0")).values():
+                gaps.append("eth0 without the newer program")
+            time.sleep(0.005)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        newer.rehome()
+    finally:
+        stop.set()
+        t.join()
+    assert gaps == []
+    assert ours_by_pref(ingress(netns, "eth0")) == {17: new[PROG_FROM_NET]}
+    assert ours_by_pref(ingress(netns, "lxc-a")) == {17: new[PROG_FROM_POD]}
+    for dev in ("eth0", "lxc-a", "other1"):
+        assert ours_by_pref(egress(netns, dev)) == {17: new[PROG_EGRESS]}, dev
+    assert newer.fronts == {}
+
+    # cut short (an agent stopped in the middle): both priorities are ours to remove
+    Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs).reconcile(NODE, full=True, front=True)
+    assert set(ours_by_pref(ingress(netns, "eth0"))) == {16, 17}
+    assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]  # other1: detached as a stray by that reconcile
+    for dev in ("eth0", "lxc-a", "other1"):
+        assert ingress(netns, dev) == "" and egress(netns, dev) == "", dev

@@ -24,7 +24,15 @@ from agent.ebpf.link import PinnedMapMismatch, link, verifier_threads
 from agent.ebpf.loader import PRIVATE_MAPS, Datapath, PinMismatchError
 from agent.ebpf.maps import map_info, obj_get
 from agent.ebpf.objcache import DIR_ENV, ObjectCache
-from agent.ebpf.programs import PROG_FROM_NET, PROG_FROM_POD, PROG_SCHED_CLS, PROG_XDP, PROGRAMS, TAIL_CALLS
+from agent.ebpf.programs import (
+    BUILD_MAPS,
+    PROG_FROM_NET,
+    PROG_FROM_POD,
+    PROG_SCHED_CLS,
+    PROG_XDP,
+    PROGRAMS,
+    TAIL_CALLS,
+)
 from agent.ebpf.sockattach import prog_id
 from lab.packets import bpffs
 
@@ -105,8 +113,10 @@ def _uses_only_its_own_maps(d: Datapath) -> set[int]:
     for name in PROGRAMS:
         used = prog_map_ids(d.prog_fd(name))
         assert used & ids, "the programs use the pinned maps"
-        # the IPv4 ingress programs: their scratch and the program array of their IPv6 packets
-        private = 2 if name in (PROG_FROM_POD, PROG_FROM_NET) else 1
+        # the IPv4 ingress programs: their scratch, the program array of their IPv6 packets and the
+        # build's hand-over mode; egress and XDP their scratch and the mode; the IPv6 programs
+        # their scratch
+        private = 3 if name in (PROG_FROM_POD, PROG_FROM_NET) else 1 if name in loader.TC6_PROGRAMS else 2
         private = private if PROGRAMS[name].prog_type in (PROG_SCHED_CLS, PROG_XDP) else 0
         assert len(used - ids) == private == PRIVATE_MAPS[name], f"{name}: besides them, only its load's own"
     return ids
@@ -149,7 +159,9 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         first.load()
         first.close()
         built = _prog_pins(pins)
-        assert len(built) == len(PROGRAMS) + len(TAIL_CALLS), "each program and each program array"
+        assert len(built) == len(PROGRAMS) + len(TAIL_CALLS) + len(BUILD_MAPS), (
+            "each program, each program array, each map of the build"
+        )
         caplog.clear()
         again = Datapath(pins, SMALL, cache=cache)
         again.load()
@@ -171,11 +183,14 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         caplog.clear()
         bigger = Datapath(pins, replace(SMALL, fe=256), cache=ObjectCache(str(tmp_path / "empty")))
         bigger.load()
-        assert bigger.release_older_builds() == [n for n in built if n.endswith("_ekp_calls6")]
+        assert bigger.release_older_builds() == [
+            n for n in built if n.endswith(("_ekp_calls6", "_ekp_handover"))
+        ]
         bigger.close()
         assert "data path compiled in" in caplog.text
         rebuilt = _prog_pins(pins)
-        assert len(rebuilt) == len(PROGRAMS) + len(TAIL_CALLS) and not set(rebuilt) & set(built)
+        assert len(rebuilt) == len(PROGRAMS) + len(TAIL_CALLS) + len(BUILD_MAPS)
+        assert not set(rebuilt) & set(built)
 
 
 @pytest.mark.kernel
@@ -620,10 +635,11 @@ def test_an_older_build_s_program_array_stays_filled_until_its_programs_are_repl
             assert os.path.exists(old_array), "the old build's program array is still pinned"
             assert _slots(pins, old) == want, "and still holds the old build's IPv6 programs"
             old_prefix = f"{PROG_PIN_PREFIX}{old.build(old.programs())}_"
-            assert [p for p in _prog_pins(pins) if p.startswith(old_prefix)] == [
-                os.path.basename(old_array)
-            ], "its programs unpinned, its array alone kept"
-            assert new.release_older_builds() == [os.path.basename(old_array)]
+            kept = sorted([os.path.basename(old_array), f"{old_prefix}ekp_handover"])
+            assert [p for p in _prog_pins(pins) if p.startswith(old_prefix)] == kept, (
+                "its programs unpinned, its array and its hand-over mode (read by them) alone kept"
+            )
+            assert new.release_older_builds() == kept
             assert not os.path.exists(old_array)
             assert new.release_older_builds() == []
         finally:

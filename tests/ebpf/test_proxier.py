@@ -31,6 +31,7 @@ from agent.ebpf.abi import (
     CtEntry,
     CtKey,
     FrontendKey,
+    HandoverMode,
     MapSpec,
     Scope,
     SockConfig,
@@ -98,6 +99,9 @@ class FakeDatapath:
         self.events.append("unpin older builds' program arrays")
         return []
 
+    def set_handover(self, mode: HandoverMode) -> None:
+        self.events.append(f"hand-over {mode.name}")
+
     def close(self) -> None:
         self.closed += 1
 
@@ -115,12 +119,25 @@ class FakeAttacher:
         self.log.append("attach egress")
 
     def reconcile(
-        self, node: NodeContext, *, full: bool = False, verify: bool = False, keep_external: bool = False
+        self,
+        node: NodeContext,
+        *,
+        full: bool = False,
+        verify: bool = False,
+        keep_external: bool = False,
+        front: bool = False,
     ) -> None:
-        self.log.append(f"reconcile full={full}" + (" verify" if verify and not full else ""))
+        self.log.append(
+            f"reconcile full={full}"
+            + (" verify" if verify and not full else "")
+            + (" front" if front else "")
+        )
         self.nodes.append(node)
         self.kept.append(keep_external)
         self.armed_at_reconcile.append(activity.armed(self.maps["act"]))
+
+    def rehome(self) -> None:
+        self.log.append("rehome")
 
     def start_watcher(self, timeout: float = 5.0) -> None:
         self.log.append("watch")
@@ -163,8 +180,9 @@ class FakeTerminator:
 
 
 class FakeUpgrade:
-    def __init__(self, log: list[str]) -> None:
+    def __init__(self, log: list[str], hands_over: bool = False) -> None:
         self.log = log
+        self.hands_over = hands_over
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self.log.append("carry v1 conntrack")
@@ -195,6 +213,7 @@ class Rig:
         self.conntrack6: list[NatFlow] = []  # IPv6 nf_conntrack's DNAT entries
         self.conntrack6_error: Exception | None = None  # what reading them raises
         self.conntrack6_reads = 0
+        self.hands_over = False  # the next proxier's start steps: an older ABI's programs to hand over from
 
     def proxier(self, *, ipv6: bool = True) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
@@ -224,7 +243,7 @@ class Rig:
             sysctl_writer=sysctl,
             sysctl_reader=sysctl_read,
             sizes_reader=lambda pin_path: dict(self.pinned),
-            upgrade_factory=lambda pin_path: FakeUpgrade(self.events),
+            upgrade_factory=lambda pin_path: FakeUpgrade(self.events, self.hands_over),
             socket_attacher_factory=lambda config, fds: FakeSocketAttacher(self.events, fds),
             terminator_factory=lambda config, cgroup, fd, ended: FakeTerminator(self.events, fd, ended),
             netns_cookie_reader=lambda netns: 4242,
@@ -292,6 +311,7 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     # everywhere before the config says legacy and the ingress programs come
     first = [
         "carry v1 conntrack",
+        "hand-over OFF",
         "attach egress",
         "reconcile full=True",
         "carry v1 conntrack again",
@@ -319,6 +339,37 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     rig.attachers[0].watching = False
     p.sync(STATE, moved, frozenset())
     assert rig.events[-2:] == ["watch", "reconcile full=False verify"]
+
+
+def test_an_upgrade_that_carries_conntrack_puts_our_programs_in_front_until_it_is_carried(rig: Rig) -> None:
+    """From an older ABI (its conntrack in tables ours do not read): our programs go in front of the
+    older ones passing every packet on, then take new flows and leave the misses to the older ones
+    while the conntrack is carried over, then decide alone and move to the older ones' priority,
+    before anything of the older build is unpinned. A restart of the same build after it: the mode
+    is set OFF (one a hand-over cut short left is cleared), no program in front, no rehome."""
+    rig.hands_over = True
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    assert rig.events[: rig.events.index("unpin older builds' program arrays")] == [
+        "carry v1 conntrack",
+        "hand-over PASS",
+        "attach egress",
+        "reconcile full=True front",
+        "hand-over MISS",
+        "carry v1 conntrack again",
+        "hand-over OFF",
+        "rehome",
+    ]
+    p.close()
+    rig.hands_over = False
+    rig.events.clear()
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    assert [e for e in rig.events if e.startswith(("hand-over", "reconcile", "rehome"))] == [
+        "hand-over OFF",
+        "reconcile full=True",
+    ]
+    p.close()
 
 
 class SignallingMap(FakeMap):
@@ -1389,7 +1440,13 @@ def test_legacy_host_routing_is_on_before_any_ingress_program_is_attached(rig: R
             seen.append(("egress", -1 if live is None else live.flags))
 
         def reconcile(
-            self, node: NodeContext, *, full: bool = False, verify: bool = False, keep_external: bool = False
+            self,
+            node: NodeContext,
+            *,
+            full: bool = False,
+            verify: bool = False,
+            keep_external: bool = False,
+            front: bool = False,
         ) -> None:
             live = read_config(rig.maps)
             seen.append(("ingress", -1 if live is None else live.flags))
