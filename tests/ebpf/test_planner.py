@@ -7,6 +7,8 @@ the order is proven on every test, not only on the ones about order.
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -15,11 +17,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.config import Config
+from agent.ebpf import planner as planner_module
 from agent.ebpf.abi import MAPS, AddrFlag, ip_str
-from agent.ebpf.entries import BE_FLAGS, FE_RNAT, U16, fe_rnat, key_size, pack, to_tuples, value_size
+from agent.ebpf.entries import (
+    BE_FLAGS,
+    BE_PROTO,
+    FE_RNAT,
+    MEMBER_BACKEND,
+    SLOT_POS,
+    U16,
+    fe_rnat,
+    ident,
+    key_size,
+    pack,
+    srcr_key,
+    to_tuples,
+    value_size,
+)
 from agent.ebpf.planner import Planner
 from agent.model import ProxyState
-from agent.model.types import ServicePortName
+from agent.model.types import Endpoint, ServicePortName
 from tests.ebpf.support import NODE, PlanRig, broken, proxy_states
 from tests.ebpf.test_plan import states, svc
 
@@ -187,6 +204,41 @@ def test_a_restart_repairs_exactly_what_the_maps_hold_differently() -> None:
     assert sum(result.deletes.values()) == result.deletes["fe"] == 1
     assert rig.contents().same_entries(before)
     assert rig.planner.in_sync
+
+
+def test_a_restart_holds_every_id_its_read_back_holds_as_a_resync_would() -> None:
+    """A start holds the ids of its read-back (service port, set, backend, reverse-NAT) taking
+    the large sets in C (Planner._adopt); they are the ids a resync's entry-by-entry walk finds
+    (Planner._held), strays the plan never made included: a membership, a slot, a backend, a
+    reverse-NAT entry and a source range under ids no frontend names."""
+    rig = PlanRig()
+    rig.sync(many(30))
+    strays = {
+        "member": (999 | 5 << MEMBER_BACKEND, 1),
+        "slot": (777 | 1 << SLOT_POS, 888),
+        "be": (555, next(iter(rig.held()["be"].values()))),
+        "rnat": (444, 1),
+        "srcr": (srcr_key(40, 333, 0x0A000001), 1),
+    }
+    for role, (key, value) in strays.items():
+        rig.maps[role].update_packed(pack([key], key_size(role)), pack([value], value_size(role)))
+    adopting, walking = Planner(rig.config), Planner(rig.config)
+    adopting.reconcile(rig.dump(), adopt=True)
+    walking.reconcile(rig.dump())
+
+    def pools(p: Planner) -> dict[str, set[int]]:
+        return {
+            "svc": p.svc_ids._held,
+            "set": p.set_ids._held,
+            "be": p.backends.pool._held,
+            "rnat": p.rnat_ids._held,
+        }
+
+    held = pools(adopting)
+    assert held == pools(walking)
+    assert (
+        999 in held["svc"] and 777 in held["set"] and {555, 888} <= held["be"] and {444, 333} <= held["rnat"]
+    )
 
 
 def test_a_restart_refuses_a_rev_nat_id_the_kernels_entry_gives_another_frontend() -> None:
@@ -391,3 +443,24 @@ def test_an_endpoint_on_a_node_address_is_host_and_follows_the_nodes_addresses()
     rig.planner.update(state, NodeContext(node_ips=("192.168.0.12",), primary_ip="192.168.0.12"), None)
     rig.planner.flush(rig.watched())
     assert flags() == {ip_be("192.168.0.11"): 0, ip_be("192.168.0.12"): BackendFlag.HOST}
+
+
+def test_a_sets_backend_idents_are_the_entries_own() -> None:
+    """`_idents` (the addresses packed and read in one C call, one port for all where they share
+    it) gives what `entries.ident` gives endpoint by endpoint: IPv4's address in network order,
+    the port in network order, the protocol; and the IPv6 planner's handles where it passes them."""
+    one_port = (Endpoint("10.0.0.1", 8080), Endpoint("192.168.7.254", 8080))
+    mixed = (Endpoint("10.0.0.1", 80), Endpoint("10.0.0.2", 443), Endpoint("10.0.0.1", 80))
+
+    def expected(eps: tuple[Endpoint, ...], addr: Callable[[str], int]) -> list[int]:
+        return [ident(addr(ep.ip), socket.htons(ep.port), 6) for ep in eps]
+
+    def be(text: str) -> int:
+        return int.from_bytes(socket.inet_aton(text), "little")
+
+    for eps in (one_port, mixed, ()):
+        assert planner_module._idents(eps, 6 << BE_PROTO, None) == expected(eps, be)
+    handles = {"10.0.0.1": 7, "10.0.0.2": 9, "192.168.7.254": 11}
+    assert planner_module._idents(mixed, 6 << BE_PROTO, handles.__getitem__) == expected(
+        mixed, handles.__getitem__
+    )
