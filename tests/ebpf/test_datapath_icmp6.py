@@ -551,7 +551,10 @@ def test_a_datagram_to_a_node_port_without_endpoints_is_answered_quoting_its_udp
     flags = FrontendFlag.NODEPORT | FrontendFlag.NO_ENDPOINTS
     add_service6(net.dp.maps, NODE6, 30053, (), proto=UDP, scope=Scope.EXTERNAL, flags=flags)
     sent = bytes(
-        Ether(src=MAC6[CLIENT6], dst=lab.ext.mac) / IPv6(src=CLIENT6, dst=NODE6) / UDPh(sport=5353, dport=30053) / b"q"
+        Ether(src=MAC6[CLIENT6], dst=lab.ext.mac)
+        / IPv6(src=CLIENT6, dst=NODE6)
+        / UDPh(sport=5353, dport=30053)
+        / b"q"
     )
     verdict, out = net.from_net(sent)
     assert verdict == TC_ACT_REDIRECT
@@ -571,7 +574,9 @@ def test_port_unreachables_are_rate_limited_and_unwanted_ones_dropped(net: Net, 
     add_service6(net.dp.maps, VIP6, 80, (), flags=FrontendFlag.NO_ENDPOINTS)
     with on_one_cpu():
         started = time.monotonic()
-        answered = sum(net.from_pod(frame6(POD6, VIP6, 43000 + i, 80))[0] == TC_ACT_REDIRECT for i in range(300))
+        answered = sum(
+            net.from_pod(frame6(POD6, VIP6, 43000 + i, 80))[0] == TC_ACT_REDIRECT for i in range(300)
+        )
         elapsed = time.monotonic() - started
     assert 10 <= answered <= 10 + 100 * elapsed + 1
     stats = net.stats()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -125,7 +124,9 @@ def lab_objects(c: Cluster) -> None:
     closed = service("tc6-closed", CLOSED_VIP, [cport], ipFamilies=["IPv6"])
     ceps = endpoint_slice("tc6-closed", [cport], [Ep(lab.pod("pod-2-2").ip6, "node2")], "v6")
     ceps["addressType"] = "IPv6"
-    c.apply([svc, eps, local, leps, sink, seps, remote, reps, dns_svc, deps, closed, ceps, *refusal_objects(c)])
+    c.apply(
+        [svc, eps, local, leps, sink, seps, remote, reps, dns_svc, deps, closed, ceps, *refusal_objects(c)]
+    )
 
 
 def refusal_objects(c: Cluster) -> list[dict[str, object]]:
@@ -496,7 +497,9 @@ def refusals(c: Cluster) -> dict[str, int]:
     if c.mode != "ebpf":
         return {}
     stats = c.bpf_stats(1)
-    return {k: stats[k] for k in ("drop_no_endpoints", "drop_no_local", "drop_source_range", "drop_icmp_rate")}
+    return {
+        k: stats[k] for k in ("drop_no_endpoints", "drop_no_local", "drop_source_range", "drop_icmp_rate")
+    }
 
 
 # TCP connections to [vip]:port, each from a new socket: what each met (refused, answered, timeout)
@@ -526,7 +529,9 @@ def test_an_ipv6_cluster_ip_without_endpoints_refuses_a_connection_at_once(dual:
     the ClusterIP, counted DROP_NO_ENDPOINTS); before, ip6tables beside it did, and the counter
     stayed."""
     before = refusals(dual)
-    out = dual.lab.run(dual.lab.pod("pod-1-1"), sys.executable, "-c", CONNECT, NONE_VIP, "80", "5", timeout=30)
+    out = dual.lab.run(
+        dual.lab.pod("pod-1-1"), sys.executable, "-c", CONNECT, NONE_VIP, "80", "5", timeout=30
+    )
     results = [line.split() for line in out.stdout.splitlines()]
     assert [kind for kind, _ in results] == ["refused"] * 5, out.stdout
     assert all(int(ms) < 2000 for _, ms in results), out.stdout
@@ -608,9 +613,9 @@ def test_an_sctp_association_through_an_ipv6_cluster_ip(dual: Cluster) -> None:
         for line in lab.log_of(server).splitlines()
         if line.startswith("{") and json.loads(line)["dport"] == SCTP_TARGET
     ]
-    assert seen and all(
-        (p["src"], p["dst"], p["crc_ok"]) == (client.ip6, backend.ip6, True) for p in seen
-    ), seen
+    assert seen and all((p["src"], p["dst"], p["crc_ok"]) == (client.ip6, backend.ip6, True) for p in seen), (
+        seen
+    )
     flows = dnat_flows(dual, SCTP_VIP)
     if dual.mode == "ebpf":
         assert ct6_udp_flows(dual, SCTP_VIP, SCTP_PORT) >= 1
