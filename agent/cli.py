@@ -23,7 +23,6 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 from agent import configfile
@@ -175,6 +174,8 @@ def write_config(resolved: Resolved, path: str) -> int:
 
 
 def version() -> str:
+    from importlib import metadata  # 15 ms of every start's imports, for --version alone
+
     try:
         return f"ebpf-kube-proxy {metadata.version('ebpf-kube-proxy')}"
     except metadata.PackageNotFoundError:

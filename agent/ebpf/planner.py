@@ -43,6 +43,7 @@ State, compact on purpose (10,000 services of 10 endpoints are a third of a mill
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Callable, Iterable, Mapping
 from socket import inet_aton
@@ -55,10 +56,13 @@ from agent.ebpf.backends import Backends
 from agent.ebpf.codec import Value
 from agent.ebpf.entries import (
     FE_PROTO,
+    FE_RNAT,
     FE_SCOPE,
+    FE_SET,
     IDENT,
     MEMBER_BACKEND,
     SLOT_POS,
+    U16,
     U32,
     Entries,
     fe_flags,
@@ -68,6 +72,7 @@ from agent.ebpf.entries import (
     fe_svc,
     fe_value,
     from_dump,
+    key_size,
     member_key,
     slot_key,
     srcr_key,
@@ -627,9 +632,7 @@ class Planner:
         (nothing recorded per put), the kernel's ids held and offered back as hints; `update` then
         diffs the plan against it (`_adopt_done`). Returns the entries the dump holds."""
         adopted = {role: from_dump(role, *dump.get(role, (b"", b""))) for role in ROLES}
-        for role, kernel in adopted.items():
-            self.pending[role] = cast(Pending, kernel)  # for `_held`, until the swap below
-        self._hold_kernel_ids()
+        self._hold(_kernel_ids(adopted, dump))
         for role in adopted:
             self.pending[role] = {}
             self.fresh.add(role)
@@ -686,7 +689,10 @@ class Planner:
     def _hold_kernel_ids(self) -> None:
         """Ids the kernel holds that the plan does not own stay taken until the kernel lets go of
         them (or a re-adoption claims them)."""
-        svc, sets, bids, rnat = self._held()
+        self._hold(self._held())
+
+    def _hold(self, held: tuple[set[int], set[int], set[int], set[int]]) -> None:
+        svc, sets, bids, rnat = held
         for pool, ids in (
             (self.svc_ids, svc),
             (self.set_ids, sets),
@@ -743,6 +749,35 @@ class Planner:
 
     def fe_names(self) -> dict[int, str]:
         return {key: str(spn) for key, spn in self._fe_owner.items()}
+
+
+def _kernel_ids(
+    adopted: Mapping[str, Entries], dump: Mapping[str, tuple[bytes, bytes]]
+) -> tuple[set[int], set[int], set[int], set[int]]:
+    """`Planner._held` of a start's read-back (every entry held, none None): the same service
+    port, set, backend and reverse-NAT ids, the 100,000-entry sets taken in C (a whole key or
+    value, or the low half of an 8-byte key read from the dump's bytes) instead of one Python
+    step per entry, about 25 ms of a restart's 34 at 10,000 Services."""
+    fe = adopted["fe"].values()
+    svc = {w & U32 for w in fe}
+    svc.update(_low_halves(dump.get("member", (b"", b""))[0]))  # svc_id | backend_id << 32
+    sets = {w >> FE_SET & U32 for w in fe}
+    sets.update(_low_halves(dump.get("slot", (b"", b""))[0]))  # set_id | slot << 32
+    bids = set(adopted["be"])
+    bids.update(adopted["slot"].values())
+    rnat = set(adopted["rnat"])
+    rnat.update({w >> FE_RNAT & U16 for w in fe})
+    rnat.update({srcr_rnat(k) for k in adopted["srcr"]})
+    return svc, sets, bids, rnat
+
+
+_LOW = 0 if sys.byteorder == "little" else 1  # where an 8-byte key's low 32 bits are, as two u32
+assert key_size("member") == key_size("slot") == 8 and MEMBER_BACKEND == SLOT_POS == 32
+
+
+def _low_halves(keys: bytes) -> array[int]:
+    """The low 32 bits of each 8-byte key in `keys` (a dump's, native order)."""
+    return array("I", keys)[_LOW::2]
 
 
 def _sets_of(frag: Fragment) -> dict[SetKind, tuple[int, int]]:

@@ -16,7 +16,19 @@ from hypothesis import strategies as st
 
 from agent.config import Config
 from agent.ebpf.abi import MAPS, AddrFlag, ip_str
-from agent.ebpf.entries import BE_FLAGS, FE_RNAT, U16, fe_rnat, key_size, pack, to_tuples, value_size
+from agent.ebpf.entries import (
+    BE_FLAGS,
+    FE_RNAT,
+    MEMBER_BACKEND,
+    SLOT_POS,
+    U16,
+    fe_rnat,
+    key_size,
+    pack,
+    srcr_key,
+    to_tuples,
+    value_size,
+)
 from agent.ebpf.planner import Planner
 from agent.model import ProxyState
 from agent.model.types import ServicePortName
@@ -187,6 +199,41 @@ def test_a_restart_repairs_exactly_what_the_maps_hold_differently() -> None:
     assert sum(result.deletes.values()) == result.deletes["fe"] == 1
     assert rig.contents().same_entries(before)
     assert rig.planner.in_sync
+
+
+def test_a_restart_holds_every_id_its_read_back_holds_as_a_resync_would() -> None:
+    """A start holds the ids of its read-back (service port, set, backend, reverse-NAT) taking
+    the large sets in C (Planner._adopt); they are the ids a resync's entry-by-entry walk finds
+    (Planner._held), strays the plan never made included: a membership, a slot, a backend, a
+    reverse-NAT entry and a source range under ids no frontend names."""
+    rig = PlanRig()
+    rig.sync(many(30))
+    strays = {
+        "member": (999 | 5 << MEMBER_BACKEND, 1),
+        "slot": (777 | 1 << SLOT_POS, 888),
+        "be": (555, next(iter(rig.held()["be"].values()))),
+        "rnat": (444, 1),
+        "srcr": (srcr_key(40, 333, 0x0A000001), 1),
+    }
+    for role, (key, value) in strays.items():
+        rig.maps[role].update_packed(pack([key], key_size(role)), pack([value], value_size(role)))
+    adopting, walking = Planner(rig.config), Planner(rig.config)
+    adopting.reconcile(rig.dump(), adopt=True)
+    walking.reconcile(rig.dump())
+
+    def pools(p: Planner) -> dict[str, set[int]]:
+        return {
+            "svc": p.svc_ids._held,
+            "set": p.set_ids._held,
+            "be": p.backends.pool._held,
+            "rnat": p.rnat_ids._held,
+        }
+
+    held = pools(adopting)
+    assert held == pools(walking)
+    assert (
+        999 in held["svc"] and 777 in held["set"] and {555, 888} <= held["be"] and {444, 333} <= held["rnat"]
+    )
 
 
 def test_a_restart_refuses_a_rev_nat_id_the_kernels_entry_gives_another_frontend() -> None:
