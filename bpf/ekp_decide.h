@@ -220,9 +220,11 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 		return 0;
 	}
 	if (refusal) {
-		__u32 reason;
-		int act = ekp_decide_refusal(refusal, fe, ekp_icmp_wanted(p) && p->frag != EKP_FRAG_LATER, cfg, now,
-					     &reason);
+		__u32 reason = refusal;
+		int act = EKP_ACT_DROP; /* XDP's: its rejects went to tc above, and no reject code is in it */
+		if (hook != EKP_HOOK_XDP)
+			act = ekp_decide_refusal(refusal, fe, ekp_icmp_wanted(p) && p->frag != EKP_FRAG_LATER, cfg,
+						 now, &reason);
 		ekp_verdict(d, act, reason);
 		return 0;
 	}
