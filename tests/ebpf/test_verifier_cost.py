@@ -40,7 +40,7 @@ from bench.verifycost import ProgCost, measure, the_object
 # IPv4 programs' instruction and processed counts unchanged); 520,000 and 649,000 with the
 # refusals (an ICMPv6 port unreachable built at a third site) and SCTP (IPv4's CRC32c update, 16
 # multiplications of 32 steps each per rewrite visited) (v6rej, bench/results/scale/
-# verifycost-v6rej-2026-11-27.txt; IPv4's unchanged). Pruning makes these jumpy: the same build
+# verifycost-v6rej-2026-11-27.txt; IPv4's within 0.03%). Pruning makes these jumpy: the same build
 # with SCTP turned away at the path's gate measured 966,000 for ekp_from_pod6, a hair under the
 # kernel's 1,000,000, so the next growth here wants the SCTP update out of the verifier's walks.
 BUDGET = {
