@@ -30,6 +30,7 @@ from agent.ebpf.attach import (
     HandoverState,
     Link,
     detach_all,
+    fronts_left,
     parse_link_events,
     pod_side_program,
 )
@@ -642,6 +643,12 @@ def test_a_hand_over_resumed_goes_in_front_only_of_an_older_build_and_a_plain_st
     assert ours_by_pref(egress(netns, "eth0")) == {16: new[PROG_EGRESS], 17: old[PROG_EGRESS]}
     assert ours_by_pref(ingress(netns, "lxc-a")) == {16: new[PROG_FROM_POD], 17: old[PROG_FROM_POD]}
     assert len(restarted.fronts) == 3
+    with netns_route(netns) as ipr:
+        assert sorted(fronts_left(ipr)) == [
+            "eth0 tc egress: ekp_egress pref 16",
+            "lxc-a tc egress: ekp_egress pref 16",
+            "lxc-a tc ingress: ekp_from_pod pref 16",
+        ]
     # the older build seen from its side: another build of ours in front
     assert Attacher(config, progs).handover_state() == HandoverState(
         own_front=False, other_front=True, older_behind=True
@@ -654,6 +661,8 @@ def test_a_hand_over_resumed_goes_in_front_only_of_an_older_build_and_a_plain_st
         assert ours_by_pref(ingress(netns, dev)) == {17: old[prog]}, dev
         assert ours_by_pref(egress(netns, dev)) == {17: old[PROG_EGRESS]}, dev
     assert rollback.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=False)
+    with netns_route(netns) as ipr:
+        assert fronts_left(ipr) == []
 
 
 @pytest.mark.kernel
