@@ -44,7 +44,12 @@ ekp_handover`, set by the proxier) first passes every packet on (TC_ACT_UNSPEC: 
 decides), then, once every device has both, leaves only its conntrack misses to the older program
 while the conntrack is carried over, then none; `rehome` then replaces the older filter at
 FILTER_PRIO with the same new program and removes the front one. Ours at FRONT_PRIO is never
-foreign, and `detach` removes it too (an agent stopped in the middle).
+foreign, and `detach` removes it too (an agent stopped in the middle). "In front" only of another
+build's program (TCA_BPF_ID against our fds' ids): where this build already sits at FILTER_PRIO (a
+hook rehome moved before the agent stopped; `attach_egress`), a copy at FRONT_PRIO would share its
+mode, so it is removed instead. A full reconcile outside a hand-over removes ours at FRONT_PRIO on
+every hook (a hand-over cut short, then a rollback). Someone else's filter at FRONT_PRIO: the older
+filter is replaced at FILTER_PRIO instead, with a warning.
 
 The namespace is opened with `IPRoute(netns=..., flags=0)`: a missing namespace is an error, not
 silently created. Pod devices come and go; `Attacher.start_watcher()` runs a thread that attaches
@@ -523,10 +528,12 @@ class Attacher:
           the agent's first sync before the IPv6 family's (`node` holds no IPv6 node address yet,
           and a device holding only one is external where the tc IPv6 path serves). A later
           reconcile with the full node detaches it if it does not qualify;
-        * `front` (with `full`, an upgrade's hand-over): on each hook where a filter of ours is at
-          FILTER_PRIO (the older generation's), ours goes in front of it at FRONT_PRIO, in the
-          mode the build's hand-over map says (the caller set EKP_HANDOVER_PASS first), until
-          `rehome`; a hook without one gets ours at FILTER_PRIO as always.
+        * `front` (with `full`, an upgrade's hand-over): on each hook where another build's
+          filter of ours is at FILTER_PRIO (the older generation's), ours goes in front of it at
+          FRONT_PRIO, in the mode the build's hand-over map says (the caller chose it from
+          `handover_state`), until `rehome`; a hook without one gets ours at FILTER_PRIO as
+          always, and its copy at FRONT_PRIO goes. A full reconcile without `front` removes ours
+          at FRONT_PRIO from every hook it attaches.
         """
         with netns_route(self._config.netns) as ipr:
             links: dict[int, Link] = {}
