@@ -655,11 +655,19 @@ class Attacher:
         with netns_route(self._config.netns) as ipr:
             for link in list_links(ipr):
                 for parent in (TC_H_INGRESS, TC_H_EGRESS):
-                    front = our_prog_id(ipr, link.index, parent, FRONT_PRIO)
-                    behind = our_prog_id(ipr, link.index, parent, FILTER_PRIO)
-                    own_front |= front is not None and front in own
-                    other_front |= front is not None and front not in own
-                    older |= behind is not None and behind not in own
+                    try:
+                        msgs = _filters(ipr, link.index, parent)  # one dump per hook: a node has many
+                    except NetlinkError as exc:
+                        if exc.code != errno.ENODEV:  # a pod device gone meanwhile holds nothing
+                            raise
+                        msgs = []
+                    for msg in msgs:
+                        if _is_ours(msg, FRONT_PRIO):
+                            mine = filter_prog_id(msg) in own
+                            own_front |= mine
+                            other_front |= not mine
+                        elif _is_ours(msg, FILTER_PRIO):
+                            older |= filter_prog_id(msg) not in own
         return HandoverState(own_front, other_front, older)
 
     def _attach(
