@@ -523,9 +523,10 @@ for _ in range(int(sys.argv[3])):
 def test_an_ipv6_cluster_ip_without_endpoints_refuses_a_connection_at_once(dual: Cluster) -> None:
     """kube-proxy's REJECT: each of five connections from a pod is refused (ECONNREFUSED), not
     timed out: by the answer to the SYN's first retransmission (1 s) at the latest. Both modes
-    take that second (about 1.02 s each here): the answer to the first SYN comes back while
-    connect() still holds the socket, and tcp_v6_err keeps an error it meets then as a soft one
-    (README, Machine facts). In eBPF mode tc answers every SYN (an ICMPv6 port unreachable from
+    take that second (about 1.02 s each here): the first SYN is answered too (eBPF mode counts two
+    rejects a connection), but not taken; our reading, unverified, is that it comes back while
+    connect() still holds the socket, where tcp_v6_err keeps an error as a soft one (README,
+    Machine facts). In eBPF mode tc answers every SYN (an ICMPv6 port unreachable from
     the ClusterIP, counted DROP_NO_ENDPOINTS); before, ip6tables beside it did, and the counter
     stayed."""
     before = refusals(dual)
