@@ -1254,7 +1254,9 @@ def test_the_ipv6_carry_leaves_the_nodes_own_ipv6_clients_and_host_backends_by_d
     too: a UDP flow from the node's IPv6 address (a host-network client, whose datagrams the tc
     path never sees) and one whose backend is that address (ip6tables keeps such frontends whole)
     stay with ip6tables; a pod's flow is carried."""
-    sh("ip", "-n", netns, "link", "add", "ekpt0", "type", "veth", "peer", "name", "ekpt1")  # no dummy module here
+    sh(
+        "ip", "-n", netns, "link", "add", "ekpt0", "type", "veth", "peer", "name", "ekpt1"
+    )  # no dummy module here
     sh("ip", "-n", netns, "addr", "add", f"{NODE6_T}/64", "dev", "ekpt0", "nodad")
     sh("ip", "-n", netns, "link", "set", "ekpt0", "up")
     from_node = NatFlow(17, (NODE6_T, VIP6_T, 40010, 53), (BE6_T, NODE6_T, 53, 40010))
@@ -1269,7 +1271,8 @@ def test_the_ipv6_carry_leaves_the_nodes_own_ipv6_clients_and_host_backends_by_d
     )
     maps = fake_maps6()
     # the host backend is one of the Service's backends, as a host-network endpoint is
-    maps["be6"].update(abi.BackendKey(32), abi.Backend6(abi.Addr6(*abi.ip6_words(NODE6_T)), port_be(53), 17, 0))
+    host = abi.Backend6(abi.Addr6(*abi.ip6_words(NODE6_T)), port_be(53), 17, 0)
+    maps["be6"].update(abi.BackendKey(32), host)
     takeover.before_attach(maps)
     carried = {bytes(k) for k, _ in maps["ct6_any"].items()}
     assert carried == {bytes(k) for k, _ in ebpf_entries6(DNS6, IDS, NOW)}

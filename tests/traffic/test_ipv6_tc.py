@@ -228,8 +228,8 @@ def test_an_external_client_reaches_an_ipv6_node_port_whose_only_endpoint_is_on_
 
 # A 4,000-byte datagram (three IPv6 fragments on the lab's links; the backend echoes it, three
 # fragments back), a short one carrying a destination options header and the 4,000 bytes again
-# behind it, each from its own socket to [vip]:53, then an HTTP request over a TCP connection whose every segment carries that header,
-# to [vip]:80; prints what came back.
+# behind it, each from its own socket to [vip]:53, then an HTTP request over a TCP connection
+# whose every segment carries that header, to [vip]:80; prints what came back.
 DATAGRAMS = r"""
 import socket, sys
 vip, port = sys.argv[1], int(sys.argv[2])
