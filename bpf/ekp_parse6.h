@@ -106,8 +106,10 @@ static __always_inline int ekp_is_ext6(__u8 nh)
  * most EKP_IPV6_EXT_MAX of them, so *nh may still be one after it (then not ours). It stops at a
  * fragment header (not an atomic one): what follows a later fragment's is payload, not a header,
  * and a first fragment's next header is then the one every piece of its datagram carries (so a
- * datagram with headers after its fragment header, a socket's IPV6_DSTOPTS, is the stack's
- * whole, all its pieces, and the first fragment's record is keyed by what the later ones see).
+ * datagram with headers after its fragment header, destination options in RFC 8200's order, is
+ * the stack's whole, all its pieces, and the first fragment's record is keyed by what the later
+ * ones see). Linux's own fragmentation puts a socket's IPV6_DSTOPTS before the fragment header
+ * (ip6_find_1stfragopt; after it only behind a routing header): walked, translated as any.
  * 0, or -1 when a header is not walkable. */
 static __always_inline int ekp_parse6_walk(struct __sk_buff *skb, __u32 *off, __u8 *nh, __u8 *frag, __be32 *id)
 {

@@ -67,8 +67,8 @@ def frags6(
     dstopts: bool = False,
 ) -> list[bytes]:
     """A UDP datagram as its sender's stack fragments it for a 1,500-byte link: first fragment first.
-    `dstopts`: the socket set IPV6_DSTOPTS, which Linux puts after the fragment header (in the
-    fragmentable part: only the first fragment holds it)."""
+    `dstopts`: a destination options header after the fragment header, RFC 8200's order (in the
+    fragmentable part: only the first fragment holds it; Linux puts a socket's before it)."""
     from scapy.layers.inet import UDP as UDPh
     from scapy.layers.inet6 import IPv6, IPv6ExtHdrDestOpt, IPv6ExtHdrFragment, PadN, fragment6
     from scapy.layers.l2 import Ether
@@ -200,7 +200,7 @@ def test_a_reversed_datagram_no_translated_flow_can_use_passes_untouched(net: Ne
 
 @pytest.mark.parametrize("order", ["in order", "reversed"])
 def test_a_fragmented_datagram_with_destination_options_goes_to_the_stack_whole(net: Net, order: str) -> None:
-    """A socket's IPV6_DSTOPTS sits after the fragment header: the first fragment's walk would need
+    """Destination options after the fragment header (RFC 8200's order): the first fragment's walk would need
     to go past the fragment header to find UDP, and a later fragment's bytes there are payload, not
     a header. So the walk stops at the fragment header and every piece, in any order, goes to the
     stack untouched (ip6tables translates the datagram it puts together, as before the tc path took
