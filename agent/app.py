@@ -474,11 +474,11 @@ def ipv6_served_by(config: Config) -> str:
         )
         if config.tc_ipv6:
             tc = (
-                "the eBPF tc programs translate the IPv6 TCP flows to Services that reach them (from "
-                "pods and from outside, masqueraded from the node's IPv6 address where IPv4's would be) "
-                "and the ICMPv6 errors about those flows, and "
+                "the eBPF tc programs translate the IPv6 TCP and UDP flows to Services that reach them "
+                "(from pods and from outside, masqueraded from the node's IPv6 address where IPv4's "
+                "would be), their fragments and the ICMPv6 errors about those flows, and "
             )
-            rest = "(UDP, SCTP, fragments, host-network backends, refusals)"
+            rest = "(SCTP, host-network backends, refusals)"
         else:
             tc = ""
             rest = "(the eBPF tc programs' IPv6 path needs --bpf-socket-lb and --bpf-host-routing=bpf)"

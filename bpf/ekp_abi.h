@@ -663,6 +663,28 @@ struct ekp_config6 {
 			      * node's IPv6 address; zero = none known (such flows are left to the stack) */
 };
 
+/* ekp_frag6, ekp_fraghold6 (LRU, written by the tc programs' IPv6 path): IPv6 fragments of UDP
+ * datagrams, ekp_frag / ekp_fraghold with 16-byte addresses and IPv6's 32-bit fragment id (the
+ * fragment header's identification; RFC 8200 reassembles by addresses and id). The values are
+ * IPv4's (struct ekp_frag, struct ekp_fraghold: an IPv6 fragment of a 1,500-byte MTU is a 1,514-byte
+ * frame, within EKP_FRAGHOLD_LEN); the time of the last hold (ekp_fraglast) serves both families. */
+struct ekp_frag6_key {
+	__be32 saddr[4]; /* be: source address as on the wire */
+	__be32 daddr[4]; /* be: destination address as on the wire */
+	__be32 id; /* be: the fragment header's identification */
+	__u8 proto; /* IPPROTO_UDP */
+	__u8 pad[3]; /* zero */
+};
+
+struct ekp_fraghold6_key {
+	__be32 saddr[4]; /* be: as ekp_frag6_key */
+	__be32 daddr[4]; /* be */
+	__be32 id; /* be */
+	__u8 proto; /* IPPROTO_UDP */
+	__u8 slot; /* host: 0..EKP_FRAGHOLD_SLOTS-1, in the order the fragments came */
+	__u16 pad; /* zero */
+};
+
 /* ---- the hand-over of an upgrade (one map per build, not in the registry) --------------------- */
 
 /* ekp_handover (array, one entry; ekp_tc.c): how the tc and XDP programs of one build behave while

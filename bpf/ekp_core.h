@@ -58,7 +58,7 @@ static __always_inline int ekp_main(struct __sk_buff *skb, __u8 scope, __u32 han
 		d->outcome = EKP_STAT_PASS;
 		verdict = TC_ACT_UNSPEC;
 	} else if (d->action == EKP_ACT_HOLD) {
-		verdict = ekp_tc_frag_hold(skb, &w->work.pkt, &w->frag, d);
+		verdict = ekp_tc_frag_hold(skb, &w->work.pkt, &w->frag, &d->outcome);
 	} else if (d->release && ekp_tc_frag_release(skb, &w->work.pkt, &w->frag) < 0) {
 		d->outcome = EKP_DROP_MALFORMED; /* the first fragment could not be put back together */
 		verdict = TC_ACT_SHOT;

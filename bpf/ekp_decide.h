@@ -415,7 +415,7 @@ static __always_inline void ekp_decide_packet(struct ekp_work *w, int parsed, __
 			/* Before its first fragment: held when a translated flow may use these addresses
 			 * (it goes back into the path when the first comes), else left to the stack,
 			 * which reassembles it whatever the order. */
-			if (ekp_frag_may_translate(p, scope, cfg))
+			if (ekp_frag_may_translate(p, scope, cfg->node_addr))
 				ekp_verdict(d, EKP_ACT_HOLD, EKP_STAT_FRAG_HELD);
 			return;
 		}

@@ -38,6 +38,13 @@
 	} while (0)
 #define EKP_A_SEL2(d, c, s, t) __builtin_memcpy(d, (c) ? (s) : (t), 16)
 #define EKP_A_FOLD(a) ekp_fold6(a)
+#define EKP_A_ARG const __be32 *
+#define EKP_FRAGF(x) ekp_frag6_##x
+#define EKP_FRAGHOLDF(x) ekp_fraghold6_##x
+#define EKP_TCFRAGF(x) ekp_tc_frag6_##x
+#define EKP_FRAG_KEY struct ekp_frag6_key
+#define EKP_FRAGHOLD_KEY struct ekp_fraghold6_key
+#define EKP_FRAG_ID(p) ((p)->frag_id)
 #else
 #define EKP_CTF(x) ekp_ct_##x
 #define EKP_SNATF(x) ekp_snat_##x
@@ -62,4 +69,11 @@
 #define EKP_A_SEL(d, c, s) ((d) = (c) ? (s) : 0)
 #define EKP_A_SEL2(d, c, s, t) ((d) = (c) ? (s) : (t))
 #define EKP_A_FOLD(a) (a)
+#define EKP_A_ARG __be32
+#define EKP_FRAGF(x) ekp_frag_##x
+#define EKP_FRAGHOLDF(x) ekp_fraghold_##x
+#define EKP_TCFRAGF(x) ekp_tc_frag_##x
+#define EKP_FRAG_KEY struct ekp_frag_key
+#define EKP_FRAGHOLD_KEY struct ekp_fraghold_key
+#define EKP_FRAG_ID(p) ((p)->ip_id)
 #endif

@@ -69,7 +69,8 @@ struct ekp_icmp6_work {
 	__u8 quote[EKP_ICMP6_QUOTE_MAX]; /* zero tail: adds nothing to the checksum */
 };
 
-/* Whether the sender gets an answer: not for a TCP RST (IPv4's rule, ekp_icmp_wanted), nor to a
+/* Whether the sender gets an answer: not for a TCP RST nor a later fragment (IPv4's rules,
+ * ekp_icmp_wanted: a later fragment's quote holds no ports, so no socket could take it), nor to a
  * source that names no single node (unspecified, multicast: RFC 4443 2.4 e), nor to one the
  * stack's ip6_rcv_core drops as a martian on a wire: loopback (::1) and IPv4-mapped
  * (::ffff:0:0/96, RFC 4291 2.5.5.2), as IPv4's refuses 127/8 and 0/8. */
@@ -77,7 +78,7 @@ static __always_inline int ekp_icmp6_wanted(const struct ekp_pkt6 *p)
 {
 	__u32 first = ntohl(p->saddr[0]);
 
-	if (p->b.tcp_flags & EKP_TCP_RST)
+	if ((p->b.tcp_flags & EKP_TCP_RST) || p->b.frag == EKP_FRAG_LATER)
 		return 0;
 	if ((first >> 24) == 0xff)
 		return 0;

@@ -31,7 +31,8 @@
 	!defined(EKP_MEMBER6_MAX) || !defined(EKP_SRCR6_MAX) || !defined(EKP_ADDR6_MAX) ||                     \
 	!defined(EKP_AFF6_MAX) || !defined(EKP_SKNAT6_MAX) || !defined(EKP_CT6_TCP_MAX) ||                     \
 	!defined(EKP_CT6_ANY_MAX) || !defined(EKP_CTQ6_TCP_MAX) ||                                               \
-	!defined(EKP_CTQ6_ANY_MAX) || !defined(EKP_CTQH6_MAX) || !defined(EKP_CFG6_MAX) || !defined(EKP_CFG6SEL_MAX)
+	!defined(EKP_CTQ6_ANY_MAX) || !defined(EKP_CTQH6_MAX) || !defined(EKP_CFG6_MAX) || !defined(EKP_CFG6SEL_MAX) || \
+	!defined(EKP_FRAG6_MAX) || !defined(EKP_FRHOLD6_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -122,6 +123,9 @@ BPF_TABLE("array", u32, u64, ekp_ctqh6_v2, EKP_CTQH6_MAX);
 /* The IPv6 path's own settings (the node's IPv6 address for SNAT), written by the agent: two slots
  * and their selector, as ekp_cfg_v2 / ekp_cfgsel_v2. */
 BPF_TABLE("array", u32, struct ekp_config6, ekp_cfg6_v2, EKP_CFG6_MAX);
+/* IPv6 fragments of the tc IPv6 path's UDP flows (ekp_frag_af.h), as ekp_frag / ekp_fraghold. */
+BPF_TABLE("lru_hash", struct ekp_frag6_key, struct ekp_frag, ekp_frag6_v2, EKP_FRAG6_MAX);
+BPF_TABLE("lru_hash", struct ekp_fraghold6_key, struct ekp_fraghold, ekp_frhold6_v2, EKP_FRHOLD6_MAX);
 BPF_TABLE("array", u32, struct ekp_config_sel, ekp_cfg6sel_v2, EKP_CFG6SEL_MAX);
 
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
@@ -194,5 +198,10 @@ static __always_inline int ekp_ct6_insert(struct ekp_ct6_key *k, struct ekp_ct6_
 static __always_inline int ekp_ct6_delete(struct ekp_ct6_key *k);
 static __always_inline struct ekp_config6 *ekp_cfg6_lookup(u32 *k);
 static __always_inline struct ekp_config_sel *ekp_cfg6sel_lookup(u32 *k);
+static __always_inline struct ekp_frag *ekp_frag6_lookup(struct ekp_frag6_key *k);
+static __always_inline int ekp_frag6_update(struct ekp_frag6_key *k, struct ekp_frag *v);
+static __always_inline struct ekp_fraghold *ekp_fraghold6_lookup(struct ekp_fraghold6_key *k);
+static __always_inline int ekp_fraghold6_insert(struct ekp_fraghold6_key *k, struct ekp_fraghold *v);
+static __always_inline int ekp_fraghold6_delete(struct ekp_fraghold6_key *k);
 
 #endif /* EKP_MAPS_H */

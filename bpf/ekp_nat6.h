@@ -25,8 +25,9 @@
 #include "ekp_nat.h"
 #include "ekp_parse6.h"
 
-/* Replaces the 16-byte address at `off` and fixes the L4 checksum for it (its pseudo header).
- * 0 or -1. */
+/* Replaces the 16-byte address at `off` and fixes the L4 checksum for it (its pseudo header): a
+ * later fragment has no L4 header (its datagram's checksum is fixed in the first fragment, which is
+ * rewritten as a whole packet), so only the address and skb->csum change. 0 or -1. */
 static __always_inline int ekp_set_addr6(struct __sk_buff *skb, const struct ekp_pkt6 *p, __u32 off,
 					 const __be32 *old, const __be32 *new)
 {
@@ -34,12 +35,13 @@ static __always_inline int ekp_set_addr6(struct __sk_buff *skb, const struct ekp
 
 	if (diff < 0)
 		return -1;
-	if (bpf_l4_csum_replace(skb, ekp_l4_csum_off(&p->b), 0, diff, ekp_l4_csum_flags(&p->b) | BPF_F_PSEUDO_HDR) < 0)
+	if (p->b.frag != EKP_FRAG_LATER &&
+	    bpf_l4_csum_replace(skb, ekp_l4_csum_off(&p->b), 0, diff, ekp_l4_csum_flags(&p->b) | BPF_F_PSEUDO_HDR) < 0)
 		return -1;
 	return bpf_skb_store_bytes(skb, off, (void *)new, 16, BPF_F_RECOMPUTE_CSUM) < 0 ? -1 : 0;
 }
 
-/* Rewrites the packet to saddr:sport -> daddr:dport. 0 or -1. */
+/* Rewrites the packet (or fragment: its addresses alone) to saddr:sport -> daddr:dport. 0 or -1. */
 static __always_inline int ekp_rewrite6(struct __sk_buff *skb, const struct ekp_pkt6 *p, const __be32 *saddr,
 					__be16 sport, const __be32 *daddr, __be16 dport)
 {
@@ -47,6 +49,8 @@ static __always_inline int ekp_rewrite6(struct __sk_buff *skb, const struct ekp_
 		return -1;
 	if (!ekp_addr6_eq(daddr, p->daddr) && ekp_set_addr6(skb, p, EKP_IP6_DADDR_OFF, p->daddr, daddr) < 0)
 		return -1;
+	if (p->b.frag == EKP_FRAG_LATER)
+		return 0;
 	if (ekp_set_port(skb, &p->b, 0, p->b.sport, sport) < 0 || ekp_set_port(skb, &p->b, 2, p->b.dport, dport) < 0)
 		return -1;
 	return 0;

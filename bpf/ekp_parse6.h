@@ -60,6 +60,8 @@ struct ekp_pkt6 {
 	__be32 in_daddr[4]; /* be: and destination */
 	__u8 hop_limit;
 	__u8 pad[3];
+	__be32 frag_id;    /* be: a fragment's identification (its fragment header), the key its
+			    * datagram's pieces are found by (ekp_frag6.h) */
 };
 
 static __always_inline int ekp_addr6_eq(const __be32 *a, const __be32 *b)
@@ -68,8 +70,8 @@ static __always_inline int ekp_addr6_eq(const __be32 *a, const __be32 *b)
 }
 
 /* One extension header at `*off`: the next header and its length (a fragment header: the kind of
- * fragment into *frag). 0, or -1 when not walkable. */
-static __always_inline int ekp_parse6_ext(struct __sk_buff *skb, __u32 *off, __u8 *nh, __u8 *frag)
+ * fragment into *frag, its identification into *id). 0, or -1 when not walkable. */
+static __always_inline int ekp_parse6_ext(struct __sk_buff *skb, __u32 *off, __u8 *nh, __u8 *frag, __be32 *id)
 {
 	__u8 hdr[8];
 
@@ -81,6 +83,7 @@ static __always_inline int ekp_parse6_ext(struct __sk_buff *skb, __u32 *off, __u
 			*frag = EKP_FRAG_LATER;
 		else if (fo & 1)
 			*frag = EKP_FRAG_FIRST;
+		__builtin_memcpy(id, hdr + 4, 4);
 		*nh = hdr[0];
 		*off += 8;
 		return 0;
@@ -102,13 +105,13 @@ static __always_inline int ekp_is_ext6(__u8 nh)
 /* Walks the extension headers from `*off` (next header `*nh`) toward the transport header: at
  * most EKP_IPV6_EXT_MAX of them, so *nh may still be one after it (then not ours). 0, or -1 when
  * a header is not walkable. */
-static __always_inline int ekp_parse6_walk(struct __sk_buff *skb, __u32 *off, __u8 *nh, __u8 *frag)
+static __always_inline int ekp_parse6_walk(struct __sk_buff *skb, __u32 *off, __u8 *nh, __u8 *frag, __be32 *id)
 {
 #pragma unroll
 	for (int i = 0; i < EKP_IPV6_EXT_MAX; i++) {
 		if (!ekp_is_ext6(*nh))
 			break;
-		if (ekp_parse6_ext(skb, off, nh, frag) < 0)
+		if (ekp_parse6_ext(skb, off, nh, frag, id) < 0)
 			return -1;
 	}
 	return 0;
@@ -120,13 +123,14 @@ static __always_inline int ekp_parse6_quote(struct __sk_buff *skb, struct ekp_pk
 {
 	struct ipv6hdr ip;
 	__u8 frag = EKP_FRAG_NONE;
+	__be32 id = 0;
 	__u8 csum_word[4];
 
 	if (bpf_skb_load_bytes(skb, inner, &ip, sizeof(ip)) < 0 || ip.version != 6)
 		return EKP_PARSE_PASS; /* a quote too short to be about a flow */
 	__u8 nh = ip.nexthdr;
 	__u32 off = inner + sizeof(ip);
-	if (ekp_parse6_walk(skb, &off, &nh, &frag) < 0 || frag == EKP_FRAG_LATER ||
+	if (ekp_parse6_walk(skb, &off, &nh, &frag, &id) < 0 || frag == EKP_FRAG_LATER ||
 	    (nh != IPPROTO_TCP && nh != IPPROTO_UDP))
 		return EKP_PARSE_PASS;
 	/* RFC 4443 quotes as much as fits in 1280 bytes; the ports and, for the checksum, the first 8
@@ -168,7 +172,7 @@ static __always_inline int ekp_parse6(struct __sk_buff *skb, struct ekp_pkt6 *p)
 
 	__u8 nh = ip.nexthdr;
 	__u32 off = EKP_IP6_OFF + sizeof(ip);
-	if (ekp_parse6_walk(skb, &off, &nh, &p->b.frag) < 0)
+	if (ekp_parse6_walk(skb, &off, &nh, &p->b.frag, &p->frag_id) < 0)
 		return EKP_PARSE_PASS;
 	if (nh == EKP_NH_ICMPV6 && p->b.frag == EKP_FRAG_NONE) {
 		__u8 icmp[2];

@@ -89,12 +89,6 @@ static __always_inline int EKP_SNATF(find)(EKP_CT_KEY *rkey, const EKP_PKT *p,
 {
 	if (EKP_PB(p)->proto == IPPROTO_TCP)
 		return EKP_SNATF(walk)(rkey, p, cfg, now, f, 1);
-#if EKP_CT_V6
-	/* The tc IPv6 path starts TCP flows alone (ekp_tc6.h): a second walk for the other table would
-	 * be verified for nothing, each walk being most of the program's verification. */
-	return EKP_DROP_SNAT_PORTS;
-#else
 	return EKP_SNATF(walk)(rkey, p, cfg, now, f, 0);
-#endif
 }
 

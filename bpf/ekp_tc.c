@@ -339,6 +339,32 @@ static __always_inline struct ekp_config_sel *ekp_cfg6sel_lookup(u32 *k)
 	return ekp_cfg6sel_v2.lookup(k);
 }
 
+/* The IPv6 path's fragments (ekp_frag_af.h), as ekp_frag / ekp_fraghold. */
+static __always_inline struct ekp_frag *ekp_frag6_lookup(struct ekp_frag6_key *k)
+{
+	return ekp_frag6_v2.lookup(k);
+}
+
+static __always_inline int ekp_frag6_update(struct ekp_frag6_key *k, struct ekp_frag *v)
+{
+	return ekp_frag6_v2.update(k, v);
+}
+
+static __always_inline struct ekp_fraghold *ekp_fraghold6_lookup(struct ekp_fraghold6_key *k)
+{
+	return ekp_frhold6_v2.lookup(k);
+}
+
+static __always_inline int ekp_fraghold6_insert(struct ekp_fraghold6_key *k, struct ekp_fraghold *v)
+{
+	return ekp_frhold6_v2.insert(k, v);
+}
+
+static __always_inline int ekp_fraghold6_delete(struct ekp_fraghold6_key *k)
+{
+	return ekp_frhold6_v2.delete(k);
+}
+
 static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 {
 	u32 zero = 0;

@@ -4,7 +4,8 @@
  * ekp_from_pod / ekp_from_net by a tail call (ekp_tc.c), so the IPv4 programs' verification and
  * per-packet work do not grow with it (Cilium splits its programs per family the same way).
  *
- *   parse (ekp_parse6.h) -> conntrack (ekp_ct6.h: IPv4's conntrack code for IPv6, FORWARD then
+ *   parse (ekp_parse6.h) -> a fragment: its ports recorded or looked up, or held (ekp_frag6.h)
+ *                        -> conntrack (ekp_ct6.h: IPv4's conntrack code for IPv6, FORWARD then
  *                           REPLY, ekp_ct6_tcp / ekp_ct6_any, early-drop rings ekp_ctq6_*)
  *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1),
  *                           source translation decided (ekp_tc6_wants_snat), or a direct
@@ -14,15 +15,22 @@
  *   an ICMPv6 error      -> conntrack of the quoted flow (ekp_tc6_related) -> route, outer and
  *                           quote rewritten, hop limit - 1, redirect
  *
- * What it translates: TCP flows to a frontend, with the source translated to the node's IPv6
- * address (ekp_cfg6) where IPv4 would translate it (SNAT_ALL, SNAT_REMOTE with a remote backend,
- * a hairpin), and the ICMPv6 errors about them. Every other packet goes to the node's stack
- * untouched, where the ip6tables proxier beside the eBPF programs (agent/metaproxier.py,
- * EbpfAndIp6tables) does what it did before this path existed:
- *   - UDP and SCTP: a UDP flow owned here would lose what the stack does for it (a backend's
- *     fragmented answers, ICMPv6 errors quoting the translated tuple: nf_conntrack knows neither
- *     flow, and ekp_tc6_related translates errors about TCP flows alone), and a UDP flow
- *     ip6tables started has no first packet to tell it from a new one, so tc would decide it again;
+ * What it translates: TCP and UDP flows to a frontend, with the source translated to the node's
+ * IPv6 address (ekp_cfg6) where IPv4 would translate it (SNAT_ALL, SNAT_REMOTE with a remote
+ * backend, a hairpin), their fragments and the ICMPv6 errors about them, as IPv4's path does:
+ *   - fragments (ekp_frag6.h: IPv4's code, ekp_frag_af.h and ekp_tc_frag_af.h, for IPv6): the first
+ *     fragment decides and records its ports under (addresses, fragment id); the later ones follow
+ *     it (a hit translates their addresses; they never start a flow); one that comes before its
+ *     first is held (ekp_frhold6) when a translated flow may use its addresses, and put back into
+ *     its device when the first comes; else the stack reassembles it;
+ *   - ICMPv6 errors quoting a packet of a flow of this path, TCP or UDP (ekp_tc6_related);
+ *   - UDP flows ip6tables translated before this path took UDP (a restart, an upgrade): the agent
+ *     carries them from nf_conntrack into ekp_ct6_any before the programs attach
+ *     (agent/takeover/into_ebpf.py, _carry6), so their next datagrams keep their backend rather
+ *     than being decided again (a UDP datagram has no first packet to tell a new flow by).
+ * Every other packet goes to the node's stack untouched, where the ip6tables proxier beside the
+ * eBPF programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
+ *   - SCTP (ekp_parse6 stops at it: its CRC32c has no IPv6 caller here);
  *   - a frontend that would need ip6tables for some of its backends, left whole before the choice
  *     so that one proxier chooses among all its backends (and one owns its affinity): one with a
  *     backend on the node's own address (EKP_FE_HOST_BACKEND: that backend's replies leave by the
@@ -34,16 +42,14 @@
  *     ranges;
  *   - a mid-flow TCP segment without an entry (a flow ip6tables translated before: nf_conntrack
  *     has it);
- *   - fragments, first and later: a translated first fragment would leave its later pieces to a
- *     stack that can never reassemble them, so the whole datagram goes to the stack, which
- *     reassembles and translates it;
  *   - ICMPv6 but errors about a flow translated here (Packet Too Big, destination unreachable,
  *     time exceeded, parameter problem: ekp_tc6_related translates those back, as nf_nat does for
  *     the flows ip6tables translated), a new flow's first packet too big for the route or at
  *     its last hop (the stack and ip6tables answer it as they would without this path), no
- *     route. A segment of a flow of the path too big for its route or at its last hop is
- *     answered here (ekp_tc6_answer: Packet Too Big, time exceeded), as IPv4's path answers one
- *     too big: the stack has no nf_conntrack entry for the flow.
+ *     route. A packet of a flow of the path too big for its route or at its last hop is
+ *     answered here (ekp_tc6_answer: Packet Too Big, time exceeded; nothing for a later
+ *     fragment, whose quote would hold no ports), as IPv4's path answers one too big: the stack
+ *     has no nf_conntrack entry for the flow.
  * Conntrack is IPv4's, the same code (ekp_ct_af.h): state and timeouts, twins rebuilt, orphaned
  * flows, closed flows reclaimed by a SYN, the early-drop ring, the SNAT port walk. A new flow whose
  * reply tuple a live flow of another frontend holds (one client port to one backend through two
@@ -63,6 +69,7 @@
 #include "ekp_act.h"
 #include "ekp_ct6.h"
 #include "ekp_decide.h"
+#include "ekp_frag6.h"
 #include "ekp_icmp6.h"
 #include "ekp_lb.h"
 #include "ekp_nat6.h"
@@ -82,11 +89,14 @@ struct ekp_tc6_scratch {
 	struct ekp_flow6 flow;
 	struct ekp_ctq6_req queue; /* a flow that began or closed, for the early-drop ring */
 	long rc;                   /* a new flow's route (ekp_tc6_route), kept across ekp_ct6_create */
-	__u8 reopens;              /* a SYN on an ended flow's FORWARD entry: that flow's entries go
-				    * if the packet goes to the stack (see ekp_main6's end) */
+	__u8 reopens;              /* a SYN on an ended flow's FORWARD entry, or a datagram of a UDP flow
+				    * whose backend left its Service (ekp_ct_usable_forward): that flow's
+				    * entries go if the packet goes to the stack (see ekp_main6's end) */
 	struct ekp_icmp6_nat icmp; /* an ICMPv6 error's translation (ekp_tc6_related) */
 	__be32 node[4];            /* the node's IPv6 address for a new flow (ekp_tc6_node_addr) */
 	struct ekp_icmp6_work icmp6; /* the ICMPv6 error answering a segment (ekp_tc6_answer) */
+	struct ekp_fraghold frag;  /* a fragment to hold, or a first fragment saved while the held go
+				    * back (ekp_tc_frag6_hold, ekp_tc_frag6_release) */
 };
 
 static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);
@@ -371,9 +381,10 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		verdict = ekp_tc6_related(skb, w, scope, bridge, cfg, &outcome);
 		goto out;
 	}
-	/* TCP alone (UDP and SCTP: ip6tables') */
-	if (parsed != EKP_PARSE_OK || p->b.proto != IPPROTO_TCP || p->b.frag != EKP_FRAG_NONE || !cfg ||
-	    (cfg->flags & EKP_CFG_HOST_LEGACY) || !ekp_tc6_may_translate(p, scope, cfg))
+	/* TCP and UDP, whole or in fragments (SCTP: ip6tables'; ekp_parse6 passes it) */
+	if ((parsed != EKP_PARSE_OK && parsed != EKP_PARSE_LATER) || !cfg || (cfg->flags & EKP_CFG_HOST_LEGACY))
+		goto out;
+	if (p->b.frag == EKP_FRAG_NONE && !ekp_tc6_may_translate(p, scope, cfg))
 		goto out;
 
 	__u64 now = bpf_ktime_get_ns();
@@ -382,13 +393,37 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	__be16 sp, dp;
 	long rc;
 
+	/* Fragments (ekp_frag.h, IPv4's code): a later one takes its datagram's ports from the first
+	 * and is then a packet of that flow (a hit translates its addresses; it never starts a flow);
+	 * one that came before its first is held when a translated flow may use its addresses, else
+	 * the stack reassembles it. A first fragment records its ports and puts the held ones back
+	 * into their devices, where they run through here again after this run. */
+	if (parsed == EKP_PARSE_LATER) {
+		if (!ekp_frag6_ports(p)) {
+			__builtin_memset(w->node, 0, sizeof(w->node)); /* none known: no SNAT address */
+			ekp_tc6_node_addr(w->node);
+			if (ekp_frag6_may_translate(p, scope, w->node)) {
+				outcome = EKP_STAT_FRAG_HELD;
+				verdict = ekp_tc_frag6_hold(skb, p, &w->frag, &outcome);
+			}
+			goto out;
+		}
+	} else if (p->b.frag == EKP_FRAG_FIRST) {
+		ekp_frag6_record(p);
+		if (ekp_frag6_held(p, now) && ekp_tc_frag6_release(skb, p, &w->frag) < 0) {
+			outcome = EKP_DROP_MALFORMED; /* the first fragment could not be put back together */
+			verdict = TC_ACT_SHOT;
+			goto out;
+		}
+	}
+
 	__builtin_memset(k, 0, sizeof(*k));
 	ekp_ct6_key_of(k, p, EKP_CT_FORWARD);
 	struct ekp_ct6_entry *e = ekp_ct6_lookup(k);
 	if (e && !ekp_ct6_alive(e, k, cfg, now))
 		e = NULL; /* dead: the new-flow path below */
 	if (e && !ekp_ct6_usable_forward(e, &p->b)) {
-		w->reopens = 1; /* a SYN reusing an ended flow's port: the new-flow path below */
+		w->reopens = 1; /* a SYN reusing an ended flow's port, a UDP flow's backend gone: decided again */
 		e = NULL;
 	}
 	if (!e) {
@@ -426,6 +461,8 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
 			goto out;
 		outcome = k->dir == EKP_CT_FORWARD ? EKP_STAT_CT_FORWARD : EKP_STAT_CT_REPLY;
+		if (p->b.frag == EKP_FRAG_LATER)
+			ekp_count(EKP_STAT_FRAGMENTS);
 		verdict = ekp_tc6_send(skb, w, rc, sa, sp, da, dp, &outcome);
 		goto out;
 	}

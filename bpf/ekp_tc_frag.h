@@ -16,6 +16,10 @@
  * it clones is the one in hand, hence the save and restore (a few microseconds, only for a
  * datagram that came out of order). The restored skb has the same bytes and length, so the parsed
  * packet and its decision stay valid.
+ *
+ * HOLD and release are ekp_tc_frag_af.h, one text for both families: instantiated here for IPv4
+ * (ekp_tc_frag_hold, ekp_tc_frag_release) and in ekp_frag6.h for the tc IPv6 path
+ * (ekp_tc_frag6_hold, ekp_tc_frag6_release).
  */
 #ifndef EKP_TC_FRAG_H
 #define EKP_TC_FRAG_H
@@ -56,62 +60,8 @@ static __always_inline int ekp_tc_frag_write(struct __sk_buff *skb, const __u8 *
 	return bpf_skb_store_bytes(skb, ETH_HLEN, data + ETH_HLEN, len - ETH_HLEN, BPF_F_RECOMPUTE_CSUM);
 }
 
-/* HOLD: returns the verdict; d->outcome is FRAG_HELD, or the drop. */
-static __always_inline int ekp_tc_frag_hold(struct __sk_buff *skb, const struct ekp_pkt *p,
-					    struct ekp_fraghold *v, struct ekp_decision *d)
-{
-	struct ekp_fraghold_key k = {};
-	__u64 len = ekp_tc_frag_len(skb->len);
-
-	if (!len || bpf_skb_load_bytes(skb, 0, v->data, len) < 0) {
-		d->outcome = EKP_DROP_FRAG_NO_FIRST;
-		return TC_ACT_SHOT;
-	}
-	v->len = len;
-	v->ifindex = skb->ifindex;
-#pragma clang loop unroll(disable)
-	for (__u8 slot = 0; slot < EKP_FRAGHOLD_SLOTS; slot++) {
-		ekp_fraghold_key_of(&k, p, slot);
-		if (ekp_fraghold_lookup(&k))
-			continue;
-		/* BPF_NOEXIST: another CPU holding a fragment of the datagram may have taken it */
-		if (ekp_fraghold_insert(&k, v) == 0) {
-			__u32 zero = 0;
-			__u64 *last = ekp_fraglast_lookup(&zero);
-			if (last)
-				*last = bpf_ktime_get_ns(); /* first fragments look for held ones from now on */
-			return TC_ACT_SHOT; /* held: the copy goes back in when the first fragment comes */
-		}
-	}
-	d->outcome = EKP_DROP_FRAG_NO_FIRST;
-	return TC_ACT_SHOT;
-}
-
-/* release: every held fragment of the datagram of `p` (its first fragment, in the skb) goes back
- * into its device. 0, or -1 when the first fragment could not be restored (drop it then). */
-static __always_inline int ekp_tc_frag_release(struct __sk_buff *skb, const struct ekp_pkt *p,
-					       struct ekp_fraghold *saved)
-{
-	struct ekp_fraghold_key k = {};
-	__u64 len = ekp_tc_frag_len(skb->len);
-
-	if (!len || bpf_skb_load_bytes(skb, 0, saved->data, len) < 0)
-		return 0; /* cannot save this one: the held fragments wait for the LRU (datagram lost) */
-	int changed = 0;
-#pragma clang loop unroll(disable)
-	for (__u8 slot = 0; slot < EKP_FRAGHOLD_SLOTS; slot++) {
-		ekp_fraghold_key_of(&k, p, slot);
-		struct ekp_fraghold *h = ekp_fraghold_lookup(&k);
-		if (!h)
-			continue;
-		changed = 1;
-		if (ekp_tc_frag_write(skb, h->data, h->len) == 0 && bpf_clone_redirect(skb, h->ifindex, BPF_F_INGRESS) == 0)
-			ekp_count(EKP_STAT_FRAG_RELEASED);
-		ekp_fraghold_delete(&k);
-	}
-	if (changed && ekp_tc_frag_write(skb, saved->data, len) < 0)
-		return -1;
-	return 0;
-}
+#define EKP_CT_V6 0
+#include "ekp_tc_frag_af.h"
+#undef EKP_CT_V6
 
 #endif /* EKP_TC_FRAG_H */

@@ -23,3 +23,10 @@
 #undef EKP_A_SEL
 #undef EKP_A_SEL2
 #undef EKP_A_FOLD
+#undef EKP_A_ARG
+#undef EKP_FRAGF
+#undef EKP_FRAGHOLDF
+#undef EKP_TCFRAGF
+#undef EKP_FRAG_KEY
+#undef EKP_FRAGHOLD_KEY
+#undef EKP_FRAG_ID

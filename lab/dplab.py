@@ -127,6 +127,8 @@ TEST_ROLES = (
     "ctq6_tcp",
     "ctq6_any",
     "ctqh6",
+    "frag6",
+    "frhold6",
 )
 
 CFG = abi.Config(

@@ -556,6 +556,14 @@ class Config6(_Struct):
     _fields_ = [("node_addr", Addr6)]
 
 
+class Frag6Key(_Struct):
+    _fields_ = [("saddr", Addr6), ("daddr", Addr6), ("id", u32), ("proto", u8), ("pad", u8 * 3)]
+
+
+class FragHold6Key(_Struct):
+    _fields_ = [("saddr", Addr6), ("daddr", Addr6), ("id", u32), ("proto", u8), ("slot", u8), ("pad", u16)]
+
+
 # Every struct of the header, by its C name; the ABI test walks this.
 STRUCTS: dict[str, type[_Struct]] = {
     "ekp_frontend_key": FrontendKey,
@@ -604,6 +612,8 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_ct6_entry": Ct6Entry,
     "ekp_config6": Config6,
     "ekp_ctq6_slot": Ctq6Slot,
+    "ekp_frag6_key": Frag6Key,
+    "ekp_fraghold6_key": FragHold6Key,
     "ekp_handover": Handover,
 }
 
@@ -710,8 +720,8 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("addr6", "hash", Addr6Key, Addr, 262144, "EKP_ADDR6_MAX", pair="addr"),
         MapSpec("aff6", "lru_hash", Affinity6Key, Affinity, 65536, "EKP_AFF6_MAX", _DP, pair="aff"),
         MapSpec("sknat6", "lru_hash", Sock6Key, Sock6Nat, 65536, "EKP_SKNAT6_MAX", _DP, pair="sknat"),
-        # the tc programs' IPv6 conntrack (bpf/ekp_tc6.h), each sized as its IPv4 twin where written
-        # (ct6_any is not while the path is TCP-only: one entry, agent/ebpf/loader.py TC6_UNWRITTEN);
+        # the tc programs' IPv6 conntrack (bpf/ekp_tc6.h), each sized as its IPv4 twin where that
+        # path serves (one entry where not, agent/ebpf/loader.py TC6_ROLES);
         # v3: IPv4's entry field for field (v2's entries had no SNAT fields: that path left source
         # translations to ip6tables)
         MapSpec("ct6_tcp", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_TCP_MAX", _DP, version=3, pair="ct_tcp"),
@@ -724,6 +734,9 @@ MAPS: dict[str, MapSpec] = {
         # IPv6 family's sync, agent/ebpf/family6.py), two slots and a selector as cfg / cfgsel
         MapSpec("cfg6", "array", ctypes.c_uint32, Config6, 2, "EKP_CFG6_MAX"),
         MapSpec("cfg6sel", "array", ctypes.c_uint32, ConfigSel, 1, "EKP_CFG6SEL_MAX"),
+        # the tc IPv6 path's fragments (bpf/ekp_frag6.h), sized as IPv4's where that path serves
+        MapSpec("frag6", "lru_hash", Frag6Key, Frag, 8192, "EKP_FRAG6_MAX", _DP, pair="frag"),
+        MapSpec("frhold6", "lru_hash", FragHold6Key, FragHold, 1024, "EKP_FRHOLD6_MAX", _DP, pair="fraghold"),
     )
 }
 

@@ -65,6 +65,15 @@ class Backends:
         where the plan does not use it (a restart's hundred thousand)."""
         ids, hints, entries, fresh, pool = self.ids, self.hints, self._entries, self._new, self.pool
         out: list[int] = []
+        if not hints:  # no kernel ids to re-adopt (all but a restart's first plan)
+            take = pool.take
+            for ident in idents:
+                bid = ids.get(ident)
+                if bid is None:
+                    bid = ids[ident] = take()
+                    fresh[bid] = ident
+                out.append(bid)
+            return out
         for ident in idents:
             bid = ids.get(ident)
             if bid is None:
@@ -82,7 +91,7 @@ class Backends:
         out: list[tuple[int, int | None]] = []
         entries, refs_of, fresh = self._entries, self._refs, self._new
         for bid, flags in new.items():
-            before = old.get(bid)
+            before = old.get(bid) if old else None
             if before == flags:
                 continue
             ident = fresh.pop(bid, None)

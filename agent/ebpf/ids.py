@@ -43,6 +43,9 @@ class IdPool:
         self._owned = owned
         self._held: set[int] = set()
         self._next = 1
+        # Every id in use (owned or held) is below `_next` until the pool first wraps: `take`
+        # hands `_next` out unchecked until then (a first sync's hundred thousand backend ids).
+        self._wrapped = False
 
     def __contains__(self, ident: int) -> bool:
         return ident in self._owned or ident in self._held
@@ -56,6 +59,10 @@ class IdPool:
             if hint >= self._next:  # `_seen`, inline: a start takes a hundred thousand hints
                 self._next = hint + 1
             return hint
+        ident = self._next
+        if not self._wrapped and ident <= self._limit:
+            self._next = ident + 1
+            return ident
         for _ in range(2):
             ident = self._next
             while ident <= self._limit:
@@ -64,6 +71,7 @@ class IdPool:
                     return ident
                 ident += 1
             self._next = 1  # wrap once
+            self._wrapped = True
         raise PlanError(f"no free {self._what} id left (limit {self._limit})")
 
     def adopt(self, hint: int) -> int:

@@ -123,15 +123,13 @@ ROLE_FLAGS: dict[str, int] = {
     **{role: BPF_F_NO_PREALLOC for role in V6_ROLES.values() if MAPS[role].kind == "hash"},
 }
 
-# The conntrack tables of the tc programs' IPv6 path (bpf/ekp_tc6.h), its only writer, and their
-# early-drop rings: when that path does not serve (MapSizes.ipv6_tc), each is created with IDLE_SIZE
-# entries, and a pin of the other size is replaced at load (`replace_resized_ipv6_pins`): what it
-# holds no program reads.
-TC6_ROLES = frozenset({"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any"})
+# The conntrack tables of the tc programs' IPv6 path (bpf/ekp_tc6.h), its only writer, their
+# early-drop rings and its fragment tables: when that path does not serve (MapSizes.ipv6_tc), each is
+# created with IDLE_SIZE entries, and a pin of the other size is replaced at load
+# (`replace_resized_ipv6_pins`): what it holds no program reads. (Before the path took UDP,
+# ekp_ct6_any and its ring stayed idle either way: such a pin is replaced the same way.)
+TC6_ROLES = frozenset({"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "frag6", "frhold6"})
 IDLE_SIZE = 1
-# ... of which the path writes none yet: it translates TCP alone (bpf/ekp_tc6.h), so ekp_ct6_any
-# and its ring stay at IDLE_SIZE whatever MapSizes.ipv6_tc says, until UDP is translated there.
-TC6_UNWRITTEN = frozenset({"ct6_any", "ctq6_any"})
 # The programs of that path, reached only through ekp_calls6: loaded, pinned and verified only where
 # it serves (Datapath.programs). The switch needs no load of its own: the path's table sizes are
 # compiled in, so a start that turns it on or off is another build, loaded whole (or reused whole).
@@ -163,7 +161,7 @@ def map_size(spec: MapSpec, sizes: MapSizes) -> int:
     size left to be derived (0) that nobody resolved takes kube-proxy's default conntrack
     settings on this machine's CPUs (the proxier resolves it from Config.conntrack first). An
     early-drop ring follows its conntrack table (a pinned table keeps its size, so its ring does)."""
-    if spec.role in TC6_ROLES and (not sizes.ipv6_tc or spec.role in TC6_UNWRITTEN):
+    if spec.role in TC6_ROLES and not sizes.ipv6_tc:
         return IDLE_SIZE
     table = next((ct for ct, ring in CT_QUEUES.items() if ring == spec.role), None)
     if table is not None:  # an early-drop ring: a quarter of its table's entries
@@ -473,8 +471,8 @@ class Datapath:
         resized = replace_resized_ipv6_pins(self.pin_path, self.sizes)
         if resized:
             log.info(
-                "IPv6 conntrack tables and early-drop rings %s recreated at %s (the tc programs' IPv6 path "
-                "%s): the IPv4 tables and their flows are kept",
+                "IPv6 conntrack, early-drop ring and fragment tables %s recreated at %s (the tc programs' "
+                "IPv6 path %s): the IPv4 tables and their flows are kept",
                 ", ".join(resized),
                 "full size" if self.sizes.ipv6_tc else f"{IDLE_SIZE} entry each",
                 "serves now" if self.sizes.ipv6_tc else "no longer serves",

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from operator import attrgetter
 from socket import inet_aton
 from typing import cast
 
@@ -88,7 +89,7 @@ from agent.ebpf.ids import (
 from agent.ebpf.layout import KINDS, Fe, SetKind, config_entry, frontends, maglev_tables, slots, source_ranges
 from agent.ebpf.writer import FlushResult, Pending, RawMap, flush, port_order
 from agent.localdetect import LocalDetector
-from agent.model.types import ProxyState, ServiceEndpoints, ServicePort, ServicePortName
+from agent.model.types import Endpoint, ProxyState, ServiceEndpoints, ServicePort, ServicePortName
 
 __all__ = ["ROLES", "FlushResult", "PlanError", "Planner", "RawMap", "config_entry"]
 
@@ -107,6 +108,10 @@ _LOCAL = int(FrontendFlag.LOCAL)
 _SOURCE_RANGES = int(FrontendFlag.SOURCE_RANGES)
 _HOST_BACKEND = int(FrontendFlag.HOST_BACKEND)
 _NO_EPS = ServiceEndpoints()
+_IP, _PORT = attrgetter("ip"), attrgetter("port")
+_IS_LOCAL, _TERMINATING = attrgetter("is_local"), attrgetter("terminating")
+_U32_CODE = next(code for code in ("I", "L") if array(code).itemsize == 4)
+_BIG_ENDIAN = sys.byteorder == "big"
 _ADDRESSED = ("fe", "be")  # the roles `addr` is derived from
 _RNAT_VALUE = (1 << FE_PROTO) - 1  # a reverse-NAT entry: the frontend's address and port
 
@@ -317,7 +322,7 @@ class Planner:
         self._replanned.add(spn)
         new_be: dict[int, int] = {}  # the backends of the new fragment, unpacked
         new = Fragment() if sp is None or eps is None else self._build(spn, old, sp, eps, new_be)
-        old_be = _backends_of(old.backends)
+        old_be = _backends_of(old.backends) if old.backends else {}
         if sp is None:
             self._frags.pop(spn, None)
         else:
@@ -332,14 +337,14 @@ class Planner:
             for key in new.blocked:
                 self._fe_waiting.setdefault(key, set()).add(spn)
         woken.update(new.taken_from)
-        for key in set(old.fes) - set(new.fes):
+        for key in set(old.fes).difference(new.fes) if old.fes else ():
             if self._fe_owner.get(key) != spn:
                 continue  # a port ordered before this one took it: its entry is in place
             del self._fe_owner[key]
             self._drop("fe", key)
             woken.update(self._fe_waiting.get(key, ()))
         # Sets the port no longer has (or has under another id): every slot goes, the id is freed.
-        new_sets = _sets_of(new)
+        new_sets = _sets_of(new) if old.sets else {}
         for kind, set_id, count in old.sets:
             now = new_sets.get(kind)
             if now is not None and now[0] == set_id:
@@ -414,10 +419,9 @@ class Planner:
             if fe.rnat not in rnats:
                 rnats[fe.rnat] = old_rnats.get(fe.rnat) or self._rnat_id(fe.rnat, fe.key)
         proto = sp.protocol.number << 48
-        node_ips = self.node.node_ips  # an endpoint on one of them is a host-network one here
+        node_ips = frozenset(self.node.node_ips)  # an endpoint on one of them is a host-network one here
         backends = new_be
         ids_of = self.backends.ids_of
-        from_bytes = int.from_bytes
         put, drop = self._put, self._drop
         sd, sp_ = self.desired["slot"], self.pending["slot"]
         md, mp = self.desired["member"], self.pending["member"]
@@ -431,27 +435,29 @@ class Planner:
             if kind not in kinds:
                 continue
             chosen = eps.cluster if kind == "cluster" else eps.local
-            # the address as the entries hold it: IPv4's own, or the IPv6 planner's handle
-            if ip is None:
-                idents = [
-                    from_bytes(inet_aton(ep.ip), "little")
-                    | ((ep.port & 0xFF) << 8 | ep.port >> 8) << 32
-                    | proto
-                    for ep in chosen
-                ]
+            order = ids_of(_idents(chosen, proto, ip))
+            # Flags only where an endpoint says something: checked for the whole set in C first
+            # (on a start nearly every set says nothing: no per-endpoint loop in Python).
+            if (
+                any(map(_IS_LOCAL, chosen))
+                or any(map(_TERMINATING, chosen))
+                or not node_ips.isdisjoint(map(_IP, chosen))
+            ):
+                for ep, bid in zip(chosen, order, strict=True):
+                    if ep.is_local or ep.terminating or ep.ip in node_ips:
+                        flags = (_BE_LOCAL if ep.is_local else 0) | (_BE_TERMINATING if ep.terminating else 0)
+                        if ep.ip in node_ips:
+                            flags |= _BE_HOST
+                            if ip is not None:  # the IPv6 planner's alone: the tc IPv6 path reads it
+                                hosted.add(kind)
+                        backends[bid] = backends.get(bid, 0) | flags
+                    elif bid not in backends:
+                        backends[bid] = 0
+            elif backends:
+                for bid in order:
+                    backends.setdefault(bid, 0)
             else:
-                idents = [ip(ep.ip) | ((ep.port & 0xFF) << 8 | ep.port >> 8) << 32 | proto for ep in chosen]
-            order = ids_of(idents)
-            for ep, bid in zip(chosen, order, strict=True):
-                if ep.is_local or ep.terminating or ep.ip in node_ips:
-                    flags = (_BE_LOCAL if ep.is_local else 0) | (_BE_TERMINATING if ep.terminating else 0)
-                    if ep.ip in node_ips:
-                        flags |= _BE_HOST
-                        if ip is not None:  # the IPv6 planner's alone: the tc IPv6 path reads it
-                            hosted.add(kind)
-                    backends[bid] = backends.get(bid, 0) | flags
-                elif bid not in backends:
-                    backends[bid] = 0
+                backends.update(dict.fromkeys(order, 0))
             if len(set(order)) != len(order):
                 order = list(dict.fromkeys(order))
             held = old_sets.get(kind)
@@ -463,20 +469,37 @@ class Planner:
                 previous = self._kernel_slots(set_id)
             self._set_owner[set_id] = spn
             placed = slots(order, previous)
-            changes += _put_all(
-                sd, sp_, [(set_id | pos << SLOT_POS, bid) for pos, bid in enumerate(placed, 1)], slot_fresh
-            )
+            if slot_fresh and held is None:
+                # A set new to the port in a map that holds none of desired: none of its keys is
+                # desired yet (its id was free) and nothing is pending: every entry is new.
+                sd.update(zip(_slot_keys(set_id, len(placed)), placed, strict=True))
+                changes += len(placed)
+            else:
+                changes += _put_all(
+                    sd,
+                    sp_,
+                    [(set_id | pos << SLOT_POS, bid) for pos, bid in enumerate(placed, 1)],
+                    slot_fresh,
+                )
             for pos in range(len(placed) + 1, before + 1):
                 drop("slot", set_id | pos << SLOT_POS)
             sets[kind] = (set_id, len(placed))
             counts[kind] = len(placed)
             bit = _MEMBER_FLAG[kind]
-            for bid in placed:
-                members[bid] = members.get(bid, 0) | bit
+            if members:
+                for bid in placed:
+                    members[bid] = members.get(bid, 0) | bit
+            else:
+                members = dict.fromkeys(placed, bit)
         shift = MEMBER_BACKEND
-        changes += _put_all(
-            md, mp, [(svc_id | bid << shift, bits) for bid, bits in members.items()], member_fresh
-        )
+        if member_fresh and not old.svc_id:
+            # A new service port id in a map that holds none of desired: every entry is new.
+            md.update(zip([svc_id | bid << shift for bid in members], members.values(), strict=True))
+            changes += len(members)
+        else:
+            changes += _put_all(
+                md, mp, [(svc_id | bid << shift, bits) for bid, bits in members.items()], member_fresh
+            )
         self._changes += changes
         ranges: list[tuple[int, int]] = []
         if sp.load_balancer_source_ranges:
@@ -514,6 +537,8 @@ class Planner:
         return out
 
     def _set_hint(self, fes: list[Fe], kind: SetKind) -> int:
+        if not self._fe_hints:
+            return 0
         for fe in fes:
             hint = self._fe_hints.get(fe.key)
             if hint is not None and fe.kind == kind and bool(fe_flags(hint) & _LOCAL) == (kind == "local"):
@@ -794,6 +819,31 @@ def _rnats_of(frag: Fragment) -> dict[int, int]:
 def _backends_of(packed: bytes) -> dict[int, int]:
     """A fragment's backends: id -> the flags the port gives it."""
     return {v >> _BE_ID: v & _BE_FLAGS for v in array("Q", packed)}
+
+
+def _idents(chosen: Sequence[Endpoint], proto: int, ip: Callable[[str], int] | None) -> list[int]:
+    """The backend idents of a set's endpoints (agent.ebpf.entries.ident: the address as the
+    entries hold it, IPv4's own or the IPv6 planner's handle, the port in network order, the
+    protocol), in C where it can be: the addresses packed as one array, one port for them all."""
+    if ip is None:
+        packed = array(_U32_CODE, b"".join(map(inet_aton, map(_IP, chosen))))
+        if _BIG_ENDIAN:
+            packed.byteswap()  # the entries hold an address as its bytes read little-endian
+        addrs: Iterable[int] = packed
+    else:
+        addrs = map(ip, map(_IP, chosen))
+    ports = set(map(_PORT, chosen))
+    if len(ports) == 1:
+        (port,) = ports
+        return list(map((((port & 0xFF) << 8 | port >> 8) << 32 | proto).__or__, addrs))
+    return [
+        a | ((p & 0xFF) << 8 | p >> 8) << 32 | proto for a, p in zip(addrs, map(_PORT, chosen), strict=True)
+    ]
+
+
+def _slot_keys(set_id: int, count: int) -> range:
+    """The keys of slots 1..count of a set (slot_key), in order."""
+    return range(set_id | 1 << SLOT_POS, set_id | (count + 1) << SLOT_POS, 1 << SLOT_POS)
 
 
 def _put_all(desired: Entries, pending: Pending, entries: list[tuple[int, int]], fresh: bool) -> int:

@@ -59,12 +59,12 @@ def parse_port_range(text: str) -> Range:
 def held_outside(
     entries: Iterable[tuple[Any, Any]], snat: Range, cfg: Config | None, now_ns: int
 ) -> Range | None:
-    """The lowest and highest source port the tc IPv6 path's live flows (ekp_ct6_tcp's entries: it
-    source-translates TCP alone) were translated to outside `snat`: flows an earlier run translated
-    with another --bpf-snat-ports, whose reply tuples {backend, node, port} nf_nat knows nothing
-    of. None when none does. A flow translated to the client's own address (a port remapped around
-    a live reply tuple) is not counted: its replies never come to a node address, where
-    MASQUERADE's do. `now_ns`: CLOCK_MONOTONIC, as the entries' last_seen_ns; an expired entry
+    """The lowest and highest source port the tc IPv6 path's live flows (the entries of ekp_ct6_tcp
+    and ekp_ct6_any: it source-translates TCP and UDP) were translated to outside `snat`: flows an
+    earlier run translated with another --bpf-snat-ports, whose reply tuples {backend, node, port}
+    nf_nat knows nothing of. None when none does. A flow translated to the client's own address (a
+    port remapped around a live reply tuple) is not counted: its replies never come to a node
+    address, where MASQUERADE's do. `now_ns`: CLOCK_MONOTONIC, as the entries' last_seen_ns; an expired entry
     holds nothing."""
     lo, hi = snat
     ports = [

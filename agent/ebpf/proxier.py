@@ -339,8 +339,9 @@ class EbpfProxier:
         self._v6_with: DatapathLike | None = None  # the data path whose IPv6 maps it wrote
         # The span of ports the tc IPv6 path's live flows hold outside --bpf-snat-ports (an earlier
         # run's range), which ip6tables' MASQUERADE keeps off too (`snat6_held`); read from
-        # ekp_ct6_tcp for `_held6_of` at its first ask and at each full sync6 until none is left
-        # (then never again for that data path: the path translates in --bpf-snat-ports only).
+        # ekp_ct6_tcp and ekp_ct6_any for `_held6_of` at its first ask and at each full sync6 until
+        # none is left (then never again for that data path: the path translates in --bpf-snat-ports
+        # only).
         self._held6: tuple[int, int] | None = None
         self._held6_of: DatapathLike | None = None
         self._held6_clear = False
@@ -510,9 +511,9 @@ class EbpfProxier:
         """The lowest and highest port the tc IPv6 path's live flows hold outside --bpf-snat-ports,
         None when none does (agent/iptables/rules.py `masquerade_ports_beside`, asked by ip6tables at
         each sync): a restart that changed the range leaves the flows the earlier run translated in
-        ekp_ct6_tcp, their replies taken by their REPLY entries, unknown to nf_conntrack; a
-        MASQUERADE range over their ports could give a new flow to the same backend the same reply
-        tuple. Read at the first ask, then by each full sync6 until none is left."""
+        ekp_ct6_tcp and ekp_ct6_any, their replies taken by their REPLY entries, unknown to
+        nf_conntrack; a MASQUERADE range over their ports could give a new flow to the same backend
+        the same reply tuple. Read at the first ask, then by each full sync6 until none is left."""
         if not self._tc_ipv6:
             return None
         with self._lock:
@@ -526,8 +527,8 @@ class EbpfProxier:
         if datapath is self._held6_of and self._held6_clear:
             return
         maps = datapath.maps
-        # TCP's table alone: the path source-translates TCP alone (UDP and SCTP go to ip6tables)
-        entries = maps["ct6_tcp"].items() if "ct6_tcp" in maps else []
+        # both tables: the path source-translates TCP and UDP (SCTP goes to ip6tables)
+        entries = [kv for role in abi.CT6_ROLES if role in maps for kv in maps[role].items()]
         held = held_outside(entries, self._config.snat_ports, read_config(maps), time.monotonic_ns())
         if held != self._held6:
             if held is not None:
@@ -545,7 +546,7 @@ class EbpfProxier:
         self._held6, self._held6_of, self._held6_clear = held, datapath, held is None
 
     def _snat6_ports_held(self, source: str) -> str:
-        """Why the grant waits for nf_conntrack ("" when it does not): a TCP flow ip6tables
+        """Why the grant waits for nf_conntrack ("" when it does not): a TCP or UDP flow ip6tables
         masqueraded to `source` (the node's IPv6 SNAT address) holds a port of --bpf-snat-ports:
         such a flow's reply tuple {backend, source, port} is one the tc path's port walk could give
         a flow to the same backend, whose replies would then reach the other client. Only those
@@ -585,7 +586,7 @@ class EbpfProxier:
         tuples = frozenset((f.orig, f.reply) for f in held)
         if tuples != self._snat6_held:
             log.warning(
-                "%d IPv6 TCP flows ip6tables masqueraded to %s before its rule kept out of "
+                "%d IPv6 TCP and UDP flows ip6tables masqueraded to %s before its rule kept out of "
                 "--bpf-snat-ports %d-%d hold ports of that range (%s%s): the tc IPv6 path leaves source "
                 "translations to ip6tables until they end (or are deleted: conntrack -D -f ipv6)",
                 len(held),

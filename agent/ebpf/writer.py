@@ -239,10 +239,12 @@ class _Flush:
         failed = self.result.failed
         for role in WRITE_ORDER:
             p, d = self.pending[role], self.desired[role]
-            keys = [k for k, w in p.items() if k in d and d[k] != w]
+            # a map that holds none of desired, no port failed (a first sync): all of it, in order
+            whole = role in self.fresh and not p and only is None and not failed
+            keys = [k for k, w in p.items() if k in d and d[k] != w] if p else []
             unwritten: list[int] = []  # desired keys the map lacks that `pending` does not name
             if role in self.fresh:
-                unwritten = [k for k in d if k not in p]
+                unwritten = list(d) if not p else [k for k in d if k not in p]
             if only is not None or failed:  # owners matter only after a failure
                 self._name(role, unwritten)  # the by-port path reads them in `pending`
                 keys = [k for k in keys + unwritten if self._wanted(role, k, only)]
@@ -258,7 +260,8 @@ class _Flush:
                 keys.sort(key=fe_sort_key)
             target = self.maps[role]
             ks, vs = key_size(role), value_size(role)
-            done = target.update_packed(pack(keys, ks), pack([d[k] for k in keys], vs))
+            values = list(d.values()) if whole and role != "fe" else [d[k] for k in keys]
+            done = target.update_packed(pack(keys, ks), pack(values, vs))
             if done == len(keys):
                 if named == len(p):
                     p.clear()

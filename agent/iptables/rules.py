@@ -317,9 +317,11 @@ def render(
     random = " --random-fully" if options.random_fully else ""
     masq = f'-A {KUBE_POSTROUTING} -m comment --comment "{MASQUERADE_COMMENT}"'
     if options.masquerade_to_ports is not None:
-        # --to-ports needs a protocol with ports; TCP is the only one the tc IPv6 path masquerades
+        # --to-ports needs a protocol with ports: one rule each for TCP and UDP, which the tc IPv6
+        # path masquerades (SCTP it leaves to ip6tables whole, so no port of its clashes)
         lo, hi = options.masquerade_to_ports
-        w.nat_rules.append(f"{masq} -p tcp -j MASQUERADE --to-ports {lo}-{hi}{random}")
+        for proto in ("tcp", "udp"):
+            w.nat_rules.append(f"{masq} -p {proto} -j MASQUERADE --to-ports {lo}-{hi}{random}")
     w.nat_rules.append(f"{masq} -j MASQUERADE{random}")
     w.nat_rules.append(f"-A {KUBE_MARK_MASQ} -j MARK --or-mark {mark}")
     if localhost:

@@ -262,7 +262,7 @@ class Metrics:
             )
             self.ipv6_snat_held_flows = Gauge(
                 "ekp_ipv6_snat_held_flows",
-                "IPv6 TCP flows ip6tables masqueraded to the node's IPv6 SNAT address and a port of"
+                "IPv6 TCP and UDP flows ip6tables masqueraded to the node's IPv6 SNAT address and a port of"
                 " --bpf-snat-ports before its rule kept out of them: while above 0 the tc programs'"
                 " IPv6 path leaves source translations to ip6tables (the log names them)",
                 registry=r,

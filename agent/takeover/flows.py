@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from agent.ebpf.abi import (
+    Addr6,
     Ct6Entry,
     Ct6Key,
     CtDir,
@@ -64,6 +65,7 @@ from agent.ebpf.abi import (
     CtFlag,
     CtKey,
     ip6_str,
+    ip6_words,
     ip_be,
     ip_str,
     port_be,
@@ -270,6 +272,47 @@ def ebpf_entries(
     return [(reply_key, reply), (forward_key, forward)]  # the REPLY entry first, as the data path
 
 
+def ebpf_entries6(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[Ct6Key, Ct6Entry]]:
+    """The FORWARD and REPLY entries of an IPv6 flow carried into the tc IPv6 path's conntrack
+    (ekp_ct6_*: `ebpf_entries`' fields at 16 bytes; `ids` those of the IPv6 maps). Never NFPASS nor
+    HOST: that path leaves frontends with a host backend, and legacy host routing, to ip6tables."""
+    s, d, sp, dp = flow.orig
+    rs, rd, rsp, rdp = flow.reply
+    snat = flow.snat
+    zero = Addr6()
+
+    def key(tuple_: Tuple, direction: CtDir) -> Ct6Key:
+        a, b, ap, bp = tuple_
+        return Ct6Key(
+            Addr6(*ip6_words(a)), Addr6(*ip6_words(b)), port_be(ap), port_be(bp), flow.proto, direction
+        )
+
+    common = {
+        "last_seen_ns": now_ns,
+        "fe_addr": Addr6(*ip6_words(d)),
+        "fe_port": port_be(dp),
+        "flags": ebpf_flags(flow),
+        "svc_id": ids.services.get((d, dp, flow.proto), 0),
+        "backend_id": ids.backends.get((rs, rsp, flow.proto), 0),
+        "created_s": now_ns // NSEC,
+    }
+    forward = Ct6Entry(
+        nat_addr=Addr6(*ip6_words(rs)),
+        nat_port=port_be(rsp),
+        snat_addr=Addr6(*ip6_words(rd)) if snat else zero,
+        snat_port=port_be(rdp) if snat else 0,
+        **common,
+    )
+    reply = Ct6Entry(
+        nat_addr=Addr6(*ip6_words(s)) if snat else zero,
+        nat_port=port_be(sp) if snat else 0,
+        snat_addr=zero,
+        snat_port=0,
+        **common,
+    )
+    return [(key(flow.reply, CtDir.REPLY), reply), (key(flow.orig, CtDir.FORWARD), forward)]
+
+
 def stack_flow(flow: NatFlow) -> NatFlow:
     """`flow` as the node's stack tracks it under legacy host routing: client <-> backend, no
     translation (module doc), in the same state."""
@@ -338,7 +381,7 @@ def nat_flow(key: CtKey | Ct6Key, entry: CtEntry | Ct6Entry) -> NatFlow | None:
 
 
 def masqueraded_into(flows: Iterable[NatFlow], ports: tuple[int, int], to: str) -> list[NatFlow]:
-    """The TCP flows among `flows` whose source nf_nat translated to address `to` and a port of
+    """The TCP and UDP flows among `flows` whose source nf_nat translated to address `to` and a port of
     `ports` (the reply comes back to that address and port): ip6tables' masquerades whose reply
     tuple a tc flow source-translated to `to` (the node's IPv6 SNAT address) with a port of
     --bpf-snat-ports could take. A flow masqueraded to another address, or outside the range,
@@ -348,7 +391,10 @@ def masqueraded_into(flows: Iterable[NatFlow], ports: tuple[int, int], to: str) 
     return [
         f
         for f in flows
-        if f.proto == TCP and f.snat and lo <= f.reply[3] <= hi and ipaddress.ip_address(f.reply[1]) == node
+        if f.proto in (TCP, UDP)
+        and f.snat
+        and lo <= f.reply[3] <= hi
+        and ipaddress.ip_address(f.reply[1]) == node
     ]
 
 

@@ -74,6 +74,7 @@ from agent.ebpf.abi import CtFlag
 from agent.ebpf.codec import KEYS, VALUES
 from agent.ebpf.maps import MapError, MapWriter, UpdateFlag
 from agent.takeover.flows import (
+    UDP,
     EbpfIds,
     NatFlow,
     Skip,
@@ -81,6 +82,7 @@ from agent.takeover.flows import (
     Tuple,
     ct_keys,
     ebpf_entries,
+    ebpf_entries6,
     host_backend,
     stack_flow,
     why_not_carried,
@@ -130,10 +132,39 @@ def ebpf_ids(maps: Mapping[str, MapWriter], flows: Iterable[NatFlow]) -> EbpfIds
     return EbpfIds(services=services, backends=backends)
 
 
+def ebpf_ids6(maps: Mapping[str, MapWriter], flows: Iterable[NatFlow]) -> EbpfIds:
+    """`ebpf_ids` for IPv6 flows, from the IPv6 maps (ekp_fe6, ekp_be6). Read entry by entry: only
+    when there is an IPv6 flow to carry (the tc IPv6 path's UDP, `_carry6`), seldom many."""
+    fronts = {(f.orig[1], f.orig[3], f.proto) for f in flows}
+    backs = {(f.reply[0], f.reply[2], f.proto) for f in flows}
+    services: dict[tuple[str, int, int], int] = {}
+    backends: dict[tuple[str, int, int], int] = {}
+    if fronts:
+        for key, value in maps["fe6"].items():
+            if isinstance(key, abi.Frontend6Key) and isinstance(value, abi.Frontend):
+                front = (abi.ip6_str(key.addr), abi.port_host(key.port), key.proto)
+                if front in fronts:
+                    services[front] = value.svc_id
+        for bkey, backend in maps["be6"].items():
+            if isinstance(bkey, abi.BackendKey) and isinstance(backend, abi.Backend6):
+                back = (abi.ip6_str(backend.addr), abi.port_host(backend.port), backend.proto)
+                if back in backs:
+                    backends[back] = bkey.id
+    return EbpfIds(services=services, backends=backends)
+
+
 def _default_dump(netns: str) -> list[NatFlow]:
     from agent.takeover.nfct import dump_flows
 
     return dump_flows(netns)
+
+
+def _default_dump6(netns: str) -> list[NatFlow]:
+    import socket
+
+    from agent.takeover.nfct import dump_flows
+
+    return dump_flows(netns, socket.AF_INET6)
 
 
 def _default_addresses(netns: str) -> frozenset[str]:
@@ -184,6 +215,7 @@ class KernelTakeover:
         config: Config,
         *,
         dump: Callable[[str], Iterable[NatFlow]] = _default_dump,
+        dump6: Callable[[str], Iterable[NatFlow]] = _default_dump6,
         addresses: Callable[[str], Collection[str]] = _default_addresses,
         remove_rules: Callable[[Config], Any] = _default_cleanup,
         sysctl: Callable[[str, str, str], str | None] = _default_sysctl,
@@ -192,6 +224,7 @@ class KernelTakeover:
     ) -> None:
         self._config = config
         self._dump = dump
+        self._dump6 = dump6
         self._replace = replace
         self._addresses = addresses
         self._remove_rules = remove_rules
@@ -490,4 +523,56 @@ class KernelTakeover:
                 len(flows),
                 (time.monotonic() - started) * 1000,
             )
+        if self._config.tc_ipv6:
+            carried += self._carry6(maps, when)
+        return carried
+
+    def _carry6(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:
+        """The UDP flows ip6tables translated, carried into the tc IPv6 path's conntrack (ekp_ct6_any)
+        as IPv4's are into its own: that path decides a UDP datagram with no entry as a new flow (a
+        UDP flow has no first packet to tell it by), so without its entry a flow ip6tables started
+        would go on with another backend. Its TCP flows need no carry: a segment without an entry
+        that opens no flow is left to the stack, where nf_conntrack translates it as before. Found
+        in ekp_fe6 / ekp_be6 as the pins of an earlier run left them (a restart, an upgrade): on a
+        node the agent never served, those are written by the first IPv6 sync, after this. Skipped
+        as the path skips them: a host backend (ip6tables keeps those frontends whole), the node's
+        own clients, a backend no longer in ekp_be6."""
+        netns = self._config.netns
+        try:
+            flows = [f for f in self._dump6(netns) if f.proto == UDP and f.family == 6 and f.dnat]
+        except (OSError, NetlinkError) as exc:
+            log.warning(
+                "cannot read IPv6 nf_conntrack in netns %s (%s): UDP flows ip6tables translated are not"
+                " carried into the tc IPv6 path, whose next datagrams may reach another backend",
+                netns or "(own)",
+                exc,
+            )
+            return []
+        if not flows:
+            return []
+        ids = ebpf_ids6(maps, flows)
+        node = self._addresses(netns)
+        carried: list[NatFlow] = []
+        inserted = skipped = 0
+        now = self._clock_ns()
+        for flow in flows:
+            if why_not_carried(flow, ids, node) is not None or host_backend(flow, node):
+                skipped += 1
+                continue
+            carried.append(flow)
+            for key, entry in ebpf_entries6(flow, ids, now):
+                try:
+                    maps["ct6_any"].update(key, entry, UpdateFlag.NOEXIST)
+                    inserted += 1
+                except MapError as exc:
+                    if exc.errno != errno.EEXIST:
+                        raise
+        log.info(
+            "took over IPv6 UDP flows from nf_conntrack (%s): %d carried into the tc IPv6 path's conntrack"
+            " (%d entries new), %d left to ip6tables",
+            when,
+            len(carried),
+            inserted,
+            skipped,
+        )
         return carried

@@ -221,8 +221,8 @@ def test_the_start_up_line_says_whether_the_tc_programs_translate_ipv6() -> None
     programs' IPv6 path where the settings turn it on (Config.tc_ipv6), what it needs elsewhere."""
     dual = Config(mode=Mode.EBPF, node_ips=("10.0.0.1", "fd00::1"), socket_lb=True)
     on = app.ipv6_served_by(replace(dual, bpf_host_routing=HostRouting.BPF))
-    assert "the eBPF tc programs translate the IPv6 TCP flows" in on
-    assert "ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 packet (UDP" in on
+    assert "the eBPF tc programs translate the IPv6 TCP and UDP flows" in on
+    assert "ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 packet (SCTP" in on
     for off in (dual, replace(dual, bpf_host_routing=HostRouting.BPF, socket_lb=False)):
         line = app.ipv6_served_by(off)
         assert "tc programs translate" not in line

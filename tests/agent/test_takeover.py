@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple, NFCTSocket
 
-from agent.config import Config, HostRouting
+from agent.config import Config, HostRouting, Mode
 from agent.ebpf import abi, activity
 from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
@@ -45,6 +45,7 @@ from agent.takeover.flows import (
     Tuple,
     ct_keys,
     ebpf_entries,
+    ebpf_entries6,
     host_backend,
     kernel_status,
     masqueraded_into,
@@ -225,6 +226,16 @@ def test_an_ebpf_flow_and_back_is_the_same_kernel_flow() -> None:
 NODEPORT6 = NatFlow(
     6, ("fd00:ff::100", "fd00:ff::11", 5555, 30080), ("fd00:a:2::7", "fd00:ff::11", 8080, 61000)
 )
+
+
+def test_udp_flows_ip6tables_masqueraded_into_the_tc_ranges_ports_count_as_tcp_ones() -> None:
+    """The tc IPv6 path source-translates UDP as it does TCP, so a UDP flow ip6tables masqueraded to
+    the node's IPv6 address with a port of --bpf-snat-ports holds a reply tuple its port walk could
+    hand another flow (before it took UDP, only TCP flows counted); SCTP's, which it leaves to
+    ip6tables whole, never can."""
+    udp6 = NatFlow(17, NODEPORT6.orig, NODEPORT6.reply)
+    sctp6 = NatFlow(132, NODEPORT6.orig, NODEPORT6.reply)
+    assert masqueraded_into([udp6, sctp6, NODEPORT6], (61000, 65535), "fd00:ff::11") == [udp6, NODEPORT6]
 
 
 def ct6_forward(flow: NatFlow, flags: int) -> tuple[abi.Ct6Key, abi.Ct6Entry]:
@@ -1121,3 +1132,79 @@ def test_a_takeover_that_cannot_read_the_other_side_logs_the_fix_and_goes_on(
     handback = EbpfHandback(Config(pin_path=str(pins)), read=refused)
     handback.run()
     assert "takeOverFromEbpf" in caplog.text and "its programs stay attached" in caplog.text
+
+
+# ---- the tc IPv6 path's UDP flows (into_ebpf.KernelTakeover._carry6) ----------------------------
+
+VIP6_T, BE6_T, BE6_GONE, CLIENT6_T, NODE6_T = (
+    "fd00:10:96::a",
+    "fd00:10:244:2::5",
+    "fd00:10:244:2::6",
+    "fd00:10:244:1::9",
+    "fd00:192:168::11",
+)
+DNS6 = NatFlow(17, (CLIENT6_T, VIP6_T, 40000, 53), (BE6_T, CLIENT6_T, 53, 40000))
+MASQ6 = NatFlow(17, ("fd00:ff::100", NODE6_T, 5555, 30053), (BE6_T, NODE6_T, 53, 61000))
+GONE6 = NatFlow(17, (CLIENT6_T, VIP6_T, 40001, 53), (BE6_GONE, CLIENT6_T, 53, 40001))
+HOST6 = NatFlow(17, (CLIENT6_T, VIP6_T, 40002, 53), (NODE6_T, CLIENT6_T, 53, 40002))
+TCP6 = NatFlow(6, (CLIENT6_T, VIP6_T, 40003, 53), (BE6_T, CLIENT6_T, 53, 40003))
+
+
+def fake_maps6() -> dict[str, MapWriter]:
+    """fake_maps with the IPv6 frontends and backend of the flows above (as an earlier run pinned them)."""
+    maps = fake_maps()
+    for role in ("fe6", "be6", "ct6_tcp", "ct6_any"):
+        maps[role] = FakeMap(MAPS[role])
+    for addr, port, svc in ((VIP6_T, 53, 7), (NODE6_T, 30053, 8)):
+        key = abi.Frontend6Key(abi.Addr6(*abi.ip6_words(addr)), port_be(port), 17, Scope.INTERNAL)
+        maps["fe6"].update(key, abi.Frontend(svc_id=svc))
+    backend = abi.Backend6(abi.Addr6(*abi.ip6_words(BE6_T)), port_be(53), 17, 0)
+    maps["be6"].update(abi.BackendKey(31), backend)
+    return maps
+
+
+def test_udp_flows_ip6tables_translated_are_carried_into_the_tc_ipv6_paths_conntrack() -> None:
+    """Where the tc IPv6 path serves (it decides a UDP datagram without an entry as a new flow), a
+    restart over a node whose ip6tables translated UDP flows carries them into ekp_ct6_any, with
+    their backend, SNAT source and the frontend's ids: their next datagrams keep their backend.
+    Left out as the path leaves them: a backend gone from ekp_be6, a host backend (ip6tables keeps
+    such frontends whole); TCP (a mid-flow segment without an entry goes to the stack, whose
+    nf_conntrack entry translates it). An entry the data path wrote meanwhile is kept."""
+    config = Config(
+        netns="node1",
+        mode=Mode.EBPF,
+        cluster_cidr=("10.244.0.0/16", "fd00:10:244::/56"),
+        bpf_host_routing=HostRouting.BPF,
+        socket_lb=True,
+    )
+    assert config.tc_ipv6
+    takeover = KernelTakeover(
+        config,
+        dump=lambda netns: [],
+        dump6=lambda netns: [DNS6, MASQ6, GONE6, HOST6, TCP6],
+        addresses=lambda netns: {NODE, NODE6_T},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        clock_ns=lambda: NOW,
+    )
+    maps = fake_maps6()
+    mine_key, _ = ebpf_entries6(DNS6, EbpfIds(services={}, backends={}), NOW)[0]  # its REPLY entry
+    mine = abi.Ct6Entry(flags=CtFlag.ESTABLISHED, svc_id=99)
+    maps["ct6_any"].update(mine_key, mine)
+    takeover.before_attach(maps)
+    takeover.after_attach(maps)
+    entries = {bytes(k): v for k, v in maps["ct6_any"].items()}
+    assert len(entries) == 4 and bytes(entries[bytes(mine_key)]) == bytes(mine), (
+        "two flows; the newer entry kept"
+    )
+    assert maps["ct6_tcp"].items() == []
+    dns_forward = entries[bytes(next(k for k, _ in ebpf_entries6(DNS6, IDS, NOW) if k.dir == CtDir.FORWARD))]
+    assert isinstance(dns_forward, abi.Ct6Entry)
+    assert (abi.ip6_str(dns_forward.nat_addr), abi.port_host(dns_forward.nat_port)) == (BE6_T, 53)
+    assert (dns_forward.svc_id, dns_forward.backend_id) == (7, 31)
+    assert dns_forward.flags & CtFlag.ADOPTED and not dns_forward.flags & (CtFlag.SNAT | CtFlag.NFPASS)
+    masq_forward = entries[
+        bytes(next(k for k, _ in ebpf_entries6(MASQ6, IDS, NOW) if k.dir == CtDir.FORWARD))
+    ]
+    assert isinstance(masq_forward, abi.Ct6Entry) and masq_forward.flags & CtFlag.SNAT
+    assert (abi.ip6_str(masq_forward.snat_addr), abi.port_host(masq_forward.snat_port)) == (NODE6_T, 61000)

@@ -284,14 +284,15 @@ XDP_UNUSED = {"rnat", "stats", "icmprl", "hostnat"}
 # address on an IPv6 socket uses the IPv4 maps). ekp_addr6 is written for the tc programs' IPv6.
 _V6 = {"fe6", "slot6", "be6", "rnat6", "member6", "srcr6", "addr6", "aff6", "sknat6"}
 _SOCKETS = {"skcfg", "sknat"} | _V6
-# the tc IPv6 path's own maps: its conntrack, the tables' early-drop rings and its settings (the SNAT
-# source, ekp_cfg6)
-_CT6 = {"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6", "cfg6", "cfg6sel"}
+# the tc IPv6 path's own maps: its conntrack, the tables' early-drop rings, its settings (the SNAT
+# source, ekp_cfg6) and its fragments
+_CT6 = {"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6", "cfg6", "cfg6sel", "frag6", "frhold6"}
 # the IPv6 path: the activity stamps and frontend check (ekp_act, ekp_addr6), the backend check of
-# a flow's refresh (ekp_addr6); no Maglev, no fragments, no reject; its source translation reads
-# the shared config's port range (ekp_cfg); its time exceeded takes the rejects' tokens (ekp_icmprl)
+# a flow's refresh (ekp_addr6); no Maglev, no reject; its source translation reads the shared
+# config's port range (ekp_cfg); its time exceeded takes the rejects' tokens (ekp_icmprl); a held
+# fragment stamps the time of the last hold, shared with IPv4 (ekp_fraglast)
 _TC6 = {"cfg", "cfgsel", "stats", "act", "addr6", "fe6", "srcr6", "aff6", "member6", "slot6", "be6", "icmprl"}
-_TC6 |= _CT6
+_TC6 |= _CT6 | {"fraglast"}
 _SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
 _SOCK_FORWARD6 = _SOCK_FORWARD | {"fe6", "srcr6", "aff6", "member6", "slot6", "be6", "sknat6"}
 _SOCK_REVERSE = {"sknat", "fe", "stats"}

@@ -305,13 +305,15 @@ def test_socket_programs_whose_own_map_was_replaced_are_loaded_again(
             second.close()
 
 
-def test_the_idle_ipv6_any_conntrack_stays_one_entry_while_the_path_is_tcp_only() -> None:
-    """ekp_ct6_any: no program writes it while the tc IPv6 path translates TCP alone, so it holds
-    one entry with the path on too; ekp_ct6_tcp takes its IPv4 twin's size."""
-    assert loader.map_size(MAPS["ct6_any"], SMALL) == loader.IDLE_SIZE
-    assert loader.map_size(MAPS["ct6_tcp"], SMALL) == SMALL.ct_tcp
+def test_the_tc_ipv6_paths_tables_take_their_ipv4_twins_sizes_where_it_serves() -> None:
+    """Where the tc IPv6 path serves, each of its tables is sized as its IPv4 twin: ekp_ct6_any and
+    its fragment tables too, now that it translates UDP (before, ekp_ct6_any held one entry with
+    the path on: no program wrote it); where it does not, each holds one entry."""
+    want = {"ct6_tcp": SMALL.ct_tcp, "ct6_any": SMALL.ct_any, "frag6": SMALL.frag, "frhold6": SMALL.fraghold}
+    assert {r: loader.map_size(MAPS[r], SMALL) for r in want} == want
+    assert loader.map_size(MAPS["ctq6_any"], SMALL) == loader.map_size(MAPS["ctq_any"], SMALL)
     off = replace(SMALL, ipv6_tc=False)
-    assert loader.map_size(MAPS["ct6_any"], off) == loader.map_size(MAPS["ct6_tcp"], off) == loader.IDLE_SIZE
+    assert {loader.map_size(MAPS[r], off) for r in loader.TC6_ROLES} == {loader.IDLE_SIZE}
 
 
 @pytest.mark.kernel
@@ -336,6 +338,8 @@ def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
         "sknat6",
         "ct6_tcp",
         "ct6_any",
+        "frag6",
+        "frhold6",
     }
     key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
     with bpffs() as root:
@@ -382,27 +386,23 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
     caplog: pytest.LogCaptureFixture, cache: ObjectCache
 ) -> None:
     """Without the tc programs' IPv6 path (MapSizes.ipv6_tc false: no IPv6 half, or legacy host
-    routing) its conntrack tables and their early-drop rings hold one entry each, ekp_calls6 is
-    empty and its programs are neither loaded (verified) nor pinned; a restart with it loads and
-    pins them, recreates the TCP table and its ring at their IPv4 twins' sizes (the
-    others stay idle: the path is TCP-only) and fills the array; a restart without it again shrinks
-    them and empties it. Every other pinned map is the
+    routing) its conntrack tables, their early-drop rings and its fragment tables hold one entry
+    each, ekp_calls6 is empty and its programs are neither loaded (verified) nor pinned; a restart
+    with it loads and pins them, recreates every one of those tables at its IPv4 twin's size and
+    fills the array; a restart without it again shrinks them and empties it. Every other pinned map is the
     same map throughout, and an established IPv4 flow's conntrack entry is kept."""
     caplog.set_level(logging.INFO)
     off, on = replace(SMALL, ipv6_tc=False), SMALL
-    tc6 = {MAPS[r].name for r in loader.TC6_ROLES - loader.TC6_UNWRITTEN}  # ct6_any, its ring: idle
+    tc6 = {MAPS[r].name for r in loader.TC6_ROLES}
     key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
     with bpffs() as root:
         pins = str(root / "ekp")
         first = Datapath(pins, off, cache=cache)
         first.load()
         try:
-            assert {r: first.maps[r].info().max_entries for r in loader.TC6_ROLES} == {
-                "ct6_tcp": 1,
-                "ct6_any": 1,
-                "ctq6_tcp": 1,
-                "ctq6_any": 1,
-            }
+            assert {r: first.maps[r].info().max_entries for r in loader.TC6_ROLES} == dict.fromkeys(
+                loader.TC6_ROLES, 1
+            )
             assert _slots(pins, first) == [0, 0], "no IPv6 program behind the IPv4 ones"
             assert not [p for p in _prog_pins(pins) if p.endswith(tuple(loader.TC6_PROGRAMS))], (
                 "the IPv6 programs neither verified nor pinned where nothing reaches them"
@@ -413,8 +413,15 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
         finally:
             first.close()
         before = _pinned_ids(pins)
-        # SMALL's IPv4 sizes for the TCP table and its ring; ct6_any and its ring idle either way
-        full = {"ct6_tcp": 1024, "ct6_any": 1, "ctq6_tcp": 256, "ctq6_any": 1}
+        # SMALL's IPv4 sizes for the tables and their rings
+        full = {
+            "ct6_tcp": 1024,
+            "ct6_any": 1024,
+            "ctq6_tcp": 256,
+            "ctq6_any": 256,
+            "frag6": 64,
+            "frhold6": SMALL.fraghold,
+        }
         idle = dict.fromkeys(full, 1)
         for sizes, entries in ((on, full), (off, idle)):
             caplog.clear()
@@ -422,7 +429,8 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
             d.load()
             try:
                 assert (
-                    "IPv6 conntrack tables and early-drop rings ekp_ct6_tcp_v3, ekp_ctq6_tcp_v2 recreated"
+                    "IPv6 conntrack, early-drop ring and fragment tables ekp_ct6_any_v3, ekp_ct6_tcp_v3, "
+                    "ekp_ctq6_any_v2, ekp_ctq6_tcp_v2, ekp_frag6_v2, ekp_frhold6_v2 recreated"
                 ) in caplog.text
                 assert {r: d.maps[r].info().max_entries for r in loader.TC6_ROLES} == entries
                 after = _pinned_ids(pins)

@@ -33,7 +33,6 @@ from lab.dplab import (
     SNAT_MAX,
     SNAT_MIN,
     TCP,
-    UDP,
     VIP6,
     Lab,
     Net,
@@ -290,9 +289,9 @@ def test_a_state_change_leaves_another_flows_entry_under_the_twin_key_alone(net:
 
 def test_an_established_tcp_flow_keeps_a_backend_removed_from_its_service(net: Net) -> None:
     """As kube-proxy (and IPv4's ekp_ct_usable_forward, whose membership test is UDP's alone): a
-    terminating pod finishes its connections. What this guards is the half of IPv4's forward test
-    that the IPv6 one leaves out (ekp_ct6_usable: UDP is not translated here): a forward hit that
-    followed membership would lose the flow (its segments left to a stack with no entry for it).
+    terminating pod finishes its connections. What this guards is that the membership half of the
+    forward test (ekp_ct_usable_forward, shared) is UDP's alone: a TCP forward hit that followed
+    membership would lose the flow (its segments left to a stack with no entry for it).
     The path had no forward test before ekp_ct6_usable, so this held there too: no fix claims it."""
     add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
     assert net.from_pod(frame6(POD6, VIP6, 40060, 80))[0] == TC_ACT_REDIRECT
@@ -540,16 +539,6 @@ def test_a_host_backend_the_frontend_was_not_flagged_for_yet_is_left_to_the_stac
     assert net.stats()[Stat.NEW_FLOWS] == 0
 
 
-def test_udp_is_left_to_ip6tables(net: Net) -> None:
-    """A UDP flow owned here would lose what the stack does for it (the backend's fragmented
-    answers, ICMPv6 errors quoting the translated tuple), and one ip6tables started would be
-    decided again: only TCP is translated by the tc IPv6 path (its TCP-only test; before it, this
-    datagram was translated)."""
-    add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
-    _passes(net, frame6(POD6, VIP6, 40040, 53, UDP))
-    assert net.stats()[Stat.PASS] == 1
-
-
 def test_sctp_stops_at_the_ipv6_parser(net: Net) -> None:
     """SCTP is not walked to by ekp_parse6 (its CRC32c, which ekp_sctp.h keeps for IPv4, has no
     IPv6 caller): passed untouched to ip6tables. No fix claims this (the parser has passed SCTP
@@ -582,25 +571,6 @@ def test_refusals_are_left_to_ip6tables_which_rejects(net: Net) -> None:
     add_service6(net.dp.maps, VIP6, 80, (), flags=FrontendFlag.NO_ENDPOINTS)
     _passes(net, frame6(POD6, VIP6, 40006, 80))
     assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 0, "no verdict of ours: ip6tables' REJECT answers"
-
-
-def test_fragments_first_and_later_are_left_to_the_stack(net: Net) -> None:
-    from scapy.layers.inet import TCP as TCPh
-    from scapy.layers.inet6 import IPv6, IPv6ExtHdrFragment, fragment6
-    from scapy.layers.l2 import Ether
-
-    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
-    datagram = (
-        IPv6(src=POD6, dst=VIP6)
-        / IPv6ExtHdrFragment(id=7)
-        / TCPh(sport=40007, dport=80, flags="S")
-        / (b"x" * 3000)
-    )
-    pieces = fragment6(datagram, 1280)  # type: ignore[no-untyped-call]
-    assert len(pieces) >= 3
-    for piece in pieces:
-        _passes(net, bytes(Ether(src="02:00:00:00:aa:01", dst="02:00:00:00:aa:02") / piece))
-    assert net.stats()[Stat.PASS] == len(pieces)
 
 
 def test_mid_flow_segments_icmpv6_and_unfinished_routing_are_left_to_the_stack(net: Net) -> None:

@@ -65,3 +65,28 @@ def test_the_pool_reads_the_plans_ids_and_holds_only_the_kernels_others() -> Non
     assert 2 in plan.pool, "the plan's own id stays in use whatever the kernel holds"
     plan.owned.discard(2)
     assert 2 not in plan.pool
+
+
+class Counted(set[int]):
+    """The plan's ids, counting how often the pool looks one up."""
+
+    lookups = 0
+
+    def __contains__(self, ident: object) -> bool:
+        self.lookups += 1
+        return super().__contains__(ident)
+
+
+def test_until_it_wraps_the_pool_hands_out_ids_without_looking_them_up() -> None:
+    """Every id in use is below the next one until the pool wraps: a first sync's hundred
+    thousand backend ids cost no lookup in the plan's dict; after the wrap, ids in use are skipped."""
+    owned = Counted()
+    pool = IdPool(4, "thing", owned)
+    for _ in range(4):
+        owned.add(pool.take())
+    assert sorted(owned) == [1, 2, 3, 4] and owned.lookups == 0
+    owned.discard(2)
+    pool.release(2)
+    pool.settle(lambda ident: False)  # the kernel let go of it
+    assert pool.take() == 2, "wrapped: the one free id, found past the ids in use"
+    assert owned.lookups > 0

@@ -7,6 +7,8 @@ the order is proven on every test, not only on the ones about order.
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -15,14 +17,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.config import Config
+from agent.ebpf import planner as planner_module
 from agent.ebpf.abi import MAPS, AddrFlag, ip_str
 from agent.ebpf.entries import (
     BE_FLAGS,
+    BE_PROTO,
     FE_RNAT,
     MEMBER_BACKEND,
     SLOT_POS,
     U16,
     fe_rnat,
+    ident,
     key_size,
     pack,
     srcr_key,
@@ -31,7 +36,7 @@ from agent.ebpf.entries import (
 )
 from agent.ebpf.planner import Planner
 from agent.model import ProxyState
-from agent.model.types import ServicePortName
+from agent.model.types import Endpoint, ServicePortName
 from tests.ebpf.support import NODE, PlanRig, broken, proxy_states
 from tests.ebpf.test_plan import states, svc
 
@@ -438,3 +443,24 @@ def test_an_endpoint_on_a_node_address_is_host_and_follows_the_nodes_addresses()
     rig.planner.update(state, NodeContext(node_ips=("192.168.0.12",), primary_ip="192.168.0.12"), None)
     rig.planner.flush(rig.watched())
     assert flags() == {ip_be("192.168.0.11"): 0, ip_be("192.168.0.12"): BackendFlag.HOST}
+
+
+def test_a_sets_backend_idents_are_the_entries_own() -> None:
+    """`_idents` (the addresses packed and read in one C call, one port for all where they share
+    it) gives what `entries.ident` gives endpoint by endpoint: IPv4's address in network order,
+    the port in network order, the protocol; and the IPv6 planner's handles where it passes them."""
+    one_port = (Endpoint("10.0.0.1", 8080), Endpoint("192.168.7.254", 8080))
+    mixed = (Endpoint("10.0.0.1", 80), Endpoint("10.0.0.2", 443), Endpoint("10.0.0.1", 80))
+
+    def expected(eps: tuple[Endpoint, ...], addr: Callable[[str], int]) -> list[int]:
+        return [ident(addr(ep.ip), socket.htons(ep.port), 6) for ep in eps]
+
+    def be(text: str) -> int:
+        return int.from_bytes(socket.inet_aton(text), "little")
+
+    for eps in (one_port, mixed, ()):
+        assert planner_module._idents(eps, 6 << BE_PROTO, None) == expected(eps, be)
+    handles = {"10.0.0.1": 7, "10.0.0.2": 9, "192.168.7.254": 11}
+    assert planner_module._idents(mixed, 6 << BE_PROTO, handles.__getitem__) == expected(
+        mixed, handles.__getitem__
+    )

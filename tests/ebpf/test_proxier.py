@@ -664,7 +664,7 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     assert cfg6 is not None and not any(cfg6.node_addr), "a masqueraded flow holds a port of the range"
     warned = [r.getMessage() for r in caplog.records if "hold ports of that range" in r.getMessage()]
     assert len(warned) == 1, "said once while the same flows hold them, whatever their state"
-    assert warned[0].startswith("2 IPv6 TCP flows"), warned
+    assert warned[0].startswith("2 IPv6 TCP and UDP flows"), warned
     assert held.describe() in warned[0] and to_cluster_ip.describe() in warned[0], warned
     assert gauge == [2, 2]
     rig.conntrack6 = [outside, elsewhere, masqueraded_elsewhere]  # they ended; the others never mattered

@@ -35,17 +35,20 @@ from bench.verifycost import ProgCost, measure, the_object
 # 206,000 and 194,000 with the route lookup given the GSO segment's length (IPv4's 336,000); 208,000
 # and 197,000 with ekp_ct_create's check after the FORWARD write and the claim's errno (IPv4's
 # 338,000, v6cfix); 191,000 and 178,000 with a packet's length from its IP header (IPv4's 333,000,
-# v6rfix), 194,000 and 182,000 with a refreshed-away entry a miss.
+# v6rfix), 194,000 and 182,000 with a refreshed-away entry a miss; 271,000 and 263,000 with UDP
+# (v6udp: the other table's SNAT walk, as measured above, and IPv4's fragment code for IPv6; the
+# IPv4 programs' instruction and processed counts unchanged).
 BUDGET = {
     PROG_FROM_POD: 450_000,
     PROG_FROM_NET: 450_000,
     PROG_XDP_NET: 220_000,
-    PROG_FROM_POD6: 250_000,
-    PROG_FROM_NET6: 250_000,
+    PROG_FROM_POD6: 320_000,
+    PROG_FROM_NET6: 320_000,
 }
 # 817,000 in all before the IPv6 path translated sources or ICMPv6 errors, 1,061,000 with both
-# (their first round, v6int), 1,229,000 with IPv4's conntrack for IPv6 beside them (v6all)
-ALL_PROGRAMS = 1_400_000
+# (their first round, v6int), 1,229,000 with IPv4's conntrack for IPv6 beside them (v6all),
+# 1,412,000 with its UDP (v6udp)
+ALL_PROGRAMS = 1_550_000
 
 pytestmark = pytest.mark.kernel
 

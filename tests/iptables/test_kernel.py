@@ -154,7 +154,7 @@ def test_ip6tables_takes_a_masquerade_kept_out_of_the_bpf_snat_ports_and_reads_i
     netns: str, backend: str
 ) -> None:
     """eBPF mode's ip6tables beside the tc IPv6 path (agent/iptables/rules.py
-    masquerade_ports_beside): the kernel takes TCP's MASQUERADE --to-ports with --random-fully
+    masquerade_ports_beside): the kernel takes TCP's and UDP's MASQUERADE --to-ports with --random-fully
     before kube-proxy's, and the chain read back is the one written (no repair at the next sync)."""
     from agent.config import HostRouting, Mode
 
@@ -165,8 +165,9 @@ def test_ip6tables_takes_a_masquerade_kept_out_of_the_bpf_snat_ports_and_reads_i
     p = IptablesProxier(ebpf6, family=IPFamily.IPv6)
     p.sync(st, node)
     saved = save(netns, backend, "ip6tables")
-    tcp, rest = rules_of(saved, "KUBE-POSTROUTING")[-2:]
+    tcp, udp, rest = rules_of(saved, "KUBE-POSTROUTING")[-3:]
     assert "-p tcp" in tcp and tcp.endswith("-j MASQUERADE --to-ports 1024-60999 --random-fully")
+    assert "-p udp" in udp and udp.endswith("-j MASQUERADE --to-ports 1024-60999 --random-fully")
     assert rest.endswith("-j MASQUERADE --random-fully")
     written = canonical.chain_digests(canonical.parse(p.render(st, node)))
     kernel = canonical.chain_digests(canonical.parse(saved))

@@ -411,7 +411,7 @@ def test_nodeport_addresses_of_the_other_family_or_zero_cidr_mean_every_address(
 
 def test_ip6tables_masquerade_beside_the_tc_ipv6_path_keeps_out_of_the_bpf_snat_ports() -> None:
     """eBPF mode's ip6tables beside the tc programs' IPv6 path (Config.tc_ipv6), which masquerades
-    TCP with ports of --bpf-snat-ports looking at its own conntrack only: TCP's MASQUERADE
+    TCP and UDP with ports of --bpf-snat-ports looking at its own conntrack only: their MASQUERADE
     --to-ports the larger side of 1024-65535 outside that range, so nf_nat (looking at
     nf_conntrack only) never takes a port the tc path may hand to another flow to the same
     backend. kube-proxy's rule everywhere else: IPv4, iptables mode, legacy host routing (no tc
@@ -446,9 +446,11 @@ def test_ip6tables_masquerade_beside_the_tc_ipv6_path_keeps_out_of_the_bpf_snat_
         '-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE'
     )
     tcp = kube_proxys.replace("-j MASQUERADE", "-p tcp -j MASQUERADE")
-    # --to-ports needs a protocol with ports: TCP (all the tc path masquerades), then the rest
+    udp = kube_proxys.replace("-j MASQUERADE", "-p udp -j MASQUERADE")
+    # --to-ports needs a protocol with ports: TCP and UDP (what the tc path masquerades), then the rest
     assert masquerade(ebpf6, IPFamily.IPv6) == [
         tcp + " --to-ports 1024-60999 --random-fully",
+        udp + " --to-ports 1024-60999 --random-fully",
         kube_proxys + " --random-fully",
     ]
     assert masquerade(replace(ebpf6, snat_ports=(40000, 50000)), IPFamily.IPv6)[0] == (

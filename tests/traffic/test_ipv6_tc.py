@@ -8,9 +8,11 @@ pod's IPv6 connection to a Service is the tc programs' or ip6tables', never the 
 What each must show in eBPF mode: its TCP flows to a Service (a pod to a ClusterIP, a NodePort of
 externalTrafficPolicy Local from outside to the node's own endpoint, a NodePort of policy Cluster,
 masqueraded to the node's IPv6 address, whose endpoint may be on the other node) are translated by
-tc (its counters move, and the node's nf_conntrack holds no DNAT entry for them); what tc leaves to
-the stack (UDP, fragments) still works, through ip6tables (whose DNAT entries are in nf_conntrack).
-iptables mode, the same requests: the same answers, every one through ip6tables.
+tc (its counters move, and the node's nf_conntrack holds no DNAT entry for them), and so are its UDP
+flows: DNS with `dig`, a 4,000-byte datagram and its 4,000-byte answer (three fragments each way),
+a backend's ICMPv6 port unreachable back to the client (their entries in ekp_ct6_any). iptables
+mode, the same requests: the same answers, every one through ip6tables (whose DNAT entries are in
+nf_conntrack).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tests.traffic.test_ipv6 import HTTP6_PORT, SERVER6, fetch
 
 VIP = "fd00:10:96::c1"
 CLUSTER_PORT, LOCAL_PORT, REMOTE_PORT, UDP_PORT = 30791, 30792, 30793, 53
+DNS_VIP, CLOSED_VIP, CLOSED_PORT = "fd00:10:96::c6", "fd00:10:96::c5", 54
 PODS = ("pod-1-2", "pod-2-2")  # the IPv6 backends, one per node
 # A ClusterIP whose one backend, on node2, takes uploads over IPv6 (lab/podserver.py `--ipv6`,
 # POST /sink): the path-MTU test's
@@ -56,6 +59,8 @@ def dual(request: pytest.FixtureRequest) -> Iterator[Cluster]:
             name="sink6",
         )
         lab.wait_log(sink, "podserver ready")
+        for name in PODS:  # DNS on their IPv6 addresses too, behind DNS_VIP
+            lab.start_dns(lab.pod(name), extra_args=[f"--listen-address={lab.pod(name).ip6}"])
         extra = ["--bpf-host-routing=bpf"] if request.param == "ebpf" else []
         c = Cluster(lab, request.param, extra=extra)
         c.start()
@@ -96,7 +101,19 @@ def lab_objects(c: Cluster) -> None:
     remote = service("tc6-remote", "fd00:10:96::c4", [rport], type="NodePort", ipFamilies=["IPv6"])
     reps = endpoint_slice("tc6-remote", [rport], [Ep(lab.pod("pod-2-2").ip6, "node2")], "v6")
     reps["addressType"] = "IPv6"
-    c.apply([svc, eps, local, leps, sink, seps, remote, reps])
+    # kube-dns' shape over IPv6: dnsmasq in both PODS
+    dns_ports = [Port("dns", 53, 53, "UDP"), Port("dns-tcp", 53, 53, "TCP")]
+    dns_svc = service("tc6-dns", DNS_VIP, dns_ports, ipFamilies=["IPv6"])
+    deps = endpoint_slice(
+        "tc6-dns", dns_ports, [Ep(lab.pod(p).ip6, f"node{lab.pod(p).node}") for p in PODS], "v6"
+    )
+    deps["addressType"] = "IPv6"
+    # a UDP port its endpoint does not listen on: the backend answers with a port unreachable
+    cport = Port("closed", CLOSED_PORT, 9999, "UDP")
+    closed = service("tc6-closed", CLOSED_VIP, [cport], ipFamilies=["IPv6"])
+    ceps = endpoint_slice("tc6-closed", [cport], [Ep(lab.pod("pod-2-2").ip6, "node2")], "v6")
+    ceps["addressType"] = "IPv6"
+    c.apply([svc, eps, local, leps, sink, seps, remote, reps, dns_svc, deps, closed, ceps])
 
 
 def dnat_flows(c: Cluster, dst: str) -> str:
@@ -110,6 +127,24 @@ def forget_flows(c: Cluster, dst: str) -> None:
 
 def new_flows(c: Cluster) -> int:
     return c.bpf_stats(1)["new_flows"] if c.mode == "ebpf" else 0
+
+
+def ct6_udp_flows(c: Cluster, dst: str, port: int) -> int:
+    """eBPF mode: the FORWARD entries of node1's ekp_ct6_any (the tc IPv6 path's UDP flows) to
+    [dst]:port."""
+    from agent.ebpf.abi import MAPS, Ct6Key, CtDir, ip6_words, port_be
+    from agent.ebpf.maps import BpfMap
+
+    words = tuple(ip6_words(dst))
+    with BpfMap.open_pinned(MAPS["ct6_any"], c.agents[0].pin_path) as table:
+        return sum(
+            1
+            for key, _ in table.items()
+            if isinstance(key, Ct6Key)
+            and key.dir == CtDir.FORWARD
+            and tuple(key.daddr) == words
+            and key.dport == port_be(port)
+        )
 
 
 def test_a_pods_ipv6_connections_to_a_cluster_ip_are_translated_by_tc(dual: Cluster) -> None:
@@ -191,16 +226,19 @@ def test_an_external_client_reaches_an_ipv6_node_port_whose_only_endpoint_is_on_
         assert f"dport={REMOTE_PORT} " in flows, flows
 
 
-# A 3,000-byte datagram (three IPv6 fragments on the lab's links) and a short one carrying a
-# destination options header, each from its own socket to [vip]:53, then an HTTP request over a
-# TCP connection whose every segment carries that header, to [vip]:80; prints what came back.
+# A 4,000-byte datagram (three IPv6 fragments on the lab's links; the backend echoes it, three
+# fragments back) and a short one carrying a destination options header, each from its own socket
+# to [vip]:53, then an HTTP request over a TCP connection whose every segment carries that header,
+# to [vip]:80; prints what came back.
 DATAGRAMS = r"""
 import socket, sys
 vip, port = sys.argv[1], int(sys.argv[2])
 # a destination options header holding one PadN option (RFC 8200 4.2): 8 bytes
 OPTS = bytes([0, 0, 1, 4, 0, 0, 0, 0])
 big = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); big.settimeout(3)
-big.sendto(b"x" * 3000, (vip, port)); print(len(big.recv(65535)))
+sent = bytes(range(256)) * 15 + b"x" * 160
+big.sendto(sent, (vip, port)); answer, peer = big.recvfrom(65535)
+print(len(answer), answer == sent and peer[0] == vip)
 opts = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); opts.settimeout(3)
 opts.setsockopt(socket.IPPROTO_IPV6, 59, OPTS)  # IPV6_DSTOPTS
 opts.sendto(b"who", (vip, port)); print(opts.recv(100).decode())
@@ -215,22 +253,83 @@ print(answer.split(b"\r\n\r\n", 1)[1].decode().strip())
 
 
 def test_udp_fragments_and_extension_headers_reach_the_cluster_ip(dual: Cluster) -> None:
-    """UDP (a fragmented datagram, and one behind a destination options header) is left to the
-    stack and ip6tables in both modes: the tc IPv6 path translates TCP alone. A TCP connection
-    behind the same header is translated by tc in eBPF mode: one new flow of its own."""
+    """A 4,000-byte datagram to the IPv6 ClusterIP and the backend's 4,000-byte answer (three
+    fragments each way), a datagram behind a destination options header, and a TCP connection
+    behind it too. eBPF mode: all three are tc flows (three new flows, the later fragments counted
+    as translated, the datagrams' entries in ekp_ct6_any) and nf_conntrack holds none of them
+    (before the path took UDP, both datagrams went through ip6tables: two DNAT entries there).
+    iptables mode: ip6tables' DNAT entries for all three."""
     lab = dual.lab
     forget_flows(dual, VIP)
-    before = new_flows(dual)
+    before = dual.bpf_stats(1) if dual.mode == "ebpf" else {}
     out = lab.run(lab.pod("pod-1-1"), sys.executable, "-c", DATAGRAMS, VIP, str(UDP_PORT), timeout=20).stdout
-    size, who, http = out.split()
-    assert size == "3000" and who in PODS and http in PODS, out
+    size, same, who, http = out.split()
+    assert (size, same) == ("4000", "True") and who in PODS and http in PODS, out
     flows = dnat_flows(dual, VIP)
-    assert flows.count("dport=53 ") == 2, f"both datagrams went through ip6tables: {flows}"
     if dual.mode == "ebpf":
-        assert new_flows(dual) - before == 1, "the TCP connection alone"
-        assert "dport=80 " not in flows, flows
+        after = dual.bpf_stats(1)
+        assert after["new_flows"] - before["new_flows"] == 3, "two datagrams and the TCP connection"
+        assert after["fragments"] - before["fragments"] >= 4, "two later fragments each way"
+        assert ct6_udp_flows(dual, VIP, UDP_PORT) >= 2
+        assert flows == "", flows
     else:
-        assert "dport=80 " in flows, flows
+        assert flows.count("dport=53 ") == 2 and "dport=80 " in flows, flows
+
+
+def test_dns_over_ipv6_with_dig_is_translated_by_tc(dual: Cluster) -> None:
+    """DNS over IPv6 with `dig` from a pod (no socket programs: tc's path) to an IPv6 ClusterIP
+    answered by dnsmasq in both PODS: each lookup a tc flow in eBPF mode (new flows, entries in
+    ekp_ct6_any, none in nf_conntrack), ip6tables' in iptables mode. Over TCP too."""
+    lab = dual.lab
+    pod = lab.pod("pod-1-1")
+    forget_flows(dual, DNS_VIP)
+    before = new_flows(dual)
+    assert {lab.dns_whoami(pod, DNS_VIP) for _ in range(TRIES)} == set(PODS)
+    assert {lab.dns_whoami(pod, DNS_VIP, tcp=True) for _ in range(3)} <= set(PODS)
+    flows = dnat_flows(dual, DNS_VIP)
+    if dual.mode == "ebpf":
+        assert new_flows(dual) - before >= TRIES + 3
+        assert ct6_udp_flows(dual, DNS_VIP, 53) >= 1
+        assert flows == "", flows
+    else:
+        assert "dport=53 " in flows, flows
+
+
+# A connected UDP socket's datagram to [vip]:port; what came back: an answer, the ICMPv6 port
+# unreachable (ECONNREFUSED) or nothing.
+REFUSED = r"""
+import socket, sys
+s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); s.settimeout(3)
+s.connect((sys.argv[1], int(sys.argv[2])))
+s.send(b"anyone?")
+try:
+    s.recv(100); print("answered")
+except ConnectionRefusedError:
+    print("refused")
+except socket.timeout:
+    print("timeout")
+"""
+
+
+def test_a_backends_port_unreachable_reaches_the_client_through_the_cluster_ip(dual: Cluster) -> None:
+    """The endpoint (on node2) listens on no UDP port 9999: its ICMPv6 port unreachable quotes the
+    datagram as node1 sent it (to the endpoint); node1 translates it back (eBPF: the tc path's
+    ekp_tc6_related, counted ct_related; iptables: nf_nat), so the client's connected socket gets
+    ECONNREFUSED at once. Untranslated, the error quotes a tuple the socket never used: the stack
+    drops it and the client waits out its timeout."""
+    lab = dual.lab
+    forget_flows(dual, CLOSED_VIP)
+    before = dual.bpf_stats(1) if dual.mode == "ebpf" else {}
+    out = lab.run(lab.pod("pod-1-1"), sys.executable, "-c", REFUSED, CLOSED_VIP, str(CLOSED_PORT), timeout=20)
+    assert out.stdout.strip() == "refused", out.stdout
+    flows = dnat_flows(dual, CLOSED_VIP)
+    if dual.mode == "ebpf":
+        after = dual.bpf_stats(1)
+        assert after["new_flows"] > before["new_flows"] and ct6_udp_flows(dual, CLOSED_VIP, CLOSED_PORT) == 1
+        assert after["ct_related"] > before["ct_related"], "node1 translated the port unreachable"
+        assert flows == "", flows
+    else:
+        assert f"dport={CLOSED_PORT} " in flows, flows
 
 
 def test_packet_too_big_from_beyond_the_backends_node_lowers_the_clients_path_mtu(dual: Cluster) -> None:
@@ -289,3 +388,53 @@ def test_packet_too_big_from_the_node_when_its_uplink_is_smaller_lowers_the_clie
         assert flows == "", f"no flow of ip6tables: {flows}"
     else:
         assert "dport=80 " in flows, flows
+
+
+# One datagram from each source port of [first, last) to [vip]:port, each from its own socket; the
+# answers (the backend's name) in order.
+FROM_PORTS = r"""
+import socket, sys
+vip, port, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+names = []
+for sport in range(first, last):
+    s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); s.settimeout(3)
+    s.bind(("::", sport))
+    s.sendto(b"who", (vip, port))
+    names.append(s.recv(100).decode())
+    s.close()
+print(" ".join(names))
+"""
+
+
+def test_udp_flows_ip6tables_translated_before_a_restart_keep_their_backend(dual: Cluster) -> None:
+    """Twenty UDP flows ip6tables translated to one of the ClusterIP's two endpoints (written into
+    node1's nf_conntrack with their NAT while its agent is stopped, as ip6tables would have left
+    them: a node upgraded from an agent whose tc path left UDP to ip6tables) keep that endpoint
+    after the restart: eBPF mode carries them into ekp_ct6_any before its programs attach
+    (agent/takeover/into_ebpf.py, _carry6), so their next datagrams are no new flows; iptables mode
+    through the same nf_conntrack entries. Without the carry the tc path decides each flow again:
+    all twenty on the one endpoint by chance, 2**-20."""
+    from agent.takeover.flows import NatFlow, Timeouts
+    from agent.takeover.nfct import create_flows
+
+    lab = dual.lab
+    client, backend = lab.pod("pod-1-1"), lab.pod("pod-2-2")
+    ports = range(47000, 47020)
+    flows = [
+        NatFlow(17, (client.ip6, VIP, p, UDP_PORT), (backend.ip6, client.ip6, HTTP6_PORT, p)) for p in ports
+    ]
+    forget_flows(dual, VIP)
+    agent = dual.agents[0]
+    agent.stop()
+    assert create_flows(lab.node(1).ns, flows, Timeouts()).created == len(flows)
+    mark = agent.log_mark()
+    agent.start()
+    agent.wait_version(dual.version, after=mark)
+    before = new_flows(dual)
+    out = lab.run(
+        client, sys.executable, "-c", FROM_PORTS, VIP, str(UDP_PORT), str(ports[0]), str(ports[-1] + 1)
+    )
+    assert out.stdout.split() == ["pod-2-2"] * len(flows), out.stdout
+    if dual.mode == "ebpf":
+        assert ct6_udp_flows(dual, VIP, UDP_PORT) >= len(flows)
+        assert new_flows(dual) == before, "each datagram a carried flow's"
