@@ -8,13 +8,15 @@ translated reaches netfilter already translated, so it is never counted twice. N
 flow the socket programs translated at connect() (the node's own sockets, in eBPF mode: it dials
 the backend itself), a refusal or a drop.
 
-The source address narrows both counts to the case when two cases dial the same address at once
-(a node's own source address is its route's choice: not narrowed, no two node cases share one).
+The source narrows both counts to the case when other cases dial the same address and port (a
+node's own flows: any of its addresses, the route chooses). Two cases of one source, destination
+and protocol count each other's flows: `udp-*` and `frag-*` of one pair (each counts 40, not 20).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 import struct
 from dataclasses import dataclass
@@ -23,10 +25,11 @@ from typing import cast
 from agent.ebpf.abi import MAPS, Ct6Key, CtDir, CtKey
 from agent.ebpf.maps import BpfMap
 from lab import Lab
-from lab.core import CLIENT_IP
+from lab.core import CLIENT_IP, CLIENT_IP6, node_gateway, node_gateway6, node_ip, node_ip6
 from lab.harness import Cluster
-from tests.differential.cases import IPV4, Case, in_family, pod_address
+from tests.differential.cases import IPV4, IPV6, Case, in_family, pod_address
 
+ORIG_SRC = re.compile(r"\bsrc=(\S+)")
 PROTOCOLS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": socket.IPPROTO_SCTP}
 
 
@@ -52,12 +55,14 @@ class Decided:
         return f"tc flows {per_node(self.tc)}, nf_conntrack DNAT {per_node(self.nf)}"
 
 
-def source_address(case: Case, family: str) -> str | None:
+def source_addresses(case: Case) -> frozenset[str]:
+    """The addresses the case's source may send from, in either family."""
     if case.source == "client":
-        return in_family(CLIENT_IP, family)
+        return frozenset({CLIENT_IP, CLIENT_IP6})
     if case.source.startswith("pod-"):
-        return in_family(pod_address(case.source), family)
-    return None
+        return frozenset(in_family(pod_address(case.source), f) for f in (IPV4, IPV6))
+    n = int(case.source.removeprefix("node"))
+    return frozenset({node_ip(n), node_gateway(n), node_ip6(n), node_gateway6(n)})
 
 
 def _address(raw: bytes) -> str:
@@ -67,7 +72,7 @@ def _address(raw: bytes) -> str:
 def tc_flows(pin_path: str, case: Case, family: str) -> int:
     """FORWARD entries of the case's tuple in one node's tc conntrack tables (as on the wire)."""
     addr, port = case.address(family)
-    src = source_address(case, family)
+    sources = source_addresses(case)
     proto = PROTOCOLS[case.protocol]
     tables = ("ct_tcp", "ct_any") if family == IPV4 else ("ct6_tcp", "ct6_any")
     count = 0
@@ -82,7 +87,7 @@ def tc_flows(pin_path: str, case: Case, family: str) -> int:
                     daddr, saddr = struct.pack("=I", key.daddr), struct.pack("=I", key.saddr)
                 else:
                     daddr, saddr = bytes(key.daddr), bytes(key.saddr)
-                if _address(daddr) == addr and (src is None or _address(saddr) == src):
+                if _address(daddr) == addr and _address(saddr) in sources:
                     count += 1
     return count
 
@@ -90,12 +95,13 @@ def tc_flows(pin_path: str, case: Case, family: str) -> int:
 def nf_flows(lab: Lab, node: str, case: Case, family: str) -> int:
     """nf_conntrack entries of the case's tuple on `node` that a DNAT rule translated."""
     addr, port = case.address(family)
-    src = source_address(case, family)
     argv = ["conntrack", "-L", "-f", "ipv4" if family == IPV4 else "ipv6", "-p", case.protocol.lower()]
     argv += ["--orig-dst", addr, "--dport", str(port), "--dst-nat"]
-    argv += ["--orig-src", src] if src else []
     out = lab.run(lab.node(node), *argv).stdout
-    return sum(1 for line in out.splitlines() if line.strip())
+    # the first src= of an entry is its original tuple's
+    origins = (ORIG_SRC.search(line) for line in out.splitlines())
+    sources = source_addresses(case)
+    return sum(1 for m in origins if m and str(ipaddress.ip_address(m[1])) in sources)
 
 
 def decided(cluster: Cluster, case: Case, family: str) -> Decided:
