@@ -42,6 +42,7 @@ from agent import daemon
 from agent.collector import GC_THRESHOLDS
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf.abi import MAPS, HandoverMode, MapSpec
+from agent.ebpf.attach import HandoverState
 from agent.ebpf.proxier import EbpfProxier, StartSteps
 from agent.ebpf.upgrade import Upgrade
 from agent.kube.reflector import Reflector, WatchSettings
@@ -164,6 +165,9 @@ class _Datapath:
     def set_handover(self, mode: HandoverMode) -> None:
         return None
 
+    def handover_mode(self) -> HandoverMode:
+        return HandoverMode.OFF
+
     def close(self) -> None:
         return None
 
@@ -187,6 +191,13 @@ class _Attacher:
 
     def rehome(self) -> None:
         return None
+
+    @property
+    def fronts(self) -> dict[tuple[int, int], tuple[str, int]]:
+        return {}
+
+    def handover_state(self) -> HandoverState:
+        return HandoverState(own_front=False, other_front=False, older_behind=False)
 
     def start_watcher(self, timeout: float = 5.0) -> None:
         return None

@@ -120,6 +120,9 @@ class Facts:
     map_sizes: Mapping[str, int] = field(default_factory=dict)  # eBPF map role -> max entries
     conntrack: tuple[int, int] | None = None  # nf_conntrack_count, nf_conntrack_max
     unlocked_route_mtus: tuple[str, ...] = ()  # IPv4 routes with an unlocked mtu metric, "DST dev N mtu M"
+    # What an upgrade's hand-over cut short left: our filters in front ("eth0 tc ingress: ekp_from_net
+    # pref 16"), builds whose pinned mode is not OFF ("build 1a2b: hand-over mode MISS").
+    handover_left: tuple[str, ...] = ()
 
 
 def kernel_version(release: str) -> tuple[int, int]:
@@ -139,7 +142,7 @@ def checklist(f: Facts) -> list[Line]:
         lines.append(_iptables(f))
     lines += [_forwarding(f), _kube_proxy(f)]
     if f.mode is Mode.EBPF:
-        lines += [_hooks(f), _route_mtus(f)]
+        lines += [_hooks(f), _handover(f), _route_mtus(f)]
     lines += _api(f)
     lines += _sizing(f)
     return lines
@@ -321,6 +324,19 @@ def _hooks(f: Facts) -> Line:
         "tc/XDP hooks",
         f"another program shares the hooks, after ours: {listed}",
         "check that it expects translated packets",
+    )
+
+
+def _handover(f: Facts) -> Line:
+    if not f.handover_left:
+        return Line(Verdict.OK, "hand-over", "no upgrade hand-over left half done")
+    return Line(
+        Verdict.WARN,
+        "hand-over",
+        f"an upgrade's hand-over was cut short: {_few(f.handover_left)}; while the agent is not "
+        "running, the programs in front may pass packets on to older ones",
+        "start the agent (its first sync resumes the hand-over, or removes what is in front), or "
+        "agent --cleanup",
     )
 
 

@@ -65,6 +65,7 @@ def gather(config: Config, environ: Mapping[str, str] | None = None) -> Facts:
             pin_path=config.pin_path,
             cgroup2=_cgroup2_mount(),
             foreign_hooks=_foreign_hooks(config),
+            handover_left=_handover_left(config),
             unlocked_route_mtus=unlocked_route_mtus(config.netns),
             map_sizes={role: getattr(sizes, role) for role in SIZED_ROLES},
         )
@@ -240,6 +241,29 @@ def _foreign_hooks(config: Config) -> tuple[ForeignHook, ...]:
                     out.append(ForeignHook(name, "xdp", what, False))
     except (OSError, FatalError) as exc:
         out.append(ForeignHook("?", "tc ingress", f"could not be read: {exc}", False))
+    return tuple(out)
+
+
+def _handover_left(config: Config) -> tuple[str, ...]:
+    """Our filters in front and the builds whose pinned hand-over mode is not OFF."""
+    from agent.ebpf.attach import fronts_left
+    from agent.ebpf.loader import DatapathError, pinned_handover_modes
+    from agent.netns import netns_route
+
+    out: list[str] = []
+    try:
+        with netns_route(config.netns) as ipr:
+            out += fronts_left(ipr)
+    except OSError as exc:
+        out.append(f"the tc hooks could not be read: {exc}")
+    try:
+        modes = pinned_handover_modes(config.pin_path) if os.path.isdir(config.pin_path) else {}
+    except (OSError, DatapathError) as exc:
+        out.append(f"the hand-over modes could not be read: {exc}")
+        modes = {}
+    out += [
+        f"build {build}: hand-over mode {mode.name}" for build, mode in modes.items() if mode.name != "OFF"
+    ]
     return tuple(out)
 
 

@@ -44,7 +44,12 @@ ekp_handover`, set by the proxier) first passes every packet on (TC_ACT_UNSPEC: 
 decides), then, once every device has both, leaves only its conntrack misses to the older program
 while the conntrack is carried over, then none; `rehome` then replaces the older filter at
 FILTER_PRIO with the same new program and removes the front one. Ours at FRONT_PRIO is never
-foreign, and `detach` removes it too (an agent stopped in the middle).
+foreign, and `detach` removes it too (an agent stopped in the middle). "In front" only of another
+build's program (TCA_BPF_ID against our fds' ids): where this build already sits at FILTER_PRIO (a
+hook rehome moved before the agent stopped; `attach_egress`), a copy at FRONT_PRIO would share its
+mode, so it is removed instead. A full reconcile outside a hand-over removes ours at FRONT_PRIO on
+every hook (a hand-over cut short, then a rollback). Someone else's filter at FRONT_PRIO: the older
+filter is replaced at FILTER_PRIO instead, with a warning.
 
 The namespace is opened with `IPRoute(netns=..., flags=0)`: a missing namespace is an error, not
 silently created. Pod devices come and go; `Attacher.start_watcher()` runs a thread that attaches
@@ -90,6 +95,7 @@ TC_H_INGRESS_QDISC = 0xFFFFFFF1  # parent of the clsact / ingress qdisc
 TC_H_INGRESS = 0xFFFFFFF2  # clsact ingress hook (`tc filter ... ingress`)
 TC_H_EGRESS = 0xFFFFFFF3  # clsact egress hook
 RT_SCOPE_LINK = 253  # an address valid on its link only (IPv6 fe80::/10)
+TCA_BPF_ID = 11  # the id of a bpf filter's program (pyroute2 does not decode it)
 
 
 # rtnetlink link events, read from a plain socket: pyroute2's buffered reader does not mix with
@@ -302,6 +308,39 @@ def foreign_filters(ipr: Any, index: int) -> list[tuple[str, int]]:
     return out
 
 
+def filter_prog_id(msg: Any) -> int:
+    """The id of the program a bpf filter runs (TCA_BPF_ID, read from the message's bytes), 0 if
+    the kernel gave none."""
+    opts = msg.get_attr("TCA_OPTIONS")
+    if opts is None:
+        return 0
+    data, at, end = opts.data, opts.offset + _RTA.size, opts.offset + opts.length
+    while at + _RTA.size <= end:
+        alen, atype = _RTA.unpack_from(data, at)
+        if alen < _RTA.size:
+            break
+        if atype & 0x3FFF == TCA_BPF_ID and alen >= _RTA.size + 4:
+            return int(struct.unpack_from("=I", data, at + _RTA.size)[0])
+        at += (alen + 3) & ~3
+    return 0
+
+
+def our_prog_id(ipr: Any, index: int, parent: int, prio: int) -> int | None:
+    """The program id of our filter on one hook at `prio` (0: unknown), None when there is none."""
+    for msg in _filters(ipr, index, parent):
+        if _is_ours(msg, prio):
+            return filter_prog_id(msg)
+    return None
+
+
+def foreign_at(ipr: Any, index: int, parent: int, prio: int) -> str | None:
+    """Name (or kind) of a filter not ours at `prio` on one hook, None when there is none."""
+    for msg in _filters(ipr, index, parent):
+        if (int(msg["info"]) >> 16) == prio and not _is_ours(msg, prio):
+            return str(msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME") or msg.get("kind"))
+    return None
+
+
 def our_filter(ipr: Any, index: int, parent: int = TC_H_INGRESS, prio: int = FILTER_PRIO) -> str | None:
     """Name of our filter on the device's ingress (or `parent`) hook at `prio`, or None."""
     for msg in _filters(ipr, index, parent):
@@ -376,6 +415,18 @@ def detach(ipr: Any, index: int) -> bool:
     return found
 
 
+def fronts_left(ipr: Any) -> list[str]:
+    """ "DEVICE HOOK: PROGRAM" of each filter of ours at FRONT_PRIO (agent doctor: outside a
+    hand-over, one left by a hand-over cut short)."""
+    out = []
+    for link in list_links(ipr):
+        for parent, hook in ((TC_H_INGRESS, "tc ingress"), (TC_H_EGRESS, "tc egress")):
+            name = our_filter(ipr, link.index, parent, FRONT_PRIO)
+            if name is not None:
+                out.append(f"{link.name} {hook}: {name} pref {FRONT_PRIO}")
+    return out
+
+
 def detach_all(netns: str) -> list[str]:
     """Remove our filters and XDP programs from every device of `netns`; names of the devices
     that had one.
@@ -397,6 +448,15 @@ def detach_all(netns: str) -> list[str]:
     except FileNotFoundError:
         log.info("netns %s does not exist: nothing to detach", netns)
         return []
+
+
+@dataclass(frozen=True)
+class HandoverState:
+    """Our filters on a namespace's hooks, as a hand-over sees them at an agent's start."""
+
+    own_front: bool  # this build in front somewhere: its hand-over started (then was cut short)
+    other_front: bool  # another build of ours in front somewhere: a hand-over of its, cut short
+    older_behind: bool  # another build's filter at FILTER_PRIO somewhere: something to hand over from
 
 
 class Attacher:
@@ -422,6 +482,7 @@ class Attacher:
         # (ifindex, hook) -> (program, classid) of the filters put in front of an older
         # generation's by a hand-over's reconcile, until `rehome` moves them to FILTER_PRIO.
         self._fronts: dict[tuple[int, int], tuple[str, int]] = {}
+        self._ids: frozenset[int] | None = None  # _own_ids
 
     @property
     def attached(self) -> dict[int, tuple[str, str]]:
@@ -467,10 +528,12 @@ class Attacher:
           the agent's first sync before the IPv6 family's (`node` holds no IPv6 node address yet,
           and a device holding only one is external where the tc IPv6 path serves). A later
           reconcile with the full node detaches it if it does not qualify;
-        * `front` (with `full`, an upgrade's hand-over): on each hook where a filter of ours is at
-          FILTER_PRIO (the older generation's), ours goes in front of it at FRONT_PRIO, in the
-          mode the build's hand-over map says (the caller set EKP_HANDOVER_PASS first), until
-          `rehome`; a hook without one gets ours at FILTER_PRIO as always.
+        * `front` (with `full`, an upgrade's hand-over): on each hook where another build's
+          filter of ours is at FILTER_PRIO (the older generation's), ours goes in front of it at
+          FRONT_PRIO, in the mode the build's hand-over map says (the caller chose it from
+          `handover_state`), until `rehome`; a hook without one gets ours at FILTER_PRIO as
+          always, and its copy at FRONT_PRIO goes. A full reconcile without `front` removes ours
+          at FRONT_PRIO from every hook it attaches.
         """
         with netns_route(self._config.netns) as ipr:
             links: dict[int, Link] = {}
@@ -524,7 +587,7 @@ class Attacher:
                 ):
                     self._remember(index, name, prog, bridge)
                     continue
-                self._attach(ipr, index, name, prog, bridge, front=front)
+                self._attach(ipr, index, name, prog, bridge, front=front, clear_front=full)
             for index in gone:
                 self._xdp_off(ipr, index, known[index][0])
             for index in sorted(external):
@@ -579,19 +642,85 @@ class Attacher:
         with self._lock:
             self._xdp.pop(index, None)
 
+    def _own_ids(self) -> frozenset[int]:
+        """The ids of this Attacher's programs: a filter running one of them is this generation's."""
+        if self._ids is None:
+            self._ids = frozenset(xdp.prog_info(fd)[0] for fd in self._fds.values())
+        return self._ids
+
+    def handover_state(self) -> HandoverState:
+        """Where a hand-over stands on this namespace's hooks (read before the mode is set)."""
+        own = self._own_ids()
+        own_front = other_front = older = False
+        with netns_route(self._config.netns) as ipr:
+            for link in list_links(ipr):
+                for parent in (TC_H_INGRESS, TC_H_EGRESS):
+                    try:
+                        msgs = _filters(ipr, link.index, parent)  # one dump per hook: a node has many
+                    except NetlinkError as exc:
+                        if exc.code != errno.ENODEV:  # a pod device gone meanwhile holds nothing
+                            raise
+                        msgs = []
+                    for msg in msgs:
+                        if _is_ours(msg, FRONT_PRIO):
+                            mine = filter_prog_id(msg) in own
+                            own_front |= mine
+                            other_front |= not mine
+                        elif _is_ours(msg, FILTER_PRIO):
+                            older |= filter_prog_id(msg) not in own
+        return HandoverState(own_front, other_front, older)
+
     def _attach(
-        self, ipr: Any, index: int, name: str, prog: str, bridge: int = 0, *, front: bool = False
+        self,
+        ipr: Any,
+        index: int,
+        name: str,
+        prog: str,
+        bridge: int = 0,
+        *,
+        front: bool = False,
+        clear_front: bool = False,
     ) -> None:
         # Egress first: nothing is handed to the node's stack before its replies (and, with legacy
         # host routing, its own source translation) can be translated.
         where = []
         for parent, program, classid in ((TC_H_EGRESS, PROG_EGRESS, 1), (TC_H_INGRESS, prog, bridge)):
-            prio = FRONT_PRIO if front and our_filter(ipr, index, parent) is not None else FILTER_PRIO
+            hook = "egress" if parent == TC_H_EGRESS else "ingress"
+            prio = FILTER_PRIO
+            if front:
+                # In front only of an older generation's filter: where ours already sits at 17 (a
+                # hook rehome moved, or attach_egress reached), a copy at 16 would share its mode.
+                behind = our_prog_id(ipr, index, parent, FILTER_PRIO)
+                if behind is not None and behind not in self._own_ids():
+                    prio = FRONT_PRIO
+                    other = foreign_at(ipr, index, parent, FRONT_PRIO)
+                    if other is not None:
+                        log.warning(
+                            "%s on %s %s sits at priority %d, where the hand-over puts this build in "
+                            "front of the older one: replacing the older one at %d instead (flows it "
+                            "started meanwhile may break there); move %s to free priority %d",
+                            other,
+                            name,
+                            hook,
+                            FRONT_PRIO,
+                            FILTER_PRIO,
+                            other,
+                            FRONT_PRIO,
+                        )
+                        prio = FILTER_PRIO
             attach(ipr, index, program, self._fds[program], parent, classid=classid, prio=prio)
             if prio == FRONT_PRIO:
-                where.append("egress" if parent == TC_H_EGRESS else "ingress")
+                where.append(hook)
                 with self._lock:
                     self._fronts[(index, parent)] = (program, classid)
+            elif front or clear_front:
+                # Ours at 17 now: a copy left at 16 (this hand-over's, or one cut short) goes.
+                if drop_front(ipr, index, parent):
+                    log.info(
+                        "removed our filter in front on %s %s (ours serves at %d)", name, hook, FILTER_PRIO
+                    )
+                with self._lock:
+                    self._fronts.pop((index, parent), None)
         log.info(
             "attached %s to %s ingress%s and %s to its egress%s",
             prog,

@@ -32,13 +32,14 @@ tools print their generated C.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ from agent.ebpf.abi import (
 from agent.ebpf.bpfobject import BpfObject
 from agent.ebpf.btf import vmlinux_has
 from agent.ebpf.compile import (
+    PROG_PIN_PREFIX,
     build_id,
     compile_in_child,
     open_pinned_programs,
@@ -137,6 +139,45 @@ TC6_PROGRAMS = frozenset(name for names in TAIL_CALLS.values() for name in names
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
 _REMEDY = "run `agent --cleanup` or remove the pin"
+
+
+@contextlib.contextmanager
+def _pinned_fd(path: str) -> Iterator[int]:
+    fd = bpfsys.obj_get(path)
+    if fd < 0:
+        raise DatapathError(f"opening {path}: {os.strerror(-fd)}")
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def write_handover(path: str, mode: HandoverMode) -> None:
+    """Set the hand-over mode in the pinned ekp_handover map at `path`."""
+    with _pinned_fd(path) as fd:
+        ret = bpfsys.map_update_elem(fd, ctypes.c_uint32(0), Handover(mode=int(mode)))
+    if ret < 0:
+        raise DatapathError(f"setting the hand-over mode to {mode.name} in {path}: {os.strerror(-ret)}")
+
+
+def read_handover(path: str) -> HandoverMode:
+    """The hand-over mode in the pinned ekp_handover map at `path`."""
+    value = Handover()
+    with _pinned_fd(path) as fd:
+        ret = bpfsys.map_lookup_elem(fd, ctypes.c_uint32(0), value)
+    if ret < 0:
+        raise DatapathError(f"reading the hand-over mode in {path}: {os.strerror(-ret)}")
+    return HandoverMode(int(value.mode))
+
+
+def pinned_handover_modes(pin_path: str) -> dict[str, HandoverMode]:
+    """build -> hand-over mode of every build pinned under `pin_path` (agent doctor)."""
+    suffix = f"_{HANDOVER_MAP}"
+    return {
+        entry[len(PROG_PIN_PREFIX) : -len(suffix)]: read_handover(os.path.join(pin_path, entry))
+        for entry in sorted(os.listdir(pin_path))
+        if entry.startswith(PROG_PIN_PREFIX) and entry.endswith(suffix)
+    }
 
 
 class DatapathError(RuntimeError):
@@ -541,19 +582,18 @@ class Datapath:
 
     def set_handover(self, mode: HandoverMode) -> None:
         """This build's hand-over mode (struct ekp_handover), read by its tc and XDP programs at each
-        packet (agent/ebpf/handover.py)."""
+        packet (bpf/ekp_decide.h)."""
+        write_handover(self._handover_pin(), mode)
+
+    def handover_mode(self) -> HandoverMode:
+        """This build's hand-over mode as pinned: what a hand-over cut short (a failed start, an
+        agent killed) left, OFF for a build that never started one."""
+        return read_handover(self._handover_pin())
+
+    def _handover_pin(self) -> str:
         if self._build is None:
-            raise DatapathError("no build loaded: no hand-over mode to set")
-        path = prog_pin(self.pin_path, self._build, HANDOVER_MAP)
-        fd = bpfsys.obj_get(path)
-        if fd < 0:
-            raise DatapathError(f"opening {path}: {os.strerror(-fd)}")
-        try:
-            ret = bpfsys.map_update_elem(fd, ctypes.c_uint32(0), Handover(mode=int(mode)))
-        finally:
-            os.close(fd)
-        if ret < 0:
-            raise DatapathError(f"setting the hand-over mode to {mode.name}: {os.strerror(-ret)}")
+            raise DatapathError("no build loaded: no hand-over mode")
+        return prog_pin(self.pin_path, self._build, HANDOVER_MAP)
 
     def _route_ipv6(self, build: str, fds: Mapping[str, int]) -> None:
         """Fill the program arrays (TAIL_CALLS) when the tc programs' IPv6 path serves

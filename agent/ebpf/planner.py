@@ -701,9 +701,11 @@ class Planner:
         w_fe = [w for w in p["fe"].values() if w is not None]
         svc = {fe_svc(w) for w in w_fe} | {k & U32 for k, w in p["member"].items() if w is not None}
         sets = {fe_set(w) for w in w_fe} | {k & U32 for k, w in p["slot"].items() if w is not None}
-        bids = {k for k, w in p["be"].items() if w is not None} | {
-            w for w in p["slot"].values() if w is not None
-        }
+        bids = (
+            {k for k, w in p["be"].items() if w is not None}
+            | {w for w in p["slot"].values() if w is not None}
+            | {k >> MEMBER_BACKEND for k, w in p["member"].items() if w is not None}
+        )
         rnat = (
             {k for k, w in p["rnat"].items() if w is not None}
             | {fe_rnat(w) for w in w_fe}
@@ -790,6 +792,9 @@ def _kernel_ids(
     sets.update(_low_halves(dump.get("slot", (b"", b""))[0]))  # set_id | slot << 32
     bids = set(adopted["be"])
     bids.update(adopted["slot"].values())
+    # A stray membership's backend id too: a new backend given it would be taken for a member of
+    # that service port until the stray entry is deleted, after the writes.
+    bids.update(_low_halves(dump.get("member", (b"", b""))[0], high=True))
     rnat = set(adopted["rnat"])
     rnat.update({w >> FE_RNAT & U16 for w in fe})
     rnat.update({srcr_rnat(k) for k in adopted["srcr"]})
@@ -800,9 +805,9 @@ _LOW = 0 if sys.byteorder == "little" else 1  # where an 8-byte key's low 32 bit
 assert key_size("member") == key_size("slot") == 8 and MEMBER_BACKEND == SLOT_POS == 32
 
 
-def _low_halves(keys: bytes) -> array[int]:
-    """The low 32 bits of each 8-byte key in `keys` (a dump's, native order)."""
-    return array("I", keys)[_LOW::2]
+def _low_halves(keys: bytes, high: bool = False) -> array[int]:
+    """The low (or high) 32 bits of each 8-byte key in `keys` (a dump's, native order)."""
+    return array(_U32_CODE, keys)[_LOW ^ high :: 2]
 
 
 def _sets_of(frag: Fragment) -> dict[SetKind, tuple[int, int]]:

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi, activity
 from agent.ebpf.abi import HandoverMode, Stat
-from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, detach_all
+from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, HandoverState, detach_all
 from agent.ebpf.codec import KEYS, VALUES, Value
 from agent.ebpf.family6 import Ipv6Datapath, config6_of
 from agent.ebpf.maglev_writer import MaglevWriter
@@ -110,6 +110,9 @@ class DatapathLike(Protocol):
     def set_handover(self, mode: HandoverMode) -> None:
         """This build's hand-over mode (struct ekp_handover), read by its programs at each packet."""
 
+    def handover_mode(self) -> HandoverMode:
+        """This build's hand-over mode as pinned (what a start cut short left)."""
+
     def close(self) -> None: ...
 
 
@@ -164,11 +167,32 @@ class AttacherLike(Protocol):
         """Move the filters put in front of an older generation's to our own priority."""
 
     @property
+    def fronts(self) -> Mapping[tuple[int, int], tuple[str, int]]:
+        """The filters in front of an older generation's, until `rehome` moves them."""
+
+    def handover_state(self) -> HandoverState: ...
+
+    @property
     def watching(self) -> bool: ...
 
     def start_watcher(self, timeout: float = 5.0) -> None: ...
 
     def stop_watcher(self) -> None: ...
+
+
+def handover_start(pinned: HandoverMode, state: HandoverState) -> HandoverMode:
+    """The mode a first attach that hands over sets before it goes in front. PASS only for a
+    hand-over that never started (this build OFF, nothing of ours at FRONT_PRIO): a mode is never
+    lowered, for flows this build took in MISS are unknown to the older programs. Another build of
+    ours in front (its hand-over cut short, its flows in our shared conntrack): MISS. Nothing of an
+    older generation behind and nothing in front: OFF, this build is alone on every hook."""
+    if state.own_front:
+        return pinned
+    if state.other_front:
+        return HandoverMode.MISS if pinned == HandoverMode.OFF else pinned
+    if not state.older_behind:
+        return HandoverMode.OFF
+    return HandoverMode.PASS if pinned == HandoverMode.OFF else pinned
 
 
 class StartSteps:
@@ -838,13 +862,26 @@ class EbpfProxier:
         if first:
             self._upgrade.before_attach(datapath.maps)
             activity.disarm(datapath.maps["act"])  # until every flow has its stamps (activity.py)
-            # Set at every first attach: a reused build keeps the mode a hand-over cut short left.
-            datapath.set_handover(HandoverMode.PASS if handover else HandoverMode.OFF)
         if self._attacher is None:
             names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS, PROG_XDP)
             fds = {name: datapath.prog_fd(name) for name in names}
             self._attacher = self._attacher_factory(self._config, fds)
             full = True
+        mode = HandoverMode.OFF
+        if handover:
+            pinned, state = datapath.handover_mode(), self._attacher.handover_state()
+            mode = handover_start(pinned, state)
+            if pinned != HandoverMode.OFF or state.own_front or state.other_front:
+                log.warning(
+                    "resuming a hand-over from the older programs that an earlier start cut short "
+                    "(this build's mode was %s, now %s; %s in front)",
+                    pinned.name,
+                    mode.name,
+                    "this build" if state.own_front else "another build" if state.other_front else "none",
+                )
+        if first:
+            # Set at every first attach: a reused build keeps the mode a hand-over cut short left.
+            datapath.set_handover(mode)
         if legacy is not None:
             self._attacher.attach_egress(node)
             write_config(datapath.maps, VALUES["cfg"].to_ctype(legacy))
@@ -863,10 +900,11 @@ class EbpfProxier:
                 node, full=full, verify=verify and not full, keep_external=keep, front=handover
             )
             self._attached_node = node
-        if handover:
+        if mode == HandoverMode.PASS:
             # In front on every device: from here on, new flows are ours and what our conntrack
             # misses is the older generation's to decide (a flow it translated, carried below).
             datapath.set_handover(HandoverMode.MISS)
+            mode = HandoverMode.MISS
             log.info(
                 "hand-over: this build's programs take new flows, the older ones theirs until carried over"
             )
@@ -874,10 +912,12 @@ class EbpfProxier:
             # Right after the tc programs changed: flows the old programs made meanwhile are
             # carried over before anything else delays it.
             self._upgrade.after_attach(datapath.maps)
-        if handover:
+        if mode != HandoverMode.OFF:
             # Every flow of the older generation's is in our conntrack now (or left behind: its
             # backend or frontend gone): our programs decide alone, then take its priority.
             datapath.set_handover(HandoverMode.OFF)
+        if self._attacher.fronts:
+            # Every sync until done: a rehome that failed (not ENODEV) is finished by the next one.
             self._attacher.rehome()
         if first:
             activity.arm(datapath.maps)  # only our programs run now: stamp what the tables hold

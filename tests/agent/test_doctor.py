@@ -132,6 +132,12 @@ def test_a_good_node_is_all_ok() -> None:
             "expects translated packets",
         ),
         (
+            {"handover_left": ("eth0 tc ingress: ekp_from_net pref 16", "build 1a2b: hand-over mode MISS")},
+            "hand-over",
+            Verdict.WARN,
+            "resumes the hand-over",
+        ),
+        (
             {"api": ApiFacts(url="https://10.96.0.1:443", via_service="KUBERNETES_SERVICE_HOST=10.96.0.1")},
             "API server",
             Verdict.FAIL,

@@ -27,8 +27,10 @@ from agent.ebpf.attach import (
     RTM_DELLINK,
     RTM_NEWLINK,
     Attacher,
+    HandoverState,
     Link,
     detach_all,
+    fronts_left,
     parse_link_events,
     pod_side_program,
 )
@@ -606,3 +608,98 @@ def test_a_hand_over_puts_the_newer_programs_in_front_then_in_the_older_ones_pla
     assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]  # other1: detached as a stray by that reconcile
     for dev in ("eth0", "lxc-a", "other1"):
         assert ingress(netns, dev) == "" and egress(netns, dev) == "", dev
+
+
+@pytest.mark.kernel
+def test_a_hand_over_resumed_goes_in_front_only_of_an_older_build_and_a_plain_start_clears_fronts(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int]
+) -> None:
+    """A restarted agent of the same build resuming a hand-over: on a hook rehome already moved
+    (ours at 17) it puts nothing at 16 (two copies would share one mode: in PASS both pass the
+    packet on untranslated); where the older build still sits at 17 it stays in front. A full
+    reconcile that does not hand over removes ours at 16 everywhere (a hand-over cut short, then
+    a rollback). handover_state tells the three apart."""
+    from agent.ebpf.attach import FILTER_HANDLE, FRONT_PRIO, TC_H_INGRESS, attach
+    from agent.ebpf.sockattach import prog_id
+
+    old = {name: prog_id(fd) for name, fd in progs.items()}
+    new = {name: prog_id(fd) for name, fd in newer_progs.items()}
+    config = Config(netns=netns, pod_interfaces=("lxc*",))
+    Attacher(config, progs).reconcile(NODE, full=True)
+    newer = Attacher(config, newer_progs)
+    assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=True)
+    newer.reconcile(NODE, full=True, front=True)
+    # rehome moved eth0's ingress hook only, then the agent stopped
+    with netns_route(netns) as ipr:
+        index = ipr.link_lookup(ifname="eth0")[0]
+        attach(ipr, index, PROG_FROM_NET, newer_progs[PROG_FROM_NET])
+        ipr.tc("del-filter", "bpf", index, FILTER_HANDLE, parent=TC_H_INGRESS, prio=FRONT_PRIO)
+    assert ours_by_pref(ingress(netns, "eth0")) == {17: new[PROG_FROM_NET]}
+
+    restarted = Attacher(config, newer_progs)
+    assert restarted.handover_state() == HandoverState(own_front=True, other_front=False, older_behind=True)
+    restarted.reconcile(NODE, full=True, front=True)
+    assert ours_by_pref(ingress(netns, "eth0")) == {17: new[PROG_FROM_NET]}
+    assert ours_by_pref(egress(netns, "eth0")) == {16: new[PROG_EGRESS], 17: old[PROG_EGRESS]}
+    assert ours_by_pref(ingress(netns, "lxc-a")) == {16: new[PROG_FROM_POD], 17: old[PROG_FROM_POD]}
+    assert len(restarted.fronts) == 3
+    with netns_route(netns) as ipr:
+        assert sorted(fronts_left(ipr)) == [
+            "eth0 tc egress: ekp_egress pref 16",
+            "lxc-a tc egress: ekp_egress pref 16",
+            "lxc-a tc ingress: ekp_from_pod pref 16",
+        ]
+    # the older build seen from its side: another build of ours in front
+    assert Attacher(config, progs).handover_state() == HandoverState(
+        own_front=False, other_front=True, older_behind=True
+    )
+
+    # a rollback to the older build, not a hand-over: it serves at 17 alone on every hook
+    rollback = Attacher(config, progs)
+    rollback.reconcile(NODE, full=True)
+    for dev, prog in (("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)):
+        assert ours_by_pref(ingress(netns, dev)) == {17: old[prog]}, dev
+        assert ours_by_pref(egress(netns, dev)) == {17: old[PROG_EGRESS]}, dev
+    assert rollback.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=False)
+    with netns_route(netns) as ipr:
+        assert fronts_left(ipr) == []
+
+
+@pytest.mark.kernel
+def test_an_attach_egress_of_this_build_gets_no_copy_in_front(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int]
+) -> None:
+    """Legacy host routing: attach_egress puts this build's ekp_egress at 17 where the older
+    generation had none; the hand-over's reconcile leaves it there alone."""
+    from agent.ebpf.sockattach import prog_id
+
+    new = {name: prog_id(fd) for name, fd in newer_progs.items()}
+    config = Config(netns=netns, pod_interfaces=("lxc*",))
+    newer = Attacher(config, newer_progs)
+    newer.attach_egress(NODE)
+    newer.reconcile(NODE, full=True, front=True)
+    for dev in ("eth0", "lxc-a"):
+        assert ours_by_pref(egress(netns, dev)) == {17: new[PROG_EGRESS]}, dev
+    assert newer.fronts == {}
+
+
+@pytest.mark.kernel
+def test_a_foreign_filter_at_the_front_priority_gets_the_older_one_replaced_instead(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Someone else's filter at 16 (not bpf): going in front there would fail at every sync; the
+    new program replaces the older one at 17, with a warning naming that filter."""
+    from agent.ebpf.sockattach import prog_id
+
+    old = {name: prog_id(fd) for name, fd in progs.items()}
+    new = {name: prog_id(fd) for name, fd in newer_progs.items()}
+    config = Config(netns=netns, pod_interfaces=("lxc*",))
+    Attacher(config, progs).reconcile(NODE, full=True)
+    # (this machine's kernel has cls_u32 but no act_gact, matchall, flower or basic: no action)
+    sh("tc", "-n", netns, "filter", "add", "dev", "eth0", "ingress", "prio", "16", "protocol", "all",
+       "u32", "match", "u32", "0", "0")  # fmt: skip
+    Attacher(config, newer_progs).reconcile(NODE, full=True, front=True)
+    assert ours_by_pref(ingress(netns, "eth0")) == {17: new[PROG_FROM_NET]}
+    assert re.search(r"pref 16 u32", ingress(netns, "eth0")), "the foreign filter stays where it was"
+    assert ours_by_pref(egress(netns, "eth0")) == {16: new[PROG_EGRESS], 17: old[PROG_EGRESS]}
+    assert any("u32 on eth0 ingress sits at priority 16" in r.getMessage() for r in caplog.records)

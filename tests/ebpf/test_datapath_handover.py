@@ -132,3 +132,17 @@ def test_what_the_egress_program_leaves_alone_goes_on_to_the_older_egress_progra
     dp.set_handover(HandoverMode.MISS)
     assert net.to_pod(frame) == (TC_ACT_UNSPEC, frame)
     assert net.to_pod(frame, came_in_by=net.lab.ext.ifindex) == (TC_ACT_UNSPEC, frame)
+
+
+def test_the_pinned_mode_reads_back_for_the_build_and_for_agent_doctor(dp: Datapath) -> None:
+    """A restarted agent resumes a hand-over from the mode pinned with its build (never lowers
+    it); agent doctor lists every pinned build's mode."""
+    from agent.ebpf.loader import pinned_handover_modes
+
+    assert dp.handover_mode() == HandoverMode.OFF
+    dp.set_handover(HandoverMode.MISS)
+    assert dp.handover_mode() == HandoverMode.MISS
+    modes = pinned_handover_modes(dp.pin_path)
+    assert HandoverMode.MISS in modes.values(), modes
+    dp.set_handover(HandoverMode.OFF)
+    assert set(pinned_handover_modes(dp.pin_path).values()) == {HandoverMode.OFF}

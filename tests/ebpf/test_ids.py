@@ -90,3 +90,11 @@ def test_until_it_wraps_the_pool_hands_out_ids_without_looking_them_up() -> None
     pool.settle(lambda ident: False)  # the kernel let go of it
     assert pool.take() == 2, "wrapped: the one free id, found past the ids in use"
     assert owned.lookups > 0
+
+
+def test_ids_the_kernel_holds_before_any_take_are_skipped_without_a_lookup() -> None:
+    """A restart holds the read-back's ids first (hold_all): the unchecked takes start past them."""
+    owned = Counted()
+    pool = IdPool(100, "thing", owned)
+    pool.hold_all({10, 3})
+    assert pool.take() == 11 and owned.lookups == 0

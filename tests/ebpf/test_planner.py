@@ -214,7 +214,7 @@ def test_a_restart_holds_every_id_its_read_back_holds_as_a_resync_would() -> Non
     rig = PlanRig()
     rig.sync(many(30))
     strays = {
-        "member": (999 | 5 << MEMBER_BACKEND, 1),
+        "member": (999 | 666 << MEMBER_BACKEND, 1),
         "slot": (777 | 1 << SLOT_POS, 888),
         "be": (555, next(iter(rig.held()["be"].values()))),
         "rnat": (444, 1),
@@ -237,8 +237,14 @@ def test_a_restart_holds_every_id_its_read_back_holds_as_a_resync_would() -> Non
     held = pools(adopting)
     assert held == pools(walking)
     assert (
-        999 in held["svc"] and 777 in held["set"] and {555, 888} <= held["be"] and {444, 333} <= held["rnat"]
+        999 in held["svc"]
+        and 777 in held["set"]
+        and {555, 666, 888} <= held["be"]
+        and {444, 333} <= held["rnat"]
     )
+    # The pools hand out ids unchecked until they wrap: the next new ones must be past the strays.
+    assert adopting.svc_ids.take() > 999 and adopting.set_ids.take() > 777
+    assert adopting.backends.pool.take() > 888 and adopting.rnat_ids.take() > 444
 
 
 def test_a_restart_refuses_a_rev_nat_id_the_kernels_entry_gives_another_frontend() -> None:

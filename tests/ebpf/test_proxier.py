@@ -40,11 +40,12 @@ from agent.ebpf.abi import (
     ip_be,
     port_be,
 )
+from agent.ebpf.attach import HandoverState
 from agent.ebpf.maps import FakeMap, MapWriter, read_config
 from agent.ebpf.plan import MapContents, plan, read_contents
 from agent.ebpf.planner import ROLES
 from agent.ebpf.programs import PROG_SOCK_TERM, PROGRAMS, SOCK_HOOKS
-from agent.ebpf.proxier import INSPECT_SECTIONS, remove_pins, render_live_maps
+from agent.ebpf.proxier import INSPECT_SECTIONS, handover_start, remove_pins, render_live_maps
 from agent.ebpf.render import render_contents
 from agent.ebpf.sockattach import pinned_links
 from agent.model.types import IPFamily
@@ -74,6 +75,7 @@ class FakeDatapath:
         # a proxier over a fake data path then never reaches the real socket attacher (the
         # default one would link to the machine's root cgroup); the Rig gives them explicitly.
         self.unavailable: set[str] = {name for name, _ in SOCK_HOOKS.values()} | {PROG_SOCK_TERM}
+        self.handover = [HandoverMode.OFF]  # the build's pinned mode (shared by the Rig's data paths)
 
     @property
     def maps(self) -> Mapping[str, MapWriter]:
@@ -101,6 +103,10 @@ class FakeDatapath:
 
     def set_handover(self, mode: HandoverMode) -> None:
         self.events.append(f"hand-over {mode.name}")
+        self.handover[0] = mode
+
+    def handover_mode(self) -> HandoverMode:
+        return self.handover[0]
 
     def close(self) -> None:
         self.closed += 1
@@ -114,6 +120,10 @@ class FakeAttacher:
         self.armed_at_reconcile: list[bool] = []  # the flow-activity check, when programs changed
         self.nodes: list[NodeContext] = []  # what each reconcile found the external devices by
         self.kept: list[bool] = []  # each reconcile's keep_external
+        # What the hooks hold at a start (the Rig's), and the filters a front reconcile puts in front.
+        self.state = HandoverState(own_front=False, other_front=False, older_behind=True)
+        self.front: dict[tuple[int, int], tuple[str, int]] = {}
+        self.rehome_error: Exception | None = None  # what the next rehome raises
 
     def attach_egress(self, node: NodeContext) -> None:
         self.log.append("attach egress")
@@ -135,9 +145,22 @@ class FakeAttacher:
         self.nodes.append(node)
         self.kept.append(keep_external)
         self.armed_at_reconcile.append(activity.armed(self.maps["act"]))
+        if front and self.state.older_behind:
+            self.front[(2, 0xFFFFFFF2)] = ("ekp_from_net", 0)
 
     def rehome(self) -> None:
         self.log.append("rehome")
+        if self.rehome_error is not None:
+            error, self.rehome_error = self.rehome_error, None
+            raise error
+        self.front.clear()
+
+    @property
+    def fronts(self) -> dict[tuple[int, int], tuple[str, int]]:
+        return dict(self.front)
+
+    def handover_state(self) -> HandoverState:
+        return replace(self.state, own_front=self.state.own_front or bool(self.front))
 
     def start_watcher(self, timeout: float = 5.0) -> None:
         self.log.append("watch")
@@ -214,6 +237,10 @@ class Rig:
         self.conntrack6_error: Exception | None = None  # what reading them raises
         self.conntrack6_reads = 0
         self.hands_over = False  # the next proxier's start steps: an older ABI's programs to hand over from
+        self.handover = [HandoverMode.OFF]  # the build's pinned hand-over mode, as the pin keeps it
+        # What the next proxier's attacher finds on the hooks (an older generation's filters at 17).
+        self.hooks = HandoverState(own_front=False, other_front=False, older_behind=True)
+        self.rehome_error: Exception | None = None  # what the next proxier's attacher's first rehome raises
 
     def proxier(self, *, ipv6: bool = True) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
@@ -221,6 +248,7 @@ class Rig:
             dp = self.datapath_type(self.maps)
             dp.unavailable = self.unavailable
             dp.events = self.events
+            dp.handover = self.handover
             self.datapaths.append(dp)
             return dp
 
@@ -230,6 +258,8 @@ class Rig:
 
         def attacher(config: Config, fds: Mapping[str, int]) -> FakeAttacher:
             self.attachers.append(FakeAttacher(self.events, self.maps))
+            self.attachers[-1].state = self.hooks
+            self.attachers[-1].rehome_error = self.rehome_error
             return self.attachers[-1]
 
         def sysctl_read(netns: str, path: str) -> str:
@@ -370,6 +400,77 @@ def test_an_upgrade_that_carries_conntrack_puts_our_programs_in_front_until_it_i
         "reconcile full=True",
     ]
     p.close()
+
+
+HAND_OVER_EVENTS = ("hand-over", "reconcile", "rehome", "carry")
+
+
+def test_a_restart_after_miss_resumes_the_hand_over_without_passing_everything_again(rig: Rig) -> None:
+    """An agent killed while the conntrack was carried (this build in front, in MISS): the next
+    start keeps MISS (PASS again would hand the older programs flows only this build knows),
+    reconciles in front, carries again, then OFF and rehome."""
+    rig.hands_over = True
+    rig.handover[0] = HandoverMode.MISS
+    rig.hooks = HandoverState(own_front=True, other_front=False, older_behind=True)
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    assert [e for e in rig.events if e.startswith(HAND_OVER_EVENTS)] == [
+        "carry v1 conntrack",
+        "hand-over MISS",
+        "reconcile full=True front",
+        "carry v1 conntrack again",
+        "hand-over OFF",
+        "rehome",
+    ]
+    p.close()
+
+
+def test_a_failed_rehome_is_finished_by_the_next_sync_without_a_new_pass(rig: Rig) -> None:
+    """rehome fails (not ENODEV) after the mode went OFF: the sync fails, and the next one finishes
+    it with the mode left OFF (the carry is done: nothing goes back to the older programs)."""
+    rig.hands_over = True
+    rig.rehome_error = OSError("EBUSY")
+    p = rig.proxier()
+    with pytest.raises(OSError, match="EBUSY"):
+        p.sync(STATE, NODE)
+    assert rig.handover[0] == HandoverMode.OFF
+    assert rig.attachers[-1].fronts, "the failed rehome left its filters in front"
+    rig.events.clear()
+    p.sync(STATE, NODE)
+    assert [e for e in rig.events if e.startswith(HAND_OVER_EVENTS)] == [
+        "carry v1 conntrack",
+        "hand-over OFF",
+        "reconcile full=True front",
+        "carry v1 conntrack again",
+        "rehome",
+    ]
+    assert rig.attachers[-1].fronts == {}
+    # any later sync finishes what is still in front (a hook whose move did not happen)
+    rig.attachers[-1].front[(3, 0xFFFFFFF3)] = ("ekp_egress", 1)
+    rig.events.clear()
+    p.sync(STATE, NODE)
+    assert [e for e in rig.events if e.startswith(HAND_OVER_EVENTS)] == [
+        "reconcile full=False verify",
+        "rehome",
+    ]
+    assert rig.attachers[-1].fronts == {}
+    p.close()
+
+
+@pytest.mark.parametrize(
+    ("pinned", "state", "mode"),
+    [
+        (HandoverMode.OFF, HandoverState(False, False, True), HandoverMode.PASS),  # a fresh hand-over
+        (HandoverMode.MISS, HandoverState(True, False, True), HandoverMode.MISS),  # resumed: never lowered
+        (HandoverMode.OFF, HandoverState(True, False, True), HandoverMode.OFF),  # carried, rehome left
+        (HandoverMode.PASS, HandoverState(True, False, True), HandoverMode.PASS),  # killed before MISS
+        (HandoverMode.OFF, HandoverState(False, True, True), HandoverMode.MISS),  # another build's, cut short
+        (HandoverMode.OFF, HandoverState(False, False, False), HandoverMode.OFF),  # alone everywhere already
+        (HandoverMode.MISS, HandoverState(False, False, True), HandoverMode.MISS),  # fronts gone: still MISS
+    ],
+)
+def test_where_a_hand_over_starts(pinned: HandoverMode, state: HandoverState, mode: HandoverMode) -> None:
+    assert handover_start(pinned, state) == mode
 
 
 class SignallingMap(FakeMap):

@@ -403,6 +403,19 @@ def pinned_map(cluster: Cluster, name: str) -> tuple[int, int]:
     return int(bpftool("map", "show", "pinned", path)["id"]), len(bpftool("map", "dump", "pinned", path))
 
 
+def pinned_keys(cluster: Cluster, name: str) -> set[str]:
+    """The keys of node1's pinned map `name`, as bpftool prints them (one string per entry)."""
+    path = str(Path(cluster.agents[0].pin_path) / name)
+    out = subprocess.run(["bpftool", "-j", "map", "dump", "pinned", path], check=True, capture_output=True)
+    return {json.dumps(entry["key"]) for entry in json.loads(out.stdout)}
+
+
+def ip6tables_rules_for(cluster: Cluster, *vips: str) -> list[str]:
+    """node1's ip6tables rules (every table) that name one of `vips`."""
+    out = cluster.lab.run(cluster.lab.node(1), "ip6tables-save").stdout
+    return [line for line in out.splitlines() if any(vip in line for vip in vips)]
+
+
 def dnat6(cluster: Cluster, vip: str, port: int) -> dict[int, str]:
     """The node's nf_conntrack entries of TCP flows to [vip]:port (ip6tables' DNAT: the socket
     programs' flows are tracked to the backend's address), by their client port."""
@@ -494,7 +507,9 @@ def test_upgrade_from_the_agent_before_the_hand_over_with_the_tc_ipv6_path_under
 ) -> None:
     """Dual-stack, --bpf-host-routing=bpf, pods' sockets left to the per-packet path: the pod's IPv6
     connections to the ClusterIP are the tc programs' IPv6 path's (no nf_conntrack DNAT entry to
-    it, before, during or after the upgrade; the socket programs translate none), in the older
+    it, before, during or after the upgrade, though the older agent's ip6tables rules for it are
+    there; the socket programs translate none; its conntrack table gains the loop's new flows
+    between each pair of observations: before, synced, after the upgrade), in the older
     build and in this one, over the same IPv6 conntrack tables (the same ABI: the programs are
     replaced in place, no hand-over). Every request of both families succeeds, both long-lived
     connections carry on, no segment is dropped as no_flow and no client retransmits a SYN or
@@ -507,26 +522,37 @@ def test_upgrade_from_the_agent_before_the_hand_over_with_the_tc_ipv6_path_under
         lacks=("bpf/ekp_abi.h", "ekp_handover"),
     )
     seen: dict[str, dict[str, dict[str, int]]] = {}
+    rules6: dict[str, list[str]] = {}
     dnat: dict[str, tuple[dict[int, str], dict[int, str]]] = {}
     sock: dict[str, int] = {}
     gaps = gap_observer(seen)
 
     ct6: dict[str, tuple[int, int]] = {}
+    keys6: dict[str, set[str]] = {}
 
     def observe(cluster: Cluster, when: str) -> None:
         gaps(cluster, when)
+        rules6[when] = ip6tables_rules_for(cluster, WEB6, ECHO6)
         dnat[when] = dnat6(cluster, WEB6, 80), dnat6(cluster, ECHO6, ECHO_PORT)
         sock[when] = cluster.bpf_stats()["sock_translated"]
         ct6[when] = pinned_map(cluster, MAPS["ct6_tcp"].name)
+        keys6[when] = pinned_keys(cluster, MAPS["ct6_tcp"].name)
 
     cluster, new, _ = upgrade_under_load(
         dual_lab, tree, "before-hand-over", observe, extra=("--bpf-host-routing=bpf",), socket_lb_pods=False
     )
     assert "hand-over" not in new.log(), "the same conntrack tables: replaced in place"
+    # The older agent keeps ip6tables rules for the IPv6 ClusterIPs (its fallback): a connection that
+    # reached netfilter untranslated would get a DNAT entry, so their absence says the tc path took it.
+    assert rules6["before"], "ip6tables rules for the IPv6 ClusterIPs: the DNAT check below can fail"
     assert all(loop == {} and held == {} for loop, held in dnat.values()), dnat
     assert sock["after"] == sock["before"], "the pods' connections are the per-packet path's"
     # the tc IPv6 path's flows, in the same table all along (the long-lived one's two entries at least)
     assert len({ident for ident, _ in ct6.values()}) == 1 and min(n for _, n in ct6.values()) >= 2, ct6
+    # and it made new ones between each pair of observations: the loop's connections were its own
+    # before, across and after the upgrade (the socket programs translated none, ip6tables made no DNAT)
+    for earlier, later in (("before", "synced"), ("synced", "after")):
+        assert keys6[later] - keys6[earlier], f"no new IPv6 conntrack entry between {earlier} and {later}"
     stats = cluster.bpf_stats()
     assert stats["drop_no_flow"] == 0, stats
     assert_no_gap(seen)
