@@ -103,13 +103,19 @@ static __always_inline int ekp_is_ext6(__u8 nh)
 }
 
 /* Walks the extension headers from `*off` (next header `*nh`) toward the transport header: at
- * most EKP_IPV6_EXT_MAX of them, so *nh may still be one after it (then not ours). 0, or -1 when
- * a header is not walkable. */
+ * most EKP_IPV6_EXT_MAX of them, so *nh may still be one after it (then not ours). It stops at a
+ * fragment header (not an atomic one): what follows a later fragment's is payload, not a header,
+ * and a first fragment's next header is then the one every piece of its datagram carries (so a
+ * datagram with headers after its fragment header, destination options in RFC 8200's order, is
+ * the stack's whole, all its pieces, and the first fragment's record is keyed by what the later
+ * ones see). Linux's own fragmentation puts a socket's IPV6_DSTOPTS before the fragment header
+ * (ip6_find_1stfragopt; after it only behind a routing header): walked, translated as any.
+ * 0, or -1 when a header is not walkable. */
 static __always_inline int ekp_parse6_walk(struct __sk_buff *skb, __u32 *off, __u8 *nh, __u8 *frag, __be32 *id)
 {
 #pragma unroll
 	for (int i = 0; i < EKP_IPV6_EXT_MAX; i++) {
-		if (!ekp_is_ext6(*nh))
+		if (!ekp_is_ext6(*nh) || *frag != EKP_FRAG_NONE)
 			break;
 		if (ekp_parse6_ext(skb, off, nh, frag, id) < 0)
 			return -1;

@@ -70,7 +70,7 @@ from agent.errors import FatalError
 from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
-from agent.takeover.flows import NatFlow, Tuple, masqueraded_into
+from agent.takeover.flows import UDP, NatFlow, Tuple, ct6_keys, masqueraded_into
 from agent.takeover.into_ebpf import KernelTakeover
 
 if TYPE_CHECKING:
@@ -255,6 +255,13 @@ def default_terminator(config: Config, cgroup: str, prog_fd: int, ended: Callabl
     from agent.ebpf.sockterm import SocketTerminator
 
     return SocketTerminator(prog_fd, config.netns, cgroup, pods=not config.socket_lb_host_only, ended=ended)
+
+
+def _carried6(maps: Mapping[str, MapWriter], flow: NatFlow) -> bool:
+    """Whether the tc IPv6 path owns an nf_conntrack UDP flow: the start carried it into ekp_ct6_any
+    (its REPLY entry, keyed by the flow's reply tuple, is there)."""
+    ct6_any = maps.get("ct6_any")
+    return flow.proto == UDP and ct6_any is not None and ct6_any.lookup(ct6_keys(flow)[1]) is not None
 
 
 def _ignore(held: int) -> None:
@@ -466,7 +473,7 @@ class EbpfProxier:
                 self._v6_with = datapath
             if changed is None and self._tc_ipv6:
                 self._read_held6(datapath)  # ip6tables' next sync narrows back once none is left
-            snat = self._snat6_granted(node)
+            snat = self._snat6_granted(node, datapath.maps)
             result = self._v6.sync(datapath.maps, state, node, changed, snat_source=snat)
             self._follow_node6(node)
             if self._ensure_loaded() is not datapath:
@@ -479,14 +486,14 @@ class EbpfProxier:
                 self._end_stale_sockets()
             return result
 
-    def _snat6_granted(self, node6: NodeContext) -> bool:
+    def _snat6_granted(self, node6: NodeContext, maps: Mapping[str, MapWriter]) -> bool:
         """Whether ekp_cfg6 may hold the node's IPv6 address (the tc IPv6 path source-translates):
         the path serves, the last ip6tables restore succeeded (its MASQUERADE keeps out of
         --bpf-snat-ports), ekp_config holds that range and no flow ip6tables masqueraded before can
         collide with a tc flow. Otherwise sync6 writes it zero: new flows that need a source
         translation are left to ip6tables, the flows this path translated keep the source their
         entries hold. Told to `on_snat6_granted` each time; the reason logged when it changes."""
-        why = self._snat6_refusal(node6)
+        why = self._snat6_refusal(node6, maps)
         self.on_snat6_granted(0 if why else 1)
         if why != self._snat6_refused:
             if not why:
@@ -496,7 +503,7 @@ class EbpfProxier:
         self._snat6_refused = why
         return not why
 
-    def _snat6_refusal(self, node6: NodeContext) -> str:
+    def _snat6_refusal(self, node6: NodeContext, maps: Mapping[str, MapWriter]) -> str:
         """Why the grant is refused ("" when it is not)."""
         if not self._tc_ipv6:
             return "the path is off (legacy host routing, no socket-level load balancing or no IPv6 half)"
@@ -510,7 +517,7 @@ class EbpfProxier:
         source = config6_of(node6).node_addr
         if not any(source):
             return "the node has no usable IPv6 address (global, not temporary, deprecated or tentative)"
-        return self._snat6_ports_held(abi.ip6_str(source))
+        return self._snat6_ports_held(abi.ip6_str(source), maps)
 
     def masquerade6_apart_is(self, apart: bool) -> None:
         """What the last ip6tables restore did (agent/metaproxier.py `masquerade_apart`). A failed
@@ -569,7 +576,7 @@ class EbpfProxier:
                 )
         self._held6, self._held6_of, self._held6_clear = held, datapath, held is None
 
-    def _snat6_ports_held(self, source: str) -> str:
+    def _snat6_ports_held(self, source: str, maps: Mapping[str, MapWriter]) -> str:
         """Why the grant waits for nf_conntrack ("" when it does not): a TCP or UDP flow ip6tables
         masqueraded to `source` (the node's IPv6 SNAT address) holds a port of --bpf-snat-ports:
         such a flow's reply tuple {backend, source, port} is one the tc path's port walk could give
@@ -579,12 +586,21 @@ class EbpfProxier:
         sync6 until none does, then not again for that address (the rule keeps new ones out; a
         failed restore forgets it). Where they stay, a warning names them and the
         `ekp_ipv6_snat_held_flows` gauge counts them: ending them (conntrack -D) grants at the
-        next sync; or the read failed."""
+        next sync; or the read failed. A UDP flow carried into ekp_ct6_any at the start
+        (agent/takeover/into_ebpf.py `_carry6`) does not count while its REPLY entry is there: tc
+        translates its datagrams both ways from that entry and the port walk sees its reply tuple,
+        while its nf_conntrack entry, which netfilter no longer refreshes, would otherwise hold the
+        grant back for its whole timeout. Left there rather than deleted: an agent that stops or
+        falls back before it expires hands the flow back to ip6tables' NAT binding."""
         if self._snat6_free_for == source:
             return ""
         ports = self._config.snat_ports
         try:
-            held = masqueraded_into(self._conntrack6_reader(self._config.netns), ports, source)
+            held = [
+                f
+                for f in masqueraded_into(self._conntrack6_reader(self._config.netns), ports, source)
+                if not _carried6(maps, f)
+            ]
         except Exception as exc:  # pyroute2's decoders raise more than OSError
             # Whatever the dump raised, the IPv6 maps are still written: only the grant waits.
             self._conntrack6_failures += 1

@@ -272,6 +272,18 @@ def ebpf_entries(
     return [(reply_key, reply), (forward_key, forward)]  # the REPLY entry first, as the data path
 
 
+def ct6_keys(flow: NatFlow) -> tuple[Ct6Key, Ct6Key]:
+    """The keys of an IPv6 flow's FORWARD and REPLY entries in the tc IPv6 path's conntrack."""
+
+    def key(tuple_: Tuple, direction: CtDir) -> Ct6Key:
+        a, b, ap, bp = tuple_
+        return Ct6Key(
+            Addr6(*ip6_words(a)), Addr6(*ip6_words(b)), port_be(ap), port_be(bp), flow.proto, direction
+        )
+
+    return key(flow.orig, CtDir.FORWARD), key(flow.reply, CtDir.REPLY)
+
+
 def ebpf_entries6(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[Ct6Key, Ct6Entry]]:
     """The FORWARD and REPLY entries of an IPv6 flow carried into the tc IPv6 path's conntrack
     (ekp_ct6_*: `ebpf_entries`' fields at 16 bytes; `ids` those of the IPv6 maps). Never NFPASS nor
@@ -280,13 +292,7 @@ def ebpf_entries6(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[Ct6Key
     rs, rd, rsp, rdp = flow.reply
     snat = flow.snat
     zero = Addr6()
-
-    def key(tuple_: Tuple, direction: CtDir) -> Ct6Key:
-        a, b, ap, bp = tuple_
-        return Ct6Key(
-            Addr6(*ip6_words(a)), Addr6(*ip6_words(b)), port_be(ap), port_be(bp), flow.proto, direction
-        )
-
+    forward_key, reply_key = ct6_keys(flow)
     common = {
         "last_seen_ns": now_ns,
         "fe_addr": Addr6(*ip6_words(d)),
@@ -310,7 +316,7 @@ def ebpf_entries6(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[Ct6Key
         snat_port=0,
         **common,
     )
-    return [(key(flow.reply, CtDir.REPLY), reply), (key(flow.orig, CtDir.FORWARD), forward)]
+    return [(reply_key, reply), (forward_key, forward)]
 
 
 def stack_flow(flow: NatFlow) -> NatFlow:

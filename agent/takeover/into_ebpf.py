@@ -466,7 +466,15 @@ class KernelTakeover:
 
     def _carry(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:
         """Carries what nf_conntrack holds; returns the flows it found to carry (carried now or
-        before)."""
+        before). Each family on its own: one whose table cannot be read leaves the other's carry
+        whole."""
+        carried = self._carry4(maps, when)
+        if self._config.tc_ipv6:
+            carried += self._carry6(maps, when)
+        return carried
+
+    def _carry4(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:
+        """The IPv4 flows, into the eBPF conntrack's IPv4 tables."""
         started = time.monotonic()
         netns = self._config.netns
         try:
@@ -523,8 +531,6 @@ class KernelTakeover:
                 len(flows),
                 (time.monotonic() - started) * 1000,
             )
-        if self._config.tc_ipv6:
-            carried += self._carry6(maps, when)
         return carried
 
     def _carry6(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:

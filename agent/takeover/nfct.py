@@ -450,7 +450,12 @@ def _delete(ct: NFCTSocket, flow: NatFlow) -> int:
 
 
 def local_addresses(netns: str) -> frozenset[str]:
-    """Every IPv4 address on the namespace's devices (loopback included): a flow from one of
-    them has the node itself as its client."""
+    """Every IPv4 and IPv6 address on the namespace's devices (loopback included): a flow from one
+    of them has the node itself as its client, a flow to one a host backend. Both families: the
+    IPv6 carry (into_ebpf.py `_carry6`) checks its flows against the same set."""
     with netns_route(netns) as ipr:
-        return frozenset(str(m.get("address")) for m in ipr.get_addr(family=socket.AF_INET))
+        return frozenset(
+            str(m.get("address"))
+            for family in (socket.AF_INET, socket.AF_INET6)
+            for m in ipr.get_addr(family=family)
+        )

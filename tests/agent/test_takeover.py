@@ -10,6 +10,7 @@ the eBPF conntrack written into a lab namespace's nf_conntrack with its NAT bind
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import secrets
 import socket
@@ -1208,3 +1209,70 @@ def test_udp_flows_ip6tables_translated_are_carried_into_the_tc_ipv6_paths_connt
     ]
     assert isinstance(masq_forward, abi.Ct6Entry) and masq_forward.flags & CtFlag.SNAT
     assert (abi.ip6_str(masq_forward.snat_addr), abi.port_host(masq_forward.snat_port)) == (NODE6_T, 61000)
+
+
+def tc6_config() -> Config:
+    config = Config(
+        netns="node1",
+        mode=Mode.EBPF,
+        cluster_cidr=("10.244.0.0/16", "fd00:10:244::/56"),
+        bpf_host_routing=HostRouting.BPF,
+        socket_lb=True,
+    )
+    assert config.tc_ipv6
+    return config
+
+
+@pytest.mark.parametrize("unreadable", ["IPv4", "IPv6"])
+def test_each_familys_carry_goes_on_when_the_others_table_cannot_be_read(unreadable: str) -> None:
+    """IPv4 nf_conntrack unreadable (a dump that raises) still carries the IPv6 UDP flows into
+    ekp_ct6_any, and the other way round: each family's flows would otherwise reach another backend
+    (IPv6 UDP) or drop their next segments (IPv4 TCP)."""
+
+    def refused(netns: str) -> list[NatFlow]:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    takeover = KernelTakeover(
+        tc6_config(),
+        dump=refused if unreadable == "IPv4" else (lambda netns: [CLUSTERIP]),
+        dump6=refused if unreadable == "IPv6" else (lambda netns: [DNS6]),
+        addresses=lambda netns: {NODE, NODE6_T},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        clock_ns=lambda: NOW,
+    )
+    maps = fake_maps6()
+    takeover.before_attach(maps)
+    takeover.after_attach(maps)
+    assert len(maps["ct6_any"].items()) == (2 if unreadable == "IPv4" else 0)
+    assert len(maps["ct_tcp"].items()) == (0 if unreadable == "IPv4" else 2)
+
+
+@pytest.mark.kernel
+def test_the_ipv6_carry_leaves_the_nodes_own_ipv6_clients_and_host_backends_by_default(netns: str) -> None:
+    """The real address read (nfct.local_addresses, not injected) lists the node's IPv6 addresses
+    too: a UDP flow from the node's IPv6 address (a host-network client, whose datagrams the tc
+    path never sees) and one whose backend is that address (ip6tables keeps such frontends whole)
+    stay with ip6tables; a pod's flow is carried."""
+    sh(
+        "ip", "-n", netns, "link", "add", "ekpt0", "type", "veth", "peer", "name", "ekpt1"
+    )  # no dummy module here
+    sh("ip", "-n", netns, "addr", "add", f"{NODE6_T}/64", "dev", "ekpt0", "nodad")
+    sh("ip", "-n", netns, "link", "set", "ekpt0", "up")
+    from_node = NatFlow(17, (NODE6_T, VIP6_T, 40010, 53), (BE6_T, NODE6_T, 53, 40010))
+    to_node = NatFlow(17, (CLIENT6_T, VIP6_T, 40011, 53), (NODE6_T, CLIENT6_T, 53, 40011))
+    takeover = KernelTakeover(
+        dataclasses.replace(tc6_config(), netns=netns),
+        dump=lambda netns: [],
+        dump6=lambda netns: [from_node, to_node, DNS6],
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        clock_ns=lambda: NOW,
+    )
+    maps = fake_maps6()
+    # the host backend is one of the Service's backends, as a host-network endpoint is
+    host = abi.Backend6(abi.Addr6(*abi.ip6_words(NODE6_T)), port_be(53), 17, 0)
+    maps["be6"].update(abi.BackendKey(32), host)
+    takeover.before_attach(maps)
+    carried = {bytes(k) for k, _ in maps["ct6_any"].items()}
+    assert carried == {bytes(k) for k, _ in ebpf_entries6(DNS6, IDS, NOW)}

@@ -56,16 +56,27 @@ def lab(dp: Datapath) -> Iterator[Lab]:
 
 
 def frags6(
-    src: str, dst: str, sport: int, dport: int, payload: bytes, ident: int, smac: str = ETH["src"]
+    src: str,
+    dst: str,
+    sport: int,
+    dport: int,
+    payload: bytes,
+    ident: int,
+    smac: str = ETH["src"],
+    *,
+    dstopts: bool = False,
 ) -> list[bytes]:
-    """A UDP datagram as its sender's stack fragments it for a 1,500-byte link: first fragment first."""
+    """A UDP datagram as its sender's stack fragments it for a 1,500-byte link: first fragment first.
+    `dstopts`: a destination options header after the fragment header, RFC 8200's order (in the
+    fragmentable part: only the first fragment holds it; Linux puts a socket's before it)."""
     from scapy.layers.inet import UDP as UDPh
-    from scapy.layers.inet6 import IPv6, IPv6ExtHdrFragment, fragment6
+    from scapy.layers.inet6 import IPv6, IPv6ExtHdrDestOpt, IPv6ExtHdrFragment, PadN, fragment6
     from scapy.layers.l2 import Ether
 
-    datagram = (
-        IPv6(src=src, dst=dst) / IPv6ExtHdrFragment(id=ident) / UDPh(sport=sport, dport=dport) / payload
-    )
+    datagram = IPv6(src=src, dst=dst) / IPv6ExtHdrFragment(id=ident)
+    if dstopts:
+        datagram = datagram / IPv6ExtHdrDestOpt(options=[PadN(optdata=b"\x00" * 4)])
+    datagram = datagram / UDPh(sport=sport, dport=dport) / payload
     pieces = fragment6(datagram, 1500)  # type: ignore[no-untyped-call]
     return [bytes(Ether(src=smac, dst=ETH["dst"]) / piece) for piece in pieces]
 
@@ -184,6 +195,24 @@ def test_a_reversed_datagram_no_translated_flow_can_use_passes_untouched(net: Ne
     for frame in (last, middle, first):
         assert net.from_pod(frame) == (TC_ACT_OK, frame)
     assert net.stats()[Stat.FRAG_HELD] == 0
+    assert ct6_count(net) == 0
+
+
+@pytest.mark.parametrize("order", ["in order", "reversed"])
+def test_a_fragmented_datagram_with_destination_options_goes_to_the_stack_whole(net: Net, order: str) -> None:
+    """Destination options after the fragment header (RFC 8200's order): the first fragment's walk would need
+    to go past the fragment header to find UDP, and a later fragment's bytes there are payload, not
+    a header. So the walk stops at the fragment header and every piece, in any order, goes to the
+    stack untouched (ip6tables translates the datagram it puts together, as before the tc path took
+    UDP): none translated, recorded or held, to a frontend address though it is."""
+    add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
+    pieces = frags6(POD6, VIP6, 40005, 53, BIG, ident=0x7007, dstopts=True)
+    assert len(pieces) == 3
+    for frame in pieces if order == "in order" else pieces[::-1]:
+        assert net.from_pod(frame) == (TC_ACT_OK, frame)
+    stats = net.stats()
+    assert (stats[Stat.FRAG_HELD], stats[Stat.FRAGMENTS], stats[Stat.NEW_FLOWS]) == (0, 0, 0)
+    assert net.dp.maps["frag6"].items() == [] and net.dp.maps["frhold6"].items() == []
     assert ct6_count(net) == 0
 
 

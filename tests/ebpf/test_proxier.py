@@ -49,7 +49,7 @@ from agent.ebpf.proxier import INSPECT_SECTIONS, handover_start, remove_pins, re
 from agent.ebpf.render import render_contents
 from agent.ebpf.sockattach import pinned_links
 from agent.model.types import IPFamily
-from agent.takeover.flows import NatFlow, TcpState
+from agent.takeover.flows import EbpfIds, NatFlow, TcpState, ebpf_entries6
 from lab.netns import cgroup2_root, new_prefix, remove_cgroup_tree
 from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
 from tests.ebpf.test_family6 import VIP6, service, slice_, state6
@@ -776,6 +776,49 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     rig.conntrack6 = [held]  # not read any more: ip6tables' rule keeps new ones out
     half.sync(state, NODE6)
     assert read_config6(rig.maps) == cfg6
+    p.close()
+
+
+def test_udp_flows_carried_into_ct6_any_do_not_hold_the_ipv6_snat_grant(rig: Rig) -> None:
+    """An upgrade carries the UDP flows ip6tables masqueraded (its MASQUERADE had no --to-ports:
+    the client's port, maybe one of --bpf-snat-ports) into ekp_ct6_any (agent/takeover/into_ebpf.py
+    `_carry6`); their nf_conntrack entries stay, never refreshed (netfilter sees no datagram of
+    theirs any more). The tc path owns them: they do not hold the grant while their REPLY entry is
+    there, so new flows to SNAT frontends are not left to ip6tables meanwhile. One not carried
+    still does."""
+    from agent.ebpf.maps import read_config6
+
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+    )
+    carried = NatFlow(
+        17, ("fd00:ff::100", "fd00:192:168::11", 61500, 30053), ("fd00:a:2::7", "fd00:192:168::11", 53, 61500)
+    )
+    left = NatFlow(
+        17, ("fd00:ff::101", "fd00:192:168::11", 61501, 30053), ("fd00:a:2::7", "fd00:192:168::11", 53, 61501)
+    )
+    for key, entry in ebpf_entries6(carried, EbpfIds(services={}, backends={}), time.monotonic_ns()):
+        rig.maps["ct6_any"].update(key, entry)
+    rig.conntrack6 = [carried, left]
+    p = rig.proxier()
+    gauge: list[int] = []
+    p.on_snat6_held = gauge.append
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+    half.masquerade_apart(True)
+    half.sync(state, NODE6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "the flow not carried holds its port"
+    assert gauge == [1]
+    rig.conntrack6 = [carried]  # the other one ended
+    half.sync(state, NODE6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+    assert gauge == [1, 0]
     p.close()
 
 

@@ -227,9 +227,9 @@ def test_an_external_client_reaches_an_ipv6_node_port_whose_only_endpoint_is_on_
 
 
 # A 4,000-byte datagram (three IPv6 fragments on the lab's links; the backend echoes it, three
-# fragments back) and a short one carrying a destination options header, each from its own socket
-# to [vip]:53, then an HTTP request over a TCP connection whose every segment carries that header,
-# to [vip]:80; prints what came back.
+# fragments back), a short one carrying a destination options header and the 4,000 bytes again
+# behind it, each from its own socket to [vip]:53, then an HTTP request over a TCP connection
+# whose every segment carries that header, to [vip]:80; prints what came back.
 DATAGRAMS = r"""
 import socket, sys
 vip, port = sys.argv[1], int(sys.argv[2])
@@ -242,6 +242,11 @@ print(len(answer), answer == sent and peer[0] == vip)
 opts = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); opts.settimeout(3)
 opts.setsockopt(socket.IPPROTO_IPV6, 59, OPTS)  # IPV6_DSTOPTS
 opts.sendto(b"who", (vip, port)); print(opts.recv(100).decode())
+# the 4,000 bytes again behind that header, which Linux puts before the fragment header, in every piece
+frag_opts = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); frag_opts.settimeout(3)
+frag_opts.setsockopt(socket.IPPROTO_IPV6, 59, OPTS)
+frag_opts.sendto(sent, (vip, port)); answer, peer = frag_opts.recvfrom(65535)
+print(answer == sent and peer[0] == vip)
 tcp = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); tcp.settimeout(3)
 tcp.setsockopt(socket.IPPROTO_IPV6, 59, OPTS)
 tcp.connect((vip, 80)); tcp.sendall(b"GET / HTTP/1.0\r\n\r\n")
@@ -254,26 +259,28 @@ print(answer.split(b"\r\n\r\n", 1)[1].decode().strip())
 
 def test_udp_fragments_and_extension_headers_reach_the_cluster_ip(dual: Cluster) -> None:
     """A 4,000-byte datagram to the IPv6 ClusterIP and the backend's 4,000-byte answer (three
-    fragments each way), a datagram behind a destination options header, and a TCP connection
-    behind it too. eBPF mode: all three are tc flows (three new flows, the later fragments counted
-    as translated, the datagrams' entries in ekp_ct6_any) and nf_conntrack holds none of them
-    (before the path took UDP, both datagrams went through ip6tables: two DNAT entries there).
-    iptables mode: ip6tables' DNAT entries for all three."""
+    fragments each way), a datagram behind a destination options header, the 4,000 bytes behind
+    it too, and a TCP connection behind it. eBPF mode: all four are tc flows (four new flows, the
+    later fragments counted as translated, the datagrams' entries in ekp_ct6_any) and nf_conntrack
+    holds none of them (before the path took UDP, the datagrams went through ip6tables): Linux puts
+    the socket's destination options before the fragment header, in every piece, so the walk
+    reaches the fragment header in each (one after it, RFC 8200's order, is the packet tests':
+    the stack's whole). iptables mode: ip6tables' DNAT entries for all four."""
     lab = dual.lab
     forget_flows(dual, VIP)
     before = dual.bpf_stats(1) if dual.mode == "ebpf" else {}
     out = lab.run(lab.pod("pod-1-1"), sys.executable, "-c", DATAGRAMS, VIP, str(UDP_PORT), timeout=20).stdout
-    size, same, who, http = out.split()
-    assert (size, same) == ("4000", "True") and who in PODS and http in PODS, out
+    size, same, who, same_behind_opts, http = out.split()
+    assert (size, same, same_behind_opts) == ("4000", "True", "True") and who in PODS and http in PODS, out
     flows = dnat_flows(dual, VIP)
     if dual.mode == "ebpf":
         after = dual.bpf_stats(1)
-        assert after["new_flows"] - before["new_flows"] == 3, "two datagrams and the TCP connection"
-        assert after["fragments"] - before["fragments"] >= 4, "two later fragments each way"
+        assert after["new_flows"] - before["new_flows"] == 4, "three datagrams and the TCP connection"
+        assert after["fragments"] - before["fragments"] >= 8, "two later fragments each way, twice"
         assert ct6_udp_flows(dual, VIP, UDP_PORT) >= 2
         assert flows == "", flows
     else:
-        assert flows.count("dport=53 ") == 2 and "dport=80 " in flows, flows
+        assert flows.count("dport=53 ") == 3 and "dport=80 " in flows, flows
 
 
 def test_dns_over_ipv6_with_dig_is_translated_by_tc(dual: Cluster) -> None:
