@@ -29,6 +29,7 @@ from pathlib import Path
 from lab import Lab
 from lab.apicluster import ApiCluster
 from lab.fakeapi.objects import node as node_object
+from lab.harness import Cluster
 from tests.differential.cases import (
     ANSWERED,
     BACKEND_PODS,
@@ -53,6 +54,7 @@ from tests.differential.cases import (
     cidr_in_family,
     role_of,
 )
+from tests.differential.paths import Decided, decided
 
 HERE = Path(__file__).resolve().parent
 PROBE = str(HERE / "probe.py")
@@ -68,6 +70,7 @@ class Observation:
 
     attempts: tuple[Attempt, ...]
     seconds: float
+    decided: Decided | None = None  # which path's conntrack holds the case's flows (paths.py)
 
     @property
     def verdicts(self) -> Counter[str]:
@@ -123,7 +126,9 @@ class Observation:
     def detail(self) -> str:
         """Counts per backend and raw addresses, for the printed table."""
         counts = " ".join(f"{b}={n}" for b, n in sorted(self.backends.items()))
-        return f"{counts} | {' '.join(sorted(self.seen))}" if counts else ""
+        parts = [f"{counts} | {' '.join(sorted(self.seen))}"] if counts else []
+        parts += [self.decided.text()] if self.decided else []
+        return "; ".join(parts)
 
 
 def expected_summary(case: Case) -> str:
@@ -169,7 +174,8 @@ class ZonedApiCluster(ApiCluster):
 ALL_PHASE_FLAGS = {f for flags in PHASE_FLAGS.values() for f in flags}
 
 
-def probe(lab: Lab, case: Case, family: str = IPV4) -> Observation:
+def probe(cluster: Cluster, case: Case, family: str = IPV4) -> Observation:
+    lab = cluster.lab
     addr, port = case.address(family)
     argv = [
         sys.executable,
@@ -190,7 +196,8 @@ def probe(lab: Lab, case: Case, family: str = IPV4) -> Observation:
     limit = case.rounds * (case.count * (case.timeout_s + 0.5) + case.gap_s) + 30
     res = lab.run(case.source, *argv, timeout=limit)
     attempts = tuple((int(r), str(v), str(b), str(s)) for r, v, b, s in json.loads(res.stdout)["attempts"])
-    return Observation(attempts, round(time.monotonic() - start, 2))
+    seconds = round(time.monotonic() - start, 2)
+    return Observation(attempts, seconds, decided(cluster, case, family))
 
 
 @dataclass(frozen=True)
@@ -233,6 +240,16 @@ def _lab(family: str) -> Iterator[Lab]:
         yield lab
 
 
+def mode_flags(mode: str, family: str) -> tuple[str, ...]:
+    """The agents' flags of a mode's run. IPv6 eBPF mode: the tc programs' IPv6 path, which
+    translates with `--bpf-host-routing=bpf` alone (bpf/ekp_tc6.h; with legacy host routing every
+    IPv6 packet goes to ip6tables, and the run would compare ip6tables with itself). Pods' sockets
+    stay on the per-packet path (the harness's default), so a pod's flows are the tc path's to
+    decide, not the socket programs' at connect(): that covers the most of the tc path's decisions
+    (the node's own sockets are the socket programs' in every eBPF run)."""
+    return ("--bpf-host-routing=bpf",) if mode == "ebpf" and family == IPV6 else ()
+
+
 def run_mode(mode: str, cases: Sequence[Case] = CASES, family: str = IPV4) -> ModeRun:
     """Every case of `cases` in `mode` and `family`, phase by phase; raises if an agent's cleanup
     fails."""
@@ -240,7 +257,7 @@ def run_mode(mode: str, cases: Sequence[Case] = CASES, family: str = IPV4) -> Mo
     timings: dict[str, float] = {}
     observations: dict[str, Observation] = {}
     with _lab(family) as lab:
-        cluster = ZonedApiCluster(lab, mode)
+        cluster = ZonedApiCluster(lab, mode, extra=mode_flags(mode, family))
         cluster.family = family
         cluster.start()
         try:
@@ -255,7 +272,8 @@ def run_mode(mode: str, cases: Sequence[Case] = CASES, family: str = IPV4) -> Mo
                 # the slow ones first, so they overlap with the rest
                 todo.sort(key=lambda c: -(c.rounds * c.gap_s + (c.expect.verdict != ANSWERED) * c.timeout_s))
                 with ThreadPoolExecutor(WORKERS) as pool:
-                    for case, obs in zip(todo, pool.map(lambda c: probe(lab, c, family), todo), strict=True):
+                    seen = pool.map(lambda c: probe(cluster, c, family), todo)
+                    for case, obs in zip(todo, seen, strict=True):
                         observations[case.id] = obs
                 timings[f"phase {phase}"] = round(time.monotonic() - t, 1)
         finally:

@@ -4,15 +4,18 @@ each address family.
 One module-scoped fixture, parametrised by family (IPv4, IPv6), runs the whole table in each mode,
 the two modes at once (a fresh two-node lab each, about 30 s per mode; a dual-stack lab with
 IPv6-only Services for IPv6), and prints both modes' observations side by side. In IPv6 eBPF mode
-serves the table through its ip6tables proxier (no eBPF IPv6 path yet), so the two modes run the
-same rules there; the IPv6 runs hold both to kube-proxy's outcome all the same. The tests then
-hold every case to:
+runs with `--bpf-host-routing=bpf` (runner.mode_flags), so the table's IPv6 cases are decided by the
+tc programs' IPv6 path (bpf/ekp_tc6.h) wherever it serves and by the ip6tables proxier beside it
+elsewhere (what the path leaves to the stack: its header comment lists it). Each case's printed
+detail says which path decided it (paths.py: the case's flows in the tc conntrack tables, against
+nf_conntrack's DNATed entries), and the IPv6 run checks that the tc path decided the cases it
+always serves (TC6_DECIDES). The tests then hold every case to:
 
 * kube-proxy's outcome (the case's `Expect`): so both modes being equally wrong fails too;
 * the other mode: the same verdict, the same backends, the same roles of source address;
 
-unless DIFFERENCES.md has a row for the case, which must then state both modes' outcomes exactly
-as observed (a row that no longer holds, or names no case, fails: the list cannot drift).
+unless DIFFERENCES.md has a row for the case in that family, which must then state both modes'
+outcomes exactly as observed (a row that no longer holds, or names no case, fails: the list cannot drift).
 """
 
 from __future__ import annotations
@@ -30,19 +33,29 @@ from tests.differential.runner import ModeRun, expected_summary, run_mode
 
 MODES = ("ebpf", "iptables")
 WALL_BUDGET_S = 90.0  # per mode, lab and agents included
+# IPv6 cases the tc IPv6 path decides whatever else it leaves to ip6tables: TCP from a pod to a
+# ClusterIP (no source translation), from outside to a NodePort of policy Cluster (translated to
+# the node's IPv6 address) and of policy Local (the client's address kept)
+TC6_DECIDES = ("cip-from-pod1", "np-node1-from-client", "etp-local-node1-from-client")
 
 
 def table(runs: dict[str, ModeRun]) -> str:
     """Both modes side by side, one block per case, for an operator reading `pytest -s`."""
     rows = differences.load()
     family = runs[MODES[0]].family
-    lines = ["", f"differential suite, {family}: observations per case (ebpf | iptables | kube-proxy)"]
+    lines = [
+        "",
+        f"differential suite, {family}: observations per case (ebpf | iptables | kube-proxy);"
+        " 'tc flows': the case's flows in the eBPF conntrack of the tc programs, 'nf_conntrack DNAT':"
+        " those iptables/ip6tables translated (neither: refused, dropped, or the socket programs'"
+        " at connect(), as the node's own sockets are in eBPF mode)",
+    ]
     for case in CASES:
         obs = {m: runs[m].observations[case.id] for m in MODES}
         sums = {m: obs[m].summary(case) for m in MODES}
         want = expected_summary(case)
         mark = "ok  " if sums["ebpf"] == sums["iptables"] == want else "DIFF"
-        row = rows.get(case.id) if family == IPV4 else None
+        row = rows.get((case.id, family))
         addr, port = case.address(family)
         lines.append(
             f"{mark} {case.id}: {case.source} -> {case.dest} {addr}:{port}/{case.protocol}"
@@ -79,20 +92,19 @@ def outcome(runs: dict[str, ModeRun], case: Case) -> tuple[str, str]:
 @pytest.mark.kernel
 def test_modes_agree_with_each_other_and_with_kube_proxy(runs: dict[str, ModeRun]) -> None:
     """Every case gives kube-proxy's outcome in both modes, except those with a DIFFERENCES.md row,
-    whose row must match exactly what was observed and be a real difference (a fix removes its row
-    in the same change). The rows are IPv4's: in IPv6 both modes run the same ip6tables rules, so
-    every case, listed or not, must give kube-proxy's outcome there."""
+    whose row (of this run's family) must match exactly what was observed and be a real difference
+    (a fix removes its row in the same change)."""
     documented = differences.load()
-    ipv4 = runs[MODES[0]].family == IPV4
+    family = runs[MODES[0]].family
     failures = [
         f"{row.case}: no such case in tests/differential/cases.py"
         for row in documented.values()
-        if row.case not in CASE_IDS
+        if row.case not in CASE_IDS and row.family == family
     ]
     for case in CASES:
         ebpf, iptables = outcome(runs, case)
         want = expected_summary(case)
-        row = documented.get(case.id) if ipv4 else None
+        row = documented.get((case.id, family))
         if row is None:
             if not ebpf == iptables == want:
                 failures.append(f"{case.id}:\n  ebpf:     {ebpf}\n  iptables: {iptables}\n  expected: {want}")
@@ -108,6 +120,26 @@ def test_modes_agree_with_each_other_and_with_kube_proxy(runs: dict[str, ModeRun
         "differences not as tests/differential/DIFFERENCES.md lists them (fix them, or list them there):\n"
         + "\n".join(failures)
     )
+
+
+@pytest.mark.kernel
+def test_the_tc_path_decides_the_cases_it_always_serves(runs: dict[str, ModeRun]) -> None:
+    """In IPv6 eBPF mode the tc IPv6 path, not ip6tables, translated every flow of TC6_DECIDES (a
+    run with legacy host routing leaves them all to ip6tables, and fails here). In iptables mode,
+    either family, nf_conntrack holds them all: the counts read the right tables (a count that
+    read nothing would pass the check of nf_conntrack in eBPF mode)."""
+    family = runs[MODES[0]].family
+    failures = []
+    for case in (c for c in CASES if c.id in TC6_DECIDES):
+        for mode in MODES:
+            d = runs[mode].observations[case.id].decided
+            assert d is not None, (mode, case.id)
+            tc_path = mode == "ebpf" and family != IPV4
+            if tc_path and (d.tc_total < case.count or d.nf_total):
+                failures.append(f"{case.id} ({mode}): not the tc IPv6 path's: {d.text()}")
+            if mode == "iptables" and (d.nf_total < case.count or d.tc_total):
+                failures.append(f"{case.id} ({mode}): not nf_conntrack's: {d.text()}")
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.kernel
@@ -140,15 +172,18 @@ def test_every_drop_and_reject_has_a_positive_control() -> None:
 def test_differences_file_parses_and_rejects_bad_rows(tmp_path: Path) -> None:
     """The reader refuses what would let the list and the suite drift apart silently."""
     differences.load()  # the real file parses
-    head = "| case | kind | ebpf | iptables | reason |\n| --- | --- | --- | --- | --- |\n"
+    head = "| case | family | kind | ebpf | iptables | reason |\n| --- | --- | --- | --- | --- | --- |\n"
     bad = {
-        "| x | maybe | a | b | r |\n": "kind",
-        "| x | bug | a | b |  |\n": "reason",
-        "| x | bug | a | b | r |\n| x | bug | a | b | r |\n": "twice",
-        "| x | bug | a | b |\n": "cells",
+        "| x | IPv4 | maybe | a | b | r |\n": "kind",
+        "| x | IPv5 | bug | a | b | r |\n": "family",
+        "| x | IPv6 | bug | a | b |  |\n": "reason",
+        "| x | IPv6 | bug | a | b | r |\n| x | IPv6 | bug | a | b | r |\n": "twice",
+        "| x | IPv4 | bug | a | b |\n": "cells",
     }
     for body, word in bad.items():
         path = tmp_path / "d.md"
         path.write_text(head + body)
         with pytest.raises(ValueError, match=word):
             differences.load(path)
+    path.write_text(head + "| x | IPv4 | bug | a | b | r |\n| x | IPv6 | bug | a | b | r |\n")
+    assert set(differences.load(path)) == {("x", "IPv4"), ("x", "IPv6")}, "one row per family"
