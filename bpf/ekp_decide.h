@@ -153,23 +153,26 @@ static __always_inline void ekp_decide_hit(struct ekp_ct_entry *ep, struct ekp_c
 		d->marks |= 1ULL << EKP_STAT_FRAGMENTS;
 }
 
-/* A frontend whose service has no endpoints (EKP_FE_NO_ENDPOINTS, count == 0): kube-proxy's
- * `-j REJECT`, an ICMP port unreachable from the frontend to the client (rate-limited per CPU as
- * the kernel's icmp_send); counted DROP_NO_ENDPOINTS, the flow is refused. Packets not worth an
- * answer (ekp_icmp_wanted) drop under the same counter, rejects over the rate limit under
- * DROP_ICMP_RATE. (The other refusals of ekp_lb_refusal drop, as kube-proxy does.) */
-static __always_inline void ekp_decide_no_endpoints(const struct ekp_pkt *p, const struct ekp_config *cfg,
-						    __u64 now, struct ekp_decision *d)
+/* A refusal (ekp_lb_refusal_af's reason) of either family's packet path: EKP_ACT_REJECT for a
+ * frontend whose service has no endpoints (EKP_FE_NO_ENDPOINTS, count == 0): kube-proxy's
+ * `-j REJECT`, an ICMP (ICMPv6) port unreachable from the frontend to the client, rate-limited
+ * per CPU as the kernel's icmp_send; counted DROP_NO_ENDPOINTS, the flow is refused. `wanted`
+ * says whether the packet is worth an answer (ekp_icmp_wanted, ekp_icmp6_wanted; never a later
+ * fragment, whose quote would hold no ports): one that is not drops under the same counter, a
+ * reject over the rate limit under DROP_ICMP_RATE. The other refusals drop, as kube-proxy's
+ * KUBE-MARK-DROP does (source ranges; no local endpoint, whose reason stays that of the flag).
+ * Sets *reason, returns EKP_ACT_REJECT or EKP_ACT_DROP. */
+static __always_inline int ekp_decide_refusal(int refusal, const struct ekp_frontend *fe, int wanted,
+					      const struct ekp_config *cfg, __u64 now, __u32 *reason)
 {
-	if (!ekp_icmp_wanted(p) || p->frag == EKP_FRAG_LATER) { /* no ICMP error about a later fragment */
-		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_NO_ENDPOINTS);
-		return;
-	}
+	*reason = refusal;
+	if (refusal != EKP_DROP_NO_ENDPOINTS || !(fe->flags & EKP_FE_NO_ENDPOINTS) || !wanted)
+		return EKP_ACT_DROP;
 	if (!ekp_icmp_allowed(cfg, now)) {
-		ekp_verdict(d, EKP_ACT_DROP, EKP_DROP_ICMP_RATE);
-		return;
+		*reason = EKP_DROP_ICMP_RATE;
+		return EKP_ACT_DROP;
 	}
-	ekp_verdict(d, EKP_ACT_REJECT, EKP_DROP_NO_ENDPOINTS);
+	return EKP_ACT_REJECT;
 }
 
 /* Writes the flow `f` (conntrack), queues it for early drop and decides its first packet's
@@ -212,16 +215,17 @@ static __always_inline int ekp_decide_new(const struct ekp_pkt *p, const struct 
 
 	int refusal = ekp_lb_refusal(fe, p->saddr);
 
-	if (refusal == EKP_DROP_NO_ENDPOINTS && (fe->flags & EKP_FE_NO_ENDPOINTS)) {
-		if (hook == EKP_HOOK_XDP) {
-			ekp_verdict(d, EKP_ACT_PASS, EKP_STAT_TO_TC); /* the reject is built on the skb */
-			return 0;
-		}
-		ekp_decide_no_endpoints(p, cfg, now, d);
+	if (refusal == EKP_DROP_NO_ENDPOINTS && (fe->flags & EKP_FE_NO_ENDPOINTS) && hook == EKP_HOOK_XDP) {
+		ekp_verdict(d, EKP_ACT_PASS, EKP_STAT_TO_TC); /* the reject is built on the skb */
 		return 0;
 	}
 	if (refusal) {
-		ekp_verdict(d, EKP_ACT_DROP, refusal);
+		__u32 reason = refusal;
+		int act = EKP_ACT_DROP; /* XDP's: its rejects went to tc above, and no reject code is in it */
+		if (hook != EKP_HOOK_XDP)
+			act = ekp_decide_refusal(refusal, fe, ekp_icmp_wanted(p) && p->frag != EKP_FRAG_LATER, cfg,
+						 now, &reason);
+		ekp_verdict(d, act, reason);
 		return 0;
 	}
 	/* Only a SYN starts a TCP flow, only an INIT an SCTP one. Any other segment to a frontend

@@ -1,26 +1,30 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * ekp_icmp6.h: turning an IPv6 TCP segment of a flow the tc IPv6 path translates (ekp_tc6.h) into
- * the ICMPv6 error that answers it, in place, as ekp_icmp.h does for IPv4:
+ * ekp_icmp6.h: turning an IPv6 packet the tc IPv6 path answers (ekp_tc6.h) into the ICMPv6 error
+ * that answers it, in place, as ekp_icmp.h does for IPv4:
+ *   - destination unreachable (type 1), port unreachable (code 4), a new flow's first packet to a
+ *     frontend whose service has no endpoints: ip6tables' `-j REJECT` (its default reject type,
+ *     icmp6-port-unreachable, the rule upstream's IPv6 proxier writes), from the frontend;
  *   - Packet Too Big (type 2, code 0) with the MTU of the device the translated segment would
  *     leave by (bpf_fib_lookup's mtu_result), the answer IPv4's fragmentation needed gives (IPv6
  *     routers never fragment: no DF to look at);
  *   - time exceeded (type 3, code 0: hop limit exceeded in transit), for a segment whose hop limit
  *     this hop would spend to 0.
- * Both from the address the sender targeted (the frontend, or the client for a reply), quoting the
- * segment as the sender sent it (before translation), so its stack finds the socket by the quote:
+ * All from the address the sender targeted (the frontend, or the client for a reply), quoting the
+ * packet as the sender sent it (before translation), so its stack finds the socket by the quote:
  * the node's stack would have no nf_conntrack entry for a flow tc translated (ip6tables would see a
  * mid-flow segment as a new flow and translate it again).
  *
  *   in:  | eth | IPv6 (40) | extension headers | TCP ... payload |
  *   out: | eth, MACs swapped | IPv6: target -> sender, ICMPv6 | ICMPv6 2 or 3 | IPv6, extension
- *        headers, the 20-byte TCP base header |
+ *        headers, the L4 header (TCP 20 bytes, SCTP 12, UDP 8) |
  *
  * Shaping as IPv4's: bpf_skb_change_tail trims the frame to Ethernet + the quote (which also drops
  * GSO state), then bpf_skb_adjust_room(+48, BPF_ADJ_ROOM_MAC) opens the new IPv6 and ICMPv6
- * headers in front of it. The quote keeps the whole TCP base header: an skb from a local socket
- * (CHECKSUM_PARTIAL) cannot be cut before its TCP checksum (ekp_icmp.h), and RFC 4443 asks for as
- * much of the packet as fits anyway. Up to EKP_ICMP6_EXT_MAX bytes of extension headers: a segment
+ * headers in front of it. The quote keeps the whole L4 header: an skb from a local socket
+ * (CHECKSUM_PARTIAL) cannot be cut before its checksum field (ekp_icmp.h: TCP's ends at byte 18,
+ * SCTP's at 12, UDP's at 8), and no more, so a short datagram's quote never reaches past its end
+ * (bpf_skb_change_tail would pad it with zeros). Up to EKP_ICMP6_EXT_MAX bytes of extension headers: a segment
  * with more is not answered (the caller drops it, counted).
  * The ICMPv6 checksum covers the pseudo header (RFC 8200 8.1), the ICMPv6 header and the quote.
  */
@@ -32,6 +36,7 @@
 #include "ekp_icmp.h"
 #include "ekp_parse6.h"
 
+#define EKP_ICMPV6_PORT_UNREACH 4 /* destination unreachable's code (EKP_ICMPV6_DEST_UNREACH) */
 #define EKP_ICMPV6_PKT_TOOBIG 2
 #define EKP_ICMPV6_TIME_EXCEED 3
 #define EKP_ICMP6_EXT_MAX 56 /* extension headers quoted, at most (they come in 8-byte units) */
@@ -48,7 +53,7 @@ struct ekp_icmp6_hdrs {
 	__u8 type;
 	__u8 code;
 	__u16 checksum;
-	__be32 word; /* Packet Too Big: the MTU; time exceeded: unused, 0 */
+	__be32 word; /* Packet Too Big: the MTU; the others: unused, 0 */
 };
 
 _Static_assert(sizeof(struct ekp_icmp6_hdrs) == 48, "IPv6 header + ICMPv6 header");
@@ -88,12 +93,12 @@ static __always_inline int ekp_icmp6_wanted(const struct ekp_pkt6 *p)
 	return !(third == 0xffff || (third == 0 && last <= 1)); /* v4-mapped, unspecified, loopback */
 }
 
-/* Rewrites the skb into the ICMPv6 error `type` (code 0, `word` after the checksum) answering the
- * TCP segment `p` (see the top of this file); the caller redirects it to the egress of the device
+/* Rewrites the skb into the ICMPv6 error `type`, `code` (`word` after the checksum) answering the
+ * TCP, UDP or SCTP packet `p` (see the top of this file); the caller redirects it to the egress of the device
  * it came in on. 0, or -1 when the skb could not be shaped: drop it then (the frame may be half
  * rewritten). */
-static __always_inline int ekp_icmp6_error(struct __sk_buff *skb, const struct ekp_pkt6 *p, __u8 type, __u32 word,
-					   struct ekp_icmp6_work *w)
+static __always_inline int ekp_icmp6_error(struct __sk_buff *skb, const struct ekp_pkt6 *p, __u8 type, __u8 code,
+					   __u32 word, struct ekp_icmp6_work *w)
 {
 	__u32 ext = p->b.l4_off - EKP_IP6_OFF - 40; /* the extension headers' bytes */
 
@@ -103,7 +108,10 @@ static __always_inline int ekp_icmp6_error(struct __sk_buff *skb, const struct e
 	 * and size the load from l4_off, which the verifier does not bound. */
 	asm volatile("" : "+r"(ext));
 	ext &= 0x3f;
-	__u32 qlen = 40 + ext + EKP_ICMP_L4_QUOTE_TCP;
+	__u32 l4 = p->b.proto == IPPROTO_TCP	? EKP_ICMP_L4_QUOTE_TCP
+		   : p->b.proto == IPPROTO_SCTP ? EKP_ICMP_L4_QUOTE_SCTP
+						: EKP_ICMP_L4_QUOTE;
+	__u32 qlen = 40 + ext + l4;
 
 	__builtin_memset(w, 0, sizeof(*w));
 	if (bpf_skb_load_bytes(skb, 0, w->macs, sizeof(w->macs)) < 0)
@@ -124,6 +132,7 @@ static __always_inline int ekp_icmp6_error(struct __sk_buff *skb, const struct e
 	__builtin_memcpy(h->saddr, p->daddr, 16); /* the address the sender targeted */
 	__builtin_memcpy(h->daddr, p->saddr, 16);
 	h->type = type;
+	h->code = code;
 	h->word = htonl(word);
 
 	struct ekp_icmp6_pseudo *ph = &w->ph;

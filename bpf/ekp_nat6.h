@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * ekp_nat6.h: rewriting IPv6 packets for the tc programs' IPv6 path (ekp_tc6.h): a TCP/UDP
+ * ekp_nat6.h: rewriting IPv6 packets for the tc programs' IPv6 path (ekp_tc6.h): a TCP/UDP/SCTP
  * packet's addresses and ports, and an ICMPv6 error about a translated flow, outer header and
  * quote. ekp_nat.h's twin for 16-byte addresses; the ports and the quoted L4 header go through
  * ekp_nat.h's own functions (ekp_set_port, ekp_rewrite_quote_l4), which take any address width's
@@ -41,10 +41,18 @@ static __always_inline int ekp_set_addr6(struct __sk_buff *skb, const struct ekp
 	return bpf_skb_store_bytes(skb, off, (void *)new, 16, BPF_F_RECOMPUTE_CSUM) < 0 ? -1 : 0;
 }
 
-/* Rewrites the packet (or fragment: its addresses alone) to saddr:sport -> daddr:dport. 0 or -1. */
+/* Rewrites the packet (or fragment: its addresses alone) to saddr:sport -> daddr:dport. 0 or -1.
+ * SCTP's CRC32c covers no pseudo header: its addresses are plain stores, its ports change the CRC
+ * by ekp_sctp.h's arithmetic (ekp_set_sctp_ports, IPv4's). */
 static __always_inline int ekp_rewrite6(struct __sk_buff *skb, const struct ekp_pkt6 *p, const __be32 *saddr,
 					__be16 sport, const __be32 *daddr, __be16 dport)
 {
+	if (p->b.proto == IPPROTO_SCTP) {
+		if (bpf_skb_store_bytes(skb, EKP_IP6_SADDR_OFF, (void *)saddr, 16, BPF_F_RECOMPUTE_CSUM) < 0 ||
+		    bpf_skb_store_bytes(skb, EKP_IP6_DADDR_OFF, (void *)daddr, 16, BPF_F_RECOMPUTE_CSUM) < 0)
+			return -1;
+		return ekp_set_sctp_ports(skb, &p->b, sport, dport);
+	}
 	if (!ekp_addr6_eq(saddr, p->saddr) && ekp_set_addr6(skb, p, EKP_IP6_SADDR_OFF, p->saddr, saddr) < 0)
 		return -1;
 	if (!ekp_addr6_eq(daddr, p->daddr) && ekp_set_addr6(skb, p, EKP_IP6_DADDR_OFF, p->daddr, daddr) < 0)

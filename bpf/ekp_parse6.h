@@ -18,8 +18,8 @@
  * (offset 0: the L4 header is parsed) or a later one (EKP_PARSE_LATER, no ports).
  *
  * ICMPv6 errors (destination unreachable 1, packet too big 2, time exceeded 3, parameter problem
- * 4), whole, quoting the start of a TCP or UDP packet (its own extension headers walked the same
- * way, not a later fragment, at least the 8 bytes that hold the ports): EKP_PARSE_ICMP_ERR, with
+ * 4), whole, quoting the start of a TCP, UDP or SCTP packet (its own extension headers walked the
+ * same way, not a later fragment, at least the 8 bytes that hold the ports): EKP_PARSE_ICMP_ERR, with
  * the quote's tuple and offsets in the ekp_pkt fields IPv4's quote uses and its addresses beside
  * them. They may be about a flow this path translated (ekp_tc6.h, ekp_tc6_related).
  */
@@ -124,7 +124,7 @@ static __always_inline int ekp_parse6_walk(struct __sk_buff *skb, __u32 *off, __
 }
 
 /* The quote of an ICMPv6 error, its IPv6 header at `inner`: EKP_PARSE_ICMP_ERR when it is the
- * start of a TCP or UDP packet with its ports, else EKP_PARSE_PASS. */
+ * start of a TCP, UDP or SCTP packet with its ports, else EKP_PARSE_PASS. */
 static __always_inline int ekp_parse6_quote(struct __sk_buff *skb, struct ekp_pkt6 *p, __u32 inner)
 {
 	struct ipv6hdr ip;
@@ -137,7 +137,7 @@ static __always_inline int ekp_parse6_quote(struct __sk_buff *skb, struct ekp_pk
 	__u8 nh = ip.nexthdr;
 	__u32 off = inner + sizeof(ip);
 	if (ekp_parse6_walk(skb, &off, &nh, &frag, &id) < 0 || frag == EKP_FRAG_LATER ||
-	    (nh != IPPROTO_TCP && nh != IPPROTO_UDP))
+	    (nh != IPPROTO_TCP && nh != IPPROTO_UDP && nh != IPPROTO_SCTP))
 		return EKP_PARSE_PASS;
 	/* RFC 4443 quotes as much as fits in 1280 bytes; the ports and, for the checksum, the first 8
 	 * bytes (RFC 792's minimum, what IPv4's parser asks) must be there */
@@ -157,10 +157,10 @@ static __always_inline int ekp_parse6_quote(struct __sk_buff *skb, struct ekp_pk
 	return EKP_PARSE_ICMP_ERR;
 }
 
-/* EKP_PARSE_OK (TCP/UDP, a whole datagram or a first fragment: tuple valid), EKP_PARSE_LATER (a
- * later fragment), EKP_PARSE_ICMP_ERR (an ICMPv6 error quoting TCP/UDP: see the top),
- * EKP_PARSE_PASS (not IPv6 TCP/UDP: other ICMPv6, neighbour discovery, others) or
- * EKP_PARSE_MALFORMED (truncated). */
+/* EKP_PARSE_OK (TCP/UDP/SCTP, a whole datagram or a first fragment: tuple valid; SCTP whole
+ * alone), EKP_PARSE_LATER (a later fragment), EKP_PARSE_ICMP_ERR (an ICMPv6 error quoting
+ * TCP/UDP/SCTP: see the top), EKP_PARSE_PASS (not IPv6 TCP/UDP/SCTP, an SCTP fragment: other
+ * ICMPv6, neighbour discovery, others) or EKP_PARSE_MALFORMED (truncated). */
 static __always_inline int ekp_parse6(struct __sk_buff *skb, struct ekp_pkt6 *p)
 {
 	struct ipv6hdr ip;
@@ -192,20 +192,30 @@ static __always_inline int ekp_parse6(struct __sk_buff *skb, struct ekp_pkt6 *p)
 		p->b.icmp_code = icmp[1];
 		return ekp_parse6_quote(skb, p, off + 8); /* the quote follows the 8-byte ICMPv6 header */
 	}
-	if (nh != IPPROTO_TCP && nh != IPPROTO_UDP)
-		return EKP_PARSE_PASS; /* more headers than we walk, SCTP, a piece of ICMPv6, others */
+	if (nh != IPPROTO_TCP && nh != IPPROTO_UDP && nh != IPPROTO_SCTP)
+		return EKP_PARSE_PASS; /* more headers than we walk, a piece of ICMPv6, others */
+	if (nh == IPPROTO_SCTP && p->b.frag != EKP_FRAG_NONE)
+		return EKP_PARSE_PASS; /* its checksum cannot follow a translation (ekp_sctp.h) */
 	p->b.proto = nh;
 	p->b.l4_off = off;
 	if (p->b.frag == EKP_FRAG_LATER)
 		return EKP_PARSE_LATER;
 
 	__u8 l4[14];
-	if (bpf_skb_load_bytes(skb, off, l4, nh == IPPROTO_TCP ? 14 : 8) < 0)
+	if (bpf_skb_load_bytes(skb, off, l4, nh == IPPROTO_UDP ? 8 : nh == IPPROTO_TCP ? 14 : EKP_SCTP_HDR_LEN + 1) < 0)
 		return EKP_PARSE_MALFORMED;
 	__builtin_memcpy(&p->b.sport, l4, 2);
 	__builtin_memcpy(&p->b.dport, l4 + 2, 2);
 	if (nh == IPPROTO_TCP)
 		p->b.tcp_flags = l4[13];
+	if (nh == IPPROTO_SCTP) {
+		/* the CRC update's length (ekp_sctp.h): the SCTP header to the end of the IPv6 packet */
+		__u32 end = EKP_IP6_OFF + sizeof(ip) + ntohs(ip.payload_len);
+		if (end < off + EKP_SCTP_HDR_LEN + 1)
+			return EKP_PARSE_MALFORMED;
+		p->b.l4_len = end - off;
+		p->b.chunk = l4[EKP_SCTP_HDR_LEN];
+	}
 	return EKP_PARSE_OK;
 }
 

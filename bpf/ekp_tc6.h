@@ -7,7 +7,8 @@
  *   parse (ekp_parse6.h) -> a fragment: its ports recorded or looked up, or held (ekp_frag6.h)
  *                        -> conntrack (ekp_ct6.h: IPv4's conntrack code for IPv6, FORWARD then
  *                           REPLY, ekp_ct6_tcp / ekp_ct6_any, early-drop rings ekp_ctq6_*)
- *                        -> new flow: frontend (ekp_fe6), refusal and backend (ekp_lb.h, v6 = 1),
+ *                        -> new flow: frontend (ekp_fe6), refusal (ekp_lb.h, v6 = 1; answered or
+ *                           dropped: ekp_tc6_refuse) and backend (ekp_lb.h),
  *                           source translation decided (ekp_tc6_wants_snat), or a direct
  *                           connection on a live flow's tuple (ekp_ct6_reclaim)
  *                        -> route (bpf_fib_lookup), entries and SNAT port (ekp_ct6_create: IPv4's
@@ -15,22 +16,33 @@
  *   an ICMPv6 error      -> conntrack of the quoted flow (ekp_tc6_related) -> route, outer and
  *                           quote rewritten, hop limit - 1, redirect
  *
- * What it translates: TCP and UDP flows to a frontend, with the source translated to the node's
- * IPv6 address (ekp_cfg6) where IPv4 would translate it (SNAT_ALL, SNAT_REMOTE with a remote
+ * What it translates: TCP, UDP and SCTP flows to a frontend, with the source translated to the
+ * node's IPv6 address (ekp_cfg6) where IPv4 would translate it (SNAT_ALL, SNAT_REMOTE with a remote
  * backend, a hairpin), their fragments and the ICMPv6 errors about them, as IPv4's path does:
+ *   - SCTP as IPv4's: an INIT opens an association (ekp_ct6_any, IPv4's SCTP timeouts), the
+ *     rewrite updates its CRC32c for the new ports (ekp_nat6.h, ekp_sctp.h: the CRC covers no
+ *     pseudo header, so addresses are plain stores); its fragments go to the stack (the first
+ *     holds the CRC but not the length the update needs: ekp_parse6 passes them). An association
+ *     ip6tables translated before has no INIT to come: its chunks miss and go to the stack, whose
+ *     nf_conntrack entry serves them, so nothing is carried at a restart (UDP's flows are);
  *   - fragments (ekp_frag6.h: IPv4's code, ekp_frag_af.h and ekp_tc_frag_af.h, for IPv6): the first
  *     fragment decides and records its ports under (addresses, fragment id); the later ones follow
  *     it (a hit translates their addresses; they never start a flow); one that comes before its
  *     first is held (ekp_frhold6) when a translated flow may use its addresses, and put back into
  *     its device when the first comes; else the stack reassembles it;
- *   - ICMPv6 errors quoting a packet of a flow of this path, TCP or UDP (ekp_tc6_related);
+ *   - ICMPv6 errors quoting a packet of a flow of this path, TCP, UDP or SCTP (ekp_tc6_related);
  *   - UDP flows ip6tables translated before this path took UDP (a restart, an upgrade): the agent
  *     carries them from nf_conntrack into ekp_ct6_any before the programs attach
  *     (agent/takeover/into_ebpf.py, _carry6), so their next datagrams keep their backend rather
  *     than being decided again (a UDP datagram has no first packet to tell a new flow by).
+ * And it refuses a new flow's first packet as IPv4's path does, decided by the same code
+ * (ekp_lb_refusal_af, ekp_decide_refusal; ekp_tc6_refuse), counted under the same reasons: no
+ * endpoints answered with an ICMPv6 port unreachable from the frontend (ip6tables' REJECT),
+ * rate-limited as IPv4's rejects; no local endpoint and source ranges dropped (kube-proxy's
+ * KUBE-MARK-DROP). A segment that opens no flow still goes to the stack (upstream's REJECT
+ * matches new connections; a flow ip6tables translated keeps its nf_conntrack entry).
  * Every other packet goes to the node's stack untouched, where the ip6tables proxier beside the
  * eBPF programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
- *   - SCTP (ekp_parse6 stops at it: its CRC32c has no IPv6 caller here);
  *   - a frontend that would need ip6tables for some of its backends, left whole before the choice
  *     so that one proxier chooses among all its backends (and one owns its affinity): one with a
  *     backend on the node's own address (EKP_FE_HOST_BACKEND: that backend's replies leave by the
@@ -38,10 +50,8 @@
  *     asks SNAT (EKP_FE_SNAT_ALL, EKP_FE_SNAT_REMOTE: its local backends too); then a hairpin as
  *     well (the client is its own backend: known only after the choice, see there); legacy host
  *     routing;
- *   - refusals: no endpoints (ip6tables' REJECT answers with ICMPv6), no local endpoint, source
- *     ranges;
- *   - a mid-flow TCP segment without an entry (a flow ip6tables translated before: nf_conntrack
- *     has it);
+ *   - a mid-flow TCP segment or SCTP chunk without an entry (a flow ip6tables translated before:
+ *     nf_conntrack has it);
  *   - ICMPv6 but errors about a flow translated here (Packet Too Big, destination unreachable,
  *     time exceeded, parameter problem: ekp_tc6_related translates those back, as nf_nat does for
  *     the flows ip6tables translated), a new flow's first packet too big for the route or at
@@ -184,7 +194,25 @@ static __always_inline int ekp_tc6_answer(struct __sk_buff *skb, struct ekp_tc6_
 		*outcome = EKP_DROP_ICMP_RATE;
 		return TC_ACT_SHOT;
 	}
-	if (ekp_icmp6_error(skb, &w->pkt, type, word, &w->icmp6) < 0)
+	if (ekp_icmp6_error(skb, &w->pkt, type, 0, word, &w->icmp6) < 0)
+		return TC_ACT_SHOT;
+	return bpf_redirect(skb->ifindex, 0);
+}
+
+/* A new flow's first packet refused by its frontend (`refusal`, ekp_lb_refusal_af), decided as
+ * IPv4's packet path decides it (ekp_decide_refusal): no endpoints answered with an ICMPv6 port
+ * unreachable from the frontend, out of the device it came in by (ip6tables' `-j REJECT`), unless
+ * unwanted (ekp_icmp6_wanted) or over the rejects' rate limit; source ranges and no local endpoint
+ * dropped (kube-proxy's KUBE-MARK-DROP). Counted under IPv4's reasons. The TC verdict. */
+static __always_inline int ekp_tc6_refuse(struct __sk_buff *skb, struct ekp_tc6_scratch *w,
+					  const struct ekp_config *cfg, const struct ekp_frontend *fe, int refusal,
+					  __u32 *outcome)
+{
+	int wanted = ekp_icmp6_wanted(&w->pkt) && w->pkt.b.frag != EKP_FRAG_LATER;
+
+	if (ekp_decide_refusal(refusal, fe, wanted, cfg, bpf_ktime_get_ns(), outcome) != EKP_ACT_REJECT)
+		return TC_ACT_SHOT;
+	if (ekp_icmp6_error(skb, &w->pkt, EKP_ICMPV6_DEST_UNREACH, EKP_ICMPV6_PORT_UNREACH, 0, &w->icmp6) < 0)
 		return TC_ACT_SHOT;
 	return bpf_redirect(skb->ifindex, 0);
 }
@@ -381,7 +409,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		verdict = ekp_tc6_related(skb, w, scope, bridge, cfg, &outcome);
 		goto out;
 	}
-	/* TCP and UDP, whole or in fragments (SCTP: ip6tables'; ekp_parse6 passes it) */
+	/* TCP, UDP and SCTP, whole or in fragments (SCTP whole: ekp_parse6 passes its fragments) */
 	if ((parsed != EKP_PARSE_OK && parsed != EKP_PARSE_LATER) || !cfg || (cfg->flags & EKP_CFG_HOST_LEGACY))
 		goto out;
 	if (p->b.frag == EKP_FRAG_NONE && !ekp_tc6_may_translate(p, scope, cfg))
@@ -488,8 +516,12 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		 * their share. A source translation is ip6tables' only while the node's IPv6 address is
 		 * not known. */
 		__u16 flags = fe->flags;
-		if (ekp_lb_refusal_af(1, fe, p->saddr) || (flags & EKP_FE_HOST_BACKEND) ||
-		    (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
+		int refusal = ekp_lb_refusal_af(1, fe, p->saddr);
+		if (refusal) {
+			verdict = ekp_tc6_refuse(skb, w, cfg, fe, refusal, &outcome);
+			goto out;
+		}
+		if ((flags & EKP_FE_HOST_BACKEND) || (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
 			goto out;
 	} else {
 		/* No frontend: a connection of its own, client:P -> server:port, whose reverse tuple a

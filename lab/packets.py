@@ -435,8 +435,9 @@ def sctp(
 ) -> bytes:
     """An SCTP packet with one chunk: `init` (starts an association: verification tag 0),
     `init-ack`, `data`, `heartbeat`; `tag` is the verification tag of the other chunks. Its CRC32c
-    is scapy's."""
+    is scapy's. IPv6 when the addresses are (`ttl` its hop limit, `ip` its header's fields)."""
     from scapy.layers.inet import IP
+    from scapy.layers.inet6 import IPv6
     from scapy.layers.l2 import Ether
     from scapy.layers.sctp import (
         SCTP,
@@ -462,7 +463,7 @@ def sctp(
     vtag = 0 if chunk == "init" else tag
     return bytes(
         Ether(src=smac, dst=dmac)
-        / IP(src=src, dst=dst, ttl=ttl, **ip)
+        / (IPv6(src=src, dst=dst, hlim=ttl, **ip) if ":" in src else IP(src=src, dst=dst, ttl=ttl, **ip))
         / SCTP(sport=sport, dport=dport, tag=vtag)
         / layer
     )

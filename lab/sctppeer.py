@@ -6,7 +6,8 @@ SCTP to check or answer it), and sends what it is given, its CRC32c included.
 
 Standalone on purpose (standard library only), executed by path like lab/client.py:
 
-  server --port P --seconds S    answers an INIT to port P with an INIT-ACK, a COOKIE-ECHO with a
+  server --port P --seconds S [--ipv6]
+                                 answers an INIT to port P with an INIT-ACK, a COOKIE-ECHO with a
                                  COOKIE-ACK and a DATA chunk with a DATA chunk echoing it; prints
                                  "ready", then one JSON line per SCTP packet that arrives (to any
                                  port); --stall-on D --stall-s T: the echo of DATA D waits T s
@@ -23,6 +24,10 @@ Standalone on purpose (standard library only), executed by path like lab/client.
                                  "exchanges": n, "lost": n, "first_lost": exchange or null,
                                  "lost_sent_at": [...], "late": [lines], "late_sent_at": [...]}:
                                  lost never echoed, late echoed after its wait ran out
+
+IPv6 when --addr is an IPv6 address (client, hold) or with --ipv6 (server): the raw socket then
+sees the SCTP packet alone (an IPv6 raw socket never gets the IPv6 header), its destination from
+IPV6_PKTINFO.
 
 A packet is described as {"src", "dst", "sport", "dport", "vtag", "chunk", "init_tag", "data",
 "crc_ok"}: `chunk` is the type of its first chunk (0 DATA, 1 INIT, 2 INIT-ACK), `crc_ok` whether
@@ -106,14 +111,18 @@ def describe(packet: bytes) -> dict[str, Any] | None:
         return None
     ihl = (packet[0] & 0x0F) * 4
     total = int.from_bytes(packet[2:4], "big")
-    sctp = packet[ihl:total]
+    return describe_sctp(packet[ihl:total], socket.inet_ntoa(packet[12:16]), socket.inet_ntoa(packet[16:20]))
+
+
+def describe_sctp(sctp: bytes, src: str, dst: str) -> dict[str, Any] | None:
+    """An SCTP packet (common header to the end) from `src` to `dst`; None if too short."""
     if len(sctp) < 16:
         return None
     sport, dport, vtag = struct.unpack("!HHI", sctp[:8])
     chunk, _, length = struct.unpack("!BBH", sctp[12:16])
     out: dict[str, Any] = {
-        "src": socket.inet_ntoa(packet[12:16]),
-        "dst": socket.inet_ntoa(packet[16:20]),
+        "src": src,
+        "dst": dst,
         "sport": sport,
         "dport": dport,
         "vtag": vtag,
@@ -129,8 +138,28 @@ def describe(packet: bytes) -> dict[str, Any] | None:
     return out
 
 
-def raw_socket() -> socket.socket:
-    return socket.socket(socket.AF_INET, socket.SOCK_RAW, PROTO)
+def raw_socket(ipv6: bool = False) -> socket.socket:
+    if not ipv6:
+        return socket.socket(socket.AF_INET, socket.SOCK_RAW, PROTO)
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_RAW, PROTO)
+    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVPKTINFO, 1)  # the destination of each
+    return sock
+
+
+def read(sock: socket.socket) -> dict[str, Any] | None:
+    """One packet off the raw socket, described (None if not SCTP)."""
+    if sock.family == socket.AF_INET:
+        return describe(sock.recv(65535))
+    data, ancillary, _, peer = sock.recvmsg(65535, socket.CMSG_SPACE(20))
+    dst = next(
+        (
+            socket.inet_ntop(socket.AF_INET6, body[:16])
+            for level, kind, body in ancillary
+            if level == socket.IPPROTO_IPV6 and kind == socket.IPV6_PKTINFO
+        ),
+        "",
+    )
+    return describe_sctp(data, peer[0], dst)
 
 
 def receive(sock: socket.socket, until: float) -> dict[str, Any] | None:
@@ -141,13 +170,13 @@ def receive(sock: socket.socket, until: float) -> dict[str, Any] | None:
         ready, _, _ = select.select([sock], [], [], max(0.0, until - time.monotonic()))
         if not ready:
             return None
-        seen = describe(sock.recv(65535))
+        seen = read(sock)
         if seen is not None:
             return seen
 
 
 def cmd_server(a: argparse.Namespace) -> int:
-    sock = raw_socket()
+    sock = raw_socket(a.ipv6)
     print("ready", flush=True)
     until = time.monotonic() + a.seconds
     while (seen := receive(sock, until)) is not None:
@@ -191,7 +220,7 @@ def expect_echo(
 
 
 def cmd_client(a: argparse.Namespace) -> int:
-    sock = raw_socket()
+    sock = raw_socket(":" in a.addr)
     to = (a.addr, 0)
     deadline = time.monotonic() + a.seconds
     result: dict[str, Any] = {"init_ack": None, "echo": None}
@@ -207,7 +236,7 @@ def cmd_client(a: argparse.Namespace) -> int:
 
 
 def cmd_hold(a: argparse.Namespace) -> int:
-    sock = raw_socket()
+    sock = raw_socket(":" in a.addr)
     to = (a.addr, 0)
     start = time.monotonic()
     end = start + a.max_s
@@ -255,6 +284,7 @@ def main() -> int:
     s = sub.add_parser("server")
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--seconds", type=float, default=30.0)
+    s.add_argument("--ipv6", action="store_true", help="IPv6 (an IPv6 raw socket)")
     s.add_argument("--stall-on", default="", help="DATA whose echo waits --stall-s (e.g. 'line 3')")
     s.add_argument("--stall-s", type=float, default=0.0)
     c = sub.add_parser("client")

@@ -515,6 +515,106 @@ def test_the_last_hop_of_a_flows_segment_is_answered_with_time_exceeded(net: Net
     assert net.from_pod(syn) == (TC_ACT_OK, syn)
 
 
+# ---- refusals (ekp_tc6_refuse: IPv4's decision, ekp_decide_refusal) ------------------------
+
+
+def test_a_syn_to_a_frontend_without_endpoints_is_answered_with_port_unreachable_from_it(
+    net: Net, lab: Lab
+) -> None:
+    """ip6tables' `-j REJECT` (icmp6-port-unreachable): the client's SYN comes back as a
+    destination unreachable, port unreachable (1, 4) from the ClusterIP it targeted, quoting the
+    SYN as sent, out of the device it came in by; no flow is made. A segment that opens no flow
+    (one of a connection ip6tables translated before) still goes to the stack, as upstream's
+    REJECT matches new connections only."""
+    add_service6(net.dp.maps, VIP6, 80, (), flags=FrontendFlag.NO_ENDPOINTS)
+    syn = frame6(POD6, VIP6, 42200, 80)
+    verdict, out = net.from_pod(syn)
+    assert verdict == TC_ACT_REDIRECT
+    assert_answers(out, syn, icmp=(1, 4, 0), src=VIP6, dst=POD6)
+    assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 1
+    assert len(net.dp.maps["ct6_tcp"].keys()) == 0
+    mid = frame6(POD6, VIP6, 42201, 80, flags="A")
+    assert net.from_pod(mid) == (TC_ACT_OK, mid)
+    assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 1
+
+
+def test_a_datagram_to_a_node_port_without_endpoints_is_answered_quoting_its_udp_header(
+    net: Net, lab: Lab
+) -> None:
+    """A UDP datagram from outside: the answer quotes its IPv6 header and the 8-byte UDP header
+    (what a CHECKSUM_PARTIAL skb may be cut to; no more, so a short datagram is never padded), the
+    ICMPv6 checksum right over the pseudo header and the quote."""
+    from scapy.layers.inet import UDP as UDPh
+    from scapy.layers.inet6 import IPv6
+    from scapy.layers.l2 import Ether
+
+    flags = FrontendFlag.NODEPORT | FrontendFlag.NO_ENDPOINTS
+    add_service6(net.dp.maps, NODE6, 30053, (), proto=UDP, scope=Scope.EXTERNAL, flags=flags)
+    sent = bytes(
+        Ether(src=MAC6[CLIENT6], dst=lab.ext.mac)
+        / IPv6(src=CLIENT6, dst=NODE6)
+        / UDPh(sport=5353, dport=30053)
+        / b"q"
+    )
+    verdict, out = net.from_net(sent)
+    assert verdict == TC_ACT_REDIRECT
+    e = error6(out)
+    assert (e.dmac, e.src, e.dst, e.hlim) == (MAC6[CLIENT6], NODE6, CLIENT6, 64)
+    assert (e.head[0], e.head[1], int.from_bytes(e.head[4:8], "big")) == (1, 4, 0)
+    assert e.checksum_ok, "ICMPv6 checksum"
+    assert out[62:] == sent[14 : 14 + 40 + 8], "the datagram's IPv6 and UDP headers as sent"
+    assert int.from_bytes(out[18:20], "big") == 8 + 40 + 8, "payload length"
+    assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 1 and len(net.dp.maps["ct6_any"].keys()) == 0
+
+
+def test_port_unreachables_are_rate_limited_and_unwanted_ones_dropped(net: Net, dp: Datapath) -> None:
+    """The rejects' bucket (a burst of 10, 100 per second here), IPv4's: 300 SYNs at once get about
+    10 answers, the rest dropped under DROP_ICMP_RATE."""
+    set_config(dp, icmp_rate=100, icmp_burst=10)
+    add_service6(net.dp.maps, VIP6, 80, (), flags=FrontendFlag.NO_ENDPOINTS)
+    with on_one_cpu():
+        started = time.monotonic()
+        answered = sum(
+            net.from_pod(frame6(POD6, VIP6, 43000 + i, 80))[0] == TC_ACT_REDIRECT for i in range(300)
+        )
+        elapsed = time.monotonic() - started
+    assert 10 <= answered <= 10 + 100 * elapsed + 1
+    stats = net.stats()
+    assert (stats[Stat.DROP_NO_ENDPOINTS], stats[Stat.DROP_ICMP_RATE]) == (answered, 300 - answered)
+
+
+def test_no_local_endpoint_and_a_source_outside_the_ranges_are_dropped(net: Net) -> None:
+    """What IPv4's path and kube-proxy (KUBE-MARK-DROP) do: a NodePort of policy Local with no
+    endpoint on this node, and a LoadBalancer IP's client outside loadBalancerSourceRanges, are
+    dropped unanswered and counted; a client inside the ranges is translated."""
+    from agent.ebpf import abi
+
+    local = FrontendFlag.NODEPORT | FrontendFlag.LOCAL
+    add_service6(
+        net.dp.maps, NODE6, 30080, ((1, REMOTE_BE6, 8080, 0),), scope=Scope.EXTERNAL, flags=local, count=0
+    )
+    assert net.from_net(frame6(CLIENT6, NODE6, 42300, 30080))[0] == TC_ACT_SHOT
+    lb = "fd00:ff::50"  # a LoadBalancer IP
+    add_service6(
+        net.dp.maps,
+        lb,
+        80,
+        LOCAL_BE,
+        scope=Scope.EXTERNAL,
+        flags=FrontendFlag.SOURCE_RANGES,
+        svc_id=2,
+        set_id=2,
+        rev_nat_id=9,
+    )
+    allowed = abi.SrcRange6Key(32 + 128, 9, 0, Addr6(*ip6_words(CLIENT6)))  # CLIENT6/128, rev_nat 9
+    net.dp.maps["srcr6"].update(allowed, abi.SrcRange(1))
+    assert net.from_net(frame6("fd00:ff::99", lb, 42301, 80))[0] == TC_ACT_SHOT
+    assert net.from_net(frame6(CLIENT6, lb, 42302, 80))[0] == TC_ACT_REDIRECT
+    stats = net.stats()
+    assert (stats[Stat.DROP_NO_LOCAL], stats[Stat.DROP_SOURCE_RANGE], stats[Stat.NEW_FLOWS]) == (1, 1, 1)
+    assert len(net.dp.maps["ct6_tcp"].keys()) == 2  # the allowed client's flow alone
+
+
 def test_no_error_goes_to_a_source_the_stack_would_drop_as_a_martian(net: Net) -> None:
     """A segment at its last hop of a flow from the unspecified, loopback, an IPv4-mapped or a
     multicast source (entries written behind the data path's back: no pod sends from those) is

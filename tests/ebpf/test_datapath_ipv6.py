@@ -539,21 +539,6 @@ def test_a_host_backend_the_frontend_was_not_flagged_for_yet_is_left_to_the_stac
     assert net.stats()[Stat.NEW_FLOWS] == 0
 
 
-def test_sctp_stops_at_the_ipv6_parser(net: Net) -> None:
-    """SCTP is not walked to by ekp_parse6 (its CRC32c, which ekp_sctp.h keeps for IPv4, has no
-    IPv6 caller): passed untouched to ip6tables. No fix claims this (the parser has passed SCTP
-    since the path began); it fails once the parser takes SCTP without the path translating it
-    with its checksum, or refusing it."""
-    from scapy.layers.inet6 import IPv6
-    from scapy.layers.l2 import Ether
-    from scapy.layers.sctp import SCTP, SCTPChunkInit
-
-    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE, proto=132)
-    eth = Ether(src="02:00:00:00:aa:01", dst="02:00:00:00:aa:02")
-    _passes(net, bytes(eth / IPv6(src=POD6, dst=VIP6) / SCTP(sport=40041, dport=80) / SCTPChunkInit()))
-    assert net.stats()[Stat.PASS] == 1
-
-
 def test_snat_all_hairpin_and_host_backends_are_left_to_ip6tables(net: Net) -> None:
     """SNAT_ALL and the hairpin while no IPv6 node address is known (ekp_cfg6 zero, as here: see
     test_datapath_ipv6_snat.py for them with one); a backend on the node's own address always."""
@@ -565,12 +550,6 @@ def test_snat_all_hairpin_and_host_backends_are_left_to_ip6tables(net: Net) -> N
         net.dp.maps, VIP6, 82, ((3, NODE6, 10250, BackendFlag.HOST),), svc_id=3, set_id=3, rev_nat_id=3
     )
     _passes(net, frame6(POD6, VIP6, 40005, 82))
-
-
-def test_refusals_are_left_to_ip6tables_which_rejects(net: Net) -> None:
-    add_service6(net.dp.maps, VIP6, 80, (), flags=FrontendFlag.NO_ENDPOINTS)
-    _passes(net, frame6(POD6, VIP6, 40006, 80))
-    assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 0, "no verdict of ours: ip6tables' REJECT answers"
 
 
 def test_mid_flow_segments_icmpv6_and_unfinished_routing_are_left_to_the_stack(net: Net) -> None:

@@ -37,18 +37,23 @@ from bench.verifycost import ProgCost, measure, the_object
 # 338,000, v6cfix); 191,000 and 178,000 with a packet's length from its IP header (IPv4's 333,000,
 # v6rfix), 194,000 and 182,000 with a refreshed-away entry a miss; 271,000 and 263,000 with UDP
 # (v6udp: the other table's SNAT walk, as measured above, and IPv4's fragment code for IPv6; the
-# IPv4 programs' instruction and processed counts unchanged).
+# IPv4 programs' instruction and processed counts unchanged); 520,000 and 649,000 with the
+# refusals (an ICMPv6 port unreachable built at a third site) and SCTP (IPv4's CRC32c update, 16
+# multiplications of 32 steps each per rewrite visited) (v6rej, bench/results/scale/
+# verifycost-v6rej-2026-11-27.txt; IPv4's within 0.03%). Pruning makes these jumpy: the same build
+# with SCTP turned away at the path's gate measured 966,000 for ekp_from_pod6, a hair under the
+# kernel's 1,000,000, so the next growth here wants the SCTP update out of the verifier's walks.
 BUDGET = {
     PROG_FROM_POD: 450_000,
     PROG_FROM_NET: 450_000,
     PROG_XDP_NET: 220_000,
-    PROG_FROM_POD6: 320_000,
-    PROG_FROM_NET6: 320_000,
+    PROG_FROM_POD6: 700_000,
+    PROG_FROM_NET6: 700_000,
 }
 # 817,000 in all before the IPv6 path translated sources or ICMPv6 errors, 1,061,000 with both
 # (their first round, v6int), 1,229,000 with IPv4's conntrack for IPv6 beside them (v6all),
-# 1,412,000 with its UDP (v6udp)
-ALL_PROGRAMS = 1_550_000
+# 1,412,000 with its UDP (v6udp), 2,065,000 with its refusals and SCTP (v6rej)
+ALL_PROGRAMS = 2_200_000
 
 pytestmark = pytest.mark.kernel
 

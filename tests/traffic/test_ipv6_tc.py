@@ -10,20 +10,24 @@ externalTrafficPolicy Local from outside to the node's own endpoint, a NodePort 
 masqueraded to the node's IPv6 address, whose endpoint may be on the other node) are translated by
 tc (its counters move, and the node's nf_conntrack holds no DNAT entry for them), and so are its UDP
 flows: DNS with `dig`, a 4,000-byte datagram and its 4,000-byte answer (three fragments each way),
-a backend's ICMPv6 port unreachable back to the client (their entries in ekp_ct6_any). iptables
-mode, the same requests: the same answers, every one through ip6tables (whose DNAT entries are in
-nf_conntrack).
+a backend's ICMPv6 port unreachable back to the client (their entries in ekp_ct6_any), an SCTP
+association (lab/sctppeer.py over IPv6: its entries in ekp_ct6_any); and its refusals are tc's,
+counted as IPv4's: a ClusterIP without endpoints refused at once with ICMPv6 port unreachable
+("connection refused", no timeout), a NodePort of policy Local without a local endpoint and a
+LoadBalancer IP's client outside loadBalancerSourceRanges dropped. iptables mode, the same
+requests: the same answers, every one through ip6tables (whose DNAT entries are in nf_conntrack).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 
 import pytest
 
 from lab import Lab
-from lab.core import PODSERVER
+from lab.core import PODSERVER, CommandError
 from lab.harness import Cluster
 from lab.objects import Ep, Port, endpoint_slice, service
 from tests.conftest import require_kernel
@@ -40,6 +44,13 @@ PODS = ("pod-1-2", "pod-2-2")  # the IPv6 backends, one per node
 PMTU_VIP, PMTU_POD, SINK_PORT = "fd00:10:96::c3", "pod-2-1", 8087
 UPLOAD = 2_000_000
 TRIES = 20  # each reaches a given one of two backends with p = 1/2: all missing it, 1e-6
+# Refusals: a ClusterIP without endpoints; a NodePort of policy Local whose one endpoint is on
+# node2; two LoadBalancer IPs (routed to node1 by the client), one whose source ranges leave the
+# client out, one whose ranges hold it
+NONE_VIP, NO_LOCAL_PORT = "fd00:10:96::c7", 30794
+LB_DENY, LB_ALLOW, LB_DENY_PORT, LB_ALLOW_PORT = "fd00:10:97::1", "fd00:10:97::2", 30795, 30796
+SCTP_VIP, SCTP_PORT, SCTP_TARGET, SCTP_POD = "fd00:10:96::c9", 5060, 5061, "pod-2-2"
+PEER = str(PODSERVER.parent / "sctppeer.py")
 
 
 @pytest.fixture(scope="module", params=MODES)
@@ -113,7 +124,48 @@ def lab_objects(c: Cluster) -> None:
     closed = service("tc6-closed", CLOSED_VIP, [cport], ipFamilies=["IPv6"])
     ceps = endpoint_slice("tc6-closed", [cport], [Ep(lab.pod("pod-2-2").ip6, "node2")], "v6")
     ceps["addressType"] = "IPv6"
-    c.apply([svc, eps, local, leps, sink, seps, remote, reps, dns_svc, deps, closed, ceps])
+    c.apply(
+        [svc, eps, local, leps, sink, seps, remote, reps, dns_svc, deps, closed, ceps, *refusal_objects(c)]
+    )
+
+
+def refusal_objects(c: Cluster) -> list[dict[str, object]]:
+    lab = c.lab
+    none = service("tc6-none", NONE_VIP, [Port("http", 80, HTTP6_PORT)], ipFamilies=["IPv6"])
+    nport = Port("http", 80, HTTP6_PORT, node_port=NO_LOCAL_PORT)
+    no_local = service(
+        "tc6-no-local",
+        "fd00:10:96::c8",
+        [nport],
+        type="NodePort",
+        ipFamilies=["IPv6"],
+        externalTrafficPolicy="Local",
+    )
+    nleps = endpoint_slice("tc6-no-local", [nport], [Ep(lab.pod("pod-2-2").ip6, "node2")], "v6")
+    nleps["addressType"] = "IPv6"
+    objs = [none, no_local, nleps]
+    for name, vip, lb_ip, node_port, ranges in (
+        ("tc6-lb-deny", "fd00:10:96::ca", LB_DENY, LB_DENY_PORT, ["fd00:dead::/64"]),
+        ("tc6-lb-allow", "fd00:10:96::cb", LB_ALLOW, LB_ALLOW_PORT, [f"{lab.client.ip6}/128"]),
+    ):
+        lport = Port("http", 80, HTTP6_PORT, node_port=node_port)
+        lb = service(
+            name,
+            vip,
+            [lport],
+            type="LoadBalancer",
+            ipFamilies=["IPv6"],
+            loadBalancerSourceRanges=ranges,
+            status={"loadBalancer": {"ingress": [{"ip": lb_ip}]}},
+        )
+        lbeps = endpoint_slice(name, [lport], [Ep(lab.pod("pod-1-2").ip6, "node1")], "v6")
+        lbeps["addressType"] = "IPv6"
+        objs += [lb, lbeps]
+    sctp_port = Port("sip", SCTP_PORT, SCTP_TARGET, "SCTP")
+    sctp = service("tc6-sctp", SCTP_VIP, [sctp_port], ipFamilies=["IPv6"])
+    sceps = endpoint_slice("tc6-sctp", [sctp_port], [Ep(lab.pod(SCTP_POD).ip6, "node2")], "v6")
+    sceps["addressType"] = "IPv6"
+    return [*objs, sctp, sceps]
 
 
 def dnat_flows(c: Cluster, dst: str) -> str:
@@ -130,8 +182,8 @@ def new_flows(c: Cluster) -> int:
 
 
 def ct6_udp_flows(c: Cluster, dst: str, port: int) -> int:
-    """eBPF mode: the FORWARD entries of node1's ekp_ct6_any (the tc IPv6 path's UDP flows) to
-    [dst]:port."""
+    """eBPF mode: the FORWARD entries of node1's ekp_ct6_any (the tc IPv6 path's UDP and SCTP
+    flows) to [dst]:port."""
     from agent.ebpf.abi import MAPS, Ct6Key, CtDir, ip6_words, port_be
     from agent.ebpf.maps import BpfMap
 
@@ -445,3 +497,136 @@ def test_udp_flows_ip6tables_translated_before_a_restart_keep_their_backend(dual
     if dual.mode == "ebpf":
         assert ct6_udp_flows(dual, VIP, UDP_PORT) >= len(flows)
         assert new_flows(dual) == before, "each datagram a carried flow's"
+
+
+def refusals(c: Cluster) -> dict[str, int]:
+    """eBPF mode: node1's refusal counters (IPv4's, which the tc IPv6 path counts under too)."""
+    if c.mode != "ebpf":
+        return {}
+    stats = c.bpf_stats(1)
+    return {
+        k: stats[k] for k in ("drop_no_endpoints", "drop_no_local", "drop_source_range", "drop_icmp_rate")
+    }
+
+
+# TCP connections to [vip]:port, each from a new socket: what each met (refused, answered, timeout)
+# and after how many milliseconds.
+CONNECT = r"""
+import socket, sys, time
+for _ in range(int(sys.argv[3])):
+    s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); s.settimeout(3)
+    started = time.monotonic()
+    try:
+        s.connect((sys.argv[1], int(sys.argv[2]))); kind = "answered"
+    except ConnectionRefusedError:
+        kind = "refused"
+    except OSError:
+        kind = "timeout"
+    print(kind, round((time.monotonic() - started) * 1000))
+    s.close()
+"""
+
+
+def test_an_ipv6_cluster_ip_without_endpoints_refuses_a_connection_at_once(dual: Cluster) -> None:
+    """kube-proxy's REJECT: each of five connections from a pod is refused (ECONNREFUSED), not
+    timed out: by the answer to the SYN's first retransmission (1 s) at the latest. Both modes
+    take that second (about 1.02 s each here): the first SYN is answered too (eBPF mode counts two
+    rejects a connection), but not taken; our reading, unverified, is that it comes back while
+    connect() still holds the socket, where tcp_v6_err keeps an error as a soft one (README,
+    Machine facts). In eBPF mode tc answers every SYN (an ICMPv6 port unreachable from
+    the ClusterIP, counted DROP_NO_ENDPOINTS); before, ip6tables beside it did, and the counter
+    stayed."""
+    before = refusals(dual)
+    out = dual.lab.run(
+        dual.lab.pod("pod-1-1"), sys.executable, "-c", CONNECT, NONE_VIP, "80", "5", timeout=30
+    )
+    results = [line.split() for line in out.stdout.splitlines()]
+    assert [kind for kind, _ in results] == ["refused"] * 5, out.stdout
+    assert all(int(ms) < 2000 for _, ms in results), out.stdout
+    if dual.mode == "ebpf":
+        after = refusals(dual)
+        assert after["drop_no_endpoints"] - before["drop_no_endpoints"] >= 5, (before, after)
+
+
+def test_an_ipv6_node_port_of_policy_local_without_a_local_endpoint_drops(dual: Cluster) -> None:
+    """externalTrafficPolicy Local, the one endpoint on node2: node1 drops the external client's
+    connection (kube-proxy's KUBE-MARK-DROP: curl times out, exit 28), node2 serves it. In eBPF
+    mode the drop is tc's (DROP_NO_LOCAL)."""
+    lab = dual.lab
+    before = refusals(dual)
+    with pytest.raises(CommandError) as dropped:
+        lab.curl(lab.client, f"http://[{lab.node(1).ip6}]:{NO_LOCAL_PORT}/", timeout=2.0, args=["-g"])
+    assert dropped.value.returncode == 28, dropped.value
+    assert fetch(dual, lab.client, f"http://[{lab.node(2).ip6}]:{NO_LOCAL_PORT}/") == "pod-2-2"
+    if dual.mode == "ebpf":
+        after = refusals(dual)
+        assert after["drop_no_local"] - before["drop_no_local"] >= 1, after
+
+
+def test_a_client_outside_an_ipv6_load_balancers_source_ranges_is_dropped(dual: Cluster) -> None:
+    """loadBalancerSourceRanges: the client outside one LoadBalancer IP's ranges is dropped (curl
+    times out), inside the other's it is served. In eBPF mode the drop is tc's (DROP_SOURCE_RANGE)
+    and the served connection a new tc flow."""
+    lab = dual.lab
+    lab.run(lab.client, "ip", "-6", "route", "replace", "fd00:10:97::/64", "via", lab.node(1).ip6)
+    before, flows = refusals(dual), new_flows(dual)
+    assert fetch(dual, lab.client, f"http://[{LB_ALLOW}]:80/") == "pod-1-2"
+    with pytest.raises(CommandError) as dropped:
+        lab.curl(lab.client, f"http://[{LB_DENY}]:80/", timeout=2.0, args=["-g"])
+    assert dropped.value.returncode == 28, dropped.value
+    if dual.mode == "ebpf":
+        after = refusals(dual)
+        assert after["drop_source_range"] - before["drop_source_range"] >= 1, after
+        assert new_flows(dual) - flows >= 1
+        assert dnat_flows(dual, LB_ALLOW) == ""
+
+
+def test_an_sctp_association_through_an_ipv6_cluster_ip(dual: Cluster) -> None:
+    """upstream's "should function for pod-Service: sctp" over IPv6 (lab/sctppeer.py: the lab
+    kernel has no SCTP sockets): the INIT-ACK and the echo come back from the ClusterIP's address
+    and port, the backend sees the pod's own address at its target port, every CRC32c right. In
+    eBPF mode the association is tc's (its entry in ekp_ct6_any, none in nf_conntrack); before,
+    the path left SCTP to ip6tables."""
+    lab = dual.lab
+    client, backend = lab.pod("pod-1-1"), lab.pod(SCTP_POD)
+    forget_flows(dual, SCTP_VIP)
+    server = lab.popen(
+        backend,
+        *(sys.executable, PEER, "server", "--port", str(SCTP_TARGET), "--seconds", "30", "--ipv6"),
+        name="sctp6-server",
+    )
+    try:
+        lab.wait_log(server, "ready", timeout=10)
+        res = lab.run(
+            client,
+            *(sys.executable, PEER, "client", "--addr", SCTP_VIP, "--port", str(SCTP_PORT)),
+            *("--sport", "42000"),
+            timeout=30,
+        )
+    finally:
+        lab.stop(server, timeout=5)
+    got = json.loads(res.stdout)
+    for what in ("init_ack", "echo"):
+        p = got[what]
+        assert p is not None, got
+        assert (p["src"], p["sport"], p["dst"], p["dport"], p["crc_ok"]) == (
+            SCTP_VIP,
+            SCTP_PORT,
+            client.ip6,
+            42000,
+            True,
+        ), p
+    seen = [
+        json.loads(line)
+        for line in lab.log_of(server).splitlines()
+        if line.startswith("{") and json.loads(line)["dport"] == SCTP_TARGET
+    ]
+    assert seen and all((p["src"], p["dst"], p["crc_ok"]) == (client.ip6, backend.ip6, True) for p in seen), (
+        seen
+    )
+    flows = dnat_flows(dual, SCTP_VIP)
+    if dual.mode == "ebpf":
+        assert ct6_udp_flows(dual, SCTP_VIP, SCTP_PORT) >= 1
+        assert flows == "", flows
+    else:
+        assert f"dport={SCTP_PORT} " in flows, flows
