@@ -23,13 +23,18 @@
  * bytes into a TCP header. For TCP the quote then keeps the whole 20-byte TCP base header (RFC
  * 1812 allows quoting more than 8 bytes; Linux itself quotes up to 576 bytes), for SCTP the 12
  * bytes of its common header (the CRC32c offload, csum_not_inet). UDP's checksum field ends at
- * byte 8, so a UDP quote is always 8 bytes. The skb stays CHECKSUM_PARTIAL (no
+ * byte 8, so a UDP quote is always 8 bytes. An SCTP INIT is quoted to 20 bytes whatever its
+ * skb: its verification tag is 0, and Linux's SCTP (sctp_err_lookup, RFC 9260 appendix C) takes
+ * an error about a packet with tag 0 only when the quote shows the INIT chunk's header and its
+ * initiate tag (bytes 12-19), else drops it and the client never learns of the refusal. An INIT
+ * is at least 32 bytes: the quote never reaches past it. The skb stays CHECKSUM_PARTIAL (no
  * helper clears it) with csum_start on the quoted L4 header: the receiving stack takes the ICMP
  * checksum as verified; a device that would compute that offload in software on the way out (a
  * veth with tx checksumming turned off) would spoil the ICMP checksum.
  *
  * Not answered (the caller drops): a TCP RST; a source that is not a unicast host (0/8,
- * 127/8, multicast, class E, broadcast), as icmp_send refuses. Never called for ICMP. Rejects
+ * 127/8, multicast, class E, broadcast), or a frame to a link-layer broadcast or multicast
+ * address (skb->pkt_type, ekp_parse's l2_group), as icmp_send refuses. Never called for ICMP. Rejects
  * are rate-limited by the caller (ekp_ratelimit.h); fragmentation needed is not, as in the kernel.
  */
 #ifndef EKP_ICMP_H
@@ -46,7 +51,8 @@
 #define EKP_ICMP_L4_QUOTE 8      /* RFC 792: the first 64 bits of the datagram's data */
 #define EKP_ICMP_L4_QUOTE_TCP 20 /* a CHECKSUM_PARTIAL TCP skb: the whole TCP base header */
 #define EKP_ICMP_L4_QUOTE_SCTP 12 /* a CHECKSUM_PARTIAL SCTP skb: the whole common header */
-#define EKP_ICMP_QUOTE_MAX (60 + EKP_ICMP_L4_QUOTE_TCP)
+#define EKP_ICMP_L4_QUOTE_INIT 20 /* an SCTP INIT: common header, chunk header, initiate tag */
+#define EKP_ICMP_QUOTE_MAX (60 + EKP_ICMP_L4_QUOTE_TCP) /* = 60 + EKP_ICMP_L4_QUOTE_INIT */
 #define EKP_ICMP_TTL 64
 #define EKP_IPTOS_TOS_MASK 0x1e             /* IPTOS_TOS_MASK */
 #define EKP_IPTOS_PREC_INTERNETCONTROL 0xc0 /* what icmp_send gives its errors */
@@ -66,13 +72,14 @@ struct ekp_icmp_work {
 	__u8 quote[EKP_ICMP_QUOTE_MAX]; /* zero tail: adds nothing to the checksum */
 };
 
-/* Whether the client gets an answer: any UDP, TCP without RST, from a unicast host address. */
+/* Whether the client gets an answer: any UDP, TCP without RST, from a unicast host address, in a
+ * frame to this host alone (the kernel's icmp_send answers no link-layer broadcast or multicast). */
 static __always_inline int ekp_icmp_wanted(const struct ekp_pkt *p)
 {
 	__u32 src = ntohl(p->saddr);
 	__u8 first = src >> 24;
 
-	if (p->proto == IPPROTO_TCP && (p->tcp_flags & EKP_TCP_RST))
+	if ((p->proto == IPPROTO_TCP && (p->tcp_flags & EKP_TCP_RST)) || p->l2_group)
 		return 0;
 	if (first == 0 || first == 127 || first >= 224) /* this network, loopback, multicast, E */
 		return 0;
@@ -88,7 +95,8 @@ static __always_inline int ekp_icmp_unreach(struct __sk_buff *skb, const struct 
 	/* The parser bounds ihl to 20..60 in steps of 4; the mask tells the verifier, which does not
 	 * follow values through the per-CPU work area. */
 	__u32 ihl = (p->l4_off - EKP_IP_OFF) & 0x3c;
-	__u32 qlen = ihl + EKP_ICMP_L4_QUOTE;
+	int init = p->proto == IPPROTO_SCTP && p->chunk == EKP_SCTP_CID_INIT;
+	__u32 qlen = ihl + (init ? EKP_ICMP_L4_QUOTE_INIT : EKP_ICMP_L4_QUOTE);
 
 	__builtin_memset(w, 0, sizeof(*w));
 	if (bpf_skb_load_bytes(skb, 0, w->macs, sizeof(w->macs)) < 0)
@@ -96,7 +104,7 @@ static __always_inline int ekp_icmp_unreach(struct __sk_buff *skb, const struct 
 	if (bpf_skb_change_tail(skb, EKP_IP_OFF + qlen, 0) < 0) {
 		/* CHECKSUM_PARTIAL keeps the checksum field in the frame: TCP's (bytes 16-17), SCTP's
 		 * (8-11). */
-		if ((p->proto != IPPROTO_TCP && p->proto != IPPROTO_SCTP) || p->frag == EKP_FRAG_LATER)
+		if ((p->proto != IPPROTO_TCP && p->proto != IPPROTO_SCTP) || p->frag == EKP_FRAG_LATER || init)
 			return -1;
 		qlen = ihl + (p->proto == IPPROTO_TCP ? EKP_ICMP_L4_QUOTE_TCP : EKP_ICMP_L4_QUOTE_SCTP);
 		if (bpf_skb_change_tail(skb, EKP_IP_OFF + qlen, 0) < 0)

@@ -17,14 +17,16 @@
  *
  *   in:  | eth | IPv6 (40) | extension headers | TCP ... payload |
  *   out: | eth, MACs swapped | IPv6: target -> sender, ICMPv6 | ICMPv6 2 or 3 | IPv6, extension
- *        headers, the L4 header (TCP 20 bytes, SCTP 12, UDP 8) |
+ *        headers, the L4 header (TCP 20 bytes, SCTP 12 or an INIT's 20, UDP 8) |
  *
  * Shaping as IPv4's: bpf_skb_change_tail trims the frame to Ethernet + the quote (which also drops
  * GSO state), then bpf_skb_adjust_room(+48, BPF_ADJ_ROOM_MAC) opens the new IPv6 and ICMPv6
  * headers in front of it. The quote keeps the whole L4 header: an skb from a local socket
  * (CHECKSUM_PARTIAL) cannot be cut before its checksum field (ekp_icmp.h: TCP's ends at byte 18,
  * SCTP's at 12, UDP's at 8), and no more, so a short datagram's quote never reaches past its end
- * (bpf_skb_change_tail would pad it with zeros). Up to EKP_ICMP6_EXT_MAX bytes of extension headers: a segment
+ * (bpf_skb_change_tail would pad it with zeros); an SCTP INIT, at least 32 bytes, to its initiate
+ * tag (20 bytes), as IPv4's (ekp_icmp.h: Linux's SCTP drops an error about a packet with tag 0
+ * unless the quote shows the INIT and its initiate tag). Up to EKP_ICMP6_EXT_MAX bytes of extension headers: a segment
  * with more is not answered (the caller drops it, counted).
  * The ICMPv6 checksum covers the pseudo header (RFC 8200 8.1), the ICMPv6 header and the quote.
  */
@@ -75,7 +77,9 @@ struct ekp_icmp6_work {
 };
 
 /* Whether the sender gets an answer: not for a TCP RST nor a later fragment (IPv4's rules,
- * ekp_icmp_wanted: a later fragment's quote holds no ports, so no socket could take it), nor to a
+ * ekp_icmp_wanted: a later fragment's quote holds no ports, so no socket could take it), nor for a
+ * frame to a link-layer broadcast or multicast address (icmp6_send's pkt_type check, which lets
+ * Packet Too Big through; here none: no sender of a translated flow addresses it so), nor to a
  * source that names no single node (unspecified, multicast: RFC 4443 2.4 e), nor to one the
  * stack's ip6_rcv_core drops as a martian on a wire: loopback (::1) and IPv4-mapped
  * (::ffff:0:0/96, RFC 4291 2.5.5.2), as IPv4's refuses 127/8 and 0/8. */
@@ -83,7 +87,7 @@ static __always_inline int ekp_icmp6_wanted(const struct ekp_pkt6 *p)
 {
 	__u32 first = ntohl(p->saddr[0]);
 
-	if ((p->b.tcp_flags & EKP_TCP_RST) || p->b.frag == EKP_FRAG_LATER)
+	if ((p->b.tcp_flags & EKP_TCP_RST) || p->b.frag == EKP_FRAG_LATER || p->b.l2_group)
 		return 0;
 	if ((first >> 24) == 0xff)
 		return 0;
@@ -109,7 +113,8 @@ static __always_inline int ekp_icmp6_error(struct __sk_buff *skb, const struct e
 	asm volatile("" : "+r"(ext));
 	ext &= 0x3f;
 	__u32 l4 = p->b.proto == IPPROTO_TCP	? EKP_ICMP_L4_QUOTE_TCP
-		   : p->b.proto == IPPROTO_SCTP ? EKP_ICMP_L4_QUOTE_SCTP
+		   : p->b.proto == IPPROTO_SCTP ? (p->b.chunk == EKP_SCTP_CID_INIT ? EKP_ICMP_L4_QUOTE_INIT
+										    : EKP_ICMP_L4_QUOTE_SCTP)
 						: EKP_ICMP_L4_QUOTE;
 	__u32 qlen = 40 + ext + l4;
 

@@ -21,6 +21,7 @@
 
 #include <linux/icmp.h>
 #include <linux/if_ether.h>
+#include <linux/if_packet.h>
 #include <linux/in.h>
 #include <linux/ip.h>
 #include <linux/tcp.h>
@@ -73,7 +74,7 @@ struct ekp_pkt {
 	__u8 icmp_type;   /* ICMP errors: type and code */
 	__u8 icmp_code;
 	__u8 chunk;       /* SCTP: the type of the packet's first chunk (EKP_SCTP_CID_INIT starts a flow) */
-	__u8 pad;
+	__u8 l2_group;    /* 1: a frame to a link-layer broadcast or multicast address (never answered) */
 	__u16 l4_len;     /* SCTP: bytes from the SCTP header to the end of the IP packet */
 	/* An ICMP error's quote: the packet it is about, as it was sent (after our translation when
 	 * it is about a translated flow). */
@@ -242,12 +243,14 @@ static __always_inline int ekp_parse(struct __sk_buff *skb, struct ekp_pkt *p)
 		data = (void *)(long)skb->data;
 		data_end = (void *)(long)skb->data_end;
 	}
+	p->l2_group = skb->pkt_type == PACKET_BROADCAST || skb->pkt_type == PACKET_MULTICAST;
 	return ekp_parse_frame(data, data_end, p);
 }
 
 /* An XDP buffer is linear up to data_end (a multi-buffer frame's first buffer holds its headers). */
 static __always_inline int ekp_parse_xdp(struct xdp_md *ctx, struct ekp_pkt *p)
 {
+	p->l2_group = 0; /* no pkt_type before the stack; XDP answers nothing (its rejects go to tc) */
 	return ekp_parse_frame((void *)(long)ctx->data, (void *)(long)ctx->data_end, p);
 }
 

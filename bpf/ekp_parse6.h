@@ -167,6 +167,7 @@ static __always_inline int ekp_parse6(struct __sk_buff *skb, struct ekp_pkt6 *p)
 
 	if (skb->protocol != htons(ETH_P_IPV6))
 		return EKP_PARSE_PASS;
+	p->b.l2_group = skb->pkt_type == PACKET_BROADCAST || skb->pkt_type == PACKET_MULTICAST;
 	if (bpf_skb_load_bytes(skb, EKP_IP6_OFF, &ip, sizeof(ip)) < 0)
 		return EKP_PARSE_MALFORMED;
 	if (ip.version != 6)

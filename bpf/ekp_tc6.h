@@ -40,7 +40,9 @@
  * endpoints answered with an ICMPv6 port unreachable from the frontend (ip6tables' REJECT),
  * rate-limited as IPv4's rejects; no local endpoint and source ranges dropped (kube-proxy's
  * KUBE-MARK-DROP). A segment that opens no flow still goes to the stack (upstream's REJECT
- * matches new connections; a flow ip6tables translated keeps its nf_conntrack entry).
+ * matches new connections; a flow ip6tables translated keeps its nf_conntrack entry); the later
+ * fragments of a refused first fragment are dropped under its reason, unanswered, as IPv4's are.
+ * A frame to a link-layer broadcast or multicast address is never answered (ekp_icmp6_wanted).
  * Every other packet goes to the node's stack untouched, where the ip6tables proxier beside the
  * eBPF programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
  *   - a frontend that would need ip6tables for some of its backends, left whole before the choice
@@ -496,8 +498,11 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	}
 
 	/* A new flow: only its first packet starts one (a TCP segment without an entry belongs to a
-	 * flow ip6tables translated, whose nf_conntrack entry the stack has). */
-	if (!ekp_opens_flow(&p->b) || p->hop_limit <= 1) /* the last hop: the stack answers it */
+	 * flow ip6tables translated, whose nf_conntrack entry the stack has). A later fragment without
+	 * an entry is looked at for its frontend's refusal alone: its first was refused, and it is
+	 * dropped under the same reason, as IPv4's path drops it. */
+	int later = p->b.frag == EKP_FRAG_LATER;
+	if ((!later && !ekp_opens_flow(&p->b)) || p->hop_limit <= 1) /* the last hop: the stack answers it */
 		goto out;
 	struct ekp_flow6 *f = &w->flow;
 	__u32 aff_hit = 0;
@@ -521,7 +526,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			verdict = ekp_tc6_refuse(skb, w, cfg, fe, refusal, &outcome);
 			goto out;
 		}
-		if ((flags & EKP_FE_HOST_BACKEND) || (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
+		if (later || (flags & EKP_FE_HOST_BACKEND) || (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
 			goto out;
 	} else {
 		/* No frontend: a connection of its own, client:P -> server:port, whose reverse tuple a
@@ -529,7 +534,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		 * gets another source port, translated to itself (ekp_flow_direct, IPv4's). A stale
 		 * holder is cleared and the packet goes on untouched. */
 		__u16 held_by = 0;
-		if (ekp_ct6_reclaim(p, cfg, now, &held_by) != EKP_RECLAIM_LIVE)
+		if (later || ekp_ct6_reclaim(p, cfg, now, &held_by) != EKP_RECLAIM_LIVE)
 			goto out;
 	}
 	/* A source not routed back by this device: not ours to translate past the stack, and not ours

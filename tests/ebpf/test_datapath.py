@@ -335,6 +335,21 @@ def test_udp_to_a_service_without_endpoints_gets_port_unreachable(net: Net, lab:
     assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 1
 
 
+def test_a_frame_to_a_link_layer_group_address_is_not_answered(net: Net, lab: Lab) -> None:
+    """As icmp_send ("no replies to physical multicast/broadcast": skb->pkt_type): a datagram to
+    a frontend without endpoints in a frame to Ethernet broadcast or to a multicast address is
+    dropped under DROP_NO_ENDPOINTS, unanswered; the same datagram to the device's own address is
+    answered."""
+    net.add_service(port=53, proto=UDP, backends=(), flags=FrontendFlag.NO_ENDPOINTS)
+    for dmac in ("ff:ff:ff:ff:ff:ff", "01:00:5e:00:00:01"):
+        frame = udp(POD_CLIENT, VIP, 40001, 53, smac=MAC[POD_CLIENT], dmac=dmac)
+        assert net.from_pod(frame)[0] == TC_ACT_SHOT, dmac
+    frame = udp(POD_CLIENT, VIP, 40001, 53, smac=MAC[POD_CLIENT], dmac=lab.pod.mac)
+    assert net.from_pod(frame)[0] == TC_ACT_REDIRECT
+    stats = net.stats()
+    assert (stats[Stat.DROP_NO_ENDPOINTS], stats[Stat.DROP_ICMP_RATE]) == (3, 0)
+
+
 def test_nodeport_without_endpoints_answers_from_the_node_address(net: Net, lab: Lab) -> None:
     flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE | FrontendFlag.NO_ENDPOINTS
     net.add_service(NODE, 30080, (), scope=Scope.EXTERNAL, flags=flags)

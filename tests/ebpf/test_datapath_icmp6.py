@@ -51,6 +51,7 @@ from lab.dplab import (
 from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
 from tests.ebpf.test_datapath_floods import on_one_cpu
 from tests.ebpf.test_datapath_ipv6 import LOCAL_BE, ct6_key, frame6
+from tests.ebpf.test_datapath_ipv6_udp import frags6
 
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
@@ -569,9 +570,21 @@ def test_a_datagram_to_a_node_port_without_endpoints_is_answered_quoting_its_udp
 
 def test_port_unreachables_are_rate_limited_and_unwanted_ones_dropped(net: Net, dp: Datapath) -> None:
     """The rejects' bucket (a burst of 10, 100 per second here), IPv4's: 300 SYNs at once get about
-    10 answers, the rest dropped under DROP_ICMP_RATE."""
+    10 answers, the rest dropped under DROP_ICMP_RATE. Before them, SYNs no answer is owed (a frame
+    to Ethernet broadcast or to a multicast address, as icmp6_send refuses by skb->pkt_type; a SYN
+    with RST; a multicast source) are dropped under DROP_NO_ENDPOINTS, taking no token."""
     set_config(dp, icmp_rate=100, icmp_burst=10)
     add_service6(net.dp.maps, VIP6, 80, (), flags=FrontendFlag.NO_ENDPOINTS)
+    syn = frame6(POD6, VIP6, 42990, 80)
+    unwanted = {
+        "broadcast frame": b"\xff" * 6 + syn[6:],
+        "multicast frame": bytes.fromhex("333300000001") + syn[6:],
+        "SYN with RST": frame6(POD6, VIP6, 42991, 80, flags="SR"),
+        "multicast source": frame6("ff02::1", VIP6, 42992, 80),
+    }
+    for name, frame in unwanted.items():
+        assert net.from_pod(frame)[0] == TC_ACT_SHOT, name
+    assert (net.stats()[Stat.DROP_NO_ENDPOINTS], net.stats()[Stat.DROP_ICMP_RATE]) == (4, 0)
     with on_one_cpu():
         started = time.monotonic()
         answered = sum(
@@ -580,7 +593,24 @@ def test_port_unreachables_are_rate_limited_and_unwanted_ones_dropped(net: Net, 
         elapsed = time.monotonic() - started
     assert 10 <= answered <= 10 + 100 * elapsed + 1
     stats = net.stats()
-    assert (stats[Stat.DROP_NO_ENDPOINTS], stats[Stat.DROP_ICMP_RATE]) == (answered, 300 - answered)
+    assert (stats[Stat.DROP_NO_ENDPOINTS], stats[Stat.DROP_ICMP_RATE]) == (4 + answered, 300 - answered)
+
+
+def test_the_later_fragments_of_a_refused_datagram_are_dropped_under_its_reason(net: Net) -> None:
+    """A datagram in three fragments to a frontend without endpoints: the first is answered (port
+    unreachable); the later ones, whose quote would hold no ports, are dropped under the same
+    reason, as IPv4's path drops them, rather than left to the stack, which would reassemble a
+    datagram whose first fragment it never got."""
+    add_service6(net.dp.maps, VIP6, 53, (), proto=UDP, flags=FrontendFlag.NO_ENDPOINTS)
+    first, *later = frags6(POD6, VIP6, 5353, 53, bytes(3000), ident=77)
+    assert len(later) == 2
+    verdict, out = net.from_pod(first)
+    assert verdict == TC_ACT_REDIRECT and (error6(out).head[0], error6(out).head[1]) == (1, 4)
+    for piece in later:
+        assert net.from_pod(piece)[0] == TC_ACT_SHOT
+    stats = net.stats()
+    assert (stats[Stat.DROP_NO_ENDPOINTS], stats[Stat.DROP_ICMP_RATE], stats[Stat.NEW_FLOWS]) == (3, 0, 0)
+    assert len(net.dp.maps["ct6_any"].keys()) == 0
 
 
 def test_no_local_endpoint_and_a_source_outside_the_ranges_are_dropped(net: Net) -> None:

@@ -3,7 +3,8 @@
 (bpf/ekp_sctp.h) for a port change, each packet's CRC32c checked by the bitwise CRC32c of
 lab/sctppeer.py; an association ip6tables translated before (a DATA chunk without an entry) and
 fragments go to the stack untouched; a frontend without endpoints answers an INIT with ICMPv6 port
-unreachable quoting the 12-byte common header.
+unreachable quoting its common header, chunk header and initiate tag (what Linux's SCTP matches an
+error about a tag-0 packet by).
 
 The packet lab of test_datapath_ipv6.py (lab/dplab.py, `add_ipv6`).
 """
@@ -115,14 +116,17 @@ def test_a_chunk_without_an_entry_and_fragments_go_to_the_stack(net: Net) -> Non
 
 def test_an_init_to_a_frontend_without_endpoints_is_refused_with_port_unreachable(net: Net) -> None:
     """ip6tables' REJECT for SCTP: destination unreachable, port unreachable from the ClusterIP,
-    quoting the IPv6 header and the 12-byte SCTP common header (ports, tag, CRC32c) as sent."""
+    quoting the IPv6 header and 20 bytes of the INIT as sent: the common header (ports, tag 0,
+    CRC32c), the chunk header and the initiate tag, without which Linux's SCTP (sctp_err_lookup)
+    drops an error about a packet whose verification tag is 0."""
     add_service6(net.dp.maps, VIP6, 5060, (), proto=SCTP, flags=FrontendFlag.NO_ENDPOINTS)
     init = sctp(POD6, VIP6, 40200, 5060)
     verdict, out = net.from_pod(init)
     assert verdict == TC_ACT_REDIRECT
     e = error6(out)
     assert (e.src, e.dst, e.head[0], e.head[1]) == (VIP6, POD6, 1, 4) and e.checksum_ok
-    assert out[62:] == init[14 : 14 + 40 + 12]
+    assert out[62:] == init[14 : 14 + 40 + 20]
+    assert out[62 + 40 + 12] == 1 and int.from_bytes(out[62 + 40 + 16 : 62 + 40 + 20], "big") == VTAG_CLIENT
     assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 1
 
 

@@ -1,7 +1,8 @@
 """SCTP through the tc data path, packet by packet: translated both ways through a ClusterIP and a
 source-translated NodePort with its CRC32c kept right (bpf/ekp_sctp.h), checked by a bitwise
 CRC32c written apart from scapy's (lab/packets.py); only an INIT starts a flow, and one on a live
-association's reply tuple gets another source port; fragments pass.
+association's reply tuple gets another source port; fragments pass; an INIT to a frontend
+without endpoints is answered with a port unreachable whose quote Linux's SCTP can match.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lab.packets import (
     TC_ACT_REDIRECT,
     TC_ACT_SHOT,
     checksums_valid,
+    icmp_error,
     parse,
     sctp,
     sctp_checksum_ok,
@@ -157,3 +159,20 @@ def test_an_init_from_the_port_of_a_live_association_gets_another_port(net: Net)
     out = net.from_pod(sctp(BE1, POD_CLIENT, 5061, 40600, chunk="init-ack", tag=VTAG_CLIENT))[1]
     assert (parse(out).src, parse(out).sport) == (VIP, 5060) and sctp_checksum_ok(l4(out))
     assert net.stats()[Stat.PORT_REMAP] == 1
+
+
+def test_an_init_refused_is_answered_quoting_its_chunk_header_and_initiate_tag(net: Net) -> None:
+    """kube-proxy's REJECT for SCTP: a port unreachable from the ClusterIP quoting the IP header and
+    20 bytes of the INIT, common header, chunk header and initiate tag: its verification tag is 0,
+    and Linux's SCTP (sctp_err_lookup) drops an error about a tag-0 packet unless the quote shows the
+    INIT and an initiate tag it knows. RFC 792's 8 bytes stop inside the common header."""
+    net.add_service(port=5060, backends=(), proto=SCTP, flags=FrontendFlag.NO_ENDPOINTS)
+    init = sctp(POD_CLIENT, VIP, 40600, 5060)
+    verdict, out = net.from_pod(init)
+    assert verdict == TC_ACT_REDIRECT
+    e = icmp_error(out)
+    assert (e.type, e.code, e.src, e.dst) == (3, 3, VIP, POD_CLIENT)
+    assert e.ip_chksum_ok and e.icmp_chksum_ok and e.length_ok
+    assert e.quote == init[14 : 14 + 20 + 20]
+    assert e.quote[20 + 12] == 1 and int.from_bytes(e.quote[20 + 16 : 20 + 20], "big") == VTAG_CLIENT
+    assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 1
