@@ -108,9 +108,14 @@ static __always_inline int ekp_set_sctp_ports(struct __sk_buff *skb, const struc
 		return 0;
 	if (bpf_skb_load_bytes(skb, p->l4_off + EKP_SCTP_CSUM_OFF, &csum, sizeof(csum)) < 0)
 		return -1;
+	if (bpf_skb_store_bytes(skb, p->l4_off, &new_ports, sizeof(new_ports), BPF_F_RECOMPUTE_CSUM) < 0)
+		return -1;
+	/* 0: a local socket's packet whose CRC is left to the device (ekp_sctp.h): the kernel's
+	 * software fallback computes it over the field as it stands, so the field must stay 0. */
+	if (!csum)
+		return 0;
 	csum ^= ekp_sctp_csum_delta(old_ports, new_ports, p->l4_len);
-	if (bpf_skb_store_bytes(skb, p->l4_off, &new_ports, sizeof(new_ports), BPF_F_RECOMPUTE_CSUM) < 0 ||
-	    bpf_skb_store_bytes(skb, p->l4_off + EKP_SCTP_CSUM_OFF, &csum, sizeof(csum), BPF_F_RECOMPUTE_CSUM) < 0)
+	if (bpf_skb_store_bytes(skb, p->l4_off + EKP_SCTP_CSUM_OFF, &csum, sizeof(csum), BPF_F_RECOMPUTE_CSUM) < 0)
 		return -1;
 	return 0;
 }

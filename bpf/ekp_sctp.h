@@ -31,9 +31,12 @@
  * by the packet tests.
  *
  * An SCTP skb from a local socket whose device offloads the CRC (CHECKSUM_PARTIAL with
- * csum_not_inet; veth offers it) carries no checksum yet: the kernel computes it when the packet
- * leaves by a device without the offload, or the receiving stack accepts the packet unchecked.
- * The update changes a field that is overwritten then: harmless.
+ * csum_not_inet; veth offers it) carries no checksum yet, the field 0: the kernel computes it when
+ * the packet leaves by a device without the offload (skb_crc32c_csum_help, over the field as it
+ * stands, not zeroed first), or the receiving stack accepts the packet unchecked. So a field of 0
+ * is left 0 (ekp_set_sctp_ports): an update there would make the fallback's CRC wrong and the
+ * backend drop every translated packet. A real CRC of 0 (one packet in 2^32) is left unupdated:
+ * that packet is dropped by its receiver and retransmitted.
  *
  * IP fragments of SCTP packets are not translated (ekp_parse.h passes them): the first fragment
  * holds the checksum but not the packet's length, which the update needs. Linux's SCTP sizes its

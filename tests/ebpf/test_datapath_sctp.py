@@ -31,6 +31,7 @@ from lab.packets import (
     sctp,
     sctp_checksum_ok,
 )
+from lab.sctppeer import crc32c
 
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
@@ -176,3 +177,20 @@ def test_an_init_refused_is_answered_quoting_its_chunk_header_and_initiate_tag(n
     assert e.quote == init[14 : 14 + 20 + 20]
     assert e.quote[20 + 12] == 1 and int.from_bytes(e.quote[20 + 16 : 20 + 20], "big") == VTAG_CLIENT
     assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 1
+
+
+def test_a_crc_left_to_the_device_stays_zero(net: Net) -> None:
+    """A local socket's SCTP packet whose CRC the device is to compute carries 0 in the field; the
+    kernel's software fallback computes the CRC over the field as it stands, so an update there
+    would make every translated packet's CRC wrong: the ports change, the field stays 0."""
+    net.add_service(port=5060, backends=((1, BE1, 5061, LOCAL),), proto=SCTP)
+    unsummed = bytearray(sctp(POD_CLIENT, VIP, 40300, 5060))
+    unsummed[34 + 8 : 34 + 12] = bytes(4)
+    verdict, out = net.from_pod(bytes(unsummed))
+    assert verdict == TC_ACT_REDIRECT and parse(out).dport == 5061
+    assert l4(out)[8:12] == bytes(4) and sctp_checksum_ok(l4(out)[:8] + crc_of(l4(out)) + l4(out)[12:])
+
+
+def crc_of(packet: bytes) -> bytes:
+    """The CRC32c the kernel's fallback would write: over the packet with the field as it stands."""
+    return crc32c(packet).to_bytes(4, "little")
