@@ -41,7 +41,8 @@
  * rate-limited as IPv4's rejects; no local endpoint and source ranges dropped (kube-proxy's
  * KUBE-MARK-DROP). A segment that opens no flow still goes to the stack (upstream's REJECT
  * matches new connections; a flow ip6tables translated keeps its nf_conntrack entry); the later
- * fragments of a refused first fragment are dropped under its reason, unanswered, as IPv4's are.
+ * fragments of a refused UDP datagram are dropped under its reason, unanswered, as IPv4's are (a
+ * TCP segment's go to the stack with it).
  * A frame to a link-layer broadcast or multicast address is never answered (ekp_icmp6_wanted).
  * Every other packet goes to the node's stack untouched, where the ip6tables proxier beside the
  * eBPF programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
@@ -498,10 +499,12 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	}
 
 	/* A new flow: only its first packet starts one (a TCP segment without an entry belongs to a
-	 * flow ip6tables translated, whose nf_conntrack entry the stack has). A later fragment without
-	 * an entry is looked at for its frontend's refusal alone: its first was refused, and it is
-	 * dropped under the same reason, as IPv4's path drops it. */
-	int later = p->b.frag == EKP_FRAG_LATER;
+	 * flow ip6tables translated, whose nf_conntrack entry the stack has). A later fragment of a
+	 * UDP datagram without an entry is looked at for its frontend's refusal alone: its first was
+	 * refused, and it is dropped under the same reason, as IPv4's path drops it. A TCP one may
+	 * belong to a flow ip6tables owns (its first fragment, no SYN, went to the stack): it goes
+	 * there too, whatever the frontend says now. */
+	int later = p->b.frag == EKP_FRAG_LATER && p->b.proto == IPPROTO_UDP;
 	if ((!later && !ekp_opens_flow(&p->b)) || p->hop_limit <= 1) /* the last hop: the stack answers it */
 		goto out;
 	struct ekp_flow6 *f = &w->flow;

@@ -613,6 +613,25 @@ def test_the_later_fragments_of_a_refused_datagram_are_dropped_under_its_reason(
     assert len(net.dp.maps["ct6_any"].keys()) == 0
 
 
+def test_the_later_fragments_of_a_tcp_segment_without_an_entry_go_to_the_stack(net: Net) -> None:
+    """A fragmented TCP segment that opens no flow (no SYN: a flow ip6tables translated, whose
+    nf_conntrack entry the stack has) to a frontend that refuses now: its first fragment goes to the
+    stack, and so do the later ones, whatever the frontend says, or the stack could never put the
+    segment back together."""
+    from scapy.layers.inet import TCP as TCPh
+    from scapy.layers.inet6 import IPv6, IPv6ExtHdrFragment, fragment6
+    from scapy.layers.l2 import Ether
+
+    add_service6(net.dp.maps, VIP6, 80, (), flags=FrontendFlag.NO_ENDPOINTS)
+    segment = IPv6(src=POD6, dst=VIP6) / IPv6ExtHdrFragment(id=78) / TCPh(sport=40078, dport=80, flags="A")
+    pieces = fragment6(segment / (b"x" * 3000), 1280)  # type: ignore[no-untyped-call]
+    assert len(pieces) >= 3
+    for piece in pieces:
+        frame = bytes(Ether(src="02:00:00:00:aa:01", dst="02:00:00:00:aa:02") / piece)
+        assert net.from_pod(frame) == (TC_ACT_OK, frame)
+    assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 0
+
+
 def test_no_local_endpoint_and_a_source_outside_the_ranges_are_dropped(net: Net) -> None:
     """What IPv4's path and kube-proxy (KUBE-MARK-DROP) do: a NodePort of policy Local with no
     endpoint on this node, and a LoadBalancer IP's client outside loadBalancerSourceRanges, are
