@@ -293,7 +293,9 @@ def test_direct_connection_from_the_source_port_of_a_closed_clusterip_connection
     import json
 
     cluster.apply(with_endpoints(service("reuse", "10.96.1.7", [HTTP]), [ep(cluster, backend)]))
-    sport = {"pod-1-2": 41000, "pod-2-1": 42000}[backend] + (0 if close == "rst" else 1)
+    # Below the pods' ephemeral range (32768-60999): a connection of an earlier test in this lab
+    # could leave a TIME_WAIT socket on a port from that range, which no bind() may take.
+    sport = {"pod-1-2": 21000, "pod-2-1": 22000}[backend] + (0 if close == "rst" else 1)
     backend_ip = cluster.lab.pod(backend).ip
     res = cluster.lab.run(
         "pod-1-1", sys.executable, "-c", _SAME_PORT, "10.96.1.7", backend_ip, str(sport), close
