@@ -53,6 +53,7 @@
 #define EKP_ICMP_L4_QUOTE_SCTP 12 /* a CHECKSUM_PARTIAL SCTP skb: the whole common header */
 #define EKP_ICMP_L4_QUOTE_INIT 20 /* an SCTP INIT: common header, chunk header, initiate tag */
 #define EKP_ICMP_QUOTE_MAX (60 + EKP_ICMP_L4_QUOTE_TCP) /* = 60 + EKP_ICMP_L4_QUOTE_INIT */
+_Static_assert(EKP_ICMP_L4_QUOTE_INIT <= EKP_ICMP_L4_QUOTE_TCP, "an INIT's quote fits the quote buffer");
 #define EKP_ICMP_TTL 64
 #define EKP_IPTOS_TOS_MASK 0x1e             /* IPTOS_TOS_MASK */
 #define EKP_IPTOS_PREC_INTERNETCONTROL 0xc0 /* what icmp_send gives its errors */
@@ -95,7 +96,8 @@ static __always_inline int ekp_icmp_unreach(struct __sk_buff *skb, const struct 
 	/* The parser bounds ihl to 20..60 in steps of 4; the mask tells the verifier, which does not
 	 * follow values through the per-CPU work area. */
 	__u32 ihl = (p->l4_off - EKP_IP_OFF) & 0x3c;
-	int init = p->proto == IPPROTO_SCTP && p->chunk == EKP_SCTP_CID_INIT;
+	/* an INIT shorter than its quote (malformed: an INIT is at least 32 bytes) is not padded */
+	int init = p->proto == IPPROTO_SCTP && p->chunk == EKP_SCTP_CID_INIT && p->l4_len >= EKP_ICMP_L4_QUOTE_INIT;
 	__u32 qlen = ihl + (init ? EKP_ICMP_L4_QUOTE_INIT : EKP_ICMP_L4_QUOTE);
 
 	__builtin_memset(w, 0, sizeof(*w));

@@ -112,9 +112,11 @@ static __always_inline int ekp_icmp6_error(struct __sk_buff *skb, const struct e
 	 * and size the load from l4_off, which the verifier does not bound. */
 	asm volatile("" : "+r"(ext));
 	ext &= 0x3f;
+	/* an INIT shorter than its quote (malformed: an INIT is at least 32 bytes) is not padded */
+	int init = p->b.proto == IPPROTO_SCTP && p->b.chunk == EKP_SCTP_CID_INIT && p->b.l4_len >= EKP_ICMP_L4_QUOTE_INIT;
 	__u32 l4 = p->b.proto == IPPROTO_TCP	? EKP_ICMP_L4_QUOTE_TCP
-		   : p->b.proto == IPPROTO_SCTP ? (p->b.chunk == EKP_SCTP_CID_INIT ? EKP_ICMP_L4_QUOTE_INIT
-										    : EKP_ICMP_L4_QUOTE_SCTP)
+		   : init			? EKP_ICMP_L4_QUOTE_INIT
+		   : p->b.proto == IPPROTO_SCTP ? EKP_ICMP_L4_QUOTE_SCTP
 						: EKP_ICMP_L4_QUOTE;
 	__u32 qlen = 40 + ext + l4;
 

@@ -179,6 +179,24 @@ def test_an_init_refused_is_answered_quoting_its_chunk_header_and_initiate_tag(n
     assert net.stats()[Stat.DROP_NO_ENDPOINTS] == 1
 
 
+def test_a_malformed_init_shorter_than_its_quote_is_quoted_to_rfc_792s_8_bytes(net: Net) -> None:
+    """An INIT cut to its chunk header (16 bytes of SCTP; a real one is at least 32) is answered
+    with the plain 8-byte quote: the 20-byte INIT quote would pad it with zeros past its end."""
+    from scapy.layers.inet import IP
+    from scapy.layers.l2 import Ether
+
+    net.add_service(port=5060, backends=(), proto=SCTP, flags=FrontendFlag.NO_ENDPOINTS)
+    whole = Ether(sctp(POD_CLIENT, VIP, 40700, 5060))
+    ip = IP(bytes(whole[IP])[: 20 + 16])
+    del ip.len, ip.chksum
+    short = bytes(Ether(src=whole.src, dst=whole.dst) / IP(bytes(ip)))
+    assert len(short) == 14 + 20 + 16 and short[14 + 20 + 12] == 1  # the INIT chunk's type
+    verdict, out = net.from_pod(short)
+    assert verdict == TC_ACT_REDIRECT
+    e = icmp_error(out)
+    assert e.icmp_chksum_ok and e.length_ok and e.quote == short[14 : 14 + 20 + 8]
+
+
 def test_a_crc_left_to_the_device_stays_zero(net: Net) -> None:
     """A local socket's SCTP packet whose CRC the device is to compute carries 0 in the field; the
     kernel's software fallback computes the CRC over the field as it stands, so an update there
