@@ -21,7 +21,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -391,28 +391,41 @@ def _tcp_state(sock: Sock, seq: int, flow: NatFlow) -> int | None:
     sock.send(ctmsg.get_request(seq, flow))
     state: int | None = None
     while True:
-        data = sock.recv(65536)
-        offset = 0
-        while offset + _HEADER.size <= len(data):
-            length, kind, _flags, got, _pid = _HEADER.unpack_from(data, offset)
-            if length < _HEADER.size or offset + length > len(data):
-                raise ValueError(f"a netlink message of {length} bytes in {len(data) - offset}")
-            if got == seq:
-                if kind == NLMSG_ERROR:
-                    if length < _HEADER.size + _ERRNO.size:
-                        raise ValueError(f"an ack of {length} bytes")
-                    err = -_ERRNO.unpack_from(data, offset + _HEADER.size)[0]
-                    if err == errno.EPERM:
-                        raise PermissionError(err, os.strerror(err))
-                    if err not in (0, errno.ENOENT):
-                        raise OSError(err, os.strerror(err))
-                    return state
-                state = ctmsg.tcp_state_of(data[offset : offset + length])
-            offset += (length + 3) & ~3
+        for msg, kind, got in _messages(sock.recv(65536)):
+            if got != seq:
+                continue
+            if kind != NLMSG_ERROR:
+                state = ctmsg.tcp_state_of(msg)
+                continue
+            err = _ack_errno(msg)
+            if err == errno.EPERM:
+                raise PermissionError(err, os.strerror(err))
+            if err not in (0, errno.ENOENT):
+                raise OSError(err, os.strerror(err))
+            return state
 
 
 _HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
 _ERRNO = struct.Struct("=i")  # nlmsgerr's error, right after the header
+
+
+def _messages(data: bytes) -> Iterator[tuple[bytes, int, int]]:
+    """(message, type, sequence number) of each netlink message of one recv's `data`. ValueError
+    for a message shorter than its header, or longer than what is left of `data`."""
+    offset = 0
+    while offset + _HEADER.size <= len(data):
+        length, kind, _flags, seq, _pid = _HEADER.unpack_from(data, offset)
+        if length < _HEADER.size or offset + length > len(data):
+            raise ValueError(f"a netlink message of {length} bytes in {len(data) - offset}")
+        yield data[offset : offset + length], kind, seq
+        offset += (length + 3) & ~3
+
+
+def _ack_errno(msg: bytes) -> int:
+    """The errno of an ack (NLMSG_ERROR; 0 for success). ValueError for one too short to hold it."""
+    if len(msg) < _HEADER.size + _ERRNO.size:
+        raise ValueError(f"an ack of {len(msg)} bytes")
+    return -int(_ERRNO.unpack_from(msg, _HEADER.size)[0])
 
 
 def _acks(sock: Sock, seqs: Collection[int]) -> dict[int, int]:
@@ -421,17 +434,9 @@ def _acks(sock: Sock, seqs: Collection[int]) -> dict[int, int]:
     out) are skipped. ValueError for a message shorter than its header says."""
     errors: dict[int, int] = {}
     while not all(s in errors for s in seqs):
-        data = sock.recv(65536)
-        offset = 0
-        while offset + _HEADER.size <= len(data):
-            length, kind, _flags, seq, _pid = _HEADER.unpack_from(data, offset)
-            if length < _HEADER.size or offset + length > len(data):
-                raise ValueError(f"a netlink message of {length} bytes in {len(data) - offset}")
+        for msg, kind, seq in _messages(sock.recv(65536)):
             if kind == NLMSG_ERROR and seq in seqs:
-                if length < _HEADER.size + _ERRNO.size:
-                    raise ValueError(f"an ack of {length} bytes")
-                errors[seq] = -_ERRNO.unpack_from(data, offset + _HEADER.size)[0]
-            offset += (length + 3) & ~3
+                errors[seq] = _ack_errno(msg)
     return errors
 
 
