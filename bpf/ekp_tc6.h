@@ -114,6 +114,8 @@ struct ekp_tc6_scratch {
 
 static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);
 
+#include "ekp_host6.h" /* its egress half parses into the scratch above */
+
 static __always_inline long ekp_fib6(struct __sk_buff *skb, struct bpf_fib_lookup *fib, const struct ekp_pkt6 *p,
 				     const __be32 *saddr, const __be32 *daddr, __be16 sport, __be16 dport,
 				     __u16 tot_len)
@@ -220,11 +222,18 @@ static __always_inline int ekp_tc6_refuse(struct __sk_buff *skb, struct ekp_tc6_
 	return bpf_redirect(skb->ifindex, 0);
 }
 
-/* Rewrites the packet to the translated tuple and forwards it (ekp_tc6_forward). The TC verdict. */
+/* Rewrites the packet to the translated tuple and forwards it (ekp_tc6_forward); under legacy host
+ * routing (EKP_CFG_HOST_LEGACY) rewrites the destination alone and hands it to the stack, its
+ * source left for egress (ekp_host6_hand_over, IPv4's code). The flag is read here, after the SNAT
+ * walk: a value held across it would split the verifier's states. The TC verdict. */
 static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_scratch *w, long rc,
 					const __be32 *saddr, __be16 sport, const __be32 *daddr, __be16 dport,
 					__u32 *outcome)
 {
+	const struct ekp_config *cfg = ekp_config_get();
+
+	if (cfg && (cfg->flags & EKP_CFG_HOST_LEGACY))
+		return ekp_host6_hand_over(skb, &w->pkt, saddr, sport, daddr, dport, outcome);
 	if (ekp_rewrite6(skb, &w->pkt, saddr, sport, daddr, dport) < 0) {
 		*outcome = EKP_DROP_MALFORMED;
 		return TC_ACT_SHOT;
@@ -408,12 +417,12 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 
 	ekp_count(EKP_STAT_PACKETS);
 	/* the last hop: the stack sends the time exceeded (or, for an error, drops it) */
-	if (parsed == EKP_PARSE_ICMP_ERR && p->hop_limit > 1 && cfg && !(cfg->flags & EKP_CFG_HOST_LEGACY)) {
+	if (parsed == EKP_PARSE_ICMP_ERR && p->hop_limit > 1 && cfg) {
 		verdict = ekp_tc6_related(skb, w, scope, bridge, cfg, &outcome);
 		goto out;
 	}
 	/* TCP, UDP and SCTP, whole or in fragments (SCTP whole: ekp_parse6 passes its fragments) */
-	if ((parsed != EKP_PARSE_OK && parsed != EKP_PARSE_LATER) || !cfg || (cfg->flags & EKP_CFG_HOST_LEGACY))
+	if ((parsed != EKP_PARSE_OK && parsed != EKP_PARSE_LATER) || !cfg)
 		goto out;
 	if (p->b.frag == EKP_FRAG_NONE && !ekp_tc6_may_translate(p, scope, cfg))
 		goto out;

@@ -285,8 +285,8 @@ XDP_UNUSED = {"rnat", "stats", "icmprl", "hostnat"}
 _V6 = {"fe6", "slot6", "be6", "rnat6", "member6", "srcr6", "addr6", "aff6", "sknat6"}
 _SOCKETS = {"skcfg", "sknat"} | _V6
 # the tc IPv6 path's own maps: its conntrack, the tables' early-drop rings, its settings (the SNAT
-# source, ekp_cfg6) and its fragments
-_CT6 = {"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6", "cfg6", "cfg6sel", "frag6", "frhold6"}
+# source, ekp_cfg6), its fragments and legacy host routing's IPv6 egress sources (ekp_hostnat6)
+_CT6 = {"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6", "cfg6", "cfg6sel", "frag6", "frhold6", "hostnat6"}
 # the IPv6 path: the activity stamps and frontend check (ekp_act, ekp_addr6), the backend check of
 # a flow's refresh (ekp_addr6); no Maglev, no reject; its source translation reads the shared
 # config's port range (ekp_cfg); its time exceeded takes the rejects' tokens (ekp_icmprl); a held
@@ -310,6 +310,9 @@ PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
     "ekp_from_pod6": ("sched_cls", _TC6),
     "ekp_from_net6": ("sched_cls", _TC6),
     "ekp_egress": ("sched_cls", set(abi.MAPS) - _EGRESS_UNUSED - _SOCKETS - _CT6),
+    # legacy host routing's IPv6 egress half: the sources ingress left, and a fragmented datagram's
+    # ports for its later fragments
+    "ekp_egress6": ("sched_cls", {"hostnat6", "frag6"}),
     # the same but for what it leaves to tc, with its own counters
     "ekp_xdp_net": ("xdp", set(abi.MAPS) - XDP_UNUSED - _SOCKETS - _CT6),
     "ekp_sock_conn": ("cgroup_sock_addr", _SOCK_FORWARD),
@@ -351,7 +354,7 @@ def test_every_program_uses_its_maps(loaded: Datapath) -> None:
 
 
 # The maps of each tc and XDP program's own load, outside the registry: the per-CPU working memory of
-# its family's path, for the IPv4 ingress programs the program array their IPv6 packets continue
+# its family's path, for the IPv4 tc programs the program array their IPv6 packets continue
 # through, and for the programs attached to a hook the build's hand-over mode (ekp_handover). Their
 # counts are loader.PRIVATE_MAPS (a reused program with more is compiled again).
 PRIVATE = {
@@ -359,7 +362,8 @@ PRIVATE = {
     "ekp_from_net": {"ekp_scratch", "ekp_calls6", "ekp_handover"},
     "ekp_from_pod6": {"ekp_scratch6"},
     "ekp_from_net6": {"ekp_scratch6"},
-    "ekp_egress": {"ekp_scratch", "ekp_handover"},
+    "ekp_egress": {"ekp_scratch", "ekp_calls6", "ekp_handover"},
+    "ekp_egress6": {"ekp_scratch6"},
     "ekp_xdp_net": {"ekp_scratch", "ekp_handover"},
 }
 
