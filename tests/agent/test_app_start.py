@@ -230,7 +230,8 @@ def test_the_start_up_line_says_whether_the_tc_programs_translate_ipv6() -> None
         assert ("ip6tables FORWARD and nf_conntrack see client <-> backend" in on) is (
             routing is HostRouting.LEGACY
         )
-    for off in (replace(dual, socket_lb=False), replace(dual, bpf_host_routing=HostRouting.BPF, socket_lb=False)):
+    for routing in (HostRouting.BPF, HostRouting.LEGACY):
+        off = replace(dual, bpf_host_routing=routing, socket_lb=False)
         line = app.ipv6_served_by(off)
         assert "tc programs translate" not in line
         assert "IPv6 path needs --bpf-socket-lb)" in line

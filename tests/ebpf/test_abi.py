@@ -286,7 +286,8 @@ _V6 = {"fe6", "slot6", "be6", "rnat6", "member6", "srcr6", "addr6", "aff6", "skn
 _SOCKETS = {"skcfg", "sknat"} | _V6
 # the tc IPv6 path's own maps: its conntrack, the tables' early-drop rings, its settings (the SNAT
 # source, ekp_cfg6), its fragments and legacy host routing's IPv6 egress sources (ekp_hostnat6)
-_CT6 = {"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6", "cfg6", "cfg6sel", "frag6", "frhold6", "hostnat6"}
+_CT6 = {"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6", "cfg6", "cfg6sel", "frag6", "frhold6"}
+_CT6 |= {"hostnat6"}
 # the IPv6 path: the activity stamps and frontend check (ekp_act, ekp_addr6), the backend check of
 # a flow's refresh (ekp_addr6); no Maglev, no reject; its source translation reads the shared
 # config's port range (ekp_cfg); its time exceeded takes the rejects' tokens (ekp_icmprl); a held
