@@ -655,13 +655,6 @@ def test_arming_stamps_the_endpoints_of_the_live_ipv6_flows_too(net: Net) -> Non
     assert seen(out)[1:4] == (POD6, BE6, 40022)
 
 
-def test_legacy_host_routing_leaves_every_ipv6_packet_to_the_stack(net: Net) -> None:
-    """Its source translation happens at egress, which has no IPv6 half: ip6tables serves IPv6."""
-    set_config(net.dp, flags=abi.ConfigFlag.HOST_LEGACY)
-    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
-    _passes(net, frame6(POD6, VIP6, 40030, 80))
-
-
 def test_a_pod_claiming_a_source_not_routed_to_its_device_is_passed_when_new_dropped_on_a_hit(
     net: Net,
 ) -> None:
