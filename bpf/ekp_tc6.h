@@ -12,7 +12,10 @@
  *                           source translation decided (ekp_tc6_wants_snat), or a direct
  *                           connection on a live flow's tuple (ekp_ct6_reclaim)
  *                        -> route (bpf_fib_lookup), entries and SNAT port (ekp_ct6_create: IPv4's
- *                           walk, ekp_snat_af.h), rewrite (ekp_nat6.h), hop limit - 1, redirect
+ *                           walk, ekp_snat_af.h), rewrite (ekp_nat6.h), hop limit - 1, redirect;
+ *                           legacy host routing: the destination rewritten, the source left in
+ *                           ekp_hostnat6 under a tag, TC_ACT_OK (ekp_host6.h: IPv4's ekp_host_af.h),
+ *                           and ekp_egress6 (tail-called by ekp_egress) gives the source at egress
  *   an ICMPv6 error      -> conntrack of the quoted flow (ekp_tc6_related) -> route, outer and
  *                           quote rewritten, hop limit - 1, redirect
  *
@@ -51,8 +54,7 @@
  *     backend on the node's own address (EKP_FE_HOST_BACKEND: that backend's replies leave by the
  *     node's stack), and, while the node's IPv6 address is not known (ekp_cfg6 zero), one that
  *     asks SNAT (EKP_FE_SNAT_ALL, EKP_FE_SNAT_REMOTE: its local backends too); then a hairpin as
- *     well (the client is its own backend: known only after the choice, see there); legacy host
- *     routing;
+ *     well (the client is its own backend: known only after the choice, see there);
  *   - a mid-flow TCP segment or SCTP chunk without an entry (a flow ip6tables translated before:
  *     nf_conntrack has it);
  *   - ICMPv6 but errors about a flow translated here (Packet Too Big, destination unreachable,
