@@ -11,9 +11,10 @@ Every test runs in both modes (the `dual` fixture is parametrised by mode, as th
 The agent's IPv6 proxier writes ip6tables rules in both: in iptables mode with the backend of its
 IPv4 rules; in eBPF mode beside the eBPF data path's IPv6 maps (README, "IPv6 and dual-stack"):
 the socket programs translate the connections of the nodes' sockets and their pods' (the agents
-run with the default, pods balanced at connect()) to IPv6 Services, and ip6tables every other
-IPv6 packet (the tc programs pass IPv6 to the stack untouched): from outside, and the pods' flows
-the socket programs leave to the packet path (affinity). `--cleanup` removes the
+run with the default, pods balanced at connect()) to IPv6 Services, and the tc programs' IPv6
+path, under the default legacy host routing (the destination at tc ingress, the source at tc
+egress, the node's stack between), the flows from outside and the pods' flows the socket
+programs leave to the packet path (affinity); ip6tables every other IPv6 packet. `--cleanup` removes the
 ip6tables rules in both modes (and the pins in eBPF mode).
 
 The lab (`Lab(ipv6=True)`) puts ULA addresses beside IPv4 on every link, `nodad`; the agents get

@@ -1,8 +1,9 @@
 """IPv6 Services through the tc programs' IPv6 path (bpf/ekp_tc6.h), with real traffic through the
 dual-stack lab, in both modes.
 
-eBPF mode runs with `--bpf-host-routing=bpf` (the IPv6 path translates with that routing only;
-with legacy host routing every IPv6 packet goes to ip6tables as before) and pods' sockets left to
+eBPF mode runs with `--bpf-host-routing=bpf` (the IPv6 path translates under legacy host routing,
+the default, too: tests/adversarial/test_host_routing.py and tests/traffic/test_ipv6.py run it
+there) and pods' sockets left to
 the per-packet path (the harness's default, `--bpf-socket-lb-host-namespace-only=true`), so a
 pod's IPv6 connection to a Service is the tc programs' or ip6tables', never the socket programs'.
 What each must show in eBPF mode: its TCP flows to a Service (a pod to a ClusterIP, a NodePort of
