@@ -26,6 +26,7 @@ from agent.ebpf.maps import map_info, obj_get
 from agent.ebpf.objcache import DIR_ENV, ObjectCache
 from agent.ebpf.programs import (
     BUILD_MAPS,
+    PROG_EGRESS,
     PROG_FROM_NET,
     PROG_FROM_POD,
     PROG_SCHED_CLS,
@@ -113,10 +114,10 @@ def _uses_only_its_own_maps(d: Datapath) -> set[int]:
     for name in PROGRAMS:
         used = prog_map_ids(d.prog_fd(name))
         assert used & ids, "the programs use the pinned maps"
-        # the IPv4 ingress programs: their scratch, the program array of their IPv6 packets and the
-        # build's hand-over mode; egress and XDP their scratch and the mode; the IPv6 programs
-        # their scratch
-        private = 3 if name in (PROG_FROM_POD, PROG_FROM_NET) else 1 if name in loader.TC6_PROGRAMS else 2
+        # the IPv4 tc programs: their scratch, the program array of their IPv6 packets and the
+        # build's hand-over mode; XDP its scratch and the mode; the IPv6 programs their scratch
+        tc4 = (PROG_FROM_POD, PROG_FROM_NET, PROG_EGRESS)
+        private = 3 if name in tc4 else 1 if name in loader.TC6_PROGRAMS else 2
         private = private if PROGRAMS[name].prog_type in (PROG_SCHED_CLS, PROG_XDP) else 0
         assert len(used - ids) == private == PRIVATE_MAPS[name], f"{name}: besides them, only its load's own"
     return ids
