@@ -454,28 +454,30 @@ int ekp_from_net6(struct __sk_buff *skb)
 	return ekp_main6(skb, EKP_SCOPE_EXTERNAL);
 }
 
-/* An IPv6 packet with work at egress (a tag: legacy host routing) continues in ekp_egress6; an
- * untagged forwarded packet of either family leaves after the same two loads as before (the
- * family is looked at only past them). */
+/* An IPv6 packet with work at egress (a tag: legacy host routing; the node's own, no ingress
+ * device: a reply of a backend on its address) continues in ekp_egress6; an untagged forwarded
+ * packet of either family leaves after the same two loads as before (the family is looked at
+ * only past them). */
 int ekp_egress(struct __sk_buff *skb)
 {
 	__u32 handover = ekp_handover_mode();
 
 	if (handover == EKP_HANDOVER_PASS)
 		return TC_ACT_UNSPEC;
-	if (skb->tc_index && skb->protocol == htons(ETH_P_IPV6))
+	if ((skb->tc_index || !skb->ingress_ifindex) && skb->protocol == htons(ETH_P_IPV6))
 		ekp_calls6.call(skb, EKP_CALL6_EGRESS);
 	return ekp_egress_main(skb, handover);
 }
 
-/* Legacy host routing's egress half for IPv6 (ekp_host6.h): the tagged packet gets its source. */
+/* ekp_egress's IPv6 half: a tagged packet gets its source (legacy host routing, ekp_host6.h);
+ * the node's own, its frontend when it answers a flow handed to its stack (ekp_tc6_local). */
 int ekp_egress6(struct __sk_buff *skb)
 {
 	__u16 tag = skb->tc_index;
 
 	if (tag)
 		return ekp_host6_egress(skb, tag);
-	return TC_ACT_OK;
+	return ekp_tc6_local(skb);
 }
 
 /* XDP on the external devices (--bpf-xdp): before the skb exists, the part of ekp_from_net's work
