@@ -78,10 +78,10 @@
  * IPv4's: its flows (EKP_CT_HOST) keep the client's address whatever the frontend's SNAT flags,
  * are rewritten at ingress and delivered by the node's stack (TC_ACT_OK, no route, no hop spent),
  * and the stack's replies leave through ekp_egress6 (ekp_tc6_local), which gives them their
- * frontend back from the REPLY entry. Not yet as IPv4's: an ICMPv6 error about such a flow's reply
- * (to the node: ekp_tc6_related's route lookup finds it local, and it goes to the stack
- * untranslated), an error the node's stack sends about such a flow, and the fragments of a
- * reply the stack fragments are translated by ekp_tc6_local as IPv4's (their first records).
+ * frontend back from the REPLY entry, the fragments of a reply the stack fragmented too (their
+ * first records their ports). Not yet as IPv4's: an ICMPv6 error about such a flow's reply (to
+ * the node: ekp_tc6_related's route lookup finds it local, and it goes to the stack
+ * untranslated), and one the node's stack sends about such a flow.
  */
 #ifndef EKP_TC6_H
 #define EKP_TC6_H

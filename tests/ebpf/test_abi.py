@@ -311,9 +311,15 @@ PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
     "ekp_from_pod6": ("sched_cls", _TC6),
     "ekp_from_net6": ("sched_cls", _TC6),
     "ekp_egress": ("sched_cls", set(abi.MAPS) - _EGRESS_UNUSED - _SOCKETS - _CT6),
-    # legacy host routing's IPv6 egress half: the sources ingress left, and a fragmented datagram's
-    # ports for its later fragments
-    "ekp_egress6": ("sched_cls", {"hostnat6", "frag6"}),
+    # ekp_egress's IPv6 half: legacy host routing's sources (ekp_hostnat6), a fragmented
+    # datagram's ports for its later fragments; the node's own replies of flows to it looked up in
+    # the IPv6 conntrack (its refresh, rings and activity stamps: the backend check reads ekp_addr6),
+    # counted when translated
+    "ekp_egress6": (
+        "sched_cls",
+        {"hostnat6", "frag6", "ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6", "act", "addr6"}
+        | {"cfg", "cfgsel", "stats"},
+    ),
     # the same but for what it leaves to tc, with its own counters
     "ekp_xdp_net": ("xdp", set(abi.MAPS) - XDP_UNUSED - _SOCKETS - _CT6),
     "ekp_sock_conn": ("cgroup_sock_addr", _SOCK_FORWARD),
