@@ -485,8 +485,8 @@ def ipv6_served_by(config: Config) -> str:
                 )
             )
             rest = (
-                "(a Service with a backend on the node's own address, mid-flow segments of flows "
-                "ip6tables translated before, ICMPv6 but errors about translated flows)"
+                "(mid-flow segments of flows ip6tables translated before, ICMPv6 but errors about "
+                "translated flows)"
             )
         else:
             tc = ""

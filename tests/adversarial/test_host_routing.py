@@ -51,6 +51,8 @@ FORGED = "10.244.9.9"
 # a ClusterIP whose only backend is pod-1-2, and a NodePort of policy Cluster to it
 BACKENDS6 = ("pod-1-2",)
 GUARDED6, NODE_PORT6 = "fd00:10:96::42", 30742
+# and a Service whose one endpoint is the node's own IPv6 address (a host-network server)
+HOSTNET6, HOST_NODE_PORT6, HOST6_PORT = "fd00:10:96::43", 30743, 8096
 UDP_SINK = 9100
 # (mode, agent flags): iptables, and eBPF mode with each host routing.
 PATHS = {
@@ -82,6 +84,9 @@ def path(request: pytest.FixtureRequest) -> Iterator[tuple[str, Cluster]]:
             )
             lab.wait_log(proc, "ready")
         node = lab.node(1)
+        # a host-network endpoint: the IPv6 server in the node's own namespace
+        proc = lab.popen(node, sys.executable, "-c", SERVER6, "node1", str(HOST6_PORT), name="host6")
+        lab.wait_log(proc, "ready")
         lab.set_sysctl(node, "net.ipv4.conf.all.rp_filter", "1")
         for tool in ("iptables", "ip6tables"):
             lab.run(node, tool, "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP")
@@ -211,6 +216,40 @@ def test_an_ipv6_node_port_from_outside_is_masqueraded_with_either_routing(path:
     assert after["new_flows"] - stats["new_flows"] >= 4
     assert after["snat"] - stats["snat"] >= 4, "every flow source-translated by tc"
     assert f"dport={NODE_PORT6} " not in flows, flows
+
+
+def test_an_ipv6_endpoint_on_the_nodes_own_address_sees_the_clients_address(
+    path: tuple[str, Cluster],
+) -> None:
+    """A Service whose endpoint is the node's own IPv6 address (a host-network server): a pod
+    through the ClusterIP and the external client through the NodePort (policy Cluster) both reach
+    it with their own address (delivered locally: no masquerade, as kube-proxy's DNAT in
+    PREROUTING). In eBPF mode the tc IPv6 path translates them, with either routing (its counters
+    move, nf_conntrack holds no DNAT entry), and gives the node's replies their frontend back at
+    egress (ekp_egress6); on main it left such a frontend to ip6tables."""
+    name, cluster = path
+    lab = cluster.lab
+    node, pod = lab.node(1), lab.pod("pod-1-1")
+    ports = [Port("http", 80, HOST6_PORT, node_port=HOST_NODE_PORT6)]
+    svc = service("hostnet6", HOSTNET6, ports, type="NodePort", ipFamilies=["IPv6"])
+    eps = endpoint_slice("hostnet6", ports, [Ep(node.ip6, "node1")], "v6")
+    eps["addressType"] = "IPv6"
+    cluster.apply([svc, eps])
+    for dst in (HOSTNET6, node.ip6):
+        lab.run(node, "conntrack", "-D", "-f", "ipv6", "--orig-dst", dst, check=False)
+    before = cluster.bpf_stats(1)["new_flows"] if name != "iptables" else 0
+    assert [reach6(cluster, pod, f"http://[{HOSTNET6}]:80/") for _ in range(2)] == ["node1"] * 2
+    assert reach6(cluster, pod, f"http://[{HOSTNET6}]:80/ip") == pod.ip6
+    url = f"http://[{node.ip6}]:{HOST_NODE_PORT6}"
+    assert reach6(cluster, lab.client, f"{url}/") == "node1"
+    assert reach6(cluster, lab.client, f"{url}/ip") == lab.client.ip6, "the client's own address"
+    to_vip, to_node = nf_flows6(cluster, HOSTNET6), nf_flows6(cluster, node.ip6)
+    if name == "iptables":
+        assert f"sport={HOST6_PORT} " in to_vip, "ip6tables' DNAT"
+        return
+    assert cluster.bpf_stats(1)["new_flows"] - before >= 5, "translated by tc"
+    assert to_vip == "", to_vip
+    assert f"dport={HOST_NODE_PORT6} " not in to_node, to_node
 
 
 def send_udp(lab: Lab, pod: str, src: str, dst: str, dport: int, payload: bytes) -> None:
