@@ -515,8 +515,8 @@ class Datapath:
         resized = replace_resized_ipv6_pins(self.pin_path, self.sizes)
         if resized:
             log.info(
-                "IPv6 conntrack, early-drop ring and fragment tables %s recreated at %s (the tc programs' "
-                "IPv6 path %s): the IPv4 tables and their flows are kept",
+                "IPv6 conntrack, early-drop ring, fragment and host-routing tables %s recreated at %s (the "
+                "tc programs' IPv6 path %s): the IPv4 tables and their flows are kept",
                 ", ".join(resized),
                 "full size" if self.sizes.ipv6_tc else f"{IDLE_SIZE} entry each",
                 "serves now" if self.sizes.ipv6_tc else "no longer serves",
