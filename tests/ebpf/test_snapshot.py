@@ -14,11 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from agent.ebpf import snapshot
+from agent.config import Config, NodeContext
+from agent.ebpf import EbpfProxier, snapshot
+from agent.ebpf.abi import FrontendKey, Scope, ip_be, port_be
 from agent.ebpf.planner import ROLES
+from agent.ebpf.render import render_contents
 from agent.model.types import ProxyState
 from tests.ebpf.support import NODE
-from tests.ebpf.test_proxier import MORE, STATE, Rig
+from tests.ebpf.test_proxier import MORE, STATE, Rig, bpffs, cgroup, live, node_ns, small_sizes
+
+__all__ = ["bpffs", "cgroup", "node_ns"]  # the kernel test's fixtures
 
 TAKEN = "took the last run's planner"
 NOT_USED = "is not used"
@@ -237,4 +242,42 @@ def test_cleanup_removes_the_planner_left_for_the_next_start(tmp_path: Path) -> 
     path = snapshot.snapshot_path(str(rig.snapshot_dir), rig.config.pin_path)
     assert os.path.exists(path)
     rig.proxier().cleanup()
+    assert not os.path.exists(path)
+
+
+def test_on_a_real_data_path_a_clean_stop_leaves_the_planner_and_the_restart_takes_it(
+    node_ns: str, bpffs: Path, cgroup: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The kernel's batch read-back of an unchanged map comes back in the same order after a
+    restart (its digests match), so a real restart takes the planner and writes nothing."""
+    config = Config(
+        netns=node_ns,
+        pin_path=str(bpffs / "ekp"),
+        pod_interfaces=("lxc*",),
+        map_sizes=small_sizes(),
+        socket_lb_cgroup=cgroup,
+    )
+    node = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
+    run = str(tmp_path / "run")
+    first = EbpfProxier(config, ipv6=False, snapshot_dir=run)
+    try:
+        first.sync(MORE, node)
+        after_more = render_contents(live(config))
+    finally:
+        first.close()
+    path = snapshot.snapshot_path(run, config.pin_path)
+    assert os.path.exists(path)
+
+    second = EbpfProxier(config, ipv6=False, snapshot_dir=run)
+    try:
+        with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+            second.sync(MORE, node)
+        assert TAKEN in caplog.text and NOT_USED not in caplog.text
+        assert second.last_flush.writes == 0
+        assert render_contents(live(config)) == after_more
+        second.sync(STATE, node)  # kube-dns deleted: its frontend goes, as after a read-back
+        key = FrontendKey(addr=ip_be("10.96.0.10"), port=port_be(53), proto=17, scope=int(Scope.INTERNAL))
+        assert key not in live(config).fe
+    finally:
+        second.cleanup()
     assert not os.path.exists(path)
