@@ -121,7 +121,7 @@ def _forget_one_frontend(rig: Rig) -> None:
 
 def _rewrite_one_backend(rig: Rig) -> None:
     """Someone (bpftool, another agent) rewrote a backend's entry with another port."""
-    key, value = rig.maps["be"].items_raw()[-1]
+    key, value = rig.maps["be"].items_raw()[0]  # a backend STATE keeps
     changed = bytearray(value)
     changed[4] ^= 0x01
     rig.maps["be"].update_raw([key], [bytes(changed)])
@@ -281,3 +281,13 @@ def test_on_a_real_data_path_a_clean_stop_leaves_the_planner_and_the_restart_tak
     finally:
         second.cleanup()
     assert not os.path.exists(path)
+
+
+def test_a_start_removes_the_partial_file_a_stop_killed_while_writing_left(tmp_path: Path) -> None:
+    rig = snapshot_rig(tmp_path, "rig")
+    history(rig)
+    path = snapshot.snapshot_path(str(rig.snapshot_dir), rig.config.pin_path)
+    partial = Path(f"{path}.4242.tmp")
+    partial.write_bytes(Path(path).read_bytes()[:100])
+    rig.proxier().sync(MORE, NODE)
+    assert not partial.exists() and not os.path.exists(path)
