@@ -291,3 +291,18 @@ def test_a_start_removes_the_partial_file_a_stop_killed_while_writing_left(tmp_p
     partial.write_bytes(Path(path).read_bytes()[:100])
     rig.proxier().sync(MORE, NODE)
     assert not partial.exists() and not os.path.exists(path)
+
+
+def test_after_a_restart_that_took_it_the_planner_holds_the_models_own_records(tmp_path: Path) -> None:
+    """The kept planner's records are unpickled copies: the first full plan swaps in the model's
+    equal ones, so later full re-plans skip unchanged ports by identity and no copy stays held."""
+    rig = snapshot_rig(tmp_path, "rig")
+    history(rig)
+    p = rig.proxier()
+    p.sync(MORE, NODE)
+    planner = p._planner
+    assert planner is not None
+    for spn, sp in MORE.services.items():
+        frag = planner._frags[spn]
+        assert frag.sp is sp
+        assert spn not in MORE.endpoints or frag.eps is MORE.endpoints[spn]
