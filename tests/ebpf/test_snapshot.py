@@ -91,6 +91,8 @@ def test_a_restart_that_takes_the_planner_writes_what_the_agent_would_have_writt
     assert raw(restarted) == raw(kept)
     if after is MORE:
         assert p.last_flush.writes == 0 and not any(p.last_flush.deletes.values())
+    # the next periodic resync reads the maps back and finds them as the kept planner believes
+    assert p.sync(after, NODE).repaired == 0 and p.last_flush.writes == 0
 
     # and the next change after it is written as a change, the same on both
     p.sync(moved_endpoint(after), NODE, frozenset(after.services))
