@@ -123,7 +123,7 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
     ip6tables = ip6tables_beside_ebpf(
         config, SubprocessRunner(config, family=6), metrics, snat6_held=proxier.snat6_held
     )
-    return EbpfAndIp6tables(proxier.ipv6(), ip6tables)
+    return EbpfAndIp6tables(proxier.ipv6(), ip6tables, config)
 
 
 def ip6tables_beside_ebpf(

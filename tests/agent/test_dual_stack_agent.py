@@ -541,6 +541,7 @@ class Half:
         self, name: str, calls: list[str], fail: Exception | None = None, failed: Any = None
     ) -> None:
         self.name, self.calls, self.fail, self.failed = name, calls, fail, failed or {}
+        self.tc_serves = self.snat_granted = False  # the tc IPv6 path off: ip6tables gets every port
 
     def prepare(self) -> None:
         self.calls.append(f"{self.name}.prepare")
@@ -564,8 +565,9 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
 
     calls: list[str] = []
     a, b = spn("a"), spn("b")
+    config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
     both = EbpfAndIp6tables(
-        Half("ebpf", calls, failed={a: "full"}), Half("ip6", calls, failed={b: "rejected"})
+        Half("ebpf", calls, failed={a: "full"}), Half("ip6", calls, failed={b: "rejected"}), config
     )
     result = both.sync(EMPTY6, NODE6, None)
     # ip6tables first: the maps may take the node's address as the tc path's SNAT source only once
@@ -573,19 +575,19 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
     assert calls == ["ip6.sync", "ebpf.apart", "ebpf.sync"] and result.full and result.repaired == 2
     assert result.failed == {a: "full", b: "rejected"}
     calls.clear()
-    broken = EbpfAndIp6tables(Half("ebpf", calls, fail=RuntimeError("maps")), Half("ip6", calls))
+    broken = EbpfAndIp6tables(Half("ebpf", calls, fail=RuntimeError("maps")), Half("ip6", calls), config)
     with pytest.raises(RuntimeError, match="maps"):
         broken.sync(EMPTY6, NODE6, frozenset())
     assert calls == ["ip6.sync", "ebpf.apart", "ebpf.sync"]
     calls.clear()
-    no_rules = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=RuntimeError("restore")))
+    no_rules = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=RuntimeError("restore")), config)
     with pytest.raises(RuntimeError, match="restore"):
         no_rules.sync(EMPTY6, NODE6, frozenset())
     # the maps synced even when ip6tables failed, told the grant is gone (the rules in place are
     # not known to keep out of the range): the tc path's SNAT source is zero until a restore succeeds
     assert calls == ["ip6.sync", "ebpf.not apart", "ebpf.sync"]
     calls.clear()
-    fatal = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=FatalError("gone")))
+    fatal = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=FatalError("gone")), config)
     with pytest.raises(FatalError):
         fatal.sync(EMPTY6, NODE6, None)
     assert calls == ["ip6.sync"]
