@@ -173,3 +173,30 @@ def test_without_the_tc_ipv6_path_ip6tables_gets_every_port(monkeypatch: pytest.
     for changed in (None, frozenset[ServicePortName](), frozenset()):
         assert both.sync(state(), NODE6, changed).again == frozenset()
         assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+
+
+def test_the_ipv6_family_calls_its_proxier_again_for_the_ports_it_asked_for() -> None:
+    """`SyncResult.again` (the rules of ports the maps now serve go at the next sync): the IPv6
+    family asks the runner for another run, after its floor, and names those ports in it."""
+    from dataclasses import replace
+
+    from agent.metaproxier import IPv6Family, Outcome
+    from tests.agent.test_daemon import FakeProxier
+
+    class Again(FakeProxier):
+        ask = frozenset({WEB})
+
+        def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
+            asked, self.ask = self.ask, frozenset()
+            return replace(super().sync(state, node, changed), again=asked)
+
+    proxier = Again()
+    family = IPv6Family(CONFIG, proxier, lambda: NODE6)
+    family.sync(read_node=True, now=100.0)
+    assert proxier.calls == [None] and family.retry_wanted
+    family.sync(read_node=False, now=100.1)
+    assert family.outcome is Outcome.HELD, "within the IPv6 floor"
+    family.sync(read_node=False, now=102.0)
+    assert proxier.calls == [None, frozenset({WEB})] and not family.retry_wanted
+    family.sync(read_node=False, now=104.0)
+    assert family.outcome is Outcome.IDLE and len(proxier.calls) == 2
