@@ -18,9 +18,9 @@ Which proxier programs IPv6, when the flags describe IPv6 for the node (`Config.
   do not see: external clients, NodePorts and external IPs from outside, the pods' flows the
   socket programs leave to the packet path (affinity, source ranges, SNAT; all of them under
   --bpf-socket-lb-host-namespace-only), and everything when --bpf-socket-lb=false (then the IPv6
-  maps are not written). The eBPF tc programs pass IPv6 packets to the stack untouched until they
-  have their own IPv6 path; until then ip6tables is what serves those, the step eBPF data planes
-  took before their own IPv6 path existed. Its backend is --iptables-backend or the node's (no
+  maps are not written). Where the tc programs' IPv6 path serves (Config.tc_ipv6), ip6tables gets
+  only the service ports it and the socket programs leave to the stack (agent/model/tc6_leaves.py;
+  `EbpfAndIp6tables` says in which order). Its backend is --iptables-backend or the node's (no
   IPv4 rules to follow).
 
 Without IPv6 in the flags no IPv6 proxier runs: the IPv6 state is still computed (so problems with
