@@ -167,13 +167,14 @@ class EbpfAndIp6tables:
         after = ports_left(state, node.node_ips, self.facts(state, granted=self.ebpf.snat_granted))
         if not after <= keep:
             # The grant went off: the ports it hands back to the stack get their rules now.
+            restored = True
             try:
                 results.append(self._restore(state, node, changed, keep | after))
             except FatalError:
                 raise
             except Exception as exc:
-                failure = failure or exc
-            self.ebpf.masquerade_apart(failure is None)
+                failure, restored = failure or exc, False
+            self.ebpf.masquerade_apart(restored)
         self._needed = after
         if failure is not None:
             self._rendered = None  # not known: the retry renders everything that may be needed

@@ -28,16 +28,18 @@ class Maps:
         self.tc_serves = serves
         self.snat_granted = False
         self.grant_next = False
+        self.apart = False
 
     def prepare(self) -> None:
         pass
 
     def masquerade_apart(self, apart: bool) -> None:
         self.calls.append("apart" if apart else "not apart")
+        self.apart = apart
 
     def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
         self.calls.append("maps")
-        self.snat_granted = self.grant_next
+        self.snat_granted = self.grant_next and self.apart  # as EbpfProxier._snat6_refusal
         return SyncResult(full=changed is None)
 
     def cleanup(self) -> None:
@@ -49,12 +51,16 @@ class Recorded:
 
     def __init__(self, inner: Proxier, calls: list[str]) -> None:
         self.inner, self.calls = inner, calls
+        self.fail = 0  # restores to fail (as a failed ip6tables-restore raises)
 
     def prepare(self) -> None:
         self.inner.prepare()
 
     def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
         self.calls.append("restore")
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("ip6tables-restore failed (fake)")
         return self.inner.sync(state, node, changed)
 
     def cleanup(self) -> None:
@@ -103,7 +109,9 @@ def rig(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Maps, FakeRunner, list[st
     runner = FakeRunner()
     maps = Maps(calls)
     ip6 = Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls)
-    return EbpfAndIp6tables(maps, ip6, CONFIG), maps, runner, calls
+    both = EbpfAndIp6tables(maps, ip6, CONFIG)
+    both.recorded = ip6  # type: ignore[attr-defined]
+    return both, maps, runner, calls
 
 
 def test_ip6tables_beside_the_tc_ipv6_path_keeps_only_what_it_leaves_and_hands_over_in_order(
@@ -200,3 +208,22 @@ def test_the_ipv6_family_calls_its_proxier_again_for_the_ports_it_asked_for() ->
     assert proxier.calls == [None, frozenset({WEB})] and not family.retry_wanted
     family.sync(read_node=False, now=104.0)
     assert family.outcome is Outcome.IDLE and len(proxier.calls) == 2
+
+
+def test_a_failed_restore_that_turns_the_grant_off_puts_the_rules_back_before_it_raises(
+    rig: tuple[Any, Maps, FakeRunner, list[str]],
+) -> None:
+    """The grant goes off after a failed restore (its MASQUERADE not known to be in place): the
+    ports it hands back to the stack are restored again in the same call, after the maps, and the
+    failure is still raised (the family retries in full, writing every port)."""
+    both, maps, runner, calls = rig
+    maps.grant_next = True
+    result = both.sync(state(), NODE6, None)
+    both.sync(state(), NODE6, result.again)
+    assert jumped(runner) == {"default/kubernetes:http"} and maps.snat_granted
+    calls.clear()
+    both.recorded.fail = 1
+    with pytest.raises(RuntimeError, match="fake"):
+        both.sync(state(), NODE6, frozenset())
+    assert calls == ["restore", "not apart", "maps", "restore", "apart"] and not maps.snat_granted
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
