@@ -40,7 +40,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Protocol
 
@@ -89,6 +89,30 @@ class Ipv6Maps(Proxier, Protocol):
         """Whether the last sync granted that path its source translation (ekp_cfg6's address)."""
 
 
+def tc6_facts(config: Config, state: ProxyState, *, serves: bool, granted: bool) -> Tc6Facts:
+    """The node-wide inputs of the IPv6 ports left to ip6tables (agent/model/tc6_leaves.py):
+    `serves`, the tc IPv6 path serves; `granted`, its source translation is granted."""
+    return Tc6Facts(
+        serves=serves,
+        leaves_host_backends=TC6_LEAVES_HOST_BACKENDS,
+        snat_granted=granted,
+        masquerade_all=config.masquerade_all,
+        detector=config.local_detector(state.node.pod_cidrs, 6).implemented,
+    )
+
+
+def only(state: ProxyState, ports: Collection[ServicePortName]) -> ProxyState:
+    """`state` with the service ports `ports` alone (a copy of its mappings when some are left out)."""
+    if len(ports) == len(state.services) and all(spn in state.services for spn in ports):
+        return state
+    return replace(
+        state,
+        services={spn: state.services[spn] for spn in ports if spn in state.services},
+        endpoints={spn: eps for spn, eps in state.endpoints.items() if spn in ports},
+        raw_endpoints={spn: eps for spn, eps in state.raw_endpoints.items() if spn in ports},
+    )
+
+
 class EbpfAndIp6tables:
     """eBPF mode's IPv6 proxier: ip6tables (every packet the eBPF programs leave to the stack), then
     the eBPF data path's IPv6 maps (read by the socket programs and, with BPF host routing, by the
@@ -132,13 +156,7 @@ class EbpfAndIp6tables:
 
     def facts(self, state: ProxyState, *, granted: bool) -> Tc6Facts:
         """The node-wide inputs of the ports left to ip6tables, with the grant `granted`."""
-        return Tc6Facts(
-            serves=self.ebpf.tc_serves,
-            leaves_host_backends=TC6_LEAVES_HOST_BACKENDS,
-            snat_granted=granted,
-            masquerade_all=self._config.masquerade_all,
-            detector=self._config.local_detector(state.node.pod_cidrs, 6).implemented,
-        )
+        return tc6_facts(self._config, state, serves=self.ebpf.tc_serves, granted=granted)
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
@@ -202,15 +220,8 @@ class EbpfAndIp6tables:
         if changed is not None:
             before = self._rendered if self._rendered is not None else frozenset(state.services)
             changed = changed | (ports ^ before)
-        if len(ports) != len(state.services):
-            state = replace(
-                state,
-                services={spn: state.services[spn] for spn in ports if spn in state.services},
-                endpoints={spn: eps for spn, eps in state.endpoints.items() if spn in ports},
-                raw_endpoints={spn: eps for spn, eps in state.raw_endpoints.items() if spn in ports},
-            )
         self._rendered = None
-        result = self.ip6tables.sync(state, node, changed)
+        result = self.ip6tables.sync(only(state, ports), node, changed)
         self._rendered = ports
         return result
 

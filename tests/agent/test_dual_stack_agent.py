@@ -740,6 +740,13 @@ def test_dry_run_in_ebpf_mode_prints_the_ip6tables_input_after_the_ebpf_maps(
     assert "fe6 [fd00:10:96::a]:80/TCP internal -> svc=1 set=1 count=1" in ebpf6
     assert "be6 1 -> [fd00:10:244:1::2]:8080/TCP" in ebpf6 and "10.96.0.10" not in ebpf6
     assert "*nat" in ip6tables and "-d fd00:10:96::a --dport 80" in ip6tables and "COMMIT" in ip6tables
+    # With the tc IPv6 path: what ip6tables holds beside it once granted (agent/model/tc6_leaves.py),
+    # here no Service (its one endpoint is a pod's), the layout's own chains still
+    assert dry_run(replace(config, bpf_host_routing=HostRouting.BPF)) == 0
+    out = capsys.readouterr().out
+    _, marker, ip6tables = out.partition("# ip6tables-restore input (IPv6): the service ports the tc IPv6")
+    assert marker, out
+    assert "fd00:10:96::a" not in ip6tables and "-A KUBE-POSTROUTING" in ip6tables, ip6tables
 
 
 @pytest.mark.parametrize("mode", [Mode.EBPF, Mode.IPTABLES])
