@@ -73,6 +73,10 @@
  * The reply of a flow this path translated comes back through ekp_from_pod6 (a local backend) or
  * ekp_from_net6 (a remote one) and gets its frontend back from the REPLY entry (and its client, when
  * the source was translated).
+ * Ahead of ekp_from_net6, XDP's IPv6 path (ekp_xdp6.h) runs these pieces on the XDP buffer: it
+ * carries out drops, new flows to a backend on another node and hits when the route leaves by the
+ * device the packet came in by, and passes everything else here untouched, before any side
+ * effect; an entry either hook wrote is the entry both read.
  */
 #ifndef EKP_TC6_H
 #define EKP_TC6_H

@@ -621,8 +621,8 @@ class Datapath:
             finally:
                 os.close(fd)
         log.info(
-            "IPv6 packets on the tc hooks: %s",
-            "continued in ekp_from_pod6 / ekp_from_net6 (the tc programs' IPv6 path)"
+            "IPv6 packets on the tc and XDP hooks: %s",
+            "continued in ekp_from_pod6 / ekp_from_net6 (the tc programs' IPv6 path) and ekp_xdp_net6"
             if self.sizes.ipv6_tc
             else "passed to the stack at the IPv4 programs' parser (the tc programs' IPv6 path needs an "
             "IPv6 half and --bpf-host-routing=bpf)",

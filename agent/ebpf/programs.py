@@ -5,7 +5,7 @@
   bpf/ekp_tc6.h, where that path serves: elsewhere those two are not loaded, Datapath.programs),
   `ekp_egress` on the egress of both (the replies of the node's own stack for flows handed to it:
   agent/ebpf/attach.py); XDP: `ekp_xdp_net` on the same external devices, ahead of `ekp_from_net`
-  (agent/ebpf/xdp.py, --bpf-xdp);
+  (agent/ebpf/xdp.py, --bpf-xdp), continuing IPv6 in `ekp_xdp_net6` (bpf/ekp_xdp6.h) the same way;
 * cgroup: the socket programs on `--bpf-socket-lb-cgroup` (agent/ebpf/sockattach.py), each loaded
   for its hook (the kernel wants the hook, `expected_attach_type`, at load);
 * an iterator: `ekp_sock_term` (iter/udp) ends connected UDP sockets whose backend left

@@ -256,10 +256,10 @@ def test_a_tcp_stream_through_a_nodeport_continues_on_its_backend_after_conntrac
     assert delta(xstats(cluster), x0).get("ct_resumed", 0) == 1
 
 
-def ipv6_service(cluster: Cluster, name: str, vip: str, node_port: int, **spec: object) -> None:
+def ipv6_service(cluster: Cluster, name: str, vip: str, node_port: int, type: str, **spec: object) -> None:
     """An IPv6 Service of HTTP6_PORT on pod-2-1 and pod-2-2 (both on node2)."""
     port = Port("http", 80, HTTP6_PORT, node_port=node_port)
-    svc = service(name, vip, [port], ipFamilies=["IPv6"], **spec)
+    svc = service(name, vip, [port], type=type, ipFamilies=["IPv6"], **spec)
     pods = [cluster.lab.pod(p) for p in ("pod-2-1", "pod-2-2")]
     eps = endpoint_slice(name, [port], [Ep(p.ip6, f"node{p.node}") for p in pods], "v6")
     eps["addressType"] = "IPv6"
