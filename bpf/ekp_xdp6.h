@@ -201,11 +201,15 @@ static __always_inline int ekp_xdp6_decide(struct xdp_md *ctx, struct ekp_tc6_sc
 
 	if (parsed == EKP_PARSE_PASS || parsed == EKP_PARSE_MALFORMED || !cfg)
 		return XDP_PASS; /* none of ours (ekp_main6 passes a malformed one to the stack too) */
-	/* the skb path's: holding and recording fragments, ICMPv6 errors, SCTP's CRC32c */
-	if (parsed != EKP_PARSE_OK || p->b.frag != EKP_FRAG_NONE || p->b.proto == IPPROTO_SCTP)
-		return ekp_xdp6_to_tc(outcome);
+	/* The skb path's: ICMPv6 errors (an error not addressed to its quote's source is no flow's,
+	 * ekp_tc6_related), holding and recording fragments, SCTP's CRC32c. What may be a service
+	 * packet by the activity check counts TO_TC, the rest PASS, as a whole packet's. */
+	if (parsed == EKP_PARSE_ICMP_ERR)
+		return ekp_addr6_eq(p->daddr, p->in_saddr) ? ekp_xdp6_to_tc(outcome) : XDP_PASS;
 	if (!ekp_tc6_may_translate(p, EKP_SCOPE_EXTERNAL, cfg))
 		return XDP_PASS;
+	if (parsed != EKP_PARSE_OK || p->b.frag != EKP_FRAG_NONE || p->b.proto == IPPROTO_SCTP)
+		return ekp_xdp6_to_tc(outcome);
 	if (p->hop_limit <= 1 || !ekp_xdp6_reachable(ctx, p))
 		return ekp_xdp6_to_tc(outcome); /* the last hop's answer is tc's */
 
