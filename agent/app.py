@@ -34,7 +34,7 @@ from agent.config import Config, Mode, NodeContext
 from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service
 from agent.errors import FatalError
 from agent.featuregates import node_info
-from agent.metaproxier import frontend_guard
+from agent.metaproxier import frontend_guard, only, tc6_facts
 from agent.metrics import Metrics
 from agent.model import IPFamily, ProxyState, build_state
 from agent.proxier import Proxier
@@ -123,7 +123,7 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
     ip6tables = ip6tables_beside_ebpf(
         config, SubprocessRunner(config, family=6), metrics, snat6_held=proxier.snat6_held
     )
-    return EbpfAndIp6tables(proxier.ipv6(), ip6tables)
+    return EbpfAndIp6tables(proxier.ipv6(), ip6tables, config)
 
 
 def ip6tables_beside_ebpf(
@@ -216,10 +216,22 @@ def dry_run(config: Config) -> int:
 
             sys.stdout.write("# eBPF IPv6 maps (the socket programs)\n")
             sys.stdout.write(render_plan6(result6.state, node6, config))
-        sys.stdout.write("# ip6tables-restore input (IPv6)\n")
+        state6 = result6.state
+        if config.tc_ipv6:
+            from agent.model.tc6_leaves import ports_left
+
+            # What ip6tables holds beside the tc IPv6 path once its source translation is granted
+            facts = tc6_facts(config, state6, serves=True, granted=True)
+            state6 = only(state6, ports_left(state6, node6.node_ips, facts))
+            sys.stdout.write(
+                "# ip6tables-restore input (IPv6): the service ports the tc IPv6 path leaves to it once "
+                "granted (agent/model/tc6_leaves.py)\n"
+            )
+        else:
+            sys.stdout.write("# ip6tables-restore input (IPv6)\n")
         from agent.iptables import render_dry_run as render_iptables
 
-        sys.stdout.write(render_iptables(result6.state, node6, config))
+        sys.stdout.write(render_iptables(state6, node6, config))
     return 0
 
 

@@ -18,9 +18,9 @@ Which proxier programs IPv6, when the flags describe IPv6 for the node (`Config.
   do not see: external clients, NodePorts and external IPs from outside, the pods' flows the
   socket programs leave to the packet path (affinity, source ranges, SNAT; all of them under
   --bpf-socket-lb-host-namespace-only), and everything when --bpf-socket-lb=false (then the IPv6
-  maps are not written). The eBPF tc programs pass IPv6 packets to the stack untouched until they
-  have their own IPv6 path; until then ip6tables is what serves those, the step eBPF data planes
-  took before their own IPv6 path existed. Its backend is --iptables-backend or the node's (no
+  maps are not written). Where the tc programs' IPv6 path serves (Config.tc_ipv6), ip6tables gets
+  only the service ports it and the socket programs leave to the stack (agent/model/tc6_leaves.py;
+  `EbpfAndIp6tables` says in which order). Its backend is --iptables-backend or the node's (no
   IPv4 rules to follow).
 
 Without IPv6 in the flags no IPv6 proxier runs: the IPv6 state is still computed (so problems with
@@ -40,13 +40,15 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import replace
 from typing import Protocol
 
 from agent.config import Config, Mode, NodeContext
 from agent.errors import FatalError
 from agent.featuregates import node_info
 from agent.model.guard import FrontendGuard
+from agent.model.tc6_leaves import TC6_LEAVES_HOST_BACKENDS, Tc6Facts, ports_left
 from agent.model.tracker import Commit, ProxyModel
 from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.proxier import Proxier, SyncResult
@@ -78,6 +80,38 @@ class Ipv6Maps(Proxier, Protocol):
         range (ekp_cfg6); False (it failed: the rules in place are not known to be ours): it may not
         until a restore succeeds again."""
 
+    @property
+    def tc_serves(self) -> bool:
+        """Whether the tc programs' IPv6 path serves (Config.tc_ipv6 on a node with an IPv6 half)."""
+
+    @property
+    def snat_granted(self) -> bool:
+        """Whether the last sync granted that path its source translation (ekp_cfg6's address)."""
+
+
+def tc6_facts(config: Config, state: ProxyState, *, serves: bool, granted: bool) -> Tc6Facts:
+    """The node-wide inputs of the IPv6 ports left to ip6tables (agent/model/tc6_leaves.py):
+    `serves`, the tc IPv6 path serves; `granted`, its source translation is granted."""
+    return Tc6Facts(
+        serves=serves,
+        leaves_host_backends=TC6_LEAVES_HOST_BACKENDS,
+        snat_granted=granted,
+        masquerade_all=config.masquerade_all,
+        detector=config.local_detector(state.node.pod_cidrs, 6).implemented,
+    )
+
+
+def only(state: ProxyState, ports: Collection[ServicePortName]) -> ProxyState:
+    """`state` with the service ports `ports` alone (a copy of its mappings when some are left out)."""
+    if len(ports) == len(state.services) and all(spn in state.services for spn in ports):
+        return state
+    return replace(
+        state,
+        services={spn: state.services[spn] for spn in ports if spn in state.services},
+        endpoints={spn: eps for spn, eps in state.endpoints.items() if spn in ports},
+        raw_endpoints={spn: eps for spn, eps in state.raw_endpoints.items() if spn in ports},
+    )
+
 
 class EbpfAndIp6tables:
     """eBPF mode's IPv6 proxier: ip6tables (every packet the eBPF programs leave to the stack), then
@@ -90,35 +124,106 @@ class EbpfAndIp6tables:
     keeps out of --bpf-snat-ports (agent/iptables/rules.py `masquerade_ports_beside`), and until a
     restore has put that rule in place nf_conntrack may hand out a port of the range the tc path
     would pick for another flow to the same backend. The maps are told after each restore whether it
-    succeeded (`masquerade_apart`)."""
+    succeeded (`masquerade_apart`).
 
-    def __init__(self, ebpf: Ipv6Maps, ip6tables: Proxier) -> None:
+    ip6tables gets only the service ports the eBPF programs leave to it (agent/model/tc6_leaves.py;
+    all of them where the tc path does not serve), so that its KUBE-SERVICES walk is as short as
+    what is left. No frontend is ever left by both:
+
+    * a port joining that set (a host-network backend came, the grant went off) gets its rules in
+      the restore before the maps that hand it to the stack are written;
+    * a port leaving it keeps its rules until the sync after the maps that serve it were written
+      (`again`: the next IPv6 sync drops them);
+    * the grant is decided by the maps' sync, after the restore, which was rendered for the grant
+      then in force. When it turns on, the tc path serves at once and the rules go at the next
+      sync. When it turns off (a failed restore, the node's IPv6 address gone, masqueraded flows
+      holding ports of the range), the ports it hands back to the stack are restored at once, in
+      the same call, before it returns: the window is that restore. After a failed restore the
+      second one is tried too (a partial restore that failed is already retried as a complete
+      one by the ip6tables proxier); if it fails as well, those ports are unserved until a
+      restore succeeds, as every IPv6 rule change would be."""
+
+    def __init__(self, ebpf: Ipv6Maps, ip6tables: Proxier, config: Config) -> None:
         self.ebpf = ebpf
         self.ip6tables = ip6tables
+        self._config = config
+        self._rendered: frozenset[ServicePortName] | None = None  # the ports ip6tables last got
+        self._needed: frozenset[ServicePortName] = frozenset()  # left after the last maps' sync
 
     def prepare(self) -> None:
         self.ebpf.prepare()
         self.ip6tables.prepare()
 
+    def facts(self, state: ProxyState, *, granted: bool) -> Tc6Facts:
+        """The node-wide inputs of the ports left to ip6tables, with the grant `granted`."""
+        return tc6_facts(self._config, state, serves=self.ebpf.tc_serves, granted=granted)
+
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
     ) -> SyncResult:
+        granted = self.ebpf.snat_granted
+        need = ports_left(state, node.node_ips, self.facts(state, granted=granted))
+        # A port the maps were last written to hand to the stack keeps its rules one more sync; with
+        # the rules in place not known (the first sync, the one after a failure: maps of an earlier
+        # run may hand any port to the stack), every port gets them, and `again` thins them out.
+        keep = frozenset(state.services) if self._rendered is None else need | (self._rendered & self._needed)
         results: list[SyncResult] = []
         failure: Exception | None = None
-        for proxier in (self.ip6tables, self.ebpf):
+        try:
+            results.append(self._restore(state, node, changed, keep))
+        except FatalError:
+            raise
+        except Exception as exc:
+            failure = exc
+        self.ebpf.masquerade_apart(failure is None)
+        try:
+            results.append(self.ebpf.sync(state, node, changed))
+        except FatalError:
+            raise
+        except Exception as exc:
+            failure = failure or exc
+        after = ports_left(state, node.node_ips, self.facts(state, granted=self.ebpf.snat_granted))
+        if not after <= keep:
+            # The grant went off: the ports it hands back to the stack get their rules now.
+            restored = True
             try:
-                results.append(proxier.sync(state, node, changed))
+                results.append(self._restore(state, node, changed, keep | after))
             except FatalError:
                 raise
             except Exception as exc:
-                failure = failure or exc
-            if proxier is self.ip6tables:
-                self.ebpf.masquerade_apart(failure is None)
+                failure, restored = failure or exc, False
+            self.ebpf.masquerade_apart(restored)
+        self._needed = after
         if failure is not None:
+            self._rendered = None  # not known: the retry renders everything that may be needed
             raise failure
-        ip6, ebpf = results
-        failed = {**ip6.failed, **ebpf.failed}
-        return SyncResult(full=ebpf.full and ip6.full, failed=failed, repaired=ebpf.repaired + ip6.repaired)
+        failed: dict[ServicePortName, str] = {}
+        for result in results:
+            failed.update(result.failed)
+        assert self._rendered is not None
+        return SyncResult(
+            full=all(r.full for r in results),
+            failed=failed,
+            repaired=sum(r.repaired for r in results),
+            again=self._rendered - after,
+        )
+
+    def _restore(
+        self,
+        state: ProxyState,
+        node: NodeContext,
+        changed: frozenset[ServicePortName] | None,
+        ports: frozenset[ServicePortName],
+    ) -> SyncResult:
+        """ip6tables for `ports` of `state` alone: a port that joins or leaves the set since the
+        last restore is synced as a changed one (leaving: its chains go, as a deleted Service's)."""
+        if changed is not None:
+            before = self._rendered if self._rendered is not None else frozenset(state.services)
+            changed = changed | (ports ^ before)
+        self._rendered = None
+        result = self.ip6tables.sync(only(state, ports), node, changed)
+        self._rendered = ports
+        return result
 
     def cleanup(self) -> None:
         self.ebpf.cleanup()
@@ -192,6 +297,7 @@ class IPv6Family:
         self._announced = unserved_said  # the start said why no IPv6 proxier runs
         self._need_full = False  # the last sync raised: the next one writes everything
         self._changed: set[ServicePortName] = set()  # committed, not yet programmed
+        self._again = False  # the last call asked for another (SyncResult.again)
         self._full_due = False  # a commit or the node asked for a full sync not yet made
         self._held: Commit | None = None  # the commits not yet programmed, merged
         self._last_call = float("-inf")
@@ -282,6 +388,8 @@ class IPv6Family:
             self.elapsed = self._clock() - started
         self._need_full = self._full_due = False
         self._changed.clear()
+        self._changed |= result.again
+        self._again = bool(result.again)
         if full:
             self._last_full = now
         self._report(result)
@@ -298,8 +406,9 @@ class IPv6Family:
 
     @property
     def retry_wanted(self) -> bool:
-        """The last sync failed, or left service ports unprogrammed."""
-        return self._need_full or bool(self._retry)
+        """The last sync failed, left service ports unprogrammed, or asked to be called again
+        (`SyncResult.again`)."""
+        return self._need_full or bool(self._retry) or self._again
 
     def _announce(self) -> None:
         """Once per agent life: IPv6 service ports exist and nothing programs them."""

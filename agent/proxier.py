@@ -30,6 +30,10 @@ class SyncResult:
     failed: Mapping[ServicePortName, str] = field(default_factory=dict)
     # Differences between the kernel and the desired state found and repaired (full syncs only).
     repaired: int = 0
+    # Service ports to sync again though nothing changed: a step of a hand-over that needs the
+    # sync after this one (eBPF mode's IPv6 rules dropped once the maps that serve them are
+    # written, agent/metaproxier.py EbpfAndIp6tables). The caller names them in its next call.
+    again: frozenset[ServicePortName] = frozenset()
 
 
 class Proxier(Protocol):

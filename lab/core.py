@@ -1073,22 +1073,34 @@ http {{
         tcp: bool = False,
         port: int = DNS_PORT,
         timeout: float = 2.0,
+        source_port: int | None = None,
     ) -> str:
-        """`dig @server name rtype +short` inside the namespace (UDP, or TCP with `tcp=True`).
+        """`dig @server name rtype +short` inside the namespace (UDP, or TCP with `tcp=True`), from
+        `source_port` when given (else dig's random one).
 
         Returns dig's short output (TXT answers keep their quotes); raises CommandError when no
         answer came.
         """
         argv = ["dig", f"@{server}", "-p", str(port), name, rtype, "+short"]
+        if source_port is not None:
+            argv += ["-b", f"{'::' if ':' in server else '0.0.0.0'}#{source_port}"]
         argv += [f"+time={max(1, round(timeout))}", "+tries=1", "+tcp" if tcp else "+notcp"]
         res = self.run(target, *argv, timeout=timeout + 5)
         if res.stdout.startswith(";;"):
             raise CommandError(9, argv, res.stdout, res.stderr, self.ns(target))
         return res.stdout.strip()
 
-    def dns_whoami(self, target: NsLike, server: str, *, tcp: bool = False, timeout: float = 2.0) -> str:
+    def dns_whoami(
+        self,
+        target: NsLike,
+        server: str,
+        *,
+        tcp: bool = False,
+        timeout: float = 2.0,
+        source_port: int | None = None,
+    ) -> str:
         """Name of the pod whose dnsmasq answered `whoami.lab TXT` (quotes stripped)."""
-        return self.dig(target, server, tcp=tcp, timeout=timeout).strip('"')
+        return self.dig(target, server, tcp=tcp, timeout=timeout, source_port=source_port).strip('"')
 
     def make_blob(self, size: int, name: str = "blob.bin") -> tuple[Path, str]:
         """Write `size` random bytes into the lab's tmp dir; return (path, sha256 hex)."""

@@ -519,6 +519,15 @@ class EbpfProxier:
             return "the node has no usable IPv6 address (global, not temporary, deprecated or tentative)"
         return self._snat6_ports_held(abi.ip6_str(source), maps)
 
+    @property
+    def tc6_serves(self) -> bool:
+        return self._tc_ipv6
+
+    @property
+    def snat6_granted(self) -> bool:
+        """Whether the last sync6 wrote the node's IPv6 address into ekp_cfg6 (`_snat6_granted`)."""
+        return self._snat6_refused == ""
+
     def masquerade6_apart_is(self, apart: bool) -> None:
         """What the last ip6tables restore did (agent/metaproxier.py `masquerade_apart`). A failed
         one also forgets that no masqueraded flow held a port of the range: the rules in place may
@@ -1058,6 +1067,17 @@ class EbpfIpv6:
 
     def masquerade_apart(self, apart: bool) -> None:
         self._ebpf.masquerade6_apart_is(apart)
+
+    @property
+    def tc_serves(self) -> bool:
+        """Whether the tc programs' IPv6 path serves (Config.tc_ipv6 and this node's IPv6 half)."""
+        return self._ebpf.tc6_serves
+
+    @property
+    def snat_granted(self) -> bool:
+        """Whether the last IPv6 sync granted the tc IPv6 path its source translation (ekp_cfg6
+        holds the node's IPv6 address); False before the first."""
+        return self._ebpf.snat6_granted
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None

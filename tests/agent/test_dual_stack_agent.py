@@ -541,6 +541,7 @@ class Half:
         self, name: str, calls: list[str], fail: Exception | None = None, failed: Any = None
     ) -> None:
         self.name, self.calls, self.fail, self.failed = name, calls, fail, failed or {}
+        self.tc_serves = self.snat_granted = False  # the tc IPv6 path off: ip6tables gets every port
 
     def prepare(self) -> None:
         self.calls.append(f"{self.name}.prepare")
@@ -564,8 +565,9 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
 
     calls: list[str] = []
     a, b = spn("a"), spn("b")
+    config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
     both = EbpfAndIp6tables(
-        Half("ebpf", calls, failed={a: "full"}), Half("ip6", calls, failed={b: "rejected"})
+        Half("ebpf", calls, failed={a: "full"}), Half("ip6", calls, failed={b: "rejected"}), config
     )
     result = both.sync(EMPTY6, NODE6, None)
     # ip6tables first: the maps may take the node's address as the tc path's SNAT source only once
@@ -573,19 +575,19 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
     assert calls == ["ip6.sync", "ebpf.apart", "ebpf.sync"] and result.full and result.repaired == 2
     assert result.failed == {a: "full", b: "rejected"}
     calls.clear()
-    broken = EbpfAndIp6tables(Half("ebpf", calls, fail=RuntimeError("maps")), Half("ip6", calls))
+    broken = EbpfAndIp6tables(Half("ebpf", calls, fail=RuntimeError("maps")), Half("ip6", calls), config)
     with pytest.raises(RuntimeError, match="maps"):
         broken.sync(EMPTY6, NODE6, frozenset())
     assert calls == ["ip6.sync", "ebpf.apart", "ebpf.sync"]
     calls.clear()
-    no_rules = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=RuntimeError("restore")))
+    no_rules = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=RuntimeError("restore")), config)
     with pytest.raises(RuntimeError, match="restore"):
         no_rules.sync(EMPTY6, NODE6, frozenset())
     # the maps synced even when ip6tables failed, told the grant is gone (the rules in place are
     # not known to keep out of the range): the tc path's SNAT source is zero until a restore succeeds
     assert calls == ["ip6.sync", "ebpf.not apart", "ebpf.sync"]
     calls.clear()
-    fatal = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=FatalError("gone")))
+    fatal = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=FatalError("gone")), config)
     with pytest.raises(FatalError):
         fatal.sync(EMPTY6, NODE6, None)
     assert calls == ["ip6.sync"]
@@ -738,6 +740,13 @@ def test_dry_run_in_ebpf_mode_prints_the_ip6tables_input_after_the_ebpf_maps(
     assert "fe6 [fd00:10:96::a]:80/TCP internal -> svc=1 set=1 count=1" in ebpf6
     assert "be6 1 -> [fd00:10:244:1::2]:8080/TCP" in ebpf6 and "10.96.0.10" not in ebpf6
     assert "*nat" in ip6tables and "-d fd00:10:96::a --dport 80" in ip6tables and "COMMIT" in ip6tables
+    # With the tc IPv6 path: what ip6tables holds beside it once granted (agent/model/tc6_leaves.py),
+    # here no Service (its one endpoint is a pod's), the layout's own chains still
+    assert dry_run(replace(config, bpf_host_routing=HostRouting.BPF)) == 0
+    out = capsys.readouterr().out
+    _, marker, ip6tables = out.partition("# ip6tables-restore input (IPv6): the service ports the tc IPv6")
+    assert marker, out
+    assert "fd00:10:96::a" not in ip6tables and "-A KUBE-POSTROUTING" in ip6tables, ip6tables
 
 
 @pytest.mark.parametrize("mode", [Mode.EBPF, Mode.IPTABLES])

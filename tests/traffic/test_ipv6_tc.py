@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -43,6 +44,7 @@ PODS = ("pod-1-2", "pod-2-2")  # the IPv6 backends, one per node
 # POST /sink): the path-MTU test's
 PMTU_VIP, PMTU_POD, SINK_PORT = "fd00:10:96::c3", "pod-2-1", 8087
 UPLOAD = 2_000_000
+DIG_PORT = 23000  # below the pods' ephemeral range (no earlier connection holds one)
 TRIES = 20  # each reaches a given one of two backends with p = 1/2: all missing it, 1e-6
 # Refusals: a ClusterIP without endpoints; a NodePort of policy Local whose one endpoint is on
 # node2; two LoadBalancer IPs (routed to node1 by the client), one whose source ranges leave the
@@ -50,6 +52,13 @@ TRIES = 20  # each reaches a given one of two backends with p = 1/2: all missing
 NONE_VIP, NO_LOCAL_PORT = "fd00:10:96::c7", 30794
 LB_DENY, LB_ALLOW, LB_DENY_PORT, LB_ALLOW_PORT = "fd00:10:97::1", "fd00:10:97::2", 30795, 30796
 SCTP_VIP, SCTP_PORT, SCTP_TARGET, SCTP_POD = "fd00:10:96::c9", 5060, 5061, "pod-2-2"
+# A ClusterIP whose one endpoint is node1's own IPv6 address (a host-network backend): the tc path
+# leaves it to ip6tables (EKP_FE_HOST_BACKEND), which keeps its rules
+HOST_VIP, HOST_PORT = "fd00:10:96::cc", 8097
+# What eBPF mode's ip6tables keeps once the IPv6 SNAT is granted (agent/model/tc6_leaves.py): the
+# host backend's, SCTP's (the node's own SCTP sockets) and the LB IPs with source ranges' (a node
+# socket bound to no address); every other Service of the lab is the eBPF programs' alone
+LEFT_VIPS = {HOST_VIP, SCTP_VIP, "fd00:10:96::ca", "fd00:10:96::cb"}
 PEER = str(PODSERVER.parent / "sctppeer.py")
 
 
@@ -70,6 +79,8 @@ def dual(request: pytest.FixtureRequest) -> Iterator[Cluster]:
             name="sink6",
         )
         lab.wait_log(sink, "podserver ready")
+        host = lab.popen(lab.node(1), sys.executable, "-c", SERVER6, "node1", str(HOST_PORT), name="host6")
+        lab.wait_log(host, "ready")
         for name in PODS:  # DNS on their IPv6 addresses too, behind DNS_VIP
             lab.start_dns(lab.pod(name), extra_args=[f"--listen-address={lab.pod(name).ip6}"])
         extra = ["--bpf-host-routing=bpf"] if request.param == "ebpf" else []
@@ -77,6 +88,9 @@ def dual(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         c.start()
         try:
             lab_objects(c)
+            if c.mode == "ebpf":
+                # every test of the module runs with the rules thinned out (the grant on)
+                thinned(c)
             yield c
         finally:
             failures = c.stop()
@@ -124,9 +138,31 @@ def lab_objects(c: Cluster) -> None:
     closed = service("tc6-closed", CLOSED_VIP, [cport], ipFamilies=["IPv6"])
     ceps = endpoint_slice("tc6-closed", [cport], [Ep(lab.pod("pod-2-2").ip6, "node2")], "v6")
     ceps["addressType"] = "IPv6"
-    c.apply(
-        [svc, eps, local, leps, sink, seps, remote, reps, dns_svc, deps, closed, ceps, *refusal_objects(c)]
-    )
+    hport = Port("http", 80, HOST_PORT)
+    hosted = service("tc6-host", HOST_VIP, [hport], ipFamilies=["IPv6"])
+    heps = endpoint_slice("tc6-host", [hport], [Ep(lab.node(1).ip6, "node1")], "v6")
+    heps["addressType"] = "IPv6"
+    objs = [svc, eps, local, leps, sink, seps, remote, reps, dns_svc, deps, closed, ceps, hosted, heps]
+    c.apply([*objs, *refusal_objects(c)])
+
+
+def thinned(c: Cluster, timeout: float = 60.0) -> None:
+    """Until node1's ip6tables sends only LEFT_VIPS to Service chains: the grant came at a sync
+    (the tc path serves those Services at once) and the rules went at the next IPv6 sync."""
+    deadline = time.monotonic() + timeout
+    while (vips := kube_services_vips(c)) != LEFT_VIPS:
+        assert time.monotonic() < deadline, f"ip6tables still sends {sorted(vips)} to Service chains"
+        time.sleep(0.2)
+
+
+def kube_services_vips(c: Cluster) -> set[str]:
+    """The IPv6 addresses node1's ip6tables KUBE-SERVICES sends to a Service's chain."""
+    rules = c.lab.run(c.lab.node(1), "ip6tables-save", "-t", "nat").stdout
+    return {
+        line.split(" -d ", 1)[1].split("/", 1)[0]
+        for line in rules.splitlines()
+        if line.startswith("-A KUBE-SERVICES -d ") and " -j KUBE-SVC-" in line
+    }
 
 
 def refusal_objects(c: Cluster) -> list[dict[str, object]]:
@@ -343,7 +379,9 @@ def test_dns_over_ipv6_with_dig_is_translated_by_tc(dual: Cluster) -> None:
     pod = lab.pod("pod-1-1")
     forget_flows(dual, DNS_VIP)
     before = new_flows(dual)
-    assert {lab.dns_whoami(pod, DNS_VIP) for _ in range(TRIES)} == set(PODS)
+    # each lookup from a port of its own: dig's random ports can repeat within 20 lookups (about
+    # 0.7% of runs), and a repeated one is the earlier lookup's live flow, not a new one
+    assert {lab.dns_whoami(pod, DNS_VIP, source_port=DIG_PORT + i) for i in range(TRIES)} == set(PODS)
     assert {lab.dns_whoami(pod, DNS_VIP, tcp=True) for _ in range(3)} <= set(PODS)
     flows = dnat_flows(dual, DNS_VIP)
     if dual.mode == "ebpf":
@@ -630,3 +668,21 @@ def test_an_sctp_association_through_an_ipv6_cluster_ip(dual: Cluster) -> None:
         assert flows == "", flows
     else:
         assert f"dport={SCTP_PORT} " in flows, flows
+
+
+def test_ip6tables_keeps_only_the_services_the_ebpf_programs_leave_to_it(dual: Cluster) -> None:
+    """eBPF mode, the IPv6 SNAT granted (the fixture waited for it): node1's ip6tables holds no
+    KUBE-SVC-* for the Services the tc path and the socket programs serve (every test of the module
+    ran with them gone), only for the host-network backend's, SCTP's and the source ranges' LB
+    IPs' (agent/model/tc6_leaves.py); a pod reaches the host-network backend through ip6tables'
+    DNAT. iptables mode: every Service has its rules."""
+    pod = dual.lab.pod("pod-1-1")
+    assert fetch(dual, pod, f"http://[{HOST_VIP}]:80/") == "node1"
+    vips = kube_services_vips(dual)
+    if dual.mode == "ebpf":
+        assert vips == LEFT_VIPS
+        assert f"sport={HOST_PORT} " in dnat_flows(dual, HOST_VIP), "ip6tables DNATed its flow"
+        rules = dual.lab.run(dual.lab.node(1), "ip6tables-save", "-t", "nat").stdout
+        assert "-A KUBE-POSTROUTING" in rules and "MASQUERADE" in rules, "the masquerade stays"
+    else:
+        assert vips >= LEFT_VIPS | {VIP, DNS_VIP, PMTU_VIP, CLOSED_VIP}

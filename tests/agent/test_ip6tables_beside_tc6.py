@@ -1,0 +1,229 @@
+"""eBPF mode's ip6tables beside the tc programs' IPv6 path (agent/metaproxier.py EbpfAndIp6tables):
+the rules of the service ports the eBPF programs leave to the stack only (agent/model/tc6_leaves.py),
+and the order that never leaves a frontend to neither. Real ip6tables proxier, fake runner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from agent.config import Config, HostRouting, Mode, NodeContext
+from agent.model.state import build_state
+from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
+from agent.proxier import Proxier, SyncResult
+from tests.agent.test_daemon import spn
+from tests.agent.test_dual_stack_agent import NODE6, V6_CIDRS, HandbackRecorder, dual, slice6
+from tests.iptables.fakes import FakeCounters, FakeRunner
+from tests.model.test_state import service
+
+CONFIG = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS, bpf_host_routing=HostRouting.BPF)
+
+
+class Maps:
+    """The eBPF half: the tc IPv6 path serves; its sync sets the grant to `grant_next`."""
+
+    def __init__(self, calls: list[str], *, serves: bool = True) -> None:
+        self.calls = calls
+        self.tc_serves = serves
+        self.snat_granted = False
+        self.grant_next = False
+        self.apart = False
+
+    def prepare(self) -> None:
+        pass
+
+    def masquerade_apart(self, apart: bool) -> None:
+        self.calls.append("apart" if apart else "not apart")
+        self.apart = apart
+
+    def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
+        self.calls.append("maps")
+        self.snat_granted = self.grant_next and self.apart  # as EbpfProxier._snat6_refusal
+        return SyncResult(full=changed is None)
+
+    def cleanup(self) -> None:
+        pass
+
+
+class Recorded:
+    """The real ip6tables proxier, its calls recorded in the same list as the maps'."""
+
+    def __init__(self, inner: Proxier, calls: list[str]) -> None:
+        self.inner, self.calls = inner, calls
+        self.fail = 0  # restores to fail (as a failed ip6tables-restore raises)
+
+    def prepare(self) -> None:
+        self.inner.prepare()
+
+    def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
+        self.calls.append("restore")
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("ip6tables-restore failed (fake)")
+        return self.inner.sync(state, node, changed)
+
+    def cleanup(self) -> None:
+        self.inner.cleanup()
+
+
+WEB, API = spn("web"), spn("kubernetes")
+
+
+def state(api_on_node: bool = True) -> ProxyState:
+    """A dual-stack Service (its IPv6 half, a remote endpoint) and one whose endpoint is the node's
+    own IPv6 address (a host-network backend, as `kubernetes` on a control-plane node)."""
+    api_ip = NODE6.node_ips[0] if api_on_node else "fd00:10:244:2::9"
+    return build_state(
+        [dual(), service("kubernetes", clusterIP="fd00:10:96::1", ipFamilies=["IPv6"])],
+        [
+            slice6("web-v6", "fd00:10:244:2::2"),
+            slice6("api-v6", api_ip, svc="kubernetes", node="node1" if api_on_node else "node2"),
+        ],
+        NodeInfo("node1"),
+        family=IPFamily.IPv6,
+    ).state
+
+
+def services_chain(runner: FakeRunner) -> list[str]:
+    return [line for line in runner.save("nat").splitlines() if line.startswith("-A KUBE-SERVICES ")]
+
+
+def jumped(runner: FakeRunner) -> set[str]:
+    """The service ports KUBE-SERVICES sends to a chain of their own (by the comment's name)."""
+    return {
+        name
+        for line in services_chain(runner)
+        for name in ("default/web:http", "default/kubernetes:http")
+        if f'"{name} cluster IP"' in line
+    }
+
+
+@pytest.fixture
+def rig(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Maps, FakeRunner, list[str]]:
+    from agent.app import ip6tables_beside_ebpf
+    from agent.metaproxier import EbpfAndIp6tables
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    calls: list[str] = []
+    runner = FakeRunner()
+    maps = Maps(calls)
+    ip6 = Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls)
+    both = EbpfAndIp6tables(maps, ip6, CONFIG)
+    both.recorded = ip6  # type: ignore[attr-defined]
+    return both, maps, runner, calls
+
+
+def test_ip6tables_beside_the_tc_ipv6_path_keeps_only_what_it_leaves_and_hands_over_in_order(
+    rig: tuple[Any, Maps, FakeRunner, list[str]],
+) -> None:
+    both, maps, runner, calls = rig
+    s = state()
+    # Not granted (every load starts so): with the IPv6 detector, every ClusterIP's non-local
+    # traffic is masqueraded, which only ip6tables does then: every port keeps its rules.
+    result = both.sync(s, NODE6, None)
+    assert calls == ["restore", "apart", "maps"] and result.again == frozenset()
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+    assert "10.96.0.10" not in runner.save(), "the dual-stack Service's IPv4 half is not ip6tables'"
+    # The grant comes with this sync's maps: tc serves at once, the rules stay until the next sync.
+    calls.clear()
+    maps.grant_next = True
+    result = both.sync(s, NODE6, frozenset())
+    assert calls == ["restore", "apart", "maps"] and result.again == {WEB}
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+    calls.clear()
+    result = both.sync(s, NODE6, result.again)
+    assert calls == ["restore", "apart", "maps"] and result.again == frozenset()
+    # Granted: only the host-network backend's Service is left to ip6tables; web's chains are gone.
+    assert jumped(runner) == {"default/kubernetes:http"}
+    assert "fd00:10:96::a" not in runner.save("nat") and "fd00:10:96::a" not in runner.save("filter")
+    assert "-A KUBE-POSTROUTING" in runner.save("nat"), "the masquerade the grant depends on stays"
+    # The grant goes off in the maps' sync: the ports it hands back get their rules before the call
+    # returns, in a second restore after the maps.
+    calls.clear()
+    maps.grant_next = False
+    result = both.sync(s, NODE6, frozenset())
+    assert calls == ["restore", "apart", "maps", "restore", "apart"]
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"} and result.again == frozenset()
+
+
+def test_a_port_whose_host_backend_leaves_keeps_its_rules_until_the_maps_serve_it(
+    rig: tuple[Any, Maps, FakeRunner, list[str]],
+) -> None:
+    both, maps, runner, calls = rig
+    maps.snat_granted = maps.grant_next = True
+    result = both.sync(state(), NODE6, None)
+    both.sync(state(), NODE6, result.again)
+    assert jumped(runner) == {"default/kubernetes:http"}
+    # The backend moves off the node: the maps of the last sync still hand the frontend to the
+    # stack (EKP_FE_HOST_BACKEND) until this sync writes them, so its rules stay for one more.
+    moved = state(api_on_node=False)
+    result = both.sync(moved, NODE6, frozenset({API}))
+    assert jumped(runner) == {"default/kubernetes:http"} and result.again == {API}
+    both.sync(moved, NODE6, result.again)
+    assert jumped(runner) == set()
+    # ... and back on the node: its rules come in the restore before the maps hand it over.
+    calls.clear()
+    both.sync(state(), NODE6, frozenset({API}))
+    assert calls[0] == "restore" and jumped(runner) == {"default/kubernetes:http"}
+
+
+def test_without_the_tc_ipv6_path_ip6tables_gets_every_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent.app import ip6tables_beside_ebpf
+    from agent.metaproxier import EbpfAndIp6tables
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    calls: list[str] = []
+    runner = FakeRunner()
+    maps = Maps(calls, serves=False)
+    maps.grant_next = True  # never granted without the path; even so, nothing is left out
+    both = EbpfAndIp6tables(maps, ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), CONFIG)
+    for changed in (None, frozenset[ServicePortName](), frozenset()):
+        assert both.sync(state(), NODE6, changed).again == frozenset()
+        assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+
+
+def test_the_ipv6_family_calls_its_proxier_again_for_the_ports_it_asked_for() -> None:
+    """`SyncResult.again` (the rules of ports the maps now serve go at the next sync): the IPv6
+    family asks the runner for another run, after its floor, and names those ports in it."""
+    from dataclasses import replace
+
+    from agent.metaproxier import IPv6Family, Outcome
+    from tests.agent.test_daemon import FakeProxier
+
+    class Again(FakeProxier):
+        ask = frozenset({WEB})
+
+        def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
+            asked, self.ask = self.ask, frozenset()
+            return replace(super().sync(state, node, changed), again=asked)
+
+    proxier = Again()
+    family = IPv6Family(CONFIG, proxier, lambda: NODE6)
+    family.sync(read_node=True, now=100.0)
+    assert proxier.calls == [None] and family.retry_wanted
+    family.sync(read_node=False, now=100.1)
+    assert family.outcome is Outcome.HELD, "within the IPv6 floor"
+    family.sync(read_node=False, now=102.0)
+    assert proxier.calls == [None, frozenset({WEB})] and not family.retry_wanted
+    family.sync(read_node=False, now=104.0)
+    assert family.outcome is Outcome.IDLE and len(proxier.calls) == 2
+
+
+def test_a_failed_restore_that_turns_the_grant_off_puts_the_rules_back_before_it_raises(
+    rig: tuple[Any, Maps, FakeRunner, list[str]],
+) -> None:
+    """The grant goes off after a failed restore (its MASQUERADE not known to be in place): the
+    ports it hands back to the stack are restored again in the same call, after the maps, and the
+    failure is still raised (the family retries in full, writing every port)."""
+    both, maps, runner, calls = rig
+    maps.grant_next = True
+    result = both.sync(state(), NODE6, None)
+    both.sync(state(), NODE6, result.again)
+    assert jumped(runner) == {"default/kubernetes:http"} and maps.snat_granted
+    calls.clear()
+    both.recorded.fail = 1
+    with pytest.raises(RuntimeError, match="fake"):
+        both.sync(state(), NODE6, frozenset())
+    assert calls == ["restore", "not apart", "maps", "restore", "apart"] and not maps.snat_granted
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
