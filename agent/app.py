@@ -56,8 +56,10 @@ def make_proxier(config: Config, metrics: Metrics | None = None, *, ipv6: bool) 
 
         return IptablesProxier(config, metrics=metrics)
     from agent.ebpf import EbpfProxier
+    from agent.lock import LOCK_DIR
 
-    return EbpfProxier(config, ipv6=ipv6)
+    # the planner left for the next start beside the lock files (tmpfs, root's, the chart's hostPath)
+    return EbpfProxier(config, ipv6=ipv6, snapshot_dir=LOCK_DIR)
 
 
 def ipv6_unsupported(config: Config, missing: Callable[[Config], str] | None = None) -> str:
@@ -243,7 +245,7 @@ def cleanup(config: Config) -> int:
     """
     from agent.ebpf import EbpfProxier
     from agent.iptables import IptablesProxier
-    from agent.lock import acquire
+    from agent.lock import LOCK_DIR, acquire
 
     try:
         node_lock = acquire(config)
@@ -253,7 +255,10 @@ def cleanup(config: Config) -> int:
     with node_lock:
         failed = False
         # ipv6: nothing is loaded; the cleanup removes every pin, the IPv6 maps included
-        proxiers: list[Proxier] = [EbpfProxier(config, ipv6=False), IptablesProxier(config)]
+        proxiers: list[Proxier] = [
+            EbpfProxier(config, ipv6=False, snapshot_dir=LOCK_DIR),  # its planner's file removed too
+            IptablesProxier(config),
+        ]
         if any(shutil.which(f"ip6tables-{backend}") for backend in ("nft", "legacy")):
             proxiers.append(IptablesProxier(config, family=IPFamily.IPv6))  # upstream cleans both
         for proxier in proxiers:

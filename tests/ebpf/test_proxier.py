@@ -241,6 +241,7 @@ class Rig:
         # What the next proxier's attacher finds on the hooks (an older generation's filters at 17).
         self.hooks = HandoverState(own_front=False, other_front=False, older_behind=True)
         self.rehome_error: Exception | None = None  # what the next proxier's attacher's first rehome raises
+        self.snapshot_dir: str | None = None  # where a proxier leaves its planner at close (None: nowhere)
 
     def proxier(self, *, ipv6: bool = True) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
@@ -279,6 +280,7 @@ class Rig:
             netns_cookie_reader=lambda netns: 4242,
             socket_detach=self.socket_detach,
             conntrack6_reader=self.read_conntrack6,
+            snapshot_dir=self.snapshot_dir,
             ipv6=ipv6,
         )
 
