@@ -73,9 +73,9 @@ struct ekp_frontend_key {
 					* instead (ETP Local with no local-traffic detector: pods get the local
 					* endpoints, the node every endpoint, as kube-proxy's --src-type LOCAL rule) */
 #define EKP_FE_HOST_BACKEND  (1 << 11) /* IPv6 frontends (ekp_fe6): its backend set holds an endpoint on a node
-					* address (EKP_BE_HOST); no program reads it since the tc IPv6 path serves
-					* such backends itself (ekp_tc6.h), kept for the ip6tables proxier beside
-					* it; IPv4 frontends never carry it */
+					* address (EKP_BE_HOST); read by XDP's IPv6 path, which leaves such a
+					* frontend whole to tc (ekp_xdp6.h: one hook chooses its backends); the tc
+					* IPv6 path serves it since v6legacy; IPv4 frontends never carry it */
 
 struct ekp_frontend {
 	__u32 svc_id;           /* host: the service port (membership, affinity, conntrack); never 0 */
