@@ -296,7 +296,8 @@ _TC6 = {"cfg", "cfgsel", "stats", "act", "addr6", "fe6", "srcr6", "aff6", "membe
 _TC6 |= _CT6 | {"fraglast"}
 # XDP's IPv6 path (ekp_xdp_net6): the tc path's but for what it leaves to tc (fragments, answers),
 # with XDP's counters
-_XDP6 = (_TC6 - {"stats", "icmprl", "frag6", "frhold6", "fraglast"}) | {"xstats"}
+# (no legacy host routing's hand-over: XDP leaves its translations to tc, ekp_hostnat6 unread)
+_XDP6 = (_TC6 - {"stats", "icmprl", "frag6", "frhold6", "fraglast", "hostnat6"}) | {"xstats"}
 _SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
 _SOCK_FORWARD6 = _SOCK_FORWARD | {"fe6", "srcr6", "aff6", "member6", "slot6", "be6", "sknat6"}
 _SOCK_REVERSE = {"sknat", "fe", "stats"}
