@@ -69,7 +69,7 @@ _ALLOWED = {
 _NOT_KEPT = ("_config", "_ip")  # the new run's own
 # A file larger than this is refused unread (the start reads the maps back instead, which costs
 # only time): the pickle is about 14 MB at 10,000 Services of 10 endpoints and 70 MB at 50,000, and
-# the agent holds several times its size in objects (720 MiB at 50,000), so 256 MiB is a planner of
+# the agent holds several times its size in objects (680 MiB at 50,000), so 256 MiB is a planner of
 # well over 1 GiB, past the chart's memory limit (768Mi): not one this node's agent could have left.
 MAX_BYTES = 256 << 20
 
@@ -96,8 +96,8 @@ def save(path: str, planner: Planner, dump: Mapping[str, tuple[bytes, bytes]], i
     """Write `planner` to `path` if `dump` (the maps' read-back now) holds exactly its desired
     entries; "" when written, else why not (for the log). Atomic: a new file renamed over.
 
-    `identity`: the agent's (`identity`), taken when it started: the sources on disk may have
-    changed under it since (a package upgraded in place), and the file describes this run's layout.
+    `identity`: the agent's (see `identity`), taken when its proxier was made: the sources on
+    disk may have changed under it since (an upgrade in place); the file describes this run's layout.
     The pickle goes straight into the file through a hashing writer, its checksum patched into the
     header afterwards: the body is never whole in memory (70 MB at 50,000 Services of 10 endpoints)."""
     if not planner.in_sync:
