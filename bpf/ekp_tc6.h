@@ -384,7 +384,9 @@ static __always_inline int ekp_tc6_wants_snat(__u16 fe_flags, __u8 be_flags, con
  * Routed and redirected as the flow's packets are; the entries are not refreshed. An error about
  * no live flow of this path, or with no route here, goes to the stack untouched, as before; so does
  * one not addressed to the quoted packet's source (the address the flow's entry knows that end by,
- * the key's destination), as nf_conntrack_inet_error gives it no conntrack (ekp_decide_related). */
+ * the key's destination), as nf_conntrack_inet_error gives it no conntrack (ekp_decide_related).
+ * An error on its way to a backend on the node's own address (EKP_CT_HOST: Packet Too Big about
+ * its reply through a NodePort) is rewritten and handed to the stack, whose route is only local. */
 static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6_scratch *w, __u8 scope,
 					   __u32 bridge, const struct ekp_config *cfg, __u32 *outcome)
 {
@@ -392,6 +394,7 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 	struct ekp_icmp6_nat *n = &w->icmp;
 	struct ekp_ct6_key *k = &w->key;
 	__u64 now = bpf_ktime_get_ns();
+	int host = 0;
 
 	if (!ekp_addr6_eq(p->daddr, p->in_saddr))
 		return TC_ACT_OK;
@@ -423,6 +426,7 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 		e = ekp_ct6_lookup(k);
 		if (!e || ekp_ct6_life(e, k, cfg, now) != EKP_CT_LIVE)
 			return TC_ACT_OK;
+		host = (e->flags & EKP_CT_HOST) != 0;
 		__builtin_memcpy(n->in_saddr, e->nat_addr, 16);
 		n->in_sport = e->nat_port;
 		__builtin_memcpy(n->daddr, e->nat_addr, 16);
@@ -436,7 +440,9 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 		*outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
 		return TC_ACT_SHOT;
 	}
-	long rc = ekp_tc6_route(skb, w, n->saddr, 0, n->daddr, 0);
+	/* A backend on the node's own address (EKP_CT_HOST): its route is local, so the error is
+	 * rewritten and delivered by the stack, no hop spent, as ekp_tc6_send's host branch does */
+	long rc = host ? BPF_FIB_LKUP_RET_SUCCESS : ekp_tc6_route(skb, w, n->saddr, 0, n->daddr, 0);
 	if (rc < 0)
 		return TC_ACT_OK;
 	if (ekp_rewrite_icmp6_err(skb, p, n) < 0) {
@@ -444,7 +450,7 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 		return TC_ACT_SHOT;
 	}
 	*outcome = EKP_STAT_CT_RELATED;
-	return ekp_tc6_forward(skb, w, rc, outcome);
+	return host ? TC_ACT_OK : ekp_tc6_forward(skb, w, rc, outcome);
 }
 
 static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
