@@ -57,7 +57,10 @@ def make_proxier(config: Config, metrics: Metrics | None = None, *, ipv6: bool) 
         return IptablesProxier(config, metrics=metrics)
     from agent.ebpf import EbpfProxier
 
-    return EbpfProxier(config, ipv6=ipv6)
+    # The IPv6 half's own address read: the load keeps the SNAT grant an earlier run left pinned
+    # only while its address is still the node's.
+    node6 = (lambda: node_context(config, IPFamily.IPv6)) if ipv6 else None
+    return EbpfProxier(config, ipv6=ipv6, node6_reader=node6)
 
 
 def ipv6_unsupported(config: Config, missing: Callable[[Config], str] | None = None) -> str:

@@ -58,7 +58,7 @@ from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attache
 from agent.ebpf.codec import KEYS, VALUES, Value
 from agent.ebpf.family6 import Ipv6Datapath, config6_of
 from agent.ebpf.maglev_writer import MaglevWriter
-from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config, write_config6
+from agent.ebpf.maps import MapWriter, read_config, read_config6, read_stats, write_config, write_config6
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
 from agent.ebpf.ports import held_outside, parse_port_range, snat_ports_problem
@@ -306,11 +306,15 @@ class EbpfProxier:
         netns_cookie_reader: Callable[[str], int] = default_netns_cookie,
         socket_detach: Callable[[str], list[str]] = default_socket_detach,
         conntrack6_reader: Callable[[str], list[NatFlow]] = default_conntrack6_reader,
+        node6_reader: Callable[[], NodeContext] | None = None,
         ipv6: bool,
     ) -> None:
         """`ipv6`: whether the agent runs an IPv6 half (agent/app.py serves_ipv6, decided before the
         early load): a node that fell back to single-stack gets no tc IPv6 path whatever the
-        settings say (no full-size IPv6 conntrack tables, no filled ekp_calls6)."""
+        settings say (no full-size IPv6 conntrack tables, no filled ekp_calls6). `node6_reader`: the
+        node's IPv6 addresses as the IPv6 half reads them, asked once at the load to tell whether
+        the SNAT grant an earlier run left pinned still holds (`_pinned_grant6`); without it the
+        load always writes ekp_cfg6 zero."""
         self._config = config
         self._tc_ipv6 = config.tc_ipv6 and ipv6  # the tc programs' IPv6 path serves
         self._datapath_factory = datapath_factory
@@ -324,6 +328,7 @@ class EbpfProxier:
         self._netns_cookie_reader = netns_cookie_reader
         self._socket_detach = socket_detach
         self._conntrack6_reader = conntrack6_reader
+        self._node6_reader = node6_reader
         # Told how many flows the IPv6 SNAT grant waits for, at each look (the agent's gauge
         # ekp_ipv6_snat_held_flows: set after construction, as the early load makes the proxier
         # before the metrics exist)
@@ -779,9 +784,21 @@ class EbpfProxier:
             def maps_ready() -> None:
                 # Before any sync or attach uses these maps: ekp_cfg6 is pinned, and the address an
                 # earlier run wrote there was granted against its ip6tables rules and its
-                # --bpf-snat-ports, which may be gone or other now; the programs attached meanwhile
-                # (that run's) leave new source translations to ip6tables until sync6 grants again.
-                if write_config6(datapath.maps, abi.Config6()):
+                # --bpf-snat-ports. Where both still hold, it stays: that run's ip6tables holds no
+                # rule for the frontends the grant lets tc masquerade, so zeroing it would hand them
+                # to a stack with no rule for them until this run's first IPv6 restore. Else it is
+                # zeroed: the programs attached meanwhile (that run's) leave new source
+                # translations to ip6tables (whose rules for them are there: it was not granted, or
+                # its rules were rendered for that) until sync6 grants again.
+                kept = self._pinned_grant6(datapath.maps)
+                if kept:
+                    log.info(
+                        "IPv6 SNAT source of the tc programs kept at %s until the first IPv6 sync: the "
+                        "node's primary IPv6 address and --bpf-snat-ports are those the earlier run "
+                        "granted it for",
+                        kept,
+                    )
+                elif write_config6(datapath.maps, abi.Config6()):
                     log.info(
                         "IPv6 SNAT source of the tc programs reset to none until ip6tables is restored "
                         "and no flow it masqueraded holds a port of --bpf-snat-ports"
@@ -804,6 +821,28 @@ class EbpfProxier:
             self._datapath = self._opened = datapath
             self._loading = False
             self._load_cond.notify_all()
+
+    def _pinned_grant6(self, maps: Mapping[str, MapWriter]) -> str:
+        """The address in the pinned ekp_cfg6 when the grant an earlier run gave with it still holds
+        for this one ("" when not): the tc IPv6 path serves, ekp_config's SNAT range (that run's
+        --bpf-snat-ports, which its ip6tables' MASQUERADE kept out of) is this run's, and the
+        address is the node's primary IPv6 one now. The first sync6 decides again, after the first
+        IPv6 restore (which writes every port's rules)."""
+        if not self._tc_ipv6 or self._node6_reader is None:
+            return ""
+        pinned, cfg = read_config6(maps), read_config(maps)
+        if pinned is None or not any(pinned.node_addr) or cfg is None:
+            return ""
+        if (cfg.snat_port_min, cfg.snat_port_max) != self._config.snat_ports:
+            return ""
+        try:
+            now = config6_of(self._node6_reader()).node_addr
+        except Exception as exc:  # whatever the address read raised, the load goes on, ungranted
+            log.warning(
+                "cannot read the node's IPv6 addresses at the load (%s): the IPv6 SNAT grant is reset", exc
+            )
+            return ""
+        return abi.ip6_str(pinned.node_addr) if bytes(now) == bytes(pinned.node_addr) else ""
 
     def _legacy_live(self) -> bool:
         """Legacy host routing is on in the maps, and so every device with our ingress program has
