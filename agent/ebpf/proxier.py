@@ -508,11 +508,14 @@ class EbpfProxier:
         self._snat6_refused = why
         return not why
 
-    def _snat6_refusal(self, node6: NodeContext, maps: Mapping[str, MapWriter]) -> str:
-        """Why the grant is refused ("" when it is not)."""
+    def _snat6_refusal(
+        self, node6: NodeContext, maps: Mapping[str, MapWriter], *, restored: bool | None = None
+    ) -> str:
+        """Why the grant is refused ("" when it is not). `restored`: the outcome of the ip6tables
+        restore to judge by (None: the last one, `masquerade6_apart`)."""
         if not self._tc_ipv6:
             return "the path is off (legacy host routing, no socket-level load balancing or no IPv6 half)"
-        if not self.masquerade6_apart:
+        if not (self.masquerade6_apart if restored is None else restored):
             return (
                 "the last ip6tables restore failed (or none ran yet): its MASQUERADE may take ports "
                 "of --bpf-snat-ports"
@@ -522,11 +525,20 @@ class EbpfProxier:
         source = config6_of(node6).node_addr
         if not any(source):
             return "the node has no usable IPv6 address (global, not temporary, deprecated or tentative)"
-        return self._snat6_ports_held(abi.ip6_str(source), maps)
+        # a preview's read is not remembered: it comes before the restore, which may fail
+        return self._snat6_ports_held(abi.ip6_str(source), maps, remember=restored is None)
 
     @property
     def tc6_serves(self) -> bool:
         return self._tc_ipv6
+
+    def snat6_preview(self, node6: NodeContext) -> bool:
+        """Whether the next sync6 grants should the ip6tables restore before it succeed: every other
+        reason to refuse (the path, ekp_config's range, the node's address, flows holding ports of
+        the range) is known before that restore, so ip6tables can be rendered for the grant the
+        maps will leave (agent/metaproxier.py EbpfAndIp6tables). Nothing is written."""
+        with self._lock:
+            return not self._snat6_refusal(node6, self._maps_open().maps, restored=True)
 
     @property
     def snat6_granted(self) -> bool:
@@ -590,7 +602,7 @@ class EbpfProxier:
                 )
         self._held6, self._held6_of, self._held6_clear = held, datapath, held is None
 
-    def _snat6_ports_held(self, source: str, maps: Mapping[str, MapWriter]) -> str:
+    def _snat6_ports_held(self, source: str, maps: Mapping[str, MapWriter], *, remember: bool = True) -> str:
         """Why the grant waits for nf_conntrack ("" when it does not): a TCP or UDP flow ip6tables
         masqueraded to `source` (the node's IPv6 SNAT address) holds a port of --bpf-snat-ports:
         such a flow's reply tuple {backend, source, port} is one the tc path's port walk could give
@@ -605,7 +617,8 @@ class EbpfProxier:
         translates its datagrams both ways from that entry and the port walk sees its reply tuple,
         while its nf_conntrack entry, which netfilter no longer refreshes, would otherwise hold the
         grant back for its whole timeout. Left there rather than deleted: an agent that stops or
-        falls back before it expires hands the flow back to ip6tables' NAT binding."""
+        falls back before it expires hands the flow back to ip6tables' NAT binding. `remember`
+        False (a preview, before the restore): none holding a port is not remembered."""
         if self._snat6_free_for == source:
             return ""
         ports = self._config.snat_ports
@@ -629,6 +642,8 @@ class EbpfProxier:
         self._conntrack6_failures = 0
         self.on_snat6_held(len(held))
         if not held:
+            if not remember:
+                return ""
             self._snat6_free_for = source
             if self._snat6_held:
                 log.info(
@@ -1117,6 +1132,9 @@ class EbpfIpv6:
         """Whether the last IPv6 sync granted the tc IPv6 path its source translation (ekp_cfg6
         holds the node's IPv6 address); False before the first."""
         return self._ebpf.snat6_granted
+
+    def snat_preview(self, node: NodeContext) -> bool:
+        return self._ebpf.snat6_preview(node)
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None

@@ -549,6 +549,9 @@ class Half:
     def masquerade_apart(self, apart: bool) -> None:
         self.calls.append(f"{self.name}.apart" if apart else f"{self.name}.not apart")
 
+    def snat_preview(self, node: NodeContext) -> bool:
+        return False
+
     def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
         self.calls.append(f"{self.name}.sync")
         if self.fail is not None:

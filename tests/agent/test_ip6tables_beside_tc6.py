@@ -21,14 +21,20 @@ CONFIG = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS, bpf_hos
 
 
 class Maps:
-    """The eBPF half: the tc IPv6 path serves; its sync sets the grant to `grant_next`."""
+    """The eBPF half: the tc IPv6 path serves; its sync sets the grant to `grant_next` (and its
+    preview says so: every reason but the restore's outcome is known before it), unless `refuse`
+    (a reason that came up between the preview and the sync); it fails the ports of `failing` and
+    raises `broken`."""
 
     def __init__(self, calls: list[str], *, serves: bool = True) -> None:
         self.calls = calls
         self.tc_serves = serves
         self.snat_granted = False
         self.grant_next = False
+        self.refuse = False
         self.apart = False
+        self.failing: dict[ServicePortName, str] = {}
+        self.broken: Exception | None = None
 
     def prepare(self) -> None:
         pass
@@ -37,10 +43,15 @@ class Maps:
         self.calls.append("apart" if apart else "not apart")
         self.apart = apart
 
+    def snat_preview(self, node: NodeContext) -> bool:
+        return self.grant_next
+
     def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
         self.calls.append("maps")
-        self.snat_granted = self.grant_next and self.apart  # as EbpfProxier._snat6_refusal
-        return SyncResult(full=changed is None)
+        self.snat_granted = self.grant_next and self.apart and not self.refuse  # as _snat6_refusal
+        if self.broken is not None:
+            raise self.broken
+        return SyncResult(full=changed is None, failed=dict(self.failing))
 
     def cleanup(self) -> None:
         pass
@@ -138,13 +149,26 @@ def test_ip6tables_beside_the_tc_ipv6_path_keeps_only_what_it_leaves_and_hands_o
     assert jumped(runner) == {"default/kubernetes:http"}
     assert "fd00:10:96::a" not in runner.save("nat") and "fd00:10:96::a" not in runner.save("filter")
     assert "-A KUBE-POSTROUTING" in runner.save("nat"), "the masquerade the grant depends on stays"
-    # The grant goes off in the maps' sync: the ports it hands back get their rules before the call
-    # returns, in a second restore after the maps.
+    # The grant goes off for a reason known before the maps' sync (the node's address gone, flows
+    # holding ports of the range): the ports it hands back get their rules in the restore before
+    # the maps write ekp_cfg6 zero, one restore.
     calls.clear()
     maps.grant_next = False
+    restores = len(runner.restores)
     result = both.sync(s, NODE6, frozenset())
-    assert calls == ["restore", "apart", "maps", "restore", "apart"]
+    assert calls == ["restore", "apart", "maps"] and len(runner.restores) == restores + 1
+    assert "fd00:10:96::a" in runner.restores[-1], "web's rules in the restore before the maps"
     assert jumped(runner) == {"default/web:http", "default/kubernetes:http"} and result.again == frozenset()
+    # A reason that came up between the preview and the maps' sync: restored after the maps.
+    maps.grant_next = True
+    result = both.sync(s, NODE6, frozenset())
+    both.sync(s, NODE6, result.again)
+    assert jumped(runner) == {"default/kubernetes:http"} and maps.snat_granted
+    calls.clear()
+    maps.refuse = True
+    both.sync(s, NODE6, frozenset())
+    assert calls == ["restore", "apart", "maps", "restore", "apart"]
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
 
 
 def test_a_port_whose_host_backend_leaves_keeps_its_rules_until_the_maps_serve_it(
@@ -227,3 +251,94 @@ def test_a_failed_restore_that_turns_the_grant_off_puts_the_rules_back_before_it
         both.sync(state(), NODE6, frozenset())
     assert calls == ["restore", "not apart", "maps", "restore", "apart"] and not maps.snat_granted
     assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+
+
+def test_ports_the_maps_fail_are_left_to_ip6tables_in_the_same_call_until_the_maps_program_them(
+    rig: tuple[Any, Maps, FakeRunner, list[str]],
+) -> None:
+    """A port the IPv6 maps could not program (a full map, a planner error) has no frontend: tc and
+    the socket programs pass its packets to the stack, so ip6tables serves it, restored in the same
+    call after the maps and kept while they fail it; once they program it, its rules go at the next
+    sync. A maps' sync that raised leaves every port to ip6tables (what the maps hold is unknown)."""
+    both, maps, runner, calls = rig
+    maps.snat_granted = maps.grant_next = True
+    result = both.sync(state(), NODE6, None)
+    both.sync(state(), NODE6, result.again)
+    assert jumped(runner) == {"default/kubernetes:http"}
+    calls.clear()
+    maps.failing = {WEB: "ekp_svc6 is full"}
+    result = both.sync(state(), NODE6, frozenset({WEB}))
+    assert calls == ["restore", "apart", "maps", "restore", "apart"]
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+    assert result.failed == {WEB: "ekp_svc6 is full"} and result.again == frozenset()
+    result = both.sync(state(), NODE6, frozenset({WEB}))
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}, "kept while the maps fail it"
+    maps.failing = {}
+    result = both.sync(state(), NODE6, frozenset({WEB}))
+    assert result.again == {WEB} and jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+    both.sync(state(), NODE6, result.again)
+    assert jumped(runner) == {"default/kubernetes:http"}
+    calls.clear()
+    maps.broken = RuntimeError("maps (fake)")
+    with pytest.raises(RuntimeError, match="maps"):
+        both.sync(state(), NODE6, frozenset())
+    assert calls == ["restore", "apart", "maps", "restore", "apart"]
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+
+
+def test_after_a_failed_restore_the_second_keeps_every_port_the_rules_in_place_had(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed restore changed nothing: the one after the maps (here for a port the maps failed)
+    renders what is needed with every port the rules in place had, a port leaving included (its
+    rules would have gone at this sync had the restore succeeded): nothing is thinned on a failure.
+    Without the IPv6 detector and not granted: a ClusterIP only port is no SNAT frontend."""
+    from dataclasses import replace
+
+    from agent.app import ip6tables_beside_ebpf
+    from agent.metaproxier import EbpfAndIp6tables
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    config = replace(CONFIG, cluster_cidr=("10.244.0.0/16",))
+    calls: list[str] = []
+    runner = FakeRunner()
+    maps = Maps(calls)
+    ip6 = Recorded(ip6tables_beside_ebpf(config, runner, counters=FakeCounters()), calls)
+    both = EbpfAndIp6tables(maps, ip6, config)
+    result = both.sync(state(), NODE6, None)
+    both.sync(state(), NODE6, result.again)
+    assert jumped(runner) == {"default/kubernetes:http"}
+    moved = state(api_on_node=False)
+    result = both.sync(moved, NODE6, frozenset({API}))
+    assert result.again == {API}
+    calls.clear()
+    ip6.fail = 1
+    maps.failing = {WEB: "ekp_svc6 is full"}
+    with pytest.raises(RuntimeError, match="fake"):
+        both.sync(moved, NODE6, result.again)
+    assert calls == ["restore", "not apart", "maps", "restore", "apart"]
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+
+
+def test_the_first_sync_writes_every_port_though_granted_and_without_the_detector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first sync (a restart whose load kept the pinned grant) cannot know what the maps of the
+    earlier run hand to the stack: every port gets its rules, thinned by `again` at the next sync.
+    Granted and without the IPv6 detector, web alone would be left out otherwise."""
+    from dataclasses import replace
+
+    from agent.app import ip6tables_beside_ebpf
+    from agent.metaproxier import EbpfAndIp6tables
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    config = replace(CONFIG, cluster_cidr=("10.244.0.0/16",))
+    calls: list[str] = []
+    runner = FakeRunner()
+    maps = Maps(calls)
+    maps.snat_granted = maps.grant_next = True
+    both = EbpfAndIp6tables(maps, ip6tables_beside_ebpf(config, runner, counters=FakeCounters()), config)
+    result = both.sync(state(), NODE6, None)
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"} and result.again == {WEB}
+    both.sync(state(), NODE6, result.again)
+    assert jumped(runner) == {"default/kubernetes:http"}

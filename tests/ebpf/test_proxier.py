@@ -836,6 +836,40 @@ def test_a_restart_keeps_the_pinned_snat_grant_only_while_its_address_and_range_
     assert after_restart() == "", "no address read: never kept"
 
 
+def test_the_ipv6_snat_preview_knows_every_reason_but_the_restores_outcome_and_writes_nothing(
+    rig: Rig,
+) -> None:
+    """`snat6_preview`: what the next sync6 grants should the restore before it succeed, asked
+    before that restore (agent/metaproxier.py renders ip6tables for it). A failed last restore does
+    not refuse it; the node without an IPv6 address and a masqueraded flow holding a port of the
+    range do, as sync6 would; ekp_cfg6 is left as it is."""
+    from agent.ebpf.maps import read_config6
+
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+    )
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    half.masquerade_apart(False)
+    assert half.snat_preview(NODE6), "the restore's own outcome is not known yet"
+    assert not half.snat_preview(NodeContext()), "no IPv6 node address"
+    rig.conntrack6 = [
+        NatFlow(
+            6,
+            ("fd00:ff::100", "fd00:192:168::11", 5555, 30080),
+            ("fd00:a:2::7", "fd00:192:168::11", 8080, 61500),
+        )
+    ]
+    assert not half.snat_preview(NODE6), "a masqueraded flow holds a port of the range"
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is None or not any(cfg6.node_addr), "the preview writes nothing"
+    p.close()
+
+
 def test_udp_flows_carried_into_ct6_any_do_not_hold_the_ipv6_snat_grant(rig: Rig) -> None:
     """An upgrade carries the UDP flows ip6tables masqueraded (its MASQUERADE had no --to-ports:
     the client's port, maybe one of --bpf-snat-ports) into ekp_ct6_any (agent/takeover/into_ebpf.py
