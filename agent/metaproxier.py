@@ -106,7 +106,8 @@ def tc6_facts(config: Config, state: ProxyState, *, serves: bool, granted: bool)
 
 
 def only(state: ProxyState, ports: Collection[ServicePortName]) -> ProxyState:
-    """`state` with the service ports `ports` alone (a copy of its mappings when some are left out)."""
+    """`state` with the service ports `ports` alone (a copy of its mappings when some are left out),
+    the others in `ProxyState.elsewhere` (their health-check node ports' ACCEPTs stay)."""
     if len(ports) == len(state.services) and all(spn in state.services for spn in ports):
         return state
     return replace(
@@ -114,6 +115,7 @@ def only(state: ProxyState, ports: Collection[ServicePortName]) -> ProxyState:
         services={spn: state.services[spn] for spn in ports if spn in state.services},
         endpoints={spn: eps for spn, eps in state.endpoints.items() if spn in ports},
         raw_endpoints={spn: eps for spn, eps in state.raw_endpoints.items() if spn in ports},
+        elsewhere={spn: sp for spn, sp in state.services.items() if spn not in ports},
     )
 
 

@@ -342,3 +342,39 @@ def test_the_first_sync_writes_every_port_though_granted_and_without_the_detecto
     assert jumped(runner) == {"default/web:http", "default/kubernetes:http"} and result.again == {WEB}
     both.sync(state(), NODE6, result.again)
     assert jumped(runner) == {"default/kubernetes:http"}
+
+
+def test_a_thinned_port_keeps_its_health_check_node_ports_accept(
+    rig: tuple[Any, Maps, FakeRunner, list[str]],
+) -> None:
+    """An ETP Local LoadBalancer whose packets the eBPF programs serve has no rules of its own in
+    ip6tables, but its healthCheckNodePort (answered by the agent's IPv6 server) keeps its filter
+    ACCEPT in KUBE-NODEPORTS, in upstream's place: on a node whose IPv6 INPUT policy drops, the
+    load balancer's checks come in by it alone."""
+    both, maps, runner, _ = rig
+    lb = service(
+        "lb",
+        clusterIP="fd00:10:96::b",
+        ipFamilies=["IPv6"],
+        type="LoadBalancer",
+        externalTrafficPolicy="Local",
+        healthCheckNodePort=32000,
+    ) | {"status": {"loadBalancer": {"ingress": [{"ip": "fd00:198:51:100::9"}]}}}
+    s = build_state(
+        [lb, service("kubernetes", clusterIP="fd00:10:96::1", ipFamilies=["IPv6"])],
+        [
+            slice6("lb-v6", "fd00:10:244:2::2", svc="lb"),
+            slice6("api-v6", NODE6.node_ips[0], svc="kubernetes", node="node1"),
+        ],
+        NodeInfo("node1"),
+        family=IPFamily.IPv6,
+    ).state
+    maps.snat_granted = maps.grant_next = True
+    result = both.sync(s, NODE6, None)
+    both.sync(s, NODE6, result.again)
+    assert "fd00:10:96::b" not in runner.save("nat"), "the LB's packets are the eBPF programs'"
+    accept = (
+        '-A KUBE-NODEPORTS -m comment --comment "default/lb:http health check node port" '
+        "-m tcp -p tcp --dport 32000 -j ACCEPT"
+    )
+    assert accept in runner.save("filter").splitlines()
