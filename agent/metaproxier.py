@@ -428,9 +428,16 @@ class IPv6Family:
 
     @property
     def retry_wanted(self) -> bool:
-        """The last sync failed, left service ports unprogrammed, or asked to be called again
-        (`SyncResult.again`)."""
-        return self._need_full or bool(self._retry) or self._again
+        """The last sync failed or left service ports unprogrammed (a retry: the runner's backoff)."""
+        return self._need_full or bool(self._retry)
+
+    @property
+    def again_at(self) -> float | None:
+        """When the call the last one asked for (`SyncResult.again`) may run: once the floor has
+        passed. None when it asked for none. A step of a hand-over, not a failure: the caller asks
+        the runner for a run then (`request_at`), leaving the failure backoff, which IPv4 shares,
+        as it was."""
+        return self._last_call + self._floor if self._again else None
 
     def _announce(self) -> None:
         """Once per agent life: IPv6 service ports exist and nothing programs them."""

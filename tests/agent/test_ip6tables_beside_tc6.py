@@ -225,11 +225,12 @@ def test_the_ipv6_family_calls_its_proxier_again_for_the_ports_it_asked_for() ->
     proxier = Again()
     family = IPv6Family(CONFIG, proxier, lambda: NODE6)
     family.sync(read_node=True, now=100.0)
-    assert proxier.calls == [None] and family.retry_wanted
+    assert proxier.calls == [None] and not family.retry_wanted, "no failure: the backoff is not touched"
+    assert family.again_at == 100.0 + CONFIG.min_sync_period6_s, "once the IPv6 floor has passed"
     family.sync(read_node=False, now=100.1)
     assert family.outcome is Outcome.HELD, "within the IPv6 floor"
     family.sync(read_node=False, now=102.0)
-    assert proxier.calls == [None, frozenset({WEB})] and not family.retry_wanted
+    assert proxier.calls == [None, frozenset({WEB})] and family.again_at is None
     family.sync(read_node=False, now=104.0)
     assert family.outcome is Outcome.IDLE and len(proxier.calls) == 2
 
