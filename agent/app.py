@@ -56,11 +56,13 @@ def make_proxier(config: Config, metrics: Metrics | None = None, *, ipv6: bool) 
 
         return IptablesProxier(config, metrics=metrics)
     from agent.ebpf import EbpfProxier
+    from agent.lock import LOCK_DIR
 
-    # The IPv6 half's own address read: the load keeps the SNAT grant an earlier run left pinned
-    # only while its address is still the node's.
+    # the planner left for the next start beside the lock files (tmpfs, root's, the chart's hostPath);
+    # the IPv6 half's own address read: the load keeps the SNAT grant an earlier run left pinned
+    # only while its address is still the node's
     node6 = (lambda: node_context(config, IPFamily.IPv6)) if ipv6 else None
-    return EbpfProxier(config, ipv6=ipv6, node6_reader=node6)
+    return EbpfProxier(config, ipv6=ipv6, snapshot_dir=LOCK_DIR, node6_reader=node6)
 
 
 def ipv6_unsupported(config: Config, missing: Callable[[Config], str] | None = None) -> str:
@@ -246,7 +248,7 @@ def cleanup(config: Config) -> int:
     """
     from agent.ebpf import EbpfProxier
     from agent.iptables import IptablesProxier
-    from agent.lock import acquire
+    from agent.lock import LOCK_DIR, acquire
 
     try:
         node_lock = acquire(config)
@@ -256,7 +258,10 @@ def cleanup(config: Config) -> int:
     with node_lock:
         failed = False
         # ipv6: nothing is loaded; the cleanup removes every pin, the IPv6 maps included
-        proxiers: list[Proxier] = [EbpfProxier(config, ipv6=False), IptablesProxier(config)]
+        proxiers: list[Proxier] = [
+            EbpfProxier(config, ipv6=False, snapshot_dir=LOCK_DIR),  # its planner's file removed too
+            IptablesProxier(config),
+        ]
         if any(shutil.which(f"ip6tables-{backend}") for backend in ("nft", "legacy")):
             proxiers.append(IptablesProxier(config, family=IPFamily.IPv6))  # upstream cleans both
         for proxier in proxiers:

@@ -296,6 +296,10 @@ class Planner:
                 eps = endpoints.get(spn, _NO_EPS) if sp is not None else None
                 old = self._frags.get(spn)
                 if skip_same and old is not None and old.sp == sp and old.eps == eps:
+                    # Equal records, held as the model's own from now on: a planner kept across a
+                    # restart (agent.ebpf.snapshot) holds copies, which every later full re-plan
+                    # would compare field by field instead of by identity, and which take memory.
+                    old.sp, old.eps = sp, eps
                     continue
                 before = self._changes
                 self._replan(spn, sp, eps, woken)

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
 from agent.config import Config, MapSizes, NodeContext
-from agent.ebpf import abi, activity
+from agent.ebpf import abi, activity, snapshot
 from agent.ebpf.abi import HandoverMode, Stat
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, HandoverState, detach_all
 from agent.ebpf.codec import KEYS, VALUES, Value
@@ -307,14 +307,18 @@ class EbpfProxier:
         socket_detach: Callable[[str], list[str]] = default_socket_detach,
         conntrack6_reader: Callable[[str], list[NatFlow]] = default_conntrack6_reader,
         node6_reader: Callable[[], NodeContext] | None = None,
+        snapshot_dir: str | None = None,
         ipv6: bool,
     ) -> None:
         """`ipv6`: whether the agent runs an IPv6 half (agent/app.py serves_ipv6, decided before the
         early load): a node that fell back to single-stack gets no tc IPv6 path whatever the
-        settings say (no full-size IPv6 conntrack tables, no filled ekp_calls6). `node6_reader`: the
-        node's IPv6 addresses as the IPv6 half reads them, asked once at the load to tell whether
-        the SNAT grant an earlier run left pinned still holds (`_pinned_grant6`); without it the
-        load always writes ekp_cfg6 zero."""
+        settings say (no full-size IPv6 conntrack tables, no filled ekp_calls6).
+
+        `snapshot_dir`: where `close` leaves the planner for the next start (agent.ebpf.snapshot;
+        the agent's lock directory); None: nowhere, every start reads the maps' ids back.
+        `node6_reader`: the node's IPv6 addresses as the IPv6 half reads them, asked once at the
+        load to tell whether the SNAT grant an earlier run left pinned still holds
+        (`_pinned_grant6`); without it the load always writes ekp_cfg6 zero."""
         self._config = config
         self._tc_ipv6 = config.tc_ipv6 and ipv6  # the tc programs' IPv6 path serves
         self._datapath_factory = datapath_factory
@@ -329,6 +333,7 @@ class EbpfProxier:
         self._socket_detach = socket_detach
         self._conntrack6_reader = conntrack6_reader
         self._node6_reader = node6_reader
+        self._snapshot = snapshot.snapshot_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
         # Told how many flows the IPv6 SNAT grant waits for, at each look (the agent's gauge
         # ekp_ipv6_snat_held_flows: set after construction, as the early load makes the proxier
         # before the metrics exist)
@@ -416,8 +421,14 @@ class EbpfProxier:
             if first or self._unsure or changed is None:
                 if changed is None and not first:
                     repaired += len(datapath.repair_pins())
-                differ = planner.reconcile(self._dump(maps, first), adopt=first)
-                repaired += 0 if first or self._unsure else differ
+                dump = self._dump(maps, first)
+                restored = self._restore(dump) if first else None
+                if restored is not None:
+                    planner = self._planner = restored
+                else:
+                    differ = planner.reconcile(dump, adopt=first)
+                    repaired += 0 if first or self._unsure else differ
+                del dump
                 changed = None
             planner.update(state, node, changed)
             self._check_room(planner, maps)
@@ -740,12 +751,16 @@ class EbpfProxier:
             removed = remove_pins(self._config.pin_path)
             if removed:
                 log.info("removed pins %s", ",".join(removed))
+            if self._snapshot:
+                snapshot.remove(self._snapshot)
 
     # ------------------------------------------------------------------ keep in place
 
     def close(self) -> None:
-        """Stop the watcher and drop our references; programs and maps stay as they are."""
+        """Stop the watcher and drop our references; programs and maps stay as they are, and the
+        planner is left for the next start when the maps hold what it desired."""
         with self._lock:
+            self._keep_planner()
             self._stop_watcher()
             self._release()
 
@@ -920,6 +935,39 @@ class EbpfProxier:
                 *counts,
             )
         return dump
+
+    def _restore(self, dump: Mapping[str, tuple[bytes, bytes]]) -> Planner | None:
+        """The last run's planner when the maps (`dump`) hold exactly what it desired."""
+        if not self._snapshot:
+            return None
+        planner, why = snapshot.take(self._snapshot, dump, self._config)
+        if planner is not None:
+            log.info(
+                "took the last run's planner from %s: the pinned maps hold exactly what it wrote, "
+                "so only what changed while the agent was down is planned",
+                self._snapshot,
+            )
+        elif why:
+            log.info(
+                "the last run's planner in %s is not used (%s): re-adopting the maps' ids",
+                self._snapshot,
+                why,
+            )
+        return planner
+
+    def _keep_planner(self) -> None:
+        """At a clean stop: the planner saved for the next start (agent.ebpf.snapshot) when the
+        maps hold what it desired; never fatal (the next start reads the maps back instead)."""
+        planner, datapath = self._planner, self._synced_with
+        if not self._snapshot or planner is None or datapath is None or self._unsure:
+            return
+        try:
+            why = snapshot.save(self._snapshot, planner, self._dump(datapath.maps, False), self._config)
+        except Exception as exc:
+            log.warning("could not save the planner for the next start in %s: %s", self._snapshot, exc)
+            return
+        if why:
+            log.info("the planner is not saved for the next start: %s", why)
 
     def _attach(
         self, datapath: DatapathLike, node: NodeContext, *, periodic: bool, legacy: Value | None

@@ -242,6 +242,7 @@ class Rig:
         # What the next proxier's attacher finds on the hooks (an older generation's filters at 17).
         self.hooks = HandoverState(own_front=False, other_front=False, older_behind=True)
         self.rehome_error: Exception | None = None  # what the next proxier's attacher's first rehome raises
+        self.snapshot_dir: str | None = None  # where a proxier leaves its planner at close (None: nowhere)
 
     def proxier(self, *, ipv6: bool = True) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
@@ -281,6 +282,7 @@ class Rig:
             socket_detach=self.socket_detach,
             conntrack6_reader=self.read_conntrack6,
             node6_reader=None if self.node6 is None else self.read_node6,
+            snapshot_dir=self.snapshot_dir,
             ipv6=ipv6,
         )
 

@@ -1,4 +1,5 @@
-"""A restart at 10,000 Services: the pinned maps are re-adopted whole and nothing is written.
+"""A restart at 10,000 Services: the pinned maps are re-adopted whole and nothing is written, both
+by reading them back and through the planner the stopped agent left (agent/ebpf/snapshot.py).
 
 The proxier runs over maps that count every entry written or deleted, as the kernel's maps would
 see them (packed batch calls), and outlive the proxier as pins do. The state is what the model
@@ -8,6 +9,7 @@ makes of the bench's objects (lab/fakeapi/objects.py): 10,000 Services of 10 end
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -67,7 +69,7 @@ def state(services: int) -> ProxyState:
     return model.state
 
 
-def proxier(maps: Mapping[str, MapWriter], tmp: Path) -> EbpfProxier:
+def proxier(maps: Mapping[str, MapWriter], tmp: Path, snapshot_dir: str | None = None) -> EbpfProxier:
     return EbpfProxier(
         Config(pin_path=str(tmp / "pins")),
         datapath_factory=lambda pin_path, sizes: FakeDatapath(maps),  # type: ignore[arg-type]
@@ -76,6 +78,7 @@ def proxier(maps: Mapping[str, MapWriter], tmp: Path) -> EbpfProxier:
         sysctl_reader=lambda netns, path: "32768\t60999",
         sizes_reader=lambda pin_path: {},
         upgrade_factory=lambda pin_path: FakeUpgrade([]),
+        snapshot_dir=snapshot_dir,
         ipv6=False,
     )
 
@@ -85,12 +88,14 @@ def big() -> ProxyState:
     return state(10_000)
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["read-back", "planner-kept"])
 def test_a_restart_over_unchanged_state_re_adopts_every_entry_and_writes_nothing(
-    big: ProxyState, tmp_path: Path
+    big: ProxyState, tmp_path: Path, kept: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     counting = {role: CountingMap(MAPS[role]) for role in ROLES}
     maps: dict[str, MapWriter] = {**{r: FakeMap(s) for r, s in MAPS.items()}, **counting}
-    first = proxier(maps, tmp_path)
+    snapshot_dir = str(tmp_path / "run") if kept else None
+    first = proxier(maps, tmp_path, snapshot_dir)
     first.sync(big, NODE)
     held = {role: len(m.raw) for role, m in counting.items()}
     assert held == {
@@ -124,8 +129,10 @@ def test_a_restart_over_unchanged_state_re_adopts_every_entry_and_writes_nothing
         m.written = m.deleted = 0
     first.close()
 
-    again = proxier(maps, tmp_path)  # the agent restarted over its pins
-    again.sync(big, NODE)
+    again = proxier(maps, tmp_path, snapshot_dir)  # the agent restarted over its pins
+    with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+        again.sync(big, NODE)
+    assert ("took the last run's planner" in caplog.text) is kept
     assert {role: (m.written, m.deleted) for role, m in counting.items()} == dict.fromkeys(ROLES, (0, 0))
     assert {role: m.raw for role, m in counting.items()} == before
     assert again.last_flush.writes == 0
