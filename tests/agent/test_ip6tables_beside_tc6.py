@@ -255,12 +255,14 @@ def test_a_failed_restore_that_turns_the_grant_off_puts_the_rules_back_before_it
 
 
 def test_ports_the_maps_fail_are_left_to_ip6tables_in_the_same_call_until_the_maps_program_them(
-    rig: tuple[Any, Maps, FakeRunner, list[str]],
+    rig: tuple[Any, Maps, FakeRunner, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A port the IPv6 maps could not program (a full map, a planner error) has no frontend: tc and
     the socket programs pass its packets to the stack, so ip6tables serves it, restored in the same
     call after the maps and kept while they fail it; once they program it, its rules go at the next
-    sync. A maps' sync that raised leaves every port to ip6tables (what the maps hold is unknown)."""
+    sync. A maps' sync that raised leaves every port to ip6tables (what the maps hold is unknown).
+    The host backend's port kept throughout (a path that hands those to the stack, injected)."""
+    monkeypatch.setattr("agent.metaproxier.TC6_LEAVES_HOST_BACKENDS", True)
     both, maps, runner, calls = rig
     maps.snat_granted = maps.grant_next = True
     result = both.sync(state(), NODE6, None)
@@ -293,7 +295,10 @@ def test_after_a_failed_restore_the_second_keeps_every_port_the_rules_in_place_h
     """A failed restore changed nothing: the one after the maps (here for a port the maps failed)
     renders what is needed with every port the rules in place had, a port leaving included (its
     rules would have gone at this sync had the restore succeeded): nothing is thinned on a failure.
-    Without the IPv6 detector and not granted: a ClusterIP only port is no SNAT frontend."""
+    Without the IPv6 detector and not granted: a ClusterIP only port is no SNAT frontend. The port
+    leaving is a host backend's that moved off the node (a path that hands those to the stack,
+    injected)."""
+    monkeypatch.setattr("agent.metaproxier.TC6_LEAVES_HOST_BACKENDS", True)
     from dataclasses import replace
 
     from agent.app import ip6tables_beside_ebpf
@@ -326,7 +331,9 @@ def test_the_first_sync_writes_every_port_though_granted_and_without_the_detecto
 ) -> None:
     """The first sync (a restart whose load kept the pinned grant) cannot know what the maps of the
     earlier run hand to the stack: every port gets its rules, thinned by `again` at the next sync.
-    Granted and without the IPv6 detector, web alone would be left out otherwise."""
+    Granted and without the IPv6 detector, web alone would be left out otherwise (the host
+    backend's port kept: a path that hands those to the stack, injected)."""
+    monkeypatch.setattr("agent.metaproxier.TC6_LEAVES_HOST_BACKENDS", True)
     from dataclasses import replace
 
     from agent.app import ip6tables_beside_ebpf
