@@ -10,8 +10,9 @@
  * Extension headers are walked to the transport header, at most EKP_IPV6_EXT_MAX of them
  * (hop-by-hop, routing, destination options, fragment; AH is skipped by its own length rule): a
  * packet with more is not ours (the stack and ip6tables see it untouched). Every read goes
- * through bpf_skb_load_bytes at an offset, so a header in paged data needs no pull and the
- * verifier tracks no packet pointer across a variable-length walk.
+ * through bpf_skb_load_bytes (bpf_xdp_load_bytes for the XDP program, ekp_xdp6.h: the same walk,
+ * `xdp` a constant at each call site) at an offset, so a header in paged data needs no pull and
+ * the verifier tracks no packet pointer across a variable-length walk.
  *
  * A routing header with segments left names another destination than the one the packet is
  * addressed to (SRv6, type 0): not ours. A fragment header makes the packet a first fragment
@@ -64,6 +65,14 @@ struct ekp_pkt6 {
 			    * datagram's pieces are found by (ekp_frag6.h) */
 };
 
+/* Bytes of the frame at `off`: the skb's, or the XDP buffer's (`xdp`, a compile-time constant). */
+static __always_inline long ekp_load6(void *ctx, __u8 xdp, __u32 off, void *to, __u32 len)
+{
+	if (xdp)
+		return bpf_xdp_load_bytes(ctx, off, to, len);
+	return bpf_skb_load_bytes(ctx, off, to, len);
+}
+
 static __always_inline int ekp_addr6_eq(const __be32 *a, const __be32 *b)
 {
 	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
@@ -71,11 +80,11 @@ static __always_inline int ekp_addr6_eq(const __be32 *a, const __be32 *b)
 
 /* One extension header at `*off`: the next header and its length (a fragment header: the kind of
  * fragment into *frag, its identification into *id). 0, or -1 when not walkable. */
-static __always_inline int ekp_parse6_ext(struct __sk_buff *skb, __u32 *off, __u8 *nh, __u8 *frag, __be32 *id)
+static __always_inline int ekp_parse6_ext(void *ctx, __u8 xdp, __u32 *off, __u8 *nh, __u8 *frag, __be32 *id)
 {
 	__u8 hdr[8];
 
-	if (bpf_skb_load_bytes(skb, *off, hdr, sizeof(hdr)) < 0)
+	if (ekp_load6(ctx, xdp, *off, hdr, sizeof(hdr)) < 0)
 		return -1;
 	if (*nh == EKP_NH_FRAGMENT) {
 		__u16 fo = ((__u16)hdr[2] << 8) | hdr[3];
@@ -111,13 +120,13 @@ static __always_inline int ekp_is_ext6(__u8 nh)
  * ones see). Linux's own fragmentation puts a socket's IPV6_DSTOPTS before the fragment header
  * (ip6_find_1stfragopt; after it only behind a routing header): walked, translated as any.
  * 0, or -1 when a header is not walkable. */
-static __always_inline int ekp_parse6_walk(struct __sk_buff *skb, __u32 *off, __u8 *nh, __u8 *frag, __be32 *id)
+static __always_inline int ekp_parse6_walk(void *ctx, __u8 xdp, __u32 *off, __u8 *nh, __u8 *frag, __be32 *id)
 {
 #pragma unroll
 	for (int i = 0; i < EKP_IPV6_EXT_MAX; i++) {
 		if (!ekp_is_ext6(*nh) || *frag != EKP_FRAG_NONE)
 			break;
-		if (ekp_parse6_ext(skb, off, nh, frag, id) < 0)
+		if (ekp_parse6_ext(ctx, xdp, off, nh, frag, id) < 0)
 			return -1;
 	}
 	return 0;
@@ -125,24 +134,24 @@ static __always_inline int ekp_parse6_walk(struct __sk_buff *skb, __u32 *off, __
 
 /* The quote of an ICMPv6 error, its IPv6 header at `inner`: EKP_PARSE_ICMP_ERR when it is the
  * start of a TCP, UDP or SCTP packet with its ports, else EKP_PARSE_PASS. */
-static __always_inline int ekp_parse6_quote(struct __sk_buff *skb, struct ekp_pkt6 *p, __u32 inner)
+static __always_inline int ekp_parse6_quote(void *ctx, __u8 xdp, struct ekp_pkt6 *p, __u32 inner)
 {
 	struct ipv6hdr ip;
 	__u8 frag = EKP_FRAG_NONE;
 	__be32 id = 0;
 	__u8 csum_word[4];
 
-	if (bpf_skb_load_bytes(skb, inner, &ip, sizeof(ip)) < 0 || ip.version != 6)
+	if (ekp_load6(ctx, xdp, inner, &ip, sizeof(ip)) < 0 || ip.version != 6)
 		return EKP_PARSE_PASS; /* a quote too short to be about a flow */
 	__u8 nh = ip.nexthdr;
 	__u32 off = inner + sizeof(ip);
-	if (ekp_parse6_walk(skb, &off, &nh, &frag, &id) < 0 || frag == EKP_FRAG_LATER ||
+	if (ekp_parse6_walk(ctx, xdp, &off, &nh, &frag, &id) < 0 || frag == EKP_FRAG_LATER ||
 	    (nh != IPPROTO_TCP && nh != IPPROTO_UDP && nh != IPPROTO_SCTP))
 		return EKP_PARSE_PASS;
 	/* RFC 4443 quotes as much as fits in 1280 bytes; the ports and, for the checksum, the first 8
 	 * bytes (RFC 792's minimum, what IPv4's parser asks) must be there */
 	__u8 l4[8];
-	if (bpf_skb_load_bytes(skb, off, l4, sizeof(l4)) < 0)
+	if (ekp_load6(ctx, xdp, off, l4, sizeof(l4)) < 0)
 		return EKP_PARSE_PASS;
 	__builtin_memcpy(p->in_saddr, &ip.saddr, 16);
 	__builtin_memcpy(p->in_daddr, &ip.daddr, 16);
@@ -152,7 +161,7 @@ static __always_inline int ekp_parse6_quote(struct __sk_buff *skb, struct ekp_pk
 	p->b.in_off = inner;
 	p->b.in_l4_off = off;
 	p->b.in_l4_len = 8;
-	if (nh == IPPROTO_TCP && bpf_skb_load_bytes(skb, off + 16, csum_word, sizeof(csum_word)) == 0)
+	if (nh == IPPROTO_TCP && ekp_load6(ctx, xdp, off + 16, csum_word, sizeof(csum_word)) == 0)
 		p->b.in_l4_len = EKP_INNER_TCP_LEN; /* its checksum is quoted: it follows the tuple */
 	return EKP_PARSE_ICMP_ERR;
 }
@@ -161,14 +170,11 @@ static __always_inline int ekp_parse6_quote(struct __sk_buff *skb, struct ekp_pk
  * alone), EKP_PARSE_LATER (a later fragment), EKP_PARSE_ICMP_ERR (an ICMPv6 error quoting
  * TCP/UDP/SCTP: see the top), EKP_PARSE_PASS (not IPv6 TCP/UDP/SCTP, an SCTP fragment: other
  * ICMPv6, neighbour discovery, others) or EKP_PARSE_MALFORMED (truncated). */
-static __always_inline int ekp_parse6(struct __sk_buff *skb, struct ekp_pkt6 *p)
+static __always_inline int ekp_parse6_frame(void *ctx, __u8 xdp, struct ekp_pkt6 *p)
 {
 	struct ipv6hdr ip;
 
-	if (skb->protocol != htons(ETH_P_IPV6))
-		return EKP_PARSE_PASS;
-	p->b.l2_group = skb->pkt_type == PACKET_BROADCAST || skb->pkt_type == PACKET_MULTICAST;
-	if (bpf_skb_load_bytes(skb, EKP_IP6_OFF, &ip, sizeof(ip)) < 0)
+	if (ekp_load6(ctx, xdp, EKP_IP6_OFF, &ip, sizeof(ip)) < 0)
 		return EKP_PARSE_MALFORMED;
 	if (ip.version != 6)
 		return EKP_PARSE_MALFORMED;
@@ -179,11 +185,11 @@ static __always_inline int ekp_parse6(struct __sk_buff *skb, struct ekp_pkt6 *p)
 
 	__u8 nh = ip.nexthdr;
 	__u32 off = EKP_IP6_OFF + sizeof(ip);
-	if (ekp_parse6_walk(skb, &off, &nh, &p->b.frag, &p->frag_id) < 0)
+	if (ekp_parse6_walk(ctx, xdp, &off, &nh, &p->b.frag, &p->frag_id) < 0)
 		return EKP_PARSE_PASS;
 	if (nh == EKP_NH_ICMPV6 && p->b.frag == EKP_FRAG_NONE) {
 		__u8 icmp[2];
-		if (bpf_skb_load_bytes(skb, off, icmp, sizeof(icmp)) < 0)
+		if (ekp_load6(ctx, xdp, off, icmp, sizeof(icmp)) < 0)
 			return EKP_PARSE_MALFORMED;
 		if (icmp[0] < EKP_ICMPV6_DEST_UNREACH || icmp[0] > EKP_ICMPV6_PARAMPROB)
 			return EKP_PARSE_PASS; /* informational (echo, neighbour discovery) or unknown */
@@ -191,7 +197,7 @@ static __always_inline int ekp_parse6(struct __sk_buff *skb, struct ekp_pkt6 *p)
 		p->b.l4_off = off;
 		p->b.icmp_type = icmp[0];
 		p->b.icmp_code = icmp[1];
-		return ekp_parse6_quote(skb, p, off + 8); /* the quote follows the 8-byte ICMPv6 header */
+		return ekp_parse6_quote(ctx, xdp, p, off + 8); /* the quote follows the 8-byte ICMPv6 header */
 	}
 	if (nh != IPPROTO_TCP && nh != IPPROTO_UDP && nh != IPPROTO_SCTP)
 		return EKP_PARSE_PASS; /* more headers than we walk, a piece of ICMPv6, others */
@@ -203,7 +209,7 @@ static __always_inline int ekp_parse6(struct __sk_buff *skb, struct ekp_pkt6 *p)
 		return EKP_PARSE_LATER;
 
 	__u8 l4[14];
-	if (bpf_skb_load_bytes(skb, off, l4, nh == IPPROTO_UDP ? 8 : nh == IPPROTO_TCP ? 14 : EKP_SCTP_HDR_LEN + 1) < 0)
+	if (ekp_load6(ctx, xdp, off, l4, nh == IPPROTO_UDP ? 8 : nh == IPPROTO_TCP ? 14 : EKP_SCTP_HDR_LEN + 1) < 0)
 		return EKP_PARSE_MALFORMED;
 	__builtin_memcpy(&p->b.sport, l4, 2);
 	__builtin_memcpy(&p->b.dport, l4 + 2, 2);
@@ -218,6 +224,22 @@ static __always_inline int ekp_parse6(struct __sk_buff *skb, struct ekp_pkt6 *p)
 		p->b.chunk = l4[EKP_SCTP_HDR_LEN];
 	}
 	return EKP_PARSE_OK;
+}
+
+static __always_inline int ekp_parse6(struct __sk_buff *skb, struct ekp_pkt6 *p)
+{
+	if (skb->protocol != htons(ETH_P_IPV6))
+		return EKP_PARSE_PASS;
+	p->b.l2_group = skb->pkt_type == PACKET_BROADCAST || skb->pkt_type == PACKET_MULTICAST;
+	return ekp_parse6_frame(skb, 0, p);
+}
+
+/* The XDP buffer's frame (ekp_xdp6.h; ekp_xdp_net tail-calls only IPv6 frames here). No pkt_type
+ * before the stack: XDP answers nothing (its rejects and errors go to tc), as IPv4's. */
+static __always_inline int ekp_parse6_xdp(struct xdp_md *ctx, struct ekp_pkt6 *p)
+{
+	p->b.l2_group = 0;
+	return ekp_parse6_frame(ctx, 1, p);
 }
 
 #endif /* EKP_PARSE6_H */

@@ -9,7 +9,8 @@
  *                 (legacy host routing) get their source (ekp_host.h); the node's own replies
  *                 for flows handed to its stack (a backend on the node's own address) get their
  *                 frontend back (ekp_core.h)
- *   ekp_xdp_net   XDP of the same external devices (--bpf-xdp), ahead of ekp_from_net
+ *   ekp_xdp_net   XDP of the same external devices (--bpf-xdp), ahead of ekp_from_net; IPv6
+ *                 continues in ekp_xdp_net6 (ekp_xdp6.h) by a tail call, as the tc programs' does
  *   ekp_sock_conn, ekp_sock_send, ekp_sock_recv, ekp_sock_peer
  *                 cgroup connect4, sendmsg4, recvmsg4, getpeername4 of the node's sockets
  *                 (--bpf-socket-lb-cgroup; ekp_sock.h), and with a 6 their IPv6 hooks, for IPv4
@@ -387,6 +388,7 @@ static __always_inline __u32 ekp_handover_mode(void)
 #include "ekp_core.h"
 #include "ekp_tc6.h"
 #include "ekp_xdp.h"
+#include "ekp_xdp6.h"
 
 /* The IPv6 path's working memory (ekp_tc6.h), private to this load as ekp_scratch. */
 BPF_PERCPU_ARRAY(ekp_scratch6, struct ekp_tc6_scratch, 1);
@@ -454,11 +456,26 @@ int ekp_egress(struct __sk_buff *skb)
  * that needs no skb (ekp_xdp.h); everything else goes on to ekp_from_net. During a hand-over XDP
  * has no older program behind it (one per device): every packet goes to tc, where the older
  * generation's filter is. */
+/* The XDP program's IPv6 path (EKP_XCALL6_NET), filled as ekp_calls6: a program array holds one
+ * program type, so XDP's is an array of its own. An empty slot: IPv6 goes on to IPv4's parser,
+ * which passes it to tc. */
+#define EKP_XCALL6_NET 0
+BPF_PROG_ARRAY(ekp_xcalls6, 1);
+
 int ekp_xdp_net(struct xdp_md *ctx)
 {
 	if (ekp_handover_mode() != EKP_HANDOVER_OFF)
 		return XDP_PASS;
+	void *data = (void *)(long)ctx->data;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) <= (void *)(long)ctx->data_end && eth->h_proto == htons(ETH_P_IPV6))
+		ekp_xcalls6.call(ctx, EKP_XCALL6_NET);
 	return ekp_xdp_main(ctx);
+}
+
+int ekp_xdp_net6(struct xdp_md *ctx)
+{
+	return ekp_xdp_main6(ctx);
 }
 
 #include "ekp_sock.h"

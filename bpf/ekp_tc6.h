@@ -73,6 +73,10 @@
  * The reply of a flow this path translated comes back through ekp_from_pod6 (a local backend) or
  * ekp_from_net6 (a remote one) and gets its frontend back from the REPLY entry (and its client, when
  * the source was translated).
+ * Ahead of ekp_from_net6, XDP's IPv6 path (ekp_xdp6.h) runs these pieces on the XDP buffer: it
+ * carries out drops, new flows to a backend on another node and hits when the route leaves by the
+ * device the packet came in by, and passes everything else here untouched, before any side
+ * effect; an entry either hook wrote is the entry both read.
  */
 #ifndef EKP_TC6_H
 #define EKP_TC6_H
@@ -114,9 +118,11 @@ struct ekp_tc6_scratch {
 
 static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);
 
-static __always_inline long ekp_fib6(struct __sk_buff *skb, struct bpf_fib_lookup *fib, const struct ekp_pkt6 *p,
-				     const __be32 *saddr, const __be32 *daddr, __be16 sport, __be16 dport,
-				     __u16 tot_len)
+/* The route of a tuple from the device `ifindex`, for either hook (`ctx`: the skb, or the XDP
+ * buffer of ekp_xdp6.h). */
+static __always_inline long ekp_fib6_from(void *ctx, __u32 ifindex, struct bpf_fib_lookup *fib,
+					  const struct ekp_pkt6 *p, const __be32 *saddr, const __be32 *daddr,
+					  __be16 sport, __be16 dport, __u16 tot_len)
 {
 	__builtin_memset(fib, 0, sizeof(*fib));
 	fib->tot_len = tot_len; /* ekp_seg_len: checked against the route's MTU (ekp_fib) */
@@ -126,8 +132,15 @@ static __always_inline long ekp_fib6(struct __sk_buff *skb, struct bpf_fib_looku
 	fib->dport = dport;
 	__builtin_memcpy(fib->ipv6_src, saddr, 16);
 	__builtin_memcpy(fib->ipv6_dst, daddr, 16);
-	fib->ifindex = skb->ingress_ifindex;
-	return bpf_fib_lookup(skb, fib, sizeof(*fib), 0);
+	fib->ifindex = ifindex;
+	return bpf_fib_lookup(ctx, fib, sizeof(*fib), 0);
+}
+
+static __always_inline long ekp_fib6(struct __sk_buff *skb, struct bpf_fib_lookup *fib, const struct ekp_pkt6 *p,
+				     const __be32 *saddr, const __be32 *daddr, __be16 sport, __be16 dport,
+				     __u16 tot_len)
+{
+	return ekp_fib6_from(skb, skb->ingress_ifindex, fib, p, saddr, daddr, sport, dport, tot_len);
 }
 
 /* ekp_source_routed_here for IPv6: the route back to the source leaves by the device the packet
@@ -232,23 +245,16 @@ static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_sc
 	return ekp_tc6_forward(skb, w, rc, outcome);
 }
 
-/* A usable conntrack hit (ekp_decide_hit for this path): the flow moves on (ekp_ct_advance: its
- * state, the early-drop ring when it closes, the refresh that rebuilds a lost twin). -1 when the
- * refresh deleted the entry (nothing set), else 0 with the translated tuple set: the backend (and
- * the SNAT source of a remapped port) forward, the frontend (and the client's own port) in reply. */
-static __always_inline int ekp_tc6_hit(struct ekp_tc6_scratch *w, struct ekp_ct6_entry *e, __u64 now,
-				       const __be32 **sa, __be16 *sp, const __be32 **da, __be16 *dp)
+/* The translated tuple of a hit on `e` under the key w->key (read only: XDP routes it before the
+ * hit moves the flow, ekp_xdp6.h): the backend (and the SNAT source of a remapped port) forward,
+ * the frontend (and the client's own port) in reply. */
+static __always_inline void ekp_tc6_hit_tuple(const struct ekp_tc6_scratch *w, const struct ekp_ct6_entry *e,
+					      const __be32 **sa, __be16 *sp, const __be32 **da, __be16 *dp)
 {
 	const struct ekp_pkt6 *p = &w->pkt;
-	struct ekp_ct6_key *k = &w->key;
-	int advanced = ekp_ct6_advance(e, k, &p->b, now, &w->queue);
-	if (advanced < 0)
-		return -1; /* the refresh deleted the entry: no hit (ekp_ct_refresh) */
-	if (advanced)
-		ekp_count(EKP_STAT_CT_REBUILT);
 	int snat = e->flags & EKP_CT_SNAT;
 
-	if (k->dir == EKP_CT_FORWARD) {
+	if (w->key.dir == EKP_CT_FORWARD) {
 		*sa = snat ? e->snat_addr : p->saddr;
 		*sp = snat ? e->snat_port : p->b.sport;
 		*da = e->nat_addr;
@@ -259,7 +265,29 @@ static __always_inline int ekp_tc6_hit(struct ekp_tc6_scratch *w, struct ekp_ct6
 		*da = snat ? e->nat_addr : p->daddr;
 		*dp = snat ? e->nat_port : p->b.dport;
 	}
+}
+
+/* A usable conntrack hit (ekp_decide_hit for this path): the flow moves on (ekp_ct_advance: its
+ * state, the early-drop ring when it closes, the refresh that rebuilds a lost twin), counted in
+ * `counters` (enum ekp_counters). -1 when the refresh deleted the entry (nothing set), else 0 with
+ * the translated tuple set (ekp_tc6_hit_tuple). */
+static __always_inline int ekp_tc6_hit_in(struct ekp_tc6_scratch *w, struct ekp_ct6_entry *e, __u64 now,
+					  __u8 counters, const __be32 **sa, __be16 *sp, const __be32 **da,
+					  __be16 *dp)
+{
+	int advanced = ekp_ct6_advance(e, &w->key, &w->pkt.b, now, &w->queue);
+	if (advanced < 0)
+		return -1; /* the refresh deleted the entry: no hit (ekp_ct_refresh) */
+	if (advanced)
+		ekp_count_in(counters, EKP_STAT_CT_REBUILT);
+	ekp_tc6_hit_tuple(w, e, sa, sp, da, dp);
 	return 0;
+}
+
+static __always_inline int ekp_tc6_hit(struct ekp_tc6_scratch *w, struct ekp_ct6_entry *e, __u64 now,
+				       const __be32 **sa, __be16 *sp, const __be32 **da, __be16 *dp)
+{
+	return ekp_tc6_hit_in(w, e, now, EKP_COUNT_TC, sa, sp, da, dp);
 }
 
 /* ekp_decide_may_translate for IPv6: when no live flow stamped either endpoint of the packet and

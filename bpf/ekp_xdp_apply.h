@@ -41,6 +41,31 @@ static __always_inline __u16 ekp_csum_replace16(__u16 check, __u16 old, __u16 ne
 	return ekp_csum_apply(check, (__u32)(__u16)~old + new);
 }
 
+/* The TCP or UDP header at `l4` (the UDP header's 8 bytes checked by the caller): its checksum
+ * moved by `diff` (the addresses' and ports' change, bpf_csum_diff), its ports set. Both families'
+ * (ekp_xdp6.h). 0, or -1 when a TCP header runs past data_end (nothing written). */
+static __always_inline int ekp_xdp_rewrite_l4(__u8 *l4, void *data_end, __u8 proto, __u32 diff, __be16 sport,
+					      __be16 dport)
+{
+	if (proto == IPPROTO_TCP) {
+		struct tcphdr *tcp = (void *)l4;
+		if ((void *)(tcp + 1) > data_end)
+			return -1;
+		tcp->check = ekp_csum_apply(tcp->check, diff);
+		tcp->source = sport;
+		tcp->dest = dport;
+	} else {
+		struct udphdr *udp = (void *)l4;
+		if (udp->check) { /* 0: the sender sent none, and none is owed */
+			__u16 check = ekp_csum_apply(udp->check, diff);
+			udp->check = check ? check : 0xffff;
+		}
+		udp->source = sport;
+		udp->dest = dport;
+	}
+	return 0;
+}
+
 static __always_inline int ekp_xdp_to_tc(struct ekp_decision *d)
 {
 	d->outcome = EKP_STAT_TO_TC;
@@ -103,22 +128,8 @@ static __always_inline int ekp_xdp_apply(struct xdp_md *ctx, struct ekp_tc_scrat
 	if (addr_diff < 0 || l4_diff < 0)
 		return ekp_xdp_to_tc(d);
 
-	if (p->proto == IPPROTO_TCP) {
-		struct tcphdr *tcp = (void *)l4;
-		if ((void *)(tcp + 1) > data_end)
-			return ekp_xdp_to_tc(d);
-		tcp->check = ekp_csum_apply(tcp->check, (__u32)l4_diff);
-		tcp->source = d->sport;
-		tcp->dest = d->dport;
-	} else {
-		struct udphdr *udp = (void *)l4;
-		if (udp->check) { /* 0: the sender sent none, and none is owed */
-			__u16 check = ekp_csum_apply(udp->check, (__u32)l4_diff);
-			udp->check = check ? check : 0xffff;
-		}
-		udp->source = d->sport;
-		udp->dest = d->dport;
-	}
+	if (ekp_xdp_rewrite_l4(l4, data_end, p->proto, (__u32)l4_diff, d->sport, d->dport) < 0)
+		return ekp_xdp_to_tc(d);
 	/* IP header: addresses and TTL (which shares its checksum word with the protocol byte). */
 	__u16 ttl_old = ((__u16)ip->ttl << 8) | ip->protocol;
 	__u16 ttl_new = ((__u16)(ip->ttl - 1) << 8) | ip->protocol;

@@ -79,6 +79,7 @@ from agent.ebpf.programs import (
     PROG_FROM_POD,
     PROG_SCHED_CLS,
     PROG_XDP,
+    PROG_XDP_NET,
     PROGRAMS,
     TAIL_CALLS,
     ProgSpec,
@@ -93,15 +94,16 @@ ENTRY_FILE = "ekp_tc.c"
 BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)
 
 # Maps each program's load owns, outside the registry, by program (ekp_tc.c): the IPv4 ingress
-# programs their scratch, the program array ekp_calls6 and the hand-over mode (ekp_handover), egress
-# and XDP their scratch and the mode, the IPv6 programs their scratch alone, the socket programs none.
+# programs (tc's and XDP's) their scratch, their program array (ekp_calls6, ekp_xcalls6) and the
+# hand-over mode (ekp_handover), egress its scratch and the mode, the IPv6 programs their scratch
+# alone, the socket programs none.
 # A reused program keeps its own; one with more unknown maps than these still uses a map that was
 # unpinned and recreated (compile.open_pinned_programs).
 PRIVATE_MAPS: dict[str, int] = {
     name: 0
     if spec.prog_type not in (PROG_SCHED_CLS, PROG_XDP)
     else 3
-    if name in (PROG_FROM_POD, PROG_FROM_NET)
+    if name in (PROG_FROM_POD, PROG_FROM_NET, PROG_XDP_NET)
     else 1
     if any(name in names for names in TAIL_CALLS.values())
     else 2
@@ -619,8 +621,8 @@ class Datapath:
             finally:
                 os.close(fd)
         log.info(
-            "IPv6 packets on the tc hooks: %s",
-            "continued in ekp_from_pod6 / ekp_from_net6 (the tc programs' IPv6 path)"
+            "IPv6 packets on the tc and XDP hooks: %s",
+            "continued in ekp_from_pod6 / ekp_from_net6 (the tc programs' IPv6 path) and ekp_xdp_net6"
             if self.sizes.ipv6_tc
             else "passed to the stack at the IPv4 programs' parser (the tc programs' IPv6 path needs an "
             "IPv6 half and --bpf-host-routing=bpf)",

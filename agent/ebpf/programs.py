@@ -5,7 +5,7 @@
   bpf/ekp_tc6.h, where that path serves: elsewhere those two are not loaded, Datapath.programs),
   `ekp_egress` on the egress of both (the replies of the node's own stack for flows handed to it:
   agent/ebpf/attach.py); XDP: `ekp_xdp_net` on the same external devices, ahead of `ekp_from_net`
-  (agent/ebpf/xdp.py, --bpf-xdp);
+  (agent/ebpf/xdp.py, --bpf-xdp), continuing IPv6 in `ekp_xdp_net6` (bpf/ekp_xdp6.h) the same way;
 * cgroup: the socket programs on `--bpf-socket-lb-cgroup` (agent/ebpf/sockattach.py), each loaded
   for its hook (the kernel wants the hook, `expected_attach_type`, at load);
 * an iterator: `ekp_sock_term` (iter/udp) ends connected UDP sockets whose backend left
@@ -67,11 +67,17 @@ PROG_SOCK_TERM = "ekp_sock_term"
 # The IPv6 path of the two ingress programs (bpf/ekp_tc6.h), reached by a tail call, never attached
 PROG_FROM_POD6 = "ekp_from_pod6"
 PROG_FROM_NET6 = "ekp_from_net6"
+# The XDP program's IPv6 path (bpf/ekp_xdp6.h), reached from ekp_xdp_net by a tail call, never attached
+PROG_XDP_NET6 = "ekp_xdp_net6"
 
 # Program arrays of the build (BPF_PROG_ARRAY in bpf/ekp_tc.c) and the programs the loader puts in
 # them, by index (the C's EKP_CALL6_*). The kernel empties a program array when its last user
 # reference goes, so the loader pins each one beside the programs of its build.
-TAIL_CALLS: dict[str, tuple[str, ...]] = {"ekp_calls6": (PROG_FROM_POD6, PROG_FROM_NET6)}
+# A program array holds programs of one type: XDP's IPv6 path has an array of its own.
+TAIL_CALLS: dict[str, tuple[str, ...]] = {
+    "ekp_calls6": (PROG_FROM_POD6, PROG_FROM_NET6),
+    "ekp_xcalls6": (PROG_XDP_NET6,),
+}
 # Maps of one build that the agent writes (BPF_ARRAY in bpf/ekp_tc.c, not the registry's): pinned
 # beside the build's programs, so a reused build is reached through them. ekp_handover: the mode of
 # an upgrade's hand-over (struct ekp_handover; agent/ebpf/handover.py).
@@ -106,6 +112,7 @@ PROGRAMS: dict[str, ProgSpec] = {
     PROG_FROM_POD6: ProgSpec(PROG_SCHED_CLS),
     PROG_FROM_NET6: ProgSpec(PROG_SCHED_CLS),
     PROG_XDP_NET: ProgSpec(PROG_XDP),
+    PROG_XDP_NET6: ProgSpec(PROG_XDP),
     **{
         name: ProgSpec(
             PROG_CGROUP_SOCK if attach == ATTACH_CGROUP_INET_SOCK_RELEASE else PROG_CGROUP_SOCK_ADDR,

@@ -293,6 +293,9 @@ _CT6 = {"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6", "cfg6", "cfg6sel"
 # fragment stamps the time of the last hold, shared with IPv4 (ekp_fraglast)
 _TC6 = {"cfg", "cfgsel", "stats", "act", "addr6", "fe6", "srcr6", "aff6", "member6", "slot6", "be6", "icmprl"}
 _TC6 |= _CT6 | {"fraglast"}
+# XDP's IPv6 path (ekp_xdp_net6): the tc path's but for what it leaves to tc (fragments, answers),
+# with XDP's counters
+_XDP6 = (_TC6 - {"stats", "icmprl", "frag6", "frhold6", "fraglast"}) | {"xstats"}
 _SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
 _SOCK_FORWARD6 = _SOCK_FORWARD | {"fe6", "srcr6", "aff6", "member6", "slot6", "be6", "sknat6"}
 _SOCK_REVERSE = {"sknat", "fe", "stats"}
@@ -312,6 +315,7 @@ PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
     "ekp_egress": ("sched_cls", set(abi.MAPS) - _EGRESS_UNUSED - _SOCKETS - _CT6),
     # the same but for what it leaves to tc, with its own counters
     "ekp_xdp_net": ("xdp", set(abi.MAPS) - XDP_UNUSED - _SOCKETS - _CT6),
+    "ekp_xdp_net6": ("xdp", _XDP6),
     "ekp_sock_conn": ("cgroup_sock_addr", _SOCK_FORWARD),
     "ekp_sock_send": ("cgroup_sock_addr", _SOCK_FORWARD),
     "ekp_sock_recv": ("cgroup_sock_addr", _SOCK_REVERSE),
@@ -351,8 +355,9 @@ def test_every_program_uses_its_maps(loaded: Datapath) -> None:
 
 
 # The maps of each tc and XDP program's own load, outside the registry: the per-CPU working memory of
-# its family's path, for the IPv4 ingress programs the program array their IPv6 packets continue
-# through, and for the programs attached to a hook the build's hand-over mode (ekp_handover). Their
+# its family's path, for the IPv4 ingress programs (tc's and XDP's) the program array their IPv6
+# packets continue through, and for the programs attached to a hook the build's hand-over mode
+# (ekp_handover). Their
 # counts are loader.PRIVATE_MAPS (a reused program with more is compiled again).
 PRIVATE = {
     "ekp_from_pod": {"ekp_scratch", "ekp_calls6", "ekp_handover"},
@@ -360,7 +365,8 @@ PRIVATE = {
     "ekp_from_pod6": {"ekp_scratch6"},
     "ekp_from_net6": {"ekp_scratch6"},
     "ekp_egress": {"ekp_scratch", "ekp_handover"},
-    "ekp_xdp_net": {"ekp_scratch", "ekp_handover"},
+    "ekp_xdp_net": {"ekp_scratch", "ekp_xcalls6", "ekp_handover"},
+    "ekp_xdp_net6": {"ekp_scratch6"},
 }
 
 

@@ -30,6 +30,7 @@ from agent.ebpf.programs import (
     PROG_FROM_POD,
     PROG_SCHED_CLS,
     PROG_XDP,
+    PROG_XDP_NET,
     PROGRAMS,
     TAIL_CALLS,
 )
@@ -113,10 +114,11 @@ def _uses_only_its_own_maps(d: Datapath) -> set[int]:
     for name in PROGRAMS:
         used = prog_map_ids(d.prog_fd(name))
         assert used & ids, "the programs use the pinned maps"
-        # the IPv4 ingress programs: their scratch, the program array of their IPv6 packets and the
-        # build's hand-over mode; egress and XDP their scratch and the mode; the IPv6 programs
-        # their scratch
-        private = 3 if name in (PROG_FROM_POD, PROG_FROM_NET) else 1 if name in loader.TC6_PROGRAMS else 2
+        # the IPv4 ingress programs (tc's and XDP's): their scratch, the program array of their IPv6
+        # packets and the build's hand-over mode; egress its scratch and the mode; the IPv6
+        # programs their scratch
+        ingress4 = (PROG_FROM_POD, PROG_FROM_NET, PROG_XDP_NET)
+        private = 3 if name in ingress4 else 1 if name in loader.TC6_PROGRAMS else 2
         private = private if PROGRAMS[name].prog_type in (PROG_SCHED_CLS, PROG_XDP) else 0
         assert len(used - ids) == private == PRIVATE_MAPS[name], f"{name}: besides them, only its load's own"
     return ids
@@ -168,8 +170,8 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         try:
             _uses_only_its_own_maps(again)
             assert _tail_calls(pins, again) == {
-                "ekp_calls6": [prog_id(again.prog_fd(name)) for name in TAIL_CALLS["ekp_calls6"]]
-            }, "the pinned program array still holds the reused IPv6 programs"
+                array: [prog_id(again.prog_fd(name)) for name in names] for array, names in TAIL_CALLS.items()
+            }, "the pinned program arrays still hold the reused IPv6 programs"
         finally:
             again.close()
         assert "data path reused" in caplog.text, "a restart reuses the pinned programs"
@@ -184,7 +186,7 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         bigger = Datapath(pins, replace(SMALL, fe=256), cache=ObjectCache(str(tmp_path / "empty")))
         bigger.load()
         assert bigger.release_older_builds() == [
-            n for n in built if n.endswith(("_ekp_calls6", "_ekp_handover"))
+            n for n in built if n.endswith(("_ekp_calls6", "_ekp_xcalls6", "_ekp_handover"))
         ]
         bigger.close()
         assert "data path compiled in" in caplog.text
@@ -643,9 +645,9 @@ def test_an_older_build_s_program_array_stays_filled_until_its_programs_are_repl
             assert os.path.exists(old_array), "the old build's program array is still pinned"
             assert _slots(pins, old) == want, "and still holds the old build's IPv6 programs"
             old_prefix = f"{PROG_PIN_PREFIX}{old.build(old.programs())}_"
-            kept = sorted([os.path.basename(old_array), f"{old_prefix}ekp_handover"])
+            kept = sorted([*(f"{old_prefix}{array}" for array in TAIL_CALLS), f"{old_prefix}ekp_handover"])
             assert [p for p in _prog_pins(pins) if p.startswith(old_prefix)] == kept, (
-                "its programs unpinned, its array and its hand-over mode (read by them) alone kept"
+                "its programs unpinned, its arrays and its hand-over mode (read by them) alone kept"
             )
             assert new.release_older_builds() == kept
             assert not os.path.exists(old_array)

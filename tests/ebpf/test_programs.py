@@ -20,6 +20,7 @@ from agent.ebpf.programs import (
     PROG_FROM_POD6,
     PROG_SOCK_TERM,
     PROG_XDP_NET,
+    PROG_XDP_NET6,
     PROGRAMS,
     SOCK_HOOKS,
     SOCK_NEEDS,
@@ -37,7 +38,15 @@ def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> b
 
 def test_a_kernel_without_the_helpers_loads_the_tc_programs_alone() -> None:
     socket_programs = {name for name, _ in SOCK_HOOKS.values()}
-    packet = {PROG_FROM_POD, PROG_FROM_NET, PROG_FROM_POD6, PROG_FROM_NET6, PROG_EGRESS, PROG_XDP_NET}
+    packet = {
+        PROG_FROM_POD,
+        PROG_FROM_NET,
+        PROG_FROM_POD6,
+        PROG_FROM_NET6,
+        PROG_EGRESS,
+        PROG_XDP_NET,
+        PROG_XDP_NET6,
+    }
     assert set(available_programs(set())) == packet
     assert set(available_programs(set(SOCK_NEEDS))) == {*packet, *socket_programs}
     assert set(available_programs(kernel_needs())) == set(PROGRAMS)

@@ -2,10 +2,14 @@
 XDP; its source ranges and NodePorts are the traffic suite's).
 
 Both agents run `--bpf-xdp=native --bpf-lb-algorithm=maglev --bpf-host-routing=bpf` (under legacy
-host routing XDP leaves translations to tc). The lab's switch is a wire (full checksums, XDP_TX
-delivered: lab/wire.py). The XDP program's own counters (ekp_xstats_v3) and the kernel's run count
-of the program (`bpftool prog show`, with BPF_ENABLE_STATS held open for the test) show which hook
-handled what; the tc program's counters show what it did not see.
+host routing XDP leaves translations to tc). The IPv6 tests run the same agents in a dual-stack lab
+of their own (`dual`, `Lab(ipv6=True)`; apart because eBPF mode still writes ip6tables rules beside
+its IPv6 path, which the suite's check of no service rules in eBPF mode looks at for `cluster`):
+IPv6 reaches XDP's IPv6 path (ekp_xdp_net6, bpf/ekp_xdp6.h) by a tail call. The lab's switch is a
+wire (full checksums, XDP_TX delivered: lab/wire.py). The XDP program's own counters
+(ekp_xstats_v3) and the kernel's run count of the program (`bpftool prog show`, with
+BPF_ENABLE_STATS held open for the test) show which hook handled what; the tc program's counters
+show what it did not see.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from lab import Lab
 from lab.core import PODSERVER, CommandError
 from lab.harness import CLIENT as CLIENT_PY
 from lab.harness import Cluster, ep
-from lab.objects import Port, service, with_endpoints
+from lab.objects import Ep, Port, endpoint_slice, service, with_endpoints
 from tests.conftest import require_kernel
+from tests.traffic.test_ipv6 import HTTP6_PORT, SERVER6, fetch
 
 pytestmark = pytest.mark.kernel
 
@@ -62,6 +67,25 @@ def cluster() -> Iterator[Cluster]:
         # bpf host routing: under legacy (the default) XDP leaves translations to the node's stack.
         extra = ["--bpf-xdp=native", "--bpf-lb-algorithm=maglev", "--bpf-host-routing=bpf"]
         c = Cluster(lab, "ebpf", extra=extra)
+        c.start()
+        try:
+            yield c
+        finally:
+            failures = c.stop()
+        assert not failures, f"agent --cleanup failed: {failures}"
+
+
+@pytest.fixture(scope="module")
+def dual() -> Iterator[Cluster]:
+    """The agents of `cluster` in a dual-stack lab: IPv6 HTTP servers on pod-2-1 and pod-2-2."""
+    require_kernel()
+    with Lab(nodes=2, pods_per_node=2, wire=True, ipv6=True) as lab:
+        for pod in (lab.pod("pod-2-1"), lab.pod("pod-2-2")):
+            http6 = lab.popen(pod, sys.executable, "-c", SERVER6, pod.name, str(HTTP6_PORT), name="http6")
+            lab.wait_log(http6, "ready")
+        c = Cluster(
+            lab, "ebpf", extra=["--bpf-xdp=native", "--bpf-lb-algorithm=maglev", "--bpf-host-routing=bpf"]
+        )
         c.start()
         try:
             yield c
@@ -230,3 +254,63 @@ def test_a_tcp_stream_through_a_nodeport_continues_on_its_backend_after_conntrac
     # the same backend and SNAT port: resumed by Maglev, not chosen anew
     assert flow() == before
     assert delta(xstats(cluster), x0).get("ct_resumed", 0) == 1
+
+
+def ipv6_service(cluster: Cluster, name: str, vip: str, node_port: int, type: str, **spec: object) -> None:
+    """An IPv6 Service of HTTP6_PORT on pod-2-1 and pod-2-2 (both on node2)."""
+    port = Port("http", 80, HTTP6_PORT, node_port=node_port)
+    svc = service(name, vip, [port], type=type, ipFamilies=["IPv6"], **spec)
+    pods = [cluster.lab.pod(p) for p in ("pod-2-1", "pod-2-2")]
+    eps = endpoint_slice(name, [port], [Ep(p.ip6, f"node{p.node}") for p in pods], "v6")
+    eps["addressType"] = "IPv6"
+    cluster.apply([svc, eps])
+
+
+def test_an_ipv6_nodeport_to_backends_on_the_other_node_is_handled_at_xdp(dual: Cluster) -> None:
+    ipv6_service(dual, "xdp6-np", "fd00:10:96::70", 30972, type="NodePort")
+    lab = dual.lab
+    url = f"http://[{lab.node(1).ip6}]:30972/"
+    # the first request resolves node1's IPv6 neighbours (node2, the client): until then XDP leaves
+    # the packets to tc (NO_NEIGH)
+    assert fetch(dual, CLIENT, url) in {"pod-2-1", "pod-2-2"}
+    x0, t0 = xstats(dual), dual.bpf_stats(1)
+    answers = {fetch(dual, CLIENT, url) for _ in range(8)}
+    assert answers <= {"pod-2-1", "pod-2-2"}, answers
+    x, t = delta(xstats(dual), x0), delta(dual.bpf_stats(1), t0)
+    # 8 connections, both ways through XDP: every SYN a new flow (masqueraded to node1's IPv6
+    # address), every reply from node2 restored
+    assert x.get("new_flows", 0) == 8 and x.get("snat", 0) == 8, x
+    assert x.get("ct_reply", 0) >= 16 and x.get("ct_forward", 0) >= 16, x
+    # the tc program behind it saw none of those flows' packets
+    assert t.get("new_flows", 0) == 0 and t.get("ct_forward", 0) == 0 and t.get("ct_reply", 0) == 0, t
+
+
+def test_ipv6_source_ranges_drop_one_client_at_xdp_and_let_another_through(dual: Cluster) -> None:
+    lab = dual.lab
+    lb_ip, other = "fd00:10:97::70", "fd00:192:168::101"
+    ipv6_service(
+        dual,
+        "xdp6-lb",
+        "fd00:10:96::71",
+        30973,
+        type="LoadBalancer",
+        loadBalancerSourceRanges=[f"{lab.client.ip6}/128"],
+        status={"loadBalancer": {"ingress": [{"ip": lb_ip}]}},
+    )
+    lab.add_client_route(f"{lb_ip}/128", via_node=1)
+    lab.run(CLIENT, "ip", "-6", "addr", "replace", f"{other}/64", "dev", "eth0", "nodad")
+    try:
+        # the client's own address, which the ranges hold (the other would be its source as well)
+        allowed = ["-g", "--interface", lab.client.ip6]
+        assert lab.curl(CLIENT, f"http://[{lb_ip}]/", args=allowed).strip() in {"pod-2-1", "pod-2-2"}
+        x0, t0 = xstats(dual), dual.bpf_stats(1)
+        assert lab.curl(CLIENT, f"http://[{lb_ip}]/", args=allowed).strip() in {"pod-2-1", "pod-2-2"}
+        with pytest.raises(CommandError) as denied:
+            lab.curl(CLIENT, f"http://[{lb_ip}]/", timeout=2, args=["-g", "--interface", other])
+        assert denied.value.returncode == 28, denied.value  # timed out: dropped, not refused
+        x, t = delta(xstats(dual), x0), delta(dual.bpf_stats(1), t0)
+        assert x.get("drop_source_range", 0) >= 1 and x.get("new_flows", 0) == 1, x
+        assert t.get("drop_source_range", 0) == 0 and t.get("new_flows", 0) == 0, t  # before tc
+    finally:
+        lab.run(CLIENT, "ip", "-6", "addr", "del", f"{other}/64", "dev", "eth0", check=False)
+        lab.del_client_route(f"{lb_ip}/128")
