@@ -174,8 +174,7 @@ class EbpfAndIp6tables:
     ) -> SyncResult:
         every = frozenset(state.services)
         in_place = self._rendered  # None: not known (the first sync, or the last one failed)
-        granted = self.ebpf.tc_serves and self.ebpf.snat_granted and self.ebpf.snat_preview(node)
-        need = ports_left(state, node.node_ips, self.facts(state, granted=granted))
+        need = ports_left(state, node.node_ips, self.facts(state, granted=self._granted_after(node)))
         # A port the maps were last written to hand to the stack keeps its rules one more sync; with
         # the rules in place not known, every port gets them, and `again` thins them out.
         keep = every if in_place is None else need | (in_place & self._needed)
@@ -229,6 +228,25 @@ class EbpfAndIp6tables:
             repaired=sum(r.repaired for r in results),
             again=self._rendered - after,
         )
+
+    def _granted_after(self, node: NodeContext) -> bool:
+        """Whether the grant is on now and the maps' sync will leave it on should the restore
+        succeed (`snat_preview`). A preview that raises counts as off: the masqueraded ports keep
+        their rules this sync, which costs only their walk."""
+        if not (self.ebpf.tc_serves and self.ebpf.snat_granted):
+            return False
+        try:
+            return self.ebpf.snat_preview(node)
+        except FatalError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "cannot tell whether the tc IPv6 path keeps its SNAT grant (%s: %s): ip6tables keeps the "
+                "rules of the Services it masquerades for this sync",
+                type(exc).__name__,
+                exc,
+            )
+            return False
 
     def _restore(
         self,

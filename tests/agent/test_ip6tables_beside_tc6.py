@@ -35,6 +35,7 @@ class Maps:
         self.apart = False
         self.failing: dict[ServicePortName, str] = {}
         self.broken: Exception | None = None
+        self.preview_error: Exception | None = None
 
     def prepare(self) -> None:
         pass
@@ -44,6 +45,8 @@ class Maps:
         self.apart = apart
 
     def snat_preview(self, node: NodeContext) -> bool:
+        if self.preview_error is not None:
+            raise self.preview_error
         return self.grant_next
 
     def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
@@ -386,3 +389,26 @@ def test_a_thinned_port_keeps_its_health_check_node_ports_accept(
         "-m tcp -p tcp --dport 32000 -j ACCEPT"
     )
     assert accept in runner.save("filter").splitlines()
+
+
+def test_a_preview_that_raises_keeps_the_masqueraded_ports_rules_for_that_sync(
+    rig: tuple[Any, Maps, FakeRunner, list[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The grant's preview reads the maps and IPv6 nf_conntrack: should it raise, the sync goes on
+    as if the grant were going off (the masqueraded ports' rules restored before the maps), and a
+    warning says why; the next sync thins them again."""
+    both, maps, runner, _ = rig
+    maps.snat_granted = maps.grant_next = True
+    result = both.sync(state(), NODE6, None)
+    both.sync(state(), NODE6, result.again)
+    assert "default/web:http" not in jumped(runner)
+    maps.preview_error = OSError("netlink (fake)")
+    with caplog.at_level("WARNING", logger="agent"):
+        result = both.sync(state(), NODE6, frozenset())
+    assert "default/web:http" in jumped(runner) and result.again == {WEB}
+    assert any(
+        "cannot tell whether the tc IPv6 path keeps its SNAT grant" in r.getMessage() for r in caplog.records
+    )
+    maps.preview_error = None
+    both.sync(state(), NODE6, result.again)
+    assert "default/web:http" not in jumped(runner)
