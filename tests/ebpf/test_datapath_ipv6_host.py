@@ -16,7 +16,7 @@ import pytest
 
 from agent.ebpf.abi import BackendFlag, ConfigFlag, CtFlag, FrontendFlag, Scope, Stat
 from agent.ebpf.loader import Datapath
-from lab.dplab import CLIENT6, NODE6, POD6, VIP6, Net, add_service6, set_config
+from lab.dplab import CLIENT6, NODE6, POD6, UDP, VIP6, Net, add_service6, set_config
 from lab.packets import TC_ACT_OK
 from tests.ebpf.test_datapath_ipv6 import (  # noqa: F401 (`lab`: the IPv6 packet lab, a fixture)
     ct6,
@@ -123,3 +123,27 @@ def test_packet_too_big_about_a_host_backends_reply_reaches_the_backends_socket(
     assert (e.in_src, e.in_dst, e.in_sport, e.in_dport) == (NODE6, CLIENT6, API, 50001)
     assert e.in_tcp_checksum_ok is True
     assert net.stats()[Stat.CT_RELATED] == 1
+
+
+def test_the_nodes_port_unreachable_about_a_host_backends_datagram_leaves_as_the_cluster_ips(
+    net: Net, routing: int
+) -> None:
+    """A pod's datagram to an IPv6 ClusterIP whose backend is a closed UDP port on the node: the
+    stack answers the translated datagram (POD6 -> NODE6:5353) with port unreachable, which egress
+    gives the ClusterIP back (outer source and quote, found through the REPLY entry), so the
+    pod's connected socket gets ECONNREFUSED at once. Before, it left untranslated: the pod's
+    stack matched no socket to it and the client waited for its timeout."""
+    from tests.ebpf.test_datapath_icmp6 import error6, error_about
+
+    snat_source(net, NODE6)
+    add_service6(net.dp.maps, VIP6, 53, ((1, NODE6, 5353, HOST),), proto=UDP)
+    sent = frame6(POD6, VIP6, 45100, 53, UDP)
+    verdict, out = net.from_pod(sent)
+    assert verdict == TC_ACT_OK and seen(out)[2] == NODE6
+    verdict, back = net.to_pod(error_about(out, NODE6, "port-unreachable"))
+    assert verdict == TC_ACT_OK
+    e = error6(back)
+    assert (e.src, e.dst, e.checksum_ok, e.head[:2]) == (VIP6, POD6, True, bytes([1, 4]))
+    assert (e.in_src, e.in_dst, e.in_sport, e.in_dport, e.in_l4[8:]) == (POD6, VIP6, 45100, 53, sent[62:])
+    stats = net.stats()
+    assert (stats[Stat.CT_RELATED], stats[Stat.NEW_FLOWS]) == (1, 1)
