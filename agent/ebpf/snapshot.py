@@ -18,6 +18,11 @@ whose Service and endpoints are as planned. Anything else falls back to the read
   the kernel's batch order of an unchanged map is stable; a rewrite of the same entries only
   costs the fallback).
 
+The fragments' records (each port's Service and endpoints, which that skip compares) are not in
+the pickled planner: they follow it in chunks, and the start compares each chunk with the model's
+and keeps the model's own where equal (`_take_records`), so a planner taken holds no second copy
+of every Service and endpoint (140 MiB of a restart's peak at 50,000 Services of 10 endpoints).
+
 The file is consumed (removed) by the start that reads it, whatever the outcome, so a later start
 after a crash never meets it (nor any partial file a stop killed while writing it left). The body
 is a pickle, read by an unpickler that builds only the planner's own classes (`_Restricted`): the
