@@ -1345,3 +1345,21 @@ def test_ipv6_udp_flows_the_tc_path_hands_to_the_stack_get_plain_nf_conntrack_en
     assert entries and all(
         isinstance(v, abi.Ct6Entry) and not v.flags & (CtFlag.NFPASS | CtFlag.HANDOVER) for v in entries
     )
+
+
+@pytest.mark.kernel
+def test_replace_flows_gives_an_ipv6_udp_flow_its_plain_entry_and_removes_the_moved_one(netns: str) -> None:
+    """What `_to_stack6` asks of ctnetlink, for real: an IPv6 UDP flow's NAT entry (client ->
+    ClusterIP, reply backend -> client) and the plain entry a datagram the tc path handed to the
+    stack made meanwhile, its reply moved to another port by nf_nat (the entry that kept the
+    replies from the client) are replaced by the plain client <-> backend entry alone."""
+    t = Timeouts()
+    moved = NatFlow(17, (CLIENT6_T, BE6_T, 40000, 53), (BE6_T, CLIENT6_T, 53, 1024))
+    assert create_flows(netns, [DNS6, moved], t).created == 2
+    done = replace_flows(netns, [DNS6], stack_flow, t, before=lambda f: None, after=lambda f: None)
+    assert (done.retired, done.stray, done.made.created, done.made.failed) == (1, 1, 1, [])
+    assert dump_flows(netns, socket.AF_INET6) == [], "no NAT entry left"
+    listed = sh("ip", "netns", "exec", netns, "conntrack", "-L", "-f", "ipv6", "-p", "udp").splitlines()
+    assert len(listed) == 1 and "sport=53 dport=40000" in listed[0], (
+        listed
+    )  # the reply to the client's own port
