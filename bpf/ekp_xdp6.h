@@ -3,7 +3,8 @@
  * ekp_xdp6.h: the XDP program's IPv6 path (ekp_xdp_net6), reached from ekp_xdp_net by a tail call
  * (ekp_xcalls6, ekp_tc.c) as the tc programs reach theirs, so IPv4's XDP verification and
  * per-packet work stay as they were. Loaded and filled only where the tc programs' IPv6 path is
- * (MapSizes.ipv6_tc): what it leaves to tc, ekp_from_net6 must be there to take.
+ * (MapSizes.ipv6_tc): what it leaves to tc, ekp_from_net6 must be there to take; and only where
+ * XDP attaches and the kernel has bpf_xdp_load_bytes (5.18: agent/ebpf/programs.py XDP6_NEEDS).
  *
  *   parse (ekp_parse6.h, from the XDP buffer) -> decide (ekp_tc6.h's pieces: the activity check,
  *   conntrack FORWARD then REPLY, the frontend's refusal, the backend, the source translation, the
