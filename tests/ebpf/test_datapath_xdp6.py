@@ -213,6 +213,58 @@ def test_the_last_hop_goes_to_tc(net: Net) -> None:
     to_tc(net, frame6(CLIENT6, NODE6, 50007, NODEPORT, hlim=1))
 
 
+def ring_heads(net: Net) -> dict[int, int]:
+    """How many flows each IPv6 early-drop ring was given (ekp_ctqh6: TCP, ANY)."""
+    return {int(k.value): int(v.value) for k, v in net.dp.maps["ctqh6"].items()}
+
+
+def test_a_hit_whose_route_leaves_by_another_device_goes_to_tc_before_its_state_moves(net: Net) -> None:
+    """A RST on a flow to a local backend (tc's: its route leaves by the pod's device, not ext0)
+    is looked up at XDP and passed to tc untouched: the entry's flags and last_seen as they were,
+    nothing given to the early-drop ring. Then tc moves the flow (the RST closes it, into the
+    ring). A hit whose state moved at XDP would be moved twice, or closed by XDP for a packet tc
+    then carries."""
+    snat_source(net)
+    nodeport(net, LOCAL_BE)
+    syn = frame6(CLIENT6, NODE6, 50010, NODEPORT)
+    assert net.from_net(syn)[0] == TC_ACT_REDIRECT
+    before = bytes(ct6(net, CLIENT6, NODE6, 50010, NODEPORT))
+    heads = ring_heads(net)
+    assert heads[abi.CtqRing.TCP] == 1, "the flow's beginning"
+    rst = frame6(CLIENT6, NODE6, 50010, NODEPORT, flags="R")
+    assert net.xdp(rst) == (XDP_PASS, rst)
+    xstats(net, PACKETS=1, TO_TC=1)
+    assert bytes(ct6(net, CLIENT6, NODE6, 50010, NODEPORT)) == before, "flags and last_seen unchanged"
+    assert ring_heads(net) == heads, "nothing pushed to the early-drop ring"
+    assert net.from_net(rst)[0] == TC_ACT_REDIRECT
+    moved = ct6(net, CLIENT6, NODE6, 50010, NODEPORT)
+    assert moved is not None and bytes(moved) != before and moved.flags & abi.CtFlag.RST
+    assert ring_heads(net)[abi.CtqRing.TCP] == 2, "closed by tc: into the ring"
+
+
+def test_a_destination_options_header_is_kept_through_the_rewrite(net: Net) -> None:
+    """The L4 header 8 bytes further in (l4_off 62, not 54): the ports and checksum rewritten
+    there, the extension header sent on as it came, both ways."""
+    from scapy.layers.inet import TCP as TCPh
+    from scapy.layers.inet6 import IPv6ExtHdrDestOpt
+    from scapy.layers.l2 import Ether
+
+    snat_source(net)
+    nodeport(net)
+    verdict, out = net.xdp(frame6(CLIENT6, NODE6, 50011, NODEPORT, ext=IPv6ExtHdrDestOpt()))
+    assert verdict == XDP_TX
+    _, src, dst, sport, _, dport, hlim = seen(out)  # seen: the TCP checksum is right
+    assert (src, dst, dport, hlim) == (NODE6, REMOTE_BE6, 8080, 63)
+    assert IPv6ExtHdrDestOpt in Ether(out) and len(out) == len(
+        frame6(CLIENT6, NODE6, 1, 1, ext=IPv6ExtHdrDestOpt())
+    )
+    verdict, out = net.xdp(frame6(REMOTE_BE6, NODE6, 8080, sport, flags="SA", ext=IPv6ExtHdrDestOpt()))
+    assert verdict == XDP_TX
+    assert seen(out)[1:4] == (NODE6, CLIENT6, NODEPORT) and Ether(out)[TCPh].dport == 50011
+    assert IPv6ExtHdrDestOpt in Ether(out)
+    xstats(net, PACKETS=2, NEW_FLOWS=1, SNAT=1, CT_REPLY=1)
+
+
 def test_a_packet_of_no_frontend_and_no_flow_passes_uncounted_but_pass(net: Net) -> None:
     snat_source(net)
     nodeport(net)
