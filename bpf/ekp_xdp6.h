@@ -22,8 +22,9 @@
  * ICMPv6 error (no endpoints), a frontend with a backend on the node's own address or asking a
  * source translation while the node's IPv6 address is not known, a chosen backend that is local
  * (a pod's veth) or the node's, legacy host routing's translations, a SYN reopening an ended
- * flow's tuple, any other route result, an L4 header past the buffer's linear part. The one
- * exception is IPv4's too: the affinity entry a local backend's choice writes (tc chooses again).
+ * flow's tuple, any other route result, an L4 header past the buffer's linear part. The backend's
+ * choice is remembered (affinity) only past the route, where XDP will carry the flow out (IPv4's
+ * XDP writes it at the choice, also for a local backend it leaves to tc).
  * A packet of no live flow and no frontend (a direct connection's reclaim is tc's) and a mid-flow
  * segment without an entry (ip6tables' flow) leave as PASS.
  */
@@ -157,7 +158,9 @@ static __always_inline int ekp_xdp6_new(struct xdp_md *ctx, struct ekp_tc6_scrat
 	    (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
 		return ekp_xdp6_to_tc(outcome);
 	__builtin_memset(f, 0, sizeof(*f));
-	if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, &f->b, f->be_addr, &aff_hit))
+	/* The choice is remembered (affinity) only once XDP will carry the flow out: one left to tc is
+	 * chosen there afresh, its first choice counted as such (no AFFINITY_HIT of XDP's making). */
+	if (ekp_pick_backend_in(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, &f->b, f->be_addr, &aff_hit, 0))
 		return ekp_xdp6_to_tc(outcome);
 	int snat = ekp_tc6_wants_snat(flags, f->b.be_flags, f->be_addr, p->saddr);
 	if ((f->b.be_flags & (EKP_BE_LOCAL | EKP_BE_HOST)) || (snat && !node))
@@ -173,6 +176,8 @@ static __always_inline int ekp_xdp6_new(struct xdp_md *ctx, struct ekp_tc6_scrat
 	 * no route), as ekp_main6's. */
 	if (!ekp_xdp6_route(ctx, w, snat ? f->snat_addr : p->saddr, p->b.sport, f->be_addr, f->b.be_port))
 		return ekp_xdp6_to_tc(outcome);
+	if (ekp_fe_affinity(fe))
+		ekp_aff_remember_af(1, fe, p->saddr, f->b.backend_id, now);
 	if (aff_hit)
 		ekp_count_in(EKP_COUNT_XDP, EKP_STAT_AFFINITY_HIT);
 	int reason = ekp_ct6_create(p, f, cfg, now);

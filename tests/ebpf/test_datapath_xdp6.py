@@ -18,6 +18,7 @@ from agent.ebpf import abi
 from agent.ebpf.abi import Addr6, BackendFlag, Config6, FrontendFlag, Scope, Stat, ip6_words
 from agent.ebpf.maps import write_config6
 from lab.dplab import (
+    BE6_SMALL_MTU,
     CLIENT6,
     MAC6,
     NODE2_6,
@@ -211,6 +212,43 @@ def test_the_last_hop_goes_to_tc(net: Net) -> None:
     snat_source(net)
     nodeport(net)
     to_tc(net, frame6(CLIENT6, NODE6, 50007, NODEPORT, hlim=1))
+
+
+AFFINITY = ETP_CLUSTER | FrontendFlag.AFFINITY
+
+
+def test_an_affinity_frontends_choice_is_remembered_at_xdp_only_when_xdp_carries_the_flow(net: Net) -> None:
+    """ClientIP affinity: a new flow XDP sends remembers its backend (the client's next flow is an
+    AFFINITY_HIT at XDP, to the same backend); one XDP leaves to tc (a local backend, or a remote
+    one whose route leaves by another device) writes no affinity entry, so tc's choice is a first
+    choice, counted as one (no AFFINITY_HIT), and remembered by tc."""
+    snat_source(net)
+    add_service6(
+        net.dp.maps, NODE6, NODEPORT, REMOTE_BE, scope=Scope.EXTERNAL, flags=AFFINITY, affinity_timeout=10800
+    )
+    assert net.xdp(frame6(CLIENT6, NODE6, 50020, NODEPORT))[0] == XDP_TX
+    assert [int(v.backend_id) for _, v in net.dp.maps["aff6"].items()] == [1]
+    assert net.xdp(frame6(CLIENT6, NODE6, 50021, NODEPORT))[0] == XDP_TX
+    xstats(net, PACKETS=2, NEW_FLOWS=2, SNAT=2, AFFINITY_HIT=1)
+
+
+@pytest.mark.parametrize(
+    "backends",
+    [LOCAL_BE, ((1, BE6_SMALL_MTU, 8080, 0),)],
+    ids=["local backend", "remote backend routed by another device"],
+)
+def test_an_affinity_choice_xdp_leaves_to_tc_is_tcs_first_choice(
+    net: Net, backends: tuple[tuple[int, str, int, int], ...]
+) -> None:
+    snat_source(net)
+    add_service6(
+        net.dp.maps, NODE6, NODEPORT, backends, scope=Scope.EXTERNAL, flags=AFFINITY, affinity_timeout=10800
+    )
+    syn = frame6(CLIENT6, NODE6, 50022, NODEPORT)
+    to_tc(net, syn)  # asserts no affinity entry
+    assert net.from_net(syn)[0] == TC_ACT_REDIRECT
+    assert net.stats()[Stat.AFFINITY_HIT] == 0, "tc's first choice"
+    assert [int(v.backend_id) for _, v in net.dp.maps["aff6"].items()] == [1], "remembered by tc"
 
 
 def ring_heads(net: Net) -> dict[int, int]:
