@@ -105,8 +105,9 @@ static __always_inline int ekp_lb_refusal(const struct ekp_frontend *fe, __be32 
 	return ekp_lb_refusal_af(0, fe, &client);
 }
 
-/* Remembers `backend_id` as the client's backend of frontend `fe` (ClientIP affinity), from `now`. */
-static __always_inline void ekp_aff_remember_af(int v6, const struct ekp_frontend *fe, const __be32 *client,
+/* Remembers `backend_id` as the client's backend (ClientIP affinity) from `now`, under the key of
+ * the family: `ak` for IPv4, `ak6` for IPv6 (the client and the frontend's svc_id). */
+static __always_inline void ekp_aff_remember_af(int v6, struct ekp_affinity_key *ak, struct ekp_affinity6_key *ak6,
 						__u32 backend_id, __u64 now)
 {
 	struct ekp_affinity a = {};
@@ -114,17 +115,10 @@ static __always_inline void ekp_aff_remember_af(int v6, const struct ekp_fronten
 	a.last_seen_ns = now;
 	a.backend_id = backend_id;
 	/* LRU: cannot be full; a failure only loses affinity */
-	if (v6) {
-		struct ekp_affinity6_key ak6 = {};
-		__builtin_memcpy(ak6.client, client, 16);
-		ak6.svc_id = fe->svc_id;
-		ekp_aff6_update(&ak6, &a);
-	} else {
-		struct ekp_affinity_key ak = {};
-		ak.client = client[0];
-		ak.svc_id = fe->svc_id;
-		ekp_aff_update(&ak, &a);
-	}
+	if (v6)
+		ekp_aff6_update(ak6, &a);
+	else
+		ekp_aff_update(ak, &a);
 }
 
 /* Whether frontend `fe` keeps each client on one backend (ClientIP affinity). */
@@ -227,7 +221,7 @@ static __always_inline int ekp_pick_backend_in(int v6, const struct ekp_frontend
 	}
 
 	if (affinity && remember)
-		ekp_aff_remember_af(v6, fe, client, bk.id, now);
+		ekp_aff_remember_af(v6, &ak, &ak6, bk.id, now);
 	return 0;
 }
 

@@ -176,8 +176,6 @@ static __always_inline int ekp_xdp6_new(struct xdp_md *ctx, struct ekp_tc6_scrat
 	 * no route), as ekp_main6's. */
 	if (!ekp_xdp6_route(ctx, w, snat ? f->snat_addr : p->saddr, p->b.sport, f->be_addr, f->b.be_port))
 		return ekp_xdp6_to_tc(outcome);
-	if (ekp_fe_affinity(fe))
-		ekp_aff_remember_af(1, fe, p->saddr, f->b.backend_id, now);
 	if (aff_hit)
 		ekp_count_in(EKP_COUNT_XDP, EKP_STAT_AFFINITY_HIT);
 	int reason = ekp_ct6_create(p, f, cfg, now);
@@ -189,6 +187,12 @@ static __always_inline int ekp_xdp6_new(struct xdp_md *ctx, struct ekp_tc6_scrat
 	}
 	w->key.dir = EKP_CT_FORWARD;
 	ekp_ctq6_want(&w->queue, &w->key, now / EKP_NSEC);
+	if (ekp_fe_affinity(fe)) { /* after the entries: one branch less for the verifier to walk twice */
+		struct ekp_affinity6_key ak6 = {};
+		__builtin_memcpy(ak6.client, p->saddr, 16);
+		ak6.svc_id = fe->svc_id;
+		ekp_aff_remember_af(1, NULL, &ak6, f->b.backend_id, now);
+	}
 	if (f->b.remapped)
 		ekp_count_in(EKP_COUNT_XDP, EKP_STAT_PORT_REMAP);
 	else if (f->b.ct_flags & EKP_CT_SNAT)
