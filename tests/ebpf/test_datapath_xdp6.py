@@ -217,6 +217,15 @@ def test_the_last_hop_goes_to_tc(net: Net) -> None:
 AFFINITY = ETP_CLUSTER | FrontendFlag.AFFINITY
 
 
+def aff_backends(net: Net) -> list[int]:
+    """The backend of each IPv6 affinity entry."""
+    out = []
+    for _, v in net.dp.maps["aff6"].items():
+        assert isinstance(v, abi.Affinity)
+        out.append(int(v.backend_id))
+    return out
+
+
 def test_an_affinity_frontends_choice_is_remembered_at_xdp_only_when_xdp_carries_the_flow(net: Net) -> None:
     """ClientIP affinity: a new flow XDP sends remembers its backend (the client's next flow is an
     AFFINITY_HIT at XDP, to the same backend); one XDP leaves to tc (a local backend, or a remote
@@ -227,7 +236,7 @@ def test_an_affinity_frontends_choice_is_remembered_at_xdp_only_when_xdp_carries
         net.dp.maps, NODE6, NODEPORT, REMOTE_BE, scope=Scope.EXTERNAL, flags=AFFINITY, affinity_timeout=10800
     )
     assert net.xdp(frame6(CLIENT6, NODE6, 50020, NODEPORT))[0] == XDP_TX
-    assert [int(v.backend_id) for _, v in net.dp.maps["aff6"].items()] == [1]
+    assert aff_backends(net) == [1]
     assert net.xdp(frame6(CLIENT6, NODE6, 50021, NODEPORT))[0] == XDP_TX
     xstats(net, PACKETS=2, NEW_FLOWS=2, SNAT=2, AFFINITY_HIT=1)
 
@@ -248,7 +257,7 @@ def test_an_affinity_choice_xdp_leaves_to_tc_is_tcs_first_choice(
     to_tc(net, syn)  # asserts no affinity entry
     assert net.from_net(syn)[0] == TC_ACT_REDIRECT
     assert net.stats()[Stat.AFFINITY_HIT] == 0, "tc's first choice"
-    assert [int(v.backend_id) for _, v in net.dp.maps["aff6"].items()] == [1], "remembered by tc"
+    assert aff_backends(net) == [1], "remembered by tc"
 
 
 def ring_heads(net: Net) -> dict[int, int]:
