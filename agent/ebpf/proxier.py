@@ -329,6 +329,9 @@ class EbpfProxier:
         self._socket_detach = socket_detach
         self._conntrack6_reader = conntrack6_reader
         self._snapshot = snapshot.snapshot_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
+        # Now, not at close: sources changed under the running agent (an upgrade in place) must not
+        # label this run's planner as theirs
+        self._snapshot_identity = snapshot.identity(config) if snapshot_dir else b""
         # Told how many flows the IPv6 SNAT grant waits for, at each look (the agent's gauge
         # ekp_ipv6_snat_held_flows: set after construction, as the early load makes the proxier
         # before the metrics exist)
@@ -872,33 +875,34 @@ class EbpfProxier:
         if first:
             live = read_config(maps)
             self._cfg_written = VALUES["cfg"].of_ctype(live) if live is not None else None
-            counts = [
-                len(dump[r][0]) // KEYS[r].size if r in dump else 0 for r in ("fe", "slot", "be", "rnat")
-            ]
-            log.info(
-                "pinned maps hold %d frontends, %d slots, %d backends, %d reverse-NAT entries: "
-                "re-adopting their ids",
-                *counts,
-            )
         return dump
 
     def _restore(self, dump: Mapping[str, tuple[bytes, bytes]]) -> Planner | None:
-        """The last run's planner when the maps (`dump`) hold exactly what it desired."""
-        if not self._snapshot:
-            return None
-        planner, why = snapshot.take(self._snapshot, dump, self._config)
+        """The last run's planner when the maps (`dump`) hold exactly what it desired; one log line
+        either way, saying what the start does with the maps it found."""
+        counts = [len(dump[r][0]) // KEYS[r].size if r in dump else 0 for r in ("fe", "slot", "be", "rnat")]
+        found = "pinned maps hold {} frontends, {} slots, {} backends, {} reverse-NAT entries".format(*counts)
+        planner, why = (
+            snapshot.take(self._snapshot, dump, self._snapshot_identity, self._config)
+            if self._snapshot
+            else (None, "")
+        )
         if planner is not None:
             log.info(
-                "took the last run's planner from %s: the pinned maps hold exactly what it wrote, "
-                "so only what changed while the agent was down is planned",
+                "%s: took the last run's planner from %s, as they hold exactly what it wrote; "
+                "only what changed while the agent was down is planned",
+                found,
                 self._snapshot,
             )
         elif why:
             log.info(
-                "the last run's planner in %s is not used (%s): re-adopting the maps' ids",
+                "%s: re-adopting their ids (the last run's planner in %s is not used: %s)",
+                found,
                 self._snapshot,
                 why,
             )
+        else:
+            log.info("%s: re-adopting their ids", found)
         return planner
 
     def _keep_planner(self) -> None:
@@ -908,7 +912,8 @@ class EbpfProxier:
         if not self._snapshot or planner is None or datapath is None or self._unsure:
             return
         try:
-            why = snapshot.save(self._snapshot, planner, self._dump(datapath.maps, False), self._config)
+            dump = self._dump(datapath.maps, False)
+            why = snapshot.save(self._snapshot, planner, dump, self._snapshot_identity)
         except Exception as exc:
             log.warning("could not save the planner for the next start in %s: %s", self._snapshot, exc)
             return

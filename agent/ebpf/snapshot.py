@@ -11,7 +11,7 @@ that read-back byte for byte: the maps hold what the planner believes, so it car
 last run would have at its next full resync, and its first `update` skips every service port
 whose Service and endpoints are as planned. Anything else falls back to the read-back path:
 
-* no file, a file from another agent build or other flags (`_identity`: the format, the Python,
+* no file, a file from another agent build or other flags (`identity`: the format, the Python,
   the agent's own source, the config), a file whose body does not match its checksum (truncated,
   corrupted), one that does not unpickle into the planner's own types;
 * a map that holds anything else, or the same entries in another order (a write since, by anyone:
@@ -35,11 +35,12 @@ import io
 import logging
 import os
 import pickle
+import stat
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from agent.config import Config
 from agent.ebpf.entries import from_dump
@@ -66,6 +67,11 @@ _ALLOWED = {
     ("agent.model.types", "SessionAffinity"),
 }
 _NOT_KEPT = ("_config", "_ip")  # the new run's own
+# A file larger than this is refused unread (the start reads the maps back instead, which costs
+# only time): the pickle is about 14 MB at 10,000 Services of 10 endpoints and 70 MB at 50,000, and
+# the agent holds several times its size in objects (680 MiB at 50,000), so 256 MiB is a planner of
+# well over 1 GiB, past the chart's memory limit (768Mi): not one this node's agent could have left.
+MAX_BYTES = 256 << 20
 
 
 def snapshot_path(directory: str, pin_path: str) -> str:
@@ -86,68 +92,104 @@ def map_digests(dump: Mapping[str, tuple[bytes, bytes]]) -> bytes:
     return b"".join(out)
 
 
-def save(path: str, planner: Planner, dump: Mapping[str, tuple[bytes, bytes]], config: Config) -> str:
+def save(path: str, planner: Planner, dump: Mapping[str, tuple[bytes, bytes]], identity: bytes) -> str:
     """Write `planner` to `path` if `dump` (the maps' read-back now) holds exactly its desired
-    entries; "" when written, else why not (for the log). Atomic: a new file renamed over."""
+    entries; "" when written, else why not (for the log). Atomic: a new file renamed over.
+
+    `identity`: the agent's (see `identity`), taken when its proxier was made: the sources on
+    disk may have changed under it since (an upgrade in place); the file describes this run's layout.
+    The pickle goes straight into the file through a hashing writer, its checksum patched into the
+    header afterwards: the body is never whole in memory (70 MB at 50,000 Services of 10 endpoints)."""
     if not planner.in_sync:
         return "the planner has writes the maps have not taken"
     for role in ROLES:
         if from_dump(role, *dump.get(role, (b"", b""))) != planner.desired[role]:
             return f"the {role} map holds other entries than the planner desired"
+    write(path, planner, dump, identity)
+    return ""
+
+
+def write(path: str, planner: Planner, dump: Mapping[str, tuple[bytes, bytes]], identity: bytes) -> None:
+    """`save`'s file, written unchecked."""
     state = {k: v for k, v in planner.__dict__.items() if k not in _NOT_KEPT}
-    with _collector_held():
-        body = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
-    header = _MAGIC + _identity(config) + map_digests(dump) + hashlib.sha256(body).digest()
+    header = _MAGIC + identity + map_digests(dump)
     tmp = f"{path}.{os.getpid()}.tmp"
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with suppress(FileNotFoundError):
+        os.unlink(tmp)  # an earlier process's of the same pid, killed while it wrote (or a link put there)
+    # O_EXCL|O_NOFOLLOW: a link put at the name (between the unlink and here) is refused, never followed
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(body)
+            f.write(header + bytes(_HASH))
+            body = _Hashing(f)
+            with _collector_held():
+                pickle.Pickler(body, protocol=pickle.HIGHEST_PROTOCOL).dump(state)
+            f.seek(len(header))
+            f.write(body.digest())
         os.replace(tmp, path)
     except BaseException:
         with suppress(OSError):
             os.unlink(tmp)
         raise
-    return ""
 
 
-def take(path: str, dump: Mapping[str, tuple[bytes, bytes]], config: Config) -> tuple[Planner | None, str]:
-    """The planner saved at `path` if the maps (`dump`) still hold what it desired, and the file
-    removed either way. (None, why not) otherwise; (None, "") when there was no file."""
+def take(
+    path: str, dump: Mapping[str, tuple[bytes, bytes]], identity: bytes, config: Config
+) -> tuple[Planner | None, str]:
+    """The planner saved at `path` if it was written by an agent of this `identity` and the maps
+    (`dump`) still hold what it desired, and the file removed either way. (None, why not)
+    otherwise; (None, "") when there was no file. The body is checked, then unpickled, from the
+    file itself: no copy of it is held in memory besides the objects it builds."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        # O_NOFOLLOW: not a link put at the name; O_NONBLOCK: a FIFO put there cannot hang the start
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None, ""
     except OSError as exc:
-        return None, f"cannot read it: {exc}"
+        return None, f"cannot open it: {exc}"
     finally:
         with suppress(OSError):
             os.unlink(path)
         for partial in glob.glob(glob.escape(path) + ".*.tmp"):  # a stop killed while it wrote
             with suppress(OSError):
                 os.unlink(partial)
-    view = memoryview(data)
+    with os.fdopen(fd, "rb") as f:
+        return _read(f, dump, identity, config)
+
+
+def _read(
+    f: io.BufferedReader, dump: Mapping[str, tuple[bytes, bytes]], identity: bytes, config: Config
+) -> tuple[Planner | None, str]:
+    st = os.fstat(f.fileno())
+    if not stat.S_ISREG(st.st_mode):
+        return None, "not a regular file"
+    if st.st_size > MAX_BYTES:
+        return None, f"{st.st_size} bytes, more than the {MAX_BYTES} a planner's file may have"
     at = len(_MAGIC)
+    head = f.read(at + _HASH * (2 + len(ROLES)))
     ident, digests, check = (
-        view[at : at + _HASH],
-        view[at + _HASH : at + _HASH * (1 + len(ROLES))],
-        view[at + _HASH * (1 + len(ROLES)) : at + _HASH * (2 + len(ROLES))],
+        head[at : at + _HASH],
+        head[at + _HASH : at + _HASH * (1 + len(ROLES))],
+        head[at + _HASH * (1 + len(ROLES)) :],
     )
-    body = view[at + _HASH * (2 + len(ROLES)) :]
-    if view[:at] != _MAGIC or len(check) != _HASH:
+    if head[:at] != _MAGIC or len(check) != _HASH:
         return None, "not a planner snapshot of this format"
-    if ident != _identity(config):
+    if ident != identity:
         return None, "written by another agent build or with other flags"
     if digests != map_digests(dump):
         return None, "the maps changed since it was written"
-    if hashlib.sha256(body).digest() != check:
+    h = hashlib.sha256()
+    chunk = bytearray(1 << 20)
+    while n := f.readinto(chunk):
+        h.update(memoryview(chunk)[:n])
+    if h.digest() != check:
         return None, "its body does not match its checksum (truncated or corrupted)"
+    f.seek(len(head))
     try:
         with _collector_held():
-            state = _Restricted(io.BytesIO(body)).load()
+            state = _Restricted(f).load()
     except Exception as exc:
         return None, f"cannot be read back: {exc}"
     planner = Planner(config)
@@ -182,16 +224,26 @@ def _collector_held() -> Iterator[None]:
             gc.enable()
 
 
-_identity_cache: dict[str, bytes] = {}
+class _Hashing:
+    """A file the pickler writes to, hashing what it writes (the body's checksum)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._h = hashlib.sha256()
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._h.update(data)
+        return self._f.write(data)
+
+    def digest(self) -> bytes:
+        return self._h.digest()
 
 
-def _identity(config: Config) -> bytes:
-    """What a snapshot is only good for: this format, this Python, this agent's source, these flags."""
-    code = _identity_cache.get("code")
-    if code is None:
-        h = hashlib.sha256()
-        for file in sorted(_AGENT_DIR.rglob("*.py")):
-            h.update(str(file.relative_to(_AGENT_DIR)).encode() + b"\0")
-            h.update(file.read_bytes())
-        code = _identity_cache["code"] = h.digest()
-    return hashlib.sha256(_MAGIC + sys.version.encode() + code + repr(config).encode()).digest()
+def identity(config: Config) -> bytes:
+    """What a snapshot is only good for: this format, this Python, this agent's source (every
+    agent/**/*.py, read now: about 4 ms), these flags. Taken once when the proxier is made."""
+    h = hashlib.sha256()
+    for file in sorted(_AGENT_DIR.rglob("*.py")):
+        h.update(str(file.relative_to(_AGENT_DIR)).encode() + b"\0")
+        h.update(file.read_bytes())
+    return hashlib.sha256(_MAGIC + sys.version.encode() + h.digest() + repr(config).encode()).digest()

@@ -25,7 +25,9 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
 2. the programs are detached from every device of the node: no plain entry is made any more;
 3. the flows the programs started between 1 and 2, and those still refused, are written the same
    way (entries already there kept);
-4. the pins go (maps, programs, the directory), as `agent --cleanup` removes them.
+4. the pins go (maps, programs, the directory), as `agent --cleanup` removes them, and with them
+   the planner an eBPF-mode agent left for its next start (agent/ebpf/snapshot.py, in the lock
+   directory): it describes those maps only.
 
 Nothing happens where no eBPF conntrack is pinned at --bpf-pin-path.
 """
@@ -43,6 +45,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.config import Config
 from agent.ebpf import abi
+from agent.lock import LOCK_DIR
 from agent.takeover.flows import NSEC, NatFlow, Timeouts, ct_keys, nat_flow, stack_flow
 
 log = logging.getLogger(__name__)
@@ -130,6 +133,12 @@ def _remove_pins(pin_path: str) -> list[str]:
     return remove_pins(pin_path)
 
 
+def _remove_planner(snapshot_dir: str, pin_path: str) -> None:
+    from agent.ebpf import snapshot
+
+    snapshot.remove(snapshot.snapshot_path(snapshot_dir, pin_path))
+
+
 class EbpfHandback:
     """The eBPF data path's flows handed to nf_conntrack, then its programs and pins removed."""
 
@@ -142,6 +151,7 @@ class EbpfHandback:
         detach: Callable[[str], list[str]] = _detach,
         remove_pins: Callable[[str], list[str]] = _remove_pins,
         hold: Callable[[str, Iterable[NatFlow]], int] = hold_host_flows,
+        snapshot_dir: str = LOCK_DIR,
     ) -> None:
         self._config = config
         self._read = read
@@ -149,6 +159,7 @@ class EbpfHandback:
         self._detach = detach
         self._remove_pins = remove_pins
         self._hold = hold
+        self._snapshot_dir = snapshot_dir  # where the eBPF agent left its planner (agent/app.py)
 
     @property
     def pending(self) -> bool:
@@ -182,6 +193,7 @@ class EbpfHandback:
         written = {f.orig for f in first} - {f.orig for f in again.taken}
         more = self._create(netns, [f for f in self._read(pin_path) if f.orig not in written], timeouts)
         removed = self._remove_pins(pin_path)
+        _remove_planner(self._snapshot_dir, pin_path)
         failed = [*done.failed, *again.failed, *more.failed]
         for line in failed[:10]:
             log.warning("an eBPF flow could not be handed to nf_conntrack: %s", line)

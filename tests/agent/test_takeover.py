@@ -24,7 +24,7 @@ import pytest
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple, NFCTSocket
 
 from agent.config import Config, HostRouting, Mode
-from agent.ebpf import abi, activity
+from agent.ebpf import abi, activity, snapshot
 from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import FakeMap, MapError, MapWriter, UpdateFlag
@@ -751,6 +751,32 @@ def test_the_handback_writes_detaches_writes_the_late_flows_and_removes_the_pins
         f"create node1 {[CLIENT]}",
         "remove pins",
     ]
+
+
+def test_the_handback_removes_the_planner_the_ebpf_agent_left_with_the_pins(tmp_path: Path) -> None:
+    """A later switch back to eBPF mode must not meet a planner of maps that are gone (its start
+    would refuse it, as the maps' read-back differs: the file is removed with the pins it describes)."""
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_tcp"].name).touch()
+    run = tmp_path / "run"
+    run.mkdir()
+    planner = Path(snapshot.snapshot_path(str(run), str(pins)))
+    planner.write_bytes(b"a planner")
+    other = Path(snapshot.snapshot_path(str(run), str(tmp_path / "other-pins")))  # another agent's
+    other.write_bytes(b"another pin path's planner")
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins)),
+        read=lambda pin_path: [],
+        create=lambda netns, flows, timeouts: Created(),
+        detach=lambda netns: [],
+        remove_pins=lambda pin_path: [],
+        hold=lambda pin_path, flows: 0,
+        snapshot_dir=str(run),
+    )
+    handback.run()
+    assert not planner.exists()
+    assert other.exists()
 
 
 def test_flows_whose_write_was_refused_are_written_again_before_and_after_the_detach(tmp_path: Path) -> None:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import pickle
+import tracemalloc
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from agent.config import Config
-from agent.ebpf import EbpfProxier
+from agent.ebpf import EbpfProxier, snapshot
 from agent.ebpf.abi import MAPS, MapSpec
 from agent.ebpf.maps import FakeMap, MapWriter
 from agent.ebpf.planner import ROLES
@@ -133,6 +136,9 @@ def test_a_restart_over_unchanged_state_re_adopts_every_entry_and_writes_nothing
     with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
         again.sync(big, NODE)
     assert ("took the last run's planner" in caplog.text) is kept
+    # one line says what the start does with the maps it found, and it is true
+    found = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pinned maps hold")]
+    assert len(found) == 1 and ("re-adopting their ids" in found[0]) is not kept, found
     assert {role: (m.written, m.deleted) for role, m in counting.items()} == dict.fromkeys(ROLES, (0, 0))
     assert {role: m.raw for role, m in counting.items()} == before
     assert again.last_flush.writes == 0
@@ -148,3 +154,56 @@ def test_a_restart_over_unchanged_state_re_adopts_every_entry_and_writes_nothing
     assert again.last_flush.summary() == (
         "delete fe x2, delete slot x10, delete member x10, delete be x10, delete rnat x1, delete addr x11"
     )
+
+
+def test_the_planners_file_is_written_and_read_without_its_body_whole_in_memory(
+    big: ProxyState, tmp_path: Path
+) -> None:
+    """At 50,000 Services the body is 70 MB: held whole at the stop (on top of the pickler's memo
+    and the file, which tmpfs charges to the pod) and twice at the start (the bytes read and a
+    copy), it took the agent near the chart's memory limit. Only the objects the planner is made
+    of, and the pickler's memo, may come on top of what the agent holds anyway (traced here: what
+    was allocated above the end's level at the peak of each). The memo is what it is: about 2.5
+    times the body (a slot for every object pickled)."""
+    maps: dict[str, MapWriter] = {r: FakeMap(s) for r, s in MAPS.items()}
+    first = proxier(maps, tmp_path, str(tmp_path / "run"))
+    first.sync(big, NODE)
+    planner, config = first._planner, first._config
+    assert planner is not None
+    identity = snapshot.identity(config)
+    dump = {role: maps[role].dump_raw() for role in ROLES}
+    path = snapshot.snapshot_path(str(tmp_path / "run"), config.pin_path)
+
+    class Nowhere:
+        def write(self, data: bytes) -> int:
+            return len(data)
+
+    state = {k: v for k, v in planner.__dict__.items() if k not in snapshot._NOT_KEPT}
+    tracemalloc.start()
+    try:
+        pickle.Pickler(Nowhere(), protocol=pickle.HIGHEST_PROTOCOL).dump(state)
+        at_end, peak = tracemalloc.get_traced_memory()
+        memo = peak - at_end  # what pickling costs anyway: the pickler's memo, a frame
+        tracemalloc.reset_peak()
+        snapshot.write(path, planner, dump, identity)  # what `save` writes once it checked the maps
+        at_end, peak = tracemalloc.get_traced_memory()
+        saving = peak - at_end
+        size = os.path.getsize(path)
+        body = Path(path).read_bytes()[len(snapshot._MAGIC) + 32 * (2 + len(ROLES)) :]
+        tracemalloc.reset_peak()
+        with snapshot._collector_held():
+            loaded = pickle.loads(body)
+        at_end, peak = tracemalloc.get_traced_memory()
+        unmemo = peak - at_end  # what unpickling costs anyway: the unpickler's memo
+        del body, loaded
+        tracemalloc.reset_peak()
+        taken, why = snapshot.take(path, dump, identity, config)
+        at_end, peak = tracemalloc.get_traced_memory()
+        taking = peak - at_end
+    finally:
+        tracemalloc.stop()
+    assert taken is not None, why
+    print(f"file {size}, write {saving} over a memo of {memo}, take {taking} over a memo of {unmemo}")
+    assert size > 10 << 20  # about 14 MB at 10,000 x 10
+    assert saving < memo + (1 << 20), (saving, memo, size)  # nothing of the body's size on top
+    assert taking < unmemo + (2 << 20), (taking, unmemo, size)  # a read buffer on top, no copy of the body

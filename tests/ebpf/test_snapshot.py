@@ -308,3 +308,88 @@ def test_after_a_restart_that_took_it_the_planner_holds_the_models_own_records(t
         frag = planner._frags[spn]
         assert frag.sp is sp
         assert spn not in MORE.endpoints or frag.eps is MORE.endpoints[spn]
+
+
+def test_a_snapshot_written_by_an_agent_whose_sources_changed_under_it_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An upgrade in place while the agent runs: the stopping agent's planner is of the code it
+    started with, and the new code (another layout under the same names, maybe) must refuse it."""
+    sources = tmp_path / "agent"
+    sources.mkdir()
+    (sources / "planner.py").write_text("LAYOUT = 1\n")
+    monkeypatch.setattr(snapshot, "_AGENT_DIR", sources)
+    rig = snapshot_rig(tmp_path, "rig")
+    p = rig.proxier()  # started with LAYOUT = 1
+    p.sync(MORE, NODE)
+    (sources / "planner.py").write_text("LAYOUT = 2\n")  # upgraded under it
+    p.close()
+    assert os.path.exists(snapshot.snapshot_path(str(rig.snapshot_dir), rig.config.pin_path))
+    with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+        rig.proxier().sync(MORE, NODE)  # the new code starts
+    assert "another agent build" in caplog.text and TAKEN not in caplog.text
+
+
+def _saved(tmp_path: Path) -> tuple[Rig, str]:
+    rig = snapshot_rig(tmp_path, "rig")
+    history(rig)
+    path = snapshot.snapshot_path(str(rig.snapshot_dir), rig.config.pin_path)
+    assert os.path.exists(path)
+    return rig, path
+
+
+def test_a_link_at_the_snapshots_name_is_not_followed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig, path = _saved(tmp_path)
+    target = tmp_path / "elsewhere.pickle"
+    os.replace(path, target)  # a valid snapshot, reached only through the link
+    os.symlink(target, path)
+    with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+        rig.proxier().sync(MORE, NODE)
+    assert "cannot open it" in caplog.text and TAKEN not in caplog.text
+    assert not os.path.lexists(path) and target.exists()  # the link removed, never its target
+
+
+def test_a_fifo_at_the_snapshots_name_neither_hangs_the_start_nor_is_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig, path = _saved(tmp_path)
+    os.unlink(path)
+    os.mkfifo(path, 0o600)  # opened without O_NONBLOCK, the start would wait for a writer forever
+    with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+        rig.proxier().sync(MORE, NODE)
+    assert "not a regular file" in caplog.text and TAKEN not in caplog.text
+    assert not os.path.lexists(path)
+
+
+def test_a_file_larger_than_any_planner_is_refused_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig, path = _saved(tmp_path)
+    size = os.path.getsize(path)
+    monkeypatch.setattr(snapshot, "MAX_BYTES", size - 1)
+    with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+        rig.proxier().sync(MORE, NODE)
+    assert f"{size} bytes, more than the {size - 1}" in caplog.text and TAKEN not in caplog.text
+
+
+def test_a_stop_replaces_a_link_at_its_temporary_name_instead_of_writing_through_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A link left at the temporary file's name (this pid's) would have the stop write the pickle
+    wherever it points."""
+    rig = snapshot_rig(tmp_path, "rig")
+    p = rig.proxier()
+    p.sync(MORE, NODE)
+    path = snapshot.snapshot_path(str(rig.snapshot_dir), rig.config.pin_path)
+    victim = tmp_path / "victim"
+    victim.write_text("kept")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.symlink(victim, f"{path}.{os.getpid()}.tmp")
+    p.close()
+    assert victim.read_text() == "kept"
+    assert os.stat(path).st_mode & 0o777 == 0o600 and not os.path.islink(path)
+    with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+        rig.proxier().sync(MORE, NODE)
+    assert TAKEN in caplog.text
