@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from prometheus_client import CollectorRegistry
 
 from agent.collector import StartHold, set_thresholds
-from agent.config import Config, Mode, NodeContext
+from agent.config import Config, HostRouting, Mode, NodeContext
 from agent.daemon import Agent, EventSink, NodeEvents, NoEvents, Parts, Service
 from agent.errors import FatalError
 from agent.featuregates import node_info
@@ -97,7 +97,7 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
     the flags describe IPv6 for the node; None otherwise (agent/metaproxier.py). In eBPF mode
     ip6tables serves IPv6 packets, and with socket-level load balancing the eBPF data path's IPv6
     maps are written too: the socket programs translate IPv6 Services where the sockets are, and
-    with BPF host routing the tc programs' IPv6 path the flows it can (`EbpfAndIp6tables`,
+    the tc programs' IPv6 path the flows it can, in either host routing (`EbpfAndIp6tables`,
     `Config.tc_ipv6`)."""
     if not config.ipv6_configured:
         return None
@@ -493,12 +493,21 @@ def ipv6_served_by(config: Config) -> str:
             tc = (
                 "the eBPF tc programs translate the IPv6 TCP and UDP flows to Services that reach them "
                 "(from pods and from outside, masqueraded from the node's IPv6 address where IPv4's "
-                "would be), their fragments and the ICMPv6 errors about those flows, and "
+                "would be), their fragments and the ICMPv6 errors about those flows, "
+                + (
+                    "through the node's stack (legacy host routing: ip6tables FORWARD and nf_conntrack "
+                    "see client <-> backend), and "
+                    if config.bpf_host_routing is HostRouting.LEGACY
+                    else "and "
+                )
             )
-            rest = "(SCTP, host-network backends, refusals)"
+            rest = (
+                "(mid-flow segments of flows ip6tables translated before, ICMPv6 but errors about "
+                "translated flows)"
+            )
         else:
             tc = ""
-            rest = "(the eBPF tc programs' IPv6 path needs --bpf-socket-lb and --bpf-host-routing=bpf)"
+            rest = "(the eBPF tc programs' IPv6 path needs --bpf-socket-lb)"
         return (
             f"IPv6: {sockets}{tc}ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 "
             f"packet {rest}; --iptables-* settings apply to the IPv6 rules"

@@ -226,18 +226,13 @@ class Config:
     def tc_ipv6(self) -> bool:
         """Whether the tc programs' IPv6 path serves (bpf/ekp_tc6.h; MapSizes.ipv6_tc): eBPF mode,
         IPv6 in the flags, socket-level load balancing (the eBPF IPv6 half, which writes the IPv6
-        maps the path reads, exists only with it: agent/app.py make_proxier6) and BPF host routing
-        (legacy routing translates at egress, which has no IPv6 half). The settings decide, ANDed
+        maps the path reads, exists only with it: agent/app.py make_proxier6), in either host
+        routing (legacy: ekp_host6.h, the source at egress as IPv4's). The settings decide, ANDed
         by EbpfProxier with whether the node runs an IPv6 half (agent/app.py serves_ipv6, asked
         once before the early load, which may start before the IPv6 proxier is made): a node that
         falls back to single-stack (no ip6tables) gets no tc IPv6 path, no full-size IPv6
         conntrack tables and no filled ekp_calls6."""
-        return (
-            self.mode is Mode.EBPF
-            and self.ipv6_configured
-            and self.socket_lb
-            and self.bpf_host_routing is HostRouting.BPF
-        )
+        return self.mode is Mode.EBPF and self.ipv6_configured and self.socket_lb
 
     def gate(self, name: str, default: bool) -> bool:
         """A feature gate's value: as --feature-gates / featureGates set it, else `default`."""

@@ -115,7 +115,7 @@ def only(state: ProxyState, ports: Collection[ServicePortName]) -> ProxyState:
 
 class EbpfAndIp6tables:
     """eBPF mode's IPv6 proxier: ip6tables (every packet the eBPF programs leave to the stack), then
-    the eBPF data path's IPv6 maps (read by the socket programs and, with BPF host routing, by the
+    the eBPF data path's IPv6 maps (read by the socket programs and, in either host routing, by the
     tc programs' IPv6 path: Config.tc_ipv6). Each is synced whatever the other did; a failure of
     either is raised after both ran (the family retries in full), and the ports either could not
     program are reported together.

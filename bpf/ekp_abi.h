@@ -17,7 +17,7 @@
  * IPv6: Cilium's v4/v6 pairs. Every struct below that holds an address is the IPv4 member of a
  * pair; IPv6 has its own maps beside these with 16-byte addresses (the "IPv6 pairs" section at the
  * end: ekp_fe6, ekp_be6, ekp_rnat6, ekp_aff6, ekp_srcr6, ekp_addr6, ekp_sknat6; the tc programs'
- * ekp_ct6_tcp, ekp_ct6_any and their early-drop rings ekp_ctq6_tcp, ekp_ctq6_any, ekp_ctqh6, ekp_cfg6, ekp_cfg6sel), and
+ * ekp_ct6_tcp, ekp_ct6_any and their early-drop rings ekp_ctq6_tcp, ekp_ctq6_any, ekp_ctqh6, ekp_cfg6, ekp_cfg6sel, and legacy host routing's ekp_hostnat6), and
  * changes none of the v2 layouts: an
  * upgrade only adds maps, and no IPv4 flow is touched. Pairs rather than 16-byte unions because the
  * per-packet keys (conntrack, frontend, fragments) stay 16 bytes for IPv4: a 40-byte union key
@@ -73,8 +73,9 @@ struct ekp_frontend_key {
 					* instead (ETP Local with no local-traffic detector: pods get the local
 					* endpoints, the node every endpoint, as kube-proxy's --src-type LOCAL rule) */
 #define EKP_FE_HOST_BACKEND  (1 << 11) /* IPv6 frontends (ekp_fe6): its backend set holds an endpoint on a node
-					* address (EKP_BE_HOST): the tc IPv6 path, the only reader, leaves such a
-					* frontend wholly to ip6tables (ekp_tc6.h); IPv4 frontends never carry it */
+					* address (EKP_BE_HOST); read by XDP's IPv6 path, which leaves such a
+					* frontend whole to tc (ekp_xdp6.h: one hook chooses its backends); the tc
+					* IPv6 path serves it since v6legacy; IPv4 frontends never carry it */
 
 struct ekp_frontend {
 	__u32 svc_id;           /* host: the service port (membership, affinity, conntrack); never 0 */
@@ -682,6 +683,25 @@ struct ekp_fraghold6_key {
 	__be32 id; /* be */
 	__u8 proto; /* IPPROTO_UDP */
 	__u8 slot; /* host: 0..EKP_FRAGHOLD_SLOTS-1, in the order the fragments came */
+	__u16 pad; /* zero */
+};
+
+/* ekp_hostnat6 (LRU, written by the tc programs' IPv6 path): legacy host routing's source at egress
+ * for IPv6, ekp_hostnat's key and value with 16-byte addresses (bpf/ekp_host_af.h serves both). */
+struct ekp_hostnat6_key {
+	__be32 saddr[4]; /* be: the packet's source as it leaves (untranslated) */
+	__be32 daddr[4]; /* be: its destination as it leaves (translated at ingress) */
+	__be16 sport; /* be */
+	__be16 dport; /* be */
+	__u8 proto; /* IPPROTO_TCP / IPPROTO_UDP / IPPROTO_SCTP */
+	__u8 pad; /* zero */
+	__u16 tag; /* host: the flow's tag, as ekp_hostnat_key's (never 0 here: no IPv6 entry is the
+		    * stack's reply tuple yet) */
+};
+
+struct ekp_hostnat6 {
+	__be32 saddr[4]; /* be: the source the packet leaves with */
+	__be16 sport; /* be */
 	__u16 pad; /* zero */
 };
 

@@ -45,6 +45,18 @@
 #define EKP_FRAG_KEY struct ekp_frag6_key
 #define EKP_FRAGHOLD_KEY struct ekp_fraghold6_key
 #define EKP_FRAG_ID(p) ((p)->frag_id)
+#define EKP_HOSTF(x) ekp_host6_##x
+#define EKP_HOSTNAT_KEY struct ekp_hostnat6_key
+#define EKP_HOSTNAT struct ekp_hostnat6
+#define EKP_HOSTNAT_KEY_OF ekp_hostnat6_key_of
+#define EKP_HOSTNAT_LOOKUP ekp_hostnat6_lookup
+#define EKP_HOSTNAT_UPDATE ekp_hostnat6_update
+#define EKP_PARSE ekp_parse6
+#define EKP_REWRITE ekp_rewrite6
+#define EKP_SCRATCH struct ekp_tc6_scratch
+#define EKP_SCRATCH_LOOKUP ekp_scratch6_lookup
+#define EKP_SCRATCH_PKT(w) (&(w)->pkt)
+#define EKP_A_VAR(n) __be32 n[4]
 #else
 #define EKP_CTF(x) ekp_ct_##x
 #define EKP_SNATF(x) ekp_snat_##x
@@ -76,4 +88,16 @@
 #define EKP_FRAG_KEY struct ekp_frag_key
 #define EKP_FRAGHOLD_KEY struct ekp_fraghold_key
 #define EKP_FRAG_ID(p) ((p)->ip_id)
+#define EKP_HOSTF(x) ekp_host_##x
+#define EKP_HOSTNAT_KEY struct ekp_hostnat_key
+#define EKP_HOSTNAT struct ekp_hostnat
+#define EKP_HOSTNAT_KEY_OF ekp_hostnat_key_of
+#define EKP_HOSTNAT_LOOKUP ekp_hostnat_lookup
+#define EKP_HOSTNAT_UPDATE ekp_hostnat_update
+#define EKP_PARSE ekp_parse
+#define EKP_REWRITE ekp_rewrite
+#define EKP_SCRATCH struct ekp_tc_scratch
+#define EKP_SCRATCH_LOOKUP ekp_scratch_lookup
+#define EKP_SCRATCH_PKT(w) (&(w)->work.pkt)
+#define EKP_A_VAR(n) __be32 n
 #endif

@@ -51,18 +51,6 @@
 
 #define EKP_HOST_MIX 0x9e3779b1u /* 2^32 / the golden ratio (Fibonacci hashing) */
 
-/* The tag of the flow direction `p` arrived on: its tuple hashed to 16 bits, never 0. */
-static __always_inline __u16 ekp_host_tag(const struct ekp_pkt *p)
-{
-	__u32 h = p->saddr * EKP_HOST_MIX;
-
-	h = (h ^ p->daddr) * EKP_HOST_MIX;
-	h = (h ^ (((__u32)p->sport << 16) | p->dport)) * EKP_HOST_MIX;
-	h = (h ^ p->proto) * EKP_HOST_MIX;
-	__u16 tag = h >> 16;
-	return tag ? tag : 1;
-}
-
 /* Both addresses translated (a SNAT flow, either direction): the packets the node's stack itself
  * sends back about this one (a REJECT's RST or ICMP error in FORWARD, an ICMP error of its routing)
  * carry the tuple the stack saw, which no conntrack key holds (the REPLY key has the SNAT port).
@@ -70,75 +58,23 @@ static __always_inline __u16 ekp_host_tag(const struct ekp_pkt *p)
  * this packet's destination as it arrived (the frontend; the SNAT address for a reply's). Written
  * with the tagged entry (when missing or stale), so it costs nothing per packet; it may be evicted
  * before it (it is read only by such packets), and such a packet then leaves untranslated, as
- * before. Read by ekp_decide_stack_reply at egress. A failed update costs only that. */
-static __always_inline void ekp_host_note_stack_reply(const struct ekp_pkt *p, const struct ekp_decision *d)
+ * before. Read by ekp_decide_stack_reply at egress. A failed update costs only that. `da`, `dp`: the
+ * packet's destination after translation. */
+static __always_inline void ekp_host_note_stack_reply(const struct ekp_pkt *p, __be32 da, __be16 dp)
 {
 	struct ekp_hostnat_key k = {};
 	struct ekp_hostnat v = {};
 
-	ekp_hostnat_key_of(&k, d->daddr, p->saddr, d->dport, p->sport, p->proto, 0);
+	ekp_hostnat_key_of(&k, da, p->saddr, dp, p->sport, p->proto, 0);
 	v.saddr = p->daddr;
 	v.sport = p->dport;
 	ekp_hostnat_update(&k, &v);
 }
 
-/* Ingress: the decided destination now, the decided source left for egress; the packet goes to
- * the stack (TC_ACT_OK). Turns d->outcome into a drop when it cannot. */
-static __always_inline int ekp_host_hand_over(struct __sk_buff *skb, const struct ekp_pkt *p, struct ekp_decision *d)
-{
-	if (d->saddr != p->saddr || d->sport != p->sport) {
-		struct ekp_hostnat_key k = {};
-		ekp_hostnat_key_of(&k, p->saddr, d->daddr, p->sport, d->dport, p->proto, ekp_host_tag(p));
-		struct ekp_hostnat *v = ekp_hostnat_lookup(&k);
-		if (!v || v->saddr != d->saddr || v->sport != d->sport) {
-			struct ekp_hostnat nv = {};
-			nv.saddr = d->saddr;
-			nv.sport = d->sport;
-			if (ekp_hostnat_update(&k, &nv) < 0) {
-				d->outcome = EKP_DROP_CT_FULL;
-				return TC_ACT_SHOT;
-			}
-			if (d->daddr != p->daddr || d->dport != p->dport)
-				ekp_host_note_stack_reply(p, d);
-		}
-		skb->tc_classid = k.tag; /* skb->tc_index at egress (see above) */
-	}
-	if (ekp_rewrite(skb, p, p->saddr, p->sport, d->daddr, d->dport) < 0) {
-		d->outcome = EKP_DROP_MALFORMED;
-		return TC_ACT_SHOT;
-	}
-	return TC_ACT_OK;
-}
-
-/* Egress (ekp_egress, ekp_core.h): a packet the ingress program tagged (`tag`, its skb->tc_index,
- * nonzero) gets its source. A tagged packet whose entry is gone (evicted between ingress and
- * egress) leaves as it is. */
-static __always_inline int ekp_host_egress(struct __sk_buff *skb, __u16 tag)
-{
-	struct ekp_tc_scratch *w = ekp_scratch_lookup();
-	if (!w)
-		return TC_ACT_OK; /* cannot happen: a one-element per-CPU array */
-	struct ekp_pkt *p = &w->work.pkt;
-	__builtin_memset(p, 0, sizeof(*p));
-	int parsed = ekp_parse(skb, p);
-	if (parsed == EKP_PARSE_LATER) {
-		if (!ekp_frag_ports(p))
-			return TC_ACT_OK;
-	} else if (parsed != EKP_PARSE_OK) {
-		return TC_ACT_OK;
-	}
-	struct ekp_hostnat_key k = {};
-	ekp_hostnat_key_of(&k, p->saddr, p->daddr, p->sport, p->dport, p->proto, tag);
-	struct ekp_hostnat *v = ekp_hostnat_lookup(&k);
-	if (!v)
-		return TC_ACT_OK;
-	__be32 saddr = v->saddr;
-	__be16 sport = v->sport;
-	if (p->frag == EKP_FRAG_FIRST)
-		ekp_frag_record(p); /* its later fragments leave with the same tuple, without ports */
-	if (ekp_rewrite(skb, p, saddr, sport, p->daddr, p->dport) < 0)
-		return TC_ACT_SHOT;
-	return TC_ACT_OK;
-}
+/* ekp_host_tag, ekp_host_hand_over (ingress) and ekp_host_egress (egress: ekp_egress, ekp_core.h):
+ * the per-family code, IPv4's instance (IPv6's: ekp_host6.h). */
+#define EKP_CT_V6 0
+#include "ekp_host_af.h"
+#undef EKP_CT_V6
 
 #endif /* EKP_HOST_H */

@@ -32,7 +32,7 @@
 	!defined(EKP_AFF6_MAX) || !defined(EKP_SKNAT6_MAX) || !defined(EKP_CT6_TCP_MAX) ||                     \
 	!defined(EKP_CT6_ANY_MAX) || !defined(EKP_CTQ6_TCP_MAX) ||                                               \
 	!defined(EKP_CTQ6_ANY_MAX) || !defined(EKP_CTQH6_MAX) || !defined(EKP_CFG6_MAX) || !defined(EKP_CFG6SEL_MAX) || \
-	!defined(EKP_FRAG6_MAX) || !defined(EKP_FRHOLD6_MAX)
+	!defined(EKP_FRAG6_MAX) || !defined(EKP_FRHOLD6_MAX) || !defined(EKP_HOSTNAT6_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -127,6 +127,8 @@ BPF_TABLE("array", u32, struct ekp_config6, ekp_cfg6_v2, EKP_CFG6_MAX);
 BPF_TABLE("lru_hash", struct ekp_frag6_key, struct ekp_frag, ekp_frag6_v2, EKP_FRAG6_MAX);
 BPF_TABLE("lru_hash", struct ekp_fraghold6_key, struct ekp_fraghold, ekp_frhold6_v2, EKP_FRHOLD6_MAX);
 BPF_TABLE("array", u32, struct ekp_config_sel, ekp_cfg6sel_v2, EKP_CFG6SEL_MAX);
+/* Legacy host routing's egress source for IPv6 (ekp_host_af.h), as ekp_hostnat_v2. */
+BPF_TABLE("lru_hash", struct ekp_hostnat6_key, struct ekp_hostnat6, ekp_hostnat6_v2, EKP_HOSTNAT6_MAX);
 
 /* The reject rate limiter's bucket, one per CPU; counters, per CPU, indexed by enum ekp_stat. */
 BPF_TABLE("percpu_array", u32, struct ekp_ratelimit, ekp_icmprl_v2, EKP_ICMPRL_MAX);
@@ -203,5 +205,7 @@ static __always_inline int ekp_frag6_update(struct ekp_frag6_key *k, struct ekp_
 static __always_inline struct ekp_fraghold *ekp_fraghold6_lookup(struct ekp_fraghold6_key *k);
 static __always_inline int ekp_fraghold6_insert(struct ekp_fraghold6_key *k, struct ekp_fraghold *v);
 static __always_inline int ekp_fraghold6_delete(struct ekp_fraghold6_key *k);
+static __always_inline struct ekp_hostnat6 *ekp_hostnat6_lookup(struct ekp_hostnat6_key *k);
+static __always_inline int ekp_hostnat6_update(struct ekp_hostnat6_key *k, struct ekp_hostnat6 *v);
 
 #endif /* EKP_MAPS_H */

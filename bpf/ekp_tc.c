@@ -9,6 +9,8 @@
  *                 (legacy host routing) get their source (ekp_host.h); the node's own replies
  *                 for flows handed to its stack (a backend on the node's own address) get their
  *                 frontend back (ekp_core.h)
+ *   ekp_egress6   legacy host routing's egress half for IPv6, reached from ekp_egress by a tail
+ *                 call (ekp_calls6), as ekp_from_pod6 / ekp_from_net6 from the ingress programs
  *   ekp_xdp_net   XDP of the same external devices (--bpf-xdp), ahead of ekp_from_net; IPv6
  *                 continues in ekp_xdp_net6 (ekp_xdp6.h) by a tail call, as the tc programs' does
  *   ekp_sock_conn, ekp_sock_send, ekp_sock_recv, ekp_sock_peer
@@ -366,6 +368,16 @@ static __always_inline int ekp_fraghold6_delete(struct ekp_fraghold6_key *k)
 	return ekp_frhold6_v2.delete(k);
 }
 
+static __always_inline struct ekp_hostnat6 *ekp_hostnat6_lookup(struct ekp_hostnat6_key *k)
+{
+	return ekp_hostnat6_v2.lookup(k);
+}
+
+static __always_inline int ekp_hostnat6_update(struct ekp_hostnat6_key *k, struct ekp_hostnat6 *v)
+{
+	return ekp_hostnat6_v2.update(k, v);
+}
+
 static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 {
 	u32 zero = 0;
@@ -404,7 +416,8 @@ static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void)
  * and per-packet work its own (ekp_tc6.h). */
 #define EKP_CALL6_FROM_POD 0
 #define EKP_CALL6_FROM_NET 1
-BPF_PROG_ARRAY(ekp_calls6, 2);
+#define EKP_CALL6_EGRESS 2
+BPF_PROG_ARRAY(ekp_calls6, 3);
 
 /* An IPv6 packet continues in its family's program; when that is not there (an empty slot), it
  * falls through to the IPv4 program, whose parser passes it to the stack untouched. In front of an
@@ -443,13 +456,30 @@ int ekp_from_net6(struct __sk_buff *skb)
 	return ekp_main6(skb, EKP_SCOPE_EXTERNAL);
 }
 
+/* An IPv6 packet with work at egress (a tag: legacy host routing; the node's own, no ingress
+ * device: a reply of a backend on its address) continues in ekp_egress6; an untagged forwarded
+ * packet of either family leaves after the same two loads as before (the family is looked at
+ * only past them). */
 int ekp_egress(struct __sk_buff *skb)
 {
 	__u32 handover = ekp_handover_mode();
 
 	if (handover == EKP_HANDOVER_PASS)
 		return TC_ACT_UNSPEC;
+	if ((skb->tc_index || !skb->ingress_ifindex) && skb->protocol == htons(ETH_P_IPV6))
+		ekp_calls6.call(skb, EKP_CALL6_EGRESS);
 	return ekp_egress_main(skb, handover);
+}
+
+/* ekp_egress's IPv6 half: a tagged packet gets its source (legacy host routing, ekp_host6.h);
+ * the node's own, its frontend when it answers a flow handed to its stack (ekp_tc6_local). */
+int ekp_egress6(struct __sk_buff *skb)
+{
+	__u16 tag = skb->tc_index;
+
+	if (tag)
+		return ekp_host6_egress(skb, tag);
+	return ekp_tc6_local(skb);
 }
 
 /* The XDP program's IPv6 path (EKP_XCALL6_NET), filled as ekp_calls6 where ekp_xdp_net6 is loaded

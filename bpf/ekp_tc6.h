@@ -12,7 +12,10 @@
  *                           source translation decided (ekp_tc6_wants_snat), or a direct
  *                           connection on a live flow's tuple (ekp_ct6_reclaim)
  *                        -> route (bpf_fib_lookup), entries and SNAT port (ekp_ct6_create: IPv4's
- *                           walk, ekp_snat_af.h), rewrite (ekp_nat6.h), hop limit - 1, redirect
+ *                           walk, ekp_snat_af.h), rewrite (ekp_nat6.h), hop limit - 1, redirect;
+ *                           legacy host routing: the destination rewritten, the source left in
+ *                           ekp_hostnat6 under a tag, TC_ACT_OK (ekp_host6.h: IPv4's ekp_host_af.h),
+ *                           and ekp_egress6 (tail-called by ekp_egress) gives the source at egress
  *   an ICMPv6 error      -> conntrack of the quoted flow (ekp_tc6_related) -> route, outer and
  *                           quote rewritten, hop limit - 1, redirect
  *
@@ -47,12 +50,10 @@
  * Every other packet goes to the node's stack untouched, where the ip6tables proxier beside the
  * eBPF programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
  *   - a frontend that would need ip6tables for some of its backends, left whole before the choice
- *     so that one proxier chooses among all its backends (and one owns its affinity): one with a
- *     backend on the node's own address (EKP_FE_HOST_BACKEND: that backend's replies leave by the
- *     node's stack), and, while the node's IPv6 address is not known (ekp_cfg6 zero), one that
- *     asks SNAT (EKP_FE_SNAT_ALL, EKP_FE_SNAT_REMOTE: its local backends too); then a hairpin as
- *     well (the client is its own backend: known only after the choice, see there); legacy host
- *     routing;
+ *     so that one proxier chooses among all its backends (and one owns its affinity): while the
+ *     node's IPv6 address is not known (ekp_cfg6 zero), one that asks SNAT (EKP_FE_SNAT_ALL,
+ *     EKP_FE_SNAT_REMOTE: its local backends too); then a hairpin as well (the client is its own
+ *     backend: known only after the choice, see there);
  *   - a mid-flow TCP segment or SCTP chunk without an entry (a flow ip6tables translated before:
  *     nf_conntrack has it);
  *   - ICMPv6 but errors about a flow translated here (Packet Too Big, destination unreachable,
@@ -73,6 +74,14 @@
  * The reply of a flow this path translated comes back through ekp_from_pod6 (a local backend) or
  * ekp_from_net6 (a remote one) and gets its frontend back from the REPLY entry (and its client, when
  * the source was translated).
+ * A backend on the node's own address (EKP_BE_HOST, a host-network endpoint), either routing, as
+ * IPv4's: its flows (EKP_CT_HOST) keep the client's address whatever the frontend's SNAT flags,
+ * are rewritten at ingress and delivered by the node's stack (TC_ACT_OK, no route, no hop spent),
+ * and the stack's replies leave through ekp_egress6 (ekp_tc6_local), which gives them their
+ * frontend back from the REPLY entry, the fragments of a reply the stack fragmented too (their
+ * first records their ports). Not yet as IPv4's: an ICMPv6 error about such a flow's reply (to
+ * the node: ekp_tc6_related's route lookup finds it local, and it goes to the stack
+ * untranslated), and one the node's stack sends about such a flow.
  * Ahead of ekp_from_net6, XDP's IPv6 path (ekp_xdp6.h) runs these pieces on the XDP buffer: it
  * carries out drops, new flows to a backend on another node and hits when the route leaves by the
  * device the packet came in by, and passes everything else here untouched, before any side
@@ -117,6 +126,8 @@ struct ekp_tc6_scratch {
 };
 
 static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);
+
+#include "ekp_host6.h" /* its egress half parses into the scratch above */
 
 /* The route of a tuple from the device `ifindex`, for either hook (`ctx`: the skb, or the XDP
  * buffer of ekp_xdp6.h). */
@@ -233,11 +244,28 @@ static __always_inline int ekp_tc6_refuse(struct __sk_buff *skb, struct ekp_tc6_
 	return bpf_redirect(skb->ifindex, 0);
 }
 
-/* Rewrites the packet to the translated tuple and forwards it (ekp_tc6_forward). The TC verdict. */
+/* Rewrites the packet to the translated tuple and forwards it (ekp_tc6_forward); under legacy host
+ * routing (EKP_CFG_HOST_LEGACY) rewrites the destination alone and hands it to the stack, its
+ * source left for egress (ekp_host6_hand_over, IPv4's code). The flag is read here, after the SNAT
+ * walk: a value held across it would split the verifier's states. The TC verdict. */
 static __always_inline int ekp_tc6_send(struct __sk_buff *skb, struct ekp_tc6_scratch *w, long rc,
 					const __be32 *saddr, __be16 sport, const __be32 *daddr, __be16 dport,
-					__u32 *outcome)
+					__u32 *outcome, int host)
 {
+	const struct ekp_config *cfg = ekp_config_get();
+
+	/* A backend on the node's own address (EKP_CT_HOST), either routing: rewritten and delivered
+	 * by the stack (no route to look up, no hop to spend); its replies leave through ekp_egress6,
+	 * which gives them their frontend back (ekp_tc6_local), as IPv4's (ekp_tc_apply.h). */
+	if (host) {
+		if (ekp_rewrite6(skb, &w->pkt, saddr, sport, daddr, dport) < 0) {
+			*outcome = EKP_DROP_MALFORMED;
+			return TC_ACT_SHOT;
+		}
+		return TC_ACT_OK;
+	}
+	if (cfg && (cfg->flags & EKP_CFG_HOST_LEGACY))
+		return ekp_host6_hand_over(skb, &w->pkt, saddr, sport, daddr, dport, outcome);
 	if (ekp_rewrite6(skb, &w->pkt, saddr, sport, daddr, dport) < 0) {
 		*outcome = EKP_DROP_MALFORMED;
 		return TC_ACT_SHOT;
@@ -336,6 +364,8 @@ static __always_inline int ekp_tc6_node_addr(__be32 *out)
  * address). */
 static __always_inline int ekp_tc6_wants_snat(__u16 fe_flags, __u8 be_flags, const __be32 *be6, const __be32 *client)
 {
+	if (be_flags & EKP_BE_HOST)
+		return 0; /* a backend on the node's own address keeps the client's (the caller: why) */
 	return (fe_flags & EKP_FE_SNAT_ALL) || ((fe_flags & EKP_FE_SNAT_REMOTE) && !(be_flags & EKP_BE_LOCAL)) ||
 	       ekp_addr6_eq(be6, client);
 }
@@ -436,12 +466,12 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 
 	ekp_count(EKP_STAT_PACKETS);
 	/* the last hop: the stack sends the time exceeded (or, for an error, drops it) */
-	if (parsed == EKP_PARSE_ICMP_ERR && p->hop_limit > 1 && cfg && !(cfg->flags & EKP_CFG_HOST_LEGACY)) {
+	if (parsed == EKP_PARSE_ICMP_ERR && p->hop_limit > 1 && cfg) {
 		verdict = ekp_tc6_related(skb, w, scope, bridge, cfg, &outcome);
 		goto out;
 	}
 	/* TCP, UDP and SCTP, whole or in fragments (SCTP whole: ekp_parse6 passes its fragments) */
-	if ((parsed != EKP_PARSE_OK && parsed != EKP_PARSE_LATER) || !cfg || (cfg->flags & EKP_CFG_HOST_LEGACY))
+	if ((parsed != EKP_PARSE_OK && parsed != EKP_PARSE_LATER) || !cfg)
 		goto out;
 	if (p->b.frag == EKP_FRAG_NONE && !ekp_tc6_may_translate(p, scope, cfg))
 		goto out;
@@ -512,7 +542,9 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			verdict = TC_ACT_SHOT;
 			goto out;
 		}
-		rc = ekp_fib6(skb, &w->fib, p, sa, da, sp, dp, ekp_seg_len(skb, &p->b));
+		/* a backend on the node's own address: no route to look up (the stack delivers it) */
+		int host = k->dir == EKP_CT_FORWARD && (e->flags & EKP_CT_HOST);
+		rc = host ? BPF_FIB_LKUP_RET_SUCCESS : ekp_fib6(skb, &w->fib, p, sa, da, sp, dp, ekp_seg_len(skb, &p->b));
 		if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) {
 			verdict = ekp_tc6_answer(skb, w, cfg, EKP_ICMPV6_PKT_TOOBIG, w->fib.mtu_result, &outcome);
 			goto out;
@@ -522,7 +554,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		outcome = k->dir == EKP_CT_FORWARD ? EKP_STAT_CT_FORWARD : EKP_STAT_CT_REPLY;
 		if (p->b.frag == EKP_FRAG_LATER)
 			ekp_count(EKP_STAT_FRAGMENTS);
-		verdict = ekp_tc6_send(skb, w, rc, sa, sp, da, dp, &outcome);
+		verdict = ekp_tc6_send(skb, w, rc, sa, sp, da, dp, &outcome, host);
 		goto out;
 	}
 
@@ -557,7 +589,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 			verdict = ekp_tc6_refuse(skb, w, cfg, fe, refusal, &outcome);
 			goto out;
 		}
-		if (later || (flags & EKP_FE_HOST_BACKEND) || (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
+		if (later || (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
 			goto out;
 	} else {
 		/* No frontend: a connection of its own, client:P -> server:port, whose reverse tuple a
@@ -583,11 +615,13 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		/* Without the node's IPv6 address, a hairpin (the client chose itself) needs ip6tables'
 		 * source translation, and ip6tables chooses again, as no map says before the choice which
 		 * clients are backends of this frontend: a client that is one of n backends of the
-		 * Service then reaches itself with 1/n^2, and the others with more than 1/n. A host
-		 * backend the planner did not flag yet (EKP_FE_HOST_BACKEND, a frontend written before it
-		 * knew the flag) goes to the stack too. */
+		 * Service then reaches itself with 1/n^2, and the others with more than 1/n. The node's
+		 * own address (EKP_BE_HOST): delivered by its stack, the client's address kept
+		 * (kube-proxy's DNAT in PREROUTING, where no masquerade runs; IPv4's rule); set in the
+		 * flow's memory, not a register, which would split the SNAT walk's states. */
 		int snat = ekp_tc6_wants_snat(flags, f->b.be_flags, f->be_addr, p->saddr);
-		if ((f->b.be_flags & EKP_BE_HOST) || (snat && !node))
+		f->b.ct_flags = (f->b.be_flags & EKP_BE_HOST) ? EKP_CT_HOST : 0;
+		if (snat && !node)
 			goto out;
 		if (snat) { /* the port: ekp_ct6_create's walk */
 			f->b.ct_flags = EKP_CT_SNAT;
@@ -610,7 +644,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	 * NO_NEIGH) would have the verifier walk the SNAT port walk once for each (ekp_snat.h). */
 	w->rc = ekp_tc6_route(skb, w, (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr, p->b.sport, f->be_addr,
 			      f->b.be_port);
-	if (w->rc < 0)
+	if (w->rc < 0 && !(f->b.ct_flags & EKP_CT_HOST)) /* a host backend's route is local: not looked at */
 		goto out;
 	/* The entries (ekp_ct_create, IPv4's): the reply one first; a source-translated flow's port
 	 * from the SNAT range; on a reply tuple a live flow of another frontend holds, another source
@@ -632,7 +666,8 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	sa = (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr;
 	sp = (f->b.ct_flags & EKP_CT_SNAT) ? f->b.snat_port : p->b.sport;
 	outcome = EKP_STAT_NEW_FLOWS;
-	verdict = ekp_tc6_send(skb, w, w->rc, sa, sp, f->be_addr, f->b.be_port, &outcome);
+	verdict = ekp_tc6_send(skb, w, w->rc, sa, sp, f->be_addr, f->b.be_port, &outcome,
+			       (f->b.ct_flags & EKP_CT_HOST) != 0);
 out:
 	/* A SYN that reopened an ended flow's tuple and goes to the stack (ip6tables decides it: its
 	 * frontend now needs ip6tables, no route, ...): the ended flow's entries go with it, or the
@@ -653,6 +688,64 @@ out:
 		if (evicted)
 			ekp_count(evicted);
 	}
+	ekp_count(outcome);
+	return verdict;
+}
+
+/* The node's own IPv6 packets at tc egress (ekp_egress6; ekp_egress sends it those with no
+ * ingress device): the replies of flows handed to its stack (a backend on the node's own address,
+ * EKP_CT_HOST; a direct connection to it moved to another port) get their frontend back from the
+ * REPLY entry (and the client's own port), as IPv4's (ekp_decide_local). The fragments of such a
+ * reply the stack fragmented follow their first. Counted only when translated (PACKETS and
+ * CT_REPLY): the node's own traffic is not the data path's. Anything else leaves untouched,
+ * after the activity check. */
+static __always_inline int ekp_tc6_local(struct __sk_buff *skb)
+{
+	struct ekp_tc6_scratch *w = ekp_scratch6_lookup();
+	if (!w)
+		return TC_ACT_OK; /* cannot happen: a one-element per-CPU array */
+	struct ekp_pkt6 *p = &w->pkt;
+	__builtin_memset(p, 0, sizeof(*p));
+	int parsed = ekp_parse6(skb, p);
+	if (parsed == EKP_PARSE_LATER) {
+		if (!ekp_frag6_ports(p))
+			return TC_ACT_OK;
+	} else if (parsed != EKP_PARSE_OK) {
+		return TC_ACT_OK;
+	} else if (p->b.frag == EKP_FRAG_FIRST) {
+		ekp_frag6_record(p);
+	}
+	const struct ekp_config *cfg = ekp_config_get();
+	if (!cfg)
+		return TC_ACT_OK;
+	if (ekp_act_armed() && ekp_act_idle(ekp_fold6(p->saddr), p->b.sport, p->b.proto,
+					    ekp_act_stamp_of(bpf_ktime_get_coarse_ns()),
+					    ekp_ct_longest_stamps(cfg, p->b.proto)))
+		return TC_ACT_OK;
+	__u64 now = bpf_ktime_get_ns();
+	struct ekp_ct6_key *k = &w->key;
+	__builtin_memset(k, 0, sizeof(*k));
+	ekp_ct6_key_of(k, p, EKP_CT_REPLY);
+	struct ekp_ct6_entry *e = ekp_ct6_lookup(k);
+	if (!e || !ekp_ct6_alive(e, k, cfg, now) || !ekp_ct6_usable_reply(e, &p->b))
+		return TC_ACT_OK;
+	const __be32 *sa, *da;
+	__be16 sp, dp;
+	w->queue.want = 0;
+	if (ekp_tc6_hit(w, e, now, &sa, &sp, &da, &dp) < 0)
+		return TC_ACT_OK;
+	__u32 outcome = EKP_STAT_CT_REPLY;
+	int verdict = TC_ACT_OK;
+	if (ekp_rewrite6(skb, p, sa, sp, da, dp) < 0) {
+		outcome = EKP_DROP_MALFORMED;
+		verdict = TC_ACT_SHOT;
+	}
+	if (w->queue.want) {
+		__u32 evicted = ekp_ctq6_push(&w->queue);
+		if (evicted)
+			ekp_count(evicted);
+	}
+	ekp_count(EKP_STAT_PACKETS);
 	ekp_count(outcome);
 	return verdict;
 }

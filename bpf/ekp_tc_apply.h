@@ -101,7 +101,8 @@ static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scr
 			return bpf_redirect(skb->ifindex, 0);
 		}
 		if (legacy)
-			return ekp_host_hand_over(skb, p, d); /* the stack fragments it on its way */
+			/* the stack fragments it on its way */
+			return ekp_host_hand_over(skb, p, d->saddr, d->sport, d->daddr, d->dport, &d->outcome);
 		if (ekp_rewrite(skb, p, d->saddr, d->sport, d->daddr, d->dport) < 0)
 			return ekp_tc_drop(d, EKP_DROP_MALFORMED);
 		return TC_ACT_OK; /* the stack fragments it */
@@ -113,7 +114,7 @@ static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scr
 		return ekp_tc_drop(d, EKP_DROP_FIB);
 	}
 	if (legacy)
-		return ekp_host_hand_over(skb, p, d);
+		return ekp_host_hand_over(skb, p, d->saddr, d->sport, d->daddr, d->dport, &d->outcome);
 	int rewritten = related ? ekp_rewrite_icmp_err(skb, p, d->saddr, d->daddr, d->in_saddr, d->in_sport,
 						       d->in_daddr, d->in_dport)
 				: ekp_rewrite(skb, p, d->saddr, d->sport, d->daddr, d->dport);

@@ -129,6 +129,7 @@ TEST_ROLES = (
     "ctqh6",
     "frag6",
     "frhold6",
+    "hostnat6",
 )
 
 CFG = abi.Config(

@@ -510,6 +510,22 @@ class Sock6Nat(_Struct):
     _fields_ = [("fe_addr", Addr6), ("fe_port", u16), ("pad", u16), ("svc_id", u32), ("backend_id", u32)]
 
 
+class HostNat6Key(_Struct):
+    _fields_ = [
+        ("saddr", Addr6),
+        ("daddr", Addr6),
+        ("sport", u16),
+        ("dport", u16),
+        ("proto", u8),
+        ("pad", u8),
+        ("tag", u16),
+    ]
+
+
+class HostNat6(_Struct):
+    _fields_ = [("saddr", Addr6), ("sport", u16), ("pad", u16)]
+
+
 class Ct6Key(_Struct):
     _fields_ = [
         ("saddr", Addr6),
@@ -590,6 +606,8 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_ctq_slot": CtqSlot,
     "ekp_hostnat_key": HostNatKey,
     "ekp_hostnat": HostNat,
+    "ekp_hostnat6_key": HostNat6Key,
+    "ekp_hostnat6": HostNat6,
     "ekp_affinity_key": AffinityKey,
     "ekp_affinity": Affinity,
     "ekp_srcrange_key": SrcRangeKey,
@@ -737,6 +755,11 @@ MAPS: dict[str, MapSpec] = {
         # the tc IPv6 path's fragments (bpf/ekp_frag6.h), sized as IPv4's where that path serves
         MapSpec("frag6", "lru_hash", Frag6Key, Frag, 8192, "EKP_FRAG6_MAX", _DP, pair="frag"),
         MapSpec("frhold6", "lru_hash", FragHold6Key, FragHold, 1024, "EKP_FRHOLD6_MAX", _DP, pair="fraghold"),
+        # legacy host routing's egress sources for IPv6 (bpf/ekp_host6.h), sized as IPv4's where
+        # the tc IPv6 path serves (one entry where not, as its conntrack tables)
+        MapSpec(
+            "hostnat6", "lru_hash", HostNat6Key, HostNat6, 65536, "EKP_HOSTNAT6_MAX", _DP, pair="hostnat"
+        ),
     )
 }
 

@@ -75,6 +75,8 @@ from agent.ebpf.pindir import ensure_pin_dir
 from agent.ebpf.programs import (
     BUILD_MAPS,
     HANDOVER_MAP,
+    PROG_EGRESS,
+    PROG_EGRESS6,
     PROG_FROM_NET,
     PROG_FROM_POD,
     PROG_SCHED_CLS,
@@ -94,17 +96,16 @@ log = logging.getLogger(__name__)
 ENTRY_FILE = "ekp_tc.c"
 BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)
 
-# Maps each program's load owns, outside the registry, by program (ekp_tc.c): the IPv4 ingress
-# programs (tc's and XDP's) their scratch, their program array (ekp_calls6, ekp_xcalls6) and the
-# hand-over mode (ekp_handover), egress its scratch and the mode, the IPv6 programs their scratch
-# alone, the socket programs none.
+# Maps each program's load owns, outside the registry, by program (ekp_tc.c): the IPv4 programs
+# of tc and XDP their scratch, their program array (ekp_calls6, ekp_xcalls6) and the hand-over
+# mode (ekp_handover), the IPv6 programs their scratch alone, the socket programs none.
 # A reused program keeps its own; one with more unknown maps than these still uses a map that was
 # unpinned and recreated (compile.open_pinned_programs).
 PRIVATE_MAPS: dict[str, int] = {
     name: 0
     if spec.prog_type not in (PROG_SCHED_CLS, PROG_XDP)
     else 3
-    if name in (PROG_FROM_POD, PROG_FROM_NET, PROG_XDP_NET)
+    if name in (PROG_FROM_POD, PROG_FROM_NET, PROG_EGRESS, PROG_XDP_NET)
     else 1
     if any(name in names for names in TAIL_CALLS.values())
     else 2
@@ -129,11 +130,12 @@ ROLE_FLAGS: dict[str, int] = {
 }
 
 # The conntrack tables of the tc programs' IPv6 path (bpf/ekp_tc6.h), its only writer, their
-# early-drop rings and its fragment tables: when that path does not serve (MapSizes.ipv6_tc), each is
-# created with IDLE_SIZE entries, and a pin of the other size is replaced at load
-# (`replace_resized_ipv6_pins`): what it holds no program reads. (Before the path took UDP,
+# early-drop rings, its fragment tables and legacy host routing's egress sources (ekp_hostnat6):
+# when that path does not serve (MapSizes.ipv6_tc), each is created with IDLE_SIZE entries, and a
+# pin of the other size is replaced at load (`replace_resized_ipv6_pins`): what it holds no program
+# reads. (Before the path took UDP,
 # ekp_ct6_any and its ring stayed idle either way: such a pin is replaced the same way.)
-TC6_ROLES = frozenset({"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "frag6", "frhold6"})
+TC6_ROLES = frozenset({"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "frag6", "frhold6", "hostnat6"})
 IDLE_SIZE = 1
 # The programs of that path, reached only through ekp_calls6: loaded, pinned and verified only where
 # it serves (Datapath.programs). The switch needs no load of its own: the path's table sizes are
@@ -517,8 +519,8 @@ class Datapath:
         resized = replace_resized_ipv6_pins(self.pin_path, self.sizes)
         if resized:
             log.info(
-                "IPv6 conntrack, early-drop ring and fragment tables %s recreated at %s (the tc programs' "
-                "IPv6 path %s): the IPv4 tables and their flows are kept",
+                "IPv6 conntrack, early-drop ring, fragment and host-routing tables %s recreated at %s (the "
+                "tc programs' IPv6 path %s): the IPv4 tables and their flows are kept",
                 ", ".join(resized),
                 "full size" if self.sizes.ipv6_tc else f"{IDLE_SIZE} entry each",
                 "serves now" if self.sizes.ipv6_tc else "no longer serves",
@@ -604,13 +606,19 @@ class Datapath:
         """Fill the program arrays (TAIL_CALLS) when the tc programs' IPv6 path serves
         (MapSizes.ipv6_tc), empty them otherwise: an IPv6 packet then stops at the IPv4 programs'
         parser (a failed tail call and the parse, instead of the IPv6 program's parse and checks).
-        Set at every load, reused programs too: the arrays are pinned with the build."""
+        Set at every load, reused programs too: the arrays are pinned with the build. The egress
+        half (ekp_egress6) is filled before the ingress programs and emptied after them, as a
+        first start attaches egress before ingress: an IPv6 packet the ingress path handed to the
+        stack under legacy host routing never finds its egress half missing."""
         for array, names in TAIL_CALLS.items():
             fd = bpfsys.obj_get(prog_pin(self.pin_path, build, array))
             if fd < 0:
                 raise DatapathError(f"opening program array {array} of build {build}: {os.strerror(-fd)}")
+            slots = sorted(enumerate(names), key=lambda slot: slot[1] != PROG_EGRESS6)
+            if not self.sizes.ipv6_tc:
+                slots.reverse()
             try:
-                for index, name in enumerate(names):
+                for index, name in slots:
                     key = ctypes.c_uint32(index)
                     if self.sizes.ipv6_tc and name in fds:
                         ret = bpfsys.map_update_elem(fd, key, ctypes.c_uint32(fds[name]))
@@ -630,9 +638,9 @@ class Datapath:
         if not self.sizes.ipv6_tc:
             return (
                 "passed to the stack at the IPv4 programs' parser (the tc programs' IPv6 path needs an "
-                "IPv6 half and --bpf-host-routing=bpf)"
+                "IPv6 half and socket-level load balancing)"
             )
-        tc = "continued in ekp_from_pod6 / ekp_from_net6 (the tc programs' IPv6 path)"
+        tc = "continued in ekp_from_pod6 / ekp_from_net6 / ekp_egress6 (the tc programs' IPv6 path)"
         if PROG_XDP_NET6 in fds:
             return f"{tc}, and at XDP in {PROG_XDP_NET6}"
         why = (

@@ -3,9 +3,11 @@
 * tc: `ekp_from_pod` on the ingress of every pod veth, `ekp_from_net` on the node's external
   devices (each continues IPv6 packets in `ekp_from_pod6` / `ekp_from_net6` by a tail call,
   bpf/ekp_tc6.h, where that path serves: elsewhere those two are not loaded, Datapath.programs),
-  `ekp_egress` on the egress of both (the replies of the node's own stack for flows handed to it:
-  agent/ebpf/attach.py); XDP: `ekp_xdp_net` on the same external devices, ahead of `ekp_from_net`
-  (agent/ebpf/xdp.py, --bpf-xdp), continuing IPv6 in `ekp_xdp_net6` (bpf/ekp_xdp6.h) the same way;
+  `ekp_egress` on the egress of both (the replies of the node's own stack for flows handed to it,
+  the source of legacy host routing's flows: agent/ebpf/attach.py; IPv6 continues in `ekp_egress6`
+  by a tail call, loaded where `ekp_from_pod6` is); XDP: `ekp_xdp_net` on the same external
+  devices, ahead of `ekp_from_net` (agent/ebpf/xdp.py, --bpf-xdp), continuing IPv6 in
+  `ekp_xdp_net6` (bpf/ekp_xdp6.h) the same way;
 * cgroup: the socket programs on `--bpf-socket-lb-cgroup` (agent/ebpf/sockattach.py), each loaded
   for its hook (the kernel wants the hook, `expected_attach_type`, at load);
 * an iterator: `ekp_sock_term` (iter/udp) ends connected UDP sockets whose backend left
@@ -67,6 +69,8 @@ PROG_SOCK_TERM = "ekp_sock_term"
 # The IPv6 path of the two ingress programs (bpf/ekp_tc6.h), reached by a tail call, never attached
 PROG_FROM_POD6 = "ekp_from_pod6"
 PROG_FROM_NET6 = "ekp_from_net6"
+# legacy host routing's egress half for IPv6 (bpf/ekp_host6.h), reached from ekp_egress likewise
+PROG_EGRESS6 = "ekp_egress6"
 # The XDP program's IPv6 path (bpf/ekp_xdp6.h), reached from ekp_xdp_net by a tail call, never attached
 PROG_XDP_NET6 = "ekp_xdp_net6"
 
@@ -75,7 +79,7 @@ PROG_XDP_NET6 = "ekp_xdp_net6"
 # reference goes, so the loader pins each one beside the programs of its build.
 # A program array holds programs of one type: XDP's IPv6 path has an array of its own.
 TAIL_CALLS: dict[str, tuple[str, ...]] = {
-    "ekp_calls6": (PROG_FROM_POD6, PROG_FROM_NET6),
+    "ekp_calls6": (PROG_FROM_POD6, PROG_FROM_NET6, PROG_EGRESS6),
     "ekp_xcalls6": (PROG_XDP_NET6,),
 }
 # Maps of one build that the agent writes (BPF_ARRAY in bpf/ekp_tc.c, not the registry's): pinned
@@ -115,6 +119,7 @@ PROGRAMS: dict[str, ProgSpec] = {
     PROG_EGRESS: ProgSpec(PROG_SCHED_CLS),
     PROG_FROM_POD6: ProgSpec(PROG_SCHED_CLS),
     PROG_FROM_NET6: ProgSpec(PROG_SCHED_CLS),
+    PROG_EGRESS6: ProgSpec(PROG_SCHED_CLS),
     PROG_XDP_NET: ProgSpec(PROG_XDP),
     PROG_XDP_NET6: ProgSpec(PROG_XDP, needs=XDP6_NEEDS),
     **{

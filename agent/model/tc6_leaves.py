@@ -2,7 +2,7 @@
 
 eBPF mode runs an ip6tables proxier beside the eBPF programs (agent/metaproxier.py,
 EbpfAndIp6tables). Where the tc programs' IPv6 path serves (`Config.tc_ipv6`: socket-level load
-balancing and BPF host routing), a service port's rules are needed only for the packets no eBPF
+balancing, in either host routing), a service port's rules are needed only for the packets no eBPF
 program translates. Every other port's rules are left out, so that a new IPv6 connection the node
 forwards does not walk a KUBE-SERVICES of every IPv6 Service (3,503 conn/s against 24,963 over
 IPv4 at 10,000 Services before this).
@@ -15,9 +15,9 @@ Who serves what, with the path on:
   node socket bound to no address calling a frontend with loadBalancerSourceRanges (the socket
   programs hold no IPv6 node address to check the ranges with: `SOURCE_RANGES`);
 * every packet entering a device (pods' flows, clients outside): the tc IPv6 path
-  (bpf/ekp_tc6.h). It leaves to the stack, whole and before choosing a backend, a frontend
-  with a backend on a node IPv6 address (EKP_FE_HOST_BACKEND: that backend's replies leave by
-  the node's stack; `HOST_BACKEND`, while `Tc6Facts.leaves_host_backends`), and, while the IPv6
+  (bpf/ekp_tc6.h). It leaves to the stack, whole and before choosing a backend (a frontend
+  with a backend on a node IPv6 address no longer: `HOST_BACKEND` only while
+  `Tc6Facts.leaves_host_backends`, false since the path serves those), while the IPv6
   source translation is not granted (ekp_cfg6's node address zero, `ekp_ipv6_snat_granted`
   0), a frontend with SNAT_ALL or SNAT_REMOTE (agent/ebpf/layout.py: masquerade-all, the
   detector's non-local ClusterIP traffic, every NodePort, external IP and LB IP of policy
@@ -70,8 +70,9 @@ class Tc6Facts:
 
 
 # Whether the tc IPv6 path leaves a frontend with a backend on a node address to the stack
-# (bpf/ekp_tc6.h, EKP_FE_HOST_BACKEND). The one place to change once the path serves those.
-TC6_LEAVES_HOST_BACKENDS = True
+# (bpf/ekp_tc6.h, EKP_FE_HOST_BACKEND). The one place to change once the path serves those: it
+# does since v6legacy (EKP_CT_HOST flows handed to the stack, their replies translated at egress).
+TC6_LEAVES_HOST_BACKENDS = False
 
 
 def left_to_ip6tables(

@@ -287,7 +287,10 @@ def ct6_keys(flow: NatFlow) -> tuple[Ct6Key, Ct6Key]:
 def ebpf_entries6(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[Ct6Key, Ct6Entry]]:
     """The FORWARD and REPLY entries of an IPv6 flow carried into the tc IPv6 path's conntrack
     (ekp_ct6_*: `ebpf_entries`' fields at 16 bytes; `ids` those of the IPv6 maps). Never NFPASS nor
-    HOST: that path leaves frontends with a host backend, and legacy host routing, to ip6tables."""
+    HOST: the IPv6 path has no NFPASS hand-over (bpf/ekp_tc6.h), so flows to a host backend are
+    not carried (agent/takeover/into_ebpf.py, _carry6), and under legacy host routing a carried
+    flow's NAT entry stays in the stack's way (bpf/README.md, "What the reviews of the IPv6 path
+    left open")."""
     s, d, sp, dp = flow.orig
     rs, rd, rsp, rdp = flow.reply
     snat = flow.snat

@@ -540,9 +540,11 @@ class KernelTakeover:
         would go on with another backend. Its TCP flows need no carry: a segment without an entry
         that opens no flow is left to the stack, where nf_conntrack translates it as before. Found
         in ekp_fe6 / ekp_be6 as the pins of an earlier run left them (a restart, an upgrade): on a
-        node the agent never served, those are written by the first IPv6 sync, after this. Skipped
-        as the path skips them: a host backend (ip6tables keeps those frontends whole), the node's
-        own clients, a backend no longer in ekp_be6."""
+        node the agent never served, those are written by the first IPv6 sync, after this. Skipped:
+        a host backend (its packets meet the stack's NAT entry, which IPv4 hands over with NFPASS
+        and the IPv6 path cannot), the node's own clients, a backend no longer in ekp_be6. Under
+        legacy host routing every carried flow meets that entry too (not handed over either: the
+        stack's NAT may give its datagrams another source port until the entry expires)."""
         netns = self._config.netns
         try:
             flows = [f for f in self._dump6(netns) if f.proto == UDP and f.family == 6 and f.dnat]

@@ -40,12 +40,19 @@ import pytest
 
 from lab import Lab
 from lab.harness import Cluster, ep
-from lab.objects import Port, service, with_endpoints
+from lab.objects import Ep, Port, endpoint_slice, service, with_endpoints
 from tests.conftest import require_kernel
+from tests.traffic.test_ipv6 import HTTP6_PORT, SERVER6
 
 pytestmark = pytest.mark.kernel
 
 FORGED = "10.244.9.9"
+# IPv6 (the lab is dual-stack): the IPv6 HTTP server (tests/traffic/test_ipv6.py) on the backends,
+# a ClusterIP whose only backend is pod-1-2, and a NodePort of policy Cluster to it
+BACKENDS6 = ("pod-1-2",)
+GUARDED6, NODE_PORT6 = "fd00:10:96::42", 30742
+# and a Service whose one endpoint is the node's own IPv6 address (a host-network server)
+HOSTNET6, HOST_NODE_PORT6, HOST6_PORT = "fd00:10:96::43", 30743, 8096
 UDP_SINK = 9100
 # (mode, agent flags): iptables, and eBPF mode with each host routing.
 PATHS = {
@@ -69,11 +76,20 @@ while True:
 def path(request: pytest.FixtureRequest) -> Iterator[tuple[str, Cluster]]:
     require_kernel()
     mode, flags = PATHS[request.param]
-    with Lab(nodes=1, pods_per_node=3) as lab:
+    with Lab(nodes=1, pods_per_node=3, ipv6=True) as lab:
         lab.start_podservers()
+        for name in BACKENDS6:
+            proc = lab.popen(
+                lab.pod(name), sys.executable, "-c", SERVER6, name, str(HTTP6_PORT), name="http6"
+            )
+            lab.wait_log(proc, "ready")
         node = lab.node(1)
+        # a host-network endpoint: the IPv6 server in the node's own namespace
+        proc = lab.popen(node, sys.executable, "-c", SERVER6, "node1", str(HOST6_PORT), name="host6")
+        lab.wait_log(proc, "ready")
         lab.set_sysctl(node, "net.ipv4.conf.all.rp_filter", "1")
-        lab.run(node, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP")
+        for tool in ("iptables", "ip6tables"):
+            lab.run(node, tool, "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP")
         cluster = Cluster(lab, mode, extra=flags)
         cluster.start()
         try:
@@ -112,6 +128,128 @@ def test_the_forward_chain_sees_clusterip_traffic(path: tuple[str, Cluster]) -> 
     finally:
         lab.run(lab.node(1), "iptables", "-D", *rule)
     assert cluster.http("pod-1-1", "http://10.96.4.2/", count=3)["bodies"] == {"pod-1-2": 3}, "after the rule"
+
+
+def reach6(cluster: Cluster, source: object, url: str) -> str | None:
+    """The body `url` answers `source` with over IPv6, or None when nothing answered in a second."""
+    res = cluster.lab.run(source, "curl", "-sS", "-g", "--fail", "--max-time", "1", url, check=False)  # type: ignore[arg-type]
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def nf_flows6(cluster: Cluster, dst: str) -> str:
+    """node1's nf_conntrack entries whose original destination is `dst`."""
+    lab = cluster.lab
+    return lab.run(lab.node(1), "conntrack", "-L", "-f", "ipv6", "--orig-dst", dst, check=False).stdout
+
+
+def services6(cluster: Cluster) -> None:
+    lab = cluster.lab
+    ports = [Port("http", 80, HTTP6_PORT, node_port=NODE_PORT6)]
+    svc = service("guarded6", GUARDED6, ports, type="NodePort", ipFamilies=["IPv6"])
+    eps = endpoint_slice("guarded6", ports, [Ep(lab.pod("pod-1-2").ip6, "node1")], "v6")
+    eps["addressType"] = "IPv6"
+    cluster.apply([svc, eps])
+
+
+def test_the_ip6tables_forward_chain_sees_clusterip_traffic(path: tuple[str, Cluster]) -> None:
+    """IPv6, as IPv4 above: `ip6tables -I FORWARD -s pod-1-1 -d pod-1-2 -j DROP` blocks pod-1-1 ->
+    pod-1-2 directly and through an IPv6 ClusterIP whose only backend is pod-1-2, but with bpf host
+    routing. In eBPF mode the tc IPv6 path translates the flows with either routing (its counters
+    move, nf_conntrack holds no DNAT entry to the ClusterIP); with legacy routing it hands them to
+    the stack, whose nf_conntrack sees a plain pod-1-1 -> pod-1-2 flow (ip6tables no longer
+    translates them: on main it did, legacy routing left IPv6 to it)."""
+    name, cluster = path
+    lab = cluster.lab
+    client, backend = lab.pod("pod-1-1"), lab.pod("pod-1-2")
+    services6(cluster)
+    url = f"http://[{GUARDED6}]:80/"
+    assert reach6(cluster, lab.pod("pod-1-3"), url) == "pod-1-2", "control"
+    lab.run(lab.node(1), "conntrack", "-D", "-f", "ipv6", "--orig-dst", GUARDED6, check=False)
+    lab.run(lab.node(1), "conntrack", "-D", "-f", "ipv6", "--orig-src", client.ip6, check=False)
+    before = cluster.bpf_stats(1)["new_flows"] if name != "iptables" else 0
+    assert [reach6(cluster, client, url) for _ in range(3)] == ["pod-1-2"] * 3, "before the rule"
+    if name == "iptables":
+        assert f"sport={HTTP6_PORT} " in nf_flows6(cluster, GUARDED6), "ip6tables' DNAT (its reply tuple)"
+    else:
+        assert cluster.bpf_stats(1)["new_flows"] - before >= 3, "translated by tc"
+        assert nf_flows6(cluster, GUARDED6) == "", "no DNAT in nf_conntrack"
+        plain = nf_flows6(cluster, backend.ip6)
+        assert (f"src={client.ip6} dst={backend.ip6} " in plain) is (name == "legacy"), plain
+
+    rule = ["FORWARD", "-s", client.ip6, "-d", backend.ip6, "-j", "DROP"]
+    lab.run(lab.node(1), "ip6tables", "-I", *rule)
+    try:
+        direct = reach6(cluster, client, f"http://[{backend.ip6}]:{HTTP6_PORT}/")
+        assert direct is None, "the rule blocks the pods directly"
+        through = [reach6(cluster, client, url) for _ in range(3)]
+        if name == "bpf":
+            assert through == ["pod-1-2"] * 3, through
+        else:
+            assert through == [None] * 3, f"ClusterIP past FORWARD: {through}"
+        assert reach6(cluster, lab.pod("pod-1-3"), url) == "pod-1-2", "control"
+    finally:
+        lab.run(lab.node(1), "ip6tables", "-D", *rule)
+    assert reach6(cluster, client, url) == "pod-1-2", "after the rule"
+
+
+def test_an_ipv6_node_port_from_outside_is_masqueraded_with_either_routing(path: tuple[str, Cluster]) -> None:
+    """The external client reaches the IPv6 NodePort (policy Cluster): the backend sees the node's
+    address. In eBPF mode the tc IPv6 path translates both addresses (legacy routing: the
+    destination at ingress, the source at egress, ekp_hostnat6), counted as SNAT, and nf_conntrack
+    holds no DNAT entry for it; in iptables mode ip6tables' DNAT and MASQUERADE do."""
+    name, cluster = path
+    lab = cluster.lab
+    node = lab.node(1)
+    services6(cluster)
+    lab.run(node, "conntrack", "-D", "-f", "ipv6", "--orig-dst", node.ip6, check=False)
+    stats = cluster.bpf_stats(1) if name != "iptables" else {"new_flows": 0, "snat": 0}
+    url = f"http://[{node.ip6}]:{NODE_PORT6}"
+    assert [reach6(cluster, lab.client, f"{url}/") for _ in range(3)] == ["pod-1-2"] * 3
+    source = reach6(cluster, lab.client, f"{url}/ip")
+    assert source is not None and source != lab.client.ip6, source
+    flows = nf_flows6(cluster, node.ip6)
+    if name == "iptables":
+        assert f"dport={NODE_PORT6} " in flows, "ip6tables' DNAT"
+        return
+    assert source == node.ip6, "masqueraded by tc to the node's IPv6 address"
+    after = cluster.bpf_stats(1)
+    assert after["new_flows"] - stats["new_flows"] >= 4
+    assert after["snat"] - stats["snat"] >= 4, "every flow source-translated by tc"
+    assert f"dport={NODE_PORT6} " not in flows, flows
+
+
+def test_an_ipv6_endpoint_on_the_nodes_own_address_sees_the_clients_address(
+    path: tuple[str, Cluster],
+) -> None:
+    """A Service whose endpoint is the node's own IPv6 address (a host-network server): a pod
+    through the ClusterIP and the external client through the NodePort (policy Cluster) both reach
+    it with their own address (delivered locally: no masquerade, as kube-proxy's DNAT in
+    PREROUTING). In eBPF mode the tc IPv6 path translates them, with either routing (its counters
+    move, nf_conntrack holds no DNAT entry), and gives the node's replies their frontend back at
+    egress (ekp_egress6); on main it left such a frontend to ip6tables."""
+    name, cluster = path
+    lab = cluster.lab
+    node, pod = lab.node(1), lab.pod("pod-1-1")
+    ports = [Port("http", 80, HOST6_PORT, node_port=HOST_NODE_PORT6)]
+    svc = service("hostnet6", HOSTNET6, ports, type="NodePort", ipFamilies=["IPv6"])
+    eps = endpoint_slice("hostnet6", ports, [Ep(node.ip6, "node1")], "v6")
+    eps["addressType"] = "IPv6"
+    cluster.apply([svc, eps])
+    for dst in (HOSTNET6, node.ip6):
+        lab.run(node, "conntrack", "-D", "-f", "ipv6", "--orig-dst", dst, check=False)
+    before = cluster.bpf_stats(1)["new_flows"] if name != "iptables" else 0
+    assert [reach6(cluster, pod, f"http://[{HOSTNET6}]:80/") for _ in range(2)] == ["node1"] * 2
+    assert reach6(cluster, pod, f"http://[{HOSTNET6}]:80/ip") == pod.ip6
+    url = f"http://[{node.ip6}]:{HOST_NODE_PORT6}"
+    assert reach6(cluster, lab.client, f"{url}/") == "node1"
+    assert reach6(cluster, lab.client, f"{url}/ip") == lab.client.ip6, "the client's own address"
+    to_vip, to_node = nf_flows6(cluster, HOSTNET6), nf_flows6(cluster, node.ip6)
+    if name == "iptables":
+        assert f"sport={HOST6_PORT} " in to_vip, "ip6tables' DNAT"
+        return
+    assert cluster.bpf_stats(1)["new_flows"] - before >= 5, "translated by tc"
+    assert to_vip == "", to_vip
+    assert f"dport={HOST_NODE_PORT6} " not in to_node, to_node
 
 
 def send_udp(lab: Lab, pod: str, src: str, dst: str, dport: int, payload: bytes) -> None:

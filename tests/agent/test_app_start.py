@@ -112,7 +112,8 @@ def test_the_ebpf_load_starts_before_build_agent_and_its_proxier_is_the_agents(
     [
         (True, HostRouting.BPF, "", True),
         (False, HostRouting.BPF, "", False),
-        (True, HostRouting.LEGACY, "", False),
+        (True, HostRouting.LEGACY, "", True),
+        (False, HostRouting.LEGACY, "", False),
         (True, HostRouting.BPF, "ip6tables is not on PATH", False),
     ],
 )
@@ -218,12 +219,19 @@ def test_a_services_file_that_cannot_be_read_is_fatal_before_the_load_starts(
 
 def test_the_start_up_line_says_whether_the_tc_programs_translate_ipv6() -> None:
     """The line an operator reads to learn what serves IPv6 (agent/app.py ipv6_served_by): the tc
-    programs' IPv6 path where the settings turn it on (Config.tc_ipv6), what it needs elsewhere."""
+    programs' IPv6 path where the settings turn it on (Config.tc_ipv6: either host routing, the
+    legacy one through the node's stack), what it needs elsewhere."""
     dual = Config(mode=Mode.EBPF, node_ips=("10.0.0.1", "fd00::1"), socket_lb=True)
-    on = app.ipv6_served_by(replace(dual, bpf_host_routing=HostRouting.BPF))
-    assert "the eBPF tc programs translate the IPv6 TCP and UDP flows" in on
-    assert "ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 packet (SCTP" in on
-    for off in (dual, replace(dual, bpf_host_routing=HostRouting.BPF, socket_lb=False)):
+    assert dual.bpf_host_routing is HostRouting.LEGACY, "the default routing"
+    for routing in (HostRouting.BPF, HostRouting.LEGACY):
+        on = app.ipv6_served_by(replace(dual, bpf_host_routing=routing))
+        assert "the eBPF tc programs translate the IPv6 TCP and UDP flows" in on
+        assert "ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 packet (" in on
+        assert ("ip6tables FORWARD and nf_conntrack see client <-> backend" in on) is (
+            routing is HostRouting.LEGACY
+        )
+    for routing in (HostRouting.BPF, HostRouting.LEGACY):
+        off = replace(dual, bpf_host_routing=routing, socket_lb=False)
         line = app.ipv6_served_by(off)
         assert "tc programs translate" not in line
-        assert "IPv6 path needs --bpf-socket-lb and --bpf-host-routing=bpf" in line
+        assert "IPv6 path needs --bpf-socket-lb)" in line

@@ -731,22 +731,27 @@ def test_dry_run_in_ebpf_mode_prints_the_ip6tables_input_after_the_ebpf_maps(
         services_file=str(services),
         dry_run=True,
     )
-    assert dry_run(config) == 0
+    # The tc IPv6 path serves with either host routing (the default, legacy, here): what ip6tables
+    # holds beside it once granted (agent/model/tc6_leaves.py), here no Service (its one endpoint
+    # is a pod's), the layout's own chains still
+    for routing in (config.bpf_host_routing, HostRouting.BPF):
+        assert dry_run(replace(config, bpf_host_routing=routing)) == 0
+        out = capsys.readouterr().out
+        ebpf, marker, ip6tables = out.partition(
+            "# ip6tables-restore input (IPv6): the service ports the tc IPv6"
+        )
+        assert marker, out
+        ebpf4, marker6, ebpf6 = ebpf.partition("# eBPF IPv6 maps (the socket programs)\n")
+        assert marker6 and "10.96.0.10" in ebpf4 and "fd00:10:96::a" not in ebpf4
+        assert "fe6 [fd00:10:96::a]:80/TCP internal -> svc=1 set=1 count=1" in ebpf6
+        assert "be6 1 -> [fd00:10:244:1::2]:8080/TCP" in ebpf6 and "10.96.0.10" not in ebpf6
+        assert "fd00:10:96::a" not in ip6tables and "-A KUBE-POSTROUTING" in ip6tables, ip6tables
+    # Without it (no socket-level load balancing): every Service's rules
+    assert dry_run(replace(config, socket_lb=False)) == 0
     out = capsys.readouterr().out
-    ebpf, marker, ip6tables = out.partition("# ip6tables-restore input (IPv6)\n")
+    _, marker, ip6tables = out.partition("# ip6tables-restore input (IPv6)\n")
     assert marker, out
-    ebpf4, marker6, ebpf6 = ebpf.partition("# eBPF IPv6 maps (the socket programs)\n")
-    assert marker6 and "10.96.0.10" in ebpf4 and "fd00:10:96::a" not in ebpf4
-    assert "fe6 [fd00:10:96::a]:80/TCP internal -> svc=1 set=1 count=1" in ebpf6
-    assert "be6 1 -> [fd00:10:244:1::2]:8080/TCP" in ebpf6 and "10.96.0.10" not in ebpf6
     assert "*nat" in ip6tables and "-d fd00:10:96::a --dport 80" in ip6tables and "COMMIT" in ip6tables
-    # With the tc IPv6 path: what ip6tables holds beside it once granted (agent/model/tc6_leaves.py),
-    # here no Service (its one endpoint is a pod's), the layout's own chains still
-    assert dry_run(replace(config, bpf_host_routing=HostRouting.BPF)) == 0
-    out = capsys.readouterr().out
-    _, marker, ip6tables = out.partition("# ip6tables-restore input (IPv6): the service ports the tc IPv6")
-    assert marker, out
-    assert "fd00:10:96::a" not in ip6tables and "-A KUBE-POSTROUTING" in ip6tables, ip6tables
 
 
 @pytest.mark.parametrize("mode", [Mode.EBPF, Mode.IPTABLES])

@@ -241,9 +241,10 @@ def _lab(family: str) -> Iterator[Lab]:
 
 
 def mode_flags(mode: str, family: str) -> tuple[str, ...]:
-    """The agents' flags of a mode's run. IPv6 eBPF mode: the tc programs' IPv6 path, which
-    translates with `--bpf-host-routing=bpf` alone (bpf/ekp_tc6.h; with legacy host routing every
-    IPv6 packet goes to ip6tables, and the run would compare ip6tables with itself). Pods' sockets
+    """The agents' flags of a mode's run. IPv6 eBPF mode: the tc programs' IPv6 path with
+    `--bpf-host-routing=bpf` (bpf/ekp_tc6.h; it translates under legacy host routing too, by the
+    same decisions, with the stack between its two halves: tests/adversarial/test_host_routing.py
+    and tests/traffic/test_ipv6.py run that one). Pods' sockets
     stay on the per-packet path (the harness's default), so a pod's flows are the tc path's to
     decide, not the socket programs' at connect(): that covers the most of the tc path's decisions
     (the node's own sockets are the socket programs' in every eBPF run)."""

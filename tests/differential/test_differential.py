@@ -125,7 +125,8 @@ def test_modes_agree_with_each_other_and_with_kube_proxy(runs: dict[str, ModeRun
 @pytest.mark.kernel
 def test_the_tc_path_decides_the_cases_it_always_serves(runs: dict[str, ModeRun]) -> None:
     """In IPv6 eBPF mode the tc IPv6 path, not ip6tables, translated every flow of TC6_DECIDES (a
-    run with legacy host routing leaves them all to ip6tables, and fails here). In iptables mode,
+    run with the path off, `--bpf-socket-lb=false`, leaves them all to ip6tables, and fails here;
+    on main before v6legacy a run with legacy host routing did too). In iptables mode,
     either family, nf_conntrack holds them all: the counts read the right tables (a count that
     read nothing would pass the check of nf_conntrack in eBPF mode)."""
     family = runs[MODES[0]].family

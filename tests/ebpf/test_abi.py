@@ -285,8 +285,9 @@ XDP_UNUSED = {"rnat", "stats", "icmprl", "hostnat"}
 _V6 = {"fe6", "slot6", "be6", "rnat6", "member6", "srcr6", "addr6", "aff6", "sknat6"}
 _SOCKETS = {"skcfg", "sknat"} | _V6
 # the tc IPv6 path's own maps: its conntrack, the tables' early-drop rings, its settings (the SNAT
-# source, ekp_cfg6) and its fragments
+# source, ekp_cfg6), its fragments and legacy host routing's IPv6 egress sources (ekp_hostnat6)
 _CT6 = {"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6", "cfg6", "cfg6sel", "frag6", "frhold6"}
+_CT6 |= {"hostnat6"}
 # the IPv6 path: the activity stamps and frontend check (ekp_act, ekp_addr6), the backend check of
 # a flow's refresh (ekp_addr6); no Maglev, no reject; its source translation reads the shared
 # config's port range (ekp_cfg); its time exceeded takes the rejects' tokens (ekp_icmprl); a held
@@ -295,7 +296,8 @@ _TC6 = {"cfg", "cfgsel", "stats", "act", "addr6", "fe6", "srcr6", "aff6", "membe
 _TC6 |= _CT6 | {"fraglast"}
 # XDP's IPv6 path (ekp_xdp_net6): the tc path's but for what it leaves to tc (fragments, answers),
 # with XDP's counters
-_XDP6 = (_TC6 - {"stats", "icmprl", "frag6", "frhold6", "fraglast"}) | {"xstats"}
+# (no legacy host routing's hand-over: XDP leaves its translations to tc, ekp_hostnat6 unread)
+_XDP6 = (_TC6 - {"stats", "icmprl", "frag6", "frhold6", "fraglast", "hostnat6"}) | {"xstats"}
 _SOCK_FORWARD = {"skcfg", "cfg", "cfgsel", "fe", "srcr", "aff", "member", "slot", "be", "sknat", "stats"}
 _SOCK_FORWARD6 = _SOCK_FORWARD | {"fe6", "srcr6", "aff6", "member6", "slot6", "be6", "sknat6"}
 _SOCK_REVERSE = {"sknat", "fe", "stats"}
@@ -313,6 +315,15 @@ PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
     "ekp_from_pod6": ("sched_cls", _TC6),
     "ekp_from_net6": ("sched_cls", _TC6),
     "ekp_egress": ("sched_cls", set(abi.MAPS) - _EGRESS_UNUSED - _SOCKETS - _CT6),
+    # ekp_egress's IPv6 half: legacy host routing's sources (ekp_hostnat6), a fragmented
+    # datagram's ports for its later fragments; the node's own replies of flows to it looked up in
+    # the IPv6 conntrack (its refresh, rings and activity stamps: the backend check reads ekp_addr6),
+    # counted when translated
+    "ekp_egress6": (
+        "sched_cls",
+        {"hostnat6", "frag6", "ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "ctqh6", "act", "addr6"}
+        | {"cfg", "cfgsel", "stats"},
+    ),
     # the same but for what it leaves to tc, with its own counters
     "ekp_xdp_net": ("xdp", set(abi.MAPS) - XDP_UNUSED - _SOCKETS - _CT6),
     "ekp_xdp_net6": ("xdp", _XDP6),
@@ -355,8 +366,8 @@ def test_every_program_uses_its_maps(loaded: Datapath) -> None:
 
 
 # The maps of each tc and XDP program's own load, outside the registry: the per-CPU working memory of
-# its family's path, for the IPv4 ingress programs (tc's and XDP's) the program array their IPv6
-# packets continue through, and for the programs attached to a hook the build's hand-over mode
+# its family's path, for the IPv4 programs of tc and XDP the program array their IPv6 packets
+# continue through, and for the programs attached to a hook the build's hand-over mode
 # (ekp_handover). Their
 # counts are loader.PRIVATE_MAPS (a reused program with more is compiled again).
 PRIVATE = {
@@ -364,7 +375,8 @@ PRIVATE = {
     "ekp_from_net": {"ekp_scratch", "ekp_calls6", "ekp_handover"},
     "ekp_from_pod6": {"ekp_scratch6"},
     "ekp_from_net6": {"ekp_scratch6"},
-    "ekp_egress": {"ekp_scratch", "ekp_handover"},
+    "ekp_egress": {"ekp_scratch", "ekp_calls6", "ekp_handover"},
+    "ekp_egress6": {"ekp_scratch6"},
     "ekp_xdp_net": {"ekp_scratch", "ekp_xcalls6", "ekp_handover"},
     "ekp_xdp_net6": {"ekp_scratch6"},
 }

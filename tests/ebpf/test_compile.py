@@ -26,6 +26,7 @@ from agent.ebpf.maps import map_info, obj_get
 from agent.ebpf.objcache import DIR_ENV, ObjectCache
 from agent.ebpf.programs import (
     BUILD_MAPS,
+    PROG_EGRESS,
     PROG_FROM_NET,
     PROG_FROM_POD,
     PROG_SCHED_CLS,
@@ -116,11 +117,10 @@ def _uses_only_its_own_maps(d: Datapath) -> set[int]:
     for name in PROGRAMS:
         used = prog_map_ids(d.prog_fd(name))
         assert used & ids, "the programs use the pinned maps"
-        # the IPv4 ingress programs (tc's and XDP's): their scratch, the program array of their IPv6
-        # packets and the build's hand-over mode; egress its scratch and the mode; the IPv6
-        # programs their scratch
-        ingress4 = (PROG_FROM_POD, PROG_FROM_NET, PROG_XDP_NET)
-        private = 3 if name in ingress4 else 1 if name in loader.TC6_PROGRAMS else 2
+        # the IPv4 programs of tc and XDP: their scratch, the program array of their IPv6 packets
+        # and the build's hand-over mode; the IPv6 programs their scratch
+        ipv4 = (PROG_FROM_POD, PROG_FROM_NET, PROG_EGRESS, PROG_XDP_NET)
+        private = 3 if name in ipv4 else 1 if name in loader.TC6_PROGRAMS else 2
         private = private if PROGRAMS[name].prog_type in (PROG_SCHED_CLS, PROG_XDP) else 0
         assert len(used - ids) == private == PRIVATE_MAPS[name], f"{name}: besides them, only its load's own"
     return ids
@@ -393,6 +393,7 @@ def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
         "ct6_any",
         "frag6",
         "frhold6",
+        "hostnat6",
     }
     key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
     with bpffs() as root:
@@ -438,8 +439,9 @@ def _slots(pins: str, d: Datapath, array: str = "ekp_calls6") -> list[int]:
 def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_sets_its_tail_calls(
     caplog: pytest.LogCaptureFixture, cache: ObjectCache
 ) -> None:
-    """Without the tc programs' IPv6 path (MapSizes.ipv6_tc false: no IPv6 half, or legacy host
-    routing) its conntrack tables, their early-drop rings and its fragment tables hold one entry
+    """Without the tc programs' IPv6 path (MapSizes.ipv6_tc false: no IPv6 half, or no socket-level
+    load balancing) its conntrack tables, their early-drop rings, its fragment tables and
+    ekp_hostnat6 hold one entry
     each, ekp_calls6 is empty and its programs are neither loaded (verified) nor pinned; a restart
     with it loads and pins them, recreates every one of those tables at its IPv4 twin's size and
     fills the array; a restart without it again shrinks them and empties it. Every other pinned map is the
@@ -456,7 +458,7 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
             assert {r: first.maps[r].info().max_entries for r in loader.TC6_ROLES} == dict.fromkeys(
                 loader.TC6_ROLES, 1
             )
-            assert _slots(pins, first) == [0, 0], "no IPv6 program behind the IPv4 ones"
+            assert _slots(pins, first) == [0, 0, 0], "no IPv6 program behind the IPv4 ones"
             assert not [p for p in _prog_pins(pins) if p.endswith(tuple(loader.TC6_PROGRAMS))], (
                 "the IPv6 programs neither verified nor pinned where nothing reaches them"
             )
@@ -474,6 +476,7 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
             "ctq6_any": 256,
             "frag6": 64,
             "frhold6": SMALL.fraghold,
+            "hostnat6": SMALL.hostnat,
         }
         idle = dict.fromkeys(full, 1)
         for sizes, entries in ((on, full), (off, idle)):
@@ -482,8 +485,9 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
             d.load()
             try:
                 assert (
-                    "IPv6 conntrack, early-drop ring and fragment tables ekp_ct6_any_v3, ekp_ct6_tcp_v3, "
-                    "ekp_ctq6_any_v2, ekp_ctq6_tcp_v2, ekp_frag6_v2, ekp_frhold6_v2 recreated"
+                    "IPv6 conntrack, early-drop ring, fragment and host-routing tables ekp_ct6_any_v3, "
+                    "ekp_ct6_tcp_v3, ekp_ctq6_any_v2, ekp_ctq6_tcp_v2, ekp_frag6_v2, ekp_frhold6_v2, "
+                    "ekp_hostnat6_v2 recreated"
                 ) in caplog.text
                 assert {r: d.maps[r].info().max_entries for r in loader.TC6_ROLES} == entries
                 after = _pinned_ids(pins)
@@ -504,7 +508,7 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
                     ct6_users = prog_map_ids(d.prog_fd("ekp_from_pod6"))
                     assert {d.maps[r].info().id for r in loader.TC6_ROLES} <= ct6_users, "the new tables used"
                 else:
-                    assert _slots(pins, d) == [0, 0]
+                    assert _slots(pins, d) == [0, 0, 0]
                     assert not v6_pins, "the IPv6 programs of the build that served them unpinned with it"
                     assert not any(d.has_program(n) for n in loader.TC6_PROGRAMS)
             finally:
@@ -516,7 +520,7 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
         again.load()
         try:
             assert "data path reused" in caplog.text and "recreated" not in caplog.text
-            assert _slots(pins, again) == [0, 0]
+            assert _slots(pins, again) == [0, 0, 0]
         finally:
             again.close()
 

@@ -241,16 +241,16 @@ def test_a_syn_on_a_flow_that_saw_a_rst_or_fin_is_a_new_flow_decided_again(net: 
 def test_a_syn_reopening_an_ended_flow_that_goes_to_ip6tables_takes_the_ended_entries_along(
     net: Net,
 ) -> None:
-    """A SYN on an ended flow's tuple is a new flow; decided for ip6tables (its frontend now has a
-    host-network backend: HOST_BACKEND), it passes untouched, and the ended flow's entries go: the
+    """A SYN on an ended flow's tuple is a new flow; decided for ip6tables (its frontend now
+    masquerades, SNAT_ALL, and no IPv6 node address is known), it passes untouched, and the ended
+    flow's entries go: the
     connection's next segment, no SYN, would hit them and be sent to the old backend past the
     stack that translated its SYN."""
     add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
     assert seen(net.from_pod(frame6(POD6, VIP6, 40070, 80))[1])[2] == BE6
     assert net.from_pod(frame6(POD6, VIP6, 40070, 80, flags="FA"))[0] == TC_ACT_REDIRECT
     assert net.from_pod(frame6(BE6, POD6, 8080, 40070, flags="FA"))[0] == TC_ACT_REDIRECT
-    host_too = ((1, BE6, 8080, BackendFlag.LOCAL), (2, NODE6, 10250, BackendFlag.HOST))
-    add_service6(net.dp.maps, VIP6, 80, host_too, flags=FrontendFlag.HOST_BACKEND)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE, flags=FrontendFlag.SNAT_ALL)
     syn = frame6(POD6, VIP6, 40070, 80)
     assert net.from_pod(syn) == (TC_ACT_OK, syn), "ip6tables' new flow"
     ack = frame6(POD6, VIP6, 40070, 80, flags="A")
@@ -507,49 +507,28 @@ def test_a_remote_backend_needing_snat_is_left_to_ip6tables(net: Net) -> None:
 
 def test_a_frontend_that_needs_ip6tables_for_some_backends_leaves_it_all_its_flows(net: Net) -> None:
     """One proxier chooses each flow's backend: a frontend whose SNAT_REMOTE (ETP Cluster with
-    --bpf-keep-client-ip-for-local-backends) or host-network backend (HOST_BACKEND, the planner's
-    mark) would send some choices to ip6tables sends every flow there before choosing. Chosen here
-    first, the flows left to ip6tables would be chosen for again there, and the one local backend
-    of three would get 5/9 of them, not 1/3. Counted over 30 SYNs each: none is translated (one
-    chosen here would be with p = 1/3 each before, so all 30 passing by chance: 5e-6)."""
+    --bpf-keep-client-ip-for-local-backends) would send some choices to ip6tables while no IPv6
+    node address is known sends every flow there before choosing. Chosen here first, the flows
+    left to ip6tables would be chosen for again there, and the one local backend of three would
+    get 5/9 of them, not 1/3. Counted over 30 SYNs: none is translated (one chosen here would be
+    with p = 1/3 each before, so all 30 passing by chance: 5e-6). (A backend on the node's own
+    address no longer sends its frontend there: tests/ebpf/test_datapath_ipv6_host.py.)"""
     remote_too = ((1, BE6, 8080, BackendFlag.LOCAL), (2, REMOTE_BE6, 8080, 0), (3, "fd00:a:2::8", 8080, 0))
     flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
     add_service6(net.dp.maps, NODE6, 30080, remote_too, scope=Scope.EXTERNAL, flags=flags)
-    host_too = ((4, BE6_2, 8080, BackendFlag.LOCAL), (5, NODE6, 10250, BackendFlag.HOST))
-    add_service6(net.dp.maps, VIP6, 80, host_too, svc_id=2, set_id=2, rev_nat_id=2)
     for n in range(30):
         _passes(net, frame6(CLIENT6, NODE6, 50100 + n, 30080), via_net=True)
-        _passes(net, frame6(POD6, VIP6, 41100 + n, 80))
     stats = net.stats()
-    assert (stats[Stat.NEW_FLOWS], stats[Stat.PASS]) == (0, 60)
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.PASS]) == (0, 30)
 
 
-def test_a_host_backend_the_frontend_was_not_flagged_for_yet_is_left_to_the_stack(net: Net) -> None:
-    """The post-choice guard: a backend flagged HOST (on a node address, whose replies leave by the
-    node's stack) chosen for a frontend written before the planner knew to flag it HOST_BACKEND
-    passes untouched; the pre-choice flag is the rule, this the fallback. (The backend here is a
-    pod's address flagged HOST: a real node address would also fail the route lookup, so only the
-    flag shows the guard.)"""
-    add_service6(net.dp.maps, VIP6, 80, ((1, BE6, 8080, BackendFlag.LOCAL | BackendFlag.HOST),))
-    for key, fe in net.dp.maps["fe6"].items():  # add_service6 flags it as the planner would: not yet
-        assert isinstance(fe, abi.Frontend)
-        fe.flags &= ~FrontendFlag.HOST_BACKEND
-        net.dp.maps["fe6"].update(key, fe)
-    _passes(net, frame6(POD6, VIP6, 41200, 80))
-    assert net.stats()[Stat.NEW_FLOWS] == 0
-
-
-def test_snat_all_hairpin_and_host_backends_are_left_to_ip6tables(net: Net) -> None:
+def test_snat_all_and_the_hairpin_are_left_to_ip6tables_without_the_nodes_address(net: Net) -> None:
     """SNAT_ALL and the hairpin while no IPv6 node address is known (ekp_cfg6 zero, as here: see
-    test_datapath_ipv6_snat.py for them with one); a backend on the node's own address always."""
+    test_datapath_ipv6_snat.py for them with one)."""
     add_service6(net.dp.maps, VIP6, 80, LOCAL_BE, flags=FrontendFlag.SNAT_ALL)
     _passes(net, frame6(POD6, VIP6, 40003, 80))
     add_service6(net.dp.maps, VIP6, 81, LOCAL_BE, svc_id=2, set_id=2, rev_nat_id=2)
     _passes(net, frame6(BE6, VIP6, 40004, 81))  # the backend is its own client: a hairpin
-    add_service6(
-        net.dp.maps, VIP6, 82, ((3, NODE6, 10250, BackendFlag.HOST),), svc_id=3, set_id=3, rev_nat_id=3
-    )
-    _passes(net, frame6(POD6, VIP6, 40005, 82))
 
 
 def test_mid_flow_segments_icmpv6_and_unfinished_routing_are_left_to_the_stack(net: Net) -> None:
@@ -653,13 +632,6 @@ def test_arming_stamps_the_endpoints_of_the_live_ipv6_flows_too(net: Net) -> Non
     verdict, out = net.from_pod(frame)
     assert verdict == TC_ACT_REDIRECT
     assert seen(out)[1:4] == (POD6, BE6, 40022)
-
-
-def test_legacy_host_routing_leaves_every_ipv6_packet_to_the_stack(net: Net) -> None:
-    """Its source translation happens at egress, which has no IPv6 half: ip6tables serves IPv6."""
-    set_config(net.dp, flags=abi.ConfigFlag.HOST_LEGACY)
-    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
-    _passes(net, frame6(POD6, VIP6, 40030, 80))
 
 
 def test_a_pod_claiming_a_source_not_routed_to_its_device_is_passed_when_new_dropped_on_a_hit(

@@ -312,15 +312,15 @@ def test_a_state_change_leaves_another_clients_entry_under_the_snat_twin_key_alo
     assert ip6_str(held.nat_addr) == OTHER_CLIENT6 and not held.flags & CtFlag.FIN_FWD
 
 
-def test_with_the_nodes_ipv6_address_only_a_host_backend_frontend_is_left_whole_to_ip6tables(
+def test_with_the_nodes_ipv6_address_every_flow_of_snat_and_host_backend_frontends_is_the_tc_paths(
     net: Net,
 ) -> None:
     """The pre-choice rule once the node's IPv6 address is known (bpf/ekp_tc6.h): a SNAT_REMOTE
     frontend's flows are all the tc path's (the local backend's kept, the remote ones
-    source-translated), while a frontend with a backend on a node address (HOST_BACKEND) still
-    goes to ip6tables with every flow, SNAT_ALL or not: that backend's replies leave by the node's
-    stack, and a flow chosen here and then left there would be chosen for again. 30 SYNs each:
-    all through tc, none through tc (a choice made here first would translate each with p = 1/2)."""
+    source-translated), and so are those of a frontend with a backend on a node address, SNAT_ALL
+    or not: that backend's flows are handed to the node's stack with the client's address
+    (TC_ACT_OK), the others translated as any. 30 SYNs each, none left to ip6tables (before, the
+    host-backend frontends' 60 all were)."""
     snat_source(net, NODE6)
     remote_too = ((1, BE6, 8080, BackendFlag.LOCAL), (2, REMOTE_BE6, 8080, 0), (3, "fd00:a:2::8", 8080, 0))
     add_service6(net.dp.maps, NODE6, 30080, remote_too, scope=Scope.EXTERNAL, flags=NODEPORT)
@@ -329,14 +329,19 @@ def test_with_the_nodes_ipv6_address_only_a_host_backend_frontend_is_left_whole_
     add_service6(
         net.dp.maps, VIP6, 81, host_too, svc_id=3, set_id=3, rev_nat_id=3, flags=FrontendFlag.SNAT_ALL
     )
+    to_host = 0
     for n in range(30):
         assert net.from_net(frame6(CLIENT6, NODE6, 50300 + n, 30080))[0] == TC_ACT_REDIRECT
         for port in (80, 81):
-            frame = frame6(POD6, VIP6, 41300 + 2 * n + port - 80, port)
-            assert net.from_pod(frame) == (TC_ACT_OK, frame), "handed to the stack untouched"
+            verdict, out = net.from_pod(frame6(POD6, VIP6, 41300 + 2 * n + port - 80, port))
+            if verdict == TC_ACT_OK:  # the node's own address: the stack's, the pod's address kept
+                assert seen(out)[1:3] == (POD6, NODE6) and seen(out)[5] == 10250
+                to_host += 1
+            else:
+                assert verdict == TC_ACT_REDIRECT and seen(out)[2] == BE6_2
     stats = net.stats()
-    assert (stats[Stat.NEW_FLOWS], stats[Stat.PASS]) == (30, 60)
-    assert 0 < stats[Stat.SNAT] < 30, "the remote backends' flows alone are masqueraded"
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.PASS]) == (90, 0)
+    assert 0 < to_host < 60, "both backends of the host frontends chosen"
 
 
 def test_without_the_nodes_ipv6_address_a_source_translation_is_left_to_the_stack(net: Net) -> None:

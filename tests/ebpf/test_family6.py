@@ -121,9 +121,9 @@ def test_an_ipv6_cluster_ip_is_written_into_the_ipv6_maps_with_its_addresses() -
 
 
 def test_frontends_whose_set_holds_an_endpoint_on_a_node_address_are_marked_host_backend() -> None:
-    """HOST_BACKEND: the tc IPv6 path leaves such a frontend wholly to ip6tables before it
-    chooses (bpf/ekp_tc6.h), so it must be on every frontend whose set holds a host-network
-    endpoint, and on no other; it follows the endpoint."""
+    """HOST_BACKEND: on every frontend whose set holds a host-network endpoint, and on no other;
+    it follows the endpoint. XDP's IPv6 path reads it (bpf/ekp_xdp6.h: such a frontend goes whole
+    to tc, which serves its host backend since v6legacy)."""
     maps = fake_maps()
     v6 = Ipv6Datapath(Config())
     v6.sync(maps, state6([service()], [slice_("fd00:10:244:1::2", NODE6.node_ips[0])]), NODE6, None)

@@ -14,6 +14,7 @@ from agent.ebpf.loader import default_bpf_dir
 from agent.ebpf.programs import (
     KFUNC_SOCK_DESTROY_MARK,
     PROG_EGRESS,
+    PROG_EGRESS6,
     PROG_FROM_NET,
     PROG_FROM_NET6,
     PROG_FROM_POD,
@@ -47,6 +48,7 @@ def test_a_kernel_without_the_helpers_loads_the_packet_programs_alone() -> None:
         PROG_FROM_POD6,
         PROG_FROM_NET6,
         PROG_EGRESS,
+        PROG_EGRESS6,
         PROG_XDP_NET,
     }
     assert set(available_programs(set())) == packet

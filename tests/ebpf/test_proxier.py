@@ -654,11 +654,13 @@ def test_the_ipv6_node_addresses_find_external_devices_where_the_tc_ipv6_path_se
     ekp_from_net reverse-translates the tc IPv6 path's replies): checked as soon as sync6 has
     them, and at every sync after. Without the path, the IPv4 addresses alone, as before."""
     dual = replace(rig.config, node_ips=("192.168.0.11", "fd00:192:168::11"), socket_lb=True)
-    for routing, want in (
-        (HostRouting.BPF, (*NODE.node_ips, *NODE6.node_ips)),
-        (HostRouting.LEGACY, NODE.node_ips),
+    for config, want in (
+        (replace(dual, bpf_host_routing=HostRouting.BPF), (*NODE.node_ips, *NODE6.node_ips)),
+        (replace(dual, bpf_host_routing=HostRouting.LEGACY), (*NODE.node_ips, *NODE6.node_ips)),
+        (replace(dual, socket_lb=False), NODE.node_ips),
     ):
-        rig.config = replace(dual, bpf_host_routing=routing)
+        rig.config = config
+        routing = (config.bpf_host_routing, config.socket_lb)
         p = rig.proxier()
         half = p.ipv6()
         p.sync(STATE, NODE)
@@ -701,8 +703,13 @@ def test_the_first_attach_before_the_ipv6_sync_keeps_ekp_from_net_where_it_is(ri
     tc flows' replies would leave untranslated until sync6). Once sync6 ran, nothing is kept; the
     reconcile with the IPv6 addresses decides. Without the path, nothing is kept."""
     dual = replace(rig.config, node_ips=("192.168.0.11", "fd00:192:168::11"), socket_lb=True)
-    for routing, first in ((HostRouting.BPF, True), (HostRouting.LEGACY, False)):
-        rig.config = replace(dual, bpf_host_routing=routing)
+    for config, first in (
+        (replace(dual, bpf_host_routing=HostRouting.BPF), True),
+        (replace(dual, bpf_host_routing=HostRouting.LEGACY), True),
+        (replace(dual, socket_lb=False), False),
+    ):
+        rig.config = config
+        routing = (config.bpf_host_routing, config.socket_lb)
         p = rig.proxier()
         half = p.ipv6()
         p.sync(STATE, NODE)
@@ -867,7 +874,7 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_whenever_the_grant_is_lost_or_the
     (masquerade_apart(False): the rules in place are not known to keep out of --bpf-snat-ports)
     zeroes it at the next sync6 until one succeeds again, and nf_conntrack is read again then (a flow
     masqueraded into the range meanwhile holds it). Where the tc IPv6 path does not serve
-    (legacy host routing), it is zero whatever ip6tables did, over what a pin held."""
+    (no socket-level load balancing), it is zero whatever ip6tables did, over what a pin held."""
     from agent.ebpf.maps import read_config6, write_config6
 
     state = state6([service()], [slice_("fd00:10:244:1::2")])
@@ -903,7 +910,7 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_whenever_the_grant_is_lost_or_the
     assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
     p.close()
 
-    rig.config = replace(dual, bpf_host_routing=HostRouting.LEGACY)
+    rig.config = replace(dual, socket_lb=False)
     p = rig.proxier()
     half = p.ipv6()
     p.sync(STATE, NODE)
@@ -1118,7 +1125,7 @@ def test_the_ipv6_snat_grant_is_told_at_each_ipv6_sync_and_its_reason_logged_whe
     p.close()
 
     caplog.clear()
-    rig.config = replace(dual, bpf_host_routing=HostRouting.LEGACY)
+    rig.config = replace(dual, socket_lb=False)
     p = rig.proxier()
     granted.clear()
     p.on_snat6_granted = granted.append
@@ -1637,15 +1644,15 @@ def test_conntrack_sizes_are_derived_or_kept_from_the_pins(rig: Rig) -> None:
 
 
 def test_the_tc_ipv6_path_is_decided_by_the_settings_alone() -> None:
-    """Config.tc_ipv6: eBPF mode, IPv6 in the flags, socket-level load balancing (the IPv6 half
-    that writes the IPv6 maps exists only with it) and BPF host routing; any one missing, off."""
+    """Config.tc_ipv6: eBPF mode, IPv6 in the flags and socket-level load balancing (the IPv6 half
+    that writes the IPv6 maps exists only with it), in either host routing; any one missing, off."""
     on = Config(node_ips=("10.0.0.1", "fd00::1"), socket_lb=True, bpf_host_routing=HostRouting.BPF)
     assert on.tc_ipv6
+    assert replace(on, bpf_host_routing=HostRouting.LEGACY).tc_ipv6, "the default routing too"
     for off in (
         replace(on, mode=Mode.IPTABLES),
         replace(on, node_ips=("10.0.0.1",)),
         replace(on, socket_lb=False),
-        replace(on, bpf_host_routing=HostRouting.LEGACY),
     ):
         assert not off.tc_ipv6, off
     assert replace(on, node_ips=(), service_cidrs=("10.96.0.0/12", "fd00:96::/112")).tc_ipv6
@@ -1660,8 +1667,8 @@ def test_the_tc_ipv6_path_is_sized_from_the_settings_whether_the_load_runs_befor
     size and ekp_calls6 filled), or the IPv6 path is off at nearly every start and a restart that
     loses the race resizes the tables mid-flow."""
     dual = replace(rig.config, node_ips=("10.0.0.1", "fd00::1"), socket_lb=True)
-    for routing, want in ((HostRouting.LEGACY, False), (HostRouting.BPF, True)):
-        rig.config = replace(dual, bpf_host_routing=routing)
+    for routing, want in (((HostRouting.LEGACY, False), False), ((HostRouting.LEGACY, True), True)):
+        rig.config = replace(dual, bpf_host_routing=routing[0], socket_lb=routing[1])
         p = rig.proxier()
         p.prepare()  # the early load, before the IPv6 half exists
         p.ipv6()

@@ -414,8 +414,8 @@ def test_ip6tables_masquerade_beside_the_tc_ipv6_path_keeps_out_of_the_bpf_snat_
     TCP and UDP with ports of --bpf-snat-ports looking at its own conntrack only: their MASQUERADE
     --to-ports the larger side of 1024-65535 outside that range, so nf_nat (looking at
     nf_conntrack only) never takes a port the tc path may hand to another flow to the same
-    backend. kube-proxy's rule everywhere else: IPv4, iptables mode, legacy host routing (no tc
-    IPv6 path)."""
+    backend, in either host routing. kube-proxy's rule everywhere else: IPv4, iptables mode, no
+    socket-level load balancing (no tc IPv6 path)."""
     from agent.config import HostRouting, Mode
     from agent.iptables.rules import masquerade_ports_beside
     from agent.model.types import IPFamily
@@ -458,5 +458,7 @@ def test_ip6tables_masquerade_beside_the_tc_ipv6_path_keeps_out_of_the_bpf_snat_
     )
     assert masquerade(ebpf6, IPFamily.IPv4) == [kube_proxys + " --random-fully"]
     assert masquerade(replace(ebpf6, mode=Mode.IPTABLES), IPFamily.IPv6) == [kube_proxys + " --random-fully"]
+    # either host routing: the tc IPv6 path masquerades under legacy routing too (bpf/ekp_host6.h)
     legacy = replace(ebpf6, bpf_host_routing=HostRouting.LEGACY)
-    assert masquerade(legacy, IPFamily.IPv6) == [kube_proxys + " --random-fully"]
+    assert masquerade(legacy, IPFamily.IPv6) == masquerade(ebpf6, IPFamily.IPv6)
+    assert masquerade(replace(legacy, socket_lb=False), IPFamily.IPv6) == [kube_proxys + " --random-fully"]

@@ -11,9 +11,10 @@ Every test runs in both modes (the `dual` fixture is parametrised by mode, as th
 The agent's IPv6 proxier writes ip6tables rules in both: in iptables mode with the backend of its
 IPv4 rules; in eBPF mode beside the eBPF data path's IPv6 maps (README, "IPv6 and dual-stack"):
 the socket programs translate the connections of the nodes' sockets and their pods' (the agents
-run with the default, pods balanced at connect()) to IPv6 Services, and ip6tables every other
-IPv6 packet (the tc programs pass IPv6 to the stack untouched): from outside, and the pods' flows
-the socket programs leave to the packet path (affinity). `--cleanup` removes the
+run with the default, pods balanced at connect()) to IPv6 Services, and the tc programs' IPv6
+path, under the default legacy host routing (the destination at tc ingress, the source at tc
+egress, the node's stack between), the flows from outside and the pods' flows the socket
+programs leave to the packet path (affinity); ip6tables every other IPv6 packet. `--cleanup` removes the
 ip6tables rules in both modes (and the pins in eBPF mode).
 
 The lab (`Lab(ipv6=True)`) puts ULA addresses beside IPv4 on every link, `nodad`; the agents get
@@ -181,21 +182,25 @@ def test_an_ipv6_cluster_ip_reaches_every_ipv6_endpoint_from_a_pod(dual: Cluster
     dual.apply(v6_objects(dual.lab))
     seen = {fetch(dual, dual.lab.pod("pod-1-1"), f"http://[{V6_VIP}]:80/") for _ in range(TRIES)}
     assert seen == set(PODS)
-    rules = dual.lab.run(dual.lab.node(1), "ip6tables-save", "-t", "nat").stdout
-    assert f"-d {V6_VIP}/128" in rules and "KUBE-SVC-" in rules
+    if dual.mode == "iptables":  # eBPF mode's ip6tables keeps only what its programs leave to it
+        rules = dual.lab.run(dual.lab.node(1), "ip6tables-save", "-t", "nat").stdout
+        assert f"-d {V6_VIP}/128" in rules and "KUBE-SVC-" in rules
     assert V6_VIP not in dual.lab.run(dual.lab.node(1), "iptables-save", "-t", "nat").stdout
 
 
 def test_each_family_is_served_by_its_own_data_path(dual: Cluster) -> None:
-    """Which data path serves which family: the IPv6 ClusterIPs are in ip6tables in both modes;
-    the IPv4 ones are in iptables in iptables mode and nowhere in netfilter in eBPF mode (its
-    programs and maps serve them, and the dual-stack Service's IPv4 ClusterIP answers); the
-    agent says at start how IPv6 is served."""
+    """Which data path serves which family: the IPv6 ClusterIPs are in ip6tables in iptables mode
+    (in eBPF mode ip6tables keeps only what the eBPF programs leave to it, agent/model/tc6_leaves.py:
+    the tc IPv6 path serves under this lab's legacy host routing too); the IPv4 ones are in
+    iptables in iptables mode and nowhere in netfilter in eBPF mode (its programs and maps serve
+    them, and the dual-stack Service's IPv4 ClusterIP answers); the agent says at start how IPv6
+    is served."""
     lab = dual.lab
     dual.apply(v6_objects(lab))
     node = lab.node(1)
     v6_rules = lab.run(node, "ip6tables-save", "-t", "nat").stdout
-    assert f"-d {DUAL_V6}/128" in v6_rules and f"-d {V6_VIP}/128" in v6_rules
+    if dual.mode == "iptables":
+        assert f"-d {DUAL_V6}/128" in v6_rules and f"-d {V6_VIP}/128" in v6_rules
     v4_rules = lab.run(node, "iptables-save", "-t", "nat").stdout
     assert (f"-d {DUAL_V4}/32" in v4_rules) == (dual.mode == "iptables"), v4_rules
     assert fetch(dual, lab.pod("pod-2-1"), f"http://{DUAL_V4}:80/") == "pod-1-1"
@@ -203,6 +208,8 @@ def test_each_family_is_served_by_its_own_data_path(dual: Cluster) -> None:
     if dual.mode == "ebpf":
         assert "IPv6: the socket programs translate the connections of the node's sockets" in log
         assert "ip6tables rules (kube-proxy's iptables layout) serve every other IPv6 packet" in log
+        assert "the eBPF tc programs translate the IPv6 TCP and UDP flows" in log
+        assert "through the node's stack (legacy host routing" in log
         assert "not programmed" not in log
         assert "KUBE-" not in v4_rules, "eBPF mode writes no IPv4 rule"
     else:
@@ -361,8 +368,11 @@ def test_ipv6_client_ip_session_affinity_holds_for_tcp_and_udp(dual: Cluster) ->
         assert len(tcp) == 1 and tcp <= set(PODS), (source, tcp)
         udp = set(udp6(dual, pod, AFFINITY_V6, UDP_PORT, TRIES))
         assert len(udp) == 1 and udp <= set(PODS), (source, udp)
-    rules = lab.run(lab.node(1), "ip6tables-save", "-t", "nat").stdout
-    assert "--rcheck --seconds 300 --reap" in rules and "--set" in rules
+    if dual.mode == "iptables":
+        rules = lab.run(lab.node(1), "ip6tables-save", "-t", "nat").stdout
+        assert "--rcheck --seconds 300 --reap" in rules and "--set" in rules
+    else:  # the pods' flows the socket programs leave to the packet path: tc's affinity (ekp_aff6)
+        assert dual.bpf_stats(1)["affinity_hit"] > 0
 
 
 LOCAL_NODE_PORT = 30689

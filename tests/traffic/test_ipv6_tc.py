@@ -1,8 +1,9 @@
 """IPv6 Services through the tc programs' IPv6 path (bpf/ekp_tc6.h), with real traffic through the
 dual-stack lab, in both modes.
 
-eBPF mode runs with `--bpf-host-routing=bpf` (the IPv6 path translates with that routing only;
-with legacy host routing every IPv6 packet goes to ip6tables as before) and pods' sockets left to
+eBPF mode runs with `--bpf-host-routing=bpf` (the IPv6 path translates under legacy host routing,
+the default, too: tests/adversarial/test_host_routing.py and tests/traffic/test_ipv6.py run it
+there) and pods' sockets left to
 the per-packet path (the harness's default, `--bpf-socket-lb-host-namespace-only=true`), so a
 pod's IPv6 connection to a Service is the tc programs' or ip6tables', never the socket programs'.
 What each must show in eBPF mode: its TCP flows to a Service (a pod to a ClusterIP, a NodePort of
@@ -53,12 +54,12 @@ NONE_VIP, NO_LOCAL_PORT = "fd00:10:96::c7", 30794
 LB_DENY, LB_ALLOW, LB_DENY_PORT, LB_ALLOW_PORT = "fd00:10:97::1", "fd00:10:97::2", 30795, 30796
 SCTP_VIP, SCTP_PORT, SCTP_TARGET, SCTP_POD = "fd00:10:96::c9", 5060, 5061, "pod-2-2"
 # A ClusterIP whose one endpoint is node1's own IPv6 address (a host-network backend): the tc path
-# leaves it to ip6tables (EKP_FE_HOST_BACKEND), which keeps its rules
+# serves it (EKP_CT_HOST flows, bpf/ekp_tc6.h), so ip6tables keeps no rules for it
 HOST_VIP, HOST_PORT = "fd00:10:96::cc", 8097
-# What eBPF mode's ip6tables keeps once the IPv6 SNAT is granted (agent/model/tc6_leaves.py): the
-# host backend's, SCTP's (the node's own SCTP sockets) and the LB IPs with source ranges' (a node
-# socket bound to no address); every other Service of the lab is the eBPF programs' alone
-LEFT_VIPS = {HOST_VIP, SCTP_VIP, "fd00:10:96::ca", "fd00:10:96::cb"}
+# What eBPF mode's ip6tables keeps once the IPv6 SNAT is granted (agent/model/tc6_leaves.py):
+# SCTP's (the node's own SCTP sockets) and the LB IPs with source ranges' (a node socket bound to
+# no address); every other Service of the lab is the eBPF programs' alone
+LEFT_VIPS = {SCTP_VIP, "fd00:10:96::ca", "fd00:10:96::cb"}
 PEER = str(PODSERVER.parent / "sctppeer.py")
 
 
@@ -673,15 +674,21 @@ def test_an_sctp_association_through_an_ipv6_cluster_ip(dual: Cluster) -> None:
 def test_ip6tables_keeps_only_the_services_the_ebpf_programs_leave_to_it(dual: Cluster) -> None:
     """eBPF mode, the IPv6 SNAT granted (the fixture waited for it): node1's ip6tables holds no
     KUBE-SVC-* for the Services the tc path and the socket programs serve (every test of the module
-    ran with them gone), only for the host-network backend's, SCTP's and the source ranges' LB
-    IPs' (agent/model/tc6_leaves.py); a pod reaches the host-network backend through ip6tables'
-    DNAT. iptables mode: every Service has its rules."""
+    ran with them gone), only for SCTP's and the source ranges' LB IPs' (agent/model/tc6_leaves.py);
+    a pod reaches the host-network backend through tc (its flow handed to the node's stack, no
+    ip6tables DNAT: before v6legacy ip6tables kept its rules and DNATed it). iptables mode: every
+    Service has its rules."""
     pod = dual.lab.pod("pod-1-1")
+    forget_flows(dual, HOST_VIP)
+    before = new_flows(dual)
     assert fetch(dual, pod, f"http://[{HOST_VIP}]:80/") == "node1"
+    assert fetch(dual, pod, f"http://[{HOST_VIP}]:80/ip") == pod.ip6, "the pod's own address"
     vips = kube_services_vips(dual)
     if dual.mode == "ebpf":
         assert vips == LEFT_VIPS
-        assert f"sport={HOST_PORT} " in dnat_flows(dual, HOST_VIP), "ip6tables DNATed its flow"
+        assert HOST_VIP not in vips
+        assert new_flows(dual) - before >= 2, "translated by tc"
+        assert dnat_flows(dual, HOST_VIP) == "", "no ip6tables DNAT"
         rules = dual.lab.run(dual.lab.node(1), "ip6tables-save", "-t", "nat").stdout
         assert "-A KUBE-POSTROUTING" in rules and "MASQUERADE" in rules, "the masquerade stays"
     else:

@@ -1,0 +1,132 @@
+"""Legacy host routing on the tc programs' IPv6 path (bpf/ekp_host6.h: IPv4's ekp_host_af.h for
+IPv6), packet by packet through BPF_PROG_TEST_RUN: a translated IPv6 packet gets its destination
+at tc ingress and goes to the node's stack (TC_ACT_OK, hop limit untouched: the stack forwards
+it), so ip6tables' FORWARD chain and nf_conntrack see client <-> backend; the source it must get at
+egress (SNAT, or a reply's frontend) is left in ekp_hostnat6_v2 under the tuple it leaves with.
+The egress half (ekp_egress6) needs skb->tc_index, which BPF_PROG_TEST_RUN cannot set: the lab
+tests carry it (tests/traffic/test_ipv6_tc.py, legacy routing).
+
+The IPv6 packet lab of test_datapath_ipv6 (its `lab` fixture: lab/dplab.py's `add_ipv6`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.ebpf import abi
+from agent.ebpf.abi import ConfigFlag, CtFlag, FrontendFlag, Scope, Stat, ip6_str, port_host
+from lab.dplab import (
+    BE6,
+    BE6_2,
+    CLIENT6,
+    NODE6,
+    POD6,
+    REMOTE_BE6,
+    SNAT_MAX,
+    SNAT_MIN,
+    VIP6,
+    Net,
+    add_service6,
+    set_config,
+)
+from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT
+from tests.ebpf.test_datapath_icmp6 import error6, error_about
+from tests.ebpf.test_datapath_ipv6 import (  # noqa: F401 (`lab`: the IPv6 packet lab, a fixture)
+    LOCAL_BE,
+    ct6,
+    frame6,
+    lab,
+    seen,
+)
+from tests.ebpf.test_datapath_ipv6_snat import snat_source
+
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
+
+
+def legacy(net: Net) -> None:
+    set_config(net.dp, flags=ConfigFlag.HOST_LEGACY)
+
+
+def hostnat6(net: Net) -> dict[tuple[str, str, int, int, int], tuple[str, int, int]]:
+    """ekp_hostnat6_v2 as {(saddr, daddr, sport, dport, proto): (new saddr, new sport, tag)}."""
+    out = {}
+    for k, v in net.dp.maps["hostnat6"].items():
+        assert isinstance(k, abi.HostNat6Key) and isinstance(v, abi.HostNat6)
+        key = (ip6_str(k.saddr), ip6_str(k.daddr), port_host(k.sport), port_host(k.dport), k.proto)
+        out[key] = (ip6_str(v.saddr), port_host(v.sport), k.tag)
+    return out
+
+
+def test_a_pods_cluster_ip_flow_gets_its_destination_at_ingress_and_goes_to_the_stack(net: Net) -> None:
+    """The SYN leaves ingress client -> backend with its hop limit (the stack spends it), and no
+    source for egress (it keeps the pod's); the reply leaves backend -> client, its frontend left
+    for egress under a tag. Both directions are the tc path's conntrack's (ekp_ct6_tcp), counted as
+    bpf routing counts them."""
+    legacy(net)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 40000, 80))
+    assert verdict == TC_ACT_OK
+    _, src, dst, sport, _, dport, hlim = seen(out)
+    assert (src, dst, sport, dport, hlim) == (POD6, BE6, 40000, 8080, 64)
+    assert hostnat6(net) == {}, "the source stays: nothing for egress to do"
+    assert ct6(net, POD6, VIP6, 40000, 80) is not None
+    assert ct6(net, BE6, POD6, 8080, 40000, reply=True) is not None
+
+    verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40000, flags="SA"))
+    assert verdict == TC_ACT_OK
+    _, src, dst, sport, _, dport, hlim = seen(out)
+    assert (src, dst, sport, dport, hlim) == (BE6, POD6, 8080, 40000, 64), "the source waits for egress"
+    ((key, (new_src, new_sport, tag)),) = hostnat6(net).items()
+    assert key == (BE6, POD6, 8080, 40000, 6)
+    assert (new_src, new_sport) == (VIP6, 80)
+    assert tag != 0
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.CT_REPLY], stats[Stat.PASS]) == (1, 1, 0)
+
+
+def test_a_masqueraded_node_port_leaves_its_source_to_egress_both_ways(net: Net) -> None:
+    """A NodePort from outside to a backend on another node (SNAT_REMOTE): ingress gives the
+    backend, egress the node's IPv6 address and the port the tc path's SNAT walk chose; the reply
+    gets the client at ingress and the NodePort as its source at egress."""
+    legacy(net)
+    snat_source(net, NODE6)
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    add_service6(net.dp.maps, NODE6, 30080, ((1, REMOTE_BE6, 8080, 0),), scope=Scope.EXTERNAL, flags=flags)
+    verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50000, 30080))
+    assert verdict == TC_ACT_OK
+    _, src, dst, sport, _, dport, hlim = seen(out)
+    assert (src, dst, sport, dport, hlim) == (CLIENT6, REMOTE_BE6, 50000, 8080, 64)
+    fwd = ct6(net, CLIENT6, NODE6, 50000, 30080)
+    assert fwd.flags & CtFlag.SNAT
+    snat_port = port_host(fwd.snat_port)
+    assert SNAT_MIN <= snat_port <= SNAT_MAX
+    ((key, (new_src, new_sport, fwd_tag)),) = hostnat6(net).items()
+    assert key == (CLIENT6, REMOTE_BE6, 50000, 8080, 6)
+    assert (new_src, new_sport) == (NODE6, snat_port)
+
+    verdict, out = net.from_net(frame6(REMOTE_BE6, NODE6, 8080, snat_port, flags="SA"))
+    assert verdict == TC_ACT_OK
+    _, src, dst, sport, _, dport, _ = seen(out)
+    assert (src, dst, sport, dport) == (REMOTE_BE6, CLIENT6, 8080, 50000), "the client, at ingress"
+    reply = hostnat6(net)[(REMOTE_BE6, CLIENT6, 8080, 50000, 6)]
+    assert reply[:2] == (NODE6, 30080), "the NodePort, at egress"
+    assert reply[2] not in (0, fwd_tag)
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.SNAT], stats[Stat.CT_REPLY]) == (1, 1, 1)
+
+
+def test_an_icmpv6_error_about_a_translated_flow_is_translated_back_with_either_routing(net: Net) -> None:
+    """As IPv4's: nf_conntrack never saw the flow's translation (the stack saw client <-> backend),
+    so an error quoting the segment as it left (to the backend) is translated here and redirected,
+    legacy routing too: the client gets it from the frontend, about the segment it sent."""
+    legacy(net)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    assert net.from_pod(frame6(POD6, VIP6, 41000, 80))[0] == TC_ACT_OK
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 41000, 80, flags="PA"))
+    assert verdict == TC_ACT_OK and seen(out)[2] == BE6
+    verdict, back = net.from_pod(error_about(out, BE6_2, "packet-too-big"))
+    assert verdict == TC_ACT_REDIRECT
+    e = error6(back)
+    assert (e.src, e.dst) == (VIP6, POD6)
+    assert (e.in_src, e.in_dst, e.in_sport, e.in_dport) == (POD6, VIP6, 41000, 80)
+    assert net.stats()[Stat.CT_RELATED] == 1
