@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from agent.ebpf import abi
-from agent.ebpf.abi import Addr6, BackendFlag, Config6, FrontendFlag, Scope, Stat, ip6_words
+from agent.ebpf.abi import Addr6, BackendFlag, Config6, ConfigFlag, FrontendFlag, Scope, Stat, ip6_words
 from agent.ebpf.maps import write_config6
 from lab.dplab import (
     BE6_SMALL_MTU,
@@ -29,8 +29,9 @@ from lab.dplab import (
     UDP,
     Net,
     add_service6,
+    set_config,
 )
-from lab.packets import TC_ACT_REDIRECT, XDP_DROP, XDP_PASS, XDP_TX
+from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, XDP_DROP, XDP_PASS, XDP_TX
 from tests.ebpf.test_datapath_ipv6 import (  # noqa: F401 (`lab`: the IPv6 packet lab, a fixture)
     LOCAL_BE,
     ct6,
@@ -334,3 +335,37 @@ def test_the_counters_balance_over_a_mix(net: Net) -> None:
     drops = sum(n for s, n in x.items() if s.name.startswith("DROP_"))
     assert x[Stat.PACKETS] == outcomes + drops == 20
     assert (x[Stat.NEW_FLOWS], x[Stat.CT_FORWARD], x[Stat.PASS], x[Stat.TO_TC]) == (5, 5, 5, 5)
+
+
+def test_under_legacy_host_routing_xdp_keeps_its_drops_and_leaves_translations_to_tc(net: Net) -> None:
+    """As IPv4's XDP under legacy routing (bpf/README, "XDP"): a source-range drop stays at XDP; a
+    new flow and a hit, which the node's stack must see (its FORWARD chain, nf_conntrack), pass to
+    tc untouched before any side effect (no entry; a hit's state not moved), and tc hands each to
+    the stack with its destination rewritten (ekp_host6.h)."""
+    set_config(net.dp, flags=ConfigFlag.HOST_LEGACY)
+    snat_source(net)
+    nodeport(net)
+    lb = "fd00:ff::50"
+    add_service6(
+        net.dp.maps,
+        lb,
+        80,
+        REMOTE_BE,
+        scope=Scope.EXTERNAL,
+        flags=FrontendFlag.SOURCE_RANGES,
+        rev_nat_id=9,
+        svc_id=2,
+    )
+    assert net.xdp(frame6(CLIENT6, lb, 42310, 80))[0] == XDP_DROP
+    syn = frame6(CLIENT6, NODE6, 50030, NODEPORT)
+    assert net.xdp(syn) == (XDP_PASS, syn)
+    assert ct6_count(net) == 0
+    verdict, out = net.from_net(syn)
+    assert verdict == TC_ACT_OK and seen(out)[1:3] == (CLIENT6, REMOTE_BE6), "tc's hand-over to the stack"
+    entry = bytes(ct6(net, CLIENT6, NODE6, 50030, NODEPORT))
+    ack = frame6(CLIENT6, NODE6, 50030, NODEPORT, flags="A")
+    assert net.xdp(ack) == (XDP_PASS, ack)
+    assert bytes(ct6(net, CLIENT6, NODE6, 50030, NODEPORT)) == entry, "the hit's state is tc's to move"
+    verdict, out = net.from_net(ack)
+    assert verdict == TC_ACT_OK and seen(out)[2] == REMOTE_BE6
+    xstats(net, PACKETS=3, DROP_SOURCE_RANGE=1, TO_TC=2)
