@@ -58,8 +58,11 @@ def make_proxier(config: Config, metrics: Metrics | None = None, *, ipv6: bool) 
     from agent.ebpf import EbpfProxier
     from agent.lock import LOCK_DIR
 
-    # the planner left for the next start beside the lock files (tmpfs, root's, the chart's hostPath)
-    return EbpfProxier(config, ipv6=ipv6, snapshot_dir=LOCK_DIR)
+    # the planner left for the next start beside the lock files (tmpfs, root's, the chart's hostPath);
+    # the IPv6 half's own address read: the load keeps the SNAT grant an earlier run left pinned
+    # only while its address is still the node's
+    node6 = (lambda: node_context(config, IPFamily.IPv6)) if ipv6 else None
+    return EbpfProxier(config, ipv6=ipv6, snapshot_dir=LOCK_DIR, node6_reader=node6)
 
 
 def ipv6_unsupported(config: Config, missing: Callable[[Config], str] | None = None) -> str:

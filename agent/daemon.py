@@ -561,6 +561,8 @@ class Agent:
             metrics.record_sync(v6.last_full, v6.elapsed, ok=v6.outcome is Outcome.SYNCED, family=family)
         if v6.retry_wanted:
             self._runner.retry_soon()
+        if v6.again_at is not None:
+            self._runner.request_at(v6.again_at)
         if v6.outcome is Outcome.HELD:
             self._runner.request_at(v6.due_at)
         commit = v6.programmed

@@ -88,6 +88,10 @@ class Ipv6Maps(Proxier, Protocol):
     def snat_granted(self) -> bool:
         """Whether the last sync granted that path its source translation (ekp_cfg6's address)."""
 
+    def snat_preview(self, node: NodeContext) -> bool:
+        """Whether the next sync grants it should the ip6tables restore before it succeed (every
+        other reason to refuse is known before that restore); nothing written."""
+
 
 def tc6_facts(config: Config, state: ProxyState, *, serves: bool, granted: bool) -> Tc6Facts:
     """The node-wide inputs of the IPv6 ports left to ip6tables (agent/model/tc6_leaves.py):
@@ -102,7 +106,8 @@ def tc6_facts(config: Config, state: ProxyState, *, serves: bool, granted: bool)
 
 
 def only(state: ProxyState, ports: Collection[ServicePortName]) -> ProxyState:
-    """`state` with the service ports `ports` alone (a copy of its mappings when some are left out)."""
+    """`state` with the service ports `ports` alone (a copy of its mappings when some are left out),
+    the others in `ProxyState.elsewhere` (their health-check node ports' ACCEPTs stay)."""
     if len(ports) == len(state.services) and all(spn in state.services for spn in ports):
         return state
     return replace(
@@ -110,6 +115,7 @@ def only(state: ProxyState, ports: Collection[ServicePortName]) -> ProxyState:
         services={spn: state.services[spn] for spn in ports if spn in state.services},
         endpoints={spn: eps for spn, eps in state.endpoints.items() if spn in ports},
         raw_endpoints={spn: eps for spn, eps in state.raw_endpoints.items() if spn in ports},
+        elsewhere={spn: sp for spn, sp in state.services.items() if spn not in ports},
     )
 
 
@@ -130,18 +136,23 @@ class EbpfAndIp6tables:
     all of them where the tc path does not serve), so that its KUBE-SERVICES walk is as short as
     what is left. No frontend is ever left by both:
 
-    * a port joining that set (a host-network backend came, the grant went off) gets its rules in
-      the restore before the maps that hand it to the stack are written;
-    * a port leaving it keeps its rules until the sync after the maps that serve it were written
-      (`again`: the next IPv6 sync drops them);
-    * the grant is decided by the maps' sync, after the restore, which was rendered for the grant
-      then in force. When it turns on, the tc path serves at once and the rules go at the next
-      sync. When it turns off (a failed restore, the node's IPv6 address gone, masqueraded flows
-      holding ports of the range), the ports it hands back to the stack are restored at once, in
-      the same call, before it returns: the window is that restore. After a failed restore the
-      second one is tried too (a partial restore that failed is already retried as a complete
-      one by the ip6tables proxier); if it fails as well, those ports are unserved until a
-      restore succeeds, as every IPv6 rule change would be."""
+    * a port joining that set (a host-network backend came, the grant goes off) gets its rules in
+      the restore before the maps that hand it to the stack are written. The grant is written by
+      the maps' sync, after the restore; every reason it may go off but the restore's own outcome
+      (the node's IPv6 address gone, masqueraded flows holding ports of the range, ekp_config's
+      range) is known before (`snat_preview`), so the restore is rendered as if granted only when
+      both the grant in force and the preview allow it;
+    * a port the maps fail to program (a full map, a planner error) has no frontend: the stack gets
+      its packets, so it is left to ip6tables too, restored in the same call and kept until a maps'
+      sync programs it (every port when the maps' sync raised: what they hold is not known);
+    * a port leaving the set keeps its rules until the sync after the maps that serve it were
+      written (`again`: the next IPv6 sync drops them);
+    * a failed restore takes the grant back (its MASQUERADE is not known to be in place): the ports
+      that hands back, and those the maps failed, are restored again after the maps' sync, in the
+      same call, with every port the rules in place had (nothing is thinned after a failure). If
+      that restore fails too, the ports the grant handed back wait for one that succeeds;
+    * the first sync, and the one after a failure, writes every port: maps of an earlier run, or
+      of the failed sync, may hand any of them to the stack."""
 
     def __init__(self, ebpf: Ipv6Maps, ip6tables: Proxier, config: Config) -> None:
         self.ebpf = ebpf
@@ -161,12 +172,12 @@ class EbpfAndIp6tables:
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
     ) -> SyncResult:
-        granted = self.ebpf.snat_granted
-        need = ports_left(state, node.node_ips, self.facts(state, granted=granted))
+        every = frozenset(state.services)
+        in_place = self._rendered  # None: not known (the first sync, or the last one failed)
+        need = ports_left(state, node.node_ips, self.facts(state, granted=self._granted_after(node)))
         # A port the maps were last written to hand to the stack keeps its rules one more sync; with
-        # the rules in place not known (the first sync, the one after a failure: maps of an earlier
-        # run may hand any port to the stack), every port gets them, and `again` thins them out.
-        keep = frozenset(state.services) if self._rendered is None else need | (self._rendered & self._needed)
+        # the rules in place not known, every port gets them, and `again` thins them out.
+        keep = every if in_place is None else need | (in_place & self._needed)
         results: list[SyncResult] = []
         failure: Exception | None = None
         try:
@@ -175,23 +186,33 @@ class EbpfAndIp6tables:
             raise
         except Exception as exc:
             failure = exc
-        self.ebpf.masquerade_apart(failure is None)
+        restored = failure is None
+        self.ebpf.masquerade_apart(restored)
+        maps: SyncResult | None = None
         try:
-            results.append(self.ebpf.sync(state, node, changed))
+            maps = self.ebpf.sync(state, node, changed)
+            results.append(maps)
         except FatalError:
             raise
         except Exception as exc:
             failure = failure or exc
         after = ports_left(state, node.node_ips, self.facts(state, granted=self.ebpf.snat_granted))
+        # The ports the maps hold no frontend for reach the stack: ip6tables serves them.
+        after |= every if maps is None else maps.failed.keys() & every
         if not after <= keep:
-            # The grant went off: the ports it hands back to the stack get their rules now.
-            restored = True
+            # The grant went off (a failed restore) or the maps failed ports: their rules now; after
+            # a failed restore with every port the rules in place had (it changed none of them).
+            second = keep | after
+            if not restored:
+                second |= every if in_place is None else in_place
             try:
-                results.append(self._restore(state, node, changed, keep | after))
+                results.append(self._restore(state, node, changed, second))
             except FatalError:
                 raise
             except Exception as exc:
                 failure, restored = failure or exc, False
+            else:
+                restored = True
             self.ebpf.masquerade_apart(restored)
         self._needed = after
         if failure is not None:
@@ -207,6 +228,25 @@ class EbpfAndIp6tables:
             repaired=sum(r.repaired for r in results),
             again=self._rendered - after,
         )
+
+    def _granted_after(self, node: NodeContext) -> bool:
+        """Whether the grant is on now and the maps' sync will leave it on should the restore
+        succeed (`snat_preview`). A preview that raises counts as off: the masqueraded ports keep
+        their rules this sync, which costs only their walk."""
+        if not (self.ebpf.tc_serves and self.ebpf.snat_granted):
+            return False
+        try:
+            return self.ebpf.snat_preview(node)
+        except FatalError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "cannot tell whether the tc IPv6 path keeps its SNAT grant (%s: %s): ip6tables keeps the "
+                "rules of the Services it masquerades for this sync",
+                type(exc).__name__,
+                exc,
+            )
+            return False
 
     def _restore(
         self,
@@ -406,9 +446,16 @@ class IPv6Family:
 
     @property
     def retry_wanted(self) -> bool:
-        """The last sync failed, left service ports unprogrammed, or asked to be called again
-        (`SyncResult.again`)."""
-        return self._need_full or bool(self._retry) or self._again
+        """The last sync failed or left service ports unprogrammed (a retry: the runner's backoff)."""
+        return self._need_full or bool(self._retry)
+
+    @property
+    def again_at(self) -> float | None:
+        """When the call the last one asked for (`SyncResult.again`) may run: once the floor has
+        passed. None when it asked for none. A step of a hand-over, not a failure: the caller asks
+        the runner for a run then (`request_at`), leaving the failure backoff, which IPv4 shares,
+        as it was."""
+        return self._last_call + self._floor if self._again else None
 
     def _announce(self) -> None:
         """Once per agent life: IPv6 service ports exist and nothing programs them."""

@@ -48,7 +48,9 @@
  * TCP segment's go to the stack with it).
  * A frame to a link-layer broadcast or multicast address is never answered (ekp_icmp6_wanted).
  * Every other packet goes to the node's stack untouched, where the ip6tables proxier beside the
- * eBPF programs (agent/metaproxier.py, EbpfAndIp6tables) does what it did before this path existed:
+ * eBPF programs (agent/metaproxier.py, EbpfAndIp6tables) holds the rules of exactly the service
+ * ports whose packets this path and the socket programs leave there (agent/model/tc6_leaves.py;
+ * a port they serve whole has no rule there):
  *   - a frontend that would need ip6tables for some of its backends, left whole before the choice
  *     so that one proxier chooses among all its backends (and one owns its affinity): while the
  *     node's IPv6 address is not known (ekp_cfg6 zero), one that asks SNAT (EKP_FE_SNAT_ALL,
@@ -58,12 +60,13 @@
  *     nf_conntrack has it);
  *   - ICMPv6 but errors about a flow translated here (Packet Too Big, destination unreachable,
  *     time exceeded, parameter problem: ekp_tc6_related translates those back, as nf_nat does for
- *     the flows ip6tables translated), a new flow's first packet too big for the route or at
- *     its last hop (the stack and ip6tables answer it as they would without this path), no
- *     route. A packet of a flow of the path too big for its route or at its last hop is
- *     answered here (ekp_tc6_answer: Packet Too Big, time exceeded; nothing for a later
+ *     the flows ip6tables translated), a new flow's first packet at its last hop (the stack
+ *     answers it), no route. A packet of a flow of the path too big for its route or at its last
+ *     hop is answered here (ekp_tc6_answer: Packet Too Big, time exceeded; nothing for a later
  *     fragment, whose quote would hold no ports), as IPv4's path answers one too big: the stack
- *     has no nf_conntrack entry for the flow.
+ *     has no nf_conntrack entry for the flow. So is a new flow's first packet too big for its
+ *     backend's route (Packet Too Big, before any entry is made): ip6tables may hold no rule for
+ *     its frontend, and the stack would route it untranslated, the client never told.
  * Conntrack is IPv4's, the same code (ekp_ct_af.h): state and timeouts, twins rebuilt, orphaned
  * flows, closed flows reclaimed by a SYN, the early-drop ring, the SNAT port walk. A new flow whose
  * reply tuple a live flow of another frontend holds (one client port to one backend through two
@@ -166,16 +169,18 @@ static __always_inline int ekp_source_routed_here6(struct __sk_buff *skb, const 
 	       (fib->ifindex == skb->ingress_ifindex || (bridge && fib->ifindex == bridge));
 }
 
-/* The route of the translated tuple into w->fib: SUCCESS or NO_NEIGH, or -1 to hand the packet
- * untouched to the stack (no route here, too big for the route: for a new flow's first packet or an
- * ICMPv6 error the stack and ip6tables answer those as they would without this path; a hit's
- * segment is answered here, ekp_main6). Looked up before anything is written. */
+/* The route of the translated tuple into w->fib: SUCCESS or NO_NEIGH; FRAG_NEEDED, too big for it
+ * (w->fib.mtu_result: a new flow's first packet is answered with Packet Too Big, ekp_main6; an
+ * ICMPv6 error goes to the stack); or -1 to hand the packet untouched to the stack (no route here).
+ * Looked up before anything is written. */
 static __always_inline long ekp_tc6_route(struct __sk_buff *skb, struct ekp_tc6_scratch *w, const __be32 *saddr,
 					  __be16 sport, const __be32 *daddr, __be16 dport)
 {
 	long rc = ekp_fib6(skb, &w->fib, &w->pkt, saddr, daddr, sport, dport, ekp_seg_len(skb, &w->pkt.b));
 
-	return rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ? rc : -1;
+	return rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH || rc == BPF_FIB_LKUP_RET_FRAG_NEEDED
+		       ? rc
+		       : -1;
 }
 
 /* Spends a hop of the packet (rewritten already) and redirects it along the route `rc`
@@ -437,7 +442,7 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 		return TC_ACT_SHOT;
 	}
 	long rc = ekp_tc6_route(skb, w, n->saddr, 0, n->daddr, 0);
-	if (rc < 0)
+	if (rc < 0 || rc == BPF_FIB_LKUP_RET_FRAG_NEEDED)
 		return TC_ACT_OK;
 	if (ekp_rewrite_icmp6_err(skb, p, n) < 0) {
 		*outcome = EKP_DROP_MALFORMED;
@@ -545,10 +550,8 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		/* a backend on the node's own address: no route to look up (the stack delivers it) */
 		int host = k->dir == EKP_CT_FORWARD && (e->flags & EKP_CT_HOST);
 		rc = host ? BPF_FIB_LKUP_RET_SUCCESS : ekp_fib6(skb, &w->fib, p, sa, da, sp, dp, ekp_seg_len(skb, &p->b));
-		if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) {
-			verdict = ekp_tc6_answer(skb, w, cfg, EKP_ICMPV6_PKT_TOOBIG, w->fib.mtu_result, &outcome);
-			goto out;
-		}
+		if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED)
+			goto too_big;
 		if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
 			goto out;
 		outcome = k->dir == EKP_CT_FORWARD ? EKP_STAT_CT_FORWARD : EKP_STAT_CT_REPLY;
@@ -644,8 +647,15 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	 * NO_NEIGH) would have the verifier walk the SNAT port walk once for each (ekp_snat.h). */
 	w->rc = ekp_tc6_route(skb, w, (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr, p->b.sport, f->be_addr,
 			      f->b.be_port);
-	if (w->rc < 0 && !(f->b.ct_flags & EKP_CT_HOST)) /* a host backend's route is local: not looked at */
-		goto out;
+	if (!(f->b.ct_flags & EKP_CT_HOST)) { /* a host backend's route is local: not looked at */
+		/* Too big for its backend's route: answered before any entry is made (the smaller packet
+		 * the client sends next opens the flow). A direct connection's (no frontend) is the
+		 * stack's: its destination is its own. */
+		if (w->rc == BPF_FIB_LKUP_RET_FRAG_NEEDED && !f->b.remapped)
+			goto too_big;
+		if (w->rc < 0 || w->rc == BPF_FIB_LKUP_RET_FRAG_NEEDED)
+			goto out;
+	}
 	/* The entries (ekp_ct_create, IPv4's): the reply one first; a source-translated flow's port
 	 * from the SNAT range; on a reply tuple a live flow of another frontend holds, another source
 	 * port (EKP_STAT_PORT_REMAP), as ip6tables' nf_nat would. */
@@ -668,6 +678,11 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	outcome = EKP_STAT_NEW_FLOWS;
 	verdict = ekp_tc6_send(skb, w, w->rc, sa, sp, f->be_addr, f->b.be_port, &outcome,
 			       (f->b.ct_flags & EKP_CT_HOST) != 0);
+	goto out;
+too_big:
+	/* A hit's segment or a new flow's first packet too big for the route its translation leaves
+	 * by: Packet Too Big from the frontend (the MTU in w->fib.mtu_result), one answer for both. */
+	verdict = ekp_tc6_answer(skb, w, cfg, EKP_ICMPV6_PKT_TOOBIG, w->fib.mtu_result, &outcome);
 out:
 	/* A SYN that reopened an ended flow's tuple and goes to the stack (ip6tables decides it: its
 	 * frontend now needs ip6tables, no route, ...): the ended flow's entries go with it, or the

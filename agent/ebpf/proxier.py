@@ -58,7 +58,7 @@ from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attache
 from agent.ebpf.codec import KEYS, VALUES, Value
 from agent.ebpf.family6 import Ipv6Datapath, config6_of
 from agent.ebpf.maglev_writer import MaglevWriter
-from agent.ebpf.maps import MapWriter, read_config, read_stats, write_config, write_config6
+from agent.ebpf.maps import MapWriter, read_config, read_config6, read_stats, write_config, write_config6
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
 from agent.ebpf.planner import ROLES, FlushResult, Planner, RawMap
 from agent.ebpf.ports import held_outside, parse_port_range, snat_ports_problem
@@ -306,6 +306,7 @@ class EbpfProxier:
         netns_cookie_reader: Callable[[str], int] = default_netns_cookie,
         socket_detach: Callable[[str], list[str]] = default_socket_detach,
         conntrack6_reader: Callable[[str], list[NatFlow]] = default_conntrack6_reader,
+        node6_reader: Callable[[], NodeContext] | None = None,
         snapshot_dir: str | None = None,
         ipv6: bool,
     ) -> None:
@@ -314,7 +315,10 @@ class EbpfProxier:
         settings say (no full-size IPv6 conntrack tables, no filled ekp_calls6).
 
         `snapshot_dir`: where `close` leaves the planner for the next start (agent.ebpf.snapshot;
-        the agent's lock directory); None: nowhere, every start reads the maps' ids back."""
+        the agent's lock directory); None: nowhere, every start reads the maps' ids back.
+        `node6_reader`: the node's IPv6 addresses as the IPv6 half reads them, asked once at the
+        load to tell whether the SNAT grant an earlier run left pinned still holds
+        (`_pinned_grant6`); without it the load always writes ekp_cfg6 zero."""
         self._config = config
         self._tc_ipv6 = config.tc_ipv6 and ipv6  # the tc programs' IPv6 path serves
         self._datapath_factory = datapath_factory
@@ -328,6 +332,7 @@ class EbpfProxier:
         self._netns_cookie_reader = netns_cookie_reader
         self._socket_detach = socket_detach
         self._conntrack6_reader = conntrack6_reader
+        self._node6_reader = node6_reader
         self._snapshot = snapshot.snapshot_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
         # Now, not at close: sources changed under the running agent (an upgrade in place) must not
         # label this run's planner as theirs
@@ -420,7 +425,7 @@ class EbpfProxier:
                 if changed is None and not first:
                     repaired += len(datapath.repair_pins())
                 dump = self._dump(maps, first)
-                restored = self._restore(dump) if first else None
+                restored = self._restore(dump, state) if first else None
                 if restored is not None:
                     planner = self._planner = restored
                 else:
@@ -517,11 +522,14 @@ class EbpfProxier:
         self._snat6_refused = why
         return not why
 
-    def _snat6_refusal(self, node6: NodeContext, maps: Mapping[str, MapWriter]) -> str:
-        """Why the grant is refused ("" when it is not)."""
+    def _snat6_refusal(
+        self, node6: NodeContext, maps: Mapping[str, MapWriter], *, restored: bool | None = None
+    ) -> str:
+        """Why the grant is refused ("" when it is not). `restored`: the outcome of the ip6tables
+        restore to judge by (None: the last one, `masquerade6_apart`)."""
         if not self._tc_ipv6:
             return "the path is off (legacy host routing, no socket-level load balancing or no IPv6 half)"
-        if not self.masquerade6_apart:
+        if not (self.masquerade6_apart if restored is None else restored):
             return (
                 "the last ip6tables restore failed (or none ran yet): its MASQUERADE may take ports "
                 "of --bpf-snat-ports"
@@ -531,11 +539,20 @@ class EbpfProxier:
         source = config6_of(node6).node_addr
         if not any(source):
             return "the node has no usable IPv6 address (global, not temporary, deprecated or tentative)"
-        return self._snat6_ports_held(abi.ip6_str(source), maps)
+        # a preview's read is not remembered: it comes before the restore, which may fail
+        return self._snat6_ports_held(abi.ip6_str(source), maps, remember=restored is None)
 
     @property
     def tc6_serves(self) -> bool:
         return self._tc_ipv6
+
+    def snat6_preview(self, node6: NodeContext) -> bool:
+        """Whether the next sync6 grants should the ip6tables restore before it succeed: every other
+        reason to refuse (the path, ekp_config's range, the node's address, flows holding ports of
+        the range) is known before that restore, so ip6tables can be rendered for the grant the
+        maps will leave (agent/metaproxier.py EbpfAndIp6tables). Nothing is written."""
+        with self._lock:
+            return not self._snat6_refusal(node6, self._maps_open().maps, restored=True)
 
     @property
     def snat6_granted(self) -> bool:
@@ -599,7 +616,7 @@ class EbpfProxier:
                 )
         self._held6, self._held6_of, self._held6_clear = held, datapath, held is None
 
-    def _snat6_ports_held(self, source: str, maps: Mapping[str, MapWriter]) -> str:
+    def _snat6_ports_held(self, source: str, maps: Mapping[str, MapWriter], *, remember: bool = True) -> str:
         """Why the grant waits for nf_conntrack ("" when it does not): a TCP or UDP flow ip6tables
         masqueraded to `source` (the node's IPv6 SNAT address) holds a port of --bpf-snat-ports:
         such a flow's reply tuple {backend, source, port} is one the tc path's port walk could give
@@ -614,7 +631,8 @@ class EbpfProxier:
         translates its datagrams both ways from that entry and the port walk sees its reply tuple,
         while its nf_conntrack entry, which netfilter no longer refreshes, would otherwise hold the
         grant back for its whole timeout. Left there rather than deleted: an agent that stops or
-        falls back before it expires hands the flow back to ip6tables' NAT binding."""
+        falls back before it expires hands the flow back to ip6tables' NAT binding. `remember`
+        False (a preview, before the restore): none holding a port is not remembered."""
         if self._snat6_free_for == source:
             return ""
         ports = self._config.snat_ports
@@ -638,6 +656,8 @@ class EbpfProxier:
         self._conntrack6_failures = 0
         self.on_snat6_held(len(held))
         if not held:
+            if not remember:
+                return ""
             self._snat6_free_for = source
             if self._snat6_held:
                 log.info(
@@ -797,9 +817,21 @@ class EbpfProxier:
             def maps_ready() -> None:
                 # Before any sync or attach uses these maps: ekp_cfg6 is pinned, and the address an
                 # earlier run wrote there was granted against its ip6tables rules and its
-                # --bpf-snat-ports, which may be gone or other now; the programs attached meanwhile
-                # (that run's) leave new source translations to ip6tables until sync6 grants again.
-                if write_config6(datapath.maps, abi.Config6()):
+                # --bpf-snat-ports. Where both still hold, it stays: that run's ip6tables holds no
+                # rule for the frontends the grant lets tc masquerade, so zeroing it would hand them
+                # to a stack with no rule for them until this run's first IPv6 restore. Else it is
+                # zeroed: the programs attached meanwhile (that run's) leave new source
+                # translations to ip6tables (whose rules for them are there: it was not granted, or
+                # its rules were rendered for that) until sync6 grants again.
+                kept = self._pinned_grant6(datapath.maps)
+                if kept:
+                    log.info(
+                        "IPv6 SNAT source of the tc programs kept at %s until the first IPv6 sync: the "
+                        "node's primary IPv6 address and --bpf-snat-ports are those the earlier run "
+                        "granted it for",
+                        kept,
+                    )
+                elif write_config6(datapath.maps, abi.Config6()):
                     log.info(
                         "IPv6 SNAT source of the tc programs reset to none until ip6tables is restored "
                         "and no flow it masqueraded holds a port of --bpf-snat-ports"
@@ -822,6 +854,28 @@ class EbpfProxier:
             self._datapath = self._opened = datapath
             self._loading = False
             self._load_cond.notify_all()
+
+    def _pinned_grant6(self, maps: Mapping[str, MapWriter]) -> str:
+        """The address in the pinned ekp_cfg6 when the grant an earlier run gave with it still holds
+        for this one ("" when not): the tc IPv6 path serves, ekp_config's SNAT range (that run's
+        --bpf-snat-ports, which its ip6tables' MASQUERADE kept out of) is this run's, and the
+        address is the node's primary IPv6 one now. The first sync6 decides again, after the first
+        IPv6 restore (which writes every port's rules)."""
+        if not self._tc_ipv6 or self._node6_reader is None:
+            return ""
+        pinned, cfg = read_config6(maps), read_config(maps)
+        if pinned is None or not any(pinned.node_addr) or cfg is None:
+            return ""
+        if (cfg.snat_port_min, cfg.snat_port_max) != self._config.snat_ports:
+            return ""
+        try:
+            now = config6_of(self._node6_reader()).node_addr
+        except Exception as exc:  # whatever the address read raised, the load goes on, ungranted
+            log.warning(
+                "cannot read the node's IPv6 addresses at the load (%s): the IPv6 SNAT grant is reset", exc
+            )
+            return ""
+        return abi.ip6_str(pinned.node_addr) if bytes(now) == bytes(pinned.node_addr) else ""
 
     def _legacy_live(self) -> bool:
         """Legacy host routing is on in the maps, and so every device with our ingress program has
@@ -877,13 +931,13 @@ class EbpfProxier:
             self._cfg_written = VALUES["cfg"].of_ctype(live) if live is not None else None
         return dump
 
-    def _restore(self, dump: Mapping[str, tuple[bytes, bytes]]) -> Planner | None:
+    def _restore(self, dump: Mapping[str, tuple[bytes, bytes]], state: ProxyState) -> Planner | None:
         """The last run's planner when the maps (`dump`) hold exactly what it desired; one log line
         either way, saying what the start does with the maps it found."""
         counts = [len(dump[r][0]) // KEYS[r].size if r in dump else 0 for r in ("fe", "slot", "be", "rnat")]
         found = "pinned maps hold {} frontends, {} slots, {} backends, {} reverse-NAT entries".format(*counts)
         planner, why = (
-            snapshot.take(self._snapshot, dump, self._snapshot_identity, self._config)
+            snapshot.take(self._snapshot, dump, self._snapshot_identity, self._config, state)
             if self._snapshot
             else (None, "")
         )
@@ -1131,6 +1185,9 @@ class EbpfIpv6:
         """Whether the last IPv6 sync granted the tc IPv6 path its source translation (ekp_cfg6
         holds the node's IPv6 address); False before the first."""
         return self._ebpf.snat6_granted
+
+    def snat_preview(self, node: NodeContext) -> bool:
+        return self._ebpf.snat6_preview(node)
 
     def sync(
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None

@@ -148,6 +148,7 @@ def _subset(state: ProxyState, ports: Collection[ServicePortName]) -> ProxyState
         endpoints={k: v for k, v in state.endpoints.items() if k in keep},
         raw_endpoints={k: v for k, v in state.raw_endpoints.items() if k in keep},
         family=state.family,
+        elsewhere=state.elsewhere,
     )
 
 
@@ -493,7 +494,12 @@ class IptablesProxier:
             else:
                 services[spn], endpoints[spn], raw[spn] = old.port, old.endpoints, old.raw
         return ProxyState(
-            node=state.node, services=services, endpoints=endpoints, raw_endpoints=raw, family=state.family
+            node=state.node,
+            services=services,
+            endpoints=endpoints,
+            raw_endpoints=raw,
+            family=state.family,
+            elsewhere=state.elsewhere,
         )
 
     def _remember_good(self, state: ProxyState, changed: Collection[ServicePortName] | None) -> None:

@@ -332,7 +332,11 @@ def render(
         )
 
     written: set[str] = set()
-    for sp in state.sorted_ports():
+    for sp, whole in _in_order(state):
+        if not whole:
+            if refusal(sp, (), options.family) is None:
+                _health_check_accept(w.filter_rules, sp)
+            continue
         eps = categorized(state, sp)
         reason = refusal(sp, (*eps.all_reachable, *eps.cluster, *eps.local), options.family)
         if reason is not None:
@@ -401,6 +405,25 @@ def render(
         refused=refused,
         chain_owner=w.chain_owner,
     )
+
+
+def _in_order(state: ProxyState) -> list[tuple[ServicePort, bool]]:
+    """The service ports to render in upstream's order, each with whether its rules are written
+    whole (False: one of `state.elsewhere`, its health-check ACCEPT alone)."""
+    if not state.elsewhere:
+        return [(sp, True) for sp in state.sorted_ports()]
+    ports = {spn: (sp, False) for spn, sp in state.elsewhere.items() if spn not in state.services}
+    ports.update((spn, (sp, True)) for spn, sp in state.services.items())
+    return [ports[spn] for spn in sorted(ports, key=lambda n: (str(n), n.protocol))]
+
+
+def _health_check_accept(flt: list[str], sp: ServicePort) -> None:
+    """The filter table's KUBE-NODEPORTS ACCEPT of `sp`'s healthCheckNodePort (none without one)."""
+    if sp.health_check_node_port:
+        flt.append(
+            f'-A {KUBE_NODEPORTS} -m comment --comment "{sp.name} health check node port" '
+            f"-m tcp -p tcp --dport {sp.health_check_node_port} -j ACCEPT"
+        )
 
 
 def _service_port(
@@ -513,11 +536,7 @@ def _service_port(
                 f"-m addrtype --dst-type LOCAL {match} --dport {sp.node_port} -j {external_target}"
             )
 
-    if sp.health_check_node_port:
-        flt.append(
-            f'-A {KUBE_NODEPORTS} -m comment --comment "{name} health check node port" '
-            f"-m tcp -p tcp --dport {sp.health_check_node_port} -j ACCEPT"
-        )
+    _health_check_accept(flt, sp)
 
     # From here on: the service's own chains, left out of a partial sync when unchanged.
     if write_own:

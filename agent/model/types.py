@@ -222,6 +222,12 @@ class ProxyState:
     # Raw (unfiltered) endpoint lists as the slices gave them, sorted like kube-proxy's.
     raw_endpoints: Mapping[ServicePortName, tuple[Endpoint, ...]] = field(default_factory=dict)
     family: IPFamily = IPFamily.IPv4
+    # Service ports of the family left out of `services` because other programs translate their
+    # packets (eBPF mode's IPv6 ports the eBPF programs serve, agent/metaproxier.py `only`). The
+    # iptables renderer writes their healthCheckNodePort's filter ACCEPT alone: that port is
+    # answered by the agent's own server whoever translates the Service, and a node whose INPUT
+    # policy drops lets the load balancer's checks in by that rule only.
+    elsewhere: Mapping[ServicePortName, ServicePort] = field(default_factory=dict)
 
     def sorted_ports(self) -> list[ServicePort]:
         return [self.services[k] for k in sorted(self.services, key=lambda n: (str(n), n.protocol))]

@@ -202,6 +202,35 @@ def test_ipv6_changes_inside_the_ipv6_floor_wait_for_it_and_are_programmed_toget
     assert "sync done: version=" in caplog.records[-1].getMessage()
 
 
+def test_an_ipv6_sync_that_asks_to_be_called_again_leaves_the_shared_failure_backoff_alone() -> None:
+    """`SyncResult.again` (eBPF mode's ip6tables thinned once the maps serve a port) is a run at
+    the IPv6 floor, not a retry: while it comes run after run, an IPv4 failure is still retried
+    after the runner's first backoff (doubled at each such run, it would wait 8 s and more)."""
+    from dataclasses import replace as replaced
+
+    rig = Rig(Mode.EBPF, ipv6=True, min_sync_period_s=0.1)
+    assert rig.proxier6 is not None
+    plain = rig.proxier6.sync
+
+    def again(state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
+        return replaced(plain(state, node, changed), again=frozenset({spn("web")}))
+
+    rig.proxier6.sync = again  # type: ignore[method-assign]
+    rig.send(dual(), synced="v1")
+    rig.sync()
+    for _ in range(4):
+        assert rig.agent.runner.next_run_at() == pytest.approx(rig.clock.now + 1.0), "the IPv6 floor"
+        rig.clock.now = rig.agent.runner.next_run_at()
+        rig.agent.runner.run_once()
+    assert len(rig.proxier6.calls) == 5
+    rig.proxier6.sync = plain  # type: ignore[method-assign]  # no more asked: only the retry is due
+    rig.proxier.raise_ = RuntimeError("IPv4 restore failed")
+    rig.clock.now = rig.agent.runner.next_run_at()
+    rig.agent.runner.run_once()
+    assert rig.agent.runner.failures == 1 and rig.proxier6.calls[-1] == frozenset({spn("web")})
+    assert rig.agent.runner.next_run_at() <= rig.clock.now + 1.2, "the first backoff, not a doubled one"
+
+
 def test_with_one_floor_for_both_families_the_ipv6_call_is_never_held() -> None:
     """iptables mode: both families share the floor, measured from the start of the agent's
     sync, so the IPv6 call, made after a slow full IPv4 one, is not held at the next sync for the
@@ -548,6 +577,9 @@ class Half:
 
     def masquerade_apart(self, apart: bool) -> None:
         self.calls.append(f"{self.name}.apart" if apart else f"{self.name}.not apart")
+
+    def snat_preview(self, node: NodeContext) -> bool:
+        return False
 
     def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
         self.calls.append(f"{self.name}.sync")

@@ -21,14 +21,21 @@ CONFIG = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS, bpf_hos
 
 
 class Maps:
-    """The eBPF half: the tc IPv6 path serves; its sync sets the grant to `grant_next`."""
+    """The eBPF half: the tc IPv6 path serves; its sync sets the grant to `grant_next` (and its
+    preview says so: every reason but the restore's outcome is known before it), unless `refuse`
+    (a reason that came up between the preview and the sync); it fails the ports of `failing` and
+    raises `broken`."""
 
     def __init__(self, calls: list[str], *, serves: bool = True) -> None:
         self.calls = calls
         self.tc_serves = serves
         self.snat_granted = False
         self.grant_next = False
+        self.refuse = False
         self.apart = False
+        self.failing: dict[ServicePortName, str] = {}
+        self.broken: Exception | None = None
+        self.preview_error: Exception | None = None
 
     def prepare(self) -> None:
         pass
@@ -37,10 +44,17 @@ class Maps:
         self.calls.append("apart" if apart else "not apart")
         self.apart = apart
 
+    def snat_preview(self, node: NodeContext) -> bool:
+        if self.preview_error is not None:
+            raise self.preview_error
+        return self.grant_next
+
     def sync(self, state: ProxyState, node: NodeContext, changed: Any = None) -> SyncResult:
         self.calls.append("maps")
-        self.snat_granted = self.grant_next and self.apart  # as EbpfProxier._snat6_refusal
-        return SyncResult(full=changed is None)
+        self.snat_granted = self.grant_next and self.apart and not self.refuse  # as _snat6_refusal
+        if self.broken is not None:
+            raise self.broken
+        return SyncResult(full=changed is None, failed=dict(self.failing))
 
     def cleanup(self) -> None:
         pass
@@ -139,13 +153,26 @@ def test_ip6tables_beside_the_tc_ipv6_path_keeps_only_what_it_leaves_and_hands_o
     assert jumped(runner) == set()
     assert "fd00:10:96::a" not in runner.save("nat") and "fd00:10:96::a" not in runner.save("filter")
     assert "-A KUBE-POSTROUTING" in runner.save("nat"), "the masquerade the grant depends on stays"
-    # The grant goes off in the maps' sync: the ports it hands back get their rules before the call
-    # returns, in a second restore after the maps.
+    # The grant goes off for a reason known before the maps' sync (the node's address gone, flows
+    # holding ports of the range): the ports it hands back get their rules in the restore before
+    # the maps write ekp_cfg6 zero, one restore.
     calls.clear()
     maps.grant_next = False
+    restores = len(runner.restores)
     result = both.sync(s, NODE6, frozenset())
-    assert calls == ["restore", "apart", "maps", "restore", "apart"]
+    assert calls == ["restore", "apart", "maps"] and len(runner.restores) == restores + 1
+    assert "fd00:10:96::a" in runner.restores[-1], "web's rules in the restore before the maps"
     assert jumped(runner) == {"default/web:http", "default/kubernetes:http"} and result.again == frozenset()
+    # A reason that came up between the preview and the maps' sync: restored after the maps.
+    maps.grant_next = True
+    result = both.sync(s, NODE6, frozenset())
+    both.sync(s, NODE6, result.again)
+    assert jumped(runner) == set() and maps.snat_granted
+    calls.clear()
+    maps.refuse = True
+    both.sync(s, NODE6, frozenset())
+    assert calls == ["restore", "apart", "maps", "restore", "apart"]
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
 
 
 def test_a_port_whose_host_backend_leaves_keeps_its_rules_until_the_maps_serve_it(
@@ -206,11 +233,12 @@ def test_the_ipv6_family_calls_its_proxier_again_for_the_ports_it_asked_for() ->
     proxier = Again()
     family = IPv6Family(CONFIG, proxier, lambda: NODE6)
     family.sync(read_node=True, now=100.0)
-    assert proxier.calls == [None] and family.retry_wanted
+    assert proxier.calls == [None] and not family.retry_wanted, "no failure: the backoff is not touched"
+    assert family.again_at == 100.0 + CONFIG.min_sync_period6_s, "once the IPv6 floor has passed"
     family.sync(read_node=False, now=100.1)
     assert family.outcome is Outcome.HELD, "within the IPv6 floor"
     family.sync(read_node=False, now=102.0)
-    assert proxier.calls == [None, frozenset({WEB})] and not family.retry_wanted
+    assert proxier.calls == [None, frozenset({WEB})] and family.again_at is None
     family.sync(read_node=False, now=104.0)
     assert family.outcome is Outcome.IDLE and len(proxier.calls) == 2
 
@@ -232,3 +260,160 @@ def test_a_failed_restore_that_turns_the_grant_off_puts_the_rules_back_before_it
         both.sync(state(), NODE6, frozenset())
     assert calls == ["restore", "not apart", "maps", "restore", "apart"] and not maps.snat_granted
     assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+
+
+def test_ports_the_maps_fail_are_left_to_ip6tables_in_the_same_call_until_the_maps_program_them(
+    rig: tuple[Any, Maps, FakeRunner, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port the IPv6 maps could not program (a full map, a planner error) has no frontend: tc and
+    the socket programs pass its packets to the stack, so ip6tables serves it, restored in the same
+    call after the maps and kept while they fail it; once they program it, its rules go at the next
+    sync. A maps' sync that raised leaves every port to ip6tables (what the maps hold is unknown).
+    The host backend's port kept throughout (a path that hands those to the stack, injected)."""
+    monkeypatch.setattr("agent.metaproxier.TC6_LEAVES_HOST_BACKENDS", True)
+    both, maps, runner, calls = rig
+    maps.snat_granted = maps.grant_next = True
+    result = both.sync(state(), NODE6, None)
+    both.sync(state(), NODE6, result.again)
+    assert jumped(runner) == {"default/kubernetes:http"}
+    calls.clear()
+    maps.failing = {WEB: "ekp_svc6 is full"}
+    result = both.sync(state(), NODE6, frozenset({WEB}))
+    assert calls == ["restore", "apart", "maps", "restore", "apart"]
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+    assert result.failed == {WEB: "ekp_svc6 is full"} and result.again == frozenset()
+    result = both.sync(state(), NODE6, frozenset({WEB}))
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}, "kept while the maps fail it"
+    maps.failing = {}
+    result = both.sync(state(), NODE6, frozenset({WEB}))
+    assert result.again == {WEB} and jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+    both.sync(state(), NODE6, result.again)
+    assert jumped(runner) == {"default/kubernetes:http"}
+    calls.clear()
+    maps.broken = RuntimeError("maps (fake)")
+    with pytest.raises(RuntimeError, match="maps"):
+        both.sync(state(), NODE6, frozenset())
+    assert calls == ["restore", "apart", "maps", "restore", "apart"]
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+
+
+def test_after_a_failed_restore_the_second_keeps_every_port_the_rules_in_place_had(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed restore changed nothing: the one after the maps (here for a port the maps failed)
+    renders what is needed with every port the rules in place had, a port leaving included (its
+    rules would have gone at this sync had the restore succeeded): nothing is thinned on a failure.
+    Without the IPv6 detector and not granted: a ClusterIP only port is no SNAT frontend. The port
+    leaving is a host backend's that moved off the node (a path that hands those to the stack,
+    injected)."""
+    monkeypatch.setattr("agent.metaproxier.TC6_LEAVES_HOST_BACKENDS", True)
+    from dataclasses import replace
+
+    from agent.app import ip6tables_beside_ebpf
+    from agent.metaproxier import EbpfAndIp6tables
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    config = replace(CONFIG, cluster_cidr=("10.244.0.0/16",))
+    calls: list[str] = []
+    runner = FakeRunner()
+    maps = Maps(calls)
+    ip6 = Recorded(ip6tables_beside_ebpf(config, runner, counters=FakeCounters()), calls)
+    both = EbpfAndIp6tables(maps, ip6, config)
+    result = both.sync(state(), NODE6, None)
+    both.sync(state(), NODE6, result.again)
+    assert jumped(runner) == {"default/kubernetes:http"}
+    moved = state(api_on_node=False)
+    result = both.sync(moved, NODE6, frozenset({API}))
+    assert result.again == {API}
+    calls.clear()
+    ip6.fail = 1
+    maps.failing = {WEB: "ekp_svc6 is full"}
+    with pytest.raises(RuntimeError, match="fake"):
+        both.sync(moved, NODE6, result.again)
+    assert calls == ["restore", "not apart", "maps", "restore", "apart"]
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
+
+
+def test_the_first_sync_writes_every_port_though_granted_and_without_the_detector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first sync (a restart whose load kept the pinned grant) cannot know what the maps of the
+    earlier run hand to the stack: every port gets its rules, thinned by `again` at the next sync.
+    Granted and without the IPv6 detector, web alone would be left out otherwise (the host
+    backend's port kept: a path that hands those to the stack, injected)."""
+    monkeypatch.setattr("agent.metaproxier.TC6_LEAVES_HOST_BACKENDS", True)
+    from dataclasses import replace
+
+    from agent.app import ip6tables_beside_ebpf
+    from agent.metaproxier import EbpfAndIp6tables
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    config = replace(CONFIG, cluster_cidr=("10.244.0.0/16",))
+    calls: list[str] = []
+    runner = FakeRunner()
+    maps = Maps(calls)
+    maps.snat_granted = maps.grant_next = True
+    both = EbpfAndIp6tables(maps, ip6tables_beside_ebpf(config, runner, counters=FakeCounters()), config)
+    result = both.sync(state(), NODE6, None)
+    assert jumped(runner) == {"default/web:http", "default/kubernetes:http"} and result.again == {WEB}
+    both.sync(state(), NODE6, result.again)
+    assert jumped(runner) == {"default/kubernetes:http"}
+
+
+def test_a_thinned_port_keeps_its_health_check_node_ports_accept(
+    rig: tuple[Any, Maps, FakeRunner, list[str]],
+) -> None:
+    """An ETP Local LoadBalancer whose packets the eBPF programs serve has no rules of its own in
+    ip6tables, but its healthCheckNodePort (answered by the agent's IPv6 server) keeps its filter
+    ACCEPT in KUBE-NODEPORTS, in upstream's place: on a node whose IPv6 INPUT policy drops, the
+    load balancer's checks come in by it alone."""
+    both, maps, runner, _ = rig
+    lb = service(
+        "lb",
+        clusterIP="fd00:10:96::b",
+        ipFamilies=["IPv6"],
+        type="LoadBalancer",
+        externalTrafficPolicy="Local",
+        healthCheckNodePort=32000,
+    ) | {"status": {"loadBalancer": {"ingress": [{"ip": "fd00:198:51:100::9"}]}}}
+    s = build_state(
+        [lb, service("kubernetes", clusterIP="fd00:10:96::1", ipFamilies=["IPv6"])],
+        [
+            slice6("lb-v6", "fd00:10:244:2::2", svc="lb"),
+            slice6("api-v6", NODE6.node_ips[0], svc="kubernetes", node="node1"),
+        ],
+        NodeInfo("node1"),
+        family=IPFamily.IPv6,
+    ).state
+    maps.snat_granted = maps.grant_next = True
+    result = both.sync(s, NODE6, None)
+    both.sync(s, NODE6, result.again)
+    assert "fd00:10:96::b" not in runner.save("nat"), "the LB's packets are the eBPF programs'"
+    accept = (
+        '-A KUBE-NODEPORTS -m comment --comment "default/lb:http health check node port" '
+        "-m tcp -p tcp --dport 32000 -j ACCEPT"
+    )
+    assert accept in runner.save("filter").splitlines()
+
+
+def test_a_preview_that_raises_keeps_the_masqueraded_ports_rules_for_that_sync(
+    rig: tuple[Any, Maps, FakeRunner, list[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The grant's preview reads the maps and IPv6 nf_conntrack: should it raise, the sync goes on
+    as if the grant were going off (the masqueraded ports' rules restored before the maps), and a
+    warning says why; the next sync thins them again."""
+    both, maps, runner, _ = rig
+    maps.snat_granted = maps.grant_next = True
+    result = both.sync(state(), NODE6, None)
+    both.sync(state(), NODE6, result.again)
+    assert "default/web:http" not in jumped(runner)
+    maps.preview_error = OSError("netlink (fake)")
+    with caplog.at_level("WARNING", logger="agent"):
+        result = both.sync(state(), NODE6, frozenset())
+    assert "default/web:http" in jumped(runner) and WEB in result.again
+    assert any(
+        "cannot tell whether the tc IPv6 path keeps its SNAT grant" in r.getMessage() for r in caplog.records
+    )
+    maps.preview_error = None
+    both.sync(state(), NODE6, result.again)
+    assert "default/web:http" not in jumped(runner)

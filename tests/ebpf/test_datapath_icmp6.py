@@ -454,6 +454,42 @@ def test_too_big_for_the_backends_device_answers_packet_too_big_from_the_fronten
     assert verdict == TC_ACT_REDIRECT and str(IPv6Address(out[38:54])) == BE6_SMALL_MTU
 
 
+def test_a_new_flows_first_datagram_too_big_for_the_backend_answers_packet_too_big_without_a_flow(
+    net: Net, lab: Lab
+) -> None:
+    """A UDP datagram that would open a flow, too big for its backend's device: the client is told
+    so by the frontend, as a hit's segment is, and no flow is made (the next, smaller datagram
+    opens it). Left to the stack, with ip6tables' rules thinned to what the eBPF programs leave,
+    it would be routed to the ClusterIP untranslated and no Packet Too Big would reach the client."""
+    from scapy.layers.inet import UDP as UDPh
+    from scapy.layers.inet6 import IPv6
+    from scapy.layers.l2 import Ether
+
+    add_service6(net.dp.maps, VIP6, 53, ((1, BE6_SMALL_MTU, 5353, BackendFlag.LOCAL),), proto=UDP)
+    big = bytes(
+        Ether(src=MAC6[POD6], dst=lab.pod.mac)
+        / IPv6(src=POD6, dst=VIP6)
+        / UDPh(sport=42100, dport=53)
+        / (b"q" * 1400)
+    )
+    verdict, out = net.from_pod(big)
+    assert verdict == TC_ACT_REDIRECT  # back out of the device it came in by
+    e = error6(out)
+    assert (e.dmac, e.src, e.dst, e.hlim) == (MAC6[POD6], VIP6, POD6, 64)
+    assert (e.head[0], e.head[1], int.from_bytes(e.head[4:8], "big")) == (2, 0, SMALL_MTU)
+    assert e.checksum_ok, "ICMPv6 checksum"
+    assert out[62 : 62 + 48] == big[14 : 14 + 48], "the datagram as sent, to the frontend"
+    stats = net.stats()
+    assert stats[Stat.DROP_FRAG_NEEDED] == 1 and stats[Stat.NEW_FLOWS] == 0
+    assert len(net.dp.maps["ct6_any"].keys()) == 0, "no flow made"
+    small = bytes(
+        Ether(src=MAC6[POD6], dst=lab.pod.mac) / IPv6(src=POD6, dst=VIP6) / UDPh(sport=42100, dport=53) / b"q"
+    )
+    verdict, out = net.from_pod(small)
+    assert verdict == TC_ACT_REDIRECT and str(IPv6Address(out[38:54])) == BE6_SMALL_MTU
+    assert net.stats()[Stat.NEW_FLOWS] == 1
+
+
 def test_a_full_size_segment_with_bytes_after_it_in_the_frame_is_not_too_big(net: Net, lab: Lab) -> None:
     """A segment exactly the backend's device MTU by its header (40 + payload length: 1,280)
     followed in its frame by 20 bytes that are not the packet's: it fits, and goes through

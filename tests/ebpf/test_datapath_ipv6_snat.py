@@ -420,6 +420,42 @@ def test_a_restart_never_translates_a_new_flow_with_the_snat_source_an_earlier_r
         p.close()
 
 
+def test_a_restart_whose_pinned_grant_still_holds_keeps_masquerading_new_flows_in_tc(
+    net: Net, tmp_path: Path
+) -> None:
+    """The earlier run was granted, and its ip6tables, thinned, holds no rule for the NodePort tc
+    masquerades. The restarted agent's load finds the pinned address still the node's primary IPv6
+    one and ekp_config's range its own --bpf-snat-ports: the grant stays, and a new flow is still
+    masqueraded by tc (zeroed, it would go to a stack with no rule for it until the first IPv6
+    restore). Real programs and maps, the proxier's load over them."""
+    from dataclasses import replace
+
+    from agent.config import HostRouting, NodeContext
+    from tests.ebpf.test_proxier import Rig
+
+    snat_source(net, NODE6)  # the earlier run, granted
+    nodeport_to_remote(net)
+    rig = Rig(tmp_path)
+    rig.maps = cast(Any, net.dp.maps)
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", NODE6),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+        snat_ports=(SNAT_MIN, SNAT_MAX),
+    )
+    rig.local_ports = "32768\t39999"  # the range beside the kernel's ephemeral ports
+    rig.node6 = NodeContext(node_ips=(NODE6,), primary_ip=NODE6)
+    p = rig.proxier()
+    p.prepare()
+    try:
+        verdict, out = net.from_net(frame6(CLIENT6, NODE6, 50402, 30080))
+        assert verdict == TC_ACT_REDIRECT and seen(out)[1] == NODE6, "masqueraded by tc across the restart"
+        assert SNAT_MIN <= seen(out)[3] <= SNAT_MAX
+    finally:
+        p.close()
+
+
 def test_two_cpus_claiming_one_free_snat_port_at_once_never_both_count_it(net: Net) -> None:
     """The SNAT range is one port; each round two new flows (two clients) are decided at the same
     moment on the machine's two CPUs (lab/cpurace.py), the table empty before. Each walk sees the

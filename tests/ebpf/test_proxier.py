@@ -236,6 +236,7 @@ class Rig:
         self.conntrack6: list[NatFlow] = []  # IPv6 nf_conntrack's DNAT entries
         self.conntrack6_error: Exception | None = None  # what reading them raises
         self.conntrack6_reads = 0
+        self.node6: NodeContext | None = None  # what the next proxier's node6_reader reads (None: no reader)
         self.hands_over = False  # the next proxier's start steps: an older ABI's programs to hand over from
         self.handover = [HandoverMode.OFF]  # the build's pinned hand-over mode, as the pin keeps it
         # What the next proxier's attacher finds on the hooks (an older generation's filters at 17).
@@ -280,9 +281,14 @@ class Rig:
             netns_cookie_reader=lambda netns: 4242,
             socket_detach=self.socket_detach,
             conntrack6_reader=self.read_conntrack6,
+            node6_reader=None if self.node6 is None else self.read_node6,
             snapshot_dir=self.snapshot_dir,
             ipv6=ipv6,
         )
+
+    def read_node6(self) -> NodeContext:
+        assert self.node6 is not None
+        return self.node6
 
     def read_conntrack6(self, netns: str) -> list[NatFlow]:
         self.conntrack6_reads += 1
@@ -785,6 +791,91 @@ def test_the_tc_ipv6_paths_snat_source_waits_for_ip6tables_masquerades_in_the_sn
     rig.conntrack6 = [held]  # not read any more: ip6tables' rule keeps new ones out
     half.sync(state, NODE6)
     assert read_config6(rig.maps) == cfg6
+    p.close()
+
+
+def test_a_restart_keeps_the_pinned_snat_grant_only_while_its_address_and_range_still_hold(rig: Rig) -> None:
+    """The load keeps the address an earlier run's grant left in ekp_cfg6 when it is still the
+    node's primary IPv6 address and ekp_config's SNAT range is this run's --bpf-snat-ports: that
+    run's ip6tables, thinned while granted, has no rule for the frontends tc masquerades, so a zero
+    there would leave them to a stack without rules until this run's first IPv6 restore. Another
+    address, another range, no address read (or one that fails): zero, as before."""
+    from agent.ebpf.maps import read_config6
+
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+    )
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+
+    def earlier_run_granted() -> None:
+        rig.node6 = None
+        p = rig.proxier()
+        half = p.ipv6()
+        p.sync(STATE, NODE)
+        half.masquerade_apart(True)
+        half.sync(state, NODE6)
+        cfg6 = read_config6(rig.maps)
+        assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+        p.close()
+
+    def after_restart() -> str:
+        p = rig.proxier()
+        p.prepare()
+        cfg6 = read_config6(rig.maps)
+        p.close()
+        assert cfg6 is not None
+        return abi.ip6_str(cfg6.node_addr) if any(cfg6.node_addr) else ""
+
+    earlier_run_granted()
+    rig.node6 = NODE6
+    assert after_restart() == "fd00:192:168::11", "the address and the range still hold: kept"
+    earlier_run_granted()
+    rig.node6 = NodeContext(node_ips=("fd00:192:168::12",), primary_ip="fd00:192:168::12")
+    assert after_restart() == "", "the node's primary IPv6 address moved"
+    earlier_run_granted()
+    rig.node6 = NODE6
+    lo, hi = rig.config.snat_ports
+    rig.config = replace(rig.config, snat_ports=(lo + 100, hi))
+    assert after_restart() == "", "another --bpf-snat-ports: the rules in place may masquerade into it"
+    rig.config = replace(rig.config, snat_ports=(lo, hi))
+    earlier_run_granted()
+    assert after_restart() == "", "no address read: never kept"
+
+
+def test_the_ipv6_snat_preview_knows_every_reason_but_the_restores_outcome_and_writes_nothing(
+    rig: Rig,
+) -> None:
+    """`snat6_preview`: what the next sync6 grants should the restore before it succeed, asked
+    before that restore (agent/metaproxier.py renders ip6tables for it). A failed last restore does
+    not refuse it; the node without an IPv6 address and a masqueraded flow holding a port of the
+    range do, as sync6 would; ekp_cfg6 is left as it is."""
+    from agent.ebpf.maps import read_config6
+
+    rig.config = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+    )
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    half.masquerade_apart(False)
+    assert half.snat_preview(NODE6), "the restore's own outcome is not known yet"
+    assert not half.snat_preview(NodeContext()), "no IPv6 node address"
+    rig.conntrack6 = [
+        NatFlow(
+            6,
+            ("fd00:ff::100", "fd00:192:168::11", 5555, 30080),
+            ("fd00:a:2::7", "fd00:192:168::11", 8080, 61500),
+        )
+    ]
+    assert not half.snat_preview(NODE6), "a masqueraded flow holds a port of the range"
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is None or not any(cfg6.node_addr), "the preview writes nothing"
     p.close()
 
 

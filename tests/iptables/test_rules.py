@@ -462,3 +462,34 @@ def test_ip6tables_masquerade_beside_the_tc_ipv6_path_keeps_out_of_the_bpf_snat_
     legacy = replace(ebpf6, bpf_host_routing=HostRouting.LEGACY)
     assert masquerade(legacy, IPFamily.IPv6) == masquerade(ebpf6, IPFamily.IPv6)
     assert masquerade(replace(legacy, socket_lb=False), IPFamily.IPv6) == [kube_proxys + " --random-fully"]
+
+
+def test_ports_served_elsewhere_keep_their_health_check_accept_in_upstreams_place() -> None:
+    """`ProxyState.elsewhere` (eBPF mode's IPv6 ports the eBPF programs serve): no rule of theirs
+    but the filter table's health-check ACCEPT, in the order the whole state would put it."""
+    from agent.metaproxier import only
+
+    def lb(name: str, hc: int) -> dict[str, Any]:
+        return service(
+            name,
+            f"10.96.0.{hc - 32000}",
+            ("http", 80, "TCP"),
+            type="LoadBalancer",
+            externalTrafficPolicy="Local",
+            healthCheckNodePort=hc,
+        ) | {"status": {"loadBalancer": {"ingress": [{"ip": f"198.51.100.{hc - 32000}"}]}}}
+
+    whole = state(lb("a", 32001), lb("b", 32002), lb("c", 32003))
+    a, b, c = sorted(whole.services, key=str)
+    thinned = only(whole, [a, c])
+    assert set(thinned.elsewhere) == {b}
+
+    def nodeports(text: str) -> list[str]:
+        table = text.partition("*nat")[0]
+        return [line for line in table.splitlines() if line.startswith("-A KUBE-NODEPORTS ")]
+
+    full = nodeports(render(whole, NODE, OPTS).text)
+    assert len(full) == 3 and "--dport 32002 -j ACCEPT" in full[1]
+    text = render(thinned, NODE, OPTS).text
+    assert nodeports(text) == full
+    assert "ns/b:http" not in text.replace('"ns/b:http health check node port"', "")

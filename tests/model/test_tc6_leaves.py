@@ -18,6 +18,7 @@ from agent.model.types import (
     ServiceEndpoints,
     ServicePort,
     ServicePortName,
+    SessionAffinity,
 )
 
 NODE_IPS = frozenset({"fd00:192:168::11"})
@@ -90,3 +91,56 @@ def test_ports_left_names_the_ports_of_the_state_with_a_reason() -> None:
     assert ports_left(state, NODE_IPS, GRANTED) == {api}
     assert ports_left(state, NODE_IPS, NOT_GRANTED) == {api, SPN}
     assert ports_left(state, (), GRANTED) == set(), "a host backend is one on the node's own address"
+
+
+EXTERNAL_IP = replace(CLUSTER_IP, external_ips=("fd00:203::7",))
+LB = replace(CLUSTER_IP, load_balancer_ips=("fd00:203::5",), node_port=30081)
+SPREAD = [
+    CLUSTER_IP,
+    replace(CLUSTER_IP, internal_policy_local=True),
+    replace(NODE_PORT, session_affinity=SessionAffinity.CLIENT_IP, affinity_timeout_seconds=10800),
+    NODE_PORT,
+    NODE_PORT_LOCAL,
+    EXTERNAL_IP,
+    replace(EXTERNAL_IP, external_policy_local=True),
+    LB,
+    replace(LB, external_policy_local=True),
+    replace(LB_RANGES, node_port=30082),
+    replace(CLUSTER_IP, protocol=Protocol.UDP, node_port=30083),
+]
+
+
+@pytest.mark.parametrize("masquerade_all", [False, True])
+@pytest.mark.parametrize("cluster_cidr", [("10.244.0.0/16",), ("10.244.0.0/16", "fd00:10:244::/56")])
+@pytest.mark.parametrize("keep_client_ip", [False, True])
+def test_the_snat_reason_matches_the_ipv6_planners_frontend_flags(
+    masquerade_all: bool, cluster_cidr: tuple[str, ...], keep_client_ip: bool
+) -> None:
+    """tc6_leaves reads SNAT from the service port and the flags, never from the planner: for a
+    spread of ports and flags, a port is left to ip6tables for SNAT (not granted) exactly when the
+    planner's layout gives one of its frontends SNAT_ALL or SNAT_REMOTE, which the tc IPv6 path
+    hands to the stack until granted. A new SNAT reason in the layout fails here until tc6_leaves
+    knows it (left out, its frontends would reach a stack without their rules)."""
+    from agent.config import Config, HostRouting, Mode, NodeContext
+    from agent.ebpf.abi import FrontendFlag
+    from agent.ebpf.layout import frontends
+    from agent.metaproxier import tc6_facts
+
+    config = Config(
+        mode=Mode.EBPF,
+        hostname="node1",
+        cluster_cidr=cluster_cidr,
+        masquerade_all=masquerade_all,
+        bpf_keep_client_ip_local=keep_client_ip,
+        bpf_host_routing=HostRouting.BPF,
+    )
+    node = NodeContext(node_ips=tuple(NODE_IPS), primary_ip=next(iter(NODE_IPS)))
+    handles: dict[str, int] = {}
+    snat = int(FrontendFlag.SNAT_ALL) | int(FrontendFlag.SNAT_REMOTE)
+    for sp in SPREAD:
+        state = ProxyState(NodeInfo("node1"), {sp.name: sp}, {sp.name: eps(REMOTE)}, family=IPFamily.IPv6)
+        facts = tc6_facts(config, state, serves=True, granted=False)
+        detector = config.local_detector(state.node.pod_cidrs, 6)
+        flagged = frontends(sp, node, config, detector, lambda a: handles.setdefault(a, len(handles) + 1))
+        planner_snat = any(fe.flags & snat for fe in flagged)
+        assert (Left.SNAT in left_to_ip6tables(sp, eps(REMOTE), NODE_IPS, facts)) == planner_snat, sp
