@@ -295,11 +295,13 @@ class Planner:
                 sp = services.get(spn)
                 eps = endpoints.get(spn, _NO_EPS) if sp is not None else None
                 old = self._frags.get(spn)
-                if skip_same and old is not None and old.sp == sp and old.eps == eps:
-                    # Equal records, held as the model's own from now on: a planner kept across a
-                    # restart (agent.ebpf.snapshot) holds copies, which every later full re-plan
-                    # would compare field by field instead of by identity, and which take memory.
-                    old.sp, old.eps = sp, eps
+                # A fragment without records (a planner kept across a restart whose port changed,
+                # or went, while the agent was down: agent.ebpf.snapshot) is planned again.
+                if skip_same and old is not None and sp is not None and old.sp == sp and old.eps == eps:
+                    old.sp, old.eps = (
+                        sp,
+                        eps,
+                    )  # the model's own, if it made equal ones: compared by identity next
                     continue
                 before = self._changes
                 self._replan(spn, sp, eps, woken)

@@ -431,7 +431,7 @@ class EbpfProxier:
                 if changed is None and not first:
                     repaired += len(datapath.repair_pins())
                 dump = self._dump(maps, first)
-                restored = self._restore(dump) if first else None
+                restored = self._restore(dump, state) if first else None
                 if restored is not None:
                     planner = self._planner = restored
                 else:
@@ -978,13 +978,13 @@ class EbpfProxier:
             self._cfg_written = VALUES["cfg"].of_ctype(live) if live is not None else None
         return dump
 
-    def _restore(self, dump: Mapping[str, tuple[bytes, bytes]]) -> Planner | None:
+    def _restore(self, dump: Mapping[str, tuple[bytes, bytes]], state: ProxyState) -> Planner | None:
         """The last run's planner when the maps (`dump`) hold exactly what it desired; one log line
         either way, saying what the start does with the maps it found."""
         counts = [len(dump[r][0]) // KEYS[r].size if r in dump else 0 for r in ("fe", "slot", "be", "rnat")]
         found = "pinned maps hold {} frontends, {} slots, {} backends, {} reverse-NAT entries".format(*counts)
         planner, why = (
-            snapshot.take(self._snapshot, dump, self._snapshot_identity, self._config)
+            snapshot.take(self._snapshot, dump, self._snapshot_identity, self._config, state)
             if self._snapshot
             else (None, "")
         )
