@@ -1,14 +1,14 @@
 """A live switch on a dual-stack node keeps its IPv6 connections and rules (README, "IPv6 and
 dual-stack"): the IPv6 half of test_switch.py.
 
-Every data path writes one ip6tables layout for IPv6 Services: kube-proxy's iptables mode,
-iptables mode, and eBPF mode's ip6tables proxier (beside the IPv6 maps of its socket programs, for
-the packets those do not see; with --bpf-host-routing=bpf the tc programs' IPv6 path translates
-the TCP flows it can, the external client's to the NodePort here, and leaving eBPF mode hands them
-to nf_conntrack with IPv4's: agent/takeover/out_of_ebpf.py). So a
-switch between them hands the IPv6 chains over as they are: the agent that starts adopts them at
-its first full sync (eBPF mode's IPv6 proxier finds their backend in ip6tables, kube-proxy's legacy
-one here), and the IPv6 flows keep their nf_conntrack NAT bindings. Through the switch, three TCP
+Every data path writes kube-proxy's ip6tables layout for IPv6 Services: kube-proxy's iptables
+mode, iptables mode, and eBPF mode's ip6tables proxier, which holds only the service ports its
+programs leave to the stack (agent/model/tc6_leaves.py: none of this module's; the socket programs
+and the tc programs' IPv6 path, under either host routing, serve the rest, and leaving eBPF mode
+hands the tc path's flows to nf_conntrack with IPv4's: agent/takeover/out_of_ebpf.py). So a
+switch between them hands the IPv6 chains over: the agent that starts adopts them at its first
+full sync (eBPF mode's IPv6 proxier finds their backend in ip6tables, kube-proxy's legacy one
+here, and thins them), and the IPv6 flows keep their nf_conntrack NAT bindings. Through the switch, three TCP
 connections from a pod to an IPv6 ClusterIP and two from the external client to its IPv6 NodePort,
 each answering a line every 50 ms: none fails, none changes backend. After it a new connection
 reaches a backend, the IPv6 rules are in the backend the new agent uses, and the old data path's
@@ -152,7 +152,10 @@ def test_a_live_switch_keeps_every_ipv6_connection_and_the_ipv6_rules(lab: Lab, 
         legacy = "--iptables-backend=legacy" in switch.before_flags
         backend = "legacy" if legacy else "nft"
         v6_rules = lab.run(node, f"ip6tables-{backend}-save", "-t", "nat").stdout
-        assert f"-d {VIP6}/128" in v6_rules, v6_rules
+        # eBPF mode's ip6tables holds only what its programs leave to the stack (none of these
+        # Services: agent/model/tc6_leaves.py), and its masquerade; iptables mode every Service
+        assert (f"-d {VIP6}/128" in v6_rules) is (switch.after != "ebpf"), v6_rules
+        assert "-j KUBE-POSTROUTING" in v6_rules, v6_rules
         other = lab.run(node, f"ip6tables-{'nft' if legacy else 'legacy'}-save", check=False).stdout
         assert "KUBE-" not in other, f"the IPv6 rules are in one backend only:\n{other}"
         if switch.after == "ebpf":
