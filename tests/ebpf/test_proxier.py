@@ -237,6 +237,9 @@ class Rig:
         self.conntrack6_error: Exception | None = None  # what reading them raises
         self.conntrack6_reads = 0
         self.node6: NodeContext | None = None  # what the next proxier's node6_reader reads (None: no reader)
+        # What the next proxier's masquerade6_reader reads: whether the IPv6 nat rules in place keep
+        # MASQUERADE out of --bpf-snat-ports (eBPF mode's), or what reading them raises
+        self.masquerade6: bool | Exception = True
         self.hands_over = False  # the next proxier's start steps: an older ABI's programs to hand over from
         self.handover = [HandoverMode.OFF]  # the build's pinned hand-over mode, as the pin keeps it
         # What the next proxier's attacher finds on the hooks (an older generation's filters at 17).
@@ -282,6 +285,7 @@ class Rig:
             socket_detach=self.socket_detach,
             conntrack6_reader=self.read_conntrack6,
             node6_reader=None if self.node6 is None else self.read_node6,
+            masquerade6_reader=self.read_masquerade6,
             snapshot_dir=self.snapshot_dir,
             ipv6=ipv6,
         )
@@ -289,6 +293,11 @@ class Rig:
     def read_node6(self) -> NodeContext:
         assert self.node6 is not None
         return self.node6
+
+    def read_masquerade6(self) -> bool:
+        if isinstance(self.masquerade6, Exception):
+            raise self.masquerade6
+        return self.masquerade6
 
     def read_conntrack6(self, netns: str) -> list[NatFlow]:
         self.conntrack6_reads += 1
@@ -843,6 +852,17 @@ def test_a_restart_keeps_the_pinned_snat_grant_only_while_its_address_and_range_
     rig.config = replace(rig.config, snat_ports=(lo, hi))
     earlier_run_granted()
     assert after_restart() == "", "no address read: never kept"
+    # The rules in place are not eBPF mode's (an iptables-mode agent's hand-back that left the pins,
+    # kube-proxy installed over a stopped agent): their MASQUERADE covers every port.
+    earlier_run_granted()
+    rig.node6, rig.masquerade6 = NODE6, False
+    assert after_restart() == "", "the rules in place masquerade into --bpf-snat-ports"
+    earlier_run_granted()
+    rig.node6, rig.masquerade6 = NODE6, OSError("ip6tables-save -t nat failed (exit 4)")
+    assert after_restart() == "", "the rules could not be read: not known to keep out"
+    earlier_run_granted()
+    rig.node6, rig.masquerade6 = NODE6, True
+    assert after_restart() == "fd00:192:168::11", "read again, in eBPF mode's shape"
 
 
 def test_a_kept_snat_grant_outlives_failed_restores_and_a_path_turned_off_until_one_succeeds(
@@ -1042,8 +1062,9 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_until_a_restore_succeeds_or_where
     keeps out of --bpf-snat-ports): failed ones before it leave it zero. A failed restore after one
     that succeeded keeps the grant: it changed no rule, those in place keep out of the range, and
     they were thinned for the grant (taking it back would leave its frontends to a stack with no
-    rule for them). Where the tc IPv6 path does not serve (no socket-level load balancing), it is
-    zero whatever ip6tables did, over what a pin held."""
+    rule for them), but reads nf_conntrack again at each sync while restores fail. Where the tc IPv6
+    path does not serve (no socket-level load balancing), it is zero whatever ip6tables did, over
+    what a pin held."""
     from agent.ebpf.maps import read_config6, write_config6
 
     state = state6([service()], [slice_("fd00:10:244:1::2")])
@@ -1067,7 +1088,23 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_until_a_restore_succeeds_or_where
     assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11", (
         "a failed restore leaves the granted rules in place: the grant stays"
     )
-    assert rig.conntrack6_reads == reads, "and what nf_conntrack held is still known"
+    assert rig.conntrack6_reads == reads + 1, "nf_conntrack read again: the failure may have let a flow in"
+    rig.conntrack6 = [
+        NatFlow(
+            6,
+            ("fd00:ff::100", "fd00:192:168::11", 5555, 30080),
+            ("fd00:a:2::7", "fd00:192:168::11", 8080, 61500),
+        )
+    ]
+    half.masquerade_apart(False)
+    half.sync(state, NODE6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "a flow masqueraded into the range: refused"
+    rig.conntrack6 = []
+    half.masquerade_apart(True)
+    half.sync(state, NODE6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11", "it ended: granted"
     p.close()
 
     rig.config = replace(dual, socket_lb=False)
