@@ -378,10 +378,6 @@ class EbpfProxier:
         # turn this off. Without it sync6 writes ekp_cfg6, the tc IPv6 path's SNAT source, zero
         # (`_snat6_granted`)
         self.masquerade6_apart = False
-        # The load kept an earlier run's grant (`_pinned_grant6`) and no IPv6 restore of this run
-        # has succeeded yet: the rules in place are that run's, thinned for the grant. Where this
-        # run's tc IPv6 path is off, the grant stays until that restore writes every port.
-        self._grant6_kept = False
         # ... and no flow ip6tables masqueraded before that (an upgrade, a switch from iptables
         # mode) holds a reply tuple a tc flow could take: the address it was checked for
         self._snat6_free_for = ""
@@ -517,8 +513,9 @@ class EbpfProxier:
 
     def _snat6_granted(self, node6: NodeContext, maps: Mapping[str, MapWriter]) -> bool:
         """Whether ekp_cfg6 may hold the node's IPv6 address (the tc IPv6 path source-translates):
-        the path serves, the last ip6tables restore succeeded (its MASQUERADE keeps out of
-        --bpf-snat-ports), ekp_config holds that range and no flow ip6tables masqueraded before can
+        the path serves, the ip6tables rules in place keep MASQUERADE out of --bpf-snat-ports (a
+        restore of this run succeeded, or the load kept an earlier run's grant over such rules:
+        `masquerade6_apart`), ekp_config holds that range and no flow ip6tables masqueraded before can
         collide with a tc flow. Otherwise sync6 writes it zero: new flows that need a source
         translation are left to ip6tables, the flows this path translated keep the source their
         entries hold. Told to `on_snat6_granted` each time; the reason logged when it changes."""
@@ -538,12 +535,7 @@ class EbpfProxier:
         """Why the grant is refused ("" when it is not). `restored`: the outcome of the ip6tables
         restore to judge by (None: the last one, `masquerade6_apart`)."""
         if not self._tc_ipv6:
-            if self._grant6_kept and restored is None:
-                # the earlier run's programs, attached until this run's replace them, send its
-                # SNAT frontends to the stack only where ekp_cfg6 is zero: its thinned rules have
-                # none for them until this run's first restore writes every port
-                return ""
-            return "the path is off (legacy host routing, no socket-level load balancing or no IPv6 half)"
+            return "the path is off (no socket-level load balancing or no IPv6 half)"
         if not (self.masquerade6_apart or restored):
             return (
                 "no ip6tables restore has succeeded yet: the MASQUERADE in place may take ports of "
@@ -586,7 +578,6 @@ class EbpfProxier:
         with self._lock:
             if apart:
                 self.masquerade6_apart = True
-                self._grant6_kept = False
             else:
                 self._snat6_free_for = ""
 
@@ -847,12 +838,15 @@ class EbpfProxier:
                 # its rules were rendered for that) until sync6 grants again.
                 kept = self._pinned_grant6(datapath.maps)
                 if kept:
-                    self._grant6_kept = self.masquerade6_apart = True
+                    self.masquerade6_apart = True
                     log.info(
-                        "IPv6 SNAT source of the tc programs kept at %s until the first IPv6 sync: the "
-                        "node's primary IPv6 address and --bpf-snat-ports are those the earlier run "
+                        "IPv6 SNAT source of the tc programs kept at %s %s: the node's primary IPv6 "
+                        "address, --bpf-snat-ports and ip6tables' MASQUERADE are those the earlier run "
                         "granted it for",
                         kept,
+                        "until the first IPv6 sync"
+                        if self._tc_ipv6
+                        else "until the first sync empties the IPv6 maps (this run's tc IPv6 path is off)",
                     )
                 elif write_config6(datapath.maps, abi.Config6()):
                     log.info(
@@ -886,7 +880,8 @@ class EbpfProxier:
         only where the rules in place masquerade into it: not thinned, so zeroing is safe there).
         Whatever this run's tc IPv6 path: that run's programs stay attached until this run's
         replace them. The first sync6 decides again, after the first IPv6 restore (which writes
-        every port's rules); with the path off, the first after one that succeeded."""
+        every port's rules); with the path off there is none: the first sync empties the IPv6 maps,
+        ekp_cfg6 with them (`_empty_ipv6_maps`; README "IPv6 and dual-stack" names the window)."""
         if self._node6_reader is None or self._masquerade6_reader is None:
             return ""
         pinned, cfg = read_config6(maps), read_config(maps)
