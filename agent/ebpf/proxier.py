@@ -876,7 +876,8 @@ class EbpfProxier:
         """The address in the pinned ekp_cfg6 when the grant an earlier run gave with it still holds
         for this one ("" when not): ekp_config's SNAT range (that run's --bpf-snat-ports, which its
         ip6tables' MASQUERADE kept out of) is this run's, the address is the node's primary IPv6
-        one now, and no flow ip6tables masqueraded to it holds a port of the range (those exist
+        one now, the IPv6 nat rules in place are eBPF mode's for that range (`masquerade6_reader`),
+        and no flow ip6tables masqueraded to it holds a port of the range (those exist
         only where the rules in place masquerade into it: not thinned, so zeroing is safe there).
         Whatever this run's tc IPv6 path: that run's programs stay attached until this run's
         replace them. The first sync6 decides again, after the first IPv6 restore (which writes
