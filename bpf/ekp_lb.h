@@ -105,21 +105,46 @@ static __always_inline int ekp_lb_refusal(const struct ekp_frontend *fe, __be32 
 	return ekp_lb_refusal_af(0, fe, &client);
 }
 
+/* Remembers `backend_id` as the client's backend (ClientIP affinity) from `now`, under the key of
+ * the family: `ak` for IPv4, `ak6` for IPv6 (the client and the frontend's svc_id). */
+static __always_inline void ekp_aff_remember_af(int v6, struct ekp_affinity_key *ak, struct ekp_affinity6_key *ak6,
+						__u32 backend_id, __u64 now)
+{
+	struct ekp_affinity a = {};
+
+	a.last_seen_ns = now;
+	a.backend_id = backend_id;
+	/* LRU: cannot be full; a failure only loses affinity */
+	if (v6)
+		ekp_aff6_update(ak6, &a);
+	else
+		ekp_aff_update(ak, &a);
+}
+
+/* Whether frontend `fe` keeps each client on one backend (ClientIP affinity). */
+static __always_inline int ekp_fe_affinity(const struct ekp_frontend *fe)
+{
+	return (fe->flags & EKP_FE_AFFINITY) && fe->affinity_timeout;
+}
+
 /* Fills f->backend_id, be_port, be_flags and the backend's address: f->be_addr for IPv4, `be6`
  * (four words) for IPv6; sets *aff_hit when the client's remembered backend was used. Maglev hashes
  * the packet `p`'s tuple (IPv4's packet path only; the socket path has no packet: NULL, no Maglev,
  * a socket's source port is not known at connect()); else `rnd` picks the slot: random per packet
- * path flow, per socket on the socket path. Returns 0 or a drop reason. */
-static __always_inline int ekp_pick_backend_af(int v6, const struct ekp_frontend *fe, const __be32 *client,
+ * path flow, per socket on the socket path. `remember` (a constant at each call site): write the
+ * choice to the affinity table here; 0 for a caller that may still leave the flow to another
+ * hook, which remembers it itself once it carries the flow out (ekp_aff_remember_af: XDP's IPv6
+ * path). Returns 0 or a drop reason. */
+static __always_inline int ekp_pick_backend_in(int v6, const struct ekp_frontend *fe, const __be32 *client,
 					       __u32 rnd, const struct ekp_pkt *p, __u64 now, struct ekp_flow *f,
-					       __be32 *be6, __u32 *aff_hit)
+					       __be32 *be6, __u32 *aff_hit, int remember)
 {
 	struct ekp_affinity_key ak = {};
 	struct ekp_affinity6_key ak6 = {};
 	struct ekp_backend_key bk = {};
 	struct ekp_backend *be = NULL;
 	struct ekp_backend6 *b6 = NULL;
-	int affinity = (fe->flags & EKP_FE_AFFINITY) && fe->affinity_timeout;
+	int affinity = ekp_fe_affinity(fe);
 	/* Whether a backend was found, tested on the family's own pointer: with `v6` a constant the
 	 * IPv4 copy branches on `be` exactly as before the families were parameters. */
 #define EKP_LB_FOUND (v6 ? b6 != NULL : be != NULL)
@@ -195,17 +220,16 @@ static __always_inline int ekp_pick_backend_af(int v6, const struct ekp_frontend
 		f->be_flags = be->flags;
 	}
 
-	if (affinity) {
-		struct ekp_affinity a = {};
-		a.last_seen_ns = now;
-		a.backend_id = bk.id;
-		/* LRU: cannot be full; a failure only loses affinity */
-		if (v6)
-			ekp_aff6_update(&ak6, &a);
-		else
-			ekp_aff_update(&ak, &a);
-	}
+	if (affinity && remember)
+		ekp_aff_remember_af(v6, &ak, &ak6, bk.id, now);
 	return 0;
+}
+
+static __always_inline int ekp_pick_backend_af(int v6, const struct ekp_frontend *fe, const __be32 *client,
+					       __u32 rnd, const struct ekp_pkt *p, __u64 now, struct ekp_flow *f,
+					       __be32 *be6, __u32 *aff_hit)
+{
+	return ekp_pick_backend_in(v6, fe, client, rnd, p, now, f, be6, aff_hit, 1);
 }
 
 static __always_inline int ekp_pick_backend(const struct ekp_frontend *fe, __be32 client, __u32 rnd,

@@ -482,16 +482,17 @@ int ekp_egress6(struct __sk_buff *skb)
 	return ekp_tc6_local(skb);
 }
 
-/* XDP on the external devices (--bpf-xdp): before the skb exists, the part of ekp_from_net's work
- * that needs no skb (ekp_xdp.h); everything else goes on to ekp_from_net. During a hand-over XDP
- * has no older program behind it (one per device): every packet goes to tc, where the older
- * generation's filter is. */
-/* The XDP program's IPv6 path (EKP_XCALL6_NET), filled as ekp_calls6: a program array holds one
- * program type, so XDP's is an array of its own. An empty slot: IPv6 goes on to IPv4's parser,
+/* The XDP program's IPv6 path (EKP_XCALL6_NET), filled as ekp_calls6 where ekp_xdp_net6 is loaded
+ * (agent/ebpf/loader.py: XDP attaches, the kernel has bpf_xdp_load_bytes): a program array holds
+ * one program type, so XDP's is an array of its own. An empty slot: IPv6 goes on to IPv4's parser,
  * which passes it to tc. */
 #define EKP_XCALL6_NET 0
 BPF_PROG_ARRAY(ekp_xcalls6, 1);
 
+/* XDP on the external devices (--bpf-xdp): before the skb exists, the part of ekp_from_net's work
+ * that needs no skb (ekp_xdp.h); everything else goes on to ekp_from_net. During a hand-over XDP
+ * has no older program behind it (one per device): every packet goes to tc, where the older
+ * generation's filter is. */
 int ekp_xdp_net(struct xdp_md *ctx)
 {
 	if (ekp_handover_mode() != EKP_HANDOVER_OFF)

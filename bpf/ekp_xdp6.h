@@ -3,7 +3,8 @@
  * ekp_xdp6.h: the XDP program's IPv6 path (ekp_xdp_net6), reached from ekp_xdp_net by a tail call
  * (ekp_xcalls6, ekp_tc.c) as the tc programs reach theirs, so IPv4's XDP verification and
  * per-packet work stay as they were. Loaded and filled only where the tc programs' IPv6 path is
- * (MapSizes.ipv6_tc): what it leaves to tc, ekp_from_net6 must be there to take.
+ * (MapSizes.ipv6_tc): what it leaves to tc, ekp_from_net6 must be there to take; and only where
+ * XDP attaches and the kernel has bpf_xdp_load_bytes (5.18: agent/ebpf/programs.py XDP6_NEEDS).
  *
  *   parse (ekp_parse6.h, from the XDP buffer) -> decide (ekp_tc6.h's pieces: the activity check,
  *   conntrack FORWARD then REPLY, the frontend's refusal, the backend, the source translation, the
@@ -21,8 +22,9 @@
  * ICMPv6 error (no endpoints), a frontend with a backend on the node's own address or asking a
  * source translation while the node's IPv6 address is not known, a chosen backend that is local
  * (a pod's veth) or the node's, legacy host routing's translations, a SYN reopening an ended
- * flow's tuple, any other route result, an L4 header past the buffer's linear part. The one
- * exception is IPv4's too: the affinity entry a local backend's choice writes (tc chooses again).
+ * flow's tuple, any other route result, an L4 header past the buffer's linear part. The backend's
+ * choice is remembered (affinity) only past the route, where XDP will carry the flow out (IPv4's
+ * XDP writes it at the choice, also for a local backend it leaves to tc).
  * A packet of no live flow and no frontend (a direct connection's reclaim is tc's) and a mid-flow
  * segment without an entry (ip6tables' flow) leave as PASS.
  */
@@ -156,7 +158,9 @@ static __always_inline int ekp_xdp6_new(struct xdp_md *ctx, struct ekp_tc6_scrat
 	    (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
 		return ekp_xdp6_to_tc(outcome);
 	__builtin_memset(f, 0, sizeof(*f));
-	if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, &f->b, f->be_addr, &aff_hit))
+	/* The choice is remembered (affinity) only once XDP will carry the flow out: one left to tc is
+	 * chosen there afresh, its first choice counted as such (no AFFINITY_HIT of XDP's making). */
+	if (ekp_pick_backend_in(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, &f->b, f->be_addr, &aff_hit, 0))
 		return ekp_xdp6_to_tc(outcome);
 	int snat = ekp_tc6_wants_snat(flags, f->b.be_flags, f->be_addr, p->saddr);
 	if ((f->b.be_flags & (EKP_BE_LOCAL | EKP_BE_HOST)) || (snat && !node))
@@ -183,6 +187,12 @@ static __always_inline int ekp_xdp6_new(struct xdp_md *ctx, struct ekp_tc6_scrat
 	}
 	w->key.dir = EKP_CT_FORWARD;
 	ekp_ctq6_want(&w->queue, &w->key, now / EKP_NSEC);
+	if (ekp_fe_affinity(fe)) { /* after the entries: one branch less for the verifier to walk twice */
+		struct ekp_affinity6_key ak6 = {};
+		__builtin_memcpy(ak6.client, p->saddr, 16);
+		ak6.svc_id = fe->svc_id;
+		ekp_aff_remember_af(1, NULL, &ak6, f->b.backend_id, now);
+	}
 	if (f->b.remapped)
 		ekp_count_in(EKP_COUNT_XDP, EKP_STAT_PORT_REMAP);
 	else if (f->b.ct_flags & EKP_CT_SNAT)

@@ -50,6 +50,11 @@ SOCKET_HELPERS = (
     "bpf_ktime_get_ns",
     "bpf_set_retval",
 )
+# The helpers only the XDP program calls (probed for xdp programs). bpf_xdp_load_bytes (Linux 5.18)
+# reads the IPv6 header chain: a kernel without it loads the data path without ekp_xdp_net6
+# (agent/ebpf/programs.py), and IPv6 goes on from XDP to tc, which does all its work.
+XDP_PROGRAM_TYPE = "xdp"
+XDP_HELPERS = ("bpf_xdp_load_bytes",)
 FILL_WARN = 0.8  # a table fuller than this: warn
 
 
@@ -75,6 +80,7 @@ class BpfFeatures:
     map_kinds: frozenset[str] = frozenset()
     helpers: frozenset[str] = frozenset()  # of sched_cls programs
     socket_helpers: frozenset[str] = frozenset()  # of cgroup_sock_addr programs
+    xdp_helpers: frozenset[str] = frozenset()  # of xdp programs
     error: str = ""
 
 
@@ -207,6 +213,17 @@ def _features(f: Facts) -> Line:
             "processes) reach no Service",
             "Linux 5.18+ (bpf_set_retval) for the socket programs, or --bpf-socket-lb=false if "
             "nothing on the node's network dials a Service",
+        )
+    lacking = [h for h in XDP_HELPERS if h not in feats.xdp_helpers]
+    if XDP_PROGRAM_TYPE in feats.program_types and lacking:
+        return Line(
+            Verdict.WARN,
+            "BPF features",
+            f"{found}; {XDP_PROGRAM_TYPE} programs lack {', '.join(lacking)}: XDP's IPv6 path "
+            "(ekp_xdp_net6) is not loaded, and IPv6 packets go on from XDP to tc, which does all "
+            "their work (IPv4 at XDP as before)",
+            "Linux 5.18+ (bpf_xdp_load_bytes) for XDP's IPv6 path; nothing to do if tc's cost for "
+            "IPv6 is acceptable",
         )
     if extra:
         return Line(

@@ -137,7 +137,7 @@ def _conntrack(netns: str) -> tuple[int, int] | None:
 
 def parse_bpftool_features(doc: Mapping[str, Any]) -> BpfFeatures:
     """`bpftool -j feature probe kernel` -> the program types, map kinds, and the helpers of
-    sched_cls and cgroup_sock_addr programs."""
+    sched_cls, cgroup_sock_addr and xdp programs."""
 
     def kinds(section: str, suffix: str) -> frozenset[str]:
         entries = doc.get(section) or {}
@@ -156,6 +156,7 @@ def parse_bpftool_features(doc: Mapping[str, Any]) -> BpfFeatures:
         map_kinds=kinds("map_types", "_map_type"),
         helpers=helpers("sched_cls"),
         socket_helpers=helpers("cgroup_sock_addr"),
+        xdp_helpers=helpers("xdp"),
     )
 
 

@@ -82,6 +82,7 @@ from agent.ebpf.programs import (
     PROG_SCHED_CLS,
     PROG_XDP,
     PROG_XDP_NET,
+    PROG_XDP_NET6,
     PROGRAMS,
     TAIL_CALLS,
     ProgSpec,
@@ -444,7 +445,7 @@ class Datapath:
         socket programs need loads the data path without them, and says so), and the tc programs'
         IPv6 path (TC6_PROGRAMS) only where it serves (MapSizes.ipv6_tc): elsewhere nothing would
         reach them (its slots in ekp_calls6 stay empty), and their verification was a third of a
-        cold start's."""
+        cold start's. XDP's (ekp_xdp_net6) likewise only where XDP attaches (MapSizes.xdp_ipv6)."""
         has = vmlinux_has(kernel_needs())
         programs = available_programs(has)
         missing = sorted(set(PROGRAMS) - set(programs))
@@ -456,6 +457,8 @@ class Datapath:
             )
         if not self.sizes.ipv6_tc:
             programs = {name: spec for name, spec in programs.items() if name not in TC6_PROGRAMS}
+        if not self.sizes.xdp_ipv6:
+            programs.pop(PROG_XDP_NET6, None)
         return programs
 
     def build(self, programs: Mapping[str, ProgSpec] = PROGRAMS) -> str:
@@ -628,14 +631,24 @@ class Datapath:
                         )
             finally:
                 os.close(fd)
-        log.info(
-            "IPv6 packets on the tc and XDP hooks: %s",
-            "continued in ekp_from_pod6 / ekp_from_net6 / ekp_egress6 (the tc programs' IPv6 path) and "
-            "ekp_xdp_net6"
-            if self.sizes.ipv6_tc
-            else "passed to the stack at the IPv4 programs' parser (the tc programs' IPv6 path needs an "
-            "IPv6 half and socket-level load balancing)",
+        log.info("IPv6 packets on the tc and XDP hooks: %s", self._ipv6_route_text(fds))
+
+    def _ipv6_route_text(self, fds: Mapping[str, int]) -> str:
+        """Where IPv6 packets go, as _route_ipv6 set the program arrays: for the log line."""
+        if not self.sizes.ipv6_tc:
+            return (
+                "passed to the stack at the IPv4 programs' parser (the tc programs' IPv6 path needs an "
+                "IPv6 half and socket-level load balancing)"
+            )
+        tc = "continued in ekp_from_pod6 / ekp_from_net6 / ekp_egress6 (the tc programs' IPv6 path)"
+        if PROG_XDP_NET6 in fds:
+            return f"{tc}, and at XDP in {PROG_XDP_NET6}"
+        why = (
+            "--bpf-xdp=disabled"
+            if not self.sizes.xdp_ipv6
+            else "this kernel lacks bpf_xdp_load_bytes, Linux 5.18"
         )
+        return f"{tc}; at XDP passed on to tc ({PROG_XDP_NET6} not loaded: {why})"
 
     def _open_maps(self) -> None:
         """Every pinned map on our own fds, each checked against the shape this agent expects."""

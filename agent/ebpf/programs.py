@@ -108,6 +108,10 @@ SOCK_HOOKS: dict[str, tuple[str, int]] = {
 # (6.5) and the UDP socket iterator (5.9). The sock_release hook (5.9) is older than all of them.
 SOCK_NEEDS = ("bpf_set_retval", "bpf_get_netns_cookie_sock_addr")
 TERM_NEEDS = ("bpf_sock_destroy", "bpf_iter_udp")
+# XDP's IPv6 path reads the header chain with bpf_xdp_load_bytes (Linux 5.18; the data path's
+# minimum is 5.12): without it ekp_xcalls6 stays empty and IPv6 goes on from XDP to tc, which does
+# all its work. bpf_xdp_load_bytes is a helper of XDP programs alone: agent/doctor's XDP_HELPERS.
+XDP6_NEEDS = ("bpf_xdp_load_bytes",)
 
 PROGRAMS: dict[str, ProgSpec] = {
     PROG_FROM_POD: ProgSpec(PROG_SCHED_CLS),
@@ -117,7 +121,7 @@ PROGRAMS: dict[str, ProgSpec] = {
     PROG_FROM_NET6: ProgSpec(PROG_SCHED_CLS),
     PROG_EGRESS6: ProgSpec(PROG_SCHED_CLS),
     PROG_XDP_NET: ProgSpec(PROG_XDP),
-    PROG_XDP_NET6: ProgSpec(PROG_XDP),
+    PROG_XDP_NET6: ProgSpec(PROG_XDP, needs=XDP6_NEEDS),
     **{
         name: ProgSpec(
             PROG_CGROUP_SOCK if attach == ATTACH_CGROUP_INET_SOCK_RELEASE else PROG_CGROUP_SOCK_ADDR,

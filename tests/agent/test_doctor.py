@@ -15,6 +15,7 @@ from agent.doctor.checks import (
     HELPERS,
     MAP_KINDS,
     SOCKET_HELPERS,
+    XDP_HELPERS,
     ApiFacts,
     BpfFeatures,
     Facts,
@@ -33,6 +34,7 @@ FEATURES = BpfFeatures(
     map_kinds=frozenset(MAP_KINDS),
     helpers=frozenset(HELPERS),
     socket_helpers=frozenset(SOCKET_HELPERS),
+    xdp_helpers=frozenset(XDP_HELPERS),
 )
 GOOD_API = ApiFacts(url="https://10.0.0.1:6443", services=3, service_ports=4, endpoints=6, entries={"fe": 8})
 GOOD = Facts(
@@ -80,6 +82,13 @@ def test_a_good_node_is_all_ok() -> None:
             "BPF features",
             Verdict.WARN,
             "--bpf-socket-lb=false",
+        ),
+        # 5.12-5.17: no bpf_xdp_load_bytes, so no ekp_xdp_net6; the rest of the data path loads
+        (
+            {"features": replace(FEATURES, xdp_helpers=frozenset())},
+            "BPF features",
+            Verdict.WARN,
+            "Linux 5.18+ (bpf_xdp_load_bytes)",
         ),
         (
             {"features": BpfFeatures(error="bpftool: not found")},
@@ -197,7 +206,10 @@ def test_the_helper_list_is_every_helper_the_data_path_calls() -> None:
     source = "".join(p.read_text() for p in sorted(BPF_DIR.glob("ekp_*.[ch]")))
     called = set(re.findall(r"\b(bpf_[a-z0-9_]+)\(", source))
     called |= {f"bpf_{m}" for m in re.findall(r"BPF_FUNC_([a-z0-9_]+)", source)}
-    assert called == set(HELPERS) | set(SOCKET_HELPERS)
+    assert called == set(HELPERS) | set(SOCKET_HELPERS) | set(XDP_HELPERS)
+    assert not set(XDP_HELPERS) & set(HELPERS), (
+        "probed for xdp alone: a sched_cls probe would FAIL every node"
+    )
     sock = (BPF_DIR / "ekp_sock.h").read_text()
     assert set(re.findall(r"\b(bpf_[a-z0-9_]+)\(", sock)) <= set(SOCKET_HELPERS), "the socket programs' own"
     kinds = set(re.findall(r'BPF_(?:F_)?TABLE(?:_PINNED)?\("([a-z_]+)"', source))
@@ -211,6 +223,7 @@ def test_bpftools_json_is_read() -> None:
         "helpers": {
             "sched_cls_available_helpers": ["bpf_fib_lookup", "bpf_redirect"],
             "cgroup_sock_addr_available_helpers": ["bpf_set_retval"],
+            "xdp_available_helpers": ["bpf_xdp_load_bytes"],
         },
     }
     feats = parse_bpftool_features(doc)
@@ -218,6 +231,7 @@ def test_bpftools_json_is_read() -> None:
     assert feats.map_kinds == {"lru_hash", "hash"}
     assert feats.helpers == {"bpf_fib_lookup", "bpf_redirect"}
     assert feats.socket_helpers == {"bpf_set_retval"}
+    assert feats.xdp_helpers == {"bpf_xdp_load_bytes"}
 
 
 @pytest.mark.parametrize(

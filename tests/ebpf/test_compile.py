@@ -32,8 +32,10 @@ from agent.ebpf.programs import (
     PROG_SCHED_CLS,
     PROG_XDP,
     PROG_XDP_NET,
+    PROG_XDP_NET6,
     PROGRAMS,
     TAIL_CALLS,
+    kernel_needs,
 )
 from agent.ebpf.sockattach import prog_id
 from lab.packets import bpffs
@@ -319,6 +321,55 @@ def test_the_tc_ipv6_paths_tables_take_their_ipv4_twins_sizes_where_it_serves() 
 
 
 @pytest.mark.kernel
+def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its_helper(
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ekp_xdp_net6 is verified and pinned only where XDP attaches (MapSizes.xdp_ipv6 false with
+    --bpf-xdp=disabled) and the kernel has bpf_xdp_load_bytes (5.18; on 5.12-5.17 the verifier
+    refused it and with it the whole build): without it ekp_xcalls6 is empty, the tc IPv6 path
+    still serves, and the log line says why. Both ways make the same build."""
+    caplog.set_level(logging.INFO)
+    with bpffs() as root:
+        pins = str(root / "ekp")
+        d = Datapath(pins, replace(SMALL, xdp_ipv6=False), cache=cache)
+        d.load()
+        try:
+            assert not d.has_program(PROG_XDP_NET6)
+            assert not [p for p in _prog_pins(pins) if p.endswith(PROG_XDP_NET6)]
+            assert _slots(pins, d, "ekp_xcalls6") == [0]
+            assert 0 not in _slots(pins, d), "the tc IPv6 path serves all the same"
+            assert "at XDP passed on to tc (ekp_xdp_net6 not loaded: --bpf-xdp=disabled)" in caplog.text
+            disabled = d.build(d.programs())
+        finally:
+            d.close()
+        lacking = kernel_needs() - {"bpf_xdp_load_bytes"}
+        monkeypatch.setattr(loader, "vmlinux_has", lambda names: set(names) & lacking)
+        caplog.clear()
+        d = Datapath(pins, SMALL, cache=cache)
+        d.load()
+        try:
+            assert not d.has_program(PROG_XDP_NET6)
+            assert d.build(d.programs()) == disabled
+            assert (
+                "this kernel lacks bpf_xdp_load_bytes: loading the data path without ekp_xdp_net6"
+                in caplog.text
+            )
+            assert "ekp_xdp_net6 not loaded: this kernel lacks bpf_xdp_load_bytes, Linux 5.18" in caplog.text
+            assert _slots(pins, d, "ekp_xcalls6") == [0]
+        finally:
+            d.close()
+        monkeypatch.undo()
+        caplog.clear()
+        d = Datapath(pins, SMALL, cache=cache)
+        d.load()
+        try:
+            assert _slots(pins, d, "ekp_xcalls6") == [prog_id(d.prog_fd(PROG_XDP_NET6))]
+            assert "and at XDP in ekp_xdp_net6" in caplog.text
+        finally:
+            d.close()
+
+
+@pytest.mark.kernel
 def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
     caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -368,13 +419,13 @@ def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
             second.close()
 
 
-def _slots(pins: str, d: Datapath) -> list[int]:
-    """The program ids ekp_calls6 of `d`'s build holds, 0 for an empty slot."""
-    fd = bpfsys.obj_get(prog_pin(pins, d.build(d.programs()), "ekp_calls6"))
+def _slots(pins: str, d: Datapath, array: str = "ekp_calls6") -> list[int]:
+    """The program ids the program array `array` of `d`'s build holds, 0 for an empty slot."""
+    fd = bpfsys.obj_get(prog_pin(pins, d.build(d.programs()), array))
     assert fd >= 0
     try:
         out = []
-        for index in range(len(TAIL_CALLS["ekp_calls6"])):
+        for index in range(len(TAIL_CALLS[array])):
             value = ctypes.c_uint32()
             ret = bpfsys.map_lookup_elem(fd, ctypes.c_uint32(index), value)
             assert ret in (0, -errno.ENOENT), os.strerror(-ret)

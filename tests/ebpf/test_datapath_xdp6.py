@@ -15,9 +15,10 @@ from __future__ import annotations
 import pytest
 
 from agent.ebpf import abi
-from agent.ebpf.abi import Addr6, BackendFlag, Config6, FrontendFlag, Scope, Stat, ip6_words
+from agent.ebpf.abi import Addr6, BackendFlag, Config6, ConfigFlag, FrontendFlag, Scope, Stat, ip6_words
 from agent.ebpf.maps import write_config6
 from lab.dplab import (
+    BE6_SMALL_MTU,
     CLIENT6,
     MAC6,
     NODE2_6,
@@ -28,8 +29,9 @@ from lab.dplab import (
     UDP,
     Net,
     add_service6,
+    set_config,
 )
-from lab.packets import TC_ACT_REDIRECT, XDP_DROP, XDP_PASS, XDP_TX
+from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, XDP_DROP, XDP_PASS, XDP_TX
 from tests.ebpf.test_datapath_ipv6 import (  # noqa: F401 (`lab`: the IPv6 packet lab, a fixture)
     LOCAL_BE,
     ct6,
@@ -213,6 +215,104 @@ def test_the_last_hop_goes_to_tc(net: Net) -> None:
     to_tc(net, frame6(CLIENT6, NODE6, 50007, NODEPORT, hlim=1))
 
 
+AFFINITY = ETP_CLUSTER | FrontendFlag.AFFINITY
+
+
+def aff_backends(net: Net) -> list[int]:
+    """The backend of each IPv6 affinity entry."""
+    out = []
+    for _, v in net.dp.maps["aff6"].items():
+        assert isinstance(v, abi.Affinity)
+        out.append(int(v.backend_id))
+    return out
+
+
+def test_an_affinity_frontends_choice_is_remembered_at_xdp_only_when_xdp_carries_the_flow(net: Net) -> None:
+    """ClientIP affinity: a new flow XDP sends remembers its backend (the client's next flow is an
+    AFFINITY_HIT at XDP, to the same backend); one XDP leaves to tc (a local backend, or a remote
+    one whose route leaves by another device) writes no affinity entry, so tc's choice is a first
+    choice, counted as one (no AFFINITY_HIT), and remembered by tc."""
+    snat_source(net)
+    add_service6(
+        net.dp.maps, NODE6, NODEPORT, REMOTE_BE, scope=Scope.EXTERNAL, flags=AFFINITY, affinity_timeout=10800
+    )
+    assert net.xdp(frame6(CLIENT6, NODE6, 50020, NODEPORT))[0] == XDP_TX
+    assert aff_backends(net) == [1]
+    assert net.xdp(frame6(CLIENT6, NODE6, 50021, NODEPORT))[0] == XDP_TX
+    xstats(net, PACKETS=2, NEW_FLOWS=2, SNAT=2, AFFINITY_HIT=1)
+
+
+@pytest.mark.parametrize(
+    "backends",
+    [LOCAL_BE, ((1, BE6_SMALL_MTU, 8080, 0),)],
+    ids=["local backend", "remote backend routed by another device"],
+)
+def test_an_affinity_choice_xdp_leaves_to_tc_is_tcs_first_choice(
+    net: Net, backends: tuple[tuple[int, str, int, int], ...]
+) -> None:
+    snat_source(net)
+    add_service6(
+        net.dp.maps, NODE6, NODEPORT, backends, scope=Scope.EXTERNAL, flags=AFFINITY, affinity_timeout=10800
+    )
+    syn = frame6(CLIENT6, NODE6, 50022, NODEPORT)
+    to_tc(net, syn)  # asserts no affinity entry
+    assert net.from_net(syn)[0] == TC_ACT_REDIRECT
+    assert net.stats()[Stat.AFFINITY_HIT] == 0, "tc's first choice"
+    assert aff_backends(net) == [1], "remembered by tc"
+
+
+def ring_heads(net: Net) -> dict[int, int]:
+    """How many flows each IPv6 early-drop ring was given (ekp_ctqh6: TCP, ANY)."""
+    return {int(k.value): int(v.value) for k, v in net.dp.maps["ctqh6"].items()}
+
+
+def test_a_hit_whose_route_leaves_by_another_device_goes_to_tc_before_its_state_moves(net: Net) -> None:
+    """A RST on a flow to a local backend (tc's: its route leaves by the pod's device, not ext0)
+    is looked up at XDP and passed to tc untouched: the entry's flags and last_seen as they were,
+    nothing given to the early-drop ring. Then tc moves the flow (the RST closes it, into the
+    ring). A hit whose state moved at XDP would be moved twice, or closed by XDP for a packet tc
+    then carries."""
+    snat_source(net)
+    nodeport(net, LOCAL_BE)
+    syn = frame6(CLIENT6, NODE6, 50010, NODEPORT)
+    assert net.from_net(syn)[0] == TC_ACT_REDIRECT
+    before = bytes(ct6(net, CLIENT6, NODE6, 50010, NODEPORT))
+    heads = ring_heads(net)
+    assert heads[abi.CtqRing.TCP] == 1, "the flow's beginning"
+    rst = frame6(CLIENT6, NODE6, 50010, NODEPORT, flags="R")
+    assert net.xdp(rst) == (XDP_PASS, rst)
+    xstats(net, PACKETS=1, TO_TC=1)
+    assert bytes(ct6(net, CLIENT6, NODE6, 50010, NODEPORT)) == before, "flags and last_seen unchanged"
+    assert ring_heads(net) == heads, "nothing pushed to the early-drop ring"
+    assert net.from_net(rst)[0] == TC_ACT_REDIRECT
+    moved = ct6(net, CLIENT6, NODE6, 50010, NODEPORT)
+    assert moved is not None and bytes(moved) != before and moved.flags & abi.CtFlag.RST
+    assert ring_heads(net)[abi.CtqRing.TCP] == 2, "closed by tc: into the ring"
+
+
+def test_a_destination_options_header_is_kept_through_the_rewrite(net: Net) -> None:
+    """The L4 header 8 bytes further in (l4_off 62, not 54): the ports and checksum rewritten
+    there, the extension header sent on as it came, both ways."""
+    from scapy.layers.inet import TCP as TCPh
+    from scapy.layers.inet6 import IPv6ExtHdrDestOpt
+    from scapy.layers.l2 import Ether
+
+    snat_source(net)
+    nodeport(net)
+    verdict, out = net.xdp(frame6(CLIENT6, NODE6, 50011, NODEPORT, ext=IPv6ExtHdrDestOpt()))
+    assert verdict == XDP_TX
+    _, src, dst, sport, _, dport, hlim = seen(out)  # seen: the TCP checksum is right
+    assert (src, dst, dport, hlim) == (NODE6, REMOTE_BE6, 8080, 63)
+    assert IPv6ExtHdrDestOpt in Ether(out) and len(out) == len(
+        frame6(CLIENT6, NODE6, 1, 1, ext=IPv6ExtHdrDestOpt())
+    )
+    verdict, out = net.xdp(frame6(REMOTE_BE6, NODE6, 8080, sport, flags="SA", ext=IPv6ExtHdrDestOpt()))
+    assert verdict == XDP_TX
+    assert seen(out)[1:4] == (NODE6, CLIENT6, NODEPORT) and Ether(out)[TCPh].dport == 50011
+    assert IPv6ExtHdrDestOpt in Ether(out)
+    xstats(net, PACKETS=2, NEW_FLOWS=1, SNAT=1, CT_REPLY=1)
+
+
 def test_a_packet_of_no_frontend_and_no_flow_passes_uncounted_but_pass(net: Net) -> None:
     snat_source(net)
     nodeport(net)
@@ -235,3 +335,37 @@ def test_the_counters_balance_over_a_mix(net: Net) -> None:
     drops = sum(n for s, n in x.items() if s.name.startswith("DROP_"))
     assert x[Stat.PACKETS] == outcomes + drops == 20
     assert (x[Stat.NEW_FLOWS], x[Stat.CT_FORWARD], x[Stat.PASS], x[Stat.TO_TC]) == (5, 5, 5, 5)
+
+
+def test_under_legacy_host_routing_xdp_keeps_its_drops_and_leaves_translations_to_tc(net: Net) -> None:
+    """As IPv4's XDP under legacy routing (bpf/README, "XDP"): a source-range drop stays at XDP; a
+    new flow and a hit, which the node's stack must see (its FORWARD chain, nf_conntrack), pass to
+    tc untouched before any side effect (no entry; a hit's state not moved), and tc hands each to
+    the stack with its destination rewritten (ekp_host6.h)."""
+    set_config(net.dp, flags=ConfigFlag.HOST_LEGACY)
+    snat_source(net)
+    nodeport(net)
+    lb = "fd00:ff::50"
+    add_service6(
+        net.dp.maps,
+        lb,
+        80,
+        REMOTE_BE,
+        scope=Scope.EXTERNAL,
+        flags=FrontendFlag.SOURCE_RANGES,
+        rev_nat_id=9,
+        svc_id=2,
+    )
+    assert net.xdp(frame6(CLIENT6, lb, 42310, 80))[0] == XDP_DROP
+    syn = frame6(CLIENT6, NODE6, 50030, NODEPORT)
+    assert net.xdp(syn) == (XDP_PASS, syn)
+    assert ct6_count(net) == 0
+    verdict, out = net.from_net(syn)
+    assert verdict == TC_ACT_OK and seen(out)[1:3] == (CLIENT6, REMOTE_BE6), "tc's hand-over to the stack"
+    entry = bytes(ct6(net, CLIENT6, NODE6, 50030, NODEPORT))
+    ack = frame6(CLIENT6, NODE6, 50030, NODEPORT, flags="A")
+    assert net.xdp(ack) == (XDP_PASS, ack)
+    assert bytes(ct6(net, CLIENT6, NODE6, 50030, NODEPORT)) == entry, "the hit's state is tc's to move"
+    verdict, out = net.from_net(ack)
+    assert verdict == TC_ACT_OK and seen(out)[2] == REMOTE_BE6
+    xstats(net, PACKETS=3, DROP_SOURCE_RANGE=1, TO_TC=2)

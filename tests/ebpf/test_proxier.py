@@ -1774,6 +1774,19 @@ def test_the_tc_ipv6_path_is_sized_from_the_settings_whether_the_load_runs_befor
     assert rig.sizes[-1].ipv6_tc is False, "an IPv4-only node pays for no IPv6 path"
 
 
+def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches(rig: Rig) -> None:
+    """MapSizes.xdp_ipv6 follows --bpf-xdp: with XDP disabled nothing reaches ekp_xdp_net6, so its
+    verification (a quarter second of a cold start) is skipped."""
+    dual = replace(
+        rig.config, node_ips=("10.0.0.1", "fd00::1"), socket_lb=True, bpf_host_routing=HostRouting.BPF
+    )
+    for mode, want in (("disabled", False), ("best-effort", True), ("native", True), ("generic", True)):
+        rig.config = replace(dual, bpf_xdp=mode)
+        rig.proxier().sync(STATE, NODE)
+        assert rig.sizes[-1].xdp_ipv6 is want, mode
+        assert rig.sizes[-1].ipv6_tc is True
+
+
 def test_fixtures_differ() -> None:
     assert set(STATE.services) < set(MORE.services)
     # with the NodePort on localhost (internal), and the node's own (HOST) twins of the ETP Local
