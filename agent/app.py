@@ -111,12 +111,13 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
         assert isinstance(proxier, IptablesProxier)
         follow = proxier.runner
         # ip6tables with the IPv4 rules' backend; the IPv4 proxier alone takes over from eBPF mode
-        # and kube-proxy's nftables tables (both families at once).
+        # and kube-proxy's nftables tables (both families at once), the eBPF data path once both
+        # families' rules are in place.
         return IptablesProxier(
             config,
             family=IPFamily.IPv6,
             runner=SubprocessRunner(config, family=6, follow=lambda: follow.backend),
-            take_over=lambda: True,
+            take_over=proxier.hand_back_after(IPFamily.IPv6),
             metrics=metrics,
         )
     if not config.socket_lb:

@@ -147,10 +147,13 @@ class EbpfAndIp6tables:
       sync programs it (every port when the maps' sync raised: what they hold is not known);
     * a port leaving the set keeps its rules until the sync after the maps that serve it were
       written (`again`: the next IPv6 sync drops them);
-    * a failed restore takes the grant back (its MASQUERADE is not known to be in place): the ports
-      that hands back, and those the maps failed, are restored again after the maps' sync, in the
-      same call, with every port the rules in place had (nothing is thinned after a failure). If
-      that restore fails too, the ports the grant handed back wait for one that succeeds;
+    * a failed restore changes no rule, so it does not take the grant back: the rules in place
+      (the last good restore's, or the earlier run's whose grant the load kept) keep MASQUERADE
+      out of the range and were thinned for that grant. The ports the grant hands back for another
+      reason, those the maps failed, and after a failed restore every port needed whose rules are
+      not known to be in place, are restored again after the maps' sync, in the same call, with
+      every port the rules in place had (nothing is thinned after a failure). If that restore
+      fails too, they wait for one that succeeds;
     * the first sync, and the one after a failure, writes every port: maps of an earlier run, or
       of the failed sync, may hand any of them to the stack."""
 
@@ -199,9 +202,12 @@ class EbpfAndIp6tables:
         after = ports_left(state, node.node_ips, self.facts(state, granted=self.ebpf.snat_granted))
         # The ports the maps hold no frontend for reach the stack: ip6tables serves them.
         after |= every if maps is None else maps.failed.keys() & every
-        if not after <= keep:
-            # The grant went off (a failed restore) or the maps failed ports: their rules now; after
-            # a failed restore with every port the rules in place had (it changed none of them).
+        # The ports whose rules are known to be in place: a failed restore changed none, and after
+        # one that failed before (in_place None) the rules in place may be any earlier sync's.
+        have = keep if restored else in_place or frozenset()
+        if not after <= have:
+            # The grant went off, the maps failed ports or a failed restore left their rules unknown:
+            # their rules now; after a failed restore with every port the rules in place had.
             second = keep | after
             if not restored:
                 second |= every if in_place is None else in_place

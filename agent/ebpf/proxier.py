@@ -368,10 +368,16 @@ class EbpfProxier:
         self._short: dict[str, int] = {}  # map role -> entries wanted, while more than it holds
         self._maglev = MaglevWriter(config.map_sizes.maglev_table_size)
         self._v6 = Ipv6Datapath(config)  # the IPv6 family's maps (`sync6`)
-        # The last ip6tables restore succeeded, so its MASQUERADE keeps out of --bpf-snat-ports
-        # (agent/metaproxier.py EbpfAndIp6tables): without it sync6 writes ekp_cfg6, the tc IPv6
-        # path's SNAT source, zero (`_snat6_granted`)
+        # The ip6tables rules in place keep their MASQUERADE out of --bpf-snat-ports
+        # (agent/metaproxier.py EbpfAndIp6tables): a restore of this run succeeded, or the load kept
+        # an earlier run's grant (its rules did). A failed restore changes no rule, so it does not
+        # turn this off. Without it sync6 writes ekp_cfg6, the tc IPv6 path's SNAT source, zero
+        # (`_snat6_granted`)
         self.masquerade6_apart = False
+        # The load kept an earlier run's grant (`_pinned_grant6`) and no IPv6 restore of this run
+        # has succeeded yet: the rules in place are that run's, thinned for the grant. Where this
+        # run's tc IPv6 path is off, the grant stays until that restore writes every port.
+        self._grant6_kept = False
         # ... and no flow ip6tables masqueraded before that (an upgrade, a switch from iptables
         # mode) holds a reply tuple a tc flow could take: the address it was checked for
         self._snat6_free_for = ""
@@ -528,11 +534,16 @@ class EbpfProxier:
         """Why the grant is refused ("" when it is not). `restored`: the outcome of the ip6tables
         restore to judge by (None: the last one, `masquerade6_apart`)."""
         if not self._tc_ipv6:
+            if self._grant6_kept and restored is None:
+                # the earlier run's programs, attached until this run's replace them, send its
+                # SNAT frontends to the stack only where ekp_cfg6 is zero: its thinned rules have
+                # none for them until this run's first restore writes every port
+                return ""
             return "the path is off (legacy host routing, no socket-level load balancing or no IPv6 half)"
-        if not (self.masquerade6_apart if restored is None else restored):
+        if not (self.masquerade6_apart or restored):
             return (
-                "the last ip6tables restore failed (or none ran yet): its MASQUERADE may take ports "
-                "of --bpf-snat-ports"
+                "no ip6tables restore has succeeded yet: the MASQUERADE in place may take ports of "
+                "--bpf-snat-ports"
             )
         if not self._snat_ports_live():
             return "ekp_config does not hold this run's --bpf-snat-ports yet (the IPv4 sync writes it)"
@@ -561,12 +572,15 @@ class EbpfProxier:
 
     def masquerade6_apart_is(self, apart: bool) -> None:
         """What the last ip6tables restore did (agent/metaproxier.py `masquerade_apart`). A failed
-        one also forgets that no masqueraded flow held a port of the range: the rules in place may
-        not be ours, so nf_conntrack is read again before the next grant."""
-        with self._lock:
-            self.masquerade6_apart = apart
-            if not apart:
-                self._snat6_free_for = ""
+        one changes no rule (ip6tables-restore commits a table whole or not at all; a sync that
+        raises before it writes nothing): the rules in place are those of the last that succeeded,
+        or the earlier run's the load kept the grant for, and keep MASQUERADE out of the range as
+        before. Taking the grant back there would hand the frontends those rules were thinned of to
+        a stack with no rule for them until a restore succeeds."""
+        if apart:
+            with self._lock:
+                self.masquerade6_apart = True
+                self._grant6_kept = False
 
     def _snat_ports_live(self) -> bool:
         """Whether ekp_config's SNAT range (which the tc IPv6 path's port walk reads too) is this
@@ -825,6 +839,7 @@ class EbpfProxier:
                 # its rules were rendered for that) until sync6 grants again.
                 kept = self._pinned_grant6(datapath.maps)
                 if kept:
+                    self._grant6_kept = self.masquerade6_apart = True
                     log.info(
                         "IPv6 SNAT source of the tc programs kept at %s until the first IPv6 sync: the "
                         "node's primary IPv6 address and --bpf-snat-ports are those the earlier run "
@@ -857,16 +872,20 @@ class EbpfProxier:
 
     def _pinned_grant6(self, maps: Mapping[str, MapWriter]) -> str:
         """The address in the pinned ekp_cfg6 when the grant an earlier run gave with it still holds
-        for this one ("" when not): the tc IPv6 path serves, ekp_config's SNAT range (that run's
-        --bpf-snat-ports, which its ip6tables' MASQUERADE kept out of) is this run's, and the
-        address is the node's primary IPv6 one now. The first sync6 decides again, after the first
-        IPv6 restore (which writes every port's rules)."""
-        if not self._tc_ipv6 or self._node6_reader is None:
+        for this one ("" when not): ekp_config's SNAT range (that run's --bpf-snat-ports, which its
+        ip6tables' MASQUERADE kept out of) is this run's, the address is the node's primary IPv6
+        one now, and no flow ip6tables masqueraded to it holds a port of the range (those exist
+        only where the rules in place masquerade into it: not thinned, so zeroing is safe there).
+        Whatever this run's tc IPv6 path: that run's programs stay attached until this run's
+        replace them. The first sync6 decides again, after the first IPv6 restore (which writes
+        every port's rules); with the path off, the first after one that succeeded."""
+        if self._node6_reader is None:
             return ""
         pinned, cfg = read_config6(maps), read_config(maps)
         if pinned is None or not any(pinned.node_addr) or cfg is None:
             return ""
-        if (cfg.snat_port_min, cfg.snat_port_max) != self._config.snat_ports:
+        cfg_range = (cfg.snat_port_min, cfg.snat_port_max)
+        if cfg_range != self._config.snat_ports:
             return ""
         try:
             now = config6_of(self._node6_reader()).node_addr
@@ -875,7 +894,35 @@ class EbpfProxier:
                 "cannot read the node's IPv6 addresses at the load (%s): the IPv6 SNAT grant is reset", exc
             )
             return ""
-        return abi.ip6_str(pinned.node_addr) if bytes(now) == bytes(pinned.node_addr) else ""
+        if bytes(now) != bytes(pinned.node_addr):
+            return ""
+        source = abi.ip6_str(pinned.node_addr)
+        try:
+            held = [
+                f
+                for f in masqueraded_into(self._conntrack6_reader(self._config.netns), cfg_range, source)
+                if not _carried6(maps, f)
+            ]
+        except Exception as exc:  # pyroute2's decoders raise more than OSError
+            # Kept: that run read none at its grant and its rules kept new ones out since; the first
+            # sync6 reads again and refuses then.
+            log.warning(
+                "cannot read IPv6 nf_conntrack at the load (%s: %s): the IPv6 SNAT grant is kept "
+                "until the first IPv6 sync reads it again",
+                type(exc).__name__,
+                exc,
+            )
+            return source
+        if held:
+            log.info(
+                "IPv6 SNAT grant of the earlier run reset: %d flow(s) ip6tables masqueraded to %s hold "
+                "ports of --bpf-snat-ports (%s)",
+                len(held),
+                source,
+                held[0].describe(),
+            )
+            return ""
+        return source
 
     def _legacy_live(self) -> bool:
         """Legacy host routing is on in the maps, and so every device with our ingress program has

@@ -179,7 +179,17 @@ def take(
         for partial in glob.glob(glob.escape(path) + ".*.tmp"):  # a stop killed while it wrote
             with suppress(OSError):
                 os.unlink(partial)
-    with os.fdopen(fd, "rb") as f:
+    try:
+        # a directory opens O_RDONLY too, and fdopen would raise on it (every start, the fd leaked)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None, "not a regular file"
+        f = os.fdopen(fd, "rb")
+    except OSError as exc:
+        with suppress(OSError):
+            os.close(fd)
+        return None, f"cannot open it: {exc}"
+    with f:
         return _read(f, dump, identity, config, state)
 
 

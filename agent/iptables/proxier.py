@@ -183,6 +183,10 @@ class IptablesProxier:
         self._take_over = take_over if take_over is not None else self._take_over_node
         self._taken_over = False
         self._handed_back = False
+        # The families whose first restore the hand-back from eBPF mode waits for (`hand_back_after`),
+        # and those restored so far: the eBPF programs serve until every family's rules do.
+        self._handback_waits: set[IPFamily] = {family}
+        self._restored: set[IPFamily] = set()
         self._runner: IptablesRunner = (
             runner if runner is not None else SubprocessRunner(config, family=family.value)
         )
@@ -216,10 +220,28 @@ class IptablesProxier:
         """Another data path's state, once our rules serve: eBPF mode's programs and pins (their
         flows handed to nf_conntrack first), kube-proxy's nftables tables (their flows are in
         nf_conntrack already)."""
-        if not self._handed_back:
+        self._restored.add(self.family)
+        self._hand_back()
+        return self._nft_takeover() and self._handed_back
+
+    def hand_back_after(self, family: IPFamily) -> Callable[[], bool]:
+        """The take-over step of the proxier of `family` (iptables mode's IPv6 one): the hand-back
+        from eBPF mode waits for its first restore too. eBPF mode's ip6tables holds only the ports
+        its programs leave to the stack (agent/model/tc6_leaves.py): detached before ip6tables has
+        every port, the others would reach a stack with no rule for them."""
+        self._handback_waits.add(family)
+
+        def restored() -> bool:
+            self._restored.add(family)
+            self._hand_back()
+            return True
+
+        return restored
+
+    def _hand_back(self) -> None:
+        if not self._handed_back and self._handback_waits <= self._restored:
             EbpfHandback(self._config).run()
             self._handed_back = True
-        return self._nft_takeover()
 
     @property
     def runner(self) -> IptablesRunner:

@@ -678,6 +678,59 @@ def test_ebpf_modes_ipv6_proxier_writes_ip6tables_and_removes_only_kube_proxys_i
     assert rules is not None and rules > 0, "iptables mode's rule counts, labelled IPv6"
 
 
+def test_iptables_mode_hands_the_ebpf_data_path_back_only_once_both_families_rules_are_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A switch from eBPF mode: the ip6tables in place is eBPF mode's, with only the ports its
+    programs left to the stack. The IPv4 proxier's first sync comes first; detaching the programs
+    then would leave every other IPv6 port dark until the IPv6 restore: the hand-back waits for
+    it, a failed one included, and runs once, from whichever family restores last."""
+    from agent.app import make_proxier, make_proxier6
+    from agent.iptables import IptablesProxier
+    from agent.model.state import build_state
+    from tests.iptables.fakes import FakeCounters, FakeRunner
+    from tests.iptables.test_kube_proxy_cleanup import nft_responder
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    HandbackRecorder.runs = []
+    config = Config(mode=Mode.IPTABLES, hostname="node1", cluster_cidr=V6_CIDRS)
+    runner4, runner6 = FakeRunner(), FakeRunner()
+    for runner in (runner4, runner6):
+        runner.responses["nft"] = nft_responder([])[1]  # type: ignore[assignment]
+    ipv4 = IptablesProxier(config, runner=runner4, counters=FakeCounters())
+    ipv6 = IptablesProxier(
+        config,
+        family=IPFamily.IPv6,
+        runner=runner6,
+        counters=FakeCounters(),
+        take_over=ipv4.hand_back_after(IPFamily.IPv6),
+    )
+    state4 = build_state([dual()], [], NodeInfo("node1")).state
+    state6 = build_state(
+        [dual()], [slice6("web-v6", "fd00:10:244:1::2")], NodeInfo("node1"), family=IPFamily.IPv6
+    ).state
+    ipv4.sync(state4, NODE)
+    assert HandbackRecorder.runs == [], "IPv6 is still on eBPF mode's thinned ip6tables"
+    runner6.fail_next_restore = True
+    with pytest.raises(Exception, match="fake"):
+        ipv6.sync(state6, NODE6)
+    ipv4.sync(state4, NODE, frozenset())
+    assert HandbackRecorder.runs == [], "the IPv6 restore failed: its rules are not in place"
+    ipv6.sync(state6, NODE6)
+    assert HandbackRecorder.runs == [config.pin_path], "handed back once both families' rules serve"
+    ipv4.sync(state4, NODE, frozenset())
+    ipv6.sync(state6, NODE6, frozenset())
+    assert HandbackRecorder.runs == [config.pin_path], "and only once"
+    # the agent wires it so: the IPv6 proxier's take-over is the IPv4 one's wait
+    proxier = make_proxier(config, ipv6=True)
+    assert isinstance(proxier, IptablesProxier)
+    proxier6 = make_proxier6(config, proxier)
+    assert isinstance(proxier6, IptablesProxier)
+    assert proxier._handback_waits == {IPFamily.IPv4, IPFamily.IPv6}
+    alone = make_proxier(replace(config, cluster_cidr=V6_CIDRS[:1]), ipv6=False)
+    assert isinstance(alone, IptablesProxier) and alone._handback_waits == {IPFamily.IPv4}
+
+
 def test_a_kube_proxy_ip6_table_that_cannot_be_removed_is_a_warning_and_retried_until_gone(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

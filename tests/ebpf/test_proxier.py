@@ -845,6 +845,83 @@ def test_a_restart_keeps_the_pinned_snat_grant_only_while_its_address_and_range_
     assert after_restart() == "", "no address read: never kept"
 
 
+def test_a_kept_snat_grant_outlives_failed_restores_and_a_path_turned_off_until_one_succeeds(
+    rig: Rig,
+) -> None:
+    """The restart's first restore that fails leaves the earlier run's rules, thinned for the
+    grant and keeping MASQUERADE out of the range: the grant the load kept stays (zeroed, the
+    frontends they were thinned of would reach a stack with no rule for them, for as long as
+    restores fail). A restart with the tc IPv6 path off (--bpf-socket-lb=false) keeps it too
+    (that run's programs stay attached until this run's replace them) and zeroes it after the
+    first restore that succeeds, which wrote every port. A flow ip6tables masqueraded to the
+    address holding a port of the range zeroes it at the load (the rules in place were full)."""
+    from agent.ebpf.maps import read_config6
+
+    on = replace(
+        rig.config,
+        node_ips=("192.168.0.11", "fd00:192:168::11"),
+        socket_lb=True,
+        bpf_host_routing=HostRouting.BPF,
+    )
+    state = state6([service()], [slice_("fd00:10:244:1::2")])
+
+    def granted() -> str:
+        cfg6 = read_config6(rig.maps)
+        assert cfg6 is not None
+        return abi.ip6_str(cfg6.node_addr) if any(cfg6.node_addr) else ""
+
+    def earlier_run_granted() -> None:
+        rig.config, rig.node6 = on, None
+        p = rig.proxier()
+        half = p.ipv6()
+        p.sync(STATE, NODE)
+        half.masquerade_apart(True)
+        half.sync(state, NODE6)
+        assert granted() == "fd00:192:168::11"
+        p.close()
+
+    earlier_run_granted()
+    rig.node6 = NODE6
+    p = rig.proxier()
+    half = p.ipv6()
+    p.sync(STATE, NODE)
+    for _ in range(2):
+        half.masquerade_apart(False)  # the restore failed
+        half.sync(state, NODE6)
+        assert granted() == "fd00:192:168::11", "the kept grant stays while restores fail"
+    assert half.snat_granted
+    p.close()
+
+    earlier_run_granted()
+    rig.config, rig.node6 = replace(on, socket_lb=False), NODE6
+    p = rig.proxier()
+    half = p.ipv6()
+    p.prepare()
+    assert granted() == "fd00:192:168::11", "kept at the load, the path off"
+    p.sync(STATE, NODE)
+    half.masquerade_apart(False)
+    half.sync(state, NODE6)
+    assert granted() == "fd00:192:168::11", "no restore succeeded: the thinned rules are in place"
+    half.masquerade_apart(True)
+    half.sync(state, NODE6)
+    assert granted() == "", "every port has its rules: the path off has no source"
+    p.close()
+
+    earlier_run_granted()
+    rig.node6 = NODE6
+    rig.conntrack6 = [
+        NatFlow(
+            6,
+            ("fd00:ff::100", "fd00:192:168::11", 5555, 30080),
+            ("fd00:a:2::7", "fd00:192:168::11", 8080, 61500),
+        )
+    ]
+    p = rig.proxier()
+    p.prepare()
+    assert granted() == "", "a masqueraded flow holds a port of the range: reset at the load"
+    p.close()
+
+
 def test_the_ipv6_snat_preview_knows_every_reason_but_the_restores_outcome_and_writes_nothing(
     rig: Rig,
 ) -> None:
@@ -958,14 +1035,15 @@ def test_an_ipv6_nf_conntrack_read_that_raises_anything_leaves_the_ipv6_sync_who
     p.close()
 
 
-def test_the_tc_ipv6_paths_snat_source_is_zero_whenever_the_grant_is_lost_or_the_path_is_off(
+def test_the_tc_ipv6_paths_snat_source_is_zero_until_a_restore_succeeds_or_where_the_path_is_off(
     rig: Rig,
 ) -> None:
-    """ekp_cfg6 holds the node's address only while granted: an ip6tables restore that failed
-    (masquerade_apart(False): the rules in place are not known to keep out of --bpf-snat-ports)
-    zeroes it at the next sync6 until one succeeds again, and nf_conntrack is read again then (a flow
-    masqueraded into the range meanwhile holds it). Where the tc IPv6 path does not serve
-    (no socket-level load balancing), it is zero whatever ip6tables did, over what a pin held."""
+    """ekp_cfg6 holds the node's address only once an ip6tables restore succeeded (its MASQUERADE
+    keeps out of --bpf-snat-ports): failed ones before it leave it zero. A failed restore after one
+    that succeeded keeps the grant: it changed no rule, those in place keep out of the range, and
+    they were thinned for the grant (taking it back would leave its frontends to a stack with no
+    rule for them). Where the tc IPv6 path does not serve (no socket-level load balancing), it is
+    zero whatever ip6tables did, over what a pin held."""
     from agent.ebpf.maps import read_config6, write_config6
 
     state = state6([service()], [slice_("fd00:10:244:1::2")])
@@ -974,31 +1052,22 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_whenever_the_grant_is_lost_or_the
     p = rig.proxier()
     half = p.ipv6()
     p.sync(STATE, NODE)
-    half.masquerade_apart(True)
-    half.sync(state, NODE6)
-    cfg6 = read_config6(rig.maps)
-    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
     half.masquerade_apart(False)
     half.sync(state, NODE6)
     cfg6 = read_config6(rig.maps)
-    assert cfg6 is not None and not any(cfg6.node_addr), "a failed restore takes the grant back"
-    # Meanwhile (rules not known to be ours) a flow was masqueraded into the range: the next good
-    # restore reads nf_conntrack again rather than trusting the grant it had.
-    rig.conntrack6 = [
-        NatFlow(
-            6,
-            ("fd00:ff::100", "fd00:192:168::11", 5555, 30080),
-            ("fd00:a:2::7", "fd00:192:168::11", 8080, 61500),
-        )
-    ]
+    assert cfg6 is not None and not any(cfg6.node_addr), "no restore succeeded yet"
     half.masquerade_apart(True)
     half.sync(state, NODE6)
     cfg6 = read_config6(rig.maps)
-    assert cfg6 is not None and not any(cfg6.node_addr), "read again after the failed restore"
-    rig.conntrack6 = []
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+    reads = rig.conntrack6_reads
+    half.masquerade_apart(False)
     half.sync(state, NODE6)
     cfg6 = read_config6(rig.maps)
-    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11"
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11", (
+        "a failed restore leaves the granted rules in place: the grant stays"
+    )
+    assert rig.conntrack6_reads == reads, "and what nf_conntrack held is still known"
     p.close()
 
     rig.config = replace(dual, socket_lb=False)
@@ -1207,7 +1276,7 @@ def test_the_ipv6_snat_grant_is_told_at_each_ipv6_sync_and_its_reason_logged_whe
     assert granted == [0, 0, 0, 0, 0, 1, 1]
     reasons = [m for m in said() if m.startswith("the tc IPv6 path leaves masqueraded flows")]
     assert [r.split(": ", 1)[1].split(" ")[:3] for r in reasons] == [
-        ["the", "last", "ip6tables"],
+        ["no", "ip6tables", "restore"],
         ["the", "node", "has"],
         ["1", "flows", "ip6tables"],
         ["IPv6", "nf_conntrack", "could"],

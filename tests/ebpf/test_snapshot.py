@@ -386,6 +386,21 @@ def test_a_fifo_at_the_snapshots_name_neither_hangs_the_start_nor_is_read(
     assert not os.path.lexists(path)
 
 
+def test_a_directory_at_the_snapshots_name_is_refused_without_failing_the_sync_or_leaking_its_fd(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig, path = _saved(tmp_path)
+    os.unlink(path)
+    os.mkdir(path)  # opens O_RDONLY as a file would; reading it raises IsADirectoryError
+    with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+        rig.proxier().sync(MORE, NODE)
+    assert "not a regular file" in caplog.text and TAKEN not in caplog.text
+    fds = os.listdir("/proc/self/fd")
+    assert path not in {
+        os.readlink(f"/proc/self/fd/{n}") for n in fds if os.path.lexists(f"/proc/self/fd/{n}")
+    }
+
+
 def test_a_file_larger_than_any_planner_is_refused_unread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
