@@ -472,7 +472,11 @@ int ekp_egress(struct __sk_buff *skb)
 }
 
 /* ekp_egress's IPv6 half: a tagged packet gets its source (legacy host routing, ekp_host6.h);
- * the node's own, its frontend when it answers a flow handed to its stack (ekp_tc6_local). */
+ * the node's own, its frontend when it answers a flow handed to its stack (ekp_tc6_local). A packet
+ * it does not translate leaves (TC_ACT_OK) in EKP_HANDOVER_MISS too, where IPv4's miss goes on to
+ * the older build (TC_ACT_UNSPEC): as the IPv6 ingress programs, it decides alone, since the IPv6
+ * tables (ekp_ct6_*, ekp_hostnat6_v2) are the pinned maps every build of one ABI shares, so an
+ * older build's ekp_egress6 would find nothing this one does not. */
 int ekp_egress6(struct __sk_buff *skb)
 {
 	__u16 tag = skb->tc_index;

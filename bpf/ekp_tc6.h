@@ -17,7 +17,9 @@
  *                           ekp_hostnat6 under a tag, TC_ACT_OK (ekp_host6.h: IPv4's ekp_host_af.h),
  *                           and ekp_egress6 (tail-called by ekp_egress) gives the source at egress
  *   an ICMPv6 error      -> conntrack of the quoted flow (ekp_tc6_related) -> route, outer and
- *                           quote rewritten, hop limit - 1, redirect
+ *                           quote rewritten, hop limit - 1, redirect (to a backend on the node's
+ *                           own address: rewritten, TC_ACT_OK); one the node's stack sends about a
+ *                           flow handed to it: its frontend back at egress (ekp_tc6_local_related)
  *
  * What it translates: TCP, UDP and SCTP flows to a frontend, with the source translated to the
  * node's IPv6 address (ekp_cfg6) where IPv4 would translate it (SNAT_ALL, SNAT_REMOTE with a remote
@@ -82,9 +84,11 @@
  * are rewritten at ingress and delivered by the node's stack (TC_ACT_OK, no route, no hop spent),
  * and the stack's replies leave through ekp_egress6 (ekp_tc6_local), which gives them their
  * frontend back from the REPLY entry, the fragments of a reply the stack fragmented too (their
- * first records their ports). Not yet as IPv4's: an ICMPv6 error about such a flow's reply (to
- * the node: ekp_tc6_related's route lookup finds it local, and it goes to the stack
- * untranslated), and one the node's stack sends about such a flow.
+ * first records their ports). An ICMPv6 error about such a flow's reply (to the node) is
+ * rewritten and handed to the stack without a route (ekp_tc6_related); one the node's stack sends
+ * about a flow it was handed (such a flow's, or under legacy host routing any flow's) goes to the
+ * client through ekp_egress6 and gets its frontend back (ekp_tc6_local_related), except a
+ * masqueraded flow's: IPv4's tag-0 ekp_hostnat_v2 entries have no IPv6 twin.
  * Ahead of ekp_from_net6, XDP's IPv6 path (ekp_xdp6.h) runs these pieces on the XDP buffer: it
  * carries out drops, new flows to a backend on another node and hits when the route leaves by the
  * device the packet came in by, and passes everything else here untouched, before any side
@@ -375,31 +379,19 @@ static __always_inline int ekp_tc6_wants_snat(__u16 fe_flags, __u8 be_flags, con
 	       ekp_addr6_eq(be6, client);
 }
 
-/* An ICMPv6 error quoting a packet of a flow this path translated, as that packet left us
- * (translated): the node's stack has no nf_conntrack entry for the flow, so without this the error
- * would reach its destination about a tuple its sockets never used (a Packet Too Big about a
- * client's segment to the backend: the client's path MTU never lowered, the flow black-holed).
- * The quote reversed is the key of the flow's other direction, as in ekp_decide_related (IPv4's):
- *   a FORWARD packet (client -> backend) quoted: its REPLY entry; the error goes back to the
- *     client: quote to client -> frontend, outer source the frontend (nf_nat's outer manip); with
- *     SNAT the quote's source and the outer destination become the client (nat_addr, nat_port);
- *   a REPLY packet (frontend -> client) quoted: its FORWARD entry; the error goes on to the
- *     backend: quote to backend -> client, outer destination the backend; with SNAT the quote's
- *     destination and the outer source become the node's SNAT source (snat_addr, snat_port).
- * Routed and redirected as the flow's packets are; the entries are not refreshed. An error about
- * no live flow of this path, or with no route here, goes to the stack untouched, as before; so does
- * one not addressed to the quoted packet's source (the address the flow's entry knows that end by,
- * the key's destination), as nf_conntrack_inet_error gives it no conntrack (ekp_decide_related). */
-static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6_scratch *w, __u8 scope,
-					   __u32 bridge, const struct ekp_config *cfg, __u32 *outcome)
+/* The translation of the ICMPv6 error in w->pkt into w->icmp (ekp_tc6_related's comment): the
+ * direction of the entry it was found by (EKP_CT_REPLY: the quoted packet went client -> backend,
+ * the error goes to the client; EKP_CT_FORWARD: to the backend, `host` set for one on the node's
+ * own address), or -1 for none (no live flow, or not addressed to the quoted packet's source). */
+static __always_inline int ekp_tc6_related_nat(struct ekp_tc6_scratch *w, const struct ekp_config *cfg, __u64 now,
+					       int *host)
 {
 	const struct ekp_pkt6 *p = &w->pkt;
 	struct ekp_icmp6_nat *n = &w->icmp;
 	struct ekp_ct6_key *k = &w->key;
-	__u64 now = bpf_ktime_get_ns();
 
 	if (!ekp_addr6_eq(p->daddr, p->in_saddr))
-		return TC_ACT_OK;
+		return -1;
 	__builtin_memset(k, 0, sizeof(*k));
 	__builtin_memcpy(k->saddr, p->in_daddr, 16);
 	__builtin_memcpy(k->daddr, p->in_saddr, 16);
@@ -427,7 +419,8 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 		k->dir = EKP_CT_FORWARD;
 		e = ekp_ct6_lookup(k);
 		if (!e || ekp_ct6_life(e, k, cfg, now) != EKP_CT_LIVE)
-			return TC_ACT_OK;
+			return -1;
+		*host = (e->flags & EKP_CT_HOST) != 0;
 		__builtin_memcpy(n->in_saddr, e->nat_addr, 16);
 		n->in_sport = e->nat_port;
 		__builtin_memcpy(n->daddr, e->nat_addr, 16);
@@ -437,11 +430,42 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 			__builtin_memcpy(n->saddr, e->snat_addr, 16);
 		}
 	}
+	return k->dir;
+}
+
+/* An ICMPv6 error quoting a packet of a flow this path translated, as that packet left us
+ * (translated): the node's stack has no nf_conntrack entry for the flow, so without this the error
+ * would reach its destination about a tuple its sockets never used (a Packet Too Big about a
+ * client's segment to the backend: the client's path MTU never lowered, the flow black-holed).
+ * The quote reversed is the key of the flow's other direction, as in ekp_decide_related (IPv4's):
+ *   a FORWARD packet (client -> backend) quoted: its REPLY entry; the error goes back to the
+ *     client: quote to client -> frontend, outer source the frontend (nf_nat's outer manip); with
+ *     SNAT the quote's source and the outer destination become the client (nat_addr, nat_port);
+ *   a REPLY packet (frontend -> client) quoted: its FORWARD entry; the error goes on to the
+ *     backend: quote to backend -> client, outer destination the backend; with SNAT the quote's
+ *     destination and the outer source become the node's SNAT source (snat_addr, snat_port).
+ * Routed and redirected as the flow's packets are; the entries are not refreshed. An error about
+ * no live flow of this path, or with no route here, goes to the stack untouched, as before; so does
+ * one not addressed to the quoted packet's source (the address the flow's entry knows that end by,
+ * the key's destination), as nf_conntrack_inet_error gives it no conntrack (ekp_decide_related).
+ * An error on its way to a backend on the node's own address (EKP_CT_HOST: Packet Too Big about
+ * its reply through a NodePort) is rewritten and handed to the stack, whose route is only local. */
+static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6_scratch *w, __u8 scope,
+					   __u32 bridge, const struct ekp_config *cfg, __u32 *outcome)
+{
+	const struct ekp_pkt6 *p = &w->pkt;
+	struct ekp_icmp6_nat *n = &w->icmp;
+	int host = 0;
+
+	if (ekp_tc6_related_nat(w, cfg, bpf_ktime_get_ns(), &host) < 0)
+		return TC_ACT_OK;
 	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
 		*outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
 		return TC_ACT_SHOT;
 	}
-	long rc = ekp_tc6_route(skb, w, n->saddr, 0, n->daddr, 0);
+	/* A backend on the node's own address (EKP_CT_HOST): its route is local, so the error is
+	 * rewritten and delivered by the stack, no hop spent, as ekp_tc6_send's host branch does */
+	long rc = host ? BPF_FIB_LKUP_RET_SUCCESS : ekp_tc6_route(skb, w, n->saddr, 0, n->daddr, 0);
 	if (rc < 0 || rc == BPF_FIB_LKUP_RET_FRAG_NEEDED)
 		return TC_ACT_OK;
 	if (ekp_rewrite_icmp6_err(skb, p, n) < 0) {
@@ -449,7 +473,7 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 		return TC_ACT_SHOT;
 	}
 	*outcome = EKP_STAT_CT_RELATED;
-	return ekp_tc6_forward(skb, w, rc, outcome);
+	return host ? TC_ACT_OK : ekp_tc6_forward(skb, w, rc, outcome);
 }
 
 static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
@@ -713,6 +737,33 @@ out:
 	return verdict;
 }
 
+/* An ICMPv6 error the node's own stack sends about a flow handed to it (legacy host routing: an
+ * ip6tables REJECT in FORWARD, address unreachable for a dead backend; either routing, a backend
+ * on the node's own address: port unreachable from a closed UDP port), the egress twin of
+ * ekp_tc6_related as IPv4's ekp_decide_local is of ekp_decide_related: it quotes client -> backend
+ * and goes to the client, so the flow's REPLY entry gives the quote and the outer source their
+ * frontend back (nf_nat's translation of a RELATED error), and the stack's route stands. Left
+ * untranslated: an error toward the backend (found through a FORWARD entry), and a masqueraded
+ * flow's (the stack saw the client, the REPLY entry knows the node's SNAT port: IPv4 finds those
+ * by tag-0 ekp_hostnat_v2 entries, which IPv6 does not keep). Counted only when translated. */
+static __always_inline int ekp_tc6_local_related(struct __sk_buff *skb, struct ekp_tc6_scratch *w)
+{
+	const struct ekp_config *cfg = ekp_config_get();
+	int host = 0;
+
+	if (!cfg || ekp_tc6_related_nat(w, cfg, bpf_ktime_get_ns(), &host) != EKP_CT_REPLY)
+		return TC_ACT_OK;
+	__u32 outcome = EKP_STAT_CT_RELATED;
+	int verdict = TC_ACT_OK;
+	if (ekp_rewrite_icmp6_err(skb, &w->pkt, &w->icmp) < 0) {
+		outcome = EKP_DROP_MALFORMED;
+		verdict = TC_ACT_SHOT;
+	}
+	ekp_count(EKP_STAT_PACKETS);
+	ekp_count(outcome);
+	return verdict;
+}
+
 /* The node's own IPv6 packets at tc egress (ekp_egress6; ekp_egress sends it those with no
  * ingress device): the replies of flows handed to its stack (a backend on the node's own address,
  * EKP_CT_HOST; a direct connection to it moved to another port) get their frontend back from the
@@ -728,6 +779,8 @@ static __always_inline int ekp_tc6_local(struct __sk_buff *skb)
 	struct ekp_pkt6 *p = &w->pkt;
 	__builtin_memset(p, 0, sizeof(*p));
 	int parsed = ekp_parse6(skb, p);
+	if (parsed == EKP_PARSE_ICMP_ERR)
+		return ekp_tc6_local_related(skb, w);
 	if (parsed == EKP_PARSE_LATER) {
 		if (!ekp_frag6_ports(p))
 			return TC_ACT_OK;

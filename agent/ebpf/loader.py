@@ -39,7 +39,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -183,6 +183,15 @@ def pinned_handover_modes(pin_path: str) -> dict[str, HandoverMode]:
         for entry in sorted(os.listdir(pin_path))
         if entry.startswith(PROG_PIN_PREFIX) and entry.endswith(suffix)
     }
+
+
+def tail_call_order(names: Sequence[str], *, filling: bool) -> list[tuple[int, str]]:
+    """The (index, program) slots of a program array in the order `_route_ipv6` writes them:
+    ekp_egress6 first when filling, last when emptying (a first start attaches egress before
+    ingress, so an IPv6 packet the ingress path handed to the stack under legacy host routing
+    never finds its egress half missing)."""
+    slots = sorted(enumerate(names), key=lambda slot: slot[1] != PROG_EGRESS6)
+    return slots if filling else slots[::-1]
 
 
 class DatapathError(RuntimeError):
@@ -614,9 +623,7 @@ class Datapath:
             fd = bpfsys.obj_get(prog_pin(self.pin_path, build, array))
             if fd < 0:
                 raise DatapathError(f"opening program array {array} of build {build}: {os.strerror(-fd)}")
-            slots = sorted(enumerate(names), key=lambda slot: slot[1] != PROG_EGRESS6)
-            if not self.sizes.ipv6_tc:
-                slots.reverse()
+            slots = tail_call_order(names, filling=self.sizes.ipv6_tc)
             try:
                 for index, name in slots:
                     key = ctypes.c_uint32(index)

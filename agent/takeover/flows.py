@@ -288,9 +288,8 @@ def ebpf_entries6(flow: NatFlow, ids: EbpfIds, now_ns: int) -> list[tuple[Ct6Key
     """The FORWARD and REPLY entries of an IPv6 flow carried into the tc IPv6 path's conntrack
     (ekp_ct6_*: `ebpf_entries`' fields at 16 bytes; `ids` those of the IPv6 maps). Never NFPASS nor
     HOST: the IPv6 path has no NFPASS hand-over (bpf/ekp_tc6.h), so flows to a host backend are
-    not carried (agent/takeover/into_ebpf.py, _carry6), and under legacy host routing a carried
-    flow's NAT entry stays in the stack's way (bpf/README.md, "What the reviews of the IPv6 path
-    left open")."""
+    not carried (agent/takeover/into_ebpf.py, _carry6), and the NAT entries of those that meet the
+    node's stack are replaced after the attach without a hold (into_ebpf.py, _to_stack6)."""
     s, d, sp, dp = flow.orig
     rs, rd, rsp, rdp = flow.reply
     snat = flow.snat

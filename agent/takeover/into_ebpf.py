@@ -43,6 +43,9 @@ right after:
    translates them within EKP_CT_HANDOVER_S, as it did before NFPASS; a flow replaced after its
    hold expired is counted in a warning); a restarted agent finds the NAT entries again, carries the
    flows as there already and replaces them the same way.
+   The IPv6 UDP flows the tc IPv6 path hands to the stack (legacy: every carried one; either: one
+   to a host backend, not carried) have their NAT entries replaced the same way after the IPv4
+   ones, without a hold (that path reads no NFPASS): `_to_stack6`.
 3. then, the node being served: the other data path's rules go (agent/iptables/
    kube_proxy_cleanup.py: kube-proxy's iptables chains in both backends, which are also iptables
    mode's, and kube-proxy's nftables tables). Done at every start: an eBPF node has none of them,
@@ -233,6 +236,8 @@ class KernelTakeover:
         self._liberal_was: str | None = None
         self._node: Collection[str] = frozenset()  # the node's addresses, as the last carry read them
         self._carried: list[NatFlow] = []  # before the programs were attached
+        # IPv6 UDP flows whose NAT entries are replaced once the programs are attached (_carry6)
+        self._stack6: dict[Tuple, NatFlow] = {}
         self._attached_at = 0.0  # monotonic: after_attach began (the programs were just attached)
         self._carried_ns = 0  # clock_ns of the carry whose entries the hold of the waiting flows runs from
         self.carried = 0
@@ -256,7 +261,7 @@ class KernelTakeover:
         # go on translating them, their hold renewed meanwhile). Then both sets in one pass.
         self._attached_at = time.monotonic()
         carried, self._carried = self._carried, []
-        first = [f for f in carried if self._meets_stack(f)]
+        first = [f for f in carried if f.family == 4 and self._meets_stack(f)]
         # Their hold runs from the first carry: renewed before the second dump, which on a node
         # of many flows takes seconds of its own (about 0.3 ms an entry, more for a starved agent).
         self._renew(maps, first)
@@ -272,7 +277,9 @@ class KernelTakeover:
                 exc,
             )
             late = []
-        self._to_stack(maps, [*first, *(f for f in late if self._meets_stack(f))])
+        self._to_stack(maps, [*first, *(f for f in late if f.family == 4 and self._meets_stack(f))])
+        stack6, self._stack6 = list(self._stack6.values()), {}
+        self._to_stack6(stack6)
         if self._liberal_was is not None and self._liberal_was != "1":
             self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
         self._liberal_was = None
@@ -464,6 +471,54 @@ class KernelTakeover:
             holds_ns[1] / 1e6,
         )
 
+    def _to_stack6(self, flows: list[NatFlow]) -> None:
+        """The NAT entries of the IPv6 UDP flows the tc IPv6 path hands to the node's stack as
+        client <-> backend (`_carry6`) replaced by the plain ones, as IPv4's are (`_to_stack`), but
+        with no hold: the IPv6 path has no NFPASS. Without it the NAT entry's reply tuple (backend ->
+        client) is the plain flow's, so nf_nat's null binding gives the datagrams another source
+        port, the backend answers that port, the replies miss tc's REPLY entry and reach the client
+        from the backend, not the ClusterIP: dropped, for as long as datagrams keep the entry alive.
+        Deleting the NAT entry alone would do once no datagram came between the attach and the
+        delete; one that did made a plain entry with the moved port, which the replacement deletes
+        too (and the plain entry is created in the same send, so no datagram makes another).
+        A datagram the data path translated before its turn (milliseconds) may still lose its reply."""
+        if not flows:
+            return
+        started = time.monotonic()
+        try:
+            done = self._replace(
+                self._config.netns,
+                flows,
+                stack_flow,
+                timeouts_of(self._config),
+                before=lambda flow: None,
+                after=lambda flow: None,
+            )
+        except (OSError, NetlinkError) as exc:
+            log.warning(
+                "cannot replace the NAT entries of %d IPv6 UDP flows ip6tables translated, now handed to"
+                " the node's stack by the tc IPv6 path, in netns %s (%s): their replies reach the clients"
+                " from another source port or address until those entries expire (conntrack -D -f ipv6"
+                " -p udp removes them); the agent needs NET_ADMIN",
+                len(flows),
+                self._config.netns or "(own)",
+                exc,
+            )
+            return
+        for line in done.made.failed[:10]:
+            log.warning("an IPv6 UDP flow's NAT entry could not be replaced: %s", line)
+        log.info(
+            "replaced the NAT entries of %d IPv6 UDP flows the tc IPv6 path hands to the node's stack"
+            " (legacy host routing, or a backend on the node's own address) by client <-> backend"
+            " entries: %d replaced (%d with another source port removed, %d refused, %d failed), %.0f ms",
+            len(flows),
+            done.retired,
+            done.stray,
+            len(done.refused),
+            len(done.made.failed),
+            (time.monotonic() - started) * 1000,
+        )
+
     def _carry(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:
         """Carries what nf_conntrack holds; returns the flows it found to carry (carried now or
         before). Each family on its own: one whose table cannot be read leaves the other's carry
@@ -541,10 +596,10 @@ class KernelTakeover:
         that opens no flow is left to the stack, where nf_conntrack translates it as before. Found
         in ekp_fe6 / ekp_be6 as the pins of an earlier run left them (a restart, an upgrade): on a
         node the agent never served, those are written by the first IPv6 sync, after this. Skipped:
-        a host backend (its packets meet the stack's NAT entry, which IPv4 hands over with NFPASS
-        and the IPv6 path cannot), the node's own clients, a backend no longer in ekp_be6. Under
-        legacy host routing every carried flow meets that entry too (not handed over either: the
-        stack's NAT may give its datagrams another source port until the entry expires)."""
+        a host backend (the IPv6 path has no HOST nor NFPASS entry to carry it with: tc decides it
+        again), the node's own clients, a backend no longer in ekp_be6. The flows whose datagrams
+        tc hands to the stack (every carried one under legacy host routing, a host backend's under
+        either) are kept for `_to_stack6`, which replaces their NAT entries after the attach."""
         netns = self._config.netns
         try:
             flows = [f for f in self._dump6(netns) if f.proto == UDP and f.family == 6 and f.dnat]
@@ -563,8 +618,12 @@ class KernelTakeover:
         carried: list[NatFlow] = []
         inserted = skipped = 0
         now = self._clock_ns()
+        legacy = self._config.bpf_host_routing == HostRouting.LEGACY
         for flow in flows:
-            if why_not_carried(flow, ids, node) is not None or host_backend(flow, node):
+            why, host = why_not_carried(flow, ids, node), host_backend(flow, node)
+            if why is None and (legacy or host):
+                self._stack6[flow.orig] = flow
+            if why is not None or host:
                 skipped += 1
                 continue
             carried.append(flow)

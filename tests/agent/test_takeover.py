@@ -1302,3 +1302,64 @@ def test_the_ipv6_carry_leaves_the_nodes_own_ipv6_clients_and_host_backends_by_d
     takeover.before_attach(maps)
     carried = {bytes(k) for k, _ in maps["ct6_any"].items()}
     assert carried == {bytes(k) for k, _ in ebpf_entries6(DNS6, IDS, NOW)}
+
+
+@pytest.mark.parametrize("routing", [HostRouting.LEGACY, HostRouting.BPF])
+def test_ipv6_udp_flows_the_tc_path_hands_to_the_stack_get_plain_nf_conntrack_entries(
+    routing: HostRouting,
+) -> None:
+    """A UDP flow ip6tables translated whose datagrams the tc IPv6 path now hands to the node's stack
+    as client -> backend (under legacy host routing every one; under either, one to a backend on the
+    node's own address, which tc serves again and may give the same backend) has its NAT entry
+    replaced by the plain one: left in place, its reply tuple (backend -> client) clashes with the
+    plain flow's, so the stack's NAT moves the datagrams' source port and the replies miss tc's
+    REPLY entry (the client gets them from the backend, not the ClusterIP). A flow whose backend
+    left is not touched (tc gives it another backend: no clash), nor a node client's (tc never sees
+    it); the IPv6 path has no NFPASS hold, so no eBPF entry is held around the replacement."""
+    events: list[str] = []
+    takeover = KernelTakeover(
+        dataclasses.replace(tc6_config(), bpf_host_routing=routing),
+        dump=lambda netns: [],
+        dump6=lambda netns: [DNS6, GONE6, HOST6, NatFlow(17, (NODE6_T, VIP6_T, 40010, 53), DNS6.reply)],
+        addresses=lambda netns: {NODE, NODE6_T},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=FakeReplace(events),
+        clock_ns=lambda: NOW,
+    )
+    maps = fake_maps6()
+    maps["be6"].update(
+        abi.BackendKey(32), abi.Backend6(abi.Addr6(*abi.ip6_words(NODE6_T)), port_be(53), 17, 0)
+    )
+    takeover.before_attach(maps)
+    assert events == [], "replaced only once the programs are attached (ip6tables translates until then)"
+    takeover.after_attach(maps)
+
+    def replaced(flow: NatFlow) -> list[str]:
+        plain = stack_flow(flow)
+        return [f"delete {[flow.orig]}", f"delete {[plain.orig]}", f"create {[plain.orig]}"]
+
+    handed = [DNS6, HOST6] if routing == HostRouting.LEGACY else [HOST6]
+    assert events == [e for flow in handed for e in replaced(flow)]
+    entries = [v for _, v in maps["ct6_any"].items()]
+    assert entries and all(
+        isinstance(v, abi.Ct6Entry) and not v.flags & (CtFlag.NFPASS | CtFlag.HANDOVER) for v in entries
+    )
+
+
+@pytest.mark.kernel
+def test_replace_flows_gives_an_ipv6_udp_flow_its_plain_entry_and_removes_the_moved_one(netns: str) -> None:
+    """What `_to_stack6` asks of ctnetlink, for real: an IPv6 UDP flow's NAT entry (client ->
+    ClusterIP, reply backend -> client) and the plain entry a datagram the tc path handed to the
+    stack made meanwhile, its reply moved to another port by nf_nat (the entry that kept the
+    replies from the client) are replaced by the plain client <-> backend entry alone."""
+    t = Timeouts()
+    moved = NatFlow(17, (CLIENT6_T, BE6_T, 40000, 53), (BE6_T, CLIENT6_T, 53, 1024))
+    assert create_flows(netns, [DNS6, moved], t).created == 2
+    done = replace_flows(netns, [DNS6], stack_flow, t, before=lambda f: None, after=lambda f: None)
+    assert (done.retired, done.stray, done.made.created, done.made.failed) == (1, 1, 1, [])
+    assert dump_flows(netns, socket.AF_INET6) == [], "no NAT entry left"
+    listed = sh("ip", "netns", "exec", netns, "conntrack", "-L", "-f", "ipv6", "-p", "udp").splitlines()
+    assert len(listed) == 1 and "sport=53 dport=40000" in listed[0], (
+        listed
+    )  # the reply to the client's own port

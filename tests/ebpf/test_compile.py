@@ -27,6 +27,7 @@ from agent.ebpf.objcache import DIR_ENV, ObjectCache
 from agent.ebpf.programs import (
     BUILD_MAPS,
     PROG_EGRESS,
+    PROG_EGRESS6,
     PROG_FROM_NET,
     PROG_FROM_POD,
     PROG_SCHED_CLS,
@@ -709,3 +710,17 @@ def test_an_older_build_s_program_array_stays_filled_until_its_programs_are_repl
             assert new.release_older_builds() == []
         finally:
             new.close()
+
+
+def test_ekp_egress6_is_filled_first_and_emptied_last_in_its_program_array() -> None:
+    """The loader's slot order for the IPv6 path's program array (ekp_calls6): ekp_egress6 before
+    the ingress programs when the path is switched on, after them when it is switched off, so an
+    IPv6 packet ingress handed to the stack under legacy host routing always finds its egress half
+    (a first start attaches egress before ingress for the same reason)."""
+    names = TAIL_CALLS["ekp_calls6"]
+    assert PROG_EGRESS6 in names and names.index(PROG_EGRESS6) > 0, "the order comes from the sort"
+    filling = loader.tail_call_order(names, filling=True)
+    emptying = loader.tail_call_order(names, filling=False)
+    assert filling[0] == (names.index(PROG_EGRESS6), PROG_EGRESS6)
+    assert emptying[-1] == (names.index(PROG_EGRESS6), PROG_EGRESS6)
+    assert sorted(filling) == sorted(emptying) == list(enumerate(names)), "every slot, once"

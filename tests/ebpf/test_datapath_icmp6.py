@@ -59,6 +59,7 @@ pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 KINDS = {
     "packet-too-big": (2, 0, 1280),  # the MTU
     "unreachable": (1, 3, 0),  # address unreachable
+    "port-unreachable": (1, 4, 0),
     "time-exceeded": (3, 0, 0),
     "parameter-problem": (4, 0, 40),  # the pointer
 }

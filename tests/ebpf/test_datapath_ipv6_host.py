@@ -16,7 +16,7 @@ import pytest
 
 from agent.ebpf.abi import BackendFlag, ConfigFlag, CtFlag, FrontendFlag, Scope, Stat
 from agent.ebpf.loader import Datapath
-from lab.dplab import CLIENT6, NODE6, POD6, VIP6, Net, add_service6, set_config
+from lab.dplab import CLIENT6, NODE6, POD6, UDP, VIP6, Net, add_service6, set_config
 from lab.packets import TC_ACT_OK
 from tests.ebpf.test_datapath_ipv6 import (  # noqa: F401 (`lab`: the IPv6 packet lab, a fixture)
     ct6,
@@ -96,3 +96,54 @@ def test_egress_leaves_the_nodes_other_ipv6_traffic_and_forwarded_packets_alone(
     assert net.to_pod(forwarded, came_in_by=1) == (TC_ACT_OK, forwarded)
     assert ct6_count(net) == 0
     assert net.stats()[Stat.PACKETS] == 0
+
+
+def test_packet_too_big_about_a_host_backends_reply_reaches_the_backends_socket(
+    net: Net, routing: int
+) -> None:
+    """A router on the client's side answers the host backend's reply (which left as the NodePort's)
+    with Packet Too Big: found through the flow's FORWARD entry, it is rewritten to quote the
+    backend's own segment (NODE6:6443) and handed to the stack (no route: the node is local), its
+    hop limit kept, so the socket lowers its path MTU. Before, the local route ended the lookup and
+    the error reached the stack untranslated: no socket of 30443, the TCP flow stalled."""
+    from tests.ebpf.test_datapath_icmp6 import error6, error_about
+
+    snat_source(net, NODE6)
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    add_service6(net.dp.maps, NODE6, 30443, ((1, NODE6, API, HOST),), scope=Scope.EXTERNAL, flags=flags)
+    assert net.from_net(frame6(CLIENT6, NODE6, 50001, 30443))[0] == TC_ACT_OK
+    verdict, reply = net.to_net(frame6(NODE6, CLIENT6, API, 50001, flags="SA"))
+    assert verdict == TC_ACT_OK and seen(reply)[3] == 30443
+    router = "fd00:ff::1"
+    verdict, back = net.from_net(error_about(reply, router, "packet-too-big"))
+    assert verdict == TC_ACT_OK
+    e = error6(back)
+    assert (e.src, e.dst, e.hlim, e.checksum_ok) == (router, NODE6, 64, True)
+    assert int.from_bytes(e.head[4:8], "big") == 1280
+    assert (e.in_src, e.in_dst, e.in_sport, e.in_dport) == (NODE6, CLIENT6, API, 50001)
+    assert e.in_tcp_checksum_ok is True
+    assert net.stats()[Stat.CT_RELATED] == 1
+
+
+def test_the_nodes_port_unreachable_about_a_host_backends_datagram_leaves_as_the_cluster_ips(
+    net: Net, routing: int
+) -> None:
+    """A pod's datagram to an IPv6 ClusterIP whose backend is a closed UDP port on the node: the
+    stack answers the translated datagram (POD6 -> NODE6:5353) with port unreachable, which egress
+    gives the ClusterIP back (outer source and quote, found through the REPLY entry), so the
+    pod's connected socket gets ECONNREFUSED at once. Before, it left untranslated: the pod's
+    stack matched no socket to it and the client waited for its timeout."""
+    from tests.ebpf.test_datapath_icmp6 import error6, error_about
+
+    snat_source(net, NODE6)
+    add_service6(net.dp.maps, VIP6, 53, ((1, NODE6, 5353, HOST),), proto=UDP)
+    sent = frame6(POD6, VIP6, 45100, 53, UDP)
+    verdict, out = net.from_pod(sent)
+    assert verdict == TC_ACT_OK and seen(out)[2] == NODE6
+    verdict, back = net.to_pod(error_about(out, NODE6, "port-unreachable"))
+    assert verdict == TC_ACT_OK
+    e = error6(back)
+    assert (e.src, e.dst, e.checksum_ok, e.head[:2]) == (VIP6, POD6, True, bytes([1, 4]))
+    assert (e.in_src, e.in_dst, e.in_sport, e.in_dport, e.in_l4[8:]) == (POD6, VIP6, 45100, 53, sent[62:])
+    stats = net.stats()
+    assert (stats[Stat.CT_RELATED], stats[Stat.NEW_FLOWS]) == (1, 1)

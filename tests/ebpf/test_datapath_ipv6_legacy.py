@@ -132,6 +132,26 @@ def test_an_icmpv6_error_about_a_translated_flow_is_translated_back_with_either_
     assert net.stats()[Stat.CT_RELATED] == 1
 
 
+def test_the_nodes_reject_of_a_handed_over_segment_leaves_as_the_cluster_ips(net: Net) -> None:
+    """An ip6tables REJECT in FORWARD (port unreachable, its default) answers the SYN the stack was
+    handed as POD6 -> BE6:8080: the node's own error, at egress, gets the ClusterIP back (outer
+    source and quote) from the REPLY entry, so the pod's connect() fails at once. Before, it left
+    untranslated, quoting a destination the pod never sent to: its stack ignored it and the client
+    waited for its timeout."""
+    legacy(net)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    sent = frame6(POD6, VIP6, 40010, 80)
+    verdict, out = net.from_pod(sent)
+    assert verdict == TC_ACT_OK and seen(out)[2] == BE6
+    verdict, back = net.to_pod(error_about(out, NODE6, "port-unreachable"))
+    assert verdict == TC_ACT_OK
+    e = error6(back)
+    assert (e.src, e.dst, e.checksum_ok) == (VIP6, POD6, True)
+    assert (e.in_src, e.in_dst, e.in_sport, e.in_dport) == (POD6, VIP6, 40010, 80)
+    assert e.in_l4 == sent[54:] and e.in_tcp_checksum_ok is True
+    assert net.stats()[Stat.CT_RELATED] == 1
+
+
 def test_a_syn_reopening_an_ended_flow_keeps_the_new_flows_entries_for_its_syn_ack(net: Net) -> None:
     """The client reusing a ClusterIP connection's port after both FINs (the backend's TIME_WAIT
     takes the new SYN): the SYN makes a new flow here and goes to the stack translated (TC_ACT_OK,

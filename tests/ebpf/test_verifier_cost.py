@@ -18,6 +18,7 @@ import pytest
 from agent.config import MapSizes
 from agent.ebpf.loader import Datapath
 from agent.ebpf.programs import (
+    PROG_EGRESS6,
     PROG_FROM_NET,
     PROG_FROM_NET6,
     PROG_FROM_POD,
@@ -60,12 +61,22 @@ from bench.verifycost import ProgCost, measure, the_object
 # XDP's IPv6 path (bpf/ekp_xdp6.h, its own program behind a tail call: IPv4's XDP unchanged at
 # 142,000): 228,000, most of it the SNAT port walk of ekp_ct6_create, both tables' as the tc path's
 # (xdp6, bench/results/scale/verifycost-xdp6-2026-11-27.txt).
+# v6legacy2 (bench/results/scale/verifycost-v6legacy2-2026-11-27.txt): ekp_from_pod6 448,739 with
+# the host-error fix before ip6slim2's merge, 423,775 after it (ekp_from_net6 419,551 -> 401,495):
+# pruning moves these by 6% on small edits, so 450,000 failed at the next one. One ekp_tc6_send
+# call site for hits and new flows, tried as a cut, made ekp_from_pod6 930,754 (its arguments in
+# registers) and 841,087 (in the scratch map): a hit's and a new flow's states do not merge there,
+# so it was not kept. Budgets of the IPv6 tc programs now 500,000: 10% over the highest figure
+# measured, half the kernel's limit; ekp_egress6 (62,611, with the egress twin of the related
+# errors) 80,000: a tail-called program of 7,000 instructions, budgeted against a doubling, not
+# against pruning's jitter.
 BUDGET = {
     PROG_FROM_POD: 450_000,
     PROG_FROM_NET: 450_000,
     PROG_XDP_NET: 220_000,
-    PROG_FROM_POD6: 450_000,
-    PROG_FROM_NET6: 450_000,
+    PROG_FROM_POD6: 500_000,
+    PROG_FROM_NET6: 500_000,
+    PROG_EGRESS6: 80_000,
     PROG_XDP_NET6: 300_000,
 }
 # 817,000 in all before the IPv6 path translated sources or ICMPv6 errors, 1,061,000 with both
@@ -76,8 +87,10 @@ BUDGET = {
 # 5,000 new, ekp_egress unchanged at 37,000), 1,648,000 with backends on the node's own IPv6
 # address served too (ekp_from_pod6 445,000, ekp_from_net6 416,000, ekp_egress6 61,000: the node's
 # own replies looked up; bench/results/scale/verifycost-v6legacy-2026-11-27.txt), 1,677,000 with
-# XDP's IPv6 path alone (xdp6); 1,876,000 with both (18 programs)
-ALL_PROGRAMS = 1_900_000
+# XDP's IPv6 path alone (xdp6); 1,876,000 with both (18 programs); 1,841,000 after ip6slim2 and
+# v6legacy2 (pruning: the host-error fix added nothing to ekp_from_pod6's walk), budgeted at
+# 2,050,000: 10% over the highest total measured, as the IPv6 programs' own budgets
+ALL_PROGRAMS = 2_050_000
 
 pytestmark = pytest.mark.kernel
 
