@@ -62,7 +62,23 @@ def make_proxier(config: Config, metrics: Metrics | None = None, *, ipv6: bool) 
     # the IPv6 half's own address read: the load keeps the SNAT grant an earlier run left pinned
     # only while its address is still the node's
     node6 = (lambda: node_context(config, IPFamily.IPv6)) if ipv6 else None
-    return EbpfProxier(config, ipv6=ipv6, snapshot_dir=LOCK_DIR, node6_reader=node6)
+    return EbpfProxier(
+        config,
+        ipv6=ipv6,
+        snapshot_dir=LOCK_DIR,
+        node6_reader=node6,
+        masquerade6_reader=(lambda: masquerade6_kept_out(config)) if ipv6 else None,
+    )
+
+
+def masquerade6_kept_out(config: Config) -> bool:
+    """Whether the IPv6 nat rules in place are eBPF mode's beside the tc IPv6 path (their
+    MASQUERADE keeps TCP and UDP out of --bpf-snat-ports): read once at the load, which keeps an
+    earlier run's IPv6 SNAT grant only then."""
+    from agent.iptables.masquerade_shape import masquerade_kept_out
+    from agent.iptables.runner import SubprocessRunner
+
+    return masquerade_kept_out(SubprocessRunner(config, family=6).save("nat"), config.snat_ports)
 
 
 def ipv6_unsupported(config: Config, missing: Callable[[Config], str] | None = None) -> str:

@@ -77,8 +77,9 @@ class Ipv6Maps(Proxier, Protocol):
     def masquerade_apart(self, apart: bool) -> None:
         """`apart`: the ip6tables restore just made succeeded, so its MASQUERADE takes no port of
         --bpf-snat-ports and the tc programs' IPv6 path may source-translate with ports of that
-        range (ekp_cfg6); False (it failed: the rules in place are not known to be ours): it may not
-        until a restore succeeds again."""
+        range (ekp_cfg6); False (it failed): it changed no rule, so a grant already given stays
+        (the rules in place were thinned for it) and none is given before a restore succeeds, but
+        nf_conntrack is read again at each sync until one does."""
 
     @property
     def tc_serves(self) -> bool:

@@ -307,6 +307,7 @@ class EbpfProxier:
         socket_detach: Callable[[str], list[str]] = default_socket_detach,
         conntrack6_reader: Callable[[str], list[NatFlow]] = default_conntrack6_reader,
         node6_reader: Callable[[], NodeContext] | None = None,
+        masquerade6_reader: Callable[[], bool] | None = None,
         snapshot_dir: str | None = None,
         ipv6: bool,
     ) -> None:
@@ -318,7 +319,9 @@ class EbpfProxier:
         the agent's lock directory); None: nowhere, every start reads the maps' ids back.
         `node6_reader`: the node's IPv6 addresses as the IPv6 half reads them, asked once at the
         load to tell whether the SNAT grant an earlier run left pinned still holds
-        (`_pinned_grant6`); without it the load always writes ekp_cfg6 zero."""
+        (`_pinned_grant6`); without it the load always writes ekp_cfg6 zero. `masquerade6_reader`:
+        whether the IPv6 nat rules in place keep MASQUERADE out of --bpf-snat-ports (eBPF mode's
+        shape, agent/iptables/masquerade_shape.py), asked at the same load; without it the same."""
         self._config = config
         self._tc_ipv6 = config.tc_ipv6 and ipv6  # the tc programs' IPv6 path serves
         self._datapath_factory = datapath_factory
@@ -333,6 +336,7 @@ class EbpfProxier:
         self._socket_detach = socket_detach
         self._conntrack6_reader = conntrack6_reader
         self._node6_reader = node6_reader
+        self._masquerade6_reader = masquerade6_reader
         self._snapshot = snapshot.snapshot_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
         # Now, not at close: sources changed under the running agent (an upgrade in place) must not
         # label this run's planner as theirs
@@ -374,10 +378,6 @@ class EbpfProxier:
         # turn this off. Without it sync6 writes ekp_cfg6, the tc IPv6 path's SNAT source, zero
         # (`_snat6_granted`)
         self.masquerade6_apart = False
-        # The load kept an earlier run's grant (`_pinned_grant6`) and no IPv6 restore of this run
-        # has succeeded yet: the rules in place are that run's, thinned for the grant. Where this
-        # run's tc IPv6 path is off, the grant stays until that restore writes every port.
-        self._grant6_kept = False
         # ... and no flow ip6tables masqueraded before that (an upgrade, a switch from iptables
         # mode) holds a reply tuple a tc flow could take: the address it was checked for
         self._snat6_free_for = ""
@@ -513,8 +513,9 @@ class EbpfProxier:
 
     def _snat6_granted(self, node6: NodeContext, maps: Mapping[str, MapWriter]) -> bool:
         """Whether ekp_cfg6 may hold the node's IPv6 address (the tc IPv6 path source-translates):
-        the path serves, the last ip6tables restore succeeded (its MASQUERADE keeps out of
-        --bpf-snat-ports), ekp_config holds that range and no flow ip6tables masqueraded before can
+        the path serves, the ip6tables rules in place keep MASQUERADE out of --bpf-snat-ports (a
+        restore of this run succeeded, or the load kept an earlier run's grant over such rules:
+        `masquerade6_apart`), ekp_config holds that range and no flow ip6tables masqueraded before can
         collide with a tc flow. Otherwise sync6 writes it zero: new flows that need a source
         translation are left to ip6tables, the flows this path translated keep the source their
         entries hold. Told to `on_snat6_granted` each time; the reason logged when it changes."""
@@ -534,12 +535,7 @@ class EbpfProxier:
         """Why the grant is refused ("" when it is not). `restored`: the outcome of the ip6tables
         restore to judge by (None: the last one, `masquerade6_apart`)."""
         if not self._tc_ipv6:
-            if self._grant6_kept and restored is None:
-                # the earlier run's programs, attached until this run's replace them, send its
-                # SNAT frontends to the stack only where ekp_cfg6 is zero: its thinned rules have
-                # none for them until this run's first restore writes every port
-                return ""
-            return "the path is off (legacy host routing, no socket-level load balancing or no IPv6 half)"
+            return "the path is off (no socket-level load balancing or no IPv6 half)"
         if not (self.masquerade6_apart or restored):
             return (
                 "no ip6tables restore has succeeded yet: the MASQUERADE in place may take ports of "
@@ -576,11 +572,14 @@ class EbpfProxier:
         raises before it writes nothing): the rules in place are those of the last that succeeded,
         or the earlier run's the load kept the grant for, and keep MASQUERADE out of the range as
         before. Taking the grant back there would hand the frontends those rules were thinned of to
-        a stack with no rule for them until a restore succeeds."""
-        if apart:
-            with self._lock:
+        a stack with no rule for them until a restore succeeds. What it does forget is that
+        nf_conntrack held no flow in the range: whatever made the restore fail (another writer of
+        the table among them) may have let one in, so each sync6 reads it again until one succeeds."""
+        with self._lock:
+            if apart:
                 self.masquerade6_apart = True
-                self._grant6_kept = False
+            else:
+                self._snat6_free_for = ""
 
     def _snat_ports_live(self) -> bool:
         """Whether ekp_config's SNAT range (which the tc IPv6 path's port walk reads too) is this
@@ -839,12 +838,15 @@ class EbpfProxier:
                 # its rules were rendered for that) until sync6 grants again.
                 kept = self._pinned_grant6(datapath.maps)
                 if kept:
-                    self._grant6_kept = self.masquerade6_apart = True
+                    self.masquerade6_apart = True
                     log.info(
-                        "IPv6 SNAT source of the tc programs kept at %s until the first IPv6 sync: the "
-                        "node's primary IPv6 address and --bpf-snat-ports are those the earlier run "
+                        "IPv6 SNAT source of the tc programs kept at %s %s: the node's primary IPv6 "
+                        "address, --bpf-snat-ports and ip6tables' MASQUERADE are those the earlier run "
                         "granted it for",
                         kept,
+                        "until the first IPv6 sync"
+                        if self._tc_ipv6
+                        else "until the first sync empties the IPv6 maps (this run's tc IPv6 path is off)",
                     )
                 elif write_config6(datapath.maps, abi.Config6()):
                     log.info(
@@ -874,12 +876,14 @@ class EbpfProxier:
         """The address in the pinned ekp_cfg6 when the grant an earlier run gave with it still holds
         for this one ("" when not): ekp_config's SNAT range (that run's --bpf-snat-ports, which its
         ip6tables' MASQUERADE kept out of) is this run's, the address is the node's primary IPv6
-        one now, and no flow ip6tables masqueraded to it holds a port of the range (those exist
+        one now, the IPv6 nat rules in place are eBPF mode's for that range (`masquerade6_reader`),
+        and no flow ip6tables masqueraded to it holds a port of the range (those exist
         only where the rules in place masquerade into it: not thinned, so zeroing is safe there).
         Whatever this run's tc IPv6 path: that run's programs stay attached until this run's
         replace them. The first sync6 decides again, after the first IPv6 restore (which writes
-        every port's rules); with the path off, the first after one that succeeded."""
-        if self._node6_reader is None:
+        every port's rules); with the path off there is none: the first sync empties the IPv6 maps,
+        ekp_cfg6 with them (`_empty_ipv6_maps`; README "IPv6 and dual-stack" names the window)."""
+        if self._node6_reader is None or self._masquerade6_reader is None:
             return ""
         pinned, cfg = read_config6(maps), read_config(maps)
         if pinned is None or not any(pinned.node_addr) or cfg is None:
@@ -897,6 +901,31 @@ class EbpfProxier:
         if bytes(now) != bytes(pinned.node_addr):
             return ""
         source = abi.ip6_str(pinned.node_addr)
+        # The rules themselves, not only the maps: an iptables-mode agent whose hand-back did not
+        # remove the pins, or kube-proxy installed over a stopped agent, left a MASQUERADE over
+        # every port beside them. Those rules are full (no port thinned for a grant), so zeroing
+        # hands tc's frontends to rules that serve them; a read that fails cannot tell the shape,
+        # and a kept grant over full rules gives two flows one reply tuple, which no restore
+        # repairs, while a wrongly zeroed one leaves thinned ports dark until this run's first
+        # IPv6 restore writes every port.
+        try:
+            apart = self._masquerade6_reader()
+        except Exception as exc:  # whatever ip6tables-save or its parse raised: not known, not kept
+            log.warning(
+                "cannot read ip6tables' nat table at the load (%s: %s): the IPv6 SNAT grant is reset "
+                "until an IPv6 restore succeeds",
+                type(exc).__name__,
+                exc,
+            )
+            return ""
+        if not apart:
+            log.info(
+                "IPv6 SNAT grant of the earlier run reset: ip6tables' KUBE-POSTROUTING MASQUERADE in "
+                "place does not keep TCP and UDP out of --bpf-snat-ports %d-%d (iptables mode or "
+                "kube-proxy wrote it)",
+                *cfg_range,
+            )
+            return ""
         try:
             held = [
                 f

@@ -187,6 +187,9 @@ class IptablesProxier:
         # and those restored so far: the eBPF programs serve until every family's rules do.
         self._handback_waits: set[IPFamily] = {family}
         self._restored: set[IPFamily] = set()
+        # When this family's rules were first in place with the hand-back still waiting for another
+        # family's first restore (`_hand_back`): the wait is bounded from then.
+        self._handback_waited_since: float | None = None
         self._runner: IptablesRunner = (
             runner if runner is not None else SubprocessRunner(config, family=family.value)
         )
@@ -239,9 +242,44 @@ class IptablesProxier:
         return restored
 
     def _hand_back(self) -> None:
-        if not self._handed_back and self._handback_waits <= self._restored:
-            EbpfHandback(self._config).run()
-            self._handed_back = True
+        """Once every family's first restore succeeded. While only some did, the eBPF programs
+        translate from maps nobody writes any more (backends that leave stay there), so the wait is
+        bounded: from the first good restore of this family's rules, for one --iptables-sync-period,
+        after which the programs go with a warning and the waiting family's ports that eBPF mode's
+        ip6tables left to the tc programs have no rule until its restore succeeds. Both wrong; a
+        stale backend for as long as a restore fails is the worse."""
+        if self._handed_back:
+            return
+        waiting = sorted(f.name for f in self._handback_waits - self._restored)
+        if waiting:
+            if self.family not in self._restored:
+                return
+            now = self._clock()
+            if self._handback_waited_since is None:
+                self._handback_waited_since = now
+                log.warning(
+                    "%s rules are in place, but the eBPF programs a switch from eBPF mode left attached "
+                    "keep serving until the %s rules' first restore succeeds (eBPF mode's ip6tables "
+                    "holds only the ports those programs left to it); they translate from maps no "
+                    "agent writes any more. Handed back in %.0fs (--iptables-sync-period) whether or not",
+                    self._tool,
+                    "/".join(waiting),
+                    self._config.sync_period_s,
+                )
+                return
+            if now - self._handback_waited_since < self._config.sync_period_s:
+                return
+            log.warning(
+                "the %s rules' first restore has not succeeded in %.0fs: handing the node back from the "
+                "eBPF programs without it. The service ports eBPF mode's ip6tables left to the tc "
+                "programs (absent from its KUBE-SERVICES) have no rule until that restore succeeds: "
+                "see the %s sync errors",
+                "/".join(waiting),
+                now - self._handback_waited_since,
+                "/".join(waiting),
+            )
+        EbpfHandback(self._config).run()
+        self._handed_back = True
 
     @property
     def runner(self) -> IptablesRunner:

@@ -697,7 +697,7 @@ def test_iptables_mode_hands_the_ebpf_data_path_back_only_once_both_families_rul
     runner4, runner6 = FakeRunner(), FakeRunner()
     for runner in (runner4, runner6):
         runner.responses["nft"] = nft_responder([])[1]  # type: ignore[assignment]
-    ipv4 = IptablesProxier(config, runner=runner4, counters=FakeCounters())
+    ipv4 = IptablesProxier(config, runner=runner4, counters=FakeCounters(), clock=lambda: 0.0)
     ipv6 = IptablesProxier(
         config,
         family=IPFamily.IPv6,
@@ -729,6 +729,60 @@ def test_iptables_mode_hands_the_ebpf_data_path_back_only_once_both_families_rul
     assert proxier._handback_waits == {IPFamily.IPv4, IPFamily.IPv6}
     alone = make_proxier(replace(config, cluster_cidr=V6_CIDRS[:1]), ipv6=False)
     assert isinstance(alone, IptablesProxier) and alone._handback_waits == {IPFamily.IPv4}
+
+
+def test_the_hand_back_waits_for_the_ipv6_restore_one_sync_period_at_most_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The programs a switch from eBPF mode left attached translate from maps nobody writes: while
+    the IPv6 restore fails the hand-back waits, told once, and goes after one --iptables-sync-period
+    from the IPv4 rules' first restore, with a warning that the thinned IPv6 ports have no rule."""
+    from agent.iptables import IptablesProxier
+    from agent.model.state import build_state
+    from tests.iptables.fakes import FakeCounters, FakeRunner
+    from tests.iptables.test_kube_proxy_cleanup import nft_responder
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    HandbackRecorder.runs = []
+    config = Config(mode=Mode.IPTABLES, hostname="node1", cluster_cidr=V6_CIDRS, sync_period_s=30.0)
+    runner4, runner6 = FakeRunner(), FakeRunner()
+    for runner in (runner4, runner6):
+        runner.responses["nft"] = nft_responder([])[1]  # type: ignore[assignment]
+    now = [1000.0]
+    ipv4 = IptablesProxier(config, runner=runner4, counters=FakeCounters(), clock=lambda: now[0])
+    ipv6 = IptablesProxier(
+        config,
+        family=IPFamily.IPv6,
+        runner=runner6,
+        counters=FakeCounters(),
+        take_over=ipv4.hand_back_after(IPFamily.IPv6),
+    )
+    state4 = build_state([dual()], [], NodeInfo("node1")).state
+    state6 = build_state(
+        [dual()], [slice6("web-v6", "fd00:10:244:1::2")], NodeInfo("node1"), family=IPFamily.IPv6
+    ).state
+
+    def waits() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "keep serving until the IPv6" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="agent"):
+        ipv4.sync(state4, NODE)
+        for _ in range(2):
+            runner6.fail_next_restore = True
+            with pytest.raises(Exception, match="fake"):
+                ipv6.sync(state6, NODE6)
+            now[0] += 14.0
+            ipv4.sync(state4, NODE, frozenset())
+        assert HandbackRecorder.runs == [], "28s of 30: still waiting"
+        assert len(waits()) == 1, "said once, at the first IPv4 restore"
+        now[0] += 2.0
+        ipv4.sync(state4, NODE, frozenset())
+        assert HandbackRecorder.runs == [config.pin_path], "one sync period: handed back without IPv6"
+        assert any(
+            "IPv6 rules' first restore has not succeeded in 30s" in r.getMessage() for r in caplog.records
+        )
+        ipv6.sync(state6, NODE6)
+        assert HandbackRecorder.runs == [config.pin_path], "and only once"
 
 
 def test_a_kube_proxy_ip6_table_that_cannot_be_removed_is_a_warning_and_retried_until_gone(

@@ -237,6 +237,9 @@ class Rig:
         self.conntrack6_error: Exception | None = None  # what reading them raises
         self.conntrack6_reads = 0
         self.node6: NodeContext | None = None  # what the next proxier's node6_reader reads (None: no reader)
+        # What the next proxier's masquerade6_reader reads: whether the IPv6 nat rules in place keep
+        # MASQUERADE out of --bpf-snat-ports (eBPF mode's), or what reading them raises
+        self.masquerade6: bool | Exception = True
         self.hands_over = False  # the next proxier's start steps: an older ABI's programs to hand over from
         self.handover = [HandoverMode.OFF]  # the build's pinned hand-over mode, as the pin keeps it
         # What the next proxier's attacher finds on the hooks (an older generation's filters at 17).
@@ -282,6 +285,7 @@ class Rig:
             socket_detach=self.socket_detach,
             conntrack6_reader=self.read_conntrack6,
             node6_reader=None if self.node6 is None else self.read_node6,
+            masquerade6_reader=self.read_masquerade6,
             snapshot_dir=self.snapshot_dir,
             ipv6=ipv6,
         )
@@ -289,6 +293,11 @@ class Rig:
     def read_node6(self) -> NodeContext:
         assert self.node6 is not None
         return self.node6
+
+    def read_masquerade6(self) -> bool:
+        if isinstance(self.masquerade6, Exception):
+            raise self.masquerade6
+        return self.masquerade6
 
     def read_conntrack6(self, netns: str) -> list[NatFlow]:
         self.conntrack6_reads += 1
@@ -843,17 +852,28 @@ def test_a_restart_keeps_the_pinned_snat_grant_only_while_its_address_and_range_
     rig.config = replace(rig.config, snat_ports=(lo, hi))
     earlier_run_granted()
     assert after_restart() == "", "no address read: never kept"
+    # The rules in place are not eBPF mode's (an iptables-mode agent's hand-back that left the pins,
+    # kube-proxy installed over a stopped agent): their MASQUERADE covers every port.
+    earlier_run_granted()
+    rig.node6, rig.masquerade6 = NODE6, False
+    assert after_restart() == "", "the rules in place masquerade into --bpf-snat-ports"
+    earlier_run_granted()
+    rig.node6, rig.masquerade6 = NODE6, OSError("ip6tables-save -t nat failed (exit 4)")
+    assert after_restart() == "", "the rules could not be read: not known to keep out"
+    earlier_run_granted()
+    rig.node6, rig.masquerade6 = NODE6, True
+    assert after_restart() == "fd00:192:168::11", "read again, in eBPF mode's shape"
 
 
-def test_a_kept_snat_grant_outlives_failed_restores_and_a_path_turned_off_until_one_succeeds(
+def test_a_kept_snat_grant_outlives_failed_restores_and_a_path_turned_off_ends_it_at_the_first_sync(
     rig: Rig,
 ) -> None:
     """The restart's first restore that fails leaves the earlier run's rules, thinned for the
     grant and keeping MASQUERADE out of the range: the grant the load kept stays (zeroed, the
     frontends they were thinned of would reach a stack with no rule for them, for as long as
-    restores fail). A restart with the tc IPv6 path off (--bpf-socket-lb=false) keeps it too
-    (that run's programs stay attached until this run's replace them) and zeroes it after the
-    first restore that succeeds, which wrote every port. A flow ip6tables masqueraded to the
+    restores fail). A restart with the tc IPv6 path off (--bpf-socket-lb=false) keeps it at the
+    load (that run's programs stay attached until this run's replace them), and its first sync,
+    with no IPv6 half, empties the IPv6 maps and zeroes it. A flow ip6tables masqueraded to the
     address holding a port of the range zeroes it at the load (the rules in place were full)."""
     from agent.ebpf.maps import read_config6
 
@@ -893,18 +913,16 @@ def test_a_kept_snat_grant_outlives_failed_restores_and_a_path_turned_off_until_
     p.close()
 
     earlier_run_granted()
+    # The path off (--bpf-socket-lb=false) as the agent wires it: the IPv6 proxier is plain
+    # ip6tables (agent/app.py make_proxier6), no IPv6 half; the first sync empties the IPv6 maps,
+    # ekp_cfg6 with them (the window README "IPv6 and dual-stack" names).
     rig.config, rig.node6 = replace(on, socket_lb=False), NODE6
     p = rig.proxier()
-    half = p.ipv6()
     p.prepare()
-    assert granted() == "fd00:192:168::11", "kept at the load, the path off"
+    assert granted() == "fd00:192:168::11", "kept at the load: the earlier run's programs are attached"
     p.sync(STATE, NODE)
-    half.masquerade_apart(False)
-    half.sync(state, NODE6)
-    assert granted() == "fd00:192:168::11", "no restore succeeded: the thinned rules are in place"
-    half.masquerade_apart(True)
-    half.sync(state, NODE6)
-    assert granted() == "", "every port has its rules: the path off has no source"
+    assert granted() == "", "no IPv6 half: the first sync empties the IPv6 maps, the source with them"
+    assert not rig.maps["fe6"].items(), "and the earlier run's IPv6 frontends"
     p.close()
 
     earlier_run_granted()
@@ -1042,8 +1060,9 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_until_a_restore_succeeds_or_where
     keeps out of --bpf-snat-ports): failed ones before it leave it zero. A failed restore after one
     that succeeded keeps the grant: it changed no rule, those in place keep out of the range, and
     they were thinned for the grant (taking it back would leave its frontends to a stack with no
-    rule for them). Where the tc IPv6 path does not serve (no socket-level load balancing), it is
-    zero whatever ip6tables did, over what a pin held."""
+    rule for them), but reads nf_conntrack again at each sync while restores fail. Where the tc IPv6
+    path does not serve (no socket-level load balancing), it is zero whatever ip6tables did, over
+    what a pin held."""
     from agent.ebpf.maps import read_config6, write_config6
 
     state = state6([service()], [slice_("fd00:10:244:1::2")])
@@ -1067,7 +1086,23 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_until_a_restore_succeeds_or_where
     assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11", (
         "a failed restore leaves the granted rules in place: the grant stays"
     )
-    assert rig.conntrack6_reads == reads, "and what nf_conntrack held is still known"
+    assert rig.conntrack6_reads == reads + 1, "nf_conntrack read again: the failure may have let a flow in"
+    rig.conntrack6 = [
+        NatFlow(
+            6,
+            ("fd00:ff::100", "fd00:192:168::11", 5555, 30080),
+            ("fd00:a:2::7", "fd00:192:168::11", 8080, 61500),
+        )
+    ]
+    half.masquerade_apart(False)
+    half.sync(state, NODE6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and not any(cfg6.node_addr), "a flow masqueraded into the range: refused"
+    rig.conntrack6 = []
+    half.masquerade_apart(True)
+    half.sync(state, NODE6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11", "it ended: granted"
     p.close()
 
     rig.config = replace(dual, socket_lb=False)

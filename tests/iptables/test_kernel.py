@@ -173,6 +173,13 @@ def test_ip6tables_takes_a_masquerade_kept_out_of_the_bpf_snat_ports_and_reads_i
     kernel = canonical.chain_digests(canonical.parse(saved))
     assert {k for k, d in written.items() if kernel.get(k) != d} == set()
     assert p.sync(st, node).repaired == 0
+    # what a restart reads before it keeps an earlier run's IPv6 SNAT grant: this spelling is
+    # eBPF mode's shape, iptables mode's rules over it are not
+    from agent.app import masquerade6_kept_out
+
+    assert masquerade6_kept_out(ebpf6)
+    IptablesProxier(replace(ebpf6, mode=Mode.IPTABLES), family=IPFamily.IPv6).sync(st, node)
+    assert not masquerade6_kept_out(ebpf6)
 
 
 def test_stale_udp_conntrack_entries_are_deleted_and_serving_ones_kept(netns: str) -> None:
