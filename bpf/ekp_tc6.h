@@ -691,6 +691,9 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 		verdict = TC_ACT_SHOT;
 		goto out;
 	}
+	/* The ended flow's entries are this flow's now (rewritten above): kept, though a translated
+	 * packet goes to the stack too under legacy host routing or to a host backend (TC_ACT_OK). */
+	w->reopens = 0;
 	k->dir = EKP_CT_FORWARD;
 	ekp_ctq6_want(&w->queue, k, now / EKP_NSEC);
 	if (f->b.remapped)
@@ -708,10 +711,13 @@ too_big:
 	 * by: Packet Too Big from the frontend (the MTU in w->fib.mtu_result), one answer for both. */
 	verdict = ekp_tc6_answer(skb, w, cfg, EKP_ICMPV6_PKT_TOOBIG, w->fib.mtu_result, &outcome);
 out:
-	/* A SYN that reopened an ended flow's tuple and goes to the stack (ip6tables decides it: its
-	 * frontend now needs ip6tables, no route, ...): the ended flow's entries go with it, or the
-	 * connection's next segment, no SYN, would hit them and reach the old backend. A SYN that
-	 * made a new flow here rewrote them (ekp_ct6_create); one dropped keeps them for its retry. */
+	/* A SYN that reopened an ended flow's tuple and goes to the stack untranslated (ip6tables
+	 * decides it: its frontend now needs ip6tables, no route, ...): the ended flow's entries go
+	 * with it, or the connection's next segment, no SYN, would hit them and reach the old backend.
+	 * A SYN that made a new flow here rewrote them (ekp_ct6_create, reopens cleared): the verdict
+	 * cannot tell, as legacy host routing hands translated packets to the stack (TC_ACT_OK) too,
+	 * and deleting them left the SYN-ACK untranslated (the client reset it, retried 1 s later).
+	 * One dropped keeps them for its retry. */
 	if (w->reopens && verdict == TC_ACT_OK) {
 		struct ekp_ct6_key *fk6 = &w->key;
 		ekp_ct6_key_of(fk6, p, EKP_CT_FORWARD);

@@ -150,3 +150,30 @@ def test_the_nodes_reject_of_a_handed_over_segment_leaves_as_the_cluster_ips(net
     assert (e.in_src, e.in_dst, e.in_sport, e.in_dport) == (POD6, VIP6, 40010, 80)
     assert e.in_l4 == sent[54:] and e.in_tcp_checksum_ok is True
     assert net.stats()[Stat.CT_RELATED] == 1
+
+
+def test_a_syn_reopening_an_ended_flow_keeps_the_new_flows_entries_for_its_syn_ack(net: Net) -> None:
+    """The client reusing a ClusterIP connection's port after both FINs (the backend's TIME_WAIT
+    takes the new SYN): the SYN makes a new flow here and goes to the stack translated (TC_ACT_OK,
+    as ip6tables' new flows do), so the verdict does not say the ended flow's entries must go; they
+    are the new flow's. Deleted, the SYN-ACK found no entry, reached the client from the backend's
+    address, was reset and the SYN sent again 1 s later (issue 20: test_bench_ports' legacy row)."""
+    legacy(net)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    assert seen(net.from_pod(frame6(POD6, VIP6, 40100, 80))[1])[2] == BE6
+    assert net.from_pod(frame6(BE6, POD6, 8080, 40100, flags="SA"))[0] == TC_ACT_OK
+    assert net.from_pod(frame6(BE6, POD6, 8080, 40100, flags="FA"))[0] == TC_ACT_OK
+    assert net.from_pod(frame6(POD6, VIP6, 40100, 80, flags="FA"))[0] == TC_ACT_OK
+    net.dp.maps["hostnat6"].clear()  # an LRU's entry may be gone by then: the SYN-ACK must make it
+
+    verdict, out = net.from_pod(frame6(POD6, VIP6, 40100, 80))
+    assert verdict == TC_ACT_OK
+    assert seen(out)[1:4] == (POD6, BE6, 40100)
+    fwd = ct6(net, POD6, VIP6, 40100, 80)
+    assert fwd is not None and not fwd.flags & (CtFlag.RST | CtFlag.FIN_FWD), "the new flow's entry"
+    assert ct6(net, BE6, POD6, 8080, 40100, reply=True) is not None
+    verdict, out = net.from_pod(frame6(BE6, POD6, 8080, 40100, flags="SA"))
+    assert verdict == TC_ACT_OK
+    assert hostnat6(net)[(BE6, POD6, 8080, 40100, 6)][:2] == (VIP6, 80), "the frontend, at egress"
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.CT_REPLY]) == (2, 3)
