@@ -494,8 +494,9 @@ class KernelTakeover:
         found no flow's frontend and carried none; from the sync6 that writes them, tc decides the
         flows ip6tables translated as new ones, and one given the same backend meets its NAT entry
         in the stack (legacy host routing, or a host backend): replies lost while datagrams keep it
-        alive. Flows carried at the attach have no NAT entry left, so nothing is done twice; an
-        entry tc made since the sync6 is kept (BPF_NOEXIST), the NAT entry replaced all the same."""
+        alive. Nothing is done twice: a flow carried at the attach keeps its entries (BPF_NOEXIST)
+        and, if it was handed to the stack then, has no NAT entry left to find; an entry tc made
+        since the sync6 is kept too, the flow's NAT entry replaced all the same."""
         if not self._config.tc_ipv6:
             return
         self._stack6 = {}
