@@ -124,6 +124,10 @@ class UpgradeLike(Protocol):
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
 
+    def after_first_sync6(self, maps: Mapping[str, MapWriter]) -> None:
+        """The first IPv6 sync after the first attach wrote the IPv6 maps (frontends the attach's
+        steps could not find yet on a node the agent never served)."""
+
     @property
     def hands_over(self) -> bool:
         """The older programs keep flows the new ones cannot see until after_attach: the new ones
@@ -209,6 +213,10 @@ class StartSteps:
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         for step in self._steps:
             step.after_attach(maps)
+
+    def after_first_sync6(self, maps: Mapping[str, MapWriter]) -> None:
+        for step in self._steps:
+            step.after_first_sync6(maps)
 
     @property
     def hands_over(self) -> bool:
@@ -367,6 +375,8 @@ class EbpfProxier:
         self._unsure = True  # what the maps hold is unknown: read them back before writing
         self._cfg_written: Value | None = None
         self._attached_once = False
+        # Whether a sync6 has run since the first attach (`_upgrade.after_first_sync6`)
+        self._synced6_attached = False
         self._attached_node: NodeContext | None = None  # the node the attachments were checked for
         self.last_flush = FlushResult()  # what the last sync wrote, for logs and tests
         self._short: dict[str, int] = {}  # map role -> entries wanted, while more than it holds
@@ -507,6 +517,11 @@ class EbpfProxier:
                     f"the data path's load failed while its IPv6 maps were written ({self._load_error}): "
                     "loaded again, the next IPv6 sync writes its maps"
                 )
+            if self._attached_once and not self._synced6_attached:
+                # The attach's takeover found no IPv6 frontend where only this sync wrote them
+                # (a node the agent never served): its IPv6 flows are carried now.
+                self._synced6_attached = True
+                self._upgrade.after_first_sync6(datapath.maps)
             if self._terminator is not None and self._v6.last_flush.deletes.get("member"):
                 self._end_stale_sockets()
             return result
@@ -1144,6 +1159,7 @@ class EbpfProxier:
             self._upgrade.serving()
             self._attacher.start_watcher()
             self._attached_once = True
+            self._synced6_attached = False
 
     def _attach_sockets(self, datapath: DatapathLike, *, first: bool) -> None:
         """The socket programs: their settings written, then linked to the cgroup (first sync: a

@@ -196,6 +196,9 @@ class Upgrade:
         if self.pending:
             self._carry(maps, "after the v2 programs took over")
 
+    def after_first_sync6(self, maps: Mapping[str, MapWriter]) -> None:
+        """The v1 ABI had no IPv6 maps: nothing to carry."""
+
     def serving(self) -> None:
         """Nothing left to do once every hook serves."""
 

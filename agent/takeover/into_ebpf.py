@@ -12,7 +12,7 @@ right after:
    While the programs are being attached, nf_conntrack_tcp_be_liberal is 1 (below, in the code).
 2. after: the same again, for the flows the other data path started in between (milliseconds),
    at once (until then they have no eBPF entry), then the flows of both carries handed to the stack
-   in one pass (below); nf_conntrack_tcp_be_liberal back to what it was.
+   in one pass per family, IPv6's first (below); nf_conntrack_tcp_be_liberal back to what it was.
    From here the programs see every packet of those flows first and translate them from their
    own entries: same backend, same SNAT source and port.
    With bpf host routing netfilter sees no packet of these flows any more. With legacy host
@@ -44,8 +44,11 @@ right after:
    hold expired is counted in a warning); a restarted agent finds the NAT entries again, carries the
    flows as there already and replaces them the same way.
    The IPv6 UDP flows the tc IPv6 path hands to the stack (legacy: every carried one; either: one
-   to a host backend, not carried) have their NAT entries replaced the same way after the IPv4
-   ones, without a hold (that path reads no NFPASS): `_to_stack6`.
+   to a host backend, not carried) have their NAT entries replaced the same way, without a hold
+   (that path reads no NFPASS) and so before the IPv4 ones, whose holds are renewed meanwhile:
+   `_to_stack6`. On a node the agent never served the IPv6 maps are empty until the first IPv6
+   sync, after the attach: the IPv6 carry and `_to_stack6` run again once it wrote them
+   (`after_first_sync6`).
 3. then, the node being served: the other data path's rules go (agent/iptables/
    kube_proxy_cleanup.py: kube-proxy's iptables chains in both backends, which are also iptables
    mode's, and kube-proxy's nftables tables). Done at every start: an eBPF node has none of them,
@@ -209,6 +212,10 @@ def nft_families_to_remove(config: Config) -> tuple[str, ...]:
     return ("ip",) if config.ipv6_configured else ("ip", "ip6")
 
 
+def _nothing(flow: NatFlow) -> None:
+    pass
+
+
 class KernelTakeover:
     """The flows of nf_conntrack carried into eBPF conntrack around the first attach, then the
     other data path's rules removed (module doc). Constructing it does nothing."""
@@ -243,6 +250,7 @@ class KernelTakeover:
         self.carried = 0
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
+        self._stack6 = {}  # an attach retried after a failure carries afresh
         self._carried = self._carry(maps, "before the programs are attached")
         if self._carried:
             # While the programs are attached device by device, a carried flow can have one
@@ -277,9 +285,18 @@ class KernelTakeover:
                 exc,
             )
             late = []
-        self._to_stack(maps, [*first, *(f for f in late if f.family == 4 and self._meets_stack(f))])
+        stack4 = [*first, *(f for f in late if f.family == 4 and self._meets_stack(f))]
         stack6, self._stack6 = list(self._stack6.values()), {}
-        self._to_stack6(stack6)
+
+        def keep_held(flow: NatFlow) -> None:
+            if stack4 and self._clock_ns() - self._carried_ns >= HOLD_RENEW_NS:
+                self._renew(maps, stack4)
+
+        # IPv6 first: its flows have no hold (the tc IPv6 path reads no NFPASS), so each datagram
+        # until its entry is replaced may lose its reply, while IPv4's lose nothing waiting (NFPASS,
+        # their holds renewed meanwhile); the IPv4 pass takes about 1 ms a flow, seconds at thousands.
+        self._to_stack6(stack6, before=keep_held)
+        self._to_stack(maps, stack4)
         if self._liberal_was is not None and self._liberal_was != "1":
             self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
         self._liberal_was = None
@@ -471,7 +488,31 @@ class KernelTakeover:
             holds_ns[1] / 1e6,
         )
 
-    def _to_stack6(self, flows: list[NatFlow]) -> None:
+    def after_first_sync6(self, maps: Mapping[str, MapWriter]) -> None:
+        """The IPv6 carry and `_to_stack6` once more, now that the first IPv6 sync wrote ekp_fe6 and
+        ekp_be6. On a node the agent never served those maps were empty at the attach, so `_carry6`
+        found no flow's frontend and carried none; from the sync6 that writes them, tc decides the
+        flows ip6tables translated as new ones, and one given the same backend meets its NAT entry
+        in the stack (legacy host routing, or a host backend): replies lost while datagrams keep it
+        alive. Nothing is done twice: a flow carried at the attach keeps its entries (BPF_NOEXIST)
+        and, if it was handed to the stack then, has no NAT entry left to find; an entry tc made
+        since the sync6 is kept too, the flow's NAT entry replaced all the same."""
+        if not self._config.tc_ipv6:
+            return
+        self._stack6 = {}
+        try:
+            self._carry6(maps, "after the first IPv6 sync wrote the IPv6 frontends")
+        except MapError as exc:
+            log.warning(
+                "carrying the IPv6 UDP flows ip6tables translated after the first IPv6 sync failed (%s):"
+                " their next datagrams may reach another backend; their NAT entries are replaced all the"
+                " same",
+                exc,
+            )
+        stack6, self._stack6 = list(self._stack6.values()), {}
+        self._to_stack6(stack6)
+
+    def _to_stack6(self, flows: list[NatFlow], *, before: Callable[[NatFlow], None] = _nothing) -> None:
         """The NAT entries of the IPv6 UDP flows the tc IPv6 path hands to the node's stack as
         client <-> backend (`_carry6`) replaced by the plain ones, as IPv4's are (`_to_stack`), but
         with no hold: the IPv6 path has no NFPASS. Without it the NAT entry's reply tuple (backend ->
@@ -480,29 +521,40 @@ class KernelTakeover:
         from the backend, not the ClusterIP: dropped, for as long as datagrams keep the entry alive.
         Deleting the NAT entry alone would do once no datagram came between the attach and the
         delete; one that did made a plain entry with the moved port, which the replacement deletes
-        too (and the plain entry is created in the same send, so no datagram makes another).
-        A datagram the data path translated before its turn (milliseconds) may still lose its reply."""
+        too. The kernel runs a flow's three messages one after another while other CPUs go on
+        with packets: a datagram between the deletes and the create makes the plain entry itself
+        (the create is refused, EEXIST: that entry is the one wanted). A datagram the data path
+        translated before its flow's turn (milliseconds, this pass runs before IPv4's) may still
+        lose its reply. `before(flow)` is called ahead of each flow's messages."""
         if not flows:
             return
         started = time.monotonic()
+        done_flows: set[Tuple] = set()
         try:
             done = self._replace(
                 self._config.netns,
                 flows,
                 stack_flow,
                 timeouts_of(self._config),
-                before=lambda flow: None,
-                after=lambda flow: None,
+                before=before,
+                after=lambda flow: done_flows.add(flow.orig),
             )
         except (OSError, NetlinkError) as exc:
+            fix = (
+                "the agent needs NET_ADMIN"
+                if isinstance(exc, PermissionError)
+                else "the ctnetlink socket failed, so the rest were not tried"
+            )
             log.warning(
-                "cannot replace the NAT entries of %d IPv6 UDP flows ip6tables translated, now handed to"
-                " the node's stack by the tc IPv6 path, in netns %s (%s): their replies reach the clients"
-                " from another source port or address until those entries expire (conntrack -D -f ipv6"
-                " -p udp removes them); the agent needs NET_ADMIN",
+                "cannot replace the NAT entries of %d of the %d IPv6 UDP flows ip6tables translated, now"
+                " handed to the node's stack by the tc IPv6 path, in netns %s (%s): their replies reach the"
+                " clients from another source port or address until those entries expire (conntrack -D -f"
+                " ipv6 -p udp removes them); %s",
+                len(flows) - len(done_flows),
                 len(flows),
                 self._config.netns or "(own)",
                 exc,
+                fix,
             )
             return
         for line in done.made.failed[:10]:
@@ -510,7 +562,8 @@ class KernelTakeover:
         log.info(
             "replaced the NAT entries of %d IPv6 UDP flows the tc IPv6 path hands to the node's stack"
             " (legacy host routing, or a backend on the node's own address) by client <-> backend"
-            " entries: %d replaced (%d with another source port removed, %d refused, %d failed), %.0f ms",
+            " entries: %d replaced (%d with another source port removed, %d refused as a datagram made"
+            " the plain entry meanwhile: benign, %d failed), %.0f ms",
             len(flows),
             done.retired,
             done.stray,
@@ -595,11 +648,13 @@ class KernelTakeover:
         would go on with another backend. Its TCP flows need no carry: a segment without an entry
         that opens no flow is left to the stack, where nf_conntrack translates it as before. Found
         in ekp_fe6 / ekp_be6 as the pins of an earlier run left them (a restart, an upgrade): on a
-        node the agent never served, those are written by the first IPv6 sync, after this. Skipped:
+        node the agent never served, those are written by the first IPv6 sync, after the attach,
+        and this runs again after it (`after_first_sync6`). Skipped:
         a host backend (the IPv6 path has no HOST nor NFPASS entry to carry it with: tc decides it
         again), the node's own clients, a backend no longer in ekp_be6. The flows whose datagrams
         tc hands to the stack (every carried one under legacy host routing, a host backend's under
-        either) are kept for `_to_stack6`, which replaces their NAT entries after the attach."""
+        either) are kept for `_to_stack6`, which replaces their NAT entries after the attach (or the
+        first IPv6 sync)."""
         netns = self._config.netns
         try:
             flows = [f for f in self._dump6(netns) if f.proto == UDP and f.family == 6 and f.dnat]

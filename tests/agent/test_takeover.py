@@ -55,7 +55,7 @@ from agent.takeover.flows import (
     timeout_of,
     why_not_carried,
 )
-from agent.takeover.into_ebpf import KernelTakeover, ebpf_ids
+from agent.takeover.into_ebpf import HOLD_RENEW_NS, KernelTakeover, ebpf_ids
 from agent.takeover.nfct import Created, Replaced, create_flows, delete_flows, dump_flows, replace_flows
 from agent.takeover.out_of_ebpf import EbpfHandback
 from lab.dplab import (
@@ -1363,3 +1363,163 @@ def test_replace_flows_gives_an_ipv6_udp_flow_its_plain_entry_and_removes_the_mo
     assert len(listed) == 1 and "sport=53 dport=40000" in listed[0], (
         listed
     )  # the reply to the client's own port
+
+
+def legacy6_takeover(
+    dump6: Callable[[str], Iterable[NatFlow]],
+    replace: Callable[..., Replaced],
+    *,
+    dump: Callable[[str], Iterable[NatFlow]] = lambda netns: [],
+    clock_ns: Callable[[], int] = lambda: NOW,
+) -> KernelTakeover:
+    """A takeover of node1 under legacy host routing with the tc IPv6 path serving."""
+    return KernelTakeover(
+        dataclasses.replace(tc6_config(), bpf_host_routing=HostRouting.LEGACY),
+        dump=dump,
+        dump6=dump6,
+        addresses=lambda netns: {NODE, NODE6_T},
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=replace,
+        clock_ns=clock_ns,
+    )
+
+
+def replaced6(flow: NatFlow) -> list[str]:
+    """FakeReplace's events for one flow's replacement."""
+    plain = stack_flow(flow)
+    return [f"delete {[flow.orig]}", f"delete {[plain.orig]}", f"create {[plain.orig]}"]
+
+
+def test_ipv6_flows_on_a_node_never_served_are_carried_and_replaced_after_the_first_ipv6_sync() -> None:
+    """The normal kube-proxy -> eBPF migration: ekp_fe6 / ekp_be6 are empty at the attach (the first
+    IPv6 sync writes them after it), so the attach's carry finds no frontend for the IPv6 UDP flows
+    ip6tables translated and replaces no NAT entry. Once that sync wrote them (`after_first_sync6`),
+    the flows are carried into ekp_ct6_any and their NAT entries replaced: left in place, tc's choice
+    of the same backend would meet them in the stack and the replies would be lost."""
+    events: list[str] = []
+    takeover = legacy6_takeover(lambda netns: [DNS6], FakeReplace(events))
+    filled = fake_maps6()
+    maps = fake_maps()
+    for role in ("fe6", "be6", "ct6_tcp", "ct6_any"):
+        maps[role] = FakeMap(MAPS[role])
+    takeover.before_attach(maps)
+    takeover.after_attach(maps)
+    assert events == [] and maps["ct6_any"].items() == [], "no IPv6 frontend known at the attach"
+    for role in ("fe6", "be6"):  # what the first sync6 writes
+        for key, value in filled[role].items():
+            maps[role].update(key, value)
+    takeover.after_first_sync6(maps)
+    assert events == replaced6(DNS6)
+    assert {bytes(k) for k, _ in maps["ct6_any"].items()} == {
+        bytes(k) for k, _ in ebpf_entries6(DNS6, IDS, NOW)
+    }
+
+
+def test_the_ipv6_flows_nat_entries_are_replaced_before_the_ipv4_flows_waiting_under_their_hold() -> None:
+    """IPv6's flows have no hold (each datagram until its turn may lose its reply), IPv4's lose
+    nothing waiting (NFPASS): the IPv6 pass comes first, however many IPv4 flows there are."""
+    events: list[str] = []
+    takeover = legacy6_takeover(lambda netns: [DNS6], FakeReplace(events), dump=lambda netns: [CLUSTERIP])
+    maps = fake_maps6()
+    takeover.before_attach(maps)
+    takeover.after_attach(maps)
+    assert events == [*replaced6(DNS6), *replaced6(CLUSTERIP)]
+
+
+def test_the_ipv4_holds_are_renewed_while_a_long_ipv6_pass_runs(caplog: pytest.LogCaptureFixture) -> None:
+    """An IPv6 pass longer than EKP_CT_HANDOVER_S (thousands of flows, a starved agent) would let
+    the holds of the IPv4 flows waiting after it expire: they are renewed every HOLD_RENEW_NS
+    while it runs, so the IPv4 flow is replaced still held, not translated with its NAT entry there."""
+    clock = [NOW]
+    step = HOLD_RENEW_NS + 1_000_000_000  # each IPv6 flow's replacement takes 4 s
+    flows6 = [
+        NatFlow(17, (CLIENT6_T, VIP6_T, port, 53), (BE6_T, CLIENT6_T, 53, port))
+        for port in range(40100, 40104)
+    ]
+    assert len(flows6) * step > abi.CT_HANDOVER_S * 1_000_000_000
+
+    def slow6(flow: NatFlow) -> None:
+        if flow.family == 6:
+            clock[0] += step
+
+    held_at_turn: list[bool] = []
+
+    def during(flow: NatFlow) -> None:
+        slow6(flow)
+        if flow.family == 4:
+            table = maps[abi.ct_role(flow.proto)]
+            for key in ct_keys(flow):
+                entry = table.lookup(key)
+                assert isinstance(entry, abi.CtEntry)
+                held_at_turn.append(still_held(entry, clock[0]))
+
+    events: list[str] = []
+    takeover = legacy6_takeover(
+        lambda netns: flows6,
+        FakeReplace(events, during),
+        dump=lambda netns: [CLUSTERIP],
+        clock_ns=lambda: clock[0],
+    )
+    maps = fake_maps6()
+    takeover.before_attach(maps)
+    takeover.after_attach(maps)
+    assert len(events) == 3 * (len(flows6) + 1)
+    assert held_at_turn == [True, True], "both entries still held at the IPv4 flow's turn"
+    assert "after their hold" not in caplog.text
+
+
+def test_an_attach_retried_after_a_failure_replaces_only_the_ipv6_flows_its_own_carry_found() -> None:
+    """A first attach that failed after its carry, retried: a flow the first carry kept for the
+    stack that ended meanwhile is not replaced by the retry (its tuple may be another flow's by now)."""
+    events: list[str] = []
+    dumps = [[DNS6], []]
+    takeover = legacy6_takeover(lambda netns: dumps.pop(0) if dumps else [], FakeReplace(events))
+    maps = fake_maps6()
+    takeover.before_attach(maps)
+    takeover.before_attach(maps)  # the retry
+    takeover.after_attach(maps)
+    assert events == []
+
+
+def test_an_ipv6_socket_failure_is_worded_as_one_and_counts_the_flows_not_replaced(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def fails_at_the_second(
+        netns: str, flows: Iterable[NatFlow], by: Any, timeouts: Any, *, before: Any, after: Any
+    ) -> Replaced:
+        first = next(iter(flows))
+        before(first)
+        after(first)
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    second = NatFlow(17, (CLIENT6_T, VIP6_T, 40005, 53), (BE6_T, CLIENT6_T, 53, 40005))
+    takeover = legacy6_takeover(lambda netns: [DNS6, second], fails_at_the_second)
+    maps = fake_maps6()
+    takeover.before_attach(maps)
+    takeover.after_attach(maps)
+    assert "cannot replace the NAT entries of 1 of the 2 IPv6 UDP flows" in caplog.text
+    assert "the ctnetlink socket failed" in caplog.text and "NET_ADMIN" not in caplog.text
+
+
+def test_an_ipv6_plain_entry_refused_is_logged_as_benign(caplog: pytest.LogCaptureFixture) -> None:
+    """For an IPv6 UDP flow the only entry that can hold the plain tuple once the NAT entry and the
+    moved one are gone is the one a datagram made in between: the one wanted."""
+    caplog.set_level("INFO")
+
+    def refused(
+        netns: str, flows: Iterable[NatFlow], by: Any, timeouts: Any, *, before: Any, after: Any
+    ) -> Replaced:
+        done = Replaced()
+        for flow in flows:
+            before(flow)
+            done.retired += 1
+            done.refused.append(by(flow))
+            after(flow)
+        return done
+
+    takeover = legacy6_takeover(lambda netns: [DNS6], refused)
+    maps = fake_maps6()
+    takeover.before_attach(maps)
+    takeover.after_attach(maps)
+    assert "1 refused as a datagram made the plain entry meanwhile: benign" in caplog.text

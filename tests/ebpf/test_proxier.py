@@ -213,6 +213,9 @@ class FakeUpgrade:
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self.log.append("carry v1 conntrack again")
 
+    def after_first_sync6(self, maps: Mapping[str, MapWriter]) -> None:
+        self.log.append(f"carry IPv6 flows after the first IPv6 sync ({len(maps['fe6'].items())} frontends)")
+
     def serving(self) -> None:
         self.log.append("remove the other data path's rules")
 
@@ -1352,6 +1355,23 @@ def test_ipv6_udp_sockets_are_ended_after_an_ipv6_sync_that_removed_a_backend(ri
     p.sync6(one, NODE6, frozenset({spn}))
     assert runs() == before + 1 and len(rig.maps["be6"]) == 1
     assert v4 == {role: sorted(bytes(k) for k, _ in rig.maps[role].items()) for role in ROLES}
+    p.close()
+
+
+def test_the_start_steps_see_the_ipv6_maps_once_the_first_ipv6_sync_after_the_attach_wrote_them(
+    rig: Rig,
+) -> None:
+    """On a node the agent never served, ekp_fe6 is empty at the attach (the first IPv6 sync comes
+    after it): the takeover's IPv6 carry runs again once that sync has written it, and only then."""
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    assert "carry v1 conntrack again" in rig.events and not [e for e in rig.events if "IPv6 sync" in e]
+    p.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), NODE6)
+    p.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), NODE6)
+    p.sync(STATE, NODE)
+    assert [e for e in rig.events if "IPv6 sync" in e] == [
+        "carry IPv6 flows after the first IPv6 sync (2 frontends)"
+    ]
     p.close()
 
 

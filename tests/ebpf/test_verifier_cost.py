@@ -18,6 +18,7 @@ import pytest
 from agent.config import MapSizes
 from agent.ebpf.loader import Datapath
 from agent.ebpf.programs import (
+    PROG_EGRESS,
     PROG_EGRESS6,
     PROG_FROM_NET,
     PROG_FROM_NET6,
@@ -66,16 +67,21 @@ from bench.verifycost import ProgCost, measure, the_object
 # pruning moves these by 6% on small edits, so 450,000 failed at the next one. One ekp_tc6_send
 # call site for hits and new flows, tried as a cut, made ekp_from_pod6 930,754 (its arguments in
 # registers) and 841,087 (in the scratch map): a hit's and a new flow's states do not merge there,
-# so it was not kept. Budgets of the IPv6 tc programs now 500,000: 10% over the highest figure
-# measured, half the kernel's limit; ekp_egress6 (62,611, with the egress twin of the related
-# errors) 80,000: a tail-called program of 7,000 instructions, budgeted against a doubling, not
-# against pruning's jitter.
+# so it was not kept. ekp_egress6 (62,611, with the egress twin of the related errors) 80,000: a
+# tail-called program of 7,000 instructions, budgeted against a doubling, not against pruning's
+# jitter. v6legacy3 (no C change of its own; after v6tw's merge, bench/results/scale/
+# verifycost-v6legacy3-2026-11-27.txt): ekp_from_pod6 423,789, ekp_from_net6 401,593, ekp_egress
+# 36,589; the IPv6 tc programs' budgets
+# 470,000 (11% over ekp_from_pod6, room for about two of pruning's 6% steps; 500,000 was 18% over
+# it), ekp_egress 45,000 (23% over: 59,000 before v6rej2's CRC32c change, so a regression of that
+# kind fails here).
 BUDGET = {
     PROG_FROM_POD: 450_000,
     PROG_FROM_NET: 450_000,
     PROG_XDP_NET: 220_000,
-    PROG_FROM_POD6: 500_000,
-    PROG_FROM_NET6: 500_000,
+    PROG_EGRESS: 45_000,
+    PROG_FROM_POD6: 470_000,
+    PROG_FROM_NET6: 470_000,
     PROG_EGRESS6: 80_000,
     PROG_XDP_NET6: 300_000,
 }
@@ -88,8 +94,9 @@ BUDGET = {
 # address served too (ekp_from_pod6 445,000, ekp_from_net6 416,000, ekp_egress6 61,000: the node's
 # own replies looked up; bench/results/scale/verifycost-v6legacy-2026-11-27.txt), 1,677,000 with
 # XDP's IPv6 path alone (xdp6); 1,876,000 with both (18 programs); 1,841,000 after ip6slim2 and
-# v6legacy2 (pruning: the host-error fix added nothing to ekp_from_pod6's walk), budgeted at
-# 2,050,000: 10% over the highest total measured, as the IPv6 programs' own budgets
+# v6legacy2 (pruning: the host-error fix added nothing to ekp_from_pod6's walk), 1,840,775 at
+# v6legacy3; budgeted at 2,050,000: 9% over the highest total since v6rej2's CRC32c change
+# (1,876,000), 11% over the current one
 ALL_PROGRAMS = 2_050_000
 
 pytestmark = pytest.mark.kernel
