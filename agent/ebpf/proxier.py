@@ -391,6 +391,8 @@ class EbpfProxier:
         # ... and no flow ip6tables masqueraded before that (an upgrade, a switch from iptables
         # mode) holds a reply tuple a tc flow could take: the address it was checked for
         self._snat6_free_for = ""
+        # the address whose clean read a failed restore made us re-check (masquerade6_apart_is)
+        self._snat6_recheck = ""
         self._conntrack6_failures = 0  # reads of IPv6 nf_conntrack that failed in a row
         self._snat6_refused: str | None = None  # why the last sync6 did not grant ("" granted)
         # Those at the last look, by their tuples (logged when they change; their state changes
@@ -594,6 +596,7 @@ class EbpfProxier:
             if apart:
                 self.masquerade6_apart = True
             else:
+                self._snat6_recheck = self._snat6_free_for or self._snat6_recheck
                 self._snat6_free_for = ""
 
     def _snat_ports_live(self) -> bool:
@@ -673,6 +676,20 @@ class EbpfProxier:
         except Exception as exc:  # pyroute2's decoders raise more than OSError
             # Whatever the dump raised, the IPv6 maps are still written: only the grant waits.
             self._conntrack6_failures += 1
+            if self._snat6_recheck == source and self._snat6_refused == "":
+                # Re-read only because a restore failed: the rules in place are still the ones
+                # thinned for this grant, so taking it back on a read that proves nothing would
+                # leave their masqueraded frontends with no rule (as at the load, a failed read keeps
+                # a grant the rules were made for).
+                log.warning(
+                    "cannot read IPv6 nf_conntrack (%s: %s; %d time(s) in a row): the IPv6 SNAT grant "
+                    "stands (a restore failed, so the ip6tables rules in place are still those made for "
+                    "it) and the next IPv6 sync reads it again",
+                    type(exc).__name__,
+                    exc,
+                    self._conntrack6_failures,
+                )
+                return ""
             log.warning(
                 "cannot read IPv6 nf_conntrack (%s: %s; %d time(s) in a row): the tc IPv6 path leaves "
                 "source translations to ip6tables and the next IPv6 sync reads it again",
@@ -682,6 +699,7 @@ class EbpfProxier:
             )
             return f"IPv6 nf_conntrack could not be read ({type(exc).__name__})"
         self._conntrack6_failures = 0
+        self._snat6_recheck = ""
         self.on_snat6_held(len(held))
         if not held:
             if not remember:

@@ -250,6 +250,10 @@ class IptablesProxier:
         stale backend for as long as a restore fails is the worse."""
         if self._handed_back:
             return
+        handback = EbpfHandback(self._config)
+        if not handback.pending:  # no eBPF mode before this one: nothing to wait for, nothing to say
+            self._handed_back = True
+            return
         waiting = sorted(f.name for f in self._handback_waits - self._restored)
         if waiting:
             if self.family not in self._restored:
@@ -278,7 +282,7 @@ class IptablesProxier:
                 now - self._handback_waited_since,
                 "/".join(waiting),
             )
-        EbpfHandback(self._config).run()
+        handback.run()
         self._handed_back = True
 
     @property

@@ -633,6 +633,7 @@ class HandbackRecorder:
     """Stands in for agent.takeover.out_of_ebpf.EbpfHandback: records that it ran."""
 
     runs: list[str] = []
+    pending = True  # pins of an earlier eBPF mode are there (a switch from it)
 
     def __init__(self, config: Config) -> None:
         self._pins = config.pin_path
@@ -783,6 +784,31 @@ def test_the_hand_back_waits_for_the_ipv6_restore_one_sync_period_at_most_and_sa
         )
         ipv6.sync(state6, NODE6)
         assert HandbackRecorder.runs == [config.pin_path], "and only once"
+
+
+def test_a_node_that_never_ran_ebpf_mode_starts_iptables_mode_without_a_hand_back_wait(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No pins of an earlier eBPF mode: nothing is handed back, so the dual-stack start neither
+    waits for the IPv6 restore nor warns about programs that are not there."""
+    from agent.iptables import IptablesProxier
+    from agent.model.state import build_state
+    from tests.iptables.fakes import FakeCounters, FakeRunner
+    from tests.iptables.test_kube_proxy_cleanup import nft_responder
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    monkeypatch.setattr(HandbackRecorder, "pending", False)
+    HandbackRecorder.runs = []
+    config = Config(mode=Mode.IPTABLES, hostname="node1", cluster_cidr=V6_CIDRS)
+    runner4 = FakeRunner()
+    runner4.responses["nft"] = nft_responder([])[1]  # type: ignore[assignment]
+    ipv4 = IptablesProxier(config, runner=runner4, counters=FakeCounters(), clock=lambda: 0.0)
+    ipv4.hand_back_after(IPFamily.IPv6)
+    state4 = build_state([dual()], [], NodeInfo("node1")).state
+    with caplog.at_level(logging.WARNING, logger="agent"):
+        ipv4.sync(state4, NODE)
+    assert not [r for r in caplog.records if "eBPF programs" in r.getMessage()], caplog.text
+    assert HandbackRecorder.runs == []
 
 
 def test_a_kube_proxy_ip6_table_that_cannot_be_removed_is_a_warning_and_retried_until_gone(

@@ -1063,7 +1063,8 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_until_a_restore_succeeds_or_where
     keeps out of --bpf-snat-ports): failed ones before it leave it zero. A failed restore after one
     that succeeded keeps the grant: it changed no rule, those in place keep out of the range, and
     they were thinned for the grant (taking it back would leave its frontends to a stack with no
-    rule for them), but reads nf_conntrack again at each sync while restores fail. Where the tc IPv6
+    rule for them), but reads nf_conntrack again at each sync while restores fail (a read that fails
+    then keeps the grant too; one that finds a flow in the range takes it back). Where the tc IPv6
     path does not serve (no socket-level load balancing), it is zero whatever ip6tables did, over
     what a pin held."""
     from agent.ebpf.maps import read_config6, write_config6
@@ -1090,6 +1091,15 @@ def test_the_tc_ipv6_paths_snat_source_is_zero_until_a_restore_succeeds_or_where
         "a failed restore leaves the granted rules in place: the grant stays"
     )
     assert rig.conntrack6_reads == reads + 1, "nf_conntrack read again: the failure may have let a flow in"
+    rig.conntrack6_error = ValueError("bad NLA length")
+    half.masquerade_apart(False)
+    half.sync(state, NODE6)
+    cfg6 = read_config6(rig.maps)
+    assert cfg6 is not None and abi.ip6_str(cfg6.node_addr) == "fd00:192:168::11", (
+        "a read that proves nothing keeps the grant the rules in place were thinned for"
+    )
+    assert rig.conntrack6_reads == reads + 2
+    rig.conntrack6_error = None
     rig.conntrack6 = [
         NatFlow(
             6,

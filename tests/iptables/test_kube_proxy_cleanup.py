@@ -105,6 +105,8 @@ def test_iptables_mode_retries_kube_proxys_nft_tables_at_each_sync_and_hands_ebp
     handbacks: list[str] = []
 
     class Handback:
+        pending = True  # a switch from eBPF mode
+
         def __init__(self, config: object) -> None:
             pass
 
