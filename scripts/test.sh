@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# `make test` (and CI): set up (idempotent), lint, then run the whole suite on three pytest-xdist
+# `make test` (and CI): set up (idempotent), lint, then run the whole suite on four pytest-xdist
 # workers (tests/parallel.py says how tests are grouped), and print how long each step took.
-# Three on a 2-vCPU machine because the lab tests mostly wait (timeouts, backoffs, request loops):
-# the whole run takes about 700 s of CPU (user + sys, labs included), while two workers were busy
-# 2 x 619 s in a quiet run, so the CPUs sat idle almost half the time; a third worker fills it.
+# Four on a 2-vCPU machine because the lab tests mostly wait (timeouts, backoffs, request loops):
+# two workers left the CPUs idle almost half the time, and on 2026-11-27 (2,962 tests, 1,608 s of
+# test time, the largest lab group 256 s) three workers took 10 min 05 s in a fresh clone and four
+# 9 min 11 s, on the same commit and a quiet machine.
 # EKP_TEST_WORKERS sets the number of workers (1: one process, in the plain order); extra arguments
 # go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 now() { date +%s.%N; }
-workers=${EKP_TEST_WORKERS:-3}
+workers=${EKP_TEST_WORKERS:-4}
 start=$(now)
 bash scripts/setup.sh
 setup_done=$(now)
