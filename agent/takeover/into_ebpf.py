@@ -212,6 +212,13 @@ def nft_families_to_remove(config: Config) -> tuple[str, ...]:
     return ("ip",) if config.ipv6_configured else ("ip", "ip6")
 
 
+def _replace_stopped(exc: BaseException) -> str:
+    """What to do about a replacement of NAT entries that stopped on `exc` (both families' passes)."""
+    if isinstance(exc, PermissionError):
+        return "the agent needs NET_ADMIN"
+    return "the ctnetlink socket failed, so the rest were not tried"
+
+
 def _nothing(flow: NatFlow) -> None:
     pass
 
@@ -424,11 +431,6 @@ class KernelTakeover:
                 netns, flows, stack_flow, timeouts_of(self._config), before=before, after=after
             )
         except (OSError, NetlinkError) as exc:
-            fix = (
-                "the agent needs NET_ADMIN"
-                if isinstance(exc, PermissionError)
-                else "the ctnetlink socket failed, so the rest were not tried"
-            )
             log.warning(
                 "cannot replace the NAT entries of %d of the %d flows carried into eBPF conntrack in netns"
                 " %s (%s): the node's stack sees their packets as client <-> backend"
@@ -438,7 +440,7 @@ class KernelTakeover:
                 len(flows),
                 netns or "(own)",
                 exc,
-                fix,
+                _replace_stopped(exc),
             )
             return
         finally:
@@ -540,11 +542,6 @@ class KernelTakeover:
                 after=lambda flow: done_flows.add(flow.orig),
             )
         except (OSError, NetlinkError) as exc:
-            fix = (
-                "the agent needs NET_ADMIN"
-                if isinstance(exc, PermissionError)
-                else "the ctnetlink socket failed, so the rest were not tried"
-            )
             log.warning(
                 "cannot replace the NAT entries of %d of the %d IPv6 UDP flows ip6tables translated, now"
                 " handed to the node's stack by the tc IPv6 path, in netns %s (%s): their replies reach the"
@@ -554,7 +551,7 @@ class KernelTakeover:
                 len(flows),
                 self._config.netns or "(own)",
                 exc,
-                fix,
+                _replace_stopped(exc),
             )
             return
         for line in done.made.failed[:10]:
