@@ -178,7 +178,8 @@ class EbpfAndIp6tables:
     ) -> SyncResult:
         every = frozenset(state.services)
         in_place = self._rendered  # None: not known (the first sync, or the last one failed)
-        need = ports_left(state, node.node_ips, self.facts(state, granted=self._granted_after(node)))
+        granted = self._granted_after(node)
+        need = ports_left(state, node.node_ips, self.facts(state, granted=granted))
         # A port the maps were last written to hand to the stack keeps its rules one more sync; with
         # the rules in place not known, every port gets them, and `again` thins them out.
         keep = every if in_place is None else need | (in_place & self._needed)
@@ -200,7 +201,12 @@ class EbpfAndIp6tables:
             raise
         except Exception as exc:
             failure = failure or exc
-        after = ports_left(state, node.node_ips, self.facts(state, granted=self.ebpf.snat_granted))
+        # The same inputs as `need` unless the maps' sync changed the grant (O(ports) at each sync).
+        after = (
+            need
+            if self.ebpf.snat_granted == granted
+            else ports_left(state, node.node_ips, self.facts(state, granted=self.ebpf.snat_granted))
+        )
         # The ports the maps hold no frontend for reach the stack: ip6tables serves them.
         after |= every if maps is None else maps.failed.keys() & every
         # The ports whose rules are known to be in place: a failed restore changed none, and after
