@@ -11,8 +11,9 @@ programmed, and the agent says so once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -24,6 +25,10 @@ from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.proxier import SyncResult
 from tests.agent.test_daemon import NODE, Clock, FakeEvents, FakeHealth, FakeProxier, FakeSource, spn
 from tests.model.test_state import endpoint, service, slice_
+
+if TYPE_CHECKING:
+    from agent.iptables import IptablesProxier
+    from tests.iptables.fakes import FakeRunner
 
 NODE6 = NodeContext(("fd00:192:168::11",), "fd00:192:168::11")
 UNSERVED = "are not programmed on this node: no IPv6 proxier runs"
@@ -679,6 +684,29 @@ def test_ebpf_modes_ipv6_proxier_writes_ip6tables_and_removes_only_kube_proxys_i
     assert rules is not None and rules > 0, "iptables mode's rule counts, labelled IPv6"
 
 
+def handback_pair(
+    config: Config, clock: Callable[[], float]
+) -> tuple[IptablesProxier, IptablesProxier, FakeRunner]:
+    """iptables mode's two proxiers as the agent wires them (the IPv6 one's take-over is the IPv4
+    one's hand-back wait), nft answering that kube-proxy left no table; the IPv6 runner returned."""
+    from agent.iptables import IptablesProxier
+    from tests.iptables.fakes import FakeCounters, FakeRunner
+    from tests.iptables.test_kube_proxy_cleanup import nft_responder
+
+    runner4, runner6 = FakeRunner(), FakeRunner()
+    for runner in (runner4, runner6):
+        runner.responses["nft"] = nft_responder([])[1]  # type: ignore[assignment]
+    ipv4 = IptablesProxier(config, runner=runner4, counters=FakeCounters(), clock=clock)
+    ipv6 = IptablesProxier(
+        config,
+        family=IPFamily.IPv6,
+        runner=runner6,
+        counters=FakeCounters(),
+        take_over=ipv4.hand_back_after(IPFamily.IPv6),
+    )
+    return ipv4, ipv6, runner6
+
+
 def test_iptables_mode_hands_the_ebpf_data_path_back_only_once_both_families_rules_are_in_place(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -689,23 +717,11 @@ def test_iptables_mode_hands_the_ebpf_data_path_back_only_once_both_families_rul
     from agent.app import make_proxier, make_proxier6
     from agent.iptables import IptablesProxier
     from agent.model.state import build_state
-    from tests.iptables.fakes import FakeCounters, FakeRunner
-    from tests.iptables.test_kube_proxy_cleanup import nft_responder
 
     monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
     HandbackRecorder.runs = []
     config = Config(mode=Mode.IPTABLES, hostname="node1", cluster_cidr=V6_CIDRS)
-    runner4, runner6 = FakeRunner(), FakeRunner()
-    for runner in (runner4, runner6):
-        runner.responses["nft"] = nft_responder([])[1]  # type: ignore[assignment]
-    ipv4 = IptablesProxier(config, runner=runner4, counters=FakeCounters(), clock=lambda: 0.0)
-    ipv6 = IptablesProxier(
-        config,
-        family=IPFamily.IPv6,
-        runner=runner6,
-        counters=FakeCounters(),
-        take_over=ipv4.hand_back_after(IPFamily.IPv6),
-    )
+    ipv4, ipv6, runner6 = handback_pair(config, lambda: 0.0)
     state4 = build_state([dual()], [], NodeInfo("node1")).state
     state6 = build_state(
         [dual()], [slice6("web-v6", "fd00:10:244:1::2")], NodeInfo("node1"), family=IPFamily.IPv6
@@ -738,26 +754,13 @@ def test_the_hand_back_waits_for_the_ipv6_restore_one_sync_period_at_most_and_sa
     """The programs a switch from eBPF mode left attached translate from maps nobody writes: while
     the IPv6 restore fails the hand-back waits, told once, and goes after one --iptables-sync-period
     from the IPv4 rules' first restore, with a warning that the thinned IPv6 ports have no rule."""
-    from agent.iptables import IptablesProxier
     from agent.model.state import build_state
-    from tests.iptables.fakes import FakeCounters, FakeRunner
-    from tests.iptables.test_kube_proxy_cleanup import nft_responder
 
     monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
     HandbackRecorder.runs = []
     config = Config(mode=Mode.IPTABLES, hostname="node1", cluster_cidr=V6_CIDRS, sync_period_s=30.0)
-    runner4, runner6 = FakeRunner(), FakeRunner()
-    for runner in (runner4, runner6):
-        runner.responses["nft"] = nft_responder([])[1]  # type: ignore[assignment]
     now = [1000.0]
-    ipv4 = IptablesProxier(config, runner=runner4, counters=FakeCounters(), clock=lambda: now[0])
-    ipv6 = IptablesProxier(
-        config,
-        family=IPFamily.IPv6,
-        runner=runner6,
-        counters=FakeCounters(),
-        take_over=ipv4.hand_back_after(IPFamily.IPv6),
-    )
+    ipv4, ipv6, runner6 = handback_pair(config, lambda: now[0])
     state4 = build_state([dual()], [], NodeInfo("node1")).state
     state6 = build_state(
         [dual()], [slice6("web-v6", "fd00:10:244:1::2")], NodeInfo("node1"), family=IPFamily.IPv6
@@ -791,19 +794,13 @@ def test_a_node_that_never_ran_ebpf_mode_starts_iptables_mode_without_a_hand_bac
 ) -> None:
     """No pins of an earlier eBPF mode: nothing is handed back, so the dual-stack start neither
     waits for the IPv6 restore nor warns about programs that are not there."""
-    from agent.iptables import IptablesProxier
     from agent.model.state import build_state
-    from tests.iptables.fakes import FakeCounters, FakeRunner
-    from tests.iptables.test_kube_proxy_cleanup import nft_responder
 
     monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
     monkeypatch.setattr(HandbackRecorder, "pending", False)
     HandbackRecorder.runs = []
     config = Config(mode=Mode.IPTABLES, hostname="node1", cluster_cidr=V6_CIDRS)
-    runner4 = FakeRunner()
-    runner4.responses["nft"] = nft_responder([])[1]  # type: ignore[assignment]
-    ipv4 = IptablesProxier(config, runner=runner4, counters=FakeCounters(), clock=lambda: 0.0)
-    ipv4.hand_back_after(IPFamily.IPv6)
+    ipv4, _, _ = handback_pair(config, lambda: 0.0)
     state4 = build_state([dual()], [], NodeInfo("node1")).state
     with caplog.at_level(logging.WARNING, logger="agent"):
         ipv4.sync(state4, NODE)
