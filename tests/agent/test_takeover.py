@@ -1452,7 +1452,7 @@ def test_ipv6_flows_are_carried_with_the_frontends_the_first_ipv6_sync_is_about_
             activity.slot(activity.fold6(ipaddress.IPv6Address(addr).packed), port_be(53), 17)
             for addr in (VIP6_T, BE6_T)
         }
-        assert {k.value for k, _ in maps["act"].items()} == ends  # type: ignore[attr-defined]
+        assert {k.value for k, _ in maps["act"].items()} == ends
 
 
 def test_the_ipv6_flows_nat_entries_are_replaced_before_the_ipv4_flows_waiting_under_their_hold() -> None:

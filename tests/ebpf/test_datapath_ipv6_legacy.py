@@ -188,7 +188,9 @@ def test_a_syn_reopening_an_ended_flow_keeps_the_new_flows_entries_for_its_syn_a
     assert (stats[Stat.NEW_FLOWS], stats[Stat.CT_REPLY]) == (2, 3)
 
 
-def test_the_stacks_own_reset_and_icmpv6_error_about_a_masqueraded_flow_leave_as_the_cluster_ips(net: Net) -> None:
+def test_the_stacks_own_reset_and_icmpv6_error_about_a_masqueraded_flow_leave_as_the_cluster_ips(
+    net: Net,
+) -> None:
     """IPv4's test_legacy_translates_the_stacks_own_reset_and_icmp_error_about_a_snat_flow for IPv6:
     an ip6tables REJECT in FORWARD answers a masqueraded flow's SYN with a RST (backend -> client)
     or an ICMPv6 port unreachable quoting client -> backend: the tuple the stack saw, which no
