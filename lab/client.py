@@ -388,6 +388,7 @@ def cmd_udpflow(a: argparse.Namespace) -> dict[str, object]:
     address or port than the one sent to (a backend's own, untranslated) is a `stranger`: the
     unconnected socket takes it, a connected one (a resolver's) would not."""
     sent = lost = strangers = 0
+    stranger_at: list[float] = []  # wall clock, to hold against the agent's log
     backends: list[str] = []
     start = time.monotonic()
     family = socket.AF_INET6 if ":" in a.addr else socket.AF_INET  # an IPv6 ClusterIP's flow too
@@ -405,12 +406,19 @@ def cmd_udpflow(a: argparse.Namespace) -> dict[str, object]:
                 continue
             if (ipaddress.ip_address(peer[0]), peer[1]) != service:
                 strangers += 1
+                stranger_at.append(round(time.time(), 3))
             else:
                 name, _, echoed = data.decode().partition(" ")
                 if echoed == payload and (not backends or backends[-1] != name):
                     backends.append(name)
             time.sleep(a.interval)
-    return {"sent": sent, "lost": lost, "strangers": strangers, "backends": backends}
+    return {
+        "sent": sent,
+        "lost": lost,
+        "strangers": strangers,
+        "strangers_at": stranger_at[:3] + stranger_at[-3:],
+        "backends": backends,
+    }
 
 
 def cmd_dnsloop(a: argparse.Namespace) -> dict[str, object]:
