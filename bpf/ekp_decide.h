@@ -483,14 +483,15 @@ static __always_inline void ekp_hostnat_key_of(struct ekp_hostnat_key *k, __be32
 	k->tag = tag;
 }
 
+/* ekp_host_af.h's IPv4 instance (both families' code), defined once ekp_host.h is included. */
+static __always_inline struct ekp_hostnat *ekp_host_stack_reply(const struct ekp_pkt *p, int related);
+
 /* Legacy host routing: a packet the node's stack sends about a flow whose both addresses the
  * ingress program translated (ekp_host_note_stack_reply), which no conntrack entry claims: a TCP
  * RST or UDP datagram with the tuple the stack saw (backend -> client), or an ICMP error quoting
  * the packet as the stack saw it (client -> backend). Gets the source the flow's replies get, so
  * the client's socket takes it as the answer to what it sent (nf_conntrack's RELATED in iptables
  * mode: the REJECT of a NetworkPolicy engine fails the connect() at once, not after a timeout). */
-static __always_inline struct ekp_hostnat *ekp_host_stack_reply(const struct ekp_pkt *p, int related);
-
 static __always_inline void ekp_decide_stack_reply(const struct ekp_pkt *p, int parsed, struct ekp_decision *d)
 {
 	int related = parsed == EKP_PARSE_ICMP_ERR;
