@@ -164,7 +164,13 @@ class EbpfAndIp6tables:
       every port the rules in place had (nothing is thinned after a failure). If that restore
       fails too, they wait for one that succeeds;
     * the first sync, and the one after a failure, writes every port: maps of an earlier run, or
-      of the failed sync, may hand any of them to the stack."""
+      of the failed sync, may hand any of them to the stack;
+    * no port to restore and no translated flow in IPv6 nf_conntrack (`nat_live`): ip6tables is
+      withdrawn to the healthCheckNodePorts' ACCEPTs (`Ip6tables.withdraw`), with no conntrack
+      match and no nat rule, so nf_conntrack registers no hook in the node's netns and no IPv6
+      packet is tracked (issue 20: those hooks cost a pod -> pod IPv6 connection about 25%). Like
+      a restore it comes before the maps' sync, and a port left again gets every rule back in
+      the restore before the maps hand it to the stack."""
 
     def __init__(
         self, ebpf: Ipv6Maps, ip6tables: Ip6tables, config: Config, *, nat_live: Callable[[], bool]

@@ -371,7 +371,7 @@ class IptablesProxier:
             self._need_complete = True  # whatever the kernel holds, the next sync writes it all
             self._programmed = None
             self._globals = None
-            self._withdrawn = None
+            was, self._withdrawn = self._withdrawn, None
             report = cleanup(self._runner)
             if text:
                 self._runner.restore(text)
@@ -381,7 +381,7 @@ class IptablesProxier:
                 self._metrics.set_iptables_rules(
                     {"filter": accepts, "nat": 0}, {"filter": accepts, "nat": 0}, str(self.family)
                 )
-            if report.chains_deleted:
+            if was is None and report.chains_deleted:
                 log.info(
                     "%s: the eBPF programs leave no service port to the stack: removed every rule of ours "
                     "but the health check node ports' ACCEPTs (no nf_conntrack or nf_nat hook for them)",

@@ -568,7 +568,7 @@ def test_an_ipv6_proxier_on_ip6tables_runs_in_both_modes_when_ipv6_is_configured
 EMPTY6 = ProxyState(NodeInfo("node1"), {}, {}, family=IPFamily.IPv6)
 
 
-def LIVE() -> bool:
+def nat_flow_lives() -> bool:
     """A translated IPv6 flow in nf_conntrack: ip6tables keeps the rules of an empty state."""
     return True
 
@@ -616,7 +616,7 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
         Half("ebpf", calls, failed={a: "full"}),
         Half("ip6", calls, failed={b: "rejected"}),
         config,
-        nat_live=LIVE,
+        nat_live=nat_flow_lives,
     )
     result = both.sync(EMPTY6, NODE6, None)
     # ip6tables first: the maps may take the node's address as the tc path's SNAT source only once
@@ -625,14 +625,14 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
     assert result.failed == {a: "full", b: "rejected"}
     calls.clear()
     broken = EbpfAndIp6tables(
-        Half("ebpf", calls, fail=RuntimeError("maps")), Half("ip6", calls), config, nat_live=LIVE
+        Half("ebpf", calls, fail=RuntimeError("maps")), Half("ip6", calls), config, nat_live=nat_flow_lives
     )
     with pytest.raises(RuntimeError, match="maps"):
         broken.sync(EMPTY6, NODE6, frozenset())
     assert calls == ["ip6.sync", "ebpf.apart", "ebpf.sync"]
     calls.clear()
     no_rules = EbpfAndIp6tables(
-        Half("ebpf", calls), Half("ip6", calls, fail=RuntimeError("restore")), config, nat_live=LIVE
+        Half("ebpf", calls), Half("ip6", calls, fail=RuntimeError("restore")), config, nat_live=nat_flow_lives
     )
     with pytest.raises(RuntimeError, match="restore"):
         no_rules.sync(EMPTY6, NODE6, frozenset())
@@ -641,7 +641,7 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
     assert calls == ["ip6.sync", "ebpf.not apart", "ebpf.sync"]
     calls.clear()
     fatal = EbpfAndIp6tables(
-        Half("ebpf", calls), Half("ip6", calls, fail=FatalError("gone")), config, nat_live=LIVE
+        Half("ebpf", calls), Half("ip6", calls, fail=FatalError("gone")), config, nat_live=nat_flow_lives
     )
     with pytest.raises(FatalError):
         fatal.sync(EMPTY6, NODE6, None)

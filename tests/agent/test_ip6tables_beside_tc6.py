@@ -89,7 +89,7 @@ class Recorded:
 WEB, API = spn("web"), spn("kubernetes")
 
 
-def NAT_LIVE() -> bool:
+def nat_flow_lives() -> bool:
     """A translated IPv6 flow in nf_conntrack (the rules of an empty state stay for it): these tests
     are about which ports get rules; test_nothing_left_* below about no flow holding them."""
     return True
@@ -134,7 +134,7 @@ def rig(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Maps, FakeRunner, list[st
     runner = FakeRunner()
     maps = Maps(calls)
     ip6 = Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls)
-    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=NAT_LIVE)
+    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=nat_flow_lives)
     both.recorded = ip6  # type: ignore[attr-defined]
     return both, maps, runner, calls
 
@@ -221,7 +221,7 @@ def test_without_the_tc_ipv6_path_ip6tables_gets_every_port(monkeypatch: pytest.
     maps = Maps(calls, serves=False)
     maps.grant_next = True  # never granted without the path; even so, nothing is left out
     both = EbpfAndIp6tables(
-        maps, ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), CONFIG, nat_live=NAT_LIVE
+        maps, ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), CONFIG, nat_live=nat_flow_lives
     )
     for changed in (None, frozenset[ServicePortName](), frozenset()):
         assert both.sync(state(), NODE6, changed).again == frozenset()
@@ -340,7 +340,7 @@ def test_after_a_failed_restore_the_second_keeps_every_port_the_rules_in_place_h
     runner = FakeRunner()
     maps = Maps(calls)
     ip6 = Recorded(ip6tables_beside_ebpf(config, runner, counters=FakeCounters()), calls)
-    both = EbpfAndIp6tables(maps, ip6, config, nat_live=NAT_LIVE)
+    both = EbpfAndIp6tables(maps, ip6, config, nat_live=nat_flow_lives)
     result = both.sync(state(), NODE6, None)
     both.sync(state(), NODE6, result.again)
     assert jumped(runner) == {"default/kubernetes:http"}
@@ -376,7 +376,7 @@ def test_the_first_sync_writes_every_port_though_granted_and_without_the_detecto
     maps = Maps(calls)
     maps.snat_granted = maps.grant_next = True
     both = EbpfAndIp6tables(
-        maps, ip6tables_beside_ebpf(config, runner, counters=FakeCounters()), config, nat_live=NAT_LIVE
+        maps, ip6tables_beside_ebpf(config, runner, counters=FakeCounters()), config, nat_live=nat_flow_lives
     )
     result = both.sync(state(), NODE6, None)
     assert jumped(runner) == {"default/web:http", "default/kubernetes:http"} and result.again == {WEB}
