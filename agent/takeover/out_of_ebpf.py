@@ -26,9 +26,8 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    flow whose source is not translated) are held right before (CtFlag.HANDOVER: the programs drop
    their forward packets) and, once their NAT entries are written, passed (CtFlag.NFPASS on both
    entries: the programs leave their packets untranslated and the NAT entry translates them, as
-   after the detach); a held flow whose write was refused twice stays held until the detach. The
-   tc IPv6 path reads neither flag: an IPv6 flow's datagram the programs translate between its
-   write and the detach may still reach the client as such a stranger;
+   after the detach); a held flow whose write was refused twice stays held until the detach. So
+   for the tc IPv6 path's flows too (bpf/ekp_tc6.h reads both flags as IPv4's code does);
 2. the programs are detached from every device of the node: no plain entry is made any more;
 3. the flows the programs started between 1 and 2, and those still refused, are written the same
    way (entries already there kept);
@@ -53,7 +52,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from agent.config import Config
 from agent.ebpf import abi
 from agent.lock import LOCK_DIR
-from agent.takeover.flows import NSEC, NatFlow, Timeouts, Tuple, ct_keys, nat_flow, stack_flow
+from agent.takeover.flows import NSEC, NatFlow, Timeouts, Tuple, ct6_keys, ct_keys, nat_flow, stack_flow
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +103,15 @@ def _pinned_legacy(pin_path: str) -> bool:
     return live is not None and bool(live.flags & abi.ConfigFlag.HOST_LEGACY)
 
 
+def _keys(flow: NatFlow) -> tuple[abi.CtKey, abi.CtKey] | tuple[abi.Ct6Key, abi.Ct6Key]:
+    return ct6_keys(flow) if flow.family == 6 else ct_keys(flow)
+
+
 class StackHolds:
     """The hold of the flows the node's stack tracks under the reply tuple their NAT entries take
     (module doc, step 1), one flow at a time on the pinned eBPF conntrack: a backend on the node's
     own address (CtFlag.HOST), and under legacy host routing every flow whose source is not
-    translated (`stack_flow`). IPv4's only: the tc IPv6 path reads neither flag."""
+    translated (`stack_flow`). IPv4's and the tc IPv6 path's (ekp_ct6_*) alike."""
 
     def __init__(self, pin_path: str) -> None:
         self._pin_path = pin_path
@@ -122,12 +125,14 @@ class StackHolds:
         from agent.ebpf.maps import BpfMap
 
         role = abi.ct_role(flow.proto)
+        if flow.family == 6:
+            role = role.replace("ct_", "ct6_")  # the tc IPv6 path's, ekp_ct6_*
         if role not in self._tables:
             exists = os.path.exists(os.path.join(self._pin_path, abi.MAPS[role].name))
             self._tables[role] = BpfMap.open_pinned(abi.MAPS[role], self._pin_path) if exists else None
         return self._tables[role]
 
-    def _update(self, table: Any, key: abi.CtKey, entry: abi.CtEntry) -> None:
+    def _update(self, table: Any, key: abi.CtKey | abi.Ct6Key, entry: abi.CtEntry | abi.Ct6Entry) -> None:
         from agent.ebpf.maps import MapError, UpdateFlag
 
         try:
@@ -139,16 +144,14 @@ class StackHolds:
     def hold(self, flow: NatFlow) -> None:
         """CtFlag.HANDOVER on its FORWARD entry, created_s moved to now so that the flag holds
         (EKP_CT_HANDOVER_S from there): the programs drop its forward packets."""
-        if flow.family != 4:
-            return
         if self._legacy is None:
             self._legacy = _pinned_legacy(self._pin_path)
         table = self._table(flow)
         if table is None:
             return
-        key = ct_keys(flow)[0]
+        key = _keys(flow)[0]
         entry = table.lookup(key)
-        if not isinstance(entry, abi.CtEntry):
+        if not isinstance(entry, abi.CtEntry | abi.Ct6Entry):
             return
         tracked = self._legacy and stack_flow(flow).reply == flow.reply
         if not (entry.flags & abi.CtFlag.HOST or tracked):
@@ -166,9 +169,9 @@ class StackHolds:
         if flow.orig not in self._held:
             return
         table = self._table(flow)
-        for key in ct_keys(flow):
+        for key in _keys(flow):
             entry = table.lookup(key)
-            if isinstance(entry, abi.CtEntry):
+            if isinstance(entry, abi.CtEntry | abi.Ct6Entry):
                 entry.flags = (entry.flags | abi.CtFlag.NFPASS) & ~abi.CtFlag.HANDOVER
                 self._update(table, key, entry)
         self._held.discard(flow.orig)
