@@ -250,6 +250,7 @@ def test_a_flow_handed_to_nf_conntrack_drops_while_held_then_passes_both_ways(ne
     def flag(add: int, clear: int) -> None:
         for key in keys:
             entry = table.lookup(key)
+            assert isinstance(entry, abi.Ct6Entry)
             entry.flags = (entry.flags | add) & ~clear
             if late:
                 entry.created_s -= abi.CT_HANDOVER_S
