@@ -340,8 +340,9 @@ def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: S
         ]
         print(
             f"\n{switch.before} -> {switch.after}: {len(tcp)} connections, {min(tcp)}-{max(tcp)} lines each;"
-            f" UDP flow {flow['sent']} sent, {flow['lost']} lost, {flow['strangers']} strangers;"
-            f" DNS {dns['lookups']} lookups, {dns['retried']} retried"
+            f" UDP flow {flow['sent']} sent, {flow['lost']} lost {flow['lost_at']},"
+            f" {flow['strangers']} strangers;"
+            f" DNS {dns['lookups']} lookups, {dns['retried']} retried; {' '.join(handback)}"
         )
         tables = lab.run(first.node, "nft", "list", "tables").stdout
         assert "kube-proxy" not in tables, (
