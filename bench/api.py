@@ -16,10 +16,17 @@ in the kubeconfig). A real `agent --kubeconfig` acts for the node. Measured:
   own `sync done` log line that includes the change's resourceVersion (millisecond timestamps);
 * **peak RSS** of the agent (VmHWM), and the second start: an agent restarted over its own pins
   (programs reused, nothing compiled) until its first sync.
+
+The agent's sources are byte-compiled first (`compile_agent`), as the image's `pip install` does:
+the agent runs from this tree, where without it every start compiled each of its modules from source
+when nothing had written their bytecode (a fresh clone, or `PYTHONDONTWRITEBYTECODE=1` in the
+environment, as in the image and the sessions that ran the bench): about 0.25 CPU s a start that no
+installed agent pays (bench/results/scale/restart21-bytecode-2026-11-27.txt).
 """
 
 from __future__ import annotations
 
+import compileall
 import copy
 import multiprocessing
 import re
@@ -38,6 +45,7 @@ from lab.fakeapi.objects import node as node_object
 from lab.fakeapi.objects import scale_objects
 from lab.harness import Agent
 
+AGENT_DIR = Path(__file__).resolve().parents[1] / "agent"
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", re.M)
 
 
@@ -59,6 +67,13 @@ class ApiScale:
     listed_s: float = 0.0  # first list request -> both lists complete (the agent's log)
     waited_s: float = 0.0  # both lists complete -> the data path ready, when it came later (compile)
     restart_list_to_sync_s: float = 0.0  # restarted agent: first list request -> first `sync done`
+
+
+def compile_agent() -> None:
+    """Write the bytecode of the agent's modules that lack an up-to-date one (a no-op when they
+    have it): the bench times an installed agent's starts, not Python compiling its source."""
+    if not compileall.compile_dir(str(AGENT_DIR), quiet=1):
+        raise RuntimeError(f"the agent's sources under {AGENT_DIR} do not compile")
 
 
 def _stamp(line: str) -> float:
@@ -198,6 +213,7 @@ def measure(
     timeout_s: float = 900.0,
 ) -> ApiScale:
     out = ApiScale(mode, services, endpoints, iptables_backend=iptables_backend if mode == "iptables" else "")
+    compile_agent()
     server = ApiServerProcess(services, endpoints)
     try:
         with Lab(nodes=1, pods_per_node=1) as lab:

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.api import ApiServerProcess, _first, _listed, _stamp, _wait_log
+from bench.api import ApiServerProcess, _first, _listed, _stamp, _wait_log, compile_agent
 from lab import Lab
 from lab.harness import Agent
 
@@ -103,6 +103,7 @@ def _start(agent: Agent, timeout_s: float) -> dict[str, float]:
 
 
 def measure(services: int, endpoints: int, timeout_s: float = 600.0) -> dict[str, dict[str, float]]:
+    compile_agent()  # as bench/api.py: an installed agent's starts
     server = ApiServerProcess(services, endpoints)
     try:
         with Lab(nodes=1, pods_per_node=1) as lab:
