@@ -56,7 +56,15 @@ from agent.takeover.flows import (
     why_not_carried,
 )
 from agent.takeover.into_ebpf import HOLD_RENEW_NS, KernelTakeover, ebpf_ids
-from agent.takeover.nfct import Created, Replaced, create_flows, delete_flows, dump_flows, replace_flows
+from agent.takeover.nfct import (
+    Created,
+    Replaced,
+    create_flows,
+    delete_flows,
+    dump_flows,
+    replace_flows,
+    translated_any,
+)
 from agent.takeover.out_of_ebpf import EbpfHandback
 from lab.dplab import (
     BE1,
@@ -1523,3 +1531,30 @@ def test_an_ipv6_plain_entry_refused_is_logged_as_benign(caplog: pytest.LogCaptu
     takeover.before_attach(maps)
     takeover.after_attach(maps)
     assert "1 refused as a datagram made the plain entry meanwhile: benign" in caplog.text
+
+
+@pytest.mark.kernel
+def test_translated_any_sees_an_ipv6_entry_with_either_translation_and_no_other(netns: str) -> None:
+    """eBPF mode's ip6tables keeps its conntrack and nat rules while IPv6 nf_conntrack holds a
+    translated entry (agent/metaproxier.py EbpfAndIp6tables `nat_live`): a source translation alone
+    counts (a MASQUERADE of a pod's flow to a remote backend), a destination one too; an IPv4
+    entry or an untranslated IPv6 one does not."""
+    t = Timeouts()
+    assert not translated_any(netns, socket.AF_INET6), "an empty table"
+    assert create_flows(netns, [CLUSTERIP], t).created == 1
+    plain = NatFlow(
+        6, ("fd00:a:1::5", "fd00:a:2::7", 40000, 8080), ("fd00:a:2::7", "fd00:a:1::5", 8080, 40000)
+    )
+    assert not (plain.snat or plain.dnat)
+    assert create_flows(netns, [plain], t).created == 1
+    assert not translated_any(netns, socket.AF_INET6), "IPv4's DNAT and an untranslated IPv6 entry"
+    masqueraded = NatFlow(
+        6, ("fd00:a:1::5", "fd00:a:2::7", 40001, 8080), ("fd00:a:2::7", "fd00:ff::11", 8080, 61001)
+    )
+    assert masqueraded.snat and not masqueraded.dnat
+    assert create_flows(netns, [masqueraded], t).created == 1
+    assert translated_any(netns, socket.AF_INET6), "a source translation"
+    assert delete_flows(netns, [masqueraded]) == 1
+    assert not translated_any(netns, socket.AF_INET6)
+    assert create_flows(netns, [NODEPORT6], t).created == 1
+    assert translated_any(netns, socket.AF_INET6), "a destination translation"
