@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import ipaddress
 import secrets
 import socket
 import subprocess
@@ -1422,6 +1423,44 @@ def test_ipv6_flows_on_a_node_never_served_are_carried_and_replaced_after_the_fi
     assert {bytes(k) for k, _ in maps["ct6_any"].items()} == {
         bytes(k) for k, _ in ebpf_entries6(DNS6, IDS, NOW)
     }
+
+
+def test_ipv6_flows_are_carried_with_the_frontends_the_first_ipv6_sync_is_about_to_write() -> None:
+    """The proxier calls `after_first_sync6` between that sync's backend writes and its ekp_fe6
+    write, so that tc decides none of the flows ip6tables translated in between: the svc_id of a
+    frontend not yet in ekp_fe6 comes with the call, and the flow is carried and replaced as if it
+    were there. Without it (ekp_fe6 empty) the flow is not carried at all."""
+    filled = fake_maps6()
+    frontends = {
+        (abi.ip6_str(k.addr), abi.port_host(k.port), k.proto): v.svc_id
+        for k, v in filled["fe6"].items()
+        if isinstance(k, abi.Frontend6Key) and isinstance(v, abi.Frontend)
+    }
+    for pending in ({}, frontends):
+        events: list[str] = []
+        takeover = legacy6_takeover(lambda netns: [DNS6], FakeReplace(events))
+        maps = fake_maps()
+        for role in ("fe6", "be6", "ct6_tcp", "ct6_any", "act"):
+            maps[role] = FakeMap(MAPS[role])
+        for key, value in filled["be6"].items():  # written ahead of ekp_fe6
+            maps["be6"].update(key, value)
+        takeover.before_attach(maps)
+        takeover.after_attach(maps)
+        takeover.after_first_sync6(maps, pending)
+        if not pending:
+            assert events == [] and maps["ct6_any"].items() == [] and maps["act"].items() == []
+            continue
+        assert events == replaced6(DNS6)
+        assert {bytes(k) for k, _ in maps["ct6_any"].items()} == {
+            bytes(k) for k, _ in ebpf_entries6(DNS6, IDS, NOW)
+        }
+        # the activity check armed at the start knows nothing of them: both ends stamped here, or
+        # the replies (backend -> client) skip the lookups until a refresh (1 s of them in the lab)
+        ends = {
+            activity.slot(activity.fold6(ipaddress.IPv6Address(addr).packed), port_be(53), 17)
+            for addr in (VIP6_T, BE6_T)
+        }
+        assert {k.value for k, _ in maps["act"].items()} == ends
 
 
 def test_the_ipv6_flows_nat_entries_are_replaced_before_the_ipv4_flows_waiting_under_their_hold() -> None:
