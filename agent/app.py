@@ -281,6 +281,10 @@ def cleanup(config: Config) -> int:
         ]
         if any(shutil.which(f"ip6tables-{backend}") for backend in ("nft", "legacy")):
             proxiers.append(IptablesProxier(config, family=IPFamily.IPv6))  # upstream cleans both
+        from agent.keptfile import remove
+        from agent.keptrecords import records_path
+
+        remove(records_path(LOCK_DIR, config.pin_path))  # the model's records the last run kept
         for proxier in proxiers:
             try:
                 proxier.cleanup()
@@ -479,6 +483,13 @@ def build_agent(
         service_health6 = ServiceHealthServer.for_node(config, node6, health, IPFamily.IPv6)
         services.append(service_health6)
     close = getattr(proxier, "close", None)
+    records = None
+    if config.mode is Mode.EBPF and not config.services_file:
+        # eBPF mode's lock on the pin path makes this agent the file's only reader and writer.
+        from agent.keptrecords import KeptRecords, identity, records_path
+        from agent.lock import LOCK_DIR
+
+        records = KeptRecords(records_path(LOCK_DIR, config.pin_path), identity(config))
     return Agent(
         config,
         Parts(
@@ -496,6 +507,7 @@ def build_agent(
             node_context6=lambda: node_context(config, IPFamily.IPv6),
             service_health6=service_health6,
             ipv6_unserved_said=bool(missing6),
+            records=records,
         ),
     )
 
