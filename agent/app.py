@@ -276,15 +276,12 @@ def cleanup(config: Config) -> int:
         failed = False
         # ipv6: nothing is loaded; the cleanup removes every pin, the IPv6 maps included
         proxiers: list[Proxier] = [
-            EbpfProxier(config, ipv6=False, snapshot_dir=LOCK_DIR),  # its planner's file removed too
+            # its planner's file and the model's records (agent.keptrecords) removed too
+            EbpfProxier(config, ipv6=False, snapshot_dir=LOCK_DIR),
             IptablesProxier(config),
         ]
         if any(shutil.which(f"ip6tables-{backend}") for backend in ("nft", "legacy")):
             proxiers.append(IptablesProxier(config, family=IPFamily.IPv6))  # upstream cleans both
-        from agent.keptfile import remove
-        from agent.keptrecords import records_path
-
-        remove(records_path(LOCK_DIR, config.pin_path))  # the model's records the last run kept
         for proxier in proxiers:
             try:
                 proxier.cleanup()
