@@ -393,14 +393,14 @@ def build_agent(
     kubeconfig: Mapping[str, Any] | None = None,
     ipv6_check: Callable[[Config], str] | None = None,
     proxier: Proxier | None = None,
-    list_early: bool = False,
 ) -> Agent:
     """Every part of a running agent for `config`; raises FatalError (credentials, bad flags).
     `kubeconfig`: the `--kubeconfig` file as `run` loaded it (None: read it here). `ipv6_check`:
     what the node lacks for IPv6 (agent.iptables.runner.ipv6_missing): when it lacks something,
     no IPv6 proxier runs and one warning says so. `proxier`: the one `start_loading` made (None:
-    made here). `list_early`: the API source's lists start before the health and metrics servers
-    are imported (agent.sources.early: the agent's `run()`, not its tests)."""
+    made here)."""
+    from agent.health import ProxyHealth, ServiceHealthServer, health_timeout_s, healthz_server
+    from agent.metrics.server import metrics_server
     from agent.metrics.source import FileMetrics, SourceMetrics
 
     missing6 = ipv6_unsupported(config, ipv6_check)
@@ -442,40 +442,6 @@ def build_agent(
         recorder = EventRecorder(api, config.hostname, metrics=source_metrics)
         services.append(recorder)
         events = recorder
-
-    early = None
-    if list_early and not config.services_file:
-        from agent.sources.early import EarlySource
-
-        # The list requests go out now: the API server answers while the rest is imported and made
-        early = EarlySource(source)
-        early.begin()
-        source = early
-    try:
-        return _assemble(
-            config, configz, proxier, registry, metrics, serve6, missing6, source, events, services
-        )
-    except BaseException:
-        if early is not None:
-            early.stop()
-        raise
-
-
-def _assemble(
-    config: Config,
-    configz: Callable[[], Mapping[str, Any]] | None,
-    proxier: Proxier | None,
-    registry: CollectorRegistry,
-    metrics: Metrics,
-    serve6: bool,
-    missing6: str,
-    source: Source,
-    events: EventSink,
-    services: list[Service],
-) -> Agent:
-    """`build_agent`'s parts after the source: the health and metrics servers, the proxiers."""
-    from agent.health import ProxyHealth, ServiceHealthServer, health_timeout_s, healthz_server
-    from agent.metrics.server import metrics_server
 
     node = node_context(config)
     log.info(
@@ -648,12 +614,7 @@ def _run_locked(
         try:
             proxier = start_loading(config, ipv6=config.ipv6_configured and not missing6)
             agent = build_agent(
-                config,
-                configz,
-                kubeconfig,
-                ipv6_check=lambda config: missing6,
-                proxier=proxier,
-                list_early=True,
+                config, configz, kubeconfig, ipv6_check=lambda config: missing6, proxier=proxier
             )
         except BaseException as exc:
             if proxier is not None:
