@@ -42,6 +42,7 @@ from agent.sources.base import Source
 from agent.sources.file import LOAD_ERRORS, load_file
 
 if TYPE_CHECKING:
+    from agent.iptables import IptablesProxier
     from agent.iptables.nfacct import Counters
     from agent.iptables.runner import IptablesRunner
 
@@ -145,7 +146,16 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
     ip6tables = ip6tables_beside_ebpf(
         config, SubprocessRunner(config, family=6), metrics, snat6_held=proxier.snat6_held
     )
-    return EbpfAndIp6tables(proxier.ipv6(), ip6tables, config)
+    return EbpfAndIp6tables(proxier.ipv6(), ip6tables, config, nat_live=lambda: nat6_live(config))
+
+
+def nat6_live(config: Config) -> bool:
+    """Whether the node's IPv6 nf_conntrack holds a translated flow (EbpfAndIp6tables `nat_live`)."""
+    import socket
+
+    from agent.takeover.nfct import translated_any
+
+    return translated_any(config.netns, socket.AF_INET6)
 
 
 def ip6tables_beside_ebpf(
@@ -154,7 +164,7 @@ def ip6tables_beside_ebpf(
     metrics: Metrics | None = None,
     counters: Counters | None = None,
     snat6_held: Callable[[], tuple[int, int] | None] | None = None,
-) -> Proxier:
+) -> IptablesProxier:
     """eBPF mode's IPv6 proxier: kube-proxy's ip6tables layout on `runner`. No IPv4 rules to follow,
     so the backend is --iptables-backend or the one the node already uses (kubelet's hint chains).
     Once its rules serve it removes kube-proxy's `ip6 kube-proxy` nftables table (the eBPF start

@@ -94,6 +94,14 @@ class Ipv6Maps(Proxier, Protocol):
         other reason to refuse is known before that restore); nothing written."""
 
 
+class Ip6tables(Proxier, Protocol):
+    """The ip6tables half of EbpfAndIp6tables (agent/iptables/proxier.py IptablesProxier)."""
+
+    def withdraw(self, state: ProxyState, *, full: bool) -> SyncResult:
+        """Every rule but the healthCheckNodePorts' ACCEPTs of `state` removed: none that registers
+        an nf_conntrack or nf_nat hook. `full`: written even if unchanged since the last call."""
+
+
 def tc6_facts(config: Config, state: ProxyState, *, serves: bool, granted: bool) -> Tc6Facts:
     """The node-wide inputs of the IPv6 ports left to ip6tables (agent/model/tc6_leaves.py):
     `serves`, the tc IPv6 path serves; `granted`, its source translation is granted."""
@@ -156,12 +164,26 @@ class EbpfAndIp6tables:
       every port the rules in place had (nothing is thinned after a failure). If that restore
       fails too, they wait for one that succeeds;
     * the first sync, and the one after a failure, writes every port: maps of an earlier run, or
-      of the failed sync, may hand any of them to the stack."""
+      of the failed sync, may hand any of them to the stack;
+    * no port to restore and no translated flow in IPv6 nf_conntrack (`nat_live`): ip6tables is
+      withdrawn to the healthCheckNodePorts' ACCEPTs (`Ip6tables.withdraw`), with no conntrack
+      match and no nat rule, so nf_conntrack registers no hook in the node's netns and no IPv6
+      packet is tracked (issue 20: those hooks cost a pod -> pod IPv6 connection about 25%). Like
+      a restore it comes before the maps' sync, and a port left again gets every rule back in
+      the restore before the maps hand it to the stack."""
 
-    def __init__(self, ebpf: Ipv6Maps, ip6tables: Proxier, config: Config) -> None:
+    def __init__(
+        self, ebpf: Ipv6Maps, ip6tables: Ip6tables, config: Config, *, nat_live: Callable[[], bool]
+    ) -> None:
+        """`nat_live`: whether IPv6 nf_conntrack holds a translated entry (source or destination:
+        ip6tables' MASQUERADE, kube-proxy's DNAT carried over by a take-over). While one does, an
+        empty set of ports still gets the rules of an empty state (KUBE-POSTROUTING's MASQUERADE,
+        the conntrack matches), whose nf_nat and nf_conntrack hooks keep translating that flow's
+        packets; once none does, it gets no rule that registers them (`Ip6tables.withdraw`)."""
         self.ebpf = ebpf
         self.ip6tables = ip6tables
         self._config = config
+        self._nat_live = nat_live
         self._rendered: frozenset[ServicePortName] | None = None  # the ports ip6tables last got
         self._needed: frozenset[ServicePortName] = frozenset()  # left after the last maps' sync
 
@@ -270,6 +292,12 @@ class EbpfAndIp6tables:
     ) -> SyncResult:
         """ip6tables for `ports` of `state` alone: a port that joins or leaves the set since the
         last restore is synced as a changed one (leaving: its chains go, as a deleted Service's)."""
+        if not ports and not self._nat_flows_live():
+            was = self._rendered
+            self._rendered = None
+            result = self.ip6tables.withdraw(only(state, ports), full=changed is None or was is None)
+            self._rendered = ports
+            return result
         if changed is not None:
             before = self._rendered if self._rendered is not None else frozenset(state.services)
             changed = changed | (ports ^ before)
@@ -277,6 +305,22 @@ class EbpfAndIp6tables:
         result = self.ip6tables.sync(only(state, ports), node, changed)
         self._rendered = ports
         return result
+
+    def _nat_flows_live(self) -> bool:
+        """`nat_live`; a read that fails counts as live: the rules stay, which costs only speed."""
+        try:
+            return self._nat_live()
+        except FatalError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "cannot read IPv6 nf_conntrack for translated flows (%s: %s): ip6tables keeps its "
+                "MASQUERADE and conntrack rules for this sync, so every IPv6 packet of the node is "
+                "tracked until a read succeeds",
+                type(exc).__name__,
+                exc,
+            )
+            return True
 
     def cleanup(self) -> None:
         self.ebpf.cleanup()

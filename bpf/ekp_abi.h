@@ -695,8 +695,8 @@ struct ekp_hostnat6_key {
 	__be16 dport; /* be */
 	__u8 proto; /* IPPROTO_TCP / IPPROTO_UDP / IPPROTO_SCTP */
 	__u8 pad; /* zero */
-	__u16 tag; /* host: the flow's tag, as ekp_hostnat_key's (never 0 here: no IPv6 entry is the
-		    * stack's reply tuple yet) */
+	__u16 tag; /* host: the flow's tag, as ekp_hostnat_key's; 0: the stack's reply tuple of a
+		    * SNAT flow (ekp_host6_note_stack_reply), as ekp_hostnat_key's */
 };
 
 struct ekp_hostnat6 {

@@ -483,6 +483,9 @@ static __always_inline void ekp_hostnat_key_of(struct ekp_hostnat_key *k, __be32
 	k->tag = tag;
 }
 
+/* ekp_host_af.h's IPv4 instance (both families' code), defined once ekp_host.h is included. */
+static __always_inline struct ekp_hostnat *ekp_host_stack_reply(const struct ekp_pkt *p, int related);
+
 /* Legacy host routing: a packet the node's stack sends about a flow whose both addresses the
  * ingress program translated (ekp_host_note_stack_reply), which no conntrack entry claims: a TCP
  * RST or UDP datagram with the tuple the stack saw (backend -> client), or an ICMP error quoting
@@ -491,14 +494,8 @@ static __always_inline void ekp_hostnat_key_of(struct ekp_hostnat_key *k, __be32
  * mode: the REJECT of a NetworkPolicy engine fails the connect() at once, not after a timeout). */
 static __always_inline void ekp_decide_stack_reply(const struct ekp_pkt *p, int parsed, struct ekp_decision *d)
 {
-	struct ekp_hostnat_key k = {};
 	int related = parsed == EKP_PARSE_ICMP_ERR;
-
-	if (related)
-		ekp_hostnat_key_of(&k, p->in_daddr, p->in_saddr, p->in_dport, p->in_sport, p->in_proto, 0);
-	else
-		ekp_hostnat_key_of(&k, p->saddr, p->daddr, p->sport, p->dport, p->proto, 0);
-	struct ekp_hostnat *v = ekp_hostnat_lookup(&k);
+	struct ekp_hostnat *v = ekp_host_stack_reply(p, related); /* ekp_host_af.h, both families' */
 	if (!v)
 		return;
 	d->saddr = v->saddr;

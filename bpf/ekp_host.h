@@ -51,28 +51,9 @@
 
 #define EKP_HOST_MIX 0x9e3779b1u /* 2^32 / the golden ratio (Fibonacci hashing) */
 
-/* Both addresses translated (a SNAT flow, either direction): the packets the node's stack itself
- * sends back about this one (a REJECT's RST or ICMP error in FORWARD, an ICMP error of its routing)
- * carry the tuple the stack saw, which no conntrack key holds (the REPLY key has the SNAT port).
- * Kept under tag 0 (no ingress tag is 0): the stack's reply tuple -> the source that reply needs,
- * this packet's destination as it arrived (the frontend; the SNAT address for a reply's). Written
- * with the tagged entry (when missing or stale), so it costs nothing per packet; it may be evicted
- * before it (it is read only by such packets), and such a packet then leaves untranslated, as
- * before. Read by ekp_decide_stack_reply at egress. A failed update costs only that. `da`, `dp`: the
- * packet's destination after translation. */
-static __always_inline void ekp_host_note_stack_reply(const struct ekp_pkt *p, __be32 da, __be16 dp)
-{
-	struct ekp_hostnat_key k = {};
-	struct ekp_hostnat v = {};
-
-	ekp_hostnat_key_of(&k, da, p->saddr, dp, p->sport, p->proto, 0);
-	v.saddr = p->daddr;
-	v.sport = p->dport;
-	ekp_hostnat_update(&k, &v);
-}
-
-/* ekp_host_tag, ekp_host_hand_over (ingress) and ekp_host_egress (egress: ekp_egress, ekp_core.h):
- * the per-family code, IPv4's instance (IPv6's: ekp_host6.h). */
+/* ekp_host_tag, ekp_host_hand_over and ekp_host_note_stack_reply (ingress), ekp_host_egress (egress:
+ * ekp_egress, ekp_core.h) and ekp_host_stack_reply (ekp_decide_stack_reply): the per-family code,
+ * IPv4's instance (IPv6's: ekp_host6.h). */
 #define EKP_CT_V6 0
 #include "ekp_host_af.h"
 #undef EKP_CT_V6

@@ -5,8 +5,11 @@
  * struct ekp_pkt) and by ekp_host6.h with EKP_CT_V6 1 (ekp_host6_*, ekp_hostnat6_v2, struct
  * ekp_pkt6). The names and address macros are ekp_def_af.h's.
  *
- * The one difference between the families: only IPv4 keeps the stack's reply tuple of a SNAT flow
- * (tag 0, ekp_host_note_stack_reply), as only IPv4's egress reads it (ekp_decide_stack_reply).
+ * Both families keep the stack's reply tuple of a flow whose both addresses ingress translated (tag 0,
+ * EKP_HOSTF(note_stack_reply)) and find it for what the stack itself sends about that flow
+ * (EKP_HOSTF(stack_reply)); what they make of it differs only as their decisions do (IPv4's
+ * ekp_decide_stack_reply fills an ekp_decision, IPv6's ekp_tc6_stack_reply and ekp_tc6_stack_related
+ * rewrite at once, ekp_tc6.h).
  *
  * No include guard: included once per family.
  */
@@ -23,6 +26,43 @@ static __always_inline __u16 EKP_HOSTF(tag)(const EKP_PKT *p)
 	h = (h ^ EKP_PB(p)->proto) * EKP_HOST_MIX;
 	__u16 tag = h >> 16;
 	return tag ? tag : 1;
+}
+
+/* Both addresses translated (a SNAT flow, either direction): the packets the node's stack itself
+ * sends back about this one (a REJECT's RST or ICMP error in FORWARD, an ICMP error of its routing)
+ * carry the tuple the stack saw, which no conntrack key holds (the REPLY key has the SNAT port).
+ * Kept under tag 0 (no ingress tag is 0): the stack's reply tuple -> the source that reply needs,
+ * this packet's destination as it arrived (the frontend; the SNAT address for a reply's). Written
+ * with the tagged entry (when missing or stale), so it costs nothing per packet; it may be evicted
+ * before it (it is read only by such packets), and such a packet then leaves untranslated, as
+ * before. A failed update costs only that. `da`, `dp`: the packet's destination after
+ * translation. */
+static __always_inline void EKP_HOSTF(note_stack_reply)(const EKP_PKT *p, EKP_A_ARG da, __be16 dp)
+{
+	EKP_HOSTNAT_KEY k = {};
+	EKP_HOSTNAT v = {};
+
+	EKP_HOSTNAT_KEY_OF(&k, da, p->saddr, dp, EKP_PB(p)->sport, EKP_PB(p)->proto, 0);
+	EKP_A_SET(v.saddr, p->daddr);
+	v.sport = EKP_PB(p)->dport;
+	EKP_HOSTNAT_UPDATE(&k, &v);
+}
+
+/* The tag-0 entry (EKP_HOSTF(note_stack_reply)) of a packet the node's stack sends (tc egress, no
+ * conntrack entry claimed it): a TCP RST or UDP datagram by its own tuple (backend -> client), an
+ * ICMP error (`related`) by its quote reversed (the quote is the packet as the stack saw it,
+ * client -> backend). NULL when none. */
+static __always_inline EKP_HOSTNAT *EKP_HOSTF(stack_reply)(const EKP_PKT *p, int related)
+{
+	EKP_HOSTNAT_KEY k = {};
+
+	if (related)
+		EKP_HOSTNAT_KEY_OF(&k, p->in_daddr, p->in_saddr, EKP_PB(p)->in_dport, EKP_PB(p)->in_sport,
+				   EKP_PB(p)->in_proto, 0);
+	else
+		EKP_HOSTNAT_KEY_OF(&k, p->saddr, p->daddr, EKP_PB(p)->sport, EKP_PB(p)->dport, EKP_PB(p)->proto,
+				   0);
+	return EKP_HOSTNAT_LOOKUP(&k);
 }
 
 /* Ingress: the decided destination (da, dp) now, the decided source (sa, sp) left for egress; the
@@ -42,10 +82,8 @@ static __always_inline int EKP_HOSTF(hand_over)(struct __sk_buff *skb, const EKP
 				*outcome = EKP_DROP_CT_FULL;
 				return TC_ACT_SHOT;
 			}
-#if !EKP_CT_V6
 			if (!EKP_A_EQ(da, p->daddr) || dp != EKP_PB(p)->dport)
-				ekp_host_note_stack_reply(p, da, dp);
-#endif
+				EKP_HOSTF(note_stack_reply)(p, da, dp);
 		}
 		skb->tc_classid = k.tag; /* skb->tc_index at egress (ekp_host.h) */
 	}

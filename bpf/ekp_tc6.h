@@ -87,8 +87,9 @@
  * first records their ports). An ICMPv6 error about such a flow's reply (to the node) is
  * rewritten and handed to the stack without a route (ekp_tc6_related); one the node's stack sends
  * about a flow it was handed (such a flow's, or under legacy host routing any flow's) goes to the
- * client through ekp_egress6 and gets its frontend back (ekp_tc6_local_related), except a
- * masqueraded flow's: IPv4's tag-0 ekp_hostnat_v2 entries have no IPv6 twin.
+ * client through ekp_egress6 and gets its frontend back (ekp_tc6_local_related), a masqueraded
+ * flow's through its tag-0 ekp_hostnat6_v2 entry (the stack's reply tuple, IPv4's code:
+ * ekp_host_af.h), which gives a RST the stack sends about such a flow its frontend too.
  * Ahead of ekp_from_net6, XDP's IPv6 path (ekp_xdp6.h) runs these pieces on the XDP buffer: it
  * carries out drops, new flows to a backend on another node and hits when the route leaves by the
  * device the packet came in by, and passes everything else here untouched, before any side
@@ -737,21 +738,50 @@ out:
 	return verdict;
 }
 
+/* Legacy host routing: the tag-0 entry (ekp_host6_note_stack_reply, IPv4's code) of an ICMPv6 error
+ * the node's stack sends about a masqueraded flow, quoting the packet as the stack saw it
+ * (client -> backend, or a reply's backend -> client), which no conntrack key holds: the outer
+ * source and the quote's destination get the source that flow's replies get (the frontend, or the
+ * node's SNAT address and port for an error about a reply), as IPv4's ekp_decide_stack_reply gives
+ * them, into w->icmp. 0 when there is none. */
+static __always_inline int ekp_tc6_stack_related(struct ekp_tc6_scratch *w, const struct ekp_config *cfg)
+{
+	const struct ekp_pkt6 *p = &w->pkt;
+	struct ekp_icmp6_nat *n = &w->icmp;
+
+	if (!(cfg->flags & EKP_CFG_HOST_LEGACY))
+		return 0;
+	struct ekp_hostnat6 *v = ekp_host6_stack_reply(p, 1);
+	if (!v)
+		return 0;
+	__builtin_memcpy(n->saddr, v->saddr, 16);
+	__builtin_memcpy(n->daddr, p->daddr, 16);
+	__builtin_memcpy(n->in_saddr, p->in_saddr, 16);
+	n->in_sport = p->b.in_sport;
+	__builtin_memcpy(n->in_daddr, v->saddr, 16);
+	n->in_dport = v->sport;
+	return 1;
+}
+
 /* An ICMPv6 error the node's own stack sends about a flow handed to it (legacy host routing: an
  * ip6tables REJECT in FORWARD, address unreachable for a dead backend; either routing, a backend
  * on the node's own address: port unreachable from a closed UDP port), the egress twin of
  * ekp_tc6_related as IPv4's ekp_decide_local is of ekp_decide_related: it quotes client -> backend
  * and goes to the client, so the flow's REPLY entry gives the quote and the outer source their
- * frontend back (nf_nat's translation of a RELATED error), and the stack's route stands. Left
- * untranslated: an error toward the backend (found through a FORWARD entry), and a masqueraded
- * flow's (the stack saw the client, the REPLY entry knows the node's SNAT port: IPv4 finds those
- * by tag-0 ekp_hostnat_v2 entries, which IPv6 does not keep). Counted only when translated. */
+ * frontend back (nf_nat's translation of a RELATED error), and the stack's route stands. A
+ * masqueraded flow's (the stack saw the client, the REPLY entry knows the node's SNAT port) is
+ * found, under legacy host routing, by its tag-0 ekp_hostnat6_v2 entry (ekp_tc6_stack_related), as
+ * IPv4's. Left untranslated: an error toward the backend found through a FORWARD entry. Counted
+ * only when translated. */
 static __always_inline int ekp_tc6_local_related(struct __sk_buff *skb, struct ekp_tc6_scratch *w)
 {
 	const struct ekp_config *cfg = ekp_config_get();
 	int host = 0;
 
-	if (!cfg || ekp_tc6_related_nat(w, cfg, bpf_ktime_get_ns(), &host) != EKP_CT_REPLY)
+	if (!cfg)
+		return TC_ACT_OK;
+	int dir = ekp_tc6_related_nat(w, cfg, bpf_ktime_get_ns(), &host);
+	if (dir == EKP_CT_FORWARD || (dir < 0 && !ekp_tc6_stack_related(w, cfg)))
 		return TC_ACT_OK;
 	__u32 outcome = EKP_STAT_CT_RELATED;
 	int verdict = TC_ACT_OK;
@@ -764,13 +794,43 @@ static __always_inline int ekp_tc6_local_related(struct __sk_buff *skb, struct e
 	return verdict;
 }
 
+/* Legacy host routing: a TCP RST or UDP datagram the node's stack sends about a masqueraded flow
+ * (an ip6tables REJECT with tcp-reset in FORWARD), with the tuple the stack saw (backend -> client),
+ * which no conntrack key holds: its tag-0 ekp_hostnat6_v2 entry gives it the source the flow's
+ * replies get (the frontend), as IPv4's ekp_decide_stack_reply does, so the client's socket takes
+ * it as the answer to what it sent. Counted (PACKETS, CT_REPLY) only when translated. */
+static __always_inline int ekp_tc6_stack_reply(struct __sk_buff *skb, struct ekp_tc6_scratch *w,
+					       const struct ekp_config *cfg)
+{
+	struct ekp_pkt6 *p = &w->pkt;
+
+	if (!(cfg->flags & EKP_CFG_HOST_LEGACY))
+		return TC_ACT_OK;
+	struct ekp_hostnat6 *v = ekp_host6_stack_reply(p, 0);
+	if (!v)
+		return TC_ACT_OK;
+	__be32 sa[4];
+	__builtin_memcpy(sa, v->saddr, 16);
+	__be16 sp = v->sport;
+	__u32 outcome = EKP_STAT_CT_REPLY;
+	int verdict = TC_ACT_OK;
+	if (ekp_rewrite6(skb, p, sa, sp, p->daddr, p->b.dport) < 0) {
+		outcome = EKP_DROP_MALFORMED;
+		verdict = TC_ACT_SHOT;
+	}
+	ekp_count(EKP_STAT_PACKETS);
+	ekp_count(outcome);
+	return verdict;
+}
+
 /* The node's own IPv6 packets at tc egress (ekp_egress6; ekp_egress sends it those with no
  * ingress device): the replies of flows handed to its stack (a backend on the node's own address,
  * EKP_CT_HOST; a direct connection to it moved to another port) get their frontend back from the
  * REPLY entry (and the client's own port), as IPv4's (ekp_decide_local). The fragments of such a
- * reply the stack fragmented follow their first. Counted only when translated (PACKETS and
- * CT_REPLY): the node's own traffic is not the data path's. Anything else leaves untouched,
- * after the activity check. */
+ * reply the stack fragmented follow their first. Under legacy host routing, a RST or datagram the
+ * stack sends about a masqueraded flow gets its frontend from the flow's tag-0 entry
+ * (ekp_tc6_stack_reply). Counted only when translated (PACKETS and CT_REPLY): the node's own
+ * traffic is not the data path's. Anything else leaves untouched, after the activity check. */
 static __always_inline int ekp_tc6_local(struct __sk_buff *skb)
 {
 	struct ekp_tc6_scratch *w = ekp_scratch6_lookup();
@@ -802,7 +862,7 @@ static __always_inline int ekp_tc6_local(struct __sk_buff *skb)
 	ekp_ct6_key_of(k, p, EKP_CT_REPLY);
 	struct ekp_ct6_entry *e = ekp_ct6_lookup(k);
 	if (!e || !ekp_ct6_alive(e, k, cfg, now) || !ekp_ct6_usable_reply(e, &p->b))
-		return TC_ACT_OK;
+		return ekp_tc6_stack_reply(skb, w, cfg);
 	const __be32 *sa, *da;
 	__be16 sp, dp;
 	w->queue.want = 0;

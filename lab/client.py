@@ -26,8 +26,9 @@ namespaces. Every mode prints one JSON object on stdout.
                                       --interval s until F exists: {"exchanges": n, "errors": n,
                                       "backends": [names in the order they answered]}
   udpflow --addr A --port P --stop-file F   one UDP socket (one source port: one flow) to the UDP
-                                      echo, a datagram every --interval s: {"sent": n, "lost": n,
-                                      "backends": [...]}
+                                      echo, either family, a datagram every --interval s:
+                                      {"sent": n, "lost": n, "strangers": n (replies from
+                                      another address or port), "backends": [...]}
   dnsloop --addr A --stop-file F      DNS A lookups, a new socket (source port) each, every
                                       --interval s; a lookup is tried again once after --timeout s:
                                       {"lookups": n, "retried": n, "failed": n, "failed_at": [...]}
@@ -50,6 +51,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import http.client
+import ipaddress
 import json
 import os
 import socket
@@ -382,26 +384,41 @@ def cmd_named(a: argparse.Namespace) -> dict[str, object]:
 
 
 def cmd_udpflow(a: argparse.Namespace) -> dict[str, object]:
-    """One UDP flow (one source port) kept alive by a datagram every interval."""
-    sent = lost = 0
+    """One UDP flow (one source port) kept alive by a datagram every interval. A reply from another
+    address or port than the one sent to (a backend's own, untranslated) is a `stranger`: the
+    unconnected socket takes it, a connected one (a resolver's) would not."""
+    sent = lost = strangers = 0
+    stranger_at: list[float] = []  # wall clock, to hold against the agent's log
     backends: list[str] = []
     start = time.monotonic()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    family = socket.AF_INET6 if ":" in a.addr else socket.AF_INET  # an IPv6 ClusterIP's flow too
+    service = (ipaddress.ip_address(a.addr), a.port)
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.settimeout(a.timeout)
         while not os.path.exists(a.stop_file) and time.monotonic() - start < a.max_s:
             payload = f"flow-{sent}"
             s.sendto(payload.encode(), (a.addr, a.port))
             sent += 1
             try:
-                data, _ = s.recvfrom(65535)
+                data, peer = s.recvfrom(65535)
             except OSError:
                 lost += 1
                 continue
-            name, _, echoed = data.decode().partition(" ")
-            if echoed == payload and (not backends or backends[-1] != name):
-                backends.append(name)
+            if (ipaddress.ip_address(peer[0]), peer[1]) != service:
+                strangers += 1
+                stranger_at.append(round(time.time(), 3))
+            else:
+                name, _, echoed = data.decode().partition(" ")
+                if echoed == payload and (not backends or backends[-1] != name):
+                    backends.append(name)
             time.sleep(a.interval)
-    return {"sent": sent, "lost": lost, "backends": backends}
+    return {
+        "sent": sent,
+        "lost": lost,
+        "strangers": strangers,
+        "strangers_at": stranger_at[:3] + stranger_at[-3:],
+        "backends": backends,
+    }
 
 
 def cmd_dnsloop(a: argparse.Namespace) -> dict[str, object]:

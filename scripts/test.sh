@@ -12,6 +12,12 @@ cd "$(dirname "$0")/.."
 
 now() { date +%s.%N; }
 workers=${EKP_TEST_WORKERS:-4}
+# Bytecode kept under build/ (not beside the sources, not committed): with PYTHONDONTWRITEBYTECODE=1
+# (this machine's environment and the Makefile set it) every agent a lab test starts compiled each
+# agent module from source, about 0.25 CPU s a start (bench/results/scale/restart21-bytecode-2026-11-27.txt),
+# and the suite starts hundreds. Written atomically by Python, so parallel workers may share it.
+export PYTHONPYCACHEPREFIX="$PWD/build/pycache"
+unset PYTHONDONTWRITEBYTECODE
 start=$(now)
 bash scripts/setup.sh
 setup_done=$(now)

@@ -24,10 +24,21 @@ import ctypes
 import logging
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from agent.ebpf.abi import ACT_SHIFT, ACT_SLOTS, CT6_ROLES, CT_ROLES, Act, CtDir, CtEntry, CtKey
+from agent.ebpf.abi import (
+    ACT_SHIFT,
+    ACT_SLOTS,
+    CT6_ROLES,
+    CT_ROLES,
+    Act,
+    Ct6Entry,
+    Ct6Key,
+    CtDir,
+    CtEntry,
+    CtKey,
+)
 from agent.ebpf.capacity import ct_timeout_s
 from agent.ebpf.codec import KEYS, VALUES
 from agent.ebpf.maps import MapWriter, read_config
@@ -79,6 +90,26 @@ def endpoints(key: CtKey, entry: CtEntry) -> tuple[tuple[int, int, int], tuple[i
     if key.dir == CtDir.FORWARD:
         return frontend, (entry.nat_addr, entry.nat_port, key.proto)
     return frontend, (key.saddr, key.sport, key.proto)
+
+
+def stamp6(act: MapWriter, entries: Iterable[tuple[Ct6Key, Ct6Entry]], now_ns: int | None = None) -> int:
+    """Stamp the endpoints of IPv6 conntrack entries the agent wrote after `arm` (the IPv6 flows
+    carried at the first IPv6 sync, agent/takeover/into_ebpf.py): the programs stamp only the
+    entries they write or refresh, so until a refresh the packets of such a flow whose two ends
+    were stamped by no other flow (a reply, backend -> client) leave without the conntrack lookups,
+    untranslated. The number of slots stamped."""
+    now = time.monotonic_ns() if now_ns is None else now_ns
+    slots: set[int] = set()
+    for key, entry in entries:
+        slots.add(slot(fold6(bytes(entry.fe_addr)), entry.fe_port, key.proto))
+        if key.dir == CtDir.FORWARD:
+            slots.add(slot(fold6(bytes(entry.nat_addr)), entry.nat_port, key.proto))
+        else:
+            slots.add(slot(fold6(bytes(key.saddr)), key.sport, key.proto))
+    if slots:
+        stamp = Act(stamp=stamp_of(now))
+        act.update_batch([(ctypes.c_uint32(i), stamp) for i in sorted(slots)])
+    return len(slots)
 
 
 def armed(act: MapWriter) -> bool:

@@ -17,6 +17,7 @@ which re-adopt what the maps hold: a re-plan over unchanged state writes nothing
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import logging
 import socket
@@ -136,6 +137,37 @@ class WideMap:
         return self.inner.capacity()
 
 
+# An IPv6 frontend by (address, port, protocol) -> its svc_id: what a sync is about to write into
+# ekp_fe6 (`Ipv6Datapath.sync`'s `before_frontends`)
+Frontends6 = dict[tuple[str, int, int], int]
+
+
+class _FirstFrontends(WideMap):
+    """ekp_fe6 as the planner writes it, calling `hook` once with the frontends of the first write,
+    before it (`Ipv6Datapath.sync`'s `before_frontends`). The writer writes ekp_fe6 last (writer.py's
+    WRITE_ORDER), so the backends and memberships of those frontends are in their maps then."""
+
+    def __init__(self, wide: WideMap, hook: Callable[[Frontends6], None]) -> None:
+        super().__init__(wide.role, wide.inner, wide.handles)
+        self._hook: Callable[[Frontends6], None] | None = hook
+
+    def update_packed(self, keys: bytes, values: bytes) -> int:
+        if self._hook is not None:
+            hook, self._hook = self._hook, None
+            hook(self._frontends(keys, values))
+        return super().update_packed(keys, values)
+
+    def _frontends(self, keys: bytes, values: bytes) -> Frontends6:
+        wide = self._widen(keys, self._ks, self._koff)
+        ksize, vsize = ctypes.sizeof(abi.Frontend6Key), ctypes.sizeof(abi.Frontend)
+        out: Frontends6 = {}
+        for i in range(len(wide) // ksize):
+            key = abi.Frontend6Key.from_buffer_copy(wide, i * ksize)
+            value = abi.Frontend.from_buffer_copy(values, i * vsize)
+            out[(abi.ip6_str(key.addr), abi.port_host(key.port), key.proto)] = value.svc_id
+        return out
+
+
 def config6_of(node: NodeContext) -> abi.Config6:
     """The IPv6 path's settings (ekp_cfg6) for `node`: its primary address, the source of IPv6 SNAT
     (bpf/ekp_tc6.h), as the IPv4 config takes the IPv4 one. Zero (those flows are left to
@@ -202,10 +234,15 @@ class Ipv6Datapath:
         changed: frozenset[ServicePortName] | None,
         *,
         snat_source: bool = False,
+        before_frontends: Callable[[Frontends6], None] | None = None,
     ) -> SyncResult:
         """`snat_source`: ekp_cfg6 gets the node's address (granted: EbpfProxier._snat6_granted);
         without it, zero (no source translation by tc: ip6tables masquerades those flows), also
-        over an address written before (a grant lost, or a restart's stale pin)."""
+        over an address written before (a grant lost, or a restart's stale pin).
+        `before_frontends`: called once, before the first write to ekp_fe6 (after every other map's
+        writes), with the frontends that write adds (all of them on a map that held none: the
+        writer writes a first sync's entries in one batch per map); not called when ekp_fe6 gets
+        no write."""
         start = self._clock()
         if self._planner is not None and changed is None and self._grown():
             log.info(
@@ -222,6 +259,9 @@ class Ipv6Datapath:
         assert planner is not None
         wide = self.maps(maps)
         repaired = 0
+        flushed: dict[str, WideMap] = dict(wide)
+        if before_frontends is not None:
+            flushed["fe"] = _FirstFrontends(wide["fe"], before_frontends)
         if first or changed is None:
             dump = {role: wide[role].dump_raw() for role in ROLES}
             differ = planner.reconcile(dump, adopt=first)
@@ -234,7 +274,7 @@ class Ipv6Datapath:
             source = abi.ip6_str(cfg6.node_addr) if any(cfg6.node_addr) else "none (ip6tables masquerades)"
             log.info("IPv6 SNAT source of the tc programs: %s", source)
         try:
-            result = planner.flush(cast(Mapping[str, RawMap], wide))
+            result = planner.flush(cast(Mapping[str, RawMap], flushed))
         except Exception:
             self._planner = None  # what the maps hold is unknown: read them back next time
             raise

@@ -57,7 +57,7 @@ from agent.ebpf import abi, activity, snapshot
 from agent.ebpf.abi import HandoverMode, Stat
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, HandoverState, detach_all
 from agent.ebpf.codec import KEYS, VALUES, Value
-from agent.ebpf.family6 import Ipv6Datapath, config6_of
+from agent.ebpf.family6 import Frontends6, Ipv6Datapath, config6_of
 from agent.ebpf.maglev_writer import MaglevWriter
 from agent.ebpf.maps import MapWriter, read_config, read_config6, read_stats, write_config, write_config6
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
@@ -126,9 +126,13 @@ class UpgradeLike(Protocol):
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
 
-    def after_first_sync6(self, maps: Mapping[str, MapWriter]) -> None:
-        """The first IPv6 sync after the first attach wrote the IPv6 maps (frontends the attach's
-        steps could not find yet on a node the agent never served)."""
+    def after_first_sync6(
+        self, maps: Mapping[str, MapWriter], frontends: Mapping[tuple[str, int, int], int] | None = None
+    ) -> None:
+        """The first IPv6 sync after the first attach writes the IPv6 maps (frontends the attach's
+        steps could not find yet on a node the agent never served): called before its ekp_fe6
+        write, with the frontends that write adds (`frontends`, by (address, port, protocol): their
+        svc_id), or after the sync (None) when it writes none."""
 
     @property
     def hands_over(self) -> bool:
@@ -216,9 +220,11 @@ class StartSteps:
         for step in self._steps:
             step.after_attach(maps)
 
-    def after_first_sync6(self, maps: Mapping[str, MapWriter]) -> None:
+    def after_first_sync6(
+        self, maps: Mapping[str, MapWriter], frontends: Mapping[tuple[str, int, int], int] | None = None
+    ) -> None:
         for step in self._steps:
-            step.after_first_sync6(maps)
+            step.after_first_sync6(maps, frontends)
 
     @property
     def hands_over(self) -> bool:
@@ -515,7 +521,21 @@ class EbpfProxier:
             if changed is None and self._tc_ipv6:
                 self._read_held6(datapath)  # ip6tables' next sync narrows back once none is left
             snat = self._snat6_granted(node, datapath.maps)
-            result = self._v6.sync(datapath.maps, state, node, changed, snat_source=snat)
+            first6 = self._attached_once and not self._synced6_attached
+            carried: list[bool] = []
+
+            def carry(frontends: Frontends6) -> None:
+                carried.append(True)
+                self._upgrade.after_first_sync6(datapath.maps, frontends)
+
+            result = self._v6.sync(
+                datapath.maps,
+                state,
+                node,
+                changed,
+                snat_source=snat,
+                before_frontends=carry if first6 else None,
+            )
             self._follow_node6(node)
             if self._ensure_loaded() is not datapath:
                 # As `sync`: the load failed after these maps were open; the next call writes the new ones.
@@ -523,11 +543,13 @@ class EbpfProxier:
                     f"the data path's load failed while its IPv6 maps were written ({self._load_error}): "
                     "loaded again, the next IPv6 sync writes its maps"
                 )
-            if self._attached_once and not self._synced6_attached:
+            if first6:
                 # The attach's takeover found no IPv6 frontend where only this sync wrote them
-                # (a node the agent never served): its IPv6 flows are carried now.
+                # (a node the agent never served): its IPv6 flows were carried before its ekp_fe6
+                # write (`carry`), or now if it wrote none there.
                 self._synced6_attached = True
-                self._upgrade.after_first_sync6(datapath.maps)
+                if not carried:
+                    self._upgrade.after_first_sync6(datapath.maps)
             if self._terminator is not None and self._v6.last_flush.deletes.get("member"):
                 self._end_stale_sockets()
             return result

@@ -196,7 +196,9 @@ class Upgrade:
         if self.pending:
             self._carry(maps, "after the v2 programs took over")
 
-    def after_first_sync6(self, maps: Mapping[str, MapWriter]) -> None:
+    def after_first_sync6(
+        self, maps: Mapping[str, MapWriter], frontends: Mapping[tuple[str, int, int], int] | None = None
+    ) -> None:
         """The v1 ABI had no IPv6 maps: nothing to carry."""
 
     def serving(self) -> None:

@@ -47,9 +47,18 @@ def masquerade_kept_out(save_text: str, snat: tuple[int, int]) -> bool:
     """Whether `save_text` (ip6tables-save of the nat table) masquerades TCP and UDP in
     KUBE-POSTROUTING only into ports outside `snat`: the first MASQUERADE rule that can match each
     of them is eBPF mode's (`-p tcp|udp ... --to-ports LO-HI`, disjoint from `snat`). Anything else
-    (no such rule, a catch-all MASQUERADE before it, a negation, a narrower match) is not."""
+    (no such rule, a catch-all MASQUERADE before it, a negation, a narrower match) is not. A nat
+    table without KUBE-POSTROUTING masquerades nothing of ours: eBPF mode's ip6tables when its
+    programs leave it no port (agent/metaproxier.py EbpfAndIp6tables `withdraw`); no nat table in
+    `save_text` at all tells nothing (not kept out)."""
+    dump = parse(save_text)
+    if "nat" not in dump.chains:
+        return False
+    nat = dump.table("nat")
+    if KUBE_POSTROUTING not in nat:
+        return True
     found: set[str] = set()
-    for rule in parse(save_text).table("nat").get(KUBE_POSTROUTING, []):
+    for rule in nat[KUBE_POSTROUTING]:
         try:
             tokens = shlex.split(rule)
         except ValueError:

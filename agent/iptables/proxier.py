@@ -65,6 +65,7 @@ from agent.iptables.rules import (
     LARGE_CLUSTER_ENDPOINTS_THRESHOLD,
     Rendered,
     RenderOptions,
+    health_checks_alone,
     render,
     total_endpoints,
 )
@@ -217,6 +218,8 @@ class IptablesProxier:
         self._reported: dict[ServicePortName, str] = {}
         self._udp: UdpFrontends | None = None
         self._digests = canonical.DigestCache()
+        # The restore text `withdraw` put in place (None: the rules in place are a sync's or unknown)
+        self._withdrawn: str | None = None
         self.last_sync: SyncStats | None = None
 
     def _take_over_node(self) -> bool:
@@ -303,6 +306,7 @@ class IptablesProxier:
         self, state: ProxyState, node: NodeContext, changed: frozenset[ServicePortName] | None = None
     ) -> SyncResult:
         start = self._clock()
+        self._withdrawn = None
         host = self._host_facts()
         full = changed is None or self._need_complete
         if full:
@@ -354,6 +358,38 @@ class IptablesProxier:
                 str(self.family),
             )
         return SyncResult(full=outcome.full, failed=failed, repaired=outcome.repaired)
+
+    def withdraw(self, state: ProxyState, *, full: bool) -> SyncResult:
+        """eBPF mode's ip6tables when its programs leave nothing to the stack (agent/metaproxier.py):
+        every rule of ours removed but the healthCheckNodePorts' ACCEPTs (rules.py
+        `health_checks_alone`), so that no conntrack match and no nat chain of ours makes
+        nf_conntrack track, and nf_nat look at, every IPv6 packet of the node's netns. Written when
+        it changes, or at `full` (the periodic resync: drift repaired); the next `sync` writes every
+        chain again. kube-proxy's `ip6 kube-proxy` table is taken over as after a restore."""
+        text = health_checks_alone(state, self.family.value)
+        if full or self._programmed is not None or text != self._withdrawn:
+            self._need_complete = True  # whatever the kernel holds, the next sync writes it all
+            self._programmed = None
+            self._globals = None
+            was, self._withdrawn = self._withdrawn, None
+            report = cleanup(self._runner)
+            if text:
+                self._runner.restore(text)
+            self._withdrawn = text
+            if self._metrics is not None:
+                accepts = text.count("\n-A ") - 1 if text else 0  # the INPUT jump is not one
+                self._metrics.set_iptables_rules(
+                    {"filter": accepts, "nat": 0}, {"filter": accepts, "nat": 0}, str(self.family)
+                )
+            if was is None and report.chains_deleted:
+                log.info(
+                    "%s: the eBPF programs leave no service port to the stack: removed every rule of ours "
+                    "but the health check node ports' ACCEPTs (no nf_conntrack or nf_nat hook for them)",
+                    self._tool,
+                )
+        if not self._taken_over:
+            self._taken_over = self._take_over()
+        return SyncResult(full=True, failed={}, repaired=0)
 
     def prepare(self) -> None:
         """Learn the host's iptables (version, backend, conntrack leniency) before the first sync."""

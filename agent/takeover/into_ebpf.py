@@ -47,8 +47,8 @@ right after:
    to a host backend, not carried) have their NAT entries replaced the same way, without a hold
    (that path reads no NFPASS) and so before the IPv4 ones, whose holds are renewed meanwhile:
    `_to_stack6`. On a node the agent never served the IPv6 maps are empty until the first IPv6
-   sync, after the attach: the IPv6 carry and `_to_stack6` run again once it wrote them
-   (`after_first_sync6`).
+   sync, after the attach: the IPv6 carry and `_to_stack6` run again within it, before its
+   ekp_fe6 write (`after_first_sync6`).
 3. then, the node being served: the other data path's rules go (agent/iptables/
    kube_proxy_cleanup.py: kube-proxy's iptables chains in both backends, which are also iptables
    mode's, and kube-proxy's nftables tables). Done at every start: an eBPF node has none of them,
@@ -75,13 +75,14 @@ from typing import TYPE_CHECKING, Any
 from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.config import Config, HostRouting
-from agent.ebpf import abi
+from agent.ebpf import abi, activity
 from agent.ebpf.abi import CtFlag
 from agent.ebpf.codec import KEYS, VALUES
 from agent.ebpf.maps import MapError, MapWriter, UpdateFlag
 from agent.takeover.flows import (
     UDP,
     EbpfIds,
+    Ident,
     NatFlow,
     Skip,
     Timeouts,
@@ -138,12 +139,18 @@ def ebpf_ids(maps: Mapping[str, MapWriter], flows: Iterable[NatFlow]) -> EbpfIds
     return EbpfIds(services=services, backends=backends)
 
 
-def ebpf_ids6(maps: Mapping[str, MapWriter], flows: Iterable[NatFlow]) -> EbpfIds:
+def ebpf_ids6(
+    maps: Mapping[str, MapWriter], flows: Iterable[NatFlow], pending: Mapping[Ident, int] | None = None
+) -> EbpfIds:
     """`ebpf_ids` for IPv6 flows, from the IPv6 maps (ekp_fe6, ekp_be6). Read entry by entry: only
-    when there is an IPv6 flow to carry (the tc IPv6 path's UDP, `_carry6`), seldom many."""
+    when there is an IPv6 flow to carry (the tc IPv6 path's UDP, `_carry6`), seldom many.
+    `pending`: frontends about to be written into ekp_fe6 (their svc_id), found as if written."""
+    flows = list(flows)
     fronts = {(f.orig[1], f.orig[3], f.proto) for f in flows}
     backs = {(f.reply[0], f.reply[2], f.proto) for f in flows}
-    services: dict[tuple[str, int, int], int] = {}
+    services: dict[tuple[str, int, int], int] = {
+        front: svc for front, svc in (pending or {}).items() if front in fronts
+    }
     backends: dict[tuple[str, int, int], int] = {}
     if fronts:
         for key, value in maps["fe6"].items():
@@ -490,23 +497,31 @@ class KernelTakeover:
             holds_ns[1] / 1e6,
         )
 
-    def after_first_sync6(self, maps: Mapping[str, MapWriter]) -> None:
-        """The IPv6 carry and `_to_stack6` once more, now that the first IPv6 sync wrote ekp_fe6 and
-        ekp_be6. On a node the agent never served those maps were empty at the attach, so `_carry6`
-        found no flow's frontend and carried none; from the sync6 that writes them, tc decides the
-        flows ip6tables translated as new ones, and one given the same backend meets its NAT entry
-        in the stack (legacy host routing, or a host backend): replies lost while datagrams keep it
-        alive. Nothing is done twice: a flow carried at the attach keeps its entries (BPF_NOEXIST)
-        and, if it was handed to the stack then, has no NAT entry left to find; an entry tc made
-        since the sync6 is kept too, the flow's NAT entry replaced all the same."""
+    def after_first_sync6(
+        self, maps: Mapping[str, MapWriter], frontends: Mapping[Ident, int] | None = None
+    ) -> None:
+        """The IPv6 carry and `_to_stack6` once more, for the first IPv6 sync after the attach. On a
+        node the agent never served ekp_fe6 and ekp_be6 were empty at the attach, so `_carry6` found
+        no flow's frontend and carried none; from the ekp_fe6 write of that sync on, tc decides the
+        flows ip6tables translated as new ones (another backend, maybe), and one given the same
+        backend meets its NAT entry in the stack (legacy host routing, or a host backend): replies
+        lost while datagrams keep it alive. So the proxier calls this between that sync's other
+        writes and its ekp_fe6 write, with the frontends it is about to write (`frontends`: their
+        svc_id, as ekp_fe6 will hold them): the flows' entries are in ekp_ct6_any and their NAT
+        entries replaced before tc can decide any of them (before, it ran after the sync, half a
+        second later in the lab's kube-proxy -> eBPF switch: the flow's datagrams in between were
+        decided as new, and half the time reached the other backend). Without an ekp_fe6 write
+        (a restart over unchanged maps: the attach's carry found them) it runs after the sync.
+        Nothing is done twice: a flow carried at the attach keeps its entries (BPF_NOEXIST) and, if
+        it was handed to the stack then, has no NAT entry left to find."""
         if not self._config.tc_ipv6:
             return
         self._stack6 = {}
         try:
-            self._carry6(maps, "after the first IPv6 sync wrote the IPv6 frontends")
+            self._carry6(maps, "before the first IPv6 sync wrote the IPv6 frontends", frontends)
         except MapError as exc:
             log.warning(
-                "carrying the IPv6 UDP flows ip6tables translated after the first IPv6 sync failed (%s):"
+                "carrying the IPv6 UDP flows ip6tables translated at the first IPv6 sync failed (%s):"
                 " their next datagrams may reach another backend; their NAT entries are replaced all the"
                 " same",
                 exc,
@@ -638,7 +653,9 @@ class KernelTakeover:
             )
         return carried
 
-    def _carry6(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:
+    def _carry6(
+        self, maps: Mapping[str, MapWriter], when: str, pending: Mapping[Ident, int] | None = None
+    ) -> list[NatFlow]:
         """The UDP flows ip6tables translated, carried into the tc IPv6 path's conntrack (ekp_ct6_any)
         as IPv4's are into its own: that path decides a UDP datagram with no entry as a new flow (a
         UDP flow has no first packet to tell it by), so without its entry a flow ip6tables started
@@ -646,7 +663,8 @@ class KernelTakeover:
         that opens no flow is left to the stack, where nf_conntrack translates it as before. Found
         in ekp_fe6 / ekp_be6 as the pins of an earlier run left them (a restart, an upgrade): on a
         node the agent never served, those are written by the first IPv6 sync, after the attach,
-        and this runs again after it (`after_first_sync6`). Skipped:
+        and this runs again right before its ekp_fe6 write (`after_first_sync6`, `pending`: the
+        frontends that write adds). Skipped:
         a host backend (the IPv6 path has no HOST nor NFPASS entry to carry it with: tc decides it
         again), the node's own clients, a backend no longer in ekp_be6. The flows whose datagrams
         tc hands to the stack (every carried one under legacy host routing, a host backend's under
@@ -665,9 +683,10 @@ class KernelTakeover:
             return []
         if not flows:
             return []
-        ids = ebpf_ids6(maps, flows)
+        ids = ebpf_ids6(maps, flows, pending)
         node = self._addresses(netns)
         carried: list[NatFlow] = []
+        stamped: list[tuple[abi.Ct6Key, abi.Ct6Entry]] = []
         inserted = skipped = 0
         now = self._clock_ns()
         legacy = self._config.bpf_host_routing == HostRouting.LEGACY
@@ -679,13 +698,19 @@ class KernelTakeover:
                 skipped += 1
                 continue
             carried.append(flow)
-            for key, entry in ebpf_entries6(flow, ids, now):
+            entries = ebpf_entries6(flow, ids, now)
+            for key, entry in entries:
                 try:
                     maps["ct6_any"].update(key, entry, UpdateFlag.NOEXIST)
                     inserted += 1
                 except MapError as exc:
                     if exc.errno != errno.EEXIST:
                         raise
+            stamped += entries
+        if stamped and "act" in maps:
+            # After the start armed the activity check (a first IPv6 sync): stamped here, or the
+            # flow's replies skip the lookups until a refresh (about 1 s of them in the lab's switch)
+            activity.stamp6(maps["act"], stamped)
         log.info(
             "took over IPv6 UDP flows from nf_conntrack (%s): %d carried into the tc IPv6 path's conntrack"
             " (%d entries new), %d left to ip6tables",

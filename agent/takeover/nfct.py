@@ -39,6 +39,7 @@ from agent.netns import netns_route, run_in_netns
 from agent.takeover import ctmsg
 from agent.takeover.flows import (
     IPS_DST_NAT,
+    IPS_SRC_NAT,
     SCTP,
     TCP,
     UDP,
@@ -110,6 +111,21 @@ def dump_flows(netns: str, family: int = socket.AF_INET) -> list[NatFlow]:
         with NFCTSocket(nfgen_family=family) as ct:
             dumped = ct.dump(status=IPS_DST_NAT, status_mask=IPS_DST_NAT)
             return [f for f in (_flow(m) for m in dumped) if f is not None]
+
+    return run_in_netns(netns, run)
+
+
+def translated_any(netns: str, family: int = socket.AF_INET6) -> bool:
+    """Whether nf_conntrack in `netns` holds an entry of `family` (any protocol) whose source or
+    destination was translated: one whose packets nf_nat still rewrites while its hooks are
+    registered (eBPF mode's ip6tables keeps them for it, agent/metaproxier.py). The kernel filters
+    on the status bit, so the untranslated entries cost nothing."""
+
+    def run() -> bool:
+        with NFCTSocket(nfgen_family=family) as ct:
+            return any(
+                any(True for _ in ct.dump(status=bit, status_mask=bit)) for bit in (IPS_SRC_NAT, IPS_DST_NAT)
+            )
 
     return run_in_netns(netns, run)
 

@@ -30,6 +30,7 @@ routing must cope with it, as the traffic suite's nodes do).
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import time
@@ -41,6 +42,7 @@ import pytest
 from lab import Lab
 from lab.harness import Cluster, ep
 from lab.objects import Ep, Port, endpoint_slice, service, with_endpoints
+from lab.sctppeer import COOKIE_ECHO, DATA, INIT
 from tests.conftest import require_kernel
 from tests.traffic.test_ipv6 import HTTP6_PORT, SERVER6
 
@@ -54,6 +56,9 @@ GUARDED6, NODE_PORT6 = "fd00:10:96::42", 30742
 # and a Service whose one endpoint is the node's own IPv6 address (a host-network server)
 HOSTNET6, HOST_NODE_PORT6, HOST6_PORT = "fd00:10:96::43", 30743, 8096
 UDP_SINK = 9100
+# an IPv6 SCTP ClusterIP whose one backend is pod-1-2 (lab/sctppeer.py answers at the target port)
+SCTP6, SCTP_PORT, SCTP_TARGET = "fd00:10:96::44", 5060, 5061
+PEER = str(Path(__file__).resolve().parents[2] / "lab" / "sctppeer.py")
 # (mode, agent flags): iptables, and eBPF mode with each host routing.
 PATHS = {
     "iptables": ("iptables", ()),
@@ -383,3 +388,100 @@ def test_the_node_s_own_rejects_reach_an_outside_client_translated(
             lab.run(node, "iptables", "-D", *rule)
         lab.set_sysctl(node, "net.ipv4.icmp_ratelimit", ratelimit)
     assert lab.tcp_probe("client", node.ip, 30080) == "open", "after the rule"
+
+
+@pytest.mark.parametrize("reject", ["tcp-reset", "icmp6-port-unreachable"])
+def test_the_node_s_own_ipv6_rejects_reach_an_outside_client_translated(
+    path: tuple[str, Cluster], reject: str
+) -> None:
+    """IPv6, as IPv4 above: `ip6tables -I FORWARD -d pod-1-2 -p tcp --dport 8086 -j REJECT` on the
+    IPv6 NodePort flow from the outside client, which is masqueraded (ETP Cluster): the RST or
+    ICMPv6 port unreachable the node's own stack sends carries the backend-side tuple (backend ->
+    client; or quoting client -> backend). The client's connect() must fail at once: iptables mode
+    by nf_conntrack's RELATED; legacy host routing by ekp_egress6, from the flow's tag-0
+    ekp_hostnat6_v2 entry (IPv4's code, bpf/ekp_host_af.h), which IPv6 did not keep before, so both
+    left untranslated and the client waited for its timeout. bpf host routing never shows the flow
+    to FORWARD: served."""
+    name, cluster = path
+    lab = cluster.lab
+    node = lab.node(1)
+    backend = lab.pod("pod-1-2")
+    services6(cluster)
+    assert lab.tcp_probe("client", node.ip6, NODE_PORT6) == "open", "before the rule"
+    source = reach6(cluster, lab.client, f"http://[{node.ip6}]:{NODE_PORT6}/ip")
+    assert source is not None and source != lab.client.ip6, (
+        f"the flow is masqueraded (the backend saw {source})"
+    )
+    rule = ["FORWARD", "-d", backend.ip6, "-p", "tcp", "--dport", str(HTTP6_PORT), "-j", "REJECT"]
+    rule += ["--reject-with", reject]
+    # The node rate-limits its ICMPv6 errors (icmp/ratelimit, 1 s): unlimited here, restored after.
+    ratelimit = lab.get_sysctl(node, "net.ipv6.icmp.ratelimit")
+    lab.set_sysctl(node, "net.ipv6.icmp.ratelimit", "0")
+    lab.run(node, "ip6tables", "-I", *rule)
+    try:
+        tcp = [lab.tcp_probe("client", node.ip6, NODE_PORT6, timeout=2.0) for _ in range(3)]
+        if name == "bpf":
+            assert tcp == ["open"] * 3
+        else:
+            assert tcp == ["refused"] * 3, f"the node's {reject} must reach the client translated: {tcp}"
+    finally:
+        lab.run(node, "ip6tables", "-D", *rule)
+        lab.set_sysctl(node, "net.ipv6.icmp.ratelimit", ratelimit)
+    assert lab.tcp_probe("client", node.ip6, NODE_PORT6) == "open", "after the rule"
+
+
+def test_an_ipv6_sctp_association_through_a_cluster_ip(path: tuple[str, Cluster]) -> None:
+    """upstream's "should function for pod-Service: sctp" over IPv6 with each data path (the lab
+    kernel has no SCTP sockets: lab/sctppeer.py crafts the chunks over IPv6 raw sockets): pod-1-1
+    opens an association to an IPv6 ClusterIP whose backend is pod-1-2 by the four-way handshake
+    (INIT, INIT-ACK, COOKIE ECHO, COOKIE ACK, each answer from the ClusterIP's address and port)
+    and sends DATA chunks the backend echoes, none lost; the backend sees the pod's own address.
+    iptables mode: ip6tables' DNAT (its entry in nf_conntrack). eBPF mode: the tc IPv6 path, under
+    legacy host routing (the default) its destination at ingress and the node's stack between, so
+    nf_conntrack holds no DNAT entry to the ClusterIP (the node's own SCTP sockets are left to
+    ip6tables: agent/model/tc6_leaves.py, none here)."""
+    name, cluster = path
+    lab = cluster.lab
+    client, backend = lab.pod("pod-1-1"), lab.pod("pod-1-2")
+    ports = [Port("sip", SCTP_PORT, SCTP_TARGET, "SCTP")]
+    svc = service("sctp6", SCTP6, ports, ipFamilies=["IPv6"])
+    eps = endpoint_slice("sctp6", ports, [Ep(backend.ip6, "node1")], "v6")
+    eps["addressType"] = "IPv6"
+    cluster.apply([svc, eps])
+    lab.run(lab.node(1), "conntrack", "-D", "-f", "ipv6", "-p", "sctp", check=False)
+    stats = cluster.bpf_stats(1) if name != "iptables" else {}
+    server = lab.popen(
+        backend,
+        *(sys.executable, PEER, "server", "--port", str(SCTP_TARGET), "--seconds", "30", "--ipv6"),
+        name="sctp6-server",
+    )
+    try:
+        lab.wait_log(server, "ready", timeout=10)
+        res = lab.run(
+            client,
+            *(sys.executable, PEER, "hold", "--addr", SCTP6, "--port", str(SCTP_PORT), "--sport", "42100"),
+            *("--stop-file", "/nonexistent", "--max-s", "2"),
+            timeout=30,
+        )
+        flows = nf_flows6(cluster, SCTP6)
+    finally:
+        lab.stop(server, timeout=5)
+    assoc = json.loads(res.stdout)
+    assert assoc["established"], assoc
+    assert assoc["exchanges"] >= 10 and assoc["lost"] == 0, assoc
+    seen = [
+        json.loads(line)
+        for line in lab.log_of(server, limit=None).splitlines()
+        if line.startswith("{") and json.loads(line)["dport"] == SCTP_TARGET
+    ]
+    kinds = {p["chunk"] for p in seen}
+    assert {INIT, COOKIE_ECHO, DATA} <= kinds, seen
+    assert all(
+        (p["src"], p["sport"], p["dst"], p["crc_ok"]) == (client.ip6, 42100, backend.ip6, True) for p in seen
+    ), seen
+    if name == "iptables":
+        assert f"dport={SCTP_PORT} " in flows, flows
+        return
+    assert flows == "", f"translated by tc, not by ip6tables: {flows}"
+    after = cluster.bpf_stats(1)
+    assert after["new_flows"] - stats["new_flows"] >= 1

@@ -568,6 +568,11 @@ def test_an_ipv6_proxier_on_ip6tables_runs_in_both_modes_when_ipv6_is_configured
 EMPTY6 = ProxyState(NodeInfo("node1"), {}, {}, family=IPFamily.IPv6)
 
 
+def nat_flow_lives() -> bool:
+    """A translated IPv6 flow in nf_conntrack: ip6tables keeps the rules of an empty state."""
+    return True
+
+
 class Half:
     """One of EbpfAndIp6tables' two proxiers: records its calls, fails or not as told."""
 
@@ -592,6 +597,10 @@ class Half:
             raise self.fail
         return SyncResult(full=changed is None, failed=self.failed, repaired=1)
 
+    def withdraw(self, state: ProxyState, *, full: bool) -> SyncResult:
+        self.calls.append(f"{self.name}.withdraw")
+        return SyncResult(full=True, failed={})
+
     def cleanup(self) -> None:
         self.calls.append(f"{self.name}.cleanup")
 
@@ -604,7 +613,10 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
     a, b = spn("a"), spn("b")
     config = Config(mode=Mode.EBPF, hostname="node1", cluster_cidr=V6_CIDRS)
     both = EbpfAndIp6tables(
-        Half("ebpf", calls, failed={a: "full"}), Half("ip6", calls, failed={b: "rejected"}), config
+        Half("ebpf", calls, failed={a: "full"}),
+        Half("ip6", calls, failed={b: "rejected"}),
+        config,
+        nat_live=nat_flow_lives,
     )
     result = both.sync(EMPTY6, NODE6, None)
     # ip6tables first: the maps may take the node's address as the tc path's SNAT source only once
@@ -612,19 +624,25 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
     assert calls == ["ip6.sync", "ebpf.apart", "ebpf.sync"] and result.full and result.repaired == 2
     assert result.failed == {a: "full", b: "rejected"}
     calls.clear()
-    broken = EbpfAndIp6tables(Half("ebpf", calls, fail=RuntimeError("maps")), Half("ip6", calls), config)
+    broken = EbpfAndIp6tables(
+        Half("ebpf", calls, fail=RuntimeError("maps")), Half("ip6", calls), config, nat_live=nat_flow_lives
+    )
     with pytest.raises(RuntimeError, match="maps"):
         broken.sync(EMPTY6, NODE6, frozenset())
     assert calls == ["ip6.sync", "ebpf.apart", "ebpf.sync"]
     calls.clear()
-    no_rules = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=RuntimeError("restore")), config)
+    no_rules = EbpfAndIp6tables(
+        Half("ebpf", calls), Half("ip6", calls, fail=RuntimeError("restore")), config, nat_live=nat_flow_lives
+    )
     with pytest.raises(RuntimeError, match="restore"):
         no_rules.sync(EMPTY6, NODE6, frozenset())
     # the maps synced even when ip6tables failed, told the grant is gone (the rules in place are
     # not known to keep out of the range): the tc path's SNAT source is zero until a restore succeeds
     assert calls == ["ip6.sync", "ebpf.not apart", "ebpf.sync"]
     calls.clear()
-    fatal = EbpfAndIp6tables(Half("ebpf", calls), Half("ip6", calls, fail=FatalError("gone")), config)
+    fatal = EbpfAndIp6tables(
+        Half("ebpf", calls), Half("ip6", calls, fail=FatalError("gone")), config, nat_live=nat_flow_lives
+    )
     with pytest.raises(FatalError):
         fatal.sync(EMPTY6, NODE6, None)
     assert calls == ["ip6.sync"]

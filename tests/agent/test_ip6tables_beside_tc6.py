@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from agent.config import Config, HostRouting, Mode, NodeContext
+from agent.iptables import IptablesProxier
 from agent.model.state import build_state
 from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
-from agent.proxier import Proxier, SyncResult
+from agent.proxier import SyncResult
 from tests.agent.test_daemon import spn
 from tests.agent.test_dual_stack_agent import NODE6, V6_CIDRS, HandbackRecorder, dual, slice6
 from tests.iptables.fakes import FakeCounters, FakeRunner
@@ -63,7 +64,7 @@ class Maps:
 class Recorded:
     """The real ip6tables proxier, its calls recorded in the same list as the maps'."""
 
-    def __init__(self, inner: Proxier, calls: list[str]) -> None:
+    def __init__(self, inner: IptablesProxier, calls: list[str]) -> None:
         self.inner, self.calls = inner, calls
         self.fail = 0  # restores to fail (as a failed ip6tables-restore raises)
 
@@ -77,11 +78,21 @@ class Recorded:
             raise RuntimeError("ip6tables-restore failed (fake)")
         return self.inner.sync(state, node, changed)
 
+    def withdraw(self, state: ProxyState, *, full: bool) -> SyncResult:
+        self.calls.append("withdraw")
+        return self.inner.withdraw(state, full=full)
+
     def cleanup(self) -> None:
         self.inner.cleanup()
 
 
 WEB, API = spn("web"), spn("kubernetes")
+
+
+def nat_flow_lives() -> bool:
+    """A translated IPv6 flow in nf_conntrack (the rules of an empty state stay for it): these tests
+    are about which ports get rules; test_nothing_left_* below about no flow holding them."""
+    return True
 
 
 def state(api_on_node: bool = True) -> ProxyState:
@@ -123,7 +134,7 @@ def rig(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Maps, FakeRunner, list[st
     runner = FakeRunner()
     maps = Maps(calls)
     ip6 = Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls)
-    both = EbpfAndIp6tables(maps, ip6, CONFIG)
+    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=nat_flow_lives)
     both.recorded = ip6  # type: ignore[attr-defined]
     return both, maps, runner, calls
 
@@ -209,7 +220,9 @@ def test_without_the_tc_ipv6_path_ip6tables_gets_every_port(monkeypatch: pytest.
     runner = FakeRunner()
     maps = Maps(calls, serves=False)
     maps.grant_next = True  # never granted without the path; even so, nothing is left out
-    both = EbpfAndIp6tables(maps, ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), CONFIG)
+    both = EbpfAndIp6tables(
+        maps, ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), CONFIG, nat_live=nat_flow_lives
+    )
     for changed in (None, frozenset[ServicePortName](), frozenset()):
         assert both.sync(state(), NODE6, changed).again == frozenset()
         assert jumped(runner) == {"default/web:http", "default/kubernetes:http"}
@@ -327,7 +340,7 @@ def test_after_a_failed_restore_the_second_keeps_every_port_the_rules_in_place_h
     runner = FakeRunner()
     maps = Maps(calls)
     ip6 = Recorded(ip6tables_beside_ebpf(config, runner, counters=FakeCounters()), calls)
-    both = EbpfAndIp6tables(maps, ip6, config)
+    both = EbpfAndIp6tables(maps, ip6, config, nat_live=nat_flow_lives)
     result = both.sync(state(), NODE6, None)
     both.sync(state(), NODE6, result.again)
     assert jumped(runner) == {"default/kubernetes:http"}
@@ -362,7 +375,9 @@ def test_the_first_sync_writes_every_port_though_granted_and_without_the_detecto
     runner = FakeRunner()
     maps = Maps(calls)
     maps.snat_granted = maps.grant_next = True
-    both = EbpfAndIp6tables(maps, ip6tables_beside_ebpf(config, runner, counters=FakeCounters()), config)
+    both = EbpfAndIp6tables(
+        maps, ip6tables_beside_ebpf(config, runner, counters=FakeCounters()), config, nat_live=nat_flow_lives
+    )
     result = both.sync(state(), NODE6, None)
     assert jumped(runner) == {"default/web:http", "default/kubernetes:http"} and result.again == {WEB}
     both.sync(state(), NODE6, result.again)
@@ -426,3 +441,132 @@ def test_a_preview_that_raises_keeps_the_masqueraded_ports_rules_for_that_sync(
     maps.preview_error = None
     both.sync(state(), NODE6, result.again)
     assert "default/web:http" not in jumped(runner)
+
+
+def lb_local_state() -> ProxyState:
+    """An ETP Local LoadBalancer with a healthCheckNodePort and a remote endpoint, and `kubernetes`
+    on a node address: with the grant, the eBPF programs leave neither to the stack."""
+    lb = service(
+        "lb",
+        clusterIP="fd00:10:96::b",
+        ipFamilies=["IPv6"],
+        type="LoadBalancer",
+        externalTrafficPolicy="Local",
+        healthCheckNodePort=32000,
+    ) | {"status": {"loadBalancer": {"ingress": [{"ip": "fd00:198:51:100::9"}]}}}
+    return build_state(
+        [lb, service("kubernetes", clusterIP="fd00:10:96::1", ipFamilies=["IPv6"])],
+        [
+            slice6("lb-v6", "fd00:10:244:2::2", svc="lb"),
+            slice6("api-v6", NODE6.node_ips[0], svc="kubernetes", node="node1"),
+        ],
+        NodeInfo("node1"),
+        family=IPFamily.IPv6,
+    ).state
+
+
+HC_ACCEPT = (
+    '-A KUBE-NODEPORTS -m comment --comment "default/lb:http health check node port" '
+    "-m tcp -p tcp --dport 32000 -j ACCEPT"
+)
+
+
+def hooks_users(runner: FakeRunner) -> list[str]:
+    """The rules of ours that make the kernel register nf_conntrack or nf_nat hooks in the netns:
+    any in the nat table, any conntrack match (lab: tests/traffic/test_ipv6_tc.py)."""
+    nat = [line for line in runner.save("nat").splitlines() if line.startswith("-A ")]
+    return nat + [line for line in runner.save("filter").splitlines() if "conntrack" in line]
+
+
+def test_nothing_left_to_ip6tables_leaves_no_conntrack_or_nat_rule_but_the_health_check_accept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the grant every port is the eBPF programs': once no translated IPv6 flow is left in
+    nf_conntrack, ip6tables keeps the healthCheckNodePort's ACCEPT and nothing else (no
+    KUBE-POSTROUTING MASQUERADE, no KUBE-FORWARD or ctstate NEW jump), as IPv4's eBPF mode writes
+    no rule: each such rule makes nf_conntrack track every IPv6 packet of the node (issue 20: a pod
+    -> pod IPv6 connection 25% dearer). While a translated flow lives the rules of an empty state
+    stay, for its packets; when a port is left again (the grant goes off) every rule is back."""
+    from agent.app import ip6tables_beside_ebpf
+    from agent.iptables.masquerade_shape import masquerade_kept_out
+    from agent.metaproxier import EbpfAndIp6tables
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    calls: list[str] = []
+    runner = FakeRunner()
+    maps = Maps(calls)
+    live = [True]
+    ip6 = Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls)
+    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=lambda: live[0])
+    s = lb_local_state()
+    maps.snat_granted = maps.grant_next = True
+    result = both.sync(s, NODE6, None)  # the first sync writes every port
+    assert result.again == {spn("lb"), API} and any("MASQUERADE" in line for line in hooks_users(runner))
+    # every port thinned out; a translated flow still lives: the rules of an empty state stay
+    calls.clear()
+    result = both.sync(s, NODE6, result.again)
+    assert calls == ["restore", "apart", "maps"] and result.again == frozenset()
+    assert any("MASQUERADE" in line for line in hooks_users(runner))
+    assert any("conntrack" in line for line in hooks_users(runner))
+    # the flow is gone: no rule that registers a hook, the ACCEPT kept
+    live[0] = False
+    calls.clear()
+    result = both.sync(s, NODE6, frozenset())
+    assert calls == ["withdraw", "apart", "maps"] and result.again == frozenset()
+    assert hooks_users(runner) == []
+    assert HC_ACCEPT in runner.save("filter").splitlines()
+    assert maps.apart, "no MASQUERADE at all takes no port of --bpf-snat-ports"
+    assert masquerade_kept_out(runner.save("nat"), CONFIG.snat_ports), "a restart keeps the grant"
+    # unchanged: nothing written again until the periodic full sync
+    restores = len(runner.restores)
+    both.sync(s, NODE6, frozenset())
+    assert len(runner.restores) == restores
+    both.sync(s, NODE6, None)
+    assert hooks_users(runner) == [] and HC_ACCEPT in runner.save("filter").splitlines()
+    # the grant goes off: the masqueraded ports are left again, every rule back before the maps
+    maps.grant_next = False
+    calls.clear()
+    both.sync(s, NODE6, frozenset())
+    assert calls[:2] == ["restore", "apart"]
+    assert jumped_names(runner) >= {"default/lb:http"}
+    assert any("MASQUERADE" in line for line in hooks_users(runner))
+    assert HC_ACCEPT in runner.save("filter").splitlines()
+
+
+def jumped_names(runner: FakeRunner) -> set[str]:
+    """The service ports with a line in KUBE-SERVICES (by the comment's name)."""
+    return {
+        name
+        for line in services_chain(runner)
+        for name in ("default/lb:http", "default/kubernetes:http")
+        if f'"{name} ' in line
+    }
+
+
+def test_a_failed_read_of_nf_conntrack_keeps_the_rules(
+    rig: tuple[Any, Maps, FakeRunner, list[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whether a translated IPv6 flow lives is read from nf_conntrack at each sync that would leave
+    ip6tables nothing: should that read fail, the rules of an empty state stay for that sync (the
+    flow's packets keep their nf_nat hooks) and a warning says what it costs."""
+    from agent.app import ip6tables_beside_ebpf
+    from agent.metaproxier import EbpfAndIp6tables
+
+    _, maps, runner, calls = rig
+
+    def broken() -> bool:
+        raise OSError("netlink (fake)")
+
+    both = EbpfAndIp6tables(
+        maps,
+        Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls),
+        CONFIG,
+        nat_live=broken,
+    )
+    maps.snat_granted = maps.grant_next = True
+    s = lb_local_state()
+    result = both.sync(s, NODE6, None)
+    with caplog.at_level("WARNING", logger="agent"):
+        both.sync(s, NODE6, result.again)
+    assert any("MASQUERADE" in line for line in hooks_users(runner))
+    assert any("cannot read IPv6 nf_conntrack" in r.getMessage() for r in caplog.records)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import ipaddress
 import secrets
 import socket
 import subprocess
@@ -57,7 +58,15 @@ from agent.takeover.flows import (
     why_not_carried,
 )
 from agent.takeover.into_ebpf import HOLD_RENEW_NS, KernelTakeover, ebpf_ids
-from agent.takeover.nfct import Created, Replaced, create_flows, delete_flows, dump_flows, replace_flows
+from agent.takeover.nfct import (
+    Created,
+    Replaced,
+    create_flows,
+    delete_flows,
+    dump_flows,
+    replace_flows,
+    translated_any,
+)
 from agent.takeover.out_of_ebpf import EbpfHandback
 from lab.dplab import (
     BE1,
@@ -1419,6 +1428,44 @@ def test_ipv6_flows_on_a_node_never_served_are_carried_and_replaced_after_the_fi
     }
 
 
+def test_ipv6_flows_are_carried_with_the_frontends_the_first_ipv6_sync_is_about_to_write() -> None:
+    """The proxier calls `after_first_sync6` between that sync's backend writes and its ekp_fe6
+    write, so that tc decides none of the flows ip6tables translated in between: the svc_id of a
+    frontend not yet in ekp_fe6 comes with the call, and the flow is carried and replaced as if it
+    were there. Without it (ekp_fe6 empty) the flow is not carried at all."""
+    filled = fake_maps6()
+    frontends = {
+        (abi.ip6_str(k.addr), abi.port_host(k.port), k.proto): v.svc_id
+        for k, v in filled["fe6"].items()
+        if isinstance(k, abi.Frontend6Key) and isinstance(v, abi.Frontend)
+    }
+    for pending in ({}, frontends):
+        events: list[str] = []
+        takeover = legacy6_takeover(lambda netns: [DNS6], FakeReplace(events))
+        maps = fake_maps()
+        for role in ("fe6", "be6", "ct6_tcp", "ct6_any", "act"):
+            maps[role] = FakeMap(MAPS[role])
+        for key, value in filled["be6"].items():  # written ahead of ekp_fe6
+            maps["be6"].update(key, value)
+        takeover.before_attach(maps)
+        takeover.after_attach(maps)
+        takeover.after_first_sync6(maps, pending)
+        if not pending:
+            assert events == [] and maps["ct6_any"].items() == [] and maps["act"].items() == []
+            continue
+        assert events == replaced6(DNS6)
+        assert {bytes(k) for k, _ in maps["ct6_any"].items()} == {
+            bytes(k) for k, _ in ebpf_entries6(DNS6, IDS, NOW)
+        }
+        # the activity check armed at the start knows nothing of them: both ends stamped here, or
+        # the replies (backend -> client) skip the lookups until a refresh (1 s of them in the lab)
+        ends = {
+            activity.slot(activity.fold6(ipaddress.IPv6Address(addr).packed), port_be(53), 17)
+            for addr in (VIP6_T, BE6_T)
+        }
+        assert {k.value for k, _ in maps["act"].items()} == ends
+
+
 def test_the_ipv6_flows_nat_entries_are_replaced_before_the_ipv4_flows_waiting_under_their_hold() -> None:
     """IPv6's flows have no hold (each datagram until its turn may lose its reply), IPv4's lose
     nothing waiting (NFPASS): the IPv6 pass comes first, however many IPv4 flows there are."""
@@ -1526,3 +1573,30 @@ def test_an_ipv6_plain_entry_refused_is_logged_as_benign(caplog: pytest.LogCaptu
     takeover.before_attach(maps)
     takeover.after_attach(maps)
     assert "1 refused as a datagram made the plain entry meanwhile: benign" in caplog.text
+
+
+@pytest.mark.kernel
+def test_translated_any_sees_an_ipv6_entry_with_either_translation_and_no_other(netns: str) -> None:
+    """eBPF mode's ip6tables keeps its conntrack and nat rules while IPv6 nf_conntrack holds a
+    translated entry (agent/metaproxier.py EbpfAndIp6tables `nat_live`): a source translation alone
+    counts (a MASQUERADE of a pod's flow to a remote backend), a destination one too; an IPv4
+    entry or an untranslated IPv6 one does not."""
+    t = Timeouts()
+    assert not translated_any(netns, socket.AF_INET6), "an empty table"
+    assert create_flows(netns, [CLUSTERIP], t).created == 1
+    plain = NatFlow(
+        6, ("fd00:a:1::5", "fd00:a:2::7", 40000, 8080), ("fd00:a:2::7", "fd00:a:1::5", 8080, 40000)
+    )
+    assert not (plain.snat or plain.dnat)
+    assert create_flows(netns, [plain], t).created == 1
+    assert not translated_any(netns, socket.AF_INET6), "IPv4's DNAT and an untranslated IPv6 entry"
+    masqueraded = NatFlow(
+        6, ("fd00:a:1::5", "fd00:a:2::7", 40001, 8080), ("fd00:a:2::7", "fd00:ff::11", 8080, 61001)
+    )
+    assert masqueraded.snat and not masqueraded.dnat
+    assert create_flows(netns, [masqueraded], t).created == 1
+    assert translated_any(netns, socket.AF_INET6), "a source translation"
+    assert delete_flows(netns, [masqueraded]) == 1
+    assert not translated_any(netns, socket.AF_INET6)
+    assert create_flows(netns, [NODEPORT6], t).created == 1
+    assert translated_any(netns, socket.AF_INET6), "a destination translation"

@@ -47,11 +47,15 @@ def legacy(net: Net) -> None:
     set_config(net.dp, flags=ConfigFlag.HOST_LEGACY)
 
 
-def hostnat6(net: Net) -> dict[tuple[str, str, int, int, int], tuple[str, int, int]]:
-    """ekp_hostnat6_v2 as {(saddr, daddr, sport, dport, proto): (new saddr, new sport, tag)}."""
+def hostnat6(net: Net, *, stack: bool = False) -> dict[tuple[str, str, int, int, int], tuple[str, int, int]]:
+    """ekp_hostnat6_v2 as {(saddr, daddr, sport, dport, proto): (new saddr, new sport, tag)}: the
+    tagged entries (egress's source), or with `stack` those of tag 0 (the stack's reply tuples of
+    SNAT flows, for the packets the stack itself sends about them), as IPv4's test reads them."""
     out = {}
     for k, v in net.dp.maps["hostnat6"].items():
         assert isinstance(k, abi.HostNat6Key) and isinstance(v, abi.HostNat6)
+        if (k.tag == 0) != stack:
+            continue
         key = (ip6_str(k.saddr), ip6_str(k.daddr), port_host(k.sport), port_host(k.dport), k.proto)
         out[key] = (ip6_str(v.saddr), port_host(v.sport), k.tag)
     return out
@@ -111,6 +115,11 @@ def test_a_masqueraded_node_port_leaves_its_source_to_egress_both_ways(net: Net)
     reply = hostnat6(net)[(REMOTE_BE6, CLIENT6, 8080, 50000, 6)]
     assert reply[:2] == (NODE6, 30080), "the NodePort, at egress"
     assert reply[2] not in (0, fwd_tag)
+    # the stack's reply tuples, both ways, for what the stack itself sends about the flow
+    assert hostnat6(net, stack=True) == {
+        (REMOTE_BE6, CLIENT6, 8080, 50000, 6): (NODE6, 30080, 0),
+        (CLIENT6, REMOTE_BE6, 50000, 8080, 6): (NODE6, snat_port, 0),
+    }
     stats = net.stats()
     assert (stats[Stat.NEW_FLOWS], stats[Stat.SNAT], stats[Stat.CT_REPLY]) == (1, 1, 1)
 
@@ -177,3 +186,47 @@ def test_a_syn_reopening_an_ended_flow_keeps_the_new_flows_entries_for_its_syn_a
     assert hostnat6(net)[(BE6, POD6, 8080, 40100, 6)][:2] == (VIP6, 80), "the frontend, at egress"
     stats = net.stats()
     assert (stats[Stat.NEW_FLOWS], stats[Stat.CT_REPLY]) == (2, 3)
+
+
+def test_the_stacks_own_reset_and_icmpv6_error_about_a_masqueraded_flow_leave_as_the_cluster_ips(
+    net: Net,
+) -> None:
+    """IPv4's test_legacy_translates_the_stacks_own_reset_and_icmp_error_about_a_snat_flow for IPv6:
+    an ip6tables REJECT in FORWARD answers a masqueraded flow's SYN with a RST (backend -> client)
+    or an ICMPv6 port unreachable quoting client -> backend: the tuple the stack saw, which no
+    conntrack key holds (the REPLY key has the SNAT port). The flow's tag-0 ekp_hostnat6_v2 entry
+    (IPv4's code, ekp_host_af.h) gives them the ClusterIP at egress, so the pod's connect() fails at
+    once. Before, both left untranslated and the client waited for its timeout."""
+    legacy(net)
+    snat_source(net, NODE6)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE, flags=FrontendFlag.SNAT_ALL)
+    sent = frame6(POD6, VIP6, 40020, 80)
+    verdict, out = net.from_pod(sent)
+    assert verdict == TC_ACT_OK and seen(out)[1:4] == (POD6, BE6, 40020)
+    assert hostnat6(net, stack=True) == {(BE6, POD6, 8080, 40020, 6): (VIP6, 80, 0)}
+
+    verdict, back = net.to_pod(frame6(BE6, POD6, 8080, 40020, flags="R"))
+    assert verdict == TC_ACT_OK
+    _, src, dst, sport, _, dport, _ = seen(back)
+    assert (src, dst, sport, dport) == (VIP6, POD6, 80, 40020)
+    assert net.stats()[Stat.CT_REPLY] == 1
+
+    verdict, back = net.to_pod(error_about(out, NODE6, "port-unreachable"))
+    assert verdict == TC_ACT_OK
+    e = error6(back)
+    assert (e.src, e.dst, e.checksum_ok) == (VIP6, POD6, True)
+    assert (e.in_src, e.in_dst, e.in_sport, e.in_dport) == (POD6, VIP6, 40020, 80)
+    assert e.in_l4 == sent[54:] and e.in_tcp_checksum_ok is True
+    assert net.stats()[Stat.CT_RELATED] == 1
+
+
+def test_bpf_routing_keeps_no_stack_reply_tuple_and_leaves_such_a_reset_alone(net: Net) -> None:
+    """bpf host routing hands a masqueraded flow's packets to no stack: no tag-0 entry is written,
+    and a RST with that tuple at egress is none of the path's business."""
+    snat_source(net, NODE6)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE, flags=FrontendFlag.SNAT_ALL)
+    assert net.from_pod(frame6(POD6, VIP6, 40030, 80))[0] == TC_ACT_REDIRECT
+    assert hostnat6(net, stack=True) == {}
+    rst = frame6(BE6, POD6, 8080, 40030, flags="R")
+    assert net.to_pod(rst) == (TC_ACT_OK, rst)
+    assert net.stats()[Stat.CT_REPLY] == 0

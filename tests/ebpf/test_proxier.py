@@ -213,8 +213,16 @@ class FakeUpgrade:
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self.log.append("carry v1 conntrack again")
 
-    def after_first_sync6(self, maps: Mapping[str, MapWriter]) -> None:
-        self.log.append(f"carry IPv6 flows after the first IPv6 sync ({len(maps['fe6'].items())} frontends)")
+    def after_first_sync6(
+        self, maps: Mapping[str, MapWriter], frontends: Mapping[tuple[str, int, int], int] | None = None
+    ) -> None:
+        written = f"{len(maps['fe6'].items())} frontends, {len(maps['be6'].items())} backends"
+        if frontends is None:
+            self.log.append(f"carry IPv6 flows after the first IPv6 sync ({written})")
+        else:
+            self.log.append(
+                f"carry IPv6 flows for the first IPv6 sync's {sorted(frontends.items())} ({written})"
+            )
 
     def serving(self) -> None:
         self.log.append("remove the other data path's rules")
@@ -1372,17 +1380,47 @@ def test_the_start_steps_see_the_ipv6_maps_once_the_first_ipv6_sync_after_the_at
     rig: Rig,
 ) -> None:
     """On a node the agent never served, ekp_fe6 is empty at the attach (the first IPv6 sync comes
-    after it): the takeover's IPv6 carry runs again once that sync has written it, and only then."""
+    after it): the takeover's IPv6 carry runs again within that sync, once its backends are written
+    and before its frontends are (given their svc_id), so tc decides none of the flows ip6tables
+    translated as a new one in between; and only then. Before, it ran after the sync: in the lab's
+    kube-proxy -> eBPF switch half a second later, and an IPv6 UDP flow's datagrams in between
+    reached either backend (tests/traffic/test_switch_ipv6.py)."""
     p = rig.proxier()
     p.sync(STATE, NODE)
     assert "carry v1 conntrack again" in rig.events and not [e for e in rig.events if "IPv6 sync" in e]
     p.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), NODE6)
     p.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), NODE6)
     p.sync(STATE, NODE)
+    frontends = sorted(
+        {
+            (abi.ip6_str(k.addr), abi.port_host(k.port), k.proto): v.svc_id
+            for k, v in rig.maps["fe6"].items()
+            if isinstance(k, abi.Frontend6Key) and isinstance(v, abi.Frontend)
+        }.items()
+    )
+    assert len(rig.maps["fe6"]) == 2 and len(frontends) == 1  # both scopes of one frontend
     assert [e for e in rig.events if "IPv6 sync" in e] == [
-        "carry IPv6 flows after the first IPv6 sync (2 frontends)"
+        f"carry IPv6 flows for the first IPv6 sync's {frontends} (0 frontends, 1 backends)"
     ]
     p.close()
+
+
+def test_a_restart_whose_first_ipv6_sync_writes_no_frontend_carries_the_ipv6_flows_after_it(rig: Rig) -> None:
+    """A restart over unchanged IPv6 maps: the attach's carry found their frontends, the first IPv6
+    sync writes none, and the carry runs once after it, as before."""
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    p.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), NODE6)
+    p.close()
+    rig.events.clear()
+    again = rig.proxier()
+    again.ipv6()  # the agent makes its IPv6 half before the first sync
+    again.sync(STATE, NODE)
+    again.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), NODE6)
+    assert [e for e in rig.events if "IPv6 sync" in e] == [
+        "carry IPv6 flows after the first IPv6 sync (2 frontends, 1 backends)"
+    ]
+    again.close()
 
 
 def test_without_an_ipv6_half_the_ipv6_maps_an_earlier_agent_wrote_are_emptied(

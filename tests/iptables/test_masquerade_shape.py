@@ -57,3 +57,5 @@ def test_ebpf_modes_rules_keep_masquerade_out_and_full_ones_do_not() -> None:
     assert not masquerade_kept_out(saved(tcp.replace("-p tcp", "! -p udp"), udp, rest), SNAT)
     assert not masquerade_kept_out(saved(tcp.replace(" --to-ports 1024-60999", ""), udp, rest), SNAT)
     assert not masquerade_kept_out("", SNAT), "no nat table"
+    # eBPF mode's ip6tables with no port left (EbpfAndIp6tables withdraw): the built-in chains alone
+    assert masquerade_kept_out("*nat\n:PREROUTING ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\nCOMMIT\n", SNAT)
