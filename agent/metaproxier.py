@@ -192,10 +192,13 @@ class EbpfAndIp6tables:
         `forget`: flush IPv6 nf_conntrack, right after a withdraw that took the rules away. The
         entries made before it would keep their ESTABLISHED timeouts while their connections move
         on untracked; when a port is left to ip6tables again and the hooks return, such a
-        connection's next segment is out of the stale entry's window, INVALID, and KUBE-FORWARD's
-        `--ctstate INVALID -j DROP` stalls it for as long as the rules stay. Without entries the
-        hooks pick the connections up mid-stream (nf_conntrack_tcp_loose). None was translated:
-        `nat_live` said so just before."""
+        connection's next segment is far out of the stale entry's window, which a kernel that marks
+        it INVALID turns into a stall (KUBE-FORWARD's `--ctstate INVALID -j DROP`) for as long as
+        the rules stay. Linux 6.18 here did not (tests/traffic/test_ipv6_untracked.py's stream moved
+        on without the flush, no INVALID drop counted); the flush costs one netlink message and
+        leaves `conntrack -L` telling what the hooks track now. Without entries the hooks pick the
+        connections up mid-stream (nf_conntrack_tcp_loose). None was translated: `nat_live` said
+        so just before."""
         self.ebpf = ebpf
         self.ip6tables = ip6tables
         self._config = config
