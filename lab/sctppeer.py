@@ -10,7 +10,9 @@ Standalone on purpose (standard library only), executed by path like lab/client.
                                  answers an INIT to port P with an INIT-ACK, a COOKIE-ECHO with a
                                  COOKIE-ACK and a DATA chunk with a DATA chunk echoing it; prints
                                  "ready", then one JSON line per SCTP packet that arrives (to any
-                                 port); --stall-on D --stall-s T: the echo of DATA D waits T s
+                                 port), with "t": the wall-clock time it was read (whether and
+                                 when a chunk a client lost reached the server); --stall-on D
+                                 --stall-s T: the echo of DATA D waits T s
   client --addr A --port P --sport S [--seconds T]
                                  INIT from source port S, waits for the INIT-ACK from A:P, sends a
                                  DATA chunk with the verification tag it got, waits for the echo;
@@ -180,7 +182,7 @@ def cmd_server(a: argparse.Namespace) -> int:
     print("ready", flush=True)
     until = time.monotonic() + a.seconds
     while (seen := receive(sock, until)) is not None:
-        print(json.dumps(seen), flush=True)
+        print(json.dumps({**seen, "t": round(time.time(), 4)}), flush=True)
         if seen["dport"] != a.port or not seen["crc_ok"]:
             continue  # not ours (the echo of a client in this namespace), or damaged
         to = (seen["src"], 0)

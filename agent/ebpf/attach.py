@@ -55,6 +55,16 @@ The namespace is opened with `IPRoute(netns=..., flags=0)`: a missing namespace 
 silently created. Pod devices come and go; `Attacher.start_watcher()` runs a thread that attaches
 on RTM_NEWLINK of a matching device and forgets it on RTM_DELLINK. `detach_all` removes only our
 filters, and the clsact qdisc only when it then holds no filter at all.
+
+Adding the clsact qdisc to a device that has none is not free: the kernel grafts it with the
+device's transmit queues deactivated (qdisc_graft: dev_deactivate, an RCU grace period, then
+dev_activate), and whatever the node sends out of that device meanwhile is dropped (the noop
+qdisc). On a node switching from kube-proxy (pod veths without clsact) each established flow may
+lose what it sent through a device in that moment, once: TCP sends the segment again, a UDP
+datagram or an SCTP chunk of a peer that does not retransmit is lost (seen in the lab: a few ms a
+device on a loaded machine; README "Machine facts"). The attach says so in its log line
+(`CLSACT_LOG`), with how long the adds took. A replace of a filter on an existing clsact drops
+nothing. tcx (Linux 6.6, bpf_link attach without a qdisc) would avoid it; not used yet.
 """
 
 from __future__ import annotations
@@ -66,6 +76,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -350,15 +361,28 @@ def our_filter(ipr: Any, index: int, parent: int = TC_H_INGRESS, prio: int = FIL
     return None
 
 
-def ensure_clsact(ipr: Any, index: int) -> None:
+def ensure_clsact(ipr: Any, index: int) -> bool:
+    """The clsact qdisc on the device; whether it was added now (the device's transmit queue was
+    stopped meanwhile: module doc)."""
     kinds = {q.get("kind") for q in ipr.get_qdiscs(index) if q["parent"] == TC_H_INGRESS_QDISC}
     if kinds & {"clsact", "ingress"}:
-        return
+        return False
     try:
         ipr.tc("add", "clsact", index)
     except NetlinkError as exc:
         if exc.code != errno.EEXIST:
             raise
+        return False
+    return True
+
+
+# Logged whenever the attach added clsact qdiscs (module doc); tests/traffic/test_switch.py reads
+# the milliseconds to tell a datagram lost in that moment from one lost elsewhere.
+CLSACT_LOG = (
+    "added the clsact qdisc to %d device(s) that had none (%s) in %.1f ms: the kernel stops a"
+    " device's transmit queue while it adds one, so what the node sent out of it meanwhile was"
+    " dropped (TCP sends it again; a UDP datagram or an SCTP chunk is lost)"
+)
 
 
 def attach(
@@ -370,12 +394,13 @@ def attach(
     *,
     classid: int = 1,
     prio: int = FILTER_PRIO,
-) -> None:
+) -> bool:
     """clsact (if missing) and our direct-action filter on the ingress (or `parent`) hook,
     replacing whatever held our spot (`prio`: FRONT_PRIO in front of an older generation).
     `classid`: what the program finds in skb->tc_classid (the kernel sets it from the filter's
-    classid before running it): on ingress, the bridge a pod port belongs to (`bridge_classid`)."""
-    ensure_clsact(ipr, index)
+    classid before running it): on ingress, the bridge a pod port belongs to (`bridge_classid`).
+    Returns whether the clsact qdisc was added (`ensure_clsact`)."""
+    added = ensure_clsact(ipr, index)
     ipr.tc(
         "replace-filter",
         "bpf",
@@ -388,6 +413,7 @@ def attach(
         classid=classid,
         direct_action=True,
     )
+    return added
 
 
 def drop_front(ipr: Any, index: int, parent: int) -> bool:
@@ -493,13 +519,18 @@ class Attacher:
         """ekp_egress on every device that should carry our programs, ingress programs left as
         they are: before legacy host routing is switched on (the proxier), so that no ingress
         program hands the stack a packet that could leave by a device without its egress half."""
+        added: list[str] = []
+        started = time.monotonic()
         with netns_route(self._config.netns) as ipr:
-            for index in sorted(wanted_devices(ipr, self._config, node)):
+            for index, (name, _) in sorted(wanted_devices(ipr, self._config, node).items()):
                 try:
-                    attach(ipr, index, PROG_EGRESS, self._fds[PROG_EGRESS], TC_H_EGRESS)
+                    if attach(ipr, index, PROG_EGRESS, self._fds[PROG_EGRESS], TC_H_EGRESS):
+                        added.append(name)
                 except NetlinkError as exc:
                     if exc.code != errno.ENODEV:  # gone again: nothing to hand over there
                         raise
+        if added:
+            log.info(CLSACT_LOG, len(added), ", ".join(added), (time.monotonic() - started) * 1000)
 
     @property
     def fronts(self) -> dict[tuple[int, int], tuple[str, int]]:
@@ -680,9 +711,11 @@ class Attacher:
         *,
         front: bool = False,
         clear_front: bool = False,
+        appeared: bool = False,
     ) -> None:
         # Egress first: nothing is handed to the node's stack before its replies (and, with legacy
-        # host routing, its own source translation) can be translated.
+        # host routing, its own source translation) can be translated. `appeared`: a device the
+        # watcher saw come (a new pod's: nothing sent through it yet that a clsact add could drop).
         where = []
         for parent, program, classid in ((TC_H_EGRESS, PROG_EGRESS, 1), (TC_H_INGRESS, prog, bridge)):
             hook = "egress" if parent == TC_H_EGRESS else "ingress"
@@ -708,7 +741,10 @@ class Attacher:
                             FRONT_PRIO,
                         )
                         prio = FILTER_PRIO
-            attach(ipr, index, program, self._fds[program], parent, classid=classid, prio=prio)
+            started = time.monotonic()
+            if attach(ipr, index, program, self._fds[program], parent, classid=classid, prio=prio):
+                level = logging.DEBUG if appeared else logging.INFO
+                log.log(level, CLSACT_LOG, 1, name, (time.monotonic() - started) * 1000)
             if prio == FRONT_PRIO:
                 where.append(hook)
                 with self._lock:
@@ -839,7 +875,7 @@ class Attacher:
             ):
                 return
         try:
-            self._attach(ipr, link.index, link.name, prog, bridge)
+            self._attach(ipr, link.index, link.name, prog, bridge, appeared=True)
         except NetlinkError as exc:
             # The device may be gone again, or be moving to another namespace.
             log.warning("cannot attach %s to %s: %s", prog, link.name, exc)

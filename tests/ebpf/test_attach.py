@@ -7,6 +7,7 @@ named like the real ones (the attach code does not care what the programs do).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import secrets
@@ -384,6 +385,41 @@ def test_egress_programs_go_everywhere_before_any_ingress_program(netns: str, pr
     attacher.reconcile(NODE, full=True)
     assert "ekp_from_net" in ingress(netns, "eth0") and "ekp_from_pod" in ingress(netns, "lxc-a")
     assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]
+
+
+@pytest.mark.kernel
+def test_the_attach_names_the_devices_it_added_a_clsact_qdisc_to_and_a_restart_adds_none(
+    netns: str, progs: dict[str, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Adding a clsact qdisc stops the device's transmit queue for an RCU grace period (the kernel's
+    qdisc_graft deactivates the device around it; what is sent out of it meanwhile is dropped:
+    README "Machine facts"), so the attach says where it did and how long the adds took
+    (CLSACT_LOG: tests/traffic/test_switch.py reads it). A restart finds the qdiscs and says
+    nothing: replacing a filter drops nothing."""
+    caplog.set_level(logging.INFO, logger="agent.ebpf.attach")
+    config = Config(netns=netns, pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY)
+    Attacher(config, progs).attach_egress(NODE)
+    said = [r.getMessage() for r in caplog.records if "clsact" in r.getMessage()]
+    assert len(said) == 1 and re.match(
+        r"added the clsact qdisc to 2 device\(s\) that had none \(eth0, lxc-a\) in [\d.]+ ms: the kernel"
+        r" stops a device's transmit queue",
+        said[0],
+    ), said
+    caplog.clear()
+    restarted = Attacher(config, progs)
+    restarted.attach_egress(NODE)
+    restarted.reconcile(NODE, full=True)
+    assert [r.getMessage() for r in caplog.records if "clsact" in r.getMessage()] == []
+    # bpf host routing attaches egress with ingress, device by device: each add said on its own
+    assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]
+    caplog.clear()
+    Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs).reconcile(NODE, full=True)
+    said = [r.getMessage() for r in caplog.records if "clsact" in r.getMessage()]
+    assert sorted(re.sub(r" in [\d.]+ ms:.*", "", m) for m in said) == [
+        "added the clsact qdisc to 1 device(s) that had none (eth0)",
+        "added the clsact qdisc to 1 device(s) that had none (lxc-a)",
+    ], said
+    detach_all(netns)
 
 
 @pytest.mark.kernel
