@@ -27,12 +27,17 @@ from typing import Any, Protocol
 
 from pyroute2.netlink import (
     NETLINK_NETFILTER,
+    NLM_F_ACK,
+    NLM_F_REQUEST,
     NLMSG_ERROR,
 )
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink.nfctsocket import (
+    IPCTNL_MSG_CT_DELETE,
     NFCTAttrTuple,
     NFCTSocket,
+    nfct_msg,
+    terminate_error_msg,
 )
 
 from agent.netns import netns_route, run_in_netns
@@ -119,15 +124,34 @@ def translated_any(netns: str, family: int = socket.AF_INET6) -> bool:
     """Whether nf_conntrack in `netns` holds an entry of `family` (any protocol) whose source or
     destination was translated: one whose packets nf_nat still rewrites while its hooks are
     registered (eBPF mode's ip6tables keeps them for it, agent/metaproxier.py). The kernel filters
-    on the status bit, so the untranslated entries cost nothing."""
+    on the status bit (Linux 5.15+), so the untranslated entries cost nothing; an older kernel
+    ignores that filter and dumps every entry, so the bit is checked here too."""
 
     def run() -> bool:
         with NFCTSocket(nfgen_family=family) as ct:
             return any(
-                any(True for _ in ct.dump(status=bit, status_mask=bit)) for bit in (IPS_SRC_NAT, IPS_DST_NAT)
+                any(int(m.get_attr("CTA_STATUS") or 0) & bit for m in ct.dump(status=bit, status_mask=bit))
+                for bit in (IPS_SRC_NAT, IPS_DST_NAT)
             )
 
     return run_in_netns(netns, run)
+
+
+def flush(netns: str, family: int) -> None:
+    """Every nf_conntrack entry of `family` in `netns` deleted, the other family's kept. The kernel
+    filters a flush on the message's family only when its version is 1 (`conntrack -F -f ipv6`'s):
+    a version-0 flush, pyroute2's `NFCTSocket.flush`, empties both families (seen here)."""
+
+    def run() -> None:
+        with NFCTSocket(nfgen_family=family) as ct:
+            msg = nfct_msg()
+            msg["version"] = 1
+            for _ in ct.request(
+                msg, IPCTNL_MSG_CT_DELETE, msg_flags=NLM_F_REQUEST | NLM_F_ACK, terminate=terminate_error_msg
+            ):
+                pass
+
+    run_in_netns(netns, run)
 
 
 @dataclass
