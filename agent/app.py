@@ -188,12 +188,12 @@ def nat6_live(config: Config) -> bool:
 
 
 def forget6(config: Config) -> None:
-    """The node's IPv6 nf_conntrack flushed (EbpfAndIp6tables `forget`)."""
+    """The node's IPv6 nf_conntrack forgets its TCP connections (EbpfAndIp6tables `forget`)."""
     import socket
 
-    from agent.takeover.nfct import flush
+    from agent.takeover.nfct import delete_tcp
 
-    flush(config.netns, socket.AF_INET6)
+    delete_tcp(config.netns, socket.AF_INET6)
 
 
 def ip6tables_beside_ebpf(

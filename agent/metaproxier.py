@@ -189,16 +189,17 @@ class EbpfAndIp6tables:
         only on the way from rules to withdrawn: once withdrawn our rules translate no flow, and
         another program's translated flow (Docker's, a CNI's masquerade) must not flap the rules.
 
-        `forget`: flush IPv6 nf_conntrack, right after a withdraw that took the rules away. The
-        entries made before it would keep their ESTABLISHED timeouts while their connections move
-        on untracked; when a port is left to ip6tables again and the hooks return, such a
-        connection's next segment is far out of the stale entry's window, which a kernel that marks
-        it INVALID turns into a stall (KUBE-FORWARD's `--ctstate INVALID -j DROP`) for as long as
-        the rules stay. Linux 6.18 here did not (tests/traffic/test_ipv6_untracked.py's stream moved
-        on without the flush, no INVALID drop counted); the flush costs one netlink message and
-        leaves `conntrack -L` telling what the hooks track now. Without entries the hooks pick the
-        connections up mid-stream (nf_conntrack_tcp_loose). None was translated: `nat_live` said
-        so just before."""
+        `forget`: IPv6 nf_conntrack's TCP entries deleted, right after a withdraw that took the
+        rules away. They would keep their ESTABLISHED timeouts while their connections move on
+        untracked; when a port is left to ip6tables again and the hooks return, such a connection's
+        next segment is far out of the stale entry's window, which a kernel that marks it INVALID
+        turns into a stall (KUBE-FORWARD's `--ctstate INVALID -j DROP`) for as long as the rules
+        stay. Linux 6.18 here did not (tests/traffic/test_ipv6_untracked.py's stream moved on
+        without it, no INVALID drop counted). Without an entry the hooks pick a connection up
+        mid-stream (nf_conntrack_tcp_loose). TCP's alone: UDP and ICMP entries have no window, and
+        deleting one would make an answer already on its way NEW to a node firewall that accepts
+        only ESTABLISHED ones (agent/takeover/nfct.py `delete_tcp`). None was translated: `nat_live`
+        said so just before."""
         self.ebpf = ebpf
         self.ip6tables = ip6tables
         self._config = config
@@ -206,7 +207,7 @@ class EbpfAndIp6tables:
         self._forget = forget
         self._withdrawn = False  # the last ip6tables write was a withdraw that succeeded
         self._nat_error: str | None = None  # the last failed nat_live read's, said once
-        self._forget_error: str | None = None  # the last failed flush's, said once
+        self._forget_error: str | None = None  # the last failed forget's, said once
         self._rendered: frozenset[ServicePortName] | None = None  # the ports ip6tables last got
         self._needed: frozenset[ServicePortName] = frozenset()  # left after the last maps' sync
 
@@ -368,10 +369,10 @@ class EbpfAndIp6tables:
             error = f"{type(exc).__name__}: {exc}"
             if error != self._forget_error:
                 log.warning(
-                    "cannot flush IPv6 nf_conntrack after withdrawing ip6tables' rules (%s): should a "
-                    "Service be left to ip6tables again, an IPv6 connection older than this whose entry "
-                    "is out of date may stall (INVALID, dropped by KUBE-FORWARD); `conntrack -F -f ipv6` "
-                    "clears them",
+                    "cannot delete IPv6 nf_conntrack's TCP entries after withdrawing ip6tables' rules "
+                    "(%s): should a Service be left to ip6tables again, an IPv6 connection older than "
+                    "this whose entry is out of date may stall (INVALID, dropped by KUBE-FORWARD); "
+                    "`conntrack -D -f ipv6 -p tcp` clears them",
                     error,
                 )
             self._forget_error = error

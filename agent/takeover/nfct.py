@@ -27,17 +27,12 @@ from typing import Any, Protocol
 
 from pyroute2.netlink import (
     NETLINK_NETFILTER,
-    NLM_F_ACK,
-    NLM_F_REQUEST,
     NLMSG_ERROR,
 )
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink.nfctsocket import (
-    IPCTNL_MSG_CT_DELETE,
     NFCTAttrTuple,
     NFCTSocket,
-    nfct_msg,
-    terminate_error_msg,
 )
 
 from agent.netns import netns_route, run_in_netns
@@ -137,21 +132,21 @@ def translated_any(netns: str, family: int = socket.AF_INET6) -> bool:
     return run_in_netns(netns, run)
 
 
-def flush(netns: str, family: int) -> None:
-    """Every nf_conntrack entry of `family` in `netns` deleted, the other family's kept. The kernel
-    filters a flush on the message's family only when its version is 1 (`conntrack -F -f ipv6`'s):
-    a version-0 flush, pyroute2's `NFCTSocket.flush`, empties both families (seen here)."""
+def delete_tcp(netns: str, family: int) -> int:
+    """Every TCP entry of `family` in `netns` deleted, the other protocols' and the other family's
+    kept; returns how many went. Only TCP's entries carry a window that goes stale while the
+    connection moves on untracked; a UDP or ICMP entry deleted would make an answer already on its
+    way NEW to a node firewall that accepts only ESTABLISHED ones (a lookup of the node's own lost),
+    where a TCP connection without an entry is picked up mid-stream (nf_conntrack_tcp_loose). One
+    dump, then a delete per entry (a flush cannot filter on the protocol); an entry gone meanwhile
+    is no error."""
 
-    def run() -> None:
+    def run() -> int:
         with NFCTSocket(nfgen_family=family) as ct:
-            msg = nfct_msg()
-            msg["version"] = 1
-            for _ in ct.request(
-                msg, IPCTNL_MSG_CT_DELETE, msg_flags=NLM_F_REQUEST | NLM_F_ACK, terminate=terminate_error_msg
-            ):
-                pass
+            doomed = [f for f in (_flow(m) for m in ct.dump()) if f is not None and f.proto == TCP]
+            return sum(_delete(ct, f) for f in doomed)
 
-    run_in_netns(netns, run)
+    return run_in_netns(netns, run)
 
 
 @dataclass

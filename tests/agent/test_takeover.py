@@ -62,8 +62,8 @@ from agent.takeover.nfct import (
     Replaced,
     create_flows,
     delete_flows,
+    delete_tcp,
     dump_flows,
-    flush,
     replace_flows,
     translated_any,
 )
@@ -1624,20 +1624,27 @@ def test_translated_any_checks_the_status_bit_itself_where_the_kernel_ignores_th
 
 
 @pytest.mark.kernel
-def test_an_ipv6_flush_deletes_every_ipv6_entry_and_keeps_ipv4s(netns: str) -> None:
+def test_forgetting_ipv6_deletes_its_tcp_entries_and_keeps_udp_and_ipv4s(netns: str) -> None:
     """EbpfAndIp6tables `forget` (agent/app.py forget6): after ip6tables' rules are withdrawn the
-    IPv6 entries go, translated or not; IPv4's nf_conntrack (its own proxier's) is not touched."""
+    IPv6 TCP entries go, translated or not; an IPv6 UDP entry stays (an answer on its way must not
+    turn NEW), and IPv4's nf_conntrack (its own proxier's) is not touched."""
     plain = NatFlow(
         6, ("fd00:a:1::5", "fd00:a:2::7", 40000, 8080), ("fd00:a:2::7", "fd00:a:1::5", 8080, 40000)
     )
-    assert create_flows(netns, [CLUSTERIP, plain, NODEPORT6], Timeouts()).created == 3
-    flush(netns, socket.AF_INET6)
+    lookup = NatFlow(
+        17, ("fd00:a:1::5", "fd00:a:2::53", 40001, 53), ("fd00:a:2::53", "fd00:a:1::5", 53, 40001)
+    )
+    assert create_flows(netns, [CLUSTERIP, plain, NODEPORT6, lookup], Timeouts()).created == 4
+    assert delete_tcp(netns, socket.AF_INET6) == 2
 
-    def count(family: int) -> int:
-        def run() -> int:
+    def left(family: int) -> list[int]:
+        def run() -> list[int]:
             with NFCTSocket(nfgen_family=family) as ct:
-                return sum(1 for _ in ct.dump())
+                return sorted(
+                    int(m.get_attr("CTA_TUPLE_ORIG").get_attr("CTA_TUPLE_PROTO").get_attr("CTA_PROTO_NUM"))
+                    for m in ct.dump()
+                )
 
         return run_in_netns(netns, run)
 
-    assert (count(socket.AF_INET), count(socket.AF_INET6)) == (1, 0)
+    assert (left(socket.AF_INET), left(socket.AF_INET6)) == ([CLUSTERIP.proto], [17])
