@@ -324,7 +324,8 @@ def cleanup(config: Config) -> int:
         failed = False
         # ipv6: nothing is loaded; the cleanup removes every pin, the IPv6 maps included
         proxiers: list[Proxier] = [
-            EbpfProxier(config, ipv6=False, snapshot_dir=LOCK_DIR),  # its planner's file removed too
+            # its planner's file and the model's records (agent.keptrecords) removed too
+            EbpfProxier(config, ipv6=False, snapshot_dir=LOCK_DIR),
             IptablesProxier(config),
         ]
         if any(shutil.which(f"ip6tables-{backend}") for backend in ("nft", "legacy")):
@@ -527,6 +528,13 @@ def build_agent(
         service_health6 = ServiceHealthServer.for_node(config, node6, health, IPFamily.IPv6)
         services.append(service_health6)
     close = getattr(proxier, "close", None)
+    records = None
+    if config.mode is Mode.EBPF and not config.services_file:
+        # eBPF mode's lock on the pin path makes this agent the file's only reader and writer.
+        from agent.keptrecords import KeptRecords, identity, records_path
+        from agent.lock import LOCK_DIR
+
+        records = KeptRecords(records_path(LOCK_DIR, config.pin_path), identity(config))
     return Agent(
         config,
         Parts(
@@ -544,6 +552,7 @@ def build_agent(
             node_context6=lambda: node_context(config, IPFamily.IPv6),
             service_health6=service_health6,
             ipv6_unserved_said=bool(missing6),
+            records=records,
         ),
     )
 

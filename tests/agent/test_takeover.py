@@ -29,6 +29,7 @@ from agent.ebpf import abi, activity, snapshot
 from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import FakeMap, MapError, MapWriter, UpdateFlag
+from agent.keptrecords import records_path
 from agent.netns import run_in_netns
 from agent.takeover.flows import (
     IPS_ASSURED,
@@ -775,6 +776,8 @@ def test_the_handback_removes_the_planner_the_ebpf_agent_left_with_the_pins(tmp_
     planner.write_bytes(b"a planner")
     other = Path(snapshot.snapshot_path(str(run), str(tmp_path / "other-pins")))  # another agent's
     other.write_bytes(b"another pin path's planner")
+    records = Path(records_path(str(run), str(pins)))
+    records.write_bytes(b"the model's records")
     handback = EbpfHandback(
         Config(netns="node1", pin_path=str(pins)),
         read=lambda pin_path: [],
@@ -785,7 +788,7 @@ def test_the_handback_removes_the_planner_the_ebpf_agent_left_with_the_pins(tmp_
         snapshot_dir=str(run),
     )
     handback.run()
-    assert not planner.exists()
+    assert not planner.exists() and not records.exists()
     assert other.exists()
 
 
