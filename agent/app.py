@@ -173,9 +173,7 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
     ip6tables = ip6tables_beside_ebpf(
         config, SubprocessRunner(config, family=6), metrics, snat6_held=proxier.snat6_held
     )
-    return EbpfAndIp6tables(
-        proxier.ipv6(), ip6tables, config, nat_live=lambda: nat6_live(config), forget=lambda: forget6(config)
-    )
+    return EbpfAndIp6tables(proxier.ipv6(), ip6tables, config, nat_live=lambda: nat6_live(config))
 
 
 def nat6_live(config: Config) -> bool:
@@ -185,15 +183,6 @@ def nat6_live(config: Config) -> bool:
     from agent.takeover.nfct import translated_any
 
     return translated_any(config.netns, socket.AF_INET6)
-
-
-def forget6(config: Config) -> None:
-    """The node's IPv6 nf_conntrack forgets its TCP connections (EbpfAndIp6tables `forget`)."""
-    import socket
-
-    from agent.takeover.nfct import delete_tcp
-
-    delete_tcp(config.netns, socket.AF_INET6)
 
 
 def ip6tables_beside_ebpf(
