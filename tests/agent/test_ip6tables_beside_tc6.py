@@ -654,6 +654,40 @@ def test_the_health_check_jump_stays_ahead_of_a_nodes_input_reject(monkeypatch: 
     assert runner.rules("filter", "INPUT") == [NODEPORTS_JUMP, "-j REJECT"]
 
 
+def test_a_foreign_rule_first_in_input_is_left_there_by_every_full_resync(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another program that puts its rule first in INPUT (Calico's cali-INPUT, fail2ban's chain)
+    ahead of the withdrawn rules' jump: the jump still comes before every REJECT, so the periodic
+    full resync writes nothing and warns of nothing (rule #1 demanded, the two would swap rules
+    each period and the agent would warn each time)."""
+    both, _, runner, calls, _, _ = withdrawn_rig(monkeypatch)
+    runner.tables["filter"]["INPUT"].append("-j REJECT")
+    s = lb_local_state()
+    withdraw(both, s)
+    assert runner.rules("filter", "INPUT") == [NODEPORTS_JUMP, "-j REJECT"]
+    foreign = ["-j cali-INPUT", "-p tcp -m tcp --dport 22 -j f2b-sshd"]
+    runner.tables["filter"]["INPUT"] = [*foreign, NODEPORTS_JUMP, "-j REJECT"]
+    restores = len(runner.restores)
+    with caplog.at_level("INFO", logger="agent"):
+        for _ in range(3):
+            both.sync(s, NODE6, None)  # the periodic full resync
+    assert len(runner.restores) == restores and calls[-3:] == ["withdraw", "apart", "maps"]
+    assert runner.rules("filter", "INPUT") == [*foreign, NODEPORTS_JUMP, "-j REJECT"]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    # the ACCEPTs drifted: rewritten, the jump kept where it takes effect (not moved, not doubled)
+    runner.tables["filter"]["KUBE-NODEPORTS"] = []
+    both.sync(s, NODE6, None)
+    assert len(runner.restores) == restores + 1
+    assert runner.rules("filter", "INPUT") == [*foreign, NODEPORTS_JUMP, "-j REJECT"]
+    assert HC_ACCEPT.removeprefix("-A KUBE-NODEPORTS ") in runner.rules("filter", "KUBE-NODEPORTS")
+    # behind a DROP, or twice: put first again, once
+    for inp in ([*foreign, "-j DROP", NODEPORTS_JUMP], [NODEPORTS_JUMP, *foreign, NODEPORTS_JUMP]):
+        runner.tables["filter"]["INPUT"] = inp
+        both.sync(s, NODE6, None)
+        assert runner.rules("filter", "INPUT") == [NODEPORTS_JUMP, *(r for r in inp if r != NODEPORTS_JUMP)]
+
+
 def test_a_withdraw_is_one_restore_and_a_full_resync_rewrites_only_drift(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
