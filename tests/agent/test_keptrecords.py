@@ -161,6 +161,27 @@ def test_a_file_that_cannot_be_trusted_is_ignored_and_removed(
     assert "ignored the records the last run left" in caplog.text
 
 
+def test_a_file_whose_header_cannot_be_read_is_ignored_and_the_object_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An I/O error while checking the file's header (EIO on a failing disk): `take` answers None
+    (the list reads every object) and says why, instead of failing the list."""
+    path = str(tmp_path / "records.pickle")
+    obj = _meta(slice_("web-1", endpoints=[endpoint("10.244.1.2")]), "u1", "7")
+    KeptRecords(path, b"i" * 32).save(
+        {(Kind.ENDPOINT_SLICE, "default/web-1"): ("u1", "7", read_slice(obj, "node1"))}
+    )
+
+    def failing(*args: Any) -> str:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(keptfile, "check", failing)
+    kept = KeptRecords(path, b"i" * 32)
+    assert kept.take(Kind.ENDPOINT_SLICE, "default/web-1", "u1", "7") is None
+    assert kept.offered == 0
+    assert "ignored the records the last run left" in caplog.text and "Input/output error" in caplog.text
+
+
 def test_a_link_at_the_files_name_is_not_followed(tmp_path: Path) -> None:
     target = tmp_path / "elsewhere"
     KeptRecords(str(target), b"i" * 32).save({})
