@@ -182,6 +182,23 @@ def test_a_file_whose_header_cannot_be_read_is_ignored_and_the_object_read(
     assert "ignored the records the last run left" in caplog.text and "Input/output error" in caplog.text
 
 
+def test_a_stop_while_a_sync_still_runs_keeps_no_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sync still running after the runner's stop wait would change the records while they are
+    written: the shutdown writes none and says so; once it is over, they are kept."""
+    path = str(tmp_path / "records.pickle")
+    agent = _agent(KeptRecords(path, b"i" * 32))
+    _list(agent, [_meta(service("web"), "u1", "7")])
+    monkeypatch.setattr(agent.runner, "running", lambda: True)
+    agent.shutdown()
+    assert not os.path.exists(path)
+    assert "the model's records are not kept" in caplog.text
+    monkeypatch.setattr(agent.runner, "running", lambda: False)
+    agent.shutdown()
+    assert os.path.exists(path)
+
+
 def test_a_link_at_the_files_name_is_not_followed(tmp_path: Path) -> None:
     target = tmp_path / "elsewhere"
     KeptRecords(str(target), b"i" * 32).save({})
