@@ -172,7 +172,7 @@ def tracked6(c: Cluster) -> list[str]:
     return [line for line in out.splitlines() if line.strip()]
 
 
-def forget6(c: Cluster) -> None:
+def flush6(c: Cluster) -> None:
     """node1's IPv6 nf_conntrack emptied: the agent leaves the entries the rules' hooks made (they
     time out), so what is tracked after this is the traffic sent after it."""
     c.lab.run(c.lab.node(1), "conntrack", "-F", "-f", "ipv6")
@@ -194,7 +194,7 @@ def test_no_ipv6_packet_is_tracked_while_the_ebpf_programs_leave_ip6tables_nothi
     until("withdrawn", lambda: hook_users(c) == [])
     assert HC_ACCEPT in save(c), "the healthCheckNodePort's ACCEPT stays"
     # the entries made under the first sync's rules stay (the agent deletes none): a baseline
-    forget6(c)
+    flush6(c)
     traffic(c)
     assert tracked6(c) == [], "no IPv6 conntrack hook in node1's netns"
     # an SCTP Service is left to ip6tables: every rule back, IPv6 tracked again
@@ -206,7 +206,7 @@ def test_no_ipv6_packet_is_tracked_while_the_ebpf_programs_leave_ip6tables_nothi
     # ... and its going takes them away once no translated flow holds them (none: no NAT here)
     c.apply(objects(c, sctp=False))
     until("withdrawn again", lambda: hook_users(c) == [])
-    forget6(c)
+    flush6(c)
     traffic(c)
     assert tracked6(c) == [], "no IPv6 conntrack hook in node1's netns once the rules are withdrawn"
 
@@ -231,7 +231,7 @@ def test_a_fragmented_ipv6_datagram_reaches_a_cluster_ip_and_back_untracked(lab6
     c = lab6
     c.apply(objects(c, sctp=False))
     until("withdrawn", lambda: hook_users(c) == [])
-    forget6(c)
+    flush6(c)
     assert [udp_echo(c, 4000) for _ in range(3)] == [4000] * 3
     assert tracked6(c) == []
 
