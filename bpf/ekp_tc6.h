@@ -347,6 +347,16 @@ static __always_inline int ekp_tc6_may_translate(const struct ekp_pkt6 *p, __u8 
 	return a && (a->flags & (1 << scope));
 }
 
+/* The frontend key of a packet among the frontends of `scope` (ekp_frontend_lookup's IPv6 twin):
+ * the one both hooks build (ekp_main6, ekp_xdp6.h), into the caller's `k`. */
+static __always_inline void ekp_fe6_key_of(struct ekp_frontend6_key *k, const struct ekp_pkt6 *p, __u8 scope)
+{
+	__builtin_memcpy(k->addr, p->daddr, 16);
+	k->port = p->b.dport;
+	k->proto = p->b.proto;
+	k->scope = scope;
+}
+
 /* The node's IPv6 address, the source of IPv6 SNAT (ekp_cfg6, written by the agent from the IPv6
  * family's node address: the slot ekp_cfg6sel names, as ekp_config_get reads IPv4's), copied into
  * `out` (the scratch's `node`) once per packet, before the frontend's backend is chosen: the agent
@@ -599,10 +609,7 @@ static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
 	__u32 aff_hit = 0;
 	__builtin_memset(f, 0, sizeof(*f));
 	struct ekp_frontend6_key fk = {};
-	__builtin_memcpy(fk.addr, p->daddr, 16);
-	fk.port = p->b.dport;
-	fk.proto = p->b.proto;
-	fk.scope = scope;
+	ekp_fe6_key_of(&fk, p, scope);
 	struct ekp_frontend *fe = ekp_fe6_lookup(&fk);
 	int node = ekp_tc6_node_addr(w->node);
 	if (fe) {

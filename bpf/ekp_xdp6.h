@@ -246,10 +246,7 @@ static __always_inline int ekp_xdp6_decide(struct xdp_md *ctx, struct ekp_tc6_sc
 	if (!ekp_opens_flow(&p->b))
 		return XDP_PASS; /* a flow ip6tables translated: its nf_conntrack entry is the stack's */
 	struct ekp_frontend6_key fk = {};
-	__builtin_memcpy(fk.addr, p->daddr, 16);
-	fk.port = p->b.dport;
-	fk.proto = p->b.proto;
-	fk.scope = EKP_SCOPE_EXTERNAL;
+	ekp_fe6_key_of(&fk, p, EKP_SCOPE_EXTERNAL);
 	struct ekp_frontend *fe = ekp_fe6_lookup(&fk);
 	if (!fe)
 		return XDP_PASS; /* no flow of ours: a direct connection's reclaim is tc's */
