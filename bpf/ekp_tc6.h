@@ -3,6 +3,8 @@
  * ekp_tc6.h: the tc programs' IPv6 path (ekp_from_pod6, ekp_from_net6), reached from
  * ekp_from_pod / ekp_from_net by a tail call (ekp_tc.c), so the IPv4 programs' verification and
  * per-packet work do not grow with it (Cilium splits its programs per family the same way).
+ * This file is the path's skb half; the order of its checks, shared with XDP's IPv6 path, is
+ * ekp_decide6.h's (ekp_main6 there).
  *
  *   parse (ekp_parse6.h) -> a fragment: its ports recorded or looked up, or held (ekp_frag6.h)
  *                        -> conntrack (ekp_ct6.h: IPv4's conntrack code for IPv6, FORWARD then
@@ -90,7 +92,8 @@
  * client through ekp_egress6 and gets its frontend back (ekp_tc6_local_related), a masqueraded
  * flow's through its tag-0 ekp_hostnat6_v2 entry (the stack's reply tuple, IPv4's code:
  * ekp_host_af.h), which gives a RST the stack sends about such a flow its frontend too.
- * Ahead of ekp_from_net6, XDP's IPv6 path (ekp_xdp6.h) runs these pieces on the XDP buffer: it
+ * Ahead of ekp_from_net6, XDP's IPv6 path (ekp_xdp6.h) runs the same order (ekp_decide6.h) on the
+ * XDP buffer: it
  * carries out drops, new flows to a backend on another node and hits when the route leaves by the
  * device the packet came in by, and passes everything else here untouched, before any side
  * effect; an entry either hook wrote is the entry both read.

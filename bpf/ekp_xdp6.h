@@ -6,9 +6,9 @@
  * (MapSizes.ipv6_tc): what it leaves to tc, ekp_from_net6 must be there to take; and only where
  * XDP attaches and the kernel has bpf_xdp_load_bytes (5.18: agent/ebpf/programs.py XDP6_NEEDS).
  *
- *   parse (ekp_parse6.h, from the XDP buffer) -> decide (ekp_tc6.h's pieces: the activity check,
- *   conntrack FORWARD then REPLY, the frontend's refusal, the backend, the source translation, the
- *   entries and SNAT port of ekp_ct6_create) -> route -> rewrite and XDP_TX -> count (ekp_xstats_v3)
+ *   parse (ekp_parse6.h, from the XDP buffer) -> decide (ekp_decide6.h: the tc path's order of
+ *   checks, the same text instantiated for XDP, ekp_decide6_xdp) -> route -> rewrite and XDP_TX
+ *   (here) -> count (ekp_xstats_v3)
  *
  * What it finishes itself, as IPv4's XDP (ekp_xdp.h): drops (source ranges, no local endpoint, a
  * full SNAT range or table), and the flows between an outside client and a backend on another

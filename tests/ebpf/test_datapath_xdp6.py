@@ -197,6 +197,17 @@ def test_a_fragment_goes_to_tc(net: Net) -> None:
     assert len(net.dp.maps["frag6"].keys()) == 0, "no fragment record"
 
 
+def test_a_fragment_the_activity_check_would_dismiss_goes_to_tc_too(net: Net) -> None:
+    """tc never asks the activity check of a fragment (a later one carries no ports to look up), and
+    XDP decides in tc's order (bpf/ekp_decide6.h): every fragment, first or later, of addresses no
+    flow stamped and no frontend holds, is tc's, counted TO_TC, not PASS."""
+    first, later = frags6(CLIENT6, NODE2_6, 50008, 9999, b"x" * 3000, 78)[:2]
+    to_tc(net, first)
+    assert net.xdp(later) == (XDP_PASS, later)
+    xstats(net, PACKETS=2, TO_TC=2)
+    assert len(net.dp.maps["frag6"].keys()) == 0, "no fragment record"
+
+
 def test_an_icmpv6_error_goes_to_tc(net: Net) -> None:
     from scapy.layers.inet import TCP as TCPh
     from scapy.layers.inet6 import ICMPv6PacketTooBig, IPv6
