@@ -119,13 +119,32 @@ def translated_any(netns: str, family: int = socket.AF_INET6) -> bool:
     """Whether nf_conntrack in `netns` holds an entry of `family` (any protocol) whose source or
     destination was translated: one whose packets nf_nat still rewrites while its hooks are
     registered (eBPF mode's ip6tables keeps them for it, agent/metaproxier.py). The kernel filters
-    on the status bit, so the untranslated entries cost nothing."""
+    on the status bit (Linux 5.15+), so the untranslated entries cost nothing; an older kernel
+    ignores that filter and dumps every entry, so the bit is checked here too."""
 
     def run() -> bool:
         with NFCTSocket(nfgen_family=family) as ct:
             return any(
-                any(True for _ in ct.dump(status=bit, status_mask=bit)) for bit in (IPS_SRC_NAT, IPS_DST_NAT)
+                any(int(m.get_attr("CTA_STATUS") or 0) & bit for m in ct.dump(status=bit, status_mask=bit))
+                for bit in (IPS_SRC_NAT, IPS_DST_NAT)
             )
+
+    return run_in_netns(netns, run)
+
+
+def delete_tcp(netns: str, family: int) -> int:
+    """Every TCP entry of `family` in `netns` deleted, the other protocols' and the other family's
+    kept; returns how many went. Only TCP's entries carry a window that goes stale while the
+    connection moves on untracked; a UDP or ICMP entry deleted would make an answer already on its
+    way NEW to a node firewall that accepts only ESTABLISHED ones (a lookup of the node's own lost),
+    where a TCP connection without an entry is picked up mid-stream (nf_conntrack_tcp_loose). One
+    dump, then a delete per entry (a flush cannot filter on the protocol); an entry gone meanwhile
+    is no error."""
+
+    def run() -> int:
+        with NFCTSocket(nfgen_family=family) as ct:
+            doomed = [f for f in (_flow(m) for m in ct.dump()) if f is not None and f.proto == TCP]
+            return sum(_delete(ct, f) for f in doomed)
 
     return run_in_netns(netns, run)
 

@@ -27,7 +27,7 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    way (entries already there kept);
 4. the pins go (maps, programs, the directory), as `agent --cleanup` removes them, and with them
    the planner an eBPF-mode agent left for its next start (agent/ebpf/snapshot.py, in the lock
-   directory): it describes those maps only.
+   directory): it describes those maps only; and the model's records kept beside it.
 
 Nothing happens where no eBPF conntrack is pinned at --bpf-pin-path.
 """
@@ -134,9 +134,14 @@ def _remove_pins(pin_path: str) -> list[str]:
 
 
 def _remove_planner(snapshot_dir: str, pin_path: str) -> None:
+    from agent import keptfile
     from agent.ebpf import snapshot
+    from agent.keptrecords import records_path
 
     snapshot.remove(snapshot.snapshot_path(snapshot_dir, pin_path))
+    # the model's records kept beside it (agent.keptrecords): still true of their objects, but
+    # only an eBPF-mode start reads them, and tmpfs holds them in memory until one does
+    keptfile.remove(records_path(snapshot_dir, pin_path))
 
 
 class EbpfHandback:

@@ -29,6 +29,7 @@ from agent.ebpf import abi, activity, snapshot
 from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import FakeMap, MapError, MapWriter, UpdateFlag
+from agent.keptrecords import records_path
 from agent.netns import run_in_netns
 from agent.takeover.flows import (
     IPS_ASSURED,
@@ -62,6 +63,7 @@ from agent.takeover.nfct import (
     Replaced,
     create_flows,
     delete_flows,
+    delete_tcp,
     dump_flows,
     replace_flows,
     translated_any,
@@ -774,6 +776,8 @@ def test_the_handback_removes_the_planner_the_ebpf_agent_left_with_the_pins(tmp_
     planner.write_bytes(b"a planner")
     other = Path(snapshot.snapshot_path(str(run), str(tmp_path / "other-pins")))  # another agent's
     other.write_bytes(b"another pin path's planner")
+    records = Path(records_path(str(run), str(pins)))
+    records.write_bytes(b"the model's records")
     handback = EbpfHandback(
         Config(netns="node1", pin_path=str(pins)),
         read=lambda pin_path: [],
@@ -784,7 +788,7 @@ def test_the_handback_removes_the_planner_the_ebpf_agent_left_with_the_pins(tmp_
         snapshot_dir=str(run),
     )
     handback.run()
-    assert not planner.exists()
+    assert not planner.exists() and not records.exists()
     assert other.exists()
 
 
@@ -1597,3 +1601,53 @@ def test_translated_any_sees_an_ipv6_entry_with_either_translation_and_no_other(
     assert not translated_any(netns, socket.AF_INET6)
     assert create_flows(netns, [NODEPORT6], t).created == 1
     assert translated_any(netns, socket.AF_INET6), "a destination translation"
+
+
+@pytest.mark.kernel
+def test_translated_any_checks_the_status_bit_itself_where_the_kernel_ignores_the_filter(
+    netns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel before 5.15 ignores a dump's status filter and returns every entry: an untranslated
+    IPv6 entry must not count as translated there (the rules would never be withdrawn)."""
+    plain = NatFlow(
+        6, ("fd00:a:1::5", "fd00:a:2::7", 40000, 8080), ("fd00:a:2::7", "fd00:a:1::5", 8080, 40000)
+    )
+    assert create_flows(netns, [plain], Timeouts()).created == 1
+    unfiltered = NFCTSocket.dump
+
+    def old_kernel(self: NFCTSocket, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("status", None)
+        kwargs.pop("status_mask", None)
+        return unfiltered(self, *args, **kwargs)
+
+    monkeypatch.setattr(NFCTSocket, "dump", old_kernel)
+    assert not translated_any(netns, socket.AF_INET6)
+    assert create_flows(netns, [NODEPORT6], Timeouts()).created == 1
+    assert translated_any(netns, socket.AF_INET6)
+
+
+@pytest.mark.kernel
+def test_forgetting_ipv6_deletes_its_tcp_entries_and_keeps_udp_and_ipv4s(netns: str) -> None:
+    """EbpfAndIp6tables `forget` (agent/app.py forget6): after ip6tables' rules are withdrawn the
+    IPv6 TCP entries go, translated or not; an IPv6 UDP entry stays (an answer on its way must not
+    turn NEW), and IPv4's nf_conntrack (its own proxier's) is not touched."""
+    plain = NatFlow(
+        6, ("fd00:a:1::5", "fd00:a:2::7", 40000, 8080), ("fd00:a:2::7", "fd00:a:1::5", 8080, 40000)
+    )
+    lookup = NatFlow(
+        17, ("fd00:a:1::5", "fd00:a:2::53", 40001, 53), ("fd00:a:2::53", "fd00:a:1::5", 53, 40001)
+    )
+    assert create_flows(netns, [CLUSTERIP, plain, NODEPORT6, lookup], Timeouts()).created == 4
+    assert delete_tcp(netns, socket.AF_INET6) == 2
+
+    def left(family: int) -> list[int]:
+        def run() -> list[int]:
+            with NFCTSocket(nfgen_family=family) as ct:
+                return sorted(
+                    int(m.get_attr("CTA_TUPLE_ORIG").get_attr("CTA_TUPLE_PROTO").get_attr("CTA_PROTO_NUM"))
+                    for m in ct.dump()
+                )
+
+        return run_in_netns(netns, run)
+
+    assert (left(socket.AF_INET), left(socket.AF_INET6)) == ([CLUSTERIP.proto], [17])
