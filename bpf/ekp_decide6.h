@@ -16,7 +16,9 @@
  *   conntrack FORWARD       -> an ended flow's tuple reopened by this packet: on to REPLY (tc; XDP:
  *                              to tc), else a hit
  *   conntrack REPLY         -> a hit
- *   a hit                   -> XDP: legacy host routing to tc; tc: a source not routed here
+ *   a hit                   -> handed back to nf_conntrack: NFPASS passed, HANDOVER's forward
+ *                              packets dropped (ekp_ct6_nf_held, both hooks, as IPv4's);
+ *                              XDP: legacy host routing to tc; tc: a source not routed here
  *                              dropped (SPOOFED), the last hop answered (time exceeded);
  *                              XDP: routed before the state moves (to tc unless it leaves by the
  *                              device it came in by); the state moved (ekp_ct_advance; refreshed

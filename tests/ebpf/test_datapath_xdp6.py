@@ -128,6 +128,7 @@ def test_a_flow_handed_to_nf_conntrack_drops_at_xdp_while_held_then_passes_both_
     def flag(add: int, clear: int) -> None:
         for key in keys:
             entry = table.lookup(key)
+            assert isinstance(entry, abi.Ct6Entry)
             entry.flags = (entry.flags | add) & ~clear
             table.update(key, entry)
 
