@@ -91,21 +91,30 @@ def open_consumed(path: str) -> tuple[io.BufferedReader | None, str]:
         return None, f"cannot open it: {exc}"
 
 
-def check(f: io.BufferedReader, magic: bytes, ident: bytes, max_bytes: int) -> str:
-    """Why the file `write` made cannot be used ("" when it can: `f` is then at its body)."""
+def check(
+    f: io.BufferedReader, magic: bytes, ident: bytes, max_bytes: int, then: tuple[bytes, str] = (b"", "")
+) -> str:
+    """Why the file `write` made cannot be used ("" when it can: `f` is then at its body).
+
+    `then`: what the header must hold after the identity (the planner's map digests) and why the
+    file cannot be used when it does not."""
     size = os.fstat(f.fileno()).st_size
     if size > max_bytes:
         return f"{size} bytes, more than the {max_bytes} such a file may have"
-    head = f.read(len(magic) + 2 * _HASH)
-    if head[: len(magic)] != magic or len(head) != len(magic) + 2 * _HASH:
+    more, why_not = then
+    at = len(magic) + _HASH + len(more)
+    head = f.read(at + _HASH)
+    if head[: len(magic)] != magic or len(head) != at + _HASH:
         return "not a file of this format"
     if head[len(magic) : len(magic) + _HASH] != ident:
         return "written by another agent build or with other flags"
+    if head[len(magic) + _HASH : at] != more:
+        return why_not
     h = hashlib.sha256()
     chunk = bytearray(1 << 20)
     while n := f.readinto(chunk):
         h.update(memoryview(chunk)[:n])
-    if h.digest() != head[len(magic) + _HASH :]:
+    if h.digest() != head[at:]:
         return "its body does not match its checksum (truncated or corrupted)"
     f.seek(len(head))
     return ""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from agent import keptfile
 from agent.config import Config, NodeContext
 from agent.ebpf import EbpfProxier, snapshot
 from agent.ebpf.abi import FrontendKey, Scope, ip_be, port_be
@@ -137,7 +138,7 @@ def _rewrite_one_backend(rig: Rig) -> None:
         (lambda rig, path: _flip_last_byte(path), "checksum"),
         (lambda rig, path: _forget_one_frontend(rig), "the maps changed"),
         (lambda rig, path: _rewrite_one_backend(rig), "the maps changed"),
-        (lambda rig, path: path and Path(path).write_bytes(b""), "not a planner snapshot"),
+        (lambda rig, path: path and Path(path).write_bytes(b""), "not a file of this format"),
     ],
     ids=["truncated", "corrupted", "a-frontend-deleted-since", "a-backend-rewritten-since", "empty"],
 )
@@ -344,7 +345,7 @@ def test_a_snapshot_written_by_an_agent_whose_sources_changed_under_it_is_not_us
     sources = tmp_path / "agent"
     sources.mkdir()
     (sources / "planner.py").write_text("LAYOUT = 1\n")
-    monkeypatch.setattr(snapshot, "_AGENT_DIR", sources)
+    monkeypatch.setattr(keptfile, "_AGENT_DIR", sources)
     rig = snapshot_rig(tmp_path, "rig")
     p = rig.proxier()  # started with LAYOUT = 1
     p.sync(MORE, NODE)
