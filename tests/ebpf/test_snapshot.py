@@ -22,6 +22,7 @@ from agent.ebpf.planner import ROLES
 from agent.ebpf.render import render_contents
 from agent.keptrecords import records_path
 from agent.model.types import ProxyState
+from tests.agent.test_keptrecords import dead_pid
 from tests.ebpf.support import NODE
 from tests.ebpf.test_proxier import MORE, STATE, Rig, bpffs, cgroup, live, node_ns, small_sizes
 
@@ -293,7 +294,7 @@ def test_a_start_removes_the_partial_file_a_stop_killed_while_writing_left(tmp_p
     rig = snapshot_rig(tmp_path, "rig")
     history(rig)
     path = snapshot.snapshot_path(str(rig.snapshot_dir), rig.config.pin_path)
-    partial = Path(f"{path}.4242.tmp")
+    partial = Path(f"{path}.{dead_pid()}.tmp")
     partial.write_bytes(Path(path).read_bytes()[:100])
     rig.proxier().sync(MORE, NODE)
     assert not partial.exists() and not os.path.exists(path)
