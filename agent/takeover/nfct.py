@@ -212,17 +212,30 @@ def _entry(flow: NatFlow, timeouts: Timeouts) -> dict[str, Any]:
     return attrs
 
 
+class Hold(Protocol):
+    """What stops the data path translating one flow while its NAT entry replaces the entry the
+    stack tracks it under (agent/takeover/out_of_ebpf.py)."""
+
+    def hold(self, flow: NatFlow) -> None:
+        """Before the flow's entries change: its packets are neither translated nor passed."""
+
+    def release(self, flow: NatFlow) -> None:
+        """Its NAT entry is written: its packets pass untranslated to it."""
+
+
 def create_flows(
     netns: str,
     flows: Iterable[NatFlow],
     timeouts: Timeouts,
     *,
     clear_first: Callable[[NatFlow], NatFlow] | None = None,
+    hold: Hold | None = None,
 ) -> Created:
     """Create an nf_conntrack entry, NAT included, for each flow (IPv4 or IPv6); one on the tuple
     already is kept. With `clear_first`, the entry on `clear_first(flow)`'s original tuple is
     deleted right before the flow's own is created (the gap a packet could fill is one netlink
-    round trip)."""
+    round trip). With `hold`, each flow is held right before that and released once its own entry
+    is written (a flow refused or failed stays held), so the hold lasts two round trips a flow."""
     wanted = list(flows)
 
     def run() -> Created:
@@ -233,11 +246,15 @@ def create_flows(
                 continue
             with NFCTSocket(nfgen_family=family) as ct:
                 for flow in group:
+                    if hold is not None:
+                        hold.hold(flow)
                     if clear_first is not None:
                         _delete(ct, clear_first(flow))
                     try:
                         ct.entry("add", **_entry(flow, timeouts))
                         done.created += 1
+                        if hold is not None:
+                            hold.release(flow)
                     except NetlinkError as exc:
                         if exc.code == errno.EEXIST:
                             done.present += 1
