@@ -401,6 +401,7 @@ static __always_inline __u32 ekp_handover_mode(void)
 #include "ekp_tc6.h"
 #include "ekp_xdp.h"
 #include "ekp_xdp6.h"
+#include "ekp_decide6.h"
 
 /* The IPv6 path's working memory (ekp_tc6.h), private to this load as ekp_scratch. */
 BPF_PERCPU_ARRAY(ekp_scratch6, struct ekp_tc6_scratch, 1);

@@ -3,6 +3,8 @@
  * ekp_tc6.h: the tc programs' IPv6 path (ekp_from_pod6, ekp_from_net6), reached from
  * ekp_from_pod / ekp_from_net by a tail call (ekp_tc.c), so the IPv4 programs' verification and
  * per-packet work do not grow with it (Cilium splits its programs per family the same way).
+ * This file is the path's skb half; the order of its checks, shared with XDP's IPv6 path, is
+ * ekp_decide6.h's (ekp_main6 there).
  *
  *   parse (ekp_parse6.h) -> a fragment: its ports recorded or looked up, or held (ekp_frag6.h)
  *                        -> conntrack (ekp_ct6.h: IPv4's conntrack code for IPv6, FORWARD then
@@ -90,7 +92,8 @@
  * client through ekp_egress6 and gets its frontend back (ekp_tc6_local_related), a masqueraded
  * flow's through its tag-0 ekp_hostnat6_v2 entry (the stack's reply tuple, IPv4's code:
  * ekp_host_af.h), which gives a RST the stack sends about such a flow its frontend too.
- * Ahead of ekp_from_net6, XDP's IPv6 path (ekp_xdp6.h) runs these pieces on the XDP buffer: it
+ * Ahead of ekp_from_net6, XDP's IPv6 path (ekp_xdp6.h) runs the same order (ekp_decide6.h) on the
+ * XDP buffer: it
  * carries out drops, new flows to a backend on another node and hits when the route leaves by the
  * device the packet came in by, and passes everything else here untouched, before any side
  * effect; an entry either hook wrote is the entry both read.
@@ -347,6 +350,16 @@ static __always_inline int ekp_tc6_may_translate(const struct ekp_pkt6 *p, __u8 
 	return a && (a->flags & (1 << scope));
 }
 
+/* The frontend key of a packet among the frontends of `scope` (ekp_frontend_lookup's IPv6 twin):
+ * the one both hooks build (ekp_main6, ekp_xdp6.h), into the caller's `k`. */
+static __always_inline void ekp_fe6_key_of(struct ekp_frontend6_key *k, const struct ekp_pkt6 *p, __u8 scope)
+{
+	__builtin_memcpy(k->addr, p->daddr, 16);
+	k->port = p->b.dport;
+	k->proto = p->b.proto;
+	k->scope = scope;
+}
+
 /* The node's IPv6 address, the source of IPv6 SNAT (ekp_cfg6, written by the agent from the IPv6
  * family's node address: the slot ekp_cfg6sel names, as ekp_config_get reads IPv4's), copied into
  * `out` (the scratch's `node`) once per packet, before the frontend's backend is chosen: the agent
@@ -475,283 +488,6 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 	}
 	*outcome = EKP_STAT_CT_RELATED;
 	return host ? TC_ACT_OK : ekp_tc6_forward(skb, w, rc, outcome);
-}
-
-static __always_inline int ekp_main6(struct __sk_buff *skb, __u8 scope)
-{
-	struct ekp_tc6_scratch *w = ekp_scratch6_lookup();
-	__u32 bridge = skb->tc_classid; /* the pod port's bridge (ekp_redirect.h) */
-
-	skb->tc_classid = 0;
-	if (!w)
-		return TC_ACT_OK; /* cannot happen: a one-element per-CPU array */
-	w->queue.want = 0;
-	w->reopens = 0;
-	__builtin_memset(&w->pkt, 0, sizeof(w->pkt));
-	struct ekp_pkt6 *p = &w->pkt;
-	int parsed = ekp_parse6(skb, p);
-	__u32 outcome = EKP_STAT_PASS;
-	int verdict = TC_ACT_OK;
-	const struct ekp_config *cfg = ekp_config_get();
-
-	ekp_count(EKP_STAT_PACKETS);
-	/* the last hop: the stack sends the time exceeded (or, for an error, drops it) */
-	if (parsed == EKP_PARSE_ICMP_ERR && p->hop_limit > 1 && cfg) {
-		verdict = ekp_tc6_related(skb, w, scope, bridge, cfg, &outcome);
-		goto out;
-	}
-	/* TCP, UDP and SCTP, whole or in fragments (SCTP whole: ekp_parse6 passes its fragments) */
-	if ((parsed != EKP_PARSE_OK && parsed != EKP_PARSE_LATER) || !cfg)
-		goto out;
-	if (p->b.frag == EKP_FRAG_NONE && !ekp_tc6_may_translate(p, scope, cfg))
-		goto out;
-
-	__u64 now = bpf_ktime_get_ns();
-	struct ekp_ct6_key *k = &w->key;
-	const __be32 *sa, *da;
-	__be16 sp, dp;
-	long rc;
-
-	/* Fragments (ekp_frag.h, IPv4's code): a later one takes its datagram's ports from the first
-	 * and is then a packet of that flow (a hit translates its addresses; it never starts a flow);
-	 * one that came before its first is held when a translated flow may use its addresses, else
-	 * the stack reassembles it. A first fragment records its ports and puts the held ones back
-	 * into their devices, where they run through here again after this run. */
-	if (parsed == EKP_PARSE_LATER) {
-		if (!ekp_frag6_ports(p)) {
-			__builtin_memset(w->node, 0, sizeof(w->node)); /* none known: no SNAT address */
-			ekp_tc6_node_addr(w->node);
-			if (ekp_frag6_may_translate(p, scope, w->node)) {
-				outcome = EKP_STAT_FRAG_HELD;
-				verdict = ekp_tc_frag6_hold(skb, p, &w->frag, &outcome);
-			}
-			goto out;
-		}
-	} else if (p->b.frag == EKP_FRAG_FIRST) {
-		ekp_frag6_record(p);
-		if (ekp_frag6_held(p, now) && ekp_tc_frag6_release(skb, p, &w->frag) < 0) {
-			outcome = EKP_DROP_MALFORMED; /* the first fragment could not be put back together */
-			verdict = TC_ACT_SHOT;
-			goto out;
-		}
-	}
-
-	__builtin_memset(k, 0, sizeof(*k));
-	ekp_ct6_key_of(k, p, EKP_CT_FORWARD);
-	struct ekp_ct6_entry *e = ekp_ct6_lookup(k);
-	if (e && !ekp_ct6_alive(e, k, cfg, now))
-		e = NULL; /* dead: the new-flow path below */
-	if (e && !ekp_ct6_usable_forward(e, &p->b)) {
-		w->reopens = 1; /* a SYN reusing an ended flow's port, a UDP flow's backend gone: decided again */
-		e = NULL;
-	}
-	if (!e) {
-		k->dir = EKP_CT_REPLY;
-		e = ekp_ct6_lookup(k);
-		if (e && !(ekp_ct6_alive(e, k, cfg, now) && ekp_ct6_usable_reply(e, &p->b)))
-			e = NULL; /* a SYN-ACK answering something else on an ended flow's tuple */
-	}
-	if (e) {
-		w->reopens = 0;
-		/* A flow the agent hands to nf_conntrack out of eBPF mode (agent/takeover/out_of_ebpf.py,
-		 * as IPv4's ekp_ct_nf_held): HANDOVER while its NAT entry replaces the plain one the stack
-		 * tracked it under (a forward packet translated then would take another source port from
-		 * the stack's NAT, and its reply would reach the client from the backend's own address),
-		 * NFPASS once that entry is there to translate it, both ways. Returned from here rather
-		 * than through `out` (nothing queued nor reopened yet): a jump there split the verifier's
-		 * states, ekp_from_pod6 641,521 instructions instead of 423,823. */
-		__u16 held = ekp_ct6_nf_held(e, now);
-		if (held & EKP_CT_NFPASS) {
-			ekp_count(EKP_STAT_PASS);
-			return TC_ACT_OK;
-		}
-		if (held && k->dir == EKP_CT_FORWARD) {
-			ekp_count(EKP_DROP_HANDOVER);
-			return TC_ACT_SHOT;
-		}
-		if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
-			outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
-			verdict = TC_ACT_SHOT;
-			goto out;
-		}
-		/* The last hop, and a segment too big for the device its translation leaves by: answered
-		 * here, as a router would (the stack has no nf_conntrack entry for the flow). */
-		if (p->hop_limit <= 1) {
-			verdict = ekp_tc6_answer(skb, w, cfg, EKP_ICMPV6_TIME_EXCEED, 0, &outcome);
-			goto out;
-		}
-		if (ekp_tc6_hit(w, e, now, &sa, &sp, &da, &dp) < 0) {
-			/* The refresh deleted the entry (ekp_ct_refresh): the flow is gone. Dropped as IPv4
-			 * drops a mid-flow segment without an entry: ip6tables would take it for a new flow
-			 * mid-stream and send it to a backend that never saw the connection. */
-			outcome = EKP_DROP_NO_FLOW;
-			verdict = TC_ACT_SHOT;
-			goto out;
-		}
-		/* a backend on the node's own address: no route to look up (the stack delivers it) */
-		int host = k->dir == EKP_CT_FORWARD && (e->flags & EKP_CT_HOST);
-		rc = host ? BPF_FIB_LKUP_RET_SUCCESS : ekp_fib6(skb, &w->fib, p, sa, da, sp, dp, ekp_seg_len(skb, &p->b));
-		if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED)
-			goto too_big;
-		if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
-			goto out;
-		outcome = k->dir == EKP_CT_FORWARD ? EKP_STAT_CT_FORWARD : EKP_STAT_CT_REPLY;
-		if (p->b.frag == EKP_FRAG_LATER)
-			ekp_count(EKP_STAT_FRAGMENTS);
-		verdict = ekp_tc6_send(skb, w, rc, sa, sp, da, dp, &outcome, host);
-		goto out;
-	}
-
-	/* A new flow: only its first packet starts one (a TCP segment without an entry belongs to a
-	 * flow ip6tables translated, whose nf_conntrack entry the stack has). A later fragment of a
-	 * UDP datagram without an entry is looked at for its frontend's refusal alone: its first was
-	 * refused, and it is dropped under the same reason, as IPv4's path drops it. A TCP one may
-	 * belong to a flow ip6tables owns (its first fragment, no SYN, went to the stack): it goes
-	 * there too, whatever the frontend says now. */
-	int later = p->b.frag == EKP_FRAG_LATER && p->b.proto == IPPROTO_UDP;
-	if ((!later && !ekp_opens_flow(&p->b)) || p->hop_limit <= 1) /* the last hop: the stack answers it */
-		goto out;
-	struct ekp_flow6 *f = &w->flow;
-	__u32 aff_hit = 0;
-	__builtin_memset(f, 0, sizeof(*f));
-	struct ekp_frontend6_key fk = {};
-	__builtin_memcpy(fk.addr, p->daddr, 16);
-	fk.port = p->b.dport;
-	fk.proto = p->b.proto;
-	fk.scope = scope;
-	struct ekp_frontend *fe = ekp_fe6_lookup(&fk);
-	int node = ekp_tc6_node_addr(w->node);
-	if (fe) {
-		/* Whatever would take ip6tables for some of its backends takes it for all, decided before
-		 * the choice: a flow this path chose a backend for and then left to ip6tables would be
-		 * chosen for again there, and the backends that path reaches twice would get more than
-		 * their share. A source translation is ip6tables' only while the node's IPv6 address is
-		 * not known. */
-		__u16 flags = fe->flags;
-		int refusal = ekp_lb_refusal_af(1, fe, p->saddr);
-		if (refusal) {
-			verdict = ekp_tc6_refuse(skb, w, cfg, fe, refusal, &outcome);
-			goto out;
-		}
-		if (later || (!node && (flags & (EKP_FE_SNAT_ALL | EKP_FE_SNAT_REMOTE))))
-			goto out;
-	} else {
-		/* No frontend: a connection of its own, client:P -> server:port, whose reverse tuple a
-		 * live flow this path translated may hold (ekp_ct_reclaim): it keeps its addresses and
-		 * gets another source port, translated to itself (ekp_flow_direct, IPv4's). A stale
-		 * holder is cleared and the packet goes on untouched. */
-		__u16 held_by = 0;
-		if (later || ekp_ct6_reclaim(p, cfg, now, &held_by) != EKP_RECLAIM_LIVE)
-			goto out;
-	}
-	/* A source not routed back by this device: not ours to translate past the stack, and not ours
-	 * to drop either (IPv6 has no rp_filter: the stack and ip6tables do what they would without
-	 * this path). A hit's packet is dropped instead (above): it would be redirected. */
-	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge))
-		goto out;
-	if (fe) {
-		__u16 flags = fe->flags;
-		if (ekp_pick_backend_af(1, fe, p->saddr, bpf_get_prandom_u32(), NULL, now, &f->b, f->be_addr,
-					&aff_hit))
-			goto out;
-		if (aff_hit) /* counted now, as IPv4's marks: a value held across the walk splits its states */
-			ekp_count(EKP_STAT_AFFINITY_HIT);
-		/* Without the node's IPv6 address, a hairpin (the client chose itself) needs ip6tables'
-		 * source translation, and ip6tables chooses again, as no map says before the choice which
-		 * clients are backends of this frontend: a client that is one of n backends of the
-		 * Service then reaches itself with 1/n^2, and the others with more than 1/n. The node's
-		 * own address (EKP_BE_HOST): delivered by its stack, the client's address kept
-		 * (kube-proxy's DNAT in PREROUTING, where no masquerade runs; IPv4's rule); set in the
-		 * flow's memory, not a register, which would split the SNAT walk's states. */
-		int snat = ekp_tc6_wants_snat(flags, f->b.be_flags, f->be_addr, p->saddr);
-		f->b.ct_flags = (f->b.be_flags & EKP_BE_HOST) ? EKP_CT_HOST : 0;
-		if (snat && !node)
-			goto out;
-		if (snat) { /* the port: ekp_ct6_create's walk */
-			f->b.ct_flags = EKP_CT_SNAT;
-			__builtin_memcpy(f->snat_addr, w->node, 16);
-		}
-		f->b.svc_id = fe->svc_id;
-		__builtin_memcpy(f->fe_addr, p->daddr, 16);
-		f->b.fe_port = p->b.dport;
-	} else {
-		__builtin_memcpy(f->be_addr, p->daddr, 16);
-		__builtin_memcpy(f->fe_addr, p->daddr, 16);
-		__builtin_memcpy(f->snat_addr, p->saddr, 16);
-		f->b.be_port = p->b.dport;
-		f->b.fe_port = p->b.dport;
-		f->b.ct_flags = EKP_CT_SNAT;
-		f->b.remapped = 1;
-	}
-	/* The route before anything is written (the source port a remap picks matters to no route),
-	 * kept in memory across the entries' creation: in a register its two values (SUCCESS,
-	 * NO_NEIGH) would have the verifier walk the SNAT port walk once for each (ekp_snat.h). */
-	w->rc = ekp_tc6_route(skb, w, (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr, p->b.sport, f->be_addr,
-			      f->b.be_port);
-	if (!(f->b.ct_flags & EKP_CT_HOST)) { /* a host backend's route is local: not looked at */
-		/* Too big for its backend's route: answered before any entry is made (the smaller packet
-		 * the client sends next opens the flow). A direct connection's (no frontend) is the
-		 * stack's: its destination is its own. */
-		if (w->rc == BPF_FIB_LKUP_RET_FRAG_NEEDED && !f->b.remapped)
-			goto too_big;
-		if (w->rc < 0 || w->rc == BPF_FIB_LKUP_RET_FRAG_NEEDED)
-			goto out;
-	}
-	/* The entries (ekp_ct_create, IPv4's): the reply one first; a source-translated flow's port
-	 * from the SNAT range; on a reply tuple a live flow of another frontend holds, another source
-	 * port (EKP_STAT_PORT_REMAP), as ip6tables' nf_nat would. */
-	int reason = ekp_ct6_create(p, f, cfg, now);
-	if (f->b.early_drop) /* the holder was deleted, whether the flow was made or not */
-		ekp_count(EKP_STAT_EARLY_DROP);
-	if (reason) {
-		outcome = reason;
-		verdict = TC_ACT_SHOT;
-		goto out;
-	}
-	/* The ended flow's entries are this flow's now (rewritten above): kept, though a translated
-	 * packet goes to the stack too under legacy host routing or to a host backend (TC_ACT_OK). */
-	w->reopens = 0;
-	k->dir = EKP_CT_FORWARD;
-	ekp_ctq6_want(&w->queue, k, now / EKP_NSEC);
-	if (f->b.remapped)
-		ekp_count(EKP_STAT_PORT_REMAP);
-	else if (f->b.ct_flags & EKP_CT_SNAT)
-		ekp_count(EKP_STAT_SNAT);
-	sa = (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr;
-	sp = (f->b.ct_flags & EKP_CT_SNAT) ? f->b.snat_port : p->b.sport;
-	outcome = EKP_STAT_NEW_FLOWS;
-	verdict = ekp_tc6_send(skb, w, w->rc, sa, sp, f->be_addr, f->b.be_port, &outcome,
-			       (f->b.ct_flags & EKP_CT_HOST) != 0);
-	goto out;
-too_big:
-	/* A hit's segment or a new flow's first packet too big for the route its translation leaves
-	 * by: Packet Too Big from the frontend (the MTU in w->fib.mtu_result), one answer for both. */
-	verdict = ekp_tc6_answer(skb, w, cfg, EKP_ICMPV6_PKT_TOOBIG, w->fib.mtu_result, &outcome);
-out:
-	/* A SYN that reopened an ended flow's tuple and goes to the stack untranslated (ip6tables
-	 * decides it: its frontend now needs ip6tables, no route, ...): the ended flow's entries go
-	 * with it, or the connection's next segment, no SYN, would hit them and reach the old backend.
-	 * A SYN that made a new flow here rewrote them (ekp_ct6_create, reopens cleared): the verdict
-	 * cannot tell, as legacy host routing hands translated packets to the stack (TC_ACT_OK) too,
-	 * and deleting them left the SYN-ACK untranslated (the client reset it, retried 1 s later).
-	 * One dropped keeps them for its retry. */
-	if (w->reopens && verdict == TC_ACT_OK) {
-		struct ekp_ct6_key *fk6 = &w->key;
-		ekp_ct6_key_of(fk6, p, EKP_CT_FORWARD);
-		struct ekp_ct6_entry *old = ekp_ct6_lookup(fk6);
-		if (old) {
-			ekp_ct6_delete_twin(old, fk6);
-			ekp_ct6_delete(fk6);
-		}
-	}
-	/* the flow that began or closed goes in its ring (ekp_ctq.h); the one there a ring ago may go */
-	if (w->queue.want) {
-		__u32 evicted = ekp_ctq6_push(&w->queue);
-		if (evicted)
-			ekp_count(evicted);
-	}
-	ekp_count(outcome);
-	return verdict;
 }
 
 /* Legacy host routing: the tag-0 entry (ekp_host6_note_stack_reply, IPv4's code) of an ICMPv6 error

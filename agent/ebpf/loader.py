@@ -779,9 +779,10 @@ def _inline_includes(path: Path, seen: set[Path]) -> str:
         if m:
             inc = path.parent / m.group(1)
             if inc.is_file():
-                # a per-family template (bpf/ekp_ct_af.h: no include guard) is compiled once per
-                # family, so it is inlined at each include; any other header once, as its guard says
-                if inc not in seen or inc.name.endswith("_af.h"):
+                # a template (no include guard) is compiled once per instance, so it is inlined at
+                # each include: per family (bpf/ekp_ct_af.h), per hook (bpf/ekp_decide6_hook.h);
+                # any other header once, as its guard says
+                if inc not in seen or inc.name.endswith(("_af.h", "_hook.h")):
                     seen.add(inc)
                     out.append(_inline_includes(inc, seen))
                 continue

@@ -827,7 +827,7 @@ class EbpfProxier:
             if removed:
                 log.info("removed pins %s", ",".join(removed))
             if self._snapshot:
-                snapshot.remove(self._snapshot)
+                keptfile.remove(self._snapshot)
                 keptfile.remove(self._records_file)
 
     # ------------------------------------------------------------------ keep in place

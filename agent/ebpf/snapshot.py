@@ -25,29 +25,26 @@ of every Service and endpoint (140 MiB of a restart's peak at 50,000 Services of
 
 The file is consumed (removed) by the start that reads it, whatever the outcome, so a later start
 after a crash never meets it (nor any partial file a stop killed while writing it left). The body
-is a pickle, read by an unpickler that builds only the planner's own classes (`_Restricted`): the
+is a pickle, read by an unpickler that builds only the planner's own classes (`_ALLOWED`): the
 directory is root's alone, and even so a file put there cannot run code. The collector is held
 while the pickle is built or read: a third of a million objects would otherwise trigger
-collections that find nothing to free (0.8 s against 0.15 s of loading at 10,000 Services).
+collections that find nothing to free (0.8 s against 0.15 s of loading at 10,000 Services). How
+the file is written, opened, checked and unpickled is agent.keptfile's, shared with the model's
+kept records (agent.keptrecords).
 """
 
 from __future__ import annotations
 
-import gc
-import glob
 import hashlib
 import io
 import logging
 import os
 import pickle
-import stat
-import sys
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Mapping
 from itertools import islice
-from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
+from agent import keptfile
 from agent.config import Config
 from agent.ebpf.entries import from_dump
 from agent.ebpf.planner import ROLES, Fragment, Planner
@@ -56,8 +53,6 @@ from agent.model.types import ProxyState, ServiceEndpoints, ServicePortName
 log = logging.getLogger(__name__)
 
 _MAGIC = b"EKP-PLANNER-1\n"
-_HASH = 32  # sha256
-_AGENT_DIR = Path(__file__).resolve().parent.parent
 # What the pickle may build: the planner's own state types, nothing callable beyond them.
 _ALLOWED = {
     ("agent.config", "NodeContext"),
@@ -125,39 +120,22 @@ def write(path: str, planner: Planner, dump: Mapping[str, tuple[bytes, bytes]], 
     state = {k: v for k, v in planner.__dict__.items() if k not in _NOT_KEPT}
     frags: dict[ServicePortName, Fragment] = state["_frags"]
     records = [(frag.sp, frag.eps) for frag in frags.values()]
-    header = _MAGIC + identity + map_digests(dump)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    with suppress(FileNotFoundError):
-        os.unlink(tmp)  # an earlier process's of the same pid, killed while it wrote (or a link put there)
-    # O_EXCL|O_NOFOLLOW: a link put at the name (between the unlink and here) is refused, never followed
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header + bytes(_HASH))
-            body = _Hashing(f)
-            with _collector_held():
-                pickler = pickle.Pickler(body, protocol=pickle.HIGHEST_PROTOCOL)
-                # The fragments without their records (the model's Services and endpoints), which
-                # follow in chunks (`_RECORDS`): see `_take_records`.
-                try:
-                    for frag in frags.values():
-                        frag.sp = frag.eps = None
-                    pickler.dump(state)
-                finally:
-                    for frag, (sp, eps) in zip(frags.values(), records, strict=True):
-                        frag.sp, frag.eps = sp, eps
-                for at in range(0, len(records), _RECORDS):
-                    pickler.clear_memo()  # each chunk a pickle of its own, read and dropped alone
-                    pickler.dump(records[at : at + _RECORDS])
-            f.seek(len(header))
-            f.write(body.digest())
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(OSError):
-            os.unlink(tmp)
-        raise
+
+    def dump_planner(pickler: pickle.Pickler) -> None:
+        # The fragments without their records (the model's Services and endpoints), which follow
+        # in chunks (`_RECORDS`): see `_take_records`.
+        try:
+            for frag in frags.values():
+                frag.sp = frag.eps = None
+            pickler.dump(state)
+        finally:
+            for frag, (sp, eps) in zip(frags.values(), records, strict=True):
+                frag.sp, frag.eps = sp, eps
+        for at in range(0, len(records), _RECORDS):
+            pickler.clear_memo()  # each chunk a pickle of its own, read and dropped alone
+            pickler.dump(records[at : at + _RECORDS])
+
+    keptfile.write(path, _MAGIC + identity + map_digests(dump), dump_planner)
 
 
 def take(
@@ -167,78 +145,28 @@ def take(
     (`dump`) still hold what it desired, and the file removed either way. (None, why not)
     otherwise; (None, "") when there was no file. The body is checked, then unpickled, from the
     file itself: no copy of it is held in memory besides the objects it builds."""
-    try:
-        # O_NOFOLLOW: not a link put at the name; O_NONBLOCK: a FIFO put there cannot hang the start
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None, ""
-    except OSError as exc:
-        return None, f"cannot open it: {exc}"
-    finally:
-        with suppress(OSError):
-            os.unlink(path)
-        for partial in glob.glob(glob.escape(path) + ".*.tmp"):  # a stop killed while it wrote
-            with suppress(OSError):
-                os.unlink(partial)
-    try:
-        # a directory opens O_RDONLY too, and fdopen would raise on it (every start, the fd leaked)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            return None, "not a regular file"
-        f = os.fdopen(fd, "rb")
-    except OSError as exc:
-        with suppress(OSError):
-            os.close(fd)
-        return None, f"cannot open it: {exc}"
+    f, why = keptfile.open_consumed(path)
+    if f is None:
+        return None, why
     with f:
-        return _read(f, dump, identity, config, state)
-
-
-def _read(
-    f: io.BufferedReader,
-    dump: Mapping[str, tuple[bytes, bytes]],
-    identity: bytes,
-    config: Config,
-    state: ProxyState,
-) -> tuple[Planner | None, str]:
-    st = os.fstat(f.fileno())
-    if not stat.S_ISREG(st.st_mode):
-        return None, "not a regular file"
-    if st.st_size > MAX_BYTES:
-        return None, f"{st.st_size} bytes, more than the {MAX_BYTES} a planner's file may have"
-    at = len(_MAGIC)
-    head = f.read(at + _HASH * (2 + len(ROLES)))
-    ident, digests, check = (
-        head[at : at + _HASH],
-        head[at + _HASH : at + _HASH * (1 + len(ROLES))],
-        head[at + _HASH * (1 + len(ROLES)) :],
-    )
-    if head[:at] != _MAGIC or len(check) != _HASH:
-        return None, "not a planner snapshot of this format"
-    if ident != identity:
-        return None, "written by another agent build or with other flags"
-    if digests != map_digests(dump):
-        return None, "the maps changed since it was written"
-    h = hashlib.sha256()
-    chunk = bytearray(1 << 20)
-    while n := f.readinto(chunk):
-        h.update(memoryview(chunk)[:n])
-    if h.digest() != check:
-        return None, "its body does not match its checksum (truncated or corrupted)"
-    f.seek(len(head))
-    planner = Planner(config)
-    try:
-        with _collector_held():
-            kept = _Restricted(f).load()
-            if not isinstance(kept, dict) or set(kept) != set(planner.__dict__) - set(_NOT_KEPT):
-                return None, "it does not hold this planner's state"
-            planner.__dict__.update(kept)
-            if not planner.in_sync:
-                return None, "it holds writes the maps had not taken"
-            _take_records(f, kept["_frags"], state)
-    except Exception as exc:
-        return None, f"cannot be read back: {exc}"
-    return planner, ""
+        why = keptfile.check(
+            f, _MAGIC, identity, MAX_BYTES, (map_digests(dump), "the maps changed since it was written")
+        )
+        if why:
+            return None, why
+        planner = Planner(config)
+        try:
+            with keptfile.collector_held():
+                kept = _restricted(f).load()
+                if not isinstance(kept, dict) or set(kept) != set(planner.__dict__) - set(_NOT_KEPT):
+                    return None, "it does not hold this planner's state"
+                planner.__dict__.update(kept)
+                if not planner.in_sync:
+                    return None, "it holds writes the maps had not taken"
+                _take_records(f, kept["_frags"], state)
+        except Exception as exc:
+            return None, f"cannot be read back: {exc}"
+        return planner, ""
 
 
 def _take_records(f: io.BufferedReader, frags: dict[ServicePortName, Fragment], state: ProxyState) -> None:
@@ -255,7 +183,7 @@ def _take_records(f: io.BufferedReader, frags: dict[ServicePortName, Fragment], 
     order = iter(frags.items())
     left = len(frags)
     while left:
-        chunk = _Restricted(f).load()
+        chunk = _restricted(f).load()
         if not isinstance(chunk, list) or not 0 < len(chunk) <= left:
             raise pickle.UnpicklingError("its records do not match its fragments")
         left -= len(chunk)
@@ -266,49 +194,10 @@ def _take_records(f: io.BufferedReader, frags: dict[ServicePortName, Fragment], 
                 frag.sp, frag.eps = now_sp, now_eps
 
 
-def remove(path: str) -> None:
-    with suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-class _Restricted(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _ALLOWED:
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of a planner's state")
-        return super().find_class(module, name)
-
-
-@contextmanager
-def _collector_held() -> Iterator[None]:
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-class _Hashing:
-    """A file the pickler writes to, hashing what it writes (the body's checksum)."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self._f = f
-        self._h = hashlib.sha256()
-
-    def write(self, data: bytes | memoryview) -> int:
-        self._h.update(data)
-        return self._f.write(data)
-
-    def digest(self) -> bytes:
-        return self._h.digest()
+def _restricted(f: BinaryIO) -> keptfile.Restricted:
+    return keptfile.Restricted(f, _ALLOWED, "a planner's state")
 
 
 def identity(config: Config) -> bytes:
-    """What a snapshot is only good for: this format, this Python, this agent's source (every
-    agent/**/*.py, read now: about 4 ms), these flags. Taken once when the proxier is made."""
-    h = hashlib.sha256()
-    for file in sorted(_AGENT_DIR.rglob("*.py")):
-        h.update(str(file.relative_to(_AGENT_DIR)).encode() + b"\0")
-        h.update(file.read_bytes())
-    return hashlib.sha256(_MAGIC + sys.version.encode() + h.digest() + repr(config).encode()).digest()
+    """What a snapshot is only good for (`keptfile.identity`). Taken once when the proxier is made."""
+    return keptfile.identity(_MAGIC, config)

@@ -220,7 +220,7 @@ def _remove_planner(snapshot_dir: str, pin_path: str) -> None:
     from agent.ebpf import snapshot
     from agent.keptrecords import records_path
 
-    snapshot.remove(snapshot.snapshot_path(snapshot_dir, pin_path))
+    keptfile.remove(snapshot.snapshot_path(snapshot_dir, pin_path))
     # the model's records kept beside it (agent.keptrecords): still true of their objects, but
     # only an eBPF-mode start reads them, and tmpfs holds them in memory until one does
     keptfile.remove(records_path(snapshot_dir, pin_path))

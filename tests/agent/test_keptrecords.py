@@ -4,8 +4,11 @@ record only for the same object (uid and resourceVersion), and ends in a cold st
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import pickle
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -249,3 +252,62 @@ def test_the_files_body_holds_only_records_and_their_keys(tmp_path: Path) -> Non
         body = pickle.load(f)
     assert list(body) == [(Kind.SERVICE, "default/web")]
     assert body[(Kind.SERVICE, "default/web")][:2] == ("u1", "7")
+
+
+def dead_pid() -> int:
+    """A pid no process has now (one that has just exited and been reaped)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    assert not os.path.exists(f"/proc/{child.pid}")
+    return child.pid
+
+
+@pytest.mark.parametrize("by", ["start", "write"])
+def test_temporary_files_of_writers_that_are_gone_are_removed_and_a_live_ones_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, by: str
+) -> None:
+    """A stop killed while it wrote leaves `<file>.<pid>.tmp` (tmpfs: memory until reboot): the next
+    start (which consumes the file) and the next write remove those no live writer can own."""
+    directory = tmp_path / "run"
+    directory.mkdir()
+    path = str(directory / "records-0123456789abcdef.pickle")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not the agent's")
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        dead, dead_too = dead_pid(), dead_pid()
+        left = Path(f"{path}.{dead}.tmp")
+        left.write_bytes(b"x" * 1000)
+        link = Path(f"{path}.{dead_too}.tmp")
+        link.symlink_to(victim)
+        writing = Path(f"{path}.{live.pid}.tmp")  # written since its process started: it may be writing
+        writing.write_bytes(b"partial")
+        # a file of this name written before that pid's process started: the pid reused since
+        reused = subprocess.Popen(["sleep", "60"])
+        try:
+            stale = Path(f"{path}.{reused.pid}.tmp")
+            stale.write_bytes(b"stale")
+            hour_ago = time.time() - 3600
+            os.utime(stale, (hour_ago, hour_ago))
+            other = directory / f"planner-0123456789abcdef.pickle.{dead}.tmp"  # another file's
+            other.write_bytes(b"")
+            with caplog.at_level(logging.INFO, logger="agent.keptfile"):
+                if by == "start":
+                    assert KeptRecords(path, b"i" * 32).take(Kind.SERVICE, "a/b", "u", "1") is None
+                else:
+                    KeptRecords(path, b"i" * 32).save({})
+            assert not left.exists() and not stale.exists()
+            assert not link.is_symlink(), "the link itself removed"
+            assert victim.read_bytes() == b"not the agent's", "not followed"
+            assert writing.read_bytes() == b"partial", "a live writer's file kept"
+            assert other.exists(), "only this file's leftovers"
+        finally:
+            reused.kill()
+            reused.wait()
+    finally:
+        live.kill()
+        live.wait()
+    lines = [r.getMessage() for r in caplog.records if r.name == "agent.keptfile"]
+    assert len(lines) == 1, lines
+    assert all(n.name in lines[0] for n in (left, link, stale))
+    assert f"({1005 + len(str(victim))} bytes)" in lines[0], "the bytes freed"

@@ -231,6 +231,8 @@ def test_source_text_inlines_every_header() -> None:
     # the per-family templates, as the compiler sees them: once for IPv4, once for IPv6
     for template in ("ekp_ct_af.h", "ekp_ctq_af.h", "ekp_snat_af.h"):
         assert text.count(f"// ---- {template} ----") == 2, template
+    # the IPv6 path's order of checks: once for tc, once for XDP
+    assert text.count("// ---- ekp_decide6_hook.h ----") == 2
 
 
 # ---- the loaded maps, as bpftool sees them ------------------------------------------------

@@ -35,6 +35,7 @@ from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, XDP_DROP, XDP_PASS, XDP_TX
 from tests.ebpf.test_datapath_ipv6 import (  # noqa: F401 (`lab`: the IPv6 packet lab, a fixture)
     LOCAL_BE,
     ct6,
+    ct6_key,
     frame6,
     lab,
     seen,
@@ -109,6 +110,36 @@ def test_a_node_port_flow_to_a_remote_backend_goes_back_out_at_xdp_both_ways(net
     # tc finds the same flow: the next segment, handed to tc, is a hit there too
     assert net.from_net(frame6(CLIENT6, NODE6, 50000, NODEPORT, flags="A"))[0] == TC_ACT_REDIRECT
     assert net.stats()[Stat.CT_FORWARD] == 1
+
+
+def test_a_flow_handed_to_nf_conntrack_drops_at_xdp_while_held_then_passes_both_ways(net: Net) -> None:
+    """XDP reads a hit's hand-over flags in tc's order (bpf/ekp_decide6.h), as IPv4's XDP does: out of
+    eBPF mode (agent/takeover/out_of_ebpf.py) a forward packet of a HANDOVER flow drops, and a
+    NFPASS flow's packets pass untranslated both ways (tc passes them on to the stack), where XDP
+    sent them translated before."""
+    snat_source(net)
+    nodeport(net)
+    verdict, out = net.xdp(frame6(CLIENT6, NODE6, 50010, NODEPORT))
+    assert verdict == XDP_TX
+    sport = seen(out)[3]
+    table = net.dp.maps["ct6_tcp"]
+    keys = [ct6_key(CLIENT6, NODE6, 50010, NODEPORT), ct6_key(REMOTE_BE6, NODE6, 8080, sport, reply=True)]
+
+    def flag(add: int, clear: int) -> None:
+        for key in keys:
+            entry = table.lookup(key)
+            assert isinstance(entry, abi.Ct6Entry)
+            entry.flags = (entry.flags | add) & ~clear
+            table.update(key, entry)
+
+    segment = frame6(CLIENT6, NODE6, 50010, NODEPORT, flags="PA")
+    reply = frame6(REMOTE_BE6, NODE6, 8080, sport, flags="PA")
+    flag(abi.CtFlag.HANDOVER, 0)
+    assert net.xdp(segment)[0] == XDP_DROP
+    flag(abi.CtFlag.NFPASS, abi.CtFlag.HANDOVER)
+    assert net.xdp(segment) == (XDP_PASS, segment)
+    assert net.xdp(reply) == (XDP_PASS, reply)
+    xstats(net, PACKETS=4, NEW_FLOWS=1, SNAT=1, DROP_HANDOVER=1, PASS=2)
 
 
 def test_a_udp_datagram_to_a_remote_backend_goes_back_out_at_xdp(net: Net) -> None:
@@ -194,6 +225,17 @@ def test_a_fragment_goes_to_tc(net: Net) -> None:
     add_service6(net.dp.maps, NODE6, NODEPORT, REMOTE_BE, proto=UDP, scope=Scope.EXTERNAL, flags=ETP_CLUSTER)
     first = frags6(CLIENT6, NODE6, 50006, NODEPORT, b"x" * 3000, 77)[0]
     to_tc(net, first)
+    assert len(net.dp.maps["frag6"].keys()) == 0, "no fragment record"
+
+
+def test_a_fragment_the_activity_check_would_dismiss_goes_to_tc_too(net: Net) -> None:
+    """tc never asks the activity check of a fragment (a later one carries no ports to look up), and
+    XDP decides in tc's order (bpf/ekp_decide6.h): every fragment, first or later, of addresses no
+    flow stamped and no frontend holds, is tc's, counted TO_TC, not PASS."""
+    first, later = frags6(CLIENT6, NODE2_6, 50008, 9999, b"x" * 3000, 78)[:2]
+    to_tc(net, first)
+    assert net.xdp(later) == (XDP_PASS, later)
+    xstats(net, PACKETS=2, TO_TC=2)
     assert len(net.dp.maps["frag6"].keys()) == 0, "no fragment record"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from agent import keptfile
 from agent.config import Config, NodeContext
 from agent.ebpf import EbpfProxier, snapshot
 from agent.ebpf.abi import FrontendKey, Scope, ip_be, port_be
@@ -21,6 +22,7 @@ from agent.ebpf.planner import ROLES
 from agent.ebpf.render import render_contents
 from agent.keptrecords import records_path
 from agent.model.types import ProxyState
+from tests.agent.test_keptrecords import dead_pid
 from tests.ebpf.support import NODE
 from tests.ebpf.test_proxier import MORE, STATE, Rig, bpffs, cgroup, live, node_ns, small_sizes
 
@@ -137,7 +139,7 @@ def _rewrite_one_backend(rig: Rig) -> None:
         (lambda rig, path: _flip_last_byte(path), "checksum"),
         (lambda rig, path: _forget_one_frontend(rig), "the maps changed"),
         (lambda rig, path: _rewrite_one_backend(rig), "the maps changed"),
-        (lambda rig, path: path and Path(path).write_bytes(b""), "not a planner snapshot"),
+        (lambda rig, path: path and Path(path).write_bytes(b""), "not a file of this format"),
     ],
     ids=["truncated", "corrupted", "a-frontend-deleted-since", "a-backend-rewritten-since", "empty"],
 )
@@ -292,7 +294,7 @@ def test_a_start_removes_the_partial_file_a_stop_killed_while_writing_left(tmp_p
     rig = snapshot_rig(tmp_path, "rig")
     history(rig)
     path = snapshot.snapshot_path(str(rig.snapshot_dir), rig.config.pin_path)
-    partial = Path(f"{path}.4242.tmp")
+    partial = Path(f"{path}.{dead_pid()}.tmp")
     partial.write_bytes(Path(path).read_bytes()[:100])
     rig.proxier().sync(MORE, NODE)
     assert not partial.exists() and not os.path.exists(path)
@@ -344,7 +346,7 @@ def test_a_snapshot_written_by_an_agent_whose_sources_changed_under_it_is_not_us
     sources = tmp_path / "agent"
     sources.mkdir()
     (sources / "planner.py").write_text("LAYOUT = 1\n")
-    monkeypatch.setattr(snapshot, "_AGENT_DIR", sources)
+    monkeypatch.setattr(keptfile, "_AGENT_DIR", sources)
     rig = snapshot_rig(tmp_path, "rig")
     p = rig.proxier()  # started with LAYOUT = 1
     p.sync(MORE, NODE)
