@@ -88,8 +88,9 @@ def masquerade6_kept_out(config: Config) -> bool:
 def ipv6_masquerade_elsewhere(config: Config, runner: IptablesRunner) -> bool:
     """Whether IPv6 rules besides `runner`'s backend may masquerade: kube-proxy's `ip6 kube-proxy`
     nftables table, or a KUBE-POSTROUTING in the other iptables backend's nat table (kube-proxy's or
-    an earlier agent's there). A check that cannot run counts as yes: it only costs the restart
-    the pinned IPv6 SNAT grant, until the first restore grants it again."""
+    an earlier agent's there; the legacy one read only when /proc/net/ip6_tables_names lists it).
+    A check that cannot run counts as yes: it only costs the restart the pinned IPv6 SNAT grant,
+    until the first restore grants it again."""
     from agent.iptables.canonical import parse
     from agent.iptables.chains import KUBE_POSTROUTING
     from agent.iptables.runner import SubprocessRunner
@@ -102,6 +103,15 @@ def ipv6_masquerade_elsewhere(config: Config, runner: IptablesRunner) -> bool:
     other = "legacy" if runner.backend == "nft" else "nft"
     if shutil.which(f"ip6tables-{other}-save") is None:
         return False
+    if other == "legacy":
+        # `ip6tables-legacy-save -t nat` makes the kernel create the legacy nat table where there was
+        # none, whose nf_nat hooks would then track every IPv6 packet of the node for good.
+        names = runner.command(["cat", "/proc/net/ip6_tables_names"])
+        if names.returncode != 0:
+            # no file: ip6_tables is not loaded, so there is no legacy table at all
+            return "No such file" not in names.stderr
+        if "nat" not in names.stdout.split():
+            return False
     try:
         saved = SubprocessRunner(dataclasses.replace(config, iptables_backend=other), family=6).save("nat")
     except Exception:
@@ -173,9 +183,7 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
     ip6tables = ip6tables_beside_ebpf(
         config, SubprocessRunner(config, family=6), metrics, snat6_held=proxier.snat6_held
     )
-    return EbpfAndIp6tables(
-        proxier.ipv6(), ip6tables, config, nat_live=lambda: nat6_live(config), forget=lambda: forget6(config)
-    )
+    return EbpfAndIp6tables(proxier.ipv6(), ip6tables, config, nat_live=lambda: nat6_live(config))
 
 
 def nat6_live(config: Config) -> bool:
@@ -185,15 +193,6 @@ def nat6_live(config: Config) -> bool:
     from agent.takeover.nfct import translated_any
 
     return translated_any(config.netns, socket.AF_INET6)
-
-
-def forget6(config: Config) -> None:
-    """The node's IPv6 nf_conntrack forgets its TCP connections (EbpfAndIp6tables `forget`)."""
-    import socket
-
-    from agent.takeover.nfct import delete_tcp
-
-    delete_tcp(config.netns, socket.AF_INET6)
 
 
 def ip6tables_beside_ebpf(

@@ -267,7 +267,14 @@ class Agent:
         if self._parts.close is not None:
             self._parts.close()
         if self._parts.records is not None and self._records:
-            self._parts.records.save(self._records)
+            if self._runner.running():
+                # the sync still running changes the records while they would be written
+                log.warning(
+                    "a sync was still running 30 s after the stop: the model's records are not kept, "
+                    "so the next start reads every object"
+                )
+            else:
+                self._parts.records.save(self._records)
 
     def run(self) -> int:
         """start(), serve until SIGTERM/SIGINT or a fatal error, shutdown(); the exit status."""

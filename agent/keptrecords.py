@@ -125,7 +125,10 @@ class KeptRecords:
                 )
             return {}
         with f:
-            why = keptfile.check(f, _MAGIC, self._identity, MAX_BYTES)
+            try:
+                why = keptfile.check(f, _MAGIC, self._identity, MAX_BYTES)
+            except OSError as exc:  # an I/O error on the file costs this start its records, not its lists
+                why = f"cannot be read: {exc}"
             if not why:
                 try:
                     with keptfile.collector_held():

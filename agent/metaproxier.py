@@ -179,7 +179,6 @@ class EbpfAndIp6tables:
         config: Config,
         *,
         nat_live: Callable[[], bool],
-        forget: Callable[[], None],
     ) -> None:
         """`nat_live`: whether IPv6 nf_conntrack holds a translated entry (source or destination:
         ip6tables' MASQUERADE, kube-proxy's DNAT carried over by a take-over). While one does, an
@@ -189,25 +188,22 @@ class EbpfAndIp6tables:
         only on the way from rules to withdrawn: once withdrawn our rules translate no flow, and
         another program's translated flow (Docker's, a CNI's masquerade) must not flap the rules.
 
-        `forget`: IPv6 nf_conntrack's TCP entries deleted, right after a withdraw that took the
-        rules away. They would keep their ESTABLISHED timeouts while their connections move on
-        untracked; when a port is left to ip6tables again and the hooks return, such a connection's
-        next segment is far out of the stale entry's window, which a kernel that marks it INVALID
-        turns into a stall (KUBE-FORWARD's `--ctstate INVALID -j DROP`) for as long as the rules
-        stay. Linux 6.18 here did not (tests/traffic/test_ipv6_untracked.py's stream moved on
-        without it, no INVALID drop counted). Without an entry the hooks pick a connection up
-        mid-stream (nf_conntrack_tcp_loose). TCP's alone: UDP and ICMP entries have no window, and
-        deleting one would make an answer already on its way NEW to a node firewall that accepts
-        only ESTABLISHED ones (agent/takeover/nfct.py `delete_tcp`). None was translated: `nat_live`
-        said so just before."""
+        The withdraw leaves IPv6 nf_conntrack's entries alone. Where another conntrack user (a
+        CNI's, Docker's or the node firewall's rules) keeps the hooks registered, they stay up to
+        date, and deleting them would make the next packet of the node's own connections (kubelet
+        -> API server, SSH) arrive NEW at a firewall that accepts only ESTABLISHED ones. Where no
+        other user does, an entry keeps its ESTABLISHED timeout while its connection moves on
+        untracked; should a port be left to ip6tables again and the hooks return, a kernel that
+        marks a segment far out of the stale window INVALID would drop it (KUBE-FORWARD's
+        `--ctstate INVALID -j DROP`) until the entry times out. Linux 6.18 does not
+        (tests/traffic/test_ipv6_untracked.py's long-lived stream moves on); on one that does,
+        `conntrack -D -f ipv6 -p tcp` clears them."""
         self.ebpf = ebpf
         self.ip6tables = ip6tables
         self._config = config
         self._nat_live = nat_live
-        self._forget = forget
         self._withdrawn = False  # the last ip6tables write was a withdraw that succeeded
         self._nat_error: str | None = None  # the last failed nat_live read's, said once
-        self._forget_error: str | None = None  # the last failed forget's, said once
         self._rendered: frozenset[ServicePortName] | None = None  # the ports ip6tables last got
         self._needed: frozenset[ServicePortName] = frozenset()  # left after the last maps' sync
 
@@ -322,8 +318,6 @@ class EbpfAndIp6tables:
             result = self.ip6tables.withdraw(only(state, ports), full=changed is None or not was)
             self._rendered = ports
             self._withdrawn = True
-            if not was:
-                self._flush()
             return result
         self._withdrawn = False
         if changed is not None:
@@ -357,27 +351,6 @@ class EbpfAndIp6tables:
             )
         self._nat_error = None
         return live
-
-    def _flush(self) -> None:
-        """`forget`, after a withdraw that took the rules away; a failure costs only the stall it
-        avoids (a connection older than the withdraw, should a port be left to ip6tables again)."""
-        try:
-            self._forget()
-        except FatalError:
-            raise
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            if error != self._forget_error:
-                log.warning(
-                    "cannot delete IPv6 nf_conntrack's TCP entries after withdrawing ip6tables' rules "
-                    "(%s): should a Service be left to ip6tables again, an IPv6 connection older than "
-                    "this whose entry is out of date may stall (INVALID, dropped by KUBE-FORWARD); "
-                    "`conntrack -D -f ipv6 -p tcp` clears them",
-                    error,
-                )
-            self._forget_error = error
-        else:
-            self._forget_error = None
 
     def cleanup(self) -> None:
         self.ebpf.cleanup()

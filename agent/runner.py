@@ -132,3 +132,7 @@ class BoundedFrequencyRunner:
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
+
+    def running(self) -> bool:
+        """Whether the loop's thread is still alive: after `stop`, a run longer than its wait."""
+        return self._thread is not None and self._thread.is_alive()

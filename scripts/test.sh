@@ -18,6 +18,9 @@ workers=${EKP_TEST_WORKERS:-4}
 # and the suite starts hundreds. Written atomically by Python, so parallel workers may share it.
 export PYTHONPYCACHEPREFIX="$PWD/build/pycache"
 unset PYTHONDONTWRITEBYTECODE
+# Bytecode of tests' copies under /tmp: pytest reuses its pytest-of-root/pytest-N paths once /tmp
+# is emptied, and old bytecode there would pass for that of the new copy.
+rm -rf build/pycache/tmp
 start=$(now)
 bash scripts/setup.sh
 setup_done=$(now)

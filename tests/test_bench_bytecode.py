@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +27,9 @@ def _stale(root: Path) -> list[Path]:
 def test_compile_agent_leaves_every_agent_module_with_its_bytecode(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A prefix of its own: under scripts/test.sh's PYTHONPYCACHEPREFIX, an earlier run's bytecode for
+    # the same /tmp/pytest-of-root/pytest-N path (newer than the copied sources) would count as fresh.
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "pycache"))
     tree = tmp_path / "agent"
     shutil.copytree(api.AGENT_DIR, tree, ignore=shutil.ignore_patterns("__pycache__"))
     assert _stale(tree)  # a fresh copy: what a clone, or PYTHONDONTWRITEBYTECODE=1, leaves

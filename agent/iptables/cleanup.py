@@ -133,11 +133,29 @@ def _rules_in(filter_save: str, chain: str) -> list[str]:
     return [line for line in filter_save.splitlines() if line.startswith(f"-A {chain} ")]
 
 
+def _placed_jump(rules: list[str], chain: str, want: str) -> tuple[str, str] | None:
+    """`chain`'s jump `want` (canonical) when it appears exactly once and before the chain's first
+    REJECT or DROP: there every health check reaches KUBE-NODEPORTS, whatever another program (a
+    CNI's cali-INPUT, fail2ban) put ahead of it. Demanding rule #1 would fight such a program: each
+    full resync would move ours up, theirs would move back, for good."""
+    at = [i for i, rule in enumerate(rules) if canonical.canonical_rule(rule) == want]
+    stop = next(
+        (
+            i
+            for i, rule in enumerate(rules)
+            if (m := _TARGET.search(rule)) and m.group(1) in ("REJECT", "DROP")
+        ),
+        len(rules),
+    )
+    return (chain, rules[at[0]]) if len(at) == 1 and at[0] < stop else None
+
+
 def withdrawal(saved: canonical.Dump, accepts: Iterable[str]) -> str:
     """The one restore (atomic per table) that takes the kernel's `saved` rules of ours to eBPF
     mode's withdrawn ip6tables (agent/iptables/proxier.py `withdraw`): KUBE-NODEPORTS in filter
-    holding `accepts` (rules after `-A KUBE-NODEPORTS `) with INPUT's jump to it first, as
-    upstream's prepended jump (a node's `-A INPUT -j REJECT` must not come before it), and no other
+    holding `accepts` (rules after `-A KUBE-NODEPORTS `) with INPUT's jump to it ahead of any REJECT
+    or DROP (inserted first, as upstream's prepended jump, when missing or behind one; a node's
+    `-A INPUT -j REJECT` must not come before it; kept where it is otherwise), and no other
     chain of ours or jump to one in filter, nat or mangle. Each table's jumps are deleted, its
     chains flushed and deleted and the ACCEPTs written in the same transaction, so the ACCEPTs are
     never missing. "" when the kernel holds that already (nothing to write). KUBE-FIREWALL is left
@@ -163,12 +181,12 @@ def withdrawal(saved: canonical.Dump, accepts: Iterable[str]) -> str:
             for rule in rules
             if (m := _TARGET.search(rule)) is not None and m.group(1) in mine
         ]
+        placed: tuple[str, str] | None = None  # our jump, once and where it takes effect: kept
         if keep is not None:
-            first = existing.get(jump.src_chain, [])[:1]
+            placed = _placed_jump(existing.get(jump.src_chain, []), jump.src_chain, want_jump)
             in_place = (
-                first
-                and canonical.canonical_rule(first[0]) == want_jump
-                and jumps == [(jump.src_chain, first[0])]
+                placed is not None
+                and jumps == [placed]
                 and [canonical.canonical_rule(r) for r in existing.get(keep, [])]
                 == [canonical.canonical_rule(r) for r in accepts]
                 and mine == [keep]
@@ -179,9 +197,10 @@ def withdrawal(saved: canonical.Dump, accepts: Iterable[str]) -> str:
             continue
         out.append(f"*{table}")
         out += [f":{c} - [0:0]" for c in dict.fromkeys([*mine, *([keep] if keep else [])])]
-        out += [f"-D {chain} {rule}" for chain, rule in jumps]
+        out += [f"-D {chain} {rule}" for chain, rule in jumps if (chain, rule) != placed]
         if keep is not None:
-            out.append(f"-I {jump.src_chain} 1 {jump_args}")
+            if placed is None:
+                out.append(f"-I {jump.src_chain} 1 {jump_args}")
             out += [f"-A {keep} {rule}" for rule in accepts]
         out += [f"-X {c}" for c in mine if c != keep]
         out.append("COMMIT")

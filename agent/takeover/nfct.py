@@ -132,23 +132,6 @@ def translated_any(netns: str, family: int = socket.AF_INET6) -> bool:
     return run_in_netns(netns, run)
 
 
-def delete_tcp(netns: str, family: int) -> int:
-    """Every TCP entry of `family` in `netns` deleted, the other protocols' and the other family's
-    kept; returns how many went. Only TCP's entries carry a window that goes stale while the
-    connection moves on untracked; a UDP or ICMP entry deleted would make an answer already on its
-    way NEW to a node firewall that accepts only ESTABLISHED ones (a lookup of the node's own lost),
-    where a TCP connection without an entry is picked up mid-stream (nf_conntrack_tcp_loose). One
-    dump, then a delete per entry (a flush cannot filter on the protocol); an entry gone meanwhile
-    is no error."""
-
-    def run() -> int:
-        with NFCTSocket(nfgen_family=family) as ct:
-            doomed = [f for f in (_flow(m) for m in ct.dump()) if f is not None and f.proto == TCP]
-            return sum(_delete(ct, f) for f in doomed)
-
-    return run_in_netns(netns, run)
-
-
 @dataclass
 class Created:
     """What `create_flows` did."""

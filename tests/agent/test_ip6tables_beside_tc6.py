@@ -99,10 +99,6 @@ def nat_flow_lives() -> bool:
     return True
 
 
-def kept() -> None:
-    """EbpfAndIp6tables `forget` where nf_conntrack is not looked at (a withdraw's flush)."""
-
-
 def state(api_on_node: bool = True) -> ProxyState:
     """A dual-stack Service (its IPv6 half, a remote endpoint) and one whose endpoint is the node's
     own IPv6 address (a host-network backend, as `kubernetes` on a control-plane node)."""
@@ -142,7 +138,7 @@ def rig(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Maps, FakeRunner, list[st
     runner = FakeRunner()
     maps = Maps(calls)
     ip6 = Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls)
-    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=nat_flow_lives, forget=kept)
+    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=nat_flow_lives)
     both.recorded = ip6  # type: ignore[attr-defined]
     return both, maps, runner, calls
 
@@ -233,7 +229,6 @@ def test_without_the_tc_ipv6_path_ip6tables_gets_every_port(monkeypatch: pytest.
         ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()),
         CONFIG,
         nat_live=nat_flow_lives,
-        forget=kept,
     )
     for changed in (None, frozenset[ServicePortName](), frozenset()):
         assert both.sync(state(), NODE6, changed).again == frozenset()
@@ -352,7 +347,7 @@ def test_after_a_failed_restore_the_second_keeps_every_port_the_rules_in_place_h
     runner = FakeRunner()
     maps = Maps(calls)
     ip6 = Recorded(ip6tables_beside_ebpf(config, runner, counters=FakeCounters()), calls)
-    both = EbpfAndIp6tables(maps, ip6, config, nat_live=nat_flow_lives, forget=kept)
+    both = EbpfAndIp6tables(maps, ip6, config, nat_live=nat_flow_lives)
     result = both.sync(state(), NODE6, None)
     both.sync(state(), NODE6, result.again)
     assert jumped(runner) == {"default/kubernetes:http"}
@@ -392,7 +387,6 @@ def test_the_first_sync_writes_every_port_though_granted_and_without_the_detecto
         ip6tables_beside_ebpf(config, runner, counters=FakeCounters()),
         config,
         nat_live=nat_flow_lives,
-        forget=kept,
     )
     result = both.sync(state(), NODE6, None)
     assert jumped(runner) == {"default/web:http", "default/kubernetes:http"} and result.again == {WEB}
@@ -513,7 +507,7 @@ def test_nothing_left_to_ip6tables_leaves_no_conntrack_or_nat_rule_but_the_healt
     maps = Maps(calls)
     live = [True]
     ip6 = Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls)
-    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=lambda: live[0], forget=kept)
+    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=lambda: live[0])
     s = lb_local_state()
     maps.snat_granted = maps.grant_next = True
     result = both.sync(s, NODE6, None)  # the first sync writes every port
@@ -580,7 +574,6 @@ def test_a_failed_read_of_nf_conntrack_keeps_the_rules(
         Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls),
         CONFIG,
         nat_live=broken,
-        forget=kept,
     )
     maps.snat_granted = maps.grant_next = True
     s = lb_local_state()
@@ -593,25 +586,18 @@ def test_a_failed_read_of_nf_conntrack_keeps_the_rules(
 
 class Conntrack:
     """IPv6 nf_conntrack as EbpfAndIp6tables sees it: `nat_live` answers `live` (or raises `error`)
-    and counts its reads; `forget` counts its flushes (or raises `flush_error`)."""
+    and counts its reads."""
 
     def __init__(self) -> None:
         self.live = False
         self.error: Exception | None = None
-        self.flush_error: Exception | None = None
         self.reads = 0
-        self.flushes = 0
 
     def nat_live(self) -> bool:
         self.reads += 1
         if self.error is not None:
             raise self.error
         return self.live
-
-    def forget(self) -> None:
-        if self.flush_error is not None:
-            raise self.flush_error
-        self.flushes += 1
 
 
 def withdrawn_rig(
@@ -628,7 +614,7 @@ def withdrawn_rig(
     maps.snat_granted = maps.grant_next = True
     ct = Conntrack()
     ip6 = Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls)
-    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=ct.nat_live, forget=ct.forget)
+    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=ct.nat_live)
     return both, maps, runner, calls, ct, ip6
 
 
@@ -668,6 +654,40 @@ def test_the_health_check_jump_stays_ahead_of_a_nodes_input_reject(monkeypatch: 
     assert runner.rules("filter", "INPUT") == [NODEPORTS_JUMP, "-j REJECT"]
 
 
+def test_a_foreign_rule_first_in_input_is_left_there_by_every_full_resync(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another program that puts its rule first in INPUT (Calico's cali-INPUT, fail2ban's chain)
+    ahead of the withdrawn rules' jump: the jump still comes before every REJECT, so the periodic
+    full resync writes nothing and warns of nothing (rule #1 demanded, the two would swap rules
+    each period and the agent would warn each time)."""
+    both, _, runner, calls, _, _ = withdrawn_rig(monkeypatch)
+    runner.tables["filter"]["INPUT"].append("-j REJECT")
+    s = lb_local_state()
+    withdraw(both, s)
+    assert runner.rules("filter", "INPUT") == [NODEPORTS_JUMP, "-j REJECT"]
+    foreign = ["-j cali-INPUT", "-p tcp -m tcp --dport 22 -j f2b-sshd"]
+    runner.tables["filter"]["INPUT"] = [*foreign, NODEPORTS_JUMP, "-j REJECT"]
+    restores = len(runner.restores)
+    with caplog.at_level("INFO", logger="agent"):
+        for _ in range(3):
+            both.sync(s, NODE6, None)  # the periodic full resync
+    assert len(runner.restores) == restores and calls[-3:] == ["withdraw", "apart", "maps"]
+    assert runner.rules("filter", "INPUT") == [*foreign, NODEPORTS_JUMP, "-j REJECT"]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    # the ACCEPTs drifted: rewritten, the jump kept where it takes effect (not moved, not doubled)
+    runner.tables["filter"]["KUBE-NODEPORTS"] = []
+    both.sync(s, NODE6, None)
+    assert len(runner.restores) == restores + 1
+    assert runner.rules("filter", "INPUT") == [*foreign, NODEPORTS_JUMP, "-j REJECT"]
+    assert HC_ACCEPT.removeprefix("-A KUBE-NODEPORTS ") in runner.rules("filter", "KUBE-NODEPORTS")
+    # behind a DROP, or twice: put first again, once
+    for inp in ([*foreign, "-j DROP", NODEPORTS_JUMP], [NODEPORTS_JUMP, *foreign, NODEPORTS_JUMP]):
+        runner.tables["filter"]["INPUT"] = inp
+        both.sync(s, NODE6, None)
+        assert runner.rules("filter", "INPUT") == [NODEPORTS_JUMP, *(r for r in inp if r != NODEPORTS_JUMP)]
+
+
 def test_a_withdraw_is_one_restore_and_a_full_resync_rewrites_only_drift(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -704,22 +724,20 @@ def test_a_withdraw_is_one_restore_and_a_full_resync_rewrites_only_drift(
     assert runner.saves == saves and calls[-3:] == ["withdraw", "apart", "maps"]
 
 
-def test_nf_conntrack_is_read_only_on_the_way_to_withdrawn_and_flushed_after(
+def test_nf_conntrack_is_read_only_on_the_way_to_withdrawn(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Once withdrawn, no rule of ours translates a flow: `nat_live` (a walk of IPv6 nf_conntrack)
-    is not read again, and another program's translated flow does not bring the rules back. The
-    withdraw that takes the rules away flushes IPv6 nf_conntrack once (entries made under the rules
-    would otherwise be stale, INVALID to the hooks when rules return: a stalled connection)."""
+    is not read again, and another program's translated flow does not bring the rules back."""
     both, maps, runner, _, ct, _ = withdrawn_rig(monkeypatch)
     s = lb_local_state()
     withdraw(both, s)
-    assert (ct.reads, ct.flushes) == (1, 1)
+    assert ct.reads == 1
     ct.live = True  # Docker's masquerade, say
     for changed in (frozenset[ServicePortName](), None, frozenset[ServicePortName]()):
         both.sync(s, NODE6, changed)
-    assert (ct.reads, ct.flushes) == (1, 1) and hooks_users(runner) == []
-    # rules back, then withdrawn again: read on the way, and flushed once more
+    assert ct.reads == 1 and hooks_users(runner) == []
+    # rules back, then withdrawn again: read on the way
     maps.grant_next = False
     both.sync(s, NODE6, frozenset())
     maps.grant_next = True
@@ -727,15 +745,14 @@ def test_nf_conntrack_is_read_only_on_the_way_to_withdrawn_and_flushed_after(
     both.sync(s, NODE6, frozenset())
     assert hooks_users(runner) != [], "the ports the grant left keep their rules one more sync"
     both.sync(s, NODE6, frozenset())
-    assert hooks_users(runner) == [] and (ct.reads, ct.flushes) == (2, 2)
+    assert hooks_users(runner) == [] and ct.reads == 2
 
 
-def test_a_failing_read_or_flush_of_nf_conntrack_is_said_once_per_error(
+def test_a_failing_read_of_nf_conntrack_is_said_once_per_error(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A read of nf_conntrack that fails keeps the rules (counted as live) and is retried at each
-    sync, the warning said again only for another error; a flush that fails still leaves the rules
-    withdrawn, and is said once too."""
+    sync, the warning said again only for another error; once a read succeeds, withdrawn."""
     both, _, runner, _, ct, _ = withdrawn_rig(monkeypatch)
     s = lb_local_state()
     result = both.sync(s, NODE6, None)
@@ -748,13 +765,9 @@ def test_a_failing_read_or_flush_of_nf_conntrack_is_said_once_per_error(
     reads = [r.getMessage() for r in caplog.records if "cannot read IPv6 nf_conntrack" in r.getMessage()]
     assert ct.reads == 4 and len(reads) == 2 and "denied" in reads[1]
     assert any("MASQUERADE" in line for line in hooks_users(runner))
-    ct.error, ct.flush_error = None, OSError("flush (fake)")
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="agent"):
-        both.sync(s, NODE6, result.again)
+    ct.error = None
+    both.sync(s, NODE6, result.again)
     assert hooks_users(runner) == []
-    said = [r.getMessage() for r in caplog.records]
-    assert [m for m in said if "cannot delete IPv6 nf_conntrack's TCP" in m] != []
 
 
 def test_withdrawn_with_ports_the_maps_fail_restores_them_in_the_same_call(
@@ -793,7 +806,7 @@ def test_a_withdraw_that_raises_leaves_the_maps_synced_and_the_next_sync_writes_
     calls.clear()
     with pytest.raises(RuntimeError, match="fake"):
         both.sync(s, NODE6, result.again)
-    assert calls == ["withdraw", "not apart", "maps"] and ct.flushes == 0
+    assert calls == ["withdraw", "not apart", "maps"]
     calls.clear()
     result = both.sync(s, NODE6, None)
     assert calls == ["restore", "apart", "maps"] and jumped_names(runner) == {
@@ -803,7 +816,7 @@ def test_a_withdraw_that_raises_leaves_the_maps_synced_and_the_next_sync_writes_
     calls.clear()
     both.sync(s, NODE6, result.again)
     assert calls == ["withdraw", "apart", "maps"] and hooks_users(runner) == []
-    assert (ct.reads, ct.flushes) == (2, 1)
+    assert ct.reads == 2
 
 
 def test_a_preview_that_raises_while_withdrawn_brings_the_masqueraded_ports_rules_back(
@@ -811,7 +824,7 @@ def test_a_preview_that_raises_while_withdrawn_brings_the_masqueraded_ports_rule
 ) -> None:
     """While withdrawn, a preview that raises counts the grant as off for that sync: the ports it
     would leave to ip6tables get their rules in the restore before the maps; withdrawn again once the
-    preview answers (nf_conntrack read and flushed on the way)."""
+    preview answers (nf_conntrack read on the way)."""
     both, maps, runner, calls, ct, _ = withdrawn_rig(monkeypatch)
     s = lb_local_state()
     withdraw(both, s)
@@ -825,15 +838,15 @@ def test_a_preview_that_raises_while_withdrawn_brings_the_masqueraded_ports_rule
     calls.clear()
     both.sync(s, NODE6, result.again)
     assert calls == ["withdraw", "apart", "maps"] and hooks_users(runner) == []
-    assert (ct.reads, ct.flushes) == (2, 2)
+    assert ct.reads == 2
 
 
 def test_the_first_sync_after_a_restart_from_withdrawn_writes_every_port_then_withdraws(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An agent restarted over withdrawn rules (an earlier run's): its first sync writes every port
-    (that run's maps may hand any to the stack), the next withdraws again, reading nf_conntrack and
-    flushing it on the way, and the health-check jump is first in INPUT throughout."""
+    (that run's maps may hand any to the stack), the next withdraws again, reading nf_conntrack on
+    the way, and the health-check jump is first in INPUT throughout."""
     both, _, runner, _, _, _ = withdrawn_rig(monkeypatch)
     runner.tables["filter"]["INPUT"].append("-j REJECT")
     s = lb_local_state()
@@ -845,5 +858,5 @@ def test_the_first_sync_after_a_restart_from_withdrawn_writes_every_port_then_wi
     assert runner.rules("filter", "INPUT")[-1] == "-j REJECT"
     calls.clear()
     restarted.sync(s, NODE6, result.again)
-    assert calls == ["withdraw", "apart", "maps"] and (ct.reads, ct.flushes) == (1, 1)
+    assert calls == ["withdraw", "apart", "maps"] and ct.reads == 1
     assert runner.save() == withdrawn

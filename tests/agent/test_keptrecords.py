@@ -13,14 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from agent import keptfile
 from agent.config import Config
 from agent.daemon import Agent, Parts
 from agent.keptrecords import KeptRecords, identity, records_path
+from agent.metrics import Metrics
 from agent.model.tracker import read_slice
 from agent.sources.base import Event, EventType, Kind, ObjectEvent, Synced, object_key
-from tests.agent.test_daemon import NODE, FakeProxier, FakeSource
+from tests.agent.test_daemon import NODE, FakeEvents, FakeProxier, FakeSource
 from tests.model.test_state import endpoint, service, slice_
 
 CONFIG = Config(hostname="node1", min_sync_period_s=0.0)
@@ -41,6 +43,9 @@ def _cluster_v1() -> list[dict[str, Any]]:
         _meta(slice_("gone-1", "gone", endpoints=[endpoint("10.244.1.4")]), "u-gone-1", "15"),
         _meta(service("recreated", clusterIP="10.96.0.13"), "u-recreated", "16"),
         _meta(slice_("recreated-1", "recreated", endpoints=[endpoint("10.244.1.5")]), "u-recreated-1", "17"),
+        # malformed, unchanged while the agent is down: their kept records must say so again
+        _meta(service("broken", clusterIP="10.96.0.300"), "u-broken", "18"),
+        _meta(slice_("broken-1", "same", endpoints=[endpoint("10.244.1.300")]), "u-broken-1", "19"),
     ]
 
 
@@ -73,9 +78,17 @@ def _cluster_v2() -> list[dict[str, Any]]:
     return list(objs.values())
 
 
-def _agent(records: KeptRecords | None) -> Agent:
+def _agent(records: KeptRecords | None, events: FakeEvents | None = None, registry: Any = None) -> Agent:
     return Agent(
-        CONFIG, Parts(source=FakeSource(), proxier=FakeProxier(), node_context=lambda: NODE, records=records)
+        CONFIG,
+        Parts(
+            source=FakeSource(),
+            proxier=FakeProxier(),
+            node_context=lambda: NODE,
+            records=records,
+            events=events or FakeEvents(),
+            metrics=Metrics(registry or CollectorRegistry()),
+        ),
     )
 
 
@@ -101,14 +114,30 @@ def test_a_restart_after_changes_while_the_agent_was_down_ends_in_a_cold_starts_
     assert os.path.exists(path), "a clean stop keeps the model's records"
 
     kept = KeptRecords(path, identity(CONFIG))
-    restarted = _agent(kept)
+    events, registry = FakeEvents(), CollectorRegistry()
+    restarted = _agent(kept, events, registry)
     _list(restarted, _cluster_v2())
-    cold = _agent(None)
+    cold_events, cold_registry = FakeEvents(), CollectorRegistry()
+    cold = _agent(None, cold_events, cold_registry)
     _list(cold, _cluster_v2())
 
     assert _state(restarted) == _state(cold)
-    assert kept.taken == 2, "only the unchanged Service and slice ('same') may be taken, the rest read"
+    assert len(restarted.model.problems()) == 2, "the malformed Service and slice"
+    assert (events.warned, events.uids) == (cold_events.warned, cold_events.uids)
+    assert sorted(events.uids, key=str) == ["u-broken", "u-broken-1"]
+    assert _metrics(registry) == _metrics(cold_registry) == (1.0, 1.0, 2.0)
+    assert kept.taken == 4, (
+        "only the unchanged Services and slices ('same', 'broken') may be taken, the rest read"
+    )
     assert not os.path.exists(path), "the start consumed the file"
+
+
+def _metrics(registry: CollectorRegistry) -> tuple[float | None, ...]:
+    return (
+        registry.get_sample_value("ekp_skipped_objects_total", {"kind": "Service"}),
+        registry.get_sample_value("ekp_skipped_objects_total", {"kind": "EndpointSlice"}),
+        registry.get_sample_value("ekp_invalid_objects"),
+    )
 
 
 def test_a_kept_record_is_taken_only_for_the_same_kind_key_uid_and_version(tmp_path: Path) -> None:
@@ -162,6 +191,44 @@ def test_a_file_that_cannot_be_trusted_is_ignored_and_removed(
     assert kept.take(Kind.ENDPOINT_SLICE, "default/web-1", "u1", "7") is None
     assert not os.path.exists(path)
     assert "ignored the records the last run left" in caplog.text
+
+
+def test_a_file_whose_header_cannot_be_read_is_ignored_and_the_object_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An I/O error while checking the file's header (EIO on a failing disk): `take` answers None
+    (the list reads every object) and says why, instead of failing the list."""
+    path = str(tmp_path / "records.pickle")
+    obj = _meta(slice_("web-1", endpoints=[endpoint("10.244.1.2")]), "u1", "7")
+    KeptRecords(path, b"i" * 32).save(
+        {(Kind.ENDPOINT_SLICE, "default/web-1"): ("u1", "7", read_slice(obj, "node1"))}
+    )
+
+    def failing(*args: Any) -> str:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(keptfile, "check", failing)
+    kept = KeptRecords(path, b"i" * 32)
+    assert kept.take(Kind.ENDPOINT_SLICE, "default/web-1", "u1", "7") is None
+    assert kept.offered == 0
+    assert "ignored the records the last run left" in caplog.text and "Input/output error" in caplog.text
+
+
+def test_a_stop_while_a_sync_still_runs_keeps_no_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sync still running after the runner's stop wait would change the records while they are
+    written: the shutdown writes none and says so; once it is over, they are kept."""
+    path = str(tmp_path / "records.pickle")
+    agent = _agent(KeptRecords(path, b"i" * 32))
+    _list(agent, [_meta(service("web"), "u1", "7")])
+    monkeypatch.setattr(agent.runner, "running", lambda: True)
+    agent.shutdown()
+    assert not os.path.exists(path)
+    assert "the model's records are not kept" in caplog.text
+    monkeypatch.setattr(agent.runner, "running", lambda: False)
+    agent.shutdown()
+    assert os.path.exists(path)
 
 
 def test_a_link_at_the_files_name_is_not_followed(tmp_path: Path) -> None:

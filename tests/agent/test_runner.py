@@ -146,3 +146,24 @@ def test_a_run_that_asks_for_a_retry_and_then_fails_backs_off_once() -> None:
         delays.append(r.next_run_at() - clock.now)
         clock.now = r.next_run_at()
     assert delays == [1.0, 2.0, 4.0]
+
+
+def test_running_says_whether_the_loops_thread_is_alive() -> None:
+    """What the agent's shutdown asks before keeping the records: alive while a run goes on, not
+    once the stop's join returned with the loop ended (and not before the loop started)."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    def fn() -> None:
+        entered.set()
+        release.wait(10)
+
+    r = BoundedFrequencyRunner(fn, min_interval=0.0, max_interval=30.0)
+    assert not r.running()
+    r.start()
+    assert entered.wait(10)
+    assert r.running()
+    release.set()
+    r.stop()
+    assert not r.running()

@@ -97,6 +97,7 @@ def test_ipv6_masquerade_elsewhere_sees_kube_proxys_ip6_table_and_the_other_back
     tables = ["table ip filter"]
     runner = FakeRunner()
     runner.responses["nft"] = lambda argv: Result(0, "\n".join(tables) + "\n", "")
+    runner.responses["cat"] = lambda argv: Result(0, "filter\nnat\n", "")  # a legacy nat table exists
     other = FakeRunner()
     monkeypatch.setattr("agent.app.shutil.which", lambda name: f"/usr/sbin/{name}")
     monkeypatch.setattr(
@@ -108,3 +109,38 @@ def test_ipv6_masquerade_elsewhere_sees_kube_proxys_ip6_table_and_the_other_back
     tables.pop()
     other.tables["nat"]["KUBE-POSTROUTING"] = ["-j MASQUERADE"]
     assert ipv6_masquerade_elsewhere(config, runner)
+
+
+def test_ipv6_masquerade_elsewhere_reads_the_legacy_nat_table_only_where_it_exists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On an nft node, `ip6tables-legacy-save -t nat` would make the kernel create a legacy nat
+    table (seen on Linux 6.18: /proc/net/ip6_tables_names empty before, `nat` after), whose nf_nat
+    hooks would track every IPv6 packet for good: it runs only when that file lists `nat`."""
+    from agent.app import ipv6_masquerade_elsewhere
+    from agent.iptables.runner import Result
+    from tests.iptables.fakes import FakeRunner
+
+    config = Config(mode=Mode.EBPF, cluster_cidr=("fd00:10:244::/56",), iptables_backend="nft")
+    names = [Result(1, "", "cat: /proc/net/ip6_tables_names: No such file or directory")]
+    runner = FakeRunner()
+    runner.responses["nft"] = lambda argv: Result(0, "table ip filter\n", "")
+    runner.responses["cat"] = lambda argv: names[0]
+    other = FakeRunner()
+    other.tables["nat"]["KUBE-POSTROUTING"] = ["-j MASQUERADE"]
+    saves: list[str | None] = []
+
+    def save(self: object, table: str | None = None) -> str:
+        saves.append(table)
+        return other.save(table)
+
+    monkeypatch.setattr("agent.app.shutil.which", lambda name: f"/usr/sbin/{name}")
+    monkeypatch.setattr("agent.iptables.runner.SubprocessRunner.save", save)
+    assert not ipv6_masquerade_elsewhere(config, runner) and saves == []
+    names[0] = Result(0, "filter\nmangle\n", "")
+    assert not ipv6_masquerade_elsewhere(config, runner) and saves == []
+    names[0] = Result(1, "", "cat: Permission denied")
+    assert ipv6_masquerade_elsewhere(config, runner) and saves == [], "a check that cannot run counts as yes"
+    names[0] = Result(0, "filter\nnat\n", "")
+    assert ipv6_masquerade_elsewhere(config, runner) and saves == ["nat"]
+    assert ["cat", "/proc/net/ip6_tables_names"] in runner.commands

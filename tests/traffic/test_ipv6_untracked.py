@@ -172,6 +172,13 @@ def tracked6(c: Cluster) -> list[str]:
     return [line for line in out.splitlines() if line.strip()]
 
 
+def flush6(c: Cluster) -> None:
+    """node1's IPv6 nf_conntrack emptied: the agent leaves the entries the rules' hooks made (they
+    time out), so what is tracked after this is the traffic sent after it."""
+    c.lab.run(c.lab.node(1), "conntrack", "-F", "-f", "ipv6")
+    assert tracked6(c) == []
+
+
 def traffic(c: Cluster) -> None:
     """A pod's IPv6 connections to the server pod's IP and to the ClusterIP (tc's)."""
     client, server = c.lab.pod("pod-1-1"), c.lab.pod(SERVER)
@@ -186,7 +193,8 @@ def test_no_ipv6_packet_is_tracked_while_the_ebpf_programs_leave_ip6tables_nothi
     # the grant comes at a sync, the rules go at the next IPv6 one
     until("withdrawn", lambda: hook_users(c) == [])
     assert HC_ACCEPT in save(c), "the healthCheckNodePort's ACCEPT stays"
-    # no `conntrack -F` here or below: the withdraw flushes what the rules' hooks tracked
+    # the entries made under the first sync's rules stay (the agent deletes none): a baseline
+    flush6(c)
     traffic(c)
     assert tracked6(c) == [], "no IPv6 conntrack hook in node1's netns"
     # an SCTP Service is left to ip6tables: every rule back, IPv6 tracked again
@@ -198,8 +206,9 @@ def test_no_ipv6_packet_is_tracked_while_the_ebpf_programs_leave_ip6tables_nothi
     # ... and its going takes them away once no translated flow holds them (none: no NAT here)
     c.apply(objects(c, sctp=False))
     until("withdrawn again", lambda: hook_users(c) == [])
+    flush6(c)
     traffic(c)
-    assert tracked6(c) == [], "the entries the rules' hooks made were flushed with them"
+    assert tracked6(c) == [], "no IPv6 conntrack hook in node1's netns once the rules are withdrawn"
 
 
 def udp_echo(c: Cluster, size: int) -> int:
@@ -222,6 +231,7 @@ def test_a_fragmented_ipv6_datagram_reaches_a_cluster_ip_and_back_untracked(lab6
     c = lab6
     c.apply(objects(c, sctp=False))
     until("withdrawn", lambda: hook_users(c) == [])
+    flush6(c)
     assert [udp_echo(c, 4000) for _ in range(3)] == [4000] * 3
     assert tracked6(c) == []
 
@@ -231,10 +241,11 @@ def test_a_long_lived_ipv6_stream_keeps_moving_when_the_rules_come_back(
 ) -> None:
     """A pod -> pod IPv6 TCP stream through node1's FORWARD chain, open while the rules go (the SCTP
     Service removed) and come back (added again). Its nf_conntrack entry from before the withdraw
-    would be far out of window once the hooks return (the stream moved on untracked), INVALID to a
-    kernel that checks it and dropped by KUBE-FORWARD; the withdraw flushes IPv6 nf_conntrack, so
-    the hooks pick the stream up again and it keeps moving. (Linux 6.18 here kept the stream moving
-    without the flush too, no INVALID drop counted: a guard, not a reproduction.)"""
+    is kept by the withdraw (deleting entries would hurt the node's own connections where another
+    conntrack user keeps the hooks) and is far out of window once the hooks return (the stream moved
+    on untracked); Linux 6.18 picks the stream up again and it keeps moving, no INVALID drop. A
+    kernel that marked it INVALID would stall it (KUBE-FORWARD's drop): README's IPv6 section says
+    so, with its remedy."""
     c = lab6
     progress = tmp_path / "sent"
     c.apply(objects(c, sctp=True))
