@@ -79,7 +79,34 @@ def masquerade6_kept_out(config: Config) -> bool:
     from agent.iptables.masquerade_shape import masquerade_kept_out
     from agent.iptables.runner import SubprocessRunner
 
-    return masquerade_kept_out(SubprocessRunner(config, family=6).save("nat"), config.snat_ports)
+    runner = SubprocessRunner(config, family=6)
+    return masquerade_kept_out(
+        runner.save("nat"), config.snat_ports, elsewhere=lambda: ipv6_masquerade_elsewhere(config, runner)
+    )
+
+
+def ipv6_masquerade_elsewhere(config: Config, runner: IptablesRunner) -> bool:
+    """Whether IPv6 rules besides `runner`'s backend may masquerade: kube-proxy's `ip6 kube-proxy`
+    nftables table, or a KUBE-POSTROUTING in the other iptables backend's nat table (kube-proxy's or
+    an earlier agent's there). A check that cannot run counts as yes: it only costs the restart
+    the pinned IPv6 SNAT grant, until the first restore grants it again."""
+    from agent.iptables.canonical import parse
+    from agent.iptables.chains import KUBE_POSTROUTING
+    from agent.iptables.runner import SubprocessRunner
+
+    listed = runner.command(["nft", "list", "tables"])
+    if listed.returncode == 0 and "table ip6 kube-proxy" in listed.stdout:
+        return True
+    if listed.returncode not in (0, 127):  # 127: no nft binary, so no nftables kube-proxy either
+        return True
+    other = "legacy" if runner.backend == "nft" else "nft"
+    if shutil.which(f"ip6tables-{other}-save") is None:
+        return False
+    try:
+        saved = SubprocessRunner(dataclasses.replace(config, iptables_backend=other), family=6).save("nat")
+    except Exception:
+        return True
+    return KUBE_POSTROUTING in parse(saved).table("nat")
 
 
 def ipv6_unsupported(config: Config, missing: Callable[[Config], str] | None = None) -> str:
@@ -146,7 +173,9 @@ def make_proxier6(config: Config, proxier: Proxier, metrics: Metrics | None = No
     ip6tables = ip6tables_beside_ebpf(
         config, SubprocessRunner(config, family=6), metrics, snat6_held=proxier.snat6_held
     )
-    return EbpfAndIp6tables(proxier.ipv6(), ip6tables, config, nat_live=lambda: nat6_live(config))
+    return EbpfAndIp6tables(
+        proxier.ipv6(), ip6tables, config, nat_live=lambda: nat6_live(config), forget=lambda: forget6(config)
+    )
 
 
 def nat6_live(config: Config) -> bool:
@@ -156,6 +185,15 @@ def nat6_live(config: Config) -> bool:
     from agent.takeover.nfct import translated_any
 
     return translated_any(config.netns, socket.AF_INET6)
+
+
+def forget6(config: Config) -> None:
+    """The node's IPv6 nf_conntrack forgets its TCP connections (EbpfAndIp6tables `forget`)."""
+    import socket
+
+    from agent.takeover.nfct import delete_tcp
+
+    delete_tcp(config.netns, socket.AF_INET6)
 
 
 def ip6tables_beside_ebpf(
@@ -286,7 +324,8 @@ def cleanup(config: Config) -> int:
         failed = False
         # ipv6: nothing is loaded; the cleanup removes every pin, the IPv6 maps included
         proxiers: list[Proxier] = [
-            EbpfProxier(config, ipv6=False, snapshot_dir=LOCK_DIR),  # its planner's file removed too
+            # its planner's file and the model's records (agent.keptrecords) removed too
+            EbpfProxier(config, ipv6=False, snapshot_dir=LOCK_DIR),
             IptablesProxier(config),
         ]
         if any(shutil.which(f"ip6tables-{backend}") for backend in ("nft", "legacy")):
@@ -489,6 +528,13 @@ def build_agent(
         service_health6 = ServiceHealthServer.for_node(config, node6, health, IPFamily.IPv6)
         services.append(service_health6)
     close = getattr(proxier, "close", None)
+    records = None
+    if config.mode is Mode.EBPF and not config.services_file:
+        # eBPF mode's lock on the pin path makes this agent the file's only reader and writer.
+        from agent.keptrecords import KeptRecords, identity, records_path
+        from agent.lock import LOCK_DIR
+
+        records = KeptRecords(records_path(LOCK_DIR, config.pin_path), identity(config))
     return Agent(
         config,
         Parts(
@@ -506,6 +552,7 @@ def build_agent(
             node_context6=lambda: node_context(config, IPFamily.IPv6),
             service_health6=service_health6,
             ipv6_unserved_said=bool(missing6),
+            records=records,
         ),
     )
 

@@ -113,6 +113,19 @@ class Service(Protocol):
     def stop(self) -> None: ...
 
 
+Record = ServiceRecord | SliceRecord
+
+
+class RecordKeeper(Protocol):
+    """The model's records kept across a clean restart (agent.keptrecords)."""
+
+    def take(self, kind: Kind, key: str, uid: str, version: str) -> Record | None: ...
+
+    def drop(self) -> None: ...
+
+    def save(self, records: Mapping[tuple[Kind, str], tuple[str, str, Record]]) -> None: ...
+
+
 class NoEvents:
     """Events for runs without an API server (the file source): none."""
 
@@ -138,6 +151,8 @@ class Parts:
     proxier6: Proxier | None = None
     node_context6: Callable[[], NodeContext] | None = None
     service_health6: ServiceHealth | None = None  # the IPv6 proxier's, on IPv6 sockets
+    # The last run's records for the first lists, and this run's kept at the stop for the next.
+    records: RecordKeeper | None = None
     # No IPv6 proxier though the flags ask for one (the node cannot do IPv6): the start said so.
     ipv6_unserved_said: bool = False
 
@@ -167,6 +182,9 @@ class Agent:
         self._versions: dict[Kind, str] = {}
         # metadata.uid by (kind, key): an Event's `regarding.uid` is what `kubectl describe` matches.
         self._uids: dict[tuple[str, str], str] = {}
+        # With a RecordKeeper: every Service's and EndpointSlice's record with the uid and
+        # resourceVersion it was read from, for the next start (agent.keptrecords).
+        self._records: dict[tuple[Kind, str], tuple[str, str, Record]] = {}
         self._waiting_logged = False
         self._detector_logged = ""
         self._node: NodeContext | None = None
@@ -248,6 +266,8 @@ class Agent:
             svc.stop()
         if self._parts.close is not None:
             self._parts.close()
+        if self._parts.records is not None and self._records:
+            self._parts.records.save(self._records)
 
     def run(self) -> int:
         """start(), serve until SIGTERM/SIGINT or a fatal error, shutdown(); the exit status."""
@@ -301,7 +321,7 @@ class Agent:
         of each is never queued whole as dicts."""
         if not events:
             return
-        read = [_read(e, self._config.hostname) for e in events]
+        read = [_read(e, self._config.hostname, self._parts.records) for e in events]
         with self._lock:
             self._queue.extend(read)
             touched = self._families_touched(read)
@@ -417,11 +437,14 @@ class Agent:
             self._synced.add(event.kind)
             if event.version:
                 self._versions[event.kind] = event.version
+            if self._parts.records is not None and {Kind.SERVICE, Kind.ENDPOINT_SLICE} <= self._synced:
+                self._parts.records.drop()  # what no first list asked for is gone from the cluster
             return
         if isinstance(event, _Read):
             if event.version:
                 self._versions[event.kind] = event.version
             self._remember(event.kind, event.key, event.uid)
+            self._keep(event.kind, event.key, event.uid, event.version, event.record)
             for model in (self._model, self._v6.model):
                 if isinstance(event.record, ServiceRecord):
                     model.set_service(event.key, event.record)
@@ -434,6 +457,8 @@ class Agent:
         deleted = event.type is EventType.DELETED
         obj = None if deleted else event.obj
         self._remember_uid(event.kind, event.key, obj)
+        if event.kind in (Kind.SERVICE, Kind.ENDPOINT_SLICE):
+            self._keep(event.kind, event.key, _uid(obj), rv, None)
         if event.kind is Kind.SERVICE:
             record = None if deleted else read_service(event.obj)
             for model in (self._model, self._v6.model):
@@ -456,6 +481,16 @@ class Agent:
             self._log_detector()
             if self._parts.health is not None:
                 self._parts.health.sync_node(obj)
+
+    def _keep(self, kind: Kind, key: str, uid: str, version: str, record: Record | None) -> None:
+        """This run's records as the model has them, for the next start; an object read here
+        (not by `deliver`) or deleted leaves none (its next list reads it)."""
+        if self._parts.records is None:
+            return
+        if record is not None and uid and version:
+            self._records[(kind, key)] = (uid, version, record)
+        else:
+            self._records.pop((kind, key), None)
 
     def _log_detector(self) -> None:
         """One line when what counts as local traffic is first known or changes."""
@@ -647,18 +682,19 @@ def _families(record: ServiceRecord | SliceRecord) -> frozenset[IPFamily]:
     return frozenset() if record.parsed is None else frozenset({record.parsed.family})
 
 
-def _read(event: Event, hostname: str) -> Event | _Read:
-    """`event` with its object read into a model record, for the kinds the model parses."""
+def _read(event: Event, hostname: str, kept: RecordKeeper | None = None) -> Event | _Read:
+    """`event` with its object read into a model record, for the kinds the model parses; the
+    record the last run read from the same object (uid and resourceVersion) when `kept` has it."""
     if not isinstance(event, ObjectEvent) or event.type is EventType.DELETED:
         return event
-    obj = event.obj
-    if event.kind is Kind.SERVICE:
-        record: ServiceRecord | SliceRecord = read_service(obj)
-    elif event.kind is Kind.ENDPOINT_SLICE:
-        record = read_slice(obj, hostname)
-    else:
+    if event.kind not in (Kind.SERVICE, Kind.ENDPOINT_SLICE):
         return event
-    return _Read(event.kind, event.key, _resource_version(obj), _uid(obj), record)
+    obj = event.obj
+    uid, version = _uid(obj), _resource_version(obj)
+    record = kept.take(event.kind, event.key, uid, version) if kept is not None else None
+    if record is None:
+        record = read_service(obj) if event.kind is Kind.SERVICE else read_slice(obj, hostname)
+    return _Read(event.kind, event.key, version, uid, record)
 
 
 def _uid(obj: object) -> str:

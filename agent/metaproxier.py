@@ -173,17 +173,41 @@ class EbpfAndIp6tables:
       the restore before the maps hand it to the stack."""
 
     def __init__(
-        self, ebpf: Ipv6Maps, ip6tables: Ip6tables, config: Config, *, nat_live: Callable[[], bool]
+        self,
+        ebpf: Ipv6Maps,
+        ip6tables: Ip6tables,
+        config: Config,
+        *,
+        nat_live: Callable[[], bool],
+        forget: Callable[[], None],
     ) -> None:
         """`nat_live`: whether IPv6 nf_conntrack holds a translated entry (source or destination:
         ip6tables' MASQUERADE, kube-proxy's DNAT carried over by a take-over). While one does, an
         empty set of ports still gets the rules of an empty state (KUBE-POSTROUTING's MASQUERADE,
         the conntrack matches), whose nf_nat and nf_conntrack hooks keep translating that flow's
-        packets; once none does, it gets no rule that registers them (`Ip6tables.withdraw`)."""
+        packets; once none does, it gets no rule that registers them (`Ip6tables.withdraw`). Read
+        only on the way from rules to withdrawn: once withdrawn our rules translate no flow, and
+        another program's translated flow (Docker's, a CNI's masquerade) must not flap the rules.
+
+        `forget`: IPv6 nf_conntrack's TCP entries deleted, right after a withdraw that took the
+        rules away. They would keep their ESTABLISHED timeouts while their connections move on
+        untracked; when a port is left to ip6tables again and the hooks return, such a connection's
+        next segment is far out of the stale entry's window, which a kernel that marks it INVALID
+        turns into a stall (KUBE-FORWARD's `--ctstate INVALID -j DROP`) for as long as the rules
+        stay. Linux 6.18 here did not (tests/traffic/test_ipv6_untracked.py's stream moved on
+        without it, no INVALID drop counted). Without an entry the hooks pick a connection up
+        mid-stream (nf_conntrack_tcp_loose). TCP's alone: UDP and ICMP entries have no window, and
+        deleting one would make an answer already on its way NEW to a node firewall that accepts
+        only ESTABLISHED ones (agent/takeover/nfct.py `delete_tcp`). None was translated: `nat_live`
+        said so just before."""
         self.ebpf = ebpf
         self.ip6tables = ip6tables
         self._config = config
         self._nat_live = nat_live
+        self._forget = forget
+        self._withdrawn = False  # the last ip6tables write was a withdraw that succeeded
+        self._nat_error: str | None = None  # the last failed nat_live read's, said once
+        self._forget_error: str | None = None  # the last failed forget's, said once
         self._rendered: frozenset[ServicePortName] | None = None  # the ports ip6tables last got
         self._needed: frozenset[ServicePortName] = frozenset()  # left after the last maps' sync
 
@@ -292,12 +316,16 @@ class EbpfAndIp6tables:
     ) -> SyncResult:
         """ip6tables for `ports` of `state` alone: a port that joins or leaves the set since the
         last restore is synced as a changed one (leaving: its chains go, as a deleted Service's)."""
-        if not ports and not self._nat_flows_live():
-            was = self._rendered
+        if not ports and (self._withdrawn or not self._nat_flows_live()):
+            was, self._withdrawn = self._withdrawn, False
             self._rendered = None
-            result = self.ip6tables.withdraw(only(state, ports), full=changed is None or was is None)
+            result = self.ip6tables.withdraw(only(state, ports), full=changed is None or not was)
             self._rendered = ports
+            self._withdrawn = True
+            if not was:
+                self._flush()
             return result
+        self._withdrawn = False
         if changed is not None:
             before = self._rendered if self._rendered is not None else frozenset(state.services)
             changed = changed | (ports ^ before)
@@ -309,18 +337,47 @@ class EbpfAndIp6tables:
     def _nat_flows_live(self) -> bool:
         """`nat_live`; a read that fails counts as live: the rules stay, which costs only speed."""
         try:
-            return self._nat_live()
+            live = self._nat_live()
         except FatalError:
             raise
         except Exception as exc:
-            log.warning(
-                "cannot read IPv6 nf_conntrack for translated flows (%s: %s): ip6tables keeps its "
-                "MASQUERADE and conntrack rules for this sync, so every IPv6 packet of the node is "
-                "tracked until a read succeeds",
-                type(exc).__name__,
-                exc,
-            )
+            error = f"{type(exc).__name__}: {exc}"
+            if error != self._nat_error:
+                log.warning(
+                    "cannot read IPv6 nf_conntrack for translated flows (%s): ip6tables keeps its "
+                    "MASQUERADE and conntrack rules, so every IPv6 packet of the node is tracked until a "
+                    "read succeeds (retried at each IPv6 sync; said again only for another error)",
+                    error,
+                )
+            self._nat_error = error
             return True
+        if self._nat_error is not None:
+            log.info(
+                "IPv6 nf_conntrack read again: %s", "a translated flow lives" if live else "none translated"
+            )
+        self._nat_error = None
+        return live
+
+    def _flush(self) -> None:
+        """`forget`, after a withdraw that took the rules away; a failure costs only the stall it
+        avoids (a connection older than the withdraw, should a port be left to ip6tables again)."""
+        try:
+            self._forget()
+        except FatalError:
+            raise
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            if error != self._forget_error:
+                log.warning(
+                    "cannot delete IPv6 nf_conntrack's TCP entries after withdrawing ip6tables' rules "
+                    "(%s): should a Service be left to ip6tables again, an IPv6 connection older than "
+                    "this whose entry is out of date may stall (INVALID, dropped by KUBE-FORWARD); "
+                    "`conntrack -D -f ipv6 -p tcp` clears them",
+                    error,
+                )
+            self._forget_error = error
+        else:
+            self._forget_error = None
 
     def cleanup(self) -> None:
         self.ebpf.cleanup()

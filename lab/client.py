@@ -389,6 +389,7 @@ def cmd_udpflow(a: argparse.Namespace) -> dict[str, object]:
     unconnected socket takes it, a connected one (a resolver's) would not."""
     sent = lost = strangers = 0
     stranger_at: list[float] = []  # wall clock, to hold against the agent's log
+    lost_at: list[float] = []  # when the wait for a datagram's reply ran out, the same way
     backends: list[str] = []
     start = time.monotonic()
     family = socket.AF_INET6 if ":" in a.addr else socket.AF_INET  # an IPv6 ClusterIP's flow too
@@ -403,6 +404,7 @@ def cmd_udpflow(a: argparse.Namespace) -> dict[str, object]:
                 data, peer = s.recvfrom(65535)
             except OSError:
                 lost += 1
+                lost_at.append(round(time.time(), 3))
                 continue
             if (ipaddress.ip_address(peer[0]), peer[1]) != service:
                 strangers += 1
@@ -417,6 +419,7 @@ def cmd_udpflow(a: argparse.Namespace) -> dict[str, object]:
         "lost": lost,
         "strangers": strangers,
         "strangers_at": stranger_at[:3] + stranger_at[-3:],
+        "lost_at": lost_at[:3] + lost_at[-3:],
         "backends": backends,
     }
 

@@ -51,6 +51,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
+from agent import keptfile
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf import abi, activity, snapshot
 from agent.ebpf.abi import HandoverMode, Stat
@@ -67,6 +68,7 @@ from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
 from agent.ebpf.xdp import PROG_XDP
 from agent.errors import FatalError
+from agent.keptrecords import records_path
 from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
@@ -352,6 +354,8 @@ class EbpfProxier:
         self._node6_reader = node6_reader
         self._masquerade6_reader = masquerade6_reader
         self._snapshot = snapshot.snapshot_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
+        # The model's records the agent keeps beside the planner (agent.keptrecords): removed with it
+        self._records_file = records_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
         # Now, not at close: sources changed under the running agent (an upgrade in place) must not
         # label this run's planner as theirs
         self._snapshot_identity = snapshot.identity(config) if snapshot_dir else b""
@@ -824,6 +828,7 @@ class EbpfProxier:
                 log.info("removed pins %s", ",".join(removed))
             if self._snapshot:
                 snapshot.remove(self._snapshot)
+                keptfile.remove(self._records_file)
 
     # ------------------------------------------------------------------ keep in place
 

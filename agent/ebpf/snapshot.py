@@ -76,8 +76,9 @@ _ALLOWED = {
 _NOT_KEPT = ("_config", "_ip")  # the new run's own
 # A file larger than this is refused unread (the start reads the maps back instead, which costs
 # only time): the pickle is about 14 MB at 10,000 Services of 10 endpoints and 70 MB at 50,000, and
-# the agent holds several times its size in objects (680 MiB at 50,000), so 256 MiB is a planner of
-# well over 1 GiB, past the chart's memory limit (768Mi): not one this node's agent could have left.
+# the agent holds several times its size in objects (680 MiB at 50,000: about ten), so 256 MiB is a
+# planner of about 2.5 GiB, past the chart's memory limit (1536Mi): not one this node's agent could
+# have left.
 MAX_BYTES = 256 << 20
 # service ports' records a chunk (about 0.7 MB of objects at 10 endpoints): what a start holds of
 # the file's at once

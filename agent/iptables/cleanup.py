@@ -29,7 +29,9 @@ from agent.iptables import canonical
 from agent.iptables.chains import (
     CLEANUP_FILTER_CHAINS,
     CLEANUP_NAT_CHAINS,
+    JUMPS,
     KUBE_FIREWALL,
+    KUBE_NODEPORTS,
     KUBE_PROXY_CANARY,
     MARTIAN_COMMENT,
     is_service_chain,
@@ -129,3 +131,58 @@ def cleanup(runner: IptablesRunner) -> CleanupReport:
 
 def _rules_in(filter_save: str, chain: str) -> list[str]:
     return [line for line in filter_save.splitlines() if line.startswith(f"-A {chain} ")]
+
+
+def withdrawal(saved: canonical.Dump, accepts: Iterable[str]) -> str:
+    """The one restore (atomic per table) that takes the kernel's `saved` rules of ours to eBPF
+    mode's withdrawn ip6tables (agent/iptables/proxier.py `withdraw`): KUBE-NODEPORTS in filter
+    holding `accepts` (rules after `-A KUBE-NODEPORTS `) with INPUT's jump to it first, as
+    upstream's prepended jump (a node's `-A INPUT -j REJECT` must not come before it), and no other
+    chain of ours or jump to one in filter, nat or mangle. Each table's jumps are deleted, its
+    chains flushed and deleted and the ACCEPTs written in the same transaction, so the ACCEPTs are
+    never missing. "" when the kernel holds that already (nothing to write). KUBE-FIREWALL is left
+    alone: only IPv4's localhost NodePorts write to it, and this is the IPv6 proxier's."""
+    accepts = list(accepts)
+    jump = next(j for j in JUMPS if j.table == "filter" and j.dst_chain == KUBE_NODEPORTS)
+    jump_args = " ".join(f'"{a}"' if " " in a else a for a in jump.rule_args())
+    want_jump = canonical.canonical_rule(jump_args)
+    out: list[str] = []
+    ours_by_table = {
+        "filter": set(CLEANUP_FILTER_CHAINS),
+        "nat": set(CLEANUP_NAT_CHAINS),
+        "mangle": {KUBE_PROXY_CANARY},
+    }
+    for table, ours in ours_by_table.items():
+        existing = saved.table(table)
+        mine = [c for c in existing if c in ours or (table != "mangle" and is_service_chain(c))]
+        keep = KUBE_NODEPORTS if table == "filter" and accepts else None
+        jumps = [
+            (chain, rule)
+            for chain, rules in existing.items()
+            if chain not in mine
+            for rule in rules
+            if (m := _TARGET.search(rule)) is not None and m.group(1) in mine
+        ]
+        if keep is not None:
+            first = existing.get(jump.src_chain, [])[:1]
+            in_place = (
+                first
+                and canonical.canonical_rule(first[0]) == want_jump
+                and jumps == [(jump.src_chain, first[0])]
+                and [canonical.canonical_rule(r) for r in existing.get(keep, [])]
+                == [canonical.canonical_rule(r) for r in accepts]
+                and mine == [keep]
+            )
+            if in_place:
+                continue
+        elif not mine:
+            continue
+        out.append(f"*{table}")
+        out += [f":{c} - [0:0]" for c in dict.fromkeys([*mine, *([keep] if keep else [])])]
+        out += [f"-D {chain} {rule}" for chain, rule in jumps]
+        if keep is not None:
+            out.append(f"-I {jump.src_chain} 1 {jump_args}")
+            out += [f"-A {keep} {rule}" for rule in accepts]
+        out += [f"-X {c}" for c in mine if c != keep]
+        out.append("COMMIT")
+    return "\n".join(out) + "\n" if out else ""

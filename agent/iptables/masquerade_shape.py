@@ -10,6 +10,7 @@ take a reply tuple nf_nat gives another flow.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 
 from agent.iptables.canonical import parse
 from agent.iptables.chains import KUBE_POSTROUTING
@@ -43,20 +44,22 @@ def _ports(value: str) -> tuple[int, int] | None:
         return None
 
 
-def masquerade_kept_out(save_text: str, snat: tuple[int, int]) -> bool:
+def masquerade_kept_out(save_text: str, snat: tuple[int, int], *, elsewhere: Callable[[], bool]) -> bool:
     """Whether `save_text` (ip6tables-save of the nat table) masquerades TCP and UDP in
     KUBE-POSTROUTING only into ports outside `snat`: the first MASQUERADE rule that can match each
     of them is eBPF mode's (`-p tcp|udp ... --to-ports LO-HI`, disjoint from `snat`). Anything else
     (no such rule, a catch-all MASQUERADE before it, a negation, a narrower match) is not. A nat
     table without KUBE-POSTROUTING masquerades nothing of ours: eBPF mode's ip6tables when its
-    programs leave it no port (agent/metaproxier.py EbpfAndIp6tables `withdraw`); no nat table in
-    `save_text` at all tells nothing (not kept out)."""
+    programs leave it no port (agent/metaproxier.py EbpfAndIp6tables `withdraw`), unless
+    `elsewhere()` says another proxy's rules masquerade (kube-proxy's `ip6 kube-proxy` nftables
+    table, a KUBE-POSTROUTING of the other iptables backend): a node that kube-proxy ran on is not
+    eBPF mode's withdrawn one. No nat table in `save_text` at all tells nothing (not kept out)."""
     dump = parse(save_text)
     if "nat" not in dump.chains:
         return False
     nat = dump.table("nat")
     if KUBE_POSTROUTING not in nat:
-        return True
+        return not elsewhere()
     found: set[str] = set()
     for rule in nat[KUBE_POSTROUTING]:
         try:

@@ -56,7 +56,7 @@ from agent.iptables.chains import (
     Jump,
     is_service_chain,
 )
-from agent.iptables.cleanup import CleanupReport, cleanup, owns_something
+from agent.iptables.cleanup import CleanupReport, cleanup, owns_something, withdrawal
 from agent.iptables.conntrack import ConntrackCleaner, UdpFrontends, udp_frontends
 from agent.iptables.isolate import isolate
 from agent.iptables.kube_proxy_cleanup import NftTakeover
@@ -65,7 +65,7 @@ from agent.iptables.rules import (
     LARGE_CLUSTER_ENDPOINTS_THRESHOLD,
     Rendered,
     RenderOptions,
-    health_checks_alone,
+    health_check_accepts,
     render,
     total_endpoints,
 )
@@ -218,8 +218,8 @@ class IptablesProxier:
         self._reported: dict[ServicePortName, str] = {}
         self._udp: UdpFrontends | None = None
         self._digests = canonical.DigestCache()
-        # The restore text `withdraw` put in place (None: the rules in place are a sync's or unknown)
-        self._withdrawn: str | None = None
+        # The ACCEPTs `withdraw` put in place (None: the rules in place are a sync's or unknown)
+        self._withdrawn: tuple[str, ...] | None = None
         self.last_sync: SyncStats | None = None
 
     def _take_over_node(self) -> bool:
@@ -362,29 +362,39 @@ class IptablesProxier:
     def withdraw(self, state: ProxyState, *, full: bool) -> SyncResult:
         """eBPF mode's ip6tables when its programs leave nothing to the stack (agent/metaproxier.py):
         every rule of ours removed but the healthCheckNodePorts' ACCEPTs (rules.py
-        `health_checks_alone`), so that no conntrack match and no nat chain of ours makes
-        nf_conntrack track, and nf_nat look at, every IPv6 packet of the node's netns. Written when
-        it changes, or at `full` (the periodic resync: drift repaired); the next `sync` writes every
-        chain again. kube-proxy's `ip6 kube-proxy` table is taken over as after a restore."""
-        text = health_checks_alone(state, self.family.value)
-        if full or self._programmed is not None or text != self._withdrawn:
+        `health_check_accepts`), so that no conntrack match and no nat chain of ours makes
+        nf_conntrack track, and nf_nat look at, every IPv6 packet of the node's netns. One restore
+        (cleanup.py `withdrawal`, atomic per table: the ACCEPTs never go missing, INPUT's jump to
+        them first), written when the ACCEPTs change or the rules were a sync's; at `full` (the
+        periodic resync) the kernel's rules are read back and rewritten only if they drifted. The
+        next `sync` writes every chain again. kube-proxy's `ip6 kube-proxy` table is taken over as
+        after a restore."""
+        accepts = tuple(health_check_accepts(state, self.family.value))
+        if full or self._programmed is not None or accepts != self._withdrawn:
             self._need_complete = True  # whatever the kernel holds, the next sync writes it all
             self._programmed = None
             self._globals = None
             was, self._withdrawn = self._withdrawn, None
-            report = cleanup(self._runner)
+            text = withdrawal(canonical.parse(self._runner.save()), accepts)
             if text:
                 self._runner.restore(text)
-            self._withdrawn = text
+            self._withdrawn = accepts
             if self._metrics is not None:
-                accepts = text.count("\n-A ") - 1 if text else 0  # the INPUT jump is not one
+                n = len(accepts)
                 self._metrics.set_iptables_rules(
-                    {"filter": accepts, "nat": 0}, {"filter": accepts, "nat": 0}, str(self.family)
+                    {"filter": n, "nat": 0}, {"filter": n, "nat": 0}, str(self.family)
                 )
-            if was is None and report.chains_deleted:
+            if was is None and text:
                 log.info(
                     "%s: the eBPF programs leave no service port to the stack: removed every rule of ours "
                     "but the health check node ports' ACCEPTs (no nf_conntrack or nf_nat hook for them)",
+                    self._tool,
+                )
+            elif text and was == accepts:
+                log.warning(
+                    "%s: rules of ours changed behind the agent while withdrawn to the health check node "
+                    "ports' ACCEPTs; rewritten (another process editing %s?)",
+                    self._tool,
                     self._tool,
                 )
         if not self._taken_over:

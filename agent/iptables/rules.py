@@ -51,7 +51,6 @@ from agent.config import Config, NodeContext, nodeport_addresses_hold_loopback
 from agent.iptables.chains import (
     FILTER_TOP_CHAINS,
     INVALID_DROPPED_COUNTER,
-    JUMPS,
     KUBE_EXTERNAL_SERVICES,
     KUBE_FIREWALL,
     KUBE_FORWARD,
@@ -418,30 +417,22 @@ def _in_order(state: ProxyState) -> list[tuple[ServicePort, bool]]:
     return [ports[spn] for spn in sorted(ports, key=lambda n: (str(n), n.protocol))]
 
 
-def health_checks_alone(state: ProxyState, family: int) -> str:
-    """The restore input of eBPF mode's ip6tables when its programs leave no service port to the
-    stack (agent/metaproxier.py EbpfAndIp6tables `withdraw`): the healthCheckNodePorts' ACCEPTs
-    alone, in the filter table's KUBE-NODEPORTS that INPUT jumps to without a conntrack match.
-    Nothing else: no nat chain and no conntrack match, so nf_conntrack and nf_nat register no hook
-    in the node's netns for IPv6 (IPv4's eBPF mode writes no rule at all). Every port of `state`
-    and of `state.elsewhere` counts. "" when no port has a healthCheckNodePort."""
+def health_check_accepts(state: ProxyState, family: int) -> list[str]:
+    """The filter table's KUBE-NODEPORTS of eBPF mode's ip6tables when its programs leave no
+    service port to the stack (agent/metaproxier.py EbpfAndIp6tables `withdraw`), as rules after
+    `-A KUBE-NODEPORTS `: the healthCheckNodePorts' ACCEPTs alone, which INPUT jumps to without a
+    conntrack match (agent/iptables/cleanup.py `withdrawal` writes them). Nothing else: no nat
+    chain and no conntrack match, so nf_conntrack and nf_nat register no hook in the node's netns
+    for IPv6 (IPv4's eBPF mode writes no rule at all). Every port of `state` and of
+    `state.elsewhere` counts. Empty when no port has a healthCheckNodePort."""
     ports = {**state.elsewhere, **state.services}
     flt: list[str] = []
     for spn in sorted(ports, key=lambda n: (str(n), n.protocol)):
         sp = ports[spn]
         if refusal(sp, (), family) is None:
             _health_check_accept(flt, sp)
-    if not flt:
-        return ""
-    jump = next(j for j in JUMPS if j.table == "filter" and j.dst_chain == KUBE_NODEPORTS)
-    lines = [
-        "*filter",
-        f":{KUBE_NODEPORTS} - [0:0]",
-        f'-A {jump.src_chain} -m comment --comment "{jump.comment}" -j {KUBE_NODEPORTS}',
-        *flt,
-        "COMMIT",
-    ]
-    return "\n".join(lines) + "\n"
+    prefix = f"-A {KUBE_NODEPORTS} "
+    return [line.removeprefix(prefix) for line in flt]
 
 
 def _health_check_accept(flt: list[str], sp: ServicePort) -> None:

@@ -119,13 +119,32 @@ def translated_any(netns: str, family: int = socket.AF_INET6) -> bool:
     """Whether nf_conntrack in `netns` holds an entry of `family` (any protocol) whose source or
     destination was translated: one whose packets nf_nat still rewrites while its hooks are
     registered (eBPF mode's ip6tables keeps them for it, agent/metaproxier.py). The kernel filters
-    on the status bit, so the untranslated entries cost nothing."""
+    on the status bit (Linux 5.15+), so the untranslated entries cost nothing; an older kernel
+    ignores that filter and dumps every entry, so the bit is checked here too."""
 
     def run() -> bool:
         with NFCTSocket(nfgen_family=family) as ct:
             return any(
-                any(True for _ in ct.dump(status=bit, status_mask=bit)) for bit in (IPS_SRC_NAT, IPS_DST_NAT)
+                any(int(m.get_attr("CTA_STATUS") or 0) & bit for m in ct.dump(status=bit, status_mask=bit))
+                for bit in (IPS_SRC_NAT, IPS_DST_NAT)
             )
+
+    return run_in_netns(netns, run)
+
+
+def delete_tcp(netns: str, family: int) -> int:
+    """Every TCP entry of `family` in `netns` deleted, the other protocols' and the other family's
+    kept; returns how many went. Only TCP's entries carry a window that goes stale while the
+    connection moves on untracked; a UDP or ICMP entry deleted would make an answer already on its
+    way NEW to a node firewall that accepts only ESTABLISHED ones (a lookup of the node's own lost),
+    where a TCP connection without an entry is picked up mid-stream (nf_conntrack_tcp_loose). One
+    dump, then a delete per entry (a flush cannot filter on the protocol); an entry gone meanwhile
+    is no error."""
+
+    def run() -> int:
+        with NFCTSocket(nfgen_family=family) as ct:
+            doomed = [f for f in (_flow(m) for m in ct.dump()) if f is not None and f.proto == TCP]
+            return sum(_delete(ct, f) for f in doomed)
 
     return run_in_netns(netns, run)
 
@@ -193,17 +212,30 @@ def _entry(flow: NatFlow, timeouts: Timeouts) -> dict[str, Any]:
     return attrs
 
 
+class Hold(Protocol):
+    """What stops the data path translating one flow while its NAT entry replaces the entry the
+    stack tracks it under (agent/takeover/out_of_ebpf.py)."""
+
+    def hold(self, flow: NatFlow) -> None:
+        """Before the flow's entries change: its packets are neither translated nor passed."""
+
+    def release(self, flow: NatFlow) -> None:
+        """Its NAT entry is written: its packets pass untranslated to it."""
+
+
 def create_flows(
     netns: str,
     flows: Iterable[NatFlow],
     timeouts: Timeouts,
     *,
     clear_first: Callable[[NatFlow], NatFlow] | None = None,
+    hold: Hold | None = None,
 ) -> Created:
     """Create an nf_conntrack entry, NAT included, for each flow (IPv4 or IPv6); one on the tuple
     already is kept. With `clear_first`, the entry on `clear_first(flow)`'s original tuple is
     deleted right before the flow's own is created (the gap a packet could fill is one netlink
-    round trip)."""
+    round trip). With `hold`, each flow is held right before that and released once its own entry
+    is written (a flow refused or failed stays held), so the hold lasts two round trips a flow."""
     wanted = list(flows)
 
     def run() -> Created:
@@ -214,11 +246,15 @@ def create_flows(
                 continue
             with NFCTSocket(nfgen_family=family) as ct:
                 for flow in group:
+                    if hold is not None:
+                        hold.hold(flow)
                     if clear_first is not None:
                         _delete(ct, clear_first(flow))
                     try:
                         ct.entry("add", **_entry(flow, timeouts))
                         done.created += 1
+                        if hold is not None:
+                            hold.release(flow)
                     except NetlinkError as exc:
                         if exc.code == errno.EEXIST:
                             done.present += 1

@@ -15,19 +15,25 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    backend flow (`stack_flow`), whose entry holds the NAT entry's reply tuple when the source
    was not translated: it is deleted right before the flow's NAT entry is written. A packet the
    programs translate in that gap makes it again and the write is refused (EEXIST: nfct.py pins
-   the ports); those flows get one more round at once;
-   A flow whose backend is the node's own address (CtFlag.HOST) reaches the node's stack under
-   either host routing, and a packet the programs translate once its NAT entry is written is
-   worse than refused: the stack gives it another source port, the backend's socket answers
-   with a RST and the programs translate that back to the client. So right before, those flows
-   are held (CtFlag.HANDOVER: the programs drop their forward packets, the client retransmits
-   once they are detached);
+   the ports); those flows get one more round at once.
+   Once a flow's NAT entry is written, a packet the programs translate reaches the stack as a flow
+   whose reply tuple that entry holds, and the stack's NAT gives it another source port: the
+   backend answers that port, the stack turns the answer back to the client's port, and no eBPF
+   entry knows it, so it reaches the client from the backend's own address (a UDP client's
+   "stranger", which a connected socket drops) or, from a backend on the node's own address
+   (CtFlag.HOST, which reaches the node's stack under either host routing), as a RST. So the
+   flows the stack tracks under that reply tuple (HOST ones, and under legacy host routing every
+   flow whose source is not translated) are held right before (CtFlag.HANDOVER: the programs drop
+   their forward packets) and, once their NAT entries are written, passed (CtFlag.NFPASS on both
+   entries: the programs leave their packets untranslated and the NAT entry translates them, as
+   after the detach); a held flow whose write was refused twice stays held until the detach. So
+   for the tc IPv6 path's flows too (bpf/ekp_tc6.h reads both flags as IPv4's code does);
 2. the programs are detached from every device of the node: no plain entry is made any more;
 3. the flows the programs started between 1 and 2, and those still refused, are written the same
    way (entries already there kept);
 4. the pins go (maps, programs, the directory), as `agent --cleanup` removes them, and with them
    the planner an eBPF-mode agent left for its next start (agent/ebpf/snapshot.py, in the lock
-   directory): it describes those maps only.
+   directory): it describes those maps only; and the model's records kept beside it.
 
 Nothing happens where no eBPF conntrack is pinned at --bpf-pin-path.
 """
@@ -39,14 +45,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.config import Config
 from agent.ebpf import abi
 from agent.lock import LOCK_DIR
-from agent.takeover.flows import NSEC, NatFlow, Timeouts, ct_keys, nat_flow, stack_flow
+from agent.takeover.flows import NSEC, NatFlow, Timeouts, Tuple, ct6_keys, ct_keys, nat_flow, stack_flow
 
 log = logging.getLogger(__name__)
 
@@ -81,44 +87,120 @@ def pinned_flows(pin_path: str) -> list[NatFlow]:
     return flows
 
 
-def hold_host_flows(pin_path: str, flows: Iterable[NatFlow]) -> int:
-    """CtFlag.HANDOVER set on the FORWARD entry of each of `flows` whose backend is the node's own
-    address (CtFlag.HOST), its created_s moved to now so that the flag holds (EKP_CT_HANDOVER_S
-    from there); returns how many. The programs drop those flows' forward packets until they are
-    detached (module doc, step 1)."""
-    from agent.ebpf.maps import BpfMap, MapError, UpdateFlag
+def _pinned_legacy(pin_path: str) -> bool:
+    """Whether the pinned programs run legacy host routing (the live config's flag): the node's
+    stack then sees every flow between its two translations (agent/takeover/flows.py)."""
+    from agent.ebpf.maps import BpfMap, read_config
 
-    wanted: dict[str, list[NatFlow]] = {}
-    for flow in flows:
-        if flow.family == 4:  # the tc IPv6 path leaves host backends to ip6tables: none of its flows
-            wanted.setdefault(abi.ct_role(flow.proto), []).append(flow)
-    held = 0
-    now_s = time.monotonic_ns() // NSEC  # CLOCK_MONOTONIC, as bpf_ktime_get_ns
-    for role, group in wanted.items():
-        if not os.path.exists(os.path.join(pin_path, abi.MAPS[role].name)):
-            continue
-        with BpfMap.open_pinned(abi.MAPS[role], pin_path) as table:
-            for flow in group:
-                key = ct_keys(flow)[0]
-                entry = table.lookup(key)
-                if not isinstance(entry, abi.CtEntry) or not entry.flags & abi.CtFlag.HOST:
-                    continue
-                entry.flags |= abi.CtFlag.HANDOVER
-                entry.created_s = now_s
-                try:
-                    table.update(key, entry, UpdateFlag.EXIST)
-                except MapError as exc:
-                    if exc.errno != errno.ENOENT:  # ended meanwhile
-                        raise
-                    continue
-                held += 1
-    return held
+    names = [abi.MAPS[r].name for r in ("cfg", "cfgsel")]
+    if not all(os.path.exists(os.path.join(pin_path, n)) for n in names):
+        return False
+    with (
+        BpfMap.open_pinned(abi.MAPS["cfg"], pin_path) as cfg,
+        BpfMap.open_pinned(abi.MAPS["cfgsel"], pin_path) as sel,
+    ):
+        live = read_config({"cfg": cfg, "cfgsel": sel})
+    return live is not None and bool(live.flags & abi.ConfigFlag.HOST_LEGACY)
 
 
-def _create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Any:
+def _keys(flow: NatFlow) -> tuple[abi.CtKey, abi.CtKey] | tuple[abi.Ct6Key, abi.Ct6Key]:
+    return ct6_keys(flow) if flow.family == 6 else ct_keys(flow)
+
+
+class StackHolds:
+    """The hold of the flows the node's stack tracks under the reply tuple their NAT entries take
+    (module doc, step 1), one flow at a time on the pinned eBPF conntrack: a backend on the node's
+    own address (CtFlag.HOST), and under legacy host routing every flow whose source is not
+    translated (`stack_flow`). IPv4's and the tc IPv6 path's (ekp_ct6_*) alike."""
+
+    def __init__(self, pin_path: str) -> None:
+        self._pin_path = pin_path
+        self._legacy: bool | None = None
+        self._tables: dict[str, Any] = {}
+        self._held: set[Tuple] = set()
+        self.held = 0  # flows held
+        self.passed = 0  # of them, passed to their NAT entries
+
+    def _table(self, flow: NatFlow) -> Any:
+        from agent.ebpf.maps import BpfMap
+
+        role = abi.ct_role(flow.proto)
+        if flow.family == 6:
+            role = role.replace("ct_", "ct6_")  # the tc IPv6 path's, ekp_ct6_*
+        if role not in self._tables:
+            exists = os.path.exists(os.path.join(self._pin_path, abi.MAPS[role].name))
+            self._tables[role] = BpfMap.open_pinned(abi.MAPS[role], self._pin_path) if exists else None
+        return self._tables[role]
+
+    def _update(self, table: Any, key: abi.CtKey | abi.Ct6Key, entry: abi.CtEntry | abi.Ct6Entry) -> None:
+        from agent.ebpf.maps import MapError, UpdateFlag
+
+        try:
+            table.update(key, entry, UpdateFlag.EXIST)
+        except MapError as exc:
+            if exc.errno != errno.ENOENT:  # ended meanwhile
+                raise
+
+    def hold(self, flow: NatFlow) -> None:
+        """CtFlag.HANDOVER on its FORWARD entry, created_s moved to now so that the flag holds
+        (EKP_CT_HANDOVER_S from there): the programs drop its forward packets."""
+        if self._legacy is None:
+            self._legacy = _pinned_legacy(self._pin_path)
+        table = self._table(flow)
+        if table is None:
+            return
+        key = _keys(flow)[0]
+        entry = table.lookup(key)
+        if not isinstance(entry, abi.CtEntry | abi.Ct6Entry):
+            return
+        tracked = self._legacy and stack_flow(flow).reply == flow.reply
+        if not (entry.flags & abi.CtFlag.HOST or tracked):
+            return
+        entry.flags = (entry.flags | abi.CtFlag.HANDOVER) & ~abi.CtFlag.NFPASS
+        entry.created_s = time.monotonic_ns() // NSEC  # CLOCK_MONOTONIC, as bpf_ktime_get_ns
+        self._update(table, key, entry)
+        if flow.orig not in self._held:
+            self._held.add(flow.orig)
+            self.held += 1
+
+    def release(self, flow: NatFlow) -> None:
+        """HANDOVER swapped for CtFlag.NFPASS on both its entries: the programs pass its packets
+        untranslated, to the NAT entry just written."""
+        if flow.orig not in self._held:
+            return
+        table = self._table(flow)
+        for key in _keys(flow):
+            entry = table.lookup(key)
+            if isinstance(entry, abi.CtEntry | abi.Ct6Entry):
+                entry.flags = (entry.flags | abi.CtFlag.NFPASS) & ~abi.CtFlag.HANDOVER
+                self._update(table, key, entry)
+        self._held.discard(flow.orig)
+        self.passed += 1
+
+    def close(self) -> None:
+        for table in self._tables.values():
+            if table is not None:
+                table.close()
+        self._tables.clear()
+
+
+class Holds(Protocol):
+    """StackHolds' face to EbpfHandback (a fake in the tests)."""
+
+    held: int
+    passed: int
+
+    def hold(self, flow: NatFlow) -> None: ...
+
+    def release(self, flow: NatFlow) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts, hold: Holds | None) -> Any:
     from agent.takeover.nfct import create_flows
 
-    return create_flows(netns, flows, timeouts, clear_first=stack_flow)
+    return create_flows(netns, flows, timeouts, clear_first=stack_flow, hold=hold)
 
 
 def _detach(netns: str) -> list[str]:
@@ -134,9 +216,14 @@ def _remove_pins(pin_path: str) -> list[str]:
 
 
 def _remove_planner(snapshot_dir: str, pin_path: str) -> None:
+    from agent import keptfile
     from agent.ebpf import snapshot
+    from agent.keptrecords import records_path
 
     snapshot.remove(snapshot.snapshot_path(snapshot_dir, pin_path))
+    # the model's records kept beside it (agent.keptrecords): still true of their objects, but
+    # only an eBPF-mode start reads them, and tmpfs holds them in memory until one does
+    keptfile.remove(records_path(snapshot_dir, pin_path))
 
 
 class EbpfHandback:
@@ -147,10 +234,10 @@ class EbpfHandback:
         config: Config,
         *,
         read: Callable[[str], list[NatFlow]] = pinned_flows,
-        create: Callable[[str, Iterable[NatFlow], Timeouts], Any] = _create,
+        create: Callable[[str, Iterable[NatFlow], Timeouts, Holds | None], Any] = _create,
         detach: Callable[[str], list[str]] = _detach,
         remove_pins: Callable[[str], list[str]] = _remove_pins,
-        hold: Callable[[str, Iterable[NatFlow]], int] = hold_host_flows,
+        holds: Callable[[str], Holds] = StackHolds,
         snapshot_dir: str = LOCK_DIR,
     ) -> None:
         self._config = config
@@ -158,7 +245,7 @@ class EbpfHandback:
         self._create = create
         self._detach = detach
         self._remove_pins = remove_pins
-        self._hold = hold
+        self._holds = holds
         self._snapshot_dir = snapshot_dir  # where the eBPF agent left its planner (agent/app.py)
 
     @property
@@ -186,12 +273,16 @@ class EbpfHandback:
         netns, pin_path = self._config.netns, self._config.pin_path
         timeouts = timeouts_of(self._config)
         first = self._read(pin_path)
-        held = self._hold(pin_path, first)
-        done = self._create(netns, first, timeouts)
-        again = self._create(netns, done.taken, timeouts)
+        holds = self._holds(pin_path)
+        try:
+            done = self._create(netns, first, timeouts, holds)
+            again = self._create(netns, done.taken, timeouts, holds)
+        finally:
+            holds.close()
         detached = self._detach(netns)
         written = {f.orig for f in first} - {f.orig for f in again.taken}
-        more = self._create(netns, [f for f in self._read(pin_path) if f.orig not in written], timeouts)
+        late = [f for f in self._read(pin_path) if f.orig not in written]
+        more = self._create(netns, late, timeouts, None)  # detached: nothing to hold
         removed = self._remove_pins(pin_path)
         _remove_planner(self._snapshot_dir, pin_path)
         failed = [*done.failed, *again.failed, *more.failed]
@@ -200,8 +291,8 @@ class EbpfHandback:
         log.info(
             "took over from eBPF mode: %d established flows handed to nf_conntrack (%d before the"
             " programs were detached from %s, %d of them in a second round, %d after; %d there"
-            " already, %d failed; %d to the node's own address held meanwhile), %d pins removed from"
-            " %s, %.0f ms",
+            " already, %d failed; %d the node's stack tracks held meanwhile, %d of them passed to"
+            " their NAT entries before the detach), %d pins removed from %s, %.0f ms",
             done.created + again.created + more.created,
             done.created + again.created,
             ",".join(sorted(detached)) or "no device",
@@ -209,7 +300,8 @@ class EbpfHandback:
             more.created,
             more.present,
             len(failed),
-            held,
+            holds.held,
+            holds.passed,
             len(removed),
             pin_path,
             (time.monotonic() - started) * 1000,

@@ -573,6 +573,10 @@ def nat_flow_lives() -> bool:
     return True
 
 
+def kept() -> None:
+    """EbpfAndIp6tables `forget` where nf_conntrack is not looked at (a withdraw's flush)."""
+
+
 class Half:
     """One of EbpfAndIp6tables' two proxiers: records its calls, fails or not as told."""
 
@@ -617,6 +621,7 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
         Half("ip6", calls, failed={b: "rejected"}),
         config,
         nat_live=nat_flow_lives,
+        forget=kept,
     )
     result = both.sync(EMPTY6, NODE6, None)
     # ip6tables first: the maps may take the node's address as the tc path's SNAT source only once
@@ -625,14 +630,22 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
     assert result.failed == {a: "full", b: "rejected"}
     calls.clear()
     broken = EbpfAndIp6tables(
-        Half("ebpf", calls, fail=RuntimeError("maps")), Half("ip6", calls), config, nat_live=nat_flow_lives
+        Half("ebpf", calls, fail=RuntimeError("maps")),
+        Half("ip6", calls),
+        config,
+        nat_live=nat_flow_lives,
+        forget=kept,
     )
     with pytest.raises(RuntimeError, match="maps"):
         broken.sync(EMPTY6, NODE6, frozenset())
     assert calls == ["ip6.sync", "ebpf.apart", "ebpf.sync"]
     calls.clear()
     no_rules = EbpfAndIp6tables(
-        Half("ebpf", calls), Half("ip6", calls, fail=RuntimeError("restore")), config, nat_live=nat_flow_lives
+        Half("ebpf", calls),
+        Half("ip6", calls, fail=RuntimeError("restore")),
+        config,
+        nat_live=nat_flow_lives,
+        forget=kept,
     )
     with pytest.raises(RuntimeError, match="restore"):
         no_rules.sync(EMPTY6, NODE6, frozenset())
@@ -641,7 +654,11 @@ def test_ebpf_modes_ipv6_proxier_syncs_both_halves_and_reports_either_failure() 
     assert calls == ["ip6.sync", "ebpf.not apart", "ebpf.sync"]
     calls.clear()
     fatal = EbpfAndIp6tables(
-        Half("ebpf", calls), Half("ip6", calls, fail=FatalError("gone")), config, nat_live=nat_flow_lives
+        Half("ebpf", calls),
+        Half("ip6", calls, fail=FatalError("gone")),
+        config,
+        nat_live=nat_flow_lives,
+        forget=kept,
     )
     with pytest.raises(FatalError):
         fatal.sync(EMPTY6, NODE6, None)

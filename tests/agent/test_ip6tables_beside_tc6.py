@@ -67,6 +67,7 @@ class Recorded:
     def __init__(self, inner: IptablesProxier, calls: list[str]) -> None:
         self.inner, self.calls = inner, calls
         self.fail = 0  # restores to fail (as a failed ip6tables-restore raises)
+        self.fail_withdraw = 0  # withdraws to fail
 
     def prepare(self) -> None:
         self.inner.prepare()
@@ -80,6 +81,9 @@ class Recorded:
 
     def withdraw(self, state: ProxyState, *, full: bool) -> SyncResult:
         self.calls.append("withdraw")
+        if self.fail_withdraw:
+            self.fail_withdraw -= 1
+            raise RuntimeError("ip6tables-restore failed (fake)")
         return self.inner.withdraw(state, full=full)
 
     def cleanup(self) -> None:
@@ -93,6 +97,10 @@ def nat_flow_lives() -> bool:
     """A translated IPv6 flow in nf_conntrack (the rules of an empty state stay for it): these tests
     are about which ports get rules; test_nothing_left_* below about no flow holding them."""
     return True
+
+
+def kept() -> None:
+    """EbpfAndIp6tables `forget` where nf_conntrack is not looked at (a withdraw's flush)."""
 
 
 def state(api_on_node: bool = True) -> ProxyState:
@@ -134,7 +142,7 @@ def rig(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Maps, FakeRunner, list[st
     runner = FakeRunner()
     maps = Maps(calls)
     ip6 = Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls)
-    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=nat_flow_lives)
+    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=nat_flow_lives, forget=kept)
     both.recorded = ip6  # type: ignore[attr-defined]
     return both, maps, runner, calls
 
@@ -221,7 +229,11 @@ def test_without_the_tc_ipv6_path_ip6tables_gets_every_port(monkeypatch: pytest.
     maps = Maps(calls, serves=False)
     maps.grant_next = True  # never granted without the path; even so, nothing is left out
     both = EbpfAndIp6tables(
-        maps, ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), CONFIG, nat_live=nat_flow_lives
+        maps,
+        ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()),
+        CONFIG,
+        nat_live=nat_flow_lives,
+        forget=kept,
     )
     for changed in (None, frozenset[ServicePortName](), frozenset()):
         assert both.sync(state(), NODE6, changed).again == frozenset()
@@ -340,7 +352,7 @@ def test_after_a_failed_restore_the_second_keeps_every_port_the_rules_in_place_h
     runner = FakeRunner()
     maps = Maps(calls)
     ip6 = Recorded(ip6tables_beside_ebpf(config, runner, counters=FakeCounters()), calls)
-    both = EbpfAndIp6tables(maps, ip6, config, nat_live=nat_flow_lives)
+    both = EbpfAndIp6tables(maps, ip6, config, nat_live=nat_flow_lives, forget=kept)
     result = both.sync(state(), NODE6, None)
     both.sync(state(), NODE6, result.again)
     assert jumped(runner) == {"default/kubernetes:http"}
@@ -376,7 +388,11 @@ def test_the_first_sync_writes_every_port_though_granted_and_without_the_detecto
     maps = Maps(calls)
     maps.snat_granted = maps.grant_next = True
     both = EbpfAndIp6tables(
-        maps, ip6tables_beside_ebpf(config, runner, counters=FakeCounters()), config, nat_live=nat_flow_lives
+        maps,
+        ip6tables_beside_ebpf(config, runner, counters=FakeCounters()),
+        config,
+        nat_live=nat_flow_lives,
+        forget=kept,
     )
     result = both.sync(state(), NODE6, None)
     assert jumped(runner) == {"default/web:http", "default/kubernetes:http"} and result.again == {WEB}
@@ -497,7 +513,7 @@ def test_nothing_left_to_ip6tables_leaves_no_conntrack_or_nat_rule_but_the_healt
     maps = Maps(calls)
     live = [True]
     ip6 = Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls)
-    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=lambda: live[0])
+    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=lambda: live[0], forget=kept)
     s = lb_local_state()
     maps.snat_granted = maps.grant_next = True
     result = both.sync(s, NODE6, None)  # the first sync writes every port
@@ -516,7 +532,9 @@ def test_nothing_left_to_ip6tables_leaves_no_conntrack_or_nat_rule_but_the_healt
     assert hooks_users(runner) == []
     assert HC_ACCEPT in runner.save("filter").splitlines()
     assert maps.apart, "no MASQUERADE at all takes no port of --bpf-snat-ports"
-    assert masquerade_kept_out(runner.save("nat"), CONFIG.snat_ports), "a restart keeps the grant"
+    assert masquerade_kept_out(runner.save("nat"), CONFIG.snat_ports, elsewhere=lambda: False), (
+        "a restart keeps the grant"
+    )
     # unchanged: nothing written again until the periodic full sync
     restores = len(runner.restores)
     both.sync(s, NODE6, frozenset())
@@ -562,6 +580,7 @@ def test_a_failed_read_of_nf_conntrack_keeps_the_rules(
         Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls),
         CONFIG,
         nat_live=broken,
+        forget=kept,
     )
     maps.snat_granted = maps.grant_next = True
     s = lb_local_state()
@@ -570,3 +589,261 @@ def test_a_failed_read_of_nf_conntrack_keeps_the_rules(
         both.sync(s, NODE6, result.again)
     assert any("MASQUERADE" in line for line in hooks_users(runner))
     assert any("cannot read IPv6 nf_conntrack" in r.getMessage() for r in caplog.records)
+
+
+class Conntrack:
+    """IPv6 nf_conntrack as EbpfAndIp6tables sees it: `nat_live` answers `live` (or raises `error`)
+    and counts its reads; `forget` counts its flushes (or raises `flush_error`)."""
+
+    def __init__(self) -> None:
+        self.live = False
+        self.error: Exception | None = None
+        self.flush_error: Exception | None = None
+        self.reads = 0
+        self.flushes = 0
+
+    def nat_live(self) -> bool:
+        self.reads += 1
+        if self.error is not None:
+            raise self.error
+        return self.live
+
+    def forget(self) -> None:
+        if self.flush_error is not None:
+            raise self.flush_error
+        self.flushes += 1
+
+
+def withdrawn_rig(
+    monkeypatch: pytest.MonkeyPatch, runner: FakeRunner | None = None
+) -> tuple[Any, Maps, FakeRunner, list[str], Conntrack, Recorded]:
+    """lb_local_state's ports all the eBPF programs' (granted), nothing translated in nf_conntrack."""
+    from agent.app import ip6tables_beside_ebpf
+    from agent.metaproxier import EbpfAndIp6tables
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", HandbackRecorder)
+    calls: list[str] = []
+    runner = runner or FakeRunner()
+    maps = Maps(calls)
+    maps.snat_granted = maps.grant_next = True
+    ct = Conntrack()
+    ip6 = Recorded(ip6tables_beside_ebpf(CONFIG, runner, counters=FakeCounters()), calls)
+    both = EbpfAndIp6tables(maps, ip6, CONFIG, nat_live=ct.nat_live, forget=ct.forget)
+    return both, maps, runner, calls, ct, ip6
+
+
+def withdraw(both: Any, s: ProxyState) -> None:
+    """The first sync (every port) and the next (each thinned out): withdrawn."""
+    result = both.sync(s, NODE6, None)
+    both.sync(s, NODE6, result.again)
+
+
+NODEPORTS_JUMP = '-m comment --comment "kubernetes health check service ports" -j KUBE-NODEPORTS'
+
+
+def test_the_health_check_jump_stays_ahead_of_a_nodes_input_reject(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's own `-A INPUT -j REJECT`: the withdrawn rules' jump to the healthCheckNodePorts'
+    ACCEPTs is first in INPUT, as upstream's prepended jump, not appended after the REJECT (every
+    health check refused, and kept there when the rules return: the sync's `-C` finds it). A jump
+    an earlier agent left at the bottom is moved up by the next full resync."""
+    runner = FakeRunner()
+    runner.tables["filter"]["INPUT"].append("-j REJECT")
+    both, maps, _, calls, _, _ = withdrawn_rig(monkeypatch, runner)
+    s = lb_local_state()
+    withdraw(both, s)
+    assert calls[-3:] == ["withdraw", "apart", "maps"]
+    assert runner.rules("filter", "INPUT") == [NODEPORTS_JUMP, "-j REJECT"]
+    # rules back (the grant off): every jump ahead of the REJECT
+    maps.grant_next = False
+    both.sync(s, NODE6, frozenset())
+    inp = runner.rules("filter", "INPUT")
+    assert inp[-1] == "-j REJECT" and NODEPORTS_JUMP in inp
+    # withdrawn again, then an earlier agent's jump at the bottom: a full resync puts it first
+    maps.grant_next = True
+    both.sync(s, NODE6, frozenset())
+    both.sync(s, NODE6, frozenset())
+    assert runner.rules("filter", "INPUT") == [NODEPORTS_JUMP, "-j REJECT"]
+    runner.tables["filter"]["INPUT"] = ["-j REJECT", NODEPORTS_JUMP]
+    both.sync(s, NODE6, None)
+    assert runner.rules("filter", "INPUT") == [NODEPORTS_JUMP, "-j REJECT"]
+
+
+def test_a_withdraw_is_one_restore_and_a_full_resync_rewrites_only_drift(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The withdraw deletes our jumps and chains and writes the ACCEPTs in one restore (atomic per
+    table: the ACCEPTs are never missing, no `-D` of its own that another process's xtables lock
+    can hold up); the periodic full resync reads the rules back and writes nothing while they are
+    as withdrawn, and repairs them when they drifted. Said once per withdrawal, not at each resync."""
+    both, _, runner, calls, _, _ = withdrawn_rig(monkeypatch)
+    s = lb_local_state()
+    result = both.sync(s, NODE6, None)
+    restores, commands = len(runner.restores), len(runner.iptables_calls)
+    with caplog.at_level("INFO", logger="agent"):
+        both.sync(s, NODE6, result.again)
+        for _ in range(3):
+            both.sync(s, NODE6, None)  # the periodic full resync
+    assert len(runner.restores) == restores + 1 and len(runner.iptables_calls) == commands
+    assert HC_ACCEPT.removeprefix("-A KUBE-NODEPORTS ") in runner.rules("filter", "KUBE-NODEPORTS")
+    assert runner.chains("nat") == {"PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"}
+    said = [r.getMessage() for r in caplog.records if r.levelname in ("INFO", "WARNING")]
+    assert sum("removed every rule of ours" in m for m in said) == 1 and not any("cleanup" in m for m in said)
+    # drift: the ACCEPT deleted behind the agent, a stray chain of ours: the full resync repairs both
+    runner.tables["filter"]["KUBE-NODEPORTS"] = []
+    runner.tables["nat"]["KUBE-MARK-MASQ"] = []
+    caplog.clear()
+    with caplog.at_level("INFO", logger="agent"):
+        both.sync(s, NODE6, None)
+    assert len(runner.restores) == restores + 2
+    assert HC_ACCEPT.removeprefix("-A KUBE-NODEPORTS ") in runner.rules("filter", "KUBE-NODEPORTS")
+    assert "KUBE-MARK-MASQ" not in runner.chains("nat")
+    assert any("changed behind the agent" in r.getMessage() for r in caplog.records)
+    # a partial sync over unchanged state does not even read the rules back
+    saves = runner.saves
+    both.sync(s, NODE6, frozenset())
+    assert runner.saves == saves and calls[-3:] == ["withdraw", "apart", "maps"]
+
+
+def test_nf_conntrack_is_read_only_on_the_way_to_withdrawn_and_flushed_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once withdrawn, no rule of ours translates a flow: `nat_live` (a walk of IPv6 nf_conntrack)
+    is not read again, and another program's translated flow does not bring the rules back. The
+    withdraw that takes the rules away flushes IPv6 nf_conntrack once (entries made under the rules
+    would otherwise be stale, INVALID to the hooks when rules return: a stalled connection)."""
+    both, maps, runner, _, ct, _ = withdrawn_rig(monkeypatch)
+    s = lb_local_state()
+    withdraw(both, s)
+    assert (ct.reads, ct.flushes) == (1, 1)
+    ct.live = True  # Docker's masquerade, say
+    for changed in (frozenset[ServicePortName](), None, frozenset[ServicePortName]()):
+        both.sync(s, NODE6, changed)
+    assert (ct.reads, ct.flushes) == (1, 1) and hooks_users(runner) == []
+    # rules back, then withdrawn again: read on the way, and flushed once more
+    maps.grant_next = False
+    both.sync(s, NODE6, frozenset())
+    maps.grant_next = True
+    ct.live = False
+    both.sync(s, NODE6, frozenset())
+    assert hooks_users(runner) != [], "the ports the grant left keep their rules one more sync"
+    both.sync(s, NODE6, frozenset())
+    assert hooks_users(runner) == [] and (ct.reads, ct.flushes) == (2, 2)
+
+
+def test_a_failing_read_or_flush_of_nf_conntrack_is_said_once_per_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read of nf_conntrack that fails keeps the rules (counted as live) and is retried at each
+    sync, the warning said again only for another error; a flush that fails still leaves the rules
+    withdrawn, and is said once too."""
+    both, _, runner, _, ct, _ = withdrawn_rig(monkeypatch)
+    s = lb_local_state()
+    result = both.sync(s, NODE6, None)
+    ct.error = OSError("netlink (fake)")
+    with caplog.at_level("WARNING", logger="agent"):
+        for _ in range(3):
+            both.sync(s, NODE6, result.again)
+        ct.error = PermissionError("denied (fake)")
+        both.sync(s, NODE6, result.again)
+    reads = [r.getMessage() for r in caplog.records if "cannot read IPv6 nf_conntrack" in r.getMessage()]
+    assert ct.reads == 4 and len(reads) == 2 and "denied" in reads[1]
+    assert any("MASQUERADE" in line for line in hooks_users(runner))
+    ct.error, ct.flush_error = None, OSError("flush (fake)")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="agent"):
+        both.sync(s, NODE6, result.again)
+    assert hooks_users(runner) == []
+    said = [r.getMessage() for r in caplog.records]
+    assert [m for m in said if "cannot delete IPv6 nf_conntrack's TCP" in m] != []
+
+
+def test_withdrawn_with_ports_the_maps_fail_restores_them_in_the_same_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The production path (nothing translated): a withdraw, then the maps fail a port, whose rules
+    come back in the same call, after the maps' sync, before it returns."""
+    both, maps, runner, calls, _, _ = withdrawn_rig(monkeypatch)
+    s = lb_local_state()
+    withdraw(both, s)
+    maps.failing = {spn("lb"): "full"}
+    calls.clear()
+    result = both.sync(s, NODE6, frozenset())
+    assert calls == ["withdraw", "apart", "maps", "restore", "apart"]
+    assert jumped_names(runner) == {"default/lb:http"} and result.failed == {spn("lb"): "full"}
+    maps.failing = {}
+    calls.clear()
+    result = both.sync(s, NODE6, frozenset())
+    assert calls == ["restore", "apart", "maps"] and result.again == {spn("lb")}
+    calls.clear()
+    both.sync(s, NODE6, result.again)
+    assert calls == ["withdraw", "apart", "maps"] and hooks_users(runner) == []
+
+
+def test_a_withdraw_that_raises_leaves_the_maps_synced_and_the_next_sync_writes_every_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A withdraw that fails (its restore refused) is a failed restore: the maps still sync, told
+    the rules are not known to keep MASQUERADE apart, the error raised after; the retry writes
+    every port (the rules in place are not known) and the one after withdraws, reading nf_conntrack
+    again on the way."""
+    both, _, runner, calls, ct, ip6 = withdrawn_rig(monkeypatch)
+    s = lb_local_state()
+    result = both.sync(s, NODE6, None)
+    ip6.fail_withdraw = 1
+    calls.clear()
+    with pytest.raises(RuntimeError, match="fake"):
+        both.sync(s, NODE6, result.again)
+    assert calls == ["withdraw", "not apart", "maps"] and ct.flushes == 0
+    calls.clear()
+    result = both.sync(s, NODE6, None)
+    assert calls == ["restore", "apart", "maps"] and jumped_names(runner) == {
+        "default/lb:http",
+        "default/kubernetes:http",
+    }
+    calls.clear()
+    both.sync(s, NODE6, result.again)
+    assert calls == ["withdraw", "apart", "maps"] and hooks_users(runner) == []
+    assert (ct.reads, ct.flushes) == (2, 1)
+
+
+def test_a_preview_that_raises_while_withdrawn_brings_the_masqueraded_ports_rules_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While withdrawn, a preview that raises counts the grant as off for that sync: the ports it
+    would leave to ip6tables get their rules in the restore before the maps; withdrawn again once the
+    preview answers (nf_conntrack read and flushed on the way)."""
+    both, maps, runner, calls, ct, _ = withdrawn_rig(monkeypatch)
+    s = lb_local_state()
+    withdraw(both, s)
+    maps.preview_error = OSError("netlink (fake)")
+    calls.clear()
+    with caplog.at_level("WARNING", logger="agent"):
+        result = both.sync(s, NODE6, frozenset())
+    assert calls == ["restore", "apart", "maps"]
+    assert jumped_names(runner) == {"default/lb:http", "default/kubernetes:http"}
+    maps.preview_error = None
+    calls.clear()
+    both.sync(s, NODE6, result.again)
+    assert calls == ["withdraw", "apart", "maps"] and hooks_users(runner) == []
+    assert (ct.reads, ct.flushes) == (2, 2)
+
+
+def test_the_first_sync_after_a_restart_from_withdrawn_writes_every_port_then_withdraws(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An agent restarted over withdrawn rules (an earlier run's): its first sync writes every port
+    (that run's maps may hand any to the stack), the next withdraws again, reading nf_conntrack and
+    flushing it on the way, and the health-check jump is first in INPUT throughout."""
+    both, _, runner, _, _, _ = withdrawn_rig(monkeypatch)
+    runner.tables["filter"]["INPUT"].append("-j REJECT")
+    s = lb_local_state()
+    withdraw(both, s)
+    withdrawn = runner.save()
+    restarted, _, _, calls, ct, _ = withdrawn_rig(monkeypatch, runner)
+    result = restarted.sync(s, NODE6, None)
+    assert calls == ["restore", "apart", "maps"] and result.again == {spn("lb"), API}
+    assert runner.rules("filter", "INPUT")[-1] == "-j REJECT"
+    calls.clear()
+    restarted.sync(s, NODE6, result.again)
+    assert calls == ["withdraw", "apart", "maps"] and (ct.reads, ct.flushes) == (1, 1)
+    assert runner.save() == withdrawn

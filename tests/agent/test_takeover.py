@@ -30,6 +30,7 @@ from agent.ebpf import abi, activity, snapshot
 from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import FakeMap, MapError, MapWriter, UpdateFlag
+from agent.keptrecords import records_path
 from agent.netns import run_in_netns
 from agent.takeover.flows import (
     IPS_ASSURED,
@@ -63,11 +64,12 @@ from agent.takeover.nfct import (
     Replaced,
     create_flows,
     delete_flows,
+    delete_tcp,
     dump_flows,
     replace_flows,
     translated_any,
 )
-from agent.takeover.out_of_ebpf import EbpfHandback
+from agent.takeover.out_of_ebpf import EbpfHandback, Holds, StackHolds
 from lab.dplab import (
     BE1,
     CLIENT,
@@ -731,16 +733,35 @@ def test_a_socket_failure_is_worded_as_one_and_counts_the_flows_not_replaced(
         assert not any(f & (CtFlag.HANDOVER | CtFlag.NFPASS) for f in flow_flags(maps, flow).values())
 
 
+@dataclasses.dataclass
+class FakeHolds:
+    """out_of_ebpf.Holds, recording: create_flows calls hold and release (kernel tests below)."""
+
+    events: list[str]
+    held: int = 0
+    passed: int = 0
+
+    def hold(self, flow: NatFlow) -> None:
+        self.events.append(f"hold {flow.orig[0]}")
+
+    def release(self, flow: NatFlow) -> None:
+        self.events.append(f"release {flow.orig[0]}")
+
+    def close(self) -> None:
+        self.events.append("close holds")
+
+
 def test_the_handback_writes_detaches_writes_the_late_flows_and_removes_the_pins(tmp_path: Path) -> None:
     pins = tmp_path / "pins"
     pins.mkdir()
     (pins / MAPS["ct_tcp"].name).touch()
     events: list[str] = []
     reads = [[CLUSTERIP], [CLUSTERIP, NODEPORT]]
+    holds = FakeHolds(events)
 
-    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Created:
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts, hold: Holds | None) -> Created:
         got = list(flows)
-        events.append(f"create {netns} {[f.orig[0] for f in got]}")
+        events.append(f"create {netns} {[f.orig[0] for f in got]} {'held' if hold is holds else hold}")
         return Created(created=len(got))
 
     handback = EbpfHandback(
@@ -749,16 +770,17 @@ def test_the_handback_writes_detaches_writes_the_late_flows_and_removes_the_pins
         create=create,
         detach=lambda netns: events.append(f"detach {netns}") or ["eth0"],  # type: ignore[func-returns-value]
         remove_pins=lambda pin_path: events.append("remove pins") or ["ekp_ct_tcp_v2"],  # type: ignore[func-returns-value]
-        hold=lambda pin_path, flows: events.append(f"hold {[f.orig[0] for f in flows]}") or 0,  # type: ignore[func-returns-value]
+        holds=lambda pin_path: holds,
     )
     assert handback.pending
     handback.run()
     assert events == [
-        f"hold {[POD_CLIENT]}",  # a flow to the node's own address among them stops translating
-        f"create node1 {[POD_CLIENT]}",
-        "create node1 []",  # none refused: no second round
+        # each flow the stack tracks is held around its own write, then passed to its NAT entry
+        f"create node1 {[POD_CLIENT]} held",
+        "create node1 [] held",  # none refused: no second round
+        "close holds",
         "detach node1",
-        f"create node1 {[CLIENT]}",
+        f"create node1 {[CLIENT]} None",  # the programs are gone: nothing to hold
         "remove pins",
     ]
 
@@ -775,17 +797,19 @@ def test_the_handback_removes_the_planner_the_ebpf_agent_left_with_the_pins(tmp_
     planner.write_bytes(b"a planner")
     other = Path(snapshot.snapshot_path(str(run), str(tmp_path / "other-pins")))  # another agent's
     other.write_bytes(b"another pin path's planner")
+    records = Path(records_path(str(run), str(pins)))
+    records.write_bytes(b"the model's records")
     handback = EbpfHandback(
         Config(netns="node1", pin_path=str(pins)),
         read=lambda pin_path: [],
-        create=lambda netns, flows, timeouts: Created(),
+        create=lambda netns, flows, timeouts, hold: Created(),
         detach=lambda netns: [],
         remove_pins=lambda pin_path: [],
-        hold=lambda pin_path, flows: 0,
+        holds=lambda pin_path: FakeHolds([]),
         snapshot_dir=str(run),
     )
     handback.run()
-    assert not planner.exists()
+    assert not planner.exists() and not records.exists()
     assert other.exists()
 
 
@@ -798,7 +822,7 @@ def test_flows_whose_write_was_refused_are_written_again_before_and_after_the_de
     # its deletion and the write: refused (EEXIST), once for NODEPORT, twice for CLUSTERIP
     refusals = [[CLUSTERIP, NODEPORT], [CLUSTERIP], []]
 
-    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts) -> Created:
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts, hold: Holds | None) -> Created:
         got = list(flows)
         events.append(("create", [f.orig for f in got]))
         taken = refusals.pop(0)
@@ -810,7 +834,7 @@ def test_flows_whose_write_was_refused_are_written_again_before_and_after_the_de
         create=create,
         detach=lambda netns: events.append(("detach", [])) or ["eth0"],  # type: ignore[func-returns-value]
         remove_pins=lambda pin_path: [],
-        hold=lambda pin_path, flows: 0,
+        holds=lambda pin_path: FakeHolds([]),
     )
     handback.run()
     assert events == [
@@ -825,7 +849,7 @@ def test_no_handback_without_an_ebpf_conntrack(tmp_path: Path) -> None:
     handback = EbpfHandback(
         Config(pin_path=str(tmp_path / "none")),
         read=lambda pin_path: pytest.fail("nothing to read"),
-        create=lambda netns, flows, timeouts: pytest.fail("nothing to write"),
+        create=lambda netns, flows, timeouts, hold: pytest.fail("nothing to write"),
     )
     assert not handback.pending
     handback.run()
@@ -1133,6 +1157,99 @@ def test_the_handback_reads_the_tc_ipv6_paths_pinned_flows(dp: Datapath) -> None
     dp.maps["ct_tcp"].update(fkey, fwd)
     assert {f.orig for f in pinned_flows(dp.pin_path)} == {CLUSTERIP.orig, NODEPORT6.orig}
     reset_maps(dp)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("routing", list(HostRouting))
+def test_a_handed_back_flow_the_stack_tracks_is_held_for_its_write_then_passed_to_its_nat_entry(
+    dp: Datapath, routing: HostRouting
+) -> None:
+    """Out of eBPF mode (out_of_ebpf.StackHolds): under legacy host routing a flow whose source is
+    not translated is held while its NAT entry replaces the plain one (its forward packets drop),
+    then passed to it (both directions untranslated: that entry translates them). Translated once
+    the NAT entry is written, a forward packet would reach the stack as client -> backend, whose
+    reply tuple that entry holds: the stack's NAT gives it another source port, and the backend's
+    answer reaches the client from the backend's own address. A masqueraded flow (its plain entry
+    holds no tuple of its NAT entry), and any pod flow under bpf host routing, goes on translated."""
+    legacy = routing is HostRouting.LEGACY
+    with packet_lab() as lab:
+        reset_maps(dp)
+        if legacy:
+            set_config(dp, flags=abi.ConfigFlag.HOST_LEGACY)
+        net = Net(dp, lab)
+        net.add_service(backends=((21, BE1, 8080, BackendFlag.LOCAL),), svc_id=3)
+        net.add_service(
+            NODE,
+            30080,
+            ((22, REMOTE_BE, 8080, 0),),
+            scope=Scope.EXTERNAL,
+            flags=FrontendFlag.NODEPORT | FrontendFlag.SNAT_ALL,
+            set_id=2,
+            svc_id=4,
+            rev_nat_id=2,
+        )
+        for flow in (CLUSTERIP, NODEPORT):
+            for key, entry in ebpf_entries(flow, IDS, time.monotonic_ns()):
+                dp.maps["ct_tcp"].update(key, entry)
+        activity.arm(dp.maps)  # the flows stamped, as the agent that made them had them
+        segment = tcp(POD_CLIENT, VIP, 40000, 80, flags="PA")
+        reply = tcp(BE1, POD_CLIENT, 8080, 40000, flags="PA")
+        masqueraded = tcp(CLIENT, NODE, 5555, 30080, flags="PA", smac=MAC[CLIENT])
+        holds = StackHolds(dp.pin_path)
+        try:
+            holds.hold(CLUSTERIP)
+            holds.hold(NODEPORT)
+            while_held = leaving(dp, *net.from_pod(segment))
+            masq_held = leaving(dp, *net.from_net(masqueraded))
+            holds.release(CLUSTERIP)
+            holds.release(NODEPORT)
+            out = leaving(dp, *net.from_pod(segment))
+            back = leaving(dp, *net.from_pod(reply))
+        finally:
+            holds.close()
+        translated = (POD_CLIENT, 40000, BE1, 8080)
+        assert masq_held == (NODE, 61000, REMOTE_BE, 8080)
+        assert (holds.held, holds.passed) == ((1, 1) if legacy else (0, 0))
+        if legacy:
+            assert net.stats()[Stat.DROP_HANDOVER] == 1
+            assert out == (POD_CLIENT, 40000, VIP, 80)  # to the NAT entry, untranslated
+            assert back == (BE1, 8080, POD_CLIENT, 40000)  # the NAT entry gives it the ClusterIP
+        else:
+            assert while_held == translated and out == translated
+            assert back == (VIP, 80, POD_CLIENT, 40000)
+        reset_maps(dp)
+
+
+@pytest.mark.kernel
+def test_create_flows_holds_each_flow_from_before_the_plain_entry_goes_until_its_own_is_written(
+    netns: str,
+) -> None:
+    """At `hold` the plain entry the stack tracked the flow under is still there, at `release` the
+    NAT entry is; a flow whose write was refused is not released (it stays held until the detach)."""
+    t = Timeouts()
+    plain = stack_flow(CLUSTERIP)
+    assert create_flows(netns, [plain], t).created == 1
+    seen: list[tuple[str, bool, bool]] = []
+
+    def entries_now() -> tuple[bool, bool]:
+        """(the plain entry is there, the NAT entry is there)"""
+        listed = sh("ip", "netns", "exec", netns, "conntrack", "-L", "-p", "tcp")
+        return f"dst={BE1} sport=40000 dport=8080 " in listed, [f.orig for f in dump_flows(netns)] == [
+            CLUSTERIP.orig
+        ]
+
+    class Recorder:
+        def hold(self, flow: NatFlow) -> None:
+            seen.append(("hold", *entries_now()))
+
+        def release(self, flow: NatFlow) -> None:
+            seen.append(("release", *entries_now()))
+
+    assert create_flows(netns, [CLUSTERIP], t, clear_first=stack_flow, hold=Recorder()).created == 1
+    assert seen == [("hold", True, False), ("release", False, True)]
+    seen.clear()
+    refused = create_flows(netns, [CLUSTERIP], t, hold=Recorder())
+    assert refused.taken == [CLUSTERIP] and seen == [("hold", False, True)]
 
 
 @pytest.mark.kernel
@@ -1702,3 +1819,53 @@ def test_translated_any_sees_an_ipv6_entry_with_either_translation_and_no_other(
     assert not translated_any(netns, socket.AF_INET6)
     assert create_flows(netns, [NODEPORT6], t).created == 1
     assert translated_any(netns, socket.AF_INET6), "a destination translation"
+
+
+@pytest.mark.kernel
+def test_translated_any_checks_the_status_bit_itself_where_the_kernel_ignores_the_filter(
+    netns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel before 5.15 ignores a dump's status filter and returns every entry: an untranslated
+    IPv6 entry must not count as translated there (the rules would never be withdrawn)."""
+    plain = NatFlow(
+        6, ("fd00:a:1::5", "fd00:a:2::7", 40000, 8080), ("fd00:a:2::7", "fd00:a:1::5", 8080, 40000)
+    )
+    assert create_flows(netns, [plain], Timeouts()).created == 1
+    unfiltered = NFCTSocket.dump
+
+    def old_kernel(self: NFCTSocket, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("status", None)
+        kwargs.pop("status_mask", None)
+        return unfiltered(self, *args, **kwargs)
+
+    monkeypatch.setattr(NFCTSocket, "dump", old_kernel)
+    assert not translated_any(netns, socket.AF_INET6)
+    assert create_flows(netns, [NODEPORT6], Timeouts()).created == 1
+    assert translated_any(netns, socket.AF_INET6)
+
+
+@pytest.mark.kernel
+def test_forgetting_ipv6_deletes_its_tcp_entries_and_keeps_udp_and_ipv4s(netns: str) -> None:
+    """EbpfAndIp6tables `forget` (agent/app.py forget6): after ip6tables' rules are withdrawn the
+    IPv6 TCP entries go, translated or not; an IPv6 UDP entry stays (an answer on its way must not
+    turn NEW), and IPv4's nf_conntrack (its own proxier's) is not touched."""
+    plain = NatFlow(
+        6, ("fd00:a:1::5", "fd00:a:2::7", 40000, 8080), ("fd00:a:2::7", "fd00:a:1::5", 8080, 40000)
+    )
+    lookup = NatFlow(
+        17, ("fd00:a:1::5", "fd00:a:2::53", 40001, 53), ("fd00:a:2::53", "fd00:a:1::5", 53, 40001)
+    )
+    assert create_flows(netns, [CLUSTERIP, plain, NODEPORT6, lookup], Timeouts()).created == 4
+    assert delete_tcp(netns, socket.AF_INET6) == 2
+
+    def left(family: int) -> list[int]:
+        def run() -> list[int]:
+            with NFCTSocket(nfgen_family=family) as ct:
+                return sorted(
+                    int(m.get_attr("CTA_TUPLE_ORIG").get_attr("CTA_TUPLE_PROTO").get_attr("CTA_PROTO_NUM"))
+                    for m in ct.dump()
+                )
+
+        return run_in_netns(netns, run)
+
+    assert (left(socket.AF_INET), left(socket.AF_INET6)) == ([CLUSTERIP.proto], [17])

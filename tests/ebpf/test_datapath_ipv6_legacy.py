@@ -29,11 +29,12 @@ from lab.dplab import (
     add_service6,
     set_config,
 )
-from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT
+from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
 from tests.ebpf.test_datapath_icmp6 import error6, error_about
 from tests.ebpf.test_datapath_ipv6 import (  # noqa: F401 (`lab`: the IPv6 packet lab, a fixture)
     LOCAL_BE,
     ct6,
+    ct6_key,
     frame6,
     lab,
     seen,
@@ -284,3 +285,47 @@ def test_under_legacy_routing_a_reset_or_error_without_a_stack_reply_tuple_leave
     error = error_about(frame6(POD6, BE6, 40041, 8080), NODE6, "port-unreachable")
     assert net.to_pod(error) == (TC_ACT_OK, error)
     assert net.stats() == before
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["held", "hold-expired"])
+def test_a_flow_handed_to_nf_conntrack_drops_while_held_then_passes_both_ways(net: Net, late: bool) -> None:
+    """Out of eBPF mode (agent/takeover/out_of_ebpf.py, StackHolds), as IPv4's ekp_ct_nf_held:
+    while the flow's NAT entry replaces the plain one the stack tracked it under (HANDOVER) a
+    forward packet drops, where translated it would take another source port from the stack's NAT
+    and its reply would reach the client from the backend's own address; once that entry is there
+    (NFPASS) both directions pass untranslated, for it to translate. A flag EKP_CT_HANDOVER_S old
+    (an agent that died in between) holds no more: translated as before."""
+    legacy(net)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE)
+    assert net.from_pod(frame6(POD6, VIP6, 40000, 80))[0] == TC_ACT_OK  # the SYN makes the flow
+    table = net.dp.maps["ct6_tcp"]
+    keys = [ct6_key(POD6, VIP6, 40000, 80), ct6_key(BE6, POD6, 8080, 40000, reply=True)]
+
+    def flag(add: int, clear: int) -> None:
+        for key in keys:
+            entry = table.lookup(key)
+            assert isinstance(entry, abi.Ct6Entry)
+            entry.flags = (entry.flags | add) & ~clear
+            if late:
+                entry.created_s -= abi.CT_HANDOVER_S
+            table.update(key, entry)
+
+    segment = frame6(POD6, VIP6, 40000, 80, flags="PA")
+    reply = frame6(BE6, POD6, 8080, 40000, flags="PA")
+    flag(CtFlag.HANDOVER, 0)
+    held = net.from_pod(segment)[0]
+    flag(CtFlag.NFPASS, CtFlag.HANDOVER)
+    forward, out = net.from_pod(segment)
+    backward, back = net.from_pod(reply)
+    assert (forward, backward) == (TC_ACT_OK, TC_ACT_OK)
+    _, _, dst, _, _, dport, _ = seen(out)
+    _, src, _, sport, _, _, _ = seen(back)
+    assert (src, sport) == (BE6, 8080)  # at ingress either way: a reply gets its frontend at egress
+    if late:
+        assert held == TC_ACT_OK and net.stats()[Stat.DROP_HANDOVER] == 0
+        assert (dst, dport) == (BE6, 8080)
+        assert hostnat6(net) != {}, "the frontend left for egress to give the reply"
+    else:
+        assert held == TC_ACT_SHOT and net.stats()[Stat.DROP_HANDOVER] == 1
+        assert (dst, dport) == (VIP6, 80), "untranslated: the NAT entry's to translate"
+        assert hostnat6(net) == {}, "no frontend left for egress to give the reply: the NAT entry's"

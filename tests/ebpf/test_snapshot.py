@@ -19,6 +19,7 @@ from agent.ebpf import EbpfProxier, snapshot
 from agent.ebpf.abi import FrontendKey, Scope, ip_be, port_be
 from agent.ebpf.planner import ROLES
 from agent.ebpf.render import render_contents
+from agent.keptrecords import records_path
 from agent.model.types import ProxyState
 from tests.ebpf.support import NODE
 from tests.ebpf.test_proxier import MORE, STATE, Rig, bpffs, cgroup, live, node_ns, small_sizes
@@ -243,8 +244,10 @@ def test_cleanup_removes_the_planner_left_for_the_next_start(tmp_path: Path) -> 
     history(rig)
     path = snapshot.snapshot_path(str(rig.snapshot_dir), rig.config.pin_path)
     assert os.path.exists(path)
+    records = Path(records_path(str(rig.snapshot_dir), rig.config.pin_path))  # agent.keptrecords'
+    records.write_bytes(b"the model's records")
     rig.proxier().cleanup()
-    assert not os.path.exists(path)
+    assert not os.path.exists(path) and not records.exists()
 
 
 def test_on_a_real_data_path_a_clean_stop_leaves_the_planner_and_the_restart_takes_it(

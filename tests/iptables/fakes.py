@@ -1,7 +1,8 @@
 """A fake IptablesRunner: an in-memory iptables that understands what the proxier and cleanup use.
 
 It keeps tables -> chains -> rule texts and applies iptables-restore --noflush input the way the
-kernel does: a `:CHAIN` line creates or flushes, `-A` appends, `-X` deletes an unreferenced chain,
+kernel does: a `:CHAIN` line creates or flushes, `-A` appends, `-I CHAIN [n]` inserts, `-D` deletes
+the first rule of that spec, `-X` deletes an unreferenced chain,
 all or nothing per call; rule lines containing a string of `refuse` fail the restore (and --test),
 as a kernel refusing a rule would. It answers `-N/-C/-I/-A/-D/-X` commands and renders
 iptables-save output. Other commands are recorded and answered from `responses`; `sysctl -n/-w`
@@ -13,6 +14,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable, Iterable, Sequence
 
+from agent.iptables.canonical import canonical_rule
 from agent.iptables.runner import IptablesError, Result
 
 BUILTIN = {
@@ -89,6 +91,21 @@ class FakeRunner:
                 if target.startswith("KUBE-") and target not in table:
                     raise IptablesError(f"fake restore: jump to missing chain {target}")
                 table[chain].append(rest)
+            elif line.startswith("-D "):
+                chain, _, rest = line[3:].partition(" ")
+                want = canonical_rule(rest)
+                hit = next((i for i, r in enumerate(table.get(chain, [])) if canonical_rule(r) == want), None)
+                if hit is None:
+                    raise IptablesError(f"fake restore: -D {chain}: no such rule {rest!r}")
+                del table[chain][hit]
+            elif line.startswith("-I "):
+                chain, _, rest = line[3:].partition(" ")
+                at, _, spec = rest.partition(" ")
+                if not at.isdigit():
+                    at, spec = "1", rest
+                if chain not in table:
+                    raise IptablesError(f"fake restore: no chain {chain}")
+                table[chain].insert(int(at) - 1, spec)
             elif line.startswith("-X "):
                 chain = line[3:].strip()
                 if chain not in table:

@@ -182,6 +182,47 @@ def test_ip6tables_takes_a_masquerade_kept_out_of_the_bpf_snat_ports_and_reads_i
     assert not masquerade6_kept_out(ebpf6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ip6tables_withdrawn_to_the_health_check_accepts_keeps_its_jump_ahead_of_a_reject(
+    netns: str, backend: str
+) -> None:
+    """eBPF mode's withdrawn ip6tables (agent/iptables/proxier.py `withdraw`): the kernel takes the
+    one restore that deletes our jumps (`-D`), inserts INPUT's jump first (`-I INPUT 1`) and writes
+    the ACCEPTs; a node's `-A INPUT -j REJECT` stays after the jump, there and once the rules are
+    back; read back, the withdrawn rules are what `withdrawal` wants (no rewrite at a resync)."""
+    from agent.config import HostRouting, Mode
+    from agent.iptables.cleanup import withdrawal
+    from agent.iptables.rules import health_check_accepts
+
+    st, node, config = case_inputs("ipv6-loadbalancer-local")
+    ebpf6 = replace(
+        config, mode=Mode.EBPF, bpf_host_routing=HostRouting.BPF, netns=netns, iptables_backend=backend
+    )
+    sh("ip", "netns", "exec", netns, f"ip6tables-{backend}", "-w", "5", "-A", "INPUT", "-j", "REJECT")
+    p = IptablesProxier(ebpf6, family=IPFamily.IPv6)
+    p.sync(st, node)
+    p.withdraw(st, full=False)
+    saved = save(netns, backend, "ip6tables")
+    accepts = health_check_accepts(st, 6)
+    held = [
+        canonical.canonical_rule(r.removeprefix("-A KUBE-NODEPORTS "))
+        for r in rules_of(saved, "KUBE-NODEPORTS")
+    ]
+    assert accepts and held == [canonical.canonical_rule(a) for a in accepts]
+    assert rules_of(saved, "INPUT") == [
+        '-A INPUT -m comment --comment "kubernetes health check service ports" -j KUBE-NODEPORTS',
+        "-A INPUT -j REJECT --reject-with icmp6-port-unreachable",
+    ]
+    assert "conntrack" not in saved and not [
+        line for line in saved.splitlines() if line.startswith(":KUBE-SVC")
+    ]
+    assert withdrawal(canonical.parse(saved), accepts) == ""
+    p.withdraw(st, full=True)
+    assert save(netns, backend, "ip6tables") == saved
+    p.sync(st, node)
+    assert rules_of(save(netns, backend, "ip6tables"), "INPUT")[-1].startswith("-A INPUT -j REJECT")
+
+
 def test_stale_udp_conntrack_entries_are_deleted_and_serving_ones_kept(netns: str) -> None:
     def insert(reply_src: str, sport: int) -> None:
         sh(

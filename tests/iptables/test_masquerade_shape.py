@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from agent.config import Config, HostRouting, Mode
 from agent.iptables.masquerade_shape import masquerade_kept_out
 from agent.iptables.rules import RenderOptions, render
@@ -42,20 +44,67 @@ def test_ebpf_modes_rules_keep_masquerade_out_and_full_ones_do_not() -> None:
     def rendered(config: Config) -> str:
         return render(state(), NODE, RenderOptions.from_config(config, family=IPFamily.IPv6)).text
 
-    assert masquerade_kept_out(rendered(ebpf6), SNAT)
-    assert not masquerade_kept_out(rendered(replace(ebpf6, mode=Mode.IPTABLES)), SNAT)
-    assert not masquerade_kept_out(rendered(ebpf6), (1024, 2047)), "rendered for another range"
+    assert masquerade_kept_out(rendered(ebpf6), SNAT, elsewhere=none)
+    assert not masquerade_kept_out(rendered(replace(ebpf6, mode=Mode.IPTABLES)), SNAT, elsewhere=none)
+    assert not masquerade_kept_out(rendered(ebpf6), (1024, 2047), elsewhere=none), (
+        "rendered for another range"
+    )
     tcp = f"-p tcp {COMMENT} -j MASQUERADE --to-ports 1024-60999 --random-fully"
     udp = f"-p udp {COMMENT} -j MASQUERADE --to-ports 1024-60999 --random-fully"
     rest = f"{COMMENT} -j MASQUERADE --random-fully"
-    assert masquerade_kept_out(saved(tcp, udp, rest), SNAT)
-    assert masquerade_kept_out(saved(udp, f"-p sctp {COMMENT} -j MASQUERADE", tcp, rest), SNAT)
-    assert not masquerade_kept_out(saved(rest), SNAT), "kube-proxy's or iptables mode's: every port"
-    assert not masquerade_kept_out(saved(tcp, rest, udp), SNAT), "UDP reaches the catch-all first"
-    assert not masquerade_kept_out(saved(tcp, udp.replace("60999", "61000")), SNAT)
-    assert not masquerade_kept_out(saved(tcp.replace("-p tcp", "-p tcp -s fd00::/8"), udp, rest), SNAT)
-    assert not masquerade_kept_out(saved(tcp.replace("-p tcp", "! -p udp"), udp, rest), SNAT)
-    assert not masquerade_kept_out(saved(tcp.replace(" --to-ports 1024-60999", ""), udp, rest), SNAT)
-    assert not masquerade_kept_out("", SNAT), "no nat table"
+    assert masquerade_kept_out(saved(tcp, udp, rest), SNAT, elsewhere=none)
+    assert masquerade_kept_out(
+        saved(udp, f"-p sctp {COMMENT} -j MASQUERADE", tcp, rest), SNAT, elsewhere=none
+    )
+    assert not masquerade_kept_out(saved(rest), SNAT, elsewhere=none), (
+        "kube-proxy's or iptables mode's: every port"
+    )
+    assert not masquerade_kept_out(saved(tcp, rest, udp), SNAT, elsewhere=none), (
+        "UDP reaches the catch-all first"
+    )
+    assert not masquerade_kept_out(saved(tcp, udp.replace("60999", "61000")), SNAT, elsewhere=none)
+    assert not masquerade_kept_out(
+        saved(tcp.replace("-p tcp", "-p tcp -s fd00::/8"), udp, rest), SNAT, elsewhere=none
+    )
+    assert not masquerade_kept_out(saved(tcp.replace("-p tcp", "! -p udp"), udp, rest), SNAT, elsewhere=none)
+    assert not masquerade_kept_out(
+        saved(tcp.replace(" --to-ports 1024-60999", ""), udp, rest), SNAT, elsewhere=none
+    )
+    assert not masquerade_kept_out("", SNAT, elsewhere=none), "no nat table"
     # eBPF mode's ip6tables with no port left (EbpfAndIp6tables withdraw): the built-in chains alone
-    assert masquerade_kept_out("*nat\n:PREROUTING ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\nCOMMIT\n", SNAT)
+    withdrawn = "*nat\n:PREROUTING ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\nCOMMIT\n"
+    assert masquerade_kept_out(withdrawn, SNAT, elsewhere=none)
+    # ... unless another proxy's IPv6 rules masquerade (kube-proxy's `ip6 kube-proxy` nftables table,
+    # a KUBE-POSTROUTING in the other iptables backend): not eBPF mode's withdrawn node
+    assert not masquerade_kept_out(withdrawn, SNAT, elsewhere=lambda: True)
+
+
+def none() -> bool:
+    """No IPv6 rules masquerade besides those of the nat table read (masquerade_kept_out `elsewhere`)."""
+    return False
+
+
+def test_ipv6_masquerade_elsewhere_sees_kube_proxys_ip6_table_and_the_other_backends_rules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restart over a nat table without KUBE-POSTROUTING keeps the pinned IPv6 SNAT grant only when
+    no `ip6 kube-proxy` nftables table and no KUBE-POSTROUTING in the other backend masquerade."""
+    from agent.app import ipv6_masquerade_elsewhere
+    from agent.iptables.runner import Result
+    from tests.iptables.fakes import FakeRunner
+
+    config = Config(mode=Mode.EBPF, cluster_cidr=("fd00:10:244::/56",), iptables_backend="nft")
+    tables = ["table ip filter"]
+    runner = FakeRunner()
+    runner.responses["nft"] = lambda argv: Result(0, "\n".join(tables) + "\n", "")
+    other = FakeRunner()
+    monkeypatch.setattr("agent.app.shutil.which", lambda name: f"/usr/sbin/{name}")
+    monkeypatch.setattr(
+        "agent.iptables.runner.SubprocessRunner.save", lambda self, table=None: other.save(table)
+    )
+    assert not ipv6_masquerade_elsewhere(config, runner)
+    tables.append("table ip6 kube-proxy")
+    assert ipv6_masquerade_elsewhere(config, runner)
+    tables.pop()
+    other.tables["nat"]["KUBE-POSTROUTING"] = ["-j MASQUERADE"]
+    assert ipv6_masquerade_elsewhere(config, runner)
