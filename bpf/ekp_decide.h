@@ -535,10 +535,17 @@ static __always_inline void ekp_decide_local_packet(struct ekp_work *w, int pars
 	const struct ekp_config *cfg = ekp_config_get();
 	if (!cfg)
 		return;
-	if (parsed != EKP_PARSE_ICMP_ERR && ekp_act_armed() &&
-	    ekp_act_idle(p->saddr, p->sport, p->proto, ekp_act_stamp_of(bpf_ktime_get_coarse_ns()),
-			 ekp_ct_longest_stamps(cfg, p->proto)))
-		return;
+	/* A reply's source is a flow's endpoint (the backend, or a host backend's port). Under legacy
+	 * host routing so is the destination of the stack's own RST toward a backend about a SNAT
+	 * flow's reply (client -> backend, the tuple the stack saw: ekp_decide_stack_reply), whose
+	 * source, the client, is no endpoint: checked too, or such a RST skipped the lookups. */
+	if (parsed != EKP_PARSE_ICMP_ERR && ekp_act_armed()) {
+		__u32 t = ekp_act_stamp_of(bpf_ktime_get_coarse_ns());
+		__u32 span = ekp_ct_longest_stamps(cfg, p->proto);
+		if (ekp_act_idle(p->saddr, p->sport, p->proto, t, span) &&
+		    (!(cfg->flags & EKP_CFG_HOST_LEGACY) || ekp_act_idle(p->daddr, p->dport, p->proto, t, span)))
+			return;
+	}
 	__u64 now = bpf_ktime_get_ns();
 	if (parsed == EKP_PARSE_ICMP_ERR) {
 		ekp_decide_related(p, cfg, now, d);

@@ -604,10 +604,18 @@ static __always_inline int ekp_tc6_local(struct __sk_buff *skb)
 	const struct ekp_config *cfg = ekp_config_get();
 	if (!cfg)
 		return TC_ACT_OK;
-	if (ekp_act_armed() && ekp_act_idle(ekp_fold6(p->saddr), p->b.sport, p->b.proto,
-					    ekp_act_stamp_of(bpf_ktime_get_coarse_ns()),
-					    ekp_ct_longest_stamps(cfg, p->b.proto)))
-		return TC_ACT_OK;
+	/* A reply's source is a flow's endpoint (the backend, or a host backend's port). Under legacy
+	 * host routing so is the destination of the stack's own RST toward a backend about a
+	 * masqueraded reply (client -> backend, the tuple the stack saw: ekp_tc6_stack_reply), whose
+	 * source, the client, is no endpoint: checked too, or such a RST skipped the lookups. */
+	if (ekp_act_armed()) {
+		__u32 t = ekp_act_stamp_of(bpf_ktime_get_coarse_ns());
+		__u32 span = ekp_ct_longest_stamps(cfg, p->b.proto);
+		if (ekp_act_idle(ekp_fold6(p->saddr), p->b.sport, p->b.proto, t, span) &&
+		    (!(cfg->flags & EKP_CFG_HOST_LEGACY) ||
+		     ekp_act_idle(ekp_fold6(p->daddr), p->b.dport, p->b.proto, t, span)))
+			return TC_ACT_OK;
+	}
 	__u64 now = bpf_ktime_get_ns();
 	struct ekp_ct6_key *k = &w->key;
 	__builtin_memset(k, 0, sizeof(*k));

@@ -142,10 +142,33 @@ class WideMap:
 Frontends6 = dict[tuple[str, int, int], int]
 
 
+def carry6_guarded(carry: Callable[[], None]) -> None:
+    """Runs the first IPv6 sync's carry of nf_conntrack's IPv6 UDP flows (`_FirstFrontends`, and
+    EbpfProxier.sync6 when that sync writes no frontend) so that nothing it raises stops the sync:
+    raised through the flush, it reset the planner, and every later IPv6 sync (each a first one
+    again) failed the same way, the frontends never written. Losing the carry costs those flows
+    their backend at worst; losing the frontends costs the tc IPv6 path."""
+    try:
+        carry()
+    except Exception:
+        log.warning(
+            "IPv6 UDP flows not carried from nf_conntrack at the first IPv6 sync (a bug, please report"
+            " the traceback below): their next datagrams may reach another backend; the IPv6"
+            " frontends are written all the same",
+            exc_info=True,
+        )
+
+
 class _FirstFrontends(WideMap):
     """ekp_fe6 as the planner writes it, calling `hook` once with the frontends of the first write,
     before it (`Ipv6Datapath.sync`'s `before_frontends`). The writer writes ekp_fe6 last (writer.py's
-    WRITE_ORDER), so the backends and memberships of those frontends are in their maps then."""
+    WRITE_ORDER), so the backends and memberships of those frontends are in their maps then.
+    The hook sees that one batch, not what the sync finally writes: on a map that held none it is
+    every frontend, but a frontend the write then refuses (ekp_fe6 full: it is taken back out, the
+    service port failed) was seen, and one the writer's retry pass writes later was not (its
+    flows are carried by no one: tc decides them as new). A flow carried for a frontend then taken
+    back out keeps its ekp_ct6_any entries (its backend) until they expire.
+    Whatever the hook raises is logged, and the write goes on (`carry6_guarded`)."""
 
     def __init__(self, wide: WideMap, hook: Callable[[Frontends6], None]) -> None:
         super().__init__(wide.role, wide.inner, wide.handles)
@@ -154,7 +177,7 @@ class _FirstFrontends(WideMap):
     def update_packed(self, keys: bytes, values: bytes) -> int:
         if self._hook is not None:
             hook, self._hook = self._hook, None
-            hook(self._frontends(keys, values))
+            carry6_guarded(lambda: hook(self._frontends(keys, values)))
         return super().update_packed(keys, values)
 
     def _frontends(self, keys: bytes, values: bytes) -> Frontends6:

@@ -57,7 +57,7 @@ from agent.ebpf import abi, activity, snapshot
 from agent.ebpf.abi import HandoverMode, Stat
 from agent.ebpf.attach import PROG_EGRESS, PROG_FROM_NET, PROG_FROM_POD, Attacher, HandoverState, detach_all
 from agent.ebpf.codec import KEYS, VALUES, Value
-from agent.ebpf.family6 import Frontends6, Ipv6Datapath, config6_of
+from agent.ebpf.family6 import Frontends6, Ipv6Datapath, carry6_guarded, config6_of
 from agent.ebpf.maglev_writer import MaglevWriter
 from agent.ebpf.maps import MapWriter, read_config, read_config6, read_stats, write_config, write_config6
 from agent.ebpf.plan import MapContents, planner_contents, read_contents
@@ -549,7 +549,7 @@ class EbpfProxier:
                 # write (`carry`), or now if it wrote none there.
                 self._synced6_attached = True
                 if not carried:
-                    self._upgrade.after_first_sync6(datapath.maps)
+                    carry6_guarded(lambda: self._upgrade.after_first_sync6(datapath.maps))
             if self._terminator is not None and self._v6.last_flush.deletes.get("member"):
                 self._end_stale_sockets()
             return result

@@ -144,13 +144,13 @@ def ebpf_ids6(
 ) -> EbpfIds:
     """`ebpf_ids` for IPv6 flows, from the IPv6 maps (ekp_fe6, ekp_be6). Read entry by entry: only
     when there is an IPv6 flow to carry (the tc IPv6 path's UDP, `_carry6`), seldom many.
-    `pending`: frontends about to be written into ekp_fe6 (their svc_id), found as if written."""
+    `pending`: frontends about to be written into ekp_fe6 (their svc_id), found as if written: over
+    what ekp_fe6 holds, as the write will be (a Service recreated on the same address while no
+    agent ran has a new svc_id; the pinned entry's is stale)."""
     flows = list(flows)
     fronts = {(f.orig[1], f.orig[3], f.proto) for f in flows}
     backs = {(f.reply[0], f.reply[2], f.proto) for f in flows}
-    services: dict[tuple[str, int, int], int] = {
-        front: svc for front, svc in (pending or {}).items() if front in fronts
-    }
+    services: dict[tuple[str, int, int], int] = {}
     backends: dict[tuple[str, int, int], int] = {}
     if fronts:
         for key, value in maps["fe6"].items():
@@ -158,6 +158,7 @@ def ebpf_ids6(
                 front = (abi.ip6_str(key.addr), abi.port_host(key.port), key.proto)
                 if front in fronts:
                     services[front] = value.svc_id
+        services.update((front, svc) for front, svc in (pending or {}).items() if front in fronts)
         for bkey, backend in maps["be6"].items():
             if isinstance(bkey, abi.BackendKey) and isinstance(backend, abi.Backend6):
                 back = (abi.ip6_str(backend.addr), abi.port_host(backend.port), backend.proto)
@@ -517,8 +518,13 @@ class KernelTakeover:
         if not self._config.tc_ipv6:
             return
         self._stack6 = {}
+        when = (
+            "after the first IPv6 sync, which wrote no IPv6 frontend"
+            if frontends is None
+            else "before the first IPv6 sync wrote the IPv6 frontends"
+        )
         try:
-            self._carry6(maps, "before the first IPv6 sync wrote the IPv6 frontends", frontends)
+            self._carry6(maps, when, frontends)
         except MapError as exc:
             log.warning(
                 "carrying the IPv6 UDP flows ip6tables translated at the first IPv6 sync failed (%s):"
@@ -684,7 +690,17 @@ class KernelTakeover:
         if not flows:
             return []
         ids = ebpf_ids6(maps, flows, pending)
-        node = self._addresses(netns)
+        try:
+            node = self._addresses(netns)
+        except (OSError, NetlinkError) as exc:
+            log.warning(
+                "cannot read the node's addresses in netns %s (%s): the %d UDP flows ip6tables translated"
+                " are not carried into the tc IPv6 path, whose next datagrams may reach another backend",
+                netns or "(own)",
+                exc,
+                len(flows),
+            )
+            return []
         carried: list[NatFlow] = []
         stamped: list[tuple[abi.Ct6Key, abi.Ct6Entry]] = []
         inserted = skipped = 0
@@ -710,7 +726,18 @@ class KernelTakeover:
         if stamped and "act" in maps:
             # After the start armed the activity check (a first IPv6 sync): stamped here, or the
             # flow's replies skip the lookups until a refresh (about 1 s of them in the lab's switch)
-            activity.stamp6(maps["act"], stamped)
+            try:
+                activity.stamp6(maps["act"], stamped)
+            except MapError as exc:
+                log.warning(
+                    "cannot stamp the endpoints of the %d IPv6 UDP flows carried (%s) for the activity"
+                    " check (%s): the flows are carried, but their replies may leave from the backend's"
+                    " own address for about a second, until the next refresh of %s",
+                    len(carried),
+                    when,
+                    exc,
+                    maps["act"].spec.name,
+                )
         log.info(
             "took over IPv6 UDP flows from nf_conntrack (%s): %d carried into the tc IPv6 path's conntrack"
             " (%d entries new), %d left to ip6tables",

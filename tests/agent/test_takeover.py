@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import errno
 import ipaddress
+import logging
 import secrets
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ from agent.takeover.flows import (
     timeout_of,
     why_not_carried,
 )
-from agent.takeover.into_ebpf import HOLD_RENEW_NS, KernelTakeover, ebpf_ids
+from agent.takeover.into_ebpf import HOLD_RENEW_NS, KernelTakeover, ebpf_ids, ebpf_ids6
 from agent.takeover.nfct import (
     Created,
     Replaced,
@@ -1577,6 +1578,110 @@ def test_ipv6_flows_are_carried_with_the_frontends_the_first_ipv6_sync_is_about_
             for addr in (VIP6_T, BE6_T)
         }
         assert {k.value for k, _ in maps["act"].items()} == ends
+
+
+def test_a_pending_frontends_svc_id_wins_over_the_one_ekp_fe6_still_holds() -> None:
+    """A Service deleted and recreated on the same IPv6 address while no agent ran has a new
+    svc_id; ekp_fe6 still holds the old one until the first IPv6 sync writes over it. The flow is
+    carried with the svc_id that write gives the frontend, not the stale one."""
+    maps = fake_maps6()  # VIP6_T:53 pinned with svc_id 7
+    ids = ebpf_ids6(maps, [DNS6, MASQ6], {(VIP6_T, 53, 17): 12, ("fd00:10:96::b", 53, 17): 13})
+    assert ids.services == {(VIP6_T, 53, 17): 12, (NODE6_T, 30053, 17): 8}
+    assert ids.backends == {(BE6_T, 53, 17): 31}
+
+
+def empty6_maps(*, act: MapWriter | None = None) -> dict[str, MapWriter]:
+    """A node the agent never served: its IPv6 maps empty but ekp_be6, which the first IPv6 sync
+    writes ahead of ekp_fe6, and the activity map the start armed."""
+    maps = fake_maps()
+    for role in ("fe6", "be6", "ct6_tcp", "ct6_any"):
+        maps[role] = FakeMap(MAPS[role])
+    maps["act"] = act if act is not None else FakeMap(MAPS["act"])
+    for key, value in fake_maps6()["be6"].items():
+        maps["be6"].update(key, value)
+    return maps
+
+
+def pending6() -> dict[tuple[str, int, int], int]:
+    return {
+        (abi.ip6_str(k.addr), abi.port_host(k.port), k.proto): v.svc_id
+        for k, v in fake_maps6()["fe6"].items()
+        if isinstance(k, abi.Frontend6Key) and isinstance(v, abi.Frontend)
+    }
+
+
+def test_unreadable_node_addresses_carry_no_ipv6_flow_and_raise_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The node's addresses read (nfct.local_addresses) failing inside the first IPv6 sync's carry
+    is a warning, as an unreadable nf_conntrack is: raised, it stopped that sync's ekp_fe6 write."""
+    events: list[str] = []
+
+    def addresses(netns: str) -> set[str]:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    takeover = KernelTakeover(
+        dataclasses.replace(tc6_config(), bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: [],
+        dump6=lambda netns: [DNS6],
+        addresses=addresses,
+        remove_rules=lambda config: None,
+        sysctl=lambda netns, path, value: "0",
+        replace=FakeReplace(events),
+        clock_ns=lambda: NOW,
+    )
+    maps = empty6_maps()
+    with caplog.at_level(logging.WARNING):
+        takeover.after_first_sync6(maps, pending6())
+    assert events == [] and maps["ct6_any"].items() == []
+    assert "cannot read the node's addresses in netns node1" in caplog.text
+    assert "the 1 UDP flows ip6tables translated are not carried into the tc IPv6 path" in caplog.text
+
+
+def test_the_carry_after_a_first_ipv6_sync_without_frontends_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The carry runs before that sync's ekp_fe6 write, or after the sync when it wrote none: its
+    log line says which."""
+    for pending, when in (
+        (pending6(), "before the first IPv6 sync wrote"),
+        (None, "after the first IPv6 sync"),
+    ):
+        takeover = legacy6_takeover(lambda netns: [DNS6], FakeReplace([]))
+        maps = empty6_maps()
+        if pending is None:
+            for key, value in fake_maps6()["fe6"].items():
+                maps["fe6"].update(key, value)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            takeover.after_first_sync6(maps, pending)
+        assert f"took over IPv6 UDP flows from nf_conntrack ({when}" in caplog.text
+        assert ": 1 carried into the tc IPv6 path's conntrack" in caplog.text
+
+
+class BatchRefusingMap(FakeMap):
+    def update_batch(self, entries: Sequence[tuple[Any, Any]]) -> None:
+        raise MapError(self.spec.name, "update_batch", errno.ENOMEM)
+
+
+def test_a_failed_activity_stamp_is_its_own_warning_the_flows_carried_and_replaced(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Stamping the carried flows' endpoints for the activity check failing leaves the flows
+    carried and their NAT entries replaced; said as such, not as a failed carry."""
+    events: list[str] = []
+    takeover = legacy6_takeover(lambda netns: [DNS6], FakeReplace(events))
+    maps = empty6_maps(act=BatchRefusingMap(MAPS["act"]))
+    with caplog.at_level(logging.INFO):
+        takeover.after_first_sync6(maps, pending6())
+    assert events == replaced6(DNS6)
+    assert {bytes(k) for k, _ in maps["ct6_any"].items()} == {
+        bytes(k) for k, _ in ebpf_entries6(DNS6, IDS, NOW)
+    }
+    assert "cannot stamp the endpoints of the 1 IPv6 UDP flows carried" in caplog.text
+    assert "for about a second" in caplog.text
+    assert ": 1 carried into the tc IPv6 path's conntrack" in caplog.text
+    assert "carrying the IPv6 UDP flows ip6tables translated at the first IPv6 sync failed" not in caplog.text
 
 
 def test_the_ipv6_flows_nat_entries_are_replaced_before_the_ipv4_flows_waiting_under_their_hold() -> None:

@@ -233,6 +233,60 @@ def test_bpf_routing_keeps_no_stack_reply_tuple_and_leaves_such_a_reset_alone(ne
     assert net.stats()[Stat.CT_REPLY] == 0
 
 
+def test_the_stacks_own_reset_and_error_toward_the_backend_about_a_masqueraded_reply_get_the_snat_port(
+    net: Net,
+) -> None:
+    """The reply direction's tag-0 entry: an ip6tables REJECT in FORWARD of a masqueraded
+    NodePort flow's reply (the SYN-ACK the stack saw as backend -> client) answers the backend
+    with a RST (client -> backend) or an ICMPv6 error quoting backend -> client. The backend knows
+    the flow as backend <-> node:snat_port: the RST gets that source, the error's quote that
+    destination (outer source the node's), or its stack ignores both."""
+    legacy(net)
+    snat_source(net, NODE6)
+    flags = FrontendFlag.NODEPORT | FrontendFlag.SNAT_REMOTE
+    add_service6(net.dp.maps, NODE6, 30080, ((1, REMOTE_BE6, 8080, 0),), scope=Scope.EXTERNAL, flags=flags)
+    assert net.from_net(frame6(CLIENT6, NODE6, 50010, 30080))[0] == TC_ACT_OK
+    snat_port = port_host(ct6(net, CLIENT6, NODE6, 50010, 30080).snat_port)
+    verdict, reply = net.from_net(frame6(REMOTE_BE6, NODE6, 8080, snat_port, flags="SA"))
+    assert verdict == TC_ACT_OK and seen(reply)[1:4] == (REMOTE_BE6, CLIENT6, 8080)
+    assert hostnat6(net, stack=True)[(CLIENT6, REMOTE_BE6, 50010, 8080, 6)] == (NODE6, snat_port, 0)
+    before = net.stats()
+
+    verdict, out = net.to_net(frame6(CLIENT6, REMOTE_BE6, 50010, 8080, flags="R"))
+    assert verdict == TC_ACT_OK
+    _, src, dst, sport, _, dport, _ = seen(out)
+    assert (src, dst, sport, dport) == (NODE6, REMOTE_BE6, snat_port, 8080)
+    assert net.stats()[Stat.CT_REPLY] == before[Stat.CT_REPLY] + 1
+
+    verdict, out = net.to_net(error_about(reply, NODE6, "port-unreachable"))
+    assert verdict == TC_ACT_OK
+    e = error6(out)
+    assert (e.src, e.dst, e.checksum_ok) == (NODE6, REMOTE_BE6, True)
+    assert (e.in_src, e.in_dst, e.in_sport, e.in_dport) == (REMOTE_BE6, NODE6, 8080, snat_port)
+    assert e.in_tcp_checksum_ok is True
+    assert net.stats()[Stat.CT_RELATED] == before[Stat.CT_RELATED] + 1
+
+
+def test_under_legacy_routing_a_reset_or_error_without_a_stack_reply_tuple_leaves_untouched_and_uncounted(
+    net: Net,
+) -> None:
+    """The node's own RST and ICMPv6 error about a flow the path never translated both ways (a
+    pod's direct connection to a backend, next to a masqueraded flow's tag-0 entries) match no
+    tag-0 entry: they leave byte for byte as the stack sent them, and no counter moves."""
+    legacy(net)
+    snat_source(net, NODE6)
+    add_service6(net.dp.maps, VIP6, 80, LOCAL_BE, flags=FrontendFlag.SNAT_ALL)
+    assert net.from_pod(frame6(POD6, VIP6, 40040, 80))[0] == TC_ACT_OK
+    assert hostnat6(net, stack=True) == {(BE6, POD6, 8080, 40040, 6): (VIP6, 80, 0)}
+    before = net.stats()
+
+    rst = frame6(BE6, POD6, 8080, 40041, flags="R")
+    assert net.to_pod(rst) == (TC_ACT_OK, rst)
+    error = error_about(frame6(POD6, BE6, 40041, 8080), NODE6, "port-unreachable")
+    assert net.to_pod(error) == (TC_ACT_OK, error)
+    assert net.stats() == before
+
+
 @pytest.mark.parametrize("late", [False, True], ids=["held", "hold-expired"])
 def test_a_flow_handed_to_nf_conntrack_drops_while_held_then_passes_both_ways(net: Net, late: bool) -> None:
     """Out of eBPF mode (agent/takeover/out_of_ebpf.py, StackHolds), as IPv4's ekp_ct_nf_held:

@@ -216,6 +216,28 @@ def test_legacy_translates_the_stacks_own_reset_and_icmp_error_about_a_snat_flow
     assert net.to_pod(rst) == (TC_ACT_OK, rst)
 
 
+def test_legacy_gives_the_stacks_own_reset_toward_the_backend_about_a_snat_reply_the_snat_port(
+    net: Net,
+) -> None:
+    """The reply direction's tag-0 entry: a REJECT in FORWARD of a SNAT flow's reply (the SYN-ACK
+    the stack saw as backend -> client) answers the backend with a RST client -> backend, whose
+    source (the client) is no flow's endpoint: the activity check also looks at its destination
+    (the backend), and the RST leaves from the node's SNAT port, as the backend knows the flow.
+    Before, it skipped the lookups and left from the client's address: the backend ignored it."""
+    legacy(net.dp)
+    net.add_service(flags=FrontendFlag.SNAT_ALL)
+    net.from_pod(tcp(POD_CLIENT, VIP, 12345, 80))
+    snat_port = hostnat(net.dp)[(POD_CLIENT, BE1, 12345, 8080, 6)][1]
+    assert net.from_pod(tcp(BE1, NODE, 8080, snat_port, flags="SA"))[0] == TC_ACT_OK
+    assert hostnat(net.dp, stack=True)[(POD_CLIENT, BE1, 12345, 8080, 6)] == (NODE, snat_port, 0)
+    replies = net.stats()[Stat.CT_REPLY]
+    verdict, out = net.to_pod(tcp(POD_CLIENT, BE1, 12345, 8080, flags="R"))
+    r = parse(out)
+    assert verdict == TC_ACT_OK and (r.src, r.sport, r.dst, r.dport) == (NODE, snat_port, BE1, 8080)
+    assert checksums_valid(out)
+    assert net.stats()[Stat.CT_REPLY] == replies + 1
+
+
 def test_legacy_tells_two_flows_leaving_with_the_same_tuple_apart(net: Net) -> None:
     """One client port to one backend through two frontends, both source-translated: the packets
     leave ingress with the same tuple, and egress tells them apart by the tag."""

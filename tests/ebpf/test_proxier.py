@@ -203,9 +203,12 @@ class FakeTerminator:
 
 
 class FakeUpgrade:
-    def __init__(self, log: list[str], hands_over: bool = False) -> None:
+    def __init__(
+        self, log: list[str], hands_over: bool = False, carry6_error: Exception | None = None
+    ) -> None:
         self.log = log
         self.hands_over = hands_over
+        self.carry6_error = carry6_error
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self.log.append("carry v1 conntrack")
@@ -216,6 +219,9 @@ class FakeUpgrade:
     def after_first_sync6(
         self, maps: Mapping[str, MapWriter], frontends: Mapping[tuple[str, int, int], int] | None = None
     ) -> None:
+        if self.carry6_error is not None:
+            self.log.append("carry IPv6 flows: raised")
+            raise self.carry6_error
         written = f"{len(maps['fe6'].items())} frontends, {len(maps['be6'].items())} backends"
         if frontends is None:
             self.log.append(f"carry IPv6 flows after the first IPv6 sync ({written})")
@@ -235,6 +241,7 @@ class Rig:
         self.tmp = tmp
         self.maps = {role: FakeMap(spec) for role, spec in MAPS.items()}
         self.events: list[str] = []
+        self.carry6_error: Exception | None = None  # what the upgrade's IPv6 carry raises
         self.sysctls: list[tuple[str, str, str]] = []
         self.datapaths: list[FakeDatapath] = []
         self.attachers: list[FakeAttacher] = []
@@ -289,7 +296,7 @@ class Rig:
             sysctl_writer=sysctl,
             sysctl_reader=sysctl_read,
             sizes_reader=lambda pin_path: dict(self.pinned),
-            upgrade_factory=lambda pin_path: FakeUpgrade(self.events, self.hands_over),
+            upgrade_factory=lambda pin_path: FakeUpgrade(self.events, self.hands_over, self.carry6_error),
             socket_attacher_factory=lambda config, fds: FakeSocketAttacher(self.events, fds),
             terminator_factory=lambda config, cgroup, fd, ended: FakeTerminator(self.events, fd, ended),
             netns_cookie_reader=lambda netns: 4242,
@@ -1420,6 +1427,46 @@ def test_a_restart_whose_first_ipv6_sync_writes_no_frontend_carries_the_ipv6_flo
     assert [e for e in rig.events if "IPv6 sync" in e] == [
         "carry IPv6 flows after the first IPv6 sync (2 frontends, 1 backends)"
     ]
+    again.close()
+
+
+@pytest.mark.parametrize("error", [OSError(1, "Operation not permitted"), ValueError("a bad entry")])
+def test_a_carry_that_raises_leaves_the_first_ipv6_sync_to_write_its_frontends(
+    rig: Rig, caplog: pytest.LogCaptureFixture, error: Exception
+) -> None:
+    """Whatever the takeover's IPv6 carry raises (nf_conntrack's node addresses unreadable, a
+    decode error) costs the flows it carries, not the frontends: raised through the flush, it
+    reset the IPv6 planner and every later IPv6 sync, each a first one again, failed the same way,
+    ekp_fe6 never written."""
+    rig.carry6_error = error
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    with caplog.at_level(logging.WARNING):
+        p.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), NODE6)
+    assert len(rig.maps["fe6"]) == 2 and len(rig.maps["be6"]) == 1
+    assert "IPv6 UDP flows not carried from nf_conntrack at the first IPv6 sync" in caplog.text
+    assert str(error) in caplog.text  # the traceback names it
+    assert [e for e in rig.events if e.startswith("carry IPv6")] == ["carry IPv6 flows: raised"]
+    p.close()
+
+
+def test_a_carry_after_a_first_ipv6_sync_without_frontends_that_raises_fails_no_sync(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The carry that runs after a first IPv6 sync writing no frontend (a restart over unchanged
+    maps) is guarded alike: the sync reports success."""
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    p.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), NODE6)
+    p.close()
+    rig.carry6_error = OSError(1, "Operation not permitted")
+    again = rig.proxier()
+    again.ipv6()
+    again.sync(STATE, NODE)
+    with caplog.at_level(logging.WARNING):
+        result = again.sync6(state6([service()], [slice_("fd00:10:244:1::2")]), NODE6)
+    assert not result.failed and len(rig.maps["fe6"]) == 2
+    assert "IPv6 UDP flows not carried from nf_conntrack at the first IPv6 sync" in caplog.text
     again.close()
 
 
