@@ -183,9 +183,11 @@ class StackHolds:
             if exc.errno != errno.ENOENT:  # ended meanwhile
                 raise
 
-    def _write(self, flow: NatFlow, forward: tuple[int, int], reply: tuple[int, int] | None) -> bool:
-        """(flags cleared, flags set) on the FORWARD entry and, unless None, on the REPLY one, with
-        created_s moved to now on both. Returns whether either held already and had run out."""
+    def _write(self, flow: NatFlow, forward: tuple[int, int] | None, reply: tuple[int, int] | None) -> bool:
+        """(flags cleared, flags set) on each of its FORWARD and REPLY entries, created_s moved to
+        now; None: only created_s, and only on an entry that holds (one that holds nothing has no
+        window to keep, and each write may lose a change the data path made since the read).
+        Returns whether either held already and had run out."""
         table = self._table(flow)
         now_s = self._clock_ns() // NSEC
         lapsed = False
@@ -200,7 +202,7 @@ class StackHolds:
                 clear, add = change
                 entry.flags = (entry.flags & ~clear) | add
             elif not held:
-                continue  # a REPLY entry that holds nothing has no window to keep
+                continue
             entry.created_s = now_s & _U32
             self._update(table, key, entry)
         return lapsed
@@ -253,7 +255,7 @@ class StackHolds:
         if self._renewed_ns is None or now_ns - self._renewed_ns < HOLD_RENEW_NS:
             return
         for flow in (*self._held.values(), *self._passed.values()):
-            if self._write(flow, (0, 0), (0, 0)):
+            if self._write(flow, None, None):
                 self._ran_out(flow)
         # from the end of the pass: a pass that takes long is not followed by another at once
         self._renewed_ns = self._clock_ns()
