@@ -29,11 +29,12 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    after the detach); a held flow whose write was refused twice stays held until the detach. So
    for the tc IPv6 path's flows too (bpf/ekp_tc6.h reads both flags as IPv4's code does). Either
    flag holds EKP_CT_HANDOVER_S from the created_s of the entry the data path reads (the REPLY one
-   for a reply), so every write moves both entries' created_s to now and, between two flows and
-   right before the detach, every flow held or passed gets it again each HOLD_RENEW_NS (one found
-   run out meanwhile is counted in a warning). Given up before the detach (a map, ctnetlink or the
-   detach failing), the programs stay attached: the NAT entries of the flows passed so far are
-   deleted and every flow held or passed is given back to them (both flags cleared);
+   for a reply), so every write of a flag moves that entry's created_s to now and, between two
+   flows and right before the detach, every flow held or passed gets it again each HOLD_RENEW_NS
+   (one found run out meanwhile is counted in a warning). Given up before the detach (a map,
+   ctnetlink or the detach failing), the programs stay attached: the NAT entries of the flows
+   passed so far are deleted and every flow held or passed is given back to them (both flags
+   cleared);
 2. the programs are detached from every device of the node: no plain entry is made any more;
 3. the flows the programs started between 1 and 2, and those still refused, are written the same
    way (entries already there kept);
@@ -141,9 +142,10 @@ class StackHolds:
     translated (`stack_flow`). IPv4's and the tc IPv6 path's (ekp_ct6_*) alike.
 
     The data path honours either flag EKP_CT_HANDOVER_S from the created_s of the entry it reads
-    (the FORWARD one for forward packets, the REPLY one for replies), so each write moves both
-    entries' created_s to now, and `renew` does again every HOLD_RENEW_NS for every flow held or
-    passed, until the detach: a pass over thousands of flows outlasts one window."""
+    (the FORWARD one for forward packets, the REPLY one for replies), so each write of a flag
+    moves that entry's created_s to now (the pass both entries'), and `renew` does again every
+    HOLD_RENEW_NS for every flow held or passed, until the detach: a pass over thousands of flows
+    outlasts one window."""
 
     def __init__(
         self,
