@@ -115,7 +115,9 @@ def test_ipv6_without_an_ipv6_frontend_passes_every_program_untouched(net: Net) 
     assert net.ct_count() == 0 and net.ct_count(UDP) == 0
     stats, xstats = net.stats(), net.xstats()
     assert {k: v for k, v in stats.items() if v} == {Stat.PACKETS: 10, Stat.PASS: 10}, "both ingress programs"
-    assert {k: v for k, v in xstats.items() if v} == {Stat.PACKETS: 5, Stat.PASS: 5}
+    # XDP leaves every IPv6 fragment to tc before any look-up (TO_TC: holding and recording
+    # fragments needs the skb, bpf/ekp_decide6_hook.h); the other four pass as none of its own
+    assert {k: v for k, v in xstats.items() if v} == {Stat.PACKETS: 5, Stat.PASS: 4, Stat.TO_TC: 1}
 
 
 # ---- new flows, conntrack, replies ---------------------------------------------------------
