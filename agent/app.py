@@ -107,6 +107,9 @@ def ipv6_masquerade_elsewhere(config: Config, runner: IptablesRunner) -> bool:
         # `ip6tables-legacy-save -t nat` makes the kernel create the legacy nat table where there was
         # none, whose nf_nat hooks would then track every IPv6 packet of the node for good.
         names = runner.command(["cat", "/proc/net/ip6_tables_names"])
+        if names.returncode == 127:
+            # no `cat` to run (runner.command's 127, whose message also says "No such file"): unknown
+            return True
         if names.returncode != 0:
             # no file: ip6_tables is not loaded, so there is no legacy table at all
             return "No such file" not in names.stderr

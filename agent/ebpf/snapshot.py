@@ -149,9 +149,12 @@ def take(
     if f is None:
         return None, why
     with f:
-        why = keptfile.check(
-            f, _MAGIC, identity, MAX_BYTES, (map_digests(dump), "the maps changed since it was written")
-        )
+        try:
+            why = keptfile.check(
+                f, _MAGIC, identity, MAX_BYTES, (map_digests(dump), "the maps changed since it was written")
+            )
+        except OSError as exc:  # an I/O error on the file costs this start its planner, not its sync
+            why = f"cannot be read: {exc}"
         if why:
             return None, why
         planner = Planner(config)

@@ -74,6 +74,11 @@ from agent.ebpf.abi import (
 
 TCP, UDP, SCTP = 6, 17, 132
 NSEC = 1_000_000_000
+# How often the flows held for the node's stack (CtFlag.NFPASS, HANDOVER), into eBPF mode
+# (into_ebpf.py) and out of it (out_of_ebpf.py), get their hold again (EKP_CT_HANDOVER_S from
+# created_s, which counts whole seconds): well inside it, so that a pass over thousands of entries,
+# itself slow on a starved agent, ends before the hold does.
+HOLD_RENEW_NS = 3 * NSEC
 
 # nf_conntrack's status bits (include/uapi/linux/netfilter/nf_conntrack_common.h).
 IPS_SEEN_REPLY = 1 << 1

@@ -80,6 +80,7 @@ from agent.ebpf.abi import CtFlag
 from agent.ebpf.codec import KEYS, VALUES
 from agent.ebpf.maps import MapError, MapWriter, UpdateFlag
 from agent.takeover.flows import (
+    HOLD_RENEW_NS,
     UDP,
     EbpfIds,
     Ident,
@@ -102,10 +103,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TCP_BE_LIBERAL = "net/netfilter/nf_conntrack_tcp_be_liberal"
-# How often the carried flows still waiting for their NAT entries' replacement get their hold again
-# (EKP_CT_HANDOVER_S from created_s, which counts whole seconds): well inside it, so that a pass
-# over thousands of entries, itself slow on a starved agent, ends before the hold does.
-HOLD_RENEW_NS = 3 * 1_000_000_000
 
 
 def ebpf_ids(maps: Mapping[str, MapWriter], flows: Iterable[NatFlow]) -> EbpfIds:

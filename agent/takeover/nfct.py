@@ -140,6 +140,7 @@ class Created:
     present: int = 0  # an entry on that tuple existed (netfilter's own, or created by a pass before)
     failed: list[str] = field(default_factory=list)
     taken: list[NatFlow] = field(default_factory=list)  # the flows counted in `present`
+    unwritten: list[NatFlow] = field(default_factory=list)  # the flows `failed` names (create_flows)
 
 
 def _family(flow: NatFlow) -> int:
@@ -205,6 +206,10 @@ class Hold(Protocol):
     def release(self, flow: NatFlow) -> None:
         """Its NAT entry is written: its packets pass untranslated to it."""
 
+    def renew(self) -> None:
+        """Between two flows: the holds and passes made so far started again when they would
+        otherwise lapse before the pass over every flow ends."""
+
 
 def create_flows(
     netns: str,
@@ -218,7 +223,8 @@ def create_flows(
     already is kept. With `clear_first`, the entry on `clear_first(flow)`'s original tuple is
     deleted right before the flow's own is created (the gap a packet could fill is one netlink
     round trip). With `hold`, each flow is held right before that and released once its own entry
-    is written (a flow refused or failed stays held), so the hold lasts two round trips a flow."""
+    is written (a flow refused or failed stays held), so the hold lasts two round trips a flow; and
+    before each flow `hold.renew()`, so that the earlier flows' holds outlast a long pass."""
     wanted = list(flows)
 
     def run() -> Created:
@@ -230,6 +236,7 @@ def create_flows(
             with NFCTSocket(nfgen_family=family) as ct:
                 for flow in group:
                     if hold is not None:
+                        hold.renew()
                         hold.hold(flow)
                     if clear_first is not None:
                         _delete(ct, clear_first(flow))
@@ -244,6 +251,7 @@ def create_flows(
                             done.taken.append(flow)
                         else:
                             done.failed.append(f"{flow.describe()}: {exc}")
+                            done.unwritten.append(flow)
         return done
 
     return run_in_netns(netns, run)

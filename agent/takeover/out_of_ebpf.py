@@ -27,7 +27,14 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    their forward packets) and, once their NAT entries are written, passed (CtFlag.NFPASS on both
    entries: the programs leave their packets untranslated and the NAT entry translates them, as
    after the detach); a held flow whose write was refused twice stays held until the detach. So
-   for the tc IPv6 path's flows too (bpf/ekp_tc6.h reads both flags as IPv4's code does);
+   for the tc IPv6 path's flows too (bpf/ekp_tc6.h reads both flags as IPv4's code does). Either
+   flag holds EKP_CT_HANDOVER_S from the created_s of the entry the data path reads (the REPLY one
+   for a reply), so every write of a flag moves that entry's created_s to now and, between two
+   flows and right before the detach, every flow held or passed gets it again each HOLD_RENEW_NS
+   (one found run out meanwhile is counted in a warning). Given up before the detach (a map,
+   ctnetlink or the detach failing), the programs stay attached: the NAT entries of the flows
+   passed so far are deleted and every flow held or passed is given back to them (both flags
+   cleared);
 2. the programs are detached from every device of the node: no plain entry is made any more;
 3. the flows the programs started between 1 and 2, and those still refused, are written the same
    way (entries already there kept);
@@ -52,7 +59,17 @@ from pyroute2.netlink.exceptions import NetlinkError
 from agent.config import Config
 from agent.ebpf import abi
 from agent.lock import LOCK_DIR
-from agent.takeover.flows import NSEC, NatFlow, Timeouts, Tuple, ct6_keys, ct_keys, nat_flow, stack_flow
+from agent.takeover.flows import (
+    HOLD_RENEW_NS,
+    NSEC,
+    NatFlow,
+    Timeouts,
+    Tuple,
+    ct6_keys,
+    ct_keys,
+    nat_flow,
+    stack_flow,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,29 +124,56 @@ def _keys(flow: NatFlow) -> tuple[abi.CtKey, abi.CtKey] | tuple[abi.Ct6Key, abi.
     return ct6_keys(flow) if flow.family == 6 else ct_keys(flow)
 
 
+_HELD = abi.CtFlag.NFPASS | abi.CtFlag.HANDOVER
+_U32 = 0xFFFFFFFF  # created_s and the data path's seconds are __u32: their difference wraps
+
+
+def _open_pinned(pin_path: str, role: str) -> Any:
+    from agent.ebpf.maps import BpfMap
+
+    exists = os.path.exists(os.path.join(pin_path, abi.MAPS[role].name))
+    return BpfMap.open_pinned(abi.MAPS[role], pin_path) if exists else None
+
+
 class StackHolds:
     """The hold of the flows the node's stack tracks under the reply tuple their NAT entries take
     (module doc, step 1), one flow at a time on the pinned eBPF conntrack: a backend on the node's
     own address (CtFlag.HOST), and under legacy host routing every flow whose source is not
-    translated (`stack_flow`). IPv4's and the tc IPv6 path's (ekp_ct6_*) alike."""
+    translated (`stack_flow`). IPv4's and the tc IPv6 path's (ekp_ct6_*) alike.
 
-    def __init__(self, pin_path: str) -> None:
+    The data path honours either flag EKP_CT_HANDOVER_S from the created_s of the entry it reads
+    (the FORWARD one for forward packets, the REPLY one for replies), so each write of a flag
+    moves that entry's created_s to now (the pass both entries'), and `renew` does again every
+    HOLD_RENEW_NS for every flow held or passed, until the detach: a pass over thousands of flows
+    outlasts one window."""
+
+    def __init__(
+        self,
+        pin_path: str,
+        *,
+        clock_ns: Callable[[], int] = time.monotonic_ns,  # CLOCK_MONOTONIC, as bpf_ktime_get_ns
+        open_table: Callable[[str, str], Any] = _open_pinned,
+        legacy: bool | None = None,  # None: read from the pinned config at the first hold
+    ) -> None:
         self._pin_path = pin_path
-        self._legacy: bool | None = None
+        self._clock_ns = clock_ns
+        self._open_table = open_table
+        self._legacy = legacy
         self._tables: dict[str, Any] = {}
-        self._held: set[Tuple] = set()
+        self._held: dict[Tuple, NatFlow] = {}  # held, their NAT entries not written (yet)
+        self._passed: dict[Tuple, NatFlow] = {}  # passed to their NAT entries
+        self._renewed_ns: int | None = None
+        self._lapsed: set[Tuple] = set()
         self.held = 0  # flows held
         self.passed = 0  # of them, passed to their NAT entries
+        self.lapsed: list[NatFlow] = []  # flows whose hold or pass the agent found run out
 
     def _table(self, flow: NatFlow) -> Any:
-        from agent.ebpf.maps import BpfMap
-
         role = abi.ct_role(flow.proto)
         if flow.family == 6:
             role = role.replace("ct_", "ct6_")  # the tc IPv6 path's, ekp_ct6_*
         if role not in self._tables:
-            exists = os.path.exists(os.path.join(self._pin_path, abi.MAPS[role].name))
-            self._tables[role] = BpfMap.open_pinned(abi.MAPS[role], self._pin_path) if exists else None
+            self._tables[role] = self._open_table(self._pin_path, role)
         return self._tables[role]
 
     def _update(self, table: Any, key: abi.CtKey | abi.Ct6Key, entry: abi.CtEntry | abi.Ct6Entry) -> None:
@@ -141,41 +185,111 @@ class StackHolds:
             if exc.errno != errno.ENOENT:  # ended meanwhile
                 raise
 
+    def _write(self, flow: NatFlow, forward: tuple[int, int] | None, reply: tuple[int, int] | None) -> bool:
+        """(flags cleared, flags set) on each of its FORWARD and REPLY entries, created_s moved to
+        now; None: only created_s, and only on an entry that holds (one that holds nothing has no
+        window to keep, and each write may lose a change the data path made since the read).
+        Returns whether either held already and had run out."""
+        table = self._table(flow)
+        now_s = self._clock_ns() // NSEC
+        lapsed = False
+        keys: tuple[abi.CtKey | abi.Ct6Key, ...] = _keys(flow)
+        for key, change in zip(keys, (forward, reply), strict=True):
+            entry = table.lookup(key)
+            if not isinstance(entry, abi.CtEntry | abi.Ct6Entry):
+                continue
+            held = bool(entry.flags & _HELD)
+            lapsed = lapsed or (held and (now_s - entry.created_s) & _U32 >= abi.CT_HANDOVER_S)
+            if change is not None:
+                clear, add = change
+                entry.flags = (entry.flags & ~clear) | add
+            elif not held:
+                continue
+            entry.created_s = now_s & _U32
+            self._update(table, key, entry)
+        return lapsed
+
+    def _ran_out(self, flow: NatFlow) -> None:
+        if flow.orig not in self._lapsed:
+            self._lapsed.add(flow.orig)
+            self.lapsed.append(flow)
+
     def hold(self, flow: NatFlow) -> None:
-        """CtFlag.HANDOVER on its FORWARD entry, created_s moved to now so that the flag holds
-        (EKP_CT_HANDOVER_S from there): the programs drop its forward packets."""
+        """CtFlag.HANDOVER on its FORWARD entry: the programs drop its forward packets."""
         if self._legacy is None:
             self._legacy = _pinned_legacy(self._pin_path)
         table = self._table(flow)
         if table is None:
             return
-        key = _keys(flow)[0]
-        entry = table.lookup(key)
+        entry = table.lookup(_keys(flow)[0])
         if not isinstance(entry, abi.CtEntry | abi.Ct6Entry):
             return
         tracked = self._legacy and stack_flow(flow).reply == flow.reply
         if not (entry.flags & abi.CtFlag.HOST or tracked):
             return
-        entry.flags = (entry.flags | abi.CtFlag.HANDOVER) & ~abi.CtFlag.NFPASS
-        entry.created_s = time.monotonic_ns() // NSEC  # CLOCK_MONOTONIC, as bpf_ktime_get_ns
-        self._update(table, key, entry)
-        if flow.orig not in self._held:
-            self._held.add(flow.orig)
+        if self._renewed_ns is None:
+            self._renewed_ns = self._clock_ns()
+        again = flow.orig in self._held  # a second round's
+        if self._write(flow, (abi.CtFlag.NFPASS, abi.CtFlag.HANDOVER), None) and again:
+            self._ran_out(flow)
+        if not again:
+            self._held[flow.orig] = flow
             self.held += 1
 
     def release(self, flow: NatFlow) -> None:
         """HANDOVER swapped for CtFlag.NFPASS on both its entries: the programs pass its packets
-        untranslated, to the NAT entry just written."""
+        untranslated, to the NAT entry just written. The REPLY entry's created_s moves too: it is
+        the one the data path reads for a reply, and an established flow's is its real start."""
         if flow.orig not in self._held:
             return
-        table = self._table(flow)
-        for key in _keys(flow):
-            entry = table.lookup(key)
-            if isinstance(entry, abi.CtEntry | abi.Ct6Entry):
-                entry.flags = (entry.flags | abi.CtFlag.NFPASS) & ~abi.CtFlag.HANDOVER
-                self._update(table, key, entry)
-        self._held.discard(flow.orig)
+        change = (abi.CtFlag.HANDOVER, abi.CtFlag.NFPASS)
+        if self._write(flow, change, change):
+            self._ran_out(flow)
+        self._passed[flow.orig] = self._held.pop(flow.orig)
         self.passed += 1
+
+    def renew(self) -> None:
+        """Every flow held or passed given its window again, at most every HOLD_RENEW_NS. One found
+        run out is counted (the programs translated it meanwhile: its NAT entry may have given a
+        packet another port) and renewed all the same: until the detach, the pass is its only right
+        path, its NAT entry being written (or, held, being written)."""
+        now_ns = self._clock_ns()
+        if self._renewed_ns is None or now_ns - self._renewed_ns < HOLD_RENEW_NS:
+            return
+        for flow in (*self._held.values(), *self._passed.values()):
+            if self._write(flow, None, None):
+                self._ran_out(flow)
+        # from the end of the pass: a pass that takes long is not followed by another at once
+        self._renewed_ns = self._clock_ns()
+
+    def undo(self, delete: Callable[[list[NatFlow]], int]) -> int:
+        """The hand-back given up before the detach: every flow passed to its NAT entry held again
+        (its forward packets drop, its replies still pass to that entry) while `delete` removes
+        those entries, then every flow held or passed given back to the programs (both flags
+        cleared, so they translate it as before the hand-back; under legacy host routing the stack
+        tracks it again as client <-> backend from its next packet). Returns `delete`'s count."""
+        from agent.ebpf.maps import MapError
+
+        passed = list(self._passed.values())
+        unwritten: list[str] = []
+
+        def write(flow: NatFlow, forward: tuple[int, int], reply: tuple[int, int] | None) -> None:
+            try:
+                self._write(flow, forward, reply)
+            except MapError as exc:  # the rest is undone all the same
+                unwritten.append(f"{flow.describe()}: {exc}")
+
+        try:
+            for flow in passed:
+                write(flow, (abi.CtFlag.NFPASS, abi.CtFlag.HANDOVER), None)
+            return delete(passed) if passed else 0
+        finally:
+            for flow in (*self._held.values(), *passed):
+                write(flow, (_HELD, 0), (_HELD, 0))
+            self._held.clear()
+            self._passed.clear()
+            for line in unwritten[:10]:
+                log.warning("a flow's hold could not be undone in eBPF conntrack: %s", line)
 
     def close(self) -> None:
         for table in self._tables.values():
@@ -189,10 +303,15 @@ class Holds(Protocol):
 
     held: int
     passed: int
+    lapsed: list[NatFlow]
 
     def hold(self, flow: NatFlow) -> None: ...
 
     def release(self, flow: NatFlow) -> None: ...
+
+    def renew(self) -> None: ...
+
+    def undo(self, delete: Callable[[list[NatFlow]], int]) -> int: ...
 
     def close(self) -> None: ...
 
@@ -201,6 +320,12 @@ def _create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts, hold: Hold
     from agent.takeover.nfct import create_flows
 
     return create_flows(netns, flows, timeouts, clear_first=stack_flow, hold=hold)
+
+
+def _delete(netns: str, flows: list[NatFlow]) -> int:
+    from agent.takeover.nfct import delete_flows
+
+    return delete_flows(netns, flows)
 
 
 def _detach(netns: str) -> list[str]:
@@ -238,6 +363,7 @@ class EbpfHandback:
         detach: Callable[[str], list[str]] = _detach,
         remove_pins: Callable[[str], list[str]] = _remove_pins,
         holds: Callable[[str], Holds] = StackHolds,
+        delete: Callable[[str, list[NatFlow]], int] = _delete,
         snapshot_dir: str = LOCK_DIR,
     ) -> None:
         self._config = config
@@ -246,6 +372,7 @@ class EbpfHandback:
         self._detach = detach
         self._remove_pins = remove_pins
         self._holds = holds
+        self._delete = delete
         self._snapshot_dir = snapshot_dir  # where the eBPF agent left its planner (agent/app.py)
 
     @property
@@ -275,12 +402,19 @@ class EbpfHandback:
         first = self._read(pin_path)
         holds = self._holds(pin_path)
         try:
-            done = self._create(netns, first, timeouts, holds)
-            again = self._create(netns, done.taken, timeouts, holds)
+            try:
+                done = self._create(netns, first, timeouts, holds)
+                again = self._create(netns, done.taken, timeouts, holds)
+                holds.renew()  # the windows must outlast the walk over every device
+                detached = self._detach(netns)
+            except (OSError, NetlinkError) as exc:
+                self._undo(netns, holds, exc)
+                raise
         finally:
             holds.close()
-        detached = self._detach(netns)
-        written = {f.orig for f in first} - {f.orig for f in again.taken}
+        # a flow refused twice, or whose write failed, is not written: the last round tries it again
+        unwritten = [*again.taken, *done.unwritten, *again.unwritten]
+        written = {f.orig for f in first} - {f.orig for f in unwritten}
         late = [f for f in self._read(pin_path) if f.orig not in written]
         more = self._create(netns, late, timeouts, None)  # detached: nothing to hold
         removed = self._remove_pins(pin_path)
@@ -288,6 +422,18 @@ class EbpfHandback:
         failed = [*done.failed, *again.failed, *more.failed]
         for line in failed[:10]:
             log.warning("an eBPF flow could not be handed to nf_conntrack: %s", line)
+        if holds.lapsed:
+            log.warning(
+                "%d of the %d flows the node's stack tracks were found with their hold or pass (%d s,"
+                " renewed every %d s while the agent went on) run out before the detach: the programs"
+                " translated them meanwhile, and the stack's NAT may have given a packet another"
+                " source port (a stranger or a reset; the agent was starved of CPU for seconds?); first: %s",
+                len(holds.lapsed),
+                holds.held,
+                abi.CT_HANDOVER_S,
+                HOLD_RENEW_NS // NSEC,
+                holds.lapsed[0].describe(),
+            )
         log.info(
             "took over from eBPF mode: %d established flows handed to nf_conntrack (%d before the"
             " programs were detached from %s, %d of them in a second round, %d after; %d there"
@@ -305,4 +451,32 @@ class EbpfHandback:
             len(removed),
             pin_path,
             (time.monotonic() - started) * 1000,
+        )
+
+    def _undo(self, netns: str, holds: Holds, exc: BaseException) -> None:
+        """Given up before the detach: the programs stay attached, so no flow may stay passed to a
+        NAT entry once its window runs out (they would translate it with that entry in place):
+        those entries deleted and the flows given back to the programs (StackHolds.undo)."""
+        passed = holds.passed
+        try:
+            deleted = holds.undo(lambda flows: self._delete(netns, flows))
+        except (OSError, NetlinkError) as undo_exc:
+            log.error(
+                "the hand-back out of eBPF mode stopped (%s) and the NAT entries of the %d flows already"
+                " passed to them could not all be deleted (%s): the attached programs translate those"
+                " flows again with their NAT entries in place, whose stack may give their packets"
+                " another source port until the entries time out",
+                exc,
+                passed,
+                undo_exc,
+            )
+            return
+        log.warning(
+            "the hand-back out of eBPF mode stopped (%s): the %d flows the node's stack tracks held so far"
+            " are given back to the eBPF programs, the NAT entries of the %d passed to them deleted (%d"
+            " found)",
+            exc,
+            holds.held,
+            passed,
+            deleted,
         )

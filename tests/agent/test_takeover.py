@@ -18,11 +18,12 @@ import secrets
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple, NFCTSocket
 
 from agent.config import Config, HostRouting, Mode
@@ -32,7 +33,9 @@ from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import FakeMap, MapError, MapWriter, UpdateFlag
 from agent.keptrecords import records_path
 from agent.netns import run_in_netns
+from agent.takeover import nfct
 from agent.takeover.flows import (
+    HOLD_RENEW_NS,
     IPS_ASSURED,
     IPS_CONFIRMED,
     IPS_DST_NAT,
@@ -58,7 +61,7 @@ from agent.takeover.flows import (
     timeout_of,
     why_not_carried,
 )
-from agent.takeover.into_ebpf import HOLD_RENEW_NS, KernelTakeover, ebpf_ids, ebpf_ids6
+from agent.takeover.into_ebpf import KernelTakeover, ebpf_ids, ebpf_ids6
 from agent.takeover.nfct import (
     Created,
     Replaced,
@@ -739,12 +742,20 @@ class FakeHolds:
     events: list[str]
     held: int = 0
     passed: int = 0
+    lapsed: list[NatFlow] = dataclasses.field(default_factory=list)
 
     def hold(self, flow: NatFlow) -> None:
         self.events.append(f"hold {flow.orig[0]}")
 
     def release(self, flow: NatFlow) -> None:
         self.events.append(f"release {flow.orig[0]}")
+
+    def renew(self) -> None:
+        self.events.append("renew")
+
+    def undo(self, delete: Callable[[list[NatFlow]], int]) -> int:
+        self.events.append("undo")
+        return delete([])
 
     def close(self) -> None:
         self.events.append("close holds")
@@ -777,8 +788,9 @@ def test_the_handback_writes_detaches_writes_the_late_flows_and_removes_the_pins
         # each flow the stack tracks is held around its own write, then passed to its NAT entry
         f"create node1 {[POD_CLIENT]} held",
         "create node1 [] held",  # none refused: no second round
-        "close holds",
+        "renew",  # the holds outlast the detach
         "detach node1",
+        "close holds",
         f"create node1 {[CLIENT]} None",  # the programs are gone: nothing to hold
         "remove pins",
     ]
@@ -842,6 +854,258 @@ def test_flows_whose_write_was_refused_are_written_again_before_and_after_the_de
         ("detach", []),
         ("create", [CLUSTERIP.orig]),
     ]
+
+
+def test_a_flow_whose_write_failed_is_written_again_after_the_detach(tmp_path: Path) -> None:
+    """A flow create_flows could not write (a netlink error other than EEXIST) is not counted as
+    written: the round after the detach tries it again, as it does the refused ones."""
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_tcp"].name).touch()
+    creates: list[list[Tuple]] = []
+    rounds = [
+        Created(created=1, failed=["NODEPORT: No buffer space available"], unwritten=[NODEPORT]),
+        Created(),
+        Created(created=1),
+    ]
+
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts, hold: Holds | None) -> Created:
+        creates.append([f.orig for f in flows])
+        return rounds.pop(0)
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins)),
+        read=lambda pin_path: [CLUSTERIP, NODEPORT],
+        create=create,
+        detach=lambda netns: ["eth0"],
+        remove_pins=lambda pin_path: [],
+        holds=lambda pin_path: FakeHolds([]),
+    )
+    handback.run()
+    assert creates == [[CLUSTERIP.orig, NODEPORT.orig], [], [NODEPORT.orig]]
+
+
+class PinnedMap(FakeMap):
+    """A FakeMap StackHolds can close, as it does the pinned maps it opened."""
+
+    def close(self) -> None:
+        pass
+
+
+class RefusingPinnedMap(PinnedMap):
+    """Refuses the first rewrite (BPF_EXIST) of `key`'s entry (EBUSY)."""
+
+    refuse: bytes | None = None
+
+    def update(self, key: Any, value: Any, flags: UpdateFlag = UpdateFlag.ANY) -> None:
+        if flags == UpdateFlag.EXIST and bytes(key) == self.refuse:
+            self.refuse = None
+            raise MapError("ekp_ct_tcp", "update", errno.EBUSY)
+        super().update(key, value, flags)
+
+
+def pinned(flows: list[NatFlow], made_ns: int, table: PinnedMap | None = None) -> PinnedMap:
+    """The pinned ekp_ct_tcp of an eBPF agent that made `flows` at `made_ns`."""
+    table = PinnedMap(MAPS["ct_tcp"]) if table is None else table
+    for flow in flows:
+        for key, entry in ebpf_entries(flow, IDS, made_ns):
+            table.update(key, entry)
+    return table
+
+
+def stack_holds(table: PinnedMap, clock: list[int]) -> StackHolds:
+    """StackHolds on `table` under legacy host routing (every unmasqueraded flow is the stack's)."""
+    return StackHolds(
+        "/pins", clock_ns=lambda: clock[0], open_table=lambda pin_path, role: table, legacy=True
+    )
+
+
+def test_a_flow_passed_to_its_nat_entry_is_passed_both_ways_however_old_it_is() -> None:
+    """The data path reads the REPLY entry's created_s for a reply: a flow that began a minute ago
+    (every established one) must have its window start at the pass there too."""
+    clock = [NOW]
+    table = pinned([CLUSTERIP], NOW - 60 * 10**9)
+    holds = stack_holds(table, clock)
+    holds.hold(CLUSTERIP)
+    clock[0] += 10**9
+    holds.release(CLUSTERIP)
+    forward, reply = (table.lookup(key) for key in ct_keys(CLUSTERIP))
+    assert isinstance(forward, abi.CtEntry) and isinstance(reply, abi.CtEntry)
+    assert forward.flags & CtFlag.NFPASS and reply.flags & CtFlag.NFPASS
+    assert still_held(forward, clock[0]) and still_held(reply, clock[0]), "the reply would be translated"
+    assert (holds.held, holds.passed, holds.lapsed) == (1, 1, [])
+
+
+class FakeCtnetlink:
+    """nfct.NFCTSocket for create_flows: each message takes `step_ns` of `clock` and is preceded by
+    `before()`; the adds of `refuse` are refused once (EEXIST: a packet made the plain entry again),
+    and the deletion of `fail_delete`'s plain entry fails (EPERM)."""
+
+    def __init__(
+        self,
+        clock: list[int],
+        step_ns: int,
+        before: Callable[[], None] = lambda: None,
+        refuse: Collection[Tuple] = (),
+        fail_delete: Tuple | None = None,
+    ) -> None:
+        self.clock, self.step_ns, self.before = clock, step_ns, before
+        self.refuse, self.fail_delete = set(refuse), fail_delete
+        self.added: list[Tuple] = []
+
+    def __call__(self, nfgen_family: int) -> FakeCtnetlink:
+        return self
+
+    def __enter__(self) -> FakeCtnetlink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def entry(self, op: str, **attrs: Any) -> None:
+        self.before()
+        self.clock[0] += self.step_ns
+        if op == "del":
+            t = attrs["tuple_orig"]
+            if (t.saddr, t.daddr, t.sport, t.dport) == self.fail_delete:
+                raise NetlinkError(errno.EPERM)
+            raise NetlinkError(errno.ENOENT)
+        flow: NatFlow = attrs["flow"]
+        if flow.orig in self.refuse:
+            self.refuse.discard(flow.orig)
+            raise NetlinkError(errno.EEXIST)
+        self.added.append(flow.orig)
+
+
+def fake_ctnetlink(monkeypatch: pytest.MonkeyPatch, ctnl: FakeCtnetlink) -> None:
+    monkeypatch.setattr(nfct, "NFCTSocket", ctnl)
+    monkeypatch.setattr(nfct, "run_in_netns", lambda netns, fn: fn())
+    monkeypatch.setattr(nfct, "_entry", lambda flow, timeouts: {"flow": flow})
+
+
+def test_every_hold_and_pass_outlasts_a_hand_back_longer_than_its_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One netlink message a second (thousands of flows, or a starved agent): two rounds of 24 s
+    and 12 s, each longer than EKP_CT_HANDOVER_S. At every message and at the detach, every flow
+    held or passed so far is still so in the data path's eyes (both entries), and none lapsed."""
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_tcp"].name).touch()
+    flows = many_flows(12)
+    clock = [NOW]
+    table = pinned(flows, NOW - 60 * 10**9)
+    holds = stack_holds(table, clock)
+    lapses: list[str] = []
+
+    def check() -> None:
+        for flow in flows:
+            for key in ct_keys(flow):
+                entry = table.lookup(key)
+                assert isinstance(entry, abi.CtEntry)
+                if entry.flags & (CtFlag.NFPASS | CtFlag.HANDOVER) and not still_held(entry, clock[0]):
+                    lapses.append(f"{flow.orig[2]}/{key.dir} at {(clock[0] - NOW) // 10**9} s")
+
+    ctnl = FakeCtnetlink(clock, 10**9, check, refuse={f.orig for f in flows[::2]})
+    fake_ctnetlink(monkeypatch, ctnl)
+    detached: list[int] = []
+
+    def detach(netns: str) -> list[str]:
+        check()
+        detached.append(clock[0] - NOW)
+        return ["eth0"]
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins)),
+        read=lambda pin_path: flows,
+        detach=detach,
+        remove_pins=lambda pin_path: [],
+        holds=lambda pin_path: holds,
+        delete=lambda netns, gone: pytest.fail("nothing to undo"),
+    )
+    handback.run()
+    assert detached == [36 * 10**9]
+    assert lapses == []
+    assert (holds.held, holds.passed, holds.lapsed) == (12, 12, [])
+    assert sorted(ctnl.added) == sorted(f.orig for f in flows)
+    assert "run out before the detach" not in caplog.text
+
+
+def test_a_hold_found_run_out_is_counted_renewed_and_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent starved for longer than the window between two renewals: the flows passed before
+    are found run out (the programs translated them meanwhile), counted, named, and passed again."""
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_tcp"].name).touch()
+    flows = many_flows(3)
+    clock = [NOW]
+    table = pinned(flows, NOW)
+    holds = stack_holds(table, clock)
+    fake_ctnetlink(monkeypatch, FakeCtnetlink(clock, (abi.CT_HANDOVER_S + 1) * 10**9))
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins)),
+        read=lambda pin_path: flows,
+        detach=lambda netns: ["eth0"],
+        remove_pins=lambda pin_path: [],
+        holds=lambda pin_path: holds,
+    )
+    handback.run()
+    assert [f.orig for f in holds.lapsed] == [f.orig for f in flows]
+    assert "3 of the 3 flows the node's stack tracks were found with their hold or pass" in caplog.text
+    for flow in flows:
+        for key in ct_keys(flow):
+            entry = table.lookup(key)
+            assert isinstance(entry, abi.CtEntry) and still_held(entry, clock[0])
+
+
+@pytest.mark.parametrize("where", ["delete", "map", "detach"])
+def test_a_hand_back_given_up_before_the_detach_gives_every_flow_back_to_the_programs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    """Stopped partway (ctnetlink refuses a deletion, the map refuses a hold, the detach fails):
+    the programs stay attached, so the flows passed so far must not be left to translate with their
+    NAT entries in place once their window runs out: those entries are deleted and every flow held
+    or passed gets both flags cleared (translated by the programs as before the hand-back)."""
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_tcp"].name).touch()
+    flows = many_flows(4)
+    clock = [NOW]
+    refusing = RefusingPinnedMap(MAPS["ct_tcp"])
+    table = pinned(flows, NOW, refusing)
+    if where == "map":  # the hold of the third flow
+        refusing.refuse = bytes(ct_keys(flows[2])[0])
+    holds = stack_holds(table, clock)
+    fake_ctnetlink(
+        monkeypatch,
+        FakeCtnetlink(clock, 10**6, fail_delete=stack_flow(flows[2]).orig if where == "delete" else None),
+    )
+    deleted: list[list[Tuple]] = []
+
+    def detach(netns: str) -> list[str]:
+        if where == "detach":
+            raise OSError(errno.EPERM, "Operation not permitted")
+        return pytest.fail("given up before the detach")
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins)),
+        read=lambda pin_path: flows,
+        detach=detach,
+        remove_pins=lambda pin_path: pytest.fail("the programs stay: so do their pins"),
+        holds=lambda pin_path: holds,
+        delete=lambda netns, gone: deleted.append([f.orig for f in gone]) or len(gone),  # type: ignore[func-returns-value]
+    )
+    handback.run()
+    passed = flows if where == "detach" else flows[:2]
+    assert deleted == [[f.orig for f in passed]]
+    for flow in flows:
+        assert not any(
+            f & (CtFlag.NFPASS | CtFlag.HANDOVER) for f in flow_flags({"ct_tcp": table}, flow).values()
+        )
+    assert f"are given back to the eBPF programs, the NAT entries of the {len(passed)} passed" in caplog.text
+    assert "its programs stay attached" in caplog.text
 
 
 def test_no_handback_without_an_ebpf_conntrack(tmp_path: Path) -> None:
@@ -1189,6 +1453,8 @@ def test_a_handed_back_flow_the_stack_tracks_is_held_for_its_write_then_passed_t
         )
         for flow in (CLUSTERIP, NODEPORT):
             for key, entry in ebpf_entries(flow, IDS, time.monotonic_ns()):
+                # established a minute ago, longer than EKP_CT_HANDOVER_S: the pass must not lapse at once
+                entry.created_s -= 60
                 dp.maps["ct_tcp"].update(key, entry)
         activity.arm(dp.maps)  # the flows stamped, as the agent that made them had them
         segment = tcp(POD_CLIENT, VIP, 40000, 80, flags="PA")
@@ -1243,6 +1509,9 @@ def test_create_flows_holds_each_flow_from_before_the_plain_entry_goes_until_its
 
         def release(self, flow: NatFlow) -> None:
             seen.append(("release", *entries_now()))
+
+        def renew(self) -> None:
+            pass
 
     assert create_flows(netns, [CLUSTERIP], t, clear_first=stack_flow, hold=Recorder()).created == 1
     assert seen == [("hold", True, False), ("release", False, True)]

@@ -417,6 +417,23 @@ def test_a_file_larger_than_any_planner_is_refused_unread(
     assert f"{size} bytes, more than the {size - 1}" in caplog.text and TAKEN not in caplog.text
 
 
+def test_a_snapshot_whose_header_cannot_be_read_is_not_used_and_the_sync_reads_the_maps_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An I/O error while checking the file's header (EIO on a failing disk) costs the start its
+    planner, not its first sync: the maps are read back, and the log says why."""
+    rig, path = _saved(tmp_path)
+
+    def failing(*args: object) -> str:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(keptfile, "check", failing)
+    with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+        rig.proxier().sync(MORE, NODE)
+    assert NOT_USED in caplog.text and "cannot be read: [Errno 5] Input/output error" in caplog.text
+    assert TAKEN not in caplog.text and not os.path.exists(path)
+
+
 def test_a_stop_replaces_a_link_at_its_temporary_name_instead_of_writing_through_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -141,6 +141,9 @@ def test_ipv6_masquerade_elsewhere_reads_the_legacy_nat_table_only_where_it_exis
     assert not ipv6_masquerade_elsewhere(config, runner) and saves == []
     names[0] = Result(1, "", "cat: Permission denied")
     assert ipv6_masquerade_elsewhere(config, runner) and saves == [], "a check that cannot run counts as yes"
+    # runner.command's answer where there is no `cat` binary: its message names a missing file too
+    names[0] = Result(127, "", "[Errno 2] No such file or directory: 'cat'")
+    assert ipv6_masquerade_elsewhere(config, runner) and saves == [], "no cat to run: the check cannot run"
     names[0] = Result(0, "filter\nnat\n", "")
     assert ipv6_masquerade_elsewhere(config, runner) and saves == ["nat"]
     assert ["cat", "/proc/net/ip6_tables_names"] in runner.commands
