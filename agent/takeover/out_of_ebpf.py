@@ -35,7 +35,9 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    ctnetlink or the detach failing, or any other stop), the programs stay attached: flow by flow,
    passed ones first, each is held again with no NFPASS on its REPLY entry (no reply may pass
    untranslated once its NAT entry is gone), its NAT entry deleted (a held flow's too: it may
-   have been written), and it is given back to them (both flags cleared);
+   have been written), and it is given back to them (both flags cleared). A detach that failed
+   on some devices after others were detached undoes nothing: the detached devices' flows need
+   their NAT entries; an error names the devices that still run the programs;
 2. the programs are detached from every device of the node: no plain entry is made any more;
 3. the flows the programs started between 1 and 2, and those still refused, are written the same
    way (entries already there kept);
@@ -418,7 +420,22 @@ class EbpfHandback:
                 holds.renew()  # the windows must outlast the walk over every device
                 detached = self._detach(netns)
             except BaseException as exc:  # any stop before the detach: no flow may stay passed
-                self._undo(netns, holds, exc)
+                from agent.ebpf.attach import DetachFailed
+
+                if isinstance(exc, DetachFailed) and exc.detached:
+                    # on the detached devices the flows meet the rules: their NAT entries must stay
+                    log.error(
+                        "the hand-back out of eBPF mode detached the programs from %s but not from %s:"
+                        " the NAT entries written stay (the detached devices' flows need them); the"
+                        " flows through the devices still attached are translated by the programs"
+                        " with those entries in place once their holds run out (%d s). Run"
+                        " `agent --cleanup` on the node to detach them",
+                        ",".join(sorted(exc.detached)),
+                        "; ".join(exc.failed),
+                        abi.CT_HANDOVER_S,
+                    )
+                else:
+                    self._undo(netns, holds, exc)
                 raise
         finally:
             holds.close()

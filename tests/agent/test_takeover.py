@@ -27,7 +27,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple, NFCTSocket
 
 from agent.config import Config, HostRouting, Mode
-from agent.ebpf import abi, activity, snapshot
+from agent.ebpf import abi, activity, attach, snapshot, xdp
 from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import FakeMap, MapError, MapWriter, UpdateFlag
@@ -1060,7 +1060,7 @@ def test_a_hold_found_run_out_is_counted_renewed_and_logged(
             assert isinstance(entry, abi.CtEntry) and still_held(entry, clock[0])
 
 
-@pytest.mark.parametrize("where", ["delete", "map", "release", "detach", "interrupt"])
+@pytest.mark.parametrize("where", ["delete", "map", "release", "detach", "detach-none", "interrupt"])
 def test_a_hand_back_given_up_before_the_detach_gives_every_flow_back_to_the_programs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
 ) -> None:
@@ -1101,6 +1101,8 @@ def test_a_hand_back_given_up_before_the_detach_gives_every_flow_back_to_the_pro
             raise OSError(errno.EPERM, "Operation not permitted")
         if where == "interrupt":
             raise KeyboardInterrupt
+        if where == "detach-none":  # every device refused: none was detached
+            raise attach.DetachFailed(errno.EPERM, [], ["eth0: (1, 'Operation not permitted')"])
         return pytest.fail("given up before the detach")
 
     handback = EbpfHandback(
@@ -1116,7 +1118,7 @@ def test_a_hand_back_given_up_before_the_detach_gives_every_flow_back_to_the_pro
             handback.run()
     else:
         handback.run()
-    passed = {"detach": flows, "interrupt": flows, "release": flows[:2]}.get(where, flows[:2])
+    passed = {"detach": flows, "detach-none": flows, "interrupt": flows}.get(where, flows[:2])
     # flow by flow, passed ones first; a held one's NAT entry too (a hold refused by the map may
     # have landed on FORWARD: registered all the same)
     undone = {"map": flows[:3], "delete": flows[:3]}.get(where, passed)
@@ -1128,6 +1130,70 @@ def test_a_hand_back_given_up_before_the_detach_gives_every_flow_back_to_the_pro
     assert f"are given back to the eBPF programs, the NAT entries of the {len(passed)} passed" in caplog.text
     if where != "interrupt":
         assert "its programs stay attached" in caplog.text
+
+
+def test_a_detach_that_fails_after_detaching_some_devices_keeps_the_nat_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The programs detached from eth0 but not from lxc-a: eth0's flows meet the rules from now
+    on and need their NAT entries, so no undo: the entries stay, the flows stay passed, and the
+    log names the devices still running the programs."""
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_tcp"].name).touch()
+    flows = many_flows(3)
+    clock = [NOW]
+    table = pinned(flows, NOW)
+    holds = stack_holds(table, clock)
+    fake_ctnetlink(monkeypatch, FakeCtnetlink(clock, 10**6))
+
+    def detach(netns: str) -> list[str]:
+        raise attach.DetachFailed(errno.EBUSY, ["eth0"], ["lxc-a: (16, 'Device or resource busy')"])
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins)),
+        read=lambda pin_path: flows,
+        detach=detach,
+        remove_pins=lambda pin_path: pytest.fail("the programs stay on lxc-a: so do their pins"),
+        holds=lambda pin_path: holds,
+        delete=lambda netns, gone: pytest.fail("eth0's flows need their NAT entries"),
+    )
+    handback.run()
+    for flow in flows:
+        flags = flow_flags({"ct_tcp": table}, flow)
+        assert flags[CtDir.FORWARD] & CtFlag.NFPASS and flags[CtDir.REPLY] & CtFlag.NFPASS
+    assert "detached the programs from eth0 but not from lxc-a: (16" in caplog.text
+    assert "given back to the eBPF programs" not in caplog.text
+
+
+def test_detach_all_goes_on_past_a_device_that_refuses_and_says_which(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    links = [
+        dataclasses.make_dataclass("L", ["index", "name"])(i, n)
+        for i, n in enumerate(["eth0", "lxc-a", "lxc-b"])
+    ]
+
+    class Route:
+        def __enter__(self) -> object:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    def detach(ipr: object, index: int) -> bool:
+        if index == 1:
+            raise NetlinkError(errno.EBUSY, "Device or resource busy")
+        return True
+
+    monkeypatch.setattr(attach, "netns_route", lambda netns: Route())
+    monkeypatch.setattr(attach, "list_links", lambda ipr: links)
+    monkeypatch.setattr(xdp, "detach", lambda ipr, index: False)
+    monkeypatch.setattr(attach, "detach", detach)
+    with pytest.raises(attach.DetachFailed) as failed:
+        attach.detach_all("node1")
+    assert (failed.value.code, failed.value.detached) == (errno.EBUSY, ["eth0", "lxc-b"])
+    assert [f.split(":")[0] for f in failed.value.failed] == ["lxc-a"]
 
 
 def test_no_handback_without_an_ebpf_conntrack(tmp_path: Path) -> None:
