@@ -194,7 +194,8 @@ class StackHolds:
         window to keep, and each write may lose a change the data path made since the read).
         Returns whether either held already and had run out."""
         table = self._table(flow)
-        now_s = self._clock_ns() // NSEC
+        now_ns = self._clock_ns()
+        now_s = now_ns // NSEC
         lapsed = False
         keys: tuple[abi.CtKey | abi.Ct6Key, ...] = _keys(flow)
         for key, change in zip(keys, (forward, reply), strict=True):
@@ -209,6 +210,10 @@ class StackHolds:
             elif not held:
                 continue
             entry.created_s = now_s & _U32
+            if entry.flags & _HELD:
+                # the data path stamps no packet it drops or passes: without this a UDP flow could
+                # expire in eBPF conntrack during a long hand-back
+                entry.last_seen_ns = now_ns
             self._update(table, key, entry)
         return lapsed
 

@@ -936,6 +936,27 @@ def test_a_flow_passed_to_its_nat_entry_is_passed_both_ways_however_old_it_is() 
     assert (holds.held, holds.passed, holds.lapsed) == (1, 1, [])
 
 
+def test_a_flow_held_or_passed_is_kept_seen_by_each_write() -> None:
+    """The data path refreshes no last_seen_ns while a flag holds: each hold, pass and renewal
+    does, so a quiet UDP flow does not expire in eBPF conntrack during a long hand-back."""
+    clock = [NOW]
+    table = pinned([CLUSTERIP], NOW - 60 * 10**9)
+    holds = stack_holds(table, clock)
+
+    def seen() -> list[int]:
+        entries = [table.lookup(key) for key in ct_keys(CLUSTERIP)]
+        return [e.last_seen_ns for e in entries if isinstance(e, abi.CtEntry)]
+
+    holds.hold(CLUSTERIP)
+    assert seen() == [NOW, NOW - 60 * 10**9]  # the REPLY entry holds nothing yet
+    clock[0] += 10**9
+    holds.release(CLUSTERIP)
+    assert seen() == [clock[0]] * 2
+    clock[0] += HOLD_RENEW_NS
+    holds.renew()
+    assert seen() == [clock[0]] * 2
+
+
 class FakeCtnetlink:
     """nfct.NFCTSocket for create_flows: each message takes `step_ns` of `clock` and is preceded by
     `before()`; the adds of `refuse` are refused once (EEXIST: a packet made the plain entry again),
