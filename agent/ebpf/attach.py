@@ -453,15 +453,29 @@ def fronts_left(ipr: Any) -> list[str]:
     return out
 
 
+class DetachFailed(NetlinkError):  # type: ignore[misc]  # pyroute2 is untyped
+    """detach_all could not detach from some devices (`failed`, "DEVICE: error"; they still run
+    our programs) after it went on with the others (`detached`: those it detached ours from)."""
+
+    def __init__(self, code: int, detached: list[str], failed: list[str]) -> None:
+        super().__init__(code, f"cannot detach from {'; '.join(failed)}")
+        self.detached = detached
+        self.failed = failed
+
+
 def detach_all(netns: str) -> list[str]:
     """Remove our filters and XDP programs from every device of `netns`; names of the devices
     that had one.
 
-    A namespace that no longer exists holds nothing of ours: returns [].
+    A namespace that no longer exists holds nothing of ours: returns []. A device that refuses
+    does not stop the others: DetachFailed at the end says which were detached and which not (a
+    caller undoing what it did before the detach must know whether any device was).
     """
     try:
         with netns_route(netns) as ipr:
-            done = []
+            done: list[str] = []
+            failed: list[str] = []
+            code = 0
             for link in list_links(ipr):
                 try:
                     had_xdp = xdp.detach(ipr, link.index)
@@ -469,7 +483,10 @@ def detach_all(netns: str) -> list[str]:
                         done.append(link.name)
                 except NetlinkError as exc:
                     if exc.code not in (errno.ENODEV, errno.ENOENT):
-                        raise
+                        code = code or exc.code
+                        failed.append(f"{link.name}: {exc}")
+            if failed:
+                raise DetachFailed(code, done, failed)
             return done
     except FileNotFoundError:
         log.info("netns %s does not exist: nothing to detach", netns)

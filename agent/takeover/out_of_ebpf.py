@@ -32,9 +32,12 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    for a reply), so every write of a flag moves that entry's created_s to now and, between two
    flows and right before the detach, every flow held or passed gets it again each HOLD_RENEW_NS
    (one found run out meanwhile is counted in a warning). Given up before the detach (a map,
-   ctnetlink or the detach failing), the programs stay attached: the NAT entries of the flows
-   passed so far are deleted and every flow held or passed is given back to them (both flags
-   cleared);
+   ctnetlink or the detach failing, or any other stop), the programs stay attached: flow by flow,
+   passed ones first, each is held again with no NFPASS on its REPLY entry (no reply may pass
+   untranslated once its NAT entry is gone), its NAT entry deleted (a held flow's too: it may
+   have been written), and it is given back to them (both flags cleared). A detach that failed
+   on some devices after others were detached undoes nothing: the detached devices' flows need
+   their NAT entries; an error names the devices that still run the programs;
 2. the programs are detached from every device of the node: no plain entry is made any more;
 3. the flows the programs started between 1 and 2, and those still refused, are written the same
    way (entries already there kept);
@@ -191,7 +194,8 @@ class StackHolds:
         window to keep, and each write may lose a change the data path made since the read).
         Returns whether either held already and had run out."""
         table = self._table(flow)
-        now_s = self._clock_ns() // NSEC
+        now_ns = self._clock_ns()
+        now_s = now_ns // NSEC
         lapsed = False
         keys: tuple[abi.CtKey | abi.Ct6Key, ...] = _keys(flow)
         for key, change in zip(keys, (forward, reply), strict=True):
@@ -206,6 +210,10 @@ class StackHolds:
             elif not held:
                 continue
             entry.created_s = now_s & _U32
+            if entry.flags & _HELD:
+                # the data path stamps no packet it drops or passes: without this a UDP flow could
+                # expire in eBPF conntrack during a long hand-back
+                entry.last_seen_ns = now_ns
             self._update(table, key, entry)
         return lapsed
 
@@ -230,11 +238,11 @@ class StackHolds:
         if self._renewed_ns is None:
             self._renewed_ns = self._clock_ns()
         again = flow.orig in self._held  # a second round's
-        if self._write(flow, (abi.CtFlag.NFPASS, abi.CtFlag.HANDOVER), None) and again:
-            self._ran_out(flow)
-        if not again:
+        if not again:  # before the write: one that half lands (FORWARD, not REPLY) is undone too
             self._held[flow.orig] = flow
             self.held += 1
+        if self._write(flow, (abi.CtFlag.NFPASS, abi.CtFlag.HANDOVER), None) and again:
+            self._ran_out(flow)
 
     def release(self, flow: NatFlow) -> None:
         """HANDOVER swapped for CtFlag.NFPASS on both its entries: the programs pass its packets
@@ -243,10 +251,11 @@ class StackHolds:
         if flow.orig not in self._held:
             return
         change = (abi.CtFlag.HANDOVER, abi.CtFlag.NFPASS)
-        if self._write(flow, change, change):
-            self._ran_out(flow)
+        # before the write: its NAT entry is written, so an undo must delete it even if the write fails
         self._passed[flow.orig] = self._held.pop(flow.orig)
         self.passed += 1
+        if self._write(flow, change, change):
+            self._ran_out(flow)
 
     def renew(self) -> None:
         """Every flow held or passed given its window again, at most every HOLD_RENEW_NS. One found
@@ -263,29 +272,37 @@ class StackHolds:
         self._renewed_ns = self._clock_ns()
 
     def undo(self, delete: Callable[[list[NatFlow]], int]) -> int:
-        """The hand-back given up before the detach: every flow passed to its NAT entry held again
-        (its forward packets drop, its replies still pass to that entry) while `delete` removes
-        those entries, then every flow held or passed given back to the programs (both flags
-        cleared, so they translate it as before the hand-back; under legacy host routing the stack
-        tracks it again as client <-> backend from its next packet). Returns `delete`'s count."""
+        """The hand-back given up before the detach: flow by flow, passed ones first, held again
+        (its forward packets drop; its replies go to the programs, no NFPASS: while the NAT entry
+        exists the stack reverse-NATs them anyway, and once `delete` removed it no reply may pass
+        untranslated), its NAT entry deleted (a held flow's too: create_flows may have written it
+        before the pass), then given back to the programs (both flags cleared, so they translate
+        it as before the hand-back; under legacy host routing the stack tracks it again as client
+        <-> backend from its next packet). Returns `delete`'s count."""
         from agent.ebpf.maps import MapError
 
-        passed = list(self._passed.values())
+        flows = [*self._passed.values(), *self._held.values()]
         unwritten: list[str] = []
+        cleared: set[Tuple] = set()
 
-        def write(flow: NatFlow, forward: tuple[int, int], reply: tuple[int, int] | None) -> None:
+        def write(flow: NatFlow, forward: tuple[int, int], reply: tuple[int, int]) -> None:
             try:
                 self._write(flow, forward, reply)
             except MapError as exc:  # the rest is undone all the same
                 unwritten.append(f"{flow.describe()}: {exc}")
 
+        deleted = 0
         try:
-            for flow in passed:
-                write(flow, (abi.CtFlag.NFPASS, abi.CtFlag.HANDOVER), None)
-            return delete(passed) if passed else 0
-        finally:
-            for flow in (*self._held.values(), *passed):
+            for flow in flows:
+                write(flow, (abi.CtFlag.NFPASS, abi.CtFlag.HANDOVER), (abi.CtFlag.NFPASS, 0))
+                deleted += delete([flow])
                 write(flow, (_HELD, 0), (_HELD, 0))
+                cleared.add(flow.orig)
+            return deleted
+        finally:
+            for flow in flows:
+                if flow.orig not in cleared:
+                    write(flow, (_HELD, 0), (_HELD, 0))
             self._held.clear()
             self._passed.clear()
             for line in unwritten[:10]:
@@ -407,8 +424,23 @@ class EbpfHandback:
                 again = self._create(netns, done.taken, timeouts, holds)
                 holds.renew()  # the windows must outlast the walk over every device
                 detached = self._detach(netns)
-            except (OSError, NetlinkError) as exc:
-                self._undo(netns, holds, exc)
+            except BaseException as exc:  # any stop before the detach: no flow may stay passed
+                from agent.ebpf.attach import DetachFailed
+
+                if isinstance(exc, DetachFailed) and exc.detached:
+                    # on the detached devices the flows meet the rules: their NAT entries must stay
+                    log.error(
+                        "the hand-back out of eBPF mode detached the programs from %s but not from %s:"
+                        " the NAT entries written stay (the detached devices' flows need them); the"
+                        " flows through the devices still attached are translated by the programs"
+                        " with those entries in place once their holds run out (%d s). Run"
+                        " `agent --cleanup` on the node to detach them",
+                        ",".join(sorted(exc.detached)),
+                        "; ".join(exc.failed),
+                        abi.CT_HANDOVER_S,
+                    )
+                else:
+                    self._undo(netns, holds, exc)
                 raise
         finally:
             holds.close()

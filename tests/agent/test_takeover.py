@@ -27,7 +27,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple, NFCTSocket
 
 from agent.config import Config, HostRouting, Mode
-from agent.ebpf import abi, activity, snapshot
+from agent.ebpf import abi, activity, attach, snapshot, xdp
 from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import FakeMap, MapError, MapWriter, UpdateFlag
@@ -936,6 +936,27 @@ def test_a_flow_passed_to_its_nat_entry_is_passed_both_ways_however_old_it_is() 
     assert (holds.held, holds.passed, holds.lapsed) == (1, 1, [])
 
 
+def test_a_flow_held_or_passed_is_kept_seen_by_each_write() -> None:
+    """The data path refreshes no last_seen_ns while a flag holds: each hold, pass and renewal
+    does, so a quiet UDP flow does not expire in eBPF conntrack during a long hand-back."""
+    clock = [NOW]
+    table = pinned([CLUSTERIP], NOW - 60 * 10**9)
+    holds = stack_holds(table, clock)
+
+    def seen() -> list[int]:
+        entries = [table.lookup(key) for key in ct_keys(CLUSTERIP)]
+        return [e.last_seen_ns for e in entries if isinstance(e, abi.CtEntry)]
+
+    holds.hold(CLUSTERIP)
+    assert seen() == [NOW, NOW - 60 * 10**9]  # the REPLY entry holds nothing yet
+    clock[0] += 10**9
+    holds.release(CLUSTERIP)
+    assert seen() == [clock[0]] * 2
+    clock[0] += HOLD_RENEW_NS
+    holds.renew()
+    assert seen() == [clock[0]] * 2
+
+
 class FakeCtnetlink:
     """nfct.NFCTSocket for create_flows: each message takes `step_ns` of `clock` and is preceded by
     `before()`; the adds of `refuse` are refused once (EEXIST: a packet made the plain entry again),
@@ -1060,7 +1081,7 @@ def test_a_hold_found_run_out_is_counted_renewed_and_logged(
             assert isinstance(entry, abi.CtEntry) and still_held(entry, clock[0])
 
 
-@pytest.mark.parametrize("where", ["delete", "map", "detach"])
+@pytest.mark.parametrize("where", ["delete", "map", "release", "detach", "detach-none", "interrupt"])
 def test_a_hand_back_given_up_before_the_detach_gives_every_flow_back_to_the_programs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
 ) -> None:
@@ -1077,6 +1098,8 @@ def test_a_hand_back_given_up_before_the_detach_gives_every_flow_back_to_the_pro
     table = pinned(flows, NOW, refusing)
     if where == "map":  # the hold of the third flow
         refusing.refuse = bytes(ct_keys(flows[2])[0])
+    if where == "release":  # the pass of the second, its NAT entry written: the REPLY's write
+        refusing.refuse = bytes(ct_keys(flows[1])[1])
     holds = stack_holds(table, clock)
     fake_ctnetlink(
         monkeypatch,
@@ -1084,9 +1107,23 @@ def test_a_hand_back_given_up_before_the_detach_gives_every_flow_back_to_the_pro
     )
     deleted: list[list[Tuple]] = []
 
+    def delete(netns: str, gone: list[NatFlow]) -> int:
+        # at its NAT entry's deletion a flow's replies must not pass (NFPASS) to the programs
+        # untranslated, and its forward packets must drop (HANDOVER)
+        for flow in gone:
+            flags = flow_flags({"ct_tcp": table}, flow)
+            assert not flags[CtDir.REPLY] & CtFlag.NFPASS, flow.describe()
+            assert flags[CtDir.FORWARD] & CtFlag.HANDOVER, flow.describe()
+        deleted.append([f.orig for f in gone])
+        return len(gone)
+
     def detach(netns: str) -> list[str]:
         if where == "detach":
             raise OSError(errno.EPERM, "Operation not permitted")
+        if where == "interrupt":
+            raise KeyboardInterrupt
+        if where == "detach-none":  # every device refused: none was detached
+            raise attach.DetachFailed(errno.EPERM, [], ["eth0: (1, 'Operation not permitted')"])
         return pytest.fail("given up before the detach")
 
     handback = EbpfHandback(
@@ -1095,17 +1132,89 @@ def test_a_hand_back_given_up_before_the_detach_gives_every_flow_back_to_the_pro
         detach=detach,
         remove_pins=lambda pin_path: pytest.fail("the programs stay: so do their pins"),
         holds=lambda pin_path: holds,
-        delete=lambda netns, gone: deleted.append([f.orig for f in gone]) or len(gone),  # type: ignore[func-returns-value]
+        delete=delete,
     )
-    handback.run()
-    passed = flows if where == "detach" else flows[:2]
-    assert deleted == [[f.orig for f in passed]]
+    if where == "interrupt":
+        with pytest.raises(KeyboardInterrupt):
+            handback.run()
+    else:
+        handback.run()
+    passed = {"detach": flows, "detach-none": flows, "interrupt": flows}.get(where, flows[:2])
+    # flow by flow, passed ones first; a held one's NAT entry too (a hold refused by the map may
+    # have landed on FORWARD: registered all the same)
+    undone = {"map": flows[:3], "delete": flows[:3]}.get(where, passed)
+    assert deleted == [[f.orig] for f in undone]
     for flow in flows:
         assert not any(
             f & (CtFlag.NFPASS | CtFlag.HANDOVER) for f in flow_flags({"ct_tcp": table}, flow).values()
         )
     assert f"are given back to the eBPF programs, the NAT entries of the {len(passed)} passed" in caplog.text
-    assert "its programs stay attached" in caplog.text
+    if where != "interrupt":
+        assert "its programs stay attached" in caplog.text
+
+
+def test_a_detach_that_fails_after_detaching_some_devices_keeps_the_nat_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The programs detached from eth0 but not from lxc-a: eth0's flows meet the rules from now
+    on and need their NAT entries, so no undo: the entries stay, the flows stay passed, and the
+    log names the devices still running the programs."""
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_tcp"].name).touch()
+    flows = many_flows(3)
+    clock = [NOW]
+    table = pinned(flows, NOW)
+    holds = stack_holds(table, clock)
+    fake_ctnetlink(monkeypatch, FakeCtnetlink(clock, 10**6))
+
+    def detach(netns: str) -> list[str]:
+        raise attach.DetachFailed(errno.EBUSY, ["eth0"], ["lxc-a: (16, 'Device or resource busy')"])
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins)),
+        read=lambda pin_path: flows,
+        detach=detach,
+        remove_pins=lambda pin_path: pytest.fail("the programs stay on lxc-a: so do their pins"),
+        holds=lambda pin_path: holds,
+        delete=lambda netns, gone: pytest.fail("eth0's flows need their NAT entries"),
+    )
+    handback.run()
+    for flow in flows:
+        flags = flow_flags({"ct_tcp": table}, flow)
+        assert flags[CtDir.FORWARD] & CtFlag.NFPASS and flags[CtDir.REPLY] & CtFlag.NFPASS
+    assert "detached the programs from eth0 but not from lxc-a: (16" in caplog.text
+    assert "given back to the eBPF programs" not in caplog.text
+
+
+def test_detach_all_goes_on_past_a_device_that_refuses_and_says_which(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    links = [
+        dataclasses.make_dataclass("L", ["index", "name"])(i, n)
+        for i, n in enumerate(["eth0", "lxc-a", "lxc-b"])
+    ]
+
+    class Route:
+        def __enter__(self) -> object:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    def detach(ipr: object, index: int) -> bool:
+        if index == 1:
+            raise NetlinkError(errno.EBUSY, "Device or resource busy")
+        return True
+
+    monkeypatch.setattr(attach, "netns_route", lambda netns: Route())
+    monkeypatch.setattr(attach, "list_links", lambda ipr: links)
+    monkeypatch.setattr(xdp, "detach", lambda ipr, index: False)
+    monkeypatch.setattr(attach, "detach", detach)
+    with pytest.raises(attach.DetachFailed) as failed:
+        attach.detach_all("node1")
+    assert (failed.value.code, failed.value.detached) == (errno.EBUSY, ["eth0", "lxc-b"])
+    assert [f.split(":")[0] for f in failed.value.failed] == ["lxc-a"]
 
 
 def test_no_handback_without_an_ebpf_conntrack(tmp_path: Path) -> None:
