@@ -82,6 +82,7 @@ from lab.dplab import (
     REMOTE_BE,
     SIZES,
     VIP,
+    Lab,
     Net,
     packet_lab,
     reset_maps,
@@ -1256,6 +1257,24 @@ def leaving(dp: Datapath, verdict: int, frame: bytes) -> tuple[str, int, str, in
     return src, sport, p.dst, p.dport
 
 
+def clusterip_and_nodeport(dp: Datapath, lab: Lab) -> Net:
+    """The frontends of CLUSTERIP (a local backend) and NODEPORT (a remote one, masqueraded) in the
+    packet lab, with the ids IDS gives their flows."""
+    net = Net(dp, lab)
+    net.add_service(backends=((21, BE1, 8080, BackendFlag.LOCAL),), svc_id=3)
+    net.add_service(
+        NODE,
+        30080,
+        ((22, REMOTE_BE, 8080, 0),),
+        scope=Scope.EXTERNAL,
+        flags=FrontendFlag.NODEPORT | FrontendFlag.SNAT_ALL,
+        set_id=2,
+        svc_id=4,
+        rev_nat_id=2,
+    )
+    return net
+
+
 @pytest.mark.kernel
 @pytest.mark.parametrize("routing", list(HostRouting))
 def test_flows_carried_from_nf_conntrack_go_on_through_the_programs(
@@ -1268,18 +1287,7 @@ def test_flows_carried_from_nf_conntrack_go_on_through_the_programs(
         reset_maps(dp)
         if routing is HostRouting.LEGACY:
             set_config(dp, flags=abi.ConfigFlag.HOST_LEGACY)
-        net = Net(dp, lab)
-        net.add_service(backends=((21, BE1, 8080, BackendFlag.LOCAL),), svc_id=3)
-        net.add_service(
-            NODE,
-            30080,
-            ((22, REMOTE_BE, 8080, 0),),
-            scope=Scope.EXTERNAL,
-            flags=FrontendFlag.NODEPORT | FrontendFlag.SNAT_ALL,
-            set_id=2,
-            svc_id=4,
-            rev_nat_id=2,
-        )
+        net = clusterip_and_nodeport(dp, lab)
         mid_flow = tcp(POD_CLIENT, VIP, 40000, 80, flags="PA")
         net.from_pod(mid_flow)
         assert net.stats()[Stat.DROP_NO_FLOW] == 1  # before: a flow the programs never saw
@@ -1548,18 +1556,7 @@ def test_a_handed_back_flow_the_stack_tracks_is_held_for_its_write_then_passed_t
         reset_maps(dp)
         if legacy:
             set_config(dp, flags=abi.ConfigFlag.HOST_LEGACY)
-        net = Net(dp, lab)
-        net.add_service(backends=((21, BE1, 8080, BackendFlag.LOCAL),), svc_id=3)
-        net.add_service(
-            NODE,
-            30080,
-            ((22, REMOTE_BE, 8080, 0),),
-            scope=Scope.EXTERNAL,
-            flags=FrontendFlag.NODEPORT | FrontendFlag.SNAT_ALL,
-            set_id=2,
-            svc_id=4,
-            rev_nat_id=2,
-        )
+        net = clusterip_and_nodeport(dp, lab)
         for flow in (CLUSTERIP, NODEPORT):
             for key, entry in ebpf_entries(flow, IDS, time.monotonic_ns()):
                 # established a minute ago, longer than EKP_CT_HANDOVER_S: the pass must not lapse at once
