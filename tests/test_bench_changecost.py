@@ -24,4 +24,4 @@ def test_the_bench_gives_the_restarts_stop_the_charts_grace_period() -> None:
     # A stop killed before it wrote the planner and the records makes the next start read every
     # map back: the restart measured would not be the clean one it is reported as.
     values = yaml.safe_load((Path(__file__).parents[1] / "charts/ebpf-kube-proxy/values.yaml").read_text())
-    assert api.STOP_GRACE_S == values["terminationGracePeriodSeconds"]
+    assert values["terminationGracePeriodSeconds"] == api.STOP_GRACE_S
