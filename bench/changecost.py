@@ -105,7 +105,9 @@ def run(
     slices = [o for o in objects if o["kind"] == "EndpointSlice"]
     del objects
     maps = {role: KernelMap(spec) for role, spec in MAPS.items()}
-    config = Config(hostname="node1", pin_path="/nonexistent", socket_lb=False)
+    # As the API part (--iptables-sync-period=1h): no periodic resync among the changes timed (on a
+    # loaded machine the lists alone outlast the default 30 s); `resync` times one on purpose.
+    config = Config(hostname="node1", pin_path="/nonexistent", socket_lb=False, sync_period_s=3600.0)
     px = proxier(maps, stop_dir)
     records = KeptRecords(records_path(stop_dir, config.pin_path), identity(config)) if stop_dir else None
     agent = Agent(
