@@ -1031,9 +1031,11 @@ class FakeCtnetlink:
         before: Callable[[], None] = lambda: None,
         refuse: Collection[Tuple] = (),
         fail_delete: Tuple | None = None,
+        present: Collection[NatFlow] = (),
     ) -> None:
         self.clock, self.step_ns, self.before = clock, step_ns, before
         self.refuse, self.fail_delete = set(refuse), fail_delete
+        self.present = {f.orig: f for f in present}  # entries in place (found by their original tuple)
         self.added: list[Tuple] = []
 
     def __call__(self, nfgen_family: int) -> FakeCtnetlink:
@@ -1045,33 +1047,63 @@ class FakeCtnetlink:
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def entry(self, op: str, **attrs: Any) -> None:
+    def entry(self, op: str, **attrs: Any) -> list[NatFlow] | None:
         self.before()
         self.clock[0] += self.step_ns
-        if op == "del":
+        if op in ("del", "get"):
             t = attrs["tuple_orig"]
-            if (t.saddr, t.daddr, t.sport, t.dport) == self.fail_delete:
+            found = (t.saddr, t.daddr, t.sport, t.dport)
+            if op == "get" and found in self.present:
+                return [self.present[found]]  # nfct._flow stands aside (fake_ctnetlink)
+            if found == self.fail_delete:
                 raise NetlinkError(errno.EPERM)
             raise NetlinkError(errno.ENOENT)
         flow: NatFlow = attrs["flow"]
+        if flow.orig in self.present:
+            raise NetlinkError(errno.EEXIST)
         if flow.orig in self.refuse:
             self.refuse.discard(flow.orig)
             raise NetlinkError(errno.EEXIST)
         self.added.append(flow.orig)
+        return None
 
 
 def fake_ctnetlink(monkeypatch: pytest.MonkeyPatch, ctnl: FakeCtnetlink) -> None:
     monkeypatch.setattr(nfct, "NFCTSocket", ctnl)
     monkeypatch.setattr(nfct, "run_in_netns", lambda netns, fn: fn())
     monkeypatch.setattr(nfct, "_entry", lambda flow, timeouts: {"flow": flow})
+    monkeypatch.setattr(nfct, "_flow", lambda msg: msg)
+
+
+def test_a_flow_whose_nat_entry_a_killed_hand_back_wrote_is_passed_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hand-back killed (SIGKILL) after writing a flow's NAT entry leaves it there: the next
+    one's write of the same entry is refused (EEXIST) twice, and the flow would stay held (its
+    forward packets dropped) until the detach. The entry is the flow's own (same tuples, DST_NAT):
+    written, so the flow is passed to it at once. A NAT entry to another backend is not."""
+    flows = many_flows(2)
+    ours = dataclasses.replace(flows[0], status=flows[0].status | IPS_DST_NAT)
+    other = NatFlow(6, flows[1].orig, (REMOTE_BE, POD_CLIENT, 8080, flows[1].orig[2]), status=IPS_DST_NAT)
+    clock = [NOW]
+    table = pinned(flows, NOW)
+    holds = stack_holds(table, clock)
+    fake_ctnetlink(monkeypatch, FakeCtnetlink(clock, 10**6, present=[ours, other]))
+    first = create_flows("node1", flows, Timeouts(), clear_first=stack_flow, hold=holds)
+    assert (first.created, first.present, [f.orig for f in first.taken]) == (0, 2, [flows[1].orig])
+    passed, held = (flow_flags({"ct_tcp": table}, f) for f in flows)
+    assert passed[CtDir.FORWARD] & CtFlag.NFPASS and passed[CtDir.REPLY] & CtFlag.NFPASS
+    assert held[CtDir.FORWARD] & CtFlag.HANDOVER and not held[CtDir.REPLY] & CtFlag.NFPASS
+    assert (holds.held, holds.passed) == (2, 1)
 
 
 def test_every_hold_and_pass_outlasts_a_hand_back_longer_than_its_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """One netlink message a second (thousands of flows, or a starved agent): two rounds of 24 s
-    and 12 s, each longer than EKP_CT_HANDOVER_S. At every message and at the detach, every flow
-    held or passed so far is still so in the data path's eyes (both entries), and none lapsed."""
+    """One netlink message a second (thousands of flows, or a starved agent): two rounds of 30 s
+    (each refusal read back) and 12 s, each longer than EKP_CT_HANDOVER_S. At every message and
+    at the detach, every flow held or passed so far is still so in the data path's eyes (both
+    entries), and none lapsed."""
     pins = tmp_path / "pins"
     pins.mkdir()
     (pins / MAPS["ct_tcp"].name).touch()
@@ -1107,7 +1139,7 @@ def test_every_hold_and_pass_outlasts_a_hand_back_longer_than_its_window(
         delete=lambda netns, gone: pytest.fail("nothing to undo"),
     )
     handback.run()
-    assert detached == [36 * 10**9]
+    assert detached == [42 * 10**9]
     assert lapses == []
     assert (holds.held, holds.passed, holds.lapsed) == (12, 12, [])
     assert sorted(ctnl.added) == sorted(f.orig for f in flows)
@@ -1900,7 +1932,8 @@ def test_create_flows_holds_each_flow_from_before_the_plain_entry_goes_until_its
     netns: str,
 ) -> None:
     """At `hold` the plain entry the stack tracked the flow under is still there, at `release` the
-    NAT entry is; a flow whose write was refused is not released (it stays held until the detach)."""
+    NAT entry is; a flow whose write was refused is not released (it stays held until the detach),
+    unless the entry in its place is its own NAT entry (a hand-back killed after the write)."""
     t = Timeouts()
     plain = stack_flow(CLUSTERIP)
     assert create_flows(netns, [plain], t).created == 1
@@ -1926,8 +1959,13 @@ def test_create_flows_holds_each_flow_from_before_the_plain_entry_goes_until_its
     assert create_flows(netns, [CLUSTERIP], t, clear_first=stack_flow, hold=Recorder()).created == 1
     assert seen == [("hold", True, False), ("release", False, True)]
     seen.clear()
-    refused = create_flows(netns, [CLUSTERIP], t, hold=Recorder())
-    assert refused.taken == [CLUSTERIP] and seen == [("hold", False, True)]
+    again = create_flows(netns, [CLUSTERIP], t, hold=Recorder())
+    assert (again.present, again.taken) == (1, [])
+    assert seen == [("hold", False, True), ("release", False, True)]
+    seen.clear()
+    elsewhere = dataclasses.replace(CLUSTERIP, reply=(REMOTE_BE, POD_CLIENT, 8080, 40000))
+    refused = create_flows(netns, [elsewhere], t, hold=Recorder())
+    assert refused.taken == [elsewhere] and seen == [("hold", False, True)]
 
 
 @pytest.mark.kernel
