@@ -459,6 +459,86 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
     assert events[-1] == "remove rules node1"
 
 
+class Sysctl:
+    """A namespace's sysctls: set returns the value before, as agent's sysctl helper does."""
+
+    def __init__(self, **values: str) -> None:
+        self.values = {k.replace("__", "/"): v for k, v in values.items()}
+
+    def __call__(self, netns: str, path: str, value: str) -> str | None:
+        was = self.values.get(path)
+        self.values[path] = value
+        return was
+
+
+LIBERAL = "net/netfilter/nf_conntrack_tcp_be_liberal"
+
+
+def test_the_second_carry_failing_to_read_the_nodes_addresses_hands_the_first_over_all_the_same() -> None:
+    """The node's addresses unreadable at the second carry (as _carry6 already took): the flows
+    carried before the attach still have their NAT entries replaced (their NFPASS would otherwise
+    run out with netfilter's entries in place), and the window checks come back."""
+    events: list[str] = []
+    reads = [frozenset({NODE})]
+
+    def addresses(netns: str) -> frozenset[str]:
+        if not reads:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return reads.pop()
+
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: [CLUSTERIP],
+        addresses=addresses,
+        remove_rules=lambda config: None,
+        sysctl=sysctl,
+        replace=FakeReplace(events),
+        clock_ns=lambda: NOW,
+    )
+    maps = fake_maps()
+    takeover.before_attach(maps)
+    assert sysctl.values[LIBERAL] == "1"
+    takeover.after_attach(maps)
+    assert events == [
+        f"delete {[CLUSTERIP.orig]}",
+        f"delete {[stack_flow(CLUSTERIP).orig]}",
+        f"create {[stack_flow(CLUSTERIP).orig]}",
+    ]
+    assert sysctl.values[LIBERAL] == "0"
+
+
+def test_an_attach_that_failed_after_the_carry_restores_the_window_checks_and_a_retry_keeps_them() -> None:
+    """after_attach stopped by an error: the node's tcp_be_liberal comes back all the same; the
+    sync retried runs before_attach again, which must not take the "1" it set for the node's own."""
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    failing = [RuntimeError("anything the pass did not foresee")]
+
+    def replace(*args: Any, **kwargs: Any) -> Replaced:
+        if failing:
+            raise failing.pop()
+        return FakeReplace([])(*args, **kwargs)
+
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: [CLUSTERIP],
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=sysctl,
+        replace=replace,
+        clock_ns=lambda: NOW,
+    )
+    maps = fake_maps()
+    takeover.before_attach(maps)
+    with pytest.raises(RuntimeError):
+        takeover.after_attach(maps)
+    assert sysctl.values[LIBERAL] == "0"
+    takeover.before_attach(maps)  # the next sync: not attached once yet
+    takeover.before_attach(maps)  # and once more before an after_attach (an attach failed)
+    takeover.after_attach(maps)
+    assert sysctl.values[LIBERAL] == "0"
+
+
 # pod -> `kubernetes` ClusterIP -> the API server on the node's own address (a host-network endpoint)
 API_FLOW = NatFlow(6, (POD_CLIENT, VIP, 40100, 80), (NODE, POD_CLIENT, 6443, 40100))
 
