@@ -4,6 +4,7 @@ record only for the same object (uid and resourceVersion), and ends in a cold st
 from __future__ import annotations
 
 import copy
+import fcntl
 import logging
 import os
 import pickle
@@ -336,7 +337,7 @@ def test_a_write_whose_temporary_file_a_sweep_removed_before_its_lock_makes_it_a
     a name made since), but make the file again."""
     path = str(tmp_path / "run" / "records.pickle")
     tmp = f"{path}.{os.getpid()}.tmp"
-    flock = keptfile.fcntl.flock
+    flock = fcntl.flock
     swept: list[str] = []
 
     def racing(fd: int, op: int) -> None:
@@ -346,7 +347,7 @@ def test_a_write_whose_temporary_file_a_sweep_removed_before_its_lock_makes_it_a
             assert not os.path.exists(tmp)
         flock(fd, op)
 
-    monkeypatch.setattr(keptfile.fcntl, "flock", racing)
+    monkeypatch.setattr(fcntl, "flock", racing)  # as keptfile calls it
     keptfile.write(path, b"H", lambda pickler: pickler.dump({"a": 1}))
     assert swept == [tmp] and not os.path.exists(tmp)
     with open(path, "rb") as f:
