@@ -178,6 +178,7 @@ class StackHolds:
         self._passed: dict[Tuple, NatFlow] = {}  # passed to their NAT entries
         self._renewed_ns: int | None = None
         self._lapsed: set[Tuple] = set()
+        self._act_failed = False
         self.held = 0  # flows held
         self.passed = 0  # of them, passed to their NAT entries
         self.lapsed: list[NatFlow] = []  # flows whose hold or pass the agent found run out
@@ -212,6 +213,7 @@ class StackHolds:
         now_ns = self._clock_ns()
         now_s = now_ns // NSEC
         lapsed = False
+        stamped: list[tuple[Any, Any]] = []
         keys: tuple[abi.CtKey | abi.Ct6Key, ...] = _keys(flow)
         for key, change in zip(keys, (forward, reply), strict=True):
             entry = table.lookup(key)
@@ -229,7 +231,38 @@ class StackHolds:
                 entry.created_s = now_s & _U32
             entry.last_seen_ns = max(entry.last_seen_ns, now_ns)
             self._update(table, key, entry)
+            stamped.append((key, entry))
+        self._stamp_endpoints(flow, stamped, now_ns)
         return lapsed
+
+    def _stamp_endpoints(self, flow: NatFlow, stamped: list[tuple[Any, Any]], now_ns: int) -> None:
+        """ekp_act's invariant (bpf/ekp_act.h): an entry stamped seen has its flow's endpoints
+        stamped too, or the activity check could let its packets leave without a lookup. A failure
+        is warned about once: the entries' own stamps matter more than this."""
+        from agent.ebpf import activity
+        from agent.ebpf.maps import MapError
+
+        if not stamped:
+            return
+        if "act" not in self._tables:
+            self._tables["act"] = self._open_table(self._pin_path, "act")
+        act = self._tables["act"]
+        if act is None:
+            return
+        try:
+            if flow.family == 6:
+                activity.stamp6(act, stamped, now_ns)
+            else:
+                activity.stamp4(act, stamped, now_ns)
+        except MapError as exc:
+            if not self._act_failed:
+                self._act_failed = True
+                log.warning(
+                    "cannot stamp the handed-back flows' endpoints in ekp_act (%s): the programs'"
+                    " activity check may let a packet of a quiet flow leave untranslated before the"
+                    " detach",
+                    exc,
+                )
 
     def _ran_out(self, flow: NatFlow) -> None:
         if flow.orig not in self._lapsed:

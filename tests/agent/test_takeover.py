@@ -10,6 +10,7 @@ the eBPF conntrack written into a lab namespace's nf_conntrack with its NAT bind
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import ipaddress
@@ -1010,10 +1011,19 @@ def pinned(flows: list[NatFlow], made_ns: int, table: PinnedMap | None = None) -
     return table
 
 
-def stack_holds(table: PinnedMap, clock: list[int]) -> StackHolds:
-    """StackHolds on `table` under legacy host routing (every unmasqueraded flow is the stack's)."""
+def entries_of(table: PinnedMap, flow: NatFlow) -> list[tuple[abi.CtKey, abi.CtEntry]]:
+    found = [(key, table.lookup(key)) for key in ct_keys(flow)]
+    return [(k, e) for k, e in found if isinstance(e, abi.CtEntry)]
+
+
+def stack_holds(table: PinnedMap, clock: list[int], act: PinnedMap | None = None) -> StackHolds:
+    """StackHolds on `table` under legacy host routing (every unmasqueraded flow is the stack's);
+    `act`: the pinned ekp_act (none: not stamped)."""
     return StackHolds(
-        "/pins", clock_ns=lambda: clock[0], open_table=lambda pin_path, role: table, legacy=True
+        "/pins",
+        clock_ns=lambda: clock[0],
+        open_table=lambda pin_path, role: act if role == "act" else table,
+        legacy=True,
     )
 
 
@@ -1041,7 +1051,18 @@ def test_a_flow_held_or_passed_is_kept_seen_by_each_write() -> None:
     window)."""
     clock = [NOW]
     table = pinned([CLUSTERIP], NOW - 60 * 10**9)
-    holds = stack_holds(table, clock)
+    act = PinnedMap(MAPS["act"])
+    holds = stack_holds(table, clock, act)
+    ends = {
+        activity.slot(*end)
+        for key, entry in entries_of(table, CLUSTERIP)
+        for end in activity.endpoints(key, entry)
+    }
+
+    def stamps() -> set[int]:
+        """The stamps of the flow's endpoints' ekp_act slots (bpf/ekp_act.h: each stamp of an
+        entry stamps them too)."""
+        return {v.stamp for i in ends if isinstance(v := act.lookup(ctypes.c_uint32(i)), abi.Act)}
 
     def entries() -> list[abi.CtEntry]:
         found = [table.lookup(key) for key in ct_keys(CLUSTERIP)]
@@ -1051,17 +1072,17 @@ def test_a_flow_held_or_passed_is_kept_seen_by_each_write() -> None:
         return [e.last_seen_ns for e in entries()]
 
     holds.hold(CLUSTERIP)
-    assert seen() == [NOW, NOW]
+    assert seen() == [NOW, NOW] and stamps() == {activity.stamp_of(NOW)}
     assert entries()[1].created_s == (NOW - 60 * 10**9) // 10**9  # the REPLY entry holds nothing
     clock[0] += HOLD_RENEW_NS
     holds.renew()
-    assert seen() == [clock[0]] * 2
+    assert seen() == [clock[0]] * 2 and stamps() == {activity.stamp_of(clock[0])}
     clock[0] += 10**9
     holds.release(CLUSTERIP)
-    assert seen() == [clock[0]] * 2
+    assert seen() == [clock[0]] * 2 and stamps() == {activity.stamp_of(clock[0])}
     clock[0] += HOLD_RENEW_NS
     holds.renew()
-    assert seen() == [clock[0]] * 2
+    assert seen() == [clock[0]] * 2 and stamps() == {activity.stamp_of(clock[0])}
 
 
 def test_a_busy_entry_that_holds_nothing_is_not_written() -> None:
