@@ -30,14 +30,20 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    for the tc IPv6 path's flows too (bpf/ekp_tc6.h reads both flags as IPv4's code does). Either
    flag holds EKP_CT_HANDOVER_S from the created_s of the entry the data path reads (the REPLY one
    for a reply), so every write of a flag moves that entry's created_s to now and, between two
-   flows and right before the detach, every flow held or passed gets it again each HOLD_RENEW_NS
-   (one found run out meanwhile is counted in a warning). Given up before the detach (a map,
-   ctnetlink or the detach failing, or any other stop), the programs stay attached: flow by flow,
-   passed ones first, each is held again with no NFPASS on its REPLY entry (no reply may pass
-   untranslated once its NAT entry is gone), its NAT entry deleted (a held flow's too: it may
-   have been written), and it is given back to them (both flags cleared). A detach that failed
-   on some devices after others were detached undoes nothing: the detached devices' flows need
-   their NAT entries; an error names the devices that still run the programs;
+   flows, right before the detach and between two of its devices, every flow held or passed gets
+   it again each HOLD_RENEW_NS (one found run out meanwhile is counted in a warning). A hold
+   clears the flags on the REPLY entry (an NFPASS a hand-back killed before left there), and a
+   write refused by the flow's own NAT entry (one such run wrote it) counts as written.
+   Given up before any of our programs left a device (a map, ctnetlink or the detach failing, or
+   any other stop), the programs stay attached: flow by flow, passed ones first, each is held
+   again with no NFPASS on its REPLY entry (no reply may pass untranslated once its NAT entry is
+   gone), its NAT entry deleted (a held flow's too: it may have been written), and it is given
+   back to them (both flags cleared); the flows waiting their turn are renewed as it goes, and a
+   deletion that fails is counted while the next flow goes on. A detach stopped by anything
+   after one of our programs left a device undoes nothing: the detached devices' flows need
+   their NAT entries; an error names the devices detached, step 3 runs for them, the pins stay
+   and `run` says to try again (the devices detached remembered: a retry that detaches nothing
+   more undoes nothing either);
 2. the programs are detached from every device of the node: no plain entry is made any more;
 3. the flows the programs started between 1 and 2, and those still refused, are written the same
    way (entries already there kept);
