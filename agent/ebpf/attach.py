@@ -507,11 +507,11 @@ def detach_all(
                         continue  # gone meanwhile
                     try:
                         half = ours > 0 and _ours(ipr, link.index) < ours
-                    except Exception:  # unreadable: one may have left
-                        half = ours > 0
+                    except Exception:  # unreadable: counted as left, the side whose mistake
+                        half = ours > 0  # costs strangers, not flows moved to another backend
                     if half and link.name not in done:
                         done.append(link.name)
-                    code = code or getattr(exc, "code", 0) or errno.EIO
+                    code = code or getattr(exc, "code", 0) or getattr(exc, "errno", 0) or errno.EIO
                     failed.append(
                         f"{link.name}: {exc if isinstance(exc, NetlinkError | OSError) else repr(exc)}"
                     )
