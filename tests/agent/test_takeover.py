@@ -1386,6 +1386,39 @@ def test_an_undo_slower_than_the_window_keeps_every_flow_waiting_its_turn_held()
         )
 
 
+def test_flows_found_run_out_when_the_undo_starts_are_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent starved past the window before its undo: the programs translated the passed flows
+    with their NAT entries in place meanwhile (strangers, resets): counted in the undo's line."""
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_tcp"].name).touch()
+    flows = many_flows(3)
+    clock = [NOW]
+    table = pinned(flows, NOW)
+    holds = stack_holds(table, clock)
+    fake_ctnetlink(monkeypatch, FakeCtnetlink(clock, 10**6))
+
+    def detach(netns: str, devices: list[str], between: Callable[[], None]) -> None:
+        clock[0] += (abi.CT_HANDOVER_S + 1) * 10**9
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins)),
+        read=lambda pin_path: flows,
+        detach=detach,
+        remove_pins=lambda pin_path: pytest.fail("the programs stay: so do their pins"),
+        holds=lambda pin_path: holds,
+        delete=lambda netns, gone: len(gone),
+    )
+    handback.run()
+    assert (
+        "NAT entries of the 3 passed to them deleted (3 found); 3 found with their window run out"
+        in caplog.text
+    )
+
+
 def test_a_deletion_failing_mid_undo_leaves_the_later_flows_undone_all_the_same(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
