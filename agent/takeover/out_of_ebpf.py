@@ -57,10 +57,12 @@ Nothing happens where no eBPF conntrack is pinned at --bpf-pin-path.
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -336,8 +338,8 @@ class StackHolds:
         <-> backend from its next packet). The flows still waiting their turn keep their windows:
         renewed at the start (the clock ran through the step that failed) and every HOLD_RENEW_NS
         between two flows, so none is translated with its NAT entry in place however slow the
-        deletions. A deletion that fails (OSError, NetlinkError) is counted and the next flow goes
-        on: the later flows' NAT entries must go all the same."""
+        deletions. A deletion that fails (any exception) is counted and the next flow goes on: the
+        later flows' NAT entries must go all the same."""
         from agent.ebpf.maps import MapError
 
         done = Undone()
@@ -346,7 +348,8 @@ class StackHolds:
 
         def write(flow: NatFlow, forward: tuple[int, int], reply: tuple[int, int]) -> None:
             try:
-                self._write(flow, forward, reply)
+                if self._write(flow, forward, reply):
+                    self._ran_out(flow)  # translated by the programs with its NAT entry in place
             except MapError as exc:  # the rest is undone all the same
                 unwritten.append(f"{flow.describe()}: {exc}")
 
@@ -361,8 +364,9 @@ class StackHolds:
                 write(flow, (abi.CtFlag.NFPASS, abi.CtFlag.HANDOVER), (abi.CtFlag.NFPASS, 0))
                 try:
                     done.deleted += delete([flow])
-                except (OSError, NetlinkError) as exc:
-                    done.failed.append(f"{flow.describe()}: {exc}")
+                except Exception as exc:  # any: the later flows' NAT entries must go all the same
+                    why = exc if isinstance(exc, OSError | NetlinkError) else repr(exc)
+                    done.failed.append(f"{flow.describe()}: {why}")
                 write(flow, (_HELD, 0), (_HELD, 0))
                 done.undone += 1
                 try:
@@ -441,16 +445,78 @@ def _remove_planner(snapshot_dir: str, pin_path: str) -> None:
     keptfile.remove(records_path(snapshot_dir, pin_path))
 
 
+_MARKER_MAX = 1 << 16
+RETRY_MAX_S = 300.0  # the longest wait between two tries of a hand-back a partial detach left
+
+
+def marker_path(directory: str, pin_path: str) -> str:
+    """The hand-back's "detach begun" file for `pin_path` (resolved, as agent.lock names the pin
+    path's lock file), beside the planner's in the lock directory."""
+    digest = hashlib.sha256(os.path.realpath(pin_path).encode()).hexdigest()[:16]
+    return os.path.join(directory, f"handback-{digest}.detached")
+
+
+def _pins_id(pin_path: str) -> str:
+    """Which pins a marker is about: the inode of the pinned conntrack (new pins, a new inode)."""
+    for role in ("ct_tcp", "ct_any"):
+        with suppress(OSError):
+            return str(os.stat(os.path.join(pin_path, abi.MAPS[role].name)).st_ino)
+    return ""
+
+
+def _write_marker(path: str, pins: str, detached: list[str]) -> None:
+    """The marker (first line `pins <id>`, then the devices known detached), renamed over."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(f"{line}\n" for line in (f"pins {pins}", *sorted(set(detached)))))
+    os.replace(tmp, path)
+
+
+def _read_marker(path: str, pins: str) -> list[str] | None:
+    """The devices the marker names ([] when it names none: a detach begun whose devices are not
+    known); None when there is none, or it is about other pins (removed then). One that cannot be
+    read counts as a detach begun: an undo it wrongly prevents leaves flows to the programs after
+    their windows run out (strangers), one it wrongly allows deletes NAT entries detached devices'
+    flows need."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("cannot read %s (%s): taken as a hand-back whose detach began", path, exc)
+        return []
+    with os.fdopen(fd, "rb") as f:
+        lines = f.read(_MARKER_MAX).decode(errors="replace").splitlines()
+    if lines and lines[0].startswith("pins ") and lines[0] != f"pins {pins}":
+        log.info("removed %s: left by a hand-back from pins that are gone", path)
+        with suppress(OSError):
+            os.unlink(path)
+        return None
+    return [line for line in lines[1:] if line]
+
+
 class PartialDetach(Exception):
-    """The programs left some devices (`detached`) and not others: the hand-back is tried again."""
+    """The programs left some devices (`detached`) and not others, or the hand-back stopped after
+    the detach began: it is tried again."""
 
     def __init__(self, detached: list[str]) -> None:
-        super().__init__(f"detached from {','.join(sorted(detached))} only")
+        super().__init__(f"detached from {','.join(sorted(detached)) or 'devices not recorded'} only")
         self.detached = detached
 
 
 class EbpfHandback:
-    """The eBPF data path's flows handed to nf_conntrack, then its programs and pins removed."""
+    """The eBPF data path's flows handed to nf_conntrack, then its programs and pins removed.
+
+    Once the detach began (this agent's, or a killed one's, as the marker in the lock directory
+    says), nothing is undone any more and a failure is tried again, waiting from one
+    --iptables-sync-period, doubled each time, up to RETRY_MAX_S. A try writes only the flows no
+    earlier try wrote (created, or found written: the orig tuples kept in `_written`) and passes
+    those it wrote again with map writes only: a NAT entry written again would bring a flow that
+    closed meanwhile back as established, and each write costs netlink round trips inside a sync."""
 
     def __init__(
         self,
@@ -464,7 +530,8 @@ class EbpfHandback:
         remove_pins: Callable[[str], list[str]] = _remove_pins,
         holds: Callable[[str], Holds] = StackHolds,
         delete: Callable[[str, list[NatFlow]], int] = _delete,
-        snapshot_dir: str = LOCK_DIR,
+        snapshot_dir: str | None = None,  # None: agent.lock.LOCK_DIR
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
         self._read = read
@@ -473,24 +540,46 @@ class EbpfHandback:
         self._remove_pins = remove_pins
         self._holds = holds
         self._delete = delete
-        self._snapshot_dir = snapshot_dir  # where the eBPF agent left its planner (agent/app.py)
+        # where the eBPF agent left its planner (agent/app.py), and this hand-back its marker
+        self._snapshot_dir = LOCK_DIR if snapshot_dir is None else snapshot_dir
+        self._clock = clock
         self._detached: list[str] = []  # the devices our programs left, over every run
+        self._begun = False  # the detach began (this agent's or an earlier one's): no undo
+        self._marker_read = False
+        self._written: set[Tuple] = set()  # orig tuples whose NAT entries a run wrote (or found)
+        self._retry_s = 0.0
+        self._retry_at: float | None = None
 
     @property
     def pending(self) -> bool:
         pin_path = self._config.pin_path
         return any(os.path.exists(os.path.join(pin_path, abi.MAPS[r].name)) for r in ("ct_tcp", "ct_any"))
 
+    @property
+    def _marker(self) -> str:
+        return marker_path(self._snapshot_dir, self._config.pin_path)
+
     def run(self) -> bool:
         """Whether the hand-back is over (done, nothing to do, or given up with the programs left
-        attached, said in an error); False after a partial detach: the programs left some devices
-        and not others, the pins stay, and the next call tries the detach again."""
+        attached, said in an error); False once the detach began and the hand-back did not end (a
+        partial detach, or a later step failing): the pins stay, and a later call tries again once
+        its wait is over (a call before that does nothing)."""
         if not self.pending:
             return True
+        now = self._clock()
+        if self._retry_at is not None and now < self._retry_at:
+            return False
+        if not self._marker_read:
+            self._marker_read = True
+            known = _read_marker(self._marker, _pins_id(self._config.pin_path))
+            if known is not None:
+                self._begun = True
+                self._detached.extend(d for d in known if d not in self._detached)
         try:
             self._run()
+            return True
         except PartialDetach:
-            return False  # said in _run's error
+            pass  # said in _run's error
         except (OSError, NetlinkError) as exc:
             from agent.ebpf.attach import DetachFailed
 
@@ -504,27 +593,88 @@ class EbpfHandback:
                 self._config.pin_path,
                 exc,
             )
-        return True
+            return True
+        self._retry_s = min(max(self._config.sync_period_s, self._retry_s * 2), RETRY_MAX_S)
+        self._retry_at = now + self._retry_s
+        return False
+
+    def _stopped(self, stage: str, exc: BaseException) -> PartialDetach:
+        """A step after the detach began failed: said, and tried again."""
+        log.error(
+            "the hand-back out of eBPF mode stopped %s (%s), after the programs left %s: nothing is"
+            " undone (those devices' flows need their NAT entries) and the pins at %s stay; tried"
+            " again in %.0f s",
+            stage,
+            exc,
+            ",".join(sorted(self._detached)) or "devices an earlier agent did not record",
+            self._config.pin_path,
+            min(max(self._config.sync_period_s, self._retry_s * 2), RETRY_MAX_S),
+        )
+        return PartialDetach(self._detached)
+
+    def _note(self, flows: list[NatFlow], created: Any, *, kept: bool = False) -> None:
+        """The flows `created` wrote (`kept`: an entry found on the tuple counts too)."""
+        refused = set() if kept else {f.orig for f in created.taken}
+        self._written.update({f.orig for f in flows} - refused - {f.orig for f in created.unwritten})
+
+    def _renewing(self, holds: Holds) -> Callable[[], None]:
+        """holds.renew for the detach's walk: a map error there fails no device."""
+        from agent.ebpf.maps import MapError
+
+        def renew() -> None:
+            try:
+                holds.renew()
+            except MapError as exc:
+                log.warning(
+                    "cannot renew the handed-back flows' holds between two devices (%s): the detach"
+                    " goes on; a hold that runs out before it ends is counted at the end",
+                    exc,
+                )
+
+        return renew
 
     def _run(self) -> None:
+        from agent import keptfile
         from agent.ebpf.attach import DetachFailed
+        from agent.takeover.nfct import Created
 
         started = time.monotonic()
         netns, pin_path = self._config.netns, self._config.pin_path
         timeouts = timeouts_of(self._config)
-        first = self._read(pin_path)
-        holds = self._holds(pin_path)
+        try:
+            first = self._read(pin_path)
+            holds = self._holds(pin_path)
+        except Exception as exc:
+            if self._begun:
+                raise self._stopped("reading the pinned eBPF conntrack", exc) from exc
+            raise
         # appended by the detach as soon as one of our programs left a device; kept from an earlier
         # run that detached some devices only: their flows need the NAT entries whatever happens now
         detached = self._detached
+        todo = [f for f in first if f.orig not in self._written]
+        done = Created(unwritten=todo)  # what a stop before the first round ends leaves to step 3
+        again = Created()
+        begun = self._begun
         try:
             try:
-                done = self._create(netns, first, timeouts, holds)
+                for flow in first:
+                    if flow.orig in self._written:  # an earlier run wrote its NAT entry: passed again
+                        holds.renew()
+                        holds.hold(flow)
+                        holds.release(flow)
+                done = self._create(netns, todo, timeouts, holds)
+                self._note(todo, done)
                 again = self._create(netns, done.taken, timeouts, holds)
+                self._note(done.taken, again)
                 holds.renew()  # the windows must outlast the walk over every device
-                self._detach(netns, detached, holds.renew)
+                if not begun:  # before the first device: a restart must know the detach began
+                    _write_marker(self._marker, _pins_id(pin_path), detached)
+                self._detach(netns, detached, self._renewing(holds))
             except BaseException as exc:  # any stop before the detach was complete
-                if not detached:  # no flow may stay passed: the programs serve every device
+                if not detached and not begun:  # no flow may stay passed: the programs serve every device
+                    with suppress(OSError):
+                        os.unlink(self._marker)
+                    self._written.clear()
                     self._undo(netns, holds, exc)
                     if isinstance(exc, DetachFailed):
                         log.error(
@@ -536,6 +686,9 @@ class EbpfHandback:
                             "; ".join(exc.failed),
                         )
                     raise
+                self._begun = True
+                with suppress(OSError):  # the devices named, for the log of an agent started later
+                    _write_marker(self._marker, _pins_id(pin_path), detached)
                 # the detached devices' flows meet the rules from now on: whatever stopped the
                 # detach, their NAT entries must stay
                 refused = "; ".join(exc.failed) if isinstance(exc, DetachFailed) else repr(exc)
@@ -544,28 +697,37 @@ class EbpfHandback:
                     " devices (%s): the NAT entries written stay (the detached devices' flows need"
                     " them); the flows through the devices still attached are translated by the"
                     " programs with those entries in place once their holds run out (%d s). The pins"
-                    " stay and the detach is tried again at the next sync; or run `agent --cleanup`"
-                    " on the node to detach them",
-                    ",".join(sorted(detached)),
+                    " stay and the hand-back is tried again in %.0f s; or run `agent --cleanup` on"
+                    " the node to detach them",
+                    ",".join(sorted(detached)) or "devices an earlier agent did not record",
                     refused,
                     abi.CT_HANDOVER_S,
+                    min(max(self._config.sync_period_s, self._retry_s * 2), RETRY_MAX_S),
                 )
                 if isinstance(exc, Exception):
                     # step 3 for the detached devices: their flows started since, or not written
                     try:
-                        late = self._write_late(netns, pin_path, timeouts, first, done, again)
+                        late = self._write_late(netns, pin_path, timeouts)
                         failed_lines = [*done.failed, *again.failed, *late.failed]
-                    except (OSError, NetlinkError) as late_exc:
-                        failed_lines = [f"the flows started since the first read: {late_exc}"]
+                    except Exception as late_exc:
+                        failed_lines = [f"the flows started since the first read: {late_exc!r}"]
                     for line in failed_lines[:10]:
                         log.warning("an eBPF flow could not be handed to nf_conntrack: %s", line)
                     raise PartialDetach(detached) from exc
                 raise  # KeyboardInterrupt, SystemExit: the stop goes on
         finally:
             holds.close()
-        more = self._write_late(netns, pin_path, timeouts, first, done, again)
-        removed = self._remove_pins(pin_path)
-        _remove_planner(self._snapshot_dir, pin_path)
+        self._begun = True  # detached from every device: whatever fails now is tried again
+        try:
+            more = self._write_late(netns, pin_path, timeouts)
+        except Exception as exc:
+            raise self._stopped("writing the flows the programs started during the hand-back", exc) from exc
+        try:
+            removed = self._remove_pins(pin_path)
+            _remove_planner(self._snapshot_dir, pin_path)
+            keptfile.remove(self._marker)
+        except Exception as exc:
+            raise self._stopped("removing the pins (the programs left every device)", exc) from exc
         failed = [*done.failed, *again.failed, *more.failed]
         for line in failed[:10]:
             log.warning("an eBPF flow could not be handed to nf_conntrack: %s", line)
@@ -600,15 +762,14 @@ class EbpfHandback:
             (time.monotonic() - started) * 1000,
         )
 
-    def _write_late(
-        self, netns: str, pin_path: str, timeouts: Timeouts, first: list[NatFlow], done: Any, again: Any
-    ) -> Any:
-        """Step 3: the flows the programs started since the first read, and those not written
-        (refused twice, or whose write failed), written with nothing to hold (detached)."""
-        unwritten = [*again.taken, *done.unwritten, *again.unwritten]
-        written = {f.orig for f in first} - {f.orig for f in unwritten}
-        late = [f for f in self._read(pin_path) if f.orig not in written]
-        return self._create(netns, late, timeouts, None)
+    def _write_late(self, netns: str, pin_path: str, timeouts: Timeouts) -> Any:
+        """Step 3: the flows the programs started since, and those no run wrote (refused twice,
+        or whose write failed), written with nothing to hold (detached; an entry already on the
+        tuple kept)."""
+        late = [f for f in self._read(pin_path) if f.orig not in self._written]
+        created = self._create(netns, late, timeouts, None)
+        self._note(late, created, kept=True)
+        return created
 
     def _undo(self, netns: str, holds: Holds, exc: BaseException) -> None:
         """Given up before the detach: the programs stay attached, so no flow may stay passed to a

@@ -34,7 +34,7 @@ from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import FakeMap, MapError, MapWriter, UpdateFlag
 from agent.keptrecords import records_path
 from agent.netns import run_in_netns
-from agent.takeover import nfct
+from agent.takeover import nfct, out_of_ebpf
 from agent.takeover.flows import (
     HOLD_RENEW_NS,
     IPS_ASSURED,
@@ -109,6 +109,14 @@ CLUSTERIP = NatFlow(6, (POD_CLIENT, VIP, 40000, 80), (BE1, POD_CLIENT, 8080, 400
 # outside -> NodePort -> remote backend, masqueraded to the node's port 61000
 NODEPORT = NatFlow(6, (CLIENT, NODE, 5555, 30080), (REMOTE_BE, NODE, 8080, 61000))
 NOW = 5_000 * 10**9
+
+
+@pytest.fixture(autouse=True)
+def lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The hand-back's marker (and the planner it removes) in the test's own lock directory."""
+    run = tmp_path / "lock-dir"
+    monkeypatch.setattr(out_of_ebpf, "LOCK_DIR", str(run))
+    return run
 
 
 def entries(flow: NatFlow) -> dict[tuple[int, int], tuple[abi.CtKey, abi.CtEntry]]:
@@ -1419,12 +1427,13 @@ def test_flows_found_run_out_when_the_undo_starts_are_counted(
     )
 
 
+@pytest.mark.parametrize("error", ["netlink", "parse"])
 def test_a_deletion_failing_mid_undo_leaves_the_later_flows_undone_all_the_same(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, error: str
 ) -> None:
-    """One NAT entry's deletion refused (ENOBUFS) must not leave the flows after it with their
-    NAT entries while the programs translate them (TCP's lasts a day): every deletion is tried,
-    and the error counts and names the ones that failed."""
+    """One NAT entry's deletion refused (ENOBUFS), or its answer unreadable (any exception), must
+    not leave the flows after it with their NAT entries while the programs translate them (TCP's
+    lasts a day): every deletion is tried, and the error counts and names the ones that failed."""
     pins = tmp_path / "pins"
     pins.mkdir()
     (pins / MAPS["ct_tcp"].name).touch()
@@ -1438,6 +1447,8 @@ def test_a_deletion_failing_mid_undo_leaves_the_later_flows_undone_all_the_same(
     def delete(netns: str, gone: list[NatFlow]) -> int:
         asked.extend(f.orig for f in gone)
         if gone[0] == flows[1]:
+            if error == "parse":
+                raise ValueError("a reply pyroute2 cannot parse")
             raise NetlinkError(errno.ENOBUFS, "No buffer space available")
         return len(gone)
 
@@ -1459,7 +1470,10 @@ def test_a_deletion_failing_mid_undo_leaves_the_later_flows_undone_all_the_same(
             f & (CtFlag.NFPASS | CtFlag.HANDOVER) for f in flow_flags({"ct_tcp": table}, flow).values()
         )
     assert "but the NAT entries of 1 could not be deleted" in caplog.text
-    assert f"4 deleted; first: {flows[1].describe()}: (105, 'No buffer space available')" in caplog.text
+    why = "(105, 'No buffer space available')"
+    if error == "parse":
+        why = "ValueError('a reply pyroute2 cannot parse')"
+    assert f"4 deleted; first: {flows[1].describe()}: {why}" in caplog.text
 
 
 def test_a_detach_that_fails_after_detaching_some_devices_keeps_the_nat_entries(
@@ -1570,14 +1584,16 @@ def test_a_partial_detach_writes_the_late_flows_and_is_tried_again_without_an_un
         if outcomes:
             raise attach.DetachFailed(errno.EBUSY, devices, ["lxc-a: (16, 'Device or resource busy')"])
 
+    clock = [1000.0]
     handback = EbpfHandback(
-        Config(netns="node1", pin_path=str(pins)),
+        Config(netns="node1", pin_path=str(pins), sync_period_s=30),
         read=lambda pin_path: [CLUSTERIP, NODEPORT],
         create=create,
         detach=detach,
         remove_pins=lambda pin_path: events.append("remove pins") or [],  # type: ignore[func-returns-value]
         holds=lambda pin_path: holds,
         delete=lambda netns, gone: pytest.fail("eth0's flows need their NAT entries"),
+        clock=lambda: clock[0],
     )
     assert handback.run() is False
     assert events == [
@@ -1589,11 +1605,259 @@ def test_a_partial_detach_writes_the_late_flows_and_is_tried_again_without_an_un
         "close holds",
     ]
     events.clear()
+    clock[0] += 30
     assert handback.run() is False
     assert "undo" not in events and "remove pins" not in events
     events.clear()
+    clock[0] += 60
     assert handback.run() is True
     assert events[-3:] == ["close holds", "create [] None", "remove pins"]
+
+
+def partial_pins(tmp_path: Path) -> Path:
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_tcp"].name).touch()
+    return pins
+
+
+def eth0_then_none(netns: str, detached: list[str], between: Callable[[], None]) -> None:
+    """A detach that leaves eth0 on its first call and nothing more after, lxc-a busy throughout."""
+    if "eth0" not in detached:
+        detached.append("eth0")
+    raise attach.DetachFailed(errno.EBUSY, list(detached), ["lxc-a: (16, 'Device or resource busy')"])
+
+
+def test_a_retry_that_fails_before_its_detach_keeps_the_nat_entries_and_is_tried_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a partial detach, a retry whose write fails (ENOBUFS) before it reaches the detach
+    undoes nothing (eth0's flows need their NAT entries), raises nothing out of the sync, and
+    writes what it can for the detached devices."""
+    pins = partial_pins(tmp_path)
+    creates: list[Created | BaseException] = [
+        Created(),
+        Created(),
+        Created(),
+        OSError(errno.ENOBUFS, "No buffer space available"),
+        Created(),
+    ]
+    late: list[list[Tuple]] = []
+    reads = [[CLUSTERIP], [CLUSTERIP]]  # then NODEPORT starts
+
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts, hold: Holds | None) -> Created:
+        got = [f.orig for f in flows]
+        c = creates.pop(0)
+        if isinstance(c, BaseException):
+            raise c
+        if hold is None:
+            late.append(got)
+        return c
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins), sync_period_s=0),
+        read=lambda pin_path: reads.pop(0) if reads else [CLUSTERIP, NODEPORT],
+        create=create,
+        detach=eth0_then_none,
+        remove_pins=lambda pin_path: pytest.fail("the programs stay on lxc-a: so do their pins"),
+        holds=lambda pin_path: FakeHolds([]),
+        delete=lambda netns, gone: pytest.fail("eth0's flows need their NAT entries"),
+    )
+    assert handback.run() is False
+    caplog.clear()
+    assert handback.run() is False
+    assert late == [[], [NODEPORT.orig]], "the second run's late round: the flow its failed write left"
+    assert "detached the programs from eth0 but not from all devices" in caplog.text
+    assert "No buffer space available" in caplog.text
+
+
+def test_an_agent_restarted_after_a_partial_detach_undoes_nothing_and_tries_again(
+    tmp_path: Path, lock_dir: Path
+) -> None:
+    """The devices a killed or restarted agent detached are not in the new agent's memory: the
+    marker in the lock directory says the detach began, so the new agent's detach that leaves no
+    device more deletes no NAT entry (eth0's flows need theirs) and the hand-back stays pending.
+    The marker goes with the pins."""
+    pins = partial_pins(tmp_path)
+    outcomes = [["eth0"], [], ["lxc-a"]]
+
+    def detach(netns: str, detached: list[str], between: Callable[[], None]) -> None:
+        detached.extend(outcomes.pop(0))
+        if outcomes:
+            raise attach.DetachFailed(errno.EBUSY, list(detached), ["lxc-a: (16, 'Device or resource busy')"])
+
+    removed: list[str] = []
+
+    def agent() -> EbpfHandback:
+        return EbpfHandback(
+            Config(netns="node1", pin_path=str(pins), sync_period_s=0),
+            read=lambda pin_path: [CLUSTERIP],
+            create=lambda netns, flows, timeouts, hold: Created(created=len(list(flows))),
+            detach=detach,
+            remove_pins=lambda pin_path: removed.append(pin_path) or [],  # type: ignore[func-returns-value]
+            holds=lambda pin_path: FakeHolds([]),
+            delete=lambda netns, gone: pytest.fail("eth0's flows need their NAT entries"),
+        )
+
+    assert agent().run() is False
+    marker = Path(out_of_ebpf.marker_path(str(lock_dir), str(pins)))
+    assert "eth0" in marker.read_text().splitlines()
+    restarted = agent()
+    assert restarted.run() is False, "tried again: the programs are still on lxc-a"
+    assert restarted.run() is True
+    assert removed == [str(pins)] and not marker.exists()
+
+
+def test_a_marker_about_other_pins_is_removed_and_an_undo_goes_on(tmp_path: Path, lock_dir: Path) -> None:
+    """A marker left for pins that were removed since (agent --cleanup) and made again by a later
+    eBPF-mode agent says nothing about these: a detach that leaves no device undoes the rest."""
+    pins = partial_pins(tmp_path)
+    marker = Path(out_of_ebpf.marker_path(str(lock_dir), str(pins)))
+    lock_dir.mkdir()
+    marker.write_text("pins 1\neth0\n")
+    events: list[str] = []
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins)),
+        read=lambda pin_path: [CLUSTERIP],
+        create=lambda netns, flows, timeouts, hold: Created(created=len(list(flows))),
+        detach=lambda netns, detached, between: (_ for _ in ()).throw(
+            attach.DetachFailed(errno.EPERM, [], ["eth0: (1, 'Operation not permitted')"])
+        ),
+        remove_pins=lambda pin_path: pytest.fail("the programs stay: so do their pins"),
+        holds=lambda pin_path: FakeHolds(events),
+        delete=lambda netns, gone: len(gone),
+    )
+    assert handback.run() is True
+    assert "undo" in events and not marker.exists()
+
+
+def test_retries_write_only_the_flows_not_written_pass_the_others_again_and_back_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A retry after a partial detach writes no NAT entry an earlier run wrote (written again, a
+    flow that closed meanwhile would come back established for a day; each costs round trips in
+    the sync): it holds and passes those again (map writes), writes the rest, and the tries wait
+    one sync period, doubled each time up to RETRY_MAX_S, saying so once a try."""
+    pins = partial_pins(tmp_path)
+    events: list[str] = []
+    holds = FakeHolds(events)
+    reads = [[CLUSTERIP], [CLUSTERIP, NODEPORT]]
+
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts, hold: Holds | None) -> Created:
+        got = list(flows)
+        events.append(f"create {[f.orig[0] for f in got]} {'held' if hold is holds else hold}")
+        return Created(created=len(got))
+
+    clock = [1000.0]
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins), sync_period_s=30),
+        read=lambda pin_path: reads[0] if len(reads) == 1 else reads.pop(0),
+        create=create,
+        detach=eth0_then_none,
+        remove_pins=lambda pin_path: pytest.fail("the programs stay on lxc-a: so do their pins"),
+        holds=lambda pin_path: holds,
+        clock=lambda: clock[0],
+    )
+    assert handback.run() is False
+    events.clear()
+    caplog.clear()
+    waits = []
+    for _ in range(7):
+        at = clock[0]
+        while not events:
+            clock[0] += 1
+            assert handback.run() is False
+        waits.append(clock[0] - at)
+        if len(waits) == 1:
+            # both written: CLUSTERIP before the partial detach, NODEPORT (started since) after
+            assert events == [
+                "renew",
+                f"hold {POD_CLIENT}",
+                f"release {POD_CLIENT}",
+                "renew",
+                f"hold {CLIENT}",
+                f"release {CLIENT}",
+                "create [] held",
+                "create [] held",
+                "renew",
+                "create [] None",
+                "close holds",
+            ]
+        events.clear()
+    assert waits == [30, 60, 120, 240, 300, 300, 300]
+    assert caplog.text.count("but not from all devices") == 7
+
+
+@pytest.mark.parametrize("stage", ["late", "pins"])
+def test_a_failure_after_a_full_detach_says_so_and_is_tried_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, stage: str
+) -> None:
+    """The programs left every device, then the late round or the pins' removal failed: nothing
+    says they stay attached (nor asks for CAP_BPF), and the next try (which detaches nothing more)
+    finishes the hand-back, its pins removed."""
+    pins = partial_pins(tmp_path)
+    fails = {"late": [False, False, True], "pins": [False, False, False]}[stage]
+    removals: list[str] = []
+
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts, hold: Holds | None) -> Created:
+        if fails and fails.pop(0):
+            raise NetlinkError(errno.ENOBUFS, "No buffer space available")
+        return Created(created=len(list(flows)))
+
+    def remove_pins(pin_path: str) -> list[str]:
+        removals.append(pin_path)
+        if stage == "pins" and len(removals) == 1:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return []
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins), sync_period_s=0),
+        read=lambda pin_path: [CLUSTERIP],
+        create=create,
+        detach=detaching("eth0"),
+        remove_pins=remove_pins,
+        holds=lambda pin_path: FakeHolds([]),
+        delete=lambda netns, gone: pytest.fail("every device is detached: the flows need their NAT entries"),
+    )
+    assert handback.run() is False
+    assert "CAP_BPF" not in caplog.text and "stay attached" not in caplog.text
+    what = {"late": "writing the flows the programs started", "pins": "removing the pins"}[stage]
+    assert f"stopped {what}" in caplog.text and "after the programs left eth0" in caplog.text
+    assert handback.run() is True
+    assert removals[-1] == str(pins)
+
+
+def test_a_renewal_the_map_refuses_between_two_devices_does_not_stop_the_detach(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pins = partial_pins(tmp_path)
+
+    walked: list[str] = []
+
+    class Refusing(FakeHolds):
+        def renew(self) -> None:
+            if walked:  # the one before the detach goes through
+                raise MapError("ekp_ct_tcp", "update", errno.ENOMEM)
+
+    def detach(netns: str, detached: list[str], between: Callable[[], None]) -> None:
+        for device in ("eth0", "lxc-a"):
+            if walked:
+                between()
+            walked.append(device)
+            detached.append(device)
+
+    holds = Refusing([])
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins)),
+        read=lambda pin_path: [],
+        create=lambda netns, flows, timeouts, hold: Created(),
+        detach=detach,
+        remove_pins=lambda pin_path: [],
+        holds=lambda pin_path: holds,
+    )
+    assert handback.run() is True
+    assert walked == ["eth0", "lxc-a"]
+    assert "cannot renew the handed-back flows' holds between two devices" in caplog.text
 
 
 class Hooks:
