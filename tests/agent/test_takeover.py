@@ -1394,6 +1394,29 @@ def test_an_undo_slower_than_the_window_keeps_every_flow_waiting_its_turn_held()
         )
 
 
+def test_a_flow_whose_hold_ran_out_during_its_own_deletion_is_counted() -> None:
+    """A deletion slower than the window (a starved agent): the programs translated the flow with
+    its NAT entry still in place meanwhile, which the undo counts as it does a lapse found at the
+    start."""
+    flows = many_flows(2)
+    clock = [NOW]
+    table = pinned(flows, NOW - 60 * 10**9)
+    holds = stack_holds(table, clock)
+    for flow in flows:
+        holds.hold(flow)
+        holds.release(flow)
+
+    def delete(gone: list[NatFlow]) -> int:
+        if gone[0] == flows[0]:
+            clock[0] += (abi.CT_HANDOVER_S + 1) * 10**9
+        return 1
+
+    undone = holds.undo(delete)
+    # the second's too, waiting its turn with no renewal through the 11 s deletion
+    assert (undone.undone, undone.lapsed) == (2, 2)
+    assert holds.lapsed == flows
+
+
 def test_flows_found_run_out_when_the_undo_starts_are_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
