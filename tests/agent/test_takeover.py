@@ -517,6 +517,67 @@ def test_the_second_carry_failing_to_read_the_nodes_addresses_hands_the_first_ov
     assert sysctl.values[LIBERAL] == "0"
 
 
+def test_the_first_carry_failing_to_read_the_nodes_addresses_fails_before_the_attach() -> None:
+    """Before the attach the sync fails and is tried again: attached with nothing carried, every
+    flow of nf_conntrack would have its next segments dropped. The window checks stay on."""
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+
+    def addresses(netns: str) -> frozenset[str]:
+        raise OSError(errno.EBUSY, "Device or resource busy")
+
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: [CLUSTERIP],
+        addresses=addresses,
+        remove_rules=lambda config: None,
+        sysctl=sysctl,
+        replace=FakeReplace([]),
+        clock_ns=lambda: NOW,
+    )
+    with pytest.raises(OSError, match="busy"):
+        takeover.before_attach(fake_maps())
+    assert sysctl.values[LIBERAL] == "0"
+
+
+def test_an_attach_aborted_after_the_carry_restores_the_window_checks_and_a_failing_restore_hides_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: [CLUSTERIP],
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=sysctl,
+        replace=FakeReplace([]),
+        clock_ns=lambda: NOW,
+    )
+    maps = fake_maps()
+    takeover.before_attach(maps)
+    assert sysctl.values[LIBERAL] == "1"
+    takeover.abort()
+    assert sysctl.values[LIBERAL] == "0"
+
+    def refusing(netns: str, path: str, value: str) -> str | None:
+        if value == "0":
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return sysctl(netns, path, value)
+
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: [CLUSTERIP],
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=refusing,
+        replace=lambda *a, **k: (_ for _ in ()).throw(RuntimeError("the pass's own error")),
+        clock_ns=lambda: NOW,
+    )
+    takeover.before_attach(maps)
+    with pytest.raises(RuntimeError, match="the pass's own error"):
+        takeover.after_attach(maps)
+    assert f"cannot set {LIBERAL} back to 0 in netns node1" in caplog.text
+
+
 def test_an_attach_that_failed_after_the_carry_restores_the_window_checks_and_a_retry_keeps_them() -> None:
     """after_attach stopped by an error: the node's tcp_be_liberal comes back all the same; the
     sync retried runs before_attach again, which must not take the "1" it set for the node's own."""
