@@ -1948,10 +1948,16 @@ class Hooks:
     """A namespace's devices and which of our programs each runs ("xdp", "ingress", "egress"), for
     detach_all: the tc detach removes ingress then egress, raising at `fail[(device, hook)]`."""
 
-    def __init__(self, devices: dict[str, list[str]], fail: Mapping[tuple[str, str], BaseException]) -> None:
+    def __init__(
+        self,
+        devices: dict[str, list[str]],
+        fail: Mapping[tuple[str, str], BaseException],
+        lost: Mapping[tuple[str, str], BaseException] | None = None,  # raised once the hook is removed
+    ) -> None:
         self.names = list(devices)
         self.hooks = {i: list(h) for i, h in enumerate(devices.values())}
         self.fail = fail
+        self.lost = lost or {}
         self.calls: list[str] = []
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1967,6 +1973,8 @@ class Hooks:
         monkeypatch.setattr(attach, "netns_route", lambda netns: Route())
         monkeypatch.setattr(attach, "list_links", lambda ipr: links)
         monkeypatch.setattr(xdp, "detach", lambda ipr, index: self._remove(index, ["xdp"]))
+        monkeypatch.setattr(xdp, "xdp_state", lambda ipr, index: "xdp" in self.hooks[index])
+        monkeypatch.setattr(xdp, "is_ours", lambda state: state)
         monkeypatch.setattr(attach, "detach", lambda ipr, index: self._remove(index, ["ingress", "egress"]))
         monkeypatch.setattr(attach, "_ours", lambda ipr, index: len(set(self.hooks[index]) - {"xdp"}))
 
@@ -1979,6 +1987,8 @@ class Hooks:
                     raise self.fail[self.names[index], hook]
                 self.hooks[index].remove(hook)
                 found = True
+                if (self.names[index], hook) in self.lost:
+                    raise self.lost[self.names[index], hook]
         return found
 
 
@@ -2034,6 +2044,35 @@ def test_detach_all_counts_a_half_detached_device_as_detached_whatever_stopped_i
     with pytest.raises(KeyboardInterrupt):
         attach.detach_all("node1", detached)
     assert detached == ["eth0"]
+
+
+def test_detach_all_counts_a_device_half_detached_when_its_answer_was_lost_or_it_went(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ENOENT/ENODEV after ingress went (the egress filter or the device gone meanwhile) is no
+    failure, but the device lost one of our programs: detached. An XDP detach whose answer was
+    lost (any exception) is told by reading the device's XDP state again: gone, detached; still
+    there, not."""
+    enoent = NetlinkError(errno.ENOENT, "No such file or directory")
+    hooks = Hooks(
+        {
+            "eth0": ["ingress", "egress"],
+            "eth1": ["xdp", "ingress"],
+            "eth2": ["xdp", "ingress"],
+        },
+        {
+            ("eth0", "egress"): enoent,
+            ("eth2", "xdp"): OSError(errno.EIO, "Input/output error"),
+            ("eth1", "ingress"): NetlinkError(errno.EBUSY, "Device or resource busy"),
+        },
+        lost={("eth1", "xdp"): ValueError("a reply pyroute2 cannot parse")},
+    )
+    hooks.install(monkeypatch)
+    detached: list[str] = []
+    with pytest.raises(attach.DetachFailed) as failed:
+        attach.detach_all("node1", detached)
+    assert detached == ["eth0", "eth1"]
+    assert [f.split(":")[0] for f in failed.value.failed] == ["eth1", "eth2"]
 
 
 def test_no_handback_without_an_ebpf_conntrack(tmp_path: Path) -> None:
