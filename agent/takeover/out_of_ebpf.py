@@ -277,19 +277,20 @@ class StackHolds:
             self._lapsed.add(flow.orig)
             self.lapsed.append(flow)
 
-    def hold(self, flow: NatFlow) -> None:
-        """CtFlag.HANDOVER on its FORWARD entry: the programs drop its forward packets."""
+    def hold(self, flow: NatFlow) -> bool:
+        """CtFlag.HANDOVER on its FORWARD entry: the programs drop its forward packets. Whether
+        it is held (registered: a flow the stack tracks under its NAT entry's reply tuple)."""
         if self._legacy is None:
             self._legacy = _pinned_legacy(self._pin_path)
         table = self._table(flow)
         if table is None:
-            return
+            return False
         entry = table.lookup(_keys(flow)[0])
         if not isinstance(entry, abi.CtEntry | abi.Ct6Entry):
-            return
+            return False
         tracked = self._legacy and stack_flow(flow).reply == flow.reply
         if not (entry.flags & abi.CtFlag.HOST or tracked):
-            return
+            return False
         if self._renewed_ns is None:
             self._renewed_ns = self._clock_ns()
         again = flow.orig in self._held  # a second round's
@@ -300,6 +301,7 @@ class StackHolds:
         # flow's replies go to the programs until its NAT entry is written
         if self._write(flow, (abi.CtFlag.NFPASS, abi.CtFlag.HANDOVER), (_HELD, 0)) and again:
             self._ran_out(flow)
+        return True
 
     def release(self, flow: NatFlow) -> None:
         """HANDOVER swapped for CtFlag.NFPASS on both its entries: the programs pass its packets
@@ -399,7 +401,7 @@ class Holds(Protocol):
     passed: int
     lapsed: list[NatFlow]
 
-    def hold(self, flow: NatFlow) -> None: ...
+    def hold(self, flow: NatFlow) -> bool: ...
 
     def release(self, flow: NatFlow) -> None: ...
 

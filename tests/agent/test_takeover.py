@@ -910,8 +910,9 @@ class FakeHolds:
     passed: int = 0
     lapsed: list[NatFlow] = dataclasses.field(default_factory=list)
 
-    def hold(self, flow: NatFlow) -> None:
+    def hold(self, flow: NatFlow) -> bool:
         self.events.append(f"hold {flow.orig[0]}")
+        return True
 
     def release(self, flow: NatFlow) -> None:
         self.events.append(f"release {flow.orig[0]}")
@@ -1265,6 +1266,56 @@ def test_a_flow_whose_nat_entry_a_killed_hand_back_wrote_is_passed_at_once(
     assert passed[CtDir.FORWARD] & CtFlag.NFPASS and passed[CtDir.REPLY] & CtFlag.NFPASS
     assert held[CtDir.FORWARD] & CtFlag.HANDOVER and not held[CtDir.REPLY] & CtFlag.NFPASS
     assert (holds.held, holds.passed) == (2, 1)
+
+
+def test_a_refused_flow_no_hold_took_costs_no_extra_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a flow held (the stack tracks it under its NAT entry's reply tuple) is worth the get
+    that tells its own NAT entry from another's: the others lose nothing waiting for the round
+    after the detach."""
+    flows = many_flows(2)
+    ops: list[str] = []
+
+    class Counting(FakeCtnetlink):
+        def entry(self, op: str, **attrs: Any) -> list[NatFlow] | None:
+            ops.append(op)
+            return super().entry(op, **attrs)
+
+    class Unheld(FakeHolds):
+        def hold(self, flow: NatFlow) -> bool:
+            super().hold(flow)
+            return flow == flows[0]
+
+    present = [dataclasses.replace(f, status=f.status | IPS_DST_NAT) for f in flows]
+    fake_ctnetlink(monkeypatch, Counting([NOW], 0, present=present))
+    events: list[str] = []
+    done = create_flows("node1", flows, Timeouts(), hold=Unheld(events))
+    assert ops == ["add", "get", "add"]
+    assert [f.orig for f in done.taken] == [flows[1].orig]
+    assert events.count(f"release {flows[0].orig[0]}") == 1
+
+
+def test_a_nat_entry_is_told_its_own_whichever_way_the_kernel_writes_its_ipv6_addresses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    flow = NatFlow(
+        6, ("fd00:10:244::9", "fd00:10:96::a", 40000, 80), ("fd00:10:244::5", "fd00:10:244::9", 8080, 40000)
+    )
+    written = NatFlow(
+        6,
+        ("fd00:10:244:0:0:0:0:9", "fd00:10:96:0::a", 40000, 80),
+        ("FD00:10:244::5", "fd00:10:244:0::9", 8080, 40000),
+        status=IPS_DST_NAT,
+    )
+
+    class Ct:
+        def entry(self, op: str, **attrs: Any) -> list[NatFlow]:
+            return [written]
+
+    monkeypatch.setattr(nfct, "_flow", lambda msg: msg)
+    assert nfct._written_before(Ct(), flow)
+    other = dataclasses.replace(written, reply=("fd00:10:244::6", "fd00:10:244::9", 8080, 40000))
+    monkeypatch.setattr(Ct, "entry", lambda self, op, **attrs: [other])
+    assert not nfct._written_before(Ct(), flow)
 
 
 def test_every_hold_and_pass_outlasts_a_hand_back_longer_than_its_window(
@@ -2468,8 +2519,9 @@ def test_create_flows_holds_each_flow_from_before_the_plain_entry_goes_until_its
         ]
 
     class Recorder:
-        def hold(self, flow: NatFlow) -> None:
+        def hold(self, flow: NatFlow) -> bool:
             seen.append(("hold", *entries_now()))
+            return True
 
         def release(self, flow: NatFlow) -> None:
             seen.append(("release", *entries_now()))
