@@ -116,19 +116,24 @@ def pinned_flows(pin_path: str) -> list[NatFlow]:
     return flows
 
 
-def _pinned_legacy(pin_path: str) -> bool:
-    """Whether the pinned programs run legacy host routing (the live config's flag): the node's
-    stack then sees every flow between its two translations (agent/takeover/flows.py)."""
+def _pinned_config(pin_path: str) -> Any:
+    """The pinned programs' live config (abi.Config), None where none is pinned."""
     from agent.ebpf.maps import BpfMap, read_config
 
     names = [abi.MAPS[r].name for r in ("cfg", "cfgsel")]
     if not all(os.path.exists(os.path.join(pin_path, n)) for n in names):
-        return False
+        return None
     with (
         BpfMap.open_pinned(abi.MAPS["cfg"], pin_path) as cfg,
         BpfMap.open_pinned(abi.MAPS["cfgsel"], pin_path) as sel,
     ):
-        live = read_config({"cfg": cfg, "cfgsel": sel})
+        return read_config({"cfg": cfg, "cfgsel": sel})
+
+
+def _pinned_legacy(pin_path: str) -> bool:
+    """Whether the pinned programs run legacy host routing (the live config's flag): the node's
+    stack then sees every flow between its two translations (agent/takeover/flows.py)."""
+    live = _pinned_config(pin_path)
     return live is not None and bool(live.flags & abi.ConfigFlag.HOST_LEGACY)
 
 
@@ -187,6 +192,8 @@ class StackHolds:
         self._renewed_ns: int | None = None
         self._lapsed: set[Tuple] = set()
         self._act_failed = False
+        self._cfg: Any = None  # the pinned programs' live config (their conntrack timeouts)
+        self._cfg_read = False
         self.held = 0  # flows held
         self.passed = 0  # of them, passed to their NAT entries
         self.lapsed: list[NatFlow] = []  # flows whose hold or pass the agent found run out
@@ -214,9 +221,9 @@ class StackHolds:
         entry written is stamped seen (the data path stamps no packet it drops or passes, and a
         reply entry of a held flow sees none while its forward packets drop: without this a
         quiet UDP flow could expire in eBPF conntrack during a long hand-back). An entry whose
-        flags stay as they are, holding nothing, and that the data path stamped within
-        HOLD_RENEW_NS is not written: it is busy, and each write may lose a change the data path
-        made since the read. Returns whether either held already and had run out."""
+        flags stay as they are, holding nothing, is written only once idle for more than half its
+        state's timeout (`_idle`): each write may lose a change the data path made since the
+        read. Returns whether either held already and had run out."""
         table = self._table(flow)
         now_ns = self._clock_ns()
         now_s = now_ns // NSEC
@@ -233,7 +240,7 @@ class StackHolds:
             if change is not None:
                 clear, add = change
                 entry.flags = (before & ~clear) | add
-            if entry.flags == before and not held and now_ns - entry.last_seen_ns < HOLD_RENEW_NS:
+            if entry.flags == before and not held and not self._idle(flow, entry, now_ns):
                 continue
             if held or entry.flags & _HELD:
                 entry.created_s = now_s & _U32
@@ -242,6 +249,24 @@ class StackHolds:
             stamped.append((key, entry))
         self._stamp_endpoints(flow, stamped, now_ns)
         return lapsed
+
+    def _idle(self, flow: NatFlow, entry: Any, now_ns: int) -> bool:
+        """Whether an entry that holds no flag has been idle for more than half its state's
+        timeout (the programs' own, bpf/ekp_ct.h): only then is it stamped. A busy one needs no
+        stamp to live through the hand-back, and a write may lose a change the data path made
+        since the read (a FIN, its own stamp): the longer it has been idle, the less likely."""
+        from agent.ebpf.capacity import ct_timeout_s
+
+        if not self._cfg_read:
+            self._cfg_read = True
+            try:
+                self._cfg = _pinned_config(self._pin_path)
+            except OSError as exc:  # the programs' defaults: the timeouts of a config never set
+                log.warning(
+                    "cannot read the pinned config at %s (%s): default timeouts assumed", self._pin_path, exc
+                )
+        timeout_ns = ct_timeout_s(self._cfg, flow.proto, entry.flags) * NSEC
+        return bool(now_ns - entry.last_seen_ns > timeout_ns // 2)
 
     def _stamp_endpoints(self, flow: NatFlow, stamped: list[tuple[Any, Any]], now_ns: int) -> None:
         """ekp_act's invariant (bpf/ekp_act.h): an entry stamped seen has its flow's endpoints

@@ -1115,18 +1115,19 @@ def test_a_flow_passed_to_its_nat_entry_is_passed_both_ways_however_old_it_is() 
 
 def test_a_flow_held_or_passed_is_kept_seen_by_each_write() -> None:
     """The data path refreshes no last_seen_ns while a flag holds: each hold, pass and renewal
-    does, on both entries (a held flow's REPLY entry holds nothing but sees no reply while its
-    forward packets drop), so a quiet UDP flow does not expire in eBPF conntrack during a long
+    does, on an entry holding a flag, and on one holding none (a held flow's REPLY entry sees no
+    reply while its forward packets drop) once idle for more than half its state's timeout (60 s
+    of a UDP stream's 120 s), so a quiet UDP flow does not expire in eBPF conntrack during a long
     hand-back; its created_s moves only with a flag (the data path reads it for more than the
     window)."""
+    udp = dataclasses.replace(CLUSTERIP, proto=socket.IPPROTO_UDP)
     clock = [NOW]
-    table = pinned([CLUSTERIP], NOW - 60 * 10**9)
+    made = NOW - 100 * 10**9
+    table = pinned([udp], made)
     act = PinnedMap(MAPS["act"])
     holds = stack_holds(table, clock, act)
     ends = {
-        activity.slot(*end)
-        for key, entry in entries_of(table, CLUSTERIP)
-        for end in activity.endpoints(key, entry)
+        activity.slot(*end) for key, entry in entries_of(table, udp) for end in activity.endpoints(key, entry)
     }
 
     def stamps() -> set[int]:
@@ -1135,36 +1136,41 @@ def test_a_flow_held_or_passed_is_kept_seen_by_each_write() -> None:
         return {v.stamp for i in ends if isinstance(v := act.lookup(ctypes.c_uint32(i)), abi.Act)}
 
     def entries() -> list[abi.CtEntry]:
-        found = [table.lookup(key) for key in ct_keys(CLUSTERIP)]
+        found = [table.lookup(key) for key in ct_keys(udp)]
         return [e for e in found if isinstance(e, abi.CtEntry)]
 
     def seen() -> list[int]:
         return [e.last_seen_ns for e in entries()]
 
-    holds.hold(CLUSTERIP)
-    assert seen() == [NOW, NOW] and stamps() == {activity.stamp_of(NOW)}
-    assert entries()[1].created_s == (NOW - 60 * 10**9) // 10**9  # the REPLY entry holds nothing
+    holds.hold(udp)
+    assert seen() == [NOW, NOW] and stamps() == {activity.stamp_of(NOW)}  # REPLY idle 100 s
+    assert entries()[1].created_s == made // 10**9  # the REPLY entry holds nothing
     clock[0] += HOLD_RENEW_NS
     holds.renew()
+    assert seen() == [clock[0], NOW], "the REPLY entry, stamped 3 s ago, is left alone"
+    while clock[0] - NOW <= 60 * 10**9:
+        clock[0] += HOLD_RENEW_NS
+        holds.renew()
     assert seen() == [clock[0]] * 2 and stamps() == {activity.stamp_of(clock[0])}
     clock[0] += 10**9
-    holds.release(CLUSTERIP)
+    holds.release(udp)
     assert seen() == [clock[0]] * 2 and stamps() == {activity.stamp_of(clock[0])}
     clock[0] += HOLD_RENEW_NS
     holds.renew()
     assert seen() == [clock[0]] * 2 and stamps() == {activity.stamp_of(clock[0])}
+    assert holds.lapsed == []
 
 
 def test_a_busy_entry_that_holds_nothing_is_not_written() -> None:
-    """A held flow's REPLY entry the data path stamped within HOLD_RENEW_NS (its replies still go
-    through the programs) is left alone: each write may lose a change the data path made since
-    the read (a FIN, its own stamp)."""
+    """A held flow's REPLY entry the data path stamped within half its state's timeout (its
+    replies still go through the programs; an established TCP flow's, 12 h) is left alone: each
+    write may lose a change the data path made since the read (a FIN, its own stamp)."""
     clock = [NOW]
     table = pinned([CLUSTERIP], NOW - 60 * 10**9)
     reply_key = ct_keys(CLUSTERIP)[1]
     reply = table.lookup(reply_key)
     assert isinstance(reply, abi.CtEntry)
-    reply.last_seen_ns = NOW - 10**9  # a reply a second ago
+    reply.last_seen_ns = NOW - 3600 * 10**9  # a reply an hour ago
     table.update(reply_key, reply)
     holds = stack_holds(table, clock)
     holds.hold(CLUSTERIP)
