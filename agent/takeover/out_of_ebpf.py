@@ -42,14 +42,19 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    deletion that fails is counted while the next flow goes on. A detach stopped by anything
    after one of our programs left a device undoes nothing: the detached devices' flows need
    their NAT entries; an error names the devices detached, step 3 runs for them, the pins stay
-   and `run` says to try again (the devices detached remembered: a retry that detaches nothing
-   more undoes nothing either);
+   and `run` says to try again. Right before the first device, a marker in the lock directory
+   (`marker_path`, removed with the pins) records that the detach began: no later try undoes
+   anything, an agent restarted since included (a retry that detaches nothing more undoes
+   nothing either). A try writes only the NAT entries no earlier try wrote, holds and passes
+   the others again with map writes only, and waits longer after each failure (EbpfHandback);
 2. the programs are detached from every device of the node: no plain entry is made any more;
 3. the flows the programs started between 1 and 2, and those still refused, are written the same
    way (entries already there kept);
 4. the pins go (maps, programs, the directory), as `agent --cleanup` removes them, and with them
    the planner an eBPF-mode agent left for its next start (agent/ebpf/snapshot.py, in the lock
-   directory): it describes those maps only; and the model's records kept beside it.
+   directory): it describes those maps only; the model's records kept beside it; and the
+   marker. A failure in step 3 or 4 (the programs detached everywhere) is said as such and
+   tried again.
 
 Nothing happens where no eBPF conntrack is pinned at --bpf-pin-path.
 """
