@@ -650,18 +650,22 @@ class EbpfHandback:
         self._written.update({f.orig for f in flows} - refused - {f.orig for f in created.unwritten})
 
     def _renewing(self, holds: Holds) -> Callable[[], None]:
-        """holds.renew for the detach's walk: a map error there fails no device."""
+        """holds.renew for the detach's walk: a map error there fails no device (said once)."""
         from agent.ebpf.maps import MapError
+
+        said: list[bool] = []
 
         def renew() -> None:
             try:
                 holds.renew()
             except MapError as exc:
-                log.warning(
-                    "cannot renew the handed-back flows' holds between two devices (%s): the detach"
-                    " goes on; a hold that runs out before it ends is counted at the end",
-                    exc,
-                )
+                if not said:
+                    said.append(True)
+                    log.warning(
+                        "cannot renew the handed-back flows' holds between two devices (%s): the"
+                        " detach goes on; a hold that runs out before it ends is counted at the end",
+                        exc,
+                    )
 
         return renew
 
