@@ -1841,10 +1841,10 @@ def test_an_agent_restarted_after_a_partial_detach_undoes_nothing_and_tries_agai
         )
 
     assert agent().run() is False
-    marker = Path(out_of_ebpf.marker_path(str(lock_dir), str(pins)))
-    assert "eth0" in marker.read_text().splitlines()
     restarted = agent()
     assert restarted.run() is False, "tried again: the programs are still on lxc-a"
+    marker = Path(out_of_ebpf.marker_path(str(lock_dir), str(pins)))
+    assert "eth0" in marker.read_text().splitlines()
     assert restarted.run() is True
     assert removed == [str(pins)] and not marker.exists()
 
