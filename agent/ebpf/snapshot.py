@@ -68,7 +68,8 @@ _ALLOWED = {
     ("agent.model.types", "ServicePortName"),
     ("agent.model.types", "SessionAffinity"),
 }
-_NOT_KEPT = ("_config", "_ip")  # the new run's own
+# the new run's own; and what a resync verified in the last run, which the next verifies again
+_NOT_KEPT = ("_config", "_ip", "_flushes", "_verified")
 # A file larger than this is refused unread (the start reads the maps back instead, which costs
 # only time): the pickle is about 14 MB at 10,000 Services of 10 endpoints and 70 MB at 50,000, and
 # the agent holds several times its size in objects (680 MiB at 50,000: about ten), so 256 MiB is a
