@@ -229,3 +229,57 @@ def test_a_list_at_a_version_the_server_lacks_is_read_consistently() -> None:
         (None, PAGE, None),
     ]
     assert [e.version for e in sink.events if isinstance(e, Synced)] == ["5", "9", "12", "3"]
+
+
+def test_the_first_list_takes_kept_records_by_the_items_identity_alone() -> None:
+    # A restart's first list asks the last run's records by kind, key, uid and resourceVersion,
+    # read from each item's metadata; an item with a record goes out with it and its identity
+    # only (the rest of it never decoded), any other whole. A relist never asks.
+    kept = {("n/a", "u-a", "2"): "record of a", ("n/b", "u-b", "3"): "record of b"}
+    asked: list[tuple[Kind, str, str, str]] = []
+
+    def take(kind: Kind, key: str, uid: str, version: str) -> object | None:
+        asked.append((kind, key, uid, version))
+        return kept.pop((key, uid, version), None)
+
+    first = (
+        b'{"metadata":{"resourceVersion":"5"},"items":['
+        b'{"metadata":{"name":"a","namespace":"n","uid":"u-a","resourceVersion":"2"},"spec":{"x":1}},'
+        b'{"metadata":{"name":"b","namespace":"n","uid":"u-b","resourceVersion":"4"},"spec":{"x":2}},'
+        b'{"metadata":{"name":"c","uid":"u-c","resourceVersion":"6"},"spec":{"x":3}},'
+        b'{"metadata":{"name":"d","namespace":"n","resourceVersion":"7"},"spec":{"x":4}},'
+        b'{"metadata":{"name":"e","namespace":"n","uid":7,"resourceVersion":"8"},"spec":{"x":5}}]}'
+    )
+    relist = (
+        b'{"metadata":{"resourceVersion":"9"},"items":['
+        b'{"metadata":{"name":"a","namespace":"n","uid":"u-a","resourceVersion":"2"},"spec":{"x":1}},'
+        b'{"metadata":{"name":"f","namespace":"n","uid":"u-f","resourceVersion":"9"},"spec":{"x":6}}]}'
+    )
+    stopping = threading.Event()
+    call = FakeListCall([first, relist], stopping, [GONE])
+    sink = Recorded()
+    Reflector(Resource(Kind.SERVICE, "v1", call), sink, SETTINGS, stopping, kept=take).run()
+
+    synced = sink.events.index(Synced(Kind.SERVICE, "5"))
+    events = [e for e in sink.events[:synced] if isinstance(e, ObjectEvent)]
+    assert [(e.type, e.key, e.kept) for e in events] == [
+        (EventType.ADDED, "n/a", "record of a"),
+        (EventType.ADDED, "n/b", None),
+        (EventType.ADDED, "default/c", None),
+        (EventType.ADDED, "n/d", None),
+        (EventType.ADDED, "n/e", None),
+    ]
+    assert events[0].obj == {
+        "kind": "Service",
+        "apiVersion": "v1",
+        "metadata": {"name": "a", "namespace": "n", "uid": "u-a", "resourceVersion": "2"},
+    }
+    assert [e.obj["spec"] for e in events[1:]] == [{"x": 2}, {"x": 3}, {"x": 4}, {"x": 5}]
+    relisted = [e for e in sink.events[synced:] if isinstance(e, ObjectEvent) and e.type is EventType.ADDED]
+    assert [(e.key, e.kept, e.obj["spec"]) for e in relisted] == [("n/f", None, {"x": 6})]
+    assert asked == [
+        (Kind.SERVICE, "n/a", "u-a", "2"),
+        (Kind.SERVICE, "n/b", "u-b", "4"),
+        (Kind.SERVICE, "default/c", "u-c", "6"),
+    ], "only the first list asks, and only for items with a name, uid and resourceVersion"
+    assert kept == {("n/b", "u-b", "3"): "record of b"}
