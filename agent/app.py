@@ -491,9 +491,7 @@ def build_agent(
         log.info("API server %s", describe(api))
         source_metrics = SourceMetrics(registry)
         records = _kept_records(config)
-        source = ApiSource(
-            config, api, metrics=source_metrics, kept=records.take if records is not None else None
-        )
+        source = ApiSource(config, api, metrics=source_metrics, kept=records)
         recorder = EventRecorder(api, config.hostname, metrics=source_metrics)
         services.append(recorder)
         events = recorder

@@ -154,13 +154,12 @@ def _list_through_reflectors(
         items = [o for o in objs if o["kind"] == kind.value]
         body = orjson.dumps({"metadata": {"resourceVersion": "1"}, "items": items})
         stopping = threading.Event()
-        take = kept.take if kept is not None else None
         Reflector(
             Resource(kind, api_version, FakeListCall([body], stopping, [])),
             sink,
             SETTINGS,
             stopping,
-            kept=take,
+            kept=kept,
         ).run()
     assert agent.runner.run_once()
     return delivered
@@ -222,6 +221,19 @@ def test_a_kept_record_is_taken_only_for_the_same_kind_key_uid_and_version(tmp_p
     kept = _reloaded(path, record)
     assert kept.take(Kind.ENDPOINT_SLICE, "default/web-1", "u1", "7") == record
     assert kept.take(Kind.ENDPOINT_SLICE, "default/web-1", "u1", "7") is None, "each record is taken once"
+
+
+def test_the_records_are_empty_without_a_file_once_all_are_taken_and_once_dropped(tmp_path: Path) -> None:
+    path = str(tmp_path / "records.pickle")
+    assert KeptRecords(path, b"i" * 32).empty(), "no file"
+    record = read_slice(_meta(slice_("web-1", endpoints=[endpoint("10.244.1.2")]), "u1", "7"), "node1")
+    kept = _reloaded(path, record)
+    assert not kept.empty(), "the file read by the first call, its record not taken yet"
+    assert kept.take(Kind.ENDPOINT_SLICE, "default/web-1", "u1", "7") == record
+    assert kept.empty()
+    kept = _reloaded(path, record)
+    kept.drop()
+    assert kept.empty()
 
 
 def _reloaded(path: str, record: Any) -> KeptRecords:
