@@ -83,6 +83,7 @@ from agent.goformat import format_duration
 from agent.kube.backoff import Backoff, BackoffState, Episode
 from agent.kube.resources import Resource
 from agent.metrics.source import SourceMetrics
+from agent.model import wire
 from agent.model.problem import printable
 from agent.sources.base import Event, EventType, Kind, ObjectEvent, Sink, Synced, object_key
 
@@ -150,14 +151,6 @@ class _Head(msgspec.Struct):
 
 
 _HEAD = msgspec.json.Decoder(_Head)
-
-
-def _item(raw: msgspec.Raw) -> Any:
-    """One list item decoded; None (an item without a name) if orjson refuses what msgspec split."""
-    try:
-        return orjson.loads(memoryview(raw))
-    except orjson.JSONDecodeError:
-        return None
 
 
 class _Stopped(Exception):
@@ -258,6 +251,9 @@ class Reflector:
         self._kept = kept  # asked during the first list only (see the module doc)
         self._metrics = metrics or SourceMetrics(CollectorRegistry())
         self.kind = resource.kind
+        # a list's items: the parsed kinds into only what their parsers read (agent.model.wire);
+        # None (an item without a name) where the item is not JSON
+        self._decode_item = wire.decoder(resource.kind.value)
         self._sink = sink
         self._settings = settings
         self._stopping = stopping
@@ -556,7 +552,7 @@ class Reflector:
                     kept = None
                 for raw in chunk:
                     if kept is None or not self._reconcile_kept(raw, kept, seen, batch):
-                        self._reconcile(_item(raw), seen, batch)
+                        self._reconcile(self._decode_item(raw), seen, batch)
                 if n < len(chunks) or token is not None:
                     self._deliver(batch)
             if token is None:  # the last page: its last chunk goes with the deletions and Synced
