@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from agent.config import Config, HostRouting, NodeContext
+from agent.ebpf import tcx
 from agent.ebpf.attach import (
     PROG_EGRESS,
     PROG_FROM_NET,
@@ -36,7 +37,6 @@ from agent.ebpf.attach import (
     parse_link_events,
     pod_side_program,
 )
-from agent.ebpf import tcx
 from agent.ebpf.xdp import PROG_XDP
 from agent.localdetect import LocalDetector, LocalMode
 from agent.netns import netns_route, run_in_netns
