@@ -64,7 +64,34 @@ lose what it sent through a device in that moment, once: TCP sends the segment a
 datagram or an SCTP chunk of a peer that does not retransmit is lost (seen in the lab: a few ms a
 device on a loaded machine; README "Machine facts"). The attach says so in its log line
 (`CLSACT_LOG`), with how long the adds took. A replace of a filter on an existing clsact drops
-nothing. tcx (Linux 6.6, bpf_link attach without a qdisc) would avoid it; not used yet.
+nothing.
+
+tcx (`--bpf-tc-attach=tcx`, or `auto` where the kernel has it: Linux 6.6; agent/ebpf/tcx.py)
+avoids that moment: the programs go on through bpf_links, no qdisc is added, so nothing is dropped
+(CLSACT_LOG is never logged). The same effects, kept by the same methods:
+
+* egress first, then on ingress the classid program (tcx sets no skb->tc_classid, which our
+  program reads as cls_bpf's classid: tcx.py) first in the hook's list, then ours, each link
+  pinned as `ekp_tcx*_<hook>_<device>_<ifindex>` in the pin directory;
+* a restart updates the pinned links in place (BPF_LINK_UPDATE: atomic, as "replace" was); our
+  filters left on a clsact qdisc by an agent on clsact are deleted once the link is on (the link
+  runs before them: nothing met them any more); the qdisc is left in place, empty, since a qdisc
+  delete grafts and drops as an add does;
+* the hand-over: in front of an older generation on clsact, our link runs first by itself and its
+  TC_ACT_UNSPEC falls through to the older filter, so `rehome` deletes the older filters; in front
+  of an older generation on tcx, ours gets a link right before the older one's (BPF_F_BEFORE,
+  pinned as `ekp_tcxfront_*`), and `rehome` detaches the older link and pins ours in its place
+  (the kernel holds a program once per hook, so the older link cannot be updated to ours while
+  ours is in front);
+* the watcher gives a new pod device its links; a deleted device's links go defunct (the kernel
+  detaches them), and their pins are removed on RTM_DELLINK and by every verifying reconcile;
+* `detach_all` detaches every tcx link of ours (a tcx query of each device, by program name), so
+  it needs no pin path; the pins then hold defunct links until `remove_pins` or the next sweep.
+
+An agent on clsact after one on tcx (the setting changed back) attaches its filters, then detaches
+the pinned links (they would run in front of the filters): device by device, not in front of the
+older generation as a hand-over would be. `fronts_left` (agent doctor) lists only clsact filters
+in front, not tcx links.
 """
 
 from __future__ import annotations
@@ -942,6 +969,12 @@ class Attacher:
             if where
             else "",
         )
+        # Links an agent on tcx left run in front of these filters: they go now that ours are on.
+        left = [p for p in tcx.pinned(self._config.pin_path) if p.index == index]
+        for pin in left:
+            tcx.remove(pin)
+        if left:
+            log.info("detached the tcx links on %s (--bpf-tc-attach=clsact: its filters serve)", name)
         self._remember(index, name, prog, bridge)
         self.attachments += 1
 

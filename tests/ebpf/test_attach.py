@@ -1081,3 +1081,21 @@ def test_a_flow_out_of_a_device_loses_nothing_while_tcx_attaches_and_detaches(
         assert flow.lost == 0, f"{flow.lost} of {flow.sent} lost"
     else:
         assert flow.lost > 0, f"none of {flow.sent} lost"
+
+
+@pytest.mark.kernel
+def test_an_agent_on_clsact_after_one_on_tcx_detaches_the_links_that_would_run_in_front(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int], pin_dir: str
+) -> None:
+    """--bpf-tc-attach=clsact after an agent on tcx: tcx runs before cls_bpf, so the older links
+    would go on deciding every packet; each device's links go once its filters are on."""
+    from agent.ebpf.sockattach import prog_id
+
+    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    config = Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir, bpf_tc_attach="clsact")
+    Attacher(config, newer_progs).reconcile(NODE, full=True)
+    for dev in ("eth0", "lxc-a"):
+        assert tcx_progs(netns, dev) == [] and tcx_progs(netns, dev, "egress") == [], dev
+    assert ours_by_pref(ingress(netns, "eth0")) == {17: prog_id(newer_progs[PROG_FROM_NET])}
+    assert os.listdir(pin_dir) == []
+    detach_all(netns)
