@@ -1077,6 +1077,7 @@ def test_a_flow_out_of_a_device_loses_nothing_while_tcx_attaches_and_detaches(
             time.sleep(0.02)
             detach_all(netns)
             time.sleep(0.02)
+    print(f"\n{attach}: 15 attaches and detaches, {flow.lost} of {flow.sent} datagrams lost")
     if attach == "tcx":
         assert flow.lost == 0, f"{flow.lost} of {flow.sent} lost"
     else:
