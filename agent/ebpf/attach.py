@@ -105,7 +105,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -651,9 +651,9 @@ class Attacher:
             return self._tcx_prog(ipr, pins, index, parent)
         return our_filter(ipr, index, parent)
 
-    def _pins(self) -> list[tcx.Pinned] | None:
-        """Our pinned tcx links where tcx is used (None: clsact)."""
-        return tcx.pinned(self._config.pin_path) if self.use_tcx else None
+    def _pins(self, indexes: Collection[int] | None = None) -> list[tcx.Pinned] | None:
+        """Our pinned tcx links (of the devices `indexes` when given) where tcx is used (None: clsact)."""
+        return tcx.pinned(self._config.pin_path, indexes) if self.use_tcx else None
 
     def _detach(self, ipr: Any, index: int, pins: list[tcx.Pinned] | None) -> bool:
         """Ours off one device: filters, and tcx links with their pins; whether any was there."""
@@ -732,7 +732,7 @@ class Attacher:
           always, and its copy at FRONT_PRIO goes. A full reconcile without `front` removes ours
           at FRONT_PRIO from every hook it attaches.
         """
-        pins = self._pins()
+        pins = self._pins() if full or verify else None
         with netns_route(self._config.netns) as ipr:
             links: dict[int, Link] = {}
             if full or verify:
@@ -747,6 +747,9 @@ class Attacher:
                             wanted[link.index] = (link.name, PROG_FROM_NET)
             else:
                 wanted = {i: (n, PROG_FROM_NET) for i, n in external_devices(ipr, self._config, node).items()}
+                # Every sync: only the pins of the devices it looks at (a node has many pods).
+                looked_at = {i for i, (_, prog) in self.attached.items() if prog == PROG_FROM_NET}
+                pins = self._pins(set(wanted) | looked_at)
             external = {i for i, (_, prog) in wanted.items() if prog == PROG_FROM_NET}
             with self._lock:
                 self._external = external
@@ -912,7 +915,7 @@ class Attacher:
                 prog,
                 bridge,
                 front=front,
-                pins=tcx.pinned(self._config.pin_path) if pins is None else pins,
+                pins=tcx.pinned(self._config.pin_path, {index}) if pins is None else pins,
             )
             return
         # Egress first: nothing is handed to the node's stack before its replies (and, with legacy
@@ -970,7 +973,7 @@ class Attacher:
             else "",
         )
         # Links an agent on tcx left run in front of these filters: they go now that ours are on.
-        left = [p for p in tcx.pinned(self._config.pin_path) if p.index == index]
+        left = tcx.pinned(self._config.pin_path, {index})
         for pin in left:
             tcx.remove(pin)
         if left:
@@ -1009,7 +1012,7 @@ class Attacher:
                     # program once: it takes the older link's place) or another (it goes).
                     self._take_place(ahead, tcx.find(pins, tcx.MAIN, hook, index), fd)
                     pins = [p for p in pins if p.index != index]
-                    pins += [p for p in tcx.pinned(self._config.pin_path) if p.index == index]
+                    pins += tcx.pinned(self._config.pin_path, {index})
                 self._tcx_link(pins, tcx.MAIN, hook, name, index, fd)
                 if front and behind is not None and behind not in own:
                     kind = "clsact"
@@ -1046,7 +1049,7 @@ class Attacher:
             # Our link already serves; the older filters behind it go (the clsact qdisc stays).
             self._drop_filters(ipr, index, parent)
             return
-        pins = tcx.pinned(self._config.pin_path)
+        pins = tcx.pinned(self._config.pin_path, {index})
         main = tcx.find(pins, tcx.MAIN, _hook(parent), index)
         ahead = tcx.find(pins, tcx.FRONT, _hook(parent), index)
         if ahead is not None:
@@ -1169,7 +1172,7 @@ class Attacher:
     def _sweep(self, index: int) -> None:
         """Remove the pins of our tcx links on a device that went (defunct now; a live one is
         left to the next verifying reconcile)."""
-        pins = [p for p in tcx.pinned(self._config.pin_path) if p.index == index]
+        pins = tcx.pinned(self._config.pin_path, {index})
         swept = tcx.sweep_defunct(self._config.pin_path, pins)
         if swept:
             log.info("removed the pins of tcx links whose device is gone: %s", ", ".join(swept))

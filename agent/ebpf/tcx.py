@@ -45,7 +45,7 @@ import logging
 import os
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from agent.ebpf import bpfsys
@@ -170,9 +170,9 @@ def prog_name(prog_id_: int) -> str:
         os.close(fd)
 
 
-def pinned(pin_path: str) -> list[Pinned]:
-    """Our tcx links pinned under `pin_path` (a pin that cannot be read is removed, with a log line:
-    it holds nothing this agent can use)."""
+def pinned(pin_path: str, indexes: Collection[int] | None = None) -> list[Pinned]:
+    """Our tcx links pinned under `pin_path`, those named for the ifindexes `indexes` when given
+    (a pin that cannot be read is removed, with a log line: it holds nothing this agent can use)."""
     try:
         names = sorted(os.listdir(pin_path))
     except FileNotFoundError:
@@ -180,7 +180,7 @@ def pinned(pin_path: str) -> list[Pinned]:
     out = []
     for name in names:
         m = _PIN.match(name)
-        if m is None:
+        if m is None or (indexes is not None and int(m.group(4)) not in indexes):
             continue
         path = os.path.join(pin_path, name)
         fd = bpfsys.obj_get(path)
