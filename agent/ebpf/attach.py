@@ -505,7 +505,10 @@ def detach_all(netns: str) -> list[str]:
             failed: list[str] = []
             code = 0
             links = list_links(ipr)
-            had_tcx = run_in_netns(netns, lambda: _detach_tcx(links, failed))
+            try:
+                had_tcx = run_in_netns(netns, lambda: _detach_tcx(links, failed))
+            except FileNotFoundError:  # the namespace went meanwhile: nothing of ours is left in it
+                had_tcx = set()
             for link in links:
                 try:
                     had_xdp = xdp.detach(ipr, link.index)
