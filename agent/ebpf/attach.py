@@ -1102,11 +1102,17 @@ class Attacher:
                 with self._lock:
                     self._fronts.pop((index, parent), None)
                     self._front_kinds.pop((index, parent), None)
-        log.info(
-            "hand-over done: %d filters moved to priority %d, the older generation's gone",
-            len(fronts),
-            FILTER_PRIO,
-        )
+        if self.use_tcx:
+            log.info(
+                "hand-over done: %d tcx links in place, the older generation's filters and links gone",
+                len(fronts),
+            )
+        else:
+            log.info(
+                "hand-over done: %d filters moved to priority %d, the older generation's gone",
+                len(fronts),
+                FILTER_PRIO,
+            )
 
     # ------------------------------------------------------------------ pod-device watcher
 
