@@ -105,7 +105,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -491,41 +491,66 @@ class DetachFailed(NetlinkError):  # type: ignore[misc]  # pyroute2 is untyped
         self.failed = failed
 
 
-def detach_all(netns: str) -> list[str]:
-    """Remove our filters and XDP programs from every device of `netns`; names of the devices
-    that had one.
+def _ours(ipr: Any, index: int) -> int:
+    """How many filters of ours the device's hooks hold."""
+    return sum(
+        _is_ours(msg, prio)
+        for parent in (TC_H_INGRESS, TC_H_EGRESS)
+        for msg in _filters(ipr, index, parent)
+        for prio in OUR_PRIOS
+    )
 
-    A namespace that no longer exists holds nothing of ours: returns []. A device that refuses
-    does not stop the others: DetachFailed at the end says which were detached and which not (a
-    caller undoing what it did before the detach must know whether any device was).
+
+def detach_all(
+    netns: str, detached: list[str] | None = None, *, between: Callable[[], None] | None = None
+) -> list[str]:
+    """Remove our filters, tcx links and XDP programs from every device of `netns`; names of the devices
+    that had one, each appended to `detached` (the caller's, if given) as soon as one of our
+    programs left it, so that a caller stopped by any exception knows; `between` is called
+    before each device (a hand-back renews its holds there).
+
+    A namespace that no longer exists holds nothing of ours: returns []. A device that refuses,
+    or whose answer cannot be read, does not stop the others; one half detached (XDP gone and a
+    filter not, ingress gone and egress not) counts as detached: its programs no longer see every
+    packet of its flows. DetachFailed at the end says which were detached and which not (a caller
+    undoing what it did before the detach must know whether any device was).
     """
+    done: list[str] = [] if detached is None else detached
     try:
         with netns_route(netns) as ipr:
-            done: list[str] = []
             failed: list[str] = []
             code = 0
-            links = list_links(ipr)
-            try:
-                had_tcx = run_in_netns(netns, lambda: _detach_tcx(links, failed))
-            except FileNotFoundError:  # the namespace went meanwhile: nothing of ours is left in it
-                had_tcx = set()
-            for link in links:
+            for link in list_links(ipr):
+                if between is not None:
+                    between()
+                ours = -1  # not counted yet
                 try:
-                    had_xdp = xdp.detach(ipr, link.index)
-                    if detach(ipr, link.index) or had_xdp or link.index in had_tcx:
+                    if xdp.detach(ipr, link.index):
                         done.append(link.name)
-                except NetlinkError as exc:
-                    if exc.code not in (errno.ENODEV, errno.ENOENT):
-                        code = code or exc.code
-                        failed.append(f"{link.name}: {exc}")
-            if failed and not code:
-                code = errno.EIO
+                    ours = _ours(ipr, link.index) + _tcx_ours(netns, link.index)
+                    if _detach_tcx(netns, link.index) and link.name not in done:
+                        done.append(link.name)
+                    if detach(ipr, link.index) and link.name not in done:
+                        done.append(link.name)
+                except Exception as exc:
+                    if isinstance(exc, NetlinkError) and exc.code in (errno.ENODEV, errno.ENOENT):
+                        continue  # gone meanwhile
+                    try:
+                        half = ours > 0 and _ours(ipr, link.index) + _tcx_ours(netns, link.index) < ours
+                    except Exception:  # unreadable: counted as left, the side whose mistake
+                        half = ours > 0  # costs strangers, not flows moved to another backend
+                    if half and link.name not in done:
+                        done.append(link.name)
+                    code = code or getattr(exc, "code", 0) or getattr(exc, "errno", 0) or errno.EIO
+                    failed.append(
+                        f"{link.name}: {exc if isinstance(exc, NetlinkError | OSError) else repr(exc)}"
+                    )
             if failed:
-                raise DetachFailed(code, done, failed)
+                raise DetachFailed(code, list(done), failed)
             return done
     except FileNotFoundError:
         log.info("netns %s does not exist: nothing to detach", netns)
-        return []
+        return done
 
 
 def _hook(parent: int) -> str:
@@ -537,19 +562,32 @@ def _live(pins: list[tcx.Pinned], role: str, index: int, hook: str = tcx.INGRESS
     return pin is not None and pin.live
 
 
-def _detach_tcx(links: list[Link], failed: list[str]) -> set[int]:
-    """Detach our tcx links from every device (run in the namespace: a tcx query names the device
-    by ifindex); the ifindexes that had one. Their pins, if any, then hold defunct links: the
-    caller's remove_pins, or the next agent's sweep, removes them."""
-    out = set()
-    for link in links:
-        try:
-            if tcx.detach_ours(link.index, OUR_NAME_PREFIX):
-                out.add(link.index)
-        except OSError as exc:
-            if exc.errno not in (errno.ENODEV, errno.ENOENT):
-                failed.append(f"{link.name}: {exc}")
-    return out
+def _tcx_ours(netns: str, index: int) -> int:
+    """How many tcx links of ours the device's hooks hold (0 where the kernel has no tcx, or the
+    namespace went meanwhile)."""
+
+    def count() -> int:
+        return sum(
+            tcx.prog_name(prog).startswith(OUR_NAME_PREFIX)
+            for hook in (tcx.INGRESS, tcx.EGRESS)
+            for prog, link_id in tcx.hook_links(index, hook)
+            if link_id
+        )
+
+    try:
+        return run_in_netns(netns, count)
+    except FileNotFoundError:
+        return 0
+
+
+def _detach_tcx(netns: str, index: int) -> int:
+    """Detach our tcx links from one device (in its namespace: a tcx query names the device by
+    ifindex); how many. Their pins, if any, then hold defunct links: the caller's remove_pins, or
+    the next agent's sweep, removes them."""
+    try:
+        return run_in_netns(netns, lambda: tcx.detach_ours(index, OUR_NAME_PREFIX))
+    except FileNotFoundError:  # the namespace went meanwhile: nothing of ours is left in it
+        return 0
 
 
 @dataclass(frozen=True)

@@ -272,13 +272,25 @@ class KernelTakeover:
             # until every device has its program (kube-proxy's conntrack.tcpBeLiberal, for a
             # moment); once they all have, netfilter's entries no longer translate these flows
             # (but those held for the stack, NFPASS, until after_attach replaced their entries).
-            self._liberal_was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
+            was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
+            if self._liberal_was is None:  # an attach retried: "1" now is this agent's own
+                self._liberal_was = was
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         # The second carry first: a flow started between the first dump and the attach has no
         # eBPF entry until it (its TCP segments drop, its UDP datagrams may pick another backend),
         # while the flows carried before lose nothing waiting (NFPASS: netfilter's NAT entries
         # go on translating them, their hold renewed meanwhile). Then both sets in one pass.
+        try:
+            self._hand_over(maps)
+        finally:
+            # whatever stopped the pass: the node's window checks come back (an attach retried
+            # sets them off again, and reads back the value restored here)
+            if self._liberal_was is not None and self._liberal_was != "1":
+                self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
+            self._liberal_was = None
+
+    def _hand_over(self, maps: Mapping[str, MapWriter]) -> None:
         self._attached_at = time.monotonic()
         carried, self._carried = self._carried, []
         first = [f for f in carried if f.family == 4 and self._meets_stack(f)]
@@ -309,9 +321,6 @@ class KernelTakeover:
         # their holds renewed meanwhile); the IPv4 pass takes about 1 ms a flow, seconds at thousands.
         self._to_stack6(stack6, before=keep_held)
         self._to_stack(maps, stack4)
-        if self._liberal_was is not None and self._liberal_was != "1":
-            self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
-        self._liberal_was = None
 
     def _meets_stack(self, flow: NatFlow) -> bool:
         """Whether the node's stack sees the flow's packets between their translations: every flow
@@ -611,8 +620,19 @@ class KernelTakeover:
                 exc,
             )
             return []
+        try:
+            node = self._node = self._addresses(netns)
+        except (OSError, NetlinkError) as exc:
+            log.warning(
+                "cannot read the node's addresses in netns %s (%s): the %d flows of nf_conntrack are"
+                " not carried into eBPF conntrack (%s), and their next segments are dropped",
+                netns or "(own)",
+                exc,
+                len(flows),
+                when,
+            )
+            return []
         ids = ebpf_ids(maps, flows)
-        node = self._node = self._addresses(netns)
         skipped: Counter[Skip] = Counter()
         inserted = present = 0
         carried: list[NatFlow] = []

@@ -248,13 +248,29 @@ def create_flows(
                     except NetlinkError as exc:
                         if exc.code == errno.EEXIST:
                             done.present += 1
-                            done.taken.append(flow)
+                            if hold is not None and _written_before(ct, flow):
+                                hold.release(flow)  # a killed hand-back wrote it: it takes the packets
+                            else:
+                                done.taken.append(flow)
                         else:
                             done.failed.append(f"{flow.describe()}: {exc}")
                             done.unwritten.append(flow)
         return done
 
     return run_in_netns(netns, run)
+
+
+def _written_before(ct: NFCTSocket, flow: NatFlow) -> bool:
+    """Whether the entry on `flow`'s original tuple is its own NAT entry (both tuples, DST_NAT), as
+    an earlier hand-back killed after the write (SIGKILL) left it: written, not refused. Another
+    (the stack's plain entry holding the reply tuple, a NAT entry to another backend) is not."""
+    s, d, sp, dp = flow.orig
+    tuple_orig = NFCTAttrTuple(family=_family(flow), saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp)
+    try:
+        found = [f for f in (_flow(m) for m in ct.entry("get", tuple_orig=tuple_orig)) if f is not None]
+    except NetlinkError:
+        return False  # ENOENT: the entry holding its reply tuple is another's
+    return any(f.orig == flow.orig and f.reply == flow.reply and f.status & IPS_DST_NAT for f in found)
 
 
 def delete_flows(netns: str, flows: Iterable[NatFlow]) -> int:
