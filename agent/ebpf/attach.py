@@ -658,9 +658,10 @@ class Attacher:
         return self._tcx
 
     def _classid_fd(self, classid: int) -> int:
-        if classid not in self._classid_fds:
-            self._classid_fds[classid] = tcx.load_classid_program(classid)
-        return self._classid_fds[classid]
+        with self._lock:  # the watcher's thread and the syncs' attach alike
+            if classid not in self._classid_fds:
+                self._classid_fds[classid] = tcx.load_classid_program(classid)
+            return self._classid_fds[classid]
 
     def _tcx_link(
         self, pins: list[tcx.Pinned], role: str, hook: str, name: str, index: int, fd: int, before: str = ""
@@ -1176,9 +1177,10 @@ class Attacher:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        for fd in self._classid_fds.values():
-            os.close(fd)
-        self._classid_fds.clear()
+        with self._lock:
+            for fd in self._classid_fds.values():
+                os.close(fd)
+            self._classid_fds.clear()
 
     def _watch(self) -> None:
         try:
