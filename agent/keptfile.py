@@ -79,25 +79,26 @@ def write(path: str, header: bytes, dump: Callable[[pickle.Pickler], None]) -> N
     tmp = f"{path}.{os.getpid()}.tmp"
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     sweep(path)  # an earlier process's of the same pid, killed while it wrote, too (or a link)
-    fd = _made_locked(tmp)
-    _WRITING.add(fd)
+    fd = _made_locked(tmp)  # in _WRITING from its open on
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(header + bytes(_HASH))
-            body = Hashing(f)
-            with collector_held():
-                dump(pickle.Pickler(body, protocol=pickle.HIGHEST_PROTOCOL))
-            f.seek(len(header))
-            f.write(body.digest())
-            f.flush()
-            # under the lock: a sweep may not take the name between the close and the rename
-            os.replace(tmp, path)
+            try:
+                f.write(header + bytes(_HASH))
+                body = Hashing(f)
+                with collector_held():
+                    dump(pickle.Pickler(body, protocol=pickle.HIGHEST_PROTOCOL))
+                f.seek(len(header))
+                f.write(body.digest())
+                f.flush()
+                # under the lock: a sweep may not take the name between the close and the rename
+                os.replace(tmp, path)
+            finally:
+                # before the close: a child forked after it must not close a later fd of that number
+                _WRITING.discard(fd)
     except BaseException:
         with suppress(OSError):
             os.unlink(tmp)
         raise
-    finally:
-        _WRITING.discard(fd)
 
 
 def _made_locked(tmp: str) -> int:
@@ -107,15 +108,18 @@ def _made_locked(tmp: str) -> int:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(_ATTEMPTS):
         fd = os.open(tmp, flags, 0o600)
+        _WRITING.add(fd)  # at once: a child forked before the lock would hold it after us
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.stat(tmp, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
-                return fd
+                return fd  # left in _WRITING: the writer's until it closes it
         except FileNotFoundError:
             pass  # unlinked by a sweep before the lock
         except BaseException:
+            _WRITING.discard(fd)
             os.close(fd)
             raise
+        _WRITING.discard(fd)
         os.close(fd)
     raise OSError(f"{tmp} was removed {_ATTEMPTS} times between its creation and its lock")
 

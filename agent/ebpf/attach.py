@@ -524,21 +524,32 @@ def detach_all(
                 if between is not None:
                     between()
                 ours = -1  # not counted yet
+                xdp_ours = in_xdp = False
                 try:
-                    if xdp.detach(ipr, link.index):
+                    xdp_ours = xdp.is_ours(xdp.xdp_state(ipr, link.index))
+                    in_xdp = True
+                    if xdp_ours and xdp.detach(ipr, link.index):
                         done.append(link.name)
+                    in_xdp = False
                     ours = _ours(ipr, link.index) + _tcx_ours(netns, link.index)
                     if _detach_tcx(netns, link.index) and link.name not in done:
                         done.append(link.name)
                     if detach(ipr, link.index) and link.name not in done:
                         done.append(link.name)
                 except Exception as exc:
-                    if isinstance(exc, NetlinkError) and exc.code in (errno.ENODEV, errno.ENOENT):
-                        continue  # gone meanwhile
+                    gone = isinstance(exc, NetlinkError) and exc.code in (errno.ENODEV, errno.ENOENT)
                     try:
-                        half = ours > 0 and _ours(ipr, link.index) + _tcx_ours(netns, link.index) < ours
+                        if in_xdp:  # its answer lost: whether ours is still there says
+                            half = xdp_ours and (gone or not xdp.is_ours(xdp.xdp_state(ipr, link.index)))
+                        else:
+                            left = _ours(ipr, link.index) + _tcx_ours(netns, link.index)
+                            half = ours > 0 and (gone or left < ours)
                     except Exception:  # unreadable: counted as left, the side whose mistake
-                        half = ours > 0  # costs strangers, not flows moved to another backend
+                        half = xdp_ours if in_xdp else ours > 0  # costs strangers, not flows moved elsewhere
+                    if gone:  # the device or the filter gone meanwhile: nothing left to detach
+                        if half and link.name not in done:
+                            done.append(link.name)
+                        continue
                     if half and link.name not in done:
                         done.append(link.name)
                     code = code or getattr(exc, "code", 0) or getattr(exc, "errno", 0) or errno.EIO

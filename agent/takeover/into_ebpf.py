@@ -263,7 +263,7 @@ class KernelTakeover:
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self._stack6 = {}  # an attach retried after a failure carries afresh
-        self._carried = self._carry(maps, "before the programs are attached")
+        self._carried = self._carry(maps, "before the programs are attached", first=True)
         if self._carried:
             # While the programs are attached device by device, a carried flow can have one
             # direction translated by a program (netfilter never sees it) and the other still in
@@ -286,9 +286,29 @@ class KernelTakeover:
         finally:
             # whatever stopped the pass: the node's window checks come back (an attach retried
             # sets them off again, and reads back the value restored here)
-            if self._liberal_was is not None and self._liberal_was != "1":
-                self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
-            self._liberal_was = None
+            self._restore_liberal()
+
+    def abort(self) -> None:
+        """The first attach failed between before_attach and after_attach: the node's window
+        checks come back (the next sync's before_attach turns them off again)."""
+        self._carried = []
+        self._restore_liberal()
+
+    def _restore_liberal(self) -> None:
+        was, self._liberal_was = self._liberal_was, None
+        if was is None or was == "1":
+            return
+        try:
+            self._sysctl(self._config.netns, TCP_BE_LIBERAL, was)
+        except OSError as exc:  # said, not raised: the error that stopped the attach matters more
+            log.error(
+                "cannot set %s back to %s in netns %s (%s): netfilter's TCP window checks stay off"
+                " on the node (kube-proxy's conntrack.tcpBeLiberal); set it by hand",
+                TCP_BE_LIBERAL,
+                was,
+                self._config.netns or "(own)",
+                exc,
+            )
 
     def _hand_over(self, maps: Mapping[str, MapWriter]) -> None:
         self._attached_at = time.monotonic()
@@ -299,7 +319,11 @@ class KernelTakeover:
         self._renew(maps, first)
         done = {f.orig for f in carried}
         try:
-            late = [f for f in self._carry(maps, "after the programs were attached") if f.orig not in done]
+            late = [
+                f
+                for f in self._carry(maps, "after the programs were attached", first=False)
+                if f.orig not in done
+            ]
         except MapError as exc:
             # the first set is handed over all the same, or its holds would run out untended
             log.warning(
@@ -596,17 +620,20 @@ class KernelTakeover:
             (time.monotonic() - started) * 1000,
         )
 
-    def _carry(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:
+    def _carry(self, maps: Mapping[str, MapWriter], when: str, *, first: bool) -> list[NatFlow]:
         """Carries what nf_conntrack holds; returns the flows it found to carry (carried now or
         before). Each family on its own: one whose table cannot be read leaves the other's carry
         whole."""
-        carried = self._carry4(maps, when)
+        carried = self._carry4(maps, when, first=first)
         if self._config.tc_ipv6:
             carried += self._carry6(maps, when)
         return carried
 
-    def _carry4(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:
-        """The IPv4 flows, into the eBPF conntrack's IPv4 tables."""
+    def _carry4(self, maps: Mapping[str, MapWriter], when: str, *, first: bool) -> list[NatFlow]:
+        """The IPv4 flows, into the eBPF conntrack's IPv4 tables. The node's addresses unreadable
+        fail the first carry (the sync fails before the attach and is tried again: attached with
+        nothing carried, every flow would drop), and only skip the second (the first carry's
+        flows are handed over all the same)."""
         started = time.monotonic()
         netns = self._config.netns
         try:
@@ -623,6 +650,8 @@ class KernelTakeover:
         try:
             node = self._node = self._addresses(netns)
         except (OSError, NetlinkError) as exc:
+            if first:
+                raise
             log.warning(
                 "cannot read the node's addresses in netns %s (%s): the %d flows of nf_conntrack are"
                 " not carried into eBPF conntrack (%s), and their next segments are dropped",

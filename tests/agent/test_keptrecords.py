@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import io
 import logging
 import os
 import pickle
@@ -391,3 +392,37 @@ def test_a_forked_child_does_not_keep_a_dead_writers_lock(
     finally:
         os.kill(children[0], 9)
         os.waitpid(children[0], 0)
+
+
+def test_the_temporary_files_fd_is_closed_in_forked_children_from_its_open_to_its_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child forked between the O_EXCL open and the flock would hold the lock once taken (a
+    copy of the fd), and one forked after the writer's close must not close another file that
+    took the fd's number: the fd is in the at-fork registry from its open until right before its
+    close."""
+    path = str(tmp_path / "run" / "records.pickle")
+    at_lock: list[bool] = []
+    at_close: list[bool] = []
+    flock = fcntl.flock
+    fdopen = os.fdopen
+
+    def locking(fd: int, op: int) -> None:
+        at_lock.append(fd in keptfile._WRITING)
+        flock(fd, op)
+
+    class Closing(io.BufferedWriter):
+        def close(self) -> None:
+            at_close.append(self.fileno() in keptfile._WRITING)
+            super().close()
+
+    def opening(fd: int, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if mode == "wb":
+            return Closing(io.FileIO(fd, "wb"))
+        return fdopen(fd, mode, *args, **kwargs)
+
+    monkeypatch.setattr(fcntl, "flock", locking)
+    monkeypatch.setattr(os, "fdopen", opening)
+    keptfile.write(path, b"H", lambda pickler: pickler.dump({"a": 1}))
+    assert at_lock == [True] and at_close == [False]
+    assert not keptfile._WRITING
