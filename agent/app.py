@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from agent.iptables import IptablesProxier
     from agent.iptables.nfacct import Counters
     from agent.iptables.runner import IptablesRunner
+    from agent.keptrecords import KeptRecords
 
 log = logging.getLogger("agent")
 
@@ -475,6 +476,7 @@ def build_agent(
         registry.register(BpfMapsCollector(pinned_opener(config.pin_path)))
 
     services: list[Service] = []
+    records: KeptRecords | None = None
     if config.services_file:
         from agent.sources.file import FileSource
 
@@ -488,7 +490,8 @@ def build_agent(
         api = api_client(config, kubeconfig=kubeconfig)
         log.info("API server %s", describe(api))
         source_metrics = SourceMetrics(registry)
-        source = ApiSource(config, api, metrics=source_metrics)
+        records = _kept_records(config)
+        source = ApiSource(config, api, metrics=source_metrics, kept=records)
         recorder = EventRecorder(api, config.hostname, metrics=source_metrics)
         services.append(recorder)
         events = recorder
@@ -530,13 +533,6 @@ def build_agent(
         service_health6 = ServiceHealthServer.for_node(config, node6, health, IPFamily.IPv6)
         services.append(service_health6)
     close = getattr(proxier, "close", None)
-    records = None
-    if config.mode is Mode.EBPF and not config.services_file:
-        # eBPF mode's lock on the pin path makes this agent the file's only reader and writer.
-        from agent.keptrecords import KeptRecords, identity, records_path
-        from agent.lock import LOCK_DIR
-
-        records = KeptRecords(records_path(LOCK_DIR, config.pin_path), identity(config))
     return Agent(
         config,
         Parts(
@@ -557,6 +553,18 @@ def build_agent(
             records=records,
         ),
     )
+
+
+def _kept_records(config: Config) -> KeptRecords | None:
+    """The model's records the last run left, in eBPF mode with the API source: asked by the
+    source's first lists (agent.kube.reflector) and by the Agent, which keeps this run's at its stop."""
+    if config.mode is not Mode.EBPF:
+        return None
+    # eBPF mode's lock on the pin path makes this agent the file's only reader and writer.
+    from agent.keptrecords import KeptRecords, identity, records_path
+    from agent.lock import LOCK_DIR
+
+    return KeptRecords(records_path(LOCK_DIR, config.pin_path), identity(config))
 
 
 def ipv6_served_by(config: Config) -> str:

@@ -698,7 +698,9 @@ def _read(event: Event, hostname: str, kept: RecordKeeper | None = None) -> Even
         return event
     obj = event.obj
     uid, version = _uid(obj), _resource_version(obj)
-    record = kept.take(event.kind, event.key, uid, version) if kept is not None else None
+    record = event.kept if isinstance(event.kept, ServiceRecord | SliceRecord) else None
+    if record is None and kept is not None:
+        record = kept.take(event.kind, event.key, uid, version)
     if record is None:
         record = read_service(obj) if event.kind is Kind.SERVICE else read_slice(obj, hostname)
     return _Read(event.kind, event.key, version, uid, record)

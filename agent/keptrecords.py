@@ -88,12 +88,7 @@ class KeptRecords:
     def take(self, kind: Kind, key: str, uid: str, version: str) -> Record | None:
         """The record read from the object (`kind`, `key`) with this uid and resourceVersion by
         the last run, if it kept one; None: read the object."""
-        kept = self._kept
-        if kept is None:
-            with self._lock:
-                if self._kept is None:
-                    self._kept = self._load()
-                kept = self._kept
+        kept = self._loaded()
         if not kept or not uid or not version:
             return None
         entry = kept.pop((kind, key), None)
@@ -101,6 +96,19 @@ class KeptRecords:
             return None
         self.taken += 1  # under the GIL from two threads: a count for the log, not a metric
         return entry[2]
+
+    def empty(self) -> bool:
+        """No record left to take (none kept, all taken, or dropped); reads the file if no call has."""
+        return not self._loaded()
+
+    def _loaded(self) -> Kept:
+        kept = self._kept
+        if kept is None:
+            with self._lock:
+                if self._kept is None:
+                    self._kept = self._load()
+                kept = self._kept
+        return kept
 
     def drop(self) -> None:
         """The lists are complete: what none of them asked for is gone from the cluster."""

@@ -272,7 +272,9 @@ def pages(objects: list[dict[str, Any]], kind: str, size: int = 500) -> tuple[by
     return whole, out
 
 
-def proxier(maps: Mapping[str, KernelMap]) -> EbpfProxier:
+def proxier(maps: Mapping[str, KernelMap], snapshot_dir: str | None = None) -> EbpfProxier:
+    """`snapshot_dir`: where its `close` leaves the planner (agent.ebpf.snapshot), as the agent's."""
+
     def datapath(pin_path: str, sizes: MapSizes) -> _Datapath:
         return _Datapath(maps)
 
@@ -287,6 +289,7 @@ def proxier(maps: Mapping[str, KernelMap]) -> EbpfProxier:
         sizes_reader=lambda pin_path: {},
         upgrade_factory=start_steps,
         ipv6=False,
+        snapshot_dir=snapshot_dir,
     )
 
 

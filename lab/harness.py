@@ -179,9 +179,11 @@ class Agent:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, SIGKILL after `timeout`; the exit status (-9: killed), None if not running."""
         if self.proc is not None and self.proc.poll() is None:
-            self.lab.stop(self.proc, timeout=10)
+            return self.lab.stop(self.proc, timeout=timeout)
+        return None
 
     def cleanup(self, flag: str = "--cleanup") -> subprocess.CompletedProcess[str]:
         """`agent --cleanup` (or `--cleanup-kube-proxy`, the chart's init container) with this

@@ -51,7 +51,7 @@ mode, so it is removed instead. A full reconcile outside a hand-over removes our
 every hook (a hand-over cut short, then a rollback). Someone else's filter at FRONT_PRIO: the older
 filter is replaced at FILTER_PRIO instead, with a warning.
 
-The namespace is opened with `IPRoute(netns=..., flags=0)`: a missing namespace is an error, not
+The namespace is opened by `agent.netns.netns_route`: a missing namespace is an error, not
 silently created. Pod devices come and go; `Attacher.start_watcher()` runs a thread that attaches
 on RTM_NEWLINK of a matching device and forgets it on RTM_DELLINK. `detach_all` removes only our
 filters, and the clsact qdisc only when it then holds no filter at all.

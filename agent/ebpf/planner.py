@@ -43,6 +43,7 @@ State, compact on purpose (10,000 services of 10 endpoints are a third of a mill
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -160,6 +161,11 @@ class Planner:
         self.desired: dict[str, Entries] = {r: {} for r in ROLES}
         self.pending: dict[str, Pending] = {r: {} for r in ROLES}
         self.fresh: set[str] = set(ROLES)  # roles whose map holds none of desired (pending empty)
+        # Per role, the flushes that had something to write there, and the read-back a resync
+        # last found equal to the desired entries (its digest, and that count then): `reconcile`
+        # skips decoding a map whose bytes and the planner's side are both as they were then.
+        self._flushes: dict[str, int] = dict.fromkeys(ROLES, 0)
+        self._verified: dict[str, tuple[bytes, int]] = {}
         self._frags: dict[ServicePortName, Fragment] = {}
         self._fe_owner: dict[int, ServicePortName] = {}
         self._fe_waiting: dict[int, set[ServicePortName]] = {}  # frontend -> ports it is blocked for
@@ -643,9 +649,16 @@ class Planner:
             return self._adopt(dump)
         differ = 0
         for role in ROLES:
-            kernel = from_dump(role, *dump.get(role, (b"", b"")))
+            keys, values = dump.get(role, (b"", b""))
+            digest = _digest(keys, values)
+            if self._verified.get(role) == (digest, self._flushes[role]) and self._settled(role):
+                continue  # the very bytes found equal to desired, and nothing desired changed since
+            kernel = from_dump(role, keys, values)
             if self.desired[role]:
-                differ += self._differ(role, kernel)
+                differs = self._differ(role, kernel)
+                if not differs:
+                    self._verified[role] = (digest, self._flushes[role])
+                differ += differs
                 continue
             # Nothing planned here: all of it differs (an empty map: what gets planned next is
             # missing from it, `fresh`).
@@ -657,6 +670,12 @@ class Planner:
             differ += len(kernel)
         self._hold_kernel_ids()
         return differ
+
+    def _settled(self, role: str) -> bool:
+        """Whether `desired[role]` is what the map held after the last flush: every change to it
+        leaves an entry in `pending` (`_put`, `_drop`) until a flush writes it, counted in
+        `_flushes`; a fresh role's changes leave none, so it never counts as settled."""
+        return not self.pending[role] and role not in self.fresh
 
     def _adopt(self, dump: Mapping[str, tuple[bytes, bytes]]) -> int:
         """A start: the dump held aside while the first `update` plans as a fresh start would
@@ -744,6 +763,9 @@ class Planner:
     def flush(self, maps: Mapping[str, RawMap]) -> FlushResult:
         """Write what differs between desired and written, in the safe order (agent.ebpf.writer)."""
         self._be_owners = None
+        for role in ROLES:
+            if not self._settled(role):
+                self._flushes[role] += 1  # the map may change here: no resync skips it unread
         result = flush(self.desired, self.pending, maps, self._owners, self.fresh)
         if self.in_sync:
             self._replanned = set()
@@ -782,6 +804,16 @@ class Planner:
 
     def fe_names(self) -> dict[int, str]:
         return {key: str(spn) for key, spn in self._fe_owner.items()}
+
+
+def _digest(keys: bytes, values: bytes) -> bytes:
+    """A map's raw read-back, hashed: the kernel dumps an unchanged hash map in the same order, so
+    equal digests mean the same entries (a map rewritten with the same entries in another order
+    only costs the decode)."""
+    h = hashlib.sha256(len(keys).to_bytes(8, "little"))
+    h.update(keys)
+    h.update(values)
+    return h.digest()
 
 
 def _kernel_ids(

@@ -50,6 +50,15 @@ spans of the body, in C), then its items are decoded `page_size` at a time and h
 whole answer of 50,000 objects is never held decoded at once. `metadata.managedFields` and the
 kubectl last-applied annotation are dropped on arrival: the proxy never reads them and they are
 often most of an object.
+
+A restart's first list can skip decoding most items: the sink's `kept` (the records the last run
+left, agent.keptrecords) is asked for each item's record by kind, key, uid and resourceVersion,
+read from its metadata alone (msgspec: about 0.04 CPU s for both lists at 10,000 Services of 10
+endpoints, against about 1 s to decode them whole with orjson). An item it has a record for goes
+out with that record (`ObjectEvent.kept`) and its identity only; any other is decoded whole as
+before. Only the first list asks, and only while `kept` holds a record (a cold start's first list
+decodes every item at once): the records describe the objects as the last run left them, and after
+that list `kept` has none left to give.
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import orjson
@@ -75,7 +84,7 @@ from agent.kube.backoff import Backoff, BackoffState, Episode
 from agent.kube.resources import Resource
 from agent.metrics.source import SourceMetrics
 from agent.model.problem import printable
-from agent.sources.base import Event, EventType, ObjectEvent, Sink, Synced, object_key
+from agent.sources.base import Event, EventType, Kind, ObjectEvent, Sink, Synced, object_key
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +109,17 @@ class WatchSettings:
     resync_s: float = 0.0
 
 
+class Kept(Protocol):
+    """The records a restart's first list asks for (agent.keptrecords.KeptRecords)."""
+
+    def take(self, kind: Kind, key: str, uid: str, version: str) -> object | None:
+        """The record of this object at this uid and resourceVersion, or None: decode the item."""
+
+    def empty(self) -> bool:
+        """Whether no record is left to take (a cold start's, from its first call): the list then
+        stops asking, and decodes its items whole at once."""
+
+
 def decode(data: bytes | str) -> Any:
     """JSON bytes to plain Python data; raises ValueError."""
     return orjson.loads(data)
@@ -114,6 +134,22 @@ class _ListBody(msgspec.Struct):
 
 
 _LIST_BODY = msgspec.json.Decoder(_ListBody)
+
+
+class _Meta(msgspec.Struct):
+    name: str = ""
+    namespace: str = ""
+    uid: str = ""
+    resourceVersion: str = ""
+
+
+class _Head(msgspec.Struct):
+    """An item's identity, decoded without the rest of it (msgspec skips unknown fields in C)."""
+
+    metadata: _Meta | None = None
+
+
+_HEAD = msgspec.json.Decoder(_Head)
 
 
 def _item(raw: msgspec.Raw) -> Any:
@@ -216,8 +252,10 @@ class Reflector:
         rand: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: SourceMetrics | None = None,
+        kept: Kept | None = None,
     ) -> None:
         self.resource = resource
+        self._kept = kept  # asked during the first list only (see the module doc)
         self._metrics = metrics or SourceMetrics(CollectorRegistry())
         self.kind = resource.kind
         self._sink = sink
@@ -511,10 +549,14 @@ class Reflector:
             size = max(1, self._settings.page_size)
             chunks = [items[i : i + size] for i in range(0, len(items), size)] or [[]]
             batch: list[Event] = []
+            kept = self._kept if self.lists == 0 else None
             for n, chunk in enumerate(chunks, 1):
                 batch = []
+                if kept is not None and kept.empty():
+                    kept = None
                 for raw in chunk:
-                    self._reconcile(_item(raw), seen, batch)
+                    if kept is None or not self._reconcile_kept(raw, kept, seen, batch):
+                        self._reconcile(_item(raw), seen, batch)
                 if n < len(chunks) or token is not None:
                     self._deliver(batch)
             if token is None:  # the last page: its last chunk goes with the deletions and Synced
@@ -541,19 +583,41 @@ class Reflector:
             pages,
         )
 
-    def _reconcile(self, item: Any, seen: set[str], batch: list[Event]) -> None:
+    def _reconcile(self, item: Any, seen: set[str], batch: list[Event], record: object = None) -> None:
         key = self._key(item)
         if key is None or key in seen:
             return
         seen.add(key)
         old = self._delivered.get(key)
         if old is None:
-            batch.append(ObjectEvent(self.kind, EventType.ADDED, key, item))
+            batch.append(ObjectEvent(self.kind, EventType.ADDED, key, item, record))
         elif old != self._version_of(item):
-            batch.append(ObjectEvent(self.kind, EventType.MODIFIED, key, item))
+            batch.append(ObjectEvent(self.kind, EventType.MODIFIED, key, item, record))
         else:
             return
         self._set(key, item)
+
+    def _reconcile_kept(self, raw: msgspec.Raw, kept: Kept, seen: set[str], batch: list[Event]) -> bool:
+        """`_reconcile` of an item `kept` has a record for, from its identity alone; False when it
+        has none (or the identity cannot be read that way): decode the item whole."""
+        try:
+            meta = _HEAD.decode(raw).metadata
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return False
+        if meta is None or not meta.name or not meta.uid or not meta.resourceVersion:
+            return False
+        identity: Obj = {"name": meta.name, "uid": meta.uid, "resourceVersion": meta.resourceVersion}
+        if meta.namespace:
+            identity["namespace"] = meta.namespace
+        item: Obj = {"metadata": identity}
+        key = self._key(item)
+        if key is None or key in seen:
+            return False
+        record = kept.take(self.kind, key, meta.uid, meta.resourceVersion)
+        if record is None:
+            return False
+        self._reconcile(item, seen, batch, record)
+        return True
 
     # ---- watch -------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from dataclasses import replace
 from kubernetes import client as k8s
 
 from agent.config import Config
-from agent.kube.reflector import Reflector, WatchSettings
+from agent.kube.reflector import Kept, Reflector, WatchSettings
 from agent.kube.resources import Resource, watched_resources
 from agent.metrics.source import SourceMetrics
 from agent.sources.base import Kind, Sink
@@ -40,8 +40,10 @@ class ApiSource:
         settings: WatchSettings | None = None,
         rand: random.Random | None = None,
         metrics: SourceMetrics | None = None,
+        kept: Kept | None = None,
     ) -> None:
         self._metrics = metrics
+        self._kept = kept  # the last run's records, for the first lists (reflector.py)
         self._resources: tuple[Resource, ...] = watched_resources(api, config.hostname)
         self._host = api.configuration.host
         self._settings = replace(settings or WatchSettings(), resync_s=config.config_sync_period_s)
@@ -65,7 +67,13 @@ class ApiSource:
         for res in self._resources:
             seed = self._rand.getrandbits(64)
             reflector = Reflector(
-                res, sink, self._settings, self._stopping, random.Random(seed), metrics=self._metrics
+                res,
+                sink,
+                self._settings,
+                self._stopping,
+                random.Random(seed),
+                metrics=self._metrics,
+                kept=self._kept,
             )
             thread = threading.Thread(target=reflector.run, name=f"watch-{res.kind.value}", daemon=True)
             self._reflectors.append(reflector)

@@ -45,6 +45,10 @@ class ObjectEvent:
     type: EventType
     key: str  # "namespace/name"; "name" for Node
     obj: Mapping[str, Any]
+    # The model's record of `obj` that the sink's kept records gave for its uid and
+    # resourceVersion (agent.kube.reflector, a restart's first list); `obj` then holds only its
+    # kind, apiVersion and metadata's name, namespace, uid and resourceVersion.
+    kept: object = None
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,12 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -22,10 +24,13 @@ from agent import keptfile
 from agent.config import Config
 from agent.daemon import Agent, Parts
 from agent.keptrecords import KeptRecords, identity, records_path
+from agent.kube.reflector import Reflector
+from agent.kube.resources import Resource
 from agent.metrics import Metrics
 from agent.model.tracker import read_slice
 from agent.sources.base import Event, EventType, Kind, ObjectEvent, Synced, object_key
 from tests.agent.test_daemon import NODE, FakeEvents, FakeProxier, FakeSource
+from tests.kube.test_reflector import SETTINGS, FakeListCall
 from tests.model.test_state import endpoint, service, slice_
 
 CONFIG = Config(hostname="node1", min_sync_period_s=0.0)
@@ -135,6 +140,64 @@ def test_a_restart_after_changes_while_the_agent_was_down_ends_in_a_cold_starts_
     assert not os.path.exists(path), "the start consumed the file"
 
 
+def _list_through_reflectors(
+    agent: Agent, objs: list[dict[str, Any]], kept: KeptRecords | None
+) -> list[Event]:
+    """The first lists as the API source makes them: each kind's through the reflector, which asks
+    `kept` for each item's record by its identity alone. Returns what the agent was delivered."""
+    delivered: list[Event] = []
+
+    def sink(events: Any) -> None:
+        delivered.extend(events)
+        agent.deliver(events)
+
+    for kind, api_version in ((Kind.SERVICE, "v1"), (Kind.ENDPOINT_SLICE, "discovery.k8s.io/v1")):
+        items = [o for o in objs if o["kind"] == kind.value]
+        body = orjson.dumps({"metadata": {"resourceVersion": "1"}, "items": items})
+        stopping = threading.Event()
+        Reflector(
+            Resource(kind, api_version, FakeListCall([body], stopping, [])),
+            sink,
+            SETTINGS,
+            stopping,
+            kept=kept,
+        ).run()
+    assert agent.runner.run_once()
+    return delivered
+
+
+def test_a_restart_whose_lists_skip_the_kept_objects_decode_ends_in_a_cold_starts_state(
+    tmp_path: Path,
+) -> None:
+    path = records_path(str(tmp_path), "/sys/fs/bpf/ekp-test")
+    first = _agent(KeptRecords(path, identity(CONFIG)))
+    _list_through_reflectors(first, _cluster_v1(), None)
+    first.shutdown()
+
+    kept = KeptRecords(path, identity(CONFIG))
+    events, registry = FakeEvents(), CollectorRegistry()
+    restarted = _agent(kept, events, registry)
+    delivered = _list_through_reflectors(restarted, _cluster_v2(), kept)
+    cold_events, cold_registry = FakeEvents(), CollectorRegistry()
+    cold = _agent(None, cold_events, cold_registry)
+    _list_through_reflectors(cold, _cluster_v2(), None)
+
+    assert _state(restarted) == _state(cold)
+    assert len(restarted.model.problems()) == 2, "the malformed Service and slice"
+    assert (events.warned, events.uids) == (cold_events.warned, cold_events.uids)
+    assert _metrics(registry) == _metrics(cold_registry) == (1.0, 1.0, 2.0)
+    identities = sorted(e.key for e in delivered if isinstance(e, ObjectEvent) and e.kept is not None)
+    assert identities == ["default/broken", "default/broken-1", "default/same", "default/same-1"], (
+        "the unchanged objects go to the agent as their identity and kept record, undecoded"
+    )
+    assert all(
+        set(e.obj) == {"kind", "apiVersion", "metadata"}
+        for e in delivered
+        if isinstance(e, ObjectEvent) and e.kept is not None
+    )
+    assert kept.taken == 4
+
+
 def _metrics(registry: CollectorRegistry) -> tuple[float | None, ...]:
     return (
         registry.get_sample_value("ekp_skipped_objects_total", {"kind": "Service"}),
@@ -159,6 +222,19 @@ def test_a_kept_record_is_taken_only_for_the_same_kind_key_uid_and_version(tmp_p
     kept = _reloaded(path, record)
     assert kept.take(Kind.ENDPOINT_SLICE, "default/web-1", "u1", "7") == record
     assert kept.take(Kind.ENDPOINT_SLICE, "default/web-1", "u1", "7") is None, "each record is taken once"
+
+
+def test_the_records_are_empty_without_a_file_once_all_are_taken_and_once_dropped(tmp_path: Path) -> None:
+    path = str(tmp_path / "records.pickle")
+    assert KeptRecords(path, b"i" * 32).empty(), "no file"
+    record = read_slice(_meta(slice_("web-1", endpoints=[endpoint("10.244.1.2")]), "u1", "7"), "node1")
+    kept = _reloaded(path, record)
+    assert not kept.empty(), "the file read by the first call, its record not taken yet"
+    assert kept.take(Kind.ENDPOINT_SLICE, "default/web-1", "u1", "7") == record
+    assert kept.empty()
+    kept = _reloaded(path, record)
+    kept.drop()
+    assert kept.empty()
 
 
 def _reloaded(path: str, record: Any) -> KeptRecords:

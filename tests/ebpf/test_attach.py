@@ -515,6 +515,20 @@ def test_missing_netns_is_an_error_not_created() -> None:
     assert detach_all(name) == []
 
 
+@pytest.mark.kernel
+def test_netns_route_forks_no_child(netns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyroute2's own IPRoute(netns=...) forks a child for each socket, after which every page of
+    the agent's heap faults when next written (agent/netns.py): the socket is made on a thread."""
+
+    def no_fork() -> int:
+        raise AssertionError("netns_route forked a child process")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    with netns_route(netns) as ipr:
+        names = {link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
+    assert names == {"lo", "eth0", "peer0", "lxc-a", "pod-a", "other1", "other2"}
+
+
 def xdp_of(ns: str, dev: str) -> dict[str, Any]:
     shown: list[dict[str, Any]] = json.loads(sh("ip", "-n", ns, "-j", "-d", "link", "show", "dev", dev))
     xdp_info: dict[str, Any] = shown[0].get("xdp", {})

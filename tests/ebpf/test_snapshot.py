@@ -11,6 +11,7 @@ import os
 import pickle
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -336,6 +337,47 @@ def test_a_taken_planner_holds_the_models_records_not_the_files_and_none_for_a_p
             assert frag.sp is None and frag.eps is None
         else:
             assert frag.sp is after.services[spn] and frag.eps is after.endpoints[spn]
+
+
+def test_the_files_records_keep_the_endpoints_as_plain_tuples(tmp_path: Path) -> None:
+    """Unpickling 100,000 `Endpoint`s runs their Python `__new__`; the records are only compared,
+    so the file keeps each endpoint as the plain tuple of its fields (snapshot._plain), and a chunk
+    of records reads back with the `Endpoint` class refused."""
+    rig = snapshot_rig(tmp_path, "rig")
+    history(rig)
+    path = snapshot.snapshot_path(str(rig.snapshot_dir), rig.config.pin_path)
+    with open(path, "rb") as f:
+        f.seek(len(snapshot._MAGIC) + 32 * (2 + len(ROLES)))
+        state = keptfile.Restricted(f, snapshot._ALLOWED, "a planner's state").load()
+        no_endpoint = snapshot._ALLOWED - {("agent.model.types", "Endpoint")}
+        records: list[Any] = []
+        while len(records) < len(state["_frags"]):
+            records += keptfile.Restricted(f, no_endpoint, "a chunk of records").load()
+    endpoints = {spn: eps for spn, (_, eps) in zip(state["_frags"], records, strict=True)}
+    assert endpoints == {spn: snapshot._plain(MORE.endpoints.get(spn)) for spn in state["_frags"]}
+    assert any(eps[0] for eps in endpoints.values() if eps is not None), "some port has endpoints"
+
+
+@pytest.mark.parametrize(
+    "field", ["port", "ready", "serving", "terminating", "node_name", "zone", "zone_hints", "is_local"]
+)
+def test_kept_endpoints_equal_the_models_exactly_when_the_records_are_equal(field: str) -> None:
+    eps = next(e for e in MORE.endpoints.values() if e.cluster)
+    kept = snapshot._plain(eps)
+    assert snapshot._fields(eps) == kept
+    value = getattr(eps.cluster[0], field)
+    other: Any
+    if isinstance(value, bool):
+        other = not value
+    elif isinstance(value, int):
+        other = value + 1
+    elif isinstance(value, str):
+        other = value + "x"
+    else:
+        other = frozenset({"zone-b"})
+    moved = (eps.cluster[0]._replace(**{field: other}), *eps.cluster[1:])
+    assert snapshot._fields(replace(eps, cluster=moved, all_reachable=moved)) != kept
+    assert snapshot._fields(replace(eps, has_any=not eps.has_any)) != kept
 
 
 def test_a_snapshot_written_by_an_agent_whose_sources_changed_under_it_is_not_used(

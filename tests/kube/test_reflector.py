@@ -229,3 +229,86 @@ def test_a_list_at_a_version_the_server_lacks_is_read_consistently() -> None:
         (None, PAGE, None),
     ]
     assert [e.version for e in sink.events if isinstance(e, Synced)] == ["5", "9", "12", "3"]
+
+
+def test_the_first_list_takes_kept_records_by_the_items_identity_alone() -> None:
+    # A restart's first list asks the last run's records by kind, key, uid and resourceVersion,
+    # read from each item's metadata; an item with a record goes out with it and its identity
+    # only (the rest of it never decoded), any other whole. A relist never asks.
+    kept = FakeKept({("n/a", "u-a", "2"): "record of a", ("n/b", "u-b", "3"): "record of b"})
+
+    first = (
+        b'{"metadata":{"resourceVersion":"5"},"items":['
+        b'{"metadata":{"name":"a","namespace":"n","uid":"u-a","resourceVersion":"2"},"spec":{"x":1}},'
+        b'{"metadata":{"name":"b","namespace":"n","uid":"u-b","resourceVersion":"4"},"spec":{"x":2}},'
+        b'{"metadata":{"name":"c","uid":"u-c","resourceVersion":"6"},"spec":{"x":3}},'
+        b'{"metadata":{"name":"d","namespace":"n","resourceVersion":"7"},"spec":{"x":4}},'
+        b'{"metadata":{"name":"e","namespace":"n","uid":7,"resourceVersion":"8"},"spec":{"x":5}}]}'
+    )
+    relist = (
+        b'{"metadata":{"resourceVersion":"9"},"items":['
+        b'{"metadata":{"name":"a","namespace":"n","uid":"u-a","resourceVersion":"2"},"spec":{"x":1}},'
+        b'{"metadata":{"name":"f","namespace":"n","uid":"u-f","resourceVersion":"9"},"spec":{"x":6}}]}'
+    )
+    stopping = threading.Event()
+    call = FakeListCall([first, relist], stopping, [GONE])
+    sink = Recorded()
+    Reflector(Resource(Kind.SERVICE, "v1", call), sink, SETTINGS, stopping, kept=kept).run()
+
+    synced = sink.events.index(Synced(Kind.SERVICE, "5"))
+    events = [e for e in sink.events[:synced] if isinstance(e, ObjectEvent)]
+    assert [(e.type, e.key, e.kept) for e in events] == [
+        (EventType.ADDED, "n/a", "record of a"),
+        (EventType.ADDED, "n/b", None),
+        (EventType.ADDED, "default/c", None),
+        (EventType.ADDED, "n/d", None),
+        (EventType.ADDED, "n/e", None),
+    ]
+    assert events[0].obj == {
+        "kind": "Service",
+        "apiVersion": "v1",
+        "metadata": {"name": "a", "namespace": "n", "uid": "u-a", "resourceVersion": "2"},
+    }
+    assert [e.obj["spec"] for e in events[1:]] == [{"x": 2}, {"x": 3}, {"x": 4}, {"x": 5}]
+    relisted = [e for e in sink.events[synced:] if isinstance(e, ObjectEvent) and e.type is EventType.ADDED]
+    assert [(e.key, e.kept, e.obj["spec"]) for e in relisted] == [("n/f", None, {"x": 6})]
+    assert kept.asked == [
+        (Kind.SERVICE, "n/a", "u-a", "2"),
+        (Kind.SERVICE, "n/b", "u-b", "4"),
+        (Kind.SERVICE, "default/c", "u-c", "6"),
+    ], "only the first list asks, and only for items with a name, uid and resourceVersion"
+    assert kept.records == {("n/b", "u-b", "3"): "record of b"}
+
+
+def test_a_first_list_with_no_kept_record_left_asks_for_none() -> None:
+    # A cold start (no file, or one ignored) reads no item's identity apart: it decodes them whole.
+    kept = FakeKept({})
+    stopping = threading.Event()
+    body = (
+        b'{"metadata":{"resourceVersion":"5"},"items":['
+        b'{"metadata":{"name":"a","namespace":"n","uid":"u-a","resourceVersion":"2"},"spec":{"x":1}}]}'
+    )
+    sink = Recorded()
+    Reflector(
+        Resource(Kind.SERVICE, "v1", FakeListCall([body], stopping, [])), sink, SETTINGS, stopping, kept=kept
+    ).run()
+    assert [(e.key, e.kept, e.obj["spec"]) for e in sink.objects()] == [("n/a", None, {"x": 1})]
+    assert kept.asked == []
+    assert kept.emptied, "the reflector asked whether a record is left"
+
+
+class FakeKept:
+    """Records by (key, uid, resourceVersion), each taken once, as agent.keptrecords's."""
+
+    def __init__(self, records: dict[tuple[str, str, str], object]) -> None:
+        self.records = records
+        self.asked: list[tuple[Kind, str, str, str]] = []
+        self.emptied = 0
+
+    def take(self, kind: Kind, key: str, uid: str, version: str) -> object | None:
+        self.asked.append((kind, key, uid, version))
+        return self.records.pop((key, uid, version), None)
+
+    def empty(self) -> bool:
+        self.emptied += 1
+        return not self.records
