@@ -96,7 +96,7 @@ from agent.model.validate import (
     require_map,
     require_str,
 )
-from agent.model.wire import WireEndpoint
+from agent.model.wire import Conditions, WireEndpoint
 
 __all__ = [
     "HEADLESS_LABEL",
@@ -685,19 +685,19 @@ def _wire_endpoint(item: WireEndpoint, port: int, here: str) -> Endpoint | None:
     if _CANONICAL_V4.fullmatch(ip) is None or ip.startswith(_SPECIAL_V4_PREFIXES):
         return None
     conditions = item.conditions
-    if conditions is None or conditions is UNSET:
-        ready = serving = terminating = None
-    else:
+    if isinstance(conditions, Conditions):
         ready, serving, terminating = conditions.ready, conditions.serving, conditions.terminating
+    else:
+        ready = serving = terminating = None
     node = item.nodeName
-    if node is None or node is UNSET:
+    if not isinstance(node, str):
         node = ""
     elif not _is_node_name(node):
         return None
     zone = item.zone
-    if zone is None or zone is UNSET:
+    if not isinstance(zone, str):
         zone = ""
-    ready_now = True if ready is None or ready is UNSET else ready
+    ready_now = ready if isinstance(ready, bool) else True
     kept_node, kept_zone = _names.get(node), _names.get(zone)
     return _new_tuple(
         Endpoint,
@@ -705,7 +705,7 @@ def _wire_endpoint(item: WireEndpoint, port: int, here: str) -> Endpoint | None:
             ip,
             port,
             ready_now,
-            ready_now if serving is None or serving is UNSET else serving,
+            serving if isinstance(serving, bool) else ready_now,
             terminating is True,
             _name(node) if kept_node is None else kept_node,
             _name(zone) if kept_zone is None else kept_zone,
