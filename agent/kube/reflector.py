@@ -47,9 +47,11 @@ Responses are decoded straight from bytes into plain dicts (`_preload_content=Fa
 never into the client's model classes, which cost several times the time and memory
 (bench/apilist.py measures it). A list's envelope is split first (msgspec: the items as raw JSON
 spans of the body, in C), then its items are decoded `page_size` at a time and handed on, so a
-whole answer of 50,000 objects is never held decoded at once. `metadata.managedFields` and the
-kubectl last-applied annotation are dropped on arrival: the proxy never reads them and they are
-often most of an object.
+whole answer of 50,000 objects is never held decoded at once. A list's Services and
+EndpointSlices are decoded into only the fields the parsers read (agent.model.wire: msgspec
+Structs, an item whose fields are not of the expected types decoded whole as before); a Node, and
+every watch event, whole with orjson. `metadata.managedFields` and the kubectl last-applied
+annotation are dropped on arrival: the proxy never reads them and they are often most of an object.
 
 A restart's first list can skip decoding most items: the sink's `kept` (the records the last run
 left, agent.keptrecords) is asked for each item's record by kind, key, uid and resourceVersion,

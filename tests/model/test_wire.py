@@ -141,8 +141,12 @@ def test_optional_fields_absent_or_null_read_as_before() -> None:
     bare = {"addresses": ["10.244.1.2"]}
     nulls = {"addresses": ["10.244.1.2"], "conditions": None, "nodeName": None, "zone": None}
     partial = {"addresses": ["10.244.1.2"], "conditions": {"ready": False, "serving": None}}
+    ending = {
+        "addresses": ["10.244.1.2"],
+        "conditions": {"ready": False, "serving": True, "terminating": True},
+    }
     hinted = {"addresses": ["10.244.1.2"], "hostname": "h1", "hints": {"forZones": [{"name": "a"}]}}
-    for ep in (bare, nulls, partial, hinted):
+    for ep in (bare, nulls, partial, ending, hinted):
         _, typed, whole = both_slice(slice_obj(endpoints=[ep], ports=None, metadata=minimal["metadata"]))
         assert typed == whole, ep
         assert typed.parsed is not None and len(typed.parsed.endpoints) == 1
