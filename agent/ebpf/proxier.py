@@ -72,6 +72,7 @@ from agent.keptrecords import records_path
 from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
+from agent.takeover import out_of_ebpf
 from agent.takeover.flows import UDP, NatFlow, Tuple, ct6_keys, masqueraded_into
 from agent.takeover.into_ebpf import KernelTakeover
 
@@ -376,6 +377,8 @@ class EbpfProxier:
         self._node6_reader = node6_reader
         self._masquerade6_reader = masquerade6_reader
         self._snapshot = snapshot.snapshot_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
+        # where an iptables-mode agent's hand-back records that its detach began (out_of_ebpf)
+        self._handback_dir = snapshot_dir or out_of_ebpf.LOCK_DIR
         # The model's records the agent keeps beside the planner (agent.keptrecords): removed with it
         self._records_file = records_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
         # Now, not at close: sources changed under the running agent (an upgrade in place) must not
@@ -859,6 +862,7 @@ class EbpfProxier:
             if self._snapshot:
                 keptfile.remove(self._snapshot)
                 keptfile.remove(self._records_file)
+            out_of_ebpf.forget_handback(self._handback_dir, self._config.pin_path)
 
     # ------------------------------------------------------------------ keep in place
 
@@ -1235,6 +1239,8 @@ class EbpfProxier:
             self._upgrade.serving()
             self._attacher.start_watcher()
             self._attached_once = True
+            # our programs on every device: a hand-back's partial detach these pins saw is undone
+            out_of_ebpf.forget_handback(self._handback_dir, self._config.pin_path)
             self._synced6_attached = False
 
     def _abort_start(self) -> None:

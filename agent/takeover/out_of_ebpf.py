@@ -79,13 +79,16 @@ from agent.lock import LOCK_DIR
 from agent.takeover.flows import (
     HOLD_RENEW_NS,
     NSEC,
+    TCP,
     NatFlow,
+    TcpState,
     Timeouts,
     Tuple,
     ct6_keys,
     ct_keys,
     nat_flow,
     stack_flow,
+    timeout_of,
 )
 
 log = logging.getLogger(__name__)
@@ -488,6 +491,27 @@ def marker_path(directory: str, pin_path: str) -> str:
     return os.path.join(directory, f"handback-{digest}.detached")
 
 
+def forget_handback(directory: str, pin_path: str) -> None:
+    """The marker of a hand-back out of eBPF mode removed: an eBPF-mode agent attached its
+    programs to every device since (or `agent --cleanup` removed them), so the next hand-back
+    starts afresh; left there, it would match the same pins and forbid the undo a later
+    hand-back that fails before its detach needs."""
+    path = marker_path(directory, pin_path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        log.warning(
+            "cannot remove %s (%s): a later hand-back to iptables mode that fails before its detach"
+            " will take it as begun and undo nothing; remove the file by hand",
+            path,
+            exc,
+        )
+        return
+    log.info("removed %s: the hand-back out of eBPF mode it recorded is over", path)
+
+
 def _pins_id(pin_path: str) -> str:
     """Which pins a marker is about: the inode of the pinned conntrack (new pins, a new inode)."""
     for role in ("ct_tcp", "ct_any"):
@@ -529,6 +553,18 @@ def _read_marker(path: str, pins: str) -> list[str] | None:
             os.unlink(path)
         return None
     return [line for line in lines[1:] if line]
+
+
+class MarkerFailed(Exception):
+    """The "detach begun" marker could not be written before the first device: nothing was
+    detached, and a later try may find the lock directory writable."""
+
+
+def _denied(exc: BaseException) -> bool:
+    """A permission refused (EPERM, EACCES: a capability or the seccomp profile missing), which no
+    later try gets past; any other error (ENOBUFS, EINTR, EBUSY, a bug) is tried again."""
+    code = exc.code if isinstance(exc, NetlinkError) else getattr(exc, "errno", None)
+    return code in (errno.EPERM, errno.EACCES)
 
 
 class PartialDetach(Exception):
@@ -578,7 +614,10 @@ class EbpfHandback:
         self._detached: list[str] = []  # the devices our programs left, over every run
         self._begun = False  # the detach began (this agent's or an earlier one's): no undo
         self._marker_read = False
-        self._written: set[Tuple] = set()  # orig tuples whose NAT entries a run wrote (or found)
+        # (orig, reply) of the flows whose NAT entries a run wrote (or found), with the clock
+        # when: an entry idle in nf_conntrack (its flow translated by programs still attached)
+        # times out, so an old one counts as unwritten again (`_unwritten`)
+        self._written: dict[tuple[Tuple, Tuple], float] = {}
         self._retry_s = 0.0
         self._retry_at: float | None = None
 
@@ -598,8 +637,7 @@ class EbpfHandback:
         its wait is over (a call before that does nothing)."""
         if not self.pending:
             return True
-        now = self._clock()
-        if self._retry_at is not None and now < self._retry_at:
+        if self._retry_at is not None and self._clock() < self._retry_at:
             return False
         if not self._marker_read:
             self._marker_read = True
@@ -612,23 +650,42 @@ class EbpfHandback:
             return True
         except PartialDetach:
             pass  # said in _run's error
-        except (OSError, NetlinkError) as exc:
+        except Exception as exc:  # before the detach: undone (the programs serve every device)
             from agent.ebpf.attach import DetachFailed
 
-            if isinstance(exc, DetachFailed):  # from no device: undone, said in _run's error
+            if isinstance(exc, DetachFailed):
+                what = f"could not detach the programs from any device ({'; '.join(exc.failed)})"
+                needs = "CAP_NET_ADMIN"
+            else:
+                what = f"stopped before the detach ({exc!r})"
+                needs = "CAP_BPF, CAP_NET_ADMIN and a seccomp profile that allows bpf(2)"
+            if _denied(exc):  # no later try gets further: given up, said once
+                log.error(
+                    "the hand-back out of eBPF mode at %s %s: its programs stay attached and go on"
+                    " translating in front of the rules; the flows held so far are given back to them."
+                    " The agent needs %s (the chart's takeOverFromEbpf); or run `agent --cleanup` on the"
+                    " node, which drops the established connections",
+                    self._config.pin_path,
+                    what,
+                    needs,
+                )
                 return True
             log.error(
-                "cannot take over from eBPF mode at %s (%s): its programs stay attached and go on translating"
-                " in front of the rules. The agent needs CAP_BPF and a seccomp profile that allows bpf(2)"
-                " (the chart's takeOverFromEbpf); or run `agent --cleanup` on the node, which drops the"
-                " established connections",
+                "the hand-back out of eBPF mode at %s %s: its programs stay attached and go on"
+                " translating in front of the rules; the flows held so far are given back to them;"
+                " tried again in %.0f s",
                 self._config.pin_path,
-                exc,
+                what,
+                self._next_wait(),
             )
-            return True
-        self._retry_s = min(max(self._config.sync_period_s, self._retry_s * 2), RETRY_MAX_S)
-        self._retry_at = now + self._retry_s
+        self._retry_s = self._next_wait()
+        # from the end of the try: a try that took long is not followed by another at once
+        self._retry_at = self._clock() + self._retry_s
         return False
+
+    def _next_wait(self) -> float:
+        """The wait after this failed try: one sync period, doubled each time, up to RETRY_MAX_S."""
+        return min(max(self._config.sync_period_s, self._retry_s * 2), RETRY_MAX_S)
 
     def _stopped(self, stage: str, exc: BaseException) -> PartialDetach:
         """A step after the detach began failed: said, and tried again."""
@@ -640,14 +697,33 @@ class EbpfHandback:
             exc,
             ",".join(sorted(self._detached)) or "devices an earlier agent did not record",
             self._config.pin_path,
-            min(max(self._config.sync_period_s, self._retry_s * 2), RETRY_MAX_S),
+            self._next_wait(),
         )
         return PartialDetach(self._detached)
 
-    def _note(self, flows: list[NatFlow], created: Any, *, kept: bool = False) -> None:
-        """The flows `created` wrote (`kept`: an entry found on the tuple counts too)."""
+    def _note(self, flows: list[NatFlow], created: Any, at: float, *, kept: bool = False) -> None:
+        """The flows `created` wrote at `at` (the clock before the write; `kept`: an entry found
+        on the tuple counts too)."""
         refused = set() if kept else {f.orig for f in created.taken}
-        self._written.update({f.orig for f in flows} - refused - {f.orig for f in created.unwritten})
+        left = refused | {f.orig for f in created.unwritten}
+        self._written.update({(f.orig, f.reply): at for f in flows if f.orig not in left})
+
+    def _unwritten(self, flows: list[NatFlow], timeouts: Timeouts, now: float) -> list[NatFlow]:
+        """Of `flows`, those whose NAT entry no run wrote, or wrote so long ago (half its timeout)
+        that it may have expired: while some devices keep the programs, they translate the flows
+        through them and the NAT entry sees no packet (UDP: 30 s, against retries 30-300 s apart).
+        An established TCP flow's entry (a day) stays: written again, one closed meanwhile would
+        come back established. Written again, one still there is kept (EEXIST counts as present)."""
+        todo = []
+        for flow in flows:
+            at = self._written.get((flow.orig, flow.reply))
+            if at is not None and (
+                (flow.proto == TCP and flow.tcp_state == TcpState.ESTABLISHED)
+                or now - at < timeout_of(flow, timeouts) / 2
+            ):
+                continue
+            todo.append(flow)
+        return todo
 
     def _renewing(self, holds: Holds) -> Callable[[], None]:
         """holds.renew for the detach's walk: a map error there fails no device (said once)."""
@@ -687,24 +763,33 @@ class EbpfHandback:
         # appended by the detach as soon as one of our programs left a device; kept from an earlier
         # run that detached some devices only: their flows need the NAT entries whatever happens now
         detached = self._detached
-        todo = [f for f in first if f.orig not in self._written]
+        # only this read's flows are kept: a new flow reusing an ended one's tuples is written
+        current = {(f.orig, f.reply) for f in first}
+        self._written = {k: at for k, at in self._written.items() if k in current}
+        todo = self._unwritten(first, timeouts, self._clock())
+        waiting = {f.orig for f in todo}
         done = Created(unwritten=todo)  # what a stop before the first round ends leaves to step 3
         again = Created()
         begun = self._begun
         try:
             try:
                 for flow in first:
-                    if flow.orig in self._written:  # an earlier run wrote its NAT entry: passed again
+                    if flow.orig not in waiting:  # an earlier run wrote its NAT entry: passed again
                         holds.renew()
                         holds.hold(flow)
                         holds.release(flow)
+                at = self._clock()
                 done = self._create(netns, todo, timeouts, holds)
-                self._note(todo, done)
+                self._note(todo, done, at)
+                at = self._clock()
                 again = self._create(netns, done.taken, timeouts, holds)
-                self._note(done.taken, again)
+                self._note(done.taken, again, at)
                 holds.renew()  # the windows must outlast the walk over every device
                 if not begun:  # before the first device: a restart must know the detach began
-                    _write_marker(self._marker, _pins_id(pin_path), detached)
+                    try:
+                        _write_marker(self._marker, _pins_id(pin_path), detached)
+                    except OSError as exc:  # EACCES here is the lock directory's, not a capability
+                        raise MarkerFailed(f"cannot write {self._marker}: {exc}") from exc
                 self._detach(netns, detached, self._renewing(holds))
             except BaseException as exc:  # any stop before the detach was complete
                 if not detached and not begun:  # no flow may stay passed: the programs serve every device
@@ -712,16 +797,7 @@ class EbpfHandback:
                         os.unlink(self._marker)
                     self._written.clear()
                     self._undo(netns, holds, exc)
-                    if isinstance(exc, DetachFailed):
-                        log.error(
-                            "the hand-back out of eBPF mode could not detach the programs from any"
-                            " device (%s): they stay attached and go on translating in front of the"
-                            " rules; the flows held so far are given back to them. The agent needs"
-                            " CAP_NET_ADMIN; or run `agent --cleanup` on the node, which drops the"
-                            " established connections",
-                            "; ".join(exc.failed),
-                        )
-                    raise
+                    raise  # said by run()
                 self._begun = True
                 with suppress(OSError):  # the devices named, for the log of an agent started later
                     _write_marker(self._marker, _pins_id(pin_path), detached)
@@ -738,7 +814,7 @@ class EbpfHandback:
                     ",".join(sorted(detached)) or "devices an earlier agent did not record",
                     refused,
                     abi.CT_HANDOVER_S,
-                    min(max(self._config.sync_period_s, self._retry_s * 2), RETRY_MAX_S),
+                    self._next_wait(),
                 )
                 if isinstance(exc, Exception):
                     # step 3 for the detached devices: their flows started since, or not written
@@ -802,9 +878,10 @@ class EbpfHandback:
         """Step 3: the flows the programs started since, and those no run wrote (refused twice,
         or whose write failed), written with nothing to hold (detached; an entry already on the
         tuple kept)."""
-        late = [f for f in self._read(pin_path) if f.orig not in self._written]
+        at = self._clock()
+        late = self._unwritten(self._read(pin_path), timeouts, at)
         created = self._create(netns, late, timeouts, None)
-        self._note(late, created, kept=True)
+        self._note(late, created, at, kept=True)
         return created
 
     def _undo(self, netns: str, holds: Holds, exc: BaseException) -> None:
