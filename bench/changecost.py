@@ -214,7 +214,7 @@ def resync(agent: Agent, px: Any, maps: dict[str, KernelMap], phases: Phases) ->
 def stop(agent: Agent, px: Any, records: KeptRecords | None, phases: Phases) -> str:
     """The agent's clean stop (`Agent.shutdown`): what it writes for the next start, phase by phase."""
     phases.reset()
-    dump, decode, write = px._dump, snapshot.from_dump, snapshot.write
+    dump, write = px._dump, snapshot.write
     save = records.save if records is not None else None
     px._dump = phases.wrap("read the maps back", dump)
     setattr(snapshot, "from_dump", phases.wrap("decode and compare", from_dump))  # noqa: B010
@@ -230,7 +230,7 @@ def stop(agent: Agent, px: Any, records: KeptRecords | None, phases: Phases) -> 
         # put back as resync() does: a later bench in the same process times the real functions
         gc.callbacks.remove(phases.on_gc)
         px._dump = dump
-        setattr(snapshot, "from_dump", decode)  # noqa: B010
+        setattr(snapshot, "from_dump", from_dump)  # noqa: B010
         setattr(snapshot, "write", write)  # noqa: B010
         if records is not None and save is not None:
             records.save = save  # type: ignore[method-assign]

@@ -540,6 +540,34 @@ def test_the_first_carry_failing_to_read_the_nodes_addresses_fails_before_the_at
     assert sysctl.values[LIBERAL] == "0"
 
 
+@pytest.mark.parametrize("end", ["retry", "stop"])
+def test_an_attach_aborted_with_programs_on_some_devices_keeps_the_window_checks_off(end: str) -> None:
+    """Aborted once a program of ours may be on a device: the flows it translates have one
+    direction netfilter never sees, so tcp_be_liberal stays 1; the retry's after_attach puts the
+    node's own value back (not the 1 it finds), or the agent's stop does."""
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: [CLUSTERIP],
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=sysctl,
+        replace=FakeReplace([]),
+        clock_ns=lambda: NOW,
+    )
+    maps = fake_maps()
+    takeover.before_attach(maps)
+    takeover.abort(attached=True)
+    assert sysctl.values[LIBERAL] == "1", "some devices carry programs: checks stay off"
+    if end == "retry":
+        takeover.before_attach(maps)
+        assert sysctl.values[LIBERAL] == "1"
+        takeover.after_attach(maps)
+    else:
+        takeover.close()
+    assert sysctl.values[LIBERAL] == "0"
+
+
 def test_an_attach_aborted_after_the_carry_restores_the_window_checks_and_a_failing_restore_hides_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -556,7 +584,7 @@ def test_an_attach_aborted_after_the_carry_restores_the_window_checks_and_a_fail
     maps = fake_maps()
     takeover.before_attach(maps)
     assert sysctl.values[LIBERAL] == "1"
-    takeover.abort()
+    takeover.abort(attached=False)
     assert sysctl.values[LIBERAL] == "0"
 
     def refusing(netns: str, path: str, value: str) -> str | None:
