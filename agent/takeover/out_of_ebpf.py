@@ -34,19 +34,24 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    it again each HOLD_RENEW_NS (one found run out meanwhile is counted in a warning). A hold
    clears the flags on the REPLY entry (an NFPASS a hand-back killed before left there), and a
    write refused by the flow's own NAT entry (one such run wrote it) counts as written.
-   Given up before any of our programs left a device (a map, ctnetlink or the detach failing, or
+   Stopped before any of our programs left a device (a map, ctnetlink or the detach failing, or
    any other stop), the programs stay attached: flow by flow, passed ones first, each is held
    again with no NFPASS on its REPLY entry (no reply may pass untranslated once its NAT entry is
    gone), its NAT entry deleted (a held flow's too: it may have been written), and it is given
    back to them (both flags cleared); the flows waiting their turn are renewed as it goes, and a
-   deletion that fails is counted while the next flow goes on. A detach stopped by anything
+   deletion that fails is counted while the next flow goes on. Then the hand-back is given up
+   only when a permission was refused (EPERM, EACCES: no later try gets further); anything else
+   is tried again, as a partial detach is. A detach stopped by anything
    after one of our programs left a device undoes nothing: the detached devices' flows need
    their NAT entries; an error names the devices detached, step 3 runs for them, the pins stay
    and `run` says to try again. Right before the first device, a marker in the lock directory
-   (`marker_path`, removed with the pins) records that the detach began: no later try undoes
-   anything, an agent restarted since included (a retry that detaches nothing more undoes
-   nothing either). A try writes only the NAT entries no earlier try wrote, holds and passes
-   the others again with map writes only, and waits longer after each failure (EbpfHandback);
+   (`marker_path`, removed with the pins, by an eBPF-mode agent's first attach to every device
+   and by `agent --cleanup`: `forget_handback`) records that the detach began: no later try
+   undoes anything, an agent restarted since included (a retry that detaches nothing more undoes
+   nothing either). A try writes only the NAT entries no earlier try wrote or wrote half their
+   timeout ago (the programs still attached translate their flows, so the entries see no packet
+   and expire), holds and passes the others again with map writes only, and waits longer after
+   each failure, from its end (EbpfHandback);
 2. the programs are detached from every device of the node: no plain entry is made any more;
 3. the flows the programs started between 1 and 2, and those still refused, are written the same
    way (entries already there kept);
@@ -580,11 +585,13 @@ class EbpfHandback:
     """The eBPF data path's flows handed to nf_conntrack, then its programs and pins removed.
 
     Once the detach began (this agent's, or a killed one's, as the marker in the lock directory
-    says), nothing is undone any more and a failure is tried again, waiting from one
-    --iptables-sync-period, doubled each time, up to RETRY_MAX_S. A try writes only the flows no
-    earlier try wrote (created, or found written: the orig tuples kept in `_written`) and passes
-    those it wrote again with map writes only: a NAT entry written again would bring a flow that
-    closed meanwhile back as established, and each write costs netlink round trips inside a sync."""
+    says), nothing is undone any more; a failure, then or before (but a permission refused), is
+    tried again, waiting from the try's end one --iptables-sync-period, doubled each time, up to
+    RETRY_MAX_S. A try writes only the flows no earlier try wrote (created, or found written: kept
+    in `_written` with the time, those of the try's read only) or wrote half their timeout ago
+    (`_unwritten`), and passes the others again with map writes only: a NAT entry written again
+    would bring a flow that closed meanwhile back as established, and each write costs netlink
+    round trips inside a sync."""
 
     def __init__(
         self,
@@ -876,8 +883,8 @@ class EbpfHandback:
 
     def _write_late(self, netns: str, pin_path: str, timeouts: Timeouts) -> Any:
         """Step 3: the flows the programs started since, and those no run wrote (refused twice,
-        or whose write failed), written with nothing to hold (detached; an entry already on the
-        tuple kept)."""
+        or whose write failed) or whose NAT entry may have expired (`_unwritten`), written with
+        nothing to hold (detached; an entry already on the tuple kept)."""
         at = self._clock()
         late = self._unwritten(self._read(pin_path), timeouts, at)
         created = self._create(netns, late, timeouts, None)

@@ -3419,7 +3419,7 @@ def test_an_error_before_the_detach_is_undone_and_tried_again_later(
     assert removed == [str(pins)]
 
 
-@pytest.mark.parametrize("code", [errno.EPERM, errno.EACCES])
+@pytest.mark.parametrize("code", [errno.EPERM, errno.EACCES], ids=["EPERM", "EACCES"])
 def test_a_permission_refused_before_the_detach_ends_the_hand_back(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, code: int
 ) -> None:
