@@ -248,6 +248,55 @@ def measure(
     return {k: statistics.median(v) for k, v in runs.items()}
 
 
+HIT_CALLS = 400  # single-run calls per round of a translated case
+TC_ACT_REDIRECT = 7
+WHOLE = ("tree", "compare")  # the builds whose translated cases are timed (a cut build translates nothing)
+
+
+def hit_cases() -> list[tuple[str, list[bytes], bytes]]:
+    """(name, the frames that open the flow, the segment timed) of a conntrack hit each way, each
+    family: the frame is rewritten by the run, so timed one run a call (a single run also pays the
+    timer and a cold skb: compare these figures with each other, not with the loop figures)."""
+    data = b"x" * 64
+    out = []
+    for fam, client, vip, be in (("IPv4", POD_CLIENT, VIP, BE1), ("IPv6", POD6, VIP6, BE6)):
+        opening = [tcp(client, vip, 41000, 80), tcp(be, client, 8080, 41000, flags="SA")]
+        out.append(
+            (
+                f"{fam} pod -> ClusterIP, a segment (hit)",
+                opening,
+                tcp(client, vip, 41000, 80, flags="A", payload=data),
+            )
+        )
+        out.append(
+            (f"{fam} its answer (hit)", opening, tcp(be, client, 8080, 41000, flags="A", payload=data))
+        )
+    return out
+
+
+def measure_hits(dps: dict[str, Datapath], rounds: int, ifindex: int) -> dict[tuple[str, str], float]:
+    """Median over the rounds of the mean ns of HIT_CALLS single runs, for the whole builds."""
+    whole = {n: dp for n, dp in dps.items() if n in WHOLE}
+    todo = hit_cases()
+    for dp in whole.values():
+        for _, opening, _ in todo:
+            for frame in opening:
+                prog_run_timed(dp.prog_fd("ekp_from_pod"), frame, ifindex)
+    runs: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):
+        for name, dp in whole.items():
+            fd = dp.prog_fd("ekp_from_pod")
+            for case, _, frame in todo:
+                total = 0
+                for _ in range(HIT_CALLS):
+                    verdict, ns = prog_run_timed(fd, frame, ifindex)
+                    if verdict != TC_ACT_REDIRECT:
+                        raise RuntimeError(f"{name}, {case}: verdict {verdict}, expected it redirected")
+                    total += ns
+                runs.setdefault((name, case), []).append(total / HIT_CALLS)
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default=",".join(v.name for v in VARIANTS), help="comma-separated names")
@@ -269,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             add_service(dp.maps, VIP, 80, ((1, BE1, 8080, 1),))
             add_service6(dp.maps, VIP6, 80, ((1, BE6, 8080, 1),))
         figures = measure(dps, args.rounds, lambda: lab.pod.ifindex)
+        hits = measure_hits(dps, args.rounds, lab.pod.ifindex)
     names = [c.name for c in cases()]
     print(f"ns per run, median of {args.rounds} rounds of {REPEAT:,} runs (BPF_PROG_TEST_RUN, CPU {CPU})")
     print(f"{'variant':<12} " + " | ".join(f"{n[:26]:>26}" for n in names))
@@ -279,6 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     for v in shown:
         print(f"  {v.name}: {v.what}")
+    if hits:
+        print(f"translated, one run a call: ns per call, median of {args.rounds} rounds of {HIT_CALLS} calls")
+        hit_names = [c[0] for c in hit_cases()]
+        print(f"{'variant':<12} " + " | ".join(f"{n[:34]:>34}" for n in hit_names))
+        for v in shown:
+            if v.name in WHOLE:
+                print(f"{v.name:<12} " + " | ".join(f"{hits[(v.name, n)]:>34.1f}" for n in hit_names))
     return 0
 
 
