@@ -9,10 +9,14 @@
  *
  * Extension headers are walked to the transport header, at most EKP_IPV6_EXT_MAX of them
  * (hop-by-hop, routing, destination options, fragment; AH is skipped by its own length rule): a
- * packet with more is not ours (the stack and ip6tables see it untouched). Every read goes
- * through bpf_skb_load_bytes (bpf_xdp_load_bytes for the XDP program, ekp_xdp6.h: the same walk,
- * `xdp` a constant at each call site) at an offset, so a header in paged data needs no pull and
- * the verifier tracks no packet pointer across a variable-length walk.
+ * packet with more is not ours (the stack and ip6tables see it untouched). The IPv6 header, and
+ * the L4 header right behind it (no extension header: nearly every packet), are read straight from
+ * the linear data when they are there (ekp_at6), as IPv4's parser reads its headers; every other
+ * read goes through bpf_skb_load_bytes (bpf_xdp_load_bytes for the XDP program, ekp_xdp6.h: the
+ * same walk, `xdp` a constant at each call site) at an offset, so a header in paged data or behind
+ * extension headers needs no pull and the verifier tracks no packet pointer across a
+ * variable-length walk. The helper costs: two calls were 34 ns of an untranslated packet's 117 in
+ * ekp_from_pod, the reads from the frame 8 (IPv4's parse, 6; bench/v6cost.py).
  *
  * A routing header with segments left names another destination than the one the packet is
  * addressed to (SRv6, type 0): not ours. A fragment header makes the packet a first fragment
@@ -75,9 +79,7 @@ static __always_inline long ekp_load6(void *ctx, __u8 xdp, __u32 off, void *to, 
 
 /* The frame's `len` bytes at `off` (both constants at each call) in the linear data: a pointer to
  * them, or NULL when they are not there (paged data, a short frame: the caller reads them with
- * ekp_load6). Read through it, not the helper: ekp_parse6 with bpf_skb_load_bytes for the IPv6 and
- * TCP headers cost 34 ns of an untranslated packet's 117 in ekp_from_pod, IPv4's direct parse 6
- * (bench/v6cost.py, bench/results/v6pkt-attribution-2026-11-27.txt). */
+ * ekp_load6, which costs a helper call; see the top). */
 static __always_inline const void *ekp_at6(void *ctx, __u8 xdp, __u32 off, __u32 len)
 {
 	void *data, *data_end;
