@@ -65,6 +65,7 @@ class Variant:
     name: str
     what: str
     patches: tuple[Patch, ...] = ()
+    whole: bool = False  # translates as the tree does: its conntrack hits are timed too
 
 
 def _after(file: str, anchor: str, code: str) -> Patch:
@@ -94,7 +95,19 @@ DECIDE4 = "ekp_decide.h"
 BEFORE_ADDR4 = "\tstruct ekp_addr_key k = {};\n\tk.addr = p->daddr;"
 
 VARIANTS = (
-    Variant("tree", "the tree as it is"),
+    Variant("tree", "the tree as it is", whole=True),
+    Variant(
+        "v6-hit-norp",
+        "IPv6: a hit from a pod without the reverse route lookup (one bpf_fib_lookup less)",
+        (Patch(DECIDE6, "\t\t    !ekp_source_routed_here6(ctx, p, &w->fib, bridge)) {", "\t\t    0) {"),),
+        whole=True,
+    ),
+    Variant(
+        "v4-hit-norp",
+        "IPv4: a hit from a pod without the reverse route lookup (one bpf_fib_lookup less)",
+        (Patch("ekp_tc_apply.h", "!legacy && !ekp_source_routed_here(skb, p, fib, bridge)", "0"),),
+        whole=True,
+    ),
     Variant(
         "v6-entry",
         "IPv6: ekp_from_pod returns at once",
@@ -250,7 +263,6 @@ def measure(
 
 HIT_CALLS = 400  # single-run calls per round of a translated case
 TC_ACT_REDIRECT = 7
-WHOLE = ("tree", "compare")  # the builds whose translated cases are timed (a cut build translates nothing)
 
 
 def hit_cases() -> list[tuple[str, list[bytes], bytes]]:
@@ -274,9 +286,11 @@ def hit_cases() -> list[tuple[str, list[bytes], bytes]]:
     return out
 
 
-def measure_hits(dps: dict[str, Datapath], rounds: int, ifindex: int) -> dict[tuple[str, str], float]:
+def measure_hits(
+    dps: dict[str, Datapath], whole_names: set[str], rounds: int, ifindex: int
+) -> dict[tuple[str, str], float]:
     """Median over the rounds of the mean ns of HIT_CALLS single runs, for the whole builds."""
-    whole = {n: dp for n, dp in dps.items() if n in WHOLE}
+    whole = {n: dp for n, dp in dps.items() if n in whole_names}
     todo = hit_cases()
     for dp in whole.values():
         for _, opening, _ in todo:
@@ -318,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             add_service(dp.maps, VIP, 80, ((1, BE1, 8080, 1),))
             add_service6(dp.maps, VIP6, 80, ((1, BE6, 8080, 1),))
         figures = measure(dps, args.rounds, lambda: lab.pod.ifindex)
-        hits = measure_hits(dps, args.rounds, lab.pod.ifindex)
+        whole = {v.name for v in chosen if v.whole} | ({"compare"} if args.compare else set())
+        hits = measure_hits(dps, whole, args.rounds, lab.pod.ifindex)
     names = [c.name for c in cases()]
     print(f"ns per run, median of {args.rounds} rounds of {REPEAT:,} runs (BPF_PROG_TEST_RUN, CPU {CPU})")
     print(f"{'variant':<12} " + " | ".join(f"{n[:26]:>26}" for n in names))
@@ -334,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         hit_names = [c[0] for c in hit_cases()]
         print(f"{'variant':<12} " + " | ".join(f"{n[:34]:>34}" for n in hit_names))
         for v in shown:
-            if v.name in WHOLE:
+            if v.name in whole:
                 print(f"{v.name:<12} " + " | ".join(f"{hits[(v.name, n)]:>34.1f}" for n in hit_names))
     return 0
 
