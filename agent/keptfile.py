@@ -13,13 +13,18 @@ classes it is given. The collector is held while a large pickle is built or read
 of objects would otherwise trigger collections that find nothing to free.
 
 A stop killed while it wrote leaves `<file>.<pid>.tmp` (70 MB of the planner's at 50,000 Services,
-held in tmpfs memory until reboot): the next write and the next start (`remove`) remove those of a
-process that is gone, or that started after the file was last written (the pid reused, as in a new
-container's pid namespace); a live writer's is left alone.
+held in tmpfs memory until reboot): the next write and the next start (`remove`) remove those no
+live writer holds. A writer holds an exclusive flock on its temporary file from right after it
+made it until it renamed it over, and the sweep takes that lock (without waiting) before it
+unlinks: a pid says nothing across pid namespaces (a container's writer's pid 7 is a host
+kthread's, hostPID toggled), the lock does (the kernel drops it with the writer's last fd, so a
+killed writer's goes with it; forked children close their copies, `_WRITING`).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import gc
 import hashlib
 import io
@@ -41,6 +46,21 @@ log = logging.getLogger(__name__)
 _HASH = 32  # sha256
 _TEMPORARY = re.compile(r"(.+)\.([0-9]{1,10})\.tmp")  # `write`'s <file>.<pid>.tmp
 _AGENT_DIR = Path(__file__).resolve().parent
+_ATTEMPTS = 3  # makes of the temporary file, each unlinked by a sweep before its lock was taken
+
+# The fds of the temporary files being written: a child forked meanwhile (a helper's fork, no
+# exec) must not keep the flock after the writer died, or its file would never be swept.
+_WRITING: set[int] = set()
+
+
+def _close_writing_in_child() -> None:
+    for fd in list(_WRITING):
+        with suppress(OSError):
+            os.close(fd)
+    _WRITING.clear()
+
+
+os.register_at_fork(after_in_child=_close_writing_in_child)
 
 
 def identity(magic: bytes, config: Config) -> bytes:
@@ -54,27 +74,54 @@ def identity(magic: bytes, config: Config) -> bytes:
 
 
 def write(path: str, header: bytes, dump: Callable[[pickle.Pickler], None]) -> None:
-    """`header`, the body's checksum, then what `dump` pickles; atomic (a new file renamed over)."""
+    """`header`, the body's checksum, then what `dump` pickles; atomic (a new file renamed over),
+    the temporary file locked while it exists under its name (module doc)."""
     tmp = f"{path}.{os.getpid()}.tmp"
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    sweep(path)
-    with suppress(FileNotFoundError):
-        os.unlink(tmp)  # an earlier process's of the same pid, killed while it wrote (or a link put there)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o600)
+    sweep(path)  # an earlier process's of the same pid, killed while it wrote, too (or a link)
+    fd = _made_locked(tmp)  # in _WRITING from its open on
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(header + bytes(_HASH))
-            body = Hashing(f)
-            with collector_held():
-                dump(pickle.Pickler(body, protocol=pickle.HIGHEST_PROTOCOL))
-            f.seek(len(header))
-            f.write(body.digest())
-        os.replace(tmp, path)
+            try:
+                f.write(header + bytes(_HASH))
+                body = Hashing(f)
+                with collector_held():
+                    dump(pickle.Pickler(body, protocol=pickle.HIGHEST_PROTOCOL))
+                f.seek(len(header))
+                f.write(body.digest())
+                f.flush()
+                # under the lock: a sweep may not take the name between the close and the rename
+                os.replace(tmp, path)
+            finally:
+                # before the close: a child forked after it must not close a later fd of that number
+                _WRITING.discard(fd)
     except BaseException:
         with suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _made_locked(tmp: str) -> int:
+    """`tmp` made (O_EXCL|O_NOFOLLOW: a link put there is refused) and flocked, still the file at
+    that name: a sweep may open it between the make and the lock, find it unlocked and unlink it
+    (then it is made again)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(_ATTEMPTS):
+        fd = os.open(tmp, flags, 0o600)
+        _WRITING.add(fd)  # at once: a child forked before the lock would hold it after us
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.stat(tmp, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return fd  # left in _WRITING: the writer's until it closes it
+        except FileNotFoundError:
+            pass  # unlinked by a sweep before the lock
+        except BaseException:
+            _WRITING.discard(fd)
+            os.close(fd)
+            raise
+        _WRITING.discard(fd)
+        os.close(fd)
+    raise OSError(f"{tmp} was removed {_ATTEMPTS} times between its creation and its lock")
 
 
 def open_consumed(path: str) -> tuple[io.BufferedReader | None, str]:
@@ -138,9 +185,10 @@ def remove(path: str) -> None:
 
 
 def sweep(path: str) -> None:
-    """Remove `<path>.<pid>.tmp` files whose writer is gone: its pid not a live process, or one
-    that started after the file was last written (so not its writer). Unlinked, never followed (a
-    link put there is removed itself). One log line names what was removed."""
+    """Remove the `<path>.<pid>.tmp` files no writer holds (module doc): each opened without
+    following a link or blocking on a FIFO, its lock tried without waiting (held: a live writer's,
+    left), unlinked under the lock if the name still names it. A link put there is removed itself,
+    never followed. One log line names what was removed."""
     directory, base = os.path.split(path)
     removed: list[str] = []
     freed = 0
@@ -153,14 +201,12 @@ def sweep(path: str) -> None:
         if m is None or m.group(1) != base:
             continue
         try:
-            st = entry.stat(follow_symlinks=False)
-            if _writing(int(m.group(2)), st.st_mtime):
-                continue
-            os.unlink(entry.path)
+            size = _unlink_unheld(entry.path)
         except OSError:
             continue
-        removed.append(entry.name)
-        freed += st.st_size
+        if size is not None:
+            removed.append(entry.name)
+            freed += size
     if removed:
         log.info(
             "removed %s in %s (%d bytes): left by a stop killed while it wrote",
@@ -170,26 +216,28 @@ def sweep(path: str) -> None:
         )
 
 
-def _writing(pid: int, mtime: float) -> bool:
-    """Whether process `pid` may still be writing a file last written at `mtime`."""
+def _unlink_unheld(name: str) -> int | None:
+    """Unlink the file at `name` unless a writer holds its lock; its size if unlinked."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # the fields after the command (which may hold spaces and parentheses): the 22nd of
-            # the line, its start in clock ticks since boot, is the 20th after it
-            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return False  # no such process (or not one /proc can describe)
-    started = _boot_time() + ticks / os.sysconf("SC_CLK_TCK")
-    # the boot time is in whole seconds: a process started within a second of the write counts
-    return started <= mtime + 1
-
-
-def _boot_time() -> float:
-    with open("/proc/stat", "rb") as f:
-        for line in f:
-            if line.startswith(b"btime "):
-                return float(line.split()[1])
-    raise OSError("/proc/stat holds no btime")
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        size = os.lstat(name).st_size  # a link: removed, not followed
+        os.unlink(name)
+        return size
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # a live writer's
+        st = os.fstat(fd)
+        if os.stat(name, follow_symlinks=False).st_ino != st.st_ino:
+            return None  # renamed over, or made again since the open: not the file locked
+        os.unlink(name)
+        return st.st_size
+    finally:
+        os.close(fd)
 
 
 class Restricted(pickle.Unpickler):

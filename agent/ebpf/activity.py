@@ -92,6 +92,18 @@ def endpoints(key: CtKey, entry: CtEntry) -> tuple[tuple[int, int, int], tuple[i
     return frontend, (key.saddr, key.sport, key.proto)
 
 
+def stamp4(act: MapWriter, entries: Iterable[tuple[CtKey, CtEntry]], now_ns: int | None = None) -> int:
+    """`stamp6` for IPv4 conntrack entries the agent stamped seen (the hand-back out of eBPF mode,
+    agent/takeover/out_of_ebpf.py): every stamp of an entry stamps both endpoints of its flow
+    (bpf/ekp_act.h). The number of slots stamped."""
+    now = time.monotonic_ns() if now_ns is None else now_ns
+    slots = {slot(*end) for key, entry in entries for end in endpoints(key, entry)}
+    if slots:
+        stamp = Act(stamp=stamp_of(now))
+        act.update_batch([(ctypes.c_uint32(i), stamp) for i in sorted(slots)])
+    return len(slots)
+
+
 def stamp6(act: MapWriter, entries: Iterable[tuple[Ct6Key, Ct6Entry]], now_ns: int | None = None) -> int:
     """Stamp the endpoints of IPv6 conntrack entries the agent wrote after `arm` (the IPv6 flows
     carried at the first IPv6 sync, agent/takeover/into_ebpf.py): the programs stamp only the

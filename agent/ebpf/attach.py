@@ -77,7 +77,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -463,34 +463,74 @@ class DetachFailed(NetlinkError):  # type: ignore[misc]  # pyroute2 is untyped
         self.failed = failed
 
 
-def detach_all(netns: str) -> list[str]:
-    """Remove our filters and XDP programs from every device of `netns`; names of the devices
-    that had one.
+def _ours(ipr: Any, index: int) -> int:
+    """How many filters of ours the device's hooks hold."""
+    return sum(
+        _is_ours(msg, prio)
+        for parent in (TC_H_INGRESS, TC_H_EGRESS)
+        for msg in _filters(ipr, index, parent)
+        for prio in OUR_PRIOS
+    )
 
-    A namespace that no longer exists holds nothing of ours: returns []. A device that refuses
-    does not stop the others: DetachFailed at the end says which were detached and which not (a
-    caller undoing what it did before the detach must know whether any device was).
+
+def detach_all(
+    netns: str, detached: list[str] | None = None, *, between: Callable[[], None] | None = None
+) -> list[str]:
+    """Remove our filters and XDP programs from every device of `netns`; names of the devices
+    that had one, each appended to `detached` (the caller's, if given) as soon as one of our
+    programs left it, so that a caller stopped by any exception knows; `between` is called
+    before each device (a hand-back renews its holds there).
+
+    A namespace that no longer exists holds nothing of ours: returns []. A device that refuses,
+    or whose answer cannot be read, does not stop the others; one half detached (XDP gone and a
+    filter not, ingress gone and egress not) counts as detached: its programs no longer see every
+    packet of its flows. DetachFailed at the end says which were detached and which not (a caller
+    undoing what it did before the detach must know whether any device was).
     """
+    done: list[str] = [] if detached is None else detached
     try:
         with netns_route(netns) as ipr:
-            done: list[str] = []
             failed: list[str] = []
             code = 0
             for link in list_links(ipr):
+                if between is not None:
+                    between()
+                ours = -1  # not counted yet
+                xdp_ours = in_xdp = False
                 try:
-                    had_xdp = xdp.detach(ipr, link.index)
-                    if detach(ipr, link.index) or had_xdp:
+                    xdp_ours = xdp.is_ours(xdp.xdp_state(ipr, link.index))
+                    in_xdp = True
+                    if xdp_ours and xdp.detach(ipr, link.index):
                         done.append(link.name)
-                except NetlinkError as exc:
-                    if exc.code not in (errno.ENODEV, errno.ENOENT):
-                        code = code or exc.code
-                        failed.append(f"{link.name}: {exc}")
+                    in_xdp = False
+                    ours = _ours(ipr, link.index)
+                    if detach(ipr, link.index) and link.name not in done:
+                        done.append(link.name)
+                except Exception as exc:
+                    gone = isinstance(exc, NetlinkError) and exc.code in (errno.ENODEV, errno.ENOENT)
+                    try:
+                        if in_xdp:  # its answer lost: whether ours is still there says
+                            half = xdp_ours and (gone or not xdp.is_ours(xdp.xdp_state(ipr, link.index)))
+                        else:
+                            half = ours > 0 and (gone or _ours(ipr, link.index) < ours)
+                    except Exception:  # unreadable: counted as left, the side whose mistake
+                        half = xdp_ours if in_xdp else ours > 0  # costs strangers, not flows moved elsewhere
+                    if gone:  # the device or the filter gone meanwhile: nothing left to detach
+                        if half and link.name not in done:
+                            done.append(link.name)
+                        continue
+                    if half and link.name not in done:
+                        done.append(link.name)
+                    code = code or getattr(exc, "code", 0) or getattr(exc, "errno", 0) or errno.EIO
+                    failed.append(
+                        f"{link.name}: {exc if isinstance(exc, NetlinkError | OSError) else repr(exc)}"
+                    )
             if failed:
-                raise DetachFailed(code, done, failed)
+                raise DetachFailed(code, list(done), failed)
             return done
     except FileNotFoundError:
         log.info("netns %s does not exist: nothing to detach", netns)
-        return []
+        return done
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,11 @@ class UpgradeLike(Protocol):
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
 
+    def abort(self) -> None:
+        """The first attach failed after before_attach and before after_attach: what
+        before_attach changed on the node for the attach alone is put back (the next sync's
+        before_attach starts again)."""
+
     def after_first_sync6(
         self, maps: Mapping[str, MapWriter], frontends: Mapping[tuple[str, int, int], int] | None = None
     ) -> None:
@@ -217,8 +222,25 @@ class StartSteps:
             step.before_attach(maps)
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
+        self._each(lambda step: step.after_attach(maps))
+
+    def abort(self) -> None:
+        self._each(lambda step: step.abort())
+
+    def _each(self, call: Callable[[UpgradeLike], None]) -> None:
+        """Every step, whatever an earlier one raised (a later one puts back what its
+        before_attach changed on the node: tcp_be_liberal); the first error raised at the end."""
+        first: BaseException | None = None
         for step in self._steps:
-            step.after_attach(maps)
+            try:
+                call(step)
+            except BaseException as exc:
+                if first is None:
+                    first = exc
+                else:
+                    log.error("a start step failed after another had: %r", exc)
+        if first is not None:
+            raise first
 
     def after_first_sync6(
         self, maps: Mapping[str, MapWriter], frontends: Mapping[tuple[str, int, int], int] | None = None
@@ -385,6 +407,7 @@ class EbpfProxier:
         self._unsure = True  # what the maps hold is unknown: read them back before writing
         self._cfg_written: Value | None = None
         self._attached_once = False
+        self._after_attach_reached = False  # this first attach reached the start steps' after_attach
         # Whether a sync6 has run since the first attach (`_upgrade.after_first_sync6`)
         self._synced6_attached = False
         self._attached_node: NodeContext | None = None  # the node the attachments were checked for
@@ -490,7 +513,14 @@ class EbpfProxier:
                     f"the data path's load failed while its maps were written ({self._load_error}): "
                     "loaded again, the next sync writes its maps"
                 )
-            self._attach(datapath, node, periodic=periodic, legacy=deferred)
+            first_attach = not self._attached_once
+            self._after_attach_reached = False
+            try:
+                self._attach(datapath, node, periodic=periodic, legacy=deferred)
+            except BaseException:
+                if first_attach and not self._after_attach_reached:
+                    self._abort_start()
+                raise
             if self._terminator is not None and (periodic or result.deletes.get("member")):
                 self._end_stale_sockets()
             result.log(
@@ -1179,6 +1209,7 @@ class EbpfProxier:
         if first:
             # Right after the tc programs changed: flows the old programs made meanwhile are
             # carried over before anything else delays it.
+            self._after_attach_reached = True  # it puts back what before_attach set, whatever stops it
             self._upgrade.after_attach(datapath.maps)
         if mode != HandoverMode.OFF:
             # Every flow of the older generation's is in our conntrack now (or left behind: its
@@ -1205,6 +1236,14 @@ class EbpfProxier:
             self._attacher.start_watcher()
             self._attached_once = True
             self._synced6_attached = False
+
+    def _abort_start(self) -> None:
+        """The first attach stopped before after_attach: the start steps put back what they set
+        for it (tcp_be_liberal); their own failure said, the attach's error the one raised."""
+        try:
+            self._upgrade.abort()
+        except Exception as exc:
+            log.error("the start steps could not undo what they set before the failed attach: %r", exc)
 
     def _attach_sockets(self, datapath: DatapathLike, *, first: bool) -> None:
         """The socket programs: their settings written, then linked to the cgroup (first sync: a

@@ -184,6 +184,9 @@ class IptablesProxier:
         self._take_over = take_over if take_over is not None else self._take_over_node
         self._taken_over = False
         self._handed_back = False
+        # One for the agent's life: a run that detached the programs from some devices only is
+        # tried again at the next sync, and must know those devices' flows need their NAT entries.
+        self._handback: EbpfHandback | None = None
         # The families whose first restore the hand-back from eBPF mode waits for (`hand_back_after`),
         # and those restored so far: the eBPF programs serve until every family's rules do.
         self._handback_waits: set[IPFamily] = {family}
@@ -253,7 +256,9 @@ class IptablesProxier:
         stale backend for as long as a restore fails is the worse."""
         if self._handed_back:
             return
-        handback = EbpfHandback(self._config)
+        if self._handback is None:
+            self._handback = EbpfHandback(self._config)
+        handback = self._handback
         if not handback.pending:  # no eBPF mode before this one: nothing to wait for, nothing to say
             self._handed_back = True
             return
@@ -285,8 +290,8 @@ class IptablesProxier:
                 now - self._handback_waited_since,
                 "/".join(waiting),
             )
-        handback.run()
-        self._handed_back = True
+        # False after a partial detach: the pins stay (`pending`), tried again at the next sync
+        self._handed_back = handback.run()
 
     @property
     def runner(self) -> IptablesRunner:

@@ -263,7 +263,7 @@ class KernelTakeover:
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self._stack6 = {}  # an attach retried after a failure carries afresh
-        self._carried = self._carry(maps, "before the programs are attached")
+        self._carried = self._carry(maps, "before the programs are attached", first=True)
         if self._carried:
             # While the programs are attached device by device, a carried flow can have one
             # direction translated by a program (netfilter never sees it) and the other still in
@@ -272,13 +272,45 @@ class KernelTakeover:
             # until every device has its program (kube-proxy's conntrack.tcpBeLiberal, for a
             # moment); once they all have, netfilter's entries no longer translate these flows
             # (but those held for the stack, NFPASS, until after_attach replaced their entries).
-            self._liberal_was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
+            was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
+            if self._liberal_was is None:  # an attach retried: "1" now is this agent's own
+                self._liberal_was = was
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         # The second carry first: a flow started between the first dump and the attach has no
         # eBPF entry until it (its TCP segments drop, its UDP datagrams may pick another backend),
         # while the flows carried before lose nothing waiting (NFPASS: netfilter's NAT entries
         # go on translating them, their hold renewed meanwhile). Then both sets in one pass.
+        try:
+            self._hand_over(maps)
+        finally:
+            # whatever stopped the pass: the node's window checks come back (an attach retried
+            # sets them off again, and reads back the value restored here)
+            self._restore_liberal()
+
+    def abort(self) -> None:
+        """The first attach failed between before_attach and after_attach: the node's window
+        checks come back (the next sync's before_attach turns them off again)."""
+        self._carried = []
+        self._restore_liberal()
+
+    def _restore_liberal(self) -> None:
+        was, self._liberal_was = self._liberal_was, None
+        if was is None or was == "1":
+            return
+        try:
+            self._sysctl(self._config.netns, TCP_BE_LIBERAL, was)
+        except OSError as exc:  # said, not raised: the error that stopped the attach matters more
+            log.error(
+                "cannot set %s back to %s in netns %s (%s): netfilter's TCP window checks stay off"
+                " on the node (kube-proxy's conntrack.tcpBeLiberal); set it by hand",
+                TCP_BE_LIBERAL,
+                was,
+                self._config.netns or "(own)",
+                exc,
+            )
+
+    def _hand_over(self, maps: Mapping[str, MapWriter]) -> None:
         self._attached_at = time.monotonic()
         carried, self._carried = self._carried, []
         first = [f for f in carried if f.family == 4 and self._meets_stack(f)]
@@ -287,7 +319,11 @@ class KernelTakeover:
         self._renew(maps, first)
         done = {f.orig for f in carried}
         try:
-            late = [f for f in self._carry(maps, "after the programs were attached") if f.orig not in done]
+            late = [
+                f
+                for f in self._carry(maps, "after the programs were attached", first=False)
+                if f.orig not in done
+            ]
         except MapError as exc:
             # the first set is handed over all the same, or its holds would run out untended
             log.warning(
@@ -309,9 +345,6 @@ class KernelTakeover:
         # their holds renewed meanwhile); the IPv4 pass takes about 1 ms a flow, seconds at thousands.
         self._to_stack6(stack6, before=keep_held)
         self._to_stack(maps, stack4)
-        if self._liberal_was is not None and self._liberal_was != "1":
-            self._sysctl(self._config.netns, TCP_BE_LIBERAL, self._liberal_was)
-        self._liberal_was = None
 
     def _meets_stack(self, flow: NatFlow) -> bool:
         """Whether the node's stack sees the flow's packets between their translations: every flow
@@ -587,17 +620,20 @@ class KernelTakeover:
             (time.monotonic() - started) * 1000,
         )
 
-    def _carry(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:
+    def _carry(self, maps: Mapping[str, MapWriter], when: str, *, first: bool) -> list[NatFlow]:
         """Carries what nf_conntrack holds; returns the flows it found to carry (carried now or
         before). Each family on its own: one whose table cannot be read leaves the other's carry
         whole."""
-        carried = self._carry4(maps, when)
+        carried = self._carry4(maps, when, first=first)
         if self._config.tc_ipv6:
             carried += self._carry6(maps, when)
         return carried
 
-    def _carry4(self, maps: Mapping[str, MapWriter], when: str) -> list[NatFlow]:
-        """The IPv4 flows, into the eBPF conntrack's IPv4 tables."""
+    def _carry4(self, maps: Mapping[str, MapWriter], when: str, *, first: bool) -> list[NatFlow]:
+        """The IPv4 flows, into the eBPF conntrack's IPv4 tables. The node's addresses unreadable
+        fail the first carry (the sync fails before the attach and is tried again: attached with
+        nothing carried, every flow would drop), and only skip the second (the first carry's
+        flows are handed over all the same)."""
         started = time.monotonic()
         netns = self._config.netns
         try:
@@ -611,8 +647,21 @@ class KernelTakeover:
                 exc,
             )
             return []
+        try:
+            node = self._node = self._addresses(netns)
+        except (OSError, NetlinkError) as exc:
+            if first:
+                raise
+            log.warning(
+                "cannot read the node's addresses in netns %s (%s): the %d flows of nf_conntrack are"
+                " not carried into eBPF conntrack (%s), and their next segments are dropped",
+                netns or "(own)",
+                exc,
+                len(flows),
+                when,
+            )
+            return []
         ids = ebpf_ids(maps, flows)
-        node = self._node = self._addresses(netns)
         skipped: Counter[Skip] = Counter()
         inserted = present = 0
         carried: list[NatFlow] = []

@@ -17,6 +17,7 @@ kernel filters on DST_NAT: 20 translated entries among 2,020 dumped in 21 ms), a
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -46,6 +47,7 @@ from agent.takeover.flows import (
     NatFlow,
     TcpState,
     Timeouts,
+    Tuple,
     kernel_status,
     timeout_of,
 )
@@ -200,8 +202,10 @@ class Hold(Protocol):
     """What stops the data path translating one flow while its NAT entry replaces the entry the
     stack tracks it under (agent/takeover/out_of_ebpf.py)."""
 
-    def hold(self, flow: NatFlow) -> None:
-        """Before the flow's entries change: its packets are neither translated nor passed."""
+    def hold(self, flow: NatFlow) -> bool:
+        """Before the flow's entries change: its packets are neither translated nor passed.
+        Whether it holds it (a flow the stack does not track under its NAT entry's reply tuple
+        needs no hold)."""
 
     def release(self, flow: NatFlow) -> None:
         """Its NAT entry is written: its packets pass untranslated to it."""
@@ -235,9 +239,10 @@ def create_flows(
                 continue
             with NFCTSocket(nfgen_family=family) as ct:
                 for flow in group:
+                    held = False
                     if hold is not None:
                         hold.renew()
-                        hold.hold(flow)
+                        held = hold.hold(flow)
                     if clear_first is not None:
                         _delete(ct, clear_first(flow))
                     try:
@@ -248,13 +253,41 @@ def create_flows(
                     except NetlinkError as exc:
                         if exc.code == errno.EEXIST:
                             done.present += 1
-                            done.taken.append(flow)
+                            # a round trip more, for the held flows alone (the others lose
+                            # nothing waiting for the round after the detach)
+                            if hold is not None and held and _written_before(ct, flow):
+                                hold.release(flow)  # a killed hand-back wrote it: it takes the packets
+                            else:
+                                done.taken.append(flow)
                         else:
                             done.failed.append(f"{flow.describe()}: {exc}")
                             done.unwritten.append(flow)
         return done
 
     return run_in_netns(netns, run)
+
+
+def _written_before(ct: NFCTSocket, flow: NatFlow) -> bool:
+    """Whether the entry on `flow`'s original tuple is its own NAT entry (both tuples, DST_NAT), as
+    an earlier hand-back killed after the write (SIGKILL) left it: written, not refused. Another
+    (the stack's plain entry holding the reply tuple, a NAT entry to another backend) is not."""
+    s, d, sp, dp = flow.orig
+    tuple_orig = NFCTAttrTuple(family=_family(flow), saddr=s, daddr=d, proto=flow.proto, sport=sp, dport=dp)
+    try:
+        found = [f for f in (_flow(m) for m in ct.entry("get", tuple_orig=tuple_orig)) if f is not None]
+    except NetlinkError:
+        return False  # ENOENT: the entry holding its reply tuple is another's
+    return any(
+        _same(f.orig, flow.orig) and _same(f.reply, flow.reply) and f.status & IPS_DST_NAT for f in found
+    )
+
+
+def _same(a: Tuple, b: Tuple) -> bool:
+    """The same tuple, whichever way its addresses are written (the kernel's IPv6 text need not
+    be ours)."""
+    return a[2:] == b[2:] and all(
+        ipaddress.ip_address(x) == ipaddress.ip_address(y) for x, y in zip(a[:2], b[:2], strict=True)
+    )
 
 
 def delete_flows(netns: str, flows: Iterable[NatFlow]) -> int:

@@ -670,8 +670,9 @@ class HandbackRecorder:
     def __init__(self, config: Config) -> None:
         self._pins = config.pin_path
 
-    def run(self) -> None:
+    def run(self) -> bool:
         HandbackRecorder.runs.append(self._pins)
+        return True
 
 
 def test_ebpf_modes_ipv6_proxier_writes_ip6tables_and_removes_only_kube_proxys_ip6_table(

@@ -4,10 +4,13 @@ record only for the same object (uid and resourceVersion), and ends in a cold st
 from __future__ import annotations
 
 import copy
+import fcntl
+import io
 import logging
 import os
 import pickle
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -262,52 +265,164 @@ def dead_pid() -> int:
     return child.pid
 
 
+def locked_by_another_process(path: Path) -> subprocess.Popen[bytes]:
+    """A process that made `path` and holds its flock (a writer in another pid namespace, or this
+    one's), until killed."""
+    script = (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(path)!r}, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)\n"
+        "os.write(fd, b'partial')\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    assert writer.stdout is not None and writer.stdout.readline() == b"locked\n"
+    return writer
+
+
 @pytest.mark.parametrize("by", ["start", "write"])
 def test_temporary_files_of_writers_that_are_gone_are_removed_and_a_live_ones_kept(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, by: str
 ) -> None:
     """A stop killed while it wrote leaves `<file>.<pid>.tmp` (tmpfs: memory until reboot): the next
-    start (which consumes the file) and the next write remove those no live writer can own."""
+    start (which consumes the file) and the next write remove those no live writer holds (its
+    flock), whatever process has that pid now: a pid means nothing across pid namespaces."""
     directory = tmp_path / "run"
     directory.mkdir()
     path = str(directory / "records-0123456789abcdef.pickle")
     victim = tmp_path / "victim"
     victim.write_bytes(b"not the agent's")
-    live = subprocess.Popen(["sleep", "60"])
+    dead, dead_too = dead_pid(), dead_pid()
+    left = Path(f"{path}.{dead}.tmp")
+    left.write_bytes(b"x" * 1000)
+    link = Path(f"{path}.{dead_too}.tmp")
+    link.symlink_to(victim)
+    # a container's writer killed while it wrote, its pid a host kthread's (kthreadd: 2) here
+    kthread = Path(f"{path}.2.tmp")
+    kthread.write_bytes(b"stale")
+    mine = Path(f"{path}.{os.getpid()}.tmp")  # this pid's, from a killed writer of another namespace
+    mine.write_bytes(b"")
+    other = directory / f"planner-0123456789abcdef.pickle.{dead}.tmp"  # another file's
+    other.write_bytes(b"")
+    writing = Path(f"{path}.{dead_pid()}.tmp")  # its pid names no process here: another namespace's
+    writer = locked_by_another_process(writing)
     try:
-        dead, dead_too = dead_pid(), dead_pid()
-        left = Path(f"{path}.{dead}.tmp")
-        left.write_bytes(b"x" * 1000)
-        link = Path(f"{path}.{dead_too}.tmp")
-        link.symlink_to(victim)
-        writing = Path(f"{path}.{live.pid}.tmp")  # written since its process started: it may be writing
-        writing.write_bytes(b"partial")
-        # a file of this name written before that pid's process started: the pid reused since
-        reused = subprocess.Popen(["sleep", "60"])
-        try:
-            stale = Path(f"{path}.{reused.pid}.tmp")
-            stale.write_bytes(b"stale")
-            hour_ago = time.time() - 3600
-            os.utime(stale, (hour_ago, hour_ago))
-            other = directory / f"planner-0123456789abcdef.pickle.{dead}.tmp"  # another file's
-            other.write_bytes(b"")
-            with caplog.at_level(logging.INFO, logger="agent.keptfile"):
-                if by == "start":
-                    assert KeptRecords(path, b"i" * 32).take(Kind.SERVICE, "a/b", "u", "1") is None
-                else:
-                    KeptRecords(path, b"i" * 32).save({})
-            assert not left.exists() and not stale.exists()
-            assert not link.is_symlink(), "the link itself removed"
-            assert victim.read_bytes() == b"not the agent's", "not followed"
-            assert writing.read_bytes() == b"partial", "a live writer's file kept"
-            assert other.exists(), "only this file's leftovers"
-        finally:
-            reused.kill()
-            reused.wait()
+        with caplog.at_level(logging.INFO, logger="agent.keptfile"):
+            if by == "start":
+                assert KeptRecords(path, b"i" * 32).take(Kind.SERVICE, "a/b", "u", "1") is None
+            else:
+                KeptRecords(path, b"i" * 32).save({})
+        assert not left.exists() and not kthread.exists()
+        assert not link.is_symlink(), "the link itself removed"
+        assert victim.read_bytes() == b"not the agent's", "not followed"
+        assert writing.read_bytes() == b"partial", "a live writer's file kept"
+        assert other.exists(), "only this file's leftovers"
+        assert not mine.exists()
     finally:
-        live.kill()
-        live.wait()
+        writer.kill()
+        writer.wait()
     lines = [r.getMessage() for r in caplog.records if r.name == "agent.keptfile"]
     assert len(lines) == 1, lines
-    assert all(n.name in lines[0] for n in (left, link, stale))
+    assert all(n.name in lines[0] for n in (left, link, kthread, mine))
     assert f"({1005 + len(str(victim))} bytes)" in lines[0], "the bytes freed"
+    keptfile.sweep(path)
+    assert not writing.exists(), "its writer killed: the lock went with it"
+
+
+def test_a_write_whose_temporary_file_a_sweep_removed_before_its_lock_makes_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the writer's O_EXCL make and its flock a sweep can find the file unlocked and
+    unlink it: the writer must not write into an unlinked inode (its rename would fail, or take
+    a name made since), but make the file again."""
+    path = str(tmp_path / "run" / "records.pickle")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    flock = fcntl.flock
+    swept: list[str] = []
+
+    def racing(fd: int, op: int) -> None:
+        if not swept:  # a sweep in another process, right before this lock
+            swept.append(tmp)
+            keptfile.sweep(path)
+            assert not os.path.exists(tmp)
+        flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", racing)  # as keptfile calls it
+    keptfile.write(path, b"H", lambda pickler: pickler.dump({"a": 1}))
+    assert swept == [tmp] and not os.path.exists(tmp)
+    with open(path, "rb") as f:
+        assert f.read(1) == b"H"
+        f.seek(1 + 32)
+        assert pickle.load(f) == {"a": 1}
+
+
+def test_a_forked_child_does_not_keep_a_dead_writers_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child forked while the agent writes (no exec) closes its copy of the temporary file's fd:
+    the lock ends with the writer, not with the child."""
+    path = str(tmp_path / "run" / "records.pickle")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    children: list[int] = []
+
+    def dump(pickler: pickle.Pickler) -> None:
+        ready, child_ready = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(child_ready, b"!")  # the fork's hooks ran
+            time.sleep(60)
+            os._exit(0)
+        children.append(pid)
+        os.close(child_ready)
+        assert os.read(ready, 1) == b"!"
+        os.close(ready)
+        pickler.dump({})
+        raise KeyboardInterrupt  # stopped while it wrote; the file left as a kill would leave it
+
+    unlink = os.unlink
+    monkeypatch.setattr(os, "unlink", lambda p, *a, **k: None if p == tmp else unlink(p, *a, **k))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            keptfile.write(path, b"H", dump)
+        monkeypatch.undo()
+        assert os.path.exists(tmp)
+        keptfile.sweep(path)
+        assert not os.path.exists(tmp), "the child kept the lock"
+    finally:
+        os.kill(children[0], 9)
+        os.waitpid(children[0], 0)
+
+
+def test_the_temporary_files_fd_is_closed_in_forked_children_from_its_open_to_its_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child forked between the O_EXCL open and the flock would hold the lock once taken (a
+    copy of the fd), and one forked after the writer's close must not close another file that
+    took the fd's number: the fd is in the at-fork registry from its open until right before its
+    close."""
+    path = str(tmp_path / "run" / "records.pickle")
+    at_lock: list[bool] = []
+    at_close: list[bool] = []
+    flock = fcntl.flock
+    fdopen = os.fdopen
+
+    def locking(fd: int, op: int) -> None:
+        at_lock.append(fd in keptfile._WRITING)
+        flock(fd, op)
+
+    class Closing(io.BufferedWriter):
+        def close(self) -> None:
+            at_close.append(self.fileno() in keptfile._WRITING)
+            super().close()
+
+    def opening(fd: int, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if mode == "wb":
+            return Closing(io.FileIO(fd, "wb"))
+        return fdopen(fd, mode, *args, **kwargs)
+
+    monkeypatch.setattr(fcntl, "flock", locking)
+    monkeypatch.setattr(os, "fdopen", opening)
+    keptfile.write(path, b"H", lambda pickler: pickler.dump({"a": 1}))
+    assert at_lock == [True] and at_close == [False]
+    assert not keptfile._WRITING

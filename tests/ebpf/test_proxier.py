@@ -45,7 +45,7 @@ from agent.ebpf.maps import FakeMap, MapWriter, read_config
 from agent.ebpf.plan import MapContents, plan, read_contents
 from agent.ebpf.planner import ROLES
 from agent.ebpf.programs import PROG_SOCK_TERM, PROGRAMS, SOCK_HOOKS
-from agent.ebpf.proxier import INSPECT_SECTIONS, handover_start, remove_pins, render_live_maps
+from agent.ebpf.proxier import INSPECT_SECTIONS, StartSteps, handover_start, remove_pins, render_live_maps
 from agent.ebpf.render import render_contents
 from agent.ebpf.sockattach import pinned_links
 from agent.model.types import IPFamily
@@ -215,6 +215,9 @@ class FakeUpgrade:
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self.log.append("carry v1 conntrack again")
+
+    def abort(self) -> None:
+        self.log.append("start steps aborted")
 
     def after_first_sync6(
         self, maps: Mapping[str, MapWriter], frontends: Mapping[tuple[str, int, int], int] | None = None
@@ -404,6 +407,50 @@ def test_first_sync_writes_the_plan_then_attaches(rig: Rig) -> None:
     rig.attachers[0].watching = False
     p.sync(STATE, moved, frozenset())
     assert rig.events[-2:] == ["watch", "reconcile full=False verify"]
+
+
+def test_a_first_attach_that_fails_before_the_start_steps_after_attach_aborts_them(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the start steps set for the attach alone (the node's tcp_be_liberal) is put back when
+    the attach fails before their after_attach; the next sync starts them again, and an attach
+    that goes through aborts nothing."""
+    failing = [OSError(16, "Device or resource busy")]
+    reconcile = FakeAttacher.reconcile
+
+    def refusing(self: FakeAttacher, node: NodeContext, **kwargs: bool) -> None:
+        reconcile(self, node, **kwargs)
+        if failing:
+            raise failing.pop()
+
+    monkeypatch.setattr(FakeAttacher, "reconcile", refusing)
+    p = rig.proxier()
+    with pytest.raises(OSError, match="busy"):
+        p.sync(STATE, NODE)
+    steps = [e for e in rig.events if "carry v1" in e or "aborted" in e or e.startswith("reconcile")]
+    assert steps == ["carry v1 conntrack", "reconcile full=True", "start steps aborted"]
+    rig.events.clear()
+    p.sync(STATE, NODE)
+    assert "start steps aborted" not in rig.events
+    assert "carry v1 conntrack" in rig.events and "carry v1 conntrack again" in rig.events
+    p.close()
+
+
+def test_the_start_steps_run_every_after_attach_whatever_an_earlier_one_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    events: list[str] = []
+
+    class Failing(FakeUpgrade):
+        def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
+            super().after_attach(maps)
+            raise RuntimeError(f"step {len(events)}")
+
+    steps = StartSteps([Failing(events), FakeUpgrade(events), Failing(events)])
+    with pytest.raises(RuntimeError, match="step 1"):
+        steps.after_attach({})
+    assert events == ["carry v1 conntrack again"] * 3
+    assert "a start step failed after another had: RuntimeError('step 3')" in caplog.text
 
 
 def test_an_upgrade_that_carries_conntrack_puts_our_programs_in_front_until_it_is_carried(rig: Rig) -> None:

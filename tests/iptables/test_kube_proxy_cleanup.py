@@ -110,8 +110,9 @@ def test_iptables_mode_retries_kube_proxys_nft_tables_at_each_sync_and_hands_ebp
         def __init__(self, config: object) -> None:
             pass
 
-        def run(self) -> None:
+        def run(self) -> bool:
             handbacks.append("run")
+            return True
 
     monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", Handback)
     fake = FakeRunner()
@@ -133,3 +134,31 @@ def test_iptables_mode_retries_kube_proxys_nft_tables_at_each_sync_and_hands_ebp
     for _ in range(2):
         p.sync(state(service("web", "10.96.0.10", ("http", 80, "TCP"))), NODE)
     assert len(listed) == 4, "done at the fourth sync, not tried after"
+
+
+def test_a_hand_back_that_detached_some_devices_only_is_tried_again_at_the_next_sync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EbpfHandback.run returns False after a partial detach (the pins stay): the next sync runs
+    the same hand-back again (it remembers the devices detached), until it returns True."""
+    made: list[object] = []
+    outcomes = [False, True]
+    runs: list[object] = []
+
+    class Handback:
+        pending = True
+
+        def __init__(self, config: object) -> None:
+            made.append(self)
+
+        def run(self) -> bool:
+            runs.append(self)
+            return outcomes.pop(0)
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", Handback)
+    fake = FakeRunner()
+    fake.responses["nft"] = lambda argv: Result(0, "")
+    p = IptablesProxier(CONFIG, runner=fake, backend_runner=lambda _: fake, counters=FakeCounters())
+    for _ in range(3):
+        p.sync(state(service("web", "10.96.0.10", ("http", 80, "TCP"))), NODE)
+    assert len(runs) == 2 and len(made) == 1 and runs == made * 2
