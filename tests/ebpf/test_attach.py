@@ -1442,3 +1442,53 @@ def test_stopping_the_watcher_never_closes_a_classid_program_an_attach_is_linkin
     stoppers[0].join()
     assert tcx_progs(netns, "eth0") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
     detach_all(netns)
+
+
+@pytest.fixture(scope="module")
+def third_progs() -> Iterator[dict[str, int]]:
+    """A third generation's programs (`newer_progs` compiled again: other ids)."""
+    from bcc import BPF
+
+    text = """
+#include <uapi/linux/pkt_cls.h>
+int ekp_from_net(struct __sk_buff *skb) { return TC_ACT_UNSPEC; }
+int ekp_from_pod(struct __sk_buff *skb) { return TC_ACT_UNSPEC; }
+int ekp_egress(struct __sk_buff *skb) { return TC_ACT_UNSPEC; }
+"""
+    bpf: Any = BPF(text=text.encode())
+    names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)
+    fds = {name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd for name in names}
+    yield fds
+    bpf.cleanup()
+
+
+@pytest.mark.kernel
+def test_a_clsact_start_resuming_a_tcx_hand_over_from_clsact_goes_in_front_of_both_until_the_rehome(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int], third_progs: dict[str, int], pin_dir: str
+) -> None:
+    """How review 1's case arises: an upgrade from ABI v1 (on clsact) by a build on tcx, cut short
+    (its link in front of the v1 filters), then a start of a third build on clsact, still handing
+    over from v1: its program goes on a tcx link before the second build's, the v1 filters behind
+    all; `rehome` puts its filter in the v1 one's place, then removes every link."""
+    from agent.ebpf.sockattach import prog_id
+
+    v1 = {name: prog_id(fd) for name, fd in progs.items()}
+    second = {name: prog_id(fd) for name, fd in newer_progs.items()}
+    third = {name: prog_id(fd) for name, fd in third_progs.items()}
+    Attacher(clsact_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    Attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True, front=True)
+    assert tcx_ids(netns, "eth0")[1:] == [second[PROG_FROM_NET]]
+    assert ours_by_pref(ingress(netns, "eth0")) == {17: v1[PROG_FROM_NET]}
+    newer = Attacher(clsact_config(netns, pin_dir), third_progs)
+    assert newer.handover_state() == HandoverState(own_front=False, other_front=True, older_behind=True)
+    newer.reconcile(NODE, full=True, front=True)
+    assert tcx_ids(netns, "eth0")[1:] == [third[PROG_FROM_NET], second[PROG_FROM_NET]]
+    assert tcx_ids(netns, "eth0", "egress") == [third[PROG_EGRESS], second[PROG_EGRESS]]
+    assert ours_by_pref(ingress(netns, "eth0")) == {17: v1[PROG_FROM_NET]}
+    newer.rehome()
+    for dev, prog in (("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)):
+        assert tcx_ids(netns, dev) == [] and tcx_ids(netns, dev, "egress") == [], dev
+        assert ours_by_pref(ingress(netns, dev)) == {17: third[prog]}, dev
+        assert ours_by_pref(egress(netns, dev)) == {17: third[PROG_EGRESS]}, dev
+    assert os.listdir(pin_dir) == []
+    detach_all(netns)
