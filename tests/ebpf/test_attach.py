@@ -1180,7 +1180,7 @@ def test_a_clsact_start_handing_over_from_a_tcx_generation_goes_in_front_of_its_
 
 
 @pytest.mark.kernel
-def test_reading_the_pins_removes_only_what_holds_no_tcx_link_and_survives_pins_going_meanwhile(
+def test_reading_the_tcx_pins_removes_only_what_holds_no_tcx_link_and_survives_pins_going_meanwhile(
     netns: str, progs: dict[str, int], pin_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`tcx.pinned`: a pin that cannot be opened for a reason that says nothing about it (EMFILE)
@@ -1291,7 +1291,7 @@ def hook_snapshots(netns: str, dev: str, monkeypatch: pytest.MonkeyPatch) -> lis
 
 
 @pytest.mark.kernel
-def test_a_link_left_in_front_by_a_hand_over_cut_short_takes_the_place_with_no_moment_without_one(
+def test_a_tcx_link_left_in_front_by_a_hand_over_cut_short_takes_the_place_with_no_moment_without_one(
     netns: str,
     progs: dict[str, int],
     newer_progs: dict[str, int],
@@ -1419,7 +1419,7 @@ def test_a_tcx_attach_racing_another_thread_onto_the_same_hook_goes_on(
 
 
 @pytest.mark.kernel
-def test_stopping_the_watcher_never_closes_a_classid_program_an_attach_is_linking(
+def test_stopping_the_watcher_never_closes_a_tcx_classid_program_an_attach_is_linking(
     netns: str, progs: dict[str, int], pin_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """stop_watcher closes the classid programs' fds; an attach on another thread (a sync) holding
