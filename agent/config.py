@@ -169,6 +169,7 @@ class Config:
     nodeport_range: tuple[int, int] = default("nodeport_range")
     bpf_keep_client_ip_local: bool = default("bpf_keep_client_ip_local")
     bpf_xdp: str = default("bpf_xdp")
+    bpf_tc_attach: str = default("bpf_tc_attach")  # auto | tcx | clsact (agent/ebpf/tcx.py)
     bpf_lb_algorithm: str = default("bpf_lb_algorithm")
     bpf_host_routing: HostRouting = default("bpf_host_routing")  # bpf/ekp_host.h
     socket_lb: bool = default("socket_lb")  # cgroup socket programs for the node's own sockets

@@ -66,20 +66,37 @@ def _parallel(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput"):
         config.stash[_GROUPS_PREFIX] = os.path.join(tempfile.mkdtemp(prefix="ekp-run-groups-"), "groups")
+    if not hasattr(config, "workerinput"):
+        config.stash[_SESSION_DIR] = tempfile.mkdtemp(prefix="ekp-session-")
 
 
 _GROUPS_PREFIX = pytest.StashKey[str]()
+_SESSION_DIR = pytest.StashKey[str]()
+SESSION_DIR = "ekp_session_dir"  # workerinput key: the directory every worker of the run shares
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     prefix = config.stash.get(_GROUPS_PREFIX, None)
     if prefix is not None:
         shutil.rmtree(os.path.dirname(prefix), ignore_errors=True)
+    shared = config.stash.get(_SESSION_DIR, None)
+    if shared is not None:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     node.workerinput[parallel.GROUPS_FILE] = node.config.stash[_GROUPS_PREFIX]
+    node.workerinput[SESSION_DIR] = node.config.stash[_SESSION_DIR]
+
+
+@pytest.fixture(scope="session")
+def session_dir(pytestconfig: pytest.Config) -> str:
+    """A directory every process of this run shares (all its xdist workers), removed at its end:
+    for what one run group makes and another may use (compiled objects, behind a lock per entry),
+    so that splitting a module into run groups costs nothing twice."""
+    workerinput: dict[str, Any] = getattr(pytestconfig, "workerinput", {})
+    return str(workerinput.get(SESSION_DIR) or pytestconfig.stash[_SESSION_DIR])
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)

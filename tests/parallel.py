@@ -4,6 +4,8 @@ Every test has a run group (`run_group`): the tests that must run on one worker,
 other, in their order, because they share a lab.
 
 * a module (its module-scoped labs are made once);
+* a module's tests marked `run_group(name)`: a group of their own (`path#name`), for a module
+  whose tests need no lab in common (what they share, they take from `session_dir`, made once);
 * for a test whose mode (`ebpf`, `iptables`) comes from a mode-parametrised fixture of its module,
   that module's mode (the two modes' labs are made on two workers, once each);
 * for a test whose mode comes from a session-scoped fixture (tests/traffic's `cluster` and `api`),
@@ -56,6 +58,9 @@ def _session_lab(item: pytest.Item, mode: str) -> str | None:
 def run_group(item: pytest.Item) -> str:
     """The tests that must run on one worker, in order (see the module docstring)."""
     path = item.path.relative_to(ROOT).as_posix()
+    marker = item.get_closest_marker("run_group")
+    if marker is not None:
+        return f"{path}#{marker.args[0]}"
     mode = item_mode(item)
     if mode is None:
         return path

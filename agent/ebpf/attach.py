@@ -64,7 +64,34 @@ lose what it sent through a device in that moment, once: TCP sends the segment a
 datagram or an SCTP chunk of a peer that does not retransmit is lost (seen in the lab: a few ms a
 device on a loaded machine; README "Machine facts"). The attach says so in its log line
 (`CLSACT_LOG`), with how long the adds took. A replace of a filter on an existing clsact drops
-nothing. tcx (Linux 6.6, bpf_link attach without a qdisc) would avoid it; not used yet.
+nothing.
+
+tcx (`--bpf-tc-attach=tcx`, or `auto` where the kernel has it: Linux 6.6; agent/ebpf/tcx.py)
+avoids that moment: the programs go on through bpf_links, no qdisc is added, so nothing is dropped
+(CLSACT_LOG is never logged). The same effects, kept by the same methods:
+
+* egress first, then on ingress the classid program (tcx sets no skb->tc_classid, which our
+  program reads as cls_bpf's classid: tcx.py) first in the hook's list, then ours, each link
+  pinned as `ekp_tcx*_<hook>_<device>_<ifindex>` in the pin directory;
+* a restart updates the pinned links in place (BPF_LINK_UPDATE: atomic, as "replace" was); our
+  filters left on a clsact qdisc by an agent on clsact are deleted once the link is on (the link
+  runs before them: nothing met them any more); the qdisc is left in place, empty, since a qdisc
+  delete grafts and drops as an add does;
+* the hand-over: in front of an older generation on clsact, our link runs first by itself and its
+  TC_ACT_UNSPEC falls through to the older filter, so `rehome` deletes the older filters; in front
+  of an older generation on tcx, ours gets a link right before the older one's (BPF_F_BEFORE,
+  pinned as `ekp_tcxfront_*`), and `rehome` detaches the older link and pins ours in its place
+  (the kernel holds a program once per hook, so the older link cannot be updated to ours while
+  ours is in front);
+* the watcher gives a new pod device its links; a deleted device's links go defunct (the kernel
+  detaches them), and their pins are removed on RTM_DELLINK and by every verifying reconcile;
+* `detach_all` detaches every tcx link of ours (a tcx query of each device, by program name), so
+  it needs no pin path; the pins then hold defunct links until `remove_pins` or the next sweep.
+
+An agent on clsact after one on tcx (the setting changed back) attaches its filters, then detaches
+the pinned links (they would run in front of the filters): device by device, not in front of the
+older generation as a hand-over would be. `fronts_left` (agent doctor) lists only clsact filters
+in front, not tcx links.
 """
 
 from __future__ import annotations
@@ -72,12 +99,13 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import os
 import select
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +113,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl import RTMGRP_LINK
 
 from agent.config import Config, NodeContext
-from agent.ebpf import xdp
+from agent.ebpf import tcx, xdp
 from agent.localdetect import LocalDetector
 from agent.netns import netns_route, run_in_netns
 from agent.node import matches_pod_pattern
@@ -476,7 +504,7 @@ def _ours(ipr: Any, index: int) -> int:
 def detach_all(
     netns: str, detached: list[str] | None = None, *, between: Callable[[], None] | None = None
 ) -> list[str]:
-    """Remove our filters and XDP programs from every device of `netns`; names of the devices
+    """Remove our filters, tcx links and XDP programs from every device of `netns`; names of the devices
     that had one, each appended to `detached` (the caller's, if given) as soon as one of our
     programs left it, so that a caller stopped by any exception knows; `between` is called
     before each device (a hand-back renews its holds there).
@@ -503,7 +531,9 @@ def detach_all(
                     if xdp_ours and xdp.detach(ipr, link.index):
                         done.append(link.name)
                     in_xdp = False
-                    ours = _ours(ipr, link.index)
+                    ours = _ours(ipr, link.index) + _tcx_ours(netns, link.index)
+                    if _detach_tcx(netns, link.index) and link.name not in done:
+                        done.append(link.name)
                     if detach(ipr, link.index) and link.name not in done:
                         done.append(link.name)
                 except Exception as exc:
@@ -512,7 +542,8 @@ def detach_all(
                         if in_xdp:  # its answer lost: whether ours is still there says
                             half = xdp_ours and (gone or not xdp.is_ours(xdp.xdp_state(ipr, link.index)))
                         else:
-                            half = ours > 0 and (gone or _ours(ipr, link.index) < ours)
+                            left = _ours(ipr, link.index) + _tcx_ours(netns, link.index)
+                            half = ours > 0 and (gone or left < ours)
                     except Exception:  # unreadable: counted as left, the side whose mistake
                         half = xdp_ours if in_xdp else ours > 0  # costs strangers, not flows moved elsewhere
                     if gone:  # the device or the filter gone meanwhile: nothing left to detach
@@ -531,6 +562,43 @@ def detach_all(
     except FileNotFoundError:
         log.info("netns %s does not exist: nothing to detach", netns)
         return done
+
+
+def _hook(parent: int) -> str:
+    return tcx.INGRESS if parent == TC_H_INGRESS else tcx.EGRESS
+
+
+def _live(pins: list[tcx.Pinned], role: str, index: int, hook: str = tcx.INGRESS) -> bool:
+    pin = tcx.find(pins, role, hook, index)
+    return pin is not None and pin.live
+
+
+def _tcx_ours(netns: str, index: int) -> int:
+    """How many tcx links of ours the device's hooks hold (0 where the kernel has no tcx, or the
+    namespace went meanwhile)."""
+
+    def count() -> int:
+        return sum(
+            tcx.prog_name(prog).startswith(OUR_NAME_PREFIX)
+            for hook in (tcx.INGRESS, tcx.EGRESS)
+            for prog, link_id in tcx.hook_links(index, hook)
+            if link_id
+        )
+
+    try:
+        return run_in_netns(netns, count)
+    except FileNotFoundError:
+        return 0
+
+
+def _detach_tcx(netns: str, index: int) -> int:
+    """Detach our tcx links from one device (in its namespace: a tcx query names the device by
+    ifindex); how many. Their pins, if any, then hold defunct links: the caller's remove_pins, or
+    the next agent's sweep, removes them."""
+    try:
+        return run_in_netns(netns, lambda: tcx.detach_ours(index, OUR_NAME_PREFIX))
+    except FileNotFoundError:  # the namespace went meanwhile: nothing of ours is left in it
+        return 0
 
 
 @dataclass(frozen=True)
@@ -566,11 +634,98 @@ class Attacher:
         # generation's by a hand-over's reconcile, until `rehome` moves them to FILTER_PRIO.
         self._fronts: dict[tuple[int, int], tuple[str, int]] = {}
         self._ids: frozenset[int] | None = None  # _own_ids
+        self._tcx: bool | None = None  # through tcx links (`use_tcx`), decided at the first attach
+        self._classid_fds: dict[int, int] = {}  # classid -> its tcx classid program (tcx.py)
+        # (ifindex, hook) -> what a tcx hand-over's rehome does there: "clsact" (delete the older
+        # generation's filters behind our link) or "tcx" (take the older link over, drop our front).
+        self._front_kinds: dict[tuple[int, int], str] = {}
 
     @property
     def attached(self) -> dict[int, tuple[str, str]]:
         with self._lock:
             return dict(self._attached)
+
+    @property
+    def use_tcx(self) -> bool:
+        """Whether the tc programs go on through tcx links (--bpf-tc-attach; probed once: a
+        kernel without tcx gets clsact, with one log line saying why)."""
+        if self._tcx is None:
+            mode = self._config.bpf_tc_attach
+            why = "" if mode == "clsact" else tcx.probe()
+            self._tcx = mode != "clsact" and not why
+            if why:
+                log.warning(
+                    "--bpf-tc-attach=%s: %s; attaching through clsact qdiscs instead (adding one to a "
+                    "device drops what the node sends out of it meanwhile)",
+                    mode,
+                    why,
+                )
+            elif self._tcx:
+                log.info(
+                    "attaching the tc programs through tcx links (no qdisc added), pinned in %s as %s*",
+                    self._config.pin_path,
+                    tcx.PIN_PREFIX,
+                )
+        return self._tcx
+
+    def _classid_fd(self, classid: int) -> int:
+        with self._lock:  # the watcher's thread and the syncs' attach alike
+            if classid not in self._classid_fds:
+                self._classid_fds[classid] = tcx.load_classid_program(classid)
+            return self._classid_fds[classid]
+
+    def _tcx_link(
+        self, pins: list[tcx.Pinned], role: str, hook: str, name: str, index: int, fd: int, before: str = ""
+    ) -> tcx.Pinned:
+        """Our link of `role` on one hook runs `fd`'s program: updated in place where one is
+        pinned and live, else created (a defunct pin of the same ifindex removed first)."""
+        pin = tcx.find(pins, role, hook, index)
+        if pin is not None and pin.live:
+            if pin.prog_id != tcx.prog_id(fd):
+                tcx.update(pin, fd)
+            if pin.device != name:
+                pin = tcx.rename(pin, name, self._config.pin_path)
+            return pin
+        netns = self._config.netns
+        return tcx.create(netns, self._config.pin_path, role, hook, name, index, fd, before=before)
+
+    def _tcx_prog(self, ipr: Any, pins: list[tcx.Pinned], index: int, parent: int) -> str | None:
+        """The name of the program our live tcx link runs on one hook (None: no such link)."""
+        pin = tcx.find(pins, tcx.MAIN, _hook(parent), index)
+        if pin is None or not pin.live:
+            return None
+        return tcx.prog_name(pin.prog_id)
+
+    def _hook_prog(
+        self, ipr: Any, pins: list[tcx.Pinned] | None, index: int, parent: int = TC_H_INGRESS
+    ) -> str | None:
+        """The program of ours serving one hook: our tcx link's where tcx is used, else our filter's."""
+        if pins is not None:
+            return self._tcx_prog(ipr, pins, index, parent)
+        return our_filter(ipr, index, parent)
+
+    def _pins(self, indexes: Collection[int] | None = None) -> list[tcx.Pinned] | None:
+        """Our pinned tcx links (of the devices `indexes` when given) where tcx is used (None: clsact)."""
+        return tcx.pinned(self._config.pin_path, indexes) if self.use_tcx else None
+
+    def _detach(self, ipr: Any, index: int, pins: list[tcx.Pinned] | None) -> bool:
+        """Ours off one device: filters, and tcx links with their pins; whether any was there."""
+        found = detach(ipr, index)
+        for pin in pins or ():
+            if pin.index == index:
+                tcx.remove(pin)
+                found = True
+        return found
+
+    def _drop_filters(self, ipr: Any, index: int, parent: int) -> bool:
+        """Remove our filters (both priorities) from one hook, the clsact qdisc left in place (a
+        qdisc delete grafts too: module doc); whether one was there."""
+        found = False
+        for prio in OUR_PRIOS:
+            if our_filter(ipr, index, parent, prio) is not None:
+                ipr.tc("del-filter", "bpf", index, FILTER_HANDLE, parent=parent, prio=prio)
+                found = True
+        return found
 
     def attach_egress(self, node: NodeContext) -> None:
         """ekp_egress on every device that should carry our programs, ingress programs left as
@@ -578,13 +733,20 @@ class Attacher:
         program hands the stack a packet that could leave by a device without its egress half."""
         added: list[str] = []
         started = time.monotonic()
+        pins = self._pins()
         with netns_route(self._config.netns) as ipr:
             for index, (name, _) in sorted(wanted_devices(ipr, self._config, node).items()):
                 try:
-                    if attach(ipr, index, PROG_EGRESS, self._fds[PROG_EGRESS], TC_H_EGRESS):
+                    if pins is not None:
+                        self._tcx_link(pins, tcx.MAIN, tcx.EGRESS, name, index, self._fds[PROG_EGRESS])
+                        self._drop_filters(ipr, index, TC_H_EGRESS)
+                    elif attach(ipr, index, PROG_EGRESS, self._fds[PROG_EGRESS], TC_H_EGRESS):
                         added.append(name)
                 except NetlinkError as exc:
                     if exc.code != errno.ENODEV:  # gone again: nothing to hand over there
+                        raise
+                except OSError as exc:
+                    if exc.errno != errno.ENODEV:
                         raise
         if added:
             log.info(CLSACT_LOG, len(added), ", ".join(added), (time.monotonic() - started) * 1000)
@@ -623,6 +785,7 @@ class Attacher:
           always, and its copy at FRONT_PRIO goes. A full reconcile without `front` removes ours
           at FRONT_PRIO from every hook it attaches.
         """
+        pins = self._pins() if full or verify else None
         with netns_route(self._config.netns) as ipr:
             links: dict[int, Link] = {}
             if full or verify:
@@ -630,10 +793,16 @@ class Attacher:
                 links = {link.index: link for link in list_links(ipr)}
                 if full and keep_external:
                     for link in links.values():
-                        if link.index not in wanted and our_filter(ipr, link.index) == PROG_FROM_NET:
+                        if (
+                            link.index not in wanted
+                            and self._hook_prog(ipr, pins, link.index) == PROG_FROM_NET
+                        ):
                             wanted[link.index] = (link.name, PROG_FROM_NET)
             else:
                 wanted = {i: (n, PROG_FROM_NET) for i, n in external_devices(ipr, self._config, node).items()}
+                # Every sync: only the pins of the devices it looks at (a node has many pods).
+                looked_at = {i for i, (_, prog) in self.attached.items() if prog == PROG_FROM_NET}
+                pins = self._pins(set(wanted) | looked_at)
             external = {i for i, (_, prog) in wanted.items() if prog == PROG_FROM_NET}
             with self._lock:
                 self._external = external
@@ -650,7 +819,7 @@ class Attacher:
             if full:
                 gone = set(known) - set(wanted)
                 for link in list_links(ipr):
-                    if link.index not in wanted and detach(ipr, link.index):
+                    if link.index not in wanted and self._detach(ipr, link.index, pins):
                         log.info("detached from %s (no longer matches)", link.name)
             else:
                 # Devices we attached that no longer qualify (a node IP moved, a pod device renamed).
@@ -660,7 +829,7 @@ class Attacher:
                     gone = {i for i, (_, prog) in known.items() if prog == PROG_FROM_NET} - external
                 for index in gone:
                     try:
-                        if detach(ipr, index):
+                        if self._detach(ipr, index, pins):
                             log.info("detached from %s (no longer matches)", known[index][0])
                     except NetlinkError as exc:
                         if exc.code != errno.ENODEV:
@@ -669,13 +838,18 @@ class Attacher:
                 bridge = bridge_classid(links[index]) if index in links else 0
                 if (
                     not full
-                    and our_filter(ipr, index) == prog
-                    and our_filter(ipr, index, TC_H_EGRESS) == PROG_EGRESS
+                    and self._hook_prog(ipr, pins, index) == prog
+                    and self._hook_prog(ipr, pins, index, TC_H_EGRESS) == PROG_EGRESS
+                    and (pins is None or _live(pins, tcx.CLASSID, index))
                     and self._bridges.get(index, 0) == bridge
                 ):
                     self._remember(index, name, prog, bridge)
                     continue
-                self._attach(ipr, index, name, prog, bridge, front=front, clear_front=full)
+                self._attach(ipr, index, name, prog, bridge, front=front, clear_front=full, pins=pins)
+            if pins is not None and (full or verify):
+                swept = tcx.sweep_defunct(self._config.pin_path)
+                if swept:
+                    log.info("removed the pins of tcx links whose device is gone: %s", ", ".join(swept))
             for index in gone:
                 self._xdp_off(ipr, index, known[index][0])
             for index in sorted(external):
@@ -740,6 +914,11 @@ class Attacher:
         """Where a hand-over stands on this namespace's hooks (read before the mode is set)."""
         own = self._own_ids()
         own_front = other_front = older = False
+        # Our tcx links (whichever --bpf-tc-attach this start has: an older generation's may be
+        # there). A link in front (FRONT) is a hand-over's; a main link of another build is an
+        # older generation to hand over from; ours in front of an older filter, a hand-over begun.
+        pins = [p for p in tcx.pinned(self._config.pin_path) if p.live]
+        behind_filters: set[tuple[int, str]] = set()
         with netns_route(self._config.netns) as ipr:
             for link in list_links(ipr):
                 for parent in (TC_H_INGRESS, TC_H_EGRESS):
@@ -754,8 +933,18 @@ class Attacher:
                             mine = filter_prog_id(msg) in own
                             own_front |= mine
                             other_front |= not mine
-                        elif _is_ours(msg, FILTER_PRIO):
-                            older |= filter_prog_id(msg) not in own
+                        elif _is_ours(msg, FILTER_PRIO) and filter_prog_id(msg) not in own:
+                            older = True
+                            behind_filters.add((link.index, _hook(parent)))
+        for pin in pins:
+            if pin.role == tcx.FRONT:
+                own_front |= pin.prog_id in own
+                other_front |= pin.prog_id not in own
+            elif pin.role == tcx.MAIN and pin.prog_id not in own:
+                older = True
+                other_front |= (pin.index, pin.hook) in behind_filters
+            elif pin.role == tcx.MAIN:
+                own_front |= (pin.index, pin.hook) in behind_filters
         return HandoverState(own_front, other_front, older)
 
     def _attach(
@@ -769,7 +958,19 @@ class Attacher:
         front: bool = False,
         clear_front: bool = False,
         appeared: bool = False,
+        pins: list[tcx.Pinned] | None = None,
     ) -> None:
+        if self.use_tcx:
+            self._attach_tcx(
+                ipr,
+                index,
+                name,
+                prog,
+                bridge,
+                front=front,
+                pins=tcx.pinned(self._config.pin_path, {index}) if pins is None else pins,
+            )
+            return
         # Egress first: nothing is handed to the node's stack before its replies (and, with legacy
         # host routing, its own source translation) can be translated. `appeared`: a device the
         # watcher saw come (a new pod's: nothing sent through it yet that a clsact add could drop).
@@ -824,8 +1025,103 @@ class Attacher:
             if where
             else "",
         )
+        # Links an agent on tcx left run in front of these filters: they go now that ours are on.
+        left = tcx.pinned(self._config.pin_path, {index})
+        for pin in left:
+            tcx.remove(pin)
+        if left:
+            log.info("detached the tcx links on %s (--bpf-tc-attach=clsact: its filters serve)", name)
         self._remember(index, name, prog, bridge)
         self.attachments += 1
+
+    def _attach_tcx(
+        self, ipr: Any, index: int, name: str, prog: str, bridge: int, *, front: bool, pins: list[tcx.Pinned]
+    ) -> None:
+        """`_attach` through tcx links (tcx.py): egress first, as there; on ingress the classid
+        program first in the hook's list, then ours. Ours replaces the one pinned there in place
+        (a restart: atomic), and our filters on a clsact qdisc, if any, are then removed (the tcx
+        link runs before them, so nothing meets them any more). `front` (a hand-over): in front of
+        an older generation, which is either a filter on clsact (our link runs before it anyway, and
+        its TC_ACT_UNSPEC falls through to it: the filter stays until `rehome`), or another build's
+        tcx link (ours goes right before it, pinned as FRONT, until `rehome` updates the older link
+        and removes ours in front)."""
+        where = []
+        own = self._own_ids()
+        for parent, program, classid in ((TC_H_EGRESS, PROG_EGRESS, 1), (TC_H_INGRESS, prog, bridge)):
+            hook = _hook(parent)
+            fd = self._fds[program]
+            if parent == TC_H_INGRESS:
+                self._tcx_link(pins, tcx.CLASSID, hook, name, index, self._classid_fd(classid))
+            main = tcx.find(pins, tcx.MAIN, hook, index)
+            behind = our_prog_id(ipr, index, parent, FILTER_PRIO)
+            kind = ""
+            if front and main is not None and main.live and main.prog_id not in own:
+                self._tcx_link(pins, tcx.FRONT, hook, name, index, fd, before=main.path)
+                kind = "tcx"
+            else:
+                ahead = tcx.find(pins, tcx.FRONT, hook, index)
+                if ahead is not None:
+                    # A hand-over cut short: its link in front runs this program (a hook holds a
+                    # program once: it takes the older link's place) or another (it goes).
+                    self._take_place(ahead, tcx.find(pins, tcx.MAIN, hook, index), fd)
+                    pins = [p for p in pins if p.index != index]
+                    pins += tcx.pinned(self._config.pin_path, {index})
+                self._tcx_link(pins, tcx.MAIN, hook, name, index, fd)
+                if front and behind is not None and behind not in own:
+                    kind = "clsact"
+                elif self._drop_filters(ipr, index, parent):
+                    log.info(
+                        "removed our clsact filters on %s %s: its tcx link serves (the qdisc stays)",
+                        name,
+                        hook,
+                    )
+            with self._lock:
+                if kind:
+                    where.append(hook)
+                    self._fronts[(index, parent)] = (program, classid)
+                    self._front_kinds[(index, parent)] = kind
+                else:
+                    self._fronts.pop((index, parent), None)
+                    self._front_kinds.pop((index, parent), None)
+        log.info(
+            "attached %s to %s ingress%s and %s to its egress through tcx links%s",
+            prog,
+            name,
+            f" (a port of ifindex {bridge})" if bridge else "",
+            PROG_EGRESS,
+            f" (in front of the older generation's on {' and '.join(where)}, until the hand-over ends)"
+            if where
+            else "",
+        )
+        self._remember(index, name, prog, bridge)
+        self.attachments += 1
+
+    def _rehome_tcx(self, ipr: Any, index: int, parent: int, program: str, kind: str) -> None:
+        """`rehome` of one hook a tcx hand-over put us in front on."""
+        if kind == "clsact":
+            # Our link already serves; the older filters behind it go (the clsact qdisc stays).
+            self._drop_filters(ipr, index, parent)
+            return
+        pins = tcx.pinned(self._config.pin_path, {index})
+        main = tcx.find(pins, tcx.MAIN, _hook(parent), index)
+        ahead = tcx.find(pins, tcx.FRONT, _hook(parent), index)
+        if ahead is not None:
+            self._take_place(ahead, main, self._fds[program])
+        elif main is not None and main.live:
+            tcx.update(main, self._fds[program])
+
+    def _take_place(self, ahead: tcx.Pinned, main: tcx.Pinned | None, fd: int) -> None:
+        """A link of ours in front of an older one on its hook: when it runs `fd`'s program, the
+        older link goes and the one in front is pinned in its place (the kernel refuses a program
+        twice on one hook, so the older link cannot be updated to it; the one in front served all
+        along); else the one in front goes."""
+        if not ahead.live or ahead.prog_id != tcx.prog_id(fd):
+            tcx.remove(ahead)
+            return
+        if main is not None:
+            tcx.remove(main)
+        main_pin = tcx.pin_name(tcx.MAIN, ahead.hook, ahead.device, ahead.index)
+        os.rename(ahead.path, os.path.join(self._config.pin_path, main_pin))
 
     def _remember(self, index: int, name: str, prog: str, bridge: int = 0) -> None:
         with self._lock:
@@ -842,19 +1138,31 @@ class Attacher:
             return
         with netns_route(self._config.netns) as ipr:
             for (index, parent), (program, classid) in sorted(fronts.items()):
+                with self._lock:
+                    kind = self._front_kinds.get((index, parent), "")
                 try:
-                    attach(ipr, index, program, self._fds[program], parent, classid=classid)
-                    drop_front(ipr, index, parent)
+                    if kind:
+                        self._rehome_tcx(ipr, index, parent, program, kind)
+                    else:
+                        attach(ipr, index, program, self._fds[program], parent, classid=classid)
+                        drop_front(ipr, index, parent)
                 except NetlinkError as exc:
                     if exc.code != errno.ENODEV:
                         raise
                 with self._lock:
                     self._fronts.pop((index, parent), None)
-        log.info(
-            "hand-over done: %d filters moved to priority %d, the older generation's gone",
-            len(fronts),
-            FILTER_PRIO,
-        )
+                    self._front_kinds.pop((index, parent), None)
+        if self.use_tcx:
+            log.info(
+                "hand-over done: %d tcx links in place, the older generation's filters and links gone",
+                len(fronts),
+            )
+        else:
+            log.info(
+                "hand-over done: %d filters moved to priority %d, the older generation's gone",
+                len(fronts),
+                FILTER_PRIO,
+            )
 
     # ------------------------------------------------------------------ pod-device watcher
 
@@ -874,10 +1182,16 @@ class Attacher:
         self._ready.wait(timeout)
 
     def stop_watcher(self) -> None:
+        """Stop the pod-device thread; also close the classid programs' fds (their pinned links
+        keep them loaded; a later attach loads them again): the proxier drops an Attacher here."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        with self._lock:
+            for fd in self._classid_fds.values():
+                os.close(fd)
+            self._classid_fds.clear()
 
     def _watch(self) -> None:
         try:
@@ -905,6 +1219,8 @@ class Attacher:
                                 self._bridges.pop(index, None)
                                 if self._attached.pop(index, None) is not None:
                                     log.info("pod device %s is gone", name)
+                            if self.use_tcx:
+                                self._sweep(index)
         except Exception:
             log.exception(
                 "link watcher of netns %s stopped; the next sync restarts it and checks every device",
@@ -912,6 +1228,14 @@ class Attacher:
             )
         finally:
             self._ready.set()
+
+    def _sweep(self, index: int) -> None:
+        """Remove the pins of our tcx links on a device that went (defunct now; a live one is
+        left to the next verifying reconcile)."""
+        pins = tcx.pinned(self._config.pin_path, {index})
+        swept = tcx.sweep_defunct(self._config.pin_path, pins)
+        if swept:
+            log.info("removed the pins of tcx links whose device is gone: %s", ", ".join(swept))
 
     def _catch_up(self, ipr: Any) -> None:
         for link in list_links(ipr):
@@ -933,6 +1257,6 @@ class Attacher:
                 return
         try:
             self._attach(ipr, link.index, link.name, prog, bridge, appeared=True)
-        except NetlinkError as exc:
+        except (NetlinkError, OSError) as exc:
             # The device may be gone again, or be moving to another namespace.
             log.warning("cannot attach %s to %s: %s", prog, link.name, exc)

@@ -41,6 +41,7 @@ MAP_UPDATE_BATCH = 26
 MAP_DELETE_BATCH = 27
 LINK_CREATE = 28
 LINK_UPDATE = 29
+LINK_GET_FD_BY_ID = 30
 ITER_CREATE = 33
 LINK_DETACH = 34
 
@@ -69,6 +70,12 @@ _MAP_CREATE = struct.Struct("=IIIIIII16sIIIIIQ")
 _PROG_LOAD = struct.Struct("=IIQQIIQII16sIIIIQIIQIII")
 # link_create: prog_fd, target_fd, attach_type, flags, then (iterators) iter_info, iter_info_len
 _LINK_CREATE = struct.Struct("=IIIIQI")
+# link_create for tcx (Linux 6.6): prog_fd, target_ifindex, attach_type, flags, then
+# tcx.relative_fd (or relative_id), a pad, tcx.expected_revision
+_LINK_CREATE_TCX = struct.Struct("=IIIIIIQ")
+# prog_query of a tcx hook: target_ifindex, attach_type, query_flags, attach_flags, prog_ids,
+# count, pad, prog_attach_flags, link_ids, link_attach_flags, revision
+_PROG_QUERY_TCX = struct.Struct("=IIIIQIIQQQQ")
 # link_update: link_fd, new_prog_fd, flags, old_prog_fd
 _LINK_UPDATE = struct.Struct("=IIII")
 # iter_create: link_fd, flags; link_detach: link_fd
@@ -246,6 +253,40 @@ def prog_load(
 def link_create(prog_fd: int, target_fd: int, attach_type: int) -> int:
     """A bpf_link of `prog_fd` on `target_fd` (a cgroup directory; 0 for an iterator); fd or -errno."""
     return _call(LINK_CREATE, _attr(_LINK_CREATE, prog_fd, target_fd, attach_type, 0, 0, 0))
+
+
+def tcx_link_create(prog_fd: int, ifindex: int, attach_type: int, flags: int = 0, relative: int = 0) -> int:
+    """A tcx bpf_link of `prog_fd` on device `ifindex` of the caller's network namespace
+    (BPF_TCX_INGRESS / BPF_TCX_EGRESS); `flags` BPF_F_BEFORE / BPF_F_AFTER place it next to
+    `relative` (a link fd with BPF_F_LINK; none: first or last). fd or -errno."""
+    return _call(LINK_CREATE, _attr(_LINK_CREATE_TCX, prog_fd, ifindex, attach_type, flags, relative, 0, 0))
+
+
+def tcx_query(ifindex: int, attach_type: int, prog_ids: Any, link_ids: Any) -> tuple[int, int]:
+    """Ids of the programs on one tcx hook of the caller's network namespace, in run order, and of
+    their links (0: attached without a link), into two ctypes u32 arrays of one length:
+    (ret, count). -EINVAL where the kernel has no tcx."""
+    attr = _attr(
+        _PROG_QUERY_TCX,
+        ifindex,
+        attach_type,
+        0,
+        0,
+        _addr(prog_ids),
+        len(prog_ids),
+        0,
+        0,
+        _addr(link_ids),
+        0,
+        0,
+    )
+    ret = _call(PROG_QUERY, attr)
+    return ret, _PROG_QUERY_TCX.unpack(attr.raw)[5]
+
+
+def link_get_fd_by_id(link_id: int) -> int:
+    """An fd of the bpf_link `link_id`, or -errno."""
+    return _call(LINK_GET_FD_BY_ID, _attr(_GET_FD_BY_ID, link_id, 0, 0))
 
 
 def link_update(link_fd: int, new_prog_fd: int) -> int:

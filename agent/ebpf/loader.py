@@ -684,8 +684,13 @@ class Datapath:
         obj = self.cache.get(build)
         cached = obj is not None
         if obj is None:
-            obj, how = self._compile(build, programs)
-        else:
+            with self.cache.compiling(build):
+                # Another agent may have compiled it while this one waited for the lock.
+                obj = self.cache.get(build)
+                cached = obj is not None
+                if obj is None:
+                    obj, how = self._compile(build, programs)
+        if cached:
             how = "loaded from the compile cache (compiled by an earlier agent)"
         pinned = {spec.name for spec in MAPS.values()}
 

@@ -15,16 +15,23 @@ writable by nobody else, an ancestor writable by others only with the sticky bit
 by us and writable by nobody else. Anything short of that, or unreadable, is a miss (logged), never
 an error: the agent compiles instead. Files are written whole (a temporary file renamed over),
 and only the newest `KEEP` are kept.
+
+`compiling(build)` holds a lock per build (flock on `.lock-<build>` in the directory) around a miss
+and its compile: agents that miss the same build at once (a lab's two nodes starting together, the
+test workers of a fresh clone) compile it once, the others waiting for the first and taking its
+object. A holder that dies releases it; a waiter gives up after `LOCK_WAIT_S` and compiles.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import stat
 import tempfile
 import time
+from collections.abc import Iterator
 
 from agent.ebpf.bpfobject import BpfObject, ObjectError
 
@@ -35,6 +42,8 @@ DIR_ENV = "EKP_BPF_CACHE_DIR"
 KEEP = 16
 SUFFIX = ".json"
 STALE_TMP_S = 3600.0  # a temporary file this old belongs to no live writer
+LOCK_PREFIX = ".lock-"
+LOCK_WAIT_S = 300.0  # a compile's own timeout (agent.ebpf.compile.COMPILE_TIMEOUT_S)
 
 
 def default_cache_dir() -> str:
@@ -128,6 +137,45 @@ class ObjectCache:
             os.utime(path)  # recently used: kept by the pruning
         return obj
 
+    @contextlib.contextmanager
+    def compiling(self, build: str) -> Iterator[None]:
+        """Held around a miss of `build` and its compile, so that one agent compiles what several
+        missed at once; never raises of its own (no usable directory: no lock, as no cache)."""
+        if not build.isalnum() or not self._usable(create=True):
+            yield
+            return
+        path = os.path.join(self.path, LOCK_PREFIX + build)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            log.warning(
+                "no compile lock %s: %s (this agent may compile what another is compiling)", path, exc
+            )
+            yield
+            return
+        try:
+            deadline = time.monotonic() + LOCK_WAIT_S
+            said = False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if not said:
+                        log.info("waiting for another agent compiling data path %s (%s)", build, path)
+                        said = True
+                    if time.monotonic() > deadline:
+                        log.warning(
+                            "another agent held the compile lock %s over %.0fs: compiling anyway",
+                            path,
+                            LOCK_WAIT_S,
+                        )
+                        break
+                    time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
     def put(self, obj: BpfObject) -> None:
         """Keep `obj` for the next agent; failures are logged, not raised."""
         if not obj.build.isalnum() or not self._usable(create=True):
@@ -154,7 +202,8 @@ class ObjectCache:
         except OSError:
             return
         objects = sorted(((t, p) for n, t, p in entries if not n.startswith(".")), reverse=True)
-        stale = [p for n, t, p in entries if n.startswith(".tmp-") and t < time.time() - STALE_TMP_S]
+        old = time.time() - STALE_TMP_S
+        stale = [p for n, t, p in entries if n.startswith((".tmp-", LOCK_PREFIX)) and t < old]
         for path in [p for _, p in objects[KEEP:]] + stale:
             with contextlib.suppress(OSError):
                 os.unlink(path)

@@ -825,6 +825,19 @@ SETTINGS: tuple[Setting, ...] = (
         group=EBPF,
     ),
     Setting(
+        "bpf_tc_attach",
+        Choice(("auto", "tcx", "clsact")),
+        "clsact",
+        "how the tc programs are attached: tcx (Linux 6.6 bpf_links, pinned; no qdisc, so nothing the "
+        "node sends is dropped while a device gets its programs), clsact (a clsact qdisc and cls_bpf "
+        "filters: adding the qdisc to a device that has none drops what it sends meanwhile), or auto "
+        "(tcx where the kernel has it, else clsact, said once in the log); tcx on a kernel without "
+        "it attaches through clsact too, with a warning",
+        flags=("--bpf-tc-attach",),
+        attr="bpf_tc_attach",
+        group=EBPF,
+    ),
+    Setting(
         "bpf_lb_algorithm",
         Choice(("random", "maglev")),
         "random",

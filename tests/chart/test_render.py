@@ -65,6 +65,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "nodePortRange": "20000-22767",
             "keepClientIpForLocalBackends": True,
             "hostRouting": "bpf",
+            "tcAttach": "tcx",
         },
         "conntrack": {"tcpEstablishedTimeout": "2h0m0s", "udpTimeout": "30s"},
         "iptables": {"minSyncPeriod": "250ms"},
@@ -309,8 +310,10 @@ def test_nodeports_and_tuned_flags(rendered: dict[str, Rendered]) -> None:
         "--node-port-range=20000-22767",
         "--bpf-keep-client-ip-for-local-backends=true",
         "--bpf-host-routing=bpf",
+        "--bpf-tc-attach=tcx",
     } <= set(tuned["args"])
     assert "--bpf-host-routing=legacy" in rendered["default"].container("agent")["args"]
+    assert "--bpf-tc-attach=clsact" in rendered["default"].container("agent")["args"]
     # The guard of external frontends is both modes'.
     assert {
         "--node-port-range=20000-22767",

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import struct
 import subprocess
 import threading
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 
 from agent.config import Config, HostRouting, NodeContext
+from agent.ebpf import tcx
 from agent.ebpf.attach import (
     PROG_EGRESS,
     PROG_FROM_NET,
@@ -37,7 +39,7 @@ from agent.ebpf.attach import (
 )
 from agent.ebpf.xdp import PROG_XDP
 from agent.localdetect import LocalDetector, LocalMode
-from agent.netns import netns_route
+from agent.netns import netns_route, run_in_netns
 from agent.node import matches_pod_pattern
 
 
@@ -753,3 +755,362 @@ def test_a_foreign_filter_at_the_front_priority_gets_the_older_one_replaced_inst
     assert re.search(r"pref 16 u32", ingress(netns, "eth0")), "the foreign filter stays where it was"
     assert ours_by_pref(egress(netns, "eth0")) == {16: new[PROG_EGRESS], 17: old[PROG_EGRESS]}
     assert any("u32 on eth0 ingress sits at priority 16" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------------------- tcx
+
+
+@pytest.fixture
+def pin_dir() -> Iterator[str]:
+    path = f"/sys/fs/bpf/ekpt-{secrets.token_hex(3)}"
+    os.mkdir(path, 0o700)
+    try:
+        yield path
+    finally:
+        for name in os.listdir(path):
+            os.unlink(os.path.join(path, name))
+        os.rmdir(path)
+
+
+def tcx_config(netns: str, pin_dir: str, **kw: Any) -> Config:
+    return Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir, bpf_tc_attach="tcx", **kw)
+
+
+def index_of(ns: str, dev: str) -> int:
+    with netns_route(ns) as ipr:
+        return int(ipr.link_lookup(ifname=dev)[0])
+
+
+def tcx_progs(ns: str, dev: str, hook: str = "ingress") -> list[str]:
+    """Names of the programs on one tcx hook, in the order they run."""
+    index = index_of(ns, dev)
+    return [tcx.prog_name(prog) for prog, _ in run_in_netns(ns, lambda: tcx.hook_links(index, hook))]
+
+
+def tcx_ids(ns: str, dev: str, hook: str = "ingress") -> list[int]:
+    index = index_of(ns, dev)
+    return [prog for prog, _ in run_in_netns(ns, lambda: tcx.hook_links(index, hook))]
+
+
+@pytest.mark.kernel
+def test_tcx_attaches_without_a_qdisc_pins_each_link_by_device_and_hook_and_follows_devices(
+    netns: str, progs: dict[str, int], pin_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--bpf-tc-attach=tcx: the programs go on through tcx links, no qdisc added (so the attach
+    never stops a device's transmit queue, and the clsact line is never logged); ingress runs the
+    classid program first, then ours. Each link is pinned under the pin directory, named by hook,
+    device and ifindex; the watcher attaches to a new pod device, and a deleted device's defunct
+    links lose their pins. detach_all detaches every link of ours."""
+    caplog.set_level(logging.INFO, logger="agent.ebpf.attach")
+    attacher = Attacher(tcx_config(netns, pin_dir), progs)
+    attacher.reconcile(NODE, full=True)
+    assert attacher.use_tcx
+    for dev in ("eth0", "lxc-a"):
+        assert "clsact" not in qdiscs(netns, dev) and ingress(netns, dev) == "" and egress(netns, dev) == ""
+    assert tcx_progs(netns, "eth0") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
+    assert tcx_progs(netns, "lxc-a") == [tcx.CLASSID_PROG_NAME, PROG_FROM_POD]
+    assert tcx_progs(netns, "eth0", "egress") == [PROG_EGRESS] == tcx_progs(netns, "lxc-a", "egress")
+    assert tcx_progs(netns, "other1") == []
+    eth0, lxc_a = index_of(netns, "eth0"), index_of(netns, "lxc-a")
+    assert sorted(os.listdir(pin_dir)) == sorted(
+        [
+            f"ekp_tcx_egress_eth0_{eth0}",
+            f"ekp_tcx_ingress_eth0_{eth0}",
+            f"ekp_tcxcls_ingress_eth0_{eth0}",
+            f"ekp_tcx_egress_lxc-a_{lxc_a}",
+            f"ekp_tcx_ingress_lxc-a_{lxc_a}",
+            f"ekp_tcxcls_ingress_lxc-a_{lxc_a}",
+        ]
+    )
+    assert not [r for r in caplog.records if "clsact" in r.getMessage()]
+    # in place: a second reconcile attaches nothing; a link detached behind our back comes back
+    attached = attacher.attachments
+    attacher.reconcile(NODE)
+    assert attacher.attachments == attached
+    run_in_netns(netns, lambda: tcx.detach_ours(eth0, "ekp_from_net"))
+    attacher.reconcile(NODE)
+    assert attacher.attachments == attached + 1
+    assert tcx_progs(netns, "eth0") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
+
+    attacher.start_watcher()
+    try:
+        sh("ip", "-n", netns, "link", "add", "lxc-b", "type", "veth", "peer", "name", "pod-b")
+        assert wait_for(lambda: ("lxc-b", PROG_FROM_POD) in attacher.attached.values())
+        assert tcx_progs(netns, "lxc-b") == [tcx.CLASSID_PROG_NAME, PROG_FROM_POD]
+        assert tcx_progs(netns, "lxc-b", "egress") == [PROG_EGRESS]
+        lxc_b = index_of(netns, "lxc-b")
+        assert f"ekp_tcx_ingress_lxc-b_{lxc_b}" in os.listdir(pin_dir)
+        sh("ip", "-n", netns, "link", "del", "lxc-b")
+        assert wait_for(lambda: not [n for n in os.listdir(pin_dir) if n.endswith(f"_lxc-b_{lxc_b}")])
+    finally:
+        attacher.stop_watcher()
+    assert "clsact" not in qdiscs(netns, "lxc-a")
+
+    assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]
+    for dev in ("eth0", "lxc-a"):
+        assert tcx_progs(netns, dev) == [] and tcx_progs(netns, dev, "egress") == [], dev
+    assert detach_all(netns) == []
+    # the pins hold defunct links now: a verifying reconcile sweeps them, then attaches anew
+    assert {p.live for p in tcx.pinned(pin_dir)} == {False}
+    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    assert {p.live for p in tcx.pinned(pin_dir)} == {True} and len(os.listdir(pin_dir)) == 6
+    detach_all(netns)
+
+
+@pytest.mark.kernel
+def test_a_tcx_restart_swaps_the_new_program_into_the_pinned_link_with_no_moment_without_one(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int], pin_dir: str
+) -> None:
+    """The links outlive the Attacher (the agent's exit): a restarted agent finds them pinned and
+    updates them in place (BPF_LINK_UPDATE): the same link, the new program, and at no moment is
+    the hook without one of ours."""
+    from agent.ebpf.sockattach import prog_id
+
+    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    before = {p.path: p.link_id for p in tcx.pinned(pin_dir)}
+    new = {name: prog_id(fd) for name, fd in newer_progs.items()}
+    gaps: list[list[int]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            ids = tcx_ids(netns, "eth0")
+            if len(ids) != 2:
+                gaps.append(ids)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        Attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True)
+    finally:
+        stop.set()
+        t.join()
+    assert gaps == []
+    assert {p.path: p.link_id for p in tcx.pinned(pin_dir)} == before
+    assert tcx_ids(netns, "eth0")[1] == new[PROG_FROM_NET]
+    assert tcx_ids(netns, "lxc-a", "egress") == [new[PROG_EGRESS]]
+    detach_all(netns)
+
+
+@pytest.mark.kernel
+def test_a_tcx_hand_over_from_a_clsact_generation_runs_in_front_then_removes_its_filters(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int], pin_dir: str
+) -> None:
+    """Upgrade from an agent on clsact: the new tcx link runs before the older filters (tcx runs
+    first; its TC_ACT_UNSPEC falls through to them), both stay until `rehome`, which deletes the
+    older filters and leaves the empty clsact qdisc (a qdisc delete grafts, as an add does)."""
+    from agent.ebpf.sockattach import prog_id
+
+    old = {name: prog_id(fd) for name, fd in progs.items()}
+    new = {name: prog_id(fd) for name, fd in newer_progs.items()}
+    Attacher(Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir), progs).reconcile(
+        NODE, full=True
+    )
+    newer = Attacher(tcx_config(netns, pin_dir), newer_progs)
+    assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=True)
+    newer.reconcile(NODE, full=True, front=True)
+    assert ours_by_pref(ingress(netns, "eth0")) == {17: old[PROG_FROM_NET]}
+    assert tcx_ids(netns, "eth0")[1:] == [new[PROG_FROM_NET]]
+    assert len(newer.fronts) == 4
+    assert newer.handover_state() == HandoverState(own_front=True, other_front=False, older_behind=True)
+    newer.rehome()
+    assert newer.fronts == {}
+    for dev in ("eth0", "lxc-a"):
+        assert ingress(netns, dev) == "" and egress(netns, dev) == "", dev
+        assert "clsact" in qdiscs(netns, dev), dev
+    assert tcx_ids(netns, "lxc-a")[1:] == [new[PROG_FROM_POD]]
+    assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=False)
+    # a plain start of the tcx build over the clsact one removes the filters at once
+    Attacher(Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir), progs).reconcile(
+        NODE, full=True
+    )
+    assert ours_by_pref(ingress(netns, "eth0")) == {17: old[PROG_FROM_NET]}
+    Attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True)
+    assert ingress(netns, "eth0") == "" and tcx_ids(netns, "eth0")[1:] == [new[PROG_FROM_NET]]
+    detach_all(netns)
+
+
+@pytest.mark.kernel
+def test_a_tcx_hand_over_from_a_tcx_generation_goes_right_before_its_link_then_takes_it_over(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int], pin_dir: str
+) -> None:
+    """Upgrade from an agent on tcx: the new program gets a link of its own right before the
+    older one's (pinned as ekp_tcxfront_*); `rehome` updates the older link to the new program,
+    then removes the one in front."""
+    from agent.ebpf.sockattach import prog_id
+
+    old = {name: prog_id(fd) for name, fd in progs.items()}
+    new = {name: prog_id(fd) for name, fd in newer_progs.items()}
+    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    newer = Attacher(tcx_config(netns, pin_dir), newer_progs)
+    assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=True)
+    newer.reconcile(NODE, full=True, front=True)
+    assert tcx_ids(netns, "eth0")[1:] == [new[PROG_FROM_NET], old[PROG_FROM_NET]]
+    assert tcx_ids(netns, "eth0", "egress") == [new[PROG_EGRESS], old[PROG_EGRESS]]
+    assert any(n.startswith("ekp_tcxfront_ingress_eth0_") for n in os.listdir(pin_dir))
+    assert newer.handover_state() == HandoverState(own_front=True, other_front=False, older_behind=True)
+    newer.rehome()
+    assert tcx_ids(netns, "eth0")[1:] == [new[PROG_FROM_NET]]
+    assert tcx_ids(netns, "lxc-a", "egress") == [new[PROG_EGRESS]]
+    assert not any(n.startswith("ekp_tcxfront_") for n in os.listdir(pin_dir))
+    assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=False)
+    detach_all(netns)
+
+
+@pytest.fixture(scope="module")
+def classid_progs() -> Iterator[tuple[dict[str, int], Any]]:
+    """Programs that record the skb->tc_classid they were given (map `seen`, by ifindex)."""
+    from bcc import BPF
+
+    text = """
+#include <uapi/linux/pkt_cls.h>
+BPF_HASH(seen, u32, u32, 64);
+static inline int note(struct __sk_buff *skb) {
+    u32 k = skb->ingress_ifindex, v = skb->tc_classid;
+    seen.update(&k, &v);
+    return TC_ACT_OK;
+}
+int ekp_from_net(struct __sk_buff *skb) { return note(skb); }
+int ekp_from_pod(struct __sk_buff *skb) { return note(skb); }
+int ekp_egress(struct __sk_buff *skb) { return TC_ACT_OK; }
+"""
+    bpf: Any = BPF(text=text.encode())
+    names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)
+    fds = {name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd for name in names}
+    yield fds, bpf[b"seen"]
+    bpf.cleanup()
+
+
+def send_frame(ns: str, dev: str) -> None:
+    """One broadcast IPv4 frame out of `dev` (so into its veth peer's ingress)."""
+
+    def send() -> None:
+        with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as s:
+            s.bind((dev, 0))
+            s.send(b"\xff" * 6 + b"\x02" * 6 + b"\x08\x00" + b"\x45" + b"\x00" * 19)
+
+    run_in_netns(ns, send)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("attach", ["tcx", "clsact"])
+def test_the_ingress_program_finds_its_bridge_in_tc_classid_with_either_attach(
+    netns: str, classid_progs: tuple[dict[str, int], Any], pin_dir: str, attach: str
+) -> None:
+    """cls_bpf gives the program the filter's classid in skb->tc_classid (a bridge port's bridge:
+    bpf/ekp_redirect.h); tcx gives nothing, so the classid program in front writes it. Either way
+    the program sees the bridge's ifindex on a port, and 0 elsewhere."""
+    progs, seen = classid_progs
+    sh("ip", "-n", netns, "link", "add", "br0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "set", "lxc-a", "master", "br0")
+    sh("ip", "-n", netns, "link", "set", "br0", "up")
+    config = Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir, bpf_tc_attach=attach)
+    Attacher(config, progs).reconcile(NODE, full=True)
+    seen.clear()
+    send_frame(netns, "pod-a")
+    send_frame(netns, "peer0")
+    got = {int(k.value): int(v.value) for k, v in seen.items()}
+    assert got == {index_of(netns, "lxc-a"): index_of(netns, "br0"), index_of(netns, "eth0"): 0}
+    detach_all(netns)
+
+
+class UdpFlow:
+    """Numbered UDP datagrams every `interval` s from `ns` to `dst` in another namespace, counted."""
+
+    def __init__(self, ns: str, peer_ns: str, dst: str, interval: float = 0.001) -> None:
+        self.tx = run_in_netns(ns, lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+        self.rx = run_in_netns(peer_ns, lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+        self.rx.bind((dst, 9999))
+        self.rx.settimeout(0.3)
+        self.dst, self.interval = dst, interval
+        self.sent = 0
+        self.got: set[int] = set()
+        self.stop = threading.Event()
+
+    def __enter__(self) -> UdpFlow:
+        self.threads = [threading.Thread(target=self._send), threading.Thread(target=self._recv)]
+        for t in self.threads:
+            t.start()
+        assert wait_for(lambda: len(self.got) > 10), "the flow never got through"
+        return self
+
+    def _send(self) -> None:
+        while not self.stop.is_set():
+            self.tx.sendto(struct.pack("!I", self.sent), (self.dst, 9999))
+            self.sent += 1
+            time.sleep(self.interval)
+
+    def _recv(self) -> None:
+        while True:
+            try:
+                self.got.add(struct.unpack("!I", self.rx.recv(64))[0])
+            except TimeoutError:
+                if self.stop.is_set():
+                    return
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+        self.tx.close()
+        self.rx.close()
+
+    @property
+    def lost(self) -> int:
+        return self.sent - len(self.got)
+
+
+@pytest.fixture
+def two_ends(netns: str) -> Iterator[str]:
+    """`netns`'s eth0 (192.168.0.11) joined to peer0 in a namespace of its own (192.168.0.12)."""
+    peer = f"{netns}-peer"
+    sh("ip", "netns", "add", peer)
+    try:
+        sh("ip", "-n", netns, "link", "set", "peer0", "netns", peer)
+        sh("ip", "-n", peer, "addr", "add", "192.168.0.12/24", "dev", "peer0")
+        sh("ip", "-n", peer, "link", "set", "peer0", "up")
+        yield peer
+    finally:
+        subprocess.run(["ip", "netns", "del", peer], check=False)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("attach", ["tcx", "clsact"])
+def test_a_flow_out_of_a_device_loses_nothing_while_tcx_attaches_and_detaches(
+    netns: str, two_ends: str, progs: dict[str, int], pin_dir: str, attach: str
+) -> None:
+    """A datagram every millisecond out of eth0 while the programs are attached to it and
+    detached again, 15 times: with tcx none is lost (no qdisc is grafted); with clsact each add
+    and delete of the qdisc stops eth0's transmit queue for an RCU grace period, and datagrams
+    sent meanwhile are dropped (README "Machine facts"): the control, that this flow sees it."""
+    config = Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir, bpf_tc_attach=attach)
+    with UdpFlow(netns, two_ends, "192.168.0.12") as flow:
+        for _ in range(15):
+            Attacher(config, progs).reconcile(NODE, full=True)
+            assert ("clsact" in qdiscs(netns, "eth0")) == (attach == "clsact")
+            time.sleep(0.02)
+            detach_all(netns)
+            time.sleep(0.02)
+    print(f"\n{attach}: 15 attaches and detaches, {flow.lost} of {flow.sent} datagrams lost")
+    if attach == "tcx":
+        assert flow.lost == 0, f"{flow.lost} of {flow.sent} lost"
+    else:
+        assert flow.lost > 0, f"none of {flow.sent} lost"
+
+
+@pytest.mark.kernel
+def test_an_agent_on_clsact_after_one_on_tcx_detaches_the_links_that_would_run_in_front(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int], pin_dir: str
+) -> None:
+    """--bpf-tc-attach=clsact after an agent on tcx: tcx runs before cls_bpf, so the older links
+    would go on deciding every packet; each device's links go once its filters are on."""
+    from agent.ebpf.sockattach import prog_id
+
+    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    config = Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir, bpf_tc_attach="clsact")
+    Attacher(config, newer_progs).reconcile(NODE, full=True)
+    for dev in ("eth0", "lxc-a"):
+        assert tcx_progs(netns, dev) == [] and tcx_progs(netns, dev, "egress") == [], dev
+    assert ours_by_pref(ingress(netns, "eth0")) == {17: prog_id(newer_progs[PROG_FROM_NET])}
+    assert os.listdir(pin_dir) == []
+    detach_all(netns)

@@ -1,5 +1,9 @@
 """The compiler child and what it compiled: once per build on the machine, loaded against each
-agent's own pinned maps, pinned programs reused by a restart; no bcc in the agent."""
+agent's own pinned maps, pinned programs reused by a restart; no bcc in the agent.
+
+Three run groups (tests/parallel.py), each with its own compiles: the tests of builds with the
+IPv6 paths off (`ipv6-builds`), those of a bigger build (`new-sizes`, in their order: the first
+compiles it, the second takes it) and the rest; SMALL's compile is shared (`cache`)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -132,28 +137,43 @@ def _no_compile(*args: object, **kwargs: object) -> object:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> ObjectCache:
-    """A cache of this module's own, holding SMALL's build, compiled once by an agent process whose
-    own memory never sees bcc (the module's one compile of SMALL)."""
-    cache = ObjectCache(str(tmp_path_factory.mktemp("objects") / "cache"))
-    with bpffs() as root:
+def cache(session_dir: str) -> ObjectCache:
+    """The run's cache for this module (shared by its run groups, on whichever workers), holding
+    SMALL's build: compiled once in the run, by the first of the groups to get here, through an
+    agent process whose own memory never sees bcc (the module's one compile of SMALL; the others
+    wait for it on the entry's lock and take it)."""
+    cache = ObjectCache(os.path.join(session_dir, "test_compile-objects"))
+    build = Datapath("/x", SMALL).build()
+    with cache.compiling(build):
+        if cache.get(build) is None:
+            cache.put(_compiled_by_a_child_without_bcc(SMALL, build))
+    assert cache.get(build) is not None, "what the child compiled is kept"
+    return cache
+
+
+def _compiled_by_a_child_without_bcc(sizes: MapSizes, build: str) -> BpfObject:
+    """`sizes`' data path compiled and loaded by an agent process that never imports bcc (the
+    compiler child does), into a cache of its own: what it compiled."""
+    with tempfile.TemporaryDirectory() as own, bpffs() as root:
         loads_without_bcc = (
             "import logging, sys; from agent.ebpf.loader import Datapath; from agent.config import MapSizes; "
             "logging.basicConfig(level=logging.INFO); "
-            f"d = Datapath({str(root / 'ekp')!r}, MapSizes(**{SMALL.__dict__!r})); d.load(); d.close(); "
+            f"d = Datapath({str(root / 'ekp')!r}, MapSizes(**{sizes.__dict__!r})); d.load(); d.close(); "
             "assert 'bcc' not in sys.modules, 'compiling must happen in a child process'"
         )
-        env = {**os.environ, DIR_ENV: cache.path}
+        env = {**os.environ, DIR_ENV: os.path.join(own, "cache")}
         res = subprocess.run(
             [sys.executable, "-c", loads_without_bcc], env=env, capture_output=True, text=True
         )
         assert res.returncode == 0, res.stderr
-    assert "data path compiled in" in res.stderr
-    assert cache.get(Datapath("/x", SMALL).build()) is not None, "what the child compiled is kept"
-    return cache
+        assert "data path compiled in" in res.stderr
+        obj = ObjectCache(os.path.join(own, "cache")).get(build)
+    assert obj is not None, "what the child compiled is kept"
+    return obj
 
 
 @pytest.mark.kernel
+@pytest.mark.run_group("new-sizes")
 def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
     caplog: pytest.LogCaptureFixture, cache: ObjectCache, tmp_path: Path
 ) -> None:
@@ -186,8 +206,13 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
             if not name.startswith(PROG_PIN_PREFIX):
                 os.unlink(os.path.join(pins, name))
         caplog.clear()
-        bigger = Datapath(pins, replace(SMALL, fe=256), cache=ObjectCache(str(tmp_path / "empty")))
+        empty = ObjectCache(str(tmp_path / "empty"))
+        bigger = Datapath(pins, replace(SMALL, fe=256), cache=empty)
         bigger.load()
+        # test_an_older_build_s_program_array_stays_filled_until_its_programs_are_replaced's new build
+        obj = empty.get(bigger.build(bigger.programs()))
+        assert obj is not None
+        cache.put(obj)
         assert bigger.release_older_builds() == [
             n for n in built if n.endswith(("_ekp_calls6", "_ekp_xcalls6", "_ekp_handover"))
         ]
@@ -322,6 +347,7 @@ def test_the_tc_ipv6_paths_tables_take_their_ipv4_twins_sizes_where_it_serves() 
 
 
 @pytest.mark.kernel
+@pytest.mark.run_group("ipv6-builds")
 def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its_helper(
     caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -437,6 +463,7 @@ def _slots(pins: str, d: Datapath, array: str = "ekp_calls6") -> list[int]:
 
 
 @pytest.mark.kernel
+@pytest.mark.run_group("ipv6-builds")
 def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_sets_its_tail_calls(
     caplog: pytest.LogCaptureFixture, cache: ObjectCache
 ) -> None:
@@ -676,6 +703,7 @@ def test_a_program_the_verifier_refuses_leaves_none_of_the_others_pinned(
 
 
 @pytest.mark.kernel
+@pytest.mark.run_group("new-sizes")
 def test_an_older_build_s_program_array_stays_filled_until_its_programs_are_replaced(
     cache: ObjectCache,
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,60 @@ def test_only_the_newest_are_kept(tmp_path: Path) -> None:
         cache.put(obj(build))
     kept = {n.removesuffix(".json") for n in os.listdir(cache.path)}
     assert kept == {old[0], *old[4:], *new}
+
+
+def test_agents_missing_one_build_at_once_compile_it_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second agent to miss a build waits for the first one's compile and loads its object
+    (a lab's two nodes, the test workers of a fresh clone): one compile, not one per agent."""
+    from agent.config import MapSizes
+    from agent.ebpf import loader
+
+    caplog.set_level(logging.INFO)
+    d = loader.Datapath("/x", MapSizes())
+    build = d.build()
+    compiled = obj(build)
+    calls: list[str] = []
+    inside, release = threading.Event(), threading.Event()
+
+    def compile_in_child(*args: object) -> tuple[BpfObject, float]:
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            inside.set()
+            release.wait(10)
+        return compiled, 0.5
+
+    linked: dict[str, str] = {}
+
+    def link(o: BpfObject, *args: object) -> dict[str, int]:
+        linked[threading.current_thread().name] = o.build
+        return {}
+
+    monkeypatch.setattr(loader, "compile_in_child", compile_in_child)
+    monkeypatch.setattr(loader, "link", link)
+    cache = str(tmp_path / "cache")
+    hows: dict[str, str] = {}
+
+    def load(name: str) -> None:
+        _, hows[name] = loader.Datapath("/x", MapSizes(), cache=ObjectCache(cache))._link(
+            build, {}, lambda: None
+        )
+
+    first = threading.Thread(target=load, args=("first",), name="first")
+    first.start()
+    assert inside.wait(10)
+    second = threading.Thread(target=load, args=("second",), name="second")
+    second.start()
+    # released once the second agent waits for the lock, or (without one) compiled on its own
+    while "waiting for another agent compiling" not in caplog.text and len(calls) < 2:
+        second.join(0.01)
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert calls == ["first"], "one compile"
+    assert hows == {
+        "first": "compiled in 0.5s",
+        "second": "loaded from the compile cache (compiled by an earlier agent)",
+    }
+    assert linked == {"first": build, "second": build}

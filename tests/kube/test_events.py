@@ -168,7 +168,8 @@ def test_warn_never_waits_for_the_api_server(server: FakeApiServer, recorder_fac
     start = time.monotonic()
     for i in range(5):
         rec.warn(Problem("Service", "default", f"svc-{i}", "broken"))
-    assert time.monotonic() - start < 0.1
+    # one warn that waited for the server would take its latency: no speed bound beyond that
+    assert time.monotonic() - start < server.latency_s
     wait_until(lambda: rec.counters.created == 5, timeout=10)
 
 

@@ -264,6 +264,7 @@ def upgrade_under_load(
     observe: Callable[[Cluster, str], None] = lambda c, when: None,
     *,
     extra: Sequence[str] = (),
+    new_extra: Sequence[str] = (),
     socket_lb_pods: bool = True,
 ) -> tuple[Cluster, Agent, dict[str, dict[str, Any]]]:
     """The older agent at `tree` programs node1; under load, it is stopped and this checkout's
@@ -272,12 +273,14 @@ def upgrade_under_load(
     later). Returns the cluster (with the new agent), the new agent and the loops' results by
     name (clusterip, nodeport, held; in a dual-stack lab also clusterip6 and held6). `extra`: both
     agents' further flags; `socket_lb_pods` (dual-stack lab): the pods' IPv6 connections to
-    Services are the socket programs' (else the per-packet path's, as the IPv4 ones are)."""
+    Services are the socket programs' (else the per-packet path's, as the IPv4 ones are);
+    `new_extra`: the new agent's alone (flags the older one does not know)."""
     cluster = Cluster(lab, "ebpf", extra=list(extra))
     new = cluster.agents[0]
     if lab.ipv6 and socket_lb_pods:
         new.socket_lb_pods = True  # the pods' IPv6 connections to Services: the socket programs'
     old = OldAgent(lab, new, tree, label)
+    new.extra += new_extra
     cluster.agents = [old]
     cluster.start()
     cluster.apply(services(cluster))
@@ -349,9 +352,15 @@ def assert_no_gap(seen: dict[str, dict[str, dict[str, int]]]) -> None:
     assert all(not any(counts.values()) for counts in moved.values()), moved
 
 
-def test_upgrade_from_abi_v1_under_load_fails_no_request(lab: Lab, tmp_path: Path) -> None:
+@pytest.mark.parametrize("attach", ["clsact", "tcx"])
+def test_upgrade_from_abi_v1_under_load_fails_no_request(lab: Lab, tmp_path: Path, attach: str) -> None:
+    """With `tcx` the new agent's links run in front of the v1 filters (tcx runs before cls_bpf;
+    their TC_ACT_UNSPEC falls through to the v1 programs) until the hand-over ends, then the v1
+    filters are deleted: no filter of ours is left, the clsact qdisc is (agent/ebpf/attach.py)."""
     seen: dict[str, dict[str, dict[str, int]]] = {}
-    cluster, new, _ = upgrade_under_load(lab, v1_tree(tmp_path), "v1", gap_observer(seen))
+    cluster, new, _ = upgrade_under_load(
+        lab, v1_tree(tmp_path), "v1", gap_observer(seen), new_extra=[f"--bpf-tc-attach={attach}"]
+    )
     pins = Path(new.pin_path)
     log = new.log()
     carried = [
@@ -364,7 +373,15 @@ def test_upgrade_from_abi_v1_under_load_fails_no_request(lab: Lab, tmp_path: Pat
     # The v2 programs sat in front of the v1 ones (agent/ebpf/attach.py, hand-over) until the
     # second carry-over: a segment or reply of a flow the v1 programs started meanwhile went on to
     # them instead of meeting a v2 program without its entry. Then they took the v1 ones' place.
-    assert re.search(r"hand-over done: \d+ filters moved to priority 17", log), log[-3000:]
+    if attach == "tcx":
+        assert re.search(r"hand-over done: \d+ tcx links in place", log), log[-3000:]
+        node = cluster.lab.node(1)
+        for hook in ("ingress", "egress"):
+            tc = cluster.lab.run(node, "tc", "filter", "show", "dev", "eth0", hook).stdout
+            assert "ekp_" not in tc, (hook, tc)
+        assert any(p.name.startswith("ekp_tcx_ingress_eth0_") for p in pins.iterdir())
+    else:
+        assert re.search(r"hand-over done: \d+ filters moved to priority 17", log), log[-3000:]
     stats = cluster.bpf_stats()
     assert stats["drop_no_flow"] == 0, stats
     assert_no_gap(seen)
