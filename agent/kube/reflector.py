@@ -600,7 +600,7 @@ class Reflector:
         has none (or the identity cannot be read that way): decode the item whole."""
         try:
             meta = _HEAD.decode(raw).metadata
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (ValueError, RecursionError):  # msgspec's errors, invalid UTF-8, deep nesting
             return False
         if meta is None or not meta.name or not meta.uid or not meta.resourceVersion:
             return False

@@ -140,7 +140,7 @@ def service(raw: bytes | memoryview | msgspec.Raw) -> Any:
     """A list's Service item as parse.py reads it (see the module doc)."""
     try:
         svc = _SERVICE.decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (ValueError, RecursionError):  # msgspec's errors, invalid UTF-8, deep nesting
         return whole(raw)
     if not _versioned(svc.metadata):
         return whole(raw)
@@ -156,7 +156,7 @@ def endpoint_slice(raw: bytes | memoryview | msgspec.Raw) -> Any:
     """A list's EndpointSlice item as parse.py reads it: its endpoints as `WireEndpoint`s."""
     try:
         eps = _SLICE.decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (ValueError, RecursionError):  # msgspec's errors, invalid UTF-8, deep nesting
         return whole(raw)
     if not _versioned(eps.metadata):
         return whole(raw)

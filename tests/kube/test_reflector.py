@@ -312,3 +312,22 @@ class FakeKept:
     def empty(self) -> bool:
         self.emptied += 1
         return not self.records
+
+
+def test_a_first_list_item_whose_name_is_not_utf8_is_skipped_and_the_list_syncs() -> None:
+    # msgspec raises UnicodeDecodeError (not its own errors) on invalid UTF-8 in a field it reads:
+    # the item is what orjson makes of it (not JSON: skipped as unnamed), the rest of the list
+    # goes on and the kind syncs, instead of an error that lists the kind again and again.
+    kept = FakeKept({("n/a", "u-a", "2"): "record of a"})
+    first = (
+        b'{"metadata":{"resourceVersion":"5"},"items":['
+        b'{"metadata":{"name":"\xff","namespace":"n","uid":"u-x","resourceVersion":"3"},"spec":{"x":0}},'
+        b'{"metadata":{"name":"a","namespace":"n","uid":"u-a","resourceVersion":"2"},"spec":{"x":1}}]}'
+    )
+    stopping = threading.Event()
+    call = FakeListCall([first], stopping, [])
+    sink = Recorded()
+    Reflector(Resource(Kind.SERVICE, "v1", call), sink, SETTINGS, stopping, kept=kept).run()
+    assert Synced(Kind.SERVICE, "5") in sink.events
+    events = [e for e in sink.events if isinstance(e, ObjectEvent)]
+    assert [(e.key, e.kept) for e in events] == [("n/a", "record of a")]

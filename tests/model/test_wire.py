@@ -194,3 +194,16 @@ def test_typed_and_whole_decodes_agree_on_any_service(field: str, value: Any) ->
     obj[field] = value
     _, typed, whole = both_service(obj)
     assert typed == whole
+
+
+def test_an_item_msgspec_cannot_read_as_text_or_that_nests_too_deep_is_the_whole_decode_s_outcome() -> None:
+    """Invalid UTF-8 (msgspec: UnicodeDecodeError) or nesting past the decoders' limits
+    (RecursionError) in one item: what orjson's whole decode makes of it (None: not JSON, an item
+    without a name), never an exception that would fail the whole list and list it again forever."""
+    good = orjson.dumps(slice_obj())
+    bad_utf8 = good.replace(b'"IPv4"', b'"IPv\xff"', 1)
+    bad_name = good.replace(b'"web-abcde"', b'"web-\xff"', 1)
+    deep = good[:-1] + b',"x":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    for raw in (bad_utf8, bad_name, deep):
+        assert wire.endpoint_slice(raw) == wire.whole(raw) is None
+    assert wire.service(bad_name) is None  # a field the Service decoder reads
