@@ -504,7 +504,9 @@ def hook_programs(ipr: Any, netns: str, index: int, hook: str) -> list[HookProgr
     for msg in filters:
         name = msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME") if msg.get("kind") == "bpf" else None
         prog = filter_prog_id(msg) if msg.get("kind") == "bpf" else 0
-        out.append(HookProgram("clsact", str(name or msg.get("kind") or ""), prog, int(msg["info"]) >> 16))
+        entry = HookProgram("clsact", str(name or msg.get("kind") or ""), prog, int(msg["info"]) >> 16)
+        if not out or out[-1] != entry:  # u32 dumps its hash table as one more filter at its priority
+            out.append(entry)
     return out
 
 
