@@ -344,7 +344,9 @@ def foreign_filters(ipr: Any, index: int) -> list[tuple[str, int]]:
     for msg in _filters(ipr, index, TC_H_INGRESS):
         if not any(_is_ours(msg, prio) for prio in OUR_PRIOS):
             name = msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME") or msg.get("kind")
-            out.append((str(name), int(msg["info"]) >> 16))
+            entry = (str(name), int(msg["info"]) >> 16)
+            if entry not in out:  # u32 dumps its hash table as one more filter at its priority
+                out.append(entry)
     return out
 
 

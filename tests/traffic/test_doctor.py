@@ -159,7 +159,7 @@ def test_agent_doctor_names_the_fix_for_each_thing_a_namespace_lacks(tmp_path: o
         assert verdict == "FAIL", f"{check}:\n{text}"
         assert "-> " in line and fix in line, f"{check}:\n{text}"
     assert "KUBE-SERVICES" in found["kube-proxy"][1]
-    assert "eth0 tc ingress: u32 pref 1" in found["tc/XDP hooks"][1]
+    assert found["tc/XDP hooks"][1].count("eth0 tc ingress: u32 pref 1") == 1, text
     if attach != "clsact":
         assert re.search(r"eth0 tc ingress: tcx foreign_tc id \d+ link \d+", found["tc/XDP hooks"][1]), text
         assert "bpftool link detach id N" in found["tc/XDP hooks"][1], text
