@@ -33,6 +33,7 @@ from lab.dplab import (
     SNAT_MAX,
     SNAT_MIN,
     TCP,
+    UDP,
     VIP6,
     Lab,
     Net,
@@ -215,6 +216,36 @@ def test_tcp_behind_extension_headers_is_translated_with_its_checksum(net: Net) 
     assert seen(out)[1:4] == (POD6, BE6, 40002)
     assert seen(out)[5] == 8080
     assert ct6(net, POD6, VIP6, 40002, 80) is not None
+
+
+def udp6(src: str, dst: str, sport: int, dport: int, payload: bytes) -> bytes:
+    from scapy.layers.inet import UDP as UDPh
+    from scapy.layers.inet6 import IPv6
+    from scapy.layers.l2 import Ether
+
+    return bytes(
+        Ether(src="02:00:00:00:aa:01", dst="02:00:00:00:aa:02")
+        / IPv6(src=src, dst=dst)
+        / UDPh(sport=sport, dport=dport)
+        / payload
+    )
+
+
+@pytest.mark.parametrize("payload", [b"", b"hello", b"x" * 64], ids=["empty", "5-bytes", "64-bytes"])
+def test_a_datagram_whatever_its_length_is_translated_both_ways(net: Net, payload: bytes) -> None:
+    """ekp_parse6 reads the IPv6 header and 14 bytes of the L4 header straight from the frame where
+    they are (no extension header before it), and through the helper otherwise: a UDP datagram of
+    fewer than 6 payload bytes has its 8 read by the helper, one of 64 from the frame (TCP behind
+    extension headers: the test above). Each translated alike, both ways, ports and checksum right."""
+    add_service6(net.dp.maps, VIP6, 53, LOCAL_BE, proto=UDP)
+    verdict, out = net.from_pod(udp6(POD6, VIP6, 40050, 53, payload))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(out)[1:4] == (POD6, BE6, 40050) and seen(out)[5] == 8080
+    verdict, back = net.from_pod(udp6(BE6, POD6, 8080, 40050, payload))
+    assert verdict == TC_ACT_REDIRECT
+    assert seen(back)[1:4] == (VIP6, POD6, 53) and seen(back)[5] == 40050
+    stats = net.stats()
+    assert (stats[Stat.NEW_FLOWS], stats[Stat.CT_REPLY]) == (1, 1)
 
 
 def test_a_syn_on_a_flow_that_saw_a_rst_or_fin_is_a_new_flow_decided_again(net: Net) -> None:

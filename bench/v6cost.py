@@ -1,0 +1,358 @@
+"""Where an untranslated IPv6 packet's nanoseconds go in ekp_from_pod, against IPv4's (issue 20).
+
+`python -m bench.v6cost` builds the data path several times from patched copies of bpf/ (each a
+*variant*: the tree as it is, or the same with the program cut short at one stage, that is made
+to return TC_ACT_OK there), loads every build at once into a throwaway bpffs, and times each
+case on each build with BPF_PROG_TEST_RUN as bench/progcost.py does (REPEAT runs in one call, the
+kernel's mean per run), in the packet lab of the data-path tests (lab/dplab.py, IPv6 beside
+IPv4, one ClusterIP of each family whose backend is the server, the activity check armed and no
+flow live). The rounds go through every build and case in turn, so the machine's load falls on all
+of them alike, and the median of the rounds is kept. A stage's cost is the difference between two
+cuts: what the program does between them (the verifier removes the dead code after a cut).
+
+The cuts are text patches of this tree's C: a patch that no longer matches raises, naming it.
+Only measurement builds: nothing here is loaded by the agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from agent.ebpf.loader import Datapath, default_bpf_dir
+from agent.ebpf.objcache import ObjectCache
+from lab.dplab import (
+    BE1,
+    BE6,
+    POD6,
+    POD_CLIENT,
+    SIZES,
+    VIP,
+    VIP6,
+    add_ipv6,
+    add_service,
+    add_service6,
+    packet_lab,
+    reset_maps,
+)
+from lab.packets import bpffs, prog_run_timed, tcp
+
+REPEAT = 50_000
+ROUNDS = 15
+CPU = 0
+QUIET = 9999  # a port of the server no Service has: no translated flow uses it
+TC_ACT_OK = 0
+CUT = "return TC_ACT_OK; /* v6cost cut */"
+
+
+@dataclass(frozen=True)
+class Patch:
+    file: str
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    what: str
+    patches: tuple[Patch, ...] = ()
+    whole: bool = False  # translates as the tree does: its conntrack hits are timed too
+
+
+def _after(file: str, anchor: str, code: str) -> Patch:
+    return Patch(file, anchor, anchor + "\n" + code)
+
+
+# The stages of an IPv6 packet (ekp_from_pod -> tail call -> ekp_from_pod6) and of an IPv4 one
+# (ekp_from_pod -> ekp_main), each cut placed after the work it names. The IPv4 program's cuts
+# test the family, so an IPv4 cut leaves the IPv6 path whole and the other way round.
+V4 = "skb->protocol == htons(ETH_P_IP)"
+V6 = "skb->protocol == htons(ETH_P_IPV6)"
+FROM_POD = "int ekp_from_pod(struct __sk_buff *skb)\n{"
+HANDOVER = "\tif (handover == EKP_HANDOVER_PASS)\n\t\treturn TC_ACT_UNSPEC;"
+CALL6 = f"\n\tif ({V6})\n\t\tekp_calls6.call(skb, EKP_CALL6_FROM_POD);"
+FROM_POD6 = "int ekp_from_pod6(struct __sk_buff *skb)\n{"
+DECIDE6 = "ekp_decide6_hook.h"
+AFTER_MEMSET6 = "\tstruct ekp_pkt6 *p = &w->pkt;"
+AFTER_PARSE6 = "\tint parsed = hook == EKP_HOOK_XDP ? ekp_parse6_xdp(ctx, p) : ekp_parse6(ctx, p);"
+AFTER_COUNT6 = "\tekp_count_in(ekp6_counters(hook), EKP_STAT_PACKETS);"
+TC6 = "if (hook == EKP_HOOK_TC) " + CUT
+MAY6 = "ekp_tc6.h"
+BEFORE_ADDR6 = "\tstruct ekp_addr6_key k = {};\n\t__builtin_memcpy(k.addr, p->daddr, 16);"
+CORE = "ekp_core.h"
+PARSE4 = "\tint parsed = ekp_parse(skb, &w->work.pkt);\n"
+DECIDE4_CALL = "\n\tekp_decide(&w->work"
+DECIDE4 = "ekp_decide.h"
+BEFORE_ADDR4 = "\tstruct ekp_addr_key k = {};\n\tk.addr = p->daddr;"
+
+VARIANTS = (
+    Variant("tree", "the tree as it is", whole=True),
+    Variant(
+        "v6-hit-norp",
+        "IPv6: a hit from a pod without the reverse route lookup (one bpf_fib_lookup less)",
+        (Patch(DECIDE6, "\t\t    !ekp_source_routed_here6(ctx, p, &w->fib, bridge)) {", "\t\t    0) {"),),
+        whole=True,
+    ),
+    Variant(
+        "v4-hit-norp",
+        "IPv4: a hit from a pod without the reverse route lookup (one bpf_fib_lookup less)",
+        (Patch("ekp_tc_apply.h", "!legacy && !ekp_source_routed_here(skb, p, fib, bridge)", "0"),),
+        whole=True,
+    ),
+    Variant(
+        "v6-entry",
+        "IPv6: ekp_from_pod returns at once",
+        (_after("ekp_tc.c", FROM_POD, f"\tif ({V6}) {CUT}"),),
+    ),
+    Variant(
+        "v6-dispatch",
+        "IPv6: after ekp_from_pod's hand-over load and family test (no tail call)",
+        (Patch("ekp_tc.c", "\t\tekp_calls6.call(skb, EKP_CALL6_FROM_POD);", f"\t\t{CUT}"),),
+    ),
+    Variant(
+        "v6-tailcall", "IPv6: ekp_from_pod6 returns at once", (_after("ekp_tc.c", FROM_POD6, f"\t{CUT}"),)
+    ),
+    Variant(
+        "v6-memset",
+        "IPv6: after the scratch lookup and the packet's memset",
+        (_after(DECIDE6, AFTER_MEMSET6, f"\t{TC6}"),),
+    ),
+    Variant("v6-parse", "IPv6: after ekp_parse6", (_after(DECIDE6, AFTER_PARSE6, f"\t{TC6}"),)),
+    Variant(
+        "v6-count",
+        "IPv6: after the config and the PACKETS count",
+        (_after(DECIDE6, AFTER_COUNT6, f"\t{TC6}"),),
+    ),
+    Variant(
+        "v6-act",
+        "IPv6: after the activity check's two slots (no ekp_addr6 lookup)",
+        (Patch(MAY6, BEFORE_ADDR6, "\treturn 0; /* v6cost cut */\n" + BEFORE_ADDR6),),
+    ),
+    Variant(
+        "v4-entry",
+        "IPv4: ekp_from_pod returns at once",
+        (_after("ekp_tc.c", FROM_POD, f"\tif ({V4}) {CUT}"),),
+    ),
+    Variant(
+        "v4-dispatch",
+        "IPv4: after ekp_from_pod's hand-over load and family test",
+        (Patch("ekp_tc.c", HANDOVER + CALL6, HANDOVER + f"\n\tif ({V4}) {CUT}" + CALL6),),
+    ),
+    Variant(
+        "v4-memset",
+        "IPv4: after the scratch lookup and the packet's memset",
+        (Patch(CORE, PARSE4 + DECIDE4_CALL, f"\tif ({V4}) {CUT}\n" + PARSE4 + DECIDE4_CALL),),
+    ),
+    Variant(
+        "v4-parse",
+        "IPv4: after ekp_parse",
+        (Patch(CORE, PARSE4 + DECIDE4_CALL, PARSE4 + f"\tif ({V4}) {CUT}" + DECIDE4_CALL),),
+    ),
+    Variant(
+        "v4-act",
+        "IPv4: after the activity check's two slots (no ekp_addr lookup)",
+        (Patch(DECIDE4, BEFORE_ADDR4, "\treturn 0; /* v6cost cut */\n" + BEFORE_ADDR4),),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    program: str
+    frame: bytes
+
+
+def cases() -> list[Case]:
+    data = b"x" * 64
+    return [
+        Case(
+            "IPv4 pod -> pod IP", "ekp_from_pod", tcp(POD_CLIENT, BE1, 40000, QUIET, flags="A", payload=data)
+        ),
+        Case("IPv4 its answer", "ekp_from_pod", tcp(BE1, POD_CLIENT, QUIET, 40000, flags="A", payload=data)),
+        Case("IPv6 pod -> pod IP", "ekp_from_pod", tcp(POD6, BE6, 40000, QUIET, flags="A", payload=data)),
+        Case("IPv6 its answer", "ekp_from_pod", tcp(BE6, POD6, QUIET, 40000, flags="A", payload=data)),
+        Case(
+            "IPv6 pod -> pod IP, ekp_from_pod6 itself",
+            "ekp_from_pod6",
+            tcp(POD6, BE6, 40000, QUIET, flags="A", payload=data),
+        ),
+        Case(
+            "IPv6 pod -> pod IP, 8 bytes of destination options",
+            "ekp_from_pod",
+            _with_dstopts(POD6, BE6, data),
+        ),
+    ]
+
+
+def _with_dstopts(src: str, dst: str, payload: bytes) -> bytes:
+    from scapy.layers.inet import TCP
+    from scapy.layers.inet6 import IPv6, IPv6ExtHdrDestOpt
+    from scapy.layers.l2 import Ether
+
+    frame = (
+        Ether(src="02:00:00:00:aa:01", dst="02:00:00:00:aa:02") / IPv6(src=src, dst=dst) / IPv6ExtHdrDestOpt()
+    )
+    return bytes(frame / TCP(sport=40000, dport=QUIET, flags="A") / payload)
+
+
+def patched_tree(root: Path, variant: Variant, source: Path) -> Path:
+    """A copy of `source` (bpf/) with the variant's patches, under `root`."""
+    dest = root / variant.name
+    shutil.copytree(source, dest)
+    for p in variant.patches:
+        path = dest / p.file
+        text = path.read_text()
+        if text.count(p.old) != 1:
+            raise SystemExit(
+                f"variant {variant.name}: {p.file} holds {text.count(p.old)} copies of {p.old!r}"
+            )
+        path.write_text(text.replace(p.old, p.new))
+    return dest
+
+
+@contextmanager
+def loaded(
+    variants: list[Variant], source: Path, cache: ObjectCache, compare: Path | None = None
+) -> Iterator[dict[str, Datapath]]:
+    """Every variant of `source` built and loaded (and, as the variant "compare", the tree
+    `compare` as it is: another commit's bpf/, measured in the same rounds)."""
+    sizes = replace(SIZES, xdp_ipv6=False)  # XDP's IPv6 program is not measured: not loaded
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="v6cost-") as tmp:
+        trees = {v.name: patched_tree(Path(tmp), v, source) for v in variants}  # every patch checked first
+        if compare is not None:
+            variants = [Variant("compare", f"{compare} as it is"), *variants]
+            trees["compare"] = compare
+        pins = stack.enter_context(bpffs())
+        out: dict[str, Datapath] = {}
+        for v in variants:
+            dp = Datapath(str(pins / v.name), sizes, bpf_dir=trees[v.name], cache=cache)
+            print(f"loading {v.name}: {v.what}", file=sys.stderr, flush=True)
+            dp.load()
+            stack.callback(dp.close)
+            out[v.name] = dp
+        yield out
+
+
+def measure(
+    dps: dict[str, Datapath], rounds: int, pod_ifindex: Callable[[], int]
+) -> dict[tuple[str, str], float]:
+    """Median ns per run of every (variant, case), the rounds taken in turn over all of them."""
+    ifindex = pod_ifindex()
+    todo = cases()
+    runs: dict[tuple[str, str], list[float]] = {}
+    os.sched_setaffinity(0, {CPU})
+    for _ in range(rounds):
+        for name, dp in dps.items():
+            for c in todo:
+                verdict, ns = prog_run_timed(dp.prog_fd(c.program), c.frame, ifindex, None, REPEAT)
+                if verdict != TC_ACT_OK:
+                    raise RuntimeError(f"{name}, {c.name}: verdict {verdict}, expected it passed")
+                runs.setdefault((name, c.name), []).append(float(ns))
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+HIT_CALLS = 400  # single-run calls per round of a translated case
+TC_ACT_REDIRECT = 7
+
+
+def hit_cases() -> list[tuple[str, list[bytes], bytes]]:
+    """(name, the frames that open the flow, the segment timed) of a conntrack hit each way, each
+    family: the frame is rewritten by the run, so timed one run a call (a single run also pays the
+    timer and a cold skb: compare these figures with each other, not with the loop figures)."""
+    data = b"x" * 64
+    out = []
+    for fam, client, vip, be in (("IPv4", POD_CLIENT, VIP, BE1), ("IPv6", POD6, VIP6, BE6)):
+        opening = [tcp(client, vip, 41000, 80), tcp(be, client, 8080, 41000, flags="SA")]
+        out.append(
+            (
+                f"{fam} pod -> ClusterIP, a segment (hit)",
+                opening,
+                tcp(client, vip, 41000, 80, flags="A", payload=data),
+            )
+        )
+        out.append(
+            (f"{fam} its answer (hit)", opening, tcp(be, client, 8080, 41000, flags="A", payload=data))
+        )
+    return out
+
+
+def measure_hits(
+    dps: dict[str, Datapath], whole_names: set[str], rounds: int, ifindex: int
+) -> dict[tuple[str, str], float]:
+    """Median over the rounds of the mean ns of HIT_CALLS single runs, for the whole builds."""
+    whole = {n: dp for n, dp in dps.items() if n in whole_names}
+    todo = hit_cases()
+    for dp in whole.values():
+        for _, opening, _ in todo:
+            for frame in opening:
+                prog_run_timed(dp.prog_fd("ekp_from_pod"), frame, ifindex)
+    runs: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):
+        for name, dp in whole.items():
+            fd = dp.prog_fd("ekp_from_pod")
+            for case, _, frame in todo:
+                total = 0
+                for _ in range(HIT_CALLS):
+                    verdict, ns = prog_run_timed(fd, frame, ifindex)
+                    if verdict != TC_ACT_REDIRECT:
+                        raise RuntimeError(f"{name}, {case}: verdict {verdict}, expected it redirected")
+                    total += ns
+                runs.setdefault((name, case), []).append(total / HIT_CALLS)
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default=",".join(v.name for v in VARIANTS), help="comma-separated names")
+    ap.add_argument("--rounds", type=int, default=ROUNDS)
+    ap.add_argument("--bpf-dir", type=Path, default=default_bpf_dir(), help="the tree to patch (bpf/)")
+    ap.add_argument("--compare", type=Path, help="another bpf/ tree, measured as it is beside the variants")
+    ap.add_argument(
+        "--cache",
+        default=os.path.join(tempfile.gettempdir(), "ekp-v6cost-cache"),
+        help="compiled objects by build id, kept across runs (a variant's build id is its text's)",
+    )
+    args = ap.parse_args(argv)
+    by_name = {v.name: v for v in VARIANTS}
+    chosen = [by_name[n] for n in args.variants.split(",")]
+    with loaded(chosen, args.bpf_dir, ObjectCache(args.cache), args.compare) as dps, packet_lab() as lab:
+        add_ipv6(lab)
+        for dp in dps.values():
+            reset_maps(dp)
+            add_service(dp.maps, VIP, 80, ((1, BE1, 8080, 1),))
+            add_service6(dp.maps, VIP6, 80, ((1, BE6, 8080, 1),))
+        figures = measure(dps, args.rounds, lambda: lab.pod.ifindex)
+        whole = {v.name for v in chosen if v.whole} | ({"compare"} if args.compare else set())
+        hits = measure_hits(dps, whole, args.rounds, lab.pod.ifindex)
+    names = [c.name for c in cases()]
+    print(f"ns per run, median of {args.rounds} rounds of {REPEAT:,} runs (BPF_PROG_TEST_RUN, CPU {CPU})")
+    print(f"{'variant':<12} " + " | ".join(f"{n[:26]:>26}" for n in names))
+    shown = [*([Variant("compare", f"{args.compare} as it is")] if args.compare else []), *chosen]
+    for v in shown:
+        print(
+            f"{v.name:<12} " + " | ".join(f"{figures.get((v.name, n), float('nan')):>26.1f}" for n in names)
+        )
+    for v in shown:
+        print(f"  {v.name}: {v.what}")
+    if hits:
+        print(f"translated, one run a call: ns per call, median of {args.rounds} rounds of {HIT_CALLS} calls")
+        hit_names = [c[0] for c in hit_cases()]
+        print(f"{'variant':<12} " + " | ".join(f"{n[:34]:>34}" for n in hit_names))
+        for v in shown:
+            if v.name in whole:
+                print(f"{v.name:<12} " + " | ".join(f"{hits[(v.name, n)]:>34.1f}" for n in hit_names))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
