@@ -136,7 +136,7 @@ def test_agent_doctor_names_the_fix_for_each_thing_a_namespace_lacks(tmp_path: o
         if attach != "clsact":
             _, lines = doctor(*flags)
             verdict, line = verdicts(lines)["tc/XDP hooks"]
-            assert verdict == "WARN" and "after ours: eth0 tc ingress: u32 pref 1" in line, "\n".join(lines)
+            assert verdict == "warn" and "after ours: eth0 tc ingress: u32 pref 1" in line, "\n".join(lines)
             index = int(lab.run(node, "cat", "/sys/class/net/eth0/ifindex").stdout)
             link = foreign_tcx_link(node.ns, index)
         try:
