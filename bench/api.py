@@ -90,6 +90,12 @@ def _stamp(line: str) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
+def killed_at_grace(rc: int | None, stop_s: float) -> bool:
+    """Whether the stop itself killed the agent, its grace (STOP_GRACE_S) run out: a SIGKILL
+    sooner is someone else's (the OOM killer's), not a stop too slow to keep the planner."""
+    return stop_s >= STOP_GRACE_S and rc == -signal.SIGKILL
+
+
 def _first(log: str, needle: str) -> str | None:
     for line in log.splitlines():
         if needle in line and LOG_TIME.match(line):
@@ -260,8 +266,9 @@ def measure(
                 _changes(out, agent, server, changes, services)
                 out.rss_mib = _vm_hwm_mib(agent.proc.pid)
                 stopping = time.time()
-                out.stop_killed = agent.stop(timeout=STOP_GRACE_S) == -signal.SIGKILL
+                rc = agent.stop(timeout=STOP_GRACE_S)
                 out.stop_s = time.time() - stopping
+                out.stop_killed = killed_at_grace(rc, out.stop_s)
                 began = time.time()
                 agent.start()
                 again = _wait_log(agent, "sync done:", timeout_s)

@@ -214,16 +214,26 @@ def resync(agent: Agent, px: Any, maps: dict[str, KernelMap], phases: Phases) ->
 def stop(agent: Agent, px: Any, records: KeptRecords | None, phases: Phases) -> str:
     """The agent's clean stop (`Agent.shutdown`): what it writes for the next start, phase by phase."""
     phases.reset()
-    px._dump = phases.wrap("read the maps back", px._dump)
+    dump, write = px._dump, snapshot.write
+    save = records.save if records is not None else None
+    px._dump = phases.wrap("read the maps back", dump)
     setattr(snapshot, "from_dump", phases.wrap("decode and compare", from_dump))  # noqa: B010
-    setattr(snapshot, "write", phases.wrap("write the planner", snapshot.write))  # noqa: B010
-    if records is not None:
-        records.save = phases.wrap("write the records", records.save)  # type: ignore[method-assign]
+    setattr(snapshot, "write", phases.wrap("write the planner", write))  # noqa: B010
+    if records is not None and save is not None:
+        records.save = phases.wrap("write the records", save)  # type: ignore[method-assign]
     gc.callbacks.append(phases.on_gc)
     c0, t0 = time.process_time(), time.perf_counter()
-    agent.shutdown()
-    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-    gc.callbacks.remove(phases.on_gc)
+    try:
+        agent.shutdown()
+        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    finally:
+        # put back as resync() does: a later bench in the same process times the real functions
+        gc.callbacks.remove(phases.on_gc)
+        px._dump = dump
+        setattr(snapshot, "from_dump", from_dump)  # noqa: B010
+        setattr(snapshot, "write", write)  # noqa: B010
+        if records is not None and save is not None:
+            records.save = save  # type: ignore[method-assign]
     parts = ", ".join(f"{k} {phases.cpu[k]:.2f} CPU s ({v:.2f} wall)" for k, v in phases.spent.items())
     gcs = sum(d for _, d in phases.collections)
     return (

@@ -3,11 +3,16 @@ clean stop are timed, the stop leaving the planner and the records where the nex
 
 from __future__ import annotations
 
+import gc
 import os
+import signal
 from pathlib import Path
+from typing import Any
 
+import pytest
 import yaml
 
+from agent.ebpf import snapshot
 from bench import api, changecost
 
 
@@ -25,3 +30,41 @@ def test_the_bench_gives_the_restarts_stop_the_charts_grace_period() -> None:
     # map back: the restart measured would not be the clean one it is reported as.
     values = yaml.safe_load((Path(__file__).parents[1] / "charts/ebpf-kube-proxy/values.yaml").read_text())
     assert values["terminationGracePeriodSeconds"] == api.STOP_GRACE_S
+
+
+def test_a_sigkill_before_the_grace_ran_out_is_not_the_stop_s_kill() -> None:
+    assert api.killed_at_grace(-signal.SIGKILL, api.STOP_GRACE_S + 0.2)
+    assert not api.killed_at_grace(-signal.SIGKILL, 2.0), "the OOM killer's, not the stop's"
+    assert not api.killed_at_grace(0, api.STOP_GRACE_S + 0.2)
+
+
+class _Shutdown:
+    def __init__(self, fails: bool) -> None:
+        self.fails = fails
+
+    def shutdown(self) -> None:
+        if self.fails:
+            raise RuntimeError("the stop failed")
+
+
+class _Px:
+    def _dump(self) -> None: ...
+
+
+class _Records:
+    def save(self) -> None: ...
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_timed_stop_puts_back_every_patch(fails: bool) -> None:
+    """Whatever the stop did, what it wrapped to time is put back (as resync does): a later bench in
+    the same process would time, and count in the wrong phase, the wrappers left."""
+    px, records = _Px(), _Records()
+    before = (px._dump, records.save, vars(snapshot)["from_dump"], snapshot.write, list(gc.callbacks))
+    agent: Any = _Shutdown(fails)
+    if fails:
+        with pytest.raises(RuntimeError):
+            changecost.stop(agent, px, records, changecost.Phases())  # type: ignore[arg-type]
+    else:
+        changecost.stop(agent, px, records, changecost.Phases())  # type: ignore[arg-type]
+    assert (px._dump, records.save, vars(snapshot)["from_dump"], snapshot.write, list(gc.callbacks)) == before

@@ -97,6 +97,7 @@ ours), and `hooks_report` (agent inspect hooks) what each device's hooks run, tc
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -626,6 +627,11 @@ def detach_all(
         return done
 
 
+# A hand-over of a clsact start from an older generation on tcx: through a tcx link in front of
+# the older one until the rehome (`_attach`).
+TO_CLSACT = "to-clsact"
+
+
 def _hook(parent: int) -> str:
     return tcx.INGRESS if parent == TC_H_INGRESS else tcx.EGRESS
 
@@ -730,17 +736,21 @@ class Attacher:
                 )
         return self._tcx
 
-    def _classid_fd(self, classid: int) -> int:
-        with self._lock:  # the watcher's thread and the syncs' attach alike
+    def _classid_link(self, pins: list[tcx.Pinned], name: str, index: int, classid: int) -> None:
+        """The classid program in front of ingress (`_tcx_link`), under the lock that stop_watcher
+        closes the programs' fds under: the watcher's thread and the syncs' attach alike use the fd."""
+        with self._lock:
             if classid not in self._classid_fds:
                 self._classid_fds[classid] = tcx.load_classid_program(classid)
-            return self._classid_fds[classid]
+            self._tcx_link(pins, tcx.CLASSID, tcx.INGRESS, name, index, self._classid_fds[classid])
 
     def _tcx_link(
         self, pins: list[tcx.Pinned], role: str, hook: str, name: str, index: int, fd: int, before: str = ""
-    ) -> tcx.Pinned:
+    ) -> tcx.Pinned | None:
         """Our link of `role` on one hook runs `fd`'s program: updated in place where one is
-        pinned and live, else created (a defunct pin of the same ifindex removed first)."""
+        pinned and live, else created (a defunct pin of the same ifindex removed first). None: the
+        hook runs the program already through a link another thread (the watcher, a verifying
+        reconcile) created meanwhile, not pinned yet."""
         pin = tcx.find(pins, role, hook, index)
         if pin is not None and pin.live:
             if pin.prog_id != tcx.prog_id(fd):
@@ -749,7 +759,19 @@ class Attacher:
                 pin = tcx.rename(pin, name, self._config.pin_path)
             return pin
         netns = self._config.netns
-        return tcx.create(netns, self._config.pin_path, role, hook, name, index, fd, before=before)
+        try:
+            return tcx.create(netns, self._config.pin_path, role, hook, name, index, fd, before=before)
+        except OSError as exc:
+            if exc.errno != errno.EEXIST:
+                raise
+            # The kernel holds a program once per hook: another thread attached this one first.
+            again = tcx.find(tcx.pinned(self._config.pin_path, {index}), role, hook, index)
+            if again is not None and again.live and again.prog_id == tcx.prog_id(fd):
+                return again
+            log.debug(
+                "%s %s runs %s already (attached meanwhile by another thread)", name, hook, role or "ours"
+            )
+            return None
 
     def _tcx_prog(self, ipr: Any, pins: list[tcx.Pinned], index: int, parent: int) -> str | None:
         """The name of the program our live tcx link runs on one hook (None: no such link)."""
@@ -761,9 +783,12 @@ class Attacher:
     def _hook_prog(
         self, ipr: Any, pins: list[tcx.Pinned] | None, index: int, parent: int = TC_H_INGRESS
     ) -> str | None:
-        """The program of ours serving one hook: our tcx link's where tcx is used, else our filter's."""
+        """The program of ours serving one hook: our live tcx link's where tcx is used, else our
+        filter's (also on tcx where no link of ours is: a device a clsact generation served)."""
         if pins is not None:
-            return self._tcx_prog(ipr, pins, index, parent)
+            prog = self._tcx_prog(ipr, pins, index, parent)
+            if prog is not None:
+                return prog
         return our_filter(ipr, index, parent)
 
     def _pins(self, indexes: Collection[int] | None = None) -> list[tcx.Pinned] | None:
@@ -773,10 +798,9 @@ class Attacher:
     def _detach(self, ipr: Any, index: int, pins: list[tcx.Pinned] | None) -> bool:
         """Ours off one device: filters, and tcx links with their pins; whether any was there."""
         found = detach(ipr, index)
-        for pin in pins or ():
-            if pin.index == index:
-                tcx.remove(pin)
-                found = True
+        for pin in sorted((p for p in pins or () if p.index == index), key=tcx.removal_order):
+            tcx.remove(pin)
+            found = True
         return found
 
     def _drop_filters(self, ipr: Any, index: int, parent: int) -> bool:
@@ -848,6 +872,9 @@ class Attacher:
           at FRONT_PRIO from every hook it attaches.
         """
         pins = self._pins() if full or verify else None
+        # Links a run on tcx left: in clsact mode read too by a full reconcile, for removal only
+        # (on devices no longer wanted, and defunct ones); `_attach` removes the wanted devices'.
+        stale = pins if pins is not None or not full else tcx.pinned(self._config.pin_path)
         with netns_route(self._config.netns) as ipr:
             links: dict[int, Link] = {}
             if full or verify:
@@ -881,7 +908,7 @@ class Attacher:
             if full:
                 gone = set(known) - set(wanted)
                 for link in list_links(ipr):
-                    if link.index not in wanted and self._detach(ipr, link.index, pins):
+                    if link.index not in wanted and self._detach(ipr, link.index, stale):
                         log.info("detached from %s (no longer matches)", link.name)
             else:
                 # Devices we attached that no longer qualify (a node IP moved, a pod device renamed).
@@ -908,7 +935,9 @@ class Attacher:
                     self._remember(index, name, prog, bridge)
                     continue
                 self._attach(ipr, index, name, prog, bridge, front=front, clear_front=full, pins=pins)
-            if pins is not None and (full or verify):
+            if stale is not None and (full or verify):
+                # Moved away with an RTM_DELLINK the watcher missed (a device listed is still here).
+                self._drop_moved(ipr, [p for p in tcx.pinned(self._config.pin_path) if p.index not in links])
                 swept = tcx.sweep_defunct(self._config.pin_path)
                 if swept:
                     log.info("removed the pins of tcx links whose device is gone: %s", ", ".join(swept))
@@ -1037,8 +1066,24 @@ class Attacher:
         # host routing, its own source translation) can be translated. `appeared`: a device the
         # watcher saw come (a new pod's: nothing sent through it yet that a clsact add could drop).
         where = []
+        left = tcx.pinned(self._config.pin_path, {index})
+        behind_links: set[str] = set()
         for parent, program, classid in ((TC_H_EGRESS, PROG_EGRESS, 1), (TC_H_INGRESS, prog, bridge)):
             hook = "egress" if parent == TC_H_EGRESS else "ingress"
+            older = tcx.find(left, tcx.MAIN, hook, index) if front else None
+            if older is not None and older.live and older.prog_id not in self._own_ids():
+                # An older generation on tcx (a switch back to clsact under a hand-over): a filter
+                # of ours would run after its link, and removing the link would leave nothing that
+                # hands the older flows to its program. So this start hands over through tcx, right
+                # before the older link (its ingress keeps its classid program in front), until
+                # `rehome` puts the filter on and removes both links.
+                self._tcx_link(left, tcx.FRONT, hook, name, index, self._fds[program], before=older.path)
+                behind_links.add(hook)
+                where.append(hook)
+                with self._lock:
+                    self._fronts[(index, parent)] = (program, classid)
+                    self._front_kinds[(index, parent)] = TO_CLSACT
+                continue
             prio = FILTER_PRIO
             if front:
                 # In front only of an older generation's filter: where ours already sits at 17 (a
@@ -1087,9 +1132,14 @@ class Attacher:
             if where
             else "",
         )
-        # Links an agent on tcx left run in front of these filters: they go now that ours are on.
-        left = tcx.pinned(self._config.pin_path, {index})
-        for pin in left:
+        # Links an agent on tcx left run in front of these filters: they go now that ours are on
+        # (those of a hook handed over through tcx at its rehome; the classid program with ingress's).
+        left = [
+            p
+            for p in left
+            if p.hook not in behind_links and not (p.role == tcx.CLASSID and tcx.INGRESS in behind_links)
+        ]
+        for pin in sorted(left, key=tcx.removal_order):
             tcx.remove(pin)
         if left:
             log.info("detached the tcx links on %s (--bpf-tc-attach=clsact: its filters serve)", name)
@@ -1113,7 +1163,7 @@ class Attacher:
             hook = _hook(parent)
             fd = self._fds[program]
             if parent == TC_H_INGRESS:
-                self._tcx_link(pins, tcx.CLASSID, hook, name, index, self._classid_fd(classid))
+                self._classid_link(pins, name, index, classid)
             main = tcx.find(pins, tcx.MAIN, hook, index)
             behind = our_prog_id(ipr, index, parent, FILTER_PRIO)
             kind = ""
@@ -1158,8 +1208,20 @@ class Attacher:
         self._remember(index, name, prog, bridge)
         self.attachments += 1
 
-    def _rehome_tcx(self, ipr: Any, index: int, parent: int, program: str, kind: str) -> None:
+    def _rehome_tcx(self, ipr: Any, index: int, parent: int, program: str, kind: str, classid: int) -> None:
         """`rehome` of one hook a tcx hand-over put us in front on."""
+        if kind == TO_CLSACT:
+            # Ours as a filter, then the older link, then ours in front of it (and, on ingress, the
+            # classid program in front of both): at every moment a program of ours serves the hook.
+            attach(ipr, index, program, self._fds[program], parent, classid=classid)
+            hook = _hook(parent)
+            pins = tcx.pinned(self._config.pin_path, {index})
+            roles = (tcx.MAIN, tcx.FRONT, tcx.CLASSID) if hook == tcx.INGRESS else (tcx.MAIN, tcx.FRONT)
+            for role in roles:
+                pin = tcx.find(pins, role, hook, index)
+                if pin is not None:
+                    tcx.remove(pin)
+            return
         if kind == "clsact":
             # Our link already serves; the older filters behind it go (the clsact qdisc stays).
             self._drop_filters(ipr, index, parent)
@@ -1173,17 +1235,25 @@ class Attacher:
             tcx.update(main, self._fds[program])
 
     def _take_place(self, ahead: tcx.Pinned, main: tcx.Pinned | None, fd: int) -> None:
-        """A link of ours in front of an older one on its hook: when it runs `fd`'s program, the
-        older link goes and the one in front is pinned in its place (the kernel refuses a program
-        twice on one hook, so the older link cannot be updated to it; the one in front served all
-        along); else the one in front goes."""
-        if not ahead.live or ahead.prog_id != tcx.prog_id(fd):
+        """A link of ours in front of an older one on its hook takes its place, running `fd`'s
+        program: updated to it in place if it runs another (a hand-over cut short), then the older
+        link removed, then the one in front pinned as MAIN. The kernel refuses a program twice on
+        one hook, so the older link cannot be updated to it; the one in front serves all along, so
+        the hook never runs the older program alone nor none. A defunct one in front goes."""
+        if not ahead.live:
             tcx.remove(ahead)
             return
+        want = tcx.prog_id(fd)
+        if main is not None and main.live and main.prog_id == want:
+            tcx.remove(ahead)  # the older link runs this program already (a rehome cut short)
+            return
+        if ahead.prog_id != want:
+            tcx.update(ahead, fd)
         if main is not None:
             tcx.remove(main)
         main_pin = tcx.pin_name(tcx.MAIN, ahead.hook, ahead.device, ahead.index)
-        os.rename(ahead.path, os.path.join(self._config.pin_path, main_pin))
+        with contextlib.suppress(FileNotFoundError):  # renamed meanwhile by another thread
+            os.rename(ahead.path, os.path.join(self._config.pin_path, main_pin))
 
     def _remember(self, index: int, name: str, prog: str, bridge: int = 0) -> None:
         with self._lock:
@@ -1204,7 +1274,7 @@ class Attacher:
                     kind = self._front_kinds.get((index, parent), "")
                 try:
                     if kind:
-                        self._rehome_tcx(ipr, index, parent, program, kind)
+                        self._rehome_tcx(ipr, index, parent, program, kind, classid)
                     else:
                         attach(ipr, index, program, self._fds[program], parent, classid=classid)
                         drop_front(ipr, index, parent)
@@ -1282,7 +1352,7 @@ class Attacher:
                                 if self._attached.pop(index, None) is not None:
                                     log.info("pod device %s is gone", name)
                             if self.use_tcx:
-                                self._sweep(index)
+                                self._sweep(ipr, index)
         except Exception:
             log.exception(
                 "link watcher of netns %s stopped; the next sync restarts it and checks every device",
@@ -1291,13 +1361,36 @@ class Attacher:
         finally:
             self._ready.set()
 
-    def _sweep(self, index: int) -> None:
-        """Remove the pins of our tcx links on a device that went (defunct now; a live one is
-        left to the next verifying reconcile)."""
+    def _sweep(self, ipr: Any, index: int) -> None:
+        """Remove the pins of our tcx links on a device that went: defunct ones (deleted), and live
+        ones whose device left this namespace (`ip link set X netns other` keeps its tcx links:
+        the kernel takes them off only when the device is unregistered)."""
         pins = tcx.pinned(self._config.pin_path, {index})
-        swept = tcx.sweep_defunct(self._config.pin_path, pins)
+        self._drop_moved(ipr, pins)
+        swept = tcx.sweep_defunct(self._config.pin_path, [p for p in pins if os.path.exists(p.path)])
         if swept:
             log.info("removed the pins of tcx links whose device is gone: %s", ", ".join(swept))
+
+    def _drop_moved(self, ipr: Any, pins: list[tcx.Pinned]) -> None:
+        """Detach our live links on devices no longer in this namespace (moved to another: its
+        programs must not run in a pod's namespace), and remove their pins."""
+        for index in sorted({p.index for p in pins if p.live}):
+            try:
+                ipr.link("get", index=index)
+                continue
+            except NetlinkError as exc:
+                if exc.code != errno.ENODEV:
+                    raise
+            moved = sorted((p for p in pins if p.index == index), key=tcx.removal_order)
+            for pin in moved:
+                tcx.remove(pin)
+            log.info(
+                "detached our tcx links from ifindex %d (%s), which left netns %s with them: %s",
+                index,
+                moved[0].device,
+                self._config.netns or "(own)",
+                ", ".join(os.path.basename(p.path) for p in moved),
+            )
 
     def _catch_up(self, ipr: Any) -> None:
         for link in list_links(ipr):

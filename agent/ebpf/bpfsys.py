@@ -265,7 +265,8 @@ def tcx_link_create(prog_fd: int, ifindex: int, attach_type: int, flags: int = 0
 def tcx_query(ifindex: int, attach_type: int, prog_ids: Any, link_ids: Any) -> tuple[int, int]:
     """Ids of the programs on one tcx hook of the caller's network namespace, in run order, and of
     their links (0: attached without a link), into two ctypes u32 arrays of one length:
-    (ret, count). -EINVAL where the kernel has no tcx."""
+    (ret, count). -EINVAL where the kernel has no tcx; -ENOENT, on kernels without the fix for it,
+    for a device with neither tcx nor clsact (an empty hook)."""
     attr = _attr(
         _PROG_QUERY_TCX,
         ifindex,

@@ -69,9 +69,11 @@ from agent.ebpf.upgrade import Upgrade
 from agent.ebpf.xdp import PROG_XDP
 from agent.errors import FatalError
 from agent.keptrecords import records_path
+from agent.lock import LOCK_DIR
 from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
+from agent.takeover import out_of_ebpf
 from agent.takeover.flows import UDP, NatFlow, Tuple, ct6_keys, masqueraded_into
 from agent.takeover.into_ebpf import KernelTakeover
 
@@ -126,10 +128,16 @@ class UpgradeLike(Protocol):
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None: ...
 
-    def abort(self) -> None:
+    def abort(self, *, attached: bool) -> None:
         """The first attach failed after before_attach and before after_attach: what
         before_attach changed on the node for the attach alone is put back (the next sync's
-        before_attach starts again)."""
+        before_attach starts again), unless `attached` (a program of ours may be on some device
+        already): what the attach needs until every device has one stays, put back by the
+        retry's after_attach or by `close`."""
+
+    def close(self) -> None:
+        """The agent stops: what before_attach changed on the node and nothing put back since is
+        put back."""
 
     def after_first_sync6(
         self, maps: Mapping[str, MapWriter], frontends: Mapping[tuple[str, int, int], int] | None = None
@@ -224,8 +232,11 @@ class StartSteps:
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self._each(lambda step: step.after_attach(maps))
 
-    def abort(self) -> None:
-        self._each(lambda step: step.abort())
+    def abort(self, *, attached: bool) -> None:
+        self._each(lambda step: step.abort(attached=attached))
+
+    def close(self) -> None:
+        self._each(lambda step: step.close())
 
     def _each(self, call: Callable[[UpgradeLike], None]) -> None:
         """Every step, whatever an earlier one raised (a later one puts back what its
@@ -376,6 +387,8 @@ class EbpfProxier:
         self._node6_reader = node6_reader
         self._masquerade6_reader = masquerade6_reader
         self._snapshot = snapshot.snapshot_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
+        # where an iptables-mode agent's hand-back records that its detach began (out_of_ebpf)
+        self._handback_dir = snapshot_dir or LOCK_DIR
         # The model's records the agent keeps beside the planner (agent.keptrecords): removed with it
         self._records_file = records_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
         # Now, not at close: sources changed under the running agent (an upgrade in place) must not
@@ -408,6 +421,7 @@ class EbpfProxier:
         self._cfg_written: Value | None = None
         self._attached_once = False
         self._after_attach_reached = False  # this first attach reached the start steps' after_attach
+        self._attach_began = False  # this first attach may have put a program of ours on a device
         # Whether a sync6 has run since the first attach (`_upgrade.after_first_sync6`)
         self._synced6_attached = False
         self._attached_node: NodeContext | None = None  # the node the attachments were checked for
@@ -515,6 +529,7 @@ class EbpfProxier:
                 )
             first_attach = not self._attached_once
             self._after_attach_reached = False
+            self._attach_began = False
             try:
                 self._attach(datapath, node, periodic=periodic, legacy=deferred)
             except BaseException:
@@ -859,6 +874,7 @@ class EbpfProxier:
             if self._snapshot:
                 keptfile.remove(self._snapshot)
                 keptfile.remove(self._records_file)
+            out_of_ebpf.forget_handback(self._handback_dir, self._config.pin_path)
 
     # ------------------------------------------------------------------ keep in place
 
@@ -869,6 +885,10 @@ class EbpfProxier:
             self._keep_planner()
             self._stop_watcher()
             self._release()
+            try:  # a first attach that never completed left tcp_be_liberal to its retry: none comes
+                self._upgrade.close()
+            except Exception as exc:
+                log.error("the start steps could not put back what they set on the node: %r", exc)
 
     def contents(self) -> MapContents | None:
         """What the service maps should hold now, decoded (None before the first sync)."""
@@ -1180,6 +1200,8 @@ class EbpfProxier:
         if first:
             # Set at every first attach: a reused build keeps the mode a hand-over cut short left.
             datapath.set_handover(mode)
+        if first:
+            self._attach_began = True  # from here a failure may leave programs on some devices
         if legacy is not None:
             self._attacher.attach_egress(node)
             write_config(datapath.maps, VALUES["cfg"].to_ctype(legacy))
@@ -1235,13 +1257,15 @@ class EbpfProxier:
             self._upgrade.serving()
             self._attacher.start_watcher()
             self._attached_once = True
+            # our programs on every device: a hand-back's partial detach these pins saw is undone
+            out_of_ebpf.forget_handback(self._handback_dir, self._config.pin_path)
             self._synced6_attached = False
 
     def _abort_start(self) -> None:
         """The first attach stopped before after_attach: the start steps put back what they set
         for it (tcp_be_liberal); their own failure said, the attach's error the one raised."""
         try:
-            self._upgrade.abort()
+            self._upgrade.abort(attached=self._attach_began)
         except Exception as exc:
             log.error("the start steps could not undo what they set before the failed attach: %r", exc)
 

@@ -114,11 +114,12 @@ def _check(ret: int, what: str) -> int:
 
 def probe() -> str:
     """ "" where the kernel attaches tcx links, else why not (a query of the loopback device's tcx
-    ingress hook: Linux before 6.6 refuses the attach type with EINVAL)."""
+    ingress hook: Linux before 6.6 refuses the attach type with EINVAL; an ENOENT, from kernels
+    before the fix that answers an empty hook with no entries, means the hook exists)."""
     ids = (ctypes.c_uint32 * 1)()
     links = (ctypes.c_uint32 * 1)()
     ret, _ = bpfsys.tcx_query(1, BPF_TCX_INGRESS, ids, links)
-    if ret < 0:
+    if ret < 0 and ret != -errno.ENOENT:
         return f"the kernel refuses a tcx query ({os.strerror(-ret)}; tcx needs Linux 6.6)"
     return ""
 
@@ -171,8 +172,13 @@ def prog_name(prog_id_: int) -> str:
 
 
 def pinned(pin_path: str, indexes: Collection[int] | None = None) -> list[Pinned]:
-    """Our tcx links pinned under `pin_path`, those named for the ifindexes `indexes` when given
-    (a pin that cannot be read is removed, with a log line: it holds nothing this agent can use)."""
+    """Our tcx links pinned under `pin_path`, those named for the ifindexes `indexes` when given.
+
+    A pin that is gone meanwhile is skipped: the watcher's `_sweep` and a reconcile's
+    `sweep_defunct` walk the same defunct pins, and a hand-over renames FRONT to MAIN. A pin the
+    kernel says holds no tcx link (EINVAL) is removed: it holds nothing this agent can use. Any
+    other error (EMFILE, ENOMEM, EPERM) says nothing about the pin, whose link may be serving: it
+    is logged and skipped, never removed."""
     try:
         names = sorted(os.listdir(pin_path))
     except FileNotFoundError:
@@ -189,8 +195,14 @@ def pinned(pin_path: str, indexes: Collection[int] | None = None) -> list[Pinned
                 raise OSError(-fd, os.strerror(-fd))
             link_id, prog, live = link_info(fd)
         except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                continue
+            if exc.errno != errno.EINVAL:
+                log.warning("cannot read pin %s (left in place, skipped until it can be read): %s", path, exc)
+                continue
             log.warning("removed pin %s, which holds no tcx link of ours: %s", path, exc)
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
             continue
         finally:
             if fd >= 0:
@@ -274,8 +286,16 @@ def remove(pin: Pinned) -> None:
 def rename(pin: Pinned, device: str, pin_path: str) -> Pinned:
     """The pin renamed for the device's current name (a device renamed keeps its ifindex)."""
     path = os.path.join(pin_path, pin_name(pin.role, pin.hook, device, pin.index))
-    os.rename(pin.path, path)
+    with contextlib.suppress(FileNotFoundError):  # swept or renamed meanwhile (`pinned`)
+        os.rename(pin.path, path)
     return Pinned(path, pin.role, pin.hook, device, pin.index, pin.link_id, pin.prog_id, pin.live_index)
+
+
+def removal_order(pin: Pinned) -> tuple[bool, bool]:
+    """A sort key for removing a device's links as the clsact path removes its filters: ingress's
+    programs, then its classid program (none of ours runs reading a tc_classid nobody wrote), then
+    egress (no packet translated at ingress lacks its egress half)."""
+    return (pin.hook == EGRESS, pin.role == CLASSID)
 
 
 def sweep_defunct(pin_path: str, pins: Iterable[Pinned] | None = None) -> list[str]:
@@ -292,7 +312,8 @@ def sweep_defunct(pin_path: str, pins: Iterable[Pinned] | None = None) -> list[s
 
 def hook_links(index: int, hook: str) -> list[tuple[int, int]]:
     """(program id, link id) of every program on one tcx hook of the caller's netns, in run order
-    (link id 0: attached without a link); [] where the kernel has no tcx or the device is gone."""
+    (link id 0: attached without a link); [] where the kernel has no tcx or the device is gone, and
+    where the device has neither tcx nor clsact (ENOENT, from kernels without the fix for it)."""
     size = 64
     while True:
         ids = (ctypes.c_uint32 * size)()
@@ -302,7 +323,7 @@ def hook_links(index: int, hook: str) -> list[tuple[int, int]]:
             size = count
             continue
         if ret < 0:
-            if ret in (-errno.EINVAL, -errno.ENODEV):
+            if ret in (-errno.EINVAL, -errno.ENODEV, -errno.ENOENT):
                 return []
             raise OSError(-ret, f"tcx query of ifindex {index} {hook}: {os.strerror(-ret)}")
         return [(int(ids[i]), int(links[i])) for i in range(count)]
@@ -310,20 +331,26 @@ def hook_links(index: int, hook: str) -> list[tuple[int, int]]:
 
 def detach_ours(index: int, prefix: str) -> int:
     """Detach every tcx link on the device (caller's netns) whose program's name starts with
-    `prefix`, pinned or not (a pin left then holds a defunct link); how many."""
+    `prefix`, pinned or not (a pin left then holds a defunct link); how many. In the order the
+    clsact path removes ours: the ingress programs, then the classid program in front of them (so
+    no program of ours reads a tc_classid nobody wrote), then egress (so no packet translated at
+    ingress lacks its egress half)."""
     done = 0
-    for hook in (INGRESS, EGRESS):
-        for prog, link_id in hook_links(index, hook):
-            if not link_id or not prog_name(prog).startswith(prefix):
-                continue
-            fd = bpfsys.link_get_fd_by_id(link_id)
-            if fd < 0:
-                continue  # gone meanwhile
-            try:
-                _check(bpfsys.link_detach(fd), f"bpf_link_detach(tcx link {link_id})")
-            finally:
-                os.close(fd)
-            done += 1
+    ingress = hook_links(index, INGRESS)
+    names = {prog: prog_name(prog) for prog, _ in ingress}
+    ordered = [(p, lk) for p, lk in ingress if names[p] != CLASSID_PROG_NAME]
+    ordered += [(p, lk) for p, lk in ingress if names[p] == CLASSID_PROG_NAME]
+    for prog, link_id in [*ordered, *hook_links(index, EGRESS)]:
+        if not link_id or not (names.get(prog) or prog_name(prog)).startswith(prefix):
+            continue
+        fd = bpfsys.link_get_fd_by_id(link_id)
+        if fd < 0:
+            continue  # gone meanwhile
+        try:
+            _check(bpfsys.link_detach(fd), f"bpf_link_detach(tcx link {link_id})")
+        finally:
+            os.close(fd)
+        done += 1
     return done
 
 

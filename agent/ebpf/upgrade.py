@@ -196,8 +196,11 @@ class Upgrade:
         if self.pending:
             self._carry(maps, "after the v2 programs took over")
 
-    def abort(self) -> None:
+    def abort(self, *, attached: bool) -> None:
         """Nothing to put back: the carry changes only our own maps."""
+
+    def close(self) -> None:
+        """Nothing to put back."""
 
     def after_first_sync6(
         self, maps: Mapping[str, MapWriter], frontends: Mapping[tuple[str, int, int], int] | None = None

@@ -47,9 +47,11 @@ Responses are decoded straight from bytes into plain dicts (`_preload_content=Fa
 never into the client's model classes, which cost several times the time and memory
 (bench/apilist.py measures it). A list's envelope is split first (msgspec: the items as raw JSON
 spans of the body, in C), then its items are decoded `page_size` at a time and handed on, so a
-whole answer of 50,000 objects is never held decoded at once. `metadata.managedFields` and the
-kubectl last-applied annotation are dropped on arrival: the proxy never reads them and they are
-often most of an object.
+whole answer of 50,000 objects is never held decoded at once. A list's Services and
+EndpointSlices are decoded into only the fields the parsers read (agent.model.wire: msgspec
+Structs, an item whose fields are not of the expected types decoded whole as before); a Node, and
+every watch event, whole with orjson. `metadata.managedFields` and the kubectl last-applied
+annotation are dropped on arrival: the proxy never reads them and they are often most of an object.
 
 A restart's first list can skip decoding most items: the sink's `kept` (the records the last run
 left, agent.keptrecords) is asked for each item's record by kind, key, uid and resourceVersion,
@@ -83,6 +85,7 @@ from agent.goformat import format_duration
 from agent.kube.backoff import Backoff, BackoffState, Episode
 from agent.kube.resources import Resource
 from agent.metrics.source import SourceMetrics
+from agent.model import wire
 from agent.model.problem import printable
 from agent.sources.base import Event, EventType, Kind, ObjectEvent, Sink, Synced, object_key
 
@@ -150,14 +153,6 @@ class _Head(msgspec.Struct):
 
 
 _HEAD = msgspec.json.Decoder(_Head)
-
-
-def _item(raw: msgspec.Raw) -> Any:
-    """One list item decoded; None (an item without a name) if orjson refuses what msgspec split."""
-    try:
-        return orjson.loads(memoryview(raw))
-    except orjson.JSONDecodeError:
-        return None
 
 
 class _Stopped(Exception):
@@ -258,6 +253,9 @@ class Reflector:
         self._kept = kept  # asked during the first list only (see the module doc)
         self._metrics = metrics or SourceMetrics(CollectorRegistry())
         self.kind = resource.kind
+        # a list's items: the parsed kinds into only what their parsers read (agent.model.wire);
+        # None (an item without a name) where the item is not JSON
+        self._decode_item = wire.decoder(resource.kind.value)
         self._sink = sink
         self._settings = settings
         self._stopping = stopping
@@ -556,7 +554,7 @@ class Reflector:
                     kept = None
                 for raw in chunk:
                     if kept is None or not self._reconcile_kept(raw, kept, seen, batch):
-                        self._reconcile(_item(raw), seen, batch)
+                        self._reconcile(self._decode_item(raw), seen, batch)
                 if n < len(chunks) or token is not None:
                     self._deliver(batch)
             if token is None:  # the last page: its last chunk goes with the deletions and Synced

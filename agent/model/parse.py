@@ -54,6 +54,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from msgspec import UNSET
+
 from agent.model.addresses import IPAddress, parse_cidr_sloppy, parse_ip_sloppy, special_ip_reason
 from agent.model.types import (
     DEFAULT_AFFINITY_TIMEOUT_SECONDS,
@@ -94,6 +96,7 @@ from agent.model.validate import (
     require_map,
     require_str,
 )
+from agent.model.wire import Conditions, WireEndpoint
 
 __all__ = [
     "HEADLESS_LABEL",
@@ -670,8 +673,57 @@ _BOOL_OR_NONE = frozenset({bool, type(None)})
 _new_tuple = tuple.__new__
 
 
+def _wire_endpoint(item: WireEndpoint, port: int, here: str) -> Endpoint | None:
+    """`_common_endpoint` of an endpoint a list decoded typed (agent.model.wire): msgspec checked
+    the types of its fields already; the same shape takes this path, anything else gets None."""
+    addresses = item.addresses
+    if type(addresses) is not list or len(addresses) != 1:
+        return None
+    if item.hostname is not UNSET or item.hints is not UNSET:
+        return None
+    ip = addresses[0]
+    if _CANONICAL_V4.fullmatch(ip) is None or ip.startswith(_SPECIAL_V4_PREFIXES):
+        return None
+    conditions = item.conditions
+    if isinstance(conditions, Conditions):
+        ready, serving, terminating = conditions.ready, conditions.serving, conditions.terminating
+    else:
+        ready = serving = terminating = None
+    node = item.nodeName
+    if not isinstance(node, str):
+        node = ""
+    elif not _is_node_name(node):
+        return None
+    zone = item.zone
+    if not isinstance(zone, str):
+        zone = ""
+    ready_now = ready if isinstance(ready, bool) else True
+    kept_node, kept_zone = _names.get(node), _names.get(zone)
+    return _new_tuple(
+        Endpoint,
+        (
+            ip,
+            port,
+            ready_now,
+            serving if isinstance(serving, bool) else ready_now,
+            terminating is True,
+            _name(node) if kept_node is None else kept_node,
+            _name(zone) if kept_zone is None else kept_zone,
+            _NO_HINTS,
+            _NO_HINTS,
+            bool(here) and node == here,
+        ),
+    )
+
+
 def _endpoint(item: Any, address_type: str, index: int, port: int, here: str) -> Endpoint | None:
-    if address_type == "IPv4":
+    if type(item) is WireEndpoint:
+        if address_type == "IPv4":
+            common = _wire_endpoint(item, port, here)
+            if common is not None:
+                return common
+        item = item.as_dict()
+    elif address_type == "IPv4":
         common = _common_endpoint(item, port, here)
         if common is not None:
             return common

@@ -60,10 +60,10 @@ from agent.model.types import (
     ServicePort,
     ServicePortName,
 )
+from agent.model.wire import TRIGGER_TIME_ANNOTATION
 
 # The eBPF frontend counts its backend slots in 16 bits; both modes program at most this many.
 MAX_ENDPOINTS_PER_PORT = 65535
-TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 # A frontend a service port claims: ("ip", address, port, protocol) or ("nodePort", port, protocol).

@@ -288,10 +288,27 @@ class KernelTakeover:
             # sets them off again, and reads back the value restored here)
             self._restore_liberal()
 
-    def abort(self) -> None:
+    def abort(self, *, attached: bool) -> None:
         """The first attach failed between before_attach and after_attach: the node's window
-        checks come back (the next sync's before_attach turns them off again)."""
+        checks come back (the next sync's before_attach turns them off again); not when a program
+        of ours may be on some device already (`attached`): the flows it translates have one
+        direction netfilter never sees, so the checks stay off until the retry's after_attach
+        (or `close`) puts them back."""
         self._carried = []
+        if attached:
+            if self._liberal_was is not None and self._liberal_was != "1":
+                log.warning(
+                    "the first attach stopped with our programs on some devices: %s stays 1 in netns"
+                    " %s until the attach is retried and done (or the agent stops), or the flows"
+                    " carried would meet netfilter's window checks one way only (resets)",
+                    TCP_BE_LIBERAL,
+                    self._config.netns or "(own)",
+                )
+            return
+        self._restore_liberal()
+
+    def close(self) -> None:
+        """The agent stops: window checks an aborted attach left off come back."""
         self._restore_liberal()
 
     def _restore_liberal(self) -> None:

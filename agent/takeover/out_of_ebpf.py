@@ -34,19 +34,24 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    it again each HOLD_RENEW_NS (one found run out meanwhile is counted in a warning). A hold
    clears the flags on the REPLY entry (an NFPASS a hand-back killed before left there), and a
    write refused by the flow's own NAT entry (one such run wrote it) counts as written.
-   Given up before any of our programs left a device (a map, ctnetlink or the detach failing, or
+   Stopped before any of our programs left a device (a map, ctnetlink or the detach failing, or
    any other stop), the programs stay attached: flow by flow, passed ones first, each is held
    again with no NFPASS on its REPLY entry (no reply may pass untranslated once its NAT entry is
    gone), its NAT entry deleted (a held flow's too: it may have been written), and it is given
    back to them (both flags cleared); the flows waiting their turn are renewed as it goes, and a
-   deletion that fails is counted while the next flow goes on. A detach stopped by anything
+   deletion that fails is counted while the next flow goes on. Then the hand-back is given up
+   only when a permission was refused (EPERM, EACCES: no later try gets further); anything else
+   is tried again, as a partial detach is. A detach stopped by anything
    after one of our programs left a device undoes nothing: the detached devices' flows need
    their NAT entries; an error names the devices detached, step 3 runs for them, the pins stay
    and `run` says to try again. Right before the first device, a marker in the lock directory
-   (`marker_path`, removed with the pins) records that the detach began: no later try undoes
-   anything, an agent restarted since included (a retry that detaches nothing more undoes
-   nothing either). A try writes only the NAT entries no earlier try wrote, holds and passes
-   the others again with map writes only, and waits longer after each failure (EbpfHandback);
+   (`marker_path`, removed with the pins, by an eBPF-mode agent's first attach to every device
+   and by `agent --cleanup`: `forget_handback`) records that the detach began: no later try
+   undoes anything, an agent restarted since included (a retry that detaches nothing more undoes
+   nothing either). A try writes only the NAT entries no earlier try wrote or wrote half their
+   timeout ago (the programs still attached translate their flows, so the entries see no packet
+   and expire), holds and passes the others again with map writes only, and waits longer after
+   each failure, from its end (EbpfHandback);
 2. the programs are detached from every device of the node: no plain entry is made any more;
 3. the flows the programs started between 1 and 2, and those still refused, are written the same
    way (entries already there kept);
@@ -79,13 +84,16 @@ from agent.lock import LOCK_DIR
 from agent.takeover.flows import (
     HOLD_RENEW_NS,
     NSEC,
+    TCP,
     NatFlow,
+    TcpState,
     Timeouts,
     Tuple,
     ct6_keys,
     ct_keys,
     nat_flow,
     stack_flow,
+    timeout_of,
 )
 
 log = logging.getLogger(__name__)
@@ -488,6 +496,27 @@ def marker_path(directory: str, pin_path: str) -> str:
     return os.path.join(directory, f"handback-{digest}.detached")
 
 
+def forget_handback(directory: str, pin_path: str) -> None:
+    """The marker of a hand-back out of eBPF mode removed: an eBPF-mode agent attached its
+    programs to every device since (or `agent --cleanup` removed them), so the next hand-back
+    starts afresh; left there, it would match the same pins and forbid the undo a later
+    hand-back that fails before its detach needs."""
+    path = marker_path(directory, pin_path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        log.warning(
+            "cannot remove %s (%s): a later hand-back to iptables mode that fails before its detach"
+            " will take it as begun and undo nothing; remove the file by hand",
+            path,
+            exc,
+        )
+        return
+    log.info("removed %s: the hand-back out of eBPF mode it recorded is over", path)
+
+
 def _pins_id(pin_path: str) -> str:
     """Which pins a marker is about: the inode of the pinned conntrack (new pins, a new inode)."""
     for role in ("ct_tcp", "ct_any"):
@@ -531,6 +560,18 @@ def _read_marker(path: str, pins: str) -> list[str] | None:
     return [line for line in lines[1:] if line]
 
 
+class MarkerFailed(Exception):
+    """The "detach begun" marker could not be written before the first device: nothing was
+    detached, and a later try may find the lock directory writable."""
+
+
+def _denied(exc: BaseException) -> bool:
+    """A permission refused (EPERM, EACCES: a capability or the seccomp profile missing), which no
+    later try gets past; any other error (ENOBUFS, EINTR, EBUSY, a bug) is tried again."""
+    code = exc.code if isinstance(exc, NetlinkError) else getattr(exc, "errno", None)
+    return code in (errno.EPERM, errno.EACCES)
+
+
 class PartialDetach(Exception):
     """The programs left some devices (`detached`) and not others, or the hand-back stopped after
     the detach began: it is tried again."""
@@ -544,11 +585,13 @@ class EbpfHandback:
     """The eBPF data path's flows handed to nf_conntrack, then its programs and pins removed.
 
     Once the detach began (this agent's, or a killed one's, as the marker in the lock directory
-    says), nothing is undone any more and a failure is tried again, waiting from one
-    --iptables-sync-period, doubled each time, up to RETRY_MAX_S. A try writes only the flows no
-    earlier try wrote (created, or found written: the orig tuples kept in `_written`) and passes
-    those it wrote again with map writes only: a NAT entry written again would bring a flow that
-    closed meanwhile back as established, and each write costs netlink round trips inside a sync."""
+    says), nothing is undone any more; a failure, then or before (but a permission refused), is
+    tried again, waiting from the try's end one --iptables-sync-period, doubled each time, up to
+    RETRY_MAX_S. A try writes only the flows no earlier try wrote (created, or found written: kept
+    in `_written` with the time, those of the try's read only) or wrote half their timeout ago
+    (`_unwritten`), and passes the others again with map writes only: a NAT entry written again
+    would bring a flow that closed meanwhile back as established, and each write costs netlink
+    round trips inside a sync."""
 
     def __init__(
         self,
@@ -578,7 +621,10 @@ class EbpfHandback:
         self._detached: list[str] = []  # the devices our programs left, over every run
         self._begun = False  # the detach began (this agent's or an earlier one's): no undo
         self._marker_read = False
-        self._written: set[Tuple] = set()  # orig tuples whose NAT entries a run wrote (or found)
+        # (orig, reply) of the flows whose NAT entries a run wrote (or found), with the clock
+        # when: an entry idle in nf_conntrack (its flow translated by programs still attached)
+        # times out, so an old one counts as unwritten again (`_unwritten`)
+        self._written: dict[tuple[Tuple, Tuple], float] = {}
         self._retry_s = 0.0
         self._retry_at: float | None = None
 
@@ -598,8 +644,7 @@ class EbpfHandback:
         its wait is over (a call before that does nothing)."""
         if not self.pending:
             return True
-        now = self._clock()
-        if self._retry_at is not None and now < self._retry_at:
+        if self._retry_at is not None and self._clock() < self._retry_at:
             return False
         if not self._marker_read:
             self._marker_read = True
@@ -612,23 +657,42 @@ class EbpfHandback:
             return True
         except PartialDetach:
             pass  # said in _run's error
-        except (OSError, NetlinkError) as exc:
+        except Exception as exc:  # before the detach: undone (the programs serve every device)
             from agent.ebpf.attach import DetachFailed
 
-            if isinstance(exc, DetachFailed):  # from no device: undone, said in _run's error
+            if isinstance(exc, DetachFailed):
+                what = f"could not detach the programs from any device ({'; '.join(exc.failed)})"
+                needs = "CAP_NET_ADMIN"
+            else:
+                what = f"stopped before the detach ({exc!r})"
+                needs = "CAP_BPF, CAP_NET_ADMIN and a seccomp profile that allows bpf(2)"
+            if _denied(exc):  # no later try gets further: given up, said once
+                log.error(
+                    "the hand-back out of eBPF mode at %s %s: its programs stay attached and go on"
+                    " translating in front of the rules; the flows held so far are given back to them."
+                    " The agent needs %s (the chart's takeOverFromEbpf); or run `agent --cleanup` on the"
+                    " node, which drops the established connections",
+                    self._config.pin_path,
+                    what,
+                    needs,
+                )
                 return True
             log.error(
-                "cannot take over from eBPF mode at %s (%s): its programs stay attached and go on translating"
-                " in front of the rules. The agent needs CAP_BPF and a seccomp profile that allows bpf(2)"
-                " (the chart's takeOverFromEbpf); or run `agent --cleanup` on the node, which drops the"
-                " established connections",
+                "the hand-back out of eBPF mode at %s %s: its programs stay attached and go on"
+                " translating in front of the rules; the flows held so far are given back to them;"
+                " tried again in %.0f s",
                 self._config.pin_path,
-                exc,
+                what,
+                self._next_wait(),
             )
-            return True
-        self._retry_s = min(max(self._config.sync_period_s, self._retry_s * 2), RETRY_MAX_S)
-        self._retry_at = now + self._retry_s
+        self._retry_s = self._next_wait()
+        # from the end of the try: a try that took long is not followed by another at once
+        self._retry_at = self._clock() + self._retry_s
         return False
+
+    def _next_wait(self) -> float:
+        """The wait after this failed try: one sync period, doubled each time, up to RETRY_MAX_S."""
+        return min(max(self._config.sync_period_s, self._retry_s * 2), RETRY_MAX_S)
 
     def _stopped(self, stage: str, exc: BaseException) -> PartialDetach:
         """A step after the detach began failed: said, and tried again."""
@@ -640,14 +704,33 @@ class EbpfHandback:
             exc,
             ",".join(sorted(self._detached)) or "devices an earlier agent did not record",
             self._config.pin_path,
-            min(max(self._config.sync_period_s, self._retry_s * 2), RETRY_MAX_S),
+            self._next_wait(),
         )
         return PartialDetach(self._detached)
 
-    def _note(self, flows: list[NatFlow], created: Any, *, kept: bool = False) -> None:
-        """The flows `created` wrote (`kept`: an entry found on the tuple counts too)."""
+    def _note(self, flows: list[NatFlow], created: Any, at: float, *, kept: bool = False) -> None:
+        """The flows `created` wrote at `at` (the clock before the write; `kept`: an entry found
+        on the tuple counts too)."""
         refused = set() if kept else {f.orig for f in created.taken}
-        self._written.update({f.orig for f in flows} - refused - {f.orig for f in created.unwritten})
+        left = refused | {f.orig for f in created.unwritten}
+        self._written.update({(f.orig, f.reply): at for f in flows if f.orig not in left})
+
+    def _unwritten(self, flows: list[NatFlow], timeouts: Timeouts, now: float) -> list[NatFlow]:
+        """Of `flows`, those whose NAT entry no run wrote, or wrote so long ago (half its timeout)
+        that it may have expired: while some devices keep the programs, they translate the flows
+        through them and the NAT entry sees no packet (UDP: 30 s, against retries 30-300 s apart).
+        An established TCP flow's entry (a day) stays: written again, one closed meanwhile would
+        come back established. Written again, one still there is kept (EEXIST counts as present)."""
+        todo = []
+        for flow in flows:
+            at = self._written.get((flow.orig, flow.reply))
+            if at is not None and (
+                (flow.proto == TCP and flow.tcp_state == TcpState.ESTABLISHED)
+                or now - at < timeout_of(flow, timeouts) / 2
+            ):
+                continue
+            todo.append(flow)
+        return todo
 
     def _renewing(self, holds: Holds) -> Callable[[], None]:
         """holds.renew for the detach's walk: a map error there fails no device (said once)."""
@@ -687,24 +770,33 @@ class EbpfHandback:
         # appended by the detach as soon as one of our programs left a device; kept from an earlier
         # run that detached some devices only: their flows need the NAT entries whatever happens now
         detached = self._detached
-        todo = [f for f in first if f.orig not in self._written]
+        # only this read's flows are kept: a new flow reusing an ended one's tuples is written
+        current = {(f.orig, f.reply) for f in first}
+        self._written = {k: at for k, at in self._written.items() if k in current}
+        todo = self._unwritten(first, timeouts, self._clock())
+        waiting = {f.orig for f in todo}
         done = Created(unwritten=todo)  # what a stop before the first round ends leaves to step 3
         again = Created()
         begun = self._begun
         try:
             try:
                 for flow in first:
-                    if flow.orig in self._written:  # an earlier run wrote its NAT entry: passed again
+                    if flow.orig not in waiting:  # an earlier run wrote its NAT entry: passed again
                         holds.renew()
                         holds.hold(flow)
                         holds.release(flow)
+                at = self._clock()
                 done = self._create(netns, todo, timeouts, holds)
-                self._note(todo, done)
+                self._note(todo, done, at)
+                at = self._clock()
                 again = self._create(netns, done.taken, timeouts, holds)
-                self._note(done.taken, again)
+                self._note(done.taken, again, at)
                 holds.renew()  # the windows must outlast the walk over every device
                 if not begun:  # before the first device: a restart must know the detach began
-                    _write_marker(self._marker, _pins_id(pin_path), detached)
+                    try:
+                        _write_marker(self._marker, _pins_id(pin_path), detached)
+                    except OSError as exc:  # EACCES here is the lock directory's, not a capability
+                        raise MarkerFailed(f"cannot write {self._marker}: {exc}") from exc
                 self._detach(netns, detached, self._renewing(holds))
             except BaseException as exc:  # any stop before the detach was complete
                 if not detached and not begun:  # no flow may stay passed: the programs serve every device
@@ -712,16 +804,7 @@ class EbpfHandback:
                         os.unlink(self._marker)
                     self._written.clear()
                     self._undo(netns, holds, exc)
-                    if isinstance(exc, DetachFailed):
-                        log.error(
-                            "the hand-back out of eBPF mode could not detach the programs from any"
-                            " device (%s): they stay attached and go on translating in front of the"
-                            " rules; the flows held so far are given back to them. The agent needs"
-                            " CAP_NET_ADMIN; or run `agent --cleanup` on the node, which drops the"
-                            " established connections",
-                            "; ".join(exc.failed),
-                        )
-                    raise
+                    raise  # said by run()
                 self._begun = True
                 with suppress(OSError):  # the devices named, for the log of an agent started later
                     _write_marker(self._marker, _pins_id(pin_path), detached)
@@ -738,7 +821,7 @@ class EbpfHandback:
                     ",".join(sorted(detached)) or "devices an earlier agent did not record",
                     refused,
                     abi.CT_HANDOVER_S,
-                    min(max(self._config.sync_period_s, self._retry_s * 2), RETRY_MAX_S),
+                    self._next_wait(),
                 )
                 if isinstance(exc, Exception):
                     # step 3 for the detached devices: their flows started since, or not written
@@ -800,11 +883,12 @@ class EbpfHandback:
 
     def _write_late(self, netns: str, pin_path: str, timeouts: Timeouts) -> Any:
         """Step 3: the flows the programs started since, and those no run wrote (refused twice,
-        or whose write failed), written with nothing to hold (detached; an entry already on the
-        tuple kept)."""
-        late = [f for f in self._read(pin_path) if f.orig not in self._written]
+        or whose write failed) or whose NAT entry may have expired (`_unwritten`), written with
+        nothing to hold (detached; an entry already on the tuple kept)."""
+        at = self._clock()
+        late = self._unwritten(self._read(pin_path), timeouts, at)
         created = self._create(netns, late, timeouts, None)
-        self._note(late, created, kept=True)
+        self._note(late, created, at, kept=True)
         return created
 
     def _undo(self, netns: str, holds: Holds, exc: BaseException) -> None:

@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.config import Config, NodeContext
 from agent.daemon import Agent, Parts
 from agent.errors import FatalError
+from agent.kube.reflector import Reflector
+from agent.kube.resources import Resource
 from agent.metrics import Metrics
 from agent.model.problem import Problem
 from agent.model.types import ProxyState, ServicePortName
 from agent.proxier import SyncResult
 from agent.sources.base import Event, EventType, Kind, ObjectEvent, Sink, Synced, object_key
+from tests.kube.test_reflector import SETTINGS, FakeListCall
 from tests.model.test_state import endpoint, service, slice_
 
 NODE = NodeContext(("192.168.0.11",), "192.168.0.11")
@@ -369,3 +374,47 @@ def test_sync_done_line_names_the_source_version(caplog: pytest.LogCaptureFixtur
     rig.send(service("web"), synced="abc123")
     rig.sync()
     assert "sync done: version=abc123, full sync" in caplog.text
+
+
+def test_a_list_decoded_typed_skips_only_its_malformed_item_with_log_metric_and_event(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A cold start's lists go through the reflector's typed decode (agent.model.wire): a slice
+    whose `ready` is a string is refused as the whole decode refused it, its neighbours of both
+    families are programmed."""
+
+    def listed(*objs: dict[str, Any]) -> bytes:
+        items = []
+        for i, obj in enumerate(objs):
+            obj = {k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
+            obj["metadata"] = {**obj["metadata"], "uid": f"u{i}", "resourceVersion": str(10 + i)}
+            items.append(obj)
+        return orjson.dumps({"metadata": {"resourceVersion": "50"}, "items": items})
+
+    bad = slice_("bad-1", "bad", endpoints=[endpoint("10.244.1.9", ready="false")])  # type: ignore[arg-type]
+    v6 = slice_("web-6", endpoints=[endpoint("fd00::2")])
+    v6["addressType"] = "IPv6"
+    services = listed(
+        service("web", ipFamilies=["IPv4", "IPv6"], clusterIPs=["10.96.0.10", "fd00::10"]),
+        service("bad", clusterIP="10.96.0.11"),
+    )
+    slices = listed(slice_("web-4", endpoints=[endpoint("10.244.1.2")]), bad, v6)
+    rig = Rig()
+    for kind, api_version, body in (
+        (Kind.SERVICE, "v1", services),
+        (Kind.ENDPOINT_SLICE, "discovery.k8s.io/v1", slices),
+    ):
+        stopping = threading.Event()
+        call = FakeListCall([body], stopping, [b""])
+        Reflector(Resource(kind, api_version, call), rig.agent.deliver, SETTINGS, stopping).run()
+    rig.sync()
+    assert [p.ref for p in rig.events.warned] == ["EndpointSlice default/bad-1"]
+    assert rig.events.uids == ["u1"]
+    assert "endpoints[0].conditions.ready" in caplog.text
+    assert rig.registry.get_sample_value("ekp_skipped_objects_total", {"kind": "EndpointSlice"}) == 1
+    assert rig.registry.get_sample_value("ekp_invalid_objects") == 1
+    (web,) = rig.agent.model.state.endpoints[spn("web")].cluster
+    assert web.ip == "10.244.1.2"
+    v6_state = rig.agent._v6.model.state  # the IPv6 proxier's model
+    (web6,) = [e for eps in v6_state.endpoints.values() for e in eps.cluster]
+    assert web6.ip == "fd00::2"

@@ -15,6 +15,7 @@ import dataclasses
 import errno
 import ipaddress
 import logging
+import os
 import secrets
 import socket
 import subprocess
@@ -539,6 +540,34 @@ def test_the_first_carry_failing_to_read_the_nodes_addresses_fails_before_the_at
     assert sysctl.values[LIBERAL] == "0"
 
 
+@pytest.mark.parametrize("end", ["retry", "stop"])
+def test_an_attach_aborted_with_programs_on_some_devices_keeps_the_window_checks_off(end: str) -> None:
+    """Aborted once a program of ours may be on a device: the flows it translates have one
+    direction netfilter never sees, so tcp_be_liberal stays 1; the retry's after_attach puts the
+    node's own value back (not the 1 it finds), or the agent's stop does."""
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    takeover = KernelTakeover(
+        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
+        dump=lambda netns: [CLUSTERIP],
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=sysctl,
+        replace=FakeReplace([]),
+        clock_ns=lambda: NOW,
+    )
+    maps = fake_maps()
+    takeover.before_attach(maps)
+    takeover.abort(attached=True)
+    assert sysctl.values[LIBERAL] == "1", "some devices carry programs: checks stay off"
+    if end == "retry":
+        takeover.before_attach(maps)
+        assert sysctl.values[LIBERAL] == "1"
+        takeover.after_attach(maps)
+    else:
+        takeover.close()
+    assert sysctl.values[LIBERAL] == "0"
+
+
 def test_an_attach_aborted_after_the_carry_restores_the_window_checks_and_a_failing_restore_hides_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -555,7 +584,7 @@ def test_an_attach_aborted_after_the_carry_restores_the_window_checks_and_a_fail
     maps = fake_maps()
     takeover.before_attach(maps)
     assert sysctl.values[LIBERAL] == "1"
-    takeover.abort()
+    takeover.abort(attached=False)
     assert sysctl.values[LIBERAL] == "0"
 
     def refusing(netns: str, path: str, value: str) -> str | None:
@@ -3137,3 +3166,273 @@ def test_translated_any_checks_the_status_bit_itself_where_the_kernel_ignores_th
     assert not translated_any(netns, socket.AF_INET6)
     assert create_flows(netns, [NODEPORT6], Timeouts()).created == 1
     assert translated_any(netns, socket.AF_INET6)
+
+
+def test_an_ebpf_agent_attached_everywhere_ends_a_partial_hand_back_s_marker(
+    tmp_path: Path, lock_dir: Path
+) -> None:
+    """A partial hand-back leaves its marker; the operator goes back to eBPF mode, whose agent
+    adopts the same pins (same conntrack inode) and attaches to every device: the marker goes. A
+    later hand-back that detaches nothing (EPERM) must then undo, as if none had begun."""
+    from tests.ebpf.support import NODE as NODE_CONTEXT
+    from tests.ebpf.test_proxier import STATE as PROXIER_STATE
+    from tests.ebpf.test_proxier import Rig
+
+    pins = partial_pins(tmp_path)
+    first = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins), sync_period_s=0),
+        read=lambda pin_path: [CLUSTERIP],
+        create=lambda netns, flows, timeouts, hold: Created(created=len(list(flows))),
+        detach=eth0_then_none,
+        remove_pins=lambda pin_path: pytest.fail("the programs stay on lxc-a: so do their pins"),
+        holds=lambda pin_path: FakeHolds([]),
+        delete=lambda netns, gone: len(gone),
+    )
+    assert first.run() is False
+    marker = Path(out_of_ebpf.marker_path(str(lock_dir), str(pins)))
+    assert marker.exists()
+    rig = Rig(tmp_path)
+    rig.snapshot_dir = str(lock_dir)
+    assert rig.config.pin_path == str(pins)
+    ebpf_agent = rig.proxier()
+    ebpf_agent.sync(PROXIER_STATE, NODE_CONTEXT)
+    assert not marker.exists(), "attached to every device: the hand-back it recorded is over"
+    ebpf_agent.close()
+    events: list[str] = []
+    later = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins), sync_period_s=0),
+        read=lambda pin_path: [CLUSTERIP],
+        create=lambda netns, flows, timeouts, hold: Created(created=len(list(flows))),
+        detach=lambda netns, detached, between: (_ for _ in ()).throw(
+            attach.DetachFailed(errno.EPERM, [], ["eth0: (1, 'Operation not permitted')"])
+        ),
+        remove_pins=lambda pin_path: pytest.fail("the programs stay: so do their pins"),
+        holds=lambda pin_path: FakeHolds(events),
+        delete=lambda netns, gone: len(gone),
+    )
+    assert later.run() is True
+    assert "undo" in events, "the held flows go back to the programs, which serve every device"
+
+
+def test_agent_cleanup_removes_the_hand_back_s_marker(
+    tmp_path: Path, lock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agent.ebpf import proxier as ebpf_proxier
+    from tests.ebpf.test_proxier import Rig
+
+    pins = partial_pins(tmp_path)
+    marker = Path(out_of_ebpf.marker_path(str(lock_dir), str(pins)))
+    lock_dir.mkdir()
+    marker.write_text("pins 1\neth0\n")
+    monkeypatch.setattr(ebpf_proxier, "detach_all", lambda netns: ["eth0", "lxc-a"])
+    rig = Rig(tmp_path)
+    rig.snapshot_dir = str(lock_dir)
+    rig.proxier().cleanup()
+    assert not pins.exists() and not marker.exists()
+
+
+UDP_NODEPORT = dataclasses.replace(NODEPORT, proto=17, tcp_state=TcpState.NONE)
+
+
+def test_a_written_flow_whose_nat_entry_may_have_expired_is_written_again(tmp_path: Path) -> None:
+    """After a partial detach the flows through the devices still attached are translated by the
+    programs: their NAT entries see no packet and time out (UDP stream: 120 s) while the tries
+    wait. Once half its timeout has passed, a written flow counts as unwritten: the final detach's
+    late round writes it (an entry still there would be kept); an established TCP flow's entry
+    (a day) is never written again."""
+    pins = partial_pins(tmp_path)
+    clock = [1000.0]
+    rounds: list[tuple[str, list[Tuple]]] = []
+
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts, hold: Holds | None) -> Created:
+        got = list(flows)
+        rounds.append(("held" if hold is not None else "late", [f.orig for f in got]))
+        return Created(created=len(got))
+
+    outcomes = [True, False]
+
+    def detach(netns: str, detached: list[str], between: Callable[[], None]) -> None:
+        if outcomes.pop(0):
+            eth0_then_none(netns, detached, between)
+        detached.append("lxc-a")
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins), sync_period_s=30),
+        read=lambda pin_path: [CLUSTERIP, UDP_NODEPORT],
+        create=create,
+        detach=detach,
+        remove_pins=lambda pin_path: [],
+        holds=lambda pin_path: FakeHolds([]),
+        delete=lambda netns, gone: pytest.fail("eth0's flows need their NAT entries"),
+        clock=lambda: clock[0],
+    )
+    assert handback.run() is False
+    assert rounds[0] == ("held", [CLUSTERIP.orig, UDP_NODEPORT.orig])
+    rounds.clear()
+    clock[0] += Timeouts().udp_stream / 2  # the tries wait; the UDP flow's NAT entry sees nothing
+    assert handback.run() is True
+    assert ("held", [UDP_NODEPORT.orig]) in rounds, "written again before the detach"
+    assert CLUSTERIP.orig not in [t for _, flows in rounds for t in flows], "established TCP: a day"
+
+
+def test_a_written_flow_that_is_still_fresh_is_not_written_again(tmp_path: Path) -> None:
+    pins = partial_pins(tmp_path)
+    clock = [1000.0]
+    rounds: list[list[Tuple]] = []
+
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts, hold: Holds | None) -> Created:
+        got = list(flows)
+        rounds.append([f.orig for f in got])
+        return Created(created=len(got))
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins), sync_period_s=30),
+        read=lambda pin_path: [UDP_NODEPORT],
+        create=create,
+        detach=eth0_then_none,
+        remove_pins=lambda pin_path: pytest.fail("the programs stay on lxc-a: so do their pins"),
+        holds=lambda pin_path: FakeHolds([]),
+        clock=lambda: clock[0],
+    )
+    assert handback.run() is False
+    rounds.clear()
+    clock[0] += Timeouts().udp_stream / 2 - 1
+    assert handback.run() is False
+    assert all(UDP_NODEPORT.orig not in r for r in rounds), "its NAT entry is still there"
+
+
+def test_the_written_flows_are_pruned_to_the_current_read(tmp_path: Path) -> None:
+    """A flow that ended (absent from a read) is forgotten: a new flow on the same tuples later
+    is written, not taken for the one written before."""
+    pins = partial_pins(tmp_path)
+    clock = [1000.0]
+    reads = [[CLUSTERIP], [CLUSTERIP], [], [], [CLUSTERIP], [CLUSTERIP]]
+    rounds: list[list[Tuple]] = []
+
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts, hold: Holds | None) -> Created:
+        got = list(flows)
+        rounds.append([f.orig for f in got])
+        return Created(created=len(got))
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins), sync_period_s=30),
+        read=lambda pin_path: reads.pop(0),
+        create=create,
+        detach=eth0_then_none,
+        remove_pins=lambda pin_path: pytest.fail("the programs stay on lxc-a: so do their pins"),
+        holds=lambda pin_path: FakeHolds([]),
+        clock=lambda: clock[0],
+    )
+    assert handback.run() is False  # written
+    clock[0] += 30
+    assert handback.run() is False  # ended: no flow
+    rounds.clear()
+    clock[0] += 60
+    assert handback.run() is False  # a new flow on the same tuples
+    assert rounds[0] == [CLUSTERIP.orig], "the new flow's NAT entry is written"
+
+
+def test_the_wait_before_a_retry_runs_from_the_end_of_the_try(tmp_path: Path) -> None:
+    pins = partial_pins(tmp_path)
+    clock = [1000.0]
+    tries: list[float] = []
+
+    def detach(netns: str, detached: list[str], between: Callable[[], None]) -> None:
+        tries.append(clock[0])
+        clock[0] += 50  # a slow walk over the devices (a loaded node)
+        eth0_then_none(netns, detached, between)
+
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins), sync_period_s=30),
+        read=lambda pin_path: [CLUSTERIP],
+        create=lambda netns, flows, timeouts, hold: Created(created=len(list(flows))),
+        detach=detach,
+        remove_pins=lambda pin_path: pytest.fail("the programs stay on lxc-a: so do their pins"),
+        holds=lambda pin_path: FakeHolds([]),
+        clock=lambda: clock[0],
+    )
+    assert handback.run() is False
+    ended = clock[0]
+    clock[0] = ended + 29
+    assert handback.run() is False and len(tries) == 1, "30 s from the end of the try"
+    clock[0] = ended + 30
+    assert handback.run() is False and len(tries) == 2
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOBUFS, "No buffer space available"),
+        NetlinkError(errno.EINTR, "Interrupted system call"),
+        RuntimeError("a bug"),
+        "marker",
+    ],
+    ids=["enobufs", "eintr", "other", "marker"],
+)
+def test_an_error_before_the_detach_is_undone_and_tried_again_later(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    error: BaseException | str,
+) -> None:
+    """Only a permission refused ends the hand-back for the agent's life: anything else before
+    the detach (ENOBUFS, EINTR, an unwritable lock directory, any other exception) is undone,
+    said as itself (not as a missing CAP_BPF) and tried again after the wait."""
+    pins = partial_pins(tmp_path)
+    clock = [1000.0]
+    events: list[str] = []
+    fails = [True]
+
+    def create(netns: str, flows: Iterable[NatFlow], timeouts: Timeouts, hold: Holds | None) -> Created:
+        if fails and fails.pop() and isinstance(error, BaseException):
+            raise error
+        return Created(created=len(list(flows)))
+
+    if error == "marker":  # the lock directory refuses the marker once (EACCES: not a capability)
+        write_marker = out_of_ebpf._write_marker
+        refusals = [OSError(errno.EACCES, "Permission denied")]
+
+        def refusing(path: str, pins: str, detached: list[str]) -> None:
+            if refusals:
+                raise refusals.pop()
+            write_marker(path, pins, detached)
+
+        monkeypatch.setattr(out_of_ebpf, "_write_marker", refusing)
+    removed: list[str] = []
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins), sync_period_s=30),
+        read=lambda pin_path: [CLUSTERIP],
+        create=create,
+        detach=detaching("eth0"),
+        remove_pins=lambda pin_path: removed.append(pin_path) or [],  # type: ignore[func-returns-value]
+        holds=lambda pin_path: FakeHolds(events),
+        delete=lambda netns, gone: len(gone),
+        clock=lambda: clock[0],
+    )
+    assert handback.run() is False, "tried again"
+    assert "undo" in events
+    assert "CAP_BPF" not in caplog.text and "tried again in 30 s" in caplog.text
+    said = "cannot write" if isinstance(error, str) else str(error.args[-1])
+    assert said in caplog.text, "the real error named"
+    clock[0] += 30
+    assert handback.run() is True
+    assert removed == [str(pins)]
+
+
+@pytest.mark.parametrize("code", [errno.EPERM, errno.EACCES], ids=["EPERM", "EACCES"])
+def test_a_permission_refused_before_the_detach_ends_the_hand_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, code: int
+) -> None:
+    pins = partial_pins(tmp_path)
+    events: list[str] = []
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins), sync_period_s=30),
+        read=lambda pin_path: [CLUSTERIP],
+        create=lambda netns, flows, timeouts, hold: (_ for _ in ()).throw(OSError(code, os.strerror(code))),
+        detach=lambda netns, detached, between: pytest.fail("no detach"),
+        remove_pins=lambda pin_path: pytest.fail("the programs stay: so do their pins"),
+        holds=lambda pin_path: FakeHolds(events),
+        delete=lambda netns, gone: len(gone),
+    )
+    assert handback.run() is True
+    assert "undo" in events and "CAP_BPF" in caplog.text

@@ -489,3 +489,14 @@ def test_notes_warn_about_the_api_server_address_and_fit_the_mode() -> None:
     given = notes("--set", "apiServer.host=10.0.0.1", "--set", "mode=iptables")
     assert "WARNING" not in given
     assert "once its programs serve" not in given and "should be gone before this" in given
+
+
+def test_notes_say_how_to_roll_back_past_tcx_links_where_the_agent_may_use_them() -> None:
+    """A build from before tcx links does not know them: with bpf.tcAttach tcx or auto the notes
+    say to switch to clsact (or clean up) before such a rollback; with clsact they say nothing."""
+    rule = "Roll back to a build older than tcx links"
+    for value in ("tcx", "auto"):
+        text = notes("--set", f"bpf.tcAttach={value}")
+        assert rule in text and "bpf.tcAttach=clsact" in text, value
+        assert "metrics.\n\nRoll back to a build" in text, text
+    assert rule not in notes("--set", "bpf.tcAttach=clsact")

@@ -6,6 +6,8 @@ named like the real ones (the attach code does not care what the programs do).
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import logging
 import os
@@ -1211,4 +1213,380 @@ def test_inspect_hooks_lists_what_each_hook_runs_with_either_attach(
         next((line for line in shown if re.fullmatch(w, line)), w) for w in want
     ], shown
     assert any(line.startswith("hook lxc-a ingress: ") and "ekp_from_pod" in line for line in shown), shown
+    detach_all(netns)
+
+
+# ------------------------------------------------------------------------- tcx: review fixes
+
+
+def clsact_config(netns: str, pin_dir: str, **kw: Any) -> Config:
+    return Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir, bpf_tc_attach="clsact", **kw)
+
+
+@pytest.mark.kernel
+def test_a_clsact_start_handing_over_from_a_tcx_generation_goes_in_front_of_its_links_until_the_rehome(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int], pin_dir: str
+) -> None:
+    """--bpf-tc-attach=clsact under a hand-over from an older generation on tcx: a filter of ours
+    would run after the older link, and removing that link would leave the older generation's
+    flows untranslated (ours returns TC_ACT_UNSPEC for them in PASS, with nothing behind). So the
+    new program goes on through a tcx link right before the older one's (the older classid program
+    still first) until `rehome`, which puts the filter on, then removes the older link, ours in
+    front and the classid program: at no moment is the hook without the new program."""
+    from agent.ebpf.sockattach import prog_id
+
+    old = {name: prog_id(fd) for name, fd in progs.items()}
+    new = {name: prog_id(fd) for name, fd in newer_progs.items()}
+    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    newer = Attacher(clsact_config(netns, pin_dir), newer_progs)
+    assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=True)
+    newer.reconcile(NODE, full=True, front=True)
+    for dev, prog in (("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)):
+        assert tcx_progs(netns, dev)[0] == tcx.CLASSID_PROG_NAME, dev
+        assert tcx_ids(netns, dev)[1:] == [new[prog], old[prog]], dev
+        assert tcx_ids(netns, dev, "egress") == [new[PROG_EGRESS], old[PROG_EGRESS]], dev
+        assert ours_by_pref(ingress(netns, dev)) == {} == ours_by_pref(egress(netns, dev)), dev
+    assert len(newer.fronts) == 4
+    assert newer.handover_state() == HandoverState(own_front=True, other_front=False, older_behind=True)
+
+    gaps: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            ids = tcx_ids(netns, "eth0")
+            filters = ours_by_pref(ingress(netns, "eth0")).values()
+            if new[PROG_FROM_NET] not in ids and new[PROG_FROM_NET] not in filters:
+                gaps.append(f"eth0 without the newer program: links {ids}, filters {list(filters)}")
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        newer.rehome()
+    finally:
+        stop.set()
+        t.join()
+    assert gaps == []
+    assert newer.fronts == {}
+    for dev, prog in (("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)):
+        assert tcx_ids(netns, dev) == [] and tcx_ids(netns, dev, "egress") == [], dev
+        assert ours_by_pref(ingress(netns, dev)) == {17: new[prog]}, dev
+        assert ours_by_pref(egress(netns, dev)) == {17: new[PROG_EGRESS]}, dev
+    assert os.listdir(pin_dir) == []
+    assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=False)
+    detach_all(netns)
+
+
+@pytest.mark.kernel
+def test_reading_the_tcx_pins_removes_only_what_holds_no_tcx_link_and_survives_pins_going_meanwhile(
+    netns: str, progs: dict[str, int], pin_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tcx.pinned`: a pin that cannot be opened for a reason that says nothing about it (EMFILE)
+    stays, its link serving; a pin removed between the listing and its open (another thread's
+    sweep, a hand-over's rename) is skipped without an error; a pin of something that is no tcx
+    link is removed."""
+    from agent.ebpf import bpfsys
+
+    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    eth0, lxc_a = index_of(netns, "eth0"), index_of(netns, "lxc-a")
+    busy = os.path.join(pin_dir, tcx.pin_name(tcx.MAIN, tcx.INGRESS, "eth0", eth0))
+    swept = os.path.join(pin_dir, tcx.pin_name(tcx.MAIN, tcx.EGRESS, "lxc-a", lxc_a))
+    bogus = os.path.join(pin_dir, tcx.pin_name(tcx.MAIN, tcx.INGRESS, "nolink", 999))
+    assert bpfsys.obj_pin(progs[PROG_FROM_POD], bogus) == 0
+    real_obj_get = bpfsys.obj_get
+
+    def obj_get(path: str) -> int:
+        if path == busy:
+            return -errno.EMFILE
+        if path == swept:
+            os.unlink(path)  # as the watcher's sweep would, right after the listing
+            return -errno.ENOENT
+        return int(real_obj_get(path))
+
+    monkeypatch.setattr(bpfsys, "obj_get", obj_get)
+    got = {os.path.basename(p.path) for p in tcx.pinned(pin_dir)}
+    monkeypatch.undo()
+    assert os.path.basename(busy) not in got and os.path.basename(swept) not in got
+    assert os.path.exists(busy), "a pin that could not be read is left in place"
+    assert tcx_progs(netns, "eth0") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
+    assert not os.path.exists(bogus), "a pin of a program, not a tcx link, is removed"
+    assert len(got) == 4
+    detach_all(netns)
+
+
+@pytest.mark.kernel
+def test_a_first_full_reconcile_on_tcx_keeps_a_device_only_a_clsact_filter_made_external(
+    netns: str, progs: dict[str, int], pin_dir: str
+) -> None:
+    """A switch from clsact to tcx, its first full reconcile before the IPv6 sync (`keep_external`):
+    a device whose only node address is IPv6 carries ekp_from_net as a filter and has no pin; it
+    stays external, now on tcx links, rather than being detached until the IPv6 sync."""
+    sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
+    sh("ip", "-n", netns, "link", "set", "other1", "up")
+    dual = NodeContext(node_ips=("192.168.0.11", "fd00:ff::11"))
+    Attacher(clsact_config(netns, pin_dir), progs).reconcile(dual, full=True)
+    assert "ekp_from_net" in ingress(netns, "other1")
+    switched = Attacher(tcx_config(netns, pin_dir), progs)
+    switched.reconcile(NODE, full=True, keep_external=True)
+    assert ("other1", PROG_FROM_NET) in switched.attached.values()
+    assert tcx_progs(netns, "other1") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
+    assert tcx_progs(netns, "other1", "egress") == [PROG_EGRESS]
+    detach_all(netns)
+
+
+@pytest.mark.kernel
+def test_a_device_moved_to_another_namespace_loses_our_tcx_links_and_their_pins(
+    netns: str, progs: dict[str, int], pin_dir: str
+) -> None:
+    """`ip link set X netns other` keeps a device's tcx links (the kernel removes them when the
+    device is unregistered, not moved) and its ifindex: our programs would go on running in the
+    other namespace. The watcher, on the move's RTM_DELLINK, detaches them and removes their pins;
+    a verifying reconcile does the same for a move it did not see."""
+    other = f"{netns}-other"
+    sh("ip", "netns", "add", other)
+    try:
+        sh("ip", "-n", netns, "link", "add", "lxc-b", "type", "veth", "peer", "name", "pod-b")
+        attacher = Attacher(tcx_config(netns, pin_dir), progs)
+        attacher.reconcile(NODE, full=True)
+        lxc_a, lxc_b = index_of(netns, "lxc-a"), index_of(netns, "lxc-b")
+        assert len([n for n in os.listdir(pin_dir) if n.endswith(f"_{lxc_a}")]) == 3
+        attacher.start_watcher()
+        try:
+            sh("ip", "-n", netns, "link", "set", "lxc-a", "netns", other)
+            assert index_of(other, "lxc-a") == lxc_a
+            assert wait_for(lambda: not [n for n in os.listdir(pin_dir) if n.endswith(f"_{lxc_a}")])
+            assert run_in_netns(other, lambda: tcx.hook_links(lxc_a, "ingress")) == []
+            assert run_in_netns(other, lambda: tcx.hook_links(lxc_a, "egress")) == []
+        finally:
+            attacher.stop_watcher()
+        sh("ip", "-n", netns, "link", "set", "lxc-b", "netns", other)  # no watcher now
+        attacher.reconcile(NODE, verify=True)
+        assert not [n for n in os.listdir(pin_dir) if n.endswith(f"_{lxc_b}")]
+        assert run_in_netns(other, lambda: tcx.hook_links(lxc_b, "ingress")) == []
+        assert tcx_progs(netns, "eth0") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
+        detach_all(netns)
+    finally:
+        subprocess.run(["ip", "netns", "del", other], check=False)
+
+
+def hook_snapshots(netns: str, dev: str, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The programs on `dev`'s ingress hook after each create, update, remove and rename of a
+    link (attach.py's `tcx` and its `os.rename`), recorded into the list returned."""
+    snaps: list[list[str]] = []
+
+    def after(fn: Any) -> Any:
+        def wrapped(*args: Any, **kw: Any) -> Any:
+            out = fn(*args, **kw)
+            snaps.append(tcx_progs(netns, dev))
+            return out
+
+        return wrapped
+
+    for name in ("create", "update", "remove"):
+        monkeypatch.setattr(tcx, name, after(getattr(tcx, name)))
+    monkeypatch.setattr(os, "rename", after(os.rename))
+    return snaps
+
+
+@pytest.mark.kernel
+def test_a_tcx_link_left_in_front_by_a_hand_over_cut_short_takes_the_place_with_no_moment_without_one(
+    netns: str,
+    progs: dict[str, int],
+    newer_progs: dict[str, int],
+    pin_dir: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hand-over from tcx to tcx cut short after the rehome removed the older link (MAIN gone,
+    the newer build's link in front left): the next start, another build, takes that link in front
+    over, updated in place to its program and pinned as MAIN, never leaving the hook without a
+    program of ours (nor its classid program alone)."""
+    from agent.ebpf.sockattach import prog_id
+
+    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    Attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True, front=True)
+    eth0 = index_of(netns, "eth0")
+    main = tcx.find(tcx.pinned(pin_dir), tcx.MAIN, tcx.INGRESS, eth0)
+    assert main is not None
+    tcx.remove(main)  # the rehome's first step, then the agent stopped
+    assert tcx_progs(netns, "eth0") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
+    snaps = hook_snapshots(netns, "eth0", monkeypatch)
+    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    monkeypatch.undo()
+    assert snaps and all(PROG_FROM_NET in snap for snap in snaps), snaps
+    assert tcx_ids(netns, "eth0")[1:] == [prog_id(progs[PROG_FROM_NET])]
+    assert not any(n.startswith("ekp_tcxfront_") for n in os.listdir(pin_dir))
+    assert tcx.find(tcx.pinned(pin_dir), tcx.MAIN, tcx.INGRESS, eth0) is not None
+    detach_all(netns)
+
+
+@pytest.mark.kernel
+def test_our_tcx_links_leave_a_device_ingress_first_its_classid_program_next_egress_last(
+    netns: str, progs: dict[str, int], pin_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the clsact path removes its filters: no packet translated at ingress lacks its egress
+    half, and no program of ours reads a tc_classid nobody wrote. Both ways ours go: a device no
+    longer wanted (its pins) and `detach_all` (every link of ours the hooks hold)."""
+    from agent.ebpf import bpfsys
+
+    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    removed: list[tuple[str, str]] = []
+    real_remove = tcx.remove
+
+    def remove(pin: tcx.Pinned) -> None:
+        removed.append((pin.role, pin.hook))
+        real_remove(pin)
+
+    monkeypatch.setattr(tcx, "remove", remove)
+    no_pods = Config(netns=netns, pod_interfaces=("none*",), pin_path=pin_dir, bpf_tc_attach="tcx")
+    Attacher(no_pods, progs).reconcile(NODE, full=True)  # lxc-a goes
+    monkeypatch.undo()
+    assert removed == [(tcx.MAIN, tcx.INGRESS), (tcx.CLASSID, tcx.INGRESS), (tcx.MAIN, tcx.EGRESS)]
+
+    eth0 = index_of(netns, "eth0")
+    names = {}
+    for hook in (tcx.INGRESS, tcx.EGRESS):
+        for prog, link in run_in_netns(netns, functools.partial(tcx.hook_links, eth0, hook)):
+            names[link] = tcx.prog_name(prog)
+    detached: list[str] = []
+    real_by_id = bpfsys.link_get_fd_by_id
+
+    def by_id(link_id: int) -> int:
+        detached.append(names.get(link_id, "?"))
+        return int(real_by_id(link_id))
+
+    monkeypatch.setattr(bpfsys, "link_get_fd_by_id", by_id)
+    detach_all(netns)
+    monkeypatch.undo()
+    assert detached == [PROG_FROM_NET, tcx.CLASSID_PROG_NAME, PROG_EGRESS]
+
+
+def test_a_kernel_that_answers_an_empty_hook_with_enoent_has_tcx_and_no_programs_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kernels with tcx but without the fix for it answer a tcx query of a device with neither tcx
+    nor clsact with ENOENT: the hook is empty, and the kernel has tcx (EINVAL says it has none)."""
+    from agent.ebpf import bpfsys
+
+    answer = [-errno.ENOENT]
+    monkeypatch.setattr(bpfsys, "tcx_query", lambda *a: (answer[0], 0))
+    assert tcx.hook_links(1, tcx.INGRESS) == []
+    assert tcx.probe() == ""
+    answer[0] = -errno.EINVAL
+    assert tcx.hook_links(1, tcx.INGRESS) == []
+    assert "tcx needs Linux 6.6" in tcx.probe()
+    answer[0] = -errno.EPERM
+    with pytest.raises(OSError):
+        tcx.hook_links(1, tcx.INGRESS)
+
+
+@pytest.mark.kernel
+def test_a_clsact_full_reconcile_after_tcx_removes_the_links_of_devices_it_no_longer_wants_and_defunct_pins(
+    netns: str, progs: dict[str, int], pin_dir: str
+) -> None:
+    """In clsact mode `_attach` removes the links a run on tcx left on each device it attaches;
+    a full reconcile also removes those on devices it no longer wants (still running in front of
+    nothing of ours) and the pins of defunct links (a device deleted while no agent ran)."""
+    both = Config(netns=netns, pod_interfaces=("lxc*", "other*"), pin_path=pin_dir, bpf_tc_attach="tcx")
+    Attacher(both, progs).reconcile(NODE, full=True)
+    other1 = index_of(netns, "other1")
+    sh("ip", "-n", netns, "link", "del", "lxc-a")  # while no agent runs: its pins hold defunct links
+    assert tcx_progs(netns, "other1") == [tcx.CLASSID_PROG_NAME, PROG_FROM_POD]
+    Attacher(clsact_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    assert tcx_progs(netns, "other1") == [] and tcx_progs(netns, "other1", "egress") == []
+    assert not [n for n in os.listdir(pin_dir) if n.endswith(f"_{other1}")]
+    assert not [n for n in os.listdir(pin_dir) if "_lxc-a_" in n], "defunct pins swept"
+    assert os.listdir(pin_dir) == []
+    detach_all(netns)
+
+
+@pytest.mark.kernel
+def test_a_tcx_attach_racing_another_thread_onto_the_same_hook_goes_on(
+    netns: str, progs: dict[str, int], pin_dir: str
+) -> None:
+    """The watcher and a verifying reconcile may both find a hook without our link and create it:
+    the kernel refuses the second (EEXIST: a program once per hook). The second reads the pins
+    again and goes on rather than failing the sync."""
+    attacher = Attacher(tcx_config(netns, pin_dir), progs)
+    attacher.reconcile(NODE, full=True)
+    lxc_a = index_of(netns, "lxc-a")
+    with netns_route(netns) as ipr:
+        attacher._attach(ipr, lxc_a, "lxc-a", PROG_FROM_POD, 0, pins=[])  # what it read before the other
+    assert tcx_progs(netns, "lxc-a") == [tcx.CLASSID_PROG_NAME, PROG_FROM_POD]
+    assert len([n for n in os.listdir(pin_dir) if n.endswith(f"_{lxc_a}")]) == 3
+    detach_all(netns)
+
+
+@pytest.mark.kernel
+def test_stopping_the_watcher_never_closes_a_tcx_classid_program_an_attach_is_linking(
+    netns: str, progs: dict[str, int], pin_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop_watcher closes the classid programs' fds; an attach on another thread (a sync) holding
+    one of them must get to link it first."""
+    attacher = Attacher(tcx_config(netns, pin_dir), progs)
+    real_create = tcx.create
+    stoppers: list[threading.Thread] = []
+
+    def create(*args: Any, **kw: Any) -> tcx.Pinned:
+        if args[2] == tcx.CLASSID and not stoppers:
+            stopper = threading.Thread(target=attacher.stop_watcher)
+            stoppers.append(stopper)
+            stopper.start()
+            stopper.join(0.5)  # long enough for it to close the fd, were it free to
+        return real_create(*args, **kw)
+
+    monkeypatch.setattr(tcx, "create", create)
+    attacher.reconcile(NODE, full=True)
+    monkeypatch.undo()
+    stoppers[0].join()
+    assert tcx_progs(netns, "eth0") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
+    detach_all(netns)
+
+
+@pytest.fixture(scope="module")
+def third_progs() -> Iterator[dict[str, int]]:
+    """A third generation's programs (`newer_progs` compiled again: other ids)."""
+    from bcc import BPF
+
+    text = """
+#include <uapi/linux/pkt_cls.h>
+int ekp_from_net(struct __sk_buff *skb) { return TC_ACT_UNSPEC; }
+int ekp_from_pod(struct __sk_buff *skb) { return TC_ACT_UNSPEC; }
+int ekp_egress(struct __sk_buff *skb) { return TC_ACT_UNSPEC; }
+"""
+    bpf: Any = BPF(text=text.encode())
+    names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)
+    fds = {name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd for name in names}
+    yield fds
+    bpf.cleanup()
+
+
+@pytest.mark.kernel
+def test_a_clsact_start_resuming_a_tcx_hand_over_from_clsact_goes_in_front_of_both_until_the_rehome(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int], third_progs: dict[str, int], pin_dir: str
+) -> None:
+    """How review 1's case arises: an upgrade from ABI v1 (on clsact) by a build on tcx, cut short
+    (its link in front of the v1 filters), then a start of a third build on clsact, still handing
+    over from v1: its program goes on a tcx link before the second build's, the v1 filters behind
+    all; `rehome` puts its filter in the v1 one's place, then removes every link."""
+    from agent.ebpf.sockattach import prog_id
+
+    v1 = {name: prog_id(fd) for name, fd in progs.items()}
+    second = {name: prog_id(fd) for name, fd in newer_progs.items()}
+    third = {name: prog_id(fd) for name, fd in third_progs.items()}
+    Attacher(clsact_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    Attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True, front=True)
+    assert tcx_ids(netns, "eth0")[1:] == [second[PROG_FROM_NET]]
+    assert ours_by_pref(ingress(netns, "eth0")) == {17: v1[PROG_FROM_NET]}
+    newer = Attacher(clsact_config(netns, pin_dir), third_progs)
+    assert newer.handover_state() == HandoverState(own_front=False, other_front=True, older_behind=True)
+    newer.reconcile(NODE, full=True, front=True)
+    assert tcx_ids(netns, "eth0")[1:] == [third[PROG_FROM_NET], second[PROG_FROM_NET]]
+    assert tcx_ids(netns, "eth0", "egress") == [third[PROG_EGRESS], second[PROG_EGRESS]]
+    assert ours_by_pref(ingress(netns, "eth0")) == {17: v1[PROG_FROM_NET]}
+    newer.rehome()
+    for dev, prog in (("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)):
+        assert tcx_ids(netns, dev) == [] and tcx_ids(netns, dev, "egress") == [], dev
+        assert ours_by_pref(ingress(netns, dev)) == {17: third[prog]}, dev
+        assert ours_by_pref(egress(netns, dev)) == {17: third[PROG_EGRESS]}, dev
+    assert os.listdir(pin_dir) == []
     detach_all(netns)

@@ -217,8 +217,11 @@ class FakeUpgrade:
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self.log.append("carry v1 conntrack again")
 
-    def abort(self) -> None:
-        self.log.append("start steps aborted")
+    def abort(self, *, attached: bool) -> None:
+        self.log.append(f"start steps aborted{' (attached)' if attached else ''}")
+
+    def close(self) -> None:
+        self.log.append("start steps closed")
 
     def after_first_sync6(
         self, maps: Mapping[str, MapWriter], frontends: Mapping[tuple[str, int, int], int] | None = None
@@ -429,12 +432,36 @@ def test_a_first_attach_that_fails_before_the_start_steps_after_attach_aborts_th
     with pytest.raises(OSError, match="busy"):
         p.sync(STATE, NODE)
     steps = [e for e in rig.events if "carry v1" in e or "aborted" in e or e.startswith("reconcile")]
-    assert steps == ["carry v1 conntrack", "reconcile full=True", "start steps aborted"]
+    # the reconcile may have put programs on some devices: told so (tcp_be_liberal stays 1)
+    assert steps == ["carry v1 conntrack", "reconcile full=True", "start steps aborted (attached)"]
     rig.events.clear()
     p.sync(STATE, NODE)
     assert "start steps aborted" not in rig.events
     assert "carry v1 conntrack" in rig.events and "carry v1 conntrack again" in rig.events
     p.close()
+
+
+def test_a_first_attach_that_fails_before_any_program_is_attached_says_so_to_the_start_steps(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped before anything of ours went on a device: the start steps put everything back
+    (tcp_be_liberal); an attach stopped later keeps it until its retry or the agent's stop."""
+    failing = [OSError(12, "Cannot allocate memory")]
+    disarm = activity.disarm
+
+    def refusing(table: MapWriter) -> None:
+        if failing:
+            raise failing.pop()
+        disarm(table)
+
+    monkeypatch.setattr(activity, "disarm", refusing)
+    p = rig.proxier()
+    with pytest.raises(OSError, match="allocate"):
+        p.sync(STATE, NODE)
+    assert rig.events[-1] == "start steps aborted"
+    assert not any(e.startswith("reconcile") or e == "attach egress" for e in rig.events)
+    p.close()
+    assert rig.events[-1] == "start steps closed", "the agent's stop puts back what is left"
 
 
 def test_the_start_steps_run_every_after_attach_whatever_an_earlier_one_raised(

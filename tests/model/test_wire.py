@@ -1,0 +1,196 @@
+"""A list item decoded typed (agent.model.wire) reads into the very record the whole decode gives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.model import wire
+from agent.model.tracker import read_service, read_slice
+from agent.model.wire import TRIGGER_TIME_ANNOTATION
+from tests.model.test_common_endpoint import endpoints
+
+TRIGGER = "2026-11-27T10:00:00Z"
+
+
+def slice_obj(address_type: Any = "IPv4", **fields: Any) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "metadata": {
+            "name": "web-abcde",
+            "namespace": "default",
+            "uid": "u-1",
+            "resourceVersion": "7",
+            "creationTimestamp": "2026-01-01T00:00:00Z",
+            "labels": {"kubernetes.io/service-name": "web"},
+            "annotations": {TRIGGER_TIME_ANNOTATION: TRIGGER, "other": "x"},
+            "managedFields": [{"manager": "kcm", "fieldsV1": {"f:endpoints": {}}}],
+            "ownerReferences": [{"kind": "Service", "name": "web", "uid": "s-1"}],
+        },
+        "addressType": address_type,
+        "endpoints": [
+            {
+                "addresses": ["10.244.1.2" if address_type == "IPv4" else "fd00::2"],
+                "conditions": {"ready": True, "serving": True, "terminating": False},
+                "nodeName": "node1",
+                "zone": "zone-a",
+                "targetRef": {"kind": "Pod", "name": "web-1", "uid": "p-1"},
+                "deprecatedTopology": {"a": "b"},
+            }
+        ],
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+    }
+    obj.update(fields)
+    return obj
+
+
+def service_obj(**spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "clusterIP": "10.96.0.10",
+        "clusterIPs": ["10.96.0.10"],
+        "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
+        "type": "ClusterIP",
+    }
+    body.update(spec)
+    return {
+        "metadata": {
+            "name": "web",
+            "namespace": "default",
+            "uid": "s-1",
+            "resourceVersion": "5",
+            "creationTimestamp": "2026-01-01T00:00:00Z",
+            "labels": {"app": "web"},
+            "managedFields": [{"manager": "kubectl"}],
+        },
+        "spec": body,
+        "status": {"loadBalancer": {}},
+    }
+
+
+def both_slice(obj: Any) -> tuple[Any, Any, Any]:
+    """(typed item, typed record, whole record) of `obj` as a list item's bytes."""
+    raw = orjson.dumps(obj)
+    item = wire.endpoint_slice(raw)
+    return item, read_slice(item, "node1"), read_slice(orjson.loads(raw), "node1")
+
+
+def both_service(obj: Any) -> tuple[Any, Any, Any]:
+    raw = orjson.dumps(obj)
+    item = wire.service(raw)
+    return item, read_service(item), read_service(orjson.loads(raw))
+
+
+def test_the_common_slice_is_read_from_structs_without_the_fields_nobody_reads() -> None:
+    for family in ("IPv4", "IPv6"):
+        item, typed, whole = both_slice(slice_obj(family))
+        assert all(type(e) is wire.WireEndpoint for e in item["endpoints"]), "the typed path was taken"
+        assert "managedFields" not in item["metadata"] and "ownerReferences" not in item["metadata"]
+        assert item["metadata"]["annotations"] == {TRIGGER_TIME_ANNOTATION: TRIGGER}
+        assert typed == whole
+        assert typed.parsed is not None and str(typed.parsed.family) == family
+        assert typed.trigger_time is not None
+        (ep,) = typed.parsed.endpoints
+        assert (ep.ready, ep.serving, ep.terminating, ep.node_name, ep.zone, ep.is_local) == (
+            True,
+            True,
+            False,
+            "node1",
+            "zone-a",
+            True,
+        )
+
+
+def test_a_field_of_the_wrong_type_gives_the_whole_decodes_malformed_outcome() -> None:
+    cases: list[dict[str, Any]] = [
+        slice_obj(endpoints=[{"addresses": ["10.244.1.2"], "conditions": {"ready": "false"}}]),
+        slice_obj(endpoints=[{"addresses": [7]}]),
+        slice_obj(endpoints=[{"addresses": "10.244.1.2"}]),
+        slice_obj(endpoints=[{"addresses": ["10.244.1.2"], "nodeName": 5}]),
+        slice_obj(endpoints="all"),
+        slice_obj(metadata="web"),
+        slice_obj(metadata=None),
+    ]
+    for obj in cases:
+        item, typed, whole = both_slice(obj)
+        assert typed.error is not None, obj
+        assert typed == whole, obj
+        assert not any(type(e) is wire.WireEndpoint for e in item.get("endpoints") or ()), "decoded whole"
+    for spec in ({"ports": "http"}, {"clusterIP": 10}, {"ports": [{"name": "http", "port": "80"}]}):
+        _, typed_svc, whole_svc = both_service(service_obj(**spec))
+        assert typed_svc.error is not None and typed_svc == whole_svc, spec
+    # A value the typed decode accepts but the parser refuses: the same message from the Structs.
+    _, typed, whole = both_slice(slice_obj(endpoints=[{"addresses": ["10.244.1.300"], "nodeName": "n"}]))
+    assert typed.error is not None and "endpoints[0].addresses[0]" in typed.error
+    assert typed == whole
+
+
+def test_optional_fields_absent_or_null_read_as_before() -> None:
+    minimal: dict[str, Any] = {
+        "metadata": {
+            "name": "web-1",
+            "resourceVersion": "3",
+            "labels": {"kubernetes.io/service-name": "web"},
+        },
+        "addressType": "IPv4",
+    }
+    item, typed, whole = both_slice(minimal)
+    assert set(item) == {"metadata", "addressType"} and typed == whole
+    assert typed.parsed is not None and typed.parsed.endpoints == ()
+    bare = {"addresses": ["10.244.1.2"]}
+    nulls = {"addresses": ["10.244.1.2"], "conditions": None, "nodeName": None, "zone": None}
+    partial = {"addresses": ["10.244.1.2"], "conditions": {"ready": False, "serving": None}}
+    ending = {
+        "addresses": ["10.244.1.2"],
+        "conditions": {"ready": False, "serving": True, "terminating": True},
+    }
+    hinted = {"addresses": ["10.244.1.2"], "hostname": "h1", "hints": {"forZones": [{"name": "a"}]}}
+    for ep in (bare, nulls, partial, ending, hinted):
+        _, typed, whole = both_slice(slice_obj(endpoints=[ep], ports=None, metadata=minimal["metadata"]))
+        assert typed == whole, ep
+        assert typed.parsed is not None and len(typed.parsed.endpoints) == 1
+    _, typed_svc, whole_svc = both_service({"metadata": {"name": "web", "resourceVersion": "1"}})
+    assert typed_svc == whole_svc and typed_svc.error is not None  # no ports: refused alike
+
+
+def test_an_item_without_a_resource_version_is_decoded_whole() -> None:
+    obj = slice_obj()
+    del obj["metadata"]["resourceVersion"]
+    item = wire.endpoint_slice(orjson.dumps(obj))
+    assert item == obj, "whole, so the reflector's digest covers every field"
+
+
+SLICE_KEYS = ["metadata", "addressType", "endpoints", "ports"]
+
+
+@st.composite
+def slices(draw: st.DrawFn) -> Any:
+    obj = slice_obj(draw(st.sampled_from(["IPv4", "IPv6", "FQDN", 4, None])))
+    obj["endpoints"] = draw(st.lists(endpoints(), max_size=3))
+    if draw(st.integers(0, 4)) == 0:
+        obj["metadata"][draw(st.sampled_from(["name", "labels", "annotations", "uid"]))] = draw(
+            st.sampled_from([None, "x", 3, [], {}, {TRIGGER_TIME_ANNOTATION: 5}])
+        )
+    if draw(st.integers(0, 4)) == 0:
+        obj[draw(st.sampled_from(SLICE_KEYS))] = draw(st.sampled_from([None, "x", 3, [], {}]))
+    return obj
+
+
+@settings(max_examples=400, deadline=None)
+@given(slices())
+def test_typed_and_whole_decodes_agree_on_any_slice(obj: Any) -> None:
+    _, typed, whole = both_slice(obj)
+    assert typed == whole
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(["spec", "status", "metadata"]),
+    st.sampled_from([None, "x", 3, [], {}, {"loadBalancer": {"ingress": [{"ip": "1.2.3.4"}]}}]),
+)
+def test_typed_and_whole_decodes_agree_on_any_service(field: str, value: Any) -> None:
+    obj = service_obj(type="LoadBalancer")
+    obj[field] = value
+    _, typed, whole = both_service(obj)
+    assert typed == whole
