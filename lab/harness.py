@@ -19,6 +19,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from agent.ebpf.compile import COMPILE_TIMEOUT_S
+from agent.ebpf.loader import COMPILING_LOG
+from agent.ebpf.objcache import LOCK_WAIT_S, WAITING_LOG
 from agent.sources.file import content_version
 from lab import Lab
 from lab.core import POD_SUPERNET6, Node
@@ -160,11 +163,25 @@ class Agent:
 
         self._wait(seen, f"resourceVersions {dict(wanted)}", timeout)
 
+    def _compiling(self) -> bool:
+        """Whether this run is compiling its data path (or waiting for another agent's compile of
+        it) and has not yet said the data path is ready."""
+        log = self.log_since_start()
+        began = max(log.rfind(COMPILING_LOG), log.rfind(WAITING_LOG))
+        return began >= 0 and log.find(", ready in ", began) < 0
+
     def _wait(self, done: Callable[[str], bool], what: str, timeout: float, *, after: int = 0) -> None:
-        deadline = time.monotonic() + timeout
+        """Until `done(log)`. `timeout` counts the agent's own work: while it compiles its data path
+        (a cold cache; CPU-bound, so several times slower on a loaded machine) the clock restarts,
+        bounded by the compile's and the compile lock's own limits."""
+        now = time.monotonic()
+        deadline = now + timeout
+        limit = now + timeout + COMPILE_TIMEOUT_S + LOCK_WAIT_S
         while time.monotonic() < deadline:
             if done(self.log_since_start(after)):
                 return
+            if self._compiling():
+                deadline = min(max(deadline, time.monotonic() + timeout), limit)
             if self.proc is not None and self.proc.poll() is not None:
                 raise AgentDied(
                     f"agent for {self.node.name} exited {self.proc.returncode}:\n{self.log()[-4000:]}"

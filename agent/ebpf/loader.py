@@ -93,6 +93,9 @@ from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
 
+# The start of the line logged when a compile begins (lab/harness.py waits it out).
+COMPILING_LOG = "compiling data path "
+
 ENTRY_FILE = "ekp_tc.c"
 BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)
 
@@ -689,6 +692,14 @@ class Datapath:
                 obj = self.cache.get(build)
                 cached = obj is not None
                 if obj is None:
+                    # Said before it starts: the compile is a cold start's longest step (tens of
+                    # seconds on a busy node), and an operator (or the lab) watching the log
+                    # should see why nothing is programmed yet.
+                    log.info(
+                        "%s%s (not in the compile cache): the data path is programmed once it is done",
+                        COMPILING_LOG,
+                        build,
+                    )
                     obj, how = self._compile(build, programs)
         if cached:
             how = "loaded from the compile cache (compiled by an earlier agent)"

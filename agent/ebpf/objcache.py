@@ -43,6 +43,8 @@ KEEP = 16
 SUFFIX = ".json"
 STALE_TMP_S = 3600.0  # a temporary file this old belongs to no live writer
 LOCK_PREFIX = ".lock-"
+# The start of the line logged while another agent's compile is awaited (lab/harness.py waits it out).
+WAITING_LOG = "waiting for another agent compiling data path "
 LOCK_WAIT_S = 300.0  # a compile's own timeout (agent.ebpf.compile.COMPILE_TIMEOUT_S)
 
 
@@ -162,7 +164,7 @@ class ObjectCache:
                     break
                 except BlockingIOError:
                     if not said:
-                        log.info("waiting for another agent compiling data path %s (%s)", build, path)
+                        log.info("%s%s (%s)", WAITING_LOG, build, path)
                         said = True
                     if time.monotonic() > deadline:
                         log.warning(
