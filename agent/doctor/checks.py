@@ -333,7 +333,8 @@ def _hooks(f: Facts) -> Line:
             Verdict.FAIL,
             "tc/XDP hooks",
             f"another program runs before ours and may end the chain: {listed}",
-            "remove it (tc filter del dev DEVICE ingress pref N; ip link set DEVICE xdp off), or another "
+            "remove it (tc filter del dev DEVICE ingress pref N; bpftool link detach id N; ip link set "
+            "DEVICE xdp off), or another "
             "CNI's kube-proxy replacement (Cilium, Calico eBPF) is active: use one",
         )
     return Line(

@@ -223,19 +223,30 @@ def _kube_proxy(config: Config) -> tuple[dict[str, list[str]], tuple[str, ...]]:
 
 
 def _foreign_hooks(config: Config) -> tuple[ForeignHook, ...]:
-    """Programs of others on the tc ingress and XDP hooks of the devices eBPF mode attaches to."""
+    """Programs of others on the tc ingress and XDP hooks of the devices eBPF mode attaches to.
+
+    Which run before ours depends on how ours are attached (--bpf-tc-attach, probed as the agent
+    does): tcx programs run before every clsact filter, and ours goes last on the tcx list, so
+    another's tcx program always runs first; a filter of another runs first only where ours is a
+    filter too, at a lower priority."""
     from agent.app import node_context
-    from agent.ebpf import xdp
-    from agent.ebpf.attach import FILTER_PRIO, foreign_filters, wanted_devices
+    from agent.ebpf import tcx, xdp
+    from agent.ebpf.attach import FILTER_PRIO, OUR_NAME_PREFIX, foreign_filters, hook_programs, wanted_devices
     from agent.netns import netns_route
 
+    on_tcx = config.bpf_tc_attach != "clsact" and not tcx.probe()
     out: list[ForeignHook] = []
     try:
         node = node_context(config)
         with netns_route(config.netns) as ipr:
             for index, (name, _prog) in sorted(wanted_devices(ipr, config, node).items()):
+                for p in hook_programs(ipr, config.netns, index, tcx.INGRESS):
+                    if p.kind == "tcx" and not p.name.startswith(OUR_NAME_PREFIX):
+                        what = f"tcx {p.name or 'program'} id {p.prog_id} link {p.at}"
+                        out.append(ForeignHook(name, "tc ingress", what, True))
                 for label, prio in foreign_filters(ipr, index):
-                    out.append(ForeignHook(name, "tc ingress", f"{label} pref {prio}", prio < FILTER_PRIO))
+                    first = prio < FILTER_PRIO and not on_tcx
+                    out.append(ForeignHook(name, "tc ingress", f"{label} pref {prio}", first))
                 state = xdp.xdp_state(ipr, index)
                 if state.prog_id and not xdp.is_ours(state):
                     what = f"{xdp.prog_name(state.prog_id) or 'program'} id {state.prog_id} (runs before tc)"
@@ -254,7 +265,7 @@ def _handover_left(config: Config) -> tuple[str, ...]:
     out: list[str] = []
     try:
         with netns_route(config.netns) as ipr:
-            out += fronts_left(ipr)
+            out += fronts_left(ipr, config.netns)
     except OSError as exc:
         out.append(f"the tc hooks could not be read: {exc}")
     try:

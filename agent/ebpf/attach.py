@@ -90,8 +90,9 @@ avoids that moment: the programs go on through bpf_links, no qdisc is added, so 
 
 An agent on clsact after one on tcx (the setting changed back) attaches its filters, then detaches
 the pinned links (they would run in front of the filters): device by device, not in front of the
-older generation as a hand-over would be. `fronts_left` (agent doctor) lists only clsact filters
-in front, not tcx links.
+older generation as a hand-over would be. `fronts_left` (agent doctor) lists what a hand-over cut
+short left in front with either (a filter at FRONT_PRIO, a tcx link in front of another program of
+ours), and `hooks_report` (agent inspect hooks) what each device's hooks run, tcx links and filters.
 """
 
 from __future__ import annotations
@@ -344,7 +345,9 @@ def foreign_filters(ipr: Any, index: int) -> list[tuple[str, int]]:
     for msg in _filters(ipr, index, TC_H_INGRESS):
         if not any(_is_ours(msg, prio) for prio in OUR_PRIOS):
             name = msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME") or msg.get("kind")
-            out.append((str(name), int(msg["info"]) >> 16))
+            entry = (str(name), int(msg["info"]) >> 16)
+            if entry not in out:  # u32 dumps its hash table as one more filter at its priority
+                out.append(entry)
     return out
 
 
@@ -470,15 +473,74 @@ def detach(ipr: Any, index: int) -> bool:
     return found
 
 
-def fronts_left(ipr: Any) -> list[str]:
-    """ "DEVICE HOOK: PROGRAM" of each filter of ours at FRONT_PRIO (agent doctor: outside a
-    hand-over, one left by a hand-over cut short)."""
+@dataclass(frozen=True)
+class HookProgram:
+    """One program a device's tc hook runs: through a tcx link, or a clsact qdisc's filter."""
+
+    kind: str  # "tcx" or "clsact"
+    name: str  # the program's name (a filter that is no bpf one: its kind)
+    prog_id: int  # 0: unknown
+    at: int  # the tcx link's id (0: attached without a link), or the filter's priority
+
+    def __str__(self) -> str:
+        where = f"link {self.at}" if self.kind == "tcx" else f"pref {self.at}"
+        return f"{self.kind} {self.name or '?'} (prog {self.prog_id}, {where})"
+
+    @property
+    def ours(self) -> bool:
+        return self.name.startswith(OUR_NAME_PREFIX) and self.name != tcx.CLASSID_PROG_NAME
+
+
+def hook_programs(ipr: Any, netns: str, index: int, hook: str) -> list[HookProgram]:
+    """What one tc hook (tcx.INGRESS or tcx.EGRESS) of a device runs, in the kernel's order: the
+    tcx programs first, in their list's order, then the clsact filters by priority (tcx.py's
+    module doc); `ipr` and `netns` name the same namespace (a tcx query takes an ifindex)."""
+
+    def query() -> list[HookProgram]:
+        return [HookProgram("tcx", tcx.prog_name(p), p, link) for p, link in tcx.hook_links(index, hook)]
+
+    out = run_in_netns(netns, query)
+    filters = sorted(
+        _filters(ipr, index, TC_H_INGRESS if hook == tcx.INGRESS else TC_H_EGRESS),
+        key=lambda m: int(m["info"]) >> 16,
+    )
+    for msg in filters:
+        name = msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME") if msg.get("kind") == "bpf" else None
+        prog = filter_prog_id(msg) if msg.get("kind") == "bpf" else 0
+        entry = HookProgram("clsact", str(name or msg.get("kind") or ""), prog, int(msg["info"]) >> 16)
+        if not out or out[-1] != entry:  # u32 dumps its hash table as one more filter at its priority
+            out.append(entry)
+    return out
+
+
+def hooks_report(ipr: Any, netns: str) -> list[str]:
+    """One line for each device's tc hook that runs a program, "DEVICE HOOK: PROGRAM -> ..." in
+    run order (agent inspect hooks: which programs run where, whichever way they were attached)."""
     out = []
     for link in list_links(ipr):
-        for parent, hook in ((TC_H_INGRESS, "tc ingress"), (TC_H_EGRESS, "tc egress")):
-            name = our_filter(ipr, link.index, parent, FRONT_PRIO)
-            if name is not None:
-                out.append(f"{link.name} {hook}: {name} pref {FRONT_PRIO}")
+        for hook in (tcx.INGRESS, tcx.EGRESS):
+            progs = hook_programs(ipr, netns, link.index, hook)
+            if progs:
+                out.append(f"{link.name} {hook}: " + " -> ".join(map(str, progs)))
+    return out
+
+
+def fronts_left(ipr: Any, netns: str = "") -> list[str]:
+    """ "DEVICE HOOK: PROGRAM ..." of each program of ours in front of another of ours (agent
+    doctor: outside a hand-over, one left by a hand-over cut short): a filter at FRONT_PRIO, a tcx
+    link before another of our tcx links (`ekp_tcxfront_*`), or our tcx link in front of our
+    filter at FILTER_PRIO (an older generation on clsact, whose filters the rehome deletes). The
+    classid program (tcx.py) is no program of ours for this: it always goes first."""
+    out = []
+    for link in list_links(ipr):
+        for hook in (tcx.INGRESS, tcx.EGRESS):
+            progs = [p for p in hook_programs(ipr, netns, link.index, hook) if p.ours]
+            for i, ahead in enumerate(progs):
+                behind = progs[i + 1] if i + 1 < len(progs) else None
+                if (ahead.kind == "clsact" and ahead.at == FRONT_PRIO) or (ahead.kind == "tcx" and behind):
+                    out.append(
+                        f"{link.name} tc {hook}: {ahead}" + (f" in front of {behind}" if behind else "")
+                    )
     return out
 
 

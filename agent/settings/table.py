@@ -827,7 +827,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "bpf_tc_attach",
         Choice(("auto", "tcx", "clsact")),
-        "clsact",
+        "auto",
         "how the tc programs are attached: tcx (Linux 6.6 bpf_links, pinned; no qdisc, so nothing the "
         "node sends is dropped while a device gets its programs), clsact (a clsact qdisc and cls_bpf "
         "filters: adding the qdisc to a device that has none drops what it sends meanwhile), or auto "

@@ -313,7 +313,7 @@ def test_nodeports_and_tuned_flags(rendered: dict[str, Rendered]) -> None:
         "--bpf-tc-attach=tcx",
     } <= set(tuned["args"])
     assert "--bpf-host-routing=legacy" in rendered["default"].container("agent")["args"]
-    assert "--bpf-tc-attach=clsact" in rendered["default"].container("agent")["args"]
+    assert "--bpf-tc-attach=auto" in rendered["default"].container("agent")["args"]
     # The guard of external frontends is both modes'.
     assert {
         "--node-port-range=20000-22767",

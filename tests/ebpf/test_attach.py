@@ -36,6 +36,7 @@ from agent.ebpf.attach import (
     Link,
     detach_all,
     fronts_left,
+    hooks_report,
     parse_link_events,
     pod_side_program,
 )
@@ -169,7 +170,7 @@ def test_a_device_holding_only_an_ipv6_node_address_is_external(netns: str, prog
     path translated come back there untranslated. The address in another spelling matches."""
     sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
     sh("ip", "-n", netns, "link", "set", "other1", "up")
-    attacher = Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs)
+    attacher = Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs)
     attacher.reconcile(NodeContext(node_ips=("192.168.0.11", "fd00:ff:0::11")), full=True)
     assert "ekp_from_net" in ingress(netns, "other1")
     assert sorted(attacher.attached.values()) == [
@@ -190,7 +191,7 @@ def test_a_device_whose_ipv6_node_address_went_is_detached_by_the_next_plain_rec
     longer holds a node address."""
     sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
     sh("ip", "-n", netns, "link", "set", "other1", "up")
-    attacher = Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs)
+    attacher = Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs)
     attacher.reconcile(NodeContext(node_ips=("192.168.0.11", "fd00:ff::11")), full=True)
     assert "ekp_from_net" in ingress(netns, "other1")
     attacher.reconcile(NODE)
@@ -206,7 +207,7 @@ def test_a_link_scope_ipv6_address_never_makes_a_device_external(netns: str, pro
     sh("ip", "-n", netns, "addr", "add", "fe80::11/64", "dev", "lxc-a", "nodad")
     sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
     sh("ip", "-n", netns, "link", "set", "other1", "up")
-    attacher = Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs)
+    attacher = Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs)
     attacher.reconcile(NodeContext(node_ips=("192.168.0.11", "fe80::11", "fd00:ff::11")), full=True)
     assert sorted(attacher.attached.values()) == [
         ("eth0", PROG_FROM_NET),
@@ -217,7 +218,7 @@ def test_a_link_scope_ipv6_address_never_makes_a_device_external(netns: str, pro
 
 @pytest.mark.kernel
 def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
-    config = Config(netns=netns, pod_interfaces=("lxc*",))
+    config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
     attacher = Attacher(config, progs)
     attacher.reconcile(NODE, full=True)
     assert "ekp_from_net" in ingress(netns, "eth0") and "direct-action" in ingress(netns, "eth0")
@@ -292,7 +293,7 @@ def test_a_first_full_reconcile_keeping_external_devices_leaves_ekp_from_net_whe
     IPv6 one it stays."""
     sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
     sh("ip", "-n", netns, "link", "set", "other1", "up")
-    config = Config(netns=netns, pod_interfaces=("lxc*",))
+    config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
     dual = NodeContext(node_ips=("192.168.0.11", "fd00:ff::11"))
     Attacher(config, progs).reconcile(dual, full=True)
     assert "ekp_from_net" in ingress(netns, "other1")
@@ -311,7 +312,7 @@ def test_a_first_full_reconcile_keeping_external_devices_leaves_ekp_from_net_whe
 def test_replace_keeps_a_filter_in_place_and_full_reconcile_detaches_strays(
     netns: str, progs: dict[str, int]
 ) -> None:
-    config = Config(netns=netns, pod_interfaces=("lxc*", "other*"))
+    config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*", "other*"))
     Attacher(config, progs).reconcile(NODE, full=True)
     assert "ekp_from_pod" in ingress(netns, "other1")
 
@@ -328,7 +329,9 @@ def test_replace_keeps_a_filter_in_place_and_full_reconcile_detaches_strays(
     t = threading.Thread(target=watch)
     t.start()
     try:
-        Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs).reconcile(NODE, full=True)
+        Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs).reconcile(
+            NODE, full=True
+        )
     finally:
         stop.set()
         t.join()
@@ -342,7 +345,9 @@ def test_both_host_routings_keep_the_egress_half_on_every_device(netns: str, pro
     """--bpf-host-routing=legacy: ekp_egress on the egress of every device with an ingress program,
     new pod devices included; the same devices under `bpf` keep it (the replies of backends on the
     node's own address need it there too), and a switch back finds it in place."""
-    legacy = Config(netns=netns, pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY)
+    legacy = Config(
+        netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY
+    )
     attacher = Attacher(legacy, progs)
     attacher.reconcile(NODE, full=True)
     for dev in ("eth0", "lxc-a"):
@@ -364,7 +369,9 @@ def test_both_host_routings_keep_the_egress_half_on_every_device(netns: str, pro
         attacher.stop_watcher()
         sh("ip", "-n", netns, "link", "del", "lxc-e")
 
-    bpf = Config(netns=netns, pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.BPF)
+    bpf = Config(
+        netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.BPF
+    )
     Attacher(bpf, progs).reconcile(NODE, full=True)
     for dev in ("eth0", "lxc-a"):
         assert "ekp_egress" in egress(netns, dev) and "ekp_from_" in ingress(netns, dev), dev
@@ -380,7 +387,9 @@ def test_both_host_routings_keep_the_egress_half_on_every_device(netns: str, pro
 def test_egress_programs_go_everywhere_before_any_ingress_program(netns: str, progs: dict[str, int]) -> None:
     """A node's first start under legacy host routing (the proxier): ekp_egress on every device
     that will carry our programs, and no ingress program yet; the full reconcile then adds them."""
-    config = Config(netns=netns, pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY)
+    config = Config(
+        netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY
+    )
     attacher = Attacher(config, progs)
     attacher.attach_egress(NODE)
     for dev in ("eth0", "lxc-a"):
@@ -401,7 +410,9 @@ def test_the_attach_names_the_devices_it_added_a_clsact_qdisc_to_and_a_restart_a
     (CLSACT_LOG: tests/traffic/test_switch.py reads it). A restart finds the qdiscs and says
     nothing: replacing a filter drops nothing."""
     caplog.set_level(logging.INFO, logger="agent.ebpf.attach")
-    config = Config(netns=netns, pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY)
+    config = Config(
+        netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY
+    )
     Attacher(config, progs).attach_egress(NODE)
     said = [r.getMessage() for r in caplog.records if "clsact" in r.getMessage()]
     assert len(said) == 1 and re.match(
@@ -417,7 +428,9 @@ def test_the_attach_names_the_devices_it_added_a_clsact_qdisc_to_and_a_restart_a
     # bpf host routing attaches egress with ingress, device by device: each add said on its own
     assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]
     caplog.clear()
-    Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs).reconcile(NODE, full=True)
+    Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs).reconcile(
+        NODE, full=True
+    )
     said = [r.getMessage() for r in caplog.records if "clsact" in r.getMessage()]
     assert sorted(re.sub(r" in [\d.]+ ms:.*", "", m) for m in said) == [
         "added the clsact qdisc to 1 device(s) that had none (eth0)",
@@ -433,6 +446,7 @@ def test_interface_modes_attach_by_prefix_and_by_bridge_port_and_follow_enslavin
     sh("ip", "-n", netns, "link", "add", "lxc-c", "type", "veth", "peer", "name", "pod-c")
     prefix = Config(
         netns=netns,
+        bpf_tc_attach="clsact",
         pod_interfaces=("lxc*",),
         detect_local_mode=LocalMode.INTERFACE_NAME_PREFIX,
         pod_interface_name_prefix="lxc-a",
@@ -445,6 +459,7 @@ def test_interface_modes_attach_by_prefix_and_by_bridge_port_and_follow_enslavin
     sh("ip", "-n", netns, "link", "set", "lxc-c", "master", "cbr0")
     bridge = Config(
         netns=netns,
+        bpf_tc_attach="clsact",
         pod_interfaces=("lxc*",),
         detect_local_mode=LocalMode.BRIDGE_INTERFACE,
         pod_bridge_interface="cbr0",
@@ -490,7 +505,7 @@ def test_a_bridge_port_s_filter_names_its_bridge_and_follows_enslaving(
     in any detector mode: here the default, where the program stays ekp_from_pod), kept by a full
     reconcile. On main every filter had classid 1, and the check dropped every translated packet
     of a bridged pod."""
-    config = Config(netns=netns, pod_interfaces=("lxc*",))
+    config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
     sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
     attacher = Attacher(config, progs)
     attacher.reconcile(NODE, full=True)
@@ -548,9 +563,13 @@ def test_xdp_on_the_external_devices_only_reconciled_and_detached(netns: str, pr
     try:
         with_xdp = {**progs, PROG_XDP: fd}
         # best-effort (the default) leaves a veth alone
-        Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), with_xdp).reconcile(NODE, full=True)
+        Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), with_xdp).reconcile(
+            NODE, full=True
+        )
         assert xdp_of(netns, "eth0") == {}
-        attacher = Attacher(Config(netns=netns, pod_interfaces=("lxc*",), bpf_xdp="native"), with_xdp)
+        attacher = Attacher(
+            Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_xdp="native"), with_xdp
+        )
         attacher.reconcile(NODE, full=True)
         assert xdp_of(netns, "eth0").get("mode") == 1  # XDP_ATTACHED_DRV
         assert xdp_of(netns, "lxc-a") == {}
@@ -562,12 +581,15 @@ def test_xdp_on_the_external_devices_only_reconciled_and_detached(netns: str, pr
         attacher.reconcile(NODE, verify=True)
         assert xdp_of(netns, "eth0").get("mode") == 1
         # --bpf-xdp=disabled: a restarted agent takes ours off
-        Attacher(Config(netns=netns, pod_interfaces=("lxc*",), bpf_xdp="disabled"), with_xdp).reconcile(
-            NODE, full=True
-        )
+        Attacher(
+            Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_xdp="disabled"),
+            with_xdp,
+        ).reconcile(NODE, full=True)
         assert xdp_of(netns, "eth0") == {}
         # generic, then gone with the address that made eth0 external
-        generic = Attacher(Config(netns=netns, pod_interfaces=("lxc*",), bpf_xdp="generic"), with_xdp)
+        generic = Attacher(
+            Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_xdp="generic"), with_xdp
+        )
         generic.reconcile(NODE, full=True)
         assert xdp_of(netns, "eth0").get("mode") == 2  # XDP_ATTACHED_SKB
         assert "eth0" in detach_all(netns)
@@ -621,8 +643,12 @@ def test_a_hand_over_puts_the_newer_programs_in_front_then_in_the_older_ones_pla
 
     old = {name: prog_id(fd) for name, fd in progs.items()}
     new = {name: prog_id(fd) for name, fd in newer_progs.items()}
-    Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs).reconcile(NODE, full=True)
-    newer = Attacher(Config(netns=netns, pod_interfaces=("lxc*", "other*")), newer_progs)
+    Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs).reconcile(
+        NODE, full=True
+    )
+    newer = Attacher(
+        Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*", "other*")), newer_progs
+    )
     newer.reconcile(NODE, full=True, front=True)
     assert ours_by_pref(ingress(netns, "eth0")) == {16: new[PROG_FROM_NET], 17: old[PROG_FROM_NET]}
     assert ours_by_pref(ingress(netns, "lxc-a")) == {16: new[PROG_FROM_POD], 17: old[PROG_FROM_POD]}
@@ -657,7 +683,9 @@ def test_a_hand_over_puts_the_newer_programs_in_front_then_in_the_older_ones_pla
     assert newer.fronts == {}
 
     # cut short (an agent stopped in the middle): both priorities are ours to remove
-    Attacher(Config(netns=netns, pod_interfaces=("lxc*",)), progs).reconcile(NODE, full=True, front=True)
+    Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs).reconcile(
+        NODE, full=True, front=True
+    )
     assert set(ours_by_pref(ingress(netns, "eth0"))) == {16, 17}
     assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]  # other1: detached as a stray by that reconcile
     for dev in ("eth0", "lxc-a", "other1"):
@@ -678,7 +706,7 @@ def test_a_hand_over_resumed_goes_in_front_only_of_an_older_build_and_a_plain_st
 
     old = {name: prog_id(fd) for name, fd in progs.items()}
     new = {name: prog_id(fd) for name, fd in newer_progs.items()}
-    config = Config(netns=netns, pod_interfaces=("lxc*",))
+    config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
     Attacher(config, progs).reconcile(NODE, full=True)
     newer = Attacher(config, newer_progs)
     assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=True)
@@ -698,10 +726,13 @@ def test_a_hand_over_resumed_goes_in_front_only_of_an_older_build_and_a_plain_st
     assert ours_by_pref(ingress(netns, "lxc-a")) == {16: new[PROG_FROM_POD], 17: old[PROG_FROM_POD]}
     assert len(restarted.fronts) == 3
     with netns_route(netns) as ipr:
-        assert sorted(fronts_left(ipr)) == [
-            "eth0 tc egress: ekp_egress pref 16",
-            "lxc-a tc egress: ekp_egress pref 16",
-            "lxc-a tc ingress: ekp_from_pod pref 16",
+        assert sorted(fronts_left(ipr, netns)) == [
+            f"eth0 tc egress: clsact ekp_egress (prog {new[PROG_EGRESS]}, pref 16) in front of clsact "
+            f"ekp_egress (prog {old[PROG_EGRESS]}, pref 17)",
+            f"lxc-a tc egress: clsact ekp_egress (prog {new[PROG_EGRESS]}, pref 16) in front of clsact "
+            f"ekp_egress (prog {old[PROG_EGRESS]}, pref 17)",
+            f"lxc-a tc ingress: clsact ekp_from_pod (prog {new[PROG_FROM_POD]}, pref 16) in front of clsact "
+            f"ekp_from_pod (prog {old[PROG_FROM_POD]}, pref 17)",
         ]
     # the older build seen from its side: another build of ours in front
     assert Attacher(config, progs).handover_state() == HandoverState(
@@ -716,7 +747,7 @@ def test_a_hand_over_resumed_goes_in_front_only_of_an_older_build_and_a_plain_st
         assert ours_by_pref(egress(netns, dev)) == {17: old[PROG_EGRESS]}, dev
     assert rollback.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=False)
     with netns_route(netns) as ipr:
-        assert fronts_left(ipr) == []
+        assert fronts_left(ipr, netns) == []
 
 
 @pytest.mark.kernel
@@ -728,7 +759,7 @@ def test_an_attach_egress_of_this_build_gets_no_copy_in_front(
     from agent.ebpf.sockattach import prog_id
 
     new = {name: prog_id(fd) for name, fd in newer_progs.items()}
-    config = Config(netns=netns, pod_interfaces=("lxc*",))
+    config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
     newer = Attacher(config, newer_progs)
     newer.attach_egress(NODE)
     newer.reconcile(NODE, full=True, front=True)
@@ -747,7 +778,7 @@ def test_a_foreign_filter_at_the_front_priority_gets_the_older_one_replaced_inst
 
     old = {name: prog_id(fd) for name, fd in progs.items()}
     new = {name: prog_id(fd) for name, fd in newer_progs.items()}
-    config = Config(netns=netns, pod_interfaces=("lxc*",))
+    config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
     Attacher(config, progs).reconcile(NODE, full=True)
     # (this machine's kernel has cls_u32 but no act_gact, matchall, flower or basic: no action)
     sh("tc", "-n", netns, "filter", "add", "dev", "eth0", "ingress", "prio", "16", "protocol", "all",
@@ -905,9 +936,9 @@ def test_a_tcx_hand_over_from_a_clsact_generation_runs_in_front_then_removes_its
 
     old = {name: prog_id(fd) for name, fd in progs.items()}
     new = {name: prog_id(fd) for name, fd in newer_progs.items()}
-    Attacher(Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir), progs).reconcile(
-        NODE, full=True
-    )
+    Attacher(
+        Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), pin_path=pin_dir), progs
+    ).reconcile(NODE, full=True)
     newer = Attacher(tcx_config(netns, pin_dir), newer_progs)
     assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=True)
     newer.reconcile(NODE, full=True, front=True)
@@ -915,17 +946,27 @@ def test_a_tcx_hand_over_from_a_clsact_generation_runs_in_front_then_removes_its
     assert tcx_ids(netns, "eth0")[1:] == [new[PROG_FROM_NET]]
     assert len(newer.fronts) == 4
     assert newer.handover_state() == HandoverState(own_front=True, other_front=False, older_behind=True)
+    with netns_route(netns) as ipr:
+        left = fronts_left(ipr, netns)
+    assert len(left) == 4 and re.search(
+        rf"^eth0 tc ingress: tcx ekp_from_net \(prog {new[PROG_FROM_NET]}, link \d+\) in front of clsact "
+        rf"ekp_from_net \(prog {old[PROG_FROM_NET]}, pref 17\)$",
+        "\n".join(left),
+        re.M,
+    ), left
     newer.rehome()
     assert newer.fronts == {}
+    with netns_route(netns) as ipr:
+        assert fronts_left(ipr, netns) == []
     for dev in ("eth0", "lxc-a"):
         assert ingress(netns, dev) == "" and egress(netns, dev) == "", dev
         assert "clsact" in qdiscs(netns, dev), dev
     assert tcx_ids(netns, "lxc-a")[1:] == [new[PROG_FROM_POD]]
     assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=False)
     # a plain start of the tcx build over the clsact one removes the filters at once
-    Attacher(Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir), progs).reconcile(
-        NODE, full=True
-    )
+    Attacher(
+        Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), pin_path=pin_dir), progs
+    ).reconcile(NODE, full=True)
     assert ours_by_pref(ingress(netns, "eth0")) == {17: old[PROG_FROM_NET]}
     Attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True)
     assert ingress(netns, "eth0") == "" and tcx_ids(netns, "eth0")[1:] == [new[PROG_FROM_NET]]
@@ -951,7 +992,25 @@ def test_a_tcx_hand_over_from_a_tcx_generation_goes_right_before_its_link_then_t
     assert tcx_ids(netns, "eth0", "egress") == [new[PROG_EGRESS], old[PROG_EGRESS]]
     assert any(n.startswith("ekp_tcxfront_ingress_eth0_") for n in os.listdir(pin_dir))
     assert newer.handover_state() == HandoverState(own_front=True, other_front=False, older_behind=True)
+    with netns_route(netns) as ipr:
+        left = fronts_left(ipr, netns)
+        shown = hooks_report(ipr, netns)
+    assert len(left) == 4 and re.search(
+        rf"^eth0 tc ingress: tcx ekp_from_net \(prog {new[PROG_FROM_NET]}, link \d+\) in front of tcx "
+        rf"ekp_from_net \(prog {old[PROG_FROM_NET]}, link \d+\)$",
+        "\n".join(left),
+        re.M,
+    ), left
+    # agent inspect hooks: the classid program, then both generations, in the kernel's order
+    assert re.search(
+        rf"^eth0 ingress: tcx ekp_tcx_classid \(prog \d+, link \d+\) -> tcx ekp_from_net \(prog "
+        rf"{new[PROG_FROM_NET]}, link \d+\) -> tcx ekp_from_net \(prog {old[PROG_FROM_NET]}, link \d+\)$",
+        "\n".join(shown),
+        re.M,
+    ), shown
     newer.rehome()
+    with netns_route(netns) as ipr:
+        assert fronts_left(ipr, netns) == []
     assert tcx_ids(netns, "eth0")[1:] == [new[PROG_FROM_NET]]
     assert tcx_ids(netns, "lxc-a", "egress") == [new[PROG_EGRESS]]
     assert not any(n.startswith("ekp_tcxfront_") for n in os.listdir(pin_dir))
@@ -1115,6 +1174,45 @@ def test_an_agent_on_clsact_after_one_on_tcx_detaches_the_links_that_would_run_i
         assert tcx_progs(netns, dev) == [] and tcx_progs(netns, dev, "egress") == [], dev
     assert ours_by_pref(ingress(netns, "eth0")) == {17: prog_id(newer_progs[PROG_FROM_NET])}
     assert os.listdir(pin_dir) == []
+    detach_all(netns)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("attach", ["tcx", "clsact"])
+def test_inspect_hooks_lists_what_each_hook_runs_with_either_attach(
+    netns: str, progs: dict[str, int], pin_dir: str, attach: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`agent inspect hooks` names the programs of each device's hooks in run order, tcx links
+    (the classid program first on ingress) or clsact filters, and a filter another left behind
+    after our tcx link (it runs after ours)."""
+    from agent.ebpf.sockattach import prog_id
+    from agent.inspect import main as inspect_main
+
+    ids = {name: prog_id(fd) for name, fd in progs.items()}
+    config = Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir, bpf_tc_attach=attach)
+    Attacher(config, progs).reconcile(NODE, full=True)
+    if attach == "tcx":
+        sh("tc", "-n", netns, "qdisc", "add", "dev", "eth0", "clsact")
+    sh("tc", "-n", netns, "filter", "add", "dev", "eth0", "ingress", "prio", "5", "protocol", "ip",
+       "u32", "match", "ip", "dst", "1.2.3.4/32", "flowid", "1:1")  # fmt: skip
+    assert inspect_main(["hooks", "--netns", netns]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    net, egr = f"prog {ids[PROG_FROM_NET]}", f"prog {ids[PROG_EGRESS]}"
+    if attach == "tcx":
+        want = [
+            rf"hook eth0 ingress: tcx ekp_tcx_classid \(prog \d+, link \d+\) -> tcx ekp_from_net \({net}, "
+            r"link \d+\) -> clsact u32 \(prog 0, pref 5\)",
+            rf"hook eth0 egress: tcx ekp_egress \({egr}, link \d+\)",
+        ]
+    else:
+        want = [
+            rf"hook eth0 ingress: clsact u32 \(prog 0, pref 5\) -> clsact ekp_from_net \({net}, pref 17\)",
+            rf"hook eth0 egress: clsact ekp_egress \({egr}, pref 17\)",
+        ]
+    assert [line for line in shown if line.startswith("hook eth0 ")] == [
+        next((line for line in shown if re.fullmatch(w, line)), w) for w in want
+    ], shown
+    assert any(line.startswith("hook lxc-a ingress: ") and "ekp_from_pod" in line for line in shown), shown
     detach_all(netns)
 
 

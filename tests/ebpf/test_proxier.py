@@ -50,6 +50,7 @@ from agent.ebpf.render import render_contents
 from agent.ebpf.sockattach import pinned_links
 from agent.model.types import IPFamily
 from agent.takeover.flows import EbpfIds, NatFlow, TcpState, ebpf_entries6
+from lab.hooks import hook_programs, ours
 from lab.netns import cgroup2_root, new_prefix, remove_cgroup_tree
 from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
 from tests.ebpf.test_family6 import VIP6, service, slice_, state6
@@ -1853,8 +1854,8 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
         fe_line = next(line for line in capacity if line.startswith(MAPS["fe"].name))
         assert f"{len(want.fe)}/1024 " in fe_line
         assert " live 0 0.0%" in next(line for line in capacity if line.startswith(MAPS["ct_tcp"].name))
-        assert "ekp_from_net" in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
-        assert "ekp_from_pod" in sh("tc", "-n", node_ns, "filter", "show", "dev", "lxc-a", "ingress")
+        assert ours(node_ns, "eth0") == ["ekp_from_net"]
+        assert ours(node_ns, "lxc-a") == ["ekp_from_pod"]
         assert sh("ip", "netns", "exec", node_ns, "sysctl", "-n", "net.ipv4.ip_forward").strip() == "1"
         assert cgroup_programs(cgroup) == sockets
         shown = render_live_maps(config.pin_path, ("sockets",))
@@ -1876,7 +1877,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
     finally:
         first.close()  # the agent stops; everything stays
     assert render_contents(live(config)) == after_more
-    assert "ekp_from_net" in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
+    assert ours(node_ns, "eth0") == ["ekp_from_net"]
     assert cgroup_programs(cgroup) == sockets  # the pinned links hold them while no agent runs
 
     second = EbpfProxier(config, ipv6=False)
@@ -1902,8 +1903,8 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
         second.cleanup()
     assert not os.path.exists(config.pin_path)
     assert cgroup_programs(cgroup) == {}
-    assert "ekp_" not in sh("tc", "-n", node_ns, "filter", "show", "dev", "eth0", "ingress")
-    assert "ekp_" not in sh("tc", "-n", node_ns, "filter", "show", "dev", "lxc-a", "ingress")
+    assert hook_programs(node_ns, "eth0") == []
+    assert hook_programs(node_ns, "lxc-a") == []
 
 
 def test_inspect_without_pins_says_so(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ API server that does not answer). The command runs as an operator runs it, with 
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -89,8 +91,26 @@ def test_agent_doctor_in_a_lab_node_whose_agent_runs_is_all_green(running: ApiCl
     assert lines[-1] == "verdict: ready for ebpf mode"
 
 
-def test_agent_doctor_names_the_fix_for_each_thing_a_namespace_lacks(tmp_path: object) -> None:
+def foreign_tcx_link(ns: str, dev_index: int) -> int:
+    """Another's program on a device's tcx ingress hook (as another CNI's would sit); the link's fd:
+    the link lasts while it is open."""
+    from agent.ebpf import bpfsys, tcx
+    from agent.netns import run_in_netns
+
+    prog = bpfsys.prog_load(tcx.BPF_PROG_TYPE_SCHED_CLS, tcx.classid_program(0), "GPL", "foreign_tc")
+    assert prog >= 0, prog
+    link = run_in_netns(ns, lambda: bpfsys.tcx_link_create(prog, dev_index, tcx.BPF_TCX_INGRESS))
+    os.close(prog)
+    assert link >= 0, link
+    return link
+
+
+@pytest.mark.parametrize("attach", ["clsact", "auto"])
+def test_agent_doctor_names_the_fix_for_each_thing_a_namespace_lacks(tmp_path: object, attach: str) -> None:
+    """clsact: another's filter at a lower priority runs before ours; auto (tcx on this kernel):
+    every filter runs after our tcx program, and another's tcx program before it."""
     require_kernel()
+    link = -1
     with Lab(nodes=1, pods_per_node=1) as lab:
         node = lab.node(1)
         lab.set_sysctl(node, "net.ipv4.ip_forward", "0")
@@ -103,7 +123,7 @@ def test_agent_doctor_names_the_fix_for_each_thing_a_namespace_lacks(tmp_path: o
         )  # fmt: skip
         assert lab.tmpdir is not None
         off_bpffs = lab.tmpdir / "pins"
-        rc, lines = doctor(
+        flags = (
             "--mode=ebpf",
             f"--netns={node.ns}",
             "--hostname-override=node1",
@@ -111,7 +131,19 @@ def test_agent_doctor_names_the_fix_for_each_thing_a_namespace_lacks(tmp_path: o
             "--pod-interfaces=lxc-p*",
             f"--bpf-pin-path={off_bpffs}",
             "--master=http://127.0.0.1:1",
+            f"--bpf-tc-attach={attach}",
         )
+        if attach != "clsact":
+            _, lines = doctor(*flags)
+            verdict, line = verdicts(lines)["tc/XDP hooks"]
+            assert verdict == "warn" and "after ours: eth0 tc ingress: u32 pref 1" in line, "\n".join(lines)
+            index = int(lab.run(node, "cat", "/sys/class/net/eth0/ifindex").stdout)
+            link = foreign_tcx_link(node.ns, index)
+        try:
+            rc, lines = doctor(*flags)
+        finally:
+            if link >= 0:
+                os.close(link)
     found = verdicts(lines)
     text = "\n".join(lines)
     assert rc == 1, text
@@ -127,6 +159,9 @@ def test_agent_doctor_names_the_fix_for_each_thing_a_namespace_lacks(tmp_path: o
         assert verdict == "FAIL", f"{check}:\n{text}"
         assert "-> " in line and fix in line, f"{check}:\n{text}"
     assert "KUBE-SERVICES" in found["kube-proxy"][1]
-    assert "eth0 tc ingress: u32 pref 1" in found["tc/XDP hooks"][1]
+    assert found["tc/XDP hooks"][1].count("eth0 tc ingress: u32 pref 1") == 1, text
+    if attach != "clsact":
+        assert re.search(r"eth0 tc ingress: tcx foreign_tc id \d+ link \d+", found["tc/XDP hooks"][1]), text
+        assert "bpftool link detach id N" in found["tc/XDP hooks"][1], text
     assert {c for c, (v, _) in found.items() if v == "FAIL"} == set(expected), text
     assert lines[-1].startswith("verdict: 5 FAIL")

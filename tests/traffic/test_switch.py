@@ -225,8 +225,9 @@ NFTABLES = "kube-proxy-nftables"  # no agent: kube-proxy's nftables table, writt
 
 SWITCHES = {
     "kube-proxy-iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=legacy",)),
-    "kube-proxy-iptables-to-ebpf-tcx": Switch(
-        "iptables", "ebpf", ("--iptables-backend=legacy",), ("--bpf-tc-attach=tcx",)
+    # The default attach is auto (tcx on this kernel); clsact, the fallback, kept a run of its own.
+    "kube-proxy-iptables-to-ebpf-clsact": Switch(
+        "iptables", "ebpf", ("--iptables-backend=legacy",), ("--bpf-tc-attach=clsact",)
     ),
     "kube-proxy-iptables-to-ebpf-bpf-host-routing": Switch(
         "iptables", "ebpf", ("--iptables-backend=legacy",), ("--bpf-host-routing=bpf",)
@@ -235,7 +236,7 @@ SWITCHES = {
     "kube-proxy-nftables-to-iptables": Switch(NFTABLES, "iptables"),
     "ebpf-to-iptables": Switch("ebpf", "iptables"),
     "ebpf-bpf-host-routing-to-iptables": Switch("ebpf", "iptables", ("--bpf-host-routing=bpf",)),
-    "ebpf-tcx-to-iptables": Switch("ebpf", "iptables", ("--bpf-tc-attach=tcx",)),
+    "ebpf-clsact-to-iptables": Switch("ebpf", "iptables", ("--bpf-tc-attach=clsact",)),
     "iptables-to-ebpf": Switch("iptables", "ebpf", ("--iptables-backend=nft",)),
 }
 
@@ -521,8 +522,9 @@ def test_a_live_switch_keeps_every_connection_on_its_backend(lab: Lab, switch: S
             # the one send(2) that replaces its NAT entry (CtFlag.HANDOVER, about 0.1 ms): a chunk
             # sent then is lost (README, "Migrating from kube-proxy"), counted as a hand-over drop.
             passed = switch.after == "ebpf" and "--bpf-host-routing=bpf" not in switch.after_flags
-            if "--bpf-tc-attach=tcx" in switch.after_flags:
-                # tcx adds no qdisc: no clsact window to excuse a lost chunk (agent/ebpf/tcx.py).
+            if "--bpf-tc-attach=clsact" not in switch.after_flags:
+                # auto is tcx on this kernel, which adds no qdisc: no clsact window to excuse a lost
+                # chunk (agent/ebpf/tcx.py).
                 assert clsact_windows(log) == [] and "clsact" not in lab.run(first.node, "tc", "qdisc").stdout
             if passed:
                 windows = clsact_windows(log)

@@ -312,8 +312,10 @@ def upgrade_under_load(
         observe(cluster, "after")
     finally:
         results = {name: finish(loop) for name, loop in loops.items()}
+    # An error's `began` (epoch seconds) placed against both agents' logs: which step it met.
+    logs = "\n".join(f"{a.log_path.name}:\n{a.log_path.read_text()[-4000:]}" for a in (old, new))
     for name in [n for n in results if n.startswith(("clusterip", "nodeport"))]:
-        assert results[name]["errors"] == 0 and results[name]["ok"] > 100, (name, results[name])
+        assert results[name]["errors"] == 0 and results[name]["ok"] > 100, (name, results[name], logs)
     for name in [n for n in results if n.startswith("held")]:  # one connection, all along
         assert results[name]["errors"] == 0 and results[name]["exchanges"] > 80, (name, results[name])
     return cluster, new, results
