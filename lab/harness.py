@@ -165,10 +165,14 @@ class Agent:
 
     def _compiling(self) -> bool:
         """Whether this run is compiling its data path (or waiting for another agent's compile of
-        it) and has not yet said the data path is ready."""
+        it) and has said neither that the data path is ready nor that anything failed since: a
+        compile that fails is retried by the agent, and is no reason to wait longer."""
         log = self.log_since_start()
-        began = max(log.rfind(COMPILING_LOG), log.rfind(WAITING_LOG))
-        return began >= 0 and log.find(", ready in ", began) < 0
+        began = min((i for i in (log.find(COMPILING_LOG), log.find(WAITING_LOG)) if i >= 0), default=-1)
+        if began < 0:
+            return False
+        since = log[began:]
+        return ", ready in " not in since and " failed" not in since
 
     def _wait(self, done: Callable[[str], bool], what: str, timeout: float, *, after: int = 0) -> None:
         """Until `done(log)`. `timeout` counts the agent's own work: while it compiles its data path
@@ -177,6 +181,7 @@ class Agent:
         now = time.monotonic()
         deadline = now + timeout
         limit = now + timeout + COMPILE_TIMEOUT_S + LOCK_WAIT_S
+        began = now
         while time.monotonic() < deadline:
             if done(self.log_since_start(after)):
                 return
@@ -188,7 +193,9 @@ class Agent:
                 )
             time.sleep(0.05)
         raise AssertionError(
-            f"agent for {self.node.name} did not sync {what} in {timeout}s:\n{self.log()[-4000:]}"
+            f"agent for {self.node.name} did not sync {what} in {timeout}s of its own work "
+            f"({time.monotonic() - began:.0f}s in all, a compile of its data path not counted):\n"
+            f"{self.log()[-4000:]}"
         )
 
     def kill9(self) -> None:

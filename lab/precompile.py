@@ -10,6 +10,7 @@ compile failed (the tests would then fail on it with the compiler's message).
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 
@@ -31,7 +32,7 @@ def main() -> int:
             obj, _ = compile_in_child(
                 d.entry_file, d.cflags(), build, {name: spec.prog_type for name, spec in programs.items()}
             )
-        except RuntimeError as exc:
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
             print(f"precompile: compiling the packet lab's build {build} failed: {exc}", file=sys.stderr)
             return 1
         d.cache.put(obj)

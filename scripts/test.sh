@@ -26,8 +26,14 @@ bash scripts/setup.sh
 setup_done=$(now)
 # The packet lab's data path compiled into the machine's cache on the CPU lint leaves idle (mypy
 # runs on one): in a fresh clone the packet-lab modules find it there, or wait for it on the
-# entry's lock, instead of compiling it first thing (lab/precompile.py). Not waited for here.
-.venv/bin/python -m lab.precompile &
+# entry's lock, instead of compiling it first thing (lab/precompile.py). Not waited for before the
+# tests; its own session (setsid), so the exit trap ends it and its compiler child together when
+# lint fails or the run is interrupted; its output in a file, so nothing reading this script's
+# output (a pipe in CI) waits for it, printed after the tests.
+mkdir -p build
+setsid .venv/bin/python -m lab.precompile > build/precompile.log 2>&1 &
+precompile=$!
+trap 'kill -- -"$precompile" 2>/dev/null || true; wait "$precompile" 2>/dev/null || true' EXIT
 make --no-print-directory lint
 lint_done=$(now)
 dist=(-n "$workers")
@@ -35,6 +41,7 @@ dist=(-n "$workers")
 status=0
 .venv/bin/python -m pytest -q "${dist[@]}" tests "$@" || status=$?
 end=$(now)
+cat build/precompile.log 2>/dev/null || true
 awk -v a="$start" -v b="$setup_done" -v c="$lint_done" -v d="$end" -v w="$workers" -v s="$status" 'BEGIN {
   printf "make test: setup %.0f s, lint %.0f s, tests %.0f s (%d workers); %.0f s (%d min %02d s) in all, exit status %d\n",
     b - a, c - b, d - c, w, d - a, int((d - a) / 60), int(d - a) % 60, s }'

@@ -82,3 +82,18 @@ def test_a_sync_that_does_not_come_after_the_compile_still_times_out(tmp_path: P
     with pytest.raises(AssertionError, match="did not sync version v1"):
         agent_logging_to(log).wait_version("v1", timeout=TIMEOUT)
     assert time.monotonic() - began < TIMEOUT * 3
+
+
+def test_a_compile_that_failed_is_no_reason_to_wait_longer(tmp_path: Path) -> None:
+    log = tmp_path / "agent.log"
+    log.write_text(
+        COMPILING_LOG
+        + "abc123 (not in the compile cache)\n"
+        + "W agent.daemon: preparing the ebpf data path failed (the first sync tries again): boom\n"
+        + COMPILING_LOG
+        + "abc123 (not in the compile cache)\n"
+    )
+    began = time.monotonic()
+    with pytest.raises(AssertionError, match="did not sync version v1"):
+        agent_logging_to(log).wait_version("v1", timeout=TIMEOUT)
+    assert time.monotonic() - began < TIMEOUT * 3

@@ -717,6 +717,7 @@ class Datapath:
                 if cached:
                     # Whatever is wrong with the cached object, a fresh compile replaces it.
                     log.warning("cached data path %s did not load: %s; compiling it again", build, e)
+                    log.info("%s%s (the cached one did not load)", COMPILING_LOG, build)
                     obj, how = self._compile(build, programs)
                     cached = False
                     continue

@@ -147,21 +147,23 @@ class ObjectCache:
             yield
             return
         path = os.path.join(self.path, LOCK_PREFIX + build)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            log.warning(
-                "no compile lock %s: %s (this agent may compile what another is compiling)", path, exc
-            )
-            yield
-            return
+        fd = -1
         try:
             deadline = time.monotonic() + LOCK_WAIT_S
             said = False
             while True:
+                if fd < 0:
+                    try:
+                        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                    except OSError as exc:
+                        log.warning(
+                            "no compile lock %s: %s (this agent may compile what another is compiling)",
+                            path,
+                            exc,
+                        )
+                        break
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
                 except BlockingIOError:
                     if not said:
                         log.info("%s%s (%s)", WAITING_LOG, build, path)
@@ -174,9 +176,24 @@ class ObjectCache:
                         )
                         break
                     time.sleep(0.05)
+                    continue
+                # A lock file the pruning removed between our open and our lock guards nothing
+                # (the next agent opens a new one): lock the one that is there now. Held, it is
+                # touched, so the pruning never takes it for a dead agent's.
+                try:
+                    current = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+                    if current:
+                        os.utime(fd)
+                except OSError:
+                    current = False
+                if current:
+                    break
+                os.close(fd)
+                fd = -1
             yield
         finally:
-            os.close(fd)  # releases the lock
+            if fd >= 0:
+                os.close(fd)  # releases the lock
 
     def put(self, obj: BpfObject) -> None:
         """Keep `obj` for the next agent; failures are logged, not raised."""

@@ -157,3 +157,38 @@ def test_agents_missing_one_build_at_once_compile_it_once(
         "second": "loaded from the compile cache (compiled by an earlier agent)",
     }
     assert linked == {"first": build, "second": build}
+
+
+def test_a_held_compile_lock_is_never_pruned_nor_passed_over(tmp_path: Path) -> None:
+    """A lock file an earlier run left (older than the pruning's hour) held again: the pruning must
+    not remove it under its holder (the next agent would lock a new file and compile the same
+    build at once)."""
+    cache = ObjectCache(str(tmp_path / "cache"))
+    build = "0123456789ab"
+    cache.put(obj("aaaaaaaaaaaa"))  # makes the directory
+    lock = tmp_path / "cache" / f".lock-{build}"
+    lock.touch()
+    os.utime(lock, (1.0, 1.0))
+    held, release, second_in = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with cache.compiling(build):
+            held.set()
+            release.wait(10)
+
+    def second() -> None:
+        with cache.compiling(build):
+            second_in.set()
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert held.wait(10)
+    cache.put(obj("bbbbbbbbbbbb"))  # any put prunes
+    assert lock.exists(), "the held lock file was pruned"
+    b = threading.Thread(target=second)
+    b.start()
+    assert not second_in.wait(0.5), "a second agent took the lock while the first held it"
+    release.set()
+    a.join(10)
+    b.join(10)
+    assert second_in.is_set()
