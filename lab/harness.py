@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.ebpf.compile import COMPILE_TIMEOUT_S
-from agent.ebpf.loader import COMPILING_LOG
+from agent.ebpf.loader import COMPILING_LOG, FAILED_RE
 from agent.ebpf.objcache import LOCK_WAIT_S, WAITING_LOG
 from agent.sources.file import content_version
 from lab import Lab
@@ -168,11 +168,11 @@ class Agent:
         it) and has said neither that the data path is ready nor that anything failed since: a
         compile that fails is retried by the agent, and is no reason to wait longer."""
         log = self.log_since_start()
-        began = min((i for i in (log.find(COMPILING_LOG), log.find(WAITING_LOG)) if i >= 0), default=-1)
-        if began < 0:
-            return False
-        since = log[began:]
-        return ", ready in " not in since and " failed" not in since
+        first = min((i for i in (log.find(COMPILING_LOG), log.find(WAITING_LOG)) if i >= 0), default=-1)
+        if first < 0 or FAILED_RE.search(log, first):
+            return False  # none, or one failed: the agent compiles again, no reason to wait longer
+        last = max(log.rfind(COMPILING_LOG), log.rfind(WAITING_LOG))
+        return ", ready in " not in log[last:]
 
     def _wait(self, done: Callable[[str], bool], what: str, timeout: float, *, after: int = 0) -> None:
         """Until `done(log)`. `timeout` counts the agent's own work: while it compiles its data path
@@ -194,7 +194,7 @@ class Agent:
             time.sleep(0.05)
         raise AssertionError(
             f"agent for {self.node.name} did not sync {what} in {timeout}s of its own work "
-            f"({time.monotonic() - began:.0f}s in all, a compile of its data path not counted):\n"
+            f"({time.monotonic() - began:.0f}s in all, any compile of its data path not counted):\n"
             f"{self.log()[-4000:]}"
         )
 

@@ -47,7 +47,10 @@ def test_a_compile_longer_than_the_timeout_is_waited_out_then_the_sync_counts(
     tmp_path: Path, start: str
 ) -> None:
     log = tmp_path / "agent.log"
-    log.write_text("starting\n" + start + "\n")
+    # a line that says "failed" about something else does not end the compile's allowance
+    log.write_text(
+        "starting\n" + start + "\nI agent.kube: Service list recovered after 1 failed attempt(s)\n"
+    )
     writer = write_later(
         log,
         [
@@ -89,7 +92,9 @@ def test_a_compile_that_failed_is_no_reason_to_wait_longer(tmp_path: Path) -> No
     log.write_text(
         COMPILING_LOG
         + "abc123 (not in the compile cache)\n"
-        + "W agent.daemon: preparing the ebpf data path failed (the first sync tries again): boom\n"
+        + "W agent.daemon: preparing the ebpf data path failed (the first sync tries again): compiling "
+        + "ekp_tc.c failed: boom\n"
+        + "I agent.reflector: Service list recovered after 1 failed attempt(s)\n"
         + COMPILING_LOG
         + "abc123 (not in the compile cache)\n"
     )

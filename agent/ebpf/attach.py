@@ -525,7 +525,7 @@ def hooks_report(ipr: Any, netns: str) -> list[str]:
     return out
 
 
-def fronts_left(ipr: Any, netns: str = "") -> list[str]:
+def fronts_left(ipr: Any, netns: str) -> list[str]:
     """ "DEVICE HOOK: PROGRAM ..." of each program of ours in front of another of ours (agent
     doctor: outside a hand-over, one left by a hand-over cut short): a filter at FRONT_PRIO, a tcx
     link before another of our tcx links (`ekp_tcxfront_*`), or our tcx link in front of our
@@ -722,7 +722,10 @@ class Attacher:
             why = "" if mode == "clsact" else tcx.probe()
             self._tcx = mode != "clsact" and not why
             if why:
-                log.warning(
+                # Asked for by name, it is worth a warning; the default's fallback is what the
+                # kernel allows, nothing an operator must act on.
+                log.log(
+                    logging.WARNING if mode == "tcx" else logging.INFO,
                     "--bpf-tc-attach=%s: %s; attaching through clsact qdiscs instead (adding one to a "
                     "device drops what the node sends out of it meanwhile)",
                     mode,

@@ -93,8 +93,10 @@ from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
 
-# The start of the line logged when a compile begins (lab/harness.py waits it out).
+# The start of the line logged when a compile begins (lab/harness.py waits it out), and what the
+# errors of a compile or a load that failed say (DatapathError, in whatever line logs it).
 COMPILING_LOG = "compiling data path "
+FAILED_RE = re.compile(r"compiling \S+ failed: |loading the data path \(build \w+\) failed: ")
 
 ENTRY_FILE = "ekp_tc.c"
 BPF_DIR_ENV = "EKP_BPF_DIR"  # overrides where bpf/ is found (an installed agent, a dev tree)

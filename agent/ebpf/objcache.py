@@ -182,11 +182,11 @@ class ObjectCache:
                 # touched, so the pruning never takes it for a dead agent's.
                 try:
                     current = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-                    if current:
-                        os.utime(fd)
                 except OSError:
                     current = False
-                if current:
+                if current or time.monotonic() > deadline:
+                    with contextlib.suppress(OSError):
+                        os.utime(fd)
                     break
                 os.close(fd)
                 fd = -1

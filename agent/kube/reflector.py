@@ -600,7 +600,8 @@ class Reflector:
         has none (or the identity cannot be read that way): decode the item whole."""
         try:
             meta = _HEAD.decode(raw).metadata
-        except (ValueError, RecursionError):  # msgspec's errors, invalid UTF-8, deep nesting
+        # msgspec's own errors (ValueErrors only from msgspec 0.21), invalid UTF-8, deep nesting
+        except (msgspec.MsgspecError, ValueError, RecursionError):
             return False
         if meta is None or not meta.name or not meta.uid or not meta.resourceVersion:
             return False

@@ -140,7 +140,8 @@ def service(raw: bytes | memoryview | msgspec.Raw) -> Any:
     """A list's Service item as parse.py reads it (see the module doc)."""
     try:
         svc = _SERVICE.decode(raw)
-    except (ValueError, RecursionError):  # msgspec's errors, invalid UTF-8, deep nesting
+    # msgspec's own errors (ValueErrors only from msgspec 0.21), invalid UTF-8, deep nesting
+    except (msgspec.MsgspecError, ValueError, RecursionError):
         return whole(raw)
     if not _versioned(svc.metadata):
         return whole(raw)
@@ -156,7 +157,8 @@ def endpoint_slice(raw: bytes | memoryview | msgspec.Raw) -> Any:
     """A list's EndpointSlice item as parse.py reads it: its endpoints as `WireEndpoint`s."""
     try:
         eps = _SLICE.decode(raw)
-    except (ValueError, RecursionError):  # msgspec's errors, invalid UTF-8, deep nesting
+    # msgspec's own errors (ValueErrors only from msgspec 0.21), invalid UTF-8, deep nesting
+    except (msgspec.MsgspecError, ValueError, RecursionError):
         return whole(raw)
     if not _versioned(eps.metadata):
         return whole(raw)
