@@ -341,7 +341,9 @@ def _hooks(f: Facts) -> Line:
         Verdict.WARN,
         "tc/XDP hooks",
         f"another program shares the hooks, after ours: {listed}",
-        "check that it expects translated packets",
+        "a tc program after ours runs only during an upgrade's hand-over (ours ends every packet's tc "
+        "chain): remove it if it must see the node's packets; an XDP program sees them before any "
+        "translation: check that it expects that",
     )
 
 

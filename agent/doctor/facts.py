@@ -225,10 +225,11 @@ def _kube_proxy(config: Config) -> tuple[dict[str, list[str]], tuple[str, ...]]:
 def _foreign_hooks(config: Config) -> tuple[ForeignHook, ...]:
     """Programs of others on the tc ingress and XDP hooks of the devices eBPF mode attaches to.
 
-    Which run before ours depends on how ours are attached (--bpf-tc-attach, probed as the agent
-    does): tcx programs run before every clsact filter, and ours goes last on the tcx list, so
-    another's tcx program always runs first; a filter of another runs first only where ours is a
-    filter too, at a lower priority."""
+    Which run before ours is read from the hook itself (`hook_programs`, the kernel's order: tcx
+    links, then clsact filters by priority): one listed ahead of our first program runs before it.
+    On a hook where none of ours is attached yet, it is guessed from how ours would go on
+    (--bpf-tc-attach, probed as the agent does): at the end of the tcx list, or as a filter at
+    FILTER_PRIO."""
     from agent.app import node_context
     from agent.ebpf import tcx, xdp
     from agent.ebpf.attach import FILTER_PRIO, OUR_NAME_PREFIX, foreign_filters, hook_programs, wanted_devices
@@ -240,12 +241,18 @@ def _foreign_hooks(config: Config) -> tuple[ForeignHook, ...]:
         node = node_context(config)
         with netns_route(config.netns) as ipr:
             for index, (name, _prog) in sorted(wanted_devices(ipr, config, node).items()):
-                for p in hook_programs(ipr, config.netns, index, tcx.INGRESS):
+                programs = hook_programs(ipr, config.netns, index, tcx.INGRESS)
+                ours_at = next((i for i, p in enumerate(programs) if p.ours), None)
+                for i, p in enumerate(programs):
                     if p.kind == "tcx" and not p.name.startswith(OUR_NAME_PREFIX):
                         what = f"tcx {p.name or 'program'} id {p.prog_id} link {p.at}"
-                        out.append(ForeignHook(name, "tc ingress", what, True))
+                        out.append(ForeignHook(name, "tc ingress", what, ours_at is None or i < ours_at))
+                filters_at = {p.at: i for i, p in enumerate(programs) if p.kind == "clsact"}
                 for label, prio in foreign_filters(ipr, index):
-                    first = prio < FILTER_PRIO and not on_tcx
+                    if ours_at is None:
+                        first = prio < FILTER_PRIO and not on_tcx
+                    else:
+                        first = filters_at.get(prio, len(programs)) < ours_at
                     out.append(ForeignHook(name, "tc ingress", f"{label} pref {prio}", first))
                 state = xdp.xdp_state(ipr, index)
                 if state.prog_id and not xdp.is_ours(state):

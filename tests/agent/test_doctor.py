@@ -138,7 +138,7 @@ def test_a_good_node_is_all_ok() -> None:
             {"foreign_hooks": (ForeignHook("eth0", "xdp", "program id 7", False),)},
             "tc/XDP hooks",
             Verdict.WARN,
-            "expects translated packets",
+            "ends every packet's tc chain",
         ),
         (
             {"handover_left": ("eth0 tc ingress: ekp_from_net pref 16", "build 1a2b: hand-over mode MISS")},
