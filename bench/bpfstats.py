@@ -5,8 +5,9 @@ records the old value, sets 1, and always puts the old value back. While it is o
 two clock reads around every BPF program run, so the throughput and latency rows are measured with
 it off and the cost is read in a separate window.
 
-Only the lab agent's programs are read: their ids come from the tc filters attached in the lab node's
-namespace (other labs on the same machine load programs with the same names).
+Only the lab agent's programs are read: their ids come from the tc hooks of the lab node's devices
+(tcx links or clsact filters, agent/ebpf/attach.py `hook_programs`; other labs on the same machine
+load programs with the same names).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from agent.ebpf import attach
+from agent.netns import netns_route
 from lab import Lab
 from lab.core import Node
 
@@ -45,22 +48,22 @@ class Prog:
 
 
 def attached_programs(lab: Lab, node: Node, hooks: tuple[str, ...] = ("ingress", "egress")) -> list[Prog]:
-    """BPF programs attached to tc `hooks` of the node's devices (eth0 and every pod veth)."""
+    """BPF programs attached to tc `hooks` of the node's devices (eth0 and every pod veth), through
+    tcx links or clsact filters (`--bpf-tc-attach`)."""
     progs: dict[int, Prog] = {}
-    for dev in [node.iface, *node.pod_ifaces]:
-        for hook in hooks:
-            res = lab.run(node, "tc", "-j", "filter", "show", "dev", dev, hook, check=False)
-            if res.returncode != 0 or not res.stdout.strip():
+    with netns_route(node.ns) as ipr:
+        for dev in [node.iface, *node.pod_ifaces]:
+            found = ipr.link_lookup(ifname=dev)
+            if not found:
                 continue
-            for flt in json.loads(res.stdout):
-                prog = flt.get("options", {}).get("prog")
-                if not prog or "id" not in prog:
-                    continue
-                pid = int(prog["id"])
-                where = f"{dev} {hook}"
-                if pid in progs:
-                    where = f"{progs[pid].where}, {where}"
-                progs[pid] = Prog(pid, str(prog.get("name", "?")), where)
+            for hook in hooks:
+                for p in attach.hook_programs(ipr, node.ns, int(found[0]), hook):
+                    if not p.prog_id:
+                        continue
+                    where = f"{dev} {hook}"
+                    if p.prog_id in progs:
+                        where = f"{progs[p.prog_id].where}, {where}"
+                    progs[p.prog_id] = Prog(p.prog_id, p.name or "?", where)
     return sorted(progs.values(), key=lambda p: (p.name, p.id))
 
 
