@@ -338,3 +338,22 @@ def btf_data(fd: int) -> bytes | int:
             return buf.raw[:have]
         size = have
     return -errno.EAGAIN  # the object grew between the two calls: not a BTF object of a program
+
+
+class ProgInfo(ctypes.Structure):
+    """struct bpf_prog_info up to its name (what the XDP and tcx code read of a program)."""
+
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("tag", ctypes.c_uint8 * 8),
+        ("jited_prog_len", ctypes.c_uint32),
+        ("xlated_prog_len", ctypes.c_uint32),
+        ("jited_prog_insns", ctypes.c_uint64),
+        ("xlated_prog_insns", ctypes.c_uint64),
+        ("load_time", ctypes.c_uint64),
+        ("created_by_uid", ctypes.c_uint32),
+        ("nr_map_ids", ctypes.c_uint32),
+        ("map_ids", ctypes.c_uint64),
+        ("name", ctypes.c_char * 16),
+    ]

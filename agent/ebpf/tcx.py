@@ -87,25 +87,6 @@ class _LinkInfo(ctypes.Structure):
     ]
 
 
-class _ProgInfo(ctypes.Structure):
-    """The head of struct bpf_prog_info, to its name."""
-
-    _fields_ = [
-        ("type", ctypes.c_uint32),
-        ("id", ctypes.c_uint32),
-        ("tag", ctypes.c_uint8 * 8),
-        ("jited_prog_len", ctypes.c_uint32),
-        ("xlated_prog_len", ctypes.c_uint32),
-        ("jited_prog_insns", ctypes.c_uint64),
-        ("xlated_prog_insns", ctypes.c_uint64),
-        ("load_time", ctypes.c_uint64),
-        ("created_by_uid", ctypes.c_uint32),
-        ("nr_map_ids", ctypes.c_uint32),
-        ("map_ids", ctypes.c_uint64),
-        ("name", ctypes.c_char * 16),
-    ]
-
-
 def _check(ret: int, what: str) -> int:
     if ret < 0:
         raise OSError(-ret, f"{what}: {os.strerror(-ret)}")
@@ -152,7 +133,7 @@ def link_info(fd: int) -> tuple[int, int, int]:
 
 
 def prog_id(fd: int) -> int:
-    info = _ProgInfo()
+    info = bpfsys.ProgInfo()
     _check(bpfsys.obj_get_info_by_fd(fd, info), "bpf_obj_get_info(prog)")
     return int(info.id)
 
@@ -163,7 +144,7 @@ def prog_name(prog_id_: int) -> str:
     if fd < 0:
         return ""
     try:
-        info = _ProgInfo()
+        info = bpfsys.ProgInfo()
         if bpfsys.obj_get_info_by_fd(fd, info) < 0:
             return ""
         return str(info.name.decode(errors="replace"))

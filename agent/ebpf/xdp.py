@@ -23,7 +23,6 @@ has no such condition.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -60,28 +59,9 @@ class XdpState:
         return _MODE_NAMES.get(self.mode, f"mode {self.mode}")
 
 
-class _ProgInfo(ctypes.Structure):
-    """struct bpf_prog_info up to its name."""
-
-    _fields_ = [
-        ("type", ctypes.c_uint32),
-        ("id", ctypes.c_uint32),
-        ("tag", ctypes.c_uint8 * 8),
-        ("jited_prog_len", ctypes.c_uint32),
-        ("xlated_prog_len", ctypes.c_uint32),
-        ("jited_prog_insns", ctypes.c_uint64),
-        ("xlated_prog_insns", ctypes.c_uint64),
-        ("load_time", ctypes.c_uint64),
-        ("created_by_uid", ctypes.c_uint32),
-        ("nr_map_ids", ctypes.c_uint32),
-        ("map_ids", ctypes.c_uint64),
-        ("name", ctypes.c_char * 16),
-    ]
-
-
 def prog_info(fd: int) -> tuple[int, str]:
     """(id, name) of a loaded program."""
-    info = _ProgInfo()
+    info = bpfsys.ProgInfo()
     ret = bpfsys.obj_get_info_by_fd(fd, info)
     if ret < 0:
         raise OSError(-ret, f"bpf_obj_get_info(prog fd {fd}): {os.strerror(-ret)}")
