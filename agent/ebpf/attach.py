@@ -393,6 +393,22 @@ def our_filter(ipr: Any, index: int, parent: int = TC_H_INGRESS, prio: int = FIL
     return None
 
 
+def _log_attached(prog: str, name: str, bridge: int, where: Iterable[str], how: str) -> None:
+    """The line an attach of one device logs, for clsact filters and tcx links alike."""
+    where = list(where)
+    log.info(
+        "attached %s to %s ingress%s and %s to its egress%s%s",
+        prog,
+        name,
+        f" (a port of ifindex {bridge})" if bridge else "",
+        PROG_EGRESS,
+        how,
+        f" (in front of the older generation's on {' and '.join(where)}, until the hand-over ends)"
+        if where
+        else "",
+    )
+
+
 def ensure_clsact(ipr: Any, index: int) -> bool:
     """The clsact qdisc on the device; whether it was added now (the device's transmit queue was
     stopped meanwhile: module doc)."""
@@ -1125,16 +1141,7 @@ class Attacher:
                     )
                 with self._lock:
                     self._fronts.pop((index, parent), None)
-        log.info(
-            "attached %s to %s ingress%s and %s to its egress%s",
-            prog,
-            name,
-            f" (a port of ifindex {bridge})" if bridge else "",
-            PROG_EGRESS,
-            f" (in front of the older generation's on {' and '.join(where)}, until the hand-over ends)"
-            if where
-            else "",
-        )
+        _log_attached(prog, name, bridge, where, "")
         # Links an agent on tcx left run in front of these filters: they go now that ours are on
         # (those of a hook handed over through tcx at its rehome; the classid program with ingress's).
         left = [
@@ -1198,16 +1205,7 @@ class Attacher:
                 else:
                     self._fronts.pop((index, parent), None)
                     self._front_kinds.pop((index, parent), None)
-        log.info(
-            "attached %s to %s ingress%s and %s to its egress through tcx links%s",
-            prog,
-            name,
-            f" (a port of ifindex {bridge})" if bridge else "",
-            PROG_EGRESS,
-            f" (in front of the older generation's on {' and '.join(where)}, until the hand-over ends)"
-            if where
-            else "",
-        )
+        _log_attached(prog, name, bridge, where, " through tcx links")
         self._remember(index, name, prog, bridge)
         self.attachments += 1
 

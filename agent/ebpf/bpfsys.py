@@ -341,7 +341,7 @@ def btf_data(fd: int) -> bytes | int:
 
 
 class ProgInfo(ctypes.Structure):
-    """struct bpf_prog_info up to its name (what the XDP and tcx code read of a program)."""
+    """struct bpf_prog_info up to its name (what the XDP, tcx and compile code read of a program)."""
 
     _fields_ = [
         ("type", ctypes.c_uint32),

@@ -45,28 +45,10 @@ PROG_PIN_PREFIX = "ekp_prog_"
 COMPILE_TIMEOUT_S = 300
 
 
-class _ProgInfo(ctypes.Structure):
-    """The head of struct bpf_prog_info, up to the map ids."""
-
-    _fields_ = [
-        ("type", ctypes.c_uint32),
-        ("id", ctypes.c_uint32),
-        ("tag", ctypes.c_uint8 * 8),
-        ("jited_prog_len", ctypes.c_uint32),
-        ("xlated_prog_len", ctypes.c_uint32),
-        ("jited_prog_insns", ctypes.c_uint64),
-        ("xlated_prog_insns", ctypes.c_uint64),
-        ("load_time", ctypes.c_uint64),
-        ("created_by_uid", ctypes.c_uint32),
-        ("nr_map_ids", ctypes.c_uint32),
-        ("map_ids", ctypes.c_uint64),
-    ]
-
-
 def prog_map_ids(fd: int) -> set[int]:
     """The ids of the maps a loaded program uses."""
     ids = (ctypes.c_uint32 * 64)()
-    info = _ProgInfo(nr_map_ids=64, map_ids=ctypes.addressof(ids))
+    info = bpfsys.ProgInfo(nr_map_ids=64, map_ids=ctypes.addressof(ids))
     ret = bpfsys.obj_get_info_by_fd(fd, info)
     if ret < 0:
         raise OSError(-ret, f"bpf_obj_get_info(prog fd {fd}): {os.strerror(-ret)}")
