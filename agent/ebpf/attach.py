@@ -70,9 +70,13 @@ tcx (`--bpf-tc-attach=tcx`, or `auto` where the kernel has it: Linux 6.6; agent/
 avoids that moment: the programs go on through bpf_links, no qdisc is added, so nothing is dropped
 (CLSACT_LOG is never logged). The same effects, kept by the same methods:
 
-* egress first, then on ingress the classid program (tcx sets no skb->tc_classid, which our
-  program reads as cls_bpf's classid: tcx.py) first in the hook's list, then ours, each link
-  pinned as `ekp_tcx*_<hook>_<device>_<ifindex>` in the pin directory;
+* egress first, then ingress, one program of ours on each hook, each link pinned as
+  `ekp_tcx*_<hook>_<device>_<ifindex>` in the pin directory. tcx sets no skb->tc_classid, where
+  cls_bpf sets the filter's classid: no program of ours reads it, and a bridge port's bridge, for
+  the bpf host routing's source check, is in ekp_port_v2 (`port_bridge`), written before the
+  port's ingress program goes on (either attach). An older generation read it from tc_classid,
+  written on tcx by a classid program first on each ingress hook (tcx.py): it is left while an
+  older program runs behind ours and removed once ours serves the hook;
 * a restart updates the pinned links in place (BPF_LINK_UPDATE: atomic, as "replace" was); our
   filters left on a clsact qdisc by an agent on clsact are deleted once the link is on (the link
   runs before them: nothing met them any more); the qdisc is left in place, empty, since a qdisc
@@ -538,8 +542,8 @@ def fronts_left(ipr: Any, netns: str) -> list[str]:
     """ "DEVICE HOOK: PROGRAM ..." of each program of ours in front of another of ours (agent
     doctor: outside a hand-over, one left by a hand-over cut short): a filter at FRONT_PRIO, a tcx
     link before another of our tcx links (`ekp_tcxfront_*`), or our tcx link in front of our
-    filter at FILTER_PRIO (an older generation on clsact, whose filters the rehome deletes). The
-    classid program (tcx.py) is no program of ours for this: it always goes first."""
+    filter at FILTER_PRIO (an older generation on clsact, whose filters the rehome deletes). An
+    older generation's classid program (tcx.py) is no program of ours for this: it went first."""
     out = []
     for link in list_links(ipr):
         for hook in (tcx.INGRESS, tcx.EGRESS):
