@@ -777,7 +777,9 @@ class Attacher:
         whose RTM_DELLINK the watcher missed)."""
         stale = [int(k.value) for k, _ in self._ports.items() if int(k.value) not in keep]
         for index in stale:
-            self._forget_bridge(index)
+            with self._lock:
+                self._bridges.pop(index, None)
+            self._ports.delete(ctypes.c_uint32(index))
         if stale:
             log.info("removed the bridge entries of ifindexes %s (no longer pod ports of ours)", stale)
 
