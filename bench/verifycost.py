@@ -63,14 +63,20 @@ class ProgCost:
 
 
 def the_object(dp: Datapath) -> BpfObject:
-    """The object a cold agent would load here: the compile cache's, else compiled now."""
+    """The object a cold agent would load here: the compile cache's, else compiled now. A miss
+    compiles under the cache entry's lock, as an agent's does (ObjectCache.compiling): in a fresh
+    clone's test run the lab's agents miss the same (default) build at about the same time, and
+    without the lock this was a second compile of it."""
     programs = dp.programs()
     build = dp.build(programs)
     obj = dp.cache.get(build)
     if obj is None:
-        types = {name: spec.prog_type for name, spec in programs.items()}
-        obj, _ = compile_in_child(dp.entry_file, dp.cflags(), build, types)
-        dp.cache.put(obj)
+        with dp.cache.compiling(build):
+            obj = dp.cache.get(build)  # compiled by whoever held the lock while we waited
+            if obj is None:
+                types = {name: spec.prog_type for name, spec in programs.items()}
+                obj, _ = compile_in_child(dp.entry_file, dp.cflags(), build, types)
+                dp.cache.put(obj)
     return obj
 
 

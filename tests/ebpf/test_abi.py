@@ -26,6 +26,7 @@ from agent.config import MapSizes
 from agent.ebpf import abi, loader
 from agent.ebpf.loader import PRIVATE_MAPS, Datapath, default_bpf_dir, expected_info, map_flags, stale_pins
 from agent.ebpf.programs import PROGRAMS
+from lab.dplab import SIZES as PACKET_LAB_SIZES
 from lab.packets import loaded_datapath
 
 BPF_DIR = default_bpf_dir()
@@ -237,9 +238,9 @@ def test_source_text_inlines_every_header() -> None:
 
 # ---- the loaded maps, as bpftool sees them ------------------------------------------------
 
-SMALL = MapSizes(
-    fe=128, slot=256, be=128, rnat=128, member=256, ct_tcp=1024, ct_any=512, frag=64, aff=128, srcr=32
-)
+# The packet lab's sizes: its build is compiled once for the whole run (lab/precompile.py), where
+# sizes of this module's own were a compile (about 19 CPU s) of their own.
+SMALL = PACKET_LAB_SIZES
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,13 @@
 """The compiler child and what it compiled: once per build on the machine, loaded against each
 agent's own pinned maps, pinned programs reused by a restart; no bcc in the agent.
 
-Three run groups (tests/parallel.py), each with its own compiles: the tests of builds with the
-IPv6 paths off (`ipv6-builds`), those of a bigger build (`new-sizes`, in their order: the first
-compiles it, the second takes it) and the rest; SMALL's compile is shared (`cache`)."""
+Three run groups (tests/parallel.py): the tests of builds with the IPv6 paths off (`ipv6-builds`),
+those of a second build (`new-sizes`, in their order) and the rest; SMALL's compile is shared
+(`cache`). Where a test needs a build besides SMALL and which one does not matter, it takes one
+the run compiles anyway, from the machine's cache: the packet lab's (`BIGGER`, lab/precompile.py)
+or the lab agents' (`AGENT`, with the IPv6 path off and on). Only the build without XDP's IPv6
+program is compiled for this module alone: two compiles in all, where each build of its own was
+one (about 19 CPU s)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import ctypes
 import errno
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -20,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import MapSizes
+from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys, loader
 from agent.ebpf.abi import MAPS, CtEntry, CtKey, MapSpec, ip_be, port_be
 from agent.ebpf.bpfobject import BpfObject
@@ -28,7 +33,7 @@ from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids, prog_pin
 from agent.ebpf.link import PinnedMapMismatch, link, verifier_threads
 from agent.ebpf.loader import PRIVATE_MAPS, Datapath, PinMismatchError
 from agent.ebpf.maps import map_info, obj_get
-from agent.ebpf.objcache import DIR_ENV, ObjectCache
+from agent.ebpf.objcache import DIR_ENV, ObjectCache, default_cache_dir
 from agent.ebpf.programs import (
     BUILD_MAPS,
     PROG_EGRESS,
@@ -44,11 +49,17 @@ from agent.ebpf.programs import (
     kernel_needs,
 )
 from agent.ebpf.sockattach import prog_id
+from lab.dplab import SIZES as PACKET_LAB_SIZES
 from lab.packets import bpffs
 
 SMALL = MapSizes(
     fe=128, slot=256, be=128, rnat=128, member=256, ct_tcp=1024, ct_any=1024, frag=64, aff=128, srcr=32
 )
+# Other sizes than SMALL's, whose build the run compiles anyway (the packet lab's).
+BIGGER = PACKET_LAB_SIZES
+# A lab agent's sizes (defaults, conntrack derived from kube-proxy's settings on this machine's
+# CPUs): its builds with the tc IPv6 path off and on are the lab's IPv4-only and dual-stack agents'.
+AGENT = MapSizes().with_conntrack(ConntrackSettings(), os.cpu_count() or 1)
 
 
 def test_the_build_id_follows_source_flags_and_abi() -> None:
@@ -175,7 +186,7 @@ def _compiled_by_a_child_without_bcc(sizes: MapSizes, build: str) -> BpfObject:
 @pytest.mark.kernel
 @pytest.mark.run_group("new-sizes")
 def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
-    caplog: pytest.LogCaptureFixture, cache: ObjectCache, tmp_path: Path
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache
 ) -> None:
     caplog.set_level(logging.INFO)
     with bpffs() as root:
@@ -200,24 +211,24 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         assert "data path reused" in caplog.text, "a restart reuses the pinned programs"
         assert _prog_pins(pins) == built
 
-        # Other sizes make other programs (the sizes are compiled in): rebuilt, old ones unpinned.
-        # The existing pins must match the sizes, so start from an empty directory of maps.
+        # Other sizes make other programs (the sizes are compiled in): another build, not the pinned
+        # one reused but its own loaded (from the machine's cache, where the packet lab's build is
+        # compiled for the whole run: test_the_pin_directory_is_not_part_of_the_build shows the
+        # sizes change the build id), old ones unpinned. The existing pins must match the sizes, so
+        # start from an empty directory of maps.
         for name in os.listdir(pins):
             if not name.startswith(PROG_PIN_PREFIX):
                 os.unlink(os.path.join(pins, name))
         caplog.clear()
-        empty = ObjectCache(str(tmp_path / "empty"))
-        bigger = Datapath(pins, replace(SMALL, fe=256), cache=empty)
+        bigger = Datapath(pins, BIGGER, cache=ObjectCache(default_cache_dir()))
         bigger.load()
-        # test_an_older_build_s_program_array_stays_filled_until_its_programs_are_replaced's new build
-        obj = empty.get(bigger.build(bigger.programs()))
-        assert obj is not None
-        cache.put(obj)
+        assert bigger.build(bigger.programs()) != again.build(again.programs())
         assert bigger.release_older_builds() == [
             n for n in built if n.endswith(("_ekp_calls6", "_ekp_xcalls6", "_ekp_handover"))
         ]
         bigger.close()
-        assert "data path compiled in" in caplog.text
+        assert "data path reused" not in caplog.text
+        assert re.search(r"data path (compiled in|loaded from the compile cache)", caplog.text)
         rebuilt = _prog_pins(pins)
         assert len(rebuilt) == len(PROGRAMS) + len(TAIL_CALLS) + len(BUILD_MAPS)
         assert not set(rebuilt) & set(built)
@@ -349,16 +360,18 @@ def test_the_tc_ipv6_paths_tables_take_their_ipv4_twins_sizes_where_it_serves() 
 @pytest.mark.kernel
 @pytest.mark.run_group("ipv6-builds")
 def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its_helper(
-    caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ekp_xdp_net6 is verified and pinned only where XDP attaches (MapSizes.xdp_ipv6 false with
     --bpf-xdp=disabled) and the kernel has bpf_xdp_load_bytes (5.18; on 5.12-5.17 the verifier
     refused it and with it the whole build): without it ekp_xcalls6 is empty, the tc IPv6 path
-    still serves, and the log line says why. Both ways make the same build."""
+    still serves, and the log line says why. Both ways make the same build. (A lab agent's sizes:
+    its build with XDP's IPv6 program is the lab's dual-stack agents', from the machine's cache.)"""
     caplog.set_level(logging.INFO)
+    cache = ObjectCache(default_cache_dir())
     with bpffs() as root:
         pins = str(root / "ekp")
-        d = Datapath(pins, replace(SMALL, xdp_ipv6=False), cache=cache)
+        d = Datapath(pins, replace(AGENT, xdp_ipv6=False), cache=cache)
         d.load()
         try:
             assert not d.has_program(PROG_XDP_NET6)
@@ -372,7 +385,7 @@ def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its
         lacking = kernel_needs() - {"bpf_xdp_load_bytes"}
         monkeypatch.setattr(loader, "vmlinux_has", lambda names: set(names) & lacking)
         caplog.clear()
-        d = Datapath(pins, SMALL, cache=cache)
+        d = Datapath(pins, AGENT, cache=cache)
         d.load()
         try:
             assert not d.has_program(PROG_XDP_NET6)
@@ -387,7 +400,7 @@ def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its
             d.close()
         monkeypatch.undo()
         caplog.clear()
-        d = Datapath(pins, SMALL, cache=cache)
+        d = Datapath(pins, AGENT, cache=cache)
         d.load()
         try:
             assert _slots(pins, d, "ekp_xcalls6") == [prog_id(d.prog_fd(PROG_XDP_NET6))]
@@ -465,7 +478,7 @@ def _slots(pins: str, d: Datapath, array: str = "ekp_calls6") -> list[int]:
 @pytest.mark.kernel
 @pytest.mark.run_group("ipv6-builds")
 def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_sets_its_tail_calls(
-    caplog: pytest.LogCaptureFixture, cache: ObjectCache
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Without the tc programs' IPv6 path (MapSizes.ipv6_tc false: no IPv6 half, or no socket-level
     load balancing) its conntrack tables, their early-drop rings, its fragment tables and
@@ -473,9 +486,11 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
     each, ekp_calls6 is empty and its programs are neither loaded (verified) nor pinned; a restart
     with it loads and pins them, recreates every one of those tables at its IPv4 twin's size and
     fills the array; a restart without it again shrinks them and empties it. Every other pinned map is the
-    same map throughout, and an established IPv4 flow's conntrack entry is kept."""
+    same map throughout, and an established IPv4 flow's conntrack entry is kept. (A lab agent's
+    sizes: both builds are the lab's agents', IPv4-only and dual-stack, from the machine's cache.)"""
     caplog.set_level(logging.INFO)
-    off, on = replace(SMALL, ipv6_tc=False), SMALL
+    cache = ObjectCache(default_cache_dir())
+    off, on = replace(AGENT, ipv6_tc=False), AGENT
     tc6 = {MAPS[r].name for r in loader.TC6_ROLES}
     key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
     with bpffs() as root:
@@ -496,15 +511,15 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
         finally:
             first.close()
         before = _pinned_ids(pins)
-        # SMALL's IPv4 sizes for the tables and their rings
+        # AGENT's IPv4 sizes for the tables, a quarter of them for their rings
         full = {
-            "ct6_tcp": 1024,
-            "ct6_any": 1024,
-            "ctq6_tcp": 256,
-            "ctq6_any": 256,
-            "frag6": 64,
-            "frhold6": SMALL.fraghold,
-            "hostnat6": SMALL.hostnat,
+            "ct6_tcp": AGENT.ct_tcp,
+            "ct6_any": AGENT.ct_any,
+            "ctq6_tcp": AGENT.ct_tcp // 4,
+            "ctq6_any": AGENT.ct_any // 4,
+            "frag6": AGENT.frag,
+            "frhold6": AGENT.fraghold,
+            "hostnat6": AGENT.hostnat,
         }
         idle = dict.fromkeys(full, 1)
         for sizes, entries in ((on, full), (off, idle)):
@@ -722,7 +737,7 @@ def test_an_older_build_s_program_array_stays_filled_until_its_programs_are_repl
         for name in os.listdir(pins):
             if not name.startswith(PROG_PIN_PREFIX):
                 os.unlink(os.path.join(pins, name))
-        new = Datapath(pins, replace(SMALL, fe=256), cache=cache)
+        new = Datapath(pins, BIGGER, cache=ObjectCache(default_cache_dir()))
         new.load()
         try:
             assert new.build(new.programs()) != old.build(old.programs())

@@ -192,3 +192,37 @@ def test_a_held_compile_lock_is_never_pruned_nor_passed_over(tmp_path: Path) -> 
     a.join(10)
     b.join(10)
     assert second_in.is_set()
+
+
+def test_the_verifier_cost_benchs_object_waits_for_an_agent_compiling_the_same_build(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench.verifycost.the_object (tests/ebpf/test_verifier_cost.py) misses the default build in a
+    fresh clone's run while the lab's agents compile it: it waits for their compile on the entry's
+    lock and takes their object, as an agent does, instead of compiling it a second time."""
+    from agent.config import MapSizes
+    from agent.ebpf import loader
+    from agent.ebpf.objcache import WAITING_LOG
+    from bench import verifycost
+
+    caplog.set_level(logging.INFO)
+    cache = ObjectCache(str(tmp_path / "cache"))
+    dp = loader.Datapath("/x", MapSizes(), cache=cache)
+    build = dp.build(dp.programs())
+    compiles: list[str] = []
+
+    def compile_in_child(*args: object) -> tuple[BpfObject, float]:
+        compiles.append(build)
+        return obj(build), 0.5
+
+    monkeypatch.setattr(verifycost, "compile_in_child", compile_in_child)
+    got: list[BpfObject] = []
+    bench = threading.Thread(target=lambda: got.append(verifycost.the_object(dp)))
+    with cache.compiling(build):  # an agent's compile of it, under way
+        bench.start()
+        while WAITING_LOG not in caplog.text and bench.is_alive():
+            bench.join(0.01)
+        cache.put(obj(build))
+    bench.join(10)
+    assert compiles == [], "compiled once, by the agent"
+    assert got == [obj(build)]

@@ -25,7 +25,7 @@ from agent.keptrecords import records_path
 from agent.model.types import ProxyState
 from tests.agent.test_keptrecords import dead_pid
 from tests.ebpf.support import NODE
-from tests.ebpf.test_proxier import MORE, STATE, Rig, bpffs, cgroup, live, node_ns, small_sizes
+from tests.ebpf.test_proxier import MORE, STATE, Rig, bpffs, cgroup, live, node_ns
 
 __all__ = ["bpffs", "cgroup", "node_ns"]  # the kernel test's fixtures
 
@@ -262,7 +262,8 @@ def test_on_a_real_data_path_a_clean_stop_leaves_the_planner_and_the_restart_tak
         netns=node_ns,
         pin_path=str(bpffs / "ekp"),
         pod_interfaces=("lxc*",),
-        map_sizes=small_sizes(),
+        # The default sizes: the build the lab's IPv4-only agents load (and test_proxier's end to
+        # end test), compiled once for the whole run, not one of its own.
         socket_lb_cgroup=cgroup,
     )
     node = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")

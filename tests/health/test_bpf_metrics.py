@@ -154,21 +154,28 @@ def test_missing_maps_are_down_and_logged_once(caplog: pytest.LogCaptureFixture)
 
 
 @pytest.mark.kernel
-def test_counting_500000_conntrack_entries_is_cheap_enough_for_a_10s_scrape(
+def test_counting_250000_conntrack_entries_is_cheap_enough_for_a_10s_scrape(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """What makes a scrape of a full table cheap is that its entries are counted a batch at a time
     (bpf_map_lookup_batch, per-chunk Python work), never walked key by key: that is asserted, by
     counting the bpf() calls per map, with the scrape's CPU time (time.thread_time: this thread's
     time on a CPU, which a loaded machine delays but does not add to; wall time did, 2.5 s under a
-    load of 10). The wall figures are printed."""
+    load of 10). The wall figures are printed.
+
+    The table is an agent's own, of the default size (on an IPv4-only node): the build the lab's
+    agents load, compiled once for the whole run, where a table sized for 500,000 entries was a
+    build of its own (a compile, about 19 CPU s). Its 262,144 entries (131,072 flows, the fewest
+    kube-proxy's conntrack settings derive) hold the 250,000 counted, and the CPU allowed is halved
+    with them: 2 s a 500,000."""
     from agent.ebpf import bpfsys
+    from agent.ebpf.loader import map_size
     from lab.packets import loaded_datapath
 
-    sizes = MapSizes(
-        fe=64, slot=64, be=64, rnat=64, member=64, ct_tcp=524288, ct_any=64, frag=64, aff=64, srcr=64
-    )
-    expected = 500_000
+    sizes = MapSizes(ipv6_tc=False)
+    capacity = map_size(MAPS["ct_tcp"], sizes)
+    expected = 250_000
+    assert capacity >= expected
     batch = 16384  # the entries one bpf_map_lookup_batch call returns (BpfMap._batches)
     with loaded_datapath(sizes) as dp:
         ct = dp.maps["ct_tcp"]
@@ -211,7 +218,7 @@ def test_counting_500000_conntrack_entries_is_cheap_enough_for_a_10s_scrape(
         assert registry.get_sample_value("ekp_conntrack_entries", V4) == expected
         scrape, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
         monkeypatch.undo()
-        assert registry.get_sample_value("ekp_bpf_map_capacity", {"map": MAPS["ct_tcp"].name}) == 524288
+        assert registry.get_sample_value("ekp_bpf_map_capacity", {"map": MAPS["ct_tcp"].name}) == capacity
         assert registry.get_sample_value("ekp_datapath_drops_total", {"reason": "malformed"}) == 0
         print(
             f"\ncounting {expected:,} conntrack entries: {counted * 1e3:.0f} ms; whole collector: "
@@ -221,10 +228,10 @@ def test_counting_500000_conntrack_entries_is_cheap_enough_for_a_10s_scrape(
         ct_tcp = MAPS["ct_tcp"].name
         assert ct_tcp not in calls["next_key"], "the full table never walked key by key"
         assert 0 < calls["batch"].get(ct_tcp, 0) <= expected // batch + 2, "but read in batches"
-        # the other tables (small here, a few walked key by key) cost what they cost whatever the
-        # conntrack table holds; a walk of it would be 500,001 calls
+        # the other tables (empty here, a few walked key by key) cost what they cost whatever the
+        # conntrack table holds; a walk of it would be 250,001 calls
         assert sum(calls["next_key"].values()) + sum(calls["batch"].values()) - calls["batch"][ct_tcp] < 1000
-        assert cpu < 2.0, "a 10 s scrape interval must leave the agent time for other work"
+        assert cpu < 1.0, "a 10 s scrape interval must leave the agent time for other work"
 
 
 def test_the_xdp_program_s_counters_beside_the_tc_programs() -> None:
