@@ -193,7 +193,7 @@ class _Attacher:
         return None
 
     @property
-    def fronts(self) -> dict[tuple[int, int], tuple[str, int]]:
+    def fronts(self) -> dict[tuple[int, int], str]:
         return {}
 
     def handover_state(self) -> HandoverState:
@@ -283,7 +283,7 @@ def proxier(maps: Mapping[str, KernelMap], snapshot_dir: str | None = None) -> E
         Config(hostname="node1", pin_path="/nonexistent", socket_lb=False),
         # its KernelMap counts writes and is only the part of MapWriter the sync calls
         datapath_factory=datapath,  # type: ignore[arg-type]
-        attacher_factory=lambda config, fds: _Attacher(),
+        attacher_factory=lambda config, fds, ports: _Attacher(),
         sysctl_writer=lambda netns, path, value: None,
         sysctl_reader=lambda netns, path: "32768\t60999",
         sizes_reader=lambda pin_path: {},

@@ -417,6 +417,16 @@ struct ekp_sock_config {
 	__u32 pad;        /* zero */
 };
 
+/* ---- bridge ports (hash, written by the agent): a pod port's ingress ifindex -> its bridge -- */
+/* Pods on a Linux bridge (kubenet's cbr0, --detect-local-mode=BridgeInterface): the node routes
+ * their addresses by the bridge, never by the port the tc program runs on, so the bpf host
+ * routing's source check (ekp_redirect.h ekp_source_routed_here) also accepts a route back by the
+ * port's bridge. Keyed by the port's ifindex (skb->ingress_ifindex, nothing a pod can choose); read
+ * only when the route back is not the port itself. A device that is no bridge port has no entry. */
+struct ekp_port {
+	__u32 bridge; /* host: ifindex of the bridge (the port's master) in the agent's netns */
+};
+
 /* ---- per-node configuration: two slots and a selector (double buffer) ------------------- */
 
 /* ekp_cfg holds two configs; ekp_cfgsel[0] says which one programs read. The agent writes the

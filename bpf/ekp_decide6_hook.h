@@ -18,12 +18,10 @@ static __always_inline int EKP6_DECIDE(void *ctx, __u8 scope)
 {
 	const __u8 hook = EKP6_HOOK;
 	struct ekp_tc6_scratch *w = ekp_scratch6_lookup();
-	__u32 bridge = 0; /* the pod port's bridge (ekp_redirect.h): tc's */
 
 	if (hook == EKP_HOOK_TC) {
 		struct __sk_buff *skb = ctx;
-		bridge = skb->tc_classid;
-		skb->tc_classid = 0;
+		skb->tc_classid = 0; /* no tag for egress unless the host routing sets one (ekp_host.h) */
 	}
 	if (!w)
 		return ekp6_pass(hook); /* cannot happen: a one-element per-CPU array */
@@ -46,7 +44,7 @@ static __always_inline int EKP6_DECIDE(void *ctx, __u8 scope)
 	}
 	/* the last hop: the stack sends the time exceeded (or, for an error, drops it) */
 	if (hook == EKP_HOOK_TC && parsed == EKP_PARSE_ICMP_ERR && p->hop_limit > 1 && cfg) {
-		verdict = ekp_tc6_related(ctx, w, scope, bridge, cfg, &outcome);
+		verdict = ekp_tc6_related(ctx, w, scope, cfg, &outcome);
 		goto out;
 	}
 	/* TCP, UDP and SCTP, whole or in fragments (SCTP whole: ekp_parse6 passes its fragments) */
@@ -141,7 +139,7 @@ static __always_inline int EKP6_DECIDE(void *ctx, __u8 scope)
 			}
 		}
 		if (hook == EKP_HOOK_TC && scope == EKP_SCOPE_INTERNAL &&
-		    !ekp_source_routed_here6(ctx, p, &w->fib, bridge)) {
+		    !ekp_source_routed_here6(ctx, p, &w->fib)) {
 			outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
 			verdict = TC_ACT_SHOT;
 			goto out;
@@ -237,7 +235,7 @@ static __always_inline int EKP6_DECIDE(void *ctx, __u8 scope)
 	/* A source not routed back by this device: not ours to translate past the stack, and not ours
 	 * to drop either (IPv6 has no rp_filter: the stack and ip6tables do what they would without
 	 * this path). A hit's packet is dropped instead (above): it would be redirected. */
-	if (hook == EKP_HOOK_TC && scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(ctx, p, &w->fib, bridge))
+	if (hook == EKP_HOOK_TC && scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(ctx, p, &w->fib))
 		goto out;
 	if (fe) {
 		__u16 flags = fe->flags;

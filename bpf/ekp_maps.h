@@ -32,7 +32,7 @@
 	!defined(EKP_AFF6_MAX) || !defined(EKP_SKNAT6_MAX) || !defined(EKP_CT6_TCP_MAX) ||                     \
 	!defined(EKP_CT6_ANY_MAX) || !defined(EKP_CTQ6_TCP_MAX) ||                                               \
 	!defined(EKP_CTQ6_ANY_MAX) || !defined(EKP_CTQH6_MAX) || !defined(EKP_CFG6_MAX) || !defined(EKP_CFG6SEL_MAX) || \
-	!defined(EKP_FRAG6_MAX) || !defined(EKP_FRHOLD6_MAX) || !defined(EKP_HOSTNAT6_MAX)
+	!defined(EKP_FRAG6_MAX) || !defined(EKP_FRHOLD6_MAX) || !defined(EKP_HOSTNAT6_MAX) || !defined(EKP_PORT_MAX)
 #error "map sizes must be defined with -DEKP_<ROLE>_MAX=N (the loader passes all of them)"
 #endif
 
@@ -95,6 +95,10 @@ BPF_TABLE("lru_hash", struct ekp_hostnat_key, struct ekp_hostnat, ekp_hostnat_v2
 /* Flow activity: when a live flow last stamped each endpoint slot (bpf/ekp_act.h); read by every
  * packet before any conntrack lookup, an array the JIT reads in place. */
 BPF_TABLE("array", u32, struct ekp_act, ekp_act_v2, EKP_ACT_MAX);
+
+/* Bridge ports: a pod port's bridge (struct ekp_port), for the bpf host routing's source check;
+ * one entry per port of a bridge, allocated as written (a node without a bridge holds none). */
+BPF_F_TABLE("hash", u32, struct ekp_port, ekp_port_v2, EKP_PORT_MAX, BPF_F_NO_PREALLOC);
 
 /* Socket-level load balancing: its settings (written by the agent) and what each socket was sent to
  * (written by the socket programs; LRU: a full table forgets the least recently used sockets, whose
@@ -169,6 +173,7 @@ static __always_inline struct ekp_act *ekp_act_lookup(u32 *k);
 static __always_inline struct ekp_affinity *ekp_aff_lookup(struct ekp_affinity_key *k);
 static __always_inline int ekp_aff_update(struct ekp_affinity_key *k, struct ekp_affinity *v);
 static __always_inline struct ekp_hostnat *ekp_hostnat_lookup(struct ekp_hostnat_key *k);
+static __always_inline struct ekp_port *ekp_port_lookup(u32 *k);
 static __always_inline int ekp_hostnat_update(struct ekp_hostnat_key *k, struct ekp_hostnat *v);
 static __always_inline struct ekp_ratelimit *ekp_icmprl_lookup(u32 *k);
 static __always_inline u64 *ekp_stats_lookup(u32 *k);

@@ -111,20 +111,28 @@ static __always_inline long ekp_fib(struct __sk_buff *skb, struct bpf_fib_lookup
  *
  * Pods on a Linux bridge (kubenet's cbr0, --detect-local-mode=BridgeInterface): the program runs
  * on the pod's port, before the bridge, and the node routes the pods' addresses by the bridge, so
- * the route's device is the bridge, never the port. `bridge` is the bridge the port belongs to
- * (0 none), which the agent gives each port's filter as its classid (the kernel hands it to the
- * program in skb->tc_classid: ekp_tc_apply reads it first). A route back by that bridge passes:
- * what the kernel's rp_filter checks for the same packet, whose input device is the bridge (so a
- * pod can claim another address of its bridge's subnet, as it can with iptables mode). */
+ * the route's device is the bridge, never the port. A route back by the port's bridge passes: what
+ * the kernel's rp_filter checks for the same packet, whose input device is the bridge (so a pod can
+ * claim another address of its bridge's subnet, as it can with iptables mode). The bridge comes
+ * from ekp_port_v2, which the agent writes for each port (struct ekp_port), looked up only when the
+ * route back is not the ingress device: an ordinary pod's packet pays nothing for it. */
+static __always_inline __u32 ekp_port_bridge(struct __sk_buff *skb)
+{
+	u32 port = skb->ingress_ifindex;
+	struct ekp_port *v = ekp_port_lookup(&port);
+
+	return v ? v->bridge : 0;
+}
+
 static __always_inline int ekp_source_routed_here(struct __sk_buff *skb, const struct ekp_pkt *p,
-						  struct bpf_fib_lookup *fib, __u32 bridge)
+						  struct bpf_fib_lookup *fib)
 {
 	__builtin_memset(fib, 0, sizeof(*fib));
 	long rc = ekp_fib(skb, fib, p->proto, p->tos, p->daddr, p->saddr, p->dport, p->sport, 0);
 
 	return (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ||
 		rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) &&
-	       (fib->ifindex == skb->ingress_ifindex || (bridge && fib->ifindex == bridge));
+	       (fib->ifindex == skb->ingress_ifindex || ekp_port_bridge(skb) == fib->ifindex);
 }
 
 /* Sends a rewritten packet along the route `fib` found (rc SUCCESS or NO_NEIGH). Returns the TC

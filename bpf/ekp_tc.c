@@ -378,6 +378,11 @@ static __always_inline int ekp_hostnat6_update(struct ekp_hostnat6_key *k, struc
 	return ekp_hostnat6_v2.update(k, v);
 }
 
+static __always_inline struct ekp_port *ekp_port_lookup(u32 *k)
+{
+	return ekp_port_v2.lookup(k);
+}
+
 static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 {
 	u32 zero = 0;

@@ -166,15 +166,16 @@ static __always_inline long ekp_fib6(struct __sk_buff *skb, struct bpf_fib_looku
 }
 
 /* ekp_source_routed_here for IPv6: the route back to the source leaves by the device the packet
- * came in on (or the bridge of its port), what the stack's reverse-path check would ask. */
+ * came in on (or the bridge of its port, ekp_port_bridge), what the stack's reverse-path check would
+ * ask. */
 static __always_inline int ekp_source_routed_here6(struct __sk_buff *skb, const struct ekp_pkt6 *p,
-						   struct bpf_fib_lookup *fib, __u32 bridge)
+						   struct bpf_fib_lookup *fib)
 {
 	long rc = ekp_fib6(skb, fib, p, p->daddr, p->saddr, p->b.dport, p->b.sport, 0);
 
 	return (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ||
 		rc == BPF_FIB_LKUP_RET_FRAG_NEEDED) &&
-	       (fib->ifindex == skb->ingress_ifindex || (bridge && fib->ifindex == bridge));
+	       (fib->ifindex == skb->ingress_ifindex || ekp_port_bridge(skb) == fib->ifindex);
 }
 
 /* The route of the translated tuple into w->fib: SUCCESS or NO_NEIGH; FRAG_NEEDED, too big for it
@@ -465,7 +466,7 @@ static __always_inline int ekp_tc6_related_nat(struct ekp_tc6_scratch *w, const 
  * An error on its way to a backend on the node's own address (EKP_CT_HOST: Packet Too Big about
  * its reply through a NodePort) is rewritten and handed to the stack, whose route is only local. */
 static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6_scratch *w, __u8 scope,
-					   __u32 bridge, const struct ekp_config *cfg, __u32 *outcome)
+					   const struct ekp_config *cfg, __u32 *outcome)
 {
 	const struct ekp_pkt6 *p = &w->pkt;
 	struct ekp_icmp6_nat *n = &w->icmp;
@@ -473,7 +474,7 @@ static __always_inline int ekp_tc6_related(struct __sk_buff *skb, struct ekp_tc6
 
 	if (ekp_tc6_related_nat(w, cfg, bpf_ktime_get_ns(), &host) < 0)
 		return TC_ACT_OK;
-	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib, bridge)) {
+	if (scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(skb, p, &w->fib)) {
 		*outcome = EKP_DROP_SPOOFED; /* redirected past the stack's reverse-path filter */
 		return TC_ACT_SHOT;
 	}

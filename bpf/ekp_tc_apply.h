@@ -53,8 +53,6 @@ static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scr
 	const struct ekp_pkt *p = &w->work.pkt;
 	struct ekp_decision *d = &w->work.dec;
 
-	__u32 bridge = skb->tc_classid; /* our filter's classid: the pod port's bridge (ekp_redirect.h) */
-
 	skb->tc_classid = 0; /* no tag for egress unless the host routing sets one (ekp_host.h) */
 	if (d->action == EKP_ACT_PASS)
 		return TC_ACT_OK;
@@ -82,7 +80,7 @@ static __always_inline int ekp_tc_apply(struct __sk_buff *skb, struct ekp_tc_scr
 	const struct ekp_config *cfg = ekp_config_get();
 	int legacy = !related && cfg && (cfg->flags & EKP_CFG_HOST_LEGACY);
 	struct bpf_fib_lookup *fib = &w->fib;
-	if (scope == EKP_SCOPE_INTERNAL && !legacy && !ekp_source_routed_here(skb, p, fib, bridge))
+	if (scope == EKP_SCOPE_INTERNAL && !legacy && !ekp_source_routed_here(skb, p, fib))
 		return ekp_tc_drop(d, EKP_DROP_SPOOFED);
 	__builtin_memset(fib, 0, sizeof(*fib));
 	/* An ICMP error about a flow is not checked against the route's MTU (tot_len 0): nothing

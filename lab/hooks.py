@@ -14,8 +14,8 @@ from agent.netns import netns_route
 
 def hook_programs(netns: str, dev: str, hook: str = "ingress") -> list[str]:
     """The names of the programs `dev`'s `hook` ("ingress" or "egress") runs in network namespace
-    `netns` ("" = here), in run order, tcx's classid program included; [] when the device has
-    none (or is gone)."""
+    `netns` ("" = here), in run order, an older generation's tcx classid program included; [] when
+    the device has none (or is gone)."""
     with netns_route(netns) as ipr:
         found = ipr.link_lookup(ifname=dev)
         if not found:
@@ -24,7 +24,7 @@ def hook_programs(netns: str, dev: str, hook: str = "ingress") -> list[str]:
 
 
 def ours(netns: str, dev: str, hook: str = "ingress") -> list[str]:
-    """Our programs among them (the classid program tcx puts first on ingress left out)."""
+    """Our programs among them (an older generation's classid program, first on tcx ingress, left out)."""
     return [
         name
         for name in hook_programs(netns, dev, hook)

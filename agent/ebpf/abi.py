@@ -473,6 +473,12 @@ class SockConfig(_Struct):
     _fields_ = [("host_netns", u64), ("flags", u32), ("pad", u32)]
 
 
+class Port(_Struct):
+    """A pod port's bridge (ekp_port_v2, keyed by the port's ifindex; agent/ebpf/attach.py)."""
+
+    _fields_ = [("bridge", u32)]
+
+
 # ---- IPv6 pairs (bpf/ekp_abi.h): 16-byte addresses as `u32 * 4`, network order ---------------
 
 Addr6 = u32 * 4
@@ -618,6 +624,7 @@ STRUCTS: dict[str, type[_Struct]] = {
     "ekp_sock_key": SockKey,
     "ekp_sock_nat": SockNat,
     "ekp_sock_config": SockConfig,
+    "ekp_port": Port,
     "ekp_frontend6_key": Frontend6Key,
     "ekp_backend6": Backend6,
     "ekp_revnat6": RevNat6,
@@ -726,6 +733,8 @@ MAPS: dict[str, MapSpec] = {
             version=3,
         ),
         MapSpec("skcfg", "array", ctypes.c_uint32, SockConfig, 1, "EKP_SKCFG_MAX"),
+        # a pod port's bridge by the port's ifindex (the attacher's; allocated as written)
+        MapSpec("port", "hash", ctypes.c_uint32, Port, 16384, "EKP_PORT_MAX"),
         MapSpec("sknat", "lru_hash", SockKey, SockNat, 65536, "EKP_SKNAT_MAX", _DP),
         # IPv6 twins (bpf/ekp_abi.h "IPv6 pairs"), each sized as its IPv4 map (`pair`): the service
         # maps of the IPv6 planner (`V6_ROLES`), the affinity and socket tables of the data path

@@ -70,9 +70,13 @@ tcx (`--bpf-tc-attach=tcx`, or `auto` where the kernel has it: Linux 6.6; agent/
 avoids that moment: the programs go on through bpf_links, no qdisc is added, so nothing is dropped
 (CLSACT_LOG is never logged). The same effects, kept by the same methods:
 
-* egress first, then on ingress the classid program (tcx sets no skb->tc_classid, which our
-  program reads as cls_bpf's classid: tcx.py) first in the hook's list, then ours, each link
-  pinned as `ekp_tcx*_<hook>_<device>_<ifindex>` in the pin directory;
+* egress first, then ingress, one program of ours on each hook, each link pinned as
+  `ekp_tcx*_<hook>_<device>_<ifindex>` in the pin directory. tcx sets no skb->tc_classid, where
+  cls_bpf sets the filter's classid: no program of ours reads it, and a bridge port's bridge, for
+  the bpf host routing's source check, is in ekp_port_v2 (`port_bridge`), written before the
+  port's ingress program goes on (either attach). An older generation read it from tc_classid,
+  written on tcx by a classid program first on each ingress hook (tcx.py): it is left while an
+  older program runs behind ours and removed once ours serves the hook;
 * a restart updates the pinned links in place (BPF_LINK_UPDATE: atomic, as "replace" was); our
   filters left on a clsact qdisc by an agent on clsact are deleted once the link is on (the link
   runs before them: nothing met them any more); the qdisc is left in place, empty, since a qdisc
@@ -98,6 +102,7 @@ ours), and `hooks_report` (agent inspect hooks) what each device's hooks run, tc
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import ipaddress
 import logging
@@ -115,7 +120,8 @@ from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl import RTMGRP_LINK
 
 from agent.config import Config, NodeContext
-from agent.ebpf import tcx, xdp
+from agent.ebpf import abi, tcx, xdp
+from agent.ebpf.maps import MapWriter
 from agent.localdetect import LocalDetector
 from agent.netns import netns_route, run_in_netns
 from agent.node import matches_pod_pattern
@@ -132,6 +138,7 @@ FILTER_PRIO = 17  # lower runs first; a fixed spot no one else is likely to take
 FRONT_PRIO = FILTER_PRIO - 1
 OUR_PRIOS = (FILTER_PRIO, FRONT_PRIO)
 FILTER_HANDLE = 0xEB
+FILTER_CLASSID = 1  # (an older generation's ingress filters carried the port's bridge here)
 TC_H_INGRESS_QDISC = 0xFFFFFFF1  # parent of the clsact / ingress qdisc
 TC_H_INGRESS = 0xFFFFFFF2  # clsact ingress hook (`tc filter ... ingress`)
 TC_H_EGRESS = 0xFFFFFFF3  # clsact egress hook
@@ -230,20 +237,11 @@ def pod_side_program(link: Link, config: Config, local: LocalDetector, bridge: i
     return PROG_FROM_POD if pod_device else None
 
 
-def bridge_classid(link: Link) -> int:
-    """The classid of a device's ingress filter: the ifindex of the device it is a port of (a pod
-    on a Linux bridge: the node routes the pod's addresses by the bridge, and the bpf host
-    routing's source check, bpf/ekp_redirect.h, accepts a route back by it); 0 for none. The
-    program reads it from skb->tc_classid, 16 bits: a master above 65,535 cannot be named (0,
-    logged), and that port's pods' translated packets fail the check under bpf host routing."""
-    if link.master > 0xFFFF:
-        log.error(
-            "%s is a port of ifindex %d, above 65,535: with --bpf-host-routing=bpf its pods' Service "
-            "traffic is dropped as spoofed_source (use legacy host routing on this node)",
-            link.name,
-            link.master,
-        )
-        return 0
+def port_bridge(link: Link) -> int:
+    """The bridge a device is a port of (its master's ifindex; 0 for none), which the Attacher
+    writes to ekp_port_v2 before the device's ingress program runs: the node routes a bridged pod's
+    addresses by the bridge, and the bpf host routing's source check (bpf/ekp_redirect.h) accepts
+    a route back by the port's bridge."""
     return link.master
 
 
@@ -440,13 +438,10 @@ def attach(
     fd: int,
     parent: int = TC_H_INGRESS,
     *,
-    classid: int = 1,
     prio: int = FILTER_PRIO,
 ) -> bool:
     """clsact (if missing) and our direct-action filter on the ingress (or `parent`) hook,
     replacing whatever held our spot (`prio`: FRONT_PRIO in front of an older generation).
-    `classid`: what the program finds in skb->tc_classid (the kernel sets it from the filter's
-    classid before running it): on ingress, the bridge a pod port belongs to (`bridge_classid`).
     Returns whether the clsact qdisc was added (`ensure_clsact`)."""
     added = ensure_clsact(ipr, index)
     ipr.tc(
@@ -458,7 +453,9 @@ def attach(
         name=prog_name,
         parent=parent,
         prio=prio,
-        classid=classid,
+        # What cls_bpf puts in skb->tc_classid before the program runs: nothing of ours reads it
+        # (the programs overwrite it with the legacy host routing's tag or 0: bpf/ekp_host.h).
+        classid=FILTER_CLASSID,
         direct_action=True,
     )
     return added
@@ -545,8 +542,8 @@ def fronts_left(ipr: Any, netns: str) -> list[str]:
     """ "DEVICE HOOK: PROGRAM ..." of each program of ours in front of another of ours (agent
     doctor: outside a hand-over, one left by a hand-over cut short): a filter at FRONT_PRIO, a tcx
     link before another of our tcx links (`ekp_tcxfront_*`), or our tcx link in front of our
-    filter at FILTER_PRIO (an older generation on clsact, whose filters the rehome deletes). The
-    classid program (tcx.py) is no program of ours for this: it always goes first."""
+    filter at FILTER_PRIO (an older generation on clsact, whose filters the rehome deletes). An
+    older generation's classid program (tcx.py) is no program of ours for this: it went first."""
     out = []
     for link in list_links(ipr):
         for hook in (tcx.INGRESS, tcx.EGRESS):
@@ -652,11 +649,6 @@ def _hook(parent: int) -> str:
     return tcx.INGRESS if parent == TC_H_INGRESS else tcx.EGRESS
 
 
-def _live(pins: list[tcx.Pinned], role: str, index: int, hook: str = tcx.INGRESS) -> bool:
-    pin = tcx.find(pins, role, hook, index)
-    return pin is not None and pin.live
-
-
 def _tcx_ours(netns: str, index: int) -> int:
     """How many tcx links of ours the device's hooks hold (0 where the kernel has no tcx, or the
     namespace went meanwhile)."""
@@ -698,13 +690,17 @@ class Attacher:
     """Keeps our programs on the devices that need them, in one network namespace.
 
     `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS) to loaded program
-    fds; they must stay open while the Attacher is used. The constructor does nothing; `reconcile` attaches
-    (called by every sync) and `start_watcher` starts the pod-device thread.
+    fds; they must stay open while the Attacher is used. `ports` is ekp_port_v2 (abi.MAPS["port"]),
+    which it keeps holding each attached bridge port's bridge (`port_bridge`), written before the
+    device's ingress program is attached and deleted when the device goes or stops being a port.
+    The constructor does nothing; `reconcile` attaches (called by every sync) and `start_watcher`
+    starts the pod-device thread.
     """
 
-    def __init__(self, config: Config, prog_fds: Mapping[str, int]) -> None:
+    def __init__(self, config: Config, prog_fds: Mapping[str, int], ports: MapWriter) -> None:
         self._config = config
         self._fds = dict(prog_fds)
+        self._ports = ports
         self._lock = threading.Lock()
         self._attached: dict[int, tuple[str, str]] = {}  # ifindex -> (name, program)
         self._external: set[int] = set()
@@ -713,13 +709,12 @@ class Attacher:
         self._ready = threading.Event()
         self.attachments = 0  # filters attached (or replaced) since construction
         self._xdp: dict[int, str] = {}  # external ifindex -> XDP mode it runs in ("" none)
-        self._bridges: dict[int, int] = {}  # ifindex -> its filter's classid (bridge_classid)
-        # (ifindex, hook) -> (program, classid) of the filters put in front of an older
-        # generation's by a hand-over's reconcile, until `rehome` moves them to FILTER_PRIO.
-        self._fronts: dict[tuple[int, int], tuple[str, int]] = {}
+        self._bridges: dict[int, int] = {}  # ifindex -> its bridge as ekp_port_v2 holds it (port_bridge)
+        # (ifindex, hook) -> the program put in front of an older generation's by a hand-over's
+        # reconcile, until `rehome` moves it to FILTER_PRIO.
+        self._fronts: dict[tuple[int, int], str] = {}
         self._ids: frozenset[int] | None = None  # _own_ids
         self._tcx: bool | None = None  # through tcx links (`use_tcx`), decided at the first attach
-        self._classid_fds: dict[int, int] = {}  # classid -> its tcx classid program (tcx.py)
         # (ifindex, hook) -> what a tcx hand-over's rehome does there: "clsact" (delete the older
         # generation's filters behind our link) or "tcx" (take the older link over, drop our front).
         self._front_kinds: dict[tuple[int, int], str] = {}
@@ -755,13 +750,58 @@ class Attacher:
                 )
         return self._tcx
 
-    def _classid_link(self, pins: list[tcx.Pinned], name: str, index: int, classid: int) -> None:
-        """The classid program in front of ingress (`_tcx_link`), under the lock that stop_watcher
-        closes the programs' fds under: the watcher's thread and the syncs' attach alike use the fd."""
+    def _set_bridge(self, index: int, bridge: int) -> None:
+        """ekp_port_v2 says `bridge` (0: no entry) for the device: before its ingress program is
+        attached or swapped, so that no packet of a bridged pod meets one without it."""
         with self._lock:
-            if classid not in self._classid_fds:
-                self._classid_fds[classid] = tcx.load_classid_program(classid)
-            self._tcx_link(pins, tcx.CLASSID, tcx.INGRESS, name, index, self._classid_fds[classid])
+            if self._bridges.get(index, -1) == bridge:
+                return
+        key = ctypes.c_uint32(index)
+        if bridge:
+            self._ports.update(key, abi.Port(bridge=bridge))
+        else:
+            self._ports.delete(key)
+        with self._lock:
+            self._bridges[index] = bridge
+
+    def _forget_bridge(self, index: int) -> None:
+        """The device went or no longer carries ours: its entry goes (its ifindex may come back as
+        another device's)."""
+        with self._lock:
+            had = self._bridges.pop(index, -1)
+        if had != 0:
+            self._ports.delete(ctypes.c_uint32(index))
+
+    def _prune_bridges(self, keep: Collection[int]) -> None:
+        """Remove the entries of devices not in `keep` (a device that went while no agent ran, or
+        whose RTM_DELLINK the watcher missed)."""
+        stale = [int(k.value) for k, _ in self._ports.items() if int(k.value) not in keep]
+        for index in stale:
+            with self._lock:
+                self._bridges.pop(index, None)
+            self._ports.delete(ctypes.c_uint32(index))
+        if stale:
+            log.info("removed the bridge entries of ifindexes %s (no longer pod ports of ours)", stale)
+
+    def _classid_kept(self, pins: list[tcx.Pinned], index: int) -> bool:
+        """No older classid link is left on the device's ingress, or a hand-over's program of ours
+        is in front there (the older program behind it still reads what the classid program
+        writes, until `rehome`)."""
+        with self._lock:
+            front = (index, TC_H_INGRESS) in self._fronts
+        return front or tcx.find(pins, tcx.CLASSID, tcx.INGRESS, index) is None
+
+    def _drop_classid(self, pins: list[tcx.Pinned], index: int) -> None:
+        """An older generation's classid program (tcx.py) in front of ingress goes, once our own
+        program there no longer reads what it writes (every hook served by this build's)."""
+        pin = tcx.find(pins, tcx.CLASSID, tcx.INGRESS, index)
+        if pin is not None:
+            tcx.remove(pin)
+            log.info(
+                "removed the older generation's %s link on %s ingress (ours reads ekp_port_v2)",
+                tcx.CLASSID_PROG_NAME,
+                pin.device,
+            )
 
     def _tcx_link(
         self, pins: list[tcx.Pinned], role: str, hook: str, name: str, index: int, fd: int, before: str = ""
@@ -857,8 +897,8 @@ class Attacher:
             log.info(CLSACT_LOG, len(added), ", ".join(added), (time.monotonic() - started) * 1000)
 
     @property
-    def fronts(self) -> dict[tuple[int, int], tuple[str, int]]:
-        """(ifindex, hook) -> (program, classid) of each filter in front of an older generation's."""
+    def fronts(self) -> dict[tuple[int, int], str]:
+        """(ifindex, hook) -> the program of each filter or link in front of an older generation's."""
         with self._lock:
             return dict(self._fronts)
 
@@ -942,16 +982,22 @@ class Attacher:
                     except NetlinkError as exc:
                         if exc.code != errno.ENODEV:
                             raise
+            if full or verify:
+                self._prune_bridges(wanted)
             for index, (name, prog) in sorted(wanted.items()):
-                bridge = bridge_classid(links[index]) if index in links else 0
+                if index in links:
+                    bridge = port_bridge(links[index]) if prog == PROG_FROM_POD else 0
+                else:
+                    bridge = self._bridges.get(index, 0)
                 if (
                     not full
                     and self._hook_prog(ipr, pins, index) == prog
                     and self._hook_prog(ipr, pins, index, TC_H_EGRESS) == PROG_EGRESS
-                    and (pins is None or _live(pins, tcx.CLASSID, index))
-                    and self._bridges.get(index, 0) == bridge
+                    and (pins is None or self._classid_kept(pins, index))
+                    # (a plain sync looks at external devices only, which have no bridge entry)
+                    and (index not in links or self._bridges.get(index, -1) == bridge)
                 ):
-                    self._remember(index, name, prog, bridge)
+                    self._remember(index, name, prog)
                     continue
                 self._attach(ipr, index, name, prog, bridge, front=front, clear_front=full, pins=pins)
             if stale is not None and (full or verify):
@@ -964,10 +1010,11 @@ class Attacher:
                 self._xdp_off(ipr, index, known[index][0])
             for index in sorted(external):
                 self._xdp_on(ipr, index, wanted[index][0], check=full or verify)
+            for index in gone:
+                self._forget_bridge(index)
             with self._lock:
                 for index in gone:
                     self._attached.pop(index, None)
-                    self._bridges.pop(index, None)
 
     @property
     def xdp_modes(self) -> dict[int, str]:
@@ -1084,23 +1131,25 @@ class Attacher:
         # Egress first: nothing is handed to the node's stack before its replies (and, with legacy
         # host routing, its own source translation) can be translated. `appeared`: a device the
         # watcher saw come (a new pod's: nothing sent through it yet that a clsact add could drop).
+        self._set_bridge(index, bridge)
         where = []
         left = tcx.pinned(self._config.pin_path, {index})
         behind_links: set[str] = set()
-        for parent, program, classid in ((TC_H_EGRESS, PROG_EGRESS, 1), (TC_H_INGRESS, prog, bridge)):
+        for parent, program in ((TC_H_EGRESS, PROG_EGRESS), (TC_H_INGRESS, prog)):
             hook = "egress" if parent == TC_H_EGRESS else "ingress"
             older = tcx.find(left, tcx.MAIN, hook, index) if front else None
             if older is not None and older.live and older.prog_id not in self._own_ids():
                 # An older generation on tcx (a switch back to clsact under a hand-over): a filter
                 # of ours would run after its link, and removing the link would leave nothing that
                 # hands the older flows to its program. So this start hands over through tcx, right
-                # before the older link (its ingress keeps its classid program in front), until
-                # `rehome` puts the filter on and removes both links.
+                # before the older link (its ingress keeps its classid program in front, if it has
+                # one: the older program reads it), until `rehome` puts the filter on and removes
+                # the links.
                 self._tcx_link(left, tcx.FRONT, hook, name, index, self._fds[program], before=older.path)
                 behind_links.add(hook)
                 where.append(hook)
                 with self._lock:
-                    self._fronts[(index, parent)] = (program, classid)
+                    self._fronts[(index, parent)] = program
                     self._front_kinds[(index, parent)] = TO_CLSACT
                 continue
             prio = FILTER_PRIO
@@ -1126,13 +1175,13 @@ class Attacher:
                         )
                         prio = FILTER_PRIO
             started = time.monotonic()
-            if attach(ipr, index, program, self._fds[program], parent, classid=classid, prio=prio):
+            if attach(ipr, index, program, self._fds[program], parent, prio=prio):
                 level = logging.DEBUG if appeared else logging.INFO
                 log.log(level, CLSACT_LOG, 1, name, (time.monotonic() - started) * 1000)
             if prio == FRONT_PRIO:
                 where.append(hook)
                 with self._lock:
-                    self._fronts[(index, parent)] = (program, classid)
+                    self._fronts[(index, parent)] = program
             elif front or clear_front:
                 # Ours at 17 now: a copy left at 16 (this hand-over's, or one cut short) goes.
                 if drop_front(ipr, index, parent):
@@ -1153,27 +1202,27 @@ class Attacher:
             tcx.remove(pin)
         if left:
             log.info("detached the tcx links on %s (--bpf-tc-attach=clsact: its filters serve)", name)
-        self._remember(index, name, prog, bridge)
+        self._remember(index, name, prog)
         self.attachments += 1
 
     def _attach_tcx(
         self, ipr: Any, index: int, name: str, prog: str, bridge: int, *, front: bool, pins: list[tcx.Pinned]
     ) -> None:
-        """`_attach` through tcx links (tcx.py): egress first, as there; on ingress the classid
-        program first in the hook's list, then ours. Ours replaces the one pinned there in place
+        """`_attach` through tcx links (tcx.py): egress first, as there, then ingress. Ours replaces
+        the one pinned there in place
         (a restart: atomic), and our filters on a clsact qdisc, if any, are then removed (the tcx
         link runs before them, so nothing meets them any more). `front` (a hand-over): in front of
         an older generation, which is either a filter on clsact (our link runs before it anyway, and
         its TC_ACT_UNSPEC falls through to it: the filter stays until `rehome`), or another build's
         tcx link (ours goes right before it, pinned as FRONT, until `rehome` updates the older link
-        and removes ours in front)."""
+        and removes ours in front). An older generation's classid program (tcx.py) in front of
+        ingress goes once ours serves there, and stays while an older program does (`rehome`)."""
+        self._set_bridge(index, bridge)
         where = []
         own = self._own_ids()
-        for parent, program, classid in ((TC_H_EGRESS, PROG_EGRESS, 1), (TC_H_INGRESS, prog, bridge)):
+        for parent, program in ((TC_H_EGRESS, PROG_EGRESS), (TC_H_INGRESS, prog)):
             hook = _hook(parent)
             fd = self._fds[program]
-            if parent == TC_H_INGRESS:
-                self._classid_link(pins, name, index, classid)
             main = tcx.find(pins, tcx.MAIN, hook, index)
             behind = our_prog_id(ipr, index, parent, FILTER_PRIO)
             kind = ""
@@ -1200,21 +1249,25 @@ class Attacher:
             with self._lock:
                 if kind:
                     where.append(hook)
-                    self._fronts[(index, parent)] = (program, classid)
+                    self._fronts[(index, parent)] = program
                     self._front_kinds[(index, parent)] = kind
                 else:
                     self._fronts.pop((index, parent), None)
                     self._front_kinds.pop((index, parent), None)
+            if parent == TC_H_INGRESS and kind != "tcx":
+                # Ours serves the hook first now (an older program behind a "clsact" front reads
+                # its tc_classid from its filter's classid, never from the classid link).
+                self._drop_classid(pins, index)
         _log_attached(prog, name, bridge, where, " through tcx links")
-        self._remember(index, name, prog, bridge)
+        self._remember(index, name, prog)
         self.attachments += 1
 
-    def _rehome_tcx(self, ipr: Any, index: int, parent: int, program: str, kind: str, classid: int) -> None:
+    def _rehome_tcx(self, ipr: Any, index: int, parent: int, program: str, kind: str) -> None:
         """`rehome` of one hook a tcx hand-over put us in front on."""
         if kind == TO_CLSACT:
-            # Ours as a filter, then the older link, then ours in front of it (and, on ingress, the
-            # classid program in front of both): at every moment a program of ours serves the hook.
-            attach(ipr, index, program, self._fds[program], parent, classid=classid)
+            # Ours as a filter, then the older link, then ours in front of it (and, on ingress, an
+            # older classid program in front of both): at every moment a program of ours serves.
+            attach(ipr, index, program, self._fds[program], parent)
             hook = _hook(parent)
             pins = tcx.pinned(self._config.pin_path, {index})
             roles = (tcx.MAIN, tcx.FRONT, tcx.CLASSID) if hook == tcx.INGRESS else (tcx.MAIN, tcx.FRONT)
@@ -1234,6 +1287,9 @@ class Attacher:
             self._take_place(ahead, main, self._fds[program])
         elif main is not None and main.live:
             tcx.update(main, self._fds[program])
+        if parent == TC_H_INGRESS:
+            # No older program is left behind ours to read what the classid program writes.
+            self._drop_classid(pins, index)
 
     def _take_place(self, ahead: tcx.Pinned, main: tcx.Pinned | None, fd: int) -> None:
         """A link of ours in front of an older one on its hook takes its place, running `fd`'s
@@ -1256,28 +1312,27 @@ class Attacher:
         with contextlib.suppress(FileNotFoundError):  # renamed meanwhile by another thread
             os.rename(ahead.path, os.path.join(self._config.pin_path, main_pin))
 
-    def _remember(self, index: int, name: str, prog: str, bridge: int = 0) -> None:
+    def _remember(self, index: int, name: str, prog: str) -> None:
         with self._lock:
             self._attached[index] = (name, prog)
-            self._bridges[index] = bridge
 
     def rehome(self) -> None:
         """The end of a hand-over: each filter in front moves to FILTER_PRIO (a "replace" of the
-        older generation's filter there with the same program, maps and classid: every packet
+        older generation's filter there with the same program and maps: every packet
         meets one of ours all along), then its FRONT_PRIO copy is removed. Hooks whose device went
         meanwhile are skipped; on another error the hooks not done yet stay in `fronts`."""
         fronts = self.fronts
         if not fronts:
             return
         with netns_route(self._config.netns) as ipr:
-            for (index, parent), (program, classid) in sorted(fronts.items()):
+            for (index, parent), program in sorted(fronts.items()):
                 with self._lock:
                     kind = self._front_kinds.get((index, parent), "")
                 try:
                     if kind:
-                        self._rehome_tcx(ipr, index, parent, program, kind, classid)
+                        self._rehome_tcx(ipr, index, parent, program, kind)
                     else:
-                        attach(ipr, index, program, self._fds[program], parent, classid=classid)
+                        attach(ipr, index, program, self._fds[program], parent)
                         drop_front(ipr, index, parent)
                 except NetlinkError as exc:
                     if exc.code != errno.ENODEV:
@@ -1315,16 +1370,11 @@ class Attacher:
         self._ready.wait(timeout)
 
     def stop_watcher(self) -> None:
-        """Stop the pod-device thread; also close the classid programs' fds (their pinned links
-        keep them loaded; a later attach loads them again): the proxier drops an Attacher here."""
+        """Stop the pod-device thread."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        with self._lock:
-            for fd in self._classid_fds.values():
-                os.close(fd)
-            self._classid_fds.clear()
 
     def _watch(self) -> None:
         try:
@@ -1349,9 +1399,9 @@ class Attacher:
                             self._on_new_link(ipr, Link(index, name, master))
                         elif event == RTM_DELLINK:
                             with self._lock:
-                                self._bridges.pop(index, None)
                                 if self._attached.pop(index, None) is not None:
                                     log.info("pod device %s is gone", name)
+                            self._forget_bridge(index)
                             if self.use_tcx:
                                 self._sweep(ipr, index)
         except Exception:
@@ -1404,14 +1454,16 @@ class Attacher:
         prog = pod_side_program(link, self._config, local, bridge)
         if prog is None:
             return
-        bridge = bridge_classid(link)
+        bridge = port_bridge(link) if prog == PROG_FROM_POD else 0
         with self._lock:
-            if link.index in self._external or (
-                self._attached.get(link.index, ("", ""))[1] == prog
-                and self._bridges.get(link.index) == bridge
-            ):
+            if link.index in self._external:
                 return
+            same = self._attached.get(link.index, ("", ""))[1] == prog
         try:
+            if same:
+                # Enslaved or freed: only its entry changes (the programs read it per packet).
+                self._set_bridge(link.index, bridge)
+                return
             self._attach(ipr, link.index, link.name, prog, bridge, appeared=True)
         except (NetlinkError, OSError) as exc:
             # The device may be gone again, or be moving to another namespace.

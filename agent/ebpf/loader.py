@@ -131,6 +131,7 @@ _U32_MAX = (1 << 32) - 1
 ROLE_FLAGS: dict[str, int] = {
     "addr": BPF_F_NO_PREALLOC,
     "maglev": BPF_F_NO_PREALLOC,
+    "port": BPF_F_NO_PREALLOC,
     **{role: BPF_F_NO_PREALLOC for role in V6_ROLES.values() if MAPS[role].kind == "hash"},
 }
 

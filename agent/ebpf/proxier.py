@@ -190,8 +190,8 @@ class AttacherLike(Protocol):
         """Move the filters put in front of an older generation's to our own priority."""
 
     @property
-    def fronts(self) -> Mapping[tuple[int, int], tuple[str, int]]:
-        """The filters in front of an older generation's, until `rehome` moves them."""
+    def fronts(self) -> Mapping[tuple[int, int], str]:
+        """The programs in front of an older generation's, until `rehome` moves them."""
 
     def handover_state(self) -> HandoverState: ...
 
@@ -290,8 +290,8 @@ def read_sysctl(netns: str, path: str) -> str:
     return run_in_netns(netns, lambda: (Path("/proc/sys") / path).read_text().strip())
 
 
-def default_attacher(config: Config, prog_fds: Mapping[str, int]) -> AttacherLike:
-    return Attacher(config, prog_fds)
+def default_attacher(config: Config, prog_fds: Mapping[str, int], ports: MapWriter) -> AttacherLike:
+    return Attacher(config, prog_fds, ports)
 
 
 def default_socket_attacher(config: Config, prog_fds: Mapping[str, int]) -> SocketAttacherLike:
@@ -341,7 +341,7 @@ class EbpfProxier:
         config: Config,
         *,
         datapath_factory: Callable[[str, MapSizes], DatapathLike] = default_datapath,
-        attacher_factory: Callable[[Config, Mapping[str, int]], AttacherLike] = default_attacher,
+        attacher_factory: Callable[[Config, Mapping[str, int], MapWriter], AttacherLike] = default_attacher,
         sysctl_writer: Callable[[str, str, str], str | None] | None = None,
         sysctl_reader: Callable[[str, str], str] = read_sysctl,
         sizes_reader: Callable[[str], dict[str, int]] = default_pinned_sizes,
@@ -1183,7 +1183,7 @@ class EbpfProxier:
         if self._attacher is None:
             names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS, PROG_XDP)
             fds = {name: datapath.prog_fd(name) for name in names}
-            self._attacher = self._attacher_factory(self._config, fds)
+            self._attacher = self._attacher_factory(self._config, fds, datapath.maps["port"])
             full = True
         mode = HandoverMode.OFF
         if handover:

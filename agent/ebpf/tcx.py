@@ -16,17 +16,22 @@ hand-over needs no priority. On TC_ACT_OK the kernel sets skb->tc_index from skb
 cls_bpf does (the legacy host routing's tag, bpf/ekp_host.h).
 
 One difference the programs would see: cls_bpf sets skb->tc_classid to the filter's classid before
-the program runs (the pod port's bridge, attach.bridge_classid); tcx sets nothing, and the field
-holds whatever the skb's control block held (the sender's IP options may reach it). So every
-ingress hook also gets, first in its list, a program of four instructions that writes the device's
-classid there and returns TCX_NEXT (`classid_program`): our program then finds exactly what cls_bpf
-gave it, and nothing a pod could choose.
+the program runs; tcx sets nothing, and the field holds whatever the skb's control block held (the
+sender's IP options may reach it). So no program of ours reads it: each writes it (the tag, or 0)
+before it passes a packet, and a pod port's bridge, which an older generation read from there,
+comes from the map ekp_port_v2 (attach.port_bridge, bpf/ekp_redirect.h).
+
+That older generation put, first on every ingress hook, a program of four instructions
+(`CLASSID_PROG_NAME`) that wrote the port's bridge there and returned TCX_NEXT, pinned as
+`ekp_tcxcls_ingress_*` (`CLASSID`). An agent that finds one leaves it while an older program runs
+behind it (a hand-over, until the rehome) and removes it once its own program serves the hook; it
+counts as ours for `--cleanup`, `agent inspect hooks` and `agent doctor`.
 
 Each link is pinned under the agent's pin directory, so it outlives the agent (a restart finds its
 programs serving and swaps the new ones in with BPF_LINK_UPDATE: no moment without a program):
 
     ekp_tcx_<hook>_<device>_<ifindex>        our program (`MAIN`)
-    ekp_tcxcls_ingress_<device>_<ifindex>    the classid program in front of it (`CLASSID`)
+    ekp_tcxcls_ingress_<device>_<ifindex>    an older generation's classid program (`CLASSID`)
     ekp_tcxfront_<hook>_<device>_<ifindex>   a hand-over's new program in front of an older
                                              generation's tcx link (`FRONT`), until the rehome
 
@@ -44,7 +49,6 @@ import errno
 import logging
 import os
 import re
-import struct
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
@@ -60,14 +64,13 @@ BPF_LINK_TYPE_TCX = 11
 BPF_F_BEFORE = 1 << 3
 BPF_F_LINK = 1 << 13
 TCX_NEXT = -1
-SKB_TC_CLASSID = 72  # offsetof(struct __sk_buff, tc_classid)
 
 INGRESS, EGRESS = "ingress", "egress"
 ATTACH_TYPES = {INGRESS: BPF_TCX_INGRESS, EGRESS: BPF_TCX_EGRESS}
 MAIN, CLASSID, FRONT = "", "cls", "front"  # pin roles (module doc)
 PIN_PREFIX = "ekp_tcx"
 _PIN = re.compile(rf"^{PIN_PREFIX}(|{CLASSID}|{FRONT})_({INGRESS}|{EGRESS})_(.*)_(\d+)$")
-CLASSID_PROG_NAME = "ekp_tcx_classid"
+CLASSID_PROG_NAME = "ekp_tcx_classid"  # an older generation's (module doc): recognised, never loaded
 
 
 def pin_name(role: str, hook: str, device: str, index: int) -> str:
@@ -210,11 +213,9 @@ def create(
     *,
     before: str = "",
 ) -> Pinned:
-    """A new tcx link of `prog_fd` on the device's hook, pinned. Placed last on the hook, or, for
-    the classid program, first; `before`: right in front of the link pinned there."""
+    """A new tcx link of `prog_fd` on the device's hook, pinned. Placed last on the hook;
+    `before`: right in front of the link pinned there."""
     flags, relative = 0, -1
-    if role == CLASSID:
-        flags = BPF_F_BEFORE
     if before:
         relative = _check(bpfsys.obj_get(before), f"opening {before}")
         flags = BPF_F_BEFORE | BPF_F_LINK
@@ -274,8 +275,8 @@ def rename(pin: Pinned, device: str, pin_path: str) -> Pinned:
 
 def removal_order(pin: Pinned) -> tuple[bool, bool]:
     """A sort key for removing a device's links as the clsact path removes its filters: ingress's
-    programs, then its classid program (none of ours runs reading a tc_classid nobody wrote), then
-    egress (no packet translated at ingress lacks its egress half)."""
+    programs, then an older generation's classid program (its program behind reads what it writes),
+    then egress (no packet translated at ingress lacks its egress half)."""
     return (pin.hook == EGRESS, pin.role == CLASSID)
 
 
@@ -313,9 +314,9 @@ def hook_links(index: int, hook: str) -> list[tuple[int, int]]:
 def detach_ours(index: int, prefix: str) -> int:
     """Detach every tcx link on the device (caller's netns) whose program's name starts with
     `prefix`, pinned or not (a pin left then holds a defunct link); how many. In the order the
-    clsact path removes ours: the ingress programs, then the classid program in front of them (so
-    no program of ours reads a tc_classid nobody wrote), then egress (so no packet translated at
-    ingress lacks its egress half)."""
+    clsact path removes ours: the ingress programs, then an older generation's classid program in
+    front of them (so no older program of ours reads a tc_classid nobody wrote), then egress (so
+    no packet translated at ingress lacks its egress half)."""
     done = 0
     ingress = hook_links(index, INGRESS)
     names = {prog: prog_name(prog) for prog, _ in ingress}
@@ -333,32 +334,3 @@ def detach_ours(index: int, prefix: str) -> int:
             os.close(fd)
         done += 1
     return done
-
-
-# BPF instructions (include/uapi/linux/bpf_common.h): code, dst|src<<4, off, imm.
-_INSN = struct.Struct("<BBhi")
-
-
-def classid_program(classid: int) -> bytes:
-    """skb->tc_classid = classid; return TCX_NEXT (module doc)."""
-    return b"".join(
-        (
-            _INSN.pack(0xB7, 2, 0, classid),  # r2 = classid (BPF_ALU64 | BPF_MOV | BPF_K)
-            _INSN.pack(0x63, 1 | 2 << 4, SKB_TC_CLASSID, 0),  # *(u32 *)(r1 + 72) = r2 (BPF_STX|BPF_MEM|BPF_W)
-            _INSN.pack(0xB7, 0, 0, TCX_NEXT),  # r0 = -1
-            _INSN.pack(0x95, 0, 0, 0),  # exit
-        )
-    )
-
-
-def load_classid_program(classid: int) -> int:
-    """The classid program for one value, loaded; its fd."""
-    log_buf = ctypes.create_string_buffer(4096)
-    fd = bpfsys.prog_load(
-        BPF_PROG_TYPE_SCHED_CLS, classid_program(classid), "GPL", CLASSID_PROG_NAME, log=log_buf
-    )
-    if fd < 0:
-        raise OSError(
-            -fd, f"loading {CLASSID_PROG_NAME}: {os.strerror(-fd)}: {log_buf.value.decode(errors='replace')}"
-        )
-    return fd

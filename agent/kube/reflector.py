@@ -581,8 +581,12 @@ class Reflector:
             pages,
         )
 
-    def _reconcile(self, item: Any, seen: set[str], batch: list[Event], record: object = None) -> None:
-        key = self._key(item)
+    def _reconcile(
+        self, item: Any, seen: set[str], batch: list[Event], record: object = None, key: str | None = None
+    ) -> None:
+        """`key`: what `_key(item)` returned already (it also strips the item: not twice)."""
+        if key is None:
+            key = self._key(item)
         if key is None or key in seen:
             return
         seen.add(key)
@@ -615,7 +619,7 @@ class Reflector:
         record = kept.take(self.kind, key, meta.uid, meta.resourceVersion)
         if record is None:
             return False
-        self._reconcile(item, seen, batch, record)
+        self._reconcile(item, seen, batch, record, key)
         return True
 
     # ---- watch -------------------------------------------------------------------------------

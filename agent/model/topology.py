@@ -53,10 +53,10 @@ def _available(endpoints: Sequence[Endpoint], mode: str, node: NodeInfo) -> tupl
     if mode == TOPOLOGY_ZONE:
         zone = node.zone
         return tuple(ep for ep in endpoints if ep.ready and zone in ep.zone_hints)
-    ready = tuple(ep for ep in endpoints if ep.ready)
+    ready = [ep for ep in endpoints if ep.ready]
     if len(ready) == len(endpoints) and isinstance(endpoints, tuple):
         return endpoints  # all of them (nearly always): the same tuple, not a copy
-    return ready
+    return tuple(ready)
 
 
 def _pick(endpoints: Sequence[Endpoint], keep: Callable[[Endpoint], bool]) -> tuple[Endpoint, ...]:

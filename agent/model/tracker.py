@@ -593,18 +593,29 @@ def merge_slices(
     Duplicates (the same ip:port in two slices, as during a slice hand-over) collapse to one,
     preferring the copy that says it is on this node.
     """
+    ordered = list(slices)
+    if len(ordered) > 1:  # nearly every Service has one slice: nothing to order
+        ordered.sort(key=_slice_order)
     by_port: dict[ServicePortName, dict[str, Endpoint]] = {}
-    for sl in sorted(slices, key=lambda s: (s.namespace, s.service, s.name)):
+    for sl in ordered:
+        v6 = sl.family is IPFamily.IPv6
         for port in sl.ports:
             spn = ServicePortName(sl.namespace, sl.service, port.name, port.protocol)
-            seen = by_port.setdefault(spn, {})
+            seen = by_port.get(spn)
+            if seen is None:
+                seen = by_port[spn] = {}
             number = port.port
             suffix = f":{number}"
             for ep in sl.endpoints:
-                local = bool(node_name) and ep.node_name == node_name
-                key = f"[{ep.ip}]{suffix}" if sl.family is IPFamily.IPv6 else ep.ip + suffix
-                if key not in seen or local:
+                local = ep.node_name == node_name if node_name else False
+                key = f"[{ep.ip}]{suffix}" if v6 else ep.ip + suffix
+                if local or key not in seen:
                     # the parser's record itself when it says the same (one copy of each endpoint)
                     same = ep.port == number and ep.is_local == local
                     seen[key] = ep if same else ep._replace(port=number, is_local=local)
-    return {spn: tuple(eps[k] for k in sorted(eps)) for spn, eps in by_port.items()}
+    # Keys are unique, so sorting the items compares keys alone.
+    return {spn: tuple([ep for _, ep in sorted(seen.items())]) for spn, seen in by_port.items()}
+
+
+def _slice_order(sl: ParsedSlice) -> tuple[str, str, str]:
+    return (sl.namespace, sl.service, sl.name)

@@ -290,7 +290,7 @@ def test_bpftool_shows_every_map_with_its_layout(loaded: Datapath) -> None:
 # endpoints to tc before the reject's code, which the compiler leaves out of XDP's copy). (The code
 # that records and holds fragments is compiled into it but never runs: XDP passes fragments on
 # before it. It reads ekp_addr for the activity check's frontend test, bpf/ekp_act.h.)
-XDP_UNUSED = {"rnat", "stats", "icmprl", "hostnat"}
+XDP_UNUSED = {"rnat", "stats", "icmprl", "hostnat", "port"}
 # The pinned maps each program reads or writes (bpftool's program type besides).
 # The IPv6 service maps are read by the socket programs and the tc programs' IPv6 path (ekp_from_pod6,
 # ekp_from_net6, which alone use the IPv6 conntrack), never by the IPv4 tc programs; connect4,
@@ -321,12 +321,16 @@ _SOCK_REVERSE6 = _SOCK_REVERSE | {"sknat6", "fe6"}
 # fragment first) and sends no reject
 _EGRESS_UNUSED = {"fe", "slot", "be", "srcr", "aff", "rnat", "xstats", "member", "maglev"}
 _EGRESS_UNUSED |= {"fraghold", "fraglast", "icmprl"}
+# a pod port's bridge (ekp_port) is read only by the source check of what comes from pods (scope
+# internal: ekp_from_pod and its IPv6 half), before a packet past the stack's rp_filter is redirected
+_POD_ONLY = {"port"}
+_EGRESS_UNUSED |= _POD_ONLY
 PROGRAM_MAPS: dict[str, tuple[str, set[str]]] = {
     # every pinned map but ekp_rnat (written for the agent, read by no program since v2), the XDP
     # counters and the socket programs' own
     "ekp_from_pod": ("sched_cls", set(abi.MAPS) - {"rnat", "xstats"} - _SOCKETS - _CT6),
-    "ekp_from_net": ("sched_cls", set(abi.MAPS) - {"rnat", "xstats"} - _SOCKETS - _CT6),
-    "ekp_from_pod6": ("sched_cls", _TC6),
+    "ekp_from_net": ("sched_cls", set(abi.MAPS) - {"rnat", "xstats"} - _SOCKETS - _CT6 - _POD_ONLY),
+    "ekp_from_pod6": ("sched_cls", _TC6 | _POD_ONLY),
     "ekp_from_net6": ("sched_cls", _TC6),
     "ekp_egress": ("sched_cls", set(abi.MAPS) - _EGRESS_UNUSED - _SOCKETS - _CT6),
     # ekp_egress's IPv6 half: legacy host routing's sources (ekp_hostnat6), a fragmented

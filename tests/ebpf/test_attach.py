@@ -6,6 +6,7 @@ named like the real ones (the attach code does not care what the programs do).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import json
@@ -18,20 +19,19 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
 
 from agent.config import Config, HostRouting, NodeContext
-from agent.ebpf import tcx
+from agent.ebpf import abi, attach, tcx
 from agent.ebpf.attach import (
     PROG_EGRESS,
     PROG_FROM_NET,
     PROG_FROM_POD,
     RTM_DELLINK,
     RTM_NEWLINK,
-    Attacher,
     HandoverState,
     Link,
     detach_all,
@@ -40,10 +40,19 @@ from agent.ebpf.attach import (
     parse_link_events,
     pod_side_program,
 )
+from agent.ebpf.maps import BpfMap, FakeMap, MapWriter
 from agent.ebpf.xdp import PROG_XDP
 from agent.localdetect import LocalDetector, LocalMode
 from agent.netns import netns_route, run_in_netns
 from agent.node import matches_pod_pattern
+from lab import hooks as lab_hooks
+from lab.tcxold import link_classid_program
+
+
+def new_attacher(config: Config, progs: Mapping[str, int], ports: MapWriter | None = None) -> attach.Attacher:
+    """An Attacher whose bridge-port map is `ports`, else a FakeMap of ekp_port_v2 (these programs
+    read none)."""
+    return attach.Attacher(config, progs, FakeMap(abi.MAPS["port"]) if ports is None else ports)
 
 
 def test_pod_patterns() -> None:
@@ -170,7 +179,7 @@ def test_a_device_holding_only_an_ipv6_node_address_is_external(netns: str, prog
     path translated come back there untranslated. The address in another spelling matches."""
     sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
     sh("ip", "-n", netns, "link", "set", "other1", "up")
-    attacher = Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs)
+    attacher = new_attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs)
     attacher.reconcile(NodeContext(node_ips=("192.168.0.11", "fd00:ff:0::11")), full=True)
     assert "ekp_from_net" in ingress(netns, "other1")
     assert sorted(attacher.attached.values()) == [
@@ -191,7 +200,7 @@ def test_a_device_whose_ipv6_node_address_went_is_detached_by_the_next_plain_rec
     longer holds a node address."""
     sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
     sh("ip", "-n", netns, "link", "set", "other1", "up")
-    attacher = Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs)
+    attacher = new_attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs)
     attacher.reconcile(NodeContext(node_ips=("192.168.0.11", "fd00:ff::11")), full=True)
     assert "ekp_from_net" in ingress(netns, "other1")
     attacher.reconcile(NODE)
@@ -207,7 +216,7 @@ def test_a_link_scope_ipv6_address_never_makes_a_device_external(netns: str, pro
     sh("ip", "-n", netns, "addr", "add", "fe80::11/64", "dev", "lxc-a", "nodad")
     sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
     sh("ip", "-n", netns, "link", "set", "other1", "up")
-    attacher = Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs)
+    attacher = new_attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs)
     attacher.reconcile(NodeContext(node_ips=("192.168.0.11", "fe80::11", "fd00:ff::11")), full=True)
     assert sorted(attacher.attached.values()) == [
         ("eth0", PROG_FROM_NET),
@@ -219,7 +228,7 @@ def test_a_link_scope_ipv6_address_never_makes_a_device_external(netns: str, pro
 @pytest.mark.kernel
 def test_attach_watch_and_detach(netns: str, progs: dict[str, int]) -> None:
     config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
-    attacher = Attacher(config, progs)
+    attacher = new_attacher(config, progs)
     attacher.reconcile(NODE, full=True)
     assert "ekp_from_net" in ingress(netns, "eth0") and "direct-action" in ingress(netns, "eth0")
     assert "pref 17" in ingress(netns, "eth0") and "handle 0xeb" in ingress(netns, "eth0")
@@ -295,10 +304,10 @@ def test_a_first_full_reconcile_keeping_external_devices_leaves_ekp_from_net_whe
     sh("ip", "-n", netns, "link", "set", "other1", "up")
     config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
     dual = NodeContext(node_ips=("192.168.0.11", "fd00:ff::11"))
-    Attacher(config, progs).reconcile(dual, full=True)
+    new_attacher(config, progs).reconcile(dual, full=True)
     assert "ekp_from_net" in ingress(netns, "other1")
 
-    restarted = Attacher(config, progs)
+    restarted = new_attacher(config, progs)
     restarted.reconcile(NODE, full=True, keep_external=True)
     assert "ekp_from_net" in ingress(netns, "other1"), "kept until the IPv6 addresses are known"
     assert ("other1", PROG_FROM_NET) in restarted.attached.values()
@@ -313,7 +322,7 @@ def test_replace_keeps_a_filter_in_place_and_full_reconcile_detaches_strays(
     netns: str, progs: dict[str, int]
 ) -> None:
     config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*", "other*"))
-    Attacher(config, progs).reconcile(NODE, full=True)
+    new_attacher(config, progs).reconcile(NODE, full=True)
     assert "ekp_from_pod" in ingress(netns, "other1")
 
     # a restarted agent with other settings: full reconcile swaps programs and drops the stray
@@ -329,7 +338,7 @@ def test_replace_keeps_a_filter_in_place_and_full_reconcile_detaches_strays(
     t = threading.Thread(target=watch)
     t.start()
     try:
-        Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs).reconcile(
+        new_attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs).reconcile(
             NODE, full=True
         )
     finally:
@@ -348,7 +357,7 @@ def test_both_host_routings_keep_the_egress_half_on_every_device(netns: str, pro
     legacy = Config(
         netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY
     )
-    attacher = Attacher(legacy, progs)
+    attacher = new_attacher(legacy, progs)
     attacher.reconcile(NODE, full=True)
     for dev in ("eth0", "lxc-a"):
         assert "ekp_egress" in egress(netns, dev) and "direct-action" in egress(netns, dev), dev
@@ -372,11 +381,11 @@ def test_both_host_routings_keep_the_egress_half_on_every_device(netns: str, pro
     bpf = Config(
         netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.BPF
     )
-    Attacher(bpf, progs).reconcile(NODE, full=True)
+    new_attacher(bpf, progs).reconcile(NODE, full=True)
     for dev in ("eth0", "lxc-a"):
         assert "ekp_egress" in egress(netns, dev) and "ekp_from_" in ingress(netns, dev), dev
 
-    back = Attacher(legacy, progs)
+    back = new_attacher(legacy, progs)
     back.reconcile(NODE)
     assert back.attachments == 0, "in place under either host routing: nothing attached again"
     assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]
@@ -390,7 +399,7 @@ def test_egress_programs_go_everywhere_before_any_ingress_program(netns: str, pr
     config = Config(
         netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY
     )
-    attacher = Attacher(config, progs)
+    attacher = new_attacher(config, progs)
     attacher.attach_egress(NODE)
     for dev in ("eth0", "lxc-a"):
         assert "ekp_egress" in egress(netns, dev) and ingress(netns, dev) == "", dev
@@ -413,7 +422,7 @@ def test_the_attach_names_the_devices_it_added_a_clsact_qdisc_to_and_a_restart_a
     config = Config(
         netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_host_routing=HostRouting.LEGACY
     )
-    Attacher(config, progs).attach_egress(NODE)
+    new_attacher(config, progs).attach_egress(NODE)
     said = [r.getMessage() for r in caplog.records if "clsact" in r.getMessage()]
     assert len(said) == 1 and re.match(
         r"added the clsact qdisc to 2 device\(s\) that had none \(eth0, lxc-a\) in [\d.]+ ms: the kernel"
@@ -421,14 +430,14 @@ def test_the_attach_names_the_devices_it_added_a_clsact_qdisc_to_and_a_restart_a
         said[0],
     ), said
     caplog.clear()
-    restarted = Attacher(config, progs)
+    restarted = new_attacher(config, progs)
     restarted.attach_egress(NODE)
     restarted.reconcile(NODE, full=True)
     assert [r.getMessage() for r in caplog.records if "clsact" in r.getMessage()] == []
     # bpf host routing attaches egress with ingress, device by device: each add said on its own
     assert sorted(detach_all(netns)) == ["eth0", "lxc-a"]
     caplog.clear()
-    Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs).reconcile(
+    new_attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs).reconcile(
         NODE, full=True
     )
     said = [r.getMessage() for r in caplog.records if "clsact" in r.getMessage()]
@@ -451,7 +460,7 @@ def test_interface_modes_attach_by_prefix_and_by_bridge_port_and_follow_enslavin
         detect_local_mode=LocalMode.INTERFACE_NAME_PREFIX,
         pod_interface_name_prefix="lxc-a",
     )
-    Attacher(prefix, progs).reconcile(NODE, full=True)
+    new_attacher(prefix, progs).reconcile(NODE, full=True)
     assert "ekp_from_pod" in ingress(netns, "lxc-a")
     assert "ekp_from_net" in ingress(netns, "lxc-c")
 
@@ -464,7 +473,7 @@ def test_interface_modes_attach_by_prefix_and_by_bridge_port_and_follow_enslavin
         detect_local_mode=LocalMode.BRIDGE_INTERFACE,
         pod_bridge_interface="cbr0",
     )
-    attacher = Attacher(bridge, progs)
+    attacher = new_attacher(bridge, progs)
     attacher.reconcile(NODE, full=True)
     assert "ekp_from_pod" in ingress(netns, "lxc-c")  # a port of the bridge
     assert "ekp_from_net" in ingress(netns, "lxc-a")  # a pod device outside it
@@ -485,42 +494,56 @@ def link_index(ns: str, dev: str) -> int:
     return int(sh("ip", "-n", ns, "-o", "link", "show", "dev", dev).split(":", 1)[0])
 
 
-def ingress_classid(ns: str, dev: str) -> int | None:
-    """The classid of our ingress filter on `dev` (what the program reads in skb->tc_classid)."""
-    with netns_route(ns) as ipr:
-        index = ipr.link_lookup(ifname=dev)[0]
-        for msg in ipr.get_filters(index=index, parent=0xFFFFFFF2):
-            if msg["handle"] != 0 and msg.get_nested("TCA_OPTIONS", "TCA_BPF_NAME"):
-                return int(msg.get_nested("TCA_OPTIONS", "TCA_BPF_CLASSID") or 0)
-    return None
+def port_entries(ports: MapWriter) -> dict[int, int]:
+    """ekp_port_v2 as {port ifindex: bridge ifindex}."""
+    out = {}
+    for k, v in ports.items():
+        assert isinstance(k, ctypes.c_uint32) and isinstance(v, abi.Port), (k, v)
+        out[int(k.value)] = int(v.bridge)
+    return out
 
 
 @pytest.mark.kernel
-def test_a_bridge_port_s_filter_names_its_bridge_and_follows_enslaving(
+def test_a_bridge_port_s_entry_names_its_bridge_and_follows_enslaving(
     netns: str, progs: dict[str, int]
 ) -> None:
     """bpf host routing's source check (bpf/ekp_redirect.h) accepts a route back by the bridge a
-    pod's port belongs to, which the port's ingress filter carries as its classid: 0 on a device
-    of no bridge, the bridge's ifindex once the CNI enslaves the veth (the watcher re-attaches,
-    in any detector mode: here the default, where the program stays ekp_from_pod), kept by a full
-    reconcile. On main every filter had classid 1, and the check dropped every translated packet
-    of a bridged pod."""
+    pod's port belongs to, which ekp_port_v2 holds for the port: no entry for a device of no bridge,
+    the bridge's ifindex once the CNI enslaves the veth (the watcher writes it, in any detector
+    mode: here the default, where the program stays ekp_from_pod), kept by a full reconcile of a
+    restarted agent, gone when the port leaves the bridge and when the device goes; an entry no
+    device of ours explains (left by an agent that stopped before the device went) is removed by
+    a full reconcile. No external device gets one. (On main the port's filter carried the bridge
+    as its classid, which tcx cannot give, and this map did not exist.)"""
     config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
+    ports = FakeMap(abi.MAPS["port"])
     sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
-    attacher = Attacher(config, progs)
+    sh("ip", "-n", netns, "link", "set", "eth0", "master", "cbr0")  # an external device on a bridge
+    attacher = new_attacher(config, progs, ports)
     attacher.reconcile(NODE, full=True)
-    assert ingress_classid(netns, "lxc-a") == 0
-    assert ingress_classid(netns, "eth0") == 0
+    assert port_entries(ports) == {}
+    bridge, lxc_a = link_index(netns, "cbr0"), link_index(netns, "lxc-a")
     attacher.start_watcher()
     try:
         sh("ip", "-n", netns, "link", "set", "lxc-a", "master", "cbr0")
-        bridge = link_index(netns, "cbr0")
-        assert wait_for(lambda: ingress_classid(netns, "lxc-a") == bridge), ingress_classid(netns, "lxc-a")
+        assert wait_for(lambda: port_entries(ports) == {lxc_a: bridge}), port_entries(ports)
     finally:
         attacher.stop_watcher()
-    Attacher(config, progs).reconcile(NODE, full=True)
-    assert ingress_classid(netns, "lxc-a") == bridge
     assert "ekp_from_pod" in ingress(netns, "lxc-a")
+    ports.update(ctypes.c_uint32(9999), abi.Port(bridge=bridge))  # a device gone while no agent ran
+    restarted = new_attacher(config, progs, ports)
+    restarted.reconcile(NODE, full=True)
+    assert port_entries(ports) == {lxc_a: bridge}
+    restarted.start_watcher()
+    try:
+        sh("ip", "-n", netns, "link", "set", "lxc-a", "nomaster")
+        assert wait_for(lambda: port_entries(ports) == {}), port_entries(ports)
+        sh("ip", "-n", netns, "link", "set", "lxc-a", "master", "cbr0")
+        assert wait_for(lambda: port_entries(ports) == {lxc_a: bridge}), port_entries(ports)
+        sh("ip", "-n", netns, "link", "del", "lxc-a")
+        assert wait_for(lambda: port_entries(ports) == {}), port_entries(ports)
+    finally:
+        restarted.stop_watcher()
 
 
 @pytest.mark.kernel
@@ -563,11 +586,11 @@ def test_xdp_on_the_external_devices_only_reconciled_and_detached(netns: str, pr
     try:
         with_xdp = {**progs, PROG_XDP: fd}
         # best-effort (the default) leaves a veth alone
-        Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), with_xdp).reconcile(
-            NODE, full=True
-        )
+        new_attacher(
+            Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), with_xdp
+        ).reconcile(NODE, full=True)
         assert xdp_of(netns, "eth0") == {}
-        attacher = Attacher(
+        attacher = new_attacher(
             Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_xdp="native"), with_xdp
         )
         attacher.reconcile(NODE, full=True)
@@ -581,13 +604,13 @@ def test_xdp_on_the_external_devices_only_reconciled_and_detached(netns: str, pr
         attacher.reconcile(NODE, verify=True)
         assert xdp_of(netns, "eth0").get("mode") == 1
         # --bpf-xdp=disabled: a restarted agent takes ours off
-        Attacher(
+        new_attacher(
             Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_xdp="disabled"),
             with_xdp,
         ).reconcile(NODE, full=True)
         assert xdp_of(netns, "eth0") == {}
         # generic, then gone with the address that made eth0 external
-        generic = Attacher(
+        generic = new_attacher(
             Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_xdp="generic"), with_xdp
         )
         generic.reconcile(NODE, full=True)
@@ -643,10 +666,10 @@ def test_a_hand_over_puts_the_newer_programs_in_front_then_in_the_older_ones_pla
 
     old = {name: prog_id(fd) for name, fd in progs.items()}
     new = {name: prog_id(fd) for name, fd in newer_progs.items()}
-    Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs).reconcile(
+    new_attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs).reconcile(
         NODE, full=True
     )
-    newer = Attacher(
+    newer = new_attacher(
         Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*", "other*")), newer_progs
     )
     newer.reconcile(NODE, full=True, front=True)
@@ -683,7 +706,7 @@ def test_a_hand_over_puts_the_newer_programs_in_front_then_in_the_older_ones_pla
     assert newer.fronts == {}
 
     # cut short (an agent stopped in the middle): both priorities are ours to remove
-    Attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs).reconcile(
+    new_attacher(Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",)), progs).reconcile(
         NODE, full=True, front=True
     )
     assert set(ours_by_pref(ingress(netns, "eth0"))) == {16, 17}
@@ -707,8 +730,8 @@ def test_a_hand_over_resumed_goes_in_front_only_of_an_older_build_and_a_plain_st
     old = {name: prog_id(fd) for name, fd in progs.items()}
     new = {name: prog_id(fd) for name, fd in newer_progs.items()}
     config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
-    Attacher(config, progs).reconcile(NODE, full=True)
-    newer = Attacher(config, newer_progs)
+    new_attacher(config, progs).reconcile(NODE, full=True)
+    newer = new_attacher(config, newer_progs)
     assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=True)
     newer.reconcile(NODE, full=True, front=True)
     # rehome moved eth0's ingress hook only, then the agent stopped
@@ -718,7 +741,7 @@ def test_a_hand_over_resumed_goes_in_front_only_of_an_older_build_and_a_plain_st
         ipr.tc("del-filter", "bpf", index, FILTER_HANDLE, parent=TC_H_INGRESS, prio=FRONT_PRIO)
     assert ours_by_pref(ingress(netns, "eth0")) == {17: new[PROG_FROM_NET]}
 
-    restarted = Attacher(config, newer_progs)
+    restarted = new_attacher(config, newer_progs)
     assert restarted.handover_state() == HandoverState(own_front=True, other_front=False, older_behind=True)
     restarted.reconcile(NODE, full=True, front=True)
     assert ours_by_pref(ingress(netns, "eth0")) == {17: new[PROG_FROM_NET]}
@@ -735,12 +758,12 @@ def test_a_hand_over_resumed_goes_in_front_only_of_an_older_build_and_a_plain_st
             f"ekp_from_pod (prog {old[PROG_FROM_POD]}, pref 17)",
         ]
     # the older build seen from its side: another build of ours in front
-    assert Attacher(config, progs).handover_state() == HandoverState(
+    assert new_attacher(config, progs).handover_state() == HandoverState(
         own_front=False, other_front=True, older_behind=True
     )
 
     # a rollback to the older build, not a hand-over: it serves at 17 alone on every hook
-    rollback = Attacher(config, progs)
+    rollback = new_attacher(config, progs)
     rollback.reconcile(NODE, full=True)
     for dev, prog in (("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)):
         assert ours_by_pref(ingress(netns, dev)) == {17: old[prog]}, dev
@@ -760,7 +783,7 @@ def test_an_attach_egress_of_this_build_gets_no_copy_in_front(
 
     new = {name: prog_id(fd) for name, fd in newer_progs.items()}
     config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
-    newer = Attacher(config, newer_progs)
+    newer = new_attacher(config, newer_progs)
     newer.attach_egress(NODE)
     newer.reconcile(NODE, full=True, front=True)
     for dev in ("eth0", "lxc-a"):
@@ -779,11 +802,11 @@ def test_a_foreign_filter_at_the_front_priority_gets_the_older_one_replaced_inst
     old = {name: prog_id(fd) for name, fd in progs.items()}
     new = {name: prog_id(fd) for name, fd in newer_progs.items()}
     config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
-    Attacher(config, progs).reconcile(NODE, full=True)
+    new_attacher(config, progs).reconcile(NODE, full=True)
     # (this machine's kernel has cls_u32 but no act_gact, matchall, flower or basic: no action)
     sh("tc", "-n", netns, "filter", "add", "dev", "eth0", "ingress", "prio", "16", "protocol", "all",
        "u32", "match", "u32", "0", "0")  # fmt: skip
-    Attacher(config, newer_progs).reconcile(NODE, full=True, front=True)
+    new_attacher(config, newer_progs).reconcile(NODE, full=True, front=True)
     assert ours_by_pref(ingress(netns, "eth0")) == {17: new[PROG_FROM_NET]}
     assert re.search(r"pref 16 u32", ingress(netns, "eth0")), "the foreign filter stays where it was"
     assert ours_by_pref(egress(netns, "eth0")) == {16: new[PROG_EGRESS], 17: old[PROG_EGRESS]}
@@ -830,18 +853,19 @@ def test_tcx_attaches_without_a_qdisc_pins_each_link_by_device_and_hook_and_foll
     netns: str, progs: dict[str, int], pin_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """--bpf-tc-attach=tcx: the programs go on through tcx links, no qdisc added (so the attach
-    never stops a device's transmit queue, and the clsact line is never logged); ingress runs the
-    classid program first, then ours. Each link is pinned under the pin directory, named by hook,
+    never stops a device's transmit queue, and the clsact line is never logged); each hook runs
+    exactly one program, ours (no classid program in front of ingress: before ekp_port_v2, one
+    ran there on every packet). Each link is pinned under the pin directory, named by hook,
     device and ifindex; the watcher attaches to a new pod device, and a deleted device's defunct
     links lose their pins. detach_all detaches every link of ours."""
     caplog.set_level(logging.INFO, logger="agent.ebpf.attach")
-    attacher = Attacher(tcx_config(netns, pin_dir), progs)
+    attacher = new_attacher(tcx_config(netns, pin_dir), progs)
     attacher.reconcile(NODE, full=True)
     assert attacher.use_tcx
     for dev in ("eth0", "lxc-a"):
         assert "clsact" not in qdiscs(netns, dev) and ingress(netns, dev) == "" and egress(netns, dev) == ""
-    assert tcx_progs(netns, "eth0") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
-    assert tcx_progs(netns, "lxc-a") == [tcx.CLASSID_PROG_NAME, PROG_FROM_POD]
+    assert tcx_progs(netns, "eth0") == [PROG_FROM_NET]
+    assert tcx_progs(netns, "lxc-a") == [PROG_FROM_POD]
     assert tcx_progs(netns, "eth0", "egress") == [PROG_EGRESS] == tcx_progs(netns, "lxc-a", "egress")
     assert tcx_progs(netns, "other1") == []
     eth0, lxc_a = index_of(netns, "eth0"), index_of(netns, "lxc-a")
@@ -849,10 +873,8 @@ def test_tcx_attaches_without_a_qdisc_pins_each_link_by_device_and_hook_and_foll
         [
             f"ekp_tcx_egress_eth0_{eth0}",
             f"ekp_tcx_ingress_eth0_{eth0}",
-            f"ekp_tcxcls_ingress_eth0_{eth0}",
             f"ekp_tcx_egress_lxc-a_{lxc_a}",
             f"ekp_tcx_ingress_lxc-a_{lxc_a}",
-            f"ekp_tcxcls_ingress_lxc-a_{lxc_a}",
         ]
     )
     assert not [r for r in caplog.records if "clsact" in r.getMessage()]
@@ -863,13 +885,13 @@ def test_tcx_attaches_without_a_qdisc_pins_each_link_by_device_and_hook_and_foll
     run_in_netns(netns, lambda: tcx.detach_ours(eth0, "ekp_from_net"))
     attacher.reconcile(NODE)
     assert attacher.attachments == attached + 1
-    assert tcx_progs(netns, "eth0") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
+    assert tcx_progs(netns, "eth0") == [PROG_FROM_NET]
 
     attacher.start_watcher()
     try:
         sh("ip", "-n", netns, "link", "add", "lxc-b", "type", "veth", "peer", "name", "pod-b")
         assert wait_for(lambda: ("lxc-b", PROG_FROM_POD) in attacher.attached.values())
-        assert tcx_progs(netns, "lxc-b") == [tcx.CLASSID_PROG_NAME, PROG_FROM_POD]
+        assert tcx_progs(netns, "lxc-b") == [PROG_FROM_POD]
         assert tcx_progs(netns, "lxc-b", "egress") == [PROG_EGRESS]
         lxc_b = index_of(netns, "lxc-b")
         assert f"ekp_tcx_ingress_lxc-b_{lxc_b}" in os.listdir(pin_dir)
@@ -885,8 +907,8 @@ def test_tcx_attaches_without_a_qdisc_pins_each_link_by_device_and_hook_and_foll
     assert detach_all(netns) == []
     # the pins hold defunct links now: a verifying reconcile sweeps them, then attaches anew
     assert {p.live for p in tcx.pinned(pin_dir)} == {False}
-    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
-    assert {p.live for p in tcx.pinned(pin_dir)} == {True} and len(os.listdir(pin_dir)) == 6
+    new_attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    assert {p.live for p in tcx.pinned(pin_dir)} == {True} and len(os.listdir(pin_dir)) == 4
     detach_all(netns)
 
 
@@ -896,31 +918,37 @@ def test_a_tcx_restart_swaps_the_new_program_into_the_pinned_link_with_no_moment
 ) -> None:
     """The links outlive the Attacher (the agent's exit): a restarted agent finds them pinned and
     updates them in place (BPF_LINK_UPDATE): the same link, the new program, and at no moment is
-    the hook without one of ours."""
+    the hook without one of ours. Restarted over the generation before ekp_port_v2 (its classid
+    program first on ingress, lab/tcxold.py): the classid link goes only once the new program
+    serves (the older one never runs without it), and the hook ends with ours alone."""
     from agent.ebpf.sockattach import prog_id
 
-    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
-    before = {p.path: p.link_id for p in tcx.pinned(pin_dir)}
+    new_attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    eth0 = index_of(netns, "eth0")
+    classid = link_classid_program(netns, pin_dir, "eth0", eth0, 0)
+    before = {p.path: p.link_id for p in tcx.pinned(pin_dir) if p.path != classid}
+    old = prog_id(progs[PROG_FROM_NET])
     new = {name: prog_id(fd) for name, fd in newer_progs.items()}
+    classid_prog = tcx_ids(netns, "eth0")[0]
     gaps: list[list[int]] = []
     stop = threading.Event()
 
     def watch() -> None:
         while not stop.is_set():
             ids = tcx_ids(netns, "eth0")
-            if len(ids) != 2:
+            if ids not in ([classid_prog, old], [classid_prog, new[PROG_FROM_NET]], [new[PROG_FROM_NET]]):
                 gaps.append(ids)
 
     t = threading.Thread(target=watch)
     t.start()
     try:
-        Attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True)
+        new_attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True)
     finally:
         stop.set()
         t.join()
     assert gaps == []
     assert {p.path: p.link_id for p in tcx.pinned(pin_dir)} == before
-    assert tcx_ids(netns, "eth0")[1] == new[PROG_FROM_NET]
+    assert tcx_ids(netns, "eth0") == [new[PROG_FROM_NET]]
     assert tcx_ids(netns, "lxc-a", "egress") == [new[PROG_EGRESS]]
     detach_all(netns)
 
@@ -936,14 +964,14 @@ def test_a_tcx_hand_over_from_a_clsact_generation_runs_in_front_then_removes_its
 
     old = {name: prog_id(fd) for name, fd in progs.items()}
     new = {name: prog_id(fd) for name, fd in newer_progs.items()}
-    Attacher(
+    new_attacher(
         Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), pin_path=pin_dir), progs
     ).reconcile(NODE, full=True)
-    newer = Attacher(tcx_config(netns, pin_dir), newer_progs)
+    newer = new_attacher(tcx_config(netns, pin_dir), newer_progs)
     assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=True)
     newer.reconcile(NODE, full=True, front=True)
     assert ours_by_pref(ingress(netns, "eth0")) == {17: old[PROG_FROM_NET]}
-    assert tcx_ids(netns, "eth0")[1:] == [new[PROG_FROM_NET]]
+    assert tcx_ids(netns, "eth0") == [new[PROG_FROM_NET]]
     assert len(newer.fronts) == 4
     assert newer.handover_state() == HandoverState(own_front=True, other_front=False, older_behind=True)
     with netns_route(netns) as ipr:
@@ -961,15 +989,15 @@ def test_a_tcx_hand_over_from_a_clsact_generation_runs_in_front_then_removes_its
     for dev in ("eth0", "lxc-a"):
         assert ingress(netns, dev) == "" and egress(netns, dev) == "", dev
         assert "clsact" in qdiscs(netns, dev), dev
-    assert tcx_ids(netns, "lxc-a")[1:] == [new[PROG_FROM_POD]]
+    assert tcx_ids(netns, "lxc-a") == [new[PROG_FROM_POD]]
     assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=False)
     # a plain start of the tcx build over the clsact one removes the filters at once
-    Attacher(
+    new_attacher(
         Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), pin_path=pin_dir), progs
     ).reconcile(NODE, full=True)
     assert ours_by_pref(ingress(netns, "eth0")) == {17: old[PROG_FROM_NET]}
-    Attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True)
-    assert ingress(netns, "eth0") == "" and tcx_ids(netns, "eth0")[1:] == [new[PROG_FROM_NET]]
+    new_attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True)
+    assert ingress(netns, "eth0") == "" and tcx_ids(netns, "eth0") == [new[PROG_FROM_NET]]
     detach_all(netns)
 
 
@@ -979,15 +1007,21 @@ def test_a_tcx_hand_over_from_a_tcx_generation_goes_right_before_its_link_then_t
 ) -> None:
     """Upgrade from an agent on tcx: the new program gets a link of its own right before the
     older one's (pinned as ekp_tcxfront_*); `rehome` updates the older link to the new program,
-    then removes the one in front."""
+    then removes the one in front. The older generation here is the one before ekp_port_v2, with
+    its classid program first on each ingress hook (lab/tcxold.py): it stays there while the older
+    program runs behind ours (that program reads what it writes), and goes at the rehome."""
     from agent.ebpf.sockattach import prog_id
 
     old = {name: prog_id(fd) for name, fd in progs.items()}
     new = {name: prog_id(fd) for name, fd in newer_progs.items()}
-    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
-    newer = Attacher(tcx_config(netns, pin_dir), newer_progs)
+    new_attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    for dev in ("eth0", "lxc-a"):
+        link_classid_program(netns, pin_dir, dev, index_of(netns, dev), 0)
+    newer = new_attacher(tcx_config(netns, pin_dir), newer_progs)
     assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=True)
     newer.reconcile(NODE, full=True, front=True)
+    newer.reconcile(NODE, verify=True)  # a verifying sync during the hand-over leaves it as it is
+    assert tcx_progs(netns, "eth0")[0] == tcx.CLASSID_PROG_NAME == tcx_progs(netns, "lxc-a")[0]
     assert tcx_ids(netns, "eth0")[1:] == [new[PROG_FROM_NET], old[PROG_FROM_NET]]
     assert tcx_ids(netns, "eth0", "egress") == [new[PROG_EGRESS], old[PROG_EGRESS]]
     assert any(n.startswith("ekp_tcxfront_ingress_eth0_") for n in os.listdir(pin_dir))
@@ -1011,23 +1045,30 @@ def test_a_tcx_hand_over_from_a_tcx_generation_goes_right_before_its_link_then_t
     newer.rehome()
     with netns_route(netns) as ipr:
         assert fronts_left(ipr, netns) == []
-    assert tcx_ids(netns, "eth0")[1:] == [new[PROG_FROM_NET]]
+    assert tcx_ids(netns, "eth0") == [new[PROG_FROM_NET]]
+    assert tcx_ids(netns, "lxc-a") == [new[PROG_FROM_POD]]
     assert tcx_ids(netns, "lxc-a", "egress") == [new[PROG_EGRESS]]
-    assert not any(n.startswith("ekp_tcxfront_") for n in os.listdir(pin_dir))
+    assert not any(n.startswith(("ekp_tcxfront_", "ekp_tcxcls_")) for n in os.listdir(pin_dir))
     assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=False)
     detach_all(netns)
 
 
 @pytest.fixture(scope="module")
-def classid_progs() -> Iterator[tuple[dict[str, int], Any]]:
-    """Programs that record the skb->tc_classid they were given (map `seen`, by ifindex)."""
+def bridge_progs() -> Iterator[tuple[dict[str, int], Any, Any]]:
+    """Programs that record the bridge ekp_port_v2 names for their ingress device (map `seen`, by
+    ifindex; 0: no entry), as bpf/ekp_redirect.h's ekp_port_bridge reads it, from `ports`, a map of
+    ekp_port_v2's layout."""
     from bcc import BPF
 
     text = """
 #include <uapi/linux/pkt_cls.h>
 BPF_HASH(seen, u32, u32, 64);
+BPF_HASH(ports, u32, u32, 64);
 static inline int note(struct __sk_buff *skb) {
-    u32 k = skb->ingress_ifindex, v = skb->tc_classid;
+    u32 k = skb->ingress_ifindex, v = 0;
+    u32 *bridge = ports.lookup(&k);
+    if (bridge)
+        v = *bridge;
     seen.update(&k, &v);
     return TC_ACT_OK;
 }
@@ -1038,7 +1079,7 @@ int ekp_egress(struct __sk_buff *skb) { return TC_ACT_OK; }
     bpf: Any = BPF(text=text.encode())
     names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)
     fds = {name: bpf.load_func(name.encode(), BPF.SCHED_CLS).fd for name in names}
-    yield fds, bpf[b"seen"]
+    yield fds, bpf[b"seen"], bpf[b"ports"]
     bpf.cleanup()
 
 
@@ -1055,18 +1096,23 @@ def send_frame(ns: str, dev: str) -> None:
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("attach", ["tcx", "clsact"])
-def test_the_ingress_program_finds_its_bridge_in_tc_classid_with_either_attach(
-    netns: str, classid_progs: tuple[dict[str, int], Any], pin_dir: str, attach: str
+def test_the_ingress_program_alone_on_its_hook_finds_its_bridge_in_the_port_map_with_either_attach(
+    netns: str, bridge_progs: tuple[dict[str, int], Any, Any], pin_dir: str, attach: str
 ) -> None:
-    """cls_bpf gives the program the filter's classid in skb->tc_classid (a bridge port's bridge:
-    bpf/ekp_redirect.h); tcx gives nothing, so the classid program in front writes it. Either way
-    the program sees the bridge's ifindex on a port, and 0 elsewhere."""
-    progs, seen = classid_progs
+    """Each ingress hook runs exactly one program, ours, with either attach (on main tcx put a
+    classid program in front of every ingress program, run on every packet, to give it the port's
+    bridge in skb->tc_classid as cls_bpf's classid did). The program finds a port's bridge in
+    ekp_port_v2 instead, written by the attach: the bridge's ifindex on a port, nothing elsewhere."""
+    progs, seen, ports = bridge_progs
     sh("ip", "-n", netns, "link", "add", "br0", "type", "bridge")
     sh("ip", "-n", netns, "link", "set", "lxc-a", "master", "br0")
     sh("ip", "-n", netns, "link", "set", "br0", "up")
     config = Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir, bpf_tc_attach=attach)
-    Attacher(config, progs).reconcile(NODE, full=True)
+    new_attacher(config, progs, BpfMap(abi.MAPS["port"], ports.map_fd, owns_fd=False)).reconcile(
+        NODE, full=True
+    )
+    for dev, prog in (("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)):
+        assert lab_hooks.hook_programs(netns, dev) == [prog], dev
     seen.clear()
     send_frame(netns, "pod-a")
     send_frame(netns, "peer0")
@@ -1147,7 +1193,7 @@ def test_a_flow_out_of_a_device_loses_nothing_while_tcx_attaches_and_detaches(
     config = Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir, bpf_tc_attach=attach)
     with UdpFlow(netns, two_ends, "192.168.0.12") as flow:
         for _ in range(15):
-            Attacher(config, progs).reconcile(NODE, full=True)
+            new_attacher(config, progs).reconcile(NODE, full=True)
             assert ("clsact" in qdiscs(netns, "eth0")) == (attach == "clsact")
             time.sleep(0.02)
             detach_all(netns)
@@ -1167,9 +1213,9 @@ def test_an_agent_on_clsact_after_one_on_tcx_detaches_the_links_that_would_run_i
     would go on deciding every packet; each device's links go once its filters are on."""
     from agent.ebpf.sockattach import prog_id
 
-    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    new_attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
     config = Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir, bpf_tc_attach="clsact")
-    Attacher(config, newer_progs).reconcile(NODE, full=True)
+    new_attacher(config, newer_progs).reconcile(NODE, full=True)
     for dev in ("eth0", "lxc-a"):
         assert tcx_progs(netns, dev) == [] and tcx_progs(netns, dev, "egress") == [], dev
     assert ours_by_pref(ingress(netns, "eth0")) == {17: prog_id(newer_progs[PROG_FROM_NET])}
@@ -1183,14 +1229,13 @@ def test_inspect_hooks_lists_what_each_hook_runs_with_either_attach(
     netns: str, progs: dict[str, int], pin_dir: str, attach: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`agent inspect hooks` names the programs of each device's hooks in run order, tcx links
-    (the classid program first on ingress) or clsact filters, and a filter another left behind
-    after our tcx link (it runs after ours)."""
+    or clsact filters, and a filter another left behind after our tcx link (it runs after ours)."""
     from agent.ebpf.sockattach import prog_id
     from agent.inspect import main as inspect_main
 
     ids = {name: prog_id(fd) for name, fd in progs.items()}
     config = Config(netns=netns, pod_interfaces=("lxc*",), pin_path=pin_dir, bpf_tc_attach=attach)
-    Attacher(config, progs).reconcile(NODE, full=True)
+    new_attacher(config, progs).reconcile(NODE, full=True)
     if attach == "tcx":
         sh("tc", "-n", netns, "qdisc", "add", "dev", "eth0", "clsact")
     sh("tc", "-n", netns, "filter", "add", "dev", "eth0", "ingress", "prio", "5", "protocol", "ip",
@@ -1200,8 +1245,7 @@ def test_inspect_hooks_lists_what_each_hook_runs_with_either_attach(
     net, egr = f"prog {ids[PROG_FROM_NET]}", f"prog {ids[PROG_EGRESS]}"
     if attach == "tcx":
         want = [
-            rf"hook eth0 ingress: tcx ekp_tcx_classid \(prog \d+, link \d+\) -> tcx ekp_from_net \({net}, "
-            r"link \d+\) -> clsact u32 \(prog 0, pref 5\)",
+            rf"hook eth0 ingress: tcx ekp_from_net \({net}, link \d+\) -> clsact u32 \(prog 0, pref 5\)",
             rf"hook eth0 egress: tcx ekp_egress \({egr}, link \d+\)",
         ]
     else:
@@ -1237,8 +1281,10 @@ def test_a_clsact_start_handing_over_from_a_tcx_generation_goes_in_front_of_its_
 
     old = {name: prog_id(fd) for name, fd in progs.items()}
     new = {name: prog_id(fd) for name, fd in newer_progs.items()}
-    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
-    newer = Attacher(clsact_config(netns, pin_dir), newer_progs)
+    new_attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    for dev in ("eth0", "lxc-a"):  # the generation before ekp_port_v2 (lab/tcxold.py)
+        link_classid_program(netns, pin_dir, dev, index_of(netns, dev), 0)
+    newer = new_attacher(clsact_config(netns, pin_dir), newer_progs)
     assert newer.handover_state() == HandoverState(own_front=False, other_front=False, older_behind=True)
     newer.reconcile(NODE, full=True, front=True)
     for dev, prog in (("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD)):
@@ -1287,7 +1333,7 @@ def test_reading_the_tcx_pins_removes_only_what_holds_no_tcx_link_and_survives_p
     link is removed."""
     from agent.ebpf import bpfsys
 
-    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    new_attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
     eth0, lxc_a = index_of(netns, "eth0"), index_of(netns, "lxc-a")
     busy = os.path.join(pin_dir, tcx.pin_name(tcx.MAIN, tcx.INGRESS, "eth0", eth0))
     swept = os.path.join(pin_dir, tcx.pin_name(tcx.MAIN, tcx.EGRESS, "lxc-a", lxc_a))
@@ -1308,9 +1354,9 @@ def test_reading_the_tcx_pins_removes_only_what_holds_no_tcx_link_and_survives_p
     monkeypatch.undo()
     assert os.path.basename(busy) not in got and os.path.basename(swept) not in got
     assert os.path.exists(busy), "a pin that could not be read is left in place"
-    assert tcx_progs(netns, "eth0") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
+    assert tcx_progs(netns, "eth0") == [PROG_FROM_NET]
     assert not os.path.exists(bogus), "a pin of a program, not a tcx link, is removed"
-    assert len(got) == 4
+    assert len(got) == 2
     detach_all(netns)
 
 
@@ -1324,12 +1370,12 @@ def test_a_first_full_reconcile_on_tcx_keeps_a_device_only_a_clsact_filter_made_
     sh("ip", "-n", netns, "addr", "add", "fd00:ff::11/64", "dev", "other1", "nodad")
     sh("ip", "-n", netns, "link", "set", "other1", "up")
     dual = NodeContext(node_ips=("192.168.0.11", "fd00:ff::11"))
-    Attacher(clsact_config(netns, pin_dir), progs).reconcile(dual, full=True)
+    new_attacher(clsact_config(netns, pin_dir), progs).reconcile(dual, full=True)
     assert "ekp_from_net" in ingress(netns, "other1")
-    switched = Attacher(tcx_config(netns, pin_dir), progs)
+    switched = new_attacher(tcx_config(netns, pin_dir), progs)
     switched.reconcile(NODE, full=True, keep_external=True)
     assert ("other1", PROG_FROM_NET) in switched.attached.values()
-    assert tcx_progs(netns, "other1") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
+    assert tcx_progs(netns, "other1") == [PROG_FROM_NET]
     assert tcx_progs(netns, "other1", "egress") == [PROG_EGRESS]
     detach_all(netns)
 
@@ -1346,10 +1392,10 @@ def test_a_device_moved_to_another_namespace_loses_our_tcx_links_and_their_pins(
     sh("ip", "netns", "add", other)
     try:
         sh("ip", "-n", netns, "link", "add", "lxc-b", "type", "veth", "peer", "name", "pod-b")
-        attacher = Attacher(tcx_config(netns, pin_dir), progs)
+        attacher = new_attacher(tcx_config(netns, pin_dir), progs)
         attacher.reconcile(NODE, full=True)
         lxc_a, lxc_b = index_of(netns, "lxc-a"), index_of(netns, "lxc-b")
-        assert len([n for n in os.listdir(pin_dir) if n.endswith(f"_{lxc_a}")]) == 3
+        assert len([n for n in os.listdir(pin_dir) if n.endswith(f"_{lxc_a}")]) == 2
         attacher.start_watcher()
         try:
             sh("ip", "-n", netns, "link", "set", "lxc-a", "netns", other)
@@ -1363,7 +1409,7 @@ def test_a_device_moved_to_another_namespace_loses_our_tcx_links_and_their_pins(
         attacher.reconcile(NODE, verify=True)
         assert not [n for n in os.listdir(pin_dir) if n.endswith(f"_{lxc_b}")]
         assert run_in_netns(other, lambda: tcx.hook_links(lxc_b, "ingress")) == []
-        assert tcx_progs(netns, "eth0") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
+        assert tcx_progs(netns, "eth0") == [PROG_FROM_NET]
         detach_all(netns)
     finally:
         subprocess.run(["ip", "netns", "del", other], check=False)
@@ -1399,21 +1445,21 @@ def test_a_tcx_link_left_in_front_by_a_hand_over_cut_short_takes_the_place_with_
     """A hand-over from tcx to tcx cut short after the rehome removed the older link (MAIN gone,
     the newer build's link in front left): the next start, another build, takes that link in front
     over, updated in place to its program and pinned as MAIN, never leaving the hook without a
-    program of ours (nor its classid program alone)."""
+    program of ours."""
     from agent.ebpf.sockattach import prog_id
 
-    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
-    Attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True, front=True)
+    new_attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    new_attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True, front=True)
     eth0 = index_of(netns, "eth0")
     main = tcx.find(tcx.pinned(pin_dir), tcx.MAIN, tcx.INGRESS, eth0)
     assert main is not None
     tcx.remove(main)  # the rehome's first step, then the agent stopped
-    assert tcx_progs(netns, "eth0") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
+    assert tcx_progs(netns, "eth0") == [PROG_FROM_NET]
     snaps = hook_snapshots(netns, "eth0", monkeypatch)
-    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    new_attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
     monkeypatch.undo()
     assert snaps and all(PROG_FROM_NET in snap for snap in snaps), snaps
-    assert tcx_ids(netns, "eth0")[1:] == [prog_id(progs[PROG_FROM_NET])]
+    assert tcx_ids(netns, "eth0") == [prog_id(progs[PROG_FROM_NET])]
     assert not any(n.startswith("ekp_tcxfront_") for n in os.listdir(pin_dir))
     assert tcx.find(tcx.pinned(pin_dir), tcx.MAIN, tcx.INGRESS, eth0) is not None
     detach_all(netns)
@@ -1424,23 +1470,29 @@ def test_our_tcx_links_leave_a_device_ingress_first_its_classid_program_next_egr
     netns: str, progs: dict[str, int], pin_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As the clsact path removes its filters: no packet translated at ingress lacks its egress
-    half, and no program of ours reads a tc_classid nobody wrote. Both ways ours go: a device no
-    longer wanted (its pins) and `detach_all` (every link of ours the hooks hold)."""
+    half, and no older program of ours reads a tc_classid nobody wrote (an older generation's
+    classid program, lab/tcxold.py, goes after the ingress program behind it). Both ways ours go: a
+    device no longer wanted (its pins) and `detach_all` (every link of ours the hooks hold, the
+    classid program counted as ours by its name)."""
     from agent.ebpf import bpfsys
 
-    Attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    new_attacher(tcx_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    for dev in ("eth0", "lxc-a"):
+        link_classid_program(netns, pin_dir, dev, index_of(netns, dev), 0)
     removed: list[tuple[str, str]] = []
     real_remove = tcx.remove
 
     def remove(pin: tcx.Pinned) -> None:
-        removed.append((pin.role, pin.hook))
+        if pin.device == "lxc-a":  # (eth0's classid link goes too: ours serves its ingress)
+            removed.append((pin.role, pin.hook))
         real_remove(pin)
 
     monkeypatch.setattr(tcx, "remove", remove)
     no_pods = Config(netns=netns, pod_interfaces=("none*",), pin_path=pin_dir, bpf_tc_attach="tcx")
-    Attacher(no_pods, progs).reconcile(NODE, full=True)  # lxc-a goes
+    new_attacher(no_pods, progs).reconcile(NODE, full=True)  # lxc-a goes
     monkeypatch.undo()
     assert removed == [(tcx.MAIN, tcx.INGRESS), (tcx.CLASSID, tcx.INGRESS), (tcx.MAIN, tcx.EGRESS)]
+    link_classid_program(netns, pin_dir, "eth0", index_of(netns, "eth0"), 0)
 
     eth0 = index_of(netns, "eth0")
     names = {}
@@ -1487,11 +1539,11 @@ def test_a_clsact_full_reconcile_after_tcx_removes_the_links_of_devices_it_no_lo
     a full reconcile also removes those on devices it no longer wants (still running in front of
     nothing of ours) and the pins of defunct links (a device deleted while no agent ran)."""
     both = Config(netns=netns, pod_interfaces=("lxc*", "other*"), pin_path=pin_dir, bpf_tc_attach="tcx")
-    Attacher(both, progs).reconcile(NODE, full=True)
+    new_attacher(both, progs).reconcile(NODE, full=True)
     other1 = index_of(netns, "other1")
     sh("ip", "-n", netns, "link", "del", "lxc-a")  # while no agent runs: its pins hold defunct links
-    assert tcx_progs(netns, "other1") == [tcx.CLASSID_PROG_NAME, PROG_FROM_POD]
-    Attacher(clsact_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    assert tcx_progs(netns, "other1") == [PROG_FROM_POD]
+    new_attacher(clsact_config(netns, pin_dir), progs).reconcile(NODE, full=True)
     assert tcx_progs(netns, "other1") == [] and tcx_progs(netns, "other1", "egress") == []
     assert not [n for n in os.listdir(pin_dir) if n.endswith(f"_{other1}")]
     assert not [n for n in os.listdir(pin_dir) if "_lxc-a_" in n], "defunct pins swept"
@@ -1506,39 +1558,13 @@ def test_a_tcx_attach_racing_another_thread_onto_the_same_hook_goes_on(
     """The watcher and a verifying reconcile may both find a hook without our link and create it:
     the kernel refuses the second (EEXIST: a program once per hook). The second reads the pins
     again and goes on rather than failing the sync."""
-    attacher = Attacher(tcx_config(netns, pin_dir), progs)
+    attacher = new_attacher(tcx_config(netns, pin_dir), progs)
     attacher.reconcile(NODE, full=True)
     lxc_a = index_of(netns, "lxc-a")
     with netns_route(netns) as ipr:
         attacher._attach(ipr, lxc_a, "lxc-a", PROG_FROM_POD, 0, pins=[])  # what it read before the other
-    assert tcx_progs(netns, "lxc-a") == [tcx.CLASSID_PROG_NAME, PROG_FROM_POD]
-    assert len([n for n in os.listdir(pin_dir) if n.endswith(f"_{lxc_a}")]) == 3
-    detach_all(netns)
-
-
-@pytest.mark.kernel
-def test_stopping_the_watcher_never_closes_a_tcx_classid_program_an_attach_is_linking(
-    netns: str, progs: dict[str, int], pin_dir: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """stop_watcher closes the classid programs' fds; an attach on another thread (a sync) holding
-    one of them must get to link it first."""
-    attacher = Attacher(tcx_config(netns, pin_dir), progs)
-    real_create = tcx.create
-    stoppers: list[threading.Thread] = []
-
-    def create(*args: Any, **kw: Any) -> tcx.Pinned:
-        if args[2] == tcx.CLASSID and not stoppers:
-            stopper = threading.Thread(target=attacher.stop_watcher)
-            stoppers.append(stopper)
-            stopper.start()
-            stopper.join(0.5)  # long enough for it to close the fd, were it free to
-        return real_create(*args, **kw)
-
-    monkeypatch.setattr(tcx, "create", create)
-    attacher.reconcile(NODE, full=True)
-    monkeypatch.undo()
-    stoppers[0].join()
-    assert tcx_progs(netns, "eth0") == [tcx.CLASSID_PROG_NAME, PROG_FROM_NET]
+    assert tcx_progs(netns, "lxc-a") == [PROG_FROM_POD]
+    assert len([n for n in os.listdir(pin_dir) if n.endswith(f"_{lxc_a}")]) == 2
     detach_all(netns)
 
 
@@ -1573,14 +1599,14 @@ def test_a_clsact_start_resuming_a_tcx_hand_over_from_clsact_goes_in_front_of_bo
     v1 = {name: prog_id(fd) for name, fd in progs.items()}
     second = {name: prog_id(fd) for name, fd in newer_progs.items()}
     third = {name: prog_id(fd) for name, fd in third_progs.items()}
-    Attacher(clsact_config(netns, pin_dir), progs).reconcile(NODE, full=True)
-    Attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True, front=True)
-    assert tcx_ids(netns, "eth0")[1:] == [second[PROG_FROM_NET]]
+    new_attacher(clsact_config(netns, pin_dir), progs).reconcile(NODE, full=True)
+    new_attacher(tcx_config(netns, pin_dir), newer_progs).reconcile(NODE, full=True, front=True)
+    assert tcx_ids(netns, "eth0") == [second[PROG_FROM_NET]]
     assert ours_by_pref(ingress(netns, "eth0")) == {17: v1[PROG_FROM_NET]}
-    newer = Attacher(clsact_config(netns, pin_dir), third_progs)
+    newer = new_attacher(clsact_config(netns, pin_dir), third_progs)
     assert newer.handover_state() == HandoverState(own_front=False, other_front=True, older_behind=True)
     newer.reconcile(NODE, full=True, front=True)
-    assert tcx_ids(netns, "eth0")[1:] == [third[PROG_FROM_NET], second[PROG_FROM_NET]]
+    assert tcx_ids(netns, "eth0") == [third[PROG_FROM_NET], second[PROG_FROM_NET]]
     assert tcx_ids(netns, "eth0", "egress") == [third[PROG_EGRESS], second[PROG_EGRESS]]
     assert ours_by_pref(ingress(netns, "eth0")) == {17: v1[PROG_FROM_NET]}
     newer.rehome()

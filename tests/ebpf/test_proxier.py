@@ -123,7 +123,7 @@ class FakeAttacher:
         self.kept: list[bool] = []  # each reconcile's keep_external
         # What the hooks hold at a start (the Rig's), and the filters a front reconcile puts in front.
         self.state = HandoverState(own_front=False, other_front=False, older_behind=True)
-        self.front: dict[tuple[int, int], tuple[str, int]] = {}
+        self.front: dict[tuple[int, int], str] = {}
         self.rehome_error: Exception | None = None  # what the next rehome raises
 
     def attach_egress(self, node: NodeContext) -> None:
@@ -147,7 +147,7 @@ class FakeAttacher:
         self.kept.append(keep_external)
         self.armed_at_reconcile.append(activity.armed(self.maps["act"]))
         if front and self.state.older_behind:
-            self.front[(2, 0xFFFFFFF2)] = ("ekp_from_net", 0)
+            self.front[(2, 0xFFFFFFF2)] = "ekp_from_net"
 
     def rehome(self) -> None:
         self.log.append("rehome")
@@ -157,7 +157,7 @@ class FakeAttacher:
         self.front.clear()
 
     @property
-    def fronts(self) -> dict[tuple[int, int], tuple[str, int]]:
+    def fronts(self) -> dict[tuple[int, int], str]:
         return dict(self.front)
 
     def handover_state(self) -> HandoverState:
@@ -286,7 +286,7 @@ class Rig:
             self.sysctls.append((netns, path, value))
             return "0"
 
-        def attacher(config: Config, fds: Mapping[str, int]) -> FakeAttacher:
+        def attacher(config: Config, fds: Mapping[str, int], ports: MapWriter) -> FakeAttacher:
             self.attachers.append(FakeAttacher(self.events, self.maps))
             self.attachers[-1].state = self.hooks
             self.attachers[-1].rehome_error = self.rehome_error
@@ -556,7 +556,7 @@ def test_a_failed_rehome_is_finished_by_the_next_sync_without_a_new_pass(rig: Ri
     ]
     assert rig.attachers[-1].fronts == {}
     # any later sync finishes what is still in front (a hook whose move did not happen)
-    rig.attachers[-1].front[(3, 0xFFFFFFF3)] = ("ekp_egress", 1)
+    rig.attachers[-1].front[(3, 0xFFFFFFF3)] = "ekp_egress"
     rig.events.clear()
     p.sync(STATE, NODE)
     assert [e for e in rig.events if e.startswith(HAND_OVER_EVENTS)] == [
@@ -1979,7 +1979,7 @@ def test_legacy_host_routing_is_on_before_any_ingress_program_is_attached(rig: R
         return EbpfProxier(
             config,
             datapath_factory=lambda pin_path, sizes: FakeDatapath(rig.maps),
-            attacher_factory=lambda config, fds: Recording(rig.events, rig.maps),
+            attacher_factory=lambda config, fds, ports: Recording(rig.events, rig.maps),
             sysctl_writer=lambda netns, path, value: "1",
             sysctl_reader=lambda netns, path: rig.local_ports,
             sizes_reader=lambda pin_path: {},

@@ -82,7 +82,7 @@ def proxier(maps: Mapping[str, MapWriter], tmp: Path, snapshot_dir: str | None =
     return EbpfProxier(
         Config(pin_path=str(tmp / "pins")),
         datapath_factory=lambda pin_path, sizes: FakeDatapath(maps),  # type: ignore[arg-type]
-        attacher_factory=lambda config, fds: FakeAttacher([], maps),
+        attacher_factory=lambda config, fds, ports: FakeAttacher([], maps),
         sysctl_writer=lambda netns, path, value: None,
         sysctl_reader=lambda netns, path: "32768\t60999",
         sizes_reader=lambda pin_path: {},

@@ -90,6 +90,11 @@ from bench.verifycost import ProgCost, measure, the_object
 # results/v6pkt-attribution-2026-11-27.txt): ekp_from_pod6 427,318 -> 459,307, ekp_from_net6
 # 408,486 -> 436,684, ekp_xdp_net6 216,724 -> 219,033, IPv4's unchanged; budgets unchanged, so
 # ekp_from_pod6 is 2% under its own: the next growth there wants a state split found and removed.
+# tcxmap (a pod port's bridge looked up in ekp_port_v2 by the source check, where the route back
+# is not the ingress device, instead of read from skb->tc_classid; bench/results/scale/
+# verifycost-tcxmap-2026-11-27.txt): ekp_from_pod 268,041 -> 268,661, ekp_from_pod6 459,307 ->
+# 449,720 (pruning: the lookup's branch is past the walks), every other program unchanged;
+# budgets unchanged.
 BUDGET = {
     PROG_FROM_POD: 450_000,
     PROG_FROM_NET: 450_000,
@@ -111,7 +116,7 @@ BUDGET = {
 # XDP's IPv6 path alone (xdp6); 1,876,000 with both (18 programs); 1,841,000 after ip6slim2 and
 # v6legacy2 (pruning: the host-error fix added nothing to ekp_from_pod6's walk), 1,840,775 at
 # v6legacy3, 1,844,216 at v6gaps, 1,848,589 at strangers, 1,837,241 at decide6, 1,905,000 at
-# v6pkt; budgeted at
+# v6pkt, 1,896,033 at tcxmap; budgeted at
 # 2,050,000: 9% over the highest total since v6rej2's CRC32c change (1,876,000), 11% over the
 # current one
 ALL_PROGRAMS = 2_050_000

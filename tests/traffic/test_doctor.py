@@ -18,6 +18,7 @@ from lab import Lab
 from lab.apicluster import ApiCluster
 from lab.harness import REPO, ep
 from lab.objects import Port, service, with_endpoints
+from lab.tcxold import classid_program
 from tests.conftest import require_kernel
 
 pytestmark = pytest.mark.kernel
@@ -97,7 +98,7 @@ def foreign_tcx_link(ns: str, dev_index: int) -> int:
     from agent.ebpf import bpfsys, tcx
     from agent.netns import run_in_netns
 
-    prog = bpfsys.prog_load(tcx.BPF_PROG_TYPE_SCHED_CLS, tcx.classid_program(0), "GPL", "foreign_tc")
+    prog = bpfsys.prog_load(tcx.BPF_PROG_TYPE_SCHED_CLS, classid_program(0), "GPL", "foreign_tc")
     assert prog >= 0, prog
     link = run_in_netns(ns, lambda: bpfsys.tcx_link_create(prog, dev_index, tcx.BPF_TCX_INGRESS))
     os.close(prog)

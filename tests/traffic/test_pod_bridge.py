@@ -8,6 +8,10 @@ routing: served, not masqueraded (the bridge is the detector's, so the traffic i
 `--bpf-host-routing=bpf` the program's source check (bpf/ekp_redirect.h) sees the route back to a
 pod leave by the bridge, not by the port the packet came in by: on main it dropped every
 translated packet from a bridged pod as `spoofed_source`. A forged source is still dropped there.
+bpf host routing runs on both attaches (`--bpf-tc-attach`): the port's bridge comes from
+ekp_port_v2, which the agent writes for each port, whichever way the program is attached (before
+it, cls_bpf's filter classid on clsact, and on tcx a classid program in front of every ingress
+program, run on every packet).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lab import Lab
+from lab import Lab, hooks
 from lab.harness import Cluster, ep
 from lab.objects import Port, service, with_endpoints
 from tests.adversarial.test_host_routing import (
@@ -39,7 +43,8 @@ DETECTOR = ("--detect-local-mode=BridgeInterface", f"--pod-bridge-interface={BRI
 PATHS = {
     "iptables": ("iptables", DETECTOR),
     "legacy": ("ebpf", (*DETECTOR, "--bpf-host-routing=legacy")),
-    "bpf": ("ebpf", (*DETECTOR, "--bpf-host-routing=bpf")),
+    "bpf": ("ebpf", (*DETECTOR, "--bpf-host-routing=bpf", "--bpf-tc-attach=tcx")),
+    "bpf-clsact": ("ebpf", (*DETECTOR, "--bpf-host-routing=bpf", "--bpf-tc-attach=clsact")),
 }
 
 
@@ -67,6 +72,17 @@ def test_the_lab_bridges_the_pods(path: tuple[str, Cluster]) -> None:
     for pod in node.pods:
         assert f"master {BRIDGE}" in lab.run(node, "ip", "-o", "link", "show", pod.host_iface).stdout
     assert f"dev {BRIDGE}" in lab.run(node, "ip", "route", "get", lab.pod("pod-1-2").ip).stdout
+
+
+def test_each_bridge_port_s_ingress_runs_one_program_ours(path: tuple[str, Cluster]) -> None:
+    """Every pod port's ingress hook runs exactly one program, ekp_from_pod, with either attach (on
+    main, tcx ran a classid program in front of it on every packet, 62-72 ns a run, to give it
+    the port's bridge); none in iptables mode."""
+    _, cluster = path
+    node = cluster.lab.node(1)
+    want = ["ekp_from_pod"] if cluster.mode == "ebpf" else []
+    got = {pod.host_iface: hooks.hook_programs(node.ns, pod.host_iface) for pod in node.pods}
+    assert got == {pod.host_iface: want for pod in node.pods}, got
 
 
 def test_pod_to_clusterip_to_pod_across_the_bridge(path: tuple[str, Cluster]) -> None:
@@ -115,7 +131,7 @@ def test_a_forged_source_from_a_bridged_pod_never_reaches_the_backend(path: tupl
     lines = wait_received(log, f"{client.ip} genuine")
     assert f"{client.ip} genuine" in lines, f"the genuine datagram must arrive: {lines}"
     assert not [line for line in lines if "forged" in line], f"the forged source reached the backend: {lines}"
-    if name == "bpf":
+    if name.startswith("bpf"):
         assert cluster.bpf_stats()["drop_spoofed"] == before + 1
         assert rp_filter_drops(lab) == before_rp, "dropped by the program, before the stack"
     elif name == "legacy":

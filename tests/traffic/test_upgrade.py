@@ -14,6 +14,9 @@ every request must succeed and the long-lived connection must carry on.
 * From the last agent before the early-drop queues, the fragment maps and ekp_stats_v3: the
   conntrack tables are the same maps (their layout unchanged), the new maps are created beside
   them, the counters of ekp_stats_v2 are carried into ekp_stats_v3 and its pin removed.
+* From the last agent with tcx's classid program (ekp_tcx_classid first on every ingress hook, the
+  port's bridge in skb->tc_classid): the same ABI, so the links are updated in place, the new map
+  ekp_port_v2 created beside the others, and the classid links removed once ours serve.
 * From the last agent before the IPv6 maps, in a dual-stack lab (issue 20): the old agent serves
   IPv6 Services with ip6tables only; the new one adds the IPv6 maps beside the pins it finds
   and its socket programs take the pods' new IPv6 connections over, while the IPv6 connection
@@ -41,7 +44,7 @@ from typing import Any
 import pytest
 
 from agent.ebpf.abi import MAPS
-from lab import Lab
+from lab import Lab, hooks
 from lab.core import PODSERVER
 from lab.harness import CLIENT, REPO, Agent, Cluster, ep
 from lab.objects import Ep, Port, endpoint_slice, service, with_endpoints
@@ -59,6 +62,9 @@ V2_STATS_COMMIT = "1a1629f3862fe2ceeb0dda77d5d836c12f55a85c"
 # eBPF-mode agent serves IPv6 Services with ip6tables alone (the first parent of the merge of
 # v6sock, be397d8).
 V6_MAPS_COMMIT = "4604c479822afac7d448688ba54b131be75759ea"
+# The last commit of main whose tcx attach put a classid program (ekp_tcx_classid) first on every
+# ingress hook, before ekp_port_v2 (git merge-base of that branch, tcxmap, and main).
+CLASSID_COMMIT = "ed0964ecb325023da89cd9cf24b7ad0f4b319e4f"
 ECHO_PORT = 7000
 HTTP2_PORT = 8085  # the second podserver's HTTP port (IPv4, and IPv6 in the dual-stack lab)
 WEB6, ECHO6 = "fd00:10:96::5:1", "fd00:10:96::5:2"  # the dual-stack Services' IPv6 ClusterIPs
@@ -409,6 +415,49 @@ def test_upgrade_from_the_agent_before_the_early_drop_queues_under_load_fails_no
     stats = cluster.bpf_stats()
     assert stats["packets"] > stats["new_flows"] > 200, stats  # counted before the upgrade and after
     assert stats["drop_no_flow"] == 0, stats
+    assert not cluster.stop(), "agent --cleanup failed"
+
+
+def test_upgrade_from_the_classid_generation_on_tcx_under_load_fails_no_request(
+    lab: Lab, tmp_path: Path
+) -> None:
+    """An agent on tcx from before ekp_port_v2 ran a classid program in front of every ingress
+    program (agent/ebpf/tcx.py's module doc). The new agent (bpf host routing, whose source check
+    reads the port map) swaps its programs into the pinned links in place and then removes those
+    links: every request served, the long-lived connection carried on, no client retransmitting a
+    SYN or resetting, and afterwards each ingress hook runs one program, ours, with no classid pin
+    left; `agent --cleanup` finds nothing foreign."""
+    tree = old_tree(
+        tmp_path,
+        CLASSID_COMMIT,
+        "the last agent with tcx's classid program",
+        ("agent/ebpf/tcx.py", 'CLASSID_PROG_NAME = "ekp_tcx_classid"'),
+        lacks=("bpf/ekp_maps.h", "ekp_port_v2"),
+    )
+    seen: dict[str, dict[str, dict[str, int]]] = {}
+    gaps = gap_observer(seen)
+    programs: dict[str, dict[str, list[str]]] = {}
+
+    def observe(cluster: Cluster, when: str) -> None:
+        gaps(cluster, when)
+        node = cluster.lab.node(1)
+        programs[when] = {dev: hooks.hook_programs(node.ns, dev) for dev in ("eth0", node.pods[0].host_iface)}
+
+    flags = ["--bpf-tc-attach=tcx", "--bpf-host-routing=bpf"]
+    cluster, new, _ = upgrade_under_load(lab, tree, "classid", observe, extra=flags)
+    pod_dev = cluster.lab.node(1).pods[0].host_iface
+    assert programs["before"] == {
+        "eth0": ["ekp_tcx_classid", "ekp_from_net"],
+        pod_dev: ["ekp_tcx_classid", "ekp_from_pod"],
+    }, programs
+    assert programs["after"] == {"eth0": ["ekp_from_net"], pod_dev: ["ekp_from_pod"]}, programs
+    pins = Path(new.pin_path)
+    assert not [p.name for p in pins.iterdir() if p.name.startswith("ekp_tcxcls_")]
+    assert (pins / "ekp_port_v2").exists()
+    assert "removed the older generation's ekp_tcx_classid link on eth0 ingress" in new.log()
+    stats = cluster.bpf_stats()
+    assert stats["drop_no_flow"] == 0 and stats.get("drop_spoofed", 0) == 0, stats
+    assert_no_gap(seen)
     assert not cluster.stop(), "agent --cleanup failed"
 
 
