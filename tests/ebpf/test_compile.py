@@ -31,9 +31,9 @@ from agent.ebpf.abi import MAPS, CtEntry, CtKey, MapSpec, ip_be, port_be
 from agent.ebpf.bpfobject import BpfObject
 from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids, prog_pin
 from agent.ebpf.link import PinnedMapMismatch, link, verifier_threads
-from agent.ebpf.loader import PRIVATE_MAPS, Datapath, PinMismatchError
+from agent.ebpf.loader import COMPILING_LOG, PRIVATE_MAPS, Datapath, PinMismatchError
 from agent.ebpf.maps import map_info, obj_get
-from agent.ebpf.objcache import DIR_ENV, ObjectCache, default_cache_dir
+from agent.ebpf.objcache import DIR_ENV, WAITING_LOG, ObjectCache, default_cache_dir
 from agent.ebpf.programs import (
     BUILD_MAPS,
     PROG_EGRESS,
@@ -220,7 +220,9 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
             if not name.startswith(PROG_PIN_PREFIX):
                 os.unlink(os.path.join(pins, name))
         caplog.clear()
-        bigger = Datapath(pins, BIGGER, cache=ObjectCache(default_cache_dir()))
+        machine = ObjectCache(default_cache_dir())
+        bigger = Datapath(pins, BIGGER, cache=machine)
+        cached = machine.get(bigger.build(bigger.programs())) is not None
         bigger.load()
         assert bigger.build(bigger.programs()) != again.build(again.programs())
         assert bigger.release_older_builds() == [
@@ -228,7 +230,14 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         ]
         bigger.close()
         assert "data path reused" not in caplog.text
-        assert re.search(r"data path (compiled in|loaded from the compile cache)", caplog.text)
+        # A miss is compiled here, unless another process (lab/precompile.py beside the lint step,
+        # another worker's packet-lab module) was compiling it: then waited for and loaded.
+        waited = WAITING_LOG in caplog.text
+        if cached or waited:
+            assert "data path loaded from the compile cache" in caplog.text, (cached, waited)
+            assert COMPILING_LOG not in caplog.text
+        else:
+            assert re.search(r"data path compiled in \d", caplog.text), caplog.text
         rebuilt = _prog_pins(pins)
         assert len(rebuilt) == len(PROGRAMS) + len(TAIL_CALLS) + len(BUILD_MAPS)
         assert not set(rebuilt) & set(built)
