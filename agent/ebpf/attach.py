@@ -709,7 +709,12 @@ class Attacher:
         self._ready = threading.Event()
         self.attachments = 0  # filters attached (or replaced) since construction
         self._xdp: dict[int, str] = {}  # external ifindex -> XDP mode it runs in ("" none)
+        # Held across each ekp_port_v2 write and the caches' update, so that the watcher and a
+        # reconcile cannot leave the map and `_bridges` disagreeing.
+        self._ports_lock = threading.Lock()
         self._bridges: dict[int, int] = {}  # ifindex -> its bridge as ekp_port_v2 holds it (port_bridge)
+        self._port_writes = 0  # ekp_port_v2 writes (updates and deletes) so far
+        self._written: dict[int, int] = {}  # ifindex -> `_port_writes` after its latest write
         # (ifindex, hook) -> the program put in front of an older generation's by a hand-over's
         # reconcile, until `rehome` moves it to FILTER_PRIO.
         self._fronts: dict[tuple[int, int], str] = {}
@@ -750,36 +755,65 @@ class Attacher:
                 )
         return self._tcx
 
-    def _set_bridge(self, index: int, bridge: int) -> None:
+    def _set_bridge(self, index: int, bridge: int, *, force: bool = False, since: int = -1) -> None:
         """ekp_port_v2 says `bridge` (0: no entry) for the device: before its ingress program is
-        attached or swapped, so that no packet of a bridged pod meets one without it."""
-        with self._lock:
-            if self._bridges.get(index, -1) == bridge:
+        attached or swapped, so that no packet of a bridged pod meets one without it. `force`:
+        write though the cache says it is there (a verify found the map saying otherwise), unless
+        the device's entry was written after `since` (`_port_mark`): that writer listed the
+        device later, so it knows better."""
+        with self._ports_lock:
+            if self._written.get(index, -1) > since >= 0:
                 return
-        key = ctypes.c_uint32(index)
-        if bridge:
-            self._ports.update(key, abi.Port(bridge=bridge))
-        else:
-            self._ports.delete(key)
-        with self._lock:
+            if not force and self._bridges.get(index, -1) == bridge:
+                return
+            key = ctypes.c_uint32(index)
+            if bridge:
+                self._ports.update(key, abi.Port(bridge=bridge))
+            else:
+                self._ports.delete(key)
             self._bridges[index] = bridge
+            self._port_writes += 1
+            self._written[index] = self._port_writes
 
     def _forget_bridge(self, index: int) -> None:
         """The device went or no longer carries ours: its entry goes (its ifindex may come back as
         another device's)."""
-        with self._lock:
+        with self._ports_lock:
             had = self._bridges.pop(index, -1)
-        if had != 0:
-            self._ports.delete(ctypes.c_uint32(index))
+            self._written.pop(index, None)
+            if had != 0:
+                self._ports.delete(ctypes.c_uint32(index))
 
-    def _prune_bridges(self, keep: Collection[int]) -> None:
+    def _port_mark(self) -> int:
+        """Taken before a reconcile lists the devices: an entry written after it is the watcher's
+        (a device that came, or changed bridge, after the listing), which that reconcile leaves."""
+        with self._ports_lock:
+            return self._port_writes
+
+    def _live_bridges(self) -> dict[int, int]:
+        """ekp_port_v2 as the kernel holds it ({port ifindex: bridge}; few entries, one per pod
+        port): what a verify checks, rather than our cache of it."""
+        with self._ports_lock:
+            return {int(k.value): int(v.bridge) for k, v in self._ports.items() if isinstance(v, abi.Port)}
+
+    def _cached_bridge(self, index: int) -> int:
+        with self._ports_lock:
+            return self._bridges.get(index, 0)
+
+    def _prune_bridges(self, keep: Collection[int], since: int) -> None:
         """Remove the entries of devices not in `keep` (a device that went while no agent ran, or
-        whose RTM_DELLINK the watcher missed)."""
-        stale = [int(k.value) for k, _ in self._ports.items() if int(k.value) not in keep]
-        for index in stale:
-            with self._lock:
+        whose RTM_DELLINK the watcher missed), except those written after `since` (`_port_mark`,
+        taken before `keep` was listed: a device the watcher attached since, not in `keep`)."""
+        with self._ports_lock:
+            stale = [
+                index
+                for index in (int(k.value) for k, _ in self._ports.items())
+                if index not in keep and self._written.get(index, -1) <= since
+            ]
+            for index in stale:
                 self._bridges.pop(index, None)
-            self._ports.delete(ctypes.c_uint32(index))
+                self._written.pop(index, None)
+                self._ports.delete(ctypes.c_uint32(index))
         if stale:
             log.info("removed the bridge entries of ifindexes %s (no longer pod ports of ours)", stale)
 
@@ -936,6 +970,10 @@ class Attacher:
         stale = pins if pins is not None or not full else tcx.pinned(self._config.pin_path)
         with netns_route(self._config.netns) as ipr:
             links: dict[int, Link] = {}
+            # Both taken before the listing: a device the watcher attaches after it is in neither,
+            # so this reconcile neither detaches it nor removes its entry as no longer wanted.
+            mark = self._port_mark()
+            known = self.attached
             if full or verify:
                 wanted = wanted_devices(ipr, self._config, node)
                 links = {link.index: link for link in list_links(ipr)}
@@ -954,7 +992,6 @@ class Attacher:
             external = {i for i, (_, prog) in wanted.items() if prog == PROG_FROM_NET}
             with self._lock:
                 self._external = external
-                known = dict(self._attached)
             if not external:
                 log.warning(
                     "no external device found in netns %s (node IPs %s, --devices %s): "
@@ -983,20 +1020,29 @@ class Attacher:
                         if exc.code != errno.ENODEV:
                             raise
             if full or verify:
-                self._prune_bridges(wanted)
+                self._prune_bridges(wanted, mark)
+            live = self._live_bridges() if verify and not full else {}
             for index, (name, prog) in sorted(wanted.items()):
                 if index in links:
                     bridge = port_bridge(links[index]) if prog == PROG_FROM_POD else 0
                 else:
-                    bridge = self._bridges.get(index, 0)
+                    bridge = self._cached_bridge(index)
                 if (
                     not full
                     and self._hook_prog(ipr, pins, index) == prog
                     and self._hook_prog(ipr, pins, index, TC_H_EGRESS) == PROG_EGRESS
                     and (pins is None or self._classid_kept(pins, index))
-                    # (a plain sync looks at external devices only, which have no bridge entry)
-                    and (index not in links or self._bridges.get(index, -1) == bridge)
                 ):
+                    # (a plain sync looks at external devices only, which have no bridge entry)
+                    if index in links and live.get(index, 0) != bridge:
+                        log.warning(
+                            "ekp_port_v2 said bridge ifindex %d for %s, whose bridge is %d (0: none): "
+                            "corrected (something other than this agent wrote or deleted the entry)",
+                            live.get(index, 0),
+                            name,
+                            bridge,
+                        )
+                        self._set_bridge(index, bridge, force=True, since=mark)
                     self._remember(index, name, prog)
                     continue
                 self._attach(ipr, index, name, prog, bridge, front=front, clear_front=full, pins=pins)
