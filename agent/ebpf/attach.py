@@ -121,7 +121,7 @@ from pyroute2.netlink.rtnl import RTMGRP_LINK
 
 from agent.config import Config, NodeContext
 from agent.ebpf import abi, tcx, xdp
-from agent.ebpf.maps import MapWriter
+from agent.ebpf.maps import MapError, MapWriter
 from agent.localdetect import LocalDetector
 from agent.netns import netns_route, run_in_netns
 from agent.node import matches_pod_pattern
@@ -767,10 +767,26 @@ class Attacher:
             if not force and self._bridges.get(index, -1) == bridge:
                 return
             key = ctypes.c_uint32(index)
-            if bridge:
-                self._ports.update(key, abi.Port(bridge=bridge))
-            else:
-                self._ports.delete(key)
+            try:
+                if bridge:
+                    self._ports.update(key, abi.Port(bridge=bridge))
+                else:
+                    self._ports.delete(key)
+            except MapError as exc:
+                # The device gets its programs all the same (and the devices after it theirs); with
+                # no cached entry, the next verify finds the map lacking and writes it again.
+                self._bridges.pop(index, None)
+                log.error(
+                    "cannot write ifindex %d's bridge (%d; 0: none) to ekp_port_v2: %s. Until a verify "
+                    "writes it, Service traffic of this port's pods that bpf host routing redirects "
+                    "is dropped as spoofed_source (legacy host routing is unaffected); if the map is "
+                    "full, raise the flag the error names and restart; on ENOMEM, give the agent's "
+                    "memory cgroup room (the map allocates each entry as written)",
+                    index,
+                    bridge,
+                    exc,
+                )
+                return
             self._bridges[index] = bridge
             self._port_writes += 1
             self._written[index] = self._port_writes

@@ -40,7 +40,7 @@ from agent.ebpf.attach import (
     parse_link_events,
     pod_side_program,
 )
-from agent.ebpf.maps import BpfMap, FakeMap, MapWriter
+from agent.ebpf.maps import BpfMap, FakeMap, MapError, MapWriter, UpdateFlag
 from agent.ebpf.xdp import PROG_XDP
 from agent.localdetect import LocalDetector, LocalMode
 from agent.netns import netns_route, run_in_netns
@@ -602,6 +602,51 @@ def test_a_verify_checks_the_port_map_itself_and_rewrites_an_entry_it_lacks(
     ports.update(ctypes.c_uint32(lxc_b), abi.Port(bridge=bridge + 100))
     attacher.reconcile(NODE, verify=True)
     assert port_entries(ports) == {lxc_a: bridge, lxc_b: bridge}
+
+
+class FailingPorts(FakeMap):
+    """ekp_port_v2 whose updates fail with `err` for the ifindexes in `failing`."""
+
+    def __init__(self, err: int) -> None:
+        super().__init__(abi.MAPS["port"])
+        self.err = err
+        self.failing: set[int] = set()
+
+    def update(self, key: Any, value: Any, flags: UpdateFlag = UpdateFlag.ANY) -> None:
+        if int(key.value) in self.failing:
+            raise MapError(self.spec.name, "update", self.err)
+        super().update(key, value, flags)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("attach_mode", ["clsact", "tcx"])
+def test_a_port_entry_the_map_refuses_leaves_every_device_attached_and_a_verify_writes_it(
+    netns: str, progs: dict[str, int], pin_dir: str, attach_mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bridge port's entry the map refuses (ENOMEM under memory cgroup pressure: the hash
+    allocates each entry as written; or full) is logged as an error saying what it breaks; the port
+    and every device after it get their programs all the same, and the next verify writes the
+    entry. (Before, the MapError left that device and every one after it unattached, every sync.)"""
+    config = Config(netns=netns, bpf_tc_attach=attach_mode, pin_path=pin_dir, pod_interfaces=("lxc*",))
+    ports = FailingPorts(errno.ENOMEM)
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "set", "lxc-a", "master", "cbr0")
+    bridged_pod(netns, "lxc-b", "cbr0")
+    bridge, lxc_a, lxc_b = link_index(netns, "cbr0"), link_index(netns, "lxc-a"), link_index(netns, "lxc-b")
+    ports.failing = {lxc_a}
+    attacher = new_attacher(config, progs, ports)
+    attacher.reconcile(NODE, full=True)
+    for dev, prog in (("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD), ("lxc-b", PROG_FROM_POD)):
+        assert lab_hooks.hook_programs(netns, dev) == [prog], dev
+    assert port_entries(ports) == {lxc_b: bridge}
+    said = [r for r in caplog.records if r.levelno == logging.ERROR and "ekp_port_v2" in r.getMessage()]
+    assert len(said) == 1 and "spoofed_source" in said[0].getMessage(), said
+    attacher.reconcile(NODE, verify=True)
+    assert port_entries(ports) == {lxc_b: bridge}  # still refused
+    ports.failing = set()
+    attacher.reconcile(NODE, verify=True)
+    assert port_entries(ports) == {lxc_a: bridge, lxc_b: bridge}
+    detach_all(netns)
 
 
 @pytest.mark.kernel
