@@ -94,6 +94,7 @@ SIZES = MapSizes(
     aff=320,
     srcr=64,
     sknat=512,
+    port=96,
 )
 TCP, UDP = 6, 17
 # Every map the data path reads or writes that a test may have filled.
