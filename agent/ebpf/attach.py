@@ -152,6 +152,8 @@ RTM_NEWLINK = 16
 RTM_DELLINK = 17
 IFLA_IFNAME = 3
 IFLA_MASTER = 10
+IFLA_LINKINFO = 18
+IFLA_INFO_SLAVE_KIND = 4  # nested in IFLA_LINKINFO: the kind of the device's master ("bridge")
 _NLMSG_HDR = struct.Struct("=IHHII")
 _IFINFO = struct.Struct("=BxHiII")
 _RTA = struct.Struct("=HH")
@@ -170,10 +172,26 @@ def link_event_socket() -> socket.socket:
     return sock
 
 
-def parse_link_events(data: bytes) -> list[tuple[int, int, str, int]]:
-    """(message type, ifindex, ifname, master ifindex or 0) of each RTM_NEWLINK / RTM_DELLINK in a
-    netlink datagram."""
-    out: list[tuple[int, int, str, int]] = []
+def _rta_string(data: bytes, start: int, end: int) -> str:
+    return data[start:end].split(b"\0", 1)[0].decode(errors="replace")
+
+
+def _slave_kind(data: bytes, start: int, end: int) -> str:
+    """IFLA_INFO_SLAVE_KIND within the IFLA_LINKINFO attribute payload data[start:end] ("" none)."""
+    while start + _RTA.size <= end:
+        alen, atype = _RTA.unpack_from(data, start)
+        if alen < _RTA.size:
+            break
+        if atype & 0x3FFF == IFLA_INFO_SLAVE_KIND:
+            return _rta_string(data, start + _RTA.size, min(start + alen, end))
+        start += (alen + 3) & ~3
+    return ""
+
+
+def parse_link_events(data: bytes) -> list[tuple[int, int, str, int, str]]:
+    """(message type, ifindex, ifname, master ifindex or 0, the master's kind or "") of each
+    RTM_NEWLINK / RTM_DELLINK in a netlink datagram."""
+    out: list[tuple[int, int, str, int, str]] = []
     off = 0
     while off + _NLMSG_HDR.size <= len(data):
         length, mtype, _, _, _ = _NLMSG_HDR.unpack_from(data, off)
@@ -181,26 +199,31 @@ def parse_link_events(data: bytes) -> list[tuple[int, int, str, int]]:
             break
         body = off + _NLMSG_HDR.size
         if mtype in (RTM_NEWLINK, RTM_DELLINK) and length >= _NLMSG_HDR.size + _IFINFO.size:
-            _, _, index, _, _ = _IFINFO.unpack_from(data, body)
-            name, master = "", 0
+            family, _, index, _, _ = _IFINFO.unpack_from(data, body)
+            name, master, kind = "", 0, ""
             attr, end = body + _IFINFO.size, off + length
             while attr + _RTA.size <= end:
                 alen, atype = _RTA.unpack_from(data, attr)
                 if alen < _RTA.size:
                     break
                 if atype & 0x3FFF == IFLA_IFNAME:
-                    name = data[attr + _RTA.size : attr + alen].split(b"\0", 1)[0].decode(errors="replace")
+                    name = _rta_string(data, attr + _RTA.size, attr + alen)
                 elif atype & 0x3FFF == IFLA_MASTER and alen >= _RTA.size + 4:
                     (master,) = struct.unpack_from("=I", data, attr + _RTA.size)
+                elif atype & 0x3FFF == IFLA_LINKINFO:
+                    kind = _slave_kind(data, attr + _RTA.size, min(attr + alen, end))
                 attr += (alen + 3) & ~3
-            out.append((mtype, index, name, master))
+            if family == socket.AF_BRIDGE and master:
+                # The bridge's own notice about its port (no IFLA_LINKINFO): its master is a bridge.
+                kind = "bridge"
+            out.append((mtype, index, name, master, kind))
         off += (length + 3) & ~3
     return out
 
 
-def read_link_events(sock: socket.socket) -> list[tuple[int, int, str, int]]:
+def read_link_events(sock: socket.socket) -> list[tuple[int, int, str, int, str]]:
     """Every link event queued on `sock` (empty when none)."""
-    out: list[tuple[int, int, str, int]] = []
+    out: list[tuple[int, int, str, int, str]] = []
     while True:
         try:
             data = sock.recv(1 << 16)
@@ -213,11 +236,20 @@ def read_link_events(sock: socket.socket) -> list[tuple[int, int, str, int]]:
 class Link:
     index: int
     name: str
-    master: int = 0  # ifindex of the bridge (or bond) it is a port of; 0: none
+    master: int = 0  # ifindex of the bridge (or bond, VRF) it is a port of; 0: none
+    master_kind: str = ""  # its master's kind (IFLA_INFO_SLAVE_KIND: "bridge", "bond", "vrf")
+
+
+def _master_kind(msg: Any) -> str:
+    info = msg.get_attr("IFLA_LINKINFO")
+    return str(info.get_attr("IFLA_INFO_SLAVE_KIND") or "") if info is not None else ""
 
 
 def list_links(ipr: Any) -> list[Link]:
-    return [Link(int(m["index"]), str(m.get("ifname")), int(m.get("master") or 0)) for m in ipr.get_links()]
+    return [
+        Link(int(m["index"]), str(m.get("ifname")), int(m.get("master") or 0), _master_kind(m))
+        for m in ipr.get_links()
+    ]
 
 
 def pod_side_program(link: Link, config: Config, local: LocalDetector, bridge: int) -> str | None:
@@ -238,11 +270,11 @@ def pod_side_program(link: Link, config: Config, local: LocalDetector, bridge: i
 
 
 def port_bridge(link: Link) -> int:
-    """The bridge a device is a port of (its master's ifindex; 0 for none), which the Attacher
-    writes to ekp_port_v2 before the device's ingress program runs: the node routes a bridged pod's
-    addresses by the bridge, and the bpf host routing's source check (bpf/ekp_redirect.h) accepts
-    a route back by the port's bridge."""
-    return link.master
+    """The bridge a device is a port of (its master's ifindex; 0 for none, and for a master of
+    another kind: a bond, a VRF), which the Attacher writes to ekp_port_v2 before the device's
+    ingress program runs: the node routes a bridged pod's addresses by the bridge, and the bpf host
+    routing's source check (bpf/ekp_redirect.h) accepts a route back by the port's bridge."""
+    return link.master if link.master_kind == "bridge" else 0
 
 
 def bridge_index(ipr: Any, local: LocalDetector) -> int:
@@ -1456,9 +1488,9 @@ class Attacher:
                         log.warning("link events overflowed: checking every device")
                         self._catch_up(ipr)
                         continue
-                    for event, index, name, master in batch:
+                    for event, index, name, master, kind in batch:
                         if event == RTM_NEWLINK:
-                            self._on_new_link(ipr, Link(index, name, master))
+                            self._on_new_link(ipr, Link(index, name, master, kind))
                         elif event == RTM_DELLINK:
                             with self._lock:
                                 if self._attached.pop(index, None) is not None:

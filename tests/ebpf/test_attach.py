@@ -39,6 +39,7 @@ from agent.ebpf.attach import (
     hooks_report,
     parse_link_events,
     pod_side_program,
+    port_bridge,
 )
 from agent.ebpf.maps import BpfMap, FakeMap, MapError, MapWriter, UpdateFlag
 from agent.ebpf.xdp import PROG_XDP
@@ -70,12 +71,31 @@ def test_parse_link_events() -> None:
         return struct.pack("=IHHII", 16 + len(body), mtype, 0, 0, 0) + body
 
     data = msg(RTM_NEWLINK, 7, "lxc-a") + msg(RTM_DELLINK, 8, "veth1") + msg(20, 1, "addr")
-    assert parse_link_events(data) == [(RTM_NEWLINK, 7, "lxc-a", 0), (RTM_DELLINK, 8, "veth1", 0)]
-    master = struct.pack("=HHI", 8, 10, 42)  # IFLA_MASTER: a port of the bridge with ifindex 42
-    body = struct.pack("=BxHiII", 0, 1, 9, 0, 0) + master
-    enslaved = struct.pack("=IHHII", 16 + len(body), RTM_NEWLINK, 0, 0, 0) + body
-    assert parse_link_events(enslaved) == [(RTM_NEWLINK, 9, "", 42)]
+    assert parse_link_events(data) == [(RTM_NEWLINK, 7, "lxc-a", 0, ""), (RTM_DELLINK, 8, "veth1", 0, "")]
+    master = struct.pack("=HHI", 8, 10, 42)  # IFLA_MASTER: a port of the device with ifindex 42
+    for kind in ("bridge", "bond"):
+        # IFLA_LINKINFO holding IFLA_INFO_KIND "veth", then IFLA_INFO_SLAVE_KIND: the master's kind
+        nested = struct.pack("=HH", 9, 1) + b"veth\0" + b"\0" * 3
+        nested += struct.pack("=HH", 4 + len(kind) + 1, 4) + kind.encode() + b"\0"
+        nested += b"\0" * (-len(nested) % 4)
+        info = struct.pack("=HH", 4 + len(nested), 18) + nested
+        body = struct.pack("=BxHiII", 0, 1, 9, 0, 0) + master + info
+        enslaved = struct.pack("=IHHII", 16 + len(body), RTM_NEWLINK, 0, 0, 0) + body
+        assert parse_link_events(enslaved) == [(RTM_NEWLINK, 9, "", 42, kind)]
+    # The bridge's own notice about a port (family AF_BRIDGE) carries no IFLA_LINKINFO
+    body = struct.pack("=BxHiII", socket.AF_BRIDGE, 1, 9, 0, 0) + master
+    notice = struct.pack("=IHHII", 16 + len(body), RTM_NEWLINK, 0, 0, 0) + body
+    assert parse_link_events(notice) == [(RTM_NEWLINK, 9, "", 42, "bridge")]
     assert parse_link_events(data[:10]) == []
+
+
+def test_only_a_bridge_s_port_has_a_bridge_for_the_port_map() -> None:
+    """bpf host routing accepts a route back by a port's bridge (ekp_port_v2): a pod device whose
+    master is a bond or a VRF has none (before, any master's ifindex was written)."""
+    assert port_bridge(Link(5, "lxc-a", master=3, master_kind="bridge")) == 3
+    assert port_bridge(Link(5, "lxc-a", master=3, master_kind="bond")) == 0
+    assert port_bridge(Link(5, "lxc-a", master=3, master_kind="vrf")) == 0
+    assert port_bridge(Link(5, "lxc-a")) == 0
 
 
 PREFIX = LocalDetector(LocalMode.INTERFACE_NAME_PREFIX, prefix="lxc-a")
@@ -573,7 +593,7 @@ def test_a_verify_leaves_the_entry_of_a_port_the_watcher_attached_after_its_list
     def watcher_attaches_after_the_listing(ipr: Any, *args: Any) -> Any:
         wanted = listing(ipr, *args)
         bridged_pod(netns, "lxc-b", "cbr0")
-        attacher._on_new_link(ipr, Link(link_index(netns, "lxc-b"), "lxc-b", bridge))
+        attacher._on_new_link(ipr, Link(link_index(netns, "lxc-b"), "lxc-b", bridge, "bridge"))
         return wanted
 
     monkeypatch.setattr(attach, "wanted_devices", watcher_attaches_after_the_listing)
