@@ -1244,6 +1244,49 @@ def test_the_ingress_program_alone_on_its_hook_finds_its_bridge_in_the_port_map_
     detach_all(netns)
 
 
+class HookRecordingPorts(FakeMap):
+    """ekp_port_v2 that records, at each update, the ids of the programs its port's ingress hook
+    runs at that moment."""
+
+    def __init__(self, ns: str) -> None:
+        super().__init__(abi.MAPS["port"])
+        self.ns = ns
+        self.seen: list[tuple[int, list[int]]] = []
+
+    def update(self, key: Any, value: Any, flags: UpdateFlag = UpdateFlag.ANY) -> None:
+        index = int(key.value)
+        with netns_route(self.ns) as ipr:
+            self.seen.append(
+                (index, [p.prog_id for p in attach.hook_programs(ipr, self.ns, index, tcx.INGRESS)])
+            )
+        super().update(key, value, flags)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("attach_mode", ["tcx", "clsact"])
+def test_a_port_s_entry_is_written_before_its_ingress_program_is_attached_or_replaced(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int], pin_dir: str, attach_mode: str
+) -> None:
+    """The ingress program of a bridged pod's port drops its Service traffic as spoofed_source
+    (bpf host routing) without the port's entry: so the entry is there before the program is, on
+    the first attach (the hook runs nothing yet) and on a restart's (a new build's program takes
+    the older one's place in the hook: still the older one's at the write)."""
+    config = Config(netns=netns, bpf_tc_attach=attach_mode, pin_path=pin_dir, pod_interfaces=("lxc*",))
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "set", "lxc-a", "master", "cbr0")
+    lxc_a = link_index(netns, "lxc-a")
+    ports = HookRecordingPorts(netns)
+    new_attacher(config, progs, ports).reconcile(NODE, full=True)
+    assert ports.seen == [(lxc_a, [])]
+    older, newer = tcx.prog_id(progs[PROG_FROM_POD]), tcx.prog_id(newer_progs[PROG_FROM_POD])
+    ports.seen.clear()
+    new_attacher(config, newer_progs, ports).reconcile(NODE, full=True)  # a restart: its cache is empty
+    assert ports.seen == [(lxc_a, [older])]
+    with netns_route(netns) as ipr:
+        assert [p.prog_id for p in attach.hook_programs(ipr, netns, lxc_a, tcx.INGRESS)] == [newer]
+    detach_all(netns)
+
+
 class UdpFlow:
     """Numbered UDP datagrams every `interval` s from `ns` to `dst` in another namespace, counted."""
 
