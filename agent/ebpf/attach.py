@@ -1069,28 +1069,30 @@ class Attacher:
                             raise
             if full or verify:
                 self._prune_bridges(wanted, mark)
-            live = self._live_bridges() if verify and not full else {}
+            live = self._live_bridges() if verify and not full else None
             for index, (name, prog) in sorted(wanted.items()):
                 if index in links:
                     bridge = port_bridge(links[index]) if prog == PROG_FROM_POD else 0
                 else:
                     bridge = self._cached_bridge(index)
+                # A verify's (a plain sync looks at external devices only, which have no bridge
+                # entry). Written here, so before an attach below, as `_attach` would.
+                if live is not None and index in links and live.get(index, 0) != bridge:
+                    log.warning(
+                        "ekp_port_v2 held bridge ifindex %d for %s, whose bridge is %d (0: none): "
+                        "rewriting it (an entry changed behind the agent's back, or a change the "
+                        "link watcher missed)",
+                        live.get(index, 0),
+                        name,
+                        bridge,
+                    )
+                    self._set_bridge(index, bridge, force=True, since=mark)
                 if (
                     not full
                     and self._hook_prog(ipr, pins, index) == prog
                     and self._hook_prog(ipr, pins, index, TC_H_EGRESS) == PROG_EGRESS
                     and (pins is None or self._classid_kept(pins, index))
                 ):
-                    # (a plain sync looks at external devices only, which have no bridge entry)
-                    if index in links and live.get(index, 0) != bridge:
-                        log.warning(
-                            "ekp_port_v2 said bridge ifindex %d for %s, whose bridge is %d (0: none): "
-                            "corrected (something other than this agent wrote or deleted the entry)",
-                            live.get(index, 0),
-                            name,
-                            bridge,
-                        )
-                        self._set_bridge(index, bridge, force=True, since=mark)
                     self._remember(index, name, prog)
                     continue
                 self._attach(ipr, index, name, prog, bridge, front=front, clear_front=full, pins=pins)

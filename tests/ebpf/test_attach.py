@@ -605,10 +605,12 @@ def test_a_verify_leaves_the_entry_of_a_port_the_watcher_attached_after_its_list
 
 @pytest.mark.kernel
 def test_a_verify_checks_the_port_map_itself_and_rewrites_an_entry_it_lacks(
-    netns: str, progs: dict[str, int]
+    netns: str, progs: dict[str, int], caplog: pytest.LogCaptureFixture
 ) -> None:
     """The cache of ekp_port_v2 says an entry is there; the map, not the cache, is what a verify
-    checks: an entry deleted (or changed) behind the agent's back is written again."""
+    checks: an entry deleted (or changed) behind the agent's back is written again, with one
+    warning each, also where the device lost its program too (written before it is attached
+    again, which finds the cache as it was)."""
     config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
     ports = FakeMap(abi.MAPS["port"])
     sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
@@ -618,10 +620,17 @@ def test_a_verify_checks_the_port_map_itself_and_rewrites_an_entry_it_lacks(
     attacher.reconcile(NODE, full=True)
     bridge, lxc_a, lxc_b = link_index(netns, "cbr0"), link_index(netns, "lxc-a"), link_index(netns, "lxc-b")
     assert port_entries(ports) == {lxc_a: bridge, lxc_b: bridge}
+    assert "ekp_port_v2 held" not in caplog.text
     ports.delete(ctypes.c_uint32(lxc_a))
     ports.update(ctypes.c_uint32(lxc_b), abi.Port(bridge=bridge + 100))
     attacher.reconcile(NODE, verify=True)
     assert port_entries(ports) == {lxc_a: bridge, lxc_b: bridge}
+    assert caplog.text.count("ekp_port_v2 held") == 2, caplog.text
+    ports.delete(ctypes.c_uint32(lxc_a))
+    sh("tc", "-n", netns, "filter", "del", "dev", "lxc-a", "ingress")
+    attacher.reconcile(NODE, verify=True)
+    assert port_entries(ports) == {lxc_a: bridge, lxc_b: bridge}
+    assert "ekp_from_pod" in ingress(netns, "lxc-a")
 
 
 class FailingPorts(FakeMap):
