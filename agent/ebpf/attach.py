@@ -838,6 +838,15 @@ class Attacher:
         with self._ports_lock:
             return self._port_writes
 
+    def _untouched_since(self, gone: set[int], known: dict[int, tuple[str, str]], mark: int) -> set[int]:
+        """Of the devices a reconcile found no longer wanted, those the watcher has not attached or
+        written an entry for since `known` and `mark` were taken: the watcher saw them later (a pod
+        veth the CNI enslaved after the listing), so they are not the reconcile's to detach."""
+        with self._ports_lock:
+            fresh = {index for index in gone if self._written.get(index, -1) > mark}
+        with self._lock:
+            return {index for index in gone - fresh if self._attached.get(index) == known[index]}
+
     def _live_bridges(self) -> dict[int, int]:
         """ekp_port_v2 as the kernel holds it ({port ifindex: bridge}; few entries, one per pod
         port): what a verify checks, rather than our cache of it."""
@@ -1050,7 +1059,7 @@ class Attacher:
                 )
             gone: set[int] = set()
             if full:
-                gone = set(known) - set(wanted)
+                gone = self._untouched_since(set(known) - set(wanted), known, mark)
                 for link in list_links(ipr):
                     if link.index not in wanted and self._detach(ipr, link.index, stale):
                         log.info("detached from %s (no longer matches)", link.name)
@@ -1060,6 +1069,7 @@ class Attacher:
                     gone = set(known) - set(wanted)
                 else:
                     gone = {i for i, (_, prog) in known.items() if prog == PROG_FROM_NET} - external
+                gone = self._untouched_since(gone, known, mark)
                 for index in gone:
                     try:
                         if self._detach(ipr, index, pins):
@@ -1095,13 +1105,16 @@ class Attacher:
                 ):
                     self._remember(index, name, prog)
                     continue
-                self._attach(ipr, index, name, prog, bridge, front=front, clear_front=full, pins=pins)
+                self._attach(
+                    ipr, index, name, prog, bridge, front=front, clear_front=full, pins=pins, since=mark
+                )
             if stale is not None and (full or verify):
                 # Moved away with an RTM_DELLINK the watcher missed (a device listed is still here).
                 self._drop_moved(ipr, [p for p in tcx.pinned(self._config.pin_path) if p.index not in links])
                 swept = tcx.sweep_defunct(self._config.pin_path)
                 if swept:
                     log.info("removed the pins of tcx links whose device is gone: %s", ", ".join(swept))
+            gone = self._untouched_since(gone, known, mark)
             for index in gone:
                 self._xdp_off(ipr, index, known[index][0])
             for index in sorted(external):
@@ -1212,7 +1225,10 @@ class Attacher:
         clear_front: bool = False,
         appeared: bool = False,
         pins: list[tcx.Pinned] | None = None,
+        since: int = -1,
     ) -> None:
+        """`since` (a reconcile's `_port_mark`): the device's entry stays if the watcher wrote it after
+        the listing `bridge` comes from (that listing may predate the CNI enslaving it)."""
         if self.use_tcx:
             self._attach_tcx(
                 ipr,
@@ -1222,12 +1238,13 @@ class Attacher:
                 bridge,
                 front=front,
                 pins=tcx.pinned(self._config.pin_path, {index}) if pins is None else pins,
+                since=since,
             )
             return
         # Egress first: nothing is handed to the node's stack before its replies (and, with legacy
         # host routing, its own source translation) can be translated. `appeared`: a device the
         # watcher saw come (a new pod's: nothing sent through it yet that a clsact add could drop).
-        self._set_bridge(index, bridge)
+        self._set_bridge(index, bridge, since=since)
         where = []
         left = tcx.pinned(self._config.pin_path, {index})
         behind_links: set[str] = set()
@@ -1302,7 +1319,16 @@ class Attacher:
         self.attachments += 1
 
     def _attach_tcx(
-        self, ipr: Any, index: int, name: str, prog: str, bridge: int, *, front: bool, pins: list[tcx.Pinned]
+        self,
+        ipr: Any,
+        index: int,
+        name: str,
+        prog: str,
+        bridge: int,
+        *,
+        front: bool,
+        pins: list[tcx.Pinned],
+        since: int = -1,
     ) -> None:
         """`_attach` through tcx links (tcx.py): egress first, as there, then ingress. Ours replaces
         the one pinned there in place
@@ -1313,7 +1339,7 @@ class Attacher:
         tcx link (ours goes right before it, pinned as FRONT, until `rehome` updates the older link
         and removes ours in front). An older generation's classid program (tcx.py) in front of
         ingress goes once ours serves there, and stays while an older program does (`rehome`)."""
-        self._set_bridge(index, bridge)
+        self._set_bridge(index, bridge, since=since)
         where = []
         own = self._own_ids()
         for parent, program in ((TC_H_EGRESS, PROG_EGRESS), (TC_H_INGRESS, prog)):

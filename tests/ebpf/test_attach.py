@@ -604,6 +604,41 @@ def test_a_verify_leaves_the_entry_of_a_port_the_watcher_attached_after_its_list
 
 
 @pytest.mark.kernel
+def test_a_tcx_verify_re_attaching_a_port_the_watcher_enslaved_after_its_listing_keeps_its_entry(
+    netns: str, progs: dict[str, int], pin_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On tcx a verify re-attaches every device whose link its pins snapshot (taken before the
+    listing) lacks: a pod veth listed before the CNI enslaved it, which the watcher then attached
+    with its bridge's entry. The re-attach, from the older listing (no bridge), leaves that entry
+    (it deleted it: the pod's Service traffic dropped as spoofed_source under bpf host routing
+    until the next verify)."""
+    config = tcx_config(netns, pin_dir)
+    ports = FakeMap(abi.MAPS["port"])
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    attacher = new_attacher(config, progs, ports)
+    attacher.reconcile(NODE, full=True)
+    sh("ip", "-n", netns, "link", "add", "lxc-b", "type", "veth", "peer", "name", "p-lxc-b")  # a new pod
+    bridge, lxc_b = link_index(netns, "cbr0"), link_index(netns, "lxc-b")
+    listing = attach.list_links
+    listed: list[Link] = []
+
+    def enslaved_after_the_listing(ipr: Any) -> Any:
+        # The verify lists the devices more than once (wanted_devices too): each of its listings
+        # is the one taken before the CNI enslaved the veth.
+        if not listed:
+            listed.extend(listing(ipr))
+            sh("ip", "-n", netns, "link", "set", "lxc-b", "master", "cbr0")
+            attacher._on_new_link(ipr, Link(lxc_b, "lxc-b", bridge, "bridge"))
+        return list(listed)
+
+    monkeypatch.setattr(attach, "list_links", enslaved_after_the_listing)
+    attacher.reconcile(NODE, verify=True)
+    monkeypatch.setattr(attach, "list_links", listing)
+    assert port_entries(ports) == {lxc_b: bridge}
+    assert tcx_progs(netns, "lxc-b") == [PROG_FROM_POD]
+
+
+@pytest.mark.kernel
 def test_a_verify_checks_the_port_map_itself_and_rewrites_an_entry_it_lacks(
     netns: str, progs: dict[str, int], caplog: pytest.LogCaptureFixture
 ) -> None:
