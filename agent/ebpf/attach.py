@@ -190,7 +190,11 @@ def _slave_kind(data: bytes, start: int, end: int) -> str:
 
 def parse_link_events(data: bytes) -> list[tuple[int, int, str, int, str]]:
     """(message type, ifindex, ifname, master ifindex or 0, the master's kind or "") of each
-    RTM_NEWLINK / RTM_DELLINK in a netlink datagram."""
+    RTM_NEWLINK / RTM_DELLINK in a netlink datagram, except the bridge's own (family AF_BRIDGE):
+    every enslave and release also comes as an AF_UNSPEC notice carrying IFLA_MASTER and
+    IFLA_INFO_SLAVE_KIND, or none, while the bridge's say little the device's would not, or mislead:
+    an AF_BRIDGE RTM_DELLINK is a port leaving the bridge, not a device going, and the bridge's
+    notice about itself (`bridge vlan add ... self`) names the bridge as its own master."""
     out: list[tuple[int, int, str, int, str]] = []
     off = 0
     while off + _NLMSG_HDR.size <= len(data):
@@ -198,8 +202,12 @@ def parse_link_events(data: bytes) -> list[tuple[int, int, str, int, str]]:
         if length < _NLMSG_HDR.size or off + length > len(data):
             break
         body = off + _NLMSG_HDR.size
-        if mtype in (RTM_NEWLINK, RTM_DELLINK) and length >= _NLMSG_HDR.size + _IFINFO.size:
-            family, _, index, _, _ = _IFINFO.unpack_from(data, body)
+        if (
+            mtype in (RTM_NEWLINK, RTM_DELLINK)
+            and length >= _NLMSG_HDR.size + _IFINFO.size
+            and _IFINFO.unpack_from(data, body)[0] != socket.AF_BRIDGE
+        ):
+            _, _, index, _, _ = _IFINFO.unpack_from(data, body)
             name, master, kind = "", 0, ""
             attr, end = body + _IFINFO.size, off + length
             while attr + _RTA.size <= end:
@@ -213,9 +221,6 @@ def parse_link_events(data: bytes) -> list[tuple[int, int, str, int, str]]:
                 elif atype & 0x3FFF == IFLA_LINKINFO:
                     kind = _slave_kind(data, attr + _RTA.size, min(attr + alen, end))
                 attr += (alen + 3) & ~3
-            if family == socket.AF_BRIDGE and master:
-                # The bridge's own notice about its port (no IFLA_LINKINFO): its master is a bridge.
-                kind = "bridge"
             out.append((mtype, index, name, master, kind))
         off += (length + 3) & ~3
     return out
@@ -1575,6 +1580,10 @@ class Attacher:
         bridge = bridge_index(ipr, local) if local.interface else 0
         prog = pod_side_program(link, self._config, local, bridge)
         if prog is None:
+            # A port that left the bridge and no longer qualifies: its entry goes now (the next
+            # verify detaches its programs).
+            if not port_bridge(link) and self._cached_bridge(link.index):
+                self._set_bridge(link.index, 0)
             return
         bridge = port_bridge(link) if prog == PROG_FROM_POD else 0
         with self._lock:

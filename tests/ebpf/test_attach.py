@@ -82,10 +82,15 @@ def test_parse_link_events() -> None:
         body = struct.pack("=BxHiII", 0, 1, 9, 0, 0) + master + info
         enslaved = struct.pack("=IHHII", 16 + len(body), RTM_NEWLINK, 0, 0, 0) + body
         assert parse_link_events(enslaved) == [(RTM_NEWLINK, 9, "", 42, kind)]
-    # The bridge's own notice about a port (family AF_BRIDGE) carries no IFLA_LINKINFO
-    body = struct.pack("=BxHiII", socket.AF_BRIDGE, 1, 9, 0, 0) + master
-    notice = struct.pack("=IHHII", 16 + len(body), RTM_NEWLINK, 0, 0, 0) + body
-    assert parse_link_events(notice) == [(RTM_NEWLINK, 9, "", 42, "bridge")]
+    # The bridge's own notices (family AF_BRIDGE) are left out: about a port (which its AF_UNSPEC
+    # notice tells, RTM_DELLINK there when it only leaves the bridge), and about the bridge itself
+    # (`bridge vlan add dev cbr0 vid 10 self`: its own ifindex as IFLA_MASTER; taken as a port of
+    # a bridge, the bridge got ekp_from_pod and an entry naming itself)
+    for mtype, index in ((RTM_NEWLINK, 9), (RTM_DELLINK, 9), (RTM_NEWLINK, 42)):
+        body = struct.pack("=BxHiII", socket.AF_BRIDGE, 1, index, 0, 0) + master
+        notice = struct.pack("=IHHII", 16 + len(body), mtype, 0, 0, 0) + body
+        assert parse_link_events(notice) == [], (mtype, index)
+        assert parse_link_events(notice + enslaved) == [(RTM_NEWLINK, 9, "", 42, "bond")]
     assert parse_link_events(data[:10]) == []
 
 
@@ -129,6 +134,41 @@ def test_which_program_a_pod_side_device_carries(
 ) -> None:
     config = Config(pod_interfaces=("lxc*",))
     assert pod_side_program(link, config, local, bridge=3) == program
+
+
+@pytest.mark.kernel
+def test_a_port_leaving_the_bridge_loses_its_entry_and_then_its_programs_if_it_no_longer_qualifies(
+    netns: str, progs: dict[str, int]
+) -> None:
+    """BridgeInterface: a port that leaves the bridge (the device stays) and matches no pod pattern
+    loses its entry at once and its programs at the next verify. (Before, the bridge's AF_BRIDGE
+    RTM_DELLINK for the port read as the device gone: the agent forgot it had attached it, and its
+    programs stayed until a restart.)"""
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "add", "tap0", "type", "veth", "peer", "name", "pod-t")
+    sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
+    config = Config(
+        netns=netns,
+        bpf_tc_attach="clsact",
+        pod_interfaces=("lxc*",),
+        detect_local_mode=LocalMode.BRIDGE_INTERFACE,
+        pod_bridge_interface="cbr0",
+    )
+    ports = FakeMap(abi.MAPS["port"])
+    attacher = new_attacher(config, progs, ports)
+    attacher.reconcile(NODE, full=True)
+    bridge, tap0 = link_index(netns, "cbr0"), link_index(netns, "tap0")
+    assert port_entries(ports) == {tap0: bridge}
+    assert "ekp_from_pod" in ingress(netns, "tap0")
+    attacher.start_watcher()
+    try:
+        sh("ip", "-n", netns, "link", "set", "tap0", "nomaster")
+        assert wait_for(lambda: port_entries(ports) == {}), port_entries(ports)
+    finally:
+        attacher.stop_watcher()
+    attacher.reconcile(NODE, verify=True)
+    assert ingress(netns, "tap0") == ""
+    assert tap0 not in attacher.attached
 
 
 def sh(*argv: str) -> str:
