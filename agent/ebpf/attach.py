@@ -830,10 +830,13 @@ class Attacher:
 
     def _forget_bridge(self, index: int) -> None:
         """The device went or no longer carries ours: its entry goes (its ifindex may come back as
-        another device's)."""
+        another device's). A write all the same: a reconcile that listed the device before it went
+        must not write its entry again (`since`); the tombstone goes with the prune after the
+        next listing."""
         with self._ports_lock:
             had = self._bridges.pop(index, -1)
-            self._written.pop(index, None)
+            self._port_writes += 1
+            self._written[index] = self._port_writes
             if had != 0:
                 self._ports.delete(ctypes.c_uint32(index))
 
@@ -876,6 +879,9 @@ class Attacher:
                 self._bridges.pop(index, None)
                 self._written.pop(index, None)
                 self._ports.delete(ctypes.c_uint32(index))
+            present = set(self._bridges) | {int(k.value) for k, _ in self._ports.items()}
+            for index in [i for i, n in self._written.items() if n <= since and i not in present]:
+                del self._written[index]  # a tombstone older than the listing `keep` comes from
         if stale:
             log.info("removed the bridge entries of ifindexes %s (no longer pod ports of ours)", stale)
 

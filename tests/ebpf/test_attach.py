@@ -679,6 +679,38 @@ def test_a_tcx_verify_re_attaching_a_port_the_watcher_enslaved_after_its_listing
 
 
 @pytest.mark.kernel
+def test_a_verify_does_not_write_again_the_entry_of_a_device_the_watcher_saw_go_after_its_listing(
+    netns: str, progs: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verify repairs the entries its listing says the map lacks; one the watcher removed after
+    that listing (an RTM_DELLINK: the device went, its ifindex free for another) stays removed.
+    Once a later listing is taken, what it says counts again."""
+    config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
+    ports = FakeMap(abi.MAPS["port"])
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "set", "lxc-a", "master", "cbr0")
+    attacher = new_attacher(config, progs, ports)
+    attacher.reconcile(NODE, full=True)
+    bridge, lxc_a = link_index(netns, "cbr0"), link_index(netns, "lxc-a")
+    assert port_entries(ports) == {lxc_a: bridge}
+    listing = attach.list_links
+
+    def gone_after_the_listing(ipr: Any) -> Any:
+        links = listing(ipr)
+        # The watcher's part on an RTM_DELLINK (the device itself stays: the verify then finds
+        # its programs in place and attaches nothing).
+        attacher._forget_bridge(lxc_a)
+        return links
+
+    monkeypatch.setattr(attach, "list_links", gone_after_the_listing)
+    attacher.reconcile(NODE, verify=True)
+    monkeypatch.setattr(attach, "list_links", listing)
+    assert port_entries(ports) == {}
+    attacher.reconcile(NODE, verify=True)
+    assert port_entries(ports) == {lxc_a: bridge}
+
+
+@pytest.mark.kernel
 def test_a_verify_checks_the_port_map_itself_and_rewrites_an_entry_it_lacks(
     netns: str, progs: dict[str, int], caplog: pytest.LogCaptureFixture
 ) -> None:
