@@ -817,11 +817,13 @@ class Attacher:
                     "cannot write ifindex %d's bridge (%d; 0: none) to ekp_port_v2: %s. Until a verify "
                     "writes it, Service traffic of this port's pods that bpf host routing redirects "
                     "is dropped as spoofed_source (legacy host routing is unaffected); if the map is "
-                    "full, raise the flag the error names and restart; on ENOMEM, give the agent's "
-                    "memory cgroup room (the map allocates each entry as written)",
+                    "full, raise --bpf-port-max, remove the pin %s (the agent refills the map before "
+                    "it attaches) and restart: a pinned map keeps its size; on ENOMEM, give the "
+                    "agent's memory cgroup room (the map allocates each entry as written)",
                     index,
                     bridge,
                     exc,
+                    os.path.join(self._config.pin_path, abi.MAPS["port"].name),
                 )
                 return
             self._bridges[index] = bridge

@@ -777,6 +777,8 @@ def test_a_port_entry_the_map_refuses_leaves_every_device_attached_and_a_verify_
     assert port_entries(ports) == {lxc_b: bridge}
     said = [r for r in caplog.records if r.levelno == logging.ERROR and "ekp_port_v2" in r.getMessage()]
     assert len(said) == 1 and "spoofed_source" in said[0].getMessage(), said
+    # The remedy for a full map: a restart alone keeps the pinned map's size.
+    assert f"raise --bpf-port-max, remove the pin {pin_dir}/ekp_port_v2" in said[0].getMessage()
     attacher.reconcile(NODE, verify=True)
     assert port_entries(ports) == {lxc_b: bridge}  # still refused
     ports.failing = set()
