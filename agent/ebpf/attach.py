@@ -752,6 +752,9 @@ class Attacher:
         self._bridges: dict[int, int] = {}  # ifindex -> its bridge as ekp_port_v2 holds it (port_bridge)
         self._port_writes = 0  # ekp_port_v2 writes (updates and deletes) so far
         self._written: dict[int, int] = {}  # ifindex -> `_port_writes` after its latest write
+        # ifindexes whose latest write the map refused: logged once as an error, not on every
+        # verify and watcher event that tries again.
+        self._refused: set[int] = set()
         # (ifindex, hook) -> the program put in front of an older generation's by a hand-over's
         # reconcile, until `rehome` moves it to FILTER_PRIO.
         self._fronts: dict[tuple[int, int], str] = {}
@@ -813,6 +816,10 @@ class Attacher:
                 # The device gets its programs all the same (and the devices after it theirs); with
                 # no cached entry, the next verify finds the map lacking and writes it again.
                 self._bridges.pop(index, None)
+                if index in self._refused:
+                    log.debug("ekp_port_v2 still refuses ifindex %d's bridge (%d): %s", index, bridge, exc)
+                    return
+                self._refused.add(index)
                 log.error(
                     "cannot write ifindex %d's bridge (%d; 0: none) to ekp_port_v2: %s. Until a verify "
                     "writes it, Service traffic of this port's pods that bpf host routing redirects "
@@ -826,6 +833,9 @@ class Attacher:
                     os.path.join(self._config.pin_path, abi.MAPS["port"].name),
                 )
                 return
+            if index in self._refused:
+                self._refused.discard(index)
+                log.info("ekp_port_v2 took ifindex %d's bridge (%d; 0: none) at last", index, bridge)
             self._bridges[index] = bridge
             self._port_writes += 1
             self._written[index] = self._port_writes
@@ -839,6 +849,7 @@ class Attacher:
             had = self._bridges.pop(index, -1)
             self._port_writes += 1
             self._written[index] = self._port_writes
+            self._refused.discard(index)
             if had != 0:
                 self._ports.delete(ctypes.c_uint32(index))
 
@@ -863,9 +874,9 @@ class Attacher:
         with self._ports_lock:
             return {int(k.value): int(v.bridge) for k, v in self._ports.items() if isinstance(v, abi.Port)}
 
-    def _cached_bridge(self, index: int) -> int:
+    def _cached_bridge(self, index: int, default: int = 0) -> int:
         with self._ports_lock:
-            return self._bridges.get(index, 0)
+            return self._bridges.get(index, default)
 
     def _prune_bridges(self, keep: Collection[int], since: int) -> None:
         """Remove the entries of devices not in `keep` (a device that went while no agent ran, or
@@ -1101,13 +1112,18 @@ class Attacher:
                 # A verify's (a plain sync looks at external devices only, which have no bridge
                 # entry). Written here, so before an attach below, as `_attach` would.
                 if live is not None and index in links and live.get(index, 0) != bridge:
-                    log.warning(
+                    # The cache agreeing with the listing, only something else changed the map;
+                    # otherwise the agent knew (a write the map refused, logged then) or the
+                    # watcher has yet to see the change.
+                    behind_our_back = self._cached_bridge(index, -1) == bridge
+                    log.log(
+                        logging.WARNING if behind_our_back else logging.DEBUG,
                         "ekp_port_v2 held bridge ifindex %d for %s, whose bridge is %d (0: none): "
-                        "rewriting it (an entry changed behind the agent's back, or a change the "
-                        "link watcher missed)",
+                        "rewriting it%s",
                         live.get(index, 0),
                         name,
                         bridge,
+                        " (an entry changed behind the agent's back)" if behind_our_back else "",
                     )
                     self._set_bridge(index, bridge, force=True, since=mark)
                 if (

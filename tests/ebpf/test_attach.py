@@ -760,9 +760,10 @@ def test_a_port_entry_the_map_refuses_leaves_every_device_attached_and_a_verify_
     netns: str, progs: dict[str, int], pin_dir: str, attach_mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A bridge port's entry the map refuses (ENOMEM under memory cgroup pressure: the hash
-    allocates each entry as written; or full) is logged as an error saying what it breaks; the port
-    and every device after it get their programs all the same, and the next verify writes the
-    entry. (Before, the MapError left that device and every one after it unattached, every sync.)"""
+    allocates each entry as written; or full) is logged as an error saying what it breaks, once
+    while refused, and when written at last; the port and every device after it get their programs
+    all the same, and the next verify writes the entry. (Before, the MapError left that device and
+    every one after it unattached, every sync.)"""
     config = Config(netns=netns, bpf_tc_attach=attach_mode, pin_path=pin_dir, pod_interfaces=("lxc*",))
     ports = FailingPorts(errno.ENOMEM)
     sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
@@ -780,10 +781,16 @@ def test_a_port_entry_the_map_refuses_leaves_every_device_attached_and_a_verify_
     # The remedy for a full map: a restart alone keeps the pinned map's size.
     assert f"raise --bpf-port-max, remove the pin {pin_dir}/ekp_port_v2" in said[0].getMessage()
     attacher.reconcile(NODE, verify=True)
+    attacher.reconcile(NODE, verify=True)
     assert port_entries(ports) == {lxc_b: bridge}  # still refused
+    # Said once, as an error: not again on each verify, nor as an entry changed behind the agent's back.
+    said = [r for r in caplog.records if r.levelno >= logging.WARNING and "ekp_port_v2" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
     ports.failing = set()
+    caplog.set_level(logging.INFO, logger=attach.log.name)
     attacher.reconcile(NODE, verify=True)
     assert port_entries(ports) == {lxc_a: bridge, lxc_b: bridge}
+    assert f"ekp_port_v2 took ifindex {lxc_a}'s bridge ({bridge}; 0: none) at last" in caplog.text
     detach_all(netns)
 
 
