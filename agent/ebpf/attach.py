@@ -970,11 +970,12 @@ class Attacher:
         return tcx.pinned(self._config.pin_path, indexes) if self.use_tcx else None
 
     def _detach(self, ipr: Any, index: int, pins: list[tcx.Pinned] | None) -> bool:
-        """Ours off one device: filters, and tcx links with their pins; whether any was there."""
+        """Ours off one device: filters, and tcx links with their pins; whether any was detached
+        (`pins` may be older than the device's deletion: its links defunct, or swept meanwhile)."""
         found = detach(ipr, index)
         for pin in sorted((p for p in pins or () if p.index == index), key=tcx.removal_order):
-            tcx.remove(pin)
-            found = True
+            if tcx.remove(pin):
+                found = True
         return found
 
     def _drop_filters(self, ipr: Any, index: int, parent: int) -> bool:

@@ -254,16 +254,24 @@ def update(pin: Pinned, prog_fd: int) -> None:
         os.close(fd)
 
 
-def remove(pin: Pinned) -> None:
-    """Detach a pinned link from its hook and remove its pin."""
+def remove(pin: Pinned) -> bool:
+    """Detach a pinned link from its hook and remove its pin; whether a hook lost a program (not
+    where the link was defunct, its device deleted, or the pin already gone)."""
+    detached = False
     fd = bpfsys.obj_get(pin.path)
     if fd >= 0:
         try:
-            bpfsys.link_detach(fd)  # ENOLINK once defunct: nothing left to detach
+            # A defunct link (ifindex 0) detaches "fine" too: nothing was on a hook.
+            try:
+                live = link_info(fd)[2] == pin.index
+            except OSError:
+                live = False
+            detached = bpfsys.link_detach(fd) == 0 and live
         finally:
             os.close(fd)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(pin.path)
+    return detached
 
 
 def rename(pin: Pinned, device: str, pin_path: str) -> Pinned:

@@ -1301,6 +1301,29 @@ def test_a_tcx_hand_over_from_a_tcx_generation_goes_right_before_its_link_then_t
     detach_all(netns)
 
 
+@pytest.mark.kernel
+def test_a_tcx_verify_says_it_detached_only_from_devices_whose_links_it_took_off(
+    netns: str, progs: dict[str, int], pin_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A device no longer wanted is detached and said so; one deleted since the last reconcile
+    (the watcher not running, its links defunct with their pins left) loses its pins quietly: no
+    "detached from" for a device that is not there."""
+    caplog.set_level(logging.INFO, logger=attach.log.name)
+    sh("ip", "-n", netns, "link", "add", "lxc-c", "type", "veth", "peer", "name", "pod-c")
+    attacher = new_attacher(tcx_config(netns, pin_dir), progs)
+    attacher.reconcile(NODE, full=True)
+    lxc_a = index_of(netns, "lxc-a")
+    assert tcx_progs(netns, "lxc-c") == [PROG_FROM_POD]
+    sh("ip", "-n", netns, "link", "del", "lxc-a")
+    sh("ip", "-n", netns, "link", "set", "lxc-c", "name", "other-c")
+    attacher.reconcile(NODE, verify=True)
+    assert "detached from lxc-c (no longer matches)" in caplog.text
+    assert "detached from lxc-a" not in caplog.text, caplog.text
+    assert tcx_progs(netns, "other-c") == []
+    assert lxc_a not in attacher.attached
+    assert not [p for p in tcx.pinned(pin_dir) if p.index == lxc_a]
+
+
 @pytest.fixture(scope="module")
 def bridge_progs() -> Iterator[tuple[dict[str, int], Any, Any]]:
     """Programs that record the bridge ekp_port_v2 names for their ingress device (map `seen`, by
