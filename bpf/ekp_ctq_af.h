@@ -55,7 +55,16 @@ static __always_inline __u32 EKP_CTQF(push)(const struct EKP_CTQF(req) *q)
 	if (!head)
 		return 0;
 	__u64 n = __sync_fetch_and_add(head, 1);
-	__u32 slot = ring == EKP_CTQ_TCP ? n % EKP_CTQ_TCP_SLOTS : n % EKP_CTQ_ANY_SLOTS;
+	__u32 slots = n >> EKP_CTQH_SLOTS_SHIFT;
+	__u32 pos = n & EKP_CTQH_POS_MASK;
+
+	if (pos == (__u32)EKP_CTQH_POS_MASK) /* our add carried into the count: take it back */
+		__sync_fetch_and_add(head, -(1ULL << EKP_CTQH_SLOTS_SHIFT));
+	if (!slots)
+		return 0;
+	/* A CPU between another's carry and its take-back sees one slot too many: that slot is past
+	 * the ring, its lookup fails and the flow is not queued, as with no head. */
+	__u32 slot = pos % slots;
 	EKP_CTQ_SLOT *s = EKP_CTQF(lookup)(ring, &slot);
 	if (!s)
 		return 0;

@@ -106,7 +106,7 @@ def open_pinned_programs(
                 return None
             fds[name] = fd
             if not map_ids or len(prog_map_ids(fd) - map_ids) > private_maps.get(name, 0):
-                log.info("pinned program %s uses maps that are no longer pinned: compiling again", name)
+                log.info("pinned program %s uses maps that are no longer pinned: loading it again", name)
                 return None
         ok = True
         return fds

@@ -15,7 +15,6 @@ import ctypes
 import errno
 import logging
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -113,7 +112,7 @@ def _tail_calls(pins: str, d: Datapath) -> dict[str, list[int]]:
     """The program ids each pinned program array of `d`'s build holds, by index."""
     out: dict[str, list[int]] = {}
     for name, progs in TAIL_CALLS.items():
-        fd = bpfsys.obj_get(prog_pin(pins, d.build(d.programs()), name))
+        fd = bpfsys.obj_get(prog_pin(pins, d.load_id(d.programs()), name))
         assert fd >= 0, name
         try:
             ids = []
@@ -185,8 +184,8 @@ def _compiled_by_a_child_without_bcc(sizes: MapSizes, build: str) -> BpfObject:
 
 @pytest.mark.kernel
 @pytest.mark.run_group("new-sizes")
-def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
-    caplog: pytest.LogCaptureFixture, cache: ObjectCache
+def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_load_the_same_build_again(
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.INFO)
     with bpffs() as root:
@@ -211,27 +210,30 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         assert "data path reused" in caplog.text, "a restart reuses the pinned programs"
         assert _prog_pins(pins) == built
 
-        # Other sizes make other programs (the sizes are compiled in): another build, not the pinned
-        # one reused but its own loaded (from the machine's cache, where the packet lab's build is
-        # compiled for the whole run: test_the_pin_directory_is_not_part_of_the_build shows the
-        # sizes change the build id), old ones unpinned. The existing pins must match the sizes, so
-        # start from an empty directory of maps.
+        # Other sizes are the same build (sizes are the load's, not compiled in): no compile, the
+        # object from the cache, and the pinned programs loaded again, not reused, as the maps they
+        # use are gone (the existing pins must match the sizes, so start from an empty directory of
+        # maps); pinned under the same names, with the new sizes' maps.
         for name in os.listdir(pins):
             if not name.startswith(PROG_PIN_PREFIX):
                 os.unlink(os.path.join(pins, name))
         caplog.clear()
-        bigger = Datapath(pins, BIGGER, cache=ObjectCache(default_cache_dir()))
+        monkeypatch.setattr(loader, "compile_in_child", _no_compile)
+        bigger = Datapath(pins, BIGGER, cache=cache)
         bigger.load()
-        assert bigger.build(bigger.programs()) != again.build(again.programs())
-        assert bigger.release_older_builds() == [
-            n for n in built if n.endswith(("_ekp_calls6", "_ekp_xcalls6", "_ekp_handover"))
-        ]
-        bigger.close()
+        try:
+            assert bigger.build() == again.build()
+            assert bigger.release_older_builds() == [], "no other build's pins"
+            assert {role: m.info().max_entries for role, m in bigger.maps.items()} == {
+                role: loader.map_size(spec, BIGGER) for role, spec in MAPS.items()
+            }
+            assert {n: prog_id(bigger.prog_fd(n)) for n in bigger.programs()}.keys() == set(PROGRAMS)
+            _uses_only_its_own_maps(bigger)
+        finally:
+            bigger.close()
         assert "data path reused" not in caplog.text
-        assert re.search(r"data path (compiled in|loaded from the compile cache)", caplog.text)
-        rebuilt = _prog_pins(pins)
-        assert len(rebuilt) == len(PROGRAMS) + len(TAIL_CALLS) + len(BUILD_MAPS)
-        assert not set(rebuilt) & set(built)
+        assert "data path loaded from the compile cache" in caplog.text
+        assert _prog_pins(pins) == built
 
 
 @pytest.mark.kernel
@@ -379,7 +381,7 @@ def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its
             assert _slots(pins, d, "ekp_xcalls6") == [0]
             assert 0 not in _slots(pins, d), "the tc IPv6 path serves all the same"
             assert "at XDP passed on to tc (ekp_xdp_net6 not loaded: --bpf-xdp=disabled)" in caplog.text
-            disabled = d.build(d.programs())
+            disabled = d.load_id(d.programs())
         finally:
             d.close()
         lacking = kernel_needs() - {"bpf_xdp_load_bytes"}
@@ -389,7 +391,7 @@ def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its
         d.load()
         try:
             assert not d.has_program(PROG_XDP_NET6)
-            assert d.build(d.programs()) == disabled
+            assert d.load_id(d.programs()) == disabled
             assert (
                 "this kernel lacks bpf_xdp_load_bytes: loading the data path without ekp_xdp_net6"
                 in caplog.text
@@ -461,7 +463,7 @@ def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
 
 def _slots(pins: str, d: Datapath, array: str = "ekp_calls6") -> list[int]:
     """The program ids the program array `array` of `d`'s build holds, 0 for an empty slot."""
-    fd = bpfsys.obj_get(prog_pin(pins, d.build(d.programs()), array))
+    fd = bpfsys.obj_get(prog_pin(pins, d.load_id(d.programs()), array))
     assert fd >= 0
     try:
         out = []
@@ -545,7 +547,7 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
                     want = [prog_id(d.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]]
                     assert _slots(pins, d) == want, "the array serves the IPv6 programs loaded now"
                     assert sorted(v6_pins) == sorted(
-                        os.path.basename(prog_pin(pins, d.build(d.programs()), n))
+                        os.path.basename(prog_pin(pins, d.load_id(d.programs()), n))
                         for n in loader.TC6_PROGRAMS
                     ), "pinned with their build"
                     ct6_users = prog_map_ids(d.prog_fd("ekp_from_pod6"))
@@ -731,7 +733,7 @@ def test_an_older_build_s_program_array_stays_filled_until_its_programs_are_repl
         pins = str(root / "ekp")
         old = Datapath(pins, SMALL, cache=cache)
         old.load()
-        old_array = prog_pin(pins, old.build(old.programs()), "ekp_calls6")
+        old_array = prog_pin(pins, old.load_id(old.programs()), "ekp_calls6")
         want = [prog_id(old.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]]
         old.close()  # in an upgrade its programs stay attached, and hold no reference to the array
         for name in os.listdir(pins):
@@ -740,10 +742,10 @@ def test_an_older_build_s_program_array_stays_filled_until_its_programs_are_repl
         new = Datapath(pins, BIGGER, cache=ObjectCache(default_cache_dir()))
         new.load()
         try:
-            assert new.build(new.programs()) != old.build(old.programs())
+            assert new.load_id(new.programs()) != old.load_id(old.programs())
             assert os.path.exists(old_array), "the old build's program array is still pinned"
             assert _slots(pins, old) == want, "and still holds the old build's IPv6 programs"
-            old_prefix = f"{PROG_PIN_PREFIX}{old.build(old.programs())}_"
+            old_prefix = f"{PROG_PIN_PREFIX}{old.load_id(old.programs())}_"
             kept = sorted([*(f"{old_prefix}{array}" for array in TAIL_CALLS), f"{old_prefix}ekp_handover"])
             assert [p for p in _prog_pins(pins) if p.startswith(old_prefix)] == kept, (
                 "its programs unpinned, its arrays and its hand-over mode (read by them) alone kept"
