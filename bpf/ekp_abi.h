@@ -242,7 +242,8 @@ enum ekp_ctq_ring {
  * its slot count in the high 32 bits, written by the agent when it creates or adopts the maps and
  * before any program of its load runs (agent/ebpf/loader.py write_ring_slots), read back from the
  * ring map's max_entries: the sizes are the loader's, not compiled in, so one object serves every
- * size. A 0 count (a head no agent wrote yet) queues nothing. */
+ * size. A 0 count (a head no agent wrote) is BPF's x % 0 = x: queued at the position while it is
+ * inside the ring, in no slot after. */
 #define EKP_CTQH_SLOTS_SHIFT 32
 #define EKP_CTQH_POS_MASK 0xffffffffULL
 
