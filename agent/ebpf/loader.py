@@ -9,8 +9,10 @@
 
 The agent never compiles in its own process (`agent.ebpf.compile`): a short-lived child compiles
 with bcc and exits, once per build on the machine (agent/ebpf/objcache.py keeps what it compiled);
-the agent loads that object against its own pinned maps (agent/ebpf/link.py) and pins the programs
-beside them. An agent restarted with the same source, sizes, kernel and bcc reuses the pinned
+the agent loads that object against its own pinned maps (agent/ebpf/link.py), each created at this
+agent's size (the object declares none: compile_cflags), and pins the programs it loads
+(`programs()`: the object holds every one) beside them. One build serves every size and either
+IPv6 switch. An agent restarted with the same source, sizes, kernel and bcc reuses the pinned
 programs without loading anything. The pin directory must be on bpffs (checked before anything is
 created; `FatalError` otherwise) and is created 0700 and checked to be ours (agent/ebpf/pindir.py):
 /sys/fs/bpf is world-writable. Every map of the registry is pinned under `pin_path`, so conntrack,
@@ -25,7 +27,9 @@ The conntrack tables' sizes may be derived at start (MapSizes.with_conntrack): `
 reads the sizes of the tables already pinned, so a restart keeps them rather than refusing to start
 on a machine whose CPU count changed.
 
-Parameters reach the C only as cflags (`-DEKP_CT_TCP_MAX=...`); `source_text()`
+The map sizes reach the C as a placeholder (`-DEKP_CT_TCP_MAX=1`, SIZE_AT_LOAD) and the Maglev
+table size as itself (ekp_maglev's value layout); the early-drop rings' slot counts, the only sizes
+code reads, come from their heads at run time (write_ring_slots). `source_text()`
 returns the full program as compiled (includes inlined, cflags on top) for debugging, the way bcc
 tools print their generated C.
 """
@@ -149,8 +153,10 @@ ROLE_FLAGS: dict[str, int] = {
 TC6_ROLES = frozenset({"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "frag6", "frhold6", "hostnat6"})
 IDLE_SIZE = 1
 # The programs of that path, reached only through ekp_calls6: loaded, pinned and verified only where
-# it serves (Datapath.programs). The switch needs no load of its own: the path's table sizes are
-# compiled in, so a start that turns it on or off is another build, loaded whole (or reused whole).
+# it serves (Datapath.programs). The switch is the same build (sizes are the load's), but another
+# set of programs, so another load id (Datapath.load_id): a start that turns it on or off loads
+# its programs from the cached object and pins them beside the last load's, whose program arrays
+# stay until the attach (release_older_builds).
 TC6_PROGRAMS = frozenset(name for names in TAIL_CALLS.values() for name in names)
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")

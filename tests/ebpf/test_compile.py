@@ -1,13 +1,12 @@
 """The compiler child and what it compiled: once per build on the machine, loaded against each
 agent's own pinned maps, pinned programs reused by a restart; no bcc in the agent.
 
-Three run groups (tests/parallel.py): the tests of builds with the IPv6 paths off (`ipv6-builds`),
-those of a second build (`new-sizes`, in their order) and the rest; SMALL's compile is shared
-(`cache`). Where a test needs a build besides SMALL and which one does not matter, it takes one
-the run compiles anyway, from the machine's cache: the packet lab's (`BIGGER`, lab/precompile.py)
-or the lab agents' (`AGENT`, with the IPv6 path off and on). Only the build without XDP's IPv6
-program is compiled for this module alone: two compiles in all, where each build of its own was
-one (about 19 CPU s)."""
+Three run groups (tests/parallel.py): the tests that switch the IPv6 paths off (`ipv6-builds`),
+those of other sizes (`new-sizes`, in their order) and the rest; SMALL's compile is shared
+(`cache`). Map sizes and the programs loaded are chosen at load, so every size here (SMALL, the
+packet lab's `BIGGER`, the lab agents' `AGENT`, with the IPv6 paths off and on) is one build: the
+module compiles it once (about 19 CPU s), into its own cache, through an agent process without
+bcc; the tests that take the machine's cache find the same build there (lab/precompile.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys, loader
 from agent.ebpf.abi import MAPS, CtEntry, CtKey, MapSpec, ip_be, port_be
 from agent.ebpf.bpfobject import BpfObject
+from agent.ebpf.btf import vmlinux_has
 from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids, prog_pin
 from agent.ebpf.link import PinnedMapMismatch, link, verifier_threads
 from agent.ebpf.loader import PRIVATE_MAPS, Datapath, PinMismatchError
@@ -150,14 +150,21 @@ def _no_compile(*args: object, **kwargs: object) -> object:
 @pytest.fixture(scope="module")
 def cache(session_dir: str) -> ObjectCache:
     """The run's cache for this module (shared by its run groups, on whichever workers), holding
-    SMALL's build: compiled once in the run, by the first of the groups to get here, through an
-    agent process whose own memory never sees bcc (the module's one compile of SMALL; the others
-    wait for it on the entry's lock and take it)."""
+    the one build every size here shares: the machine's object (lab/precompile.py compiles it
+    beside the lint step, and the packet lab and the lab agents load it), else compiled into the
+    machine's cache by an agent process whose own memory never sees bcc (the compiler child
+    does), so the run compiles it once in all. A copy of its own: a test here replaces its entry."""
     cache = ObjectCache(os.path.join(session_dir, "test_compile-objects"))
+    machine = ObjectCache(default_cache_dir())
     build = Datapath("/x", SMALL).build()
     with cache.compiling(build):
         if cache.get(build) is None:
-            cache.put(_compiled_by_a_child_without_bcc(SMALL, build))
+            with machine.compiling(build):
+                obj = machine.get(build)
+                if obj is None:
+                    obj = _compiled_by_a_child_without_bcc(SMALL, build)
+                    machine.put(obj)
+            cache.put(obj)
     assert cache.get(build) is not None, "what the child compiled is kept"
     return cache
 
@@ -363,15 +370,15 @@ def test_the_tc_ipv6_paths_tables_take_their_ipv4_twins_sizes_where_it_serves() 
 @pytest.mark.kernel
 @pytest.mark.run_group("ipv6-builds")
 def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its_helper(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, cache: ObjectCache
 ) -> None:
     """ekp_xdp_net6 is verified and pinned only where XDP attaches (MapSizes.xdp_ipv6 false with
     --bpf-xdp=disabled) and the kernel has bpf_xdp_load_bytes (5.18; on 5.12-5.17 the verifier
     refused it and with it the whole build): without it ekp_xcalls6 is empty, the tc IPv6 path
-    still serves, and the log line says why. Both ways make the same build. (A lab agent's sizes:
-    its build with XDP's IPv6 program is the lab's dual-stack agents', from the machine's cache.)"""
+    still serves, and the log line says why. Both ways load the same programs, under one load id,
+    from the one build (a lab agent's sizes: no compile of their own)."""
     caplog.set_level(logging.INFO)
-    cache = ObjectCache(default_cache_dir())
+    monkeypatch.setattr(loader, "compile_in_child", _no_compile)
     with bpffs() as root:
         pins = str(root / "ekp")
         d = Datapath(pins, replace(AGENT, xdp_ipv6=False), cache=cache)
@@ -401,7 +408,7 @@ def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its
             assert _slots(pins, d, "ekp_xcalls6") == [0]
         finally:
             d.close()
-        monkeypatch.undo()
+        monkeypatch.setattr(loader, "vmlinux_has", vmlinux_has)
         caplog.clear()
         d = Datapath(pins, AGENT, cache=cache)
         d.load()
@@ -481,7 +488,7 @@ def _slots(pins: str, d: Datapath, array: str = "ekp_calls6") -> list[int]:
 @pytest.mark.kernel
 @pytest.mark.run_group("ipv6-builds")
 def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_sets_its_tail_calls(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without the tc programs' IPv6 path (MapSizes.ipv6_tc false: no IPv6 half, or no socket-level
     load balancing) its conntrack tables, their early-drop rings, its fragment tables and
@@ -490,9 +497,9 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
     with it loads and pins them, recreates every one of those tables at its IPv4 twin's size and
     fills the array; a restart without it again shrinks them and empties it. Every other pinned map is the
     same map throughout, and an established IPv4 flow's conntrack entry is kept. (A lab agent's
-    sizes: both builds are the lab's agents', IPv4-only and dual-stack, from the machine's cache.)"""
+    sizes, the lab's IPv4-only and dual-stack agents': one build, never compiled here.)"""
     caplog.set_level(logging.INFO)
-    cache = ObjectCache(default_cache_dir())
+    monkeypatch.setattr(loader, "compile_in_child", _no_compile)
     off, on = replace(AGENT, ipv6_tc=False), AGENT
     tc6 = {MAPS[r].name for r in loader.TC6_ROLES}
     key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
