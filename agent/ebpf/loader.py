@@ -193,7 +193,8 @@ def read_handover(path: str) -> HandoverMode:
 
 
 def pinned_handover_modes(pin_path: str) -> dict[str, HandoverMode]:
-    """build -> hand-over mode of every build pinned under `pin_path` (agent doctor)."""
+    """load id (Datapath.load_id: a build and the programs it loaded) -> hand-over mode of every one
+    pinned under `pin_path` (agent doctor)."""
     suffix = f"_{HANDOVER_MAP}"
     return {
         entry[len(PROG_PIN_PREFIX) : -len(suffix)]: read_handover(os.path.join(pin_path, entry))
@@ -642,10 +643,13 @@ class Datapath:
             if old:
                 log.info("unpinned programs of an older build: %s", ", ".join(old))
             log.info(
-                "data path %s, build %s (ABI v%d, maps pinned under %s), ready in %.2fs",
+                "data path %s, build %s (ABI v%d, %d programs pinned as ekp_prog_%s_*, maps under %s), "
+                "ready in %.2fs",
                 how,
-                build,
+                self.build(),
                 ABI_VERSION,
+                len(fds),
+                build,
                 self.pin_path,
                 time.monotonic() - started,
             )
