@@ -67,6 +67,8 @@ class MapSizes:
     # legacy host routing: the source each translated flow direction gets at egress
     hostnat: int = default("map_sizes.hostnat")
     sknat: int = default("map_sizes.sknat")
+    # bridge ports of pods (ekp_port_v2: one entry per port, allocated as written)
+    port: int = default("map_sizes.port")
     # Whether the tc programs' IPv6 path serves (Config.tc_ipv6 and an IPv6 half runs): its
     # conntrack tables then take their IPv4 twins' sizes and the program array ekp_calls6 is
     # filled; else each table holds one entry (no preallocated memory for a path nothing runs)

@@ -431,7 +431,8 @@ struct ekp_sock_config {
  * their addresses by the bridge, never by the port the tc program runs on, so the bpf host
  * routing's source check (ekp_redirect.h ekp_source_routed_here) also accepts a route back by the
  * port's bridge. Keyed by the port's ifindex (skb->ingress_ifindex, nothing a pod can choose); read
- * only when the route back is not the port itself. A device that is no bridge port has no entry. */
+ * only when the route back is not the port itself. A device that is no bridge's port (none, or
+ * another kind of master: a bond, a VRF) has no entry. */
 struct ekp_port {
 	__u32 bridge; /* host: ifindex of the bridge (the port's master) in the agent's netns */
 };

@@ -45,8 +45,12 @@ static __always_inline int ekp_main(struct __sk_buff *skb, __u8 scope, __u32 han
 {
 	struct ekp_tc_scratch *w = ekp_scratch_lookup();
 
-	if (!w)
-		return TC_ACT_OK; /* cannot happen: a one-element per-CPU array */
+	if (!w) { /* cannot happen: a one-element per-CPU array */
+		/* As every ingress TC_ACT_OK: no legacy host routing tag for egress (ekp_host.h). Not
+		 * cleared above: MISS mode's TC_ACT_UNSPEC leaves it to an older classid generation. */
+		skb->tc_classid = 0;
+		return TC_ACT_OK;
+	}
 	__builtin_memset(&w->work.pkt, 0, sizeof(w->work.pkt));
 	int parsed = ekp_parse(skb, &w->work.pkt);
 

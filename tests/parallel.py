@@ -1,4 +1,5 @@
-"""How the suite runs on several pytest-xdist workers (`make test`: two): which tests go together.
+"""How the suite runs on several pytest-xdist workers (`make test`: four, `EKP_TEST_WORKERS`):
+which tests go together.
 
 Every test has a run group (`run_group`): the tests that must run on one worker, one after the
 other, in their order, because they share a lab.

@@ -121,7 +121,7 @@ from pyroute2.netlink.rtnl import RTMGRP_LINK
 
 from agent.config import Config, NodeContext
 from agent.ebpf import abi, tcx, xdp
-from agent.ebpf.maps import MapWriter
+from agent.ebpf.maps import MapError, MapWriter
 from agent.localdetect import LocalDetector
 from agent.netns import netns_route, run_in_netns
 from agent.node import matches_pod_pattern
@@ -152,6 +152,8 @@ RTM_NEWLINK = 16
 RTM_DELLINK = 17
 IFLA_IFNAME = 3
 IFLA_MASTER = 10
+IFLA_LINKINFO = 18
+IFLA_INFO_SLAVE_KIND = 4  # nested in IFLA_LINKINFO: the kind of the device's master ("bridge")
 _NLMSG_HDR = struct.Struct("=IHHII")
 _IFINFO = struct.Struct("=BxHiII")
 _RTA = struct.Struct("=HH")
@@ -170,10 +172,26 @@ def link_event_socket() -> socket.socket:
     return sock
 
 
-def parse_link_events(data: bytes) -> list[tuple[int, int, str, int]]:
-    """(message type, ifindex, ifname, master ifindex or 0) of each RTM_NEWLINK / RTM_DELLINK in a
-    netlink datagram."""
-    out: list[tuple[int, int, str, int]] = []
+def _rta_string(data: bytes, start: int, end: int) -> str:
+    return data[start:end].split(b"\0", 1)[0].decode(errors="replace")
+
+
+def _slave_kind(data: bytes, start: int, end: int) -> str:
+    """IFLA_INFO_SLAVE_KIND within the IFLA_LINKINFO attribute payload data[start:end] ("" none)."""
+    while start + _RTA.size <= end:
+        alen, atype = _RTA.unpack_from(data, start)
+        if alen < _RTA.size:
+            break
+        if atype & 0x3FFF == IFLA_INFO_SLAVE_KIND:
+            return _rta_string(data, start + _RTA.size, min(start + alen, end))
+        start += (alen + 3) & ~3
+    return ""
+
+
+def parse_link_events(data: bytes) -> list[tuple[int, int, str, int, str]]:
+    """(message type, ifindex, ifname, master ifindex or 0, the master's kind or "") of each
+    RTM_NEWLINK / RTM_DELLINK in a netlink datagram."""
+    out: list[tuple[int, int, str, int, str]] = []
     off = 0
     while off + _NLMSG_HDR.size <= len(data):
         length, mtype, _, _, _ = _NLMSG_HDR.unpack_from(data, off)
@@ -181,26 +199,31 @@ def parse_link_events(data: bytes) -> list[tuple[int, int, str, int]]:
             break
         body = off + _NLMSG_HDR.size
         if mtype in (RTM_NEWLINK, RTM_DELLINK) and length >= _NLMSG_HDR.size + _IFINFO.size:
-            _, _, index, _, _ = _IFINFO.unpack_from(data, body)
-            name, master = "", 0
+            family, _, index, _, _ = _IFINFO.unpack_from(data, body)
+            name, master, kind = "", 0, ""
             attr, end = body + _IFINFO.size, off + length
             while attr + _RTA.size <= end:
                 alen, atype = _RTA.unpack_from(data, attr)
                 if alen < _RTA.size:
                     break
                 if atype & 0x3FFF == IFLA_IFNAME:
-                    name = data[attr + _RTA.size : attr + alen].split(b"\0", 1)[0].decode(errors="replace")
+                    name = _rta_string(data, attr + _RTA.size, attr + alen)
                 elif atype & 0x3FFF == IFLA_MASTER and alen >= _RTA.size + 4:
                     (master,) = struct.unpack_from("=I", data, attr + _RTA.size)
+                elif atype & 0x3FFF == IFLA_LINKINFO:
+                    kind = _slave_kind(data, attr + _RTA.size, min(attr + alen, end))
                 attr += (alen + 3) & ~3
-            out.append((mtype, index, name, master))
+            if family == socket.AF_BRIDGE and master:
+                # The bridge's own notice about its port (no IFLA_LINKINFO): its master is a bridge.
+                kind = "bridge"
+            out.append((mtype, index, name, master, kind))
         off += (length + 3) & ~3
     return out
 
 
-def read_link_events(sock: socket.socket) -> list[tuple[int, int, str, int]]:
+def read_link_events(sock: socket.socket) -> list[tuple[int, int, str, int, str]]:
     """Every link event queued on `sock` (empty when none)."""
-    out: list[tuple[int, int, str, int]] = []
+    out: list[tuple[int, int, str, int, str]] = []
     while True:
         try:
             data = sock.recv(1 << 16)
@@ -213,11 +236,20 @@ def read_link_events(sock: socket.socket) -> list[tuple[int, int, str, int]]:
 class Link:
     index: int
     name: str
-    master: int = 0  # ifindex of the bridge (or bond) it is a port of; 0: none
+    master: int = 0  # ifindex of the bridge (or bond, VRF) it is a port of; 0: none
+    master_kind: str = ""  # its master's kind (IFLA_INFO_SLAVE_KIND: "bridge", "bond", "vrf")
+
+
+def _master_kind(msg: Any) -> str:
+    info = msg.get_attr("IFLA_LINKINFO")
+    return str(info.get_attr("IFLA_INFO_SLAVE_KIND") or "") if info is not None else ""
 
 
 def list_links(ipr: Any) -> list[Link]:
-    return [Link(int(m["index"]), str(m.get("ifname")), int(m.get("master") or 0)) for m in ipr.get_links()]
+    return [
+        Link(int(m["index"]), str(m.get("ifname")), int(m.get("master") or 0), _master_kind(m))
+        for m in ipr.get_links()
+    ]
 
 
 def pod_side_program(link: Link, config: Config, local: LocalDetector, bridge: int) -> str | None:
@@ -238,11 +270,11 @@ def pod_side_program(link: Link, config: Config, local: LocalDetector, bridge: i
 
 
 def port_bridge(link: Link) -> int:
-    """The bridge a device is a port of (its master's ifindex; 0 for none), which the Attacher
-    writes to ekp_port_v2 before the device's ingress program runs: the node routes a bridged pod's
-    addresses by the bridge, and the bpf host routing's source check (bpf/ekp_redirect.h) accepts
-    a route back by the port's bridge."""
-    return link.master
+    """The bridge a device is a port of (its master's ifindex; 0 for none, and for a master of
+    another kind: a bond, a VRF), which the Attacher writes to ekp_port_v2 before the device's
+    ingress program runs: the node routes a bridged pod's addresses by the bridge, and the bpf host
+    routing's source check (bpf/ekp_redirect.h) accepts a route back by the port's bridge."""
+    return link.master if link.master_kind == "bridge" else 0
 
 
 def bridge_index(ipr: Any, local: LocalDetector) -> int:
@@ -709,7 +741,12 @@ class Attacher:
         self._ready = threading.Event()
         self.attachments = 0  # filters attached (or replaced) since construction
         self._xdp: dict[int, str] = {}  # external ifindex -> XDP mode it runs in ("" none)
+        # Held across each ekp_port_v2 write and the caches' update, so that the watcher and a
+        # reconcile cannot leave the map and `_bridges` disagreeing.
+        self._ports_lock = threading.Lock()
         self._bridges: dict[int, int] = {}  # ifindex -> its bridge as ekp_port_v2 holds it (port_bridge)
+        self._port_writes = 0  # ekp_port_v2 writes (updates and deletes) so far
+        self._written: dict[int, int] = {}  # ifindex -> `_port_writes` after its latest write
         # (ifindex, hook) -> the program put in front of an older generation's by a hand-over's
         # reconcile, until `rehome` moves it to FILTER_PRIO.
         self._fronts: dict[tuple[int, int], str] = {}
@@ -750,36 +787,81 @@ class Attacher:
                 )
         return self._tcx
 
-    def _set_bridge(self, index: int, bridge: int) -> None:
+    def _set_bridge(self, index: int, bridge: int, *, force: bool = False, since: int = -1) -> None:
         """ekp_port_v2 says `bridge` (0: no entry) for the device: before its ingress program is
-        attached or swapped, so that no packet of a bridged pod meets one without it."""
-        with self._lock:
-            if self._bridges.get(index, -1) == bridge:
+        attached or swapped, so that no packet of a bridged pod meets one without it. `force`:
+        write though the cache says it is there (a verify found the map saying otherwise), unless
+        the device's entry was written after `since` (`_port_mark`): that writer listed the
+        device later, so it knows better."""
+        with self._ports_lock:
+            if self._written.get(index, -1) > since >= 0:
                 return
-        key = ctypes.c_uint32(index)
-        if bridge:
-            self._ports.update(key, abi.Port(bridge=bridge))
-        else:
-            self._ports.delete(key)
-        with self._lock:
+            if not force and self._bridges.get(index, -1) == bridge:
+                return
+            key = ctypes.c_uint32(index)
+            try:
+                if bridge:
+                    self._ports.update(key, abi.Port(bridge=bridge))
+                else:
+                    self._ports.delete(key)
+            except MapError as exc:
+                # The device gets its programs all the same (and the devices after it theirs); with
+                # no cached entry, the next verify finds the map lacking and writes it again.
+                self._bridges.pop(index, None)
+                log.error(
+                    "cannot write ifindex %d's bridge (%d; 0: none) to ekp_port_v2: %s. Until a verify "
+                    "writes it, Service traffic of this port's pods that bpf host routing redirects "
+                    "is dropped as spoofed_source (legacy host routing is unaffected); if the map is "
+                    "full, raise the flag the error names and restart; on ENOMEM, give the agent's "
+                    "memory cgroup room (the map allocates each entry as written)",
+                    index,
+                    bridge,
+                    exc,
+                )
+                return
             self._bridges[index] = bridge
+            self._port_writes += 1
+            self._written[index] = self._port_writes
 
     def _forget_bridge(self, index: int) -> None:
         """The device went or no longer carries ours: its entry goes (its ifindex may come back as
         another device's)."""
-        with self._lock:
+        with self._ports_lock:
             had = self._bridges.pop(index, -1)
-        if had != 0:
-            self._ports.delete(ctypes.c_uint32(index))
+            self._written.pop(index, None)
+            if had != 0:
+                self._ports.delete(ctypes.c_uint32(index))
 
-    def _prune_bridges(self, keep: Collection[int]) -> None:
+    def _port_mark(self) -> int:
+        """Taken before a reconcile lists the devices: an entry written after it is the watcher's
+        (a device that came, or changed bridge, after the listing), which that reconcile leaves."""
+        with self._ports_lock:
+            return self._port_writes
+
+    def _live_bridges(self) -> dict[int, int]:
+        """ekp_port_v2 as the kernel holds it ({port ifindex: bridge}; few entries, one per pod
+        port): what a verify checks, rather than our cache of it."""
+        with self._ports_lock:
+            return {int(k.value): int(v.bridge) for k, v in self._ports.items() if isinstance(v, abi.Port)}
+
+    def _cached_bridge(self, index: int) -> int:
+        with self._ports_lock:
+            return self._bridges.get(index, 0)
+
+    def _prune_bridges(self, keep: Collection[int], since: int) -> None:
         """Remove the entries of devices not in `keep` (a device that went while no agent ran, or
-        whose RTM_DELLINK the watcher missed)."""
-        stale = [int(k.value) for k, _ in self._ports.items() if int(k.value) not in keep]
-        for index in stale:
-            with self._lock:
+        whose RTM_DELLINK the watcher missed), except those written after `since` (`_port_mark`,
+        taken before `keep` was listed: a device the watcher attached since, not in `keep`)."""
+        with self._ports_lock:
+            stale = [
+                index
+                for index in (int(k.value) for k, _ in self._ports.items())
+                if index not in keep and self._written.get(index, -1) <= since
+            ]
+            for index in stale:
                 self._bridges.pop(index, None)
-            self._ports.delete(ctypes.c_uint32(index))
+                self._written.pop(index, None)
+                self._ports.delete(ctypes.c_uint32(index))
         if stale:
             log.info("removed the bridge entries of ifindexes %s (no longer pod ports of ours)", stale)
 
@@ -936,6 +1018,10 @@ class Attacher:
         stale = pins if pins is not None or not full else tcx.pinned(self._config.pin_path)
         with netns_route(self._config.netns) as ipr:
             links: dict[int, Link] = {}
+            # Both taken before the listing: a device the watcher attaches after it is in neither,
+            # so this reconcile neither detaches it nor removes its entry as no longer wanted.
+            mark = self._port_mark()
+            known = self.attached
             if full or verify:
                 wanted = wanted_devices(ipr, self._config, node)
                 links = {link.index: link for link in list_links(ipr)}
@@ -954,7 +1040,6 @@ class Attacher:
             external = {i for i, (_, prog) in wanted.items() if prog == PROG_FROM_NET}
             with self._lock:
                 self._external = external
-                known = dict(self._attached)
             if not external:
                 log.warning(
                     "no external device found in netns %s (node IPs %s, --devices %s): "
@@ -983,19 +1068,30 @@ class Attacher:
                         if exc.code != errno.ENODEV:
                             raise
             if full or verify:
-                self._prune_bridges(wanted)
+                self._prune_bridges(wanted, mark)
+            live = self._live_bridges() if verify and not full else None
             for index, (name, prog) in sorted(wanted.items()):
                 if index in links:
                     bridge = port_bridge(links[index]) if prog == PROG_FROM_POD else 0
                 else:
-                    bridge = self._bridges.get(index, 0)
+                    bridge = self._cached_bridge(index)
+                # A verify's (a plain sync looks at external devices only, which have no bridge
+                # entry). Written here, so before an attach below, as `_attach` would.
+                if live is not None and index in links and live.get(index, 0) != bridge:
+                    log.warning(
+                        "ekp_port_v2 held bridge ifindex %d for %s, whose bridge is %d (0: none): "
+                        "rewriting it (an entry changed behind the agent's back, or a change the "
+                        "link watcher missed)",
+                        live.get(index, 0),
+                        name,
+                        bridge,
+                    )
+                    self._set_bridge(index, bridge, force=True, since=mark)
                 if (
                     not full
                     and self._hook_prog(ipr, pins, index) == prog
                     and self._hook_prog(ipr, pins, index, TC_H_EGRESS) == PROG_EGRESS
                     and (pins is None or self._classid_kept(pins, index))
-                    # (a plain sync looks at external devices only, which have no bridge entry)
-                    and (index not in links or self._bridges.get(index, -1) == bridge)
                 ):
                     self._remember(index, name, prog)
                     continue
@@ -1394,9 +1490,9 @@ class Attacher:
                         log.warning("link events overflowed: checking every device")
                         self._catch_up(ipr)
                         continue
-                    for event, index, name, master in batch:
+                    for event, index, name, master, kind in batch:
                         if event == RTM_NEWLINK:
-                            self._on_new_link(ipr, Link(index, name, master))
+                            self._on_new_link(ipr, Link(index, name, master, kind))
                         elif event == RTM_DELLINK:
                             with self._lock:
                                 if self._attached.pop(index, None) is not None:

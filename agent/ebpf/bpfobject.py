@@ -2,8 +2,9 @@
 
 bcc compiles and loads in one step and binds every map reference to a map it opened itself, so
 the pin directory used to be part of the compile (`BPF_TABLE_PINNED(..., "/sys/fs/bpf/X/name")`)
-and every new pin directory (every node of every lab, every fresh machine) paid a compile: 3-5 s of
-CPU. Instead the compiler child (agent.ebpf.compile) compiles maps without pins and hands back:
+and every new pin directory (every node of every lab, every fresh machine) paid a compile: about
+19 s of CPU on the VM of 2026-11-27 (README.md). Instead the compiler child (agent.ebpf.compile)
+compiles maps without pins and hands back:
 
 * each program's instructions as bcc would load them, and its map references ("relocations"):
   the `ld_imm64` instructions whose source register says BPF_PSEUDO_MAP_FD, by instruction index

@@ -17,9 +17,10 @@ cls_bpf does (the legacy host routing's tag, bpf/ekp_host.h).
 
 One difference the programs would see: cls_bpf sets skb->tc_classid to the filter's classid before
 the program runs; tcx sets nothing, and the field holds whatever the skb's control block held (the
-sender's IP options may reach it). So no program of ours reads it: each writes it (the tag, or 0)
-before it passes a packet, and a pod port's bridge, which an older generation read from there,
-comes from the map ekp_port_v2 (attach.port_bridge, bpf/ekp_redirect.h).
+sender's IP options may reach it). So no program of ours reads it: each ingress program writes it
+(the tag, or 0) before it passes a packet (ekp_egress writes none: it reads the tag, from
+tc_index), and a pod port's bridge, which an older generation read from there, comes from the map
+ekp_port_v2 (attach.port_bridge, bpf/ekp_redirect.h).
 
 That older generation put, first on every ingress hook, a program of four instructions
 (`CLASSID_PROG_NAME`) that wrote the port's bridge there and returned TCX_NEXT, pinned as

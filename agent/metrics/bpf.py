@@ -33,9 +33,9 @@ Families (`map` is the kernel name, e.g. `ekp_ct_tcp_v2`):
 
 Counting a hash map's entries has no kernel call, so `BpfMap.count` walks it with
 `BPF_MAP_LOOKUP_BATCH` in chunks of 16,384 entries into buffers allocated once: per-chunk Python
-work, not per-entry. A 500,000-entry conntrack map is counted in about 0.1 s (measured in
-tests/health/test_bpf_metrics.py); the LPM trie (no batch support) is walked key by key, which
-its size (source ranges) keeps cheap.
+work, not per-entry. A 250,000-entry conntrack map is counted in about 0.08 s (printed by
+tests/health/test_bpf_metrics.py: 74-83 ms on the VM of 2026-11-27); the LPM trie (no batch
+support) is walked key by key, which its size (source ranges) keeps cheap.
 
 The map opener is a parameter, so tests pass `agent.ebpf.maps.FakeMap`s.
 """

@@ -591,7 +591,14 @@ def merge_slices(
     """Endpoints per service port across all slices, deduplicated and sorted as kube-proxy does.
 
     Duplicates (the same ip:port in two slices, as during a slice hand-over) collapse to one,
-    preferring the copy that says it is on this node.
+    preferring the copy that says it is on this node. Between copies not on this node kube-proxy
+    keeps whichever its walk of a Go map meets first, at random on each sync; we keep the one in
+    the slice first by name, so the same slices always give the same programs. The copy kept is
+    whole, not the best fields of each: a not-ready or terminating copy in an earlier-named slice
+    beats a ready copy in a later-named one, as kube-proxy may on any sync.
+
+    A port whose slices hold no endpoint maps to () where kube-proxy leaves it out; the one caller,
+    `ProxyModel._endpoints_of`, reads `.get(spn, ())`: the same either way.
     """
     ordered = list(slices)
     if len(ordered) > 1:  # nearly every Service has one slice: nothing to order

@@ -89,6 +89,7 @@ MAP_SIZE_ROLES = (
     "maglev",
     "hostnat",
     "sknat",
+    "port",
 )
 
 

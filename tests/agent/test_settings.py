@@ -399,3 +399,20 @@ def test_a_duration_with_a_ceiling_refuses_more() -> None:
         kind.flag("20h")
     with pytest.raises(ValueError, match="at most"):
         kind.file("20h")
+
+
+def test_every_flag_a_full_agent_written_map_names_is_one_and_sets_that_map_s_size() -> None:
+    """A full map's error says which flag to raise (agent/ebpf/maps.py MapFullError): for every
+    map the agent writes that can fill, that flag exists and sets the size the map gets (ekp_port_v2's
+    named --bpf-port-max before there was one)."""
+    from agent.ebpf.abi import MAPS, Writer
+    from agent.settings.table import MAP_SIZE_ROLES
+
+    flags = {flag for s in SETTINGS for flag in s.flags}
+    for spec in MAPS.values():
+        if spec.writer is not Writer.AGENT or spec.kind == "array":
+            continue
+        assert spec.size_flag in flags, spec.name
+        assert spec.sized_by in MAP_SIZE_ROLES, spec.name
+        sizes = resolve([f"{spec.size_flag}=777"]).config.map_sizes
+        assert getattr(sizes, spec.sized_by) == 777, spec.name

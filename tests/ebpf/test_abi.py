@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import re
 import shutil
@@ -259,6 +260,16 @@ def prog_id(fd: int) -> int:
     info = (ctypes.c_uint32 * 64)()  # struct bpf_prog_info: type, id, ...
     assert bpfsys.obj_get_info_by_fd(fd, info) == 0
     return int(info[1])
+
+
+def test_the_layout_tests_sizes_tell_the_maps_apart() -> None:
+    """Each map SMALL sizes gets a size no other has: where two were equal, a header sizing one
+    map from the other's macro (ct_any from EKP_CT_TCP_MAX) would pass the layout test below."""
+    sized = [f.name for f in dataclasses.fields(SMALL) if f.name in abi.MAPS]
+    assert {"ct_tcp", "ct_any", "frag", "fe", "sknat", "slot"} <= set(sized)
+    entries = {role: expected_info(abi.MAPS[role], SMALL)["max_entries"] for role in sized}
+    shared = {n: sorted(r for r in entries if entries[r] == n) for n in entries.values()}
+    assert {n: roles for n, roles in shared.items() if len(roles) > 1} == {}
 
 
 @pytest.mark.kernel

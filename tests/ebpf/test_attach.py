@@ -39,8 +39,9 @@ from agent.ebpf.attach import (
     hooks_report,
     parse_link_events,
     pod_side_program,
+    port_bridge,
 )
-from agent.ebpf.maps import BpfMap, FakeMap, MapWriter
+from agent.ebpf.maps import BpfMap, FakeMap, MapError, MapWriter, UpdateFlag
 from agent.ebpf.xdp import PROG_XDP
 from agent.localdetect import LocalDetector, LocalMode
 from agent.netns import netns_route, run_in_netns
@@ -70,12 +71,31 @@ def test_parse_link_events() -> None:
         return struct.pack("=IHHII", 16 + len(body), mtype, 0, 0, 0) + body
 
     data = msg(RTM_NEWLINK, 7, "lxc-a") + msg(RTM_DELLINK, 8, "veth1") + msg(20, 1, "addr")
-    assert parse_link_events(data) == [(RTM_NEWLINK, 7, "lxc-a", 0), (RTM_DELLINK, 8, "veth1", 0)]
-    master = struct.pack("=HHI", 8, 10, 42)  # IFLA_MASTER: a port of the bridge with ifindex 42
-    body = struct.pack("=BxHiII", 0, 1, 9, 0, 0) + master
-    enslaved = struct.pack("=IHHII", 16 + len(body), RTM_NEWLINK, 0, 0, 0) + body
-    assert parse_link_events(enslaved) == [(RTM_NEWLINK, 9, "", 42)]
+    assert parse_link_events(data) == [(RTM_NEWLINK, 7, "lxc-a", 0, ""), (RTM_DELLINK, 8, "veth1", 0, "")]
+    master = struct.pack("=HHI", 8, 10, 42)  # IFLA_MASTER: a port of the device with ifindex 42
+    for kind in ("bridge", "bond"):
+        # IFLA_LINKINFO holding IFLA_INFO_KIND "veth", then IFLA_INFO_SLAVE_KIND: the master's kind
+        nested = struct.pack("=HH", 9, 1) + b"veth\0" + b"\0" * 3
+        nested += struct.pack("=HH", 4 + len(kind) + 1, 4) + kind.encode() + b"\0"
+        nested += b"\0" * (-len(nested) % 4)
+        info = struct.pack("=HH", 4 + len(nested), 18) + nested
+        body = struct.pack("=BxHiII", 0, 1, 9, 0, 0) + master + info
+        enslaved = struct.pack("=IHHII", 16 + len(body), RTM_NEWLINK, 0, 0, 0) + body
+        assert parse_link_events(enslaved) == [(RTM_NEWLINK, 9, "", 42, kind)]
+    # The bridge's own notice about a port (family AF_BRIDGE) carries no IFLA_LINKINFO
+    body = struct.pack("=BxHiII", socket.AF_BRIDGE, 1, 9, 0, 0) + master
+    notice = struct.pack("=IHHII", 16 + len(body), RTM_NEWLINK, 0, 0, 0) + body
+    assert parse_link_events(notice) == [(RTM_NEWLINK, 9, "", 42, "bridge")]
     assert parse_link_events(data[:10]) == []
+
+
+def test_only_a_bridge_s_port_has_a_bridge_for_the_port_map() -> None:
+    """bpf host routing accepts a route back by a port's bridge (ekp_port_v2): a pod device whose
+    master is a bond or a VRF has none (before, any master's ifindex was written)."""
+    assert port_bridge(Link(5, "lxc-a", master=3, master_kind="bridge")) == 3
+    assert port_bridge(Link(5, "lxc-a", master=3, master_kind="bond")) == 0
+    assert port_bridge(Link(5, "lxc-a", master=3, master_kind="vrf")) == 0
+    assert port_bridge(Link(5, "lxc-a")) == 0
 
 
 PREFIX = LocalDetector(LocalMode.INTERFACE_NAME_PREFIX, prefix="lxc-a")
@@ -544,6 +564,118 @@ def test_a_bridge_port_s_entry_names_its_bridge_and_follows_enslaving(
         assert wait_for(lambda: port_entries(ports) == {}), port_entries(ports)
     finally:
         restarted.stop_watcher()
+
+
+def bridged_pod(ns: str, dev: str, bridge: str) -> None:
+    sh("ip", "-n", ns, "link", "add", dev, "type", "veth", "peer", "name", f"p-{dev}")
+    sh("ip", "-n", ns, "link", "set", dev, "master", bridge)
+    sh("ip", "-n", ns, "link", "set", dev, "up")
+
+
+@pytest.mark.kernel
+def test_a_verify_leaves_the_entry_of_a_port_the_watcher_attached_after_its_listing(
+    netns: str, progs: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verify lists the wanted devices, then removes the entries of every other device; a pod
+    port the watcher attaches in between is in no listing of that verify, and its entry stays
+    (removed, its pods' Service traffic was dropped as spoofed_source under bpf host routing until
+    the next verify)."""
+    config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
+    ports = FakeMap(abi.MAPS["port"])
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "set", "lxc-a", "master", "cbr0")
+    attacher = new_attacher(config, progs, ports)
+    attacher.reconcile(NODE, full=True)
+    bridge, lxc_a = link_index(netns, "cbr0"), link_index(netns, "lxc-a")
+    assert port_entries(ports) == {lxc_a: bridge}
+    listing = attach.wanted_devices
+
+    def watcher_attaches_after_the_listing(ipr: Any, *args: Any) -> Any:
+        wanted = listing(ipr, *args)
+        bridged_pod(netns, "lxc-b", "cbr0")
+        attacher._on_new_link(ipr, Link(link_index(netns, "lxc-b"), "lxc-b", bridge, "bridge"))
+        return wanted
+
+    monkeypatch.setattr(attach, "wanted_devices", watcher_attaches_after_the_listing)
+    attacher.reconcile(NODE, verify=True)
+    monkeypatch.setattr(attach, "wanted_devices", listing)
+    assert port_entries(ports) == {lxc_a: bridge, link_index(netns, "lxc-b"): bridge}
+    assert "ekp_from_pod" in ingress(netns, "lxc-b")
+
+
+@pytest.mark.kernel
+def test_a_verify_checks_the_port_map_itself_and_rewrites_an_entry_it_lacks(
+    netns: str, progs: dict[str, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cache of ekp_port_v2 says an entry is there; the map, not the cache, is what a verify
+    checks: an entry deleted (or changed) behind the agent's back is written again, with one
+    warning each, also where the device lost its program too (written before it is attached
+    again, which finds the cache as it was)."""
+    config = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
+    ports = FakeMap(abi.MAPS["port"])
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "set", "lxc-a", "master", "cbr0")
+    bridged_pod(netns, "lxc-b", "cbr0")
+    attacher = new_attacher(config, progs, ports)
+    attacher.reconcile(NODE, full=True)
+    bridge, lxc_a, lxc_b = link_index(netns, "cbr0"), link_index(netns, "lxc-a"), link_index(netns, "lxc-b")
+    assert port_entries(ports) == {lxc_a: bridge, lxc_b: bridge}
+    assert "ekp_port_v2 held" not in caplog.text
+    ports.delete(ctypes.c_uint32(lxc_a))
+    ports.update(ctypes.c_uint32(lxc_b), abi.Port(bridge=bridge + 100))
+    attacher.reconcile(NODE, verify=True)
+    assert port_entries(ports) == {lxc_a: bridge, lxc_b: bridge}
+    assert caplog.text.count("ekp_port_v2 held") == 2, caplog.text
+    ports.delete(ctypes.c_uint32(lxc_a))
+    sh("tc", "-n", netns, "filter", "del", "dev", "lxc-a", "ingress")
+    attacher.reconcile(NODE, verify=True)
+    assert port_entries(ports) == {lxc_a: bridge, lxc_b: bridge}
+    assert "ekp_from_pod" in ingress(netns, "lxc-a")
+
+
+class FailingPorts(FakeMap):
+    """ekp_port_v2 whose updates fail with `err` for the ifindexes in `failing`."""
+
+    def __init__(self, err: int) -> None:
+        super().__init__(abi.MAPS["port"])
+        self.err = err
+        self.failing: set[int] = set()
+
+    def update(self, key: Any, value: Any, flags: UpdateFlag = UpdateFlag.ANY) -> None:
+        if int(key.value) in self.failing:
+            raise MapError(self.spec.name, "update", self.err)
+        super().update(key, value, flags)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("attach_mode", ["clsact", "tcx"])
+def test_a_port_entry_the_map_refuses_leaves_every_device_attached_and_a_verify_writes_it(
+    netns: str, progs: dict[str, int], pin_dir: str, attach_mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bridge port's entry the map refuses (ENOMEM under memory cgroup pressure: the hash
+    allocates each entry as written; or full) is logged as an error saying what it breaks; the port
+    and every device after it get their programs all the same, and the next verify writes the
+    entry. (Before, the MapError left that device and every one after it unattached, every sync.)"""
+    config = Config(netns=netns, bpf_tc_attach=attach_mode, pin_path=pin_dir, pod_interfaces=("lxc*",))
+    ports = FailingPorts(errno.ENOMEM)
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "set", "lxc-a", "master", "cbr0")
+    bridged_pod(netns, "lxc-b", "cbr0")
+    bridge, lxc_a, lxc_b = link_index(netns, "cbr0"), link_index(netns, "lxc-a"), link_index(netns, "lxc-b")
+    ports.failing = {lxc_a}
+    attacher = new_attacher(config, progs, ports)
+    attacher.reconcile(NODE, full=True)
+    for dev, prog in (("eth0", PROG_FROM_NET), ("lxc-a", PROG_FROM_POD), ("lxc-b", PROG_FROM_POD)):
+        assert lab_hooks.hook_programs(netns, dev) == [prog], dev
+    assert port_entries(ports) == {lxc_b: bridge}
+    said = [r for r in caplog.records if r.levelno == logging.ERROR and "ekp_port_v2" in r.getMessage()]
+    assert len(said) == 1 and "spoofed_source" in said[0].getMessage(), said
+    attacher.reconcile(NODE, verify=True)
+    assert port_entries(ports) == {lxc_b: bridge}  # still refused
+    ports.failing = set()
+    attacher.reconcile(NODE, verify=True)
+    assert port_entries(ports) == {lxc_a: bridge, lxc_b: bridge}
+    detach_all(netns)
 
 
 @pytest.mark.kernel
@@ -1118,6 +1250,49 @@ def test_the_ingress_program_alone_on_its_hook_finds_its_bridge_in_the_port_map_
     send_frame(netns, "peer0")
     got = {int(k.value): int(v.value) for k, v in seen.items()}
     assert got == {index_of(netns, "lxc-a"): index_of(netns, "br0"), index_of(netns, "eth0"): 0}
+    detach_all(netns)
+
+
+class HookRecordingPorts(FakeMap):
+    """ekp_port_v2 that records, at each update, the ids of the programs its port's ingress hook
+    runs at that moment."""
+
+    def __init__(self, ns: str) -> None:
+        super().__init__(abi.MAPS["port"])
+        self.ns = ns
+        self.seen: list[tuple[int, list[int]]] = []
+
+    def update(self, key: Any, value: Any, flags: UpdateFlag = UpdateFlag.ANY) -> None:
+        index = int(key.value)
+        with netns_route(self.ns) as ipr:
+            self.seen.append(
+                (index, [p.prog_id for p in attach.hook_programs(ipr, self.ns, index, tcx.INGRESS)])
+            )
+        super().update(key, value, flags)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("attach_mode", ["tcx", "clsact"])
+def test_a_port_s_entry_is_written_before_its_ingress_program_is_attached_or_replaced(
+    netns: str, progs: dict[str, int], newer_progs: dict[str, int], pin_dir: str, attach_mode: str
+) -> None:
+    """The ingress program of a bridged pod's port drops its Service traffic as spoofed_source
+    (bpf host routing) without the port's entry: so the entry is there before the program is, on
+    the first attach (the hook runs nothing yet) and on a restart's (a new build's program takes
+    the older one's place in the hook: still the older one's at the write)."""
+    config = Config(netns=netns, bpf_tc_attach=attach_mode, pin_path=pin_dir, pod_interfaces=("lxc*",))
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "set", "lxc-a", "master", "cbr0")
+    lxc_a = link_index(netns, "lxc-a")
+    ports = HookRecordingPorts(netns)
+    new_attacher(config, progs, ports).reconcile(NODE, full=True)
+    assert ports.seen == [(lxc_a, [])]
+    older, newer = tcx.prog_id(progs[PROG_FROM_POD]), tcx.prog_id(newer_progs[PROG_FROM_POD])
+    ports.seen.clear()
+    new_attacher(config, newer_progs, ports).reconcile(NODE, full=True)  # a restart: its cache is empty
+    assert ports.seen == [(lxc_a, [older])]
+    with netns_route(netns) as ipr:
+        assert [p.prog_id for p in attach.hook_programs(ipr, netns, lxc_a, tcx.INGRESS)] == [newer]
     detach_all(netns)
 
 

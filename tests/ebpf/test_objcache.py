@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -220,8 +221,10 @@ def test_the_verifier_cost_benchs_object_waits_for_an_agent_compiling_the_same_b
     bench = threading.Thread(target=lambda: got.append(verifycost.the_object(dp)))
     with cache.compiling(build):  # an agent's compile of it, under way
         bench.start()
-        while WAITING_LOG not in caplog.text and bench.is_alive():
+        deadline = time.monotonic() + 10
+        while WAITING_LOG not in caplog.text and bench.is_alive() and time.monotonic() < deadline:
             bench.join(0.01)
+        assert WAITING_LOG + build in caplog.text, "the bench waits on the entry's lock"
         cache.put(obj(build))
     bench.join(10)
     assert compiles == [], "compiled once, by the agent"

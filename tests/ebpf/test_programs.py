@@ -126,3 +126,17 @@ def test_the_c_marker_is_the_loaders() -> None:
     m = re.search(r"#define EKP_KFUNC_SOCK_DESTROY (0x[0-9a-f]+)", text)
     assert m and int(m.group(1), 16) == KFUNC_SOCK_DESTROY_MARK
     assert PROGRAMS[PROG_SOCK_TERM].kfuncs == ((KFUNC_SOCK_DESTROY_MARK, "bpf_sock_destroy"),)
+
+
+def test_every_ingress_pass_that_writes_no_tag_clears_tc_classid_and_a_miss_keeps_it() -> None:
+    """cls_bpf (clsact) copies skb->tc_classid into tc_index on TC_ACT_OK, and ekp_egress reads a
+    nonzero tc_index as a legacy host routing tag: each ingress TC_ACT_OK writes tc_classid first
+    (ekp_tc_apply, and the scratch lookup's failure, which no packet reaches: a one-element per-CPU
+    array; a source check, as no test run can make that lookup fail). MISS mode's TC_ACT_UNSPEC
+    leaves it for the older generation behind ours, so ekp_main clears nothing before its lookup."""
+    text = (default_bpf_dir() / "ekp_core.h").read_text()
+    start = text.index("static __always_inline int ekp_main(")
+    body = text[start : text.index("\n}\n", start)]
+    assert re.search(r"if \(!w\) \{[^}]*skb->tc_classid = 0;\s*return TC_ACT_OK;", body), body
+    assert body.index("tc_classid") > body.index("if (!w)")
+    assert body.count("return TC_ACT_OK") == 1

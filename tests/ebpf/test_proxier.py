@@ -2067,6 +2067,47 @@ def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches(rig: Rig) -> None:
         assert rig.sizes[-1].ipv6_tc is True
 
 
+def test_the_lab_agents_builds_are_those_the_tests_reusing_them_load(rig: Rig, tmp_path: Path) -> None:
+    """Tests that load "the lab agents' build", to take it from the machine's cache where the lab's
+    agents compiled it, name it by sizes of their own: test_bpf_metrics's MapSizes(ipv6_tc=False)
+    (an IPv4-only agent's), test_compile's AGENT (IPv4-only and dual-stack) and
+    test_verifier_cost's MapSizes() (dual-stack). A lab agent's flags (lab/harness.py), resolved
+    and loaded as the agent does, must make the same build ids: a drift would cost a compile
+    (about 19 CPU s) per test and run, silently."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from agent.cli import resolve
+    from agent.ebpf.loader import Datapath
+    from lab.core import Lab, Node
+    from lab.harness import Agent
+    from tests.ebpf.test_compile import AGENT
+    from tests.health.test_bpf_metrics import AGENT_IPV4
+
+    def build(sizes: MapSizes) -> str:
+        # the compile cache's key; the sizes no longer reach it (the object's maps are sized at
+        # load: tests/ebpf/test_onebuild.py), the Maglev table size and the source still do
+        return Datapath(str(tmp_path / "unused"), sizes).build()
+
+    reusing = {False: (AGENT_IPV4, replace(AGENT, ipv6_tc=False)), True: (AGENT, MapSizes())}
+    for dual, sizes in reusing.items():
+        lab = SimpleNamespace(ipv6=dual, prefix="t", tmpdir=tmp_path)
+        node = SimpleNamespace(
+            name="node1",
+            ns="ekp-t-node1",
+            ip="192.168.0.11",
+            ip6="fd00:192:168::11" if dual else "",
+            cgroup_root="/sys/fs/cgroup/ekp-t/node1",
+        )
+        agent = Agent(cast(Lab, lab), cast(Node, node), "ebpf", ["--services-file=/dev/null"])
+        config = resolve(agent.flags()).config
+        rig.config = replace(config, netns=rig.config.netns, pin_path=rig.config.pin_path)
+        assert config.ipv6_configured is dual
+        rig.proxier(ipv6=dual).sync(STATE, NODE)
+        assert rig.sizes[-1].ipv6_tc is dual, "the lab's dual-stack agents serve the tc IPv6 path"
+        assert [build(s) for s in sizes] == [build(rig.sizes[-1])] * len(sizes), dual
+
+
 def test_fixtures_differ() -> None:
     assert set(STATE.services) < set(MORE.services)
     # with the NodePort on localhost (internal), and the node's own (HOST) twins of the ETP Local

@@ -147,11 +147,12 @@ class OldAgent(Agent):
             log.close()
 
 
-def echo_lab(*, ipv6: bool) -> Iterator[Lab]:
+def echo_lab(*, ipv6: bool, pod_bridge: str | None = None) -> Iterator[Lab]:
     """One node, three pods with the HTTP podserver; pod-1-2 also a line echo. Dual-stack: pod-1-2
-    and pod-1-3 serve HTTP2_PORT (and the echo) over IPv6 too, the IPv6 endpoints."""
+    and pod-1-3 serve HTTP2_PORT (and the echo) over IPv6 too, the IPv6 endpoints. `pod_bridge`:
+    the pods' veths are ports of a Linux bridge of that name (IPv4 only)."""
     require_kernel()
-    with Lab(nodes=1, pods_per_node=3, ipv6=ipv6) as built:
+    with Lab(nodes=1, pods_per_node=3, ipv6=ipv6, pod_bridge=pod_bridge) as built:
         built.start_podservers()
         for pod in [built.pod(p) for p in (("pod-1-2", "pod-1-3") if ipv6 else ("pod-1-2",))]:
             proc = built.popen(
@@ -181,6 +182,11 @@ def lab() -> Iterator[Lab]:
 @pytest.fixture
 def dual_lab() -> Iterator[Lab]:
     yield from echo_lab(ipv6=True)
+
+
+@pytest.fixture
+def bridged_lab() -> Iterator[Lab]:
+    yield from echo_lab(ipv6=False, pod_bridge="cbr0")
 
 
 @dataclass(frozen=True)
@@ -458,6 +464,56 @@ def test_upgrade_from_the_classid_generation_on_tcx_under_load_fails_no_request(
     stats = cluster.bpf_stats()
     assert stats["drop_no_flow"] == 0 and stats.get("drop_spoofed", 0) == 0, stats
     assert_no_gap(seen)
+    assert not cluster.stop(), "agent --cleanup failed"
+
+
+def test_upgrade_from_the_classid_generation_with_bridged_pods_drops_none_as_spoofed(
+    bridged_lab: Lab, tmp_path: Path
+) -> None:
+    """Pods on a bridge (kubenet's cbr0) under bpf host routing, whose source check accepts a pod's
+    route back by its port's bridge: the classid generation gave the program the bridge through
+    its classid program, this one through ekp_port_v2. The new agent writes each port's entry
+    before it swaps its program into the pinned link in place, so no packet of a bridged pod meets
+    the new program without its port's entry: none dropped as spoofed_source, every request
+    served, and afterwards each port's entry names the bridge."""
+    tree = old_tree(
+        tmp_path,
+        CLASSID_COMMIT,
+        "the last agent with tcx's classid program",
+        ("agent/ebpf/tcx.py", 'CLASSID_PROG_NAME = "ekp_tcx_classid"'),
+        lacks=("bpf/ekp_maps.h", "ekp_port_v2"),
+    )
+    flags = [
+        "--detect-local-mode=BridgeInterface",
+        "--pod-bridge-interface=cbr0",
+        "--bpf-tc-attach=tcx",
+        "--bpf-host-routing=bpf",
+    ]
+    programs: dict[str, list[str]] = {}
+
+    def observe(cluster: Cluster, when: str) -> None:
+        node = cluster.lab.node(1)
+        programs[when] = hooks.hook_programs(node.ns, node.pods[0].host_iface)
+
+    cluster, new, results = upgrade_under_load(bridged_lab, tree, "classid-bridged", observe, extra=flags)
+    assert programs["before"] == ["ekp_tcx_classid", "ekp_from_pod"], programs
+    assert programs["after"] == ["ekp_from_pod"], programs
+    stats = cluster.bpf_stats()
+    assert stats.get("drop_spoofed", 0) == 0 and stats["drop_no_flow"] == 0, (stats, results)
+    node = cluster.lab.node(1)
+    bridge = int(cluster.lab.run(node, "cat", "/sys/class/net/cbr0/ifindex").stdout)
+    ports = {
+        int(cluster.lab.run(node, "cat", f"/sys/class/net/{p.host_iface}/ifindex").stdout) for p in node.pods
+    }
+    path = str(Path(new.pin_path) / "ekp_port_v2")
+    out = subprocess.run(["bpftool", "-j", "map", "dump", "pinned", path], check=True, capture_output=True)
+    entries = {
+        int.from_bytes(bytes(int(b, 16) for b in e["key"]), "little"): int.from_bytes(
+            bytes(int(b, 16) for b in e["value"]), "little"
+        )
+        for e in json.loads(out.stdout)
+    }
+    assert entries == dict.fromkeys(ports, bridge), entries
     assert not cluster.stop(), "agent --cleanup failed"
 
 
