@@ -51,8 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cold_load(sizes)  # untimed: fills the compile cache when the build is not in it
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
-    build = Datapath("/unused", sizes)
-    print(f"build {build.build(build.programs())}, ipv6_tc {ns.ipv6_tc}, load average {load}")
+    dp = Datapath("/unused", sizes)
+    print(f"build {dp.build()}, load {dp.load_id(dp.programs())}, ipv6_tc {ns.ipv6_tc}, load average {load}")
     for run in range(ns.runs):
         wall, cpu, programs = cold_load(sizes)
         print(

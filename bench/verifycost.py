@@ -31,14 +31,14 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from agent.config import MapSizes
 from agent.ebpf import bpfsys
 from agent.ebpf.bpfobject import BpfObject, relocate
 from agent.ebpf.compile import compile_in_child
 from agent.ebpf.link import load_insns
-from agent.ebpf.loader import Datapath
+from agent.ebpf.loader import Datapath, load_sizes
 from agent.ebpf.programs import PROGRAMS, ProgSpec
 
 LOG_STATS = 4  # BPF_LOG_STATS: the totals only
@@ -67,17 +67,23 @@ def the_object(dp: Datapath) -> BpfObject:
     compiles under the cache entry's lock, as an agent's does (ObjectCache.compiling): in a fresh
     clone's test run the lab's agents miss the same (default) build at about the same time, and
     without the lock this was a second compile of it."""
-    programs = dp.programs()
-    build = dp.build(programs)
+    build = dp.build()
     obj = dp.cache.get(build)
     if obj is None:
         with dp.cache.compiling(build):
             obj = dp.cache.get(build)  # compiled by whoever held the lock while we waited
             if obj is None:
-                types = {name: spec.prog_type for name, spec in programs.items()}
+                types = {name: spec.prog_type for name, spec in PROGRAMS.items()}
                 obj, _ = compile_in_child(dp.entry_file, dp.cflags(), build, types)
                 dp.cache.put(obj)
-    return obj
+    # What the agent's load takes of it: the programs this kernel and these sizes load, the maps
+    # at the sizes the load creates (the object declares placeholders: loader.compile_cflags).
+    programs, sizes = dp.programs(), load_sizes(dp.sizes)
+    return replace(
+        obj,
+        maps=tuple(replace(m, max_entries=sizes.get(m.name, m.max_entries)) for m in obj.maps),
+        programs=tuple(p for p in obj.programs if p.name in programs),
+    )
 
 
 def _create_maps(obj: BpfObject) -> list[int]:

@@ -55,7 +55,19 @@ static __always_inline __u32 EKP_CTQF(push)(const struct EKP_CTQF(req) *q)
 	if (!head)
 		return 0;
 	__u64 n = __sync_fetch_and_add(head, 1);
-	__u32 slot = ring == EKP_CTQ_TCP ? n % EKP_CTQ_TCP_SLOTS : n % EKP_CTQ_ANY_SLOTS;
+	__u32 slots = n >> EKP_CTQH_SLOTS_SHIFT;
+	__u32 pos = n & EKP_CTQH_POS_MASK;
+	/* 1 when this add carried into the count (the position wrapped): taken back at once, without a
+	 * branch (each is a fork of the verifier's walk, at every place a flow is queued). A CPU
+	 * between another's carry and its take-back sees one slot too many: that slot is past the
+	 * ring, its lookup fails and the flow is not queued, as with no head. */
+	__u64 carried = ((__u64)pos + 1) >> EKP_CTQH_SLOTS_SHIFT;
+
+	__sync_fetch_and_sub(head, carried << EKP_CTQH_SLOTS_SHIFT);
+	/* No test of a 0 count (a head no agent wrote): that branch cost ekp_from_pod6 50,000 more
+	 * insns of the verifier's walk (bench.verifycost), and BPF's x % 0 is x, so such a head queues
+	 * at its position while that is inside the ring and in no slot after (the lookup fails). */
+	__u32 slot = pos % slots;
 	EKP_CTQ_SLOT *s = EKP_CTQF(lookup)(ring, &slot);
 	if (!s)
 		return 0;

@@ -24,8 +24,6 @@
 #define EKP_CTQF(x) ekp_ctq6_##x
 #define EKP_CTQ_SLOT struct ekp_ctq6_slot
 #define EKP_CTQH_LOOKUP ekp_ctqh6_lookup
-#define EKP_CTQ_TCP_SLOTS EKP_CTQ6_TCP_MAX
-#define EKP_CTQ_ANY_SLOTS EKP_CTQ6_ANY_MAX
 #define EKP_A_EQ(a, b) ekp_addr6_eq(a, b)
 #define EKP_A_SET(d, s) __builtin_memcpy(d, s, 16)
 #define EKP_A_ZERO(d) __builtin_memset(d, 0, 16)
@@ -73,8 +71,6 @@
 #define EKP_CTQF(x) ekp_ctq_##x
 #define EKP_CTQ_SLOT struct ekp_ctq_slot
 #define EKP_CTQH_LOOKUP ekp_ctqh_lookup
-#define EKP_CTQ_TCP_SLOTS EKP_CTQ_TCP_MAX
-#define EKP_CTQ_ANY_SLOTS EKP_CTQ_ANY_MAX
 #define EKP_A_EQ(a, b) ((a) == (b))
 #define EKP_A_SET(d, s) ((d) = (s))
 #define EKP_A_ZERO(d) ((d) = 0)

@@ -15,8 +15,6 @@
 #undef EKP_CTQF
 #undef EKP_CTQ_SLOT
 #undef EKP_CTQH_LOOKUP
-#undef EKP_CTQ_TCP_SLOTS
-#undef EKP_CTQ_ANY_SLOTS
 #undef EKP_A_EQ
 #undef EKP_A_SET
 #undef EKP_A_ZERO

@@ -44,7 +44,7 @@ from agent.ebpf.abi import (
     ip_be,
     port_be,
 )
-from agent.ebpf.loader import Datapath
+from agent.ebpf.loader import Datapath, write_ring_slots
 from agent.ebpf.maps import MapWriter, read_stats, write_config
 from lab.packets import Link, link, private_netns, prog_run, sh, xdp_run
 
@@ -198,6 +198,7 @@ def reset_maps(dp: Datapath) -> None:
     check (bpf/ekp_act.h) as a running agent has it: packets of no live flow skip conntrack."""
     for role in TEST_ROLES:
         dp.maps[role].clear()
+    write_ring_slots(dp.maps)  # the rings' slot counts, cleared with their heads
     write_config(dp.maps, CFG)
     dp.maps["act"].update(ct.c_uint32(activity.ARMED), abi.Act(stamp=1))
 

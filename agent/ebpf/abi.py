@@ -781,6 +781,11 @@ V6_ROLES: dict[str, str] = {
 # N flows be unassured or closed (2 N entries), half the table (bpf/ekp_ctq.h).
 CT_QUEUES = {"ct_tcp": "ctq_tcp", "ct_any": "ctq_any", "ct6_tcp": "ctq6_tcp", "ct6_any": "ctq6_any"}
 CTQ_DIVISOR = 4  # ring slots = table entries / 4
+# The head map each ring's position and slot count are in (ekp_ctqh*[CtqRing]), by its table.
+CTQ_HEADS = {"ct_tcp": "ctqh", "ct_any": "ctqh", "ct6_tcp": "ctqh6", "ct6_any": "ctqh6"}
+# An ekp_ctqh entry: position in the low 32 bits, slot count in the high ones (bpf/ekp_abi.h).
+CTQH_SLOTS_SHIFT = 32
+CTQH_POS_MASK = (1 << CTQH_SLOTS_SHIFT) - 1
 
 # The conntrack tables, by protocol: TCP flows in ct_tcp, every other protocol in ct_any.
 CT_ROLES = ("ct_tcp", "ct_any")

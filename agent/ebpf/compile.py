@@ -5,10 +5,13 @@ process keeps ~200 MiB of LLVM resident afterwards. The agent therefore never co
 compiles at most once per build on a machine:
 
 * `build_id(...)` hashes what decides the programs' bytes: the C source with its headers inlined,
-  the cflags that reach the C (map sizes), the ABI version, the kernel release and its headers, and
-  the bcc version. Not the pin directory: maps are bound when the programs are loaded
-  (agent.ebpf.link), so two agents with different pins share one build.
-* `open_pinned_programs(...)` looks for programs pinned under that id (`ekp_prog_<id>_<name>` in the
+  the cflags that reach the C (the Maglev table size; map sizes are a placeholder, set at load:
+  agent/ebpf/loader.py compile_cflags), the ABI version, the kernel release and its headers, and
+  the bcc version. Not the pin directory nor the sizes: maps are bound and sized when the programs
+  are loaded (agent.ebpf.link), so two agents with different pins or sizes share one build. The
+  object holds every program of the source; a load chooses which (loader.Datapath.programs).
+* `open_pinned_programs(...)` looks for programs pinned under a load's id (the build and the
+  programs it loads: loader.Datapath.load_id; `ekp_prog_<id>_<name>` in the
   pin directory) whose maps are the maps pinned there now, plus the load's private (unpinned) maps
   such as its scratch memory; when they are all present nothing is loaded (an agent restart takes
   milliseconds).
@@ -106,7 +109,7 @@ def open_pinned_programs(
                 return None
             fds[name] = fd
             if not map_ids or len(prog_map_ids(fd) - map_ids) > private_maps.get(name, 0):
-                log.info("pinned program %s uses maps that are no longer pinned: compiling again", name)
+                log.info("pinned program %s uses maps that are no longer pinned: loading it again", name)
                 return None
         ok = True
         return fds

@@ -6,11 +6,14 @@ pin directory (libbpf's pinned-map reuse works the same way):
 * a map the agent pins (`pinned`, the registry's names) is opened from `<pin_path>/<name>` when it
   exists and must then be exactly the map the object would create (type, key and value size,
   max_entries, flags: `LinkError` naming both otherwise, never a silent reuse of another shape);
-  when missing it is created, with the object's BTF, and pinned there;
+  when missing it is created, with the object's BTF, and pinned there. max_entries is the load's
+  (`sizes`, by map name) where it gives one: the object declares a placeholder for the maps sized at
+  load (agent/ebpf/loader.py compile_cflags), so one compile serves every size;
 * any other map of the object (the programs' scratch memory) is created for this load alone;
-* each program gets those maps' fds written into its instructions, is loaded as its ProgSpec says
-  (agent/ebpf/programs.py: the hook of a socket program, an iterator's target, kfunc calls patched
-  in), and is pinned at the path `prog_path(name)` gives (replacing an older pin of the same name);
+* each program of `programs` (default: every one of the object) gets those maps' fds written into
+  its instructions, is loaded as its ProgSpec says (agent/ebpf/programs.py: the hook of a socket
+  program, an iterator's target, kfunc calls patched in), and is pinned at the path
+  `prog_path(name)` gives (replacing an older pin of the same name);
 * each program array (agent/ebpf/programs.py TAIL_CALLS) gets its programs and is pinned at
   `prog_path(its name)` too: the kernel empties a program array whose last user reference goes,
   and a pin is one that outlives this process; so is each map of the build the agent writes
@@ -26,8 +29,9 @@ import ctypes
 import errno
 import logging
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import replace
 
 from agent.ebpf import bpfsys
 from agent.ebpf.bpfobject import BpfObject, MapDef, relocate
@@ -168,14 +172,24 @@ def link(
     prog_path: Callable[[str], str],
     maps_pinned: Callable[[], None] | None = None,
     threads: int | None = None,
+    sizes: Mapping[str, int] | None = None,
+    programs: Collection[str] | None = None,
 ) -> dict[str, int]:
-    """Open or create the maps, load and pin every program of `obj`; the program fds by name.
+    """Open or create the maps (max_entries from `sizes` where it names the map, else the
+    object's), load and pin the programs of `obj` named in `programs` (all by default); the program
+    fds by name. A program array keeps an empty slot for a program left out.
     `maps_pinned` is called once every pinned map is there, before the first program is loaded
     (the verifier takes seconds: the caller can fill the maps meanwhile). The programs are loaded
     by `threads` threads, the largest first (default: verifier_threads)."""
     missing = sorted(set(pinned) - {m.name for m in obj.maps})
     if missing:
         raise LinkError(f"build {obj.build} declares no map {', '.join(missing)}")
+    absent = sorted(set(programs or ()) - {p.name for p in obj.programs})
+    if absent:
+        raise LinkError(f"build {obj.build} has no program {', '.join(absent)}")
+    sizes = sizes or {}
+    maps = [replace(m, max_entries=sizes[m.name]) if m.name in sizes else m for m in obj.maps]
+    chosen = [p for p in obj.programs if programs is None or p.name in programs]
     btf_fd = -1
     if obj.btf:
         btf_fd = bpfsys.btf_load(obj.btf)
@@ -189,14 +203,14 @@ def link(
     progs: dict[str, int] = {}
     ok = False
     try:
-        for m in obj.maps:
+        for m in maps:
             if m.name in pinned:
                 fds.append(_open_or_create(m, os.path.join(pin_path, m.name), btf_fd))
             else:
                 fds.append(_create(m, btf_fd))
         if maps_pinned is not None:
             maps_pinned()
-        order = sorted(obj.programs, key=lambda p: -len(p.insns))
+        order = sorted(chosen, key=lambda p: -len(p.insns))
         workers = verifier_threads(len(os.sched_getaffinity(0))) if threads is None else threads
         with ThreadPoolExecutor(
             max_workers=max(1, min(len(order), workers)), thread_name_prefix="bpf-verifier"
@@ -208,7 +222,7 @@ def link(
                 progs[name] = done.result()
         for p in order:
             loads[p.name].result()  # the first error, once every loaded program is ours to close
-        for p in obj.programs:
+        for p in chosen:
             fd = progs[p.name]
             path = prog_path(p.name)
             if os.path.exists(path):
@@ -216,7 +230,7 @@ def link(
             ret = bpfsys.obj_pin(fd, path)
             if ret < 0:
                 raise LinkError(f"pinning program {p.name} at {path}: {os.strerror(-ret)}")
-        for m, fd in zip(obj.maps, fds, strict=True):
+        for m, fd in zip(maps, fds, strict=True):
             if m.name in TAIL_CALLS:
                 _fill_tail_calls(m.name, fd, progs, prog_path(m.name))
             elif m.name in BUILD_MAPS:

@@ -9,8 +9,10 @@
 
 The agent never compiles in its own process (`agent.ebpf.compile`): a short-lived child compiles
 with bcc and exits, once per build on the machine (agent/ebpf/objcache.py keeps what it compiled);
-the agent loads that object against its own pinned maps (agent/ebpf/link.py) and pins the programs
-beside them. An agent restarted with the same source, sizes, kernel and bcc reuses the pinned
+the agent loads that object against its own pinned maps (agent/ebpf/link.py), each created at this
+agent's size (the object declares none: compile_cflags), and pins the programs it loads
+(`programs()`: the object holds every one) beside them. One build serves every size and either
+IPv6 switch. An agent restarted with the same source, sizes, kernel and bcc reuses the pinned
 programs without loading anything. The pin directory must be on bpffs (checked before anything is
 created; `FatalError` otherwise) and is created 0700 and checked to be ours (agent/ebpf/pindir.py):
 /sys/fs/bpf is world-writable. Every map of the registry is pinned under `pin_path`, so conntrack,
@@ -25,7 +27,9 @@ The conntrack tables' sizes may be derived at start (MapSizes.with_conntrack): `
 reads the sizes of the tables already pinned, so a restart keeps them rather than refusing to start
 on a machine whose CPU count changed.
 
-Parameters reach the C only as cflags (`-DEKP_CT_TCP_MAX=...`); `source_text()`
+The map sizes reach the C as a placeholder (`-DEKP_CT_TCP_MAX=1`, SIZE_AT_LOAD) and the Maglev
+table size as itself (ekp_maglev's value layout); the early-drop rings' slot counts, the only sizes
+code reads, come from their heads at run time (write_ring_slots). `source_text()`
 returns the full program as compiled (includes inlined, cflags on top) for debugging, the way bcc
 tools print their generated C.
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import logging
 import os
 import re
@@ -50,9 +55,13 @@ from agent.ebpf.abi import (
     ABI_VERSION,
     CT_QUEUES,
     CTQ_DIVISOR,
+    CTQ_HEADS,
+    CTQH_POS_MASK,
+    CTQH_SLOTS_SHIFT,
     MAPS,
     PREFIX,
     V6_ROLES,
+    CtqRing,
     Handover,
     HandoverMode,
     MapSpec,
@@ -144,8 +153,10 @@ ROLE_FLAGS: dict[str, int] = {
 TC6_ROLES = frozenset({"ct6_tcp", "ct6_any", "ctq6_tcp", "ctq6_any", "frag6", "frhold6", "hostnat6"})
 IDLE_SIZE = 1
 # The programs of that path, reached only through ekp_calls6: loaded, pinned and verified only where
-# it serves (Datapath.programs). The switch needs no load of its own: the path's table sizes are
-# compiled in, so a start that turns it on or off is another build, loaded whole (or reused whole).
+# it serves (Datapath.programs). The switch is the same build (sizes are the load's), but another
+# set of programs, so another load id (Datapath.load_id): a start that turns it on or off loads
+# its programs from the cached object and pins them beside the last load's, whose program arrays
+# stay until the attach (release_older_builds).
 TC6_PROGRAMS = frozenset(name for names in TAIL_CALLS.values() for name in names)
 
 _PIN_NAME = re.compile(rf"^{PREFIX}[a-z0-9_]+?_v(\d+)$")
@@ -182,7 +193,8 @@ def read_handover(path: str) -> HandoverMode:
 
 
 def pinned_handover_modes(pin_path: str) -> dict[str, HandoverMode]:
-    """build -> hand-over mode of every build pinned under `pin_path` (agent doctor)."""
+    """load id (Datapath.load_id: a build and the programs it loaded) -> hand-over mode of every one
+    pinned under `pin_path` (agent doctor)."""
     suffix = f"_{HANDOVER_MAP}"
     return {
         entry[len(PROG_PIN_PREFIX) : -len(suffix)]: read_handover(os.path.join(pin_path, entry))
@@ -421,11 +433,55 @@ def ensure_bpffs(pin_path: str) -> bool:
     return True
 
 
+# What the object declares as max_entries for a map sized at load (`load_sized`): the loader
+# creates each with map_size's entries and checks a pin against those (link.link's `sizes`), so
+# one compile serves every MapSizes. 1 keeps the compiler child's own maps (bcc creates them to
+# compile) as small as they go.
+SIZE_AT_LOAD = 1
+
+
+def load_sized(spec: MapSpec) -> bool:
+    """Whether MapSizes decides the map's max_entries (a flag, the tc IPv6 switch, a ring's
+    table); the others' sizes are fixed by the C (`_Static_assert`s in bpf/ekp_maps.h)."""
+    return spec.role in TC6_ROLES or spec.role in CT_QUEUES.values() or hasattr(MapSizes, spec.sized_by)
+
+
 def compile_cflags(sizes: MapSizes, bpf_dir: Path) -> list[str]:
+    """The compiler's flags: no size a MapSizes can change reaches the C (SIZE_AT_LOAD), the Maglev
+    table size alone, which is ekp_maglev's value layout."""
     flags = [f"-I{bpf_dir}"]
-    flags += [f"-D{spec.size_macro}={map_size(spec, sizes)}" for spec in MAPS.values()]
+    flags += [
+        f"-D{spec.size_macro}={SIZE_AT_LOAD if load_sized(spec) else map_size(spec, sizes)}"
+        for spec in MAPS.values()
+    ]
     flags.append(f"-DEKP_MAGLEV_TABLE_SIZE={sizes.maglev_table_size}")
     return flags
+
+
+def load_sizes(sizes: MapSizes) -> dict[str, int]:
+    """max_entries of each map sized at load, by map name, as the load creates it."""
+    return {spec.name: map_size(spec, sizes) for spec in MAPS.values() if load_sized(spec)}
+
+
+def write_ring_slots(maps: Mapping[str, BpfMap]) -> None:
+    """Each early-drop ring's slot count into the high half of its head (bpf/ekp_abi.h,
+    EKP_CTQH_SLOTS_SHIFT), read from the ring map's max_entries: the programs take it from there
+    (ekp_ctq_af.h), so it follows a ring replaced at another size. The position is kept. A
+    program running meanwhile (an older load's, still attached) may lose one increment of the
+    position to this read-modify-write: it only moves where the ring writes next."""
+    for ct_role, ring_role in CT_QUEUES.items():
+        heads = maps[CTQ_HEADS[ct_role]]
+        ring = CtqRing.TCP if ct_role in ("ct_tcp", "ct6_tcp") else CtqRing.ANY
+        slots = maps[ring_role].info().max_entries
+        key = ctypes.c_uint32(ring)
+        old = heads.lookup(key)
+        pos = int(old.value) & CTQH_POS_MASK if old is not None else 0
+        heads.update(key, ctypes.c_uint64(slots << CTQH_SLOTS_SHIFT | pos))
+
+
+def ring_position(value: int) -> int:
+    """Flows queued so far in a ring, from its ekp_ctqh entry (the low half: see write_ring_slots)."""
+    return value & CTQH_POS_MASK
 
 
 class Datapath:
@@ -476,11 +532,19 @@ class Datapath:
             programs.pop(PROG_XDP_NET6, None)
         return programs
 
-    def build(self, programs: Mapping[str, ProgSpec] = PROGRAMS) -> str:
-        """The build id of what this data path compiles (agent.ebpf.compile.build_id): the programs
-        are part of it, as the compiled object holds only those this kernel loads."""
-        flags = [*self.cflags(), *sorted(programs)]
-        return build_id(_inline_includes(self.entry_file, set()), flags, ABI_VERSION)
+    def build(self) -> str:
+        """The build id of what this data path compiles (agent.ebpf.compile.build_id): the object
+        holds every program of the source, and no map size but the Maglev table's (compile_cflags),
+        so agents of any sizes and either IPv6 switch share it, compiled once."""
+        return build_id(_inline_includes(self.entry_file, set()), self.cflags(), ABI_VERSION)
+
+    def load_id(self, programs: Mapping[str, ProgSpec]) -> str:
+        """What this load's programs are pinned under (`ekp_prog_<id>_<name>`): the build and which of
+        its programs are loaded. A start that loads others (the tc IPv6 path switched on or off)
+        pins them beside the last load's, whose program arrays stay until this load's programs
+        replaced its attachments (release_older_builds), as a new build's always did."""
+        h = hashlib.sha256("\0".join([self.build(), *sorted(programs)]).encode())
+        return h.hexdigest()[:12]
 
     def source_text(self) -> str:
         """The program exactly as bcc compiles it: cflags, then ekp_tc.c with local includes inlined."""
@@ -554,7 +618,7 @@ class Datapath:
         started = time.monotonic()
         try:
             programs = self.programs()
-            build = self.build(programs)
+            build = self.load_id(programs)
             fds = open_pinned_programs(
                 self.pin_path, build, list(programs), self._pinned_map_ids(), PRIVATE_MAPS
             )
@@ -579,10 +643,13 @@ class Datapath:
             if old:
                 log.info("unpinned programs of an older build: %s", ", ".join(old))
             log.info(
-                "data path %s, build %s (ABI v%d, maps pinned under %s), ready in %.2fs",
+                "data path %s, build %s (ABI v%d, %d programs pinned as ekp_prog_%s_*, maps under %s), "
+                "ready in %.2fs",
                 how,
-                build,
+                self.build(),
                 ABI_VERSION,
+                len(fds),
+                build,
                 self.pin_path,
                 time.monotonic() - started,
             )
@@ -673,9 +740,13 @@ class Datapath:
             diffs = info_mismatches(spec, self.sizes, m.info())
             if diffs:
                 raise PinMismatchError(f"{spec.name}: " + ", ".join(diffs) + f"; {_REMEDY}")
+        write_ring_slots(self._maps)
 
-    def _compile(self, build: str, programs: Mapping[str, ProgSpec]) -> tuple[BpfObject, str]:
-        types = {name: spec.prog_type for name, spec in programs.items()}
+    def _compile(self, build: str) -> tuple[BpfObject, str]:
+        # Every program, whatever this load takes: bcc compiles each function whatever the running
+        # kernel's helpers (a call is a number until the verifier sees it; kfuncs are patched in at
+        # load), so the object serves every load of the build (Datapath.programs chooses).
+        types = {name: spec.prog_type for name, spec in PROGRAMS.items()}
         try:
             obj, seconds = compile_in_child(self.entry_file, self.cflags(), build, types)
         except Exception as e:
@@ -684,9 +755,11 @@ class Datapath:
         return obj, f"compiled in {seconds:.1f}s"
 
     def _link(
-        self, build: str, programs: Mapping[str, ProgSpec], maps_pinned: Callable[[], None]
+        self, load_id: str, programs: Mapping[str, ProgSpec], maps_pinned: Callable[[], None]
     ) -> tuple[dict[str, int], str]:
-        """Load `build` against our pins: from the cache, else compiled now; the program fds and how."""
+        """Load `programs` of the build against our pins, pinned under `load_id`: from the cache, else
+        compiled now; the program fds and how."""
+        build = self.build()
         obj = self.cache.get(build)
         cached = obj is not None
         if obj is None:
@@ -703,17 +776,25 @@ class Datapath:
                         COMPILING_LOG,
                         build,
                     )
-                    obj, how = self._compile(build, programs)
+                    obj, how = self._compile(build)
         if cached:
             how = "loaded from the compile cache (compiled by an earlier agent)"
         pinned = {spec.name for spec in MAPS.values()}
 
         def pin_of(name: str) -> str:
-            return prog_pin(self.pin_path, build, name)
+            return prog_pin(self.pin_path, load_id, name)
 
         while True:
             try:
-                return link(obj, self.pin_path, pinned, pin_of, None if self._maps else maps_pinned), how
+                return link(
+                    obj,
+                    self.pin_path,
+                    pinned,
+                    pin_of,
+                    None if self._maps else maps_pinned,
+                    sizes=load_sizes(self.sizes),
+                    programs=programs,
+                ), how
             except PinnedMapMismatch as e:
                 raise PinMismatchError(f"{e}; {_REMEDY}") from e
             except (LinkError, OSError) as e:
@@ -721,7 +802,7 @@ class Datapath:
                     # Whatever is wrong with the cached object, a fresh compile replaces it.
                     log.warning("cached data path %s did not load: %s; compiling it again", build, e)
                     log.info("%s%s (the cached one did not load)", COMPILING_LOG, build)
-                    obj, how = self._compile(build, programs)
+                    obj, how = self._compile(build)
                     cached = False
                     continue
                 raise DatapathError(f"loading the data path (build {build}) failed: {e}") from e

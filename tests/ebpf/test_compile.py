@@ -1,13 +1,12 @@
 """The compiler child and what it compiled: once per build on the machine, loaded against each
 agent's own pinned maps, pinned programs reused by a restart; no bcc in the agent.
 
-Three run groups (tests/parallel.py): the tests of builds with the IPv6 paths off (`ipv6-builds`),
-those of a second build (`new-sizes`, in their order) and the rest; SMALL's compile is shared
-(`cache`). Where a test needs a build besides SMALL and which one does not matter, it takes one
-the run compiles anyway, from the machine's cache: the packet lab's (`BIGGER`, lab/precompile.py)
-or the lab agents' (`AGENT`, with the IPv6 path off and on). Only the build without XDP's IPv6
-program is compiled for this module alone: two compiles in all, where each build of its own was
-one (about 19 CPU s)."""
+Three run groups (tests/parallel.py): the tests that switch the IPv6 paths off (`ipv6-builds`),
+those of other sizes (`new-sizes`, in their order) and the rest; SMALL's compile is shared
+(`cache`). Map sizes and the programs loaded are chosen at load, so every size here (SMALL, the
+packet lab's `BIGGER`, the lab agents' `AGENT`, with the IPv6 paths off and on) is one build: the
+module compiles it once (about 19 CPU s), into its own cache, through an agent process without
+bcc; the tests that take the machine's cache find the same build there (lab/precompile.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import ctypes
 import errno
 import logging
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -29,11 +27,12 @@ from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys, loader
 from agent.ebpf.abi import MAPS, CtEntry, CtKey, MapSpec, ip_be, port_be
 from agent.ebpf.bpfobject import BpfObject
+from agent.ebpf.btf import vmlinux_has
 from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids, prog_pin
 from agent.ebpf.link import PinnedMapMismatch, link, verifier_threads
-from agent.ebpf.loader import COMPILING_LOG, PRIVATE_MAPS, Datapath, PinMismatchError
+from agent.ebpf.loader import PRIVATE_MAPS, Datapath, PinMismatchError
 from agent.ebpf.maps import map_info, obj_get
-from agent.ebpf.objcache import DIR_ENV, WAITING_LOG, ObjectCache, default_cache_dir
+from agent.ebpf.objcache import DIR_ENV, ObjectCache, default_cache_dir
 from agent.ebpf.programs import (
     BUILD_MAPS,
     PROG_EGRESS,
@@ -80,10 +79,11 @@ def test_the_build_id_follows_source_flags_and_abi() -> None:
 
 
 def test_the_pin_directory_is_not_part_of_the_build() -> None:
-    """One build per source and sizes, whatever the pin directory: the maps are bound at load."""
+    """One build per source, whatever the pin directory and the sizes: the maps are bound and
+    sized at load (tests/ebpf/test_onebuild.py: every size and IPv6 switch)."""
     a = Datapath("/sys/fs/bpf/node-a", SMALL)
     assert a.build() == Datapath("/sys/fs/bpf/node-b", SMALL).build()
-    assert a.build() != Datapath("/sys/fs/bpf/node-a", replace(SMALL, fe=256)).build()
+    assert a.build() == Datapath("/sys/fs/bpf/node-a", replace(SMALL, fe=256)).build()
 
 
 def test_importing_and_using_the_agent_s_ebpf_modules_never_loads_bcc() -> None:
@@ -113,7 +113,7 @@ def _tail_calls(pins: str, d: Datapath) -> dict[str, list[int]]:
     """The program ids each pinned program array of `d`'s build holds, by index."""
     out: dict[str, list[int]] = {}
     for name, progs in TAIL_CALLS.items():
-        fd = bpfsys.obj_get(prog_pin(pins, d.build(d.programs()), name))
+        fd = bpfsys.obj_get(prog_pin(pins, d.load_id(d.programs()), name))
         assert fd >= 0, name
         try:
             ids = []
@@ -150,14 +150,21 @@ def _no_compile(*args: object, **kwargs: object) -> object:
 @pytest.fixture(scope="module")
 def cache(session_dir: str) -> ObjectCache:
     """The run's cache for this module (shared by its run groups, on whichever workers), holding
-    SMALL's build: compiled once in the run, by the first of the groups to get here, through an
-    agent process whose own memory never sees bcc (the module's one compile of SMALL; the others
-    wait for it on the entry's lock and take it)."""
+    the one build every size here shares: the machine's object (lab/precompile.py compiles it
+    beside the lint step, and the packet lab and the lab agents load it), else compiled into the
+    machine's cache by an agent process whose own memory never sees bcc (the compiler child
+    does), so the run compiles it once in all. A copy of its own: a test here replaces its entry."""
     cache = ObjectCache(os.path.join(session_dir, "test_compile-objects"))
+    machine = ObjectCache(default_cache_dir())
     build = Datapath("/x", SMALL).build()
     with cache.compiling(build):
         if cache.get(build) is None:
-            cache.put(_compiled_by_a_child_without_bcc(SMALL, build))
+            with machine.compiling(build):
+                obj = machine.get(build)
+                if obj is None:
+                    obj = _compiled_by_a_child_without_bcc(SMALL, build)
+                    machine.put(obj)
+            cache.put(obj)
     assert cache.get(build) is not None, "what the child compiled is kept"
     return cache
 
@@ -185,8 +192,8 @@ def _compiled_by_a_child_without_bcc(sizes: MapSizes, build: str) -> BpfObject:
 
 @pytest.mark.kernel
 @pytest.mark.run_group("new-sizes")
-def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
-    caplog: pytest.LogCaptureFixture, cache: ObjectCache
+def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_load_the_same_build_again(
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.INFO)
     with bpffs() as root:
@@ -211,36 +218,30 @@ def test_a_second_load_reuses_the_pinned_programs_and_new_sizes_rebuild(
         assert "data path reused" in caplog.text, "a restart reuses the pinned programs"
         assert _prog_pins(pins) == built
 
-        # Other sizes make other programs (the sizes are compiled in): another build, not the pinned
-        # one reused but its own loaded (from the machine's cache, where the packet lab's build is
-        # compiled for the whole run: test_the_pin_directory_is_not_part_of_the_build shows the
-        # sizes change the build id), old ones unpinned. The existing pins must match the sizes, so
-        # start from an empty directory of maps.
+        # Other sizes are the same build (sizes are the load's, not compiled in): no compile, the
+        # object from the cache, and the pinned programs loaded again, not reused, as the maps they
+        # use are gone (the existing pins must match the sizes, so start from an empty directory of
+        # maps); pinned under the same names, with the new sizes' maps.
         for name in os.listdir(pins):
             if not name.startswith(PROG_PIN_PREFIX):
                 os.unlink(os.path.join(pins, name))
         caplog.clear()
-        machine = ObjectCache(default_cache_dir())
-        bigger = Datapath(pins, BIGGER, cache=machine)
-        cached = machine.get(bigger.build(bigger.programs())) is not None
+        monkeypatch.setattr(loader, "compile_in_child", _no_compile)
+        bigger = Datapath(pins, BIGGER, cache=cache)
         bigger.load()
-        assert bigger.build(bigger.programs()) != again.build(again.programs())
-        assert bigger.release_older_builds() == [
-            n for n in built if n.endswith(("_ekp_calls6", "_ekp_xcalls6", "_ekp_handover"))
-        ]
-        bigger.close()
+        try:
+            assert bigger.build() == again.build()
+            assert bigger.release_older_builds() == [], "no other build's pins"
+            assert {role: m.info().max_entries for role, m in bigger.maps.items()} == {
+                role: loader.map_size(spec, BIGGER) for role, spec in MAPS.items()
+            }
+            assert {n: prog_id(bigger.prog_fd(n)) for n in bigger.programs()}.keys() == set(PROGRAMS)
+            _uses_only_its_own_maps(bigger)
+        finally:
+            bigger.close()
         assert "data path reused" not in caplog.text
-        # A miss is compiled here, unless another process (lab/precompile.py beside the lint step,
-        # another worker's packet-lab module) was compiling it: then waited for and loaded.
-        waited = WAITING_LOG in caplog.text
-        if cached or waited:
-            assert "data path loaded from the compile cache" in caplog.text, (cached, waited)
-            assert COMPILING_LOG not in caplog.text
-        else:
-            assert re.search(r"data path compiled in \d", caplog.text), caplog.text
-        rebuilt = _prog_pins(pins)
-        assert len(rebuilt) == len(PROGRAMS) + len(TAIL_CALLS) + len(BUILD_MAPS)
-        assert not set(rebuilt) & set(built)
+        assert "data path loaded from the compile cache" in caplog.text
+        assert _prog_pins(pins) == built
 
 
 @pytest.mark.kernel
@@ -369,15 +370,15 @@ def test_the_tc_ipv6_paths_tables_take_their_ipv4_twins_sizes_where_it_serves() 
 @pytest.mark.kernel
 @pytest.mark.run_group("ipv6-builds")
 def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its_helper(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, cache: ObjectCache
 ) -> None:
     """ekp_xdp_net6 is verified and pinned only where XDP attaches (MapSizes.xdp_ipv6 false with
     --bpf-xdp=disabled) and the kernel has bpf_xdp_load_bytes (5.18; on 5.12-5.17 the verifier
     refused it and with it the whole build): without it ekp_xcalls6 is empty, the tc IPv6 path
-    still serves, and the log line says why. Both ways make the same build. (A lab agent's sizes:
-    its build with XDP's IPv6 program is the lab's dual-stack agents', from the machine's cache.)"""
+    still serves, and the log line says why. Both ways load the same programs, under one load id,
+    from the one build (a lab agent's sizes: no compile of their own)."""
     caplog.set_level(logging.INFO)
-    cache = ObjectCache(default_cache_dir())
+    monkeypatch.setattr(loader, "compile_in_child", _no_compile)
     with bpffs() as root:
         pins = str(root / "ekp")
         d = Datapath(pins, replace(AGENT, xdp_ipv6=False), cache=cache)
@@ -388,7 +389,7 @@ def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its
             assert _slots(pins, d, "ekp_xcalls6") == [0]
             assert 0 not in _slots(pins, d), "the tc IPv6 path serves all the same"
             assert "at XDP passed on to tc (ekp_xdp_net6 not loaded: --bpf-xdp=disabled)" in caplog.text
-            disabled = d.build(d.programs())
+            disabled = d.load_id(d.programs())
         finally:
             d.close()
         lacking = kernel_needs() - {"bpf_xdp_load_bytes"}
@@ -398,7 +399,7 @@ def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its
         d.load()
         try:
             assert not d.has_program(PROG_XDP_NET6)
-            assert d.build(d.programs()) == disabled
+            assert d.load_id(d.programs()) == disabled
             assert (
                 "this kernel lacks bpf_xdp_load_bytes: loading the data path without ekp_xdp_net6"
                 in caplog.text
@@ -407,7 +408,7 @@ def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its
             assert _slots(pins, d, "ekp_xcalls6") == [0]
         finally:
             d.close()
-        monkeypatch.undo()
+        monkeypatch.setattr(loader, "vmlinux_has", vmlinux_has)
         caplog.clear()
         d = Datapath(pins, AGENT, cache=cache)
         d.load()
@@ -470,7 +471,7 @@ def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
 
 def _slots(pins: str, d: Datapath, array: str = "ekp_calls6") -> list[int]:
     """The program ids the program array `array` of `d`'s build holds, 0 for an empty slot."""
-    fd = bpfsys.obj_get(prog_pin(pins, d.build(d.programs()), array))
+    fd = bpfsys.obj_get(prog_pin(pins, d.load_id(d.programs()), array))
     assert fd >= 0
     try:
         out = []
@@ -487,7 +488,7 @@ def _slots(pins: str, d: Datapath, array: str = "ekp_calls6") -> list[int]:
 @pytest.mark.kernel
 @pytest.mark.run_group("ipv6-builds")
 def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_sets_its_tail_calls(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without the tc programs' IPv6 path (MapSizes.ipv6_tc false: no IPv6 half, or no socket-level
     load balancing) its conntrack tables, their early-drop rings, its fragment tables and
@@ -496,9 +497,9 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
     with it loads and pins them, recreates every one of those tables at its IPv4 twin's size and
     fills the array; a restart without it again shrinks them and empties it. Every other pinned map is the
     same map throughout, and an established IPv4 flow's conntrack entry is kept. (A lab agent's
-    sizes: both builds are the lab's agents', IPv4-only and dual-stack, from the machine's cache.)"""
+    sizes, the lab's IPv4-only and dual-stack agents': one build, never compiled here.)"""
     caplog.set_level(logging.INFO)
-    cache = ObjectCache(default_cache_dir())
+    monkeypatch.setattr(loader, "compile_in_child", _no_compile)
     off, on = replace(AGENT, ipv6_tc=False), AGENT
     tc6 = {MAPS[r].name for r in loader.TC6_ROLES}
     key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
@@ -554,7 +555,7 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
                     want = [prog_id(d.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]]
                     assert _slots(pins, d) == want, "the array serves the IPv6 programs loaded now"
                     assert sorted(v6_pins) == sorted(
-                        os.path.basename(prog_pin(pins, d.build(d.programs()), n))
+                        os.path.basename(prog_pin(pins, d.load_id(d.programs()), n))
                         for n in loader.TC6_PROGRAMS
                     ), "pinned with their build"
                     ct6_users = prog_map_ids(d.prog_fd("ekp_from_pod6"))
@@ -735,24 +736,26 @@ def test_an_older_build_s_program_array_stays_filled_until_its_programs_are_repl
     hold none): unpinned at the new build's load, the old tc programs still attached would send
     every IPv6 packet to the stack untranslated until the first sync attaches the new ones. The
     old build's array keeps its pin and its programs through the load, and goes with
-    release_older_builds, called once the new programs are attached."""
+    release_older_builds, called once the new programs are attached. (The older load here is the
+    same build without XDP's IPv6 program: another set of programs, pinned under another id, as
+    an older build's are; one compile serves both.)"""
     with bpffs() as root:
         pins = str(root / "ekp")
-        old = Datapath(pins, SMALL, cache=cache)
+        old = Datapath(pins, replace(SMALL, xdp_ipv6=False), cache=cache)
         old.load()
-        old_array = prog_pin(pins, old.build(old.programs()), "ekp_calls6")
+        old_array = prog_pin(pins, old.load_id(old.programs()), "ekp_calls6")
         want = [prog_id(old.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]]
         old.close()  # in an upgrade its programs stay attached, and hold no reference to the array
         for name in os.listdir(pins):
             if not name.startswith(PROG_PIN_PREFIX):
                 os.unlink(os.path.join(pins, name))
-        new = Datapath(pins, BIGGER, cache=ObjectCache(default_cache_dir()))
+        new = Datapath(pins, BIGGER, cache=cache)
         new.load()
         try:
-            assert new.build(new.programs()) != old.build(old.programs())
+            assert new.load_id(new.programs()) != old.load_id(old.programs())
             assert os.path.exists(old_array), "the old build's program array is still pinned"
             assert _slots(pins, old) == want, "and still holds the old build's IPv6 programs"
-            old_prefix = f"{PROG_PIN_PREFIX}{old.build(old.programs())}_"
+            old_prefix = f"{PROG_PIN_PREFIX}{old.load_id(old.programs())}_"
             kept = sorted([*(f"{old_prefix}{array}" for array in TAIL_CALLS), f"{old_prefix}ekp_handover"])
             assert [p for p in _prog_pins(pins) if p.startswith(old_prefix)] == kept, (
                 "its programs unpinned, its arrays and its hand-over mode (read by them) alone kept"

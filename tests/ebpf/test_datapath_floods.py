@@ -8,15 +8,17 @@ full (the kernel's early drop); a reject over the per-CPU token bucket is droppe
 
 from __future__ import annotations
 
+import ctypes as ct
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 
-from agent.ebpf.abi import CtFlag, CtqRing, FrontendFlag, Scope, Stat
-from agent.ebpf.loader import Datapath
+from agent.ebpf.abi import CTQH_SLOTS_SHIFT, CtFlag, CtqRing, FrontendFlag, Scope, Stat
+from agent.ebpf.loader import Datapath, ring_position
 from lab.cpurace import race_rounds
 from lab.dplab import (
     BE1,
@@ -28,14 +30,25 @@ from lab.dplab import (
     REMOTE_BE,
     SIZES,
     SNAT_MIN,
+    TEST_ROLES,
     UDP,
     VIP,
     Lab,
     Net,
     TupleRace,
+    reset_maps,
     set_config,
 )
-from lab.packets import TC_ACT_REDIRECT, TC_ACT_SHOT, PreparedRun, icmp_error, parse, tcp, udp
+from lab.packets import (
+    TC_ACT_REDIRECT,
+    TC_ACT_SHOT,
+    PreparedRun,
+    icmp_error,
+    loaded_datapath,
+    parse,
+    tcp,
+    udp,
+)
 
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
@@ -300,6 +313,30 @@ def test_udp_flows_have_a_ring_of_their_own(net: Net) -> None:
         assert net.from_pod(bytes(frame))[0] == TC_ACT_REDIRECT
     stats = net.stats()
     assert stats[Stat.EVICT_UNREPLIED] == extra
-    heads = {int(k.value): int(v.value) for k, v in net.dp.maps["ctqh"].items()}
+    heads = {int(k.value): ring_position(v.value) for k, v in net.dp.maps["ctqh"].items()}
     assert heads == {CtqRing.TCP: 1, CtqRing.ANY: SIZES.ct_any // 4 + extra}
     assert answers(net, 5000)
+
+
+def test_a_ring_of_another_size_queues_by_its_own_slot_count(net: Net, lab: Lab) -> None:
+    """The ring's slot count is the load's, read by the programs from its head (ekp_ctqh's high
+    half, written from the ring's max_entries), not compiled in: the same build loaded with an
+    eighth of the packet lab's TCP table has a ring of 128 slots, and a SYN flood is evicted a
+    ring of 128 after it began, where the packet lab's programs' ring is 1,024 (RING)."""
+    small = replace(SIZES, ct_tcp=SIZES.ct_tcp // 8)
+    ring = small.ct_tcp // 4
+    with loaded_datapath(small) as dp:
+        assert dp.build() == net.dp.build(), "the same object, other sizes"
+        assert dp.maps["ctq_tcp"].info().max_entries == ring
+        reset_maps(dp)
+        other = Net(dp, lab)
+        other.add_service()
+        extra = 40
+        for frame in syns(POD_CLIENT, VIP, 80, range(20000, 20000 + ring + extra)):
+            assert other.from_pod(frame)[0] == TC_ACT_REDIRECT
+        assert other.stats()[Stat.EVICT_UNREPLIED] == extra, "a ring of 128 slots went round"
+        head = dp.maps["ctqh"].lookup(ct.c_uint32(CtqRing.TCP))
+        assert head is not None
+        assert (int(head.value) >> CTQH_SLOTS_SHIFT, ring_position(head.value)) == (ring, ring + extra)
+        for role in TEST_ROLES:
+            dp.maps[role].clear()

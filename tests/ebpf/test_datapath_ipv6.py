@@ -18,7 +18,7 @@ import pytest
 
 from agent.ebpf import abi, activity
 from agent.ebpf.abi import BackendFlag, CtDir, FrontendFlag, Scope, Stat, ip6_words, port_be
-from agent.ebpf.loader import Datapath
+from agent.ebpf.loader import Datapath, ring_position
 from agent.ebpf.proxier import render_live_maps
 from lab.dplab import (
     BE6,
@@ -510,7 +510,8 @@ def test_a_syn_flood_six_times_the_table_leaves_every_established_ipv6_flow(net:
     assert (stats[Stat.EVICT_UNASSURED], stats[Stat.EVICT_CLOSED]) == (0, 0)
     assert ct6_count(net) == 2 * (50 + RING6)
     heads = {
-        role: {int(k.value): int(v.value) for k, v in net.dp.maps[role].items()} for role in ("ctqh6", "ctqh")
+        role: {int(k.value): ring_position(v.value) for k, v in net.dp.maps[role].items()}
+        for role in ("ctqh6", "ctqh")
     }
     assert heads == {
         "ctqh6": {abi.CtqRing.TCP: 50 + 12000, abi.CtqRing.ANY: 0},

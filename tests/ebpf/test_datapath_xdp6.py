@@ -16,6 +16,7 @@ import pytest
 
 from agent.ebpf import abi
 from agent.ebpf.abi import Addr6, BackendFlag, Config6, ConfigFlag, FrontendFlag, Scope, Stat, ip6_words
+from agent.ebpf.loader import ring_position
 from agent.ebpf.maps import write_config6
 from lab.dplab import (
     BE6_SMALL_MTU,
@@ -305,7 +306,7 @@ def test_an_affinity_choice_xdp_leaves_to_tc_is_tcs_first_choice(
 
 def ring_heads(net: Net) -> dict[int, int]:
     """How many flows each IPv6 early-drop ring was given (ekp_ctqh6: TCP, ANY)."""
-    return {int(k.value): int(v.value) for k, v in net.dp.maps["ctqh6"].items()}
+    return {int(k.value): ring_position(v.value) for k, v in net.dp.maps["ctqh6"].items()}
 
 
 def test_a_hit_whose_route_leaves_by_another_device_goes_to_tc_before_its_state_moves(net: Net) -> None:

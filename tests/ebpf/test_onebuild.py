@@ -1,0 +1,96 @@
+"""One compile per source, whatever the map sizes and whichever programs a load takes (issue 18
+item 5): the object declares placeholders for the sizes MapSizes decides, the loader creates each
+map at its size, and the early-drop rings' slot counts reach the programs through their heads."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import replace
+
+import pytest
+
+from agent.config import ConntrackSettings, MapSizes
+from agent.ebpf import loader
+from agent.ebpf.abi import CT_QUEUES, CTQ_HEADS, CTQH_SLOTS_SHIFT, MAPS, CtqRing
+from agent.ebpf.compile import compile_in_child
+from agent.ebpf.loader import Datapath
+from agent.ebpf.objcache import ObjectCache, default_cache_dir
+from lab.dplab import SIZES as PACKET_LAB_SIZES
+from lab.packets import bpffs
+
+AGENT = MapSizes().with_conntrack(ConntrackSettings(), os.cpu_count() or 1)
+SMALL = MapSizes(fe=128, slot=256, ct_tcp=1024, ct_any=1024, frag=64)
+EVERY_SIZES = {
+    "packet lab": PACKET_LAB_SIZES,
+    "agent defaults": MapSizes(),
+    "agent, conntrack derived": AGENT,
+    "agent, tc IPv6 path off": replace(AGENT, ipv6_tc=False),
+    "agent, no XDP IPv6": replace(AGENT, xdp_ipv6=False),
+    "small": SMALL,
+}
+
+
+def test_every_size_and_ipv6_switch_is_one_build() -> None:
+    builds = {what: Datapath("/x", sizes).build() for what, sizes in EVERY_SIZES.items()}
+    assert len(set(builds.values())) == 1, builds
+    assert Datapath("/x", replace(SMALL, maglev_table_size=251)).build() != builds["small"], (
+        "the Maglev table size is ekp_maglev's value layout: compiled in"
+    )
+
+
+def _slot_counts(d: Datapath) -> dict[str, tuple[int, int]]:
+    """Each ring's (slot count its head gives the programs, the ring map's max_entries)."""
+    out = {}
+    for table, ring_role in CT_QUEUES.items():
+        index = CtqRing.TCP if table.endswith("tcp") else CtqRing.ANY
+        head = d.maps[CTQ_HEADS[table]].lookup(ctypes.c_uint32(index))
+        assert head is not None
+        out[ring_role] = (int(head.value) >> CTQH_SLOTS_SHIFT, d.maps[ring_role].info().max_entries)
+    return out
+
+
+@pytest.mark.kernel
+def test_two_agents_of_other_sizes_share_one_compile_and_get_their_own_sizes(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The packet lab's sizes with the tc IPv6 path off and an agent's with it on: one object (at
+    most one compile, the second load from the cache), each map created at its own load's size
+    (read back from the kernel), each ring's slot count in its head; the first pin directory
+    restarted with the IPv6 path on resizes its IPv6 rings and their heads follow."""
+    caplog.set_level(logging.INFO)
+    compiles: list[object] = []
+    real = compile_in_child
+
+    def counted(*args: object) -> object:
+        compiles.append(args)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader, "compile_in_child", counted)
+    cache = ObjectCache(default_cache_dir())
+    lab_off = replace(PACKET_LAB_SIZES, ipv6_tc=False)
+    with bpffs() as root:
+        for pins, sizes in ((str(root / "a"), lab_off), (str(root / "b"), AGENT)):
+            d = Datapath(pins, sizes, cache=cache)
+            d.load()
+            try:
+                assert {role: m.info().max_entries for role, m in d.maps.items()} == {
+                    role: loader.map_size(spec, sizes) for role, spec in MAPS.items()
+                }
+                assert {r: have for r, (have, _) in _slot_counts(d).items()} == {
+                    r: ring for r, (_, ring) in _slot_counts(d).items()
+                }
+            finally:
+                d.close()
+        assert len(compiles) <= 1, "one object for both"
+        assert caplog.text.count("data path loaded from the compile cache") >= 1
+        d = Datapath(str(root / "a"), PACKET_LAB_SIZES, cache=cache)
+        d.load()
+        try:
+            counts = _slot_counts(d)
+            assert counts["ctq6_tcp"] == (PACKET_LAB_SIZES.ct_tcp // 4,) * 2, "resized, its head told"
+            assert all(have == ring for have, ring in counts.values()), counts
+        finally:
+            d.close()
+        assert len(compiles) <= 1
