@@ -171,6 +171,50 @@ def test_a_port_leaving_the_bridge_loses_its_entry_and_then_its_programs_if_it_n
     assert tap0 not in attacher.attached
 
 
+@pytest.mark.kernel
+def test_a_verify_leaves_a_port_that_rejoined_the_bridge_after_its_listing_attached(
+    netns: str, progs: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BridgeInterface: a verify whose listing has a port out of the bridge finds it no longer
+    wanted; when the watcher sees it back (its entry written) before the verify detaches, the
+    port keeps its programs and its entry (the verify detached them and dropped the entry: its
+    pods' traffic untranslated until the next verify)."""
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "add", "tap0", "type", "veth", "peer", "name", "pod-t")
+    sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
+    config = Config(
+        netns=netns,
+        bpf_tc_attach="clsact",
+        pod_interfaces=("lxc*",),
+        detect_local_mode=LocalMode.BRIDGE_INTERFACE,
+        pod_bridge_interface="cbr0",
+    )
+    ports = FakeMap(abi.MAPS["port"])
+    attacher = new_attacher(config, progs, ports)
+    attacher.reconcile(NODE, full=True)
+    bridge, tap0 = link_index(netns, "cbr0"), link_index(netns, "tap0")
+    with netns_route(netns) as ipr:
+        sh("ip", "-n", netns, "link", "set", "tap0", "nomaster")
+        attacher._on_new_link(ipr, Link(tap0, "tap0"))  # the watcher's part
+    assert port_entries(ports) == {}
+    listing = attach.list_links
+    listed: list[Link] = []
+
+    def rejoined_after_the_listing(ipr: Any) -> Any:
+        if not listed:
+            listed.extend(listing(ipr))
+            sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
+            attacher._on_new_link(ipr, Link(tap0, "tap0", bridge, "bridge"))
+        return list(listed)
+
+    monkeypatch.setattr(attach, "list_links", rejoined_after_the_listing)
+    attacher.reconcile(NODE, verify=True)
+    monkeypatch.setattr(attach, "list_links", listing)
+    assert "ekp_from_pod" in ingress(netns, "tap0")
+    assert port_entries(ports) == {tap0: bridge}
+    assert attacher.attached.get(tap0) == ("tap0", PROG_FROM_POD)
+
+
 def sh(*argv: str) -> str:
     return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
 
