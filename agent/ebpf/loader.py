@@ -348,8 +348,9 @@ def check_pins(pin_path: str, sizes: MapSizes) -> None:
 def replace_resized_ipv6_pins(pin_path: str, sizes: MapSizes) -> list[str]:
     """Unpin the tc IPv6 path's conntrack tables (TC6_ROLES) whose size is the other side of the
     IPv6 switch (IDLE_SIZE on one side, their IPv4 twins' on the other), so the load creates them
-    at this start's size; their names. Nothing else of theirs may differ (check_pins reports it),
-    and no other map is touched: the IPv4 tables and their flows stay. Turned on, the idle tables
+    at this start's size; their names, and the head (ekp_ctqh6) of a ring so replaced. Nothing else
+    of theirs may differ (check_pins reports it), and no other map is touched: the IPv4 tables and
+    their flows stay. Turned on, the idle tables
     held nothing; turned off, no program of this start reads what the full ones held."""
     removed = []
     for role in sorted(TC6_ROLES):
@@ -370,6 +371,18 @@ def replace_resized_ipv6_pins(pin_path: str, sizes: MapSizes) -> list[str]:
             continue
         os.unlink(path)
         removed.append(spec.name)
+    # A replaced ring's head goes with it: the load writes the new ring's slot count into its head
+    # (write_ring_slots), and the last load's programs, attached until ours replace them, still
+    # queue in the old ring by the count in the head they hold: a head shared with the new ring
+    # would give them its 1 slot, each flow queued reclaiming the one before it.
+    heads = {CTQ_HEADS[table] for table, ring in CT_QUEUES.items() if MAPS[ring].name in removed}
+    for role in sorted(heads):
+        path = os.path.join(pin_path, MAPS[role].name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed.append(MAPS[role].name)
     return removed
 
 
@@ -598,7 +611,8 @@ class Datapath:
         resized = replace_resized_ipv6_pins(self.pin_path, self.sizes)
         if resized:
             log.info(
-                "IPv6 conntrack, early-drop ring, fragment and host-routing tables %s recreated at %s (the "
+                "IPv6 conntrack, early-drop ring (and its head), fragment and host-routing tables %s "
+                "recreated at %s (the "
                 "tc programs' IPv6 path %s): the IPv4 tables and their flows are kept",
                 ", ".join(resized),
                 "full size" if self.sizes.ipv6_tc else f"{IDLE_SIZE} entry each",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes as ct
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -40,9 +41,10 @@ from lab.dplab import (
     add_ipv6,
     add_service6,
     packet_lab,
+    reset_maps,
     set_config,
 )
-from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
+from lab.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, loaded_datapath
 
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
@@ -517,6 +519,28 @@ def test_a_syn_flood_six_times_the_table_leaves_every_established_ipv6_flow(net:
         "ctqh6": {abi.CtqRing.TCP: 50 + 12000, abi.CtqRing.ANY: 0},
         "ctqh": {abi.CtqRing.TCP: 0, abi.CtqRing.ANY: 0},
     }, "IPv6 flows go in a ring of their own"
+
+
+
+def test_a_start_turning_the_path_off_leaves_the_attached_programs_their_ring(lab: Lab) -> None:
+    """A start with the tc IPv6 path off recreates the IPv6 rings at one slot while the last load's
+    programs are still attached: they keep their own head, so they keep queuing in their full
+    ring by its count, where a head shared with the new ring (count 1) would have each new IPv6
+    flow reclaim the one queued before it, deleted before its reply."""
+    with loaded_datapath(SIZES) as running:
+        reset_maps(running)
+        nxt = Datapath(running.pin_path, replace(SIZES, ipv6_tc=False))
+        nxt.load()
+        try:
+            assert nxt.maps["ctq6_tcp"].info().max_entries == 1
+            old = Net(running, lab)
+            add_service6(running.maps, VIP6, 80, LOCAL_BE)
+            for frame in syns6(POD6, VIP6, 80, range(20000, 20010)):
+                assert old.from_pod(frame)[0] == TC_ACT_REDIRECT
+            assert old.stats()[Stat.EVICT_UNREPLIED] == 0
+            assert ct6_count(old) == 2 * 10, "every SYN's flow is still there, both ways"
+        finally:
+            nxt.close()
 
 
 # ---- left to the stack (ip6tables) --------------------------------------------------------
