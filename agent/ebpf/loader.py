@@ -488,8 +488,10 @@ def write_ring_slots(maps: Mapping[str, BpfMap]) -> None:
         slots = maps[ring_role].info().max_entries
         key = ctypes.c_uint32(ring)
         old = heads.lookup(key)
-        pos = int(old.value) & CTQH_POS_MASK if old is not None else 0
-        heads.update(key, ctypes.c_uint64(slots << CTQH_SLOTS_SHIFT | pos))
+        have = int(old.value) if old is not None else 0
+        if have >> CTQH_SLOTS_SHIFT == slots:
+            continue  # every plain restart: no write races the running programs' adds
+        heads.update(key, ctypes.c_uint64(slots << CTQH_SLOTS_SHIFT | have & CTQH_POS_MASK))
 
 
 def ring_position(value: int) -> int:

@@ -94,3 +94,40 @@ def test_two_agents_of_other_sizes_share_one_compile_and_get_their_own_sizes(
         finally:
             d.close()
         assert len(compiles) <= 1
+
+
+class _Heads:
+    """A head map that records its updates (write_ring_slots' only calls on it)."""
+
+    def __init__(self) -> None:
+        self.values = {int(CtqRing.TCP): 0, int(CtqRing.ANY): 0}
+        self.updates = 0
+
+    def lookup(self, key: ctypes.c_uint32) -> ctypes.c_uint64:
+        return ctypes.c_uint64(self.values[key.value])
+
+    def update(self, key: ctypes.c_uint32, value: ctypes.c_uint64) -> None:
+        self.values[key.value] = value.value
+        self.updates += 1
+
+
+class _Ring:
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+
+    def info(self) -> object:
+        return type("Info", (), {"max_entries": self.slots})()
+
+
+def test_a_restart_leaves_a_head_that_holds_its_count_alone() -> None:
+    """Every plain restart finds each head holding its ring's count: not written again, so no
+    read-modify-write races the running programs' position adds."""
+    heads = {role: _Heads() for role in set(CTQ_HEADS.values())}
+    rings = {ring: _Ring(1024) for ring in CT_QUEUES.values()}
+    maps: dict[str, object] = {**heads, **rings}
+    loader.write_ring_slots(maps)  # type: ignore[arg-type]
+    assert all(h.updates for h in heads.values()), "a new head is written"
+    before = {role: h.updates for role, h in heads.items()}
+    loader.write_ring_slots(maps)  # type: ignore[arg-type]
+    assert {role: h.updates for role, h in heads.items()} == before
+
