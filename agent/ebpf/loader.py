@@ -823,6 +823,20 @@ class Datapath:
                     continue
                 raise DatapathError(f"loading the data path (build {build}) failed: {e}") from e
 
+    def _write_pinned_ring_slots(self) -> None:
+        """write_ring_slots on the heads and rings pinned now, which link() opened: on a retry our
+        own maps are open already, but a pin removed since was created anew by link(), and a new
+        head left without its count would have the programs queue at `pos % 0`."""
+        opened = {
+            role: BpfMap.open_pinned(sized_spec(MAPS[role], self.sizes), self.pin_path)
+            for role in {*CT_QUEUES.values(), *CTQ_HEADS.values()}
+        }
+        try:
+            write_ring_slots(opened)
+        finally:
+            for m in opened.values():
+                m.close()
+
     def prog_fd(self, name: str) -> int:
         if name not in self._prog_fds:
             raise KeyError(f"no program {name!r} loaded (programs: {', '.join(self._prog_fds)})")

@@ -8,6 +8,7 @@ import ctypes
 import logging
 import os
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,7 @@ from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import loader
 from agent.ebpf.abi import CT_QUEUES, CTQ_HEADS, CTQH_SLOTS_SHIFT, MAPS, CtqRing
 from agent.ebpf.compile import compile_in_child
+from agent.ebpf.maps import BpfMap
 from agent.ebpf.loader import Datapath
 from agent.ebpf.objcache import ObjectCache, default_cache_dir
 from lab.dplab import SIZES as PACKET_LAB_SIZES
@@ -94,6 +96,48 @@ def test_two_agents_of_other_sizes_share_one_compile_and_get_their_own_sizes(
         finally:
             d.close()
         assert len(compiles) <= 1
+
+
+@pytest.mark.kernel
+def test_a_retry_after_a_head_pin_went_writes_the_new_heads_slot_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A load that failed after our maps were opened, retried after ekp_ctqh's pin was removed:
+    link() creates that head anew, and its slot counts are written there too (without them the
+    programs would queue at `pos % 0`)."""
+    real = loader.link
+
+    def verifier_says_no(*args: Any, **kwargs: Any) -> object:
+        maps_pinned = args[4]
+
+        def then_fail() -> None:
+            maps_pinned()
+            raise RuntimeError("the verifier said no (the test's)")
+
+        return real(*args[:4], then_fail, *args[5:], **kwargs)
+
+    with bpffs() as root:
+        d = Datapath(str(root / "ekp"), PACKET_LAB_SIZES)
+        monkeypatch.setattr(loader, "link", verifier_says_no)
+        with pytest.raises(RuntimeError, match="the test's"):
+            d.load(maps_ready=lambda: None)  # handed to a writer (the agent's sync): kept open
+        assert d.maps, "our maps stay open for the retry"
+        os.unlink(os.path.join(d.pin_path, MAPS["ctqh"].name))
+        monkeypatch.setattr(loader, "link", real)
+        d.load()
+        try:
+            # Read from the pin, not through another Datapath: its load would write the counts.
+            head = BpfMap.open_pinned(MAPS["ctqh"], d.pin_path)
+            try:
+                counts = {
+                    int(k.value): int(v.value) >> CTQH_SLOTS_SHIFT for k, v in head.items()
+                }
+            finally:
+                head.close()
+            ring = PACKET_LAB_SIZES.ct_tcp // 4
+            assert counts == {CtqRing.TCP: ring, CtqRing.ANY: PACKET_LAB_SIZES.ct_any // 4}
+        finally:
+            d.close()
 
 
 class _Heads:
