@@ -37,6 +37,7 @@ tools print their generated C.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ctypes
 import errno
 import hashlib
@@ -456,7 +457,11 @@ SIZE_AT_LOAD = 1
 def load_sized(spec: MapSpec) -> bool:
     """Whether MapSizes decides the map's max_entries (a flag, the tc IPv6 switch, a ring's
     table); the others' sizes are fixed by the C (`_Static_assert`s in bpf/ekp_maps.h)."""
-    return spec.role in TC6_ROLES or spec.role in CT_QUEUES.values() or hasattr(MapSizes, spec.sized_by)
+    return (
+        spec.role in TC6_ROLES
+        or spec.role in CT_QUEUES.values()
+        or spec.sized_by in {f.name for f in dataclasses.fields(MapSizes)}
+    )
 
 
 def compile_cflags(sizes: MapSizes, bpf_dir: Path) -> list[str]:
@@ -807,7 +812,7 @@ class Datapath:
                     self.pin_path,
                     pinned,
                     pin_of,
-                    None if self._maps else maps_pinned,
+                    maps_pinned if not self._maps else self._write_pinned_ring_slots,
                     sizes=load_sizes(self.sizes),
                     programs=programs,
                 ), how

@@ -14,7 +14,7 @@ import pytest
 
 from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import loader
-from agent.ebpf.abi import CT_QUEUES, CTQ_HEADS, CTQH_SLOTS_SHIFT, MAPS, CtqRing
+from agent.ebpf.abi import CT_QUEUES, CTQ_HEADS, CTQH_SLOTS_SHIFT, MAPS, CtqRing, MapSpec, Writer
 from agent.ebpf.compile import compile_in_child
 from agent.ebpf.maps import BpfMap
 from agent.ebpf.loader import Datapath
@@ -175,3 +175,10 @@ def test_a_restart_leaves_a_head_that_holds_its_count_alone() -> None:
     loader.write_ring_slots(maps)  # type: ignore[arg-type]
     assert {role: h.updates for role, h in heads.items()} == before
 
+
+def test_only_a_size_setting_sizes_a_map_at_load() -> None:
+    """A map is sized at load by a MapSizes field, not by any attribute of that name: a role that
+    names one of its methods keeps the C's size."""
+    spec = MapSpec("with_conntrack", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_X_MAX", Writer.DATAPATH)
+    assert not loader.load_sized(spec)
+    assert loader.load_sized(MAPS["fe"])
