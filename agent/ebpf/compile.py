@@ -6,8 +6,9 @@ compiles at most once per build on a machine:
 
 * `build_id(...)` hashes what decides the programs' bytes: the C source with its headers inlined,
   the cflags that reach the C (the Maglev table size; map sizes are a placeholder, set at load:
-  agent/ebpf/loader.py compile_cflags), the ABI version, the kernel release and its headers, and
-  the bcc version. Not the pin directory nor the sizes: maps are bound and sized when the programs
+  agent/ebpf/loader.py compile_cflags), the ABI version, the programs' names and prog types (the
+  compile child records them in the object), the kernel release and its headers, and the bcc
+  version. Not the pin directory nor the sizes: maps are bound and sized when the programs
   are loaded (agent.ebpf.link), so two agents with different pins or sizes share one build. The
   object holds every program of the source; a load chooses which (loader.Datapath.programs).
 * `open_pinned_programs(...)` looks for programs pinned under a load's id (the build and the
@@ -70,17 +71,25 @@ def bcc_version() -> str:
 
 
 def kernel_headers() -> str:
-    """Where bcc finds the kernel headers it compiles against (a package upgrade moves them)."""
+    """Where bcc finds the kernel headers it compiles against (a package upgrade moves them). Their
+    paths, not their contents: headers changed in place under the same release and paths (a
+    hand-built kernel's tree rebuilt) keep the build id; `agent --cleanup` or removing the compile
+    cache compiles again."""
     mod = f"/lib/modules/{platform.release()}"
     return "\0".join(os.path.realpath(f"{mod}/{d}") for d in ("build", "source"))
 
 
-def build_id(source: str, cflags: Sequence[str], abi_version: int) -> str:
+def build_id(
+    source: str, cflags: Sequence[str], abi_version: int, prog_types: Mapping[str, int]
+) -> str:
     """What decides the compiled programs, hashed (12 hex digits). `-I` flags are left out: the
-    source has its local headers inlined, so where the tree lies does not matter."""
+    source has its local headers inlined, so where the tree lies does not matter. `prog_types`
+    (program name -> BPF prog type) is in: the compile child records each program's type in the
+    object, so a changed type must not load a cached object of the old one."""
     h = hashlib.sha256()
     flags = "\0".join(f for f in cflags if not f.startswith("-I"))
-    for part in (source, flags, str(abi_version), platform.release(), kernel_headers(), bcc_version()):
+    progs = "\0".join(f"{name}={kind}" for name, kind in sorted(prog_types.items()))
+    for part in (source, flags, str(abi_version), progs, platform.release(), kernel_headers(), bcc_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:12]

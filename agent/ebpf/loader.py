@@ -556,7 +556,8 @@ class Datapath:
         """The build id of what this data path compiles (agent.ebpf.compile.build_id): the object
         holds every program of the source, and no map size but the Maglev table's (compile_cflags),
         so agents of any sizes and either IPv6 switch share it, compiled once."""
-        return build_id(_inline_includes(self.entry_file, set()), self.cflags(), ABI_VERSION)
+        types = {name: spec.prog_type for name, spec in PROGRAMS.items()}
+        return build_id(_inline_includes(self.entry_file, set()), self.cflags(), ABI_VERSION, types)
 
     def load_id(self, programs: Mapping[str, ProgSpec]) -> str:
         """What this load's programs are pinned under (`ekp_prog_<id>_<name>`): the build and which of

@@ -61,21 +61,35 @@ BIGGER = PACKET_LAB_SIZES
 AGENT = MapSizes().with_conntrack(ConntrackSettings(), os.cpu_count() or 1)
 
 
-def test_the_build_id_follows_source_flags_and_abi() -> None:
-    base = build_id("int x;", ["-DA=1"], 1)
-    assert base == build_id("int x;", ["-DA=1"], 1)
+def test_the_build_id_follows_source_flags_abi_and_programs() -> None:
+    types = {"ekp_a": 3, "ekp_b": 6}
+    base = build_id("int x;", ["-DA=1"], 1, types)
+    assert base == build_id("int x;", ["-DA=1"], 1, dict(reversed(types.items())))
     assert (
         len(
             {
                 base,
-                build_id("int y;", ["-DA=1"], 1),
-                build_id("int x;", ["-DA=2"], 1),
-                build_id("int x;", ["-DA=1"], 2),
+                build_id("int y;", ["-DA=1"], 1, types),
+                build_id("int x;", ["-DA=2"], 1, types),
+                build_id("int x;", ["-DA=1"], 2, types),
+                build_id("int x;", ["-DA=1"], 1, {"ekp_a": 3, "ekp_b": 3}),
+                build_id("int x;", ["-DA=1"], 1, {"ekp_a": 3, "ekp_c": 6}),
             }
         )
-        == 4
+        == 6
     )
-    assert build_id("int x;", ["-DA=1", "-I/elsewhere/bpf"], 1) == base, "where the tree lies is no part"
+    assert build_id("int x;", ["-DA=1", "-I/elsewhere/bpf"], 1, types) == base, (
+        "where the tree lies is no part"
+    )
+
+
+def test_a_changed_prog_type_is_another_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile child records each program's type in the object: a type changed in PROGRAMS
+    must not load a cached object of the old one."""
+    before = Datapath("/x", SMALL).build()
+    name, spec = next(iter(PROGRAMS.items()))
+    monkeypatch.setitem(PROGRAMS, name, replace(spec, prog_type=spec.prog_type + 1))
+    assert Datapath("/x", SMALL).build() != before
 
 
 def test_the_pin_directory_is_not_part_of_the_build() -> None:
