@@ -509,13 +509,15 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
     ekp_hostnat6 hold one entry
     each, ekp_calls6 is empty and its programs are neither loaded (verified) nor pinned; a restart
     with it loads and pins them, recreates every one of those tables at its IPv4 twin's size and
-    fills the array; a restart without it again shrinks them and empties it. Every other pinned map is the
+    fills the array; a restart without it again shrinks them and empties it. The rings' head
+    (ekp_ctqh6) is recreated with them. Every other pinned map is the
     same map throughout, and an established IPv4 flow's conntrack entry is kept. (A lab agent's
     sizes, the lab's IPv4-only and dual-stack agents': one build, never compiled here.)"""
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(loader, "compile_in_child", _no_compile)
     off, on = replace(AGENT, ipv6_tc=False), AGENT
-    tc6 = {MAPS[r].name for r in loader.TC6_ROLES}
+    # The IPv6 rings' head goes with them (replace_resized_ipv6_pins).
+    tc6 = {MAPS[r].name for r in (*loader.TC6_ROLES, "ctqh6")}
     key = CtKey(ip_be("10.244.1.5"), ip_be("10.96.0.10"), port_be(40000), port_be(80), 6, 0)
     with bpffs() as root:
         pins = str(root / "ekp")
@@ -552,9 +554,9 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
             d.load()
             try:
                 assert (
-                    "IPv6 conntrack, early-drop ring, fragment and host-routing tables ekp_ct6_any_v3, "
-                    "ekp_ct6_tcp_v3, ekp_ctq6_any_v2, ekp_ctq6_tcp_v2, ekp_frag6_v2, ekp_frhold6_v2, "
-                    "ekp_hostnat6_v2 recreated"
+                    "IPv6 conntrack, early-drop ring (and its head), fragment and host-routing tables "
+                    "ekp_ct6_any_v3, ekp_ct6_tcp_v3, ekp_ctq6_any_v2, ekp_ctq6_tcp_v2, ekp_frag6_v2, "
+                    "ekp_frhold6_v2, ekp_hostnat6_v2, ekp_ctqh6_v2 recreated"
                 ) in caplog.text
                 assert {r: d.maps[r].info().max_entries for r in loader.TC6_ROLES} == entries
                 after = _pinned_ids(pins)
