@@ -76,7 +76,7 @@ class MapSizes:
     ipv6_tc: bool = True
     # Whether XDP's IPv6 path (ekp_xdp_net6, behind ekp_xcalls6) is loaded where ipv6_tc is: only
     # when XDP attaches (--bpf-xdp not disabled), else its verification (~250 ms of a cold start)
-    # buys nothing. A start that changes it is another build, as ipv6_tc's.
+    # buys nothing. A start that changes it is another load id of the same build, as ipv6_tc's.
     xdp_ipv6: bool = True
 
     def with_conntrack(

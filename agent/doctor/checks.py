@@ -127,7 +127,7 @@ class Facts:
     conntrack: tuple[int, int] | None = None  # nf_conntrack_count, nf_conntrack_max
     unlocked_route_mtus: tuple[str, ...] = ()  # IPv4 routes with an unlocked mtu metric, "DST dev N mtu M"
     # What an upgrade's hand-over cut short left: our filters in front ("eth0 tc ingress: ekp_from_net
-    # pref 16"), builds whose pinned mode is not OFF ("build 1a2b: hand-over mode MISS").
+    # pref 16"), loads whose pinned mode is not OFF ("load 1a2b: hand-over mode MISS").
     handover_left: tuple[str, ...] = ()
 
 

@@ -281,7 +281,7 @@ def _handover_left(config: Config) -> tuple[str, ...]:
         out.append(f"the hand-over modes could not be read: {exc}")
         modes = {}
     out += [
-        f"build {build}: hand-over mode {mode.name}" for build, mode in modes.items() if mode.name != "OFF"
+        f"load {load}: hand-over mode {mode.name}" for load, mode in modes.items() if mode.name != "OFF"
     ]
     return tuple(out)
 

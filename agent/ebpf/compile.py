@@ -108,7 +108,7 @@ def open_pinned_programs(
 
     The private maps cannot be told apart by name without CAP_SYS_ADMIN (BPF_MAP_GET_FD_BY_ID), so
     they are counted: a program still using a map that was unpinned and recreated has one more
-    unknown map than its load's own, and is compiled again."""
+    unknown map than its load's own, and is loaded again."""
     fds: dict[str, int] = {}
     ok = False
     try:

@@ -663,7 +663,7 @@ class Datapath:
             # those programs.
             old = remove_other_builds(self.pin_path, build, keep=(*TAIL_CALLS, *BUILD_MAPS))
             if old:
-                log.info("unpinned programs of an older build: %s", ", ".join(old))
+                log.info("unpinned programs of another load: %s", ", ".join(old))
             log.info(
                 "data path %s, build %s (ABI v%d, %d programs pinned as ekp_prog_%s_*, maps under %s), "
                 "ready in %.2fs",

@@ -1245,7 +1245,7 @@ class EbpfProxier:
             released = datapath.release_older_builds()
             if released:
                 log.info(
-                    "unpinned the program arrays of an older build, its programs detached: %s",
+                    "unpinned the program arrays of another load, its programs detached: %s",
                     ", ".join(released),
                 )
             stale = remove_stale_pins(self._config.pin_path)

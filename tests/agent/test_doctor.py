@@ -141,7 +141,7 @@ def test_a_good_node_is_all_ok() -> None:
             "ends every packet's tc chain",
         ),
         (
-            {"handover_left": ("eth0 tc ingress: ekp_from_net pref 16", "build 1a2b: hand-over mode MISS")},
+            {"handover_left": ("eth0 tc ingress: ekp_from_net pref 16", "load 1a2b: hand-over mode MISS")},
             "hand-over",
             Verdict.WARN,
             "resumes the hand-over",
