@@ -280,9 +280,7 @@ def _handover_left(config: Config) -> tuple[str, ...]:
     except (OSError, DatapathError) as exc:
         out.append(f"the hand-over modes could not be read: {exc}")
         modes = {}
-    out += [
-        f"load {load}: hand-over mode {mode.name}" for load, mode in modes.items() if mode.name != "OFF"
-    ]
+    out += [f"load {load}: hand-over mode {mode.name}" for load, mode in modes.items() if mode.name != "OFF"]
     return tuple(out)
 
 

@@ -79,9 +79,7 @@ def kernel_headers() -> str:
     return "\0".join(os.path.realpath(f"{mod}/{d}") for d in ("build", "source"))
 
 
-def build_id(
-    source: str, cflags: Sequence[str], abi_version: int, prog_types: Mapping[str, int]
-) -> str:
+def build_id(source: str, cflags: Sequence[str], abi_version: int, prog_types: Mapping[str, int]) -> str:
     """What decides the compiled programs, hashed (12 hex digits). `-I` flags are left out: the
     source has its local headers inlined, so where the tree lies does not matter. `prog_types`
     (program name -> BPF prog type) is in: the compile child records each program's type in the

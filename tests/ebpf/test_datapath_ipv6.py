@@ -521,7 +521,6 @@ def test_a_syn_flood_six_times_the_table_leaves_every_established_ipv6_flow(net:
     }, "IPv6 flows go in a ring of their own"
 
 
-
 def test_a_start_turning_the_path_off_leaves_the_attached_programs_their_ring(lab: Lab) -> None:
     """A start with the tc IPv6 path off recreates the IPv6 rings at one slot while the last load's
     programs are still attached: they keep their own head, so they keep queuing in their full
