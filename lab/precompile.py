@@ -5,9 +5,9 @@ packet-lab module (tests/ebpf/test_datapath*.py and their kin, `lab.dplab.SIZES`
 agent (IPv4-only or dual-stack, any sizes but the Maglev table size) loads that one build (map
 sizes and the programs loaded are chosen at load: agent/ebpf/loader.py compile_cflags), so its
 compile, the first thing the first of them would wait for in a fresh clone, is done by then, or
-under way and waited for on the cache entry's lock (`ObjectCache.compiling`), never done twice. A build already in the
-cache costs nothing. Prints one line; exits 0 unless the compile failed (the tests would then
-fail on it with the compiler's message).
+under way and waited for on the cache entry's lock (`ObjectCache.compiling`), never done twice.
+A build already in the cache costs nothing. Prints one line; exits 0 unless the compile failed
+(the tests would then fail on it with the compiler's message).
 """
 
 from __future__ import annotations
