@@ -238,14 +238,16 @@ enum ekp_ctq_ring {
 	EKP_CTQ_ANY = 1, /* ekp_ctqh index of ekp_ctq_any */
 };
 
-/* An ekp_ctqh entry: the ring's position in its low 32 bits (the programs add 1 per flow queued),
- * its slot count in the high 32 bits, written by the agent when it creates or adopts the maps and
+/* An ekp_ctqh entry: the ring's position in its high 32 bits (the programs add 1 << 32 per flow
+ * queued: one atomic add, and a position past 2^32 falls off the top, never into the count), its
+ * slot count in the low 32 bits, written by the agent when it creates or adopts the maps and
  * before any program of its load runs (agent/ebpf/loader.py write_ring_slots), read back from the
  * ring map's max_entries: the sizes are the loader's, not compiled in, so one object serves every
  * size. A 0 count (a head no agent wrote) is BPF's x % 0 = x: queued at the position while it is
- * inside the ring, in no slot after. */
-#define EKP_CTQH_SLOTS_SHIFT 32
-#define EKP_CTQH_POS_MASK 0xffffffffULL
+ * inside the ring, in no slot after. (Layout v3: v2 had them the other way round, so its heads
+ * are other maps.) */
+#define EKP_CTQH_POS_SHIFT 32
+#define EKP_CTQH_SLOTS_MASK 0xffffffffULL
 
 struct ekp_ctq_slot {
 	__be32 saddr;    /* be: the flow's FORWARD key (struct ekp_ct_key's first fields) */

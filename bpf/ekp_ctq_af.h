@@ -54,16 +54,14 @@ static __always_inline __u32 EKP_CTQF(push)(const struct EKP_CTQF(req) *q)
 
 	if (!head)
 		return 0;
-	__u64 n = __sync_fetch_and_add(head, 1);
-	__u32 slots = n >> EKP_CTQH_SLOTS_SHIFT;
-	__u32 pos = n & EKP_CTQH_POS_MASK;
-	/* 1 when this add carried into the count (the position wrapped): taken back at once, without a
-	 * branch (each is a fork of the verifier's walk, at every place a flow is queued). A CPU
-	 * between another's carry and its take-back sees one slot too many: that slot is past the
-	 * ring, its lookup fails and the flow is not queued, as with no head. */
-	__u64 carried = ((__u64)pos + 1) >> EKP_CTQH_SLOTS_SHIFT;
-
-	__sync_fetch_and_sub(head, carried << EKP_CTQH_SLOTS_SHIFT);
+	/* The position is the high half: the add's carry out of it falls off the top, and the count
+	 * (the low half, the agent's) is never touched, so one atomic add per flow queued. The 32-bit
+	 * position wraps every 2^32 flows: where the slot count does not divide 2^32, the flows just
+	 * after a wrap go back to slot 0 early, reclaiming flows less than a ring old (at most
+	 * 2^32 % slots of them, once per 2^32 flows). */
+	__u64 n = __sync_fetch_and_add(head, 1ULL << EKP_CTQH_POS_SHIFT);
+	__u32 pos = n >> EKP_CTQH_POS_SHIFT;
+	__u32 slots = n & EKP_CTQH_SLOTS_MASK;
 	/* No test of a 0 count (a head no agent wrote): that branch cost ekp_from_pod6 50,000 more
 	 * insns of the verifier's walk (bench.verifycost), and BPF's x % 0 is x, so such a head queues
 	 * at its position while that is inside the ring and in no slot after (the lookup fails). */

@@ -82,7 +82,7 @@ BPF_TABLE("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_any_v2, EKP
 /* The early-drop rings of the two tables (bpf/ekp_ctq.h) and where each writes next. */
 BPF_TABLE("array", u32, struct ekp_ctq_slot, ekp_ctq_tcp_v2, EKP_CTQ_TCP_MAX);
 BPF_TABLE("array", u32, struct ekp_ctq_slot, ekp_ctq_any_v2, EKP_CTQ_ANY_MAX);
-BPF_TABLE("array", u32, u64, ekp_ctqh_v2, EKP_CTQH_MAX);
+BPF_TABLE("array", u32, u64, ekp_ctqh_v3, EKP_CTQH_MAX);
 BPF_TABLE("lru_hash", struct ekp_frag_key, struct ekp_frag, ekp_frag_v2, EKP_FRAG_MAX);
 BPF_TABLE("lru_hash", struct ekp_fraghold_key, struct ekp_fraghold, ekp_fraghold_v2, EKP_FRAGHOLD_MAX);
 /* When a fragment was last held (bpf_ktime_get_ns): a first fragment looks for held ones only
@@ -123,7 +123,7 @@ BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_tcp_v3, 
 BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_any_v3, EKP_CT6_ANY_MAX);
 BPF_TABLE("array", u32, struct ekp_ctq6_slot, ekp_ctq6_tcp_v2, EKP_CTQ6_TCP_MAX);
 BPF_TABLE("array", u32, struct ekp_ctq6_slot, ekp_ctq6_any_v2, EKP_CTQ6_ANY_MAX);
-BPF_TABLE("array", u32, u64, ekp_ctqh6_v2, EKP_CTQH6_MAX);
+BPF_TABLE("array", u32, u64, ekp_ctqh6_v3, EKP_CTQH6_MAX);
 /* The IPv6 path's own settings (the node's IPv6 address for SNAT), written by the agent: two slots
  * and their selector, as ekp_cfg_v2 / ekp_cfgsel_v2. */
 BPF_TABLE("array", u32, struct ekp_config6, ekp_cfg6_v2, EKP_CFG6_MAX);

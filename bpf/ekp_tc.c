@@ -155,7 +155,7 @@ static __always_inline struct ekp_ctq_slot *ekp_ctq_lookup(__u32 ring, __u32 *sl
 
 static __always_inline u64 *ekp_ctqh_lookup(u32 *ring)
 {
-	return ekp_ctqh_v2.lookup(ring);
+	return ekp_ctqh_v3.lookup(ring);
 }
 
 static __always_inline struct ekp_act *ekp_act_lookup(u32 *k)
@@ -288,7 +288,7 @@ static __always_inline struct ekp_ctq6_slot *ekp_ctq6_lookup(__u32 ring, __u32 *
 
 static __always_inline u64 *ekp_ctqh6_lookup(u32 *ring)
 {
-	return ekp_ctqh6_v2.lookup(ring);
+	return ekp_ctqh6_v3.lookup(ring);
 }
 
 /* IPv6 conntrack: TCP and the others apart, as IPv4's. */

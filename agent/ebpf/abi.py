@@ -702,7 +702,8 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("ct_any", "lru_hash", CtKey, CtEntry, 0, "EKP_CT_ANY_MAX", _DP, "--bpf-ct-global-any-max"),
         MapSpec("ctq_tcp", "array", ctypes.c_uint32, CtqSlot, 0, "EKP_CTQ_TCP_MAX", _DP),
         MapSpec("ctq_any", "array", ctypes.c_uint32, CtqSlot, 0, "EKP_CTQ_ANY_MAX", _DP),
-        MapSpec("ctqh", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_CTQH_MAX", _DP),
+        # v3: position high, count low (bpf/ekp_abi.h), the other way round from v2
+        MapSpec("ctqh", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_CTQH_MAX", _DP, version=3),
         MapSpec("frag", "lru_hash", FragKey, Frag, 8192, "EKP_FRAG_MAX", _DP),
         MapSpec("fraghold", "lru_hash", FragHoldKey, FragHold, 1024, "EKP_FRAGHOLD_MAX", _DP),
         MapSpec("fraglast", "array", ctypes.c_uint32, ctypes.c_uint64, 1, "EKP_FRAGLAST_MAX", _DP),
@@ -756,7 +757,7 @@ MAPS: dict[str, MapSpec] = {
         # their early-drop rings, sized from the table as IPv4's (CT_QUEUES), and where each writes
         MapSpec("ctq6_tcp", "array", ctypes.c_uint32, Ctq6Slot, 0, "EKP_CTQ6_TCP_MAX", _DP),
         MapSpec("ctq6_any", "array", ctypes.c_uint32, Ctq6Slot, 0, "EKP_CTQ6_ANY_MAX", _DP),
-        MapSpec("ctqh6", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_CTQH6_MAX", _DP),
+        MapSpec("ctqh6", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_CTQH6_MAX", _DP, version=3),
         # the IPv6 path's settings: the node's IPv6 address, the source of its SNAT (written by the
         # IPv6 family's sync, agent/ebpf/family6.py), two slots and a selector as cfg / cfgsel
         MapSpec("cfg6", "array", ctypes.c_uint32, Config6, 2, "EKP_CFG6_MAX"),
@@ -783,9 +784,9 @@ CT_QUEUES = {"ct_tcp": "ctq_tcp", "ct_any": "ctq_any", "ct6_tcp": "ctq6_tcp", "c
 CTQ_DIVISOR = 4  # ring slots = table entries / 4
 # The head map each ring's position and slot count are in (ekp_ctqh*[CtqRing]), by its table.
 CTQ_HEADS = {"ct_tcp": "ctqh", "ct_any": "ctqh", "ct6_tcp": "ctqh6", "ct6_any": "ctqh6"}
-# An ekp_ctqh entry: position in the low 32 bits, slot count in the high ones (bpf/ekp_abi.h).
-CTQH_SLOTS_SHIFT = 32
-CTQH_POS_MASK = (1 << CTQH_SLOTS_SHIFT) - 1
+# An ekp_ctqh entry: position in the high 32 bits, slot count in the low ones (bpf/ekp_abi.h).
+CTQH_POS_SHIFT = 32
+CTQH_SLOTS_MASK = (1 << CTQH_POS_SHIFT) - 1
 
 # The conntrack tables, by protocol: TCP flows in ct_tcp, every other protocol in ct_any.
 CT_ROLES = ("ct_tcp", "ct_any")

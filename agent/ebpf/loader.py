@@ -37,8 +37,8 @@ tools print their generated C.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import ctypes
+import dataclasses
 import errno
 import hashlib
 import logging
@@ -57,8 +57,8 @@ from agent.ebpf.abi import (
     CT_QUEUES,
     CTQ_DIVISOR,
     CTQ_HEADS,
-    CTQH_POS_MASK,
-    CTQH_SLOTS_SHIFT,
+    CTQH_POS_SHIFT,
+    CTQH_SLOTS_MASK,
     MAPS,
     PREFIX,
     V6_ROLES,
@@ -482,11 +482,13 @@ def load_sizes(sizes: MapSizes) -> dict[str, int]:
 
 
 def write_ring_slots(maps: Mapping[str, BpfMap]) -> None:
-    """Each early-drop ring's slot count into the high half of its head (bpf/ekp_abi.h,
-    EKP_CTQH_SLOTS_SHIFT), read from the ring map's max_entries: the programs take it from there
-    (ekp_ctq_af.h), so it follows a ring replaced at another size. The position is kept. A
-    program running meanwhile (an older load's, still attached) may lose one increment of the
-    position to this read-modify-write: it only moves where the ring writes next."""
+    """Each early-drop ring's slot count into the low half of its head (bpf/ekp_abi.h,
+    EKP_CTQH_SLOTS_MASK), read from the ring map's max_entries: the programs take it from there
+    (ekp_ctq_af.h), so it follows a ring replaced at another size. The position (the high half) is
+    kept. A head that holds its count already is left alone (every plain restart). A program
+    running meanwhile (an older load's of this layout, still attached) may lose one position add to
+    this read-modify-write: it only moves where the ring writes next; its adds never reach the
+    count."""
     for ct_role, ring_role in CT_QUEUES.items():
         heads = maps[CTQ_HEADS[ct_role]]
         ring = CtqRing.TCP if ct_role in ("ct_tcp", "ct6_tcp") else CtqRing.ANY
@@ -494,14 +496,20 @@ def write_ring_slots(maps: Mapping[str, BpfMap]) -> None:
         key = ctypes.c_uint32(ring)
         old = heads.lookup(key)
         have = int(old.value) if old is not None else 0
-        if have >> CTQH_SLOTS_SHIFT == slots:
+        if have & CTQH_SLOTS_MASK == slots:
             continue  # every plain restart: no write races the running programs' adds
-        heads.update(key, ctypes.c_uint64(slots << CTQH_SLOTS_SHIFT | have & CTQH_POS_MASK))
+        heads.update(key, ctypes.c_uint64(have & ~CTQH_SLOTS_MASK | slots))
 
 
 def ring_position(value: int) -> int:
-    """Flows queued so far in a ring, from its ekp_ctqh entry (the low half: see write_ring_slots)."""
-    return value & CTQH_POS_MASK
+    """Flows queued so far in a ring (mod 2^32), from its ekp_ctqh entry (the high half: see
+    write_ring_slots)."""
+    return value >> CTQH_POS_SHIFT
+
+
+def ring_slots(value: int) -> int:
+    """The slot count the programs take from an ekp_ctqh entry (the low half)."""
+    return value & CTQH_SLOTS_MASK
 
 
 class Datapath:

@@ -211,15 +211,27 @@ def test_map_names_fit_the_kernel_and_carry_the_version() -> None:
         "ekp_xstats_v3",
         "ekp_ct6_tcp_v3",  # the SNAT fields (v2 had none)
         "ekp_ct6_any_v3",
+        "ekp_ctqh_v3",  # position high, count low (v2 the other way round)
+        "ekp_ctqh6_v3",
     }
 
 
 def test_stale_pins_lists_other_versions_only(tmp_path: Path) -> None:
-    for name in ("ekp_ct_tcp_v2", "ekp_ct_v1", "ekp_ct_v0", "ekp_fe_v7", "ekp_gone_v1", "other", "ekp_x"):
+    names = (
+        "ekp_ct_tcp_v2",
+        "ekp_ct_v1",
+        "ekp_ct_v0",
+        "ekp_fe_v7",
+        "ekp_gone_v1",
+        "ekp_ctqh_v2",
+        "other",
+        "ekp_x",
+    )
+    for name in names:
         (tmp_path / name).touch()
     assert stale_pins(str(tmp_path)) == [
-        str(tmp_path / n) for n in ("ekp_ct_v0", "ekp_ct_v1", "ekp_fe_v7", "ekp_gone_v1")
-    ]
+        str(tmp_path / n) for n in ("ekp_ct_v0", "ekp_ct_v1", "ekp_ctqh_v2", "ekp_fe_v7", "ekp_gone_v1")
+    ], "the v2 heads (the other layout) go once our programs replaced theirs"
     assert stale_pins(str(tmp_path / "missing")) == []
 
 

@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import pytest
 
-from agent.ebpf.abi import CTQH_SLOTS_SHIFT, CtFlag, CtqRing, FrontendFlag, Scope, Stat
-from agent.ebpf.loader import Datapath, ring_position
+from agent.ebpf.abi import CtFlag, CtqRing, FrontendFlag, Scope, Stat
+from agent.ebpf.loader import Datapath, ring_position, ring_slots
 from lab.cpurace import race_rounds
 from lab.dplab import (
     BE1,
@@ -318,8 +318,52 @@ def test_udp_flows_have_a_ring_of_their_own(net: Net) -> None:
     assert answers(net, 5000)
 
 
+def _head(net: Net) -> int:
+    value = net.dp.maps["ctqh"].lookup(ct.c_uint32(CtqRing.TCP))
+    assert value is not None
+    return int(value.value)
+
+
+def _queued_sport(net: Net, slot: int) -> int:
+    """The client port of the flow queued in the TCP ring's `slot` (network order in the map)."""
+    s = net.dp.maps["ctq_tcp"].lookup(ct.c_uint32(slot))
+    assert s is not None
+    return int.from_bytes(int(s.sport).to_bytes(2, "little"), "big")
+
+
+def test_the_position_wraps_off_the_top_of_the_head_leaving_the_count(net: Net) -> None:
+    """The position is the head's high half (one atomic add of 2^32 per flow queued): at the last
+    position before the wrap a flow goes in the ring's last slot, the next add's carry falls off
+    the top of the word, and the next flow goes in slot 0 with the count (the low half) as the
+    agent wrote it. (RING divides 2^32: no slot is taken early at this wrap.)"""
+    net.add_service()
+    last = (1 << 32) - 1
+    net.dp.maps["ctqh"].update(ct.c_uint32(CtqRing.TCP), ct.c_uint64(last << 32 | RING))
+    for frame in syns(POD_CLIENT, VIP, 80, range(21000, 21002)):
+        assert net.from_pod(frame)[0] == TC_ACT_REDIRECT
+    head = _head(net)
+    assert (ring_position(head), ring_slots(head)) == (1, RING), "wrapped; the count untouched"
+    assert (_queued_sport(net, RING - 1), _queued_sport(net, 0)) == (21000, 21001)
+    assert net.stats()[Stat.EVICT_UNREPLIED] == 0, "the slots were empty: nothing reclaimed"
+
+
+def test_a_count_that_does_not_divide_the_wrap_restarts_the_ring_early(net: Net) -> None:
+    """Where the count does not divide 2^32 the ring restarts at slot 0 at the wrap: the flow
+    queued there less than a ring ago is reclaimed early (bpf/ekp_abi.h; at most 2^32 mod slots
+    flows, once every 2^32). Here a head preset to 1,000 slots, two positions before the wrap: the
+    flows go in slots 294 and 295 (2^32 - 2 and - 1 mod 1,000), then slot 0."""
+    net.add_service()
+    slots = 1000
+    net.dp.maps["ctqh"].update(ct.c_uint32(CtqRing.TCP), ct.c_uint64(((1 << 32) - 2) << 32 | slots))
+    for frame in syns(POD_CLIENT, VIP, 80, range(22000, 22003)):
+        assert net.from_pod(frame)[0] == TC_ACT_REDIRECT
+    head = _head(net)
+    assert (ring_position(head), ring_slots(head)) == (1, slots)
+    assert [_queued_sport(net, i) for i in (294, 295, 0)] == [22000, 22001, 22002]
+
+
 def test_a_ring_of_another_size_queues_by_its_own_slot_count(net: Net, lab: Lab) -> None:
-    """The ring's slot count is the load's, read by the programs from its head (ekp_ctqh's high
+    """The ring's slot count is the load's, read by the programs from its head (ekp_ctqh's low
     half, written from the ring's max_entries), not compiled in: the same build loaded with an
     eighth of the packet lab's TCP table has a ring of 128 slots, and a SYN flood is evicted a
     ring of 128 after it began, where the packet lab's programs' ring is 1,024 (RING)."""
@@ -337,6 +381,6 @@ def test_a_ring_of_another_size_queues_by_its_own_slot_count(net: Net, lab: Lab)
         assert other.stats()[Stat.EVICT_UNREPLIED] == extra, "a ring of 128 slots went round"
         head = dp.maps["ctqh"].lookup(ct.c_uint32(CtqRing.TCP))
         assert head is not None
-        assert (int(head.value) >> CTQH_SLOTS_SHIFT, ring_position(head.value)) == (ring, ring + extra)
+        assert (ring_slots(head.value), ring_position(head.value)) == (ring, ring + extra)
         for role in TEST_ROLES:
             dp.maps[role].clear()

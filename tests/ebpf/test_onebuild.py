@@ -14,10 +14,10 @@ import pytest
 
 from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import loader
-from agent.ebpf.abi import CT_QUEUES, CTQ_HEADS, CTQH_SLOTS_SHIFT, MAPS, CtqRing, MapSpec, Writer
+from agent.ebpf.abi import CT_QUEUES, CTQ_HEADS, MAPS, CtqRing, MapSpec, Writer
 from agent.ebpf.compile import compile_in_child
-from agent.ebpf.maps import BpfMap
 from agent.ebpf.loader import Datapath
+from agent.ebpf.maps import BpfMap
 from agent.ebpf.objcache import ObjectCache, default_cache_dir
 from lab.dplab import SIZES as PACKET_LAB_SIZES
 from lab.packets import bpffs
@@ -49,7 +49,7 @@ def _slot_counts(d: Datapath) -> dict[str, tuple[int, int]]:
         index = CtqRing.TCP if table.endswith("tcp") else CtqRing.ANY
         head = d.maps[CTQ_HEADS[table]].lookup(ctypes.c_uint32(index))
         assert head is not None
-        out[ring_role] = (int(head.value) >> CTQH_SLOTS_SHIFT, d.maps[ring_role].info().max_entries)
+        out[ring_role] = (loader.ring_slots(head.value), d.maps[ring_role].info().max_entries)
     return out
 
 
@@ -129,9 +129,7 @@ def test_a_retry_after_a_head_pin_went_writes_the_new_heads_slot_counts(
             # Read from the pin, not through another Datapath: its load would write the counts.
             head = BpfMap.open_pinned(MAPS["ctqh"], d.pin_path)
             try:
-                counts = {
-                    int(k.value): int(v.value) >> CTQH_SLOTS_SHIFT for k, v in head.items()
-                }
+                counts = {int(k.value): loader.ring_slots(v.value) for k, v in head.items()}
             finally:
                 head.close()
             ring = PACKET_LAB_SIZES.ct_tcp // 4
@@ -179,6 +177,8 @@ def test_a_restart_leaves_a_head_that_holds_its_count_alone() -> None:
 def test_only_a_size_setting_sizes_a_map_at_load() -> None:
     """A map is sized at load by a MapSizes field, not by any attribute of that name: a role that
     names one of its methods keeps the C's size."""
-    spec = MapSpec("with_conntrack", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_X_MAX", Writer.DATAPATH)
+    spec = MapSpec(
+        "with_conntrack", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_X_MAX", Writer.DATAPATH
+    )
     assert not loader.load_sized(spec)
     assert loader.load_sized(MAPS["fe"])
