@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 
-from agent.ebpf.abi import CtFlag, CtqRing, FrontendFlag, Scope, Stat
+from agent.ebpf.abi import CtFlag, CtqRing, CtqSlot, FrontendFlag, Scope, Stat
 from agent.ebpf.loader import Datapath, ring_position, ring_slots
 from lab.cpurace import race_rounds
 from lab.dplab import (
@@ -327,7 +327,7 @@ def _head(net: Net) -> int:
 def _queued_sport(net: Net, slot: int) -> int:
     """The client port of the flow queued in the TCP ring's `slot` (network order in the map)."""
     s = net.dp.maps["ctq_tcp"].lookup(ct.c_uint32(slot))
-    assert s is not None
+    assert isinstance(s, CtqSlot)
     return int.from_bytes(int(s.sport).to_bytes(2, "little"), "big")
 
 

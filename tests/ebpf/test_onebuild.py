@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -16,6 +17,7 @@ from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import loader
 from agent.ebpf.abi import CT_QUEUES, CTQ_HEADS, MAPS, CtqRing, MapSpec, Writer
 from agent.ebpf.compile import compile_in_child
+from agent.ebpf.link import link
 from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import BpfMap
 from agent.ebpf.objcache import ObjectCache, default_cache_dir
@@ -105,7 +107,7 @@ def test_a_retry_after_a_head_pin_went_writes_the_new_heads_slot_counts(
     """A load that failed after our maps were opened, retried after ekp_ctqh's pin was removed:
     link() creates that head anew, and its slot counts are written there too (without them the
     programs would queue at `pos % 0`)."""
-    real = loader.link
+    real: Callable[..., object] = link
 
     def verifier_says_no(*args: Any, **kwargs: Any) -> object:
         maps_pinned = args[4]
