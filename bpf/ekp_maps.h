@@ -80,8 +80,8 @@ BPF_F_TABLE("hash", struct ekp_maglev_key, struct ekp_maglev, ekp_maglev_v2, EKP
 BPF_TABLE("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_tcp_v2, EKP_CT_TCP_MAX);
 BPF_TABLE("lru_hash", struct ekp_ct_key, struct ekp_ct_entry, ekp_ct_any_v2, EKP_CT_ANY_MAX);
 /* The early-drop rings of the two tables (bpf/ekp_ctq.h) and where each writes next. */
-BPF_TABLE("array", u32, struct ekp_ctq_slot, ekp_ctq_tcp_v2, EKP_CTQ_TCP_MAX);
-BPF_TABLE("array", u32, struct ekp_ctq_slot, ekp_ctq_any_v2, EKP_CTQ_ANY_MAX);
+BPF_TABLE("array", u32, struct ekp_ctq_slot, ekp_ctq_tcp_v3, EKP_CTQ_TCP_MAX);
+BPF_TABLE("array", u32, struct ekp_ctq_slot, ekp_ctq_any_v3, EKP_CTQ_ANY_MAX);
 BPF_TABLE("array", u32, u64, ekp_ctqh_v3, EKP_CTQH_MAX);
 BPF_TABLE("lru_hash", struct ekp_frag_key, struct ekp_frag, ekp_frag_v2, EKP_FRAG_MAX);
 BPF_TABLE("lru_hash", struct ekp_fraghold_key, struct ekp_fraghold, ekp_fraghold_v2, EKP_FRAGHOLD_MAX);
@@ -121,8 +121,8 @@ BPF_TABLE("lru_hash", struct ekp_affinity6_key, struct ekp_affinity, ekp_aff6_v2
 BPF_TABLE("lru_hash", struct ekp_sock6_key, struct ekp_sock6_nat, ekp_sknat6_v2, EKP_SKNAT6_MAX);
 BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_tcp_v3, EKP_CT6_TCP_MAX);
 BPF_TABLE("lru_hash", struct ekp_ct6_key, struct ekp_ct6_entry, ekp_ct6_any_v3, EKP_CT6_ANY_MAX);
-BPF_TABLE("array", u32, struct ekp_ctq6_slot, ekp_ctq6_tcp_v2, EKP_CTQ6_TCP_MAX);
-BPF_TABLE("array", u32, struct ekp_ctq6_slot, ekp_ctq6_any_v2, EKP_CTQ6_ANY_MAX);
+BPF_TABLE("array", u32, struct ekp_ctq6_slot, ekp_ctq6_tcp_v3, EKP_CTQ6_TCP_MAX);
+BPF_TABLE("array", u32, struct ekp_ctq6_slot, ekp_ctq6_any_v3, EKP_CTQ6_ANY_MAX);
 BPF_TABLE("array", u32, u64, ekp_ctqh6_v3, EKP_CTQH6_MAX);
 /* The IPv6 path's own settings (the node's IPv6 address for SNAT), written by the agent: two slots
  * and their selector, as ekp_cfg_v2 / ekp_cfgsel_v2. */

@@ -149,8 +149,8 @@ static __always_inline struct ekp_addr *ekp_addr_lookup(struct ekp_addr_key *k)
 static __always_inline struct ekp_ctq_slot *ekp_ctq_lookup(__u32 ring, __u32 *slot)
 {
 	if (ring == EKP_CTQ_TCP)
-		return ekp_ctq_tcp_v2.lookup(slot);
-	return ekp_ctq_any_v2.lookup(slot);
+		return ekp_ctq_tcp_v3.lookup(slot);
+	return ekp_ctq_any_v3.lookup(slot);
 }
 
 static __always_inline u64 *ekp_ctqh_lookup(u32 *ring)
@@ -282,8 +282,8 @@ static __always_inline struct ekp_addr *ekp_addr6_lookup(struct ekp_addr6_key *k
 static __always_inline struct ekp_ctq6_slot *ekp_ctq6_lookup(__u32 ring, __u32 *slot)
 {
 	if (ring == EKP_CTQ_TCP)
-		return ekp_ctq6_tcp_v2.lookup(slot);
-	return ekp_ctq6_any_v2.lookup(slot);
+		return ekp_ctq6_tcp_v3.lookup(slot);
+	return ekp_ctq6_any_v3.lookup(slot);
 }
 
 static __always_inline u64 *ekp_ctqh6_lookup(u32 *ring)

@@ -700,8 +700,10 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("maglev", "hash", MaglevKey, Maglev, 16384, "EKP_MAGLEV_MAX"),
         MapSpec("ct_tcp", "lru_hash", CtKey, CtEntry, 0, "EKP_CT_TCP_MAX", _DP, "--bpf-ct-global-tcp-max"),
         MapSpec("ct_any", "lru_hash", CtKey, CtEntry, 0, "EKP_CT_ANY_MAX", _DP, "--bpf-ct-global-any-max"),
-        MapSpec("ctq_tcp", "array", ctypes.c_uint32, CtqSlot, 0, "EKP_CTQ_TCP_MAX", _DP),
-        MapSpec("ctq_any", "array", ctypes.c_uint32, CtqSlot, 0, "EKP_CTQ_ANY_MAX", _DP),
+        # v3 with their heads: a ring is one head's, and an older generation's programs, attached
+        # until ours replace them, go on queuing at their v2 head's position in their v2 ring
+        MapSpec("ctq_tcp", "array", ctypes.c_uint32, CtqSlot, 0, "EKP_CTQ_TCP_MAX", _DP, version=3),
+        MapSpec("ctq_any", "array", ctypes.c_uint32, CtqSlot, 0, "EKP_CTQ_ANY_MAX", _DP, version=3),
         # v3: position high, count low (bpf/ekp_abi.h), the other way round from v2
         MapSpec("ctqh", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_CTQH_MAX", _DP, version=3),
         MapSpec("frag", "lru_hash", FragKey, Frag, 8192, "EKP_FRAG_MAX", _DP),
@@ -755,8 +757,8 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("ct6_tcp", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_TCP_MAX", _DP, version=3, pair="ct_tcp"),
         MapSpec("ct6_any", "lru_hash", Ct6Key, Ct6Entry, 0, "EKP_CT6_ANY_MAX", _DP, version=3, pair="ct_any"),
         # their early-drop rings, sized from the table as IPv4's (CT_QUEUES), and where each writes
-        MapSpec("ctq6_tcp", "array", ctypes.c_uint32, Ctq6Slot, 0, "EKP_CTQ6_TCP_MAX", _DP),
-        MapSpec("ctq6_any", "array", ctypes.c_uint32, Ctq6Slot, 0, "EKP_CTQ6_ANY_MAX", _DP),
+        MapSpec("ctq6_tcp", "array", ctypes.c_uint32, Ctq6Slot, 0, "EKP_CTQ6_TCP_MAX", _DP, version=3),
+        MapSpec("ctq6_any", "array", ctypes.c_uint32, Ctq6Slot, 0, "EKP_CTQ6_ANY_MAX", _DP, version=3),
         MapSpec("ctqh6", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_CTQH6_MAX", _DP, version=3),
         # the IPv6 path's settings: the node's IPv6 address, the source of its SNAT (written by the
         # IPv6 family's sync, agent/ebpf/family6.py), two slots and a selector as cfg / cfgsel

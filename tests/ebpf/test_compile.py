@@ -555,7 +555,7 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
             try:
                 assert (
                     "IPv6 conntrack, early-drop ring (and its head), fragment and host-routing tables "
-                    "ekp_ct6_any_v3, ekp_ct6_tcp_v3, ekp_ctq6_any_v2, ekp_ctq6_tcp_v2, ekp_frag6_v2, "
+                    "ekp_ct6_any_v3, ekp_ct6_tcp_v3, ekp_ctq6_any_v3, ekp_ctq6_tcp_v3, ekp_frag6_v2, "
                     "ekp_frhold6_v2, ekp_hostnat6_v2, ekp_ctqh6_v3 recreated"
                 ) in caplog.text
                 assert {r: d.maps[r].info().max_entries for r in loader.TC6_ROLES} == entries

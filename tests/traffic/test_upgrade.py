@@ -415,7 +415,7 @@ def test_upgrade_from_the_agent_before_the_early_drop_queues_under_load_fails_no
     pins = Path(new.pin_path)
     names = {p.name for p in pins.iterdir() if p.name.startswith("ekp_") and "_v" in p.name}
     assert "ekp_stats_v2" not in names
-    assert {"ekp_stats_v3", "ekp_ct_tcp_v2", "ekp_ctq_tcp_v2", "ekp_addr_v2", "ekp_fraghold_v2"} <= names
+    assert {"ekp_stats_v3", "ekp_ct_tcp_v2", "ekp_ctq_tcp_v3", "ekp_addr_v2", "ekp_fraghold_v2"} <= names
     carried = re.findall(r"upgrade from ekp_stats_v2: (\d+) counters carried over", new.log())
     assert carried and int(carried[0]) > 5, new.log()[-3000:]
     stats = cluster.bpf_stats()
