@@ -45,7 +45,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -353,7 +353,7 @@ def replace_resized_ipv6_pins(pin_path: str, sizes: MapSizes) -> list[str]:
     of theirs may differ (check_pins reports it), and no other map is touched: the IPv4 tables and
     their flows stay. Turned on, the idle tables
     held nothing; turned off, no program of this start reads what the full ones held."""
-    removed = []
+    doomed = []
     for role in sorted(TC6_ROLES):
         spec = MAPS[role]
         path = os.path.join(pin_path, spec.name)
@@ -370,20 +370,33 @@ def replace_resized_ipv6_pins(pin_path: str, sizes: MapSizes) -> list[str]:
         others = [k for k in want if k != "max_entries" and getattr(info, k) != want[k]]
         if have == want["max_entries"] or others or IDLE_SIZE not in (have, want["max_entries"]):
             continue
-        os.unlink(path)
-        removed.append(spec.name)
-    # A replaced ring's head goes with it: the load writes the new ring's slot count into its head
-    # (write_ring_slots), and the last load's programs, attached until ours replace them, still
-    # queue in the old ring by the count in the head they hold: a head shared with the new ring
-    # would give them its 1 slot, each flow queued reclaiming the one before it.
-    heads = {CTQ_HEADS[table] for table, ring in CT_QUEUES.items() if MAPS[ring].name in removed}
-    for role in sorted(heads):
-        path = os.path.join(pin_path, MAPS[role].name)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
+        doomed.append(role)
+    # A replaced ring's head goes first (unlink_ring_heads): a crash between the two unlinks leaves
+    # the old ring without a head, which the next start recreates, never a kept head beside a new ring.
+    removed = unlink_ring_heads(pin_path, [r for r in CT_QUEUES.values() if r in doomed])
+    for role in doomed:
+        os.unlink(os.path.join(pin_path, MAPS[role].name))
         removed.append(MAPS[role].name)
+    return removed
+
+
+def unlink_ring_heads(pin_path: str, replaced: Collection[str] = ()) -> list[str]:
+    """Unpin each early-drop head (CTQ_HEADS) one of whose rings is not pinned, or is in `replaced`
+    (roles about to be unpinned), so the load creates it anew, position 0, and writes only fresh
+    heads (write_ring_slots). A kept head would be rewritten with the new ring's slot count while
+    the last load's programs, attached until ours replace them, still queue in the old ring by the
+    head they hold: at a smaller count they would reclaim flows they just queued, and a
+    read-modify-write racing their adds loses one. Returns the names unpinned."""
+    removed = []
+    for head in sorted(set(CTQ_HEADS.values())):
+        rings = [CT_QUEUES[t] for t, h in CTQ_HEADS.items() if h == head]
+        path = os.path.join(pin_path, MAPS[head].name)
+        if not os.path.exists(path):
+            continue
+        if all(r not in replaced and os.path.exists(os.path.join(pin_path, MAPS[r].name)) for r in rings):
+            continue
+        os.unlink(path)
+        removed.append(MAPS[head].name)
     return removed
 
 
@@ -484,11 +497,12 @@ def load_sizes(sizes: MapSizes) -> dict[str, int]:
 def write_ring_slots(maps: Mapping[str, BpfMap]) -> None:
     """Each early-drop ring's slot count into the low half of its head (bpf/ekp_abi.h,
     EKP_CTQH_SLOTS_MASK), read from the ring map's max_entries: the programs take it from there
-    (ekp_ctq_af.h), so it follows a ring replaced at another size. The position (the high half) is
-    kept. A head that holds its count already is left alone (every plain restart). A program
-    running meanwhile (an older load's of this layout, still attached) may lose one position add to
-    this read-modify-write: it only moves where the ring writes next; its adds never reach the
-    count."""
+    (ekp_ctq_af.h). Only a fresh head (count 0) is written: load() unpins a head whose ring is
+    replaced or missing (unlink_ring_heads), and a head that holds its count already is left alone
+    (every plain restart). A head in use is never meant to be rewritten: a program running
+    meanwhile (an older load's, still attached) may lose one position add to this
+    read-modify-write, and the next flow it queues then takes the same slot, reclaiming the flow
+    just queued there; hence the warning if a non-zero count would change."""
     for ct_role, ring_role in CT_QUEUES.items():
         heads = maps[CTQ_HEADS[ct_role]]
         ring = CtqRing.TCP if ct_role in ("ct_tcp", "ct6_tcp") else CtqRing.ANY
@@ -498,6 +512,18 @@ def write_ring_slots(maps: Mapping[str, BpfMap]) -> None:
         have = int(old.value) if old is not None else 0
         if have & CTQH_SLOTS_MASK == slots:
             continue  # every plain restart: no write races the running programs' adds
+        if have & CTQH_SLOTS_MASK:
+            # Ours must index the ring by its own size, so the count is written all the same.
+            log.warning(
+                "early-drop head %s[%s] held %d slots, its ring %s has %d: rewriting a head in use "
+                "(the programs still attached may reclaim a flow they just queued); was a ring "
+                "replaced behind the agent's back?",
+                heads.spec.name,
+                ring.name,
+                have & CTQH_SLOTS_MASK,
+                maps[ring_role].spec.name,
+                slots,
+            )
         heads.update(key, ctypes.c_uint64(have & ~CTQH_SLOTS_MASK | slots))
 
 
@@ -635,6 +661,14 @@ class Datapath:
                 "serves now" if self.sizes.ipv6_tc else "no longer serves",
             )
         check_pins(self.pin_path, self.sizes)
+        # A ring whose pin an operator removed (check_pins' remedy after a --bpf-ct-global-*-max
+        # change) is created anew by the link: its head goes too, before the link opens it.
+        for head in unlink_ring_heads(self.pin_path):
+            log.info(
+                "early-drop ring head %s recreated: one of its rings' pins was missing (the last "
+                "load's programs keep the old head and ring until ours replace them)",
+                head,
+            )
 
         handed = False
 

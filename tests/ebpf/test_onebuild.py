@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 
 from agent.config import ConntrackSettings, MapSizes
-from agent.ebpf import loader
+from agent.ebpf import bpfsys, loader
 from agent.ebpf.abi import CT_QUEUES, CTQ_HEADS, MAPS, CtqRing, MapSpec, Writer
 from agent.ebpf.compile import compile_in_child
 from agent.ebpf.link import link
 from agent.ebpf.loader import Datapath
-from agent.ebpf.maps import BpfMap
+from agent.ebpf.maps import BpfMap, obj_pin
 from agent.ebpf.objcache import ObjectCache, default_cache_dir
 from lab.dplab import SIZES as PACKET_LAB_SIZES
 from lab.packets import bpffs
@@ -140,8 +140,64 @@ def test_a_retry_after_a_head_pin_went_writes_the_new_heads_slot_counts(
             d.close()
 
 
+def _pin_maps(pins: str, sizes: MapSizes, roles: dict[str, int]) -> None:
+    """Pins a map for each role as the load would create it, at the given max_entries."""
+    os.makedirs(pins, mode=0o700, exist_ok=True)
+    for role, entries in roles.items():
+        info = loader.expected_info(MAPS[role], sizes)
+        fd = bpfsys.map_create(
+            info["type"], info["key_size"], info["value_size"], entries, info["flags"], MAPS[role].name
+        )
+        assert fd >= 0, f"creating {role}: errno {-fd}"
+        try:
+            obj_pin(fd, os.path.join(pins, MAPS[role].name))
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.kernel
+def test_a_ring_pin_removed_takes_its_head_with_it_before_the_link() -> None:
+    """check_pins' remedy after a --bpf-ct-global-*-max change removes a table and its ring, not
+    their head: the load unpins that head too, so the link creates it fresh rather than rewriting
+    the one the last load's programs still queue by. The other family's head, its rings pinned,
+    is kept."""
+    with bpffs() as root:
+        pins = str(root / "ekp")
+        _pin_maps(pins, SMALL, {r: 256 for r in ("ctq_tcp", "ctq_any", "ctq6_tcp", "ctq6_any")})
+        _pin_maps(pins, SMALL, {"ctqh": 2, "ctqh6": 2})
+        os.unlink(os.path.join(pins, MAPS["ctq_tcp"].name))
+        assert loader.unlink_ring_heads(pins) == [MAPS["ctqh"].name]
+        assert sorted(os.listdir(pins)) == sorted(
+            MAPS[r].name for r in ("ctq_any", "ctq6_tcp", "ctq6_any", "ctqh6")
+        )
+        assert loader.unlink_ring_heads(pins) == [], "a plain restart unpins nothing"
+
+
+@pytest.mark.kernel
+def test_the_ipv6_switch_unpins_its_rings_head_before_the_rings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash between the unlinks must not leave the old head beside new rings: the head goes first."""
+    unlinked: list[str] = []
+    real_unlink = os.unlink
+
+    def recording(path: str) -> None:
+        unlinked.append(os.path.basename(path))
+        real_unlink(path)
+
+    with bpffs() as root:
+        pins = str(root / "ekp")
+        _pin_maps(pins, AGENT, {"ctq6_tcp": loader.IDLE_SIZE, "ctq6_any": loader.IDLE_SIZE, "ctqh6": 2})
+        monkeypatch.setattr(os, "unlink", recording)
+        removed = loader.replace_resized_ipv6_pins(pins, AGENT)
+        monkeypatch.undo()
+        assert unlinked[0] == MAPS["ctqh6"].name
+        assert sorted(removed) == sorted(MAPS[r].name for r in ("ctqh6", "ctq6_tcp", "ctq6_any"))
+        assert os.listdir(pins) == []
+
+
 class _Heads:
     """A head map that records its updates (write_ring_slots' only calls on it)."""
+
+    spec = MAPS["ctqh"]
 
     def __init__(self) -> None:
         self.values = {int(CtqRing.TCP): 0, int(CtqRing.ANY): 0}
@@ -156,6 +212,8 @@ class _Heads:
 
 
 class _Ring:
+    spec = MAPS["ctq_tcp"]
+
     def __init__(self, slots: int) -> None:
         self.slots = slots
 
@@ -174,6 +232,21 @@ def test_a_restart_leaves_a_head_that_holds_its_count_alone() -> None:
     before = {role: h.updates for role, h in heads.items()}
     loader.write_ring_slots(maps)  # type: ignore[arg-type]
     assert {role: h.updates for role, h in heads.items()} == before
+
+
+def test_a_head_in_use_given_another_count_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    """Only a fresh head is meant to be written (load() unpins one whose ring is replaced): a
+    non-zero count about to change says a ring was replaced behind the agent's back."""
+    caplog.set_level(logging.WARNING)
+    heads = {role: _Heads() for role in set(CTQ_HEADS.values())}
+    maps: dict[str, object] = {**heads, **{ring: _Ring(1024) for ring in CT_QUEUES.values()}}
+    loader.write_ring_slots(maps)  # type: ignore[arg-type]
+    assert not caplog.records, "a fresh head is written without a warning"
+    maps.update({ring: _Ring(256) for ring in CT_QUEUES.values()})
+    loader.write_ring_slots(maps)  # type: ignore[arg-type]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] * 4
+    assert "held 1024 slots" in caplog.records[0].getMessage()
+    assert all(loader.ring_slots(v) == 256 for h in heads.values() for v in h.values.values())
 
 
 def test_only_a_size_setting_sizes_a_map_at_load() -> None:
