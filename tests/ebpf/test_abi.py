@@ -64,6 +64,8 @@ def c_constants() -> dict[str, int]:
     out["EKP_FRAGHOLD_SLOTS"] = abi.FRAGHOLD_SLOTS
     out["EKP_FRAGHOLD_LEN"] = abi.FRAGHOLD_LEN
     out["EKP_CT_HANDOVER_S"] = abi.CT_HANDOVER_S
+    out["EKP_CTQH_POS_SHIFT"] = abi.CTQH_POS_SHIFT
+    out["EKP_CTQH_SLOTS_MASK"] = abi.CTQH_SLOTS_MASK
     return out
 
 
@@ -127,7 +129,8 @@ def test_every_c_constant_is_mirrored() -> None:
     text = (BPF_DIR / "ekp_abi.h").read_text()
     names = set(
         re.findall(
-            r"\b(EKP_(?:SCOPE|FE|BE|MEMBER|CT|CTQ|ADDR|FRAGHOLD|STAT|DROP|SOCK|HANDOVER)_[A-Z0-9_]+)\b", text
+            r"\b(EKP_(?:SCOPE|FE|BE|MEMBER|CT|CTQ|CTQH|ADDR|FRAGHOLD|STAT|DROP|SOCK|HANDOVER)_[A-Z0-9_]+)\b",
+            text,
         )
     )
     assert names - set(c_constants()) == set()
