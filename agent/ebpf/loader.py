@@ -875,15 +875,15 @@ class Datapath:
         """write_ring_slots on the heads and rings pinned now, which link() opened: on a retry our
         own maps are open already, but a pin removed since was created anew by link(), and a new
         head left without its count would have the programs queue at `pos % 0`."""
-        opened = {
-            role: BpfMap.open_pinned(sized_spec(MAPS[role], self.sizes), self.pin_path)
-            for role in {*CT_QUEUES.values(), *CTQ_HEADS.values()}
-        }
-        try:
+        with contextlib.ExitStack() as stack:
+            # Each map closed as soon as it is open: a later pin failing to open leaks none.
+            opened = {
+                role: stack.enter_context(
+                    BpfMap.open_pinned(sized_spec(MAPS[role], self.sizes), self.pin_path)
+                )
+                for role in sorted({*CT_QUEUES.values(), *CTQ_HEADS.values()})
+            }
             write_ring_slots(opened)
-        finally:
-            for m in opened.values():
-                m.close()
 
     def prog_fd(self, name: str) -> int:
         if name not in self._prog_fds:

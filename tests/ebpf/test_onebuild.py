@@ -257,3 +257,31 @@ def test_only_a_size_setting_sizes_a_map_at_load() -> None:
     )
     assert not loader.load_sized(spec)
     assert loader.load_sized(MAPS["fe"])
+
+
+def test_a_head_or_ring_pin_that_fails_to_open_leaks_none_opened_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """_write_pinned_ring_slots opens four pins: one failing closes those opened before it."""
+    opened: list[_Opened] = []
+
+    class _Opened:
+        closed = False
+
+        def __enter__(self) -> _Opened:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.closed = True
+
+    def open_pinned(spec: MapSpec, pin_path: str) -> _Opened:
+        if len(opened) == 2:
+            raise FileNotFoundError(spec.name)
+        opened.append(_Opened())
+        return opened[-1]
+
+    monkeypatch.setattr(BpfMap, "open_pinned", open_pinned)
+    with pytest.raises(FileNotFoundError):
+        Datapath("/nonexistent", SMALL)._write_pinned_ring_slots()
+    assert len(opened) == 2
+    assert all(m.closed for m in opened)
