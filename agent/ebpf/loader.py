@@ -223,6 +223,10 @@ class PinMismatchError(DatapathError, FatalError):
     to drop the state (`agent --cleanup`) or to start with the old sizes."""
 
 
+# MapSizes' size settings: a map whose sized_by is one of them is sized by it (map_size, load_sized).
+_SIZE_FIELDS = frozenset(f.name for f in dataclasses.fields(MapSizes))
+
+
 def default_bpf_dir() -> Path:
     env = os.environ.get(BPF_DIR_ENV)
     if env:
@@ -240,8 +244,9 @@ def map_size(spec: MapSpec, sizes: MapSizes) -> int:
     table = next((ct for ct, ring in CT_QUEUES.items() if ring == spec.role), None)
     if table is not None:  # an early-drop ring: a quarter of its table's entries
         return max(1, map_size(MAPS[table], sizes) // CTQ_DIVISOR)
-    size = int(getattr(sizes, spec.sized_by, spec.default_size))
-    if size == 0:
+    # Only a size setting: a role named like one of MapSizes' methods keeps its default.
+    size = int(getattr(sizes, spec.sized_by)) if spec.sized_by in _SIZE_FIELDS else spec.default_size
+    if size == 0 and spec.sized_by in _SIZE_FIELDS:
         resolved = sizes.with_conntrack(ConntrackSettings(), os.cpu_count() or 1)
         size = int(getattr(resolved, spec.sized_by))
     return size
@@ -470,11 +475,7 @@ SIZE_AT_LOAD = 1
 def load_sized(spec: MapSpec) -> bool:
     """Whether MapSizes decides the map's max_entries (a flag, the tc IPv6 switch, a ring's
     table); the others' sizes are fixed by the C (`_Static_assert`s in bpf/ekp_maps.h)."""
-    return (
-        spec.role in TC6_ROLES
-        or spec.role in CT_QUEUES.values()
-        or spec.sized_by in {f.name for f in dataclasses.fields(MapSizes)}
-    )
+    return spec.role in TC6_ROLES or spec.role in CT_QUEUES.values() or spec.sized_by in _SIZE_FIELDS
 
 
 def compile_cflags(sizes: MapSizes, bpf_dir: Path) -> list[str]:

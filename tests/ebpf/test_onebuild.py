@@ -251,12 +251,14 @@ def test_a_head_in_use_given_another_count_is_warned_of(caplog: pytest.LogCaptur
 
 def test_only_a_size_setting_sizes_a_map_at_load() -> None:
     """A map is sized at load by a MapSizes field, not by any attribute of that name: a role that
-    names one of its methods keeps the C's size."""
+    names one of its methods keeps the C's size and its registry default."""
     spec = MapSpec(
         "with_conntrack", "array", ctypes.c_uint32, ctypes.c_uint64, 2, "EKP_X_MAX", Writer.DATAPATH
     )
     assert not loader.load_sized(spec)
+    assert loader.map_size(spec, SMALL) == 2, "its own default, not the method"
     assert loader.load_sized(MAPS["fe"])
+    assert loader.map_size(MAPS["fe"], SMALL) == SMALL.fe
 
 
 def test_a_head_or_ring_pin_that_fails_to_open_leaks_none_opened_before(
