@@ -264,7 +264,7 @@ def _foreign_hooks(config: Config) -> tuple[ForeignHook, ...]:
 
 
 def _handover_left(config: Config) -> tuple[str, ...]:
-    """Our filters in front and the builds whose pinned hand-over mode is not OFF."""
+    """Our filters in front and the loads whose pinned hand-over mode is not OFF."""
     from agent.ebpf.attach import fronts_left
     from agent.ebpf.loader import DatapathError, pinned_handover_modes
     from agent.netns import netns_route
