@@ -653,13 +653,15 @@ class Datapath:
         ensure_pin_dir(self.pin_path)
         resized = replace_resized_ipv6_pins(self.pin_path, self.sizes)
         if resized:
+            heads = {MAPS[r].name for r in CTQ_HEADS.values()}
             log.info(
-                "IPv6 conntrack, early-drop ring (and its head), fragment and host-routing tables %s "
-                "recreated at %s (the "
-                "tc programs' IPv6 path %s): the IPv4 tables and their flows are kept",
-                ", ".join(resized),
+                "IPv6 conntrack, early-drop ring, fragment and host-routing tables %s recreated at %s "
+                "(the tc programs' IPv6 path %s), and their rings' head %s with them (its 2 entries "
+                "fresh): the IPv4 tables and their flows are kept",
+                ", ".join(n for n in resized if n not in heads),
                 "full size" if self.sizes.ipv6_tc else f"{IDLE_SIZE} entry each",
                 "serves now" if self.sizes.ipv6_tc else "no longer serves",
+                ", ".join(n for n in resized if n in heads) or "(none pinned)",
             )
         check_pins(self.pin_path, self.sizes)
         # A ring whose pin an operator removed (check_pins' remedy after a --bpf-ct-global-*-max

@@ -554,10 +554,11 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
             d.load()
             try:
                 assert (
-                    "IPv6 conntrack, early-drop ring (and its head), fragment and host-routing tables "
+                    "IPv6 conntrack, early-drop ring, fragment and host-routing tables "
                     "ekp_ct6_any_v3, ekp_ct6_tcp_v3, ekp_ctq6_any_v3, ekp_ctq6_tcp_v3, ekp_frag6_v2, "
-                    "ekp_frhold6_v2, ekp_hostnat6_v2, ekp_ctqh6_v3 recreated"
+                    "ekp_frhold6_v2, ekp_hostnat6_v2 recreated at "
                 ) in caplog.text
+                assert "and their rings' head ekp_ctqh6_v3 with them (its 2 entries fresh)" in caplog.text
                 assert {r: d.maps[r].info().max_entries for r in loader.TC6_ROLES} == entries
                 after = _pinned_ids(pins)
                 assert {n: i for n, i in after.items() if n not in tc6} == {
