@@ -460,6 +460,10 @@ def test_upgrade_from_the_classid_generation_on_tcx_under_load_fails_no_request(
     pins = Path(new.pin_path)
     assert not [p.name for p in pins.iterdir() if p.name.startswith("ekp_tcxcls_")]
     assert (pins / "ekp_port_v2").exists()
+    # The older generation's v2 early-drop rings and heads go with its programs; ours are v3.
+    names = {p.name for p in pins.iterdir()}
+    assert not {"ekp_ctqh_v2", "ekp_ctq_tcp_v2", "ekp_ctq6_tcp_v2"} & names, sorted(names)
+    assert {"ekp_ctqh_v3", "ekp_ctq_tcp_v3"} <= names, sorted(names)
     assert "removed the older generation's ekp_tcx_classid link on eth0 ingress" in new.log()
     stats = cluster.bpf_stats()
     assert stats["drop_no_flow"] == 0 and stats.get("drop_spoofed", 0) == 0, stats
