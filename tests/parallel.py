@@ -14,12 +14,7 @@ other, in their order, because they share a lab.
 
 So a lab is made once, and a test never shares its lab with a test running beside it. The groups
 sharing a session lab (the longest) are queued first, other groups with lab tests next, pure ones
-after them, the leak check (tests/test_lab_leaks.py) last; within each of these, the groups of
-more tests first (the nearest to "longest first" that needs no timings). The scheduler keeps that
-order: xdist's own reorders its queue by tests per group alone (`--loadscope-reorder`, on by
-default), which queued every pure module of many quick tests ahead of the lab groups and left the
-lab groups of one or two tests (a lab's set-up, agents' starts: 15-30 s each) for the end of the
-run, the last of them running with the other workers idle.
+after them, the leak check (tests/test_lab_leaks.py) last.
 
 xdist's own `--dist loadgroup` cannot carry these groups under pytest 9 (it renames each item's
 `nodeid`, which pytest 9 no longer reads back), and the controller never collects: so each worker
@@ -97,9 +92,7 @@ def queue_order(items: list[pytest.Item]) -> dict[str, str]:
             return 0
         return 1 if any(_is_lab_test(it) for it in members) else 2
 
-    items[:] = [
-        it for group in sorted(groups, key=lambda g: (rank(g), -len(groups[g]))) for it in groups[group]
-    ]
+    items[:] = [it for group in sorted(groups, key=rank) for it in groups[group]]
     return {it.nodeid: group for group, members in groups.items() for it in members}
 
 
@@ -122,11 +115,8 @@ def read_groups(prefix: str) -> dict[str, str]:
 
 
 def make_scheduler(config: pytest.Config, log: Any, prefix: str) -> Any:
-    """xdist's LoadScopeScheduling, its scopes our run groups, in the order queue_order gave them."""
+    """xdist's LoadScopeScheduling, its scopes our run groups."""
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
-
-    # Read by LoadScopeScheduling.schedule: the workers' collection order is queue_order's.
-    config.option.loadscopereorder = False
 
     class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]  # untyped base
         _groups: dict[str, str] | None = None
