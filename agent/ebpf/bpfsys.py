@@ -340,6 +340,28 @@ def btf_data(fd: int) -> bytes | int:
     return -errno.EAGAIN  # the object grew between the two calls: not a BTF object of a program
 
 
+class MapInfo(ctypes.Structure):
+    """struct bpf_map_info up to its BTF ids (what the map-writing and compile code read of a map;
+    the kernel fills what fits)."""
+
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("key_size", ctypes.c_uint32),
+        ("value_size", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("map_flags", ctypes.c_uint32),
+        ("name", ctypes.c_char * 16),
+        ("ifindex", ctypes.c_uint32),
+        ("btf_vmlinux_value_type_id", ctypes.c_uint32),
+        ("netns_dev", ctypes.c_uint64),
+        ("netns_ino", ctypes.c_uint64),
+        ("btf_id", ctypes.c_uint32),
+        ("btf_key_type_id", ctypes.c_uint32),
+        ("btf_value_type_id", ctypes.c_uint32),
+    ]
+
+
 class ProgInfo(ctypes.Structure):
     """struct bpf_prog_info up to its name (what the XDP, tcx and compile code read of a program)."""
 

@@ -167,7 +167,7 @@ def compile_in_child(
 
 def _btf_of(fd: int) -> bytes:
     """The raw BTF bcc loaded for the maps (b"" when there is none or it cannot be read)."""
-    info = _MapBtfIds()
+    info = bpfsys.MapInfo()
     if bpfsys.obj_get_info_by_fd(fd, info) < 0 or not info.btf_id:
         return b""
     btf_fd = bpfsys.btf_get_fd_by_id(info.btf_id)
@@ -178,27 +178,6 @@ def _btf_of(fd: int) -> bytes:
     finally:
         os.close(btf_fd)
     return data if isinstance(data, bytes) else b""
-
-
-class _MapBtfIds(ctypes.Structure):
-    """struct bpf_map_info up to the BTF ids."""
-
-    _fields_ = [
-        ("type", ctypes.c_uint32),
-        ("id", ctypes.c_uint32),
-        ("key_size", ctypes.c_uint32),
-        ("value_size", ctypes.c_uint32),
-        ("max_entries", ctypes.c_uint32),
-        ("map_flags", ctypes.c_uint32),
-        ("name", ctypes.c_char * 16),
-        ("ifindex", ctypes.c_uint32),
-        ("btf_vmlinux_value_type_id", ctypes.c_uint32),
-        ("netns_dev", ctypes.c_uint64),
-        ("netns_ino", ctypes.c_uint64),
-        ("btf_id", ctypes.c_uint32),
-        ("btf_key_type_id", ctypes.c_uint32),
-        ("btf_value_type_id", ctypes.c_uint32),
-    ]
 
 
 def _child(raw: str) -> int:
@@ -221,7 +200,7 @@ def _child(raw: str) -> int:
         btf = b""
         for i in range(lib.bpf_num_tables(bpf.module)):
             fd = lib.bpf_table_fd_id(bpf.module, i)
-            info = _MapBtfIds()
+            info = bpfsys.MapInfo()
             ret = bpfsys.obj_get_info_by_fd(fd, info)
             if ret < 0:
                 name = lib.bpf_table_name(bpf.module, i)

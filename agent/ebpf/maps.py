@@ -210,20 +210,6 @@ class FakeMap:
 # ---- the kernel ---------------------------------------------------------------------------
 
 
-class _BpfMapInfo(ct.Structure):
-    """The head of struct bpf_map_info (the kernel fills what fits)."""
-
-    _fields_ = [
-        ("type", ct.c_uint32),
-        ("id", ct.c_uint32),
-        ("key_size", ct.c_uint32),
-        ("value_size", ct.c_uint32),
-        ("max_entries", ct.c_uint32),
-        ("map_flags", ct.c_uint32),
-        ("name", ct.c_char * 16),
-    ]
-
-
 @dataclass(frozen=True)
 class MapInfo:
     """What the kernel says about a map (bpf_obj_get_info_by_fd)."""
@@ -254,7 +240,7 @@ def possible_cpus() -> int:
 
 
 def map_info(fd: int) -> MapInfo:
-    info = _BpfMapInfo()
+    info = bpfsys.MapInfo()
     ret = bpfsys.obj_get_info_by_fd(fd, info)
     if ret < 0:
         err = _errno_of(ret)
