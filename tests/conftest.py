@@ -13,6 +13,11 @@
 * At session end every namespace, cgroup, pin, tmp dir and process of every lab created in this
   process must be gone; otherwise the leftovers are printed and the session fails.
   tests/test_lab_leaks.py is moved to the end of the run.
+* The machine's own sysctls that the agent's node set-up can write (lab/hostsysctls.py:
+  ip_forward, IPv6 forwarding, route_localnet, nf_conntrack_max, hash size, the conntrack timeouts,
+  tcp_be_liberal) are read when the run starts and again at its end: any that changed fails the
+  run, naming it (a test let an agent's set-up run in the machine's namespace instead of a lab
+  node's); tests/test_lab_leaks.py checks the same as a test.
 * In parallel (`make test` runs `pytest -n 3`, pytest-xdist) tests go to workers in run groups that
   share a lab (tests/parallel.py). Each worker runs the session-end check on its own labs and
   hands what it found to the controller, which fails the run on it, and on any skipped item.
@@ -20,6 +25,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -29,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from lab import CREATED_PREFIXES, STARTED, Lab, LabFactory, find_leaks, kernel_problem, live_labs
+from lab import CREATED_PREFIXES, STARTED, Lab, LabFactory, find_leaks, hostsysctls, kernel_problem, live_labs
 from tests import parallel
 
 
@@ -68,10 +74,16 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_GROUPS_PREFIX] = os.path.join(tempfile.mkdtemp(prefix="ekp-run-groups-"), "groups")
     if not hasattr(config, "workerinput"):
         config.stash[_SESSION_DIR] = tempfile.mkdtemp(prefix="ekp-session-")
+        host = hostsysctls.snapshot()
+        config.stash[_HOST_SYSCTLS] = host
+        with open(os.path.join(config.stash[_SESSION_DIR], HOST_SYSCTLS_FILE), "w") as f:
+            json.dump(host, f)
 
 
 _GROUPS_PREFIX = pytest.StashKey[str]()
 _SESSION_DIR = pytest.StashKey[str]()
+_HOST_SYSCTLS = pytest.StashKey[dict[str, str]]()
+HOST_SYSCTLS_FILE = "host-sysctls.json"  # in the session directory: the values the run started with
 SESSION_DIR = "ekp_session_dir"  # workerinput key: the directory every worker of the run shares
 
 
@@ -142,6 +154,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Generator[
         workeroutput["ekp_problems"] = problems
         return result
     problems += _WORKER_PROBLEMS
+    problems += host_sysctl_problems(session.config.stash.get(_HOST_SYSCTLS, {}))
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = [r for r in reporter.stats.get("skipped", []) if r.when] if reporter is not None else []
     if skipped and not skips_allowed():
@@ -158,6 +171,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Generator[
             print(text, file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     return result
+
+
+def host_sysctl_problems(before: dict[str, str]) -> list[str]:
+    """The machine's own sysctls this run found one way and leaves another, as leak lines."""
+    if not before:
+        return []
+    return [
+        f"the machine's own {change} since the run started (a test ran an agent's node set-up "
+        "outside its lab node's namespace, or another process on the machine wrote it); restore "
+        "it with sysctl -w"
+        for change in hostsysctls.changed(before, hostsysctls.snapshot())
+    ]
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
