@@ -11,10 +11,9 @@ The keys are taken from the agent's own code (`required_sysctls` of both modes, 
 `plan` with every setting on), so a sysctl the set-up learns to write is watched without an edit
 here; IPv6 forwarding is added by hand (the packet labs set it in their namespaces).
 
-`snapshot()` reads them in the namespace of this process's main thread, whatever namespace the
-calling thread is in: the lab moves only fresh threads into its namespaces, so that is the one the
-test run started in, the machine's own (PID 1's cannot be opened from here: EACCES in this VM's
-sandbox). `changed(before, after)` names the differences.
+`Machine()`, made when the run starts, holds the run's own namespace (the machine's: PID 1's
+cannot be opened from here, EACCES in this VM's sandbox); its `snapshot()` reads them there from
+any thread. `changed(before, after)` names the differences.
 """
 
 from __future__ import annotations
@@ -65,34 +64,39 @@ def read_values(keys: list[str]) -> dict[str, str]:
     return out
 
 
-def snapshot() -> dict[str, str]:
-    """The watched values as the main thread's network namespace has them (/proc/sys/net follows
-    the reading thread's namespace, so the read runs on a thread that joined the main thread's)."""
-    keys = watched_keys()
-    main = f"/proc/{os.getpid()}/ns/net"
-    if os.stat("/proc/thread-self/ns/net").st_ino == os.stat(main).st_ino:
-        return read_values(keys)  # already there (the session hooks): no setns, so no root needed
-    result: list[dict[str, str]] = []
-    error: list[BaseException] = []
+class Machine:
+    """The network namespace the calling thread is in when made (the test run's, the machine's
+    own), held open so that it is read there later from any thread: the main thread itself may
+    have joined a packet lab's namespace by then (lab/packets.py private_netns), and
+    /proc/<pid>/ns/net follows it."""
 
-    def target() -> None:
-        try:
-            fd = os.open(main, os.O_RDONLY | os.O_CLOEXEC)
+    def __init__(self) -> None:
+        self._fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        self._ino = os.fstat(self._fd).st_ino
+        self.keys = watched_keys()
+
+    def snapshot(self) -> dict[str, str]:
+        """The watched values as that namespace has them (/proc/sys/net follows the reading
+        thread's namespace: from another one the read runs on a thread that joined it)."""
+        if os.stat("/proc/thread-self/ns/net").st_ino == self._ino:
+            return read_values(self.keys)  # already there: no setns, so no root needed
+        result: list[dict[str, str]] = []
+        error: list[BaseException] = []
+
+        def target() -> None:
             try:
-                _setns(fd)
-            finally:
-                os.close(fd)
-            result.append(read_values(keys))
-        except BaseException as exc:
-            error.append(exc)
+                _setns(self._fd)
+                result.append(read_values(self.keys))
+            except BaseException as exc:
+                error.append(exc)
 
-    # Only this thread moves, and it ends there: no other thread's namespace changes.
-    thread = threading.Thread(target=target, name="host-sysctls", daemon=True)
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+        # Only this thread moves, and it ends there: no other thread's namespace changes.
+        thread = threading.Thread(target=target, name="host-sysctls", daemon=True)
+        thread.start()
+        thread.join()
+        if error:
+            raise error[0]
+        return result[0]
 
 
 def changed(before: dict[str, str], after: dict[str, str]) -> list[str]:

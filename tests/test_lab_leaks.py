@@ -84,7 +84,7 @@ def test_the_machines_own_sysctls_are_as_the_run_found_them(session_dir: str) ->
     with open(os.path.join(session_dir, HOST_SYSCTLS_FILE)) as f:
         before = json.load(f)
     assert "net.ipv4.ip_forward" in before and "net.netfilter.nf_conntrack_max" in before
-    assert hostsysctls.changed(before, hostsysctls.snapshot()) == []
+    assert hostsysctls.changed(before, hostsysctls.Machine().snapshot()) == []
 
 
 def test_the_sysctl_check_reads_the_machines_values_from_a_thread_in_a_lab_namespace() -> None:
@@ -94,12 +94,13 @@ def test_the_sysctl_check_reads_the_machines_values_from_a_thread_in_a_lab_names
     ns = f"{prefix}-node1"
     try:
         subprocess.run(["ip", "netns", "add", ns], check=True)
-        machine = hostsysctls.snapshot()
+        home = hostsysctls.Machine()
+        machine = home.snapshot()
         flipped = "0" if machine["net.ipv4.ip_forward"] == "1" else "1"
         subprocess.run(
             ["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.ip_forward={flipped}"], check=True
         )
-        from_lab = netns.in_netns(ns, hostsysctls.snapshot)
+        from_lab = netns.in_netns(ns, home.snapshot)
         assert from_lab == machine
         in_lab = netns.in_netns(ns, lambda: hostsysctls.read_values(["net.ipv4.ip_forward"]))
         assert hostsysctls.changed(machine, machine | in_lab) == [
