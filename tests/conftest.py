@@ -13,6 +13,11 @@
 * At session end every namespace, cgroup, pin, tmp dir and process of every lab created in this
   process must be gone; otherwise the leftovers are printed and the session fails.
   tests/test_lab_leaks.py is moved to the end of the run.
+* The machine's own sysctls that the agent's node set-up can write (lab/hostsysctls.py:
+  ip_forward, IPv6 forwarding, route_localnet, nf_conntrack_max, hash size, the conntrack timeouts,
+  tcp_be_liberal) are read when the run starts and again at its end: any that changed fails the
+  run, naming it (a test let an agent's set-up run in the machine's namespace instead of a lab
+  node's); tests/test_lab_leaks.py checks the same as a test.
 * In parallel (`make test` runs `pytest -n 3`, pytest-xdist) tests go to workers in run groups that
   share a lab (tests/parallel.py). Each worker runs the session-end check on its own labs and
   hands what it found to the controller, which fails the run on it, and on any skipped item.
@@ -20,6 +25,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -29,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from lab import CREATED_PREFIXES, STARTED, Lab, LabFactory, find_leaks, kernel_problem, live_labs
+from lab import CREATED_PREFIXES, STARTED, Lab, LabFactory, find_leaks, hostsysctls, kernel_problem, live_labs
 from tests import parallel
 
 
@@ -66,12 +72,20 @@ def _parallel(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput"):
         config.stash[_GROUPS_PREFIX] = os.path.join(tempfile.mkdtemp(prefix="ekp-run-groups-"), "groups")
+    config.stash[_MACHINE] = hostsysctls.Machine()  # made here: this thread is in the run's own namespace
     if not hasattr(config, "workerinput"):
         config.stash[_SESSION_DIR] = tempfile.mkdtemp(prefix="ekp-session-")
+        host = config.stash[_MACHINE].snapshot()
+        config.stash[_HOST_SYSCTLS] = host
+        with open(os.path.join(config.stash[_SESSION_DIR], HOST_SYSCTLS_FILE), "w") as f:
+            json.dump(host, f)
 
 
 _GROUPS_PREFIX = pytest.StashKey[str]()
 _SESSION_DIR = pytest.StashKey[str]()
+_HOST_SYSCTLS = pytest.StashKey[dict[str, str]]()
+_MACHINE = pytest.StashKey[hostsysctls.Machine]()
+HOST_SYSCTLS_FILE = "host-sysctls.json"  # in the session directory: the values the run started with
 SESSION_DIR = "ekp_session_dir"  # workerinput key: the directory every worker of the run shares
 
 
@@ -142,6 +156,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Generator[
         workeroutput["ekp_problems"] = problems
         return result
     problems += _WORKER_PROBLEMS
+    problems += host_sysctl_problems(session.config)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = [r for r in reporter.stats.get("skipped", []) if r.when] if reporter is not None else []
     if skipped and not skips_allowed():
@@ -158,6 +173,53 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Generator[
             print(text, file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     return result
+
+
+def host_sysctl_problems(config: pytest.Config) -> list[str]:
+    """The machine's own sysctls this run found one way and leaves another, as leak lines."""
+    before = config.stash.get(_HOST_SYSCTLS, {})
+    machine = config.stash.get(_MACHINE, None)
+    if not before or machine is None:
+        return []
+    return [
+        f"the machine's own {change} since the run started (a test ran an agent's node set-up "
+        "outside its lab node's namespace, or another process on the machine wrote it; the test "
+        "is named by the per-test check above); restore it with sysctl -w"
+        for change in hostsysctls.changed(before, machine.snapshot())
+    ]
+
+
+# The machine's values after the last test of this process, and that test.
+_LAST_SEEN: dict[str, Any] = {}
+
+
+@pytest.fixture(autouse=True)
+def _machine_sysctls_untouched(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails the test in whose run (or between whose fixtures and the last test's) the machine's
+    own sysctls of lab/hostsysctls.py changed, naming them: the session-end check says that they
+    changed, this says where. A test on another xdist worker at the same moment sees the change too;
+    the culprit is one of the tests named."""
+    machine = request.config.stash.get(_MACHINE, None)
+    if machine is None:
+        yield
+        return
+    before = machine.snapshot()
+    yield
+    after = machine.snapshot()
+    lines = [f"{c} while this test ran" for c in hostsysctls.changed(before, after)]
+    if "values" in _LAST_SEEN:
+        lines += [
+            f"{c} between the end of {_LAST_SEEN['test']} and the start of this test (a fixture's "
+            "set-up or tear-down)"
+            for c in hostsysctls.changed(_LAST_SEEN["values"], before)
+        ]
+    _LAST_SEEN.update(values=after, test=request.node.nodeid)
+    if lines:
+        pytest.fail(
+            "the machine's own sysctls changed (an agent's node set-up ran outside its lab node's "
+            "namespace, here or in a test on another worker at the same time):\n  " + "\n  ".join(lines),
+            pytrace=False,
+        )
 
 
 def _skip_reason(report: pytest.TestReport) -> str:

@@ -5,17 +5,21 @@
 2. The leak finder itself reports a leftover namespace (so the checks can fail).
 3. Every lab this session created and already tore down left nothing (the session-finish hook in
    conftest.py checks the same again after the last fixture is gone).
+4. The machine's own sysctls that the agent's node set-up writes are as the run found them (the
+   session-finish hook checks them again, for tests that ran beside or after this one).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
 
 import pytest
 
-from lab import CREATED_PREFIXES, STARTED, Lab, cleanup_leftovers, find_leaks, live_labs, netns
+from lab import CREATED_PREFIXES, STARTED, Lab, cleanup_leftovers, find_leaks, hostsysctls, live_labs, netns
+from tests.conftest import HOST_SYSCTLS_FILE
 
 pytestmark = pytest.mark.kernel
 
@@ -74,3 +78,33 @@ def test_labs_of_this_session_left_nothing() -> None:
     assert done, "no lab ran before this check"
     live_pids = {pid for lab in live_labs() for pid, _ in lab.started}
     assert find_leaks(done, [(pid, start) for pid, start in STARTED if pid not in live_pids]) == []
+
+
+def test_the_machines_own_sysctls_are_as_the_run_found_them(session_dir: str) -> None:
+    with open(os.path.join(session_dir, HOST_SYSCTLS_FILE)) as f:
+        before = json.load(f)
+    assert "net.ipv4.ip_forward" in before and "net.netfilter.nf_conntrack_max" in before
+    assert hostsysctls.changed(before, hostsysctls.Machine().snapshot()) == []
+
+
+def test_the_sysctl_check_reads_the_machines_values_from_a_thread_in_a_lab_namespace() -> None:
+    """The snapshot names what differs, and reads the machine's values even when called from a
+    thread that joined a lab node's namespace, where they differ."""
+    prefix = netns.new_prefix()
+    ns = f"{prefix}-node1"
+    try:
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+        home = hostsysctls.Machine()
+        machine = home.snapshot()
+        flipped = "0" if machine["net.ipv4.ip_forward"] == "1" else "1"
+        subprocess.run(
+            ["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.ip_forward={flipped}"], check=True
+        )
+        from_lab = netns.in_netns(ns, home.snapshot)
+        assert from_lab == machine
+        in_lab = netns.in_netns(ns, lambda: hostsysctls.read_values(["net.ipv4.ip_forward"]))
+        assert hostsysctls.changed(machine, machine | in_lab) == [
+            f"net.ipv4.ip_forward: {machine['net.ipv4.ip_forward']} -> {flipped}"
+        ]
+    finally:
+        cleanup_leftovers(prefix)

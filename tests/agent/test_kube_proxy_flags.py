@@ -147,9 +147,17 @@ def sysctl(ns: str, key: str) -> str:
     ).stdout.strip()
 
 
+def set_sysctl(ns: str, key: str, value: str) -> None:
+    subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}"], check=True)
+    assert sysctl(ns, key) == value
+
+
 @pytest.mark.kernel
 def test_init_only_sets_up_the_node_for_iptables_mode(netns: str) -> None:
-    assert sysctl(netns, "net.ipv4.ip_forward") == "0"  # a fresh namespace forwards nothing
+    # A fresh namespace takes IPv4's settings from the machine's (devconf_inherit_init_net = 0):
+    # start from values the set-up must change, whatever the machine holds.
+    set_sysctl(netns, "net.ipv4.ip_forward", "0")
+    set_sysctl(netns, "net.ipv4.conf.all.route_localnet", "0")
     config = resolve(
         ["--init-only", "--mode=iptables", f"--netns={netns}", "--conntrack-tcp-timeout-close-wait=45m"]
     ).config
@@ -163,6 +171,8 @@ def test_init_only_sets_up_the_node_for_iptables_mode(netns: str) -> None:
 def test_init_only_in_ebpf_mode_leaves_route_localnet_alone(netns: str) -> None:
     config = resolve(["--init-only", f"--netns={netns}", "--bpf-pin-path=/sys/fs/bpf/ebpf-kube-proxy"]).config
     assert config.mode is Mode.EBPF
+    set_sysctl(netns, "net.ipv4.ip_forward", "0")  # as above: not what the machine may hold
+    set_sysctl(netns, "net.ipv4.conf.all.route_localnet", "0")
     assert init_node(config) == 0
     assert sysctl(netns, "net.ipv4.ip_forward") == "1"
     assert sysctl(netns, "net.ipv4.conf.all.route_localnet") == "0"
