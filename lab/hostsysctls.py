@@ -7,9 +7,13 @@ the real runner: `agent.nodeinit.init_node`, `setup_conntrack` at every start, t
 settings from the initial one (`net.core.devconf_inherit_init_net = 0`), for every namespace made
 after it: later tests then pass or fail by the order they ran in.
 
-The keys are taken from the agent's own code (`required_sysctls` of both modes, the conntrack
-`plan` with every setting on), so a sysctl the set-up learns to write is watched without an edit
-here; IPv6 forwarding is added by hand (the packet labs set it in their namespaces).
+The keys are taken from the agent's own code: `required_sysctls` of both modes (the iptables
+proxier's route_localnet among them), the conntrack `plan` with every setting on, the eBPF
+proxier's `SYSCTLS` and the hand-over's `TCP_BE_LIBERAL`; IPv6 forwarding is added by hand (the
+packet labs set it in their namespaces). A new writer elsewhere needs its key added here. Of
+these, `ip_forward`, `conf.all.*`, `nf_conntrack_max` and the hash size reach later labs (a new
+namespace inherits IPv4's settings from the initial one; the conntrack limit is global); the others
+are per namespace, and a change there is evidence of a leak alone.
 
 `Machine()`, made when the run starts, holds the run's own namespace (the machine's: PID 1's
 cannot be opened from here, EACCES in this VM's sandbox); its `snapshot()` reads them there from
@@ -22,8 +26,10 @@ import os
 import threading
 
 from agent.config import Config, ConntrackSettings, Mode
+from agent.ebpf.proxier import SYSCTLS
 from agent.iptables.conntrack_sysctls import HASHSIZE_PATH, plan
 from agent.nodeinit import required_sysctls
+from agent.takeover.into_ebpf import TCP_BE_LIBERAL
 from lab.netns import _setns
 
 # Written by the lab's own packet tests in their namespaces, never by the agent: watched all the same.
@@ -43,6 +49,7 @@ def watched_keys() -> list[str]:
         udp_stream_timeout_s=1,
     )
     keys |= {setting.key for setting in plan(every, 1)}
+    keys |= {path.replace("/", ".") for path in (*SYSCTLS, TCP_BE_LIBERAL)}
     keys |= set(EXTRA_KEYS)
     return sorted(keys)
 
@@ -75,6 +82,9 @@ class Machine:
         self._ino = os.fstat(self._fd).st_ino
         self.keys = watched_keys()
 
+    def close(self) -> None:
+        os.close(self._fd)
+
     def snapshot(self) -> dict[str, str]:
         """The watched values as that namespace has them (/proc/sys/net follows the reading
         thread's namespace: from another one the read runs on a thread that joined it)."""
@@ -100,9 +110,11 @@ class Machine:
 
 
 def changed(before: dict[str, str], after: dict[str, str]) -> list[str]:
-    """`key: before -> after` for each watched value that differs."""
+    """`key: before -> after` for each watched value that differs. A key that was unreadable and
+    now reads is not a change: its module (nf_conntrack, ipv6) was loaded by the first lab that
+    needed it, on a kernel that has them as modules."""
     return [
         f"{key}: {before.get(key, '?')} -> {after.get(key, '?')}"
         for key in sorted(set(before) | set(after))
-        if before.get(key) != after.get(key)
+        if before.get(key) != after.get(key) and not before.get(key, "").startswith("<unreadable")
     ]

@@ -184,7 +184,7 @@ def host_sysctl_problems(config: pytest.Config) -> list[str]:
     return [
         f"the machine's own {change} since the run started (a test ran an agent's node set-up "
         "outside its lab node's namespace, or another process on the machine wrote it; the test "
-        "is named by the per-test check above); restore it with sysctl -w"
+        "is named by the per-test check above if a test's run saw it); restore it with sysctl -w"
         for change in hostsysctls.changed(before, machine.snapshot())
     ]
 
@@ -197,8 +197,10 @@ _LAST_SEEN: dict[str, Any] = {}
 def _machine_sysctls_untouched(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fails the test in whose run (or between whose fixtures and the last test's) the machine's
     own sysctls of lab/hostsysctls.py changed, naming them: the session-end check says that they
-    changed, this says where. A test on another xdist worker at the same moment sees the change too;
-    the culprit is one of the tests named."""
+    changed, this says where. A test on another xdist worker at the same moment sees the change too,
+    and so does a test running while another process on the machine writes them: the culprit is
+    one of the tests named, or that process. A value written and restored within one test is not
+    seen (only each test's start and end are read), though labs made meanwhile inherit it."""
     machine = request.config.stash.get(_MACHINE, None)
     if machine is None:
         yield
@@ -217,7 +219,8 @@ def _machine_sysctls_untouched(request: pytest.FixtureRequest) -> Iterator[None]
     if lines:
         pytest.fail(
             "the machine's own sysctls changed (an agent's node set-up ran outside its lab node's "
-            "namespace, here or in a test on another worker at the same time):\n  " + "\n  ".join(lines),
+            "namespace, here or in a test on another worker at the same time, or another process "
+            "on the machine wrote them):\n  " + "\n  ".join(lines),
             pytrace=False,
         )
 

@@ -84,7 +84,11 @@ def test_the_machines_own_sysctls_are_as_the_run_found_them(session_dir: str) ->
     with open(os.path.join(session_dir, HOST_SYSCTLS_FILE)) as f:
         before = json.load(f)
     assert "net.ipv4.ip_forward" in before and "net.netfilter.nf_conntrack_max" in before
-    assert hostsysctls.changed(before, hostsysctls.Machine().snapshot()) == []
+    machine = hostsysctls.Machine()
+    try:
+        assert hostsysctls.changed(before, machine.snapshot()) == []
+    finally:
+        machine.close()
 
 
 def test_the_sysctl_check_reads_the_machines_values_from_a_thread_in_a_lab_namespace() -> None:
@@ -96,15 +100,24 @@ def test_the_sysctl_check_reads_the_machines_values_from_a_thread_in_a_lab_names
         subprocess.run(["ip", "netns", "add", ns], check=True)
         home = hostsysctls.Machine()
         machine = home.snapshot()
+        for key in ("net.ipv4.ip_forward", "net.netfilter.nf_conntrack_tcp_be_liberal"):
+            assert key in machine, f"{key} (the eBPF proxier's, the hand-over's) is watched"
         flipped = "0" if machine["net.ipv4.ip_forward"] == "1" else "1"
         subprocess.run(
             ["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.ip_forward={flipped}"], check=True
         )
-        from_lab = netns.in_netns(ns, home.snapshot)
+        try:
+            from_lab = netns.in_netns(ns, home.snapshot)
+        finally:
+            home.close()
         assert from_lab == machine
         in_lab = netns.in_netns(ns, lambda: hostsysctls.read_values(["net.ipv4.ip_forward"]))
         assert hostsysctls.changed(machine, machine | in_lab) == [
             f"net.ipv4.ip_forward: {machine['net.ipv4.ip_forward']} -> {flipped}"
         ]
+        # A key no module served yet (nf_conntrack, ipv6 loaded by a later lab) is not a change.
+        unread = {"net.netfilter.nf_conntrack_max": "<unreadable: No such file or directory>"}
+        assert hostsysctls.changed(unread, {"net.netfilter.nf_conntrack_max": "262144"}) == []
+        assert hostsysctls.changed({"k": "1"}, {"k": "<unreadable: Permission denied>"}) != []
     finally:
         cleanup_leftovers(prefix)
