@@ -23,14 +23,13 @@ any thread. `changed(before, after)` names the differences.
 from __future__ import annotations
 
 import os
-import threading
 
 from agent.config import Config, ConntrackSettings, Mode
 from agent.ebpf.proxier import SYSCTLS
 from agent.iptables.conntrack_sysctls import HASHSIZE_PATH, plan
 from agent.nodeinit import required_sysctls
 from agent.takeover.into_ebpf import TCP_BE_LIBERAL
-from lab.netns import _setns
+from lab.netns import in_netns_fd
 
 # Written by the lab's own packet tests in their namespaces, never by the agent: watched all the same.
 EXTRA_KEYS = ("net.ipv6.conf.all.forwarding",)
@@ -57,17 +56,13 @@ def watched_keys() -> list[str]:
 def read_values(keys: list[str]) -> dict[str, str]:
     """The keys (and the hash size) as the calling thread's network namespace has them."""
     out: dict[str, str] = {}
-    for key in keys:
+    paths = {key: "/proc/sys/" + key.replace(".", "/") for key in keys} | {HASHSIZE_PATH: HASHSIZE_PATH}
+    for key, path in paths.items():
         try:
-            with open("/proc/sys/" + key.replace(".", "/"), encoding="ascii") as f:
+            with open(path, encoding="ascii") as f:
                 out[key] = f.read().strip()
         except OSError as exc:  # a module not loaded (nf_conntrack, ipv6): compared as such
             out[key] = f"<unreadable: {exc.strerror}>"
-    try:
-        with open(HASHSIZE_PATH, encoding="ascii") as f:
-            out[HASHSIZE_PATH] = f.read().strip()
-    except OSError as exc:
-        out[HASHSIZE_PATH] = f"<unreadable: {exc.strerror}>"
     return out
 
 
@@ -90,23 +85,7 @@ class Machine:
         thread's namespace: from another one the read runs on a thread that joined it)."""
         if os.stat("/proc/thread-self/ns/net").st_ino == self._ino:
             return read_values(self.keys)  # already there: no setns, so no root needed
-        result: list[dict[str, str]] = []
-        error: list[BaseException] = []
-
-        def target() -> None:
-            try:
-                _setns(self._fd)
-                result.append(read_values(self.keys))
-            except BaseException as exc:
-                error.append(exc)
-
-        # Only this thread moves, and it ends there: no other thread's namespace changes.
-        thread = threading.Thread(target=target, name="host-sysctls", daemon=True)
-        thread.start()
-        thread.join()
-        if error:
-            raise error[0]
-        return result[0]
+        return in_netns_fd(self._fd, lambda: read_values(self.keys), name="host-sysctls")
 
 
 def changed(before: dict[str, str], after: dict[str, str]) -> list[str]:

@@ -141,6 +141,15 @@ def in_netns(ns: str, fn: Callable[[], T]) -> T:
     other thread stay in their namespace. Whatever `fn` creates that is bound to a namespace at
     creation time (sockets, /proc/sys/net files opened there) stays bound to `ns`.
     """
+    dest = os.open(netns_path(ns), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return in_netns_fd(dest, fn, name=f"netns:{ns}")
+    finally:
+        os.close(dest)
+
+
+def in_netns_fd(dest: int, fn: Callable[[], T], *, name: str = "netns") -> T:
+    """in_netns for a namespace held open as `dest` (an fd of /proc/.../ns/net or /run/netns/X)."""
     result: list[T] = []
     error: list[BaseException] = []
 
@@ -148,11 +157,7 @@ def in_netns(ns: str, fn: Callable[[], T]) -> T:
         try:
             own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
-                dest = os.open(netns_path(ns), os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    _setns(dest)
-                finally:
-                    os.close(dest)
+                _setns(dest)
                 try:
                     result.append(fn())
                 finally:
@@ -162,7 +167,7 @@ def in_netns(ns: str, fn: Callable[[], T]) -> T:
         except BaseException as exc:
             error.append(exc)
 
-    thread = threading.Thread(target=target, name=f"netns:{ns}", daemon=True)
+    thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     thread.join()
     if error:
