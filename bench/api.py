@@ -10,10 +10,10 @@ in the kubeconfig). A real `agent --kubeconfig` acts for the node. Measured:
   credentials, the data path compiled or reused, the lists, the sync);
 * **one change**: C EndpointSlice changes made one at a time on the server while the N services
   are in place, each adding or removing an 11th endpoint so the frontend's count changes. In eBPF
-  mode the bench polls that frontend's entry in the pinned map (one bpf() lookup every few
-  microseconds) until the new count is there: the time from the server's write to the data path
-  holding the change. In iptables mode (and in eBPF mode too, for comparison) it reads the agent's
-  own `sync done` log line that includes the change's resourceVersion (millisecond timestamps);
+  mode the bench polls that frontend's entry in the pinned map (one bpf() lookup every `POLL_S`)
+  until the new count is there: the time from the server's write to the data path holding the
+  change, to within `POLL_S`. In iptables mode (and in eBPF mode too, for comparison) it reads the
+  agent's own `sync done` log line that includes the change's resourceVersion (millisecond timestamps);
 * **peak RSS** of the agent (VmHWM), and the second start: an agent stopped (SIGTERM, given the
   chart's grace period before a kill; how long it took is reported) and restarted over its own pins
   (programs reused, nothing compiled) until its first sync.
@@ -201,6 +201,13 @@ def _serve(conn: Any, services: int, endpoints: int) -> None:
             conn.send(exc)
 
 
+# The pause between two lookups of the changed frontend. Polled without one, the bench kept one of
+# this machine's two CPUs busy and left the API server and the agent to share the other: a quarter
+# of the changes then waited for a CPU, 4 to 11 ms, the whole of the p99 (10.1 ms against 3.4 ms
+# with this pause, the same tree, bench/results/scale/change-poll-2026-11-28.txt).
+POLL_S = 0.0002
+
+
 def map_size_flags(services: int, endpoints: int) -> list[str]:
     """`--bpf-*-max` for the maps the default sizes cannot hold (50,000 x 10: fe, slot, be, member,
     addr): the entries the state needs, plus the changes' 11th endpoint, rounded up to 65,536."""
@@ -306,6 +313,7 @@ def _changes(out: ApiScale, agent: Agent, server: ApiServerProcess, n: int, serv
                         # the pipe round trip is in t0's share; the server's own write time is not
                         out.change_ms.append(max(0.0, (time.time() - written_at) * 1000))
                         break
+                    time.sleep(POLL_S)
                     if time.perf_counter() > deadline:
                         raise RuntimeError(f"change {i} not in the map after 10 s:\n{agent.log()[-3000:]}")
             agent.wait_resource_versions({"EndpointSlice": rv}, timeout=30)
