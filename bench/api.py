@@ -12,8 +12,9 @@ in the kubeconfig). A real `agent --kubeconfig` acts for the node. Measured:
   are in place, each adding or removing an 11th endpoint so the frontend's count changes. In eBPF
   mode the bench polls that frontend's entry in the pinned map (one bpf() lookup every `POLL_S`)
   until the new count is there: the time from the server's write to the data path holding the
-  change, to within `POLL_S`. In iptables mode (and in eBPF mode too, for comparison) it reads the
-  agent's own `sync done` log line that includes the change's resourceVersion (millisecond timestamps);
+  change, late by at most one poll interval (`POLL_S` and the sleep's overshoot). In iptables mode
+  (and in eBPF mode too, for comparison) it reads the agent's own `sync done` log line that
+  includes the change's resourceVersion (millisecond timestamps);
 * **peak RSS** of the agent (VmHWM), and the second start: an agent stopped (SIGTERM, given the
   chart's grace period before a kill; how long it took is reported) and restarted over its own pins
   (programs reused, nothing compiled) until its first sync.
@@ -134,8 +135,8 @@ def _vm_hwm_mib(pid: int) -> float:
 
 
 class ApiServerProcess:
-    """The fake API server in a process of its own, as a real one is: the bench's busy polling of a
-    map must not share a GIL with the server's watch streams. Commands go over a pipe."""
+    """The fake API server in a process of its own, as a real one is: the bench's polling of a map
+    must not share a GIL with the server's watch streams. Commands go over a pipe."""
 
     def __init__(self, services: int, endpoints: int) -> None:
         ctx = multiprocessing.get_context("fork")
@@ -202,9 +203,10 @@ def _serve(conn: Any, services: int, endpoints: int) -> None:
 
 
 # The pause between two lookups of the changed frontend. Polled without one, the bench kept one of
-# this machine's two CPUs busy and left the API server and the agent to share the other: a quarter
-# of the changes then waited for a CPU, 4 to 11 ms, the whole of the p99 (10.1 ms against 3.4 ms
-# with this pause, the same tree, bench/results/scale/change-poll-2026-11-28.txt).
+# this machine's two CPUs busy, and 36 of 200 changes waited 4 to 12 ms before their sync started:
+# the whole of the p99 (at the map 10.1 ms, against 3.4 ms with this pause; at the agent's log line
+# 9.6 ms, against 5.0 ms with it and 4.3 ms with no poll at all; the same tree,
+# bench/results/scale/change-poll-2026-11-28.txt).
 POLL_S = 0.0002
 
 
@@ -310,7 +312,8 @@ def _changes(out: ApiScale, agent: Agent, server: ApiServerProcess, n: int, serv
                 while True:
                     value = fe_map.lookup(key)
                     if isinstance(value, abi.Frontend) and value.count == want:
-                        # the pipe round trip is in t0's share; the server's own write time is not
+                        # from the server's stamp before its write: the write, the watch event,
+                        # the agent's sync and the wait for this lookup (the pipe's reply may be too)
                         out.change_ms.append(max(0.0, (time.time() - written_at) * 1000))
                         break
                     time.sleep(POLL_S)
