@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# `make test` (and CI): set up (idempotent), lint, then run the whole suite on four pytest-xdist
+# `make test` (and CI): set up (idempotent), lint, then run the whole suite on five pytest-xdist
 # workers (tests/parallel.py says how tests are grouped), and print how long each step took.
-# Four on a 2-vCPU machine because the lab tests mostly wait (timeouts, backoffs, request loops):
-# two workers left the CPUs idle almost half the time, and on 2026-11-27 (2,962 tests, 1,608 s of
-# test time, the largest lab group 256 s) three workers took 10 min 05 s in a fresh clone and four
-# 9 min 11 s, on the same commit and a quiet machine.
+# Five on a 2-vCPU machine because the lab tests mostly wait (timeouts, backoffs, request loops):
+# the machine stays a little idle with four. Fresh clones of one tree on 2026-11-28 (3,216 tests,
+# an empty compile cache, a quiet machine): tests 574 s with five workers, 583 s with six; 595 s
+# with five and 607 and 622 s with four for the tree before (bench/results/suite/workers-2026-11-28.md).
 # EKP_TEST_WORKERS sets the number of workers (1: one process, in the plain order); extra arguments
 # go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 now() { date +%s.%N; }
-workers=${EKP_TEST_WORKERS:-4}
+workers=${EKP_TEST_WORKERS:-5}
 # Bytecode kept under build/ (not beside the sources, not committed): with PYTHONDONTWRITEBYTECODE=1
 # (this machine's environment and the Makefile set it) every agent a lab test starts compiled each
 # agent module from source, about 0.25 CPU s a start (bench/results/scale/restart21-bytecode-2026-11-27.txt),

@@ -144,7 +144,7 @@ def launch(
         if "hostPath" in vol:
             path = vol["hostPath"]["path"]
             source = hostpaths.get(path, path)
-            _make_hostpath(source, vol["hostPath"].get("type", ""))
+            make_hostpath(source, vol["hostPath"].get("type", ""))
         elif "configMap" in vol:
             d = workdir / f"configmap-{vm['name']}"
             d.mkdir(exist_ok=True)
@@ -188,7 +188,7 @@ def launch(
     return Launch(argv, env, command, mounts)
 
 
-def _make_hostpath(path: str, kind: str) -> None:
+def make_hostpath(path: str, kind: str) -> None:
     """The kubelet's DirectoryOrCreate (mode 0755) and FileOrCreate (0644); other types must exist."""
     if kind == "DirectoryOrCreate" and not os.path.exists(path):
         os.makedirs(path, 0o755)
