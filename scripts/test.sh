@@ -24,15 +24,16 @@ rm -rf build/pycache/tmp
 start=$(now)
 bash scripts/setup.sh --system-only
 # The packet lab's data path compiled into the machine's cache on the CPU pip leaves idle while the
-# virtualenv is made and filled: with the system's Python, by path (lab/precompile.py needs only
-# the standard library, bcc and agent/ebpf, none of the virtualenv's packages). In a fresh clone
+# virtualenv is made and filled: with the system's Python (/usr/bin/python3, whose dist-packages
+# hold bcc: python3-bpfcc; a `python3` earlier on PATH, pyenv's here, may have none), by path
+# (lab/precompile.py needs only the standard library, bcc and agent/ebpf, none of the
+# virtualenv's packages). In a fresh clone
 # the packet-lab modules find it there, or wait for it on the entry's lock, instead of compiling
 # it first thing. Not waited for before the tests; its own session (setsid), so the exit trap ends
 # it and its compiler child together when the run fails or is interrupted; its output in a file,
 # so nothing reading this script's output (a pipe in CI) waits for it, printed after the tests.
 mkdir -p build
-py=$(command -v python3.11 || command -v python3)
-PYTHONPATH="$PWD" setsid "$py" lab/precompile.py > build/precompile.log 2>&1 &
+PYTHONPATH="$PWD" setsid /usr/bin/python3 lab/precompile.py > build/precompile.log 2>&1 &
 precompile=$!
 lint=""
 trap 'for p in $precompile $lint; do kill -- -"$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done' EXIT
