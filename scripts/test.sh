@@ -24,14 +24,14 @@ rm -rf build/pycache/tmp
 start=$(now)
 bash scripts/setup.sh --system-only
 # The packet lab's data path compiled into the machine's cache on the CPU pip leaves idle while the
-# virtualenv is made and filled: with the system's Python (/usr/bin/python3, whose dist-packages
+# virtualenv is made and filled, with the system's Python (/usr/bin/python3, whose dist-packages
 # hold bcc: python3-bpfcc; a `python3` earlier on PATH, pyenv's here, may have none), by path
 # (lab/precompile.py needs only the standard library, bcc and agent/ebpf, none of the
-# virtualenv's packages). In a fresh clone
-# the packet-lab modules find it there, or wait for it on the entry's lock, instead of compiling
-# it first thing. Not waited for before the tests; its own session (setsid), so the exit trap ends
-# it and its compiler child together when the run fails or is interrupted; its output in a file,
-# so nothing reading this script's output (a pipe in CI) waits for it, printed after the tests.
+# virtualenv's packages). In a fresh clone the packet-lab modules find it there, or wait for it on
+# the entry's lock, instead of compiling it first thing. Not waited for before the tests; its own
+# session (setsid), so the exit trap ends it and its compiler child together when the run fails
+# or is interrupted; its output in a file, so nothing reading this script's output (a pipe in CI)
+# waits for it, printed after the tests.
 mkdir -p build
 PYTHONPATH="$PWD" setsid /usr/bin/python3 lab/precompile.py > build/precompile.log 2>&1 &
 precompile=$!
@@ -56,9 +56,10 @@ lint=""
 cat build/lint.log
 [[ "$lint_status" == 0 ]] || echo "make test: lint failed (exit status $lint_status): its output is above"
 lint_end=$(cat build/lint.end 2>/dev/null || now)
+finish=$(now)
 cat build/precompile.log 2>/dev/null || true
 [[ "$status" != 0 || "$lint_status" == 0 ]] || status=$lint_status
-awk -v a="$start" -v b="$setup_done" -v c="$lint_end" -v d="$end" -v w="$workers" -v s="$status" 'BEGIN {
+awk -v a="$start" -v b="$setup_done" -v c="$lint_end" -v d="$end" -v f="$finish" -v w="$workers" -v s="$status" 'BEGIN {
   printf "make test: setup %.0f s, lint %.0f s (beside the tests), tests %.0f s (%d workers); %.0f s (%d min %02d s) in all, exit status %d\n",
-    b - a, c - b, d - b, w, d - a, int((d - a) / 60), int(d - a) % 60, s }'
+    b - a, c - b, d - b, w, f - a, int((f - a) / 60), int(f - a) % 60, s }'
 exit "$status"
