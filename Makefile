@@ -15,7 +15,7 @@ demo: setup
 demo-api: setup
 	$(PY) -m demo.api
 
-# Set-up, lint, then the suite on four workers (pytest-xdist), each step's time printed at the end:
+# Set-up, lint, then the suite on five workers (pytest-xdist), each step's time printed at the end:
 # scripts/test.sh. EKP_TEST_WORKERS=1 runs it in one process.
 test:
 	@bash scripts/test.sh

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the demo, the tests and the benchmarks need, idempotently.
 # Run as root on Debian 12. A second run checks stamps and returns in seconds.
-# Usage: scripts/setup.sh [--no-system | --system-only]   (--no-system: only the virtualenv and
-# the tools; --system-only: only the apt packages, the kernel-header link and bpffs)
+# Usage: scripts/setup.sh [--no-system]   (--no-system: only the virtualenv)
 set -euo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
@@ -104,6 +103,5 @@ if [[ "${1:-}" != "--no-system" ]]; then
   [[ $(id -u) -eq 0 ]] || { echo "setup: run as root (apt, kernel headers, bpffs)" >&2; exit 1; }
   install_system
 fi
-[[ "${1:-}" == "--system-only" ]] && exit 0
 install_venv
 install_helm

@@ -22,44 +22,33 @@ unset PYTHONDONTWRITEBYTECODE
 # is emptied, and old bytecode there would pass for that of the new copy.
 rm -rf build/pycache/tmp
 start=$(now)
-bash scripts/setup.sh --system-only
-# The packet lab's data path compiled into the machine's cache on the CPU pip leaves idle while the
-# virtualenv is made and filled, with the system's Python (/usr/bin/python3, whose dist-packages
-# hold bcc: python3-bpfcc; a `python3` earlier on PATH, pyenv's here, may have none), by path
-# (lab/precompile.py needs only the standard library, bcc and agent/ebpf, none of the
-# virtualenv's packages). In a fresh clone the packet-lab modules find it there, or wait for it on
-# the entry's lock, instead of compiling it first thing. Not waited for before the tests; its own
-# session (setsid), so the exit trap ends it and its compiler child together when the run fails
-# or is interrupted; its output in a file, so nothing reading this script's output (a pipe in CI)
-# waits for it, printed after the tests.
-mkdir -p build
-PYTHONPATH="$PWD" setsid /usr/bin/python3 lab/precompile.py > build/precompile.log 2>&1 &
-precompile=$!
-lint=""
-trap 'for p in $precompile $lint; do kill -- -"$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done' EXIT
-bash scripts/setup.sh --no-system
+bash scripts/setup.sh
 setup_done=$(now)
-# Lint beside the tests, not before them: mypy keeps one CPU busy for its whole run and the suite's
-# first minutes have room for it (bench/results/suite/workers-2026-11-28.md). Its output and
-# status come after the tests'; a lint failure fails the run as before.
-rm -f build/lint.end
-setsid bash -c 'make --no-print-directory lint > build/lint.log 2>&1; rc=$?; date +%s.%N > build/lint.end; exit $rc' &
-lint=$!
+# The packet lab's data path compiled into the machine's cache on the CPU lint leaves idle (mypy
+# runs on one): in a fresh clone the packet-lab modules find it there, or wait for it on the
+# entry's lock, instead of compiling it first thing (lab/precompile.py). Not waited for before the
+# tests; its own session (setsid), so the exit trap ends it and its compiler child together when
+# lint fails or the run is interrupted; its output in a file, so nothing reading this script's
+# output (a pipe in CI) waits for it, printed after the tests.
+mkdir -p build
+setsid .venv/bin/python -m lab.precompile > build/precompile.log 2>&1 &
+precompile=$!
+# Signalled only while bash lists it as running: once it ended (long before the tests do), the
+# kernel may have given its pid to another process, and `kill -- -pid` would reach that one's group.
+stop_precompile() {
+  if jobs -rp | grep -qx "$precompile"; then kill -- -"$precompile" 2>/dev/null || true; fi
+  wait "$precompile" 2>/dev/null || true
+}
+trap stop_precompile EXIT
+make --no-print-directory lint
+lint_done=$(now)
 dist=(-n "$workers")
 [[ "$workers" == 1 ]] && dist=()
 status=0
 .venv/bin/python -m pytest -q "${dist[@]}" tests "$@" || status=$?
 end=$(now)
-lint_status=0
-wait "$lint" || lint_status=$?
-lint=""
-cat build/lint.log
-[[ "$lint_status" == 0 ]] || echo "make test: lint failed (exit status $lint_status): its output is above"
-lint_end=$(cat build/lint.end 2>/dev/null || now)
-finish=$(now)
 cat build/precompile.log 2>/dev/null || true
-[[ "$status" != 0 || "$lint_status" == 0 ]] || status=$lint_status
-awk -v a="$start" -v b="$setup_done" -v c="$lint_end" -v d="$end" -v f="$finish" -v w="$workers" -v s="$status" 'BEGIN {
-  printf "make test: setup %.0f s, lint %.0f s (beside the tests), tests %.0f s (%d workers); %.0f s (%d min %02d s) in all, exit status %d\n",
-    b - a, c - b, d - b, w, f - a, int((f - a) / 60), int(f - a) % 60, s }'
+awk -v a="$start" -v b="$setup_done" -v c="$lint_done" -v d="$end" -v w="$workers" -v s="$status" 'BEGIN {
+  printf "make test: setup %.0f s, lint %.0f s, tests %.0f s (%d workers); %.0f s (%d min %02d s) in all, exit status %d\n",
+    b - a, c - b, d - c, w, d - a, int((d - a) / 60), int(d - a) % 60, s }'
 exit "$status"

@@ -1,4 +1,4 @@
-"""How the suite runs on several pytest-xdist workers (`make test`: four, `EKP_TEST_WORKERS`):
+"""How the suite runs on several pytest-xdist workers (`make test`: five, `EKP_TEST_WORKERS`):
 which tests go together.
 
 Every test has a run group (`run_group`): the tests that must run on one worker, one after the

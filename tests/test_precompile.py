@@ -24,7 +24,6 @@ def test_the_packet_labs_build_is_compiled_into_the_cache_once(
     there and compiles nothing."""
     lab = Datapath("/sys/fs/bpf/lab", SIZES)
     build = lab.build()
-    assert Datapath("/sys/fs/bpf/lab", precompile.SIZES).build() == build, "precompile's sizes: lab's build"
     compiles: list[str] = []
 
     def compile_in_child(
