@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # `make test` (and CI): set up (idempotent), lint, then run the whole suite on five pytest-xdist
 # workers (tests/parallel.py says how tests are grouped), and print how long each step took.
-# Five on a 2-vCPU machine because the lab tests mostly wait (timeouts, backoffs, request loops):
-# the machine stays a little idle with four. Fresh clones of one tree on 2026-11-28 (3,216 tests,
-# an empty compile cache, a quiet machine): tests 574 s with five workers, 583 s with six; 595 s
-# with five and 607 and 622 s with four for the tree before (bench/results/suite/workers-2026-11-28.md).
+# Five on a 2-vCPU machine because the lab tests mostly wait (timeouts, backoffs, request loops).
+# Single fresh-clone runs on 2026-11-28 (3,216 tests, an empty compile cache, a quiet machine):
+# tests 574 s with five workers and 583 s with six on one tree, 595 s with five and 607 s with four
+# on the tree before; two runs of one code differed by 35 s, so five is kept as no worse
+# (bench/results/suite/workers-2026-11-28.md).
 # EKP_TEST_WORKERS sets the number of workers (1: one process, in the plain order); extra arguments
 # go to pytest.
 set -euo pipefail
@@ -28,7 +29,7 @@ setup_done=$(now)
 # runs on one): in a fresh clone the packet-lab modules find it there, or wait for it on the
 # entry's lock, instead of compiling it first thing (lab/precompile.py). Not waited for before the
 # tests; its own session (setsid), so the exit trap ends it and its compiler child together when
-# lint fails or the run is interrupted; its output in a file, so nothing reading this script's
+# lint fails or the run is interrupted while it runs; its output in a file, so nothing reading this script's
 # output (a pipe in CI) waits for it, printed after the tests.
 mkdir -p build
 setsid .venv/bin/python -m lab.precompile > build/precompile.log 2>&1 &
