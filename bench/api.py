@@ -202,10 +202,10 @@ def _serve(conn: Any, services: int, endpoints: int) -> None:
             conn.send(exc)
 
 
-# The pause between two lookups of the changed frontend. Polled without one, the bench kept one of
-# this machine's two CPUs busy, and 36 of 200 changes waited 4 to 12 ms before their sync started:
-# the whole of the p99 (at the map 10.1 ms, against 3.4 ms with this pause; at the agent's log line
-# 9.6 ms, against 5.0 ms with it and 4.3 ms with no poll at all; the same tree,
+# The pause between two lookups of the changed frontend. Polled without one (most likely keeping
+# one of this machine's two CPUs busy: inferred), 36 of 200 changes waited 4 to 12 ms before their
+# sync started: the whole of the p99 (at the map 10.1 ms, against 3.4 ms with this pause; at the
+# agent's log line 9.6 ms, against 5.0 ms with it and 4.3 ms with no poll at all; the same tree,
 # bench/results/scale/change-poll-2026-11-28.txt).
 POLL_S = 0.0002
 

@@ -29,8 +29,8 @@ setup_done=$(now)
 # runs on one): in a fresh clone the packet-lab modules find it there, or wait for it on the
 # entry's lock, instead of compiling it first thing (lab/precompile.py). Not waited for before the
 # tests; its own session (setsid), so the exit trap ends it and its compiler child together when
-# lint fails or the run is interrupted while it runs; its output in a file, so nothing reading this script's
-# output (a pipe in CI) waits for it, printed after the tests.
+# lint fails or the run is interrupted while it runs; its output in a file, so nothing reading this
+# script's output (a pipe in CI) waits for it, printed after the tests.
 mkdir -p build
 setsid .venv/bin/python -m lab.precompile > build/precompile.log 2>&1 &
 precompile=$!
