@@ -52,7 +52,9 @@ import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from ipaddress import IPv4Address
+from socket import inet_aton
+from typing import Any, NamedTuple
 
 from msgspec import UNSET
 
@@ -170,8 +172,7 @@ def object_key(obj: object) -> tuple[str, str]:
 # ---- metadata and the informers' label selector -----------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Meta:
+class _Meta(NamedTuple):  # a tuple: one per object of a list, made in C
     namespace: str
     name: str
     labels: Mapping[str, str]
@@ -185,8 +186,14 @@ def _metadata(obj: object, name_ok: Callable[[str], bool], name_rule: str) -> _M
     check_name(name, "metadata.name", name_ok(name), name_rule)
     # A file may leave the namespace out, as `kubectl apply` does: the API server fills it in.
     namespace = opt_str(meta, "namespace", "metadata.namespace") or "default"
-    check_name(namespace, "metadata.namespace", is_dns1123_label(namespace), DNS1123_LABEL_RULE)
+    check_name(namespace, "metadata.namespace", _is_namespace(namespace), DNS1123_LABEL_RULE)
     return _Meta(namespace, name, labels(meta, "metadata.labels"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_namespace(text: str) -> bool:
+    """Cached: a list's objects name the same few namespaces."""
+    return is_dns1123_label(text)
 
 
 def _service_not_for_this_proxy(object_labels: Mapping[str, str]) -> str | None:
@@ -209,16 +216,40 @@ class _Skip:
     reason: str
 
 
-@dataclass(frozen=True)
-class _Port:
+class _Port(NamedTuple):
     name: str
     port: int
     protocol: Protocol
     node_port: int
 
 
+def _common_cluster_ip(spec: Obj, svc_type: str) -> IPv4Address | None:
+    """The cluster IP of nearly every Service, read without the checks: one canonical IPv4
+    address in both fields, no other family, a valid or no policy. None for anything else:
+    `_cluster_ips` then checks it in full (and gives this same answer for what this accepts;
+    tests/model test both on the same inputs)."""
+    cluster_ip = spec.get("clusterIP")
+    if (
+        type(cluster_ip) is str
+        and svc_type != "ExternalName"
+        and spec.get("clusterIPs") == [cluster_ip]
+        and spec.get("ipFamilies") in _IPV4_FAMILIES
+        and spec.get("ipFamilyPolicy") in _POLICY_OR_NONE
+        and _CANONICAL_V4.fullmatch(cluster_ip) is not None
+    ):
+        return IPv4Address(int.from_bytes(inet_aton(cluster_ip), "big"))
+    return None
+
+
 def _cluster_ips(spec: Obj, svc_type: str) -> tuple[bool, list[IPAddress]]:
     """(headless, addresses) after ValidateServiceClusterIPsRelatedFields; (False, []) when unset."""
+    common = _common_cluster_ip(spec, svc_type)
+    if common is not None:
+        return False, [common]
+    return _checked_cluster_ips(spec, svc_type)
+
+
+def _checked_cluster_ips(spec: Obj, svc_type: str) -> tuple[bool, list[IPAddress]]:
     cluster_ip = opt_str(spec, "clusterIP", "spec.clusterIP")
     listed = [
         require_str(v, f"spec.clusterIPs[{i}]")
@@ -277,6 +308,10 @@ def _cluster_ips(spec: Obj, svc_type: str) -> tuple[bool, list[IPAddress]]:
     return False, addresses
 
 
+_IPV4_FAMILIES: tuple[object, ...] = (None, ["IPv4"])
+_POLICY_OR_NONE: tuple[object, ...] = (None, *IP_FAMILY_POLICIES)
+
+
 def _target_port(value: Any, path: str) -> None:
     """ValidatePortNumOrName; 0 and "" are what the defaulter replaces by `port`."""
     if value is None or value == 0 or value == "":
@@ -296,7 +331,38 @@ def _app_protocol(port: Obj, path: str) -> None:
         check_name(text, path, is_qualified_name(text), QUALIFIED_NAME_RULE)
 
 
-def _service_ports(spec: Obj, svc_type: str, headless: bool) -> list[_Port]:
+def _service_ports(spec: Obj, svc_type: str, headless: bool) -> tuple[_Port, ...]:
+    """`_check_service_ports`, kept per distinct list of ports: a cluster's Services repeat a few
+    (a refused list is not kept: it is checked, and refused with the same message, each time)."""
+    raw = spec.get("ports")
+    if type(raw) is not list:
+        return _check_service_ports(spec, svc_type, headless)
+    ports: list[tuple[tuple[str, str | int], ...]] = []
+    for item in raw:
+        if type(item) is not dict:
+            return _check_service_ports(spec, svc_type, headless)
+        fields = tuple(item.items())
+        for _, value in fields:
+            kind = type(value)
+            # str or int exactly: equal keys are then the same JSON (True == 1, 80.0 == 80)
+            if kind is not str and kind is not int:
+                return _check_service_ports(spec, svc_type, headless)
+        ports.append(fields)
+    key = (tuple(ports), svc_type, headless)
+    kept = _SERVICE_PORTS_CHECKED.get(key)
+    if kept is None:
+        kept = _check_service_ports(spec, svc_type, headless)
+        if len(_SERVICE_PORTS_CHECKED) < _PORTS_CHECKED_MAX:
+            _SERVICE_PORTS_CHECKED[key] = kept
+    return kept
+
+
+_SERVICE_PORTS_CHECKED: dict[
+    tuple[tuple[tuple[tuple[str, str | int], ...], ...], str, bool], tuple[_Port, ...]
+] = {}
+
+
+def _check_service_ports(spec: Obj, svc_type: str, headless: bool) -> tuple[_Port, ...]:
     raw = opt_list(spec, "ports", "spec.ports")
     if not raw and not headless and svc_type != "ExternalName":
         raise invalid("spec.ports", "at least one port is required")
@@ -334,7 +400,7 @@ def _service_ports(spec: Obj, svc_type: str, headless: bool) -> list[_Port]:
                 raise invalid(f"{where}.nodePort", f"duplicate nodePort {node_port}/{protocol}")
             seen_node_ports.add((node_port, protocol))
         out.append(_Port(name, number, Protocol(protocol), node_port))
-    return out
+    return tuple(out)
 
 
 def _affinity_timeout(spec: Obj) -> int:
