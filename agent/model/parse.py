@@ -75,6 +75,7 @@ from agent.model.validate import (
     DNS1123_SUBDOMAIN_RULE,
     IANA_SVC_NAME_RULE,
     LABEL_VALUE_RULE,
+    MAP_TYPES,
     QUALIFIED_NAME_RULE,
     ParseError,
     check_name,
@@ -159,8 +160,8 @@ class ParsedSlice:
 
 def object_key(obj: object) -> tuple[str, str]:
     """(namespace, name) of any object, for a Problem: "default" and "?" where unusable."""
-    meta = obj.get("metadata") if isinstance(obj, dict | Mapping) else None
-    if not isinstance(meta, dict | Mapping):
+    meta = obj.get("metadata") if isinstance(obj, MAP_TYPES) else None
+    if not isinstance(meta, MAP_TYPES):
         return "default", "?"
     namespace, name = meta.get("namespace"), meta.get("name")
     return (
@@ -513,7 +514,7 @@ def _service(svc: object) -> dict[IPFamily, list[ServicePort]] | _Skip:
     skip = _service_not_for_this_proxy(meta.labels)
     if skip:
         return _Skip(skip)
-    assert isinstance(svc, dict | Mapping)  # _metadata checked it
+    assert isinstance(svc, MAP_TYPES)  # _metadata checked it
     spec = opt_map(svc, "spec", "spec") or {}
     svc_type = one_of(opt_str(spec, "type", "spec.type") or "ClusterIP", SERVICE_TYPES, "spec.type")
     headless, cluster_ips = _cluster_ips(spec, svc_type)
@@ -980,7 +981,7 @@ def parse_endpoint_slice(
     meta = _metadata(eps, is_dns1123_subdomain, DNS1123_SUBDOMAIN_RULE)
     if _slice_not_for_this_proxy(meta.labels):
         return None
-    assert isinstance(eps, dict | Mapping)  # _metadata checked it
+    assert isinstance(eps, MAP_TYPES)  # _metadata checked it
     label_path = f"metadata.labels[{SERVICE_NAME_LABEL}]"
     service = meta.labels.get(SERVICE_NAME_LABEL, "")
     if not service:
