@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from agent.config import Config, Mode
 from agent.iptables.conntrack_sysctls import ConntrackReport, apply_conntrack_settings
 from agent.iptables.runner import Result, SubprocessRunner
+from agent.netns import run_in_netns
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,34 @@ def setup_conntrack(
     as kube-proxy's platformSetup writes them whatever its mode: nf_conntrack still tracks the
     node's other traffic in eBPF mode (upstream's CLOSE_WAIT e2e test reads such an entry).
     A value the kernel refuses is logged and tolerated."""
-    run = command or SubprocessRunner(config).command
+    run = command or reads_in_process(SubprocessRunner(config).command, config.netns)
     return apply_conntrack_settings(config.conntrack, run, netns=config.netns, cpus=cpus)
+
+
+def reads_in_process(command: Command, netns: str) -> Command:
+    """`command`, with `sysctl -n KEY` and `cat FILE` answered by reading the file from a thread in
+    `netns` (/proc/sys/net shows the reading thread's namespace) instead of an `ip netns exec` and a
+    tool process each: 5 of the 6 to 8 processes every lab start's conntrack settings ran. A read
+    that fails goes to `command` after all, so the error logged is the tool's own, as before."""
+
+    def run(argv: Sequence[str]) -> Result:
+        if len(argv) == 3 and argv[0] == "sysctl" and argv[1] == "-n":
+            path = "/proc/sys/" + argv[2].replace(".", "/")
+        elif len(argv) == 2 and argv[0] == "cat":
+            path = argv[1]
+        else:
+            return command(argv)
+        try:
+            return Result(0, run_in_netns(netns, lambda: _read(path)), "")
+        except OSError:
+            return command(argv)
+
+    return run
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def init_node(config: Config, command: Command | None = None) -> int:

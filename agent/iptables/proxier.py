@@ -662,12 +662,17 @@ class IptablesProxier:
         (`-C` then `-I`, never duplicated). The number added, after the first sync (repairs)."""
         added = 0
         jumps = JUMPS + (FIREWALL_JUMPS if options.localhost_nodeports_enabled else ())
+        # A chain the save lists, or one this loop created for an earlier jump, needs no `-N`: an
+        # iptables process each (several jumps share a target), about 3 ms of CPU.
+        chains = {table: set(kernel.table(table)) for table in {jump.table for jump in jumps}}
         for jump in jumps:
             rules = kernel.table(jump.table).get(jump.src_chain, [])
             want = canonical.canonical_rule(_jump_text(jump))
             if any(canonical.canonical_rule(r) == want for r in rules):
                 continue
-            ensure_chain(self._runner, jump.table, jump.dst_chain)
+            if jump.dst_chain not in chains[jump.table]:
+                ensure_chain(self._runner, jump.table, jump.dst_chain)
+                chains[jump.table].add(jump.dst_chain)
             if not ensure_rule(self._runner, jump.table, jump.src_chain, jump.rule_args(), prepend=True):
                 added += 1
         for table in CANARY_TABLES:

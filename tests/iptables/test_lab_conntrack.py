@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 
 import pytest
 
@@ -73,3 +74,30 @@ def test_tcp_close_wait_timeout_is_kube_proxys(make_lab: LabFactory) -> None:
         lab.stop(client)
     finally:
         assert cluster.stop() == []
+
+
+def test_the_agents_sysctl_reads_see_the_nodes_namespace_without_a_process(make_lab: LabFactory) -> None:
+    # agent.nodeinit.reads_in_process: the conntrack settings' reads come from /proc/sys in the
+    # node's namespace, as `ip netns exec NS sysctl -n` reads them; a failed read falls back to it
+    from agent.iptables.runner import Result
+    from agent.nodeinit import reads_in_process
+
+    lab = make_lab(nodes=1, pods_per_node=1)
+    node = lab.nodes[0]
+    key = "net.netfilter.nf_conntrack_tcp_timeout_close_wait"
+    host = lab.run(None, "sysctl", "-n", key).stdout
+    mine = str(int(host) + 7)  # another value than the host's: the namespace's own is read
+    lab.run(node, "sysctl", "-w", f"{key}={mine}")
+    asked: list[list[str]] = []
+
+    def command(argv: Sequence[str]) -> Result:
+        asked.append(list(argv))
+        return Result(1, "", "sysctl: cannot stat /proc/sys/net/no/such: No such file or directory")
+
+    read = reads_in_process(command, node.ns)
+    assert read(["sysctl", "-n", key]) == Result(0, mine + "\n", "")
+    assert read(["cat", "/sys/module/nf_conntrack/parameters/hashsize"]).stdout.strip().isdigit()
+    assert asked == []
+    assert read(["sysctl", "-n", "net.no.such"]).returncode == 1
+    assert read(["sysctl", "-w", f"{key}=1"]).returncode == 1
+    assert asked == [["sysctl", "-n", "net.no.such"], ["sysctl", "-w", f"{key}=1"]]

@@ -109,6 +109,20 @@ def test_a_full_sync_with_nothing_changed_restores_nothing_and_never_duplicates_
         assert len(rules) == len(set(rules)), (table, chain, rules)
 
 
+def test_the_first_sync_creates_each_jump_target_once_and_none_the_save_lists() -> None:
+    # several jumps share a target chain (KUBE-SERVICES from FORWARD and OUTPUT, ...): one `-N`
+    # each, and none for a chain already there (an iptables process each)
+    p, fake = make()
+    fake.run("-t", "filter", "-N", "KUBE-FORWARD")
+    fake.iptables_calls.clear()
+    p.sync(two_services(), NODE)
+    made = [(c[1], c[3]) for c in fake.iptables_calls if c[2] == "-N"]
+    assert len(made) == len(set(made)) and made
+    assert ("filter", "KUBE-FORWARD") not in made
+    assert ("filter", "KUBE-SERVICES") in made and ("nat", "KUBE-SERVICES") in made
+    assert fake.rules("filter", "FORWARD") and fake.rules("nat", "PREROUTING")
+
+
 def test_partial_sync_reads_nothing_back_and_writes_only_the_changed_services_chains() -> None:
     p, fake = make()
     p.sync(two_services(), NODE)
