@@ -62,12 +62,26 @@ def figures(text: str) -> set[str]:
     return out
 
 
+def raw_figures(value: object) -> set[str]:
+    """The numbers a results file's JSON holds as measures or parameters: every number but the
+    elements of a list of numbers. Such a list holds a measure's samples (hundreds of them), which
+    the file's rendering reduces to its percentiles; taken one by one, and rounded, they would
+    hold nearly any figure prose could quote, so a figure from elsewhere would pass by accident."""
+    if isinstance(value, dict):
+        return set().union(set(), *(raw_figures(v) for v in value.values()))
+    if isinstance(value, list):
+        return set().union(set(), *(raw_figures(v) for v in value if isinstance(v, (dict, list, str))))
+    if isinstance(value, bool) or value is None:
+        return set()
+    if isinstance(value, (int, float)):
+        return {repr(value)}
+    return {n.replace(",", "") for n, _ in FIGURE.findall(str(value))}
+
+
 def file_figures(path: Path) -> set[str]:
-    """The figures a results file holds: its rendering's and its raw numbers, each also rounded
-    to fewer digits (prose may say 0.5 for 0.4993)."""
-    found = figures(record.render(record.load(path), path)) | {
-        n.replace(",", "") for n, _ in FIGURE.findall(path.read_text())
-    }
+    """The figures a results file holds: its rendering's and its raw measures (raw_figures), each
+    also rounded to fewer digits (prose may say 0.5 for 0.4993)."""
+    found = figures(record.render(record.load(path), path)) | raw_figures(json.loads(path.read_text()))
     for value in list(found):
         number = value.rstrip("%")
         if "." in number:
@@ -83,6 +97,14 @@ def test_every_figure_in_the_benchmark_prose_is_in_the_cited_file() -> None:
     path = report.cited(README.read_text())
     missing = sorted(figures(prose) - file_figures(path), key=lambda f: float(f.rstrip("%")))
     assert not missing, f"figures in the README's benchmark prose that {path.name} does not hold: {missing}"
+
+
+def test_a_measures_samples_are_not_figures_of_its_file() -> None:
+    """A sample of a list is quoted through the rendering's percentiles, never on its own."""
+    held = raw_figures(
+        {"services": 10000, "rss_mib": 217.4, "change_ms": [2.599, 11.13], "label": "load 4.04"}
+    )
+    assert held == {"10000", "217.4", "4.04"}
 
 
 def test_the_prose_check_catches_a_figure_from_elsewhere() -> None:
