@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry
 
@@ -667,9 +667,9 @@ class _HealthCheckFeed:
             self._server.sync_endpoints(dict(self._local_ready))
 
 
-@dataclass(frozen=True)
-class _Read:
-    """An added or changed Service or EndpointSlice, read into the model's record by `deliver`."""
+class _Read(NamedTuple):
+    """An added or changed Service or EndpointSlice, read into the model's record by `deliver`
+    (a tuple, made in C: a list makes one per object)."""
 
     kind: Kind
     key: str

@@ -50,9 +50,11 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from ipaddress import IPv4Address
+from socket import inet_aton
+from typing import Any, NamedTuple
 
 from msgspec import UNSET
 
@@ -73,6 +75,7 @@ from agent.model.validate import (
     DNS1123_SUBDOMAIN_RULE,
     IANA_SVC_NAME_RULE,
     LABEL_VALUE_RULE,
+    MAP_TYPES,
     QUALIFIED_NAME_RULE,
     ParseError,
     check_name,
@@ -96,7 +99,7 @@ from agent.model.validate import (
     require_map,
     require_str,
 )
-from agent.model.wire import Conditions, WireEndpoint
+from agent.model.wire import Conditions, WireEndpoint, WirePort
 
 __all__ = [
     "HEADLESS_LABEL",
@@ -157,8 +160,8 @@ class ParsedSlice:
 
 def object_key(obj: object) -> tuple[str, str]:
     """(namespace, name) of any object, for a Problem: "default" and "?" where unusable."""
-    meta = obj.get("metadata") if isinstance(obj, dict | Mapping) else None
-    if not isinstance(meta, dict | Mapping):
+    meta = obj.get("metadata") if isinstance(obj, MAP_TYPES) else None
+    if not isinstance(meta, MAP_TYPES):
         return "default", "?"
     namespace, name = meta.get("namespace"), meta.get("name")
     return (
@@ -170,8 +173,7 @@ def object_key(obj: object) -> tuple[str, str]:
 # ---- metadata and the informers' label selector -----------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Meta:
+class _Meta(NamedTuple):  # a tuple: one per object of a list, made in C
     namespace: str
     name: str
     labels: Mapping[str, str]
@@ -185,8 +187,14 @@ def _metadata(obj: object, name_ok: Callable[[str], bool], name_rule: str) -> _M
     check_name(name, "metadata.name", name_ok(name), name_rule)
     # A file may leave the namespace out, as `kubectl apply` does: the API server fills it in.
     namespace = opt_str(meta, "namespace", "metadata.namespace") or "default"
-    check_name(namespace, "metadata.namespace", is_dns1123_label(namespace), DNS1123_LABEL_RULE)
+    check_name(namespace, "metadata.namespace", _is_namespace(namespace), DNS1123_LABEL_RULE)
     return _Meta(namespace, name, labels(meta, "metadata.labels"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_namespace(text: str) -> bool:
+    """Cached: a list's objects name the same few namespaces."""
+    return is_dns1123_label(text)
 
 
 def _service_not_for_this_proxy(object_labels: Mapping[str, str]) -> str | None:
@@ -209,16 +217,40 @@ class _Skip:
     reason: str
 
 
-@dataclass(frozen=True)
-class _Port:
+class _Port(NamedTuple):
     name: str
     port: int
     protocol: Protocol
     node_port: int
 
 
+def _common_cluster_ip(spec: Obj, svc_type: str) -> IPv4Address | None:
+    """The cluster IP of nearly every Service, read without the checks: one canonical IPv4
+    address in both fields, no other family, a valid or no policy. None for anything else:
+    `_cluster_ips` then checks it in full (and gives this same answer for what this accepts;
+    tests/model test both on the same inputs)."""
+    cluster_ip = spec.get("clusterIP")
+    if (
+        type(cluster_ip) is str
+        and svc_type != "ExternalName"
+        and spec.get("clusterIPs") == [cluster_ip]
+        and spec.get("ipFamilies") in _IPV4_FAMILIES
+        and spec.get("ipFamilyPolicy") in _POLICY_OR_NONE
+        and _CANONICAL_V4.fullmatch(cluster_ip) is not None
+    ):
+        return IPv4Address(int.from_bytes(inet_aton(cluster_ip), "big"))
+    return None
+
+
 def _cluster_ips(spec: Obj, svc_type: str) -> tuple[bool, list[IPAddress]]:
     """(headless, addresses) after ValidateServiceClusterIPsRelatedFields; (False, []) when unset."""
+    common = _common_cluster_ip(spec, svc_type)
+    if common is not None:
+        return False, [common]
+    return _checked_cluster_ips(spec, svc_type)
+
+
+def _checked_cluster_ips(spec: Obj, svc_type: str) -> tuple[bool, list[IPAddress]]:
     cluster_ip = opt_str(spec, "clusterIP", "spec.clusterIP")
     listed = [
         require_str(v, f"spec.clusterIPs[{i}]")
@@ -277,6 +309,10 @@ def _cluster_ips(spec: Obj, svc_type: str) -> tuple[bool, list[IPAddress]]:
     return False, addresses
 
 
+_IPV4_FAMILIES: tuple[object, ...] = (None, ["IPv4"])
+_POLICY_OR_NONE: tuple[object, ...] = (None, *IP_FAMILY_POLICIES)
+
+
 def _target_port(value: Any, path: str) -> None:
     """ValidatePortNumOrName; 0 and "" are what the defaulter replaces by `port`."""
     if value is None or value == 0 or value == "":
@@ -296,7 +332,38 @@ def _app_protocol(port: Obj, path: str) -> None:
         check_name(text, path, is_qualified_name(text), QUALIFIED_NAME_RULE)
 
 
-def _service_ports(spec: Obj, svc_type: str, headless: bool) -> list[_Port]:
+def _service_ports(spec: Obj, svc_type: str, headless: bool) -> tuple[_Port, ...]:
+    """`_check_service_ports`, kept per distinct list of ports: a cluster's Services repeat a few
+    (a refused list is not kept: it is checked, and refused with the same message, each time)."""
+    raw = spec.get("ports")
+    if type(raw) is not list:
+        return _check_service_ports(spec, svc_type, headless)
+    ports: list[tuple[tuple[str, str | int], ...]] = []
+    for item in raw:
+        if type(item) is not dict:
+            return _check_service_ports(spec, svc_type, headless)
+        fields = tuple(item.items())
+        for _, value in fields:
+            kind = type(value)
+            # str or int exactly: equal keys are then the same JSON (True == 1, 80.0 == 80)
+            if kind is not str and kind is not int:
+                return _check_service_ports(spec, svc_type, headless)
+        ports.append(fields)
+    key = (tuple(ports), svc_type, headless)
+    kept = _SERVICE_PORTS_CHECKED.get(key)
+    if kept is None:
+        kept = _check_service_ports(spec, svc_type, headless)
+        if len(_SERVICE_PORTS_CHECKED) < _PORTS_CHECKED_MAX:
+            _SERVICE_PORTS_CHECKED[key] = kept
+    return kept
+
+
+_SERVICE_PORTS_CHECKED: dict[
+    tuple[tuple[tuple[tuple[str, str | int], ...], ...], str, bool], tuple[_Port, ...]
+] = {}
+
+
+def _check_service_ports(spec: Obj, svc_type: str, headless: bool) -> tuple[_Port, ...]:
     raw = opt_list(spec, "ports", "spec.ports")
     if not raw and not headless and svc_type != "ExternalName":
         raise invalid("spec.ports", "at least one port is required")
@@ -334,7 +401,7 @@ def _service_ports(spec: Obj, svc_type: str, headless: bool) -> list[_Port]:
                 raise invalid(f"{where}.nodePort", f"duplicate nodePort {node_port}/{protocol}")
             seen_node_ports.add((node_port, protocol))
         out.append(_Port(name, number, Protocol(protocol), node_port))
-    return out
+    return tuple(out)
 
 
 def _affinity_timeout(spec: Obj) -> int:
@@ -447,7 +514,7 @@ def _service(svc: object) -> dict[IPFamily, list[ServicePort]] | _Skip:
     skip = _service_not_for_this_proxy(meta.labels)
     if skip:
         return _Skip(skip)
-    assert isinstance(svc, dict | Mapping)  # _metadata checked it
+    assert isinstance(svc, MAP_TYPES)  # _metadata checked it
     spec = opt_map(svc, "spec", "spec") or {}
     svc_type = one_of(opt_str(spec, "type", "spec.type") or "ClusterIP", SERVICE_TYPES, "spec.type")
     headless, cluster_ips = _cluster_ips(spec, svc_type)
@@ -716,6 +783,69 @@ def _wire_endpoint(item: WireEndpoint, port: int, here: str) -> Endpoint | None:
     )
 
 
+def _ipv4_endpoints(raw: list[Any], port: int, here: str) -> list[Endpoint | None]:
+    """`_endpoint` of each endpoint of an IPv4 slice, in order (so the first refused one raises
+    first): `_wire_endpoint` inline for a typed one, the slice's hundred thousand endpoints of a
+    list read in one loop instead of two calls each; any other shape goes to `_endpoint`."""
+    out: list[Endpoint | None] = []
+    append = out.append
+    canonical = _CANONICAL_V4.fullmatch
+    special = _SPECIAL_V4_PREFIXES
+    kept = _names.get
+    new = _new_tuple
+    unset = UNSET
+    local = bool(here)
+    for i, item in enumerate(raw):
+        if type(item) is WireEndpoint:
+            addresses = item.addresses
+            if (
+                type(addresses) is list
+                and len(addresses) == 1
+                and item.hostname is unset
+                and item.hints is unset
+                and canonical(ip := addresses[0]) is not None
+                and not ip.startswith(special)
+            ):
+                node = item.nodeName
+                if not isinstance(node, str):  # None or absent
+                    node, named = "", True
+                else:
+                    named = _is_node_name(node)  # "" given is refused, as absent is not
+                if named:
+                    conditions = item.conditions
+                    if type(conditions) is Conditions:
+                        ready, serving = conditions.ready, conditions.serving
+                        terminating = conditions.terminating is True
+                    else:
+                        ready = serving = unset
+                        terminating = False
+                    ready_now = ready if type(ready) is bool else True
+                    zone = item.zone
+                    if not isinstance(zone, str):
+                        zone = ""
+                    kept_node, kept_zone = kept(node), kept(zone)
+                    append(
+                        new(
+                            Endpoint,
+                            (
+                                ip,
+                                port,
+                                ready_now,
+                                serving if type(serving) is bool else ready_now,
+                                terminating,
+                                _name(node) if kept_node is None else kept_node,
+                                _name(zone) if kept_zone is None else kept_zone,
+                                _NO_HINTS,
+                                _NO_HINTS,
+                                local and node == here,
+                            ),
+                        )
+                    )
+                    continue
+        append(_endpoint(item, "IPv4", i, port, here))
+    return out
+
+
 def _endpoint(item: Any, address_type: str, index: int, port: int, here: str) -> Endpoint | None:
     if type(item) is WireEndpoint:
         if address_type == "IPv4":
@@ -787,8 +917,28 @@ def _endpoint_checked(
     )
 
 
-def _slice_ports(eps: Obj) -> list[SlicePort]:
+def _slice_ports(eps: Obj) -> tuple[SlicePort, ...]:
     raw = opt_list(eps, "ports", "ports")
+    if type(raw) is tuple and all(type(p) is WirePort for p in raw):
+        # a list decoded typed (agent.model.wire): hashable, and most slices of a cluster carry
+        # one of a few lists of ports, checked here once each (a refused list is not kept: it is
+        # checked, and refused with the same message, each time)
+        kept = _PORTS_CHECKED.get(raw)
+        if kept is None:
+            kept = _check_slice_ports([p.as_dict() for p in raw])
+            if len(_PORTS_CHECKED) < _PORTS_CHECKED_MAX:
+                _PORTS_CHECKED[raw] = kept
+        return kept
+    return _check_slice_ports(raw)
+
+
+# Each distinct tuple of a typed slice's ports, checked (bounded: past the limit, new ones are
+# checked each time)
+_PORTS_CHECKED: dict[tuple[WirePort, ...], tuple[SlicePort, ...]] = {}
+_PORTS_CHECKED_MAX = 4096
+
+
+def _check_slice_ports(raw: Sequence[Any]) -> tuple[SlicePort, ...]:
     if len(raw) > MAX_SLICE_PORTS:
         raise invalid("ports", f"has {len(raw)} ports: at most {MAX_SLICE_PORTS} are allowed")
     names: set[str] = set()
@@ -816,7 +966,7 @@ def _slice_ports(eps: Obj) -> list[SlicePort]:
                 f"{where}.port", f"{number} is out of range 1-65535: no data path can forward to it"
             )
         out.append(SlicePort(name, number, Protocol(protocol)))
-    return out
+    return tuple(out)
 
 
 def parse_endpoint_slice(
@@ -831,7 +981,7 @@ def parse_endpoint_slice(
     meta = _metadata(eps, is_dns1123_subdomain, DNS1123_SUBDOMAIN_RULE)
     if _slice_not_for_this_proxy(meta.labels):
         return None
-    assert isinstance(eps, dict | Mapping)  # _metadata checked it
+    assert isinstance(eps, MAP_TYPES)  # _metadata checked it
     label_path = f"metadata.labels[{SERVICE_NAME_LABEL}]"
     service = meta.labels.get(SERVICE_NAME_LABEL, "")
     if not service:
@@ -848,11 +998,14 @@ def parse_endpoint_slice(
         ports = _slice_ports(eps)
         bad_ports: ParseError | None = None
     except ParseError as exc:  # reported after the endpoints' own problems, as before
-        ports, bad_ports = [], exc
+        ports, bad_ports = (), exc
     # A slice of one port (nearly all) gets its endpoints with that port and whether they are on
     # `node_name` already: `merge_slices` then keeps these very records (one copy of each).
     port = ports[0].port if len(ports) == 1 else 0
-    endpoints = [_endpoint(item, address_type, i, port, node_name) for i, item in enumerate(raw)]
+    if address_type == "IPv4" and type(raw) is list:
+        endpoints = _ipv4_endpoints(raw, port, node_name)
+    else:
+        endpoints = [_endpoint(item, address_type, i, port, node_name) for i, item in enumerate(raw)]
     if bad_ports is not None:
         raise bad_ports
     if address_type == "FQDN":
@@ -864,7 +1017,7 @@ def parse_endpoint_slice(
         meta.namespace,
         meta.name,
         service,
-        tuple(ports),
+        ports,
         tuple(ep for ep in endpoints if ep is not None),
         slice_family,
     )

@@ -38,6 +38,7 @@ went away, and `problems()` lists what is wrong now.
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -60,6 +61,7 @@ from agent.model.types import (
     ServicePort,
     ServicePortName,
 )
+from agent.model.validate import MAP_TYPES
 from agent.model.wire import TRIGGER_TIME_ANNOTATION
 
 # The eBPF frontend counts its backend slots in 16 bits; both modes program at most this many.
@@ -123,11 +125,17 @@ def describe_claim(claim: Claim) -> str:
 
 
 def _trigger_time(obj: object) -> float | None:
-    meta = obj.get("metadata") if isinstance(obj, dict | Mapping) else None
-    annotations = meta.get("annotations") if isinstance(meta, dict | Mapping) else None
-    text = annotations.get(TRIGGER_TIME_ANNOTATION) if isinstance(annotations, dict | Mapping) else None
+    meta = obj.get("metadata") if isinstance(obj, MAP_TYPES) else None
+    annotations = meta.get("annotations") if isinstance(meta, MAP_TYPES) else None
+    text = annotations.get(TRIGGER_TIME_ANNOTATION) if isinstance(annotations, MAP_TYPES) else None
     if not isinstance(text, str):
         return None
+    return _epoch(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _epoch(text: str) -> float | None:
+    """Cached: the slices of a list carry a few trigger times (seconds) between them."""
     try:
         when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
@@ -194,8 +202,8 @@ def read_slice(obj: object, node_name: str) -> SliceRecord:
 def _meta_names(obj: object) -> tuple[str, str, str]:
     """(namespace, name, creationTimestamp) of any object, tolerant of every malformation."""
     namespace, name = object_key(obj)
-    meta = obj.get("metadata") if isinstance(obj, dict | Mapping) else None
-    created = meta.get("creationTimestamp") if isinstance(meta, dict | Mapping) else None
+    meta = obj.get("metadata") if isinstance(obj, MAP_TYPES) else None
+    created = meta.get("creationTimestamp") if isinstance(meta, MAP_TYPES) else None
     return namespace, name, created if isinstance(created, str) else ""
 
 

@@ -9,9 +9,10 @@ parse.py and the daemon read (in C: unknown fields are skipped without building 
 * a Service: `metadata` (name, namespace, uid, resourceVersion, labels, creationTimestamp),
   `spec` and `status` as decoded JSON, whole (parse.py reads most of them, with checks of its own);
 * an EndpointSlice: `metadata` as a Service's plus the last-change-trigger-time annotation,
-  `addressType`, `ports` as decoded JSON, and `endpoints` as `WireEndpoint` Structs, whose fields
-  msgspec has already checked for type: parse.py reads the common endpoint from them without its
-  per-field checks, and turns any other into the dict it validates in full (`as_dict`).
+  `addressType`, `ports` as a tuple of `WirePort` Structs (hashable: parse.py checks each distinct
+  tuple once, as dicts, and reuses the result), and `endpoints` as `WireEndpoint` Structs, whose
+  fields msgspec has already checked for type: parse.py reads the common endpoint from them
+  without its per-field checks, and turns any other into the dict it validates in full (`as_dict`).
 
 The outcome is the orjson path's, malformed objects included: a field where the Structs expect
 another type (a string for `ready`, a number for an address, `metadata: null`, ...) fails the
@@ -112,11 +113,30 @@ _ENDPOINT_FIELDS = WireEndpoint.__struct_fields__
 _CONDITION_FIELDS = Conditions.__struct_fields__
 
 
+class WirePort(msgspec.Struct, frozen=True):
+    """One port of a slice, its types checked by the decode. Frozen, so hashable: the slices of a
+    cluster repeat a few lists of ports, and parse.py checks each distinct one once. Typed, so
+    equal means the same JSON (a `true` or `80.0` for `port` fails the typed decode: orjson's
+    path refuses it as before, where a memo keyed by Any would take it for the valid 1 or 80)."""
+
+    name: str | UnsetType | None = UNSET
+    port: int | UnsetType | None = UNSET
+    protocol: str | UnsetType | None = UNSET
+    appProtocol: str | UnsetType | None = UNSET
+
+    def as_dict(self) -> Obj:
+        """The port as the orjson path decoded it, less the fields nobody reads."""
+        return {k: v for k in _PORT_FIELDS if (v := getattr(self, k)) is not UNSET}
+
+
+_PORT_FIELDS = WirePort.__struct_fields__
+
+
 class _Slice(msgspec.Struct):
     metadata: _SliceMeta
     addressType: Any = UNSET
     endpoints: list[WireEndpoint] | UnsetType | None = UNSET
-    ports: Any = UNSET
+    ports: tuple[WirePort, ...] | UnsetType | None = UNSET
 
 
 _SERVICE = msgspec.json.Decoder(_Service)

@@ -8,8 +8,10 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.model import wire
+from agent.model import parse, wire
+from agent.model.parse import SlicePort
 from agent.model.tracker import read_service, read_slice
+from agent.model.types import Protocol
 from agent.model.wire import TRIGGER_TIME_ANNOTATION
 from tests.model.test_common_endpoint import endpoints
 
@@ -165,9 +167,28 @@ SLICE_KEYS = ["metadata", "addressType", "endpoints", "ports"]
 
 
 @st.composite
+def slice_ports(draw: st.DrawFn) -> Any:
+    """A slice's ports: valid, refused (a bad name, number, protocol, a duplicate), or of a type
+    the typed decode refuses (a bool or float number, a string for a port)."""
+    port: dict[str, Any] = {}
+    for key, values in (
+        ("name", ["http", "", None, "HTTP", 5]),
+        ("port", [8080, 0, 70000, None, True, 8080.0, "8080"]),
+        ("protocol", ["TCP", "UDP", "BOGUS", None, 3]),
+        ("appProtocol", [None, "http", "not valid!"]),
+        ("other", ["x"]),
+    ):
+        if draw(st.booleans()):
+            port[key] = draw(st.sampled_from(values))
+    return draw(st.sampled_from([[port], [port, dict(port)], [port, {"name": "b", "port": 9}], "x"]))
+
+
+@st.composite
 def slices(draw: st.DrawFn) -> Any:
     obj = slice_obj(draw(st.sampled_from(["IPv4", "IPv6", "FQDN", 4, None])))
     obj["endpoints"] = draw(st.lists(endpoints(), max_size=3))
+    if draw(st.integers(0, 2)) == 0:
+        obj["ports"] = draw(slice_ports())
     if draw(st.integers(0, 4)) == 0:
         obj["metadata"][draw(st.sampled_from(["name", "labels", "annotations", "uid"]))] = draw(
             st.sampled_from([None, "x", 3, [], {}, {TRIGGER_TIME_ANNOTATION: 5}])
@@ -182,6 +203,69 @@ def slices(draw: st.DrawFn) -> Any:
 def test_typed_and_whole_decodes_agree_on_any_slice(obj: Any) -> None:
     _, typed, whole = both_slice(obj)
     assert typed == whole
+    _, again, _ = both_slice(obj)  # its ports checked before: the kept outcome is the same
+    assert again == whole
+
+
+def test_a_slices_ports_are_checked_once_per_distinct_list_and_a_refused_list_each_time(
+    monkeypatch: Any,
+) -> None:
+    checked: list[Any] = []
+    check = parse._check_slice_ports
+
+    def counting(raw: Any) -> Any:
+        checked.append(raw)
+        return check(raw)
+
+    monkeypatch.setattr(parse, "_check_slice_ports", counting)
+    monkeypatch.setattr(parse, "_PORTS_CHECKED", {})
+
+    def typed(obj: Any) -> Any:
+        return read_slice(wire.endpoint_slice(orjson.dumps(obj)), "node1")
+
+    ports = [{"name": "http", "port": 8080, "protocol": "TCP", "appProtocol": "http"}]
+    first, second = typed(slice_obj(ports=ports)), typed(slice_obj(ports=ports))
+    assert first == second and first.parsed is not None
+    assert first.parsed.ports == (SlicePort("http", 8080, Protocol.TCP),)
+    assert first.parsed.ports is second.parsed.ports, "one tuple of ports for the two slices"
+    assert len(checked) == 1
+    bad = [{"name": "http", "port": 70000}]
+    refused = [typed(slice_obj(ports=bad)) for _ in range(2)]
+    assert refused[0] == refused[1] and refused[0].error is not None and "ports[0].port" in refused[0].error
+    assert len(checked) == 3, "a refused list is not kept"
+
+
+def test_a_slices_ports_read_from_structs_as_from_the_whole_decode() -> None:
+    cases: list[Any] = [
+        [{"name": "http", "port": 8080, "protocol": "UDP", "appProtocol": "kubernetes.io/h2c", "x": 1}],
+        [{"port": 8080}],
+        [{"name": "http", "port": 0}],  # no number: ignored
+        [],
+        None,
+        [{"name": "http", "port": 8080, "appProtocol": "not valid!"}],
+        [{"name": "HTTP", "port": 8080}],
+        [{"name": "http", "port": 8080, "protocol": "SCTPX"}],
+        [{"name": "a", "port": 1}, {"name": "a", "port": 2}],
+        [{"name": "a", "port": 70000}],
+        [{"name": "a", "port": True}],
+        [{"name": "a", "port": 8080.0}],
+        [{"name": "a", "port": "8080"}],
+        [{"name": 5, "port": 8080}],
+        ["http"],
+        "http",
+    ]
+    for ports in cases:
+        for _ in range(2):  # checked, then kept
+            _, typed, whole = both_slice(slice_obj(ports=ports))
+            assert typed == whole, ports
+
+
+def test_an_explicit_empty_node_name_is_refused_from_the_structs_too() -> None:
+    for node in ("", "Node1"):
+        ep = {"addresses": ["10.244.1.2"], "nodeName": node}
+        _, typed, whole = both_slice(slice_obj(endpoints=[ep]))
+        assert typed.error is not None and "endpoints[0].nodeName" in typed.error
+        assert typed == whole
 
 
 @settings(max_examples=200, deadline=None)
