@@ -34,15 +34,28 @@ setup_done=$(now)
 mkdir -p build
 setsid .venv/bin/python -m lab.precompile > build/precompile.log 2>&1 &
 precompile=$!
+# Every xdist worker collects the whole suite, and in a fresh clone the five start together with
+# no bytecode of tests/ or lab/ and no assertion-rewritten test module or pytest plugin under
+# build/pycache: each compiles and rewrites all of it (measured: 48 CPU s for five cold
+# collections, 15 s warm, 13 s for one cold; bench/results/suite/workercpu-2026-11-28.md). One
+# collection beside lint writes it once; waited for before the workers start. Its own session
+# too, for the exit trap.
+setsid .venv/bin/python -m pytest -q --collect-only -p no:cacheprovider tests > build/collect.log 2>&1 &
+collect=$!
 # Signalled only while bash lists it as running: once it ended (long before the tests do), the
 # kernel may have given its pid to another process, and `kill -- -pid` would reach that one's group.
-stop_precompile() {
-  if jobs -rp | grep -qx "$precompile"; then kill -- -"$precompile" 2>/dev/null || true; fi
-  wait "$precompile" 2>/dev/null || true
+stop_background() {
+  local pid
+  for pid in "$precompile" "$collect"; do
+    if jobs -rp | grep -qx "$pid"; then kill -- -"$pid" 2>/dev/null || true; fi
+    wait "$pid" 2>/dev/null || true
+  done
 }
-trap stop_precompile EXIT
+trap stop_background EXIT
 make --no-print-directory lint
 lint_done=$(now)
+# Its exit status is the tests' business: a collection error is reported by the run itself.
+wait "$collect" || true
 dist=(-n "$workers")
 [[ "$workers" == 1 ]] && dist=()
 status=0
