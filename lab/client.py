@@ -88,11 +88,11 @@ def fetch(url: str, timeout: float) -> bytes:
 
     What urllib did otherwise (no lab server answers so): a connection closed mid-body or a chunk
     size that is not hex is an OSError ("incomplete read", counted) where http.client's
-    IncompleteRead crashed the client, and so is a status line that is not HTTP (BadStatusLine);
-    a 3xx is an error, never followed; http_proxy and no_proxy are not read; http.client's limits
-    (64 KiB a line, 100 headers) and its HTTP/1.x-only version check are not applied; folded
-    header lines are not joined. Written out because importing urllib.request cost a third of a
-    client's start."""
+    IncompleteRead crashed the client, and so is a bad status line (BadStatusLine crashed it too);
+    a redirect (301, 302, 303, 307 or 308 with a Location) is an error, not followed; http_proxy
+    and no_proxy are not read; http.client's limits (64 KiB a line, 100 headers) and its
+    HTTP/1.x-only version check are not applied; a folded header line is not joined to the one
+    before. Written out because importing urllib.request cost a third of a client's start."""
     parts = urlsplit(url)
     selector = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     request = (
