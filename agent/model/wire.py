@@ -116,8 +116,8 @@ _CONDITION_FIELDS = Conditions.__struct_fields__
 
 
 class WirePort(msgspec.Struct, frozen=True):
-    """One port of a slice, its types checked by the decode. Frozen, so hashable: the slices of a
-    cluster repeat a few lists of ports, and parse.py checks each distinct one once. Typed, so
+    """One port of a slice, its types checked by the decode. Frozen, so hashable: parse.py checks each
+    distinct short tuple of them once, for the slices that share one. Typed, so
     equal means the same JSON (a `true` or `80.0` for `port` fails the typed decode: orjson's
     path refuses it as before, where a memo keyed by Any would take it for the valid 1 or 80)."""
 
