@@ -49,26 +49,98 @@ namespaces. Every mode prints one JSON object on stdout.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import http.client
-import ipaddress
 import json
 import os
 import socket
 import struct
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections import Counter
+from urllib.parse import urlsplit
+
+# Imported by the modes that use them: a run starts one client process per call (hundreds a
+# suite), and urllib.request with http.client, ssl and email was half of a start's CPU (71 ms a
+# start with them, bench/results/suite/workercpu-2026-11-28.md).
+
+
+class RemoteDisconnected(ConnectionResetError):
+    """The connection closed before a status line: http.client's error of that name."""
+
+
+class HTTPStatusError(OSError):
+    """A status outside 2xx; `reason` its status line's words, as urllib's HTTPError has it."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(f"HTTP Error {status}: {reason}")
+        self.reason = reason
 
 
 def fetch(url: str, timeout: float) -> bytes:
-    # urllib opens a new TCP connection per call (no keep-alive pool), which is what we want.
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        data: bytes = resp.read()
-        return data
+    """GET `url` on a new TCP connection, as `urllib.request.urlopen(url).read()` does it: the same
+    request bytes (HTTP/1.1, `Connection: close`), TCP_NODELAY, `timeout` for the connect and
+    each read, the body by Content-Length (or chunks, or to the close), a status outside 2xx an
+    error (no redirect is followed: no lab server sends one), the same errors' names and words
+    (a refused or timed-out connect is the OSError itself, as URLError's `reason`). Written out
+    because importing urllib.request cost more CPU than the rest of a client's start."""
+    parts = urlsplit(url)
+    selector = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    request = (
+        f"GET {selector} HTTP/1.1\r\nAccept-Encoding: identity\r\nHost: {parts.netloc}\r\n"
+        f"User-Agent: Python-urllib/{sys.version_info[0]}.{sys.version_info[1]}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    with socket.create_connection((parts.hostname or "", parts.port or 80), timeout) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(request.encode("latin-1"))
+        data = b""
+        while True:  # 1xx interim answers come before the final one
+            while b"\r\n\r\n" not in data:
+                chunk = s.recv(65536)
+                if not chunk:
+                    raise RemoteDisconnected("Remote end closed connection without response")
+                data += chunk
+            head, _, data = data.partition(b"\r\n\r\n")
+            status_line, *header_lines = head.decode("iso-8859-1").split("\r\n")
+            version, status, reason = [*status_line.split(None, 2), "", ""][:3]
+            if not version.startswith("HTTP/") or not status.isdigit():
+                raise OSError(f"bad status line: {status_line!r}")
+            if not 100 <= int(status) < 200:
+                break
+        headers: dict[str, str] = {}
+        for line in header_lines:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+
+        def more() -> bytes:
+            chunk = s.recv(65536)
+            if not chunk:
+                raise OSError(f"incomplete read of {url}: the connection closed mid-body")
+            return chunk
+
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            body = b""
+            while True:
+                while b"\r\n" not in data:
+                    data += more()
+                size_line, _, data = data.partition(b"\r\n")
+                size = int(size_line.split(b";")[0], 16)
+                while len(data) < size + 2:
+                    data += more()
+                if size == 0:
+                    break
+                body, data = body + data[:size], data[size + 2 :]
+        elif "content-length" in headers:
+            length = int(headers["content-length"])
+            while len(data) < length:
+                data += more()
+            body = data[:length]
+        else:
+            while chunk := s.recv(65536):
+                data += chunk
+            body = data
+    if not 200 <= int(status) < 300:
+        raise HTTPStatusError(int(status), reason.strip())
+    return body
 
 
 def cmd_http(a: argparse.Namespace) -> dict[str, object]:
@@ -77,7 +149,7 @@ def cmd_http(a: argparse.Namespace) -> dict[str, object]:
     for _ in range(a.count):
         try:
             bodies[fetch(a.url, a.timeout).decode().strip()] += 1
-        except (OSError, urllib.error.URLError) as exc:
+        except OSError as exc:
             errors[type(getattr(exc, "reason", exc)).__name__ + ": " + str(getattr(exc, "reason", exc))] += 1
     return {"bodies": dict(bodies), "errors": sum(errors.values()), "error_kinds": dict(errors)}
 
@@ -85,7 +157,9 @@ def cmd_http(a: argparse.Namespace) -> dict[str, object]:
 def fetch_phased(url: str, timeout: float) -> bytes:
     """`fetch`, naming the phase an error came in: "connect" (the handshake: a SYN unanswered) or
     "response" (the request sent, the answer late or cut), as `PhaseError`."""
-    parts = urllib.parse.urlsplit(url)
+    import http.client
+
+    parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout)
     try:
         try:
@@ -324,6 +398,9 @@ def cmd_resolver(a: argparse.Namespace) -> dict[str, object]:
 def cmd_upload(a: argparse.Namespace) -> dict[str, object]:
     start = time.monotonic()
     body = os.urandom(1 << 20) * (a.bytes >> 20) + os.urandom(a.bytes & ((1 << 20) - 1))
+    import urllib.error
+    import urllib.request
+
     req = urllib.request.Request(a.url, data=body, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=a.timeout) as resp:
@@ -393,6 +470,8 @@ def cmd_udpflow(a: argparse.Namespace) -> dict[str, object]:
     backends: list[str] = []
     start = time.monotonic()
     family = socket.AF_INET6 if ":" in a.addr else socket.AF_INET  # an IPv6 ClusterIP's flow too
+    import ipaddress
+
     service = (ipaddress.ip_address(a.addr), a.port)
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.settimeout(a.timeout)
@@ -526,6 +605,9 @@ def cmd_frags(a: argparse.Namespace) -> dict[str, object]:
 
 
 def cmd_blob(a: argparse.Namespace) -> dict[str, object]:
+    import hashlib
+    import urllib.request
+
     h = hashlib.sha256()
     n = 0
     with urllib.request.urlopen(a.url, timeout=a.timeout) as resp:
