@@ -343,11 +343,7 @@ def _service_ports(spec: Obj, svc_type: str, headless: bool) -> tuple[_Port, ...
     LoadBalancer list never repeats). Once full, the key is not even built. A refused list is
     not kept: it is checked, and refused with the same message, each time."""
     raw = spec.get("ports")
-    if (
-        type(raw) is not list
-        or len(raw) > _MEMO_PORTS
-        or len(_SERVICE_PORTS_CHECKED) >= _PORTS_CHECKED_MAX
-    ):
+    if type(raw) is not list or len(raw) > _MEMO_PORTS or len(_SERVICE_PORTS_CHECKED) >= _PORTS_CHECKED_MAX:
         return _check_service_ports(spec, svc_type, headless)
     ports: list[tuple[tuple[str, str | int], ...]] = []
     for item in raw:
