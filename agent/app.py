@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import sys
 import threading
@@ -417,13 +418,9 @@ def start_loading(config: Config, *, ipv6: bool) -> EarlyProxier | None:
     kernel's verifier, which runs with the GIL released) started now on a thread, so that it runs
     beside build_agent's imports, API client and node discovery instead of starting with the
     lists: at a cold start the first sync waits for the programs. None in iptables mode (its
-    set-up is quick). The services file is checked first: one that cannot be read stays fatal
-    before any pin or sysctl is written. A failure here is reported by the Agent's own prepare(),
-    which loads again (agent/daemon.py). `ipv6`: whether an IPv6 proxier will run (`make_proxier`)."""
-    if config.services_file:
-        from agent.sources.file import check_services_file
-
-        check_services_file(config.services_file)
+    set-up is quick). The source was checked before (check_source). A failure here is reported
+    by the Agent's own prepare(), which loads again (agent/daemon.py). `ipv6`: whether an IPv6
+    proxier will run (`make_proxier`)."""
     if config.mode is not Mode.EBPF:
         return None
     proxier = cast(EarlyProxier, make_proxier(config, ipv6=ipv6))
@@ -613,6 +610,19 @@ def _address_watcher(config: Config) -> NodeEvents | None:
     return AddressWatcher(config)
 
 
+def check_source(config: Config, environ: Mapping[str, str] | None = None) -> None:
+    """FatalError when the agent has nothing to follow: a services file that cannot be read, or no
+    API server (no --kubeconfig, no --master, and not a pod). No retry makes either right."""
+    if config.services_file:
+        from agent.sources.file import check_services_file
+
+        check_services_file(config.services_file)
+    elif not config.kubeconfig and not config.master:
+        from agent.kube.client import in_cluster_address
+
+        in_cluster_address(os.environ if environ is None else environ)
+
+
 def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) -> int:
     if config.dry_run:
         return dry_run(config)
@@ -625,6 +635,13 @@ def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) 
 
         return init_node(config)
 
+    # What the agent follows, before anything on the node is touched (kube-proxy builds its client
+    # before its platform set-up): nothing to follow is fatal with no sysctl written, nothing pinned.
+    try:
+        check_source(config)
+    except FatalError as exc:
+        log.error("%s", exc)
+        return 1
     # A bad --kubeconfig is a bad input file, as a bad --config: exit 2 before anything else.
     kubeconfig = None
     if config.kubeconfig and not config.services_file:

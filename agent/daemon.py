@@ -669,7 +669,8 @@ class _HealthCheckFeed:
 
 class _Read(NamedTuple):
     """An added or changed Service or EndpointSlice, read into the model's record by `deliver`
-    (a tuple, made in C: a list makes one per object)."""
+    (a NamedTuple, as a list makes one per object: cheaper to build than a frozen dataclass, whose
+    `__init__` makes one `object.__setattr__` call per field)."""
 
     kind: Kind
     key: str

@@ -20,10 +20,11 @@ platformSetup), so a node whose container may write them needs no init container
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 
 from agent.config import Config, Mode
-from agent.iptables.conntrack_sysctls import ConntrackReport, apply_conntrack_settings
+from agent.iptables.conntrack_sysctls import HASHSIZE_PATH, ConntrackReport, apply_conntrack_settings
 from agent.iptables.runner import Result, SubprocessRunner
 from agent.netns import run_in_netns
 
@@ -60,15 +61,18 @@ def setup_conntrack(
 
 
 def reads_in_process(command: Command, netns: str) -> Command:
-    """`command`, with `sysctl -n KEY` and `cat FILE` answered by reading the file from a thread in
-    `netns` (/proc/sys/net shows the reading thread's namespace) instead of an `ip netns exec` and a
-    tool process each: 5 of the 6 to 8 processes every lab start's conntrack settings ran. A read
-    that fails goes to `command` after all, so the error logged is the tool's own, as before."""
+    """`command`, with `sysctl -n KEY` and `cat FILE` of a file under /proc/sys (or the conntrack
+    hash size) answered by reading the file from a thread in `netns` instead of an `ip netns exec`
+    and a tool process each: 5 of the 6 to 8 processes every lab start's conntrack settings ran.
+    A read that fails goes to `command` after all, so the error logged is the tool's own, as
+    before. Only /proc/sys follows the reading thread's namespace (the kernel looks its tables up
+    in the thread's own); /proc/net shows the main thread's and /sys/class/net the one sysfs was
+    mounted in, the host's here, so a `cat` of anything else runs the tool, in the namespace."""
 
     def run(argv: Sequence[str]) -> Result:
         if len(argv) == 3 and argv[0] == "sysctl" and argv[1] == "-n":
             path = "/proc/sys/" + argv[2].replace(".", "/")
-        elif len(argv) == 2 and argv[0] == "cat":
+        elif len(argv) == 2 and argv[0] == "cat" and _per_thread(argv[1]):
             path = argv[1]
         else:
             return command(argv)
@@ -78,6 +82,12 @@ def reads_in_process(command: Command, netns: str) -> Command:
             return command(argv)
 
     return run
+
+
+def _per_thread(path: str) -> bool:
+    """A file a thread in the namespace reads as that namespace's: a sysctl, or the hash size (a
+    module parameter: one for the host, whichever namespace reads it)."""
+    return path == HASHSIZE_PATH or os.path.normpath(path).startswith("/proc/sys/")
 
 
 def _read(path: str) -> str:

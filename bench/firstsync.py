@@ -307,9 +307,9 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.process_time() - start
 
 
-def run(services: int, endpoints: int, dump_order: str = "hash") -> dict[str, float]:
+def run(services: int, endpoints: int, dump_order: str = "hash", varied: bool = False) -> dict[str, float]:
     gc.set_threshold(*GC_THRESHOLDS)
-    objects = scale_objects(services, endpoints)
+    objects = scale_objects(services, endpoints, varied)
     by_kind = {kind: pages(objects, kind) for kind in ("Service", "EndpointSlice")}
     del objects
     gc.collect()
@@ -383,11 +383,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="hash",
         help="the order the restart reads the maps back in: a hash map's (the kernel's), or as written",
     )
+    ap.add_argument(
+        "--objects",
+        choices=("same", "varied"),
+        default="same",
+        help="same: one port list for all Services, one for all slices, trigger times in whole "
+        "seconds (the best case for the parser's memos); varied: a port per Service, every 20th a "
+        "NodePort, a nanosecond trigger time per slice (their worst case)",
+    )
     a = ap.parse_args(argv)
-    out = run(a.services, a.endpoints, a.dump_order)
+    out = run(a.services, a.endpoints, a.dump_order, a.objects == "varied")
     total = out["lists"] + out["commit"] + out["first sync"]
     print(
-        f"{a.services:,} services x {a.endpoints} endpoints, CPU seconds: lists {out['lists']:.2f} "
+        f"{a.services:,} services x {a.endpoints} endpoints ({a.objects} objects), CPU seconds: "
+        f"lists {out['lists']:.2f} "
         f"(decode, reconcile, read into records), commit {out['commit']:.2f}, first sync "
         f"{out['first sync']:.2f} ({out['entries']:,.0f} entries written); lists to synced "
         f"{total:.2f}; restart sync {out['restart']:.2f} ({out['restart writes']:,.0f} entries "

@@ -36,11 +36,11 @@ setsid .venv/bin/python -m lab.precompile > build/precompile.log 2>&1 &
 precompile=$!
 # Every xdist worker collects the whole suite, and in a fresh clone the five start together with
 # no bytecode of tests/ or lab/ and no assertion-rewritten test module or pytest plugin under
-# build/pycache: each compiles and rewrites all of it (measured: 48 CPU s for five cold
-# collections, 15 s warm, 13 s for one cold; bench/results/suite/workercpu-2026-11-28.md). One
-# collection beside lint writes it once; waited for before the workers start. Its own session
-# too, for the exit trap.
-setsid .venv/bin/python -m pytest -q --collect-only -p no:cacheprovider tests > build/collect.log 2>&1 &
+# build/pycache: each compiles and rewrites all of it (measured: 49.1 and 52.6 CPU s for five cold
+# collections, 11.8 and 12.2 for one cold; bench/results/suite/workercpu-2026-11-28.md). One
+# collection beside lint writes it once; waited for before the workers start (no more than 10
+# minutes: pytest-timeout bounds tests, not a collection). Its own session too, for the exit trap.
+setsid timeout 600 .venv/bin/python -m pytest -q --collect-only -p no:cacheprovider tests > build/collect.log 2>&1 &
 collect=$!
 # Signalled only while bash lists it as running: once it ended (long before the tests do), the
 # kernel may have given its pid to another process, and `kill -- -pid` would reach that one's group.
@@ -54,15 +54,23 @@ stop_background() {
 trap stop_background EXIT
 make --no-print-directory lint
 lint_done=$(now)
-# Its exit status is the tests' business: a collection error is reported by the run itself.
-wait "$collect" || true
+# A collection error is reported by the run itself; a collection that failed or timed out is
+# shown here, so a stall is not silent.
+collect_status=0
+wait "$collect" || collect_status=$?
+if [[ "$collect_status" != 0 ]]; then
+  echo "make test: the collection beside lint exited with status $collect_status (124: timed out); its log's end:"
+  tail -n 20 build/collect.log || true
+fi
+collected=$(now)
 dist=(-n "$workers")
 [[ "$workers" == 1 ]] && dist=()
 status=0
 .venv/bin/python -m pytest -q "${dist[@]}" tests "$@" || status=$?
 end=$(now)
 cat build/precompile.log 2>/dev/null || true
-awk -v a="$start" -v b="$setup_done" -v c="$lint_done" -v d="$end" -v w="$workers" -v s="$status" 'BEGIN {
-  printf "make test: setup %.0f s, lint %.0f s, tests %.0f s (%d workers); %.0f s (%d min %02d s) in all, exit status %d\n",
-    b - a, c - b, d - c, w, d - a, int((d - a) / 60), int(d - a) % 60, s }'
+# "tests" starts when the workers do: the collection's wait beyond lint is its own figure.
+awk -v a="$start" -v b="$setup_done" -v c="$lint_done" -v k="$collected" -v d="$end" -v w="$workers" -v s="$status" 'BEGIN {
+  printf "make test: setup %.0f s, lint %.0f s, collection after lint %.0f s, tests %.0f s (%d workers); %.0f s (%d min %02d s) in all, exit status %d\n",
+    b - a, c - b, k - c, d - k, w, d - a, int((d - a) / 60), int(d - a) % 60, s }'
 exit "$status"

@@ -173,7 +173,9 @@ def object_key(obj: object) -> tuple[str, str]:
 # ---- metadata and the informers' label selector -----------------------------------------------
 
 
-class _Meta(NamedTuple):  # a tuple: one per object of a list, made in C
+# A NamedTuple, one per object of a list: its generated `__new__` (Python) calls tuple's once,
+# where a frozen dataclass's `__init__` makes one `object.__setattr__` call per field.
+class _Meta(NamedTuple):
     namespace: str
     name: str
     labels: Mapping[str, str]
@@ -333,14 +335,19 @@ def _app_protocol(port: Obj, path: str) -> None:
 
 
 def _service_ports(spec: Obj, svc_type: str, headless: bool) -> tuple[_Port, ...]:
-    """`_check_service_ports`, kept per distinct list of ports: a cluster's Services repeat a few
-    (a refused list is not kept: it is checked, and refused with the same message, each time)."""
+    """`_check_service_ports`, kept per distinct short list of ports, for the ClusterIP Services
+    that share a list (all of the bench's do; how many of a real cluster's do was not measured:
+    README, "The bench's objects are the memos' best case"). Only what can repeat is kept, so
+    the memo's bytes stay bounded and it does not fill with one-offs: at most `_MEMO_PORTS`
+    ports, only the fields the check reads, no nodePort (unique cluster-wide, so a NodePort or
+    LoadBalancer list never repeats). Once full, the key is not even built. A refused list is
+    not kept: it is checked, and refused with the same message, each time."""
     raw = spec.get("ports")
-    if type(raw) is not list:
+    if type(raw) is not list or len(raw) > _MEMO_PORTS or len(_SERVICE_PORTS_CHECKED) >= _PORTS_CHECKED_MAX:
         return _check_service_ports(spec, svc_type, headless)
     ports: list[tuple[tuple[str, str | int], ...]] = []
     for item in raw:
-        if type(item) is not dict:
+        if type(item) is not dict or not _MEMO_PORT_FIELDS.issuperset(item):
             return _check_service_ports(spec, svc_type, headless)
         fields = tuple(item.items())
         for _, value in fields:
@@ -353,11 +360,16 @@ def _service_ports(spec: Obj, svc_type: str, headless: bool) -> tuple[_Port, ...
     kept = _SERVICE_PORTS_CHECKED.get(key)
     if kept is None:
         kept = _check_service_ports(spec, svc_type, headless)
-        if len(_SERVICE_PORTS_CHECKED) < _PORTS_CHECKED_MAX:
-            _SERVICE_PORTS_CHECKED[key] = kept
+        _SERVICE_PORTS_CHECKED[key] = kept
     return kept
 
 
+# The fields of a Service port that `_check_service_ports` reads, less nodePort: a port with any
+# other field is checked each time (an unknown field's value, unchecked, could be any size).
+_MEMO_PORT_FIELDS = frozenset(("name", "port", "protocol", "targetPort", "appProtocol"))
+# The most ports of a list (a Service's or a slice's) that the memos keep: longer lists are rare
+# and each would pin its own entry.
+_MEMO_PORTS = 8
 _SERVICE_PORTS_CHECKED: dict[
     tuple[tuple[tuple[tuple[str, str | int], ...], ...], str, bool], tuple[_Port, ...]
 ] = {}
@@ -919,21 +931,28 @@ def _endpoint_checked(
 
 def _slice_ports(eps: Obj) -> tuple[SlicePort, ...]:
     raw = opt_list(eps, "ports", "ports")
-    if type(raw) is tuple and all(type(p) is WirePort for p in raw):
-        # a list decoded typed (agent.model.wire): hashable, and most slices of a cluster carry
-        # one of a few lists of ports, checked here once each (a refused list is not kept: it is
-        # checked, and refused with the same message, each time)
+    if (
+        type(raw) is tuple
+        and len(raw) <= _MEMO_PORTS
+        and len(_PORTS_CHECKED) < _PORTS_CHECKED_MAX
+        and all(type(p) is WirePort for p in raw)
+    ):
+        # a short list decoded typed (agent.model.wire): hashable, and most slices of a cluster
+        # carry one of a few lists of ports, checked here once each (a refused list is not kept:
+        # it is checked, and refused with the same message, each time)
         kept = _PORTS_CHECKED.get(raw)
         if kept is None:
             kept = _check_slice_ports([p.as_dict() for p in raw])
-            if len(_PORTS_CHECKED) < _PORTS_CHECKED_MAX:
-                _PORTS_CHECKED[raw] = kept
+            _PORTS_CHECKED[raw] = kept
         return kept
+    if type(raw) is tuple:
+        raw = [p.as_dict() if type(p) is WirePort else p for p in raw]
     return _check_slice_ports(raw)
 
 
-# Each distinct tuple of a typed slice's ports, checked (bounded: past the limit, new ones are
-# checked each time)
+# Each distinct short tuple of a typed slice's ports, checked. Bounded in entries, and in bytes
+# by what the check accepts (names of at most 63 characters, at most `_MEMO_PORTS` ports); once
+# full, new lists are checked each time without a look-up.
 _PORTS_CHECKED: dict[tuple[WirePort, ...], tuple[SlicePort, ...]] = {}
 _PORTS_CHECKED_MAX = 4096
 

@@ -20,7 +20,9 @@ typed decode, and that item alone is decoded whole with orjson as before, so the
 it with the same message. So is an item without a resourceVersion (the reflector then tells its
 versions apart by a digest of the whole object). Absent and null stay apart (`UNSET` and None),
 as the dicts kept them. (One exception: an integer beyond 64 bits, which no API server sends,
-decodes as an int where orjson made a float: refused by the parser either way, as out of range.)
+decodes as an int where orjson made a float: the parser refuses it either way, with another
+message: "an integer of 67 bits is out of range" from the typed path, "must be an integer, not
+1e+20" from the whole one.)
 
 Only a list's items take this path; a watch event is decoded whole (reflector.py), one at a time.
 """
@@ -114,8 +116,8 @@ _CONDITION_FIELDS = Conditions.__struct_fields__
 
 
 class WirePort(msgspec.Struct, frozen=True):
-    """One port of a slice, its types checked by the decode. Frozen, so hashable: the slices of a
-    cluster repeat a few lists of ports, and parse.py checks each distinct one once. Typed, so
+    """One port of a slice, its types checked by the decode. Frozen, so hashable: parse.py checks each
+    distinct short tuple of them once, for the slices that share one. Typed, so
     equal means the same JSON (a `true` or `80.0` for `port` fails the typed decode: orjson's
     path refuses it as before, where a memo keyed by Any would take it for the valid 1 or 80)."""
 

@@ -80,8 +80,10 @@ def endpoint_slice(
     node: str = "node1",
     ports: Sequence[tuple[str, int]] = (("http", 8080),),
     labels: dict[str, str] | None = None,
+    trigger_time: str | None = None,
 ) -> Obj:
-    """The controller's slice for `service_name` with one ready endpoint per address."""
+    """The controller's slice for `service_name` with one ready endpoint per address;
+    `trigger_time` is the last-change-trigger-time annotation (default: now, whole seconds)."""
     endpoints = [
         {
             "addresses": [ip],
@@ -109,7 +111,9 @@ def endpoint_slice(
                 SERVICE_NAME_LABEL: service_name,
                 **(labels or {}),
             },
-            "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": now_rfc3339()},
+            "annotations": {
+                "endpoints.kubernetes.io/last-change-trigger-time": trigger_time or now_rfc3339()
+            },
             "ownerReferences": [
                 {
                     "apiVersion": "v1",
@@ -160,15 +164,43 @@ def node(
     }
 
 
-def scale_objects(services: int, endpoints_per_slice: int) -> list[Obj]:
-    """`services` Services named svc-00000... each with one slice of `endpoints_per_slice` pods."""
+def scale_objects(services: int, endpoints_per_slice: int, varied: bool = False) -> list[Obj]:
+    """`services` Services named svc-00000... each with one slice of `endpoints_per_slice` pods.
+
+    By default every Service has the same one port and every slice the same port and a trigger
+    time in whole seconds: the best case for parse.py's memos (one list of ports checked for all,
+    a few trigger times). `varied` is their worst case, closer to a real cluster: each Service its
+    own port number (so its own list), every 20th a NodePort (nodePort unique, as the API server
+    allocates it), and each slice its own RFC3339Nano trigger time, as upstream's EndpointSlice
+    controller writes it.
+    """
     out: list[Obj] = []
     for i in range(services):
         name = f"svc-{i:05d}"
+        namespace = f"ns-{i % 50:02d}"
         vip = f"10.{96 + (i >> 16)}.{(i >> 8) & 255}.{i & 255}"
-        out.append(service(name, vip, namespace=f"ns-{i % 50:02d}"))
         ips = [
             f"10.{128 + (i >> 12)}.{(i >> 4) & 255}.{((i & 15) << 4) + j}" for j in range(endpoints_per_slice)
         ]
-        out.append(endpoint_slice(name, ips, namespace=f"ns-{i % 50:02d}", node=f"node{i % 100}"))
+        if not varied:
+            out.append(service(name, vip, namespace=namespace))
+            out.append(endpoint_slice(name, ips, namespace=namespace, node=f"node{i % 100}"))
+            continue
+        number = 10_000 + i % 50_000
+        svc = service(name, vip, namespace=namespace, ports=(("http", number, number),))
+        if i % 20 == 0:
+            svc["spec"].update(type="NodePort", externalTrafficPolicy="Cluster")
+            svc["spec"]["ports"][0]["nodePort"] = 30_000 + (i // 20) % 2_768
+        out.append(svc)
+        stamp = f"2026-11-28T06:{i // 60_000 % 60:02d}:{i // 1_000 % 60:02d}.{(i * 7_919) % 10**9:09d}Z"
+        out.append(
+            endpoint_slice(
+                name,
+                ips,
+                namespace=namespace,
+                node=f"node{i % 100}",
+                ports=(("http", number),),
+                trigger_time=stamp,
+            )
+        )
     return out

@@ -1,5 +1,6 @@
-"""agent.app.run's start-up order: the eBPF data path's load runs beside build_agent's work, and a
-services file that cannot be read is fatal before it starts (nothing pinned, no sysctl written)."""
+"""agent.app.run's start-up order: the eBPF data path's load runs beside build_agent's work, and
+nothing to follow (a services file that cannot be read, no API server) is fatal before the node is
+touched (nothing pinned, no sysctl written)."""
 
 from __future__ import annotations
 
@@ -215,6 +216,40 @@ def test_a_services_file_that_cannot_be_read_is_fatal_before_the_load_starts(
     assert app.run(config) == 1
     assert start.steps == []
     assert f"--services-file {missing}: No such file or directory" in caplog.text
+
+
+@pytest.mark.parametrize("source", ["missing file", "no api server"])
+def test_nothing_to_follow_is_fatal_before_the_node_is_touched(
+    start: Start,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    source: str,
+) -> None:
+    """A services file that cannot be read, or no API server at all (no --kubeconfig, no --master,
+    not a pod), exits 1 before the OOM score, the conntrack settings or the data path: kube-proxy
+    builds its client before its platform set-up, and a mistyped command line must not leave the
+    host's sysctls changed (as `python -m agent` with no flags on a host did)."""
+    from agent import oom
+
+    touched: list[str] = []
+    monkeypatch.setattr(nodeinit, "setup_conntrack", lambda config: touched.append("conntrack"))
+    monkeypatch.setattr(oom, "apply_oom_score_adj", lambda value: touched.append("oom"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_PORT", raising=False)
+    files = str(tmp_path / "missing.yaml") if source == "missing file" else ""
+    config = Config(mode=Mode.EBPF, services_file=files, pin_path=str(tmp_path / "pins"))
+    assert app.run(config) == 1
+    assert touched == [] and start.steps == []
+    expected = "--services-file" if files else "no API server to watch"
+    assert expected in caplog.text
+
+
+def test_a_pods_environment_is_a_source_to_follow() -> None:
+    app.check_source(Config(), {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"})
+    app.check_source(Config(master="https://192.168.0.1:6443"), {})
+    with pytest.raises(FatalError, match="no API server to watch"):
+        app.check_source(Config(), {"KUBERNETES_SERVICE_HOST": "10.96.0.1"})
 
 
 def test_the_start_up_line_says_whether_the_tc_programs_translate_ipv6() -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.model import NodeInfo, Protocol, ServicePortName
+from agent.model import NodeInfo, Protocol, ServicePortName, tracker
 from agent.model.tracker import MAX_ENDPOINTS_PER_PORT, ProxyModel, claims_of
+from agent.model.wire import TRIGGER_TIME_ANNOTATION
 from tests.model.test_state import endpoint, service, slice_
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)
@@ -215,3 +216,12 @@ def test_trigger_times_of_changed_services_are_reported() -> None:
     m.set_slice("default/web-1", sl)
     unparsable = m.commit()
     assert unparsable.changed and unparsable.trigger_times == ()
+
+
+def test_only_a_trigger_time_of_a_timestamps_length_is_cached() -> None:
+    tracker._epoch.cache_clear()
+    meta = {"name": "web-1", "annotations": {TRIGGER_TIME_ANNOTATION: "2026-11-28T06:52:24.123456789Z"}}
+    assert tracker._trigger_time({"metadata": meta}) == 1795848744.123456
+    long = "2026-11-28T06:52:24" + "0" * 100_000 + "Z"
+    assert tracker._trigger_time({"metadata": {"annotations": {TRIGGER_TIME_ANNOTATION: long}}}) is None
+    assert tracker._epoch.cache_info().currsize == 1, "the long text is not kept"

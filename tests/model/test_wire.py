@@ -14,6 +14,7 @@ from agent.model.tracker import read_service, read_slice
 from agent.model.types import Protocol
 from agent.model.wire import TRIGGER_TIME_ANNOTATION
 from tests.model.test_common_endpoint import endpoints
+from tests.model.test_common_service import bool_twin, float_twin, twin
 
 TRIGGER = "2026-11-27T10:00:00Z"
 
@@ -173,7 +174,7 @@ def slice_ports(draw: st.DrawFn) -> Any:
     port: dict[str, Any] = {}
     for key, values in (
         ("name", ["http", "", None, "HTTP", 5]),
-        ("port", [8080, 0, 70000, None, True, 8080.0, "8080"]),
+        ("port", [8080, 1, 0, 70000, None, True, 8080.0, "8080"]),
         ("protocol", ["TCP", "UDP", "BOGUS", None, 3]),
         ("appProtocol", [None, "http", "not valid!"]),
         ("other", ["x"]),
@@ -201,10 +202,16 @@ def slices(draw: st.DrawFn) -> Any:
 @settings(max_examples=400, deadline=None)
 @given(slices())
 def test_typed_and_whole_decodes_agree_on_any_slice(obj: Any) -> None:
-    _, typed, whole = both_slice(obj)
-    assert typed == whole
-    _, again, _ = both_slice(obj)  # its ports checked before: the kept outcome is the same
-    assert again == whole
+    # From an empty memo, then the slice's twins (a bool for a 1, a float for an int: equal in
+    # Python, not the same JSON) and the slice again, kept: each has the whole decode's outcome.
+    parse._PORTS_CHECKED.clear()
+    for one in (obj, ports_twin(obj, bool_twin), ports_twin(obj, float_twin), obj):
+        _, typed, whole = both_slice(one)
+        assert typed == whole, one.get("ports")
+
+
+def ports_twin(obj: Any, value: Any) -> Any:
+    return {**obj, "ports": twin(obj["ports"], value)} if "ports" in obj else obj
 
 
 def test_a_slices_ports_are_checked_once_per_distinct_list_and_a_refused_list_each_time(
@@ -233,20 +240,29 @@ def test_a_slices_ports_are_checked_once_per_distinct_list_and_a_refused_list_ea
     refused = [typed(slice_obj(ports=bad)) for _ in range(2)]
     assert refused[0] == refused[1] and refused[0].error is not None and "ports[0].port" in refused[0].error
     assert len(checked) == 3, "a refused list is not kept"
+    long = [{"name": f"p{i}", "port": 80 + i} for i in range(9)]
+    assert typed(slice_obj(ports=long)) == typed(slice_obj(ports=long))
+    assert len(checked) == 5 and len(parse._PORTS_CHECKED) == 1, "a long list is not kept"
+    monkeypatch.setattr(parse, "_PORTS_CHECKED_MAX", 1)
+    other = [{"name": "http", "port": 8081}]
+    assert typed(slice_obj(ports=other)) == typed(slice_obj(ports=other))
+    assert len(checked) == 7 and len(parse._PORTS_CHECKED) == 1, "full: new lists checked each time"
 
 
 def test_a_slices_ports_read_from_structs_as_from_the_whole_decode() -> None:
-    cases: list[Any] = [
+    typed_cases: list[Any] = [  # of the types WirePort declares: read from the Structs
         [{"name": "http", "port": 8080, "protocol": "UDP", "appProtocol": "kubernetes.io/h2c", "x": 1}],
         [{"port": 8080}],
         [{"name": "http", "port": 0}],  # no number: ignored
         [],
-        None,
         [{"name": "http", "port": 8080, "appProtocol": "not valid!"}],
         [{"name": "HTTP", "port": 8080}],
         [{"name": "http", "port": 8080, "protocol": "SCTPX"}],
         [{"name": "a", "port": 1}, {"name": "a", "port": 2}],
         [{"name": "a", "port": 70000}],
+        [{"name": f"p{i}", "port": 80 + i} for i in range(9)],  # longer than the memo keeps
+    ]
+    whole_cases: list[Any] = [  # of another type: the item decoded whole
         [{"name": "a", "port": True}],
         [{"name": "a", "port": 8080.0}],
         [{"name": "a", "port": "8080"}],
@@ -254,10 +270,13 @@ def test_a_slices_ports_read_from_structs_as_from_the_whole_decode() -> None:
         ["http"],
         "http",
     ]
-    for ports in cases:
+    for ports in [*typed_cases, None, *whole_cases]:
         for _ in range(2):  # checked, then kept
-            _, typed, whole = both_slice(slice_obj(ports=ports))
+            item, typed, whole = both_slice(slice_obj(ports=ports))
             assert typed == whole, ports
+            if ports in typed_cases:
+                assert type(item["ports"]) is tuple, ports
+                assert all(type(p) is wire.WirePort for p in item["ports"]), ports
 
 
 def test_an_explicit_empty_node_name_is_refused_from_the_structs_too() -> None:
