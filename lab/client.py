@@ -59,8 +59,8 @@ from collections import Counter
 from urllib.parse import urlsplit
 
 # Imported by the modes that use them: a run starts one client process per call (hundreds a
-# suite), and urllib.request with http.client, ssl and email was half of a start's CPU (71 ms a
-# start with them, bench/results/suite/workercpu-2026-11-28.md).
+# suite), and urllib.request with http.client, ssl and email was about a third of a start's CPU
+# (65-70 CPU ms a start with them, 43-46 without: bench/results/suite/workercpu-2026-11-28.md).
 
 
 class RemoteDisconnected(ConnectionResetError):
@@ -76,12 +76,23 @@ class HTTPStatusError(OSError):
 
 
 def fetch(url: str, timeout: float) -> bytes:
-    """GET `url` on a new TCP connection, as `urllib.request.urlopen(url).read()` does it: the same
-    request bytes (HTTP/1.1, `Connection: close`), TCP_NODELAY, `timeout` for the connect and
-    each read, the body by Content-Length (or chunks, or to the close), a status outside 2xx an
-    error (no redirect is followed: no lab server sends one), the same errors' names and words
-    (a refused or timed-out connect is the OSError itself, as URLError's `reason`). Written out
-    because importing urllib.request cost more CPU than the rest of a client's start."""
+    """GET `url` on a new TCP connection and read the answer by http.client's rules, as
+    `urllib.request.urlopen(url).read()` did: the same request bytes (HTTP/1.1, `Connection:
+    close`, the URL's host and port as written in Host), TCP_NODELAY, `timeout` for the connect
+    and each read; lines ended by LF or CRLF, the first of a repeated header taken; a 100 Continue
+    skipped (any other 1xx is the answer); a status outside 2xx an `HTTPStatusError` (urllib's
+    HTTPError: its class name `str` and words in cmd_http's count) before any body is read; the
+    body by chunks (an EOF in the trailer accepted), else none for a 204, else by Content-Length,
+    else (none, not a number, negative) to the close. A refused or timed-out connect, a reset or a
+    timeout is the OSError itself, as URLError's `reason` or read() had it.
+
+    What urllib did otherwise (no lab server answers so): a connection closed mid-body or a chunk
+    size that is not hex is an OSError ("incomplete read", counted) where http.client's
+    IncompleteRead crashed the client, and so is a bad status line (BadStatusLine crashed it too);
+    a redirect (301, 302, 303, 307 or 308 with a Location) is an error, not followed; http_proxy
+    and no_proxy are not read; http.client's limits (64 KiB a line, 100 headers) and its
+    HTTP/1.x-only version check are not applied; a folded header line is not joined to the one
+    before. Written out because importing urllib.request cost a third of a client's start."""
     parts = urlsplit(url)
     selector = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     request = (
@@ -92,55 +103,58 @@ def fetch(url: str, timeout: float) -> bytes:
     with socket.create_connection((parts.hostname or "", parts.port or 80), timeout) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.sendall(request.encode("latin-1"))
-        data = b""
-        while True:  # 1xx interim answers come before the final one
-            while b"\r\n\r\n" not in data:
-                chunk = s.recv(65536)
-                if not chunk:
-                    raise RemoteDisconnected("Remote end closed connection without response")
-                data += chunk
-            head, _, data = data.partition(b"\r\n\r\n")
-            status_line, *header_lines = head.decode("iso-8859-1").split("\r\n")
-            version, status, reason = [*status_line.split(None, 2), "", ""][:3]
-            if not version.startswith("HTTP/") or not status.isdigit():
-                raise OSError(f"bad status line: {status_line!r}")
-            if not 100 <= int(status) < 200:
-                break
-        headers: dict[str, str] = {}
-        for line in header_lines:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
+        # The buffered reader http.client reads through: lines and exact lengths across segments.
+        with s.makefile("rb") as fp:
+            cut = f"incomplete read of {url}: the connection closed mid-body"
 
-        def more() -> bytes:
-            chunk = s.recv(65536)
-            if not chunk:
-                raise OSError(f"incomplete read of {url}: the connection closed mid-body")
-            return chunk
+            def exactly(n: int) -> bytes:
+                data = fp.read(n)
+                if len(data) < n:
+                    raise OSError(cut)
+                return data
 
-        if headers.get("transfer-encoding", "").lower() == "chunked":
-            body = b""
             while True:
-                while b"\r\n" not in data:
-                    data += more()
-                size_line, _, data = data.partition(b"\r\n")
-                size = int(size_line.split(b";")[0], 16)
-                while len(data) < size + 2:
-                    data += more()
-                if size == 0:
+                status_line = fp.readline().decode("iso-8859-1")
+                if not status_line:
+                    raise RemoteDisconnected("Remote end closed connection without response")
+                version, status, reason = [*status_line.split(None, 2), "", ""][:3]
+                try:
+                    code = int(status)
+                except ValueError:
+                    code = 0
+                if not version.startswith("HTTP/") or not 100 <= code <= 999:
+                    raise OSError(f"bad status line from {url}: {status_line!r}")
+                headers: dict[str, str] = {}
+                while (field := fp.readline()) not in (b"\r\n", b"\n", b""):
+                    name, _, value = field.decode("iso-8859-1").partition(":")
+                    headers.setdefault(name.lower(), value.lstrip(" \t").rstrip("\r\n"))
+                if code != 100:
                     break
-                body, data = body + data[:size], data[size + 2 :]
-        elif "content-length" in headers:
-            length = int(headers["content-length"])
-            while len(data) < length:
-                data += more()
-            body = data[:length]
-        else:
-            while chunk := s.recv(65536):
-                data += chunk
-            body = data
-    if not 200 <= int(status) < 300:
-        raise HTTPStatusError(int(status), reason.strip())
-    return body
+            if not 200 <= code < 300:
+                raise HTTPStatusError(code, reason.strip())
+            if headers.get("transfer-encoding", "").lower() == "chunked":
+                body = b""
+                while True:
+                    size_line = fp.readline()
+                    try:
+                        size = int(size_line.split(b";")[0], 16)
+                    except ValueError:
+                        bad = f"incomplete read of {url}: bad chunk size {size_line!r}"
+                        raise OSError(bad if size_line else cut) from None
+                    if size == 0:
+                        break
+                    body += exactly(size)
+                    exactly(2)  # the CRLF after a chunk, unchecked as http.client does
+                while fp.readline() not in (b"\r\n", b"\n", b""):
+                    pass  # the trailer's fields, discarded
+                return body
+            if code == 204:
+                return b""
+            try:
+                length = int(headers.get("content-length", ""))
+            except ValueError:
+                length = -1
+            return fp.read() if length < 0 else exactly(length)
 
 
 def cmd_http(a: argparse.Namespace) -> dict[str, object]:
@@ -396,11 +410,11 @@ def cmd_resolver(a: argparse.Namespace) -> dict[str, object]:
 
 
 def cmd_upload(a: argparse.Namespace) -> dict[str, object]:
-    start = time.monotonic()
-    body = os.urandom(1 << 20) * (a.bytes >> 20) + os.urandom(a.bytes & ((1 << 20) - 1))
     import urllib.error
     import urllib.request
 
+    start = time.monotonic()
+    body = os.urandom(1 << 20) * (a.bytes >> 20) + os.urandom(a.bytes & ((1 << 20) - 1))
     req = urllib.request.Request(a.url, data=body, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=a.timeout) as resp:
@@ -468,10 +482,10 @@ def cmd_udpflow(a: argparse.Namespace) -> dict[str, object]:
     stranger_at: list[float] = []  # wall clock, to hold against the agent's log
     lost_at: list[float] = []  # when the wait for a datagram's reply ran out, the same way
     backends: list[str] = []
-    start = time.monotonic()
-    family = socket.AF_INET6 if ":" in a.addr else socket.AF_INET  # an IPv6 ClusterIP's flow too
     import ipaddress
 
+    start = time.monotonic()
+    family = socket.AF_INET6 if ":" in a.addr else socket.AF_INET  # an IPv6 ClusterIP's flow too
     service = (ipaddress.ip_address(a.addr), a.port)
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.settimeout(a.timeout)
