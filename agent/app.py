@@ -610,17 +610,23 @@ def _address_watcher(config: Config) -> NodeEvents | None:
     return AddressWatcher(config)
 
 
-def check_source(config: Config, environ: Mapping[str, str] | None = None) -> None:
+def check_source(
+    config: Config, environ: Mapping[str, str] | None = None, service_account_dir: str | None = None
+) -> None:
     """FatalError when the agent has nothing to follow: a services file that cannot be read, or no
-    API server (no --kubeconfig, no --master, and not a pod). No retry makes either right."""
+    API server (no --kubeconfig, no --master, and not a pod, or a pod without its service account's
+    token or CA: kube-proxy's client reads them before its platform set-up). No retry makes any of
+    them right."""
     if config.services_file:
         from agent.sources.file import check_services_file
 
         check_services_file(config.services_file)
     elif not config.kubeconfig and not config.master:
-        from agent.kube.client import in_cluster_address
+        from agent.kube.client import SERVICE_ACCOUNT_DIR, in_cluster_configuration
 
-        in_cluster_address(os.environ if environ is None else environ)
+        in_cluster_configuration(
+            os.environ if environ is None else environ, service_account_dir or SERVICE_ACCOUNT_DIR
+        )
 
 
 def run(config: Config, configz: Callable[[], Mapping[str, Any]] | None = None) -> int:

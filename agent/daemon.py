@@ -241,9 +241,9 @@ class Agent:
             for family in self._health_families:  # as each proxier's SyncLoop: healthy until a change waits
                 self._parts.health.updated(str(family))
         # The source first: a source that cannot start (a --services-file that cannot be read) is
-        # fatal before the proxier's set-up has created pins or written sysctls (the app checks
-        # the file before it starts the eBPF load early, agent/app.py `start_loading`; this
-        # prepare() then waits for that load).
+        # fatal before the proxier's set-up has created pins (the app checks it before it touches
+        # the node at all, agent/app.py `check_source`; this prepare() then waits for the early
+        # load).
         self._parts.source.start(self.deliver)
         if self._parts.node_events is not None:
             self._parts.node_events.start(self.refresh_node)

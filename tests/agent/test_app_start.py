@@ -218,7 +218,7 @@ def test_a_services_file_that_cannot_be_read_is_fatal_before_the_load_starts(
     assert f"--services-file {missing}: No such file or directory" in caplog.text
 
 
-@pytest.mark.parametrize("source", ["missing file", "no api server"])
+@pytest.mark.parametrize("source", ["missing file", "no api server", "pod without token"])
 def test_nothing_to_follow_is_fatal_before_the_node_is_touched(
     start: Start,
     tmp_path: Path,
@@ -227,29 +227,48 @@ def test_nothing_to_follow_is_fatal_before_the_node_is_touched(
     source: str,
 ) -> None:
     """A services file that cannot be read, or no API server at all (no --kubeconfig, no --master,
-    not a pod), exits 1 before the OOM score, the conntrack settings or the data path: kube-proxy
-    builds its client before its platform set-up, and a mistyped command line must not leave the
-    host's sysctls changed (as `python -m agent` with no flags on a host did)."""
+    not a pod, or a pod without its service account's token), exits 1 before the OOM score, the
+    conntrack settings or the data path: kube-proxy builds its client before its platform set-up,
+    and a mistyped command line must not leave the host's sysctls changed (as `python -m agent`
+    with no flags on a host did)."""
     from agent import oom
+    from agent.kube import client
 
     touched: list[str] = []
     monkeypatch.setattr(nodeinit, "setup_conntrack", lambda config: touched.append("conntrack"))
     monkeypatch.setattr(oom, "apply_oom_score_adj", lambda value: touched.append("oom"))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.delenv("KUBERNETES_SERVICE_PORT", raising=False)
+    monkeypatch.setattr(client, "SERVICE_ACCOUNT_DIR", str(tmp_path / "serviceaccount"))  # none there
+    if source == "pod without token":
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    else:
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        monkeypatch.delenv("KUBERNETES_SERVICE_PORT", raising=False)
     files = str(tmp_path / "missing.yaml") if source == "missing file" else ""
     config = Config(mode=Mode.EBPF, services_file=files, pin_path=str(tmp_path / "pins"))
     assert app.run(config) == 1
     assert touched == [] and start.steps == []
-    expected = "--services-file" if files else "no API server to watch"
+    expected = {
+        "missing file": "--services-file",
+        "no api server": "no API server to watch",
+        "pod without token": "cannot read the service account token",
+    }[source]
     assert expected in caplog.text
 
 
-def test_a_pods_environment_is_a_source_to_follow() -> None:
-    app.check_source(Config(), {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"})
+def test_a_pods_environment_and_credentials_are_a_source_to_follow(tmp_path: Path) -> None:
+    pod = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text("a-token")
+    (account / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
+    app.check_source(Config(), pod, str(account))
     app.check_source(Config(master="https://192.168.0.1:6443"), {})
     with pytest.raises(FatalError, match="no API server to watch"):
-        app.check_source(Config(), {"KUBERNETES_SERVICE_HOST": "10.96.0.1"})
+        app.check_source(Config(), {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}, str(account))
+    (account / "ca.crt").write_text("")
+    with pytest.raises(FatalError, match=r"the service account CA .* is empty"):
+        app.check_source(Config(), pod, str(account))
 
 
 def test_the_start_up_line_says_whether_the_tc_programs_translate_ipv6() -> None:
