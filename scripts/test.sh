@@ -40,7 +40,7 @@ precompile=$!
 # collections, 11.8 and 12.2 for one cold; bench/results/suite/workercpu-2026-11-28.md). One
 # collection beside lint writes it once; waited for before the workers start (no more than 10
 # minutes: pytest-timeout bounds tests, not a collection). Its own session too, for the exit trap.
-setsid timeout 600 .venv/bin/python -m pytest -q --collect-only -p no:cacheprovider tests > build/collect.log 2>&1 &
+setsid timeout -k 10 600 .venv/bin/python -m pytest -q --collect-only -p no:cacheprovider tests > build/collect.log 2>&1 &
 collect=$!
 # Signalled only while bash lists it as running: once it ended (long before the tests do), the
 # kernel may have given its pid to another process, and `kill -- -pid` would reach that one's group.
@@ -58,8 +58,11 @@ lint_done=$(now)
 # shown here, so a stall is not silent.
 collect_status=0
 wait "$collect" || collect_status=$?
-if [[ "$collect_status" != 0 ]]; then
-  echo "make test: the collection beside lint exited with status $collect_status (124: timed out); its log's end:"
+if [[ "$collect_status" == 124 || "$collect_status" == 137 ]]; then
+  echo "make test: the collection beside lint timed out after 10 minutes; its log's end:"
+  tail -n 20 build/collect.log || true
+elif [[ "$collect_status" != 0 ]]; then
+  echo "make test: the collection beside lint exited with status $collect_status; its log's end:"
   tail -n 20 build/collect.log || true
 fi
 collected=$(now)
@@ -69,7 +72,9 @@ status=0
 .venv/bin/python -m pytest -q "${dist[@]}" tests "$@" || status=$?
 end=$(now)
 cat build/precompile.log 2>/dev/null || true
-# "tests" starts when the workers do: the collection's wait beyond lint is its own figure.
+# "tests" starts when the workers do: the collection's wait beyond lint is its own figure. Runs
+# before the collection beside lint (fc1a9d0) had five cold collections inside "tests": compare
+# their "tests" with "collection after lint" plus "tests".
 awk -v a="$start" -v b="$setup_done" -v c="$lint_done" -v k="$collected" -v d="$end" -v w="$workers" -v s="$status" 'BEGIN {
   printf "make test: setup %.0f s, lint %.0f s, collection after lint %.0f s, tests %.0f s (%d workers); %.0f s (%d min %02d s) in all, exit status %d\n",
     b - a, c - b, k - c, d - k, w, d - a, int((d - a) / 60), int(d - a) % 60, s }'
