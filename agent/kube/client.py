@@ -114,8 +114,9 @@ def _base_configuration() -> k8s.Configuration:
     return cfg
 
 
-def in_cluster_address(environ: Mapping[str, str]) -> tuple[str, str]:
-    """The API server's host and port a pod is given; FatalError when this is not a pod."""
+def in_cluster_configuration(
+    environ: Mapping[str, str], service_account_dir: str = SERVICE_ACCOUNT_DIR
+) -> k8s.Configuration:
     host = environ.get("KUBERNETES_SERVICE_HOST", "")
     port = environ.get("KUBERNETES_SERVICE_PORT", "")
     if not host or not port:
@@ -124,13 +125,6 @@ def in_cluster_address(environ: Mapping[str, str]) -> tuple[str, str]:
             "(KUBERNETES_SERVICE_HOST/KUBERNETES_SERVICE_PORT are unset); pass --kubeconfig FILE "
             "or --master URL, or --services-file FILE to run without an API server"
         )
-    return host, port
-
-
-def in_cluster_configuration(
-    environ: Mapping[str, str], service_account_dir: str = SERVICE_ACCOUNT_DIR
-) -> k8s.Configuration:
-    host, port = in_cluster_address(environ)
     token_path = os.path.join(service_account_dir, "token")
     ca_path = os.path.join(service_account_dir, "ca.crt")
     token = TokenFile(token_path)
