@@ -287,8 +287,10 @@ def test_change_the_type_and_ports_of_a_udp_service(api: ApiCluster) -> None:
     api.apply([svc("LoadBalancer", port=91, node_port=30316, lb=True)])
     assert api.udp("client", lb_ip, 91, count=5)["replies"] == {"pod-1-2": 5}
     api.apply([svc("ClusterIP", port=91)])
-    assert api.udp("client", lb_ip, 91, count=2)["lost"] == 2
-    assert api.udp("client", N1, 30316, count=2)["lost"] == 2
+    # New flows from source ports below the ephemeral range: an autobound one may repeat an earlier
+    # flow's, whose conntrack entry still forwards it (tests/traffic/test_upstream_e2e.py NEW_FLOW_SPORT)
+    assert api.udp("client", lb_ip, 91, count=2, sport=20710)["lost"] == 2
+    assert api.udp("client", N1, 30316, count=2, sport=20711)["lost"] == 2
     assert api.udp("pod-2-1", "10.96.3.9", 91, count=5)["replies"] == {"pod-1-2": 5}
     api.delete([svc("ClusterIP")])
 

@@ -45,6 +45,12 @@ def apply(cluster: Cluster, objects: list[Obj]) -> None:
     cluster.apply([*objects, marker])
 
 
+# A UDP client's source port below the ephemeral range (32768-60999 by default), for a check that
+# a new flow is not answered: an autobound port may repeat one of the test's earlier flows, whose
+# conntrack entry still forwards it (CleanStaleEntries keeps a deleted Service's entries).
+NEW_FLOW_SPORT = 20700
+
+
 def names(result: dict[str, Any]) -> set[str]:
     return set(result["bodies"])
 
@@ -94,7 +100,7 @@ def test_endpoints_on_same_port_and_different_protocols(cluster: Cluster) -> Non
     assert cluster.udp("pod-1-1", "10.96.40.2", 80, count=3)["replies"] == {"pod-2-2": 3}
     apply(cluster, with_endpoints(service("multiproto", "10.96.40.2", [tcp]), backends))
     assert served(cluster, "pod-1-1", "http://10.96.40.2/") == {"pod-2-2"}
-    assert cluster.udp("pod-1-1", "10.96.40.2", 80, count=2)["lost"] == 2
+    assert cluster.udp("pod-1-1", "10.96.40.2", 80, count=2, sport=NEW_FLOW_SPORT)["lost"] == 2
     apply(cluster, with_endpoints(service("multiproto", "10.96.40.2", [udp]), backends))
     assert cluster.udp("pod-1-1", "10.96.40.2", 80, count=3)["replies"] == {"pod-2-2": 3}
     not_served(cluster, "pod-1-1", "http://10.96.40.2/")
@@ -374,7 +380,12 @@ def test_update_node_port_closes_with_its_service(cluster: Cluster, proto: str) 
         if proto == "http":
             not_served(cluster, source, f"http://{node_ip}:30707/")
         else:
-            assert cluster.udp(source, node_ip, 30707, count=2)["lost"] == 2, (source, node_ip)
+            # A new flow from a source port below the ephemeral range (NEW_FLOW_SPORT), one per
+            # check as two run from node1 at once: an autobound port may be one an earlier datagram
+            # of this test used, whose conntrack entry, DNATed to a backend, lives 30 s after the
+            # Service went (kube-proxy's CleanStaleEntries clears only Services that remain).
+            sport = NEW_FLOW_SPORT + sources.index((source, node_ip))
+            assert cluster.udp(source, node_ip, 30707, count=2, sport=sport)["lost"] == 2, (source, node_ip)
 
     # Each check waits out its timeouts (2 x 2 s for UDP): the six run at once, each in its own
     # client process, so the test waits for one of them, not six in a row.
