@@ -797,64 +797,14 @@ def _wire_endpoint(item: WireEndpoint, port: int, here: str) -> Endpoint | None:
 
 def _ipv4_endpoints(raw: list[Any], port: int, here: str) -> list[Endpoint | None]:
     """`_endpoint` of each endpoint of an IPv4 slice, in order (so the first refused one raises
-    first): `_wire_endpoint` inline for a typed one, the slice's hundred thousand endpoints of a
-    list read in one loop instead of two calls each; any other shape goes to `_endpoint`."""
+    first): a typed one of the common shape through `_wire_endpoint` directly, any other through
+    `_endpoint` (which tries `_wire_endpoint` once more before the full checks: those are rare)."""
     out: list[Endpoint | None] = []
     append = out.append
-    canonical = _CANONICAL_V4.fullmatch
-    special = _SPECIAL_V4_PREFIXES
-    kept = _names.get
-    new = _new_tuple
-    unset = UNSET
-    local = bool(here)
+    wire = _wire_endpoint
     for i, item in enumerate(raw):
-        if type(item) is WireEndpoint:
-            addresses = item.addresses
-            if (
-                type(addresses) is list
-                and len(addresses) == 1
-                and item.hostname is unset
-                and item.hints is unset
-                and canonical(ip := addresses[0]) is not None
-                and not ip.startswith(special)
-            ):
-                node = item.nodeName
-                if not isinstance(node, str):  # None or absent
-                    node, named = "", True
-                else:
-                    named = _is_node_name(node)  # "" given is refused, as absent is not
-                if named:
-                    conditions = item.conditions
-                    if type(conditions) is Conditions:
-                        ready, serving = conditions.ready, conditions.serving
-                        terminating = conditions.terminating is True
-                    else:
-                        ready = serving = unset
-                        terminating = False
-                    ready_now = ready if type(ready) is bool else True
-                    zone = item.zone
-                    if not isinstance(zone, str):
-                        zone = ""
-                    kept_node, kept_zone = kept(node), kept(zone)
-                    append(
-                        new(
-                            Endpoint,
-                            (
-                                ip,
-                                port,
-                                ready_now,
-                                serving if type(serving) is bool else ready_now,
-                                terminating,
-                                _name(node) if kept_node is None else kept_node,
-                                _name(zone) if kept_zone is None else kept_zone,
-                                _NO_HINTS,
-                                _NO_HINTS,
-                                local and node == here,
-                            ),
-                        )
-                    )
-                    continue
-        append(_endpoint(item, "IPv4", i, port, here))
+        common = wire(item, port, here) if type(item) is WireEndpoint else None
+        append(common if common is not None else _endpoint(item, "IPv4", i, port, here))
     return out
 
 
