@@ -1,0 +1,291 @@
+"""Where iptables mode's IPv6 new connection pays more than IPv4's at many Services (issue 20).
+
+Three network namespaces of our own (`nft6-<hex>-pod`, `-node`, `-srv`, deleted at the end): the
+node holds our iptables mode's rules for `n_services` TCP Services of each family (the
+IptablesProxier, kube-proxy's layout; synthetic state as bench/iptables_restore.py's, the last
+Service's one endpoint the server), forwards between a pod and a server. The pod connects to the
+last Service's ClusterIP of each family (one connection at a time, closed with a RST, as
+bench/probe.py's), so each new connection's first packet walks the whole nat KUBE-SERVICES chain
+in PREROUTING. The rules are synced once with the nft backend, measured, then moved byte for byte
+to the legacy backend (`to_legacy`) and measured again.
+
+    python -m bench.ip6cost [--services N] [--seconds S] [--perf-seconds S --perf-dir DIR]
+
+prints one JSON object: per backend and family two runs' conn/s (connections / the client loop's
+seconds) and connect p50 in µs; with --perf-seconds, a `perf record -a -g` of that many seconds
+during a further run of each family's client, its report (the client's process only) written to
+DIR, with the head of each family's nat KUBE-SERVICES as nft lists it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from agent.config import Config, Mode, NodeContext
+from agent.iptables.proxier import IptablesProxier
+from agent.model.topology import categorize_endpoints
+from agent.model.types import (
+    Endpoint,
+    IPFamily,
+    NodeInfo,
+    Protocol,
+    ProxyState,
+    ServicePort,
+    ServicePortName,
+)
+
+# bench/probe.py's connection (SO_LINGER 0: a RST, no TIME_WAIT), timed by the loop itself so
+# the interpreter's start-up is not in the rate.
+CLIENT = (
+    "import json, socket, struct, sys, time\n"
+    "addr, secs = sys.argv[1], float(sys.argv[2])\n"
+    "fam = socket.AF_INET6 if ':' in addr else socket.AF_INET\n"
+    "rst = struct.pack('ii', 1, 0)\n"
+    "lat, errors = [], 0\n"
+    "start = time.perf_counter(); end = start + secs\n"
+    "while time.perf_counter() < end:\n"
+    "    with socket.socket(fam, socket.SOCK_STREAM) as s:\n"
+    "        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, rst); s.settimeout(2.0)\n"
+    "        t = time.perf_counter_ns()\n"
+    "        try:\n"
+    "            s.connect((addr, 80))\n"
+    "        except OSError:\n"
+    "            errors += 1; continue\n"
+    "        lat.append(time.perf_counter_ns() - t)\n"
+    "json.dump({'n': len(lat), 'secs': time.perf_counter() - start, 'ns': sorted(lat)[len(lat) // 2],"
+    " 'errors': errors}, sys.stdout)\n"
+)
+SERVER = (
+    "import socket\n"
+    "s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)\n"
+    "s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)\n"
+    "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind(('::', 8080)); s.listen(4096)\n"
+    "while True:\n"
+    "    s.accept()[0].close()\n"
+)
+# family -> (service base, pod, node side of the pod link, node side of the server link, server)
+ADDRS = {
+    IPFamily.IPv4: ("10.96.0.0", "10.244.1.2", "10.244.1.1", "10.244.2.1", "10.244.2.2", 24),
+    IPFamily.IPv6: (
+        "fd00:10:96::",
+        "fd00:10:244:1::2",
+        "fd00:10:244:1::1",
+        "fd00:10:244:2::1",
+        "fd00:10:244:2::2",
+        64,
+    ),
+}
+CONFIG = Config(mode=Mode.IPTABLES, hostname="node1", cluster_cidr=("10.244.0.0/16", "fd00:10:244::/56"))
+NODES = {
+    IPFamily.IPv4: NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11"),
+    IPFamily.IPv6: NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11"),
+}
+
+
+def state(family: IPFamily, n_services: int) -> ProxyState:
+    """`n_services` single-port TCP Services, two remote endpoints each; the last one's one
+    endpoint the server (its ClusterIP sorts last in KUBE-SERVICES, as the bench's)."""
+    base, *_, server, _prefix = ADDRS[family]
+    svc_base = int(ipaddress.ip_address(base))
+    pod_base = int(ipaddress.ip_address("10.245.0.0" if family is IPFamily.IPv4 else "fd00:10:245::"))
+    node = NodeInfo("node1")
+    services: dict[ServicePortName, ServicePort] = {}
+    raw: dict[ServicePortName, tuple[Endpoint, ...]] = {}
+    chosen = {}
+    for i in range(n_services):
+        spn = ServicePortName(f"ns{i // 100}", f"svc{i}", "http", Protocol.TCP)
+        sp = ServicePort(
+            name=spn,
+            cluster_ip=str(ipaddress.ip_address(svc_base + i + 1)),
+            port=80,
+            protocol=Protocol.TCP,
+        )
+        if i == n_services - 1:
+            eps: tuple[Endpoint, ...] = (Endpoint(ip=server, port=8080, node_name="node1"),)
+        else:
+            eps = tuple(
+                Endpoint(ip=str(ipaddress.ip_address(pod_base + 2 * i + k)), port=8080, node_name="node2")
+                for k in (1, 2)
+            )
+        services[spn] = sp
+        raw[spn] = eps
+        chosen[spn] = categorize_endpoints(eps, sp, node)
+    return ProxyState(node=node, services=services, endpoints=chosen, raw_endpoints=raw, family=family)
+
+
+def last_cluster_ip(family: IPFamily, n_services: int) -> str:
+    return str(ipaddress.ip_address(int(ipaddress.ip_address(ADDRS[family][0])) + n_services))
+
+
+def sh(*argv: str) -> None:
+    subprocess.run(argv, check=True)
+
+
+def in_ns(ns: str, *argv: str) -> None:
+    sh("ip", "netns", "exec", ns, *argv)
+
+
+def build(prefix: str) -> None:
+    pod, node, srv = (f"{prefix}-{r}" for r in ("pod", "node", "srv"))
+    for ns in (pod, node, srv):
+        sh("ip", "netns", "add", ns)
+        in_ns(ns, "ip", "link", "set", "lo", "up")
+    sh("ip", "-n", node, "link", "add", "tp", "type", "veth", "peer", "name", "eth0", "netns", pod)
+    sh("ip", "-n", node, "link", "add", "ts", "type", "veth", "peer", "name", "eth0", "netns", srv)
+    in_ns(node, "sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1")
+    for family, (_b, p_addr, n_p, n_s, s_addr, plen) in ADDRS.items():
+        nodad = ("nodad",) if family is IPFamily.IPv6 else ()
+        sh("ip", "-n", pod, "addr", "add", f"{p_addr}/{plen}", "dev", "eth0", *nodad)
+        sh("ip", "-n", node, "addr", "add", f"{n_p}/{plen}", "dev", "tp", *nodad)
+        sh("ip", "-n", node, "addr", "add", f"{n_s}/{plen}", "dev", "ts", *nodad)
+        sh("ip", "-n", srv, "addr", "add", f"{s_addr}/{plen}", "dev", "eth0", *nodad)
+        flag = "-6" if family is IPFamily.IPv6 else "-4"
+        for ns, dev, via in ((pod, "eth0", n_p), (srv, "eth0", n_s)):
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", flag, "-n", ns, "route", "add", "default", "via", via)
+    for dev in ("tp", "ts"):
+        sh("ip", "-n", node, "link", "set", dev, "up")
+
+
+def probe(pod: str, addr: str, seconds: float) -> tuple[float, float, int]:
+    """(conn/s over the wall time, p50 connect µs, errors)."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", pod, sys.executable, "-I", "-S", "-c", CLIENT, addr, str(seconds)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    got = json.loads(out)
+    return int(got["n"]) / float(got["secs"]), int(got["ns"]) / 1000, int(got["errors"])
+
+
+def profile(pod: str, addr: str, seconds: float, perf_seconds: float, out: Path) -> None:
+    """A system-wide `perf record -a -g` of `perf_seconds` while the probe runs `seconds`; the
+    report keeps the client's own process (its connect() runs the SYN through the veths, the
+    node's netfilter hooks included, in its own softirq context), not the other work the machine
+    is doing."""
+    client = subprocess.Popen(
+        ["ip", "netns", "exec", pod, sys.executable, "-I", "-S", "-c", CLIENT, addr, str(seconds)],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(1.0)  # past the client's start-up, into its steady connect loop
+        data = out.with_suffix(".data")
+        sh("perf", "record", "-q", "-a", "-g", "-o", str(data), "--", "sleep", str(perf_seconds))
+        report = subprocess.run(
+            [
+                "perf",
+                "report",
+                "-i",
+                str(data),
+                "--pid",
+                str(client.pid),
+                "--no-children",
+                "--sort",
+                "symbol",
+                "--stdio",
+                "-g",
+                "none",
+                "--percent-limit",
+                "0.3",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        out.write_text(report)
+        data.unlink()
+    finally:
+        client.wait(timeout=seconds + 30)
+
+
+def to_legacy(node: str) -> None:
+    """The same rules, byte for byte, moved from the nft backend to the legacy one (a save
+    restored), rather than a second 10,000-Service sync: the layout stays what we wrote."""
+    for tool in ("iptables", "ip6tables"):
+        save = subprocess.run(
+            ["ip", "netns", "exec", node, f"{tool}-nft-save"], check=True, capture_output=True
+        )
+        text = save.stdout.decode()
+        restore = f"{tool}-legacy-restore"
+        subprocess.run(["ip", "netns", "exec", node, restore], input=text, check=True, text=True)
+    in_ns(node, "nft", "flush", "ruleset")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--services", type=int, default=10000)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--perf-seconds", type=float, default=0.0)
+    ap.add_argument("--perf-dir", type=Path, default=Path("."))
+    args = ap.parse_args(argv)
+    prefix = f"nft6-{secrets.token_hex(2)}"
+    node, pod = f"{prefix}-node", f"{prefix}-pod"
+    result: dict[str, object] = {"services": args.services, "netns": prefix}
+    server = None
+    try:
+        build(prefix)
+        server = subprocess.Popen(["ip", "netns", "exec", f"{prefix}-srv", sys.executable, "-c", SERVER])
+        for family in (IPFamily.IPv4, IPFamily.IPv6):
+            p = IptablesProxier(replace(CONFIG, netns=node, iptables_backend="nft"), family=family)
+            p.sync(state(family, args.services), NODES[family])
+        for backend in ("nft", "legacy"):
+            if backend == "legacy":
+                to_legacy(node)
+            else:
+                for table in ("ip", "ip6"):
+                    chain = subprocess.run(
+                        [
+                            "ip",
+                            "netns",
+                            "exec",
+                            node,
+                            "nft",
+                            "-a",
+                            "list",
+                            "chain",
+                            table,
+                            "nat",
+                            "KUBE-SERVICES",
+                        ],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                    ).stdout
+                    head = "\n".join(chain.splitlines()[:8])
+                    (args.perf_dir / f"nft-{table}-kube-services-head.txt").write_text(head)
+            runs: dict[str, list[dict[str, float]]] = {}
+            for family in (IPFamily.IPv4, IPFamily.IPv6, IPFamily.IPv4, IPFamily.IPv6):
+                rate, p50, errors = probe(pod, last_cluster_ip(family, args.services), args.seconds)
+                runs.setdefault(f"ipv{int(family)}", []).append(
+                    {"conn_s": round(rate), "p50_us": round(p50, 1), "errors": errors}
+                )
+                # Said as it is measured: a run cut short still leaves what it measured.
+                print(backend, family.name, runs[f"ipv{int(family)}"][-1], file=sys.stderr, flush=True)
+            result[backend] = runs
+            if args.perf_seconds:
+                for family in (IPFamily.IPv4, IPFamily.IPv6):
+                    out = args.perf_dir / f"perf-{backend}-ipv{int(family)}-{args.services}.txt"
+                    addr = last_cluster_ip(family, args.services)
+                    profile(pod, addr, args.perf_seconds + 3, args.perf_seconds, out)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait()
+        for r in ("pod", "node", "srv"):
+            subprocess.run(["ip", "netns", "delete", f"{prefix}-{r}"], check=False)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
