@@ -190,6 +190,8 @@ def profile(pod: str, addr: str, seconds: float, perf_seconds: float, out: Path)
                 "--pid",
                 str(client.pid),
                 "--no-children",
+                "--percentage",
+                "relative",
                 "--sort",
                 "symbol",
                 "--stdio",
