@@ -102,7 +102,8 @@ def state(family: IPFamily, n_services: int) -> ProxyState:
     raw: dict[ServicePortName, tuple[Endpoint, ...]] = {}
     chosen = {}
     for i in range(n_services):
-        spn = ServicePortName(f"ns{i // 100}", f"svc{i}", "http", Protocol.TCP)
+        # Zero-padded: KUBE-SERVICES sorts by name, and "svc9" would follow "svc49".
+        spn = ServicePortName(f"ns{i // 100:03d}", f"svc{i:05d}", "http", Protocol.TCP)
         sp = ServicePort(
             name=spn,
             cluster_ip=str(ipaddress.ip_address(svc_base + i + 1)),
