@@ -241,6 +241,10 @@ def main(argv: list[str]) -> int:
         for family in (IPFamily.IPv4, IPFamily.IPv6):
             p = IptablesProxier(replace(CONFIG, netns=node, iptables_backend="nft"), family=family)
             p.sync(state(family, args.services), NODES[family])
+        for family in (IPFamily.IPv4, IPFamily.IPv6):
+            # Unmeasured: a fresh namespace's first IPv6 SYN waited a retransmit (1 s) once, which
+            # a short run's conn/s would carry.
+            probe(pod, last_cluster_ip(family, args.services), 0.5)
         for backend in ("nft", "legacy"):
             if backend == "legacy":
                 to_legacy(node)
