@@ -235,6 +235,29 @@ XLATE_VARIANTS = (
     ),
 )
 
+# The source check's bpf_fib_lookup with a flag (measurements of the kernel's lookup, not proposals):
+# BPF_FIB_LOOKUP_DIRECT (1) looks in the main table alone, where the full lookup with no policy rule
+# looks in the local table first (fib6_lookup); BPF_FIB_LOOKUP_SKIP_NEIGH (4, Linux 6.5) looks up no
+# neighbour (and returns before the device's MTU check of a lookup without tot_len).
+SRC_FIB6 = "\tlong rc = ekp_fib6(skb, fib, p, p->daddr, p->saddr, p->b.dport, p->b.sport, 0);"
+
+
+def _src_fib6_flags(flags: int) -> Patch:
+    return Patch(
+        MAY6,
+        SRC_FIB6,
+        "\t__builtin_memset(fib, 0, sizeof(*fib));\n"
+        "\tfib->family = AF_INET6;\n"
+        "\tfib->l4_protocol = p->b.proto;\n"
+        "\tfib->sport = p->b.dport;\n"
+        "\tfib->dport = p->b.sport;\n"
+        "\t__builtin_memcpy(fib->ipv6_src, p->daddr, 16);\n"
+        "\t__builtin_memcpy(fib->ipv6_dst, p->saddr, 16);\n"
+        "\tfib->ifindex = skb->ingress_ifindex;\n"
+        f"\tlong rc = bpf_fib_lookup(skb, fib, sizeof(*fib), {flags}); /* v6cost flags */",
+    )
+
+
 VARIANTS = (
     Variant("tree", "the tree as it is", whole=True),
     Variant(
@@ -247,6 +270,18 @@ VARIANTS = (
         "v4-hit-norp",
         "IPv4: a hit from a pod without the reverse route lookup (one bpf_fib_lookup less)",
         (Patch("ekp_tc_apply.h", "!legacy && !ekp_source_routed_here(skb, p, fib)", "0"),),
+        whole=True,
+    ),
+    Variant(
+        "v6-src-direct",
+        "IPv6: the source check's lookup in the main table alone (BPF_FIB_LOOKUP_DIRECT)",
+        (_src_fib6_flags(1),),
+        whole=True,
+    ),
+    Variant(
+        "v6-src-noneigh",
+        "IPv6: the source check's lookup without its neighbour (BPF_FIB_LOOKUP_SKIP_NEIGH)",
+        (_src_fib6_flags(4),),
         whole=True,
     ),
     Variant(
