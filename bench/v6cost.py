@@ -408,7 +408,7 @@ def loaded(
 ) -> Iterator[dict[str, Datapath]]:
     """Every variant of `source` built and loaded (and, as the variant "compare", the tree
     `compare` as it is: another commit's bpf/, measured in the same rounds)."""
-    sizes = replace(SIZES, xdp_ipv6=False)  # XDP's IPv6 program is not measured: not loaded
+    sizes = replace(SIZES, xdp=False)  # the XDP programs are not measured: not loaded
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="v6cost-") as tmp:
         trees = {v.name: patched_tree(Path(tmp), v, source) for v in variants}  # every patch checked first
         if compare is not None:

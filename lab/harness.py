@@ -116,6 +116,7 @@ class Agent:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=str(REPO),
+                xtables=self.node,
             )
         finally:
             log.close()

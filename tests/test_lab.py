@@ -229,6 +229,31 @@ def test_processes_tracked_logged_and_in_cgroups(lab2: Lab) -> None:
     assert node.cgroup_root == os.path.dirname(node.cgroup or "")
 
 
+def test_each_node_takes_its_own_xtables_lock_and_its_agent_the_same_one(lab2: Lab) -> None:
+    """The host's /run/xtables.lock held past iptables' `-w 5` (as the bench's legacy restores of
+    tens of thousands of rules hold it) holds up no lab node (issue 18); a node's own lock holds
+    up that node's commands and its host-namespace agent's (`--netns`), not another node's."""
+    node1, node2 = lab2.nodes
+    probe = ("iptables-legacy", "-w", "1", "-t", "nat", "-N", "EKP-LOCK-PROBE")
+    try:
+        with netns.flock_held("/run/xtables.lock", 6) as holder:
+            lab2.run(node1, "iptables-legacy", "-w", "5", "-t", "nat", "-N", "EKP-HOST-LOCK")
+            assert holder.poll() is None, "the host's lock was let go before the command ended"
+
+        with netns.flock_held(lab2.xtables_lock(node1), 6):
+            mine = lab2.run(node1, *probe, check=False)
+            agent = lab2.popen(None, "ip", "netns", "exec", node1.ns, *probe, xtables=node1)
+            agent.wait(timeout=30)
+            other = lab2.run(node2, *probe, check=False)
+        assert mine.returncode != 0 and "xtables lock" in mine.stderr, mine
+        assert agent.returncode != 0 and "xtables lock" in lab2.log_of(agent), lab2.log_of(agent)
+        assert other.returncode == 0, other
+    finally:
+        for node in (node1, node2):
+            for chain in ("EKP-HOST-LOCK", "EKP-LOCK-PROBE"):
+                lab2.run(node, "iptables-legacy", "-w", "5", "-t", "nat", "-X", chain, check=False)
+
+
 def test_run_errors(lab2: Lab) -> None:
     with pytest.raises(CommandError, match=lab2.nodes[0].ns):
         lab2.run(lab2.nodes[0], "sh", "-c", "echo oops >&2; exit 3")

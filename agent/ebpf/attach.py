@@ -726,8 +726,9 @@ class HandoverState:
 class Attacher:
     """Keeps our programs on the devices that need them, in one network namespace.
 
-    `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS) to loaded program
-    fds; they must stay open while the Attacher is used. `ports` is ekp_port_v2 (abi.MAPS["port"]),
+    `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS; xdp.PROG_XDP unless
+    --bpf-xdp=disabled, MapSizes.xdp) to loaded program fds; they must stay open while the
+    Attacher is used. `ports` is ekp_port_v2 (abi.MAPS["port"]),
     which it keeps holding each attached bridge port's bridge (`port_bridge`), written before the
     device's ingress program is attached and deleted when the device goes or stops being a port.
     The constructor does nothing; `reconcile` attaches (called by every sync) and `start_watcher`

@@ -571,7 +571,8 @@ class Datapath:
         socket programs need loads the data path without them, and says so), and the tc programs'
         IPv6 path (TC6_PROGRAMS) only where it serves (MapSizes.ipv6_tc): elsewhere nothing would
         reach them (its slots in ekp_calls6 stay empty), and their verification was a third of a
-        cold start's. XDP's (ekp_xdp_net6) likewise only where XDP attaches (MapSizes.xdp_ipv6)."""
+        cold start's. The XDP programs (ekp_xdp_net, ekp_xdp_net6) likewise only where XDP may
+        attach (MapSizes.xdp): with --bpf-xdp=disabled nothing runs them."""
         has = vmlinux_has(kernel_needs())
         programs = available_programs(has)
         missing = sorted(set(PROGRAMS) - set(programs))
@@ -583,7 +584,8 @@ class Datapath:
             )
         if not self.sizes.ipv6_tc:
             programs = {name: spec for name, spec in programs.items() if name not in TC6_PROGRAMS}
-        if not self.sizes.xdp_ipv6:
+        if not self.sizes.xdp:
+            programs.pop(PROG_XDP_NET, None)
             programs.pop(PROG_XDP_NET6, None)
         return programs
 
@@ -791,9 +793,7 @@ class Datapath:
         if PROG_XDP_NET6 in fds:
             return f"{tc}, and at XDP in {PROG_XDP_NET6}"
         why = (
-            "--bpf-xdp=disabled"
-            if not self.sizes.xdp_ipv6
-            else "this kernel lacks bpf_xdp_load_bytes, Linux 5.18"
+            "--bpf-xdp=disabled" if not self.sizes.xdp else "this kernel lacks bpf_xdp_load_bytes, Linux 5.18"
         )
         return f"{tc}; at XDP passed on to tc ({PROG_XDP_NET6} not loaded: {why})"
 

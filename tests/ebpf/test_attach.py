@@ -895,10 +895,11 @@ def test_xdp_on_the_external_devices_only_reconciled_and_detached(netns: str, pr
         assert xdp_of(netns, "eth0") == {}
         attacher.reconcile(NODE, verify=True)
         assert xdp_of(netns, "eth0").get("mode") == 1
-        # --bpf-xdp=disabled: a restarted agent takes ours off
+        # --bpf-xdp=disabled: a restarted agent, which loads no XDP program (MapSizes.xdp), takes
+        # ours off, found by name
         new_attacher(
             Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_xdp="disabled"),
-            with_xdp,
+            progs,
         ).reconcile(NODE, full=True)
         assert xdp_of(netns, "eth0") == {}
         # generic, then gone with the address that made eth0 external

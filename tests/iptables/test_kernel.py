@@ -6,8 +6,8 @@ on the host is touched: iptables rules and conntrack entries are per network nam
 
 from __future__ import annotations
 
+import os
 import re
-import secrets
 import subprocess
 from collections.abc import Iterator
 from dataclasses import replace
@@ -20,12 +20,15 @@ from agent.iptables.conntrack import ConntrackCleaner
 from agent.iptables.runner import SubprocessRunner
 from agent.model import IPFamily, ProxyState
 from agent.model.types import Protocol, ServicePortName
+from lab.netns import XTABLES_LOCKFILE, flock_held, scratch_netns
 from tests.iptables.golden_cases import case_inputs, case_names
 from tests.iptables.objects import CONFIG, NODE, endpoints, service, state
 
 pytestmark = pytest.mark.kernel
 
 BACKENDS = ["nft", "legacy"]
+HOST_XTABLES_LOCK = "/run/xtables.lock"  # iptables-legacy's without XTABLES_LOCKFILE
+HOLD_S = 6  # past iptables' `-w 5`, so a call that waited on this lock fails before it is let go
 
 
 def sh(*argv: str, check: bool = True) -> str:
@@ -37,12 +40,9 @@ def sh(*argv: str, check: bool = True) -> str:
 
 @pytest.fixture
 def netns() -> Iterator[str]:
-    name = f"ekpt-{secrets.token_hex(4)}"
-    sh("ip", "netns", "add", name)
-    try:
+    # Its own xtables lock: the in-process proxier's iptables-legacy never waits on the host's.
+    with scratch_netns("ekpt") as name:
         yield name
-    finally:
-        sh("ip", "netns", "delete", name, check=False)
 
 
 def save(ns: str, backend: str, binary: str = "iptables") -> str:
@@ -124,6 +124,27 @@ def test_partial_sync_replaces_the_endpoint_chain_in_the_kernel(netns: str, back
     assert f":{chains.endpoint_chain(spn, '10.244.2.6:80')} " in saved
     assert f":{chains.endpoint_chain(spn, '10.244.2.5:80')} " not in saved
     assert "--to-destination 10.244.2.6:80" in saved
+
+
+def test_a_legacy_sync_takes_its_namespaces_own_xtables_lock_not_the_hosts(netns: str) -> None:
+    """The host's /run/xtables.lock held past the `-w 5` wait (as the bench's restores of tens of
+    thousands of rules hold it) does not hold up a namespace's legacy sync (issue 18), while the
+    namespace's own lock, which the proxier's and the test's iptables calls share, does."""
+    with flock_held(HOST_XTABLES_LOCK, HOLD_S) as holder:
+        IptablesProxier(cfg(netns, "legacy")).sync(web(), NODE)  # type: ignore[arg-type]
+        assert holder.poll() is None, "the host's lock was let go before the sync ended"
+    assert ":KUBE-SERVICES " in save(netns, "legacy")
+
+    own = os.environ[XTABLES_LOCKFILE]
+    assert own != HOST_XTABLES_LOCK
+    with flock_held(own, HOLD_S):
+        blocked = subprocess.run(
+            ["ip", "netns", "exec", netns, "iptables-legacy", "-w", "1", "-t", "nat", "-N", "EKP-LOCK-PROBE"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    assert blocked.returncode != 0 and "xtables lock" in blocked.stderr, blocked
 
 
 def test_auto_backend_follows_the_rules_already_there(netns: str) -> None:
