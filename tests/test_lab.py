@@ -236,8 +236,8 @@ def test_each_node_takes_its_own_xtables_lock_and_its_agent_the_same_one(lab2: L
     `Lab.run`), not another node's (issue 18). That they wait on it also shows they do not take
     the machine's /run/xtables.lock, which this test never touches (other labs use it)."""
     node1, node2 = lab2.nodes
-    # filter, not nat: a legacy nat table would register NAT hooks in every namespace of the
-    # machine's shared iptable_nat module
+    # filter, not nat: a legacy nat table would stay in this module-shared lab's nodes, its NAT
+    # hooks on every later test's packets
     probe = ("iptables-legacy", "-w", "1", "-t", "filter", "-N", "EKP-LOCK-PROBE")
     try:
         # A private lock held for as long as the block runs (so no timing window to race): every

@@ -46,7 +46,9 @@ def test_measure_applies_full_then_partial_and_removes_its_netns(
     # this process's own directories only: another run's scratch namespaces may come and go
     monkeypatch.setattr(tempfile, "mkdtemp", recording_mkdtemp)
     r = measure(50, 2, backend=backend)
-    [lock_dir] = [d for d in made if "-ekpt-bench-" in d and "-xtables-" in d]
+    lock_dirs = [d for d in made if "ekpt-bench-" in os.path.basename(d) and "-xtables-" in d]
+    assert len(lock_dirs) == 1, f"one xtables lock directory of the scratch namespace: {made}"
+    lock_dir = lock_dirs[0]
     assert not os.path.exists(lock_dir), "the namespace's xtables lock directory is left behind"
     assert r["backend"] == backend
     assert r["partial_services_written"] == 1
