@@ -685,7 +685,9 @@ class Lab:
         ns = self.ns(target)
         cmd = list(argv)
         lock_ns = self.ns(xtables) if xtables is not None else ns
-        if lock_ns is not None and self.tmpdir is not None:
+        if lock_ns is not None:
+            # xtables_lock raises before `up()`: the host's /run/xtables.lock instead would be the
+            # machine-wide wait this lock exists to avoid (issue 18), and silently so.
             cmd = ["env", f"{nx.XTABLES_LOCKFILE}={self.xtables_lock(lock_ns)}", *cmd]
         if ns is not None:
             cmd = ["ip", "netns", "exec", ns, *cmd]
@@ -703,14 +705,16 @@ class Lab:
         timeout: float = 30.0,
         input: str | None = None,
         cgroup: str | bool | None = True,
+        xtables: NsLike = None,
     ) -> subprocess.CompletedProcess[str]:
-        """Run a command to completion inside a namespace; capture text output.
+        """Run a command to completion inside a namespace; capture text output. It takes the
+        xtables lock of `xtables` (by default its target's: see `command`).
 
         Raises CommandError (a CalledProcessError) when `check` and the exit status is not 0, and
         LabError on timeout.
         """
         ns = self.ns(target)
-        cmd = self.command(ns, *argv, cgroup=cgroup)
+        cmd = self.command(ns, *argv, cgroup=cgroup, xtables=xtables)
         try:
             res = subprocess.run(
                 cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False

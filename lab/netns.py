@@ -13,7 +13,8 @@ Nothing here knows the lab's topology; `lab.core` builds on it.
   temporary directories `<tmp>/ekp<6 hex>-*`.
 * `kernel_problem()` says why kernel tests cannot run here, or None.
 * `scratch_netns(prefix)` makes a throwaway namespace with an xtables lock of its own
-  (`XTABLES_LOCKFILE`), for tests and benchmarks that program it from their own process.
+  (`XTABLES_LOCKFILE`, in a temporary directory `ekp<6 hex>-<namespace>-xtables-*`), for tests and
+  benchmarks that program it from their own process.
 """
 
 from __future__ import annotations
@@ -144,11 +145,14 @@ def scratch_netns(prefix: str) -> Iterator[str]:
     at a time per process: the variable is process-wide.
     """
     name = f"{prefix}-{secrets.token_hex(4)}"
-    lock_dir = tempfile.mkdtemp(prefix=f"{name}-xtables-")
     before = os.environ.get(XTABLES_LOCKFILE)
+    lock_dir: str | None = None
     subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
-    os.environ[XTABLES_LOCKFILE] = os.path.join(lock_dir, "xtables.lock")
     try:
+        # Named as a lab's tmp dir (`ekp<6 hex>-*`, `tmp_dirs`): a killed run's is one more
+        # leftover `python -m lab cleanup` removes; the namespace's name says whose it was.
+        lock_dir = tempfile.mkdtemp(prefix=f"{new_prefix()}-{name}-xtables-")
+        os.environ[XTABLES_LOCKFILE] = os.path.join(lock_dir, "xtables.lock")
         yield name
     finally:
         if before is None:
@@ -156,7 +160,8 @@ def scratch_netns(prefix: str) -> Iterator[str]:
         else:
             os.environ[XTABLES_LOCKFILE] = before
         subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
-        shutil.rmtree(lock_dir, ignore_errors=True)
+        if lock_dir is not None:
+            shutil.rmtree(lock_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
