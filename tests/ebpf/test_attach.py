@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from agent.config import Config, HostRouting, NodeContext
-from agent.ebpf import abi, attach, tcx
+from agent.ebpf import abi, attach, tcx, xdp
 from agent.ebpf.attach import (
     PROG_EGRESS,
     PROG_FROM_NET,
@@ -929,8 +929,8 @@ def test_a_failed_xdp_detach_or_attach_is_logged_as_what_failed(
     def refuse(*_args: Any) -> None:
         raise NetlinkError(errno.EPERM, "Operation not permitted")
 
-    monkeypatch.setattr(attach.xdp, "detach", refuse)
-    monkeypatch.setattr(attach.xdp, "attach", refuse)
+    monkeypatch.setattr(xdp, "detach", refuse)
+    monkeypatch.setattr(xdp, "attach", refuse)
     fds = {} if bpf_xdp == "disabled" else {PROG_XDP: 99}
     attacher = new_attacher(Config(bpf_xdp=bpf_xdp), fds)
     attacher._xdp_on(None, 7, "eth9", check=True)
