@@ -573,20 +573,22 @@ class Datapath:
         reach them (its slots in ekp_calls6 stay empty), and their verification was a third of a
         cold start's. The XDP programs (ekp_xdp_net, ekp_xdp_net6) likewise only where XDP may
         attach (MapSizes.xdp): with --bpf-xdp=disabled nothing runs them."""
+        wanted = set(PROGRAMS)
+        if not self.sizes.ipv6_tc:
+            wanted -= set(TC6_PROGRAMS)
+        if not self.sizes.xdp:
+            wanted -= {PROG_XDP_NET, PROG_XDP_NET6}
         has = vmlinux_has(kernel_needs())
-        programs = available_programs(has)
-        missing = sorted(set(PROGRAMS) - set(programs))
+        programs = {name: spec for name, spec in available_programs(has).items() if name in wanted}
+        # Only what these sizes would load: a program left out anyway is no loss to warn about.
+        missing = sorted(wanted - set(programs))
         if missing:
+            lacking = {need for name in missing for need in PROGRAMS[name].needs} - has
             log.warning(
                 "this kernel lacks %s: loading the data path without %s",
-                ", ".join(sorted(kernel_needs() - has)),
+                ", ".join(sorted(lacking)),
                 ", ".join(missing),
             )
-        if not self.sizes.ipv6_tc:
-            programs = {name: spec for name, spec in programs.items() if name not in TC6_PROGRAMS}
-        if not self.sizes.xdp:
-            programs.pop(PROG_XDP_NET, None)
-            programs.pop(PROG_XDP_NET6, None)
         return programs
 
     def build(self) -> str:

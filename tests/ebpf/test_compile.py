@@ -438,6 +438,19 @@ def test_the_xdp_programs_are_loaded_only_where_xdp_attaches_and_ipv6s_where_the
             d.close()
 
 
+def test_a_program_these_sizes_leave_out_is_not_reported_missing_for_the_kernel(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --bpf-xdp=disabled (MapSizes.xdp false) ekp_xdp_net6 is left out whatever the kernel
+    has: a kernel lacking bpf_xdp_load_bytes is nothing to warn about there. With XDP it is."""
+    lacking = kernel_needs() - {"bpf_xdp_load_bytes"}
+    monkeypatch.setattr(loader, "vmlinux_has", lambda names: set(names) & lacking)
+    assert PROG_XDP_NET6 not in Datapath("/nonexistent", replace(AGENT, xdp=False)).programs()
+    assert "this kernel lacks" not in caplog.text
+    assert PROG_XDP_NET6 not in Datapath("/nonexistent", AGENT).programs()
+    assert "this kernel lacks bpf_xdp_load_bytes: loading the data path without ekp_xdp_net6" in caplog.text
+
+
 @pytest.mark.kernel
 def test_the_ipv6_maps_are_added_beside_the_pins_of_an_agent_that_had_none(
     caplog: pytest.LogCaptureFixture, cache: ObjectCache, monkeypatch: pytest.MonkeyPatch
@@ -759,7 +772,7 @@ def test_an_older_build_s_program_array_stays_filled_until_its_programs_are_repl
     every IPv6 packet to the stack untranslated until the first sync attaches the new ones. The
     old build's array keeps its pin and its programs through the load, and goes with
     release_older_builds, called once the new programs are attached. (The older load here is the
-    same build without XDP's IPv6 program: another set of programs, pinned under another id, as
+    same build without the XDP programs: another set of programs, pinned under another id, as
     an older build's are; one compile serves both.)"""
     with bpffs() as root:
         pins = str(root / "ekp")

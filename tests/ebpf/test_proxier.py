@@ -49,6 +49,8 @@ from agent.ebpf.programs import (
     PROG_FROM_NET,
     PROG_FROM_POD,
     PROG_SOCK_TERM,
+    PROG_XDP_NET,
+    PROG_XDP_NET6,
     PROGRAMS,
     SOCK_HOOKS,
 )
@@ -287,7 +289,10 @@ class Rig:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
             self.sizes.append(sizes)
             dp = self.datapath_type(self.maps)
-            dp.unavailable = self.unavailable
+            # As Datapath.programs: the XDP programs are left out where XDP cannot attach.
+            dp.unavailable = (
+                self.unavailable if sizes.xdp else self.unavailable | {PROG_XDP_NET, PROG_XDP_NET6}
+            )
             dp.events = self.events
             dp.handover = self.handover
             self.datapaths.append(dp)
@@ -2084,12 +2089,10 @@ def test_with_xdp_disabled_the_attacher_gets_no_xdp_program(rig: Rig) -> None:
     attaches the tc programs all the same, and the Attacher is given no XDP fd (it takes off any
     of ours an earlier run attached, found by name: tests/ebpf/test_attach.py)."""
     rig.config = replace(rig.config, bpf_xdp="disabled")
-    rig.unavailable = {PROG_XDP}
     rig.proxier().sync(STATE, NODE)
     assert rig.attacher_fds == [{n: PROG_FDS[n] for n in (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)}]
     assert rig.attachers[-1].nodes, "the tc programs were attached"
     rig.config = replace(rig.config, bpf_xdp="best-effort")
-    rig.unavailable = set()
     rig.proxier().sync(STATE, NODE)
     assert rig.attacher_fds[-1][PROG_XDP] == PROG_FDS[PROG_XDP]
 
