@@ -2,10 +2,10 @@
 
 Builds a synthetic state (every tenth service a NodePort, `endpoints_per_service` remote
 endpoints each), renders it, and, with `apply=True` (root needed), syncs it into a throwaway
-network namespace `ekpt-bench-<random>` with the real runner: a full sync, then a partial sync
-after one service's endpoint changed, then a full sync with nothing changed (iptables-save read
-back and compared chain by chain, nothing restored). The namespace is deleted afterwards. Returns
-plain numbers:
+network namespace `ekpt-bench-<random>`, with an xtables lock of its own, with the real runner:
+a full sync, then a partial sync after one service's endpoint changed, then a full sync with
+nothing changed (iptables-save read back and compared chain by chain, nothing restored). The
+namespace is deleted afterwards. Returns plain numbers:
 
     services, endpoints, rules (filter + nat after the sync), restore_bytes, render_seconds,
     and with apply: backend, full_sync_seconds, full_restore_seconds, partial_sync_seconds,
@@ -16,8 +16,6 @@ plain numbers:
 from __future__ import annotations
 
 import ipaddress
-import secrets
-import subprocess
 import time
 from dataclasses import replace
 
@@ -26,6 +24,7 @@ from agent.iptables.proxier import IptablesProxier
 from agent.iptables.rules import RenderOptions, render
 from agent.model.topology import categorize_endpoints
 from agent.model.types import Endpoint, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
+from lab.netns import scratch_netns
 
 _SERVICE_BASE = int(ipaddress.IPv4Address("10.96.0.0"))
 _POD_BASE = int(ipaddress.IPv4Address("10.244.0.0"))
@@ -81,9 +80,9 @@ def measure(
     if not apply:
         return result
 
-    ns = f"ekpt-bench-{secrets.token_hex(3)}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
+    # A lock of its own: tens of thousands of rules hold it for seconds, which the host-wide
+    # /run/xtables.lock would pass on to every other iptables-legacy user of the machine.
+    with scratch_netns("ekpt-bench") as ns:
         proxier = IptablesProxier(replace(CONFIG, netns=ns, iptables_backend=backend))
         start = time.perf_counter()
         proxier.sync(st, NODE)
@@ -110,8 +109,6 @@ def measure(
         result["full_restore_seconds"] = full.restore_seconds
         result["partial_restore_seconds"] = partial.restore_seconds
         result["partial_services_written"] = partial.services_written
-    finally:
-        subprocess.run(["ip", "netns", "delete", ns], check=False)
     return result
 
 

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.api import ApiServerProcess, _first, _listed, _stamp, _wait_log, compile_agent
+from bench.api import ApiServerProcess, _first, _listed, _stamp, _wait_log, compile_agent, map_size_flags
 from lab import Lab
 from lab.harness import Agent
 
@@ -102,6 +102,12 @@ def _start(agent: Agent, timeout_s: float) -> dict[str, float]:
     }
 
 
+def agent_flags(services: int, endpoints: int) -> list[str]:
+    """The agent's flags: the maps sized as bench/api.py sizes them, so a run at 50,000 Services
+    measures a sync rather than an agent that finds its maps too small."""
+    return ["--iptables-sync-period=1h", *map_size_flags(services, endpoints)]
+
+
 def measure(services: int, endpoints: int, timeout_s: float = 600.0) -> dict[str, dict[str, float]]:
     compile_agent()  # as bench/api.py: an installed agent's starts
     server = ApiServerProcess(services, endpoints)
@@ -111,7 +117,7 @@ def measure(services: int, endpoints: int, timeout_s: float = 600.0) -> dict[str
             node = lab.nodes[0]
             server.call("node", node.name, node.ip)
             kubeconfig = server.call("kubeconfig", str(lab.tmpdir / "kubeconfig"))
-            agent = Agent(lab, node, "ebpf", [f"--kubeconfig={kubeconfig}"], ["--iptables-sync-period=1h"])
+            agent = Agent(lab, node, "ebpf", [f"--kubeconfig={kubeconfig}"], agent_flags(services, endpoints))
             try:
                 cold = _start(agent, timeout_s)
                 agent.stop()

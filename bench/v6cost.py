@@ -10,6 +10,11 @@ flow live). The rounds go through every build and case in turn, so the machine's
 of them alike, and the median of the rounds is kept. A stage's cost is the difference between two
 cuts: what the program does between them (the verifier removes the dead code after a cut).
 
+The translated packets (a conntrack hit each way, and the SYN that makes a flow, each family,
+bpf host routing) are timed one run a call (the run rewrites the frame): the whole builds, and the
+`x` variants, cut on the translated path (ekp_from_pod6's hit and new-flow stages, and IPv4's
+matching ones in ekp_decide.h and ekp_tc_apply.h).
+
 The cuts are text patches of this tree's C: a patch that no longer matches raises, naming it.
 Only measurement builds: nothing here is loaded by the agent.
 """
@@ -65,7 +70,9 @@ class Variant:
     name: str
     what: str
     patches: tuple[Patch, ...] = ()
-    whole: bool = False  # translates as the tree does: its conntrack hits are timed too
+    whole: bool = False  # translates as the tree does: its translated packets are timed too
+    xlate: bool = False  # cut on the translated path: its translated packets are timed (passed or redirected)
+    new_only: bool = False  # cut on the new-flow path: no flow opens, so only the SYNs are timed
 
 
 def _after(file: str, anchor: str, code: str) -> Patch:
@@ -94,18 +101,192 @@ DECIDE4_CALL = "\n\tekp_decide(&w->work"
 DECIDE4 = "ekp_decide.h"
 BEFORE_ADDR4 = "\tstruct ekp_addr_key k = {};\n\tk.addr = p->daddr;"
 
+# The translated path's stages (a pod's packet under bpf host routing), each cut placed after the
+# work it names. IPv6 (ekp_decide6_hook.h, ekp_tc6.h): a hit is conntrack, the source check (a
+# bpf_fib_lookup), the flow's advance, the route out (a bpf_fib_lookup), the rewrite, the hop and
+# the redirect; a new flow is conntrack's two misses, the frontend, the source check, the backend
+# and the route, the entries, then the same rewrite and redirect. IPv4 (ekp_decide.h, then
+# ekp_tc_apply.h): conntrack, the advance (or the frontend, the backend and the entries), then the
+# source check, the route, the rewrite and the redirect, in that order for both kinds of packet.
+HIT6 = "\tif (e) {\n\t\tw->reopens = 0;"
+LAST_HOP6 = "\t\t/* The last hop, and a segment too big for the device its translation leaves by: answered"
+HOST6 = "\t\t/* a backend on the node's own address: no route to look up (the stack delivers it) */"
+ROUTED6 = (
+    "\t\toutcome = k->dir == EKP_CT_FORWARD ? EKP_STAT_CT_FORWARD : EKP_STAT_CT_REPLY;\n"
+    "\t\tif (p->b.frag == EKP_FRAG_LATER)"
+)
+FORWARD6 = "\treturn ekp_tc6_forward(skb, w, rc, outcome);\n}"
+NEW_SRC6 = (
+    "\tif (hook == EKP_HOOK_TC && scope == EKP_SCOPE_INTERNAL && !ekp_source_routed_here6(ctx, p, &w->fib))\n"
+    "\t\tgoto out;"
+)
+CREATE6 = "\tint reason = ekp_ct6_create(p, f, cfg, now);"
+CREATED6 = "\tsa = (f->b.ct_flags & EKP_CT_SNAT) ? f->snat_addr : p->saddr;\n\tsp ="
+DECIDE_HIT4 = (
+    "\t\t\t\t\t   __u64 now, struct ekp_decision *d, struct ekp_ctq_req *q)\n{\n"
+    "\tint advanced = ekp_ct_advance(ep, k, p, now, q);"
+)
+DECIDED4 = "\tekp_decide(&w->work, parsed, scope, EKP_HOOK_TC);\n\tint verdict;"
+APPLY4 = "ekp_tc_apply.h"
+SRC4 = "\t\treturn ekp_tc_drop(d, EKP_DROP_SPOOFED);\n\t__builtin_memset(fib, 0, sizeof(*fib));"
+ROUTED4 = (
+    "\tif (legacy)\n"
+    "\t\treturn ekp_host_hand_over(skb, p, d->saddr, d->sport, d->daddr, d->dport, &d->outcome);\n"
+    "\tint rewritten ="
+)
+REDIRECT4 = "\treturn ekp_redirect(skb, p, fib, rc, &d->outcome);\n}"
+PICKED4 = "\tekp_decide_create(p, f, cfg, now, d, q);\n}"
+XCUT = "if (hook == EKP_HOOK_TC) return; /* v6cost cut */"
+
+
+def _cut_before(file: str, anchor: str, code: str) -> Patch:
+    return Patch(file, anchor, code + "\n" + anchor)
+
+
+XLATE_VARIANTS = (
+    Variant(
+        "v6x-ct",
+        "IPv6 hit: after conntrack (found, alive)",
+        (_after(DECIDE6, HIT6, f"\t\t{TC6}"),),
+        xlate=True,
+    ),
+    Variant(
+        "v6x-src",
+        "IPv6 hit: after the source check (a bpf_fib_lookup back to the source)",
+        (_cut_before(DECIDE6, LAST_HOP6, f"\t\t{TC6}"),),
+        xlate=True,
+    ),
+    Variant(
+        "v6x-adv",
+        "IPv6 hit: after the flow's advance (state, refresh)",
+        (_cut_before(DECIDE6, HOST6, f"\t\t{TC6}"),),
+        xlate=True,
+    ),
+    Variant(
+        "v6x-route",
+        "IPv6 hit: after the route out (a bpf_fib_lookup)",
+        (_cut_before(DECIDE6, ROUTED6, f"\t\t{TC6}"),),
+        xlate=True,
+    ),
+    Variant(
+        "v6x-nsrc",
+        "IPv6 new flow: after the misses, the frontend, the node address and the source check",
+        (_after(DECIDE6, NEW_SRC6, f"\t{TC6}"),),
+        xlate=True,
+        new_only=True,
+    ),
+    Variant(
+        "v6x-nroute",
+        "IPv6 new flow: after the backend's choice and the route out",
+        (_cut_before(DECIDE6, CREATE6, f"\t{TC6}"),),
+        xlate=True,
+        new_only=True,
+    ),
+    Variant(
+        "v6x-create",
+        "IPv6 new flow: after the entries (ekp_ct6_create, the ring's request)",
+        (_cut_before(DECIDE6, CREATED6, f"\t{TC6}"),),
+        xlate=True,
+        new_only=True,
+    ),
+    Variant(
+        "v6x-rw",
+        "IPv6 both: after the rewrite (no hop, no redirect)",
+        (Patch(MAY6, FORWARD6, f"\t{CUT}\n}}"),),
+        xlate=True,
+    ),
+    Variant(
+        "v4x-ct",
+        "IPv4 hit: after conntrack (found, alive; no advance)",
+        (
+            Patch(
+                DECIDE4,
+                DECIDE_HIT4,
+                DECIDE_HIT4.replace("\tint advanced", "\treturn; /* v6cost cut */\n\tint advanced"),
+            ),
+        ),
+        xlate=True,
+    ),
+    Variant(
+        "v4x-pick",
+        "IPv4 new flow: after the misses, the frontend and the backend's choice",
+        (_cut_before(DECIDE4, PICKED4, f"\t{XCUT}"),),
+        xlate=True,
+        new_only=True,
+    ),
+    Variant(
+        "v4x-dec",
+        "IPv4 both: after the decision (a hit's advance, a new flow's entries)",
+        (Patch(CORE, DECIDED4, DECIDED4.replace("\tint verdict;", f"\tif ({V4}) {CUT}\n\tint verdict;")),),
+        xlate=True,
+    ),
+    Variant(
+        "v4x-src",
+        "IPv4 both: after the source check (a bpf_fib_lookup back to the source)",
+        (Patch(APPLY4, SRC4, SRC4.replace("\t__builtin_memset", f"\t{CUT}\n\t__builtin_memset")),),
+        xlate=True,
+    ),
+    Variant(
+        "v4x-route",
+        "IPv4 both: after the route out (a bpf_fib_lookup)",
+        (_cut_before(APPLY4, ROUTED4, f"\t{CUT}"),),
+        xlate=True,
+    ),
+    Variant(
+        "v4x-rw",
+        "IPv4 both: after the rewrite (no TTL, no redirect)",
+        (Patch(APPLY4, REDIRECT4, f"\t{CUT}\n}}"),),
+        xlate=True,
+    ),
+)
+
+# The source check's bpf_fib_lookup with a flag (measurements of the kernel's lookup, not proposals):
+# BPF_FIB_LOOKUP_DIRECT (1) looks in the main table alone, where the full lookup with no policy rule
+# looks in the local table first (fib6_lookup); BPF_FIB_LOOKUP_SKIP_NEIGH (4, Linux 6.5) looks up no
+# neighbour (and returns before the device's MTU check of a lookup without tot_len).
+SRC_FIB6 = "\tlong rc = ekp_fib6(skb, fib, p, p->daddr, p->saddr, p->b.dport, p->b.sport, 0);"
+
+
+def _src_fib6_flags(flags: int) -> Patch:
+    return Patch(
+        MAY6,
+        SRC_FIB6,
+        "\t__builtin_memset(fib, 0, sizeof(*fib));\n"
+        "\tfib->family = AF_INET6;\n"
+        "\tfib->l4_protocol = p->b.proto;\n"
+        "\tfib->sport = p->b.dport;\n"
+        "\tfib->dport = p->b.sport;\n"
+        "\t__builtin_memcpy(fib->ipv6_src, p->daddr, 16);\n"
+        "\t__builtin_memcpy(fib->ipv6_dst, p->saddr, 16);\n"
+        "\tfib->ifindex = skb->ingress_ifindex;\n"
+        f"\tlong rc = bpf_fib_lookup(skb, fib, sizeof(*fib), {flags}); /* v6cost flags */",
+    )
+
+
 VARIANTS = (
     Variant("tree", "the tree as it is", whole=True),
     Variant(
         "v6-hit-norp",
         "IPv6: a hit from a pod without the reverse route lookup (one bpf_fib_lookup less)",
-        (Patch(DECIDE6, "\t\t    !ekp_source_routed_here6(ctx, p, &w->fib, bridge)) {", "\t\t    0) {"),),
+        (Patch(DECIDE6, "\t\t    !ekp_source_routed_here6(ctx, p, &w->fib)) {", "\t\t    0) {"),),
         whole=True,
     ),
     Variant(
         "v4-hit-norp",
         "IPv4: a hit from a pod without the reverse route lookup (one bpf_fib_lookup less)",
-        (Patch("ekp_tc_apply.h", "!legacy && !ekp_source_routed_here(skb, p, fib, bridge)", "0"),),
+        (Patch("ekp_tc_apply.h", "!legacy && !ekp_source_routed_here(skb, p, fib)", "0"),),
+        whole=True,
+    ),
+    Variant(
+        "v6-src-direct",
+        "IPv6: the source check's lookup in the main table alone (BPF_FIB_LOOKUP_DIRECT)",
+        (_src_fib6_flags(1),),
+        whole=True,
+    ),
+    Variant(
+        "v6-src-noneigh",
+        "IPv6: the source check's lookup without its neighbour (BPF_FIB_LOOKUP_SKIP_NEIGH)",
+        (_src_fib6_flags(4),),
         whole=True,
     ),
     Variant(
@@ -162,6 +343,7 @@ VARIANTS = (
         "IPv4: after the activity check's two slots (no ekp_addr lookup)",
         (Patch(DECIDE4, BEFORE_ADDR4, "\treturn 0; /* v6cost cut */\n" + BEFORE_ADDR4),),
     ),
+    *XLATE_VARIANTS,
 )
 
 
@@ -226,7 +408,7 @@ def loaded(
 ) -> Iterator[dict[str, Datapath]]:
     """Every variant of `source` built and loaded (and, as the variant "compare", the tree
     `compare` as it is: another commit's bpf/, measured in the same rounds)."""
-    sizes = replace(SIZES, xdp_ipv6=False)  # XDP's IPv6 program is not measured: not loaded
+    sizes = replace(SIZES, xdp=False)  # the XDP programs are not measured: not loaded
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="v6cost-") as tmp:
         trees = {v.name: patched_tree(Path(tmp), v, source) for v in variants}  # every patch checked first
         if compare is not None:
@@ -263,51 +445,86 @@ def measure(
 
 HIT_CALLS = 400  # single-run calls per round of a translated case
 TC_ACT_REDIRECT = 7
+SYN_PORT = 42000  # a new flow's source ports: SYN_PORT .. SYN_PORT + HIT_CALLS - 1, one a call
 
 
-def hit_cases() -> list[tuple[str, list[bytes], bytes]]:
-    """(name, the frames that open the flow, the segment timed) of a conntrack hit each way, each
-    family: the frame is rewritten by the run, so timed one run a call (a single run also pays the
-    timer and a cold skb: compare these figures with each other, not with the loop figures)."""
+@dataclass(frozen=True)
+class XCase:
+    """A translated packet: `frames` are sent one a call, in turn (each SYN its own flow)."""
+
+    name: str
+    opening: tuple[bytes, ...]
+    frames: tuple[bytes, ...]
+
+
+def hit_cases() -> list[XCase]:
+    """A conntrack hit each way and a new flow's SYN, each family, a pod's packets to a ClusterIP
+    whose backend is another pod of the node (bpf host routing: routed, rewritten, redirected). The
+    frame is rewritten by the run, so timed one run a call (a single run also pays the timer and a
+    cold skb: compare these figures with each other, not with the loop figures)."""
     data = b"x" * 64
     out = []
     for fam, client, vip, be in (("IPv4", POD_CLIENT, VIP, BE1), ("IPv6", POD6, VIP6, BE6)):
-        opening = [tcp(client, vip, 41000, 80), tcp(be, client, 8080, 41000, flags="SA")]
+        opening = (tcp(client, vip, 41000, 80), tcp(be, client, 8080, 41000, flags="SA"))
         out.append(
-            (
+            XCase(
                 f"{fam} pod -> ClusterIP, a segment (hit)",
                 opening,
-                tcp(client, vip, 41000, 80, flags="A", payload=data),
+                (tcp(client, vip, 41000, 80, flags="A", payload=data),),
             )
         )
         out.append(
-            (f"{fam} its answer (hit)", opening, tcp(be, client, 8080, 41000, flags="A", payload=data))
+            XCase(
+                f"{fam} its answer (hit)", opening, (tcp(be, client, 8080, 41000, flags="A", payload=data),)
+            )
         )
+        syns = tuple(tcp(client, vip, SYN_PORT + i, 80) for i in range(HIT_CALLS))
+        out.append(XCase(f"{fam} pod -> ClusterIP, SYN (new flow)", (), syns))
     return out
 
 
+def open_flows(dp: Datapath, todo: list[XCase], ifindex: int) -> None:
+    """The maps as the run began (no flow, the two Services) and the hit cases' flows opened."""
+    reset_maps(dp)
+    add_service(dp.maps, VIP, 80, ((1, BE1, 8080, 1),))
+    add_service6(dp.maps, VIP6, 80, ((1, BE6, 8080, 1),))
+    for c in todo:
+        for frame in c.opening:
+            prog_run_timed(dp.prog_fd("ekp_from_pod"), frame, ifindex)
+
+
 def measure_hits(
-    dps: dict[str, Datapath], whole_names: set[str], rounds: int, ifindex: int
+    dps: dict[str, Datapath],
+    timed_names: set[str],
+    cut_names: set[str],
+    rounds: int,
+    ifindex: int,
+    new_only: frozenset[str] = frozenset(),
 ) -> dict[tuple[str, str], float]:
-    """Median over the rounds of the mean ns of HIT_CALLS single runs, for the whole builds."""
-    whole = {n: dp for n, dp in dps.items() if n in whole_names}
+    """Median over the rounds of the mean ns of HIT_CALLS single runs, for the builds named: a
+    whole build's every run redirected, a cut one's passed or redirected (one cut on the new-flow
+    path, in `new_only`, on the SYNs alone: no flow opens there). Each round starts from
+    fresh maps (the SYNs' flows gone, the hits' flows opened again)."""
+    timed = {n: dp for n, dp in dps.items() if n in timed_names}
     todo = hit_cases()
-    for dp in whole.values():
-        for _, opening, _ in todo:
-            for frame in opening:
-                prog_run_timed(dp.prog_fd("ekp_from_pod"), frame, ifindex)
     runs: dict[tuple[str, str], list[float]] = {}
     for _ in range(rounds):
-        for name, dp in whole.items():
+        for name, dp in timed.items():
+            open_flows(dp, todo, ifindex)
             fd = dp.prog_fd("ekp_from_pod")
-            for case, _, frame in todo:
+            allowed = {TC_ACT_REDIRECT, TC_ACT_OK} if name in cut_names else {TC_ACT_REDIRECT}
+            for case in todo:
+                if name in new_only and case.opening:
+                    continue  # its cut opens no flow: a hit case would time a miss
                 total = 0
-                for _ in range(HIT_CALLS):
-                    verdict, ns = prog_run_timed(fd, frame, ifindex)
-                    if verdict != TC_ACT_REDIRECT:
-                        raise RuntimeError(f"{name}, {case}: verdict {verdict}, expected it redirected")
+                for i in range(HIT_CALLS):
+                    verdict, ns = prog_run_timed(fd, case.frames[i % len(case.frames)], ifindex)
+                    if verdict not in allowed:
+                        raise RuntimeError(
+                            f"{name}, {case.name}: verdict {verdict}, expected one of {sorted(allowed)}"
+                        )
                     total += ns
-                runs.setdefault((name, case), []).append(total / HIT_CALLS)
+                runs.setdefault((name, case.name), []).append(total / HIT_CALLS)
     return {k: statistics.median(v) for k, v in runs.items()}
 
 
@@ -333,7 +550,9 @@ def main(argv: list[str] | None = None) -> int:
             add_service6(dp.maps, VIP6, 80, ((1, BE6, 8080, 1),))
         figures = measure(dps, args.rounds, lambda: lab.pod.ifindex)
         whole = {v.name for v in chosen if v.whole} | ({"compare"} if args.compare else set())
-        hits = measure_hits(dps, whole, args.rounds, lab.pod.ifindex)
+        cut = {v.name for v in chosen if v.xlate}
+        new_only = frozenset(v.name for v in chosen if v.new_only)
+        hits = measure_hits(dps, whole | cut, cut, args.rounds, lab.pod.ifindex, new_only)
     names = [c.name for c in cases()]
     print(f"ns per run, median of {args.rounds} rounds of {REPEAT:,} runs (BPF_PROG_TEST_RUN, CPU {CPU})")
     print(f"{'variant':<12} " + " | ".join(f"{n[:26]:>26}" for n in names))
@@ -346,11 +565,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {v.name}: {v.what}")
     if hits:
         print(f"translated, one run a call: ns per call, median of {args.rounds} rounds of {HIT_CALLS} calls")
-        hit_names = [c[0] for c in hit_cases()]
+        hit_names = [c.name for c in hit_cases()]
         print(f"{'variant':<12} " + " | ".join(f"{n[:34]:>34}" for n in hit_names))
         for v in shown:
-            if v.name in whole:
-                print(f"{v.name:<12} " + " | ".join(f"{hits[(v.name, n)]:>34.1f}" for n in hit_names))
+            if v.name in whole | cut:
+                print(
+                    f"{v.name:<12} "
+                    + " | ".join(f"{hits.get((v.name, n), float('nan')):>34.1f}" for n in hit_names)
+                )
     return 0
 
 

@@ -22,12 +22,13 @@ Pods are point-to-point like the CNI ptp plugin (kindnet): even same-node pod tr
 node. Nothing else is tuned (rp_filter, accept_local, ... keep their defaults). The host namespace gets
 no address, route, link or program: veths are created directly inside their namespaces.
 
-Per lab, also: a tmp dir (logs, configs, blobs), cgroup v2 directories when cgroup2 is mounted
-(`<cgroup2>/<prefix>/node1/{host,hostnet-pod,pod-1-1,...}`, `<prefix>/client`; every process the lab
-starts is put in the one of its namespace, so node N's agent attaches its socket programs to
+Per lab, also: a tmp dir (logs, configs, blobs, and an xtables lock file per namespace,
+`Lab.xtables_lock`, that every command run in the namespace takes), cgroup v2 directories when cgroup2
+is mounted (`<cgroup2>/<prefix>/node1/{host,hostnet-pod,pod-1-1,...}`, `<prefix>/client`; every process
+the lab starts is put in the one of its namespace, so node N's agent attaches its socket programs to
 `Node.cgroup_root` (node, host-network pod and pods) without touching other nodes; `Node.hostnet_cgroup`
-stands for a hostNetwork pod: the node's namespace, a pod's cgroup), and
-a bpffs pin directory name per node (`Node.pin_dir`, not created, removed on teardown).
+stands for a hostNetwork pod: the node's namespace, a pod's cgroup), and a bpffs pin directory name per
+node (`Node.pin_dir`, not created, removed on teardown).
 
 Use:
 

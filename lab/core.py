@@ -409,6 +409,7 @@ class Lab:
             try:
                 self.tmpdir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
                 (self.tmpdir / "logs").mkdir()
+                (self.tmpdir / "xtables").mkdir()
                 self._build()
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -656,15 +657,38 @@ class Lab:
 
     # ---------------------------------------------------------------------------- processes
 
-    def command(self, target: NsLike, *argv: str, cgroup: str | bool | None = True) -> list[str]:
+    def xtables_lock(self, target: NsLike) -> str:
+        """The xtables lock file of a namespace of the lab (`XTABLES_LOCKFILE`): every command
+        `command` builds for it takes this one, none of another namespace's nor the host's
+        /run/xtables.lock, as on real nodes, each with its own /run."""
+        ns = self._require_ns(target)
+        if self.tmpdir is None:
+            raise LabError(f"{self.prefix} is not up")
+        return str(self.tmpdir / "xtables" / f"{ns.removeprefix(self.prefix + '-')}.lock")
+
+    def command(
+        self,
+        target: NsLike,
+        *argv: str,
+        cgroup: str | bool | None = True,
+        xtables: NsLike = None,
+    ) -> list[str]:
         """The argv that runs `argv` inside a namespace (`ip netns exec`), in the namespace's cgroup.
 
         `target=None` means the caller's (host) namespace. `cgroup=True` picks the lab cgroup of the
         namespace (Node.cgroup / Pod.cgroup / Client.cgroup), a string names one, False/None: none.
         Note that `ip netns exec` remounts /sys, so /sys/fs/bpf is not visible to the command.
+        The command takes the xtables lock of `xtables` (`xtables_lock`), by default its target's
+        own: a host-namespace agent that programs a node through `--netns` names that node, so it
+        and the node's other processes serialise on one lock, as on a real node.
         """
         ns = self.ns(target)
         cmd = list(argv)
+        lock_ns = self.ns(xtables) if xtables is not None else ns
+        if lock_ns is not None:
+            # xtables_lock raises before `up()`: the host's /run/xtables.lock instead would be the
+            # machine-wide wait this lock exists to avoid (issue 18), and silently so.
+            cmd = ["env", f"{nx.XTABLES_LOCKFILE}={self.xtables_lock(lock_ns)}", *cmd]
         if ns is not None:
             cmd = ["ip", "netns", "exec", ns, *cmd]
         cg = self._cgroups.get(ns or "") if cgroup is True else (cgroup or None)
@@ -681,14 +705,16 @@ class Lab:
         timeout: float = 30.0,
         input: str | None = None,
         cgroup: str | bool | None = True,
+        xtables: NsLike = None,
     ) -> subprocess.CompletedProcess[str]:
-        """Run a command to completion inside a namespace; capture text output.
+        """Run a command to completion inside a namespace; capture text output. It takes the
+        xtables lock of `xtables` (by default its target's: see `command`).
 
         Raises CommandError (a CalledProcessError) when `check` and the exit status is not 0, and
         LabError on timeout.
         """
         ns = self.ns(target)
-        cmd = self.command(ns, *argv, cgroup=cgroup)
+        cmd = self.command(ns, *argv, cgroup=cgroup, xtables=xtables)
         try:
             res = subprocess.run(
                 cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False
@@ -710,8 +736,10 @@ class Lab:
         env: dict[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         cgroup: str | bool | None = True,
+        xtables: NsLike = None,
     ) -> subprocess.Popen[bytes]:
-        """Start a tracked background process inside a namespace (None: host namespace).
+        """Start a tracked background process inside a namespace (None: host namespace), taking
+        the xtables lock of `xtables` (by default its target's: see `command`).
 
         stdout/stderr default to a log file in the lab's tmp dir (see `log_of`). The process runs in
         its own session (terminal Ctrl-C reaches the test runner, which tears the lab down).
@@ -733,7 +761,7 @@ class Lab:
                     stderr = subprocess.STDOUT
             try:
                 proc = subprocess.Popen(
-                    self.command(ns, *argv, cgroup=cgroup),
+                    self.command(ns, *argv, cgroup=cgroup, xtables=xtables),
                     stdin=stdin,
                     stdout=stdout,
                     stderr=stderr,

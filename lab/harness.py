@@ -116,6 +116,7 @@ class Agent:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=str(REPO),
+                xtables=self.node,
             )
         finally:
             log.close()
@@ -211,9 +212,12 @@ class Agent:
 
     def cleanup(self, flag: str = "--cleanup") -> subprocess.CompletedProcess[str]:
         """`agent --cleanup` (or `--cleanup-kube-proxy`, the chart's init container) with this
-        agent's flags, run to its end."""
+        agent's flags, run to its end, taking the node's xtables lock as the agent does (a legacy
+        cleanup of thousands of Services holds it for seconds: never the machine's)."""
         return subprocess.run(
-            [sys.executable, "-m", "agent", flag, *self.flags()],
+            self.lab.command(
+                None, sys.executable, "-m", "agent", flag, *self.flags(), cgroup=None, xtables=self.node
+            ),
             capture_output=True,
             text=True,
             timeout=60,

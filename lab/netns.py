@@ -12,6 +12,9 @@ Nothing here knows the lab's topology; `lab.core` builds on it.
   `ekp<6 hex>-<role>`, cgroups `<cgroup2>/ekp<6 hex>`, bpffs pins `/sys/fs/bpf/ebpf-kube-proxy-lab-ekp...`,
   temporary directories `<tmp>/ekp<6 hex>-*`.
 * `kernel_problem()` says why kernel tests cannot run here, or None.
+* `scratch_netns(prefix)` makes a throwaway namespace with an xtables lock of its own
+  (`XTABLES_LOCKFILE`, in a temporary directory `ekp<6 hex>-<namespace>-xtables-*`), for tests and
+  benchmarks that program it from their own process.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -44,6 +47,10 @@ PREFIX_RE = re.compile(r"^ekp[0-9a-f]{6}$")
 NS_RE = re.compile(r"^(ekp[0-9a-f]{6})-")
 
 CLONE_NEWNET = 0x40000000
+# iptables-legacy (1.8.9 here) takes the lock file this variable names instead of the host-wide
+# /run/xtables.lock. A real node has a /run of its own; the lab's namespaces share the host's,
+# where one node's (or the bench's) long restore would make every other node's `-w 5` time out.
+XTABLES_LOCKFILE = "XTABLES_LOCKFILE"
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -126,6 +133,69 @@ def netns_pids(ns: str) -> list[int]:
 def delete_netns(names: Iterable[str]) -> None:
     """Delete namespaces, ignoring ones already gone."""
     ip_batch((f"netns del {ns}" for ns in names), force=True)
+
+
+@contextlib.contextmanager
+def scratch_netns(prefix: str) -> Iterator[str]:
+    """A new namespace `<prefix>-<8 hex>`, deleted on exit, whose xtables lock is its own.
+
+    The lock is this process's `XTABLES_LOCKFILE` while the block runs (the value before put
+    back after), so an in-process runner's `ip netns exec` children and the caller's own
+    iptables calls share it, as one node's processes do, and nothing else does. One such block
+    at a time per process: the variable is process-wide.
+    """
+    name = f"{prefix}-{secrets.token_hex(4)}"
+    before = os.environ.get(XTABLES_LOCKFILE)
+    lock_dir: str | None = None
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    try:
+        # Named as a lab's tmp dir (`ekp<6 hex>-*`, `tmp_dirs`): a killed run's is one more
+        # leftover `python -m lab cleanup` removes; the namespace's name says whose it was.
+        lock_dir = tempfile.mkdtemp(prefix=f"{new_prefix()}-{name}-xtables-")
+        os.environ[XTABLES_LOCKFILE] = os.path.join(lock_dir, "xtables.lock")
+        yield name
+    finally:
+        if before is None:
+            os.environ.pop(XTABLES_LOCKFILE, None)
+        else:
+            os.environ[XTABLES_LOCKFILE] = before
+        subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
+        if lock_dir is not None:
+            shutil.rmtree(lock_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def flock_held(path: str, seconds: float) -> Iterator[subprocess.Popen[str]]:
+    """Hold flock(2) on `path`, as iptables-legacy takes its xtables lock, for `seconds` at most
+    from the time the block starts (a child process lets go when its sleep ends, or when the
+    block ends, whichever is first). The child is still running while the lock is held."""
+    holder = subprocess.Popen(
+        # --close: only flock(1) itself holds the lock, so killing its group lets go at once.
+        [
+            "flock",
+            "--exclusive",
+            "--timeout",
+            "30",
+            "--close",
+            path,
+            "sh",
+            "-c",
+            'echo held; exec sleep "$0"',
+            str(seconds),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert holder.stdout is not None
+        if holder.stdout.readline() != "held\n":  # the command runs only once the lock is taken
+            raise LabError(f"flock on {path} not taken within 30 s (exit {holder.wait()})")
+        yield holder
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
 
 
 def _setns(fd: int) -> None:

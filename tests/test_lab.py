@@ -18,6 +18,7 @@ import pytest
 
 from lab import CommandError, Lab, LabError, LabFactory, cleanup_leftovers, netns
 from lab.core import PODSERVER
+from lab.harness import Agent
 
 pytestmark = pytest.mark.kernel
 
@@ -227,6 +228,80 @@ def test_processes_tracked_logged_and_in_cgroups(lab2: Lab) -> None:
     assert f"0::/{lab2.prefix}/node2/pod-2-1" in lab2.run(pod, "cat", "/proc/self/cgroup").stdout.splitlines()
     assert f"0::/{lab2.prefix}/node1/host" in lab2.run(node, "cat", "/proc/self/cgroup").stdout.splitlines()
     assert node.cgroup_root == os.path.dirname(node.cgroup or "")
+
+
+def test_each_node_takes_its_own_xtables_lock_and_its_agent_the_same_one(lab2: Lab) -> None:
+    """A node's own lock (`Lab.xtables_lock`) holds up that node's commands, its host-namespace
+    agent's (`--netns`, `Lab.popen`) and its one-shot host-namespace ones (`agent --cleanup`,
+    `Lab.run`), not another node's (issue 18). That they wait on it also shows they do not take
+    the machine's /run/xtables.lock, which this test never touches (other labs use it)."""
+    node1, node2 = lab2.nodes
+    # filter, not nat: a legacy nat table would stay in this module-shared lab's nodes, its NAT
+    # hooks on every later test's packets
+    probe = ("iptables-legacy", "-w", "1", "-t", "filter", "-N", "EKP-LOCK-PROBE")
+    try:
+        # A private lock held for as long as the block runs (so no timing window to race): every
+        # probe waits its `-w 1` out and fails on it while the lock is held, all at once.
+        with netns.flock_held(lab2.xtables_lock(node1), 60):
+            mine = lab2.popen(node1, *probe)
+            agent = lab2.popen(None, "ip", "netns", "exec", node1.ns, *probe, xtables=node1)
+            one_shot = lab2.run(None, "ip", "netns", "exec", node1.ns, *probe, xtables=node1, check=False)
+            other = lab2.run(node2, *probe, check=False)
+            mine.wait(timeout=30)
+            agent.wait(timeout=30)
+        assert mine.returncode != 0 and "xtables lock" in lab2.log_of(mine), lab2.log_of(mine)
+        assert agent.returncode != 0 and "xtables lock" in lab2.log_of(agent), lab2.log_of(agent)
+        assert one_shot.returncode != 0 and "xtables lock" in one_shot.stderr, one_shot
+        assert other.returncode == 0, other
+    finally:
+        for node in (node1, node2):
+            lab2.run(node, "iptables-legacy", "-w", "5", "-t", "filter", "-X", "EKP-LOCK-PROBE", check=False)
+
+
+def test_agent_cleanup_takes_its_nodes_xtables_lock(lab2: Lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`agent --cleanup` (a legacy restore of thousands of Services: seconds) waits on the node's
+    own lock, as the agent it cleans up after did, not on the machine's (issue 18)."""
+    node = lab2.nodes[0]
+    assert lab2.tmpdir is not None
+    agent = Agent(lab2, node, "iptables", [f"--services-file={lab2.tmpdir / 'no-services.yaml'}"])
+    ran: list[list[str]] = []
+    real_run = subprocess.run
+
+    def recording_run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        ran.append(list(argv))
+        res: subprocess.CompletedProcess[str] = real_run(argv, **kwargs)
+        return res
+
+    monkeypatch.setattr(subprocess, "run", recording_run)
+    res = agent.cleanup()
+    assert res.returncode == 0, res.stdout + res.stderr
+    [argv] = ran
+    assert argv[:2] == ["env", f"XTABLES_LOCKFILE={lab2.xtables_lock(node)}"], argv
+    assert argv[2:5] == [sys.executable, "-m", "agent"], argv
+
+
+def test_a_namespace_command_needs_the_lab_up_for_its_xtables_lock(kernel_required: None) -> None:
+    """Before `up()` there is no lock file to name: a command for a namespace raises rather than
+    fall back to the machine's /run/xtables.lock; a host command with no lock to take is fine."""
+    lab = Lab(nodes=1, pods_per_node=1)
+    with pytest.raises(LabError, match="is not up"):
+        lab.command("node1", "iptables-legacy", "-S")
+    with pytest.raises(LabError, match="is not up"):
+        lab.command(None, "agent", "--cleanup", xtables="node1")
+    assert lab.command(None, "true", cgroup=None) == ["true"]
+
+
+def test_a_scratch_namespace_has_a_lock_of_its_own_that_lab_cleanup_would_find(kernel_required: None) -> None:
+    before = os.environ.get(netns.XTABLES_LOCKFILE)
+    with netns.scratch_netns("ekpt-scratch") as name:
+        lock = os.environ[netns.XTABLES_LOCKFILE]
+        lock_dir = os.path.dirname(lock)
+        assert lock != "/run/xtables.lock" and name in lock_dir, lock
+        assert lock_dir in netns.tmp_dirs(), "a killed run's lock dir would be nobody's to remove"
+        assert name in netns.list_netns()
+    assert not os.path.exists(lock_dir)
+    assert name not in netns.list_netns()
+    assert os.environ.get(netns.XTABLES_LOCKFILE) == before
 
 
 def test_run_errors(lab2: Lab) -> None:

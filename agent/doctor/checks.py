@@ -129,6 +129,7 @@ class Facts:
     # What an upgrade's hand-over cut short left: our filters in front ("eth0 tc ingress: ekp_from_net
     # pref 16"), loads whose pinned mode is not OFF ("load 1a2b: hand-over mode MISS").
     handover_left: tuple[str, ...] = ()
+    xdp: bool = True  # the XDP programs are loaded (--bpf-xdp not disabled: MapSizes.xdp)
 
 
 def kernel_version(release: str) -> tuple[int, int]:
@@ -215,7 +216,8 @@ def _features(f: Facts) -> Line:
             "nothing on the node's network dials a Service",
         )
     lacking = [h for h in XDP_HELPERS if h not in feats.xdp_helpers]
-    if XDP_PROGRAM_TYPE in feats.program_types and lacking:
+    # With --bpf-xdp=disabled no XDP program is loaded: what they would lack changes nothing.
+    if f.xdp and XDP_PROGRAM_TYPE in feats.program_types and lacking:
         return Line(
             Verdict.WARN,
             "BPF features",

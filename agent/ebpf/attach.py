@@ -138,6 +138,9 @@ FILTER_PRIO = 17  # lower runs first; a fixed spot no one else is likely to take
 FRONT_PRIO = FILTER_PRIO - 1
 OUR_PRIOS = (FILTER_PRIO, FRONT_PRIO)
 FILTER_HANDLE = 0xEB
+# What would not fail where ekp_xdp_net's attach did, by --bpf-xdp: native fails where the driver
+# has no XDP of its own; best-effort then attaches none and generic runs it anyway.
+_XDP_ATTACH_HINTS = {"native": " (--bpf-xdp=best-effort or generic would not fail)"}
 FILTER_CLASSID = 1  # (an older generation's ingress filters carried the port's bridge here)
 TC_H_INGRESS_QDISC = 0xFFFFFFF1  # parent of the clsact / ingress qdisc
 TC_H_INGRESS = 0xFFFFFFF2  # clsact ingress hook (`tc filter ... ingress`)
@@ -726,8 +729,9 @@ class HandoverState:
 class Attacher:
     """Keeps our programs on the devices that need them, in one network namespace.
 
-    `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS) to loaded program
-    fds; they must stay open while the Attacher is used. `ports` is ekp_port_v2 (abi.MAPS["port"]),
+    `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS; xdp.PROG_XDP unless
+    --bpf-xdp=disabled, MapSizes.xdp) to loaded program fds; they must stay open while the
+    Attacher is used. `ports` is ekp_port_v2 (abi.MAPS["port"]),
     which it keeps holding each attached bridge port's bridge (`port_bridge`), written before the
     device's ingress program is attached and deleted when the device goes or stops being a port.
     The constructor does nothing; `reconcile` attaches (called by every sync) and `start_watcher`
@@ -1168,25 +1172,39 @@ class Attacher:
         fd = self._fds.get(xdp.PROG_XDP)
         if not check and index in self._xdp:
             return
-        try:
-            if mode == "disabled" or fd is None:
+        if mode == "disabled" or fd is None:
+            # No XDP program this run (the loader leaves it out with --bpf-xdp=disabled): only an
+            # earlier run's, still ahead of tc, is taken off.
+            try:
                 if xdp.detach(ipr, index):
-                    log.info("detached %s from %s (--bpf-xdp=disabled)", xdp.PROG_XDP, name)
-                running = ""
-            else:
-                running = xdp.attach(ipr, index, name, fd, mode)
-        except NetlinkError as exc:
-            if exc.code == errno.ENODEV:
-                return
-            log.error(
-                "cannot attach %s to %s in %s mode: %s; its tc program serves all of its traffic "
-                "(--bpf-xdp=best-effort or generic would not fail)",
-                xdp.PROG_XDP,
-                name,
-                mode,
-                exc,
-            )
+                    log.info("detached %s from %s (--bpf-xdp=%s)", xdp.PROG_XDP, name, mode)
+            except NetlinkError as exc:
+                if exc.code == errno.ENODEV:
+                    return
+                log.error(
+                    "cannot detach the earlier run's %s from %s: %s; it still runs ahead of tc, "
+                    "retried every sync period; `ip link set dev %s xdp off` removes it",
+                    xdp.PROG_XDP,
+                    name,
+                    exc,
+                    name,
+                )
             running = ""
+        else:
+            try:
+                running = xdp.attach(ipr, index, name, fd, mode)
+            except NetlinkError as exc:
+                if exc.code == errno.ENODEV:
+                    return
+                log.error(
+                    "cannot attach %s to %s in %s mode: %s; its tc program serves all of its traffic%s",
+                    xdp.PROG_XDP,
+                    name,
+                    mode,
+                    exc,
+                    _XDP_ATTACH_HINTS.get(mode, ""),
+                )
+                running = ""
         with self._lock:
             self._xdp[index] = running
 

@@ -571,20 +571,24 @@ class Datapath:
         socket programs need loads the data path without them, and says so), and the tc programs'
         IPv6 path (TC6_PROGRAMS) only where it serves (MapSizes.ipv6_tc): elsewhere nothing would
         reach them (its slots in ekp_calls6 stay empty), and their verification was a third of a
-        cold start's. XDP's (ekp_xdp_net6) likewise only where XDP attaches (MapSizes.xdp_ipv6)."""
+        cold start's. The XDP programs (ekp_xdp_net, ekp_xdp_net6) likewise only where XDP may
+        attach (MapSizes.xdp): with --bpf-xdp=disabled nothing runs them."""
+        wanted = set(PROGRAMS)
+        if not self.sizes.ipv6_tc:
+            wanted -= set(TC6_PROGRAMS)
+        if not self.sizes.xdp:
+            wanted -= {PROG_XDP_NET, PROG_XDP_NET6}
         has = vmlinux_has(kernel_needs())
-        programs = available_programs(has)
-        missing = sorted(set(PROGRAMS) - set(programs))
+        programs = {name: spec for name, spec in available_programs(has).items() if name in wanted}
+        # Only what these sizes would load: a program left out anyway is no loss to warn about.
+        missing = sorted(wanted - set(programs))
         if missing:
+            lacking = {need for name in missing for need in PROGRAMS[name].needs} - has
             log.warning(
                 "this kernel lacks %s: loading the data path without %s",
-                ", ".join(sorted(kernel_needs() - has)),
+                ", ".join(sorted(lacking)),
                 ", ".join(missing),
             )
-        if not self.sizes.ipv6_tc:
-            programs = {name: spec for name, spec in programs.items() if name not in TC6_PROGRAMS}
-        if not self.sizes.xdp_ipv6:
-            programs.pop(PROG_XDP_NET6, None)
         return programs
 
     def build(self) -> str:
@@ -791,9 +795,7 @@ class Datapath:
         if PROG_XDP_NET6 in fds:
             return f"{tc}, and at XDP in {PROG_XDP_NET6}"
         why = (
-            "--bpf-xdp=disabled"
-            if not self.sizes.xdp_ipv6
-            else "this kernel lacks bpf_xdp_load_bytes, Linux 5.18"
+            "--bpf-xdp=disabled" if not self.sizes.xdp else "this kernel lacks bpf_xdp_load_bytes, Linux 5.18"
         )
         return f"{tc}; at XDP passed on to tc ({PROG_XDP_NET6} not loaded: {why})"
 

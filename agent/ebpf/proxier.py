@@ -934,7 +934,7 @@ class EbpfProxier:
             # From the settings and whether an IPv6 half will run (both known before main's early
             # load), never from whether it exists yet: this load may run before the IPv6 half is
             # made or after it, and a restart must build the same programs and table sizes.
-            sizes = replace(sizes, ipv6_tc=self._tc_ipv6, xdp_ipv6=self._config.bpf_xdp != "disabled")
+            sizes = replace(sizes, ipv6_tc=self._tc_ipv6, xdp=self._config.bpf_xdp != "disabled")
             datapath = self._datapath_factory(pin_path, sizes)
 
             def maps_ready() -> None:
@@ -1181,8 +1181,12 @@ class EbpfProxier:
             self._upgrade.before_attach(datapath.maps)
             activity.disarm(datapath.maps["act"])  # until every flow has its stamps (activity.py)
         if self._attacher is None:
-            names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS, PROG_XDP)
+            names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)
             fds = {name: datapath.prog_fd(name) for name in names}
+            # Not loaded with --bpf-xdp=disabled (MapSizes.xdp): the Attacher then takes any of
+            # ours an earlier run attached off, found by name, not by our fd.
+            if datapath.has_program(PROG_XDP):
+                fds[PROG_XDP] = datapath.prog_fd(PROG_XDP)
             self._attacher = self._attacher_factory(self._config, fds, datapath.maps["port"])
             full = True
         mode = HandoverMode.OFF

@@ -75,7 +75,6 @@ from agent.model.validate import (
     DNS1123_SUBDOMAIN_RULE,
     IANA_SVC_NAME_RULE,
     LABEL_VALUE_RULE,
-    MAP_TYPES,
     QUALIFIED_NAME_RULE,
     ParseError,
     check_name,
@@ -100,6 +99,7 @@ from agent.model.validate import (
     require_str,
 )
 from agent.model.wire import Conditions, WireEndpoint, WirePort
+from agent.sources.base import MAP_TYPES
 
 __all__ = [
     "HEADLESS_LABEL",

@@ -61,8 +61,8 @@ from agent.model.types import (
     ServicePort,
     ServicePortName,
 )
-from agent.model.validate import MAP_TYPES
 from agent.model.wire import TRIGGER_TIME_ANNOTATION
+from agent.sources.base import MAP_TYPES
 
 # The eBPF frontend counts its backend slots in 16 bits; both modes program at most this many.
 MAX_ENDPOINTS_PER_PORT = 65535

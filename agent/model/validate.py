@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent.model.problem import printable
+from agent.sources.base import MAP_TYPES
 
 # Go's int32, the type of every port, nodePort and timeout in the API.
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -62,13 +63,6 @@ def describe(value: object) -> str:
 
 
 # ---- typed readers -----------------------------------------------------------------------------
-
-
-# `dict` first, here and in the other readers of decoded JSON: a dict is what the decoder makes,
-# and isinstance against the Mapping ABC alone runs a Python-level __instancecheck__ (380,000
-# calls for a list of 10,000 Services and their slices). A constant: `dict | Mapping` written in
-# the call builds the union at each call, which took four times the check itself.
-MAP_TYPES = (dict, Mapping)
 
 
 def require_map(value: Any, path: str) -> Mapping[str, Any]:

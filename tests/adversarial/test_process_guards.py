@@ -56,11 +56,15 @@ def holder(cluster: Cluster) -> Agent:
     return agent
 
 
-def run_agent(argv: Sequence[str], prefix: Sequence[str] = ()) -> tuple[int, str, float]:
-    """Run `agent ARGV` to completion; (status, output, seconds)."""
+def run_agent(argv: Sequence[str], other: Agent, prefix: Sequence[str] = ()) -> tuple[int, str, float]:
+    """Run `agent ARGV` for `other`'s node to completion; (status, output, seconds). It takes the
+    node's xtables lock, as `other` would: never the machine's (issue 18)."""
     start = time.monotonic()
     res = subprocess.run(
-        [*prefix, sys.executable, "-m", "agent", *argv],
+        [
+            *prefix,
+            *other.lab.command(None, sys.executable, "-m", "agent", *argv, cgroup=None, xtables=other.node),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -74,7 +78,7 @@ def second_agent(cluster: Cluster, node: int, mode: str, *extra: str) -> tuple[i
     other = Agent(
         cluster.lab, cluster.lab.nodes[node - 1], mode, [f"--services-file={cluster.services_file}"], extra
     )
-    return run_agent([f"--services-file={cluster.services_file}", *other.flags()])
+    return run_agent([f"--services-file={cluster.services_file}", *other.flags()], other)
 
 
 def still_serving(cluster: Cluster) -> None:
@@ -146,7 +150,7 @@ def test_a_services_file_that_cannot_be_read_exits_fast_and_creates_nothing(clus
     other = Agent(
         cluster.lab, cluster.lab.nodes[1], "ebpf", [f"--services-file={missing}"], [f"--bpf-pin-path={pins}"]
     )
-    status, out, took = run_agent([f"--services-file={missing}", *other.flags()])
+    status, out, took = run_agent([f"--services-file={missing}", *other.flags()], other)
     assert status == 1 and took < FAST_S, (status, took, out)
     assert f"--services-file {missing}: No such file or directory" in out, out
     assert "Traceback" not in out, out
@@ -159,6 +163,7 @@ def test_iptables_mode_without_net_admin_exits_fast(cluster: Cluster) -> None:
     other = Agent(cluster.lab, node2, "iptables", [f"--services-file={cluster.services_file}"])
     status, out, took = run_agent(
         [f"--services-file={cluster.services_file}", *other.flags()],
+        other,
         prefix=["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"],
     )
     assert status == 1 and took < FAST_S, (status, took, out)
@@ -185,6 +190,7 @@ def test_pin_directory_made_by_another_user_is_refused(cluster: Cluster) -> None
     try:
         status, out, took = run_agent(
             [f"--services-file={cluster.services_file}", *other.flags()],
+            other,
             prefix=[
                 "env",
                 f"MNT={mnt}",
@@ -231,6 +237,7 @@ def test_a_pinned_map_of_another_size_is_fatal_with_what_to_do(cluster: Cluster)
     try:
         status, out, took = run_agent(
             [f"--services-file={cluster.services_file}", *other.flags()],
+            other,
             prefix=["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", str(mnt)],
         )
     finally:

@@ -64,6 +64,13 @@ def test_a_good_node_is_all_ok() -> None:
     assert render(GOOD, lines).endswith("verdict: ready for ebpf mode\n")
 
 
+def test_xdp_s_missing_helper_is_nothing_to_warn_about_with_xdp_disabled() -> None:
+    """--bpf-xdp=disabled loads no XDP program: a kernel lacking what ekp_xdp_net6 needs is fine."""
+    facts = replace(GOOD, features=replace(FEATURES, xdp_helpers=frozenset()), xdp=False)
+    line = by_check(checklist(facts))["BPF features"]
+    assert line.verdict is Verdict.OK, line
+
+
 @pytest.mark.parametrize(
     ("change", "check", "verdict", "fix"),
     [

@@ -13,8 +13,9 @@ What differs from a real node, and why:
   nothing is attached to the machine's own interfaces;
 * hostPath sources are substituted as a kubelet on another machine would see them: /sys/fs/bpf
   is a per-test bpffs (so pins never touch the machine's), /run/ebpf-kube-proxy a per-test
-  directory made 0755 as the kubelet makes it; /run/xtables.lock, /lib/modules and /usr/src are
-  the machine's own;
+  directory made 0755 as the kubelet makes it, /run/xtables.lock the lab node's own lock file
+  (`Lab.xtables_lock`, the one `lab.run` on that node takes); /lib/modules and /usr/src are the
+  machine's own;
 * the image's filesystem is the machine's, with the repository's virtualenv first on PATH;
 * the node's compile cache (/run/ebpf-kube-proxy/bpf-objects) starts, when the machine's cache
   holds it, with the data path build the machine's lab agents load (lab/precompile.py's, the same
@@ -98,6 +99,9 @@ class PodRun:
             hostpaths={
                 "/sys/fs/bpf": str(self.bpffs),
                 "/run/ebpf-kube-proxy": str(self.lock_dir),
+                # the node's own lock, as a node's /run holds: not the machine's, which the
+                # bench's long iptables-legacy restores hold for seconds
+                "/run/xtables.lock": self.lab.xtables_lock(self.node),
                 # cgroupRoot: the lab node's cgroup stands for the node's whole hierarchy (the
                 # machine's own root would serve every socket of the machine)
                 "/sys/fs/cgroup": str(self.node.cgroup_root),

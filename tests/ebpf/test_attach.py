@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from agent.config import Config, HostRouting, NodeContext
-from agent.ebpf import abi, attach, tcx
+from agent.ebpf import abi, attach, tcx, xdp
 from agent.ebpf.attach import (
     PROG_EGRESS,
     PROG_FROM_NET,
@@ -895,10 +895,11 @@ def test_xdp_on_the_external_devices_only_reconciled_and_detached(netns: str, pr
         assert xdp_of(netns, "eth0") == {}
         attacher.reconcile(NODE, verify=True)
         assert xdp_of(netns, "eth0").get("mode") == 1
-        # --bpf-xdp=disabled: a restarted agent takes ours off
+        # --bpf-xdp=disabled: a restarted agent, which loads no XDP program (MapSizes.xdp), takes
+        # ours off, found by name
         new_attacher(
             Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), bpf_xdp="disabled"),
-            with_xdp,
+            progs,
         ).reconcile(NODE, full=True)
         assert xdp_of(netns, "eth0") == {}
         # generic, then gone with the address that made eth0 external
@@ -915,6 +916,34 @@ def test_xdp_on_the_external_devices_only_reconciled_and_detached(netns: str, pr
         assert xdp_of(netns, "eth0") == {}
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("bpf_xdp", ["disabled", "native"])
+def test_a_failed_xdp_detach_or_attach_is_logged_as_what_failed(
+    bpf_xdp: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --bpf-xdp=disabled the Attacher has no XDP fd and only takes an earlier run's program
+    off: its failure says that one still runs and how to remove it, not that an attach failed."""
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    def refuse(*_args: Any) -> None:
+        raise NetlinkError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(xdp, "detach", refuse)
+    monkeypatch.setattr(xdp, "attach", refuse)
+    fds = {} if bpf_xdp == "disabled" else {PROG_XDP: 99}
+    attacher = new_attacher(Config(bpf_xdp=bpf_xdp), fds)
+    attacher._xdp_on(None, 7, "eth9", check=True)
+    if bpf_xdp == "disabled":
+        assert (
+            "cannot detach the earlier run's ekp_xdp_net from eth9: (1, 'Operation not permitted'); it "
+            "still runs ahead of tc, retried every sync period; `ip link set dev eth9 xdp off` removes it"
+        ) in caplog.text
+        assert "cannot attach" not in caplog.text
+    else:
+        assert "cannot attach ekp_xdp_net to eth9 in native mode" in caplog.text
+        assert "(--bpf-xdp=best-effort or generic would not fail)" in caplog.text
+    assert attacher.xdp_modes == {7: ""}
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from agent.ebpf.programs import (
     PROG_EGRESS,
     PROG_EGRESS6,
     PROG_FROM_NET,
+    PROG_FROM_NET6,
     PROG_FROM_POD,
     PROG_SCHED_CLS,
     PROG_XDP,
@@ -383,23 +384,26 @@ def test_the_tc_ipv6_paths_tables_take_their_ipv4_twins_sizes_where_it_serves() 
 
 @pytest.mark.kernel
 @pytest.mark.run_group("ipv6-builds")
-def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its_helper(
+def test_the_xdp_programs_are_loaded_only_where_xdp_attaches_and_ipv6s_where_the_kernel_has_its_helper(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, cache: ObjectCache
 ) -> None:
-    """ekp_xdp_net6 is verified and pinned only where XDP attaches (MapSizes.xdp_ipv6 false with
-    --bpf-xdp=disabled) and the kernel has bpf_xdp_load_bytes (5.18; on 5.12-5.17 the verifier
-    refused it and with it the whole build): without it ekp_xcalls6 is empty, the tc IPv6 path
-    still serves, and the log line says why. Both ways load the same programs, under one load id,
-    from the one build (a lab agent's sizes: no compile of their own)."""
+    """Neither XDP program (ekp_xdp_net, ekp_xdp_net6) is verified nor pinned where XDP cannot
+    attach (MapSizes.xdp false with --bpf-xdp=disabled): ekp_xcalls6 is there, empty, and the tc
+    programs and their IPv6 path serve all the same. ekp_xdp_net6 is loaded only where the kernel
+    has bpf_xdp_load_bytes (5.18; on 5.12-5.17 the verifier refused it and with it the whole
+    build): without it ekp_xcalls6 is empty, and the log line says why. Each is a load id of the
+    one build (a lab agent's sizes: no compile of their own)."""
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(loader, "compile_in_child", _no_compile)
     with bpffs() as root:
         pins = str(root / "ekp")
-        d = Datapath(pins, replace(AGENT, xdp_ipv6=False), cache=cache)
+        d = Datapath(pins, replace(AGENT, xdp=False), cache=cache)
         d.load()
         try:
             assert not d.has_program(PROG_XDP_NET6)
-            assert not [p for p in _prog_pins(pins) if p.endswith(PROG_XDP_NET6)]
+            assert not d.has_program(PROG_XDP_NET)
+            assert not [p for p in _prog_pins(pins) if p.endswith((PROG_XDP_NET6, PROG_XDP_NET))]
+            assert d.has_program(PROG_FROM_NET) and d.has_program(PROG_FROM_NET6)
             assert _slots(pins, d, "ekp_xcalls6") == [0]
             assert 0 not in _slots(pins, d), "the tc IPv6 path serves all the same"
             assert "at XDP passed on to tc (ekp_xdp_net6 not loaded: --bpf-xdp=disabled)" in caplog.text
@@ -413,7 +417,8 @@ def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its
         d.load()
         try:
             assert not d.has_program(PROG_XDP_NET6)
-            assert d.load_id(d.programs()) == disabled
+            assert d.has_program(PROG_XDP_NET)
+            assert d.load_id(d.programs()) != disabled
             assert (
                 "this kernel lacks bpf_xdp_load_bytes: loading the data path without ekp_xdp_net6"
                 in caplog.text
@@ -431,6 +436,19 @@ def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches_and_the_kernel_has_its
             assert "and at XDP in ekp_xdp_net6" in caplog.text
         finally:
             d.close()
+
+
+def test_a_program_these_sizes_leave_out_is_not_reported_missing_for_the_kernel(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --bpf-xdp=disabled (MapSizes.xdp false) ekp_xdp_net6 is left out whatever the kernel
+    has: a kernel lacking bpf_xdp_load_bytes is nothing to warn about there. With XDP it is."""
+    lacking = kernel_needs() - {"bpf_xdp_load_bytes"}
+    monkeypatch.setattr(loader, "vmlinux_has", lambda names: set(names) & lacking)
+    assert PROG_XDP_NET6 not in Datapath("/nonexistent", replace(AGENT, xdp=False)).programs()
+    assert "this kernel lacks" not in caplog.text
+    assert PROG_XDP_NET6 not in Datapath("/nonexistent", AGENT).programs()
+    assert "this kernel lacks bpf_xdp_load_bytes: loading the data path without ekp_xdp_net6" in caplog.text
 
 
 @pytest.mark.kernel
@@ -754,11 +772,11 @@ def test_an_older_build_s_program_array_stays_filled_until_its_programs_are_repl
     every IPv6 packet to the stack untranslated until the first sync attaches the new ones. The
     old build's array keeps its pin and its programs through the load, and goes with
     release_older_builds, called once the new programs are attached. (The older load here is the
-    same build without XDP's IPv6 program: another set of programs, pinned under another id, as
+    same build without the XDP programs: another set of programs, pinned under another id, as
     an older build's are; one compile serves both.)"""
     with bpffs() as root:
         pins = str(root / "ekp")
-        old = Datapath(pins, replace(SMALL, xdp_ipv6=False), cache=cache)
+        old = Datapath(pins, replace(SMALL, xdp=False), cache=cache)
         old.load()
         old_array = prog_pin(pins, old.load_id(old.programs()), "ekp_calls6")
         want = [prog_id(old.prog_fd(n)) for n in TAIL_CALLS["ekp_calls6"]]

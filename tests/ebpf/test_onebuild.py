@@ -31,7 +31,7 @@ EVERY_SIZES = {
     "agent defaults": MapSizes(),
     "agent, conntrack derived": AGENT,
     "agent, tc IPv6 path off": replace(AGENT, ipv6_tc=False),
-    "agent, no XDP IPv6": replace(AGENT, xdp_ipv6=False),
+    "agent, no XDP": replace(AGENT, xdp=False),
     "small": SMALL,
 }
 

@@ -44,10 +44,20 @@ from agent.ebpf.attach import HandoverState
 from agent.ebpf.maps import FakeMap, MapWriter, read_config
 from agent.ebpf.plan import MapContents, plan, read_contents
 from agent.ebpf.planner import ROLES
-from agent.ebpf.programs import PROG_SOCK_TERM, PROGRAMS, SOCK_HOOKS
+from agent.ebpf.programs import (
+    PROG_EGRESS,
+    PROG_FROM_NET,
+    PROG_FROM_POD,
+    PROG_SOCK_TERM,
+    PROG_XDP_NET,
+    PROG_XDP_NET6,
+    PROGRAMS,
+    SOCK_HOOKS,
+)
 from agent.ebpf.proxier import INSPECT_SECTIONS, StartSteps, handover_start, remove_pins, render_live_maps
 from agent.ebpf.render import render_contents
 from agent.ebpf.sockattach import pinned_links
+from agent.ebpf.xdp import PROG_XDP
 from agent.model.types import IPFamily
 from agent.takeover.flows import EbpfIds, NatFlow, TcpState, ebpf_entries6
 from lab.hooks import hook_programs, ours
@@ -88,6 +98,8 @@ class FakeDatapath:
             maps_ready()
 
     def prog_fd(self, name: str) -> int:
+        if not self.has_program(name):
+            raise KeyError(f"no program {name!r} loaded")  # as Datapath.prog_fd
         return PROG_FDS[name]
 
     def has_program(self, name: str) -> bool:
@@ -252,6 +264,7 @@ class Rig:
         self.sysctls: list[tuple[str, str, str]] = []
         self.datapaths: list[FakeDatapath] = []
         self.attachers: list[FakeAttacher] = []
+        self.attacher_fds: list[dict[str, int]] = []  # the program fds each attacher was given
         self.config = Config(netns="node1", pin_path=str(tmp / "pins"))
         self.local_ports = "32768\t60999"  # net.ipv4.ip_local_port_range in the node's namespace
         self.pinned: dict[str, int] = {}
@@ -276,7 +289,10 @@ class Rig:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
             self.sizes.append(sizes)
             dp = self.datapath_type(self.maps)
-            dp.unavailable = self.unavailable
+            # As Datapath.programs: the XDP programs are left out where XDP cannot attach.
+            dp.unavailable = (
+                self.unavailable if sizes.xdp else self.unavailable | {PROG_XDP_NET, PROG_XDP_NET6}
+            )
             dp.events = self.events
             dp.handover = self.handover
             self.datapaths.append(dp)
@@ -287,6 +303,7 @@ class Rig:
             return "0"
 
         def attacher(config: Config, fds: Mapping[str, int], ports: MapWriter) -> FakeAttacher:
+            self.attacher_fds.append(dict(fds))
             self.attachers.append(FakeAttacher(self.events, self.maps))
             self.attachers[-1].state = self.hooks
             self.attachers[-1].rehome_error = self.rehome_error
@@ -2054,17 +2071,30 @@ def test_the_tc_ipv6_path_is_sized_from_the_settings_whether_the_load_runs_befor
     assert rig.sizes[-1].ipv6_tc is False, "an IPv4-only node pays for no IPv6 path"
 
 
-def test_xdps_ipv6_path_is_loaded_only_where_xdp_attaches(rig: Rig) -> None:
-    """MapSizes.xdp_ipv6 follows --bpf-xdp: with XDP disabled nothing reaches ekp_xdp_net6, so its
-    verification (a quarter second of a cold start) is skipped."""
+def test_the_xdp_programs_are_loaded_only_where_xdp_attaches(rig: Rig) -> None:
+    """MapSizes.xdp follows --bpf-xdp: with XDP disabled nothing runs ekp_xdp_net nor
+    ekp_xdp_net6, so their verification (0.4 s of a cold start) is skipped."""
     dual = replace(
         rig.config, node_ips=("10.0.0.1", "fd00::1"), socket_lb=True, bpf_host_routing=HostRouting.BPF
     )
     for mode, want in (("disabled", False), ("best-effort", True), ("native", True), ("generic", True)):
         rig.config = replace(dual, bpf_xdp=mode)
         rig.proxier().sync(STATE, NODE)
-        assert rig.sizes[-1].xdp_ipv6 is want, mode
+        assert rig.sizes[-1].xdp is want, mode
         assert rig.sizes[-1].ipv6_tc is True
+
+
+def test_with_xdp_disabled_the_attacher_gets_no_xdp_program(rig: Rig) -> None:
+    """With --bpf-xdp=disabled the data path loads no ekp_xdp_net (MapSizes.xdp): the first sync
+    attaches the tc programs all the same, and the Attacher is given no XDP fd (it takes off any
+    of ours an earlier run attached, found by name: tests/ebpf/test_attach.py)."""
+    rig.config = replace(rig.config, bpf_xdp="disabled")
+    rig.proxier().sync(STATE, NODE)
+    assert rig.attacher_fds == [{n: PROG_FDS[n] for n in (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)}]
+    assert rig.attachers[-1].nodes, "the tc programs were attached"
+    rig.config = replace(rig.config, bpf_xdp="best-effort")
+    rig.proxier().sync(STATE, NODE)
+    assert rig.attacher_fds[-1][PROG_XDP] == PROG_FDS[PROG_XDP]
 
 
 def test_the_lab_agents_builds_are_those_the_tests_reusing_them_load(rig: Rig, tmp_path: Path) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import tempfile
+from typing import Any
 
 import pytest
 
@@ -30,8 +33,23 @@ def test_measure_without_apply_counts_rules() -> None:
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("backend", ["nft", "legacy"])
-def test_measure_applies_full_then_partial_and_removes_its_netns(backend: str) -> None:
+def test_measure_applies_full_then_partial_and_removes_its_netns(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[str] = []
+    real_mkdtemp = tempfile.mkdtemp
+
+    def recording_mkdtemp(*args: Any, **kwargs: Any) -> str:
+        made.append(real_mkdtemp(*args, **kwargs))
+        return made[-1]
+
+    # this process's own directories only: another run's scratch namespaces may come and go
+    monkeypatch.setattr(tempfile, "mkdtemp", recording_mkdtemp)
     r = measure(50, 2, backend=backend)
+    lock_dirs = [d for d in made if "ekpt-bench-" in os.path.basename(d) and "-xtables-" in d]
+    assert len(lock_dirs) == 1, f"one xtables lock directory of the scratch namespace: {made}"
+    lock_dir = lock_dirs[0]
+    assert not os.path.exists(lock_dir), "the namespace's xtables lock directory is left behind"
     assert r["backend"] == backend
     assert r["partial_services_written"] == 1
     # A NodePort gets a 4th rule in the netns: the localhost jump that counts packets with nfacct.

@@ -6,8 +6,8 @@ on the host is touched: iptables rules and conntrack entries are per network nam
 
 from __future__ import annotations
 
+import os
 import re
-import secrets
 import subprocess
 from collections.abc import Iterator
 from dataclasses import replace
@@ -17,15 +17,17 @@ import pytest
 from agent.config import Config
 from agent.iptables import IptablesProxier, canonical, chains
 from agent.iptables.conntrack import ConntrackCleaner
-from agent.iptables.runner import SubprocessRunner
+from agent.iptables.runner import IptablesError, SubprocessRunner
 from agent.model import IPFamily, ProxyState
 from agent.model.types import Protocol, ServicePortName
+from lab.netns import XTABLES_LOCKFILE, flock_held, scratch_netns
 from tests.iptables.golden_cases import case_inputs, case_names
 from tests.iptables.objects import CONFIG, NODE, endpoints, service, state
 
 pytestmark = pytest.mark.kernel
 
 BACKENDS = ["nft", "legacy"]
+HOST_XTABLES_LOCK = "/run/xtables.lock"  # iptables-legacy's without XTABLES_LOCKFILE
 
 
 def sh(*argv: str, check: bool = True) -> str:
@@ -37,12 +39,9 @@ def sh(*argv: str, check: bool = True) -> str:
 
 @pytest.fixture
 def netns() -> Iterator[str]:
-    name = f"ekpt-{secrets.token_hex(4)}"
-    sh("ip", "netns", "add", name)
-    try:
+    # Its own xtables lock: the in-process proxier's iptables-legacy never waits on the host's.
+    with scratch_netns("ekpt") as name:
         yield name
-    finally:
-        sh("ip", "netns", "delete", name, check=False)
 
 
 def save(ns: str, backend: str, binary: str = "iptables") -> str:
@@ -124,6 +123,19 @@ def test_partial_sync_replaces_the_endpoint_chain_in_the_kernel(netns: str, back
     assert f":{chains.endpoint_chain(spn, '10.244.2.6:80')} " in saved
     assert f":{chains.endpoint_chain(spn, '10.244.2.5:80')} " not in saved
     assert "--to-destination 10.244.2.6:80" in saved
+
+
+def test_a_legacy_sync_takes_its_namespaces_own_xtables_lock(netns: str) -> None:
+    """The proxier's and the test's iptables calls share the namespace's own lock (issue 18):
+    held, it holds up a legacy sync, which waits its `-w 5` out and fails naming the lock; so
+    the sync does not take the machine's /run/xtables.lock (never touched here: others use it)."""
+    own = os.environ[XTABLES_LOCKFILE]
+    assert own != HOST_XTABLES_LOCK
+    # A private lock held for as long as the block runs: no timing window to race.
+    with flock_held(own, 60), pytest.raises(IptablesError, match="xtables lock"):
+        IptablesProxier(cfg(netns, "legacy")).sync(web(), NODE)  # type: ignore[arg-type]
+    IptablesProxier(cfg(netns, "legacy")).sync(web(), NODE)  # type: ignore[arg-type]
+    assert ":KUBE-SERVICES " in save(netns, "legacy")
 
 
 def test_auto_backend_follows_the_rules_already_there(netns: str) -> None:

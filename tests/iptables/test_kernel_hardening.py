@@ -8,7 +8,6 @@ allows, `--cleanup` leaving nothing of ours, and a previous kube-proxy's rules r
 from __future__ import annotations
 
 import re
-import secrets
 import socket
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -24,6 +23,7 @@ from agent.model import ProxyState
 from agent.model.types import Protocol, ServicePortName
 from agent.netns import run_in_netns
 from agent.nodeinit import setup_conntrack
+from lab.netns import scratch_netns
 from tests.iptables.objects import CONFIG, NODE, endpoints, service, state
 
 pytestmark = pytest.mark.kernel
@@ -41,12 +41,9 @@ def sh(*argv: str, check: bool = True) -> str:
 
 @pytest.fixture
 def netns() -> Iterator[str]:
-    name = f"ekpt-{secrets.token_hex(4)}"
-    sh("ip", "netns", "add", name)
-    try:
+    # Its own xtables lock: the in-process proxier's iptables-legacy never waits on the host's.
+    with scratch_netns("ekpt") as name:
         yield name
-    finally:
-        sh("ip", "netns", "delete", name, check=False)
 
 
 def save(ns: str, backend: str) -> str:

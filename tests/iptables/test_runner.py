@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -130,6 +131,17 @@ def test_subprocess_runner_prefixes_netns_uses_lock_and_chosen_backend(
         ],
         ["ip", "netns", "exec", "ekp-node1", "iptables-legacy-save", "-t", "nat"],
     ]
+
+
+def test_the_runners_commands_take_the_xtables_lock_the_environment_names(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """No lock path of the agent's own: its iptables take the one XTABLES_LOCKFILE names (each
+    lab node's), or iptables' default /run/xtables.lock, the chart's hostPath, without it."""
+    lock = str(tmp_path / "node1.lock")
+    monkeypatch.setenv("XTABLES_LOCKFILE", lock)
+    r = SubprocessRunner(CONFIG, **PRESENT)
+    assert r.command(["sh", "-c", 'printf %s "$XTABLES_LOCKFILE"']).stdout == lock
 
 
 def test_subprocess_runner_auto_detects_from_existing_rules(monkeypatch: pytest.MonkeyPatch) -> None:

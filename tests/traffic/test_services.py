@@ -219,6 +219,17 @@ def _conntrack_keys(cluster: Cluster, frontend: str) -> set[tuple[object, ...]]:
     return keys
 
 
+def test_each_agent_takes_its_nodes_own_xtables_lock(cluster: Cluster) -> None:
+    """The agent (host namespace, `--netns`) serialises with its node's commands on the node's
+    lock, never the machine's /run/xtables.lock (issue 18): Agent.start's wiring, read back."""
+    for a in cluster.agents:
+        assert a.proc is not None and a.proc.poll() is None
+        with open(f"/proc/{a.proc.pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+        wanted = f"XTABLES_LOCKFILE={cluster.lab.xtables_lock(a.node)}".encode()
+        assert wanted in environ, (a.node.name, [e for e in environ if e.startswith(b"XTABLES")])
+
+
 def test_clusterip_of_changed_endpoints_follows_update(cluster: Cluster) -> None:
     """Endpoints replaced: new connections go only to the new set, immediately after the sync."""
     svc = service("moving", "10.96.1.4", [HTTP])

@@ -142,6 +142,7 @@ class OldAgent(Agent):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=str(self.tree),
+                xtables=self.node,
             )
         finally:
             log.close()

@@ -286,6 +286,41 @@ def test_a_tcp_stream_through_a_nodeport_continues_on_its_backend_after_conntrac
     assert delta(xstats(cluster), x0).get("ct_resumed", 0) == 1
 
 
+def test_an_agent_restarted_with_xdp_disabled_loads_no_xdp_program_and_takes_ours_off(
+    cluster: Cluster,
+) -> None:
+    """--bpf-xdp=disabled: the restarted agent loads (verifies, pins) no XDP program (MapSizes.xdp),
+    takes the one its earlier run attached off eth0 (found by name, not by an fd of its own), and
+    its tc program serves the NodePort. Back on native, ours is attached again."""
+    lab, agent = cluster.lab, cluster.agents[0]
+    svc = service("xdp-off", "10.96.70.5", [Port("http", 80, 8080, node_port=30974)], type="NodePort")
+    cluster.apply(with_endpoints(svc, [ep(cluster, "pod-2-1"), ep(cluster, "pod-2-2")]))
+    assert xdp_prog(cluster)["name"] == "ekp_xdp_net"
+    native = list(agent.extra)
+    agent.stop()
+    agent.extra = ["--bpf-xdp=disabled" if f.startswith("--bpf-xdp=") else f for f in native]
+    try:
+        agent.start()
+        agent.wait_version(cluster.version)
+        link = json.loads(lab.run(lab.node(1), "ip", "-j", "-d", "link", "show", "dev", "eth0").stdout)[0]
+        assert "xdp" not in link, link["xdp"]
+        assert "detached ekp_xdp_net from eth0 (--bpf-xdp=disabled)" in agent.log_since_start()
+        pinned = [p for p in os.listdir(agent.pin_path) if p.endswith(("_ekp_xdp_net", "_ekp_xdp_net6"))]
+        assert pinned == [], "no XDP program loaded"
+        x0, t0 = xstats(cluster), cluster.bpf_stats(1)
+        res = cluster.http(CLIENT, f"http://{lab.node(1).ip}:30974/", count=5)
+        assert res["errors"] == 0 and set(res["bodies"]) <= {"pod-2-1", "pod-2-2"}, res
+        x, t = delta(xstats(cluster), x0), delta(cluster.bpf_stats(1), t0)
+        assert x.get("packets", 0) == 0, x
+        assert t.get("new_flows", 0) == 5, t
+    finally:
+        agent.stop()
+        agent.extra = native
+        agent.start()
+        agent.wait_version(cluster.version)
+    assert xdp_prog(cluster)["name"] == "ekp_xdp_net"
+
+
 def ipv6_service(cluster: Cluster, name: str, vip: str, node_port: int, type: str, **spec: object) -> None:
     """An IPv6 Service of HTTP6_PORT on pod-2-1 and pod-2-2 (both on node2)."""
     port = Port("http", 80, HTTP6_PORT, node_port=node_port)
