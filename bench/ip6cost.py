@@ -248,7 +248,7 @@ def main(argv: list[str]) -> int:
         for backend in ("nft", "legacy"):
             if backend == "legacy":
                 to_legacy(node)
-            else:
+            elif args.perf_seconds:  # the chains beside the profiles, in --perf-dir
                 for table in ("ip", "ip6"):
                     chain = subprocess.run(
                         [
