@@ -63,7 +63,7 @@ from agent.model.tracker import Commit, ProxyModel, ServiceRecord, SliceRecord, 
 from agent.model.types import FAMILIES, IPFamily, ServicePortName
 from agent.proxier import Proxier, SyncResult
 from agent.runner import BoundedFrequencyRunner
-from agent.sources.base import MAP_TYPES, Event, EventType, Kind, ObjectEvent, Source, Synced
+from agent.sources.base import JSON_MAP_TYPES, Event, EventType, Kind, ObjectEvent, Source, Synced
 
 log = logging.getLogger("agent")
 
@@ -708,21 +708,21 @@ def _read(event: Event, hostname: str, kept: RecordKeeper | None = None) -> Even
 
 
 def _uid(obj: object) -> str:
-    meta = obj.get("metadata") if isinstance(obj, MAP_TYPES) else None
-    uid = meta.get("uid") if isinstance(meta, MAP_TYPES) else None
+    meta = obj.get("metadata") if isinstance(obj, JSON_MAP_TYPES) else None
+    uid = meta.get("uid") if isinstance(meta, JSON_MAP_TYPES) else None
     return uid if isinstance(uid, str) else ""
 
 
 def _resource_version(obj: Mapping[str, Any]) -> str:
-    meta = obj.get("metadata") if isinstance(obj, MAP_TYPES) else None
-    rv = meta.get("resourceVersion") if isinstance(meta, MAP_TYPES) else None
+    meta = obj.get("metadata") if isinstance(obj, JSON_MAP_TYPES) else None
+    rv = meta.get("resourceVersion") if isinstance(meta, JSON_MAP_TYPES) else None
     return rv if isinstance(rv, str) else ""
 
 
 def _pod_cidrs(obj: Mapping[str, Any] | None) -> tuple[str, ...]:
     """spec.podCIDRs, else spec.podCIDR (a Node written before dual-stack), as strings."""
     spec = obj.get("spec") if obj is not None else None
-    if not isinstance(spec, MAP_TYPES):
+    if not isinstance(spec, JSON_MAP_TYPES):
         return ()
     cidrs = spec.get("podCIDRs")
     if isinstance(cidrs, list) and cidrs:
@@ -733,7 +733,7 @@ def _pod_cidrs(obj: Mapping[str, Any] | None) -> tuple[str, ...]:
 
 def _labels(obj: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
     meta = obj.get("metadata") if obj is not None else None
-    labels = meta.get("labels") if isinstance(meta, MAP_TYPES) else None
-    if not isinstance(labels, MAP_TYPES):
+    labels = meta.get("labels") if isinstance(meta, JSON_MAP_TYPES) else None
+    if not isinstance(labels, JSON_MAP_TYPES):
         return ()
     return tuple(sorted((str(k), str(v)) for k, v in labels.items() if isinstance(v, str)))

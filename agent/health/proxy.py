@@ -40,6 +40,7 @@ from typing import Any
 from agent.clock import Clock, SystemClock
 from agent.goformat import format_time
 from agent.httpserve import NOSNIFF, Request, Response, not_found
+from agent.sources.base import JSON_MAP_TYPES
 
 IPV4 = "IPv4"
 TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
@@ -57,13 +58,13 @@ def node_eligible(node: Mapping[str, Any] | None) -> bool:
     if node is None:
         return False
     meta = node.get("metadata")
-    if isinstance(meta, Mapping) and meta.get("deletionTimestamp"):
+    if isinstance(meta, JSON_MAP_TYPES) and meta.get("deletionTimestamp"):
         return False
     spec = node.get("spec")
-    taints = spec.get("taints") if isinstance(spec, Mapping) else None
+    taints = spec.get("taints") if isinstance(spec, JSON_MAP_TYPES) else None
     if isinstance(taints, list):
         for taint in taints:
-            if isinstance(taint, Mapping) and taint.get("key") == TO_BE_DELETED_TAINT:
+            if isinstance(taint, JSON_MAP_TYPES) and taint.get("key") == TO_BE_DELETED_TAINT:
                 return False
     return True
 

@@ -87,7 +87,7 @@ from agent.kube.resources import Resource
 from agent.metrics.source import SourceMetrics
 from agent.model import wire
 from agent.model.problem import printable
-from agent.sources.base import MAP_TYPES, Event, EventType, Kind, ObjectEvent, Sink, Synced, object_key
+from agent.sources.base import JSON_MAP_TYPES, Event, EventType, Kind, ObjectEvent, Sink, Synced, object_key
 
 log = logging.getLogger(__name__)
 
@@ -448,7 +448,7 @@ class Reflector:
     @staticmethod
     def _rv_of(obj: Mapping[str, Any]) -> str:
         meta = obj.get("metadata")
-        rv = meta.get("resourceVersion") if isinstance(meta, MAP_TYPES) else None
+        rv = meta.get("resourceVersion") if isinstance(meta, JSON_MAP_TYPES) else None
         return rv if isinstance(rv, str) else ""
 
     # ---- list --------------------------------------------------------------------------------

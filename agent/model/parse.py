@@ -99,7 +99,7 @@ from agent.model.validate import (
     require_str,
 )
 from agent.model.wire import Conditions, WireEndpoint, WirePort
-from agent.sources.base import MAP_TYPES
+from agent.sources.base import JSON_MAP_TYPES
 
 __all__ = [
     "HEADLESS_LABEL",
@@ -160,8 +160,8 @@ class ParsedSlice:
 
 def object_key(obj: object) -> tuple[str, str]:
     """(namespace, name) of any object, for a Problem: "default" and "?" where unusable."""
-    meta = obj.get("metadata") if isinstance(obj, MAP_TYPES) else None
-    if not isinstance(meta, MAP_TYPES):
+    meta = obj.get("metadata") if isinstance(obj, JSON_MAP_TYPES) else None
+    if not isinstance(meta, JSON_MAP_TYPES):
         return "default", "?"
     namespace, name = meta.get("namespace"), meta.get("name")
     return (
@@ -526,7 +526,7 @@ def _service(svc: object) -> dict[IPFamily, list[ServicePort]] | _Skip:
     skip = _service_not_for_this_proxy(meta.labels)
     if skip:
         return _Skip(skip)
-    assert isinstance(svc, MAP_TYPES)  # _metadata checked it
+    assert isinstance(svc, JSON_MAP_TYPES)  # _metadata checked it
     spec = opt_map(svc, "spec", "spec") or {}
     svc_type = one_of(opt_str(spec, "type", "spec.type") or "ClusterIP", SERVICE_TYPES, "spec.type")
     headless, cluster_ips = _cluster_ips(spec, svc_type)
@@ -950,7 +950,7 @@ def parse_endpoint_slice(
     meta = _metadata(eps, is_dns1123_subdomain, DNS1123_SUBDOMAIN_RULE)
     if _slice_not_for_this_proxy(meta.labels):
         return None
-    assert isinstance(eps, MAP_TYPES)  # _metadata checked it
+    assert isinstance(eps, JSON_MAP_TYPES)  # _metadata checked it
     label_path = f"metadata.labels[{SERVICE_NAME_LABEL}]"
     service = meta.labels.get(SERVICE_NAME_LABEL, "")
     if not service:

@@ -8,7 +8,7 @@ becomes a Problem and is left out; everything else is still built.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from agent.model.guard import FrontendGuard
@@ -16,7 +16,7 @@ from agent.model.parse import Obj
 from agent.model.problem import Problem
 from agent.model.tracker import ProxyModel, merge_slices
 from agent.model.types import IPFamily, NodeInfo, ProxyState
-from agent.sources.base import Kind, object_key
+from agent.sources.base import JSON_MAP_TYPES, Kind, object_key
 
 __all__ = ["BuildResult", "build_state", "merge_slices"]
 
@@ -48,8 +48,8 @@ def build_state(
 
 
 def _key(kind: Kind, obj: object, index: int) -> str:
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    if not isinstance(meta, Mapping) or not isinstance(meta.get("name"), str):
+    meta = obj.get("metadata") if isinstance(obj, JSON_MAP_TYPES) else None
+    if not isinstance(meta, JSON_MAP_TYPES) or not isinstance(meta.get("name"), str):
         return f"\0unnamed-{index}"
     if not isinstance(meta.get("namespace"), str | None):
         return f"\0unnamed-{index}"

@@ -62,7 +62,7 @@ from agent.model.types import (
     ServicePortName,
 )
 from agent.model.wire import TRIGGER_TIME_ANNOTATION
-from agent.sources.base import MAP_TYPES
+from agent.sources.base import JSON_MAP_TYPES
 
 # The eBPF frontend counts its backend slots in 16 bits; both modes program at most this many.
 MAX_ENDPOINTS_PER_PORT = 65535
@@ -125,9 +125,9 @@ def describe_claim(claim: Claim) -> str:
 
 
 def _trigger_time(obj: object) -> float | None:
-    meta = obj.get("metadata") if isinstance(obj, MAP_TYPES) else None
-    annotations = meta.get("annotations") if isinstance(meta, MAP_TYPES) else None
-    text = annotations.get(TRIGGER_TIME_ANNOTATION) if isinstance(annotations, MAP_TYPES) else None
+    meta = obj.get("metadata") if isinstance(obj, JSON_MAP_TYPES) else None
+    annotations = meta.get("annotations") if isinstance(meta, JSON_MAP_TYPES) else None
+    text = annotations.get(TRIGGER_TIME_ANNOTATION) if isinstance(annotations, JSON_MAP_TYPES) else None
     if not isinstance(text, str):
         return None
     # Only a text of a timestamp's length is cached, so the cache holds at most 1024 short
@@ -212,8 +212,8 @@ def read_slice(obj: object, node_name: str) -> SliceRecord:
 def _meta_names(obj: object) -> tuple[str, str, str]:
     """(namespace, name, creationTimestamp) of any object, tolerant of every malformation."""
     namespace, name = object_key(obj)
-    meta = obj.get("metadata") if isinstance(obj, MAP_TYPES) else None
-    created = meta.get("creationTimestamp") if isinstance(meta, MAP_TYPES) else None
+    meta = obj.get("metadata") if isinstance(obj, JSON_MAP_TYPES) else None
+    created = meta.get("creationTimestamp") if isinstance(meta, JSON_MAP_TYPES) else None
     return namespace, name, created if isinstance(created, str) else ""
 
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent.model.problem import printable
-from agent.sources.base import MAP_TYPES
+from agent.sources.base import JSON_MAP_TYPES
 
 # Go's int32, the type of every port, nodePort and timeout in the API.
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -55,7 +55,7 @@ def describe(value: object) -> str:
         return repr(value)
     if isinstance(value, str):
         return f'"{printable(value, _QUOTE_LIMIT)}"'
-    if isinstance(value, MAP_TYPES):
+    if isinstance(value, JSON_MAP_TYPES):
         return f"a map of {len(value)} key{'' if len(value) == 1 else 's'}"
     if isinstance(value, list | tuple):
         return f"a list of {len(value)} item{'' if len(value) == 1 else 's'}"
@@ -66,7 +66,7 @@ def describe(value: object) -> str:
 
 
 def require_map(value: Any, path: str) -> Mapping[str, Any]:
-    if not isinstance(value, MAP_TYPES):
+    if not isinstance(value, JSON_MAP_TYPES):
         raise invalid(path, f"must be a map, not {describe(value)}")
     return value
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 # and isinstance against the Mapping ABC alone runs a Python-level __instancecheck__ (380,000
 # calls for a list of 10,000 Services and their slices). A constant: `dict | Mapping` written in
 # the call builds the union at each call, which took four times the check itself.
-MAP_TYPES = (dict, Mapping)
+JSON_MAP_TYPES = (dict, Mapping)
 
 
 class Kind(StrEnum):
@@ -84,8 +84,8 @@ class Source(Protocol):
 def object_key(kind: Kind, obj: object) -> str:
     """`namespace/name` of a namespaced object, `name` of a Node; tolerant of malformed metadata
     (anything unusable reads as "default" and "")."""
-    meta = obj.get("metadata") if isinstance(obj, MAP_TYPES) else None
-    if not isinstance(meta, MAP_TYPES):
+    meta = obj.get("metadata") if isinstance(obj, JSON_MAP_TYPES) else None
+    if not isinstance(meta, JSON_MAP_TYPES):
         meta = {}
     name = meta.get("name")
     name = name if isinstance(name, str) else ""
