@@ -18,6 +18,10 @@ than wall time:
 * the CPU seconds of the children the agent has reaped by then (`cpu_children_s`: the first
   EndpointSlice list's child process, agent/kube/childlist.py), which its own figure leaves out.
 
+The agent's maps are sized for the Services it is given, as bench/api.py sizes them
+(`agent_flags`: at 50,000 x 10 the defaults are too small, and an agent that finds its maps full
+measures something else); the flags are in each output line's `"flags"`.
+
 `--runs` starts per tree; `--label` names the tree in the output (run it from each tree's root to
 compare two trees in one session, alternating).
 """
@@ -130,6 +134,14 @@ def measure(services: int, endpoints: int, timeout_s: float = 600.0) -> dict[str
     return {"cold": cold, "restart": restart}
 
 
+def record(
+    label: str, services: int, endpoints: int, load: float, out: dict[str, dict[str, float]]
+) -> dict[str, object]:
+    """One output line: the figures with what they were measured with."""
+    flags = agent_flags(services, endpoints)
+    return {"label": label, "services": services, "load": load, "flags": flags, **out}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.syncphases", description=__doc__.split("\n\n")[0])
     ap.add_argument("--services", type=int, default=10_000)
@@ -141,10 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         load = os.getloadavg()[0]
         out = measure(args.services, args.endpoints)
         c, r = out["cold"], out["restart"]
-        print(
-            json.dumps({"label": args.label, "services": args.services, "load": load, **out}),
-            flush=True,
-        )
+        print(json.dumps(record(args.label, args.services, args.endpoints, load, out)), flush=True)
         print(
             f"# {args.label} load {load:.2f}: cold list->synced {c['list_to_sync_s']:.2f} s (lists "
             f"{c['lists_s']:.2f}, data path {c['datapath_s']:.2f}, after both {c['after_both_s']:.2f}, "
