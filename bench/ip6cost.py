@@ -1,10 +1,13 @@
 """Where iptables mode's IPv6 new connection pays more than IPv4's at many Services (issue 20).
 
-Three network namespaces of our own (`nft6-<hex>-pod`, `-node`, `-srv`, deleted at the end): the
-node holds our iptables mode's rules for `n_services` TCP Services of each family (the
-IptablesProxier, kube-proxy's layout; synthetic state as bench/iptables_restore.py's, the last
-Service's one endpoint the server), forwards between a pod and a server. The pod connects to the
-last Service's ClusterIP of each family (one connection at a time, closed with a RST, as
+A standalone tool, not part of `make bench`: it needs root, `perf` (for --perf-seconds) and
+iptables-legacy beside iptables-nft. Three network namespaces of our own, named as the lab's
+(`ekp<6 hex>-pod`, `-srv`, and the node's `ekp<6 hex>-node-<8 hex>` with an xtables lock of its
+own; deleted at the end, a killed run's by `python -m lab cleanup`): the node holds our iptables
+mode's rules for `n_services` TCP Services of each family (the IptablesProxier, kube-proxy's
+layout; bench/iptables_restore.py's synthetic state without NodePorts, the last Service's one
+endpoint the server), forwards between a pod and a server. The pod connects to the last
+Service's ClusterIP of each family (one connection at a time, closed with a RST, as
 bench/probe.py's), so each new connection's first packet walks the whole nat KUBE-SERVICES chain
 in PREROUTING. The rules are synced once with the nft backend, measured, then moved byte for byte
 to the legacy backend (`to_legacy`) and measured again.
@@ -22,28 +25,20 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
-import secrets
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from agent.config import Config, Mode, NodeContext
 from agent.iptables.proxier import IptablesProxier
-from agent.model.topology import categorize_endpoints
-from agent.model.types import (
-    Endpoint,
-    IPFamily,
-    NodeInfo,
-    Protocol,
-    ProxyState,
-    ServicePort,
-    ServicePortName,
-)
+from agent.model.types import Endpoint, IPFamily, ProxyState
+from bench.iptables_restore import synthetic_state
+from lab.netns import delete_netns, ip_batch, new_prefix, scratch_netns
 
 # bench/probe.py's connection (SO_LINGER 0: a RST, no TIME_WAIT), timed by the loop itself so
-# the interpreter's start-up is not in the rate.
+# the interpreter's start-up is not in the rate. "up" on stderr after the first connection: what
+# `profile` waits for before it records.
 CLIENT = (
     "import json, socket, struct, sys, time\n"
     "addr, secs = sys.argv[1], float(sys.argv[2])\n"
@@ -60,15 +55,22 @@ CLIENT = (
     "        except OSError:\n"
     "            errors += 1; continue\n"
     "        lat.append(time.perf_counter_ns() - t)\n"
-    "json.dump({'n': len(lat), 'secs': time.perf_counter() - start, 'ns': sorted(lat)[len(lat) // 2],"
-    " 'errors': errors}, sys.stdout)\n"
+    "        if len(lat) == 1:\n"
+    "            sys.stderr.write('up\\n'); sys.stderr.flush()\n"
+    "json.dump({'n': len(lat), 'secs': time.perf_counter() - start,"
+    " 'ns': sorted(lat)[len(lat) // 2] if lat else None, 'errors': errors}, sys.stdout)\n"
 )
+# Exits when its stdin closes: this process holds the other end, so a run killed by any signal
+# leaves no server accepting for ever in a namespace `python -m lab cleanup` is about to remove.
 SERVER = (
-    "import socket\n"
+    "import os, socket, sys, threading\n"
+    "def _orphaned():\n"
+    "    sys.stdin.buffer.read(); os._exit(0)\n"
+    "threading.Thread(target=_orphaned, daemon=True).start()\n"
     "s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)\n"
     "s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)\n"
     "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-    "s.bind(('::', 8080)); s.listen(4096)\n"
+    "s.bind(('::', int(sys.argv[1]) if len(sys.argv) > 1 else 8080)); s.listen(4096)\n"
     "while True:\n"
     "    s.accept()[0].close()\n"
 )
@@ -92,35 +94,11 @@ NODES = {
 
 
 def state(family: IPFamily, n_services: int) -> ProxyState:
-    """`n_services` single-port TCP Services, two remote endpoints each; the last one's one
-    endpoint the server (its ClusterIP sorts last in KUBE-SERVICES, as the bench's)."""
-    base, *_, server, _prefix = ADDRS[family]
-    svc_base = int(ipaddress.ip_address(base))
-    pod_base = int(ipaddress.ip_address("10.245.0.0" if family is IPFamily.IPv4 else "fd00:10:245::"))
-    node = NodeInfo("node1")
-    services: dict[ServicePortName, ServicePort] = {}
-    raw: dict[ServicePortName, tuple[Endpoint, ...]] = {}
-    chosen = {}
-    for i in range(n_services):
-        # Zero-padded: KUBE-SERVICES sorts by name, and "svc9" would follow "svc49".
-        spn = ServicePortName(f"ns{i // 100:03d}", f"svc{i:05d}", "http", Protocol.TCP)
-        sp = ServicePort(
-            name=spn,
-            cluster_ip=str(ipaddress.ip_address(svc_base + i + 1)),
-            port=80,
-            protocol=Protocol.TCP,
-        )
-        if i == n_services - 1:
-            eps: tuple[Endpoint, ...] = (Endpoint(ip=server, port=8080, node_name="node1"),)
-        else:
-            eps = tuple(
-                Endpoint(ip=str(ipaddress.ip_address(pod_base + 2 * i + k)), port=8080, node_name="node2")
-                for k in (1, 2)
-            )
-        services[spn] = sp
-        raw[spn] = eps
-        chosen[spn] = categorize_endpoints(eps, sp, node)
-    return ProxyState(node=node, services=services, endpoints=chosen, raw_endpoints=raw, family=family)
+    """`n_services` single-port TCP Services, two remote endpoints each (bench/iptables_restore.py's,
+    without NodePorts); the last one's one endpoint the server. Names padded to the count's width:
+    the last Service's ClusterIP rule is then the last of KUBE-SERVICES, the one measured."""
+    server = Endpoint(ip=ADDRS[family][4], port=8080, node_name="node1")
+    return synthetic_state(n_services, family=family, last_endpoint=server, pad=True, node_ports=False)
 
 
 def last_cluster_ip(family: IPFamily, n_services: int) -> str:
@@ -135,26 +113,30 @@ def in_ns(ns: str, *argv: str) -> None:
     sh("ip", "netns", "exec", ns, *argv)
 
 
-def build(prefix: str) -> None:
-    pod, node, srv = (f"{prefix}-{r}" for r in ("pod", "node", "srv"))
-    for ns in (pod, node, srv):
+def build(pod: str, node: str, srv: str, created: list[str]) -> None:
+    """`node` exists (scratch_netns's); `pod` and `srv` are added here, each appended to `created`
+    once it exists, so that a failed `ip netns add` (a name taken) deletes nobody else's."""
+    for ns in (pod, srv):
         sh("ip", "netns", "add", ns)
-        in_ns(ns, "ip", "link", "set", "lo", "up")
-    sh("ip", "-n", node, "link", "add", "tp", "type", "veth", "peer", "name", "eth0", "netns", pod)
-    sh("ip", "-n", node, "link", "add", "ts", "type", "veth", "peer", "name", "eth0", "netns", srv)
-    in_ns(node, "sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1")
+        created.append(ns)
+    lines: dict[str, list[str]] = {ns: ["link set lo up"] for ns in (pod, node, srv)}
+    lines[node] += [
+        f"link add tp type veth peer name eth0 netns {pod}",
+        f"link add ts type veth peer name eth0 netns {srv}",
+    ]
     for family, (_b, p_addr, n_p, n_s, s_addr, plen) in ADDRS.items():
-        nodad = ("nodad",) if family is IPFamily.IPv6 else ()
-        sh("ip", "-n", pod, "addr", "add", f"{p_addr}/{plen}", "dev", "eth0", *nodad)
-        sh("ip", "-n", node, "addr", "add", f"{n_p}/{plen}", "dev", "tp", *nodad)
-        sh("ip", "-n", node, "addr", "add", f"{n_s}/{plen}", "dev", "ts", *nodad)
-        sh("ip", "-n", srv, "addr", "add", f"{s_addr}/{plen}", "dev", "eth0", *nodad)
-        flag = "-6" if family is IPFamily.IPv6 else "-4"
-        for ns, dev, via in ((pod, "eth0", n_p), (srv, "eth0", n_s)):
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", flag, "-n", ns, "route", "add", "default", "via", via)
-    for dev in ("tp", "ts"):
-        sh("ip", "-n", node, "link", "set", dev, "up")
+        nodad = " nodad" if family is IPFamily.IPv6 else ""
+        lines[pod].append(f"addr add {p_addr}/{plen} dev eth0{nodad}")
+        lines[node] += [f"addr add {n_p}/{plen} dev tp{nodad}", f"addr add {n_s}/{plen} dev ts{nodad}"]
+        lines[srv].append(f"addr add {s_addr}/{plen} dev eth0{nodad}")
+    lines[node] += ["link set tp up", "link set ts up"]
+    for ns, via in ((pod, 2), (srv, 3)):
+        lines[ns].append("link set eth0 up")
+        lines[ns] += [f"route add default via {addrs[via]}" for addrs in ADDRS.values()]
+    ip_batch(lines[node], node)  # first: it makes the veths the others' lines address
+    for ns in (pod, srv):
+        ip_batch(lines[ns], ns)
+    in_ns(node, "sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1")
 
 
 def probe(pod: str, addr: str, seconds: float) -> tuple[float, float, int]:
@@ -165,7 +147,16 @@ def probe(pod: str, addr: str, seconds: float) -> tuple[float, float, int]:
         capture_output=True,
         text=True,
     ).stdout
+    return parse_probe(out, addr, seconds)
+
+
+def parse_probe(out: str, addr: str, seconds: float) -> tuple[float, float, int]:
     got = json.loads(out)
+    if got["ns"] is None:
+        raise SystemExit(
+            f"ip6cost: no connection to {addr}:80 succeeded in {seconds} s ({got['errors']} failed): "
+            "is the server up and the node's rules synced? (the namespaces are deleted on exit)"
+        )
     return int(got["n"]) / float(got["secs"]), int(got["ns"]) / 1000, int(got["errors"])
 
 
@@ -177,10 +168,15 @@ def profile(pod: str, addr: str, seconds: float, perf_seconds: float, out: Path)
     client = subprocess.Popen(
         ["ip", "netns", "exec", pod, sys.executable, "-I", "-S", "-c", CLIENT, addr, str(seconds)],
         stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+    data = out.with_suffix(".data")
     try:
-        time.sleep(1.0)  # past the client's start-up, into its steady connect loop
-        data = out.with_suffix(".data")
+        assert client.stderr is not None
+        # The first connection made: past the client's start-up, into its steady connect loop.
+        if client.stderr.readline() != "up\n":
+            raise SystemExit(f"ip6cost: the profiled client never connected to {addr}:80")
         sh("perf", "record", "-q", "-a", "-g", "-o", str(data), "--", "sleep", str(perf_seconds))
         report = subprocess.run(
             [
@@ -206,21 +202,22 @@ def profile(pod: str, addr: str, seconds: float, perf_seconds: float, out: Path)
             text=True,
         ).stdout
         out.write_text(report)
-        data.unlink()
     finally:
+        data.unlink(missing_ok=True)  # system-wide call graphs: hundreds of MB
         client.wait(timeout=seconds + 30)
 
 
 def to_legacy(node: str) -> None:
     """The same rules, byte for byte, moved from the nft backend to the legacy one (a save
-    restored), rather than a second 10,000-Service sync: the layout stays what we wrote."""
+    restored), rather than a second 10,000-Service sync: the layout stays what we wrote. `-w`:
+    the lock is the run's own (scratch_netns's XTABLES_LOCKFILE), never the host-wide one."""
     for tool in ("iptables", "ip6tables"):
         save = subprocess.run(
             ["ip", "netns", "exec", node, f"{tool}-nft-save"], check=True, capture_output=True
         )
         text = save.stdout.decode()
         restore = f"{tool}-legacy-restore"
-        subprocess.run(["ip", "netns", "exec", node, restore], input=text, check=True, text=True)
+        subprocess.run(["ip", "netns", "exec", node, restore, "-w", "5"], input=text, check=True, text=True)
     in_ns(node, "nft", "flush", "ruleset")
 
 
@@ -231,67 +228,76 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--perf-seconds", type=float, default=0.0)
     ap.add_argument("--perf-dir", type=Path, default=Path("."))
     args = ap.parse_args(argv)
-    prefix = f"nft6-{secrets.token_hex(2)}"
-    node, pod = f"{prefix}-node", f"{prefix}-pod"
+    # The lab's names (`ekp<6 hex>-<role>`): a killed run's namespaces are `python -m lab
+    # cleanup`'s to remove. The node's is scratch_netns's, for its xtables lock of its own.
+    prefix = new_prefix()
+    pod, srv = f"{prefix}-pod", f"{prefix}-srv"
     result: dict[str, object] = {"services": args.services, "netns": prefix}
+    created: list[str] = []
     server = None
-    try:
-        build(prefix)
-        server = subprocess.Popen(["ip", "netns", "exec", f"{prefix}-srv", sys.executable, "-c", SERVER])
-        for family in (IPFamily.IPv4, IPFamily.IPv6):
-            p = IptablesProxier(replace(CONFIG, netns=node, iptables_backend="nft"), family=family)
-            p.sync(state(family, args.services), NODES[family])
-        for family in (IPFamily.IPv4, IPFamily.IPv6):
-            # Unmeasured: a fresh namespace's first IPv6 SYN waited a retransmit (1 s) once, which
-            # a short run's conn/s would carry.
-            probe(pod, last_cluster_ip(family, args.services), 0.5)
-        for backend in ("nft", "legacy"):
-            if backend == "legacy":
-                to_legacy(node)
-            elif args.perf_seconds:  # the chains beside the profiles, in --perf-dir
-                for table in ("ip", "ip6"):
-                    chain = subprocess.run(
-                        [
-                            "ip",
-                            "netns",
-                            "exec",
-                            node,
-                            "nft",
-                            "-a",
-                            "list",
-                            "chain",
-                            table,
-                            "nat",
-                            "KUBE-SERVICES",
-                        ],
-                        check=True,
-                        capture_output=True,
-                        text=True,
-                    ).stdout
-                    head = "\n".join(chain.splitlines()[:8])
-                    (args.perf_dir / f"nft-{table}-kube-services-head.txt").write_text(head)
-            runs: dict[str, list[dict[str, float]]] = {}
-            for family in (IPFamily.IPv4, IPFamily.IPv6, IPFamily.IPv4, IPFamily.IPv6):
-                rate, p50, errors = probe(pod, last_cluster_ip(family, args.services), args.seconds)
-                runs.setdefault(f"ipv{int(family)}", []).append(
-                    {"conn_s": round(rate), "p50_us": round(p50, 1), "errors": errors}
-                )
-                # Said as it is measured: a run cut short still leaves what it measured.
-                print(backend, family.name, runs[f"ipv{int(family)}"][-1], file=sys.stderr, flush=True)
-            result[backend] = runs
-            if args.perf_seconds:
-                for family in (IPFamily.IPv4, IPFamily.IPv6):
-                    out = args.perf_dir / f"perf-{backend}-ipv{int(family)}-{args.services}.txt"
-                    addr = last_cluster_ip(family, args.services)
-                    profile(pod, addr, args.perf_seconds + 3, args.perf_seconds, out)
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait()
-        for r in ("pod", "node", "srv"):
-            subprocess.run(["ip", "netns", "delete", f"{prefix}-{r}"], check=False)
+    with scratch_netns(f"{prefix}-node") as node:
+        try:
+            build(pod, node, srv, created)
+            server = subprocess.Popen(
+                ["ip", "netns", "exec", srv, sys.executable, "-c", SERVER], stdin=subprocess.PIPE
+            )
+            run(args, pod, node, result)
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait()
+            delete_netns(created)
     print(json.dumps(result))
     return 0
+
+
+def run(args: argparse.Namespace, pod: str, node: str, result: dict[str, object]) -> None:
+    for family in (IPFamily.IPv4, IPFamily.IPv6):
+        p = IptablesProxier(replace(CONFIG, netns=node, iptables_backend="nft"), family=family)
+        p.sync(state(family, args.services), NODES[family])
+    for family in (IPFamily.IPv4, IPFamily.IPv6):
+        # Unmeasured: a fresh namespace's first IPv6 SYN waited a retransmit (1 s) once, which
+        # a short run's conn/s would carry.
+        probe(pod, last_cluster_ip(family, args.services), 0.5)
+    for backend in ("nft", "legacy"):
+        if backend == "legacy":
+            to_legacy(node)
+        elif args.perf_seconds:  # the chains beside the profiles, in --perf-dir
+            for table in ("ip", "ip6"):
+                chain = subprocess.run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        node,
+                        "nft",
+                        "-a",
+                        "list",
+                        "chain",
+                        table,
+                        "nat",
+                        "KUBE-SERVICES",
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
+                head = "\n".join(chain.splitlines()[:8])
+                (args.perf_dir / f"nft-{table}-kube-services-head.txt").write_text(head)
+        runs: dict[str, list[dict[str, float]]] = {}
+        for family in (IPFamily.IPv4, IPFamily.IPv6, IPFamily.IPv4, IPFamily.IPv6):
+            rate, p50, errors = probe(pod, last_cluster_ip(family, args.services), args.seconds)
+            runs.setdefault(f"ipv{int(family)}", []).append(
+                {"conn_s": round(rate), "p50_us": round(p50, 1), "errors": errors}
+            )
+            # Said as it is measured: a run cut short still leaves what it measured.
+            print(backend, family.name, runs[f"ipv{int(family)}"][-1], file=sys.stderr, flush=True)
+        result[backend] = runs
+        if args.perf_seconds:
+            for family in (IPFamily.IPv4, IPFamily.IPv6):
+                out = args.perf_dir / f"perf-{backend}-ipv{int(family)}-{args.services}.txt"
+                addr = last_cluster_ip(family, args.services)
+                profile(pod, addr, args.perf_seconds + 3, args.perf_seconds, out)
 
 
 if __name__ == "__main__":

@@ -23,45 +23,80 @@ from agent.config import Config, Mode, NodeContext
 from agent.iptables.proxier import IptablesProxier
 from agent.iptables.rules import RenderOptions, render
 from agent.model.topology import categorize_endpoints
-from agent.model.types import Endpoint, NodeInfo, Protocol, ProxyState, ServicePort, ServicePortName
+from agent.model.types import (
+    Endpoint,
+    IPFamily,
+    NodeInfo,
+    Protocol,
+    ProxyState,
+    ServicePort,
+    ServicePortName,
+)
 from lab.netns import scratch_netns
 
-_SERVICE_BASE = int(ipaddress.IPv4Address("10.96.0.0"))
-_POD_BASE = int(ipaddress.IPv4Address("10.244.0.0"))
+# family -> (the first ClusterIP - 1, the first endpoint - 1)
+_BASES = {
+    IPFamily.IPv4: (int(ipaddress.ip_address("10.96.0.0")), int(ipaddress.ip_address("10.244.0.0"))),
+    IPFamily.IPv6: (int(ipaddress.ip_address("fd00:10:96::")), int(ipaddress.ip_address("fd00:10:245::"))),
+}
 NODE = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
 CONFIG = Config(mode=Mode.IPTABLES, hostname="node1", cluster_cidr=("10.244.0.0/16",))
 
 
-def synthetic_state(n_services: int, endpoints_per_service: int = 2, *, shift: int = 0) -> ProxyState:
-    """`n_services` single-port TCP services; `shift` moves service 0's endpoints (a change)."""
+def service_name(i: int, n_services: int, *, pad: bool = False) -> ServicePortName:
+    """Service `i` of `n_services`; with `pad`, zero-padded to the count's width so that the
+    names sort as the indices do (KUBE-SERVICES is written in name order: "svc9" follows "svc49")."""
+    if not pad:
+        return ServicePortName(f"ns{i // 100}", f"svc{i}", "http", Protocol.TCP)
+    ns_width, svc_width = len(str(max(n_services - 1, 0) // 100)), len(str(max(n_services - 1, 0)))
+    return ServicePortName(f"ns{i // 100:0{ns_width}d}", f"svc{i:0{svc_width}d}", "http", Protocol.TCP)
+
+
+def synthetic_state(
+    n_services: int,
+    endpoints_per_service: int = 2,
+    *,
+    shift: int = 0,
+    family: IPFamily = IPFamily.IPv4,
+    last_endpoint: Endpoint | None = None,
+    pad: bool = False,
+    node_ports: bool = True,
+) -> ProxyState:
+    """`n_services` single-port TCP services; `shift` moves service 0's endpoints (a change).
+
+    `last_endpoint` replaces the last service's endpoints (bench/ip6cost.py's server), `pad` see
+    `service_name`, `node_ports` makes every tenth service a NodePort."""
+    service_base, pod_base = _BASES[family]
     node = NodeInfo("node1")
     services: dict[ServicePortName, ServicePort] = {}
     chosen = {}
     raw = {}
     for i in range(n_services):
-        spn = ServicePortName(f"ns{i // 100}", f"svc{i}", "http", Protocol.TCP)
-        node_port = 30000 + i // 10 if i % 10 == 0 and i // 10 < 2767 else 0
+        spn = service_name(i, n_services, pad=pad)
+        node_port = 30000 + i // 10 if node_ports and i % 10 == 0 and i // 10 < 2767 else 0
         sp = ServicePort(
             name=spn,
-            cluster_ip=str(ipaddress.IPv4Address(_SERVICE_BASE + i + 1)),
+            cluster_ip=str(ipaddress.ip_address(service_base + i + 1)),
             port=80,
             protocol=Protocol.TCP,
             node_port=node_port,
         )
-        first = _POD_BASE + i * endpoints_per_service + 1 + (shift * 7919 if i == 0 else 0)
+        first = pod_base + i * endpoints_per_service + 1 + (shift * 7919 if i == 0 else 0)
         eps = tuple(
             sorted(
                 (
-                    Endpoint(ip=str(ipaddress.IPv4Address(first + k)), port=8080, node_name="node2")
+                    Endpoint(ip=str(ipaddress.ip_address(first + k)), port=8080, node_name="node2")
                     for k in range(endpoints_per_service)
                 ),
                 key=lambda e: e.sort_key,
             )
         )
+        if last_endpoint is not None and i == n_services - 1:
+            eps = (last_endpoint,)
         services[spn] = sp
         raw[spn] = eps
         chosen[spn] = categorize_endpoints(eps, sp, node)
-    return ProxyState(node=node, services=services, endpoints=chosen, raw_endpoints=raw)
+    return ProxyState(node=node, services=services, endpoints=chosen, raw_endpoints=raw, family=family)
 
 
 def measure(
