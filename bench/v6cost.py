@@ -15,6 +15,14 @@ bpf host routing) are timed one run a call (the run rewrites the frame): the who
 `x` variants, cut on the translated path (ekp_from_pod6's hit and new-flow stages, and IPv4's
 matching ones in ekp_decide.h and ekp_tc_apply.h).
 
+A cut build must pass (TC_ACT_OK) the translated packets it cuts (`Variant.cuts`) and redirect
+the others as the tree does; anything else raises. The cuts leave by different paths (IPv4's
+`v4x-ct` and `v4x-pick` return from void decide functions and the program goes on with an empty
+decision, `v4x-dec` returns from the program, IPv6's skip the `out:` accounting except `v6x-rw`'s),
+so a stage figure under about 30 ns is within the cuts' placement error. After the translated
+table, each case's spread over the builds that leave its path as the tree has it
+(`Variant.leaves_whole`): the noise of that column.
+
 The cuts are text patches of this tree's C: a patch that no longer matches raises, naming it.
 Only measurement builds: nothing here is loaded by the agent.
 """
@@ -55,6 +63,7 @@ ROUNDS = 15
 CPU = 0
 QUIET = 9999  # a port of the server no Service has: no translated flow uses it
 TC_ACT_OK = 0
+TC_ACT_REDIRECT = 7
 CUT = "return TC_ACT_OK; /* v6cost cut */"
 
 
@@ -65,14 +74,36 @@ class Patch:
     new: str
 
 
+# A translated packet's kind: a conntrack hit (either way) or a new flow's SYN.
+HIT, NEW = "hit", "new"
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
     what: str
     patches: tuple[Patch, ...] = ()
     whole: bool = False  # translates as the tree does: its translated packets are timed too
-    xlate: bool = False  # cut on the translated path: its translated packets are timed (passed or redirected)
+    xlate: bool = False  # cut on the translated path: its translated packets are timed
     new_only: bool = False  # cut on the new-flow path: no flow opens, so only the SYNs are timed
+    # (family, kind) of the translated packets the cut ends early: passed (TC_ACT_OK); the others
+    # are redirected as by the tree.
+    cuts: frozenset[tuple[str, str]] = frozenset()
+    # (family, kind) whose path a whole build changes (a lookup dropped or flagged): its figure
+    # there is not the tree's path.
+    alters: frozenset[tuple[str, str]] = frozenset()
+
+    def expected_verdict(self, family: str, kind: str) -> int:
+        return TC_ACT_OK if (family, kind) in self.cuts else TC_ACT_REDIRECT
+
+    def leaves_whole(self, family: str, kind: str) -> bool:
+        """The build runs that packet's path as the tree does: it cuts nothing of that family's
+        program (a cut anywhere in it changes its code) and alters none of that path."""
+        return all(f != family for f, _ in self.cuts) and (family, kind) not in self.alters
+
+
+def _on(family: str, *kinds: str) -> frozenset[tuple[str, str]]:
+    return frozenset((family, k) for k in kinds)
 
 
 def _after(file: str, anchor: str, code: str) -> Patch:
@@ -148,30 +179,35 @@ XLATE_VARIANTS = (
         "v6x-ct",
         "IPv6 hit: after conntrack (found, alive)",
         (_after(DECIDE6, HIT6, f"\t\t{TC6}"),),
+        cuts=_on("IPv6", HIT),
         xlate=True,
     ),
     Variant(
         "v6x-src",
         "IPv6 hit: after the source check (a bpf_fib_lookup back to the source)",
         (_cut_before(DECIDE6, LAST_HOP6, f"\t\t{TC6}"),),
+        cuts=_on("IPv6", HIT),
         xlate=True,
     ),
     Variant(
         "v6x-adv",
         "IPv6 hit: after the flow's advance (state, refresh)",
         (_cut_before(DECIDE6, HOST6, f"\t\t{TC6}"),),
+        cuts=_on("IPv6", HIT),
         xlate=True,
     ),
     Variant(
         "v6x-route",
         "IPv6 hit: after the route out (a bpf_fib_lookup)",
         (_cut_before(DECIDE6, ROUTED6, f"\t\t{TC6}"),),
+        cuts=_on("IPv6", HIT),
         xlate=True,
     ),
     Variant(
         "v6x-nsrc",
         "IPv6 new flow: after the misses, the frontend, the node address and the source check",
         (_after(DECIDE6, NEW_SRC6, f"\t{TC6}"),),
+        cuts=_on("IPv6", NEW),
         xlate=True,
         new_only=True,
     ),
@@ -179,6 +215,7 @@ XLATE_VARIANTS = (
         "v6x-nroute",
         "IPv6 new flow: after the backend's choice and the route out",
         (_cut_before(DECIDE6, CREATE6, f"\t{TC6}"),),
+        cuts=_on("IPv6", NEW),
         xlate=True,
         new_only=True,
     ),
@@ -186,6 +223,7 @@ XLATE_VARIANTS = (
         "v6x-create",
         "IPv6 new flow: after the entries (ekp_ct6_create, the ring's request)",
         (_cut_before(DECIDE6, CREATED6, f"\t{TC6}"),),
+        cuts=_on("IPv6", NEW),
         xlate=True,
         new_only=True,
     ),
@@ -193,6 +231,7 @@ XLATE_VARIANTS = (
         "v6x-rw",
         "IPv6 both: after the rewrite (no hop, no redirect)",
         (Patch(MAY6, FORWARD6, f"\t{CUT}\n}}"),),
+        cuts=_on("IPv6", HIT, NEW),
         xlate=True,
     ),
     Variant(
@@ -205,12 +244,14 @@ XLATE_VARIANTS = (
                 DECIDE_HIT4.replace("\tint advanced", "\treturn; /* v6cost cut */\n\tint advanced"),
             ),
         ),
+        cuts=_on("IPv4", HIT),
         xlate=True,
     ),
     Variant(
         "v4x-pick",
         "IPv4 new flow: after the misses, the frontend and the backend's choice",
         (_cut_before(DECIDE4, PICKED4, f"\t{XCUT}"),),
+        cuts=_on("IPv4", NEW),
         xlate=True,
         new_only=True,
     ),
@@ -218,24 +259,28 @@ XLATE_VARIANTS = (
         "v4x-dec",
         "IPv4 both: after the decision (a hit's advance, a new flow's entries)",
         (Patch(CORE, DECIDED4, DECIDED4.replace("\tint verdict;", f"\tif ({V4}) {CUT}\n\tint verdict;")),),
+        cuts=_on("IPv4", HIT, NEW),
         xlate=True,
     ),
     Variant(
         "v4x-src",
         "IPv4 both: after the source check (a bpf_fib_lookup back to the source)",
         (Patch(APPLY4, SRC4, SRC4.replace("\t__builtin_memset", f"\t{CUT}\n\t__builtin_memset")),),
+        cuts=_on("IPv4", HIT, NEW),
         xlate=True,
     ),
     Variant(
         "v4x-route",
         "IPv4 both: after the route out (a bpf_fib_lookup)",
         (_cut_before(APPLY4, ROUTED4, f"\t{CUT}"),),
+        cuts=_on("IPv4", HIT, NEW),
         xlate=True,
     ),
     Variant(
         "v4x-rw",
         "IPv4 both: after the rewrite (no TTL, no redirect)",
         (Patch(APPLY4, REDIRECT4, f"\t{CUT}\n}}"),),
+        cuts=_on("IPv4", HIT, NEW),
         xlate=True,
     ),
 )
@@ -269,24 +314,28 @@ VARIANTS = (
         "v6-hit-norp",
         "IPv6: a hit from a pod without the reverse route lookup (one bpf_fib_lookup less)",
         (Patch(DECIDE6, "\t\t    !ekp_source_routed_here6(ctx, p, &w->fib)) {", "\t\t    0) {"),),
+        alters=_on("IPv6", HIT),
         whole=True,
     ),
     Variant(
         "v4-hit-norp",
-        "IPv4: a hit from a pod without the reverse route lookup (one bpf_fib_lookup less)",
+        "IPv4: a pod's hit or SYN without the source check's lookup (one bpf_fib_lookup less)",
         (Patch("ekp_tc_apply.h", "!legacy && !ekp_source_routed_here(skb, p, fib)", "0"),),
+        alters=_on("IPv4", HIT, NEW),
         whole=True,
     ),
     Variant(
         "v6-src-direct",
         "IPv6: the source check's lookup in the main table alone (BPF_FIB_LOOKUP_DIRECT)",
         (_src_fib6_flags(1),),
+        alters=_on("IPv6", HIT, NEW),
         whole=True,
     ),
     Variant(
         "v6-src-noneigh",
         "IPv6: the source check's lookup without its neighbour (BPF_FIB_LOOKUP_SKIP_NEIGH)",
         (_src_fib6_flags(4),),
+        alters=_on("IPv6", HIT, NEW),
         whole=True,
     ),
     Variant(
@@ -444,7 +493,6 @@ def measure(
 
 
 HIT_CALLS = 400  # single-run calls per round of a translated case
-TC_ACT_REDIRECT = 7
 SYN_PORT = 42000  # a new flow's source ports: SYN_PORT .. SYN_PORT + HIT_CALLS - 1, one a call
 
 
@@ -453,6 +501,8 @@ class XCase:
     """A translated packet: `frames` are sent one a call, in turn (each SYN its own flow)."""
 
     name: str
+    family: str
+    kind: str  # HIT or NEW
     opening: tuple[bytes, ...]
     frames: tuple[bytes, ...]
 
@@ -469,17 +519,23 @@ def hit_cases() -> list[XCase]:
         out.append(
             XCase(
                 f"{fam} pod -> ClusterIP, a segment (hit)",
+                fam,
+                HIT,
                 opening,
                 (tcp(client, vip, 41000, 80, flags="A", payload=data),),
             )
         )
         out.append(
             XCase(
-                f"{fam} its answer (hit)", opening, (tcp(be, client, 8080, 41000, flags="A", payload=data),)
+                f"{fam} its answer (hit)",
+                fam,
+                HIT,
+                opening,
+                (tcp(be, client, 8080, 41000, flags="A", payload=data),),
             )
         )
         syns = tuple(tcp(client, vip, SYN_PORT + i, 80) for i in range(HIT_CALLS))
-        out.append(XCase(f"{fam} pod -> ClusterIP, SYN (new flow)", (), syns))
+        out.append(XCase(f"{fam} pod -> ClusterIP, SYN (new flow)", fam, NEW, (), syns))
     return out
 
 
@@ -493,36 +549,38 @@ def open_flows(dp: Datapath, todo: list[XCase], ifindex: int) -> None:
             prog_run_timed(dp.prog_fd("ekp_from_pod"), frame, ifindex)
 
 
+def check_verdict(variant: Variant, case: XCase, verdict: int) -> None:
+    """A cut build passes the packets it cuts and redirects the others, as the tree does: a cut
+    that never ran, or one that broke the other family's path, is not timed as if it measured."""
+    want = variant.expected_verdict(case.family, case.kind)
+    if verdict != want:
+        raise RuntimeError(
+            f"{variant.name}, {case.name}: verdict {verdict}, expected {want} "
+            f"({'cut' if want == TC_ACT_OK else 'not cut'} by this build)"
+        )
+
+
 def measure_hits(
-    dps: dict[str, Datapath],
-    timed_names: set[str],
-    cut_names: set[str],
-    rounds: int,
-    ifindex: int,
-    new_only: frozenset[str] = frozenset(),
+    dps: dict[str, Datapath], timed: list[Variant], rounds: int, ifindex: int
 ) -> dict[tuple[str, str], float]:
-    """Median over the rounds of the mean ns of HIT_CALLS single runs, for the builds named: a
-    whole build's every run redirected, a cut one's passed or redirected (one cut on the new-flow
-    path, in `new_only`, on the SYNs alone: no flow opens there). Each round starts from
-    fresh maps (the SYNs' flows gone, the hits' flows opened again)."""
-    timed = {n: dp for n, dp in dps.items() if n in timed_names}
+    """Median over the rounds of the mean ns of HIT_CALLS single runs, for the builds `timed`, each
+    run's verdict checked (`check_verdict`); a cut on the new-flow path (`new_only`) on the SYNs
+    alone: no flow opens there. Each round starts from fresh maps (the SYNs' flows gone, the hits'
+    flows opened again)."""
     todo = hit_cases()
     runs: dict[tuple[str, str], list[float]] = {}
     for _ in range(rounds):
-        for name, dp in timed.items():
+        for variant in timed:
+            name, dp = variant.name, dps[variant.name]
             open_flows(dp, todo, ifindex)
             fd = dp.prog_fd("ekp_from_pod")
-            allowed = {TC_ACT_REDIRECT, TC_ACT_OK} if name in cut_names else {TC_ACT_REDIRECT}
             for case in todo:
-                if name in new_only and case.opening:
+                if variant.new_only and case.opening:
                     continue  # its cut opens no flow: a hit case would time a miss
                 total = 0
                 for i in range(HIT_CALLS):
                     verdict, ns = prog_run_timed(fd, case.frames[i % len(case.frames)], ifindex)
-                    if verdict not in allowed:
-                        raise RuntimeError(
-                            f"{name}, {case.name}: verdict {verdict}, expected one of {sorted(allowed)}"
-                        )
+                    check_verdict(variant, case, verdict)
                     total += ns
                 runs.setdefault((name, case.name), []).append(total / HIT_CALLS)
     return {k: statistics.median(v) for k, v in runs.items()}
@@ -549,10 +607,9 @@ def main(argv: list[str] | None = None) -> int:
             add_service(dp.maps, VIP, 80, ((1, BE1, 8080, 1),))
             add_service6(dp.maps, VIP6, 80, ((1, BE6, 8080, 1),))
         figures = measure(dps, args.rounds, lambda: lab.pod.ifindex)
-        whole = {v.name for v in chosen if v.whole} | ({"compare"} if args.compare else set())
-        cut = {v.name for v in chosen if v.xlate}
-        new_only = frozenset(v.name for v in chosen if v.new_only)
-        hits = measure_hits(dps, whole | cut, cut, args.rounds, lab.pod.ifindex, new_only)
+        compare = [Variant("compare", f"{args.compare} as it is", whole=True)] if args.compare else []
+        timed = [v for v in [*compare, *chosen] if v.whole or v.xlate]
+        hits = measure_hits(dps, timed, args.rounds, lab.pod.ifindex)
     names = [c.name for c in cases()]
     print(f"ns per run, median of {args.rounds} rounds of {REPEAT:,} runs (BPF_PROG_TEST_RUN, CPU {CPU})")
     print(f"{'variant':<12} " + " | ".join(f"{n[:26]:>26}" for n in names))
@@ -567,13 +624,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"translated, one run a call: ns per call, median of {args.rounds} rounds of {HIT_CALLS} calls")
         hit_names = [c.name for c in hit_cases()]
         print(f"{'variant':<12} " + " | ".join(f"{n[:34]:>34}" for n in hit_names))
-        for v in shown:
-            if v.name in whole | cut:
-                print(
-                    f"{v.name:<12} "
-                    + " | ".join(f"{hits.get((v.name, n), float('nan')):>34.1f}" for n in hit_names)
-                )
+        for v in timed:
+            print(
+                f"{v.name:<12} "
+                + " | ".join(f"{hits.get((v.name, n), float('nan')):>34.1f}" for n in hit_names)
+            )
+        for line in whole_spreads(hits, timed):
+            print(line)
     return 0
+
+
+def whole_spreads(hits: dict[tuple[str, str], float], timed: list[Variant]) -> list[str]:
+    """Per translated case, the spread over the builds that leave its path as the tree has it
+    (`Variant.leaves_whole`): the noise of that column, with no build's change in it."""
+    out = []
+    for case in hit_cases():
+        got = sorted(
+            (hits[(v.name, case.name)], v.name)
+            for v in timed
+            if v.leaves_whole(case.family, case.kind) and (v.name, case.name) in hits
+        )
+        if not got:
+            continue
+        figures = [f for f, _ in got]
+        out.append(
+            f"  {case.name}: median {statistics.median(figures):.1f}, {figures[0]:.1f}-{figures[-1]:.1f} "
+            f"over the {len(got)} builds that leave it whole ({', '.join(n for _, n in got)})"
+        )
+    return out
 
 
 if __name__ == "__main__":
