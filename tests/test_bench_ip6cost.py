@@ -63,4 +63,3 @@ def test_a_namespace_name_already_taken_is_not_deleted(monkeypatch: pytest.Monke
 def test_a_client_that_never_connected_is_a_clear_error() -> None:
     with pytest.raises(SystemExit, match=r"no connection to fd00::1:80 succeeded in 4.0 s \(7 failed\)"):
         ip6cost.parse_probe(json.dumps({"n": 0, "secs": 4.0, "ns": None, "errors": 7}), "fd00::1", 4.0)
-
