@@ -4,6 +4,9 @@ Standalone on purpose (standard library only): it is executed by path in pod and
 namespaces. Every mode prints one JSON object on stdout.
 
   http   --url U --count N           N fresh connections, body counts {"bodies": {...}, "errors": n}
+                                     (--sport S: each from source port S, one TCP 5-tuple for all:
+                                     for probes left unanswered; one this side closed leaves the
+                                     tuple in TIME_WAIT, and the next connect fails EADDRNOTAVAIL)
   loop   --url U --stop-file F        new connection per request until F exists (bounded by --max-s);
                                      --ready-file R is created once the first request is answered;
                                      {"ok": n, "errors": n, "error_kinds": {...}, "errors_seen": [the
@@ -75,7 +78,24 @@ class HTTPStatusError(OSError):
         self.reason = reason
 
 
-def fetch(url: str, timeout: float) -> bytes:
+def connect(host: str, port: int, timeout: float, sport: int = 0) -> socket.socket:
+    """A TCP connection to (host, port); `sport` non-zero: from that source port (SO_REUSEADDR, as
+    the UDP mode binds), else one the kernel picks, as `socket.create_connection` does."""
+    if not sport:
+        return socket.create_connection((host, port), timeout)
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("", sport))
+        s.settimeout(timeout)
+        s.connect((host, port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def fetch(url: str, timeout: float, sport: int = 0) -> bytes:
     """GET `url` on a new TCP connection and read the answer by http.client's rules, as
     `urllib.request.urlopen(url).read()` did: the same request bytes (HTTP/1.1, `Connection:
     close`, the URL's host and port as written in Host), TCP_NODELAY, `timeout` for the connect
@@ -100,7 +120,7 @@ def fetch(url: str, timeout: float) -> bytes:
         f"User-Agent: Python-urllib/{sys.version_info[0]}.{sys.version_info[1]}\r\n"
         "Connection: close\r\n\r\n"
     )
-    with socket.create_connection((parts.hostname or "", parts.port or 80), timeout) as s:
+    with connect(parts.hostname or "", parts.port or 80, timeout, sport) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.sendall(request.encode("latin-1"))
         # The buffered reader http.client reads through: lines and exact lengths across segments.
@@ -162,7 +182,7 @@ def cmd_http(a: argparse.Namespace) -> dict[str, object]:
     errors: Counter[str] = Counter()
     for _ in range(a.count):
         try:
-            bodies[fetch(a.url, a.timeout).decode().strip()] += 1
+            bodies[fetch(a.url, a.timeout, a.sport).decode().strip()] += 1
         except OSError as exc:
             errors[type(getattr(exc, "reason", exc)).__name__ + ": " + str(getattr(exc, "reason", exc))] += 1
     return {"bodies": dict(bodies), "errors": sum(errors.values()), "error_kinds": dict(errors)}
@@ -656,6 +676,7 @@ def main() -> int:
     h.add_argument("--url", required=True)
     h.add_argument("--count", type=int, default=1)
     h.add_argument("--timeout", type=float, default=3.0)
+    h.add_argument("--sport", type=int, default=0, help="every connection from this source port")
     lp = sub.add_parser("loop")
     lp.add_argument("--url", required=True)
     lp.add_argument("--stop-file", required=True)

@@ -31,6 +31,14 @@ REPO = Path(__file__).resolve().parents[1]
 CLIENT = str(Path(__file__).with_name("client.py"))
 PIN_ROOT = "/sys/fs/bpf"
 CLUSTER_CIDR = "10.244.0.0/16"
+# The source port of a TCP probe that expects no answer (a test's `not_served`): below the
+# ephemeral range (32768-60999), so no later connection that must be served shares its 5-tuple.
+# The unanswered SYN leaves a conntrack entry (SYN_SENT, 120 s) with no DNAT; a SYN of the same
+# tuple after the Service's rules are back follows that entry untranslated and times out, and the
+# kernel's connect() port choice starts afresh every 10 s (the ephemeral port offset hashes
+# jiffies / 10 s), so an autobound port repeats within the entry's lifetime now and then.
+# Upstream kube-proxy clears no TCP entries either: the test's probe must not make one.
+PROBE_SPORT = 20720
 
 
 class AgentDied(AssertionError):
@@ -298,8 +306,13 @@ class Cluster:
         result: dict[str, Any] = json.loads(res.stdout)
         return result
 
-    def http(self, target: Any, url: str, count: int = 1, timeout: float = 3.0) -> dict[str, Any]:
-        return self.client(target, "http", "--url", url, "--count", str(count), "--timeout", str(timeout))
+    def http(
+        self, target: Any, url: str, count: int = 1, timeout: float = 3.0, *, sport: int = 0
+    ) -> dict[str, Any]:
+        """`count` GETs of `url`, each on a new connection (lab/client.py http); `sport`: all from
+        that source port (PROBE_SPORT), else each from one the kernel picks."""
+        args = ["http", "--url", url, "--count", str(count), "--timeout", str(timeout)]
+        return self.client(target, *args, *(["--sport", str(sport)] if sport else []))
 
     def udp(
         self,

@@ -70,6 +70,7 @@ class Recorder:
 
     def __init__(self, host: str = "127.0.0.1", drip: bool = False) -> None:
         self.requests: list[bytes] = []
+        self.peer_ports: list[int] = []  # each connection's source port, in order
         self.drip = drip
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.create_server((host, 0), family=family)
@@ -80,9 +81,10 @@ class Recorder:
     def _serve(self) -> None:
         while True:
             try:
-                conn, _ = self.sock.accept()
+                conn, peer = self.sock.accept()
             except OSError:
                 return  # shut down at the end of the test
+            self.peer_ports.append(peer[1])
             with conn:
                 conn.settimeout(10.0)
                 data = b""
@@ -198,7 +200,7 @@ def test_a_port_less_url_read_a_byte_at_a_time_is_read_as_urllib_read_it(
 
     monkeypatch.setattr(socket, "create_connection", create_connection)
     url = f"http://127.0.0.1{path}"
-    ours = client_module.cmd_http(argparse.Namespace(url=url, count=1, timeout=3.0))
+    ours = client_module.cmd_http(argparse.Namespace(url=url, count=1, timeout=3.0, sport=0))
     if path in CUT:
         with pytest.raises(http.client.IncompleteRead):
             OPENER.open(url, timeout=3.0).read()
@@ -233,6 +235,20 @@ def test_a_refused_or_silent_server_is_the_same_error_as_urllibs() -> None:
         url = f"http://127.0.0.1:{silent.getsockname()[1]}/"
         out = client("http", "--url", url, "--count", "1", "--timeout", "0.3")
         assert out == {"bodies": {}, "errors": 1, "error_kinds": {"TimeoutError: timed out": 1}}, out
+
+
+def test_sport_sends_every_request_from_that_source_port(recorder: Recorder) -> None:
+    """`--sport`: each connection from the port given (a probe's one 5-tuple, lab/harness.py
+    PROBE_SPORT), the answers read as without it; without it, ports the kernel picks. The server
+    closes first: a client's own close would leave the tuple in TIME_WAIT, and the next connect of
+    the same tuple fails (EADDRNOTAVAIL), as the option's help says."""
+    url = f"http://127.0.0.1:{recorder.port}/to-close"
+    sport = 20729  # below the ephemeral range: never one the kernel picks for the run without it
+    expected = {"bodies": {"until the close": 2}, "errors": 0, "error_kinds": {}}
+    assert client("http", "--url", url, "--count", "2", "--sport", str(sport)) == expected
+    assert client("http", "--url", url, "--count", "2") == expected
+    ports = recorder.peer_ports
+    assert ports[:2] == [sport, sport] and sport not in ports[2:], ports
 
 
 HEAVY = ("urllib.request", "http.client", "ssl", "email.parser", "hashlib")
