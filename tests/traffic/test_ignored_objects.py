@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from lab.apicluster import ApiCluster
-from lab.harness import ep
+from lab.harness import PROBE_SPORT, ep
 from lab.objects import Obj, Port, endpoint_slice, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
@@ -49,7 +49,10 @@ def served(api: ApiCluster, target: str, url: str, count: int = 10) -> set[str]:
 
 
 def not_served(api: ApiCluster, target: str, url: str) -> dict[str, Any]:
-    result = api.http(target, url, count=2, timeout=1.0)
+    """Two connects left unanswered (or rejected), from PROBE_SPORT: an autobound port could be one
+    a later `served` connect of the same address picks, which the probe's conntrack entry (no
+    DNAT) would hold untranslated until it timed out."""
+    result = api.http(target, url, count=2, timeout=1.0, sport=PROBE_SPORT)
     assert result["errors"] == 2 and not result["bodies"], (url, result)
     return result
 

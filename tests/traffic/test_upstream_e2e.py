@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from lab.core import PODSERVER
-from lab.harness import Cluster, ep
+from lab.harness import PROBE_SPORT, Cluster, ep
 from lab.objects import Obj, Port, endpoint_slice, service, with_endpoints
 
 pytestmark = pytest.mark.kernel
@@ -68,7 +68,8 @@ def refused(cluster: Cluster, target: str, url: str) -> None:
 
 
 def not_served(cluster: Cluster, target: str, url: str) -> None:
-    result = cluster.http(target, url, count=2, timeout=1.0)
+    # From PROBE_SPORT, as tests/traffic/test_ignored_objects.py's not_served, for its reason.
+    result = cluster.http(target, url, count=2, timeout=1.0, sport=PROBE_SPORT)
     assert result["errors"] == 2 and not result["bodies"], (url, result)
 
 
