@@ -228,6 +228,13 @@ class Config:
         return any(":" in text for text in (*self.node_ips, *self.cluster_cidr, *self.service_cidrs))
 
     @property
+    def loads_xdp(self) -> bool:
+        """Whether the data path loads its XDP programs (MapSizes.xdp): unless
+        --bpf-xdp=disabled, where nothing would run them. Read by the proxier's load and by
+        `agent doctor`, which warns about XDP helpers only where they are loaded."""
+        return self.bpf_xdp != "disabled"
+
+    @property
     def tc_ipv6(self) -> bool:
         """Whether the tc programs' IPv6 path serves (bpf/ekp_tc6.h; MapSizes.ipv6_tc): eBPF mode,
         IPv6 in the flags, socket-level load balancing (the eBPF IPv6 half, which writes the IPv6

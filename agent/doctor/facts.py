@@ -68,7 +68,7 @@ def gather(config: Config, environ: Mapping[str, str] | None = None) -> Facts:
             handover_left=_handover_left(config),
             unlocked_route_mtus=unlocked_route_mtus(config.netns),
             map_sizes={role: getattr(sizes, role) for role in SIZED_ROLES},
-            xdp=config.bpf_xdp != "disabled",
+            xdp=config.loads_xdp,
         )
     else:
         from agent.iptables.runner import preflight as iptables_preflight

@@ -934,7 +934,7 @@ class EbpfProxier:
             # From the settings and whether an IPv6 half will run (both known before main's early
             # load), never from whether it exists yet: this load may run before the IPv6 half is
             # made or after it, and a restart must build the same programs and table sizes.
-            sizes = replace(sizes, ipv6_tc=self._tc_ipv6, xdp=self._config.bpf_xdp != "disabled")
+            sizes = replace(sizes, ipv6_tc=self._tc_ipv6, xdp=self._config.loads_xdp)
             datapath = self._datapath_factory(pin_path, sizes)
 
             def maps_ready() -> None:
