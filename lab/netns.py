@@ -159,7 +159,7 @@ def scratch_netns(prefix: str) -> Iterator[str]:
             os.environ.pop(XTABLES_LOCKFILE, None)
         else:
             os.environ[XTABLES_LOCKFILE] = before
-        subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
+        delete_netns([name])
         if lock_dir is not None:
             shutil.rmtree(lock_dir, ignore_errors=True)
 
