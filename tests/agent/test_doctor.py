@@ -71,6 +71,20 @@ def test_xdp_s_missing_helper_is_nothing_to_warn_about_with_xdp_disabled() -> No
     assert line.verdict is Verdict.OK, line
 
 
+def test_the_socket_programs_needs_are_nothing_to_warn_about_with_socket_lb_off() -> None:
+    """--bpf-socket-lb=false attaches no socket program: a kernel lacking their helpers, their
+    program type or a cgroup2 mount is fine, and the line does not say they load."""
+    for features in (
+        replace(FEATURES, socket_helpers=frozenset(SOCKET_HELPERS) - {"bpf_set_retval"}),
+        replace(FEATURES, program_types=FEATURES.program_types - {"cgroup_sock_addr"}),
+    ):
+        facts = replace(GOOD, features=features, cgroup2="", socket_lb=False)
+        lines = by_check(checklist(facts))
+        assert lines["BPF features"].verdict is Verdict.OK, lines["BPF features"]
+        assert "socket" not in lines["BPF features"].found, lines["BPF features"]
+        assert lines["cgroup2"].verdict is Verdict.OK, lines["cgroup2"]
+
+
 @pytest.mark.parametrize(
     ("change", "check", "verdict", "fix"),
     [
