@@ -357,8 +357,11 @@ def pin_dirs(prefix: str | None = None) -> list[str]:
 
 
 def tmp_dirs(prefix: str | None = None) -> list[str]:
-    pattern = f"{prefix}-*" if prefix else "ekp??????-*"
-    return sorted(d for d in glob.glob(os.path.join(tempfile.gettempdir(), pattern)) if os.path.isdir(d))
+    """Temporary directories `<tmp>/<prefix>-*` (any lab prefix, `ekp<6 hex>`, when None)."""
+    pattern = f"{prefix}-*" if prefix else "ekp*-*"
+    found = glob.glob(os.path.join(tempfile.gettempdir(), pattern))
+    # glob's `?` takes any character: `ekp??????-*` also named other tests' `ekp-guard-*` dirs.
+    return sorted(d for d in found if NS_RE.match(os.path.basename(d)) and os.path.isdir(d))
 
 
 def lab_cgroups(prefix: str | None = None) -> list[str]:

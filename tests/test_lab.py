@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -302,6 +303,20 @@ def test_a_scratch_namespace_has_a_lock_of_its_own_that_lab_cleanup_would_find(k
     assert not os.path.exists(lock_dir)
     assert name not in netns.list_netns()
     assert os.environ.get(netns.XTABLES_LOCKFILE) == before
+
+
+def test_lab_tmp_dirs_are_named_by_a_lab_prefix_exactly() -> None:
+    """Another test's `ekp-guard-*` dir, or `ekp` and six characters that are not hex, is not a
+    lab's: `python -m lab cleanup` would remove it from under its owner."""
+    prefix = netns.new_prefix()
+    made = [tempfile.mkdtemp(prefix=p) for p in (f"{prefix}-", "ekp-guard-", "ekpzzzzzz-")]
+    try:
+        found = netns.tmp_dirs()
+        assert made[0] in found
+        assert made[1] not in found and made[2] not in found, found
+    finally:
+        for d in made:
+            os.rmdir(d)
 
 
 def test_run_errors(lab2: Lab) -> None:
