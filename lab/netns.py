@@ -150,8 +150,10 @@ def scratch_netns(prefix: str) -> Iterator[str]:
     subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
     try:
         # Named as a lab's tmp dir (`ekp<6 hex>-*`, `tmp_dirs`): a killed run's is one more
-        # leftover `python -m lab cleanup` removes; the namespace's name says whose it was.
+        # leftover `python -m lab cleanup` removes (a running one's it leaves: `mark_owner`);
+        # the namespace's name says whose it was.
         lock_dir = tempfile.mkdtemp(prefix=f"{new_prefix()}-{name}-xtables-")
+        mark_owner(lock_dir)
         os.environ[XTABLES_LOCKFILE] = os.path.join(lock_dir, "xtables.lock")
         yield name
     finally:
@@ -364,6 +366,28 @@ def tmp_dirs(prefix: str | None = None) -> list[str]:
     return sorted(d for d in found if NS_RE.match(os.path.basename(d)) and os.path.isdir(d))
 
 
+OWNER_FILE = "owner"
+
+
+def mark_owner(path: str) -> None:
+    """Name this process (pid and start time) as the user of tmp dir `path`: `python -m lab
+    cleanup`, run beside it, leaves the dir while the process runs (`owner_alive`)."""
+    pid = os.getpid()
+    with open(os.path.join(path, OWNER_FILE), "w", encoding="ascii") as f:
+        f.write(f"{pid} {proc_starttime(pid)}\n")
+
+
+def owner_alive(path: str) -> int | None:
+    """The pid `mark_owner` wrote into tmp dir `path` if that process still runs (the same start
+    time: a reused pid is not it), else None (no owner named, or it is gone)."""
+    try:
+        with open(os.path.join(path, OWNER_FILE), encoding="ascii") as f:
+            pid, start = (int(tok) for tok in f.read().split())
+    except (OSError, ValueError):
+        return None
+    return pid if alive(pid, start) else None
+
+
 def lab_cgroups(prefix: str | None = None) -> list[str]:
     root = cgroup2_root()
     if root is None:
@@ -452,7 +476,8 @@ def _cmdline(pid: int) -> str:
 def cleanup_leftovers(prefix: str | None = None, *, dry_run: bool = False) -> list[str]:
     """Remove lab leftovers (of one prefix, or of every `ekp<6 hex>` prefix); return what was removed.
 
-    Kills processes in each namespace first, then deletes namespaces, cgroups, pins and tmp dirs.
+    Kills processes in each namespace first, then deletes namespaces, cgroups, pins and tmp dirs,
+    but for a tmp dir whose owner (`mark_owner`) still runs.
     """
     removed: list[str] = []
     if prefix is not None and not PREFIX_RE.match(prefix):
@@ -479,6 +504,10 @@ def cleanup_leftovers(prefix: str | None = None, *, dry_run: bool = False) -> li
             remove_path(pin)
         removed.append(f"bpffs pin {pin}")
     for d in tmp_dirs(prefix):
+        if owner_alive(d) is not None:
+            # A scratch namespace's xtables lock dir while its process runs: without it that
+            # process's next iptables-legacy fails ("can't open lock file").
+            continue
         if not dry_run:
             shutil.rmtree(d, ignore_errors=True)
         removed.append(f"temporary directory {d}")

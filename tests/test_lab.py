@@ -305,6 +305,24 @@ def test_a_scratch_namespace_has_a_lock_of_its_own_that_lab_cleanup_would_find(k
     assert os.environ.get(netns.XTABLES_LOCKFILE) == before
 
 
+def test_lab_cleanup_leaves_a_running_scratch_namespaces_lock_dir(kernel_required: None) -> None:
+    """`python -m lab cleanup` beside a running scratch namespace leaves its xtables lock dir (its
+    iptables-legacy could no longer open the lock), and removes one whose owner is gone."""
+    with netns.scratch_netns("ekpt-scratch"):
+        lock_dir = os.path.dirname(os.environ[netns.XTABLES_LOCKFILE])
+        # The dir's own prefix: this cleanup reaches nothing but it.
+        prefix = os.path.basename(lock_dir)[: len("ekp") + 6]
+        assert cleanup_leftovers(prefix) == []
+        assert os.path.isdir(lock_dir)
+    killed = tempfile.mkdtemp(prefix=f"{netns.new_prefix()}-ekpt-scratch-xtables-")
+    with open(os.path.join(killed, netns.OWNER_FILE), "w") as f:
+        # This process's pid with another start time: a killed run's pid, reused since.
+        f.write(f"{os.getpid()} {(netns.proc_starttime(os.getpid()) or 0) + 1}\n")
+    prefix = os.path.basename(killed)[: len("ekp") + 6]
+    assert cleanup_leftovers(prefix) == [f"temporary directory {killed}"]
+    assert not os.path.exists(killed)
+
+
 def test_lab_tmp_dirs_are_named_by_a_lab_prefix_exactly() -> None:
     """Another test's `ekp-guard-*` dir, or `ekp` and six characters that are not hex, is not a
     lab's: `python -m lab cleanup` would remove it from under its owner."""
