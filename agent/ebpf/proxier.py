@@ -269,7 +269,7 @@ class StartSteps:
 
 
 def default_start_steps(config: Config) -> UpgradeLike:
-    return StartSteps([Upgrade(config.pin_path), KernelTakeover(config)])
+    return StartSteps([Upgrade(config.pin_path), KernelTakeover(config, state_dir=LOCK_DIR)])
 
 
 def default_datapath(pin_path: str, sizes: MapSizes) -> DatapathLike:

@@ -13,6 +13,9 @@ right after:
 2. after: the same again, for the flows the other data path started in between (milliseconds),
    at once (until then they have no eBPF entry), then the flows of both carries handed to the stack
    in one pass per family, IPv6's first (below); nf_conntrack_tcp_be_liberal back to what it was.
+   What it was is kept in the lock directory too (`liberal_path`) while it is 1 for the takeover:
+   an agent killed in between leaves the node at 1, and the next start's first attach (a carry
+   or none) puts back the node's own value, not the 1 it finds.
    From here the programs see every packet of those flows first and translate them from their
    own entries: same backend, same SNAT source and port.
    With bpf host routing netfilter sees no packet of these flows any more. With legacy host
@@ -66,10 +69,13 @@ conntrack of a restarting eBPF agent is already in place (BPF_NOEXIST).
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 from pyroute2.netlink.exceptions import NetlinkError
@@ -103,6 +109,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TCP_BE_LIBERAL = "net/netfilter/nf_conntrack_tcp_be_liberal"
+_LIBERAL_MAX = 64  # a sysctl's value: an integer
+
+
+def liberal_path(directory: str, pin_path: str) -> str:
+    """The file holding the node's own tcp_be_liberal while the takeover has it at 1, for the pin
+    path (resolved, as agent.lock names its lock file), beside the hand-back's marker."""
+    digest = hashlib.sha256(os.path.realpath(pin_path).encode()).hexdigest()[:16]
+    return os.path.join(directory, f"takeover-{digest}.liberal")
 
 
 def ebpf_ids(maps: Mapping[str, MapWriter], flows: Iterable[NatFlow]) -> EbpfIds:
@@ -243,8 +257,13 @@ class KernelTakeover:
         sysctl: Callable[[str, str, str], str | None] = _default_sysctl,
         replace: Callable[..., Replaced] = _default_replace,
         clock_ns: Callable[[], int] = time.monotonic_ns,
+        state_dir: str = "",
     ) -> None:
+        """`state_dir`: where the node's own tcp_be_liberal is kept while it is 1 for the takeover
+        (`liberal_path`; the agent's lock directory), so that a restarted agent puts it back; ""
+        keeps it in this object alone."""
         self._config = config
+        self._liberal_file = liberal_path(state_dir, config.pin_path) if state_dir else ""
         self._dump = dump
         self._dump6 = dump6
         self._replace = replace
@@ -263,6 +282,10 @@ class KernelTakeover:
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self._stack6 = {}  # an attach retried after a failure carries afresh
+        if self._liberal_was is None:
+            # An agent killed between its before_attach and after_attach left the node at 1 and
+            # its own value in the file: put back at this attach's end, whether or not it carries.
+            self._liberal_was = self._kept_liberal()
         self._carried = self._carry(maps, "before the programs are attached", first=True)
         if self._carried:
             # While the programs are attached device by device, a carried flow can have one
@@ -275,6 +298,7 @@ class KernelTakeover:
             was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
             if self._liberal_was is None:  # an attach retried: "1" now is this agent's own
                 self._liberal_was = was
+                self._keep_liberal(was)
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         # The second carry first: a flow started between the first dump and the attach has no
@@ -313,19 +337,83 @@ class KernelTakeover:
 
     def _restore_liberal(self) -> None:
         was, self._liberal_was = self._liberal_was, None
-        if was is None or was == "1":
+        if was is None:
             return
+        if was != "1":
+            try:
+                self._sysctl(self._config.netns, TCP_BE_LIBERAL, was)
+            except OSError as exc:  # said, not raised: the error that stopped the attach matters more
+                log.error(
+                    "cannot set %s back to %s in netns %s (%s): netfilter's TCP window checks stay"
+                    " off on the node (kube-proxy's conntrack.tcpBeLiberal); set it by hand (the next"
+                    " start tries again from %s)",
+                    TCP_BE_LIBERAL,
+                    was,
+                    self._config.netns or "(own)",
+                    exc,
+                    self._liberal_file or "nowhere",
+                )
+                return
+        if self._liberal_file:
+            try:
+                os.unlink(self._liberal_file)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning(
+                    "cannot remove %s (%s): a later start would set %s to %s again; remove the file by hand",
+                    self._liberal_file,
+                    exc,
+                    TCP_BE_LIBERAL,
+                    was,
+                )
+
+    def _keep_liberal(self, was: str | None) -> None:
+        """The node's own value, kept for a restarted agent (renamed over: never half-written)."""
+        if not self._liberal_file or was is None or was == "1":
+            return
+        tmp = f"{self._liberal_file}.{os.getpid()}.tmp"
         try:
-            self._sysctl(self._config.netns, TCP_BE_LIBERAL, was)
-        except OSError as exc:  # said, not raised: the error that stopped the attach matters more
-            log.error(
-                "cannot set %s back to %s in netns %s (%s): netfilter's TCP window checks stay off"
-                " on the node (kube-proxy's conntrack.tcpBeLiberal); set it by hand",
+            os.makedirs(os.path.dirname(self._liberal_file), mode=0o700, exist_ok=True)
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{was}\n")
+            os.replace(tmp, self._liberal_file)
+        except OSError as exc:  # the takeover goes on: only a restart mid-attach would need it
+            log.warning(
+                "cannot keep %s's value %s in %s (%s): an agent restarted before this attach ends"
+                " would leave it at 1 (netfilter's TCP window checks off); set it back by hand then",
                 TCP_BE_LIBERAL,
                 was,
-                self._config.netns or "(own)",
+                self._liberal_file,
                 exc,
             )
+
+    def _kept_liberal(self) -> str | None:
+        """The node's own value an earlier agent kept (`_keep_liberal`), None when there is none."""
+        if not self._liberal_file:
+            return None
+        try:
+            fd = os.open(self._liberal_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("cannot read %s (%s): %s left as it is", self._liberal_file, exc, TCP_BE_LIBERAL)
+            return None
+        with os.fdopen(fd, "rb") as f:
+            text = f.read(_LIBERAL_MAX).decode(errors="replace").strip()
+        if not text.isdigit():
+            log.warning("ignored %s: %r is no value of %s", self._liberal_file, text, TCP_BE_LIBERAL)
+            return None
+        log.info(
+            "an earlier agent stopped during its takeover with %s at 1: putting the node's own %s back"
+            " after this attach",
+            TCP_BE_LIBERAL,
+            text,
+        )
+        return text
 
     def _hand_over(self, maps: Mapping[str, MapWriter]) -> None:
         self._attached_at = time.monotonic()

@@ -63,7 +63,7 @@ from agent.takeover.flows import (
     timeout_of,
     why_not_carried,
 )
-from agent.takeover.into_ebpf import KernelTakeover, ebpf_ids, ebpf_ids6
+from agent.takeover.into_ebpf import KernelTakeover, ebpf_ids, ebpf_ids6, liberal_path
 from agent.takeover.nfct import (
     Created,
     Replaced,
@@ -566,6 +566,43 @@ def test_an_attach_aborted_with_programs_on_some_devices_keeps_the_window_checks
     else:
         takeover.close()
     assert sysctl.values[LIBERAL] == "0"
+
+
+@pytest.mark.parametrize("carries_again", [True, False])
+def test_an_agent_restarted_mid_takeover_puts_the_nodes_own_tcp_be_liberal_back(
+    tmp_path: Path, carries_again: bool
+) -> None:
+    """Killed between before_attach and after_attach, the agent leaves the node at 1: the next
+    agent's first attach finds 1 there, and puts back the node's own 0 from the lock directory,
+    whether or not it has flows to carry; the file goes once it is back."""
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+
+    def takeover(flows: list[NatFlow]) -> KernelTakeover:
+        return KernelTakeover(
+            Config(netns="node1", bpf_host_routing=HostRouting.LEGACY, pin_path="/sys/fs/bpf/ekp-node1"),
+            dump=lambda netns: flows,
+            addresses=lambda netns: {NODE},
+            remove_rules=lambda config: None,
+            sysctl=sysctl,
+            replace=FakeReplace([]),
+            clock_ns=lambda: NOW,
+            state_dir=str(tmp_path),
+        )
+
+    kept = Path(liberal_path(str(tmp_path), "/sys/fs/bpf/ekp-node1"))
+    takeover([CLUSTERIP]).before_attach(fake_maps())  # then SIGKILL: no after_attach, no close
+    assert sysctl.values[LIBERAL] == "1" and kept.read_text() == "0\n"
+    restarted = takeover([CLUSTERIP] if carries_again else [])
+    maps = fake_maps()
+    restarted.before_attach(maps)
+    restarted.after_attach(maps)
+    assert sysctl.values[LIBERAL] == "0"
+    assert not kept.exists()
+    clean = takeover([CLUSTERIP])  # a takeover run to its end leaves no file behind
+    clean.before_attach(maps)
+    assert sysctl.values[LIBERAL] == "1" and kept.read_text() == "0\n"
+    clean.after_attach(maps)
+    assert sysctl.values[LIBERAL] == "0" and not kept.exists()
 
 
 def test_an_attach_aborted_after_the_carry_restores_the_window_checks_and_a_failing_restore_hides_nothing(
