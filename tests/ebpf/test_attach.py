@@ -137,19 +137,22 @@ def test_which_program_a_pod_side_device_carries(
 
 
 @pytest.mark.kernel
-def test_a_port_leaving_the_bridge_loses_its_entry_and_then_its_programs_if_it_no_longer_qualifies(
-    netns: str, progs: dict[str, int]
+@pytest.mark.parametrize("attach_mode", ["clsact", "tcx"])
+def test_a_port_leaving_the_bridge_loses_its_entry_and_its_programs_if_it_no_longer_qualifies(
+    netns: str, progs: dict[str, int], pin_dir: str, attach_mode: str
 ) -> None:
     """BridgeInterface: a port that leaves the bridge (the device stays) and matches no pod pattern
-    loses its entry at once and its programs at the next verify. (Before, the bridge's AF_BRIDGE
-    RTM_DELLINK for the port read as the device gone: the agent forgot it had attached it, and its
-    programs stayed until a restart.)"""
+    loses its entry and its programs as the watcher sees it leave, not at the next verify (until
+    then they translated its packets as a pod's). (Before that, the bridge's AF_BRIDGE RTM_DELLINK
+    for the port read as the device gone: the agent forgot it had attached it, and its programs
+    stayed until a restart.)"""
     sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
     sh("ip", "-n", netns, "link", "add", "tap0", "type", "veth", "peer", "name", "pod-t")
     sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
     config = Config(
         netns=netns,
-        bpf_tc_attach="clsact",
+        bpf_tc_attach=attach_mode,
+        pin_path=pin_dir,
         pod_interfaces=("lxc*",),
         detect_local_mode=LocalMode.BRIDGE_INTERFACE,
         pod_bridge_interface="cbr0",
@@ -159,16 +162,17 @@ def test_a_port_leaving_the_bridge_loses_its_entry_and_then_its_programs_if_it_n
     attacher.reconcile(NODE, full=True)
     bridge, tap0 = link_index(netns, "cbr0"), link_index(netns, "tap0")
     assert port_entries(ports) == {tap0: bridge}
-    assert "ekp_from_pod" in ingress(netns, "tap0")
+    assert lab_hooks.ours(netns, "tap0") == [PROG_FROM_POD]
     attacher.start_watcher()
     try:
         sh("ip", "-n", netns, "link", "set", "tap0", "nomaster")
-        assert wait_for(lambda: port_entries(ports) == {}), port_entries(ports)
+        assert wait_for(lambda: tap0 not in attacher.attached), attacher.attached
+        assert port_entries(ports) == {}
+        for hook in ("ingress", "egress"):
+            assert lab_hooks.ours(netns, "tap0", hook) == [], hook
+        assert tcx.pinned(pin_dir, {tap0}) == []
     finally:
         attacher.stop_watcher()
-    attacher.reconcile(NODE, verify=True)
-    assert ingress(netns, "tap0") == ""
-    assert tap0 not in attacher.attached
 
 
 @pytest.mark.kernel
