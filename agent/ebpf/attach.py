@@ -1614,10 +1614,24 @@ class Attacher:
                 ", ".join(os.path.basename(p.path) for p in moved),
             )
 
-    def _drop_unwanted(self, ipr: Any, link: Link, bridge: int) -> None:
+    def _drop_unwanted(self, ipr: Any, link: Link, bridge: int, was: tuple[str, str]) -> None:
         """The watcher's detach of a device of ours that no longer qualifies, as a verify's: its
-        programs, links and entry go, and it is no longer ours (its hand-over front too)."""
-        detached = self._detach(ipr, link.index, self._pins({link.index}))
+        programs, links and entry go, and it is no longer ours (its hand-over front too). `was`:
+        its (name, program) as we attached it, which tells why it no longer qualifies."""
+        try:
+            detached = self._detach(ipr, link.index, self._pins({link.index}))
+        except (NetlinkError, OSError) as exc:
+            # A verify detached it meanwhile, or the device went: still ours in `_attached`, so
+            # the next verify looks at it again rather than the watcher dying here.
+            log.warning(
+                "cannot detach from %s (ifindex %d), which no longer qualifies (%s): %s; the next verify"
+                " detaches it",
+                link.name,
+                link.index,
+                self._unwanted_why(link, bridge, was),
+                exc,
+            )
+            return
         self._forget_bridge(link.index)
         with self._lock:
             self._attached.pop(link.index, None)
@@ -1625,12 +1639,19 @@ class Attacher:
                 self._fronts.pop((link.index, parent), None)
                 self._front_kinds.pop((link.index, parent), None)
         if detached:
-            why = (
-                f"not a port of bridge {self._config.local_detector().interface} (ifindex {bridge}) any more"
-                if self._config.local_detector().interface
-                else "no longer a pod device"
-            )
-            log.info("detached from %s: %s", link.name, why)
+            log.info("detached from %s: %s", link.name, self._unwanted_why(link, bridge, was))
+
+    def _unwanted_why(self, link: Link, bridge: int, was: tuple[str, str]) -> str:
+        """Why a device we attached (`was`: its name and program then) no longer qualifies."""
+        name, prog = was
+        bridge_name = self._config.local_detector().interface
+        if bridge_name and prog == PROG_FROM_POD:
+            if not bridge:
+                return f"its bridge {bridge_name} is gone (no device of that name in the namespace)"
+            return f"not a port of bridge {bridge_name} (ifindex {bridge}) any more"
+        if name != link.name:
+            return f"renamed from {name}, a name that marks no pod device"
+        return "no longer a pod device"
 
     def _catch_up(self, ipr: Any) -> None:
         for link in list_links(ipr):
@@ -1643,11 +1664,11 @@ class Attacher:
         prog = pod_side_program(link, self._config, local, bridge)
         if prog is None:
             with self._lock:
-                ours = link.index in self._attached and link.index not in self._external
-            if ours:
+                was = self._attached.get(link.index) if link.index not in self._external else None
+            if was is not None:
                 # A port that left the bridge (or a pod device renamed) and no longer qualifies:
                 # its programs would go on translating its packets as a pod's until a verify.
-                self._drop_unwanted(ipr, link, bridge)
+                self._drop_unwanted(ipr, link, bridge, was)
             elif not port_bridge(link) and self._cached_bridge(link.index):
                 self._set_bridge(link.index, 0)
             return

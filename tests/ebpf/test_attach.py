@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
+from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.config import Config, HostRouting, NodeContext
 from agent.ebpf import abi, attach, tcx, xdp
@@ -218,6 +219,86 @@ def test_a_verify_leaves_a_port_that_rejoined_the_bridge_after_its_listing_attac
     assert "ekp_from_pod" in ingress(netns, "tap0")
     assert port_entries(ports) == {tap0: bridge}
     assert attacher.attached.get(tap0) == ("tap0", PROG_FROM_POD)
+
+
+@pytest.mark.kernel
+def test_a_detach_failing_in_the_watcher_leaves_the_device_to_the_next_verify(
+    netns: str, progs: dict[str, int], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watcher's detach of a port that left the bridge fails (a verify detached it meanwhile,
+    or the device went): said with the device's name, the device still ours for the next verify,
+    which detaches it. (Before, the error left `_watch` and the link watcher thread died.)"""
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "add", "tap0", "type", "veth", "peer", "name", "pod-t")
+    sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
+    config = Config(
+        netns=netns,
+        bpf_tc_attach="clsact",
+        pod_interfaces=("lxc*",),
+        detect_local_mode=LocalMode.BRIDGE_INTERFACE,
+        pod_bridge_interface="cbr0",
+    )
+    attacher = new_attacher(config, progs, FakeMap(abi.MAPS["port"]))
+    attacher.reconcile(NODE, full=True)
+    tap0 = link_index(netns, "tap0")
+    sh("ip", "-n", netns, "link", "set", "tap0", "nomaster")
+
+    def enoent(*args: Any) -> bool:
+        raise NetlinkError(errno.ENOENT, "No such file or directory")
+
+    caplog.set_level(logging.WARNING, logger="agent.ebpf.attach")
+    with monkeypatch.context() as patched, netns_route(netns) as ipr:
+        patched.setattr(attacher, "_detach", enoent)
+        attacher._on_new_link(ipr, Link(tap0, "tap0"))  # the watcher's part
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("tap0" in m and "the next verify detaches it" in m for m in said), said
+    assert attacher.attached.get(tap0) == ("tap0", PROG_FROM_POD)
+    assert "ekp_from_pod" in ingress(netns, "tap0")
+    attacher.reconcile(NODE, verify=True)
+    assert ingress(netns, "tap0") == ""
+    assert tap0 not in attacher.attached
+
+
+@pytest.mark.kernel
+def test_the_watchers_detach_says_why_the_device_no_longer_qualifies(
+    netns: str, progs: dict[str, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A port whose bridge was deleted (BridgeInterface) is said to have lost its bridge, not to be
+    "not a port of bridge cbr0 (ifindex 0)"; a pod device renamed (the CIDR modes) to have been
+    renamed, not to be "not a port of bridge" nor a bare "no longer a pod device"."""
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "add", "tap0", "type", "veth", "peer", "name", "pod-t")
+    sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
+    bridged = Config(
+        netns=netns,
+        bpf_tc_attach="clsact",
+        pod_interfaces=("lxc*",),
+        detect_local_mode=LocalMode.BRIDGE_INTERFACE,
+        pod_bridge_interface="cbr0",
+    )
+    by_cidr = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
+    caplog.set_level(logging.INFO, logger="agent.ebpf.attach")
+    port_side = new_attacher(bridged, progs, FakeMap(abi.MAPS["port"]))
+    port_side.reconcile(NODE, full=True)
+    tap0, lxc = link_index(netns, "tap0"), link_index(netns, "lxc-a")
+    assert port_side.attached.get(tap0) == ("tap0", PROG_FROM_POD)
+    sh("ip", "-n", netns, "link", "del", "cbr0")
+    with netns_route(netns) as ipr:  # the watcher's part
+        port_side._on_new_link(ipr, Link(tap0, "tap0"))
+    # then the CIDR modes' attacher (its full reconcile replaces the bridged one's filters)
+    pod_side = new_attacher(by_cidr, progs, FakeMap(abi.MAPS["port"]))
+    pod_side.reconcile(NODE, full=True)
+    assert pod_side.attached.get(lxc) == ("lxc-a", PROG_FROM_POD)
+    sh("ip", "-n", netns, "link", "set", "lxc-a", "down")
+    sh("ip", "-n", netns, "link", "set", "lxc-a", "name", "zz-a")
+    with netns_route(netns) as ipr:
+        pod_side._on_new_link(ipr, Link(lxc, "zz-a"))
+    said = {m.split(":")[0]: m for m in (r.getMessage() for r in caplog.records) if m.startswith("detached from")}
+    assert set(said) == {"detached from tap0", "detached from zz-a"}, said
+    assert "its bridge cbr0 is gone" in said["detached from tap0"], said
+    assert "renamed from lxc-a" in said["detached from zz-a"], said
+    assert tap0 not in port_side.attached
+    assert lxc not in pod_side.attached
 
 
 def sh(*argv: str) -> str:
