@@ -293,7 +293,9 @@ def test_the_watchers_detach_says_why_the_device_no_longer_qualifies(
     sh("ip", "-n", netns, "link", "set", "lxc-a", "name", "zz-a")
     with netns_route(netns) as ipr:
         pod_side._on_new_link(ipr, Link(lxc, "zz-a"))
-    said = {m.split(":")[0]: m for m in (r.getMessage() for r in caplog.records) if m.startswith("detached from")}
+    said = {
+        m.split(":")[0]: m for m in (r.getMessage() for r in caplog.records) if m.startswith("detached from")
+    }
     assert set(said) == {"detached from tap0", "detached from zz-a"}, said
     assert "its bridge cbr0 is gone" in said["detached from tap0"], said
     assert "renamed from lxc-a" in said["detached from zz-a"], said
