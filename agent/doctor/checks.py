@@ -20,7 +20,6 @@ from agent.config import Mode
 # which shares tot_len's bytes, as given, so a too-big answer advertised the packet's own length).
 MIN_KERNEL = (5, 12)
 PROGRAM_TYPE = "sched_cls"
-OPTIONAL_PROGRAM_TYPES = ("xdp", "cgroup_sock_addr")  # for the XDP and socket-level hooks
 MAP_KINDS = ("hash", "lru_hash", "lpm_trie", "array", "percpu_array")
 HELPERS = (
     "bpf_clone_redirect",
@@ -55,6 +54,11 @@ SOCKET_HELPERS = (
 # (agent/ebpf/programs.py), and IPv6 goes on from XDP to tc, which does all its work.
 XDP_PROGRAM_TYPE = "xdp"
 XDP_HELPERS = ("bpf_xdp_load_bytes",)
+# Program types only one hook needs: the hook, and whether the flags attach it (`Facts`)
+OPTIONAL_PROGRAM_TYPES: Mapping[str, tuple[str, str]] = {
+    XDP_PROGRAM_TYPE: ("XDP", "xdp"),
+    SOCKET_PROGRAM_TYPE: ("socket-level", "socket_lb"),
+}
 FILL_WARN = 0.8  # a table fuller than this: warn
 
 
@@ -204,8 +208,11 @@ def _features(f: Facts) -> Line:
             "(5.12+), or run --mode=iptables",
         )
     # A hook the flags turn off needs nothing of the kernel: what it would lack changes nothing.
-    wanted = {XDP_PROGRAM_TYPE: f.xdp, SOCKET_PROGRAM_TYPE: f.socket_lb}
-    extra = [t for t in OPTIONAL_PROGRAM_TYPES if wanted[t] and t not in feats.program_types]
+    extra = [
+        t
+        for t, (_, flag) in OPTIONAL_PROGRAM_TYPES.items()
+        if getattr(f, flag) and t not in feats.program_types
+    ]
     found = f"tc ({PROGRAM_TYPE}) with {len(HELPERS)} helpers, maps {', '.join(MAP_KINDS)}"
     lacking = [h for h in SOCKET_HELPERS if h not in feats.socket_helpers]
     if f.socket_lb and SOCKET_PROGRAM_TYPE in feats.program_types and lacking:
@@ -233,7 +240,9 @@ def _features(f: Facts) -> Line:
         return Line(
             Verdict.WARN,
             "BPF features",
-            f"{found}; no {', '.join(extra)} programs (the XDP and socket-level hooks need them)",
+            f"{found}; no {', '.join(extra)} programs (the "
+            f"{' and '.join(OPTIONAL_PROGRAM_TYPES[t][0] for t in extra)} hook{'s' if len(extra) > 1 else ''}"
+            f" need{'' if len(extra) > 1 else 's'} {'them' if len(extra) > 1 else 'it'})",
             "a kernel with CONFIG_XDP_SOCKETS / CONFIG_CGROUP_BPF for those hooks",
         )
     hooks = [name for name, on in (("XDP", f.xdp), ("cgroup socket", f.socket_lb)) if on]
