@@ -151,9 +151,18 @@ def scratch_netns(prefix: str) -> Iterator[str]:
     try:
         # Named as a lab's tmp dir (`ekp<6 hex>-*`, `tmp_dirs`): a killed run's is one more
         # leftover `python -m lab cleanup` removes (a running one's it leaves: `mark_owner`);
-        # the namespace's name says whose it was.
-        lock_dir = tempfile.mkdtemp(prefix=f"{new_prefix()}-{name}-xtables-")
-        mark_owner(lock_dir)
+        # the namespace's name says whose it was. Made and marked under another name first: a
+        # cleanup beside it must never see the lab name without its owner.
+        staging = tempfile.mkdtemp(prefix=f"ekp-scratch-{name}-")
+        try:
+            mark_owner(staging)
+            lock_dir = os.path.join(
+                os.path.dirname(staging), f"{new_prefix()}-{name}-xtables-{secrets.token_hex(4)}"
+            )
+            os.rename(staging, lock_dir)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         os.environ[XTABLES_LOCKFILE] = os.path.join(lock_dir, "xtables.lock")
         yield name
     finally:
@@ -373,8 +382,13 @@ def mark_owner(path: str) -> None:
     """Name this process (pid and start time) as the user of tmp dir `path`: `python -m lab
     cleanup`, run beside it, leaves the dir while the process runs (`owner_alive`)."""
     pid = os.getpid()
-    with open(os.path.join(path, OWNER_FILE), "w", encoding="ascii") as f:
-        f.write(f"{pid} {proc_starttime(pid)}\n")
+    start = proc_starttime(pid)
+    if start is None:  # "pid None" would read as no owner: the dir removed from under us
+        raise RuntimeError(f"cannot read this process's start time (/proc/{pid}/stat)")
+    owner = os.path.join(path, OWNER_FILE)
+    with open(f"{owner}.tmp", "w", encoding="ascii") as f:
+        f.write(f"{pid} {start}\n")
+    os.replace(f"{owner}.tmp", owner)  # never read half-written
 
 
 def owner_alive(path: str) -> int | None:

@@ -323,6 +323,36 @@ def test_lab_cleanup_leaves_a_running_scratch_namespaces_lock_dir(kernel_require
     assert not os.path.exists(killed)
 
 
+def test_a_scratch_lock_dir_has_its_owner_before_it_has_a_lab_name(
+    kernel_required: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `python -m lab cleanup` beside scratch_netns's start must never find the lock dir under a
+    lab's name without its owner file (it would remove it from under the namespace's process):
+    marked under another name, then renamed."""
+    marking = netns.mark_owner
+    seen: list[tuple[str, list[str]]] = []
+
+    def marked_while_a_cleanup_lists(path: str) -> None:
+        seen.append((path, netns.tmp_dirs()))  # what a cleanup at this moment would remove
+        marking(path)
+
+    monkeypatch.setattr(netns, "mark_owner", marked_while_a_cleanup_lists)
+    with netns.scratch_netns("ekpt-scratch"):
+        lock_dir = os.path.dirname(os.environ[netns.XTABLES_LOCKFILE])
+        assert netns.owner_alive(lock_dir) == os.getpid()
+        assert lock_dir in netns.tmp_dirs()
+    [(path, listed)] = seen
+    assert path not in listed
+
+
+def test_mark_owner_refuses_an_unknown_start_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No start time read: an error, not "pid None" (which owner_alive reads as no owner)."""
+    monkeypatch.setattr(netns, "proc_starttime", lambda pid: None)
+    with pytest.raises(RuntimeError, match="start time"):
+        netns.mark_owner(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
 def test_lab_tmp_dirs_are_named_by_a_lab_prefix_exactly() -> None:
     """Another test's `ekp-guard-*` dir, or `ekp` and six characters that are not hex, is not a
     lab's: `python -m lab cleanup` would remove it from under its owner."""
