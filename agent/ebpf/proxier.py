@@ -880,7 +880,10 @@ class EbpfProxier:
             out_of_ebpf.forget_handback(self._handback_dir, self._config.pin_path)
             # No takeover follows to put back what one killed mid-attach left
             into_ebpf.put_back_liberal(
-                self._config, self._handback_dir, read_sysctl=read_sysctl, write_sysctl=self._sysctl_writer
+                self._config,
+                self._handback_dir,
+                read_sysctl=self._sysctl_reader,
+                write_sysctl=self._sysctl_writer,
             )
 
     # ------------------------------------------------------------------ keep in place

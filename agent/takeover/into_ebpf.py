@@ -186,13 +186,13 @@ def put_back_liberal(
     *,
     read_sysctl: Callable[[str, str], str | None] | None = None,
     write_sysctl: Callable[[str, str, str], str | None] | None = None,
-    inode: Callable[[str], int] = netns_inode,
+    inode: Callable[[str], int] | None = None,
 ) -> None:
     """Where no eBPF takeover follows (`agent --cleanup` in eBPF mode, an iptables-mode start): the
     node's own tcp_be_liberal an agent killed mid-takeover kept (`kept_liberal`) goes back, and its
     file goes, so that no later eBPF start acts on a stale one."""
     try:
-        path = liberal_path(directory, config.pin_path, inode(config.netns))
+        path = liberal_path(directory, config.pin_path, (inode or netns_inode)(config.netns))
     except FileNotFoundError:
         return  # no namespace: nothing of its sysctls to put back
     was = kept_liberal(path, config, read_sysctl or _default_read_sysctl)
