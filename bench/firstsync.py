@@ -217,6 +217,7 @@ def start_steps(config: Config) -> StartSteps:
         addresses=lambda netns: frozenset(),
         remove_rules=lambda config: None,
         sysctl=lambda netns, path, value: None,
+        read_sysctl=lambda netns, path: None,
     )
     return StartSteps([Upgrade(config.pin_path), takeover])
 

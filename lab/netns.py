@@ -150,8 +150,19 @@ def scratch_netns(prefix: str) -> Iterator[str]:
     subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
     try:
         # Named as a lab's tmp dir (`ekp<6 hex>-*`, `tmp_dirs`): a killed run's is one more
-        # leftover `python -m lab cleanup` removes; the namespace's name says whose it was.
-        lock_dir = tempfile.mkdtemp(prefix=f"{new_prefix()}-{name}-xtables-")
+        # leftover `python -m lab cleanup` removes (a running one's it leaves: `mark_owner`);
+        # the namespace's name says whose it was. Made and marked under another name first: a
+        # cleanup beside it must never see the lab name without its owner.
+        staging = tempfile.mkdtemp(prefix=f"ekp-scratch-{name}-")
+        try:
+            mark_owner(staging)
+            lock_dir = os.path.join(
+                os.path.dirname(staging), f"{new_prefix()}-{name}-xtables-{secrets.token_hex(4)}"
+            )
+            os.rename(staging, lock_dir)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         os.environ[XTABLES_LOCKFILE] = os.path.join(lock_dir, "xtables.lock")
         yield name
     finally:
@@ -357,8 +368,38 @@ def pin_dirs(prefix: str | None = None) -> list[str]:
 
 
 def tmp_dirs(prefix: str | None = None) -> list[str]:
-    pattern = f"{prefix}-*" if prefix else "ekp??????-*"
-    return sorted(d for d in glob.glob(os.path.join(tempfile.gettempdir(), pattern)) if os.path.isdir(d))
+    """Temporary directories `<tmp>/<prefix>-*` (any lab prefix, `ekp<6 hex>`, when None)."""
+    pattern = f"{prefix}-*" if prefix else "ekp*-*"
+    found = glob.glob(os.path.join(tempfile.gettempdir(), pattern))
+    # glob's `?` takes any character: `ekp??????-*` also named other tests' `ekp-guard-*` dirs.
+    return sorted(d for d in found if NS_RE.match(os.path.basename(d)) and os.path.isdir(d))
+
+
+OWNER_FILE = "owner"
+
+
+def mark_owner(path: str) -> None:
+    """Name this process (pid and start time) as the user of tmp dir `path`: `python -m lab
+    cleanup`, run beside it, leaves the dir while the process runs (`owner_alive`)."""
+    pid = os.getpid()
+    start = proc_starttime(pid)
+    if start is None:  # "pid None" would read as no owner: the dir removed from under us
+        raise RuntimeError(f"cannot read this process's start time (/proc/{pid}/stat)")
+    owner = os.path.join(path, OWNER_FILE)
+    with open(f"{owner}.tmp", "w", encoding="ascii") as f:
+        f.write(f"{pid} {start}\n")
+    os.replace(f"{owner}.tmp", owner)  # never read half-written
+
+
+def owner_alive(path: str) -> int | None:
+    """The pid `mark_owner` wrote into tmp dir `path` if that process still runs (the same start
+    time: a reused pid is not it), else None (no owner named, or it is gone)."""
+    try:
+        with open(os.path.join(path, OWNER_FILE), encoding="ascii") as f:
+            pid, start = (int(tok) for tok in f.read().split())
+    except (OSError, ValueError):
+        return None
+    return pid if alive(pid, start) else None
 
 
 def lab_cgroups(prefix: str | None = None) -> list[str]:
@@ -449,7 +490,8 @@ def _cmdline(pid: int) -> str:
 def cleanup_leftovers(prefix: str | None = None, *, dry_run: bool = False) -> list[str]:
     """Remove lab leftovers (of one prefix, or of every `ekp<6 hex>` prefix); return what was removed.
 
-    Kills processes in each namespace first, then deletes namespaces, cgroups, pins and tmp dirs.
+    Kills processes in each namespace first, then deletes namespaces, cgroups, pins and tmp dirs,
+    but for a tmp dir whose owner (`mark_owner`) still runs.
     """
     removed: list[str] = []
     if prefix is not None and not PREFIX_RE.match(prefix):
@@ -476,6 +518,10 @@ def cleanup_leftovers(prefix: str | None = None, *, dry_run: bool = False) -> li
             remove_path(pin)
         removed.append(f"bpffs pin {pin}")
     for d in tmp_dirs(prefix):
+        if owner_alive(d) is not None:
+            # A scratch namespace's xtables lock dir while its process runs: without it that
+            # process's next iptables-legacy fails ("can't open lock file").
+            continue
         if not dry_run:
             shutil.rmtree(d, ignore_errors=True)
         removed.append(f"temporary directory {d}")

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -302,6 +303,68 @@ def test_a_scratch_namespace_has_a_lock_of_its_own_that_lab_cleanup_would_find(k
     assert not os.path.exists(lock_dir)
     assert name not in netns.list_netns()
     assert os.environ.get(netns.XTABLES_LOCKFILE) == before
+
+
+def test_lab_cleanup_leaves_a_running_scratch_namespaces_lock_dir(kernel_required: None) -> None:
+    """`python -m lab cleanup` beside a running scratch namespace leaves its xtables lock dir (its
+    iptables-legacy could no longer open the lock), and removes one whose owner is gone."""
+    with netns.scratch_netns("ekpt-scratch"):
+        lock_dir = os.path.dirname(os.environ[netns.XTABLES_LOCKFILE])
+        # The dir's own prefix: this cleanup reaches nothing but it.
+        prefix = os.path.basename(lock_dir)[: len("ekp") + 6]
+        assert cleanup_leftovers(prefix) == []
+        assert os.path.isdir(lock_dir)
+    killed = tempfile.mkdtemp(prefix=f"{netns.new_prefix()}-ekpt-scratch-xtables-")
+    with open(os.path.join(killed, netns.OWNER_FILE), "w") as f:
+        # This process's pid with another start time: a killed run's pid, reused since.
+        f.write(f"{os.getpid()} {(netns.proc_starttime(os.getpid()) or 0) + 1}\n")
+    prefix = os.path.basename(killed)[: len("ekp") + 6]
+    assert cleanup_leftovers(prefix) == [f"temporary directory {killed}"]
+    assert not os.path.exists(killed)
+
+
+def test_a_scratch_lock_dir_has_its_owner_before_it_has_a_lab_name(
+    kernel_required: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `python -m lab cleanup` beside scratch_netns's start must never find the lock dir under a
+    lab's name without its owner file (it would remove it from under the namespace's process):
+    marked under another name, then renamed."""
+    marking = netns.mark_owner
+    seen: list[tuple[str, list[str]]] = []
+
+    def marked_while_a_cleanup_lists(path: str) -> None:
+        seen.append((path, netns.tmp_dirs()))  # what a cleanup at this moment would remove
+        marking(path)
+
+    monkeypatch.setattr(netns, "mark_owner", marked_while_a_cleanup_lists)
+    with netns.scratch_netns("ekpt-scratch"):
+        lock_dir = os.path.dirname(os.environ[netns.XTABLES_LOCKFILE])
+        assert netns.owner_alive(lock_dir) == os.getpid()
+        assert lock_dir in netns.tmp_dirs()
+    [(path, listed)] = seen
+    assert path not in listed
+
+
+def test_mark_owner_refuses_an_unknown_start_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No start time read: an error, not "pid None" (which owner_alive reads as no owner)."""
+    monkeypatch.setattr(netns, "proc_starttime", lambda pid: None)
+    with pytest.raises(RuntimeError, match="start time"):
+        netns.mark_owner(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_lab_tmp_dirs_are_named_by_a_lab_prefix_exactly() -> None:
+    """Another test's `ekp-guard-*` dir, or `ekp` and six characters that are not hex, is not a
+    lab's: `python -m lab cleanup` would remove it from under its owner."""
+    prefix = netns.new_prefix()
+    made = [tempfile.mkdtemp(prefix=p) for p in (f"{prefix}-", "ekp-guard-", "ekpzzzzzz-")]
+    try:
+        found = netns.tmp_dirs()
+        assert made[0] in found
+        assert made[1] not in found and made[2] not in found, found
+    finally:
+        for d in made:
+            os.rmdir(d)
 
 
 def test_run_errors(lab2: Lab) -> None:

@@ -20,7 +20,6 @@ from agent.config import Mode
 # which shares tot_len's bytes, as given, so a too-big answer advertised the packet's own length).
 MIN_KERNEL = (5, 12)
 PROGRAM_TYPE = "sched_cls"
-OPTIONAL_PROGRAM_TYPES = ("xdp", "cgroup_sock_addr")  # for the XDP and socket-level hooks
 MAP_KINDS = ("hash", "lru_hash", "lpm_trie", "array", "percpu_array")
 HELPERS = (
     "bpf_clone_redirect",
@@ -55,6 +54,11 @@ SOCKET_HELPERS = (
 # (agent/ebpf/programs.py), and IPv6 goes on from XDP to tc, which does all its work.
 XDP_PROGRAM_TYPE = "xdp"
 XDP_HELPERS = ("bpf_xdp_load_bytes",)
+# Program types only one hook needs: the hook, and whether the flags attach it (`Facts`)
+OPTIONAL_PROGRAM_TYPES: Mapping[str, tuple[str, str]] = {
+    XDP_PROGRAM_TYPE: ("XDP", "xdp"),
+    SOCKET_PROGRAM_TYPE: ("socket-level", "socket_lb"),
+}
 FILL_WARN = 0.8  # a table fuller than this: warn
 
 
@@ -130,6 +134,7 @@ class Facts:
     # pref 16"), loads whose pinned mode is not OFF ("load 1a2b: hand-over mode MISS").
     handover_left: tuple[str, ...] = ()
     xdp: bool = True  # the XDP programs are loaded (--bpf-xdp not disabled: MapSizes.xdp)
+    socket_lb: bool = True  # the socket programs are attached (--bpf-socket-lb)
 
 
 def kernel_version(release: str) -> tuple[int, int]:
@@ -202,10 +207,15 @@ def _features(f: Facts) -> Line:
             "a kernel built with CONFIG_BPF_SYSCALL, CONFIG_NET_CLS_BPF and CONFIG_NET_SCH_INGRESS "
             "(5.12+), or run --mode=iptables",
         )
-    extra = [t for t in OPTIONAL_PROGRAM_TYPES if t not in feats.program_types]
+    # A hook the flags turn off needs nothing of the kernel: what it would lack changes nothing.
+    extra = [
+        t
+        for t, (_, flag) in OPTIONAL_PROGRAM_TYPES.items()
+        if getattr(f, flag) and t not in feats.program_types
+    ]
     found = f"tc ({PROGRAM_TYPE}) with {len(HELPERS)} helpers, maps {', '.join(MAP_KINDS)}"
     lacking = [h for h in SOCKET_HELPERS if h not in feats.socket_helpers]
-    if SOCKET_PROGRAM_TYPE in feats.program_types and lacking:
+    if f.socket_lb and SOCKET_PROGRAM_TYPE in feats.program_types and lacking:
         return Line(
             Verdict.WARN,
             "BPF features",
@@ -216,7 +226,6 @@ def _features(f: Facts) -> Line:
             "nothing on the node's network dials a Service",
         )
     lacking = [h for h in XDP_HELPERS if h not in feats.xdp_helpers]
-    # With --bpf-xdp=disabled no XDP program is loaded: what they would lack changes nothing.
     if f.xdp and XDP_PROGRAM_TYPE in feats.program_types and lacking:
         return Line(
             Verdict.WARN,
@@ -231,10 +240,15 @@ def _features(f: Facts) -> Line:
         return Line(
             Verdict.WARN,
             "BPF features",
-            f"{found}; no {', '.join(extra)} programs (the XDP and socket-level hooks need them)",
+            f"{found}; no {', '.join(extra)} programs (the "
+            f"{' and '.join(OPTIONAL_PROGRAM_TYPES[t][0] for t in extra)} hook{'s' if len(extra) > 1 else ''}"
+            f" need{'' if len(extra) > 1 else 's'} {'them' if len(extra) > 1 else 'it'})",
             "a kernel with CONFIG_XDP_SOCKETS / CONFIG_CGROUP_BPF for those hooks",
         )
-    return Line(Verdict.OK, "BPF features", f"{found}; XDP and cgroup socket programs too")
+    hooks = [name for name, on in (("XDP", f.xdp), ("cgroup socket", f.socket_lb)) if on]
+    if not hooks:
+        return Line(Verdict.OK, "BPF features", found)
+    return Line(Verdict.OK, "BPF features", f"{found}; {' and '.join(hooks)} programs too")
 
 
 def _btf(f: Facts) -> Line:
@@ -264,6 +278,8 @@ def _problem(check: str, message: str) -> Line:
 
 
 def _cgroup2(f: Facts) -> Line:
+    if not f.socket_lb:
+        return Line(Verdict.OK, "cgroup2", "not needed: --bpf-socket-lb=false attaches no socket programs")
     if not f.cgroup2:
         return Line(
             Verdict.WARN,

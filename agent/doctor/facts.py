@@ -69,6 +69,7 @@ def gather(config: Config, environ: Mapping[str, str] | None = None) -> Facts:
             unlocked_route_mtus=unlocked_route_mtus(config.netns),
             map_sizes={role: getattr(sizes, role) for role in SIZED_ROLES},
             xdp=config.loads_xdp,
+            socket_lb=config.socket_lb,
         )
     else:
         from agent.iptables.runner import preflight as iptables_preflight

@@ -24,7 +24,8 @@ the device decides what kube-proxy counts as pod traffic (`-i BRIDGE`, `-i PREFI
 * BridgeInterface: the bridge's ports get `ekp_from_pod` (a frame from a pod enters on its port
   before the bridge; a hook on the bridge device would miss replies bridged from pod to pod);
   other pod devices `ekp_from_net`; the bridge device itself nothing (only the node's own
-  traffic enters there).
+  traffic enters there). A port that leaves the bridge loses its programs (or gets
+  `ekp_from_net`, a pod device) as the link watcher sees its master change, not at a verify.
 
 In the CIDR modes the programs decide by source (the config entry), so which of the two a pod
 device carries does not matter; it gets `ekp_from_pod` as before.
@@ -1613,6 +1614,45 @@ class Attacher:
                 ", ".join(os.path.basename(p.path) for p in moved),
             )
 
+    def _drop_unwanted(self, ipr: Any, link: Link, bridge: int, was: tuple[str, str]) -> None:
+        """The watcher's detach of a device of ours that no longer qualifies, as a verify's: its
+        programs, links and entry go, and it is no longer ours (its hand-over front too). `was`:
+        its (name, program) as we attached it, which tells why it no longer qualifies."""
+        try:
+            detached = self._detach(ipr, link.index, self._pins({link.index}))
+        except (NetlinkError, OSError) as exc:
+            # A verify detached it meanwhile, or the device went: still ours in `_attached`, so
+            # the next verify looks at it again rather than the watcher dying here.
+            log.warning(
+                "cannot detach from %s (ifindex %d), which no longer qualifies (%s): %s; the next verify"
+                " detaches it",
+                link.name,
+                link.index,
+                self._unwanted_why(link, bridge, was),
+                exc,
+            )
+            return
+        self._forget_bridge(link.index)
+        with self._lock:
+            self._attached.pop(link.index, None)
+            for parent in (TC_H_INGRESS, TC_H_EGRESS):
+                self._fronts.pop((link.index, parent), None)
+                self._front_kinds.pop((link.index, parent), None)
+        if detached:
+            log.info("detached from %s: %s", link.name, self._unwanted_why(link, bridge, was))
+
+    def _unwanted_why(self, link: Link, bridge: int, was: tuple[str, str]) -> str:
+        """Why a device we attached (`was`: its name and program then) no longer qualifies."""
+        name, prog = was
+        bridge_name = self._config.local_detector().interface
+        if bridge_name and prog == PROG_FROM_POD:
+            if not bridge:
+                return f"its bridge {bridge_name} is gone (no device of that name in the namespace)"
+            return f"not a port of bridge {bridge_name} (ifindex {bridge}) any more"
+        if name != link.name:
+            return f"renamed from {name}, a name that marks no pod device"
+        return "no longer a pod device"
+
     def _catch_up(self, ipr: Any) -> None:
         for link in list_links(ipr):
             self._on_new_link(ipr, link)
@@ -1623,9 +1663,13 @@ class Attacher:
         bridge = bridge_index(ipr, local) if local.interface else 0
         prog = pod_side_program(link, self._config, local, bridge)
         if prog is None:
-            # A port that left the bridge and no longer qualifies: its entry goes now (the next
-            # verify detaches its programs).
-            if not port_bridge(link) and self._cached_bridge(link.index):
+            with self._lock:
+                was = self._attached.get(link.index) if link.index not in self._external else None
+            if was is not None:
+                # A port that left the bridge (or a pod device renamed) and no longer qualifies:
+                # its programs would go on translating its packets as a pod's until a verify.
+                self._drop_unwanted(ipr, link, bridge, was)
+            elif not port_bridge(link) and self._cached_bridge(link.index):
                 self._set_bridge(link.index, 0)
             return
         bridge = port_bridge(link) if prog == PROG_FROM_POD else 0

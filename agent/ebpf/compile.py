@@ -70,13 +70,42 @@ def bcc_version() -> str:
     return "unknown"
 
 
-def kernel_headers() -> str:
-    """Where bcc finds the kernel headers it compiles against (a package upgrade moves them). Their
-    paths, not their contents: headers changed in place under the same release and paths (a
-    hand-built kernel's tree rebuilt) keep the build id; `agent --cleanup` or removing the compile
-    cache compiles again."""
-    mod = f"/lib/modules/{platform.release()}"
-    return "\0".join(os.path.realpath(f"{mod}/{d}") for d in ("build", "source"))
+# The files of a kernel's headers trees that change with every build of a kernel or of its
+# headers package: the configuration as the compile reads it (autoconf.h, through bcc's
+# `-include linux/kconfig.h`) and as kbuild keeps it (auto.conf), the release and version the
+# compile sees, and the top Makefile of the source tree (Debian's -common package, which holds the
+# headers proper: its VERSION/SUBLEVEL). Their sizes and mtimes, not their contents: a start
+# stats 5 files rather than read ~400 KB (or the trees' tens of MB).
+HEADER_MARKERS = {
+    "build": (
+        "include/generated/autoconf.h",
+        "include/generated/utsrelease.h",
+        "include/generated/uapi/linux/version.h",
+        "include/config/auto.conf",
+    ),
+    "source": ("Makefile",),
+}
+
+
+def kernel_headers(modules: str = "") -> str:
+    """The kernel headers bcc compiles against, for the build id: where they are (a package
+    upgrade moves them) and each of HEADER_MARKERS' size and mtime (a headers package replaced in
+    place, same paths: dpkg writes each file anew with the package's own mtime). A header edited
+    in a hand-built tree without a rebuild that touches a marker keeps the id: `agent --cleanup`
+    or removing the compile cache compiles again. `modules`: /lib/modules/<release> by default."""
+    mod = modules or f"/lib/modules/{platform.release()}"
+    parts = []
+    for tree, markers in HEADER_MARKERS.items():
+        root = os.path.realpath(f"{mod}/{tree}")
+        parts.append(root)
+        for rel in markers:
+            try:
+                st = os.stat(os.path.join(root, rel))
+            except OSError:
+                parts.append(f"{rel} -")
+                continue
+            parts.append(f"{rel} {st.st_size} {st.st_mtime_ns}")
+    return "\0".join(parts)
 
 
 def build_id(source: str, cflags: Sequence[str], abi_version: int, prog_types: Mapping[str, int]) -> str:

@@ -73,7 +73,7 @@ from agent.lock import LOCK_DIR
 from agent.model.types import IPFamily, NodeInfo, ProxyState, ServicePortName
 from agent.netns import run_in_netns
 from agent.proxier import SyncResult
-from agent.takeover import out_of_ebpf
+from agent.takeover import into_ebpf, out_of_ebpf
 from agent.takeover.flows import UDP, NatFlow, Tuple, ct6_keys, masqueraded_into
 from agent.takeover.into_ebpf import KernelTakeover
 
@@ -268,8 +268,8 @@ class StartSteps:
             step.serving()
 
 
-def default_start_steps(config: Config) -> UpgradeLike:
-    return StartSteps([Upgrade(config.pin_path), KernelTakeover(config)])
+def default_start_steps(config: Config, state_dir: str = LOCK_DIR) -> UpgradeLike:
+    return StartSteps([Upgrade(config.pin_path), KernelTakeover(config, state_dir=state_dir)])
 
 
 def default_datapath(pin_path: str, sizes: MapSizes) -> DatapathLike:
@@ -345,7 +345,7 @@ class EbpfProxier:
         sysctl_writer: Callable[[str, str, str], str | None] | None = None,
         sysctl_reader: Callable[[str, str], str] = read_sysctl,
         sizes_reader: Callable[[str], dict[str, int]] = default_pinned_sizes,
-        upgrade_factory: Callable[[Config], UpgradeLike] = default_start_steps,
+        upgrade_factory: Callable[[Config], UpgradeLike] | None = None,
         socket_attacher_factory: Callable[[Config, Mapping[str, int]], SocketAttacherLike] = (
             default_socket_attacher
         ),
@@ -378,7 +378,6 @@ class EbpfProxier:
         self._sysctl_writer = sysctl_writer or write_sysctl
         self._sysctl_reader = sysctl_reader
         self._sizes_reader = sizes_reader
-        self._upgrade = upgrade_factory(config)
         self._socket_attacher_factory = socket_attacher_factory
         self._terminator_factory = terminator_factory
         self._netns_cookie_reader = netns_cookie_reader
@@ -389,6 +388,10 @@ class EbpfProxier:
         self._snapshot = snapshot.snapshot_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
         # where an iptables-mode agent's hand-back records that its detach began (out_of_ebpf)
         self._handback_dir = snapshot_dir or LOCK_DIR
+        # The takeover keeps the node's own tcp_be_liberal there too (None: default_start_steps)
+        self._upgrade = (
+            upgrade_factory(config) if upgrade_factory else default_start_steps(config, self._handback_dir)
+        )
         # The model's records the agent keeps beside the planner (agent.keptrecords): removed with it
         self._records_file = records_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
         # Now, not at close: sources changed under the running agent (an upgrade in place) must not
@@ -875,6 +878,13 @@ class EbpfProxier:
                 keptfile.remove(self._snapshot)
                 keptfile.remove(self._records_file)
             out_of_ebpf.forget_handback(self._handback_dir, self._config.pin_path)
+            # No takeover follows to put back what one killed mid-attach left
+            into_ebpf.put_back_liberal(
+                self._config,
+                self._handback_dir,
+                read_sysctl=self._sysctl_reader,
+                write_sysctl=self._sysctl_writer,
+            )
 
     # ------------------------------------------------------------------ keep in place
 

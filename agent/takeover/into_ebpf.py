@@ -13,6 +13,9 @@ right after:
 2. after: the same again, for the flows the other data path started in between (milliseconds),
    at once (until then they have no eBPF entry), then the flows of both carries handed to the stack
    in one pass per family, IPv6's first (below); nf_conntrack_tcp_be_liberal back to what it was.
+   What it was is kept in the lock directory too (`liberal_path`) while it is 1 for the takeover:
+   an agent killed in between leaves the node at 1, and the next start's first attach (a carry
+   or none) puts back the node's own value, not the 1 it finds.
    From here the programs see every packet of those flows first and translate them from their
    own entries: same backend, same SNAT source and port.
    With bpf host routing netfilter sees no packet of these flows any more. With legacy host
@@ -66,10 +69,14 @@ conntrack of a restarting eBPF agent is already in place (BPF_NOEXIST).
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
+import os
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 from pyroute2.netlink.exceptions import NetlinkError
@@ -103,6 +110,114 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TCP_BE_LIBERAL = "net/netfilter/nf_conntrack_tcp_be_liberal"
+_LIBERAL_MAX = 64  # a sysctl's value: an integer
+
+
+def liberal_path(directory: str, pin_path: str, netns_inode: int) -> str:
+    """The file holding the node's own tcp_be_liberal while the takeover has it at 1, for the pin
+    path (resolved) and the network namespace (its inode, as agent.lock names its lock file: the
+    sysctl is the namespace's), beside the hand-back's marker."""
+    digest = hashlib.sha256(os.path.realpath(pin_path).encode()).hexdigest()[:16]
+    return os.path.join(directory, f"takeover-{digest}-netns-{netns_inode}.liberal")
+
+
+def netns_inode(netns: str) -> int:
+    from agent.lock import netns_path
+
+    return os.stat(netns_path(netns)).st_ino
+
+
+def kept_liberal(path: str, config: Config, read_sysctl: Callable[[str, str], str | None]) -> str | None:
+    """The node's own tcp_be_liberal an agent killed mid-takeover kept in `path`, when it may be
+    put back: the config does not ask for 1 (setup_conntrack sets it at every start; a file left
+    by an agent run without it would undo that) and the node reads 1 now (anything else: the file
+    is stale, the node ran kube-proxy or iptables mode since, or someone set the value). A file
+    not used is removed, and said why."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning(
+            "cannot read %s (%s): if an agent was killed mid-takeover, %s in netns %s may still be 1;"
+            " check it, set the node's own value by hand (0 unless conntrack.tcpBeLiberal is set)"
+            " and remove the file",
+            path,
+            exc,
+            TCP_BE_LIBERAL,
+            config.netns or "(own)",
+        )
+        return None
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(_LIBERAL_MAX).decode(errors="replace").strip()
+    why = ""
+    if not re.fullmatch(r"[0-9]+", text):
+        why = f"{text!r} is no value of {TCP_BE_LIBERAL}"
+    elif config.conntrack.tcp_be_liberal:
+        why = f"conntrack.tcpBeLiberal asks for {TCP_BE_LIBERAL}=1"
+    else:
+        now = read_sysctl(config.netns, TCP_BE_LIBERAL)
+        if now != "1":
+            why = f"{TCP_BE_LIBERAL} is {now} now, not the 1 a takeover left: the file is stale"
+    if why:
+        log.info("ignored and removed %s (the node's own %s kept by a takeover): %s", path, text, why)
+        forget_liberal(path)
+        return None
+    return text
+
+
+def forget_liberal(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning(
+            "cannot remove %s (%s): a later eBPF start may set %s from it; remove the file by hand",
+            path,
+            exc,
+            TCP_BE_LIBERAL,
+        )
+
+
+def put_back_liberal(
+    config: Config,
+    directory: str,
+    *,
+    read_sysctl: Callable[[str, str], str | None] | None = None,
+    write_sysctl: Callable[[str, str, str], str | None] | None = None,
+    inode: Callable[[str], int] | None = None,
+) -> None:
+    """Where no eBPF takeover follows (`agent --cleanup` in eBPF mode, an iptables-mode start): the
+    node's own tcp_be_liberal an agent killed mid-takeover kept (`kept_liberal`) goes back, and its
+    file goes, so that no later eBPF start acts on a stale one."""
+    try:
+        path = liberal_path(directory, config.pin_path, (inode or netns_inode)(config.netns))
+    except FileNotFoundError:
+        return  # no namespace: nothing of its sysctls to put back
+    was = kept_liberal(path, config, read_sysctl or _default_read_sysctl)
+    if was is None:
+        return
+    try:
+        (write_sysctl or _default_sysctl)(config.netns, TCP_BE_LIBERAL, was)
+    except OSError as exc:
+        log.error(
+            "cannot set %s back to %s in netns %s (%s), which an agent killed mid-takeover left at 1:"
+            " netfilter's TCP window checks stay off; set it by hand and remove %s",
+            TCP_BE_LIBERAL,
+            was,
+            config.netns or "(own)",
+            exc,
+            path,
+        )
+        return
+    log.info(
+        "set %s back to the node's own %s in netns %s: an agent killed mid-takeover had left it at 1",
+        TCP_BE_LIBERAL,
+        was,
+        config.netns or "(own)",
+    )
+    forget_liberal(path)
 
 
 def ebpf_ids(maps: Mapping[str, MapWriter], flows: Iterable[NatFlow]) -> EbpfIds:
@@ -190,6 +305,12 @@ def _default_sysctl(netns: str, path: str, value: str) -> str | None:
     return write_sysctl(netns, path, value)
 
 
+def _default_read_sysctl(netns: str, path: str) -> str | None:
+    from agent.ebpf.proxier import read_sysctl
+
+    return read_sysctl(netns, path)
+
+
 def _default_replace(
     netns: str,
     flows: Iterable[NatFlow],
@@ -241,10 +362,22 @@ class KernelTakeover:
         addresses: Callable[[str], Collection[str]] = _default_addresses,
         remove_rules: Callable[[Config], Any] = _default_cleanup,
         sysctl: Callable[[str, str, str], str | None] = _default_sysctl,
+        read_sysctl: Callable[[str, str], str | None] = _default_read_sysctl,
         replace: Callable[..., Replaced] = _default_replace,
         clock_ns: Callable[[], int] = time.monotonic_ns,
+        state_dir: str = "",
+        netns_inode: Callable[[str], int] = netns_inode,
     ) -> None:
+        """`state_dir`: where the node's own tcp_be_liberal is kept while it is 1 for the takeover
+        (`liberal_path`; the agent's lock directory), so that a restarted agent puts it back; ""
+        keeps it in this object alone."""
         self._config = config
+        self._state_dir = state_dir
+        self._netns_inode = netns_inode
+        self._liberal_file_at = ""  # liberal_path, once the first attach needs it
+        self._read_sysctl = read_sysctl
+        # The value to put back came from an earlier agent's file: its programs may be attached
+        self._liberal_from_file = False
         self._dump = dump
         self._dump6 = dump6
         self._replace = replace
@@ -263,6 +396,18 @@ class KernelTakeover:
 
     def before_attach(self, maps: Mapping[str, MapWriter]) -> None:
         self._stack6 = {}  # an attach retried after a failure carries afresh
+        if self._liberal_was is None and self._liberal_file:
+            # An agent killed between its before_attach and after_attach left the node at 1 and
+            # its own value in the file: put back at this attach's end, whether or not it carries.
+            self._liberal_was = kept_liberal(self._liberal_file, self._config, self._read_sysctl)
+            self._liberal_from_file = self._liberal_was is not None
+            if self._liberal_from_file:
+                log.info(
+                    "an earlier agent stopped during its takeover with %s at 1: putting the node's"
+                    " own %s back after this attach",
+                    TCP_BE_LIBERAL,
+                    self._liberal_was,
+                )
         self._carried = self._carry(maps, "before the programs are attached", first=True)
         if self._carried:
             # While the programs are attached device by device, a carried flow can have one
@@ -272,9 +417,12 @@ class KernelTakeover:
             # until every device has its program (kube-proxy's conntrack.tcpBeLiberal, for a
             # moment); once they all have, netfilter's entries no longer translate these flows
             # (but those held for the stack, NFPASS, until after_attach replaced their entries).
-            was = self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
             if self._liberal_was is None:  # an attach retried: "1" now is this agent's own
+                # Read and kept before it is set: an agent killed in between leaves the file
+                was = self._read_sysctl(self._config.netns, TCP_BE_LIBERAL)
+                self._keep_liberal(was)
                 self._liberal_was = was
+            self._sysctl(self._config.netns, TCP_BE_LIBERAL, "1")
 
     def after_attach(self, maps: Mapping[str, MapWriter]) -> None:
         # The second carry first: a flow started between the first dump and the attach has no
@@ -295,6 +443,10 @@ class KernelTakeover:
         direction netfilter never sees, so the checks stay off until the retry's after_attach
         (or `close`) puts them back."""
         self._carried = []
+        if self._liberal_from_file:
+            # The value is the killed agent's: its programs may still be on devices, whatever
+            # this attach got to
+            attached = True
         if attached:
             if self._liberal_was is not None and self._liberal_was != "1":
                 log.warning(
@@ -311,19 +463,59 @@ class KernelTakeover:
         """The agent stops: window checks an aborted attach left off come back."""
         self._restore_liberal()
 
+    @property
+    def _liberal_file(self) -> str:
+        if self._state_dir and not self._liberal_file_at:
+            try:
+                inode = self._netns_inode(self._config.netns)
+            except OSError:
+                return ""  # the namespace went: nothing of its sysctls to keep or put back
+            self._liberal_file_at = liberal_path(self._state_dir, self._config.pin_path, inode)
+        return self._liberal_file_at
+
     def _restore_liberal(self) -> None:
         was, self._liberal_was = self._liberal_was, None
-        if was is None or was == "1":
+        self._liberal_from_file = False
+        if was is None:
             return
+        if was != "1":
+            try:
+                self._sysctl(self._config.netns, TCP_BE_LIBERAL, was)
+            except OSError as exc:  # said, not raised: the error that stopped the attach matters more
+                log.error(
+                    "cannot set %s back to %s in netns %s (%s): netfilter's TCP window checks stay"
+                    " off on the node (kube-proxy's conntrack.tcpBeLiberal); set it by hand (the next"
+                    " start tries again from %s)",
+                    TCP_BE_LIBERAL,
+                    was,
+                    self._config.netns or "(own)",
+                    exc,
+                    self._liberal_file or "nowhere",
+                )
+                return
+        if self._liberal_file:
+            forget_liberal(self._liberal_file)
+
+    def _keep_liberal(self, was: str | None) -> None:
+        """The node's own value, kept for a restarted agent (renamed over: never half-written)."""
+        if not self._liberal_file or was is None or was == "1":
+            return
+        tmp = f"{self._liberal_file}.{os.getpid()}.tmp"
         try:
-            self._sysctl(self._config.netns, TCP_BE_LIBERAL, was)
-        except OSError as exc:  # said, not raised: the error that stopped the attach matters more
-            log.error(
-                "cannot set %s back to %s in netns %s (%s): netfilter's TCP window checks stay off"
-                " on the node (kube-proxy's conntrack.tcpBeLiberal); set it by hand",
+            os.makedirs(os.path.dirname(self._liberal_file), mode=0o700, exist_ok=True)
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{was}\n")
+            os.replace(tmp, self._liberal_file)
+        except OSError as exc:  # the takeover goes on: only a restart mid-attach would need it
+            log.warning(
+                "cannot keep %s's value %s in %s (%s): an agent restarted before this attach ends"
+                " would leave it at 1 (netfilter's TCP window checks off); set it back by hand then",
                 TCP_BE_LIBERAL,
                 was,
-                self._config.netns or "(own)",
+                self._liberal_file,
                 exc,
             )
 

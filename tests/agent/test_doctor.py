@@ -71,6 +71,40 @@ def test_xdp_s_missing_helper_is_nothing_to_warn_about_with_xdp_disabled() -> No
     assert line.verdict is Verdict.OK, line
 
 
+def test_the_socket_programs_needs_are_nothing_to_warn_about_with_socket_lb_off() -> None:
+    """--bpf-socket-lb=false attaches no socket program: a kernel lacking their helpers, their
+    program type or a cgroup2 mount is fine, and the line does not say they load."""
+    for features in (
+        replace(FEATURES, socket_helpers=frozenset(SOCKET_HELPERS) - {"bpf_set_retval"}),
+        replace(FEATURES, program_types=FEATURES.program_types - {"cgroup_sock_addr"}),
+    ):
+        facts = replace(GOOD, features=features, cgroup2="", socket_lb=False)
+        lines = by_check(checklist(facts))
+        assert lines["BPF features"].verdict is Verdict.OK, lines["BPF features"]
+        assert "socket" not in lines["BPF features"].found, lines["BPF features"]
+        assert lines["cgroup2"].verdict is Verdict.OK, lines["cgroup2"]
+
+
+@pytest.mark.parametrize(("xdp", "socket_lb"), [(False, False), (True, False), (False, True)])
+def test_a_missing_optional_program_type_is_said_for_the_hooks_wanted_only(
+    xdp: bool, socket_lb: bool
+) -> None:
+    """Neither hook wanted: nothing to warn about; one wanted: the warning names that hook alone."""
+    features = replace(FEATURES, program_types=FEATURES.program_types - {"xdp", "cgroup_sock_addr"})
+    facts = replace(
+        GOOD, features=features, cgroup2="" if not socket_lb else GOOD.cgroup2, xdp=xdp, socket_lb=socket_lb
+    )
+    line = by_check(checklist(facts))["BPF features"]
+    if not (xdp or socket_lb):
+        assert line.verdict is Verdict.OK, line
+        assert "XDP" not in line.found and "socket" not in line.found, line
+        return
+    assert line.verdict is Verdict.WARN, line
+    hook, absent = ("XDP", "socket") if xdp else ("socket-level", "XDP")
+    assert f"the {hook} hook needs it" in line.found, line
+    assert absent not in line.found, line
+
+
 @pytest.mark.parametrize(
     ("change", "check", "verdict", "fix"),
     [

@@ -28,7 +28,7 @@ import pytest
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple, NFCTSocket
 
-from agent.config import Config, HostRouting, Mode
+from agent.config import Config, ConntrackSettings, HostRouting, Mode
 from agent.ebpf import abi, activity, attach, snapshot, xdp
 from agent.ebpf.abi import MAPS, BackendFlag, CtDir, CtFlag, FrontendFlag, Scope, Stat, ip_be, port_be
 from agent.ebpf.loader import Datapath
@@ -63,7 +63,7 @@ from agent.takeover.flows import (
     timeout_of,
     why_not_carried,
 )
-from agent.takeover.into_ebpf import KernelTakeover, ebpf_ids, ebpf_ids6
+from agent.takeover.into_ebpf import KernelTakeover, ebpf_ids, ebpf_ids6, liberal_path, put_back_liberal
 from agent.takeover.nfct import (
     Created,
     Replaced,
@@ -378,6 +378,7 @@ def quiet_takeover(
         addresses=lambda netns: {NODE},
         remove_rules=lambda config: None,
         sysctl=lambda netns, path, value: "0",
+        read_sysctl=lambda netns, path: "0",
         replace=replace,
         clock_ns=clock_ns,
     )
@@ -408,6 +409,7 @@ def test_with_no_flow_to_carry_the_maps_are_not_read() -> None:
         addresses=lambda netns: {"192.168.0.11"},
         remove_rules=lambda config: None,
         sysctl=lambda netns, path, value: "0",
+        read_sysctl=lambda netns, path: "0",
     )
     no_maps: dict[str, MapWriter] = {}  # a read of any map raises KeyError
     takeover.before_attach(no_maps)
@@ -432,6 +434,7 @@ def test_the_takeover_carries_before_and_after_the_attach_then_removes_the_rules
         addresses=lambda netns: {"192.168.0.11"},
         remove_rules=lambda config: events.append(f"remove rules {config.netns}"),
         sysctl=lambda netns, path, value: events.append(f"{path}={value}") or "0",  # type: ignore[func-returns-value]
+        read_sysctl=lambda netns, path: "0",
         replace=FakeReplace(events),
         clock_ns=lambda: NOW,
     )
@@ -480,6 +483,9 @@ class Sysctl:
         self.values[path] = value
         return was
 
+    def read(self, netns: str, path: str) -> str | None:
+        return self.values.get(path)
+
 
 LIBERAL = "net/netfilter/nf_conntrack_tcp_be_liberal"
 
@@ -503,6 +509,7 @@ def test_the_second_carry_failing_to_read_the_nodes_addresses_hands_the_first_ov
         addresses=addresses,
         remove_rules=lambda config: None,
         sysctl=sysctl,
+        read_sysctl=sysctl.read,
         replace=FakeReplace(events),
         clock_ns=lambda: NOW,
     )
@@ -532,6 +539,7 @@ def test_the_first_carry_failing_to_read_the_nodes_addresses_fails_before_the_at
         addresses=addresses,
         remove_rules=lambda config: None,
         sysctl=sysctl,
+        read_sysctl=sysctl.read,
         replace=FakeReplace([]),
         clock_ns=lambda: NOW,
     )
@@ -552,6 +560,7 @@ def test_an_attach_aborted_with_programs_on_some_devices_keeps_the_window_checks
         addresses=lambda netns: {NODE},
         remove_rules=lambda config: None,
         sysctl=sysctl,
+        read_sysctl=sysctl.read,
         replace=FakeReplace([]),
         clock_ns=lambda: NOW,
     )
@@ -568,6 +577,166 @@ def test_an_attach_aborted_with_programs_on_some_devices_keeps_the_window_checks
     assert sysctl.values[LIBERAL] == "0"
 
 
+@pytest.mark.parametrize("carries_again", [True, False])
+def test_an_agent_restarted_mid_takeover_puts_the_nodes_own_tcp_be_liberal_back(
+    tmp_path: Path, carries_again: bool
+) -> None:
+    """Killed between before_attach and after_attach, the agent leaves the node at 1: the next
+    agent's first attach finds 1 there, and puts back the node's own 0 from the lock directory,
+    whether or not it has flows to carry; the file goes once it is back."""
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+
+    def takeover(flows: list[NatFlow]) -> KernelTakeover:
+        return KernelTakeover(
+            Config(netns="node1", bpf_host_routing=HostRouting.LEGACY, pin_path="/sys/fs/bpf/ekp-node1"),
+            dump=lambda netns: flows,
+            addresses=lambda netns: {NODE},
+            remove_rules=lambda config: None,
+            sysctl=sysctl,
+            read_sysctl=sysctl.read,
+            replace=FakeReplace([]),
+            clock_ns=lambda: NOW,
+            state_dir=str(tmp_path),
+            netns_inode=lambda netns: 4026532000,
+        )
+
+    kept = Path(liberal_path(str(tmp_path), "/sys/fs/bpf/ekp-node1", 4026532000))
+    takeover([CLUSTERIP]).before_attach(fake_maps())  # then SIGKILL: no after_attach, no close
+    assert sysctl.values[LIBERAL] == "1" and kept.read_text() == "0\n"
+    restarted = takeover([CLUSTERIP] if carries_again else [])
+    maps = fake_maps()
+    restarted.before_attach(maps)
+    restarted.after_attach(maps)
+    assert sysctl.values[LIBERAL] == "0"
+    assert not kept.exists()
+    clean = takeover([CLUSTERIP])  # a takeover run to its end leaves no file behind
+    clean.before_attach(maps)
+    assert sysctl.values[LIBERAL] == "1" and kept.read_text() == "0\n"
+    clean.after_attach(maps)
+    assert sysctl.values[LIBERAL] == "0" and not kept.exists()
+
+
+PIN = "/sys/fs/bpf/ekp-node1"
+INODE = 4026532000
+
+
+def kept_takeover(
+    state_dir: Path, sysctl: Sysctl, flows: list[NatFlow], *, liberal: bool = False, inode: int = INODE
+) -> KernelTakeover:
+    return KernelTakeover(
+        Config(
+            netns="node1",
+            bpf_host_routing=HostRouting.LEGACY,
+            pin_path=PIN,
+            conntrack=ConntrackSettings(tcp_be_liberal=liberal),
+        ),
+        dump=lambda netns: flows,
+        addresses=lambda netns: {NODE},
+        remove_rules=lambda config: None,
+        sysctl=sysctl,
+        read_sysctl=sysctl.read,
+        replace=FakeReplace([]),
+        clock_ns=lambda: NOW,
+        state_dir=str(state_dir),
+        netns_inode=lambda netns: inode,
+    )
+
+
+def test_a_kept_value_is_not_put_back_when_the_config_asks_for_tcp_be_liberal(tmp_path: Path) -> None:
+    """conntrack.tcpBeLiberal: true (setup_conntrack set 1 at this start): a file an earlier agent
+    run without it left is removed, not acted on (its 0 would undo the config)."""
+    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    kept.write_text("0\n")
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
+    takeover = kept_takeover(tmp_path, sysctl, [CLUSTERIP], liberal=True)
+    maps = fake_maps()
+    takeover.before_attach(maps)
+    takeover.after_attach(maps)
+    assert sysctl.values[LIBERAL] == "1"
+    assert not kept.exists()
+
+
+def test_a_stale_kept_value_is_removed_not_put_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The node reads 0 (kube-proxy or iptables mode ran since the agent was killed, and set it
+    back): the file is stale; it goes, and the 1 this takeover sets is followed by the 0 it read."""
+    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    kept.write_text("1\n")  # what the node had then, say; 0 now
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    caplog.set_level(logging.INFO)
+    takeover = kept_takeover(tmp_path, sysctl, [CLUSTERIP])
+    maps = fake_maps()
+    takeover.before_attach(maps)
+    assert sysctl.values[LIBERAL] == "1" and kept.read_text() == "0\n"  # this takeover's own
+    takeover.after_attach(maps)
+    assert sysctl.values[LIBERAL] == "0" and not kept.exists()
+    assert "the file is stale" in caplog.text
+
+
+@pytest.mark.parametrize("liberal", [False, True])
+def test_an_iptables_start_or_ebpf_cleanup_puts_the_kept_value_back_and_removes_the_file(
+    tmp_path: Path, liberal: bool
+) -> None:
+    """No takeover follows (put_back_liberal): the node's own value comes back unless the config
+    asks for 1, and the file goes either way, so no later eBPF start acts on a stale one."""
+    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    kept.write_text("0\n")
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
+    config = Config(netns="node1", pin_path=PIN, conntrack=ConntrackSettings(tcp_be_liberal=liberal))
+    put_back_liberal(
+        config, str(tmp_path), read_sysctl=sysctl.read, write_sysctl=sysctl, inode=lambda netns: INODE
+    )
+    assert sysctl.values[LIBERAL] == ("1" if liberal else "0")
+    assert not kept.exists()
+
+
+def test_an_abort_of_an_attach_that_put_back_a_kept_value_keeps_the_window_checks_off(tmp_path: Path) -> None:
+    """The value came from a killed agent's file: its programs may still be attached, so an abort
+    before any of this agent's is (attached=False) leaves 1 as attached=True does; close puts it back."""
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    kept_takeover(tmp_path, sysctl, [CLUSTERIP]).before_attach(fake_maps())  # then SIGKILL
+    assert sysctl.values[LIBERAL] == "1"
+    restarted = kept_takeover(tmp_path, sysctl, [])
+    restarted.before_attach(fake_maps())
+    restarted.abort(attached=False)
+    assert sysctl.values[LIBERAL] == "1"
+    restarted.close()
+    assert sysctl.values[LIBERAL] == "0"
+
+
+def test_a_kept_value_is_the_namespaces_own(tmp_path: Path) -> None:
+    """The sysctl is per network namespace: an agent on another namespace (another inode) with the
+    same pin path does not take this one's file."""
+    node1 = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    kept_takeover(tmp_path, node1, [CLUSTERIP]).before_attach(fake_maps())  # then SIGKILL
+    other = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")  # set on purpose there
+    maps = fake_maps()
+    elsewhere = kept_takeover(tmp_path, other, [], inode=INODE + 1)
+    elsewhere.before_attach(maps)
+    elsewhere.after_attach(maps)
+    assert other.values[LIBERAL] == "1"
+    assert Path(liberal_path(str(tmp_path), PIN, INODE)).read_text() == "0\n"
+
+
+def test_the_value_is_kept_before_the_takeover_sets_1(tmp_path: Path) -> None:
+    """Read, kept, then written: an agent killed between the write and the keep would leave 1 and
+    no file."""
+    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    seen: list[bool] = []
+
+    class Watched(Sysctl):
+        def __call__(self, netns: str, path: str, value: str) -> str | None:
+            if value == "1":
+                seen.append(kept.exists())
+            return sysctl(netns, path, value)
+
+        def read(self, netns: str, path: str) -> str | None:
+            return sysctl.read(netns, path)
+
+    kept_takeover(tmp_path, Watched(), [CLUSTERIP]).before_attach(fake_maps())
+    assert seen == [True]
+
+
 def test_an_attach_aborted_after_the_carry_restores_the_window_checks_and_a_failing_restore_hides_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -578,6 +747,7 @@ def test_an_attach_aborted_after_the_carry_restores_the_window_checks_and_a_fail
         addresses=lambda netns: {NODE},
         remove_rules=lambda config: None,
         sysctl=sysctl,
+        read_sysctl=sysctl.read,
         replace=FakeReplace([]),
         clock_ns=lambda: NOW,
     )
@@ -598,6 +768,7 @@ def test_an_attach_aborted_after_the_carry_restores_the_window_checks_and_a_fail
         addresses=lambda netns: {NODE},
         remove_rules=lambda config: None,
         sysctl=refusing,
+        read_sysctl=sysctl.read,
         replace=lambda *a, **k: (_ for _ in ()).throw(RuntimeError("the pass's own error")),
         clock_ns=lambda: NOW,
     )
@@ -624,6 +795,7 @@ def test_an_attach_that_failed_after_the_carry_restores_the_window_checks_and_a_
         addresses=lambda netns: {NODE},
         remove_rules=lambda config: None,
         sysctl=sysctl,
+        read_sysctl=sysctl.read,
         replace=replace,
         clock_ns=lambda: NOW,
     )
@@ -2240,6 +2412,7 @@ def test_flows_carried_from_nf_conntrack_go_on_through_the_programs(
             addresses=lambda netns: (),
             remove_rules=lambda c: None,
             sysctl=lambda netns, path, value: None,
+            read_sysctl=lambda netns, path: None,
             replace=FakeReplace([]),
         )
         takeover.before_attach(dp.maps)
@@ -2300,6 +2473,7 @@ def test_a_carried_host_flow_is_netfilters_until_its_handover_then_goes_to_the_s
             addresses=lambda netns: {NODE},
             remove_rules=lambda c: None,
             sysctl=lambda netns, path, value: None,
+            read_sysctl=lambda netns, path: None,
             replace=FakeReplace([], lambda flow: while_replaced.append(net.from_pod(segment)[0])),
             clock_ns=lambda: made,
         )
@@ -2601,6 +2775,7 @@ def test_a_takeover_that_cannot_read_the_other_side_logs_the_fix_and_goes_on(
         addresses=lambda netns: (),
         remove_rules=lambda c: None,
         sysctl=lambda netns, path, value: pytest.fail("no window to cover: nothing was carried"),
+        read_sysctl=lambda netns, path: pytest.fail("no window to cover: nothing was carried"),
     )
     takeover.before_attach(fake_maps())
     assert takeover.carried == 0 and "needs NET_ADMIN" in caplog.text
@@ -2663,6 +2838,7 @@ def test_udp_flows_ip6tables_translated_are_carried_into_the_tc_ipv6_paths_connt
         addresses=lambda netns: {NODE, NODE6_T},
         remove_rules=lambda config: None,
         sysctl=lambda netns, path, value: "0",
+        read_sysctl=lambda netns, path: "0",
         clock_ns=lambda: NOW,
     )
     maps = fake_maps6()
@@ -2716,6 +2892,7 @@ def test_each_familys_carry_goes_on_when_the_others_table_cannot_be_read(unreada
         addresses=lambda netns: {NODE, NODE6_T},
         remove_rules=lambda config: None,
         sysctl=lambda netns, path, value: "0",
+        read_sysctl=lambda netns, path: "0",
         clock_ns=lambda: NOW,
     )
     maps = fake_maps6()
@@ -2744,6 +2921,7 @@ def test_the_ipv6_carry_leaves_the_nodes_own_ipv6_clients_and_host_backends_by_d
         dump6=lambda netns: [from_node, to_node, DNS6],
         remove_rules=lambda config: None,
         sysctl=lambda netns, path, value: "0",
+        read_sysctl=lambda netns, path: "0",
         clock_ns=lambda: NOW,
     )
     maps = fake_maps6()
@@ -2775,6 +2953,7 @@ def test_ipv6_udp_flows_the_tc_path_hands_to_the_stack_get_plain_nf_conntrack_en
         addresses=lambda netns: {NODE, NODE6_T},
         remove_rules=lambda config: None,
         sysctl=lambda netns, path, value: "0",
+        read_sysctl=lambda netns, path: "0",
         replace=FakeReplace(events),
         clock_ns=lambda: NOW,
     )
@@ -2831,6 +3010,7 @@ def legacy6_takeover(
         addresses=lambda netns: {NODE, NODE6_T},
         remove_rules=lambda config: None,
         sysctl=lambda netns, path, value: "0",
+        read_sysctl=lambda netns, path: "0",
         replace=replace,
         clock_ns=clock_ns,
     )
@@ -2952,6 +3132,7 @@ def test_unreadable_node_addresses_carry_no_ipv6_flow_and_raise_nothing(
         addresses=addresses,
         remove_rules=lambda config: None,
         sysctl=lambda netns, path, value: "0",
+        read_sysctl=lambda netns, path: "0",
         replace=FakeReplace(events),
         clock_ns=lambda: NOW,
     )

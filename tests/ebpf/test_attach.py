@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
+from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.config import Config, HostRouting, NodeContext
 from agent.ebpf import abi, attach, tcx, xdp
@@ -137,19 +138,22 @@ def test_which_program_a_pod_side_device_carries(
 
 
 @pytest.mark.kernel
-def test_a_port_leaving_the_bridge_loses_its_entry_and_then_its_programs_if_it_no_longer_qualifies(
-    netns: str, progs: dict[str, int]
+@pytest.mark.parametrize("attach_mode", ["clsact", "tcx"])
+def test_a_port_leaving_the_bridge_loses_its_entry_and_its_programs_if_it_no_longer_qualifies(
+    netns: str, progs: dict[str, int], pin_dir: str, attach_mode: str
 ) -> None:
     """BridgeInterface: a port that leaves the bridge (the device stays) and matches no pod pattern
-    loses its entry at once and its programs at the next verify. (Before, the bridge's AF_BRIDGE
-    RTM_DELLINK for the port read as the device gone: the agent forgot it had attached it, and its
-    programs stayed until a restart.)"""
+    loses its entry and its programs as the watcher sees it leave, not at the next verify (until
+    then they translated its packets as a pod's). (Before that, the bridge's AF_BRIDGE RTM_DELLINK
+    for the port read as the device gone: the agent forgot it had attached it, and its programs
+    stayed until a restart.)"""
     sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
     sh("ip", "-n", netns, "link", "add", "tap0", "type", "veth", "peer", "name", "pod-t")
     sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
     config = Config(
         netns=netns,
-        bpf_tc_attach="clsact",
+        bpf_tc_attach=attach_mode,
+        pin_path=pin_dir,
         pod_interfaces=("lxc*",),
         detect_local_mode=LocalMode.BRIDGE_INTERFACE,
         pod_bridge_interface="cbr0",
@@ -159,16 +163,17 @@ def test_a_port_leaving_the_bridge_loses_its_entry_and_then_its_programs_if_it_n
     attacher.reconcile(NODE, full=True)
     bridge, tap0 = link_index(netns, "cbr0"), link_index(netns, "tap0")
     assert port_entries(ports) == {tap0: bridge}
-    assert "ekp_from_pod" in ingress(netns, "tap0")
+    assert lab_hooks.ours(netns, "tap0") == [PROG_FROM_POD]
     attacher.start_watcher()
     try:
         sh("ip", "-n", netns, "link", "set", "tap0", "nomaster")
-        assert wait_for(lambda: port_entries(ports) == {}), port_entries(ports)
+        assert wait_for(lambda: tap0 not in attacher.attached), attacher.attached
+        assert port_entries(ports) == {}
+        for hook in ("ingress", "egress"):
+            assert lab_hooks.ours(netns, "tap0", hook) == [], hook
+        assert tcx.pinned(pin_dir, {tap0}) == []
     finally:
         attacher.stop_watcher()
-    attacher.reconcile(NODE, verify=True)
-    assert ingress(netns, "tap0") == ""
-    assert tap0 not in attacher.attached
 
 
 @pytest.mark.kernel
@@ -193,15 +198,16 @@ def test_a_verify_leaves_a_port_that_rejoined_the_bridge_after_its_listing_attac
     attacher = new_attacher(config, progs, ports)
     attacher.reconcile(NODE, full=True)
     bridge, tap0 = link_index(netns, "cbr0"), link_index(netns, "tap0")
-    with netns_route(netns) as ipr:
-        sh("ip", "-n", netns, "link", "set", "tap0", "nomaster")
-        attacher._on_new_link(ipr, Link(tap0, "tap0"))  # the watcher's part
-    assert port_entries(ports) == {}
+    sh("ip", "-n", netns, "link", "set", "tap0", "nomaster")
     listing = attach.list_links
     listed: list[Link] = []
 
     def rejoined_after_the_listing(ipr: Any) -> Any:
+        # The verify took `known` (tap0 attached) and its mark before its first listing: the
+        # watcher's parts (the leave, then the rejoin) land between those and its detach.
         if not listed:
+            attacher._on_new_link(ipr, Link(tap0, "tap0"))  # the watcher sees it leave
+            assert port_entries(ports) == {}
             listed.extend(listing(ipr))
             sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
             attacher._on_new_link(ipr, Link(tap0, "tap0", bridge, "bridge"))
@@ -213,6 +219,88 @@ def test_a_verify_leaves_a_port_that_rejoined_the_bridge_after_its_listing_attac
     assert "ekp_from_pod" in ingress(netns, "tap0")
     assert port_entries(ports) == {tap0: bridge}
     assert attacher.attached.get(tap0) == ("tap0", PROG_FROM_POD)
+
+
+@pytest.mark.kernel
+def test_a_detach_failing_in_the_watcher_leaves_the_device_to_the_next_verify(
+    netns: str, progs: dict[str, int], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watcher's detach of a port that left the bridge fails (a verify detached it meanwhile,
+    or the device went): said with the device's name, the device still ours for the next verify,
+    which detaches it. (Before, the error left `_watch` and the link watcher thread died.)"""
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "add", "tap0", "type", "veth", "peer", "name", "pod-t")
+    sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
+    config = Config(
+        netns=netns,
+        bpf_tc_attach="clsact",
+        pod_interfaces=("lxc*",),
+        detect_local_mode=LocalMode.BRIDGE_INTERFACE,
+        pod_bridge_interface="cbr0",
+    )
+    attacher = new_attacher(config, progs, FakeMap(abi.MAPS["port"]))
+    attacher.reconcile(NODE, full=True)
+    tap0 = link_index(netns, "tap0")
+    sh("ip", "-n", netns, "link", "set", "tap0", "nomaster")
+
+    def enoent(*args: Any) -> bool:
+        raise NetlinkError(errno.ENOENT, "No such file or directory")
+
+    caplog.set_level(logging.WARNING, logger="agent.ebpf.attach")
+    with monkeypatch.context() as patched, netns_route(netns) as ipr:
+        patched.setattr(attacher, "_detach", enoent)
+        attacher._on_new_link(ipr, Link(tap0, "tap0"))  # the watcher's part
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("tap0" in m and "the next verify detaches it" in m for m in said), said
+    assert attacher.attached.get(tap0) == ("tap0", PROG_FROM_POD)
+    assert "ekp_from_pod" in ingress(netns, "tap0")
+    attacher.reconcile(NODE, verify=True)
+    assert ingress(netns, "tap0") == ""
+    assert tap0 not in attacher.attached
+
+
+@pytest.mark.kernel
+def test_the_watchers_detach_says_why_the_device_no_longer_qualifies(
+    netns: str, progs: dict[str, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A port whose bridge was deleted (BridgeInterface) is said to have lost its bridge, not to be
+    "not a port of bridge cbr0 (ifindex 0)"; a pod device renamed (the CIDR modes) to have been
+    renamed, not to be "not a port of bridge" nor a bare "no longer a pod device"."""
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "add", "tap0", "type", "veth", "peer", "name", "pod-t")
+    sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
+    bridged = Config(
+        netns=netns,
+        bpf_tc_attach="clsact",
+        pod_interfaces=("lxc*",),
+        detect_local_mode=LocalMode.BRIDGE_INTERFACE,
+        pod_bridge_interface="cbr0",
+    )
+    by_cidr = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
+    caplog.set_level(logging.INFO, logger="agent.ebpf.attach")
+    port_side = new_attacher(bridged, progs, FakeMap(abi.MAPS["port"]))
+    port_side.reconcile(NODE, full=True)
+    tap0, lxc = link_index(netns, "tap0"), link_index(netns, "lxc-a")
+    assert port_side.attached.get(tap0) == ("tap0", PROG_FROM_POD)
+    sh("ip", "-n", netns, "link", "del", "cbr0")
+    with netns_route(netns) as ipr:  # the watcher's part
+        port_side._on_new_link(ipr, Link(tap0, "tap0"))
+    # then the CIDR modes' attacher (its full reconcile replaces the bridged one's filters)
+    pod_side = new_attacher(by_cidr, progs, FakeMap(abi.MAPS["port"]))
+    pod_side.reconcile(NODE, full=True)
+    assert pod_side.attached.get(lxc) == ("lxc-a", PROG_FROM_POD)
+    sh("ip", "-n", netns, "link", "set", "lxc-a", "down")
+    sh("ip", "-n", netns, "link", "set", "lxc-a", "name", "zz-a")
+    with netns_route(netns) as ipr:
+        pod_side._on_new_link(ipr, Link(lxc, "zz-a"))
+    said = {
+        m.split(":")[0]: m for m in (r.getMessage() for r in caplog.records) if m.startswith("detached from")
+    }
+    assert set(said) == {"detached from tap0", "detached from zz-a"}, said
+    assert "its bridge cbr0 is gone" in said["detached from tap0"], said
+    assert "renamed from lxc-a" in said["detached from zz-a"], said
+    assert tap0 not in port_side.attached
+    assert lxc not in pod_side.attached
 
 
 def sh(*argv: str) -> str:

@@ -25,6 +25,7 @@ import pytest
 
 from agent.config import ConntrackSettings, MapSizes
 from agent.ebpf import bpfsys, loader
+from agent.ebpf import compile as compile_mod
 from agent.ebpf.abi import MAPS, CtEntry, CtKey, MapSpec, ip_be, port_be
 from agent.ebpf.bpfobject import BpfObject
 from agent.ebpf.btf import vmlinux_has
@@ -82,6 +83,38 @@ def test_the_build_id_follows_source_flags_abi_and_programs() -> None:
     assert build_id("int x;", ["-DA=1", "-I/elsewhere/bpf"], 1, types) == base, (
         "where the tree lies is no part"
     )
+
+
+def test_the_build_id_follows_a_headers_package_replaced_in_place(tmp_path: Path) -> None:
+    """Same release, same paths, new headers (a package rebuilt and reinstalled over the old: dpkg
+    writes each file anew, with the package's mtime): another build, so the compile cache's
+    object of the old headers is not loaded. Reinstalling the same package is the same build."""
+    mod = tmp_path / "lib-modules-release"
+    mod.mkdir()
+    for tree, markers in compile_mod.HEADER_MARKERS.items():
+        root = tmp_path / f"usr-src-{tree}"
+        for rel in markers:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(f"{rel} of the first package\n")
+            os.utime(root / rel, ns=(1_700_000_000 * 10**9, 1_700_000_000 * 10**9))
+        (mod / tree).symlink_to(root)
+    before = compile_mod.kernel_headers(str(mod))
+    real = os.path.realpath(tmp_path)  # kernel_headers names the trees resolved: tmp_path may not be
+    assert os.path.join(real, "usr-src-build") in before and os.path.join(real, "usr-src-source") in before
+    assert compile_mod.kernel_headers(str(mod)) == before
+
+    def reinstall(rel: str, text: str, mtime_s: int) -> None:
+        path = tmp_path / "usr-src-build" / rel
+        new = path.with_name(path.name + ".dpkg-new")
+        new.write_text(text)
+        os.utime(new, ns=(mtime_s * 10**9, mtime_s * 10**9))
+        os.replace(new, path)
+
+    autoconf = "include/generated/autoconf.h"
+    reinstall(autoconf, f"{autoconf} of the first package\n", 1_700_000_000)
+    assert compile_mod.kernel_headers(str(mod)) == before, "the same package again: the same build"
+    reinstall(autoconf, f"{autoconf} of the second package\n", 1_700_100_000)
+    assert compile_mod.kernel_headers(str(mod)) != before
 
 
 def test_a_changed_prog_type_is_another_build(monkeypatch: pytest.MonkeyPatch) -> None:

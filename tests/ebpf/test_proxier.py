@@ -284,6 +284,7 @@ class Rig:
         self.hooks = HandoverState(own_front=False, other_front=False, older_behind=True)
         self.rehome_error: Exception | None = None  # what the next proxier's attacher's first rehome raises
         self.snapshot_dir: str | None = None  # where a proxier leaves its planner at close (None: nowhere)
+        self.sysctl_values: dict[str, str] = {}  # what sysctl_read answers, but the port range
 
     def proxier(self, *, ipv6: bool = True) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
@@ -310,8 +311,10 @@ class Rig:
             return self.attachers[-1]
 
         def sysctl_read(netns: str, path: str) -> str:
-            assert (netns, path) == (self.config.netns, "net/ipv4/ip_local_port_range")
-            return self.local_ports
+            assert netns == self.config.netns
+            if path == "net/ipv4/ip_local_port_range":
+                return self.local_ports
+            return self.sysctl_values[path]
 
         return EbpfProxier(
             self.config,
@@ -1625,6 +1628,25 @@ def test_socket_lb_off_unlinks_what_an_earlier_run_left(rig: Rig) -> None:
     assert not any(e.startswith("end stale") for e in rig.events)
     p.cleanup()
     assert rig.events.count("unlink sockets") == 2
+
+
+def test_cleanup_puts_back_the_tcp_be_liberal_a_killed_takeover_kept_in_its_own_directory(
+    rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`agent --cleanup`: no takeover follows, so the node's own value an agent killed mid-takeover
+    kept goes back and its file goes; the file is the proxier's directory's (snapshot_dir), not
+    the host's /run/ebpf-kube-proxy."""
+    from agent.takeover import into_ebpf
+
+    rig.snapshot_dir = str(tmp_path / "state")
+    os.makedirs(rig.snapshot_dir)
+    monkeypatch.setattr(into_ebpf, "netns_inode", lambda netns: 4026532000)
+    kept = Path(into_ebpf.liberal_path(rig.snapshot_dir, rig.config.pin_path, 4026532000))
+    kept.write_text("0\n")
+    rig.sysctl_values[into_ebpf.TCP_BE_LIBERAL] = "1"
+    rig.proxier().cleanup()
+    assert (rig.config.netns, into_ebpf.TCP_BE_LIBERAL, "0") in rig.sysctls
+    assert not kept.exists()
 
 
 def test_later_syncs_write_what_changed(rig: Rig) -> None:
