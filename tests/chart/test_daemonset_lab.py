@@ -193,9 +193,11 @@ def compile_image_bytecode(image_env: dict[str, str], prefix: Path) -> None:
     byte code of every agent module and of all they import (the kubernetes client, aiohttp,
     pyroute2, bcc, the standard library: with a prefix set, Python looks for byte code nowhere
     else), by one process of the pod's interpreter that imports them. `agent.__main__` is left
-    out: importing it runs the agent."""
+    out: importing it runs the agent. bcc (the loader and the compile child import it when they
+    run) and the two codecs the pods' C locale uses are what the pods imported beyond the agent's
+    modules, seen with pods let write into a prefix of their own: nothing else."""
     script = (
-        "import importlib, pkgutil, agent\n"
+        "import importlib, pkgutil, agent, bcc, encodings.ascii, encodings.utf_8_sig\n"
         "for m in pkgutil.walk_packages(agent.__path__, 'agent.'):\n"
         "    if m.name != 'agent.__main__':\n"
         "        importlib.import_module(m.name)\n"
