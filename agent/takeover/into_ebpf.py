@@ -133,32 +133,35 @@ def kept_liberal(path: str, config: Config, read_sysctl: Callable[[str, str], st
     by an agent run without it would undo that) and the node reads 1 now (anything else: the file
     is stale, the node ran kube-proxy or iptables mode since, or someone set the value). A file
     not used is removed, and said why."""
+    fd = -1
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
+        with os.fdopen(fd, "rb") as f:
+            text = f.read(_LIBERAL_MAX).decode(errors="replace").strip()
+        now = read_sysctl(config.netns, TCP_BE_LIBERAL)
     except OSError as exc:
-        log.warning(
-            "cannot read %s (%s): if an agent was killed mid-takeover, %s in netns %s may still be 1;"
-            " check it, set the node's own value by hand (0 unless conntrack.tcpBeLiberal is set)"
-            " and remove the file",
+        if fd < 0 and isinstance(exc, FileNotFoundError):
+            return None  # the usual case: no takeover was killed
+        # The start goes on as without the file (kept: a later start may read it)
+        log.error(
+            "cannot read %s or %s (%s): if an agent was killed mid-takeover, %s in netns %s may still"
+            " be 1 (netfilter's TCP window checks off); check it, set the node's own value by hand"
+            " (sysctl -w net.netfilter.nf_conntrack_tcp_be_liberal=0 unless conntrack.tcpBeLiberal is"
+            " set) and remove the file",
             path,
+            TCP_BE_LIBERAL,
             exc,
             TCP_BE_LIBERAL,
             config.netns or "(own)",
         )
         return None
-    with os.fdopen(fd, "rb") as f:
-        text = f.read(_LIBERAL_MAX).decode(errors="replace").strip()
     why = ""
     if not re.fullmatch(r"[0-9]+", text):
         why = f"{text!r} is no value of {TCP_BE_LIBERAL}"
     elif config.conntrack.tcp_be_liberal:
         why = f"conntrack.tcpBeLiberal asks for {TCP_BE_LIBERAL}=1"
-    else:
-        now = read_sysctl(config.netns, TCP_BE_LIBERAL)
-        if now != "1":
-            why = f"{TCP_BE_LIBERAL} is {now} now, not the 1 a takeover left: the file is stale"
+    elif now != "1":
+        why = f"{TCP_BE_LIBERAL} is {now} now, not the 1 a takeover left: the file is stale"
     if why:
         log.info("ignored and removed %s (the node's own %s kept by a takeover): %s", path, text, why)
         forget_liberal(path)
@@ -195,6 +198,16 @@ def put_back_liberal(
         path = liberal_path(directory, config.pin_path, (inode or netns_inode)(config.netns))
     except FileNotFoundError:
         return  # no namespace: nothing of its sysctls to put back
+    except OSError as exc:
+        log.error(
+            "cannot find netns %s's inode (%s): a tcp_be_liberal an agent killed mid-takeover left at 1"
+            " is not put back from the lock directory %s; check %s there and set it by hand",
+            config.netns or "(own)",
+            exc,
+            directory,
+            TCP_BE_LIBERAL,
+        )
+        return
     was = kept_liberal(path, config, read_sysctl or _default_read_sysctl)
     if was is None:
         return

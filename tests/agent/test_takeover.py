@@ -621,7 +621,12 @@ INODE = 4026532000
 
 
 def kept_takeover(
-    state_dir: Path, sysctl: Sysctl, flows: list[NatFlow], *, liberal: bool = False, inode: int = INODE
+    state_dir: Path,
+    sysctl: Sysctl,
+    flows: list[NatFlow],
+    *,
+    liberal: bool = False,
+    inode: int = INODE,
 ) -> KernelTakeover:
     return KernelTakeover(
         Config(
@@ -735,6 +740,59 @@ def test_the_value_is_kept_before_the_takeover_sets_1(tmp_path: Path) -> None:
 
     kept_takeover(tmp_path, Watched(), [CLUSTERIP]).before_attach(fake_maps())
     assert seen == [True]
+
+
+class UnreadableSysctl(Sysctl):
+    def read(self, netns: str, path: str) -> str | None:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+
+@pytest.mark.parametrize("broken", ["directory", "sysctl"])
+def test_a_kept_file_that_cannot_be_read_is_said_and_kept_and_the_start_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, broken: str
+) -> None:
+    """A directory at the file's path, or the sysctl unreadable: the first attach (and an iptables
+    start's or a cleanup's put-back) goes on as without a file, says which file and what to do by
+    hand, and leaves the file for a later start."""
+    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    if broken == "directory":
+        kept.mkdir()
+        sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
+    else:
+        kept.write_text("0\n")
+        sysctl = UnreadableSysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
+    put_back_liberal(
+        Config(netns="node1", pin_path=PIN),
+        str(tmp_path),
+        read_sysctl=sysctl.read,
+        write_sysctl=sysctl,
+        inode=lambda netns: INODE,
+    )
+    assert sysctl.values[LIBERAL] == "1"
+    assert f"cannot read {kept}" in caplog.text and "set the node's own value by hand" in caplog.text
+    caplog.clear()
+    takeover = kept_takeover(tmp_path, sysctl, [])
+    maps = fake_maps()
+    takeover.before_attach(maps)  # no flow to carry: the sysctl is not read again
+    takeover.after_attach(maps)
+    assert f"cannot read {kept}" in caplog.text
+    assert kept.exists()
+
+
+def test_a_put_back_whose_netns_cannot_be_stat_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An OSError but a missing namespace (EACCES, say): said with the directory, not raised into
+    the start or the cleanup."""
+
+    def denied(netns: str) -> int:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
+    put_back_liberal(
+        Config(netns="node1"), str(tmp_path), read_sysctl=sysctl.read, write_sysctl=sysctl, inode=denied
+    )
+    assert "cannot find netns node1's inode" in caplog.text
 
 
 def test_an_attach_aborted_after_the_carry_restores_the_window_checks_and_a_failing_restore_hides_nothing(
