@@ -69,7 +69,6 @@ conntrack of a restarting eBPF agent is already in place (BPF_NOEXIST).
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import re
@@ -113,12 +112,11 @@ TCP_BE_LIBERAL = "net/netfilter/nf_conntrack_tcp_be_liberal"
 _LIBERAL_MAX = 64  # a sysctl's value: an integer
 
 
-def liberal_path(directory: str, pin_path: str, netns_inode: int) -> str:
-    """The file holding the node's own tcp_be_liberal while the takeover has it at 1, for the pin
-    path (resolved) and the network namespace (its inode, as agent.lock names its lock file: the
-    sysctl is the namespace's), beside the hand-back's marker."""
-    digest = hashlib.sha256(os.path.realpath(pin_path).encode()).hexdigest()[:16]
-    return os.path.join(directory, f"takeover-{digest}-netns-{netns_inode}.liberal")
+def liberal_path(directory: str, netns_inode: int) -> str:
+    """The file holding the node's own tcp_be_liberal while the takeover has it at 1, for the
+    network namespace (its inode, as agent.lock names its lock file: the sysctl is the namespace's,
+    and one agent runs per namespace, whatever its --bpf-pin-path), beside the hand-back's marker."""
+    return os.path.join(directory, f"takeover-netns-{netns_inode}.liberal")
 
 
 def netns_inode(netns: str) -> int:
@@ -195,7 +193,7 @@ def put_back_liberal(
     node's own tcp_be_liberal an agent killed mid-takeover kept (`kept_liberal`) goes back, and its
     file goes, so that no later eBPF start acts on a stale one."""
     try:
-        path = liberal_path(directory, config.pin_path, (inode or netns_inode)(config.netns))
+        path = liberal_path(directory, (inode or netns_inode)(config.netns))
     except FileNotFoundError:
         return  # no namespace: nothing of its sysctls to put back
     except OSError as exc:
@@ -483,7 +481,7 @@ class KernelTakeover:
                 inode = self._netns_inode(self._config.netns)
             except OSError:
                 return ""  # the namespace went: nothing of its sysctls to keep or put back
-            self._liberal_file_at = liberal_path(self._state_dir, self._config.pin_path, inode)
+            self._liberal_file_at = liberal_path(self._state_dir, inode)
         return self._liberal_file_at
 
     def _restore_liberal(self) -> None:

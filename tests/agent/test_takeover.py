@@ -600,7 +600,7 @@ def test_an_agent_restarted_mid_takeover_puts_the_nodes_own_tcp_be_liberal_back(
             netns_inode=lambda netns: 4026532000,
         )
 
-    kept = Path(liberal_path(str(tmp_path), "/sys/fs/bpf/ekp-node1", 4026532000))
+    kept = Path(liberal_path(str(tmp_path), 4026532000))
     takeover([CLUSTERIP]).before_attach(fake_maps())  # then SIGKILL: no after_attach, no close
     assert sysctl.values[LIBERAL] == "1" and kept.read_text() == "0\n"
     restarted = takeover([CLUSTERIP] if carries_again else [])
@@ -627,12 +627,13 @@ def kept_takeover(
     *,
     liberal: bool = False,
     inode: int = INODE,
+    pin_path: str = PIN,
 ) -> KernelTakeover:
     return KernelTakeover(
         Config(
             netns="node1",
             bpf_host_routing=HostRouting.LEGACY,
-            pin_path=PIN,
+            pin_path=pin_path,
             conntrack=ConntrackSettings(tcp_be_liberal=liberal),
         ),
         dump=lambda netns: flows,
@@ -650,7 +651,7 @@ def kept_takeover(
 def test_a_kept_value_is_not_put_back_when_the_config_asks_for_tcp_be_liberal(tmp_path: Path) -> None:
     """conntrack.tcpBeLiberal: true (setup_conntrack set 1 at this start): a file an earlier agent
     run without it left is removed, not acted on (its 0 would undo the config)."""
-    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    kept = Path(liberal_path(str(tmp_path), INODE))
     kept.write_text("0\n")
     sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
     takeover = kept_takeover(tmp_path, sysctl, [CLUSTERIP], liberal=True)
@@ -664,7 +665,7 @@ def test_a_kept_value_is_not_put_back_when_the_config_asks_for_tcp_be_liberal(tm
 def test_a_stale_kept_value_is_removed_not_put_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The node reads 0 (kube-proxy or iptables mode ran since the agent was killed, and set it
     back): the file is stale; it goes, and the 1 this takeover sets is followed by the 0 it read."""
-    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    kept = Path(liberal_path(str(tmp_path), INODE))
     kept.write_text("1\n")  # what the node had then, say; 0 now
     sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
     caplog.set_level(logging.INFO)
@@ -683,7 +684,7 @@ def test_an_iptables_start_or_ebpf_cleanup_puts_the_kept_value_back_and_removes_
 ) -> None:
     """No takeover follows (put_back_liberal): the node's own value comes back unless the config
     asks for 1, and the file goes either way, so no later eBPF start acts on a stale one."""
-    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    kept = Path(liberal_path(str(tmp_path), INODE))
     kept.write_text("0\n")
     sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
     config = Config(netns="node1", pin_path=PIN, conntrack=ConntrackSettings(tcp_be_liberal=liberal))
@@ -719,13 +720,13 @@ def test_a_kept_value_is_the_namespaces_own(tmp_path: Path) -> None:
     elsewhere.before_attach(maps)
     elsewhere.after_attach(maps)
     assert other.values[LIBERAL] == "1"
-    assert Path(liberal_path(str(tmp_path), PIN, INODE)).read_text() == "0\n"
+    assert Path(liberal_path(str(tmp_path), INODE)).read_text() == "0\n"
 
 
 def test_the_value_is_kept_before_the_takeover_sets_1(tmp_path: Path) -> None:
     """Read, kept, then written: an agent killed between the write and the keep would leave 1 and
     no file."""
-    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    kept = Path(liberal_path(str(tmp_path), INODE))
     sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
     seen: list[bool] = []
 
@@ -742,6 +743,20 @@ def test_the_value_is_kept_before_the_takeover_sets_1(tmp_path: Path) -> None:
     assert seen == [True]
 
 
+def test_a_kept_value_is_found_by_an_agent_with_another_pin_path(tmp_path: Path) -> None:
+    """One agent per namespace (agent.lock): the next one, started with another --bpf-pin-path,
+    still puts back what a killed one kept."""
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    kept_takeover(tmp_path, sysctl, [CLUSTERIP]).before_attach(fake_maps())  # then SIGKILL
+    assert sysctl.values[LIBERAL] == "1"
+    maps = fake_maps()
+    restarted = kept_takeover(tmp_path, sysctl, [], pin_path="/sys/fs/bpf/ekp-elsewhere")
+    restarted.before_attach(maps)
+    restarted.after_attach(maps)
+    assert sysctl.values[LIBERAL] == "0"
+    assert not Path(liberal_path(str(tmp_path), INODE)).exists()
+
+
 class UnreadableSysctl(Sysctl):
     def read(self, netns: str, path: str) -> str | None:
         raise PermissionError(errno.EACCES, "Permission denied")
@@ -754,7 +769,7 @@ def test_a_kept_file_that_cannot_be_read_is_said_and_kept_and_the_start_goes_on(
     """A directory at the file's path, or the sysctl unreadable: the first attach (and an iptables
     start's or a cleanup's put-back) goes on as without a file, says which file and what to do by
     hand, and leaves the file for a later start."""
-    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    kept = Path(liberal_path(str(tmp_path), INODE))
     if broken == "directory":
         kept.mkdir()
         sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")

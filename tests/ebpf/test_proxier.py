@@ -1641,7 +1641,7 @@ def test_cleanup_puts_back_the_tcp_be_liberal_a_killed_takeover_kept_in_its_own_
     rig.snapshot_dir = str(tmp_path / "state")
     os.makedirs(rig.snapshot_dir)
     monkeypatch.setattr(into_ebpf, "netns_inode", lambda netns: 4026532000)
-    kept = Path(into_ebpf.liberal_path(rig.snapshot_dir, rig.config.pin_path, 4026532000))
+    kept = Path(into_ebpf.liberal_path(rig.snapshot_dir, 4026532000))
     kept.write_text("0\n")
     rig.sysctl_values[into_ebpf.TCP_BE_LIBERAL] = "1"
     rig.proxier().cleanup()
