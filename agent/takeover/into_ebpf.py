@@ -485,14 +485,15 @@ class KernelTakeover:
         return self._liberal_file_at
 
     def _restore_liberal(self) -> None:
-        was, self._liberal_was = self._liberal_was, None
-        self._liberal_from_file = False
+        was = self._liberal_was
         if was is None:
             return
         if was != "1":
             try:
                 self._sysctl(self._config.netns, TCP_BE_LIBERAL, was)
             except OSError as exc:  # said, not raised: the error that stopped the attach matters more
+                # Still this object's to put back (a retried attach, `close`): cleared, a retry
+                # would read its own file as a killed agent's
                 log.error(
                     "cannot set %s back to %s in netns %s (%s): netfilter's TCP window checks stay"
                     " off on the node (kube-proxy's conntrack.tcpBeLiberal); set it by hand (the next"
@@ -504,6 +505,8 @@ class KernelTakeover:
                     self._liberal_file or "nowhere",
                 )
                 return
+        self._liberal_was = None
+        self._liberal_from_file = False
         if self._liberal_file:
             forget_liberal(self._liberal_file)
 

@@ -810,6 +810,35 @@ def test_a_put_back_whose_netns_cannot_be_stat_goes_on(
     assert "cannot find netns node1's inode" in caplog.text
 
 
+def test_an_attach_retried_after_a_failed_restore_does_not_take_its_own_file_for_a_killed_agents(
+    tmp_path: Path,
+) -> None:
+    """abort(attached=False) whose write back fails leaves the file (for a restart): the retried
+    attach is this object's, so its own abort(attached=False) puts the value back, as the first
+    would have (read as a killed agent's, the value would stay 1 until close)."""
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    refuse = [True]
+
+    class Refusing(Sysctl):
+        def __call__(self, netns: str, path: str, value: str) -> str | None:
+            if value == "0" and refuse:
+                refuse.pop()
+                raise OSError(errno.EIO, "Input/output error")
+            return sysctl(netns, path, value)
+
+        def read(self, netns: str, path: str) -> str | None:
+            return sysctl.read(netns, path)
+
+    takeover = kept_takeover(tmp_path, Refusing(), [CLUSTERIP])
+    takeover.before_attach(fake_maps())
+    takeover.abort(attached=False)  # the write of 0 refused
+    assert sysctl.values[LIBERAL] == "1"
+    takeover.before_attach(fake_maps())
+    takeover.abort(attached=False)
+    assert sysctl.values[LIBERAL] == "0"
+    assert not Path(liberal_path(str(tmp_path), INODE)).exists()
+
+
 def test_an_attach_aborted_after_the_carry_restores_the_window_checks_and_a_failing_restore_hides_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
