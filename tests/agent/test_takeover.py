@@ -2000,6 +2000,69 @@ def test_a_detach_stopped_by_anything_after_one_device_keeps_the_nat_entries(
     assert "detached the programs from eth0 but not from all devices" in caplog.text
 
 
+def test_a_pending_hand_back_puts_back_a_kept_tcp_be_liberal_only_once_every_device_is_detached(
+    tmp_path: Path,
+) -> None:
+    """An eBPF agent killed mid-takeover kept the node's own 0 and left 1, and its programs may be
+    on devices: iptables mode's start leaves 1 (app.run), and the hand-back sets 0 only once its
+    programs left every device (a flow they translate one way only meets no window check until
+    then): not at a partial detach, at the retry that detaches the rest."""
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_tcp"].name).touch()
+    kept = Path(liberal_path(str(tmp_path), INODE))
+    kept.write_text("0\n")
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
+    seen: list[str | None] = []
+    outcomes = [["eth0"], ["lxc-a"]]
+
+    def detach(netns: str, detached: list[str], between: Callable[[], None]) -> None:
+        seen.append(sysctl.values[LIBERAL])
+        devices = outcomes.pop(0)
+        detached.extend(devices)
+        if outcomes:
+            raise attach.DetachFailed(errno.EBUSY, devices, ["lxc-a: (16, 'Device or resource busy')"])
+
+    clock = [1000.0]
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins), sync_period_s=30),
+        read=lambda pin_path: [],
+        create=lambda netns, flows, timeouts, hold: Created(),
+        detach=detach,
+        remove_pins=lambda pin_path: [],
+        holds=lambda pin_path: FakeHolds([]),
+        snapshot_dir=str(tmp_path),
+        clock=lambda: clock[0],
+        put_back_liberal=lambda config, directory: put_back_liberal(
+            config, directory, read_sysctl=sysctl.read, write_sysctl=sysctl, inode=lambda netns: INODE
+        ),
+    )
+    assert handback.run() is False  # eth0 detached, lxc-a not
+    assert sysctl.values[LIBERAL] == "1" and kept.exists()
+    clock[0] += 30
+    assert handback.run() is True
+    assert seen == ["1", "1"]
+    assert sysctl.values[LIBERAL] == "0" and not kept.exists()
+
+
+def test_a_hand_back_with_nothing_pinned_puts_back_a_kept_tcp_be_liberal(tmp_path: Path) -> None:
+    """No pins (an `agent --cleanup` that could not write the sysctl, say): no program of ours is
+    left either, so the first hand-back call puts the kept value back."""
+    kept = Path(liberal_path(str(tmp_path), INODE))
+    kept.write_text("0\n")
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(tmp_path / "pins")),
+        snapshot_dir=str(tmp_path),
+        put_back_liberal=lambda config, directory: put_back_liberal(
+            config, directory, read_sysctl=sysctl.read, write_sysctl=sysctl, inode=lambda netns: INODE
+        ),
+    )
+    assert not handback.pending
+    assert handback.run() is True
+    assert sysctl.values[LIBERAL] == "0" and not kept.exists()
+
+
 def test_a_partial_detach_writes_the_late_flows_and_is_tried_again_without_an_undo(tmp_path: Path) -> None:
     """After a partial detach the flows the programs started since, and those refused, go to
     their NAT entries (the detached devices' flows meet the rules); the pins stay and the next
