@@ -189,7 +189,8 @@ def put_back_liberal(
     write_sysctl: Callable[[str, str, str], str | None] | None = None,
     inode: Callable[[str], int] | None = None,
 ) -> None:
-    """Where no eBPF takeover follows (`agent --cleanup` in eBPF mode, an iptables-mode start): the
+    """Where no eBPF takeover follows, once no program of ours is attached (`agent --cleanup`, iptables
+    mode's hand-back out of eBPF mode: EbpfHandback): the
     node's own tcp_be_liberal an agent killed mid-takeover kept (`kept_liberal`) goes back, and its
     file goes, so that no later eBPF start acts on a stale one."""
     try:

@@ -679,7 +679,7 @@ def test_a_stale_kept_value_is_removed_not_put_back(tmp_path: Path, caplog: pyte
 
 
 @pytest.mark.parametrize("liberal", [False, True])
-def test_an_iptables_start_or_ebpf_cleanup_puts_the_kept_value_back_and_removes_the_file(
+def test_a_put_back_without_a_takeover_restores_the_kept_value_and_removes_the_file(
     tmp_path: Path, liberal: bool
 ) -> None:
     """No takeover follows (put_back_liberal): the node's own value comes back unless the config
