@@ -691,12 +691,6 @@ def _run_locked(
         from agent.nodeinit import setup_conntrack
 
         setup_conntrack(config)  # kube-proxy's platformSetup, before the proxier reads the host
-        if config.mode is Mode.IPTABLES:
-            from agent.lock import LOCK_DIR
-            from agent.takeover.into_ebpf import put_back_liberal
-
-            # An eBPF agent killed mid-takeover left tcp_be_liberal at 1: no takeover follows
-            put_back_liberal(config, LOCK_DIR)
         proxier: EarlyProxier | None = None
         try:
             proxier = start_loading(config, ipv6=config.ipv6_configured and not missing6)

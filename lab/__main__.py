@@ -3,7 +3,8 @@
 python -m lab cleanup [--prefix ekpXXXXXX] [--dry-run]
     Remove what killed runs left: namespaces `ekp<6 hex>-*` (their processes killed first),
     lab cgroups, bpffs pins /sys/fs/bpf/ebpf-kube-proxy-lab-ekp*, tmp dirs `ekp<6 hex>-*` but
-    those whose owner still runs (a live scratch namespace's xtables lock dir). Prints each item.
+    those whose owner still runs (a live scratch namespace's xtables lock dir), and without
+    --prefix the `ekp-scratch-*` staging dirs of killed runs. Prints each item.
 python -m lab up [--nodes 2] [--pods 2] [--no-servers]
     Build a lab, start podservers (and dnsmasq on the first pod of each node), print how to reach
     it, and wait for Ctrl-C (or SIGTERM), then tear it down.

@@ -152,8 +152,9 @@ def scratch_netns(prefix: str) -> Iterator[str]:
         # Named as a lab's tmp dir (`ekp<6 hex>-*`, `tmp_dirs`): a killed run's is one more
         # leftover `python -m lab cleanup` removes (a running one's it leaves: `mark_owner`);
         # the namespace's name says whose it was. Made and marked under another name first: a
-        # cleanup beside it must never see the lab name without its owner.
-        staging = tempfile.mkdtemp(prefix=f"ekp-scratch-{name}-")
+        # cleanup beside it must never see the lab name without its owner. That name carries
+        # the owner itself (`sweep_staging`): a run killed before the rename leaves it to cleanup.
+        staging = tempfile.mkdtemp(prefix=_staging_prefix(name))
         try:
             mark_owner(staging)
             lock_dir = os.path.join(
@@ -376,6 +377,38 @@ def tmp_dirs(prefix: str | None = None) -> list[str]:
 
 
 OWNER_FILE = "owner"
+STAGING = "ekp-scratch-"  # scratch_netns's lock dir before it has a lab name
+_STAGING_RE = re.compile(rf"^{STAGING}(\d+)\.(\d+)-")
+
+
+def _staging_prefix(ns: str) -> str:
+    """`ekp-scratch-<pid>.<start time>-<ns>-`: the owner in the name, there from mkdtemp on (an
+    owner file comes a moment later: a cleanup in between would take the dir for a dead one's)."""
+    pid = os.getpid()
+    start = proc_starttime(pid)
+    if start is None:
+        raise RuntimeError(f"cannot read this process's start time (/proc/{pid}/stat)")
+    return f"{STAGING}{pid}.{start}-{ns}-"
+
+
+def sweep_staging(*, dry_run: bool = False) -> list[str]:
+    """Remove scratch_netns's staging dirs whose owner (named in the dir's name) is gone: a run
+    killed between mkdtemp and the rename to a lab name; return them. One named the older way
+    (no owner in its name) is removed only once its owner file names a process gone."""
+    removed = []
+    for d in sorted(glob.glob(os.path.join(tempfile.gettempdir(), f"{STAGING}*"))):
+        if not os.path.isdir(d) or os.path.islink(d):
+            continue
+        m = _STAGING_RE.match(os.path.basename(d))
+        if m is not None:
+            if alive(int(m.group(1)), int(m.group(2))):
+                continue
+        elif not os.path.exists(os.path.join(d, OWNER_FILE)) or owner_alive(d) is not None:
+            continue  # maybe an older process's, between its mkdtemp and its mark_owner
+        if not dry_run:
+            shutil.rmtree(d, ignore_errors=True)
+        removed.append(f"temporary directory {d}")
+    return removed
 
 
 def mark_owner(path: str) -> None:
@@ -525,6 +558,8 @@ def cleanup_leftovers(prefix: str | None = None, *, dry_run: bool = False) -> li
         if not dry_run:
             shutil.rmtree(d, ignore_errors=True)
         removed.append(f"temporary directory {d}")
+    if prefix is None:  # a staging dir has no lab prefix yet: the whole cleanup's
+        removed += sweep_staging(dry_run=dry_run)
     return removed
 
 

@@ -345,6 +345,48 @@ def test_a_scratch_lock_dir_has_its_owner_before_it_has_a_lab_name(
     assert path not in listed
 
 
+def test_lab_cleanup_sweeps_a_killed_runs_scratch_staging_dir_and_no_live_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed between scratch_netns's mkdtemp and its rename leaves `ekp-scratch-*`, which
+    has no lab prefix: the whole cleanup removes it once its owner (in its name) is gone, and
+    never one whose owner runs, even before its owner file is written."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    pid, start = os.getpid(), netns.proc_starttime(os.getpid()) or 0
+    dead = tmp_path / f"{netns.STAGING}{pid}.{start + 1}-ekpt-scratch-1a2b3c4d-x1"  # a pid reused since
+    live = tmp_path / f"{netns.STAGING}{pid}.{start}-ekpt-scratch-5e6f7a8b-x2"  # no owner file yet
+    older_dead = tmp_path / f"{netns.STAGING}ekpt-scratch-9a9a9a9a-x3"  # named the older way
+    older_marking = tmp_path / f"{netns.STAGING}ekpt-scratch-8b8b8b8b-x4"  # ... before its mark_owner
+    for d in (dead, live, older_dead, older_marking):
+        d.mkdir()
+    (older_dead / netns.OWNER_FILE).write_text(f"{pid} {start + 1}\n")
+    assert netns.sweep_staging(dry_run=True) == [f"temporary directory {d}" for d in (dead, older_dead)]
+    assert dead.is_dir() and older_dead.is_dir()
+    for nothing in ("list_netns", "lab_cgroups", "pin_dirs"):  # the rest of the machine's left alone
+        monkeypatch.setattr(netns, nothing, lambda *args: [])
+    assert cleanup_leftovers(None, dry_run=True) == [f"temporary directory {d}" for d in (dead, older_dead)]
+    assert netns.sweep_staging() == [f"temporary directory {d}" for d in (dead, older_dead)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, older_marking.name])
+
+
+def test_a_scratch_staging_dir_names_its_owner_from_the_start(
+    kernel_required: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    marking = netns.mark_owner
+    swept: list[list[str]] = []
+
+    def marked_while_a_cleanup_sweeps(path: str) -> None:
+        assert os.path.basename(path).startswith(f"{netns.STAGING}{os.getpid()}.")
+        swept.append(netns.sweep_staging(dry_run=True))
+        marking(path)
+
+    monkeypatch.setattr(netns, "mark_owner", marked_while_a_cleanup_sweeps)
+    with netns.scratch_netns("ekpt-scratch"):
+        pass
+    assert swept == [[]]
+
+
 def test_mark_owner_refuses_an_unknown_start_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No start time read: an error, not "pid None" (which owner_alive reads as no owner)."""
     monkeypatch.setattr(netns, "proc_starttime", lambda pid: None)

@@ -8,7 +8,7 @@ by hand.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -54,10 +54,33 @@ SOCKET_HELPERS = (
 # (agent/ebpf/programs.py), and IPv6 goes on from XDP to tc, which does all its work.
 XDP_PROGRAM_TYPE = "xdp"
 XDP_HELPERS = ("bpf_xdp_load_bytes",)
-# Program types only one hook needs: the hook, and whether the flags attach it (`Facts`)
-OPTIONAL_PROGRAM_TYPES: Mapping[str, tuple[str, str]] = {
-    XDP_PROGRAM_TYPE: ("XDP", "xdp"),
-    SOCKET_PROGRAM_TYPE: ("socket-level", "socket_lb"),
+
+
+@dataclass(frozen=True)
+class OptionalHook:
+    """A hook only some flags attach, and the only program type it needs."""
+
+    name: str
+    wanted: Callable[[Facts], bool]  # whether the flags attach it
+    kernel: str  # what a kernel needs for its program type
+    off: str  # the flag that turns it off
+
+
+def _wants_xdp(f: Facts) -> bool:
+    return f.xdp
+
+
+def _wants_socket_lb(f: Facts) -> bool:
+    return f.socket_lb
+
+
+OPTIONAL_PROGRAM_TYPES: Mapping[str, OptionalHook] = {
+    # no kernel option of its own: the xdp program type comes with CONFIG_BPF_SYSCALL and a
+    # network stack (CONFIG_XDP_SOCKETS is AF_XDP, which the data path does not use)
+    XDP_PROGRAM_TYPE: OptionalHook("XDP", _wants_xdp, "the xdp program type (4.8+)", "--bpf-xdp=disabled"),
+    SOCKET_PROGRAM_TYPE: OptionalHook(
+        "socket-level", _wants_socket_lb, "CONFIG_CGROUP_BPF", "--bpf-socket-lb=false"
+    ),
 }
 FILL_WARN = 0.8  # a table fuller than this: warn
 
@@ -209,9 +232,7 @@ def _features(f: Facts) -> Line:
         )
     # A hook the flags turn off needs nothing of the kernel: what it would lack changes nothing.
     extra = [
-        t
-        for t, (_, flag) in OPTIONAL_PROGRAM_TYPES.items()
-        if getattr(f, flag) and t not in feats.program_types
+        t for t, hook in OPTIONAL_PROGRAM_TYPES.items() if hook.wanted(f) and t not in feats.program_types
     ]
     found = f"tc ({PROGRAM_TYPE}) with {len(HELPERS)} helpers, maps {', '.join(MAP_KINDS)}"
     lacking = [h for h in SOCKET_HELPERS if h not in feats.socket_helpers]
@@ -237,13 +258,15 @@ def _features(f: Facts) -> Line:
             "IPv6 is acceptable",
         )
     if extra:
+        wanted = [OPTIONAL_PROGRAM_TYPES[t] for t in extra]
+        both = len(wanted) > 1
         return Line(
             Verdict.WARN,
             "BPF features",
-            f"{found}; no {', '.join(extra)} programs (the "
-            f"{' and '.join(OPTIONAL_PROGRAM_TYPES[t][0] for t in extra)} hook{'s' if len(extra) > 1 else ''}"
-            f" need{'' if len(extra) > 1 else 's'} {'them' if len(extra) > 1 else 'it'})",
-            "a kernel with CONFIG_XDP_SOCKETS / CONFIG_CGROUP_BPF for those hooks",
+            f"{found}; no {', '.join(extra)} programs (the {' and '.join(h.name for h in wanted)}"
+            f" hook{'s' if both else ''} need{'' if both else 's'} them)",
+            f"a kernel with {' and '.join(h.kernel for h in wanted)},"
+            f" or {' and '.join(h.off for h in wanted)}",
         )
     hooks = [name for name, on in (("XDP", f.xdp), ("cgroup socket", f.socket_lb)) if on]
     if not hooks:

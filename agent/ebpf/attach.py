@@ -1621,16 +1621,26 @@ class Attacher:
         try:
             detached = self._detach(ipr, link.index, self._pins({link.index}))
         except (NetlinkError, OSError) as exc:
-            # A verify detached it meanwhile, or the device went: still ours in `_attached`, so
-            # the next verify looks at it again rather than the watcher dying here.
-            log.warning(
-                "cannot detach from %s (ifindex %d), which no longer qualifies (%s): %s; the next verify"
-                " detaches it",
-                link.name,
-                link.index,
-                self._unwanted_why(link, bridge, was),
-                exc,
-            )
+            # Still ours in `_attached`, so the next verify looks at it again rather than the
+            # watcher dying here.
+            code = exc.code if isinstance(exc, NetlinkError) else exc.errno
+            if code in (errno.ENOENT, errno.ENODEV):  # a verify detached it meanwhile, or it went
+                log.info(
+                    "%s (ifindex %d), which no longer qualifies (%s), is already gone or detached;"
+                    " the next verify looks at it again",
+                    link.name,
+                    link.index,
+                    self._unwanted_why(link, bridge, was),
+                )
+            else:
+                log.warning(
+                    "cannot detach from %s (ifindex %d), which no longer qualifies (%s): %s; retried at"
+                    " the next verify",
+                    link.name,
+                    link.index,
+                    self._unwanted_why(link, bridge, was),
+                    exc,
+                )
             return
         self._forget_bridge(link.index)
         with self._lock:

@@ -69,7 +69,6 @@ conntrack of a restarting eBPF agent is already in place (BPF_NOEXIST).
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import re
@@ -113,12 +112,11 @@ TCP_BE_LIBERAL = "net/netfilter/nf_conntrack_tcp_be_liberal"
 _LIBERAL_MAX = 64  # a sysctl's value: an integer
 
 
-def liberal_path(directory: str, pin_path: str, netns_inode: int) -> str:
-    """The file holding the node's own tcp_be_liberal while the takeover has it at 1, for the pin
-    path (resolved) and the network namespace (its inode, as agent.lock names its lock file: the
-    sysctl is the namespace's), beside the hand-back's marker."""
-    digest = hashlib.sha256(os.path.realpath(pin_path).encode()).hexdigest()[:16]
-    return os.path.join(directory, f"takeover-{digest}-netns-{netns_inode}.liberal")
+def liberal_path(directory: str, netns_inode: int) -> str:
+    """The file holding the node's own tcp_be_liberal while the takeover has it at 1, for the
+    network namespace (its inode, as agent.lock names its lock file: the sysctl is the namespace's,
+    and one agent runs per namespace, whatever its --bpf-pin-path), beside the hand-back's marker."""
+    return os.path.join(directory, f"takeover-netns-{netns_inode}.liberal")
 
 
 def netns_inode(netns: str) -> int:
@@ -133,32 +131,35 @@ def kept_liberal(path: str, config: Config, read_sysctl: Callable[[str, str], st
     by an agent run without it would undo that) and the node reads 1 now (anything else: the file
     is stale, the node ran kube-proxy or iptables mode since, or someone set the value). A file
     not used is removed, and said why."""
+    fd = -1
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
+        with os.fdopen(fd, "rb") as f:
+            text = f.read(_LIBERAL_MAX).decode(errors="replace").strip()
+        now = read_sysctl(config.netns, TCP_BE_LIBERAL)
     except OSError as exc:
-        log.warning(
-            "cannot read %s (%s): if an agent was killed mid-takeover, %s in netns %s may still be 1;"
-            " check it, set the node's own value by hand (0 unless conntrack.tcpBeLiberal is set)"
-            " and remove the file",
+        if fd < 0 and isinstance(exc, FileNotFoundError):
+            return None  # the usual case: no takeover was killed
+        # The start goes on as without the file (kept: a later start may read it)
+        log.error(
+            "cannot read %s or %s (%s): if an agent was killed mid-takeover, %s in netns %s may still"
+            " be 1 (netfilter's TCP window checks off); check it, set the node's own value by hand"
+            " (sysctl -w net.netfilter.nf_conntrack_tcp_be_liberal=0 unless conntrack.tcpBeLiberal is"
+            " set) and remove the file",
             path,
+            TCP_BE_LIBERAL,
             exc,
             TCP_BE_LIBERAL,
             config.netns or "(own)",
         )
         return None
-    with os.fdopen(fd, "rb") as f:
-        text = f.read(_LIBERAL_MAX).decode(errors="replace").strip()
     why = ""
     if not re.fullmatch(r"[0-9]+", text):
         why = f"{text!r} is no value of {TCP_BE_LIBERAL}"
     elif config.conntrack.tcp_be_liberal:
         why = f"conntrack.tcpBeLiberal asks for {TCP_BE_LIBERAL}=1"
-    else:
-        now = read_sysctl(config.netns, TCP_BE_LIBERAL)
-        if now != "1":
-            why = f"{TCP_BE_LIBERAL} is {now} now, not the 1 a takeover left: the file is stale"
+    elif now != "1":
+        why = f"{TCP_BE_LIBERAL} is {now} now, not the 1 a takeover left: the file is stale"
     if why:
         log.info("ignored and removed %s (the node's own %s kept by a takeover): %s", path, text, why)
         forget_liberal(path)
@@ -188,13 +189,24 @@ def put_back_liberal(
     write_sysctl: Callable[[str, str, str], str | None] | None = None,
     inode: Callable[[str], int] | None = None,
 ) -> None:
-    """Where no eBPF takeover follows (`agent --cleanup` in eBPF mode, an iptables-mode start): the
+    """Where no eBPF takeover follows, once no program of ours is attached (`agent --cleanup`, iptables
+    mode's hand-back out of eBPF mode: EbpfHandback): the
     node's own tcp_be_liberal an agent killed mid-takeover kept (`kept_liberal`) goes back, and its
     file goes, so that no later eBPF start acts on a stale one."""
     try:
-        path = liberal_path(directory, config.pin_path, (inode or netns_inode)(config.netns))
+        path = liberal_path(directory, (inode or netns_inode)(config.netns))
     except FileNotFoundError:
         return  # no namespace: nothing of its sysctls to put back
+    except OSError as exc:
+        log.error(
+            "cannot find netns %s's inode (%s): a tcp_be_liberal an agent killed mid-takeover left at 1"
+            " is not put back from the lock directory %s; check %s there and set it by hand",
+            config.netns or "(own)",
+            exc,
+            directory,
+            TCP_BE_LIBERAL,
+        )
+        return
     was = kept_liberal(path, config, read_sysctl or _default_read_sysctl)
     if was is None:
         return
@@ -470,18 +482,19 @@ class KernelTakeover:
                 inode = self._netns_inode(self._config.netns)
             except OSError:
                 return ""  # the namespace went: nothing of its sysctls to keep or put back
-            self._liberal_file_at = liberal_path(self._state_dir, self._config.pin_path, inode)
+            self._liberal_file_at = liberal_path(self._state_dir, inode)
         return self._liberal_file_at
 
     def _restore_liberal(self) -> None:
-        was, self._liberal_was = self._liberal_was, None
-        self._liberal_from_file = False
+        was = self._liberal_was
         if was is None:
             return
         if was != "1":
             try:
                 self._sysctl(self._config.netns, TCP_BE_LIBERAL, was)
             except OSError as exc:  # said, not raised: the error that stopped the attach matters more
+                # Still this object's to put back (a retried attach, `close`): cleared, a retry
+                # would read its own file as a killed agent's
                 log.error(
                     "cannot set %s back to %s in netns %s (%s): netfilter's TCP window checks stay"
                     " off on the node (kube-proxy's conntrack.tcpBeLiberal); set it by hand (the next"
@@ -493,6 +506,8 @@ class KernelTakeover:
                     self._liberal_file or "nowhere",
                 )
                 return
+        self._liberal_was = None
+        self._liberal_from_file = False
         if self._liberal_file:
             forget_liberal(self._liberal_file)
 

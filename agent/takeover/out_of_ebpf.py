@@ -57,11 +57,14 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    way (entries already there kept);
 4. the pins go (maps, programs, the directory), as `agent --cleanup` removes them, and with them
    the planner an eBPF-mode agent left for its next start (agent/ebpf/snapshot.py, in the lock
-   directory): it describes those maps only; the model's records kept beside it; and the
+   directory): it describes those maps only; the model's records kept beside it; the
+   tcp_be_liberal an eBPF agent killed mid-takeover left at 1 is put back (not before: its
+   programs may be on devices until step 2); and the
    marker. A failure in step 3 or 4 (the programs detached everywhere) is said as such and
    tried again.
 
-Nothing happens where no eBPF conntrack is pinned at --bpf-pin-path.
+Nothing happens where no eBPF conntrack is pinned at --bpf-pin-path but that put-back of a
+tcp_be_liberal kept (no pins: no program of a killed takeover either).
 """
 
 from __future__ import annotations
@@ -496,6 +499,12 @@ def marker_path(directory: str, pin_path: str) -> str:
     return os.path.join(directory, f"handback-{digest}.detached")
 
 
+def _put_back_liberal(config: Config, directory: str) -> None:
+    from agent.takeover.into_ebpf import put_back_liberal
+
+    put_back_liberal(config, directory)
+
+
 def forget_handback(directory: str, pin_path: str) -> None:
     """The marker of a hand-back out of eBPF mode removed: an eBPF-mode agent attached its
     programs to every device since (or `agent --cleanup` removed them), so the next hand-back
@@ -607,6 +616,7 @@ class EbpfHandback:
         delete: Callable[[str, list[NatFlow]], int] = _delete,
         snapshot_dir: str | None = None,  # None: agent.lock.LOCK_DIR
         clock: Callable[[], float] = time.monotonic,
+        put_back_liberal: Callable[[Config, str], None] | None = None,  # None: into_ebpf's
     ) -> None:
         self._config = config
         self._read = read
@@ -618,6 +628,7 @@ class EbpfHandback:
         # where the eBPF agent left its planner (agent/app.py), and this hand-back its marker
         self._snapshot_dir = LOCK_DIR if snapshot_dir is None else snapshot_dir
         self._clock = clock
+        self._put_back_liberal = put_back_liberal or _put_back_liberal
         self._detached: list[str] = []  # the devices our programs left, over every run
         self._begun = False  # the detach began (this agent's or an earlier one's): no undo
         self._marker_read = False
@@ -643,6 +654,7 @@ class EbpfHandback:
         partial detach, or a later step failing): the pins stay, and a later call tries again once
         its wait is over (a call before that does nothing)."""
         if not self.pending:
+            self.put_back_liberal()  # no pins: no program of a killed takeover left either
             return True
         if self._retry_at is not None and self._clock() < self._retry_at:
             return False
@@ -847,6 +859,7 @@ class EbpfHandback:
             keptfile.remove(self._marker)
         except Exception as exc:
             raise self._stopped("removing the pins (the programs left every device)", exc) from exc
+        self.put_back_liberal()
         failed = [*done.failed, *again.failed, *more.failed]
         for line in failed[:10]:
             log.warning("an eBPF flow could not be handed to nf_conntrack: %s", line)
@@ -880,6 +893,21 @@ class EbpfHandback:
             pin_path,
             (time.monotonic() - started) * 1000,
         )
+
+    def put_back_liberal(self) -> None:
+        """The node's own tcp_be_liberal an eBPF agent killed mid-takeover kept (into_ebpf's
+        `put_back_liberal`), once no program of ours is on any device: before, a flow the programs
+        translate one way only would meet netfilter's window checks (INVALID, dropped: resets)."""
+        try:
+            self._put_back_liberal(self._config, self._snapshot_dir)
+        except Exception as exc:  # the hand-back is done: a sysctl left at 1 is no reason to redo it
+            log.error(
+                "cannot put back the nf_conntrack_tcp_be_liberal an eBPF agent killed mid-takeover kept in"
+                " %s (%r): netfilter's TCP window checks may stay off; check the takeover-netns-*.liberal"
+                " file there, set the value by hand and remove the file",
+                self._snapshot_dir,
+                exc,
+            )
 
     def _write_late(self, netns: str, pin_path: str, timeouts: Timeouts) -> Any:
         """Step 3: the flows the programs started since, and those no run wrote (refused twice,

@@ -101,8 +101,28 @@ def test_a_missing_optional_program_type_is_said_for_the_hooks_wanted_only(
         return
     assert line.verdict is Verdict.WARN, line
     hook, absent = ("XDP", "socket") if xdp else ("socket-level", "XDP")
-    assert f"the {hook} hook needs it" in line.found, line
+    assert f"the {hook} hook needs them" in line.found, line
     assert absent not in line.found, line
+    # the hint: what the wanted hook's program type needs, or its flag off; nothing of the other's
+    # (nor AF_XDP's CONFIG_XDP_SOCKETS, which the xdp program type does not need)
+    kernel, off, other = (
+        ("the xdp program type", "--bpf-xdp=disabled", "CGROUP")
+        if xdp
+        else ("CONFIG_CGROUP_BPF", "--bpf-socket-lb=false", "xdp")
+    )
+    assert kernel in line.fix and off in line.fix, line
+    assert other not in line.fix and "XDP_SOCKETS" not in line.fix, line
+
+
+def test_both_optional_program_types_missing_name_both_hooks() -> None:
+    features = replace(FEATURES, program_types=FEATURES.program_types - {"xdp", "cgroup_sock_addr"})
+    line = by_check(checklist(replace(GOOD, features=features)))["BPF features"]
+    assert "(the XDP and socket-level hooks need them)" in line.found, line
+    assert (
+        line.fix
+        == "a kernel with the xdp program type (4.8+) and CONFIG_CGROUP_BPF, or --bpf-xdp=disabled and"
+        " --bpf-socket-lb=false"
+    )
 
 
 @pytest.mark.parametrize(

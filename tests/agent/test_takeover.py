@@ -600,7 +600,7 @@ def test_an_agent_restarted_mid_takeover_puts_the_nodes_own_tcp_be_liberal_back(
             netns_inode=lambda netns: 4026532000,
         )
 
-    kept = Path(liberal_path(str(tmp_path), "/sys/fs/bpf/ekp-node1", 4026532000))
+    kept = Path(liberal_path(str(tmp_path), 4026532000))
     takeover([CLUSTERIP]).before_attach(fake_maps())  # then SIGKILL: no after_attach, no close
     assert sysctl.values[LIBERAL] == "1" and kept.read_text() == "0\n"
     restarted = takeover([CLUSTERIP] if carries_again else [])
@@ -621,13 +621,19 @@ INODE = 4026532000
 
 
 def kept_takeover(
-    state_dir: Path, sysctl: Sysctl, flows: list[NatFlow], *, liberal: bool = False, inode: int = INODE
+    state_dir: Path,
+    sysctl: Sysctl,
+    flows: list[NatFlow],
+    *,
+    liberal: bool = False,
+    inode: int = INODE,
+    pin_path: str = PIN,
 ) -> KernelTakeover:
     return KernelTakeover(
         Config(
             netns="node1",
             bpf_host_routing=HostRouting.LEGACY,
-            pin_path=PIN,
+            pin_path=pin_path,
             conntrack=ConntrackSettings(tcp_be_liberal=liberal),
         ),
         dump=lambda netns: flows,
@@ -645,7 +651,7 @@ def kept_takeover(
 def test_a_kept_value_is_not_put_back_when_the_config_asks_for_tcp_be_liberal(tmp_path: Path) -> None:
     """conntrack.tcpBeLiberal: true (setup_conntrack set 1 at this start): a file an earlier agent
     run without it left is removed, not acted on (its 0 would undo the config)."""
-    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    kept = Path(liberal_path(str(tmp_path), INODE))
     kept.write_text("0\n")
     sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
     takeover = kept_takeover(tmp_path, sysctl, [CLUSTERIP], liberal=True)
@@ -659,7 +665,7 @@ def test_a_kept_value_is_not_put_back_when_the_config_asks_for_tcp_be_liberal(tm
 def test_a_stale_kept_value_is_removed_not_put_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The node reads 0 (kube-proxy or iptables mode ran since the agent was killed, and set it
     back): the file is stale; it goes, and the 1 this takeover sets is followed by the 0 it read."""
-    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    kept = Path(liberal_path(str(tmp_path), INODE))
     kept.write_text("1\n")  # what the node had then, say; 0 now
     sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
     caplog.set_level(logging.INFO)
@@ -673,12 +679,12 @@ def test_a_stale_kept_value_is_removed_not_put_back(tmp_path: Path, caplog: pyte
 
 
 @pytest.mark.parametrize("liberal", [False, True])
-def test_an_iptables_start_or_ebpf_cleanup_puts_the_kept_value_back_and_removes_the_file(
+def test_a_put_back_without_a_takeover_restores_the_kept_value_and_removes_the_file(
     tmp_path: Path, liberal: bool
 ) -> None:
     """No takeover follows (put_back_liberal): the node's own value comes back unless the config
     asks for 1, and the file goes either way, so no later eBPF start acts on a stale one."""
-    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    kept = Path(liberal_path(str(tmp_path), INODE))
     kept.write_text("0\n")
     sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
     config = Config(netns="node1", pin_path=PIN, conntrack=ConntrackSettings(tcp_be_liberal=liberal))
@@ -714,13 +720,13 @@ def test_a_kept_value_is_the_namespaces_own(tmp_path: Path) -> None:
     elsewhere.before_attach(maps)
     elsewhere.after_attach(maps)
     assert other.values[LIBERAL] == "1"
-    assert Path(liberal_path(str(tmp_path), PIN, INODE)).read_text() == "0\n"
+    assert Path(liberal_path(str(tmp_path), INODE)).read_text() == "0\n"
 
 
 def test_the_value_is_kept_before_the_takeover_sets_1(tmp_path: Path) -> None:
     """Read, kept, then written: an agent killed between the write and the keep would leave 1 and
     no file."""
-    kept = Path(liberal_path(str(tmp_path), PIN, INODE))
+    kept = Path(liberal_path(str(tmp_path), INODE))
     sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
     seen: list[bool] = []
 
@@ -735,6 +741,102 @@ def test_the_value_is_kept_before_the_takeover_sets_1(tmp_path: Path) -> None:
 
     kept_takeover(tmp_path, Watched(), [CLUSTERIP]).before_attach(fake_maps())
     assert seen == [True]
+
+
+def test_a_kept_value_is_found_by_an_agent_with_another_pin_path(tmp_path: Path) -> None:
+    """One agent per namespace (agent.lock): the next one, started with another --bpf-pin-path,
+    still puts back what a killed one kept."""
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    kept_takeover(tmp_path, sysctl, [CLUSTERIP]).before_attach(fake_maps())  # then SIGKILL
+    assert sysctl.values[LIBERAL] == "1"
+    maps = fake_maps()
+    restarted = kept_takeover(tmp_path, sysctl, [], pin_path="/sys/fs/bpf/ekp-elsewhere")
+    restarted.before_attach(maps)
+    restarted.after_attach(maps)
+    assert sysctl.values[LIBERAL] == "0"
+    assert not Path(liberal_path(str(tmp_path), INODE)).exists()
+
+
+class UnreadableSysctl(Sysctl):
+    def read(self, netns: str, path: str) -> str | None:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+
+@pytest.mark.parametrize("broken", ["directory", "sysctl"])
+def test_a_kept_file_that_cannot_be_read_is_said_and_kept_and_the_start_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, broken: str
+) -> None:
+    """A directory at the file's path, or the sysctl unreadable: the first attach (and an iptables
+    start's or a cleanup's put-back) goes on as without a file, says which file and what to do by
+    hand, and leaves the file for a later start."""
+    kept = Path(liberal_path(str(tmp_path), INODE))
+    if broken == "directory":
+        kept.mkdir()
+        sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
+    else:
+        kept.write_text("0\n")
+        sysctl = UnreadableSysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
+    put_back_liberal(
+        Config(netns="node1", pin_path=PIN),
+        str(tmp_path),
+        read_sysctl=sysctl.read,
+        write_sysctl=sysctl,
+        inode=lambda netns: INODE,
+    )
+    assert sysctl.values[LIBERAL] == "1"
+    assert f"cannot read {kept}" in caplog.text and "set the node's own value by hand" in caplog.text
+    caplog.clear()
+    takeover = kept_takeover(tmp_path, sysctl, [])
+    maps = fake_maps()
+    takeover.before_attach(maps)  # no flow to carry: the sysctl is not read again
+    takeover.after_attach(maps)
+    assert f"cannot read {kept}" in caplog.text
+    assert kept.exists()
+
+
+def test_a_put_back_whose_netns_cannot_be_stat_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An OSError but a missing namespace (EACCES, say): said with the directory, not raised into
+    the start or the cleanup."""
+
+    def denied(netns: str) -> int:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
+    put_back_liberal(
+        Config(netns="node1"), str(tmp_path), read_sysctl=sysctl.read, write_sysctl=sysctl, inode=denied
+    )
+    assert "cannot find netns node1's inode" in caplog.text
+
+
+def test_an_attach_retried_after_a_failed_restore_does_not_take_its_own_file_for_a_killed_agents(
+    tmp_path: Path,
+) -> None:
+    """abort(attached=False) whose write back fails leaves the file (for a restart): the retried
+    attach is this object's, so its own abort(attached=False) puts the value back, as the first
+    would have (read as a killed agent's, the value would stay 1 until close)."""
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    refuse = [True]
+
+    class Refusing(Sysctl):
+        def __call__(self, netns: str, path: str, value: str) -> str | None:
+            if value == "0" and refuse:
+                refuse.pop()
+                raise OSError(errno.EIO, "Input/output error")
+            return sysctl(netns, path, value)
+
+        def read(self, netns: str, path: str) -> str | None:
+            return sysctl.read(netns, path)
+
+    takeover = kept_takeover(tmp_path, Refusing(), [CLUSTERIP])
+    takeover.before_attach(fake_maps())
+    takeover.abort(attached=False)  # the write of 0 refused
+    assert sysctl.values[LIBERAL] == "1"
+    takeover.before_attach(fake_maps())
+    takeover.abort(attached=False)
+    assert sysctl.values[LIBERAL] == "0"
+    assert not Path(liberal_path(str(tmp_path), INODE)).exists()
 
 
 def test_an_attach_aborted_after_the_carry_restores_the_window_checks_and_a_failing_restore_hides_nothing(
@@ -1896,6 +1998,69 @@ def test_a_detach_stopped_by_anything_after_one_device_keeps_the_nat_entries(
         flags = flow_flags({"ct_tcp": table}, flow)
         assert flags[CtDir.FORWARD] & CtFlag.NFPASS and flags[CtDir.REPLY] & CtFlag.NFPASS
     assert "detached the programs from eth0 but not from all devices" in caplog.text
+
+
+def test_a_pending_hand_back_puts_back_a_kept_tcp_be_liberal_only_once_every_device_is_detached(
+    tmp_path: Path,
+) -> None:
+    """An eBPF agent killed mid-takeover kept the node's own 0 and left 1, and its programs may be
+    on devices: iptables mode's start leaves 1 (app.run), and the hand-back sets 0 only once its
+    programs left every device (a flow they translate one way only meets no window check until
+    then): not at a partial detach, at the retry that detaches the rest."""
+    pins = tmp_path / "pins"
+    pins.mkdir()
+    (pins / MAPS["ct_tcp"].name).touch()
+    kept = Path(liberal_path(str(tmp_path), INODE))
+    kept.write_text("0\n")
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
+    seen: list[str | None] = []
+    outcomes = [["eth0"], ["lxc-a"]]
+
+    def detach(netns: str, detached: list[str], between: Callable[[], None]) -> None:
+        seen.append(sysctl.values[LIBERAL])
+        devices = outcomes.pop(0)
+        detached.extend(devices)
+        if outcomes:
+            raise attach.DetachFailed(errno.EBUSY, devices, ["lxc-a: (16, 'Device or resource busy')"])
+
+    clock = [1000.0]
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(pins), sync_period_s=30),
+        read=lambda pin_path: [],
+        create=lambda netns, flows, timeouts, hold: Created(),
+        detach=detach,
+        remove_pins=lambda pin_path: [],
+        holds=lambda pin_path: FakeHolds([]),
+        snapshot_dir=str(tmp_path),
+        clock=lambda: clock[0],
+        put_back_liberal=lambda config, directory: put_back_liberal(
+            config, directory, read_sysctl=sysctl.read, write_sysctl=sysctl, inode=lambda netns: INODE
+        ),
+    )
+    assert handback.run() is False  # eth0 detached, lxc-a not
+    assert sysctl.values[LIBERAL] == "1" and kept.exists()
+    clock[0] += 30
+    assert handback.run() is True
+    assert seen == ["1", "1"]
+    assert sysctl.values[LIBERAL] == "0" and not kept.exists()
+
+
+def test_a_hand_back_with_nothing_pinned_puts_back_a_kept_tcp_be_liberal(tmp_path: Path) -> None:
+    """No pins (an `agent --cleanup` that could not write the sysctl, say): no program of ours is
+    left either, so the first hand-back call puts the kept value back."""
+    kept = Path(liberal_path(str(tmp_path), INODE))
+    kept.write_text("0\n")
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
+    handback = EbpfHandback(
+        Config(netns="node1", pin_path=str(tmp_path / "pins")),
+        snapshot_dir=str(tmp_path),
+        put_back_liberal=lambda config, directory: put_back_liberal(
+            config, directory, read_sysctl=sysctl.read, write_sysctl=sysctl, inode=lambda netns: INODE
+        ),
+    )
+    assert not handback.pending
+    assert handback.run() is True
+    assert sysctl.values[LIBERAL] == "0" and not kept.exists()
 
 
 def test_a_partial_detach_writes_the_late_flows_and_is_tried_again_without_an_undo(tmp_path: Path) -> None:

@@ -359,7 +359,11 @@ class Rig:
 
 
 @pytest.fixture
-def rig(tmp_path: Path) -> Rig:
+def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Rig:
+    from agent.takeover import into_ebpf
+
+    # cleanup() puts back a kept tcp_be_liberal: the rig's node1 is no namespace of the machine's
+    monkeypatch.setattr(into_ebpf, "netns_inode", lambda netns: 4026532000)
     return Rig(tmp_path)
 
 
@@ -1631,7 +1635,7 @@ def test_socket_lb_off_unlinks_what_an_earlier_run_left(rig: Rig) -> None:
 
 
 def test_cleanup_puts_back_the_tcp_be_liberal_a_killed_takeover_kept_in_its_own_directory(
-    rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    rig: Rig, tmp_path: Path
 ) -> None:
     """`agent --cleanup`: no takeover follows, so the node's own value an agent killed mid-takeover
     kept goes back and its file goes; the file is the proxier's directory's (snapshot_dir), not
@@ -1640,8 +1644,7 @@ def test_cleanup_puts_back_the_tcp_be_liberal_a_killed_takeover_kept_in_its_own_
 
     rig.snapshot_dir = str(tmp_path / "state")
     os.makedirs(rig.snapshot_dir)
-    monkeypatch.setattr(into_ebpf, "netns_inode", lambda netns: 4026532000)
-    kept = Path(into_ebpf.liberal_path(rig.snapshot_dir, rig.config.pin_path, 4026532000))
+    kept = Path(into_ebpf.liberal_path(rig.snapshot_dir, 4026532000))
     kept.write_text("0\n")
     rig.sysctl_values[into_ebpf.TCP_BE_LIBERAL] = "1"
     rig.proxier().cleanup()
@@ -1842,7 +1845,10 @@ def cgroup_programs(path: str) -> dict[str, str]:
 
 
 @pytest.mark.kernel
-def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str) -> None:
+def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str, tmp_path: Path) -> None:
+    # The start steps' state (the kept tcp_be_liberal, the hand-back's marker) and the planner go
+    # to the test's own directory, not the machine's /run/ebpf-kube-proxy
+    state = tmp_path / "state"
     config = Config(
         netns=node_ns,
         pin_path=str(bpffs / "ekp"),
@@ -1865,7 +1871,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
     node = NodeContext(node_ips=("192.168.0.11",), primary_ip="192.168.0.11")
     sh("ip", "netns", "exec", node_ns, "sysctl", "-qw", "net.ipv4.ip_forward=0")
 
-    first = EbpfProxier(config, ipv6=False)
+    first = EbpfProxier(config, ipv6=False, snapshot_dir=str(state))
     try:
         first.sync(STATE, node)
         want = plan(STATE, node, config)
@@ -1905,7 +1911,7 @@ def test_end_to_end_sync_restart_cleanup(node_ns: str, bpffs: Path, cgroup: str)
     assert ours(node_ns, "eth0") == ["ekp_from_net"]
     assert cgroup_programs(cgroup) == sockets  # the pinned links hold them while no agent runs
 
-    second = EbpfProxier(config, ipv6=False)
+    second = EbpfProxier(config, ipv6=False, snapshot_dir=str(state))
     try:
         second.sync(MORE, node)
         assert second.last_flush.writes == 0  # same ids, no churn
