@@ -7,7 +7,8 @@ What a pod of the DaemonSet gets, and how a lab run stands in for it:
   reference stays as written), the downward API resolved (`spec.nodeName` is the lab node's name).
 * **environment**: only what the container spec sets plus what the image sets (PATH and
   EKP_BPF_DIR in the Dockerfile; here PATH starts with the repository's virtualenv, which
-  stands in for the image's installed agent, and EKP_BPF_DIR is the repository's bpf/).
+  stands in for the image's installed agent, and EKP_BPF_DIR is the repository's bpf/; the test
+  may add a PYTHONPYCACHEPREFIX holding the byte code the image's pip install would have written).
 * **network**: `hostNetwork: true` means the node's network namespace: the process starts under
   `nsenter --net=/run/netns/<node>` (which, unlike `ip netns exec`, leaves /sys alone).
 * **filesystem**: a private mount namespace (`unshare --mount --propagation private`) with a

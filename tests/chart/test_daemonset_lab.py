@@ -16,14 +16,20 @@ What differs from a real node, and why:
   directory made 0755 as the kubelet makes it, /run/xtables.lock the lab node's own lock file
   (`Lab.xtables_lock`, the one `lab.run` on that node takes); /lib/modules and /usr/src are the
   machine's own;
-* the image's filesystem is the machine's, with the repository's virtualenv first on PATH;
+* the image's filesystem is the machine's, with the repository's virtualenv first on PATH; the
+  byte code its pip install compiled is a PYTHONPYCACHEPREFIX the module writes once before the
+  first pod (`compile_image_bytecode`), which the pods read and, with the image's
+  PYTHONDONTWRITEBYTECODE, never write (the image's root is read-only): without it every pod
+  start, init container and cleanup compiled the agent and its libraries from source, which no
+  real pod does;
 * the node's compile cache (/run/ebpf-kube-proxy/bpf-objects) starts, when the machine's cache
   holds it, with the data path build the machine's lab agents load (lab/precompile.py's, the same
   build as the pod's), as a node holds what an earlier agent compiled there: the first pod loads it
   instead of compiling it a second time in the run (a compile is about 19 CPU s here; the first
   pod's start and sync went from 17.1 s to 2.1 s), else it compiles, as on a fresh node; the
   rolling update's new image compiles its own, in the pod.
-No flag, value or environment variable differs from what the pod gets; there is no `--netns`.
+No flag, value or environment variable differs from what the pod gets but PYTHONPYCACHEPREFIX
+(where the image's byte code stands); there is no `--netns`.
 """
 
 from __future__ import annotations
@@ -113,7 +119,7 @@ class PodRun:
                 "namespace": NAMESPACE.encode(),
             },
             image_env=self.image_env,
-            image_dirs=(str(REPO), self.image_env["EKP_BPF_DIR"]),
+            image_dirs=(str(REPO), self.image_env["EKP_BPF_DIR"], self.image_env["PYTHONPYCACHEPREFIX"]),
         )
 
     def run_init_containers(self) -> dict[str, str]:
@@ -182,6 +188,29 @@ def wait_for(what: str, check: Any, timeout: float = 30.0) -> Any:
     raise AssertionError(f"{what}: not within {timeout}s (last: {last!r})")
 
 
+def compile_image_bytecode(image_env: dict[str, str], prefix: Path) -> None:
+    """What the image's pip install compiled, written under `prefix` for the pods to read: the
+    byte code of every agent module and of all they import (the kubernetes client, aiohttp,
+    pyroute2, bcc, the standard library: with a prefix set, Python looks for byte code nowhere
+    else), by one process of the pod's interpreter that imports them. `agent.__main__` is left
+    out: importing it runs the agent. bcc (the loader and the compile child import it when they
+    run) and the two codecs the pods' C locale uses are what the pods imported beyond the agent's
+    modules, seen with pods let write into a prefix of their own: nothing else."""
+    script = (
+        "import importlib, pkgutil, agent, bcc, encodings.ascii, encodings.utf_8_sig\n"
+        "for m in pkgutil.walk_packages(agent.__path__, 'agent.'):\n"
+        "    if m.name != 'agent.__main__':\n"
+        "        importlib.import_module(m.name)\n"
+    )
+    env = {k: v for k, v in image_env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(prefix)
+    python = REPO / ".venv" / "bin" / "python"
+    res = subprocess.run(
+        [str(python), "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert res.returncode == 0, f"compiling the image's byte code failed:\n{res.stdout}{res.stderr}"
+
+
 def seed_compile_cache(path: Path) -> bool:
     """The machine's compiled data path (lab/precompile.py's build, which the pod's settings load
     too) put in the node's cache directory `path`: waited for while the precompile holds its
@@ -221,6 +250,11 @@ def pod(kernel_required: None) -> Iterator[PodRun]:
                 kubelet.make_hostpath(str(host_run), "DirectoryOrCreate")
                 seeded = seed_compile_cache(host_run / "bpf-objects")
                 run = PodRun(lab, n, api, render(values), bpffs, host_run, lab.tmpdir / "pod", seeded=seeded)
+                # The run's own prefix when it has one (scripts/test.sh's build/pycache: what the
+                # suite's processes already compiled is read, not compiled again), else the lab's.
+                prefix = Path(os.path.abspath(sys.pycache_prefix or lab.tmpdir / "image-pycache"))
+                compile_image_bytecode(run.image_env, prefix)
+                run.image_env["PYTHONPYCACHEPREFIX"] = str(prefix)
                 yield run
                 if run.agent is not None and run.agent.poll() is None:
                     assert lab.stop(run.agent, timeout=30) == 0, run.log()
