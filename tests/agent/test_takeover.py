@@ -577,45 +577,6 @@ def test_an_attach_aborted_with_programs_on_some_devices_keeps_the_window_checks
     assert sysctl.values[LIBERAL] == "0"
 
 
-@pytest.mark.parametrize("carries_again", [True, False])
-def test_an_agent_restarted_mid_takeover_puts_the_nodes_own_tcp_be_liberal_back(
-    tmp_path: Path, carries_again: bool
-) -> None:
-    """Killed between before_attach and after_attach, the agent leaves the node at 1: the next
-    agent's first attach finds 1 there, and puts back the node's own 0 from the lock directory,
-    whether or not it has flows to carry; the file goes once it is back."""
-    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
-
-    def takeover(flows: list[NatFlow]) -> KernelTakeover:
-        return KernelTakeover(
-            Config(netns="node1", bpf_host_routing=HostRouting.LEGACY, pin_path="/sys/fs/bpf/ekp-node1"),
-            dump=lambda netns: flows,
-            addresses=lambda netns: {NODE},
-            remove_rules=lambda config: None,
-            sysctl=sysctl,
-            read_sysctl=sysctl.read,
-            replace=FakeReplace([]),
-            clock_ns=lambda: NOW,
-            state_dir=str(tmp_path),
-            netns_inode=lambda netns: 4026532000,
-        )
-
-    kept = Path(liberal_path(str(tmp_path), 4026532000))
-    takeover([CLUSTERIP]).before_attach(fake_maps())  # then SIGKILL: no after_attach, no close
-    assert sysctl.values[LIBERAL] == "1" and kept.read_text() == "0\n"
-    restarted = takeover([CLUSTERIP] if carries_again else [])
-    maps = fake_maps()
-    restarted.before_attach(maps)
-    restarted.after_attach(maps)
-    assert sysctl.values[LIBERAL] == "0"
-    assert not kept.exists()
-    clean = takeover([CLUSTERIP])  # a takeover run to its end leaves no file behind
-    clean.before_attach(maps)
-    assert sysctl.values[LIBERAL] == "1" and kept.read_text() == "0\n"
-    clean.after_attach(maps)
-    assert sysctl.values[LIBERAL] == "0" and not kept.exists()
-
-
 PIN = "/sys/fs/bpf/ekp-node1"
 INODE = 4026532000
 
@@ -646,6 +607,34 @@ def kept_takeover(
         state_dir=str(state_dir),
         netns_inode=lambda netns: inode,
     )
+
+
+@pytest.mark.parametrize("carries_again", [True, False])
+def test_an_agent_restarted_mid_takeover_puts_the_nodes_own_tcp_be_liberal_back(
+    tmp_path: Path, carries_again: bool
+) -> None:
+    """Killed between before_attach and after_attach, the agent leaves the node at 1: the next
+    agent's first attach finds 1 there, and puts back the node's own 0 from the lock directory,
+    whether or not it has flows to carry; the file goes once it is back."""
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+
+    def takeover(flows: list[NatFlow]) -> KernelTakeover:
+        return kept_takeover(tmp_path, sysctl, flows)
+
+    kept = Path(liberal_path(str(tmp_path), INODE))
+    takeover([CLUSTERIP]).before_attach(fake_maps())  # then SIGKILL: no after_attach, no close
+    assert sysctl.values[LIBERAL] == "1" and kept.read_text() == "0\n"
+    restarted = takeover([CLUSTERIP] if carries_again else [])
+    maps = fake_maps()
+    restarted.before_attach(maps)
+    restarted.after_attach(maps)
+    assert sysctl.values[LIBERAL] == "0"
+    assert not kept.exists()
+    clean = takeover([CLUSTERIP])  # a takeover run to its end leaves no file behind
+    clean.before_attach(maps)
+    assert sysctl.values[LIBERAL] == "1" and kept.read_text() == "0\n"
+    clean.after_attach(maps)
+    assert sysctl.values[LIBERAL] == "0" and not kept.exists()
 
 
 def test_a_kept_value_is_not_put_back_when_the_config_asks_for_tcp_be_liberal(tmp_path: Path) -> None:

@@ -137,6 +137,22 @@ def test_which_program_a_pod_side_device_carries(
     assert pod_side_program(link, config, local, bridge=3) == program
 
 
+def bridged_tap(netns: str, **settings: Any) -> Config:
+    """A bridge cbr0 in `netns` with a veth port tap0 (peer pod-t), and the BridgeInterface config
+    (clsact unless `settings` say otherwise) that makes tap0 a pod device."""
+    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
+    sh("ip", "-n", netns, "link", "add", "tap0", "type", "veth", "peer", "name", "pod-t")
+    sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
+    fields: dict[str, Any] = {
+        "netns": netns,
+        "bpf_tc_attach": "clsact",
+        "pod_interfaces": ("lxc*",),
+        "detect_local_mode": LocalMode.BRIDGE_INTERFACE,
+        "pod_bridge_interface": "cbr0",
+    }
+    return Config(**(fields | settings))
+
+
 @pytest.mark.kernel
 @pytest.mark.parametrize("attach_mode", ["clsact", "tcx"])
 def test_a_port_leaving_the_bridge_loses_its_entry_and_its_programs_if_it_no_longer_qualifies(
@@ -147,17 +163,7 @@ def test_a_port_leaving_the_bridge_loses_its_entry_and_its_programs_if_it_no_lon
     then they translated its packets as a pod's). (Before that, the bridge's AF_BRIDGE RTM_DELLINK
     for the port read as the device gone: the agent forgot it had attached it, and its programs
     stayed until a restart.)"""
-    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
-    sh("ip", "-n", netns, "link", "add", "tap0", "type", "veth", "peer", "name", "pod-t")
-    sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
-    config = Config(
-        netns=netns,
-        bpf_tc_attach=attach_mode,
-        pin_path=pin_dir,
-        pod_interfaces=("lxc*",),
-        detect_local_mode=LocalMode.BRIDGE_INTERFACE,
-        pod_bridge_interface="cbr0",
-    )
+    config = bridged_tap(netns, bpf_tc_attach=attach_mode, pin_path=pin_dir)
     ports = FakeMap(abi.MAPS["port"])
     attacher = new_attacher(config, progs, ports)
     attacher.reconcile(NODE, full=True)
@@ -184,16 +190,7 @@ def test_a_verify_leaves_a_port_that_rejoined_the_bridge_after_its_listing_attac
     wanted; when the watcher sees it back (its entry written) before the verify detaches, the
     port keeps its programs and its entry (the verify detached them and dropped the entry: its
     pods' traffic untranslated until the next verify)."""
-    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
-    sh("ip", "-n", netns, "link", "add", "tap0", "type", "veth", "peer", "name", "pod-t")
-    sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
-    config = Config(
-        netns=netns,
-        bpf_tc_attach="clsact",
-        pod_interfaces=("lxc*",),
-        detect_local_mode=LocalMode.BRIDGE_INTERFACE,
-        pod_bridge_interface="cbr0",
-    )
+    config = bridged_tap(netns)
     ports = FakeMap(abi.MAPS["port"])
     attacher = new_attacher(config, progs, ports)
     attacher.reconcile(NODE, full=True)
@@ -242,16 +239,7 @@ def test_a_detach_failing_in_the_watcher_leaves_the_device_to_the_next_verify(
     the error (ENOENT, ENODEV: a verify detached it meanwhile, or the device went; another: the
     error, retried), the device still ours for the next verify, which detaches it. (Before, the
     error left `_watch` and the link watcher thread died.)"""
-    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
-    sh("ip", "-n", netns, "link", "add", "tap0", "type", "veth", "peer", "name", "pod-t")
-    sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
-    config = Config(
-        netns=netns,
-        bpf_tc_attach="clsact",
-        pod_interfaces=("lxc*",),
-        detect_local_mode=LocalMode.BRIDGE_INTERFACE,
-        pod_bridge_interface="cbr0",
-    )
+    config = bridged_tap(netns)
     attacher = new_attacher(config, progs, FakeMap(abi.MAPS["port"]))
     attacher.reconcile(NODE, full=True)
     tap0 = link_index(netns, "tap0")
@@ -280,16 +268,7 @@ def test_the_watchers_detach_says_why_the_device_no_longer_qualifies(
     """A port whose bridge was deleted (BridgeInterface) is said to have lost its bridge, not to be
     "not a port of bridge cbr0 (ifindex 0)"; a pod device renamed (the CIDR modes) to have been
     renamed, not to be "not a port of bridge" nor a bare "no longer a pod device"."""
-    sh("ip", "-n", netns, "link", "add", "cbr0", "type", "bridge")
-    sh("ip", "-n", netns, "link", "add", "tap0", "type", "veth", "peer", "name", "pod-t")
-    sh("ip", "-n", netns, "link", "set", "tap0", "master", "cbr0")
-    bridged = Config(
-        netns=netns,
-        bpf_tc_attach="clsact",
-        pod_interfaces=("lxc*",),
-        detect_local_mode=LocalMode.BRIDGE_INTERFACE,
-        pod_bridge_interface="cbr0",
-    )
+    bridged = bridged_tap(netns)
     by_cidr = Config(netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",))
     caplog.set_level(logging.INFO, logger="agent.ebpf.attach")
     port_side = new_attacher(bridged, progs, FakeMap(abi.MAPS["port"]))
