@@ -1989,6 +1989,22 @@ def test_a_detach_stopped_by_anything_after_one_device_keeps_the_nat_entries(
     assert "detached the programs from eth0 but not from all devices" in caplog.text
 
 
+def detaching_in_steps(
+    outcomes: list[list[str]], note: Callable[[], None]
+) -> Callable[[str, list[str], Callable[[], None]], None]:
+    """A detach that takes off, call by call, the devices `outcomes` names (calling `note` first),
+    and fails with EBUSY on lxc-a while outcomes are left: a partial detach, then the retry's rest."""
+
+    def detach(netns: str, detached: list[str], between: Callable[[], None]) -> None:
+        note()
+        devices = outcomes.pop(0)
+        detached.extend(devices)
+        if outcomes:
+            raise attach.DetachFailed(errno.EBUSY, devices, ["lxc-a: (16, 'Device or resource busy')"])
+
+    return detach
+
+
 def test_a_pending_hand_back_puts_back_a_kept_tcp_be_liberal_only_once_every_device_is_detached(
     tmp_path: Path,
 ) -> None:
@@ -2003,14 +2019,7 @@ def test_a_pending_hand_back_puts_back_a_kept_tcp_be_liberal_only_once_every_dev
     kept.write_text("0\n")
     sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
     seen: list[str | None] = []
-    outcomes = [["eth0"], ["lxc-a"]]
-
-    def detach(netns: str, detached: list[str], between: Callable[[], None]) -> None:
-        seen.append(sysctl.values[LIBERAL])
-        devices = outcomes.pop(0)
-        detached.extend(devices)
-        if outcomes:
-            raise attach.DetachFailed(errno.EBUSY, devices, ["lxc-a: (16, 'Device or resource busy')"])
+    detach = detaching_in_steps([["eth0"], ["lxc-a"]], lambda: seen.append(sysctl.values[LIBERAL]))
 
     clock = [1000.0]
     handback = EbpfHandback(
@@ -2071,14 +2080,7 @@ def test_a_partial_detach_writes_the_late_flows_and_is_tried_again_without_an_un
         taken = refusals.pop(0)
         return Created(created=len(got) - len(taken), present=len(taken), taken=taken)
 
-    outcomes = [["eth0"], [], ["lxc-a"]]
-
-    def detach(netns: str, detached: list[str], between: Callable[[], None]) -> None:
-        events.append("detach")
-        devices = outcomes.pop(0)
-        detached.extend(devices)
-        if outcomes:
-            raise attach.DetachFailed(errno.EBUSY, devices, ["lxc-a: (16, 'Device or resource busy')"])
+    detach = detaching_in_steps([["eth0"], [], ["lxc-a"]], lambda: events.append("detach"))
 
     clock = [1000.0]
     handback = EbpfHandback(
