@@ -35,7 +35,7 @@ from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import FakeMap, MapError, MapWriter, UpdateFlag
 from agent.keptrecords import records_path
 from agent.netns import run_in_netns
-from agent.takeover import nfct, out_of_ebpf
+from agent.takeover import into_ebpf, nfct, out_of_ebpf
 from agent.takeover.flows import (
     HOLD_RENEW_NS,
     IPS_ASSURED,
@@ -3562,6 +3562,7 @@ def test_agent_cleanup_removes_the_hand_back_s_marker(
     lock_dir.mkdir()
     marker.write_text("pins 1\neth0\n")
     monkeypatch.setattr(ebpf_proxier, "detach_all", lambda netns: ["eth0", "lxc-a"])
+    monkeypatch.setattr(into_ebpf, "netns_inode", lambda netns: INODE)  # node1 is no namespace here
     rig = Rig(tmp_path)
     rig.snapshot_dir = str(lock_dir)
     rig.proxier().cleanup()
