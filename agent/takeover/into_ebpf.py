@@ -69,6 +69,7 @@ conntrack of a restarting eBPF agent is already in place (BPF_NOEXIST).
 from __future__ import annotations
 
 import errno
+import glob
 import logging
 import os
 import re
@@ -168,17 +169,19 @@ def kept_liberal(path: str, config: Config, read_sysctl: Callable[[str, str], st
 
 
 def forget_liberal(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning(
-            "cannot remove %s (%s): a later eBPF start may set %s from it; remove the file by hand",
-            path,
-            exc,
-            TCP_BE_LIBERAL,
-        )
+    """The kept value's file, and the `<path>.<pid>.tmp` an agent killed while writing it left."""
+    for each in [path, *glob.glob(f"{glob.escape(path)}.*.tmp")]:
+        try:
+            os.unlink(each)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning(
+                "cannot remove %s (%s): a later eBPF start may set %s from it; remove the file by hand",
+                each,
+                exc,
+                TCP_BE_LIBERAL,
+            )
 
 
 def put_back_liberal(

@@ -672,16 +672,21 @@ def test_a_put_back_without_a_takeover_restores_the_kept_value_and_removes_the_f
     tmp_path: Path, liberal: bool
 ) -> None:
     """No takeover follows (put_back_liberal): the node's own value comes back unless the config
-    asks for 1, and the file goes either way, so no later eBPF start acts on a stale one."""
+    asks for 1, and the file goes either way, so no later eBPF start acts on a stale one; with it
+    the temporary file of an agent killed while writing it."""
     kept = Path(liberal_path(str(tmp_path), INODE))
     kept.write_text("0\n")
+    leftover = Path(f"{kept}.4242.tmp")
+    leftover.write_text("0\n")
+    other = Path(f"{liberal_path(str(tmp_path), INODE + 1)}.4242.tmp")  # another namespace's
+    other.write_text("0\n")
     sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
     config = Config(netns="node1", pin_path=PIN, conntrack=ConntrackSettings(tcp_be_liberal=liberal))
     put_back_liberal(
         config, str(tmp_path), read_sysctl=sysctl.read, write_sysctl=sysctl, inode=lambda netns: INODE
     )
     assert sysctl.values[LIBERAL] == ("1" if liberal else "0")
-    assert not kept.exists()
+    assert not kept.exists() and not leftover.exists() and other.exists()
 
 
 def test_an_abort_of_an_attach_that_put_back_a_kept_value_keeps_the_window_checks_off(tmp_path: Path) -> None:
