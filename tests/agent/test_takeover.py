@@ -689,16 +689,22 @@ def test_a_put_back_without_a_takeover_restores_the_kept_value_and_removes_the_f
     assert not kept.exists() and not leftover.exists() and other.exists()
 
 
-def test_an_abort_of_an_attach_that_put_back_a_kept_value_keeps_the_window_checks_off(tmp_path: Path) -> None:
+def test_an_abort_of_an_attach_that_put_back_a_kept_value_keeps_the_window_checks_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The value came from a killed agent's file: its programs may still be attached, so an abort
-    before any of this agent's is (attached=False) leaves 1 as attached=True does; close puts it back."""
+    before any of this agent's is (attached=False) leaves 1 as attached=True does, saying that
+    cause (this attach put none on); close puts it back."""
     sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
     kept_takeover(tmp_path, sysctl, [CLUSTERIP]).before_attach(fake_maps())  # then SIGKILL
     assert sysctl.values[LIBERAL] == "1"
     restarted = kept_takeover(tmp_path, sysctl, [])
     restarted.before_attach(fake_maps())
-    restarted.abort(attached=False)
+    with caplog.at_level(logging.WARNING, logger="agent"):
+        restarted.abort(attached=False)
     assert sysctl.values[LIBERAL] == "1"
+    assert "an earlier agent killed mid-takeover may have left our programs" in caplog.text
+    assert "first attach stopped" not in caplog.text
     restarted.close()
     assert sysctl.values[LIBERAL] == "0"
 
