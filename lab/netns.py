@@ -377,6 +377,8 @@ def tmp_dirs(prefix: str | None = None) -> list[str]:
 
 
 OWNER_FILE = "owner"
+AGENT_STATE_DIR = "/run/ebpf-kube-proxy"  # agent.lock.LOCK_DIR (a test checks it)
+_LIBERAL_RE = re.compile(r"^takeover-netns-(\d+)\.liberal(\.\d+\.tmp)?$")
 STAGING = "ekp-scratch-"  # scratch_netns's lock dir before it has a lab name
 _STAGING_RE = re.compile(rf"^{STAGING}(\d+)\.(\d+)-")
 
@@ -560,6 +562,35 @@ def cleanup_leftovers(prefix: str | None = None, *, dry_run: bool = False) -> li
         removed.append(f"temporary directory {d}")
     if prefix is None:  # a staging dir has no lab prefix yet: the whole cleanup's
         removed += sweep_staging(dry_run=dry_run)
+        removed += sweep_kept_liberal(dry_run=dry_run)  # named by a namespace's inode, not a prefix
+    return removed
+
+
+def live_netns_inodes() -> set[int]:
+    """The inodes of every network namespace a process is in or a /run/netns name holds."""
+    inodes = set()
+    paths = glob.glob("/proc/[0-9]*/ns/net") + glob.glob(os.path.join(NETNS_DIR, "*"))
+    for path in paths:
+        with contextlib.suppress(OSError):  # a process that exited, a name deleted meanwhile
+            inodes.add(os.stat(path).st_ino)
+    return inodes
+
+
+def sweep_kept_liberal(*, dry_run: bool = False) -> list[str]:
+    """Remove the tcp_be_liberal values a lab agent kept mid-takeover (agent.takeover.into_ebpf's
+    liberal_path, and its `.<pid>.tmp` after a kill) for a namespace that no longer exists: its
+    sysctl went with it, and the inode may name a later namespace, whose agent would set its
+    tcp_be_liberal from that file. One whose namespace lives is its agent's: left."""
+    live = live_netns_inodes()
+    removed = []
+    for path in sorted(glob.glob(os.path.join(AGENT_STATE_DIR, "takeover-netns-*.liberal*"))):
+        m = _LIBERAL_RE.match(os.path.basename(path))
+        if m is None or int(m.group(1)) in live:
+            continue
+        if not dry_run:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        removed.append(f"kept tcp_be_liberal {path}")
     return removed
 
 

@@ -68,18 +68,23 @@ install_venv() {
     # pip byte-compiles what it installs one file after another (about 40 s of a fresh clone's
     # setup here, at load 3); compileall does the same files on every CPU at once.
     "$venv/bin/pip" install -q --no-compile --disable-pip-version-check --require-hashes -r "$lock"
-    # Not under scripts/test.sh (PYTHONPYCACHEPREFIX set, PYTHONDONTWRITEBYTECODE unset): there
-    # every process writes the byte code of what it imports into the prefix, once; the collection
-    # beside lint imports 775 of site-packages' 5,100 modules (not the kubernetes client's models
-    # and APIs, pip, setuptools, mypy's, scapy's). Compiling all of them there took 16.5 CPU s, about
-    # 19 s of a fresh clone's set-up on both CPUs, and saved that collection 3.4 CPU s
-    # (bench/results/suite/suitecpu-2026-11-28.md). Elsewhere (make's PYTHONDONTWRITEBYTECODE=1)
-    # nothing ever writes it, so it is compiled now.
-    if [[ -z "${PYTHONPYCACHEPREFIX:-}" || -n "${PYTHONDONTWRITEBYTECODE:-}" ]]; then
-      "$venv/bin/python" -m compileall -q -j0 "$site" >/dev/null
-    fi
     "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$top"
     touch "$stamp"
+  fi
+  # Not under scripts/test.sh (PYTHONPYCACHEPREFIX set, PYTHONDONTWRITEBYTECODE unset): there
+  # every process writes the byte code of what it imports into the prefix, once; the collection
+  # beside lint imports 775 of site-packages' 5,100 modules (not the kubernetes client's models
+  # and APIs, pip, setuptools, mypy's, scapy's). Compiling all of them there took 16.5 CPU s, about
+  # 19 s of a fresh clone's set-up on both CPUs, and saved that collection 3.4 CPU s
+  # (bench/results/suite/suitecpu-2026-11-28.md). Elsewhere (make's PYTHONDONTWRITEBYTECODE=1)
+  # nothing ever writes it, so it is compiled then, by the first set-up outside test.sh after
+  # an install: its own stamp, as a clone whose install test.sh made has none.
+  local compiled="$build/.compileall-stamp"
+  if [[ -z "${PYTHONPYCACHEPREFIX:-}" || -n "${PYTHONDONTWRITEBYTECODE:-}" ]] \
+    && [[ ! -f "$compiled" || "$stamp" -nt "$compiled" ]]; then
+    log "byte-compiling site-packages (python -m compileall)"
+    "$venv/bin/python" -m compileall -q -j0 "$site" >/dev/null
+    touch "$compiled"
   fi
 }
 

@@ -364,6 +364,7 @@ def test_lab_cleanup_sweeps_a_killed_runs_scratch_staging_dir_and_no_live_ones(
     assert dead.is_dir() and older_dead.is_dir()
     for nothing in ("list_netns", "lab_cgroups", "pin_dirs"):  # the rest of the machine's left alone
         monkeypatch.setattr(netns, nothing, lambda *args: [])
+    monkeypatch.setattr(netns, "AGENT_STATE_DIR", str(tmp_path / "agent-state"))
     assert cleanup_leftovers(None, dry_run=True) == [f"temporary directory {d}" for d in (dead, older_dead)]
     assert netns.sweep_staging() == [f"temporary directory {d}" for d in (dead, older_dead)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, older_marking.name])
@@ -621,3 +622,31 @@ def test_the_http_loop_names_the_phase_each_error_came_in(lab2: Lab) -> None:
     assert silent["errors"] > 0 and silent["ok"] == 0, silent
     assert {(e["phase"], e["error"]) for e in silent["errors_seen"]} == {("response", "timed out")}, silent
     assert all(0.4 < float(e["lasted"]) < 1.5 for e in silent["errors_seen"]), silent
+
+
+def test_lab_cleanup_removes_kept_tcp_be_liberal_files_of_namespaces_gone_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lab agent killed mid-takeover leaves its namespace's tcp_be_liberal in the agents' lock
+    directory (and its `.<pid>.tmp` if killed writing it): the whole cleanup removes those named
+    by an inode no namespace has (a later namespace given that inode would take the value), and
+    leaves a live namespace's (its agent's) and anything else there."""
+    from agent.lock import LOCK_DIR
+    from agent.takeover.into_ebpf import liberal_path
+
+    assert netns.AGENT_STATE_DIR == LOCK_DIR
+    monkeypatch.setattr(netns, "AGENT_STATE_DIR", str(tmp_path))
+    live = os.stat("/proc/self/ns/net").st_ino
+    gone = 1  # no namespace has inode 1 (the root directory's)
+    assert gone not in netns.live_netns_inodes() and live in netns.live_netns_inodes()
+    stale = [Path(liberal_path(str(tmp_path), gone)), Path(f"{liberal_path(str(tmp_path), gone)}.77.tmp")]
+    kept = [Path(liberal_path(str(tmp_path), live)), Path(f"{liberal_path(str(tmp_path), live)}.77.tmp")]
+    other = tmp_path / "netns-1.lock"
+    for path in [*stale, *kept, other]:
+        path.write_text("0\n")
+    assert netns.sweep_kept_liberal(dry_run=True) == [f"kept tcp_be_liberal {p}" for p in stale]
+    assert all(p.exists() for p in stale)
+    for nothing in ("list_netns", "lab_cgroups", "pin_dirs", "tmp_dirs", "sweep_staging"):  # the machine's
+        monkeypatch.setattr(netns, nothing, lambda *args, **kwargs: [])
+    assert cleanup_leftovers(None) == [f"kept tcp_be_liberal {p}" for p in stale]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in [*kept, other])

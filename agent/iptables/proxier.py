@@ -260,8 +260,8 @@ class IptablesProxier:
             self._handback = EbpfHandback(self._config)
         handback = self._handback
         if not handback.pending:  # no eBPF mode before this one: nothing to wait for, nothing to say
-            handback.put_back_liberal()  # what a killed takeover kept: no program of it is left
-            self._handed_back = True
+            # run() then only puts back the tcp_be_liberal a killed takeover kept
+            self._handed_back = handback.run()
             return
         waiting = sorted(f.name for f in self._handback_waits - self._restored)
         if waiting:

@@ -69,6 +69,7 @@ conntrack of a restarting eBPF agent is already in place (BPF_NOEXIST).
 from __future__ import annotations
 
 import errno
+import glob
 import logging
 import os
 import re
@@ -168,17 +169,19 @@ def kept_liberal(path: str, config: Config, read_sysctl: Callable[[str, str], st
 
 
 def forget_liberal(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning(
-            "cannot remove %s (%s): a later eBPF start may set %s from it; remove the file by hand",
-            path,
-            exc,
-            TCP_BE_LIBERAL,
-        )
+    """The kept value's file, and the `<path>.<pid>.tmp` an agent killed while writing it left."""
+    for each in [path, *glob.glob(f"{glob.escape(path)}.*.tmp")]:
+        try:
+            os.unlink(each)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning(
+                "cannot remove %s (%s): a later eBPF start may set %s from it; remove the file by hand",
+                each,
+                exc,
+                TCP_BE_LIBERAL,
+            )
 
 
 def put_back_liberal(
@@ -455,16 +458,17 @@ class KernelTakeover:
         direction netfilter never sees, so the checks stay off until the retry's after_attach
         (or `close`) puts them back."""
         self._carried = []
-        if self._liberal_from_file:
-            # The value is the killed agent's: its programs may still be on devices, whatever
-            # this attach got to
-            attached = True
-        if attached:
+        if attached or self._liberal_from_file:
+            # From the file: the value is an agent's killed mid-takeover, whose programs may still
+            # be on devices, whatever this attach got to
             if self._liberal_was is not None and self._liberal_was != "1":
                 log.warning(
-                    "the first attach stopped with our programs on some devices: %s stays 1 in netns"
-                    " %s until the attach is retried and done (or the agent stops), or the flows"
-                    " carried would meet netfilter's window checks one way only (resets)",
+                    "%s: %s stays 1 in netns %s until the retried attach is done (or the agent"
+                    " stops), or the flows they translate would meet netfilter's window checks one"
+                    " way only (resets)",
+                    "the first attach stopped with our programs on some devices"
+                    if attached
+                    else "an earlier agent killed mid-takeover may have left our programs on devices",
                     TCP_BE_LIBERAL,
                     self._config.netns or "(own)",
                 )

@@ -64,7 +64,8 @@ iptables proxier's first sync put its rules in place (`EbpfHandback.run`):
    tried again.
 
 Nothing happens where no eBPF conntrack is pinned at --bpf-pin-path but that put-back of a
-tcp_be_liberal kept (no pins: no program of a killed takeover either).
+tcp_be_liberal kept, taking no pins for no program of a killed takeover: not always so (one
+that ran with another --bpf-pin-path, filters whose pins were removed by hand; README, Left:).
 """
 
 from __future__ import annotations
@@ -654,7 +655,8 @@ class EbpfHandback:
         partial detach, or a later step failing): the pins stay, and a later call tries again once
         its wait is over (a call before that does nothing)."""
         if not self.pending:
-            self.put_back_liberal()  # no pins: no program of a killed takeover left either
+            # no pins: taken for no program of a killed takeover (see the module's docstring)
+            self.put_back_liberal()
             return True
         if self._retry_at is not None and self._clock() < self._retry_at:
             return False

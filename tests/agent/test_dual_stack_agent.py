@@ -27,6 +27,8 @@ from tests.agent.test_daemon import NODE, Clock, FakeEvents, FakeHealth, FakePro
 from tests.model.test_state import endpoint, service, slice_
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from agent.iptables import IptablesProxier
     from tests.iptables.fakes import FakeRunner
 
@@ -836,7 +838,35 @@ def test_a_node_that_never_ran_ebpf_mode_starts_iptables_mode_without_a_hand_bac
     with caplog.at_level(logging.WARNING, logger="agent"):
         ipv4.sync(state4, NODE)
     assert not [r for r in caplog.records if "eBPF programs" in r.getMessage()], caplog.text
-    assert HandbackRecorder.runs == []
+    assert HandbackRecorder.runs == [config.pin_path], "run once, at once: its put-back of a kept sysctl"
+
+
+def test_iptables_mode_with_nothing_pinned_puts_back_a_kept_tcp_be_liberal_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """No pins (nothing to hand back), but an eBPF agent killed mid-takeover may have kept the
+    node's tcp_be_liberal: the first good restore puts it back through EbpfHandback.run, and the
+    restores after do not again."""
+    from agent.model.state import build_state
+    from agent.takeover.out_of_ebpf import EbpfHandback
+
+    put_backs: list[str] = []
+
+    def handback(config: Config) -> EbpfHandback:
+        return EbpfHandback(
+            config,
+            snapshot_dir=str(tmp_path),
+            put_back_liberal=lambda config, directory: put_backs.append(directory),
+        )
+
+    monkeypatch.setattr("agent.iptables.proxier.EbpfHandback", handback)
+    config = Config(mode=Mode.IPTABLES, hostname="node1", pin_path=str(tmp_path / "pins"))
+    ipv4 = handback_pair(config, lambda: 0.0)[0]
+    state4 = build_state([dual()], [], NodeInfo("node1")).state
+    ipv4.sync(state4, NODE)
+    assert put_backs == [str(tmp_path)], "the first restore puts the kept value back"
+    ipv4.sync(state4, NODE)
+    assert put_backs == [str(tmp_path)], "once"
 
 
 def test_a_kube_proxy_ip6_table_that_cannot_be_removed_is_a_warning_and_retried_until_gone(

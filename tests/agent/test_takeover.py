@@ -35,7 +35,7 @@ from agent.ebpf.loader import Datapath
 from agent.ebpf.maps import FakeMap, MapError, MapWriter, UpdateFlag
 from agent.keptrecords import records_path
 from agent.netns import run_in_netns
-from agent.takeover import nfct, out_of_ebpf
+from agent.takeover import into_ebpf, nfct, out_of_ebpf
 from agent.takeover.flows import (
     HOLD_RENEW_NS,
     IPS_ASSURED,
@@ -672,28 +672,39 @@ def test_a_put_back_without_a_takeover_restores_the_kept_value_and_removes_the_f
     tmp_path: Path, liberal: bool
 ) -> None:
     """No takeover follows (put_back_liberal): the node's own value comes back unless the config
-    asks for 1, and the file goes either way, so no later eBPF start acts on a stale one."""
+    asks for 1, and the file goes either way, so no later eBPF start acts on a stale one; with it
+    the temporary file of an agent killed while writing it."""
     kept = Path(liberal_path(str(tmp_path), INODE))
     kept.write_text("0\n")
+    leftover = Path(f"{kept}.4242.tmp")
+    leftover.write_text("0\n")
+    other = Path(f"{liberal_path(str(tmp_path), INODE + 1)}.4242.tmp")  # another namespace's
+    other.write_text("0\n")
     sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="1")
     config = Config(netns="node1", pin_path=PIN, conntrack=ConntrackSettings(tcp_be_liberal=liberal))
     put_back_liberal(
         config, str(tmp_path), read_sysctl=sysctl.read, write_sysctl=sysctl, inode=lambda netns: INODE
     )
     assert sysctl.values[LIBERAL] == ("1" if liberal else "0")
-    assert not kept.exists()
+    assert not kept.exists() and not leftover.exists() and other.exists()
 
 
-def test_an_abort_of_an_attach_that_put_back_a_kept_value_keeps_the_window_checks_off(tmp_path: Path) -> None:
+def test_an_abort_of_an_attach_that_put_back_a_kept_value_keeps_the_window_checks_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The value came from a killed agent's file: its programs may still be attached, so an abort
-    before any of this agent's is (attached=False) leaves 1 as attached=True does; close puts it back."""
+    before any of this agent's is (attached=False) leaves 1 as attached=True does, saying that
+    cause (this attach put none on); close puts it back."""
     sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
     kept_takeover(tmp_path, sysctl, [CLUSTERIP]).before_attach(fake_maps())  # then SIGKILL
     assert sysctl.values[LIBERAL] == "1"
     restarted = kept_takeover(tmp_path, sysctl, [])
     restarted.before_attach(fake_maps())
-    restarted.abort(attached=False)
+    with caplog.at_level(logging.WARNING, logger="agent"):
+        restarted.abort(attached=False)
     assert sysctl.values[LIBERAL] == "1"
+    assert "an earlier agent killed mid-takeover may have left our programs" in caplog.text
+    assert "first attach stopped" not in caplog.text
     restarted.close()
     assert sysctl.values[LIBERAL] == "0"
 
@@ -3562,6 +3573,7 @@ def test_agent_cleanup_removes_the_hand_back_s_marker(
     lock_dir.mkdir()
     marker.write_text("pins 1\neth0\n")
     monkeypatch.setattr(ebpf_proxier, "detach_all", lambda netns: ["eth0", "lxc-a"])
+    monkeypatch.setattr(into_ebpf, "netns_inode", lambda netns: INODE)  # node1 is no namespace here
     rig = Rig(tmp_path)
     rig.snapshot_dir = str(lock_dir)
     rig.proxier().cleanup()

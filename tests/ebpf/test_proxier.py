@@ -360,10 +360,13 @@ class Rig:
 
 @pytest.fixture
 def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Rig:
+    from agent.ebpf import proxier as ebpf_proxier
     from agent.takeover import into_ebpf
 
-    # cleanup() puts back a kept tcp_be_liberal: the rig's node1 is no namespace of the machine's
+    # cleanup() puts back a kept tcp_be_liberal: the rig's node1 is no namespace of the machine's,
+    # and the file kept for it is the test's, never a lab agent's in the host's lock directory
     monkeypatch.setattr(into_ebpf, "netns_inode", lambda netns: 4026532000)
+    monkeypatch.setattr(ebpf_proxier, "LOCK_DIR", str(tmp_path / "lock"))
     return Rig(tmp_path)
 
 
