@@ -37,19 +37,28 @@ def test_measure_applies_full_then_partial_and_removes_its_netns(
     backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made: list[str] = []
-    real_mkdtemp = tempfile.mkdtemp
+    renamed: list[str] = []
+    real_mkdtemp, real_rename = tempfile.mkdtemp, os.rename
 
     def recording_mkdtemp(*args: Any, **kwargs: Any) -> str:
         made.append(real_mkdtemp(*args, **kwargs))
         return made[-1]
 
-    # this process's own directories only: another run's scratch namespaces may come and go
+    def recording_rename(src: str, dst: str) -> None:
+        real_rename(src, dst)
+        if src in made:
+            renamed.append(dst)
+
+    # this process's own directories only: another run's scratch namespaces may come and go; the
+    # lock dir is made under a staging name, then renamed to a lab's (lab.netns.scratch_netns)
     monkeypatch.setattr(tempfile, "mkdtemp", recording_mkdtemp)
+    monkeypatch.setattr(os, "rename", recording_rename)
     r = measure(50, 2, backend=backend)
-    lock_dirs = [d for d in made if "ekpt-bench-" in os.path.basename(d) and "-xtables-" in d]
-    assert len(lock_dirs) == 1, f"one xtables lock directory of the scratch namespace: {made}"
+    lock_dirs = [d for d in renamed if "ekpt-bench-" in os.path.basename(d) and "-xtables-" in d]
+    assert len(lock_dirs) == 1, f"one xtables lock directory of the scratch namespace: {made} -> {renamed}"
     lock_dir = lock_dirs[0]
     assert not os.path.exists(lock_dir), "the namespace's xtables lock directory is left behind"
+    assert not any(os.path.exists(d) for d in made if "ekpt-bench-" in d), "a staging directory is left"
     assert r["backend"] == backend
     assert r["partial_services_written"] == 1
     # A NodePort gets a 4th rule in the netns: the localhost jump that counts packets with nfacct.
