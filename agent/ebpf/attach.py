@@ -1531,7 +1531,8 @@ class Attacher:
         return self._thread is not None and self._thread.is_alive()
 
     def start_watcher(self, timeout: float = 5.0) -> None:
-        """Start (or restart) the thread that attaches to new pod devices; returns once it listens."""
+        """Start (or restart) the thread that attaches to new pod devices; returns once it listens
+        and has looked at every device there (`_watch`: a change made after that is an event)."""
         if self.watching:
             return
         self._stop.clear()
@@ -1551,8 +1552,13 @@ class Attacher:
         try:
             events = run_in_netns(self._config.netns, link_event_socket)
             with events, netns_route(self._config.netns) as ipr:
+                # Devices created or changed between the last reconcile and the bind, before
+                # start_watcher returns: a change its caller makes after that then comes as an
+                # event queued behind this listing. Were the listing later than such a change, the
+                # change's queued notices (older than the listing: a port leaving its bridge first
+                # sends one still naming the bridge) would undo, for a moment, what it did.
+                self._catch_up(ipr)
                 self._ready.set()
-                self._catch_up(ipr)  # devices created between the last reconcile and the bind
                 while not self._stop.is_set():
                     readable, _, _ = select.select([events], [], [], 0.5)
                     if not readable:

@@ -154,6 +154,37 @@ def bridged_tap(netns: str, **settings: Any) -> Config:
 
 
 @pytest.mark.kernel
+def test_the_watcher_has_looked_at_every_device_when_it_starts(
+    netns: str, progs: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """start_watcher returns once the watcher's own listing of the devices is done: a change the
+    caller makes after it then reaches the watcher only as events queued behind that listing. (When
+    it returned before the listing, a port's leaving its bridge could come before the listing, whose
+    state then went before the leave's queued notices, the first still naming the bridge: the port
+    was attached again for a moment; the test above caught it so.)"""
+    config = bridged_tap(netns)
+    attacher = new_attacher(config, progs, FakeMap(abi.MAPS["port"]))
+    attacher.reconcile(NODE, full=True)
+    listing = attach.list_links
+    listed = threading.Event()
+
+    def slow_listing(ipr: Any) -> list[Link]:
+        if threading.current_thread().name == "ekp-link-watcher":
+            time.sleep(0.3)  # a watcher thread slow to get the CPU
+            links = listing(ipr)
+            listed.set()
+            return links
+        return listing(ipr)
+
+    monkeypatch.setattr(attach, "list_links", slow_listing)
+    attacher.start_watcher()
+    try:
+        assert listed.is_set(), "start_watcher returned before the watcher listed the devices"
+    finally:
+        attacher.stop_watcher()
+
+
+@pytest.mark.kernel
 @pytest.mark.parametrize("attach_mode", ["clsact", "tcx"])
 def test_a_port_leaving_the_bridge_loses_its_entry_and_its_programs_if_it_no_longer_qualifies(
     netns: str, progs: dict[str, int], pin_dir: str, attach_mode: str
