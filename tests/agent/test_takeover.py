@@ -548,41 +548,12 @@ def test_the_first_carry_failing_to_read_the_nodes_addresses_fails_before_the_at
     assert sysctl.values[LIBERAL] == "0"
 
 
-@pytest.mark.parametrize("end", ["retry", "stop"])
-def test_an_attach_aborted_with_programs_on_some_devices_keeps_the_window_checks_off(end: str) -> None:
-    """Aborted once a program of ours may be on a device: the flows it translates have one
-    direction netfilter never sees, so tcp_be_liberal stays 1; the retry's after_attach puts the
-    node's own value back (not the 1 it finds), or the agent's stop does."""
-    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
-    takeover = KernelTakeover(
-        Config(netns="node1", bpf_host_routing=HostRouting.LEGACY),
-        dump=lambda netns: [CLUSTERIP],
-        addresses=lambda netns: {NODE},
-        remove_rules=lambda config: None,
-        sysctl=sysctl,
-        read_sysctl=sysctl.read,
-        replace=FakeReplace([]),
-        clock_ns=lambda: NOW,
-    )
-    maps = fake_maps()
-    takeover.before_attach(maps)
-    takeover.abort(attached=True)
-    assert sysctl.values[LIBERAL] == "1", "some devices carry programs: checks stay off"
-    if end == "retry":
-        takeover.before_attach(maps)
-        assert sysctl.values[LIBERAL] == "1"
-        takeover.after_attach(maps)
-    else:
-        takeover.close()
-    assert sysctl.values[LIBERAL] == "0"
-
-
 PIN = "/sys/fs/bpf/ekp-node1"
 INODE = 4026532000
 
 
 def kept_takeover(
-    state_dir: Path,
+    state_dir: Path | None,
     sysctl: Sysctl,
     flows: list[NatFlow],
     *,
@@ -590,6 +561,8 @@ def kept_takeover(
     inode: int = INODE,
     pin_path: str = PIN,
 ) -> KernelTakeover:
+    """A takeover of node1 (legacy host routing) over `sysctl`, keeping the node's own
+    tcp_be_liberal in `state_dir` (None: in the object alone)."""
     return KernelTakeover(
         Config(
             netns="node1",
@@ -604,9 +577,29 @@ def kept_takeover(
         read_sysctl=sysctl.read,
         replace=FakeReplace([]),
         clock_ns=lambda: NOW,
-        state_dir=str(state_dir),
+        state_dir=str(state_dir) if state_dir is not None else "",
         netns_inode=lambda netns: inode,
     )
+
+
+@pytest.mark.parametrize("end", ["retry", "stop"])
+def test_an_attach_aborted_with_programs_on_some_devices_keeps_the_window_checks_off(end: str) -> None:
+    """Aborted once a program of ours may be on a device: the flows it translates have one
+    direction netfilter never sees, so tcp_be_liberal stays 1; the retry's after_attach puts the
+    node's own value back (not the 1 it finds), or the agent's stop does."""
+    sysctl = Sysctl(net__netfilter__nf_conntrack_tcp_be_liberal="0")
+    takeover = kept_takeover(None, sysctl, [CLUSTERIP])
+    maps = fake_maps()
+    takeover.before_attach(maps)
+    takeover.abort(attached=True)
+    assert sysctl.values[LIBERAL] == "1", "some devices carry programs: checks stay off"
+    if end == "retry":
+        takeover.before_attach(maps)
+        assert sysctl.values[LIBERAL] == "1"
+        takeover.after_attach(maps)
+    else:
+        takeover.close()
+    assert sysctl.values[LIBERAL] == "0"
 
 
 @pytest.mark.parametrize("carries_again", [True, False])
