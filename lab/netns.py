@@ -386,11 +386,17 @@ _STAGING_RE = re.compile(rf"^{STAGING}(\d+)\.(\d+)-")
 def _staging_prefix(ns: str) -> str:
     """`ekp-scratch-<pid>.<start time>-<ns>-`: the owner in the name, there from mkdtemp on (an
     owner file comes a moment later: a cleanup in between would take the dir for a dead one's)."""
+    pid, start = _this_process()
+    return f"{STAGING}{pid}.{start}-{ns}-"
+
+
+def _this_process() -> tuple[int, int]:
+    """This process's pid and start time: what names it as a tmp dir's owner (`alive`)."""
     pid = os.getpid()
     start = proc_starttime(pid)
-    if start is None:
+    if start is None:  # no owner named would read as a dead one's: the dir removed from under us
         raise RuntimeError(f"cannot read this process's start time (/proc/{pid}/stat)")
-    return f"{STAGING}{pid}.{start}-{ns}-"
+    return pid, start
 
 
 def sweep_staging(*, dry_run: bool = False) -> list[str]:
@@ -416,10 +422,7 @@ def sweep_staging(*, dry_run: bool = False) -> list[str]:
 def mark_owner(path: str) -> None:
     """Name this process (pid and start time) as the user of tmp dir `path`: `python -m lab
     cleanup`, run beside it, leaves the dir while the process runs (`owner_alive`)."""
-    pid = os.getpid()
-    start = proc_starttime(pid)
-    if start is None:  # "pid None" would read as no owner: the dir removed from under us
-        raise RuntimeError(f"cannot read this process's start time (/proc/{pid}/stat)")
+    pid, start = _this_process()
     owner = os.path.join(path, OWNER_FILE)
     with open(f"{owner}.tmp", "w", encoding="ascii") as f:
         f.write(f"{pid} {start}\n")
