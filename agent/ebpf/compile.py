@@ -41,7 +41,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from agent.ebpf import bpfsys
-from agent.ebpf.bpfobject import BpfObject, MapDef, ObjectError, ProgDef, find_relocs
+from agent.ebpf.bpfobject import BpfObject, FuncDef, MapDef, ObjectError, ProgDef, find_relocs
+from agent.ebpf.programs import callbacks
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +113,12 @@ def build_id(source: str, cflags: Sequence[str], abi_version: int, prog_types: M
     """What decides the compiled programs, hashed (12 hex digits). `-I` flags are left out: the
     source has its local headers inlined, so where the tree lies does not matter. `prog_types`
     (program name -> BPF prog type) is in: the compile child records each program's type in the
-    object, so a changed type must not load a cached object of the old one."""
+    object, so a changed type must not load a cached object of the old one; so are the callbacks
+    they pass (agent/ebpf/programs.py), the functions the child puts in the object beside them."""
     h = hashlib.sha256()
     flags = "\0".join(f for f in cflags if not f.startswith("-I"))
     progs = "\0".join(f"{name}={kind}" for name, kind in sorted(prog_types.items()))
+    progs += "\0" + "\0".join(callbacks(prog_types))
     for part in (source, flags, str(abi_version), progs, platform.release(), kernel_headers(), bcc_version()):
         h.update(part.encode())
         h.update(b"\0")
@@ -253,6 +256,12 @@ def _child(raw: str) -> int:
         for name, prog_type in args["programs"].items():
             insns = bpf.dump_func(name.encode())
             programs.append(ProgDef(name, int(prog_type), insns, find_relocs(insns, map_of_fd)))
+        # The bpf_loop callbacks they pass: functions of their own to bcc (non-static C functions),
+        # linked into each program that names one when it is loaded (agent/ebpf/calls.py).
+        functions = []
+        for name in callbacks(args["programs"]):
+            insns = bpf.dump_func(name.encode())
+            functions.append(FuncDef(name, insns, find_relocs(insns, map_of_fd)))
         obj = BpfObject(
             build=args["build"],
             license=lib.bpf_module_license(bpf.module).decode(),
@@ -260,6 +269,7 @@ def _child(raw: str) -> int:
             btf=btf,
             maps=tuple(maps),
             programs=tuple(programs),
+            functions=tuple(functions),
         )
     finally:
         bpf.cleanup()

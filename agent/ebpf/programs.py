@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # enum bpf_prog_type
@@ -52,6 +53,9 @@ class ProgSpec:
     # Kernel functions (BTF FUNC names: helpers, kfuncs, iterator targets) the program cannot load
     # without; a kernel lacking one loads the data path without it (available_programs)
     needs: tuple[str, ...] = ()
+    # The bpf_loop callback the program passes (a function of the object, bpf/ekp_tc.c), linked into
+    # it at load (agent/ebpf/calls.py); "" none: an unresolved reference in it is then an error
+    callback: str = ""
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -59,6 +63,7 @@ class ProgSpec:
             "attach": self.attach_type,
             "iter": self.iter_target,
             "kfuncs": [list(k) for k in self.kfuncs],
+            "callback": self.callback,
         }
 
 
@@ -114,15 +119,20 @@ TERM_NEEDS = ("bpf_sock_destroy", "bpf_iter_udp")
 # all its work. bpf_xdp_load_bytes is a helper of XDP programs alone: agent/doctor's XDP_HELPERS.
 XDP6_NEEDS = ("bpf_xdp_load_bytes",)
 
+# The SNAT port walk's probes (bpf/ekp_snat_af.h), one callback per family, passed by every program
+# that creates source-translated flows: tc's ingress and XDP
+SNAT_CALLBACK = "ekp_snat_callback"
+SNAT6_CALLBACK = "ekp_snat6_callback"
+
 PROGRAMS: dict[str, ProgSpec] = {
-    PROG_FROM_POD: ProgSpec(PROG_SCHED_CLS),
-    PROG_FROM_NET: ProgSpec(PROG_SCHED_CLS),
+    PROG_FROM_POD: ProgSpec(PROG_SCHED_CLS, callback=SNAT_CALLBACK),
+    PROG_FROM_NET: ProgSpec(PROG_SCHED_CLS, callback=SNAT_CALLBACK),
     PROG_EGRESS: ProgSpec(PROG_SCHED_CLS),
-    PROG_FROM_POD6: ProgSpec(PROG_SCHED_CLS),
-    PROG_FROM_NET6: ProgSpec(PROG_SCHED_CLS),
+    PROG_FROM_POD6: ProgSpec(PROG_SCHED_CLS, callback=SNAT6_CALLBACK),
+    PROG_FROM_NET6: ProgSpec(PROG_SCHED_CLS, callback=SNAT6_CALLBACK),
     PROG_EGRESS6: ProgSpec(PROG_SCHED_CLS),
-    PROG_XDP_NET: ProgSpec(PROG_XDP),
-    PROG_XDP_NET6: ProgSpec(PROG_XDP, needs=XDP6_NEEDS),
+    PROG_XDP_NET: ProgSpec(PROG_XDP, callback=SNAT_CALLBACK),
+    PROG_XDP_NET6: ProgSpec(PROG_XDP, needs=XDP6_NEEDS, callback=SNAT6_CALLBACK),
     **{
         name: ProgSpec(
             PROG_CGROUP_SOCK if attach == ATTACH_CGROUP_INET_SOCK_RELEASE else PROG_CGROUP_SOCK_ADDR,
@@ -139,6 +149,11 @@ PROGRAMS: dict[str, ProgSpec] = {
         needs=TERM_NEEDS,
     ),
 }
+
+
+def callbacks(names: Iterable[str]) -> list[str]:
+    """The callbacks the programs `names` pass (those of PROGRAMS), each once, sorted."""
+    return sorted({PROGRAMS[n].callback for n in names if n in PROGRAMS and PROGRAMS[n].callback})
 
 
 def kernel_needs() -> set[str]:
