@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from agent.config import Mode
+from agent.ebpf.programs import MIN_KERNEL, kernel_version
 
 # What the data path uses (bpf/): its program type, map kinds and helpers. The kernel release
-# is the first that has all of them and checks a tc route lookup's tot_len against the route's
-# MTU, answering in mtu_result (5.12: before it the tc helper ignored tot_len and left the field,
-# which shares tot_len's bytes, as given, so a too-big answer advertised the packet's own length).
-MIN_KERNEL = (5, 12)
+# (MIN_KERNEL, agent/ebpf/programs.py) is the first that has all of them: bpf_loop (5.17), which
+# runs the SNAT port walk's probes, and before it a tc route lookup that checks tot_len against the
+# route's MTU, answering in mtu_result (5.12: before it the tc helper ignored tot_len and left the
+# field, which shares tot_len's bytes, as given, so a too-big answer advertised the packet's own
+# length).
 PROGRAM_TYPE = "sched_cls"
 MAP_KINDS = ("hash", "lru_hash", "lpm_trie", "array", "percpu_array")
 HELPERS = (
@@ -30,6 +32,7 @@ HELPERS = (
     "bpf_ktime_get_ns",
     "bpf_l3_csum_replace",
     "bpf_l4_csum_replace",
+    "bpf_loop",
     "bpf_redirect",
     "bpf_redirect_neigh",
     "bpf_skb_adjust_room",
@@ -160,14 +163,6 @@ class Facts:
     socket_lb: bool = True  # the socket programs are attached (--bpf-socket-lb)
 
 
-def kernel_version(release: str) -> tuple[int, int]:
-    parts = release.split(".")
-    try:
-        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
-    except (IndexError, ValueError):
-        return 0, 0
-
-
 def checklist(f: Facts) -> list[Line]:
     """Every check for the mode, in the order an operator would fix them."""
     lines = [_privileges(f)]
@@ -201,7 +196,8 @@ def _kernel(f: Facts) -> Line:
         return Line(
             Verdict.FAIL,
             "kernel",
-            f"{f.kernel or 'unknown'}: eBPF mode needs {need} or later (the route lookup's MTU answer)",
+            f"{f.kernel or 'unknown'}: eBPF mode needs {need} or later (bpf_loop, which runs the SNAT "
+            "port walk; the route lookup's MTU answer)",
             f"upgrade the node's kernel to {need}+, or run --mode=iptables",
         )
     return Line(Verdict.OK, "kernel", f"{f.kernel} ({need} or later needed)")
@@ -228,7 +224,7 @@ def _features(f: Facts) -> Line:
             "BPF features",
             "the kernel lacks " + ", ".join(missing),
             "a kernel built with CONFIG_BPF_SYSCALL, CONFIG_NET_CLS_BPF and CONFIG_NET_SCH_INGRESS "
-            "(5.12+), or run --mode=iptables",
+            f"({'.'.join(map(str, MIN_KERNEL))}+), or run --mode=iptables",
         )
     # A hook the flags turn off needs nothing of the kernel: what it would lack changes nothing.
     extra = [

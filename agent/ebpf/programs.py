@@ -22,6 +22,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# The oldest kernel the data path loads on: bpf_loop (Linux 5.17) runs the SNAT port walk's probes
+# (bpf/ekp_snat_af.h); what it needs besides is older (agent/doctor/checks.py HELPERS: 5.12)
+MIN_KERNEL = (5, 17)
+
+
+def kernel_version(release: str) -> tuple[int, int]:
+    """(major, minor) of a kernel release string such as "6.18.0-1-amd64"; (0, 0) if unreadable."""
+    parts = release.split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return 0, 0
+
+
 # enum bpf_prog_type
 PROG_SCHED_CLS = 3
 PROG_XDP = 6
@@ -115,7 +129,7 @@ SOCK_HOOKS: dict[str, tuple[str, int]] = {
 SOCK_NEEDS = ("bpf_set_retval", "bpf_get_netns_cookie_sock_addr")
 TERM_NEEDS = ("bpf_sock_destroy", "bpf_iter_udp")
 # XDP's IPv6 path reads the header chain with bpf_xdp_load_bytes (Linux 5.18; the data path's
-# minimum is 5.12): without it ekp_xcalls6 stays empty and IPv6 goes on from XDP to tc, which does
+# minimum is 5.17, MIN_KERNEL): without it ekp_xcalls6 stays empty and IPv6 goes on from XDP to tc, which does
 # all its work. bpf_xdp_load_bytes is a helper of XDP programs alone: agent/doctor's XDP_HELPERS.
 XDP6_NEEDS = ("bpf_xdp_load_bytes",)
 

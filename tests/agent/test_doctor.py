@@ -129,9 +129,17 @@ def test_both_optional_program_types_missing_name_both_hooks() -> None:
     ("change", "check", "verdict", "fix"),
     [
         ({"missing_caps": ("CAP_BPF",)}, "privileges", Verdict.FAIL, "run the agent as root"),
-        ({"kernel": "5.4.0-150-generic"}, "kernel", Verdict.FAIL, "upgrade the node's kernel to 5.12+"),
+        ({"kernel": "5.4.0-150-generic"}, "kernel", Verdict.FAIL, "upgrade the node's kernel to 5.17+"),
         # 5.11's tc route lookup leaves mtu_result as the tot_len given: a black-hole MTU
-        ({"kernel": "5.11.22-generic"}, "kernel", Verdict.FAIL, "upgrade the node's kernel to 5.12+"),
+        ({"kernel": "5.11.22-generic"}, "kernel", Verdict.FAIL, "upgrade the node's kernel to 5.17+"),
+        # 5.16 has no bpf_loop, which runs the SNAT port walk's probes
+        ({"kernel": "5.16.20-generic"}, "kernel", Verdict.FAIL, "upgrade the node's kernel to 5.17+"),
+        (
+            {"features": replace(FEATURES, helpers=frozenset(HELPERS) - {"bpf_loop"})},
+            "BPF features",
+            Verdict.FAIL,
+            "(5.17+), or run --mode=iptables",
+        ),
         (
             {"features": replace(FEATURES, helpers=frozenset(HELPERS) - {"bpf_redirect_neigh"})},
             "BPF features",
@@ -144,7 +152,7 @@ def test_both_optional_program_types_missing_name_both_hooks() -> None:
             Verdict.WARN,
             "--bpf-socket-lb=false",
         ),
-        # 5.12-5.17: no bpf_xdp_load_bytes, so no ekp_xdp_net6; the rest of the data path loads
+        # 5.17: no bpf_xdp_load_bytes, so no ekp_xdp_net6; the rest of the data path loads
         (
             {"features": replace(FEATURES, xdp_helpers=frozenset())},
             "BPF features",
