@@ -7,9 +7,21 @@ import struct
 
 import pytest
 
+from agent.config import MapSizes
 from agent.ebpf.bpfobject import INSN, BpfObject, FuncDef, MapDef, ObjectError, ProgDef
 from agent.ebpf.btf import func_ids
 from agent.ebpf.calls import FIRST_FUNC_ID, PSEUDO_FUNC, CallError, func_btf, link_callback, unresolved
+from agent.ebpf.loader import Datapath
+from agent.ebpf.programs import (
+    PROG_FROM_NET,
+    PROG_FROM_NET6,
+    PROG_FROM_POD,
+    PROG_FROM_POD6,
+    PROG_XDP_NET,
+    PROG_XDP_NET6,
+    PROGRAMS,
+)
+from bench.verifycost import the_object
 
 
 def insn(code: int, src: int = 0, dst: int = 0, off: int = 0, imm: int = 0) -> bytes:
@@ -159,3 +171,25 @@ def test_the_json_form_keeps_the_functions_and_the_old_format_is_refused() -> No
         BpfObject.from_json(
             BpfObject(**{**obj.__dict__, "functions": (FuncDef("f", CALLBACK, ((0, 5),)),)}).to_json()
         )
+
+
+@pytest.mark.kernel
+def test_each_program_of_the_build_passes_exactly_the_callback_its_spec_names() -> None:
+    """The table (agent/ebpf/programs.py) against the compiled C: a program calling bpf_loop that
+    names no callback, or one naming a callback it never passes, fails here, not at a node's load."""
+    obj = the_object(Datapath("/sys/fs/bpf/unused", MapSizes()))
+    walking = set()
+    for p in obj.programs:
+        spec = PROGRAMS[p.name]
+        linked = link_callback(p, obj.function(spec.callback) if spec.callback else None)
+        if linked.func_info:
+            walking.add(p.name)
+    assert walking == {
+        PROG_FROM_POD,
+        PROG_FROM_NET,
+        PROG_FROM_POD6,
+        PROG_FROM_NET6,
+        PROG_XDP_NET,
+        PROG_XDP_NET6,
+    } & {p.name for p in obj.programs}
+    assert walking >= {PROG_FROM_POD, PROG_FROM_NET}
