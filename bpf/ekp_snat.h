@@ -22,9 +22,10 @@
  * out. Only when every probed port holds an established flow is the flow refused
  * (EKP_DROP_SNAT_PORTS). A taken-over holder loses both entries.
  *
- * bcc 0.26 cannot pass a callback to bpf_loop (its loader leaves the function pointer a plain
- * scalar: "R2 type=scalar expected=func") nor load BPF-to-BPF calls, so this is a bounded loop,
- * verified once per iteration.
+ * The probes run in a bpf_loop callback (ekp_snat_af.h; Linux 5.17): a bounded loop was verified
+ * once per iteration for every state it was entered with, about half of the tc ingress programs'
+ * verified instructions. bcc compiles the callback but leaves the reference to it unresolved; the
+ * loader links it (agent/ebpf/calls.py, bpf/README.md "Machine facts").
  */
 #ifndef EKP_SNAT_H
 #define EKP_SNAT_H

@@ -1,14 +1,15 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * ekp_snat_af.h: the source-port walk of ekp_snat.h for one family, included by ekp_ct_af.h (its
- * names and types are that file's macros): ekp_snat_walk / ekp_snat_find for IPv4,
- * ekp_snat6_walk / ekp_snat6_find for IPv6. No include guard: included once per family.
+ * names and types are that file's macros): struct ekp_snat_state, ekp_snat_probe (one probe, the
+ * body of the bpf_loop callback ekp_snat_callback in ekp_tc.c) and ekp_snat_find (the walk) for
+ * IPv4; ekp_snat6_* for IPv6. No include guard: included once per family.
  */
 #include "ekp_snat.h"
 
 /* What one family's walk carries from probe to probe, in per-CPU memory (a member of the
  * scratch of the programs that walk, EKP_SNATF(state_lookup)): the probes run in a bpf_loop
- * callback, which gets nothing from its caller but the probe's index (ekp_snat.h says why). */
+ * callback, which gets nothing from its caller but the probe's index (ekp_tc.c says why). */
 struct EKP_SNATF(state) {
 	EKP_CT_KEY key;   /* the reply tuple probed: backend, SNAT address, protocol, REPLY; its dport
 			   * the probe's port (be) */
