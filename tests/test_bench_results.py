@@ -244,10 +244,11 @@ def test_a_runs_file_renders_the_tables_of_the_run(tmp_path: Path) -> None:
 
 SCALE_TARGETS = {"2", "10", "300", "1", "18"}  # the targets (2 s, 10 ms, 300 MiB, 1 GiB, 10 s)
 
-# The round-by-round history moved out of the README: prose quoting many runs, each named.
+# The round-by-round histories moved out of the README: prose quoting many runs, each named.
 ROUNDS = record.REPO / "bench" / "results" / "scale" / "ROUNDS.md"
 BENCH_HISTORY = record.REPO / "bench" / "results" / "HISTORY.md"
-HISTORIES = (ROUNDS, BENCH_HISTORY)
+SUITE_RUNS = record.REPO / "bench" / "results" / "suite" / "RUNS.md"
+HISTORIES = (ROUNDS, BENCH_HISTORY, SUITE_RUNS)
 CITED = re.compile(r"`(bench/results/[\w./-]+)`")
 # Any mention of a results path, in a code span, a link or plain prose; a trailing "." or "/" ends
 # a sentence or names a directory, a trailing "-" a family of files (a `-run1-` to `-run3-` span).

@@ -21,12 +21,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 ROUNDS = REPO / "bench" / "results" / "scale" / "ROUNDS.md"
 BENCH_HISTORY = REPO / "bench" / "results" / "HISTORY.md"
+SUITE_RUNS = REPO / "bench" / "results" / "suite" / "RUNS.md"
 DOCS = [
     REPO / "README.md",
     REPO / "bpf" / "README.md",
     REPO / "tests" / "upstream_e2e.md",
     ROUNDS,
     BENCH_HISTORY,
+    SUITE_RUNS,
 ]
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
