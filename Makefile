@@ -49,6 +49,7 @@ golden:
 bench: setup
 	$(PY) -m bench
 
-# Removes lab namespaces and processes left behind by a killed run.
+# Removes lab namespaces and processes left behind by a killed run (a running lab is left whole:
+# its tmp dir names its owner, lab/netns.py owned_tmpdir).
 clean-lab:
 	$(PY) -m lab cleanup

@@ -2,9 +2,10 @@
 
 python -m lab cleanup [--prefix ekpXXXXXX] [--dry-run]
     Remove what killed runs left: namespaces `ekp<6 hex>-*` (their processes killed first),
-    lab cgroups, bpffs pins /sys/fs/bpf/ebpf-kube-proxy-lab-ekp*, tmp dirs `ekp<6 hex>-*` but
-    those whose owner still runs (a live scratch namespace's xtables lock dir), and without
-    --prefix the `ekp-scratch-*` staging dirs of killed runs. Prints each item.
+    lab cgroups, bpffs pins /sys/fs/bpf/ebpf-kube-proxy-lab-ekp*, tmp dirs `ekp<6 hex>-*`, and
+    without --prefix the `ekp-scratch-*` staging dirs of killed runs. Prints each item. A lab
+    whose owner still runs (a test run beside it, `python -m lab up`) is left whole, and named;
+    so is a live scratch namespace's xtables lock dir.
 python -m lab up [--nodes 2] [--pods 2] [--no-servers]
     Build a lab, start podservers (and dnsmasq on the first pod of each node), print how to reach
     it, and wait for Ctrl-C (or SIGTERM), then tear it down.
@@ -17,10 +18,12 @@ import sys
 import threading
 
 from .core import Lab
-from .netns import cleanup_leftovers
+from .netns import cleanup_leftovers, live_prefixes
 
 
 def _cleanup(args: argparse.Namespace) -> int:
+    for prefix, pid in sorted(live_prefixes(args.prefix).items()):
+        print(f"left lab {prefix}: its owner, pid {pid}, still runs")
     removed = cleanup_leftovers(args.prefix, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for item in removed:

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -407,7 +406,9 @@ class Lab:
             self._state = "up"
             _register(self)
             try:
-                self.tmpdir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
+                # Marked with its owner before any namespace exists: `python -m lab cleanup`
+                # beside this run leaves the whole lab while this process runs.
+                self.tmpdir = Path(nx.owned_tmpdir(f"{self.prefix}-", self.prefix))
                 (self.tmpdir / "logs").mkdir()
                 (self.tmpdir / "xtables").mkdir()
                 self._build()

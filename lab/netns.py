@@ -45,6 +45,7 @@ BPFFS = "/sys/fs/bpf"
 PIN_PREFIX = "ebpf-kube-proxy-lab-"
 PREFIX_RE = re.compile(r"^ekp[0-9a-f]{6}$")
 NS_RE = re.compile(r"^(ekp[0-9a-f]{6})-")
+_LAB_NAME_RE = re.compile(r"^(ekp[0-9a-f]{6})(?:-|$)")  # NS_RE's, or a lab's cgroup: the prefix alone
 
 CLONE_NEWNET = 0x40000000
 # iptables-legacy (1.8.9 here) takes the lock file this variable names instead of the host-wide
@@ -150,20 +151,9 @@ def scratch_netns(prefix: str) -> Iterator[str]:
     subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
     try:
         # Named as a lab's tmp dir (`ekp<6 hex>-*`, `tmp_dirs`): a killed run's is one more
-        # leftover `python -m lab cleanup` removes (a running one's it leaves: `mark_owner`);
-        # the namespace's name says whose it was. Made and marked under another name first: a
-        # cleanup beside it must never see the lab name without its owner. That name carries
-        # the owner itself (`sweep_staging`): a run killed before the rename leaves it to cleanup.
-        staging = tempfile.mkdtemp(prefix=_staging_prefix(name))
-        try:
-            mark_owner(staging)
-            lock_dir = os.path.join(
-                os.path.dirname(staging), f"{new_prefix()}-{name}-xtables-{secrets.token_hex(4)}"
-            )
-            os.rename(staging, lock_dir)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        # leftover `python -m lab cleanup` removes (a running one's it leaves: `owned_tmpdir`);
+        # the namespace's name says whose it was.
+        lock_dir = owned_tmpdir(f"{new_prefix()}-{name}-xtables-", name)
         os.environ[XTABLES_LOCKFILE] = os.path.join(lock_dir, "xtables.lock")
         yield name
     finally:
@@ -419,6 +409,35 @@ def sweep_staging(*, dry_run: bool = False) -> list[str]:
     return removed
 
 
+def owned_tmpdir(prefix: str, label: str) -> str:
+    """A new tmp dir `<prefix><8 hex>` naming this process as its owner (`mark_owner`) from the
+    moment it has that name: `python -m lab cleanup`, run beside it, leaves it, and everything of
+    its lab prefix, while this process runs (`live_prefixes`). Made and marked under a staging
+    name first, which carries the owner itself (`sweep_staging`: a run killed before the rename
+    leaves that to cleanup); `label` says whose it is there."""
+    staging = tempfile.mkdtemp(prefix=_staging_prefix(label))
+    try:
+        mark_owner(staging)
+        path = os.path.join(os.path.dirname(staging), f"{prefix}{secrets.token_hex(4)}")
+        os.rename(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path
+
+
+def live_prefixes(prefix: str | None = None) -> dict[str, int]:
+    """The lab prefixes (of one prefix, or all) whose tmp dir names a process that still runs:
+    prefix -> that pid. A lab marks its tmp dir before it makes anything else (lab.core.Lab.up)."""
+    live = {}
+    for d in tmp_dirs(prefix):
+        pid = owner_alive(d)
+        m = NS_RE.match(os.path.basename(d))
+        if pid is not None and m is not None:
+            live[m.group(1)] = pid
+    return live
+
+
 def mark_owner(path: str) -> None:
     """Name this process (pid and start time) as the user of tmp dir `path`: `python -m lab
     cleanup`, run beside it, leaves the dir while the process runs (`owner_alive`)."""
@@ -528,34 +547,41 @@ def _cmdline(pid: int) -> str:
 def cleanup_leftovers(prefix: str | None = None, *, dry_run: bool = False) -> list[str]:
     """Remove lab leftovers (of one prefix, or of every `ekp<6 hex>` prefix); return what was removed.
 
-    Kills processes in each namespace first, then deletes namespaces, cgroups, pins and tmp dirs,
-    but for a tmp dir whose owner (`mark_owner`) still runs.
+    Kills processes in each namespace first, then deletes namespaces, cgroups, pins and tmp dirs.
+    A lab whose owner still runs (`live_prefixes`: a test run beside this one, another engineer's
+    lab) is left whole.
     """
     removed: list[str] = []
     if prefix is not None and not PREFIX_RE.match(prefix):
         raise ValueError(f"not a lab prefix: {prefix!r}")
+    live = live_prefixes(prefix)
+
+    def dead(path: str) -> bool:  # a namespace, a cgroup (named the prefix), a pin, a tmp dir
+        m = _LAB_NAME_RE.match(os.path.basename(path).removeprefix(PIN_PREFIX))
+        return m is None or m.group(1) not in live
+
     namespaces = [
         ns
         for ns in list_netns()
-        if (m := NS_RE.match(ns)) is not None and (prefix is None or m.group(1) == prefix)
+        if (m := NS_RE.match(ns)) is not None and (prefix is None or m.group(1) == prefix) and dead(ns)
     ]
     for ns in namespaces:
         pids = netns_pids(ns)
         if not dry_run:
             kill_netns(ns)
         removed.append(f"network namespace {ns}" + (f" (killed pids {pids})" if pids else ""))
-    for cg in lab_cgroups(prefix):
+    for cg in filter(dead, lab_cgroups(prefix)):
         procs = cgroup_procs(cg)
         if not dry_run:
             remove_cgroup_tree(cg)
         removed.append(f"cgroup {cg}" + (f" (killed pids {procs})" if procs else ""))
     if not dry_run:
         delete_netns(namespaces)
-    for pin in pin_dirs(prefix):
+    for pin in filter(dead, pin_dirs(prefix)):
         if not dry_run:
             remove_path(pin)
         removed.append(f"bpffs pin {pin}")
-    for d in tmp_dirs(prefix):
+    for d in filter(dead, tmp_dirs(prefix)):
         if owner_alive(d) is not None:
             # A scratch namespace's xtables lock dir while its process runs: without it that
             # process's next iptables-legacy fails ("can't open lock file").

@@ -470,6 +470,76 @@ def test_cleanup_command_removes_leftovers() -> None:
         cleanup_leftovers(prefix)
 
 
+def test_lab_cleanup_leaves_a_running_lab_whole_and_names_it(make_lab: LabFactory) -> None:
+    """`python -m lab cleanup` beside a running lab (a test run, `python -m lab up`) leaves its
+    namespaces, processes, cgroups, pins and tmp dir: its owner, this process, still runs."""
+    lab = make_lab(nodes=1, pods_per_node=1, servers=False)
+    assert lab.tmpdir is not None
+    assert netns.owner_alive(str(lab.tmpdir)) == os.getpid()
+    pin = Path(netns.BPFFS) / f"{netns.PIN_PREFIX}{lab.prefix}-node1"
+    pin.mkdir()
+    try:
+        sleeper = lab.popen(lab.nodes[0], "sleep", "60")
+        assert cleanup_leftovers(lab.prefix) == []
+        assert set(lab.namespaces) <= set(netns.list_netns())
+        assert sleeper.poll() is None and pin.is_dir() and lab.tmpdir.is_dir()
+        assert netns.lab_cgroups(lab.prefix) != []
+        res = subprocess.run(
+            [sys.executable, "-m", "lab", "cleanup", "--prefix", lab.prefix, "--dry-run"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.splitlines() == [
+            f"left lab {lab.prefix}: its owner, pid {os.getpid()}, still runs",
+            "nothing to clean up",
+        ]
+    finally:
+        pin.rmdir()
+
+
+def test_lab_cleanup_takes_a_lab_whose_owner_is_gone(make_lab: LabFactory) -> None:
+    """The same lab once its owner file names a process gone (a killed run's pid, reused since):
+    everything of it is a leftover again (a dry run: the lab's own teardown removes it)."""
+    lab = make_lab(nodes=1, pods_per_node=1, servers=False)
+    assert lab.tmpdir is not None
+    owner = lab.tmpdir / netns.OWNER_FILE
+    mine = owner.read_text()
+    owner.write_text(f"{os.getpid()} {(netns.proc_starttime(os.getpid()) or 0) + 1}\n")
+    try:
+        found = cleanup_leftovers(lab.prefix, dry_run=True)
+    finally:
+        owner.write_text(mine)
+    assert sorted(found) == sorted(
+        [f"network namespace {ns}" for ns in lab.namespaces]
+        + [f"cgroup {cg}" for cg in netns.lab_cgroups(lab.prefix)]
+        + [f"temporary directory {lab.tmpdir}"]
+    )
+
+
+def test_a_labs_tmp_dir_names_its_owner_before_any_namespace_exists(
+    make_lab: LabFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cleanup beside a lab's start must never find its namespaces, or its tmp dir under the
+    lab's name, with no owner named: the dir is marked under a staging name, renamed, and only
+    then are the namespaces made."""
+    marking = netns.mark_owner
+    seen: list[tuple[str, list[str], list[str]]] = []
+
+    def marked_while_a_cleanup_lists(path: str) -> None:
+        seen.append((path, netns.tmp_dirs(), netns.list_netns()))
+        marking(path)
+
+    monkeypatch.setattr(netns, "mark_owner", marked_while_a_cleanup_lists)
+    lab = make_lab(nodes=1, pods_per_node=1, servers=False)
+    [(path, dirs, namespaces)] = seen
+    assert path not in dirs and str(lab.tmpdir) not in dirs
+    assert not any(ns.startswith(f"{lab.prefix}-") for ns in namespaces)
+    assert netns.live_prefixes(lab.prefix) == {lab.prefix: os.getpid()}
+
+
 def test_a_forked_child_killed_by_sigterm_runs_none_of_the_parents_teardown(
     lab2: Lab, tmp_path: Path
 ) -> None:
