@@ -23,10 +23,10 @@ from agent.doctor.checks import (
     Line,
     Verdict,
     checklist,
-    kernel_version,
     render,
 )
 from agent.doctor.facts import parse_bpftool_features, unlocked_route_mtus
+from agent.ebpf.programs import kernel_version
 
 BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
 FEATURES = BpfFeatures(
