@@ -130,24 +130,14 @@ def load_program(obj: BpfObject, name: str, fds: Sequence[int], log: Any = None,
     except ObjectError as e:
         raise LinkError(f"linking program {name} (build {obj.build}): {e}") from e
     insns, attrs = load_insns(spec, name, relocate(linked.prog, fds))
-    if not linked.func_info:
-        return bpfsys.prog_load(
-            prog.type,
-            insns,
-            obj.license,
-            name,
-            obj.kern_version,
-            log,
-            log_level=log_level,
-            expected_attach_type=attrs["expected_attach_type"],
-            attach_btf_id=attrs["attach_btf_id"],
-        )
-    btf, func_info = func_btf(linked.func_info)
-    btf_fd = bpfsys.btf_load(btf)
-    if btf_fd < 0:
-        raise LinkError(
-            f"loading program {name}: the kernel refused the BTF of its functions: {os.strerror(-btf_fd)}"
-        )
+    btf_fd, func_info = -1, b""
+    if linked.func_info:
+        btf, func_info = func_btf(linked.func_info)
+        btf_fd = bpfsys.btf_load(btf)
+        if btf_fd < 0:
+            raise LinkError(
+                f"loading program {name}: the kernel refused the BTF of its functions: {os.strerror(-btf_fd)}"
+            )
     try:
         return bpfsys.prog_load(
             prog.type,
@@ -159,11 +149,12 @@ def load_program(obj: BpfObject, name: str, fds: Sequence[int], log: Any = None,
             log_level=log_level,
             expected_attach_type=attrs["expected_attach_type"],
             attach_btf_id=attrs["attach_btf_id"],
-            prog_btf_fd=btf_fd,
+            prog_btf_fd=max(btf_fd, 0),
             func_info=func_info,
         )
     finally:
-        os.close(btf_fd)
+        if btf_fd >= 0:
+            os.close(btf_fd)
 
 
 def _load(obj: BpfObject, name: str, fds: list[int]) -> int:

@@ -11,8 +11,10 @@ from agent.config import MapSizes
 from agent.ebpf.bpfobject import INSN, BpfObject, FuncDef, MapDef, ObjectError, ProgDef
 from agent.ebpf.btf import func_ids
 from agent.ebpf.calls import FIRST_FUNC_ID, PSEUDO_FUNC, CallError, func_btf, link_callback, unresolved
+from agent.ebpf.link import LinkError, load_program
 from agent.ebpf.loader import Datapath
 from agent.ebpf.programs import (
+    PROG_EGRESS,
     PROG_FROM_NET,
     PROG_FROM_NET6,
     PROG_FROM_POD,
@@ -99,6 +101,16 @@ def test_a_program_without_callback_or_sites_is_left_as_it_is() -> None:
 def test_an_unresolved_reference_in_a_program_naming_no_callback_is_refused() -> None:
     with pytest.raises(CallError, match=r"instruction\(s\) 3 and no callback named"):
         link_callback(prog(), None)
+
+
+def test_the_loader_refuses_a_program_it_cannot_link_before_loading_anything() -> None:
+    """ekp_egress names no callback (agent/ebpf/programs.py): an unresolved reference in it is a
+    LinkError naming the program and the build, raised before any system call."""
+    obj = BpfObject("abcdef012345", "GPL", 0, b"", (), (ProgDef(PROG_EGRESS, 3, PROGRAM[16:], ()),))
+    with pytest.raises(
+        LinkError, match=r"linking program ekp_egress \(build abcdef012345\): .*no callback named"
+    ):
+        load_program(obj, PROG_EGRESS, [])
 
 
 def test_a_named_callback_the_program_never_passes_is_refused() -> None:
