@@ -2,14 +2,16 @@
 /*
  * ekp_snat_af.h: the source-port walk of ekp_snat.h for one family, included by ekp_ct_af.h (its
  * names and types are that file's macros): struct ekp_snat_state, ekp_snat_probe (one probe, the
- * body of the bpf_loop callback ekp_snat_callback in ekp_tc.c) and ekp_snat_find (the walk) for
- * IPv4; ekp_snat6_* for IPv6. No include guard: included once per family.
+ * body of the bpf_loop callback ekp_snat_callback in ekp_tc.c, or of the bounded loop
+ * ekp_snat_walk) and ekp_snat_find (the walk) for IPv4; ekp_snat6_* for IPv6. No include guard:
+ * included once per family.
  */
 #include "ekp_snat.h"
 
 /* What one family's walk carries from probe to probe, in per-CPU memory (a member of the
- * scratch of the programs that walk, EKP_SNATF(state_lookup)): the probes run in a bpf_loop
- * callback, which gets nothing from its caller but the probe's index (ekp_tc.c says why). */
+ * scratch of the programs that walk, EKP_SNATF(state_lookup)): a bpf_loop callback gets nothing
+ * from its caller but the probe's index (ekp_tc.c says why), and the bounded loop's verifier does
+ * not track memory's contents, so a candidate noted or not is no state of its own. */
 struct EKP_SNATF(state) {
 	EKP_CT_KEY key;   /* the reply tuple probed: backend, SNAT address, protocol, REPLY; its dport
 			   * the probe's port (be) */
@@ -25,16 +27,19 @@ struct EKP_SNATF(state) {
 	__u16 idle;       /* host: TCP: the first port idle longer than tcp_orphan_s, 0: none */
 	__u16 victim;     /* host: the first port held by an unanswered flow, 0: none */
 	__u8 tcp;         /* the table walked: 1 TCP's, 0 the other protocols' */
-	__u8 pad[7];
+	__u8 pad[3];
+	__u32 probes;     /* the bounded loop's: how many to probe (EKP_SNATF(walk)) */
 };
 
 /* The walk's memory, in the scratch of the programs that walk (ekp_tc.c); NULL never in practice
  * (a per-CPU array of one element). */
 static __always_inline struct EKP_SNATF(state) *EKP_SNATF(state_lookup)(void);
 
+#if EKP_SNAT_BPF_LOOP
 /* The bpf_loop callback of the walk (ekp_tc.c): EKP_SNATF(probe) on this CPU's state. The loader
  * links it into each program that names it (agent/ebpf/programs.py ProgSpec.callback). */
 long EKP_SNATF(callback)(__u32 i);
+#endif
 
 /* Probe `i` of the walk: returns 1 (the loop stops) when its port is free, else notes what holds
  * it with one-line tests and returns 0: a port held by a flow that saw a FIN or RST, idle longer
@@ -75,17 +80,36 @@ static __always_inline long EKP_SNATF(probe)(struct EKP_SNATF(state) *s, __u32 i
 	return EKP_SNATF(probe_in)(s, i, 0);
 }
 
+#if !EKP_SNAT_BPF_LOOP
+/* The walk where the kernel has no bpf_loop (before 5.17, agent/ebpf/snatloop.py): the same
+ * probes in a bounded loop, which the verifier walks once per iteration for every state it enters
+ * with. `tcp` is a constant at both call sites: a table chosen inside the loop would leave the
+ * verifier two states per probe, 2^240 paths. */
+static __always_inline void EKP_SNATF(walk)(struct EKP_SNATF(state) *s, const int tcp)
+{
+#pragma clang loop unroll(disable)
+	for (__u32 i = 0; i < EKP_SNAT_PROBES; i++) {
+		/* Read back from memory each time: the compiler would otherwise turn `i >= probes` into
+		 * `i == probes`, an exit the verifier cannot bound (it does not know probes <= 240). */
+		if (i >= s->probes)
+			break;
+		if (EKP_SNATF(probe_in)(s, i, tcp))
+			break;
+	}
+}
+#endif
+
 /* Finds a source port for a new flow: sets rkey->dport to a port whose reply tuple is free, or
  * held by an entry that may be taken over (dead, or the first unanswered one when nothing else
  * is left: f->early_drop is set then). `rkey` carries backend, SNAT address, protocol and
  * direction. Returns 0 or EKP_DROP_SNAT_PORTS. The caller claims the port (ekp_ct_place).
  *
- * The probes run in a bpf_loop callback (EKP_SNATF(probe)), which the verifier checks once for
- * every state it is called with, not once per probe: with a bounded loop here it walked the body
- * once per iteration for every distinct state it entered with (about half of the tc ingress
+ * Where the kernel has bpf_loop (EKP_SNAT_BPF_LOOP, chosen by the loader: agent/ebpf/snatloop.py)
+ * the probes run in its callback (EKP_SNATF(probe)), which the verifier checks once for every
+ * state it is called with, not once per probe: the bounded loop (EKP_SNATF(walk)) is walked once
+ * per iteration for every distinct state it is entered with (about half of the tc ingress
  * programs' verified instructions). The table is the state's `tcp`, a value in memory: in the
- * callback it costs one more path, where in the bounded loop a table chosen inside the loop left
- * the verifier two states per probe. */
+ * callback it costs one more path; the bounded loop is entered once per table. */
 static __always_inline int EKP_SNATF(find)(EKP_CT_KEY *rkey, const EKP_PKT *p,
 					 const struct ekp_config *cfg, __u64 now, struct ekp_flow *f)
 {
@@ -110,7 +134,17 @@ static __always_inline int EKP_SNATF(find)(EKP_CT_KEY *rkey, const EKP_PKT *p,
 	s->idle = 0;
 	s->victim = 0;
 	s->tcp = EKP_PB(p)->proto == IPPROTO_TCP;
+#if EKP_SNAT_BPF_LOOP
 	bpf_loop(range <= EKP_SNAT_ATTEMPTS ? range : EKP_SNAT_PROBES, EKP_SNATF(callback), NULL, 0);
+#else
+	s->probes = range <= EKP_SNAT_ATTEMPTS ? range : EKP_SNAT_PROBES;
+	/* The packet's protocol, not s->tcp: where the verifier knows it, the other table's walk is
+	 * never entered (s->tcp, in memory, is unknown to it: both walks on every path). */
+	if (EKP_PB(p)->proto == IPPROTO_TCP)
+		EKP_SNATF(walk)(s, 1);
+	else
+		EKP_SNATF(walk)(s, 0);
+#endif
 	if (s->free) {
 		rkey->dport = htons(s->free);
 		return 0;

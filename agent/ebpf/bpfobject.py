@@ -30,7 +30,8 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-# Of the JSON form (2: with the bpf_loop callbacks, `functions`); an object of another format is
+# Of the JSON form (2: with the bpf_loop callbacks, `functions`, and whether the build has them,
+# `bpf_loop`); an object of another format is
 # compiled again, never guessed at
 FORMAT = 2
 INSN = struct.Struct("<BBhi")  # struct bpf_insn: code, dst_reg:4 | src_reg:4, off, imm
@@ -80,6 +81,9 @@ class BpfObject:
     maps: tuple[MapDef, ...]
     programs: tuple[ProgDef, ...]
     functions: tuple[FuncDef, ...] = ()
+    # Whether the build runs the SNAT walk in bpf_loop callbacks (EKP_SNAT_BPF_LOOP=1,
+    # agent/ebpf/snatloop.py): only then does a program's ProgSpec.callback mean anything
+    bpf_loop: bool = True
 
     def map_index(self, name: str) -> int:
         for i, m in enumerate(self.maps):
@@ -106,6 +110,7 @@ class BpfObject:
             "license": self.license,
             "kern_version": self.kern_version,
             "btf": base64.b64encode(self.btf).decode(),
+            "bpf_loop": self.bpf_loop,
             "maps": [m.__dict__ for m in self.maps],
             "programs": [
                 {
@@ -160,6 +165,7 @@ class BpfObject:
                 maps=maps,
                 programs=programs,
                 functions=functions,
+                bpf_loop=bool(doc["bpf_loop"]),
             )
         except ObjectError:
             raise
@@ -169,6 +175,8 @@ class BpfObject:
             check_relocs(p, len(obj.maps))
         for f in obj.functions:
             check_relocs(f, len(obj.maps))
+        if obj.functions and not obj.bpf_loop:
+            raise ObjectError("a build without bpf_loop callbacks holds functions: " + ", ".join(f.name for f in obj.functions))
         return obj
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from agent.ebpf import bpfsys
 from agent.ebpf.bpfobject import BpfObject, FuncDef, MapDef, ObjectError, ProgDef, find_relocs
 from agent.ebpf.programs import callbacks
+from agent.ebpf.snatloop import build_has_bpf_loop
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,13 @@ def compile_in_child(
 ) -> tuple[BpfObject, float]:
     """Run the compiler child; the object it compiled and its wall time. Raises RuntimeError with
     its stderr."""
-    args = {"entry_file": str(entry_file), "cflags": list(cflags), "build": build, "programs": dict(programs)}
+    args = {
+        "entry_file": str(entry_file),
+        "cflags": list(cflags),
+        "build": build,
+        "programs": dict(programs),
+        "bpf_loop": build_has_bpf_loop(cflags),
+    }
     started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "agent.ebpf.compile", json.dumps(args)],
@@ -258,8 +265,9 @@ def _child(raw: str) -> int:
             programs.append(ProgDef(name, int(prog_type), insns, find_relocs(insns, map_of_fd)))
         # The bpf_loop callbacks they pass: functions of their own to bcc (non-static C functions),
         # linked into each program that names one when it is loaded (agent/ebpf/calls.py).
+        # None in a build whose walk is a bounded loop (EKP_SNAT_BPF_LOOP=0): the C defines none.
         functions = []
-        for name in callbacks(args["programs"]):
+        for name in callbacks(args["programs"]) if args["bpf_loop"] else []:
             insns = bpf.dump_func(name.encode())
             functions.append(FuncDef(name, insns, find_relocs(insns, map_of_fd)))
         obj = BpfObject(
@@ -270,6 +278,7 @@ def _child(raw: str) -> int:
             maps=tuple(maps),
             programs=tuple(programs),
             functions=tuple(functions),
+            bpf_loop=bool(args["bpf_loop"]),
         )
     finally:
         bpf.cleanup()

@@ -36,7 +36,7 @@ from dataclasses import replace
 from typing import Any
 
 from agent.ebpf import bpfsys
-from agent.ebpf.bpfobject import BpfObject, MapDef, ObjectError, relocate
+from agent.ebpf.bpfobject import BpfObject, FuncDef, MapDef, ObjectError, relocate
 from agent.ebpf.btf import BtfError, vmlinux_func_ids
 from agent.ebpf.calls import func_btf, link_callback
 from agent.ebpf.kfunc import patch_kfunc_calls
@@ -118,6 +118,16 @@ def load_insns(spec: ProgSpec, name: str, insns: bytes) -> tuple[bytes, dict[str
     return insns, attrs
 
 
+def callback_of(obj: BpfObject, spec: ProgSpec) -> FuncDef | None:
+    """The callback to link into a program of `spec`: the one it names, in a build with bpf_loop
+    callbacks (ObjectError if the build lacks it); none in a build without (EKP_SNAT_BPF_LOOP=0,
+    agent/ebpf/snatloop.py), where the same program walks in a bounded loop and an unresolved
+    reference in it is then refused like any other (link_callback)."""
+    if not obj.bpf_loop or not spec.callback:
+        return None
+    return obj.function(spec.callback)
+
+
 def load_program(obj: BpfObject, name: str, fds: Sequence[int], log: Any = None, log_level: int = 1) -> int:
     """BPF_PROG_LOAD of program `name` of `obj` with the map fds `fds` (by map index): its bpf_loop
     callback linked in with the BTF that needs (agent/ebpf/calls.py), kfunc calls patched, the
@@ -126,7 +136,7 @@ def load_program(obj: BpfObject, name: str, fds: Sequence[int], log: Any = None,
     prog = obj.program(name)
     spec = PROGRAMS.get(name, ProgSpec(prog.type))
     try:
-        linked = link_callback(prog, obj.function(spec.callback) if spec.callback else None)
+        linked = link_callback(prog, callback_of(obj, spec))
     except ObjectError as e:
         raise LinkError(f"linking program {name} (build {obj.build}): {e}") from e
     insns, attrs = load_insns(spec, name, relocate(linked.prog, fds))

@@ -54,8 +54,8 @@ def kernel_problems(release: str) -> list[str]:
         return []
     need = ".".join(map(str, MIN_KERNEL))
     return [
-        f"the kernel is {release}, and the data path needs Linux {need} or later (bpf_loop, which runs "
-        f"the SNAT port walk's probes): upgrade the node's kernel to {need}+, or run --mode=iptables"
+        f"the kernel is {release}, and the data path needs Linux {need} or later (its tc route "
+        f"lookup's MTU answer): upgrade the node's kernel to {need}+, or run --mode=iptables"
     ]
 
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-# The oldest kernel the data path loads on: bpf_loop (Linux 5.17) runs the SNAT port walk's probes
-# (bpf/ekp_snat_af.h); what it needs besides is older (agent/doctor/checks.py HELPERS: 5.12)
-MIN_KERNEL = (5, 17)
+# The oldest kernel the data path loads on (agent/doctor/checks.py HELPERS: 5.12, its tc route
+# lookup's MTU answer). bpf_loop (5.17) is not needed: where the kernel lacks it the SNAT port
+# walk is a bounded loop (agent/ebpf/snatloop.py)
+MIN_KERNEL = (5, 12)
 
 
 def kernel_version(release: str) -> tuple[int, int]:
@@ -129,12 +130,14 @@ SOCK_HOOKS: dict[str, tuple[str, int]] = {
 SOCK_NEEDS = ("bpf_set_retval", "bpf_get_netns_cookie_sock_addr")
 TERM_NEEDS = ("bpf_sock_destroy", "bpf_iter_udp")
 # XDP's IPv6 path reads the header chain with bpf_xdp_load_bytes (Linux 5.18; the data path's
-# minimum is 5.17, MIN_KERNEL): without it ekp_xcalls6 stays empty and IPv6 goes on from XDP to tc, which does
+# minimum is 5.12, MIN_KERNEL): without it ekp_xcalls6 stays empty and IPv6 goes on from XDP to tc, which does
 # all its work. bpf_xdp_load_bytes is a helper of XDP programs alone: agent/doctor's XDP_HELPERS.
 XDP6_NEEDS = ("bpf_xdp_load_bytes",)
 
 # The SNAT port walk's probes (bpf/ekp_snat_af.h), one callback per family, passed by every program
-# that creates source-translated flows: tc's ingress and XDP
+# that creates source-translated flows: tc's ingress and XDP. Only in a build with bpf_loop
+# (EKP_SNAT_BPF_LOOP=1): in the other the same programs walk in a bounded loop and link nothing
+# (agent/ebpf/link.py callback_of)
 SNAT_CALLBACK = "ekp_snat_callback"
 SNAT6_CALLBACK = "ekp_snat6_callback"
 

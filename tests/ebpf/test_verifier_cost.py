@@ -28,6 +28,7 @@ from agent.ebpf.programs import (
     PROG_XDP_NET,
     PROG_XDP_NET6,
 )
+from agent.ebpf.snatloop import BOUNDED, ENV
 from bench.verifycost import ProgCost, measure, the_object
 
 # Verified instructions per program (the kernel's limit is 1,000,000). Measured with the walk's
@@ -133,24 +134,59 @@ BUDGET = {
 # current one; 1,903,677 -> 1,249,989 at bpfloop, budgeted at 1,400,000 (12% over)
 ALL_PROGRAMS = 1_400_000
 
+# The build of a kernel without bpf_loop (Linux 5.12-5.16: the walk's probes in a bounded loop,
+# bpf/ekp_snat_af.h; forced here with EKP_BPF_SNAT_LOOP=bounded) is held to main's budgets before
+# bpfloop, which its walk was verified against: bpfloop2 measured ekp_from_pod 278,976 (main
+# 268,213), ekp_from_net 277,540 (266,777), ekp_xdp_net 155,941 (141,663), ekp_from_net6 448,115
+# (440,825), ekp_xdp_net6 247,307 (219,035), the egress programs unchanged; ekp_from_pod6 542,193
+# against main's 453,804 (its walk's state now in the per-CPU scratch the callback shares, read
+# from memory in each probe) is over main's 470,000, budgeted 12% over its count, and the total
+# with it (2,063,418) at 2,300,000.
+BOUNDED_BUDGET = {
+    PROG_FROM_POD: 450_000,
+    PROG_FROM_NET: 450_000,
+    PROG_XDP_NET: 220_000,
+    PROG_EGRESS: 45_000,
+    PROG_FROM_POD6: 610_000,
+    PROG_FROM_NET6: 470_000,
+    PROG_EGRESS6: 80_000,
+    PROG_XDP_NET6: 300_000,
+}
+BOUNDED_ALL_PROGRAMS = 2_300_000
+BUILDS = {"bpf_loop": (BUDGET, ALL_PROGRAMS), "bounded": (BOUNDED_BUDGET, BOUNDED_ALL_PROGRAMS)}
+
 pytestmark = pytest.mark.kernel
 
 
+@pytest.fixture(scope="module", params=sorted(BUILDS))
+def build(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def costs() -> dict[str, ProgCost]:
-    obj = the_object(Datapath("/sys/fs/bpf/unused", MapSizes()))
+def costs(build: str) -> dict[str, ProgCost]:
+    with pytest.MonkeyPatch.context() as mp:
+        if build == "bounded":
+            mp.setenv(ENV, BOUNDED)
+        else:
+            mp.delenv(ENV, raising=False)
+        dp = Datapath("/sys/fs/bpf/unused", MapSizes())
+        dp.snat_walk()  # decided now, under the variable; kept by the data path
+    obj = the_object(dp)
+    assert obj.bpf_loop is (build == "bpf_loop")
     return {c.name: c for c in measure(obj, rounds=1)}
 
 
 @pytest.mark.parametrize("program", sorted(BUDGET))
-def test_program_verifies_within_its_budget(costs: dict[str, ProgCost], program: str) -> None:
-    cost = costs[program]
-    assert 0 < cost.processed <= BUDGET[program], (
-        f"{program}: the verifier processed {cost.processed:,} instructions ({cost.peak_states:,} peak "
-        f"states), budget {BUDGET[program]:,}: python -m bench.verifycost shows each program"
+def test_program_verifies_within_its_budget(costs: dict[str, ProgCost], build: str, program: str) -> None:
+    cost, budget = costs[program], BUILDS[build][0][program]
+    assert 0 < cost.processed <= budget, (
+        f"{program} ({build} build): the verifier processed {cost.processed:,} instructions "
+        f"({cost.peak_states:,} peak states), budget {budget:,}: python -m bench.verifycost shows "
+        "each program"
     )
 
 
-def test_all_programs_verify_within_the_budget(costs: dict[str, ProgCost]) -> None:
+def test_all_programs_verify_within_the_budget(costs: dict[str, ProgCost], build: str) -> None:
     total = sum(c.processed for c in costs.values())
-    assert total <= ALL_PROGRAMS, {c.name: c.processed for c in costs.values()}
+    assert total <= BUILDS[build][1], {c.name: c.processed for c in costs.values()}
