@@ -278,7 +278,9 @@ def _snat_walk(f: Facts) -> list[Line]:
     if feats is None or feats.error:
         return []
     if OPTIONAL_HELPER in feats.helpers:
-        return [Line(Verdict.OK, "SNAT walk", f"{OPTIONAL_HELPER}: the SNAT walk runs in a bpf_loop callback")]
+        return [
+            Line(Verdict.OK, "SNAT walk", f"{OPTIONAL_HELPER}: the SNAT walk runs in a bpf_loop callback")
+        ]
     return [
         Line(
             Verdict.WARN,

@@ -176,7 +176,10 @@ class BpfObject:
         for f in obj.functions:
             check_relocs(f, len(obj.maps))
         if obj.functions and not obj.bpf_loop:
-            raise ObjectError("a build without bpf_loop callbacks holds functions: " + ", ".join(f.name for f in obj.functions))
+            raise ObjectError(
+                "a build without bpf_loop callbacks holds functions: "
+                + ", ".join(f.name for f in obj.functions)
+            )
         return obj
 
 

@@ -79,7 +79,7 @@ _LOG_BYTES = 1 << 12
 
 
 def probe() -> str:
-    """"" where the running kernel loads a program that passes a callback to bpf_loop (linked as
+    """ "" where the running kernel loads a program that passes a callback to bpf_loop (linked as
     the data path's are: agent/ebpf/calls.py), else why not, from the kernel's words."""
     linked = link_callback(
         ProgDef("ekp_probe_loop", _PROG_SCHED_CLS, _PROGRAM, ()), FuncDef("ekp_probe_cb", _CALLBACK, ())

@@ -253,7 +253,9 @@ def test_a_5_15_node_without_bpf_loop_is_ready_with_a_warning_naming_the_bounded
     facts = replace(GOOD, kernel="5.15.0-91-generic", features=replace(FEATURES, helpers=frozenset(HELPERS)))
     lines = checklist(facts)
     line = by_check(lines)["SNAT walk"]
-    assert line.verdict is Verdict.WARN and "runs in a bounded loop: a cold start verifies longer" in line.found
+    assert (
+        line.verdict is Verdict.WARN and "runs in a bounded loop: a cold start verifies longer" in line.found
+    )
     assert [x.check for x in lines if x.verdict is not Verdict.OK] == ["SNAT walk"]
     assert "will not work here" not in render(facts, lines)
     ok = by_check(checklist(GOOD))["SNAT walk"]

@@ -93,7 +93,9 @@ def test_a_bpf_loop_build_without_the_named_callback_is_refused() -> None:
     assert callback_of(_obj(True, (cb,)), PROGRAMS[PROG_FROM_POD]) == cb
     assert callback_of(_obj(True, (cb,)), PROGRAMS[PROG_EGRESS]) is None
     with pytest.raises(CallError, match="no callback named"):
-        link_callback(_obj(True, (cb,)).program(PROG_EGRESS), callback_of(_obj(True, (cb,)), PROGRAMS[PROG_EGRESS]))
+        link_callback(
+            _obj(True, (cb,)).program(PROG_EGRESS), callback_of(_obj(True, (cb,)), PROGRAMS[PROG_EGRESS])
+        )
 
 
 def test_a_bounded_build_holding_functions_is_not_an_object_the_compiler_made() -> None:
