@@ -139,8 +139,9 @@ ALL_PROGRAMS = 1_400_000
 # bpfloop, which its walk was verified against: bpfloop2 measured ekp_from_pod 285,332 (main
 # 268,213), ekp_from_net 283,896 (266,777), ekp_xdp_net 153,520 (141,663), ekp_from_pod6 455,202
 # (453,804), ekp_from_net6 448,178 (440,825), ekp_xdp_net6 228,898 (219,035), the egress programs
-# unchanged; 1,968,372 in all. With the probe reading the walk's invariants (offsets, range,
-# clock, timeouts) from the shared state in each iteration, ekp_from_pod6 was 542,193, over.
+# unchanged; 1,968,372 in all (bench/results/scale/verifycost-bpfloop2-2026-11-28.txt, both
+# builds). With the probe reading the walk's invariants (offsets, range, clock, timeouts) from the
+# shared state in each iteration, ekp_from_pod6 was 542,193, over.
 BOUNDED_BUDGET = {
     PROG_FROM_POD: 450_000,
     PROG_FROM_NET: 450_000,
