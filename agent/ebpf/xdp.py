@@ -118,6 +118,27 @@ def link_kind(ipr: Any, index: int) -> str:
     return str(kind or "")
 
 
+def best_effort_tries(kind: str) -> bool:
+    """Whether --bpf-xdp=best-effort tries native XDP on a device of this rtnetlink kind (`attach`):
+    on anything but a veth (a NIC's "", a bond, a dummy, whose driver then refuses it)."""
+    return kind != "veth"
+
+
+def leaves_alone(ipr: Any, index: int, name: str, mode: str) -> bool:
+    """Whether `mode` attaches nothing to the device: best-effort on a veth (`attach`), said in a
+    log line."""
+    if mode != "best-effort" or best_effort_tries(link_kind(ipr, index)):
+        return False
+    log.info(
+        "%s is a veth: %s not attached (--bpf-xdp=best-effort; frames XDP sends back out need "
+        "an XDP program or GRO on its peer, and local senders' partial checksums a NIC's wire "
+        "would have completed); --bpf-xdp=native attaches it anyway",
+        name,
+        PROG_XDP,
+    )
+    return True
+
+
 def attach(ipr: Any, index: int, name: str, fd: int, mode: str) -> str:
     """Ours on the device in `mode` (not "disabled"); returns the mode it runs in ("native",
     "generic"), or "" when it does not run there (logged).
@@ -127,14 +148,7 @@ def attach(ipr: Any, index: int, name: str, fd: int, mode: str) -> str:
     through it carry a partial checksum that XDP's rewrite cannot complete (a node that is a
     container, kind's, sees exactly those). `native` and `generic` attach there anyway: the
     operator says the peer and the senders are fit (the lab's wire, lab/wire.py)."""
-    if mode == "best-effort" and link_kind(ipr, index) == "veth":
-        log.info(
-            "%s is a veth: %s not attached (--bpf-xdp=best-effort; frames XDP sends back out need "
-            "an XDP program or GRO on its peer, and local senders' partial checksums a NIC's wire "
-            "would have completed); --bpf-xdp=native attaches it anyway",
-            name,
-            PROG_XDP,
-        )
+    if leaves_alone(ipr, index, name, mode):
         return ""
     our_id = prog_info(fd)[0]
     state = xdp_state(ipr, index)
