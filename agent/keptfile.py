@@ -67,7 +67,12 @@ def identity(magic: bytes, config: Config) -> bytes:
     """What a file is only good for: this format, this Python, this agent's source (every
     agent/**/*.py, read now: about 4 ms), these flags."""
     h = hashlib.sha256()
-    for file in sorted(_AGENT_DIR.rglob("*.py")):
+    sources = sorted(_AGENT_DIR.rglob("*.py"))
+    if not sources:
+        # Installed without its sources (bytecode or a zip alone): nothing says which agent wrote
+        # a file, so no file is taken (a random identity), rather than every version's.
+        h.update(os.urandom(32))
+    for file in sources:
         h.update(str(file.relative_to(_AGENT_DIR)).encode() + b"\0")
         h.update(file.read_bytes())
     return hashlib.sha256(magic + sys.version.encode() + h.digest() + repr(config).encode()).digest()
@@ -241,7 +246,10 @@ def _unlink_unheld(name: str) -> int | None:
 
 
 class Restricted(pickle.Unpickler):
-    """Builds only the `allowed` (module, name) classes: a file put in the directory runs no code."""
+    """Builds only the `allowed` (module, name) classes, calling no other callable: a file put in
+    the directory runs no code. pickle's BUILD can still set attributes on an allowed class (its
+    state set on the class, not an instance), which only a file that passed the checksum could
+    do: the directory is root's alone, and root needs no file to change this process."""
 
     def __init__(self, f: BinaryIO, allowed: set[tuple[str, str]], what: str) -> None:
         super().__init__(f)

@@ -4,10 +4,10 @@
 
 A cold start (no pinned programs of this build) loads every program with BPF_PROG_LOAD, and the
 verifier walks each one state by state: seconds of CPU that the first sync waits for before it
-attaches (README, "Cold start: what the verifier costs"). This loads each program of the build the
-agent would load here (from the machine's compile cache, compiled in a child when missing) against
-maps created for the measurement alone (unpinned, gone when it exits), one program at a time, and
-reports per program:
+attaches (bench/results/scale/ROUNDS.md, "Cold start: what the verifier costs"). This loads
+each program of the build the agent would load here (from the machine's compile cache, compiled
+in a child when missing) against maps created for the measurement alone (unpinned, gone when it
+exits), one program at a time, and reports per program:
 
 * `insns`: the instructions loaded;
 * `processed`, `peak states`, `total states`: the verifier's own totals (log level BPF_LOG_STATS,

@@ -240,9 +240,19 @@ def test_a_runs_file_renders_the_tables_of_the_run(tmp_path: Path) -> None:
     assert "| iptables | healthCheckNodePort | slow + idle | 3 | - | - | - | 3 | 0 of 128 |" in rendered
 
 
-# ---- the control plane at scale (issue 18) -------------------------------------------------
+# ---- the control plane at scale (issue 18), and the histories beside the results ----------
 
 SCALE_TARGETS = {"2", "10", "300", "1", "18"}  # the issue's targets (2 s, 10 ms, 300 MiB, 1 GiB, 10 s)
+
+# The round-by-round histories moved out of the README: prose quoting many runs, each named.
+ROUNDS = record.REPO / "bench" / "results" / "scale" / "ROUNDS.md"
+BENCH_HISTORY = record.REPO / "bench" / "results" / "HISTORY.md"
+SUITE_RUNS = record.REPO / "bench" / "results" / "suite" / "RUNS.md"
+HISTORIES = (ROUNDS, BENCH_HISTORY, SUITE_RUNS)
+CITED = re.compile(r"`(bench/results/[\w./-]+)`")
+# Any mention of a results path, in a code span, a link or plain prose; a trailing "." or "/" ends
+# a sentence or names a directory, a trailing "-" a family of files (a `-run1-` to `-run3-` span).
+MENTIONED = re.compile(r"bench/results/[\w./-]*")
 
 
 def scale_section() -> str:
@@ -252,23 +262,104 @@ def scale_section() -> str:
     return text[start : end if end != -1 else len(text)]
 
 
-def test_every_figure_in_the_scale_section_is_in_a_file_it_cites() -> None:
-    """The section quotes runs kept in bench/results/scale/ (and bench.records' output there):
-    every figure in it is in one of the files it names, or is one of the issue's targets."""
-    section = scale_section()
-    cited = sorted(set(re.findall(r"`(bench/results/scale/[\w.-]+)`", section)))
-    assert cited, "the section names no results file"
+def cited_results(text: str) -> list[str]:
+    """The results files `text` names in code spans. A history file is prose, not a measurement,
+    and a directory is no file: naming one cites nothing."""
+    return sorted(
+        {n for n in CITED.findall(text) if record.REPO / n not in HISTORIES and not n.endswith("/")}
+    )
+
+
+def held_by(names: list[str]) -> set[str]:
+    """The figures the named results files hold: a run's file (.json) as file_figures reads it, its
+    rendering beside it checked current; any other file's numbers as written."""
     held: set[str] = set()
-    for name in cited:
+    for name in names:
         path = record.REPO / name
-        assert path.exists(), f"the README cites {name}, which is not in the repository"
+        assert path.is_file(), f"{name} is cited but is not a file in the repository"
         if path.suffix == ".json":
             held |= file_figures(path)
             assert path.with_suffix(".md").read_text() == record.render(record.load(path), path)
         else:
             held |= {n.replace(",", "") for n, _ in FIGURE.findall(path.read_text())}
-    missing = sorted(figures(section) - held - SCALE_TARGETS, key=lambda f: float(f.rstrip("%")))
+    return held
+
+
+def unsourced(text: str, allowed: set[str]) -> list[str]:
+    names = cited_results(text)
+    assert names, "the text names no results file"
+    missing = figures(text) - held_by(names) - allowed
+    return sorted(missing, key=lambda f: float(f.rstrip("%")))
+
+
+def test_every_figure_in_the_scale_section_is_in_a_file_it_cites() -> None:
+    """The section quotes runs kept in bench/results/ (bench/results/scale/ and bench.records'
+    output there, the suite's runs): every figure in it is in one of the files it names, or is one
+    of the issue's targets."""
+    missing = unsourced(scale_section(), SCALE_TARGETS)
     assert not missing, f"figures in the README's scale section that its files do not hold: {missing}"
+
+
+def test_every_figure_in_the_rounds_is_in_a_file_they_cite() -> None:
+    """The rounds moved out of the scale section are held to what the section was: every figure in
+    a file it names (the whole file's names together, as the section's were), or a target."""
+    missing = unsourced(ROUNDS.read_text(), SCALE_TARGETS)
+    assert not missing, f"figures in {ROUNDS.name} that its files do not hold: {missing}"
+
+
+def test_every_figure_in_the_benchmark_history_is_in_a_file_it_cites() -> None:
+    """The benchmark prose moved out of the README, held to the runs it names (it was held to the
+    run the README cited then; a newer run must not make it wrong)."""
+    missing = unsourced(BENCH_HISTORY.read_text(), set())
+    assert not missing, f"figures in {BENCH_HISTORY.name} that its files do not hold: {missing}"
+
+
+def test_a_history_file_is_no_source() -> None:
+    """Positive control: a figure whose only source is a history file that names it is unsourced."""
+    rounds = ROUNDS.relative_to(record.REPO)
+    text = f"restart -> synced 987,654.3 s (`{rounds}`, `bench/results/scale/records.txt`)"
+    assert cited_results(text) == ["bench/results/scale/records.txt"]
+    assert unsourced(text, set()) == ["987654.3"]
+
+
+def mentioned_results(text: str) -> set[str]:
+    return {n.rstrip("./") for n in MENTIONED.findall(text)}
+
+
+def missing_results(names: set[str]) -> list[str]:
+    """The names no file or directory answers (a name ending in "-" answers to the files it begins)."""
+    missing = []
+    for name in sorted(names):
+        path = record.REPO / name
+        if name.endswith("-"):
+            found = any(p.name.startswith(path.name) for p in path.parent.iterdir())
+        else:
+            found = path.exists()
+        if not found:
+            missing.append(name)
+    return missing
+
+
+DOCS_CITING_RESULTS = [README, record.REPO / "bpf" / "README.md", *HISTORIES]
+
+
+def test_every_results_file_the_docs_name_exists() -> None:
+    """Every bench/results path the README, bpf/README.md and the histories mention is there,
+    in a code span or not: a renamed or dropped results file leaves its figures unsourced."""
+    for doc in DOCS_CITING_RESULTS:
+        names = mentioned_results(doc.read_text())
+        assert names, f"{doc.name} mentions no results file: the pattern no longer reads it"
+        missing = missing_results(names)
+        assert not missing, f"{doc.relative_to(record.REPO)} names results that do not exist: {missing}"
+
+
+def test_a_results_file_that_is_not_there_is_found() -> None:
+    """Positive control: a sentence's full stop is not part of the name; a missing file is."""
+    names = mentioned_results(
+        "See `bench/results/scale/records.txt`. And bench/results/scale/no-such-run-2026-11-28.json."
+    )
+    assert names == {"bench/results/scale/records.txt", "bench/results/scale/no-such-run-2026-11-28.json"}
+    assert missing_results(names) == ["bench/results/scale/no-such-run-2026-11-28.json"]
 
 
 def test_the_readme_flood_block_is_what_the_newest_flood_run_renders() -> None:

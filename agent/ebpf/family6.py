@@ -286,8 +286,13 @@ class Ipv6Datapath:
         if before_frontends is not None:
             flushed["fe"] = _FirstFrontends(wide["fe"], before_frontends)
         if first or changed is None:
-            dump = {role: wide[role].dump_raw() for role in ROLES}
-            differ = planner.reconcile(dump, adopt=first)
+            try:
+                dump = {role: wide[role].dump_raw() for role in ROLES}
+                differ = planner.reconcile(dump, adopt=first)
+            except BaseException:
+                if first:
+                    self._planner = None  # as the IPv4 sync: the retry adopts the maps again
+                raise
             repaired = 0 if first else differ
             changed = None
         planner.update(state, node, changed)

@@ -523,13 +523,23 @@ class EbpfProxier:
             if first or self._unsure or changed is None:
                 if changed is None and not first:
                     repaired += len(datapath.repair_pins())
-                dump = self._dump(maps, first)
-                restored = self._restore(dump, state) if first else None
-                if restored is not None:
-                    planner = self._planner = restored
-                else:
-                    differ = planner.reconcile(dump, adopt=first)
-                    repaired += 0 if first or self._unsure else differ
+                try:
+                    dump = self._dump(maps, first)
+                    restored = self._restore(dump, state) if first else None
+                    if restored is not None:
+                        planner = self._planner = restored
+                    else:
+                        differ = planner.reconcile(dump, adopt=first)
+                        repaired += 0 if first or self._unsure else differ
+                except BaseException:
+                    if first:
+                        # Nothing (or half) adopted: the retry must read the maps back and adopt
+                        # them as a first sync does. Kept, this planner would take the next
+                        # read-back as entries to replace, and give every port, backend and
+                        # reverse-NAT entry a new id: the conntrack entries of established flows
+                        # name the old ones, and would lose their backends.
+                        self._planner = None
+                    raise
                 del dump
                 changed = None
             planner.update(state, node, changed)

@@ -30,7 +30,8 @@ Services of 10 endpoints).
 The file is consumed (removed) by the start that reads it, whatever the outcome, so a later start
 after a crash never meets it (nor any partial file a stop killed while writing it left). The body
 is a pickle, read by an unpickler that builds only the planner's own classes (`_ALLOWED`): the
-directory is root's alone, and even so a file put there cannot run code. The collector is held
+directory is root's alone, and even so a file put there cannot run code (it could set attributes
+on those classes, agent.keptfile.Restricted says how far that goes). The collector is held
 while the pickle is built or read: a third of a million objects would otherwise trigger
 collections that find nothing to free (0.8 s against 0.15 s of loading at 10,000 Services). How
 the file is written, opened, checked and unpickled is agent.keptfile's, shared with the model's

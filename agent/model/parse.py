@@ -337,10 +337,10 @@ def _app_protocol(port: Obj, path: str) -> None:
 def _service_ports(spec: Obj, svc_type: str, headless: bool) -> tuple[_Port, ...]:
     """`_check_service_ports`, kept per distinct short list of ports, for the ClusterIP Services
     that share a list (all of the bench's do; how many of a real cluster's do was not measured:
-    README, "The bench's objects are the memos' best case"). Only what can repeat is kept, so
-    the memo's bytes stay bounded and it does not fill with one-offs: at most `_MEMO_PORTS`
-    ports, only the fields the check reads, no nodePort (unique cluster-wide, so a NodePort or
-    LoadBalancer list never repeats). Once full, the key is not even built. A refused list is
+    bench/results/scale/ROUNDS.md, "The bench's objects are the memos' best case"). Only what
+    can repeat is kept, so the memo's bytes stay bounded and it does not fill with one-offs: at
+    most `_MEMO_PORTS` ports, only the fields the check reads, no nodePort (unique cluster-wide,
+    so a NodePort or LoadBalancer list never repeats). Once full, the key is not even built. A refused list is
     not kept: it is checked, and refused with the same message, each time."""
     raw = spec.get("ports")
     if type(raw) is not list or len(raw) > _MEMO_PORTS or len(_SERVICE_PORTS_CHECKED) >= _PORTS_CHECKED_MAX:

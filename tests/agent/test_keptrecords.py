@@ -502,3 +502,13 @@ def test_the_temporary_files_fd_is_closed_in_forked_children_from_its_open_to_it
     keptfile.write(path, b"H", lambda pickler: pickler.dump({"a": 1}))
     assert at_lock == [True] and at_close == [False]
     assert not keptfile._WRITING
+
+
+def test_an_agent_installed_without_its_sources_takes_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The identity hashes the agent's sources; an install without them (bytecode alone) cannot
+    say which version wrote a file, so no two starts share an identity and no file is taken."""
+    assert keptfile.identity(b"m", Config()) == keptfile.identity(b"m", Config())
+    monkeypatch.setattr(keptfile, "_AGENT_DIR", tmp_path)
+    assert keptfile.identity(b"m", Config()) != keptfile.identity(b"m", Config())

@@ -6,6 +6,7 @@ touched. Dict-backed maps (FakeMap): the kernel's side is tests/ebpf/test_datapa
 from __future__ import annotations
 
 import ctypes
+import errno
 import ipaddress
 import logging
 from typing import Any, TypeVar
@@ -191,6 +192,38 @@ def test_a_restart_over_unchanged_state_writes_nothing_and_keeps_the_ids() -> No
     after = {role: sorted(bytes(k) + bytes(v) for k, v in maps[role].items()) for role in V6_ROLES.values()}
     assert after == before and result.repaired == 0
     assert again.sync(maps, state, NODE6, None).repaired == 0
+
+
+def test_a_restarts_first_read_back_that_fails_is_adopted_again_by_the_retry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restart whose first read-back of the IPv6 maps fails (ENOMEM at a node's memory limit):
+    the retry reads them back and adopts them as a first sync, keeping every id, so established
+    flows (their conntrack entries name the ids) keep their backends; it writes nothing."""
+    maps = fake_maps()
+    state = state6(
+        [service(), service("api", "fd00:10:96::b")],
+        [slice_("fd00:10:244:1::2", "fd00:10:244:2::3"), slice_("fd00:10:244:1::7", name="api")],
+    )
+    Ipv6Datapath(Config()).sync(maps, state, NODE6, None)
+    before = {role: sorted(bytes(k) + bytes(v) for k, v in maps[role].items()) for role in V6_ROLES.values()}
+    fe = maps[V6_ROLES["fe"]]
+    dump = fe.dump_raw
+    failures = [OSError(errno.ENOMEM, "lookup batch")]
+
+    def failing_once() -> tuple[bytes, bytes]:
+        if failures:
+            raise failures.pop()
+        return dump()
+
+    monkeypatch.setattr(fe, "dump_raw", failing_once)
+    again = Ipv6Datapath(Config())
+    with pytest.raises(OSError):
+        again.sync(maps, state, NODE6, None)
+    again.sync(maps, state, NODE6, None)
+    assert again.last_flush.writes == 0
+    after = {role: sorted(bytes(k) + bytes(v) for k, v in maps[role].items()) for role in V6_ROLES.values()}
+    assert after == before
 
 
 def test_one_endpoint_change_writes_a_handful_of_ipv6_entries() -> None:

@@ -7,6 +7,7 @@ Unit tests run it over FakeMaps and a recording attacher; the kernel test runs t
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -587,6 +588,35 @@ def test_a_restart_after_miss_resumes_the_hand_over_without_passing_everything_a
         "rehome",
     ]
     p.close()
+
+
+def test_a_restarts_first_read_back_that_fails_is_adopted_again_by_the_retry(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart whose first read-back of the pinned maps fails (ENOMEM at a node's memory
+    limit): the retry reads them back and adopts them as a first sync does, keeping every id
+    (established flows' conntrack entries name them), and writes nothing over unchanged maps."""
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    before = rig.contents()
+    p.close()
+    fe = rig.maps["fe"]
+    dump = fe.dump_raw
+    failures = [OSError(errno.ENOMEM, "lookup batch")]
+
+    def failing_once() -> tuple[bytes, bytes]:
+        if failures:
+            raise failures.pop()
+        return dump()
+
+    monkeypatch.setattr(fe, "dump_raw", failing_once)
+    again = rig.proxier()
+    with pytest.raises(OSError):
+        again.sync(STATE, NODE)
+    again.sync(STATE, NODE)
+    assert again.last_flush.writes == 0
+    assert rig.contents().same_entries(before)
+    again.close()
 
 
 def test_a_failed_rehome_is_finished_by_the_next_sync_without_a_new_pass(rig: Rig) -> None:

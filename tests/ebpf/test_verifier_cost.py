@@ -5,10 +5,10 @@ verifier, and the first sync attaches only once they are loaded. The verifier wa
 once per iteration for each distinct state it enters with, so a value that splits states ahead of
 the SNAT port walk (240 probes) multiplies its cost: before the walk kept its running values in
 map memory, the tc ingress programs took 780,000 verified instructions each (about 1 CPU s each
-here; README, "Cold start: what the verifier costs"). The counts are the verifier's own
-("processed N insns", BPF_LOG_STATS): the same on every run of one kernel and one build, whatever
-the machine's load, so a change that brings the state splits back fails here rather than as a
-slower `make bench`.
+here; bench/results/scale/ROUNDS.md, "Cold start: what the verifier costs"). The counts are the
+verifier's own ("processed N insns", BPF_LOG_STATS): the same on every run of one kernel and one
+build, whatever the machine's load, so a change that brings the state splits back fails here
+rather than as a slower `make bench`.
 """
 
 from __future__ import annotations
