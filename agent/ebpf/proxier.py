@@ -73,7 +73,7 @@ from agent.ebpf.ports import held_outside, parse_port_range, snat_ports_problem
 from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
 from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
-from agent.ebpf.xdp import PROG_XDP, best_effort_tries
+from agent.ebpf.xdp import PROG_XDP, loads_programs
 from agent.errors import FatalError
 from agent.keptrecords import records_path
 from agent.lock import LOCK_DIR
@@ -1041,10 +1041,8 @@ class EbpfProxier:
         it would try that appears later loads them then, `_load_xdp`). A restart where such a
         device is external loads them at once, so it reuses what an earlier run's `_load_xdp`
         pinned. Devices that cannot be read count as one that takes XDP."""
-        if not self._config.loads_xdp:
-            return False
         if self._config.bpf_xdp != "best-effort":
-            return True
+            return self._config.loads_xdp
         try:
             kinds = self._xdp_devices_reader(self._config, self._tc_ipv6)
         except Exception as exc:
@@ -1054,7 +1052,7 @@ class EbpfProxier:
                 PROG_XDP,
             )
             return True
-        if any(best_effort_tries(kind) for kind in kinds.values()):
+        if loads_programs(self._config.bpf_xdp, kinds.values()):
             return True
         log.info(
             "%s: %s not loaded (--bpf-xdp=best-effort never attaches it to a veth; native or generic "

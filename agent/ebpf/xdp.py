@@ -7,7 +7,8 @@ Effects (pyroute2, through the IPRoute of the node's namespace the Attacher hold
 * `generic`: XDP in the kernel's receive path (XDP_FLAGS_SKB_MODE), on any device: after the skb
   is allocated, so it saves less than native, but the verdicts are the same;
 * `best-effort` (the default): native where the driver takes it and the device is no veth, else
-  none, with one log line per device;
+  none, with one log line per device; where every external device is a veth the programs are not
+  even loaded (`loads_programs`), until one that is no veth appears (agent/ebpf/proxier.py);
 * `disabled`: none, and any program of ours still attached is removed.
 
 A device holds one XDP program per mode, and native and generic cannot be attached at once: ours in
@@ -26,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +124,15 @@ def best_effort_tries(kind: str) -> bool:
     """Whether --bpf-xdp=best-effort tries native XDP on a device of this rtnetlink kind (`attach`):
     on anything but a veth (a NIC's "", a bond, a dummy, whose driver then refuses it)."""
     return kind != "veth"
+
+
+def loads_programs(mode: str, kinds: Iterable[str]) -> bool:
+    """Whether a start loads the XDP programs (MapSizes.xdp) under --bpf-xdp `mode`, its external
+    devices being of rtnetlink `kinds`: not with disabled, nor with best-effort where every one is
+    a veth (it attaches none there); with native and generic always (they attach to veths too)."""
+    if mode == "disabled":
+        return False
+    return mode != "best-effort" or any(best_effort_tries(kind) for kind in kinds)
 
 
 def leaves_alone(ipr: Any, index: int, name: str, mode: str) -> bool:
