@@ -5,7 +5,8 @@ Effects (pyroute2). Which devices, in the network namespace Config.netns:
 
 * external devices (Config.devices, or every device holding one of NodeContext.node_ips) get
   `ekp_from_net` on ingress: traffic from other nodes and clients, scope EXTERNAL; and
-  `ekp_xdp_net` on XDP unless --bpf-xdp=disabled;
+  `ekp_xdp_net` on XDP unless --bpf-xdp=disabled (best-effort: where the device is no veth, and
+  asked for through `Attacher.xdp_wanted` where the load left it out);
 * pod devices (names matching a Config.pod_interfaces glob, not external) get `ekp_from_pod` on
   ingress: traffic leaving pods, scope INTERNAL;
 * both get `ekp_egress` on egress, in both host routings: what the node's own stack sends out of
@@ -748,9 +749,10 @@ class HandoverState:
 class Attacher:
     """Keeps our programs on the devices that need them, in one network namespace.
 
-    `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS; xdp.PROG_XDP unless
-    --bpf-xdp=disabled, MapSizes.xdp) to loaded program fds; they must stay open while the
-    Attacher is used. `ports` is ekp_port_v2 (abi.MAPS["port"]),
+    `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS; xdp.PROG_XDP where the
+    load took it, MapSizes.xdp: not with --bpf-xdp=disabled, nor with best-effort while every
+    external device was a veth, `xdp_wanted`) to loaded program fds; they must stay open while the
+    Attacher is used (`use_programs` hands it another load's). `ports` is ekp_port_v2 (abi.MAPS["port"]),
     which it keeps holding each attached bridge port's bridge (`port_bridge`), written before the
     device's ingress program is attached and deleted when the device goes or stops being a port.
     The constructor does nothing; `reconcile` attaches (called by every sync) and `start_watcher`

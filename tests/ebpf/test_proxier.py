@@ -146,6 +146,7 @@ class FakeAttacher:
         self.xdp_devices: dict[int, str] = {}
         self.fds: dict[str, int] = {}  # the programs it attaches (the factory's, then use_programs')
         self.ports: MapWriter | None = None
+        self.reconcile_error: Exception | None = None  # what the next reconcile raises
 
     @property
     def xdp_wanted(self) -> dict[int, str]:
@@ -172,6 +173,9 @@ class FakeAttacher:
             + (" verify" if verify and not full else "")
             + (" front" if front else "")
         )
+        if self.reconcile_error is not None:
+            error, self.reconcile_error = self.reconcile_error, None
+            raise error
         self.nodes.append(node)
         self.kept.append(keep_external)
         self.armed_at_reconcile.append(activity.armed(self.maps["act"]))
@@ -2260,6 +2264,47 @@ def test_a_device_best_effort_would_try_loads_the_data_path_again_with_xdp_and_p
     p.sync(STATE, NODE, frozenset())
     assert first.closed == 1 and second.closed == 0
     assert len(rig.datapaths) == 2 and rig.events == [], "nothing loaded nor attached again"
+
+
+def test_a_reload_whose_attach_failed_is_finished_by_the_next_sync(rig: Rig) -> None:
+    """The load with XDP went through but its full reconcile failed half way (some devices still
+    run the first load's programs): that sync fails, and the next one reconciles in full again
+    before the socket programs get the new load and the first load's program arrays are unpinned
+    (until then the programs still attached somewhere keep theirs); the watcher runs meanwhile."""
+    rig.unavailable = set()
+    rig.devices = {"eth0": "veth"}
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    attacher = rig.attachers[-1]
+    attacher.xdp_devices = {7: "eno1"}
+    del rig.events[:]
+
+    def fail_after_programs() -> None:
+        attacher.reconcile_error = OSError(16, "Device or resource busy")
+
+    real = attacher.use_programs
+
+    def use_programs(prog_fds: Mapping[str, int], ports: MapWriter) -> None:
+        real(prog_fds, ports)
+        fail_after_programs()
+
+    attacher.use_programs = use_programs  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="busy"):
+        p.sync(STATE, NODE, frozenset())
+    assert rig.events == ["hand-over OFF", "stop", "use programs with XDP", "reconcile full=True", "watch"]
+    assert attacher.watching
+    del rig.events[:]
+    p.sync(STATE, NODE, frozenset())
+    assert rig.events == [
+        "reconcile full=True",
+        "terminator closed",
+        "link sockets",
+        "unpin older builds' program arrays",
+    ]
+    assert len(rig.datapaths) == 2, "not loaded a third time"
+    del rig.events[:]
+    p.sync(STATE, NODE, frozenset())
+    assert rig.events == []
 
 
 def test_a_failed_xdp_load_leaves_the_tc_programs_serving_and_is_tried_again_every_sync_period(
