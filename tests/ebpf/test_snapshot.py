@@ -105,6 +105,31 @@ def test_a_restart_that_takes_the_planner_writes_what_the_agent_would_have_writt
     assert raw(restarted) == raw(kept)
 
 
+def test_a_restart_on_a_node_whose_address_moved_while_down_takes_the_planner_and_moves_its_frontends(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The node's address changed while the agent was down (NodePort and node-address frontends
+    move with it): the taken planner compares the node with the one it planned for, not with
+    nothing, and writes what an agent that never stopped writes for the same change."""
+    moved = NodeContext(node_ips=("192.168.0.21",), primary_ip="192.168.0.21")
+    restarted = snapshot_rig(tmp_path, "restarted")
+    history(restarted)
+    kept = snapshot_rig(tmp_path, "kept", with_snapshot=False)
+    k = kept.proxier()
+    k.sync(MORE, NODE)
+    k.sync(moved_endpoint(MORE), NODE, frozenset(MORE.services))
+    k.sync(MORE, NODE, frozenset(MORE.services))
+    k.sync(MORE, moved)
+
+    with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
+        p = restarted.proxier()
+        p.sync(MORE, moved)
+    assert TAKEN in caplog.text
+    assert p.last_flush.writes > 0, "the frontends on the node's address moved"
+    assert p.last_flush.summary() == k.last_flush.summary()
+    assert raw(restarted) == raw(kept)
+
+
 def _truncate(path: str | None) -> None:
     if path is None:
         return  # the rig without a file
