@@ -822,7 +822,7 @@ SETTINGS: tuple[Setting, ...] = (
         "(native where the driver supports it and the device is no veth, else none, with a log "
         "line; the XDP programs are loaded, verified, only where an external device is no veth, "
         "else once one appears: the data path is then loaded again with them and put in place of "
-        "the first load's, see \"XDP\" under the data path), disabled (none, and no XDP program "
+        'the first load\'s, see "XDP" under the data path), disabled (none, and no XDP program '
         "is loaded: a start saves their verification)",
         flags=("--bpf-xdp",),
         attr="bpf_xdp",
