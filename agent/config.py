@@ -229,9 +229,11 @@ class Config:
 
     @property
     def loads_xdp(self) -> bool:
-        """Whether the data path loads its XDP programs (MapSizes.xdp): unless
-        --bpf-xdp=disabled, where nothing would run them. Read by the proxier's load and by
-        `agent doctor`, which warns about XDP helpers only where they are loaded."""
+        """Whether the data path may load its XDP programs (MapSizes.xdp): unless
+        --bpf-xdp=disabled, where nothing would run them. Under best-effort the proxier's load
+        and `agent doctor` (which warns about XDP helpers only where they are loaded) also look
+        at the external devices: none loaded where every one is a veth (agent.ebpf.xdp
+        loads_programs)."""
         return self.bpf_xdp != "disabled"
 
     @property

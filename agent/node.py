@@ -123,15 +123,21 @@ def pod_device_patterns(config: Config) -> tuple[str, ...]:
     return (*config.pod_interfaces, *extra)
 
 
-def discover_node(config: Config, family: int = 4) -> NodeContext:
+def read_node(config: Config, family: int = 4) -> NodeContext:
     """The node's addresses of IP version `family` in Config.netns (global scope only: an IPv6
-    link-local address is no node address); a missing namespace raises FileNotFoundError."""
+    link-local address is no node address); a missing namespace raises FileNotFoundError. Says
+    nothing: `discover_node` is the start's reading, which logs what it found."""
     af = socket.AF_INET6 if family == 6 else socket.AF_INET
     with netns_route(config.netns) as ipr:
         addrs, defaults = _records(ipr, af)
     if family == 6:
         addrs = [a for a in addrs if a.scope == RT_SCOPE_UNIVERSE]
-    node = pick_node_addresses(addrs, config.devices, pod_device_patterns(config), defaults)
+    return pick_node_addresses(addrs, config.devices, pod_device_patterns(config), defaults)
+
+
+def discover_node(config: Config, family: int = 4) -> NodeContext:
+    """`read_node`, and a log line saying what it found (a warning when nothing)."""
+    node = read_node(config, family)
     if not node.node_ips:
         log.warning(
             "no IPv%d address found on %s in netns %s: IPv%d NodePorts answer nowhere; pass --node-ip",

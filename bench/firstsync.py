@@ -43,6 +43,7 @@ from agent.collector import GC_THRESHOLDS
 from agent.config import Config, MapSizes, NodeContext
 from agent.ebpf.abi import MAPS, HandoverMode, MapSpec
 from agent.ebpf.attach import HandoverState
+from agent.ebpf.maps import MapWriter
 from agent.ebpf.proxier import EbpfProxier, StartSteps
 from agent.ebpf.upgrade import Upgrade
 from agent.kube.reflector import Reflector, WatchSettings
@@ -205,6 +206,13 @@ class _Attacher:
     def stop_watcher(self) -> None:
         return None
 
+    @property
+    def xdp_wanted(self) -> dict[int, str]:
+        return {}
+
+    def use_programs(self, prog_fds: Mapping[str, int], ports: MapWriter) -> None:
+        return None
+
 
 def start_steps(config: Config) -> StartSteps:
     """The agent's steps around the first attach (agent.ebpf.proxier.default_start_steps) on a node
@@ -289,6 +297,7 @@ def proxier(maps: Mapping[str, KernelMap], snapshot_dir: str | None = None) -> E
         sysctl_reader=lambda netns, path: "32768\t60999",
         sizes_reader=lambda pin_path: {},
         upgrade_factory=start_steps,
+        xdp_devices_reader=lambda config, ipv6: {},  # no device to read: XDP is not what is measured
         ipv6=False,
         snapshot_dir=snapshot_dir,
     )

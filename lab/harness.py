@@ -157,6 +157,10 @@ class Agent:
         marker = f"sync done: version={version}"
         self._wait(lambda log: marker in log, f"version {version}", timeout, after=after)
 
+    def wait_logged(self, text: str, timeout: float = 60.0, *, after: int = 0) -> None:
+        """Until this run logged `text` (after the log mark `after`, when given)."""
+        self._wait(lambda log: text in log, repr(text), timeout, after=after)
+
     def wait_resource_versions(self, wanted: Mapping[str, int], timeout: float = 60.0) -> None:
         """Until this run logged a sync that includes, for each kind, its resourceVersion in `wanted`
         (or a later one). The agent logs `version=Kind=rv,...`, or one rv when all kinds agree."""

@@ -161,7 +161,9 @@ class Facts:
     # What an upgrade's hand-over cut short left: our filters in front ("eth0 tc ingress: ekp_from_net
     # pref 16"), loads whose pinned mode is not OFF ("load 1a2b: hand-over mode MISS").
     handover_left: tuple[str, ...] = ()
-    xdp: bool = True  # the XDP programs are loaded (--bpf-xdp not disabled: MapSizes.xdp)
+    # the XDP programs are loaded (MapSizes.xdp): --bpf-xdp not disabled, and not best-effort
+    # with every external device a veth (facts.xdp_loaded)
+    xdp: bool = True
     socket_lb: bool = True  # the socket programs are attached (--bpf-socket-lb)
 
 

@@ -68,7 +68,7 @@ def gather(config: Config, environ: Mapping[str, str] | None = None) -> Facts:
             handover_left=_handover_left(config),
             unlocked_route_mtus=unlocked_route_mtus(config.netns),
             map_sizes={role: getattr(sizes, role) for role in SIZED_ROLES},
-            xdp=config.loads_xdp,
+            xdp=xdp_loaded(config),
             socket_lb=config.socket_lb,
         )
     else:
@@ -109,6 +109,22 @@ def unlocked_route_mtus(netns: str) -> tuple[str, ...]:
         dst = f"{r.get_attr('RTA_DST') or '0.0.0.0'}/{r['dst_len']}"
         found.append(f"{dst} dev {names.get(r.get_attr('RTA_OIF'), '?')} mtu {mtu}")
     return tuple(found)
+
+
+def xdp_loaded(config: Config) -> bool:
+    """Whether the agent's start loads the XDP programs on this node now (agent/ebpf/proxier.py
+    `_loads_xdp`): with --bpf-xdp=best-effort only where an external device is no veth (read in
+    the node's namespace; a read that fails counts as one, as the agent's does)."""
+    from agent.ebpf import xdp
+    from agent.ebpf.attach import external_kinds
+
+    if config.bpf_xdp != "best-effort":
+        return config.loads_xdp
+    try:
+        kinds = external_kinds(config, ipv6=config.tc_ipv6)
+    except (OSError, NetlinkError):
+        return True
+    return xdp.loads_programs(config.bpf_xdp, kinds.values())
 
 
 def _missing_caps(config: Config) -> tuple[str, ...]:

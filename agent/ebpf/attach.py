@@ -5,7 +5,8 @@ Effects (pyroute2). Which devices, in the network namespace Config.netns:
 
 * external devices (Config.devices, or every device holding one of NodeContext.node_ips) get
   `ekp_from_net` on ingress: traffic from other nodes and clients, scope EXTERNAL; and
-  `ekp_xdp_net` on XDP unless --bpf-xdp=disabled;
+  `ekp_xdp_net` on XDP unless --bpf-xdp=disabled (best-effort: where the device is no veth, and
+  asked for through `Attacher.xdp_wanted` where the load left it out);
 * pod devices (names matching a Config.pod_interfaces glob, not external) get `ekp_from_pod` on
   ingress: traffic leaving pods, scope INTERNAL;
 * both get `ekp_egress` on egress, in both host routings: what the node's own stack sends out of
@@ -125,7 +126,7 @@ from agent.ebpf import abi, tcx, xdp
 from agent.ebpf.maps import MapError, MapWriter
 from agent.localdetect import LocalDetector
 from agent.netns import netns_route, run_in_netns
-from agent.node import matches_pod_pattern
+from agent.node import matches_pod_pattern, read_node
 
 log = logging.getLogger(__name__)
 
@@ -309,9 +310,10 @@ def devices_with_addresses(ipr: Any, addresses: Iterable[str]) -> set[int]:
     }
 
 
-def external_devices(ipr: Any, config: Config, node: NodeContext) -> dict[int, str]:
+def external_devices(ipr: Any, config: Config, node: NodeContext, *, quiet: bool = False) -> dict[int, str]:
     """ifindex -> name of the external devices: --devices, else those holding a node IP (of either
-    family: `node.node_ips` holds the IPv6 ones too where the tc IPv6 path serves).
+    family: `node.node_ips` holds the IPv6 ones too where the tc IPv6 path serves). `quiet`: a
+    device --devices names that is missing is not warned about (the reconcile that attaches does).
 
     Looks devices up one by one (no dump of every link: a node may have hundreds of pod veths).
     """
@@ -324,7 +326,7 @@ def external_devices(ipr: Any, config: Config, node: NodeContext) -> dict[int, s
                 out[int(found[0])] = name
             else:
                 missing.append(name)
-        if missing:
+        if missing and not quiet:
             log.warning(
                 "--devices names %s, not found in netns %s", ",".join(missing), config.netns or "(own)"
             )
@@ -335,6 +337,23 @@ def external_devices(ipr: Any, config: Config, node: NodeContext) -> dict[int, s
             if name != "lo":
                 out[index] = name
     return out
+
+
+def external_kinds(config: Config, *, ipv6: bool) -> dict[str, str]:
+    """Name -> rtnetlink kind (xdp.link_kind) of each device the first reconcile would find external
+    now: the node's addresses as the agent reads them (--node-ip, else what its devices hold; the
+    IPv6 ones too with `ipv6`, where the tc IPv6 path serves). What the start's load reads to tell
+    whether --bpf-xdp=best-effort could attach ekp_xdp_net anywhere (agent/ebpf/proxier.py)."""
+
+    def node_ips(family: int) -> tuple[str, ...]:
+        return config.node_ips_of(family) or read_node(config, family).node_ips
+
+    node = NodeContext(node_ips=(*node_ips(4), *(node_ips(6) if ipv6 else ())))
+    with netns_route(config.netns) as ipr:
+        return {
+            name: xdp.link_kind(ipr, index)
+            for index, name in external_devices(ipr, config, node, quiet=True).items()
+        }
 
 
 def wanted_devices(ipr: Any, config: Config, node: NodeContext) -> dict[int, tuple[str, str]]:
@@ -730,9 +749,10 @@ class HandoverState:
 class Attacher:
     """Keeps our programs on the devices that need them, in one network namespace.
 
-    `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS; xdp.PROG_XDP unless
-    --bpf-xdp=disabled, MapSizes.xdp) to loaded program fds; they must stay open while the
-    Attacher is used. `ports` is ekp_port_v2 (abi.MAPS["port"]),
+    `prog_fds` maps program names (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS; xdp.PROG_XDP where the
+    load took it, MapSizes.xdp: not with --bpf-xdp=disabled, nor with best-effort while every
+    external device was a veth, `xdp_wanted`) to loaded program fds; they must stay open while the
+    Attacher is used (`use_programs` hands it another load's). `ports` is ekp_port_v2 (abi.MAPS["port"]),
     which it keeps holding each attached bridge port's bridge (`port_bridge`), written before the
     device's ingress program is attached and deleted when the device goes or stops being a port.
     The constructor does nothing; `reconcile` attaches (called by every sync) and `start_watcher`
@@ -751,6 +771,10 @@ class Attacher:
         self._ready = threading.Event()
         self.attachments = 0  # filters attached (or replaced) since construction
         self._xdp: dict[int, str] = {}  # external ifindex -> XDP mode it runs in ("" none)
+        # External devices best-effort would try XDP on while no XDP program is loaded (the start's
+        # load left it out: every external device was a veth then), ifindex -> name: the proxier
+        # loads the programs again with XDP and hands them over (`use_programs`).
+        self._xdp_wanted: dict[int, str] = {}
         # Held across each ekp_port_v2 write and the caches' update, so that the watcher and a
         # reconcile cannot leave the map and `_bridges` disagreeing.
         self._ports_lock = threading.Lock()
@@ -1166,12 +1190,49 @@ class Attacher:
         with self._lock:
             return dict(self._xdp)
 
+    @property
+    def xdp_wanted(self) -> dict[int, str]:
+        """ifindex -> name of the external devices --bpf-xdp=best-effort would try ekp_xdp_net on,
+        which this Attacher was given no fd of (the start's load left it out)."""
+        with self._lock:
+            return dict(self._xdp_wanted)
+
+    def use_programs(self, prog_fds: Mapping[str, int], ports: MapWriter) -> None:
+        """Another load's programs (the same build, loaded again with XDP) and its ekp_port_v2 fd,
+        for every attach from here: a full reconcile then replaces ours on every device (each
+        filter or link in place, no moment without one). The pod-device watcher must be stopped
+        meanwhile: an attach of its under way would put the older program back."""
+        with self._ports_lock:
+            self._ports = ports
+        with self._lock:
+            self._fds = dict(prog_fds)
+            self._ids = None
+            self._xdp.clear()
+            self._xdp_wanted.clear()
+
     def _xdp_on(self, ipr: Any, index: int, name: str, *, check: bool) -> None:
         """ekp_xdp_net on one external device as --bpf-xdp says (off when disabled). Looked at
-        again only by full and verifying reconciles: a device seen once keeps its verdict."""
+        again only by full and verifying reconciles: a device seen once keeps its verdict. A
+        device best-effort would try while no XDP program is loaded is `xdp_wanted` (looked at
+        again by every reconcile until the proxier loads one)."""
         mode = self._config.bpf_xdp
         fd = self._fds.get(xdp.PROG_XDP)
         if not check and index in self._xdp:
+            return
+        if mode == "best-effort" and fd is None:
+            # Nothing to detach: an earlier run's program there is replaced in place once the
+            # programs are loaded with XDP, and a veth keeps whatever it has, as with the program.
+            try:
+                left = xdp.leaves_alone(ipr, index, name, mode)
+            except NetlinkError as exc:
+                if exc.code == errno.ENODEV:
+                    return
+                raise
+            with self._lock:
+                if left:
+                    self._xdp[index] = ""
+                else:
+                    self._xdp_wanted[index] = name
             return
         if mode == "disabled" or fd is None:
             # No XDP program this run (the loader leaves it out with --bpf-xdp=disabled): only an
@@ -1218,6 +1279,7 @@ class Attacher:
                 raise
         with self._lock:
             self._xdp.pop(index, None)
+            self._xdp_wanted.pop(index, None)
 
     def _own_ids(self) -> frozenset[int]:
         """The ids of this Attacher's programs: a filter running one of them is this generation's."""

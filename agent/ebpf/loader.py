@@ -582,7 +582,9 @@ class Datapath:
         IPv6 path (TC6_PROGRAMS) only where it serves (MapSizes.ipv6_tc): elsewhere nothing would
         reach them (its slots in ekp_calls6 stay empty), and their verification was a third of a
         cold start's. The XDP programs (ekp_xdp_net, ekp_xdp_net6) likewise only where XDP may
-        attach (MapSizes.xdp): with --bpf-xdp=disabled nothing runs them."""
+        attach (MapSizes.xdp): with --bpf-xdp=disabled nothing runs them, nor with best-effort
+        where every external device is a veth (until one that is no veth appears: the proxier
+        loads again with them then)."""
         wanted = set(PROGRAMS)
         if not self.sizes.ipv6_tc:
             wanted -= set(TC6_PROGRAMS)
@@ -806,7 +808,9 @@ class Datapath:
         if PROG_XDP_NET6 in fds:
             return f"{tc}, and at XDP in {PROG_XDP_NET6}"
         why = (
-            "--bpf-xdp=disabled" if not self.sizes.xdp else "this kernel lacks bpf_xdp_load_bytes, Linux 5.18"
+            "no XDP program is (--bpf-xdp=disabled, or best-effort with every external device a veth)"
+            if not self.sizes.xdp
+            else "this kernel lacks bpf_xdp_load_bytes, Linux 5.18"
         )
         return f"{tc}; at XDP passed on to tc ({PROG_XDP_NET6} not loaded: {why})"
 

@@ -8,7 +8,8 @@
   by a tail call, loaded where `ekp_from_pod6` is); XDP: `ekp_xdp_net` on the same external
   devices, ahead of `ekp_from_net` (agent/ebpf/xdp.py, --bpf-xdp), continuing IPv6 in
   `ekp_xdp_net6` (bpf/ekp_xdp6.h) the same way; neither is loaded with --bpf-xdp=disabled, where
-  nothing would run them (MapSizes.xdp, Datapath.programs);
+  nothing would run them, nor with best-effort while every external device is a veth (MapSizes.xdp,
+  Datapath.programs; agent/ebpf/proxier.py loads them when one that is no veth appears);
 * cgroup: the socket programs on `--bpf-socket-lb-cgroup` (agent/ebpf/sockattach.py), each loaded
   for its hook (the kernel wants the hook, `expected_attach_type`, at load);
 * an iterator: `ekp_sock_term` (iter/udp) ends connected UDP sockets whose backend left

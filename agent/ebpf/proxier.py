@@ -28,6 +28,13 @@ Lifecycle (kube-proxy's contract, agent/proxier.py):
   stale UDP sockets too.
   When a write fails outright, what the maps hold is no longer known: the next sync reads them back.
   A map too full for a service port's entries fails that port only (SyncResult.failed).
+* With --bpf-xdp=best-effort the load leaves the XDP programs out where every external device is
+  a veth (best-effort attaches none there): `_loads_xdp`. A sync whose attach then finds an
+  external device best-effort would try (Attacher.xdp_wanted) loads the data path again with them
+  (`_load_xdp`: the same build, another load id, from the compile cache) and puts the new load's
+  programs on every device in place of the first's, as a restart with other sizes does, XDP's
+  first try included; the tc programs serve meanwhile, and a load that fails leaves them serving
+  and is reported, tried again every sync period.
 * Stopping the agent removes nothing: `close()` only stops the watcher and lets the fds go;
   pinned maps and attached programs keep serving traffic until the next agent re-adopts them.
 * `cleanup()` detaches our filters and socket links, removes our pins and the pin directory, and
@@ -66,7 +73,7 @@ from agent.ebpf.ports import held_outside, parse_port_range, snat_ports_problem
 from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
 from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
-from agent.ebpf.xdp import PROG_XDP
+from agent.ebpf.xdp import PROG_XDP, loads_programs
 from agent.errors import FatalError
 from agent.keptrecords import records_path
 from agent.lock import LOCK_DIR
@@ -202,6 +209,13 @@ class AttacherLike(Protocol):
 
     def stop_watcher(self) -> None: ...
 
+    @property
+    def xdp_wanted(self) -> Mapping[int, str]:
+        """External devices best-effort would try XDP on, which it has no XDP program for."""
+
+    def use_programs(self, prog_fds: Mapping[str, int], ports: MapWriter) -> None:
+        """Another load's programs for every attach from here (a full reconcile puts them on)."""
+
 
 def handover_start(pinned: HandoverMode, state: HandoverState) -> HandoverMode:
     """The mode a first attach that hands over sets before it goes in front. PASS only for a
@@ -294,6 +308,13 @@ def default_attacher(config: Config, prog_fds: Mapping[str, int], ports: MapWrit
     return Attacher(config, prog_fds, ports)
 
 
+def default_xdp_devices(config: Config, ipv6: bool) -> dict[str, str]:
+    """Name -> rtnetlink kind of each external device now (agent.ebpf.attach.external_kinds)."""
+    from agent.ebpf.attach import external_kinds
+
+    return external_kinds(config, ipv6=ipv6)
+
+
 def default_socket_attacher(config: Config, prog_fds: Mapping[str, int]) -> SocketAttacherLike:
     from agent.ebpf.sockattach import SocketAttacher, socket_cgroup
 
@@ -357,6 +378,7 @@ class EbpfProxier:
         conntrack6_reader: Callable[[str], list[NatFlow]] = default_conntrack6_reader,
         node6_reader: Callable[[], NodeContext] | None = None,
         masquerade6_reader: Callable[[], bool] | None = None,
+        xdp_devices_reader: Callable[[Config, bool], Mapping[str, str]] = default_xdp_devices,
         snapshot_dir: str | None = None,
         ipv6: bool,
     ) -> None:
@@ -370,7 +392,9 @@ class EbpfProxier:
         load to tell whether the SNAT grant an earlier run left pinned still holds
         (`_pinned_grant6`); without it the load always writes ekp_cfg6 zero. `masquerade6_reader`:
         whether the IPv6 nat rules in place keep MASQUERADE out of --bpf-snat-ports (eBPF mode's
-        shape, agent/iptables/masquerade_shape.py), asked at the same load; without it the same."""
+        shape, agent/iptables/masquerade_shape.py), asked at the same load; without it the same.
+        `xdp_devices_reader(config, ipv6)`: name -> rtnetlink kind of each external device, read by
+        a load under --bpf-xdp=best-effort (`_loads_xdp`)."""
         self._config = config
         self._tc_ipv6 = config.tc_ipv6 and ipv6  # the tc programs' IPv6 path serves
         self._datapath_factory = datapath_factory
@@ -385,6 +409,7 @@ class EbpfProxier:
         self._conntrack6_reader = conntrack6_reader
         self._node6_reader = node6_reader
         self._masquerade6_reader = masquerade6_reader
+        self._xdp_devices_reader = xdp_devices_reader
         self._snapshot = snapshot.snapshot_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
         # where an iptables-mode agent's hand-back records that its detach began (out_of_ebpf)
         self._handback_dir = snapshot_dir or LOCK_DIR
@@ -418,6 +443,12 @@ class EbpfProxier:
         # sync (under the lock, so no sync writes through their fds any more), or by close().
         self._retired: list[DatapathLike] = []
         self._load_error = ""  # why the last load that failed did
+        self._sizes: MapSizes | None = None  # what the data path was last loaded with
+        # A load with the XDP programs that failed (`_load_xdp`): why, tried again by periodic syncs
+        self._xdp_error = ""
+        # The programs of a load with XDP are handed to the Attacher and not yet on every device
+        # (its full reconcile failed): the next attach reconciles in full, then `_finish_reload`.
+        self._reattach = False
         self._attacher: AttacherLike | None = None
         self._planner: Planner | None = None
         self._unsure = True  # what the maps hold is unknown: read them back before writing
@@ -954,8 +985,9 @@ class EbpfProxier:
             # From the settings and whether an IPv6 half will run (both known before main's early
             # load), never from whether it exists yet: this load may run before the IPv6 half is
             # made or after it, and a restart must build the same programs and table sizes.
-            sizes = replace(sizes, ipv6_tc=self._tc_ipv6, xdp=self._config.loads_xdp)
+            sizes = replace(sizes, ipv6_tc=self._tc_ipv6, xdp=self._loads_xdp())
             datapath = self._datapath_factory(pin_path, sizes)
+            self._sizes = sizes
 
             def maps_ready() -> None:
                 # Before any sync or attach uses these maps: ekp_cfg6 is pinned, and the address an
@@ -1001,6 +1033,37 @@ class EbpfProxier:
             self._datapath = self._opened = datapath
             self._loading = False
             self._load_cond.notify_all()
+
+    def _loads_xdp(self) -> bool:
+        """Whether this load takes the XDP programs (MapSizes.xdp): not with --bpf-xdp=disabled,
+        nor with best-effort where every external device is a veth (it attaches none there: their
+        verification, 0.15 s of CPU for IPv4's and 0.25 s for IPv6's, would buy nothing; a device
+        it would try that appears later loads them then, `_load_xdp`). A restart where such a
+        device is external loads them at once, so it reuses what an earlier run's `_load_xdp`
+        pinned. Devices that cannot be read count as one that takes XDP."""
+        if self._config.bpf_xdp != "best-effort":
+            return self._config.loads_xdp
+        try:
+            kinds = self._xdp_devices_reader(self._config, self._tc_ipv6)
+        except Exception as exc:
+            log.info(
+                "cannot read the kinds of the external devices (%s): loading %s in case one takes it",
+                exc,
+                PROG_XDP,
+            )
+            return True
+        if loads_programs(self._config.bpf_xdp, kinds.values()):
+            return True
+        log.info(
+            "%s: %s not loaded (--bpf-xdp=best-effort never attaches it to a veth; native or generic "
+            "would): it is loaded, with the tc programs again, once an external device that is no "
+            "veth appears",
+            f"all external devices are veths ({', '.join(sorted(kinds))})"
+            if kinds
+            else "no external device yet",
+            PROG_XDP,
+        )
+        return False
 
     def _pinned_grant6(self, maps: Mapping[str, MapWriter]) -> str:
         """The address in the pinned ekp_cfg6 when the grant an earlier run gave with it still holds
@@ -1201,14 +1264,11 @@ class EbpfProxier:
             self._upgrade.before_attach(datapath.maps)
             activity.disarm(datapath.maps["act"])  # until every flow has its stamps (activity.py)
         if self._attacher is None:
-            names = (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)
-            fds = {name: datapath.prog_fd(name) for name in names}
-            # Not loaded with --bpf-xdp=disabled (MapSizes.xdp): the Attacher then takes any of
-            # ours an earlier run attached off, found by name, not by our fd.
-            if datapath.has_program(PROG_XDP):
-                fds[PROG_XDP] = datapath.prog_fd(PROG_XDP)
-            self._attacher = self._attacher_factory(self._config, fds, datapath.maps["port"])
+            self._attacher = self._attacher_factory(
+                self._config, _attach_fds(datapath), datapath.maps["port"]
+            )
             full = True
+        full = full or self._reattach
         mode = HandoverMode.OFF
         if handover:
             pinned, state = datapath.handover_mode(), self._attacher.handover_state()
@@ -1284,6 +1344,77 @@ class EbpfProxier:
             # our programs on every device: a hand-back's partial detach these pins saw is undone
             out_of_ebpf.forget_handback(self._handback_dir, self._config.pin_path)
             self._synced6_attached = False
+        elif self._reattach:
+            self._finish_reload(datapath)  # the reconcile above put its programs everywhere
+        assert self._sizes is not None
+        if self._attacher.xdp_wanted and not self._sizes.xdp and (periodic or not self._xdp_error):
+            self._load_xdp(datapath, node)
+
+    def _load_xdp(self, datapath: DatapathLike, node: NodeContext) -> None:
+        """The data path loaded again with the XDP programs (another load id of the same build: the
+        programs from the compile cache, the pinned maps shared), its programs put on every device
+        in place of `datapath`'s, tc's and the socket programs' replaced in place (no moment
+        without one, as a restart with other sizes does), and XDP tried on the external devices:
+        an external device best-effort would try appeared (Attacher.xdp_wanted). Until it is done
+        `datapath`'s tc programs serve; a load that fails leaves them serving, said as an error,
+        and is tried again by the periodic syncs."""
+        assert self._attacher is not None and self._sizes is not None
+        names = ", ".join(sorted(self._attacher.xdp_wanted.values()))
+        sizes = replace(self._sizes, xdp=True)
+        log.info(
+            "%s is external and no veth (--bpf-xdp=best-effort tries native XDP there): loading the "
+            "data path again with %s; the tc programs serve meanwhile",
+            names,
+            PROG_XDP,
+        )
+        loaded = self._datapath_factory(self._config.pin_path, sizes)
+        try:
+            loaded.load()
+            # A reused load keeps the mode a hand-over cut short left in its pin: none runs now.
+            loaded.set_handover(HandoverMode.OFF)
+        except Exception as exc:
+            loaded.close()
+            self._xdp_error = f"{type(exc).__name__}: {exc}"
+            log.error(
+                "loading %s for %s failed (%s): the tc programs serve all of its traffic; tried again "
+                "every sync period",
+                PROG_XDP,
+                names,
+                self._xdp_error,
+            )
+            return
+        self._xdp_error = ""
+        self._sizes = sizes
+        with self._load_cond:
+            self._retired.append(datapath)  # closed by the next sync: its programs may still serve
+            self._datapath = self._opened = loaded
+        self._reattach = True
+        attacher = self._attacher
+        attacher.stop_watcher()
+        try:
+            attacher.use_programs(_attach_fds(loaded), loaded.maps["port"])
+            attacher.reconcile(node, full=True, keep_external=self._tc_ipv6 and not self._node6_known)
+            self._attached_node = node
+        finally:
+            attacher.start_watcher()
+        self._finish_reload(loaded)
+
+    def _finish_reload(self, datapath: DatapathLike) -> None:
+        """After `_load_xdp`'s programs are on every device: the socket programs' links get them
+        too (the terminator its iterator), and the last load's program arrays are unpinned."""
+        if self._socket_attacher is not None:
+            if self._terminator is not None:
+                self._terminator.close()
+                self._terminator = None
+            self._socket_attacher = None
+            self._attach_sockets(datapath, first=False)
+        released = datapath.release_older_builds()
+        self._reattach = False
+        log.info(
+            "data path loaded again with %s, on every device now%s",
+            PROG_XDP,
+            f"; unpinned the program arrays of the load before: {', '.join(released)}" if released else "",
+        )
 
     def _abort_start(self) -> None:
         """The first attach stopped before after_attach: the start steps put back what they set
@@ -1370,6 +1501,7 @@ class EbpfProxier:
             self._attacher.stop_watcher()
             self._attacher = None
         self._attached_once = False
+        self._reattach = False
 
     def _set_sysctls(self) -> None:
         where = self._config.netns or "(own)"
@@ -1420,6 +1552,16 @@ class EbpfIpv6:
 
     def cleanup(self) -> None:
         """Nothing: the IPv4 proxier's cleanup removes every map and program, these included."""
+
+
+def _attach_fds(datapath: DatapathLike) -> dict[str, int]:
+    """The Attacher's programs of a load. XDP's only where loaded (MapSizes.xdp): without it the
+    Attacher takes any of ours an earlier run attached off (found by name, not by our fd), but
+    under best-effort, where it asks for a load with it (Attacher.xdp_wanted)."""
+    fds = {name: datapath.prog_fd(name) for name in (PROG_FROM_NET, PROG_FROM_POD, PROG_EGRESS)}
+    if datapath.has_program(PROG_XDP):
+        fds[PROG_XDP] = datapath.prog_fd(PROG_XDP)
+    return fds
 
 
 def _room_for(entries: int) -> int:

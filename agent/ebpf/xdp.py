@@ -7,7 +7,8 @@ Effects (pyroute2, through the IPRoute of the node's namespace the Attacher hold
 * `generic`: XDP in the kernel's receive path (XDP_FLAGS_SKB_MODE), on any device: after the skb
   is allocated, so it saves less than native, but the verdicts are the same;
 * `best-effort` (the default): native where the driver takes it and the device is no veth, else
-  none, with one log line per device;
+  none, with one log line per device; where every external device is a veth the programs are not
+  even loaded (`loads_programs`), until one that is no veth appears (agent/ebpf/proxier.py);
 * `disabled`: none, and any program of ours still attached is removed.
 
 A device holds one XDP program per mode, and native and generic cannot be attached at once: ours in
@@ -26,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +120,36 @@ def link_kind(ipr: Any, index: int) -> str:
     return str(kind or "")
 
 
+def best_effort_tries(kind: str) -> bool:
+    """Whether --bpf-xdp=best-effort tries native XDP on a device of this rtnetlink kind (`attach`):
+    on anything but a veth (a NIC's "", a bond, a dummy, whose driver then refuses it)."""
+    return kind != "veth"
+
+
+def loads_programs(mode: str, kinds: Iterable[str]) -> bool:
+    """Whether a start loads the XDP programs (MapSizes.xdp) under --bpf-xdp `mode`, its external
+    devices being of rtnetlink `kinds`: not with disabled, nor with best-effort where every one is
+    a veth (it attaches none there); with native and generic always (they attach to veths too)."""
+    if mode == "disabled":
+        return False
+    return mode != "best-effort" or any(best_effort_tries(kind) for kind in kinds)
+
+
+def leaves_alone(ipr: Any, index: int, name: str, mode: str) -> bool:
+    """Whether `mode` attaches nothing to the device: best-effort on a veth (`attach`), said in a
+    log line."""
+    if mode != "best-effort" or best_effort_tries(link_kind(ipr, index)):
+        return False
+    log.info(
+        "%s is a veth: %s not attached (--bpf-xdp=best-effort; frames XDP sends back out need "
+        "an XDP program or GRO on its peer, and local senders' partial checksums a NIC's wire "
+        "would have completed); --bpf-xdp=native attaches it anyway",
+        name,
+        PROG_XDP,
+    )
+    return True
+
+
 def attach(ipr: Any, index: int, name: str, fd: int, mode: str) -> str:
     """Ours on the device in `mode` (not "disabled"); returns the mode it runs in ("native",
     "generic"), or "" when it does not run there (logged).
@@ -127,14 +159,7 @@ def attach(ipr: Any, index: int, name: str, fd: int, mode: str) -> str:
     through it carry a partial checksum that XDP's rewrite cannot complete (a node that is a
     container, kind's, sees exactly those). `native` and `generic` attach there anyway: the
     operator says the peer and the senders are fit (the lab's wire, lab/wire.py)."""
-    if mode == "best-effort" and link_kind(ipr, index) == "veth":
-        log.info(
-            "%s is a veth: %s not attached (--bpf-xdp=best-effort; frames XDP sends back out need "
-            "an XDP program or GRO on its peer, and local senders' partial checksums a NIC's wire "
-            "would have completed); --bpf-xdp=native attaches it anyway",
-            name,
-            PROG_XDP,
-        )
+    if leaves_alone(ipr, index, name, mode):
         return ""
     our_id = prog_info(fd)[0]
     state = xdp_state(ipr, index)

@@ -72,6 +72,37 @@ def test_xdp_s_missing_helper_is_nothing_to_warn_about_with_xdp_disabled() -> No
     assert line.verdict is Verdict.OK, line
 
 
+def test_the_xdp_programs_count_as_loaded_where_the_agent_loads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Facts.xdp is what the agent's start loads on this node now (agent.ebpf.xdp.loads_programs):
+    under best-effort none where every external device is a veth, so `agent doctor` does not warn
+    about XDP's helpers there, nor say XDP programs load; a device that cannot be read counts as
+    one that takes XDP, as the agent's load counts it."""
+    from agent.config import Config
+    from agent.doctor import facts
+    from agent.ebpf import attach
+
+    kinds: dict[str, str] | OSError = {}
+
+    def read(config: Config, *, ipv6: bool) -> dict[str, str]:
+        if isinstance(kinds, OSError):
+            raise kinds
+        return kinds
+
+    monkeypatch.setattr(attach, "external_kinds", read)
+    cases: list[tuple[str, dict[str, str] | OSError, bool]] = [
+        ("best-effort", {"eth0": "veth"}, False),
+        ("best-effort", {"eth0": "veth", "eno1": ""}, True),
+        ("best-effort", OSError(2, "No such file or directory"), True),
+        ("native", {"eth0": "veth"}, True),
+        ("disabled", {"eno1": ""}, False),
+    ]
+    for mode, found, want in cases:
+        kinds = found
+        assert facts.xdp_loaded(Config(bpf_xdp=mode)) is want, (mode, found)
+    line = by_check(checklist(replace(GOOD, xdp=False)))["BPF features"]
+    assert "XDP" not in line.found, line
+
+
 def test_the_socket_programs_needs_are_nothing_to_warn_about_with_socket_lb_off() -> None:
     """--bpf-socket-lb=false attaches no socket program: a kernel lacking their helpers, their
     program type or a cgroup2 mount is fine, and the line does not say they load."""

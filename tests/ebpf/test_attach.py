@@ -1030,6 +1030,49 @@ def test_xdp_on_the_external_devices_only_reconciled_and_detached(netns: str, pr
         os.close(fd)
 
 
+@pytest.mark.kernel
+def test_best_effort_without_an_xdp_program_asks_for_one_where_a_device_is_no_veth_and_tries_it_once_given(
+    netns: str, progs: dict[str, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A best-effort Attacher given no XDP program (the load left it out: every external device was
+    a veth) leaves a veth as it would with one, and names an external device of another kind in
+    `xdp_wanted`, found by a plain reconcile: a tap (kind "tun", whose driver takes native XDP;
+    the start's read of the kinds, external_kinds, sees it as such) and a bridge (whose has none);
+    given a load's programs with XDP (`use_programs`), the full reconcile tries native XDP on both:
+    on the tap it runs, the bridge says why not (its tc program serves), and it asks no more."""
+    from lab.wire import load_xdp_pass
+
+    caplog.set_level(logging.INFO, logger=xdp.log.name)
+    config = Config(
+        netns=netns, bpf_tc_attach="clsact", pod_interfaces=("lxc*",), devices=("eth0", "nic0", "br9")
+    )
+    attacher = new_attacher(config, progs)
+    attacher.reconcile(NODE, full=True)
+    assert attacher.xdp_wanted == {} and attacher.xdp_modes == {index_of(netns, "eth0"): ""}
+    assert "eth0 is a veth: ekp_xdp_net not attached (--bpf-xdp=best-effort" in caplog.text
+    assert attach.external_kinds(config, ipv6=False) == {"eth0": "veth"}
+    sh("ip", "-n", netns, "tuntap", "add", "mode", "tap", "name", "nic0")
+    sh("ip", "-n", netns, "link", "add", "br9", "type", "bridge")
+    assert attach.external_kinds(config, ipv6=False) == {"eth0": "veth", "nic0": "tun", "br9": "bridge"}
+    attacher.reconcile(NODE)
+    nic0, br9 = index_of(netns, "nic0"), index_of(netns, "br9")
+    assert attacher.xdp_wanted == {nic0: "nic0", br9: "br9"}
+    assert "ekp_from_net" in ingress(netns, "nic0") and xdp_of(netns, "nic0") == {}
+    fd = load_xdp_pass("ekp_xdp_net")
+    try:
+        attacher.use_programs({**progs, PROG_XDP: fd}, FakeMap(abi.MAPS["port"]))
+        attacher.reconcile(NODE, full=True)
+        assert attacher.xdp_wanted == {}
+        assert attacher.xdp_modes == {index_of(netns, "eth0"): "", nic0: "native", br9: ""}
+        assert xdp_of(netns, "nic0").get("mode") == 1  # XDP_ATTACHED_DRV
+        assert "br9: no native XDP in its driver" in caplog.text
+        assert "ekp_from_net" in ingress(netns, "br9")
+        assert xdp_of(netns, "eth0") == {}
+    finally:
+        detach_all(netns)
+        os.close(fd)
+
+
 @pytest.mark.parametrize("bpf_xdp", ["disabled", "native"])
 def test_a_failed_xdp_detach_or_attach_is_logged_as_what_failed(
     bpf_xdp: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch

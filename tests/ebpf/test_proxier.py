@@ -88,6 +88,7 @@ class FakeDatapath:
         # default one would link to the machine's root cgroup); the Rig gives them explicitly.
         self.unavailable: set[str] = {name for name, _ in SOCK_HOOKS.values()} | {PROG_SOCK_TERM}
         self.handover = [HandoverMode.OFF]  # the build's pinned mode (shared by the Rig's data paths)
+        self.load_error: Exception | None = None  # what load() raises
 
     @property
     def maps(self) -> Mapping[str, MapWriter]:
@@ -95,6 +96,8 @@ class FakeDatapath:
 
     def load(self, maps_ready: Callable[[], None] | None = None) -> None:
         self.loads += 1
+        if self.load_error is not None:
+            raise self.load_error
         if maps_ready is not None:
             maps_ready()
 
@@ -138,6 +141,20 @@ class FakeAttacher:
         self.state = HandoverState(own_front=False, other_front=False, older_behind=True)
         self.front: dict[tuple[int, int], str] = {}
         self.rehome_error: Exception | None = None  # what the next rehome raises
+        # External devices best-effort would try XDP on (the Rig's, found by each reconcile while the
+        # attacher has no XDP program)
+        self.xdp_devices: dict[int, str] = {}
+        self.fds: dict[str, int] = {}  # the programs it attaches (the factory's, then use_programs')
+        self.ports: MapWriter | None = None
+        self.reconcile_error: Exception | None = None  # what the next reconcile raises
+
+    @property
+    def xdp_wanted(self) -> dict[int, str]:
+        return {} if PROG_XDP in self.fds else dict(self.xdp_devices)
+
+    def use_programs(self, prog_fds: Mapping[str, int], ports: MapWriter) -> None:
+        self.log.append("use programs" + (" with XDP" if PROG_XDP in prog_fds else ""))
+        self.fds, self.ports = dict(prog_fds), ports
 
     def attach_egress(self, node: NodeContext) -> None:
         self.log.append("attach egress")
@@ -156,6 +173,9 @@ class FakeAttacher:
             + (" verify" if verify and not full else "")
             + (" front" if front else "")
         )
+        if self.reconcile_error is not None:
+            error, self.reconcile_error = self.reconcile_error, None
+            raise error
         self.nodes.append(node)
         self.kept.append(keep_external)
         self.armed_at_reconcile.append(activity.armed(self.maps["act"]))
@@ -286,6 +306,9 @@ class Rig:
         self.rehome_error: Exception | None = None  # what the next proxier's attacher's first rehome raises
         self.snapshot_dir: str | None = None  # where a proxier leaves its planner at close (None: nowhere)
         self.sysctl_values: dict[str, str] = {}  # what sysctl_read answers, but the port range
+        # The external devices' kinds a best-effort load reads (a NIC's is ""), or what reading raises
+        self.devices: dict[str, str] | Exception = {"eth0": ""}
+        self.xdp_load_error: Exception | None = None  # what a load with the XDP programs raises
 
     def proxier(self, *, ipv6: bool = True) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
@@ -297,6 +320,7 @@ class Rig:
             )
             dp.events = self.events
             dp.handover = self.handover
+            dp.load_error = self.xdp_load_error if sizes.xdp else None
             self.datapaths.append(dp)
             return dp
 
@@ -309,7 +333,13 @@ class Rig:
             self.attachers.append(FakeAttacher(self.events, self.maps))
             self.attachers[-1].state = self.hooks
             self.attachers[-1].rehome_error = self.rehome_error
+            self.attachers[-1].fds = dict(fds)
             return self.attachers[-1]
+
+        def xdp_devices(config: Config, ipv6: bool) -> dict[str, str]:
+            if isinstance(self.devices, Exception):
+                raise self.devices
+            return dict(self.devices)
 
         def sysctl_read(netns: str, path: str) -> str:
             assert netns == self.config.netns
@@ -332,6 +362,7 @@ class Rig:
             conntrack6_reader=self.read_conntrack6,
             node6_reader=None if self.node6 is None else self.read_node6,
             masquerade6_reader=self.read_masquerade6,
+            xdp_devices_reader=xdp_devices,
             snapshot_dir=self.snapshot_dir,
             ipv6=ipv6,
         )
@@ -2062,6 +2093,7 @@ def test_legacy_host_routing_is_on_before_any_ingress_program_is_attached(rig: R
             sysctl_reader=lambda netns, path: rig.local_ports,
             sizes_reader=lambda pin_path: {},
             upgrade_factory=lambda pin_path: FakeUpgrade(rig.events),
+            xdp_devices_reader=lambda config, ipv6: {},
             ipv6=False,
         )
 
@@ -2156,6 +2188,151 @@ def test_with_xdp_disabled_the_attacher_gets_no_xdp_program(rig: Rig) -> None:
     rig.config = replace(rig.config, bpf_xdp="best-effort")
     rig.proxier().sync(STATE, NODE)
     assert rig.attacher_fds[-1][PROG_XDP] == PROG_FDS[PROG_XDP]
+
+
+def test_best_effort_loads_no_xdp_program_where_every_external_device_is_a_veth(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--bpf-xdp=best-effort never attaches ekp_xdp_net to a veth (agent/ebpf/xdp.py): where every
+    external device is one (kind's nodes, the lab's), the load leaves both XDP programs out and
+    says so once; one device of another kind (a NIC, a bond, a dummy), or devices that cannot be
+    read, load them as before; native and generic attach to veths too, so they always do."""
+    caplog.set_level(logging.INFO)
+    cases: list[tuple[str, dict[str, str] | Exception, bool]] = [
+        ("best-effort", {"eth0": "veth", "eth1": "veth"}, False),
+        ("best-effort", {}, False),
+        ("best-effort", {"eth0": "veth", "eno1": ""}, True),
+        ("best-effort", {"bond0": "bond"}, True),
+        ("best-effort", OSError(2, "no such namespace"), True),
+        ("native", {"eth0": "veth"}, True),
+        ("generic", {"eth0": "veth"}, True),
+        ("disabled", {"eno1": ""}, False),
+    ]
+    for mode, devices, want in cases:
+        rig.config = replace(rig.config, bpf_xdp=mode)
+        rig.devices = devices
+        rig.proxier().sync(STATE, NODE)
+        assert rig.sizes[-1].xdp is want, (mode, devices)
+        assert (PROG_XDP in rig.attacher_fds[-1]) is want
+    said = [r.getMessage() for r in caplog.records if "not loaded (--bpf-xdp=best-effort" in r.getMessage()]
+    assert said == [
+        "all external devices are veths (eth0, eth1): ekp_xdp_net not loaded (--bpf-xdp=best-effort "
+        "never attaches it to a veth; native or generic would): it is loaded, with the tc programs "
+        "again, once an external device that is no veth appears",
+        "no external device yet: ekp_xdp_net not loaded (--bpf-xdp=best-effort never attaches it to a "
+        "veth; native or generic would): it is loaded, with the tc programs again, once an external "
+        "device that is no veth appears",
+    ]
+
+
+def test_a_device_best_effort_would_try_loads_the_data_path_again_with_xdp_and_puts_it_everywhere(
+    rig: Rig,
+) -> None:
+    """An external device that is no veth appearing after a load without XDP: the sync whose attach
+    found it loads the data path again with the XDP programs (the same build, another load id: the
+    sizes differ in `xdp` alone), hands every program to the Attacher with the pod-device watcher
+    stopped, reconciles in full (tc replaced in place, XDP tried), links the socket programs of the
+    new load (the terminator's iterator too), unpins the first load's program arrays, and closes
+    the first load's fds at the next sync. Later syncs load nothing more."""
+    rig.unavailable = set()
+    rig.devices = {"eth0": "veth"}
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    first, attacher = rig.datapaths[-1], rig.attachers[-1]
+    assert rig.sizes == [replace(rig.sizes[0], xdp=False)]
+    del rig.events[:]
+    attacher.xdp_devices = {7: "eno1"}  # a NIC that appeared since, which the reconcile finds
+    p.sync(STATE, NODE, frozenset())
+    assert [s.xdp for s in rig.sizes] == [False, True]
+    assert rig.sizes[1] == replace(rig.sizes[0], xdp=True), "only XDP differs"
+    second = rig.datapaths[-1]
+    assert second.loads == 1 and first.closed == 0
+    assert rig.attachers == [attacher], "the same Attacher, given the new load's programs"
+    assert attacher.fds[PROG_XDP] == PROG_FDS[PROG_XDP] and attacher.ports is rig.maps["port"]
+    assert rig.events == [
+        "hand-over OFF",
+        "stop",
+        "use programs with XDP",
+        "reconcile full=True",
+        "watch",
+        "terminator closed",
+        "link sockets",
+        "unpin older builds' program arrays",
+    ]
+    assert isinstance(p._terminator, FakeTerminator) and p._terminator.prog_fd == PROG_FDS[PROG_SOCK_TERM]
+    del rig.events[:]
+    p.sync(STATE, NODE, frozenset())
+    assert first.closed == 1 and second.closed == 0
+    assert len(rig.datapaths) == 2 and rig.events == [], "nothing loaded nor attached again"
+
+
+def test_a_reload_whose_attach_failed_is_finished_by_the_next_sync(rig: Rig) -> None:
+    """The load with XDP went through but its full reconcile failed half way (some devices still
+    run the first load's programs): that sync fails, and the next one reconciles in full again
+    before the socket programs get the new load and the first load's program arrays are unpinned
+    (until then the programs still attached somewhere keep theirs); the watcher runs meanwhile."""
+    rig.unavailable = set()
+    rig.devices = {"eth0": "veth"}
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    attacher = rig.attachers[-1]
+    attacher.xdp_devices = {7: "eno1"}
+    del rig.events[:]
+
+    def fail_after_programs() -> None:
+        attacher.reconcile_error = OSError(16, "Device or resource busy")
+
+    real = attacher.use_programs
+
+    def use_programs(prog_fds: Mapping[str, int], ports: MapWriter) -> None:
+        real(prog_fds, ports)
+        fail_after_programs()
+
+    attacher.use_programs = use_programs  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="busy"):
+        p.sync(STATE, NODE, frozenset())
+    assert rig.events == ["hand-over OFF", "stop", "use programs with XDP", "reconcile full=True", "watch"]
+    assert attacher.watching
+    del rig.events[:]
+    p.sync(STATE, NODE, frozenset())
+    assert rig.events == [
+        "reconcile full=True",
+        "terminator closed",
+        "link sockets",
+        "unpin older builds' program arrays",
+    ]
+    assert len(rig.datapaths) == 2, "not loaded a third time"
+    del rig.events[:]
+    p.sync(STATE, NODE, frozenset())
+    assert rig.events == []
+
+
+def test_a_failed_xdp_load_leaves_the_tc_programs_serving_and_is_tried_again_every_sync_period(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A load with the XDP programs that fails (the verifier, a cache gone) fails no sync: the first
+    load's tc programs stay on every device, the error names the device and why, and only the
+    periodic syncs (every sync period) try again, not each change."""
+    rig.devices = {"eth0": "veth"}
+    rig.xdp_load_error = OSError(28, "No space left on device")
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    first, attacher = rig.datapaths[-1], rig.attachers[-1]
+    attacher.xdp_devices = {7: "eno1"}
+    result = p.sync(STATE, NODE, frozenset())
+    assert not result.failed
+    assert [s.xdp for s in rig.sizes] == [False, True] and rig.datapaths[-1].closed == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [
+        "loading ekp_xdp_net for eno1 failed (OSError: [Errno 28] No space left on device): the tc "
+        "programs serve all of its traffic; tried again every sync period"
+    ]
+    assert PROG_XDP not in attacher.fds and first.closed == 0, "the first load's programs serve"
+    p.sync(STATE, NODE, frozenset())
+    assert len(rig.datapaths) == 2, "a change does not try again"
+    rig.xdp_load_error = None
+    p.sync(STATE, NODE)
+    assert len(rig.datapaths) == 3 and PROG_XDP in attacher.fds, "the periodic sync did"
 
 
 def test_the_lab_agents_builds_are_those_the_tests_reusing_them_load(rig: Rig, tmp_path: Path) -> None:

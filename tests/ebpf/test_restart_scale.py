@@ -87,6 +87,7 @@ def proxier(maps: Mapping[str, MapWriter], tmp: Path, snapshot_dir: str | None =
         sysctl_reader=lambda netns, path: "32768\t60999",
         sizes_reader=lambda pin_path: {},
         upgrade_factory=lambda pin_path: FakeUpgrade([]),
+        xdp_devices_reader=lambda config, ipv6: {},
         snapshot_dir=snapshot_dir,
         ipv6=False,
     )
