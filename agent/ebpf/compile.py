@@ -7,8 +7,8 @@ compiles at most once per build on a machine:
 * `build_id(...)` hashes what decides the programs' bytes: the C source with its headers inlined,
   the cflags that reach the C (the Maglev table size; map sizes are a placeholder, set at load:
   agent/ebpf/loader.py compile_cflags), the ABI version, the programs' names and prog types (the
-  compile child records them in the object), the kernel release and its headers, and the bcc
-  version. Not the pin directory nor the sizes: maps are bound and sized when the programs
+  compile child records them in the object) and their bpf_loop callbacks, the object's format,
+  the kernel release and its headers, and the bcc version. Not the pin directory nor the sizes: maps are bound and sized when the programs
   are loaded (agent.ebpf.link), so two agents with different pins or sizes share one build. The
   object holds every program of the source; a load chooses which (loader.Datapath.programs).
 * `open_pinned_programs(...)` looks for programs pinned under a load's id (the build and the
