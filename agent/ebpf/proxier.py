@@ -449,6 +449,11 @@ class EbpfProxier:
         # The programs of a load with XDP are handed to the Attacher and not yet on every device
         # (its full reconcile failed): the next attach reconciles in full, then `_finish_reload`.
         self._reattach = False
+        # The load `_load_xdp` replaced: its programs may still run on some devices, and the socket
+        # attacher and terminator hold its fds (the terminator its stats map) until
+        # `_finish_reload` gives them the new load's; closed there (or by `_release`), never by a
+        # sync's `_close_retired`, which would leave them holding closed fds.
+        self._replaced: DatapathLike | None = None
         self._attacher: AttacherLike | None = None
         self._planner: Planner | None = None
         self._unsure = True  # what the maps hold is unknown: read them back before writing
@@ -1335,7 +1340,9 @@ class EbpfProxier:
             stale = remove_stale_pins(self._config.pin_path)
             if stale:
                 log.info("removed pins of other ABI versions: %s", ",".join(stale))
-        if first or periodic:
+        if first or (periodic and not self._reattach):
+            # Not while a reload is unfinished: the socket attacher still holds the replaced load's
+            # fds, and `_finish_reload` below gives it the new load's first.
             self._attach_sockets(datapath, first=first)
         if first:
             self._upgrade.serving()
@@ -1386,8 +1393,16 @@ class EbpfProxier:
         self._xdp_error = ""
         self._sizes = sizes
         with self._load_cond:
-            self._retired.append(datapath)  # closed by the next sync: its programs may still serve
+            self._replaced = datapath  # closed by `_finish_reload`: its programs may still serve
             self._datapath = self._opened = loaded
+        # The same pinned maps, which the planners wrote: the next syncs need not read them back,
+        # and a stop before the next sync saves the planner from the load that stays open.
+        if self._synced_with is datapath:
+            self._synced_with = loaded
+        if self._v6_with is datapath:
+            self._v6_with = loaded
+        if self._held6_of is datapath:
+            self._held6_of = loaded
         self._reattach = True
         attacher = self._attacher
         attacher.stop_watcher()
@@ -1401,15 +1416,16 @@ class EbpfProxier:
 
     def _finish_reload(self, datapath: DatapathLike) -> None:
         """After `_load_xdp`'s programs are on every device: the socket programs' links get them
-        too (the terminator its iterator), and the last load's program arrays are unpinned."""
-        if self._socket_attacher is not None:
-            if self._terminator is not None:
-                self._terminator.close()
-                self._terminator = None
-            self._socket_attacher = None
-            self._attach_sockets(datapath, first=False)
+        too (the terminator its iterator), the last load's program arrays are unpinned, and its fds
+        closed (nothing holds them any more)."""
+        if self._terminator is not None:
+            self._terminator.close()
+            self._terminator = None
+        self._socket_attacher = None
+        self._attach_sockets(datapath, first=False)
         released = datapath.release_older_builds()
         self._reattach = False
+        self._close_replaced()
         log.info(
             "data path loaded again with %s, on every device now%s",
             PROG_XDP,
@@ -1480,12 +1496,19 @@ class EbpfProxier:
         for datapath in retired:
             datapath.close()
 
+    def _close_replaced(self) -> None:
+        with self._load_cond:
+            replaced, self._replaced = self._replaced, None
+        if replaced is not None:
+            replaced.close()
+
     def _release(self) -> None:
         self._maglev.forget()
         if self._terminator is not None:
             self._terminator.close()
             self._terminator = None
         self._socket_attacher = None
+        self._close_replaced()
         with self._load_cond:
             while self._loading:  # a load under way finishes first (its fds are ours to close)
                 self._load_cond.wait()

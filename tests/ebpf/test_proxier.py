@@ -16,7 +16,7 @@ import secrets
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -76,8 +76,13 @@ MORE = state_from_yaml(
 
 
 class FakeDatapath:
-    def __init__(self, maps: dict[str, FakeMap]) -> None:
+    def __init__(self, maps: dict[str, FakeMap], fd_base: int = 0, open_fds: set[int] | None = None) -> None:
         self._maps = maps
+        # Its program fds are PROG_FDS' numbers + fd_base, in `open_fds` (the Rig's, shared by its
+        # data paths, as a process's fd table) from here until close()
+        self.fd_base = fd_base
+        self.open_fds = set() if open_fds is None else open_fds
+        self.open_fds.update(n + fd_base for n in PROG_FDS.values())
         self.loads = 0
         self.closed = 0
         self.pin_checks = 0
@@ -104,7 +109,7 @@ class FakeDatapath:
     def prog_fd(self, name: str) -> int:
         if not self.has_program(name):
             raise KeyError(f"no program {name!r} loaded")  # as Datapath.prog_fd
-        return PROG_FDS[name]
+        return PROG_FDS[name] + self.fd_base
 
     def has_program(self, name: str) -> bool:
         return name in PROG_FDS and name not in self.unavailable
@@ -127,6 +132,14 @@ class FakeDatapath:
 
     def close(self) -> None:
         self.closed += 1
+        self.open_fds.difference_update(n + self.fd_base for n in PROG_FDS.values())
+
+
+def check_open(fds: Iterable[int], open_fds: set[int]) -> None:
+    """What the kernel answers a program fd closed since (prog_id, bpf_link_create): EBADF."""
+    closed = sorted(set(fds) - open_fds)
+    if closed:
+        raise OSError(errno.EBADF, f"Bad file descriptor (program fds {closed} were closed)")
 
 
 class FakeAttacher:
@@ -209,26 +222,30 @@ PROG_FDS = {name: 100 + i for i, name in enumerate(PROGRAMS)}
 
 
 class FakeSocketAttacher:
-    def __init__(self, log: list[str], fds: Mapping[str, int]) -> None:
+    def __init__(self, log: list[str], fds: Mapping[str, int], open_fds: set[int]) -> None:
         self.log = log
         self.fds = dict(fds)
+        self.open_fds = open_fds
 
     @property
     def cgroup(self) -> str:
         return "/cg/node1"
 
     def reconcile(self) -> list[str]:
+        check_open(self.fds.values(), self.open_fds)  # SocketAttacher's prog_id(fd) of each
         self.log.append("link sockets")
         return []
 
 
 class FakeTerminator:
-    def __init__(self, log: list[str], prog_fd: int, ended: Callable[[], int]) -> None:
+    def __init__(self, log: list[str], prog_fd: int, ended: Callable[[], int], open_fds: set[int]) -> None:
         self.log = log
         self.prog_fd = prog_fd
         self.ended = ended
+        self.open_fds = open_fds
 
     def run(self) -> int:
+        check_open([self.prog_fd], self.open_fds)  # SocketTerminator's bpf_link_create on it
         self.log.append(f"end stale sockets ({self.ended()} so far)")
         return 0
 
@@ -309,11 +326,13 @@ class Rig:
         # The external devices' kinds a best-effort load reads (a NIC's is ""), or what reading raises
         self.devices: dict[str, str] | Exception = {"eth0": ""}
         self.xdp_load_error: Exception | None = None  # what a load with the XDP programs raises
+        self.open_fds: set[int] = set()  # the data paths' program fds not closed yet
 
     def proxier(self, *, ipv6: bool = True) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
             self.sizes.append(sizes)
-            dp = self.datapath_type(self.maps)
+            # Each its own fd numbers: a holder of a closed one is caught (check_open)
+            dp = self.datapath_type(self.maps, 1000 * len(self.datapaths), self.open_fds)
             # As Datapath.programs: the XDP programs are left out where XDP cannot attach.
             dp.unavailable = (
                 self.unavailable if sizes.xdp else self.unavailable | {PROG_XDP_NET, PROG_XDP_NET6}
@@ -355,8 +374,10 @@ class Rig:
             sysctl_reader=sysctl_read,
             sizes_reader=lambda pin_path: dict(self.pinned),
             upgrade_factory=lambda pin_path: FakeUpgrade(self.events, self.hands_over, self.carry6_error),
-            socket_attacher_factory=lambda config, fds: FakeSocketAttacher(self.events, fds),
-            terminator_factory=lambda config, cgroup, fd, ended: FakeTerminator(self.events, fd, ended),
+            socket_attacher_factory=lambda config, fds: FakeSocketAttacher(self.events, fds, self.open_fds),
+            terminator_factory=lambda config, cgroup, fd, ended: FakeTerminator(
+                self.events, fd, ended, self.open_fds
+            ),
             netns_cookie_reader=lambda netns: 4242,
             socket_detach=self.socket_detach,
             conntrack6_reader=self.read_conntrack6,
@@ -2187,7 +2208,7 @@ def test_with_xdp_disabled_the_attacher_gets_no_xdp_program(rig: Rig) -> None:
     assert rig.attachers[-1].nodes, "the tc programs were attached"
     rig.config = replace(rig.config, bpf_xdp="best-effort")
     rig.proxier().sync(STATE, NODE)
-    assert rig.attacher_fds[-1][PROG_XDP] == PROG_FDS[PROG_XDP]
+    assert rig.attacher_fds[-1][PROG_XDP] == rig.datapaths[-1].prog_fd(PROG_XDP)
 
 
 def test_best_effort_loads_no_xdp_program_where_every_external_device_is_a_veth(
@@ -2233,7 +2254,7 @@ def test_a_device_best_effort_would_try_loads_the_data_path_again_with_xdp_and_p
     sizes differ in `xdp` alone), hands every program to the Attacher with the pod-device watcher
     stopped, reconciles in full (tc replaced in place, XDP tried), links the socket programs of the
     new load (the terminator's iterator too), unpins the first load's program arrays, and closes
-    the first load's fds at the next sync. Later syncs load nothing more."""
+    the first load's fds (nothing holds them any more). Later syncs load nothing more."""
     rig.unavailable = set()
     rig.devices = {"eth0": "veth"}
     p = rig.proxier()
@@ -2246,9 +2267,9 @@ def test_a_device_best_effort_would_try_loads_the_data_path_again_with_xdp_and_p
     assert [s.xdp for s in rig.sizes] == [False, True]
     assert rig.sizes[1] == replace(rig.sizes[0], xdp=True), "only XDP differs"
     second = rig.datapaths[-1]
-    assert second.loads == 1 and first.closed == 0
+    assert second.loads == 1 and first.closed == 1 and second.closed == 0
     assert rig.attachers == [attacher], "the same Attacher, given the new load's programs"
-    assert attacher.fds[PROG_XDP] == PROG_FDS[PROG_XDP] and attacher.ports is rig.maps["port"]
+    assert attacher.fds[PROG_XDP] == second.prog_fd(PROG_XDP) and attacher.ports is rig.maps["port"]
     assert rig.events == [
         "hand-over OFF",
         "stop",
@@ -2259,7 +2280,8 @@ def test_a_device_best_effort_would_try_loads_the_data_path_again_with_xdp_and_p
         "link sockets",
         "unpin older builds' program arrays",
     ]
-    assert isinstance(p._terminator, FakeTerminator) and p._terminator.prog_fd == PROG_FDS[PROG_SOCK_TERM]
+    assert isinstance(p._terminator, FakeTerminator)
+    assert p._terminator.prog_fd == second.prog_fd(PROG_SOCK_TERM)
     del rig.events[:]
     p.sync(STATE, NODE, frozenset())
     assert first.closed == 1 and second.closed == 0
@@ -2305,6 +2327,54 @@ def test_a_reload_whose_attach_failed_is_finished_by_the_next_sync(rig: Rig) -> 
     del rig.events[:]
     p.sync(STATE, NODE, frozenset())
     assert rig.events == []
+
+
+def test_a_reload_whose_attach_failed_is_finished_by_a_full_retry_with_the_sockets_on_open_fds(
+    rig: Rig,
+) -> None:
+    """The reload's full reconcile failed in a periodic sync (a retry of a failed load, or the
+    device found by the periodic verify), and the retry is periodic too: the first load stays open
+    until the socket programs' links and the terminator have the new load's programs (they hold
+    its fds until then), and the retry finishes the reload before any periodic socket reconcile.
+    Closed early (by the next sync's retired loads), the socket attacher's fds were stale, the
+    reload never finished and every later sync failed."""
+    rig.unavailable = set()
+    rig.devices = {"eth0": "veth"}
+    v6 = state6([service()], [slice_("fd00:10:244:1::2")])
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    p.sync6(v6, NODE6)
+    first, attacher = rig.datapaths[-1], rig.attachers[-1]
+    attacher.xdp_devices = {7: "eno1"}
+    real = attacher.use_programs
+
+    def use_programs(prog_fds: Mapping[str, int], ports: MapWriter) -> None:
+        real(prog_fds, ports)
+        attacher.reconcile_error = OSError(16, "Device or resource busy")
+
+    attacher.use_programs = use_programs  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="busy"):
+        p.sync(STATE, NODE)
+    p.sync6(v6, NODE6)  # the daemon's same iteration
+    second = rig.datapaths[-1]
+    assert first.closed == 0, "the socket attacher and the terminator still hold its fds"
+    del rig.events[:]
+    attacher.use_programs = real  # type: ignore[method-assign]
+    p.sync(STATE, NODE)
+    assert rig.events == [
+        "reconcile full=True",
+        "terminator closed",
+        "link sockets",
+        "unpin older builds' program arrays",
+        "end stale sockets (0 so far)",
+    ]
+    assert first.closed == 1 and second.closed == 0, "closed once nothing holds its fds"
+    assert isinstance(p._socket_attacher, FakeSocketAttacher)
+    assert set(p._socket_attacher.fds.values()) <= second.open_fds - {n for n in PROG_FDS.values()}
+    for _ in range(2):
+        p.sync(STATE, NODE)
+        p.sync6(v6, NODE6)
+    assert len(rig.datapaths) == 2 and second.closed == 0
 
 
 def test_a_failed_xdp_load_leaves_the_tc_programs_serving_and_is_tried_again_every_sync_period(
