@@ -1045,7 +1045,7 @@ class EbpfProxier:
         verification, 0.15 s of CPU for IPv4's and 0.25 s for IPv6's, would buy nothing; a device
         it would try that appears later loads them then, `_load_xdp`). A restart where such a
         device is external loads them at once, so it reuses what an earlier run's `_load_xdp`
-        pinned. Devices that cannot be read count as one that takes XDP."""
+        pinned. Devices that cannot be read, or none found, count as one that takes XDP."""
         if self._config.bpf_xdp != "best-effort":
             return self._config.loads_xdp
         try:
@@ -1057,15 +1057,19 @@ class EbpfProxier:
                 PROG_XDP,
             )
             return True
+        if not kinds:
+            log.info(
+                "no external device found yet (no device holds a node IP, or none --devices names "
+                "exists): loading %s in case one that is no veth appears (--bpf-xdp=best-effort)",
+                PROG_XDP,
+            )
         if loads_programs(self._config.bpf_xdp, kinds.values()):
             return True
         log.info(
-            "%s: %s not loaded (--bpf-xdp=best-effort never attaches it to a veth; native or generic "
-            "would): it is loaded, with the tc programs again, once an external device that is no "
-            "veth appears",
-            f"all external devices are veths ({', '.join(sorted(kinds))})"
-            if kinds
-            else "no external device yet",
+            "all external devices are veths (%s): %s not loaded (--bpf-xdp=best-effort never attaches "
+            "it to a veth; native or generic would): it is loaded, with the tc programs again, once an "
+            "external device that is no veth appears",
+            ", ".join(sorted(kinds)),
             PROG_XDP,
         )
         return False

@@ -129,10 +129,14 @@ def best_effort_tries(kind: str) -> bool:
 def loads_programs(mode: str, kinds: Iterable[str]) -> bool:
     """Whether a start loads the XDP programs (MapSizes.xdp) under --bpf-xdp `mode`, its external
     devices being of rtnetlink `kinds`: not with disabled, nor with best-effort where every one is
-    a veth (it attaches none there); with native and generic always (they attach to veths too)."""
+    a veth (it attaches none there); with native and generic always (they attach to veths too).
+    No external device found counts as unknown, so loads them: a real node's may get its address
+    after the start (DHCP), be made later (a bond --devices names), or hold no --node-ip; a
+    veth-only node (kind's, the lab's) always finds its eth0."""
     if mode == "disabled":
         return False
-    return mode != "best-effort" or any(best_effort_tries(kind) for kind in kinds)
+    found = list(kinds)
+    return mode != "best-effort" or not found or any(best_effort_tries(kind) for kind in found)
 
 
 def leaves_alone(ipr: Any, index: int, name: str, mode: str) -> bool:

@@ -74,8 +74,8 @@ def test_xdp_s_missing_helper_is_nothing_to_warn_about_with_xdp_disabled() -> No
 def test_the_xdp_programs_count_as_loaded_where_the_agent_loads_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """Facts.xdp is what the agent's start loads on this node now (agent.ebpf.xdp.loads_programs):
     under best-effort none where every external device is a veth, so `agent doctor` does not warn
-    about XDP's helpers there, nor say XDP programs load; a device that cannot be read counts as
-    one that takes XDP, as the agent's load counts it."""
+    about XDP's helpers there, nor say XDP programs load; a device that cannot be read, or none
+    found, counts as one that takes XDP, as the agent's load counts it."""
     from agent.config import Config
     from agent.doctor import facts
     from agent.ebpf import attach
@@ -91,6 +91,7 @@ def test_the_xdp_programs_count_as_loaded_where_the_agent_loads_them(monkeypatch
     cases: list[tuple[str, dict[str, str] | OSError, bool]] = [
         ("best-effort", {"eth0": "veth"}, False),
         ("best-effort", {"eth0": "veth", "eno1": ""}, True),
+        ("best-effort", {}, True),
         ("best-effort", OSError(2, "No such file or directory"), True),
         ("native", {"eth0": "veth"}, True),
         ("disabled", {"eno1": ""}, False),
