@@ -147,7 +147,7 @@ class _Datapath:
     def __init__(self, maps: Mapping[str, KernelMap]) -> None:
         self.maps = maps
 
-    def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+    def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
         if maps_ready is not None:
             maps_ready()
 

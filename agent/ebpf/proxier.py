@@ -33,8 +33,9 @@ Lifecycle (kube-proxy's contract, agent/proxier.py):
   external device best-effort would try (Attacher.xdp_wanted) loads the data path again with them
   (`_load_xdp`: the same build, another load id, from the compile cache) and puts the new load's
   programs on every device in place of the first's, as a restart with other sizes does, XDP's
-  first try included; the tc programs serve meanwhile, and a load that fails leaves them serving
-  and is reported, tried again every sync period.
+  first try included; the tc programs serve meanwhile, and a load that fails (never compiled
+  again) leaves them serving and is reported, tried again by periodic syncs with a backoff
+  (XDP_RETRY_FIRST doubled up to XDP_RETRY_MAX).
 * Stopping the agent removes nothing: `close()` only stops the watcher and lets the fds go;
   pinned maps and attached programs keep serving traffic until the next agent re-adopts them.
 * `cleanup()` detaches our filters and socket links, removes our pins and the pin directory, and
@@ -91,6 +92,12 @@ log = logging.getLogger(__name__)
 
 LOCAL_PORT_RANGE = "net/ipv4/ip_local_port_range"
 NAMED_FLOWS = 3  # flows named in the warning about those the IPv6 SNAT grant waits for
+# A failed load with the XDP programs (`_load_xdp`) is tried again by the first periodic sync this
+# long after it, doubled at each failure up to XDP_RETRY_MAX: a load that fails costs the verifier's
+# seconds under the proxier's lock, and what fails it (the verifier, memlock, ENOSPC) rarely
+# changes between two sync periods.
+XDP_RETRY_FIRST = 60.0
+XDP_RETRY_MAX = 3600.0
 
 # sysctl (as a /proc/sys path) -> (value, why); set in Config.netns at the first sync.
 SYSCTLS: dict[str, tuple[str, str]] = {
@@ -104,8 +111,9 @@ class DatapathLike(Protocol):
     @property
     def maps(self) -> Mapping[str, MapWriter]: ...
 
-    def load(self, maps_ready: Callable[[], None] | None = None) -> None:
-        """`maps_ready()` once `maps` can be written, maybe before the programs are loaded."""
+    def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
+        """`maps_ready()` once `maps` can be written, maybe before the programs are loaded.
+        `recompile` False: a cached object that does not load fails the load (no compile)."""
 
     def prog_fd(self, name: str) -> int: ...
 
@@ -334,6 +342,10 @@ def _carried6(maps: Mapping[str, MapWriter], flow: NatFlow) -> bool:
     return flow.proto == UDP and ct6_any is not None and ct6_any.lookup(ct6_keys(flow)[1]) is not None
 
 
+def _nothing() -> None:
+    pass
+
+
 def _ignore(held: int) -> None:
     """No gauge to tell (EbpfProxier.on_snat6_held)."""
 
@@ -379,6 +391,7 @@ class EbpfProxier:
         node6_reader: Callable[[], NodeContext] | None = None,
         masquerade6_reader: Callable[[], bool] | None = None,
         xdp_devices_reader: Callable[[Config, bool], Mapping[str, str]] = default_xdp_devices,
+        clock: Callable[[], float] = time.monotonic,
         snapshot_dir: str | None = None,
         ipv6: bool,
     ) -> None:
@@ -394,7 +407,8 @@ class EbpfProxier:
         whether the IPv6 nat rules in place keep MASQUERADE out of --bpf-snat-ports (eBPF mode's
         shape, agent/iptables/masquerade_shape.py), asked at the same load; without it the same.
         `xdp_devices_reader(config, ipv6)`: name -> rtnetlink kind of each external device, read by
-        a load under --bpf-xdp=best-effort (`_loads_xdp`)."""
+        a load under --bpf-xdp=best-effort (`_loads_xdp`). `clock`: monotonic seconds, for the
+        retries of a failed load with the XDP programs."""
         self._config = config
         self._tc_ipv6 = config.tc_ipv6 and ipv6  # the tc programs' IPv6 path serves
         self._datapath_factory = datapath_factory
@@ -410,6 +424,7 @@ class EbpfProxier:
         self._node6_reader = node6_reader
         self._masquerade6_reader = masquerade6_reader
         self._xdp_devices_reader = xdp_devices_reader
+        self._clock = clock
         self._snapshot = snapshot.snapshot_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
         # where an iptables-mode agent's hand-back records that its detach began (out_of_ebpf)
         self._handback_dir = snapshot_dir or LOCK_DIR
@@ -444,8 +459,12 @@ class EbpfProxier:
         self._retired: list[DatapathLike] = []
         self._load_error = ""  # why the last load that failed did
         self._sizes: MapSizes | None = None  # what the data path was last loaded with
-        # A load with the XDP programs that failed (`_load_xdp`): why, tried again by periodic syncs
-        self._xdp_error = ""
+        # Loads with the XDP programs that failed in a row (`_load_xdp`), and the clock before which
+        # no sync tries again (then only a periodic one: XDP_RETRY_FIRST)
+        self._xdp_failures = 0
+        self._xdp_retry_at = 0.0
+        # Told of each failed load with the XDP programs (the agent's ekp_xdp_load_failures_total)
+        self.on_xdp_load_failed: Callable[[], None] = _nothing
         # The programs of a load with XDP are handed to the Attacher and not yet on every device
         # (its full reconcile failed): the next attach reconciles in full, then `_finish_reload`.
         self._reattach = False
@@ -1358,8 +1377,13 @@ class EbpfProxier:
         elif self._reattach:
             self._finish_reload(datapath)  # the reconcile above put its programs everywhere
         assert self._sizes is not None
-        if self._attacher.xdp_wanted and not self._sizes.xdp and (periodic or not self._xdp_error):
+        if self._attacher.xdp_wanted and not self._sizes.xdp and self._xdp_due(periodic):
             self._load_xdp(datapath, node)
+
+    def _xdp_due(self, periodic: bool) -> bool:
+        """Whether this sync may load the data path with the XDP programs: the first try at once,
+        after a failure only a periodic sync once the backoff has passed."""
+        return not self._xdp_failures or (periodic and self._clock() >= self._xdp_retry_at)
 
     def _load_xdp(self, datapath: DatapathLike, node: NodeContext) -> None:
         """The data path loaded again with the XDP programs (another load id of the same build: the
@@ -1367,8 +1391,8 @@ class EbpfProxier:
         in place of `datapath`'s, tc's and the socket programs' replaced in place (no moment
         without one, as a restart with other sizes does), and XDP tried on the external devices:
         an external device best-effort would try appeared (Attacher.xdp_wanted). Until it is done
-        `datapath`'s tc programs serve; a load that fails leaves them serving, said as an error,
-        and is tried again by the periodic syncs."""
+        `datapath`'s tc programs serve; a load that fails leaves them serving, said as an error and
+        counted (`on_xdp_load_failed`), and is tried again by a periodic sync after a backoff."""
         assert self._attacher is not None and self._sizes is not None
         names = ", ".join(sorted(self._attacher.xdp_wanted.values()))
         sizes = replace(self._sizes, xdp=True)
@@ -1380,21 +1404,29 @@ class EbpfProxier:
         )
         loaded = self._datapath_factory(self._config.pin_path, sizes)
         try:
-            loaded.load()
+            # No compile when the cached object does not load: it loaded the tc programs already,
+            # so what fails is the load (the verifier, memlock, ENOSPC), which a compile of tens of
+            # seconds under the lock would not mend.
+            loaded.load(recompile=False)
             # A reused load keeps the mode a hand-over cut short left in its pin: none runs now.
             loaded.set_handover(HandoverMode.OFF)
         except Exception as exc:
             loaded.close()
-            self._xdp_error = f"{type(exc).__name__}: {exc}"
+            self._xdp_failures += 1
+            wait = min(XDP_RETRY_FIRST * 2 ** (self._xdp_failures - 1), XDP_RETRY_MAX)
+            self._xdp_retry_at = self._clock() + wait
+            self.on_xdp_load_failed()
             log.error(
-                "loading %s for %s failed (%s): the tc programs serve all of its traffic; tried again "
-                "every sync period",
+                "loading %s for %s failed (%s, %d time(s) in a row): the tc programs serve all of its "
+                "traffic; tried again by the first periodic sync after %.0fs (ekp_xdp_load_failures_total)",
                 PROG_XDP,
                 names,
-                self._xdp_error,
+                f"{type(exc).__name__}: {exc}",
+                self._xdp_failures,
+                wait,
             )
             return
-        self._xdp_error = ""
+        self._xdp_failures = 0
         self._sizes = sizes
         with self._load_cond:
             self._replaced = datapath  # closed by `_finish_reload`: its programs may still serve

@@ -94,13 +94,15 @@ class FakeDatapath:
         self.unavailable: set[str] = {name for name, _ in SOCK_HOOKS.values()} | {PROG_SOCK_TERM}
         self.handover = [HandoverMode.OFF]  # the build's pinned mode (shared by the Rig's data paths)
         self.load_error: Exception | None = None  # what load() raises
+        self.recompile = True  # the last load()'s: whether a cached object that fails is compiled again
 
     @property
     def maps(self) -> Mapping[str, MapWriter]:
         return self._maps
 
-    def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+    def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
         self.loads += 1
+        self.recompile = recompile
         if self.load_error is not None:
             raise self.load_error
         if maps_ready is not None:
@@ -327,6 +329,7 @@ class Rig:
         self.devices: dict[str, str] | Exception = {"eth0": ""}
         self.xdp_load_error: Exception | None = None  # what a load with the XDP programs raises
         self.open_fds: set[int] = set()  # the data paths' program fds not closed yet
+        self.now = 1000.0  # the proxiers' monotonic clock
 
     def proxier(self, *, ipv6: bool = True) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
@@ -384,6 +387,7 @@ class Rig:
             node6_reader=None if self.node6 is None else self.read_node6,
             masquerade6_reader=self.read_masquerade6,
             xdp_devices_reader=xdp_devices,
+            clock=lambda: self.now,
             snapshot_dir=self.snapshot_dir,
             ipv6=ipv6,
         )
@@ -712,7 +716,7 @@ def test_a_first_sync_writes_the_maps_while_the_programs_load_and_attaches_once_
     fe = rig.maps["fe"] = SignallingMap(MAPS["fe"])
 
     class Verifying(FakeDatapath):
-        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+        def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
             self.loads += 1
             assert maps_ready is not None
             maps_ready()
@@ -743,7 +747,7 @@ def test_a_first_sync_writes_the_maps_while_the_programs_load_and_attaches_once_
 
 def test_a_first_sync_loads_the_data_path_itself_when_prepare_failed(rig: Rig) -> None:
     class FailingOnce(FakeDatapath):
-        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+        def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
             self.loads += 1
             if len(rig.datapaths) == 1:
                 assert maps_ready is not None
@@ -766,7 +770,7 @@ def refused_once_written(rig: Rig, role: str) -> None:
     written = rig.maps[role] = SignallingMap(MAPS[role])
 
     class RefusedAfterTheMaps(FakeDatapath):
-        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+        def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
             self.loads += 1
             assert maps_ready is not None
             maps_ready()
@@ -2379,32 +2383,55 @@ def test_a_reload_whose_attach_failed_is_finished_by_a_full_retry_with_the_socke
     assert len(rig.datapaths) == 2 and second.closed == 0
 
 
-def test_a_failed_xdp_load_leaves_the_tc_programs_serving_and_is_tried_again_every_sync_period(
+def test_a_failed_xdp_load_leaves_the_tc_programs_serving_and_is_tried_again_with_a_backoff(
     rig: Rig, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A load with the XDP programs that fails (the verifier, a cache gone) fails no sync: the first
-    load's tc programs stay on every device, the error names the device and why, and only the
-    periodic syncs (every sync period) try again, not each change."""
+    """A load with the XDP programs that fails (the verifier, memlock, ENOSPC) fails no sync: the
+    first load's tc programs stay on every device, the error names the device and why, and the
+    failure is counted (ekp_xdp_load_failures_total). The load never compiles again (the cached
+    object loaded the tc programs already), and only periodic syncs try again, the first one 60 s
+    after the failure, doubled at each failure up to an hour: each try is seconds under the lock."""
     rig.devices = {"eth0": "veth"}
     rig.xdp_load_error = OSError(28, "No space left on device")
     p = rig.proxier()
+    failed: list[int] = []
+    p.on_xdp_load_failed = lambda: failed.append(1)
     p.sync(STATE, NODE)
     first, attacher = rig.datapaths[-1], rig.attachers[-1]
     attacher.xdp_devices = {7: "eno1"}
     result = p.sync(STATE, NODE, frozenset())
     assert not result.failed
     assert [s.xdp for s in rig.sizes] == [False, True] and rig.datapaths[-1].closed == 1
+    assert rig.datapaths[-1].recompile is False and first.recompile is True
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert errors == [
-        "loading ekp_xdp_net for eno1 failed (OSError: [Errno 28] No space left on device): the tc "
-        "programs serve all of its traffic; tried again every sync period"
+        "loading ekp_xdp_net for eno1 failed (OSError: [Errno 28] No space left on device, 1 time(s) in "
+        "a row): the tc programs serve all of its traffic; tried again by the first periodic sync "
+        "after 60s (ekp_xdp_load_failures_total)"
     ]
+    assert failed == [1]
     assert PROG_XDP not in attacher.fds and first.closed == 0, "the first load's programs serve"
-    p.sync(STATE, NODE, frozenset())
-    assert len(rig.datapaths) == 2, "a change does not try again"
+
+    def loads_after(seconds: float, *, periodic: bool = True) -> int:
+        rig.now += seconds
+        before = len(rig.datapaths)
+        p.sync(STATE, NODE, None if periodic else frozenset())
+        return len(rig.datapaths) - before
+
+    assert loads_after(100, periodic=False) == 0, "a change does not try again"
+    waits = []
+    for _ in range(9):
+        waited = 0
+        while not loads_after(30):
+            waited += 30
+        waits.append(waited + 30)
+    # the first: 100 s had passed already (the change sync above)
+    assert waits == [30, 120, 240, 480, 960, 1920, 3600, 3600, 3600], "doubled, capped at an hour"
+    assert len(failed) == 10
     rig.xdp_load_error = None
+    rig.now += 3600
     p.sync(STATE, NODE)
-    assert len(rig.datapaths) == 3 and PROG_XDP in attacher.fds, "the periodic sync did"
+    assert PROG_XDP in attacher.fds, "the periodic sync after the backoff loaded it"
 
 
 def test_the_lab_agents_builds_are_those_the_tests_reusing_them_load(rig: Rig, tmp_path: Path) -> None:
