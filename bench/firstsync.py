@@ -203,8 +203,8 @@ class _Attacher:
     def start_watcher(self, timeout: float = 5.0) -> None:
         return None
 
-    def stop_watcher(self) -> None:
-        return None
+    def stop_watcher(self) -> bool:
+        return True
 
     @property
     def xdp_wanted(self) -> dict[int, str]:

@@ -215,7 +215,8 @@ class AttacherLike(Protocol):
 
     def start_watcher(self, timeout: float = 5.0) -> None: ...
 
-    def stop_watcher(self) -> None: ...
+    def stop_watcher(self) -> bool:
+        """Whether the watcher thread is gone (it may still be in an attach when not)."""
 
     @property
     def xdp_wanted(self) -> Mapping[int, str]:
@@ -473,6 +474,8 @@ class EbpfProxier:
         # `_finish_reload` gives them the new load's; closed there (or by `_release`), never by a
         # sync's `_close_retired`, which would leave them holding closed fds.
         self._replaced: DatapathLike | None = None
+        # A load with the XDP programs not put in place yet: the watcher did not stop (`_load_xdp`)
+        self._unswapped: DatapathLike | None = None
         self._attacher: AttacherLike | None = None
         self._planner: Planner | None = None
         self._unsure = True  # what the maps hold is unknown: read them back before writing
@@ -1396,12 +1399,55 @@ class EbpfProxier:
         assert self._attacher is not None and self._sizes is not None
         names = ", ".join(sorted(self._attacher.xdp_wanted.values()))
         sizes = replace(self._sizes, xdp=True)
-        log.info(
-            "%s is external and no veth (--bpf-xdp=best-effort tries native XDP there): loading the "
-            "data path again with %s; the tc programs serve meanwhile",
-            names,
-            PROG_XDP,
-        )
+        attacher = self._attacher
+        # loaded by an earlier sync, whose watcher did not stop in time, else now
+        loaded, self._unswapped = self._unswapped, None
+        if loaded is None:
+            log.info(
+                "%s is external and no veth (--bpf-xdp=best-effort tries native XDP there): loading "
+                "the data path again with %s; the tc programs serve meanwhile",
+                names,
+                PROG_XDP,
+            )
+            loaded = self._load_with_xdp(sizes, names)
+            if loaded is None:
+                return
+        if not attacher.stop_watcher():
+            # Still attaching a pod device with `datapath`'s programs: swapped under it, that
+            # attach could put the older program back after the full reconcile. Kept loaded for
+            # the next sync (its restart check starts a watcher again once this one ended).
+            self._unswapped = loaded
+            log.warning(
+                "the data path loaded with %s is put in place by the next sync: the pod-device "
+                "watcher is still in an attach",
+                PROG_XDP,
+            )
+            return
+        self._xdp_failures = 0
+        self._sizes = sizes
+        with self._load_cond:
+            self._replaced = datapath  # closed by `_finish_reload`: its programs may still serve
+            self._datapath = self._opened = loaded
+        # The same pinned maps, which the planners wrote: the next syncs need not read them back,
+        # and a stop before the next sync saves the planner from the load that stays open.
+        if self._synced_with is datapath:
+            self._synced_with = loaded
+        if self._v6_with is datapath:
+            self._v6_with = loaded
+        if self._held6_of is datapath:
+            self._held6_of = loaded
+        self._reattach = True
+        try:
+            attacher.use_programs(_attach_fds(loaded), loaded.maps["port"])
+            attacher.reconcile(node, full=True, keep_external=self._tc_ipv6 and not self._node6_known)
+            self._attached_node = node
+        finally:
+            attacher.start_watcher()
+        self._finish_reload(loaded)
+
+    def _load_with_xdp(self, sizes: MapSizes, names: str) -> DatapathLike | None:
+        """The data path loaded with the XDP programs, or None when that failed (said, counted,
+        and the next try put off)."""
         loaded = self._datapath_factory(self._config.pin_path, sizes)
         try:
             # No compile when the cached object does not load: it loaded the tc programs already,
@@ -1425,30 +1471,8 @@ class EbpfProxier:
                 self._xdp_failures,
                 wait,
             )
-            return
-        self._xdp_failures = 0
-        self._sizes = sizes
-        with self._load_cond:
-            self._replaced = datapath  # closed by `_finish_reload`: its programs may still serve
-            self._datapath = self._opened = loaded
-        # The same pinned maps, which the planners wrote: the next syncs need not read them back,
-        # and a stop before the next sync saves the planner from the load that stays open.
-        if self._synced_with is datapath:
-            self._synced_with = loaded
-        if self._v6_with is datapath:
-            self._v6_with = loaded
-        if self._held6_of is datapath:
-            self._held6_of = loaded
-        self._reattach = True
-        attacher = self._attacher
-        attacher.stop_watcher()
-        try:
-            attacher.use_programs(_attach_fds(loaded), loaded.maps["port"])
-            attacher.reconcile(node, full=True, keep_external=self._tc_ipv6 and not self._node6_known)
-            self._attached_node = node
-        finally:
-            attacher.start_watcher()
-        self._finish_reload(loaded)
+            return None
+        return loaded
 
     def _finish_reload(self, datapath: DatapathLike) -> None:
         """After `_load_xdp`'s programs are on every device: the socket programs' links get them
@@ -1538,6 +1562,11 @@ class EbpfProxier:
         if replaced is not None:
             replaced.close()
 
+    def _close_unswapped(self) -> None:
+        unswapped, self._unswapped = self._unswapped, None
+        if unswapped is not None:
+            unswapped.close()
+
     def _release(self) -> None:
         self._maglev.forget()
         if self._terminator is not None:
@@ -1545,6 +1574,7 @@ class EbpfProxier:
             self._terminator = None
         self._socket_attacher = None
         self._close_replaced()
+        self._close_unswapped()
         with self._load_cond:
             while self._loading:  # a load under way finishes first (its fds are ours to close)
                 self._load_cond.wait()

@@ -154,6 +154,27 @@ def bridged_tap(netns: str, **settings: Any) -> Config:
 
 
 @pytest.mark.kernel
+def test_a_watcher_that_does_not_end_in_time_is_kept_and_said_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """stop_watcher says whether the thread ended: one still in an attach is not forgotten (a
+    start_watcher then would run a second one beside it), and the proxier's reload, told it did
+    not end, puts nothing in place under it (tests/ebpf/test_proxier.py)."""
+    monkeypatch.setattr(attach, "WATCHER_STOP_TIMEOUT", 0.05)
+    attacher = new_attacher(Config(), {})
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, args=(30,), name="ekp-link-watcher")
+    stuck.start()
+    attacher._thread = stuck
+    try:
+        assert attacher.stop_watcher() is False
+        assert attacher.watching
+        attacher.start_watcher(timeout=0.05)
+        assert attacher._thread is stuck, "no second watcher beside it"
+    finally:
+        release.set()
+        stuck.join(5)
+    assert attacher.stop_watcher() is True and not attacher.watching
+
+
 def test_the_watcher_has_looked_at_every_device_when_it_starts(
     netns: str, progs: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -162,6 +162,7 @@ class FakeAttacher:
         self.fds: dict[str, int] = {}  # the programs it attaches (the factory's, then use_programs')
         self.ports: MapWriter | None = None
         self.reconcile_error: Exception | None = None  # what the next reconcile raises
+        self.stuck = 0  # how many next stop_watcher calls find the watcher in an attach, not ended
 
     @property
     def xdp_wanted(self) -> dict[int, str]:
@@ -215,9 +216,13 @@ class FakeAttacher:
         self.log.append("watch")
         self.watching = True
 
-    def stop_watcher(self) -> None:
+    def stop_watcher(self) -> bool:
         self.log.append("stop")
+        if self.stuck:
+            self.stuck -= 1
+            return False  # as Attacher's: still running, told to stop
         self.watching = False
+        return True
 
 
 PROG_FDS = {name: 100 + i for i, name in enumerate(PROGRAMS)}
@@ -2381,6 +2386,42 @@ def test_a_reload_whose_attach_failed_is_finished_by_a_full_retry_with_the_socke
         p.sync(STATE, NODE)
         p.sync6(v6, NODE6)
     assert len(rig.datapaths) == 2 and second.closed == 0
+
+
+def test_a_reload_whose_watcher_did_not_stop_is_put_in_place_by_the_next_sync(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pod-device watcher still in an attach 5 s after being told to stop (Attacher.stop_watcher
+    says it did not end): an attach of its could put the first load's program back after the full
+    reconcile, so the programs are not swapped; the load made is kept, and the next sync puts it in
+    place without loading again. A stop meanwhile closes it."""
+    rig.unavailable = set()
+    rig.devices = {"eth0": "veth"}
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    first, attacher = rig.datapaths[-1], rig.attachers[-1]
+    attacher.xdp_devices = {7: "eno1"}
+    attacher.stuck = 1
+    del rig.events[:]
+    p.sync(STATE, NODE, frozenset())
+    second = rig.datapaths[-1]
+    assert rig.events == ["hand-over OFF", "stop"]
+    assert PROG_XDP not in attacher.fds and first.closed == 0 and second.closed == 0
+    assert any("put in place by the next sync" in r.getMessage() for r in caplog.records)
+    del rig.events[:]
+    p.sync(STATE, NODE, frozenset())
+    assert len(rig.datapaths) == 2, "not loaded again"
+    assert rig.events[:3] == ["stop", "use programs with XDP", "reconcile full=True"]
+    assert attacher.fds[PROG_XDP] == second.prog_fd(PROG_XDP) and first.closed == 1
+
+    rig.devices = {"eth0": "veth"}
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    rig.attachers[-1].xdp_devices = {7: "eno1"}
+    rig.attachers[-1].stuck = 1
+    p.sync(STATE, NODE, frozenset())
+    p.close()
+    assert rig.datapaths[-1].closed == 1, "the load not put in place is closed at a stop"
 
 
 def test_a_failed_xdp_load_leaves_the_tc_programs_serving_and_is_tried_again_with_a_backoff(
