@@ -98,6 +98,8 @@ class FakeDatapath:
 
     @property
     def maps(self) -> Mapping[str, MapWriter]:
+        if self.closed:  # its map fds: a dump through them fails
+            raise OSError(errno.EBADF, "Bad file descriptor (the data path was closed)")
         return self._maps
 
     def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
@@ -2386,6 +2388,31 @@ def test_a_reload_whose_attach_failed_is_finished_by_a_full_retry_with_the_socke
         p.sync(STATE, NODE)
         p.sync6(v6, NODE6)
     assert len(rig.datapaths) == 2 and second.closed == 0
+
+
+def test_a_stop_right_after_a_reload_saves_the_planner_through_the_new_load(
+    rig: Rig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reload shares the pinned maps, so the planners go on with the new load: no read-back at
+    the next syncs, and a clean stop before the next IPv4 sync (after the same iteration's sync6)
+    dumps the maps through the new load's fds to save the planner (through the first load's,
+    closed by then, the dump failed and the next start read every map back)."""
+    from agent.ebpf import snapshot
+
+    rig.snapshot_dir = str(tmp_path / "state")
+    os.makedirs(rig.snapshot_dir)
+    rig.devices = {"eth0": "veth"}
+    v6 = state6([service()], [slice_("fd00:10:244:1::2")])
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    p.sync6(v6, NODE6)
+    rig.attachers[-1].xdp_devices = {7: "eno1"}
+    p.sync(STATE, NODE, frozenset())
+    p.sync6(v6, NODE6, frozenset())
+    assert len(rig.datapaths) == 2 and rig.datapaths[0].closed == 1
+    p.close()
+    assert not [r for r in caplog.records if "could not save the planner" in r.getMessage()]
+    assert Path(snapshot.snapshot_path(rig.snapshot_dir, rig.config.pin_path)).exists()
 
 
 def test_a_reload_whose_watcher_did_not_stop_is_put_in_place_by_the_next_sync(
