@@ -74,7 +74,7 @@ from agent.ebpf.ports import held_outside, parse_port_range, snat_ports_problem
 from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
 from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
-from agent.ebpf.xdp import PROG_XDP, loads_programs
+from agent.ebpf.xdp import PROG_XDP, start_loads_programs
 from agent.errors import FatalError
 from agent.keptrecords import records_path
 from agent.lock import LOCK_DIR
@@ -1067,34 +1067,12 @@ class EbpfProxier:
         verification, 0.15 s of CPU for IPv4's and 0.25 s for IPv6's, would buy nothing; a device
         it would try that appears later loads them then, `_load_xdp`). A restart where such a
         device is external loads them at once, so it reuses what an earlier run's `_load_xdp`
-        pinned. Devices that cannot be read, or none found, count as one that takes XDP."""
-        if self._config.bpf_xdp != "best-effort":
-            return self._config.loads_xdp
-        try:
-            kinds = self._xdp_devices_reader(self._config, self._tc_ipv6)
-        except Exception as exc:
-            log.info(
-                "cannot read the kinds of the external devices (%s): loading %s in case one takes it",
-                exc,
-                PROG_XDP,
-            )
-            return True
-        if not kinds:
-            log.info(
-                "no external device found yet (no device holds a node IP, or none --devices names "
-                "exists): loading %s in case one that is no veth appears (--bpf-xdp=best-effort)",
-                PROG_XDP,
-            )
-        if loads_programs(self._config.bpf_xdp, kinds.values()):
-            return True
-        log.info(
-            "all external devices are veths (%s): %s not loaded (--bpf-xdp=best-effort never attaches "
-            "it to a veth; native or generic would): it is loaded, with the tc programs again, once an "
-            "external device that is no veth appears",
-            ", ".join(sorted(kinds)),
-            PROG_XDP,
-        )
-        return False
+        pinned. Devices that cannot be read, or none found, count as one that takes XDP
+        (agent.ebpf.xdp.start_loads_programs, `agent doctor`'s rule too)."""
+        loads, why = start_loads_programs(self._config, self._tc_ipv6, self._xdp_devices_reader)
+        if why:
+            log.info("%s", why)
+        return loads
 
     def _pinned_grant6(self, maps: Mapping[str, MapWriter]) -> str:
         """The address in the pinned ekp_cfg6 when the grant an earlier run gave with it still holds

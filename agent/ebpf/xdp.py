@@ -27,13 +27,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.ebpf import bpfsys
+
+if TYPE_CHECKING:
+    from agent.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +140,38 @@ def loads_programs(mode: str, kinds: Iterable[str]) -> bool:
         return False
     found = list(kinds)
     return mode != "best-effort" or not found or any(best_effort_tries(kind) for kind in found)
+
+
+def start_loads_programs(
+    config: Config, tc_ipv6: bool, read_kinds: Callable[[Config, bool], Mapping[str, str]]
+) -> tuple[bool, str]:
+    """Whether an agent's start on this node now loads the XDP programs (MapSizes.xdp), and a line
+    saying why where best-effort read the devices ("" otherwise): the one rule of the proxier's
+    load (agent/ebpf/proxier.py `_loads_xdp`, which logs the line) and of `agent doctor`.
+    `read_kinds(config, tc_ipv6)`: name -> rtnetlink kind of each external device
+    (agent.ebpf.attach.external_kinds; with `tc_ipv6`, where the tc IPv6 path serves, the devices
+    holding the IPv6 node addresses too). Devices that cannot be read, or none found, count as
+    one that takes XDP (`loads_programs`)."""
+    if config.bpf_xdp != "best-effort":
+        return config.loads_xdp, ""
+    try:
+        kinds = read_kinds(config, tc_ipv6)
+    except Exception as exc:
+        return True, (
+            f"cannot read the kinds of the external devices ({exc}): loading {PROG_XDP} in case one takes it"
+        )
+    if not kinds:
+        return True, (
+            "no external device found yet (no device holds a node IP, or none --devices names "
+            f"exists): loading {PROG_XDP} in case one that is no veth appears (--bpf-xdp=best-effort)"
+        )
+    if loads_programs(config.bpf_xdp, kinds.values()):
+        return True, ""
+    return False, (
+        f"all external devices are veths ({', '.join(sorted(kinds))}): {PROG_XDP} not loaded "
+        "(--bpf-xdp=best-effort never attaches it to a veth; native or generic would): it is loaded, "
+        "with the tc programs again, once an external device that is no veth appears"
+    )
 
 
 def leaves_alone(ipr: Any, index: int, name: str, mode: str) -> bool:

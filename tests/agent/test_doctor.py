@@ -103,6 +103,31 @@ def test_the_xdp_programs_count_as_loaded_where_the_agent_loads_them(monkeypatch
     assert "XDP" not in line.found, line
 
 
+def test_the_doctor_reads_the_devices_the_agents_load_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The IPv6 node addresses' devices count as external where the agent's tc IPv6 path serves:
+    the settings ask for it (Config.tc_ipv6) and the node runs an IPv6 half (ip6tables works,
+    agent/app.py serves_ipv6), as EbpfProxier's `_tc_ipv6`; a node fallen back to single-stack
+    reads the IPv4 devices only, in the doctor as in the agent."""
+    from agent.config import Config
+    from agent.doctor import facts
+    from agent.ebpf import attach
+    from agent.iptables import runner
+
+    asked: list[bool] = []
+
+    def read(config: Config, *, ipv6: bool) -> dict[str, str]:
+        asked.append(ipv6)
+        return {"eth0": "veth"}
+
+    monkeypatch.setattr(attach, "external_kinds", read)
+    dual = Config(bpf_xdp="best-effort", node_ips=("10.0.0.1", "fd00::1"), socket_lb=True)
+    assert dual.tc_ipv6
+    for missing, want in (("", True), ("ip6tables: not found", False)):
+        monkeypatch.setattr(runner, "ipv6_missing", lambda config, missing=missing: missing)
+        assert facts.xdp_loaded(dual) is False
+        assert asked[-1] is want, missing
+
+
 def test_the_socket_programs_needs_are_nothing_to_warn_about_with_socket_lb_off() -> None:
     """--bpf-socket-lb=false attaches no socket program: a kernel lacking their helpers, their
     program type or a cgroup2 mount is fine, and the line does not say they load."""
