@@ -2236,6 +2236,8 @@ def test_best_effort_loads_no_xdp_program_where_every_external_device_is_a_veth(
         ("best-effort", {}, True),
         ("best-effort", {"eth0": "veth", "eno1": ""}, True),
         ("best-effort", {"bond0": "bond"}, True),
+        ("best-effort", {"br0": "bridge", "eth0": "veth", "vx0": "vxlan"}, False),
+        ("best-effort", {"br0": "bridge", "tap0": "tun"}, True),
         ("best-effort", OSError(2, "no such namespace"), True),
         ("native", {"eth0": "veth"}, True),
         ("generic", {"eth0": "veth"}, True),
@@ -2252,6 +2254,10 @@ def test_best_effort_loads_no_xdp_program_where_every_external_device_is_a_veth(
         "all external devices are veths (eth0, eth1): ekp_xdp_net not loaded (--bpf-xdp=best-effort "
         "never attaches it to a veth; native or generic would): it is loaded, with the tc programs "
         "again, once an external device that is no veth appears",
+        "no external device takes native XDP (br0 bridge, eth0 veth, vx0 vxlan): ekp_xdp_net not loaded "
+        "(--bpf-xdp=best-effort attaches it to no veth, and the bridge and vxlan drivers have none; "
+        "generic would run it): it is loaded, with the tc programs again, once an external device of "
+        "another kind appears",
     ]
     assert any(
         r.getMessage().startswith("no external device found yet") and "loading ekp_xdp_net" in r.getMessage()
