@@ -800,7 +800,8 @@ class Datapath:
         if PROG_XDP_NET6 in fds:
             return f"{tc}, and at XDP in {PROG_XDP_NET6}"
         why = (
-            "no XDP program is (--bpf-xdp=disabled, or best-effort with every external device a veth)"
+            "no XDP program is loaded (--bpf-xdp=disabled, or best-effort with no external device "
+            "taking native XDP)"
             if not self.sizes.xdp
             else "this kernel lacks bpf_xdp_load_bytes, Linux 5.18"
         )
