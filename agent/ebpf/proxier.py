@@ -29,13 +29,14 @@ Lifecycle (kube-proxy's contract, agent/proxier.py):
   When a write fails outright, what the maps hold is no longer known: the next sync reads them back.
   A map too full for a service port's entries fails that port only (SyncResult.failed).
 * With --bpf-xdp=best-effort the load leaves the XDP programs out where every external device is
-  a veth (best-effort attaches none there): `_loads_xdp`. A sync whose attach then finds an
-  external device best-effort would try (Attacher.xdp_wanted) loads the data path again with them
-  (`_load_xdp`: the same build, another load id, from the compile cache) and puts the new load's
-  programs on every device in place of the first's, as a restart with other sizes does, XDP's
-  first try included; the tc programs serve meanwhile, and a load that fails (never compiled
-  again) leaves them serving and is reported, tried again by periodic syncs with a backoff
-  (XDP_RETRY_FIRST doubled up to XDP_RETRY_MAX).
+  a veth, a bridge or a vxlan device (best-effort attaches none there): `_loads_xdp`. A sync
+  whose attach then finds an external device best-effort would try (Attacher.xdp_wanted) loads
+  the data path again with them (`_load_xdp`: the same build, another load id, from the compile
+  cache) and puts the new load's programs on every device in place of the first's, as a restart
+  with other sizes does, XDP's first try included; the tc programs serve meanwhile, and a load
+  that fails (never compiled again) leaves them serving and is reported, tried again by periodic
+  syncs with a backoff (XDP_RETRY_FIRST doubled up to XDP_RETRY_MAX). The first load stays open
+  until the reload is finished (`_finish_reload`, by the next sync when its attach failed).
 * Stopping the agent removes nothing: `close()` only stops the watcher and lets the fds go;
   pinned maps and attached programs keep serving traffic until the next agent re-adopts them.
 * `cleanup()` detaches our filters and socket links, removes our pins and the pin directory, and

@@ -6,9 +6,10 @@ Effects (pyroute2, through the IPRoute of the node's namespace the Attacher hold
   logged once per device, and that device keeps its tc program alone;
 * `generic`: XDP in the kernel's receive path (XDP_FLAGS_SKB_MODE), on any device: after the skb
   is allocated, so it saves less than native, but the verdicts are the same;
-* `best-effort` (the default): native where the driver takes it and the device is no veth, else
-  none, with one log line per device; where every external device is a veth the programs are not
-  even loaded (`loads_programs`), until one that is no veth appears (agent/ebpf/proxier.py);
+* `best-effort` (the default): native where the driver takes it and the device is no veth (nor a
+  kind whose driver has none, NO_NATIVE_XDP), else none, with one log line per device; where every
+  external device is such a one the programs are not even loaded (`loads_programs`), until one of
+  another kind appears (agent/ebpf/proxier.py);
 * `disabled`: none, and any program of ours still attached is removed.
 
 A device holds one XDP program per mode, and native and generic cannot be attached at once: ours in
