@@ -35,11 +35,11 @@ from dataclasses import asdict, dataclass, replace
 
 from agent.config import MapSizes
 from agent.ebpf import bpfsys
-from agent.ebpf.bpfobject import BpfObject, relocate
+from agent.ebpf.bpfobject import BpfObject
 from agent.ebpf.compile import compile_in_child
-from agent.ebpf.link import load_insns
+from agent.ebpf.link import load_program
 from agent.ebpf.loader import Datapath, load_sizes
-from agent.ebpf.programs import PROGRAMS, ProgSpec
+from agent.ebpf.programs import PROGRAMS
 
 LOG_STATS = 4  # BPF_LOG_STATS: the totals only
 LOG_BYTES = 1 << 16
@@ -110,14 +110,9 @@ def _create_maps(obj: BpfObject) -> list[int]:
 
 def _load_once(obj: BpfObject, name: str, map_fds: list[int]) -> tuple[str, float, float]:
     """One load with the verifier's totals: (its log, wall s, thread CPU s)."""
-    prog = obj.program(name)
-    spec = PROGRAMS.get(name, ProgSpec(prog.type))
-    insns, attrs = load_insns(spec, name, relocate(prog, map_fds))
     buf = ctypes.create_string_buffer(LOG_BYTES)
     wall, cpu = time.perf_counter(), time.thread_time()
-    fd = bpfsys.prog_load(
-        prog.type, insns, obj.license, name, obj.kern_version, log=buf, log_level=LOG_STATS, **attrs
-    )
+    fd = load_program(obj, name, map_fds, log=buf, log_level=LOG_STATS)
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
     text = buf.value.decode(errors="replace")
     if fd < 0:

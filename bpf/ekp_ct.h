@@ -77,12 +77,6 @@ struct ekp_flow {
 	__u8 remapped;    /* the reply tuple was taken: moved to another source port */
 	__u8 early_drop;  /* an unanswered flow was evicted for the port */
 	__u8 pad;
-	/* The SNAT port walk's running values (ekp_snat.h: why they live here, not in registers) */
-	__u32 snat_probes;
-	__u16 snat_candidate;
-	__u16 snat_idle;
-	__u16 snat_victim;
-	__u16 pad2;
 };
 
 static __always_inline __u32 ekp_cfg_or(__u32 value, __u32 dflt)

@@ -22,9 +22,13 @@
  * out. Only when every probed port holds an established flow is the flow refused
  * (EKP_DROP_SNAT_PORTS). A taken-over holder loses both entries.
  *
- * bcc 0.26 cannot pass a callback to bpf_loop (its loader leaves the function pointer a plain
- * scalar: "R2 type=scalar expected=func") nor load BPF-to-BPF calls, so this is a bounded loop,
- * verified once per iteration.
+ * The probes run in a bpf_loop callback (ekp_snat_af.h; Linux 5.17) where the kernel has bpf_loop,
+ * else in a bounded loop, which the verifier walks once per iteration for every state it is
+ * entered with (about half of the tc ingress programs' verified instructions). The loader picks
+ * one per node by loading a bpf_loop call (agent/ebpf/snatloop.py), not by the kernel's version
+ * (distributions backport bpf_loop), and compiles it in with EKP_SNAT_BPF_LOOP. bcc compiles the
+ * callback but leaves the reference to it unresolved; the loader links it (agent/ebpf/calls.py,
+ * bpf/README.md "Machine facts").
  */
 #ifndef EKP_SNAT_H
 #define EKP_SNAT_H
@@ -34,6 +38,12 @@
 #include "ekp_maps.h"
 #include "ekp_parse.h"
 #include "ekp_time.h"
+
+/* 1: the walk's probes in a bpf_loop callback; 0: in a bounded loop. The loader always says which
+ * (agent/ebpf/loader.py compile_cflags): a build without it is not one the loader made. */
+#ifndef EKP_SNAT_BPF_LOOP
+#error "EKP_SNAT_BPF_LOOP (1: bpf_loop callback, 0: bounded loop) must be given: agent/ebpf/snatloop.py"
+#endif
 
 #define EKP_SNAT_ATTEMPTS 128 /* NF_NAT_MAX_ATTEMPTS */
 #define EKP_SNAT_PROBES 240   /* 128 + 64 + 32 + 16 */

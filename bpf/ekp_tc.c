@@ -389,6 +389,24 @@ static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void)
 	return ekp_scratch.lookup(&zero);
 }
 
+static __always_inline struct ekp_snat_state *ekp_snat_state_lookup(void)
+{
+	struct ekp_tc_scratch *w = ekp_scratch_lookup();
+	return w ? &w->snat : NULL;
+}
+
+#if EKP_SNAT_BPF_LOOP
+/* The SNAT port walk's probe (ekp_snat_af.h), a bpf_loop callback: not static, so bcc compiles it
+ * as a function of its own (a static one lands in .text, which bcc does not hand out), and with
+ * one parameter (bcc reads a second one as a kprobe's register); the loader links it into the
+ * programs that walk (agent/ebpf/programs.py ProgSpec.callback). */
+long ekp_snat_callback(__u32 i)
+{
+	struct ekp_snat_state *s = ekp_snat_state_lookup();
+	return s ? ekp_snat_probe(s, i) : 1;
+}
+#endif
+
 /* The hand-over mode of this build (struct ekp_handover): private to the build, pinned beside its
  * programs by the loader (agent/ebpf/link.py BUILD_MAPS), so one write switches all of them. */
 BPF_ARRAY(ekp_handover, struct ekp_handover, 1);
@@ -416,6 +434,21 @@ static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void)
 	u32 zero = 0;
 	return ekp_scratch6.lookup(&zero);
 }
+
+static __always_inline struct ekp_snat6_state *ekp_snat6_state_lookup(void)
+{
+	struct ekp_tc6_scratch *w = ekp_scratch6_lookup();
+	return w ? &w->snat : NULL;
+}
+
+#if EKP_SNAT_BPF_LOOP
+/* IPv6's walk probe, as ekp_snat_callback. */
+long ekp_snat6_callback(__u32 i)
+{
+	struct ekp_snat6_state *s = ekp_snat6_state_lookup();
+	return s ? ekp_snat6_probe(s, i) : 1;
+}
+#endif
 
 /* The IPv6 programs, by index (EKP_CALL6_*), filled by the loader (agent/ebpf/link.py) and pinned
  * beside the programs of this build: a separate program per family keeps each one's verification

@@ -134,6 +134,7 @@ struct ekp_tc6_scratch {
 	struct ekp_icmp6_work icmp6; /* the ICMPv6 error answering a segment (ekp_tc6_answer) */
 	struct ekp_fraghold frag;  /* a fragment to hold, or a first fragment saved while the held go
 				    * back (ekp_tc_frag6_hold, ekp_tc_frag6_release) */
+	struct ekp_snat6_state snat; /* the SNAT port walk's (ekp_snat_af.h) */
 };
 
 static __always_inline struct ekp_tc6_scratch *ekp_scratch6_lookup(void);

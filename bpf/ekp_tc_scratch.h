@@ -22,6 +22,7 @@ struct ekp_tc_scratch {
 	struct bpf_fib_lookup fib;
 	struct ekp_icmp_work icmp;
 	struct ekp_fraghold frag; /* a fragment to hold, or a first fragment saved while the held go back */
+	struct ekp_snat_state snat; /* the SNAT port walk's (ekp_snat_af.h) */
 };
 
 static __always_inline struct ekp_tc_scratch *ekp_scratch_lookup(void);

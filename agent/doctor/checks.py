@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from agent.config import Mode
+from agent.ebpf.programs import MIN_KERNEL, kernel_version
 
 # What the data path uses (bpf/): its program type, map kinds and helpers. The kernel release
-# is the first that has all of them and checks a tc route lookup's tot_len against the route's
-# MTU, answering in mtu_result (5.12: before it the tc helper ignored tot_len and left the field,
-# which shares tot_len's bytes, as given, so a too-big answer advertised the packet's own length).
-MIN_KERNEL = (5, 12)
+# (MIN_KERNEL, agent/ebpf/programs.py) is the first that has all of them and checks a tc route
+# lookup's tot_len against the route's MTU, answering in mtu_result (5.12: before it the tc helper
+# ignored tot_len and left the field, which shares tot_len's bytes, as given, so a too-big answer
+# advertised the packet's own length). bpf_loop (5.17, or a backport) is optional: OPTIONAL_HELPER.
 PROGRAM_TYPE = "sched_cls"
 MAP_KINDS = ("hash", "lru_hash", "lpm_trie", "array", "percpu_array")
 HELPERS = (
@@ -54,6 +55,10 @@ SOCKET_HELPERS = (
 # (agent/ebpf/programs.py), and IPv6 goes on from XDP to tc, which does all its work.
 XDP_PROGRAM_TYPE = "xdp"
 XDP_HELPERS = ("bpf_xdp_load_bytes",)
+# Runs the SNAT port walk's probes where the kernel has it; without it the walk is a bounded loop
+# (agent/ebpf/snatloop.py, which asks the kernel itself at the agent's load), the same work per
+# packet, a longer verification at a cold start.
+OPTIONAL_HELPER = "bpf_loop"
 
 
 @dataclass(frozen=True)
@@ -162,19 +167,11 @@ class Facts:
     socket_lb: bool = True  # the socket programs are attached (--bpf-socket-lb)
 
 
-def kernel_version(release: str) -> tuple[int, int]:
-    parts = release.split(".")
-    try:
-        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
-    except (IndexError, ValueError):
-        return 0, 0
-
-
 def checklist(f: Facts) -> list[Line]:
     """Every check for the mode, in the order an operator would fix them."""
     lines = [_privileges(f)]
     if f.mode is Mode.EBPF:
-        lines += [_kernel(f), _features(f), _btf(f), *_ebpf_problems(f), _cgroup2(f)]
+        lines += [_kernel(f), _features(f), *_snat_walk(f), _btf(f), *_ebpf_problems(f), _cgroup2(f)]
     else:
         lines.append(_iptables(f))
     lines += [_forwarding(f), _kube_proxy(f)]
@@ -230,7 +227,7 @@ def _features(f: Facts) -> Line:
             "BPF features",
             "the kernel lacks " + ", ".join(missing),
             "a kernel built with CONFIG_BPF_SYSCALL, CONFIG_NET_CLS_BPF and CONFIG_NET_SCH_INGRESS "
-            "(5.12+), or run --mode=iptables",
+            f"({'.'.join(map(str, MIN_KERNEL))}+), or run --mode=iptables",
         )
     # A hook the flags turn off needs nothing of the kernel: what it would lack changes nothing.
     extra = [
@@ -274,6 +271,28 @@ def _features(f: Facts) -> Line:
     if not hooks:
         return Line(Verdict.OK, "BPF features", found)
     return Line(Verdict.OK, "BPF features", f"{found}; {' and '.join(hooks)} programs too")
+
+
+def _snat_walk(f: Facts) -> list[Line]:
+    """bpf_loop or not: optional, never a FAIL. Unprobed, nothing (the BPF features line says how
+    to probe; the agent asks the kernel itself at its load and logs which walk runs)."""
+    feats = f.features
+    if feats is None or feats.error:
+        return []
+    if OPTIONAL_HELPER in feats.helpers:
+        return [
+            Line(Verdict.OK, "SNAT walk", f"{OPTIONAL_HELPER}: the SNAT walk runs in a bpf_loop callback")
+        ]
+    return [
+        Line(
+            Verdict.WARN,
+            "SNAT walk",
+            f"no {OPTIONAL_HELPER}: the SNAT walk runs in a bounded loop: a cold start verifies longer "
+            "(the same work per packet)",
+            "nothing to do; a kernel with bpf_loop (Linux 5.17+, or a backport) verifies a cold start "
+            "with about a third less work",
+        )
+    ]
 
 
 def _btf(f: Facts) -> Line:

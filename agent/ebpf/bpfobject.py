@@ -9,6 +9,9 @@ compiles maps without pins and hands back:
 * each program's instructions as bcc would load them, and its map references ("relocations"):
   the `ld_imm64` instructions whose source register says BPF_PSEUDO_MAP_FD, by instruction index
   and map;
+* the functions the programs pass to bpf_loop (`functions`: not programs, never loaded, pinned or
+  attached alone), with their own map references: bcc leaves a reference to one unresolved, and
+  agent.ebpf.calls links it into each program that names it (agent/ebpf/programs.py);
 * each map's definition (type, key and value size, max_entries, flags, BTF type ids) and the BTF
   that describes them, so maps created later have the field names `bpftool map dump` shows;
 * the license and kernel version the programs were compiled with.
@@ -27,7 +30,10 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-FORMAT = 1  # of the JSON form; an object of another format is compiled again, never guessed at
+# Of the JSON form (2: with the bpf_loop callbacks, `functions`, and whether the build has them,
+# `bpf_loop`); an object of another format is
+# compiled again, never guessed at
+FORMAT = 2
 INSN = struct.Struct("<BBhi")  # struct bpf_insn: code, dst_reg:4 | src_reg:4, off, imm
 LD_IMM64 = 0x18  # BPF_LD | BPF_IMM | BPF_DW: a 64-bit immediate over two instruction slots
 PSEUDO_MAP_FD = 1  # src_reg of an ld_imm64 whose imm is a map fd
@@ -58,6 +64,15 @@ class ProgDef:
 
 
 @dataclass(frozen=True)
+class FuncDef:
+    """A function of the object that programs call (a bpf_loop callback), not a program itself."""
+
+    name: str
+    insns: bytes
+    relocs: tuple[tuple[int, int], ...]  # (instruction index, index into BpfObject.maps)
+
+
+@dataclass(frozen=True)
 class BpfObject:
     build: str
     license: str
@@ -65,6 +80,10 @@ class BpfObject:
     btf: bytes  # b"" when the compiler's BTF could not be read: maps are then created without it
     maps: tuple[MapDef, ...]
     programs: tuple[ProgDef, ...]
+    functions: tuple[FuncDef, ...] = ()
+    # Whether the build runs the SNAT walk in bpf_loop callbacks (EKP_SNAT_BPF_LOOP=1,
+    # agent/ebpf/snatloop.py): only then does a program's ProgSpec.callback mean anything
+    bpf_loop: bool = True
 
     def map_index(self, name: str) -> int:
         for i, m in enumerate(self.maps):
@@ -78,6 +97,12 @@ class BpfObject:
                 return p
         raise ObjectError(f"build {self.build} has no program {name!r}")
 
+    def function(self, name: str) -> FuncDef:
+        for f in self.functions:
+            if f.name == name:
+                return f
+        raise ObjectError(f"build {self.build} has no function {name!r}")
+
     def to_json(self) -> bytes:
         doc = {
             "format": FORMAT,
@@ -85,6 +110,7 @@ class BpfObject:
             "license": self.license,
             "kern_version": self.kern_version,
             "btf": base64.b64encode(self.btf).decode(),
+            "bpf_loop": self.bpf_loop,
             "maps": [m.__dict__ for m in self.maps],
             "programs": [
                 {
@@ -94,6 +120,14 @@ class BpfObject:
                     "relocs": [list(r) for r in p.relocs],
                 }
                 for p in self.programs
+            ],
+            "functions": [
+                {
+                    "name": f.name,
+                    "insns": base64.b64encode(f.insns).decode(),
+                    "relocs": [list(r) for r in f.relocs],
+                }
+                for f in self.functions
             ],
         }
         return json.dumps(doc, sort_keys=True).encode()
@@ -115,6 +149,14 @@ class BpfObject:
                 )
                 for p in doc["programs"]
             )
+            functions = tuple(
+                FuncDef(
+                    name=str(f["name"]),
+                    insns=base64.b64decode(f["insns"], validate=True),
+                    relocs=tuple((int(i), int(m)) for i, m in f["relocs"]),
+                )
+                for f in doc["functions"]
+            )
             obj = cls(
                 build=str(doc["build"]),
                 license=str(doc["license"]),
@@ -122,6 +164,8 @@ class BpfObject:
                 btf=base64.b64decode(doc["btf"], validate=True),
                 maps=maps,
                 programs=programs,
+                functions=functions,
+                bpf_loop=bool(doc["bpf_loop"]),
             )
         except ObjectError:
             raise
@@ -129,6 +173,13 @@ class BpfObject:
             raise ObjectError(f"not a compiled data path object: {exc}") from exc
         for p in obj.programs:
             check_relocs(p, len(obj.maps))
+        for f in obj.functions:
+            check_relocs(f, len(obj.maps))
+        if obj.functions and not obj.bpf_loop:
+            raise ObjectError(
+                "a build without bpf_loop callbacks holds functions: "
+                + ", ".join(f.name for f in obj.functions)
+            )
         return obj
 
 
@@ -157,7 +208,7 @@ def find_relocs(insns: bytes, map_of_fd: Mapping[int, int]) -> tuple[tuple[int, 
     return tuple(out)
 
 
-def check_relocs(prog: ProgDef, nmaps: int) -> None:
+def check_relocs(prog: ProgDef | FuncDef, nmaps: int) -> None:
     """Every relocation names an ld_imm64 of a map fd and a map of the object."""
     count = len(prog.insns) // INSN.size
     if len(prog.insns) % INSN.size or not prog.insns:
@@ -170,7 +221,7 @@ def check_relocs(prog: ProgDef, nmaps: int) -> None:
             raise ObjectError(f"program {prog.name}: instruction {insn} does not load a map")
 
 
-def relocate(prog: ProgDef, fds: Sequence[int]) -> bytes:
+def relocate(prog: ProgDef | FuncDef, fds: Sequence[int]) -> bytes:
     """The program's instructions with each map reference bound to `fds[map index]`."""
     out = bytearray(prog.insns)
     for insn, m in prog.relocs:

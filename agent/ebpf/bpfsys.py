@@ -66,8 +66,9 @@ _MAP_CREATE = struct.Struct("=IIIIIII16sIIIIIQ")
 # prog_type, insn_cnt, insns, license, log_level, log_size, log_buf, kern_version, prog_flags,
 # prog_name[16], prog_ifindex, expected_attach_type, prog_btf_fd, func_info_rec_size, func_info,
 # func_info_cnt, line_info_rec_size, line_info, line_info_cnt, attach_btf_id, attach_prog_fd
-# (no BTF of the program's own: func_info_cnt 0 ignores prog_btf_fd)
+# (no line info; func_info only for a program that calls functions of its own, whose BTF it is)
 _PROG_LOAD = struct.Struct("=IIQQIIQII16sIIIIQIIQIII")
+FUNC_INFO_SIZE = 8  # struct bpf_func_info: insn_off, type_id
 # link_create: prog_fd, target_fd, attach_type, flags, then (iterators) iter_info, iter_info_len
 _LINK_CREATE = struct.Struct("=IIIIQI")
 # link_create for tcx (Linux 6.6): prog_fd, target_ifindex, attach_type, flags, then
@@ -215,13 +216,18 @@ def prog_load(
     expected_attach_type: int = 0,
     attach_btf_id: int = 0,
     log_level: int = 1,
+    prog_btf_fd: int = 0,
+    func_info: bytes = b"",
 ) -> int:
     """Load a program; its fd. `log` (a ctypes char buffer) receives the verifier's log when given,
     at `log_level` (1: the instructions walked, on failure; 4, BPF_LOG_STATS: only the totals,
     "processed N insns ... peak_states N" and "verification time N usec").
     `expected_attach_type`: the hook a cgroup or tracing program is for (the kernel wants it at
-    load); `attach_btf_id`: an iterator's target, the BTF id of its bpf_iter_<target> function."""
+    load); `attach_btf_id`: an iterator's target, the BTF id of its bpf_iter_<target> function.
+    `prog_btf_fd` and `func_info` (struct bpf_func_info records: instruction offset, FUNC type id in
+    that BTF): the functions of a program that calls others (agent/ebpf/calls.py)."""
     code = ctypes.create_string_buffer(insns, len(insns))
+    finfo = ctypes.create_string_buffer(func_info, len(func_info)) if func_info else None
     lic = ctypes.create_string_buffer(license.encode())
     attr = _attr(
         _PROG_LOAD,
@@ -237,10 +243,10 @@ def prog_load(
         name.encode()[:15],
         0,
         expected_attach_type,
-        0,
-        0,
-        0,
-        0,
+        prog_btf_fd,
+        FUNC_INFO_SIZE if func_info else 0,
+        _addr(finfo),
+        len(func_info) // FUNC_INFO_SIZE,
         0,
         0,
         0,

@@ -41,7 +41,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from agent.ebpf import bpfsys
-from agent.ebpf.bpfobject import BpfObject, MapDef, ObjectError, ProgDef, find_relocs
+from agent.ebpf.bpfobject import BpfObject, FuncDef, MapDef, ObjectError, ProgDef, find_relocs
+from agent.ebpf.programs import callbacks
+from agent.ebpf.snatloop import build_has_bpf_loop
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +114,12 @@ def build_id(source: str, cflags: Sequence[str], abi_version: int, prog_types: M
     """What decides the compiled programs, hashed (12 hex digits). `-I` flags are left out: the
     source has its local headers inlined, so where the tree lies does not matter. `prog_types`
     (program name -> BPF prog type) is in: the compile child records each program's type in the
-    object, so a changed type must not load a cached object of the old one."""
+    object, so a changed type must not load a cached object of the old one; so are the callbacks
+    they pass (agent/ebpf/programs.py), the functions the child puts in the object beside them."""
     h = hashlib.sha256()
     flags = "\0".join(f for f in cflags if not f.startswith("-I"))
     progs = "\0".join(f"{name}={kind}" for name, kind in sorted(prog_types.items()))
+    progs += "\0" + "\0".join(callbacks(prog_types))
     for part in (source, flags, str(abi_version), progs, platform.release(), kernel_headers(), bcc_version()):
         h.update(part.encode())
         h.update(b"\0")
@@ -176,7 +180,13 @@ def compile_in_child(
 ) -> tuple[BpfObject, float]:
     """Run the compiler child; the object it compiled and its wall time. Raises RuntimeError with
     its stderr."""
-    args = {"entry_file": str(entry_file), "cflags": list(cflags), "build": build, "programs": dict(programs)}
+    args = {
+        "entry_file": str(entry_file),
+        "cflags": list(cflags),
+        "build": build,
+        "programs": dict(programs),
+        "bpf_loop": build_has_bpf_loop(cflags),
+    }
     started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "agent.ebpf.compile", json.dumps(args)],
@@ -253,6 +263,13 @@ def _child(raw: str) -> int:
         for name, prog_type in args["programs"].items():
             insns = bpf.dump_func(name.encode())
             programs.append(ProgDef(name, int(prog_type), insns, find_relocs(insns, map_of_fd)))
+        # The bpf_loop callbacks they pass: functions of their own to bcc (non-static C functions),
+        # linked into each program that names one when it is loaded (agent/ebpf/calls.py).
+        # None in a build whose walk is a bounded loop (EKP_SNAT_BPF_LOOP=0): the C defines none.
+        functions = []
+        for name in callbacks(args["programs"]) if args["bpf_loop"] else []:
+            insns = bpf.dump_func(name.encode())
+            functions.append(FuncDef(name, insns, find_relocs(insns, map_of_fd)))
         obj = BpfObject(
             build=args["build"],
             license=lib.bpf_module_license(bpf.module).decode(),
@@ -260,6 +277,8 @@ def _child(raw: str) -> int:
             btf=btf,
             maps=tuple(maps),
             programs=tuple(programs),
+            functions=tuple(functions),
+            bpf_loop=bool(args["bpf_loop"]),
         )
     finally:
         bpf.cleanup()

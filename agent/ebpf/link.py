@@ -10,8 +10,9 @@ pin directory (libbpf's pinned-map reuse works the same way):
   (`sizes`, by map name) where it gives one: the object declares a placeholder for the maps sized at
   load (agent/ebpf/loader.py compile_cflags), so one compile serves every size;
 * any other map of the object (the programs' scratch memory) is created for this load alone;
-* each program of `programs` (default: every one of the object) gets those maps' fds written into
-  its instructions, is loaded as its ProgSpec says (agent/ebpf/programs.py: the hook of a socket
+* each program of `programs` (default: every one of the object) gets the bpf_loop callback its
+  ProgSpec names linked in (agent/ebpf/calls.py), those maps' fds written into its
+  instructions, is loaded as its ProgSpec says (agent/ebpf/programs.py: the hook of a socket
   program, an iterator's target, kfunc calls patched in), and is pinned at the path
   `prog_path(name)` gives (replacing an older pin of the same name);
 * each program array (agent/ebpf/programs.py TAIL_CALLS) gets its programs and is pinned at
@@ -29,13 +30,15 @@ import ctypes
 import errno
 import logging
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
+from typing import Any
 
 from agent.ebpf import bpfsys
-from agent.ebpf.bpfobject import BpfObject, MapDef, relocate
+from agent.ebpf.bpfobject import BpfObject, FuncDef, MapDef, ObjectError, relocate
 from agent.ebpf.btf import BtfError, vmlinux_func_ids
+from agent.ebpf.calls import func_btf, link_callback
 from agent.ebpf.kfunc import patch_kfunc_calls
 from agent.ebpf.maps import map_info
 from agent.ebpf.programs import BUILD_MAPS, PROGRAMS, TAIL_CALLS, ProgSpec
@@ -115,16 +118,62 @@ def load_insns(spec: ProgSpec, name: str, insns: bytes) -> tuple[bytes, dict[str
     return insns, attrs
 
 
-def _load(obj: BpfObject, name: str, fds: list[int]) -> int:
+def callback_of(obj: BpfObject, spec: ProgSpec) -> FuncDef | None:
+    """The callback to link into a program of `spec`: the one it names, in a build with bpf_loop
+    callbacks (ObjectError if the build lacks it); none in a build without (EKP_SNAT_BPF_LOOP=0,
+    agent/ebpf/snatloop.py), where the same program walks in a bounded loop and an unresolved
+    reference in it is then refused like any other (link_callback)."""
+    if not obj.bpf_loop or not spec.callback:
+        return None
+    return obj.function(spec.callback)
+
+
+def load_program(obj: BpfObject, name: str, fds: Sequence[int], log: Any = None, log_level: int = 1) -> int:
+    """BPF_PROG_LOAD of program `name` of `obj` with the map fds `fds` (by map index): its bpf_loop
+    callback linked in with the BTF that needs (agent/ebpf/calls.py), kfunc calls patched, the
+    attributes of its spec (load_insns). The fd, or -errno (the verifier's log in `log` when given).
+    LinkError when it cannot be linked."""
     prog = obj.program(name)
     spec = PROGRAMS.get(name, ProgSpec(prog.type))
-    insns, attrs = load_insns(spec, name, relocate(prog, fds))
-    fd = bpfsys.prog_load(prog.type, insns, obj.license, name, obj.kern_version, **attrs)
+    try:
+        linked = link_callback(prog, callback_of(obj, spec))
+    except ObjectError as e:
+        raise LinkError(f"linking program {name} (build {obj.build}): {e}") from e
+    insns, attrs = load_insns(spec, name, relocate(linked.prog, fds))
+    btf_fd, func_info = -1, b""
+    if linked.func_info:
+        btf, func_info = func_btf(linked.func_info)
+        btf_fd = bpfsys.btf_load(btf)
+        if btf_fd < 0:
+            raise LinkError(
+                f"loading program {name}: the kernel refused the BTF of its functions: {os.strerror(-btf_fd)}"
+            )
+    try:
+        return bpfsys.prog_load(
+            prog.type,
+            insns,
+            obj.license,
+            name,
+            obj.kern_version,
+            log,
+            log_level=log_level,
+            expected_attach_type=attrs["expected_attach_type"],
+            attach_btf_id=attrs["attach_btf_id"],
+            prog_btf_fd=max(btf_fd, 0),
+            func_info=func_info,
+        )
+    finally:
+        if btf_fd >= 0:
+            os.close(btf_fd)
+
+
+def _load(obj: BpfObject, name: str, fds: list[int]) -> int:
+    fd = load_program(obj, name, fds)
     if fd >= 0:
         return fd
     # Again with the verifier's log, for the message (as libbpf does).
     buf = ctypes.create_string_buffer(VERIFIER_LOG_BYTES)
-    again = bpfsys.prog_load(prog.type, insns, obj.license, name, obj.kern_version, log=buf, **attrs)
+    again = load_program(obj, name, fds, log=buf)
     if again >= 0:
         return again
     text = buf.value.decode(errors="replace").strip()

@@ -99,6 +99,7 @@ from agent.ebpf.programs import (
     available_programs,
     kernel_needs,
 )
+from agent.ebpf.snatloop import SnatWalk, decide
 from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
@@ -478,10 +479,11 @@ def load_sized(spec: MapSpec) -> bool:
     return spec.role in TC6_ROLES or spec.role in CT_QUEUES.values() or spec.sized_by in _SIZE_FIELDS
 
 
-def compile_cflags(sizes: MapSizes, bpf_dir: Path) -> list[str]:
+def compile_cflags(sizes: MapSizes, bpf_dir: Path, walk: SnatWalk) -> list[str]:
     """The compiler's flags: no size a MapSizes can change reaches the C (SIZE_AT_LOAD), the Maglev
-    table size alone, which is ekp_maglev's value layout."""
-    flags = [f"-I{bpf_dir}"]
+    table size alone, which is ekp_maglev's value layout; and the SNAT walk's driver (`walk`,
+    agent/ebpf/snatloop.py), so a node without bpf_loop has a build of its own."""
+    flags = [f"-I{bpf_dir}", walk.cflag]
     flags += [
         f"-D{spec.size_macro}={SIZE_AT_LOAD if load_sized(spec) else map_size(spec, sizes)}"
         for spec in MAPS.values()
@@ -558,13 +560,21 @@ class Datapath:
         self._maps: dict[str, BpfMap] = {}
         self._programs: dict[str, ProgSpec] = {}
         self._build: str | None = None
+        self._walk: SnatWalk | None = None
 
     @property
     def entry_file(self) -> Path:
         return self.bpf_dir / ENTRY_FILE
 
+    def snat_walk(self) -> SnatWalk:
+        """The SNAT port walk's driver of this data path (agent/ebpf/snatloop.py decide), decided
+        once: its build id must not change under a loaded data path."""
+        if self._walk is None:
+            self._walk = decide()
+        return self._walk
+
     def cflags(self) -> list[str]:
-        return compile_cflags(self.sizes, self.bpf_dir)
+        return compile_cflags(self.sizes, self.bpf_dir, self.snat_walk())
 
     def programs(self) -> dict[str, ProgSpec]:
         """The programs this data path loads: those this kernel can load (a kernel lacking what the
@@ -720,7 +730,7 @@ class Datapath:
                 log.info("unpinned programs of another load: %s", ", ".join(old))
             log.info(
                 "data path %s, build %s (ABI v%d, %d programs pinned as ekp_prog_%s_*, maps under %s), "
-                "ready in %.2fs",
+                "ready in %.2fs; %s",
                 how,
                 self.build(),
                 ABI_VERSION,
@@ -728,6 +738,7 @@ class Datapath:
                 build,
                 self.pin_path,
                 time.monotonic() - started,
+                self.snat_walk().describe(),
             )
             if not self._maps:
                 opened()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from agent.config import DEFAULT_PIN_PATH
 from agent.ebpf.loader import BPFFS_ROOT, fs_type
 from agent.ebpf.pindir import pin_dir_problems
+from agent.ebpf.programs import MIN_KERNEL, kernel_version
 from agent.errors import FatalError
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ def check(pin_path: str) -> Findings:
     found = out.errors
     if os.geteuid() != 0:
         found.append("eBPF mode needs root (CAP_BPF, CAP_NET_ADMIN): run the agent as root")
+    found += kernel_problems(platform.release())
     found += toolchain_problems()
     if not pin_path.startswith("/"):
         found.append(f"--bpf-pin-path must be absolute, got {pin_path!r}")
@@ -44,6 +46,17 @@ def check(pin_path: str) -> Findings:
     if not os.path.exists("/sys/kernel/btf/vmlinux"):
         out.warnings.append("the kernel has no BTF (/sys/kernel/btf/vmlinux): bpftool dumps lack field names")
     return out
+
+
+def kernel_problems(release: str) -> list[str]:
+    """Why the data path cannot load on kernel `release` ([] when it can)."""
+    if kernel_version(release) >= MIN_KERNEL:
+        return []
+    need = ".".join(map(str, MIN_KERNEL))
+    return [
+        f"the kernel is {release}, and the data path needs Linux {need} or later (its tc route "
+        f"lookup's MTU answer): upgrade the node's kernel to {need}+, or run --mode=iptables"
+    ]
 
 
 def toolchain_problems() -> list[str]:

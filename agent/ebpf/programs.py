@@ -20,7 +20,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+# The oldest kernel the data path loads on (agent/doctor/checks.py HELPERS: 5.12, its tc route
+# lookup's MTU answer). bpf_loop (5.17) is not needed: where the kernel lacks it the SNAT port
+# walk is a bounded loop (agent/ebpf/snatloop.py)
+MIN_KERNEL = (5, 12)
+
+
+def kernel_version(release: str) -> tuple[int, int]:
+    """(major, minor) of a kernel release string such as "6.18.0-1-amd64"; (0, 0) if unreadable."""
+    parts = release.split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return 0, 0
+
 
 # enum bpf_prog_type
 PROG_SCHED_CLS = 3
@@ -53,6 +69,9 @@ class ProgSpec:
     # Kernel functions (BTF FUNC names: helpers, kfuncs, iterator targets) the program cannot load
     # without; a kernel lacking one loads the data path without it (available_programs)
     needs: tuple[str, ...] = ()
+    # The bpf_loop callback the program passes (a function of the object, bpf/ekp_tc.c), linked into
+    # it at load (agent/ebpf/calls.py); "" none: an unresolved reference in it is then an error
+    callback: str = ""
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -60,6 +79,7 @@ class ProgSpec:
             "attach": self.attach_type,
             "iter": self.iter_target,
             "kfuncs": [list(k) for k in self.kfuncs],
+            "callback": self.callback,
         }
 
 
@@ -111,19 +131,26 @@ SOCK_HOOKS: dict[str, tuple[str, int]] = {
 SOCK_NEEDS = ("bpf_set_retval", "bpf_get_netns_cookie_sock_addr")
 TERM_NEEDS = ("bpf_sock_destroy", "bpf_iter_udp")
 # XDP's IPv6 path reads the header chain with bpf_xdp_load_bytes (Linux 5.18; the data path's
-# minimum is 5.12): without it ekp_xcalls6 stays empty and IPv6 goes on from XDP to tc, which does
+# minimum is 5.12, MIN_KERNEL): without it ekp_xcalls6 stays empty and IPv6 goes on from XDP to tc, which does
 # all its work. bpf_xdp_load_bytes is a helper of XDP programs alone: agent/doctor's XDP_HELPERS.
 XDP6_NEEDS = ("bpf_xdp_load_bytes",)
 
+# The SNAT port walk's probes (bpf/ekp_snat_af.h), one callback per family, passed by every program
+# that creates source-translated flows: tc's ingress and XDP. Only in a build with bpf_loop
+# (EKP_SNAT_BPF_LOOP=1): in the other the same programs walk in a bounded loop and link nothing
+# (agent/ebpf/link.py callback_of)
+SNAT_CALLBACK = "ekp_snat_callback"
+SNAT6_CALLBACK = "ekp_snat6_callback"
+
 PROGRAMS: dict[str, ProgSpec] = {
-    PROG_FROM_POD: ProgSpec(PROG_SCHED_CLS),
-    PROG_FROM_NET: ProgSpec(PROG_SCHED_CLS),
+    PROG_FROM_POD: ProgSpec(PROG_SCHED_CLS, callback=SNAT_CALLBACK),
+    PROG_FROM_NET: ProgSpec(PROG_SCHED_CLS, callback=SNAT_CALLBACK),
     PROG_EGRESS: ProgSpec(PROG_SCHED_CLS),
-    PROG_FROM_POD6: ProgSpec(PROG_SCHED_CLS),
-    PROG_FROM_NET6: ProgSpec(PROG_SCHED_CLS),
+    PROG_FROM_POD6: ProgSpec(PROG_SCHED_CLS, callback=SNAT6_CALLBACK),
+    PROG_FROM_NET6: ProgSpec(PROG_SCHED_CLS, callback=SNAT6_CALLBACK),
     PROG_EGRESS6: ProgSpec(PROG_SCHED_CLS),
-    PROG_XDP_NET: ProgSpec(PROG_XDP),
-    PROG_XDP_NET6: ProgSpec(PROG_XDP, needs=XDP6_NEEDS),
+    PROG_XDP_NET: ProgSpec(PROG_XDP, callback=SNAT_CALLBACK),
+    PROG_XDP_NET6: ProgSpec(PROG_XDP, needs=XDP6_NEEDS, callback=SNAT6_CALLBACK),
     **{
         name: ProgSpec(
             PROG_CGROUP_SOCK if attach == ATTACH_CGROUP_INET_SOCK_RELEASE else PROG_CGROUP_SOCK_ADDR,
@@ -140,6 +167,11 @@ PROGRAMS: dict[str, ProgSpec] = {
         needs=TERM_NEEDS,
     ),
 }
+
+
+def callbacks(names: Iterable[str]) -> list[str]:
+    """The callbacks the programs `names` pass (those of PROGRAMS), each once, sorted."""
+    return sorted({PROGRAMS[n].callback for n in names if n in PROGRAMS and PROGRAMS[n].callback})
 
 
 def kernel_needs() -> set[str]:

@@ -14,6 +14,7 @@ from agent.config import Mode
 from agent.doctor.checks import (
     HELPERS,
     MAP_KINDS,
+    OPTIONAL_HELPER,
     SOCKET_HELPERS,
     XDP_HELPERS,
     ApiFacts,
@@ -23,16 +24,16 @@ from agent.doctor.checks import (
     Line,
     Verdict,
     checklist,
-    kernel_version,
     render,
 )
 from agent.doctor.facts import parse_bpftool_features, unlocked_route_mtus
+from agent.ebpf.programs import kernel_version
 
 BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
 FEATURES = BpfFeatures(
     program_types=frozenset({"sched_cls", "xdp", "cgroup_sock_addr"}),
     map_kinds=frozenset(MAP_KINDS),
-    helpers=frozenset(HELPERS),
+    helpers=frozenset(HELPERS) | {OPTIONAL_HELPER},
     socket_helpers=frozenset(SOCKET_HELPERS),
     xdp_helpers=frozenset(XDP_HELPERS),
 )
@@ -189,8 +190,15 @@ def test_both_optional_program_types_missing_name_both_hooks() -> None:
         ({"kernel": "5.4.0-150-generic"}, "kernel", Verdict.FAIL, "upgrade the node's kernel to 5.12+"),
         # 5.11's tc route lookup leaves mtu_result as the tot_len given: a black-hole MTU
         ({"kernel": "5.11.22-generic"}, "kernel", Verdict.FAIL, "upgrade the node's kernel to 5.12+"),
+        # 5.12-5.16: no bpf_loop, so the SNAT walk is a bounded loop: optional, a WARN
         (
-            {"features": replace(FEATURES, helpers=frozenset(HELPERS) - {"bpf_redirect_neigh"})},
+            {"features": replace(FEATURES, helpers=frozenset(HELPERS))},
+            "SNAT walk",
+            Verdict.WARN,
+            "nothing to do; a kernel with bpf_loop (Linux 5.17+, or a backport)",
+        ),
+        (
+            {"features": replace(FEATURES, helpers=FEATURES.helpers - {"bpf_redirect_neigh"})},
             "BPF features",
             Verdict.FAIL,
             "CONFIG_NET_CLS_BPF",
@@ -298,6 +306,21 @@ def test_each_problem_is_its_own_line_with_what_to_do(
         assert "will not work here until fixed" in text
 
 
+def test_a_5_15_node_without_bpf_loop_is_ready_with_a_warning_naming_the_bounded_loop() -> None:
+    facts = replace(GOOD, kernel="5.15.0-91-generic", features=replace(FEATURES, helpers=frozenset(HELPERS)))
+    lines = checklist(facts)
+    line = by_check(lines)["SNAT walk"]
+    assert (
+        line.verdict is Verdict.WARN and "runs in a bounded loop: a cold start verifies longer" in line.found
+    )
+    assert [x.check for x in lines if x.verdict is not Verdict.OK] == ["SNAT walk"]
+    assert "will not work here" not in render(facts, lines)
+    ok = by_check(checklist(GOOD))["SNAT walk"]
+    assert (ok.verdict, ok.found) == (Verdict.OK, "bpf_loop: the SNAT walk runs in a bpf_loop callback")
+    # unprobed (no bpftool): no line of its own; the BPF features line says how to probe
+    assert "SNAT walk" not in by_check(checklist(replace(GOOD, features=BpfFeatures(error="no bpftool"))))
+
+
 def test_iptables_mode_checks_iptables_not_the_bpf_side() -> None:
     facts = replace(GOOD, mode=Mode.IPTABLES, features=None, kernel="4.19.0", cgroup2="")
     checks = {line.check for line in checklist(facts)}
@@ -324,7 +347,8 @@ def test_the_helper_list_is_every_helper_the_data_path_calls() -> None:
     source = "".join(p.read_text() for p in sorted(BPF_DIR.glob("ekp_*.[ch]")))
     called = set(re.findall(r"\b(bpf_[a-z0-9_]+)\(", source))
     called |= {f"bpf_{m}" for m in re.findall(r"BPF_FUNC_([a-z0-9_]+)", source)}
-    assert called == set(HELPERS) | set(SOCKET_HELPERS) | set(XDP_HELPERS)
+    assert called == set(HELPERS) | set(SOCKET_HELPERS) | set(XDP_HELPERS) | {OPTIONAL_HELPER}
+    assert OPTIONAL_HELPER not in HELPERS, "a kernel without bpf_loop runs the bounded loop: no FAIL"
     assert not set(XDP_HELPERS) & set(HELPERS), (
         "probed for xdp alone: a sched_cls probe would FAIL every node"
     )

@@ -31,6 +31,26 @@ def test_missing_pieces_name_the_remedy(monkeypatch: pytest.MonkeyPatch) -> None
     assert all("--mode=iptables" in p for p in found if "bcc" in p or "headers" in p)
 
 
+@pytest.mark.parametrize(
+    ("release", "fails"),
+    [("5.11.22-generic", True), ("5.12.0", False), ("5.15.0-91-generic", False), ("6.18.0-1-amd64", False)],
+)
+def test_a_kernel_older_than_the_minimum_is_named_with_the_remedy(release: str, fails: bool) -> None:
+    """5.12-5.16 lack bpf_loop and load all the same (the SNAT walk in a bounded loop)."""
+    found = preflight.kernel_problems(release)
+    assert bool(found) is fails
+    if fails:
+        assert found[0].startswith(f"the kernel is {release}, and the data path needs Linux 5.12 or later")
+        assert found[0].endswith(": upgrade the node's kernel to 5.12+, or run --mode=iptables")
+
+
+def test_the_start_checks_the_running_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("agent.ebpf.preflight.platform.release", lambda: "5.11.22-generic")
+    assert any("Linux 5.12 or later" in p for p in preflight.check("/sys/fs/bpf/ebpf-kube-proxy").errors)
+    monkeypatch.setattr("agent.ebpf.preflight.platform.release", lambda: "5.15.0-91-generic")
+    assert not any("Linux 5.12" in p for p in preflight.check("/sys/fs/bpf/ebpf-kube-proxy").errors)
+
+
 MOUNTS = """\
 sysfs /sys sysfs rw 0 0
 tmpfs /tmp tmpfs rw 0 0

@@ -1,0 +1,207 @@
+"""The bpf_loop callback linker (agent/ebpf/calls.py): call sites patched, the callback appended with
+its map references, the func BTF; and every object it cannot map without guessing refused."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from agent.config import MapSizes
+from agent.ebpf.bpfobject import INSN, BpfObject, FuncDef, MapDef, ObjectError, ProgDef
+from agent.ebpf.btf import func_ids
+from agent.ebpf.calls import FIRST_FUNC_ID, PSEUDO_FUNC, CallError, func_btf, link_callback, unresolved
+from agent.ebpf.link import LinkError, load_program
+from agent.ebpf.loader import Datapath
+from agent.ebpf.programs import (
+    PROG_EGRESS,
+    PROG_FROM_NET,
+    PROG_FROM_NET6,
+    PROG_FROM_POD,
+    PROG_FROM_POD6,
+    PROG_XDP_NET,
+    PROG_XDP_NET6,
+    PROGRAMS,
+)
+from bench.verifycost import the_object
+
+
+def insn(code: int, src: int = 0, dst: int = 0, off: int = 0, imm: int = 0) -> bytes:
+    return INSN.pack(code, src << 4 | dst, off, imm)
+
+
+LD_IMM64 = 0x18
+MOV = 0xB7  # BPF_ALU64 | BPF_MOV | BPF_K
+CALL = 0x85
+EXIT = 0x95
+LOOP = 181  # BPF_FUNC_loop
+MAP_LOOKUP = 1
+
+
+def loop_call(dst: int = 2, between: bytes = b"", helper: int = LOOP) -> bytes:
+    """bpf_loop(8, <unresolved>, NULL, 0) as clang emits it: the callback's 64-bit load of 0."""
+    return b"".join(
+        [
+            insn(MOV, dst=1, imm=8),
+            insn(LD_IMM64, dst=dst),
+            insn(0),
+            insn(MOV, dst=3),
+            insn(MOV, dst=4),
+            between,
+            insn(CALL, imm=helper),
+        ]
+    )
+
+
+# 0: r1 = map (fd); 2-7: the loop (3: the callback's load); 8: r0 = 0; 9: exit
+PROGRAM = insn(LD_IMM64, src=1, dst=1, imm=7) + insn(0) + loop_call() + insn(MOV) + insn(EXIT)
+# 0: r1 = map; 2: r0 = 0; 3: exit
+CALLBACK = insn(LD_IMM64, src=1, dst=1, imm=9) + insn(0) + insn(MOV) + insn(EXIT)
+
+
+def prog(insns: bytes = PROGRAM) -> ProgDef:
+    return ProgDef("ekp_from_pod", 3, insns, ((0, 0),))
+
+
+def callback(insns: bytes = CALLBACK) -> FuncDef:
+    return FuncDef("ekp_snat_callback", insns, ((0, 1),))
+
+
+def test_the_call_site_points_at_the_callback_appended_after_the_program() -> None:
+    linked = link_callback(prog(), callback())
+    out = linked.prog.insns
+    start = len(PROGRAM) // INSN.size
+    assert out == out[: len(PROGRAM)] + CALLBACK and start == 10
+    code, regs, off, imm = INSN.unpack_from(out, 3 * INSN.size)
+    # the offset counts from the instruction after the load: 3 + 1 + 6 = 10
+    assert (code, regs >> 4, regs & 0x0F, off, imm) == (LD_IMM64, PSEUDO_FUNC, 2, 0, 6)
+    changed = [i for i in range(start) if out[i * 8 : i * 8 + 8] != PROGRAM[i * 8 : i * 8 + 8]]
+    assert changed == [3]
+    # the callback's map reference moves with it; the program's stays
+    assert linked.prog.relocs == ((0, 0), (10, 1))
+    assert linked.func_info == ((0, "ekp_from_pod"), (10, "ekp_snat_callback"))
+    assert (linked.prog.name, linked.prog.type) == ("ekp_from_pod", 3)
+
+
+def test_every_call_site_of_the_one_callback_is_patched() -> None:
+    twice = PROGRAM[:-16] + loop_call() + insn(MOV) + insn(EXIT)
+    linked = link_callback(prog(twice), callback())
+    start = len(twice) // INSN.size
+    for site in (3, 9):
+        _, regs, _, imm = INSN.unpack_from(linked.prog.insns, site * INSN.size)
+        assert (regs >> 4, imm) == (PSEUDO_FUNC, start - (site + 1))
+
+
+def test_a_program_without_callback_or_sites_is_left_as_it_is() -> None:
+    plain = insn(MOV) + insn(EXIT)
+    linked = link_callback(prog(plain), None)
+    assert linked.prog == prog(plain) and linked.func_info == ()
+
+
+def test_an_unresolved_reference_in_a_program_naming_no_callback_is_refused() -> None:
+    with pytest.raises(CallError, match=r"instruction\(s\) 3 and no callback named"):
+        link_callback(prog(), None)
+
+
+def test_the_loader_refuses_a_program_it_cannot_link_before_loading_anything() -> None:
+    """ekp_egress names no callback (agent/ebpf/programs.py): an unresolved reference in it is a
+    LinkError naming the program and the build, raised before any system call."""
+    obj = BpfObject("abcdef012345", "GPL", 0, b"", (), (ProgDef(PROG_EGRESS, 3, PROGRAM[16:], ()),))
+    with pytest.raises(
+        LinkError, match=r"linking program ekp_egress \(build abcdef012345\): .*no callback named"
+    ):
+        load_program(obj, PROG_EGRESS, [])
+
+
+def test_a_named_callback_the_program_never_passes_is_refused() -> None:
+    with pytest.raises(CallError, match="passes no function to bpf_loop"):
+        link_callback(prog(insn(MOV) + insn(EXIT)), callback())
+
+
+@pytest.mark.parametrize(
+    "site",
+    [
+        loop_call(dst=3),  # not bpf_loop's callback argument
+        loop_call(helper=MAP_LOOKUP),  # another helper's call
+        loop_call(between=insn(MOV, dst=2, imm=1)),  # r2 overwritten before the call
+        loop_call(between=insn(0x05, off=0)),  # a jump before any call
+    ],
+    ids=["other-register", "other-helper", "r2-overwritten", "jump-first"],
+)
+def test_an_unresolved_load_that_is_not_bpf_loops_callback_is_refused(site: bytes) -> None:
+    with pytest.raises(CallError, match="not bpf_loop's callback argument"):
+        link_callback(prog(site + insn(EXIT)), callback())
+
+
+def test_a_callback_with_unresolved_references_of_its_own_is_refused() -> None:
+    with pytest.raises(CallError, match="of its own"):
+        link_callback(prog(), callback(loop_call() + insn(EXIT)))
+
+
+def test_a_64_bit_constant_and_a_map_load_are_not_unresolved_references() -> None:
+    assert unresolved(insn(LD_IMM64, dst=2, imm=5) + insn(0) + insn(LD_IMM64, src=1, dst=2) + insn(0)) == []
+    assert unresolved(insn(LD_IMM64, dst=2) + INSN.pack(0, 0, 0, 1)) == []  # high half set
+    assert unresolved(PROGRAM) == [3]
+
+
+def test_the_func_btf_names_each_function_and_the_records_point_at_them() -> None:
+    blob, records = func_btf(((0, "ekp_from_pod"), (11, "ekp_snat_callback")))
+    ids = func_ids(blob, ["ekp_from_pod", "ekp_snat_callback"])
+    assert ids == {"ekp_from_pod": FIRST_FUNC_ID, "ekp_snat_callback": FIRST_FUNC_ID + 1}
+    assert [struct.unpack_from("<II", records, i) for i in (0, 8)] == [
+        (0, FIRST_FUNC_ID),
+        (11, FIRST_FUNC_ID + 1),
+    ]
+    # static linkage (a FUNC's vlen 0): a global function would be verified apart from its caller
+    hdr_len, _, types_len = struct.unpack_from("<III", blob, 4)
+    off, kinds = hdr_len, []
+    while off < hdr_len + types_len:
+        _, info, _ = struct.unpack_from("<III", blob, off)
+        kind, vlen = info >> 24 & 0x1F, info & 0xFFFF
+        kinds.append((kind, vlen if kind == 12 else None))
+        off += 12 + {1: 4, 13: 8 * vlen}.get(kind, 0)
+    assert kinds[FIRST_FUNC_ID - 1 :] == [(12, 0), (12, 0)]
+
+
+def test_the_json_form_keeps_the_functions_and_the_old_format_is_refused() -> None:
+    obj = BpfObject(
+        build="abcdef012345",
+        license="GPL",
+        kern_version=0,
+        btf=b"",
+        maps=(MapDef("ekp_a_v2", 1, 4, 8, 16, 0), MapDef("ekp_b_v2", 2, 4, 4, 1, 0)),
+        programs=(prog(),),
+        functions=(callback(),),
+    )
+    back = BpfObject.from_json(obj.to_json())
+    assert back == obj and back.function("ekp_snat_callback") == callback()
+    with pytest.raises(ObjectError, match="no function"):
+        back.function("ekp_other")
+    with pytest.raises(ObjectError, match="format 1, expected 2"):
+        BpfObject.from_json(obj.to_json().replace(b'"format": 2', b'"format": 1'))
+    with pytest.raises(ObjectError, match="relocation"):  # the functions' references are checked too
+        BpfObject.from_json(
+            BpfObject(**{**obj.__dict__, "functions": (FuncDef("f", CALLBACK, ((0, 5),)),)}).to_json()
+        )
+
+
+@pytest.mark.kernel
+def test_each_program_of_the_build_passes_exactly_the_callback_its_spec_names() -> None:
+    """The table (agent/ebpf/programs.py) against the compiled C: a program calling bpf_loop that
+    names no callback, or one naming a callback it never passes, fails here, not at a node's load."""
+    obj = the_object(Datapath("/sys/fs/bpf/unused", MapSizes()))
+    walking = set()
+    for p in obj.programs:
+        spec = PROGRAMS[p.name]
+        linked = link_callback(p, obj.function(spec.callback) if spec.callback else None)
+        if linked.func_info:
+            walking.add(p.name)
+    assert walking == {
+        PROG_FROM_POD,
+        PROG_FROM_NET,
+        PROG_FROM_POD6,
+        PROG_FROM_NET6,
+        PROG_XDP_NET,
+        PROG_XDP_NET6,
+    } & {p.name for p in obj.programs}
+    assert walking >= {PROG_FROM_POD, PROG_FROM_NET}
