@@ -453,8 +453,7 @@ def test_the_xdp_programs_are_loaded_only_where_xdp_attaches_and_ipv6s_where_the
             assert 0 not in _slots(pins, d), "the tc IPv6 path serves all the same"
             assert (
                 "at XDP passed on to tc (ekp_xdp_net6 not loaded: no XDP program is loaded "
-                "(--bpf-xdp=disabled"
-                in (caplog.text)
+                "(--bpf-xdp=disabled" in (caplog.text)
             )
             disabled = d.load_id(d.programs())
         finally:
