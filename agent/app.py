@@ -520,6 +520,8 @@ def build_agent(
             proxier.on_snat6_held = metrics.ipv6_snat_held_flows.set
             if metrics.ipv6_snat_granted is not None:
                 proxier.on_snat6_granted = metrics.ipv6_snat_granted.set
+            if metrics.xdp_load_failures is not None:
+                proxier.on_xdp_load_failed = metrics.xdp_load_failures.inc
     proxier6 = make_proxier6(config, proxier, metrics) if serve6 else None
     service_health6 = None
     if proxier6 is not None:

@@ -147,7 +147,7 @@ class _Datapath:
     def __init__(self, maps: Mapping[str, KernelMap]) -> None:
         self.maps = maps
 
-    def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+    def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
         if maps_ready is not None:
             maps_ready()
 
@@ -203,8 +203,8 @@ class _Attacher:
     def start_watcher(self, timeout: float = 5.0) -> None:
         return None
 
-    def stop_watcher(self) -> None:
-        return None
+    def stop_watcher(self) -> bool:
+        return True
 
     @property
     def xdp_wanted(self) -> dict[int, str]:

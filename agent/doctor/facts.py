@@ -112,19 +112,18 @@ def unlocked_route_mtus(netns: str) -> tuple[str, ...]:
 
 
 def xdp_loaded(config: Config) -> bool:
-    """Whether the agent's start loads the XDP programs on this node now (agent/ebpf/proxier.py
-    `_loads_xdp`): with --bpf-xdp=best-effort only where an external device is no veth (read in
-    the node's namespace; a read that fails counts as one, as the agent's does)."""
-    from agent.ebpf import xdp
-    from agent.ebpf.attach import external_kinds
+    """Whether the agent's start loads the XDP programs on this node now: the agent's own rule
+    (agent.ebpf.xdp.start_loads_programs, read in the node's namespace), with the IPv6 node
+    addresses' devices external where the tc IPv6 path would serve (an IPv6 half runs: the
+    settings ask for one and the node has ip6tables, agent/app.py serves_ipv6)."""
+    from agent.app import serves_ipv6
+    from agent.ebpf import attach, xdp
 
-    if config.bpf_xdp != "best-effort":
-        return config.loads_xdp
-    try:
-        kinds = external_kinds(config, ipv6=config.tc_ipv6)
-    except (OSError, NetlinkError):
-        return True
-    return xdp.loads_programs(config.bpf_xdp, kinds.values())
+    def read(config: Config, ipv6: bool) -> Mapping[str, str]:
+        return attach.external_kinds(config, ipv6=ipv6)
+
+    tc_ipv6 = config.tc_ipv6 and serves_ipv6(config)
+    return xdp.start_loads_programs(config, tc_ipv6, read)[0]
 
 
 def _missing_caps(config: Config) -> tuple[str, ...]:

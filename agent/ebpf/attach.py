@@ -130,6 +130,8 @@ from agent.node import matches_pod_pattern, read_node
 
 log = logging.getLogger(__name__)
 
+WATCHER_STOP_TIMEOUT = 5.0  # seconds `stop_watcher` waits for the watcher thread to end
+
 PROG_FROM_NET = "ekp_from_net"
 PROG_FROM_POD = "ekp_from_pod"
 PROG_EGRESS = "ekp_egress"
@@ -1603,12 +1605,22 @@ class Attacher:
         self._thread.start()
         self._ready.wait(timeout)
 
-    def stop_watcher(self) -> None:
-        """Stop the pod-device thread."""
+    def stop_watcher(self) -> bool:
+        """Stop the pod-device thread; whether it ended (WATCHER_STOP_TIMEOUT). One that did not (in an
+        attach's netlink call) is kept: `watching` stays true, so no second one starts beside it
+        before it ends."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=WATCHER_STOP_TIMEOUT)
+            if self._thread.is_alive():
+                log.warning(
+                    "the pod-device watcher did not end within %.0fs of being told to (in an attach?): "
+                    "it ends after that attach",
+                    WATCHER_STOP_TIMEOUT,
+                )
+                return False
             self._thread = None
+        return True
 
     def _watch(self) -> None:
         try:

@@ -644,14 +644,17 @@ class Datapath:
                 os.close(fd)
         return ids
 
-    def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+    def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
         """Compiles, creates or re-adopts the pinned maps, loads both programs, opens the maps.
         `maps_ready` is called once `maps` can be read and written: before the programs are loaded
         when they must be (from the compile cache or compiled now), so a first sync can fill the
         maps while the verifier runs; when the pinned programs are reused, at the end. If the load
         fails after that, its program fds are closed and its maps are left open: a writer the
         callback handed them to may be using them, so the caller closes them (close()) once it is
-        done; before the callback, everything is closed."""
+        done; before the callback, everything is closed. `recompile` False: a cached object that
+        does not load is an error, not compiled again (a reload of the build an earlier load of
+        this agent took from it: the cause is the load's, the kernel's, and a compile would cost
+        tens of seconds to find the same)."""
         if self.loaded:
             if maps_ready is not None:
                 maps_ready()
@@ -714,7 +717,7 @@ class Datapath:
                     os.close(fd)
                 fds = None
             if fds is None:
-                fds, how = self._link(build, programs, opened)
+                fds, how = self._link(build, programs, opened, recompile=recompile)
             self._route_ipv6(build, fds)
             self._prog_fds = fds
             self._programs = programs
@@ -808,7 +811,8 @@ class Datapath:
         if PROG_XDP_NET6 in fds:
             return f"{tc}, and at XDP in {PROG_XDP_NET6}"
         why = (
-            "no XDP program is (--bpf-xdp=disabled, or best-effort with every external device a veth)"
+            "no XDP program is loaded (--bpf-xdp=disabled, or best-effort with no external device "
+            "taking native XDP)"
             if not self.sizes.xdp
             else "this kernel lacks bpf_xdp_load_bytes, Linux 5.18"
         )
@@ -839,7 +843,12 @@ class Datapath:
         return obj, f"compiled in {seconds:.1f}s"
 
     def _link(
-        self, load_id: str, programs: Mapping[str, ProgSpec], maps_pinned: Callable[[], None]
+        self,
+        load_id: str,
+        programs: Mapping[str, ProgSpec],
+        maps_pinned: Callable[[], None],
+        *,
+        recompile: bool = True,
     ) -> tuple[dict[str, int], str]:
         """Load `programs` of the build against our pins, pinned under `load_id`: from the cache, else
         compiled now; the program fds and how."""
@@ -882,7 +891,7 @@ class Datapath:
             except PinnedMapMismatch as e:
                 raise PinMismatchError(f"{e}; {_REMEDY}") from e
             except (LinkError, OSError) as e:
-                if cached:
+                if cached and recompile:
                     # Whatever is wrong with the cached object, a fresh compile replaces it.
                     log.warning("cached data path %s did not load: %s; compiling it again", build, e)
                     log.info("%s%s (the cached one did not load)", COMPILING_LOG, build)

@@ -29,12 +29,14 @@ Lifecycle (kube-proxy's contract, agent/proxier.py):
   When a write fails outright, what the maps hold is no longer known: the next sync reads them back.
   A map too full for a service port's entries fails that port only (SyncResult.failed).
 * With --bpf-xdp=best-effort the load leaves the XDP programs out where every external device is
-  a veth (best-effort attaches none there): `_loads_xdp`. A sync whose attach then finds an
-  external device best-effort would try (Attacher.xdp_wanted) loads the data path again with them
-  (`_load_xdp`: the same build, another load id, from the compile cache) and puts the new load's
-  programs on every device in place of the first's, as a restart with other sizes does, XDP's
-  first try included; the tc programs serve meanwhile, and a load that fails leaves them serving
-  and is reported, tried again every sync period.
+  a veth, a bridge or a vxlan device (best-effort attaches none there): `_loads_xdp`. A sync
+  whose attach then finds an external device best-effort would try (Attacher.xdp_wanted) loads
+  the data path again with them (`_load_xdp`: the same build, another load id, from the compile
+  cache) and puts the new load's programs on every device in place of the first's, as a restart
+  with other sizes does, XDP's first try included; the tc programs serve meanwhile, and a load
+  that fails (never compiled again) leaves them serving and is reported, tried again by periodic
+  syncs with a backoff (XDP_RETRY_FIRST doubled up to XDP_RETRY_MAX). The first load stays open
+  until the reload is finished (`_finish_reload`, by the next sync when its attach failed).
 * Stopping the agent removes nothing: `close()` only stops the watcher and lets the fds go;
   pinned maps and attached programs keep serving traffic until the next agent re-adopts them.
 * `cleanup()` detaches our filters and socket links, removes our pins and the pin directory, and
@@ -73,7 +75,7 @@ from agent.ebpf.ports import held_outside, parse_port_range, snat_ports_problem
 from agent.ebpf.programs import PROG_SOCK_TERM, SOCK_HOOKS
 from agent.ebpf.sockattach import sock_config
 from agent.ebpf.upgrade import Upgrade
-from agent.ebpf.xdp import PROG_XDP, loads_programs
+from agent.ebpf.xdp import PROG_XDP, start_loads_programs
 from agent.errors import FatalError
 from agent.keptrecords import records_path
 from agent.lock import LOCK_DIR
@@ -91,6 +93,12 @@ log = logging.getLogger(__name__)
 
 LOCAL_PORT_RANGE = "net/ipv4/ip_local_port_range"
 NAMED_FLOWS = 3  # flows named in the warning about those the IPv6 SNAT grant waits for
+# A failed load with the XDP programs (`_load_xdp`) is tried again by the first periodic sync this
+# long after it, doubled at each failure up to XDP_RETRY_MAX: a load that fails costs the verifier's
+# seconds under the proxier's lock, and what fails it (the verifier, memlock, ENOSPC) rarely
+# changes between two sync periods.
+XDP_RETRY_FIRST = 60.0
+XDP_RETRY_MAX = 3600.0
 
 # sysctl (as a /proc/sys path) -> (value, why); set in Config.netns at the first sync.
 SYSCTLS: dict[str, tuple[str, str]] = {
@@ -104,8 +112,9 @@ class DatapathLike(Protocol):
     @property
     def maps(self) -> Mapping[str, MapWriter]: ...
 
-    def load(self, maps_ready: Callable[[], None] | None = None) -> None:
-        """`maps_ready()` once `maps` can be written, maybe before the programs are loaded."""
+    def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
+        """`maps_ready()` once `maps` can be written, maybe before the programs are loaded.
+        `recompile` False: a cached object that does not load fails the load (no compile)."""
 
     def prog_fd(self, name: str) -> int: ...
 
@@ -207,7 +216,8 @@ class AttacherLike(Protocol):
 
     def start_watcher(self, timeout: float = 5.0) -> None: ...
 
-    def stop_watcher(self) -> None: ...
+    def stop_watcher(self) -> bool:
+        """Whether the watcher thread is gone (it may still be in an attach when not)."""
 
     @property
     def xdp_wanted(self) -> Mapping[int, str]:
@@ -334,6 +344,10 @@ def _carried6(maps: Mapping[str, MapWriter], flow: NatFlow) -> bool:
     return flow.proto == UDP and ct6_any is not None and ct6_any.lookup(ct6_keys(flow)[1]) is not None
 
 
+def _nothing() -> None:
+    pass
+
+
 def _ignore(held: int) -> None:
     """No gauge to tell (EbpfProxier.on_snat6_held)."""
 
@@ -379,6 +393,7 @@ class EbpfProxier:
         node6_reader: Callable[[], NodeContext] | None = None,
         masquerade6_reader: Callable[[], bool] | None = None,
         xdp_devices_reader: Callable[[Config, bool], Mapping[str, str]] = default_xdp_devices,
+        clock: Callable[[], float] = time.monotonic,
         snapshot_dir: str | None = None,
         ipv6: bool,
     ) -> None:
@@ -394,7 +409,8 @@ class EbpfProxier:
         whether the IPv6 nat rules in place keep MASQUERADE out of --bpf-snat-ports (eBPF mode's
         shape, agent/iptables/masquerade_shape.py), asked at the same load; without it the same.
         `xdp_devices_reader(config, ipv6)`: name -> rtnetlink kind of each external device, read by
-        a load under --bpf-xdp=best-effort (`_loads_xdp`)."""
+        a load under --bpf-xdp=best-effort (`_loads_xdp`). `clock`: monotonic seconds, for the
+        retries of a failed load with the XDP programs."""
         self._config = config
         self._tc_ipv6 = config.tc_ipv6 and ipv6  # the tc programs' IPv6 path serves
         self._datapath_factory = datapath_factory
@@ -410,6 +426,7 @@ class EbpfProxier:
         self._node6_reader = node6_reader
         self._masquerade6_reader = masquerade6_reader
         self._xdp_devices_reader = xdp_devices_reader
+        self._clock = clock
         self._snapshot = snapshot.snapshot_path(snapshot_dir, config.pin_path) if snapshot_dir else ""
         # where an iptables-mode agent's hand-back records that its detach began (out_of_ebpf)
         self._handback_dir = snapshot_dir or LOCK_DIR
@@ -444,11 +461,22 @@ class EbpfProxier:
         self._retired: list[DatapathLike] = []
         self._load_error = ""  # why the last load that failed did
         self._sizes: MapSizes | None = None  # what the data path was last loaded with
-        # A load with the XDP programs that failed (`_load_xdp`): why, tried again by periodic syncs
-        self._xdp_error = ""
+        # Loads with the XDP programs that failed in a row (`_load_xdp`), and the clock before which
+        # no sync tries again (then only a periodic one: XDP_RETRY_FIRST)
+        self._xdp_failures = 0
+        self._xdp_retry_at = 0.0
+        # Told of each failed load with the XDP programs (the agent's ekp_xdp_load_failures_total)
+        self.on_xdp_load_failed: Callable[[], None] = _nothing
         # The programs of a load with XDP are handed to the Attacher and not yet on every device
         # (its full reconcile failed): the next attach reconciles in full, then `_finish_reload`.
         self._reattach = False
+        # The load `_load_xdp` replaced: its programs may still run on some devices, and the socket
+        # attacher and terminator hold its fds (the terminator its stats map) until
+        # `_finish_reload` gives them the new load's; closed there (or by `_release`), never by a
+        # sync's `_close_retired`, which would leave them holding closed fds.
+        self._replaced: DatapathLike | None = None
+        # A load with the XDP programs not put in place yet: the watcher did not stop (`_load_xdp`)
+        self._unswapped: DatapathLike | None = None
         self._attacher: AttacherLike | None = None
         self._planner: Planner | None = None
         self._unsure = True  # what the maps hold is unknown: read them back before writing
@@ -1040,30 +1068,12 @@ class EbpfProxier:
         verification, 0.15 s of CPU for IPv4's and 0.25 s for IPv6's, would buy nothing; a device
         it would try that appears later loads them then, `_load_xdp`). A restart where such a
         device is external loads them at once, so it reuses what an earlier run's `_load_xdp`
-        pinned. Devices that cannot be read count as one that takes XDP."""
-        if self._config.bpf_xdp != "best-effort":
-            return self._config.loads_xdp
-        try:
-            kinds = self._xdp_devices_reader(self._config, self._tc_ipv6)
-        except Exception as exc:
-            log.info(
-                "cannot read the kinds of the external devices (%s): loading %s in case one takes it",
-                exc,
-                PROG_XDP,
-            )
-            return True
-        if loads_programs(self._config.bpf_xdp, kinds.values()):
-            return True
-        log.info(
-            "%s: %s not loaded (--bpf-xdp=best-effort never attaches it to a veth; native or generic "
-            "would): it is loaded, with the tc programs again, once an external device that is no "
-            "veth appears",
-            f"all external devices are veths ({', '.join(sorted(kinds))})"
-            if kinds
-            else "no external device yet",
-            PROG_XDP,
-        )
-        return False
+        pinned. Devices that cannot be read, or none found, count as one that takes XDP
+        (agent.ebpf.xdp.start_loads_programs, `agent doctor`'s rule too)."""
+        loads, why = start_loads_programs(self._config, self._tc_ipv6, self._xdp_devices_reader)
+        if why:
+            log.info("%s", why)
+        return loads
 
     def _pinned_grant6(self, maps: Mapping[str, MapWriter]) -> str:
         """The address in the pinned ekp_cfg6 when the grant an earlier run gave with it still holds
@@ -1335,7 +1345,9 @@ class EbpfProxier:
             stale = remove_stale_pins(self._config.pin_path)
             if stale:
                 log.info("removed pins of other ABI versions: %s", ",".join(stale))
-        if first or periodic:
+        if first or (periodic and not self._reattach):
+            # Not while a reload is unfinished: the socket attacher still holds the replaced load's
+            # fds, and `_finish_reload` below gives it the new load's first.
             self._attach_sockets(datapath, first=first)
         if first:
             self._upgrade.serving()
@@ -1347,8 +1359,13 @@ class EbpfProxier:
         elif self._reattach:
             self._finish_reload(datapath)  # the reconcile above put its programs everywhere
         assert self._sizes is not None
-        if self._attacher.xdp_wanted and not self._sizes.xdp and (periodic or not self._xdp_error):
+        if self._attacher.xdp_wanted and not self._sizes.xdp and self._xdp_due(periodic):
             self._load_xdp(datapath, node)
+
+    def _xdp_due(self, periodic: bool) -> bool:
+        """Whether this sync may load the data path with the XDP programs: the first try at once,
+        after a failure only a periodic sync once the backoff has passed."""
+        return not self._xdp_failures or (periodic and self._clock() >= self._xdp_retry_at)
 
     def _load_xdp(self, datapath: DatapathLike, node: NodeContext) -> None:
         """The data path loaded again with the XDP programs (another load id of the same build: the
@@ -1356,41 +1373,49 @@ class EbpfProxier:
         in place of `datapath`'s, tc's and the socket programs' replaced in place (no moment
         without one, as a restart with other sizes does), and XDP tried on the external devices:
         an external device best-effort would try appeared (Attacher.xdp_wanted). Until it is done
-        `datapath`'s tc programs serve; a load that fails leaves them serving, said as an error,
-        and is tried again by the periodic syncs."""
+        `datapath`'s tc programs serve; a load that fails leaves them serving, said as an error and
+        counted (`on_xdp_load_failed`), and is tried again by a periodic sync after a backoff."""
         assert self._attacher is not None and self._sizes is not None
         names = ", ".join(sorted(self._attacher.xdp_wanted.values()))
         sizes = replace(self._sizes, xdp=True)
-        log.info(
-            "%s is external and no veth (--bpf-xdp=best-effort tries native XDP there): loading the "
-            "data path again with %s; the tc programs serve meanwhile",
-            names,
-            PROG_XDP,
-        )
-        loaded = self._datapath_factory(self._config.pin_path, sizes)
-        try:
-            loaded.load()
-            # A reused load keeps the mode a hand-over cut short left in its pin: none runs now.
-            loaded.set_handover(HandoverMode.OFF)
-        except Exception as exc:
-            loaded.close()
-            self._xdp_error = f"{type(exc).__name__}: {exc}"
-            log.error(
-                "loading %s for %s failed (%s): the tc programs serve all of its traffic; tried again "
-                "every sync period",
-                PROG_XDP,
+        attacher = self._attacher
+        # loaded by an earlier sync, whose watcher did not stop in time, else now
+        loaded, self._unswapped = self._unswapped, None
+        if loaded is None:
+            log.info(
+                "%s is external and no veth (--bpf-xdp=best-effort tries native XDP there): loading "
+                "the data path again with %s; the tc programs serve meanwhile",
                 names,
-                self._xdp_error,
+                PROG_XDP,
+            )
+            loaded = self._load_with_xdp(sizes, names)
+            if loaded is None:
+                return
+        if not attacher.stop_watcher():
+            # Still attaching a pod device with `datapath`'s programs: swapped under it, that
+            # attach could put the older program back after the full reconcile. Kept loaded for
+            # the next sync (its restart check starts a watcher again once this one ended).
+            self._unswapped = loaded
+            log.warning(
+                "the data path loaded with %s is put in place by the next sync: the pod-device "
+                "watcher is still in an attach",
+                PROG_XDP,
             )
             return
-        self._xdp_error = ""
+        self._xdp_failures = 0
         self._sizes = sizes
         with self._load_cond:
-            self._retired.append(datapath)  # closed by the next sync: its programs may still serve
+            self._replaced = datapath  # closed by `_finish_reload`: its programs may still serve
             self._datapath = self._opened = loaded
+        # The same pinned maps, which the planners wrote: the next syncs need not read them back,
+        # and a stop before the next sync saves the planner from the load that stays open.
+        if self._synced_with is datapath:
+            self._synced_with = loaded
+        if self._v6_with is datapath:
+            self._v6_with = loaded
+        if self._held6_of is datapath:
+            self._held6_of = loaded
         self._reattach = True
-        attacher = self._attacher
-        attacher.stop_watcher()
         try:
             attacher.use_programs(_attach_fds(loaded), loaded.maps["port"])
             attacher.reconcile(node, full=True, keep_external=self._tc_ipv6 and not self._node6_known)
@@ -1399,17 +1424,47 @@ class EbpfProxier:
             attacher.start_watcher()
         self._finish_reload(loaded)
 
+    def _load_with_xdp(self, sizes: MapSizes, names: str) -> DatapathLike | None:
+        """The data path loaded with the XDP programs, or None when that failed (said, counted,
+        and the next try put off)."""
+        loaded = self._datapath_factory(self._config.pin_path, sizes)
+        try:
+            # No compile when the cached object does not load: it loaded the tc programs already,
+            # so what fails is the load (the verifier, memlock, ENOSPC), which a compile of tens of
+            # seconds under the lock would not mend.
+            loaded.load(recompile=False)
+            # A reused load keeps the mode a hand-over cut short left in its pin: none runs now.
+            loaded.set_handover(HandoverMode.OFF)
+        except Exception as exc:
+            loaded.close()
+            self._xdp_failures += 1
+            wait = min(XDP_RETRY_FIRST * 2 ** (self._xdp_failures - 1), XDP_RETRY_MAX)
+            self._xdp_retry_at = self._clock() + wait
+            self.on_xdp_load_failed()
+            log.error(
+                "loading %s for %s failed (%s, %d time(s) in a row): the tc programs serve all of its "
+                "traffic; tried again by the first periodic sync after %.0fs (ekp_xdp_load_failures_total)",
+                PROG_XDP,
+                names,
+                f"{type(exc).__name__}: {exc}",
+                self._xdp_failures,
+                wait,
+            )
+            return None
+        return loaded
+
     def _finish_reload(self, datapath: DatapathLike) -> None:
         """After `_load_xdp`'s programs are on every device: the socket programs' links get them
-        too (the terminator its iterator), and the last load's program arrays are unpinned."""
-        if self._socket_attacher is not None:
-            if self._terminator is not None:
-                self._terminator.close()
-                self._terminator = None
-            self._socket_attacher = None
-            self._attach_sockets(datapath, first=False)
+        too (the terminator its iterator), the last load's program arrays are unpinned, and its fds
+        closed (nothing holds them any more)."""
+        if self._terminator is not None:
+            self._terminator.close()
+            self._terminator = None
+        self._socket_attacher = None
+        self._attach_sockets(datapath, first=False)
         released = datapath.release_older_builds()
         self._reattach = False
+        self._close_replaced()
         log.info(
             "data path loaded again with %s, on every device now%s",
             PROG_XDP,
@@ -1480,12 +1535,25 @@ class EbpfProxier:
         for datapath in retired:
             datapath.close()
 
+    def _close_replaced(self) -> None:
+        with self._load_cond:
+            replaced, self._replaced = self._replaced, None
+        if replaced is not None:
+            replaced.close()
+
+    def _close_unswapped(self) -> None:
+        unswapped, self._unswapped = self._unswapped, None
+        if unswapped is not None:
+            unswapped.close()
+
     def _release(self) -> None:
         self._maglev.forget()
         if self._terminator is not None:
             self._terminator.close()
             self._terminator = None
         self._socket_attacher = None
+        self._close_replaced()
+        self._close_unswapped()
         with self._load_cond:
             while self._loading:  # a load under way finishes first (its fds are ours to close)
                 self._load_cond.wait()

@@ -6,9 +6,10 @@ Effects (pyroute2, through the IPRoute of the node's namespace the Attacher hold
   logged once per device, and that device keeps its tc program alone;
 * `generic`: XDP in the kernel's receive path (XDP_FLAGS_SKB_MODE), on any device: after the skb
   is allocated, so it saves less than native, but the verdicts are the same;
-* `best-effort` (the default): native where the driver takes it and the device is no veth, else
-  none, with one log line per device; where every external device is a veth the programs are not
-  even loaded (`loads_programs`), until one that is no veth appears (agent/ebpf/proxier.py);
+* `best-effort` (the default): native where the driver takes it and the device is no veth (nor a
+  kind whose driver has none, NO_NATIVE_XDP), else none, with one log line per device; where every
+  external device is such a one the programs are not even loaded (`loads_programs`), until one of
+  another kind appears (agent/ebpf/proxier.py);
 * `disabled`: none, and any program of ours still attached is removed.
 
 A device holds one XDP program per mode, and native and generic cannot be attached at once: ours in
@@ -27,13 +28,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.ebpf import bpfsys
+
+if TYPE_CHECKING:
+    from agent.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -120,26 +124,89 @@ def link_kind(ipr: Any, index: int) -> str:
     return str(kind or "")
 
 
+# rtnetlink kinds whose driver has no native XDP: attaching there fails with EOPNOTSUPP (seen on this
+# kernel, tests/ebpf/test_xdp_attach.py; README "Machine facts"). Only those shown here: a kind
+# not listed is tried, and a refusal then said by `attach`.
+NO_NATIVE_XDP = frozenset({"bridge", "vxlan"})
+
+
 def best_effort_tries(kind: str) -> bool:
     """Whether --bpf-xdp=best-effort tries native XDP on a device of this rtnetlink kind (`attach`):
-    on anything but a veth (a NIC's "", a bond, a dummy, whose driver then refuses it)."""
-    return kind != "veth"
+    not on a veth (`leaves_alone`), nor on a kind whose driver has none (NO_NATIVE_XDP); on the
+    rest (a NIC's "", a bond, a tap's "tun"), whose driver may still refuse it."""
+    return kind != "veth" and kind not in NO_NATIVE_XDP
 
 
 def loads_programs(mode: str, kinds: Iterable[str]) -> bool:
     """Whether a start loads the XDP programs (MapSizes.xdp) under --bpf-xdp `mode`, its external
     devices being of rtnetlink `kinds`: not with disabled, nor with best-effort where every one is
-    a veth (it attaches none there); with native and generic always (they attach to veths too)."""
+    a veth or a kind without native XDP (it attaches none there: `best_effort_tries`); with native
+    and generic always (they attach to veths too).
+    No external device found counts as unknown, so loads them: a real node's may get its address
+    after the start (DHCP), be made later (a bond --devices names), or hold no --node-ip; a
+    veth-only node (kind's, the lab's) always finds its eth0."""
     if mode == "disabled":
         return False
-    return mode != "best-effort" or any(best_effort_tries(kind) for kind in kinds)
+    found = list(kinds)
+    return mode != "best-effort" or not found or any(best_effort_tries(kind) for kind in found)
+
+
+def start_loads_programs(
+    config: Config, tc_ipv6: bool, read_kinds: Callable[[Config, bool], Mapping[str, str]]
+) -> tuple[bool, str]:
+    """Whether an agent's start on this node now loads the XDP programs (MapSizes.xdp), and a line
+    saying why where best-effort read the devices ("" otherwise): the one rule of the proxier's
+    load (agent/ebpf/proxier.py `_loads_xdp`, which logs the line) and of `agent doctor`.
+    `read_kinds(config, tc_ipv6)`: name -> rtnetlink kind of each external device
+    (agent.ebpf.attach.external_kinds; with `tc_ipv6`, where the tc IPv6 path serves, the devices
+    holding the IPv6 node addresses too). Devices that cannot be read, or none found, count as
+    one that takes XDP (`loads_programs`)."""
+    if config.bpf_xdp != "best-effort":
+        return config.loads_xdp, ""
+    try:
+        kinds = read_kinds(config, tc_ipv6)
+    except Exception as exc:
+        return True, (
+            f"cannot read the kinds of the external devices ({exc}): loading {PROG_XDP} in case one takes it"
+        )
+    if not kinds:
+        return True, (
+            "no external device found yet (no device holds a node IP, or none --devices names "
+            f"exists): loading {PROG_XDP} in case one that is no veth appears (--bpf-xdp=best-effort)"
+        )
+    if loads_programs(config.bpf_xdp, kinds.values()):
+        return True, ""
+    if all(kind == "veth" for kind in kinds.values()):
+        return False, (
+            f"all external devices are veths ({', '.join(sorted(kinds))}): {PROG_XDP} not loaded "
+            "(--bpf-xdp=best-effort never attaches it to a veth; native or generic would): it is "
+            "loaded, with the tc programs again, once an external device that is no veth appears"
+        )
+    return False, (
+        f"no external device takes native XDP ({', '.join(f'{n} {k}' for n, k in sorted(kinds.items()))}): "
+        f"{PROG_XDP} not loaded (--bpf-xdp=best-effort attaches it to no veth, and the bridge and "
+        "vxlan drivers have none; generic would run it): it is loaded, with the tc programs again, "
+        "once an external device of another kind appears"
+    )
 
 
 def leaves_alone(ipr: Any, index: int, name: str, mode: str) -> bool:
-    """Whether `mode` attaches nothing to the device: best-effort on a veth (`attach`), said in a
-    log line."""
-    if mode != "best-effort" or best_effort_tries(link_kind(ipr, index)):
+    """Whether `mode` attaches nothing to the device: best-effort on a veth or a kind without
+    native XDP (`attach`), said in a log line."""
+    if mode != "best-effort":
         return False
+    kind = link_kind(ipr, index)
+    if best_effort_tries(kind):
+        return False
+    if kind in NO_NATIVE_XDP:
+        log.info(
+            "%s: no native XDP in a %s's driver: %s not attached (--bpf-xdp=best-effort); its tc "
+            "program does all, and --bpf-xdp=generic would run it anyway",
+            name,
+            kind,
+            PROG_XDP,
+        )
+        return True
     log.info(
         "%s is a veth: %s not attached (--bpf-xdp=best-effort; frames XDP sends back out need "
         "an XDP program or GRO on its peer, and local senders' partial checksums a NIC's wire "

@@ -251,6 +251,8 @@ class Metrics:
         self.ipv6_snat_held_flows: Gauge | None = None
         # ... and whether it is granted (agent/ebpf/proxier.py _snat6_granted), at each IPv6 sync
         self.ipv6_snat_granted: Gauge | None = None
+        # ... and the loads with the XDP programs that failed (agent/ebpf/proxier.py _load_xdp)
+        self.xdp_load_failures: Counter | None = None
         if mode is Mode.EBPF:
             self.ipv6_snat_granted = Gauge(
                 "ekp_ipv6_snat_granted",
@@ -258,6 +260,13 @@ class Metrics:
                 " holds the node's IPv6 address), 0 while it leaves them to ip6tables (the log says why"
                 " when it changes: the path off, an ip6tables restore or an nf_conntrack read that failed,"
                 " no usable IPv6 address, held flows, --bpf-snat-ports not written yet)",
+                registry=r,
+            )
+            self.xdp_load_failures = Counter(
+                "ekp_xdp_load_failures_total",
+                "Loads of the data path with the XDP programs (--bpf-xdp=best-effort, once an external"
+                " device that is no veth appeared) that failed: the tc programs serve meanwhile, and"
+                " periodic syncs try again with a backoff (the log says why)",
                 registry=r,
             )
             self.ipv6_snat_held_flows = Gauge(

@@ -820,8 +820,9 @@ SETTINGS: tuple[Setting, ...] = (
         "IP traffic: source-range drops, flows to backends on other nodes): native (the driver's; "
         "fails where the driver has none), generic (any device, slower than native), best-effort "
         "(native where the driver supports it and the device is no veth, else none, with a log "
-        "line; the XDP programs are loaded, verified, only where an external device is no veth, "
-        "else once one appears: the data path is then loaded again with them and put in place of "
+        "line; the XDP programs are loaded, verified, only where an external device takes native "
+        "XDP (no veth, bridge nor vxlan) or none is found, else once one appears: the data path is "
+        "then loaded again with them and put in place of "
         'the first load\'s, see "XDP" under the data path), disabled (none, and no XDP program '
         "is loaded: a start saves their verification)",
         flags=("--bpf-xdp",),

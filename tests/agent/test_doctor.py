@@ -75,8 +75,8 @@ def test_xdp_s_missing_helper_is_nothing_to_warn_about_with_xdp_disabled() -> No
 def test_the_xdp_programs_count_as_loaded_where_the_agent_loads_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """Facts.xdp is what the agent's start loads on this node now (agent.ebpf.xdp.loads_programs):
     under best-effort none where every external device is a veth, so `agent doctor` does not warn
-    about XDP's helpers there, nor say XDP programs load; a device that cannot be read counts as
-    one that takes XDP, as the agent's load counts it."""
+    about XDP's helpers there, nor say XDP programs load; a device that cannot be read, or none
+    found, counts as one that takes XDP, as the agent's load counts it."""
     from agent.config import Config
     from agent.doctor import facts
     from agent.ebpf import attach
@@ -92,6 +92,7 @@ def test_the_xdp_programs_count_as_loaded_where_the_agent_loads_them(monkeypatch
     cases: list[tuple[str, dict[str, str] | OSError, bool]] = [
         ("best-effort", {"eth0": "veth"}, False),
         ("best-effort", {"eth0": "veth", "eno1": ""}, True),
+        ("best-effort", {}, True),
         ("best-effort", OSError(2, "No such file or directory"), True),
         ("native", {"eth0": "veth"}, True),
         ("disabled", {"eno1": ""}, False),
@@ -101,6 +102,31 @@ def test_the_xdp_programs_count_as_loaded_where_the_agent_loads_them(monkeypatch
         assert facts.xdp_loaded(Config(bpf_xdp=mode)) is want, (mode, found)
     line = by_check(checklist(replace(GOOD, xdp=False)))["BPF features"]
     assert "XDP" not in line.found, line
+
+
+def test_the_doctor_reads_the_devices_the_agents_load_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The IPv6 node addresses' devices count as external where the agent's tc IPv6 path serves:
+    the settings ask for it (Config.tc_ipv6) and the node runs an IPv6 half (ip6tables works,
+    agent/app.py serves_ipv6), as EbpfProxier's `_tc_ipv6`; a node fallen back to single-stack
+    reads the IPv4 devices only, in the doctor as in the agent."""
+    from agent.config import Config
+    from agent.doctor import facts
+    from agent.ebpf import attach
+    from agent.iptables import runner
+
+    asked: list[bool] = []
+
+    def read(config: Config, *, ipv6: bool) -> dict[str, str]:
+        asked.append(ipv6)
+        return {"eth0": "veth"}
+
+    monkeypatch.setattr(attach, "external_kinds", read)
+    dual = Config(bpf_xdp="best-effort", node_ips=("10.0.0.1", "fd00::1"), socket_lb=True)
+    assert dual.tc_ipv6
+    for missing, want in (("", True), ("ip6tables: not found", False)):
+        monkeypatch.setattr(runner, "ipv6_missing", lambda config, missing=missing: missing)
+        assert facts.xdp_loaded(dual) is False
+        assert asked[-1] is want, missing
 
 
 def test_the_socket_programs_needs_are_nothing_to_warn_about_with_socket_lb_off() -> None:

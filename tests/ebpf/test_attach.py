@@ -154,6 +154,27 @@ def bridged_tap(netns: str, **settings: Any) -> Config:
 
 
 @pytest.mark.kernel
+def test_a_watcher_that_does_not_end_in_time_is_kept_and_said_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """stop_watcher says whether the thread ended: one still in an attach is not forgotten (a
+    start_watcher then would run a second one beside it), and the proxier's reload, told it did
+    not end, puts nothing in place under it (tests/ebpf/test_proxier.py)."""
+    monkeypatch.setattr(attach, "WATCHER_STOP_TIMEOUT", 0.05)
+    attacher = new_attacher(Config(), {})
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, args=(30,), name="ekp-link-watcher")
+    stuck.start()
+    attacher._thread = stuck
+    try:
+        assert attacher.stop_watcher() is False
+        assert attacher.watching
+        attacher.start_watcher(timeout=0.05)
+        assert attacher._thread is stuck, "no second watcher beside it"
+    finally:
+        release.set()
+        stuck.join(5)
+    assert attacher.stop_watcher() is True and not attacher.watching
+
+
 def test_the_watcher_has_looked_at_every_device_when_it_starts(
     netns: str, progs: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1037,9 +1058,9 @@ def test_best_effort_without_an_xdp_program_asks_for_one_where_a_device_is_no_ve
     """A best-effort Attacher given no XDP program (the load left it out: every external device was
     a veth) leaves a veth as it would with one, and names an external device of another kind in
     `xdp_wanted`, found by a plain reconcile: a tap (kind "tun", whose driver takes native XDP;
-    the start's read of the kinds, external_kinds, sees it as such) and a bridge (whose has none);
-    given a load's programs with XDP (`use_programs`), the full reconcile tries native XDP on both:
-    on the tap it runs, the bridge says why not (its tc program serves), and it asks no more."""
+    the start's read of the kinds, external_kinds, sees it as such), not a bridge (whose driver has
+    none: xdp.NO_NATIVE_XDP, said); given a load's programs with XDP (`use_programs`), the full
+    reconcile tries native XDP on the tap, where it runs, and asks no more."""
     from lab.wire import load_xdp_pass
 
     caplog.set_level(logging.INFO, logger=xdp.log.name)
@@ -1056,7 +1077,8 @@ def test_best_effort_without_an_xdp_program_asks_for_one_where_a_device_is_no_ve
     assert attach.external_kinds(config, ipv6=False) == {"eth0": "veth", "nic0": "tun", "br9": "bridge"}
     attacher.reconcile(NODE)
     nic0, br9 = index_of(netns, "nic0"), index_of(netns, "br9")
-    assert attacher.xdp_wanted == {nic0: "nic0", br9: "br9"}
+    assert attacher.xdp_wanted == {nic0: "nic0"}
+    assert "br9: no native XDP in a bridge's driver" in caplog.text
     assert "ekp_from_net" in ingress(netns, "nic0") and xdp_of(netns, "nic0") == {}
     fd = load_xdp_pass("ekp_xdp_net")
     try:
@@ -1065,7 +1087,6 @@ def test_best_effort_without_an_xdp_program_asks_for_one_where_a_device_is_no_ve
         assert attacher.xdp_wanted == {}
         assert attacher.xdp_modes == {index_of(netns, "eth0"): "", nic0: "native", br9: ""}
         assert xdp_of(netns, "nic0").get("mode") == 1  # XDP_ATTACHED_DRV
-        assert "br9: no native XDP in its driver" in caplog.text
         assert "ekp_from_net" in ingress(netns, "br9")
         assert xdp_of(netns, "eth0") == {}
     finally:

@@ -33,7 +33,7 @@ from agent.ebpf.bpfobject import INSN, BpfObject
 from agent.ebpf.btf import vmlinux_has
 from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids, prog_pin
 from agent.ebpf.link import PinnedMapMismatch, link, verifier_threads
-from agent.ebpf.loader import PRIVATE_MAPS, Datapath, PinMismatchError
+from agent.ebpf.loader import PRIVATE_MAPS, Datapath, DatapathError, PinMismatchError
 from agent.ebpf.maps import map_info, obj_get
 from agent.ebpf.objcache import DIR_ENV, ObjectCache, default_cache_dir
 from agent.ebpf.programs import (
@@ -531,8 +531,8 @@ def test_the_xdp_programs_are_loaded_only_where_xdp_attaches_and_ipv6s_where_the
             assert _slots(pins, d, "ekp_xcalls6") == [0]
             assert 0 not in _slots(pins, d), "the tc IPv6 path serves all the same"
             assert (
-                "at XDP passed on to tc (ekp_xdp_net6 not loaded: no XDP program is (--bpf-xdp=disabled"
-                in (caplog.text)
+                "at XDP passed on to tc (ekp_xdp_net6 not loaded: no XDP program is loaded "
+                "(--bpf-xdp=disabled" in (caplog.text)
             )
             disabled = d.load_id(d.programs())
         finally:
@@ -772,6 +772,36 @@ def test_a_cached_object_that_does_not_load_is_compiled_again(
             assert mine.get(build) == good, "the fresh compile replaced the broken entry"
         finally:
             d.close()
+
+
+@pytest.mark.kernel
+def test_a_reload_that_does_not_load_from_the_cache_fails_without_compiling(
+    cache: ObjectCache, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proxier's reload with the XDP programs (`load(recompile=False)`): the cached object
+    loaded the tc programs already, so its failing is the load's; a compile (tens of seconds under
+    the proxier's lock, at every retry) would not mend it."""
+    build = Datapath("/x", SMALL).build()
+    good = cache.get(build)
+    assert good is not None
+    compiles = []
+
+    def compile_in_child(*args: object) -> tuple[BpfObject, float]:
+        compiles.append(args)
+        return good, 0.5
+
+    monkeypatch.setattr(loader, "compile_in_child", compile_in_child)
+    mine = ObjectCache(str(tmp_path / "cache"))
+    broken = replace(
+        good, programs=tuple(replace(p, relocs=tuple((i, 0) for i, _ in p.relocs)) for p in good.programs)
+    )
+    mine.put(broken)
+    with bpffs() as root:
+        d = Datapath(str(root / "ekp"), SMALL, cache=mine)
+        with pytest.raises(DatapathError, match=f"loading the data path \\(build {build}\\) failed"):
+            d.load(recompile=False)
+        d.close()
+    assert not compiles and mine.get(build) == broken, "not compiled, the entry left as it was"
 
 
 @pytest.mark.kernel

@@ -16,7 +16,7 @@ import secrets
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -76,8 +76,13 @@ MORE = state_from_yaml(
 
 
 class FakeDatapath:
-    def __init__(self, maps: dict[str, FakeMap]) -> None:
+    def __init__(self, maps: dict[str, FakeMap], fd_base: int = 0, open_fds: set[int] | None = None) -> None:
         self._maps = maps
+        # Its program fds are PROG_FDS' numbers + fd_base, in `open_fds` (the Rig's, shared by its
+        # data paths, as a process's fd table) from here until close()
+        self.fd_base = fd_base
+        self.open_fds = set() if open_fds is None else open_fds
+        self.open_fds.update(n + fd_base for n in PROG_FDS.values())
         self.loads = 0
         self.closed = 0
         self.pin_checks = 0
@@ -89,13 +94,17 @@ class FakeDatapath:
         self.unavailable: set[str] = {name for name, _ in SOCK_HOOKS.values()} | {PROG_SOCK_TERM}
         self.handover = [HandoverMode.OFF]  # the build's pinned mode (shared by the Rig's data paths)
         self.load_error: Exception | None = None  # what load() raises
+        self.recompile = True  # the last load()'s: whether a cached object that fails is compiled again
 
     @property
     def maps(self) -> Mapping[str, MapWriter]:
+        if self.closed:  # its map fds: a dump through them fails
+            raise OSError(errno.EBADF, "Bad file descriptor (the data path was closed)")
         return self._maps
 
-    def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+    def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
         self.loads += 1
+        self.recompile = recompile
         if self.load_error is not None:
             raise self.load_error
         if maps_ready is not None:
@@ -104,7 +113,7 @@ class FakeDatapath:
     def prog_fd(self, name: str) -> int:
         if not self.has_program(name):
             raise KeyError(f"no program {name!r} loaded")  # as Datapath.prog_fd
-        return PROG_FDS[name]
+        return PROG_FDS[name] + self.fd_base
 
     def has_program(self, name: str) -> bool:
         return name in PROG_FDS and name not in self.unavailable
@@ -127,6 +136,14 @@ class FakeDatapath:
 
     def close(self) -> None:
         self.closed += 1
+        self.open_fds.difference_update(n + self.fd_base for n in PROG_FDS.values())
+
+
+def check_open(fds: Iterable[int], open_fds: set[int]) -> None:
+    """What the kernel answers a program fd closed since (prog_id, bpf_link_create): EBADF."""
+    closed = sorted(set(fds) - open_fds)
+    if closed:
+        raise OSError(errno.EBADF, f"Bad file descriptor (program fds {closed} were closed)")
 
 
 class FakeAttacher:
@@ -147,6 +164,7 @@ class FakeAttacher:
         self.fds: dict[str, int] = {}  # the programs it attaches (the factory's, then use_programs')
         self.ports: MapWriter | None = None
         self.reconcile_error: Exception | None = None  # what the next reconcile raises
+        self.stuck = 0  # how many next stop_watcher calls find the watcher in an attach, not ended
 
     @property
     def xdp_wanted(self) -> dict[int, str]:
@@ -200,35 +218,43 @@ class FakeAttacher:
         self.log.append("watch")
         self.watching = True
 
-    def stop_watcher(self) -> None:
+    def stop_watcher(self) -> bool:
         self.log.append("stop")
+        if self.stuck:
+            self.stuck -= 1
+            return False  # as Attacher's: still running, told to stop
         self.watching = False
+        return True
 
 
 PROG_FDS = {name: 100 + i for i, name in enumerate(PROGRAMS)}
 
 
 class FakeSocketAttacher:
-    def __init__(self, log: list[str], fds: Mapping[str, int]) -> None:
+    def __init__(self, log: list[str], fds: Mapping[str, int], open_fds: set[int]) -> None:
         self.log = log
         self.fds = dict(fds)
+        self.open_fds = open_fds
 
     @property
     def cgroup(self) -> str:
         return "/cg/node1"
 
     def reconcile(self) -> list[str]:
+        check_open(self.fds.values(), self.open_fds)  # SocketAttacher's prog_id(fd) of each
         self.log.append("link sockets")
         return []
 
 
 class FakeTerminator:
-    def __init__(self, log: list[str], prog_fd: int, ended: Callable[[], int]) -> None:
+    def __init__(self, log: list[str], prog_fd: int, ended: Callable[[], int], open_fds: set[int]) -> None:
         self.log = log
         self.prog_fd = prog_fd
         self.ended = ended
+        self.open_fds = open_fds
 
     def run(self) -> int:
+        check_open([self.prog_fd], self.open_fds)  # SocketTerminator's bpf_link_create on it
         self.log.append(f"end stale sockets ({self.ended()} so far)")
         return 0
 
@@ -309,11 +335,14 @@ class Rig:
         # The external devices' kinds a best-effort load reads (a NIC's is ""), or what reading raises
         self.devices: dict[str, str] | Exception = {"eth0": ""}
         self.xdp_load_error: Exception | None = None  # what a load with the XDP programs raises
+        self.open_fds: set[int] = set()  # the data paths' program fds not closed yet
+        self.now = 1000.0  # the proxiers' monotonic clock
 
     def proxier(self, *, ipv6: bool = True) -> EbpfProxier:
         def datapath(pin_path: str, sizes: MapSizes) -> FakeDatapath:
             self.sizes.append(sizes)
-            dp = self.datapath_type(self.maps)
+            # Each its own fd numbers: a holder of a closed one is caught (check_open)
+            dp = self.datapath_type(self.maps, 1000 * len(self.datapaths), self.open_fds)
             # As Datapath.programs: the XDP programs are left out where XDP cannot attach.
             dp.unavailable = (
                 self.unavailable if sizes.xdp else self.unavailable | {PROG_XDP_NET, PROG_XDP_NET6}
@@ -355,14 +384,17 @@ class Rig:
             sysctl_reader=sysctl_read,
             sizes_reader=lambda pin_path: dict(self.pinned),
             upgrade_factory=lambda pin_path: FakeUpgrade(self.events, self.hands_over, self.carry6_error),
-            socket_attacher_factory=lambda config, fds: FakeSocketAttacher(self.events, fds),
-            terminator_factory=lambda config, cgroup, fd, ended: FakeTerminator(self.events, fd, ended),
+            socket_attacher_factory=lambda config, fds: FakeSocketAttacher(self.events, fds, self.open_fds),
+            terminator_factory=lambda config, cgroup, fd, ended: FakeTerminator(
+                self.events, fd, ended, self.open_fds
+            ),
             netns_cookie_reader=lambda netns: 4242,
             socket_detach=self.socket_detach,
             conntrack6_reader=self.read_conntrack6,
             node6_reader=None if self.node6 is None else self.read_node6,
             masquerade6_reader=self.read_masquerade6,
             xdp_devices_reader=xdp_devices,
+            clock=lambda: self.now,
             snapshot_dir=self.snapshot_dir,
             ipv6=ipv6,
         )
@@ -691,7 +723,7 @@ def test_a_first_sync_writes_the_maps_while_the_programs_load_and_attaches_once_
     fe = rig.maps["fe"] = SignallingMap(MAPS["fe"])
 
     class Verifying(FakeDatapath):
-        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+        def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
             self.loads += 1
             assert maps_ready is not None
             maps_ready()
@@ -722,7 +754,7 @@ def test_a_first_sync_writes_the_maps_while_the_programs_load_and_attaches_once_
 
 def test_a_first_sync_loads_the_data_path_itself_when_prepare_failed(rig: Rig) -> None:
     class FailingOnce(FakeDatapath):
-        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+        def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
             self.loads += 1
             if len(rig.datapaths) == 1:
                 assert maps_ready is not None
@@ -745,7 +777,7 @@ def refused_once_written(rig: Rig, role: str) -> None:
     written = rig.maps[role] = SignallingMap(MAPS[role])
 
     class RefusedAfterTheMaps(FakeDatapath):
-        def load(self, maps_ready: Callable[[], None] | None = None) -> None:
+        def load(self, maps_ready: Callable[[], None] | None = None, *, recompile: bool = True) -> None:
             self.loads += 1
             assert maps_ready is not None
             maps_ready()
@@ -2187,7 +2219,7 @@ def test_with_xdp_disabled_the_attacher_gets_no_xdp_program(rig: Rig) -> None:
     assert rig.attachers[-1].nodes, "the tc programs were attached"
     rig.config = replace(rig.config, bpf_xdp="best-effort")
     rig.proxier().sync(STATE, NODE)
-    assert rig.attacher_fds[-1][PROG_XDP] == PROG_FDS[PROG_XDP]
+    assert rig.attacher_fds[-1][PROG_XDP] == rig.datapaths[-1].prog_fd(PROG_XDP)
 
 
 def test_best_effort_loads_no_xdp_program_where_every_external_device_is_a_veth(
@@ -2195,14 +2227,17 @@ def test_best_effort_loads_no_xdp_program_where_every_external_device_is_a_veth(
 ) -> None:
     """--bpf-xdp=best-effort never attaches ekp_xdp_net to a veth (agent/ebpf/xdp.py): where every
     external device is one (kind's nodes, the lab's), the load leaves both XDP programs out and
-    says so once; one device of another kind (a NIC, a bond, a dummy), or devices that cannot be
-    read, load them as before; native and generic attach to veths too, so they always do."""
+    says so once; one device of another kind (a NIC, a bond, a dummy), devices that cannot be
+    read, or none found (an address that comes later, a bond made later: unknown, and a real
+    node's), load them as before; native and generic attach to veths too, so they always do."""
     caplog.set_level(logging.INFO)
     cases: list[tuple[str, dict[str, str] | Exception, bool]] = [
         ("best-effort", {"eth0": "veth", "eth1": "veth"}, False),
-        ("best-effort", {}, False),
+        ("best-effort", {}, True),
         ("best-effort", {"eth0": "veth", "eno1": ""}, True),
         ("best-effort", {"bond0": "bond"}, True),
+        ("best-effort", {"br0": "bridge", "eth0": "veth", "vx0": "vxlan"}, False),
+        ("best-effort", {"br0": "bridge", "tap0": "tun"}, True),
         ("best-effort", OSError(2, "no such namespace"), True),
         ("native", {"eth0": "veth"}, True),
         ("generic", {"eth0": "veth"}, True),
@@ -2219,10 +2254,15 @@ def test_best_effort_loads_no_xdp_program_where_every_external_device_is_a_veth(
         "all external devices are veths (eth0, eth1): ekp_xdp_net not loaded (--bpf-xdp=best-effort "
         "never attaches it to a veth; native or generic would): it is loaded, with the tc programs "
         "again, once an external device that is no veth appears",
-        "no external device yet: ekp_xdp_net not loaded (--bpf-xdp=best-effort never attaches it to a "
-        "veth; native or generic would): it is loaded, with the tc programs again, once an external "
-        "device that is no veth appears",
+        "no external device takes native XDP (br0 bridge, eth0 veth, vx0 vxlan): ekp_xdp_net not loaded "
+        "(--bpf-xdp=best-effort attaches it to no veth, and the bridge and vxlan drivers have none; "
+        "generic would run it): it is loaded, with the tc programs again, once an external device of "
+        "another kind appears",
     ]
+    assert any(
+        r.getMessage().startswith("no external device found yet") and "loading ekp_xdp_net" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_a_device_best_effort_would_try_loads_the_data_path_again_with_xdp_and_puts_it_everywhere(
@@ -2233,7 +2273,7 @@ def test_a_device_best_effort_would_try_loads_the_data_path_again_with_xdp_and_p
     sizes differ in `xdp` alone), hands every program to the Attacher with the pod-device watcher
     stopped, reconciles in full (tc replaced in place, XDP tried), links the socket programs of the
     new load (the terminator's iterator too), unpins the first load's program arrays, and closes
-    the first load's fds at the next sync. Later syncs load nothing more."""
+    the first load's fds (nothing holds them any more). Later syncs load nothing more."""
     rig.unavailable = set()
     rig.devices = {"eth0": "veth"}
     p = rig.proxier()
@@ -2246,9 +2286,9 @@ def test_a_device_best_effort_would_try_loads_the_data_path_again_with_xdp_and_p
     assert [s.xdp for s in rig.sizes] == [False, True]
     assert rig.sizes[1] == replace(rig.sizes[0], xdp=True), "only XDP differs"
     second = rig.datapaths[-1]
-    assert second.loads == 1 and first.closed == 0
+    assert second.loads == 1 and first.closed == 1 and second.closed == 0
     assert rig.attachers == [attacher], "the same Attacher, given the new load's programs"
-    assert attacher.fds[PROG_XDP] == PROG_FDS[PROG_XDP] and attacher.ports is rig.maps["port"]
+    assert attacher.fds[PROG_XDP] == second.prog_fd(PROG_XDP) and attacher.ports is rig.maps["port"]
     assert rig.events == [
         "hand-over OFF",
         "stop",
@@ -2259,7 +2299,8 @@ def test_a_device_best_effort_would_try_loads_the_data_path_again_with_xdp_and_p
         "link sockets",
         "unpin older builds' program arrays",
     ]
-    assert isinstance(p._terminator, FakeTerminator) and p._terminator.prog_fd == PROG_FDS[PROG_SOCK_TERM]
+    assert isinstance(p._terminator, FakeTerminator)
+    assert p._terminator.prog_fd == second.prog_fd(PROG_SOCK_TERM)
     del rig.events[:]
     p.sync(STATE, NODE, frozenset())
     assert first.closed == 1 and second.closed == 0
@@ -2307,32 +2348,164 @@ def test_a_reload_whose_attach_failed_is_finished_by_the_next_sync(rig: Rig) -> 
     assert rig.events == []
 
 
-def test_a_failed_xdp_load_leaves_the_tc_programs_serving_and_is_tried_again_every_sync_period(
+def test_a_reload_whose_attach_failed_is_finished_by_a_full_retry_with_the_sockets_on_open_fds(
+    rig: Rig,
+) -> None:
+    """The reload's full reconcile failed in a periodic sync (a retry of a failed load, or the
+    device found by the periodic verify), and the retry is periodic too: the first load stays open
+    until the socket programs' links and the terminator have the new load's programs (they hold
+    its fds until then), and the retry finishes the reload before any periodic socket reconcile.
+    Closed early (by the next sync's retired loads), the socket attacher's fds were stale, the
+    reload never finished and every later sync failed."""
+    rig.unavailable = set()
+    rig.devices = {"eth0": "veth"}
+    v6 = state6([service()], [slice_("fd00:10:244:1::2")])
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    p.sync6(v6, NODE6)
+    first, attacher = rig.datapaths[-1], rig.attachers[-1]
+    attacher.xdp_devices = {7: "eno1"}
+    real = attacher.use_programs
+
+    def use_programs(prog_fds: Mapping[str, int], ports: MapWriter) -> None:
+        real(prog_fds, ports)
+        attacher.reconcile_error = OSError(16, "Device or resource busy")
+
+    attacher.use_programs = use_programs  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="busy"):
+        p.sync(STATE, NODE)
+    p.sync6(v6, NODE6)  # the daemon's same iteration
+    second = rig.datapaths[-1]
+    assert first.closed == 0, "the socket attacher and the terminator still hold its fds"
+    del rig.events[:]
+    attacher.use_programs = real  # type: ignore[method-assign]
+    p.sync(STATE, NODE)
+    assert rig.events == [
+        "reconcile full=True",
+        "terminator closed",
+        "link sockets",
+        "unpin older builds' program arrays",
+        "end stale sockets (0 so far)",
+    ]
+    assert first.closed == 1 and second.closed == 0, "closed once nothing holds its fds"
+    assert isinstance(p._socket_attacher, FakeSocketAttacher)
+    assert set(p._socket_attacher.fds.values()) <= second.open_fds - {n for n in PROG_FDS.values()}
+    for _ in range(2):
+        p.sync(STATE, NODE)
+        p.sync6(v6, NODE6)
+    assert len(rig.datapaths) == 2 and second.closed == 0
+
+
+def test_a_stop_right_after_a_reload_saves_the_planner_through_the_new_load(
+    rig: Rig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reload shares the pinned maps, so the planners go on with the new load: no read-back at
+    the next syncs, and a clean stop before the next IPv4 sync (after the same iteration's sync6)
+    dumps the maps through the new load's fds to save the planner (through the first load's,
+    closed by then, the dump failed and the next start read every map back)."""
+    from agent.ebpf import snapshot
+
+    rig.snapshot_dir = str(tmp_path / "state")
+    os.makedirs(rig.snapshot_dir)
+    rig.devices = {"eth0": "veth"}
+    v6 = state6([service()], [slice_("fd00:10:244:1::2")])
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    p.sync6(v6, NODE6)
+    rig.attachers[-1].xdp_devices = {7: "eno1"}
+    p.sync(STATE, NODE, frozenset())
+    p.sync6(v6, NODE6, frozenset())
+    assert len(rig.datapaths) == 2 and rig.datapaths[0].closed == 1
+    p.close()
+    assert not [r for r in caplog.records if "could not save the planner" in r.getMessage()]
+    assert Path(snapshot.snapshot_path(rig.snapshot_dir, rig.config.pin_path)).exists()
+
+
+def test_a_reload_whose_watcher_did_not_stop_is_put_in_place_by_the_next_sync(
     rig: Rig, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A load with the XDP programs that fails (the verifier, a cache gone) fails no sync: the first
-    load's tc programs stay on every device, the error names the device and why, and only the
-    periodic syncs (every sync period) try again, not each change."""
+    """The pod-device watcher still in an attach 5 s after being told to stop (Attacher.stop_watcher
+    says it did not end): an attach of its could put the first load's program back after the full
+    reconcile, so the programs are not swapped; the load made is kept, and the next sync puts it in
+    place without loading again. A stop meanwhile closes it."""
+    rig.unavailable = set()
+    rig.devices = {"eth0": "veth"}
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    first, attacher = rig.datapaths[-1], rig.attachers[-1]
+    attacher.xdp_devices = {7: "eno1"}
+    attacher.stuck = 1
+    del rig.events[:]
+    p.sync(STATE, NODE, frozenset())
+    second = rig.datapaths[-1]
+    assert rig.events == ["hand-over OFF", "stop"]
+    assert PROG_XDP not in attacher.fds and first.closed == 0 and second.closed == 0
+    assert any("put in place by the next sync" in r.getMessage() for r in caplog.records)
+    del rig.events[:]
+    p.sync(STATE, NODE, frozenset())
+    assert len(rig.datapaths) == 2, "not loaded again"
+    assert rig.events[:3] == ["stop", "use programs with XDP", "reconcile full=True"]
+    assert attacher.fds[PROG_XDP] == second.prog_fd(PROG_XDP) and first.closed == 1
+
+    rig.devices = {"eth0": "veth"}
+    p = rig.proxier()
+    p.sync(STATE, NODE)
+    rig.attachers[-1].xdp_devices = {7: "eno1"}
+    rig.attachers[-1].stuck = 1
+    p.sync(STATE, NODE, frozenset())
+    p.close()
+    assert rig.datapaths[-1].closed == 1, "the load not put in place is closed at a stop"
+
+
+def test_a_failed_xdp_load_leaves_the_tc_programs_serving_and_is_tried_again_with_a_backoff(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A load with the XDP programs that fails (the verifier, memlock, ENOSPC) fails no sync: the
+    first load's tc programs stay on every device, the error names the device and why, and the
+    failure is counted (ekp_xdp_load_failures_total). The load never compiles again (the cached
+    object loaded the tc programs already), and only periodic syncs try again, the first one 60 s
+    after the failure, doubled at each failure up to an hour: each try is seconds under the lock."""
     rig.devices = {"eth0": "veth"}
     rig.xdp_load_error = OSError(28, "No space left on device")
     p = rig.proxier()
+    failed: list[int] = []
+    p.on_xdp_load_failed = lambda: failed.append(1)
     p.sync(STATE, NODE)
     first, attacher = rig.datapaths[-1], rig.attachers[-1]
     attacher.xdp_devices = {7: "eno1"}
     result = p.sync(STATE, NODE, frozenset())
     assert not result.failed
     assert [s.xdp for s in rig.sizes] == [False, True] and rig.datapaths[-1].closed == 1
+    assert rig.datapaths[-1].recompile is False and first.recompile is True
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert errors == [
-        "loading ekp_xdp_net for eno1 failed (OSError: [Errno 28] No space left on device): the tc "
-        "programs serve all of its traffic; tried again every sync period"
+        "loading ekp_xdp_net for eno1 failed (OSError: [Errno 28] No space left on device, 1 time(s) in "
+        "a row): the tc programs serve all of its traffic; tried again by the first periodic sync "
+        "after 60s (ekp_xdp_load_failures_total)"
     ]
+    assert failed == [1]
     assert PROG_XDP not in attacher.fds and first.closed == 0, "the first load's programs serve"
-    p.sync(STATE, NODE, frozenset())
-    assert len(rig.datapaths) == 2, "a change does not try again"
+
+    def loads_after(seconds: float, *, periodic: bool = True) -> int:
+        rig.now += seconds
+        before = len(rig.datapaths)
+        p.sync(STATE, NODE, None if periodic else frozenset())
+        return len(rig.datapaths) - before
+
+    assert loads_after(100, periodic=False) == 0, "a change does not try again"
+    waits = []
+    for _ in range(9):
+        waited = 0
+        while not loads_after(30):
+            waited += 30
+        waits.append(waited + 30)
+    # the first: 100 s had passed already (the change sync above)
+    assert waits == [30, 120, 240, 480, 960, 1920, 3600, 3600, 3600], "doubled, capped at an hour"
+    assert len(failed) == 10
     rig.xdp_load_error = None
+    rig.now += 3600
     p.sync(STATE, NODE)
-    assert len(rig.datapaths) == 3 and PROG_XDP in attacher.fds, "the periodic sync did"
+    assert PROG_XDP in attacher.fds, "the periodic sync after the backoff loaded it"
 
 
 def test_the_lab_agents_builds_are_those_the_tests_reusing_them_load(rig: Rig, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ def ipr() -> Iterator[IPRoute]:
     with private_netns():
         sh("ip", "link", "add", "ext0", "type", "veth", "peer", "name", "ext0p")
         sh("ip", "link", "add", "br0", "type", "bridge")  # no native XDP in its driver
+        sh("ip", "link", "add", "vx0", "type", "vxlan", "id", "42", "dstport", "4789")  # nor in vxlan's
         with IPRoute() as ipr:
             yield ipr
 
@@ -63,16 +64,25 @@ def test_best_effort_without_a_driver_runs_none_and_says_so(
     br0 = index(ipr, "br0")
     assert xdp.attach(ipr, br0, "br0", ours, "best-effort") == ""
     assert xdp.xdp_state(ipr, br0).prog_id == 0
-    assert "br0: no native XDP in its driver" in caplog.text
+    assert "br0: no native XDP in a bridge's driver" in caplog.text
     assert xdp.attach(ipr, br0, "br0", ours, "generic") == "generic"  # generic runs anywhere
     assert xdp.xdp_state(ipr, br0).mode == xdp.ATTACHED_SKB
 
 
 def test_native_without_a_driver_fails(ipr: IPRoute, ours: int) -> None:
+    """The kinds best-effort counts as taking no native XDP (xdp.NO_NATIVE_XDP, which also keeps
+    the XDP programs unloaded where every external device is of them) are those refusing it here."""
+    import errno
+
     from pyroute2.netlink.exceptions import NetlinkError
 
-    with pytest.raises(NetlinkError):
-        xdp.attach(ipr, index(ipr, "br0"), "br0", ours, "native")
+    by_kind = {"bridge": "br0", "vxlan": "vx0"}
+    assert set(by_kind) == xdp.NO_NATIVE_XDP, "each kind listed is shown to refuse it"
+    for kind, name in by_kind.items():
+        assert xdp.link_kind(ipr, index(ipr, name)) == kind
+        with pytest.raises(NetlinkError) as refused:
+            xdp.attach(ipr, index(ipr, name), name, ours, "native")
+        assert refused.value.code == errno.EOPNOTSUPP, name
 
 
 def test_a_new_build_of_ours_replaces_the_old_and_a_mode_change_moves_it(ipr: IPRoute, ours: int) -> None:

@@ -184,7 +184,11 @@ def test_names_help_types_and_labels_are_upstreams(mode: Mode) -> None:
         m.set_iptables_rules({"nat": 1}, {"nat": 1})
         m.record_conntrack_cleanup(0.01, 2)
     got = families(registry)
-    ebpf = {"ekp_ipv6_snat_held_flows", "ekp_ipv6_snat_granted"} if mode is Mode.EBPF else set()
+    ebpf = (
+        {"ekp_ipv6_snat_held_flows", "ekp_ipv6_snat_granted", "ekp_xdp_load_failures_total"}
+        if mode is Mode.EBPF
+        else set()
+    )
     assert set(got) == {e[0] for e in expected} | OURS | ebpf | PROCESS
     for name, kind, text, labels in expected:
         fam = got[name]

@@ -76,6 +76,13 @@ def hook_ids(cluster: Cluster, dev: str) -> dict[str, int]:
     return ids
 
 
+def socket_link_ids(cluster: Cluster) -> dict[str, int]:
+    """Hook -> the id of the program its pinned socket link runs (agent/ebpf/sockattach.py)."""
+    from agent.ebpf.sockattach import pinned_links
+
+    return {hook: state.prog_id for hook, state in pinned_links(cluster.agents[0].pin_path).items()}
+
+
 def prog_name(prog_id: int) -> str:
     shown = json.loads(
         subprocess.run(
@@ -88,6 +95,9 @@ def prog_name(prog_id: int) -> str:
 def test_a_best_effort_agent_on_veths_alone_loads_no_xdp_program_and_serves_nodeports_at_tc(
     cluster: Cluster,
 ) -> None:
+    """What the start pinned is what tests the change (no ekp_xdp_net* program loaded); the
+    NodePort served at tc with no XDP run, and eth0's empty XDP hook, held before it too (loaded,
+    best-effort attaches nothing to a veth): they guard that the tc path alone serves."""
     from tests.traffic.test_xdp import delta, xstats
 
     agent = cluster.agents[0]
@@ -122,6 +132,9 @@ def test_a_device_that_takes_xdp_appearing_later_has_the_xdp_programs_loaded_and
     cluster.apply(with_endpoints(svc, [ep(cluster, "pod-1-1"), ep(cluster, "pod-1-2")]))
     assert [n for names in pinned_programs(cluster).values() for n in names if n.startswith("ekp_xdp")] == []
     before = hook_ids(cluster, "eth0")
+    links = socket_link_ids(cluster)
+    assert links, "the lab's agents link the socket programs"
+    link_names = {hook: prog_name(prog_id) for hook, prog_id in links.items()}
     mark = agent.log_mark()
     loop = Loop(lab, CLIENT, f"http://{node.ip}:{NODE_PORT + 1}/", "xdp-best-effort")
     try:
@@ -143,6 +156,9 @@ def test_a_device_that_takes_xdp_appearing_later_has_the_xdp_programs_loaded_and
     now = hook_ids(cluster, "eth0")
     assert now["xdp"] == 0, "a veth keeps none"
     assert now.keys() == before.keys() and all(now[k] != before[k] for k in now if k != "xdp"), (before, now)
+    moved = socket_link_ids(cluster)
+    assert moved.keys() == links.keys() and all(moved[h] != links[h] for h in moved), (links, moved)
+    assert {h: prog_name(i) for h, i in moved.items()} == link_names, "the new load's, hook by hook"
     res = cluster.http(CLIENT, f"http://{node.ip}:{NODE_PORT + 1}/", count=5)
     assert res["errors"] == 0, res
 
@@ -154,4 +170,5 @@ def test_a_device_that_takes_xdp_appearing_later_has_the_xdp_programs_loaded_and
     assert "data path reused (unchanged since it was compiled)" in said, said[-3000:]
     assert "not loaded (--bpf-xdp=best-effort" not in said
     assert hook_ids(cluster, "nic0") == tap and hook_ids(cluster, "eth0") == now, "no program replaced"
+    assert socket_link_ids(cluster) == moved
     assert pinned_programs(cluster) == loads
