@@ -8,9 +8,10 @@ compiles at most once per build on a machine:
   the cflags that reach the C (the Maglev table size; map sizes are a placeholder, set at load:
   agent/ebpf/loader.py compile_cflags), the ABI version, the programs' names and prog types (the
   compile child records them in the object) and their bpf_loop callbacks, the object's format,
-  the kernel release and its headers, and the bcc version. Not the pin directory nor the sizes: maps are bound and sized when the programs
-  are loaded (agent.ebpf.link), so two agents with different pins or sizes share one build. The
-  object holds every program of the source; a load chooses which (loader.Datapath.programs).
+  the kernel release and its headers, and the bcc version. Not the pin directory nor the sizes:
+  maps are bound and sized when the programs are loaded (agent.ebpf.link), so two agents with
+  different pins or sizes share one build. The object holds every program of the source; a load
+  chooses which (loader.Datapath.programs).
 * `open_pinned_programs(...)` looks for programs pinned under a load's id (the build and the
   programs it loads: loader.Datapath.load_id; `ekp_prog_<id>_<name>` in the
   pin directory) whose maps are the maps pinned there now, plus the load's private (unpinned) maps
