@@ -23,7 +23,8 @@ static __always_inline __be32 ekp_fold6(const __be32 *a)
 	return a[0] ^ a[1] ^ a[2] ^ a[3];
 }
 
-/* A new IPv6 flow: struct ekp_flow (ids, ports, flags; its IPv4 addresses stay 0) and the flow's three addresses at full width. */
+/* A new IPv6 flow: struct ekp_flow (ids, ports, flags; its IPv4 addresses stay 0) and the flow's
+ * three addresses at full width. */
 struct ekp_flow6 {
 	struct ekp_flow b;
 	__be32 be_addr[4];   /* be: the backend (ekp_pick_backend_af's `be6`) */

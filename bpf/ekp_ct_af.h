@@ -17,7 +17,8 @@
  * Names: ekp_ct_x is ekp_ct_x / ekp_ct6_x, ekp_snat_x ekp_snat_x / ekp_snat6_x. Types:
  * key, entry, EKP_PKT (a packet of the family; EKP_PB(p) its struct ekp_pkt: ports,
  * protocol, flags), EKP_FLOW (a new flow; EKP_FB(f) its struct ekp_flow: ids, ports, flags, the
- * SNAT walk). An address field has the same name in both families, `__be32` or `__be32[4]`:
+ * SNAT port the walk chose; the walk's own state is struct ekp_snat_state, in per-CPU scratch:
+ * ekp_snat_af.h). An address field has the same name in both families, `__be32` or `__be32[4]`:
  * EKP_A_EQ(a, b), EKP_A_SET(d, s), EKP_A_ZERO(d), EKP_A_SEL(d, c, s) (d = c ? s : zero),
  * EKP_A_SEL2(d, c, s, t) (d = c ? s : t), EKP_A_FOLD(a) (the 32 bits ekp_act stamps): all of
  * them in ekp_def_af.h, undefined again by ekp_undef_af.h. ekp_ctq_af.h (the early-drop rings) and

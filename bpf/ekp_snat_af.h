@@ -42,11 +42,11 @@ long EKP_SNATF(callback)(__u32 i);
 #endif
 
 /* The probe of `port`, the body both drivers share: returns 1 (the loop stops) when it is free,
- * else notes what holds it with one-line tests and returns 0: a port held by a flow that saw a FIN or RST, idle longer
- * than any timeout of its protocol, or ORPHAN and idle longer than tcp_orphan_s (dead for sure);
- * for TCP, the first port idle longer than tcp_orphan_s (dead if its backend left every Service: a
- * flow no packet came for since, so none flagged it); and the first port held by a flow that never
- * completed its handshake. The exact check of the candidates (ekp_ct_reusable) runs after the
+ * else notes what holds it with one-line tests and returns 0: a port held by a flow that saw a
+ * FIN or RST, idle longer than any timeout of its protocol, or ORPHAN and idle longer than
+ * tcp_orphan_s (dead for sure); for TCP, the first port idle longer than tcp_orphan_s (dead if its
+ * backend left every Service: a flow no packet came for since, so none flagged it); and the first
+ * port held by a flow that never completed its handshake. The exact check of the candidates (ekp_ct_reusable) runs after the
  * walk, once each. */
 static __always_inline long EKP_SNATF(probe_at)(struct EKP_SNATF(state) *s, __u16 port, __u64 now,
 						  __u64 dead_ns, __s64 orphan_ns, const int tcp)
@@ -79,7 +79,8 @@ static __always_inline long EKP_SNATF(probe_in)(struct EKP_SNATF(state) *s, __u3
 /* Probe `i` in the table s->tcp names. The table is a constant in each of the two bodies: with the
  * map chosen at run time (one body, the map a register) the verifier cannot bind the lookup to the
  * table's own and leaves the generic helper, an indirect call per probe (bench/snatcost.py: a new
- * flow's 64 probes 15-20% slower than the bounded loop's). */
+ * flow's 64 probes 13-22% slower than the bounded loop's, by pass; now 4.7%: bench/results/scale/
+ * verifycost-bpfloop-2026-11-28.txt). */
 static __always_inline long EKP_SNATF(probe)(struct EKP_SNATF(state) *s, __u32 i)
 {
 	if (s->tcp)

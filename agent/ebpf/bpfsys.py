@@ -319,10 +319,12 @@ def prog_query(target_fd: int, attach_type: int, ids: Any) -> tuple[int, int]:
     return ret, _PROG_QUERY.unpack(attr.raw)[5]
 
 
-def btf_load(data: bytes) -> int:
-    """Load raw BTF (types and strings); its fd."""
+def btf_load(data: bytes, log: Any = None) -> int:
+    """Load raw BTF (types and strings); its fd. `log` (a ctypes char buffer, at least 128 bytes)
+    receives the kernel's BTF checker log when given, as prog_load's does the verifier's."""
     buf = ctypes.create_string_buffer(data, len(data))
-    return _call(BTF_LOAD, _attr(_BTF_LOAD, _addr(buf), 0, len(data), 0, 0))
+    size = len(log) if log is not None else 0
+    return _call(BTF_LOAD, _attr(_BTF_LOAD, _addr(buf), _addr(log), len(data), size, 1 if size else 0))
 
 
 def btf_get_fd_by_id(btf_id: int) -> int:

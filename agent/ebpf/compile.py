@@ -7,10 +7,11 @@ compiles at most once per build on a machine:
 * `build_id(...)` hashes what decides the programs' bytes: the C source with its headers inlined,
   the cflags that reach the C (the Maglev table size; map sizes are a placeholder, set at load:
   agent/ebpf/loader.py compile_cflags), the ABI version, the programs' names and prog types (the
-  compile child records them in the object), the kernel release and its headers, and the bcc
-  version. Not the pin directory nor the sizes: maps are bound and sized when the programs
-  are loaded (agent.ebpf.link), so two agents with different pins or sizes share one build. The
-  object holds every program of the source; a load chooses which (loader.Datapath.programs).
+  compile child records them in the object) and their bpf_loop callbacks, the object's format,
+  the kernel release and its headers, and the bcc version. Not the pin directory nor the sizes:
+  maps are bound and sized when the programs are loaded (agent.ebpf.link), so two agents with
+  different pins or sizes share one build. The object holds every program of the source; a load
+  chooses which (loader.Datapath.programs).
 * `open_pinned_programs(...)` looks for programs pinned under a load's id (the build and the
   programs it loads: loader.Datapath.load_id; `ekp_prog_<id>_<name>` in the
   pin directory) whose maps are the maps pinned there now, plus the load's private (unpinned) maps
@@ -40,7 +41,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from agent.ebpf import bpfsys
+from agent.ebpf import bpfobject, bpfsys
 from agent.ebpf.bpfobject import BpfObject, FuncDef, MapDef, ObjectError, ProgDef, find_relocs
 from agent.ebpf.programs import callbacks
 from agent.ebpf.snatloop import build_has_bpf_loop
@@ -115,12 +116,15 @@ def build_id(source: str, cflags: Sequence[str], abi_version: int, prog_types: M
     source has its local headers inlined, so where the tree lies does not matter. `prog_types`
     (program name -> BPF prog type) is in: the compile child records each program's type in the
     object, so a changed type must not load a cached object of the old one; so are the callbacks
-    they pass (agent/ebpf/programs.py), the functions the child puts in the object beside them."""
+    they pass (agent/ebpf/programs.py), the functions the child puts in the object beside them.
+    So is the object's format (bpfobject.FORMAT): two trees of one C source but different formats
+    would otherwise share a cache entry, each refusing the other's object and overwriting it."""
     h = hashlib.sha256()
     flags = "\0".join(f for f in cflags if not f.startswith("-I"))
     progs = "\0".join(f"{name}={kind}" for name, kind in sorted(prog_types.items()))
     progs += "\0" + "\0".join(callbacks(prog_types))
-    for part in (source, flags, str(abi_version), progs, platform.release(), kernel_headers(), bcc_version()):
+    parts = (source, flags, str(abi_version), progs, f"format {bpfobject.FORMAT}")
+    for part in (*parts, platform.release(), kernel_headers(), bcc_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:12]
@@ -179,13 +183,17 @@ def compile_in_child(
     entry_file: Path, cflags: Sequence[str], build: str, programs: Mapping[str, int]
 ) -> tuple[BpfObject, float]:
     """Run the compiler child; the object it compiled and its wall time. Raises RuntimeError with
-    its stderr."""
+    its stderr. The child is told the callbacks to put in the object, as it is told the programs:
+    they are what build_id hashed here, where the child's own PROGRAMS could be another tree's."""
+    bpf_loop = build_has_bpf_loop(cflags)
     args = {
         "entry_file": str(entry_file),
         "cflags": list(cflags),
         "build": build,
         "programs": dict(programs),
-        "bpf_loop": build_has_bpf_loop(cflags),
+        "bpf_loop": bpf_loop,
+        # None in a build whose walk is a bounded loop (EKP_SNAT_BPF_LOOP=0): the C defines none.
+        "callbacks": callbacks(programs) if bpf_loop else [],
     }
     started = time.monotonic()
     proc = subprocess.run(
@@ -265,9 +273,8 @@ def _child(raw: str) -> int:
             programs.append(ProgDef(name, int(prog_type), insns, find_relocs(insns, map_of_fd)))
         # The bpf_loop callbacks they pass: functions of their own to bcc (non-static C functions),
         # linked into each program that names one when it is loaded (agent/ebpf/calls.py).
-        # None in a build whose walk is a bounded loop (EKP_SNAT_BPF_LOOP=0): the C defines none.
         functions = []
-        for name in callbacks(args["programs"]) if args["bpf_loop"] else []:
+        for name in args["callbacks"]:
             insns = bpf.dump_func(name.encode())
             functions.append(FuncDef(name, insns, find_relocs(insns, map_of_fd)))
         obj = BpfObject(
@@ -288,7 +295,7 @@ def _child(raw: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m agent.ebpf.compile", description=__doc__)
-    p.add_argument("args", help="JSON: entry_file, cflags, build, programs")
+    p.add_argument("args", help="JSON: entry_file, cflags, build, programs, bpf_loop, callbacks")
     ns = p.parse_args(argv)
     return _child(ns.args)
 

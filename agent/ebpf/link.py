@@ -33,7 +33,7 @@ import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypedDict
 
 from agent.ebpf import bpfsys
 from agent.ebpf.bpfobject import BpfObject, FuncDef, MapDef, ObjectError, relocate
@@ -46,6 +46,7 @@ from agent.ebpf.programs import BUILD_MAPS, PROGRAMS, TAIL_CALLS, ProgSpec
 log = logging.getLogger(__name__)
 
 VERIFIER_LOG_BYTES = 1 << 20  # asked for only when a load failed, to say why
+BTF_LOG_BYTES = 1 << 16  # likewise; a function BTF is a few hundred bytes, its log a few lines
 
 
 class LinkError(RuntimeError):
@@ -97,7 +98,15 @@ def _open_or_create(m: MapDef, path: str, btf_fd: int) -> int:
     return fd
 
 
-def load_insns(spec: ProgSpec, name: str, insns: bytes) -> tuple[bytes, dict[str, int]]:
+class LoadAttrs(TypedDict):
+    """The load attributes of a program's spec, spread into bpfsys.prog_load as they are: a key
+    added here reaches the kernel, or mypy names the prog_load parameter it lacks."""
+
+    expected_attach_type: int
+    attach_btf_id: int
+
+
+def load_insns(spec: ProgSpec, name: str, insns: bytes) -> tuple[bytes, LoadAttrs]:
     """The instructions and load attributes of a program as its spec says: kfunc calls patched in
     (agent/ebpf/kfunc.py: bcc 0.26 cannot emit one), the hook it is loaded for, an iterator's
     target. LinkError when the running kernel lacks a function it calls or a marker has no call."""
@@ -111,10 +120,10 @@ def load_insns(spec: ProgSpec, name: str, insns: bytes) -> tuple[bytes, dict[str
         unused = [fn for mark, fn in spec.kfuncs if not patched[mark]]
         if unused:
             raise LinkError(f"{name}: no call of {', '.join(unused)} to patch")
-    attrs = {
-        "expected_attach_type": max(spec.attach_type, 0),
-        "attach_btf_id": ids[f"bpf_iter_{spec.iter_target}"] if spec.iter_target else 0,
-    }
+    attrs = LoadAttrs(
+        expected_attach_type=max(spec.attach_type, 0),
+        attach_btf_id=ids[f"bpf_iter_{spec.iter_target}"] if spec.iter_target else 0,
+    )
     return insns, attrs
 
 
@@ -126,6 +135,23 @@ def callback_of(obj: BpfObject, spec: ProgSpec) -> FuncDef | None:
     if not obj.bpf_loop or not spec.callback:
         return None
     return obj.function(spec.callback)
+
+
+def _load_func_btf(name: str, build: str, btf: bytes) -> int:
+    """The fd of a linked program's function BTF (calls.func_btf); LinkError with the kernel's BTF
+    log when refused (loaded again with a log buffer, as a refused program is)."""
+    fd = bpfsys.btf_load(btf)
+    if fd >= 0:
+        return fd
+    buf = ctypes.create_string_buffer(BTF_LOG_BYTES)
+    again = bpfsys.btf_load(btf, log=buf)
+    if again >= 0:
+        return again
+    text = buf.value.decode(errors="replace").strip()
+    raise LinkError(
+        f"loading program {name} (build {build}): the kernel refused the BTF of its functions "
+        f"(agent/ebpf/calls.py func_btf): {os.strerror(-fd)}\n{text[-4000:]}"
+    )
 
 
 def load_program(obj: BpfObject, name: str, fds: Sequence[int], log: Any = None, log_level: int = 1) -> int:
@@ -143,11 +169,7 @@ def load_program(obj: BpfObject, name: str, fds: Sequence[int], log: Any = None,
     btf_fd, func_info = -1, b""
     if linked.func_info:
         btf, func_info = func_btf(linked.func_info)
-        btf_fd = bpfsys.btf_load(btf)
-        if btf_fd < 0:
-            raise LinkError(
-                f"loading program {name}: the kernel refused the BTF of its functions: {os.strerror(-btf_fd)}"
-            )
+        btf_fd = _load_func_btf(name, obj.build, btf)
     try:
         return bpfsys.prog_load(
             prog.type,
@@ -157,10 +179,9 @@ def load_program(obj: BpfObject, name: str, fds: Sequence[int], log: Any = None,
             obj.kern_version,
             log,
             log_level=log_level,
-            expected_attach_type=attrs["expected_attach_type"],
-            attach_btf_id=attrs["attach_btf_id"],
             prog_btf_fd=max(btf_fd, 0),
             func_info=func_info,
+            **attrs,
         )
     finally:
         if btf_fd >= 0:

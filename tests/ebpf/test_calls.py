@@ -3,11 +3,16 @@ its map references, the func BTF; and every object it cannot map without guessin
 
 from __future__ import annotations
 
+import os
 import struct
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
 from agent.config import MapSizes
+from agent.ebpf import bpfsys
+from agent.ebpf import link as link_mod
 from agent.ebpf.bpfobject import INSN, BpfObject, FuncDef, MapDef, ObjectError, ProgDef
 from agent.ebpf.btf import func_ids
 from agent.ebpf.calls import FIRST_FUNC_ID, PSEUDO_FUNC, CallError, func_btf, link_callback, unresolved
@@ -22,6 +27,8 @@ from agent.ebpf.programs import (
     PROG_XDP_NET,
     PROG_XDP_NET6,
     PROGRAMS,
+    SNAT_CALLBACK,
+    ProgSpec,
 )
 from bench.verifycost import the_object
 
@@ -113,6 +120,63 @@ def test_the_loader_refuses_a_program_it_cannot_link_before_loading_anything() -
         load_program(obj, PROG_EGRESS, [])
 
 
+def _walking_object() -> BpfObject:
+    """ekp_from_pod calling bpf_loop with its callback, no maps: loadable as it is."""
+    program = loop_call() + insn(MOV) + insn(EXIT)
+    return BpfObject(
+        "abcdef012345",
+        "GPL",
+        0,
+        b"",
+        (),
+        (ProgDef(PROG_FROM_POD, 3, program, ()),),
+        functions=(FuncDef(SNAT_CALLBACK, insn(MOV) + insn(EXIT), ()),),
+        bpf_loop=True,
+    )
+
+
+def test_every_load_attribute_of_the_spec_reaches_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_insns' attributes are spread into prog_load, not picked by name: one added to it later
+    is not dropped on the way (mypy then names the prog_load parameter it lacks)."""
+    real = link_mod.load_insns
+    seen: list[dict[str, object]] = []
+
+    def more(spec: ProgSpec, name: str, insns: bytes) -> tuple[bytes, Any]:
+        insns, attrs = real(spec, name, insns)
+        return insns, {**attrs, "attach_prog_fd": 7}  # as if LoadAttrs had grown a key
+
+    def prog_load(*_: object, **kw: object) -> int:
+        seen.append(kw)
+        return 99
+
+    monkeypatch.setattr(link_mod, "load_insns", more)
+    monkeypatch.setattr(bpfsys, "prog_load", prog_load)
+    obj = BpfObject("abcdef012345", "GPL", 0, b"", (), (ProgDef(PROG_EGRESS, 3, insn(MOV) + insn(EXIT), ()),))
+    assert load_program(obj, PROG_EGRESS, []) == 99
+    assert [(kw["attach_prog_fd"], kw["expected_attach_type"], kw["attach_btf_id"]) for kw in seen] == [
+        (7, 0, 0)
+    ]
+
+
+@pytest.mark.kernel
+def test_a_refused_function_btf_is_an_error_with_the_kernels_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not only strerror: the BTF is loaded again with a log buffer, as a refused program is."""
+
+    def bad_magic(func_info: Sequence[tuple[int, str]]) -> tuple[bytes, bytes]:
+        blob, records = func_btf(func_info)
+        return b"\0\0" + blob[2:], records
+
+    obj = _walking_object()
+    fd = load_program(obj, PROG_FROM_POD, [])
+    assert fd >= 0, os.strerror(-fd)  # the object loads with its own BTF: the magic is what fails
+    os.close(fd)
+    monkeypatch.setattr(link_mod, "func_btf", bad_magic)
+    with pytest.raises(
+        LinkError, match=r"(?s)ekp_from_pod \(build abcdef012345\).*refused the BTF.*\n.*magic"
+    ):
+        load_program(obj, PROG_FROM_POD, [])
+
+
 def test_a_named_callback_the_program_never_passes_is_refused() -> None:
     with pytest.raises(CallError, match="passes no function to bpf_loop"):
         link_callback(prog(insn(MOV) + insn(EXIT)), callback())
@@ -188,14 +252,26 @@ def test_the_json_form_keeps_the_functions_and_the_old_format_is_refused() -> No
 @pytest.mark.kernel
 def test_each_program_of_the_build_passes_exactly_the_callback_its_spec_names() -> None:
     """The table (agent/ebpf/programs.py) against the compiled C: a program calling bpf_loop that
-    names no callback, or one naming a callback it never passes, fails here, not at a node's load."""
+    names no callback, one naming a callback it never passes, or the other family's, fails here,
+    not at a node's load."""
     obj = the_object(Datapath("/sys/fs/bpf/unused", MapSizes()))
+    assert obj.bpf_loop, "this kernel has bpf_loop: the build should have the callbacks"
     walking = set()
     for p in obj.programs:
         spec = PROGRAMS[p.name]
-        linked = link_callback(p, obj.function(spec.callback) if spec.callback else None)
-        if linked.func_info:
-            walking.add(p.name)
+        callback = obj.function(spec.callback) if spec.callback else None
+        linked = link_callback(p, callback)
+        if callback is None:
+            continue
+        walking.add(p.name)
+        # One walk per program, and the callback of its family: the IPv4 callback's scratch
+        # (ekp_scratch) is no map of the IPv6 programs, nor ekp_scratch6 of the IPv4 ones, so
+        # callbacks swapped in the table fail here even though each links.
+        assert len(unresolved(p.insns)) == 1, f"{p.name}: one bpf_loop call site"
+        theirs = {obj.maps[m].name for _, m in callback.relocs}
+        ours = {obj.maps[m].name for _, m in p.relocs}
+        assert theirs <= ours, f"{p.name} with {callback.name}: maps {sorted(theirs - ours)} it never uses"
+        assert linked.func_info == ((0, p.name), (len(p.insns) // INSN.size, callback.name))
     assert walking == {
         PROG_FROM_POD,
         PROG_FROM_NET,

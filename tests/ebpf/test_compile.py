@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import logging
 import os
 import subprocess
@@ -20,14 +21,15 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from agent.config import ConntrackSettings, MapSizes
-from agent.ebpf import bpfsys, loader
+from agent.ebpf import bpfobject, bpfsys, loader
 from agent.ebpf import compile as compile_mod
 from agent.ebpf.abi import MAPS, CtEntry, CtKey, MapSpec, ip_be, port_be
-from agent.ebpf.bpfobject import BpfObject
+from agent.ebpf.bpfobject import INSN, BpfObject
 from agent.ebpf.btf import vmlinux_has
 from agent.ebpf.compile import PROG_PIN_PREFIX, build_id, prog_map_ids, prog_pin
 from agent.ebpf.link import PinnedMapMismatch, link, verifier_threads
@@ -46,9 +48,12 @@ from agent.ebpf.programs import (
     PROG_XDP_NET,
     PROG_XDP_NET6,
     PROGRAMS,
+    SNAT6_CALLBACK,
+    SNAT_CALLBACK,
     TAIL_CALLS,
     kernel_needs,
 )
+from agent.ebpf.snatloop import CFLAG as SNAT_CFLAG
 from agent.ebpf.sockattach import prog_id
 from lab.dplab import SIZES as PACKET_LAB_SIZES
 from lab.packets import bpffs
@@ -83,6 +88,80 @@ def test_the_build_id_follows_source_flags_abi_and_programs() -> None:
     assert build_id("int x;", ["-DA=1", "-I/elsewhere/bpf"], 1, types) == base, (
         "where the tree lies is no part"
     )
+
+
+def test_the_build_id_follows_the_object_format(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two trees of one C source whose objects differ in format are two builds: one cache entry
+    would have each refuse the other's object (BpfObject.from_json), compile and overwrite it."""
+    progs = {"ekp_a": 3}
+    before = build_id("int x;", ["-DA=1"], 1, progs)
+    monkeypatch.setattr(bpfobject, "FORMAT", bpfobject.FORMAT + 1)
+    assert build_id("int x;", ["-DA=1"], 1, progs) != before
+
+
+def _fake_child_run(seen: list[dict[str, object]]) -> object:
+    """subprocess.run for compile_in_child: records the child's JSON args, prints an empty object."""
+
+    def run(argv: list[str], **_: object) -> subprocess.CompletedProcess[bytes]:
+        seen.append(json.loads(argv[-1]))
+        out = BpfObject("abcdef012345", "GPL", 0, b"", (), ()).to_json()
+        return subprocess.CompletedProcess(argv, 0, out, b"")
+
+    return run
+
+
+@pytest.mark.parametrize("loop, want", [("1", [SNAT6_CALLBACK, SNAT_CALLBACK]), ("0", [])])
+def test_the_compile_child_is_told_the_callbacks_of_the_programs_the_parent_hashed(
+    monkeypatch: pytest.MonkeyPatch, loop: str, want: list[str]
+) -> None:
+    seen: list[dict[str, object]] = []
+    monkeypatch.setattr(subprocess, "run", _fake_child_run(seen))
+    programs = {PROG_FROM_POD: 3, PROG_FROM_NET6: 3, PROG_EGRESS: 3}
+    compile_mod.compile_in_child(Path("x.c"), [f"{SNAT_CFLAG}{loop}"], "abcdef012345", programs)
+    assert [a["callbacks"] for a in seen] == [want]
+
+
+def test_the_compile_child_puts_in_the_object_the_callbacks_it_is_told(
+    monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    """Not those its own PROGRAMS would name: the parent's hashed the build id. A fake bcc: the
+    child dumps what it is asked for, by name."""
+    dumped: list[str] = []
+    body = INSN.pack(0xB7, 0, 0, 0) + INSN.pack(0x95, 0, 0, 0)  # r0 = 0; exit
+
+    class FakeBPF:
+        module = None
+
+        def __init__(self, **_: object) -> None:
+            pass
+
+        def dump_func(self, name: bytes) -> bytes:
+            dumped.append(name.decode())
+            return body
+
+        def cleanup(self) -> None:
+            pass
+
+    lib = SimpleNamespace(
+        bpf_num_tables=lambda _: 0,
+        bpf_table_name=SimpleNamespace(),  # no maps: never called
+        bpf_table_fd_id=SimpleNamespace(),
+        bpf_module_license=lambda _: b"GPL",
+        bpf_module_kern_version=lambda _: 0,
+    )
+    monkeypatch.setitem(sys.modules, "bcc", SimpleNamespace(BPF=FakeBPF, lib=lib))
+    args = {
+        "entry_file": "x.c",
+        "cflags": [],
+        "build": "abcdef012345",
+        "programs": {PROG_FROM_POD: 3},
+        "bpf_loop": True,
+        "callbacks": ["ekp_told_callback"],
+    }
+    assert compile_mod.main([json.dumps(args)]) == 0
+    obj = BpfObject.from_json(capsysbinary.readouterr().out)
+    assert dumped == [PROG_FROM_POD, "ekp_told_callback"]
+    assert [f.name for f in obj.functions] == ["ekp_told_callback"]
 
 
 def test_the_build_id_follows_a_headers_package_replaced_in_place(tmp_path: Path) -> None:
