@@ -1365,6 +1365,8 @@ class EbpfProxier:
     def _xdp_due(self, periodic: bool) -> bool:
         """Whether this sync may load the data path with the XDP programs: the first try at once,
         after a failure only a periodic sync once the backoff has passed."""
+        if self._unswapped is not None:
+            return True  # loaded already: only its swap is left, which costs no verifier
         return not self._xdp_failures or (periodic and self._clock() >= self._xdp_retry_at)
 
     def _load_xdp(self, datapath: DatapathLike, node: NodeContext) -> None:
@@ -1383,14 +1385,15 @@ class EbpfProxier:
         loaded, self._unswapped = self._unswapped, None
         if loaded is None:
             log.info(
-                "%s is external and no veth (--bpf-xdp=best-effort tries native XDP there): loading "
-                "the data path again with %s; the tc programs serve meanwhile",
+                "%s is external and no veth, bridge nor vxlan (--bpf-xdp=best-effort tries native XDP "
+                "there): loading the data path again with %s; the tc programs serve meanwhile",
                 names,
                 PROG_XDP,
             )
             loaded = self._load_with_xdp(sizes, names)
             if loaded is None:
                 return
+            self._xdp_failures = 0  # loaded: a swap put off below is no failure to back off from
         if not attacher.stop_watcher():
             # Still attaching a pod device with `datapath`'s programs: swapped under it, that
             # attach could put the older program back after the full reconcile. Kept loaded for
@@ -1438,7 +1441,8 @@ class EbpfProxier:
         except Exception as exc:
             loaded.close()
             self._xdp_failures += 1
-            wait = min(XDP_RETRY_FIRST * 2 ** (self._xdp_failures - 1), XDP_RETRY_MAX)
+            # the exponent capped: 2 ** 1024 (42 days of hourly failures) overflows a float
+            wait = min(XDP_RETRY_FIRST * 2 ** min(self._xdp_failures - 1, 16), XDP_RETRY_MAX)
             self._xdp_retry_at = self._clock() + wait
             self.on_xdp_load_failed()
             log.error(

@@ -265,8 +265,8 @@ class Metrics:
             self.xdp_load_failures = Counter(
                 "ekp_xdp_load_failures_total",
                 "Loads of the data path with the XDP programs (--bpf-xdp=best-effort, once an external"
-                " device that is no veth appeared) that failed: the tc programs serve meanwhile, and"
-                " periodic syncs try again with a backoff (the log says why)",
+                " device that takes native XDP (no veth, bridge nor vxlan) appeared) that failed: the tc"
+                " programs serve meanwhile, and periodic syncs try again with a backoff (the log says why)",
                 registry=r,
             )
             self.ipv6_snat_held_flows = Gauge(

@@ -175,6 +175,7 @@ def test_a_watcher_that_does_not_end_in_time_is_kept_and_said_so(monkeypatch: py
     assert attacher.stop_watcher() is True and not attacher.watching
 
 
+@pytest.mark.kernel
 def test_the_watcher_has_looked_at_every_device_when_it_starts(
     netns: str, progs: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:

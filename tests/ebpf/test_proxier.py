@@ -2502,6 +2502,13 @@ def test_a_failed_xdp_load_leaves_the_tc_programs_serving_and_is_tried_again_wit
     # the first: 100 s had passed already (the change sync above)
     assert waits == [30, 120, 240, 480, 960, 1920, 3600, 3600, 3600], "doubled, capped at an hour"
     assert len(failed) == 10
+    # weeks of hourly failures: the wait stays an hour (2 ** 1024 would overflow a float and fail
+    # every periodic sync from then on, each after a verifier's run under the lock)
+    p._xdp_failures = 2000
+    rig.now += 3600
+    assert not p.sync(STATE, NODE).failed
+    assert "2001 time(s) in a row" in caplog.records[-1].getMessage()
+    assert "after 3600s" in caplog.records[-1].getMessage()
     rig.xdp_load_error = None
     rig.now += 3600
     p.sync(STATE, NODE)

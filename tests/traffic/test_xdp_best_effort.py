@@ -145,7 +145,10 @@ def test_a_device_that_takes_xdp_appearing_later_has_the_xdp_programs_loaded_and
         result = loop.finish()
     assert result["errors"] == 0 and result["ok"] > 0, result
     said = agent.log_since_start(mark)
-    assert "nic0 is external and no veth (--bpf-xdp=best-effort tries native XDP there)" in said
+    assert (
+        "nic0 is external and no veth, bridge nor vxlan (--bpf-xdp=best-effort tries native XDP there)"
+        in said
+    )
     assert "attached ekp_xdp_net to nic0 XDP (native)" in said
     loads = pinned_programs(cluster)
     assert len(loads) == 1, loads
