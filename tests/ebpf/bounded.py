@@ -29,6 +29,17 @@ def bounded_datapath() -> Iterator[Datapath]:
             datapath.close()
 
 
+@pytest.fixture(scope="module")
+def dp() -> Iterator[Datapath]:
+    """The module's packet lab data path, its bounded-loop build (imported by the modules that use it)."""
+    with bounded_datapath() as datapath:
+        yield datapath
+
+
+def test_the_data_path_here_walks_in_a_bounded_loop(dp: Datapath) -> None:
+    assert_bounded(dp)
+
+
 def assert_bounded(dp: Datapath) -> None:
     """The data path under test is the bounded build: no callback in its object, none linked."""
     obj = dp.cache.get(dp.build())

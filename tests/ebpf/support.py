@@ -202,3 +202,18 @@ def proxy_states(draw: st.DrawFn) -> ProxyState:
         services[sp.name] = sp
         endpoints[sp.name] = categorize_endpoints(eps, sp, node)
     return ProxyState(node=node, services=services, endpoints=endpoints)
+
+
+def failing_once(
+    call: Callable[[], tuple[bytes, bytes]], error: BaseException
+) -> Callable[[], tuple[bytes, bytes]]:
+    """A map's `dump_raw` that raises `error` the first time only (a read-back that fails once:
+    ENOMEM at a node's memory limit), then reads as `call` does."""
+    left = [error]
+
+    def dump() -> tuple[bytes, bytes]:
+        if left:
+            raise left.pop()
+        return call()
+
+    return dump

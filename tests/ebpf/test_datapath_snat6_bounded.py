@@ -5,12 +5,9 @@ a full range refused. The tests are test_datapath_ipv6_snat's, run here against 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from agent.ebpf.loader import Datapath
-from tests.ebpf.bounded import assert_bounded, bounded_datapath
+from tests.ebpf.bounded import dp, test_the_data_path_here_walks_in_a_bounded_loop
 from tests.ebpf.test_datapath_ipv6 import lab
 from tests.ebpf.test_datapath_ipv6_snat import (
     test_a_full_range_takes_over_an_unanswered_flow_and_refuses_once_every_flow_is_established,
@@ -21,18 +18,10 @@ from tests.ebpf.test_datapath_ipv6_snat import (
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 __all__ = [
+    "dp",
     "lab",
     "test_a_full_range_takes_over_an_unanswered_flow_and_refuses_once_every_flow_is_established",
     "test_a_node_port_from_outside_to_a_remote_backend_is_masqueraded_and_its_reply_translated_back",
+    "test_the_data_path_here_walks_in_a_bounded_loop",
     "test_two_clients_with_one_source_port_to_one_backend_get_two_snat_ports",
 ]
-
-
-@pytest.fixture(scope="module")
-def dp() -> Iterator[Datapath]:
-    with bounded_datapath() as datapath:
-        yield datapath
-
-
-def test_the_data_path_here_walks_in_a_bounded_loop(dp: Datapath) -> None:
-    assert_bounded(dp)

@@ -4,12 +4,9 @@ tests are those of their own modules, run here against this module's `dp`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from agent.ebpf.loader import Datapath
-from tests.ebpf.bounded import assert_bounded, bounded_datapath
+from tests.ebpf.bounded import dp, test_the_data_path_here_walks_in_a_bounded_loop
 from tests.ebpf.test_datapath import (
     test_direct_udp_datagram_from_the_port_of_a_live_service_flow_gets_another_port,
     test_snat_port_exhaustion_drops,
@@ -24,20 +21,12 @@ from tests.ebpf.test_datapath_flows import test_one_udp_client_port_through_two_
 pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("clean_maps")]
 
 __all__ = [
+    "dp",
     "test_a_full_range_evicts_an_unanswered_flow_for_a_real_client",
     "test_a_range_full_of_established_flows_refuses_the_next",
     "test_direct_udp_datagram_from_the_port_of_a_live_service_flow_gets_another_port",
     "test_one_udp_client_port_through_two_frontends",
     "test_snat_port_exhaustion_drops",
+    "test_the_data_path_here_walks_in_a_bounded_loop",
     "test_two_cpus_claiming_one_free_snat_port_at_once_never_both_count_it",
 ]
-
-
-@pytest.fixture(scope="module")
-def dp() -> Iterator[Datapath]:
-    with bounded_datapath() as datapath:
-        yield datapath
-
-
-def test_the_data_path_here_walks_in_a_bounded_loop(dp: Datapath) -> None:
-    assert_bounded(dp)

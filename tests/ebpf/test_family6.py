@@ -20,6 +20,7 @@ from agent.ebpf.family6 import Handles, Ipv6Datapath
 from agent.ebpf.maps import FakeMap, read_config6, write_config6
 from agent.model import IPFamily, NodeInfo, ProxyState, ServicePortName, build_state
 from agent.model.types import Protocol
+from tests.ebpf.support import failing_once
 
 NODE6 = NodeContext(node_ips=("fd00:192:168::11",), primary_ip="fd00:192:168::11")
 VIP6 = "fd00:10:96::a"
@@ -178,18 +179,27 @@ def test_the_snat_source_waits_until_ip6tables_masquerade_keeps_out_of_the_snat_
     assert cfg6 is not None and not any(cfg6.node_addr), "the grant gone: zero again"
 
 
-def test_a_restart_over_unchanged_state_writes_nothing_and_keeps_the_ids() -> None:
-    maps = fake_maps()
-    state = state6(
+def two_services() -> ProxyState:
+    return state6(
         [service(), service("api", "fd00:10:96::b")],
         [slice_("fd00:10:244:1::2", "fd00:10:244:2::3"), slice_("fd00:10:244:1::7", name="api")],
     )
+
+
+def held6(maps: Any) -> dict[str, list[bytes]]:
+    """Every IPv6 service map's entries, key and value bytes, sorted."""
+    return {role: sorted(bytes(k) + bytes(v) for k, v in maps[role].items()) for role in V6_ROLES.values()}
+
+
+def test_a_restart_over_unchanged_state_writes_nothing_and_keeps_the_ids() -> None:
+    maps = fake_maps()
+    state = two_services()
     Ipv6Datapath(Config()).sync(maps, state, NODE6, None)
-    before = {role: sorted(bytes(k) + bytes(v) for k, v in maps[role].items()) for role in V6_ROLES.values()}
+    before = held6(maps)
     again = Ipv6Datapath(Config())  # a new agent: a new planner and a new book of handles
     result = again.sync(maps, state, NODE6, None)
     assert again.last_flush.writes == 0
-    after = {role: sorted(bytes(k) + bytes(v) for k, v in maps[role].items()) for role in V6_ROLES.values()}
+    after = held6(maps)
     assert after == before and result.repaired == 0
     assert again.sync(maps, state, NODE6, None).repaired == 0
 
@@ -201,28 +211,17 @@ def test_a_restarts_first_read_back_that_fails_is_adopted_again_by_the_retry(
     the retry reads them back and adopts them as a first sync, keeping every id, so established
     flows (their conntrack entries name the ids) keep their backends; it writes nothing."""
     maps = fake_maps()
-    state = state6(
-        [service(), service("api", "fd00:10:96::b")],
-        [slice_("fd00:10:244:1::2", "fd00:10:244:2::3"), slice_("fd00:10:244:1::7", name="api")],
-    )
+    state = two_services()
     Ipv6Datapath(Config()).sync(maps, state, NODE6, None)
-    before = {role: sorted(bytes(k) + bytes(v) for k, v in maps[role].items()) for role in V6_ROLES.values()}
+    before = held6(maps)
     fe = maps[V6_ROLES["fe"]]
-    dump = fe.dump_raw
-    failures = [OSError(errno.ENOMEM, "lookup batch")]
-
-    def failing_once() -> tuple[bytes, bytes]:
-        if failures:
-            raise failures.pop()
-        return dump()
-
-    monkeypatch.setattr(fe, "dump_raw", failing_once)
+    monkeypatch.setattr(fe, "dump_raw", failing_once(fe.dump_raw, OSError(errno.ENOMEM, "lookup batch")))
     again = Ipv6Datapath(Config())
     with pytest.raises(OSError):
         again.sync(maps, state, NODE6, None)
     again.sync(maps, state, NODE6, None)
     assert again.last_flush.writes == 0
-    after = {role: sorted(bytes(k) + bytes(v) for k, v in maps[role].items()) for role in V6_ROLES.values()}
+    after = held6(maps)
     assert after == before
 
 

@@ -63,7 +63,7 @@ from agent.model.types import IPFamily
 from agent.takeover.flows import EbpfIds, NatFlow, TcpState, ebpf_entries6
 from lab.hooks import hook_programs, ours
 from lab.netns import cgroup2_root, new_prefix, remove_cgroup_tree
-from tests.ebpf.support import GOLDEN, NODE, state_from_yaml
+from tests.ebpf.support import GOLDEN, NODE, failing_once, state_from_yaml
 from tests.ebpf.test_family6 import VIP6, service, slice_, state6
 
 STATE = state_from_yaml((GOLDEN / "loadbalancer-etp-local.yaml").read_text())
@@ -637,15 +637,7 @@ def test_a_restarts_first_read_back_that_fails_is_adopted_again_by_the_retry(
     before = rig.contents()
     p.close()
     fe = rig.maps["fe"]
-    dump = fe.dump_raw
-    failures = [OSError(errno.ENOMEM, "lookup batch")]
-
-    def failing_once() -> tuple[bytes, bytes]:
-        if failures:
-            raise failures.pop()
-        return dump()
-
-    monkeypatch.setattr(fe, "dump_raw", failing_once)
+    monkeypatch.setattr(fe, "dump_raw", failing_once(fe.dump_raw, OSError(errno.ENOMEM, "lookup batch")))
     again = rig.proxier()
     with pytest.raises(OSError):
         again.sync(STATE, NODE)
