@@ -37,6 +37,13 @@ FORMAT = 2
 INSN = struct.Struct("<BBhi")  # struct bpf_insn: code, dst_reg:4 | src_reg:4, off, imm
 LD_IMM64 = 0x18  # BPF_LD | BPF_IMM | BPF_DW: a 64-bit immediate over two instruction slots
 PSEUDO_MAP_FD = 1  # src_reg of an ld_imm64 whose imm is a map fd
+MOV_K = 0xB7  # BPF_ALU64 | BPF_MOV | BPF_K
+EXIT = 0x95  # BPF_JMP | BPF_EXIT
+
+
+def insn(code: int, *, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
+    """One `struct bpf_insn`, for programs written by hand (a probe, the tests)."""
+    return INSN.pack(code, src << 4 | dst, off, imm)
 
 
 class ObjectError(ValueError):

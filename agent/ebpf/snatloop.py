@@ -29,14 +29,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from agent.ebpf import bpfsys
-from agent.ebpf.bpfobject import INSN, LD_IMM64, FuncDef, ProgDef
+from agent.ebpf.bpfobject import EXIT, LD_IMM64, MOV_K, FuncDef, ProgDef, insn
 from agent.ebpf.calls import CALLBACK_ARG, HELPER_LOOP, JMP_CALL, func_btf, link_callback
 
 ENV = "EKP_BPF_SNAT_LOOP"
 BOUNDED = "bounded"
 CFLAG = "-DEKP_SNAT_BPF_LOOP="
 _PROG_SCHED_CLS = 3
-_MOV_K, _EXIT = 0xB7, 0x95  # BPF_ALU64 | BPF_MOV | BPF_K; BPF_JMP | BPF_EXIT
 
 
 @dataclass(frozen=True)
@@ -58,24 +57,20 @@ class SnatWalk:
         )
 
 
-def _ins(code: int, dst: int = 0, src: int = 0, imm: int = 0) -> bytes:
-    return INSN.pack(code, src << 4 | dst, 0, imm)
-
-
 # bpf_loop(1, <callback>, NULL, 0); return 0. The callback returns 0.
 _PROGRAM = b"".join(
     [
-        _ins(_MOV_K, dst=1, imm=1),
-        _ins(LD_IMM64, dst=CALLBACK_ARG),
-        _ins(0),
-        _ins(_MOV_K, dst=3),
-        _ins(_MOV_K, dst=4),
-        _ins(JMP_CALL, imm=HELPER_LOOP),
-        _ins(_MOV_K),
-        _ins(_EXIT),
+        insn(MOV_K, dst=1, imm=1),
+        insn(LD_IMM64, dst=CALLBACK_ARG),
+        insn(0),
+        insn(MOV_K, dst=3),
+        insn(MOV_K, dst=4),
+        insn(JMP_CALL, imm=HELPER_LOOP),
+        insn(MOV_K),
+        insn(EXIT),
     ]
 )
-_CALLBACK = _ins(_MOV_K) + _ins(_EXIT)
+_CALLBACK = insn(MOV_K) + insn(EXIT)
 _LOG_BYTES = 1 << 12
 
 

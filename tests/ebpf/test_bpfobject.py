@@ -7,34 +7,29 @@ from dataclasses import replace
 import pytest
 
 from agent.ebpf.bpfobject import (
+    EXIT,
     INSN,
+    LD_IMM64,
+    MOV_K,
     BpfObject,
     MapDef,
     ObjectError,
     ProgDef,
     check_relocs,
     find_relocs,
+    insn,
     relocate,
 )
-
-
-def insn(code: int, src: int = 0, dst: int = 0, off: int = 0, imm: int = 0) -> bytes:
-    return INSN.pack(code, src << 4 | dst, off, imm)
-
-
-LD_MAP = 0x18
-MOV = 0xB7  # BPF_ALU64 | BPF_MOV | BPF_K
-EXIT = 0x95
 
 # r1 = map(fd 7); r0 = 0; r2 = map(fd 9); r3 = 64-bit constant 7 (not a map); exit
 PROGRAM = b"".join(
     [
-        insn(LD_MAP, src=1, dst=1, imm=7),
+        insn(LD_IMM64, src=1, dst=1, imm=7),
         insn(0),
-        insn(MOV, dst=0, imm=0),
-        insn(LD_MAP, src=1, dst=2, imm=9),
+        insn(MOV_K, dst=0, imm=0),
+        insn(LD_IMM64, src=1, dst=2, imm=9),
         insn(0),
-        insn(LD_MAP, src=0, dst=3, imm=7),
+        insn(LD_IMM64, src=0, dst=3, imm=7),
         insn(0),
         insn(EXIT),
     ]
@@ -52,7 +47,7 @@ def test_map_references_are_found_by_instruction_and_map() -> None:
 
 def test_a_constant_that_looks_like_an_fd_is_left_alone() -> None:
     """Instruction 5 loads 7 as a plain 64-bit constant, and the slot after an ld_imm64 is data."""
-    tricky = PROGRAM + insn(LD_MAP, imm=7) + INSN.pack(LD_MAP, 0x10, 0, 7)  # data slot shaped like a load
+    tricky = PROGRAM + insn(LD_IMM64, imm=7) + INSN.pack(LD_IMM64, 0x10, 0, 7)  # data slot shaped like a load
     assert find_relocs(tricky, {7: 0, 9: 1}) == ((0, 0), (3, 1))
 
 
@@ -60,7 +55,7 @@ def test_an_fd_of_no_map_and_other_pseudo_sources_are_refused() -> None:
     with pytest.raises(ObjectError, match="fd 9, which is no map"):
         find_relocs(PROGRAM, {7: 0})
     with pytest.raises(ObjectError, match="pseudo source 2"):
-        find_relocs(insn(LD_MAP, src=2, imm=7) + insn(0), {7: 0})
+        find_relocs(insn(LD_IMM64, src=2, imm=7) + insn(0), {7: 0})
     with pytest.raises(ObjectError, match="whole number"):
         find_relocs(PROGRAM[:-3], {7: 0, 9: 1})
 
@@ -68,8 +63,8 @@ def test_an_fd_of_no_map_and_other_pseudo_sources_are_refused() -> None:
 def test_relocate_writes_each_map_s_fd_and_nothing_else() -> None:
     prog = ProgDef("p", 3, PROGRAM, ((0, 0), (3, 1)))
     out = relocate(prog, [41, 42])
-    assert INSN.unpack_from(out, 0) == (LD_MAP, 1 << 4 | 1, 0, 41)
-    assert INSN.unpack_from(out, 3 * INSN.size) == (LD_MAP, 1 << 4 | 2, 0, 42)
+    assert INSN.unpack_from(out, 0) == (LD_IMM64, 1 << 4 | 1, 0, 41)
+    assert INSN.unpack_from(out, 3 * INSN.size) == (LD_IMM64, 1 << 4 | 2, 0, 42)
     changed = [i for i in range(len(PROGRAM) // 8) if out[i * 8 : i * 8 + 8] != PROGRAM[i * 8 : i * 8 + 8]]
     assert changed == [0, 3]
 

@@ -13,9 +13,29 @@ import pytest
 from agent.config import MapSizes
 from agent.ebpf import bpfsys
 from agent.ebpf import link as link_mod
-from agent.ebpf.bpfobject import INSN, BpfObject, FuncDef, MapDef, ObjectError, ProgDef
+from agent.ebpf.bpfobject import (
+    EXIT,
+    INSN,
+    LD_IMM64,
+    MOV_K,
+    BpfObject,
+    FuncDef,
+    MapDef,
+    ObjectError,
+    ProgDef,
+    insn,
+)
 from agent.ebpf.btf import func_ids
-from agent.ebpf.calls import FIRST_FUNC_ID, PSEUDO_FUNC, CallError, func_btf, link_callback, unresolved
+from agent.ebpf.calls import (
+    FIRST_FUNC_ID,
+    HELPER_LOOP,
+    JMP_CALL,
+    PSEUDO_FUNC,
+    CallError,
+    func_btf,
+    link_callback,
+    unresolved,
+)
 from agent.ebpf.link import LinkError, load_program
 from agent.ebpf.loader import Datapath
 from agent.ebpf.programs import (
@@ -32,38 +52,28 @@ from agent.ebpf.programs import (
 )
 from bench.verifycost import the_object
 
-
-def insn(code: int, src: int = 0, dst: int = 0, off: int = 0, imm: int = 0) -> bytes:
-    return INSN.pack(code, src << 4 | dst, off, imm)
-
-
-LD_IMM64 = 0x18
-MOV = 0xB7  # BPF_ALU64 | BPF_MOV | BPF_K
-CALL = 0x85
-EXIT = 0x95
-LOOP = 181  # BPF_FUNC_loop
 MAP_LOOKUP = 1
 
 
-def loop_call(dst: int = 2, between: bytes = b"", helper: int = LOOP) -> bytes:
+def loop_call(dst: int = 2, between: bytes = b"", helper: int = HELPER_LOOP) -> bytes:
     """bpf_loop(8, <unresolved>, NULL, 0) as clang emits it: the callback's 64-bit load of 0."""
     return b"".join(
         [
-            insn(MOV, dst=1, imm=8),
+            insn(MOV_K, dst=1, imm=8),
             insn(LD_IMM64, dst=dst),
             insn(0),
-            insn(MOV, dst=3),
-            insn(MOV, dst=4),
+            insn(MOV_K, dst=3),
+            insn(MOV_K, dst=4),
             between,
-            insn(CALL, imm=helper),
+            insn(JMP_CALL, imm=helper),
         ]
     )
 
 
 # 0: r1 = map (fd); 2-7: the loop (3: the callback's load); 8: r0 = 0; 9: exit
-PROGRAM = insn(LD_IMM64, src=1, dst=1, imm=7) + insn(0) + loop_call() + insn(MOV) + insn(EXIT)
+PROGRAM = insn(LD_IMM64, src=1, dst=1, imm=7) + insn(0) + loop_call() + insn(MOV_K) + insn(EXIT)
 # 0: r1 = map; 2: r0 = 0; 3: exit
-CALLBACK = insn(LD_IMM64, src=1, dst=1, imm=9) + insn(0) + insn(MOV) + insn(EXIT)
+CALLBACK = insn(LD_IMM64, src=1, dst=1, imm=9) + insn(0) + insn(MOV_K) + insn(EXIT)
 
 
 def prog(insns: bytes = PROGRAM) -> ProgDef:
@@ -91,7 +101,7 @@ def test_the_call_site_points_at_the_callback_appended_after_the_program() -> No
 
 
 def test_every_call_site_of_the_one_callback_is_patched() -> None:
-    twice = PROGRAM[:-16] + loop_call() + insn(MOV) + insn(EXIT)
+    twice = PROGRAM[:-16] + loop_call() + insn(MOV_K) + insn(EXIT)
     linked = link_callback(prog(twice), callback())
     start = len(twice) // INSN.size
     for site in (3, 9):
@@ -100,7 +110,7 @@ def test_every_call_site_of_the_one_callback_is_patched() -> None:
 
 
 def test_a_program_without_callback_or_sites_is_left_as_it_is() -> None:
-    plain = insn(MOV) + insn(EXIT)
+    plain = insn(MOV_K) + insn(EXIT)
     linked = link_callback(prog(plain), None)
     assert linked.prog == prog(plain) and linked.func_info == ()
 
@@ -122,7 +132,7 @@ def test_the_loader_refuses_a_program_it_cannot_link_before_loading_anything() -
 
 def _walking_object() -> BpfObject:
     """ekp_from_pod calling bpf_loop with its callback, no maps: loadable as it is."""
-    program = loop_call() + insn(MOV) + insn(EXIT)
+    program = loop_call() + insn(MOV_K) + insn(EXIT)
     return BpfObject(
         "abcdef012345",
         "GPL",
@@ -130,7 +140,7 @@ def _walking_object() -> BpfObject:
         b"",
         (),
         (ProgDef(PROG_FROM_POD, 3, program, ()),),
-        functions=(FuncDef(SNAT_CALLBACK, insn(MOV) + insn(EXIT), ()),),
+        functions=(FuncDef(SNAT_CALLBACK, insn(MOV_K) + insn(EXIT), ()),),
         bpf_loop=True,
     )
 
@@ -151,7 +161,9 @@ def test_every_load_attribute_of_the_spec_reaches_the_kernel(monkeypatch: pytest
 
     monkeypatch.setattr(link_mod, "load_insns", more)
     monkeypatch.setattr(bpfsys, "prog_load", prog_load)
-    obj = BpfObject("abcdef012345", "GPL", 0, b"", (), (ProgDef(PROG_EGRESS, 3, insn(MOV) + insn(EXIT), ()),))
+    obj = BpfObject(
+        "abcdef012345", "GPL", 0, b"", (), (ProgDef(PROG_EGRESS, 3, insn(MOV_K) + insn(EXIT), ()),)
+    )
     assert load_program(obj, PROG_EGRESS, []) == 99
     assert [(kw["attach_prog_fd"], kw["expected_attach_type"], kw["attach_btf_id"]) for kw in seen] == [
         (7, 0, 0)
@@ -179,7 +191,7 @@ def test_a_refused_function_btf_is_an_error_with_the_kernels_log(monkeypatch: py
 
 def test_a_named_callback_the_program_never_passes_is_refused() -> None:
     with pytest.raises(CallError, match="passes no function to bpf_loop"):
-        link_callback(prog(insn(MOV) + insn(EXIT)), callback())
+        link_callback(prog(insn(MOV_K) + insn(EXIT)), callback())
 
 
 @pytest.mark.parametrize(
@@ -187,7 +199,7 @@ def test_a_named_callback_the_program_never_passes_is_refused() -> None:
     [
         loop_call(dst=3),  # not bpf_loop's callback argument
         loop_call(helper=MAP_LOOKUP),  # another helper's call
-        loop_call(between=insn(MOV, dst=2, imm=1)),  # r2 overwritten before the call
+        loop_call(between=insn(MOV_K, dst=2, imm=1)),  # r2 overwritten before the call
         loop_call(between=insn(0x05, off=0)),  # a jump before any call
     ],
     ids=["other-register", "other-helper", "r2-overwritten", "jump-first"],
