@@ -740,28 +740,37 @@ def test_the_tc_ipv6_path_switched_off_and_on_resizes_its_conntrack_alone_and_se
             again.close()
 
 
+def _a_cache_whose_entry_does_not_load(
+    cache: ObjectCache, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, BpfObject, BpfObject, ObjectCache, list[object]]:
+    """(build, the good object, the broken one, a cache holding the broken one, the compiles made):
+    every map reference of the cached entry bound to map 0 (it parses, and the verifier refuses it);
+    a compile of the build, stubbed, prints the good object and is recorded."""
+    build = Datapath("/x", SMALL).build()
+    good = cache.get(build)
+    assert good is not None
+    compiles: list[object] = []
+
+    def compile_in_child(*args: object) -> tuple[BpfObject, float]:
+        compiles.append(args)
+        return good, 0.5
+
+    monkeypatch.setattr(loader, "compile_in_child", compile_in_child)
+    mine = ObjectCache(str(tmp_path / "cache"))
+    broken = replace(
+        good, programs=tuple(replace(p, relocs=tuple((i, 0) for i, _ in p.relocs)) for p in good.programs)
+    )
+    mine.put(broken)
+    return build, good, broken, mine, compiles
+
+
 @pytest.mark.kernel
 def test_a_cached_object_that_does_not_load_is_compiled_again(
     caplog: pytest.LogCaptureFixture, cache: ObjectCache, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A cache entry is a hint: one that parses but fails to load costs a compile, not the node."""
     caplog.set_level(logging.INFO)
-    build = Datapath("/x", SMALL).build()
-    good = cache.get(build)
-    assert good is not None
-    compiles = []
-
-    def compile_in_child(*args: object) -> tuple[BpfObject, float]:
-        compiles.append(args)  # what a compile of this build prints: the good object
-        return good, 0.5
-
-    monkeypatch.setattr(loader, "compile_in_child", compile_in_child)
-    mine = ObjectCache(str(tmp_path / "cache"))
-    # every map reference bound to map 0: it parses, and the verifier refuses it
-    broken = replace(
-        good, programs=tuple(replace(p, relocs=tuple((i, 0) for i, _ in p.relocs)) for p in good.programs)
-    )
-    mine.put(broken)
+    build, good, _, mine, compiles = _a_cache_whose_entry_does_not_load(cache, tmp_path, monkeypatch)
     with bpffs() as root:
         d = Datapath(str(root / "ekp"), SMALL, cache=mine)
         d.load()
@@ -781,21 +790,7 @@ def test_a_reload_that_does_not_load_from_the_cache_fails_without_compiling(
     """The proxier's reload with the XDP programs (`load(recompile=False)`): the cached object
     loaded the tc programs already, so its failing is the load's; a compile (tens of seconds under
     the proxier's lock, at every retry) would not mend it."""
-    build = Datapath("/x", SMALL).build()
-    good = cache.get(build)
-    assert good is not None
-    compiles = []
-
-    def compile_in_child(*args: object) -> tuple[BpfObject, float]:
-        compiles.append(args)
-        return good, 0.5
-
-    monkeypatch.setattr(loader, "compile_in_child", compile_in_child)
-    mine = ObjectCache(str(tmp_path / "cache"))
-    broken = replace(
-        good, programs=tuple(replace(p, relocs=tuple((i, 0) for i, _ in p.relocs)) for p in good.programs)
-    )
-    mine.put(broken)
+    build, _, broken, mine, compiles = _a_cache_whose_entry_does_not_load(cache, tmp_path, monkeypatch)
     with bpffs() as root:
         d = Datapath(str(root / "ekp"), SMALL, cache=mine)
         with pytest.raises(DatapathError, match=f"loading the data path \\(build {build}\\) failed"):

@@ -65,6 +65,16 @@ def history(rig: Rig) -> None:
     p.close()
 
 
+def never_stopped(tmp: Path) -> tuple[Rig, EbpfProxier]:
+    """`history` on an agent that does not stop (no planner file): what a restart must match."""
+    kept = snapshot_rig(tmp, "kept", with_snapshot=False)
+    k = kept.proxier()
+    k.sync(MORE, NODE)
+    k.sync(moved_endpoint(MORE), NODE, frozenset(MORE.services))
+    k.sync(MORE, NODE, frozenset(MORE.services))
+    return kept, k
+
+
 @pytest.mark.parametrize(
     "after",
     [MORE, STATE, moved_endpoint(MORE)],
@@ -79,11 +89,7 @@ def test_a_restart_that_takes_the_planner_writes_what_the_agent_would_have_writt
     assert os.path.exists(path), "a clean stop over maps that hold the plan leaves the planner"
 
     # the same history on an agent that never stopped, its next full sync seeing `after`
-    kept = snapshot_rig(tmp_path, "kept", with_snapshot=False)
-    k = kept.proxier()
-    k.sync(MORE, NODE)
-    k.sync(moved_endpoint(MORE), NODE, frozenset(MORE.services))
-    k.sync(MORE, NODE, frozenset(MORE.services))
+    kept, k = never_stopped(tmp_path)
     k.sync(after, NODE)
 
     with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
@@ -114,11 +120,7 @@ def test_a_restart_on_a_node_whose_address_moved_while_down_takes_the_planner_an
     moved = NodeContext(node_ips=("192.168.0.21",), primary_ip="192.168.0.21")
     restarted = snapshot_rig(tmp_path, "restarted")
     history(restarted)
-    kept = snapshot_rig(tmp_path, "kept", with_snapshot=False)
-    k = kept.proxier()
-    k.sync(MORE, NODE)
-    k.sync(moved_endpoint(MORE), NODE, frozenset(MORE.services))
-    k.sync(MORE, NODE, frozenset(MORE.services))
+    kept, k = never_stopped(tmp_path)
     k.sync(MORE, moved)
 
     with caplog.at_level(logging.INFO, logger="agent.ebpf.proxier"):
