@@ -15,9 +15,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agent.ebpf.compile import COMPILE_TIMEOUT_S
 from agent.ebpf.loader import COMPILING_LOG, FAILED_RE
@@ -351,6 +352,21 @@ class Cluster:
             res = self.lab.run(node, *argv, check=False)
             parts.append(res.stdout)
         return "\n".join(parts)
+
+
+ClusterT = TypeVar("ClusterT", bound=Cluster)
+
+
+@contextmanager
+def started(cluster: ClusterT) -> Iterator[ClusterT]:
+    """`cluster`'s agents started for the block, stopped and cleaned up after it: a cleanup that
+    failed (`agent --cleanup` left something installed) fails the module that used the cluster."""
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        failures = cluster.stop()
+    assert not failures, f"agent --cleanup failed: {failures}"
 
 
 class Loop:

@@ -30,7 +30,7 @@ import pytest
 
 from lab import Lab
 from lab.apicluster import ApiCluster
-from lab.harness import ep
+from lab.harness import ep, started
 from lab.objects import Port, service, with_endpoints
 from tests.conftest import require_kernel
 from tests.traffic.test_api import scrape
@@ -49,12 +49,8 @@ def api(request: pytest.FixtureRequest) -> Iterator[ApiCluster]:
     with Lab(nodes=1, pods_per_node=3) as lab:
         lab.start_podservers()
         cluster = ApiCluster(lab, request.param, extra=GUARD_FLAGS)
-        cluster.start()
-        try:
+        with started(cluster):
             yield cluster
-        finally:
-            failures = cluster.stop()
-        assert not failures, f"agent --cleanup failed: {failures}"
 
 
 def events_about(api: ApiCluster, name: str, reason: str, timeout: float = 20.0) -> list[dict[str, Any]]:

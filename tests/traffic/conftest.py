@@ -24,7 +24,7 @@ import pytest
 
 from lab import Lab
 from lab.apicluster import ApiCluster
-from lab.harness import Cluster
+from lab.harness import Cluster, started
 from tests.conftest import require_kernel
 
 MODES = ["ebpf", "iptables"]
@@ -85,12 +85,8 @@ def api(request: pytest.FixtureRequest) -> Iterator[ApiCluster]:
     with Lab(nodes=2, pods_per_node=3) as lab:
         lab.start_podservers()
         cluster = ApiCluster(lab, request.param)
-        cluster.start()
-        try:
+        with started(cluster):
             yield cluster
-        finally:
-            failures = cluster.stop()
-        assert not failures, f"agent --cleanup failed: {failures}"
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ import pytest
 
 from lab import Lab
 from lab.apicluster import ApiCluster
-from lab.harness import REPO, ep
+from lab.harness import REPO, ep, started
 from lab.objects import Port, service, with_endpoints
 from lab.tcxold import classid_program
 from tests.conftest import require_kernel
@@ -57,12 +57,8 @@ def running() -> Iterator[ApiCluster]:
     with Lab(nodes=2, pods_per_node=2) as lab:
         lab.start_podservers()
         api = ApiCluster(lab, "ebpf")
-        api.start()
-        try:
+        with started(api):
             yield api
-        finally:
-            failures = api.stop()
-        assert not failures, f"agent --cleanup failed: {failures}"
 
 
 def test_agent_doctor_in_a_lab_node_whose_agent_runs_is_all_green(running: ApiCluster) -> None:

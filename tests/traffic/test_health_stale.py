@@ -22,7 +22,7 @@ import pytest
 from agent.netns import run_in_netns
 from lab import Lab
 from lab.apicluster import ApiCluster
-from lab.harness import ep
+from lab.harness import ep, started
 from lab.objects import Port, service, with_endpoints
 from tests.conftest import require_kernel
 from tests.traffic.conftest import MODES
@@ -39,12 +39,8 @@ def api(request: pytest.FixtureRequest) -> Iterator[ApiCluster]:
     with Lab(nodes=1, pods_per_node=2) as lab:
         lab.start_podservers()
         cluster = ApiCluster(lab, request.param, extra=[f"--iptables-sync-period={SYNC_PERIOD_S}s"])
-        cluster.start()
-        try:
+        with started(cluster):
             yield cluster
-        finally:
-            failures = cluster.stop()
-        assert not failures, f"agent --cleanup failed: {failures}"
 
 
 def status_of(api: ApiCluster, path: str) -> tuple[int, dict[str, object]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from lab import Lab
-from lab.harness import Cluster
+from lab.harness import Cluster, started
 from lab.objects import Ep, Obj, Port, endpoint_slice, service
 from tests.conftest import require_kernel
 from tests.traffic.test_ipv6 import HTTP6_PORT, SERVER6, fetch
@@ -104,12 +104,8 @@ def lab6(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         )
         lab.wait_log(peers, "ready")
         c = Cluster(lab, "ebpf", extra=[f"--bpf-host-routing={request.param}"])
-        c.start()
-        try:
+        with started(c):
             yield c
-        finally:
-            failures = c.stop()
-        assert not failures, f"agent --cleanup failed: {failures}"
 
 
 def objects(c: Cluster, *, sctp: bool) -> list[Obj]:

@@ -19,7 +19,7 @@ import pytest
 from lab import Lab
 from lab.apicluster import ApiCluster
 from lab.fakeapi.objects import node as node_object
-from lab.harness import ep
+from lab.harness import ep, started
 from lab.objects import Port, service, with_endpoints
 from tests.conftest import require_kernel
 
@@ -42,12 +42,8 @@ def lab_mode(request: pytest.FixtureRequest) -> Iterator[tuple[Lab, str]]:
 @contextmanager
 def agents(lab: Lab, mode: str, *flags: str) -> Iterator[ApiCluster]:
     api = ApiCluster(lab, mode, extra=flags)
-    api.start()
-    try:
+    with started(api):
         yield api
-    finally:
-        failures = api.stop()
-    assert not failures, f"agent --cleanup failed: {failures}"
 
 
 def set_pod_cidr(api: ApiCluster, cidr: str) -> None:

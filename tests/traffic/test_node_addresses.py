@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from lab import Lab
-from lab.harness import Cluster, ep
+from lab.harness import Cluster, ep, started
 from lab.netns import LabError
 from lab.objects import Port, service, with_endpoints
 from tests.conftest import require_kernel
@@ -33,12 +33,8 @@ def one_node(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     with Lab(nodes=1, pods_per_node=2) as lab:
         lab.start_podservers()
         c = Cluster(lab, request.param, extra=["--nodeport-addresses=192.168.0.0/24"], node_ip=False)
-        c.start()
-        try:
+        with started(c):
             yield c
-        finally:
-            failures = c.stop()
-        assert not failures, f"agent --cleanup failed: {failures}"
 
 
 def answers(cluster: Cluster, addr: str, timeout: float = 0.25) -> bool:

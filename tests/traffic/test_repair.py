@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from lab import Lab
-from lab.harness import PROBE_SPORT, Cluster, ep
+from lab.harness import PROBE_SPORT, Cluster, ep, started
 from lab.objects import Port, service, with_endpoints
 from tests.conftest import require_kernel
 
@@ -40,12 +40,8 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
                 node, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"
             )
         c = Cluster(lab, request.param, extra=[f"--sync-period={SYNC_PERIOD_S}s"])
-        c.start()
-        try:
+        with started(c):
             yield c
-        finally:
-            failures = c.stop()
-        assert not failures, f"agent --cleanup failed: {failures}"
 
 
 def delete_kube_chains(cluster: Cluster) -> int:

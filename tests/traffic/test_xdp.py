@@ -29,7 +29,7 @@ import pytest
 from lab import Lab
 from lab.core import PODSERVER, CommandError, Node
 from lab.harness import CLIENT as CLIENT_PY
-from lab.harness import Cluster, ep
+from lab.harness import Cluster, ep, started
 from lab.objects import Ep, Port, endpoint_slice, service, with_endpoints
 from tests.conftest import require_kernel
 from tests.traffic.test_ipv6 import HTTP6_PORT, SERVER6, fetch
@@ -68,12 +68,8 @@ def cluster() -> Iterator[Cluster]:
         # bpf host routing: under legacy (the default) XDP leaves translations to the node's stack.
         extra = ["--bpf-xdp=native", "--bpf-lb-algorithm=maglev", "--bpf-host-routing=bpf"]
         c = Cluster(lab, "ebpf", extra=extra)
-        c.start()
-        try:
+        with started(c):
             yield c
-        finally:
-            failures = c.stop()
-        assert not failures, f"agent --cleanup failed: {failures}"
 
 
 # NUD_VALID (include/net/neighbour.h): the states in which bpf_fib_lookup returns the neighbour's MAC
@@ -117,12 +113,8 @@ def dual() -> Iterator[Cluster]:
         c = Cluster(
             lab, "ebpf", extra=["--bpf-xdp=native", "--bpf-lb-algorithm=maglev", "--bpf-host-routing=bpf"]
         )
-        c.start()
-        try:
+        with started(c):
             yield c
-        finally:
-            failures = c.stop()
-        assert not failures, f"agent --cleanup failed: {failures}"
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from lab import Lab
-from lab.harness import Cluster, Loop, ep
+from lab.harness import Cluster, Loop, ep, started
 from lab.objects import Port, service, with_endpoints
 from tests.conftest import require_kernel
 
@@ -42,12 +42,8 @@ def cluster() -> Iterator[Cluster]:
                 node, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"
             )
         c = Cluster(lab, "ebpf", extra=["--devices=eth0,nic0"], node_ip=False)
-        c.start()
-        try:
+        with started(c):
             yield c
-        finally:
-            failures = c.stop()
-        assert not failures, f"agent --cleanup failed: {failures}"
 
 
 def pinned_programs(cluster: Cluster) -> dict[str, list[str]]:
